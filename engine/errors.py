@@ -1,0 +1,18 @@
+"""Errors the engine raises to its caller (torch-free)."""
+
+from __future__ import annotations
+
+
+class RequestRejected(Exception):
+    """A request that can never run, refused before it is queued.
+
+    Attributes:
+        code: OpenAI-style error code, e.g. ``"context_length_exceeded"``.
+        param: the request field at fault, or None.
+    """
+
+    def __init__(self, message: str, *, code: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+        self.param = param

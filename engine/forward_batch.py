@@ -1,0 +1,55 @@
+"""The description of one model step over a ragged batch of sequences.
+
+All token-level tensors are flattened over the batch: sequence ``b`` owns the rows
+``cu_extend[b]:cu_extend[b+1]`` of ``input_ids``, ``positions`` and ``out_slots``.
+A prefill (extend) step and a decode step use the same record; a decode step simply
+has ``extend_lens == 1`` everywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    """Inputs of one forward pass.
+
+    Attributes:
+        is_decode: every sequence extends by exactly one token.
+        input_ids: ``[T]`` int64, the new tokens of all sequences, concatenated.
+        positions: ``[T]`` int64, absolute position of each new token.
+        out_slots: ``[T]`` int64, flat KV slot (``page * page_size + offset``) that
+            receives each new token's key and value.
+        page_table: ``[B, max_pages]`` int64, the pages of each sequence in order,
+            padded with 0 (page 0 is the pool's never-allocated null page).
+        prefix_lens: ``[B]`` int64 on the CPU, tokens already in the KV cache before
+            this step.
+        extend_lens: ``[B]`` int64 on the CPU, new tokens this step (``sum == T``).
+        logits_indices: ``[B]`` int64, row in ``T`` of each sequence's last new token;
+            the model returns logits for those rows only.
+    """
+
+    is_decode: bool
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    out_slots: torch.Tensor
+    page_table: torch.Tensor
+    prefix_lens: torch.Tensor
+    extend_lens: torch.Tensor
+    logits_indices: torch.Tensor
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.extend_lens.numel())
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    @property
+    def seq_lens(self) -> torch.Tensor:
+        """``[B]`` int64 on the CPU: KV length of each sequence after this step."""
+        return self.prefix_lens + self.extend_lens

@@ -1,0 +1,209 @@
+"""Radix prefix cache over KV pages.
+
+A tree whose edges are runs of token ids, a whole number of pages long, and whose
+nodes own the pages holding those tokens' keys and values. A new request reuses the
+longest cached prefix (whole pages only) instead of recomputing it. Nodes referenced by
+a running request are locked; unlocked leaves are evicted least recently used first
+when the pool runs short.
+
+The idea is SGLang's RadixAttention (Zheng et al., 2023, "Efficiently Programming Large
+Language Models using SGLang"); this version works at page granularity so it shares the
+page allocator with everything else.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Sequence
+
+from engine.kvcache.allocator import PageAllocator
+
+_clock = itertools.count()
+
+
+class RadixNode:
+    __slots__ = ("key", "pages", "children", "parent", "lock_ref", "last_access")
+
+    def __init__(self, key: tuple[int, ...], pages: list[int], parent: RadixNode | None) -> None:
+        self.key = key
+        self.pages = pages
+        self.children: dict[tuple[int, ...], RadixNode] = {}
+        self.parent = parent
+        self.lock_ref = 0
+        self.last_access = next(_clock)
+
+
+class RadixCache:
+    """Prefix cache that owns the pages of the tokens it holds.
+
+    Args:
+        allocator: the page allocator; evicted pages go back to it.
+        page_size: tokens per page.
+
+    Counters: ``hit_tokens`` / ``lookup_tokens`` over all :meth:`match_prefix` calls.
+    """
+
+    def __init__(self, allocator: PageAllocator, page_size: int) -> None:
+        self.allocator = allocator
+        self.page_size = page_size
+        self.root = RadixNode((), [], None)
+        self.root.lock_ref = 1  # the root is never evicted
+        self.num_cached_pages = 0
+        self.hit_tokens = 0
+        self.lookup_tokens = 0
+
+    # -- lookup -------------------------------------------------------------------------
+
+    def _page_key(self, tokens: Sequence[int], start: int) -> tuple[int, ...]:
+        return tuple(tokens[start : start + self.page_size])
+
+    def match_prefix(self, tokens: Sequence[int]) -> tuple[list[int], RadixNode]:
+        """Longest cached prefix of ``tokens`` in whole pages.
+
+        Returns:
+            ``(pages, node)``: the pages holding the prefix (``len(pages) * page_size``
+            tokens) and the deepest node covering it, to :meth:`lock` while in use.
+        """
+        ps = self.page_size
+        usable = len(tokens) - len(tokens) % ps
+        node, pages, pos = self.root, [], 0
+        node.last_access = next(_clock)
+        while pos < usable:
+            child = node.children.get(self._page_key(tokens, pos))
+            if child is None:
+                break
+            n = self._common_pages(child.key, tokens, pos)
+            if n * ps < len(child.key):
+                child = self._split(child, n)
+            pages.extend(child.pages)
+            pos += len(child.key)
+            node = child
+            node.last_access = next(_clock)
+        self.lookup_tokens += len(tokens)
+        self.hit_tokens += pos
+        return pages, node
+
+    def _common_pages(self, key: tuple[int, ...], tokens: Sequence[int], pos: int) -> int:
+        ps, n = self.page_size, 0
+        while n * ps < len(key) and pos + (n + 1) * ps <= len(tokens):
+            if key[n * ps : (n + 1) * ps] != tuple(tokens[pos + n * ps : pos + (n + 1) * ps]):
+                break
+            n += 1
+        return n
+
+    def _split(self, child: RadixNode, n_pages: int) -> RadixNode:
+        """Cut ``child``'s edge after ``n_pages`` pages; returns the new upper node."""
+        cut = n_pages * self.page_size
+        upper = RadixNode(child.key[:cut], child.pages[:n_pages], child.parent)
+        upper.lock_ref = child.lock_ref
+        assert child.parent is not None
+        child.parent.children[child.key[: self.page_size]] = upper
+        child.key, child.pages, child.parent = child.key[cut:], child.pages[n_pages:], upper
+        upper.children[child.key[: self.page_size]] = child
+        return upper
+
+    # -- insertion ----------------------------------------------------------------------
+
+    def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> tuple[list[int], RadixNode]:
+        """Add ``tokens`` (a whole number of pages) held in ``pages``.
+
+        Where the tree already holds a prefix of ``tokens``, its pages win: the caller's
+        pages for that part are duplicates, and the caller must free those that differ
+        and use the returned ones.
+
+        Returns:
+            ``(tree_pages, node)``: the tree's pages for all of ``tokens`` and the node
+            that ends at them.
+
+        Raises:
+            ValueError: ``len(tokens)`` is not ``len(pages) * page_size``.
+        """
+        ps = self.page_size
+        if len(tokens) != len(pages) * ps:
+            raise ValueError(f"{len(tokens)} tokens do not fill {len(pages)} pages of {ps}")
+        node, pos, out = self.root, 0, []
+        while pos < len(tokens):
+            node.last_access = next(_clock)
+            child = node.children.get(self._page_key(tokens, pos))
+            if child is None:
+                new = RadixNode(tuple(tokens[pos:]), list(pages[pos // ps :]), node)
+                node.children[new.key[:ps]] = new
+                self.num_cached_pages += len(new.pages)
+                out.extend(new.pages)
+                return out, new
+            n = self._common_pages(child.key, tokens, pos)
+            if n * ps < len(child.key):
+                child = self._split(child, n)
+            out.extend(child.pages)
+            pos += len(child.key)
+            node = child
+        node.last_access = next(_clock)
+        return out, node
+
+    # -- locking and eviction -----------------------------------------------------------
+
+    def lock(self, node: RadixNode) -> None:
+        """Pin ``node`` and its ancestors against eviction."""
+        while node is not None:
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: RadixNode) -> None:
+        while node is not None:
+            node.lock_ref -= 1
+            assert node.lock_ref >= 0, "radix node unlocked more often than locked"
+            node = node.parent
+
+    def evictable_pages(self) -> int:
+        """Pages held by unlocked nodes (all of them can be evicted, leaves first)."""
+        total, stack = 0, [self.root]
+        while stack:
+            n = stack.pop()
+            if n.lock_ref == 0:
+                total += len(n.pages)
+            stack.extend(n.children.values())
+        return total
+
+    def evict(self, num_pages: int) -> int:
+        """Free at least ``num_pages`` pages from unlocked leaves, least recently used first.
+
+        Returns the number of pages freed (less when not enough are evictable).
+        """
+        leaves = [(n.last_access, id(n), n) for n in self._leaves() if n.lock_ref == 0]
+        heapq.heapify(leaves)
+        freed = 0
+        while freed < num_pages and leaves:
+            _, _, leaf = heapq.heappop(leaves)
+            self.allocator.free(leaf.pages)
+            freed += len(leaf.pages)
+            self.num_cached_pages -= len(leaf.pages)
+            parent = leaf.parent
+            assert parent is not None
+            del parent.children[leaf.key[: self.page_size]]
+            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(leaves, (parent.last_access, id(parent), parent))
+        return freed
+
+    def clear(self) -> int:
+        """Evict everything unlocked; returns pages freed."""
+        return self.evict(self.num_cached_pages)
+
+    def _leaves(self) -> list[RadixNode]:
+        out, stack = [], [self.root]
+        while stack:
+            n = stack.pop()
+            if n.children:
+                stack.extend(n.children.values())
+            elif n is not self.root:
+                out.append(n)
+        return out
+
+    def all_pages(self) -> set[int]:
+        """Every page the tree holds (for checks and tests)."""
+        out, stack = set(), [self.root]
+        while stack:
+            n = stack.pop()
+            out.update(n.pages)
+            stack.extend(n.children.values())
+        return out

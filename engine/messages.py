@@ -1,0 +1,121 @@
+"""Typed records exchanged with the engine: requests in, token outputs out.
+
+Torch-free msgspec structs, so the service can build them and they cross the process
+boundary as msgpack. The in-process API (``Engine.add_request`` / ``Engine.step``) uses
+the same records, so a CLI run and a served run see identical types.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+    """How to pick the next token and when to stop.
+
+    ``temperature == 0`` means greedy. ``top_k <= 0`` disables top-k; ``top_p == 1`` and
+    ``min_p == 0`` disable those filters. ``seed`` gives the request its own random
+    stream, so its output does not depend on what else runs in the batch.
+    ``repetition_penalty`` follows CTRL (Keskar et al., 2019, as in transformers):
+    positive logits of seen tokens are divided by it, negative ones multiplied.
+    ``presence_penalty`` / ``frequency_penalty`` follow OpenAI's definition: subtract
+    ``presence * (count > 0) + frequency * count`` over generated tokens.
+    ``max_new_tokens`` counts generated tokens; ``stop_token_ids`` end the request like
+    EOS does (the stop token is part of the output ids, not of the text).
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0 or self.top_k == 1
+
+
+class GenerateRequest(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+    """A new request: prompt token ids (already templated and tokenized)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = SamplingParams()
+
+
+class AbortRequest(msgspec.Struct, frozen=True, tag=True):
+    """Stop a request at whatever state it is in and free its pages."""
+
+    request_id: str
+
+
+# finish_reason values, OpenAI's where they exist.
+FINISH_STOP = "stop"  # EOS or a stop token id (stop strings are the service's)
+FINISH_LENGTH = "length"  # max_new_tokens or the context limit
+FINISH_ABORT = "abort"  # aborted by the caller
+FINISH_ERROR = "error"  # failed; ``error_code`` says why
+
+
+class TokenOutput(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+    """New tokens of one request from one engine step.
+
+    ``token_ids`` are the tokens generated since the last output (usually one).
+    ``finished`` is set once; then ``finish_reason`` is one of the ``FINISH_*`` values
+    and, for ``"error"``, ``error_code`` (e.g. ``"out_of_memory"``) and ``error_message``.
+    ``prompt_tokens`` / ``cached_tokens`` are the prompt length and how much of it came
+    from the prefix cache.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    error_code: str | None = None
+    error_message: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """Facts about a loaded engine, sent once in the worker's readiness message.
+
+    ``max_context_tokens`` is what one request can really use: the smaller of the model's
+    context length and what the KV pool holds for one request. Sizes are in bytes.
+    """
+
+    model_name: str
+    model_dir: str
+    architecture: str
+    vocab_size: int
+    max_context_tokens: int
+    model_context_tokens: int
+    eos_token_ids: list[int]
+    device: str
+    dtype: str
+    page_size: int
+    num_pages: int
+    kv_cache_bytes: int
+    weight_bytes: int
+    max_prefill_tokens: int
+    max_running_requests: int
+
+
+class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
+    """Engine counters at one instant."""
+
+    running: int
+    waiting: int
+    free_pages: int
+    total_pages: int
+    cached_pages: int
+    prefix_hit_tokens: int
+    prefix_lookup_tokens: int
+    finished: int
+    aborted: int
+    failed: int

@@ -1,0 +1,345 @@
+"""Pick the next token of each request from its logits.
+
+One engine step gives ``logits[B, V]``; :class:`Sampler` turns them into ``tokens[B]``.
+Each request keeps a :class:`SamplingState`: its own random generator (so its tokens
+do not depend on what else is in the batch) and the counts of its generated tokens
+(for the penalties).
+
+Order, per row: repetition penalty, presence/frequency penalties, then greedy rows take
+the argmax; sampled rows go through temperature, top-k, top-p, min-p (the order of
+transformers' ``generate``) and draw with their own generator.
+
+Batch invariance: every batched op here works row by row (sort, softmax, cumsum,
+argmax along the vocab), and each sampled row draws exactly ``V`` exponentials from its
+own generator, so a row's token is the same alone or in a batch of any composition.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from collections.abc import Sequence
+
+import torch
+
+from engine.messages import SamplingParams
+
+_SEED_MASK = (1 << 64) - 1  # torch.Generator.manual_seed takes 64 bits
+
+
+class InvalidLogitsError(ValueError):
+    """Some rows' logits cannot be sampled from: NaN, ``+inf``, or every token ``-inf``.
+
+    ``rows`` are the batch indices at fault. Nothing was drawn from any generator, so the
+    caller can fail those requests (e.g. ``error_code="invalid_logits"``) and call
+    :meth:`Sampler.sample` again with the other rows.
+    """
+
+    def __init__(self, rows: list[int]) -> None:
+        super().__init__(
+            f"logits of batch rows {rows} are NaN, +inf, or all -inf (after penalties); "
+            "the model produced unusable output for these requests (often fp16 overflow "
+            "or a corrupted weight): fail these requests and sample the others again"
+        )
+        self.rows = rows
+
+
+def check_params(params: SamplingParams) -> None:
+    """Reject sampling parameters the sampler cannot honour.
+
+    Raises:
+        ValueError: ``temperature`` < 0 or not finite, ``top_p`` not in (0, 1],
+            ``min_p`` not in [0, 1], ``repetition_penalty`` <= 0 or not finite, or a
+            presence/frequency penalty that is not finite. The message names the field.
+    """
+    if not (math.isfinite(params.temperature) and params.temperature >= 0.0):
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {params.temperature}")
+    if not (0.0 < params.top_p <= 1.0):
+        raise ValueError(f"top_p must be in (0, 1] (1 = off), got {params.top_p}")
+    if not (0.0 <= params.min_p <= 1.0):
+        raise ValueError(f"min_p must be in [0, 1] (0 = off), got {params.min_p}")
+    if not (math.isfinite(params.repetition_penalty) and params.repetition_penalty > 0.0):
+        raise ValueError(
+            f"repetition_penalty must be > 0 (1 = off), got {params.repetition_penalty}"
+        )
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not math.isfinite(getattr(params, name)):
+            raise ValueError(f"{name} must be finite, got {getattr(params, name)}")
+
+
+def _has_repetition_penalty(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0
+
+
+def _has_openai_penalty(p: SamplingParams) -> bool:
+    return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+class SamplingState:
+    """Mutable per-request sampling state: random generator and token counts.
+
+    Args:
+        params: the request's sampling parameters (validated with :func:`check_params`).
+        prompt_ids: prompt token ids, ``list[int]`` or an int tensor of shape ``[P]``.
+        vocab_size: ``V``, the width of the logits the sampler will get (the model's
+            output size, which may exceed the tokenizer's vocabulary).
+        device: where the logits live; the generator and count tensors are made there.
+
+    Attributes:
+        generator: ``torch.Generator`` on ``device``, seeded with ``params.seed``, or with
+            a fresh 63-bit number from :mod:`secrets` when the seed is ``None`` (still one
+            generator per request, so batch composition never changes its stream).
+        seed: the seed actually used (for logs and for replaying a request).
+        counts: ``int32 [V]`` counts of generated tokens, or ``None`` when the request
+            has no penalty. Dense on ``device``: ``V * 4`` bytes per penalized request
+            (600 KB at 150k vocab) buys a single-launch :meth:`append` and one stacked,
+            vectorized penalty per step.
+        prompt_mask: ``bool [V]``, True for tokens in the prompt, or ``None`` when the
+            request has no repetition penalty.
+        num_generated: tokens appended so far.
+
+    Raises:
+        ValueError: bad ``params`` (see :func:`check_params`), ``vocab_size < 1``, or a
+            prompt id outside ``[0, vocab_size)``.
+    """
+
+    def __init__(
+        self,
+        params: SamplingParams,
+        prompt_ids: Sequence[int] | torch.Tensor,
+        vocab_size: int,
+        device: torch.device | str,
+    ) -> None:
+        check_params(params)
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+        self.params = params
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self.seed = params.seed if params.seed is not None else secrets.randbits(63)
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(self.seed & _SEED_MASK)
+        self.num_generated = 0
+
+        self.counts: torch.Tensor | None = None
+        self.prompt_mask: torch.Tensor | None = None
+        if _has_repetition_penalty(params) or _has_openai_penalty(params):
+            self.counts = torch.zeros(vocab_size, dtype=torch.int32, device=self.device)
+        if _has_repetition_penalty(params):
+            ids = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1)
+            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+                raise ValueError(
+                    f"prompt ids must be in [0, {vocab_size}), got range "
+                    f"[{int(ids.min())}, {int(ids.max())}]"
+                )
+            self.prompt_mask = torch.zeros(vocab_size, dtype=torch.bool, device=self.device)
+            self.prompt_mask[ids.to(self.device)] = True
+
+    def append(self, token_id: int) -> None:
+        """Record a generated token (one device write when the request has a penalty).
+
+        Raises:
+            ValueError: ``token_id`` outside ``[0, vocab_size)``.
+        """
+        if not 0 <= token_id < self.vocab_size:
+            raise ValueError(f"token id {token_id} outside [0, {self.vocab_size})")
+        self.num_generated += 1
+        if self.counts is not None:
+            self.counts[token_id] += 1
+
+
+class Sampler:
+    """Turns a batch of logits into one token per row.
+
+    Stateless: everything per request lives in :class:`SamplingState`, so one sampler
+    serves the whole engine. ``check_logits`` (default on) costs one device sync per
+    step to turn NaN/inf logits into :class:`InvalidLogitsError` instead of garbage
+    tokens.
+    """
+
+    def __init__(self, check_logits: bool = True) -> None:
+        self.check_logits = check_logits
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        states: Sequence[SamplingState],
+        params: Sequence[SamplingParams],
+    ) -> torch.Tensor:
+        """Pick one token per row.
+
+        Args:
+            logits: ``[B, V]`` float (float32 expected; other float dtypes are upcast),
+                on the states' device. Not modified.
+            states: ``B`` states, row ``i`` belongs to ``states[i]``. Sampled rows
+                advance their generator; greedy rows never touch it. Counts are not
+                updated: call :meth:`SamplingState.append` with the chosen tokens.
+            params: ``B`` parameter sets, each the one its state was built with.
+
+        Returns:
+            ``int64 [B]`` token ids on ``logits.device``.
+
+        Raises:
+            ValueError: shape mismatch between ``logits``, ``states`` and ``params``, or a
+                state built for different params, another vocab size or another device.
+            InvalidLogitsError: some rows are NaN/+inf/all -inf (``check_logits`` only);
+                no generator has advanced then.
+        """
+        self._check_batch(logits, states, params)
+        x = self.penalize(logits, states, params)  # [B, V] float32
+        if self.check_logits:
+            bad = ~torch.isfinite(x.amax(dim=-1))  # NaN propagates through amax
+            if bool(bad.any()):
+                raise InvalidLogitsError(bad.nonzero().flatten().tolist())
+
+        rows = [i for i, p in enumerate(params) if not p.greedy]
+        if len(rows) < len(params):
+            tokens = x.argmax(dim=-1)  # [B] int64; right for the greedy rows
+        else:
+            tokens = torch.empty(len(params), dtype=torch.long, device=x.device)  # [B]
+        if not rows:
+            return tokens
+        idx = torch.tensor(rows, dtype=torch.long, device=x.device)  # [S]
+        sub = x if len(rows) == len(params) else x.index_select(0, idx)  # [S, V]
+        probs = torch.softmax(self.filter(sub, [params[i] for i in rows]), dim=-1)  # [S, V]
+        # Exponential race (Gumbel-max in another guise): argmax(p / E), E ~ Exp(1) iid,
+        # picks token j with probability p_j. Each row draws its V exponentials from its
+        # own generator, so the draw does not depend on the other rows.
+        race = torch.empty_like(probs)  # [S, V]
+        for j, i in enumerate(rows):
+            race[j].exponential_(generator=states[i].generator)
+        race.clamp_min_(torch.finfo(race.dtype).tiny)  # an exact 0 would make 0/0 = NaN
+        tokens[idx] = (probs / race).argmax(dim=-1)
+        return tokens
+
+    @staticmethod
+    def penalize(
+        logits: torch.Tensor,
+        states: Sequence[SamplingState],
+        params: Sequence[SamplingParams],
+    ) -> torch.Tensor:
+        """Apply repetition, then presence/frequency penalties; returns a new tensor.
+
+        Repetition penalty (CTRL, Keskar et al. 2019, as transformers'
+        ``RepetitionPenaltyLogitsProcessor``): for every token seen in the prompt or the
+        generated text, once per token, a positive logit is divided by the penalty and a
+        negative one multiplied by it.
+
+        Presence/frequency penalties (OpenAI, "Parameter details" in the text
+        generation guide): ``logit[j] -= count[j] * frequency + (count[j] > 0) * presence``
+        where ``count`` counts *generated* tokens only.
+
+        Args:
+            logits: ``[B, V]`` float; upcast to float32.
+            states, params: as in :meth:`sample`.
+
+        Returns:
+            ``float32 [B, V]``; ``logits`` itself (upcast) when no row has a penalty.
+        """
+        x = logits.float()
+        rep = [i for i, p in enumerate(params) if _has_repetition_penalty(p)]
+        if rep:
+            idx = torch.tensor(rep, dtype=torch.long, device=x.device)
+            sub = x.index_select(0, idx)  # [R, V]
+            counts = torch.stack([states[i].counts for i in rep])  # [R, V] int32
+            seen = torch.stack([states[i].prompt_mask for i in rep]) | (counts > 0)
+            penalty = torch.tensor(
+                [params[i].repetition_penalty for i in rep], dtype=x.dtype, device=x.device
+            ).unsqueeze(1)  # [R, 1]
+            penalized = torch.where(sub < 0, sub * penalty, sub / penalty)
+            x = x.index_copy(0, idx, torch.where(seen, penalized, sub))
+        oai = [i for i, p in enumerate(params) if _has_openai_penalty(p)]
+        if oai:
+            idx = torch.tensor(oai, dtype=torch.long, device=x.device)
+            counts = torch.stack([states[i].counts for i in oai]).to(x.dtype)  # [F, V]
+            pf = torch.tensor(
+                [[params[i].presence_penalty, params[i].frequency_penalty] for i in oai],
+                dtype=x.dtype,
+                device=x.device,
+            )  # [F, 2]
+            delta = counts * pf[:, 1:2] + (counts > 0).to(x.dtype) * pf[:, 0:1]
+            x = x.index_copy(0, idx, x.index_select(0, idx) - delta)
+        return x
+
+    @staticmethod
+    def filter(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+        """Temperature, then top-k, top-p, min-p, as transformers' warpers do.
+
+        Removed tokens get ``-inf``. Rows are shifted by their max before dividing by the
+        temperature, so a tiny temperature gives ``0`` for the best token and ``-inf``
+        (never NaN) elsewhere; the result equals transformers' scores up to a per-row
+        constant, i.e. the same softmax. Top-k keeps ties with the k-th value; top-p
+        keeps the smallest set whose mass reaches ``top_p`` and always the best token;
+        min-p keeps tokens with ``p >= min_p * p_max``.
+
+        Args:
+            logits: ``float32 [S, V]``, every row with a finite max (greedy rows have
+                been taken out; ``temperature > 0`` for all rows).
+            params: ``S`` parameter sets.
+
+        Returns:
+            ``float32 [S, V]`` filtered logits (a new tensor).
+        """
+        S, V = logits.shape
+        dev, dt = logits.device, logits.dtype
+        x = logits - logits.amax(dim=-1, keepdim=True)  # [S, V], row max 0
+        if any(p.temperature != 1.0 for p in params):  # x / 1.0 == x exactly: skip
+            temp = torch.tensor([p.temperature for p in params], dtype=dt, device=dev)  # [S]
+            x = x / temp.unsqueeze(1)
+
+        top_k = [min(p.top_k, V) if p.top_k > 0 else V for p in params]
+        use_k = any(k < V for k in top_k)
+        use_p = any(p.top_p < 1.0 for p in params)
+        if use_k or use_p:
+            # Ascending like transformers' top-p, stable so ties order the same way in
+            # every batch.
+            xs, order = torch.sort(x, dim=-1, stable=True)  # [S, V] each
+            if use_k:
+                k = torch.tensor(top_k, dtype=torch.long, device=dev)  # [S]
+                kth = xs.gather(1, (V - k).unsqueeze(1))  # [S, 1]
+                xs = xs.masked_fill(xs < kth, float("-inf"))
+            if use_p:
+                cum = torch.softmax(xs, dim=-1).cumsum(dim=-1)  # [S, V]
+                # 1 - top_p in float64 then float32, as a Python scalar would be; -1 for
+                # rows without top-p, so they lose nothing (not even p == 0 tokens).
+                floor = torch.tensor(
+                    [1.0 - p.top_p if p.top_p < 1.0 else -1.0 for p in params],
+                    dtype=dt,
+                    device=dev,
+                )  # [S]
+                drop = cum <= floor.unsqueeze(1)
+                drop[:, -1] = False  # the best token always stays
+                xs = xs.masked_fill(drop, float("-inf"))
+            x = torch.empty_like(x).scatter_(1, order, xs)
+
+        if any(p.min_p > 0.0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params], dtype=dt, device=dev)  # [S]
+            probs = torch.softmax(x, dim=-1)  # [S, V]
+            floor = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)  # [S, 1]
+            x = x.masked_fill(probs < floor, float("-inf"))
+        return x
+
+    @staticmethod
+    def _check_batch(
+        logits: torch.Tensor,
+        states: Sequence[SamplingState],
+        params: Sequence[SamplingParams],
+    ) -> None:
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
+        B, V = logits.shape
+        if len(states) != B or len(params) != B:
+            raise ValueError(f"{B} logit rows but {len(states)} states and {len(params)} params")
+        for i, (s, p) in enumerate(zip(states, params, strict=True)):
+            if s.vocab_size != V:
+                raise ValueError(f"row {i}: state built for vocab {s.vocab_size}, logits have {V}")
+            if s.device.type != logits.device.type or s.device.index not in (
+                None,
+                logits.device.index,
+            ):
+                raise ValueError(f"row {i}: state lives on {s.device}, logits on {logits.device}")
+            if s.params is not p and s.params != p:
+                raise ValueError(
+                    f"row {i}: params differ from those its SamplingState was built with; "
+                    "build a new state when a request's sampling params change"
+                )

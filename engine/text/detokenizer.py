@@ -1,0 +1,82 @@
+"""Token ids to text, one step at a time, never emitting half a character.
+
+Torch-free: takes any Hugging Face tokenizer object.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+# Tokens of context decoded before the new ones: enough for a SentencePiece leading
+# space or a byte-level BPE character (at most 4 bytes) to come out as it would in a
+# full decode.
+_CONTEXT_TOKENS = 5
+_REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Decodes a request's generated tokens as they arrive.
+
+    Keeps a small window of ids, ``[prefix_offset, read_offset)`` already emitted and
+    ``[read_offset, end)`` pending, and emits ``decode(window) - decode(emitted part)``.
+    Each step decodes O(window) tokens, not the whole output. Text ending in U+FFFD
+    (a UTF-8 character split across byte tokens) is held until the character
+    completes, or until ``flush``.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer (``decode`` is all that is used).
+        prompt_ids: the prompt's token ids; its last few tokens are context, so the
+            first generated token decodes with the spacing it has after the prompt.
+        skip_special_tokens: leave special tokens (``<|im_end|>``) out of the text.
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        prompt_ids: list[int] | None = None,
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
+        context = list(prompt_ids[-_CONTEXT_TOKENS:]) if prompt_ids else []
+        # Only the window is kept; ids before prefix_offset are dropped as it slides.
+        self._ids: list[int] = context
+        self._prefix_offset = 0
+        self._read_offset = len(context)
+
+    def add(self, token_ids: list[int]) -> str:
+        """Append new token ids; return the text they complete (possibly ``""``)."""
+        if not token_ids:
+            return ""
+        self._ids.extend(token_ids)
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self._ids[self._prefix_offset :])
+        if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT):
+            # Nothing visible yet (special token skipped) or a character is still split.
+            return ""
+        # The new prefix starts at the old read offset: drop ids no longer needed.
+        del self._ids[: self._read_offset]
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        return new_text[len(prefix_text) :]
+
+    def flush(self) -> str:
+        """Return whatever is still held back (a dangling U+FFFD included); call once at
+        the end of the request."""
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self._ids[self._prefix_offset :])
+        self._prefix_offset = self._read_offset = len(self._ids)
+        return new_text[len(prefix_text) :]
+
+    def _decode(self, ids: list[int]) -> str:
+        if not ids:
+            return ""
+        # Cleanup rewrites spacing across token boundaries, which would break the diff.
+        return self._tokenizer.decode(
+            ids,
+            skip_special_tokens=self._skip_special,
+            clean_up_tokenization_spaces=False,
+        )

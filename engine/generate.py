@@ -1,0 +1,68 @@
+"""``headroom generate``: one prompt through an in-process engine, streamed to a file.
+
+This runs the engine in the caller's process (the CLI's, never the service's).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from typing import TextIO
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.messages import GenerateRequest, SamplingParams
+from engine.text.chat import encode_chat
+from engine.text.detokenizer import IncrementalDetokenizer
+from engine.text.tokenizer import load_tokenizer
+
+
+def stream_text(engine: Engine, tokenizer, prompt_ids: list[int], sampling: SamplingParams) -> Iterator[str]:
+    """Run one request to completion, yielding text as it becomes complete UTF-8.
+
+    Raises:
+        engine.errors.RequestRejected: the prompt cannot run (e.g. too long).
+    """
+    engine.add_request(GenerateRequest(request_id="generate-0", prompt_token_ids=prompt_ids, sampling=sampling))
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids=prompt_ids)
+    while engine.has_work():
+        for out in engine.step():
+            text = detok.add(out.token_ids)
+            if text:
+                yield text
+            if out.finished:
+                tail = detok.flush()
+                if tail:
+                    yield tail
+
+
+def run_generate(
+    *,
+    model: str | None,
+    prompt: str,
+    max_tokens: int,
+    temperature: float,
+    seed: int | None,
+    chat: bool,
+    device: str = "auto",
+    out: TextIO = sys.stdout,
+) -> None:
+    """Load the model, render ``prompt`` (chat template unless ``chat`` is False) and
+    stream the reply to ``out``.
+
+    Raises:
+        engine.loader.errors.ModelLoadError: the model is missing or broken.
+        engine.text.chat.ChatTemplateError: the template cannot render the prompt.
+        engine.errors.RequestRejected: the prompt does not fit.
+    """
+    engine = Engine(EngineConfig(model=model, device=device))
+    tokenizer = load_tokenizer(str(engine.model_dir))
+    if chat:
+        ids = encode_chat(tokenizer, [{"role": "user", "content": prompt}])
+    else:
+        ids = list(tokenizer.encode(prompt))
+    sampling = SamplingParams(max_new_tokens=max_tokens, temperature=temperature, seed=seed)
+    for text in stream_text(engine, tokenizer, ids, sampling):
+        out.write(text)
+        out.flush()
+    out.write("\n")

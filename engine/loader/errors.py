@@ -1,0 +1,41 @@
+"""Errors raised while finding, converting and loading a model.
+
+Torch-free, so the service can import them and map them to messages. Every message
+names the path involved and says what to do about it.
+"""
+
+from __future__ import annotations
+
+
+class ModelLoadError(Exception):
+    """Base class: the model could not be found, read, converted or loaded."""
+
+
+class ModelNotFound(ModelLoadError):
+    """The path does not exist, holds no model, or the default model is not installed."""
+
+
+class UnsupportedArchitecture(ModelLoadError):
+    """``config.json`` (or a GGUF file) names an architecture headroom cannot run."""
+
+
+class UnsupportedConfig(ModelLoadError):
+    """A supported architecture with a variant headroom does not implement
+    (a RoPE scaling type, a sliding window, an activation other than SiLU)."""
+
+
+class ConfigFieldMissing(ModelLoadError):
+    """``config.json`` lacks a field the model cannot be built without."""
+
+
+class CorruptWeights(ModelLoadError):
+    """A weight file is truncated, has a garbage header, or cannot be read."""
+
+
+class WeightMismatch(ModelLoadError):
+    """The weight files do not match the config: tensors missing, unexpected or of the
+    wrong shape."""
+
+
+class UnsupportedGGUFType(ModelLoadError):
+    """A GGUF tensor is stored in a type the converter cannot dequantize."""

@@ -1,0 +1,404 @@
+"""Convert a GGUF file (llama.cpp's format) into a Hugging Face model folder.
+
+The folder holds ``config.json`` and ``generation_config.json`` built from the GGUF
+metadata, the tokenizer files and chat template (through transformers' GGUF tokenizer
+support), and dequantized weights in safetensors under Hugging Face tensor names, so the
+rest of the engine loads one format only.
+
+Weights are stored in float32 by default. Dequantized values (``scale * q + min`` with
+float16 scales) are exact in float32 and are not in float16/bfloat16, and float32 is
+what transformers' own GGUF loader produces, so our logits can be compared with its
+tightly. The default model is 135M parameters (540 MB); pass ``dtype`` for large models.
+
+The conversion writes into a temporary folder next to the destination and renames it
+at the end, so an interrupted conversion never leaves a half-written model behind.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from engine.loader.errors import (
+    CorruptWeights,
+    ModelLoadError,
+    UnsupportedArchitecture,
+    UnsupportedConfig,
+    UnsupportedGGUFType,
+)
+
+log = logging.getLogger(__name__)
+
+# GGUF ``general.architecture`` -> (Hugging Face architecture, model_type).
+GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+}
+
+# llama.cpp tensor names (gguf-py ``tensor_mapping``) -> Hugging Face names.
+_TOP_LEVEL = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_PER_LAYER = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_ROPE_FREQS = "rope_freqs.weight"  # llama3 RoPE factors; folded into config.json
+
+SHARD_BYTES = 2 * 1024**3  # bounds peak host memory while converting large models
+
+
+def convert_gguf(
+    gguf_path: str | Path, out_dir: str | Path, *, dtype: torch.dtype = torch.float32
+) -> Path:
+    """Convert ``gguf_path`` into the Hugging Face folder ``out_dir``.
+
+    Args:
+        gguf_path: a GGUF file of a llama, qwen2 or qwen3 model.
+        out_dir: destination folder; must not exist yet (an existing complete folder,
+            e.g. from a concurrent conversion, is kept and returned).
+        dtype: dtype of the stored weights.
+
+    Returns:
+        ``out_dir``.
+
+    Raises:
+        CorruptWeights: the file is not a readable GGUF.
+        UnsupportedArchitecture: the GGUF architecture is not llama/qwen2/qwen3.
+        UnsupportedGGUFType: a tensor is stored in a type gguf-py cannot dequantize
+            (checked for all tensors before anything is written).
+        UnsupportedConfig: RoPE factors that are not Llama 3's.
+        ModelLoadError: a tensor without a Hugging Face counterpart, or the tokenizer
+            cannot be built.
+    """
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    reader = _open(gguf_path)
+    gguf_arch = _field(reader, "general.architecture")
+    if gguf_arch not in GGUF_ARCHITECTURES:
+        raise UnsupportedArchitecture(
+            f"{gguf_path}: GGUF architecture {gguf_arch!r} is not supported; headroom "
+            f"converts {', '.join(GGUF_ARCHITECTURES)}"
+        )
+    _check_types(reader, gguf_path)
+    hf_config = _hf_config(reader, gguf_path, gguf_arch)
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_partials(out_dir)
+    tmp = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        _write_weights(reader, gguf_path, gguf_arch, hf_config, tmp, dtype)
+        _write_config(hf_config, tmp)
+        _write_tokenizer(gguf_path, tmp)
+        _write_generation_config(reader, tmp)
+        _publish(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _open(gguf_path: Path) -> Any:
+    from gguf import GGUFReader
+
+    if not gguf_path.is_file():
+        raise ModelLoadError(f"{gguf_path} is not a file")
+    try:
+        return GGUFReader(gguf_path)
+    except (ValueError, OSError, IndexError, KeyError, TypeError) as e:
+        raise CorruptWeights(
+            f"{gguf_path} is not a readable GGUF file ({e}); download it again"
+        ) from e
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _check_types(reader: Any, gguf_path: Path) -> None:
+    from gguf import dequantize
+
+    for t in reader.tensors:
+        try:
+            dequantize(t.data[:1], t.tensor_type)  # one row: cheap, and hits the same dispatch
+        except NotImplementedError:
+            raise UnsupportedGGUFType(
+                f"{gguf_path}: tensor {t.name} is stored as {t.tensor_type.name}, which "
+                "headroom cannot dequantize; use a GGUF with F32/F16/BF16, Q4_0..Q8_0, "
+                "K-quants or IQ-quants, or the original Hugging Face checkpoint"
+            ) from None
+
+
+def _hf_config(reader: Any, gguf_path: Path, gguf_arch: str) -> dict[str, Any]:
+    """config.json fields, following transformers' ``integrations/ggml.py`` mapping."""
+    architecture, model_type = GGUF_ARCHITECTURES[gguf_arch]
+
+    def get(key: str, default: Any = None) -> Any:
+        value = _field(reader, f"{gguf_arch}.{key}", default)
+        if value is None:
+            raise ModelLoadError(f"{gguf_path} lacks the metadata key {gguf_arch}.{key}")
+        return value
+
+    names = {t.name for t in reader.tensors}
+    hidden = int(get("embedding_length"))
+    heads = int(get("attention.head_count"))
+    vocab = _field(reader, f"{gguf_arch}.vocab_size")
+    if vocab is None:  # older files: the vocabulary length is the truth
+        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    head_dim = _field(reader, f"{gguf_arch}.attention.key_length") or (hidden // heads)
+    config: dict[str, Any] = {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": int(get("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "head_dim": int(head_dim),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")),
+        "max_position_embeddings": int(get("context_length")),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "tie_word_embeddings": "output.weight" not in names,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+    }
+    if gguf_arch != "qwen2":  # Qwen2's q/k/v bias is implied by its architecture
+        config["attention_bias"] = "blk.0.attn_q.bias" in names
+    scaling = _rope_scaling(reader, gguf_path, gguf_arch, config)
+    if scaling is not None:
+        config["rope_scaling"] = scaling
+    return config
+
+
+def _rope_scaling(
+    reader: Any, gguf_path: Path, gguf_arch: str, config: dict[str, Any]
+) -> dict[str, Any] | None:
+    scaling_type = _field(reader, f"{gguf_arch}.rope.scaling.type")
+    if scaling_type in (None, "none"):
+        pass
+    elif scaling_type == "linear":
+        return {
+            "rope_type": "linear",
+            "factor": float(_field(reader, f"{gguf_arch}.rope.scaling.factor")),
+        }
+    else:
+        raise UnsupportedConfig(f"{gguf_path}: RoPE scaling {scaling_type!r} is not supported")
+    rope_freqs = next((t for t in reader.tensors if t.name == _ROPE_FREQS), None)
+    if rope_freqs is None:
+        return None
+    return _llama3_from_factors(np.asarray(rope_freqs.data, dtype=np.float32), gguf_path, config)
+
+
+def _llama3_from_factors(
+    factors: np.ndarray, gguf_path: Path, config: dict[str, Any]
+) -> dict[str, Any]:
+    """Recover Llama 3 RoPE parameters from llama.cpp's per-frequency divisors.
+
+    llama.cpp's converter (``LlamaModel.generate_extra_tensors``) stores
+    ``inv_freq / inv_freq_llama3`` instead of the parameters; Meta's Llama 3.1+ releases
+    all use ``low_freq_factor=1, high_freq_factor=4, original_max_position_embeddings=8192``
+    and the largest divisor is ``factor``. We rebuild the divisors from those values and
+    accept them only if they match the file.
+    """
+    from engine.config import RopeConfig
+    from engine.models.rope import inv_freq
+
+    rope = RopeConfig(
+        theta=config["rope_theta"],
+        rope_type="llama3",
+        factor=float(factors.max()),
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=8192,
+    )
+    base = inv_freq(RopeConfig(theta=rope.theta), config["head_dim"])
+    rebuilt = (base / inv_freq(rope, config["head_dim"])).numpy()
+    if rebuilt.shape != factors.shape or not np.allclose(rebuilt, factors, rtol=1e-4):
+        raise UnsupportedConfig(
+            f"{gguf_path}: its rope_freqs tensor is not Llama 3 RoPE scaling; convert the "
+            "original Hugging Face checkpoint instead"
+        )
+    return {
+        "rope_type": "llama3",
+        "factor": rope.factor,
+        "low_freq_factor": rope.low_freq_factor,
+        "high_freq_factor": rope.high_freq_factor,
+        "original_max_position_embeddings": rope.original_max_position_embeddings,
+    }
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    stem, _, suffix = gguf_name.rpartition(".")  # suffix: weight | bias
+    if stem in _TOP_LEVEL:
+        return f"{_TOP_LEVEL[stem]}.{suffix}"
+    parts = stem.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _PER_LAYER:
+        return f"model.layers.{parts[1]}.{_PER_LAYER[parts[2]]}.{suffix}"
+    return None
+
+
+def reverse_llama_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation (``LlamaModel.permute`` in
+    ``convert_hf_to_gguf.py``), which turns transformers' "rotate_half" RoPE layout into
+    GGML's interleaved one; this is transformers' ``_reverse_permute_weights``.
+
+    Args:
+        w: ``[n_head * head_dim, ...]`` q or k weight (or bias) as stored in the GGUF.
+        n_head: query heads for q, key/value heads for k.
+
+    Returns:
+        The tensor in Hugging Face row order, same shape.
+    """
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _dequantize(tensor: Any) -> np.ndarray:
+    """``[rows, cols]`` (or ``[n]``) float32 values of a GGUF tensor in Hugging Face order."""
+    from gguf import dequantize
+
+    shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims innermost first
+    return dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+
+
+def _converted(
+    reader: Any, gguf_path: Path, gguf_arch: str, config: dict[str, Any], dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
+    for t in tqdm(reader.tensors, desc=f"converting {gguf_path.name}", unit="tensor", disable=None):
+        if t.name == _ROPE_FREQS:
+            continue
+        name = _hf_name(t.name)
+        if name is None:
+            raise ModelLoadError(
+                f"{gguf_path}: tensor {t.name} has no Hugging Face counterpart for a "
+                f"{gguf_arch} model; the file is not a plain {gguf_arch} checkpoint"
+            )
+        w = torch.from_numpy(np.array(_dequantize(t), dtype=np.float32))
+        if gguf_arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+            heads = config["num_attention_heads" if ".q_proj." in name else "num_key_value_heads"]
+            w = reverse_llama_permute(w, heads)
+        yield name, w.to(dtype).contiguous()
+
+
+def _write_weights(
+    reader: Any,
+    gguf_path: Path,
+    gguf_arch: str,
+    config: dict[str, Any],
+    out: Path,
+    dtype: torch.dtype,
+) -> None:
+    shard: dict[str, torch.Tensor] = {}
+    shard_bytes = 0
+    shard_names: list[list[str]] = []
+    total_bytes = 0
+    for name, w in _converted(reader, gguf_path, gguf_arch, config, dtype):
+        if shard and shard_bytes + w.nbytes > SHARD_BYTES:
+            _save_shard(shard, out, shard_names)
+            shard, shard_bytes = {}, 0
+        shard[name] = w
+        shard_bytes += w.nbytes
+        total_bytes += w.nbytes
+    _save_shard(shard, out, shard_names)
+    count = len(shard_names)
+    if count == 1:
+        (out / "shard-0.safetensors").rename(out / "model.safetensors")
+        return
+    # Several shards: named and indexed as save_pretrained writes them.
+    weight_map: dict[str, str] = {}
+    for i, names in enumerate(shard_names):
+        final = f"model-{i + 1:05d}-of-{count:05d}.safetensors"
+        (out / f"shard-{i}.safetensors").rename(out / final)
+        weight_map.update(dict.fromkeys(names, final))
+    index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def _save_shard(tensors: dict[str, torch.Tensor], out: Path, shard_names: list[list[str]]) -> None:
+    save_file(
+        tensors, str(out / f"shard-{len(shard_names)}.safetensors"), metadata={"format": "pt"}
+    )
+    shard_names.append(list(tensors))
+
+
+def _write_config(config: dict[str, Any], out: Path) -> None:
+    from transformers import AutoConfig
+
+    # transformers writes the config in its own current format (rope_parameters in v5).
+    AutoConfig.for_model(**config).save_pretrained(str(out))
+
+
+def _write_tokenizer(gguf_path: Path, out: Path) -> None:
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True
+        )
+    except Exception as e:  # transformers raises many types here; all mean the same to the user
+        raise ModelLoadError(
+            f"{gguf_path}: cannot build its tokenizer ({type(e).__name__}: {e})"
+        ) from e
+    tokenizer.save_pretrained(str(out))
+
+
+def _write_generation_config(reader: Any, out: Path) -> None:
+    # Instruct models end a turn with EOT (Llama 3's <|eot_id|>), not only with EOS.
+    eos = [_field(reader, f"tokenizer.ggml.{key}_token_id") for key in ("eos", "eot", "eom")]
+    eos_ids = list(dict.fromkeys(int(i) for i in eos if i is not None))
+    generation: dict[str, Any] = {"eos_token_id": eos_ids[0] if len(eos_ids) == 1 else eos_ids}
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    if bos is not None:
+        generation["bos_token_id"] = int(bos)
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+
+
+def _publish(tmp: Path, out_dir: Path) -> None:
+    try:
+        os.replace(tmp, out_dir)
+    except OSError:
+        if not (out_dir / "config.json").is_file():
+            raise
+        # A concurrent conversion finished first; its result is as good as ours.
+        log.info("%s appeared during conversion; keeping it", out_dir)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _remove_stale_partials(out_dir: Path) -> None:
+    """Delete temp folders left by conversions whose process died (POSIX only: on
+    Windows ``os.kill(pid, 0)`` would terminate the process instead of probing it)."""
+    if os.name != "posix":
+        return
+    for partial in out_dir.parent.glob(f".{out_dir.name}.partial-*"):
+        try:
+            pid = int(partial.name.rsplit("-", 1)[1])
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(partial, ignore_errors=True)
+        except (ValueError, PermissionError, OSError):
+            continue

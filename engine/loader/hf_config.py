@@ -1,0 +1,184 @@
+"""``config.json`` (+ ``generation_config.json``) -> :class:`ModelConfig`.
+
+We validate the raw JSON ourselves (architecture, required fields) and then let
+``transformers.AutoConfig`` read it. AutoConfig earns its place: it applies each model
+class's defaults for fields a checkpoint leaves out (Qwen3's ``head_dim`` is 128, not
+``hidden_size // num_heads``) and normalizes the three spellings of RoPE parameters
+across transformers versions. What it does not do is fail on a missing field: it would
+silently fill ``hidden_size=4096``, so required fields are checked in the JSON first.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from engine.config import (
+    SUPPORTED_ARCHITECTURES,
+    SUPPORTED_ROPE_TYPES,
+    ModelConfig,
+    RopeConfig,
+)
+from engine.loader.errors import (
+    ConfigFieldMissing,
+    ModelLoadError,
+    ModelNotFound,
+    UnsupportedArchitecture,
+    UnsupportedConfig,
+)
+
+REQUIRED_FIELDS: tuple[str, ...] = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "vocab_size",
+    "max_position_embeddings",
+)
+
+
+def load_model_config(model_dir: str | Path) -> ModelConfig:
+    """Read a Hugging Face model folder's configuration.
+
+    Args:
+        model_dir: folder holding ``config.json`` (and optionally
+            ``generation_config.json``, whose ``eos_token_id`` is merged in).
+
+    Raises:
+        ModelNotFound: ``model_dir/config.json`` does not exist.
+        UnsupportedArchitecture: ``architectures[0]`` is not one headroom runs (the
+            message lists the supported ones).
+        ConfigFieldMissing: a required field is absent (the message names it).
+        UnsupportedConfig: a variant headroom does not implement (RoPE scaling type,
+            sliding window, activation, MLP bias, partial rotary).
+        ModelLoadError: the JSON is unreadable or transformers rejects it.
+    """
+    model_dir = Path(model_dir)
+    config_path = model_dir / "config.json"
+    raw = _read_json(config_path, required=True)
+    architecture = _architecture(raw, config_path)
+    for name in REQUIRED_FIELDS:
+        if raw.get(name) is None:
+            raise ConfigFieldMissing(
+                f"{config_path} has no {name!r}; it is required to build the model. "
+                "Restore the file from the model's original repository."
+            )
+
+    from transformers import AutoConfig  # deferred: importing transformers costs ~1 s
+
+    try:
+        hf = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+    except (ValueError, KeyError, TypeError, OSError) as e:
+        raise ModelLoadError(f"transformers cannot read {config_path}: {e}") from e
+
+    _check_variant(hf, config_path)
+    num_heads = hf.num_attention_heads
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
+    attention_bias = architecture == "Qwen2ForCausalLM" or bool(
+        getattr(hf, "attention_bias", False)
+    )
+    generation = _read_json(model_dir / "generation_config.json", required=False)
+    eos = _token_ids(getattr(hf, "eos_token_id", None)) + _token_ids(generation.get("eos_token_id"))
+    return ModelConfig(
+        architecture=architecture,
+        vocab_size=hf.vocab_size,
+        hidden_size=hf.hidden_size,
+        intermediate_size=hf.intermediate_size,
+        num_layers=hf.num_hidden_layers,
+        num_heads=num_heads,
+        num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(hf.rms_norm_eps),
+        max_position_embeddings=hf.max_position_embeddings,
+        rope=_rope(hf, config_path),
+        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        attention_bias=attention_bias,
+        qk_norm=architecture == "Qwen3ForCausalLM",
+        bos_token_id=getattr(hf, "bos_token_id", None),
+        eos_token_ids=tuple(dict.fromkeys(eos)),  # dedupe, keep order
+    )
+
+
+def _read_json(path: Path, *, required: bool) -> dict[str, Any]:
+    if not path.is_file():
+        if not required:
+            return {}
+        raise ModelNotFound(
+            f"{path} does not exist: {path.parent} is not a Hugging Face model folder. "
+            "Pass a folder holding config.json and *.safetensors, or a .gguf file."
+        )
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelLoadError(
+            f"{path} is not valid JSON ({e}); restore it from the model's source"
+        ) from e
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path} holds a JSON {type(data).__name__}, expected an object")
+    return data
+
+
+def _architecture(raw: dict[str, Any], config_path: Path) -> str:
+    architectures = raw.get("architectures")
+    if not architectures:
+        raise ConfigFieldMissing(
+            f"{config_path} has no 'architectures'; add e.g. "
+            f'"architectures": ["LlamaForCausalLM"] (supported: {", ".join(SUPPORTED_ARCHITECTURES)})'
+        )
+    architecture = architectures[0]
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedArchitecture(
+            f"{config_path}: architecture {architecture!r} is not supported; headroom runs "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return architecture
+
+
+def _check_variant(hf: Any, config_path: Path) -> None:
+    act = getattr(hf, "hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedConfig(f"{config_path}: hidden_act {act!r} is not supported (only 'silu')")
+    if getattr(hf, "mlp_bias", False):
+        raise UnsupportedConfig(f"{config_path}: mlp_bias=true is not supported")
+    layer_types = getattr(hf, "layer_types", None) or ()
+    if getattr(hf, "use_sliding_window", False) or any(t != "full_attention" for t in layer_types):
+        raise UnsupportedConfig(
+            f"{config_path}: sliding-window attention is not supported; "
+            "set use_sliding_window to false if the model was trained without it"
+        )
+
+
+def _rope(hf: Any, config_path: Path) -> RopeConfig:
+    # transformers >= 5 keeps everything in ``rope_parameters``; older versions use
+    # ``rope_theta`` plus an optional ``rope_scaling`` dict (whose type key was once "type").
+    params = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
+    theta = params.get("rope_theta", getattr(hf, "rope_theta", None))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedConfig(
+            f"{config_path}: RoPE type {rope_type!r} is not supported; headroom implements "
+            f"{', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    partial = params.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", None))
+    if partial not in (None, 1, 1.0):
+        raise UnsupportedConfig(f"{config_path}: partial_rotary_factor {partial} is not supported")
+    defaults = RopeConfig()
+    return RopeConfig(
+        theta=float(theta if theta is not None else defaults.theta),
+        rope_type=rope_type,
+        factor=float(params.get("factor", defaults.factor)),
+        low_freq_factor=float(params.get("low_freq_factor", defaults.low_freq_factor)),
+        high_freq_factor=float(params.get("high_freq_factor", defaults.high_freq_factor)),
+        original_max_position_embeddings=int(
+            params.get("original_max_position_embeddings") or hf.max_position_embeddings
+        ),
+    )
+
+
+def _token_ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]

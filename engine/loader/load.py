@@ -1,0 +1,58 @@
+"""Build a model and load its weights; size its weights without loading them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from engine.config import ModelConfig
+from engine.loader.errors import WeightMismatch
+from engine.loader.hf_config import load_model_config
+from engine.loader.weights import iter_weights
+from engine.models.decoder import CausalLM
+from engine.models.registry import get_model_class
+
+
+def load_model(
+    model_dir: str | Path, device: torch.device | str, dtype: torch.dtype
+) -> tuple[CausalLM, ModelConfig]:
+    """Load a Hugging Face model folder onto ``device`` in ``dtype``.
+
+    The model is built on the meta device and materialized uninitialized, so the weights
+    are written once, straight into their final place. Returns ``(model, config)``, the
+    model in eval mode with its RoPE cache built (float32).
+
+    Raises:
+        ModelNotFound, UnsupportedArchitecture, ConfigFieldMissing, UnsupportedConfig:
+            from reading ``config.json``.
+        CorruptWeights: a safetensors file is truncated or unreadable.
+        WeightMismatch: the tensors do not match the config (missing, unexpected, shape);
+            the message names ``model_dir`` and the tensors.
+    """
+    model_dir = Path(model_dir)
+    config = load_model_config(model_dir)
+    model = _build_on_meta(config).to(dtype=dtype)
+    model.to_empty(device=device)
+    model.init_rope_cache()
+    try:
+        model.load_weights(iter_weights(model_dir))
+    except WeightMismatch as e:
+        raise WeightMismatch(f"{model_dir}: {e}") from None
+    return model.eval(), config
+
+
+def weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
+    """Device bytes :func:`load_model` will allocate for ``config`` in ``dtype``: every
+    parameter, plus the float32 RoPE cos/sin cache. Computed from the shapes of a model
+    built on the meta device, so it is exact and allocates nothing."""
+    model = _build_on_meta(config)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    params = sum(p.numel() for p in model.parameters()) * itemsize
+    rope_cache = config.max_position_embeddings * config.head_dim * 4  # float32
+    return params + rope_cache
+
+
+def _build_on_meta(config: ModelConfig) -> CausalLM:
+    with torch.device("meta"):
+        return get_model_class(config.architecture)(config)

@@ -1,0 +1,78 @@
+"""Iterate the tensors of a Hugging Face folder's safetensors files.
+
+Either one ``model.safetensors`` or shards listed by ``model.safetensors.index.json``.
+Files are memory-mapped by ``safetensors.safe_open``, so one tensor at a time is read.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from engine.loader.errors import CorruptWeights, ModelNotFound
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def weight_files(model_dir: str | Path) -> list[Path]:
+    """The safetensors files of ``model_dir``, in index order.
+
+    Raises:
+        ModelNotFound: neither ``model.safetensors`` nor an index is there.
+        CorruptWeights: the index is unreadable or names a shard that does not exist.
+    """
+    model_dir = Path(model_dir)
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            names = list(dict.fromkeys(weight_map.values()))  # dedupe, keep order
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CorruptWeights(
+                f"{index} is not a valid safetensors index ({e}); re-download the model"
+            ) from e
+        files = [model_dir / name for name in names]
+        for f in files:
+            if not f.is_file():
+                raise CorruptWeights(
+                    f"{index} lists {f.name}, which is missing; re-download the model"
+                )
+        return files
+    single = model_dir / SINGLE_FILE
+    if single.is_file():
+        return [single]
+    hint = (
+        " (only PyTorch .bin weights found: convert them to safetensors)"
+        if any(model_dir.glob("*.bin"))
+        else ""
+    )
+    raise ModelNotFound(f"{model_dir} holds no {SINGLE_FILE} or {INDEX_FILE}{hint}")
+
+
+def iter_weights(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` for every tensor of every file, CPU tensors in their
+    stored dtype.
+
+    Raises:
+        ModelNotFound, CorruptWeights: as :func:`weight_files`.
+        CorruptWeights: a file is truncated, has a garbage header or cannot be read;
+            the message names the file.
+    """
+    for path in weight_files(model_dir):
+        yield from _iter_file(path)
+
+
+def _iter_file(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                yield name, f.get_tensor(name)
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise CorruptWeights(
+            f"{path} is corrupt or truncated ({e}); delete it and download or convert the model again"
+        ) from e

@@ -1,0 +1,275 @@
+"""One decoder-only transformer for Llama, Qwen2 and Qwen3.
+
+The three differ only in what :class:`ModelConfig` records: Qwen2 has a bias on the
+q/k/v projections (``attention_bias``), Qwen3 normalizes each query and key head with
+RMSNorm before RoPE (``qk_norm``) and may decouple ``head_dim`` from
+``hidden_size // num_heads``; any of them may tie the LM head to the embeddings.
+
+q/k/v are one fused linear and gate/up another: fewer, larger matmuls, hence fewer kernel
+launches per layer. :meth:`CausalLM.load_weights` fuses Hugging Face's separate tensors
+at load time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention.base import AttentionBackend
+from engine.config import ModelConfig
+from engine.forward_batch import ForwardBatch
+from engine.loader.errors import WeightMismatch
+from engine.models.rope import build_cos_sin_cache
+from kernels.activation import silu_and_mul
+from kernels.rms_norm import rms_norm
+from kernels.rotary import apply_rotary
+
+# Qwen2's bias covers q/k/v only; Llama's and Qwen3's ``attention_bias`` covers o_proj too
+# (``LlamaAttention`` / ``Qwen3Attention`` in transformers).
+_O_PROJ_BIAS_FOLLOWS_QKV = {"Qwen2ForCausalLM": False}
+
+# Hugging Face tensor -> (our fused parameter, shard). Shards are laid out in this order.
+_FUSED = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", "gate"),
+    "up_proj": ("gate_up_proj", "up"),
+}
+
+_MAX_NAMES_SHOWN = 8
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        o_bias = config.attention_bias and _O_PROJ_BIAS_FOLLOWS_QKV.get(config.architecture, True)
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        attn: AttentionBackend,
+        cos_sin_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q, k = apply_rotary(q, k, batch.positions, cos_sin_cache)
+        out = attn.forward(q, k, v, self.layer, batch)  # [T, Hq * D]
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        batch: ForwardBatch,
+        attn: AttentionBackend,
+        cos_sin_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), batch, attn, cos_sin_cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderModel(nn.Module):
+    """The trunk; named ``model`` inside :class:`CausalLM` so parameter names follow
+    Hugging Face's (``model.layers.N....``)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """Decoder-only LM over the paged KV cache.
+
+    Build it under ``torch.device("meta")`` and materialize with ``to_empty`` (see
+    :func:`engine.loader.load.load_model`); then call :meth:`init_rope_cache` and
+    :meth:`load_weights`.
+
+    Attributes:
+        cos_sin_cache: ``[max_position_embeddings, head_dim]`` float32 buffer, kept in
+            float32 whatever the model dtype (transformers computes cos/sin in float32);
+            ``None`` until :meth:`init_rope_cache` (``forward`` calls it if needed).
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config)
+        # A tied head reads the embedding matrix directly: no second parameter to keep
+        # tied through ``to_empty`` / dtype casts, and the weight is counted once.
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+        # Filled by init_rope_cache, not here: a None buffer is skipped by ``to(dtype)`` and
+        # ``to_empty``, so the cache is never cast to the model dtype or allocated twice.
+        self.register_buffer("cos_sin_cache", None, persistent=False)
+
+    def init_rope_cache(self) -> None:
+        """(Re)compute :attr:`cos_sin_cache` in float32 on the model's device."""
+        device = self.model.embed_tokens.weight.device
+        self.cos_sin_cache = build_cos_sin_cache(
+            self.config.rope, self.config.head_dim, self.config.max_position_embeddings, device
+        )
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """``[vocab_size, hidden_size]``: the LM head, or the embeddings when tied."""
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    @torch.no_grad()
+    def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
+        """Run one step: store the new tokens' K/V in the pool and return next-token logits.
+
+        Args:
+            batch: the step; its tensors live on the model's device.
+            attn: the attention backend over the KV pool; ``attn.prepare(batch)`` is
+                called here.
+
+        Returns:
+            ``[B, vocab_size]`` float32 logits, one row per sequence, at
+            ``batch.logits_indices``.
+        """
+        if self.cos_sin_cache is None:
+            self.init_rope_cache()
+        attn.prepare(batch)
+        h = self.model.embed_tokens(batch.input_ids)  # [T, hidden]
+        for layer in self.model.layers:
+            h = layer(h, batch, attn, self.cos_sin_cache)
+        # RMSNorm is per row, so normalizing only the rows that need logits is exact.
+        h = self.model.norm(h[batch.logits_indices])  # [B, hidden]
+        return F.linear(h, self.lm_head_weight).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face tensors into the model, fusing q/k/v and gate/up.
+
+        Args:
+            weights: ``(name, tensor)`` pairs with Hugging Face names
+                (``model.layers.N.self_attn.q_proj.weight``, ...), any dtype/device;
+                they are cast to the parameter's. ``rotary_emb.inv_freq`` tensors are
+                ignored (we compute our own), as is ``lm_head.weight`` of a tied model.
+
+        Raises:
+            WeightMismatch: a tensor has no place in the model or the wrong shape, or a
+                parameter received no tensor; the message lists the names (truncated).
+        """
+        params = dict(self.named_parameters())
+        expected = {(name, None) for name in params}
+        for fused, shards in (("qkv_proj", ("q", "k", "v")), ("gate_up_proj", ("gate", "up"))):
+            for name in [n for n in params if f".{fused}.weight" in n or f".{fused}.bias" in n]:
+                expected.discard((name, None))
+                expected.update((name, s) for s in shards)
+        loaded: set[tuple[str, str | None]] = set()
+        unexpected: list[str] = []
+        for hf_name, tensor in weights:
+            if hf_name.endswith("rotary_emb.inv_freq"):
+                continue
+            if hf_name == "lm_head.weight" and self.lm_head is None:
+                continue
+            target, shard = self._target(hf_name)
+            if target not in params:
+                unexpected.append(hf_name)
+                continue
+            dest = self._shard_view(params[target], shard)
+            if tuple(dest.shape) != tuple(tensor.shape):
+                raise WeightMismatch(
+                    f"tensor {hf_name} has shape {tuple(tensor.shape)}, the config expects "
+                    f"{tuple(dest.shape)}; config.json and the weights disagree"
+                )
+            dest.copy_(tensor)
+            loaded.add((target, shard))
+        missing = sorted(f"{n}[{s}]" if s else n for n, s in expected - loaded)
+        if missing or unexpected:
+            parts = []
+            if missing:
+                parts.append(f"missing {len(missing)} tensors: {_names(missing)}")
+            if unexpected:
+                parts.append(f"unexpected {len(unexpected)} tensors: {_names(sorted(unexpected))}")
+            raise WeightMismatch(
+                "the weights do not match the config ("
+                + "; ".join(parts)
+                + "); the checkpoint is incomplete or of another architecture"
+            )
+
+    @staticmethod
+    def _target(hf_name: str) -> tuple[str, str | None]:
+        """Our parameter name and shard for a Hugging Face tensor name."""
+        parts = hf_name.split(".")
+        if len(parts) >= 2 and parts[-2] in _FUSED:
+            fused, shard = _FUSED[parts[-2]]
+            return ".".join([*parts[:-2], fused, parts[-1]]), shard
+        return hf_name, None
+
+    def _shard_view(self, param: torch.Tensor, shard: str | None) -> torch.Tensor:
+        """The rows of a fused parameter that one Hugging Face tensor fills."""
+        if shard is None:
+            return param
+        cfg = self.config
+        offsets = {
+            "q": (0, cfg.q_size),
+            "k": (cfg.q_size, cfg.kv_size),
+            "v": (cfg.q_size + cfg.kv_size, cfg.kv_size),
+            "gate": (0, cfg.intermediate_size),
+            "up": (cfg.intermediate_size, cfg.intermediate_size),
+        }
+        start, size = offsets[shard]
+        return param.narrow(0, start, size)
+
+
+def _names(names: list[str]) -> str:
+    shown = ", ".join(names[:_MAX_NAMES_SHOWN])
+    more = len(names) - _MAX_NAMES_SHOWN
+    return shown + (f", ... ({more} more)" if more > 0 else "")

@@ -1,0 +1,29 @@
+"""Architecture name (``config.json``'s ``architectures[0]``) -> model class."""
+
+from __future__ import annotations
+
+from engine.config import SUPPORTED_ARCHITECTURES
+from engine.loader.errors import UnsupportedArchitecture
+from engine.models.decoder import CausalLM
+
+_MODELS: dict[str, type[CausalLM]] = {
+    "LlamaForCausalLM": CausalLM,
+    "Qwen2ForCausalLM": CausalLM,
+    "Qwen3ForCausalLM": CausalLM,
+}
+
+
+def get_model_class(architecture: str) -> type[CausalLM]:
+    """The class that implements ``architecture``.
+
+    Raises:
+        UnsupportedArchitecture: not one of :data:`engine.config.SUPPORTED_ARCHITECTURES`;
+            the message lists those.
+    """
+    try:
+        return _MODELS[architecture]
+    except KeyError:
+        raise UnsupportedArchitecture(
+            f"architecture {architecture!r} is not supported; headroom runs "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        ) from None

@@ -1,0 +1,58 @@
+"""Per-request state inside the engine."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from engine.kvcache.radix import RadixNode
+from engine.messages import SamplingParams
+from engine.sampling.sampler import SamplingState
+
+
+class Phase(enum.Enum):
+    WAITING = "waiting"  # queued, holds no pages
+    PREFILL = "prefill"  # admitted; prompt (or, after preemption, prompt + output) being filled in chunks
+    DECODE = "decode"  # one new token per step
+    FINISHED = "finished"  # includes aborted and failed
+
+
+@dataclass(eq=False)
+class Request:
+    """One request's tokens, pages and progress.
+
+    ``kv_len`` tokens of ``all_ids`` have their keys/values in ``pages``; the next step
+    feeds ``all_ids[kv_len:]`` (one token in decode, a chunk in prefill).
+    ``cached_len`` leading tokens sit in pages owned by the radix cache (pinned through
+    ``last_node``); the pages after them are the request's own.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    state: SamplingState
+    arrival: int
+    output_ids: list[int] = field(default_factory=list)
+    phase: Phase = Phase.WAITING
+    kv_len: int = 0
+    pages: list[int] = field(default_factory=list)
+    cached_len: int = 0
+    last_node: RadixNode | None = None
+    prompt_cached_tokens: int = 0  # prefix-cache hit of the first admission, reported to the caller
+    emitted: int = 0  # output tokens already returned to the caller
+    finish_reason: str | None = None
+    error_code: str | None = None
+    error_message: str | None = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def total_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def pending_len(self) -> int:
+        """Tokens whose keys/values are still to compute."""
+        return self.total_len - self.kv_len

@@ -1,0 +1,313 @@
+"""Continuous batching with chunked prefill over the paged KV cache.
+
+Each step mixes every decoding request (one token each) with prefill chunks, up to
+``max_prefill_tokens`` new tokens in all. A request moves
+waiting -> prefill (in chunks) -> decode -> finished; preemption sends a running
+request back to waiting, to be recomputed from its prompt and output so far.
+
+The scheduler owns pages and the prefix cache; it never touches tensors. A step is
+planned (:meth:`Scheduler.schedule`), run by the model runner, then either committed
+(:meth:`Scheduler.commit`) or rolled back (:meth:`Scheduler.rollback`), so a failed
+forward leaves every request exactly as it was before the step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.kvcache.allocator import OutOfPages, PageAllocator
+from engine.kvcache.radix import RadixCache
+from engine.messages import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
+from engine.scheduler.request import Phase, Request
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """``max_prefill_tokens``: new tokens per step (chunk cap). ``max_context_tokens``:
+    the most tokens (prompt + output) one request may hold."""
+
+    page_size: int
+    max_running_requests: int
+    max_prefill_tokens: int
+    max_context_tokens: int
+    eos_token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class StepItem:
+    """One request's share of a step: feed ``all_ids[start:start + num_tokens]``."""
+
+    req: Request
+    start: int
+    num_tokens: int
+    new_pages: list[int]
+    admitted: bool  # went from waiting to running in this step
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the request's last token, so the step samples for it."""
+        return self.start + self.num_tokens == self.req.total_len
+
+
+@dataclass
+class StepPlan:
+    items: list[StepItem] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def is_decode(self) -> bool:
+        return all(it.num_tokens == 1 and not it.admitted for it in self.items)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(it.num_tokens for it in self.items)
+
+
+class Scheduler:
+    """Admission, batching, page accounting and prefix caching for one engine."""
+
+    def __init__(self, config: SchedulerConfig, allocator: PageAllocator, radix: RadixCache | None) -> None:
+        self.config = config
+        self.allocator = allocator
+        self.radix = radix
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # prefill and decode, in arrival order
+        self.requests: dict[str, Request] = {}
+        self.finished_count = 0
+        self.aborted_count = 0
+        self.failed_count = 0
+        self._ended: list[Request] = []  # finished since the last drain, to report
+
+    # -- requests in and out ------------------------------------------------------------
+
+    def add(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def abort(self, request_id: str) -> None:
+        """End a request in any phase; its pages are released now."""
+        req = self.requests.get(request_id)
+        if req is None or req.phase is Phase.FINISHED:
+            return
+        self._finish(req, FINISH_ABORT)
+        self.aborted_count += 1
+
+    def fail(self, req: Request, code: str, message: str) -> None:
+        """End a request with an error (e.g. ``out_of_memory``)."""
+        req.error_code, req.error_message = code, message
+        self._finish(req, "error")
+        self.failed_count += 1
+
+    def drain_ended(self) -> list[Request]:
+        """Requests that ended since the last call (finished, aborted or failed)."""
+        out, self._ended = self._ended, []
+        for req in out:
+            self.requests.pop(req.request_id, None)
+        return out
+
+    def has_work(self) -> bool:
+        """Anything waiting, running, or ended but not yet reported."""
+        return bool(self.waiting or self.running or self._ended)
+
+    # -- planning -----------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan | None:
+        """Plan the next step: all decodes, then prefill chunks within the token budget.
+
+        Returns None when nothing can run.
+        """
+        plan = StepPlan()
+        budget = self.config.max_prefill_tokens
+        for req in list(self.running):
+            if req.phase is not Phase.DECODE or req not in self.running:
+                continue
+            item = self._plan_decode(req, plan)
+            if item is not None:
+                plan.items.append(item)
+                budget -= 1
+        for req in list(self.running):
+            if req.phase is Phase.PREFILL and budget > 0 and req in self.running:
+                item = self._plan_chunk(req, budget, admitted=False)
+                if item is None:
+                    break
+                plan.items.append(item)
+                budget -= item.num_tokens
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
+            req = self.waiting[0]
+            item = self._admit(req, budget)
+            if item is None:
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+            plan.items.append(item)
+            budget -= item.num_tokens
+        return plan if plan.items else None
+
+    def _plan_decode(self, req: Request, plan: StepPlan) -> StepItem | None:
+        while True:
+            try:
+                pages = self._alloc_for(req, req.kv_len + 1)
+                return StepItem(req, req.kv_len, 1, pages, admitted=False)
+            except OutOfPages:
+                victim = self._youngest_running(exclude_planned=plan)
+                if victim is None:
+                    raise
+                self._preempt(victim)
+                plan.preempted.append(victim)
+                if victim is req:
+                    return None
+
+    def _plan_chunk(self, req: Request, budget: int, *, admitted: bool) -> StepItem | None:
+        n = min(req.pending_len, budget)
+        try:
+            pages = self._alloc_for(req, req.kv_len + n)
+        except OutOfPages:
+            # Take what fits: a smaller chunk still makes progress.
+            can = (self.allocator.num_free + self._evictable()) * self.config.page_size
+            n = min(n, len(req.pages) * self.config.page_size + can - req.kv_len)
+            if n <= 0:
+                return None
+            pages = self._alloc_for(req, req.kv_len + n)
+        return StepItem(req, req.kv_len, n, pages, admitted=admitted)
+
+    def _admit(self, req: Request, budget: int) -> StepItem | None:
+        if self.radix is not None:
+            # Leave at least one token to compute: the step needs its logits.
+            pages, node = self.radix.match_prefix(req.all_ids[: req.total_len - 1])
+            self.radix.lock(node)
+            req.pages, req.last_node = list(pages), node
+            req.kv_len = req.cached_len = len(pages) * self.config.page_size
+            if not req.output_ids:
+                req.prompt_cached_tokens = req.cached_len
+        req.phase = Phase.PREFILL
+        item = self._plan_chunk(req, budget, admitted=True)
+        if item is None:
+            self._release(req)
+            req.phase = Phase.WAITING
+        return item
+
+    # -- committing or undoing a step ---------------------------------------------------
+
+    def commit(self, plan: StepPlan, sampled: dict[str, int]) -> None:
+        """Apply a step that ran: advance ``kv_len``, append sampled tokens, finish.
+
+        ``sampled`` maps request id to its new token, for items that sample.
+        """
+        for it in plan.items:
+            req = it.req
+            if req.phase is Phase.FINISHED:
+                continue
+            req.kv_len = it.start + it.num_tokens
+            if req.phase is Phase.PREFILL:
+                self._cache_prefix(req)
+            token = sampled.get(req.request_id)
+            if token is None:
+                continue
+            req.output_ids.append(token)
+            req.state.append(token)
+            req.phase = Phase.DECODE
+            reason = self._stop_reason(req, token)
+            if reason is not None:
+                self._finish(req, reason)
+                self.finished_count += 1
+
+    def rollback(self, plan: StepPlan) -> None:
+        """Undo a planned step that failed: its new pages go back; admissions return to
+        the waiting queue at their place. Preemptions made while planning stand (they
+        were already consistent)."""
+        for it in reversed(plan.items):
+            req = it.req
+            if it.new_pages:
+                self.allocator.free(it.new_pages)
+                del req.pages[len(req.pages) - len(it.new_pages) :]
+            if it.admitted:
+                self._release(req)
+                req.phase = Phase.WAITING
+                self.running.remove(req)
+                self.waiting.appendleft(req)
+
+    # -- internals ----------------------------------------------------------------------
+
+    def _stop_reason(self, req: Request, token: int) -> str | None:
+        sp = req.sampling
+        if (not sp.ignore_eos and token in self.config.eos_token_ids) or token in sp.stop_token_ids:
+            return FINISH_STOP
+        if len(req.output_ids) >= sp.max_new_tokens or req.total_len >= self.config.max_context_tokens:
+            return FINISH_LENGTH
+        return None
+
+    def _alloc_for(self, req: Request, upto_len: int) -> list[int]:
+        """Grow ``req.pages`` to hold ``upto_len`` tokens; returns the new pages.
+
+        Raises:
+            OutOfPages: not enough free pages even after evicting the prefix cache.
+        """
+        need = math.ceil(upto_len / self.config.page_size) - len(req.pages)
+        if need <= 0:
+            return []
+        short = need - self.allocator.num_free
+        if short > 0 and self.radix is not None:
+            self.radix.evict(short)
+        pages = self.allocator.alloc(need)
+        req.pages.extend(pages)
+        return pages
+
+    def _evictable(self) -> int:
+        return self.radix.evictable_pages() if self.radix is not None else 0
+
+    def _cache_prefix(self, req: Request) -> None:
+        """Hand the request's full, computed pages to the radix cache so that requests
+        arriving later (or this one, after preemption) reuse them."""
+        if self.radix is None:
+            return
+        ps = self.config.page_size
+        full_pages = req.kv_len // ps
+        if full_pages * ps <= req.cached_len:
+            return
+        tokens = req.all_ids[: full_pages * ps]
+        tree_pages, node = self.radix.insert(tokens, req.pages[:full_pages])
+        start = req.cached_len // ps
+        duplicates = [p for p, t in zip(req.pages[start:full_pages], tree_pages[start:], strict=True) if p != t]
+        if duplicates:
+            self.allocator.free(duplicates)
+        req.pages[start:full_pages] = tree_pages[start:]
+        self.radix.lock(node)
+        if req.last_node is not None:
+            self.radix.unlock(req.last_node)
+        req.last_node, req.cached_len = node, full_pages * ps
+
+    def _release(self, req: Request) -> None:
+        """Give back the request's own pages and its pin on the prefix cache."""
+        own = req.pages[req.cached_len // self.config.page_size :]
+        if own:
+            self.allocator.free(own)
+        if self.radix is not None and req.last_node is not None:
+            self.radix.unlock(req.last_node)
+        req.pages, req.last_node, req.kv_len, req.cached_len = [], None, 0, 0
+
+    def _finish(self, req: Request, reason: str) -> None:
+        if req.phase in (Phase.PREFILL, Phase.DECODE):
+            self._cache_prefix(req)
+            self._release(req)
+            self.running.remove(req)
+        elif req.phase is Phase.WAITING:
+            self.waiting.remove(req)
+        req.phase, req.finish_reason = Phase.FINISHED, reason
+        self._ended.append(req)
+
+    def _preempt(self, req: Request) -> None:
+        self._cache_prefix(req)
+        self._release(req)
+        self.running.remove(req)
+        req.phase = Phase.WAITING
+        # Back at the head in arrival order: it was admitted before anything still waiting.
+        self.waiting.appendleft(req)
+
+    def _youngest_running(self, exclude_planned: StepPlan) -> Request | None:
+        planned = {id(it.req) for it in exclude_planned.items}
+        for req in reversed(self.running):
+            if id(req) not in planned:
+                return req
+        return None

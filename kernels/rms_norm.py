@@ -1,0 +1,24 @@
+"""RMSNorm (Zhang & Sennrich, 2019), as Llama/Qwen compute it in transformers."""
+
+from __future__ import annotations
+
+import torch
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * x / sqrt(mean(x**2) + eps)`` over the last dimension.
+
+    Args:
+        x: ``[T, H]`` (any leading dimensions work) in float32, bfloat16 or float16.
+        weight: ``[H]``, same dtype as ``x``.
+        eps: added to the mean square before the square root.
+
+    Returns:
+        ``[T, H]`` in ``x``'s dtype. The statistics are computed in float32 and the
+        normalized value is cast back to ``x``'s dtype *before* the multiply by ``weight``,
+        exactly like transformers' ``LlamaRMSNorm``, so low-precision outputs match
+        bit for bit.
+    """
+    xf = x.float()
+    variance = xf.pow(2).mean(-1, keepdim=True)
+    return weight * (xf * torch.rsqrt(variance + eps)).to(x.dtype)

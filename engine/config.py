@@ -83,8 +83,17 @@ class EngineConfig:
     ``"float32"``, ``"bfloat16"`` or ``"float16"``.
 
     ``page_size`` is in tokens. ``max_prefill_tokens`` caps the tokens one prefill step
-    runs (the chunk of chunked prefill). ``num_pages`` fixes the KV pool size; ``None``
-    lets the engine size it (``kv_cache_bytes`` or a CPU default).
+    runs (the chunk of chunked prefill).
+
+    KV pool size, first that applies: ``num_pages`` (fixed); ``kv_cache_bytes`` (fixed);
+    the memory plan on a CUDA device, or on a simulated one when
+    ``simulate_device_total_bytes`` is set (total and free given, for machines without
+    a GPU and for tests); on a CPU otherwise, a fixed 1 GiB default.
+
+    Plan knobs (bytes; ``None`` = automatic): ``reserve_bytes`` (desktop reserve),
+    ``safety_margin_bytes``, ``device_limit_bytes`` (plan as if the card were this
+    big), ``min_context_tokens`` (smallest context one request must get for the plan to
+    fit; default the model's context).
     """
 
     model: str | None = None
@@ -97,3 +106,11 @@ class EngineConfig:
     num_pages: int | None = None
     kv_cache_bytes: int | None = None
     enable_prefix_cache: bool = True
+    attention_backend: str = "torch"
+    reserve_bytes: int | None = None
+    safety_margin_bytes: int | None = None
+    device_limit_bytes: int | None = None
+    min_context_tokens: int | None = None
+    simulate_device_total_bytes: int | None = None
+    simulate_device_free_bytes: int | None = None
+    simulate_display_attached: bool = False

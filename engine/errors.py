@@ -16,3 +16,15 @@ class RequestRejected(Exception):
         self.message = message
         self.code = code
         self.param = param
+
+
+class PlanDoesNotFit(Exception):
+    """The memory plan cannot hold one request of the minimum context.
+
+    ``plan`` is the :class:`engine.memory.plan.MemoryPlan`; the message says what does
+    not fit, by how much, and which settings fix it.
+    """
+
+    def __init__(self, plan) -> None:
+        super().__init__(plan.message())
+        self.plan = plan

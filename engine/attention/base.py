@@ -64,15 +64,24 @@ def register_backend(name: str) -> Callable[[type[AttentionBackend]], type[Atten
     return deco
 
 
+def backend_class(name: str) -> type[AttentionBackend]:
+    """The class registered under ``name`` (its ``workspace_bytes`` is what the plan
+    charges before anything is allocated).
+
+    Raises:
+        ValueError: no backend of that name; the message lists the known ones.
+    """
+    import engine.attention.torch_backend  # noqa: F401  (registers the built-in backends)
+
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; known: {', '.join(sorted(_BACKENDS))}")
+    return _BACKENDS[name]
+
+
 def create_attention_backend(name: str, pool: KVPool, **kwargs) -> AttentionBackend:
     """Build the backend registered under ``name``.
 
     Raises:
         ValueError: no backend of that name; the message lists the known ones.
     """
-    # Importing the package registers the built-in backends.
-    import engine.attention.torch_backend  # noqa: F401
-
-    if name not in _BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; known: {', '.join(sorted(_BACKENDS))}")
-    return _BACKENDS[name](pool, **kwargs)
+    return backend_class(name)(pool, **kwargs)

@@ -1,12 +1,16 @@
 """Paged attention in plain torch: runs anywhere and is the reference for GPU backends.
 
-Each step gathers every sequence's context keys/values from the pool into a padded
-``[B, S_max, H_kv, D]`` block and runs one masked ``scaled_dot_product_attention``.
-The mask row of new token ``i`` of sequence ``b`` allows context positions
-``j <= prefix_len[b] + i`` and ``j < seq_len[b]``.
+Decode rows (one new token) are batched: their context keys/values are gathered from
+the pool into a padded ``[b, S, H_kv, D]`` block, in groups whose padded size stays
+under ``gather_budget_tokens`` so that one long sequence next to many short ones never
+blows the gather up. Prefill chunks run one sequence at a time over exactly their
+context, with a causal mask offset by the cached prefix: query ``i`` sees context
+positions ``j <= prefix + i``.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -14,49 +18,99 @@ import torch.nn.functional as F
 from engine.attention.base import AttentionBackend, register_backend
 from engine.forward_batch import ForwardBatch
 
+# Padded decode gathers stay under this many context tokens per group.
+DEFAULT_GATHER_BUDGET_TOKENS = 1 << 16
+
+
+@dataclass
+class _DecodeGroup:
+    rows: torch.Tensor  # [b] rows of T
+    slots: torch.Tensor  # [b, S] context slots, padded with the null page's slot 0
+    mask: torch.Tensor  # [b, 1, 1, S] bool, True where a key is real
+
+
+@dataclass
+class _PrefillSeq:
+    start: int  # first row of T
+    length: int  # new tokens
+    slots: torch.Tensor  # [S] context slots
+    mask: torch.Tensor | None  # [E, S] bool, None when the chunk starts the sequence (plain causal)
+
 
 @register_backend("torch")
 class TorchAttentionBackend(AttentionBackend):
-    workspace_bytes = 0  # everything it allocates scales with the step (the plan's activation peak)
+    """See the module docstring. Its transients scale with the step; they belong to the
+    plan's measured activation peak, so ``workspace_bytes`` is 0."""
+
+    workspace_bytes = 0
+
+    def __init__(self, pool, *, num_heads: int, head_dim: int, scale: float,
+                 gather_budget_tokens: int = DEFAULT_GATHER_BUDGET_TOKENS) -> None:
+        super().__init__(pool, num_heads=num_heads, head_dim=head_dim, scale=scale)
+        self.gather_budget_tokens = gather_budget_tokens
 
     def prepare(self, batch: ForwardBatch) -> None:
-        page_size = self.pool.page_size
+        ps = self.pool.page_size
         device = batch.page_table.device
-        seq_lens = batch.seq_lens
-        max_seq = int(seq_lens.max())
-        max_ext = int(batch.extend_lens.max())
-        # Context slots of each sequence: [B, S_max], padded with slot 0 (null page).
-        pos = torch.arange(max_seq, device=device)
-        pages = batch.page_table[:, (pos // page_size)]
-        self._ctx_slots = pages * page_size + pos % page_size
-        seq_lens_d = seq_lens.to(device)
-        prefix_d = batch.prefix_lens.to(device)
-        ext_d = batch.extend_lens.to(device)
-        # Where each new token sits in the padded [B, E_max] query block.
-        self._q_rows = torch.repeat_interleave(torch.arange(batch.batch_size, device=device), ext_d)
-        starts = torch.cumsum(ext_d, 0) - ext_d
-        self._q_cols = torch.arange(batch.num_tokens, device=device) - torch.repeat_interleave(starts, ext_d)
-        q_pos = prefix_d[:, None] + torch.arange(max_ext, device=device)[None, :]  # [B, E_max]
-        mask = (pos[None, None, :] <= q_pos[:, :, None]) & (pos[None, None, :] < seq_lens_d[:, None, None])
-        self._mask = mask[:, None, :, :]  # [B, 1, E_max, S_max]
-        self._max_ext = max_ext
+        ext = batch.extend_lens.tolist()
+        seq_lens = batch.seq_lens.tolist()
+        prefix = batch.prefix_lens.tolist()
+        starts = [0]
+        for e in ext[:-1]:
+            starts.append(starts[-1] + e)
+
+        def slots_of(b: int, length: int) -> torch.Tensor:
+            pos = torch.arange(length, device=device)
+            return batch.page_table[b, pos // ps] * ps + pos % ps
+
+        self._decode: list[_DecodeGroup] = []
+        self._prefill: list[_PrefillSeq] = []
+        decode_rows = [b for b in range(len(ext)) if ext[b] == 1]
+        # Group decode rows so that rows x longest context stays under the budget.
+        group: list[int] = []
+        for b in decode_rows + [None]:
+            longest = max([seq_lens[g] for g in group] + ([seq_lens[b]] if b is not None else [0]))
+            if group and (b is None or (len(group) + 1) * longest > self.gather_budget_tokens):
+                self._decode.append(self._decode_group(batch, group, [starts[g] for g in group], seq_lens, slots_of, device))
+                group = []
+            if b is not None:
+                group.append(b)
+        for b in range(len(ext)):
+            if ext[b] == 1:
+                continue
+            s = seq_lens[b]
+            mask = None
+            if prefix[b] > 0:
+                q_pos = prefix[b] + torch.arange(ext[b], device=device)
+                mask = torch.arange(s, device=device)[None, :] <= q_pos[:, None]
+            self._prefill.append(_PrefillSeq(starts[b], ext[b], slots_of(b, s), mask))
+
+    @staticmethod
+    def _decode_group(batch, group, rows, seq_lens, slots_of, device) -> _DecodeGroup:
+        longest = max(seq_lens[g] for g in group)
+        slots = torch.stack([slots_of(g, longest) for g in group])  # [b, S]
+        lens = torch.tensor([seq_lens[g] for g in group], device=device)
+        mask = (torch.arange(longest, device=device)[None, :] < lens[:, None])[:, None, None, :]
+        return _DecodeGroup(torch.tensor(rows, device=device), slots, mask)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
     ) -> torch.Tensor:
         self.pool.store(layer, batch.out_slots, k, v)
-        bsz, max_ext = batch.batch_size, self._max_ext
-        q_pad = q.new_zeros(bsz, max_ext, self.num_heads, self.head_dim)
-        q_pad[self._q_rows, self._q_cols] = q
-        k_ctx = self.pool.k_buffers[layer][self._ctx_slots]  # [B, S_max, H_kv, D]
-        v_ctx = self.pool.v_buffers[layer][self._ctx_slots]
-        out = F.scaled_dot_product_attention(
-            q_pad.transpose(1, 2),
-            k_ctx.transpose(1, 2),
-            v_ctx.transpose(1, 2),
-            attn_mask=self._mask,
-            scale=self.scale,
-            enable_gqa=True,
-        )  # [B, H, E_max, D]
-        out = out.transpose(1, 2)[self._q_rows, self._q_cols]  # [T, H, D]
-        return out.reshape(out.shape[0], self.num_heads * self.head_dim)
+        k_buf, v_buf = self.pool.k_buffers[layer], self.pool.v_buffers[layer]
+        out = torch.empty_like(q)  # [T, H, D]
+        for g in self._decode:
+            qd = q[g.rows][:, :, None, :]  # [b, H, 1, D]
+            kd = k_buf[g.slots].transpose(1, 2)  # [b, H_kv, S, D]
+            vd = v_buf[g.slots].transpose(1, 2)
+            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=self.scale, enable_gqa=True)
+            out[g.rows] = o[:, :, 0, :]
+        for p in self._prefill:
+            qp = q[p.start : p.start + p.length].transpose(0, 1)[None]  # [1, H, E, D]
+            kp = k_buf[p.slots].transpose(0, 1)[None]  # [1, H_kv, S, D]
+            vp = v_buf[p.slots].transpose(0, 1)[None]
+            o = F.scaled_dot_product_attention(
+                qp, kp, vp, attn_mask=p.mask, is_causal=p.mask is None, scale=self.scale, enable_gqa=True
+            )
+            out[p.start : p.start + p.length] = o[0].transpose(0, 1)
+        return out.reshape(q.shape[0], self.num_heads * self.head_dim)

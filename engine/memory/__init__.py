@@ -1,0 +1,1 @@
+"""The memory plan: a ledger of every byte the worker will use on its device."""

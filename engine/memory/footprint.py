@@ -1,0 +1,111 @@
+"""What a model needs, in bytes: weights, KV per token, sampler, activations.
+
+The activation peak is estimated from shapes before the weights load (so a plan that
+cannot fit fails early) and measured by :mod:`engine.memory.profile` on a GPU after.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config import ModelConfig
+from engine.loader.load import weight_bytes
+from engine.memory.plan import Footprint, PlanKnobs
+
+# Per request and vocabulary entry, in bytes: the float32 logits row (4); the sampler's
+# transients on it, a clone (4), sorted values (4) and order (8, int64), the scatter
+# back (4), probabilities (4) and exponential race (4); per-request penalty state, the
+# int32 counts (4) and bool prompt mask (1). Source: engine/sampling/sampler.py.
+SAMPLER_BYTES_PER_VOCAB_ENTRY = 4 + 4 + 4 + 8 + 4 + 4 + 4 + 4 + 1
+
+# The CUDA context, cuBLAS handles and kernels' modules, before a profile measures them:
+# about 300-500 MiB on recent drivers (seen 420-510 MiB on an H200 with torch 2.11).
+CUDA_RUNTIME_ESTIMATE_BYTES = 512 << 20
+
+
+def itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def kv_bytes_per_token(mc: ModelConfig, dtype: torch.dtype) -> int:
+    """Keys and values of one token over all layers, in bytes."""
+    return 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * itemsize(dtype)
+
+
+def model_context(mc: ModelConfig, knobs: PlanKnobs) -> int:
+    return mc.max_position_embeddings if knobs.max_model_len is None else min(mc.max_position_embeddings, knobs.max_model_len)
+
+
+def estimate_activation_bytes(mc: ModelConfig, dtype: torch.dtype, knobs: PlanKnobs) -> int:
+    """Upper estimate of one step's transient peak, in bytes, for the torch attention
+    backend: ``T = max_prefill_tokens`` new tokens, of which ``B - 1`` decode rows
+    (``B = max_running_requests``) and one prefill chunk, all at the longest context
+    ``S``.
+
+    Terms (``it`` = itemsize): the residual stream and its norm ``3*T*H*it``; the larger
+    of the attention block and the MLP (``3*T*I*it``); logits rows ``B*V*4``. The
+    attention block holds the fused qkv ``T*(q+2kv)*it``, rotated copies
+    ``T*(q+kv)*it``, the output ``T*q*it``, and the larger of the chunk's context gather
+    (``2*S*kv*it``, its mask ``T*S`` and a float32 score matrix ``Hq*T*S*4`` as the math
+    kernel makes) and a decode group's gather (``2*min((B-1)*S, G)*kv*it`` with ``G``
+    the backend's gather budget, plus scores ``Hq*min((B-1)*S, G)*4``).
+    """
+    from engine.attention.torch_backend import DEFAULT_GATHER_BUDGET_TOKENS
+
+    it = itemsize(dtype)
+    t = knobs.max_prefill_tokens
+    b = max(min(knobs.max_running_requests, t), 1)
+    s = model_context(mc, knobs)
+    h, q, kv, i = mc.hidden_size, mc.q_size, mc.kv_size, mc.intermediate_size
+    residual = 3 * t * h * it
+    chunk = 2 * s * kv * it + t * s + mc.num_heads * t * s * 4
+    gathered = min((b - 1) * s, DEFAULT_GATHER_BUDGET_TOKENS)
+    decode = 2 * gathered * kv * it + mc.num_heads * gathered * 4
+    attn = t * (q + 2 * kv) * it + t * (q + kv) * it + t * q * it + max(chunk, decode)
+    mlp = 3 * t * i * it
+    logits = b * mc.vocab_size * 4
+    return residual + max(attn, mlp) + logits
+
+
+def make_footprint(
+    mc: ModelConfig,
+    dtype: torch.dtype,
+    knobs: PlanKnobs,
+    *,
+    workspaces: tuple[tuple[str, int], ...] = (),
+    measured_activation_bytes: int | None = None,
+    runtime_bytes: int = 0,
+) -> Footprint:
+    """Footprint of ``mc`` in ``dtype`` under ``knobs``.
+
+    With ``measured_activation_bytes``, the peak is that measurement; suggestions for
+    other knobs scale it by the estimate's ratio (the terms grow with the chunk alike).
+    ``runtime_bytes`` is the CUDA context (measured with the activation, else estimated).
+    """
+    est_here = estimate_activation_bytes(mc, dtype, knobs)
+    if measured_activation_bytes is None:
+        peak, source = est_here, "estimated"
+
+        def at(k: PlanKnobs) -> int:
+            return estimate_activation_bytes(mc, dtype, k)
+    else:
+        peak, source = measured_activation_bytes, "measured"
+
+        def at(k: PlanKnobs) -> int:
+            if k == knobs:
+                return peak
+            return int(peak * estimate_activation_bytes(mc, dtype, k) / max(est_here, 1))
+
+    return Footprint(
+        weight_bytes=weight_bytes(mc, dtype),
+        kv_bytes_per_token=kv_bytes_per_token(mc, dtype),
+        vocab_size=mc.vocab_size,
+        model_context_tokens=model_context(mc, PlanKnobs()),
+        workspace_bytes=workspaces,
+        runtime_bytes=runtime_bytes,
+        runtime_source="measured" if measured_activation_bytes is not None else "estimated",
+        sampler_bytes_per_request=SAMPLER_BYTES_PER_VOCAB_ENTRY * mc.vocab_size,
+        activation_peak_bytes=peak,
+        activation_source=source,
+        activation_at=at,
+    )

@@ -1,0 +1,338 @@
+"""The memory plan: from the device's free memory to a number of KV pages.
+
+Torch-free arithmetic, so the same code plans a real GPU (numbers from NVML and a
+profile run) and a simulated one (numbers from flags or a test), and the service can
+show a plan without importing torch.
+
+The ledger, top to bottom::
+
+    device total                 NVML (or --device-total), capped by --device-limit
+  - used by other processes      NVML, now (or total - --device-free)
+  - desktop reserve              --reserve (auto: see reserve_for)
+  - safety margin                fragmentation and allocator rounding
+  = budget
+  - weights                      exact, from tensor shapes
+  - attention workspace          declared by the backend
+  - sampler and logits           max running requests x vocab
+  - prefill activation peak      measured by a profile run (estimated before it)
+  - CUDA graph pool              measured at capture
+  - model scratch                measured in the profile run
+  = KV cache pool                whole pages, never negative
+
+A plan that cannot hold one request of ``min_context_tokens`` does not fit; its
+:meth:`MemoryPlan.message` says by how much and which settings fix it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import msgspec
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+# Desktop reserve when a display is attached to the GPU: a compositor with two 4K
+# surfaces and a browser's GPU process commonly hold 300-600 MiB; the 5% share scales
+# it with cards that drive larger desktops. Headless cards need none.
+DISPLAY_RESERVE_BASE_BYTES = 512 * MiB
+DISPLAY_RESERVE_SHARE = 0.05
+# Safety margin: the CUDA context's growth after start, allocator rounding (2 MiB
+# segments) and fragmentation between block sizes.
+SAFETY_MARGIN_BASE_BYTES = 128 * MiB
+SAFETY_MARGIN_SHARE = 0.01
+# The chunk cap is not lowered below this in suggestions or after an OOM.
+MIN_PREFILL_TOKENS = 256
+
+
+def reserve_for(total_bytes: int, display_attached: bool) -> int:
+    """The automatic desktop reserve, in bytes: ``512 MiB + 5%`` of the card with a
+    display attached, 0 without."""
+    if not display_attached:
+        return 0
+    return DISPLAY_RESERVE_BASE_BYTES + int(DISPLAY_RESERVE_SHARE * total_bytes)
+
+
+def safety_margin_for(total_bytes: int) -> int:
+    """The automatic safety margin, in bytes: ``128 MiB + 1%`` of the card."""
+    return SAFETY_MARGIN_BASE_BYTES + int(SAFETY_MARGIN_SHARE * total_bytes)
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """A device's memory as seen now, in bytes.
+
+    ``others_bytes`` is memory held by processes other than this worker (the desktop,
+    other apps, a dying predecessor). ``simulated`` marks numbers given by flags or a
+    test rather than read from NVML.
+    """
+
+    name: str
+    total_bytes: int
+    free_bytes: int
+    others_bytes: int
+    display_attached: bool = False
+    simulated: bool = False
+    top_consumers: tuple[tuple[int, str, int], ...] = ()  # (pid, name, bytes)
+
+
+@dataclass(frozen=True)
+class PlanKnobs:
+    """Settings that move the plan. ``None`` means automatic.
+
+    ``device_limit_bytes`` caps the device's total (run as if the card were smaller).
+    ``max_model_len`` caps a request's context below the model's. ``min_context_tokens``
+    is the smallest context one request must get for the plan to fit.
+    """
+
+    page_size: int = 16
+    max_prefill_tokens: int = 2048
+    max_running_requests: int = 64
+    max_model_len: int | None = None
+    min_context_tokens: int | None = None
+    reserve_bytes: int | None = None
+    safety_margin_bytes: int | None = None
+    device_limit_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """What the model and its components need, in bytes.
+
+    ``kv_bytes_per_token`` covers all layers, keys and values. ``workspace_bytes`` maps a
+    component to fixed memory it declared. ``activation_peak_bytes`` is the transient
+    peak of one step at the knobs' maximum chunk and batch; ``activation_source`` says
+    whether it was ``"measured"`` or ``"estimated"``; ``runtime_bytes`` is the CUDA
+    context (``runtime_source`` likewise). ``activation_at`` gives the peak
+    for other knobs (used to price suggestions); it must agree with the peak at the
+    knobs the footprint was made for.
+    """
+
+    weight_bytes: int
+    kv_bytes_per_token: int
+    vocab_size: int
+    model_context_tokens: int
+    workspace_bytes: tuple[tuple[str, int], ...] = ()
+    sampler_bytes_per_request: int = 0
+    activation_peak_bytes: int = 0
+    activation_source: str = "estimated"
+    cuda_graph_bytes: int = 0
+    scratch_bytes: int = 0
+    runtime_bytes: int = 0
+    runtime_source: str = "estimated"
+    activation_at: Callable[[PlanKnobs], int] | None = None
+
+
+class LedgerEntry(msgspec.Struct, frozen=True):
+    """One line of the ledger: ``sign`` is ``+`` for what the device offers, ``-`` for
+    what is taken from it, ``=`` for a subtotal."""
+
+    name: str
+    bytes: int
+    sign: str
+    source: str
+
+
+class Suggestion(msgspec.Struct, frozen=True):
+    """A setting that would make the plan fit (or fit better): ``flag`` from ``current``
+    to ``proposed`` frees ``saves_bytes``."""
+
+    flag: str
+    current: str
+    proposed: str
+    saves_bytes: int
+
+    def text(self) -> str:
+        return f"{self.flag} {self.current} → {self.proposed} frees about {fmt_bytes(self.saves_bytes)}"
+
+
+class MemoryPlan(msgspec.Struct, frozen=True, kw_only=True):
+    """The ledger and what it gives. Sizes in bytes, contexts in tokens."""
+
+    device: str
+    simulated: bool
+    ledger: list[LedgerEntry]
+    budget_bytes: int
+    fixed_bytes: int  # everything but the KV pool charged against the budget
+    kv_pool_bytes: int
+    num_pages: int  # usable pages (the pool allocates one more: the null page)
+    page_size: int
+    max_context_tokens: int
+    min_context_tokens: int
+    fits: bool
+    shortfall_bytes: int
+    suggestions: list[Suggestion]
+    max_prefill_tokens: int
+    max_running_requests: int
+
+    def message(self) -> str:
+        """What does not fit, by how much, and what fixes it (empty when it fits)."""
+        if self.fits:
+            return ""
+        lines = [
+            f"the memory plan does not fit on {self.device}: one request of "
+            f"{self.min_context_tokens} tokens needs {fmt_bytes(self.shortfall_bytes)} more "
+            f"than the budget of {fmt_bytes(self.budget_bytes)} leaves for the KV cache."
+        ]
+        enough = [s for s in self.suggestions if s.saves_bytes >= self.shortfall_bytes]
+        if enough:
+            lines.append("Any one of these settings fixes it:")
+            lines.extend(f"  {s.text()}" for s in enough)
+        partial = [s for s in self.suggestions if s.saves_bytes < self.shortfall_bytes]
+        if partial:
+            lines.append("These help but are not enough alone:" if enough else "These settings help; combine them:")
+            lines.extend(f"  {s.text()}" for s in partial)
+        if not enough and sum(s.saves_bytes for s in self.suggestions) < self.shortfall_bytes:
+            lines.append("Even together they do not free enough: use a smaller model or a larger device.")
+        return "\n".join(lines)
+
+    def table(self) -> str:
+        """The ledger as aligned text, MiB at the edge."""
+        width = max(len(e.name) for e in self.ledger)
+        out = []
+        for e in self.ledger:
+            mark = {"+": " ", "-": "-", "=": "="}[e.sign]
+            out.append(f"{mark} {e.name:<{width}}  {e.bytes / MiB:>10.1f} MiB   {e.source}")
+        out.append(
+            f"  {'KV pages':<{width}}  {self.num_pages:>10d}        x {self.page_size} tokens; "
+            f"max context {self.max_context_tokens} tokens"
+        )
+        return "\n".join(out)
+
+
+def fmt_bytes(n: int) -> str:
+    """Bytes for a person: GiB, MiB or KiB."""
+    if abs(n) >= GiB:
+        return f"{n / GiB:.2f} GiB"
+    if abs(n) >= MiB:
+        return f"{n / MiB:.0f} MiB"
+    return f"{n / 1024:.0f} KiB"
+
+
+def make_plan(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint) -> MemoryPlan:
+    """Compute the ledger for ``device`` with ``knobs`` and the model's ``fp``.
+
+    Never raises for a plan that does not fit: ``fits`` is False, ``shortfall_bytes`` and
+    ``suggestions`` say what to change (each priced by planning again with that knob
+    moved). Raises ValueError only for nonsensical inputs (negative sizes).
+    """
+    plan = _ledger(device, knobs, fp)
+    if plan.fits:
+        return plan
+    return msgspec.structs.replace(plan, suggestions=_suggest(device, knobs, fp, plan))
+
+
+def _ledger(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint) -> MemoryPlan:
+    if min(device.total_bytes, device.free_bytes, device.others_bytes, fp.weight_bytes) < 0:
+        raise ValueError("memory sizes must be >= 0")
+    total = device.total_bytes
+    if knobs.device_limit_bytes is not None:
+        total = min(total, knobs.device_limit_bytes)
+    reserve = knobs.reserve_bytes if knobs.reserve_bytes is not None else reserve_for(total, device.display_attached)
+    margin = knobs.safety_margin_bytes if knobs.safety_margin_bytes is not None else safety_margin_for(total)
+    src = "simulated" if device.simulated else "NVML"
+    reserve_src = "--reserve" if knobs.reserve_bytes is not None else (
+        "auto: display attached" if device.display_attached else "auto: no display"
+    )
+    budget = total - device.others_bytes - reserve - margin
+    sampler = fp.sampler_bytes_per_request * knobs.max_running_requests
+    activation = fp.activation_at(knobs) if fp.activation_at is not None else fp.activation_peak_bytes
+    ledger = [
+        LedgerEntry("device total", total, "+", src + (" (capped by --device-limit)" if total < device.total_bytes else "")),
+        LedgerEntry("used by other processes", device.others_bytes, "-", src + ", now"),
+        LedgerEntry("desktop reserve", reserve, "-", reserve_src),
+        LedgerEntry("safety margin", margin, "-", "auto" if knobs.safety_margin_bytes is None else "flag"),
+        LedgerEntry("budget", budget, "=", ""),
+        LedgerEntry("weights", fp.weight_bytes, "-", "exact, from tensor shapes"),
+        LedgerEntry("CUDA context and runtime", fp.runtime_bytes, "-", fp.runtime_source if fp.runtime_bytes else "none"),
+    ]
+    ledger += [LedgerEntry(f"workspace: {name}", b, "-", "declared") for name, b in fp.workspace_bytes]
+    ledger += [
+        LedgerEntry("sampler and logits", sampler, "-", f"{knobs.max_running_requests} requests x vocab {fp.vocab_size}"),
+        LedgerEntry("prefill activation peak", activation, "-", f"{fp.activation_source} at {knobs.max_prefill_tokens} tokens"),
+        LedgerEntry("CUDA graph pool", fp.cuda_graph_bytes, "-", "measured at capture" if fp.cuda_graph_bytes else "none captured"),
+        LedgerEntry("model scratch", fp.scratch_bytes, "-", "measured" if fp.scratch_bytes else "none"),
+    ]
+    fixed = fp.weight_bytes + fp.runtime_bytes + sum(b for _, b in fp.workspace_bytes) + sampler + activation + fp.cuda_graph_bytes + fp.scratch_bytes
+    kv_room = budget - fixed
+    page_bytes = fp.kv_bytes_per_token * knobs.page_size
+    pages = max(kv_room // page_bytes, 0) if page_bytes > 0 else 0
+    model_ctx = fp.model_context_tokens if knobs.max_model_len is None else min(fp.model_context_tokens, knobs.max_model_len)
+    min_ctx = min(knobs.min_context_tokens or model_ctx, model_ctx)
+    need_pages = math.ceil(min_ctx / knobs.page_size)
+    kv_bytes = pages * page_bytes
+    ledger.append(LedgerEntry("KV cache pool", kv_bytes, "=", f"{pages} pages of {fmt_bytes(page_bytes)}"))
+    fits = pages >= need_pages
+    return MemoryPlan(
+        device=device.name,
+        simulated=device.simulated,
+        ledger=ledger,
+        budget_bytes=budget,
+        fixed_bytes=fixed,
+        kv_pool_bytes=kv_bytes,
+        num_pages=int(pages),
+        page_size=knobs.page_size,
+        max_context_tokens=int(min(model_ctx, pages * knobs.page_size)),
+        min_context_tokens=min_ctx,
+        fits=fits,
+        shortfall_bytes=0 if fits else int(need_pages * page_bytes - kv_room),
+        suggestions=[],
+        max_prefill_tokens=knobs.max_prefill_tokens,
+        max_running_requests=knobs.max_running_requests,
+    )
+
+
+def _kv_room(plan: MemoryPlan) -> int:
+    return plan.budget_bytes - plan.fixed_bytes
+
+
+def _suggest(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint, plan: MemoryPlan) -> list[Suggestion]:
+    """Price each knob moved in the direction that frees memory; keep those that free
+    something, the ones that make the plan fit first, largest saving first."""
+    base = _kv_room(plan)
+    candidates: list[tuple[str, str, str, PlanKnobs]] = []
+    chunk = knobs.max_prefill_tokens
+    if chunk > MIN_PREFILL_TOKENS:
+        for smaller in (max(chunk // 4, MIN_PREFILL_TOKENS), max(chunk // 2, MIN_PREFILL_TOKENS)):
+            candidates.append(("--max-prefill-tokens", str(chunk), str(smaller), replace(knobs, max_prefill_tokens=smaller)))
+    running = knobs.max_running_requests
+    if running > 1:
+        fewer = max(running // 4, 1)
+        candidates.append(("--max-running-requests", str(running), str(fewer), replace(knobs, max_running_requests=fewer)))
+    ctx = plan.min_context_tokens
+    if ctx > 512:
+        shorter = max(ctx // 4, 512)
+        candidates.append(("--max-model-len", str(ctx), str(shorter), replace(knobs, max_model_len=shorter, min_context_tokens=None)))
+    reserve = next(e.bytes for e in plan.ledger if e.name == "desktop reserve")
+    if reserve > 0:
+        lower = reserve // 2
+        candidates.append(("--reserve", fmt_bytes(reserve), fmt_bytes(lower), replace(knobs, reserve_bytes=lower)))
+    # Per flag: the gentlest move that makes the plan fit, else the one that frees most.
+    best: dict[str, tuple[bool, Suggestion]] = {}
+    for flag, cur, new, k in candidates:
+        other = _ledger(device, k, fp)
+        # A shorter context lowers the KV need, not fixed memory: price it by the shortfall.
+        if flag == "--max-model-len":
+            saved = plan.shortfall_bytes - other.shortfall_bytes
+        else:
+            saved = _kv_room(other) - base
+        if saved <= 0:
+            continue  # never suggest a direction that does not help
+        s = Suggestion(flag, cur, new, int(saved))
+        held = best.get(flag)
+        if held is None or _better((other.fits, s), held):
+            best[flag] = (other.fits, s)
+    ranked = sorted(best.values(), key=lambda fs: (not fs[0], -fs[1].saves_bytes))
+    suggestions = [s for _, s in ranked][:3]
+    if device.others_bytes > 0:
+        suggestions.append(Suggestion("close other GPU applications", fmt_bytes(device.others_bytes), "0", device.others_bytes))
+    return suggestions
+
+
+def _better(a: tuple[bool, Suggestion], b: tuple[bool, Suggestion]) -> bool:
+    if a[0] != b[0]:
+        return a[0]
+    # Both fit: the smaller change; neither fits: the larger saving.
+    return a[1].saves_bytes < b[1].saves_bytes if a[0] else a[1].saves_bytes > b[1].saves_bytes

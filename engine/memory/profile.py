@@ -1,0 +1,91 @@
+"""The profile run: one dummy step at the largest size the plan admits, measured.
+
+On CUDA, the allocator's peak statistics give the transient bytes of a step with
+``max_prefill_tokens`` new tokens spread over ``max_running_requests`` sequences at the
+longest context, plus sampling of every row through the sort path. The blocks it
+leaves in the caching allocator stay reserved, so later steps of that size reuse them
+instead of asking the device again: the step-size buffers are allocated once, here.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from engine.attention.base import AttentionBackend
+from engine.forward_batch import ForwardBatch
+from engine.kvcache.pool import KVPool
+from engine.memory.footprint import model_context
+from engine.memory.plan import PlanKnobs
+from engine.messages import SamplingParams
+from engine.sampling.sampler import Sampler, SamplingState
+
+
+def profile_batch(num_tokens: int, num_seqs: int, context: int, page_size: int, num_pages: int, device) -> ForwardBatch:
+    """A worst-case step: ``num_seqs - 1`` decode rows and one prefill chunk of the
+    remaining tokens, every sequence ``context`` tokens long after the step. Page tables
+    cycle through the ``num_pages - 1`` pages of a small pool: the keys read are
+    garbage, the shapes are real."""
+    chunk = num_tokens - (num_seqs - 1)
+    extend = [1] * (num_seqs - 1) + [chunk]
+    prefix = [context - e for e in extend]
+    max_pages = math.ceil(context / page_size)
+    table = (torch.arange(max_pages) % (num_pages - 1) + 1).repeat(num_seqs, 1)
+    positions = torch.cat([torch.arange(p, p + e) for p, e in zip(prefix, extend, strict=True)])
+    slots = table[0][positions // page_size] * page_size + positions % page_size
+    return ForwardBatch(
+        is_decode=False,
+        input_ids=torch.zeros(num_tokens, dtype=torch.int64, device=device),
+        positions=positions.to(device),
+        out_slots=slots.to(device),
+        page_table=table.to(device),
+        prefix_lens=torch.tensor(prefix, dtype=torch.int64),
+        extend_lens=torch.tensor(extend, dtype=torch.int64),
+        logits_indices=(torch.cumsum(torch.tensor(extend), 0) - 1).to(device),
+    )
+
+
+@torch.inference_mode()
+def measure_step_peak_bytes(
+    model: torch.nn.Module, attn: AttentionBackend, pool: KVPool, knobs: PlanKnobs, max_position_embeddings: int
+) -> int:
+    """Bytes a worst-case step allocates above what was allocated before it (CUDA only).
+
+    Takes the larger of the allocator's peak allocated and peak reserved growth, so
+    rounding into cached segments is charged too.
+
+    Raises:
+        torch.OutOfMemoryError: the step itself does not fit on the device.
+        ValueError: ``pool`` is not on a CUDA device.
+    """
+    device = pool.device
+    if device.type != "cuda":
+        raise ValueError("the profile run measures CUDA allocations; estimate on other devices")
+
+    ctx = min(max_position_embeddings, knobs.max_model_len or max_position_embeddings)
+    tokens = min(knobs.max_prefill_tokens, ctx)
+    seqs = max(min(knobs.max_running_requests, tokens), 1)
+    batch = profile_batch(tokens, seqs, ctx, pool.page_size, pool.num_pages, device)
+    vocab = model.config.vocab_size
+    sp = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.01, frequency_penalty=0.1, seed=0)
+    torch.cuda.synchronize(device)
+    base_alloc = torch.cuda.memory_allocated(device)
+    base_reserved = torch.cuda.memory_reserved(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    states = [SamplingState(sp, [0], vocab, device) for _ in range(seqs)]
+    logits = model(batch, attn)
+    Sampler().sample(logits, states, [sp] * seqs)
+    del logits, states
+    torch.cuda.synchronize(device)
+    grown_alloc = torch.cuda.max_memory_allocated(device) - base_alloc
+    grown_reserved = torch.cuda.max_memory_reserved(device) - base_reserved
+    return max(grown_alloc, grown_reserved)
+
+
+def profile_pool_pages(knobs: PlanKnobs) -> int:
+    """Pages of the small pool the profile run writes into (the chunk's pages + null)."""
+    return math.ceil(knobs.max_prefill_tokens / knobs.page_size) + 2
+
+
+__all__ = ["measure_step_peak_bytes", "profile_batch", "profile_pool_pages", "model_context"]

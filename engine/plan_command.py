@@ -1,0 +1,61 @@
+"""``headroom plan``: print the memory ledger for a model and a device, without serving.
+
+Reads the model's config only (no weights); the activation peak is the estimate the
+engine starts from (a served GPU engine replaces it with its profile run's measurement).
+"""
+
+from __future__ import annotations
+
+import msgspec
+import torch
+
+from engine.attention.base import backend_class
+from engine.config import EngineConfig
+from engine.engine import device_memory, plan_knobs, resolve_device, resolve_dtype
+from engine.loader.hf_config import load_model_config
+from engine.loader.resolve import resolve_model
+from engine.memory.footprint import CUDA_RUNTIME_ESTIMATE_BYTES, make_footprint
+from engine.memory.plan import MemoryPlan, make_plan
+
+
+class NoDevice(Exception):
+    """No GPU to plan for and no simulated device given."""
+
+
+def build_plan(config: EngineConfig) -> MemoryPlan:
+    """The plan the engine would start from for ``config``.
+
+    A simulated device (``simulate_device_total_bytes``) stands in for a GPU: dtype
+    ``auto`` is bfloat16 there, as on a CUDA device.
+
+    Raises:
+        NoDevice: neither a CUDA device nor a simulated one; the message names the flags.
+        engine.loader.errors.ModelLoadError: the model is missing or its config broken.
+    """
+    device = resolve_device(config.device)
+    simulated = config.simulate_device_total_bytes is not None
+    if not simulated and device.type != "cuda":
+        raise NoDevice(
+            "no CUDA device here: plan for a simulated card with --device-total SIZE "
+            "(and --device-free SIZE), e.g. --device-total 6GiB --device-free 5.5GiB"
+        )
+    dtype = resolve_dtype(config.dtype, torch.device("cuda") if simulated else device)
+    mc = load_model_config(resolve_model(config.model))
+    knobs = plan_knobs(config)
+    dev = device_memory(config, device)
+    assert dev is not None
+    name = config.attention_backend
+    workspaces = ((f"attention backend ({name})", backend_class(name).workspace_bytes),)
+    fp = make_footprint(mc, dtype, knobs, workspaces=workspaces, runtime_bytes=CUDA_RUNTIME_ESTIMATE_BYTES)
+    return make_plan(dev, knobs, fp)
+
+
+def render(plan: MemoryPlan, as_json: bool) -> str:
+    """The plan as a ledger table (with the fix when it does not fit), or as JSON."""
+    if as_json:
+        return msgspec.json.encode(plan).decode()
+    head = f"memory plan for {plan.device}\n"
+    body = plan.table()
+    if plan.fits:
+        return f"{head}{body}\nfits: yes"
+    return f"{head}{body}\nfits: no\n\n{plan.message()}"

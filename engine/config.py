@@ -107,6 +107,7 @@ class EngineConfig:
     kv_cache_bytes: int | None = None
     enable_prefix_cache: bool = True
     attention_backend: str = "torch"
+    load_format: str = "auto"  # "dummy": random weights of the config's shapes (benchmarks)
     reserve_bytes: int | None = None
     safety_margin_bytes: int | None = None
     device_limit_bytes: int | None = None

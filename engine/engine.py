@@ -1,26 +1,33 @@
-"""The engine facade: load a model, size the KV pool, run steps.
+"""The engine facade: load a model, plan its memory, size the KV pool, run steps.
 
 Used in-process by ``headroom generate`` and by the worker process of ``headroom serve``.
-The constructor reads top to bottom: device and dtype, model, KV pool, attention
-backend, prefix cache, scheduler. A step is schedule -> forward -> commit.
+The constructor reads top to bottom: device and dtype, model config, memory plan
+(before any weight loads), weights, profile run, KV pool, attention backend, prefix
+cache, scheduler. A step is schedule -> forward -> commit.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import os
 from pathlib import Path
 
 import torch
 
-from engine.attention.base import create_attention_backend
+from engine.attention.base import backend_class, create_attention_backend
 from engine.config import EngineConfig, ModelConfig
-from engine.errors import RequestRejected
+from engine.errors import PlanDoesNotFit, RequestRejected
 from engine.kvcache.allocator import PageAllocator
 from engine.kvcache.pool import KVPool
 from engine.kvcache.radix import RadixCache
+from engine.loader.hf_config import load_model_config
 from engine.loader.load import load_model
 from engine.loader.resolve import resolve_model
+from engine.memory.device import probe_nvml, simulated_device
+from engine.memory.footprint import CUDA_RUNTIME_ESTIMATE_BYTES, kv_bytes_per_token, make_footprint
+from engine.memory.plan import DeviceMemory, MemoryPlan, PlanKnobs, make_plan
+from engine.memory.profile import measure_step_peak_bytes, profile_pool_pages
 from engine.messages import EngineInfo, EngineStats, GenerateRequest, TokenOutput
 from engine.runner import ModelRunner
 from engine.sampling.sampler import SamplingState
@@ -53,13 +60,51 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
+def plan_knobs(config: EngineConfig) -> PlanKnobs:
+    """The plan's knobs from an engine config."""
+    return PlanKnobs(
+        page_size=config.page_size,
+        max_prefill_tokens=config.max_prefill_tokens,
+        max_running_requests=config.max_running_requests,
+        max_model_len=config.max_model_len,
+        min_context_tokens=config.min_context_tokens,
+        reserve_bytes=config.reserve_bytes,
+        safety_margin_bytes=config.safety_margin_bytes,
+        device_limit_bytes=config.device_limit_bytes,
+    )
+
+
+def device_memory(config: EngineConfig, device: torch.device) -> DeviceMemory | None:
+    """The device as the plan sees it now: simulated when asked, NVML (or the CUDA
+    driver's free/total) on a GPU, None for a plain CPU run (no plan)."""
+    if config.simulate_device_total_bytes is not None:
+        return simulated_device(
+            config.simulate_device_total_bytes,
+            config.simulate_device_free_bytes,
+            display_attached=config.simulate_display_attached,
+        )
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    nvml_index = int(visible.split(",")[index]) if visible and visible.split(",")[index].strip().isdigit() else index
+    snap = probe_nvml(nvml_index)
+    if snap is not None:
+        return snap
+    free, total = torch.cuda.mem_get_info(device)
+    name = torch.cuda.get_device_name(device)
+    return DeviceMemory(name=name, total_bytes=total, free_bytes=free, others_bytes=total - free)
+
+
 class Engine:
     """One model on one device, serving many requests by continuous batching.
 
     Single-threaded: call every method from one thread.
 
     Raises (constructor): the loader's ``ModelLoadError`` subclasses for a missing or
-    broken model; ``ValueError`` for a bad config value.
+    broken model; :class:`PlanDoesNotFit` when the memory plan cannot hold one request
+    of the minimum context (raised before the weights load where the sizes show it);
+    ``ValueError`` for a bad config value.
     """
 
     def __init__(self, config: EngineConfig) -> None:
@@ -67,12 +112,26 @@ class Engine:
         # Device and dtype.
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        # Model.
+        # Model config: enough to plan before any weight is read.
         self.model_dir: Path = resolve_model(config.model)
-        self.model, self.model_config = load_model(self.model_dir, self.device, self.dtype)
-        mc: ModelConfig = self.model_config
+        mc: ModelConfig = load_model_config(self.model_dir)
+        self.model_config = mc
+        # Memory plan from estimates: a plan that cannot fit fails here, weights unread.
+        self.knobs = plan_knobs(config)
+        self.device_memory = device_memory(config, self.device) if self._planned else None
+        self.plan: MemoryPlan | None = None
+        if self.device_memory is not None:
+            runtime = CUDA_RUNTIME_ESTIMATE_BYTES if self._on_gpu_or_simulated else 0
+            fp = make_footprint(mc, self.dtype, self.knobs, workspaces=self._workspaces(), runtime_bytes=runtime)
+            self.plan = self._check(make_plan(self.device_memory, self.knobs, fp))
+        # Weights.
+        self.model, _ = load_model(self.model_dir, self.device, self.dtype, load_format=config.load_format)
+        # Profile run on a GPU: the measured step peak and the CUDA context replace the
+        # estimates, and the plan is made again.
+        if self.device_memory is not None and self.device.type == "cuda":
+            self.plan = self._check(self._measured_plan(mc))
         # KV pool.
-        num_pages = self._size_pool(mc)
+        num_pages = self._num_pages(mc)
         self.pool = KVPool(
             num_layers=mc.num_layers,
             num_pages=num_pages,
@@ -83,9 +142,7 @@ class Engine:
             device=self.device,
         )
         # Attention backend.
-        self.attn = create_attention_backend(
-            "torch", self.pool, num_heads=mc.num_heads, head_dim=mc.head_dim, scale=mc.head_dim**-0.5
-        )
+        self.attn = self._attention(self.pool)
         # Pages and prefix cache.
         self.allocator = PageAllocator(num_pages)
         self.radix = RadixCache(self.allocator, config.page_size) if config.enable_prefix_cache else None
@@ -123,21 +180,67 @@ class Engine:
             weight_bytes=sum(p.nbytes for p in self.model.parameters()),
             max_prefill_tokens=config.max_prefill_tokens,
             max_running_requests=config.max_running_requests,
+            plan=self.plan,
         )
 
-    def _size_pool(self, mc: ModelConfig) -> int:
+    # -- construction stages --------------------------------------------------------------
+
+    @property
+    def _planned(self) -> bool:
+        c = self.config
+        return c.num_pages is None and c.kv_cache_bytes is None and (
+            c.simulate_device_total_bytes is not None or self.device.type == "cuda"
+        )
+
+    @property
+    def _on_gpu_or_simulated(self) -> bool:
+        return self.device.type == "cuda" or self.config.simulate_device_total_bytes is not None
+
+    def _workspaces(self) -> tuple[tuple[str, int], ...]:
+        """Fixed workspaces declared by the components, charged before the pool is sized."""
+        name = self.config.attention_backend
+        return ((f"attention backend ({name})", backend_class(name).workspace_bytes),)
+
+    def _attention(self, pool: KVPool):
+        mc = self.model_config
+        return create_attention_backend(self.config.attention_backend, pool, num_heads=mc.num_heads, head_dim=mc.head_dim, scale=mc.head_dim**-0.5)
+
+    @staticmethod
+    def _check(plan: MemoryPlan) -> MemoryPlan:
+        if not plan.fits:
+            raise PlanDoesNotFit(plan)
+        return plan
+
+    def _measured_plan(self, mc: ModelConfig) -> MemoryPlan:
+        """Run one worst-case step on a small pool and plan with what it measured."""
+        assert self.device_memory is not None
+        probe_pool = KVPool(
+            num_layers=mc.num_layers, num_pages=profile_pool_pages(self.knobs), page_size=self.config.page_size,
+            num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, dtype=self.dtype, device=self.device,
+        )
+        peak = measure_step_peak_bytes(self.model, self._attention(probe_pool), probe_pool, self.knobs, mc.max_position_embeddings)
+        del probe_pool
+        # The CUDA context: what this process holds beyond the allocator's reservations.
+        free_now, _ = torch.cuda.mem_get_info(self.device)
+        used_by_us = self.device_memory.free_bytes - free_now
+        runtime = max(used_by_us - torch.cuda.memory_reserved(self.device), 0)
+        # Blocks the profile left cached are ours and reused by steps; do not count them
+        # as taken twice: plan against the device as it was before we started.
+        fp = make_footprint(
+            mc, self.dtype, self.knobs, workspaces=self._workspaces(), measured_activation_bytes=peak, runtime_bytes=runtime
+        )
+        return make_plan(self.device_memory, self.knobs, fp)
+
+    def _num_pages(self, mc: ModelConfig) -> int:
+        """Pool size in pages, the null page included (see EngineConfig for the order)."""
         cfg = self.config
         if cfg.num_pages is not None:
             return cfg.num_pages
-        page_bytes = KVPool.bytes_per_page(
-            num_layers=mc.num_layers,
-            page_size=cfg.page_size,
-            num_kv_heads=mc.num_kv_heads,
-            head_dim=mc.head_dim,
-            dtype=self.dtype,
-        )
+        if self.plan is not None:
+            return self.plan.num_pages + 1
+        page_bytes = kv_bytes_per_token(mc, self.dtype) * cfg.page_size
         budget = cfg.kv_cache_bytes if cfg.kv_cache_bytes is not None else DEFAULT_CPU_KV_CACHE_BYTES
-        # Never fewer pages than one full context of the model needs (+ the null page).
+        # Without a plan: never fewer pages than one full context needs (+ the null page).
         want_ctx = min(mc.max_position_embeddings, cfg.max_model_len or mc.max_position_embeddings)
         floor = math.ceil(want_ctx / cfg.page_size) + 1 if cfg.kv_cache_bytes is None else 2
         return max(budget // page_bytes, floor)
@@ -189,18 +292,66 @@ class Engine:
         return self.scheduler.has_work()
 
     def step(self) -> list[TokenOutput]:
-        """Run one step (schedule -> forward -> commit) and report what changed."""
+        """Run one step (schedule -> forward -> commit) and report what changed.
+
+        A step that runs out of device memory (``torch.OutOfMemoryError`` in the forward
+        or in sampling) is rolled back and does not raise: see :mod:`engine.oom`. A
+        request that cannot run even alone ends here with ``finish_reason="error"``,
+        ``error_code="out_of_memory"``; the others run again in later steps.
+        :meth:`drain_events` reports what was done.
+
+        Raises:
+            Whatever else the model or the sampler raises (the worker then ends).
+        """
         plan = self.scheduler.schedule()
+        touched: list[Request] = []
         if plan is not None:
-            sampled = self.runner.run(plan)
-            self.scheduler.commit(plan, sampled)
-            touched = [it.req for it in plan.items if it.req.request_id in sampled]
-        else:
-            touched = []
+            oom_text = None
+            try:
+                sampled = self.runner.run(plan)
+            except torch.OutOfMemoryError as exc:
+                # Only the text leaves this block: the traceback holds the failed step's
+                # tensors, and they must be gone before the allocator's cache is emptied.
+                oom_text = str(exc)
+            else:
+                self.scheduler.commit(plan, sampled)
+                touched = [it.req for it in plan.items if it.req.request_id in sampled]
+                if self._oom is not None:
+                    self._oom.after_good_step(plan)
+            if oom_text is not None:
+                self._oom_recovery().recover(plan, self.runner.stage, oom_text)
         ended = self.scheduler.drain_ended()
         outputs = [self._output(r) for r in touched if r not in ended]
         outputs.extend(self._output(r) for r in ended)
         return outputs
+
+    def drain_events(self) -> list:
+        """Engine events since the last call (``list[engine.messages.EngineEvent]``): an
+        ``OomEvent`` per out-of-memory step, in order, then at most one ``ReplanWanted``
+        carrying the current prefill chunk cap. Empty while nothing ran out of memory."""
+        return self._oom.drain_events() if self._oom is not None else []
+
+    @property
+    def faults(self):
+        """The test-only fault injector (``engine.faults.FaultInjector``), the one
+        ``HEADROOM_FAULTS`` configured or a new, empty one: ``engine.faults.add(site,
+        request_id, times)``."""
+        if self.runner.faults is None:
+            from engine.faults import FaultInjector
+
+            self.runner.faults = FaultInjector()
+        return self.runner.faults
+
+    # Made on the first out-of-memory step (``engine.oom.OomRecovery``): an engine that
+    # never runs out of memory carries none of its state, and a step pays one ``is None``.
+    _oom = None
+
+    def _oom_recovery(self):
+        if self._oom is None:
+            from engine.oom import OomRecovery
+
+            self._oom = OomRecovery(self.scheduler, self.config.page_size, self.device)
+        return self._oom
 
     def stats(self) -> EngineStats:
         radix = self.radix

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import msgspec
 
+from engine.memory.plan import MemoryPlan
+
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     """How to pick the next token and when to stop.
@@ -104,6 +106,7 @@ class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
     weight_bytes: int
     max_prefill_tokens: int
     max_running_requests: int
+    plan: MemoryPlan | None = None  # None when the pool size was fixed (no plan made)
 
 
 class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -119,3 +122,42 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     finished: int
     aborted: int
     failed: int
+
+
+# OomEvent.phase values: where the step ran out of memory.
+OOM_PHASE_PREFILL = "prefill"  # the forward of a step with at least one prefill chunk
+OOM_PHASE_DECODE = "decode"  # the forward of a step of decodes only
+OOM_PHASE_SAMPLE = "sample"  # sampling, after the forward
+
+# OomEvent.action values: what the engine did about it.
+OOM_RETRY_SMALLER_CHUNK = "retry_smaller_chunk"  # the request's chunk cap was halved
+OOM_PREEMPTED = "preempted"  # sent back to wait and be recomputed when memory allows
+OOM_RETRY = "retry"  # it ran (nearly) alone at its smallest size: run it again as is
+OOM_FAILED = "failed"  # ended with error_code "out_of_memory"
+
+
+class OomEvent(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+    """A step ran out of device memory; it was rolled back and ``request_id`` got
+    ``action``. Every other request of the step simply runs again.
+
+    ``tokens_in_step`` counts the new tokens the failed step fed the model.
+    ``message`` is for people: the sizes involved and the allocator's own words.
+    """
+
+    request_id: str
+    phase: str
+    tokens_in_step: int
+    action: str
+    message: str
+
+
+class ReplanWanted(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+    """The engine ran out of memory at run time and lowered its prefill chunk cap to
+    ``new_max_prefill_tokens``: the memory plan no longer matches the device (another
+    process took memory, or a transient was not budgeted) and should be made again."""
+
+    reason: str
+    new_max_prefill_tokens: int
+
+
+EngineEvent = OomEvent | ReplanWanted

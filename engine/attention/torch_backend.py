@@ -100,15 +100,16 @@ class TorchAttentionBackend(AttentionBackend):
         k_buf, v_buf = self.pool.k_buffers[layer], self.pool.v_buffers[layer]
         out = torch.empty_like(q)  # [T, H, D]
         for g in self._decode:
-            qd = q[g.rows][:, :, None, :]  # [b, H, 1, D]
-            kd = k_buf[g.slots].transpose(1, 2)  # [b, H_kv, S, D]
-            vd = v_buf[g.slots].transpose(1, 2)
+            b, s = g.slots.shape
+            qd = q.index_select(0, g.rows)[:, :, None, :]  # [b, H, 1, D]
+            kd = k_buf.index_select(0, g.slots.reshape(-1)).view(b, s, *k_buf.shape[1:]).transpose(1, 2)  # [b, H_kv, S, D]
+            vd = v_buf.index_select(0, g.slots.reshape(-1)).view(b, s, *v_buf.shape[1:]).transpose(1, 2)
             o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=self.scale, enable_gqa=True)
-            out[g.rows] = o[:, :, 0, :]
+            out.index_copy_(0, g.rows, o[:, :, 0, :])
         for p in self._prefill:
             qp = q[p.start : p.start + p.length].transpose(0, 1)[None]  # [1, H, E, D]
-            kp = k_buf[p.slots].transpose(0, 1)[None]  # [1, H_kv, S, D]
-            vp = v_buf[p.slots].transpose(0, 1)[None]
+            kp = k_buf.index_select(0, p.slots).transpose(0, 1)[None]  # [1, H_kv, S, D]
+            vp = v_buf.index_select(0, p.slots).transpose(0, 1)[None]
             o = F.scaled_dot_product_attention(
                 qp, kp, vp, attn_mask=p.mask, is_causal=p.mask is None, scale=self.scale, enable_gqa=True
             )

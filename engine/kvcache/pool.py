@@ -78,5 +78,7 @@ class KVPool:
             slots: ``[T]`` int64 flat slots.
             k, v: ``[T, num_kv_heads, head_dim]`` in the pool's dtype.
         """
-        self.k_buffers[layer][slots] = k
-        self.v_buffers[layer][slots] = v
+        # index_copy_ is a plain scatter; advanced-index assignment goes through the
+        # slower index_put_ machinery.
+        self.k_buffers[layer].index_copy_(0, slots, k)
+        self.v_buffers[layer].index_copy_(0, slots, v)

@@ -15,7 +15,7 @@ from engine.models.registry import get_model_class
 
 
 def load_model(
-    model_dir: str | Path, device: torch.device | str, dtype: torch.dtype
+    model_dir: str | Path, device: torch.device | str, dtype: torch.dtype, *, load_format: str = "auto"
 ) -> tuple[CausalLM, ModelConfig]:
     """Load a Hugging Face model folder onto ``device`` in ``dtype``.
 
@@ -23,7 +23,12 @@ def load_model(
     are written once, straight into their final place. Returns ``(model, config)``, the
     model in eval mode with its RoPE cache built (float32).
 
+    ``load_format="dummy"`` skips the weight files and fills every parameter with small
+    random values (norms with ones): a model of real shape for memory and speed
+    measurements, from a folder that holds only ``config.json``.
+
     Raises:
+        ValueError: an unknown ``load_format``.
         ModelNotFound, UnsupportedArchitecture, ConfigFieldMissing, UnsupportedConfig:
             from reading ``config.json``.
         CorruptWeights: a safetensors file is truncated or unreadable.
@@ -35,6 +40,11 @@ def load_model(
     model = _build_on_meta(config).to(dtype=dtype)
     model.to_empty(device=device)
     model.init_rope_cache()
+    if load_format == "dummy":
+        _fill_dummy(model)
+        return model.eval(), config
+    if load_format != "auto":
+        raise ValueError(f"unknown load_format {load_format!r}; use 'auto' or 'dummy'")
     try:
         model.load_weights(iter_weights(model_dir))
     except WeightMismatch as e:
@@ -56,3 +66,13 @@ def weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
 def _build_on_meta(config: ModelConfig) -> CausalLM:
     with torch.device("meta"):
         return get_model_class(config.architecture)(config)
+
+
+@torch.no_grad()
+def _fill_dummy(model: CausalLM) -> None:
+    g = torch.Generator(device=next(model.parameters()).device).manual_seed(0)
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.fill_(1.0)
+        else:
+            p.uniform_(-0.02, 0.02, generator=g)

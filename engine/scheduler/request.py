@@ -43,6 +43,10 @@ class Request:
     finish_reason: str | None = None
     error_code: str | None = None
     error_message: str | None = None
+    # Largest prefill chunk this request may run, None for no limit of its own: halved
+    # by the engine each time a step with its chunk as the largest runs out of memory.
+    chunk_cap: int | None = None
+    oom_retries: int = 0  # same-size retries after an OOM it faced alone, since its last good step
 
     @property
     def all_ids(self) -> list[int]:

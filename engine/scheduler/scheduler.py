@@ -66,10 +66,17 @@ class StepPlan:
 
 
 class Scheduler:
-    """Admission, batching, page accounting and prefix caching for one engine."""
+    """Admission, batching, page accounting and prefix caching for one engine.
+
+    ``max_prefill_tokens`` and ``max_running_requests`` are the live limits, starting at
+    the config's values: the engine lowers them after an out-of-memory step (and a
+    replan may set them), while ``config`` keeps what was asked for.
+    """
 
     def __init__(self, config: SchedulerConfig, allocator: PageAllocator, radix: RadixCache | None) -> None:
         self.config = config
+        self.max_prefill_tokens = config.max_prefill_tokens
+        self.max_running_requests = config.max_running_requests
         self.allocator = allocator
         self.radix = radix
         self.waiting: deque[Request] = deque()
@@ -119,7 +126,7 @@ class Scheduler:
         Returns None when nothing can run.
         """
         plan = StepPlan()
-        budget = self.config.max_prefill_tokens
+        budget = self.max_prefill_tokens
         for req in list(self.running):
             if req.phase is not Phase.DECODE or req not in self.running:
                 continue
@@ -134,7 +141,7 @@ class Scheduler:
                     break
                 plan.items.append(item)
                 budget -= item.num_tokens
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
+        while self.waiting and budget > 0 and len(self.running) < self.max_running_requests:
             req = self.waiting[0]
             item = self._admit(req, budget)
             if item is None:
@@ -161,6 +168,8 @@ class Scheduler:
 
     def _plan_chunk(self, req: Request, budget: int, *, admitted: bool) -> StepItem | None:
         n = min(req.pending_len, budget)
+        if req.chunk_cap is not None:
+            n = min(n, req.chunk_cap)
         try:
             pages = self._alloc_for(req, req.kv_len + n)
         except OutOfPages:
@@ -304,6 +313,26 @@ class Scheduler:
         req.phase = Phase.WAITING
         # Back at the head in arrival order: it was admitted before anything still waiting.
         self.waiting.appendleft(req)
+
+    def preempt(self, req: Request) -> None:
+        """Send a request back to the waiting queue to be recomputed later, in arrival
+        order (so the youngest preempted is the last readmitted). Its computed full pages
+        stay in the prefix cache; a waiting request is only moved to its place.
+
+        Raises:
+            ValueError: ``req`` is finished or not known to this scheduler.
+        """
+        if req.phase is Phase.FINISHED or self.requests.get(req.request_id) is not req:
+            raise ValueError(f"request {req.request_id!r} is not running or waiting here")
+        if req.phase is Phase.WAITING:
+            self.waiting.remove(req)
+        else:
+            self._cache_prefix(req)
+            self._release(req)
+            self.running.remove(req)
+            req.phase = Phase.WAITING
+        at = next((i for i, w in enumerate(self.waiting) if w.arrival > req.arrival), len(self.waiting))
+        self.waiting.insert(at, req)
 
     def _youngest_running(self, exclude_planned: StepPlan) -> Request | None:
         planned = {id(it.req) for it in exclude_planned.items}

@@ -1,0 +1,148 @@
+"""Test-only fault injection: raise ``torch.OutOfMemoryError`` at a named site of a step.
+
+The OOM handling of :meth:`engine.engine.Engine.step` must be exercised on machines
+without a GPU, where a real out-of-memory never happens at a chosen moment. A rule
+names a site, a request and a count:
+
+``prefill``
+    the forward of a step that carries a prefill chunk of the request (raised after
+    the forward ran, so the step's keys and values are already written: the harder
+    case for rollback);
+``decode``
+    the forward of a step in which the request decodes (same point);
+``sample``
+    sampling of a step in which the request samples, after the sampler has drawn
+    (its random generator has advanced: rollback must restore it).
+
+``request_id`` ``"*"`` matches any request. Each firing uses up one of ``times``;
+a step fires at most once.
+
+Configured by the ``HEADROOM_FAULTS`` environment variable, read once when the engine
+(its :class:`engine.runner.ModelRunner`) is built, e.g.
+``HEADROOM_FAULTS="prefill:req-1:2,sample:*:1"`` (``site:request[:times]``, rules
+separated by ``,``; times defaults to 1), or in-process through ``Engine.faults``
+(``engine.faults.add("decode", "req-1", times=3)``). With neither, the runner holds no
+injector and pays one ``is None`` test per step.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+ENV_VAR = "HEADROOM_FAULTS"
+SITES: tuple[str, ...] = ("prefill", "decode", "sample")
+ANY_REQUEST = "*"
+
+
+@dataclass
+class FaultRule:
+    """Raise at ``site`` for ``request_id`` (or any, ``"*"``) ``remaining`` more times."""
+
+    site: str
+    request_id: str
+    remaining: int
+
+
+class FaultInjector:
+    """A list of :class:`FaultRule`; :meth:`check` raises when one matches.
+
+    Attributes:
+        fired: ``(site, request_id)`` of every injected fault, in order (the request id
+            is the matched one, also for ``"*"`` rules: the first match in the step).
+    """
+
+    def __init__(self) -> None:
+        self.rules: list[FaultRule] = []
+        self.fired: list[tuple[str, str]] = []
+
+    @classmethod
+    def parse(cls, spec: str) -> FaultInjector:
+        """Build an injector from ``site:request[:times]`` rules separated by ``,``.
+
+        Raises:
+            ValueError: a rule without a request, an unknown site, or a count that is
+                not a positive integer; the message quotes the rule.
+        """
+        injector = cls()
+        for raw in spec.split(","):
+            rule = raw.strip()
+            if not rule:
+                continue
+            site, sep, rest = rule.partition(":")
+            if not sep or not rest:
+                raise ValueError(
+                    f"{ENV_VAR} rule {rule!r}: expected site:request[:times], e.g. prefill:req-1:2"
+                )
+            request_id, times = rest, 1
+            head, sep, tail = rest.rpartition(":")
+            # A trailing ":N" is the count; request ids may contain ':' themselves.
+            if sep and tail.strip().lstrip("-").isdigit():
+                request_id, times = head, int(tail)
+            try:
+                injector.add(site.strip(), request_id.strip(), times)
+            except ValueError as exc:
+                raise ValueError(f"{ENV_VAR} rule {rule!r}: {exc}") from None
+        return injector
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> FaultInjector | None:
+        """The injector ``HEADROOM_FAULTS`` asks for, or None when it is unset or empty.
+
+        Raises:
+            ValueError: a malformed rule (see :meth:`parse`).
+        """
+        spec = (os.environ if environ is None else environ).get(ENV_VAR, "").strip()
+        return cls.parse(spec) if spec else None
+
+    def add(self, site: str, request_id: str = ANY_REQUEST, times: int = 1) -> None:
+        """Raise ``torch.OutOfMemoryError`` at ``site`` for ``request_id`` ``times`` times.
+
+        Raises:
+            ValueError: ``site`` not one of ``prefill``, ``decode``, ``sample``; an empty
+                request id; ``times < 1``.
+        """
+        if site not in SITES:
+            raise ValueError(f"unknown fault site {site!r}; choose one of {', '.join(SITES)}")
+        if not request_id:
+            raise ValueError(f"empty request id (use {ANY_REQUEST!r} for any request)")
+        if times < 1:
+            raise ValueError(f"times must be >= 1, got {times}")
+        self.rules.append(FaultRule(site, request_id, times))
+
+    def clear(self) -> None:
+        self.rules.clear()
+
+    @property
+    def pending(self) -> int:
+        """Faults still to inject, over all rules."""
+        return sum(r.remaining for r in self.rules)
+
+    def check(self, site: str, request_ids: Iterable[str]) -> None:
+        """Raise if a live rule for ``site`` matches one of ``request_ids`` (the requests
+        the step runs at that site); uses up one count of the first such rule.
+
+        Raises:
+            torch.OutOfMemoryError: the injected fault, with a CUDA-like message.
+        """
+        ids = list(request_ids)
+        if not ids:
+            return
+        for rule in self.rules:
+            if rule.site != site or rule.remaining <= 0:
+                continue
+            if rule.request_id == ANY_REQUEST:
+                hit = ids[0]
+            elif rule.request_id in ids:
+                hit = rule.request_id
+            else:
+                continue
+            rule.remaining -= 1
+            self.fired.append((site, hit))
+            raise torch.OutOfMemoryError(
+                "CUDA out of memory. Tried to allocate (an injected amount) "
+                f"(injected at site {site} for request {hit})"
+            )

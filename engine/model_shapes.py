@@ -1,0 +1,75 @@
+"""Configs of real models' shapes, for random-weight benchmarks and GPU tests.
+
+No hub is reachable, so these are written from the published configs' numbers
+(Qwen/Qwen3-0.6B and meta-llama/Llama-3.1-8B ``config.json``) and loaded with
+``load_format="dummy"`` (random weights) or saved with random weights by transformers.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+SHAPES: dict[str, dict] = {
+    "qwen3-0.6b": {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": 151936,
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "torch_dtype": "bfloat16",
+    },
+    "llama-3.1-8b": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 128256,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "bos_token_id": 128000,
+        "eos_token_id": [128001, 128008, 128009],
+        "torch_dtype": "bfloat16",
+    },
+}
+
+
+def write_shape(name: str, folder: str | Path, **overrides) -> Path:
+    """Write ``config.json`` of shape ``name`` (with ``overrides``) into ``folder``.
+
+    Raises:
+        KeyError: an unknown shape; the message lists the known ones.
+    """
+    if name not in SHAPES:
+        raise KeyError(f"unknown shape {name!r}; known: {', '.join(SHAPES)}")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({**SHAPES[name], **overrides}, indent=2))
+    return folder

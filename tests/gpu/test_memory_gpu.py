@@ -1,0 +1,106 @@
+"""CASES F1-F3 for real on a GPU, under an allocator cap the size of a desktop card.
+
+``torch.cuda.set_per_process_memory_fraction`` makes the caching allocator raise a real
+``torch.OutOfMemoryError`` past the cap, so a 141 GB card behaves like a 6 GiB one.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.bench_memory import predicted_allocator_bytes, worst_step_workload
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.errors import PlanDoesNotFit
+from engine.messages import GenerateRequest, SamplingParams
+from engine.model_shapes import write_shape
+
+GiB = 1 << 30
+
+
+@pytest.fixture
+def capped():
+    """Cap this process's allocator at N bytes; undone after the test."""
+    total = torch.cuda.get_device_properties(0).total_memory
+
+    def cap(limit: int) -> None:
+        torch.cuda.set_per_process_memory_fraction(limit / total)
+
+    yield cap
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(1.0)
+
+
+def qwen3(tmp_path) -> str:
+    return str(write_shape("qwen3-0.6b", tmp_path))
+
+
+def run(engine: Engine, reqs: dict[str, list[int]], max_new: int = 8) -> dict:
+    sp = SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True)
+    for rid, ids in reqs.items():
+        engine.add_request(GenerateRequest(request_id=rid, prompt_token_ids=ids, sampling=sp))
+    final = {}
+    while engine.has_work():
+        for o in engine.step():
+            if o.finished:
+                final[o.request_id] = o
+    return final
+
+
+def test_predicted_peak_matches_measured_within_3_percent(tmp_path, capped):
+    capped(6 * GiB)
+    engine = Engine(EngineConfig(model=qwen3(tmp_path), load_format="dummy", device_limit_bytes=6 * GiB,
+                                 reserve_bytes=0, max_model_len=4096, max_running_requests=4, max_prefill_tokens=2048))
+    assert engine.plan.ledger[[e.name for e in engine.plan.ledger].index("prefill activation peak")].source.startswith("measured")
+    torch.cuda.reset_peak_memory_stats()
+    worst_step_workload(engine)
+    predicted = predicted_allocator_bytes(engine.plan)
+    measured = torch.cuda.max_memory_reserved()
+    print(f"predicted {predicted / GiB:.3f} GiB, measured {measured / GiB:.3f} GiB")
+    assert abs(measured - predicted) <= 0.03 * predicted
+
+
+def test_f1_plan_that_cannot_fit_fails_before_loading(tmp_path):
+    with pytest.raises(PlanDoesNotFit) as err:
+        Engine(EngineConfig(model=str(write_shape("llama-3.1-8b", tmp_path)), load_format="dummy",
+                            device_limit_bytes=6 * GiB, reserve_bytes=0))
+    assert "does not fit" in str(err.value)
+    assert torch.cuda.memory_allocated() == 0  # nothing was loaded
+
+
+def test_f2_memory_taken_after_ready_fails_one_request_not_the_engine(tmp_path, capped):
+    capped(6 * GiB)
+    engine = Engine(EngineConfig(model=qwen3(tmp_path), load_format="dummy", device_limit_bytes=6 * GiB,
+                                 reserve_bytes=0, max_model_len=8192, max_running_requests=8, max_prefill_tokens=4096))
+    vocab = engine.model_config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    assert run(engine, {"warm": torch.randint(10, vocab, (64,), generator=g).tolist()})["warm"].finish_reason == "length"
+    # Another "process" takes what is left under the cap (and the allocator's idle cache).
+    torch.cuda.empty_cache()
+    free_under_cap = 6 * GiB - torch.cuda.memory_reserved()
+    hog = torch.empty(max(free_under_cap - 64 * (1 << 20), 0), dtype=torch.uint8, device="cuda")
+    outcomes = {}
+    for n in (1000, 1600, 2200, 3300):
+        out = run(engine, {f"p{n}": torch.randint(10, vocab, (n,), generator=g).tolist()})[f"p{n}"]
+        outcomes[n] = (out.finish_reason, out.error_code)
+    print(outcomes)
+    assert all(r in ("length", "error") for r, _ in outcomes.values())
+    assert any(code == "out_of_memory" for _, code in outcomes.values()), "the squeeze never bit"
+    assert engine.allocator.num_free + (engine.radix.evictable_pages() if engine.radix else 0) == engine.allocator.num_usable
+    del hog
+    torch.cuda.empty_cache()
+    after = run(engine, {"after": torch.randint(10, vocab, (3300,), generator=g).tolist()})["after"]
+    assert after.finish_reason == "length"
+
+
+def test_f3_long_prompt_completes_at_the_measured_chunk(tmp_path, capped):
+    capped(6 * GiB)
+    engine = Engine(EngineConfig(model=qwen3(tmp_path), load_format="dummy", device_limit_bytes=6 * GiB,
+                                 reserve_bytes=0, max_model_len=32768, max_running_requests=4, max_prefill_tokens=8192))
+    ctx = engine.max_context_tokens
+    assert ctx >= 16384
+    ids = torch.randint(10, engine.model_config.vocab_size, (ctx - 16,)).tolist()
+    out = run(engine, {"long": ids})["long"]
+    assert out.finish_reason == "length", out
+    assert not [e for e in engine.drain_events() if type(e).__name__ == "OomEvent"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -26,8 +27,8 @@ from engine.loader.load import load_model
 from engine.loader.resolve import resolve_model
 from engine.memory.device import probe_nvml, simulated_device
 from engine.memory.footprint import CUDA_RUNTIME_ESTIMATE_BYTES, kv_bytes_per_token, make_footprint
-from engine.memory.plan import DeviceMemory, MemoryPlan, PlanKnobs, make_plan
-from engine.memory.profile import measure_step_peak_bytes, profile_pool_pages
+from engine.memory.plan import MIN_PREFILL_TOKENS, DeviceMemory, MemoryPlan, PlanKnobs, make_plan
+from engine.memory.profile import measure_step_peak, profile_pool_pages
 from engine.messages import EngineInfo, EngineStats, GenerateRequest, TokenOutput
 from engine.runner import ModelRunner
 from engine.sampling.sampler import SamplingState
@@ -117,19 +118,21 @@ class Engine:
         mc: ModelConfig = load_model_config(self.model_dir)
         self.model_config = mc
         # Memory plan from estimates: a plan that cannot fit fails here, weights unread.
+        # An oversized prefill chunk is the one knob lowered automatically (CASES F3):
+        # the plan picks the largest chunk whose activation peak fits.
         self.knobs = plan_knobs(config)
         self.device_memory = device_memory(config, self.device) if self._planned else None
         self.plan: MemoryPlan | None = None
         if self.device_memory is not None:
             runtime = CUDA_RUNTIME_ESTIMATE_BYTES if self._on_gpu_or_simulated else 0
-            fp = make_footprint(mc, self.dtype, self.knobs, workspaces=self._workspaces(), runtime_bytes=runtime)
-            self.plan = self._check(make_plan(self.device_memory, self.knobs, fp))
+            self.plan = self._fit_chunk(lambda knobs: make_plan(self.device_memory, knobs, make_footprint(
+                mc, self.dtype, knobs, workspaces=self._workspaces(), runtime_bytes=runtime)))
         # Weights.
         self.model, _ = load_model(self.model_dir, self.device, self.dtype, load_format=config.load_format)
         # Profile run on a GPU: the measured step peak and the CUDA context replace the
         # estimates, and the plan is made again.
         if self.device_memory is not None and self.device.type == "cuda":
-            self.plan = self._check(self._measured_plan(mc))
+            self.plan = self._fit_chunk(self._measured_plan)
         # KV pool.
         num_pages = self._num_pages(mc)
         self.pool = KVPool(
@@ -141,8 +144,11 @@ class Engine:
             dtype=self.dtype,
             device=self.device,
         )
-        # Attention backend.
+        # Attention backend, and on a GPU one warm-up step at the plan's largest size, so
+        # the step-size buffers sit in the allocator's cache before any request arrives.
         self.attn = self._attention(self.pool)
+        if self.plan is not None and self.device.type == "cuda":
+            measure_step_peak(self.model, self.attn, self.pool, self.knobs, mc.max_position_embeddings)
         # Pages and prefix cache.
         self.allocator = PageAllocator(num_pages)
         self.radix = RadixCache(self.allocator, config.page_size) if config.enable_prefix_cache else None
@@ -155,7 +161,7 @@ class Engine:
             SchedulerConfig(
                 page_size=config.page_size,
                 max_running_requests=config.max_running_requests,
-                max_prefill_tokens=config.max_prefill_tokens,
+                max_prefill_tokens=self.knobs.max_prefill_tokens,
                 max_context_tokens=self.max_context_tokens,
                 eos_token_ids=mc.eos_token_ids,
             ),
@@ -178,7 +184,7 @@ class Engine:
             num_pages=num_pages,
             kv_cache_bytes=self.pool.nbytes,
             weight_bytes=sum(p.nbytes for p in self.model.parameters()),
-            max_prefill_tokens=config.max_prefill_tokens,
+            max_prefill_tokens=self.knobs.max_prefill_tokens,
             max_running_requests=config.max_running_requests,
             plan=self.plan,
         )
@@ -205,31 +211,55 @@ class Engine:
         mc = self.model_config
         return create_attention_backend(self.config.attention_backend, pool, num_heads=mc.num_heads, head_dim=mc.head_dim, scale=mc.head_dim**-0.5)
 
-    @staticmethod
-    def _check(plan: MemoryPlan) -> MemoryPlan:
+    def _fit_chunk(self, planner) -> MemoryPlan:
+        """Plan with ``self.knobs``, halving the prefill chunk until the plan fits (floor
+        ``MIN_PREFILL_TOKENS``); sets ``self.knobs`` to what fits.
+
+        Raises:
+            PlanDoesNotFit: with the plan at the configured chunk, whose message names
+                what to change.
+        """
+        first = plan = planner(self.knobs)
+        knobs = self.knobs
+        while not plan.fits and knobs.max_prefill_tokens > MIN_PREFILL_TOKENS:
+            knobs = replace(knobs, max_prefill_tokens=max(knobs.max_prefill_tokens // 2, MIN_PREFILL_TOKENS))
+            plan = planner(knobs)
         if not plan.fits:
-            raise PlanDoesNotFit(plan)
+            raise PlanDoesNotFit(first)
+        self.knobs = knobs
         return plan
 
-    def _measured_plan(self, mc: ModelConfig) -> MemoryPlan:
-        """Run one worst-case step on a small pool and plan with what it measured."""
+    def _measured_plan(self, knobs: PlanKnobs) -> MemoryPlan:
+        """Run one worst-case step at ``knobs`` on a small pool and plan with what it
+        measured."""
         assert self.device_memory is not None
+        mc = self.model_config
+        torch.cuda.empty_cache()
         probe_pool = KVPool(
-            num_layers=mc.num_layers, num_pages=profile_pool_pages(self.knobs), page_size=self.config.page_size,
+            num_layers=mc.num_layers, num_pages=profile_pool_pages(knobs), page_size=self.config.page_size,
             num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, dtype=self.dtype, device=self.device,
         )
-        peak = measure_step_peak_bytes(self.model, self._attention(probe_pool), probe_pool, self.knobs, mc.max_position_embeddings)
+        try:
+            peak = measure_step_peak(self.model, self._attention(probe_pool), probe_pool, knobs, mc.max_position_embeddings)
+        except torch.OutOfMemoryError:
+            # The step does not fit at all: charge everything that was free.
+            peak = None
         del probe_pool
+        # Nothing of the profile stays cached: the pool is sized against a clean device.
+        torch.cuda.empty_cache()
         # The CUDA context: what this process holds beyond the allocator's reservations.
         free_now, _ = torch.cuda.mem_get_info(self.device)
         used_by_us = self.device_memory.free_bytes - free_now
         runtime = max(used_by_us - torch.cuda.memory_reserved(self.device), 0)
-        # Blocks the profile left cached are ours and reused by steps; do not count them
-        # as taken twice: plan against the device as it was before we started.
+        if peak is None:
+            activation, sampler = self.device_memory.total_bytes, None
+        else:
+            activation, sampler = peak.forward_bytes, peak.sampler_bytes
         fp = make_footprint(
-            mc, self.dtype, self.knobs, workspaces=self._workspaces(), measured_activation_bytes=peak, runtime_bytes=runtime
+            mc, self.dtype, knobs, workspaces=self._workspaces(), measured_activation_bytes=activation,
+            measured_sampler_bytes=sampler, runtime_bytes=runtime,
         )
-        return make_plan(self.device_memory, self.knobs, fp)
+        return make_plan(self.device_memory, knobs, fp)
 
     def _num_pages(self, mc: ModelConfig) -> int:
         """Pool size in pages, the null page included (see EngineConfig for the order)."""

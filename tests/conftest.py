@@ -1,10 +1,13 @@
-"""Shared fixtures."""
+"""Shared fixtures. The service's real-server fixtures live in service_harness.py;
+``default_model_dir`` lives here (it also sets the session's model cache)."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
+from service_harness import real_server, start_server  # noqa: F401
 
 SMOLLM_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -27,3 +30,161 @@ def smollm_tokenizer():
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(smollm_dir(), gguf_file=SMOLLM_GGUF)
+
+
+@pytest.fixture(scope="session")
+def default_model_dir(tmp_path_factory) -> str:
+    """The embedded default model converted to a Hugging Face folder (a str path), once
+    per session.
+
+    ``HEADROOM_CACHE_DIR`` points at a session temp dir from first use to the end of the
+    session, so engines and ``headroom serve`` children started by later tests find this
+    conversion instead of converting again, and the user's cache is never touched.
+    """
+    smollm_dir()  # skips when the package is missing
+    from engine.loader.default_model import CACHE_ENV
+    from engine.loader.resolve import resolve_model
+
+    previous = os.environ.get(CACHE_ENV)
+    os.environ[CACHE_ENV] = str(tmp_path_factory.mktemp("headroom-cache"))
+    try:
+        yield str(resolve_model(None))
+    finally:
+        if previous is None:
+            os.environ.pop(CACHE_ENV, None)
+        else:
+            os.environ[CACHE_ENV] = previous
+
+
+class PagedRunner:
+    """Drives a ``CausalLM`` over a real ``KVPool`` + torch attention backend, the way
+    the scheduler will: each sequence gets pages as it grows (consecutive ids from 1),
+    and a step extends any set of sequences by any number of tokens."""
+
+    def __init__(self, model, config, *, page_size: int = 4, num_pages: int = 64):
+        from engine.attention.torch_backend import TorchAttentionBackend
+        from engine.kvcache.pool import KVPool
+
+        dtype = next(model.parameters()).dtype
+        self.model, self.page_size = model, page_size
+        self.pool = KVPool(
+            num_layers=config.num_layers,
+            num_pages=num_pages,
+            page_size=page_size,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            dtype=dtype,
+            device="cpu",
+        )
+        self.attn = TorchAttentionBackend(
+            self.pool,
+            num_heads=config.num_heads,
+            head_dim=config.head_dim,
+            scale=config.head_dim**-0.5,
+        )
+        self.next_page = 1
+        self.pages: dict[object, list[int]] = {}
+        self.lens: dict[object, int] = {}
+
+    def step(self, new_tokens: dict[object, list[int]]):
+        """Extend each sequence (key) by its tokens; returns ``[B, V]`` float32 logits,
+        one row per key in order."""
+        import torch
+
+        from engine.forward_batch import ForwardBatch
+
+        ids, positions, slots, prefix, extend, last = [], [], [], [], [], []
+        for seq, toks in new_tokens.items():
+            start = self.lens.get(seq, 0)
+            pages = self.pages.setdefault(seq, [])
+            while len(pages) * self.page_size < start + len(toks):
+                pages.append(self.next_page)
+                self.next_page += 1
+            for i, tok in enumerate(toks):
+                pos = start + i
+                ids.append(tok)
+                positions.append(pos)
+                slots.append(pages[pos // self.page_size] * self.page_size + pos % self.page_size)
+            prefix.append(start)
+            extend.append(len(toks))
+            last.append(len(ids) - 1)
+            self.lens[seq] = start + len(toks)
+        width = max(len(self.pages[s]) for s in new_tokens)
+        table = [self.pages[s] + [0] * (width - len(self.pages[s])) for s in new_tokens]
+        batch = ForwardBatch(
+            is_decode=all(e == 1 for e in extend),
+            input_ids=torch.tensor(ids),
+            positions=torch.tensor(positions),
+            out_slots=torch.tensor(slots),
+            page_table=torch.tensor(table),
+            prefix_lens=torch.tensor(prefix),
+            extend_lens=torch.tensor(extend),
+            logits_indices=torch.tensor(last),
+        )
+        return self.model(batch, self.attn)
+
+
+@pytest.fixture(scope="session")
+def paged_runner():
+    """The :class:`PagedRunner` class: ``paged_runner(model, config).step({seq: ids})``."""
+    return PagedRunner
+
+
+def _tiny_hf_config(kind: str, vocab_size: int, overrides: dict):
+    import transformers
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-6,
+        initializer_range=0.1,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    common.update(overrides)
+    if kind == "llama":  # with Llama 3.1 RoPE scaling
+        rope = {
+            "rope_type": "llama3",
+            "factor": 4.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        }
+        return transformers.LlamaConfig(**{"rope_theta": 10000.0, "rope_scaling": rope, **common})
+    if kind == "qwen2":  # q/k/v bias
+        return transformers.Qwen2Config(**common, rope_theta=1_000_000.0)
+    if kind == "qwen3":  # head_dim 32 != 64 / 4, tied embeddings, q/k norm
+        return transformers.Qwen3Config(**common, head_dim=32, tie_word_embeddings=True)
+    raise ValueError(kind)
+
+
+def _make_tiny_hf_model(kind: str, path, *, vocab_size: int = 256, **overrides):
+    """A random transformers model (``"llama"``, ``"qwen2"`` or ``"qwen3"``), float32, saved
+    as safetensors to ``path`` (skipped when ``path`` is None); ``overrides`` go to its
+    config. Norm weights and biases are perturbed too, so loading one into the wrong place
+    shows in the logits."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        _tiny_hf_config(kind, vocab_size, overrides), dtype=torch.float32
+    ).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith(".bias"):
+                p.add_(torch.randn_like(p) * 0.2)
+    if path is not None:
+        model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="session")
+def make_tiny_hf_model():
+    """``make_tiny_hf_model(kind, path, vocab_size=256, **config) -> transformers model``."""
+    return _make_tiny_hf_model

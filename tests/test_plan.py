@@ -12,7 +12,7 @@ from engine.attention.torch_backend import TorchAttentionBackend
 from engine.config import EngineConfig
 from engine.errors import PlanDoesNotFit
 from engine.memory.device import simulated_device
-from engine.memory.plan import GiB, MiB, Footprint, PlanKnobs, make_plan, reserve_for
+from engine.memory.plan import Footprint, GiB, MiB, PlanKnobs, make_plan, reserve_for
 from engine.plan_command import build_plan, render
 
 FLAG_TO_KNOB = {
@@ -104,7 +104,9 @@ def test_default_model_on_6gib_card_fits_and_on_1gib_card_fails(default_model_di
     msg = one.message()
     assert "1.00 GiB" in msg
     flags = [s.flag for s in one.suggestions]
-    assert "--max-prefill-tokens" in flags and "--max-model-len" in flags
+    # For this small model the context and the desktop reserve dominate; the chunk
+    # and batch knobs free less (they are priced, and ranked below).
+    assert flags[:2] == ["--max-model-len", "--reserve"] or flags[:2] == ["--reserve", "--max-model-len"], flags
     for s in one.suggestions:
         if s.flag in ("--max-prefill-tokens", "--max-model-len", "--max-running-requests"):
             assert int(s.proposed) < int(s.current)
@@ -122,7 +124,7 @@ def test_a_card_that_cannot_hold_the_weights_fails_before_they_load(default_mode
     with pytest.raises(PlanDoesNotFit) as err:
         engine_mod.Engine(EngineConfig(model=default_model_dir, simulate_device_total_bytes=1 * GiB,
                                        simulate_display_attached=True))
-    assert "--max-prefill-tokens" in str(err.value)
+    assert "--max-model-len" in str(err.value) and "does not fit" in str(err.value)
 
 
 def test_f1_engine_charges_its_backends_workspace(default_model_dir):

@@ -93,6 +93,13 @@ class TorchAttentionBackend(AttentionBackend):
         mask = (torch.arange(longest, device=device)[None, :] < lens[:, None])[:, None, None, :]
         return _DecodeGroup(torch.tensor(rows, device=device), slots, mask)
 
+    def _expand(self, x: torch.Tensor) -> torch.Tensor:
+        """``[b, H_kv, S, D] -> [b, H, S, D]``. With a mask, only the math kernel takes
+        ``enable_gqa``; expanded heads let the memory-efficient kernel run instead of a
+        materialized ``H x E x S`` score matrix."""
+        groups = self.num_heads // x.shape[1]
+        return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
     ) -> torch.Tensor:
@@ -104,14 +111,16 @@ class TorchAttentionBackend(AttentionBackend):
             qd = q.index_select(0, g.rows)[:, :, None, :]  # [b, H, 1, D]
             kd = k_buf.index_select(0, g.slots.reshape(-1)).view(b, s, *k_buf.shape[1:]).transpose(1, 2)  # [b, H_kv, S, D]
             vd = v_buf.index_select(0, g.slots.reshape(-1)).view(b, s, *v_buf.shape[1:]).transpose(1, 2)
-            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=self.scale, enable_gqa=True)
+            kd, vd = self._expand(kd), self._expand(vd)
+            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=self.scale)
             out.index_copy_(0, g.rows, o[:, :, 0, :])
         for p in self._prefill:
             qp = q[p.start : p.start + p.length].transpose(0, 1)[None]  # [1, H, E, D]
             kp = k_buf.index_select(0, p.slots).transpose(0, 1)[None]  # [1, H_kv, S, D]
             vp = v_buf.index_select(0, p.slots).transpose(0, 1)[None]
-            o = F.scaled_dot_product_attention(
-                qp, kp, vp, attn_mask=p.mask, is_causal=p.mask is None, scale=self.scale, enable_gqa=True
-            )
+            if p.mask is None:
+                o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=self.scale, enable_gqa=True)
+            else:
+                o = F.scaled_dot_product_attention(qp, self._expand(kp), self._expand(vp), attn_mask=p.mask, scale=self.scale)
             out[p.start : p.start + p.length] = o[0].transpose(0, 1)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

@@ -38,17 +38,17 @@ def model_context(mc: ModelConfig, knobs: PlanKnobs) -> int:
 
 def estimate_activation_bytes(mc: ModelConfig, dtype: torch.dtype, knobs: PlanKnobs) -> int:
     """Upper estimate of one step's transient peak, in bytes, for the torch attention
-    backend: ``T = max_prefill_tokens`` new tokens, of which ``B - 1`` decode rows
-    (``B = max_running_requests``) and one prefill chunk, all at the longest context
-    ``S``.
+    backend on a GPU: ``T = max_prefill_tokens`` new tokens, of which ``B - 1`` decode
+    rows (``B = max_running_requests``) and one prefill chunk, all at the longest context
+    ``S``. A profile run replaces it on a real GPU.
 
     Terms (``it`` = itemsize): the residual stream and its norm ``3*T*H*it``; the larger
-    of the attention block and the MLP (``3*T*I*it``); logits rows ``B*V*4``. The
+    of the attention block and the MLP (``3*T*I*it``); the logits rows ``B*V*4``. The
     attention block holds the fused qkv ``T*(q+2kv)*it``, rotated copies
-    ``T*(q+kv)*it``, the output ``T*q*it``, and the larger of the chunk's context gather
-    (``2*S*kv*it``, its mask ``T*S`` and a float32 score matrix ``Hq*T*S*4`` as the math
-    kernel makes) and a decode group's gather (``2*min((B-1)*S, G)*kv*it`` with ``G``
-    the backend's gather budget, plus scores ``Hq*min((B-1)*S, G)*4``).
+    ``T*(q+kv)*it`` and the output ``T*q*it``, plus the larger of the chunk's context
+    (gathered ``2*S*kv*it``, expanded to all heads ``2*S*q*it``, its mask ``T*S`` and the
+    kernel's additive bias ``T*S*it``) and a decode group's (``G = min((B-1)*S,
+    gather budget)`` tokens gathered and expanded, ``2*G*(kv+q)*it``).
     """
     from engine.attention.torch_backend import DEFAULT_GATHER_BUDGET_TOKENS
 
@@ -58,9 +58,9 @@ def estimate_activation_bytes(mc: ModelConfig, dtype: torch.dtype, knobs: PlanKn
     s = model_context(mc, knobs)
     h, q, kv, i = mc.hidden_size, mc.q_size, mc.kv_size, mc.intermediate_size
     residual = 3 * t * h * it
-    chunk = 2 * s * kv * it + t * s + mc.num_heads * t * s * 4
+    chunk = 2 * s * (kv + q) * it + t * s * (1 + it)
     gathered = min((b - 1) * s, DEFAULT_GATHER_BUDGET_TOKENS)
-    decode = 2 * gathered * kv * it + mc.num_heads * gathered * 4
+    decode = 2 * gathered * (kv + q) * it
     attn = t * (q + 2 * kv) * it + t * (q + kv) * it + t * q * it + max(chunk, decode)
     mlp = 3 * t * i * it
     logits = b * mc.vocab_size * 4
@@ -74,13 +74,16 @@ def make_footprint(
     *,
     workspaces: tuple[tuple[str, int], ...] = (),
     measured_activation_bytes: int | None = None,
+    measured_sampler_bytes: int | None = None,
     runtime_bytes: int = 0,
 ) -> Footprint:
     """Footprint of ``mc`` in ``dtype`` under ``knobs``.
 
     With ``measured_activation_bytes``, the peak is that measurement; suggestions for
     other knobs scale it by the estimate's ratio (the terms grow with the chunk alike).
-    ``runtime_bytes`` is the CUDA context (measured with the activation, else estimated).
+    ``measured_sampler_bytes`` (for ``knobs.max_running_requests`` rows) replaces the
+    per-request estimate. ``runtime_bytes`` is the CUDA context (measured with the
+    activation, else estimated).
     """
     est_here = estimate_activation_bytes(mc, dtype, knobs)
     if measured_activation_bytes is None:
@@ -104,7 +107,12 @@ def make_footprint(
         workspace_bytes=workspaces,
         runtime_bytes=runtime_bytes,
         runtime_source="measured" if measured_activation_bytes is not None else "estimated",
-        sampler_bytes_per_request=SAMPLER_BYTES_PER_VOCAB_ENTRY * mc.vocab_size,
+        sampler_bytes_per_request=(
+            SAMPLER_BYTES_PER_VOCAB_ENTRY * mc.vocab_size
+            if measured_sampler_bytes is None
+            else -(-measured_sampler_bytes // max(min(knobs.max_running_requests, knobs.max_prefill_tokens), 1))
+        ),
+        sampler_source="estimated" if measured_sampler_bytes is None else "measured",
         activation_peak_bytes=peak,
         activation_source=source,
         activation_at=at,

@@ -116,6 +116,7 @@ class Footprint:
     model_context_tokens: int
     workspace_bytes: tuple[tuple[str, int], ...] = ()
     sampler_bytes_per_request: int = 0
+    sampler_source: str = "estimated"
     activation_peak_bytes: int = 0
     activation_source: str = "estimated"
     cuda_graph_bytes: int = 0
@@ -250,7 +251,7 @@ def _ledger(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint) -> MemoryPlan
     ]
     ledger += [LedgerEntry(f"workspace: {name}", b, "-", "declared") for name, b in fp.workspace_bytes]
     ledger += [
-        LedgerEntry("sampler and logits", sampler, "-", f"{knobs.max_running_requests} requests x vocab {fp.vocab_size}"),
+        LedgerEntry("sampler and logits", sampler, "-", f"{fp.sampler_source}, {knobs.max_running_requests} requests x vocab {fp.vocab_size}"),
         LedgerEntry("prefill activation peak", activation, "-", f"{fp.activation_source} at {knobs.max_prefill_tokens} tokens"),
         LedgerEntry("CUDA graph pool", fp.cuda_graph_bytes, "-", "measured at capture" if fp.cuda_graph_bytes else "none captured"),
         LedgerEntry("model scratch", fp.scratch_bytes, "-", "measured" if fp.scratch_bytes else "none"),

@@ -10,6 +10,7 @@ instead of asking the device again: the step-size buffers are allocated once, he
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -46,14 +47,27 @@ def profile_batch(num_tokens: int, num_seqs: int, context: int, page_size: int, 
     )
 
 
-@torch.inference_mode()
-def measure_step_peak_bytes(
-    model: torch.nn.Module, attn: AttentionBackend, pool: KVPool, knobs: PlanKnobs, max_position_embeddings: int
-) -> int:
-    """Bytes a worst-case step allocates above what was allocated before it (CUDA only).
+@dataclass(frozen=True)
+class StepPeak:
+    """Bytes one worst-case step allocates above what was allocated before it:
+    ``forward_bytes`` for the model's forward (activations, attention transients, the
+    logits rows), ``sampler_bytes`` for sampling those rows (its own transients and the
+    per-request penalty state)."""
 
-    Takes the larger of the allocator's peak allocated and peak reserved growth, so
-    rounding into cached segments is charged too.
+    forward_bytes: int
+    sampler_bytes: int
+
+
+@torch.inference_mode()
+def measure_step_peak(
+    model: torch.nn.Module, attn: AttentionBackend, pool: KVPool, knobs: PlanKnobs, max_position_embeddings: int
+) -> StepPeak:
+    """Run one worst-case step over ``pool`` and measure it (CUDA only).
+
+    Each part is the larger of the allocator's peak allocated and peak reserved growth,
+    so rounding into fresh segments is charged too. The blocks stay cached afterwards:
+    run over the real pool, this is the warm-up that leaves the step-size buffers
+    allocated once.
 
     Raises:
         torch.OutOfMemoryError: the step itself does not fit on the device.
@@ -62,25 +76,30 @@ def measure_step_peak_bytes(
     device = pool.device
     if device.type != "cuda":
         raise ValueError("the profile run measures CUDA allocations; estimate on other devices")
-
     ctx = min(max_position_embeddings, knobs.max_model_len or max_position_embeddings)
     tokens = min(knobs.max_prefill_tokens, ctx)
     seqs = max(min(knobs.max_running_requests, tokens), 1)
     batch = profile_batch(tokens, seqs, ctx, pool.page_size, pool.num_pages, device)
     vocab = model.config.vocab_size
     sp = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.01, frequency_penalty=0.1, seed=0)
-    torch.cuda.synchronize(device)
-    base_alloc = torch.cuda.memory_allocated(device)
-    base_reserved = torch.cuda.memory_reserved(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    states = [SamplingState(sp, [0], vocab, device) for _ in range(seqs)]
-    logits = model(batch, attn)
-    Sampler().sample(logits, states, [sp] * seqs)
-    del logits, states
-    torch.cuda.synchronize(device)
-    grown_alloc = torch.cuda.max_memory_allocated(device) - base_alloc
-    grown_reserved = torch.cuda.max_memory_reserved(device) - base_reserved
-    return max(grown_alloc, grown_reserved)
+
+    def grown(run):
+        torch.cuda.synchronize(device)
+        alloc, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        out = run()
+        torch.cuda.synchronize(device)
+        peak = max(torch.cuda.max_memory_allocated(device) - alloc, torch.cuda.max_memory_reserved(device) - reserved)
+        return out, peak
+
+    logits, forward_bytes = grown(lambda: model(batch, attn))
+
+    def sample():
+        states = [SamplingState(sp, [0], vocab, device) for _ in range(seqs)]
+        return Sampler().sample(logits, states, [sp] * seqs)
+
+    _, sampler_bytes = grown(sample)
+    return StepPeak(forward_bytes=forward_bytes, sampler_bytes=sampler_bytes)
 
 
 def profile_pool_pages(knobs: PlanKnobs) -> int:
@@ -88,4 +107,4 @@ def profile_pool_pages(knobs: PlanKnobs) -> int:
     return math.ceil(knobs.max_prefill_tokens / knobs.page_size) + 2
 
 
-__all__ = ["measure_step_peak_bytes", "profile_batch", "profile_pool_pages", "model_context"]
+__all__ = ["StepPeak", "measure_step_peak", "profile_batch", "profile_pool_pages", "model_context"]

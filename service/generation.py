@@ -1,0 +1,285 @@
+"""One API call's generation: sampling checks, engine requests, text out.
+
+Shared by chat and text completions, streaming or not. A :class:`Generation` submits
+``len(prompts) * n`` engine sequences through the supervisor, turns each one's token
+ids into text (incremental detokenizer, then stop strings, which end the sequence in
+the engine at once), counts usage and times the first token.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from engine.ipc import Rejected
+from engine.messages import FINISH_ERROR, FINISH_LENGTH, GenerateRequest, SamplingParams
+from engine.text.stop import StopStringMatcher
+from service.errors import SERVER_ERROR, APIError, invalid
+from service.openai_schemas import _SamplingFields
+from service.supervisor import ENGINE_RESTARTED, EngineFailure, Submission, Supervisor
+from service.text import TextSide
+
+_REPLACEMENT = "\ufffd"
+_SEED_MASK = (1 << 63) - 1
+MAX_N = 128
+
+
+def _check_range(
+    value: float | None, param: str, low: float, high: float, *, low_open: bool = False
+) -> None:
+    if value is None:
+        return
+    if value < low or value > high or (low_open and value == low):
+        bracket = "(" if low_open else "["
+        raise invalid(f"{param} must be in {bracket}{low}, {high}], got {value}", param)
+
+
+def stop_strings(stop: str | list[str] | None) -> list[str]:
+    """OpenAI's ``stop`` as a list; empty strings are dropped (they would match
+    everywhere)."""
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else list(stop)
+    return [s for s in stops if s]
+
+
+def resolve_max_tokens(
+    requested: int | None,
+    param: str,
+    prompt_tokens: int,
+    context_tokens: int,
+    *,
+    prompt_param: str,
+    default: int | None = None,
+) -> int:
+    """How many tokens a sequence may generate.
+
+    ``param`` / ``prompt_param`` name the fields blamed in errors. ``requested`` None
+    means ``default`` (clamped to the rest of the context), or, with
+    no default, the whole rest of the context. ``0`` is allowed and produces an empty
+    completion (``finish_reason: "length"``) without running the engine.
+
+    Raises:
+        APIError: 400 ``param`` for a negative value; 400 ``context_length_exceeded``
+            when the prompt alone, or prompt plus ``requested``, exceeds
+            ``context_tokens`` (both numbers in the message).
+    """
+    if requested is not None and requested < 0:
+        raise invalid(f"{param} must be at least 0, got {requested}", param)
+    remaining = context_tokens - prompt_tokens
+    if remaining < (1 if requested != 0 else 0):
+        raise invalid(
+            f"This model's maximum context length is {context_tokens} tokens. However, your "
+            f"prompt is {prompt_tokens} tokens, which leaves no room for a completion. "
+            "Please shorten the prompt.",
+            prompt_param,
+            "context_length_exceeded",
+        )
+    if requested is None:
+        return remaining if default is None else min(default, remaining)
+    if requested > remaining:
+        raise invalid(
+            f"This model's maximum context length is {context_tokens} tokens. However, you "
+            f"requested {prompt_tokens + requested} tokens ({prompt_tokens} in the prompt, "
+            f"{requested} in the completion). Please reduce the prompt or {param}.",
+            param,
+            "context_length_exceeded",
+        )
+    return requested
+
+
+def sampling_params(req: _SamplingFields, max_new_tokens: int, seed_offset: int) -> SamplingParams:
+    """OpenAI sampling fields to engine :class:`SamplingParams` (OpenAI's defaults:
+    temperature 1, top_p 1). With a seed, sequence ``i`` of ``n`` uses ``seed + i`` so
+    its choices differ yet repeat run to run.
+
+    Raises:
+        APIError: 400 naming the field for a value out of range.
+    """
+    _check_range(req.temperature, "temperature", 0.0, 2.0)
+    _check_range(req.top_p, "top_p", 0.0, 1.0, low_open=True)
+    _check_range(req.min_p, "min_p", 0.0, 1.0)
+    _check_range(req.presence_penalty, "presence_penalty", -2.0, 2.0)
+    _check_range(req.frequency_penalty, "frequency_penalty", -2.0, 2.0)
+    _check_range(req.repetition_penalty, "repetition_penalty", 0.0, 10.0, low_open=True)
+    if req.top_k is not None and req.top_k < -1:
+        raise invalid(f"top_k must be -1 or 0 (off) or a positive count, got {req.top_k}", "top_k")
+    seed = None if req.seed is None else (req.seed + seed_offset) & _SEED_MASK
+    return SamplingParams(
+        max_new_tokens=max_new_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_k=max(0, req.top_k or 0),
+        top_p=1.0 if req.top_p is None else req.top_p,
+        min_p=req.min_p or 0.0,
+        seed=seed,
+        repetition_penalty=req.repetition_penalty or 1.0,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        ignore_eos=req.ignore_eos,
+    )
+
+
+def check_common(req: _SamplingFields) -> None:
+    """Checks that need no tokenizer or engine: ``n``, ``logit_bias``.
+
+    Raises:
+        APIError: 400 naming the field.
+    """
+    if req.n < 1 or req.n > MAX_N:
+        raise invalid(f"n must be between 1 and {MAX_N}, got {req.n}", "n")
+    if req.logit_bias:
+        raise invalid("logit_bias is not supported", "logit_bias")
+    stop_strings(req.stop)
+
+
+@dataclass
+class Piece:
+    """New text of one sequence; ``finish_reason`` set on its last piece."""
+
+    index: int
+    text: str
+    finish_reason: str | None = None
+
+
+@dataclass
+class _SeqText:
+    matcher: StopStringMatcher
+    detokenizer: object
+    completion_tokens: int = 0
+    finished: bool = False
+
+
+@dataclass
+class Generation:
+    """The sequences of one API call.
+
+    Args:
+        supervisor: where the engine requests go.
+        text: the tokenizer side.
+        request_id: the API id (``chatcmpl-...``); engine ids are ``{request_id}-{i}``.
+        prompts: prompt token ids, one list per prompt.
+        n: sequences per prompt; sequence ``i`` answers ``prompts[i // n]``.
+        sampling: one :class:`SamplingParams` per sequence.
+        stops: stop strings.
+        started: ``time.perf_counter()`` when the HTTP request arrived.
+    """
+
+    supervisor: Supervisor
+    text: TextSide
+    request_id: str
+    prompts: list[list[int]]
+    n: int
+    sampling: list[SamplingParams]
+    stops: list[str]
+    started: float
+    first_token_at: float | None = None
+    submission: Submission | None = None
+    _seqs: list[_SeqText] = field(default_factory=list)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(s.completion_tokens for s in self._seqs)
+
+    @property
+    def ttft_ms(self) -> float | None:
+        if self.first_token_at is None:
+            return None
+        return (self.first_token_at - self.started) * 1000.0
+
+    def start(self) -> None:
+        """Submit the sequences (none when ``max_new_tokens`` is 0).
+
+        Raises:
+            NotReady: no worker ready; nothing submitted.
+        """
+        prompt_of = [self.prompts[i // self.n] for i in range(len(self.sampling))]
+        self._seqs = [
+            _SeqText(StopStringMatcher(self.stops), self.text.detokenizer(ids)) for ids in prompt_of
+        ]
+        if self.sampling and self.sampling[0].max_new_tokens == 0:
+            return
+        requests = [
+            GenerateRequest(
+                request_id=f"{self.request_id}-{i}", prompt_token_ids=ids, sampling=sampling
+            )
+            for i, (ids, sampling) in enumerate(zip(prompt_of, self.sampling, strict=True))
+        ]
+        self.submission = self.supervisor.submit(requests)
+
+    def close(self) -> None:
+        """Abort whatever is still running in the engine. Idempotent."""
+        if self.submission is not None:
+            self.supervisor.cancel(self.submission)
+
+    async def pieces(self) -> AsyncIterator[Piece]:
+        """Text as it is generated, until every sequence has finished.
+
+        Raises:
+            APIError: 503 ``engine_restarted`` when the worker died under a sequence
+                that had produced tokens (or died twice); 400 when the engine
+                rejected a sequence; 500 with the engine's code when one failed.
+        """
+        if self.submission is None:
+            for i, _ in enumerate(self._seqs):
+                self._seqs[i].finished = True
+                yield Piece(i, "", FINISH_LENGTH)
+            return
+        pending = len(self._seqs)
+        queue = self.submission.queue
+        while pending:
+            index, event = await queue.get()
+            seq = self._seqs[index]
+            if seq.finished:
+                continue
+            if isinstance(event, EngineFailure):
+                raise self._failure(event)
+            if isinstance(event, Rejected):
+                raise APIError(400, event.message, param=event.param, code=event.code)
+            piece = self._on_output(index, seq, event)
+            if seq.finished:
+                pending -= 1
+            if piece is not None:
+                yield piece
+
+    def _on_output(self, index: int, seq: _SeqText, output) -> Piece | None:
+        text = ""
+        if output.token_ids:
+            if self.first_token_at is None:
+                self.first_token_at = time.perf_counter()
+            seq.completion_tokens += len(output.token_ids)
+            text = seq.detokenizer.add(output.token_ids)
+        if output.finished:
+            if output.finish_reason == FINISH_ERROR:
+                raise APIError(
+                    500,
+                    output.error_message or "the engine failed this request",
+                    type=SERVER_ERROR,
+                    code=output.error_code or "engine_error",
+                )
+            # A character cut by max_tokens stays incomplete forever: drop it rather
+            # than show U+FFFD.
+            text += seq.detokenizer.flush().rstrip(_REPLACEMENT)
+        safe, stopped = seq.matcher.feed(text) if text else ("", seq.matcher.stopped)
+        if stopped:
+            seq.finished = True
+            # The stop string ended it here: free the engine's pages now.
+            self.supervisor.abort_one(f"{self.request_id}-{index}")
+            return Piece(index, safe, "stop")
+        if output.finished:
+            seq.finished = True
+            safe += seq.matcher.flush()
+            reason = FINISH_LENGTH if output.finish_reason == FINISH_LENGTH else "stop"
+            return Piece(index, safe, reason)
+        return Piece(index, safe) if safe else None
+
+    def _failure(self, event: EngineFailure) -> APIError:
+        headers = {}
+        retry_after = self.supervisor.retry_after_s()
+        if event.code == ENGINE_RESTARTED and retry_after is not None:
+            headers["Retry-After"] = str(retry_after)
+        return APIError(503, event.message, type=SERVER_ERROR, code=event.code, headers=headers)

@@ -1,0 +1,436 @@
+"""The OpenAI-compatible routes: ``/v1/chat/completions``, ``/v1/completions``,
+``/v1/models``.
+
+Bodies are decoded here (not by Litestar's signature model) so that every defect
+in them, empty, not JSON, not an object, a wrong type, answers OpenAI's 400 with
+``param``. Order of checks: body, then fields needing nothing else, then readiness
+(503), model (404), tokenizing (400 for a template refusal), context (400), submit.
+
+Streaming answers are Server-Sent Events, ``data: {json}\\n\\n`` each, ending with
+``data: [DONE]``; an error after the stream began is an ``{"error": ...}`` event,
+then ``[DONE]``. A client that disconnects, streaming or not, has its sequences
+aborted in the engine at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import msgspec
+from litestar import Controller, Request, Response, get, post
+from litestar.response import Stream
+
+from service.errors import SERVER_ERROR, APIError, decode_body, invalid
+from service.generation import (
+    Generation,
+    check_common,
+    resolve_max_tokens,
+    sampling_params,
+    stop_strings,
+)
+from service.openai_schemas import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatMessageOut,
+    Completion,
+    CompletionChunk,
+    CompletionRequest,
+    Delta,
+    ModelCard,
+    ModelList,
+    TextChoice,
+    Usage,
+)
+from service.state import Services
+
+log = logging.getLogger("headroom.api")
+
+_encoder = msgspec.json.Encoder()
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_DONE = b"data: [DONE]\n\n"
+CLIENT_GONE = 499  # nginx's code for "client closed request", used in our logs only
+
+
+def _sse(payload: Any) -> bytes:
+    return b"data: " + _encoder.encode(payload) + b"\n\n"
+
+
+def _json(payload: Any) -> Response[bytes]:
+    return Response(content=_encoder.encode(payload), media_type="application/json")
+
+
+def _log_request(gen: Generation | None, request_id: str, status: int, started: float) -> None:
+    """The one log line of a request: id, status, tokens, TTFT, total time."""
+    total_ms = (time.perf_counter() - started) * 1000.0
+    ttft = gen.ttft_ms if gen is not None else None
+    log.info(
+        "%s status=%d prompt_tokens=%d completion_tokens=%d ttft_ms=%s total_ms=%.1f",
+        request_id,
+        status,
+        gen.prompt_tokens if gen is not None else 0,
+        gen.completion_tokens if gen is not None else 0,
+        "-" if ttft is None else f"{ttft:.1f}",
+        total_ms,
+    )
+
+
+async def _wait_disconnect(receive: Callable[[], Awaitable[dict[str, Any]]]) -> None:
+    """Return when the client goes away. The body is already read, so the next ASGI
+    message the server sends on this channel is ``http.disconnect``."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _collect(gen: Generation, request: Request) -> tuple[list[str], list[str | None]] | None:
+    """Run a generation to its end; None when the client disconnected first (its
+    sequences are aborted by the caller's ``gen.close()``)."""
+    texts = [""] * len(gen.sampling)
+    reasons: list[str | None] = [None] * len(gen.sampling)
+
+    async def run() -> None:
+        async for piece in gen.pieces():
+            texts[piece.index] += piece.text
+            if piece.finish_reason:
+                reasons[piece.index] = piece.finish_reason
+
+    work = asyncio.ensure_future(run())
+    gone = asyncio.ensure_future(_wait_disconnect(request.receive))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()
+    if not work.done() or work.cancelled():
+        return None
+    work.result()  # raises the generation's APIError, if any
+    return texts, reasons
+
+
+async def _respond(
+    gen: Generation,
+    request: Request,
+    request_id: str,
+    started: float,
+    build: Callable[[list[str], list[str | None]], Any],
+) -> Response[bytes]:
+    """Non-streaming: run to the end and answer with ``build(texts, reasons)``."""
+    status = 200
+    try:
+        result = await _collect(gen, request)
+        if result is None:
+            status = CLIENT_GONE
+            return Response(content=b"", status_code=CLIENT_GONE)
+        return _json(build(*result))
+    except APIError as exc:
+        status = exc.status
+        raise
+    except Exception:
+        status = 500  # answered by the catch-all handler in service.errors
+        raise
+    finally:
+        gen.close()
+        _log_request(gen, request_id, status, started)
+
+
+async def _stream(
+    gen: Generation,
+    request_id: str,
+    started: float,
+    first: list[bytes],
+    chunks: Callable[[int, str, str | None], bytes],
+    usage_chunk: Callable[[], bytes] | None,
+) -> AsyncIterator[bytes]:
+    """Streaming: ``first`` events, one event per piece of text, the usage event if
+    asked, ``[DONE]``; an error becomes an error event before ``[DONE]``."""
+    status = 200
+    try:
+        try:
+            for event in first:
+                yield event
+            async for piece in gen.pieces():
+                if piece.text:
+                    yield chunks(piece.index, piece.text, None)
+                if piece.finish_reason:
+                    yield chunks(piece.index, "", piece.finish_reason)
+            if usage_chunk is not None:
+                yield usage_chunk()
+        except APIError as exc:
+            status = exc.status
+            yield _sse(exc.body())
+        except Exception as exc:  # a bug: still end the stream in OpenAI's shape
+            log.exception("%s failed", request_id)
+            status = 500
+            yield _sse(APIError(500, f"internal error: {exc}", type=SERVER_ERROR).body())
+        yield _DONE
+    except (asyncio.CancelledError, GeneratorExit):
+        status = CLIENT_GONE
+        raise
+    finally:
+        gen.close()
+        _log_request(gen, request_id, status, started)
+
+
+def _usage(gen: Generation) -> Usage:
+    prompt = gen.prompt_tokens
+    completion = gen.completion_tokens
+    return Usage(
+        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+    )
+
+
+def _check_chat_fields(req: ChatCompletionRequest) -> None:
+    """Refuse what we cannot honour instead of ignoring it (see openai_schemas)."""
+    if req.logprobs or req.top_logprobs:
+        raise invalid("logprobs are not supported by this server", "logprobs")
+    if req.tools or req.functions:
+        raise invalid("tool calling is not supported by this server", "tools")
+    if req.tool_choice not in (None, "none", "auto") or req.function_call not in (
+        None,
+        "none",
+        "auto",
+    ):
+        raise invalid("tool calling is not supported by this server", "tool_choice")
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise invalid('only response_format {"type": "text"} is supported', "response_format")
+    if not req.messages:
+        raise invalid("messages must not be empty", "messages")
+
+
+def _check_completion_fields(req: CompletionRequest) -> None:
+    if req.logprobs is not None:
+        raise invalid("logprobs are not supported by this server", "logprobs")
+    if req.echo:
+        raise invalid("echo is not supported by this server", "echo")
+    if req.suffix:
+        raise invalid("suffix is not supported by this server", "suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise invalid("best_of other than n is not supported by this server", "best_of")
+
+
+def _prompt_items(prompt: str | list[Any]) -> list[str | list[int]]:
+    """OpenAI's four prompt forms as a list of strings / token id lists.
+
+    Raises:
+        APIError: 400 ``prompt`` for an empty or mixed list.
+    """
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise invalid("prompt must not be empty", "prompt")
+    if all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return [list(prompt)]
+    if all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompt):
+        return [list(p) for p in prompt]
+    raise invalid(
+        "prompt must be a string, a list of strings, a list of token ids or a list of "
+        "token id lists",
+        "prompt",
+    )
+
+
+class OpenAIController(Controller):
+    """OpenAI's API under ``/v1``."""
+
+    path = "/v1"
+
+    @get("/models")
+    async def models(self, svc: Services) -> Response[bytes]:
+        """The served model and the context it can really use (503 before the first
+        worker is ready)."""
+        # The last worker's facts stay valid while it restarts; before the first one
+        # is ready, check_ready raises NotReady (503).
+        info = svc.supervisor.info or svc.supervisor.check_ready()
+        cards = [
+            ModelCard(
+                id=name,
+                created=svc.started_at,
+                context_length=info.max_context_tokens,
+                max_model_len=info.max_context_tokens,
+                model_context_length=info.model_context_tokens,
+            )
+            for name in svc.model_names(info)
+        ]
+        return _json(ModelList(data=cards))
+
+    @post("/chat/completions", status_code=200)
+    async def chat_completions(self, request: Request, svc: Services) -> Response[Any]:
+        """Chat completion, streaming (SSE) or not. Errors: see the module docstring."""
+        started = time.perf_counter()
+        req = decode_body(await request.body(), ChatCompletionRequest)
+        check_common(req)
+        _check_chat_fields(req)
+        info = svc.supervisor.check_ready()
+        model = svc.check_model(req.model, info)
+        assert svc.text is not None
+        prompt_ids = await svc.text.encode_chat(req.messages)
+        if req.max_completion_tokens is not None:
+            requested, param = req.max_completion_tokens, "max_completion_tokens"
+        else:
+            requested, param = req.max_tokens, "max_tokens"
+        max_new = resolve_max_tokens(
+            requested, param, len(prompt_ids), info.max_context_tokens, prompt_param="messages"
+        )
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        gen = Generation(
+            supervisor=svc.supervisor,
+            text=svc.text,
+            request_id=request_id,
+            prompts=[prompt_ids],
+            n=req.n,
+            sampling=[sampling_params(req, max_new, i) for i in range(req.n)],
+            stops=stop_strings(req.stop),
+            started=started,
+        )
+        gen.start()
+        created = int(time.time())
+
+        if not req.stream:
+
+            def build(texts: list[str], reasons: list[str | None]) -> ChatCompletion:
+                choices = [
+                    ChatChoice(
+                        index=i,
+                        message=ChatMessageOut(role="assistant", content=text),
+                        finish_reason=reasons[i],
+                    )
+                    for i, text in enumerate(texts)
+                ]
+                return ChatCompletion(
+                    id=request_id, created=created, model=model, choices=choices, usage=_usage(gen)
+                )
+
+            return await _respond(gen, request, request_id, started, build)
+
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        usage_field: Any = None if include_usage else msgspec.UNSET
+
+        def chunk(index: int, text: str, reason: str | None, role: str | None = None) -> bytes:
+            delta = Delta(role=role, content=text if (text or role) else None)
+            return _sse(
+                ChatCompletionChunk(
+                    id=request_id,
+                    created=created,
+                    model=model,
+                    choices=[ChatChunkChoice(index=index, delta=delta, finish_reason=reason)],
+                    usage=usage_field,
+                )
+            )
+
+        def usage_chunk() -> bytes:
+            return _sse(
+                ChatCompletionChunk(
+                    id=request_id, created=created, model=model, choices=[], usage=_usage(gen)
+                )
+            )
+
+        first = [chunk(i, "", None, role="assistant") for i in range(req.n)]
+        return Stream(
+            _stream(gen, request_id, started, first, chunk, usage_chunk if include_usage else None),
+            media_type="text/event-stream",
+            headers=_SSE_HEADERS,
+        )
+
+    @post("/completions", status_code=200)
+    async def completions(self, request: Request, svc: Services) -> Response[Any]:
+        """Text completion of a raw prompt (no chat template), streaming or not."""
+        started = time.perf_counter()
+        req = decode_body(await request.body(), CompletionRequest)
+        check_common(req)
+        _check_completion_fields(req)
+        items = _prompt_items(req.prompt)
+        info = svc.supervisor.check_ready()
+        model = svc.check_model(req.model, info)
+        assert svc.text is not None
+        prompts: list[list[int]] = []
+        for i, item in enumerate(items):
+            param = "prompt" if len(items) == 1 else f"prompt[{i}]"
+            if isinstance(item, str):
+                ids = await svc.text.encode_prompt(item)
+            else:
+                ids = item
+                bad = next((t for t in ids if t < 0 or t >= info.vocab_size), None)
+                if bad is not None:
+                    raise invalid(
+                        f"token id {bad} is outside the vocabulary (0..{info.vocab_size - 1})",
+                        param,
+                    )
+            if not ids:
+                raise invalid("prompt must not be empty", param)
+            prompts.append(ids)
+        sampling = []
+        for ids in prompts:
+            max_new = resolve_max_tokens(
+                req.max_tokens,
+                "max_tokens",
+                len(ids),
+                info.max_context_tokens,
+                prompt_param="prompt",
+                default=16,
+            )
+            sampling += [sampling_params(req, max_new, j) for j in range(req.n)]
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        gen = Generation(
+            supervisor=svc.supervisor,
+            text=svc.text,
+            request_id=request_id,
+            prompts=prompts,
+            n=req.n,
+            sampling=sampling,
+            stops=stop_strings(req.stop),
+            started=started,
+        )
+        gen.start()
+        created = int(time.time())
+
+        if not req.stream:
+
+            def build(texts: list[str], reasons: list[str | None]) -> Completion:
+                choices = [
+                    TextChoice(index=i, text=text, finish_reason=reasons[i])
+                    for i, text in enumerate(texts)
+                ]
+                return Completion(
+                    id=request_id, created=created, model=model, choices=choices, usage=_usage(gen)
+                )
+
+            return await _respond(gen, request, request_id, started, build)
+
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        usage_field: Any = None if include_usage else msgspec.UNSET
+
+        def chunk(index: int, text: str, reason: str | None) -> bytes:
+            return _sse(
+                CompletionChunk(
+                    id=request_id,
+                    created=created,
+                    model=model,
+                    choices=[TextChoice(index=index, text=text, finish_reason=reason)],
+                    usage=usage_field,
+                )
+            )
+
+        def usage_chunk() -> bytes:
+            return _sse(
+                CompletionChunk(
+                    id=request_id, created=created, model=model, choices=[], usage=_usage(gen)
+                )
+            )
+
+        return Stream(
+            _stream(gen, request_id, started, [], chunk, usage_chunk if include_usage else None),
+            media_type="text/event-stream",
+            headers=_SSE_HEADERS,
+        )

@@ -1,0 +1,172 @@
+"""Real ``headroom serve`` processes on loopback, for the service tests.
+
+:class:`ServerProcess` starts the console script on a free port with its own empty
+config file, waits for ``/api/health``, and on the way out stops it and, if a test
+failed, shows its log. Fixtures (registered in conftest.py):
+
+- ``real_server`` (session): the default model, shared by tests that do not break it.
+  It depends on conftest's ``default_model_dir``, which converts the model once into
+  a session cache that every server started here inherits through the environment.
+- ``start_server`` (function): a factory for servers a test may kill or misconfigure,
+  with the real engine or the fake one of ``fake_engine.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+TESTS_DIR = Path(__file__).parent
+READY_TIMEOUT_S = 300.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def headroom_command() -> list[str]:
+    script = Path(sys.executable).parent / "headroom"
+    if script.exists():
+        return [str(script)]
+    found = shutil.which("headroom")
+    return [found] if found else [sys.executable, "-m", "service.cli"]
+
+
+def process_gone(pid: int) -> bool:
+    """True when ``pid`` no longer runs (absent, or a zombie nobody reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        return False
+
+
+class ServerProcess:
+    """One ``headroom serve`` child process.
+
+    Args:
+        tmp: a folder for its config file and log.
+        args: extra command-line arguments.
+        env: extra environment variables.
+        fake: use tests/fake_engine.py instead of the real engine.
+    """
+
+    def __init__(
+        self,
+        tmp: Path,
+        args: list[str] | None = None,
+        env: dict[str, str] | None = None,
+        *,
+        fake: bool = False,
+        fake_model_dir: str | None = None,
+    ) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = tmp / f"serve-{self.port}.log"
+        config = tmp / "config.toml"
+        config.touch()
+        full_env = dict(os.environ)
+        full_env.pop("HEADROOM_API_KEY", None)
+        full_env["HEADROOM_CONFIG"] = str(config)
+        full_env["PYTHONUNBUFFERED"] = "1"
+        if fake:
+            full_env["PYTHONPATH"] = os.pathsep.join(
+                [str(TESTS_DIR), full_env.get("PYTHONPATH", "")]
+            )
+            full_env["HEADROOM_ENGINE_FACTORY"] = "fake_engine:FakeEngine"
+            if fake_model_dir:
+                full_env["HEADROOM_FAKE_MODEL_DIR"] = fake_model_dir
+        full_env.update(env or {})
+        self.command = [*headroom_command(), "serve", "--port", str(self.port), *(args or [])]
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            self.command, stdout=self._log, stderr=subprocess.STDOUT, env=full_env
+        )
+
+    def client(self, **kwargs) -> httpx.Client:
+        return httpx.Client(base_url=self.base_url, timeout=kwargs.pop("timeout", 60.0), **kwargs)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def health(self) -> httpx.Response:
+        return httpx.get(self.base_url + "/api/health", timeout=5.0)
+
+    def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited ({self.proc.returncode}):\n{self.log()}")
+            try:
+                if self.health().status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError(f"server not ready in {timeout_s} s:\n{self.log()}")
+
+    def worker_pid(self) -> int:
+        pid = self.health().json()["worker_pid"]
+        assert isinstance(pid, int), self.health().text
+        return pid
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+@pytest.fixture(scope="session")
+def real_server(tmp_path_factory, default_model_dir) -> Iterator[ServerProcess]:
+    """The default model, 256 KV pages (about 4k tokens) so F5 is cheap to reach."""
+    server = ServerProcess(tmp_path_factory.mktemp("real"), ["--num-pages", "256"])
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def start_server(tmp_path, default_model_dir) -> Iterator:
+    """Factory: ``start_server(args, env, fake=False, wait=True) -> ServerProcess``;
+    every server it starts is stopped after the test (its log shown on failure)."""
+    servers: list[ServerProcess] = []
+
+    def start(args=None, env=None, *, fake=False, wait=True) -> ServerProcess:
+        server = ServerProcess(
+            tmp_path, args, env, fake=fake, fake_model_dir=default_model_dir if fake else None
+        )
+        servers.append(server)
+        if wait:
+            server.wait_ready()
+        return server
+
+    yield start
+    for server in servers:
+        server.stop()
+        # Captured: pytest shows it only when the test failed.
+        print(f"--- log of {' '.join(server.command)} ---\n{server.log()}")

@@ -1,0 +1,295 @@
+"""The worker's life and death, and clean start-up failures, with real server processes:
+C08 (worker killed: stream error, 503 + Retry-After, back to 200), the service killed
+(no worker left), hung worker, crash loop, retry of requests that had no token yet,
+C10 (port taken), missing model, API key, custom CORS schemes in the config."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+
+import httpx
+import pytest
+from service_harness import ServerProcess, headroom_command, process_gone
+from test_service_cases import assert_openai_error
+from test_service_openai import QUESTION, sse_events
+
+pytestmark = pytest.mark.slow
+
+
+def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.05):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(interval_s)
+
+
+def health_status(server: ServerProcess) -> tuple[int, dict]:
+    r = server.health()
+    return r.status_code, r.json()
+
+
+# -- C08: SIGKILL the worker mid-stream ----------------------------------------------------------
+
+
+def test_c08_worker_killed_during_stream(start_server):
+    server = start_server()
+    worker = server.worker_pid()
+    body = {
+        "messages": QUESTION,
+        "max_tokens": 2000,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
+    with httpx.Client(base_url=server.base_url, timeout=30) as http:
+        with http.stream("POST", "/v1/chat/completions", json=body) as r:
+            lines = r.iter_lines()
+            seen = 0
+            for line in lines:
+                seen += line.startswith("data: ")
+                if seen >= 3:  # role chunk and two tokens
+                    break
+            os.kill(worker, signal.SIGKILL)
+            killed_at = time.monotonic()
+            rest = sse_events(list(lines))
+            ended_s = time.monotonic() - killed_at
+        assert ended_s < 2.0
+        assert rest[-1] == "DONE"
+        assert rest[-2]["error"]["code"] == "engine_restarted"
+        assert set(rest[-2]["error"]) == {"message", "type", "param", "code"}
+
+        status, report = health_status(server)
+        assert status == 503
+        assert report["status"] == "restarting"
+        assert report["last_exit"]["signal"] == "SIGKILL"
+
+        r = http.post("/v1/chat/completions", json={"messages": QUESTION, "max_tokens": 4})
+        assert_openai_error(r, 503, code="engine_restarting")
+        assert int(r.headers["retry-after"]) >= 1
+        assert server.health().headers.get("retry-after")
+
+        wait_for(lambda: server.health().status_code == 200, 120, "the worker to come back")
+        assert server.worker_pid() != worker
+        r = http.post(
+            "/v1/chat/completions",
+            json={"messages": QUESTION, "max_tokens": 8, "temperature": 0},
+        )
+        assert r.status_code == 200, r.text
+        assert "Paris" in r.json()["choices"][0]["message"]["content"]
+        assert server.health().json()["restarts"] == 1
+
+    # SIGKILL the service itself: its worker must not outlive it.
+    worker = server.worker_pid()
+    server.proc.kill()
+    server.proc.wait()
+    wait_for(lambda: process_gone(worker), 2.0, f"worker {worker} to die with its parent")
+
+
+# -- the fake engine: hung worker, retry once, crash loop ------------------------------------------
+
+HANG_ONCE_SEED, HANG_ALWAYS_SEED = 777, 778  # see fake_engine.py
+
+
+def test_hung_worker_is_killed_and_requests_without_tokens_retried_once(tmp_path, start_server):
+    server = start_server(
+        ["--stall-timeout-s", "1.5", "--heartbeat-interval-s", "0.1"],
+        {"HEADROOM_FAKE_MARKER": str(tmp_path / "hung-once")},
+        fake=True,
+    )
+    results: dict[str, httpx.Response] = {}
+
+    def send(name: str, seed: int | None) -> None:
+        results[name] = httpx.post(
+            server.base_url + "/v1/completions",
+            json={"prompt": "hello there", "max_tokens": 3, "seed": seed},
+            timeout=60,
+        )
+
+    def run(*requests: tuple[str, int | None]) -> None:
+        threads = []
+        for name, seed in requests:
+            threads.append(threading.Thread(target=send, args=(name, seed)))
+            threads[-1].start()
+            time.sleep(0.3)  # the first one is stuck in a step by now
+        for thread in threads:
+            thread.join(timeout=60)
+
+    # Both had no token when the hung worker was killed: both retried, both served.
+    run(("hangs once", HANG_ONCE_SEED), ("normal", None))
+    for name in ("hangs once", "normal"):
+        assert results[name].status_code == 200, results[name].text
+        assert results[name].json()["usage"]["completion_tokens"] == 3
+    assert "sent no heartbeat" in server.log()
+    assert server.health().json()["restarts"] == 1
+
+    # Retried once only: one that hangs every worker fails after the second.
+    run(("hangs always", HANG_ALWAYS_SEED))
+    assert_openai_error(results["hangs always"], 503, code="engine_restarted")
+    wait_for(lambda: server.health().status_code == 200, 30, "ready again")
+    assert server.health().json()["restarts"] == 3
+
+
+def test_crash_loop_goes_to_failed_and_says_why(start_server):
+    server = start_server(["--max-restarts", "3"], fake=True)
+    for _ in range(3):
+        wait_for(lambda: server.health().status_code == 200, 30, "ready")
+        os.kill(server.worker_pid(), signal.SIGKILL)
+        wait_for(lambda: server.health().status_code == 503, 5, "not ready")
+    status, report = wait_for(
+        lambda: (s := health_status(server))[1]["status"] == "failed" and s, 10, "failed"
+    )
+    assert status == 503
+    assert "crash loop" in report["reason"]
+    assert report["last_exit"]["signal"] == "SIGKILL"
+    assert isinstance(report["last_exit"]["last_lines"], list)
+    r = httpx.post(
+        server.base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=10
+    )
+    error = assert_openai_error(r, 503, code="engine_failed")
+    assert "crash loop" in error["message"]
+    time.sleep(2)
+    assert server.health().json()["status"] == "failed"  # it stays failed, no restart
+    assert server.proc.poll() is None  # the front end is up
+
+
+def test_crash_loop_at_first_start_exits_with_the_reason(start_server):
+    server = start_server(
+        ["--max-restarts", "3"], {"HEADROOM_FAKE_CRASH_AT_LOAD": "1"}, fake=True, wait=False
+    )
+    code = server.proc.wait(timeout=60)
+    log = server.log()
+    assert code != 0
+    assert "crash loop" in log
+    assert "exited with code 7" in log
+    assert "[worker" in log and "crashing at load on purpose" in log  # captured output
+
+
+def test_load_failure_exits_non_zero_naming_the_problem(start_server):
+    server = start_server(
+        env={"HEADROOM_FAKE_LOAD_ERROR": "/no/such/model does not exist"}, fake=True, wait=False
+    )
+    code = server.proc.wait(timeout=60)
+    assert code != 0
+    assert "/no/such/model does not exist" in server.log()
+
+
+# -- clean start-up failures ---------------------------------------------------------------------------
+
+
+def run_serve(args: list[str], timeout_s: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*headroom_command(), "serve", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env={**os.environ, "HEADROOM_CONFIG": os.devnull},
+    )
+
+
+def test_c10_port_in_use_fails_fast(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        started = time.monotonic()
+        result = run_serve(["--port", str(port)])
+        took_s = time.monotonic() - started
+    assert result.returncode != 0
+    assert f"port {port} is in use" in result.stderr
+    assert "listening" not in result.stderr
+    assert took_s < 20  # no engine was started
+
+
+def test_missing_model_fails_naming_the_path(tmp_path):
+    missing = tmp_path / "no-such-model"
+    result = run_serve(["--port", "0", "--model", str(missing)])
+    assert result.returncode != 0
+    assert str(missing) in result.stderr
+
+
+def test_bad_setting_fails_naming_its_source(tmp_path):
+    result = subprocess.run(
+        [*headroom_command(), "serve"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "HEADROOM_CONFIG": os.devnull, "HEADROOM_PORT": "eighty"},
+    )
+    assert result.returncode == 2
+    assert "HEADROOM_PORT" in result.stderr
+
+
+# -- API key and configured origins ---------------------------------------------------------------------
+
+
+def test_api_key_required_on_v1_only(start_server):
+    server = start_server(["--api-key", "sekrit"], fake=True)
+    url = server.base_url
+    assert_openai_error(httpx.get(url + "/v1/models"), 401, code="invalid_api_key")
+    bad = httpx.get(url + "/v1/models", headers={"Authorization": "Bearer nope"})
+    assert_openai_error(bad, 401, code="invalid_api_key")
+    ok = httpx.get(url + "/v1/models", headers={"Authorization": "Bearer sekrit"})
+    assert ok.status_code == 200
+    assert httpx.get(url + "/api/health").status_code == 200
+    # A preflight never needs the key.
+    r = httpx.request(
+        "OPTIONS",
+        url + "/v1/chat/completions",
+        headers={"Origin": "tauri://localhost", "Access-Control-Request-Method": "POST"},
+    )
+    assert r.status_code == 204
+    # The official client sends it as a bearer token.
+    import openai
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="sekrit")
+    assert client.models.list().data[0].id == "fake-model"
+
+
+def test_api_key_from_environment(start_server):
+    server = start_server(env={"HEADROOM_API_KEY": "from-env"}, fake=True)
+    assert httpx.get(server.base_url + "/v1/models").status_code == 401
+    r = httpx.get(server.base_url + "/v1/models", headers={"Authorization": "Bearer from-env"})
+    assert r.status_code == 200
+
+
+def test_c19_custom_schemes_in_config_never_crash(tmp_path, start_server):
+    config = tmp_path / "custom.toml"
+    config.write_text(
+        'cors_origin = ["myapp://localhost", "x-weird+scheme://a b/", "::::", '
+        '"http://[bad", "null", "HTTP://Example.COM:8080/"]\n'
+    )
+    server = start_server(["--config", str(config)], fake=True)
+    for origin, allowed in [
+        ("myapp://localhost", True),
+        ("x-weird+scheme://a b", True),
+        ("http://example.com:8080", True),
+        ("null", True),
+        ("tauri://localhost", True),
+        ("myapp://elsewhere", False),
+        ("http://[bad", True),
+    ]:
+        r = httpx.get(server.base_url + "/api/health", headers={"Origin": origin})
+        if allowed:
+            assert r.status_code == 200, origin
+            assert r.headers["access-control-allow-origin"] == origin
+        else:
+            assert r.status_code == 403, origin
+    assert server.proc.poll() is None
+    assert json.loads(httpx.get(server.base_url + "/api/health").text)["status"] == "ready"
+
+
+def test_worker_never_imports_the_web_stack(start_server):
+    server = start_server(
+        env={"HEADROOM_ENGINE_FACTORY": "fake_engine:ImportProbe"}, fake=True, wait=False
+    )
+    assert server.proc.wait(timeout=60) != 0
+    assert "service packages in the worker: none" in server.log()

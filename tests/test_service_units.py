@@ -1,0 +1,249 @@
+"""Fast service tests without a server: settings resolution, body decoding, max_tokens,
+Host/Origin rules, the security middleware on a stub app, and the torch-free rule."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from service.errors import APIError, decode_body
+from service.generation import resolve_max_tokens, stop_strings
+from service.openai_schemas import ChatCompletionRequest
+from service.security import SecurityMiddleware, host_name, is_loopback_host
+from service.settings import DEFAULT_PORT, SettingsError, resolve
+
+# -- settings -----------------------------------------------------------------------------
+
+
+def test_settings_precedence_flags_env_file_default(tmp_path):
+    config = tmp_path / "config.toml"
+    config.write_text(
+        'port = 9000\nhost = "127.0.0.2"\nlog_level = "debug"\n'
+        'cors_origin = ["app://a"]\n[serve]\nmax_running_requests = 8\n'
+    )
+    env = {"HEADROOM_PORT": "9001", "HEADROOM_HOST": "127.0.0.3"}
+    s = resolve({"port": 9002}, env=env, config_path=config)
+    assert s.port == 9002  # flag
+    assert s.host == "127.0.0.3"  # environment over file
+    assert s.log_level == "debug"  # file
+    assert s.max_running_requests == 8  # file, [serve] table
+    assert s.cors_origin == ("app://a",)
+    assert s.page_size == 16  # default
+    assert s.sources["port"] == "--port"
+    assert s.sources["host"] == "HEADROOM_HOST"
+
+
+def test_settings_defaults_and_lists_from_env(tmp_path):
+    env = {"HEADROOM_CORS_ORIGIN": "a://x, b://y", "HEADROOM_PREFIX_CACHE": "off"}
+    s = resolve({}, env=env, config_path=_empty(tmp_path))
+    assert s.port == DEFAULT_PORT == 8427
+    assert s.host == "127.0.0.1"
+    assert s.cors_origin == ("a://x", "b://y")
+    assert s.prefix_cache is False
+    assert s.engine_config().enable_prefix_cache is False
+
+
+def _empty(tmp_path: Path) -> Path:
+    path = tmp_path / "empty.toml"
+    path.write_text("")
+    return path
+
+
+@pytest.mark.parametrize(
+    ("file_text", "env", "needle"),
+    [
+        ("prot = 1\n", {}, "unknown setting 'prot'"),
+        ("port = 'x'\n", {}, "port = 'x' is not a valid int"),
+        ("port = [\n", {}, "not valid TOML"),
+        ("", {"HEADROOM_PORT": "eighty"}, "HEADROOM_PORT"),
+        ("", {"HEADROOM_PORT": "70000"}, "not a TCP port"),
+        ("", {"HEADROOM_STALL_TIMEOUT_S": "0.1"}, "longer than"),
+    ],
+)
+def test_settings_errors_name_their_source(tmp_path, file_text, env, needle):
+    config = tmp_path / "config.toml"
+    config.write_text(file_text)
+    with pytest.raises(SettingsError) as info:
+        resolve({}, env=env, config_path=config)
+    assert needle in str(info.value)
+
+
+def test_explicit_config_file_must_exist(tmp_path):
+    with pytest.raises(SettingsError, match="does not exist"):
+        resolve({}, env={}, config_path=tmp_path / "nope.toml")
+
+
+def test_serve_help_documents_every_option():
+    from click.testing import CliRunner
+
+    from service.cli import main
+    from service.settings import OPTIONS
+
+    text = CliRunner().invoke(main, ["serve", "--help"], terminal_width=200).output
+    for option in OPTIONS:
+        assert option.flag in text
+        assert option.env in text
+    assert "8427" in text
+    assert "--config" in text
+
+
+# -- request bodies and limits ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("raw", "param", "needle"),
+    [
+        (b"", None, "empty"),
+        (b"{oops", None, "not valid JSON"),
+        (b"[]", None, "JSON object"),
+        (b"{}", "messages", "messages"),
+        (b'{"messages": [], "max_tokens": "x"}', "max_tokens", "int"),
+        (b'{"messages": [1]}', "messages[0]", "object"),
+        (
+            b'{"messages": [], "stream_options": {"include_usage": 3}}',
+            "stream_options.include_usage",
+            "bool",
+        ),
+    ],
+)
+def test_decode_body_errors(raw, param, needle):
+    with pytest.raises(APIError) as info:
+        decode_body(raw, ChatCompletionRequest)
+    assert info.value.status == 400
+    assert info.value.param == param
+    assert needle in info.value.message
+
+
+def test_resolve_max_tokens():
+    kw = {"prompt_param": "messages"}
+    assert resolve_max_tokens(None, "max_tokens", 10, 100, **kw) == 90  # rest of the context
+    assert resolve_max_tokens(None, "max_tokens", 10, 100, default=16, **kw) == 16
+    assert resolve_max_tokens(None, "max_tokens", 95, 100, default=16, **kw) == 5
+    assert resolve_max_tokens(0, "max_tokens", 100, 100, **kw) == 0
+    assert resolve_max_tokens(90, "max_tokens", 10, 100, **kw) == 90
+    with pytest.raises(APIError) as info:
+        resolve_max_tokens(-1, "max_completion_tokens", 10, 100, **kw)
+    assert info.value.param == "max_completion_tokens"
+    with pytest.raises(APIError) as info:
+        resolve_max_tokens(91, "max_tokens", 10, 100, **kw)
+    assert info.value.code == "context_length_exceeded"
+    assert "100" in info.value.message and "101" in info.value.message
+    with pytest.raises(APIError) as info:
+        resolve_max_tokens(None, "max_tokens", 100, 100, **kw)
+    assert info.value.param == "messages"
+
+
+def test_stop_strings():
+    assert stop_strings(None) == []
+    assert stop_strings("x") == ["x"]
+    assert stop_strings(["a", "", "b"]) == ["a", "b"]
+
+
+# -- Host and Origin rules ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("header", "name", "loopback"),
+    [
+        ("localhost:8427", "localhost", True),
+        ("LOCALHOST", "localhost", True),
+        ("tauri.localhost", "tauri.localhost", True),
+        ("127.0.0.1:1", "127.0.0.1", True),
+        ("127.1.2.3", "127.1.2.3", True),
+        ("[::1]:8427", "::1", True),
+        ("::1", "::1", True),
+        ("localhost.", "localhost", True),
+        ("evil.example:8427", "evil.example", False),
+        ("localhost.evil.example", "localhost.evil.example", False),
+        ("10.0.0.1", "10.0.0.1", False),
+        ("[::1", "[::1", False),
+    ],
+)
+def test_host_rules(header, name, loopback):
+    assert host_name(header) == name
+    assert is_loopback_host(name) is loopback
+
+
+async def _stub_app(scope, receive, send):
+    """Records that it was reached; answers 200 "reached"."""
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": b"reached"})
+
+
+def _call(app, method: str, path: str, headers: dict[str, str]) -> httpx.Response:
+    async def go() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as c:
+            return await c.request(method, path, headers=headers)
+
+    return asyncio.run(go())
+
+
+def test_middleware_preflight_and_origins():
+    app = SecurityMiddleware(_stub_app, allowed_origins=["weird+scheme://x", "::::"], api_key="k")
+    r = _call(
+        app,
+        "OPTIONS",
+        "/v1/chat/completions",
+        {"Origin": "weird+scheme://x", "Access-Control-Request-Method": "POST"},
+    )
+    assert r.status_code == 204 and r.content == b""
+    assert r.headers["access-control-allow-origin"] == "weird+scheme://x"
+    r = _call(app, "GET", "/api/health", {"Origin": "https://tauri.localhost"})
+    assert r.text == "reached"
+    assert r.headers["access-control-allow-origin"] == "https://tauri.localhost"
+    r = _call(app, "GET", "/api/health", {"Origin": "https://evil.example"})
+    assert r.status_code == 403
+    assert r.json()["error"]["code"] == "origin"
+    r = _call(app, "GET", "/v1/models", {"Origin": "tauri://localhost"})
+    assert r.status_code == 401
+    assert r.headers["access-control-allow-origin"] == "tauri://localhost"  # readable by the app
+    r = _call(app, "GET", "/v1/models", {"Authorization": "Bearer k"})
+    assert r.text == "reached"
+    r = _call(app, "GET", "/api/health", {"Host": "rebind.example"})
+    assert r.status_code == 403
+
+
+def test_wildcard_origin():
+    app = SecurityMiddleware(_stub_app, allowed_origins=["*"])
+    r = _call(app, "GET", "/", {"Origin": "https://anything.example"})
+    assert r.headers["access-control-allow-origin"] == "https://anything.example"
+
+
+# -- the service never imports torch -------------------------------------------------------------------
+
+
+def test_service_modules_never_import_torch(default_model_dir):
+    code = f"""
+import asyncio, sys
+import service.cli, service.app, service.bench_serve, service.worker_process
+from service.app import create_app
+from service.settings import resolve
+from service.text import TextSide
+create_app(resolve({{}}, env={{"HEADROOM_CONFIG": "/dev/null"}}))
+text = asyncio.run(TextSide.load({default_model_dir!r}))
+assert text.tokenizer.encode("hello")
+bad = sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))
+assert not bad, bad
+print("ok")
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
+
+
+@pytest.mark.slow
+def test_running_service_has_no_torch_loaded(real_server):
+    maps = Path(f"/proc/{real_server.proc.pid}/maps")
+    if not maps.exists():
+        pytest.skip("needs /proc")
+    assert "libtorch" not in maps.read_text()
+    worker_maps = Path(f"/proc/{real_server.worker_pid()}/maps").read_text()
+    assert "libtorch" in worker_maps  # the check above can see torch where it is

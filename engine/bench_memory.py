@@ -61,7 +61,11 @@ def measure(shape: str | None, *, device_limit_bytes: int, max_model_len: int, m
     with tempfile.TemporaryDirectory() as tmp:
         model = str(write_shape(shape, tmp)) if shape else None
         total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(device_limit_bytes / total, 1.0))
+        # The allocator stops where the card would: the limit minus the CUDA context.
+        torch.cuda.init()
+        free, _ = torch.cuda.mem_get_info()
+        context = total - free - torch.cuda.memory_reserved()
+        torch.cuda.set_per_process_memory_fraction(min((device_limit_bytes - context) / total, 1.0))
         engine = Engine(EngineConfig(
             model=model, load_format="dummy" if shape else "auto", device_limit_bytes=device_limit_bytes,
             reserve_bytes=0, max_model_len=max_model_len, max_running_requests=max_running,
@@ -72,6 +76,7 @@ def measure(shape: str | None, *, device_limit_bytes: int, max_model_len: int, m
         torch.cuda.reset_peak_memory_stats()
         worst_step_workload(engine)
         measured = torch.cuda.max_memory_reserved()
+        allocated = torch.cuda.max_memory_allocated()
         predicted = predicted_allocator_bytes(plan)
         from engine.memory.device import probe_nvml
 
@@ -81,6 +86,7 @@ def measure(shape: str | None, *, device_limit_bytes: int, max_model_len: int, m
             "device_limit_gib": device_limit_bytes / 2**30,
             "predicted_gib": predicted / 2**30,
             "measured_gib": measured / 2**30,
+            "allocated_gib": allocated / 2**30,
             "error_pct": 100 * (measured - predicted) / predicted,
             "kv_share_pct": 100 * kv_share(plan),
             "kv_pool_gib": plan.kv_pool_bytes / 2**30,
@@ -108,9 +114,9 @@ def run_bench_memory(cases: list[tuple[str | None, int, int, int, int]]) -> list
     for case in cases:
         with ctx.Pool(1) as pool:
             rows.append(pool.apply(_measure_case, (case,)))
-    print(f"{'model':<24} {'limit GiB':>9} {'predicted GiB':>13} {'measured GiB':>12} {'error %':>8} "
+    print(f"{'model':<24} {'limit GiB':>9} {'predicted GiB':>13} {'measured GiB':>12} {'alloc GiB':>9} {'error %':>8} "
           f"{'KV share %':>10} {'KV GiB':>7} {'NVML GiB':>8}")
     for r in rows:
         print(f"{r['model']:<24} {r['device_limit_gib']:>9.1f} {r['predicted_gib']:>13.3f} {r['measured_gib']:>12.3f} "
-              f"{r['error_pct']:>8.2f} {r['kv_share_pct']:>10.1f} {r['kv_pool_gib']:>7.2f} {r['nvml_process_gib']:>8.2f}")
+              f"{r['allocated_gib']:>9.3f} {r['error_pct']:>8.2f} {r['kv_share_pct']:>10.1f} {r['kv_pool_gib']:>7.2f} {r['nvml_process_gib']:>8.2f}")
     return rows

@@ -22,6 +22,7 @@ from engine.errors import PlanDoesNotFit, RequestRejected
 from engine.kvcache.allocator import PageAllocator
 from engine.kvcache.pool import KVPool
 from engine.kvcache.radix import RadixCache
+from engine.loader.default_model import model_display_name
 from engine.loader.hf_config import load_model_config
 from engine.loader.load import load_model
 from engine.loader.resolve import resolve_model
@@ -113,6 +114,12 @@ class Engine:
         # Device and dtype.
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        if self.device.type == "cuda":
+            # Expandable segments keep reserved memory close to allocated memory (no
+            # segments stranded at one block size), so what the plan measured is what
+            # the step reserves later, and a shrunk pool really returns to the device.
+            set_settings = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+            (set_settings or torch.cuda.memory._set_allocator_settings)("expandable_segments:True")
         # Model config: enough to plan before any weight is read.
         self.model_dir: Path = resolve_model(config.model)
         mc: ModelConfig = load_model_config(self.model_dir)
@@ -171,7 +178,7 @@ class Engine:
         self.runner = ModelRunner(self.model, self.pool, self.attn, self.device)
         self._arrivals = itertools.count()
         self.info = EngineInfo(
-            model_name=self.model_dir.name,
+            model_name=model_display_name(self.model_dir),
             model_dir=str(self.model_dir),
             architecture=mc.architecture,
             vocab_size=mc.vocab_size,
@@ -283,7 +290,8 @@ class Engine:
         Raises:
             RequestRejected: empty prompt, a prompt that leaves no room for one new token
                 in ``max_context_tokens`` (code ``context_length_exceeded``), a duplicate id,
-                token ids outside the vocabulary, or ``max_new_tokens < 1``.
+                token ids outside the vocabulary, ``max_new_tokens < 1``, or a sampling
+                parameter out of range (code ``invalid_request``).
         """
         n = len(req.prompt_token_ids)
         if n == 0:
@@ -302,7 +310,10 @@ class Engine:
         vocab = self.model_config.vocab_size
         if min(req.prompt_token_ids) < 0 or max(req.prompt_token_ids) >= vocab:
             raise RequestRejected(f"prompt token ids must lie in [0, {vocab})", code="invalid_request", param="prompt")
-        state = SamplingState(req.sampling, req.prompt_token_ids, vocab, self.device)
+        try:
+            state = SamplingState(req.sampling, req.prompt_token_ids, vocab, self.device)
+        except ValueError as exc:  # a sampling parameter out of range; the message names it
+            raise RequestRejected(str(exc), code="invalid_request") from None
         self.scheduler.add(
             Request(
                 request_id=req.request_id,

@@ -11,10 +11,23 @@ from typing import TextIO
 
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.messages import GenerateRequest, SamplingParams
+from engine.messages import FINISH_ERROR, GenerateRequest, SamplingParams
 from engine.text.chat import encode_chat
 from engine.text.detokenizer import IncrementalDetokenizer
 from engine.text.tokenizer import load_tokenizer
+
+
+class GenerationFailed(Exception):
+    """The engine ended the request with an error (``finish_reason="error"``).
+
+    Attributes:
+        code: the engine's error code, e.g. ``"out_of_memory"``.
+    """
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
 
 
 def stream_text(engine: Engine, tokenizer, prompt_ids: list[int], sampling: SamplingParams) -> Iterator[str]:
@@ -22,6 +35,8 @@ def stream_text(engine: Engine, tokenizer, prompt_ids: list[int], sampling: Samp
 
     Raises:
         engine.errors.RequestRejected: the prompt cannot run (e.g. too long).
+        GenerationFailed: the engine failed the request (e.g. out of device memory),
+            after the text produced before the failure was yielded.
     """
     engine.add_request(GenerateRequest(request_id="generate-0", prompt_token_ids=prompt_ids, sampling=sampling))
     detok = IncrementalDetokenizer(tokenizer, prompt_ids=prompt_ids)
@@ -34,6 +49,9 @@ def stream_text(engine: Engine, tokenizer, prompt_ids: list[int], sampling: Samp
                 tail = detok.flush()
                 if tail:
                     yield tail
+                if out.finish_reason == FINISH_ERROR:
+                    code = out.error_code or "engine_error"
+                    raise GenerationFailed(code, out.error_message or f"the engine failed the request ({code})")
 
 
 def run_generate(
@@ -46,16 +64,22 @@ def run_generate(
     chat: bool,
     device: str = "auto",
     out: TextIO = sys.stdout,
+    config: EngineConfig | None = None,
 ) -> None:
     """Load the model, render ``prompt`` (chat template unless ``chat`` is False) and
     stream the reply to ``out``.
 
+    ``config`` (plan knobs and all) replaces ``EngineConfig(model=model, device=device)``
+    when given; ``model`` and ``device`` are then ignored.
+
     Raises:
         engine.loader.errors.ModelLoadError: the model is missing or broken.
+        engine.errors.PlanDoesNotFit: the memory plan cannot hold the model and one request.
         engine.text.chat.ChatTemplateError: the template cannot render the prompt.
         engine.errors.RequestRejected: the prompt does not fit.
+        GenerationFailed: the engine failed the request (e.g. ``out_of_memory``).
     """
-    engine = Engine(EngineConfig(model=model, device=device))
+    engine = Engine(config if config is not None else EngineConfig(model=model, device=device))
     tokenizer = load_tokenizer(str(engine.model_dir))
     if chat:
         ids = encode_chat(tokenizer, [{"role": "user", "content": prompt}])

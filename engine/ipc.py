@@ -9,7 +9,8 @@ Service -> worker: :class:`engine.messages.GenerateRequest`,
 :class:`engine.messages.AbortRequest`, :class:`StatsRequest`, :class:`Shutdown`.
 
 Worker -> service: :class:`Ready` (once, after the model is loaded), :class:`Outputs`,
-:class:`Rejected`, :class:`Heartbeat`, :class:`WorkerError` (then the worker exits).
+:class:`Rejected`, :class:`Heartbeat`, :class:`EngineEvents` (what the engine did about
+an out-of-memory step), :class:`WorkerError` (then the worker exits).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from engine.messages import (
     EngineInfo,
     EngineStats,
     GenerateRequest,
+    OomEvent,
+    ReplanWanted,
     TokenOutput,
 )
 
@@ -74,6 +77,16 @@ class Heartbeat(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     seq: int | None = None
 
 
+class EngineEvents(msgspec.Struct, frozen=True, tag=True):
+    """The engine's events of one step (``Engine.drain_events()``), in order: an
+    :class:`engine.messages.OomEvent` per out-of-memory step (the request it hit and
+    what was done: retried smaller, preempted, retried, or failed), then at most one
+    :class:`engine.messages.ReplanWanted`. Sent right after that step's
+    :class:`Outputs`, only when there are any."""
+
+    events: list[OomEvent | ReplanWanted]
+
+
 class WorkerError(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     """The worker is about to exit because of an error.
 
@@ -88,7 +101,7 @@ class WorkerError(msgspec.Struct, frozen=True, tag=True, kw_only=True):
 
 
 ToWorker = GenerateRequest | AbortRequest | StatsRequest | Shutdown
-FromWorker = Ready | Outputs | Rejected | Heartbeat | WorkerError
+FromWorker = Ready | Outputs | Rejected | Heartbeat | EngineEvents | WorkerError
 
 _encoder = msgspec.msgpack.Encoder()
 to_worker_decoder = msgspec.msgpack.Decoder(ToWorker)

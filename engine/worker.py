@@ -22,8 +22,9 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
-from engine.errors import RequestRejected
+from engine.errors import PlanDoesNotFit, RequestRejected
 from engine.ipc import (
+    EngineEvents,
     Heartbeat,
     Outputs,
     Ready,
@@ -35,6 +36,7 @@ from engine.ipc import (
     encode,
     to_worker_decoder,
 )
+from engine.loader.errors import ModelLoadError
 from engine.messages import AbortRequest, GenerateRequest
 
 log = logging.getLogger("headroom.worker")
@@ -57,8 +59,9 @@ def worker_main(conn: Connection, config: WorkerConfig, log_conn: Connection | N
             (tracebacks of a crash included). ``None`` leaves them as inherited.
 
     Exits with 0 on :class:`engine.ipc.Shutdown` or when the pipe closes, 3 when the
-    engine fails to load, 4 when the parent is gone; an error in a step propagates
-    (exit code 1) after a :class:`engine.ipc.WorkerError` is sent.
+    engine fails to load (a missing model, a memory plan that does not fit...), 4 when
+    the parent is gone; an error in a step propagates (exit code 1) after a
+    :class:`engine.ipc.WorkerError` is sent.
     """
     if log_conn is not None:
         _redirect_output(log_conn)
@@ -76,7 +79,12 @@ def worker_main(conn: Connection, config: WorkerConfig, log_conn: Connection | N
     try:
         engine = _make_engine(config)
     except Exception as exc:  # every load failure is reported, then we exit
-        traceback.print_exc()
+        if isinstance(exc, (PlanDoesNotFit, ModelLoadError)):
+            # Expected, and their messages say what to do (the service shows them in
+            # full): one line, no traceback.
+            log.error("the engine cannot start: %s", str(exc).partition("\n")[0])
+        else:
+            traceback.print_exc()
         _send_quietly(
             conn, WorkerError(message=str(exc), kind=type(exc).__name__, during_load=True)
         )
@@ -97,8 +105,11 @@ def worker_main(conn: Connection, config: WorkerConfig, log_conn: Connection | N
 
 
 def _serve(conn: Connection, engine: Any, config: WorkerConfig) -> int:
-    """The loop: receive -> step -> send outputs -> heartbeat. Returns an exit code."""
+    """The loop: receive -> step -> send outputs (and the step's engine events) ->
+    heartbeat. Returns an exit code."""
     interval_s = config.heartbeat_interval_s
+    # Engines without events (tests' fakes) are served as well.
+    drain_events = getattr(engine, "drain_events", None)
     next_beat = 0.0
     while True:
         now = time.monotonic()
@@ -120,6 +131,10 @@ def _serve(conn: Connection, engine: Any, config: WorkerConfig) -> int:
             outputs = engine.step()
             if outputs:
                 conn.send_bytes(encode(Outputs(outputs)))
+            if drain_events is not None:
+                events = drain_events()
+                if events:
+                    conn.send_bytes(encode(EngineEvents(list(events))))
 
 
 def _receive(conn: Connection, engine: Any) -> int | None:

@@ -66,6 +66,7 @@ def create_app(
     supervisor = Supervisor(supervisor_config(settings))
     services = Services(settings=settings, supervisor=supervisor)
     supervisor.on_ready = services.prepare
+    supervisor.on_engine_event = services.record_engine_event
     watch_tasks: list[asyncio.Task] = []
 
     async def start() -> None:

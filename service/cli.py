@@ -18,9 +18,18 @@ from typing import Any
 
 import click
 
-from service.settings import DEFAULT_PORT, OPTIONS, SettingsError, resolve
+from service.settings import (
+    DEFAULT_PORT,
+    OPTIONS,
+    OPTIONS_BY_NAME,
+    Option,
+    SettingsError,
+    parse_size,
+    resolve,
+)
 
 EXIT_USAGE = 2
+EXIT_FAILED = 1
 
 
 @click.group()
@@ -33,37 +42,74 @@ def _fail(message: str, code: int = 1) -> None:
     sys.exit(code)
 
 
+def _settings_option(opt: Option, flag: str | None = None, *, show_env: bool = True) -> Any:
+    """A click option for one setting of service.settings.OPTIONS (``flag`` renames it
+    on the command line; the value still lands under the setting's name), with its
+    environment variable and default in the help."""
+    default = ", ".join(opt.default) if opt.multiple else opt.default
+    shown = "unset" if default in (None, "") else default
+    if opt.type is bool:
+        shown = "on" if default else "off"
+    env = f"env: {opt.env}; " if show_env else ""
+    help_text = f"{opt.help} [{env}default: {shown}]"
+    name = (flag or opt.flag)[2:]
+    if opt.type is bool:
+        return click.option(f"--{name}/--no-{name}", opt.name, default=None, help=help_text)
+    return click.option(
+        f"--{name}",
+        opt.name,
+        type=opt.type,
+        default=None,
+        multiple=opt.multiple,
+        metavar=opt.metavar,
+        help=help_text,
+    )
+
+
 def _option_decorators() -> list[Any]:
     """Click options built from service.settings.OPTIONS, so --help lists each one
     with its environment variable and default."""
-    decorators = []
-    for opt in OPTIONS:
-        default = ", ".join(opt.default) if opt.multiple else opt.default
-        shown = "unset" if default in (None, "") else default
-        help_text = f"{opt.help} [env: {opt.env}; default: {shown}]"
-        if opt.type is bool:
-            name = opt.flag[2:]
-            decorators.append(
-                click.option(f"--{name}/--no-{name}", opt.name, default=None, help=help_text)
-            )
-        else:
-            decorators.append(
-                click.option(
-                    opt.flag,
-                    opt.name,
-                    type=opt.type,
-                    default=None,
-                    multiple=opt.multiple,
-                    help=help_text,
-                )
-            )
-    return decorators
+    return [_settings_option(opt) for opt in OPTIONS]
 
 
 def _with_serve_options(func: Any) -> Any:
     for decorator in reversed(_option_decorators()):
         func = decorator(func)
     return func
+
+
+def _with_settings(*names: str, renamed: dict[str, str] | None = None) -> Any:
+    """Decorate a command with the settings ``names`` (serve's options, same help,
+    environment variables and config keys)."""
+    renamed = renamed or {}
+
+    def wrap(func: Any) -> Any:
+        for name in reversed(names):
+            func = _settings_option(OPTIONS_BY_NAME[name], renamed.get(name))(func)
+        return func
+
+    return wrap
+
+
+_config_option = click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="TOML config file [env: HEADROOM_CONFIG; default: "
+    "<user config dir>/headroom/config.toml].",
+)
+
+
+def _check_model_path(model: str | None) -> None:
+    """Fail fast, before torch is imported, for a model path that does not exist."""
+    if model is not None and not Path(model).expanduser().exists():
+        _fail(
+            f"model not found: {model} (no such file or folder); pass a Hugging Face "
+            "model folder or a .gguf file with --model, or leave --model out for the "
+            "default model",
+            EXIT_USAGE,
+        )
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -105,14 +151,7 @@ def _setup_logging(level: str) -> None:
     f"the option names with underscores, e.g. port = {DEFAULT_PORT}), HEADROOM_* "
     f"environment variables, then these flags. The default port is {DEFAULT_PORT}."
 )
-@click.option(
-    "--config",
-    "config_path",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    help="TOML config file [env: HEADROOM_CONFIG; default: "
-    "<user config dir>/headroom/config.toml].",
-)
+@_config_option
 @_with_serve_options
 def serve(config_path: Path | None, **flags: Any) -> None:
     """Serve the OpenAI-compatible API on 127.0.0.1 with a supervised engine worker.
@@ -125,8 +164,7 @@ def serve(config_path: Path | None, **flags: Any) -> None:
         _fail(str(exc), EXIT_USAGE)
     _setup_logging(settings.log_level)
     log = logging.getLogger("headroom.service")
-    if settings.model is not None and not Path(settings.model).expanduser().exists():
-        _fail(f"model not found: {settings.model} (no such file or folder)", EXIT_USAGE)
+    _check_model_path(settings.model)
     try:
         sock = bind_socket(settings.host, settings.port)
     except OSError as exc:
@@ -162,6 +200,161 @@ def serve(config_path: Path | None, **flags: Any) -> None:
         _fail(f"the engine could not start: {failure[0]}")
     if not server.started:
         _fail("the server did not start")
+
+
+_PLAN_KNOBS = (
+    "reserve",
+    "device_limit",
+    "max_prefill_tokens",
+    "max_running_requests",
+    "max_model_len",
+    "min_context",
+)
+
+
+def _resolve_or_fail(flags: dict[str, Any], config_path: Path | None) -> Any:
+    try:
+        return resolve(flags, config_path=config_path)
+    except SettingsError as exc:
+        _fail(str(exc), EXIT_USAGE)
+
+
+@main.command(
+    epilog="Engine settings (--model, --reserve, --max-model-len...) are serve's: they "
+    "are also read from HEADROOM_* variables and the config file. One prompt runs, so "
+    "the plan holds one request (--max-running-requests 1)."
+)
+@click.option(
+    "--max-tokens",
+    type=click.IntRange(min=1),
+    default=256,
+    show_default=True,
+    help="Most tokens to generate.",
+)
+@click.option(
+    "--temperature",
+    type=click.FloatRange(0.0, 2.0),
+    default=0.7,
+    show_default=True,
+    help="Sampling temperature; 0 is greedy.",
+)
+@click.option("--seed", type=int, default=None, help="Seed of the sampler (same seed, same reply).")
+@click.option(
+    "--chat/--raw",
+    default=True,
+    show_default=True,
+    help="Wrap the prompt in the model's chat template as a user message, or send it as is.",
+)
+@_config_option
+@_with_settings(
+    "model",
+    "device",
+    "dtype",
+    "max_model_len",
+    "max_prefill_tokens",
+    "reserve",
+    "device_limit",
+    "min_context",
+)
+@click.argument("prompt")
+def generate(
+    prompt: str,
+    max_tokens: int,
+    temperature: float,
+    seed: int | None,
+    chat: bool,
+    config_path: Path | None,
+    **flags: Any,
+) -> None:
+    """Stream one reply to PROMPT to stdout, with the engine in this process."""
+    settings = _resolve_or_fail(flags, config_path)
+    _check_model_path(settings.model)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+
+    from dataclasses import replace
+
+    from engine.errors import PlanDoesNotFit, RequestRejected
+    from engine.generate import GenerationFailed, run_generate
+    from engine.loader.errors import ModelLoadError
+    from engine.text.chat import ChatTemplateError
+
+    config = replace(settings.engine_config(), max_running_requests=1)
+    try:
+        run_generate(
+            model=settings.model,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            seed=seed,
+            chat=chat,
+            config=config,
+        )
+    except ModelLoadError as exc:
+        _fail(f"cannot load the model: {exc}", EXIT_USAGE)
+    except PlanDoesNotFit as exc:
+        _fail(str(exc))
+    except ChatTemplateError as exc:
+        _fail(f"{exc.message}; pass --raw to send the prompt without the chat template")
+    except RequestRejected as exc:
+        fix = "shorten the prompt"
+        if settings.max_model_len is not None:
+            fix += f" or raise --max-model-len (now {settings.max_model_len})"
+        _fail(f"the prompt cannot run: {exc.message}; {fix}")
+    except GenerationFailed as exc:
+        hint = (
+            "; free device memory (close other GPU applications) or lower "
+            "--max-prefill-tokens, then try again"
+            if exc.code == "out_of_memory"
+            else ""
+        )
+        click.echo()
+        _fail(f"{exc.message}{hint}")
+    except ValueError as exc:  # a bad config value the engine refused (dtype, device)
+        _fail(str(exc), EXIT_USAGE)
+    except KeyboardInterrupt:
+        click.echo()
+        sys.exit(130)
+
+
+@main.command(
+    epilog="Without a GPU, plan for a simulated one: --device-total 6GiB --device-free "
+    "5.5GiB. Sizes: 6GiB, 5.5GiB, 512MiB, 6GB (decimal) or bytes. Settings are serve's: "
+    "also read from HEADROOM_* variables and the config file. Exits 0 when the plan "
+    "fits, 1 when it does not (with what would fix it), 2 for a usage error."
+)
+@_config_option
+@_with_settings(
+    "model",
+    "device",
+    "dtype",
+    "device_total",
+    "device_free",
+    "device_display",
+    *_PLAN_KNOBS,
+    "page_size",
+    renamed={"device_display": "--display"},
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+def plan(config_path: Path | None, as_json: bool, **flags: Any) -> None:
+    """Print the memory plan (the ledger from device total to KV pages) for a model and a
+    device, without loading the weights or serving."""
+    settings = _resolve_or_fail(flags, config_path)
+    _check_model_path(settings.model)
+
+    from engine.loader.errors import ModelLoadError
+    from engine.plan_command import NoDevice, build_plan, render
+
+    try:
+        memory_plan = build_plan(settings.engine_config())
+    except NoDevice as exc:
+        _fail(str(exc), EXIT_USAGE)
+    except ModelLoadError as exc:
+        _fail(f"cannot read the model: {exc}", EXIT_USAGE)
+    except ValueError as exc:
+        _fail(str(exc), EXIT_USAGE)
+    click.echo(render(memory_plan, as_json))
+    if not memory_plan.fits:
+        sys.exit(EXIT_FAILED)
 
 
 @main.group()
@@ -243,6 +436,125 @@ def bench_serve(
             device=device,
         )
     )
+
+
+def _int_list(ctx: Any, param: Any, value: str) -> tuple[int, ...]:
+    try:
+        items = tuple(int(v) for v in value.split(",") if v.strip())
+    except ValueError:
+        items = ()
+    if not items or min(items) < 1:
+        raise click.BadParameter(
+            f"{value!r}: give positive integers separated by commas, e.g. 1,16"
+        )
+    return items
+
+
+@bench.command("engine")
+@click.option(
+    "--model", default=None, help="Hugging Face folder or .gguf file [default: the embedded model]."
+)
+@click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda[:N].")
+@click.option(
+    "--batches",
+    default="1,16",
+    show_default=True,
+    callback=_int_list,
+    help="Batch sizes, comma-separated.",
+)
+@click.option(
+    "--prompt-tokens",
+    type=click.IntRange(min=1),
+    default=128,
+    show_default=True,
+    help="Prompt length, in tokens (random ids).",
+)
+@click.option(
+    "--new-tokens",
+    type=click.IntRange(min=2),
+    default=32,
+    show_default=True,
+    help="Tokens generated per request (greedy, EOS ignored).",
+)
+def bench_engine(
+    model: str | None, device: str, batches: tuple[int, ...], prompt_tokens: int, new_tokens: int
+) -> None:
+    """Prefill and decode tokens/s of the engine against transformers' generate on the
+    same model, device and dtype, at each batch size."""
+    _check_model_path(model)
+    from engine.bench import run_bench_engine
+    from engine.loader.errors import ModelLoadError
+
+    try:
+        run_bench_engine(
+            model=model,
+            device=device,
+            batches=batches,
+            prompt_tokens=prompt_tokens,
+            new_tokens=new_tokens,
+        )
+    except ModelLoadError as exc:
+        _fail(f"cannot load the model: {exc}", EXIT_USAGE)
+
+
+# (shape, device limit): random-weight shapes of engine.model_shapes on a capped card.
+DEFAULT_MEMORY_CASES = ("qwen3-0.6b:6GiB", "qwen3-0.6b:16GiB", "llama-3.1-8b:24GiB")
+
+
+@bench.command("memory")
+@click.option(
+    "--case",
+    "cases",
+    multiple=True,
+    metavar="SHAPE:SIZE",
+    help="A model shape (qwen3-0.6b, llama-3.1-8b, or default for the embedded "
+    "model) and the device limit to cap it at; repeatable "
+    f"[default: {', '.join(DEFAULT_MEMORY_CASES)}].",
+)
+@click.option("--max-model-len", type=click.IntRange(min=16), default=8192, show_default=True)
+@click.option("--max-running-requests", type=click.IntRange(min=2), default=16, show_default=True)
+@click.option("--max-prefill-tokens", type=click.IntRange(min=16), default=2048, show_default=True)
+def bench_memory(
+    cases: tuple[str, ...], max_model_len: int, max_running_requests: int, max_prefill_tokens: int
+) -> None:
+    """Predicted vs measured memory peak at the plan's worst step, and the KV pool's share
+    of the budget, per case (needs a CUDA device)."""
+    from engine.model_shapes import SHAPES
+
+    parsed = []
+    for case in cases or DEFAULT_MEMORY_CASES:
+        shape, sep, size = case.rpartition(":")
+        if not sep or (shape != "default" and shape not in SHAPES):
+            _fail(
+                f"--case {case!r}: expected SHAPE:SIZE with SHAPE one of default, "
+                f"{', '.join(SHAPES)}, e.g. qwen3-0.6b:6GiB",
+                EXIT_USAGE,
+            )
+        try:
+            limit = parse_size(size)
+        except ValueError as exc:
+            _fail(f"--case {case!r}: {exc}", EXIT_USAGE)
+        parsed.append(
+            (
+                None if shape == "default" else shape,
+                limit,
+                max_model_len,
+                max_running_requests,
+                max_prefill_tokens,
+            )
+        )
+
+    import torch
+
+    if not torch.cuda.is_available():
+        _fail(
+            "bench memory needs a CUDA device (it measures real allocator peaks); without "
+            "one, `headroom plan --device-total 6GiB` prints the plan of a simulated card",
+            EXIT_USAGE,
+        )
+    from engine.bench_memory import run_bench_memory
+
+    run_bench_memory(parsed)
 
 
 if __name__ == "__main__":

@@ -133,6 +133,36 @@ def check_common(req: _SamplingFields) -> None:
     stop_strings(req.stop)
 
 
+# Seconds a client should wait before retrying a request that ran out of device
+# memory: the engine has rolled back and shrunk its steps by then, and memory another
+# process held for a moment may be back.
+OOM_RETRY_AFTER_S = 1
+OUT_OF_MEMORY = "out_of_memory"
+
+
+def engine_error(code: str | None, message: str | None) -> APIError:
+    """The API error for a sequence the engine ended with ``finish_reason="error"``.
+
+    ``out_of_memory`` (the request did not fit in device memory even alone; the engine
+    stayed up) is a 503 with Retry-After: the same request may well run later. Any
+    other code is a 500 carrying the engine's code (``engine_error`` when it gave none).
+    """
+    if code == OUT_OF_MEMORY:
+        return APIError(
+            503,
+            message or "the device ran out of memory for this request; retry later",
+            type=SERVER_ERROR,
+            code=OUT_OF_MEMORY,
+            headers={"Retry-After": str(OOM_RETRY_AFTER_S)},
+        )
+    return APIError(
+        500,
+        message or "the engine failed this request",
+        type=SERVER_ERROR,
+        code=code or "engine_error",
+    )
+
+
 @dataclass
 class Piece:
     """New text of one sequence; ``finish_reason`` set on its last piece."""
@@ -222,7 +252,9 @@ class Generation:
         Raises:
             APIError: 503 ``engine_restarted`` when the worker died under a sequence
                 that had produced tokens (or died twice); 400 when the engine
-                rejected a sequence; 500 with the engine's code when one failed.
+                rejected a sequence; 503 ``out_of_memory`` (Retry-After) when one ran
+                out of device memory; 500 with the engine's code when one failed
+                otherwise (see :func:`engine_error`).
         """
         if self.submission is None:
             for i, _ in enumerate(self._seqs):
@@ -255,12 +287,7 @@ class Generation:
             text = seq.detokenizer.add(output.token_ids)
         if output.finished:
             if output.finish_reason == FINISH_ERROR:
-                raise APIError(
-                    500,
-                    output.error_message or "the engine failed this request",
-                    type=SERVER_ERROR,
-                    code=output.error_code or "engine_error",
-                )
+                raise engine_error(output.error_code, output.error_message)
             # A character cut by max_tokens stays incomplete forever: drop it rather
             # than show U+FFFD.
             text += seq.detokenizer.flush().rstrip(_REPLACEMENT)

@@ -6,12 +6,14 @@ capitals, and the config file key is the name itself. The config file is TOML at
 ``platformdirs.user_config_dir("headroom")/config.toml`` (``--config`` or
 ``HEADROOM_CONFIG`` point elsewhere); its keys sit at the top level or under a
 ``[serve]`` table. List settings take a list in TOML and comma-separated text in the
-environment.
+environment. Sizes (``--reserve``, ``--kv-cache``...) are text everywhere: ``6GiB``,
+``5.5GiB``, ``512MiB``, ``6GB`` (decimal) or a number of bytes (:func:`parse_size`).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -28,11 +30,54 @@ from engine.ipc import WorkerConfig
 
 DEFAULT_PORT = 8427
 ENV_PREFIX = "HEADROOM_"
-_MIB = 1 << 20
 
 
 class SettingsError(Exception):
     """A setting has a value that cannot be used; the message names its source."""
+
+
+_SIZE = re.compile(r"^\s*(?P<number>\d+(?:\.\d*)?|\.\d+)\s*(?P<unit>[a-zA-Z]*)\s*$")
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kib": 1 << 10,
+    "kb": 10**3,
+    "m": 1 << 20,
+    "mib": 1 << 20,
+    "mb": 10**6,
+    "g": 1 << 30,
+    "gib": 1 << 30,
+    "gb": 10**9,
+    "t": 1 << 40,
+    "tib": 1 << 40,
+    "tb": 10**12,
+}
+SIZE_EXAMPLES = "e.g. 6GiB, 5.5GiB, 512MiB, 6GB (decimal) or a number of bytes"
+
+
+def parse_size(text: str | int) -> int:
+    """A memory size in bytes from what a person writes.
+
+    ``"6GiB"``, ``"5.5GiB"``, ``"512MiB"``, ``"64KiB"`` are binary (so are the bare
+    ``K``/``M``/``G``/``T``); ``"6GB"``, ``"512MB"`` are decimal; ``"1048576"`` (or an
+    int) is bytes. Case and a space before the unit do not matter. Fractions round down
+    to whole bytes.
+
+    Raises:
+        ValueError: not a size, or a negative one; the message gives examples.
+    """
+    if isinstance(text, bool):
+        raise ValueError(f"{text!r} is not a size; write {SIZE_EXAMPLES}")
+    if isinstance(text, int):
+        if text < 0:
+            raise ValueError(f"{text} is negative; a size is at least 0 bytes")
+        return text
+    match = _SIZE.match(str(text))
+    unit = match.group("unit").lower() if match else None
+    if match is None or unit not in _SIZE_UNITS:
+        raise ValueError(f"{str(text)!r} is not a size; write {SIZE_EXAMPLES}")
+    return int(float(match.group("number")) * _SIZE_UNITS[unit])
 
 
 @dataclass(frozen=True)
@@ -44,6 +89,13 @@ class Option:
     default: Any
     help: str
     multiple: bool = False
+    # "size": a memory size (text, see parse_size) resolved to bytes; "size_or_auto":
+    # the same or "auto" (resolved to None).
+    kind: str | None = None
+
+    @property
+    def metavar(self) -> str | None:
+        return {"size": "SIZE", "size_or_auto": "auto|SIZE"}.get(self.kind or "")
 
     @property
     def env(self) -> str:
@@ -87,8 +139,63 @@ OPTIONS: tuple[Option, ...] = (
         "Most prompt tokens per prefill step (the chunk of chunked prefill).",
     ),
     Option("page_size", int, 16, "KV cache page size, in tokens."),
-    Option("num_pages", int, None, "Fix the KV cache size in pages (unset: sized by the engine)."),
-    Option("kv_cache_mib", int, None, "Fix the KV cache size in MiB (unset: sized by the engine)."),
+    Option(
+        "num_pages",
+        int,
+        None,
+        "Fix the KV cache size in pages, skipping the memory plan (unset: planned).",
+    ),
+    Option(
+        "kv_cache",
+        str,
+        None,
+        "Fix the KV cache size (e.g. 2GiB), skipping the memory plan (unset: planned).",
+        kind="size",
+    ),
+    Option(
+        "reserve",
+        str,
+        "auto",
+        "GPU memory left to the desktop and other apps: auto (512 MiB + 5% of the card "
+        "when it drives a display, else 0) or a size such as 1GiB.",
+        kind="size_or_auto",
+    ),
+    Option(
+        "device_limit",
+        str,
+        None,
+        "Plan as if the GPU had only this much memory (e.g. 6GiB; unset: the whole card).",
+        kind="size",
+    ),
+    Option(
+        "min_context",
+        int,
+        None,
+        "Smallest context, in tokens, one request must get for the memory plan to fit "
+        "(unset: the model's context, capped by --max-model-len).",
+    ),
+    Option(
+        "device_total",
+        str,
+        None,
+        "Simulate a GPU of this size instead of reading the real one (e.g. 6GiB), to try "
+        "the memory plan on a machine without one; the engine still runs on --device.",
+        kind="size",
+    ),
+    Option(
+        "device_free",
+        str,
+        None,
+        "Free memory of the simulated GPU (needs --device-total; unset: all of it).",
+        kind="size",
+    ),
+    Option(
+        "device_display",
+        bool,
+        True,
+        "Whether the simulated GPU (--device-total) drives a display, which the "
+        "automatic --reserve keeps memory for.",
+    ),
     Option("prefix_cache", bool, True, "Share KV pages of common prompt prefixes."),
     Option(
         "served_model_name",
@@ -154,7 +261,13 @@ class ServeSettings:
     max_prefill_tokens: int = 2048
     page_size: int = 16
     num_pages: int | None = None
-    kv_cache_mib: int | None = None
+    kv_cache: int | None = None  # bytes
+    reserve: int | None = None  # bytes; None: auto
+    device_limit: int | None = None  # bytes
+    min_context: int | None = None
+    device_total: int | None = None  # bytes
+    device_free: int | None = None  # bytes
+    device_display: bool = True
     prefix_cache: bool = True
     served_model_name: tuple[str, ...] = ()
     api_key: str | None = None
@@ -181,8 +294,14 @@ class ServeSettings:
             max_prefill_tokens=self.max_prefill_tokens,
             max_model_len=self.max_model_len,
             num_pages=self.num_pages,
-            kv_cache_bytes=None if self.kv_cache_mib is None else self.kv_cache_mib * _MIB,
+            kv_cache_bytes=self.kv_cache,
             enable_prefix_cache=self.prefix_cache,
+            reserve_bytes=self.reserve,
+            device_limit_bytes=self.device_limit,
+            min_context_tokens=self.min_context,
+            simulate_device_total_bytes=self.device_total,
+            simulate_device_free_bytes=self.device_free,
+            simulate_display_attached=self.device_display,
         )
 
     def worker_config(self) -> WorkerConfig:
@@ -214,7 +333,29 @@ def _convert(option: Option, value: Any, source: str) -> Any:
     return _convert_one(option, value, source)
 
 
+def _convert_size(option: Option, value: Any, source: str) -> int | None:
+    """A size option's value (text or bytes) as bytes; ``"auto"`` is None where allowed.
+
+    Raises:
+        SettingsError: not a size, naming the source (the flag, the variable or the file).
+    """
+    if value is None:
+        return None
+    if option.kind == "size_or_auto" and isinstance(value, str) and value.strip().lower() == "auto":
+        return None
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        text = str(exc)
+        if option.kind == "size_or_auto":
+            text = text.replace("; write ", "; write auto or ")
+        where = source if source == option.flag else f"{source}: {option.name}"
+        raise SettingsError(f"{where}: {text}") from None
+
+
 def _convert_one(option: Option, value: Any, source: str) -> Any:
+    if option.kind is not None:
+        return _convert_size(option, value, source)
     kind = option.type
     try:
         if kind is bool:
@@ -303,6 +444,10 @@ def resolve(
         if flag_value is not None and flag_value != ():
             value = tuple(flag_value) if option.multiple else flag_value
             source = option.flag
+            if option.kind is not None:
+                value = _convert_size(option, value, option.flag)
+        elif option.kind is not None and source == "default":
+            value = _convert_size(option, value, "default")
         values[option.name] = value
         sources[option.name] = source
     factory = env.get(ENV_PREFIX + "ENGINE_FACTORY")
@@ -325,6 +470,20 @@ def _validate(s: ServeSettings) -> None:
     for name in ("heartbeat_interval_s", "stall_timeout_s", "start_timeout_s", "restart_window_s"):
         if getattr(s, name) <= 0:
             fail(name, "must be positive")
+    if s.min_context is not None and s.min_context < 1:
+        fail("min_context", "must be at least 1")
+    if s.num_pages is not None and s.num_pages < 2:
+        fail("num_pages", "must be at least 2 (one page is the null page)")
+    if s.max_model_len is not None and s.max_model_len < 2:
+        fail("max_model_len", "must be at least 2")
+    for name in ("kv_cache", "device_limit", "device_total"):
+        if getattr(s, name) == 0:
+            fail(name, "must be more than 0 bytes")
+    if s.device_free is not None:
+        if s.device_total is None:
+            fail("device_free", "needs --device-total (the size of the simulated GPU)")
+        elif s.device_free > s.device_total:
+            fail("device_free", "must not exceed --device-total")
     if s.stall_timeout_s <= s.heartbeat_interval_s:
         fail("stall_timeout_s", "must be longer than --heartbeat-interval-s")
     if s.log_level.lower() not in ("debug", "info", "warning", "error"):

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.ipc import (
+    EngineEvents,
     FromWorker,
     Heartbeat,
     Outputs,
@@ -34,13 +35,30 @@ from engine.ipc import (
     WorkerConfig,
     WorkerError,
 )
-from engine.messages import AbortRequest, EngineInfo, EngineStats, GenerateRequest, TokenOutput
+from engine.messages import (
+    OOM_FAILED,
+    AbortRequest,
+    EngineEvent,
+    EngineInfo,
+    EngineStats,
+    GenerateRequest,
+    OomEvent,
+    ReplanWanted,
+    TokenOutput,
+)
 from service.worker_process import ExitStatus, WorkerProcess
 
 log = logging.getLogger("headroom.supervisor")
 
 ENGINE_RESTARTED = "engine_restarted"
 ENGINE_FAILED = "engine_failed"
+
+
+def _first_line(text: str) -> str:
+    """One log line of a many-line message (a plan's misfit and its fixes); the whole
+    text is in the health report and in the start-up failure."""
+    first, _, rest = text.partition("\n")
+    return f"{first} (...)" if rest.strip() else first
 
 
 class State(str, enum.Enum):
@@ -140,15 +158,20 @@ class Supervisor:
         on_ready: awaited with the new :class:`EngineInfo` after a worker reports
             ready and before the state becomes ``ready`` (the service loads its
             tokenizer there). An exception in it counts as a failed start.
+        on_engine_event: called (on the event loop) with each
+            :class:`engine.messages.OomEvent` and :class:`engine.messages.ReplanWanted`
+            the worker reports, in order, after the supervisor has logged it.
     """
 
     def __init__(
         self,
         config: SupervisorConfig,
         on_ready: Callable[[EngineInfo], Awaitable[None]] | None = None,
+        on_engine_event: Callable[[EngineEvent], None] | None = None,
     ) -> None:
         self.config = config
         self.on_ready = on_ready
+        self.on_engine_event = on_engine_event
         self.state = State.STOPPED
         self.info: EngineInfo | None = None
         self.stats: EngineStats | None = None
@@ -335,13 +358,45 @@ class Supervisor:
             seq = self._inflight.pop(message.request_id, None)
             if seq is not None and not seq.submission.closed:
                 seq.submission.queue.put_nowait((seq.index, message))
+        elif isinstance(message, EngineEvents):
+            for event in message.events:
+                self._on_engine_event(event)
         elif isinstance(message, Ready):
             self._spawn_task(self._become_ready(worker, message))
         elif isinstance(message, WorkerError):
-            log.error("worker error (%s): %s", message.kind, message.message)
+            log.error("worker error (%s): %s", message.kind, _first_line(message.message))
             if message.during_load and self._first_start:
-                # Nothing ever served: a start-up failure, reported, not retried.
-                self._fail(f"the engine failed to load: {message.kind}: {message.message}")
+                # Nothing ever served: a start-up failure (a missing model, a memory plan
+                # that does not fit: the same again on every try), reported, not retried.
+                if message.kind == "PlanDoesNotFit":
+                    reason = message.message  # it says what does not fit and what fixes it
+                else:
+                    reason = f"the engine failed to load: {message.kind}: {message.message}"
+                self._fail(reason)
+
+    def _on_engine_event(self, event: EngineEvent) -> None:
+        """Log one engine event (one line) and hand it on."""
+        if isinstance(event, OomEvent):
+            log.log(
+                logging.ERROR if event.action == OOM_FAILED else logging.WARNING,
+                "out of memory in %s for %s (%d tokens in the step): %s; %s",
+                event.phase,
+                event.request_id,
+                event.tokens_in_step,
+                event.action.replace("_", " "),
+                event.message,
+            )
+        elif isinstance(event, ReplanWanted):
+            log.warning(
+                "the engine wants a new memory plan (prefill chunk cap now %d tokens): %s",
+                event.new_max_prefill_tokens,
+                event.reason,
+            )
+        if self.on_engine_event is not None:
+            try:
+                self.on_engine_event(event)
+            except Exception:
+                log.exception("could not record an engine event")
 
     def _deliver(self, output: TokenOutput) -> None:
         seq = self._inflight.get(output.request_id)
@@ -449,7 +504,7 @@ class Supervisor:
 
     def _fail(self, reason: str) -> None:
         """Enter ``failed``: no more restarts until :meth:`restart`."""
-        log.error("engine failed: %s", reason)
+        log.error("engine failed: %s", _first_line(reason))
         self.state = State.FAILED
         self.failure_reason = reason
         self._restart_at = None

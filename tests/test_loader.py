@@ -264,3 +264,17 @@ def test_default_model_matches_transformers_gguf(default_model_dir, paged_runner
     while len(ours) < len(ref_ids):
         ours.append(int(runner.step({0: [ours[-1]]})[0].argmax()))
     assert ours == ref_ids
+
+
+def test_model_display_name_drops_the_cache_hash_of_conversions_only(tmp_path, monkeypatch):
+    from engine.loader.default_model import CACHE_ENV, model_display_name
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    converted = tmp_path / "cache" / "models" / "SmolLM2-135M-Instruct.Q4_1-b179c9523d0e"
+    converted.mkdir(parents=True)
+    assert model_display_name(converted) == "SmolLM2-135M-Instruct.Q4_1"
+    # A user's own folder keeps its name, hash-like suffix or not.
+    own = tmp_path / "my-model-b179c9523d0e"
+    own.mkdir()
+    assert model_display_name(own) == "my-model-b179c9523d0e"
+    assert model_display_name(tmp_path / "cache" / "models" / "plain") == "plain"

@@ -15,7 +15,7 @@ from service.errors import APIError, decode_body
 from service.generation import resolve_max_tokens, stop_strings
 from service.openai_schemas import ChatCompletionRequest
 from service.security import SecurityMiddleware, host_name, is_loopback_host
-from service.settings import DEFAULT_PORT, SettingsError, resolve
+from service.settings import DEFAULT_PORT, SettingsError, parse_size, resolve
 
 # -- settings -----------------------------------------------------------------------------
 
@@ -46,6 +46,82 @@ def test_settings_defaults_and_lists_from_env(tmp_path):
     assert s.cors_origin == ("a://x", "b://y")
     assert s.prefix_cache is False
     assert s.engine_config().enable_prefix_cache is False
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("6GiB", 6 << 30),
+        ("5.5GiB", int(5.5 * (1 << 30))),
+        ("512MiB", 512 << 20),
+        ("512 mib", 512 << 20),
+        ("6GB", 6 * 10**9),
+        ("64KiB", 64 << 10),
+        ("2G", 2 << 30),
+        ("1048576", 1 << 20),
+        ("0", 0),
+        (4096, 4096),
+    ],
+)
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "GiB", "6 gibs", "-1GiB", "1.2.3GB", "six", True, -5])
+def test_parse_size_refuses_non_sizes(text):
+    with pytest.raises(ValueError, match="size"):
+        parse_size(text)
+
+
+def test_plan_knobs_reach_the_engine_config(tmp_path):
+    config = tmp_path / "config.toml"
+    config.write_text('reserve = "1GiB"\nmin_context = 1024\n[serve]\nkv_cache = 268435456\n')
+    env = {"HEADROOM_DEVICE_TOTAL": "6GiB", "HEADROOM_DEVICE_DISPLAY": "off"}
+    flags = {
+        "device_free": "5.5GiB",
+        "device_limit": "4GB",
+        "max_prefill_tokens": 512,
+        "max_running_requests": 4,
+        "max_model_len": 2048,
+        "page_size": 32,
+    }
+    ec = resolve(flags, env=env, config_path=config).engine_config()
+    assert ec.reserve_bytes == 1 << 30
+    assert ec.min_context_tokens == 1024
+    assert ec.kv_cache_bytes == 256 << 20
+    assert ec.simulate_device_total_bytes == 6 << 30
+    assert ec.simulate_device_free_bytes == int(5.5 * (1 << 30))
+    assert ec.simulate_display_attached is False
+    assert ec.device_limit_bytes == 4 * 10**9
+    assert (ec.max_prefill_tokens, ec.max_running_requests, ec.max_model_len, ec.page_size) == (
+        512,
+        4,
+        2048,
+        32,
+    )
+    # Defaults: everything automatic, a simulated card drives a display.
+    default = resolve({}, env={}, config_path=_empty(tmp_path)).engine_config()
+    assert default.reserve_bytes is None and default.simulate_device_total_bytes is None
+    assert default.kv_cache_bytes is None and default.device_limit_bytes is None
+    assert default.simulate_display_attached is True
+    assert resolve({"reserve": "auto"}, env={}, config_path=_empty(tmp_path)).reserve is None
+
+
+@pytest.mark.parametrize(
+    ("flags", "env", "needle"),
+    [
+        ({"reserve": "lots"}, {}, "--reserve: 'lots' is not a size; write auto or e.g. 6GiB"),
+        ({}, {"HEADROOM_KV_CACHE": "2 gigs"}, "environment HEADROOM_KV_CACHE: kv_cache"),
+        ({"device_free": "1GiB"}, {}, "needs --device-total"),
+        ({"device_total": "1GiB", "device_free": "2GiB"}, {}, "must not exceed"),
+        ({"device_total": "0"}, {}, "more than 0 bytes"),
+        ({"min_context": 0}, {}, "--min-context"),
+    ],
+)
+def test_plan_knob_errors_name_their_source(tmp_path, flags, env, needle):
+    with pytest.raises(SettingsError) as info:
+        resolve(flags, env=env, config_path=_empty(tmp_path))
+    assert needle in str(info.value)
 
 
 def _empty(tmp_path: Path) -> Path:
@@ -247,3 +323,47 @@ def test_running_service_has_no_torch_loaded(real_server):
     assert "libtorch" not in maps.read_text()
     worker_maps = Path(f"/proc/{real_server.worker_pid()}/maps").read_text()
     assert "libtorch" in worker_maps  # the check above can see torch where it is
+
+
+# -- engine errors and events ---------------------------------------------------------------------
+
+
+def test_engine_errors_map_out_of_memory_to_503_with_retry_after():
+    from service.generation import engine_error
+
+    oom = engine_error("out_of_memory", "out of device memory: ...")
+    assert oom.status == 503
+    assert oom.code == "out_of_memory" and oom.type == "server_error"
+    assert int(oom.headers["Retry-After"]) >= 1
+    other = engine_error("something_else", None)
+    assert other.status == 500 and other.code == "something_else" and not other.headers
+    assert engine_error(None, None).code == "engine_error"
+
+
+def test_engine_events_cross_the_pipe_and_are_kept_as_request_errors():
+    from engine.ipc import EngineEvents, encode, from_worker_decoder
+    from engine.messages import OomEvent, ReplanWanted
+    from service.state import KEEP_REQUEST_ERRORS, Services
+
+    failed = OomEvent(
+        request_id="chatcmpl-1-0", phase="prefill", tokens_in_step=16, action="failed", message="m"
+    )
+    retried = OomEvent(
+        request_id="chatcmpl-2-0", phase="decode", tokens_in_step=1, action="preempted", message="p"
+    )
+    replan = ReplanWanted(reason="r", new_max_prefill_tokens=256)
+    message = EngineEvents([failed, retried, replan])
+    assert from_worker_decoder.decode(encode(message)) == message
+
+    svc = Services(settings=None, supervisor=None)  # type: ignore[arg-type]
+    for event in message.events:
+        svc.record_engine_event(event)
+    assert [(e.request_id, e.code, e.phase) for e in svc.request_errors] == [
+        ("chatcmpl-1-0", "out_of_memory", "prefill")
+    ]
+    counts = svc.engine_events
+    assert (counts.oom_steps, counts.oom_failed_requests, counts.replans_wanted) == (2, 1, 1)
+    assert counts.last_replan == replan
+    for _ in range(KEEP_REQUEST_ERRORS + 5):
+        svc.record_engine_event(failed)
+    assert len(svc.request_errors) == KEEP_REQUEST_ERRORS

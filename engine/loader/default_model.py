@@ -69,6 +69,25 @@ def converted_dir(gguf_path: str | Path) -> Path:
     return cache_root() / "models" / f"{gguf_path.stem}-{file_sha256(gguf_path)[:12]}"
 
 
+def model_display_name(model_dir: str | Path) -> str:
+    """The name to show for a model folder: its name, without the ``-<12 hex>`` content
+    hash :func:`converted_dir` appends to the GGUF conversions in the cache
+    (``SmolLM2-135M-Instruct.Q4_1-b179c9523d0e`` -> ``SmolLM2-135M-Instruct.Q4_1``).
+    Folders outside the cache keep their names as they are."""
+    model_dir = Path(model_dir)
+    name = model_dir.name
+    stem, sep, digest = name.rpartition("-")
+    is_hash = len(digest) == 12 and all(c in "0123456789abcdef" for c in digest)
+    if sep and stem and is_hash:
+        try:
+            in_cache = model_dir.parent.resolve() == (cache_root() / "models").resolve()
+        except OSError:
+            in_cache = False
+        if in_cache:
+            return stem
+    return name
+
+
 def file_sha256(path: Path) -> str:
     """sha256 hex digest of a file's content.
 

@@ -1,0 +1,195 @@
+"""The ``headroom`` command line: ``generate``, ``plan``, ``bench memory`` and ``serve``'s
+plan failure, run as a user runs them (the console script in a subprocess) where the
+process boundary matters, and in-process (click's runner) where only the output does.
+
+Every test depends on ``default_model_dir``, which points ``HEADROOM_CACHE_DIR`` at the
+session's converted default model; subprocesses inherit it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+
+import pytest
+from click.testing import CliRunner
+from service_harness import headroom_command
+
+from service.cli import main
+
+QUESTION = "What is the capital of France?"
+
+
+def run_headroom(args: list[str], timeout_s: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*headroom_command(), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env={**os.environ, "HEADROOM_CONFIG": os.devnull},
+    )
+
+
+def invoke(args: list[str]):
+    """In-process run (torch is imported once for the whole module, not per command)."""
+    return CliRunner().invoke(main, args, env={"HEADROOM_CONFIG": os.devnull})
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+# -- generate ------------------------------------------------------------------------------------
+
+
+def test_generate_streams_a_greedy_answer(default_model_dir):
+    result = run_headroom(["generate", "--max-tokens", "8", "--temperature", "0", QUESTION])
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
+    assert "Traceback" not in result.stderr
+
+
+def test_generate_missing_model_names_the_path(default_model_dir, tmp_path):
+    missing = tmp_path / "no-such-model"
+    result = run_headroom(["generate", "--model", str(missing), QUESTION], timeout_s=60)
+    assert result.returncode != 0
+    assert str(missing) in result.stderr
+    assert "--model" in result.stderr  # the fix
+    assert "Traceback" not in result.stderr
+
+
+def test_generate_prompt_too_long_says_what_to_do(default_model_dir):
+    result = run_headroom(["generate", "--max-model-len", "16", "--raw", "word " * 40])
+    assert result.returncode == 1, result.stderr
+    assert "the prompt cannot run" in result.stderr
+    assert "shorten the prompt" in result.stderr and "--max-model-len" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+# -- plan ----------------------------------------------------------------------------------------
+
+
+def test_plan_that_fits_prints_the_ledger_and_exits_0(default_model_dir):
+    result = run_headroom(["plan", "--device-total", "6GiB", "--device-free", "5.5GiB"])
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "KV cache pool" in out and "fits: yes" in out
+    assert "simulated device (6.00 GiB)" in out
+    assert "512.0 MiB" in out  # 6 GiB - 5.5 GiB: used by other processes
+
+
+def test_plan_that_does_not_fit_exits_1_naming_the_knobs(default_model_dir):
+    result = invoke(["plan", "--device-total", "1GiB"])
+    assert result.exit_code == 1, result.output
+    out = result.stdout
+    assert "KV cache pool" in out  # the ledger comes with the message
+    assert "does not fit" in out
+    # The knobs, each in the direction that frees memory.
+    assert "--reserve 563 MiB → 282 MiB" in out
+    assert "--max-model-len 8192 → 2048" in out
+    assert "--max-running-requests 64 → 16" in out
+
+
+def test_plan_knobs_move_the_plan(default_model_dir):
+    base = json.loads(invoke(["plan", "--device-total", "6GiB", "--json"]).stdout)
+    moved = invoke(
+        [
+            "plan",
+            "--device-total",
+            "6GiB",
+            "--reserve",
+            "0",
+            "--device-limit",
+            "4GiB",
+            "--max-prefill-tokens",
+            "512",
+            "--max-running-requests",
+            "8",
+            "--max-model-len",
+            "4096",
+            "--json",
+        ]
+    )
+    assert moved.exit_code == 0, moved.output
+    plan = json.loads(moved.stdout)
+    ledger = {e["name"]: e for e in plan["ledger"]}
+    assert ledger["device total"]["bytes"] == 4 << 30
+    assert ledger["desktop reserve"]["bytes"] == 0
+    assert plan["max_prefill_tokens"] == 512 and plan["max_running_requests"] == 8
+    assert plan["max_context_tokens"] == 4096
+    assert base["fits"] and plan["fits"]
+    # No display: no automatic reserve.
+    no_display = json.loads(
+        invoke(["plan", "--device-total", "6GiB", "--no-display", "--json"]).stdout
+    )
+    assert {e["name"]: e["bytes"] for e in no_display["ledger"]}["desktop reserve"] == 0
+    short = json.loads(
+        invoke(["plan", "--device-total", "6GiB", "--min-context", "1024", "--json"]).stdout
+    )
+    assert short["min_context_tokens"] == 1024
+
+
+def test_plan_json_parses(default_model_dir):
+    result = invoke(["plan", "--device-total", "6GB", "--device-free", "5GB", "--json"])
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.stdout)
+    assert plan["fits"] is True
+    assert plan["simulated"] is True
+    ledger = {e["name"]: e["bytes"] for e in plan["ledger"]}
+    assert ledger["device total"] == 6 * 10**9  # GB is decimal
+    assert ledger["used by other processes"] == 10**9
+    assert ledger["KV cache pool"] == plan["kv_pool_bytes"] > 0
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--device-total", "6gibs"], "--device-total: '6gibs' is not a size"),
+        (["--device-total", "6GiB", "--device-free", "lots"], "--device-free: 'lots'"),
+        (["--device-total", "6GiB", "--reserve", "-1GiB"], "--reserve"),
+        (["--device-total", "6GiB", "--device-limit", "big"], "--device-limit"),
+        (["--device-free", "1GiB"], "needs --device-total"),
+        (["--device-total", "1GiB", "--device-free", "2GiB"], "must not exceed --device-total"),
+    ],
+)
+def test_plan_bad_sizes_name_the_flag(args, needle):
+    result = invoke(["plan", *args])
+    assert result.exit_code == 2, result.output
+    assert needle in result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_plan_without_a_device_says_how_to_simulate_one(default_model_dir):
+    if cuda_available():
+        pytest.skip("a CUDA device is present")
+    result = invoke(["plan"])
+    assert result.exit_code == 2
+    assert "--device-total" in result.stderr
+
+
+def test_bench_memory_needs_cuda():
+    if cuda_available():
+        pytest.skip("a CUDA device is present")
+    result = invoke(["bench", "memory"])
+    assert result.exit_code == 2
+    assert "needs a CUDA device" in result.stderr
+
+
+# -- serve ---------------------------------------------------------------------------------------
+
+
+def test_serve_plan_that_does_not_fit_exits_at_once_with_the_plan_message(default_model_dir):
+    started = time.monotonic()
+    result = run_headroom(["serve", "--port", "0", "--device-total", "1GiB"], timeout_s=90)
+    took_s = time.monotonic() - started
+    assert result.returncode != 0
+    err = result.stderr
+    assert "the engine could not start: the memory plan does not fit" in err
+    assert "--max-model-len 8192 → 2048" in err  # the fix travels to the user
+    assert "restarting the worker" not in err  # a misfit is not retried
+    assert "Traceback" not in err
+    assert took_s < 60

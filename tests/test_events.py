@@ -1,0 +1,531 @@
+"""The event hub (pure asyncio), the VRAM throttle, the token file and the schema's
+drift guard. The routes over the hub are tested in test_events_api.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import stat
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from engine.memory.plan import LedgerEntry, MemoryPlan
+from engine.messages import EngineInfo, EngineStats, OomEvent
+from service import events as ev
+from service.events import (
+    CLOSE_GOING_AWAY,
+    CLOSE_TOO_SLOW,
+    CountersEvent,
+    EngineInfoEvent,
+    EventHub,
+    HealthEvent,
+    PlanEvent,
+    PlanPoint,
+    ReplanEvent,
+    RequestErrorEvent,
+    SubscriptionClosed,
+    VramEvent,
+    VramThrottle,
+    WorkerEvent,
+)
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def vram(free: int, *, ours: int = 2 * GiB, reserve: int = GiB, total: int = 16 * GiB) -> VramEvent:
+    return VramEvent(
+        device="sim",
+        source="simulated",
+        total_bytes=total,
+        free_bytes=free,
+        ours_bytes=ours,
+        others_bytes=total - free - ours,
+        reserve_bytes=reserve,
+        headroom_bytes=free - reserve,
+    )
+
+
+def health(status: str = "ready") -> HealthEvent:
+    return HealthEvent(status=status, model="m")  # type: ignore[arg-type]
+
+
+def sample_plan() -> MemoryPlan:
+    return MemoryPlan(
+        device="sim",
+        simulated=True,
+        ledger=[LedgerEntry("device total", 16 * GiB, "+", "simulated")],
+        budget_bytes=12 * GiB,
+        fixed_bytes=2 * GiB,
+        kv_pool_bytes=10 * GiB,
+        num_pages=1000,
+        page_size=16,
+        max_context_tokens=8192,
+        min_context_tokens=8192,
+        fits=True,
+        shortfall_bytes=0,
+        suggestions=[],
+        max_prefill_tokens=2048,
+        max_running_requests=64,
+    )
+
+
+def sample_info() -> EngineInfo:
+    return EngineInfo(
+        model_name="m",
+        model_dir="/m",
+        architecture="LlamaForCausalLM",
+        vocab_size=256,
+        max_context_tokens=128,
+        model_context_tokens=128,
+        eos_token_ids=[2],
+        device="cpu",
+        dtype="float32",
+        page_size=16,
+        num_pages=8,
+        kv_cache_bytes=1 << 20,
+        weight_bytes=1 << 20,
+        max_prefill_tokens=64,
+        max_running_requests=4,
+    )
+
+
+# -- publishing, snapshot ------------------------------------------------------------------------
+
+
+def test_publish_stamps_seq_and_ts_and_snapshot_holds_latest():
+    now = [1000.0]
+    hub = EventHub(clock=lambda: now[0])
+    first = hub.publish(health("starting"))
+    now[0] = 1001.5
+    second = hub.publish(health("ready"))
+    assert (first.seq, first.ts, second.seq, second.ts) == (1, 1000.0, 2, 1001.5)
+    hub.publish(
+        WorkerEvent(phase="exited", pid=41, signal="SIGKILL", reason="was killed by SIGKILL")
+    )
+    hub.publish(WorkerEvent(phase="started", pid=42))
+    hub.publish(PlanEvent(plan=sample_plan()))
+    hub.publish(EngineInfoEvent(info=sample_info()))
+    hub.publish(CountersEvent(engine=None, in_flight=3))
+    for i in range(60):
+        hub.publish(
+            RequestErrorEvent(
+                request_id=f"r{i}", code="out_of_memory", message="x", action="failed"
+            )
+        )
+    before = PlanPoint(kv_pool_bytes=10 * GiB, num_pages=1000, max_prefill_tokens=2048)
+    hub.publish(ReplanEvent(action="shrink_kv", reason="game", before=before, after=before))
+    snap = hub.snapshot()
+    assert snap.seq == hub.seq == 68
+    assert snap.epoch == hub.epoch
+    assert snap.health is not None and snap.health.status == "ready" and snap.health.seq == 2
+    assert snap.worker is not None and snap.worker.pid == 42
+    assert snap.last_exit is not None and (snap.last_exit.pid, snap.last_exit.signal) == (
+        41,
+        "SIGKILL",
+    )
+    assert snap.plan is not None and snap.plan.plan == sample_plan()
+    assert snap.engine is not None and snap.engine.info.model_name == "m"
+    assert snap.counters is not None and snap.counters.in_flight == 3
+    assert [e.request_id for e in snap.request_errors] == [f"r{i}" for i in range(10, 60)]
+    assert [r.action for r in snap.replans] == ["shrink_kv"]
+    # Every frame decodes back to its type.
+    text = ev.encode(snap)
+    assert ev.message_decoder.decode(text) == snap
+    assert json.loads(text)["type"] == "snapshot"
+
+
+def test_events_from_engine_and_supervisor_shapes():
+    oom = OomEvent(
+        request_id="a-0", phase="prefill", tokens_in_step=512, action="failed", message="m"
+    )
+    event = RequestErrorEvent.from_oom(oom, bytes_asked=64 * MiB, headroom_bytes=-MiB)
+    assert (event.code, event.phase, event.action, event.bytes_asked) == (
+        "out_of_memory",
+        "prefill",
+        "failed",
+        64 * MiB,
+    )
+    report = {
+        "status": "restarting",
+        "worker_pid": None,
+        "restarts": 2,
+        "in_flight": 0,
+        "retry_after_s": 3,
+        "model": "m",
+    }
+    h = HealthEvent.from_report(report)
+    assert (h.status, h.restarts, h.retry_after_s, h.model) == ("restarting", 2, 3, "m")
+    stats = EngineStats(
+        running=1,
+        waiting=0,
+        free_pages=1,
+        total_pages=2,
+        cached_pages=0,
+        prefix_hit_tokens=0,
+        prefix_lookup_tokens=0,
+        finished=5,
+        aborted=0,
+        failed=0,
+    )
+    c = CountersEvent(engine=stats)
+    assert ev.message_decoder.decode(ev.encode(c)) == c
+
+
+def test_vram_event_from_a_watcher_sample():
+    from types import SimpleNamespace as NS
+
+    sample = NS(
+        gpu=True,
+        device="RTX (GPU 0)",
+        total_bytes=16 * GiB,
+        free_bytes=3 * GiB,
+        ours_bytes=9 * GiB,
+        others_bytes=4 * GiB,
+        top_consumers=(NS(pid=7, name="game", bytes=3 * GiB),),
+        reason="",
+    )
+    e = VramEvent.from_sample(sample, GiB)
+    assert (e.source, e.headroom_bytes, e.top_consumers[0].name, e.reason) == (
+        "nvml",
+        2 * GiB,
+        "game",
+        None,
+    )
+    cpu = NS(
+        gpu=False,
+        total_bytes=0,
+        free_bytes=0,
+        ours_bytes=0,
+        others_bytes=0,
+        reason="no NVIDIA driver",
+    )
+    e = VramEvent.from_sample(cpu, 0, source="simulated")
+    assert (e.source, e.device, e.reason) == ("none", "no GPU", "no NVIDIA driver")
+
+
+def test_subscriber_receives_in_order_and_unsubscribe_leaves_nothing():
+    async def go():
+        hub = EventHub()
+        sub = hub.subscribe()
+        assert sub.needs_snapshot and sub.snapshot is not None and sub.snapshot.seq == 0
+        for _ in range(5):
+            hub.publish(health())
+        got = [(await sub.get()).event.seq for _ in range(5)]
+        assert got == [1, 2, 3, 4, 5]
+        sub.close()
+        sub.close()  # idempotent
+        assert hub.subscriber_count == 0
+        with pytest.raises(SubscriptionClosed):
+            await sub.get()
+        hub.publish(health())  # nothing is delivered to it any more
+        assert sub.pending == 0
+
+    run(go())
+
+
+def test_resume_gets_missed_events_in_order():
+    hub = EventHub(buffer_size=8)
+    for _ in range(5):
+        hub.publish(health())
+    sub = hub.subscribe(last_seq=2, epoch=hub.epoch)
+    assert not sub.needs_snapshot
+    assert [p.event.seq for p in sub.missed] == [3, 4, 5]
+    assert [json.loads(p.text)["seq"] for p in sub.missed] == [3, 4, 5]
+    # Up to date: nothing missed, no snapshot.
+    now = hub.subscribe(last_seq=5, epoch=hub.epoch)
+    assert not now.needs_snapshot and now.missed == []
+    # Without an epoch the seq alone is trusted.
+    assert [p.event.seq for p in hub.subscribe(last_seq=4).missed] == [5]
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["too_old", "other_epoch", "future", "negative"],
+)
+def test_resume_falls_back_to_snapshot(case):
+    hub = EventHub(buffer_size=4)
+    for _ in range(10):
+        hub.publish(health())
+    last_seq, epoch = {
+        "too_old": (2, hub.epoch),  # events 3..6 are gone (buffer holds 7..10)
+        "other_epoch": (9, "another-run"),
+        "future": (11, hub.epoch),
+        "negative": (-1, hub.epoch),
+    }[case]
+    sub = hub.subscribe(last_seq=last_seq, epoch=epoch)
+    assert sub.needs_snapshot and sub.snapshot is not None and sub.snapshot.seq == 10
+    assert sub.missed == []
+    # The oldest still-buffered boundary resumes.
+    assert [p.event.seq for p in hub.subscribe(last_seq=6, epoch=hub.epoch).missed] == [7, 8, 9, 10]
+
+
+def test_slow_subscriber_is_dropped_with_close_code_and_others_unaffected():
+    async def go():
+        hub = EventHub(queue_size=8)
+        slow = hub.subscribe()
+        fast = hub.subscribe()
+        got = []
+        for _ in range(20):
+            hub.publish(health())
+            got.append((await fast.get()).event.seq)
+        assert got == list(range(1, 21))
+        assert slow.closed and slow.close_code == CLOSE_TOO_SLOW == 4008
+        assert hub.subscriber_count == 1 and hub.dropped == 1
+        assert slow.closed_event.is_set()
+        with pytest.raises(SubscriptionClosed) as info:
+            await slow.get()
+        assert info.value.code == CLOSE_TOO_SLOW
+        fast.close()
+
+    run(go())
+
+
+def test_hub_close_ends_subscribers_and_refuses_new_ones():
+    async def go():
+        hub = EventHub()
+        sub = hub.subscribe()
+        waiter = asyncio.ensure_future(sub.get())
+        await asyncio.sleep(0)
+        hub.close()
+        with pytest.raises(SubscriptionClosed) as info:
+            await waiter
+        assert info.value.code == CLOSE_GOING_AWAY
+        with pytest.raises(RuntimeError):
+            hub.subscribe()
+
+    run(go())
+
+
+def test_fifty_connect_disconnect_cycles_while_events_flow_leave_nothing_behind():
+    async def go():
+        hub = EventHub(queue_size=64)
+        stop = asyncio.Event()
+        baseline = len(asyncio.all_tasks())
+
+        async def publisher():
+            while not stop.is_set():
+                hub.publish(CountersEvent(in_flight=hub.seq))
+                await asyncio.sleep(0)
+
+        async def client(n_events: int, received: list[int]):
+            with hub.subscribe() as sub:
+                for _ in range(n_events):
+                    received.append((await sub.get()).event.seq)
+
+        async def reader(sub):
+            seqs = []
+            while True:
+                try:
+                    seqs.append((await sub.get()).event.seq)
+                except ev.SubscriptionClosed:
+                    return seqs
+
+        pub = asyncio.ensure_future(publisher())
+        held = [hub.subscribe() for _ in range(3)]  # long-lived readers
+        readers = [asyncio.ensure_future(reader(s)) for s in held]
+        for cycle in range(50):
+            received: list[int] = []
+            tasks = [asyncio.ensure_future(client(5 + cycle % 4, received)) for _ in range(4)]
+            await asyncio.sleep(0)
+            assert hub.subscriber_count == len(held) + 4
+            if cycle % 2:
+                await asyncio.gather(*tasks)  # they leave after a few events
+            else:
+                for t in tasks:  # they vanish mid-stream
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+            assert hub.subscriber_count == len(held)
+        stop.set()
+        await pub
+        assert hub.dropped == 0
+        for sub in held:
+            sub.close()
+        for seqs in await asyncio.gather(*readers):
+            assert seqs == list(range(1, len(seqs) + 1))  # all of them, in order
+            assert len(seqs) > 100
+        assert hub.subscriber_count == 0
+        assert len(asyncio.all_tasks()) == baseline
+
+    run(go())
+
+
+# -- VRAM coalescing ----------------------------------------------------------------------------
+
+
+def test_vram_throttle_rate_threshold_and_min_gap():
+    t = VramThrottle(max_per_s=4.0, threshold_bytes=256 * MiB, min_gap_s=0.05)
+    assert t.offer(vram(8 * GiB), 0.0) == (True, None)
+    t.published(vram(8 * GiB), 0.0)
+    # A small change within the interval is held until 0.25 s.
+    assert t.offer(vram(8 * GiB - 10 * MiB), 0.1) == (False, 0.25)
+    assert t.offer(vram(8 * GiB - 20 * MiB), 0.2) == (False, 0.25)
+    assert t.take_due() == vram(8 * GiB - 20 * MiB)  # the latest one
+    assert t.offer(vram(8 * GiB - 30 * MiB), 0.26) == (True, None)
+    t.published(vram(8 * GiB - 30 * MiB), 0.26)
+    # A big change goes out at once, but not closer than min_gap_s.
+    assert t.offer(vram(5 * GiB), 0.28) == (False, pytest.approx(0.31))
+    assert t.offer(vram(5 * GiB), 0.32) == (True, None)
+
+
+def test_hub_coalesces_vram_and_flushes_the_last_sample():
+    async def go():
+        hub = EventHub(vram_throttle=VramThrottle(max_per_s=10.0, threshold_bytes=GiB))
+        sub = hub.subscribe()
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        free = 8 * GiB
+        while loop.time() - start < 0.5:  # a 1 kHz stream of small changes
+            free -= MiB
+            hub.publish(vram(free))
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.15)  # the held sample is flushed
+        seen = []
+        while sub.pending:
+            seen.append((await sub.get()).event)
+        assert 3 <= len(seen) <= 8, len(seen)  # about 10/s for 0.5 s, not ~500
+        assert seen[-1].free_bytes == free  # the last value always arrives
+        # A change past the threshold goes out at once.
+        hub.publish(vram(free - 2 * GiB))
+        assert sub.pending == 1
+        # coalesce=False bypasses the throttle.
+        assert hub.publish(vram(free - 2 * GiB - MiB), coalesce=False) is not None
+        sub.close()
+        hub.close()
+
+    run(go())
+
+
+def test_publish_threadsafe():
+    async def go():
+        hub = EventHub()
+        hub.attach_loop()
+        sub = hub.subscribe()
+        await asyncio.to_thread(hub.publish_threadsafe, health())
+        got = await asyncio.wait_for(sub.get(), 2)
+        assert got.event.seq == 1
+
+    run(go())
+
+
+# -- the token file -----------------------------------------------------------------------------
+
+
+def test_token_created_private_and_reused(tmp_path, monkeypatch):
+    from service import token as tk
+
+    monkeypatch.setenv(tk.CONFIG_DIR_ENV, str(tmp_path / "cfg"))
+    path = tk.token_path()
+    assert path == tmp_path / "cfg" / "token"
+    first = tk.load_or_create_token()
+    assert len(first) >= 40 and tk.read_token() == first
+    assert tk.load_or_create_token() == first  # reused
+    assert not [p for p in path.parent.iterdir() if p.name != "token"]  # no temp left
+    if sys.platform != "win32":
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+        os.chmod(path, 0o644)  # someone widened it: narrowed again, token kept
+        assert tk.load_or_create_token() == first
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+def test_token_invalid_file_replaced(tmp_path):
+    from service import token as tk
+
+    path = tmp_path / "token"
+    path.write_text("\n")
+    fresh = tk.load_or_create_token(path)
+    assert tk.read_token(path) == fresh
+    path.write_text("not a token!\n")
+    assert tk.read_token(path) is None
+    assert tk.load_or_create_token(path) != fresh
+
+
+def test_token_concurrent_creators_agree(tmp_path):
+    import concurrent.futures
+
+    from service import token as tk
+
+    path = tmp_path / "t" / "token"
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        tokens = set(pool.map(lambda _: tk.load_or_create_token(path), range(32)))
+    assert len(tokens) == 1
+
+
+# -- the schema ---------------------------------------------------------------------------------
+
+
+def test_schema_file_matches_python_types():
+    from service.export_schema import SCHEMA_PATH, render
+
+    assert SCHEMA_PATH.read_text(encoding="utf-8") == render(), (
+        "ui-bridge/schema/events.schema.json is out of date: run "
+        "`python -m service.export_schema` (then `npm run gen` in ui-bridge)"
+    )
+
+
+def test_encoded_frames_carry_exactly_the_schema_properties():
+    """Every property the schema lists is sent (the TS types mark them required), and
+    nothing else is."""
+    from service.export_schema import build_schema
+
+    defs = build_schema()["$defs"]
+    hub = EventHub()
+    point = PlanPoint(kv_pool_bytes=1, num_pages=1, max_prefill_tokens=1)
+    for event in (
+        health(),
+        WorkerEvent(phase="exited", exit_code=None, signal="SIGKILL", reason="killed"),
+        vram(GiB),
+        PlanEvent(plan=sample_plan()),
+        EngineInfoEvent(info=sample_info()),
+        ReplanEvent(action="grow_kv", reason="r", before=point, after=point),
+        RequestErrorEvent(request_id="r", code="out_of_memory", message="m", action="failed"),
+        CountersEvent(),
+    ):
+        hub.publish(event, coalesce=False)
+    snapshot = hub.snapshot()
+    seen: set[str] = set()
+
+    def check(value, name):
+        seen.add(name)
+        component = defs[name]
+        assert set(value) == set(component["properties"]), name
+        for key, prop in component["properties"].items():
+            refs = [p["$ref"] for p in prop.get("anyOf", [prop]) if "$ref" in p]
+            items = prop.get("items", {})
+            if refs and isinstance(value[key], dict):
+                check(value[key], refs[0].rsplit("/", 1)[1])
+            elif "$ref" in items:
+                for item in value[key]:
+                    check(item, items["$ref"].rsplit("/", 1)[1])
+
+    check(msgspec.to_builtins(snapshot), "Snapshot")
+    assert {
+        "HealthEvent",
+        "WorkerEvent",
+        "VramEvent",
+        "PlanEvent",
+        "EngineInfoEvent",
+        "EngineInfo",
+        "MemoryPlan",
+        "ReplanEvent",
+        "PlanPoint",
+    } <= seen
+
+
+def test_export_schema_check_flag(tmp_path):
+    from service.export_schema import main
+
+    out = tmp_path / "s.json"
+    assert main(["--check", "--out", str(out)]) == 1
+    assert main(["--out", str(out)]) == 0
+    assert main(["--check", "--out", str(out)]) == 0
+    assert Path(out).read_text().endswith("\n")

@@ -1,0 +1,278 @@
+// The dashboard served at /ui: health, worker, a live VRAM chart, the plan ledger,
+// counters and recent request errors, from /api/events on the page's own origin.
+import { ControlClient, EventStream, HeadroomApiError, type StatusInfo } from "../../src/client.js";
+import { formatBytes } from "../../src/format.js";
+import type { HeadroomState } from "../../src/state.js";
+import type { ServerMessage } from "../../src/types.js";
+import { bands, sampleOf, SERIES, VramChart } from "./chart.js";
+
+const TOKEN_KEY = "headroom.token";
+
+function $(id: string): HTMLElement {
+  const el = document.getElementById(id);
+  if (!el) throw new Error(`#${id} is missing from the page`);
+  return el;
+}
+
+function el<K extends keyof HTMLElementTagNameMap>(
+  tag: K,
+  text?: string | number | null,
+  className?: string,
+): HTMLElementTagNameMap[K] {
+  const node = document.createElement(tag);
+  if (text !== undefined && text !== null) node.textContent = String(text);
+  if (className) node.className = className;
+  return node;
+}
+
+function row(cells: (string | number | null)[], className?: string): HTMLTableRowElement {
+  const tr = el("tr", undefined, className);
+  for (const c of cells) tr.append(el("td", c ?? "–"));
+  return tr;
+}
+
+const time = (ts: number) => new Date(ts * 1000).toLocaleTimeString();
+
+/** The token from `?token=` (then removed from the address bar), this tab's storage, or a prompt. */
+function readToken(): string | null {
+  const url = new URL(location.href);
+  const fromUrl = url.searchParams.get("token");
+  if (fromUrl) {
+    sessionStorage.setItem(TOKEN_KEY, fromUrl);
+    url.searchParams.delete("token");
+    history.replaceState(null, "", url.toString());
+    return fromUrl;
+  }
+  const stored = sessionStorage.getItem(TOKEN_KEY);
+  if (stored) return stored;
+  const typed = prompt("headroom's local token (the file `token` in headroom's config folder):")?.trim();
+  if (typed) sessionStorage.setItem(TOKEN_KEY, typed);
+  return typed || null;
+}
+
+function renderHealth(s: HeadroomState): void {
+  const status = s.health?.status ?? "unknown";
+  const badge = $("health");
+  badge.textContent = status;
+  badge.className = `badge ${status}`;
+  document.body.dataset.health = status;
+  $("model").textContent = s.health?.model ?? "–";
+  $("health-reason").textContent = s.health?.reason ?? "";
+  const retry = s.health?.retry_after_s;
+  $("retry").textContent = retry != null && status !== "ready" ? `retry in ~${retry} s` : "";
+}
+
+function renderWorker(s: HeadroomState): void {
+  const w = s.worker;
+  document.body.dataset.worker = w?.phase ?? "unknown";
+  $("worker-phase").textContent = w?.phase ?? "–";
+  $("worker-pid").textContent = w?.pid != null ? String(w.pid) : s.health?.worker_pid != null ? String(s.health.worker_pid) : "–";
+  $("worker-restarts").textContent = String(s.health?.restarts ?? w?.restarts ?? 0);
+  const parts: string[] = [];
+  if (w?.phase === "restarting" && w.delay_s != null) parts.push(`next try in ${w.delay_s.toFixed(1)} s`);
+  if (w?.phase === "failed" && w.reason) parts.push(w.reason);
+  $("worker-detail").textContent = parts.join("; ");
+  const x = s.last_exit;
+  const exit: string[] = [];
+  if (x) {
+    exit.push(`pid ${x.pid ?? "?"} at ${time(x.ts)}`);
+    if (x.exit_code != null) exit.push(`exit code ${x.exit_code}`);
+    if (x.reason) exit.push(x.reason);
+    else if (x.signal != null) exit.push(`killed by ${x.signal}`);
+  }
+  $("worker-exit").textContent = exit.length ? exit.join("; ") : "none";
+  $("worker-lines").textContent = (x?.last_lines ?? []).join("\n");
+  $("worker-when").textContent = w ? time(w.ts) : "";
+  const info = s.engine?.info;
+  $("engine").textContent = info
+    ? `${info.architecture} on ${info.device} (${info.dtype}); context ${info.max_context_tokens} tokens ` +
+      `(model ${info.model_context_tokens}); KV ${info.num_pages} pages × ${info.page_size} = ${formatBytes(info.kv_cache_bytes)}; ` +
+      `weights ${formatBytes(info.weight_bytes)}`
+    : "–";
+}
+
+function renderVramLegend(s: HeadroomState): void {
+  const v = s.vram;
+  const legend = $("vram-legend");
+  legend.replaceChildren();
+  $("vram-device").textContent = !v
+    ? "no data yet"
+    : v.source === "none"
+      ? `no GPU: CPU mode${v.reason ? ` (${v.reason})` : ""}`
+      : `${v.device} (${v.source})`;
+  if (!v) return;
+  const b = bands(sampleOf(v));
+  for (const { key, label, color } of SERIES) {
+    const item = el("span", undefined, "legend-item");
+    const swatch = el("i", undefined, "swatch");
+    swatch.style.background = color;
+    item.append(swatch, el("span", `${label}: ${formatBytes(b[key])}`));
+    legend.append(item);
+  }
+  const headroom = el("span", `headroom ${formatBytes(v.headroom_bytes)} of ${formatBytes(v.total_bytes)}`, "legend-item strong");
+  if (v.headroom_bytes < 0) headroom.classList.add("bad");
+  legend.append(headroom);
+  const top = $("vram-top");
+  top.replaceChildren(...v.top_consumers.map((c) => row([c.pid, c.name, formatBytes(c.bytes)])));
+}
+
+function renderPlan(s: HeadroomState): void {
+  const plan = s.plan?.plan ?? null;
+  const body = $("plan-ledger");
+  body.replaceChildren();
+  $("plan-summary").textContent = !s.plan
+    ? "no plan yet"
+    : !plan
+      ? "the KV cache size is fixed (no plan made)"
+      : `${plan.device}: ${plan.num_pages} pages × ${plan.page_size} tokens, max context ${plan.max_context_tokens} tokens` +
+        (plan.fits ? "" : ` — does not fit: ${formatBytes(plan.shortfall_bytes)} short`);
+  if (!plan) return;
+  for (const e of plan.ledger) {
+    body.append(row([e.sign === "+" ? "" : e.sign, e.name, formatBytes(e.bytes), e.source], e.sign === "=" ? "subtotal" : undefined));
+  }
+  const sugg = $("plan-suggestions");
+  sugg.replaceChildren(
+    ...plan.suggestions.map((x) => el("li", `${x.flag} ${x.current} → ${x.proposed} frees ${formatBytes(x.saves_bytes)}`)),
+  );
+}
+
+function renderCounters(s: HeadroomState): void {
+  const c = s.counters;
+  const e = c?.engine;
+  const items: [string, string | number][] = [
+    ["in flight", c?.in_flight ?? 0],
+    ["running", e?.running ?? "–"],
+    ["waiting", e?.waiting ?? "–"],
+    ["KV pages free", e ? `${e.free_pages} / ${e.total_pages}` : "–"],
+    ["prefix-cached pages", e?.cached_pages ?? "–"],
+    ["finished", e?.finished ?? "–"],
+    ["failed", e?.failed ?? "–"],
+    ["OOM steps (rolled back)", c?.oom_steps ?? 0],
+    ["requests failed by OOM", c?.oom_failed_requests ?? 0],
+    ["replans", c?.replans ?? 0],
+  ];
+  $("counters").replaceChildren(...items.map(([k, v]) => {
+    const d = el("div", undefined, "counter");
+    d.append(el("span", k, "k"), el("span", v, "v"));
+    return d;
+  }));
+}
+
+function renderErrors(s: HeadroomState): void {
+  const rows = [...s.request_errors].reverse().map((e) =>
+    row([
+      time(e.ts),
+      e.request_id,
+      e.phase,
+      e.code,
+      e.action,
+      e.bytes_asked != null ? formatBytes(e.bytes_asked) : null,
+      e.headroom_bytes != null ? formatBytes(e.headroom_bytes) : null,
+      e.message,
+    ]),
+  );
+  $("errors").replaceChildren(...rows);
+  $("errors-empty").hidden = rows.length > 0;
+  const replans = [...s.replans].reverse().map((r) =>
+    row([
+      time(r.ts),
+      r.action,
+      `${formatBytes(r.before.kv_pool_bytes)} → ${formatBytes(r.after.kv_pool_bytes)}`,
+      `${r.before.max_prefill_tokens} → ${r.after.max_prefill_tokens}`,
+      r.duration_s != null ? `${(r.duration_s * 1000).toFixed(0)} ms` : null,
+      r.reason,
+    ]),
+  );
+  $("replans").replaceChildren(...replans);
+  $("replans-empty").hidden = replans.length > 0;
+}
+
+function renderConnection(info: StatusInfo): void {
+  const text =
+    info.status === "waiting"
+      ? `reconnecting in ${((info.retryInMs ?? 0) / 1000).toFixed(1)} s (attempt ${info.attempts})`
+      : info.status === "unauthorized"
+        ? "the token was refused: reload and enter the right one"
+        : info.status;
+  $("connection").textContent = text;
+  document.body.dataset.connection = info.status;
+  if (info.status === "unauthorized") sessionStorage.removeItem(TOKEN_KEY);
+}
+
+function main(): void {
+  const token = readToken();
+  if (!token) {
+    $("connection").textContent = "no token: reload the page with ?token=<token>";
+    return;
+  }
+  const chart = new VramChart($("vram-chart") as HTMLCanvasElement);
+  const stream = new EventStream({ token });
+  const control = new ControlClient({ token });
+  const debug = { stream, chart, messages: 0 };
+  (window as unknown as { __headroom: typeof debug }).__headroom = debug;
+
+  const renderAll = (s: HeadroomState) => {
+    renderHealth(s);
+    renderWorker(s);
+    renderVramLegend(s);
+    renderPlan(s);
+    renderCounters(s);
+    renderErrors(s);
+  };
+  stream.onStatus(renderConnection);
+  stream.onState((s: HeadroomState, m: ServerMessage) => {
+    debug.messages++;
+    if (m.type === "snapshot") {
+      if (s.vram) chart.push(sampleOf(s.vram));
+      renderAll(s);
+      return;
+    }
+    switch (m.type) {
+      case "vram":
+        chart.push(sampleOf(m));
+        renderVramLegend(s);
+        break;
+      case "health":
+        renderHealth(s);
+        renderWorker(s);
+        break;
+      case "worker":
+      case "engine":
+        renderWorker(s);
+        break;
+      case "plan":
+        renderPlan(s);
+        break;
+      case "counters":
+        renderCounters(s);
+        break;
+      case "request_error":
+      case "replan":
+        renderErrors(s);
+        break;
+    }
+  });
+  setInterval(() => chart.requestDraw(), 1000); // time moves even when memory does not
+
+  const say = (text: string, bad = false) => {
+    const out = $("control-result");
+    out.textContent = text;
+    out.className = bad ? "bad" : "";
+  };
+  const act = (button: string, run: () => Promise<{ message: string | null; action: string }>) => {
+    $(button).addEventListener("click", async () => {
+      try {
+        const r = await run();
+        say(`${r.action}: ${r.message ?? "done"}`);
+      } catch (err) {
+        say(err instanceof HeadroomApiError ? `${err.status}: ${err.message}` : String(err), true);
+      }
+    });
+  };
+  act("restart", () => control.restart());
+  act("clear-cache", () => control.clearPrefixCache());
+  act("set-reserve", () => control.setReserve(( $("reserve") as HTMLInputElement).value.trim() || "auto"));
+  stream.connect();
+}
+
+main();

@@ -1,0 +1,3 @@
+export const ENTRY: string;
+export const OUTFILE: string;
+export function bundleDashboard(): Promise<string>;

@@ -1,0 +1,4 @@
+export * from "./types.js";
+export * from "./state.js";
+export * from "./client.js";
+export * from "./format.js";

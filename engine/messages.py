@@ -160,4 +160,60 @@ class ReplanWanted(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     new_max_prefill_tokens: int
 
 
-EngineEvent = OomEvent | ReplanWanted
+# Replanned.action values: what changed.
+REPLAN_RESIZE_POOL = "resize_pool"  # the KV pool was shrunk or grown
+REPLAN_PREFILL_CHUNK = "prefill_chunk"  # the engine-wide prefill chunk cap was set
+REPLAN_EVICT_PREFIX_CACHE = "evict_prefix_cache"  # unreferenced prefix-cache pages were freed
+
+
+class ResizeResult(msgspec.Struct, frozen=True, kw_only=True):
+    """What one live KV pool resize did (``Engine.resize_kv_pool``).
+
+    Pages count the whole pool, the null page included (as ``EngineInfo.num_pages``);
+    bytes are the pool's buffers. ``evicted_pages`` left the prefix cache,
+    ``relocated_pages`` had their keys and values moved below the cut; ``preempted``
+    requests were sent back to wait and be recomputed (youngest first), ``ended`` ones
+    no longer fit in the new context limit and ended (see ``Engine.resize_kv_pool``).
+    ``max_context_tokens`` is the new per-request limit.
+    """
+
+    before_pages: int
+    after_pages: int
+    before_bytes: int
+    after_bytes: int
+    evicted_pages: int = 0
+    relocated_pages: int = 0
+    preempted: list[str] = msgspec.field(default_factory=list)
+    ended: list[str] = msgspec.field(default_factory=list)
+    max_context_tokens: int = 0
+    duration_ms: float = 0.0
+
+
+class Replanned(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+    """The engine changed its memory use while running (DESIGN.md, "When memory moves"):
+    ``action`` is one of the ``REPLAN_*`` values, asked for with ``reason``.
+
+    ``before_pages`` / ``after_pages`` and ``before_bytes`` / ``after_bytes`` are the KV
+    pool's size (pages with the null page, bytes of its buffers; equal unless the pool
+    was resized); ``max_prefill_tokens`` and ``max_context_tokens`` the limits after the
+    change; ``duration_ms`` how long the change took. For a resize, ``evicted_pages``,
+    ``relocated_pages``, ``preempted`` and ``ended`` are as in :class:`ResizeResult`; for
+    an eviction, ``evicted_pages`` is what was freed.
+    """
+
+    action: str
+    reason: str
+    before_pages: int
+    after_pages: int
+    before_bytes: int
+    after_bytes: int
+    duration_ms: float
+    max_prefill_tokens: int
+    max_context_tokens: int
+    evicted_pages: int = 0
+    relocated_pages: int = 0
+    preempted: list[str] = msgspec.field(default_factory=list)
+    ended: list[str] = msgspec.field(default_factory=list)
+
+
+EngineEvent = OomEvent | ReplanWanted | Replanned

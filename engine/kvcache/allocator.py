@@ -63,3 +63,51 @@ class PageAllocator:
         for p in pages:
             heapq.heappush(self._free, p)
         self._free_set |= seen
+
+    def resize(self, num_pages: int) -> None:
+        """Manage ``num_pages`` pages from now on (the null page included).
+
+        Growing adds pages ``old .. num_pages - 1`` to the free list. Shrinking removes
+        pages ``num_pages ..`` from it; every one of them must be free (the engine moves
+        or frees what lives there first).
+
+        Raises:
+            ValueError: ``num_pages < 2``, or shrinking while a page at or above
+                ``num_pages`` is still handed out (nothing changes then).
+        """
+        if num_pages < 2:
+            raise ValueError(f"the pool needs at least 2 pages (one is the null page), got {num_pages}")
+        old = self._num_pages
+        if num_pages > old:
+            for p in range(old, num_pages):
+                heapq.heappush(self._free, p)
+            self._free_set.update(range(old, num_pages))
+        elif num_pages < old:
+            held = [p for p in range(num_pages, old) if p not in self._free_set]
+            if held:
+                shown = ", ".join(map(str, held[:8])) + (" ..." if len(held) > 8 else "")
+                raise ValueError(
+                    f"cannot shrink to {num_pages} pages: {len(held)} page(s) at or above it "
+                    f"are in use ({shown})"
+                )
+            self._free = [p for p in self._free if p < num_pages]
+            heapq.heapify(self._free)
+            self._free_set.difference_update(range(num_pages, old))
+        self._num_pages = num_pages
+
+    def free_below(self, limit: int) -> int:
+        """Free pages with ids below ``limit``."""
+        if limit >= self._num_pages:
+            return len(self._free)
+        return sum(1 for p in self._free if p < limit)
+
+    def alloc_below(self, n: int, limit: int) -> list[int]:
+        """Take ``n`` free pages with ids below ``limit``, lowest first.
+
+        Raises:
+            OutOfPages: fewer than ``n`` such pages are free (nothing is taken then).
+        """
+        have = self.free_below(limit)
+        if n > have:
+            raise OutOfPages(f"asked for {n} pages below {limit}, {have} free there")
+        return self.alloc(n)  # lowest ids first: all of them lie below the limit

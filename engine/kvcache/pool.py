@@ -3,13 +3,47 @@
 Layout per layer: ``[num_slots, num_kv_heads, head_dim]`` with
 ``num_slots = num_pages * page_size``; a token's K/V live at slot
 ``page * page_size + offset``. Keeping one buffer per layer (not one tensor for all
-layers) lets a later resize proceed layer by layer without ever holding two whole pools.
+layers) lets a resize proceed layer by layer without ever holding two whole pools.
 
 Page 0 is the null page: it is never handed out, so padded page tables (0) and padded
 slots point at harmless memory.
+
+Live resize (:meth:`KVPool.resize`), and why layer by layer. A desktop GPU's free
+memory moves while the engine runs (DESIGN.md, "When memory moves"), so the pool must
+shrink and grow without dropping the requests it holds, and the memory it gives back
+must really reach the device, as NVML sees it. Three ways were weighed:
+
+- *Layer by layer* (chosen): for each of the ``2 x num_layers`` buffers, allocate the
+  new one, copy the live part (the pages below ``min(old, new)``), drop the old one and,
+  on CUDA, empty the allocator's cache so the freed segment goes back to the driver.
+  The peak over the start is one layer's new buffer (``1 / (2 x num_layers)`` of the
+  pool), never a second pool. Measured on an H200 (GPU.md, "Giving memory back"):
+  28 buffers of 1 GiB halved in 44 ms with the default allocator and 149 ms with
+  expandable segments (which the engine uses), and NVML saw the 14 GiB come back at
+  once; a 1 GiB replan is a few ms of copying. It needs nothing beyond torch, works on
+  every device (the CPU tests run the same code), and every attention backend keeps
+  its view of the pool (one contiguous buffer per layer, read from ``k_buffers`` /
+  ``v_buffers`` at each step). The cost: a copy of the live part (bandwidth-bound,
+  milliseconds per GiB) and a new base pointer per buffer, so anything captured
+  against the old addresses (CUDA graphs) must be captured again after a resize.
+- *A segmented pool* (the pool as a list of fixed-size segments, dropped or added at
+  the top): no copy, but a page's address becomes (segment, offset), which every
+  attention kernel and the slot arithmetic would have to learn.
+- *CUDA's virtual memory API* (reserve the largest range once, map and unmap 2 MiB
+  granules at its top): no copy and a stable base pointer (GPU.md: 16 GiB mapped in
+  8 ms, the top 8 GiB unmapped in 6 ms, NVML saw it return). It is CUDA-only and needs
+  ``cuda.bindings`` and cupy to view the mapping as a tensor; it is the way to go once
+  the engine captures CUDA graphs over the pool. The layer-by-layer resize is already
+  well under the 500 ms a 1 GiB replan may take, so the dependency is not worth it yet.
+
+A resize runs between steps (the engine is single-threaded); when shrinking, only pages
+below the new size may hold live keys and values: the engine moves them there first
+(:meth:`copy_pages`, then ``Engine.resize_kv_pool``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -50,9 +84,16 @@ class KVPool:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
-        shape = (num_pages * page_size, num_kv_heads, head_dim)
-        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.k_buffers = [self._new_buffer(num_pages, zero_from=0) for _ in range(num_layers)]
+        self.v_buffers = [self._new_buffer(num_pages, zero_from=0) for _ in range(num_layers)]
+
+    def _new_buffer(self, num_pages: int, *, zero_from: int) -> torch.Tensor:
+        """One layer's buffer of ``num_pages`` pages; pages from ``zero_from`` on are zeroed
+        (those below are about to be overwritten by a copy)."""
+        buf = torch.empty((num_pages * self.page_size, self.num_kv_heads, self.head_dim), dtype=self.dtype, device=self.device)
+        if zero_from < num_pages:
+            buf[zero_from * self.page_size :].zero_()
+        return buf
 
     @staticmethod
     def bytes_per_page(
@@ -82,3 +123,56 @@ class KVPool:
         # slower index_put_ machinery.
         self.k_buffers[layer].index_copy_(0, slots, k)
         self.v_buffers[layer].index_copy_(0, slots, v)
+
+    def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Copy the keys and values of pages ``src[i]`` to pages ``dst[i]``, in every
+        layer. The two lists must not overlap (a page is read before any is written, per
+        buffer, so they could; the engine never asks for it)."""
+        if len(src) != len(dst):
+            raise ValueError(f"{len(src)} source pages but {len(dst)} destination pages")
+        if not src:
+            return
+        ps = self.page_size
+        offsets = torch.arange(ps)
+        src_slots = (torch.tensor(list(src), dtype=torch.int64)[:, None] * ps + offsets).reshape(-1).to(self.device)
+        dst_slots = (torch.tensor(list(dst), dtype=torch.int64)[:, None] * ps + offsets).reshape(-1).to(self.device)
+        for buf in (*self.k_buffers, *self.v_buffers):
+            buf.index_copy_(0, dst_slots, buf.index_select(0, src_slots))
+
+    def resize(self, num_pages: int) -> None:
+        """Change the pool to ``num_pages`` pages (the null page included), layer by
+        layer: allocate one new buffer, copy the pages below ``min(old, new)``, drop the
+        old buffer and, on CUDA, give the freed memory back to the device before the next
+        buffer (see the module docstring). Pages added by growing are zeroed.
+
+        When shrinking, the caller guarantees that no page ``>= num_pages`` holds live
+        keys and values.
+
+        Raises:
+            ValueError: ``num_pages < 2``.
+            torch.OutOfMemoryError: a new buffer did not fit. The pool is then
+                consistent at the smaller of the two sizes, contents kept: buffers not
+                yet shrunk, or already grown, are narrowed to it (views; their extra
+                memory stays held until the next resize).
+        """
+        if num_pages < 2:
+            raise ValueError(f"the KV pool needs at least 2 pages (one is the null page), got {num_pages}")
+        old = self.num_pages
+        if num_pages == old:
+            return
+        keep = min(old, num_pages) * self.page_size
+        on_cuda = self.device.type == "cuda"
+        try:
+            for buffers in (self.k_buffers, self.v_buffers):
+                for i in range(len(buffers)):
+                    new = self._new_buffer(num_pages, zero_from=min(old, num_pages))
+                    new[:keep].copy_(buffers[i][:keep])
+                    buffers[i] = new  # the old buffer's last reference goes here
+                    del new
+                    if on_cuda:
+                        torch.cuda.empty_cache()
+        except torch.OutOfMemoryError:
+            for buffers in (self.k_buffers, self.v_buffers):
+                for i in range(len(buffers)):
+                    buffers[i] = buffers[i][:keep]
+            raise

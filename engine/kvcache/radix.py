@@ -185,6 +185,43 @@ class RadixCache:
                 heapq.heappush(leaves, (parent.last_access, id(parent), parent))
         return freed
 
+    def evict_at_or_above(self, limit: int) -> int:
+        """Evict every unlocked node that holds a page ``>= limit``, with its subtree
+        (unlocked too: a lock pins a node's ancestors, so nothing below an unlocked node
+        is locked). Used before the pool shrinks to ``limit`` pages: cached pages above
+        the cut go instead of being moved. Returns the number of pages freed."""
+        freed, stack = 0, list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            if node.lock_ref == 0 and any(p >= limit for p in node.pages):
+                freed += self._drop_subtree(node)
+            else:
+                stack.extend(node.children.values())
+        return freed
+
+    def _drop_subtree(self, node: RadixNode) -> int:
+        pages, stack = [], [node]
+        while stack:
+            n = stack.pop()
+            pages.extend(n.pages)
+            stack.extend(n.children.values())
+        assert node.parent is not None
+        del node.parent.children[node.key[: self.page_size]]
+        node.parent = None
+        self.allocator.free(pages)
+        self.num_cached_pages -= len(pages)
+        return len(pages)
+
+    def remap(self, moved: dict[int, int]) -> None:
+        """Rename pages after their contents were copied elsewhere: every node's page
+        ``p`` becomes ``moved[p]`` (pages not in ``moved`` stay)."""
+        stack = [self.root]
+        while stack:
+            n = stack.pop()
+            if any(p in moved for p in n.pages):
+                n.pages = [moved.get(p, p) for p in n.pages]
+            stack.extend(n.children.values())
+
     def clear(self) -> int:
         """Evict everything unlocked; returns pages freed."""
         return self.evict(self.num_cached_pages)

@@ -68,15 +68,17 @@ class StepPlan:
 class Scheduler:
     """Admission, batching, page accounting and prefix caching for one engine.
 
-    ``max_prefill_tokens`` and ``max_running_requests`` are the live limits, starting at
-    the config's values: the engine lowers them after an out-of-memory step (and a
-    replan may set them), while ``config`` keeps what was asked for.
+    ``max_prefill_tokens``, ``max_running_requests`` and ``max_context_tokens`` are the
+    live limits, starting at the config's values: the engine lowers the first two after
+    an out-of-memory step, a replan may set the chunk cap, and a KV pool resize moves the
+    context limit; ``config`` keeps what was asked for at the start.
     """
 
     def __init__(self, config: SchedulerConfig, allocator: PageAllocator, radix: RadixCache | None) -> None:
         self.config = config
         self.max_prefill_tokens = config.max_prefill_tokens
         self.max_running_requests = config.max_running_requests
+        self.max_context_tokens = config.max_context_tokens
         self.allocator = allocator
         self.radix = radix
         self.waiting: deque[Request] = deque()
@@ -100,6 +102,14 @@ class Scheduler:
             return
         self._finish(req, FINISH_ABORT)
         self.aborted_count += 1
+
+    def finish(self, req: Request, reason: str) -> None:
+        """End a request in any phase with ``reason`` (e.g. ``"length"`` when a smaller KV
+        pool no longer leaves it room); its pages are released now."""
+        if req.phase is Phase.FINISHED:
+            return
+        self._finish(req, reason)
+        self.finished_count += 1
 
     def fail(self, req: Request, code: str, message: str) -> None:
         """End a request with an error (e.g. ``out_of_memory``)."""
@@ -243,7 +253,7 @@ class Scheduler:
         sp = req.sampling
         if (not sp.ignore_eos and token in self.config.eos_token_ids) or token in sp.stop_token_ids:
             return FINISH_STOP
-        if len(req.output_ids) >= sp.max_new_tokens or req.total_len >= self.config.max_context_tokens:
+        if len(req.output_ids) >= sp.max_new_tokens or req.total_len >= self.max_context_tokens:
             return FINISH_LENGTH
         return None
 

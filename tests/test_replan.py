@@ -1,0 +1,521 @@
+"""The VRAM watcher's sources and the replan controller, torch-free.
+
+A scripted desktop timeline (a game takes 40% of a 16 GiB card, a browser spikes, both
+leave) drives the controller against a model of the engine's memory: the KV pool
+follows the timeline, the decisions are counted (no flapping), and the pool never goes
+below one request of the minimum context: a squeeze is reported instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import sys
+import types
+from dataclasses import dataclass
+
+import pytest
+
+from engine.memory.plan import GiB, MiB, reserve_for, safety_margin_for
+from service.replan import (
+    Decision,
+    EvictPrefixCache,
+    PoolState,
+    ReplanController,
+    ResizePool,
+    SetPrefillChunk,
+    Squeeze,
+    default_water_marks,
+)
+from service.vram import (
+    GpuProcess,
+    NvmlSource,
+    SimulatedSource,
+    VramSample,
+    cpu_mode_sample,
+    nvml_index,
+    resolve_reserve,
+    watch,
+)
+
+# -- the sources ---------------------------------------------------------------------------
+
+
+def test_simulated_source_plays_its_timeline():
+    src = SimulatedSource(
+        10 * GiB, [(5.0, 2 * GiB), (0.0, GiB), (8.0, 0)], ours_bytes=lambda: 3 * GiB
+    )
+    s = src.sample(at=6.0)
+    assert (s.gpu, s.total_bytes, s.others_bytes, s.ours_bytes, s.free_bytes) == (
+        True,
+        10 * GiB,
+        2 * GiB,
+        3 * GiB,
+        5 * GiB,
+    )
+    assert src.others_at(-1) == 0 and src.others_at(0) == GiB and src.others_at(9) == 0
+    assert s.headroom(GiB) == 4 * GiB
+    ramp = SimulatedSource(GiB, lambda t: int(t * MiB), clock=lambda: 100.0)
+    assert ramp.sample().others_bytes == 100 * MiB and ramp.sample().timestamp == 100.0
+    crowded = SimulatedSource(GiB, [(0, 2 * GiB)])
+    assert crowded.sample(at=1).free_bytes == 0
+    with pytest.raises(ValueError):
+        SimulatedSource(0)
+    with pytest.raises(ValueError):
+        SimulatedSource(GiB, [(0, -1)])
+
+
+def test_simulated_source_lists_processes():
+    src = SimulatedSource(
+        8 * GiB,
+        [(0, 3 * GiB)],
+        ours_bytes=GiB,
+        own_pids=[10],
+        processes=lambda t: [(10, "python", GiB), (20, "game", 2 * GiB), (30, "firefox", GiB)],
+    )
+    s = src.sample(at=0)
+    assert [p.pid for p in s.processes] == [20, 10, 30]
+    assert s.top_consumers == (GpuProcess(20, "game", 2 * GiB), GpuProcess(30, "firefox", GiB))
+    assert s.held_by(30) == GiB and s.held_by(99) is None and s.pids_visible
+
+
+def test_reserve_auto_depends_on_the_display():
+    headless = SimulatedSource(16 * GiB).sample(at=0)
+    desktop = SimulatedSource(16 * GiB, display_attached=True).sample(at=0)
+    assert resolve_reserve(None, headless) == 0
+    assert resolve_reserve("auto", desktop) == 512 * MiB + int(0.05 * 16 * GiB)
+    assert resolve_reserve(None, desktop) == reserve_for(16 * GiB, True)
+    assert resolve_reserve(GiB, desktop) == GiB
+    assert resolve_reserve(None, cpu_mode_sample("no GPU")) == 0
+    for bad in (-1, "lots", True):
+        with pytest.raises(ValueError):
+            resolve_reserve(bad, desktop)
+
+
+def test_nvml_index_follows_cuda_visible_devices():
+    assert nvml_index(0, {}) == 0
+    assert nvml_index(1, {"CUDA_VISIBLE_DEVICES": "3,5"}) == 5
+    assert nvml_index(0, {"CUDA_VISIBLE_DEVICES": "GPU-abc"}) == 0
+
+
+class FakeNVMLError(Exception):
+    pass
+
+
+def fake_nvml(*, init_error=None, count=1, fail_reads=0, display=1):
+    """A stand-in for the pynvml module: one 24 GiB card with three processes."""
+    state = {"fail_reads": fail_reads, "shutdowns": 0}
+    Proc = types.SimpleNamespace
+
+    def init():
+        if init_error:
+            raise init_error
+
+    def memory(handle):
+        if state["fail_reads"]:
+            state["fail_reads"] -= 1
+            raise FakeNVMLError("GPU is lost")
+        return types.SimpleNamespace(total=24 * GiB, free=10 * GiB, used=14 * GiB)
+
+    def shutdown():
+        state["shutdowns"] += 1
+
+    mod = types.SimpleNamespace(
+        NVMLError=FakeNVMLError,
+        nvmlInit=init,
+        nvmlShutdown=shutdown,
+        nvmlDeviceGetCount=lambda: count,
+        nvmlDeviceGetHandleByIndex=lambda i: ("handle", i),
+        nvmlDeviceGetName=lambda h: b"NVIDIA GeForce RTX 4090",
+        nvmlDeviceGetMemoryInfo=memory,
+        nvmlDeviceGetComputeRunningProcesses=lambda h: [
+            Proc(pid=100, usedGpuMemory=9 * GiB),
+            Proc(pid=200, usedGpuMemory=3 * GiB),
+        ],
+        nvmlDeviceGetGraphicsRunningProcesses=lambda h: [
+            Proc(pid=300, usedGpuMemory=None),
+            Proc(pid=400, usedGpuMemory=GiB),
+        ],
+        nvmlDeviceGetDisplayActive=lambda h: display,
+        nvmlDeviceGetDisplayMode=lambda h: display,
+    )
+    mod.state = state
+    return mod
+
+
+def test_nvml_source_reads_the_card_by_pid():
+    nvml = fake_nvml()
+    src = NvmlSource(
+        0, own_pids=lambda: {100, 1}, nvml=nvml, clock=lambda: 7.0, proc_name=lambda pid: f"p{pid}"
+    )
+    assert src.available and src.reason == ""
+    s = src.sample()
+    assert (s.gpu, s.device, s.timestamp) == (True, "NVIDIA GeForce RTX 4090 (GPU 0)", 7.0)
+    assert (s.total_bytes, s.free_bytes, s.ours_bytes, s.others_bytes) == (
+        24 * GiB,
+        10 * GiB,
+        9 * GiB,
+        5 * GiB,
+    )
+    assert s.display_attached and s.pids_visible
+    assert [p.pid for p in s.top_consumers] == [200, 400, 300]
+    assert s.top_consumers[0] == GpuProcess(200, "p200", 3 * GiB)
+    src.close()
+    assert not src.available and nvml.state["shutdowns"] == 1
+    assert src.sample().gpu is False
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        (
+            dict(init_error=FakeNVMLError("Driver Not Loaded")),
+            "NVML is not available (Driver Not Loaded)",
+        ),
+        (dict(count=0), "NVML sees 0 GPU(s), none with index 0"),
+    ],
+)
+def test_nvml_source_without_a_gpu_is_in_cpu_mode(kwargs, words):
+    src = NvmlSource(0, nvml=fake_nvml(**kwargs))
+    assert not src.available and words in src.reason and src.reason.startswith("no GPU, CPU mode")
+    s = src.sample()
+    assert (s.gpu, s.total_bytes, s.free_bytes) == (False, 0, 0) and words in s.reason
+
+
+def test_nvml_source_without_pynvml_is_in_cpu_mode(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import fails
+    src = NvmlSource()
+    assert not src.available and "pynvml" in src.reason
+    assert src.sample().gpu is False
+
+
+def test_nvml_source_survives_a_failed_read():
+    src = NvmlSource(0, nvml=fake_nvml(fail_reads=1))
+    bad = src.sample()
+    assert bad.gpu is False and "GPU is lost" in bad.reason and src.available
+    assert src.sample().gpu is True  # the next read works again
+
+
+def test_the_real_nvml_never_raises():
+    src = NvmlSource()
+    s = src.sample()
+    assert s.gpu == src.available
+    if not s.gpu:
+        assert s.reason.startswith("no GPU, CPU mode")
+    src.close()
+
+
+def test_watch_samples_at_its_rate_and_stops_in_cpu_mode():
+    async def collect(source, n):
+        out = []
+        async for s in watch(source, hz=200):
+            out.append(s)
+            if len(out) == n:
+                break
+        return out
+
+    got = asyncio.run(collect(SimulatedSource(GiB, [(0, MiB)]), 3))
+    assert len(got) == 3 and all(s.gpu for s in got)
+    assert got[0].timestamp < got[2].timestamp
+    cpu = NvmlSource(nvml=fake_nvml(count=0))
+    assert [s.gpu for s in asyncio.run(collect(cpu, 5))] == [False]
+    with pytest.raises(ValueError):
+        asyncio.run(_first(watch(cpu, hz=0)))
+
+
+async def _first(agen):
+    async for s in agen:
+        return s
+
+
+# -- the controller against a model of the engine ------------------------------------------
+
+TOTAL = 16 * GiB
+PAGE = 2 * MiB
+WEIGHTS = 4 * GiB
+RUNTIME = 512 * MiB
+APT = 256 << 10  # activation bytes per token of prefill chunk
+CHUNK = 2048
+DESKTOP = GiB
+RESERVE = reserve_for(TOTAL, True)
+MARGIN = safety_margin_for(TOTAL)
+PLANNED = (TOTAL - DESKTOP - RESERVE - MARGIN - WEIGHTS - RUNTIME - CHUNK * APT) // PAGE
+MIN_PAGES = GiB // PAGE + 1  # one request of the minimum context
+
+
+@dataclass
+class EngineModel:
+    """The engine's memory: weights, runtime, the activation peak at the chunk cap, the
+    KV pool; applies the controller's actions at once, as the worker would."""
+
+    pages: int = PLANNED
+    chunk: int = CHUNK
+    cached: int = 40
+
+    def ours(self) -> int:
+        return WEIGHTS + RUNTIME + self.chunk * APT + self.pages * PAGE
+
+    def state(self) -> PoolState:
+        return PoolState(
+            pages=self.pages,
+            planned_pages=PLANNED,
+            min_pages=MIN_PAGES,
+            page_bytes=PAGE,
+            prefill_chunk=self.chunk,
+            planned_prefill_chunk=CHUNK,
+            activation_bytes_per_token=APT,
+            free_pages=10,
+            cached_pages=self.cached,
+        )
+
+    def apply(self, actions) -> None:
+        for a in actions:
+            if isinstance(a, SetPrefillChunk):
+                assert a.before == self.chunk
+                self.chunk = a.tokens
+            elif isinstance(a, EvictPrefixCache):
+                self.cached = 0
+            elif isinstance(a, ResizePool):
+                assert a.before == self.pages
+                self.pages = a.num_pages
+
+
+def run_timeline(others, *, seconds=100.0, hz=4.0, hold_s=10.0, model=None, display=True):
+    """Sample ``others(t)`` at ``hz`` for ``seconds``; returns (controller, model, trace)
+    with trace rows ``(t, headroom before acting, pages after, chunk after, actions)``."""
+    model = model or EngineModel()
+    src = SimulatedSource(TOTAL, others, ours_bytes=model.ours, display_attached=display)
+    low, high = default_water_marks(TOTAL)
+    ctl = ReplanController(low, high, hold_s=hold_s)
+    trace = []
+    for i in range(int(seconds * hz)):
+        t = i / hz
+        sample = src.sample(at=t)
+        actions = ctl.decide(sample, model.state())
+        model.apply(actions)
+        trace.append(
+            (t, sample.headroom(resolve_reserve(None, sample)), model.pages, model.chunk, actions)
+        )
+    return ctl, model, trace
+
+
+def desktop_day(seed: int = 0):
+    """A game takes 40% of the card at 20 s, a browser spikes by 1.5 GiB at 40-44 s, both
+    leave at 60 s; NVML's numbers wobble by up to 48 MiB at every sample."""
+    rng = random.Random(seed)
+
+    def others(t: float) -> int:
+        b = DESKTOP
+        if 20 <= t < 60:
+            b += int(0.4 * TOTAL)
+        if 40 <= t < 44:
+            b += 3 * GiB // 2
+        return b + rng.randint(-48 * MiB, 48 * MiB)
+
+    return others
+
+
+def pages_at(trace, t):
+    return next(row[2] for row in trace if row[0] >= t)
+
+
+def test_water_marks_leave_the_plan_alone():
+    low, high = default_water_marks(TOTAL)
+    assert 0 < low < MARGIN < high
+    ctl = ReplanController(low, high)
+    assert ctl.grow_floor_bytes < MARGIN, "a grow must be able to reach the plan"
+    with pytest.raises(ValueError):
+        ReplanController(high, low)
+    with pytest.raises(ValueError):
+        ReplanController(0, 1, hold_s=-1)
+
+
+def directions(ctl) -> list[str]:
+    """The pool's resizes in order, ``"-"`` for a shrink and ``"+"`` for a grow, runs of
+    the same direction merged: every change of sign is a reversal."""
+    out: list[str] = []
+    for d in ctl.decisions:
+        for a in d.actions:
+            if isinstance(a, ResizePool):
+                sign = "+" if a.grows else "-"
+                if not out or out[-1] != sign:
+                    out.append(sign)
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_pool_follows_a_desktop_day_without_flapping(seed):
+    ctl, model, trace = run_timeline(desktop_day(seed))
+    low, _ = default_water_marks(TOTAL)
+    shown = [(d.timestamp, d.actions) for d in ctl.decisions]
+    # The pool went down while others took memory and up once they left: one reversal.
+    # The game's 6.4 GiB is taken as the pool lets go of it (NVML never shows negative
+    # free memory), so its shrink comes in a few steps in its first second; the grows
+    # come one per quiet hold: the browser gone, then the game.
+    assert directions(ctl) == ["-", "+"], shown
+    assert ctl.grows == 2 and ctl.squeezes == 0, shown
+    assert ctl.shrinks <= 6, shown
+    assert all(
+        20 <= d.timestamp < 21.5 or 40 <= d.timestamp < 41.5
+        for d in ctl.decisions
+        if any(isinstance(a, ResizePool) and not a.grows for a in d.actions)
+    )
+    # The cheapest step came first: the chunk cap went down with the first shrink.
+    first = ctl.decisions[0].actions
+    assert isinstance(first[0], SetPrefillChunk) and first[0].tokens < CHUNK
+    assert isinstance(first[-1], ResizePool)
+    # The pool follows the timeline.
+    game = int(0.4 * TOTAL)
+    assert pages_at(trace, 10) == PLANNED
+    assert PLANNED - pages_at(trace, 30) >= (game - 512 * MiB) // PAGE
+    assert pages_at(trace, 42) < pages_at(trace, 30) - GiB // PAGE
+    # Back to about the level before the spike: a grow may leave less headroom than a
+    # shrink aims for (the band's lower quarter, not its middle), plus NVML's wobble.
+    slack = (ctl.shrink_target_bytes - ctl.grow_floor_bytes + 2 * 48 * MiB) // PAGE
+    assert pages_at(trace, 42) < pages_at(trace, 58) <= pages_at(trace, 30) + slack
+    assert (model.pages, model.chunk) == (PLANNED, CHUNK), "grown back to the plan"
+    # Never below one request of the minimum context.
+    assert min(row[2] for row in trace) >= MIN_PAGES
+    # Below low water only while the game and the browser were taking their memory.
+    assert all(20 <= t < 21.5 or 40 <= t < 41.5 for t, h, *_ in trace if h < low)
+    # Grows waited for the hold.
+    grows = [
+        d.timestamp
+        for d in ctl.decisions
+        if any(isinstance(a, ResizePool) and a.grows for a in d.actions)
+    ]
+    assert grows[0] >= 44 + 10 and grows[1] >= 60 + 10
+
+
+def test_a_flickering_browser_costs_one_shrink():
+    """A browser that takes 800 MiB for one second in every four: one shrink when it
+    first shows, no grow while it keeps coming back (each gap is shorter than the hold),
+    one grow once it has been gone for the hold."""
+
+    def others(t):
+        spiking = t < 80 and t % 4 < 1
+        return DESKTOP + (800 * MiB if spiking else 0)
+
+    ctl, model, trace = run_timeline(others, seconds=120)
+    assert (ctl.shrinks, ctl.grows) == (1, 1)
+    assert ctl.decisions[0].timestamp == 0.0
+    assert ctl.decisions[-1].timestamp >= 77 + 10  # the last spike ended at 77 s
+    assert model.pages == PLANNED
+
+
+def test_noise_around_the_low_water_mark_moves_once():
+    low, _ = default_water_marks(TOTAL)
+    rng = random.Random(5)
+    # The others settle where the headroom sits 30 MiB above low water, +-48 MiB.
+    base = TOTAL - RESERVE - EngineModel().ours() - low - 30 * MiB
+
+    ctl, _, _ = run_timeline(lambda t: base + rng.randint(-48 * MiB, 48 * MiB), seconds=200)
+    assert len(ctl.decisions) == 1
+
+
+def test_a_game_too_big_squeezes_once_and_never_goes_below_the_floor():
+    def others(t):
+        return DESKTOP + (int(0.75 * TOTAL) if 10 <= t < 50 else 0)
+
+    ctl, model, trace = run_timeline(others, seconds=90)
+    assert min(row[2] for row in trace) == MIN_PAGES
+    squeezes = [a for d in ctl.decisions for a in d.actions if isinstance(a, Squeeze)]
+    assert len(squeezes) == 1, "reported once per episode, not at every sample"
+    assert squeezes[0].shortfall_bytes > 0
+    assert "squeeze" in squeezes[0].message and "floor of 512 pages" in squeezes[0].message
+    assert directions(ctl) == ["-", "+"]
+    assert all(10 <= d.timestamp < 12 for d in ctl.decisions[:-1]), "no shrink once at the floor"
+    assert (model.pages, model.chunk) == (PLANNED, CHUNK)
+    # A second game later is a new episode: reported again.
+    ctl2, _, _ = run_timeline(
+        lambda t: DESKTOP + (int(0.75 * TOTAL) if 10 <= t < 30 or 60 <= t < 70 else 0), seconds=90
+    )
+    assert ctl2.squeezes == 2
+
+
+def test_prefix_cache_is_evicted_before_a_shrink_that_needs_its_pages():
+    low, high = default_water_marks(TOTAL)
+    ctl = ReplanController(low, high)
+    model = EngineModel()
+    src = SimulatedSource(TOTAL, [(0, DESKTOP + GiB)], ours_bytes=model.ours, display_attached=True)
+    actions = ctl.decide(src.sample(at=0), model.state())
+    assert [type(a) for a in actions] == [SetPrefillChunk, EvictPrefixCache, ResizePool]
+    assert "below the low water mark" in actions[-1].reason
+
+
+def test_unknown_activation_price_halves_the_chunk_and_counts_nothing():
+    low, high = default_water_marks(TOTAL)
+    ctl = ReplanController(low, high, reserve=0)
+    state = PoolState(
+        pages=1000,
+        planned_pages=1000,
+        min_pages=100,
+        page_bytes=PAGE,
+        prefill_chunk=2048,
+        planned_prefill_chunk=2048,
+    )
+    sample = VramSample(timestamp=0.0, gpu=True, total_bytes=TOTAL, free_bytes=low - 10 * PAGE)
+    actions = ctl.decide(sample, state)
+    assert actions[0] == SetPrefillChunk(1024, 2048, actions[0].reason)
+    assert isinstance(actions[1], ResizePool) and actions[1].num_pages < 1000
+    assert ctl.decisions == [Decision(0.0, low - 10 * PAGE, tuple(actions))]
+
+
+def test_settle_time_after_a_resize_and_cpu_mode():
+    low, high = default_water_marks(TOTAL)
+    ctl = ReplanController(low, high, reserve=GiB, settle_s=1.0)
+    state = PoolState(
+        pages=1000,
+        planned_pages=1000,
+        min_pages=100,
+        page_bytes=PAGE,
+        prefill_chunk=256,
+        planned_prefill_chunk=2048,
+    )
+
+    def at(t, free):
+        return VramSample(timestamp=t, gpu=True, total_bytes=TOTAL, free_bytes=free)
+
+    assert ctl.decide(at(0.0, GiB + low - PAGE), state)
+    assert ctl.decide(at(0.5, GiB + low - PAGE), state) == [], "waits for the samples to show it"
+    assert ctl.decide(at(0.6, GiB - PAGE), state), "unless memory is needed now (headroom < 0)"
+    assert ctl.decide(at(2.0, GiB + low - PAGE), state), "settled"
+    assert ctl.decide(cpu_mode_sample("no GPU", 1.0), state) == []
+
+
+def test_a_pinned_card_is_given_memory_fast():
+    """A headless card (no reserve) where a job suddenly wants 6 GiB: NVML shows nothing
+    free after every give-back (the job takes it at once), so the steps double; the
+    demand is met within a second or two, and the overshoot comes back in one grow."""
+    model = EngineModel(pages=PLANNED + (RESERVE // PAGE))  # headless: the plan had the reserve too
+    planned = model.pages
+
+    def state():
+        return PoolState(
+            pages=model.pages,
+            planned_pages=planned,
+            min_pages=MIN_PAGES,
+            page_bytes=PAGE,
+            prefill_chunk=model.chunk,
+            planned_prefill_chunk=CHUNK,
+            activation_bytes_per_token=APT,
+        )
+
+    model.state = state
+    ctl, model, trace = run_timeline(
+        lambda t: DESKTOP + (6 * GiB if 10 <= t < 60 else 0), seconds=90, model=model, display=False
+    )
+    low, _ = default_water_marks(TOTAL)
+    shrunk_at = [
+        d.timestamp
+        for d in ctl.decisions
+        for a in d.actions
+        if isinstance(a, ResizePool) and not a.grows
+    ]
+    assert 2 <= len(shrunk_at) <= 5 and shrunk_at[-1] < 11.5, (
+        shrunk_at
+    )  # a linear step would need ~17
+    assert all(h >= low for t, h, *_ in trace if t >= 12), "the headroom is back"
+    assert min(row[2] for row in trace) >= MIN_PAGES
+    assert directions(ctl) == ["-", "+"]
+    assert model.pages == planned

@@ -19,25 +19,6 @@ from engine.model_shapes import write_shape
 GiB = 1 << 30
 
 
-@pytest.fixture
-def capped():
-    """Make this process's allocator stop where a card of N bytes would: N minus the
-    CUDA context, which lives outside the allocator. Undone after the test."""
-    total = torch.cuda.get_device_properties(0).total_memory
-
-    def cap(limit: int) -> None:
-        torch.cuda.init()
-        torch.cuda.empty_cache()
-        free, _ = torch.cuda.mem_get_info()
-        context = (total - free) - torch.cuda.memory_reserved()
-        torch.cuda.set_per_process_memory_fraction((limit - context) / total)
-        return limit - context  # what the allocator may hold
-
-    yield cap
-    torch.cuda.empty_cache()
-    torch.cuda.set_per_process_memory_fraction(1.0)
-
-
 def qwen3(tmp_path) -> str:
     return str(write_shape("qwen3-0.6b", tmp_path))
 

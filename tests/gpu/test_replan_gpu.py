@@ -19,6 +19,7 @@ import time
 
 import msgspec
 import pytest
+import torch
 
 from engine.config import EngineConfig
 from engine.engine import Engine
@@ -103,7 +104,7 @@ def test_pool_follows_a_second_process_and_no_request_fails(capped):
     hog = subprocess.Popen([sys.executable, "-c", HOG, ",".join(map(str, steps)), "1.5"],
                            stdout=subprocess.PIPE, text=True)
     assert hog.stdout.readline().strip() == "ready"
-    pages_seen, last = [], [0.0]
+    pages_seen, shares, last = [], [], [0.0]
 
     def on_step(e):
         now = time.monotonic()
@@ -127,6 +128,8 @@ def test_pool_follows_a_second_process_and_no_request_fails(capped):
             elif isinstance(a, ResizePool):
                 e.resize_kv_pool(a.num_pages, reason=a.reason)
         pages_seen.append(e.pool.num_pages)
+        # The pool's share of what it could hold now: pool / (pool + unused budget).
+        shares.append(e.pool.nbytes / max(e.pool.nbytes + s.free_bytes, 1))
 
     # Keep requests streaming until the other process has gone through its whole loop.
     disturbed: dict[str, list[int]] = {}
@@ -141,7 +144,9 @@ def test_pool_follows_a_second_process_and_no_request_fails(capped):
     events = [ev for ev in engine.drain_events() if isinstance(ev, Replanned)]
     resizes = [ev for ev in events if ev.action == REPLAN_RESIZE_POOL]
     print(f"rounds {rounds}, pages planned {planned}, min {min(pages_seen)}, max {max(pages_seen)}, "
-          f"shrinks {ctl.shrinks}, grows {ctl.grows}, squeezes {ctl.squeezes}")
+          f"shrinks {ctl.shrinks}, grows {ctl.grows}, squeezes {ctl.squeezes}; pool share of available "
+          f"memory over {len(shares)} samples: mean {100 * sum(shares) / len(shares):.1f}%, "
+          f"min {100 * min(shares):.1f}%, median {100 * sorted(shares)[len(shares) // 2]:.1f}%")
     for ev in resizes:
         gib = abs(ev.after_bytes - ev.before_bytes) / GiB
         print(f"  {ev.before_pages} -> {ev.after_pages} pages ({gib:.2f} GiB) in {ev.duration_ms:.1f} ms "
@@ -152,3 +157,22 @@ def test_pool_follows_a_second_process_and_no_request_fails(capped):
     per_gib = [ev.duration_ms / (abs(ev.after_bytes - ev.before_bytes) / GiB) for ev in resizes
                if abs(ev.after_bytes - ev.before_bytes) >= GiB // 4]
     assert per_gib and max(per_gib) < 500
+
+    # The benchmark figure: shrink and grow by exactly 1 GiB, the device quiet, with
+    # 16 requests holding pages (half-way through a round).
+    sp = SamplingParams(max_new_tokens=64, temperature=0.0, ignore_eos=True)
+    for i, ids in enumerate(prompts):
+        engine.add_request(GenerateRequest(request_id=f"b{i}", prompt_token_ids=ids, sampling=sp))
+    for _ in range(32):
+        engine.step()
+    one_gib = GiB // engine.kv_page_bytes
+    start = engine.pool.num_pages
+    torch.cuda.synchronize()
+    down = engine.resize_kv_pool(start - one_gib, reason="benchmark")
+    up = engine.resize_kv_pool(start, reason="benchmark")
+    print(f"1 GiB shrink {down.duration_ms:.1f} ms (relocated {down.relocated_pages} pages), "
+          f"1 GiB grow {up.duration_ms:.1f} ms")
+    while engine.has_work():
+        engine.step()
+    assert down.duration_ms < 500 and up.duration_ms < 500
+

@@ -1,5 +1,6 @@
 # Quick start: `make serve` (install, then serve the embedded default model) and
-# `make test` (install with the test tools, then run the tests).
+# `make test` (install with the test tools and what the dashboard's tests need, then run
+# pytest and ui-bridge's npm tests).
 #
 # headroom lives in its own virtual environment (.venv here). torch is installed
 # first, pinned by TORCH, only when the venv has none: keep a CUDA build you already
@@ -9,7 +10,9 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: install install-test serve test lint
+APT_GET = DEBIAN_FRONTEND=noninteractive apt-get
+
+.PHONY: install install-test ui-deps serve test lint
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -24,11 +27,19 @@ install: $(BIN)/python
 install-test: install
 	$(BIN)/pip install -e '.[test]'
 
+# The browser test (tests/test_ui_browser.py) drives Debian's chromium through
+# ui-bridge's playwright-core; apt runs only for what is missing (Debian, as root).
+ui-deps:
+	@command -v npm >/dev/null 2>&1 || { $(APT_GET) update -qq && $(APT_GET) install -y -qq nodejs npm >/dev/null; }
+	@command -v chromium >/dev/null 2>&1 || { $(APT_GET) update -qq && $(APT_GET) install -y -qq chromium >/dev/null; }
+	cd ui-bridge && npm ci --no-audit --no-fund --loglevel=error
+
 serve: install
 	$(BIN)/headroom serve
 
-test: install-test
+test: install-test ui-deps
 	$(BIN)/python -m pytest -q tests
+	cd ui-bridge && npm test
 
 lint: install-test
 	$(BIN)/ruff check engine service kernels tests

@@ -6,11 +6,15 @@ two decoders below are the only (de)serializers, so a field added here reaches b
 sides at once.
 
 Service -> worker: :class:`engine.messages.GenerateRequest`,
-:class:`engine.messages.AbortRequest`, :class:`StatsRequest`, :class:`Shutdown`.
+:class:`engine.messages.AbortRequest`, :class:`StatsRequest`, :class:`Shutdown`, and
+the live replan commands (DESIGN.md, "When memory moves"): :class:`SetPrefillChunk`,
+:class:`EvictPrefixCache`, :class:`ResizePool`, :class:`ClearPrefixCache`.
 
 Worker -> service: :class:`Ready` (once, after the model is loaded), :class:`Outputs`,
-:class:`Rejected`, :class:`Heartbeat`, :class:`EngineEvents` (what the engine did about
-an out-of-memory step), :class:`WorkerError` (then the worker exits).
+:class:`Rejected`, :class:`Heartbeat` (with the KV pool's :class:`PoolStats`),
+:class:`EngineEvents` (what the engine did about an out-of-memory step, and each live
+change of its memory use), :class:`ControlDone` (a replan command was carried out, after
+its ``EngineEvents``), :class:`WorkerError` (then the worker exits).
 """
 
 from __future__ import annotations
@@ -20,11 +24,11 @@ import msgspec
 from engine.config import EngineConfig
 from engine.messages import (
     AbortRequest,
+    EngineEvent,
     EngineInfo,
     EngineStats,
     GenerateRequest,
-    OomEvent,
-    ReplanWanted,
+    ResizeResult,
     TokenOutput,
 )
 
@@ -38,6 +42,46 @@ class StatsRequest(msgspec.Struct, frozen=True, tag=True):
 
 class Shutdown(msgspec.Struct, frozen=True, tag=True):
     """Finish nothing, exit now (code 0). Closing the pipe has the same effect."""
+
+
+# Live replan commands. Each is carried out between two engine steps, in the order
+# sent; the worker answers with the engine's events (a ``Replanned`` when something
+# changed) and then a ControlDone echoing ``seq``. ``reason`` is for people (logs, the
+# ``replan`` event).
+
+
+class SetPrefillChunk(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+    """Set the engine-wide prefill chunk cap to ``tokens`` (``Engine.set_prefill_chunk``;
+    never above what the plan fitted)."""
+
+    seq: int
+    tokens: int
+    reason: str = ""
+
+
+class EvictPrefixCache(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+    """Free the prefix cache's unreferenced pages to make room for a pool shrink
+    (``Engine.evict_prefix_cache``)."""
+
+    seq: int
+    reason: str = ""
+
+
+class ClearPrefixCache(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+    """Empty the prefix cache (its pages no running request holds), asked for by a
+    person through the control API; the same engine call as :class:`EvictPrefixCache`."""
+
+    seq: int
+    reason: str = ""
+
+
+class ResizePool(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+    """Resize the KV pool to ``num_pages`` pages, the null page included
+    (``Engine.resize_kv_pool``: running requests keep going)."""
+
+    seq: int
+    num_pages: int
+    reason: str = ""
 
 
 class Ready(msgspec.Struct, frozen=True, tag=True, kw_only=True):
@@ -67,24 +111,70 @@ class Rejected(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     param: str | None = None
 
 
+class PoolStats(msgspec.Struct, frozen=True, kw_only=True):
+    """The KV pool and the prefill chunk as the service's replan controller needs them
+    (``service.replan.PoolState``). Pages count the whole pool, the null page included.
+
+    ``pages`` is the pool now, ``planned_pages`` what the worker started with (the
+    memory plan's pool), ``min_pages`` the floor (one request of the minimum context:
+    ``Engine.min_kv_pool_pages()``). ``page_bytes`` is one page's device memory as the
+    plan counts it (the device's real bytes on a GPU), ``pool_bytes`` the pool's buffers
+    now. ``prefill_chunk`` is the chunk cap now, ``planned_prefill_chunk`` the plan's;
+    ``activation_bytes_per_token`` the plan's activation peak per token of chunk (0:
+    unknown). ``free_pages``/``cached_pages`` are held by nobody / only by the prefix
+    cache. ``max_context_tokens`` is one request's limit now. ``fixed_bytes`` is
+    everything the plan charged besides the pool (0 without a plan).
+    """
+
+    pages: int
+    planned_pages: int
+    min_pages: int
+    page_bytes: int
+    pool_bytes: int
+    prefill_chunk: int
+    planned_prefill_chunk: int
+    min_prefill_chunk: int
+    activation_bytes_per_token: int
+    free_pages: int
+    cached_pages: int
+    max_context_tokens: int
+    fixed_bytes: int = 0
+
+
 class Heartbeat(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     """Sent from the worker's main loop every ``heartbeat_interval_s`` (and in answer
     to a :class:`StatsRequest`, with its ``seq``). It comes from the same thread that
     runs engine steps, so its absence means the loop is stuck, not merely busy with
-    a thread of its own."""
+    a thread of its own. ``pool`` is None for an engine that cannot resize its pool."""
 
     stats: EngineStats
     seq: int | None = None
+    pool: PoolStats | None = None
 
 
 class EngineEvents(msgspec.Struct, frozen=True, tag=True):
-    """The engine's events of one step (``Engine.drain_events()``), in order: an
+    """The engine's events (``Engine.drain_events()``), in order: an
     :class:`engine.messages.OomEvent` per out-of-memory step (the request it hit and
-    what was done: retried smaller, preempted, retried, or failed), then at most one
-    :class:`engine.messages.ReplanWanted`. Sent right after that step's
-    :class:`Outputs`, only when there are any."""
+    what was done: retried smaller, preempted, retried, or failed), at most one
+    :class:`engine.messages.ReplanWanted` per step, and an
+    :class:`engine.messages.Replanned` per live change of its memory use. Sent right
+    after a step's :class:`Outputs`, or after a replan command, only when there are
+    any."""
 
-    events: list[OomEvent | ReplanWanted]
+    events: list[EngineEvent]
+
+
+class ControlDone(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+    """A replan command (``seq``) was carried out (``ok``) or refused; ``message`` says
+    what happened for people. ``result`` is the resize's figures for a
+    :class:`ResizePool`. ``stats`` and ``pool`` are read right after it."""
+
+    seq: int
+    ok: bool
+    message: str
+    stats: EngineStats
+    pool: PoolStats | None = None
+    result: ResizeResult | None = None
 
 
 class WorkerError(msgspec.Struct, frozen=True, tag=True, kw_only=True):
@@ -100,8 +190,18 @@ class WorkerError(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     during_load: bool
 
 
-ToWorker = GenerateRequest | AbortRequest | StatsRequest | Shutdown
-FromWorker = Ready | Outputs | Rejected | Heartbeat | EngineEvents | WorkerError
+ReplanCommand = SetPrefillChunk | EvictPrefixCache | ClearPrefixCache | ResizePool
+ToWorker = (
+    GenerateRequest
+    | AbortRequest
+    | StatsRequest
+    | Shutdown
+    | SetPrefillChunk
+    | EvictPrefixCache
+    | ClearPrefixCache
+    | ResizePool
+)
+FromWorker = Ready | Outputs | Rejected | Heartbeat | EngineEvents | ControlDone | WorkerError
 
 _encoder = msgspec.msgpack.Encoder()
 to_worker_decoder = msgspec.msgpack.Decoder(ToWorker)

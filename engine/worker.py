@@ -3,7 +3,10 @@
 Started by the service's supervisor with multiprocessing's *spawn* start method (a
 fresh interpreter: no CUDA state, no event loop, no Litestar inherited from the
 service). :func:`worker_main` is the process target. The loop is single-threaded, as
-the engine requires: drain the pipe, run one engine step, send its outputs, beat.
+the engine requires: drain the pipe, run one engine step, send its outputs, beat. The
+service's replan commands (:class:`engine.ipc.ResizePool` and the others) arrive on the
+same pipe and are carried out there, between two steps: the engine is never resized
+mid-step.
 
 The worker dies with its parent three ways, so no orphan keeps holding the GPU:
 Linux's parent-death signal (SIGKILL, set with ``prctl``), the pipe closing (EOF on
@@ -24,11 +27,17 @@ from typing import Any
 
 from engine.errors import PlanDoesNotFit, RequestRejected
 from engine.ipc import (
+    ClearPrefixCache,
+    ControlDone,
     EngineEvents,
+    EvictPrefixCache,
     Heartbeat,
     Outputs,
+    PoolStats,
     Ready,
     Rejected,
+    ResizePool,
+    SetPrefillChunk,
     Shutdown,
     StatsRequest,
     WorkerConfig,
@@ -37,7 +46,8 @@ from engine.ipc import (
     to_worker_decoder,
 )
 from engine.loader.errors import ModelLoadError
-from engine.messages import AbortRequest, GenerateRequest
+from engine.memory.plan import MIN_PREFILL_TOKENS, fmt_bytes
+from engine.messages import AbortRequest, GenerateRequest, ResizeResult
 
 log = logging.getLogger("headroom.worker")
 
@@ -110,11 +120,13 @@ def _serve(conn: Connection, engine: Any, config: WorkerConfig) -> int:
     interval_s = config.heartbeat_interval_s
     # Engines without events (tests' fakes) are served as well.
     drain_events = getattr(engine, "drain_events", None)
+    # The pool the engine was loaded with: the memory plan's, to grow back to.
+    planned_pages = engine.pool.num_pages if hasattr(engine, "resize_kv_pool") else 0
     next_beat = 0.0
     while True:
         now = time.monotonic()
         if now >= next_beat:
-            conn.send_bytes(encode(Heartbeat(stats=engine.stats())))
+            conn.send_bytes(encode(_heartbeat(engine, planned_pages)))
             next_beat = now + interval_s
             if os.getppid() != config.parent_pid:
                 return EXIT_PARENT_GONE
@@ -122,7 +134,7 @@ def _serve(conn: Connection, engine: Any, config: WorkerConfig) -> int:
         timeout = 0.0 if engine.has_work() else max(0.0, next_beat - time.monotonic())
         try:
             if conn.poll(timeout):
-                code = _receive(conn, engine)
+                code = _receive(conn, engine, planned_pages)
                 if code is not None:
                     return code
         except (EOFError, OSError):
@@ -137,7 +149,7 @@ def _serve(conn: Connection, engine: Any, config: WorkerConfig) -> int:
                     conn.send_bytes(encode(EngineEvents(list(events))))
 
 
-def _receive(conn: Connection, engine: Any) -> int | None:
+def _receive(conn: Connection, engine: Any, planned_pages: int) -> int | None:
     """Handle every message waiting on the pipe; an exit code means stop."""
     while True:
         message = to_worker_decoder.decode(conn.recv_bytes())
@@ -158,11 +170,115 @@ def _receive(conn: Connection, engine: Any) -> int | None:
         elif isinstance(message, AbortRequest):
             engine.abort(message.request_id)
         elif isinstance(message, StatsRequest):
-            conn.send_bytes(encode(Heartbeat(stats=engine.stats(), seq=message.seq)))
+            conn.send_bytes(encode(_heartbeat(engine, planned_pages, message.seq)))
+        elif isinstance(message, (SetPrefillChunk, EvictPrefixCache, ClearPrefixCache, ResizePool)):
+            _replan(conn, engine, message, planned_pages)
         elif isinstance(message, Shutdown):
             return EXIT_OK
         if not conn.poll(0):
             return None
+
+
+def _heartbeat(engine: Any, planned_pages: int, seq: int | None = None) -> Heartbeat:
+    stats = engine.stats()
+    return Heartbeat(stats=stats, seq=seq, pool=pool_stats(engine, stats, planned_pages))
+
+
+def pool_stats(engine: Any, stats: Any, planned_pages: int) -> PoolStats | None:
+    """What the service's replan controller needs of the engine's memory, or None for an
+    engine that cannot resize its pool (tests' fakes). ``stats`` is ``engine.stats()``
+    read now; ``planned_pages`` the pool the engine was loaded with.
+
+    On a planned engine, page and fixed sizes are the plan's (a simulated card counts
+    bytes as the plan does, whatever the CPU pool really holds); otherwise the pool's.
+    """
+    if not hasattr(engine, "resize_kv_pool"):
+        return None
+    plan = getattr(engine, "plan", None)
+    page_bytes, fixed, per_token = engine.kv_page_bytes, 0, 0
+    if plan is not None and plan.num_pages > 0:
+        page_bytes = max(plan.kv_pool_bytes // plan.num_pages, 1)
+        fixed = plan.fixed_bytes
+        peak = next((e.bytes for e in plan.ledger if e.name == "prefill activation peak"), 0)
+        per_token = peak // max(plan.max_prefill_tokens, 1)
+    return PoolStats(
+        pages=engine.pool.num_pages,
+        planned_pages=planned_pages,
+        min_pages=engine.min_kv_pool_pages(),
+        page_bytes=page_bytes,
+        pool_bytes=engine.pool.nbytes,
+        prefill_chunk=engine.scheduler.max_prefill_tokens,
+        planned_prefill_chunk=engine.knobs.max_prefill_tokens,
+        min_prefill_chunk=MIN_PREFILL_TOKENS,
+        activation_bytes_per_token=per_token,
+        free_pages=stats.free_pages,
+        cached_pages=stats.cached_pages,
+        max_context_tokens=engine.max_context_tokens,
+        fixed_bytes=fixed,
+    )
+
+
+def _replan(conn: Connection, engine: Any, command: Any, planned_pages: int) -> None:
+    """Carry out one replan command between steps; send the engine's events (the
+    ``Replanned``), then a :class:`ControlDone`. A command the engine cannot take (a
+    fake engine, a size below 2 pages, a grow that ran out of device memory: the pool
+    then stays consistent at its old size) is answered ``ok=False``; any other error
+    propagates and ends the worker."""
+    ok, result = True, None
+    reason = command.reason
+    try:
+        if not hasattr(engine, "resize_kv_pool"):
+            ok, text = False, "this engine cannot change its memory use while it runs"
+        elif isinstance(command, SetPrefillChunk):
+            after = engine.set_prefill_chunk(command.tokens, reason=reason)
+            text = f"prefill chunk cap {after} tokens"
+        elif isinstance(command, (EvictPrefixCache, ClearPrefixCache)):
+            freed = engine.evict_prefix_cache(reason=reason)
+            text = f"{freed} prefix-cache pages freed"
+        else:
+            result = engine.resize_kv_pool(command.num_pages, reason=reason)
+            text = _describe_resize(result)
+    except ValueError as exc:
+        ok, text = False, str(exc)
+    except Exception as exc:
+        if type(exc).__name__ != "OutOfMemoryError":
+            raise
+        # A grow (or a shrink's copy) did not fit: the pool is consistent at the size it
+        # kept (engine.kvcache.pool.KVPool.resize), and the engine runs on.
+        ok, text = False, f"out of device memory: {str(exc).splitlines()[0] if str(exc) else exc!r}"
+        log.warning("replan command failed: %s", text)
+    drain = getattr(engine, "drain_events", None)
+    events = drain() if drain is not None else []
+    if events:
+        conn.send_bytes(encode(EngineEvents(list(events))))
+    stats = engine.stats()
+    conn.send_bytes(
+        encode(
+            ControlDone(
+                seq=command.seq,
+                ok=ok,
+                message=text,
+                stats=stats,
+                pool=pool_stats(engine, stats, planned_pages),
+                result=result,
+            )
+        )
+    )
+
+
+def _describe_resize(r: ResizeResult) -> str:
+    if r.after_pages == r.before_pages:
+        return f"the KV pool stays at {r.after_pages - 1} pages"
+    text = (
+        f"KV pool {r.before_pages - 1} -> {r.after_pages - 1} pages "
+        f"({fmt_bytes(r.before_bytes)} -> {fmt_bytes(r.after_bytes)}) in {r.duration_ms:.0f} ms; "
+        f"context limit {r.max_context_tokens} tokens"
+    )
+    if r.preempted:
+        text += f"; {len(r.preempted)} requests preempted (recomputed later)"
+    if r.ended:
+        text += f"; {len(r.ended)} requests ended"
+    return text
 
 
 def _make_engine(config: WorkerConfig) -> Any:

@@ -2,7 +2,11 @@
 
 :func:`create_app` wires one :class:`service.state.Services` (settings, supervisor,
 tokenizer side) into the routes by dependency injection, registers the OpenAI-shaped
-exception handlers, and starts/stops the supervisor with the app's lifespan.
+exception handlers, and starts/stops the supervisor with the app's lifespan. The
+control plane rides along: the event hub (the supervisor and the services publish to
+it), ``/api/events``, ``/api/status`` and ``/api/control/*`` behind the local token
+(:mod:`service.token`), the dashboard at ``/ui``, and the VRAM watcher that publishes
+``vram`` events and replans the worker's memory (:mod:`service.watcher`).
 """
 
 from __future__ import annotations
@@ -16,15 +20,25 @@ from typing import Any
 from litestar import Litestar
 from litestar.di import Provide
 
+from service.control import SupervisorControl
 from service.errors import EXCEPTION_HANDLERS
+from service.events import EventHub, HealthEvent
+from service.events_api import dashboard_router, events_router
 from service.health import HealthController
 from service.openai_api import OpenAIController
 from service.security import SecurityMiddleware
 from service.settings import ServeSettings
 from service.state import Services
 from service.supervisor import State, Supervisor, SupervisorConfig
+from service.token import load_or_create_token, token_path
+from service.watcher import TimelineError, make_watcher
 
 log = logging.getLogger("headroom.service")
+
+
+class StartupError(Exception):
+    """The app cannot be built (e.g. the local token cannot be written); the message
+    says what and where."""
 
 
 def supervisor_config(settings: ServeSettings) -> SupervisorConfig:
@@ -62,15 +76,44 @@ def create_app(
 
     Returns:
         ``(asgi_app, services)``.
+
+    Raises:
+        StartupError: the local token file cannot be read or created, or the
+            ``--vram-timeline`` file cannot be used.
     """
+    try:
+        token = load_or_create_token()
+    except OSError as exc:
+        raise StartupError(
+            f"cannot read or create the local token {token_path()}: {exc}; set "
+            "HEADROOM_CONFIG_DIR to a folder you can write"
+        ) from None
+    hub = EventHub()
     supervisor = Supervisor(supervisor_config(settings))
-    services = Services(settings=settings, supervisor=supervisor)
+    supervisor.events = hub
+    services = Services(settings=settings, supervisor=supervisor, events=hub)
     supervisor.on_ready = services.prepare
     supervisor.on_engine_event = services.record_engine_event
+    supervisor.on_stats = services.publish_counters
+    try:
+        watcher = make_watcher(settings, supervisor, hub)
+    except TimelineError as exc:
+        raise StartupError(str(exc)) from None
+    supervisor.vram_source = watcher.source
+    control = SupervisorControl(supervisor, watcher)
     watch_tasks: list[asyncio.Task] = []
 
+    async def refresh() -> None:
+        """Before a /api/status snapshot: the engine's counters read now (the heartbeat
+        handler publishes them)."""
+        await supervisor.fresh_stats()
+        services.publish_counters()
+
     async def start() -> None:
+        hub.attach_loop()
+        hub.publish(HealthEvent.from_report(supervisor.health()))
         await supervisor.start()
+        watch_tasks.append(asyncio.create_task(watcher.run(), name="vram-watcher"))
         if on_start_failure is not None:
             watch_tasks.append(asyncio.create_task(_watch_first_start()))
 
@@ -83,12 +126,29 @@ def create_app(
     async def stop() -> None:
         for task in watch_tasks:
             task.cancel()
+        await asyncio.gather(*watch_tasks, return_exceptions=True)
         await supervisor.stop()
+        watcher.source.close()
+        hub.close()
         if services.text is not None:
             services.text.close()
 
     app = Litestar(
-        route_handlers=[OpenAIController, HealthController],
+        route_handlers=[
+            OpenAIController,
+            HealthController,
+            # /api/status stays open (as /api/health) for curl and scripts; the control
+            # routes and the event socket need the token.
+            events_router(
+                hub,
+                control,
+                token=token,
+                allowed_origins=settings.cors_origin,
+                before_status=refresh,
+                status_requires_token=False,
+            ),
+            dashboard_router(),
+        ],
         dependencies={"svc": Provide(lambda: services, sync_to_thread=False)},
         exception_handlers=EXCEPTION_HANDLERS,
         on_startup=[start],

@@ -264,7 +264,9 @@ def run_bench(opts: BenchOptions) -> None:
         raise SystemExit(f"headroom: error: cannot reach {opts.url}: {exc}") from None
     if health.status_code != 200:
         raise SystemExit(f"headroom: error: the server is not ready: {health.text}")
-    engine_info = status["engine"]
+    engine_info = (status.get("engine") or {}).get("info")
+    if engine_info is None:
+        raise SystemExit(f"headroom: error: {opts.url}/api/status names no engine: {status}")
     print(f"model {engine_info['model_name']} on {engine_info['device']} ({engine_info['dtype']})")
     prompts = make_prompts(opts.num_requests, opts.prompt_words, nonce=f"[{uuid.uuid4().hex[:8]}] ")
     results = [asyncio.run(run_http(opts, prompts))]

@@ -172,7 +172,7 @@ def serve(config_path: Path | None, **flags: Any) -> None:
 
     import uvicorn
 
-    from service.app import create_app
+    from service.app import StartupError, create_app
 
     failure: list[str] = []
     server: uvicorn.Server | None = None
@@ -182,7 +182,11 @@ def serve(config_path: Path | None, **flags: Any) -> None:
         if server is not None:
             server.should_exit = True
 
-    app, _ = create_app(settings, on_start_failure=on_start_failure)
+    try:
+        app, _ = create_app(settings, on_start_failure=on_start_failure)
+    except StartupError as exc:
+        sock.close()
+        _fail(str(exc))
     host, port = sock.getsockname()[:2]
     config = uvicorn.Config(
         app,
@@ -192,6 +196,7 @@ def serve(config_path: Path | None, **flags: Any) -> None:
         access_log=False,
         lifespan="on",
         timeout_graceful_shutdown=3,
+        ws=_websocket_protocol(),
     )
     server = uvicorn.Server(config)
     log.info("headroom listening on http://%s:%d (engine starting)", host, port)
@@ -200,6 +205,41 @@ def serve(config_path: Path | None, **flags: Any) -> None:
         _fail(f"the engine could not start: {failure[0]}")
     if not server.started:
         _fail("the server did not start")
+
+
+def _websocket_protocol() -> str:
+    """uvicorn's sans-I/O websockets protocol where this uvicorn has it (0.35+: no
+    deprecation warnings from the legacy websockets API), else its automatic choice."""
+    try:
+        from uvicorn.config import WS_PROTOCOLS
+    except ImportError:  # pragma: no cover - a very old uvicorn
+        return "auto"
+    return "websockets-sansio" if "websockets-sansio" in WS_PROTOCOLS else "auto"
+
+
+@main.command(
+    epilog="The token guards the control routes (/api/control/*) and the event socket "
+    "(/api/events); send it as 'Authorization: Bearer <token>'. It is created (owner-only) "
+    "on first use; HEADROOM_CONFIG_DIR moves its folder."
+)
+@_config_option
+@_with_settings("host", "port")
+def token(config_path: Path | None, **flags: Any) -> None:
+    """Print the local token's file and the dashboard's address with the token."""
+    settings = _resolve_or_fail(flags, config_path)
+    from service.token import load_or_create_token, token_path
+
+    try:
+        value = load_or_create_token()
+    except OSError as exc:
+        _fail(f"cannot read or create the local token {token_path()}: {exc}")
+    host = settings.host
+    if host in ("0.0.0.0", "::", ""):
+        host = "127.0.0.1"
+    if ":" in host:
+        host = f"[{host}]"
+    click.echo(f"token file: {token_path()}")
+    click.echo(f"dashboard:  http://{host}:{settings.port}/ui/?token={value}")
 
 
 _PLAN_KNOBS = (

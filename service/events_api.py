@@ -81,7 +81,7 @@ from service.events import (
     SubscriptionClosed,
     encode,
 )
-from service.security import SecurityMiddleware, host_name, is_loopback_host
+from service.security import SecurityMiddleware, same_origin
 from service.settings import parse_size
 from service.token import token_path
 
@@ -96,7 +96,7 @@ CLOSE_TIMEOUT_S = 2.0
 
 
 class ControlTarget(Protocol):
-    """What carries out the control actions (the supervisor, later).
+    """What carries out the control actions (:class:`service.control.SupervisorControl`).
 
     Each method may be sync or async and returns a message for people (or None).
     Raise :class:`service.errors.APIError` to refuse with a status (e.g. 409 while
@@ -178,18 +178,6 @@ def default_origin_check(allowed_origins: Iterable[str] = ()) -> Callable[[str],
     Tauri origins, the dev server, ``allowed_origins``; ``"*"`` allows all), reused so
     the socket and CORS can never disagree."""
     return SecurityMiddleware(None, allowed_origins=allowed_origins).origin_allowed
-
-
-def same_origin(origin: str, host: str | None) -> bool:
-    """Whether ``origin`` is the service's own (``http(s)://<Host header>``) on a
-    loopback Host: the dashboard at ``/ui`` calling home. A foreign page cannot send
-    that pair: its Origin is its own, and a DNS-rebound name is not a loopback Host."""
-    if not host:
-        return False
-    scheme, sep, rest = origin.strip().lower().partition("://")
-    if not sep or scheme not in ("http", "https"):
-        return False
-    return rest.rstrip("/") == host.strip().lower() and is_loopback_host(host_name(host))
 
 
 def _parse_size_field(value: int | str, param: str) -> int:

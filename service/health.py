@@ -1,34 +1,21 @@
-"""``GET /api/health`` and ``GET /api/status``: is the engine serving, its plan and counters.
+"""``GET /api/health``: is the engine serving.
 
 Health answers 200 ``{"status": "ready", ...}`` only while a worker is ready;
 otherwise 503 with ``status`` ``starting``, ``restarting`` (with Retry-After) or
 ``failed`` (with ``reason`` and the last exit's code, signal and output lines).
+
+``GET /api/status`` (the plan, VRAM, counters, worker and the last errors) is the
+event hub's snapshot, served by :func:`service.events_api.events_router`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import msgspec
 from litestar import Controller, Response, get
 
 from service.state import Services
 from service.supervisor import State
-
-
-def _info_dict(svc: Services) -> dict[str, Any] | None:
-    """The engine's facts without the plan (shown on its own)."""
-    info = svc.supervisor.info
-    if info is None:
-        return None
-    facts = msgspec.to_builtins(info)
-    facts.pop("plan", None)
-    return facts
-
-
-def _plan_dict(svc: Services) -> dict[str, Any] | None:
-    info = svc.supervisor.info
-    return None if info is None or info.plan is None else msgspec.to_builtins(info.plan)
 
 
 class HealthController(Controller):
@@ -44,19 +31,3 @@ class HealthController(Controller):
         if report.get("retry_after_s") is not None:
             headers["Retry-After"] = str(report["retry_after_s"])
         return Response(report, status_code=503, headers=headers)
-
-    @get("/status")
-    async def status(self, svc: Services) -> dict[str, Any]:
-        """Worker state, the engine's facts, its memory plan (the ledger; null when the
-        KV cache size was fixed or no device was planned for), its counters read now
-        (``stats`` is null when no worker answers within 2 s), the engine's events and
-        the last requests it failed (``request_errors``, oldest first)."""
-        stats = await svc.supervisor.fresh_stats()
-        return {
-            "worker": svc.supervisor.health(),
-            "engine": _info_dict(svc),
-            "plan": _plan_dict(svc),
-            "stats": None if stats is None else msgspec.to_builtins(stats),
-            "engine_events": msgspec.to_builtins(svc.engine_events),
-            "request_errors": msgspec.to_builtins(list(svc.request_errors)),
-        }

@@ -11,7 +11,9 @@ routing or body parsing:
    origins, the Tauri dev server and configured ones (``*`` allows all). A refused
    origin gets 403 even for "simple" requests a browser would send without asking,
    so a web page cannot make the engine work for it. Allowed origins are echoed
-   exactly in ``Access-Control-Allow-Origin``.
+   exactly in ``Access-Control-Allow-Origin``. The service's own origin on a loopback
+   Host (:func:`same_origin`) is allowed too: Chromium sends Origin with the module
+   scripts, fetches and WebSocket of the dashboard the service serves at ``/ui``.
 3. **Preflight** (``OPTIONS`` with ``Access-Control-Request-Method``) is answered 204
    here and never reaches a handler; ``Access-Control-Allow-Private-Network: true``
    is added when the browser asks for it.
@@ -73,6 +75,18 @@ def is_loopback_host(name: str) -> bool:
         return False
 
 
+def same_origin(origin: str, host: str | None) -> bool:
+    """Whether ``origin`` is the service's own (``http(s)://<Host header>``) on a
+    loopback Host: the dashboard at ``/ui`` calling home. A foreign page cannot send
+    that pair: its Origin is its own, and a DNS-rebound name is not a loopback Host."""
+    if not host:
+        return False
+    scheme, sep, rest = origin.strip().lower().partition("://")
+    if not sep or scheme not in ("http", "https"):
+        return False
+    return rest.rstrip("/") == host.strip().lower() and is_loopback_host(host_name(host))
+
+
 class SecurityMiddleware:
     """ASGI middleware applying the checks in the module docstring.
 
@@ -121,7 +135,7 @@ class SecurityMiddleware:
             )
             return
         origin = headers.get("origin")
-        if origin is not None and not self.origin_allowed(origin):
+        if origin is not None and not (self.origin_allowed(origin) or same_origin(origin, host)):
             await _refuse(
                 scope, receive, send, 403, f"origin {origin!r} is not allowed", PERMISSION, "origin"
             )

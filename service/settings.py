@@ -196,6 +196,54 @@ OPTIONS: tuple[Option, ...] = (
         "Whether the simulated GPU (--device-total) drives a display, which the "
         "automatic --reserve keeps memory for.",
     ),
+    Option(
+        "vram_source",
+        str,
+        "nvml",
+        "Where GPU memory is read while serving: nvml (the real card; without an NVIDIA "
+        "GPU or driver: CPU mode, no replans) or simulated (a card of --device-total "
+        "whose other processes follow --vram-timeline).",
+    ),
+    Option(
+        "vram_timeline",
+        str,
+        None,
+        "JSON file scripting other processes' memory on the simulated card "
+        '(--vram-source simulated): {"steps": [[seconds, size], ...]} with sizes such as '
+        '"1.2GiB", bytes or "40%" of the card, seconds counted from when the engine is '
+        'first ready ("start": "service" counts from the service\'s start); optional '
+        '"total" (the card) and "display" (bool).',
+    ),
+    Option(
+        "vram_hz",
+        float,
+        4.0,
+        "GPU memory samples per second; each goes to the event socket (coalesced) and to "
+        "the replan controller.",
+    ),
+    Option(
+        "replan_low",
+        str,
+        None,
+        "Low water mark of headroom (free - reserve): below it the engine gives memory "
+        "back (prefill chunk, prefix cache, KV pool). Unset: a quarter of the plan's "
+        "safety margin (128 MiB + 1% of the card).",
+        kind="size",
+    ),
+    Option(
+        "replan_high",
+        str,
+        None,
+        "High water mark of headroom: above it for --replan-hold seconds, the KV pool grows "
+        "back toward the plan. Unset: the low mark + 256 MiB + 2% of the card.",
+        kind="size",
+    ),
+    Option(
+        "replan_hold",
+        float,
+        10.0,
+        "Seconds the headroom must stay above --replan-high before the pool grows back.",
+    ),
     Option("prefix_cache", bool, True, "Share KV pages of common prompt prefixes."),
     Option(
         "served_model_name",
@@ -268,6 +316,12 @@ class ServeSettings:
     device_total: int | None = None  # bytes
     device_free: int | None = None  # bytes
     device_display: bool = True
+    vram_source: str = "nvml"
+    vram_timeline: str | None = None
+    vram_hz: float = 4.0
+    replan_low: int | None = None  # bytes
+    replan_high: int | None = None  # bytes
+    replan_hold: float = 10.0
     prefix_cache: bool = True
     served_model_name: tuple[str, ...] = ()
     api_key: str | None = None
@@ -484,6 +538,18 @@ def _validate(s: ServeSettings) -> None:
             fail("device_free", "needs --device-total (the size of the simulated GPU)")
         elif s.device_free > s.device_total:
             fail("device_free", "must not exceed --device-total")
+    if s.vram_source not in ("nvml", "simulated"):
+        fail("vram_source", f"{s.vram_source!r} is not one of nvml, simulated")
+    if s.vram_source == "simulated" and s.device_total is None and s.vram_timeline is None:
+        fail("vram_source", "simulated needs --device-total (or a --vram-timeline with a total)")
+    if s.vram_timeline is not None and s.vram_source != "simulated":
+        fail("vram_timeline", "needs --vram-source simulated")
+    if s.vram_hz <= 0:
+        fail("vram_hz", "must be positive")
+    if s.replan_hold < 0:
+        fail("replan_hold", "must be at least 0")
+    if s.replan_low is not None and s.replan_high is not None and s.replan_low >= s.replan_high:
+        fail("replan_high", "must be above --replan-low")
     if s.stall_timeout_s <= s.heartbeat_interval_s:
         fail("stall_timeout_s", "must be longer than --heartbeat-interval-s")
     if s.log_level.lower() not in ("debug", "info", "warning", "error"):

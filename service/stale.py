@@ -38,6 +38,7 @@ log = logging.getLogger("headroom.stale")
 
 APP_NAME = "headroom"
 PIDFILE_NAME = "workers.json"
+RUNTIME_DIR_ENV = "HEADROOM_RUNTIME_DIR"
 # A worker is started by multiprocessing's *spawn* method (service.worker_process):
 # ``<python> -c "from multiprocessing.spawn import spawn_main; spawn_main(...)"
 # --multiprocessing-fork``. A worker run as ``python -m engine.worker`` also counts.
@@ -54,9 +55,15 @@ STILL_RUNNING = "still running"  # a stale worker that survived SIGKILL (stuck i
 
 def default_pidfile() -> Path:
     """``<user runtime dir>/headroom/workers.json`` (``$XDG_RUNTIME_DIR`` on Linux);
-    the user cache dir when the runtime dir cannot be made or written."""
+    the user cache dir when the runtime dir cannot be made or written.
+    ``HEADROOM_RUNTIME_DIR`` names the folder instead (tests, several installs)."""
     import platformdirs
 
+    override = os.environ.get(RUNTIME_DIR_ENV)
+    if override:
+        folder = Path(override).expanduser()
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        return folder / PIDFILE_NAME
     for make in (platformdirs.user_runtime_dir, platformdirs.user_cache_dir):
         try:
             folder = Path(make(APP_NAME))

@@ -10,11 +10,21 @@ produced a token yet: each of those is sent again, once, to the next worker. New
 is refused with :class:`NotReady` (HTTP 503 + Retry-After) until the worker is back.
 Restarts back off exponentially; ``max_exits`` exits within ``exit_window_s`` move to
 ``failed``, which reports the last exit code, signal and the worker's last lines.
+
+The restart-race guard (CASES.md F4, :mod:`service.stale`): at start, workers of an
+earlier run whose service is gone are ended; every worker is listed in the pid file
+while it lives; and before a restarted worker plans, the supervisor waits (bounded)
+until the VRAM source no longer shows the dead worker's memory.
+
+Replan commands (:mod:`service.watcher`, the control API) go to the worker through
+:meth:`Supervisor.run_command`; the worker's pool figures (``engine.ipc.PoolStats``)
+arrive with each heartbeat and each command's answer, in :attr:`Supervisor.pool`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import enum
 import logging
 import math
@@ -22,15 +32,21 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from engine.ipc import (
+    ControlDone,
     EngineEvents,
     FromWorker,
     Heartbeat,
     Outputs,
+    PoolStats,
     Ready,
     Rejected,
+    ReplanCommand,
     StatsRequest,
     WorkerConfig,
     WorkerError,
@@ -43,9 +59,12 @@ from engine.messages import (
     EngineStats,
     GenerateRequest,
     OomEvent,
+    Replanned,
     ReplanWanted,
     TokenOutput,
 )
+from service import stale
+from service.events import EngineInfoEvent, EventHub, HealthEvent, PlanEvent, WorkerEvent
 from service.worker_process import ExitStatus, WorkerProcess
 
 log = logging.getLogger("headroom.supervisor")
@@ -77,6 +96,9 @@ class SupervisorConfig:
     restarted. ``start_timeout_s``: a worker not ready this long after spawning is
     killed. ``backoff_initial_s`` doubles per consecutive exit up to ``backoff_max_s``;
     ``max_exits`` exits within ``exit_window_s`` mean a crash loop -> ``failed``.
+    ``pidfile``: the stale-worker list (None: :func:`service.stale.default_pidfile`);
+    ``guard_workers`` False skips it (no reaping, no recording). ``release_timeout_s``:
+    the longest wait for a dead worker's memory before a new one plans.
     """
 
     worker: WorkerConfig
@@ -86,6 +108,9 @@ class SupervisorConfig:
     backoff_max_s: float = 10.0
     max_exits: int = 5
     exit_window_s: float = 60.0
+    pidfile: Path | None = None
+    guard_workers: bool = True
+    release_timeout_s: float = 10.0
 
 
 class NotReady(Exception):
@@ -159,8 +184,20 @@ class Supervisor:
             ready and before the state becomes ``ready`` (the service loads its
             tokenizer there). An exception in it counts as a failed start.
         on_engine_event: called (on the event loop) with each
-            :class:`engine.messages.OomEvent` and :class:`engine.messages.ReplanWanted`
-            the worker reports, in order, after the supervisor has logged it.
+            :class:`engine.messages.EngineEvent` the worker reports (``OomEvent``,
+            ``ReplanWanted``, ``Replanned``), in order, after the supervisor has logged it
+            and before it updates :attr:`info` for a ``Replanned``.
+        on_stats: called with the engine's counters of each heartbeat (periodic or
+            asked for by :meth:`fresh_stats`).
+
+    Attributes:
+        events: the event hub the supervisor publishes ``health``, ``worker``,
+            ``engine`` and ``plan`` events to (None: publish nothing).
+        vram_source: a ``sample()``-able VRAM source (:mod:`service.vram`) to wait on
+            for a dead worker's memory before a restart (None: no wait).
+        on_first_ready: called once, when the first worker is ready.
+        pool: the worker's KV pool figures, from its last heartbeat or command answer
+            (None: no worker, or an engine that cannot resize its pool).
     """
 
     def __init__(
@@ -168,10 +205,22 @@ class Supervisor:
         config: SupervisorConfig,
         on_ready: Callable[[EngineInfo], Awaitable[None]] | None = None,
         on_engine_event: Callable[[EngineEvent], None] | None = None,
+        on_stats: Callable[[EngineStats], None] | None = None,
     ) -> None:
         self.config = config
         self.on_ready = on_ready
         self.on_engine_event = on_engine_event
+        self.on_stats = on_stats
+        self.events: EventHub | None = None
+        self.vram_source: Any = None
+        self.on_first_ready: Callable[[], None] | None = None
+        self.pool: PoolStats | None = None
+        self.last_release: stale.ReleaseResult | None = None
+        self._control_waiters: dict[int, asyncio.Future[ControlDone | None]] = {}
+        self._control_seq = 0
+        self._last_worker_pid: int | None = None
+        # Pid-file work (it reads /proc and may wait): one thread, in order.
+        self._pidfile_ops = concurrent.futures.ThreadPoolExecutor(1, "headroom-pidfile")
         self.state = State.STOPPED
         self.info: EngineInfo | None = None
         self.stats: EngineStats | None = None
@@ -199,24 +248,38 @@ class Supervisor:
     # -- lifecycle -----------------------------------------------------------------
 
     async def start(self) -> None:
-        """Spawn the first worker and return at once (state ``starting``)."""
+        """End stale workers of an earlier run, spawn the first worker and return (state
+        ``starting``)."""
         self._loop = asyncio.get_running_loop()
         self.first_start_done = asyncio.Event()
         self.state = State.STARTING
+        if self.config.guard_workers:
+            try:
+                await self._loop.run_in_executor(
+                    self._pidfile_ops, stale.reap_stale_workers, self.config.pidfile
+                )
+            except OSError as exc:
+                log.warning("could not check for stale workers: %s", exc)
         self._spawn()
+        self._publish_health()
         self._watchdog = asyncio.create_task(self._watch(), name="supervisor-watchdog")
 
     async def stop(self) -> None:
         """Stop the worker (gracefully, then by force) and fail what is in flight."""
         self.state = State.STOPPED
+        self._publish_health()
         if self._watchdog is not None:
             self._watchdog.cancel()
         for task in list(self._tasks):
             task.cancel()
         worker, self._worker = self._worker, None
         self._fail_all(ENGINE_FAILED, "the server is shutting down", retry=False)
+        self._end_control_waiters()
         if worker is not None:
             await worker.stop()
+            if worker.pid is not None:
+                self._forget(worker.pid)
+        self._pidfile_ops.shutdown(wait=True)
 
     def restart(self) -> None:
         """Kill the current worker (if any) and start a new one now, also from ``failed``
@@ -229,6 +292,7 @@ class Supervisor:
         else:
             self.state = State.RESTARTING
             self._spawn()
+            self._publish_health()
 
     def _spawn(self) -> None:
         assert self._loop is not None
@@ -241,8 +305,31 @@ class Supervisor:
             on_exit=lambda s: self._on_exit(worker, s),
         )
         self._worker = worker
+        self.pool = None
         worker.start()
         self.worker_pid = worker.pid
+        self._last_worker_pid = worker.pid
+        if self.config.guard_workers and worker.pid is not None:
+            self._pidfile_ops.submit(self._pidfile_call, stale.record_worker, worker.pid)
+        self._publish(WorkerEvent(phase="started", pid=worker.pid, restarts=self.restarts))
+
+    def _pidfile_call(self, fn: Callable[..., Any], pid: int) -> None:
+        try:
+            fn(pid, self.config.pidfile)
+        except OSError as exc:
+            log.warning("worker pid file: %s", exc)
+
+    def _forget(self, pid: int) -> None:
+        if self.config.guard_workers:
+            try:
+                self._pidfile_ops.submit(self._pidfile_call, stale.forget_worker, pid)
+            except RuntimeError:  # shut down already
+                pass
+
+    @property
+    def worker_alive(self) -> bool:
+        """Whether a worker process runs now (loading or ready)."""
+        return self._worker is not None and not self._worker.exited
 
     # -- requests --------------------------------------------------------------------
 
@@ -300,6 +387,43 @@ class Supervisor:
         finally:
             self._stats_waiters.pop(seq, None)
 
+    @property
+    def in_flight(self) -> int:
+        """Sequences sent to the worker and not finished yet."""
+        return len(self._inflight)
+
+    async def run_command(
+        self, kind: type[ReplanCommand], *, timeout_s: float = 30.0, **fields: Any
+    ) -> ControlDone | None:
+        """Send a replan command (``kind(seq=..., **fields)``) to the ready worker and
+        wait for its answer; :attr:`pool` and :attr:`stats` are fresh when it returns.
+
+        Returns:
+            The worker's :class:`engine.ipc.ControlDone`, or None when the worker ended
+            (or did not answer within ``timeout_s`` seconds).
+
+        Raises:
+            NotReady: no worker is ready; nothing was sent.
+        """
+        self.check_ready()
+        assert self._loop is not None and self._worker is not None
+        self._control_seq += 1
+        seq = self._control_seq
+        future: asyncio.Future[ControlDone | None] = self._loop.create_future()
+        self._control_waiters[seq] = future
+        self._worker.send(kind(seq=seq, **fields))
+        try:
+            return await asyncio.wait_for(future, timeout_s)
+        except asyncio.TimeoutError:
+            return None
+        finally:
+            self._control_waiters.pop(seq, None)
+
+    def _end_control_waiters(self) -> None:
+        for future in self._control_waiters.values():
+            if not future.done():
+                future.set_result(None)
+
     def retry_after_s(self) -> int | None:
         """Whole seconds until a worker is expected to be ready, or None in ``failed``."""
         if self.state in (State.FAILED, State.STOPPED):
@@ -312,7 +436,8 @@ class Supervisor:
         return max(1, math.ceil(wait_s))
 
     def health(self) -> dict[str, Any]:
-        """A JSON-able summary: state, pid, model, restarts, last exit, failure reason."""
+        """A JSON-able summary: state, pid, model, restarts, last exit, failure reason,
+        and the event socket's subscribers (``event_subscribers``)."""
         report: dict[str, Any] = {
             "status": self.state.value,
             "worker_pid": self.worker_pid if self._worker and not self._worker.exited else None,
@@ -333,6 +458,8 @@ class Supervisor:
             }
         if self.state in (State.STARTING, State.RESTARTING):
             report["retry_after_s"] = self.retry_after_s()
+        if self.events is not None:
+            report["event_subscribers"] = self.events.subscriber_count
         return report
 
     # -- worker events (event loop thread) -----------------------------------------------
@@ -348,8 +475,25 @@ class Supervisor:
         if isinstance(message, Outputs):
             for output in message.outputs:
                 self._deliver(output)
+        elif isinstance(message, ControlDone):
+            self.stats = message.stats
+            self.pool = message.pool
+            if self.on_stats is not None:
+                try:
+                    self.on_stats(message.stats)
+                except Exception:
+                    log.exception("could not record the engine's counters")
+            waiter = self._control_waiters.get(message.seq)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(message)
         elif isinstance(message, Heartbeat):
             self.stats = message.stats
+            self.pool = message.pool
+            if self.on_stats is not None:
+                try:
+                    self.on_stats(message.stats)
+                except Exception:
+                    log.exception("could not record the engine's counters")
             if message.seq is not None:
                 future = self._stats_waiters.get(message.seq)
                 if future is not None and not future.done():
@@ -397,6 +541,24 @@ class Supervisor:
                 self.on_engine_event(event)
             except Exception:
                 log.exception("could not record an engine event")
+        info = self.info
+        if info is None:
+            return
+        # The limits that changed, so /v1/models and the context check read them live.
+        if isinstance(event, Replanned):
+            self.info = msgspec.structs.replace(
+                info,
+                num_pages=event.after_pages,
+                kv_cache_bytes=event.after_bytes,
+                max_context_tokens=event.max_context_tokens,
+                max_prefill_tokens=event.max_prefill_tokens,
+            )
+        elif isinstance(event, ReplanWanted):
+            self.info = msgspec.structs.replace(
+                info, max_prefill_tokens=event.new_max_prefill_tokens
+            )
+        if self.info is not info:
+            self._publish(EngineInfoEvent(info=msgspec.structs.replace(self.info, plan=None)))
 
     def _deliver(self, output: TokenOutput) -> None:
         seq = self._inflight.get(output.request_id)
@@ -425,10 +587,19 @@ class Supervisor:
         self.state = State.READY
         self.ready_since = time.monotonic()
         self._last_message_at = time.monotonic()
+        first = self._first_start
         self._first_start = False
         self.failure_reason = None
         if self.first_start_done is not None:
             self.first_start_done.set()
+        if first and self.on_first_ready is not None:
+            try:
+                self.on_first_ready()
+            except Exception:
+                log.exception("on_first_ready failed")
+        self._publish(EngineInfoEvent(info=msgspec.structs.replace(ready.info, plan=None)))
+        self._publish(PlanEvent(plan=ready.info.plan))
+        self._publish_health()
         log.info(
             "engine ready: %s, %d context tokens, pid %d (load %.1f s)",
             ready.info.model_name,
@@ -448,10 +619,14 @@ class Supervisor:
         if worker is not self._worker:
             return
         self._worker = None
+        self.pool = None
         self.last_exit = status
+        if worker.pid is not None:
+            self._forget(worker.pid)
         for future in self._stats_waiters.values():
             if not future.done():
                 future.cancel()
+        self._end_control_waiters()
         if self.state is State.STOPPED:
             return
         was_ready = self.state is State.READY
@@ -460,6 +635,17 @@ class Supervisor:
             worker.pid,
             status.describe(),
             "" if not status.last_lines else f"; last line: {status.last_lines[-1]}",
+        )
+        self._publish(
+            WorkerEvent(
+                phase="exited",
+                pid=worker.pid,
+                exit_code=status.exit_code if status.signal is None else None,
+                signal=status.signal,
+                reason=status.describe(),
+                restarts=self.restarts,
+                last_lines=list(status.last_lines[-10:]),
+            )
         )
         now = time.monotonic()
         self._exits.append(now)
@@ -472,6 +658,7 @@ class Supervisor:
 
         if self.state is State.FAILED:
             self._fail_all(ENGINE_FAILED, self.failure_reason or "the engine failed", retry=False)
+            self._publish_health()
             return
         if len(self._exits) >= self.config.max_exits:
             self._fail(
@@ -491,16 +678,47 @@ class Supervisor:
         )
         self._restart_at = now + delay_s
         log.info("restarting the worker in %.1f s", delay_s)
+        self._publish(WorkerEvent(phase="restarting", delay_s=delay_s, restarts=self.restarts))
+        self._publish_health()
         self._spawn_task(self._restart_later(delay_s))
 
     async def _restart_later(self, delay_s: float) -> None:
         await asyncio.sleep(delay_s)
+        if self.state in (State.RESTARTING, State.STARTING) and self._worker is None:
+            await self._wait_for_release()
         if self.state in (State.RESTARTING, State.STARTING) and self._worker is None:
             self.restarts += 1
             try:
                 self._spawn()
             except OSError as exc:  # out of processes or file descriptors
                 self._fail(f"could not start a worker process: {exc}")
+                return
+            self._publish_health()
+
+    async def _wait_for_release(self) -> None:
+        """Before a new worker plans: wait (bounded) until the VRAM source no longer
+        shows the last worker's memory (F4); log and publish what was seen."""
+        pid, source = self._last_worker_pid, self.vram_source
+        if pid is None or source is None:
+            return
+        try:
+            result = await asyncio.to_thread(
+                stale.wait_for_release, pid, source, timeout_s=self.config.release_timeout_s
+            )
+        except Exception:
+            log.exception("could not wait for the memory of worker %d", pid)
+            return
+        self.last_release = result
+        what = "released" if result.released else "not released"
+        self._publish(
+            WorkerEvent(
+                phase="restarting",
+                pid=pid,
+                reason=f"memory of worker {pid} {what} after {result.waited_s:.1f} s: "
+                f"{result.reason}",
+                restarts=self.restarts,
+            )
+        )
 
     def _fail(self, reason: str) -> None:
         """Enter ``failed``: no more restarts until :meth:`restart`."""
@@ -509,6 +727,8 @@ class Supervisor:
         self.failure_reason = reason
         self._restart_at = None
         self._fail_all(ENGINE_FAILED, reason, retry=False)
+        self._publish(WorkerEvent(phase="failed", reason=reason, restarts=self.restarts))
+        self._publish_health()
         if self.first_start_done is not None:
             self.first_start_done.set()
 
@@ -528,6 +748,18 @@ class Supervisor:
                 self._retry.append(seq)
                 continue
             seq.submission.queue.put_nowait((seq.index, EngineFailure(code, message)))
+
+    def _publish(self, event: Any) -> None:
+        """Hand ``event`` to the hub, if any; never raises (events are a view)."""
+        if self.events is None:
+            return
+        try:
+            self.events.publish(event)
+        except Exception:
+            log.exception("could not publish a %s event", type(event).__name__)
+
+    def _publish_health(self) -> None:
+        self._publish(HealthEvent.from_report(self.health()))
 
     def _spawn_task(self, coro: Awaitable[None]) -> None:
         task = asyncio.ensure_future(coro)

@@ -2,8 +2,8 @@
 VRAM timeline, and a stand-in "worker" that is a real child process.
 
 Not the service: nothing here loads a model. It serves ``/api/events``, ``/api/status``,
-the control routes and ``/ui`` exactly as the service will once they are wired in, so
-the dashboard and ``ui-bridge``'s browser test can run before that. The worker is a
+the control routes and ``/ui`` exactly as the service does, so
+the dashboard and ``ui-bridge``'s browser test can run without a model. The worker is a
 sleeping child process: kill it (``kill -9 <worker_pid from /api/status>``) and the
 demo reports ``worker exited`` (with the signal), ``restarting``, then ``started`` and
 ``ready`` again, as the supervisor will. ``POST /api/control/restart`` does the same.
@@ -323,11 +323,9 @@ def main() -> None:
         ),
         flush=True,
     )
-    # The page's own origin is listed: service/security.py does not yet let a page
-    # served by the service call it back (module scripts, fetch and the WebSocket all
-    # send Origin); the router itself already accepts its own origin on a loopback Host.
-    own = [url, f"http://localhost:{port}"]
-    secured = SecurityMiddleware(app, allowed_origins=own)
+    # The page's own origin on a loopback Host passes the middleware (service.security's
+    # same_origin), as in the service.
+    secured = SecurityMiddleware(app)
     uvicorn.run(secured, host=args.host, port=port, log_level="warning", ws="websockets-sansio")
 
 

@@ -8,6 +8,9 @@ PYTHONPATH). Behaviour comes from the environment, which the spawned worker inhe
 - ``HEADROOM_FAKE_STEP_S``: seconds per step (default 0.01).
 - ``HEADROOM_FAKE_LOAD_ERROR``: raise FileNotFoundError with this text at load.
 - ``HEADROOM_FAKE_CRASH_AT_LOAD``: exit with code 7 during load.
+- ``HEADROOM_FAKE_ORPHAN``: undo the parent-death signal and hang in the load forever,
+  as a worker stuck in a driver call does: it outlives a SIGKILLed service (a stale
+  worker for the next start to reap).
 - A request with ``seed == 778`` hangs the step loop forever (a hung worker); one with
   ``seed == 777`` does so only while the file ``HEADROOM_FAKE_MARKER`` does not exist
   (it creates it), so it hangs the first worker and runs on the next.
@@ -31,6 +34,13 @@ CONTEXT = 2048
 
 class FakeEngine:
     def __init__(self, config) -> None:
+        if os.environ.get("HEADROOM_FAKE_ORPHAN"):
+            import ctypes
+
+            ctypes.CDLL(None).prctl(1, 0, 0, 0, 0)  # PR_SET_PDEATHSIG: none
+            print("fake engine: stuck in the load on purpose", file=sys.stderr, flush=True)
+            while True:
+                time.sleep(3600)
         if os.environ.get("HEADROOM_FAKE_CRASH_AT_LOAD"):
             print("fake engine: crashing at load on purpose", file=sys.stderr, flush=True)
             os._exit(7)

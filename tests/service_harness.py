@@ -62,8 +62,12 @@ def process_gone(pid: int) -> bool:
 class ServerProcess:
     """One ``headroom serve`` child process.
 
+    Its local token lives in ``tmp/config-dir`` (``HEADROOM_CONFIG_DIR``) and its worker
+    pid file in ``tmp/runtime`` (``HEADROOM_RUNTIME_DIR``), so no test touches the
+    user's (or another test's) token or stale-worker list.
+
     Args:
-        tmp: a folder for its config file and log.
+        tmp: a folder for its config file, token, pid file and log.
         args: extra command-line arguments.
         env: extra environment variables.
         fake: use tests/fake_engine.py instead of the real engine.
@@ -86,6 +90,8 @@ class ServerProcess:
         full_env = dict(os.environ)
         full_env.pop("HEADROOM_API_KEY", None)
         full_env["HEADROOM_CONFIG"] = str(config)
+        full_env["HEADROOM_CONFIG_DIR"] = str(tmp / "config-dir")
+        full_env["HEADROOM_RUNTIME_DIR"] = str(tmp / "runtime")
         full_env["PYTHONUNBUFFERED"] = "1"
         if fake:
             full_env["PYTHONPATH"] = os.pathsep.join(
@@ -95,11 +101,27 @@ class ServerProcess:
             if fake_model_dir:
                 full_env["HEADROOM_FAKE_MODEL_DIR"] = fake_model_dir
         full_env.update(env or {})
+        self.env = full_env
         self.command = [*headroom_command(), "serve", "--port", str(self.port), *(args or [])]
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             self.command, stdout=self._log, stderr=subprocess.STDOUT, env=full_env
         )
+
+    @property
+    def token(self) -> str:
+        """The local token the server created (read once it has started)."""
+        path = Path(self.env["HEADROOM_CONFIG_DIR"]) / "token"
+        deadline = time.monotonic() + 30
+        while not path.exists():
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise AssertionError(f"no token file at {path}:\n{self.log()}")
+            time.sleep(0.05)
+        return path.read_text().strip()
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/api/events"
 
     def client(self, **kwargs) -> httpx.Client:
         return httpx.Client(base_url=self.base_url, timeout=kwargs.pop("timeout", 60.0), **kwargs)

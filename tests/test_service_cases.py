@@ -34,7 +34,7 @@ def assert_openai_error(r: httpx.Response, status: int, param=..., code=...) -> 
 
 
 def engine_counters(http: httpx.Client) -> dict:
-    stats = http.get("/api/status").json()["stats"]
+    stats = http.get("/api/status").json()["counters"]["engine"]
     assert stats is not None
     return stats
 

@@ -5,7 +5,7 @@ rules use ``*`` (any request).
 
 - ``prefill:*:1000``: every prefill fails, so every request fails alone with
   ``out_of_memory`` (503 + Retry-After, or an error event in a stream), the engine stays
-  up, and ``/api/status`` lists the request errors. The same server runs on a simulated
+  up, and ``/api/status`` (the event hub's snapshot) lists the request errors. The same server runs on a simulated
   card, so its status also shows the memory plan.
 - ``prefill:*:1``: one transient fault; the request succeeds after the engine's retry.
 """
@@ -56,26 +56,34 @@ def test_request_that_runs_out_of_memory_fails_alone_with_503(start_server):
         # The engine stayed up: healthy, same worker, and it says what happened.
         assert server.health().status_code == 200
         status = http.get("/api/status").json()
-        assert status["worker"]["restarts"] == 0
+        assert status["type"] == "snapshot"
+        assert status["health"]["restarts"] == 0
+        # Every out-of-memory step is a request_error with the action taken; two
+        # requests failed, each after being retried with smaller chunks.
         errors = status["request_errors"]
-        assert [e["code"] for e in errors] == ["out_of_memory", "out_of_memory"]
+        assert all(e["code"] == "out_of_memory" for e in errors)
         assert all(
             e["phase"] == "prefill" and e["request_id"].startswith("chatcmpl-") for e in errors
         )
-        events_seen = status["engine_events"]
-        assert events_seen["oom_failed_requests"] == 2
-        assert events_seen["oom_steps"] > 2  # each was retried smaller before failing
-        assert events_seen["replans_wanted"] >= 1
-        assert status["stats"]["failed"] == 2
-        assert status["stats"]["free_pages"] == status["stats"]["total_pages"]
+        assert [e["action"] for e in errors].count("failed") == 2
+        assert "retry_smaller_chunk" in [e["action"] for e in errors]
+        counters = status["counters"]
+        assert counters["oom_failed_requests"] == 2
+        assert counters["oom_steps"] > 2  # each was retried smaller before failing
+        assert counters["replans"] >= 1
+        assert status["replans"][0]["action"] == "lower_chunk_cap"
+        stats = counters["engine"]
+        assert stats["failed"] == 2
+        assert stats["free_pages"] == stats["total_pages"]
 
         # The plan of the simulated card rides in the status; the model has its own name.
-        plan = status["plan"]
+        plan = status["plan"]["plan"]
         assert plan is not None and plan["simulated"] is True and plan["fits"] is True
         assert "KV cache pool" in [e["name"] for e in plan["ledger"]]
-        assert plan["num_pages"] + 1 == status["engine"]["num_pages"]
-        assert "plan" not in status["engine"]
-        assert status["engine"]["model_name"] == MODEL_NAME
+        engine = status["engine"]["info"]
+        assert plan["num_pages"] + 1 == engine["num_pages"]
+        assert engine["plan"] is None
+        assert engine["model_name"] == MODEL_NAME
         assert [m["id"] for m in http.get("/v1/models").json()["data"]] == [MODEL_NAME]
     log = server.log()
     assert "out of memory in prefill for chatcmpl-" in log
@@ -89,7 +97,12 @@ def test_transient_out_of_memory_is_retried_and_succeeds(start_server):
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["content"]
         status = http.get("/api/status").json()
-        assert status["engine_events"]["oom_steps"] == 1
-        assert status["request_errors"] == []
-        assert status["plan"] is None  # a CPU run with no simulated card makes no plan
+        assert status["counters"]["oom_steps"] == 1
+        (error,) = status["request_errors"]  # the step that failed, and what was done
+        assert error["code"] == "out_of_memory" and error["action"] != "failed"
+        assert status["plan"]["plan"] is None  # a CPU run with no simulated card: no plan
+        vram = status["vram"]  # NVML's view; without an NVIDIA GPU, CPU mode and why
+        assert vram["source"] in ("nvml", "none"), vram
+        if vram["source"] == "none":
+            assert "no GPU, CPU mode" in vram["reason"] and vram["total_bytes"] == 0
     assert server.health().status_code == 200

@@ -78,6 +78,13 @@ def test_plain_http_chat_and_models(real_server):
         assert body["object"] == "chat.completion"
         assert body["choices"][0]["message"]["role"] == "assistant"
         assert "Paris" in body["choices"][0]["message"]["content"]
+        # The README's quick start names the model "default".
+        r = http.post(
+            "/v1/chat/completions",
+            json={"model": "default", "messages": QUESTION, "max_tokens": 2, "temperature": 0},
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["model"] == card["id"]
 
 
 def test_n_choices_stop_and_seed(real_server):

@@ -1,0 +1,505 @@
+"""Fast checks of the wiring between the engine worker, the supervisor, the VRAM watcher
+and the event hub (issues 5 and 6), without a server: the replan commands cross the
+pipe and the worker carries them out; engine events become ``replan`` and
+``request_error`` events; the watcher turns a simulated timeline into commands; the
+timeline file, the settings and ``headroom token``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import stat
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import pytest
+from click.testing import CliRunner
+
+from engine import ipc
+from engine.memory.plan import LedgerEntry, MemoryPlan
+from engine.messages import (
+    REPLAN_EVICT_PREFIX_CACHE,
+    REPLAN_PREFILL_CHUNK,
+    REPLAN_RESIZE_POOL,
+    EngineInfo,
+    EngineStats,
+    OomEvent,
+    Replanned,
+    ReplanWanted,
+    ResizeResult,
+)
+from service.events import EventHub
+from service.settings import SettingsError, resolve
+from service.state import CONTROL_REASON, Services, bytes_asked
+from service.supervisor import State
+from service.vram import SimulatedSource
+from service.watcher import (
+    TimelineError,
+    VramWatcher,
+    load_timeline,
+    simulated_ours_bytes,
+)
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+STATS = EngineStats(
+    running=0,
+    waiting=0,
+    free_pages=100,
+    total_pages=100,
+    cached_pages=7,
+    prefix_hit_tokens=0,
+    prefix_lookup_tokens=0,
+    finished=0,
+    aborted=0,
+    failed=0,
+)
+
+
+def info(**kw: Any) -> EngineInfo:
+    base = dict(
+        model_name="m",
+        model_dir="/m",
+        architecture="A",
+        vocab_size=10,
+        max_context_tokens=2048,
+        model_context_tokens=2048,
+        eos_token_ids=[0],
+        device="cpu",
+        dtype="float32",
+        page_size=16,
+        num_pages=101,
+        kv_cache_bytes=101 * MiB,
+        weight_bytes=0,
+        max_prefill_tokens=2048,
+        max_running_requests=8,
+    )
+    base.update(kw)
+    return EngineInfo(**base)
+
+
+# -- IPC ---------------------------------------------------------------------------------------
+
+
+def test_replan_commands_and_answers_cross_the_pipe():
+    pool = ipc.PoolStats(
+        pages=101,
+        planned_pages=101,
+        min_pages=33,
+        page_bytes=MiB,
+        pool_bytes=101 * MiB,
+        prefill_chunk=2048,
+        planned_prefill_chunk=2048,
+        min_prefill_chunk=256,
+        activation_bytes_per_token=1024,
+        free_pages=100,
+        cached_pages=0,
+        max_context_tokens=1600,
+        fixed_bytes=GiB,
+    )
+    for command in (
+        ipc.SetPrefillChunk(seq=1, tokens=512, reason="r"),
+        ipc.EvictPrefixCache(seq=2, reason="r"),
+        ipc.ClearPrefixCache(seq=3),
+        ipc.ResizePool(seq=4, num_pages=50, reason="r"),
+    ):
+        assert ipc.to_worker_decoder.decode(ipc.encode(command)) == command
+    replanned = Replanned(
+        action=REPLAN_RESIZE_POOL,
+        reason="r",
+        before_pages=101,
+        after_pages=50,
+        before_bytes=101 * MiB,
+        after_bytes=50 * MiB,
+        duration_ms=3.0,
+        max_prefill_tokens=2048,
+        max_context_tokens=784,
+        preempted=["a"],
+    )
+    for message in (
+        ipc.EngineEvents([replanned, ReplanWanted(reason="oom", new_max_prefill_tokens=1024)]),
+        ipc.Heartbeat(stats=STATS, pool=pool),
+        ipc.ControlDone(
+            seq=4,
+            ok=True,
+            message="done",
+            stats=STATS,
+            pool=pool,
+            result=ResizeResult(before_pages=101, after_pages=50, before_bytes=1, after_bytes=1),
+        ),
+    ):
+        assert ipc.from_worker_decoder.decode(ipc.encode(message)) == message
+
+
+class FakeConn:
+    def __init__(self) -> None:
+        self.sent: list[Any] = []
+
+    def send_bytes(self, data: bytes) -> None:
+        self.sent.append(ipc.from_worker_decoder.decode(data))
+
+
+class ResizableEngine:
+    """The parts of engine.engine.Engine the worker's replan handling touches."""
+
+    def __init__(self) -> None:
+        self.pool = type("Pool", (), {"num_pages": 101, "nbytes": 101 * MiB})()
+        self.scheduler = type("Sched", (), {"max_prefill_tokens": 2048})()
+        self.knobs = type("Knobs", (), {"max_prefill_tokens": 2048})()
+        self.max_context_tokens = 1600
+        self.kv_page_bytes = MiB
+        self.plan = None
+        self.events: list[Any] = []
+
+    def stats(self) -> EngineStats:
+        return STATS
+
+    def min_kv_pool_pages(self) -> int:
+        return 33
+
+    def resize_kv_pool(self, num_pages: int, *, reason: str = "") -> ResizeResult:
+        if num_pages < 2:
+            raise ValueError("at least 2 pages")
+        before = self.pool.num_pages
+        self.pool.num_pages = num_pages
+        self.events.append(
+            Replanned(
+                action=REPLAN_RESIZE_POOL,
+                reason=reason,
+                before_pages=before,
+                after_pages=num_pages,
+                before_bytes=before * MiB,
+                after_bytes=num_pages * MiB,
+                duration_ms=1.0,
+                max_prefill_tokens=2048,
+                max_context_tokens=(num_pages - 1) * 16,
+            )
+        )
+        return ResizeResult(
+            before_pages=before,
+            after_pages=num_pages,
+            before_bytes=before * MiB,
+            after_bytes=num_pages * MiB,
+            max_context_tokens=(num_pages - 1) * 16,
+        )
+
+    def set_prefill_chunk(self, tokens: int, *, reason: str = "") -> int:
+        self.scheduler.max_prefill_tokens = min(tokens, 2048)
+        return self.scheduler.max_prefill_tokens
+
+    def evict_prefix_cache(self, *, reason: str = "") -> int:
+        return 0
+
+    def drain_events(self) -> list[Any]:
+        out, self.events = self.events, []
+        return out
+
+
+def test_the_worker_carries_out_replan_commands_and_answers_after_the_events():
+    from engine.worker import _replan
+
+    engine, conn = ResizableEngine(), FakeConn()
+    _replan(conn, engine, ipc.ResizePool(seq=7, num_pages=60, reason="game"), 101)
+    events, done = conn.sent
+    assert isinstance(events, ipc.EngineEvents) and events.events[0].after_pages == 60
+    assert isinstance(done, ipc.ControlDone) and done.seq == 7 and done.ok
+    assert done.pool is not None and done.pool.pages == 60 and done.pool.planned_pages == 101
+    assert done.result is not None and done.result.after_pages == 60
+    assert "100 -> 59 pages" in done.message
+
+    conn.sent.clear()
+    _replan(conn, engine, ipc.ResizePool(seq=8, num_pages=1), 101)
+    (refused,) = conn.sent  # nothing changed: no events
+    assert not refused.ok and "at least 2 pages" in refused.message
+
+    conn.sent.clear()
+    _replan(conn, engine, ipc.SetPrefillChunk(seq=9, tokens=512), 101)
+    assert conn.sent[-1].ok and conn.sent[-1].pool.prefill_chunk == 512
+
+    conn.sent.clear()
+    plain = type("PlainEngine", (), {"stats": lambda self: STATS})()  # cannot resize
+    _replan(conn, plain, ipc.ClearPrefixCache(seq=10), 0)
+    (answer,) = conn.sent
+    assert not answer.ok and answer.pool is None
+
+
+# -- engine events -> hub events -------------------------------------------------------------
+
+
+@dataclass
+class StubSupervisor:
+    info: EngineInfo | None = field(default_factory=info)
+    stats: EngineStats | None = STATS
+    in_flight: int = 0
+
+
+def services_with_hub() -> tuple[Services, EventHub]:
+    hub = EventHub()
+    svc = Services(settings=None, supervisor=StubSupervisor(), events=hub)  # type: ignore[arg-type]
+    return svc, hub
+
+
+def replanned(action: str, before: int, after: int, **kw: Any) -> Replanned:
+    return Replanned(
+        action=action,
+        reason=kw.pop("reason", "headroom low"),
+        before_pages=before,
+        after_pages=after,
+        before_bytes=before * MiB,
+        after_bytes=after * MiB,
+        duration_ms=12.0,
+        max_prefill_tokens=kw.pop("chunk", 2048),
+        max_context_tokens=2048,
+        **kw,
+    )
+
+
+def test_engine_events_become_replan_and_request_error_events():
+    svc, hub = services_with_hub()
+    svc.record_engine_event(replanned(REPLAN_RESIZE_POOL, 101, 51, preempted=["x"]))
+    svc.record_engine_event(replanned(REPLAN_RESIZE_POOL, 51, 101))
+    svc.record_engine_event(
+        replanned(REPLAN_RESIZE_POOL, 101, 41, reason=f"{CONTROL_REASON}: KV cache 40 MiB")
+    )
+    svc.record_engine_event(replanned(REPLAN_PREFILL_CHUNK, 41, 41, chunk=256))
+    svc.record_engine_event(replanned(REPLAN_EVICT_PREFIX_CACHE, 41, 41, evicted_pages=5))
+    svc.record_engine_event(replanned(REPLAN_EVICT_PREFIX_CACHE, 41, 41, reason=CONTROL_REASON))
+    svc.record_engine_event(ReplanWanted(reason="oom in a step", new_max_prefill_tokens=1024))
+    svc.record_engine_event(
+        OomEvent(
+            request_id="r-0",
+            phase="prefill",
+            tokens_in_step=512,
+            action="retry_smaller_chunk",
+            message="CUDA out of memory. Tried to allocate 20.00 MiB (GPU 0 ...)",
+        )
+    )
+    snap = hub.snapshot()
+    actions = [r.action for r in snap.replans]
+    assert actions == [
+        "shrink_kv",
+        "grow_kv",
+        "set_kv_cache",
+        "lower_chunk_cap",
+        "evict_prefix_cache",
+        "clear_prefix_cache",
+        "lower_chunk_cap",
+    ]
+    shrink = snap.replans[0]
+    assert (shrink.before.num_pages, shrink.after.num_pages) == (100, 50)
+    assert shrink.duration_s == pytest.approx(0.012)
+    assert "1 requests preempted" in shrink.reason
+    evict = snap.replans[4]
+    assert (evict.before.prefix_cache_pages, evict.after.prefix_cache_pages) == (7, 2)
+    (error,) = snap.request_errors
+    assert error.code == "out_of_memory" and error.action == "retry_smaller_chunk"
+    assert error.bytes_asked == 20 * MiB
+    assert snap.counters is not None and snap.counters.replans == 7
+    assert snap.counters.oom_steps == 1 and snap.counters.engine == STATS
+    # Counters go out only when they change.
+    seq = hub.seq
+    svc.publish_counters(STATS)
+    assert hub.seq == seq
+
+
+def test_bytes_asked_reads_torchs_message():
+    assert bytes_asked("Tried to allocate 1.50 GiB") == int(1.5 * GiB)
+    assert bytes_asked("tried to allocate 512 B") == 512
+    assert bytes_asked("out of memory") is None
+
+
+# -- the watcher ----------------------------------------------------------------------------
+
+
+class FakeSupervisor:
+    """Applies commands to a pool at once, like the worker, and records them."""
+
+    def __init__(self, pool: ipc.PoolStats) -> None:
+        self.state = State.READY
+        self.info = info(device="cuda:0")
+        self.pool: ipc.PoolStats | None = pool
+        self.commands: list[Any] = []
+        self.worker_alive = True
+
+    async def run_command(self, kind, *, timeout_s: float = 30.0, **fields: Any):
+        self.commands.append((kind.__name__, fields))
+        assert self.pool is not None
+        if kind is ipc.ResizePool:
+            self.pool = msgspec.structs.replace(self.pool, pages=fields["num_pages"])
+        elif kind is ipc.SetPrefillChunk:
+            self.pool = msgspec.structs.replace(self.pool, prefill_chunk=fields["tokens"])
+        return ipc.ControlDone(seq=1, ok=True, message="ok", stats=STATS, pool=self.pool)
+
+
+def test_the_watcher_follows_a_simulated_timeline_with_commands():
+    pool = ipc.PoolStats(
+        pages=2001,
+        planned_pages=2001,
+        min_pages=129,
+        page_bytes=MiB,
+        pool_bytes=2001 * MiB,
+        prefill_chunk=2048,
+        planned_prefill_chunk=2048,
+        min_prefill_chunk=256,
+        activation_bytes_per_token=16 << 10,
+        free_pages=2000,
+        cached_pages=0,
+        max_context_tokens=2048,
+        fixed_bytes=GiB,
+    )
+    sup = FakeSupervisor(pool)
+    now = [0.0]
+    total = 4 * GiB
+    # Reserve 0 (no display), so the plan left about the safety margin free.
+    margin = total - simulated_ours_bytes(pool)
+    source = SimulatedSource(
+        total,
+        [(0.0, margin - 200 * MiB), (2.0, margin + 1000 * MiB), (6.0, margin - 200 * MiB)],
+        ours_bytes=lambda: simulated_ours_bytes(sup.pool),
+        clock=lambda: now[0],
+    )
+    watcher = VramWatcher(sup, None, source, kind="simulated", hold_s=1.0)  # type: ignore[arg-type]
+
+    async def play() -> list[int]:
+        pages = []
+        while now[0] < 10.0:
+            await watcher.step(source.sample())
+            assert sup.pool is not None
+            pages.append(sup.pool.pages)
+            now[0] += 0.25
+        return pages
+
+    pages = asyncio.run(play())
+    kinds = [k for k, _ in sup.commands]
+    assert kinds[0] == "SetPrefillChunk" and "ResizePool" in kinds
+    assert min(pages) < 2001 and pages[-1] == 2001  # shrank, then grew back to the plan
+    assert sup.pool is not None and sup.pool.prefill_chunk == 2048
+    assert kinds.count("ResizePool") <= 5
+    # A ceiling asked for through the control API caps the grow.
+    watcher.kv_ceiling_pages = 1500
+    assert watcher.pool_state(sup.pool).planned_pages == 1500
+
+
+def test_the_watcher_leaves_a_cpu_engine_alone_on_a_real_gpu():
+    sup = FakeSupervisor(
+        ipc.PoolStats(
+            pages=200,
+            planned_pages=200,
+            min_pages=10,
+            page_bytes=MiB,
+            pool_bytes=200 * MiB,
+            prefill_chunk=2048,
+            planned_prefill_chunk=2048,
+            min_prefill_chunk=256,
+            activation_bytes_per_token=0,
+            free_pages=199,
+            cached_pages=0,
+            max_context_tokens=2048,
+        )
+    )
+    sup.info = info(device="cpu")
+    full = SimulatedSource(GiB, [(0.0, GiB)], clock=lambda: 0.0)  # nothing free at all
+    watcher = VramWatcher(sup, None, full, kind="nvml")  # type: ignore[arg-type]
+    assert asyncio.run(watcher.step(full.sample())) == []
+    assert sup.commands == []
+
+
+# -- the timeline file, settings, headroom token ------------------------------------------------
+
+
+def test_timeline_file(tmp_path):
+    path = tmp_path / "t.json"
+    path.write_text(
+        json.dumps({"total": "4GiB", "display": False, "steps": [[0, 0], [2, "40%"], [5, "1GiB"]]})
+    )
+    timeline = load_timeline(path)
+    assert timeline.total_bytes == 4 * GiB and timeline.display is False
+    assert timeline.steps == ((0.0, 0), (2.0, int(0.4 * 4 * GiB)), (5.0, GiB))
+    assert timeline.start == "ready"
+    path.write_text(json.dumps({"steps": [[0, "40%"]]}))
+    assert load_timeline(path, default_total=GiB).steps == ((0.0, int(0.4 * GiB)),)
+    for bad in ('{"steps": [[0, "40%"]]}', '{"steps": [[0]]}', "not json", '{"start": "x"}'):
+        path.write_text(bad)
+        with pytest.raises(TimelineError, match=str(path.name)):
+            load_timeline(path)
+    with pytest.raises(TimelineError, match="cannot read"):
+        load_timeline(tmp_path / "missing.json")
+
+
+def test_vram_and_replan_settings(tmp_path):
+    config = tmp_path / "c.toml"
+    config.touch()
+    s = resolve({}, env={}, config_path=config)
+    assert (s.vram_source, s.vram_hz, s.replan_hold) == ("nvml", 4.0, 10.0)
+    assert s.replan_low is None and s.replan_high is None
+    s = resolve(
+        {"vram_source": "simulated", "device_total": "4GiB", "replan_low": "64MiB"},
+        env={"HEADROOM_REPLAN_HIGH": "512MiB"},
+        config_path=config,
+    )
+    assert (s.replan_low, s.replan_high) == (64 * MiB, 512 * MiB)
+    for flags, message in (
+        ({"vram_source": "gpu"}, "not one of nvml, simulated"),
+        ({"vram_source": "simulated"}, "needs --device-total"),
+        ({"vram_timeline": "t.json"}, "needs --vram-source simulated"),
+        ({"vram_hz": 0.0}, "must be positive"),
+        ({"replan_low": "1GiB", "replan_high": "512MiB"}, "above --replan-low"),
+    ):
+        with pytest.raises(SettingsError, match=message):
+            resolve(flags, env={}, config_path=config)
+
+
+def test_serve_help_documents_the_vram_options():
+    from service.cli import main
+
+    out = CliRunner().invoke(main, ["serve", "--help"], env={"HEADROOM_CONFIG": os.devnull}).output
+    for flag in ("--vram-source", "--vram-timeline", "--vram-hz", "--replan-low", "--replan-high"):
+        assert flag in out
+    assert "HEADROOM_REPLAN_HOLD" in out
+
+
+def test_headroom_token_prints_the_file_and_the_dashboard_address(tmp_path):
+    from service.cli import main
+
+    env = {"HEADROOM_CONFIG": os.devnull, "HEADROOM_CONFIG_DIR": str(tmp_path / "cfg")}
+    result = CliRunner().invoke(main, ["token", "--port", "9123"], env=env)
+    assert result.exit_code == 0, result.output
+    token = (tmp_path / "cfg" / "token").read_text().strip()
+    assert f"token file: {tmp_path / 'cfg' / 'token'}" in result.output
+    assert f"http://127.0.0.1:9123/ui/?token={token}" in result.output
+    assert stat.S_IMODE((tmp_path / "cfg" / "token").stat().st_mode) == 0o600
+    # The same token the next time.
+    again = CliRunner().invoke(main, ["token"], env=env)
+    assert f"?token={token}" in again.output
+
+
+def test_planned_page_bytes_come_from_the_plan():
+    from engine.worker import pool_stats
+
+    engine = ResizableEngine()
+    engine.plan = MemoryPlan(
+        device="sim",
+        simulated=True,
+        ledger=[LedgerEntry("prefill activation peak", 2048 * 1000, "-", "est")],
+        budget_bytes=3 * GiB,
+        fixed_bytes=GiB,
+        kv_pool_bytes=100 * 512 * 1024,
+        num_pages=100,
+        page_size=16,
+        max_context_tokens=1600,
+        min_context_tokens=512,
+        fits=True,
+        shortfall_bytes=0,
+        suggestions=[],
+        max_prefill_tokens=2048,
+        max_running_requests=8,
+    )
+    pool = pool_stats(engine, STATS, 101)
+    assert pool is not None
+    assert pool.page_bytes == 512 * 1024  # the plan's, not the CPU pool's
+    assert pool.fixed_bytes == GiB and pool.activation_bytes_per_token == 1000
+    assert simulated_ours_bytes(pool) == GiB + 100 * 512 * 1024

@@ -22,3 +22,24 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     variance = xf.pow(2).mean(-1, keepdim=True)
     return weight * (xf * torch.rsqrt(variance + eps)).to(x.dtype)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Add a sublayer's output to the residual stream, then RMSNorm the sum.
+
+    ``residual += x`` in ``x``'s dtype (the ``hidden = residual + hidden`` of
+    transformers' decoder layer, one rounding), then ``rms_norm(residual)``.
+
+    Args:
+        x: ``[T, H]``, the sublayer output; not modified.
+        residual: ``[T, H]``, same dtype; updated in place (one less ``[T, H]``
+            allocation per sublayer).
+        weight: ``[H]``; eps: as in :func:`rms_norm`.
+
+    Returns:
+        ``(normed, residual)``: a new ``[T, H]`` tensor and ``residual`` itself.
+    """
+    residual.add_(x)
+    return rms_norm(residual, weight, eps), residual

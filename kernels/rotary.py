@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.rms_norm import rms_norm
+
 
 def apply_rotary(
     q: torch.Tensor,
@@ -24,7 +26,8 @@ def apply_rotary(
         positions: ``[T]`` int64, absolute position of each token; each must be below
             ``max_pos``.
         cos_sin_cache: ``[max_pos, D]`` float32, ``cos`` of the ``D/2`` frequencies in the
-            first half and ``sin`` in the second (see :mod:`engine.models.rope`).
+            first half and ``sin`` in the second (see :mod:`engine.models.rope`; Llama 3.1
+            scaling is already folded into those frequencies).
 
     Returns:
         ``(q, k)`` rotated, new tensors in the input dtype and shapes. ``cos``/``sin`` are
@@ -39,3 +42,46 @@ def apply_rotary(
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def rotary_and_store(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out_slots: torch.Tensor,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    norm_eps: float = 1e-6,
+) -> torch.Tensor:
+    """Per-head RMSNorm (Qwen3's q/k norm, optional), rotary, then the KV-cache store.
+
+    The attention layer's whole path from the q/k/v projection to the paged pool in one
+    call: the Triton version is one launch where this is five to seven.
+
+    Args:
+        q: ``[T, Hq, D]``, ``k``/``v``: ``[T, Hk, D]``, same dtype; views into the fused
+            q/k/v projection are fine (last dimension contiguous). Not modified.
+        positions: ``[T]`` int64, each below ``cos_sin_cache.shape[0]``.
+        cos_sin_cache: ``[max_pos, D]`` float32, as in :func:`apply_rotary`.
+        k_cache, v_cache: one layer's pool buffers, ``[num_slots, Hk, D]`` in ``k``'s
+            dtype (see :mod:`engine.kvcache.pool`); rotated ``k`` and ``v`` are written
+            at ``out_slots``.
+        out_slots: ``[T]`` int64 flat slots, ``page * page_size + offset``, distinct.
+        q_norm_weight, k_norm_weight: ``[D]`` RMSNorm weights applied to each head
+            before rotary (both or neither); eps ``norm_eps``.
+
+    Returns:
+        Rotated ``q``, a new contiguous ``[T, Hq, D]`` tensor.
+    """
+    if q_norm_weight is not None:
+        q = rms_norm(q, q_norm_weight, norm_eps)
+        k = rms_norm(k, k_norm_weight, norm_eps)
+    q, k = apply_rotary(q, k, positions, cos_sin_cache)
+    # index_copy_ is a plain scatter (see KVPool.store).
+    k_cache.index_copy_(0, out_slots, k)
+    v_cache.index_copy_(0, out_slots, v)
+    return q

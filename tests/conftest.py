@@ -11,6 +11,13 @@ from service_harness import real_server, start_server  # noqa: F401
 
 SMOLLM_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
+# Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors (slow, but it
+# checks their indexing and masking against the torch references). The mode is fixed
+# when triton is first imported, so it is set here, before any test module imports it;
+# with a GPU the same tests run the compiled kernels on CUDA.
+if not os.path.exists("/dev/nvidia0") and not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def smollm_dir() -> str:
     """Folder of the embedded default model's GGUF.

@@ -321,13 +321,13 @@ def test_oom_raised_inside_the_forward_is_rolled_back(tiny_dir, reference):
     forward = engine.attn.forward
     calls = {"n": 0}
 
-    def flaky(q, k, v, layer, batch):
+    def flaky(q, k, v, layer, batch, **kwargs):
         calls["n"] += 1
         if calls["n"] in (2, 7):  # the second layer of step 1; a layer of a later step
             raise torch.OutOfMemoryError(
                 "CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 ..."
             )
-        return forward(q, k, v, layer, batch)
+        return forward(q, k, v, layer, batch, **kwargs)
 
     engine.attn.forward = flaky
     run = drive(engine, REQUESTS)

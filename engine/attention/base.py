@@ -38,7 +38,13 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: int,
+        batch: ForwardBatch,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
         """Store the new keys/values and attend.
 
@@ -46,6 +52,9 @@ class AttentionBackend(ABC):
             q: ``[T, num_heads, head_dim]``.
             k, v: ``[T, num_kv_heads, head_dim]``, written to ``batch.out_slots``.
             layer: layer index into the pool.
+            kv_stored: the caller already wrote ``k``/``v`` (rotated) into the pool at
+                ``batch.out_slots`` (the model's fused rotary + store kernel); the
+                backend then skips its store and reads them from the pool.
 
         Returns:
             ``[T, num_heads * head_dim]`` in ``q``'s dtype: causal attention of each new

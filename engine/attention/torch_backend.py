@@ -101,9 +101,16 @@ class TorchAttentionBackend(AttentionBackend):
         return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: int,
+        batch: ForwardBatch,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
-        self.pool.store(layer, batch.out_slots, k, v)
+        if not kv_stored:
+            self.pool.store(layer, batch.out_slots, k, v)
         k_buf, v_buf = self.pool.k_buffers[layer], self.pool.v_buffers[layer]
         out = torch.empty_like(q)  # [T, H, D]
         for g in self._decode:

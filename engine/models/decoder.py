@@ -8,6 +8,12 @@ RMSNorm before RoPE (``qk_norm``) and may decouple ``head_dim`` from
 q/k/v are one fused linear and gate/up another: fewer, larger matmuls, hence fewer kernel
 launches per layer. :meth:`CausalLM.load_weights` fuses Hugging Face's separate tensors
 at load time.
+
+The elementwise work goes through :mod:`kernels.dispatch` (Triton on CUDA, the torch
+references elsewhere) in fused form: the residual add with the next RMSNorm, Qwen3's
+q/k norm with rotary and the KV-cache store (the model writes the pool, then calls the
+attention backend with ``kv_stored=True``), SiLU with the gate multiply. The forward
+reads no value back to the host, so a decode step can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -23,9 +29,7 @@ from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch
 from engine.loader.errors import WeightMismatch
 from engine.models.rope import build_cos_sin_cache
-from kernels.activation import silu_and_mul
-from kernels.rms_norm import rms_norm
-from kernels.rotary import apply_rotary
+from kernels.dispatch import fused_add_rms_norm, rms_norm, rotary_and_store, silu_and_mul
 
 # Qwen2's bias covers q/k/v only; Llama's and Qwen3's ``attention_bias`` covers o_proj too
 # (``LlamaAttention`` / ``Qwen3Attention`` in transformers).
@@ -51,6 +55,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``residual += x`` (in place), then the norm of it: ``(normed, residual)``."""
+        return fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -81,11 +89,15 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q, k = apply_rotary(q, k, batch.positions, cos_sin_cache)
-        out = attn.forward(q, k, v, self.layer, batch)  # [T, Hq * D]
+        pool = attn.pool
+        q = rotary_and_store(
+            q, k, v, batch.positions, cos_sin_cache,
+            pool.k_buffers[self.layer], pool.v_buffers[self.layer], batch.out_slots,
+            self.q_norm.weight if self.q_norm is not None else None,
+            self.k_norm.weight if self.k_norm is not None else None,
+            self.q_norm.eps if self.q_norm is not None else 0.0,
+        )
+        out = attn.forward(q, k, v, self.layer, batch, kv_stored=True)  # [T, Hq * D]
         return self.o_proj(out)
 
 
@@ -110,12 +122,22 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         h: torch.Tensor,
+        residual: torch.Tensor | None,
         batch: ForwardBatch,
         attn: AttentionBackend,
         cos_sin_cache: torch.Tensor,
-    ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), batch, attn, cos_sin_cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``h``: the previous layer's MLP output (the embeddings for the first layer,
+        with ``residual`` None); ``residual``: the residual stream before it. Returns
+        this layer's ``(mlp_output, residual)``; the stream itself is
+        ``residual + mlp_output``, summed by the next fused norm."""
+        if residual is None:
+            residual, x = h, self.input_layernorm(h)
+        else:
+            x, residual = self.input_layernorm.add_forward(h, residual)
+        h = self.self_attn(x, batch, attn, cos_sin_cache)
+        x, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(x), residual
 
 
 class DecoderModel(nn.Module):
@@ -186,10 +208,15 @@ class CausalLM(nn.Module):
             self.init_rope_cache()
         attn.prepare(batch)
         h = self.model.embed_tokens(batch.input_ids)  # [T, hidden]
+        residual = None
         for layer in self.model.layers:
-            h = layer(h, batch, attn, self.cos_sin_cache)
+            h, residual = layer(h, residual, batch, attn, self.cos_sin_cache)
         # RMSNorm is per row, so normalizing only the rows that need logits is exact.
-        h = self.model.norm(h[batch.logits_indices])  # [B, hidden]
+        rows = batch.logits_indices
+        if residual is None:  # no layers
+            h = self.model.norm(h[rows])
+        else:
+            h, _ = self.model.norm.add_forward(h[rows], residual[rows])  # [B, hidden]
         return F.linear(h, self.lm_head_weight).float()
 
     @torch.no_grad()

@@ -12,6 +12,14 @@ transformers' ``generate``) and draw with their own generator.
 Batch invariance: every batched op here works row by row (sort, softmax, cumsum,
 argmax along the vocab), and each sampled row draws exactly ``V`` exponentials from its
 own generator, so a row's token is the same alone or in a batch of any composition.
+
+On CUDA with Triton installed, :meth:`Sampler.sample` runs
+:class:`engine.sampling.device.DeviceSampler` instead: the same semantics, per-row
+parameters in persistent device tensors, one host sync per step (reading the token ids).
+Its random draws come from a counter-based generator keyed on ``(seed, number of tokens
+generated)`` rather than from the request's ``torch.Generator``, so seeded requests are
+reproducible on each device but give different tokens on the CPU and on the GPU; greedy
+requests give the same tokens on both.
 """
 
 from __future__ import annotations
@@ -23,6 +31,8 @@ from collections.abc import Sequence
 import torch
 
 from engine.messages import SamplingParams
+from kernels.dispatch import use_triton
+from kernels.sampling import INVALID_TOKEN
 
 _SEED_MASK = (1 << 64) - 1  # torch.Generator.manual_seed takes 64 bits
 
@@ -159,6 +169,16 @@ class Sampler:
 
     def __init__(self, check_logits: bool = True) -> None:
         self.check_logits = check_logits
+        self._device_sampler = None  # DeviceSampler, made on the first CUDA batch
+
+    def device_sampler(self, device: torch.device):
+        """The :class:`~engine.sampling.device.DeviceSampler` used for CUDA logits on
+        ``device`` (made on first use; its persistent tensors live there)."""
+        if self._device_sampler is None or self._device_sampler.device != device:
+            from engine.sampling.device import DeviceSampler
+
+            self._device_sampler = DeviceSampler(device)
+        return self._device_sampler
 
     def sample(
         self,
@@ -177,15 +197,26 @@ class Sampler:
             params: ``B`` parameter sets, each the one its state was built with.
 
         Returns:
-            ``int64 [B]`` token ids on ``logits.device``.
+            ``int64 [B]`` token ids on ``logits.device``; on the GPU path (CUDA logits,
+            Triton installed) on the CPU instead, already read back: that read is the
+            step's one host sync.
 
         Raises:
             ValueError: shape mismatch between ``logits``, ``states`` and ``params``, or a
                 state built for different params, another vocab size or another device.
-            InvalidLogitsError: some rows are NaN/+inf/all -inf (``check_logits`` only);
-                no generator has advanced then.
+            InvalidLogitsError: some rows are NaN/+inf/all -inf (``check_logits`` only on
+                the CPU path; always on the GPU path, where the check is free); no
+                generator has advanced then.
         """
         self._check_batch(logits, states, params)
+        if use_triton(logits):
+            sampler = self.device_sampler(logits.device)
+            sampler.load(states, params, logits.shape[1])
+            tokens = sampler.sample_on_device(logits, states, params).cpu()  # the one sync
+            bad = tokens == INVALID_TOKEN
+            if bool(bad.any()):
+                raise InvalidLogitsError(bad.nonzero().flatten().tolist())
+            return tokens
         x = self.penalize(logits, states, params)  # [B, V] float32
         if self.check_logits:
             bad = ~torch.isfinite(x.amax(dim=-1))  # NaN propagates through amax

@@ -68,7 +68,7 @@ class PagedRunner:
     the scheduler will: each sequence gets pages as it grows (consecutive ids from 1),
     and a step extends any set of sequences by any number of tokens."""
 
-    def __init__(self, model, config, *, page_size: int = 4, num_pages: int = 64):
+    def __init__(self, model, config, *, page_size: int = 4, num_pages: int = 64, device: str = "cpu"):
         from engine.attention.torch_backend import TorchAttentionBackend
         from engine.kvcache.pool import KVPool
 
@@ -81,8 +81,9 @@ class PagedRunner:
             num_kv_heads=config.num_kv_heads,
             head_dim=config.head_dim,
             dtype=dtype,
-            device="cpu",
+            device=device,
         )
+        self.device = device
         self.attn = TorchAttentionBackend(
             self.pool,
             num_heads=config.num_heads,
@@ -118,16 +119,18 @@ class PagedRunner:
             self.lens[seq] = start + len(toks)
         width = max(len(self.pages[s]) for s in new_tokens)
         table = [self.pages[s] + [0] * (width - len(self.pages[s])) for s in new_tokens]
+        dev = self.device
         batch = ForwardBatch(
             is_decode=all(e == 1 for e in extend),
-            input_ids=torch.tensor(ids),
-            positions=torch.tensor(positions),
-            out_slots=torch.tensor(slots),
-            page_table=torch.tensor(table),
+            input_ids=torch.tensor(ids, device=dev),
+            positions=torch.tensor(positions, device=dev),
+            out_slots=torch.tensor(slots, device=dev),
+            page_table=torch.tensor(table, device=dev),
             prefix_lens=torch.tensor(prefix),
             extend_lens=torch.tensor(extend),
-            logits_indices=torch.tensor(last),
+            logits_indices=torch.tensor(last, device=dev),
         )
+        self.last_batch = batch
         return self.model(batch, self.attn)
 
 

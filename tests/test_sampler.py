@@ -173,7 +173,8 @@ def test_greedy_is_argmax_and_uses_no_randomness(device):
 
     tokens = Sampler().sample(logits, states, params)
 
-    assert torch.equal(tokens, logits.argmax(-1))
+    # The GPU path returns the ids already read back to the host.
+    assert torch.equal(tokens.cpu(), logits.argmax(-1).cpu())
     for s, b in zip(states, before, strict=True):
         assert torch.equal(s.generator.get_state(), b)
 

@@ -11,6 +11,8 @@ sampler, eager only (the first reads values back to the host).
 from __future__ import annotations
 
 import argparse
+import functools
+import traceback
 from collections.abc import Callable
 
 import torch
@@ -136,6 +138,68 @@ def run(iters: int) -> list[str]:
     return lines
 
 
+def _decode_batch(batch_size: int, context: int, page_size: int, device: str):
+    from engine.forward_batch import ForwardBatch
+
+    pages_per_seq = context // page_size + 1
+    table = torch.arange(1, 1 + batch_size * pages_per_seq, device=device).view(batch_size, pages_per_seq)
+    pos = torch.full((batch_size,), context, dtype=torch.int64, device=device)
+    return ForwardBatch(
+        is_decode=True,
+        input_ids=torch.randint(0, 1000, (batch_size,), device=device),
+        positions=pos,
+        out_slots=table[:, context // page_size] * page_size + context % page_size,
+        page_table=table,
+        prefix_lens=torch.full((batch_size,), context, dtype=torch.int64),
+        extend_lens=torch.ones(batch_size, dtype=torch.int64),
+        logits_indices=torch.arange(batch_size, device=device),
+    )
+
+
+def model_rows(iters: int) -> list[str]:
+    """Decode step of the Qwen3-0.6B shape (random weights, bf16, torch attention over
+    the paged pool, context 512), fused Triton kernels against the torch references,
+    eager and, where the step captures, as a CUDA graph."""
+    import tempfile
+
+    from engine.attention.torch_backend import TorchAttentionBackend
+    from engine.kvcache.pool import KVPool
+    from engine.loader.load import load_model
+    from engine.model_shapes import write_shape
+    from kernels import dispatch
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model, cfg = load_model(write_shape("qwen3-0.6b", tmp), "cuda", torch.bfloat16, load_format="dummy")
+    lines = ["| Qwen3-0.6B decode step (ctx 512) | torch eager ms | triton eager ms | torch graph ms | triton graph ms |",
+             "|---|---|---|---|---|"]
+    for batch_size in (1, 64):
+        batch = _decode_batch(batch_size, 512, 16, "cuda")
+        pool = KVPool(num_layers=cfg.num_layers, num_pages=batch_size * 33 + 2, page_size=16,
+                      num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=torch.bfloat16,
+                      device="cuda")
+        attn = TorchAttentionBackend(pool, num_heads=cfg.num_heads, head_dim=cfg.head_dim,
+                                     scale=cfg.head_dim**-0.5)
+        attn.prepare(batch)
+        attn.prepare = lambda b: None  # metadata once; the step is what is timed
+        cells = {}
+        original = dispatch.use_triton
+        for kind in ("torch", "triton"):
+            dispatch.use_triton = original if kind == "triton" else (lambda t: False)
+            try:
+                step = functools.partial(model, batch, attn)
+                cells[f"{kind} eager"] = _eager_us(step, max(iters // 10, 10)) / 1000
+                try:
+                    cells[f"{kind} graph"] = _graph_us(step, max(iters // 2, 20)) / 1000
+                except RuntimeError as e:  # a backend op that cannot be captured
+                    cells[f"{kind} graph"] = float("nan")
+                    print(f"graph capture failed ({kind}): {str(e).splitlines()[0]}")
+            finally:
+                dispatch.use_triton = original
+        order = ("torch eager", "triton eager", "torch graph", "triton graph")
+        lines.append(f"| batch {batch_size} | " + " | ".join(f"{cells[k]:.3f}" for k in order) + " |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=200)
@@ -145,6 +209,11 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     for line in run(args.iters):
         print(line, flush=True)
+    try:
+        for line in model_rows(args.iters):
+            print(line, flush=True)
+    except Exception:  # the kernel table above stands on its own
+        traceback.print_exc()
 
 
 if __name__ == "__main__":

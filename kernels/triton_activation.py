@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton_round import round_to
+
 _BLOCK = 1024
 
 
@@ -21,8 +23,8 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, inter, BLOCK: tl.
     dt = out_ptr.dtype.element_ty
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, (act * up).to(dt), mask=mask)
+    act = round_to(gate / (1.0 + tl.exp(-gate)), dt)
+    tl.store(out_ptr + row * stride_out + cols, round_to(act * up, dt).to(dt), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

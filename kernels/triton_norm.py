@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton_round import round_to
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -29,15 +31,15 @@ def _rms_norm_kernel(
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(dt)
-        tl.store(res_ptr + row * stride_res + cols, x, mask=mask)
+        x = round_to(x.to(tl.float32) + r.to(tl.float32), dt)
+        tl.store(res_ptr + row * stride_res + cols, x.to(dt), mask=mask)
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, axis=0) / H
     # rsqrt, like torch.rsqrt on each device (approximate on CUDA, exact in the interpreter).
     rstd = tl.math.rsqrt(var + eps)
-    normed = (xf * rstd).to(dt).to(tl.float32)
+    normed = round_to(xf * rstd, dt)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, (normed * w).to(dt), mask=mask)
+    tl.store(out_ptr + row * stride_out + cols, round_to(normed * w, dt).to(dt), mask=mask)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

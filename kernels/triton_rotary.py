@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton_round import round_to
+
 
 @triton.jit
 def _norm_rotate(src, m, w_ptr, dt_ptr, cols, col_mask, cos, sin, eps, D,
@@ -31,13 +33,13 @@ def _norm_rotate(src, m, w_ptr, dt_ptr, cols, col_mask, cos, sin, eps, D,
         rstd = tl.math.rsqrt(var + eps)[:, None]
         w1 = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
         w2 = tl.load(w_ptr + HALF + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-        x1 = ((x1 * rstd).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
-        x2 = ((x2 * rstd).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
-    a = (x1 * cos).to(dt).to(tl.float32)
-    b = (x2 * sin).to(dt).to(tl.float32)
-    c = (x2 * cos).to(dt).to(tl.float32)
-    d = (x1 * sin).to(dt).to(tl.float32)
-    return (a - b).to(dt), (c + d).to(dt)
+        x1 = round_to(round_to(x1 * rstd, dt) * w1, dt)
+        x2 = round_to(round_to(x2 * rstd, dt) * w2, dt)
+    a = round_to(x1 * cos, dt)
+    b = round_to(x2 * sin, dt)
+    c = round_to(x2 * cos, dt)
+    d = round_to(x1 * sin, dt)
+    return round_to(a - b, dt).to(dt), round_to(c + d, dt).to(dt)
 
 
 @triton.jit
@@ -56,8 +58,8 @@ def _rotary_store_kernel(
     pos = tl.load(pos_ptr + t)
     cos = tl.load(cache_ptr + pos * stride_cache + cols, mask=col_mask, other=0.0)
     sin = tl.load(cache_ptr + pos * stride_cache + HALF + cols, mask=col_mask, other=0.0)
-    cos = cos.to(dt).to(tl.float32)[None, :]
-    sin = sin.to(dt).to(tl.float32)[None, :]
+    cos = round_to(cos, dt)[None, :]
+    sin = round_to(sin, dt)[None, :]
 
     # Queries -> a fresh contiguous [T, HQ, D].
     hq = tl.arange(0, HQ_BLOCK)

@@ -1,8 +1,9 @@
 """Triton sampling kernels; references and the parameter layout in :mod:`kernels.sampling`.
 
-One program per row walks the vocabulary in blocks (the vocabulary size is a
-compile-time constant: one build per model), so a row costs two or three passes
-over its logits and the batch no launch per row. :func:`top_k_top_p` is the
+Each row is cut in chunks of up to ``_BLOCK`` tokens, one program per (row, chunk), so
+even a single row spreads over the GPU; a chunk's partial result (max, or best score
+and its token) goes to a small ``[B, chunks]`` buffer that the next launch reduces. The
+vocabulary size is a compile-time constant (one build per model). :func:`top_k_top_p` is the
 reference's own (torch's segmented sort), re-exported so the three functions come from
 one module.
 
@@ -31,7 +32,7 @@ from kernels.sampling import (
     top_k_top_p,
 )
 
-_BLOCK = 2048
+_BLOCK = 4096
 
 __all__ = ["penalize_and_scale", "top_k_top_p", "draw"]
 
@@ -52,77 +53,113 @@ def _penalized(logits_ptr, counts_ptr, prompt_ptr, row, cols, mask, V, rep, pres
 
 
 @triton.jit
-def _penalize_scale_kernel(
-    logits_ptr, counts_ptr, prompt_ptr, fparams_ptr, out_ptr, row_max_ptr, V: tl.constexpr,
-    NF: tl.constexpr, HAS_PENALTY: tl.constexpr, HAS_PROMPT: tl.constexpr,
+def _penalize_kernel(
+    logits_ptr, counts_ptr, prompt_ptr, fparams_ptr, out_ptr, part_max_ptr, V: tl.constexpr,
+    C: tl.constexpr, NF: tl.constexpr, HAS_PENALTY: tl.constexpr, HAS_PROMPT: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    """Grid ``(B, C)``: penalize one chunk of a row, store it and the chunk's max."""
     row = tl.program_id(0).to(tl.int64)
-    temp = tl.load(fparams_ptr + row * NF + 0)
+    chunk = tl.program_id(1)
     rep = tl.load(fparams_ptr + row * NF + 3)
     presence = tl.load(fparams_ptr + row * NF + 4)
     freq = tl.load(fparams_ptr + row * NF + 5)
-    best = tl.full((), float("-inf"), tl.float32)
-    nans = tl.zeros((), tl.int32)
-    for start in range(0, V, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        mask = cols < V
-        x = _penalized(logits_ptr, counts_ptr, prompt_ptr, row, cols, mask, V, rep, presence,
-                       freq, HAS_PENALTY, HAS_PROMPT)
-        nans += tl.sum((x != x).to(tl.int32), axis=0)
-        best = tl.maximum(best, tl.max(tl.where(x != x, float("-inf"), x), axis=0))
-    best = tl.where(nans > 0, float("nan"), best)
-    tl.store(row_max_ptr + row, best)
-    sampled = temp > 0
-    div = tl.where(sampled, temp, 1.0)
-    for start in range(0, V, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        mask = cols < V
-        x = _penalized(logits_ptr, counts_ptr, prompt_ptr, row, cols, mask, V, rep, presence,
-                       freq, HAS_PENALTY, HAS_PROMPT)
-        scaled = tl.math.div_rn(x - best, div)
-        tl.store(out_ptr + row * V + cols, tl.where(sampled, scaled, x), mask=mask)
+    cols = chunk * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < V
+    x = _penalized(logits_ptr, counts_ptr, prompt_ptr, row, cols, mask, V, rep, presence, freq,
+                   HAS_PENALTY, HAS_PROMPT)
+    tl.store(out_ptr + row * V + cols, x, mask=mask)
+    nans = tl.sum((x != x).to(tl.int32), axis=0)
+    best = tl.max(tl.where(x != x, float("-inf"), x), axis=0)
+    tl.store(part_max_ptr + row * C + chunk, tl.where(nans > 0, float("nan"), best))
 
 
 @triton.jit
-def _draw_kernel(
-    x_ptr, row_max_ptr, fparams_ptr, iparams_ptr, out_ptr, filtered_ptr, V: tl.constexpr,
-    NF: tl.constexpr, NI: tl.constexpr, WRITE_FILTERED: tl.constexpr, INVALID: tl.constexpr,
-    BLOCK: tl.constexpr,
+def _row_max(part_max_ptr, row, C: tl.constexpr, C_BLOCK: tl.constexpr):
+    """Max of a row's chunk maxima, NaN if any chunk held a NaN."""
+    offs = tl.arange(0, C_BLOCK)
+    pm = tl.load(part_max_ptr + row * C + offs, mask=offs < C, other=float("-inf"))
+    nans = tl.sum((pm != pm).to(tl.int32), axis=0)
+    return tl.where(nans > 0, float("nan"), tl.max(tl.where(pm != pm, float("-inf"), pm), axis=0))
+
+
+@triton.jit
+def _scale_kernel(
+    x_ptr, part_max_ptr, fparams_ptr, row_max_ptr, V: tl.constexpr, C: tl.constexpr,
+    C_BLOCK: tl.constexpr, NF: tl.constexpr, BLOCK: tl.constexpr,
 ):
+    """Grid ``(B, C)``: shift a sampled row's chunk by the row max and divide by the
+    temperature, in place; greedy rows are left as they are."""
     row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    best = _row_max(part_max_ptr, row, C, C_BLOCK)
+    if chunk == 0:
+        tl.store(row_max_ptr + row, best)
     temp = tl.load(fparams_ptr + row * NF + 0)
-    min_p = tl.load(fparams_ptr + row * NF + 2)
-    seed = tl.load(iparams_ptr + row * NI + 1)
-    step = tl.load(iparams_ptr + row * NI + 2)
-    row_max = tl.load(row_max_ptr + row)
-    sampled = temp > 0
-    # Sampled rows were shifted so that their best token is at 0: p_j / p_max = exp(x_j).
-    best_score = tl.full((), float("-inf"), tl.float32)
-    best_idx = tl.zeros((), tl.int64)
-    for start in range(0, V, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
+    if temp > 0:
+        cols = chunk * BLOCK + tl.arange(0, BLOCK)
         mask = cols < V
-        x = tl.load(x_ptr + row * V + cols, mask=mask, other=float("-inf"))
+        x = tl.load(x_ptr + row * V + cols, mask=mask)
+        tl.store(x_ptr + row * V + cols, tl.math.div_rn(x - best, temp), mask=mask)
+
+
+@triton.jit
+def _draw_chunk_kernel(
+    x_ptr, fparams_ptr, iparams_ptr, part_score_ptr, part_idx_ptr, filtered_ptr,
+    V: tl.constexpr, C: tl.constexpr, NF: tl.constexpr, NI: tl.constexpr,
+    WRITE_FILTERED: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Grid ``(B, C)``: min-p and the race over one chunk; stores the chunk's winner."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    temp = tl.load(fparams_ptr + row * NF + 0)
+    cols = chunk * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < V
+    x = tl.load(x_ptr + row * V + cols, mask=mask, other=float("-inf"))
+    if temp > 0:
+        min_p = tl.load(fparams_ptr + row * NF + 2)
+        seed = tl.load(iparams_ptr + row * NI + 1)
+        step = tl.load(iparams_ptr + row * NI + 2)
+        # Sampled rows were shifted so that their best token is at 0: p_j / p_max = exp(x_j).
         kept = tl.where(tl.exp(x) < min_p, float("-inf"), x)
-        if WRITE_FILTERED:
-            tl.store(filtered_ptr + row * V + cols, kept, mask=mask)
-        u = tl.rand(seed, (step << 32) + cols.to(tl.int64))
-        # log(p/E) = x - log(E) + const, E = -log(u); u == 0 gives E = inf: never picked.
-        race = kept - tl.log(-tl.log(u))
-        score = tl.where(sampled, race, x)
-        score = tl.where(mask, score, float("-inf"))
-        block_best = tl.max(score, axis=0)
-        block_idx = tl.argmax(score, axis=0).to(tl.int64) + start
-        better = block_best > best_score  # strict: the first index wins ties, as torch.argmax
-        best_idx = tl.where(better, block_idx, best_idx)
-        best_score = tl.where(better, block_best, best_score)
+        # argmax p_j / E_j with E_j = -log(u_j) ~ Exp(1); u is kept off 0 so that the
+        # best token can never lose to nothing (the reference clamps E the same way).
+        u = tl.maximum(tl.rand(seed, (step << 32) + cols.to(tl.int64)), 1e-38)
+        score = kept - tl.log(-tl.log(u))
+    else:
+        kept = x
+        score = x
+    if WRITE_FILTERED:
+        tl.store(filtered_ptr + row * V + cols, kept, mask=mask)
+    score = tl.where(mask, score, float("-inf"))
+    tl.store(part_score_ptr + row * C + chunk, tl.max(score, axis=0))
+    # first index among ties, as torch.argmax
+    tl.store(part_idx_ptr + row * C + chunk, tl.argmax(score, axis=0).to(tl.int64) + chunk * BLOCK)
+
+
+@triton.jit
+def _draw_final_kernel(
+    part_score_ptr, part_idx_ptr, row_max_ptr, out_ptr, C: tl.constexpr, C_BLOCK: tl.constexpr,
+    INVALID: tl.constexpr,
+):
+    """Grid ``(B,)``: the winner over the chunks (the earliest chunk among ties)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, C_BLOCK)
+    valid = offs < C
+    score = tl.load(part_score_ptr + row * C + offs, mask=valid, other=float("-inf"))
+    idx = tl.load(part_idx_ptr + row * C + offs, mask=valid, other=0)
+    win = tl.argmax(score, axis=0)
+    token = tl.sum(tl.where(offs == win, idx, 0), axis=0)
+    row_max = tl.load(row_max_ptr + row)
     finite = (row_max == row_max) & (row_max != float("inf")) & (row_max != float("-inf"))
-    tl.store(out_ptr + row, tl.where(finite, best_idx, INVALID))
+    tl.store(out_ptr + row, tl.where(finite, token, INVALID))
 
 
-def _block(V: int) -> int:
-    return min(_BLOCK, triton.next_power_of_2(V))
+def _chunks(V: int) -> tuple[int, int, int]:
+    """(BLOCK, C, C_BLOCK): the chunk width, chunks per row and their power-of-2 pad."""
+    block = min(_BLOCK, triton.next_power_of_2(V))
+    c = triton.cdiv(V, block)
+    return block, c, triton.next_power_of_2(c)
 
 
 def penalize_and_scale(
@@ -131,20 +168,27 @@ def penalize_and_scale(
     counts: torch.Tensor | None,
     prompt_mask: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as :func:`kernels.sampling.penalize_and_scale`; one launch."""
+    """Same contract as :func:`kernels.sampling.penalize_and_scale`; two launches."""
     B, V = logits.shape
     logits = logits.contiguous()
     out = torch.empty((B, V), dtype=torch.float32, device=logits.device)
     row_max = torch.empty(B, dtype=torch.float32, device=logits.device)
     if B == 0:
         return out, row_max
+    block, c, c_block = _chunks(V)
+    part_max = torch.empty((B, c), dtype=torch.float32, device=logits.device)
     has_penalty = counts is not None
     has_prompt = has_penalty and prompt_mask is not None
     prompt = prompt_mask.view(torch.uint8) if has_prompt else out
-    _penalize_scale_kernel[(B,)](
-        logits, counts if has_penalty else out, prompt, fparams.contiguous(), out, row_max, V,
-        NF=NUM_FPARAMS, HAS_PENALTY=has_penalty, HAS_PROMPT=has_prompt, BLOCK=_block(V),
-        num_warps=8,
+    fparams = fparams.contiguous()
+    _penalize_kernel[(B, c)](
+        logits, counts if has_penalty else out, prompt, fparams, out, part_max, V,
+        C=c, NF=NUM_FPARAMS, HAS_PENALTY=has_penalty, HAS_PROMPT=has_prompt, BLOCK=block,
+        num_warps=4,
+    )
+    _scale_kernel[(B, c)](
+        out, part_max, fparams, row_max, V, C=c, C_BLOCK=c_block, NF=NUM_FPARAMS, BLOCK=block,
+        num_warps=4,
     )
     return out, row_max
 
@@ -156,16 +200,23 @@ def draw(
     iparams: torch.Tensor,
     filtered: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Same contract as :func:`kernels.sampling.draw`; one launch."""
+    """Same contract as :func:`kernels.sampling.draw`; two launches."""
     B, V = x.shape
     tokens = torch.empty(B, dtype=torch.int64, device=x.device)
     if B == 0:
         return tokens
-    _draw_kernel[(B,)](
-        x.contiguous(), row_max, fparams.contiguous(), iparams.contiguous(), tokens,
+    block, c, c_block = _chunks(V)
+    part_score = torch.empty((B, c), dtype=torch.float32, device=x.device)
+    part_idx = torch.empty((B, c), dtype=torch.int64, device=x.device)
+    _draw_chunk_kernel[(B, c)](
+        x.contiguous(), fparams.contiguous(), iparams.contiguous(), part_score, part_idx,
         filtered if filtered is not None else x, V,
-        NF=NUM_FPARAMS, NI=NUM_IPARAMS, WRITE_FILTERED=filtered is not None,
-        INVALID=INVALID_TOKEN, BLOCK=_block(V), num_warps=8,
+        C=c, NF=NUM_FPARAMS, NI=NUM_IPARAMS, WRITE_FILTERED=filtered is not None, BLOCK=block,
+        num_warps=4,
+    )
+    _draw_final_kernel[(B,)](
+        part_score, part_idx, row_max, tokens, C=c, C_BLOCK=c_block, INVALID=INVALID_TOKEN,
+        num_warps=1,
     )
     return tokens
 

@@ -2,9 +2,7 @@
 q/k norm + rotary + KV-cache store), and the dispatch between them.
 
 Without a GPU the kernels run in Triton's interpreter on small shapes (see
-``triton_interp.py``); with one, compiled on CUDA. The interpreter rounds float32 to
-bfloat16 by truncation where the GPU rounds to nearest, so bfloat16 results are
-compared within a couple of units in the last place, float32 ones tightly.
+``triton_interp.py``); with one, compiled on CUDA.
 """
 
 from __future__ import annotations
@@ -26,12 +24,12 @@ def dev() -> str:
 
 
 def assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
-    """float32: within a few float32 ulps; bfloat16: within four bfloat16 ulps of the
-    largest value (chained roundings, truncated in the interpreter). A wrong index or
-    mask is off by the values themselves."""
+    """Within a few ulps of the largest value (the kernels round like the eager ops;
+    only the order of a norm's sum of squares differs). A wrong index or mask is off by
+    the values themselves."""
     assert out.shape == ref.shape and out.dtype == ref.dtype
     scale = max(1.0, float(ref.float().abs().max()))
-    tol = (2e-6 if ref.dtype == torch.float32 else 2**-5) * scale
+    tol = (2e-6 if ref.dtype == torch.float32 else 2**-7) * scale
     diff = float((out.float() - ref.float()).abs().max())
     assert diff <= tol, f"max |diff| {diff:.3g} > {tol:.3g}"
 

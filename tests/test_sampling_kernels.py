@@ -91,15 +91,30 @@ def test_kernel_supports_equal_the_reference(dev, triton_kernels):
 
 
 def test_greedy_rows_are_exact_argmaxes_with_ties(dev, triton_kernels):
-    params = [SP(temperature=0.0), SP(temperature=0.8, seed=1), SP(temperature=0.0, frequency_penalty=0.5)]
-    logits = _logits(3, vocab=300, seed=2).round()  # many ties
-    logits[0, [17, 123, 250]] = 50.0  # tie at the max: the first index wins
+    """Over a vocabulary of three kernel chunks, ties inside and across chunks."""
+    vocab = 9000
+    params = [SP(temperature=0.0), SP(temperature=0.8, seed=1), SP(temperature=0.0, frequency_penalty=0.5),
+              SP(temperature=0.0)]
+    logits = _logits(4, vocab=vocab, seed=2).round()  # many ties
+    logits[0, [4500, 4600, 8999]] = 50.0  # tie at the max across chunks: the first index wins
     logits[2, [5, 9]] = 50.0  # token 5 was generated twice: penalized below 9
-    states = _states(params, dev, 300)
+    logits[3, [8200, 8201]] = 60.0  # tie inside the last chunk
+    states = _states(params, dev, vocab)
     tokens, _ = _run(triton_kernels, dev, logits.to(dev), params, states)
     penalized = Sampler.penalize(logits.to(dev), states, params).cpu()
-    assert tokens[0] == 17 and tokens[2] == 9
-    assert tokens[[0, 2]].tolist() == penalized[[0, 2]].argmax(dim=-1).tolist()
+    assert tokens[[0, 2, 3]].tolist() == [4500, 9, 8200]
+    assert tokens[[0, 2, 3]].tolist() == penalized[[0, 2, 3]].argmax(dim=-1).tolist()
+
+
+def test_all_greedy_batches_take_the_argmax_path(dev):
+    from engine.sampling.device import greedy_tokens
+
+    logits = _logits(4, seed=9)
+    logits[1, 3] = float("nan")
+    logits[2] = float("-inf")
+    logits[3, [10, 20]] = 99.0
+    tokens = greedy_tokens(logits.to(dev)).cpu()
+    assert tokens.tolist() == [int(logits[0].argmax()), INVALID_TOKEN, INVALID_TOKEN, 10]
 
 
 def test_seeded_rows_do_not_depend_on_the_batch(dev, triton_kernels):

@@ -19,8 +19,10 @@ Interface for the step loop (and a CUDA graph around it):
   ``-inf`` logits), without syncing. :meth:`DeviceSampler.sample` = load +
   sample_on_device + the step's one host sync.
 
-Launches per step: two H2D copies, two Triton kernels; plus a sort and a few torch ops
-when a row uses top-k or top-p, plus a ``[B, V]`` stack of the penalty counts when a
+Launches per step: two H2D copies and four Triton kernels (penalize, scale, draw over
+chunks of the vocabulary, pick the winner); when every row is greedy and unpenalized,
+torch's argmax and a finiteness check instead. Plus a sort and a few torch ops when a
+row uses top-k or top-p, plus a ``[B, V]`` stack of the penalty counts when a
 row has a penalty (penalized batches are the one place a step builds a tensor from a
 Python list; the counts live with each request, see
 :class:`engine.sampling.sampler.SamplingState`).
@@ -42,6 +44,19 @@ _SEED_MASK = (1 << 63) - 1  # int64 storage; Philox takes the 63 bits as its key
 
 def _needs_penalty(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """``argmax`` per row (first index among ties), ``-1`` where the row's max is NaN,
+    ``+inf`` or ``-inf``: the whole job when every row is greedy and unpenalized, in
+    torch's own multi-block argmax (NaN counts as the max there, so a NaN row is caught).
+
+    Returns:
+        ``int64 [B]`` on ``logits.device``.
+    """
+    idx = logits.argmax(dim=-1)
+    best = logits.gather(1, idx.unsqueeze(1)).squeeze(1)
+    return torch.where(torch.isfinite(best), idx, ref.INVALID_TOKEN)
 
 
 class DeviceSampler:
@@ -142,8 +157,11 @@ class DeviceSampler:
         """
         B = logits.shape[0]
         fp, ip = self.fparams[:B], self.iparams[:B]
+        penalized = any(_needs_penalty(p) for p in params)
+        if filtered is None and not penalized and all(p.greedy for p in params):
+            return greedy_tokens(logits)
         counts = prompt = None
-        if any(_needs_penalty(p) for p in params):
+        if penalized:
             V = logits.shape[1]
             zero = None
             rows, masks = [], []

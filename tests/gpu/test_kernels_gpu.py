@@ -106,7 +106,7 @@ def test_sampler_gpu_path_at_qwen_vocab():
 def tiny_qwen3(tmp_path_factory, make_tiny_hf_model):
     path = tmp_path_factory.mktemp("qwen3")
     make_tiny_hf_model("qwen3", path, vocab_size=512, hidden_size=256, intermediate_size=512,
-                       num_attention_heads=8, num_key_value_heads=2, head_dim=64)
+                       num_attention_heads=8, num_key_value_heads=2)
     return path
 
 

@@ -2,11 +2,13 @@
 
 The fused kernels reproduce eager torch's rounding after each operation (each bf16 op
 rounds its float32 result to nearest-even). A plain ``x.to(bf16).to(fp32)`` round trip
-did not do that reliably: on an H200 with Triton 3.6 the rotary kernel written that
-way matched the eager ops bit for bit in only 78% of elements, and Triton's interpreter
-truncates instead of rounding. Integer arithmetic on the bits is kept as written by
-both, so bfloat16 is rounded here that way: add half an ulp (ties to even) and clear
-the low 16 bits.
+does not say that reliably: Triton 3.6 lowers ``round(round(a*b) - round(c*d))`` written
+that way to bfloat16 FMA instructions (``fma.rn.bf16`` in the PTX: one rounding where
+eager torch has three), and the rotary kernel written so matched the eager ops bit for
+bit in only 78% of elements on an H200; Triton's interpreter truncates instead of
+rounding. Integer arithmetic on the bits is kept as written by both, so bfloat16 is
+rounded here that way: add half an ulp (ties to even) and clear the low 16 bits.
+``tests/triton_compile_check.py`` checks the PTX for bfloat16 FMAs.
 """
 
 from __future__ import annotations

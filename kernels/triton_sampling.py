@@ -124,7 +124,7 @@ def _draw_chunk_kernel(
         kept = tl.where(tl.exp(x) < min_p, float("-inf"), x)
         # argmax p_j / E_j with E_j = -log(u_j) ~ Exp(1); u is kept off 0 so that the
         # best token can never lose to nothing (the reference clamps E the same way).
-        u = tl.maximum(tl.rand(seed, (step << 32) + cols.to(tl.int64)), 1e-38)
+        u = tl.maximum(tl.rand(seed, (step << 32) + cols.to(tl.int64)), 1e-30)
         score = kept - tl.log(-tl.log(u))
     else:
         kept = x

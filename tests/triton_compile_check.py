@@ -1,0 +1,85 @@
+"""Compile every Triton kernel of ``kernels/`` for a Hopper GPU (sm_90) without one.
+
+Run as a script in its own process (Triton's mode is fixed at import, and the test
+session imports it in interpreter mode). The interpreter accepts things the compiler
+refuses (a float literal promoted to float64 in one branch of an ``if``, say), and only
+the compiled code shows how the arithmetic was lowered: the PTX of the rotary kernel
+must hold no bfloat16 FMA, which would round once where the eager ops round three
+times. Prints one line per kernel; exits non-zero on the first failure.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from kernels import triton_activation, triton_norm, triton_rotary, triton_sampling  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def _p(t: str) -> str:
+    return "*" + t
+
+
+def _compile(fn, args: list[tuple[str, str]], constexprs: dict) -> str:
+    signature = dict(args) | {name: "constexpr" for name in constexprs}
+    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=TARGET)
+    return kernel.asm["ptx"]
+
+
+def main() -> int:
+    bf = "bf16"
+    _compile(triton_norm._rms_norm_kernel,
+             [("x_ptr", _p(bf)), ("res_ptr", _p(bf)), ("w_ptr", _p(bf)), ("out_ptr", _p(bf)),
+              ("stride_x", "i32"), ("stride_res", "i32"), ("stride_out", "i32"), ("H", "i32"), ("eps", "fp32")],
+             {"HAS_RESIDUAL": True, "BLOCK": 1024})
+    print("rms_norm ok")
+    _compile(triton_activation._silu_and_mul_kernel,
+             [("x_ptr", _p(bf)), ("out_ptr", _p(bf)), ("stride_x", "i32"), ("stride_out", "i32"), ("inter", "i32")],
+             {"BLOCK": 1024})
+    print("silu_and_mul ok")
+    rotary_args = [
+        ("q_ptr", _p(bf)), ("k_ptr", _p(bf)), ("v_ptr", _p(bf)), ("pos_ptr", _p("i64")),
+        ("cache_ptr", _p("fp32")), ("k_cache_ptr", _p(bf)), ("v_cache_ptr", _p(bf)),
+        ("slot_ptr", _p("i64")), ("q_out_ptr", _p(bf)), ("qw_ptr", _p(bf)), ("kw_ptr", _p(bf)),
+        ("stride_qt", "i32"), ("stride_qh", "i32"), ("stride_kt", "i32"), ("stride_kh", "i32"),
+        ("stride_vt", "i32"), ("stride_vh", "i32"), ("stride_cache", "i32"),
+        ("HQ", "i32"), ("HK", "i32"), ("D", "i32"), ("eps", "fp32"),
+    ]
+    for norm in (False, True):
+        ptx = _compile(triton_rotary._rotary_store_kernel, rotary_args,
+                       {"HAS_NORM": norm, "HALF": 64, "HALF_BLOCK": 64, "HQ_BLOCK": 32, "HK_BLOCK": 8})
+        if "fma.rn.bf16" in ptx:
+            print("rotary: the compiler fused bfloat16 products into FMAs (rounds unlike eager torch)")
+            return 1
+    print("rotary_and_store ok")
+    V, C = 151936, 38
+    f32 = _p("fp32")
+    _compile(triton_sampling._penalize_kernel,
+             [("logits_ptr", f32), ("counts_ptr", _p("i32")), ("prompt_ptr", _p("u8")), ("fparams_ptr", f32),
+              ("out_ptr", f32), ("part_max_ptr", f32)],
+             {"V": V, "C": C, "NF": 6, "HAS_PENALTY": True, "HAS_PROMPT": True, "BLOCK": 4096})
+    _compile(triton_sampling._scale_kernel,
+             [("x_ptr", f32), ("part_max_ptr", f32), ("fparams_ptr", f32), ("row_max_ptr", f32)],
+             {"V": V, "C": C, "C_BLOCK": 64, "NF": 6, "BLOCK": 4096})
+    for write in (False, True):
+        _compile(triton_sampling._draw_chunk_kernel,
+                 [("x_ptr", f32), ("fparams_ptr", f32), ("iparams_ptr", _p("i64")), ("part_score_ptr", f32),
+                  ("part_idx_ptr", _p("i64")), ("filtered_ptr", f32)],
+                 {"V": V, "C": C, "NF": 6, "NI": 3, "WRITE_FILTERED": write, "BLOCK": 4096})
+    _compile(triton_sampling._draw_final_kernel,
+             [("part_score_ptr", f32), ("part_idx_ptr", _p("i64")), ("row_max_ptr", f32), ("out_ptr", _p("i64"))],
+             {"C": C, "C_BLOCK": 64, "INVALID": -1})
+    print("sampling ok")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -16,7 +16,11 @@ Interface for the step loop (and a CUDA graph around it):
   generated tokens, so a retried step draws the same tokens.
 - :meth:`DeviceSampler.sample_on_device` runs the kernels on ``logits[:B]`` and returns
   ``int64 [B]`` token ids on the device (``-1`` for rows with NaN / ``+inf`` / all
-  ``-inf`` logits), without syncing. :meth:`DeviceSampler.sample` = load +
+  ``-inf`` logits), without syncing. Which kernels run depends on the host-side params
+  (all greedy and unpenalized: an argmax; any penalty; any top-k/top-p), so a CUDA graph
+  of it holds one such choice: capture per choice, or run it eagerly. The step's
+  :meth:`load` (host work and the copies) belongs outside the graph, before its
+  replay. :meth:`Sampler.sample <engine.sampling.sampler.Sampler.sample>` = load +
   sample_on_device + the step's one host sync.
 
 Launches per step: two H2D copies and four Triton kernels (penalize, scale, draw over

@@ -9,11 +9,11 @@ import pytest
 
 from engine.attention.base import register_backend
 from engine.attention.torch_backend import TorchAttentionBackend
+from engine.commands.plan import build_plan, render
 from engine.config import EngineConfig
 from engine.errors import PlanDoesNotFit
 from engine.memory.device import simulated_device
 from engine.memory.plan import Footprint, GiB, MiB, PlanKnobs, make_plan, reserve_for
-from engine.plan_command import build_plan, render
 
 FLAG_TO_KNOB = {
     "--max-prefill-tokens": "max_prefill_tokens",

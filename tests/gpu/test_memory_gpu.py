@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.bench_memory import predicted_allocator_bytes, worst_step_workload
+from engine.commands.bench_memory import predicted_allocator_bytes, worst_step_workload
+from engine.commands.model_shapes import write_shape
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import PlanDoesNotFit
 from engine.messages import GenerateRequest, SamplingParams
-from engine.model_shapes import write_shape
 
 GiB = 1 << 30
 

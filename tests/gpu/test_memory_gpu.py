@@ -1,4 +1,7 @@
-"""CASES F1-F3 for real on a GPU, under an allocator cap the size of a desktop card.
+"""The memory plan for real on a GPU, under an allocator cap the size of a desktop card:
+the predicted peak against the measured one, a plan that cannot fit failing before any
+weight loads, memory taken after the engine is ready failing one request (not the
+engine), and a long prompt completing at the chunk the profile measured.
 
 ``torch.cuda.set_per_process_memory_fraction`` makes the caching allocator raise a real
 ``torch.OutOfMemoryError`` past the cap, so a 141 GB card behaves like a 6 GiB one.

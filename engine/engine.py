@@ -9,7 +9,6 @@ cache, scheduler. A step is schedule -> forward -> commit.
 from __future__ import annotations
 
 import itertools
-import logging
 import math
 from dataclasses import replace
 from pathlib import Path
@@ -30,22 +29,16 @@ from engine.loader.resolve import resolve_model
 from engine.memory.footprint import CUDA_RUNTIME_ESTIMATE_BYTES, kv_bytes_per_token, make_footprint
 from engine.memory.plan import MIN_PREFILL_TOKENS, MemoryPlan, PlanKnobs, make_plan
 from engine.memory.profile import measure_step_peak, profile_pool_pages
-from engine.messages import (
-    EngineInfo,
-    EngineStats,
-    GenerateRequest,
-    TokenOutput,
-)
+from engine.messages import EngineInfo, EngineStats, GenerateRequest, TokenOutput
 from engine.runner import ModelRunner
 from engine.sampling.sampler import SamplingState
 from engine.scheduler.request import Phase, Request
 from engine.scheduler.scheduler import Scheduler, SchedulerConfig
 from engine.startup import device_memory, plan_knobs, resolve_device, resolve_dtype
 
-log = logging.getLogger("headroom.engine")
-
 # Without a memory plan (CPU, or a fixed size asked for), the pool gets this much.
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+
 
 class Engine(LiveReplan):
     """One model on one device, serving many requests by continuous batching.

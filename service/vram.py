@@ -107,10 +107,11 @@ def as_card(sample: VramSample, limit_bytes: int | None) -> VramSample:
     is the limit, and everything in use (other processes' memory and ours) counts
     against it, as on a real card of that size.
 
-    ``free_bytes`` is the smaller of the limit less what is in use and what the real
-    device has free. It reads below zero when the other processes and this service
-    together hold more than the limit (the real, larger card let them): the headroom
-    then says by how much, and the replan controller gives back exactly that.
+    ``free_bytes`` is the limit less what is in use on the real card (its free memory
+    less the part of the card beyond the limit). It reads below zero when the other
+    processes and this service together hold more than the limit (the real, larger card
+    let them): the headroom then says by how much, and the replan controller gives back
+    exactly that.
 
     A sample without a GPU, without a limit, or of a card no larger than the limit is
     returned as is (a limit above the card changes nothing, as in the plan).
@@ -119,10 +120,7 @@ def as_card(sample: VramSample, limit_bytes: int | None) -> VramSample:
         return sample
     in_use = sample.total_bytes - sample.free_bytes
     return msgspec.structs.replace(
-        sample,
-        total_bytes=limit_bytes,
-        free_bytes=min(sample.free_bytes, limit_bytes - in_use),
-        device_limit_bytes=limit_bytes,
+        sample, total_bytes=limit_bytes, free_bytes=limit_bytes - in_use, device_limit_bytes=limit_bytes
     )
 
 

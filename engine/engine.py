@@ -9,14 +9,10 @@ cache, scheduler. A step is schedule -> forward -> commit.
 from __future__ import annotations
 
 import itertools
-import logging
 import math
-import os
-import time
 from dataclasses import replace
 from pathlib import Path
 
-import msgspec
 import torch
 
 from engine.attention.base import backend_class, create_attention_backend
@@ -25,99 +21,31 @@ from engine.errors import PlanDoesNotFit, RequestRejected
 from engine.kvcache.allocator import PageAllocator
 from engine.kvcache.pool import KVPool
 from engine.kvcache.radix import RadixCache
+from engine.live_replan import LiveReplan
 from engine.loader.default_model import model_display_name
 from engine.loader.hf_config import load_model_config
 from engine.loader.load import load_model
 from engine.loader.resolve import resolve_model
-from engine.memory.device import probe_nvml, simulated_device
 from engine.memory.footprint import CUDA_RUNTIME_ESTIMATE_BYTES, kv_bytes_per_token, make_footprint
-from engine.memory.plan import MIN_PREFILL_TOKENS, DeviceMemory, MemoryPlan, PlanKnobs, make_plan
+from engine.memory.plan import MIN_PREFILL_TOKENS, MemoryPlan, PlanKnobs, make_plan
 from engine.memory.profile import measure_step_peak, profile_pool_pages
-from engine.messages import (
-    FINISH_LENGTH,
-    REPLAN_EVICT_PREFIX_CACHE,
-    REPLAN_PREFILL_CHUNK,
-    REPLAN_RESIZE_POOL,
-    EngineInfo,
-    EngineStats,
-    GenerateRequest,
-    Replanned,
-    ResizeResult,
-    TokenOutput,
-)
+from engine.messages import EngineInfo, EngineStats, GenerateRequest, TokenOutput
 from engine.runner import ModelRunner
 from engine.sampling.sampler import SamplingState
 from engine.scheduler.request import Phase, Request
 from engine.scheduler.scheduler import Scheduler, SchedulerConfig
-
-log = logging.getLogger("headroom.engine")
+from engine.startup import device_memory, plan_knobs, resolve_device, resolve_dtype
 
 # Without a memory plan (CPU, or a fixed size asked for), the pool gets this much.
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-
-def resolve_device(name: str) -> torch.device:
-    """``"auto"`` is CUDA when available, else CPU."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """``"auto"`` is bfloat16 on CUDA and float32 on CPU (CPU bf16 matmuls are slow).
-
-    Raises:
-        ValueError: an unknown dtype name.
-    """
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if name not in _DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; choose one of auto, {', '.join(_DTYPES)}")
-    return _DTYPES[name]
-
-
-def plan_knobs(config: EngineConfig) -> PlanKnobs:
-    """The plan's knobs from an engine config."""
-    return PlanKnobs(
-        page_size=config.page_size,
-        max_prefill_tokens=config.max_prefill_tokens,
-        max_running_requests=config.max_running_requests,
-        max_model_len=config.max_model_len,
-        min_context_tokens=config.min_context_tokens,
-        reserve_bytes=config.reserve_bytes,
-        safety_margin_bytes=config.safety_margin_bytes,
-        device_limit_bytes=config.device_limit_bytes,
-    )
-
-
-def device_memory(config: EngineConfig, device: torch.device) -> DeviceMemory | None:
-    """The device as the plan sees it now: simulated when asked, NVML (or the CUDA
-    driver's free/total) on a GPU, None for a plain CPU run (no plan)."""
-    if config.simulate_device_total_bytes is not None:
-        return simulated_device(
-            config.simulate_device_total_bytes,
-            config.simulate_device_free_bytes,
-            display_attached=config.simulate_display_attached,
-        )
-    if device.type != "cuda":
-        return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
-    nvml_index = int(visible.split(",")[index]) if visible and visible.split(",")[index].strip().isdigit() else index
-    snap = probe_nvml(nvml_index)
-    if snap is not None:
-        return snap
-    free, total = torch.cuda.mem_get_info(device)
-    name = torch.cuda.get_device_name(device)
-    return DeviceMemory(name=name, total_bytes=total, free_bytes=free, others_bytes=total - free)
-
-
-class Engine:
+class Engine(LiveReplan):
     """One model on one device, serving many requests by continuous batching.
 
-    Single-threaded: call every method from one thread.
+    Single-threaded: call every method from one thread. The live replans (resize the KV
+    pool, set the prefill chunk cap, evict the prefix cache) are
+    :class:`engine.live_replan.LiveReplan`'s.
 
     Raises (constructor): the loader's ``ModelLoadError`` subclasses for a missing or
     broken model; :class:`PlanDoesNotFit` when the memory plan cannot hold one request
@@ -141,7 +69,8 @@ class Engine:
         mc: ModelConfig = load_model_config(self.model_dir)
         self.model_config = mc
         # Memory plan from estimates: a plan that cannot fit fails here, weights unread.
-        # An oversized prefill chunk is the one knob lowered automatically (CASES F3):
+        # An oversized prefill chunk is the one knob lowered automatically (a chunk too
+        # large for the card):
         # the plan picks the largest chunk whose activation peak fits.
         self.knobs = plan_knobs(config)
         self.device_memory = device_memory(config, self.device) if self._planned else None
@@ -179,13 +108,13 @@ class Engine:
         model_ctx = mc.max_position_embeddings
         if config.max_model_len is not None:
             model_ctx = min(model_ctx, config.max_model_len)
-        self.max_context_tokens = min(model_ctx, self.allocator.num_usable * config.page_size)
+        max_context_tokens = min(model_ctx, self.allocator.num_usable * config.page_size)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 page_size=config.page_size,
                 max_running_requests=config.max_running_requests,
                 max_prefill_tokens=self.knobs.max_prefill_tokens,
-                max_context_tokens=self.max_context_tokens,
+                max_context_tokens=max_context_tokens,
                 eos_token_ids=mc.eos_token_ids,
             ),
             self.allocator,
@@ -198,7 +127,7 @@ class Engine:
             model_dir=str(self.model_dir),
             architecture=mc.architecture,
             vocab_size=mc.vocab_size,
-            max_context_tokens=self.max_context_tokens,
+            max_context_tokens=max_context_tokens,
             model_context_tokens=model_ctx,
             eos_token_ids=list(mc.eos_token_ids),
             device=str(self.device),
@@ -299,6 +228,13 @@ class Engine:
         return max(budget // page_bytes, floor)
 
     # -- public API -----------------------------------------------------------------------
+
+    @property
+    def max_context_tokens(self) -> int:
+        """The most tokens (prompt + output) one request may hold now: the smaller of the
+        model's context and what the KV pool holds for one request (it moves with a live
+        resize)."""
+        return self.scheduler.max_context_tokens
 
     def add_request(self, req: GenerateRequest) -> None:
         """Queue a request.
@@ -445,246 +381,3 @@ class Engine:
             prompt_tokens=len(req.prompt_ids),
             cached_tokens=req.prompt_cached_tokens,
         )
-
-    # -- live replanning (DESIGN.md, "When memory moves") ---------------------------------
-    #
-    # The service's VRAM watcher asks for these, cheapest first, when another process
-    # takes device memory: a smaller prefill chunk cap, an empty prefix cache, a smaller
-    # KV pool; and for the pool to grow back when the memory returns. Each change that
-    # happens queues a ``Replanned`` event for :meth:`drain_events`. Call them between
-    # steps (the engine is single-threaded).
-
-    # Replanned events not yet drained; the list is made on the first change (an engine
-    # that never replans carries none).
-    _replans: list[Replanned] | None = None
-
-    @property
-    def kv_page_bytes(self) -> int:
-        """Device bytes one KV page costs over all layers, keys and values."""
-        return self.pool.nbytes // self.pool.num_pages
-
-    def min_kv_pool_pages(self, context_tokens: int | None = None) -> int:
-        """The smallest pool (pages, null page included) that holds one request of
-        ``context_tokens`` (default: the plan's minimum context, else the model's)."""
-        if context_tokens is None:
-            context_tokens = self.plan.min_context_tokens if self.plan is not None else self.info.model_context_tokens
-        return math.ceil(context_tokens / self.config.page_size) + 1
-
-    def resize_kv_pool(self, num_pages: int, *, reason: str = "") -> ResizeResult:
-        """Shrink or grow the KV pool to ``num_pages`` pages (null page included) while
-        requests run, and give the memory back to the device.
-
-        Shrinking keeps every running request whose context still fits:
-
-        1. Requests that no longer fit in the new per-request context
-           (``min(model context, (num_pages - 1) * page_size)`` tokens) end: with
-           ``finish_reason="length"`` when they have produced output (they stopped at the
-           context limit, as on a pool of that size from the start; what was streamed
-           stays valid), else with ``error_code="out_of_memory"`` (their prompt alone no
-           longer fits; the service answers 503 with Retry-After: the memory was taken
-           by another process and may come back, so "retry later" is the honest answer,
-           where ``context_length_exceeded`` would blame the prompt). Requests that wait
-           are held to the same rule, so none waits forever for room that is gone (F5).
-        2. Unreferenced prefix-cache pages at or above the cut are evicted.
-        3. Live pages at or above the cut (a request's own, or the prefix cache's, shared
-           or not) are copied into free pages below it, and every reference (the requests'
-           page lists, the radix nodes) is renamed. When there are not enough free pages
-           below the cut, least recently used cache pages are evicted, then the youngest
-           running requests are preempted (their computed pages stay cached while room
-           allows; they are recomputed later, so greedy outputs do not change).
-        4. The allocator and the pool shrink, layer by layer (:meth:`KVPool.resize`).
-
-        Growing adds free pages at the top and raises the context limit back.
-
-        Returns:
-            What was done; a :class:`engine.messages.Replanned` event with the same
-            figures is queued for :meth:`drain_events`.
-
-        Raises:
-            ValueError: ``num_pages < 2``.
-            torch.OutOfMemoryError: a new buffer did not fit (growing, or shrinking on
-                a full device); the pool then stays consistent at the smaller size
-                (see :meth:`KVPool.resize`) and the engine keeps running.
-        """
-        if num_pages < 2:
-            raise ValueError(f"the KV pool needs at least 2 pages (one is the null page), got {num_pages}")
-        started = time.perf_counter()
-        before_pages, before_bytes = self.pool.num_pages, self.pool.nbytes
-        evicted = relocated = 0
-        preempted: list[str] = []
-        ended: list[str] = []
-        if num_pages < before_pages:
-            self._set_context_limit(num_pages)
-            ended = self._end_beyond_context()
-            evicted, relocated, preempted = self._vacate(num_pages)
-            self.allocator.resize(num_pages)
-            try:
-                self.pool.resize(num_pages)
-            finally:
-                self._pool_resized()
-        elif num_pages > before_pages:
-            try:
-                self.pool.resize(num_pages)
-            finally:
-                # After a failed grow the pool is consistent at its old size.
-                self.allocator.resize(self.pool.num_pages)
-                self._set_context_limit(self.pool.num_pages)
-                self._pool_resized()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        result = ResizeResult(
-            before_pages=before_pages,
-            after_pages=self.pool.num_pages,
-            before_bytes=before_bytes,
-            after_bytes=self.pool.nbytes,
-            evicted_pages=evicted,
-            relocated_pages=relocated,
-            preempted=preempted,
-            ended=ended,
-            max_context_tokens=self.max_context_tokens,
-            duration_ms=(time.perf_counter() - started) * 1000,
-        )
-        if result.after_pages != before_pages:
-            log.info(
-                "KV pool %s: %d -> %d pages (%.1f -> %.1f MiB) in %.1f ms; %d evicted, %d moved, "
-                "%d preempted, %d ended; context limit %d tokens%s",
-                "shrunk" if result.after_pages < before_pages else "grown", before_pages,
-                result.after_pages, before_bytes / 2**20, result.after_bytes / 2**20,
-                result.duration_ms, evicted, relocated, len(preempted), len(ended),
-                self.max_context_tokens, f" ({reason})" if reason else "",
-            )
-            self._replanned(
-                REPLAN_RESIZE_POOL, reason, before_pages, before_bytes, result.duration_ms,
-                evicted_pages=evicted, relocated_pages=relocated, preempted=preempted, ended=ended,
-            )
-        return result
-
-    def set_prefill_chunk(self, max_prefill_tokens: int, *, reason: str = "") -> int:
-        """Set the engine-wide prefill chunk cap (new tokens per step), at most what the
-        memory plan fitted (``knobs.max_prefill_tokens``: a larger chunk's activation
-        peak was never budgeted). A smaller cap lowers the step's transient memory (on
-        CUDA the allocator's cache is emptied, so the device sees it at once); a cap
-        below the number of running requests leaves no room for prefill next to their
-        decodes, so the service keeps it at 256 or more (``MIN_PREFILL_TOKENS``).
-
-        Returns:
-            The cap now in force. A ``Replanned`` event is queued when it changed.
-
-        Raises:
-            ValueError: ``max_prefill_tokens < 1``.
-        """
-        if max_prefill_tokens < 1:
-            raise ValueError(f"the prefill chunk cap must be >= 1 token, got {max_prefill_tokens}")
-        before = self.scheduler.max_prefill_tokens
-        after = min(max_prefill_tokens, self.knobs.max_prefill_tokens)
-        self.scheduler.max_prefill_tokens = after
-        if after < before and self.device.type == "cuda":
-            # The larger steps' activation blocks sit in the allocator's cache: give them
-            # back, or the device sees no change.
-            torch.cuda.empty_cache()
-        if after != before:
-            log.info("prefill chunk cap %d -> %d tokens%s", before, after, f" ({reason})" if reason else "")
-            self._replanned(REPLAN_PREFILL_CHUNK, reason, self.pool.num_pages, self.pool.nbytes, 0.0)
-        return after
-
-    def evict_prefix_cache(self, *, reason: str = "") -> int:
-        """Free every prefix-cache page no running request uses.
-
-        Returns:
-            Pages freed. A ``Replanned`` event is queued when some were.
-        """
-        if self.radix is None:
-            return 0
-        started = time.perf_counter()
-        freed = self.radix.clear()
-        if freed:
-            log.info("prefix cache: %d pages evicted%s", freed, f" ({reason})" if reason else "")
-            self._replanned(
-                REPLAN_EVICT_PREFIX_CACHE, reason, self.pool.num_pages, self.pool.nbytes,
-                (time.perf_counter() - started) * 1000, evicted_pages=freed,
-            )
-        return freed
-
-    def _replanned(self, action: str, reason: str, before_pages: int, before_bytes: int, duration_ms: float, **extra) -> None:
-        if self._replans is None:
-            self._replans = []
-        self._replans.append(Replanned(
-            action=action, reason=reason, before_pages=before_pages, after_pages=self.pool.num_pages,
-            before_bytes=before_bytes, after_bytes=self.pool.nbytes, duration_ms=duration_ms,
-            max_prefill_tokens=self.scheduler.max_prefill_tokens,
-            max_context_tokens=self.max_context_tokens, **extra,
-        ))
-
-    def _set_context_limit(self, num_pages: int) -> None:
-        """The per-request context limit for a pool of ``num_pages`` (null page included)."""
-        ctx = min(self.info.model_context_tokens, (num_pages - 1) * self.config.page_size)
-        self.max_context_tokens = self.scheduler.max_context_tokens = ctx
-
-    def _pool_resized(self) -> None:
-        self.info = msgspec.structs.replace(
-            self.info, num_pages=self.pool.num_pages, kv_cache_bytes=self.pool.nbytes,
-            max_context_tokens=self.max_context_tokens,
-        )
-
-    def _end_beyond_context(self) -> list[str]:
-        """End the requests that no longer fit in ``max_context_tokens`` (see
-        :meth:`resize_kv_pool`, step 1); returns their ids."""
-        sched, limit = self.scheduler, self.max_context_tokens
-        ended = []
-        for req in [*sched.running, *sched.waiting]:
-            if req.total_len < limit:
-                continue  # room for at least one more token
-            if req.output_ids:
-                sched.finish(req, FINISH_LENGTH)
-            else:
-                sched.fail(req, "out_of_memory", (
-                    f"the KV cache shrank while this request waited or ran (another process "
-                    f"took device memory): one request may now hold {limit} tokens, and its "
-                    f"prompt has {len(req.prompt_ids)}; retry later, or with a shorter prompt"
-                ))
-            ended.append(req.request_id)
-        return ended
-
-    def _vacate(self, cut: int) -> tuple[int, int, list[str]]:
-        """Make every page at or above ``cut`` free (see :meth:`resize_kv_pool`, steps 2
-        and 3); returns (pages evicted, pages moved, ids of preempted requests)."""
-        sched, alloc, radix = self.scheduler, self.allocator, self.radix
-        evicted = radix.evict_at_or_above(cut) if radix is not None else 0
-        preempted: list[str] = []
-        while True:
-            high = self._live_pages_at_or_above(cut)
-            short = len(high) - alloc.free_below(cut)
-            if short <= 0:
-                break
-            got = radix.evict(short) if radix is not None else 0
-            evicted += got
-            if got:
-                continue
-            if not sched.running:
-                raise RuntimeError(f"pages at or above {cut} are held, but by no running request")
-            victim = max(sched.running, key=lambda r: r.arrival)
-            sched.preempt(victim)
-            preempted.append(victim.request_id)
-            if radix is not None:
-                # Its pages went to the prefix cache; those above the cut can go now.
-                evicted += radix.evict_at_or_above(cut)
-        if high:
-            dst = alloc.alloc_below(len(high), cut)
-            moved = dict(zip(high, dst, strict=True))
-            self.pool.copy_pages(high, dst)
-            for req in sched.running:
-                if any(p in moved for p in req.pages):
-                    req.pages = [moved.get(p, p) for p in req.pages]
-            if radix is not None:
-                radix.remap(moved)
-            alloc.free(high)
-        if preempted:
-            log.info("KV pool shrink to %d pages: preempted %s (youngest first)", cut, ", ".join(preempted))
-        return evicted, len(high), preempted
-
-    def _live_pages_at_or_above(self, cut: int) -> list[int]:
-        """Pages at or above ``cut`` that a running request or the prefix cache holds."""
-        live = {p for req in self.scheduler.running for p in req.pages if p >= cut}
-        if self.radix is not None:
-            live.update(p for p in self.radix.all_pages() if p >= cut)
-        return sorted(live)

@@ -7,8 +7,9 @@ sides at once.
 
 Service -> worker: :class:`engine.messages.GenerateRequest`,
 :class:`engine.messages.AbortRequest`, :class:`StatsRequest`, :class:`Shutdown`, and
-the live replan commands (DESIGN.md, "When memory moves"): :class:`SetPrefillChunk`,
-:class:`EvictPrefixCache`, :class:`ResizePool`, :class:`ClearPrefixCache`.
+the live replan commands (when another process takes or frees device memory, or a
+person asks): :class:`SetPrefillChunk`, :class:`EvictPrefixCache`, :class:`ResizePool`,
+each saying who asked (``origin``).
 
 Worker -> service: :class:`Ready` (once, after the model is loaded), :class:`Outputs`,
 :class:`Rejected`, :class:`Heartbeat` (with the KV pool's :class:`PoolStats`),
@@ -23,11 +24,13 @@ import msgspec
 
 from engine.config import EngineConfig
 from engine.messages import (
+    BY_WATCHER,
     AbortRequest,
     EngineEvent,
     EngineInfo,
     EngineStats,
     GenerateRequest,
+    ReplanOrigin,
     ResizeResult,
     TokenOutput,
 )
@@ -46,8 +49,9 @@ class Shutdown(msgspec.Struct, frozen=True, tag=True):
 
 # Live replan commands. Each is carried out between two engine steps, in the order
 # sent; the worker answers with the engine's events (a ``Replanned`` when something
-# changed) and then a ControlDone echoing ``seq``. ``reason`` is for people (logs, the
-# ``replan`` event).
+# changed) and then a ControlDone echoing ``seq``. ``origin`` says who asked (the
+# VRAM watcher or a person through the control API) and comes back in the
+# ``Replanned``; ``reason`` is for people (logs, the ``replan`` event).
 
 
 class SetPrefillChunk(msgspec.Struct, frozen=True, tag=True, kw_only=True):
@@ -57,22 +61,17 @@ class SetPrefillChunk(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     seq: int
     tokens: int
     reason: str = ""
+    origin: ReplanOrigin = BY_WATCHER
 
 
 class EvictPrefixCache(msgspec.Struct, frozen=True, tag=True, kw_only=True):
-    """Free the prefix cache's unreferenced pages to make room for a pool shrink
-    (``Engine.evict_prefix_cache``)."""
+    """Free the prefix cache's unreferenced pages (``Engine.evict_prefix_cache``): to
+    make room for a pool shrink (the watcher) or because a person asked (the control
+    API's "clear prefix cache")."""
 
     seq: int
     reason: str = ""
-
-
-class ClearPrefixCache(msgspec.Struct, frozen=True, tag=True, kw_only=True):
-    """Empty the prefix cache (its pages no running request holds), asked for by a
-    person through the control API; the same engine call as :class:`EvictPrefixCache`."""
-
-    seq: int
-    reason: str = ""
+    origin: ReplanOrigin = BY_WATCHER
 
 
 class ResizePool(msgspec.Struct, frozen=True, tag=True, kw_only=True):
@@ -82,6 +81,7 @@ class ResizePool(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     seq: int
     num_pages: int
     reason: str = ""
+    origin: ReplanOrigin = BY_WATCHER
 
 
 class Ready(msgspec.Struct, frozen=True, tag=True, kw_only=True):
@@ -190,17 +190,8 @@ class WorkerError(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     during_load: bool
 
 
-ReplanCommand = SetPrefillChunk | EvictPrefixCache | ClearPrefixCache | ResizePool
-ToWorker = (
-    GenerateRequest
-    | AbortRequest
-    | StatsRequest
-    | Shutdown
-    | SetPrefillChunk
-    | EvictPrefixCache
-    | ClearPrefixCache
-    | ResizePool
-)
+ReplanCommand = SetPrefillChunk | EvictPrefixCache | ResizePool
+ToWorker = GenerateRequest | AbortRequest | StatsRequest | Shutdown | SetPrefillChunk | EvictPrefixCache | ResizePool
 FromWorker = Ready | Outputs | Rejected | Heartbeat | EngineEvents | ControlDone | WorkerError
 
 _encoder = msgspec.msgpack.Encoder()

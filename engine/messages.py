@@ -7,6 +7,8 @@ the same records, so a CLI run and a served run see identical types.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 
 from engine.memory.plan import MemoryPlan
@@ -160,6 +162,12 @@ class ReplanWanted(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     new_max_prefill_tokens: int
 
 
+# Who asked for a live change of memory use: the service's VRAM watcher (another
+# process took or freed device memory) or a person through the control API.
+ReplanOrigin = Literal["watcher", "control"]
+BY_WATCHER: ReplanOrigin = "watcher"
+BY_CONTROL: ReplanOrigin = "control"
+
 # Replanned.action values: what changed.
 REPLAN_RESIZE_POOL = "resize_pool"  # the KV pool was shrunk or grown
 REPLAN_PREFILL_CHUNK = "prefill_chunk"  # the engine-wide prefill chunk cap was set
@@ -190,8 +198,9 @@ class ResizeResult(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Replanned(msgspec.Struct, frozen=True, tag=True, kw_only=True):
-    """The engine changed its memory use while running (DESIGN.md, "When memory moves"):
-    ``action`` is one of the ``REPLAN_*`` values, asked for with ``reason``.
+    """The engine changed its memory use while running (another process took or freed
+    device memory, or a person asked): ``action`` is one of the ``REPLAN_*`` values, asked
+    for by ``origin`` (:data:`ReplanOrigin`) with ``reason`` (for people).
 
     ``before_pages`` / ``after_pages`` and ``before_bytes`` / ``after_bytes`` are the KV
     pool's size (pages with the null page, bytes of its buffers; equal unless the pool
@@ -203,6 +212,7 @@ class Replanned(msgspec.Struct, frozen=True, tag=True, kw_only=True):
 
     action: str
     reason: str
+    origin: ReplanOrigin = BY_WATCHER
     before_pages: int
     after_pages: int
     before_bytes: int

@@ -1,7 +1,7 @@
 """What the engine does when a step runs out of device memory.
 
 The plan makes request-time OOMs rare, not impossible: another process can take memory
-after the plan was made (F2 in CASES.md), or a transient was not budgeted. A step that
+after the plan was made (memory taken after start), or a transient was not budgeted. A step that
 raises ``torch.OutOfMemoryError`` has changed nothing yet (the scheduler commits only
 after the forward and sampling succeed), so :meth:`OomRecovery.recover` rolls it back
 exactly, gives the allocator's cached blocks back to the device, and makes the next

@@ -27,7 +27,6 @@ from typing import Any
 
 from engine.errors import PlanDoesNotFit, RequestRejected
 from engine.ipc import (
-    ClearPrefixCache,
     ControlDone,
     EngineEvents,
     EvictPrefixCache,
@@ -171,7 +170,7 @@ def _receive(conn: Connection, engine: Any, planned_pages: int) -> int | None:
             engine.abort(message.request_id)
         elif isinstance(message, StatsRequest):
             conn.send_bytes(encode(_heartbeat(engine, planned_pages, message.seq)))
-        elif isinstance(message, (SetPrefillChunk, EvictPrefixCache, ClearPrefixCache, ResizePool)):
+        elif isinstance(message, (SetPrefillChunk, EvictPrefixCache, ResizePool)):
             _replan(conn, engine, message, planned_pages)
         elif isinstance(message, Shutdown):
             return EXIT_OK
@@ -225,18 +224,18 @@ def _replan(conn: Connection, engine: Any, command: Any, planned_pages: int) -> 
     then stays consistent at its old size) is answered ``ok=False``; any other error
     propagates and ends the worker."""
     ok, result = True, None
-    reason = command.reason
+    why = {"reason": command.reason, "origin": command.origin}
     try:
         if not hasattr(engine, "resize_kv_pool"):
             ok, text = False, "this engine cannot change its memory use while it runs"
         elif isinstance(command, SetPrefillChunk):
-            after = engine.set_prefill_chunk(command.tokens, reason=reason)
+            after = engine.set_prefill_chunk(command.tokens, **why)
             text = f"prefill chunk cap {after} tokens"
-        elif isinstance(command, (EvictPrefixCache, ClearPrefixCache)):
-            freed = engine.evict_prefix_cache(reason=reason)
+        elif isinstance(command, EvictPrefixCache):
+            freed = engine.evict_prefix_cache(**why)
             text = f"{freed} prefix-cache pages freed"
         else:
-            result = engine.resize_kv_pool(command.num_pages, reason=reason)
+            result = engine.resize_kv_pool(command.num_pages, **why)
             text = _describe_resize(result)
     except ValueError as exc:
         ok, text = False, str(exc)

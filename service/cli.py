@@ -313,8 +313,8 @@ def generate(
 
     from dataclasses import replace
 
+    from engine.commands.generate import GenerationFailed, run_generate
     from engine.errors import PlanDoesNotFit, RequestRejected
-    from engine.generate import GenerationFailed, run_generate
     from engine.loader.errors import ModelLoadError
     from engine.text.chat import ChatTemplateError
 
@@ -381,8 +381,8 @@ def plan(config_path: Path | None, as_json: bool, **flags: Any) -> None:
     settings = _resolve_or_fail(flags, config_path)
     _check_model_path(settings.model)
 
+    from engine.commands.plan import NoDevice, build_plan, render
     from engine.loader.errors import ModelLoadError
-    from engine.plan_command import NoDevice, build_plan, render
 
     try:
         memory_plan = build_plan(settings.engine_config())
@@ -522,7 +522,7 @@ def bench_engine(
     """Prefill and decode tokens/s of the engine against transformers' generate on the
     same model, device and dtype, at each batch size."""
     _check_model_path(model)
-    from engine.bench import run_bench_engine
+    from engine.commands.bench import run_bench_engine
     from engine.loader.errors import ModelLoadError
 
     try:
@@ -537,7 +537,7 @@ def bench_engine(
         _fail(f"cannot load the model: {exc}", EXIT_USAGE)
 
 
-# (shape, device limit): random-weight shapes of engine.model_shapes on a capped card.
+# (shape, device limit): random-weight shapes of engine.commands.model_shapes on a capped card.
 DEFAULT_MEMORY_CASES = ("qwen3-0.6b:6GiB", "qwen3-0.6b:16GiB", "llama-3.1-8b:24GiB")
 
 
@@ -559,7 +559,7 @@ def bench_memory(
 ) -> None:
     """Predicted vs measured memory peak at the plan's worst step, and the KV pool's share
     of the budget, per case (needs a CUDA device)."""
-    from engine.model_shapes import SHAPES
+    from engine.commands.model_shapes import SHAPES
 
     parsed = []
     for case in cases or DEFAULT_MEMORY_CASES:
@@ -592,7 +592,7 @@ def bench_memory(
             "one, `headroom plan --device-total 6GiB` prints the plan of a simulated card",
             EXIT_USAGE,
         )
-    from engine.bench_memory import run_bench_memory
+    from engine.commands.bench_memory import run_bench_memory
 
     run_bench_memory(parsed)
 

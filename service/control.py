@@ -14,6 +14,7 @@ from typing import Literal
 
 from engine import ipc
 from engine.memory.plan import fmt_bytes
+from engine.messages import BY_CONTROL
 from service.errors import APIError
 from service.state import CONTROL_REASON
 from service.supervisor import State, Supervisor
@@ -105,6 +106,7 @@ class SupervisorControl:
             ipc.ResizePool,
             num_pages=pages,
             reason=f"{CONTROL_REASON}: KV cache {what}",
+            origin=BY_CONTROL,
             timeout_s=self.command_timeout_s,
         )
 
@@ -116,7 +118,7 @@ class SupervisorControl:
             APIError: as :meth:`set_kv_cache`.
         """
         done = await self.supervisor.run_command(
-            ipc.ClearPrefixCache, reason=CONTROL_REASON, timeout_s=self.command_timeout_s
+            ipc.EvictPrefixCache, reason=CONTROL_REASON, origin=BY_CONTROL, timeout_s=self.command_timeout_s
         )
         return self._answer(done)
 

@@ -41,6 +41,7 @@ import msgspec
 
 from engine.memory.plan import MemoryPlan
 from engine.messages import EngineInfo, EngineStats, OomEvent
+from engine.units import fmt_bytes
 
 log = logging.getLogger("headroom.events")
 
@@ -149,6 +150,11 @@ class VramEvent(EventBase, frozen=True, kw_only=True, tag="vram"):
     is already short). ``source`` is ``nvml``, ``simulated``, or ``none`` (no GPU: CPU
     mode, all sizes 0, ``reason`` says why). ``top_consumers`` lists the largest other
     processes.
+
+    ``device_limit_bytes`` is ``--device-limit`` where it is smaller than the card, and
+    ``memory_rule`` says for people which rule reads the card (the same one the memory
+    plan used at start): a card of the limit's size, against which other processes'
+    memory counts, or the whole card.
     """
 
     device: str
@@ -161,6 +167,8 @@ class VramEvent(EventBase, frozen=True, kw_only=True, tag="vram"):
     headroom_bytes: int
     top_consumers: list[Consumer] = []
     reason: str | None = None
+    device_limit_bytes: int | None = None
+    memory_rule: str | None = None
 
     @classmethod
     def from_sample(
@@ -186,7 +194,19 @@ class VramEvent(EventBase, frozen=True, kw_only=True, tag="vram"):
                 for p in getattr(sample, "top_consumers", ())
             ],
             reason=getattr(sample, "reason", None) or None,
+            device_limit_bytes=getattr(sample, "device_limit_bytes", None),
+            memory_rule=memory_rule(getattr(sample, "device_limit_bytes", None)) if gpu else None,
         )
+
+
+def memory_rule(device_limit_bytes: int | None) -> str:
+    """The rule by which the plan, the watcher and the replan controller read the card."""
+    if device_limit_bytes is None:
+        return "the whole card; other processes' memory counts against it"
+    return (
+        f"a card of {fmt_bytes(device_limit_bytes)} (--device-limit): other processes' "
+        f"memory counts against it, as on a real card of that size"
+    )
 
 
 class PlanEvent(EventBase, frozen=True, kw_only=True, tag="plan"):

@@ -101,7 +101,7 @@ class PoolState:
 
 
 @dataclass(frozen=True)
-class SetPrefillChunk:
+class NewChunkCap:
     """Set the engine-wide prefill chunk cap (``Engine.set_prefill_chunk``)."""
 
     tokens: int
@@ -110,14 +110,14 @@ class SetPrefillChunk:
 
 
 @dataclass(frozen=True)
-class EvictPrefixCache:
+class EmptyPrefixCache:
     """Free the prefix cache's unreferenced pages (``Engine.evict_prefix_cache``)."""
 
     reason: str
 
 
 @dataclass(frozen=True)
-class ResizePool:
+class NewPoolSize:
     """Resize the KV pool to ``num_pages`` pages, null page included
     (``Engine.resize_kv_pool``)."""
 
@@ -140,7 +140,7 @@ class Squeeze:
     message: str
 
 
-Action = SetPrefillChunk | EvictPrefixCache | ResizePool | Squeeze
+Action = NewChunkCap | EmptyPrefixCache | NewPoolSize | Squeeze
 
 
 @dataclass(frozen=True)
@@ -210,12 +210,12 @@ class ReplanController:
     @property
     def shrinks(self) -> int:
         """Pool shrinks decided so far."""
-        return self._count(ResizePool, grows=False)
+        return self._count(NewPoolSize, grows=False)
 
     @property
     def grows(self) -> int:
         """Pool grows decided so far."""
-        return self._count(ResizePool, grows=True)
+        return self._count(NewPoolSize, grows=True)
 
     @property
     def squeezes(self) -> int:
@@ -288,7 +288,7 @@ class ReplanController:
                 chunk = max(floor_chunk, pool.prefill_chunk - math.ceil(need / apt))
             else:
                 chunk = max(floor_chunk, pool.prefill_chunk // 2)
-            actions.append(SetPrefillChunk(chunk, pool.prefill_chunk, reason))
+            actions.append(NewChunkCap(chunk, pool.prefill_chunk, reason))
             freed += (pool.prefill_chunk - chunk) * apt
         if need > freed:
             give = min(
@@ -297,8 +297,8 @@ class ReplanController:
             )
             if give > 0:
                 if pool.cached_pages > 0 and give > pool.free_pages:
-                    actions.append(EvictPrefixCache(reason))
-                actions.append(ResizePool(pool.pages - give, pool.pages, reason))
+                    actions.append(EmptyPrefixCache(reason))
+                actions.append(NewPoolSize(pool.pages - give, pool.pages, reason))
                 self._last_resize_at = now
                 freed += give * pool.page_bytes
         # A squeeze is judged on the headroom now plus what was freed, not on a doubled
@@ -336,7 +336,7 @@ class ReplanController:
         if pages < pool.planned_pages:
             grow = min(spare // pool.page_bytes, pool.planned_pages - pages)
             if grow > 0:
-                actions.append(ResizePool(pages + grow, pages, reason))
+                actions.append(NewPoolSize(pages + grow, pages, reason))
                 self._last_resize_at = now
                 pages += grow
                 spare -= grow * pool.page_bytes
@@ -348,7 +348,7 @@ class ReplanController:
                 else min(pool.planned_prefill_chunk, pool.prefill_chunk + max(spare, 0) // apt)
             )
             if chunk > pool.prefill_chunk:
-                actions.append(SetPrefillChunk(chunk, pool.prefill_chunk, reason))
+                actions.append(NewChunkCap(chunk, pool.prefill_chunk, reason))
         if actions:
             self._above_since = now  # the next grow waits for another quiet hold
         return actions

@@ -13,7 +13,6 @@ environment. Sizes (``--reserve``, ``--kv-cache``...) are text everywhere: ``6Gi
 from __future__ import annotations
 
 import os
-import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -27,6 +26,9 @@ else:  # pragma: no cover - Python 3.10
 
 from engine.config import EngineConfig
 from engine.ipc import WorkerConfig
+from engine.units import (
+    parse_size as parse_size,  # one table of units for the engine and the service
+)
 
 DEFAULT_PORT = 8427
 ENV_PREFIX = "HEADROOM_"
@@ -34,50 +36,6 @@ ENV_PREFIX = "HEADROOM_"
 
 class SettingsError(Exception):
     """A setting has a value that cannot be used; the message names its source."""
-
-
-_SIZE = re.compile(r"^\s*(?P<number>\d+(?:\.\d*)?|\.\d+)\s*(?P<unit>[a-zA-Z]*)\s*$")
-_SIZE_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1 << 10,
-    "kib": 1 << 10,
-    "kb": 10**3,
-    "m": 1 << 20,
-    "mib": 1 << 20,
-    "mb": 10**6,
-    "g": 1 << 30,
-    "gib": 1 << 30,
-    "gb": 10**9,
-    "t": 1 << 40,
-    "tib": 1 << 40,
-    "tb": 10**12,
-}
-SIZE_EXAMPLES = "e.g. 6GiB, 5.5GiB, 512MiB, 6GB (decimal) or a number of bytes"
-
-
-def parse_size(text: str | int) -> int:
-    """A memory size in bytes from what a person writes.
-
-    ``"6GiB"``, ``"5.5GiB"``, ``"512MiB"``, ``"64KiB"`` are binary (so are the bare
-    ``K``/``M``/``G``/``T``); ``"6GB"``, ``"512MB"`` are decimal; ``"1048576"`` (or an
-    int) is bytes. Case and a space before the unit do not matter. Fractions round down
-    to whole bytes.
-
-    Raises:
-        ValueError: not a size, or a negative one; the message gives examples.
-    """
-    if isinstance(text, bool):
-        raise ValueError(f"{text!r} is not a size; write {SIZE_EXAMPLES}")
-    if isinstance(text, int):
-        if text < 0:
-            raise ValueError(f"{text} is negative; a size is at least 0 bytes")
-        return text
-    match = _SIZE.match(str(text))
-    unit = match.group("unit").lower() if match else None
-    if match is None or unit not in _SIZE_UNITS:
-        raise ValueError(f"{str(text)!r} is not a size; write {SIZE_EXAMPLES}")
-    return int(float(match.group("number")) * _SIZE_UNITS[unit])
 
 
 @dataclass(frozen=True)
@@ -164,7 +122,7 @@ OPTIONS: tuple[Option, ...] = (
         "device_limit",
         str,
         None,
-        "Plan as if the GPU had only this much memory (e.g. 6GiB; unset: the whole card).",
+        "Serve as on a GPU of this size (e.g. 16GiB; unset: the whole card): the plan, the VRAM watcher and live replans all read a card of this size, other processes' memory counting against it.",
         kind="size",
     ),
     Option(

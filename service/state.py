@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from engine.messages import (
+    BY_CONTROL,
     OOM_FAILED,
     REPLAN_EVICT_PREFIX_CACHE,
     REPLAN_PREFILL_CHUNK,
@@ -34,9 +35,9 @@ from service.text import TextSide
 # How many request errors /api/status keeps (the newest).
 KEEP_REQUEST_ERRORS = 50
 
-# The reason a replan asked for through the control API starts with (the service's own
-# replans say which water mark was crossed); ``replan`` events name those ``set_kv_cache``
-# and ``clear_prefix_cache``.
+# The reason (for people) of a replan asked for through the control API (the service's
+# own replans say which water mark was crossed); its ``origin`` is ``BY_CONTROL``, and
+# ``replan`` events name those ``set_kv_cache`` and ``clear_prefix_cache``.
 CONTROL_REASON = "asked for through the control API"
 
 # "Tried to allocate 20.00 MiB" in torch's out-of-memory message.
@@ -193,7 +194,7 @@ class Services:
         info = self.supervisor.info if self.supervisor is not None else None
         if self.events is None:
             return None
-        by_control = event.reason.startswith(CONTROL_REASON)
+        by_control = event.origin == BY_CONTROL
         chunk_before = info.max_prefill_tokens if info is not None else event.max_prefill_tokens
         cached = self._cached_pages()
         cached_after = None

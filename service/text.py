@@ -10,32 +10,13 @@ Incremental decoding stays on the loop: each call decodes a window of a few toke
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from engine.text.chat import encode_chat, encode_prompt
 from engine.text.detokenizer import IncrementalDetokenizer
-
-
-def load_tokenizer(model_dir: str) -> Any:
-    """Load the fast (``tokenizer.json``) tokenizer saved in ``model_dir``.
-
-    Uses ``PreTrainedTokenizerFast`` rather than ``AutoTokenizer``: the latter imports
-    torch through transformers' config classes, and the service never imports torch.
-
-    Raises:
-        FileNotFoundError: ``model_dir`` is not a folder or has no ``tokenizer.json``.
-        OSError: transformers cannot load it.
-    """
-    if not os.path.isdir(model_dir):
-        raise FileNotFoundError(f"model folder {model_dir!r} does not exist")
-    if not os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
-        raise FileNotFoundError(f"no tokenizer.json in the model folder {model_dir!r}")
-    from transformers import PreTrainedTokenizerFast
-
-    return PreTrainedTokenizerFast.from_pretrained(model_dir, local_files_only=True)
+from engine.text.tokenizer import load_tokenizer  # the engine's: generate and serve tokenize alike
 
 
 class TextSide:

@@ -32,6 +32,8 @@ from typing import Any
 
 import msgspec
 
+from engine.memory.device import nvml_index as nvml_index  # also the engine's mapping
+from engine.memory.device import proc_name
 from engine.memory.plan import reserve_for
 
 log = logging.getLogger("headroom.vram")
@@ -67,6 +69,10 @@ class VramSample(msgspec.Struct, frozen=True, kw_only=True):
     ``pids_visible`` is False where NVML lists no process at all although memory is in
     use (a container without the host's pid namespace, some Windows drivers): then
     nothing can be attributed by pid and ``ours_bytes`` reads 0.
+
+    ``device_limit_bytes`` is set when the sample is read as a smaller card
+    (``--device-limit``, :func:`as_card`): then ``total_bytes`` is that card's size and
+    ``free_bytes`` what is free on it.
     """
 
     timestamp: float
@@ -81,6 +87,7 @@ class VramSample(msgspec.Struct, frozen=True, kw_only=True):
     processes: tuple[GpuProcess, ...] = ()
     pids_visible: bool = True
     reason: str = ""
+    device_limit_bytes: int | None = None
 
     def headroom(self, reserve_bytes: int) -> int:
         """``free - reserve``: what can still be taken before the desktop suffers."""
@@ -92,6 +99,45 @@ class VramSample(msgspec.Struct, frozen=True, kw_only=True):
             if p.pid == pid:
                 return p.bytes
         return None
+
+
+def as_card(sample: VramSample, limit_bytes: int | None) -> VramSample:
+    """``sample`` as read on a card of ``limit_bytes`` (``--device-limit``), the rule the
+    memory plan applies at start (:func:`engine.memory.plan.make_plan`): the card's total
+    is the limit, and everything in use (other processes' memory and ours) counts
+    against it, as on a real card of that size.
+
+    ``free_bytes`` is the limit less what is in use on the real card (its free memory
+    less the part of the card beyond the limit). It reads below zero when the other
+    processes and this service together hold more than the limit (the real, larger card
+    let them): the headroom then says by how much, and the replan controller gives back
+    exactly that.
+
+    A sample without a GPU, without a limit, or of a card no larger than the limit is
+    returned as is (a limit above the card changes nothing, as in the plan).
+    """
+    if limit_bytes is None or not sample.gpu or sample.total_bytes <= limit_bytes:
+        return sample
+    in_use = sample.total_bytes - sample.free_bytes
+    return msgspec.structs.replace(
+        sample, total_bytes=limit_bytes, free_bytes=limit_bytes - in_use, device_limit_bytes=limit_bytes
+    )
+
+
+class CardOfLimit:
+    """A VRAM source read as a card of ``limit_bytes`` (:func:`as_card`): the watcher and
+    the replan controller see the card the plan was made for. Everything else (``name``,
+    ``available``...) is the wrapped source's."""
+
+    def __init__(self, source: Any, limit_bytes: int) -> None:
+        self.source = source
+        self.limit_bytes = limit_bytes
+
+    def sample(self, *args: Any, **kwargs: Any) -> VramSample:
+        return as_card(self.source.sample(*args, **kwargs), self.limit_bytes)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.source, name)
 
 
 def cpu_mode_sample(reason: str, timestamp: float | None = None) -> VramSample:
@@ -118,25 +164,6 @@ def resolve_reserve(setting: int | str | None, sample: VramSample) -> int:
     if isinstance(setting, str) or isinstance(setting, bool) or setting < 0:
         raise ValueError(f"--reserve must be 'auto' or a size of at least 0 bytes, got {setting!r}")
     return int(setting)
-
-
-def nvml_index(cuda_index: int = 0, env: dict[str, str] | None = None) -> int:
-    """NVML's index of CUDA device ``cuda_index``: ``CUDA_VISIBLE_DEVICES`` renumbers the
-    CUDA devices, NVML does not (entries that are not plain numbers, such as GPU UUIDs,
-    are taken as the identity)."""
-    visible = (os.environ if env is None else env).get("CUDA_VISIBLE_DEVICES", "")
-    parts = [p.strip() for p in visible.split(",")] if visible.strip() else []
-    if cuda_index < len(parts) and parts[cuda_index].isdigit():
-        return int(parts[cuda_index])
-    return cuda_index
-
-
-def _proc_name(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/comm") as f:
-            return f.read().strip()
-    except OSError:
-        return "?"
 
 
 def _pid_set(own_pids: Callable[[], Iterable[int]] | Iterable[int]) -> frozenset[int]:
@@ -179,12 +206,12 @@ class NvmlSource:
         own_pids: Callable[[], Iterable[int]] | Iterable[int] | None = None,
         nvml: Any = None,
         clock: Callable[[], float] = time.monotonic,
-        proc_name: Callable[[int], str] = _proc_name,
+        proc_name: Callable[[int], str] = proc_name,
     ) -> None:
         self.index = index
         self._own = own_pids if own_pids is not None else (os.getpid(),)
         self._clock = clock
-        self._proc_name = proc_name
+        self.proc_name = proc_name
         self._nvml = nvml
         self._handle = None
         self._name = ""
@@ -255,7 +282,7 @@ class NvmlSource:
             except Exception:
                 display = False
             used = int(mem.used)
-            ours, others, listed, top = _split(procs, _pid_set(self._own), used, self._proc_name)
+            ours, others, listed, top = _split(procs, _pid_set(self._own), used, self.proc_name)
             return VramSample(
                 timestamp=now,
                 gpu=True,

@@ -1,11 +1,11 @@
 """The VRAM watcher: sample the GPU, publish ``vram`` events, replan the worker live.
 
-DESIGN.md, "When memory moves": a few times a second (``--vram-hz``) the watcher takes a
+When memory moves: a few times a second (``--vram-hz``) the watcher takes a
 :class:`service.vram.VramSample` from its source, publishes it (coalesced by the hub),
 and hands it with the worker's pool (``engine.ipc.PoolStats`` from its last heartbeat or
 command) to :class:`service.replan.ReplanController`. Each action the controller picks
 goes to the worker as a typed command (``engine.ipc.SetPrefillChunk``,
-``EvictPrefixCache``, ``ResizePool``) and is awaited before the next sample, so every
+``EvictPrefixCache``, ``ResizePool``, each with ``origin="watcher"``) and is awaited before the next sample, so every
 decision sees the pool its predecessor left. The worker answers with the engine's
 ``Replanned`` events, which :meth:`service.state.Services.record_engine_event` turns
 into ``replan`` events.
@@ -20,6 +20,10 @@ Sources (``--vram-source``):
   ``--vram-timeline`` script (:func:`load_timeline`); this service's memory on it is
   what the worker's memory plan charges (fixed sizes plus the KV pool now, less the
   activation memory a lowered prefill chunk no longer needs). For tests and demos.
+
+With ``--device-limit``, either source is read as a card of that size
+(:class:`service.vram.CardOfLimit`), the rule the memory plan used at start: everything
+in use, other processes' memory included, counts against the limit.
 """
 
 from __future__ import annotations
@@ -35,20 +39,28 @@ from typing import Any, Literal
 
 from engine import ipc
 from engine.memory.plan import fmt_bytes
+from engine.messages import BY_WATCHER
 from service.events import EventHub, VramEvent
 from service.replan import (
     DEFAULT_HOLD_S,
-    EvictPrefixCache,
+    EmptyPrefixCache,
+    NewChunkCap,
+    NewPoolSize,
     PoolState,
     ReplanController,
-    ResizePool,
-    SetPrefillChunk,
     Squeeze,
     default_water_marks,
 )
 from service.settings import ServeSettings, parse_size
 from service.supervisor import State, Supervisor
-from service.vram import DEFAULT_SAMPLE_HZ, NvmlSource, SimulatedSource, VramSample, nvml_index
+from service.vram import (
+    DEFAULT_SAMPLE_HZ,
+    CardOfLimit,
+    NvmlSource,
+    SimulatedSource,
+    VramSample,
+    nvml_index,
+)
 from service.vram import resolve_reserve as _resolve_reserve
 
 log = logging.getLogger("headroom.vram")
@@ -299,18 +311,18 @@ class VramWatcher:
             return actions
 
     async def _apply(self, action: Any) -> bool:
-        if isinstance(action, SetPrefillChunk):
+        if isinstance(action, NewChunkCap):
             kind, fields = ipc.SetPrefillChunk, {"tokens": action.tokens}
-        elif isinstance(action, EvictPrefixCache):
+        elif isinstance(action, EmptyPrefixCache):
             kind, fields = ipc.EvictPrefixCache, {}
-        elif isinstance(action, ResizePool):
+        elif isinstance(action, NewPoolSize):
             kind, fields = ipc.ResizePool, {"num_pages": action.num_pages}
         else:  # pragma: no cover - a new action kind
             log.error("unknown replan action %r", action)
             return False
         self.commands += 1
         done = await self.supervisor.run_command(
-            kind, timeout_s=self.command_timeout_s, reason=action.reason, **fields
+            kind, timeout_s=self.command_timeout_s, reason=action.reason, origin=BY_WATCHER, **fields
         )
         if done is None:
             log.warning("the worker did not carry out %s (gone, or busy too long)", kind.__name__)
@@ -391,6 +403,9 @@ def make_watcher(settings: ServeSettings, supervisor: Supervisor, hub: EventHub)
 
         source = NvmlSource(nvml_index(_cuda_index(settings.device)), own_pids=own_pids)
         kind = "nvml"
+    if settings.device_limit is not None:
+        # One rule with the plan: a card of that size, others' memory counting against it.
+        source = CardOfLimit(source, settings.device_limit)
     return VramWatcher(
         supervisor,
         hub,

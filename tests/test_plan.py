@@ -1,5 +1,6 @@
 """The memory plan on simulated devices: the ledger's arithmetic, the misfit message's
-knobs and directions, and the engine sizing its pool from the plan (CASES F1, F5)."""
+knobs and directions, and the engine sizing its pool from the plan (a fixed workspace the
+plan must charge; a prompt larger than the KV pool, rejected at once)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,11 @@ import pytest
 
 from engine.attention.base import register_backend
 from engine.attention.torch_backend import TorchAttentionBackend
+from engine.commands.plan import build_plan, render
 from engine.config import EngineConfig
 from engine.errors import PlanDoesNotFit
 from engine.memory.device import simulated_device
 from engine.memory.plan import Footprint, GiB, MiB, PlanKnobs, make_plan, reserve_for
-from engine.plan_command import build_plan, render
 
 FLAG_TO_KNOB = {
     "--max-prefill-tokens": "max_prefill_tokens",
@@ -24,7 +25,8 @@ FLAG_TO_KNOB = {
 
 @register_backend("test-workspace-256m")
 class Workspace256Backend(TorchAttentionBackend):
-    """A backend that declares a 256 MiB workspace, like the one in CASES F1."""
+    """A backend that declares a 256 MiB workspace (a fixed workspace the plan must
+    charge before it sizes the pool)."""
 
     workspace_bytes = 256 * MiB
 

@@ -14,24 +14,27 @@ import sys
 import types
 from dataclasses import dataclass
 
+import msgspec
 import pytest
 
 from engine.memory.plan import GiB, MiB, reserve_for, safety_margin_for
 from service.replan import (
     Decision,
-    EvictPrefixCache,
+    EmptyPrefixCache,
+    NewChunkCap,
+    NewPoolSize,
     PoolState,
     ReplanController,
-    ResizePool,
-    SetPrefillChunk,
     Squeeze,
     default_water_marks,
 )
 from service.vram import (
+    CardOfLimit,
     GpuProcess,
     NvmlSource,
     SimulatedSource,
     VramSample,
+    as_card,
     cpu_mode_sample,
     nvml_index,
     resolve_reserve,
@@ -270,21 +273,27 @@ class EngineModel:
 
     def apply(self, actions) -> None:
         for a in actions:
-            if isinstance(a, SetPrefillChunk):
+            if isinstance(a, NewChunkCap):
                 assert a.before == self.chunk
                 self.chunk = a.tokens
-            elif isinstance(a, EvictPrefixCache):
+            elif isinstance(a, EmptyPrefixCache):
                 self.cached = 0
-            elif isinstance(a, ResizePool):
+            elif isinstance(a, NewPoolSize):
                 assert a.before == self.pages
                 self.pages = a.num_pages
 
 
-def run_timeline(others, *, seconds=100.0, hz=4.0, hold_s=10.0, model=None, display=True):
-    """Sample ``others(t)`` at ``hz`` for ``seconds``; returns (controller, model, trace)
-    with trace rows ``(t, headroom before acting, pages after, chunk after, actions)``."""
+def run_timeline(
+    others, *, seconds=100.0, hz=4.0, hold_s=10.0, model=None, display=True, card=TOTAL, limit=None
+):
+    """Sample ``others(t)`` at ``hz`` for ``seconds`` on a card of ``card`` bytes, read as
+    one of ``limit`` bytes when given (``--device-limit``); returns (controller, model,
+    trace) with trace rows ``(t, headroom before acting, pages after, chunk after,
+    actions)``."""
     model = model or EngineModel()
-    src = SimulatedSource(TOTAL, others, ours_bytes=model.ours, display_attached=display)
+    src = SimulatedSource(card, others, ours_bytes=model.ours, display_attached=display)
+    if limit is not None:
+        src = CardOfLimit(src, limit)
     low, high = default_water_marks(TOTAL)
     ctl = ReplanController(low, high, hold_s=hold_s)
     trace = []
@@ -336,7 +345,7 @@ def directions(ctl) -> list[str]:
     out: list[str] = []
     for d in ctl.decisions:
         for a in d.actions:
-            if isinstance(a, ResizePool):
+            if isinstance(a, NewPoolSize):
                 sign = "+" if a.grows else "-"
                 if not out or out[-1] != sign:
                     out.append(sign)
@@ -358,12 +367,12 @@ def test_the_pool_follows_a_desktop_day_without_flapping(seed):
     assert all(
         20 <= d.timestamp < 21.5 or 40 <= d.timestamp < 41.5
         for d in ctl.decisions
-        if any(isinstance(a, ResizePool) and not a.grows for a in d.actions)
+        if any(isinstance(a, NewPoolSize) and not a.grows for a in d.actions)
     )
     # The cheapest step came first: the chunk cap went down with the first shrink.
     first = ctl.decisions[0].actions
-    assert isinstance(first[0], SetPrefillChunk) and first[0].tokens < CHUNK
-    assert isinstance(first[-1], ResizePool)
+    assert isinstance(first[0], NewChunkCap) and first[0].tokens < CHUNK
+    assert isinstance(first[-1], NewPoolSize)
     # The pool follows the timeline.
     game = int(0.4 * TOTAL)
     assert pages_at(trace, 10) == PLANNED
@@ -382,7 +391,7 @@ def test_the_pool_follows_a_desktop_day_without_flapping(seed):
     grows = [
         d.timestamp
         for d in ctl.decisions
-        if any(isinstance(a, ResizePool) and a.grows for a in d.actions)
+        if any(isinstance(a, NewPoolSize) and a.grows for a in d.actions)
     ]
     assert grows[0] >= 44 + 10 and grows[1] >= 60 + 10
 
@@ -439,7 +448,7 @@ def test_prefix_cache_is_evicted_before_a_shrink_that_needs_its_pages():
     model = EngineModel()
     src = SimulatedSource(TOTAL, [(0, DESKTOP + GiB)], ours_bytes=model.ours, display_attached=True)
     actions = ctl.decide(src.sample(at=0), model.state())
-    assert [type(a) for a in actions] == [SetPrefillChunk, EvictPrefixCache, ResizePool]
+    assert [type(a) for a in actions] == [NewChunkCap, EmptyPrefixCache, NewPoolSize]
     assert "below the low water mark" in actions[-1].reason
 
 
@@ -456,8 +465,8 @@ def test_unknown_activation_price_halves_the_chunk_and_counts_nothing():
     )
     sample = VramSample(timestamp=0.0, gpu=True, total_bytes=TOTAL, free_bytes=low - 10 * PAGE)
     actions = ctl.decide(sample, state)
-    assert actions[0] == SetPrefillChunk(1024, 2048, actions[0].reason)
-    assert isinstance(actions[1], ResizePool) and actions[1].num_pages < 1000
+    assert actions[0] == NewChunkCap(1024, 2048, actions[0].reason)
+    assert isinstance(actions[1], NewPoolSize) and actions[1].num_pages < 1000
     assert ctl.decisions == [Decision(0.0, low - 10 * PAGE, tuple(actions))]
 
 
@@ -510,7 +519,7 @@ def test_a_pinned_card_is_given_memory_fast():
         d.timestamp
         for d in ctl.decisions
         for a in d.actions
-        if isinstance(a, ResizePool) and not a.grows
+        if isinstance(a, NewPoolSize) and not a.grows
     ]
     assert 2 <= len(shrunk_at) <= 5 and shrunk_at[-1] < 11.5, (
         shrunk_at
@@ -519,3 +528,49 @@ def test_a_pinned_card_is_given_memory_fast():
     assert min(row[2] for row in trace) >= MIN_PAGES
     assert directions(ctl) == ["-", "+"]
     assert model.pages == planned
+
+
+# -- --device-limit: a card of that size, for the watcher as for the plan ------------------
+
+
+def test_a_device_limit_reads_the_card_as_one_of_that_size():
+    """The plan counts other processes' memory against ``--device-limit``; the watcher's
+    samples do the same: everything in use counts against the limit, as on a real card
+    of that size, and free memory may read below zero when the real, larger card let the
+    others take more. A limit above the card, no limit, or CPU mode change nothing."""
+    sample = VramSample(
+        timestamp=1.0, gpu=True, total_bytes=80 * GiB, free_bytes=58 * GiB,
+        ours_bytes=15 * GiB, others_bytes=7 * GiB,
+    )
+    card = as_card(sample, 16 * GiB)
+    assert (card.total_bytes, card.device_limit_bytes) == (16 * GiB, 16 * GiB)
+    assert card.free_bytes == 16 * GiB - 22 * GiB  # 6 GiB over the card
+    assert (card.ours_bytes, card.others_bytes) == (sample.ours_bytes, sample.others_bytes)
+    assert as_card(sample, None) is sample and as_card(sample, 96 * GiB) is sample
+    cpu = cpu_mode_sample("no GPU")
+    assert as_card(cpu, 16 * GiB) is cpu
+    # Memory in use that NVML attributes to nobody counts as well: free drops by the
+    # part of the card beyond the limit, whatever holds the rest.
+    unattributed = msgspec.structs.replace(sample, free_bytes=40 * GiB)
+    assert as_card(unattributed, 30 * GiB).free_bytes == 40 * GiB - 50 * GiB
+
+
+def test_a_device_limit_makes_the_pool_follow_another_process_on_a_large_card():
+    """The engine planned for a 16 GiB card runs on an 80 GiB one (``--device-limit
+    16GiB``); another process takes 6 GiB, then frees it. Read as a card of the limit, the
+    pool shrinks by about what was taken and grows back to the plan; read as the whole
+    card (the old, inconsistent rule), it never moves."""
+    hog = [(0.0, DESKTOP), (10.0, DESKTOP + 6 * GiB), (40.0, DESKTOP)]
+    ctl, model, trace = run_timeline(hog, card=80 * GiB, limit=TOTAL)
+    pages = [row[2] for row in trace]
+    # What was taken came out of the pool, less the headroom the plan left (the margin)
+    # and what a lower prefill chunk gave back (at most the whole activation peak).
+    assert min(pages) <= PLANNED - (6 * GiB - MARGIN - CHUNK * APT) // PAGE, min(pages)
+    assert min(pages) >= MIN_PAGES
+    assert model.pages == PLANNED and model.chunk == CHUNK
+    assert 1 <= ctl.shrinks <= 3 and ctl.grows >= 1 and ctl.squeezes == 0
+    during = [row[1] for row in trace if 15.0 <= row[0] < 40.0]
+    assert min(during) >= 0, "the headroom came back while the other process held its 6 GiB"
+
+    whole_ctl, whole, _ = run_timeline(hog, card=80 * GiB)
+    assert whole_ctl.shrinks == 0 and whole.pages == PLANNED and whole.chunk == CHUNK

@@ -1,4 +1,4 @@
-"""Live resize of the KV pool on the CPU (DESIGN.md, "When memory moves").
+"""Live resize of the KV pool on the CPU, as when another process takes or frees memory.
 
 Four greedy requests run on a tiny random model; the pool shrinks under them (pages
 moved below the cut, the prefix cache evicted first, the youngest preempted when pages
@@ -273,7 +273,7 @@ def test_shrink_moves_live_pages_and_changes_no_output(tiny_dir, reference):
         if n == 3:
             e.allocator.free(hog)
             e.test_held = []
-            live = e._live_pages_at_or_above(64)
+            live = e.scheduler.live_pages_at_or_above(64)
             assert live and len(e.scheduler.running) == 4
             contents = kv_contents(e)
             res = e.resize_kv_pool(64, reason="test shrink")
@@ -313,7 +313,7 @@ def test_shrink_below_what_runs_preempts_the_youngest_then_grows_back(tiny_dir, 
 
     def on_step(n, e):
         if n == 4:
-            held = len(e._live_pages_at_or_above(1))
+            held = len(e.scheduler.live_pages_at_or_above(1))
             results.append(e.resize_kv_pool(24, reason="squeeze"))
             assert held > 23
         if n == 12:
@@ -381,7 +381,7 @@ def test_shrink_evicts_lru_cache_below_the_cut_to_make_room(tiny_dir, reference)
             e.test_held = []
             assert min(p for r in e.scheduler.running for p in r.pages) > max(hog)
             for cut in range(NUM_PAGES, 2, -1):
-                live = len(e._live_pages_at_or_above(cut))
+                live = len(e.scheduler.live_pages_at_or_above(cut))
                 free = e.allocator.free_below(cut)
                 if free < live <= free + len(cached):
                     break
@@ -537,11 +537,11 @@ def test_a_desktop_timeline_drives_live_resizes_and_no_request_fails(tiny_dir):
     resizing its pool under a stream of requests: no request fails, every output equals
     the undisturbed run, the pool follows the timeline, and the decisions do not flap."""
     from service.replan import (
-        EvictPrefixCache,
+        EmptyPrefixCache,
+        NewChunkCap,
+        NewPoolSize,
         PoolState,
         ReplanController,
-        ResizePool,
-        SetPrefillChunk,
     )
     from service.vram import SimulatedSource
 
@@ -585,11 +585,11 @@ def test_a_desktop_timeline_drives_live_resizes_and_no_request_fails(tiny_dir):
             cached_pages=e.radix.evictable_pages(),
         )
         for a in ctl.decide(s, state):
-            if isinstance(a, SetPrefillChunk):
+            if isinstance(a, NewChunkCap):
                 e.set_prefill_chunk(a.tokens, reason=a.reason)
-            elif isinstance(a, EvictPrefixCache):
+            elif isinstance(a, EmptyPrefixCache):
                 e.evict_prefix_cache(reason=a.reason)
-            elif isinstance(a, ResizePool):
+            elif isinstance(a, NewPoolSize):
                 e.resize_kv_pool(a.num_pages, reason=a.reason)
         pages_over_time.append((n * dt, e.pool.num_pages))
 
@@ -616,13 +616,13 @@ def test_a_desktop_timeline_drives_live_resizes_and_no_request_fails(tiny_dir):
         d.timestamp
         for d in ctl.decisions
         for a in d.actions
-        if isinstance(a, ResizePool) and not a.grows
+        if isinstance(a, NewPoolSize) and not a.grows
     ]
     grown_at = [
         d.timestamp
         for d in ctl.decisions
         for a in d.actions
-        if isinstance(a, ResizePool) and a.grows
+        if isinstance(a, NewPoolSize) and a.grows
     ]
     assert all(3 <= t < 5.5 or 8 <= t < 8.75 for t in shrunk_at), shrunk_at
     assert len(grown_at) == 2 and grown_at[0] >= 10 + 2.0 and grown_at[1] >= 15 + 2.0

@@ -5,6 +5,8 @@
   leave; meanwhile several clients stream requests. No request fails; the KV pool (as
   ``/api/status`` reports it) shrinks and grows back to the plan; replans are counted
   and do not flap; ``/api/events`` delivers the ``vram`` and ``replan`` events in order.
+- ``--device-limit`` on a larger simulated card is a card of that size while serving, as
+  in the plan: another process's memory counts against it, the pool shrinks and grows.
 - F4: a worker that outlived its SIGKILLed service (stuck in its load) is ended by the
   next start; an unrelated process listed in the same pid file is left alone.
 """
@@ -115,6 +117,31 @@ def stream_chat(base_url: str, i: int) -> tuple[bool, str]:
     return True, ""
 
 
+class StreamingClients:
+    """``n`` threads that stream chat requests to ``base_url`` from construction until
+    :meth:`stop`, which returns every request's ``(ok, what went wrong)``."""
+
+    def __init__(self, base_url: str, n: int) -> None:
+        self.base_url = base_url
+        self.results: list[tuple[bool, str]] = []
+        self.stopping = threading.Event()
+        self.threads = [threading.Thread(target=self._run, args=(k,), daemon=True) for k in range(n)]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, k: int) -> None:
+        i = 0
+        while not self.stopping.is_set():
+            self.results.append(stream_chat(self.base_url, 100 * k + i))
+            i += 1
+
+    def stop(self) -> list[tuple[bool, str]]:
+        self.stopping.set()
+        for t in self.threads:
+            t.join(timeout=120)
+        return self.results
+
+
 def test_simulated_desktop_timeline_shrinks_and_grows_the_pool_without_failing_requests(
     start_server, tmp_path
 ):
@@ -146,18 +173,7 @@ def test_simulated_desktop_timeline_shrinks_and_grows_the_pool_without_failing_r
     assert initial["plan"]["plan"]["fits"] is True
 
     # Clients stream requests for the whole timeline.
-    results: list[tuple[bool, str]] = []
-    stop = threading.Event()
-
-    def client(k: int) -> None:
-        i = 0
-        while not stop.is_set():
-            results.append(stream_chat(server.base_url, 100 * k + i))
-            i += 1
-
-    clients = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(4)]
-    for t in clients:
-        t.start()
+    clients = StreamingClients(server.base_url, 4)
 
     # The pool as /api/status reports it, over the timeline.
     pages_seen: list[int] = []
@@ -171,9 +187,7 @@ def test_simulated_desktop_timeline_shrinks_and_grows_the_pool_without_failing_r
         30,
         "the pool to grow back to the plan",
     )
-    stop.set()
-    for t in clients:
-        t.join(timeout=120)
+    results = clients.stop()
     time.sleep(0.5)  # the last events
     events.stop()
     final = http.get("/api/status").json()
@@ -238,6 +252,47 @@ def test_simulated_desktop_timeline_shrinks_and_grows_the_pool_without_failing_r
         f"replans: {actions} ({moves}); pool pages {planned_pages} -> min {min(pages_seen)} -> "
         f"{final['engine']['info']['num_pages']}; {len(results)} requests, all ok"
     )
+
+
+# -- --device-limit: a card of that size while serving, as in the plan ----------------------
+
+
+def test_device_limit_is_a_card_of_that_size_while_serving(start_server, tmp_path):
+    """``--device-limit 4GiB`` on a simulated 8 GiB card: the plan, the watcher and the
+    replan controller all read a 4 GiB card. Another process takes 1.5 GiB (plenty is
+    free on the 8 GiB card, none on a 4 GiB one), then frees it: the pool shrinks and
+    grows back to the plan, no request fails, and ``/api/status`` states the rule."""
+    timeline = tmp_path / "timeline.json"
+    timeline.write_text(json.dumps({"steps": [[0, 0], [3, "1.5GiB"], [10, 0]]}))
+    flags = "--device-total 8GiB --device-limit 4GiB --max-model-len 2048 --vram-source simulated"
+    server = start_server([*flags.split(), "--vram-timeline", str(timeline), "--replan-hold", "1"])
+    http = server.client()
+    initial = wait_for(
+        lambda: (s := http.get("/api/status").json())["vram"] is not None and s, 30, "a vram sample"
+    )
+    planned_pages = initial["engine"]["info"]["num_pages"]
+    ledger = {e["name"]: e["bytes"] for e in initial["plan"]["plan"]["ledger"]}
+    assert ledger["device total"] == 4 * GiB
+    vram = initial["vram"]
+    assert (vram["total_bytes"], vram["device_limit_bytes"]) == (4 * GiB, 4 * GiB)
+    assert "a card of 4.00 GiB" in vram["memory_rule"]
+
+    clients = StreamingClients(server.base_url, 3)
+    pages = lambda: http.get("/api/status").json()["engine"]["info"]["num_pages"]  # noqa: E731
+    shrunk = wait_for(lambda: (p := pages()) < planned_pages and p, 90, "the pool to shrink")
+    wait_for(lambda: pages() == planned_pages, 120, "the pool to grow back to the plan")
+    results = clients.stop()
+    final = http.get("/api/status").json()
+    http.close()
+
+    failures = [why for ok, why in results if not ok]
+    assert results and not failures, failures
+    # What was taken (1.5 GiB) came out of the pool, less the headroom the plan had left.
+    page_bytes = initial["engine"]["info"]["kv_cache_bytes"] // planned_pages
+    assert (planned_pages - shrunk) * page_bytes >= GiB, (planned_pages, shrunk)
+    actions = [r["action"] for r in final["replans"]]
+    assert "shrink_kv" in actions and "grow_kv" in actions, actions
+    assert final["engine"]["info"]["num_pages"] == planned_pages
 
 
 # -- F4: a stale worker of a killed service --------------------------------------------------

@@ -21,6 +21,8 @@ from click.testing import CliRunner
 from engine import ipc
 from engine.memory.plan import LedgerEntry, MemoryPlan
 from engine.messages import (
+    BY_CONTROL,
+    BY_WATCHER,
     REPLAN_EVICT_PREFIX_CACHE,
     REPLAN_PREFILL_CHUNK,
     REPLAN_RESIZE_POOL,
@@ -104,7 +106,7 @@ def test_replan_commands_and_answers_cross_the_pipe():
     for command in (
         ipc.SetPrefillChunk(seq=1, tokens=512, reason="r"),
         ipc.EvictPrefixCache(seq=2, reason="r"),
-        ipc.ClearPrefixCache(seq=3),
+        ipc.EvictPrefixCache(seq=3, origin=BY_CONTROL),
         ipc.ResizePool(seq=4, num_pages=50, reason="r"),
     ):
         assert ipc.to_worker_decoder.decode(ipc.encode(command)) == command
@@ -161,7 +163,7 @@ class ResizableEngine:
     def min_kv_pool_pages(self) -> int:
         return 33
 
-    def resize_kv_pool(self, num_pages: int, *, reason: str = "") -> ResizeResult:
+    def resize_kv_pool(self, num_pages: int, *, reason: str = "", origin: str = BY_WATCHER) -> ResizeResult:
         if num_pages < 2:
             raise ValueError("at least 2 pages")
         before = self.pool.num_pages
@@ -170,6 +172,7 @@ class ResizableEngine:
             Replanned(
                 action=REPLAN_RESIZE_POOL,
                 reason=reason,
+                origin=origin,
                 before_pages=before,
                 after_pages=num_pages,
                 before_bytes=before * MiB,
@@ -187,11 +190,11 @@ class ResizableEngine:
             max_context_tokens=(num_pages - 1) * 16,
         )
 
-    def set_prefill_chunk(self, tokens: int, *, reason: str = "") -> int:
+    def set_prefill_chunk(self, tokens: int, *, reason: str = "", origin: str = BY_WATCHER) -> int:
         self.scheduler.max_prefill_tokens = min(tokens, 2048)
         return self.scheduler.max_prefill_tokens
 
-    def evict_prefix_cache(self, *, reason: str = "") -> int:
+    def evict_prefix_cache(self, *, reason: str = "", origin: str = BY_WATCHER) -> int:
         return 0
 
     def drain_events(self) -> list[Any]:
@@ -206,10 +209,15 @@ def test_the_worker_carries_out_replan_commands_and_answers_after_the_events():
     _replan(conn, engine, ipc.ResizePool(seq=7, num_pages=60, reason="game"), 101)
     events, done = conn.sent
     assert isinstance(events, ipc.EngineEvents) and events.events[0].after_pages == 60
+    assert events.events[0].origin == BY_WATCHER
     assert isinstance(done, ipc.ControlDone) and done.seq == 7 and done.ok
     assert done.pool is not None and done.pool.pages == 60 and done.pool.planned_pages == 101
     assert done.result is not None and done.result.after_pages == 60
     assert "100 -> 59 pages" in done.message
+
+    conn.sent.clear()
+    _replan(conn, engine, ipc.ResizePool(seq=11, num_pages=50, origin=BY_CONTROL), 101)
+    assert conn.sent[0].events[0].origin == BY_CONTROL  # who asked comes back typed
 
     conn.sent.clear()
     _replan(conn, engine, ipc.ResizePool(seq=8, num_pages=1), 101)
@@ -222,7 +230,7 @@ def test_the_worker_carries_out_replan_commands_and_answers_after_the_events():
 
     conn.sent.clear()
     plain = type("PlainEngine", (), {"stats": lambda self: STATS})()  # cannot resize
-    _replan(conn, plain, ipc.ClearPrefixCache(seq=10), 0)
+    _replan(conn, plain, ipc.EvictPrefixCache(seq=10, origin=BY_CONTROL), 0)
     (answer,) = conn.sent
     assert not answer.ok and answer.pool is None
 
@@ -263,11 +271,13 @@ def test_engine_events_become_replan_and_request_error_events():
     svc.record_engine_event(replanned(REPLAN_RESIZE_POOL, 101, 51, preempted=["x"]))
     svc.record_engine_event(replanned(REPLAN_RESIZE_POOL, 51, 101))
     svc.record_engine_event(
-        replanned(REPLAN_RESIZE_POOL, 101, 41, reason=f"{CONTROL_REASON}: KV cache 40 MiB")
+        replanned(REPLAN_RESIZE_POOL, 101, 41, reason=f"{CONTROL_REASON}: KV cache 40 MiB", origin=BY_CONTROL)
     )
     svc.record_engine_event(replanned(REPLAN_PREFILL_CHUNK, 41, 41, chunk=256))
     svc.record_engine_event(replanned(REPLAN_EVICT_PREFIX_CACHE, 41, 41, evicted_pages=5))
-    svc.record_engine_event(replanned(REPLAN_EVICT_PREFIX_CACHE, 41, 41, reason=CONTROL_REASON))
+    svc.record_engine_event(
+        replanned(REPLAN_EVICT_PREFIX_CACHE, 41, 41, reason=CONTROL_REASON, origin=BY_CONTROL)
+    )
     svc.record_engine_event(ReplanWanted(reason="oom in a step", new_max_prefill_tokens=1024))
     svc.record_engine_event(
         OomEvent(

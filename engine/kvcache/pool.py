@@ -9,7 +9,7 @@ Page 0 is the null page: it is never handed out, so padded page tables (0) and p
 slots point at harmless memory.
 
 Live resize (:meth:`KVPool.resize`), and why layer by layer. A desktop GPU's free
-memory moves while the engine runs (DESIGN.md, "When memory moves"), so the pool must
+memory moves while the engine runs (other applications take and free it), so the pool must
 shrink and grow without dropping the requests it holds, and the memory it gives back
 must really reach the device, as NVML sees it. Three ways were weighed:
 

@@ -60,7 +60,7 @@ def probe_nvml(index: int = 0, own_pids: frozenset[int] | None = None) -> Device
                 pass
         ours = sum(b for pid, b in procs.items() if pid in own)
         others = max(int(mem.used) - ours, 0)
-        top = sorted(((pid, _proc_name(pid), b) for pid, b in procs.items() if pid not in own), key=lambda t: -t[2])[:5]
+        top = sorted(((pid, proc_name(pid), b) for pid, b in procs.items() if pid not in own), key=lambda t: -t[2])[:5]
         try:
             display = bool(pynvml.nvmlDeviceGetDisplayActive(handle)) or bool(pynvml.nvmlDeviceGetDisplayMode(handle))
         except pynvml.NVMLError:
@@ -82,9 +82,21 @@ def probe_nvml(index: int = 0, own_pids: frozenset[int] | None = None) -> Device
             pass
 
 
-def _proc_name(pid: int) -> str:
+def proc_name(pid: int) -> str:
+    """A process's short name (``/proc/PID/comm``), ``"?"`` where it cannot be read."""
     try:
         with open(f"/proc/{pid}/comm") as f:
             return f.read().strip()
     except OSError:
         return "?"
+
+
+def nvml_index(cuda_index: int = 0, env: dict[str, str] | None = None) -> int:
+    """NVML's index of CUDA device ``cuda_index``: ``CUDA_VISIBLE_DEVICES`` renumbers the
+    CUDA devices, NVML does not (entries that are not plain numbers, such as GPU UUIDs,
+    are taken as the identity)."""
+    visible = (os.environ if env is None else env).get("CUDA_VISIBLE_DEVICES", "")
+    parts = [p.strip() for p in visible.split(",")] if visible.strip() else []
+    if cuda_index < len(parts) and parts[cuda_index].isdigit():
+        return int(parts[cuda_index])
+    return cuda_index

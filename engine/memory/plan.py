@@ -6,7 +6,7 @@ show a plan without importing torch.
 
 The ledger, top to bottom::
 
-    device total                 NVML (or --device-total), capped by --device-limit
+    device total                 NVML (or --device-total); with --device-limit a card of that size
   - used by other processes      NVML, now (or total - --device-free)
   - desktop reserve              --reserve (auto: see reserve_for)
   - safety margin                fragmentation and allocator rounding
@@ -31,8 +31,9 @@ from dataclasses import dataclass, replace
 
 import msgspec
 
-MiB = 1 << 20
-GiB = 1 << 30
+from engine.units import GiB as GiB
+from engine.units import MiB
+from engine.units import fmt_bytes as fmt_bytes
 
 # Desktop reserve when a display is attached to the GPU: a compositor with two 4K
 # surfaces and a browser's GPU process commonly hold 300-600 MiB; the 5% share scales
@@ -203,15 +204,6 @@ class MemoryPlan(msgspec.Struct, frozen=True, kw_only=True):
         return "\n".join(out)
 
 
-def fmt_bytes(n: int) -> str:
-    """Bytes for a person: GiB, MiB or KiB."""
-    if abs(n) >= GiB:
-        return f"{n / GiB:.2f} GiB"
-    if abs(n) >= MiB:
-        return f"{n / MiB:.0f} MiB"
-    return f"{n / 1024:.0f} KiB"
-
-
 def make_plan(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint) -> MemoryPlan:
     """Compute the ledger for ``device`` with ``knobs`` and the model's ``fp``.
 
@@ -241,7 +233,7 @@ def _ledger(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint) -> MemoryPlan
     sampler = fp.sampler_bytes_per_request * knobs.max_running_requests
     activation = fp.activation_at(knobs) if fp.activation_at is not None else fp.activation_peak_bytes
     ledger = [
-        LedgerEntry("device total", total, "+", src + (" (capped by --device-limit)" if total < device.total_bytes else "")),
+        LedgerEntry("device total", total, "+", src + (" (a card of --device-limit)" if total < device.total_bytes else "")),
         LedgerEntry("used by other processes", device.others_bytes, "-", src + ", now"),
         LedgerEntry("desktop reserve", reserve, "-", reserve_src),
         LedgerEntry("safety margin", margin, "-", "auto" if knobs.safety_margin_bytes is None else "flag"),

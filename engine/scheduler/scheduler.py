@@ -5,7 +5,10 @@ Each step mixes every decoding request (one token each) with prefill chunks, up 
 waiting -> prefill (in chunks) -> decode -> finished; preemption sends a running
 request back to waiting, to be recomputed from its prompt and output so far.
 
-The scheduler owns pages and the prefix cache; it never touches tensors. A step is
+The scheduler owns pages and the prefix cache; it never touches tensors. A live resize
+of the KV pool goes through it too (:meth:`Scheduler.shrink_pages`, with the work in
+:mod:`engine.scheduler.resize`): it frees the pages above the cut and says which pages
+moved, and the engine copies their contents. A step is
 planned (:meth:`Scheduler.schedule`), run by the model runner, then either committed
 (:meth:`Scheduler.commit`) or rolled back (:meth:`Scheduler.rollback`), so a failed
 forward leaves every request exactly as it was before the step.
@@ -15,12 +18,18 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from engine.kvcache.allocator import OutOfPages, PageAllocator
 from engine.kvcache.radix import RadixCache
 from engine.messages import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
 from engine.scheduler.request import Phase, Request
+from engine.scheduler.resize import (
+    Vacated,
+    end_beyond_context,
+    live_pages_at_or_above,
+    vacate_above,
+)
 
 
 @dataclass(frozen=True)
@@ -246,6 +255,30 @@ class Scheduler:
                 req.phase = Phase.WAITING
                 self.running.remove(req)
                 self.waiting.appendleft(req)
+
+    # -- live resize of the KV pool ------------------------------------------------------
+
+    def shrink_pages(self, num_pages: int, max_context_tokens: int) -> Vacated:
+        """Shrink to ``num_pages`` pages (null page included) under a context limit of
+        ``max_context_tokens``: end what no longer fits, free every page at or above
+        ``num_pages`` (evicting, moving, preempting: :mod:`engine.scheduler.resize`), then
+        shrink the allocator. The caller copies the returned ``moves`` in the KV pool
+        before the next step."""
+        self.max_context_tokens = max_context_tokens
+        ended = end_beyond_context(self)
+        vacated = vacate_above(self, num_pages)
+        self.allocator.resize(num_pages)
+        return replace(vacated, ended=ended)
+
+    def grow_pages(self, num_pages: int, max_context_tokens: int) -> None:
+        """Grow to ``num_pages`` pages (null page included): the new ones are free, and the
+        context limit rises to ``max_context_tokens``."""
+        self.allocator.resize(num_pages)
+        self.max_context_tokens = max_context_tokens
+
+    def live_pages_at_or_above(self, cut: int) -> list[int]:
+        """Pages at or above ``cut`` that a running request or the prefix cache holds, sorted."""
+        return live_pages_at_or_above(self, cut)
 
     # -- internals ----------------------------------------------------------------------
 

@@ -1,4 +1,7 @@
-"""CASES F1-F3 for real on a GPU, under an allocator cap the size of a desktop card.
+"""The memory plan for real on a GPU, under an allocator cap the size of a desktop card:
+the predicted peak against the measured one, a plan that cannot fit failing before any
+weight loads, memory taken after the engine is ready failing one request (not the
+engine), and a long prompt completing at the chunk the profile measured.
 
 ``torch.cuda.set_per_process_memory_fraction`` makes the caching allocator raise a real
 ``torch.OutOfMemoryError`` past the cap, so a 141 GB card behaves like a 6 GiB one.
@@ -9,12 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.bench_memory import predicted_allocator_bytes, worst_step_workload
+from engine.commands.bench_memory import predicted_allocator_bytes, worst_step_workload
+from engine.commands.model_shapes import write_shape
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import PlanDoesNotFit
 from engine.messages import GenerateRequest, SamplingParams
-from engine.model_shapes import write_shape
 
 GiB = 1 << 30
 

@@ -77,11 +77,11 @@ def test_pool_follows_a_second_process_and_no_request_fails(capped):
         pytest.skip("HEADROOM_TEST_GGUF (the SmolLM2 GGUF) is not set")
     from engine.text.tokenizer import load_tokenizer
     from service.replan import (
-        EvictPrefixCache,
+        EmptyPrefixCache,
+        NewChunkCap,
+        NewPoolSize,
         PoolState,
         ReplanController,
-        ResizePool,
-        SetPrefillChunk,
         default_water_marks,
     )
     from service.vram import NvmlSource
@@ -121,11 +121,11 @@ def test_pool_follows_a_second_process_and_no_request_fails(capped):
             cached_pages=e.radix.evictable_pages(),
         )
         for a in ctl.decide(s, state):
-            if isinstance(a, SetPrefillChunk):
+            if isinstance(a, NewChunkCap):
                 e.set_prefill_chunk(a.tokens, reason=a.reason)
-            elif isinstance(a, EvictPrefixCache):
+            elif isinstance(a, EmptyPrefixCache):
                 e.evict_prefix_cache(reason=a.reason)
-            elif isinstance(a, ResizePool):
+            elif isinstance(a, NewPoolSize):
                 e.resize_kv_pool(a.num_pages, reason=a.reason)
         pages_seen.append(e.pool.num_pages)
         # The pool's share of what it could hold now: pool / (pool + unused budget).

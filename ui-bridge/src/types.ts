@@ -262,6 +262,11 @@ export interface Suggestion {
  * is already short). `source` is `nvml`, `simulated`, or `none` (no GPU: CPU
  * mode, all sizes 0, `reason` says why). `top_consumers` lists the largest other
  * processes.
+ *
+ * `device_limit_bytes` is `--device-limit` where it is smaller than the card, and
+ * `memory_rule` says for people which rule reads the card (the same one the memory
+ * plan used at start): a card of the limit's size, against which other processes'
+ * memory counts, or the whole card.
  */
 export interface VramEvent {
   type: "vram";
@@ -277,6 +282,8 @@ export interface VramEvent {
   headroom_bytes: number;
   top_consumers: Consumer[];
   reason: string | null;
+  device_limit_bytes: number | null;
+  memory_rule: string | null;
 }
 
 /**

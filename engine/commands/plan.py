@@ -11,11 +11,11 @@ import torch
 
 from engine.attention.base import backend_class
 from engine.config import EngineConfig
-from engine.engine import device_memory, plan_knobs, resolve_device, resolve_dtype
 from engine.loader.hf_config import load_model_config
 from engine.loader.resolve import resolve_model
 from engine.memory.footprint import CUDA_RUNTIME_ESTIMATE_BYTES, make_footprint
 from engine.memory.plan import MemoryPlan, make_plan
+from engine.startup import device_memory, plan_knobs, resolve_device, resolve_dtype
 
 
 class NoDevice(Exception):

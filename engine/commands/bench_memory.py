@@ -14,11 +14,11 @@ import tempfile
 
 import torch
 
+from engine.commands.model_shapes import write_shape
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.memory.plan import MemoryPlan
 from engine.messages import GenerateRequest, SamplingParams
-from engine.model_shapes import write_shape
 
 
 def kv_share(plan: MemoryPlan) -> float:

@@ -1,0 +1,70 @@
+"""What the engine decides before it loads anything: the device, the dtype, the plan's
+knobs and the device's memory as the plan sees it.
+
+Shared by the engine's constructor and ``headroom plan`` (which plans without loading
+weights).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config import EngineConfig
+from engine.memory.device import nvml_index, probe_nvml, simulated_device
+from engine.memory.plan import DeviceMemory, PlanKnobs
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    """``"auto"`` is CUDA when available, else CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``"auto"`` is bfloat16 on CUDA and float32 on CPU (CPU bf16 matmuls are slow).
+
+    Raises:
+        ValueError: an unknown dtype name.
+    """
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose one of auto, {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def plan_knobs(config: EngineConfig) -> PlanKnobs:
+    """The plan's knobs from an engine config."""
+    return PlanKnobs(
+        page_size=config.page_size,
+        max_prefill_tokens=config.max_prefill_tokens,
+        max_running_requests=config.max_running_requests,
+        max_model_len=config.max_model_len,
+        min_context_tokens=config.min_context_tokens,
+        reserve_bytes=config.reserve_bytes,
+        safety_margin_bytes=config.safety_margin_bytes,
+        device_limit_bytes=config.device_limit_bytes,
+    )
+
+
+def device_memory(config: EngineConfig, device: torch.device) -> DeviceMemory | None:
+    """The device as the plan sees it now: simulated when asked, NVML (or the CUDA
+    driver's free/total) on a GPU, None for a plain CPU run (no plan)."""
+    if config.simulate_device_total_bytes is not None:
+        return simulated_device(
+            config.simulate_device_total_bytes,
+            config.simulate_device_free_bytes,
+            display_attached=config.simulate_display_attached,
+        )
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    snap = probe_nvml(nvml_index(index))
+    if snap is not None:
+        return snap
+    free, total = torch.cuda.mem_get_info(device)
+    name = torch.cuda.get_device_name(device)
+    return DeviceMemory(name=name, total_bytes=total, free_bytes=free, others_bytes=total - free)

@@ -1,0 +1,70 @@
+"""Memory sizes between bytes and what a person reads or writes.
+
+Torch-free: the service parses its options with :func:`parse_size`, the memory plan
+prints its ledger with :func:`fmt_bytes`, and both read the one table below. Inside the
+code every size is in bytes.
+"""
+
+from __future__ import annotations
+
+import re
+
+KiB = 1 << 10
+MiB = 1 << 20
+GiB = 1 << 30
+TiB = 1 << 40
+
+# Unit (lower case) -> bytes. The IEC units and the bare letters are binary, as GPU
+# memory is counted; ``kb``/``mb``/``gb``/``tb`` are decimal (SI), as disks are sold.
+SIZE_UNITS: dict[str, int] = {
+    "": 1,
+    "b": 1,
+    "k": KiB,
+    "kib": KiB,
+    "kb": 10**3,
+    "m": MiB,
+    "mib": MiB,
+    "mb": 10**6,
+    "g": GiB,
+    "gib": GiB,
+    "gb": 10**9,
+    "t": TiB,
+    "tib": TiB,
+    "tb": 10**12,
+}
+SIZE_EXAMPLES = "e.g. 6GiB, 5.5GiB, 512MiB, 6GB (decimal) or a number of bytes"
+
+_SIZE = re.compile(r"^\s*(?P<number>\d+(?:\.\d*)?|\.\d+)\s*(?P<unit>[a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str | int) -> int:
+    """A memory size in bytes from what a person writes.
+
+    ``"6GiB"``, ``"5.5GiB"``, ``"512MiB"``, ``"64KiB"`` are binary (so are the bare
+    ``K``/``M``/``G``/``T``); ``"6GB"``, ``"512MB"`` are decimal; ``"1048576"`` (or an
+    int) is bytes. Case and a space before the unit do not matter. Fractions round down
+    to whole bytes.
+
+    Raises:
+        ValueError: not a size, or a negative one; the message gives examples.
+    """
+    if isinstance(text, bool):
+        raise ValueError(f"{text!r} is not a size; write {SIZE_EXAMPLES}")
+    if isinstance(text, int):
+        if text < 0:
+            raise ValueError(f"{text} is negative; a size is at least 0 bytes")
+        return text
+    match = _SIZE.match(str(text))
+    unit = match.group("unit").lower() if match else None
+    if match is None or unit not in SIZE_UNITS:
+        raise ValueError(f"{str(text)!r} is not a size; write {SIZE_EXAMPLES}")
+    return int(float(match.group("number")) * SIZE_UNITS[unit])
+
+
+def fmt_bytes(n: int) -> str:
+    """Bytes for a person: GiB, MiB or KiB."""
+    if abs(n) >= GiB:
+        return f"{n / GiB:.2f} GiB"
+    if abs(n) >= MiB:
+        return f"{n / MiB:.0f} MiB"
+    return f"{n / KiB:.0f} KiB"

@@ -191,7 +191,11 @@ def _nested(depth: int) -> bytes:
         ("invalid UTF-8", b'{"messages": [{"role": "user", "content": "\xff\xfe\xc3"}]}', None),
         ("NaN", b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', None),
         ("Infinity", b'{"messages": [{"role": "user", "content": "hi"}], "top_p": Infinity}', None),
-        ("1e999", b'{"messages": [{"role": "user", "content": "hi"}], "temperature": 1e999}', "temperature"),
+        (
+            "1e999",
+            b'{"messages": [{"role": "user", "content": "hi"}], "temperature": 1e999}',
+            "temperature",
+        ),
         ("not an object", b"[1, 2, 3]", None),
         ("truncated", b'{"messages": [', None),
         ("a lone surrogate", b'{"messages": [{"role": "user", "content": "\\ud800"}]}', ...),
@@ -443,3 +447,27 @@ def test_no_secret_reaches_the_log(server):
     assert "WebSocket" in log  # uvicorn logged the handshakes...
     assert token not in log and KEY not in log  # ...without the secrets
     assert "<redacted>" in log
+
+
+# -- the request timeout -------------------------------------------------------------------------
+
+
+def test_a_request_past_the_timeout_is_aborted_and_answered(start_server):
+    """``--request-timeout 1``: a completion of 3,000 tokens (it cannot finish in a
+    second on this model's CPU speed) ends with 504 ``request_timeout``; a stream ends
+    with an error event and ``[DONE]``; the engine holds nothing after either."""
+    server = start_server(["--num-pages", "512", "--request-timeout", "1"])
+    long = {"prompt": "Once upon a time", "max_tokens": 3000, "ignore_eos": True}
+    with server.client() as http:
+        assert_openai_error(http.post("/v1/completions", json=long), 504, code="request_timeout")
+        with http.stream("POST", "/v1/completions", json={**long, "stream": True}) as r:
+            assert r.status_code == 200
+            events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["error"]["code"] == "request_timeout"
+        deadline = time.monotonic() + 60
+        while (
+            http.get("/api/status").json()["counters"]["in_flight"] and time.monotonic() < deadline
+        ):
+            time.sleep(0.1)
+        assert http.get("/api/status").json()["counters"]["in_flight"] == 0

@@ -26,6 +26,7 @@ from service.events import EventHub, HealthEvent
 from service.events_api import dashboard_router, events_router
 from service.health import HealthController
 from service.openai_api import OpenAIController
+from service.openapi import openapi_route
 from service.security import SecurityMiddleware, api_key_guard, install_redaction
 from service.settings import ServeSettings
 from service.state import Services
@@ -155,6 +156,7 @@ def create_app(
                 status_requires_token=False,
             ),
             dashboard_router(),
+            openapi_route,
         ],
         dependencies={"svc": Provide(lambda: services, sync_to_thread=False)},
         exception_handlers=EXCEPTION_HANDLERS,

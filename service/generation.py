@@ -18,7 +18,7 @@ from engine.messages import FINISH_ERROR, FINISH_LENGTH, GenerateRequest, Sampli
 from engine.text.stop import StopStringMatcher
 from service.admission import Ticket
 from service.errors import SERVER_ERROR, APIError, invalid
-from service.openai_schemas import _SamplingFields
+from service.openai_schemas import MAX_N, SEED_MAX, TOP_K_MAX, _SamplingFields
 from service.supervisor import ENGINE_RESTARTED, EngineFailure, Submission, Supervisor
 from service.text import TextSide
 
@@ -26,12 +26,9 @@ _REPLACEMENT = "\ufffd"
 # ``seed``: any integer in 0..2**63-1 (a signed 64-bit integer in every client's
 # language; the engine's generator takes 64 bits). Choice ``i`` of ``n`` uses
 # ``(seed + i) mod 2**63``. Anything outside is a 400: wrapping it would make different
-# seeds give the same text.
-SEED_MAX = (1 << 63) - 1
-MAX_N = 128
-# top_k beyond the vocabulary means "off"; the bound keeps it a 32-bit integer on its
-# way to the engine.
-TOP_K_MAX = (1 << 31) - 1
+# seeds give the same text. top_k beyond the vocabulary means "off"; its bound keeps it
+# a 32-bit integer on its way to the engine. The schema declares both; the checks here
+# hold for bodies built in Python too.
 # OpenAI takes up to 4 stop strings; we take more, within bounds that keep the stop
 # matcher's per-token work small.
 MAX_STOP_STRINGS = 64

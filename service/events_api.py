@@ -24,7 +24,11 @@ for a bad body, and whatever :class:`service.errors.APIError` the target raises 
 **The token** (:mod:`service.token`) is sent as ``Authorization: Bearer <token>``. A
 browser cannot set headers on a WebSocket, so the socket also takes it as the
 subprotocol ``headroom.token.<token>`` (the server echoes it, as the WebSocket
-handshake requires) or as ``?token=<token>``. Tokens are compared in constant time.
+handshake requires) or as ``?token=<token>`` (redacted in logs,
+:class:`service.security.RedactSecrets`). Tokens are compared in constant time. On the
+control routes (and ``/status`` when protected) the Origin check and the token are
+Litestar guards (:class:`service.security.BearerGuard`), so they run for whatever
+spelling of the path the router accepted.
 
 **Origins.** A browser's Origin must be on the same allow-list as CORS, or be the
 service's own origin on a loopback Host (the dashboard at ``/ui``); else the control

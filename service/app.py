@@ -26,7 +26,8 @@ from service.events import EventHub, HealthEvent
 from service.events_api import dashboard_router, events_router
 from service.health import HealthController
 from service.openai_api import OpenAIController
-from service.security import SecurityMiddleware
+from service.openapi import openapi_route
+from service.security import SecurityMiddleware, api_key_guard, install_redaction
 from service.settings import ServeSettings
 from service.state import Services
 from service.supervisor import State, Supervisor, SupervisorConfig
@@ -133,9 +134,16 @@ def create_app(
         if services.text is not None:
             services.text.close()
 
+    # Whatever path spelling the router accepts for a /v1 route, its guard runs.
+    openai_routes = type(
+        "GuardedOpenAIController",
+        (OpenAIController,),
+        {"guards": [api_key_guard(settings.api_key)]},
+    )
+    install_redaction(lambda: (settings.api_key or "", token))
     app = Litestar(
         route_handlers=[
-            OpenAIController,
+            openai_routes,
             HealthController,
             # /api/status stays open (as /api/health) for curl and scripts; the control
             # routes and the event socket need the token.
@@ -148,6 +156,7 @@ def create_app(
                 status_requires_token=False,
             ),
             dashboard_router(),
+            openapi_route,
         ],
         dependencies={"svc": Provide(lambda: services, sync_to_thread=False)},
         exception_handlers=EXCEPTION_HANDLERS,
@@ -155,11 +164,11 @@ def create_app(
         on_shutdown=[stop],
         openapi_config=None,
         logging_config=None,
+        request_max_body_size=settings.max_body_size,
     )
     secured = SecurityMiddleware(
         app,
         allowed_origins=settings.cors_origin,
         allowed_hosts=[*_bind_hosts(settings), *settings.allowed_host],
-        api_key=settings.api_key,
     )
     return secured, services

@@ -197,6 +197,9 @@ def serve(config_path: Path | None, **flags: Any) -> None:
         lifespan="on",
         timeout_graceful_shutdown=3,
         ws=_websocket_protocol(),
+        # h11 bounds the request line plus headers (--max-header-size); httptools would not.
+        http="h11",
+        h11_max_incomplete_event_size=settings.max_header_size,
     )
     server = uvicorn.Server(config)
     log.info("headroom listening on http://%s:%d (engine starting)", host, port)
@@ -239,7 +242,9 @@ def token(config_path: Path | None, **flags: Any) -> None:
     if ":" in host:
         host = f"[{host}]"
     click.echo(f"token file: {token_path()}")
-    click.echo(f"dashboard:  http://{host}:{settings.port}/ui/?token={value}")
+    # A fragment never leaves the browser (not sent, not logged); the page reads it and
+    # takes it out of the address bar and the history entry.
+    click.echo(f"dashboard:  http://{host}:{settings.port}/ui/#token={value}")
 
 
 _PLAN_KNOBS = (

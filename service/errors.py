@@ -105,14 +105,21 @@ def decode_body(raw: bytes, type_: type[T]) -> T:
     """Decode a JSON request body into ``type_`` (a msgspec struct).
 
     Raises:
-        APIError: 400 for an empty body, invalid JSON, a JSON value that is not an
-            object, a missing field or a field of the wrong type or value; ``param``
-            names the field (``"messages[0].content"``) when there is one.
+        APIError: 400 for an empty body, invalid JSON (invalid UTF-8, ``NaN``...), a
+            JSON value that is not an object, a missing field or a field of the wrong
+            type or value; ``param`` names the field (``"messages[0].content"``) when
+            there is one. Anything else the decoder cannot take (nesting deeper than
+            its recursion limit, a number too large for memory) is a 400 too: a body
+            is the client's to fix, never a 500.
     """
     if not raw.strip():
         raise invalid("the request body is empty; send a JSON object")
     try:
         return msgspec.json.decode(raw, type=type_)
+    except RecursionError:
+        raise invalid(
+            "the request body is nested too deeply to decode; flatten the JSON", code="too_deep"
+        ) from None
     except msgspec.ValidationError as exc:
         text = str(exc)
         param = None
@@ -128,17 +135,30 @@ def decode_body(raw: bytes, type_: type[T]) -> T:
         raise invalid(f"invalid request: {text}", param) from None
     except msgspec.DecodeError as exc:
         raise invalid(f"the request body is not valid JSON: {exc}") from None
+    except (ValueError, MemoryError, OverflowError) as exc:
+        raise invalid(f"the request body cannot be decoded: {type(exc).__name__}") from None
 
 
 # -- exception handlers ---------------------------------------------------------------------
 
 
-def _response(error: APIError) -> Response[Any]:
+def _response(error: APIError, request: Request | None = None) -> Response[Any]:
+    if request is not None:
+        # The one line a refused request leaves: no traceback, the path without its
+        # query (where a token could be).
+        log.info(
+            "%s %s -> %d %s%s",
+            request.method,
+            request.url.path,
+            error.status,
+            error.type,
+            f" ({error.code})" if error.code else "",
+        )
     return Response(content=error.body(), status_code=error.status, headers=error.headers)
 
 
-def _api_error(_: Request, exc: APIError) -> Response[Any]:
-    return _response(exc)
+def _api_error(request: Request, exc: APIError) -> Response[Any]:
+    return _response(exc, request)
 
 
 def _not_ready(_: Request, exc: NotReady) -> Response[Any]:
@@ -153,9 +173,17 @@ def _rejected(_: Request, exc: RequestRejected) -> Response[Any]:
     return _response(from_rejected(exc))
 
 
-def _http_error(_: Request, exc: HTTPException) -> Response[Any]:
+def _http_error(request: Request, exc: HTTPException) -> Response[Any]:
     status = exc.status_code
-    if status == 404:
+    if status == 413:
+        limit = request.route_handler.resolve_request_max_body_size()
+        error = APIError(
+            413,
+            f"the request body is larger than this server takes ({limit} bytes); "
+            "send a smaller one or raise --max-body-size",
+            code="request_too_large",
+        )
+    elif status == 404:
         error = APIError(404, f"no route for this path: {exc.detail}", type=NOT_FOUND)
     elif status == 405:
         error = APIError(405, f"method not allowed: {exc.detail}", code="method_not_allowed")
@@ -164,7 +192,7 @@ def _http_error(_: Request, exc: HTTPException) -> Response[Any]:
     else:
         error = APIError(status, str(exc.detail))
     error.headers.update(exc.headers or {})
-    return _response(error)
+    return _response(error, request)
 
 
 def _unexpected(request: Request, exc: Exception) -> Response[Any]:

@@ -24,7 +24,11 @@ for a bad body, and whatever :class:`service.errors.APIError` the target raises 
 **The token** (:mod:`service.token`) is sent as ``Authorization: Bearer <token>``. A
 browser cannot set headers on a WebSocket, so the socket also takes it as the
 subprotocol ``headroom.token.<token>`` (the server echoes it, as the WebSocket
-handshake requires) or as ``?token=<token>``. Tokens are compared in constant time.
+handshake requires) or as ``?token=<token>`` (redacted in logs,
+:class:`service.security.RedactSecrets`). Tokens are compared in constant time. On the
+control routes (and ``/status`` when protected) the Origin check and the token are
+Litestar guards (:class:`service.security.BearerGuard`), so they run for whatever
+spelling of the path the router accepted.
 
 **Origins.** A browser's Origin must be on the same allow-list as CORS, or be the
 service's own origin on a loopback Host (the dashboard at ``/ui``); else the control
@@ -50,7 +54,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import inspect
 import logging
 from collections.abc import Awaitable, Callable, Iterable
@@ -63,7 +66,6 @@ from litestar.datastructures import State
 from litestar.response import Redirect
 
 from service.errors import (
-    AUTHENTICATION,
     EXCEPTION_HANDLERS,
     NOT_FOUND,
     PERMISSION,
@@ -81,7 +83,13 @@ from service.events import (
     SubscriptionClosed,
     encode,
 )
-from service.security import SecurityMiddleware, same_origin
+from service.security import (
+    BearerGuard,
+    SecurityMiddleware,
+    bearer_token,
+    same_origin,
+    secret_equal,
+)
 from service.settings import parse_size
 from service.token import token_path
 
@@ -149,22 +157,6 @@ class ControlResponse(msgspec.Struct, kw_only=True):
 # -- auth ----------------------------------------------------------------------------------------
 
 
-def _token_equal(presented: str | None, expected: str) -> bool:
-    if not presented or not expected:
-        return False
-    return hmac.compare_digest(presented.encode("utf-8"), expected.encode("utf-8"))
-
-
-def bearer_token(authorization: str | None) -> str | None:
-    """The token of an ``Authorization: Bearer <token>`` header, else None."""
-    if not authorization:
-        return None
-    scheme, _, value = authorization.strip().partition(" ")
-    if scheme.lower() != "bearer" or not value.strip():
-        return None
-    return value.strip()
-
-
 def subprotocol_token(offered: Iterable[str]) -> str | None:
     """The first offered subprotocol of the form ``headroom.token.<token>``, whole."""
     for proto in offered:
@@ -227,24 +219,24 @@ class _Context:
         """No Origin (not a browser), one on the allow-list, or the service's own."""
         return origin is None or self.origin_allowed(origin) or same_origin(origin, host)
 
-    def check_http(self, request: Request[Any, Any, State]) -> None:
-        """Origin then token, for a control route.
+    def check_origin(self, connection: Any, _handler: Any = None) -> None:
+        """A guard: the Origin of a control request.
 
         Raises:
-            APIError: 403 for a refused Origin, 401 without a valid token.
+            APIError: 403 for a refused Origin.
         """
-        origin = request.headers.get("origin")
-        if not self.origin_ok(origin, request.headers.get("host")):
+        origin = connection.headers.get("origin")
+        if not self.origin_ok(origin, connection.headers.get("host")):
             raise APIError(403, f"origin {origin!r} is not allowed", type=PERMISSION, code="origin")
-        if not _token_equal(bearer_token(request.headers.get("authorization")), self.token()):
-            raise APIError(
-                401,
-                "the local token is required: send 'Authorization: Bearer <token>' "
-                f"(the token is in {token_path()})",
-                type=AUTHENTICATION,
-                code="invalid_token",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
+
+    def token_guard(self) -> BearerGuard:
+        """The guard of the control routes: the local token as a bearer secret."""
+        return BearerGuard(
+            self.token,
+            message="the local token is required: send 'Authorization: Bearer <token>' "
+            f"(the token is in {token_path()})",
+            code="invalid_token",
+        )
 
 
 async def _close_quietly(socket: WebSocket, code: int, reason: str) -> None:
@@ -286,7 +278,7 @@ async def serve_events(socket: WebSocket, ctx: _Context) -> None:
         or bearer_token(socket.headers.get("authorization"))
         or query.get("token")
     )
-    if not _token_equal(presented, ctx.token()):
+    if not secret_equal(presented, ctx.token()):
         await socket.accept(subprotocols=chosen)
         await _close_quietly(socket, CLOSE_UNAUTHORIZED, "a valid token is required")
         return
@@ -387,23 +379,27 @@ def events_router(
     async def events_socket(socket: WebSocket) -> None:
         await serve_events(socket, ctx)
 
-    async def status(request: Request[Any, Any, State]) -> Snapshot:
-        if ctx.status_requires_token:
-            ctx.check_http(request)
+    async def status() -> Snapshot:
         if ctx.before_status is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(ctx.before_status(), 3.0)
         return ctx.hub.snapshot()
 
-    @post("/control/restart", status_code=202)
-    async def control_restart(request: Request[Any, Any, State]) -> ControlResponse:
-        ctx.check_http(request)
+    # Authentication sits where routing decides: the guards run for whatever path
+    # spelling reached a control handler.
+    # Plain functions, not bound methods: Litestar deep-copies a Router it registers.
+    def origin_guard(connection: Any, _handler: Any) -> None:
+        ctx.check_origin(connection)
+
+    guards = [origin_guard, ctx.token_guard()]
+
+    @post("/control/restart", status_code=202, guards=guards)
+    async def control_restart() -> ControlResponse:
         message = await _call(ctx.control.restart)
         return ControlResponse(ok=True, action="restart", message=message)
 
-    @post("/control/reserve", status_code=202)
+    @post("/control/reserve", status_code=202, guards=guards)
     async def control_reserve(request: Request[Any, Any, State]) -> ControlResponse:
-        ctx.check_http(request)
         body = decode_body(await request.body(), ReserveRequest)
         value: int | Literal["auto"]
         if isinstance(body.reserve, str) and body.reserve.strip().lower() == "auto":
@@ -413,9 +409,8 @@ def events_router(
         message = await _call(ctx.control.set_reserve, value)
         return ControlResponse(ok=True, action="reserve", message=message)
 
-    @post("/control/cache", status_code=202)
+    @post("/control/cache", status_code=202, guards=guards)
     async def control_cache(request: Request[Any, Any, State]) -> ControlResponse:
-        ctx.check_http(request)
         body = decode_body(await request.body(), CacheRequest)
         if body.kv_cache is msgspec.UNSET and not body.clear_prefix_cache:
             raise invalid(
@@ -433,7 +428,7 @@ def events_router(
 
     handlers: list[Any] = [events_socket, control_restart, control_reserve, control_cache]
     if status_path is not None:
-        handlers.append(get(status_path)(status))
+        handlers.append(get(status_path, guards=guards if status_requires_token else None)(status))
     return Router(
         path=path,
         route_handlers=handlers,

@@ -8,6 +8,7 @@ the engine at once), counts usage and times the first token.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -15,14 +16,23 @@ from dataclasses import dataclass, field
 from engine.ipc import Rejected
 from engine.messages import FINISH_ERROR, FINISH_LENGTH, GenerateRequest, SamplingParams
 from engine.text.stop import StopStringMatcher
+from service.admission import Ticket
 from service.errors import SERVER_ERROR, APIError, invalid
-from service.openai_schemas import _SamplingFields
+from service.openai_schemas import MAX_N, SEED_MAX, TOP_K_MAX, _SamplingFields
 from service.supervisor import ENGINE_RESTARTED, EngineFailure, Submission, Supervisor
 from service.text import TextSide
 
 _REPLACEMENT = "\ufffd"
-_SEED_MASK = (1 << 63) - 1
-MAX_N = 128
+# ``seed``: any integer in 0..2**63-1 (a signed 64-bit integer in every client's
+# language; the engine's generator takes 64 bits). Choice ``i`` of ``n`` uses
+# ``(seed + i) mod 2**63``. Anything outside is a 400: wrapping it would make different
+# seeds give the same text. top_k beyond the vocabulary means "off"; its bound keeps it
+# a 32-bit integer on its way to the engine. The schema declares both; the checks here
+# hold for bodies built in Python too.
+# OpenAI takes up to 4 stop strings; we take more, within bounds that keep the stop
+# matcher's per-token work small.
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024
 
 
 def _check_range(
@@ -37,11 +47,25 @@ def _check_range(
 
 def stop_strings(stop: str | list[str] | None) -> list[str]:
     """OpenAI's ``stop`` as a list; empty strings are dropped (they would match
-    everywhere)."""
+    everywhere).
+
+    Raises:
+        APIError: 400 ``stop`` for more than :data:`MAX_STOP_STRINGS` strings or one
+            longer than :data:`MAX_STOP_CHARS` characters.
+    """
     if stop is None:
         return []
     stops = [stop] if isinstance(stop, str) else list(stop)
+    if len(stops) > MAX_STOP_STRINGS:
+        raise invalid(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stops)}", "stop")
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise invalid(f"each stop string must be at most {MAX_STOP_CHARS} characters", "stop")
     return [s for s in stops if s]
+
+
+def _check_int(value: int | None, param: str, low: int, high: int) -> None:
+    if value is not None and not low <= value <= high:
+        raise invalid(f"{param} must be an integer in [{low}, {high}], got {value}", param)
 
 
 def resolve_max_tokens(
@@ -103,9 +127,13 @@ def sampling_params(req: _SamplingFields, max_new_tokens: int, seed_offset: int)
     _check_range(req.presence_penalty, "presence_penalty", -2.0, 2.0)
     _check_range(req.frequency_penalty, "frequency_penalty", -2.0, 2.0)
     _check_range(req.repetition_penalty, "repetition_penalty", 0.0, 10.0, low_open=True)
-    if req.top_k is not None and req.top_k < -1:
-        raise invalid(f"top_k must be -1 or 0 (off) or a positive count, got {req.top_k}", "top_k")
-    seed = None if req.seed is None else (req.seed + seed_offset) & _SEED_MASK
+    if req.top_k is not None and not -1 <= req.top_k <= TOP_K_MAX:
+        raise invalid(
+            f"top_k must be -1 or 0 (off) or a positive count up to {TOP_K_MAX}, got {req.top_k}",
+            "top_k",
+        )
+    _check_int(req.seed, "seed", 0, SEED_MAX)
+    seed = None if req.seed is None else (req.seed + seed_offset) % (SEED_MAX + 1)
     return SamplingParams(
         max_new_tokens=max_new_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -121,7 +149,9 @@ def sampling_params(req: _SamplingFields, max_new_tokens: int, seed_offset: int)
 
 
 def check_common(req: _SamplingFields) -> None:
-    """Checks that need no tokenizer or engine: ``n``, ``logit_bias``.
+    """Checks that need no tokenizer or engine: ``n``, ``logit_bias``, ``stop``, the
+    sampling ranges (``seed`` in 0..2**63-1, ``top_k``, ``temperature``...) and
+    ``max_tokens`` at least 0 (its upper bound is the context, checked with the prompt).
 
     Raises:
         APIError: 400 naming the field.
@@ -131,6 +161,9 @@ def check_common(req: _SamplingFields) -> None:
     if req.logit_bias:
         raise invalid("logit_bias is not supported", "logit_bias")
     stop_strings(req.stop)
+    sampling_params(req, 0, 0)
+    if req.max_tokens is not None and req.max_tokens < 0:
+        raise invalid(f"max_tokens must be at least 0, got {req.max_tokens}", "max_tokens")
 
 
 # Seconds a client should wait before retrying a request that ran out of device
@@ -138,6 +171,7 @@ def check_common(req: _SamplingFields) -> None:
 # process held for a moment may be back.
 OOM_RETRY_AFTER_S = 1
 OUT_OF_MEMORY = "out_of_memory"
+REQUEST_TIMEOUT = "request_timeout"
 
 
 def engine_error(code: str | None, message: str | None) -> APIError:
@@ -193,6 +227,11 @@ class Generation:
         sampling: one :class:`SamplingParams` per sequence.
         stops: stop strings.
         started: ``time.perf_counter()`` when the HTTP request arrived.
+        deadline: ``time.perf_counter()`` past which :meth:`pieces` gives up (504
+            ``request_timeout``; the caller's :meth:`close` aborts the sequences), or
+            None.
+        ticket: the request's place among those waiting for the engine, released at
+            its first output or at :meth:`close`.
     """
 
     supervisor: Supervisor
@@ -203,6 +242,8 @@ class Generation:
     sampling: list[SamplingParams]
     stops: list[str]
     started: float
+    deadline: float | None = None
+    ticket: Ticket | None = None
     first_token_at: float | None = None
     submission: Submission | None = None
     _seqs: list[_SeqText] = field(default_factory=list)
@@ -243,6 +284,8 @@ class Generation:
 
     def close(self) -> None:
         """Abort whatever is still running in the engine. Idempotent."""
+        if self.ticket is not None:
+            self.ticket.release()
         if self.submission is not None:
             self.supervisor.cancel(self.submission)
 
@@ -254,9 +297,12 @@ class Generation:
                 that had produced tokens (or died twice); 400 when the engine
                 rejected a sequence; 503 ``out_of_memory`` (Retry-After) when one ran
                 out of device memory; 500 with the engine's code when one failed
-                otherwise (see :func:`engine_error`).
+                otherwise (see :func:`engine_error`); 504 ``request_timeout`` past
+                ``deadline``.
         """
         if self.submission is None:
+            if self.ticket is not None:
+                self.ticket.release()
             for i, _ in enumerate(self._seqs):
                 self._seqs[i].finished = True
                 yield Piece(i, "", FINISH_LENGTH)
@@ -264,7 +310,9 @@ class Generation:
         pending = len(self._seqs)
         queue = self.submission.queue
         while pending:
-            index, event = await queue.get()
+            index, event = await self._next(queue)
+            if self.ticket is not None:
+                self.ticket.release()  # the engine has taken it up
             seq = self._seqs[index]
             if seq.finished:
                 continue
@@ -277,6 +325,23 @@ class Generation:
                 pending -= 1
             if piece is not None:
                 yield piece
+
+    async def _next(self, queue: asyncio.Queue) -> tuple[int, object]:
+        if self.deadline is None:
+            return await queue.get()
+        left = self.deadline - time.perf_counter()
+        try:
+            if left <= 0:
+                raise TimeoutError
+            return await asyncio.wait_for(queue.get(), left)
+        except TimeoutError:
+            raise APIError(
+                504,
+                "the request took longer than this server allows (--request-timeout); "
+                "ask for fewer tokens or retry later",
+                type=SERVER_ERROR,
+                code=REQUEST_TIMEOUT,
+            ) from None
 
     def _on_output(self, index: int, seq: _SeqText, output) -> Piece | None:
         text = ""

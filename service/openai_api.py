@@ -4,7 +4,16 @@
 Bodies are decoded here (not by Litestar's signature model) so that every defect
 in them, empty, not JSON, not an object, a wrong type, answers OpenAI's 400 with
 ``param``. Order of checks: body, then fields needing nothing else, then readiness
-(503), model (404), tokenizing (400 for a template refusal), context (400), submit.
+(503), model (404), admission (503 ``queue_full``, see :mod:`service.admission`), a
+cheap lower bound on the prompt's tokens against the context (400
+``context_length_exceeded`` before any tokenizing, see
+:meth:`service.text.TextSide.min_tokens`), tokenizing (in threads; 400 for a template
+refusal), context (400), submit. With ``--request-timeout``, a request still running
+that many seconds after it arrived is aborted in the engine and answered 504
+``request_timeout`` (in a stream: an error event, then ``[DONE]``).
+
+Authentication (``--api-key``) is not here but in the guard of the router these
+routes are mounted on (:class:`service.security.BearerGuard`).
 
 Streaming answers are Server-Sent Events, ``data: {json}\\n\\n`` each, ending with
 ``data: [DONE]``; an error after the stream began is an ``{"error": ...}`` event,
@@ -50,6 +59,7 @@ from service.openai_schemas import (
     Usage,
 )
 from service.state import Services
+from service.text import TextSide
 
 log = logging.getLogger("headroom.api")
 
@@ -218,6 +228,43 @@ def _check_completion_fields(req: CompletionRequest) -> None:
         raise invalid("best_of other than n is not supported by this server", "best_of")
 
 
+def _message_texts(messages: list[dict[str, Any]]) -> list[str]:
+    """The text of chat messages: string contents and the ``text`` of content parts."""
+    texts: list[str] = []
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            texts.append(content)
+        elif isinstance(content, list):
+            texts += [
+                p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
+            ]
+    return texts
+
+
+def _check_prompt_bound(text: TextSide, texts: list[str], context_tokens: int, param: str) -> None:
+    """Refuse, untokenized, a prompt that cannot fit the context (see
+    :meth:`service.text.TextSide.min_tokens`).
+
+    Raises:
+        APIError: 400 ``context_length_exceeded`` naming ``param``.
+    """
+    floor = text.min_tokens(texts)
+    if floor > context_tokens:
+        raise invalid(
+            f"This model's maximum context length is {context_tokens} tokens. However, your "
+            f"prompt is at least {floor} tokens (a token here stands for at most "
+            f"{text.bytes_per_token} bytes of text). Please shorten the prompt.",
+            param,
+            "context_length_exceeded",
+        )
+
+
+def _deadline(svc: Services, started: float) -> float | None:
+    timeout = svc.settings.request_timeout
+    return started + timeout if timeout > 0 else None
+
+
 def _prompt_items(prompt: str | list[Any]) -> list[str | list[int]]:
     """OpenAI's four prompt forms as a list of strings / token id lists.
 
@@ -241,6 +288,65 @@ def _prompt_items(prompt: str | list[Any]) -> list[str | list[int]]:
     )
 
 
+async def _completion_generation(
+    req: CompletionRequest,
+    items: list[str | list[int]],
+    info: Any,
+    svc: Services,
+    started: float,
+    ticket: Any,
+) -> Generation:
+    """Bound, tokenize and check each prompt, then submit (errors: see the module
+    docstring)."""
+    assert svc.text is not None
+    for i, item in enumerate(items):
+        if isinstance(item, str):
+            param = "prompt" if len(items) == 1 else f"prompt[{i}]"
+            _check_prompt_bound(svc.text, [item], info.max_context_tokens, param)
+    prompts: list[list[int]] = []
+    for i, item in enumerate(items):
+        param = "prompt" if len(items) == 1 else f"prompt[{i}]"
+        if isinstance(item, str):
+            ids = await svc.text.encode_prompt(item)
+        else:
+            ids = item
+            bad = next((t for t in ids if t < 0 or t >= info.vocab_size), None)
+            if bad is not None:
+                raise invalid(
+                    f"token id {bad} is outside the vocabulary (0..{info.vocab_size - 1})",
+                    param,
+                )
+        if not ids:
+            raise invalid("prompt must not be empty", param)
+        prompts.append(ids)
+    sampling = []
+    for ids in prompts:
+        max_new = resolve_max_tokens(
+            req.max_tokens,
+            "max_tokens",
+            len(ids),
+            info.max_context_tokens,
+            prompt_param="prompt",
+            default=16,
+        )
+        sampling += [sampling_params(req, max_new, j) for j in range(req.n)]
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    gen = Generation(
+        supervisor=svc.supervisor,
+        text=svc.text,
+        request_id=request_id,
+        prompts=prompts,
+        n=req.n,
+        sampling=sampling,
+        stops=stop_strings(req.stop),
+        started=started,
+        deadline=_deadline(svc, started),
+        ticket=ticket,
+    )
+    gen.start()
+    return gen
+
+
 class OpenAIController(Controller):
     """OpenAI's API under ``/v1``."""
 
@@ -248,8 +354,11 @@ class OpenAIController(Controller):
 
     @get("/models")
     async def models(self, svc: Services) -> Response[bytes]:
-        """The served model and the context it can really use (503 before the first
-        worker is ready)."""
+        """The served model. ``context_length`` (and ``max_model_len``) is the context
+        one request can use *now*, prompt plus completion in tokens: the live limit,
+        which follows the KV pool as it shrinks and grows (a request longer than it
+        is refused with ``context_length_exceeded``). ``model_context_length`` is the
+        model's own. 503 before the first worker is ready."""
         # The last worker's facts stay valid while it restarts; before the first one
         # is ready, check_ready raises NotReady (503).
         info = svc.supervisor.info or svc.supervisor.check_ready()
@@ -275,26 +384,36 @@ class OpenAIController(Controller):
         info = svc.supervisor.check_ready()
         model = svc.check_model(req.model, info)
         assert svc.text is not None
-        prompt_ids = await svc.text.encode_chat(req.messages)
-        if req.max_completion_tokens is not None:
-            requested, param = req.max_completion_tokens, "max_completion_tokens"
-        else:
-            requested, param = req.max_tokens, "max_tokens"
-        max_new = resolve_max_tokens(
-            requested, param, len(prompt_ids), info.max_context_tokens, prompt_param="messages"
-        )
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        gen = Generation(
-            supervisor=svc.supervisor,
-            text=svc.text,
-            request_id=request_id,
-            prompts=[prompt_ids],
-            n=req.n,
-            sampling=[sampling_params(req, max_new, i) for i in range(req.n)],
-            stops=stop_strings(req.stop),
-            started=started,
-        )
-        gen.start()
+        ticket = svc.admission.enter()
+        try:
+            _check_prompt_bound(
+                svc.text, _message_texts(req.messages), info.max_context_tokens, "messages"
+            )
+            prompt_ids = await svc.text.encode_chat(req.messages)
+            if req.max_completion_tokens is not None:
+                requested, param = req.max_completion_tokens, "max_completion_tokens"
+            else:
+                requested, param = req.max_tokens, "max_tokens"
+            max_new = resolve_max_tokens(
+                requested, param, len(prompt_ids), info.max_context_tokens, prompt_param="messages"
+            )
+            request_id = f"chatcmpl-{uuid.uuid4().hex}"
+            gen = Generation(
+                supervisor=svc.supervisor,
+                text=svc.text,
+                request_id=request_id,
+                prompts=[prompt_ids],
+                n=req.n,
+                sampling=[sampling_params(req, max_new, i) for i in range(req.n)],
+                stops=stop_strings(req.stop),
+                started=started,
+                deadline=_deadline(svc, started),
+                ticket=ticket,
+            )
+            gen.start()
+        except BaseException:
+            ticket.release()
+            raise
         created = int(time.time())
 
         if not req.stream:
@@ -354,45 +473,13 @@ class OpenAIController(Controller):
         info = svc.supervisor.check_ready()
         model = svc.check_model(req.model, info)
         assert svc.text is not None
-        prompts: list[list[int]] = []
-        for i, item in enumerate(items):
-            param = "prompt" if len(items) == 1 else f"prompt[{i}]"
-            if isinstance(item, str):
-                ids = await svc.text.encode_prompt(item)
-            else:
-                ids = item
-                bad = next((t for t in ids if t < 0 or t >= info.vocab_size), None)
-                if bad is not None:
-                    raise invalid(
-                        f"token id {bad} is outside the vocabulary (0..{info.vocab_size - 1})",
-                        param,
-                    )
-            if not ids:
-                raise invalid("prompt must not be empty", param)
-            prompts.append(ids)
-        sampling = []
-        for ids in prompts:
-            max_new = resolve_max_tokens(
-                req.max_tokens,
-                "max_tokens",
-                len(ids),
-                info.max_context_tokens,
-                prompt_param="prompt",
-                default=16,
-            )
-            sampling += [sampling_params(req, max_new, j) for j in range(req.n)]
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        gen = Generation(
-            supervisor=svc.supervisor,
-            text=svc.text,
-            request_id=request_id,
-            prompts=prompts,
-            n=req.n,
-            sampling=sampling,
-            stops=stop_strings(req.stop),
-            started=started,
-        )
-        gen.start()
+        ticket = svc.admission.enter()
+        try:
+            gen = await _completion_generation(req, items, info, svc, started, ticket)
+        except BaseException:
+            ticket.release()
+            raise
+        request_id = gen.request_id
         created = int(time.time())
 
         if not req.stream:

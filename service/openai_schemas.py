@@ -7,14 +7,32 @@ ignored (``logprobs``, ``tools``, ``response_format`` other than text, ``logit_b
 ``echo``, ``suffix``, ``best_of`` above ``n``); their neutral values are accepted.
 Extensions beyond OpenAI, as vLLM names them: ``top_k``, ``min_p``,
 ``repetition_penalty``, ``ignore_eos``.
+
+Integer and number ranges are declared on the fields (``msgspec.Meta``), so decoding
+refuses a value outside them with a 400 naming the field, and the OpenAPI document
+(:mod:`service.openapi`) states them: ``seed`` 0..2**63-1, ``n`` 1..128, ``top_k``
+-1..2**31-1, ``max_tokens`` from 0 (its upper bound is the context, checked with the
+prompt), ``temperature`` 0..2, ``top_p`` and ``min_p`` 0..1, penalties -2..2.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
-from msgspec import UNSET, UnsetType
+from msgspec import UNSET, Meta, UnsetType
+
+SEED_MAX = (1 << 63) - 1
+MAX_N = 128
+TOP_K_MAX = (1 << 31) - 1
+
+Seed = Annotated[int, Meta(ge=0, le=SEED_MAX)]
+TokenCount = Annotated[int, Meta(ge=0)]
+N = Annotated[int, Meta(ge=1, le=MAX_N)]
+TopK = Annotated[int, Meta(ge=-1, le=TOP_K_MAX)]
+Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
+Probability = Annotated[float, Meta(ge=0.0, le=1.0)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -25,17 +43,17 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     """Fields shared by chat and text completions."""
 
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
+    max_tokens: TokenCount | None = None
+    temperature: Temperature | None = None
+    top_p: Probability | None = None
+    top_k: TopK | None = None
+    min_p: Probability | None = None
+    seed: Seed | None = None
     stop: str | list[str] | None = None
-    n: int = 1
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
+    n: N = 1
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -49,8 +67,8 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     ``max_completion_tokens`` wins over ``max_tokens``; both absent (or null) mean
     "up to the rest of the context"."""
 
-    messages: list[dict[str, Any]]
-    max_completion_tokens: int | None = None
+    messages: Annotated[list[dict[str, Any]], Meta(min_length=1)]
+    max_completion_tokens: TokenCount | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[Any] | None = None
@@ -70,6 +88,22 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+
+
+class ErrorObject(msgspec.Struct, kw_only=True):
+    """OpenAI's error object: ``param`` names the request field at fault, ``code`` is
+    machine-readable (``context_length_exceeded``, ``invalid_api_key``...)."""
+
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(msgspec.Struct, kw_only=True):
+    """Every error the HTTP surface answers: ``{"error": {...}}``."""
+
+    error: ErrorObject
 
 
 class Usage(msgspec.Struct, kw_only=True):

@@ -17,10 +17,18 @@ routing or body parsing:
 3. **Preflight** (``OPTIONS`` with ``Access-Control-Request-Method``) is answered 204
    here and never reaches a handler; ``Access-Control-Allow-Private-Network: true``
    is added when the browser asks for it.
-4. **API key**, when configured, is required as ``Authorization: Bearer KEY`` on
-   ``/v1`` (401 otherwise); ``/api/health`` stays open.
-
 Every refusal is OpenAI's error JSON.
+
+**Secrets** are not checked here, on a path prefix, but by :class:`BearerGuard`, a
+Litestar guard on the routers that need one (``/v1``: the API key; ``/api/control``:
+the local token). A guard runs after routing, so whatever spelling of a path the
+router accepts (``//v1/models``, ``/v1//models``, ``/%761/models``, ``/v1/./models``,
+a trailing slash...) reaches a protected handler only through its guard.
+:func:`bearer_token` is the one parser of ``Authorization: Bearer <secret>``.
+
+:class:`RedactSecrets` is a logging filter that takes ``token=...`` query values,
+``headroom.token.<...>`` subprotocols, bearer values and the configured secrets out of
+every log line (uvicorn logs the path and query of a WebSocket handshake).
 """
 
 from __future__ import annotations
@@ -28,10 +36,12 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import json
-from collections.abc import Iterable
+import logging
+import re
+from collections.abc import Callable, Iterable
 from typing import Any
 
-from service.errors import AUTHENTICATION, PERMISSION, error_body
+from service.errors import AUTHENTICATION, PERMISSION, APIError, error_body
 
 # Tauri v2 serves its webview from these (macOS/Linux, then Windows over http and
 # https); the Tauri dev server listens on 1420.
@@ -96,7 +106,6 @@ class SecurityMiddleware:
             allows every origin.
         allowed_hosts: Host names allowed besides loopback ones (e.g. the bind
             address when serving on a LAN).
-        api_key: the key required on ``/v1``, or None.
     """
 
     def __init__(
@@ -105,14 +114,12 @@ class SecurityMiddleware:
         *,
         allowed_origins: Iterable[str] = (),
         allowed_hosts: Iterable[str] = (),
-        api_key: str | None = None,
     ) -> None:
         self.app = app
         origins = {normalize_origin(o) for o in (*DEFAULT_ORIGINS, *allowed_origins) if o}
         self._any_origin = "*" in origins
         self._origins = frozenset(origins - {"*"})
         self._hosts = frozenset(host_name(h) for h in allowed_hosts if h)
-        self._api_key = api_key.encode() if api_key else None
 
     def origin_allowed(self, origin: str) -> bool:
         return self._any_origin or normalize_origin(origin) in self._origins
@@ -149,19 +156,6 @@ class SecurityMiddleware:
         ):
             await _preflight(send, cors, headers)
             return
-        if self._api_key is not None and scope["path"].startswith("/v1"):
-            if not self._key_ok(headers.get("authorization")):
-                await _refuse(
-                    scope,
-                    receive,
-                    send,
-                    401,
-                    "a valid API key is required: send 'Authorization: Bearer <key>'",
-                    AUTHENTICATION,
-                    "invalid_api_key",
-                    extra=[*cors, (b"www-authenticate", b"Bearer")],
-                )
-                return
         if not cors:
             await self.app(scope, receive, send)
             return
@@ -172,12 +166,6 @@ class SecurityMiddleware:
             await send(message)
 
         await self.app(scope, receive, send_with_cors)
-
-    def _key_ok(self, authorization: str | None) -> bool:
-        assert self._api_key is not None
-        if not authorization or not authorization.lower().startswith("bearer "):
-            return False
-        return hmac.compare_digest(authorization[7:].strip().encode(), self._api_key)
 
 
 def _headers(scope: dict[str, Any]) -> dict[str, str]:
@@ -213,8 +201,6 @@ async def _refuse(
     message: str,
     type_: str,
     code: str,
-    *,
-    extra: list[tuple[bytes, bytes]] | None = None,
 ) -> None:
     if scope["type"] == "websocket":
         await receive()  # the websocket.connect message
@@ -224,7 +210,136 @@ async def _refuse(
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),
-        *(extra or []),
     ]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+# -- secrets: one parser, one guard per secret -------------------------------------------------
+
+
+def bearer_token(authorization: str | None) -> str | None:
+    """The secret of an ``Authorization: Bearer <secret>`` header (scheme in any case,
+    surrounding spaces ignored), else None."""
+    if not authorization:
+        return None
+    scheme, _, value = authorization.strip().partition(" ")
+    if scheme.lower() != "bearer" or not value.strip():
+        return None
+    return value.strip()
+
+
+def secret_equal(presented: str | None, expected: str | None) -> bool:
+    """Constant-time comparison; False when either side is missing or empty."""
+    if not presented or not expected:
+        return False
+    return hmac.compare_digest(presented.encode("utf-8"), expected.encode("utf-8"))
+
+
+class BearerGuard:
+    """A Litestar guard requiring ``Authorization: Bearer <secret>``.
+
+    Put it in ``guards=[...]`` of the Router or Controller it protects: Litestar runs it
+    after routing, for every handler below, whatever path spelling got there.
+
+    Args:
+        secret: returns the expected secret (read per request, so a rotated token
+            file takes effect); None or empty means no secret is configured and every
+            request passes.
+        message: the 401 message (what to send, where the secret is).
+        code: the error's ``code`` (``"invalid_api_key"``, ``"invalid_token"``).
+
+    Raises (when called):
+        APIError: 401 ``authentication_error`` with ``WWW-Authenticate: Bearer``.
+    """
+
+    def __init__(self, secret: Callable[[], str | None], *, message: str, code: str) -> None:
+        self._secret = secret
+        self._message = message
+        self._code = code
+
+    def __call__(self, connection: Any, _handler: Any = None) -> None:
+        expected = self._secret()
+        if not expected:
+            return
+        presented = bearer_token(connection.headers.get("authorization"))
+        if not secret_equal(presented, expected):
+            raise APIError(
+                401,
+                self._message,
+                type=AUTHENTICATION,
+                code=self._code,
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+
+
+def api_key_guard(api_key: str | None) -> BearerGuard:
+    """The ``/v1`` guard: ``--api-key``, when set."""
+    return BearerGuard(
+        lambda: api_key,
+        message="a valid API key is required: send 'Authorization: Bearer <key>'",
+        code="invalid_api_key",
+    )
+
+
+# -- secrets out of logs ---------------------------------------------------------------------
+
+REDACTED = "<redacted>"
+_SECRET_PATTERNS = (
+    # ?token=..., &token=..., access_token=..., api_key=... in a path or query
+    re.compile(r"(?i)((?:^|[?&;\s/])(?:[a-z_]*token|api[_-]?key|key)=)[^&\s\"'#]+"),
+    re.compile(r"(headroom\.token\.)[A-Za-z0-9_\-]+"),
+    re.compile(r"(?i)(bearer\s+)[^\s,\"']+"),
+)
+
+
+def redact(text: str, secrets: Iterable[str] = ()) -> str:
+    """``text`` with secrets replaced by ``<redacted>``: query values of ``token=``,
+    ``*_token=``, ``api_key=``, ``key=``; ``headroom.token.<token>`` subprotocols;
+    ``Bearer <value>``; and each string of ``secrets`` wherever it appears."""
+    for pattern in _SECRET_PATTERNS:
+        text = pattern.sub(lambda m: m.group(1) + REDACTED, text)
+    for secret in secrets:
+        if secret and len(secret) >= 4:
+            text = text.replace(secret, REDACTED)
+    return text
+
+
+class RedactSecrets(logging.Filter):
+    """A logging filter applying :func:`redact` to each record's final message (its
+    arguments merged in), so no handler it is attached to ever writes a secret."""
+
+    def __init__(self, secrets: Callable[[], Iterable[str]] = tuple) -> None:
+        super().__init__()
+        self._secrets = secrets
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except Exception:  # a malformed record: leave it to logging's own error report
+            return True
+        clean = redact(message, self._secrets())
+        if clean != message:
+            record.msg, record.args = clean, None
+        return True
+
+
+def install_redaction(secrets: Callable[[], Iterable[str]] = tuple) -> RedactSecrets:
+    """Attach one :class:`RedactSecrets` to every handler of the root logger and to the
+    loggers uvicorn writes the request line of a WebSocket or an HTTP request to (a
+    filter on a handler sees records propagated from every logger). Idempotent per
+    handler: an older RedactSecrets is replaced."""
+    flt = RedactSecrets(secrets)
+    handlers = list(logging.getLogger().handlers)
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+        handlers += logging.getLogger(name).handlers
+    for handler in handlers:
+        for old in [f for f in handler.filters if isinstance(f, RedactSecrets)]:
+            handler.removeFilter(old)
+        handler.addFilter(flt)
+    for name in ("uvicorn.error", "uvicorn.access"):
+        logger = logging.getLogger(name)
+        for old in [f for f in logger.filters if isinstance(f, RedactSecrets)]:
+            logger.removeFilter(old)
+        logger.addFilter(flt)
+    return flt

@@ -227,6 +227,36 @@ OPTIONS: tuple[Option, ...] = (
         "A Host header name to accept besides loopback names (repeatable).",
         multiple=True,
     ),
+    Option(
+        "max_body_size",
+        str,
+        "32MiB",
+        "Largest request body; a larger one is answered 413 before it is read "
+        "(its Content-Length) or as soon as it passes the limit (chunked).",
+        kind="size",
+    ),
+    Option(
+        "max_header_size",
+        str,
+        "64KiB",
+        "Largest request line plus headers; a larger request is refused with 400 "
+        "before it reaches the app.",
+        kind="size",
+    ),
+    Option(
+        "max_queued_requests",
+        int,
+        256,
+        "Most API requests waiting for the engine (admitted, no token out yet); past it "
+        "503 with Retry-After at once (0: no limit).",
+    ),
+    Option(
+        "request_timeout",
+        float,
+        0.0,
+        "Seconds a completion request may take from arrival to its last token; past it "
+        "the engine drops it and the client gets a 504 request_timeout error (0: none).",
+    ),
     Option("heartbeat_interval_s", float, 0.5, "Seconds between the worker's heartbeats."),
     Option(
         "stall_timeout_s",
@@ -285,6 +315,10 @@ class ServeSettings:
     api_key: str | None = None
     cors_origin: tuple[str, ...] = ()
     allowed_host: tuple[str, ...] = ()
+    max_body_size: int = 32 << 20  # bytes
+    max_header_size: int = 64 << 10  # bytes
+    max_queued_requests: int = 256
+    request_timeout: float = 0.0  # seconds; 0: none
     heartbeat_interval_s: float = 0.5
     stall_timeout_s: float = 30.0
     start_timeout_s: float = 900.0
@@ -510,5 +544,13 @@ def _validate(s: ServeSettings) -> None:
         fail("replan_high", "must be above --replan-low")
     if s.stall_timeout_s <= s.heartbeat_interval_s:
         fail("stall_timeout_s", "must be longer than --heartbeat-interval-s")
+    if s.max_body_size < 1024:
+        fail("max_body_size", "must be at least 1KiB")
+    if s.max_header_size < 4096:
+        fail("max_header_size", "must be at least 4KiB")
+    if s.max_queued_requests < 0:
+        fail("max_queued_requests", "must be at least 0 (0: no limit)")
+    if s.request_timeout < 0:
+        fail("request_timeout", "must be at least 0 (0: none)")
     if s.log_level.lower() not in ("debug", "info", "warning", "error"):
         fail("log_level", f"{s.log_level!r} is not one of debug, info, warning, error")

@@ -26,6 +26,7 @@ from engine.messages import (
     Replanned,
     ReplanWanted,
 )
+from service.admission import Admission
 from service.errors import APIError
 from service.events import CountersEvent, EventHub, PlanPoint, ReplanEvent, RequestErrorEvent
 from service.settings import ServeSettings
@@ -49,6 +50,7 @@ def bytes_asked(message: str) -> int | None:
     """The failed allocation's size from torch's out-of-memory text, or None."""
     match = _ASKED.search(message)
     return None if match is None else int(float(match.group(1)) * _UNITS[match.group(2)])
+
 
 DEFAULT_MODEL_ALIAS = "default"
 
@@ -88,7 +90,8 @@ class Services:
     ``request_errors`` holds the last :data:`KEEP_REQUEST_ERRORS` requests the engine
     failed, oldest first; ``engine_events`` counts what the engine reported.
     ``events`` is the hub the engine's events and the counters are published to (None in
-    unit tests: nothing is published)."""
+    unit tests: nothing is published). ``admission`` counts the requests waiting for the
+    engine (``--max-queued-requests``, :mod:`service.admission`)."""
 
     settings: ServeSettings
     supervisor: Supervisor
@@ -99,7 +102,12 @@ class Services:
     )
     engine_events: EngineEventCounts = field(default_factory=EngineEventCounts)
     events: EventHub | None = None
+    admission: Admission = field(init=False)
     _last_counters: CountersEvent | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        limit = self.settings.max_queued_requests if self.settings is not None else 0
+        self.admission = Admission(limit)
 
     def record_engine_event(self, event: EngineEvent) -> None:
         """Called by the supervisor for each engine event (already logged there, and

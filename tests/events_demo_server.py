@@ -319,7 +319,7 @@ def main() -> None:
     url = f"http://{args.host}:{port}"
     print(
         json.dumps(
-            {"url": url, "token": token, "ui": f"{url}/ui/?token={token}", "pid": os.getpid()}
+            {"url": url, "token": token, "ui": f"{url}/ui/#token={token}", "pid": os.getpid()}
         ),
         flush=True,
     )

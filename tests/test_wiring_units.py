@@ -480,11 +480,12 @@ def test_headroom_token_prints_the_file_and_the_dashboard_address(tmp_path):
     assert result.exit_code == 0, result.output
     token = (tmp_path / "cfg" / "token").read_text().strip()
     assert f"token file: {tmp_path / 'cfg' / 'token'}" in result.output
-    assert f"http://127.0.0.1:9123/ui/?token={token}" in result.output
+    assert f"http://127.0.0.1:9123/ui/#token={token}" in result.output
+    assert "?token=" not in result.output  # a fragment never reaches the server
     assert stat.S_IMODE((tmp_path / "cfg" / "token").stat().st_mode) == 0o600
     # The same token the next time.
     again = CliRunner().invoke(main, ["token"], env=env)
-    assert f"?token={token}" in again.output
+    assert f"#token={token}" in again.output
 
 
 def test_planned_page_bytes_come_from_the_plan():

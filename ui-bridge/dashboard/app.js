@@ -522,10 +522,14 @@ function row(cells, className) {
 var time = (ts) => new Date(ts * 1e3).toLocaleTimeString();
 function readToken() {
   const url = new URL(location.href);
-  const fromUrl = url.searchParams.get("token");
+  const fragment = new URLSearchParams(url.hash.replace(/^#/, ""));
+  const fromUrl = fragment.get("token") || url.searchParams.get("token");
   if (fromUrl) {
     sessionStorage.setItem(TOKEN_KEY, fromUrl);
+    fragment.delete("token");
     url.searchParams.delete("token");
+    const rest = fragment.toString();
+    url.hash = rest ? `#${rest}` : "";
     history.replaceState(null, "", url.toString());
     return fromUrl;
   }
@@ -662,7 +666,7 @@ function renderConnection(info) {
 function main() {
   const token = readToken();
   if (!token) {
-    $("connection").textContent = "no token: reload the page with ?token=<token>";
+    $("connection").textContent = "no token: open the address `headroom token` prints (…/ui/#token=<token>)";
     return;
   }
   const chart = new VramChart($("vram-chart"));

@@ -4,7 +4,7 @@
 //   HEADROOM_URL=http://127.0.0.1:8427 HEADROOM_TOKEN=$(cat ~/.config/headroom/token) \
 //     npm run test:browser                      # a running `headroom serve`
 //
-// It loads /ui/?token=..., waits for "ready", checks that the VRAM chart moves (more
+// It loads /ui/#token=..., waits for "ready", checks that the VRAM chart moves (more
 // samples, different pixels), kills the worker process (pid from /api/status) with
 // SIGKILL, and checks that the page shows the worker's exit and goes restarting -> ready.
 // Screenshots go to --out (default ./browser-test-out). Exit code 0 when all held.
@@ -107,9 +107,13 @@ async function main() {
     page.on("console", (m) => m.type() === "error" && consoleErrors.push(m.text()));
     page.on("pageerror", (e) => consoleErrors.push(String(e)));
 
-    await page.goto(`${server.url}/ui?token=${encodeURIComponent(server.token)}`);
+    await page.goto(`${server.url}/ui/#token=${encodeURIComponent(server.token)}`);
     await page.waitForSelector('body[data-health="ready"]', { timeout: 60_000 });
-    check(!page.url().includes("token="), "the token is removed from the address bar");
+    check(!page.url().includes("token"), "the token is removed from the address bar");
+    check(
+      !(await page.evaluate(() => location.href)).includes(server.token),
+      "the token is not in the history entry",
+    );
     check((await page.getAttribute("body", "data-connection")) === "open", "the event socket is open");
 
     // The chart moves.

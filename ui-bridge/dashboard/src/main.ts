@@ -33,13 +33,22 @@ function row(cells: (string | number | null)[], className?: string): HTMLTableRo
 
 const time = (ts: number) => new Date(ts * 1000).toLocaleTimeString();
 
-/** The token from `?token=` (then removed from the address bar), this tab's storage, or a prompt. */
+/**
+ * The token from the address's fragment (`#token=...`, as `headroom token` prints it: a
+ * fragment is never sent to the server), then removed from the address bar and from the
+ * history entry; else this tab's storage, or a prompt. An old-style `?token=` is read
+ * and removed the same way.
+ */
 function readToken(): string | null {
   const url = new URL(location.href);
-  const fromUrl = url.searchParams.get("token");
+  const fragment = new URLSearchParams(url.hash.replace(/^#/, ""));
+  const fromUrl = fragment.get("token") || url.searchParams.get("token");
   if (fromUrl) {
     sessionStorage.setItem(TOKEN_KEY, fromUrl);
+    fragment.delete("token");
     url.searchParams.delete("token");
+    const rest = fragment.toString();
+    url.hash = rest ? `#${rest}` : "";
     history.replaceState(null, "", url.toString());
     return fromUrl;
   }
@@ -202,7 +211,7 @@ function renderConnection(info: StatusInfo): void {
 function main(): void {
   const token = readToken();
   if (!token) {
-    $("connection").textContent = "no token: reload the page with ?token=<token>";
+    $("connection").textContent = "no token: open the address `headroom token` prints (…/ui/#token=<token>)";
     return;
   }
   const chart = new VramChart($("vram-chart") as HTMLCanvasElement);

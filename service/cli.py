@@ -173,9 +173,10 @@ def serve(config_path: Path | None, **flags: Any) -> None:
     import uvicorn
 
     from service.app import StartupError, create_app
+    from service.shutdown import WRITE_GRACE_S, GracefulServer
 
     failure: list[str] = []
-    server: uvicorn.Server | None = None
+    server: GracefulServer | None = None
 
     def on_start_failure(reason: str) -> None:
         failure.append(reason)
@@ -183,7 +184,7 @@ def serve(config_path: Path | None, **flags: Any) -> None:
             server.should_exit = True
 
     try:
-        app, _ = create_app(settings, on_start_failure=on_start_failure)
+        app, services = create_app(settings, on_start_failure=on_start_failure)
     except StartupError as exc:
         sock.close()
         _fail(str(exc))
@@ -195,10 +196,11 @@ def serve(config_path: Path | None, **flags: Any) -> None:
         log_config=None,
         access_log=False,
         lifespan="on",
-        timeout_graceful_shutdown=3,
+        timeout_graceful_shutdown=WRITE_GRACE_S,
         ws=_websocket_protocol(),
     )
-    server = uvicorn.Server(config)
+    # SIGTERM/SIGINT drain the requests in flight, then exit 0 (service.shutdown).
+    server = GracefulServer(config, services.supervisor, settings.shutdown_timeout)
     log.info("headroom listening on http://%s:%d (engine starting)", host, port)
     server.run(sockets=[sock])
     if failure:

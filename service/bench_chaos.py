@@ -129,6 +129,7 @@ class ChaosReport:
     pages_leaked_before_clear: int | None = None
     ooms_armed: int = 0
     ooms_fired: int = 0
+    ooms_lost: int = 0  # claimed by a worker that was killed before they fired
     service_exit_code: int | None = None
     elapsed_s: float = 0.0
 
@@ -178,8 +179,11 @@ class ChaosReport:
             f"orphan processes       {len(self.orphans)}",
             f"pages leaked           {self.pages_leaked} (after idle and a prefix-cache clear; "
             f"{self.pages_leaked_before_clear} held by neither a request nor the cache before)",
-            f"OOMs injected          {self.ooms_fired} of {self.ooms_armed} armed (the rest were "
-            "claimed by a worker killed before they fired)",
+            f"OOMs injected          {self.ooms_fired} of {self.ooms_armed} armed ("
+            f"{self.ooms_lost} claimed by a worker that was killed or ran no step at that "
+            f"site since, {self.ooms_armed - self.ooms_fired - self.ooms_lost} not claimed)",
+            f"retries after 503      {sum(o.retries for o in self.outcomes)} (Retry-After "
+            "honoured while the worker restarted)",
             "TTFT (streams)         "
             + (
                 f"p50 {percentile(ttft, 50) * 1000:.0f} ms, p99 {percentile(ttft, 99) * 1000:.0f} ms"
@@ -395,10 +399,10 @@ def _quiesce_and_count_pages(url: str, token: str | None, report: ChaosReport) -
         report.pages_leaked = engine["total_pages"] - engine["free_pages"]
 
 
-def _count_fired(faults_dir: Path | None) -> int:
+def _count_faults(faults_dir: Path | None, suffix: str) -> int:
     if faults_dir is None or not faults_dir.is_dir():
         return 0
-    return len(list(faults_dir.glob("*.fired")))
+    return len(list(faults_dir.glob(f"*{suffix}")))
 
 
 def run_chaos(opts: ChaosOptions, out=print) -> ChaosReport:  # type: ignore[no-untyped-def]
@@ -432,7 +436,10 @@ def run_chaos(opts: ChaosOptions, out=print) -> ChaosReport:  # type: ignore[no-
             hog = subprocess.Popen(
                 [sys.executable, "-c", HOG_SCRIPT, str(opts.hog_gib)], stdout=subprocess.PIPE
             )
-            hog.stdout.readline()  # type: ignore[union-attr]
+            if hog.stdout.readline().strip() != b"hog ready":  # type: ignore[union-attr]
+                raise RuntimeError(
+                    "the memory hog did not start (--hog needs torch with a CUDA device)"
+                )
         specs = make_specs(opts.requests, opts.max_tokens, rng)
         progress = _Progress()
         kill_points = _points(opts.kills, opts.requests, 0.1, 0.85, rng)
@@ -474,7 +481,8 @@ def run_chaos(opts: ChaosOptions, out=print) -> ChaosReport:  # type: ignore[no-
             hog.wait()
         if service is not None:
             report.service_exit_code = service.stop()
-        report.ooms_fired = _count_fired(faults_dir)
+        report.ooms_fired = _count_faults(faults_dir, ".fired")
+        report.ooms_lost = _count_faults(faults_dir, ".taken")
         report.elapsed_s = time.monotonic() - started
     # A killed worker, or (after the service stopped) any worker, still alive is an orphan.
     deadline = time.monotonic() + 30

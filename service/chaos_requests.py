@@ -13,6 +13,10 @@ is streamed or not at random. :func:`run_one` sends one and classifies the endin
   a refused connection);
 - ``hung``: no ending within the hang limit;
 - ``vanished``: the client left on purpose.
+
+A client does what the README asks of one: a 503 that refused the request before it ran
+(``engine_restarting``, ``engine_starting``) is sent again after its ``Retry-After``
+(at most :data:`MAX_RETRIES` times); only the last attempt counts.
 """
 
 from __future__ import annotations
@@ -51,6 +55,10 @@ _TOPICS = (
     "maps",
     "clocks",
 )
+# Refusals a well-behaved client retries after Retry-After; the cap on one wait, seconds.
+RETRIED_CODES = frozenset({"engine_restarting", "engine_starting"})
+MAX_RETRIES = 5
+MAX_RETRY_WAIT_S = 30.0
 _LONG_WORDS = 300  # about 900 tokens with the chat template: a long prompt's prefill
 
 
@@ -77,6 +85,8 @@ class Outcome:
     texts: list[str] = field(default_factory=list)
     ttft_s: float | None = None
     detail: str = ""
+    retry_after_s: float | None = None
+    retries: int = 0
 
 
 def greedy_pool(max_tokens: int) -> list[dict[str, Any]]:
@@ -136,7 +146,17 @@ def make_specs(count: int, max_tokens: int, rng: random.Random) -> list[Spec]:
     return specs
 
 
-def _error_outcome(spec: Spec, error: Any, status: int | None = None) -> Outcome:
+def _error_outcome(
+    spec: Spec, error: Any, status: int | None = None, headers: Any = None
+) -> Outcome:
+    outcome = _classify_error(spec, error, status)
+    retry_after = (headers or {}).get("retry-after")
+    if retry_after is not None and retry_after.isdigit():
+        outcome.retry_after_s = float(retry_after)
+    return outcome
+
+
+def _classify_error(spec: Spec, error: Any, status: int | None) -> Outcome:
     if not isinstance(error, dict) or set(error) != {"message", "type", "param", "code"}:
         return Outcome(spec, "undocumented", detail=f"malformed error {status}: {error!r}"[:300])
     code = error.get("code")
@@ -146,7 +166,24 @@ def _error_outcome(spec: Spec, error: Any, status: int | None = None) -> Outcome
 
 
 def run_one(client: httpx.Client, spec: Spec, hang_s: float) -> Outcome:
-    """Send ``spec`` and classify its ending; never raises for a request's fate."""
+    """Send ``spec`` (again after a retried refusal, see the module docstring) and
+    classify its ending; never raises for a request's fate."""
+    retries = 0
+    while True:
+        outcome = _attempt(client, spec, hang_s)
+        outcome.retries = retries
+        if (
+            outcome.status != "failed"
+            or outcome.code not in RETRIED_CODES
+            or outcome.retry_after_s is None
+            or retries >= MAX_RETRIES
+        ):
+            return outcome
+        retries += 1
+        time.sleep(min(outcome.retry_after_s, MAX_RETRY_WAIT_S))
+
+
+def _attempt(client: httpx.Client, spec: Spec, hang_s: float) -> Outcome:
     body = dict(spec.body, stream=spec.stream)
     try:
         if not spec.stream:
@@ -166,7 +203,7 @@ def _plain(client: httpx.Client, spec: Spec, body: dict, hang_s: float) -> Outco
         return Outcome(spec, "undocumented", detail=f"{r.status_code} not JSON: {r.text[:200]!r}")
     if r.status_code != 200:
         error = data.get("error") if isinstance(data, dict) else data
-        return _error_outcome(spec, error, r.status_code)
+        return _error_outcome(spec, error, r.status_code, r.headers)
     choices = data.get("choices") or []
     want = body.get("n", 1)
     if len(choices) != want or any(c.get("finish_reason") is None for c in choices):
@@ -186,7 +223,7 @@ def _streamed(client: httpx.Client, spec: Spec, body: dict, hang_s: float) -> Ou
         if r.status_code != 200:
             r.read()
             try:
-                return _error_outcome(spec, r.json().get("error"), r.status_code)
+                return _error_outcome(spec, r.json().get("error"), r.status_code, r.headers)
             except ValueError:
                 return Outcome(spec, "undocumented", detail=f"{r.status_code}: {r.text[:200]!r}")
         error = None

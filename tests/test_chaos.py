@@ -26,9 +26,10 @@ def test_short_chaos_run_loses_nothing(tmp_path, default_model_dir):
         device="cpu",
         hang_s=300,
         workdir=tmp_path,
-        # Prefill in chunks of 256 tokens: no single CPU step of a long prompt comes near
-        # the stall timeout on a busy machine.
-        serve_args=("--max-prefill-tokens", "256"),
+        # Prefill in chunks of 256 tokens, and a stall timeout for a CPU shared with other
+        # work: one step of 16 sequences with long prefill chunks took over 30 s on a
+        # 2-core machine at a load average of 8, and the watchdog killed it as hung.
+        serve_args=("--max-prefill-tokens", "256", "--stall-timeout-s", "120"),
     )
     lines: list[str] = []
     report = run_chaos(opts, out=lines.append)

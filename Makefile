@@ -1,6 +1,6 @@
 # Quick start: `make serve` (install, then serve the embedded default model) and
 # `make test` (install with the test tools and what the dashboard's tests need, then run
-# pytest and ui-bridge's npm tests).
+# pytest and ui-bridge's npm tests: both always run, and it fails if either failed).
 #
 # headroom lives in its own virtual environment (.venv here). torch is installed
 # first, pinned by TORCH, only when the venv has none: keep a CUDA build you already
@@ -28,18 +28,25 @@ install-test: install
 	$(BIN)/pip install -e '.[test]'
 
 # The browser test (tests/test_ui_browser.py) drives Debian's chromium through
-# ui-bridge's playwright-core; apt runs only for what is missing (Debian, as root).
+# ui-bridge's playwright-core; apt runs only for what is missing (Debian, as root), and
+# says what it installs: its output is shown, not hidden.
 ui-deps:
-	@command -v npm >/dev/null 2>&1 || { $(APT_GET) update -qq && $(APT_GET) install -y -qq nodejs npm >/dev/null; }
-	@command -v chromium >/dev/null 2>&1 || { $(APT_GET) update -qq && $(APT_GET) install -y -qq chromium >/dev/null; }
+	@command -v npm >/dev/null 2>&1 || { echo "make: installing nodejs and npm with apt-get (npm is missing)"; $(APT_GET) update && $(APT_GET) install -y nodejs npm; }
+	@command -v chromium >/dev/null 2>&1 || { echo "make: installing chromium with apt-get (chromium is missing)"; $(APT_GET) update && $(APT_GET) install -y chromium; }
 	cd ui-bridge && npm ci --no-audit --no-fund --loglevel=error
 
 serve: install
 	$(BIN)/headroom serve
 
+# Both suites always run: a pytest failure does not hide npm's result (nor the other
+# way round); the target fails at the end if either failed, naming which.
 test: install-test ui-deps
-	$(BIN)/python -m pytest -q tests
-	cd ui-bridge && npm test
+	@py=0; js=0; \
+	$(BIN)/python -m pytest -q tests || py=$$?; \
+	(cd ui-bridge && npm test) || js=$$?; \
+	if [ $$py -ne 0 ] || [ $$js -ne 0 ]; then \
+		echo "make test: failed (pytest exit $$py, npm test exit $$js)"; exit 1; \
+	fi
 
 lint: install-test
 	$(BIN)/ruff check engine service kernels tests

@@ -23,19 +23,31 @@ Configured by the ``HEADROOM_FAULTS`` environment variable, read once when the e
 separated by ``,``; times defaults to 1), or in-process through ``Engine.faults``
 (``engine.faults.add("decode", "req-1", times=3)``). With neither, the runner holds no
 injector and pays one ``is None`` test per step.
+
+Faults can also be armed while a worker runs (the chaos run, :mod:`service.bench_chaos`):
+``HEADROOM_FAULTS_DIR`` names a folder where a test drops files ``NAME.fault``, each
+holding rules in the syntax above. The injector looks there at most every
+:data:`SPOOL_POLL_S` seconds; it claims a file by renaming it ``NAME.taken`` (so one
+worker arms it once, even across restarts), and renames it ``NAME.fired`` once all its
+rules have fired. Off unless the variable is set.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 ENV_VAR = "HEADROOM_FAULTS"
 SITES: tuple[str, ...] = ("prefill", "decode", "sample")
 ANY_REQUEST = "*"
+SPOOL_ENV_VAR = "HEADROOM_FAULTS_DIR"
+SPOOL_POLL_S = 0.05
 
 
 @dataclass
@@ -45,6 +57,7 @@ class FaultRule:
     site: str
     request_id: str
     remaining: int
+    source: Path | None = None  # the claimed spool file it came from, if any
 
 
 class FaultInjector:
@@ -55,9 +68,11 @@ class FaultInjector:
             is the matched one, also for ``"*"`` rules: the first match in the step).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, spool: Path | None = None) -> None:
         self.rules: list[FaultRule] = []
         self.fired: list[tuple[str, str]] = []
+        self.spool = spool
+        self._next_poll = 0.0
 
     @classmethod
     def parse(cls, spec: str) -> FaultInjector:
@@ -95,8 +110,41 @@ class FaultInjector:
         Raises:
             ValueError: a malformed rule (see :meth:`parse`).
         """
-        spec = (os.environ if environ is None else environ).get(ENV_VAR, "").strip()
-        return cls.parse(spec) if spec else None
+        env = os.environ if environ is None else environ
+        spec = env.get(ENV_VAR, "").strip()
+        spool = env.get(SPOOL_ENV_VAR, "").strip()
+        if not spec and not spool:
+            return None
+        injector = cls.parse(spec) if spec else cls()
+        injector.spool = Path(spool) if spool else None
+        return injector
+
+    def poll_spool(self) -> None:
+        """Arm the rules of the spool folder's new ``*.fault`` files (at most every
+        :data:`SPOOL_POLL_S` seconds). A file that cannot be read or parsed is renamed
+        ``*.bad`` and ignored."""
+        now = time.monotonic()
+        if self.spool is None or now < self._next_poll:
+            return
+        self._next_poll = now + SPOOL_POLL_S
+        try:
+            files = sorted(self.spool.glob("*.fault"))
+        except OSError:
+            return
+        for path in files:
+            taken = path.with_suffix(".taken")
+            try:
+                os.rename(path, taken)  # atomic: exactly one worker claims it
+                parsed = FaultInjector.parse(taken.read_text())
+            except FileNotFoundError:
+                continue
+            except (OSError, ValueError):
+                with contextlib.suppress(OSError):
+                    os.rename(taken, path.with_suffix(".bad"))
+                continue
+            for rule in parsed.rules:
+                rule.source = taken
+                self.rules.append(rule)
 
     def add(self, site: str, request_id: str = ANY_REQUEST, times: int = 1) -> None:
         """Raise ``torch.OutOfMemoryError`` at ``site`` for ``request_id`` ``times`` times.
@@ -128,6 +176,8 @@ class FaultInjector:
         Raises:
             torch.OutOfMemoryError: the injected fault, with a CUDA-like message.
         """
+        if self.spool is not None:
+            self.poll_spool()
         ids = list(request_ids)
         if not ids:
             return
@@ -142,7 +192,16 @@ class FaultInjector:
                 continue
             rule.remaining -= 1
             self.fired.append((site, hit))
+            if rule.source is not None and rule.remaining == 0:
+                self._mark_fired(rule.source)
             raise torch.OutOfMemoryError(
                 "CUDA out of memory. Tried to allocate (an injected amount) "
                 f"(injected at site {site} for request {hit})"
             )
+
+    def _mark_fired(self, source: Path) -> None:
+        """Rename a spool file ``*.fired`` once every rule it held has fired."""
+        if any(r.source == source and r.remaining > 0 for r in self.rules):
+            return
+        with contextlib.suppress(OSError):
+            os.rename(source, source.with_suffix(".fired"))

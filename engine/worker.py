@@ -74,9 +74,7 @@ def worker_main(conn: Connection, config: WorkerConfig, log_conn: Connection | N
     """
     if log_conn is not None:
         _redirect_output(log_conn)
-    # Ctrl-C in a terminal reaches the whole process group; the service decides when
-    # the worker stops (Shutdown, the pipe closing), so a SIGINT here is ignored.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _ignore_group_signals(config.parent_pid)
     _die_with_parent()
     if os.getppid() != config.parent_pid:
         # The parent died between spawning us and the prctl call above.
@@ -296,6 +294,21 @@ def _redirect_output(log_conn: Connection) -> None:
     os.dup2(fd, 2)
     sys.stdout.reconfigure(line_buffering=True)
     sys.stderr.reconfigure(line_buffering=True)
+
+
+def _ignore_group_signals(parent_pid: int) -> None:
+    """The service decides when the worker stops (Shutdown, the pipe closing): a Ctrl-C
+    in a terminal (SIGINT) reaches the whole process group, and a service manager may
+    send SIGTERM to every process of the service; the service drains its requests
+    first. So SIGINT is ignored, and SIGTERM too while the service lives; a worker whose
+    service is gone (a stale one being reaped) exits on SIGTERM."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def on_term(signum: int, frame: Any) -> None:
+        if os.getppid() != parent_pid:
+            os._exit(EXIT_PARENT_GONE)
+
+    signal.signal(signal.SIGTERM, on_term)
 
 
 def _die_with_parent() -> None:

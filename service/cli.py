@@ -173,9 +173,10 @@ def serve(config_path: Path | None, **flags: Any) -> None:
     import uvicorn
 
     from service.app import StartupError, create_app
+    from service.shutdown import WRITE_GRACE_S, GracefulServer
 
     failure: list[str] = []
-    server: uvicorn.Server | None = None
+    server: GracefulServer | None = None
 
     def on_start_failure(reason: str) -> None:
         failure.append(reason)
@@ -183,7 +184,7 @@ def serve(config_path: Path | None, **flags: Any) -> None:
             server.should_exit = True
 
     try:
-        app, _ = create_app(settings, on_start_failure=on_start_failure)
+        app, services = create_app(settings, on_start_failure=on_start_failure)
     except StartupError as exc:
         sock.close()
         _fail(str(exc))
@@ -195,13 +196,14 @@ def serve(config_path: Path | None, **flags: Any) -> None:
         log_config=None,
         access_log=False,
         lifespan="on",
-        timeout_graceful_shutdown=3,
+        timeout_graceful_shutdown=WRITE_GRACE_S,
         ws=_websocket_protocol(),
         # h11 bounds the request line plus headers (--max-header-size); httptools would not.
         http="h11",
         h11_max_incomplete_event_size=settings.max_header_size,
     )
-    server = uvicorn.Server(config)
+    # SIGTERM/SIGINT drain the requests in flight, then exit 0 (service.shutdown).
+    server = GracefulServer(config, services.supervisor, settings.shutdown_timeout)
     log.info("headroom listening on http://%s:%d (engine starting)", host, port)
     server.run(sockets=[sock])
     if failure:
@@ -481,6 +483,131 @@ def bench_serve(
             device=device,
         )
     )
+
+
+@bench.command(
+    "chaos",
+    epilog="Without --url it starts `headroom serve` itself (logs, token and fault folder "
+    "in --workdir) on a simulated 4 GiB card playing a desktop loop (--vram-timeline to "
+    "play yours), or on the real card with --hog. Exits 1 when a figure that must be 0 "
+    "is not (hung, undocumented failures, wrong outputs, orphans, leaked pages).",
+)
+@click.option(
+    "-n",
+    "--requests",
+    "num_requests",
+    type=click.IntRange(min=1),
+    default=1000,
+    show_default=True,
+    help="Requests to send.",
+)
+@click.option(
+    "-c",
+    "--clients",
+    type=click.IntRange(min=1),
+    default=16,
+    show_default=True,
+    help="Concurrent clients.",
+)
+@click.option(
+    "--kills",
+    type=click.IntRange(min=0),
+    default=10,
+    show_default=True,
+    help="Times the worker is SIGKILLed, at random points.",
+)
+@click.option(
+    "--ooms",
+    type=click.IntRange(min=0),
+    default=50,
+    show_default=True,
+    help="Out-of-memory errors injected at random sites and points.",
+)
+@click.option(
+    "--max-tokens",
+    type=click.IntRange(min=1),
+    default=24,
+    show_default=True,
+    help="Completion tokens of a greedy request.",
+)
+@click.option(
+    "--url",
+    default=None,
+    help="A running headroom serve (started with "
+    "HEADROOM_FAULTS_DIR=--faults-dir for OOMs) [default: start one].",
+)
+@click.option(
+    "--faults-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="With --url: the service's HEADROOM_FAULTS_DIR.",
+)
+@click.option(
+    "--token",
+    default=None,
+    help="With --url: the local token, to clear the "
+    "prefix cache for the leak check [default: this user's].",
+)
+@click.option("--model", default=None, help="Model of the started service [default: embedded].")
+@click.option("--device", default="auto", show_default=True, help="Device of the started service.")
+@click.option(
+    "--vram-timeline",
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    default=None,
+    help="Timeline file of the simulated card [default: a desktop loop].",
+)
+@click.option(
+    "--hog",
+    "hog_gib",
+    type=click.FloatRange(min=0.05),
+    default=None,
+    metavar="GiB",
+    help="Run a second process taking and freeing up to GiB of GPU memory with "
+    "torch, and serve against the real card (NVML) instead of a simulated one.",
+)
+@click.option(
+    "--hang-timeout",
+    "hang_s",
+    type=click.FloatRange(min=1),
+    default=600.0,
+    show_default=True,
+    help="Seconds after which a request with no ending is hung.",
+)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the mix and timing.")
+@click.option(
+    "--serve-arg",
+    "serve_args",
+    multiple=True,
+    metavar="ARG",
+    help="An argument for the started `headroom serve`, e.g. --serve-arg=--max-prefill-tokens "
+    "--serve-arg=512 (repeatable).",
+)
+@click.option(
+    "--workdir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Folder for the started service's log, token and faults [default: a new temporary one].",
+)
+def bench_chaos(**kwargs: Any) -> None:
+    """Send many requests while killing the worker, injecting OOMs and moving the
+    desktop's memory; print what succeeded, failed (by code), hung or came out wrong,
+    restarts, time back to ready, orphans, leaked pages and TTFT."""
+    from service.bench_chaos import ChaosOptions, run_chaos
+
+    if kwargs["url"] is None and kwargs["token"] is not None:
+        _fail(
+            "--token goes with --url (a started service's token is read from --workdir)", EXIT_USAGE
+        )
+    opts = ChaosOptions(requests=kwargs.pop("num_requests"), **kwargs)
+    try:
+        report = run_chaos(opts, out=click.echo)
+    except RuntimeError as exc:
+        _fail(f"chaos run: {exc}")
+    problems = report.problems()
+    for problem in problems:
+        click.echo(f"PROBLEM: {problem}", err=True)
+    if problems:
+        sys.exit(EXIT_FAILED)
 
 
 def _int_list(ctx: Any, param: Any, value: str) -> tuple[int, ...]:

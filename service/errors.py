@@ -85,6 +85,7 @@ def from_not_ready(exc: NotReady) -> APIError:
         State.STARTING: "engine_starting",
         State.RESTARTING: "engine_restarting",
         State.FAILED: "engine_failed",
+        State.STOPPED: "server_shutting_down",
     }.get(exc.state, "engine_unavailable")
     headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s is not None else {}
     return APIError(503, exc.message, type=SERVER_ERROR, code=code, headers=headers)

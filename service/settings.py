@@ -278,6 +278,13 @@ OPTIONS: tuple[Option, ...] = (
         "a crash loop (then the service stays up in the 'failed' state).",
     ),
     Option("restart_window_s", float, 60.0, "Window for --max-restarts, in seconds."),
+    Option(
+        "shutdown_timeout",
+        float,
+        10.0,
+        "Seconds that requests in flight may run on after SIGTERM/SIGINT (new ones get "
+        "503); those still running then end with a 'server_shutting_down' error.",
+    ),
     Option("log_level", str, "info", "debug, info, warning or error."),
 )
 OPTIONS_BY_NAME = {o.name: o for o in OPTIONS}
@@ -324,6 +331,7 @@ class ServeSettings:
     start_timeout_s: float = 900.0
     max_restarts: int = 5
     restart_window_s: float = 60.0
+    shutdown_timeout: float = 10.0  # seconds
     log_level: str = "info"
     # Not a user option: "module:callable" building the engine in the worker (tests
     # use a fake one). Read from HEADROOM_ENGINE_FACTORY only.
@@ -542,6 +550,8 @@ def _validate(s: ServeSettings) -> None:
         fail("replan_hold", "must be at least 0")
     if s.replan_low is not None and s.replan_high is not None and s.replan_low >= s.replan_high:
         fail("replan_high", "must be above --replan-low")
+    if s.shutdown_timeout < 0:
+        fail("shutdown_timeout", "must be at least 0 (seconds)")
     if s.stall_timeout_s <= s.heartbeat_interval_s:
         fail("stall_timeout_s", "must be longer than --heartbeat-interval-s")
     if s.max_body_size < 1024:

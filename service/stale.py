@@ -177,16 +177,18 @@ class WorkerRecord:
 
 @contextlib.contextmanager
 def _locked(pidfile: Path) -> Iterator[None]:
-    """Hold an exclusive lock on ``<pidfile>.lock`` (two services starting at once)."""
+    """Hold an exclusive lock on the pid file's folder (two services starting at once).
+    The folder, not a lock file beside the pid file: a service that stops leaves no
+    file behind, and a lock file removed under a waiting service would split the lock."""
     pidfile.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(f"{pidfile}.lock", os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        try:
-            import fcntl
-
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        except ImportError:  # pragma: no cover - not POSIX
-            pass
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX: no folder fds to lock
+        yield
+        return
+    fd = os.open(pidfile.parent, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
         os.close(fd)
@@ -207,6 +209,12 @@ def read_pidfile(pidfile: Path | None = None) -> list[WorkerRecord]:
 
 
 def _write(pidfile: Path, records: Sequence[WorkerRecord]) -> None:
+    """Replace the pid file with ``records``; with none, remove it (a service that
+    stopped cleanly leaves no runtime file)."""
+    if not records:
+        with contextlib.suppress(FileNotFoundError):
+            pidfile.unlink()
+        return
     tmp = pidfile.with_name(f".{pidfile.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps({"version": 1, "workers": [r.to_json() for r in records]}, indent=1))
     os.chmod(tmp, 0o600)
@@ -250,7 +258,7 @@ def forget_worker(pid: int, pidfile: Path | None = None) -> None:
     with _locked(pidfile):
         records = read_pidfile(pidfile)
         kept = [r for r in records if r.pid != pid]
-        if len(kept) != len(records):
+        if len(kept) != len(records) or (not kept and pidfile.exists()):
             _write(pidfile, kept)
 
 

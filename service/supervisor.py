@@ -16,6 +16,13 @@ earlier run whose service is gone are ended; every worker is listed in the pid f
 while it lives; and before a restarted worker plans, the supervisor waits (bounded)
 until the VRAM source no longer shows the dead worker's memory.
 
+Graceful shutdown (:mod:`service.shutdown` drives it on SIGTERM/SIGINT):
+:meth:`Supervisor.begin_shutdown` moves to ``stopped`` at once, so new work is refused
+(503 + Retry-After) while what is in flight runs on; :meth:`Supervisor.drain` waits for
+it up to a deadline, then ends each remaining sequence with ``server_shutting_down``;
+:meth:`Supervisor.stop` then stops the worker. A worker that exits meanwhile is never
+restarted.
+
 Replan commands (:mod:`service.watcher`, the control API) go to the worker through
 :meth:`Supervisor.run_command`; the worker's pool figures (``engine.ipc.PoolStats``)
 arrive with each heartbeat and each command's answer, in :attr:`Supervisor.pool`.
@@ -71,6 +78,8 @@ log = logging.getLogger("headroom.supervisor")
 
 ENGINE_RESTARTED = "engine_restarted"
 ENGINE_FAILED = "engine_failed"
+SHUTTING_DOWN = "server_shutting_down"
+SHUTDOWN_MESSAGE = "the server is shutting down; this request was ended before it finished"
 
 
 def _first_line(text: str) -> str:
@@ -141,8 +150,9 @@ class NotReady(Exception):
 
 @dataclass(frozen=True)
 class EngineFailure:
-    """A sequence ended without an answer because its worker ended (event on a
-    :class:`Submission`'s queue). ``code`` is ``engine_restarted`` or ``engine_failed``."""
+    """A sequence ended without an answer because its worker ended or the service is
+    shutting down (event on a :class:`Submission`'s queue). ``code`` is
+    ``engine_restarted``, ``engine_failed`` or ``server_shutting_down``."""
 
     code: str
     message: str
@@ -244,6 +254,8 @@ class Supervisor:
         self._watchdog: asyncio.Task | None = None
         self._first_start = True
         self.first_start_done: asyncio.Event | None = None
+        # Set by begin_shutdown: when the drain ends (time.monotonic()), for Retry-After.
+        self._drain_until: float | None = None
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -264,9 +276,47 @@ class Supervisor:
         self._publish_health()
         self._watchdog = asyncio.create_task(self._watch(), name="supervisor-watchdog")
 
+    def begin_shutdown(self, timeout_s: float) -> None:
+        """Refuse new work from now on (:class:`NotReady`, state ``stopped``, Retry-After
+        until the drain's end) while what is in flight runs on; no worker is restarted
+        after this. ``timeout_s``: how long :meth:`drain` will wait, in seconds."""
+        if self._drain_until is not None:
+            return
+        self._drain_until = time.monotonic() + timeout_s
+        self.state = State.STOPPED
+        self._restart_at = None
+        for task in list(self._tasks):
+            task.cancel()  # a pending restart, a new worker's preparation
+        if self._worker is None:
+            # No worker to finish them: sequences waiting for a restart end now.
+            self._fail_all(SHUTTING_DOWN, SHUTDOWN_MESSAGE, retry=False)
+        self._publish_health()
+
+    @property
+    def draining(self) -> bool:
+        """Whether sequences sent to a worker are still unfinished (or waiting for one)."""
+        return bool(self._inflight or self._retry)
+
+    async def drain(self, timeout_s: float, poll_s: float = 0.05) -> int:
+        """Wait until nothing is in flight or ``timeout_s`` seconds passed, then end each
+        remaining sequence with ``server_shutting_down``. Call after
+        :meth:`begin_shutdown`. Returns how many sequences were ended that way."""
+        deadline = time.monotonic() + timeout_s
+        while self.draining and self.worker_alive and time.monotonic() < deadline:
+            await asyncio.sleep(poll_s)
+        ended = sum(1 for s in (*self._inflight.values(), *self._retry) if not s.submission.closed)
+        self._fail_all(SHUTTING_DOWN, SHUTDOWN_MESSAGE, retry=False)
+        return ended
+
+    def end_drain_now(self) -> None:
+        """End every sequence still in flight with ``server_shutting_down`` now (a
+        second Ctrl-C); :meth:`drain` then returns at once."""
+        self._fail_all(SHUTTING_DOWN, SHUTDOWN_MESSAGE, retry=False)
+
     async def stop(self) -> None:
         """Stop the worker (gracefully, then by force) and fail what is in flight."""
         self.state = State.STOPPED
+        self._restart_at = None
         self._publish_health()
         if self._watchdog is not None:
             self._watchdog.cancel()
@@ -425,7 +475,11 @@ class Supervisor:
                 future.set_result(None)
 
     def retry_after_s(self) -> int | None:
-        """Whole seconds until a worker is expected to be ready, or None in ``failed``."""
+        """Whole seconds until a worker is expected to be ready, or None in ``failed``;
+        while shutting down, until the drain ends (at least 1: a service restarted by
+        its manager may answer then), None once the worker is stopped."""
+        if self.state is State.STOPPED and self._drain_until is not None:
+            return max(1, math.ceil(self._drain_until - time.monotonic()))
         if self.state in (State.FAILED, State.STOPPED):
             return None
         wait_s = self._last_load_s
@@ -456,7 +510,7 @@ class Supervisor:
                 "signal": self.last_exit.signal,
                 "last_lines": list(self.last_exit.last_lines[-10:]),
             }
-        if self.state in (State.STARTING, State.RESTARTING):
+        if self.state in (State.STARTING, State.RESTARTING) or self._drain_until is not None:
             report["retry_after_s"] = self.retry_after_s()
         if self.events is not None:
             report["event_subscribers"] = self.events.subscriber_count
@@ -628,6 +682,11 @@ class Supervisor:
                 future.cancel()
         self._end_control_waiters()
         if self.state is State.STOPPED:
+            if self._drain_until is not None:
+                # Shutting down (a signal to the whole process group may reach it): what
+                # it carried ends now, and no restart is planned.
+                log.info("worker %s %s during shutdown", worker.pid, status.describe())
+                self._fail_all(SHUTTING_DOWN, SHUTDOWN_MESSAGE, retry=False)
             return
         was_ready = self.state is State.READY
         log.error(

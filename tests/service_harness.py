@@ -71,6 +71,8 @@ class ServerProcess:
         args: extra command-line arguments.
         env: extra environment variables.
         fake: use tests/fake_engine.py instead of the real engine.
+        new_session: start it in its own session and process group (``pgid`` = its
+            pid), so a test can signal the group as a terminal's Ctrl-C does.
     """
 
     def __init__(
@@ -81,6 +83,7 @@ class ServerProcess:
         *,
         fake: bool = False,
         fake_model_dir: str | None = None,
+        new_session: bool = False,
     ) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -105,7 +108,11 @@ class ServerProcess:
         self.command = [*headroom_command(), "serve", "--port", str(self.port), *(args or [])]
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
-            self.command, stdout=self._log, stderr=subprocess.STDOUT, env=full_env
+            self.command,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+            start_new_session=new_session,
         )
 
     @property
@@ -174,13 +181,19 @@ def real_server(tmp_path_factory, default_model_dir) -> Iterator[ServerProcess]:
 
 @pytest.fixture
 def start_server(tmp_path, default_model_dir) -> Iterator:
-    """Factory: ``start_server(args, env, fake=False, wait=True) -> ServerProcess``;
-    every server it starts is stopped after the test (its log shown on failure)."""
+    """Factory: ``start_server(args, env, fake=False, wait=True, new_session=False) ->
+    ServerProcess``; every server it starts is stopped after the test (its log shown on
+    failure)."""
     servers: list[ServerProcess] = []
 
-    def start(args=None, env=None, *, fake=False, wait=True) -> ServerProcess:
+    def start(args=None, env=None, *, fake=False, wait=True, new_session=False) -> ServerProcess:
         server = ServerProcess(
-            tmp_path, args, env, fake=fake, fake_model_dir=default_model_dir if fake else None
+            tmp_path,
+            args,
+            env,
+            fake=fake,
+            fake_model_dir=default_model_dir if fake else None,
+            new_session=new_session,
         )
         servers.append(server)
         if wait:

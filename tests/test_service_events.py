@@ -63,7 +63,7 @@ def token_protocol(server: ServerProcess) -> list[str]:
     return [f"headroom.token.{server.token}"]
 
 
-def recv(ws, timeout: float = 10.0) -> dict:
+def recv(ws, timeout: float = 60.0) -> dict:
     return json.loads(ws.recv(timeout=timeout))
 
 
@@ -151,7 +151,7 @@ def test_fifty_connect_disconnect_cycles_leave_no_subscriber(server):
     watcher_ws = connect(server.ws_url, subprotocols=token_protocol(server))
     with watcher_ws as ws:
         recv(ws)
-        assert wait_for(lambda: subscribers(server) == 1, 5, "one subscriber")
+        assert wait_for(lambda: subscribers(server) == 1, 60, "one subscriber")
         for i in range(50):
             if i % 2:
                 with connect(server.ws_url, subprotocols=token_protocol(server)) as other:
@@ -162,11 +162,11 @@ def test_fifty_connect_disconnect_cycles_leave_no_subscriber(server):
                 with connect(server.ws_url, subprotocols=token_protocol(server)) as other:
                     assert recv(other)["type"] == "snapshot"
                     other.socket.shutdown(socket.SHUT_RDWR)
-        wait_for(lambda: subscribers(server) == 1, 10, "only the watching subscriber left")
+        wait_for(lambda: subscribers(server) == 1, 60, "only the watching subscriber left")
         # The watching connection kept getting every event, in order.
         seqs = [recv(ws)["seq"] for _ in range(5)]
         assert seqs == list(range(seqs[0], seqs[0] + 5))
-    wait_for(lambda: subscribers(server) == 0, 10, "no subscriber left")
+    wait_for(lambda: subscribers(server) == 0, 60, "no subscriber left")
     assert "Traceback" not in server.log()
 
 
@@ -174,13 +174,19 @@ def test_reconnect_with_last_seq_gets_the_missed_events_in_order(server):
     with connect(server.ws_url, subprotocols=token_protocol(server)) as ws:
         snapshot = recv(ws)
         last = [recv(ws) for _ in range(3)][-1]
-    time.sleep(1.5)  # events flow meanwhile (VRAM samples, 4 a second)
+    # Events flow meanwhile (VRAM samples, 4 a second): another client watches until
+    # five more were published.
+    with connect(server.ws_url, subprotocols=token_protocol(server)) as watcher:
+        seq = recv(watcher)["seq"]
+        while seq < last["seq"] + 5:
+            seq = recv(watcher, timeout=60)["seq"]
+    back_at = time.time()
     query = f"?last_seq={last['seq']}&epoch={snapshot['epoch']}"
     with connect(server.ws_url + query, subprotocols=token_protocol(server)) as ws:
         missed = [recv(ws) for _ in range(5)]
     assert "snapshot" not in {m["type"] for m in missed}
     assert [m["seq"] for m in missed] == list(range(last["seq"] + 1, last["seq"] + 6))
-    assert missed[0]["ts"] < time.time() - 0.5  # published while it was away
+    assert missed[-1]["ts"] <= back_at  # published while it was away
     # Another epoch (a restarted service) gets a fresh snapshot instead.
     with connect(
         f"{server.ws_url}?last_seq={last['seq']}&epoch=another-epoch",
@@ -256,14 +262,14 @@ def test_control_reserve_moves_the_reserve_of_the_vram_events(server):
     assert r.status_code == 202 and "600 MiB" in r.json()["message"]
     wait_for(
         lambda: httpx.get(url + "/api/status").json()["vram"]["reserve_bytes"] == 600 * MiB,
-        5,
+        60,
         "the new reserve in the vram events",
     )
     r = httpx.post(url + "/api/control/reserve", json={"reserve": "auto"}, headers=headers)
     assert r.status_code == 202
     wait_for(
         lambda: httpx.get(url + "/api/status").json()["vram"]["reserve_bytes"] == auto,
-        5,
+        60,
         "the automatic reserve back",
     )
 

@@ -32,22 +32,26 @@ GiB = 1 << 30
 MiB = 1 << 20
 
 # Seconds from the moment the engine is first ready. The game's share wobbles by a few
-# tens of MiB while it plays (inside the replan band: no replan may follow it).
+# tens of MiB while it plays (inside the replan band: no replan may follow it); the
+# wobble starts well after the game's arrival, so the replans that arrival causes are
+# done even on a busy machine, and each wobble step lasts a second so the sampler sees
+# it even when its loop stalls for a moment.
 TIMELINE = {
     "steps": [
         [0, 0],
         [3, "40%"],
-        [5, "39%"],
-        [5.5, "41%"],
-        [6, "39.5%"],
-        [6.5, "40.5%"],
-        [7, "40%"],
-        [8, "47%"],  # a browser tab decodes a video on top of the game
-        [11, "40%"],
-        [15, 0],  # both leave
+        [8, "39%"],
+        [9, "41%"],
+        [10, "39.5%"],
+        [11, "40.5%"],
+        [12, "40%"],
+        [13, "47%"],  # a browser tab decodes a video on top of the game
+        [16, "40%"],
+        [20, 0],  # both leave
     ]
 }
-TIMELINE_END_S = 15
+TIMELINE_END_S = 20
+MIN_RESULTS = 8
 HOLD_S = 1.0
 
 
@@ -74,7 +78,7 @@ class EventReader(threading.Thread):
 
     def start(self) -> None:
         super().start()
-        assert self.connected.wait(10), "the event socket did not open"
+        assert self.connected.wait(60), "the event socket did not open"
 
     def run(self) -> None:
         try:
@@ -175,9 +179,12 @@ def test_simulated_desktop_timeline_shrinks_and_grows_the_pool_without_failing_r
     # Clients stream requests for the whole timeline.
     clients = StreamingClients(server.base_url, 4)
 
-    # The pool as /api/status reports it, over the timeline.
+    # The pool as /api/status reports it, over the timeline (and until the clients have
+    # finished enough requests: a busy machine serves fewer in the same time).
     pages_seen: list[int] = []
-    while time.monotonic() - ready_at < TIMELINE_END_S + 2:
+    deadline = time.monotonic() + 600
+    while time.monotonic() - ready_at < TIMELINE_END_S + 2 or len(clients.results) < MIN_RESULTS:
+        assert time.monotonic() < deadline, f"only {len(clients.results)} requests done"
         status = http.get("/api/status").json()
         pages_seen.append(status["engine"]["info"]["num_pages"])
         time.sleep(0.25)
@@ -188,13 +195,17 @@ def test_simulated_desktop_timeline_shrinks_and_grows_the_pool_without_failing_r
         "the pool to grow back to the plan",
     )
     results = clients.stop()
-    time.sleep(0.5)  # the last events
+    # The last events: the hub's sequence as /api/status shows it has reached the socket.
+    last_seq = http.get("/api/status").json()["seq"]
+    wait_for(
+        lambda: any(m.get("seq", -1) >= last_seq for m in events.messages), 60, "the last events"
+    )
     events.stop()
     final = http.get("/api/status").json()
     http.close()
 
     # No request failed.
-    assert len(results) >= 8, results
+    assert len(results) >= MIN_RESULTS, results
     failures = [why for ok, why in results if not ok]
     assert not failures, failures
 
@@ -241,7 +252,14 @@ def test_simulated_desktop_timeline_shrinks_and_grows_the_pool_without_failing_r
     turns = sum(1 for a, b in zip(directions, directions[1:], strict=False) if a != b)
     assert turns <= 3, directions
     total = vram[0]["total_bytes"]
-    wobble_start = next(v["ts"] for v in vram if abs(v["others_bytes"] - 0.39 * total) < MiB)
+    wobbling = [
+        v["ts"]
+        for v in vram
+        if 0.385 * total <= v["others_bytes"] <= 0.415 * total
+        and abs(v["others_bytes"] - 0.40 * total) > MiB
+    ]
+    assert wobbling, "the sampler never saw the wobble"
+    wobble_start = wobbling[0]
     wobble_end = next(v["ts"] for v in vram if v["others_bytes"] > 0.45 * total)
     assert wobble_start < wobble_end
     assert not [r for r in replans if wobble_start < r["ts"] < wobble_end], actions
@@ -322,7 +340,7 @@ def test_stale_worker_of_a_killed_service_is_reaped_at_the_next_start(start_serv
     try:
         record_worker(lookalike.pid, pidfile, service_pid=first.proc.pid, wait_s=0.2)
         second = start_server(fake=True)
-        wait_for(lambda: process_gone(orphan), 10, "the stale worker to end")
+        wait_for(lambda: process_gone(orphan), 60, "the stale worker to end")
         log = second.log()
         assert f"stale worker check: pid {orphan} ended" in log, log
         assert f"stale worker check: pid {lookalike.pid} left alone" in log, log

@@ -296,6 +296,7 @@ def test_service_modules_never_import_torch(default_model_dir):
     code = f"""
 import asyncio, sys
 import service.cli, service.app, service.bench_serve, service.worker_process
+import service.bench_chaos, service.chaos_requests, service.shutdown
 from service.app import create_app
 from service.settings import resolve
 from service.text import TextSide

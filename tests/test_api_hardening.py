@@ -267,13 +267,13 @@ def test_completions_check_the_same_ranges(server):
 
 def test_seeds_at_the_ends_of_the_range_are_served_and_differ(server):
     texts = {}
-    for seed in (0, 1, 2**63 - 1):
-        body = {**CHAT, "max_tokens": 12, "temperature": 1.5, "seed": seed, "n": 2}
+    for seed in (0, 2**63 - 1):
+        body = {**CHAT, "max_tokens": 8, "temperature": 1.5, "seed": seed}
         r = Raw(server, "POST", "/v1/chat/completions", body, auth())
         assert r.status == 200, r.body
-        texts[seed] = [c["message"]["content"] for c in json.loads(r.body)["choices"]]
+        texts[seed] = json.loads(r.body)["choices"][0]["message"]["content"]
         again = Raw(server, "POST", "/v1/chat/completions", body, auth())
-        assert [c["message"]["content"] for c in json.loads(again.body)["choices"]] == texts[seed]
+        assert json.loads(again.body)["choices"][0]["message"]["content"] == texts[seed]
     # No wrapping: the two ends of the range are different seeds.
     assert texts[0] != texts[2**63 - 1]
 

@@ -119,6 +119,9 @@ def stream_chat(base_url: str, i: int) -> tuple[bool, str]:
     return True, ""
 
 
+# A model load, the timeline and enough requests: past the default 600 s at a load
+# average of 14 on 2 cores.
+@pytest.mark.timeout(1800)
 def test_simulated_desktop_timeline_shrinks_and_grows_the_pool_without_failing_requests(
     start_server, tmp_path
 ):

@@ -146,6 +146,9 @@ class StreamingClients:
         return self.results
 
 
+# A model load, the timeline and enough requests: past the default 600 s at a load
+# average of 14 on 2 cores.
+@pytest.mark.timeout(1800)
 def test_simulated_desktop_timeline_shrinks_and_grows_the_pool_without_failing_requests(
     start_server, tmp_path
 ):

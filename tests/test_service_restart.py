@@ -101,7 +101,9 @@ HANG_ONCE_SEED, HANG_ALWAYS_SEED = 777, 778  # see fake_engine.py
 
 def test_hung_worker_is_killed_and_requests_without_tokens_retried_once(tmp_path, start_server):
     server = start_server(
-        ["--stall-timeout-s", "1.5", "--heartbeat-interval-s", "0.1"],
+        # The second request must reach the supervisor before the hung worker is killed:
+        # a stall timeout of seconds leaves room for that on a busy machine.
+        ["--stall-timeout-s", "6", "--heartbeat-interval-s", "0.1"],
         {"HEADROOM_FAKE_MARKER": str(tmp_path / "hung-once")},
         fake=True,
     )

@@ -59,6 +59,29 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 @triton.jit
+def _attend_block(
+    q, K, V, PageTable, pt_row, pos, nmask, visible, kvh, d, dmask, m_i, l_i, acc,
+    stride_ks, stride_kh, stride_vs, stride_vh, scale_log2,
+    PAGE_SIZE: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """One online-softmax step over the keys at positions ``pos`` of one sequence;
+    ``visible`` ([rows, N]) masks the scores. Returns the updated (max, sum, acc)."""
+    page = tl.load(PageTable + pt_row + pos // PAGE_SIZE, mask=nmask, other=0)
+    slot = page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
+    kv_mask = nmask[:, None] & dmask[None, :]
+    k = tl.load(K + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :], mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(V + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :], mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _decode_kernel(
     Q, K, V, PageTable, SeqLens, Out, PartO, PartLse,
     stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_pt, stride_ob, stride_oh,
@@ -88,19 +111,10 @@ def _decode_kernel(
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         nmask = pos < end
-        page = tl.load(PageTable + b * stride_pt + pos // PAGE_SIZE, mask=nmask, other=0)
-        slot = page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
-        kv_mask = nmask[:, None] & dmask[None, :]
-        k = tl.load(K + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [G, N]
-        s = tl.where(nmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _attend_block(
+            q, K, V, PageTable, b * stride_pt, pos, nmask, nmask[None, :], kvh, d, dmask, m_i, l_i, acc,
+            stride_ks, stride_kh, stride_vs, stride_vh, scale_log2, PAGE_SIZE, PRECISION,
+        )
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if NUM_SPLITS == 1:
@@ -236,20 +250,11 @@ def _extend_kernel(
     for n0 in range(0, hi, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         nmask = pos < hi
-        page = tl.load(PageTable + b * stride_pt + pos // PAGE_SIZE, mask=nmask, other=0)
-        slot = page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
-        kv_mask = nmask[:, None] & dmask[None, :]
-        k = tl.load(K + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [M, N]
         visible = (pos[None, :] <= q_pos[:, None]) & nmask[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _attend_block(
+            q, K, V, PageTable, b * stride_pt, pos, nmask, visible, kvh, d, dmask, m_i, l_i, acc,
+            stride_ks, stride_kh, stride_vs, stride_vh, scale_log2, PAGE_SIZE, PRECISION,
+        )
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(Out + (q_start + m)[:, None] * stride_ot + h * stride_oh + d[None, :], o.to(Out.dtype.element_ty),

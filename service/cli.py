@@ -498,7 +498,7 @@ def _int_list(ctx: Any, param: Any, value: str) -> tuple[int, ...]:
     "--shape",
     default=None,
     help="Bench a known model shape with random weights instead of --model "
-    "(qwen3-0.6b, llama-3.1-8b).",
+    "(smollm2-135m, qwen3-0.6b, llama-3.1-8b).",
 )
 @click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda[:N].")
 @click.option(

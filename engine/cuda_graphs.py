@@ -80,7 +80,10 @@ class DecodeGraphs:
         for _ in range(2):  # both pinned buffers start with the constant sections
             self._host_constants(self.staging.host(self._size))
         self._batches = {b: self._static_batch(b) for b in self.sizes}
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # Every graph writes its logits here (rows [:b]), so no graph keeps an output block
+        # of its own alive in the pool: one [max_batch, V] float32 buffer for all sizes.
+        self._logits: torch.Tensor | None = None
         self._pool = torch.cuda.graph_pool_handle()
         self._failed: set[int] = set()
         self.captures = 0
@@ -127,6 +130,7 @@ class DecodeGraphs:
         """Drop every graph (the KV pool's buffers are about to move); sizes are captured
         again on their next use."""
         self._graphs.clear()
+        self._logits = None
         self._failed.clear()
 
     # -- filling -------------------------------------------------------------------------
@@ -166,42 +170,61 @@ class DecodeGraphs:
 
     # -- capture and replay --------------------------------------------------------------
 
-    def _capture(self, b: int) -> None:
-        started = time.perf_counter()
-        batch = self._batches[b]
+    def _warm_up(self, b: int, stream: torch.cuda.Stream) -> None:
+        """One eager decode at size ``b`` on a side stream (torch's recipe): Triton
+        compiles and loads its kernels, cuBLAS picks its algorithms and the allocator
+        settles before anything is recorded."""
         self._fill_dummy(b)
-        # Warm up on a side stream (torch's recipe): Triton compiles, cuBLAS picks its
-        # kernels and the allocator settles before anything is recorded.
-        stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            self.model(batch, self.attn)
+            self.model(self._batches[b], self.attn)
         torch.cuda.current_stream(self.device).wait_stream(stream)
+
+    def _capture(self, b: int, *, warm: bool = True) -> None:
+        started = time.perf_counter()
+        batch = self._batches[b]
+        stream = torch.cuda.Stream(self.device)
+        if warm:
+            self._warm_up(b, stream)
+        self._fill_dummy(b)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
             logits = self.model(batch, self.attn)
-        self._graphs[b] = (graph, logits)
+            if self._logits is None:
+                # Allocated inside the first (largest) capture, from the graphs' pool.
+                self._logits = torch.empty((self.max_batch, logits.shape[1]), dtype=logits.dtype, device=self.device)
+            self._logits[:b].copy_(logits)
+        del logits
+        self._graphs[b] = graph
         self.captures += 1
         self.capture_seconds += time.perf_counter() - started
 
     @torch.inference_mode()
     def capture_all(self) -> int:
         """Capture every size (largest first, so smaller ones reuse its pool blocks);
-        returns the device bytes the graphs took: the larger of the allocator's reserved
-        growth and the drop in the driver's free memory (graph executables live outside
-        the allocator)."""
+        returns the device bytes the graphs hold: the larger of the allocator's reserved
+        growth and the drop in the driver's free memory over the captures (graph
+        executables live outside the allocator), plus the static input buffer. Every
+        size is warmed up first, so kernels loaded on first use (runtime, not graphs)
+        are not counted."""
+        started = time.perf_counter()
+        stream = torch.cuda.Stream(self.device)
+        for b in reversed(self.sizes):
+            self._warm_up(b, stream)
         torch.cuda.synchronize(self.device)
         free0, _ = torch.cuda.mem_get_info(self.device)
         reserved0 = torch.cuda.memory_reserved(self.device)
-        started = time.perf_counter()
         for b in reversed(self.sizes):
-            self._capture(b)
+            self._capture(b, warm=False)
         torch.cuda.synchronize(self.device)
         free1, _ = torch.cuda.mem_get_info(self.device)
         # The static input buffer is charged with the graphs: it exists for them alone.
-        taken = max(torch.cuda.memory_reserved(self.device) - reserved0, free0 - free1, 0) + self._dev.nbytes
-        log.info("CUDA graphs: captured decode at batch sizes %s in %.2f s, %.1f MiB",
-                 ",".join(map(str, self.sizes)), time.perf_counter() - started, taken / 2**20)
+        grown = torch.cuda.memory_reserved(self.device) - reserved0
+        taken = max(grown, free0 - free1, 0) + self._dev.nbytes
+        log.info("CUDA graphs: captured decode at batch sizes %s in %.2f s, %.1f MiB (allocator pool %.1f MiB, "
+                 "device free memory -%.1f MiB, inputs %.1f MiB)", ",".join(map(str, self.sizes)),
+                 time.perf_counter() - started, taken / 2**20, grown / 2**20, (free0 - free1) / 2**20,
+                 self._dev.nbytes / 2**20)
         return taken
 
     def run(self, items: Sequence) -> torch.Tensor | None:
@@ -230,6 +253,5 @@ class DecodeGraphs:
             log.info("CUDA graphs: re-captured decode at batch size %d (%d captures, %.2f s in all)", padded,
                      self.captures, self.capture_seconds)
         self._fill(items, padded)
-        graph, logits = self._graphs[padded]
-        graph.replay()
-        return logits[: len(items)]
+        self._graphs[padded].replay()
+        return self._logits[: len(items)]

@@ -137,46 +137,59 @@ def test_default_model_greedy_text_equals_the_torch_backend():
     assert got == want
 
 
-def test_live_shrink_and_grow_with_graphs_keeps_outputs():
+def _shape_engine(tmp_path, **config) -> Engine:
+    """The Qwen3-0.6B shape, 4 layers, random weights, float32 (so a batch of another
+    composition, after a rollback, cannot flip a near-tied greedy pick)."""
+    from engine.model_shapes import write_shape
+
+    write_shape("qwen3-0.6b", tmp_path, num_hidden_layers=4)
+    return Engine(EngineConfig(model=str(tmp_path), device="cuda", dtype="float32", load_format="dummy",
+                               attention_backend="triton", **config))
+
+
+def _random_prompts(n: int, lengths=(40, 77, 130, 200)) -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(10, 150000, (lengths[i % len(lengths)] + i,), generator=g).tolist() for i in range(n)]
+
+
+def test_live_shrink_and_grow_with_graphs_keeps_outputs(tmp_path):
     """Shrink the pool by 1 GiB and grow it back while 8 requests decode under CUDA
-    graphs: every output equals the run without resizes; the figures (resize time,
+    graphs: every output equals the run without resizes. The figures (resize time,
     re-capture time) are printed for the README."""
-    gguf = _default_model()
-    cfg = EngineConfig(model=gguf, device="cuda", dtype="float32", kv_cache_bytes=3 << 30, attention_backend="triton",
-                       max_running_requests=8)
-    engine = Engine(cfg)
+    engine = _shape_engine(tmp_path, kv_cache_bytes=3 << 30, max_running_requests=8)
     graphs = engine.runner.graphs
     assert graphs is not None
-    prompts = _chat_prompts(engine, 8)
+    prompts = _random_prompts(8)
     baseline = run_greedy(engine, prompts, new_tokens=96)
     engine.radix.clear()
     start_pages = engine.pool.num_pages
     delta = (1 << 30) // engine.kv_page_bytes
-    events = []
+    events = {}
+    captures_before = graphs.captures
 
     def on_step(e, step):
         if step == 20:
-            events.append(("shrink", e.resize_kv_pool(start_pages - delta, reason="test")))
-            events.append(("captures before", graphs.captures, graphs.capture_seconds))
+            events["shrink"] = e.resize_kv_pool(start_pages - delta, reason="test")
+        if step == 21:
+            events["recapture_s"] = graphs.capture_seconds
         if step == 50:
-            events.append(("grow", e.resize_kv_pool(start_pages, reason="test")))
+            events["grow"] = e.resize_kv_pool(start_pages, reason="test")
 
     resized = run_greedy(engine, prompts, new_tokens=96, on_step=on_step)
     assert resized == baseline
-    shrink, grow = events[0][1], events[2][1]
+    shrink, grow = events["shrink"], events["grow"]
     assert shrink.after_pages == start_pages - delta and grow.after_pages == start_pages
     assert not shrink.preempted and not shrink.ended
+    assert graphs.captures > captures_before  # the pool moved, so graphs were captured again
     print(f"\n1 GiB shrink {shrink.duration_ms:.1f} ms, grow {grow.duration_ms:.1f} ms; "
-          f"{graphs.captures} captures in {graphs.capture_seconds:.2f} s in all")
+          f"{graphs.captures - captures_before} re-captures, {graphs.capture_seconds:.2f} s of capture in all")
 
 
-def test_injected_decode_oom_under_graphs_rolls_back():
-    """Fault injection at the decode site on the graph path: the step rolls back and the
-    outputs equal a clean run's."""
-    gguf = _default_model()
-    engine = Engine(EngineConfig(model=gguf, device="cuda", dtype="float32", kv_cache_bytes=1 << 30,
-                                 attention_backend="triton", max_running_requests=4))
-    prompts = _chat_prompts(engine, 3)
+def test_injected_oom_under_graphs_rolls_back(tmp_path):
+    """Fault injection at the decode and sample sites on the graph path: the steps roll
+    back and the outputs equal a clean run's."""
+    engine = _shape_engine(tmp_path, kv_cache_bytes=1 << 30, max_running_requests=4)
+    prompts = _random_prompts(3)
     clean = run_greedy(engine, prompts, new_tokens=24)
     engine.radix.clear()
     engine.faults.add("decode", "r1", times=2)

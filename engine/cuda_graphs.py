@@ -2,7 +2,7 @@
 
 A decode step of a small model is hundreds of small kernels; launched one by one each
 costs about 22 us of CPU and driver time on an H200, inside a graph under 1 us
-(GPU.md-style measurements are in the README). So the decode forward is captured once
+(measured; the README's GPU section has the figures). So the decode forward is captured once
 per batch size of a ladder (1, 2, 4, 8, then every 8 up to ``--cuda-graph-max-batch``)
 and replayed: a batch of ``B`` runs the graph of the next size up, its extra rows padded
 (token 0 at position 0, KV written to the null page, context length 0 so attention
@@ -42,6 +42,20 @@ from engine.forward_batch import ForwardBatch
 from engine.step_inputs import PinnedStaging, token_at
 
 log = logging.getLogger("headroom.engine")
+
+
+# One capture stream per device for the whole process. cuBLAS keeps a workspace per
+# (handle, stream), 32 MiB on Hopper: a fresh stream per capture would leave one such
+# workspace per captured size in the graphs' pool (measured: 390 MiB for 11 sizes of a
+# 135M model), and a workspace allocated inside a capture pins that pool forever.
+_CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _capture_stream(device: torch.device) -> torch.cuda.Stream:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[index] = torch.cuda.Stream(device)
+    return _CAPTURE_STREAMS[index]
 
 
 def graph_batch_sizes(max_batch: int) -> list[int]:
@@ -132,6 +146,9 @@ class DecodeGraphs:
         self._graphs.clear()
         self._logits = None
         self._failed.clear()
+        # With no graph left the old pool is released (its memory goes back with the
+        # resize's empty_cache); a capture must not name it again.
+        self._pool = torch.cuda.graph_pool_handle()
 
     # -- filling -------------------------------------------------------------------------
 
@@ -183,7 +200,7 @@ class DecodeGraphs:
     def _capture(self, b: int, *, warm: bool = True) -> None:
         started = time.perf_counter()
         batch = self._batches[b]
-        stream = torch.cuda.Stream(self.device)
+        stream = _capture_stream(self.device)
         if warm:
             self._warm_up(b, stream)
         self._fill_dummy(b)
@@ -208,17 +225,21 @@ class DecodeGraphs:
         size is warmed up first, so kernels loaded on first use (runtime, not graphs)
         are not counted."""
         started = time.perf_counter()
-        stream = torch.cuda.Stream(self.device)
+        stream = _capture_stream(self.device)
+        torch.cuda.synchronize(self.device)
+        reserved0 = torch.cuda.memory_reserved(self.device)
         for b in reversed(self.sizes):
             self._warm_up(b, stream)
         torch.cuda.synchronize(self.device)
         free0, _ = torch.cuda.mem_get_info(self.device)
-        reserved0 = torch.cuda.memory_reserved(self.device)
         for b in reversed(self.sizes):
             self._capture(b, warm=False)
         torch.cuda.synchronize(self.device)
         free1, _ = torch.cuda.mem_get_info(self.device)
-        # The static input buffer is charged with the graphs: it exists for them alone.
+        # Allocator growth over warm-ups and captures (the capture stream's cuBLAS
+        # workspace, the graphs' pool); driver memory over the captures only (graph
+        # executables; the kernels the warm-ups loaded belong to the runtime). The static
+        # input buffer is charged with the graphs: it exists for them alone.
         grown = torch.cuda.memory_reserved(self.device) - reserved0
         taken = max(grown, free0 - free1, 0) + self._dev.nbytes
         log.info("CUDA graphs: captured decode at batch sizes %s in %.2f s, %.1f MiB (allocator pool %.1f MiB, "

@@ -219,34 +219,46 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture_all(self) -> int:
         """Capture every size (largest first, so smaller ones reuse its pool blocks);
-        returns the device bytes the graphs hold: the larger of the allocator's reserved
-        growth and the drop in the driver's free memory over the captures (graph
-        executables live outside the allocator), plus the static input buffer. Every
-        size is warmed up first, so kernels loaded on first use (runtime, not graphs)
-        are not counted."""
+        returns the device bytes the graphs hold (see :meth:`_held_bytes`)."""
         started = time.perf_counter()
         stream = _capture_stream(self.device)
         torch.cuda.synchronize(self.device)
-        reserved0 = torch.cuda.memory_reserved(self.device)
+        allocated0 = torch.cuda.memory_allocated(self.device)
         for b in reversed(self.sizes):
             self._warm_up(b, stream)
         torch.cuda.synchronize(self.device)
+        # What the warm-ups left allocated: the capture stream's cuBLAS workspace.
+        workspace = max(torch.cuda.memory_allocated(self.device) - allocated0, 0)
         free0, _ = torch.cuda.mem_get_info(self.device)
+        reserved0 = torch.cuda.memory_reserved(self.device)
         for b in reversed(self.sizes):
             self._capture(b, warm=False)
         torch.cuda.synchronize(self.device)
         free1, _ = torch.cuda.mem_get_info(self.device)
-        # Allocator growth over warm-ups and captures (the capture stream's cuBLAS
-        # workspace, the graphs' pool); driver memory over the captures only (graph
-        # executables; the kernels the warm-ups loaded belong to the runtime). The static
-        # input buffer is charged with the graphs: it exists for them alone.
-        grown = torch.cuda.memory_reserved(self.device) - reserved0
-        taken = max(grown, free0 - free1, 0) + self._dev.nbytes
-        log.info("CUDA graphs: captured decode at batch sizes %s in %.2f s, %.1f MiB (allocator pool %.1f MiB, "
-                 "device free memory -%.1f MiB, inputs %.1f MiB)", ",".join(map(str, self.sizes)),
-                 time.perf_counter() - started, taken / 2**20, grown / 2**20, (free0 - free1) / 2**20,
-                 self._dev.nbytes / 2**20)
+        # Driver memory outside the allocator (graph executables): the drop in free
+        # memory not explained by the allocator's own change. Each capture empties the
+        # allocator's cache first (torch.cuda.graph does), so reserved memory may fall.
+        driver = max((free0 - free1) - (torch.cuda.memory_reserved(self.device) - reserved0), 0)
+        pool = self._pool_bytes(fallback=torch.cuda.memory_reserved(self.device) - reserved0)
+        taken = pool + workspace + driver + self._dev.nbytes
+        log.info("CUDA graphs: captured decode at batch sizes %s in %.2f s, %.1f MiB (graph pool %.1f MiB, "
+                 "capture stream workspace %.1f MiB, graph executables %.1f MiB, inputs %.1f MiB)",
+                 ",".join(map(str, self.sizes)), time.perf_counter() - started, taken / 2**20, pool / 2**20,
+                 workspace / 2**20, driver / 2**20, self._dev.nbytes / 2**20)
         return taken
+
+    def _pool_bytes(self, fallback: int) -> int:
+        """Bytes of the allocator segments that belong to the graphs' private pool (from
+        the allocator's snapshot), or ``fallback`` where the snapshot does not say."""
+        try:
+            snapshot = torch.cuda.memory_snapshot()
+        except RuntimeError:
+            return max(fallback, 0)
+        want = tuple(self._pool)
+        found = [seg for seg in snapshot if tuple(seg.get("segment_pool_id", ())) == want]
+        if not found:
+            return max(fallback, 0)
+        return sum(int(seg["total_size"]) for seg in found)
 
     def run(self, items: Sequence) -> torch.Tensor | None:
         """Replay the decode step for ``items`` (one token each); returns ``[B, V]`` logits

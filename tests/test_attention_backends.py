@@ -102,3 +102,19 @@ def test_backends_declare_their_workspace():
     assert torch_ws == 0
     assert 0 < triton_ws < 64 << 20  # split-K partials: megabytes, not a pool's worth
     assert fi_ws == 128 << 20
+
+
+def test_fast_path_options_reach_the_engine_config(tmp_path):
+    from service.settings import SettingsError, resolve
+
+    empty = tmp_path / "empty.toml"
+    empty.write_text("")
+    ec = resolve({"attention_backend": "flashinfer", "cuda_graphs": False, "cuda_graph_max_batch": 8},
+                 env={}, config_path=empty).engine_config()
+    assert (ec.attention_backend, ec.cuda_graphs, ec.cuda_graph_max_batch) == ("flashinfer", False, 8)
+    default = resolve({}, env={"HEADROOM_CUDA_GRAPHS": "on"}, config_path=empty).engine_config()
+    assert (default.attention_backend, default.cuda_graphs, default.cuda_graph_max_batch) == ("auto", True, 64)
+    with pytest.raises(SettingsError, match="--attention-backend .*not one of auto, triton, flashinfer, torch"):
+        resolve({"attention_backend": "xformers"}, env={}, config_path=empty)
+    with pytest.raises(SettingsError, match="--cuda-graph-max-batch .*--no-cuda-graphs"):
+        resolve({"cuda_graph_max_batch": 0}, env={}, config_path=empty)

@@ -40,6 +40,9 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     def __init__(self, pool, *, num_heads: int, head_dim: int, scale: float, max_batch: int = 64) -> None:
         super().__init__(pool, num_heads=num_heads, head_dim=head_dim, scale=scale, max_batch=max_batch)
+        if pool.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"--attention-backend flashinfer runs float16 and bfloat16 KV caches, not {pool.dtype}; "
+                             "use --dtype bfloat16 or --attention-backend triton")
         import flashinfer
 
         self._workspace = torch.empty(FLOAT_WORKSPACE_BYTES, dtype=torch.uint8, device=pool.device)

@@ -248,6 +248,8 @@ class Engine:
         return create_attention_backend(self.attention_backend, pool, num_heads=mc.num_heads, head_dim=mc.head_dim,
                                         scale=mc.head_dim**-0.5, max_batch=self.config.max_running_requests)
 
+    _graph_bytes_measured: int | None = None
+
     @property
     def _use_cuda_graphs(self) -> bool:
         """Decode steps replay CUDA graphs: asked for (the default), on CUDA, and the
@@ -310,8 +312,12 @@ class Engine:
             peak = None
         graph_bytes = 0
         if peak is not None and self._use_cuda_graphs:
-            model_ctx = min(mc.max_position_embeddings, self.config.max_model_len or mc.max_position_embeddings)
-            graph_bytes = self._measure_cuda_graphs(model_ctx, probe_pool)
+            # The graphs' memory does not depend on the prefill chunk: measured once,
+            # however many chunks the plan tries.
+            if self._graph_bytes_measured is None:
+                model_ctx = min(mc.max_position_embeddings, self.config.max_model_len or mc.max_position_embeddings)
+                self._graph_bytes_measured = self._measure_cuda_graphs(model_ctx, probe_pool)
+            graph_bytes = self._graph_bytes_measured
         del probe_pool
         # Nothing of the profile stays cached: the pool is sized against a clean device.
         torch.cuda.empty_cache()

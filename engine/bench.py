@@ -155,7 +155,7 @@ def _hf_model(engine: Engine, shape: str | None):
 def run_bench_engine(
     *, model: str | None, device: str, batches: tuple[int, ...], prompt_tokens: int, new_tokens: int, seed: int = 0,
     shape: str | None = None, attention_backend: str = "auto", cuda_graphs: bool = True,
-    long_prefill_tokens: int = LONG_PREFILL_TOKENS, transformers_side: bool = True,
+    long_prefill_tokens: int = LONG_PREFILL_TOKENS, transformers_side: bool = True, profile: bool = False,
 ) -> list[dict]:
     """Measure both sides at each batch size and on one long prompt; returns one row per
     (case, side) and prints a table. Each side runs once untimed first (warm-up).
@@ -166,6 +166,8 @@ def run_bench_engine(
         long_prefill_tokens: the long prompt's length (capped by the model's context; 0
             skips it).
         transformers_side: also run transformers' ``generate`` (the comparison).
+        profile: afterwards, print where a batch-1 decode step's time goes
+            (:func:`profile_decode`).
     """
     if shape is not None:
         model = _shape_folder(shape)
@@ -213,6 +215,8 @@ def run_bench_engine(
                          "prefill_tok_s": ours.prefill_tok_s / theirs.prefill_tok_s,
                          "decode_tok_s": ours.decode_tok_s / theirs.decode_tok_s})
     _print_table(engine, rows, prompt_tokens, new_tokens, roof)
+    if profile and on_cuda:
+        profile_decode(engine)
     return rows
 
 
@@ -245,3 +249,54 @@ def _print_table(engine: Engine, rows: list[dict], prompt_tokens: int, new_token
             if "decode_roofline_share" in r:
                 line += f" {100 * r['prefill_roofline_share']:>13.1f}% {100 * r['decode_roofline_share']:>12.1f}%"
         print(line)
+
+
+def profile_decode(engine: Engine, batch: int = 1, replays: int = 10, top: int = 15) -> None:
+    """Where a decode step's time goes at ``batch`` (CUDA, graphs on): the step's host
+    parts, the graph replay alone, and the kernels inside the replay (torch profiler),
+    printed. For explaining a figure, not for tests."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graphs = engine.runner.graphs
+    if graphs is None:
+        print("profile: needs CUDA graphs (a CUDA device, a backend that captures)")
+        return
+    sp = SamplingParams(max_new_tokens=10_000, temperature=0.0, ignore_eos=True)
+    vocab = engine.model_config.vocab_size
+    for i in range(batch):
+        ids = [(10 + 31 * i + j) % vocab for j in range(128)]
+        engine.add_request(GenerateRequest(request_id=f"profile-{i}", prompt_token_ids=ids, sampling=sp))
+    for _ in range(8):  # prefill, then a few decode steps
+        engine.step()
+    graph = graphs.graph_for(batch)
+    if graph is None:
+        print(f"profile: no graph captured for batch {batch}")
+        return
+    _sync(engine.device)
+    t0 = time.perf_counter()
+    for _ in range(100):
+        graph.replay()
+    _sync(engine.device)
+    replay_ms = (time.perf_counter() - t0) * 10
+    t0 = time.perf_counter()
+    for _ in range(100):
+        engine.step()
+    _sync(engine.device)
+    step_ms = (time.perf_counter() - t0) * 10
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        _sync(engine.device)
+    rows = []
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        rows.append((t / replays, ev.count / replays, ev.key))
+    rows.sort(reverse=True)
+    print(f"profile at batch {batch}: step {step_ms:.3f} ms, graph replay alone {replay_ms:.3f} ms "
+          f"(host and sampling: the rest); {sum(r[1] for r in rows):.0f} kernels and "
+          f"{sum(r[0] for r in rows) / 1e3:.3f} ms of kernel time per replay")
+    for t, count, name in rows[:top]:
+        print(f"  {t:8.1f} us {count:5.0f}x  {name[:100]}")
+    for i in range(batch):
+        engine.abort(f"profile-{i}")
+    engine.step()

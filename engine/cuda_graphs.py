@@ -140,6 +140,11 @@ class DecodeGraphs:
                 return None if s in self._failed else s
         return None
 
+    def graph_for(self, batch_size: int) -> torch.cuda.CUDAGraph | None:
+        """The captured graph a batch of ``batch_size`` replays, if it is captured now."""
+        size = self.size_for(batch_size)
+        return None if size is None else self._graphs.get(size)
+
     def invalidate(self) -> None:
         """Drop every graph (the KV pool's buffers are about to move); sizes are captured
         again on their next use."""

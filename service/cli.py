@@ -530,6 +530,13 @@ def _int_list(ctx: Any, param: Any, value: str) -> tuple[int, ...]:
     help="Also run transformers' generate, the comparison.",
 )
 @click.option(
+    "--profile",
+    is_flag=True,
+    default=False,
+    help="Afterwards, print where a batch-1 decode step's time goes (host, graph "
+    "replay, the kernels inside it; CUDA).",
+)
+@click.option(
     "--batches",
     default="1,16,64",
     show_default=True,
@@ -558,6 +565,7 @@ def bench_engine(
     cuda_graphs: bool,
     long_prefill_tokens: int,
     transformers_side: bool,
+    profile: bool,
     batches: tuple[int, ...],
     prompt_tokens: int,
     new_tokens: int,
@@ -584,6 +592,7 @@ def bench_engine(
             cuda_graphs=cuda_graphs,
             long_prefill_tokens=long_prefill_tokens,
             transformers_side=transformers_side,
+            profile=profile,
         )
     except ModelLoadError as exc:
         _fail(f"cannot load the model: {exc}", EXIT_USAGE)

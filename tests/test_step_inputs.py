@@ -52,3 +52,12 @@ def test_rows_that_do_not_sample_get_no_logits_row():
     batch = StepInputs(torch.device("cpu"), 4).build(items, is_decode=False)
     assert batch.logits_indices.tolist() == [8]  # b's row only
     assert batch.num_tokens == 9 and batch.batch_size == 2
+
+
+def test_graph_batch_sizes_ladder():
+    from engine.cuda_graphs import graph_batch_sizes
+
+    assert graph_batch_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert graph_batch_sizes(20) == [1, 2, 4, 8, 16, 20]  # the largest is always captured
+    assert graph_batch_sizes(3) == [1, 2, 3]
+    assert graph_batch_sizes(1) == [1]

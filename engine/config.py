@@ -94,6 +94,10 @@ class EngineConfig:
     ``safety_margin_bytes``, ``device_limit_bytes`` (plan as if the card were this
     big), ``min_context_tokens`` (smallest context one request must get for the plan to
     fit; default the model's context).
+
+    ``attention_backend``: ``auto`` (Triton on CUDA, torch elsewhere), ``triton``,
+    ``flashinfer`` or ``torch``. ``cuda_graphs`` captures the decode step at batch sizes
+    up to ``cuda_graph_max_batch`` (capped by ``max_running_requests``).
     """
 
     model: str | None = None
@@ -106,7 +110,9 @@ class EngineConfig:
     num_pages: int | None = None
     kv_cache_bytes: int | None = None
     enable_prefix_cache: bool = True
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"  # auto | triton | flashinfer | torch (engine.attention.base)
+    cuda_graphs: bool = True  # capture the decode step (CUDA, and a backend that allows it)
+    cuda_graph_max_batch: int = 64  # largest captured decode batch; larger ones run eagerly
     load_format: str = "auto"  # "dummy": random weights of the config's shapes (benchmarks)
     reserve_bytes: int | None = None
     safety_margin_bytes: int | None = None

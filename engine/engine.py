@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from engine.attention.base import backend_class, create_attention_backend
+from engine.attention.base import backend_class, create_attention_backend, resolve_backend_name
 from engine.config import EngineConfig, ModelConfig
 from engine.errors import PlanDoesNotFit, RequestRejected
 from engine.kvcache.allocator import PageAllocator
@@ -34,7 +34,13 @@ from engine.runner import ModelRunner
 from engine.sampling.sampler import SamplingState
 from engine.scheduler.request import Phase, Request
 from engine.scheduler.scheduler import Scheduler, SchedulerConfig
-from engine.startup import device_memory, plan_knobs, resolve_device, resolve_dtype
+from engine.startup import (
+    attention_workspaces,
+    device_memory,
+    plan_knobs,
+    resolve_device,
+    resolve_dtype,
+)
 
 # Without a memory plan (CPU, or a fixed size asked for), the pool gets this much.
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
@@ -68,6 +74,10 @@ class Engine(LiveReplan):
         self.model_dir: Path = resolve_model(config.model)
         mc: ModelConfig = load_model_config(self.model_dir)
         self.model_config = mc
+        # The attention backend's name (auto resolved) and whether decode steps run as
+        # CUDA graphs; both decide workspaces the plan charges.
+        self.attention_backend = resolve_backend_name(config.attention_backend, self.device.type)
+        self.cuda_graph_bytes = 0
         # Memory plan from estimates: a plan that cannot fit fails here, weights unread.
         # An oversized prefill chunk is the one knob lowered automatically (a chunk too
         # large for the card):
@@ -121,6 +131,9 @@ class Engine(LiveReplan):
             self.radix,
         )
         self.runner = ModelRunner(self.model, self.pool, self.attn, self.device)
+        if self._use_cuda_graphs:
+            self.cuda_graph_bytes = self.runner.enable_cuda_graphs(
+                max_batch=self._cuda_graph_max_batch, max_context_tokens=model_ctx)
         self._arrivals = itertools.count()
         self.info = EngineInfo(
             model_name=model_display_name(self.model_dir),
@@ -156,12 +169,41 @@ class Engine(LiveReplan):
 
     def _workspaces(self) -> tuple[tuple[str, int], ...]:
         """Fixed workspaces declared by the components, charged before the pool is sized."""
-        name = self.config.attention_backend
-        return ((f"attention backend ({name})", backend_class(name).workspace_bytes),)
+        return attention_workspaces(self.attention_backend, self.model_config, self.config.max_running_requests)
 
     def _attention(self, pool: KVPool):
         mc = self.model_config
-        return create_attention_backend(self.config.attention_backend, pool, num_heads=mc.num_heads, head_dim=mc.head_dim, scale=mc.head_dim**-0.5)
+        return create_attention_backend(self.attention_backend, pool, num_heads=mc.num_heads, head_dim=mc.head_dim,
+                                        scale=mc.head_dim**-0.5, max_batch=self.config.max_running_requests)
+
+    _graph_bytes_measured: int | None = None
+
+    @property
+    def _use_cuda_graphs(self) -> bool:
+        """Decode steps replay CUDA graphs: asked for (the default), on CUDA, and the
+        backend's decode path can be captured (the torch backend's cannot: it builds its
+        metadata on the host per step)."""
+        return (self.config.cuda_graphs and self.device.type == "cuda" and self._cuda_graph_max_batch >= 1
+                and backend_class(self.attention_backend).supports_cuda_graphs)
+
+    @property
+    def _cuda_graph_max_batch(self) -> int:
+        return min(self.config.cuda_graph_max_batch, self.config.max_running_requests)
+
+    def _measure_cuda_graphs(self, model_ctx: int, probe_pool: KVPool) -> int:
+        """Capture the decode graphs over the profile run's small pool and return what
+        they took, then drop them: the plan charges it before the real pool is sized
+        (the real capture, over the real pool, takes the same: same shapes, same
+        kernels)."""
+        from engine.cuda_graphs import DecodeGraphs
+
+        graphs = DecodeGraphs(self.model, self._attention(probe_pool), self.device, page_size=self.config.page_size,
+                              max_batch=self._cuda_graph_max_batch, max_context_tokens=model_ctx)
+        try:
+            return graphs.capture_all()
+        finally:
+            del graphs
+            torch.cuda.empty_cache()
 
     def _fit_chunk(self, planner) -> MemoryPlan:
         """Plan with ``self.knobs``, halving the prefill chunk until the plan fits (floor
@@ -196,6 +238,14 @@ class Engine(LiveReplan):
         except torch.OutOfMemoryError:
             # The step does not fit at all: charge everything that was free.
             peak = None
+        graph_bytes = 0
+        if peak is not None and self._use_cuda_graphs:
+            # The graphs' memory does not depend on the prefill chunk: measured once,
+            # however many chunks the plan tries.
+            if self._graph_bytes_measured is None:
+                model_ctx = min(mc.max_position_embeddings, self.config.max_model_len or mc.max_position_embeddings)
+                self._graph_bytes_measured = self._measure_cuda_graphs(model_ctx, probe_pool)
+            graph_bytes = self._graph_bytes_measured
         del probe_pool
         # Nothing of the profile stays cached: the pool is sized against a clean device.
         torch.cuda.empty_cache()
@@ -209,7 +259,7 @@ class Engine(LiveReplan):
             activation, sampler = peak.forward_bytes, peak.sampler_bytes
         fp = make_footprint(
             mc, self.dtype, knobs, workspaces=self._workspaces(), measured_activation_bytes=activation,
-            measured_sampler_bytes=sampler, runtime_bytes=runtime,
+            measured_sampler_bytes=sampler, runtime_bytes=runtime, cuda_graph_bytes=graph_bytes,
         )
         return make_plan(self.device_memory, knobs, fp)
 

@@ -30,6 +30,13 @@ class ForwardBatch:
         extend_lens: ``[B]`` int64 on the CPU, new tokens this step (``sum == T``).
         logits_indices: ``[B]`` int64, row in ``T`` of each sequence's last new token;
             the model returns logits for those rows only.
+        seq_lens_device, prefix_lens_device, extend_lens_device, extend_starts_device:
+            ``[B]`` int64 on the model's device (kernels read them there): KV length after
+            the step, cached prefix, new tokens, and the first row in ``T`` of each
+            sequence. The runner fills them from its persistent buffers; when left None,
+            :meth:`device_meta` builds them from the CPU copies.
+        page_table_cpu: the page table on the CPU when the runner has it at hand (for
+            backends that plan on the host), else None.
     """
 
     is_decode: bool
@@ -40,6 +47,23 @@ class ForwardBatch:
     prefix_lens: torch.Tensor
     extend_lens: torch.Tensor
     logits_indices: torch.Tensor
+    seq_lens_device: torch.Tensor | None = None
+    prefix_lens_device: torch.Tensor | None = None
+    extend_lens_device: torch.Tensor | None = None
+    extend_starts_device: torch.Tensor | None = None
+    page_table_cpu: torch.Tensor | None = None
+
+    def device_meta(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(seq_lens, prefix_lens, extend_lens, extend_starts)`` on the model's device,
+        ``[B]`` int64 each; built once from the CPU copies if the runner left them unset
+        (tests, the profile run). Under CUDA-graph capture they are always set, so this
+        issues no copy there."""
+        if self.seq_lens_device is None:
+            device = self.input_ids.device
+            starts = torch.cumsum(self.extend_lens, 0) - self.extend_lens
+            packed = torch.stack([self.seq_lens, self.prefix_lens, self.extend_lens, starts]).to(device)
+            self.seq_lens_device, self.prefix_lens_device, self.extend_lens_device, self.extend_starts_device = packed
+        return self.seq_lens_device, self.prefix_lens_device, self.extend_lens_device, self.extend_starts_device
 
     @property
     def batch_size(self) -> int:

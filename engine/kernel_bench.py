@@ -163,9 +163,9 @@ def model_rows(iters: int) -> list[str]:
     import tempfile
 
     from engine.attention.torch_backend import TorchAttentionBackend
+    from engine.commands.model_shapes import write_shape
     from engine.kvcache.pool import KVPool
     from engine.loader.load import load_model
-    from engine.model_shapes import write_shape
     from kernels import dispatch
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -8,9 +8,11 @@ the control API: ``origin`` says who asked. Each change that happens queues a
 steps (the engine is single-threaded).
 
 :class:`LiveReplan` is a part of :class:`engine.engine.Engine` (it uses the engine's
-``pool``, ``scheduler``, ``radix``, ``plan``, ``knobs``, ``info``, ``config`` and
-``device``); the page work of a shrink is the scheduler's
-(:meth:`engine.scheduler.scheduler.Scheduler.shrink_pages`).
+``pool``, ``runner``, ``scheduler``, ``radix``, ``plan``, ``knobs``, ``info``,
+``config`` and ``device``); the page work of a shrink is the scheduler's
+(:meth:`engine.scheduler.scheduler.Scheduler.shrink_pages`). A resize gives the pool new
+buffers, so the runner's decode CUDA graphs, which hold the old addresses, are dropped
+first (:meth:`engine.runner.ModelRunner.pool_will_move`) and captured again on next use.
 """
 
 from __future__ import annotations
@@ -93,11 +95,13 @@ class LiveReplan:
         if num_pages < before_pages:
             shrunk = self.scheduler.shrink_pages(num_pages, self._context_limit(num_pages))
             self.pool.copy_pages(list(shrunk.moves), list(shrunk.moves.values()))
+            self.runner.pool_will_move()
             try:
                 self.pool.resize(num_pages)
             finally:
                 self._pool_resized()
         elif num_pages > before_pages:
+            self.runner.pool_will_move()
             try:
                 self.pool.resize(num_pages)
             finally:

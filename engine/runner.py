@@ -1,16 +1,24 @@
-"""The model runner: turns a planned step into tensors, runs the model, samples."""
+"""The model runner: turns a planned step into tensors, runs the model, samples.
+
+The step loop on a GPU: the step's integers go to the device in one copy from pinned
+memory (:class:`engine.step_inputs.StepInputs`), a decode step replays a CUDA graph when
+one is captured for its (padded) batch size (:class:`engine.cuda_graphs.DecodeGraphs`),
+and the only host sync is reading the sampled ids back.
+"""
 
 from __future__ import annotations
 
 import torch
 
 from engine.attention.base import AttentionBackend
+from engine.cuda_graphs import DecodeGraphs
 from engine.faults import FaultInjector
 from engine.forward_batch import ForwardBatch
 from engine.kvcache.pool import KVPool
 from engine.sampling.sampler import Sampler
 from engine.scheduler.request import Phase
 from engine.scheduler.scheduler import StepPlan
+from engine.step_inputs import StepInputs
 
 
 class ModelRunner:
@@ -25,6 +33,7 @@ class ModelRunner:
             last; after an exception, where it was raised.
         faults: the test-only :class:`engine.faults.FaultInjector`, from
             ``HEADROOM_FAULTS`` at construction, else None (see ``Engine.faults``).
+        graphs: the decode step's CUDA graphs (:meth:`enable_cuda_graphs`), else None.
 
     Raises (constructor):
         ValueError: a malformed ``HEADROOM_FAULTS``.
@@ -38,37 +47,42 @@ class ModelRunner:
         self.sampler = Sampler()
         self.stage = "forward"
         self.faults: FaultInjector | None = FaultInjector.from_env()
+        self.inputs = StepInputs(device, pool.page_size)
+        self.graphs: DecodeGraphs | None = None
+
+    def enable_cuda_graphs(self, *, max_batch: int, max_context_tokens: int) -> int:
+        """Capture the decode step at every size up to ``max_batch`` (CUDA, and a backend
+        with ``supports_cuda_graphs``); returns the device bytes the capture took.
+
+        Raises:
+            ValueError: not on CUDA, or the backend cannot be captured.
+            torch.OutOfMemoryError: the capture did not fit.
+        """
+        if self.device.type != "cuda" or not self.attn.supports_cuda_graphs:
+            raise ValueError(f"CUDA graphs need a CUDA device and a backend that supports them "
+                             f"(device {self.device}, backend {type(self.attn).__name__})")
+        self.graphs = DecodeGraphs(self.model, self.attn, self.device, page_size=self.pool.page_size,
+                                   max_batch=max_batch, max_context_tokens=max_context_tokens)
+        return self.graphs.capture_all()
+
+    def pool_will_move(self) -> None:
+        """The KV pool's buffers are about to be replaced (a resize): captured graphs
+        hold their addresses, so drop them; they are captured again on next use."""
+        if self.graphs is not None:
+            self.graphs.invalidate()
 
     def build_batch(self, plan: StepPlan) -> ForwardBatch:
         """Flatten the plan's chunks into one ragged batch (see :class:`ForwardBatch`)."""
-        ps = self.pool.page_size
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        logits_rows: list[int] = []
-        max_pages = max(len(it.req.pages) for it in plan.items)
-        page_table = torch.zeros(len(plan.items), max_pages, dtype=torch.int64)
-        for b, it in enumerate(plan.items):
-            req = it.req
-            end = it.start + it.num_tokens
-            ids.extend(req.all_ids[it.start : end])
-            pos = range(it.start, end)
-            positions.extend(pos)
-            slots.extend(req.pages[p // ps] * ps + p % ps for p in pos)
-            page_table[b, : len(req.pages)] = torch.tensor(req.pages, dtype=torch.int64)
-            if it.samples:
-                logits_rows.append(len(ids) - 1)
-        dev = self.device
-        return ForwardBatch(
-            is_decode=plan.is_decode,
-            input_ids=torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True),
-            positions=torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True),
-            out_slots=torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=True),
-            page_table=page_table.to(dev, non_blocking=True),
-            prefix_lens=torch.tensor([it.start for it in plan.items], dtype=torch.int64),
-            extend_lens=torch.tensor([it.num_tokens for it in plan.items], dtype=torch.int64),
-            logits_indices=torch.tensor(logits_rows, dtype=torch.int64).to(dev, non_blocking=True),
-        )
+        return self.inputs.build(plan.items, plan.is_decode)
+
+    def forward(self, plan: StepPlan) -> torch.Tensor:
+        """``[S, V]`` float32 logits of the plan's sampling rows: a graph replay for a
+        decode step of a captured size, else the model run eagerly."""
+        if self.graphs is not None and plan.is_decode:
+            logits = self.graphs.run(plan.items)
+            if logits is not None:
+                return logits
+        return self.model(self.build_batch(plan), self.attn)
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> dict[str, int]:
@@ -84,8 +98,7 @@ class ModelRunner:
         """
         faults = self.faults
         self.stage = "forward"
-        batch = self.build_batch(plan)
-        logits = self.model(batch, self.attn)  # [S, V] float32
+        logits = self.forward(plan)  # [S, V] float32
         if faults is not None:
             self._inject_forward(faults, plan)
         sampling = [it.req for it in plan.items if it.samples]

@@ -1,5 +1,5 @@
 """What the engine decides before it loads anything: the device, the dtype, the plan's
-knobs and the device's memory as the plan sees it.
+knobs, the device's memory as the plan sees it and the attention workspaces it charges.
 
 Shared by the engine's constructor and ``headroom plan`` (which plans without loading
 weights).
@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.config import EngineConfig
+from engine.attention.base import backend_class
+from engine.config import EngineConfig, ModelConfig
 from engine.memory.device import nvml_index, probe_nvml, simulated_device
 from engine.memory.plan import DeviceMemory, PlanKnobs
 
@@ -68,3 +69,10 @@ def device_memory(config: EngineConfig, device: torch.device) -> DeviceMemory | 
     free, total = torch.cuda.mem_get_info(device)
     name = torch.cuda.get_device_name(device)
     return DeviceMemory(name=name, total_bytes=total, free_bytes=free, others_bytes=total - free)
+
+
+def attention_workspaces(backend: str, mc: ModelConfig, max_running_requests: int) -> tuple[tuple[str, int], ...]:
+    """The plan's workspace lines for attention backend ``backend`` (a resolved name)."""
+    size = backend_class(backend).workspace_size(
+        num_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, max_batch=max_running_requests)
+    return ((f"attention backend ({backend})", size),)

@@ -626,10 +626,51 @@ def _int_list(ctx: Any, param: Any, value: str) -> tuple[int, ...]:
 @click.option(
     "--model", default=None, help="Hugging Face folder or .gguf file [default: the embedded model]."
 )
+@click.option(
+    "--shape",
+    default=None,
+    help="Bench a known model shape with random weights instead of --model "
+    "(smollm2-135m, qwen3-0.6b, llama-3.1-8b).",
+)
 @click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda[:N].")
 @click.option(
+    "--attention-backend",
+    type=click.Choice(["auto", "triton", "flashinfer", "torch"]),
+    default="auto",
+    show_default=True,
+    help="Attention kernels of the engine side.",
+)
+@click.option(
+    "--cuda-graphs/--no-cuda-graphs",
+    default=True,
+    show_default=True,
+    help="Replay decode steps as CUDA graphs.",
+)
+@click.option(
+    "--long-prefill-tokens",
+    type=click.IntRange(min=0),
+    default=8192,
+    show_default=True,
+    help="Length of the one long prompt measured besides the batches (capped by the "
+    "model's context; 0 skips it).",
+)
+@click.option(
+    "--transformers/--no-transformers",
+    "transformers_side",
+    default=True,
+    show_default=True,
+    help="Also run transformers' generate, the comparison.",
+)
+@click.option(
+    "--profile",
+    is_flag=True,
+    default=False,
+    help="Afterwards, print where a batch-1 decode step's time goes (host, graph "
+    "replay, the kernels inside it; CUDA).",
+)
+@click.option(
     "--batches",
-    default="1,16",
+    default="1,16,64",
     show_default=True,
     callback=_int_list,
     help="Batch sizes, comma-separated.",
@@ -649,24 +690,46 @@ def _int_list(ctx: Any, param: Any, value: str) -> tuple[int, ...]:
     help="Tokens generated per request (greedy, EOS ignored).",
 )
 def bench_engine(
-    model: str | None, device: str, batches: tuple[int, ...], prompt_tokens: int, new_tokens: int
+    model: str | None,
+    shape: str | None,
+    device: str,
+    attention_backend: str,
+    cuda_graphs: bool,
+    long_prefill_tokens: int,
+    transformers_side: bool,
+    profile: bool,
+    batches: tuple[int, ...],
+    prompt_tokens: int,
+    new_tokens: int,
 ) -> None:
     """Prefill and decode tokens/s of the engine against transformers' generate on the
-    same model, device and dtype, at each batch size."""
+    same model, device and dtype, at each batch size and on one long prompt; on CUDA
+    each figure also as a share of the HBM roofline."""
     _check_model_path(model)
     from engine.commands.bench import run_bench_engine
+    from engine.commands.model_shapes import SHAPES
     from engine.loader.errors import ModelLoadError
 
+    if shape is not None and shape not in SHAPES:
+        _fail(f"unknown --shape {shape!r}; known: {', '.join(SHAPES)}", EXIT_USAGE)
     try:
         run_bench_engine(
             model=model,
+            shape=shape,
             device=device,
             batches=batches,
             prompt_tokens=prompt_tokens,
             new_tokens=new_tokens,
+            attention_backend=attention_backend,
+            cuda_graphs=cuda_graphs,
+            long_prefill_tokens=long_prefill_tokens,
+            transformers_side=transformers_side,
+            profile=profile,
         )
     except ModelLoadError as exc:
         _fail(f"cannot load the model: {exc}", EXIT_USAGE)
+    except ValueError as exc:
+        _fail(str(exc), EXIT_USAGE)
 
 
 # (shape, device limit): random-weight shapes of engine.commands.model_shapes on a capped card.

@@ -64,6 +64,10 @@ class Option:
         return "--" + self.name.replace("_", "-")
 
 
+# engine.attention.base.BACKEND_CHOICES, repeated here: the service never imports the
+# engine's torch side.
+ATTENTION_BACKENDS = ("auto", "triton", "flashinfer", "torch")
+
 OPTIONS: tuple[Option, ...] = (
     Option(
         "host",
@@ -204,6 +208,28 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option("prefix_cache", bool, True, "Share KV pages of common prompt prefixes."),
     Option(
+        "attention_backend",
+        str,
+        "auto",
+        "Attention kernels: auto (triton on a CUDA GPU, torch on the CPU), triton, "
+        "flashinfer (needs flashinfer-python and a CUDA toolkit for its first-use builds) "
+        "or torch (plain PyTorch, the reference).",
+    ),
+    Option(
+        "cuda_graphs",
+        bool,
+        True,
+        "Replay the decode step as CUDA graphs captured at batch sizes up to "
+        "--cuda-graph-max-batch (fewer kernel launches; costs the capture's memory, "
+        "shown in the memory plan).",
+    ),
+    Option(
+        "cuda_graph_max_batch",
+        int,
+        64,
+        "Largest decode batch captured as a CUDA graph; larger batches run eagerly.",
+    ),
+    Option(
         "served_model_name",
         str,
         (),
@@ -318,6 +344,9 @@ class ServeSettings:
     replan_high: int | None = None  # bytes
     replan_hold: float = 10.0
     prefix_cache: bool = True
+    attention_backend: str = "auto"
+    cuda_graphs: bool = True
+    cuda_graph_max_batch: int = 64
     served_model_name: tuple[str, ...] = ()
     api_key: str | None = None
     cors_origin: tuple[str, ...] = ()
@@ -350,6 +379,9 @@ class ServeSettings:
             num_pages=self.num_pages,
             kv_cache_bytes=self.kv_cache,
             enable_prefix_cache=self.prefix_cache,
+            attention_backend=self.attention_backend,
+            cuda_graphs=self.cuda_graphs,
+            cuda_graph_max_batch=self.cuda_graph_max_batch,
             reserve_bytes=self.reserve,
             device_limit_bytes=self.device_limit,
             min_context_tokens=self.min_context,
@@ -562,5 +594,9 @@ def _validate(s: ServeSettings) -> None:
         fail("max_queued_requests", "must be at least 0 (0: no limit)")
     if s.request_timeout < 0:
         fail("request_timeout", "must be at least 0 (0: none)")
+    if s.attention_backend not in ATTENTION_BACKENDS:
+        fail("attention_backend", f"{s.attention_backend!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
+    if s.cuda_graph_max_batch < 1:
+        fail("cuda_graph_max_batch", "must be at least 1 (turn graphs off with --no-cuda-graphs)")
     if s.log_level.lower() not in ("debug", "info", "warning", "error"):
         fail("log_level", f"{s.log_level!r} is not one of debug, info, warning, error")

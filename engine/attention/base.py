@@ -3,10 +3,16 @@
 A backend reads and writes the paged KV pool. The model calls
 :meth:`AttentionBackend.forward` once per layer; :meth:`prepare` runs once per step, so
 per-step metadata (gathered slot indices, masks) is built once and shared by all layers.
+
+Built-in backends: ``torch`` (plain torch, any device; the reference), ``triton``
+(Triton kernels on CUDA), ``flashinfer`` (FlashInfer's paged wrappers, when the
+package imports). ``auto`` (:func:`resolve_backend_name`) picks one for the device.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
@@ -15,28 +21,43 @@ import torch
 from engine.forward_batch import ForwardBatch
 from engine.kvcache.pool import KVPool
 
+log = logging.getLogger("headroom.engine")
+
+BACKEND_CHOICES: tuple[str, ...] = ("auto", "triton", "flashinfer", "torch")
+
 
 class AttentionBackend(ABC):
     """Paged attention over a :class:`KVPool`.
 
     Attributes:
-        workspace_bytes: fixed device memory the backend allocates for itself, in bytes;
-            declared so the memory plan can charge it before the KV pool is sized.
+        workspace_bytes: fixed device memory the backend allocates for itself, in bytes,
+            when it does not depend on the model (else see :meth:`workspace_size`).
+        supports_cuda_graphs: :meth:`prepare` and :meth:`forward` of a decode batch whose
+            device tensors the runner filled issue no host sync and no host-to-device
+            copy, so a decode step can be captured in a CUDA graph and replayed.
     """
 
     workspace_bytes: int = 0
+    supports_cuda_graphs: bool = False
 
-    def __init__(self, pool: KVPool, *, num_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(self, pool: KVPool, *, num_heads: int, head_dim: int, scale: float, max_batch: int = 64) -> None:
         self.pool = pool
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.max_batch = max_batch
+
+    @classmethod
+    def workspace_size(cls, *, num_heads: int, num_kv_heads: int, head_dim: int, max_batch: int) -> int:
+        """Fixed device memory, in bytes, the backend allocates for a model of these
+        shapes serving up to ``max_batch`` sequences per step; declared so the memory
+        plan can charge it before the KV pool is sized."""
+        return cls.workspace_bytes
 
     @abstractmethod
     def prepare(self, batch: ForwardBatch) -> None:
         """Build per-step metadata for ``batch``; called once before the layers run."""
 
-    @abstractmethod
     def forward(
         self,
         q: torch.Tensor,
@@ -60,6 +81,15 @@ class AttentionBackend(ABC):
             ``[T, num_heads * head_dim]`` in ``q``'s dtype: causal attention of each new
             token over its sequence's cached prefix and the new tokens up to itself.
         """
+        if not kv_stored:
+            self.pool.store(layer, batch.out_slots, k, v)
+        return self.attend(q, layer, batch)
+
+    @abstractmethod
+    def attend(self, q: torch.Tensor, layer: int, batch: ForwardBatch) -> torch.Tensor:
+        """Attention of ``q`` (``[T, num_heads, head_dim]``) over the pool, whose layer
+        ``layer`` already holds the step's keys and values; ``[T, num_heads * head_dim]``
+        (see :meth:`forward`)."""
 
 
 _BACKENDS: dict[str, Callable[..., AttentionBackend]] = {}
@@ -74,13 +104,17 @@ def register_backend(name: str) -> Callable[[type[AttentionBackend]], type[Atten
 
 
 def backend_class(name: str) -> type[AttentionBackend]:
-    """The class registered under ``name`` (its ``workspace_bytes`` is what the plan
-    charges before anything is allocated).
+    """The class registered under ``name`` (its :meth:`AttentionBackend.workspace_size`
+    is what the plan charges before anything is allocated).
 
     Raises:
         ValueError: no backend of that name; the message lists the known ones.
     """
-    import engine.attention.torch_backend  # noqa: F401  (registers the built-in backends)
+    # Importing these registers the built-in backends; none imports Triton or FlashInfer
+    # until a backend is built.
+    import engine.attention.flashinfer_backend  # noqa: F401
+    import engine.attention.torch_backend  # noqa: F401
+    import engine.attention.triton_backend  # noqa: F401
 
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; known: {', '.join(sorted(_BACKENDS))}")
@@ -94,3 +128,50 @@ def create_attention_backend(name: str, pool: KVPool, **kwargs) -> AttentionBack
         ValueError: no backend of that name; the message lists the known ones.
     """
     return backend_class(name)(pool, **kwargs)
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def resolve_backend_name(name: str, device_type: str) -> str:
+    """The backend ``name`` stands for on a device of ``device_type`` (``"cuda"``,
+    ``"cpu"``). ``auto`` is ``triton`` on CUDA when Triton is installed, else ``torch``;
+    FlashInfer is picked only when asked for: it compiles its kernels on first use with
+    the CUDA toolkit (measured on an H200: about 10 s for the decode module and 68 s for
+    the prefill one, per cold cache), where Triton needs no toolkit. The choice is
+    logged with its reason.
+
+    Raises:
+        ValueError: an unknown name, or a backend that cannot run here (``triton`` or
+            ``flashinfer`` without CUDA or without the package); the message names the fix.
+    """
+    if name not in BACKEND_CHOICES:
+        try:
+            backend_class(name)  # another registered backend (tests register their own)
+        except ValueError:
+            raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKEND_CHOICES)}") from None
+        return name
+    if name == "auto":
+        if device_type != "cuda":
+            log.info("attention backend: torch (auto: the device is %s; the GPU kernels need CUDA)", device_type)
+            return "torch"
+        if not _importable("triton"):
+            log.info("attention backend: torch (auto: Triton is not installed; pip install triton for the GPU kernels)")
+            return "torch"
+        log.info("attention backend: triton (auto: CUDA device, Triton installed; "
+                 "--attention-backend flashinfer uses FlashInfer when it is installed)")
+        return "triton"
+    if name in ("triton", "flashinfer"):
+        if device_type != "cuda":
+            raise ValueError(f"--attention-backend {name} needs a CUDA device; use torch or auto on {device_type}")
+        package = "triton" if name == "triton" else "flashinfer"
+        if not _importable(package):
+            pip_name = "triton" if name == "triton" else "flashinfer-python"
+            raise ValueError(f"--attention-backend {name} needs the {package} package: pip install {pip_name}, "
+                             "or use --attention-backend auto")
+    log.info("attention backend: %s (asked for)", name)
+    return name

@@ -44,9 +44,9 @@ class TorchAttentionBackend(AttentionBackend):
 
     workspace_bytes = 0
 
-    def __init__(self, pool, *, num_heads: int, head_dim: int, scale: float,
+    def __init__(self, pool, *, num_heads: int, head_dim: int, scale: float, max_batch: int = 64,
                  gather_budget_tokens: int = DEFAULT_GATHER_BUDGET_TOKENS) -> None:
-        super().__init__(pool, num_heads=num_heads, head_dim=head_dim, scale=scale)
+        super().__init__(pool, num_heads=num_heads, head_dim=head_dim, scale=scale, max_batch=max_batch)
         self.gather_budget_tokens = gather_budget_tokens
 
     def prepare(self, batch: ForwardBatch) -> None:
@@ -100,17 +100,7 @@ class TorchAttentionBackend(AttentionBackend):
         groups = self.num_heads // x.shape[1]
         return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: int,
-        batch: ForwardBatch,
-        kv_stored: bool = False,
-    ) -> torch.Tensor:
-        if not kv_stored:
-            self.pool.store(layer, batch.out_slots, k, v)
+    def attend(self, q: torch.Tensor, layer: int, batch: ForwardBatch) -> torch.Tensor:
         k_buf, v_buf = self.pool.k_buffers[layer], self.pool.v_buffers[layer]
         out = torch.empty_like(q)  # [T, H, D]
         for g in self._decode:

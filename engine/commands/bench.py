@@ -2,19 +2,34 @@
 transformers' ``generate`` on the same model, device and dtype, in one run.
 
 Prompts are random token ids of one length (no padding on either side), outputs are
-greedy with EOS ignored, so both sides do exactly the same work.
+greedy with EOS ignored, so both sides do exactly the same work. Besides the batch
+sizes, one long prompt (8k tokens, or the model's context if shorter) measures prefill.
+
+On CUDA each figure is also given as a share of the HBM roofline: the tokens/s the step
+would reach if it did nothing but read its bytes at the device's measured copy
+bandwidth. Bytes per step: every weight once, plus the KV cache the step reads (decode:
+each sequence's whole context at the mid-point of generation; prefill: the context up
+to each chunk). Bandwidth: a device-to-device copy of 1 GiB, counted as bytes read plus
+bytes written per second. Prefill is compute-bound, so its share is small by nature;
+decode at small batch is bandwidth-bound and its share says how close to the hardware
+the step loop runs.
 """
 
 from __future__ import annotations
 
+import tempfile
 import time
 from dataclasses import dataclass
 
 import torch
 
+from engine.commands.model_shapes import write_shape
 from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.memory.footprint import kv_bytes_per_token
 from engine.messages import GenerateRequest, SamplingParams
+
+LONG_PREFILL_TOKENS = 8192
 
 
 @dataclass(frozen=True)
@@ -76,35 +91,212 @@ def transformers_speed(model, prompts: list[list[int]], new_tokens: int, device:
     return Speed(ids.numel() / prefill_s, len(prompts) * (new_tokens - 1) / decode_s)
 
 
-def run_bench_engine(
-    *, model: str | None, device: str, batches: tuple[int, ...], prompt_tokens: int, new_tokens: int, seed: int = 0
-) -> list[dict]:
-    """Measure both sides at each batch size; returns one row per (batch, side) and prints
-    a table. Each side runs once untimed first (warm-up)."""
-    from transformers import AutoModelForCausalLM
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 10) -> float:
+    """Device-to-device copy bandwidth in bytes/s (bytes read + bytes written), from
+    ``repeats`` copies of ``nbytes`` timed with CUDA events."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    seconds = start.elapsed_time(end) / 1000
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes * repeats / seconds
 
-    engine = Engine(EngineConfig(model=model, device=device))
-    hf = AutoModelForCausalLM.from_pretrained(engine.model_dir, dtype=engine.dtype).to(engine.device).eval()
+
+@dataclass(frozen=True)
+class Roofline:
+    """Tokens/s at the HBM roofline (see the module docstring) for one measured case."""
+
+    weight_bytes: int
+    kv_bytes_per_token: int
+    bandwidth: float  # bytes/s
+
+    def decode(self, batch: int, context: int) -> float:
+        """Decode tokens/s if a step of ``batch`` sequences of ``context`` tokens only read
+        its bytes."""
+        step_bytes = self.weight_bytes + batch * context * self.kv_bytes_per_token
+        return batch * self.bandwidth / step_bytes
+
+    def prefill(self, tokens: int, chunk: int, num_seqs: int) -> float:
+        """Prefill tokens/s for ``tokens`` prompt tokens over ``num_seqs`` sequences run in
+        steps of ``chunk`` tokens: each step reads every weight and the context so far."""
+        steps = max(-(-tokens // chunk), 1)
+        per_seq = tokens // max(num_seqs, 1)
+        # Causal prefill reads on average half of each sequence's context per token block.
+        kv = num_seqs * per_seq * self.kv_bytes_per_token * (steps + 1) / 2
+        return tokens * self.bandwidth / (steps * self.weight_bytes + kv)
+
+
+def _shape_folder(shape: str) -> str:
+    """A folder holding only ``config.json`` of a shape of :mod:`engine.commands.model_shapes`
+    (random weights: ``load_format="dummy"``)."""
+    folder = tempfile.mkdtemp(prefix=f"headroom-bench-{shape}-")
+    write_shape(shape, folder)
+    return folder
+
+
+def _hf_model(engine: Engine, shape: str | None):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if shape is None:
+        hf = AutoModelForCausalLM.from_pretrained(engine.model_dir, dtype=engine.dtype)
+    else:
+        with torch.device(engine.device):
+            hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(engine.model_dir), dtype=engine.dtype)
+    return hf.to(engine.device).eval()
+
+
+def run_bench_engine(
+    *, model: str | None, device: str, batches: tuple[int, ...], prompt_tokens: int, new_tokens: int, seed: int = 0,
+    shape: str | None = None, attention_backend: str = "auto", cuda_graphs: bool = True,
+    long_prefill_tokens: int = LONG_PREFILL_TOKENS, transformers_side: bool = True, profile: bool = False,
+) -> list[dict]:
+    """Measure both sides at each batch size and on one long prompt; returns one row per
+    (case, side) and prints a table. Each side runs once untimed first (warm-up).
+
+    Args:
+        shape: a name of :data:`engine.commands.model_shapes.SHAPES` to bench with random weights
+            instead of ``model``.
+        long_prefill_tokens: the long prompt's length (capped by the model's context; 0
+            skips it).
+        transformers_side: also run transformers' ``generate`` (the comparison).
+        profile: afterwards, print where a batch-1 decode step's time goes
+            (:func:`profile_decode`).
+    """
+    if shape is not None:
+        model = _shape_folder(shape)
+    engine = Engine(EngineConfig(
+        model=model, device=device, load_format="dummy" if shape is not None else "auto",
+        attention_backend=attention_backend, cuda_graphs=cuda_graphs,
+        max_running_requests=max(64, *batches),
+    ))
+    hf = _hf_model(engine, shape) if transformers_side else None
+    on_cuda = engine.device.type == "cuda"
+    roof = None
+    if on_cuda:
+        roof = Roofline(engine.info.weight_bytes, kv_bytes_per_token(engine.model_config, engine.dtype),
+                        copy_bandwidth(engine.device))
     g = torch.Generator().manual_seed(seed)
     vocab = engine.model_config.vocab_size
+    chunk = engine.knobs.max_prefill_tokens
+    cases = [(b, prompt_tokens, new_tokens) for b in batches]
+    # The long prompt also decodes a few tokens: decode speed at a long context.
+    long_new = 16
+    long_len = min(long_prefill_tokens, engine.max_context_tokens - long_new - 1)
+    if long_prefill_tokens > 0 and long_len > prompt_tokens:
+        cases.append((1, long_len, long_new))
     rows = []
-    for b in batches:
-        prompts = [torch.randint(10, vocab, (prompt_tokens,), generator=g).tolist() for _ in range(b)]
-        engine_speed(engine, prompts, 4)  # warm-up
-        transformers_speed(hf, prompts, 4, engine.device)
-        ours = engine_speed(engine, prompts, new_tokens)
-        theirs = transformers_speed(hf, prompts, new_tokens, engine.device)
-        rows.append({"batch": b, "side": "headroom", "prefill_tok_s": ours.prefill_tok_s, "decode_tok_s": ours.decode_tok_s})
-        rows.append({"batch": b, "side": "transformers", "prefill_tok_s": theirs.prefill_tok_s, "decode_tok_s": theirs.decode_tok_s})
-        rows.append({
-            "batch": b, "side": "ratio",
-            "prefill_tok_s": ours.prefill_tok_s / theirs.prefill_tok_s,
-            "decode_tok_s": ours.decode_tok_s / theirs.decode_tok_s,
-        })
-    print(f"model {engine.info.model_name} on {engine.info.device} ({engine.info.dtype}), "
-          f"prompt {prompt_tokens} tokens, {new_tokens} new tokens, greedy")
-    print(f"{'batch':>5}  {'side':<12} {'prefill tok/s':>14} {'decode tok/s':>13}")
-    for r in rows:
-        fmt = "{:>14.2f}x {:>12.2f}x" if r["side"] == "ratio" else "{:>14.1f}  {:>12.1f}"
-        print(f"{r['batch']:>5}  {r['side']:<12} " + fmt.format(r["prefill_tok_s"], r["decode_tok_s"]))
+    for b, plen, ntok in cases:
+        prompts = [torch.randint(10, vocab, (plen,), generator=g).tolist() for _ in range(b)]
+        label = f"{b}x{plen}"
+        sides = [("headroom", lambda p=prompts, n=ntok: engine_speed(engine, p, n))]
+        if hf is not None:
+            sides.append(("transformers", lambda p=prompts, n=ntok: transformers_speed(hf, p, n, engine.device)))
+        measured = {}
+        for side, run in sides:
+            _warm(side, engine, hf, prompts, ntok)
+            speed = run()
+            measured[side] = speed
+            row = {"case": label, "batch": b, "prompt_tokens": plen, "side": side,
+                   "prefill_tok_s": speed.prefill_tok_s, "decode_tok_s": speed.decode_tok_s}
+            if roof is not None:
+                row["prefill_roofline_share"] = speed.prefill_tok_s / roof.prefill(b * plen, chunk, b)
+                row["decode_roofline_share"] = speed.decode_tok_s / roof.decode(b, plen + ntok // 2)
+            rows.append(row)
+        if len(measured) == 2:
+            ours, theirs = measured["headroom"], measured["transformers"]
+            rows.append({"case": label, "batch": b, "prompt_tokens": plen, "side": "ratio",
+                         "prefill_tok_s": ours.prefill_tok_s / theirs.prefill_tok_s,
+                         "decode_tok_s": ours.decode_tok_s / theirs.decode_tok_s})
+    _print_table(engine, rows, prompt_tokens, new_tokens, roof)
+    if profile and on_cuda:
+        profile_decode(engine)
     return rows
+
+
+def _warm(side: str, engine: Engine, hf, prompts: list[list[int]], new_tokens: int) -> None:
+    """One short untimed run of the side, so compilation and allocator growth are not
+    timed."""
+    if side == "headroom":
+        engine_speed(engine, prompts, min(4, new_tokens))
+    else:
+        transformers_speed(hf, prompts, min(4, new_tokens), engine.device)
+
+
+def _print_table(engine: Engine, rows: list[dict], prompt_tokens: int, new_tokens: int, roof: Roofline | None) -> None:
+    info = engine.info
+    print(f"model {info.model_name} on {info.device} ({info.dtype}), attention {engine.attention_backend}, "
+          f"CUDA graphs {'on' if engine.runner.graphs is not None else 'off'}; "
+          f"prompt {prompt_tokens} tokens, {new_tokens} new tokens, greedy")
+    if roof is not None:
+        print(f"HBM roofline: {roof.bandwidth / 1e12:.2f} TB/s measured copy bandwidth, "
+              f"{roof.weight_bytes / 2**20:.1f} MiB of weights, {roof.kv_bytes_per_token} KV bytes per token")
+    head = f"{'case':>10}  {'side':<12} {'prefill tok/s':>14} {'decode tok/s':>13}"
+    if roof is not None:
+        head += f" {'prefill % roof':>14} {'decode % roof':>13}"
+    print(head)
+    for r in rows:
+        if r["side"] == "ratio":
+            line = f"{r['case']:>10}  {r['side']:<12} {r['prefill_tok_s']:>13.2f}x {r['decode_tok_s']:>12.2f}x"
+        else:
+            line = f"{r['case']:>10}  {r['side']:<12} {r['prefill_tok_s']:>14.1f} {r['decode_tok_s']:>13.1f}"
+            if "decode_roofline_share" in r:
+                line += f" {100 * r['prefill_roofline_share']:>13.1f}% {100 * r['decode_roofline_share']:>12.1f}%"
+        print(line)
+
+
+def profile_decode(engine: Engine, batch: int = 1, replays: int = 10, top: int = 15) -> None:
+    """Where a decode step's time goes at ``batch`` (CUDA, graphs on): the step's host
+    parts, the graph replay alone, and the kernels inside the replay (torch profiler),
+    printed. For explaining a figure, not for tests."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graphs = engine.runner.graphs
+    if graphs is None:
+        print("profile: needs CUDA graphs (a CUDA device, a backend that captures)")
+        return
+    sp = SamplingParams(max_new_tokens=10_000, temperature=0.0, ignore_eos=True)
+    vocab = engine.model_config.vocab_size
+    for i in range(batch):
+        ids = [(10 + 31 * i + j) % vocab for j in range(128)]
+        engine.add_request(GenerateRequest(request_id=f"profile-{i}", prompt_token_ids=ids, sampling=sp))
+    for _ in range(8):  # prefill, then a few decode steps
+        engine.step()
+    graph = graphs.graph_for(batch)
+    if graph is None:
+        print(f"profile: no graph captured for batch {batch}")
+        return
+    _sync(engine.device)
+    t0 = time.perf_counter()
+    for _ in range(100):
+        graph.replay()
+    _sync(engine.device)
+    replay_ms = (time.perf_counter() - t0) * 10
+    t0 = time.perf_counter()
+    for _ in range(100):
+        engine.step()
+    _sync(engine.device)
+    step_ms = (time.perf_counter() - t0) * 10
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        _sync(engine.device)
+    rows = []
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        rows.append((t / replays, ev.count / replays, ev.key))
+    rows.sort(reverse=True)
+    print(f"profile at batch {batch}: step {step_ms:.3f} ms, graph replay alone {replay_ms:.3f} ms "
+          f"(host and sampling: the rest); {sum(r[1] for r in rows):.0f} kernels and "
+          f"{sum(r[0] for r in rows) / 1e3:.3f} ms of kernel time per replay")
+    for t, count, name in rows[:top]:
+        print(f"  {t:8.1f} us {count:5.0f}x  {name[:100]}")
+    for i in range(batch):
+        engine.abort(f"profile-{i}")
+    engine.step()

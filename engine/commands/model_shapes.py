@@ -1,7 +1,8 @@
 """Configs of real models' shapes, for random-weight benchmarks and GPU tests.
 
 No hub is reachable, so these are written from the published configs' numbers
-(Qwen/Qwen3-0.6B and meta-llama/Llama-3.1-8B ``config.json``) and loaded with
+(Qwen/Qwen3-0.6B, meta-llama/Llama-3.1-8B and HuggingFaceTB/SmolLM2-135M-Instruct
+``config.json``) and loaded with
 ``load_format="dummy"`` (random weights) or saved with random weights by transformers.
 """
 
@@ -11,6 +12,27 @@ import json
 from pathlib import Path
 
 SHAPES: dict[str, dict] = {
+    # The embedded default model's shape (its GGUF's metadata agrees).
+    "smollm2-135m": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 49152,
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 100000.0,
+        "tie_word_embeddings": True,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": "bfloat16",
+    },
     "qwen3-0.6b": {
         "architectures": ["Qwen3ForCausalLM"],
         "model_type": "qwen3",

@@ -9,13 +9,19 @@ from __future__ import annotations
 import msgspec
 import torch
 
-from engine.attention.base import backend_class
+from engine.attention.base import resolve_backend_name
 from engine.config import EngineConfig
 from engine.loader.hf_config import load_model_config
 from engine.loader.resolve import resolve_model
 from engine.memory.footprint import CUDA_RUNTIME_ESTIMATE_BYTES, make_footprint
 from engine.memory.plan import MemoryPlan, make_plan
-from engine.startup import device_memory, plan_knobs, resolve_device, resolve_dtype
+from engine.startup import (
+    attention_workspaces,
+    device_memory,
+    plan_knobs,
+    resolve_device,
+    resolve_dtype,
+)
 
 
 class NoDevice(Exception):
@@ -44,8 +50,8 @@ def build_plan(config: EngineConfig) -> MemoryPlan:
     knobs = plan_knobs(config)
     dev = device_memory(config, device)
     assert dev is not None
-    name = config.attention_backend
-    workspaces = ((f"attention backend ({name})", backend_class(name).workspace_bytes),)
+    backend = resolve_backend_name(config.attention_backend, "cuda")
+    workspaces = attention_workspaces(backend, mc, config.max_running_requests)
     fp = make_footprint(mc, dtype, knobs, workspaces=workspaces, runtime_bytes=CUDA_RUNTIME_ESTIMATE_BYTES)
     return make_plan(dev, knobs, fp)
 

@@ -32,9 +32,11 @@ must really reach the device, as NVML sees it. Three ways were weighed:
 - *CUDA's virtual memory API* (reserve the largest range once, map and unmap 2 MiB
   granules at its top): no copy and a stable base pointer (GPU.md: 16 GiB mapped in
   8 ms, the top 8 GiB unmapped in 6 ms, NVML saw it return). It is CUDA-only and needs
-  ``cuda.bindings`` and cupy to view the mapping as a tensor; it is the way to go once
-  the engine captures CUDA graphs over the pool. The layer-by-layer resize is already
-  well under the 500 ms a 1 GiB replan may take, so the dependency is not worth it yet.
+  ``cuda.bindings`` and cupy to view the mapping as a tensor. The engine's decode CUDA
+  graphs are instead dropped before a resize and captured again on next use
+  (:mod:`engine.cuda_graphs`): measured on an H200, a 1 GiB shrink during decode took
+  15 ms and the grow 14 ms, the re-captures milliseconds, so the dependency is not
+  worth it.
 
 A resize runs between steps (the engine is single-threaded); when shrinking, only pages
 below the new size may hold live keys and values: the engine moves them there first

@@ -76,6 +76,7 @@ def make_footprint(
     measured_activation_bytes: int | None = None,
     measured_sampler_bytes: int | None = None,
     runtime_bytes: int = 0,
+    cuda_graph_bytes: int = 0,
 ) -> Footprint:
     """Footprint of ``mc`` in ``dtype`` under ``knobs``.
 
@@ -83,7 +84,8 @@ def make_footprint(
     other knobs scale it by the estimate's ratio (the terms grow with the chunk alike).
     ``measured_sampler_bytes`` (for ``knobs.max_running_requests`` rows) replaces the
     per-request estimate. ``runtime_bytes`` is the CUDA context (measured with the
-    activation, else estimated).
+    activation, else estimated). ``cuda_graph_bytes`` is what capturing the decode
+    step's CUDA graphs took (measured by :meth:`engine.cuda_graphs.DecodeGraphs.capture_all`).
     """
     est_here = estimate_activation_bytes(mc, dtype, knobs)
     if measured_activation_bytes is None:
@@ -106,6 +108,7 @@ def make_footprint(
         model_context_tokens=model_context(mc, PlanKnobs()),
         workspace_bytes=workspaces,
         runtime_bytes=runtime_bytes,
+        cuda_graph_bytes=cuda_graph_bytes,
         runtime_source="measured" if measured_activation_bytes is not None else "estimated",
         sampler_bytes_per_request=(
             SAMPLER_BYTES_PER_VOCAB_ENTRY * mc.vocab_size

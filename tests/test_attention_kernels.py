@@ -1,0 +1,129 @@
+"""The Triton paged-attention kernels against their torch references.
+
+Without CUDA they run under Triton's interpreter (``TRITON_INTERPRET=1``, set here before
+Triton is imported) on CPU tensors: slow, so the shapes are small, but every index,
+mask and page-boundary path is the one the GPU runs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from triton_interpret import DEVICE
+
+pytest.importorskip("triton")
+
+from kernels.attention import paged_decode_ref, paged_extend_ref  # noqa: E402
+from kernels.attention_triton import decode_num_splits, paged_decode, paged_extend  # noqa: E402
+
+
+def _pool(num_kv_heads: int, head_dim: int, num_pages: int, page_size: int, dtype, g):
+    shape = (num_pages * page_size, num_kv_heads, head_dim)
+    k = torch.randn(shape, generator=g).to(dtype)
+    v = torch.randn(shape, generator=g).to(dtype)
+    return k.to(DEVICE), v.to(DEVICE)
+
+
+def _page_table(lens: list[int], page_size: int, num_pages: int, g) -> torch.Tensor:
+    """Distinct, shuffled pages per sequence (page 0 stays the null page), padded with 0."""
+    need = [-(-n // page_size) for n in lens]
+    perm = (torch.randperm(num_pages - 1, generator=g) + 1).tolist()
+    width = max(max(need), 1) + 1  # a spare column: the kernels must not read past a length
+    table = torch.zeros(len(lens), width, dtype=torch.int64)
+    at = 0
+    for b, n in enumerate(need):
+        table[b, :n] = torch.tensor(perm[at : at + n])
+        at += n
+    return table.to(DEVICE)
+
+
+def _tol(dtype):
+    return dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,lens,splits",
+    [
+        (4, 4, 64, [1, 5, 16, 17], None),  # GQA 1, odd lengths around a page
+        (6, 2, 64, [33, 3], 3),  # GQA 3, ranges that end mid-page
+        (8, 2, 128, [47, 64, 1], 4),  # GQA 4, head dim 128
+        (8, 1, 64, [100], 16),  # GQA 8, more ranges than blocks: empty ranges
+        (4, 4, 64, [0, 9], 2),  # a padded (empty) row gives zeros
+    ],
+)
+def test_decode_matches_reference(heads, kv_heads, head_dim, lens, splits):
+    g = torch.Generator().manual_seed(len(lens) * 31 + heads)
+    page_size, num_pages = 16, 24
+    k_buf, v_buf = _pool(kv_heads, head_dim, num_pages, page_size, torch.float32, g)
+    table = _page_table(lens, page_size, num_pages, g)
+    q = torch.randn(len(lens), heads, head_dim, generator=g).to(DEVICE)
+    seq_lens = torch.tensor(lens, dtype=torch.int64, device=DEVICE)
+    scale = head_dim**-0.5
+    ref = paged_decode_ref(q, k_buf, v_buf, table, seq_lens, page_size, scale)
+    got = paged_decode(q, k_buf, v_buf, table, seq_lens, page_size, scale, num_splits=splits, block_n=16)
+    torch.testing.assert_close(got, ref, **_tol(torch.float32))
+    if 0 in lens:
+        assert got[lens.index(0)].abs().max() == 0
+
+
+# Triton's interpreter has no bfloat16 arithmetic (NumPy has no such type): half
+# precision is checked in float16 there and in bfloat16 on a GPU.
+HALF = torch.bfloat16 if DEVICE == "cuda" else torch.float16
+
+
+def test_decode_half_precision_and_default_split_count():
+    g = torch.Generator().manual_seed(7)
+    page_size, num_pages = 4, 40
+    lens = [13, 29]
+    k_buf, v_buf = _pool(2, 64, num_pages, page_size, HALF, g)
+    table = _page_table(lens, page_size, num_pages, g)
+    q = torch.randn(2, 8, 64, generator=g).to(HALF).to(DEVICE)
+    seq_lens = torch.tensor(lens, device=DEVICE)
+    assert decode_num_splits(2, 2) > 1  # the default splits a small batch
+    got = paged_decode(q, k_buf, v_buf, table, seq_lens, page_size, 0.125, block_n=16)
+    ref = paged_decode_ref(q, k_buf, v_buf, table, seq_lens, page_size, 0.125)
+    assert got.dtype == HALF
+    torch.testing.assert_close(got, ref, **_tol(torch.bfloat16))
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,prefix,extend",
+    [
+        (4, 4, 64, [0], [21]),  # plain prefill, odd length
+        (6, 2, 64, [16, 0, 5], [3, 17, 1]),  # GQA 3: prefix on a page boundary, a fresh one, a decode row
+        (8, 2, 128, [7, 32], [18, 16]),  # GQA 4, head dim 128, prefix + extend across pages
+        (8, 1, 64, [0, 40], [33, 9]),  # GQA 8, blocks past a short extend
+    ],
+)
+def test_extend_matches_reference(heads, kv_heads, head_dim, prefix, extend):
+    g = torch.Generator().manual_seed(sum(extend) + heads)
+    page_size, num_pages = 16, 24
+    lens = [p + e for p, e in zip(prefix, extend, strict=True)]
+    k_buf, v_buf = _pool(kv_heads, head_dim, num_pages, page_size, torch.float32, g)
+    table = _page_table(lens, page_size, num_pages, g)
+    total = sum(extend)
+    q = torch.randn(total, heads, head_dim, generator=g).to(DEVICE)
+    starts = torch.tensor([0, *torch.tensor(extend).cumsum(0)[:-1].tolist()], device=DEVICE)
+    prefix_t = torch.tensor(prefix, device=DEVICE)
+    extend_t = torch.tensor(extend, device=DEVICE)
+    scale = head_dim**-0.5
+    ref = paged_extend_ref(q, k_buf, v_buf, table, starts, prefix_t, extend_t, page_size, scale)
+    got = paged_extend(q, k_buf, v_buf, table, starts, prefix_t, extend_t, page_size, scale,
+                       max_extend=max(extend), block_m=16, block_n=16)
+    torch.testing.assert_close(got, ref, **_tol(torch.float32))
+
+
+def test_decode_and_extend_agree_on_a_one_token_extend():
+    """A decode row is an extend of one token after its prefix: both kernels agree."""
+    g = torch.Generator().manual_seed(3)
+    page_size, num_pages = 8, 16
+    lens = [9, 24]
+    k_buf, v_buf = _pool(2, 64, num_pages, page_size, torch.float32, g)
+    table = _page_table(lens, page_size, num_pages, g)
+    q = torch.randn(2, 4, 64, generator=g).to(DEVICE)
+    one = torch.ones(2, dtype=torch.int64, device=DEVICE)
+    seq_lens = torch.tensor(lens, device=DEVICE)
+    dec = paged_decode(q, k_buf, v_buf, table, seq_lens, page_size, 0.125, block_n=16)
+    ext = paged_extend(q, k_buf, v_buf, table, torch.arange(2, device=DEVICE), seq_lens - 1, one, page_size, 0.125,
+                       max_extend=1, block_m=16, block_n=16)
+    torch.testing.assert_close(dec, ext, atol=1e-5, rtol=1e-5)

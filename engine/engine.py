@@ -103,7 +103,7 @@ class Engine(LiveReplan):
             measure_step_peak(self.model, self.attn, self.pool, self.knobs, mc.max_position_embeddings)
         # Pages and prefix cache.
         self.allocator = PageAllocator(num_pages)
-        self.radix = RadixCache(self.allocator, config.page_size) if config.enable_prefix_cache else None
+        self.radix = RadixCache(self.allocator, config.page_size) if config.prefix_cache else None
         # Scheduler and runner.
         model_ctx = mc.max_position_embeddings
         if config.max_model_len is not None:
@@ -146,13 +146,13 @@ class Engine(LiveReplan):
     @property
     def _planned(self) -> bool:
         c = self.config
-        return c.num_pages is None and c.kv_cache_bytes is None and (
-            c.simulate_device_total_bytes is not None or self.device.type == "cuda"
+        return c.num_pages is None and c.kv_cache is None and (
+            c.device_total is not None or self.device.type == "cuda"
         )
 
     @property
     def _on_gpu_or_simulated(self) -> bool:
-        return self.device.type == "cuda" or self.config.simulate_device_total_bytes is not None
+        return self.device.type == "cuda" or self.config.device_total is not None
 
     def _workspaces(self) -> tuple[tuple[str, int], ...]:
         """Fixed workspaces declared by the components, charged before the pool is sized."""
@@ -221,10 +221,10 @@ class Engine(LiveReplan):
         if self.plan is not None:
             return self.plan.num_pages + 1
         page_bytes = kv_bytes_per_token(mc, self.dtype) * cfg.page_size
-        budget = cfg.kv_cache_bytes if cfg.kv_cache_bytes is not None else DEFAULT_CPU_KV_CACHE_BYTES
+        budget = cfg.kv_cache if cfg.kv_cache is not None else DEFAULT_CPU_KV_CACHE_BYTES
         # Without a plan: never fewer pages than one full context needs (+ the null page).
         want_ctx = min(mc.max_position_embeddings, cfg.max_model_len or mc.max_position_embeddings)
-        floor = math.ceil(want_ctx / cfg.page_size) + 1 if cfg.kv_cache_bytes is None else 2
+        floor = math.ceil(want_ctx / cfg.page_size) + 1 if cfg.kv_cache is None else 2
         return max(budget // page_bytes, floor)
 
     # -- public API -----------------------------------------------------------------------

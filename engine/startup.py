@@ -37,27 +37,18 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def plan_knobs(config: EngineConfig) -> PlanKnobs:
-    """The plan's knobs from an engine config."""
-    return PlanKnobs(
-        page_size=config.page_size,
-        max_prefill_tokens=config.max_prefill_tokens,
-        max_running_requests=config.max_running_requests,
-        max_model_len=config.max_model_len,
-        min_context_tokens=config.min_context_tokens,
-        reserve_bytes=config.reserve_bytes,
-        safety_margin_bytes=config.safety_margin_bytes,
-        device_limit_bytes=config.device_limit_bytes,
-    )
+    """The plan's knobs from an engine config (:meth:`PlanKnobs.of`)."""
+    return PlanKnobs.of(config)
 
 
 def device_memory(config: EngineConfig, device: torch.device) -> DeviceMemory | None:
     """The device as the plan sees it now: simulated when asked, NVML (or the CUDA
     driver's free/total) on a GPU, None for a plain CPU run (no plan)."""
-    if config.simulate_device_total_bytes is not None:
+    if config.device_total is not None:
         return simulated_device(
-            config.simulate_device_total_bytes,
-            config.simulate_device_free_bytes,
-            display_attached=config.simulate_display_attached,
+            config.device_total,
+            config.device_free,
+            display_attached=config.device_display,
         )
     if device.type != "cuda":
         return None

@@ -67,8 +67,8 @@ def measure(shape: str | None, *, device_limit_bytes: int, max_model_len: int, m
         context = total - free - torch.cuda.memory_reserved()
         torch.cuda.set_per_process_memory_fraction(min((device_limit_bytes - context) / total, 1.0))
         engine = Engine(EngineConfig(
-            model=model, load_format="dummy" if shape else "auto", device_limit_bytes=device_limit_bytes,
-            reserve_bytes=0, max_model_len=max_model_len, max_running_requests=max_running,
+            model=model, load_format="dummy" if shape else "auto", device_limit=device_limit_bytes,
+            reserve=0, max_model_len=max_model_len, max_running_requests=max_running,
             max_prefill_tokens=max_prefill_tokens,
         ))
         plan = engine.plan

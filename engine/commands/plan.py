@@ -25,7 +25,7 @@ class NoDevice(Exception):
 def build_plan(config: EngineConfig) -> MemoryPlan:
     """The plan the engine would start from for ``config``.
 
-    A simulated device (``simulate_device_total_bytes``) stands in for a GPU: dtype
+    A simulated device (``device_total``) stands in for a GPU: dtype
     ``auto`` is bfloat16 there, as on a CUDA device.
 
     Raises:
@@ -33,7 +33,7 @@ def build_plan(config: EngineConfig) -> MemoryPlan:
         engine.loader.errors.ModelLoadError: the model is missing or its config broken.
     """
     device = resolve_device(config.device)
-    simulated = config.simulate_device_total_bytes is not None
+    simulated = config.device_total is not None
     if not simulated and device.type != "cuda":
         raise NoDevice(
             "no CUDA device here: plan for a simulated card with --device-total SIZE "

@@ -30,11 +30,12 @@ from engine.memory.footprint import CUDA_RUNTIME_ESTIMATE_BYTES, kv_bytes_per_to
 from engine.memory.plan import MIN_PREFILL_TOKENS, MemoryPlan, PlanKnobs, make_plan
 from engine.memory.profile import measure_step_peak, profile_pool_pages
 from engine.messages import EngineInfo, EngineStats, GenerateRequest, TokenOutput
+from engine.options import pick
 from engine.runner import ModelRunner
 from engine.sampling.sampler import SamplingState
 from engine.scheduler.request import Phase, Request
 from engine.scheduler.scheduler import Scheduler, SchedulerConfig
-from engine.startup import device_memory, plan_knobs, resolve_device, resolve_dtype
+from engine.startup import device_memory, resolve_device, resolve_dtype
 
 # Without a memory plan (CPU, or a fixed size asked for), the pool gets this much.
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
@@ -72,7 +73,7 @@ class Engine(LiveReplan):
         # An oversized prefill chunk is the one knob lowered automatically (a chunk too
         # large for the card):
         # the plan picks the largest chunk whose activation peak fits.
-        self.knobs = plan_knobs(config)
+        self.knobs = PlanKnobs.of(config)
         self.device_memory = device_memory(config, self.device) if self._planned else None
         self.plan: MemoryPlan | None = None
         if self.device_memory is not None:
@@ -109,14 +110,10 @@ class Engine(LiveReplan):
         if config.max_model_len is not None:
             model_ctx = min(model_ctx, config.max_model_len)
         max_context_tokens = min(model_ctx, self.allocator.num_usable * config.page_size)
+        # The scheduler's limits are the plan's knobs of the same names (the chunk cap
+        # as the plan fitted it).
         self.scheduler = Scheduler(
-            SchedulerConfig(
-                page_size=config.page_size,
-                max_running_requests=config.max_running_requests,
-                max_prefill_tokens=self.knobs.max_prefill_tokens,
-                max_context_tokens=max_context_tokens,
-                eos_token_ids=mc.eos_token_ids,
-            ),
+            pick(self.knobs, SchedulerConfig, max_context_tokens=max_context_tokens, eos_token_ids=mc.eos_token_ids),
             self.allocator,
             self.radix,
         )

@@ -1,5 +1,5 @@
-"""What the engine decides before it loads anything: the device, the dtype, the plan's
-knobs and the device's memory as the plan sees it.
+"""What the engine decides before it loads anything: the device, the dtype and the
+device's memory as the plan sees it (the plan's knobs: ``PlanKnobs.of``).
 
 Shared by the engine's constructor and ``headroom plan`` (which plans without loading
 weights).
@@ -11,7 +11,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.memory.device import nvml_index, probe_nvml, simulated_device
-from engine.memory.plan import DeviceMemory, PlanKnobs
+from engine.memory.plan import DeviceMemory
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -34,11 +34,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name not in _DTYPES:
         raise ValueError(f"unknown dtype {name!r}; choose one of auto, {', '.join(_DTYPES)}")
     return _DTYPES[name]
-
-
-def plan_knobs(config: EngineConfig) -> PlanKnobs:
-    """The plan's knobs from an engine config (:meth:`PlanKnobs.of`)."""
-    return PlanKnobs.of(config)
 
 
 def device_memory(config: EngineConfig, device: torch.device) -> DeviceMemory | None:

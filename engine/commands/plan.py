@@ -14,8 +14,8 @@ from engine.config import EngineConfig
 from engine.loader.hf_config import load_model_config
 from engine.loader.resolve import resolve_model
 from engine.memory.footprint import CUDA_RUNTIME_ESTIMATE_BYTES, make_footprint
-from engine.memory.plan import MemoryPlan, make_plan
-from engine.startup import device_memory, plan_knobs, resolve_device, resolve_dtype
+from engine.memory.plan import MemoryPlan, PlanKnobs, make_plan
+from engine.startup import device_memory, resolve_device, resolve_dtype
 
 
 class NoDevice(Exception):
@@ -41,7 +41,7 @@ def build_plan(config: EngineConfig) -> MemoryPlan:
         )
     dtype = resolve_dtype(config.dtype, torch.device("cuda") if simulated else device)
     mc = load_model_config(resolve_model(config.model))
-    knobs = plan_knobs(config)
+    knobs = PlanKnobs.of(config)
     dev = device_memory(config, device)
     assert dev is not None
     name = config.attention_backend

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.options import at_least, nonzero_size, option
+
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "LlamaForCausalLM",
     "Qwen2ForCausalLM",
@@ -75,7 +77,9 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Knobs of one engine instance.
+    """Knobs of one engine instance; each option is declared here once
+    (:func:`engine.options.option`), and ``headroom serve``, ``generate`` and ``plan``
+    build their flags, ``HEADROOM_*`` variables and config keys from these fields.
 
     ``model`` is a path to a Hugging Face folder or a ``.gguf`` file, or ``None`` for the
     embedded default model. ``device`` is ``"auto"`` (CUDA when present), ``"cpu"`` or
@@ -85,14 +89,14 @@ class EngineConfig:
     ``page_size`` is in tokens. ``max_prefill_tokens`` caps the tokens one prefill step
     runs (the chunk of chunked prefill).
 
-    KV pool size, first that applies: ``num_pages`` (fixed); ``kv_cache_bytes`` (fixed);
-    the memory plan on a CUDA device, or on a simulated one when
-    ``simulate_device_total_bytes`` is set (total and free given, for machines without
-    a GPU and for tests); on a CPU otherwise, a fixed 1 GiB default.
+    KV pool size, first that applies: ``num_pages`` (fixed); ``kv_cache`` (bytes,
+    fixed); the memory plan on a CUDA device, or on a simulated one when
+    ``device_total`` is set (total and free given, for machines without a GPU and for
+    tests); on a CPU otherwise, a fixed 1 GiB default.
 
-    Plan knobs (bytes; ``None`` = automatic): ``reserve_bytes`` (desktop reserve),
-    ``safety_margin_bytes``, ``device_limit_bytes`` (plan as if the card were this
-    big), ``min_context_tokens`` (smallest context one request must get for the plan to
+    Plan knobs (bytes; ``None`` = automatic): ``reserve`` (desktop reserve),
+    ``safety_margin_bytes``, ``device_limit`` (plan as if the card were this big),
+    ``min_context`` (tokens: smallest context one request must get for the plan to
     fit; default the model's context).
 
     ``attention_backend``: ``auto`` (Triton on CUDA, torch elsewhere), ``triton``,
@@ -100,24 +104,99 @@ class EngineConfig:
     up to ``cuda_graph_max_batch`` (capped by ``max_running_requests``).
     """
 
-    model: str | None = None
-    device: str = "auto"
-    dtype: str = "auto"
-    page_size: int = 16
-    max_running_requests: int = 64
-    max_prefill_tokens: int = 2048
-    max_model_len: int | None = None
-    num_pages: int | None = None
-    kv_cache_bytes: int | None = None
-    enable_prefix_cache: bool = True
-    attention_backend: str = "auto"  # auto | triton | flashinfer | torch (engine.attention.base)
-    cuda_graphs: bool = True  # capture the decode step (CUDA, and a backend that allows it)
-    cuda_graph_max_batch: int = 64  # largest captured decode batch; larger ones run eagerly
+    model: str | None = option(
+        None,
+        "Hugging Face model folder or .gguf file; unset serves the "
+        "embedded default model (SmolLM2-135M-Instruct).",
+    )
+    device: str = option("auto", "auto (CUDA when present), cpu, or cuda[:N].")
+    dtype: str = option("auto", "auto, float32, bfloat16 or float16.")
+    max_model_len: int | None = option(
+        None,
+        "Cap on tokens per request (prompt + completion); "
+        "unset: the model's context, or what the KV cache holds.",
+        checks=(at_least(2),),
+    )
+    max_running_requests: int = option(
+        64, "Most requests decoded together.", checks=(at_least(1),)
+    )
+    max_prefill_tokens: int = option(
+        2048,
+        "Most prompt tokens per prefill step (the chunk of chunked prefill).",
+        checks=(at_least(1),),
+    )
+    page_size: int = option(16, "KV cache page size, in tokens.", checks=(at_least(1),))
+    num_pages: int | None = option(
+        None,
+        "Fix the KV cache size in pages, skipping the memory plan (unset: planned).",
+        checks=(at_least(2, "one page is the null page"),),
+    )
+    kv_cache: int | None = option(  # bytes
+        None,
+        "Fix the KV cache size (e.g. 2GiB), skipping the memory plan (unset: planned).",
+        kind="size",
+        checks=(nonzero_size,),
+    )
+    reserve: int | None = option(  # bytes; None: auto
+        None,
+        "GPU memory left to the desktop and other apps: auto (512 MiB + 5% of the card "
+        "when it drives a display, else 0) or a size such as 1GiB.",
+        kind="size_or_auto",
+        shown_default="auto",
+    )
+    device_limit: int | None = option(  # bytes
+        None,
+        "Serve as on a GPU of this size (e.g. 16GiB; unset: the whole card): the plan, the VRAM watcher and live replans all read a card of this size, other processes' memory counting against it.",
+        kind="size",
+        checks=(nonzero_size,),
+    )
+    min_context: int | None = option(  # tokens
+        None,
+        "Smallest context, in tokens, one request must get for the memory plan to fit "
+        "(unset: the model's context, capped by --max-model-len).",
+        checks=(at_least(1),),
+    )
+    device_total: int | None = option(  # bytes
+        None,
+        "Simulate a GPU of this size instead of reading the real one (e.g. 6GiB), to try "
+        "the memory plan on a machine without one; the engine still runs on --device.",
+        kind="size",
+        checks=(nonzero_size,),
+    )
+    device_free: int | None = option(  # bytes
+        None,
+        "Free memory of the simulated GPU (needs --device-total; unset: all of it).",
+        kind="size",
+    )
+    device_display: bool = option(
+        True,
+        "Whether the simulated GPU (--device-total) drives a display, which the "
+        "automatic --reserve keeps memory for.",
+    )
+    prefix_cache: bool = option(True, "Share KV pages of common prompt prefixes.")
+    attention_backend: str = option(
+        "auto",
+        "Attention kernels: auto (Triton on CUDA, torch elsewhere), triton, flashinfer "
+        "(needs flashinfer-python) or torch.",
+        choices=("auto", "triton", "flashinfer", "torch"),
+    )
+    cuda_graphs: bool = option(
+        True, "Capture the decode step in CUDA graphs (--no-cuda-graphs: run eagerly)."
+    )
+    cuda_graph_max_batch: int = option(
+        64,
+        "Largest decode batch captured in a CUDA graph; larger batches run eagerly.",
+        checks=(at_least(1),),
+    )
+    # Not options (tests and benchmarks set them).
     load_format: str = "auto"  # "dummy": random weights of the config's shapes (benchmarks)
-    reserve_bytes: int | None = None
     safety_margin_bytes: int | None = None
-    device_limit_bytes: int | None = None
-    min_context_tokens: int | None = None
-    simulate_device_total_bytes: int | None = None
-    simulate_device_free_bytes: int | None = None
-    simulate_display_attached: bool = False
+
+    def problem(self) -> tuple[str, str] | None:
+        """The first (option name, why) of options that do not go together, or None."""
+        if self.device_free is not None:
+            if self.device_total is None:
+                return "device_free", "needs --device-total (the size of the simulated GPU)"
+            if self.device_free > self.device_total:
+                return "device_free", "must not exceed --device-total"
+        return None

@@ -30,17 +30,12 @@ from engine.memory.footprint import CUDA_RUNTIME_ESTIMATE_BYTES, kv_bytes_per_to
 from engine.memory.plan import MIN_PREFILL_TOKENS, MemoryPlan, PlanKnobs, make_plan
 from engine.memory.profile import measure_step_peak, profile_pool_pages
 from engine.messages import EngineInfo, EngineStats, GenerateRequest, TokenOutput
+from engine.options import pick
 from engine.runner import ModelRunner
 from engine.sampling.sampler import SamplingState
 from engine.scheduler.request import Phase, Request
 from engine.scheduler.scheduler import Scheduler, SchedulerConfig
-from engine.startup import (
-    attention_workspaces,
-    device_memory,
-    plan_knobs,
-    resolve_device,
-    resolve_dtype,
-)
+from engine.startup import attention_workspaces, device_memory, resolve_device, resolve_dtype
 
 # Without a memory plan (CPU, or a fixed size asked for), the pool gets this much.
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
@@ -82,7 +77,7 @@ class Engine(LiveReplan):
         # An oversized prefill chunk is the one knob lowered automatically (a chunk too
         # large for the card):
         # the plan picks the largest chunk whose activation peak fits.
-        self.knobs = plan_knobs(config)
+        self.knobs = PlanKnobs.of(config)
         self.device_memory = device_memory(config, self.device) if self._planned else None
         self.plan: MemoryPlan | None = None
         if self.device_memory is not None:
@@ -113,20 +108,16 @@ class Engine(LiveReplan):
             measure_step_peak(self.model, self.attn, self.pool, self.knobs, mc.max_position_embeddings)
         # Pages and prefix cache.
         self.allocator = PageAllocator(num_pages)
-        self.radix = RadixCache(self.allocator, config.page_size) if config.enable_prefix_cache else None
+        self.radix = RadixCache(self.allocator, config.page_size) if config.prefix_cache else None
         # Scheduler and runner.
         model_ctx = mc.max_position_embeddings
         if config.max_model_len is not None:
             model_ctx = min(model_ctx, config.max_model_len)
         max_context_tokens = min(model_ctx, self.allocator.num_usable * config.page_size)
+        # The scheduler's limits are the plan's knobs of the same names (the chunk cap
+        # as the plan fitted it).
         self.scheduler = Scheduler(
-            SchedulerConfig(
-                page_size=config.page_size,
-                max_running_requests=config.max_running_requests,
-                max_prefill_tokens=self.knobs.max_prefill_tokens,
-                max_context_tokens=max_context_tokens,
-                eos_token_ids=mc.eos_token_ids,
-            ),
+            pick(self.knobs, SchedulerConfig, max_context_tokens=max_context_tokens, eos_token_ids=mc.eos_token_ids),
             self.allocator,
             self.radix,
         )
@@ -159,13 +150,13 @@ class Engine(LiveReplan):
     @property
     def _planned(self) -> bool:
         c = self.config
-        return c.num_pages is None and c.kv_cache_bytes is None and (
-            c.simulate_device_total_bytes is not None or self.device.type == "cuda"
+        return c.num_pages is None and c.kv_cache is None and (
+            c.device_total is not None or self.device.type == "cuda"
         )
 
     @property
     def _on_gpu_or_simulated(self) -> bool:
-        return self.device.type == "cuda" or self.config.simulate_device_total_bytes is not None
+        return self.device.type == "cuda" or self.config.device_total is not None
 
     def _workspaces(self) -> tuple[tuple[str, int], ...]:
         """Fixed workspaces declared by the components, charged before the pool is sized."""
@@ -271,10 +262,10 @@ class Engine(LiveReplan):
         if self.plan is not None:
             return self.plan.num_pages + 1
         page_bytes = kv_bytes_per_token(mc, self.dtype) * cfg.page_size
-        budget = cfg.kv_cache_bytes if cfg.kv_cache_bytes is not None else DEFAULT_CPU_KV_CACHE_BYTES
+        budget = cfg.kv_cache if cfg.kv_cache is not None else DEFAULT_CPU_KV_CACHE_BYTES
         # Without a plan: never fewer pages than one full context needs (+ the null page).
         want_ctx = min(mc.max_position_embeddings, cfg.max_model_len or mc.max_position_embeddings)
-        floor = math.ceil(want_ctx / cfg.page_size) + 1 if cfg.kv_cache_bytes is None else 2
+        floor = math.ceil(want_ctx / cfg.page_size) + 1 if cfg.kv_cache is None else 2
         return max(budget // page_bytes, floor)
 
     # -- public API -----------------------------------------------------------------------

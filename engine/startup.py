@@ -1,5 +1,6 @@
-"""What the engine decides before it loads anything: the device, the dtype, the plan's
-knobs, the device's memory as the plan sees it and the attention workspaces it charges.
+"""What the engine decides before it loads anything: the device, the dtype, the
+device's memory as the plan sees it and the attention workspaces it charges (the plan's
+knobs: ``PlanKnobs.of``).
 
 Shared by the engine's constructor and ``headroom plan`` (which plans without loading
 weights).
@@ -12,7 +13,7 @@ import torch
 from engine.attention.base import backend_class
 from engine.config import EngineConfig, ModelConfig
 from engine.memory.device import nvml_index, probe_nvml, simulated_device
-from engine.memory.plan import DeviceMemory, PlanKnobs
+from engine.memory.plan import DeviceMemory
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -37,28 +38,14 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
-def plan_knobs(config: EngineConfig) -> PlanKnobs:
-    """The plan's knobs from an engine config."""
-    return PlanKnobs(
-        page_size=config.page_size,
-        max_prefill_tokens=config.max_prefill_tokens,
-        max_running_requests=config.max_running_requests,
-        max_model_len=config.max_model_len,
-        min_context_tokens=config.min_context_tokens,
-        reserve_bytes=config.reserve_bytes,
-        safety_margin_bytes=config.safety_margin_bytes,
-        device_limit_bytes=config.device_limit_bytes,
-    )
-
-
 def device_memory(config: EngineConfig, device: torch.device) -> DeviceMemory | None:
     """The device as the plan sees it now: simulated when asked, NVML (or the CUDA
     driver's free/total) on a GPU, None for a plain CPU run (no plan)."""
-    if config.simulate_device_total_bytes is not None:
+    if config.device_total is not None:
         return simulated_device(
-            config.simulate_device_total_bytes,
-            config.simulate_device_free_bytes,
-            display_attached=config.simulate_display_attached,
+            config.device_total,
+            config.device_free,
+            display_attached=config.device_display,
         )
     if device.type != "cuda":
         return None

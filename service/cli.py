@@ -249,6 +249,9 @@ def token(config_path: Path | None, **flags: Any) -> None:
     click.echo(f"dashboard:  http://{host}:{settings.port}/ui/#token={value}")
 
 
+# Engine options (declared on engine.config.EngineConfig) that generate and plan share
+# with serve: same flags, variables and config keys.
+_MODEL_OPTIONS = ("model", "device", "dtype")
 _PLAN_KNOBS = (
     "reserve",
     "device_limit",
@@ -294,9 +297,7 @@ def _resolve_or_fail(flags: dict[str, Any], config_path: Path | None) -> Any:
 )
 @_config_option
 @_with_settings(
-    "model",
-    "device",
-    "dtype",
+    *_MODEL_OPTIONS,
     "max_model_len",
     "max_prefill_tokens",
     "reserve",
@@ -371,9 +372,7 @@ def generate(
 )
 @_config_option
 @_with_settings(
-    "model",
-    "device",
-    "dtype",
+    *_MODEL_OPTIONS,
     "device_total",
     "device_free",
     "device_display",

@@ -1,8 +1,11 @@
 """``headroom serve`` settings: defaults < config file < environment < flags.
 
-Every setting is declared once in :data:`OPTIONS`; the CLI builds its flags (and its
-``--help``) from that table, the environment variable is ``HEADROOM_`` + the name in
-capitals, and the config file key is the name itself. The config file is TOML at
+Every setting is declared once, as a field with its metadata
+(:func:`engine.options.option`): the engine's options on
+:class:`engine.config.EngineConfig`, the service's own on :class:`ServeSettings`,
+which extends it. :data:`OPTIONS` lists them all; the CLI builds its flags (and its
+``--help``) from it, the environment variable is ``HEADROOM_`` + the name in capitals,
+and the config file key is the name itself. The config file is TOML at
 ``platformdirs.user_config_dir("headroom")/config.toml`` (``--config`` or
 ``HEADROOM_CONFIG`` point elsewhere); its keys sit at the top level or under a
 ``[serve]`` table. List settings take a list in TOML and comma-separated text in the
@@ -26,12 +29,27 @@ else:  # pragma: no cover - Python 3.10
 
 from engine.config import EngineConfig
 from engine.ipc import WorkerConfig
+from engine.options import (
+    ENV_PREFIX as ENV_PREFIX,
+)
+from engine.options import (
+    Option as Option,
+)
+from engine.options import (
+    at_least,
+    in_range,
+    one_of,
+    option,
+    options_of,
+    pick,
+    positive,
+)
+from engine.units import KiB, MiB
 from engine.units import (
     parse_size as parse_size,  # one table of units for the engine and the service
 )
 
 DEFAULT_PORT = 8427
-ENV_PREFIX = "HEADROOM_"
 
 
 class SettingsError(Exception):
@@ -39,356 +57,144 @@ class SettingsError(Exception):
 
 
 @dataclass(frozen=True)
-class Option:
-    """One setting: its name (also the TOML key), type, default and help text."""
+class ServeSettings(EngineConfig):
+    """Resolved settings of one ``headroom serve``: the engine's options (inherited
+    from :class:`EngineConfig`, same names) and the service's own below. Sizes are in
+    bytes, times in seconds."""
 
-    name: str
-    type: type
-    default: Any
-    help: str
-    multiple: bool = False
-    # "size": a memory size (text, see parse_size) resolved to bytes; "size_or_auto":
-    # the same or "auto" (resolved to None).
-    kind: str | None = None
-
-    @property
-    def metavar(self) -> str | None:
-        return {"size": "SIZE", "size_or_auto": "auto|SIZE"}.get(self.kind or "")
-
-    @property
-    def env(self) -> str:
-        return ENV_PREFIX + self.name.upper()
-
-    @property
-    def flag(self) -> str:
-        return "--" + self.name.replace("_", "-")
-
-
-# engine.attention.base.BACKEND_CHOICES, repeated here: the service never imports the
-# engine's torch side.
-ATTENTION_BACKENDS = ("auto", "triton", "flashinfer", "torch")
-
-OPTIONS: tuple[Option, ...] = (
-    Option(
-        "host",
-        str,
+    host: str = option(
         "127.0.0.1",
         "Address to bind. Keep the loopback default unless you "
         "mean to serve other machines (then also set --allowed-host).",
-    ),
-    Option("port", int, DEFAULT_PORT, f"TCP port to listen on (default {DEFAULT_PORT})."),
-    Option(
-        "model",
-        str,
-        None,
-        "Hugging Face model folder or .gguf file; unset serves the "
-        "embedded default model (SmolLM2-135M-Instruct).",
-    ),
-    Option("device", str, "auto", "auto (CUDA when present), cpu, or cuda[:N]."),
-    Option("dtype", str, "auto", "auto, float32, bfloat16 or float16."),
-    Option(
-        "max_model_len",
-        int,
-        None,
-        "Cap on tokens per request (prompt + completion); "
-        "unset: the model's context, or what the KV cache holds.",
-    ),
-    Option("max_running_requests", int, 64, "Most requests decoded together."),
-    Option(
-        "max_prefill_tokens",
-        int,
-        2048,
-        "Most prompt tokens per prefill step (the chunk of chunked prefill).",
-    ),
-    Option("page_size", int, 16, "KV cache page size, in tokens."),
-    Option(
-        "num_pages",
-        int,
-        None,
-        "Fix the KV cache size in pages, skipping the memory plan (unset: planned).",
-    ),
-    Option(
-        "kv_cache",
-        str,
-        None,
-        "Fix the KV cache size (e.g. 2GiB), skipping the memory plan (unset: planned).",
-        kind="size",
-    ),
-    Option(
-        "reserve",
-        str,
-        "auto",
-        "GPU memory left to the desktop and other apps: auto (512 MiB + 5% of the card "
-        "when it drives a display, else 0) or a size such as 1GiB.",
-        kind="size_or_auto",
-    ),
-    Option(
-        "device_limit",
-        str,
-        None,
-        "Serve as on a GPU of this size (e.g. 16GiB; unset: the whole card): the plan, the VRAM watcher and live replans all read a card of this size, other processes' memory counting against it.",
-        kind="size",
-    ),
-    Option(
-        "min_context",
-        int,
-        None,
-        "Smallest context, in tokens, one request must get for the memory plan to fit "
-        "(unset: the model's context, capped by --max-model-len).",
-    ),
-    Option(
-        "device_total",
-        str,
-        None,
-        "Simulate a GPU of this size instead of reading the real one (e.g. 6GiB), to try "
-        "the memory plan on a machine without one; the engine still runs on --device.",
-        kind="size",
-    ),
-    Option(
-        "device_free",
-        str,
-        None,
-        "Free memory of the simulated GPU (needs --device-total; unset: all of it).",
-        kind="size",
-    ),
-    Option(
-        "device_display",
-        bool,
-        True,
-        "Whether the simulated GPU (--device-total) drives a display, which the "
-        "automatic --reserve keeps memory for.",
-    ),
-    Option(
-        "vram_source",
-        str,
+    )
+    port: int = option(
+        DEFAULT_PORT,
+        f"TCP port to listen on (default {DEFAULT_PORT}).",
+        checks=(in_range(0, 65535, "a TCP port"),),
+    )
+    vram_source: str = option(
         "nvml",
         "Where GPU memory is read while serving: nvml (the real card; without an NVIDIA "
         "GPU or driver: CPU mode, no replans) or simulated (a card of --device-total "
         "whose other processes follow --vram-timeline).",
-    ),
-    Option(
-        "vram_timeline",
-        str,
+        choices=("nvml", "simulated"),
+    )
+    vram_timeline: str | None = option(
         None,
         "JSON file scripting other processes' memory on the simulated card "
         '(--vram-source simulated): {"steps": [[seconds, size], ...]} with sizes such as '
         '"1.2GiB", bytes or "40%" of the card, seconds counted from when the engine is '
         'first ready ("start": "service" counts from the service\'s start); optional '
         '"total" (the card) and "display" (bool).',
-    ),
-    Option(
-        "vram_hz",
-        float,
+    )
+    vram_hz: float = option(
         4.0,
         "GPU memory samples per second; each goes to the event socket (coalesced) and to "
         "the replan controller.",
-    ),
-    Option(
-        "replan_low",
-        str,
+        checks=(positive,),
+    )
+    replan_low: int | None = option(  # bytes
         None,
         "Low water mark of headroom (free - reserve): below it the engine gives memory "
         "back (prefill chunk, prefix cache, KV pool). Unset: a quarter of the plan's "
         "safety margin (128 MiB + 1% of the card).",
         kind="size",
-    ),
-    Option(
-        "replan_high",
-        str,
+    )
+    replan_high: int | None = option(  # bytes
         None,
         "High water mark of headroom: above it for --replan-hold seconds, the KV pool grows "
         "back toward the plan. Unset: the low mark + 256 MiB + 2% of the card.",
         kind="size",
-    ),
-    Option(
-        "replan_hold",
-        float,
+    )
+    replan_hold: float = option(
         10.0,
         "Seconds the headroom must stay above --replan-high before the pool grows back.",
-    ),
-    Option("prefix_cache", bool, True, "Share KV pages of common prompt prefixes."),
-    Option(
-        "attention_backend",
-        str,
-        "auto",
-        "Attention kernels: auto (triton on a CUDA GPU, torch on the CPU), triton, "
-        "flashinfer (needs flashinfer-python and a CUDA toolkit for its first-use builds) "
-        "or torch (plain PyTorch, the reference).",
-    ),
-    Option(
-        "cuda_graphs",
-        bool,
-        True,
-        "Replay the decode step as CUDA graphs captured at batch sizes up to "
-        "--cuda-graph-max-batch (fewer kernel launches; costs the capture's memory, "
-        "shown in the memory plan).",
-    ),
-    Option(
-        "cuda_graph_max_batch",
-        int,
-        64,
-        "Largest decode batch captured as a CUDA graph; larger batches run eagerly.",
-    ),
-    Option(
-        "served_model_name",
-        str,
-        (),
-        "Another name the model answers to in the API (repeatable).",
-        multiple=True,
-    ),
-    Option("api_key", str, None, "Require 'Authorization: Bearer KEY' on /v1 (unset: no key)."),
-    Option(
-        "cors_origin",
-        str,
+        checks=(at_least(0),),
+    )
+    served_model_name: tuple[str, ...] = option(
+        (), "Another name the model answers to in the API (repeatable)."
+    )
+    api_key: str | None = option(
+        None, "Require 'Authorization: Bearer KEY' on /v1 (unset: no key)."
+    )
+    cors_origin: tuple[str, ...] = option(
         (),
         "A browser origin to allow besides tauri://localhost, "
         "http(s)://tauri.localhost and http://localhost:1420 (repeatable; * allows "
         "all).",
-        multiple=True,
-    ),
-    Option(
-        "allowed_host",
-        str,
-        (),
-        "A Host header name to accept besides loopback names (repeatable).",
-        multiple=True,
-    ),
-    Option(
-        "max_body_size",
-        str,
-        "32MiB",
+    )
+    allowed_host: tuple[str, ...] = option(
+        (), "A Host header name to accept besides loopback names (repeatable)."
+    )
+    max_body_size: int = option(  # bytes
+        32 * MiB,
         "Largest request body; a larger one is answered 413 before it is read "
         "(its Content-Length) or as soon as it passes the limit (chunked).",
         kind="size",
-    ),
-    Option(
-        "max_header_size",
-        str,
-        "64KiB",
+        shown_default="32MiB",
+        checks=(at_least(KiB, shown="1KiB"),),
+    )
+    max_header_size: int = option(  # bytes
+        64 * KiB,
         "Largest request line plus headers; a larger request is refused with 400 "
         "before it reaches the app.",
         kind="size",
-    ),
-    Option(
-        "max_queued_requests",
-        int,
+        shown_default="64KiB",
+        checks=(at_least(4 * KiB, shown="4KiB"),),
+    )
+    max_queued_requests: int = option(
         256,
         "Most API requests waiting for the engine (admitted, no token out yet); past it "
         "503 with Retry-After at once (0: no limit).",
-    ),
-    Option(
-        "request_timeout",
-        float,
+        checks=(at_least(0, "0: no limit"),),
+    )
+    request_timeout: float = option(  # seconds; 0: none
         0.0,
         "Seconds a completion request may take from arrival to its last token; past it "
         "the engine drops it and the client gets a 504 request_timeout error (0: none).",
-    ),
-    Option("heartbeat_interval_s", float, 0.5, "Seconds between the worker's heartbeats."),
-    Option(
-        "stall_timeout_s",
-        float,
+        checks=(at_least(0, "0: none"),),
+    )
+    heartbeat_interval_s: float = option(
+        0.5, "Seconds between the worker's heartbeats.", checks=(positive,)
+    )
+    stall_timeout_s: float = option(
         30.0,
         "Seconds without a heartbeat after which a worker counts as hung and is restarted.",
-    ),
-    Option(
-        "start_timeout_s",
-        float,
+        checks=(positive,),
+    )
+    start_timeout_s: float = option(
         900.0,
         "Seconds a worker may take to load before it is killed and restarted.",
-    ),
-    Option(
-        "max_restarts",
-        int,
+        checks=(positive,),
+    )
+    max_restarts: int = option(
         5,
         "Worker exits within --restart-window-s that count as "
         "a crash loop (then the service stays up in the 'failed' state).",
-    ),
-    Option("restart_window_s", float, 60.0, "Window for --max-restarts, in seconds."),
-    Option(
-        "shutdown_timeout",
-        float,
+        checks=(at_least(1),),
+    )
+    restart_window_s: float = option(
+        60.0, "Window for --max-restarts, in seconds.", checks=(positive,)
+    )
+    shutdown_timeout: float = option(  # seconds
         10.0,
         "Seconds that requests in flight may run on after SIGTERM/SIGINT (new ones get "
         "503); those still running then end with a 'server_shutting_down' error.",
-    ),
-    Option("log_level", str, "info", "debug, info, warning or error."),
-)
-OPTIONS_BY_NAME = {o.name: o for o in OPTIONS}
-
-
-@dataclass(frozen=True)
-class ServeSettings:
-    """Resolved settings of one ``headroom serve``; see :data:`OPTIONS` for each."""
-
-    host: str = "127.0.0.1"
-    port: int = DEFAULT_PORT
-    model: str | None = None
-    device: str = "auto"
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    max_running_requests: int = 64
-    max_prefill_tokens: int = 2048
-    page_size: int = 16
-    num_pages: int | None = None
-    kv_cache: int | None = None  # bytes
-    reserve: int | None = None  # bytes; None: auto
-    device_limit: int | None = None  # bytes
-    min_context: int | None = None
-    device_total: int | None = None  # bytes
-    device_free: int | None = None  # bytes
-    device_display: bool = True
-    vram_source: str = "nvml"
-    vram_timeline: str | None = None
-    vram_hz: float = 4.0
-    replan_low: int | None = None  # bytes
-    replan_high: int | None = None  # bytes
-    replan_hold: float = 10.0
-    prefix_cache: bool = True
-    attention_backend: str = "auto"
-    cuda_graphs: bool = True
-    cuda_graph_max_batch: int = 64
-    served_model_name: tuple[str, ...] = ()
-    api_key: str | None = None
-    cors_origin: tuple[str, ...] = ()
-    allowed_host: tuple[str, ...] = ()
-    max_body_size: int = 32 << 20  # bytes
-    max_header_size: int = 64 << 10  # bytes
-    max_queued_requests: int = 256
-    request_timeout: float = 0.0  # seconds; 0: none
-    heartbeat_interval_s: float = 0.5
-    stall_timeout_s: float = 30.0
-    start_timeout_s: float = 900.0
-    max_restarts: int = 5
-    restart_window_s: float = 60.0
-    shutdown_timeout: float = 10.0  # seconds
-    log_level: str = "info"
+        checks=(at_least(0, "seconds"),),
+    )
+    log_level: str = option(
+        "info",
+        "debug, info, warning or error.",
+        checks=(one_of("debug", "info", "warning", "error", ignore_case=True),),
+    )
     # Not a user option: "module:callable" building the engine in the worker (tests
     # use a fake one). Read from HEADROOM_ENGINE_FACTORY only.
     engine_factory: str = "engine.engine:Engine"
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
     def engine_config(self) -> EngineConfig:
-        return EngineConfig(
-            model=self.model,
-            device=self.device,
-            dtype=self.dtype,
-            page_size=self.page_size,
-            max_running_requests=self.max_running_requests,
-            max_prefill_tokens=self.max_prefill_tokens,
-            max_model_len=self.max_model_len,
-            num_pages=self.num_pages,
-            kv_cache_bytes=self.kv_cache,
-            enable_prefix_cache=self.prefix_cache,
-            attention_backend=self.attention_backend,
-            cuda_graphs=self.cuda_graphs,
-            cuda_graph_max_batch=self.cuda_graph_max_batch,
-            reserve_bytes=self.reserve,
-            device_limit_bytes=self.device_limit,
-            min_context_tokens=self.min_context,
-            simulate_device_total_bytes=self.device_total,
-            simulate_device_free_bytes=self.device_free,
-            simulate_display_attached=self.device_display,
-        )
+        """The engine's part of these settings (the fields of the same names)."""
+        return pick(self, EngineConfig)
 
     def worker_config(self) -> WorkerConfig:
         return WorkerConfig(
@@ -397,6 +203,11 @@ class ServeSettings:
             heartbeat_interval_s=self.heartbeat_interval_s,
             engine_factory=self.engine_factory,
         )
+
+
+# Every option of `headroom serve`: the engine's, then the service's.
+OPTIONS: tuple[Option, ...] = options_of(ServeSettings)
+OPTIONS_BY_NAME = {o.name: o for o in OPTIONS}
 
 
 def default_config_path() -> Path:
@@ -518,24 +329,24 @@ def resolve(
 
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
-    for option in OPTIONS:
-        value, source = option.default, "default"
-        if option.name in file_values:
-            value = _convert(option, file_values[option.name], f"config file {path}")
+    for opt in OPTIONS:
+        value, source = opt.default, "default"
+        if opt.name in file_values:
+            value = _convert(opt, file_values[opt.name], f"config file {path}")
             source = str(path)
-        if option.env in env and env[option.env] != "":
-            value = _convert(option, env[option.env], f"environment {option.env}")
-            source = option.env
-        flag_value = flags.get(option.name)
+        if opt.env in env and env[opt.env] != "":
+            value = _convert(opt, env[opt.env], f"environment {opt.env}")
+            source = opt.env
+        flag_value = flags.get(opt.name)
         if flag_value is not None and flag_value != ():
-            value = tuple(flag_value) if option.multiple else flag_value
-            source = option.flag
-            if option.kind is not None:
-                value = _convert_size(option, value, option.flag)
-        elif option.kind is not None and source == "default":
-            value = _convert_size(option, value, "default")
-        values[option.name] = value
-        sources[option.name] = source
+            value = tuple(flag_value) if opt.multiple else flag_value
+            source = opt.flag
+            if opt.kind is not None:
+                value = _convert_size(opt, value, opt.flag)
+        elif opt.kind is not None and source == "default":
+            value = _convert_size(opt, value, "default")
+        values[opt.name] = value
+        sources[opt.name] = source
     factory = env.get(ENV_PREFIX + "ENGINE_FACTORY")
     if factory:
         values["engine_factory"] = factory
@@ -545,58 +356,23 @@ def resolve(
 
 
 def _validate(s: ServeSettings) -> None:
+    """Each option's own checks (declared with it), then the rules between options."""
+
     def fail(name: str, why: str) -> None:
         raise SettingsError(f"{OPTIONS_BY_NAME[name].flag} ({s.sources[name]}): {why}")
 
-    if not 0 <= s.port <= 65535:
-        fail("port", f"{s.port} is not a TCP port (0-65535)")
-    for name in ("max_running_requests", "max_prefill_tokens", "page_size", "max_restarts"):
-        if getattr(s, name) < 1:
-            fail(name, "must be at least 1")
-    for name in ("heartbeat_interval_s", "stall_timeout_s", "start_timeout_s", "restart_window_s"):
-        if getattr(s, name) <= 0:
-            fail(name, "must be positive")
-    if s.min_context is not None and s.min_context < 1:
-        fail("min_context", "must be at least 1")
-    if s.num_pages is not None and s.num_pages < 2:
-        fail("num_pages", "must be at least 2 (one page is the null page)")
-    if s.max_model_len is not None and s.max_model_len < 2:
-        fail("max_model_len", "must be at least 2")
-    for name in ("kv_cache", "device_limit", "device_total"):
-        if getattr(s, name) == 0:
-            fail(name, "must be more than 0 bytes")
-    if s.device_free is not None:
-        if s.device_total is None:
-            fail("device_free", "needs --device-total (the size of the simulated GPU)")
-        elif s.device_free > s.device_total:
-            fail("device_free", "must not exceed --device-total")
-    if s.vram_source not in ("nvml", "simulated"):
-        fail("vram_source", f"{s.vram_source!r} is not one of nvml, simulated")
+    for opt in OPTIONS:
+        why = opt.problem(getattr(s, opt.name))
+        if why is not None:
+            fail(opt.name, why)
+    problem = s.problem()
+    if problem is not None:
+        fail(*problem)
     if s.vram_source == "simulated" and s.device_total is None and s.vram_timeline is None:
         fail("vram_source", "simulated needs --device-total (or a --vram-timeline with a total)")
     if s.vram_timeline is not None and s.vram_source != "simulated":
         fail("vram_timeline", "needs --vram-source simulated")
-    if s.vram_hz <= 0:
-        fail("vram_hz", "must be positive")
-    if s.replan_hold < 0:
-        fail("replan_hold", "must be at least 0")
     if s.replan_low is not None and s.replan_high is not None and s.replan_low >= s.replan_high:
         fail("replan_high", "must be above --replan-low")
-    if s.shutdown_timeout < 0:
-        fail("shutdown_timeout", "must be at least 0 (seconds)")
     if s.stall_timeout_s <= s.heartbeat_interval_s:
         fail("stall_timeout_s", "must be longer than --heartbeat-interval-s")
-    if s.max_body_size < 1024:
-        fail("max_body_size", "must be at least 1KiB")
-    if s.max_header_size < 4096:
-        fail("max_header_size", "must be at least 4KiB")
-    if s.max_queued_requests < 0:
-        fail("max_queued_requests", "must be at least 0 (0: no limit)")
-    if s.request_timeout < 0:
-        fail("request_timeout", "must be at least 0 (0: none)")
-    if s.attention_backend not in ATTENTION_BACKENDS:
-        fail("attention_backend", f"{s.attention_backend!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
-    if s.cuda_graph_max_batch < 1:
-        fail("cuda_graph_max_batch", "must be at least 1 (turn graphs off with --no-cuda-graphs)")
-    if s.log_level.lower() not in ("debug", "info", "warning", "error"):
-        fail("log_level", f"{s.log_level!r} is not one of debug, info, warning, error")

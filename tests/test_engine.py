@@ -52,7 +52,7 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def default_engine(default_model_dir):
-    return Engine(EngineConfig(model=default_model_dir, device="cpu", kv_cache_bytes=256 << 20))
+    return Engine(EngineConfig(model=default_model_dir, device="cpu", kv_cache=256 << 20))
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +132,7 @@ def test_shared_system_prompt_hits_radix_cache(default_engine, tokenizer):
 
 
 def test_chunked_prefill_16_tokens_equals_one_chunk(default_model_dir, default_engine, tokenizer):
-    chunked = Engine(EngineConfig(model=default_model_dir, device="cpu", max_prefill_tokens=16, kv_cache_bytes=64 << 20))
+    chunked = Engine(EngineConfig(model=default_model_dir, device="cpu", max_prefill_tokens=16, kv_cache=64 << 20))
     text = "Summarize: " + "The quick brown fox jumps over the lazy dog. " * 6
     ids = encode_chat(tokenizer, [{"role": "user", "content": text}])
     assert len(ids) > 4 * 16
@@ -144,8 +144,8 @@ def test_chunked_prefill_16_tokens_equals_one_chunk(default_model_dir, default_e
 @pytest.mark.parametrize("prefix_cache", [False, True])
 def test_abort_mid_prefill_and_mid_decode_returns_pages(default_model_dir, tokenizer, prefix_cache):
     engine = Engine(EngineConfig(
-        model=default_model_dir, device="cpu", max_prefill_tokens=16, kv_cache_bytes=32 << 20,
-        enable_prefix_cache=prefix_cache,
+        model=default_model_dir, device="cpu", max_prefill_tokens=16, kv_cache=32 << 20,
+        prefix_cache=prefix_cache,
     ))
     start = engine.allocator.num_free
     ids = encode_chat(tokenizer, [{"role": "user", "content": "Describe a forest in detail. " * 5}])
@@ -180,7 +180,7 @@ def test_abort_mid_prefill_and_mid_decode_returns_pages(default_model_dir, token
 def test_preemption_under_page_pressure_keeps_outputs(default_model_dir, default_engine, tokenizer):
     # A pool of 12 pages x 16 tokens cannot hold four requests growing to ~60 tokens each:
     # the youngest gets preempted and recomputed, and every output is still its own.
-    small = Engine(EngineConfig(model=default_model_dir, device="cpu", num_pages=13, enable_prefix_cache=False))
+    small = Engine(EngineConfig(model=default_model_dir, device="cpu", num_pages=13, prefix_cache=False))
     reqs = {}
     for i, topic in enumerate(["salt", "ice", "wind", "gold"]):
         ids = encode_chat(tokenizer, [{"role": "user", "content": f"One word about {topic}."}])

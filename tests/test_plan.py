@@ -92,16 +92,16 @@ def test_f1_declared_workspace_is_charged_and_the_message_names_knobs_that_shrin
 
 
 def test_default_model_on_6gib_card_fits_and_on_1gib_card_fails(default_model_dir):
-    six = build_plan(EngineConfig(model=default_model_dir, simulate_device_total_bytes=6 * GiB,
-                                  simulate_device_free_bytes=int(5.5 * GiB), simulate_display_attached=True))
+    six = build_plan(EngineConfig(model=default_model_dir, device_total=6 * GiB,
+                                  device_free=int(5.5 * GiB), device_display=True))
     assert six.fits and six.max_context_tokens == 8192
     text = render(six, as_json=False)
     assert "KV cache pool" in text and "fits: yes" in text
     kv = six.kv_pool_bytes
     assert kv >= 0.5 * six.budget_bytes  # most of what is left goes to the cache
 
-    one = build_plan(EngineConfig(model=default_model_dir, simulate_device_total_bytes=1 * GiB,
-                                  simulate_display_attached=True))
+    one = build_plan(EngineConfig(model=default_model_dir, device_total=1 * GiB,
+                                  device_display=True))
     assert not one.fits
     msg = one.message()
     assert "1.00 GiB" in msg
@@ -124,15 +124,15 @@ def test_a_card_that_cannot_hold_the_weights_fails_before_they_load(default_mode
 
     monkeypatch.setattr(engine_mod, "load_model", no_load)
     with pytest.raises(PlanDoesNotFit) as err:
-        engine_mod.Engine(EngineConfig(model=default_model_dir, simulate_device_total_bytes=1 * GiB,
-                                       simulate_display_attached=True))
+        engine_mod.Engine(EngineConfig(model=default_model_dir, device_total=1 * GiB,
+                                       device_display=True))
     assert "--max-model-len" in str(err.value) and "does not fit" in str(err.value)
 
 
 def test_f1_engine_charges_its_backends_workspace(default_model_dir):
     from engine.engine import Engine
 
-    cfg = dict(model=default_model_dir, simulate_device_total_bytes=int(2.2 * GiB), reserve_bytes=0,
+    cfg = dict(model=default_model_dir, device_total=int(2.2 * GiB), reserve=0,
                max_model_len=2048, max_prefill_tokens=512, max_running_requests=4)
     plain = Engine(EngineConfig(**cfg))
     charged = Engine(EngineConfig(**cfg, attention_backend="test-workspace-256m"))
@@ -152,9 +152,9 @@ def test_f5_context_follows_the_pool_and_a_prompt_over_it_is_refused(default_mod
     from engine.messages import GenerateRequest
 
     # Small enough that the pool, not the model, limits the context.
-    engine = Engine(EngineConfig(model=default_model_dir, simulate_device_total_bytes=int(1.45 * GiB),
-                                 reserve_bytes=0, max_prefill_tokens=512, max_running_requests=4,
-                                 min_context_tokens=1024))
+    engine = Engine(EngineConfig(model=default_model_dir, device_total=int(1.45 * GiB),
+                                 reserve=0, max_prefill_tokens=512, max_running_requests=4,
+                                 min_context=1024))
     limit = engine.info.max_context_tokens
     assert 1024 <= limit < 8192
     assert limit == engine.plan.max_context_tokens
@@ -169,6 +169,6 @@ def test_plan_json_round_trips(default_model_dir):
 
     from engine.memory.plan import MemoryPlan
 
-    plan = build_plan(EngineConfig(model=default_model_dir, simulate_device_total_bytes=6 * GiB))
+    plan = build_plan(EngineConfig(model=default_model_dir, device_total=6 * GiB))
     back = msgspec.json.decode(render(plan, as_json=True), type=MemoryPlan)
     assert back == plan

@@ -45,7 +45,7 @@ def test_settings_defaults_and_lists_from_env(tmp_path):
     assert s.host == "127.0.0.1"
     assert s.cors_origin == ("a://x", "b://y")
     assert s.prefix_cache is False
-    assert s.engine_config().enable_prefix_cache is False
+    assert s.engine_config().prefix_cache is False
 
 
 @pytest.mark.parametrize(
@@ -86,13 +86,13 @@ def test_plan_knobs_reach_the_engine_config(tmp_path):
         "page_size": 32,
     }
     ec = resolve(flags, env=env, config_path=config).engine_config()
-    assert ec.reserve_bytes == 1 << 30
-    assert ec.min_context_tokens == 1024
-    assert ec.kv_cache_bytes == 256 << 20
-    assert ec.simulate_device_total_bytes == 6 << 30
-    assert ec.simulate_device_free_bytes == int(5.5 * (1 << 30))
-    assert ec.simulate_display_attached is False
-    assert ec.device_limit_bytes == 4 * 10**9
+    assert ec.reserve == 1 << 30
+    assert ec.min_context == 1024
+    assert ec.kv_cache == 256 << 20
+    assert ec.device_total == 6 << 30
+    assert ec.device_free == int(5.5 * (1 << 30))
+    assert ec.device_display is False
+    assert ec.device_limit == 4 * 10**9
     assert (ec.max_prefill_tokens, ec.max_running_requests, ec.max_model_len, ec.page_size) == (
         512,
         4,
@@ -101,9 +101,9 @@ def test_plan_knobs_reach_the_engine_config(tmp_path):
     )
     # Defaults: everything automatic, a simulated card drives a display.
     default = resolve({}, env={}, config_path=_empty(tmp_path)).engine_config()
-    assert default.reserve_bytes is None and default.simulate_device_total_bytes is None
-    assert default.kv_cache_bytes is None and default.device_limit_bytes is None
-    assert default.simulate_display_attached is True
+    assert default.reserve is None and default.device_total is None
+    assert default.kv_cache is None and default.device_limit is None
+    assert default.device_display is True
     assert resolve({"reserve": "auto"}, env={}, config_path=_empty(tmp_path)).reserve is None
 
 

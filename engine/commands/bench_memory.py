@@ -19,6 +19,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.memory.plan import MemoryPlan
 from engine.messages import GenerateRequest, SamplingParams
+from engine.units import GiB
 
 
 def kv_share(plan: MemoryPlan) -> float:
@@ -67,8 +68,8 @@ def measure(shape: str | None, *, device_limit_bytes: int, max_model_len: int, m
         context = total - free - torch.cuda.memory_reserved()
         torch.cuda.set_per_process_memory_fraction(min((device_limit_bytes - context) / total, 1.0))
         engine = Engine(EngineConfig(
-            model=model, load_format="dummy" if shape else "auto", device_limit_bytes=device_limit_bytes,
-            reserve_bytes=0, max_model_len=max_model_len, max_running_requests=max_running,
+            model=model, load_format="dummy" if shape else "auto", device_limit=device_limit_bytes,
+            reserve=0, max_model_len=max_model_len, max_running_requests=max_running,
             max_prefill_tokens=max_prefill_tokens,
         ))
         plan = engine.plan
@@ -83,14 +84,14 @@ def measure(shape: str | None, *, device_limit_bytes: int, max_model_len: int, m
         snap = probe_nvml(0)
         row = {
             "model": shape or "default (SmolLM2-135M)",
-            "device_limit_gib": device_limit_bytes / 2**30,
-            "predicted_gib": predicted / 2**30,
-            "measured_gib": measured / 2**30,
-            "allocated_gib": allocated / 2**30,
+            "device_limit_gib": device_limit_bytes / GiB,
+            "predicted_gib": predicted / GiB,
+            "measured_gib": measured / GiB,
+            "allocated_gib": allocated / GiB,
             "error_pct": 100 * (measured - predicted) / predicted,
             "kv_share_pct": 100 * kv_share(plan),
-            "kv_pool_gib": plan.kv_pool_bytes / 2**30,
-            "nvml_process_gib": (snap.total_bytes - snap.free_bytes) / 2**30 if snap else float("nan"),
+            "kv_pool_gib": plan.kv_pool_bytes / GiB,
+            "nvml_process_gib": (snap.total_bytes - snap.free_bytes) / GiB if snap else float("nan"),
         }
         del engine
         torch.cuda.empty_cache()

@@ -14,14 +14,8 @@ from engine.config import EngineConfig
 from engine.loader.hf_config import load_model_config
 from engine.loader.resolve import resolve_model
 from engine.memory.footprint import CUDA_RUNTIME_ESTIMATE_BYTES, make_footprint
-from engine.memory.plan import MemoryPlan, make_plan
-from engine.startup import (
-    attention_workspaces,
-    device_memory,
-    plan_knobs,
-    resolve_device,
-    resolve_dtype,
-)
+from engine.memory.plan import MemoryPlan, PlanKnobs, make_plan
+from engine.startup import attention_workspaces, device_memory, resolve_device, resolve_dtype
 
 
 class NoDevice(Exception):
@@ -31,7 +25,7 @@ class NoDevice(Exception):
 def build_plan(config: EngineConfig) -> MemoryPlan:
     """The plan the engine would start from for ``config``.
 
-    A simulated device (``simulate_device_total_bytes``) stands in for a GPU: dtype
+    A simulated device (``device_total``) stands in for a GPU: dtype
     ``auto`` is bfloat16 there, as on a CUDA device.
 
     Raises:
@@ -39,7 +33,7 @@ def build_plan(config: EngineConfig) -> MemoryPlan:
         engine.loader.errors.ModelLoadError: the model is missing or its config broken.
     """
     device = resolve_device(config.device)
-    simulated = config.simulate_device_total_bytes is not None
+    simulated = config.device_total is not None
     if not simulated and device.type != "cuda":
         raise NoDevice(
             "no CUDA device here: plan for a simulated card with --device-total SIZE "
@@ -47,7 +41,7 @@ def build_plan(config: EngineConfig) -> MemoryPlan:
         )
     dtype = resolve_dtype(config.dtype, torch.device("cuda") if simulated else device)
     mc = load_model_config(resolve_model(config.model))
-    knobs = plan_knobs(config)
+    knobs = PlanKnobs.of(config)
     dev = device_memory(config, device)
     assert dev is not None
     backend = resolve_backend_name(config.attention_backend, "cuda")

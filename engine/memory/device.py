@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 from engine.memory.plan import DeviceMemory
+from engine.units import GiB
 
 
 def simulated_device(total_bytes: int, free_bytes: int | None = None, *, display_attached: bool = False) -> DeviceMemory:
@@ -21,7 +22,7 @@ def simulated_device(total_bytes: int, free_bytes: int | None = None, *, display
     if not 0 <= free <= total_bytes:
         raise ValueError(f"--device-free ({free} bytes) must lie between 0 and --device-total ({total_bytes} bytes)")
     return DeviceMemory(
-        name=f"simulated device ({total_bytes / (1 << 30):.2f} GiB)",
+        name=f"simulated device ({total_bytes / GiB:.2f} GiB)",
         total_bytes=total_bytes,
         free_bytes=free,
         others_bytes=total_bytes - free,

@@ -31,6 +31,8 @@ from dataclasses import dataclass, replace
 
 import msgspec
 
+from engine.config import EngineConfig
+from engine.options import option_named, pick
 from engine.units import GiB as GiB
 from engine.units import MiB
 from engine.units import fmt_bytes as fmt_bytes
@@ -81,21 +83,28 @@ class DeviceMemory:
 
 @dataclass(frozen=True)
 class PlanKnobs:
-    """Settings that move the plan. ``None`` means automatic.
+    """Settings that move the plan: the options of :class:`EngineConfig` of the same
+    names and defaults (:meth:`of` picks them). ``None`` means automatic.
 
-    ``device_limit_bytes`` caps the device's total (run as if the card were smaller).
-    ``max_model_len`` caps a request's context below the model's. ``min_context_tokens``
-    is the smallest context one request must get for the plan to fit.
+    ``device_limit`` (bytes) caps the device's total (run as if the card were
+    smaller). ``max_model_len`` caps a request's context below the model's.
+    ``min_context`` is the smallest context, in tokens, one request must get for the
+    plan to fit. ``reserve`` and ``safety_margin_bytes`` are in bytes.
     """
 
-    page_size: int = 16
-    max_prefill_tokens: int = 2048
-    max_running_requests: int = 64
-    max_model_len: int | None = None
-    min_context_tokens: int | None = None
-    reserve_bytes: int | None = None
-    safety_margin_bytes: int | None = None
-    device_limit_bytes: int | None = None
+    page_size: int = EngineConfig.page_size
+    max_prefill_tokens: int = EngineConfig.max_prefill_tokens
+    max_running_requests: int = EngineConfig.max_running_requests
+    max_model_len: int | None = EngineConfig.max_model_len
+    min_context: int | None = EngineConfig.min_context
+    reserve: int | None = EngineConfig.reserve
+    safety_margin_bytes: int | None = EngineConfig.safety_margin_bytes
+    device_limit: int | None = EngineConfig.device_limit
+
+    @classmethod
+    def of(cls, config: EngineConfig) -> PlanKnobs:
+        """The plan's knobs of an engine config (the fields of the same names)."""
+        return pick(config, cls)
 
 
 @dataclass(frozen=True)
@@ -221,12 +230,12 @@ def _ledger(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint) -> MemoryPlan
     if min(device.total_bytes, device.free_bytes, device.others_bytes, fp.weight_bytes) < 0:
         raise ValueError("memory sizes must be >= 0")
     total = device.total_bytes
-    if knobs.device_limit_bytes is not None:
-        total = min(total, knobs.device_limit_bytes)
-    reserve = knobs.reserve_bytes if knobs.reserve_bytes is not None else reserve_for(total, device.display_attached)
+    if knobs.device_limit is not None:
+        total = min(total, knobs.device_limit)
+    reserve = knobs.reserve if knobs.reserve is not None else reserve_for(total, device.display_attached)
     margin = knobs.safety_margin_bytes if knobs.safety_margin_bytes is not None else safety_margin_for(total)
     src = "simulated" if device.simulated else "NVML"
-    reserve_src = "--reserve" if knobs.reserve_bytes is not None else (
+    reserve_src = _flag("reserve") if knobs.reserve is not None else (
         "auto: display attached" if device.display_attached else "auto: no display"
     )
     budget = total - device.others_bytes - reserve - margin
@@ -253,7 +262,7 @@ def _ledger(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint) -> MemoryPlan
     page_bytes = fp.kv_bytes_per_token * knobs.page_size
     pages = max(kv_room // page_bytes, 0) if page_bytes > 0 else 0
     model_ctx = fp.model_context_tokens if knobs.max_model_len is None else min(fp.model_context_tokens, knobs.max_model_len)
-    min_ctx = min(knobs.min_context_tokens or model_ctx, model_ctx)
+    min_ctx = min(knobs.min_context or model_ctx, model_ctx)
     need_pages = math.ceil(min_ctx / knobs.page_size)
     kv_bytes = pages * page_bytes
     ledger.append(LedgerEntry("KV cache pool", kv_bytes, "=", f"{pages} pages of {fmt_bytes(page_bytes)}"))
@@ -277,6 +286,11 @@ def _ledger(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint) -> MemoryPlan
     )
 
 
+def _flag(name: str) -> str:
+    """The command-line flag of the engine option ``name`` (a suggestion names it)."""
+    return option_named(EngineConfig, name).flag
+
+
 def _kv_room(plan: MemoryPlan) -> int:
     return plan.budget_bytes - plan.fixed_bytes
 
@@ -289,25 +303,25 @@ def _suggest(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint, plan: Memory
     chunk = knobs.max_prefill_tokens
     if chunk > MIN_PREFILL_TOKENS:
         for smaller in (max(chunk // 4, MIN_PREFILL_TOKENS), max(chunk // 2, MIN_PREFILL_TOKENS)):
-            candidates.append(("--max-prefill-tokens", str(chunk), str(smaller), replace(knobs, max_prefill_tokens=smaller)))
+            candidates.append((_flag("max_prefill_tokens"), str(chunk), str(smaller), replace(knobs, max_prefill_tokens=smaller)))
     running = knobs.max_running_requests
     if running > 1:
         fewer = max(running // 4, 1)
-        candidates.append(("--max-running-requests", str(running), str(fewer), replace(knobs, max_running_requests=fewer)))
+        candidates.append((_flag("max_running_requests"), str(running), str(fewer), replace(knobs, max_running_requests=fewer)))
     ctx = plan.min_context_tokens
     if ctx > 512:
         shorter = max(ctx // 4, 512)
-        candidates.append(("--max-model-len", str(ctx), str(shorter), replace(knobs, max_model_len=shorter, min_context_tokens=None)))
+        candidates.append((_flag("max_model_len"), str(ctx), str(shorter), replace(knobs, max_model_len=shorter, min_context=None)))
     reserve = next(e.bytes for e in plan.ledger if e.name == "desktop reserve")
     if reserve > 0:
         lower = reserve // 2
-        candidates.append(("--reserve", fmt_bytes(reserve), fmt_bytes(lower), replace(knobs, reserve_bytes=lower)))
+        candidates.append((_flag("reserve"), fmt_bytes(reserve), fmt_bytes(lower), replace(knobs, reserve=lower)))
     # Per flag: the gentlest move that makes the plan fit, else the one that frees most.
     best: dict[str, tuple[bool, Suggestion]] = {}
     for flag, cur, new, k in candidates:
         other = _ledger(device, k, fp)
         # A shorter context lowers the KV need, not fixed memory: price it by the shortfall.
-        if flag == "--max-model-len":
+        if flag == _flag("max_model_len"):
             saved = plan.shortfall_bytes - other.shortfall_bytes
         else:
             saved = _kv_room(other) - base

@@ -95,7 +95,7 @@ def assert_greedy_matches(ours: list[int], ref: list[int], ref_logits: list[torc
 @pytest.mark.parametrize("backend,graphs", BACKENDS)
 def test_greedy_matches_transformers(shape_model, backend, graphs):
     path, prompts, refs = shape_model
-    engine = Engine(EngineConfig(model=path, device="cuda", dtype="bfloat16", kv_cache_bytes=1 << 30,
+    engine = Engine(EngineConfig(model=path, device="cuda", dtype="bfloat16", kv_cache=1 << 30,
                                  attention_backend=backend, cuda_graphs=graphs, max_running_requests=8))
     assert engine.attention_backend == backend
     assert (engine.runner.graphs is not None) == graphs
@@ -130,7 +130,7 @@ def test_default_model_greedy_text_equals_the_torch_backend():
     logic: bfloat16 rounds differently in a fused kernel than in SDPA, which may flip a
     near-tied pick (the bfloat16 comparisons above allow for that)."""
     gguf = _default_model()
-    common = dict(model=gguf, device="cuda", dtype="float32", kv_cache_bytes=1 << 30)
+    common = dict(model=gguf, device="cuda", dtype="float32", kv_cache=1 << 30)
     fast = Engine(EngineConfig(**common, attention_backend="triton"))
     assert fast.runner.graphs is not None
     prompts = _chat_prompts(fast, 5)
@@ -165,7 +165,7 @@ def test_live_shrink_and_grow_with_graphs_keeps_outputs(tmp_path):
     """Shrink the pool by 1 GiB and grow it back while 8 requests decode under CUDA
     graphs: every output equals the run without resizes. The figures (resize time,
     re-capture time) are printed for the README."""
-    engine = _shape_engine(tmp_path, kv_cache_bytes=3 << 30, max_running_requests=8)
+    engine = _shape_engine(tmp_path, kv_cache=3 << 30, max_running_requests=8)
     graphs = engine.runner.graphs
     assert graphs is not None
     prompts = _random_prompts(8)
@@ -197,7 +197,7 @@ def test_live_shrink_and_grow_with_graphs_keeps_outputs(tmp_path):
 def test_injected_oom_under_graphs_rolls_back(tmp_path):
     """Fault injection at the decode and sample sites on the graph path: the steps roll
     back and the outputs equal a clean run's."""
-    engine = _shape_engine(tmp_path, kv_cache_bytes=1 << 30, max_running_requests=4)
+    engine = _shape_engine(tmp_path, kv_cache=1 << 30, max_running_requests=4)
     prompts = _random_prompts(3)
     clean = run_greedy(engine, prompts, new_tokens=24)
     engine.radix.clear()

@@ -40,8 +40,8 @@ def run(engine: Engine, reqs: dict[str, list[int]], max_new: int = 8) -> dict:
 
 def test_predicted_peak_matches_measured_within_3_percent(tmp_path, capped):
     capped(6 * GiB)
-    engine = Engine(EngineConfig(model=qwen3(tmp_path), load_format="dummy", device_limit_bytes=6 * GiB,
-                                 reserve_bytes=0, max_model_len=4096, max_running_requests=4, max_prefill_tokens=2048))
+    engine = Engine(EngineConfig(model=qwen3(tmp_path), load_format="dummy", device_limit=6 * GiB,
+                                 reserve=0, max_model_len=4096, max_running_requests=4, max_prefill_tokens=2048))
     assert engine.plan.ledger[[e.name for e in engine.plan.ledger].index("prefill activation peak")].source.startswith("measured")
     torch.cuda.reset_peak_memory_stats()
     worst_step_workload(engine)
@@ -58,15 +58,15 @@ def test_f1_plan_that_cannot_fit_fails_before_loading(tmp_path):
     before = torch.cuda.memory_allocated()
     with pytest.raises(PlanDoesNotFit) as err:
         Engine(EngineConfig(model=str(write_shape("llama-3.1-8b", tmp_path)), load_format="dummy",
-                            device_limit_bytes=6 * GiB, reserve_bytes=0))
+                            device_limit=6 * GiB, reserve=0))
     assert "does not fit" in str(err.value)
     assert torch.cuda.memory_allocated() - before < 64 << 20  # 16 GB of weights never loaded
 
 
 def test_f2_memory_taken_after_ready_fails_one_request_not_the_engine(tmp_path, capped):
     allowed = capped(6 * GiB)
-    engine = Engine(EngineConfig(model=qwen3(tmp_path), load_format="dummy", device_limit_bytes=6 * GiB,
-                                 reserve_bytes=0, max_model_len=8192, max_running_requests=8, max_prefill_tokens=4096))
+    engine = Engine(EngineConfig(model=qwen3(tmp_path), load_format="dummy", device_limit=6 * GiB,
+                                 reserve=0, max_model_len=8192, max_running_requests=8, max_prefill_tokens=4096))
     vocab = engine.model_config.vocab_size
     g = torch.Generator().manual_seed(0)
     assert run(engine, {"warm": torch.randint(10, vocab, (64,), generator=g).tolist()})["warm"].finish_reason == "length"
@@ -93,8 +93,8 @@ def test_f2_memory_taken_after_ready_fails_one_request_not_the_engine(tmp_path, 
 
 def test_f3_long_prompt_completes_at_the_measured_chunk(tmp_path, capped):
     capped(6 * GiB)
-    engine = Engine(EngineConfig(model=qwen3(tmp_path), load_format="dummy", device_limit_bytes=6 * GiB,
-                                 reserve_bytes=0, max_model_len=32768, min_context_tokens=16384,
+    engine = Engine(EngineConfig(model=qwen3(tmp_path), load_format="dummy", device_limit=6 * GiB,
+                                 reserve=0, max_model_len=32768, min_context=16384,
                                  max_running_requests=4, max_prefill_tokens=8192))
     ctx = engine.max_context_tokens
     print("context", ctx, "chunk", engine.knobs.max_prefill_tokens)

@@ -26,7 +26,7 @@ def _save_qwen3_two_layers(path) -> torch.nn.Module:
 
 def test_cuda_engine_matches_transformers_greedy_and_batching(tmp_path):
     hf = _save_qwen3_two_layers(tmp_path)
-    engine = Engine(EngineConfig(model=str(tmp_path), device="cuda", dtype="float32", kv_cache_bytes=1 << 30))
+    engine = Engine(EngineConfig(model=str(tmp_path), device="cuda", dtype="float32", kv_cache=1 << 30))
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, 151000, (n,), generator=g).tolist() for n in (7, 33, 130)]
     sp = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)

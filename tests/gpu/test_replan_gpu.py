@@ -2,7 +2,7 @@
 stream; the watcher (NVML), the replan controller and the engine's live resize keep
 every request alive and give memory back as NVML sees it.
 
-The worker is budgeted as a 16 GiB desktop card (``device_limit_bytes``); NVML's view of
+The worker is budgeted as a 16 GiB desktop card (``device_limit``); NVML's view of
 the real card is folded into that budget (``free = limit - ours - others``), and the
 allocator is capped at the same size, so the squeeze is real.
 
@@ -90,8 +90,8 @@ def test_pool_follows_a_second_process_and_no_request_fails(capped):
     # float32: a resize may preempt and recompute or lower the prefill chunk, and bf16's
     # rounding differs between a chunked and a whole prefill enough to flip a greedy pick
     # hundreds of tokens later; float32 keeps the comparison about the replan alone.
-    engine = Engine(EngineConfig(model=gguf, dtype="float32", device_limit_bytes=LIMIT, reserve_bytes=0, max_running_requests=16,
-                                 max_model_len=4096, min_context_tokens=4096))
+    engine = Engine(EngineConfig(model=gguf, dtype="float32", device_limit=LIMIT, reserve=0, max_running_requests=16,
+                                 max_model_len=4096, min_context=4096))
     prompts = _prompts(load_tokenizer(str(engine.model_dir)))
     planned = engine.pool.num_pages
     baseline = _run(engine, prompts)

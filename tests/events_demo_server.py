@@ -34,7 +34,7 @@ from litestar import Litestar  # noqa: E402
 
 from engine.memory.plan import LedgerEntry, MemoryPlan  # noqa: E402
 from engine.messages import EngineInfo, EngineStats  # noqa: E402
-from service.events import (  # noqa: E402
+from service.events.hub import (  # noqa: E402
     CountersEvent,
     EngineInfoEvent,
     EventHub,
@@ -46,9 +46,9 @@ from service.events import (  # noqa: E402
     VramEvent,
     WorkerEvent,
 )
-from service.events_api import dashboard_router, events_router  # noqa: E402
-from service.security import SecurityMiddleware  # noqa: E402
-from service.token import new_token  # noqa: E402
+from service.events.routes import dashboard_router, events_router  # noqa: E402
+from service.events.token import new_token  # noqa: E402
+from service.http.security import SecurityMiddleware  # noqa: E402
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -323,7 +323,7 @@ def main() -> None:
         ),
         flush=True,
     )
-    # The page's own origin on a loopback Host passes the middleware (service.security's
+    # The page's own origin on a loopback Host passes the middleware (service.http.security's
     # same_origin), as in the service.
     secured = SecurityMiddleware(app)
     uvicorn.run(secured, host=args.host, port=port, log_level="warning", ws="websockets-sansio")

@@ -15,8 +15,8 @@ import pytest
 
 from engine.memory.plan import LedgerEntry, MemoryPlan
 from engine.messages import EngineInfo, EngineStats, OomEvent
-from service import events as ev
-from service.events import (
+from service.events import hub as ev
+from service.events.hub import (
     CLOSE_GOING_AWAY,
     CLOSE_TOO_SLOW,
     CountersEvent,
@@ -420,7 +420,7 @@ def test_publish_threadsafe():
 
 
 def test_token_created_private_and_reused(tmp_path, monkeypatch):
-    from service import token as tk
+    from service.events import token as tk
 
     monkeypatch.setenv(tk.CONFIG_DIR_ENV, str(tmp_path / "cfg"))
     path = tk.token_path()
@@ -438,7 +438,7 @@ def test_token_created_private_and_reused(tmp_path, monkeypatch):
 
 
 def test_token_invalid_file_replaced(tmp_path):
-    from service import token as tk
+    from service.events import token as tk
 
     path = tmp_path / "token"
     path.write_text("\n")
@@ -452,7 +452,7 @@ def test_token_invalid_file_replaced(tmp_path):
 def test_token_concurrent_creators_agree(tmp_path):
     import concurrent.futures
 
-    from service import token as tk
+    from service.events import token as tk
 
     path = tmp_path / "t" / "token"
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
@@ -464,18 +464,18 @@ def test_token_concurrent_creators_agree(tmp_path):
 
 
 def test_schema_file_matches_python_types():
-    from service.export_schema import SCHEMA_PATH, render
+    from service.events.export_schema import SCHEMA_PATH, render
 
     assert SCHEMA_PATH.read_text(encoding="utf-8") == render(), (
         "ui-bridge/schema/events.schema.json is out of date: run "
-        "`python -m service.export_schema` (then `npm run gen` in ui-bridge)"
+        "`python -m service.events.export_schema` (then `npm run gen` in ui-bridge)"
     )
 
 
 def test_encoded_frames_carry_exactly_the_schema_properties():
     """Every property the schema lists is sent (the TS types mark them required), and
     nothing else is."""
-    from service.export_schema import build_schema
+    from service.events.export_schema import build_schema
 
     defs = build_schema()["$defs"]
     hub = EventHub()
@@ -522,7 +522,7 @@ def test_encoded_frames_carry_exactly_the_schema_properties():
 
 
 def test_export_schema_check_flag(tmp_path):
-    from service.export_schema import main
+    from service.events.export_schema import main
 
     out = tmp_path / "s.json"
     assert main(["--check", "--out", str(out)]) == 1

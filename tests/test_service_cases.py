@@ -383,7 +383,7 @@ def test_binds_loopback_only(real_server):
 
 def test_c22_developer_is_system_and_unknown_roles_refused(real_server, default_model_dir):
     from engine.text.chat import render_chat
-    from service.text import load_tokenizer
+    from service.api.text import load_tokenizer
 
     def ask(role: str) -> dict:
         with real_server.client() as http:

@@ -317,7 +317,7 @@ def test_device_limit_is_a_card_of_that_size_while_serving(start_server, tmp_pat
 
 
 def test_stale_worker_of_a_killed_service_is_reaped_at_the_next_start(start_server, tmp_path):
-    from service.stale import read_pidfile, record_worker
+    from service.supervision.stale import read_pidfile, record_worker
 
     pidfile = tmp_path / "runtime" / "workers.json"
     first = start_server(env={"HEADROOM_FAKE_ORPHAN": "1"}, fake=True, wait=False)

@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 
 from engine.memory.plan import GiB
-from service import stale
-from service.stale import (
+from service.supervision import stale
+from service.supervision.stale import (
     ENDED,
     GONE,
     LEFT_ALONE,
@@ -40,7 +40,7 @@ from service.stale import (
     start_time,
     wait_for_release,
 )
-from service.vram import NvmlSource, SimulatedSource
+from service.vram.sources import NvmlSource, SimulatedSource
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc")
 
@@ -50,7 +50,7 @@ FAKE_SERVICE = textwrap.dedent(
     """
     import multiprocessing, sys, time
     from pathlib import Path
-    from service.stale import record_worker
+    from service.supervision.stale import record_worker
 
     if __name__ == "__main__":
         worker = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(300,), daemon=True)

@@ -33,12 +33,12 @@ from engine.messages import (
     ReplanWanted,
     ResizeResult,
 )
-from service.events import EventHub
-from service.settings import SettingsError, resolve
-from service.state import CONTROL_REASON, Services, bytes_asked
-from service.supervisor import State
-from service.vram import SimulatedSource
-from service.watcher import (
+from service.cli.settings import SettingsError, resolve
+from service.events.hub import EventHub
+from service.http.state import CONTROL_REASON, Services, bytes_asked
+from service.supervision.supervisor import State
+from service.vram.sources import SimulatedSource
+from service.vram.watcher import (
     TimelineError,
     VramWatcher,
     load_timeline,
@@ -464,7 +464,7 @@ def test_vram_and_replan_settings(tmp_path):
 
 
 def test_serve_help_documents_the_vram_options():
-    from service.cli import main
+    from service.cli.commands import main
 
     out = CliRunner().invoke(main, ["serve", "--help"], env={"HEADROOM_CONFIG": os.devnull}).output
     for flag in ("--vram-source", "--vram-timeline", "--vram-hz", "--replan-low", "--replan-high"):
@@ -473,7 +473,7 @@ def test_serve_help_documents_the_vram_options():
 
 
 def test_headroom_token_prints_the_file_and_the_dashboard_address(tmp_path):
-    from service.cli import main
+    from service.cli.commands import main
 
     env = {"HEADROOM_CONFIG": os.devnull, "HEADROOM_CONFIG_DIR": str(tmp_path / "cfg")}
     result = CliRunner().invoke(main, ["token", "--port", "9123"], env=env)

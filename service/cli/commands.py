@@ -18,7 +18,7 @@ from typing import Any
 
 import click
 
-from service.settings import (
+from service.cli.settings import (
     DEFAULT_PORT,
     OPTIONS,
     OPTIONS_BY_NAME,
@@ -43,7 +43,7 @@ def _fail(message: str, code: int = 1) -> None:
 
 
 def _settings_option(opt: Option, flag: str | None = None, *, show_env: bool = True) -> Any:
-    """A click option for one setting of service.settings.OPTIONS (``flag`` renames it
+    """A click option for one setting of service.cli.settings.OPTIONS (``flag`` renames it
     on the command line; the value still lands under the setting's name), with its
     environment variable and default in the help."""
     default = ", ".join(opt.default) if opt.multiple else opt.default
@@ -67,7 +67,7 @@ def _settings_option(opt: Option, flag: str | None = None, *, show_env: bool = T
 
 
 def _option_decorators() -> list[Any]:
-    """Click options built from service.settings.OPTIONS, so --help lists each one
+    """Click options built from service.cli.settings.OPTIONS, so --help lists each one
     with its environment variable and default."""
     return [_settings_option(opt) for opt in OPTIONS]
 
@@ -172,8 +172,8 @@ def serve(config_path: Path | None, **flags: Any) -> None:
 
     import uvicorn
 
-    from service.app import StartupError, create_app
-    from service.shutdown import WRITE_GRACE_S, GracefulServer
+    from service.http.app import StartupError, create_app
+    from service.http.shutdown import WRITE_GRACE_S, GracefulServer
 
     failure: list[str] = []
     server: GracefulServer | None = None
@@ -202,7 +202,7 @@ def serve(config_path: Path | None, **flags: Any) -> None:
         http="h11",
         h11_max_incomplete_event_size=settings.max_header_size,
     )
-    # SIGTERM/SIGINT drain the requests in flight, then exit 0 (service.shutdown).
+    # SIGTERM/SIGINT drain the requests in flight, then exit 0 (service.http.shutdown).
     server = GracefulServer(config, services.supervisor, settings.shutdown_timeout)
     log.info("headroom listening on http://%s:%d (engine starting)", host, port)
     server.run(sockets=[sock])
@@ -232,7 +232,7 @@ def _websocket_protocol() -> str:
 def token(config_path: Path | None, **flags: Any) -> None:
     """Print the local token's file and the dashboard's address with the token."""
     settings = _resolve_or_fail(flags, config_path)
-    from service.token import load_or_create_token, token_path
+    from service.events.token import load_or_create_token, token_path
 
     try:
         value = load_or_create_token()
@@ -469,7 +469,7 @@ def bench_serve(
 ) -> None:
     """Send N concurrent streaming requests to a running server; print TTFT and ITL
     percentiles, throughput, and the overhead against the engine alone."""
-    from service.bench_serve import BenchOptions, run_bench
+    from service.bench.serve import BenchOptions, run_bench
 
     run_bench(
         BenchOptions(
@@ -592,7 +592,7 @@ def bench_chaos(**kwargs: Any) -> None:
     """Send many requests while killing the worker, injecting OOMs and moving the
     desktop's memory; print what succeeded, failed (by code), hung or came out wrong,
     restarts, time back to ready, orphans, leaked pages and TTFT."""
-    from service.bench_chaos import ChaosOptions, run_chaos
+    from service.bench.chaos import ChaosOptions, run_chaos
 
     if kwargs["url"] is None and kwargs["token"] is not None:
         _fail(

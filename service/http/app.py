@@ -1,12 +1,12 @@
 """The ASGI app of ``headroom serve``: Litestar routes behind the security middleware.
 
-:func:`create_app` wires one :class:`service.state.Services` (settings, supervisor,
+:func:`create_app` wires one :class:`service.http.state.Services` (settings, supervisor,
 tokenizer side) into the routes by dependency injection, registers the OpenAI-shaped
 exception handlers, and starts/stops the supervisor with the app's lifespan. The
 control plane rides along: the event hub (the supervisor and the services publish to
 it), ``/api/events``, ``/api/status`` and ``/api/control/*`` behind the local token
-(:mod:`service.token`), the dashboard at ``/ui``, and the VRAM watcher that publishes
-``vram`` events and replans the worker's memory (:mod:`service.watcher`).
+(:mod:`service.events.token`), the dashboard at ``/ui``, and the VRAM watcher that publishes
+``vram`` events and replans the worker's memory (:mod:`service.vram.watcher`).
 """
 
 from __future__ import annotations
@@ -20,19 +20,19 @@ from typing import Any
 from litestar import Litestar
 from litestar.di import Provide
 
-from service.control import SupervisorControl
-from service.errors import EXCEPTION_HANDLERS
-from service.events import EventHub, HealthEvent
-from service.events_api import dashboard_router, events_router
-from service.health import HealthController
-from service.openai_api import OpenAIController
-from service.openapi import openapi_route
-from service.security import SecurityMiddleware, api_key_guard, install_redaction
-from service.settings import ServeSettings
-from service.state import Services
-from service.supervisor import State, Supervisor, SupervisorConfig
-from service.token import load_or_create_token, token_path
-from service.watcher import TimelineError, make_watcher
+from service.api.errors import EXCEPTION_HANDLERS
+from service.api.openapi import openapi_route
+from service.api.routes import OpenAIController
+from service.cli.settings import ServeSettings
+from service.events.control import SupervisorControl
+from service.events.hub import EventHub, HealthEvent
+from service.events.routes import dashboard_router, events_router
+from service.events.token import load_or_create_token, token_path
+from service.http.health import HealthController
+from service.http.security import SecurityMiddleware, api_key_guard, install_redaction
+from service.http.state import Services
+from service.supervision.supervisor import State, Supervisor, SupervisorConfig
+from service.vram.watcher import TimelineError, make_watcher
 
 log = logging.getLogger("headroom.service")
 

@@ -1,6 +1,6 @@
 """When to give GPU memory back, and when to take it again: a pure controller.
 
-Fed a :class:`service.vram.VramSample` and the engine's :class:`PoolState` a few times a
+Fed a :class:`service.vram.sources.VramSample` and the engine's :class:`PoolState` a few times a
 second, :meth:`ReplanController.decide` returns what the worker should do (DESIGN.md,
 "When memory moves"). ``headroom = free - reserve``.
 
@@ -37,7 +37,7 @@ twenty, and the overshoot is at most the last step, which the reserve mostly abs
 and the hold-gated grow returns.
 
 Torch-free and clock-free: time is the samples' ``timestamp``, so tests drive it with a
-scripted timeline (``service.vram.SimulatedSource``).
+scripted timeline (``service.vram.sources.SimulatedSource``).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ import math
 from dataclasses import dataclass, field
 
 from engine.memory.plan import MIN_PREFILL_TOKENS, MiB, fmt_bytes, safety_margin_for
-from service.vram import VramSample, resolve_reserve
+from service.vram.sources import VramSample, resolve_reserve
 
 DEFAULT_HOLD_S = 10.0
 DEFAULT_SETTLE_S = 0.5
@@ -162,7 +162,7 @@ class ReplanController:
             (:func:`default_water_marks` gives defaults for a card).
         hold_s: seconds the headroom must stay above high water before a grow.
         reserve: ``--reserve``: bytes, or None for auto (from each sample: whether a
-            display is attached; :func:`service.vram.resolve_reserve`).
+            display is attached; :func:`service.vram.sources.resolve_reserve`).
         settle_s: after a pool resize, further shrinks wait this long for the samples to
             show it (not when the headroom is negative).
 

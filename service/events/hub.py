@@ -174,7 +174,7 @@ class VramEvent(EventBase, frozen=True, kw_only=True, tag="vram"):
     def from_sample(
         cls, sample: Any, reserve_bytes: int, *, source: VramSource = "nvml"
     ) -> VramEvent:
-        """From the watcher's sample (``service.vram.VramSample`` or anything with its
+        """From the watcher's sample (``service.vram.sources.VramSample`` or anything with its
         fields: ``gpu``, ``device``, ``total_bytes``, ``free_bytes``, ``ours_bytes``,
         ``others_bytes``, ``top_consumers`` of ``pid``/``name``/``bytes``, ``reason``).
         A sample with ``gpu`` False becomes ``source="none"`` (CPU mode)."""

@@ -8,7 +8,7 @@ afterwards raises the signal again, so the process ends by the signal instead of
 exiting 0. :class:`GracefulServer` replaces that handler:
 
 1. first signal: the supervisor refuses new work (503 + Retry-After, OpenAI's error
-   shape; :meth:`service.supervisor.Supervisor.begin_shutdown`) while the server keeps
+   shape; :meth:`service.supervision.supervisor.Supervisor.begin_shutdown`) while the server keeps
    listening, and what is in flight runs on;
 2. when nothing is left in flight, or after ``shutdown_timeout_s`` seconds, each
    remaining sequence ends with ``server_shutting_down`` (a final error event and
@@ -31,7 +31,7 @@ from types import FrameType
 
 import uvicorn
 
-from service.supervisor import Supervisor
+from service.supervision.supervisor import Supervisor
 
 log = logging.getLogger("headroom.service")
 

@@ -1,18 +1,18 @@
 """The VRAM watcher: sample the GPU, publish ``vram`` events, replan the worker live.
 
 When memory moves: a few times a second (``--vram-hz``) the watcher takes a
-:class:`service.vram.VramSample` from its source, publishes it (coalesced by the hub),
+:class:`service.vram.sources.VramSample` from its source, publishes it (coalesced by the hub),
 and hands it with the worker's pool (``engine.ipc.PoolStats`` from its last heartbeat or
-command) to :class:`service.replan.ReplanController`. Each action the controller picks
+command) to :class:`service.vram.replan.ReplanController`. Each action the controller picks
 goes to the worker as a typed command (``engine.ipc.SetPrefillChunk``,
 ``EvictPrefixCache``, ``ResizePool``, each with ``origin="watcher"``) and is awaited before the next sample, so every
 decision sees the pool its predecessor left. The worker answers with the engine's
-``Replanned`` events, which :meth:`service.state.Services.record_engine_event` turns
+``Replanned`` events, which :meth:`service.http.state.Services.record_engine_event` turns
 into ``replan`` events.
 
 Sources (``--vram-source``):
 
-- ``nvml`` (default): the real card (:class:`service.vram.NvmlSource`); this service's
+- ``nvml`` (default): the real card (:class:`service.vram.sources.NvmlSource`); this service's
   pids are the service and its current worker. Without an NVIDIA GPU or driver it is in
   CPU mode: one ``vram`` event with ``source="none"`` and the reason, and no replans.
   With a GPU but an engine on the CPU, memory is shown and never replanned.
@@ -22,7 +22,7 @@ Sources (``--vram-source``):
   activation memory a lowered prefill chunk no longer needs). For tests and demos.
 
 With ``--device-limit``, either source is read as a card of that size
-(:class:`service.vram.CardOfLimit`), the rule the memory plan used at start: everything
+(:class:`service.vram.sources.CardOfLimit`), the rule the memory plan used at start: everything
 in use, other processes' memory included, counts against the limit.
 """
 
@@ -40,8 +40,10 @@ from typing import Any, Literal
 from engine import ipc
 from engine.memory.plan import fmt_bytes
 from engine.messages import BY_WATCHER
-from service.events import EventHub, VramEvent
-from service.replan import (
+from service.cli.settings import ServeSettings, parse_size
+from service.events.hub import EventHub, VramEvent
+from service.supervision.supervisor import State, Supervisor
+from service.vram.replan import (
     DEFAULT_HOLD_S,
     EmptyPrefixCache,
     NewChunkCap,
@@ -51,9 +53,7 @@ from service.replan import (
     Squeeze,
     default_water_marks,
 )
-from service.settings import ServeSettings, parse_size
-from service.supervisor import State, Supervisor
-from service.vram import (
+from service.vram.sources import (
     DEFAULT_SAMPLE_HZ,
     CardOfLimit,
     NvmlSource,
@@ -61,7 +61,7 @@ from service.vram import (
     VramSample,
     nvml_index,
 )
-from service.vram import resolve_reserve as _resolve_reserve
+from service.vram.sources import resolve_reserve as _resolve_reserve
 
 log = logging.getLogger("headroom.vram")
 
@@ -104,7 +104,7 @@ def load_timeline(path: str | Path, default_total: int | None = None) -> Timelin
          "steps": [[0, 0], [2, "40%"], [6, "1.6GiB"], [10, "40%"], [14, 0]]}
 
     Each step holds from its time (seconds) to the next; sizes are bytes, text sizes
-    (``service.settings.parse_size``) or a share of the card (``"40%"``).
+    (``service.cli.settings.parse_size``) or a share of the card (``"40%"``).
 
     Raises:
         TimelineError: unreadable, not JSON, or a bad value (the message says which).
@@ -161,7 +161,7 @@ class VramWatcher:
         hz: samples per second.
         reserve: ``--reserve`` in bytes, or None for auto.
         low_water_bytes, high_water_bytes: the replan band (None: from the card's size,
-            :func:`service.replan.default_water_marks`).
+            :func:`service.vram.replan.default_water_marks`).
         hold_s: seconds above high water before a grow.
         command_timeout_s: how long a command to the worker may take before the watcher
             stops waiting (a long CPU step delays it; a hung worker is the watchdog's).
@@ -232,14 +232,14 @@ class VramWatcher:
     async def run(self) -> None:
         """Sample, publish and replan until cancelled (or, in CPU mode, after the one
         sample that says so)."""
-        from service.vram import watch
+        from service.vram.sources import watch
 
         async for sample in watch(self.source, self.hz):
             self.latest = sample
             reserve = self.reserve_bytes(sample)
             if self.hub is not None:
                 self.hub.publish(VramEvent.from_sample(sample, reserve, source=self.kind))
-            if not sample.gpu:  # CPU mode (service.vram.watch logs why): nothing to replan
+            if not sample.gpu:  # CPU mode (service.vram.sources.watch logs why): nothing to replan
                 continue
             try:
                 await self.step(sample)

@@ -1,4 +1,4 @@
-"""The requests of the chaos run (:mod:`service.bench_chaos`) and how each one ended.
+"""The requests of the chaos run (:mod:`service.bench.chaos`) and how each one ended.
 
 A run mixes, from a seeded random generator: greedy requests (short prompts, some with
 stop strings, some long prompts) drawn from a small pool so each can be compared with

@@ -157,7 +157,7 @@ def run_engine_alone(opts: BenchOptions, prompts: list[str], engine_info: dict[s
     from engine.engine import Engine
     from engine.messages import GenerateRequest, SamplingParams
     from engine.text.chat import encode_chat
-    from service.text import load_tokenizer
+    from service.api.text import load_tokenizer
 
     model_dir = engine_info["model_dir"]
     tokenizer = load_tokenizer(model_dir)

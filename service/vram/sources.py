@@ -3,7 +3,7 @@
 A desktop GPU's free memory moves all the time (a game starts, a browser tab decodes a
 video); DESIGN.md, "When memory moves", has the service sample it a few times a second
 and replan when the headroom (``free - reserve``) runs low. This module provides the
-samples; :mod:`service.replan` decides what to do with them.
+samples; :mod:`service.vram.replan` decides what to do with them.
 
 Two sources give the same :class:`VramSample`:
 
@@ -149,7 +149,7 @@ def cpu_mode_sample(reason: str, timestamp: float | None = None) -> VramSample:
 
 def resolve_reserve(setting: int | str | None, sample: VramSample) -> int:
     """The desktop reserve in bytes for ``--reserve``: a size (bytes, as
-    ``service.settings`` parses it), or ``None`` / ``"auto"``.
+    ``service.cli.settings`` parses it), or ``None`` / ``"auto"``.
 
     Auto is :func:`engine.memory.plan.reserve_for` (documented there): 512 MiB plus 5% of
     the card when a display is attached to the GPU (a compositor with two 4K surfaces
@@ -333,7 +333,7 @@ class SimulatedSource:
         ours_bytes: this service's memory, a number or a function called at each sample
             (a test passes ``lambda: weights + engine.pool.nbytes``).
         processes: optional function of ``t`` giving the processes NVML would list
-            (``(pid, name, bytes)``), for tests of :func:`service.stale.wait_for_release`.
+            (``(pid, name, bytes)``), for tests of :func:`service.supervision.stale.wait_for_release`.
             Without it the others are anonymous (no pid attribution).
         own_pids: pids counted as ours among ``processes``.
         display_attached: whether a display is attached (moves the auto reserve).

@@ -26,12 +26,12 @@ from engine.messages import (
     Replanned,
     ReplanWanted,
 )
-from service.admission import Admission
-from service.errors import APIError
-from service.events import CountersEvent, EventHub, PlanPoint, ReplanEvent, RequestErrorEvent
-from service.settings import ServeSettings
-from service.supervisor import Supervisor
-from service.text import TextSide
+from service.api.admission import Admission
+from service.api.errors import APIError
+from service.api.text import TextSide
+from service.cli.settings import ServeSettings
+from service.events.hub import CountersEvent, EventHub, PlanPoint, ReplanEvent, RequestErrorEvent
+from service.supervision.supervisor import Supervisor
 
 # How many request errors /api/status keeps (the newest).
 KEEP_REQUEST_ERRORS = 50
@@ -91,7 +91,7 @@ class Services:
     failed, oldest first; ``engine_events`` counts what the engine reported.
     ``events`` is the hub the engine's events and the counters are published to (None in
     unit tests: nothing is published). ``admission`` counts the requests waiting for the
-    engine (``--max-queued-requests``, :mod:`service.admission`)."""
+    engine (``--max-queued-requests``, :mod:`service.api.admission`)."""
 
     settings: ServeSettings
     supervisor: Supervisor

@@ -7,9 +7,9 @@ The run (:func:`run_chaos`):
    card playing a VRAM timeline (``--vram-source simulated``; or the real card with
    ``--hog``) and a fault folder armed at runtime (``HEADROOM_FAULTS_DIR``, test-only,
    :mod:`engine.faults`);
-2. runs the greedy bodies of :func:`service.chaos_requests.greedy_pool` once,
+2. runs the greedy bodies of :func:`service.bench.chaos_requests.greedy_pool` once,
    undisturbed: the reference;
-3. sends N requests (:func:`service.chaos_requests.make_specs`) from C client threads
+3. sends N requests (:func:`service.bench.chaos_requests.make_specs`) from C client threads
    while a killer SIGKILLs the worker K times and an arming thread drops M one-shot OOM
    faults at random sites, each at a random point of the run's progress; ``--hog``
    also starts a process taking and freeing GPU memory with torch;
@@ -43,9 +43,9 @@ from pathlib import Path
 
 import httpx
 
-from service.bench_serve import percentile
-from service.chaos_requests import Outcome, Spec, greedy_pool, make_specs, run_one
-from service.stale import is_alive
+from service.bench.chaos_requests import Outcome, Spec, greedy_pool, make_specs, run_one
+from service.bench.serve import percentile
+from service.supervision.stale import is_alive
 
 READY_TIMEOUT_S = 900.0
 OOM_SITES = ("prefill", "decode", "sample")
@@ -427,7 +427,7 @@ def run_chaos(opts: ChaosOptions, out=print) -> ChaosReport:  # type: ignore[no-
         if token is None and service is not None:
             token = service.token_path.read_text().strip()
         elif token is None:
-            from service.token import load_or_create_token
+            from service.events.token import load_or_create_token
 
             token = load_or_create_token()
         out("chaos: the undisturbed reference run")

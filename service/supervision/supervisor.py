@@ -11,19 +11,19 @@ is refused with :class:`NotReady` (HTTP 503 + Retry-After) until the worker is b
 Restarts back off exponentially; ``max_exits`` exits within ``exit_window_s`` move to
 ``failed``, which reports the last exit code, signal and the worker's last lines.
 
-The restart-race guard (CASES.md F4, :mod:`service.stale`): at start, workers of an
+The restart-race guard (CASES.md F4, :mod:`service.supervision.stale`): at start, workers of an
 earlier run whose service is gone are ended; every worker is listed in the pid file
 while it lives; and before a restarted worker plans, the supervisor waits (bounded)
 until the VRAM source no longer shows the dead worker's memory.
 
-Graceful shutdown (:mod:`service.shutdown` drives it on SIGTERM/SIGINT):
+Graceful shutdown (:mod:`service.http.shutdown` drives it on SIGTERM/SIGINT):
 :meth:`Supervisor.begin_shutdown` moves to ``stopped`` at once, so new work is refused
 (503 + Retry-After) while what is in flight runs on; :meth:`Supervisor.drain` waits for
 it up to a deadline, then ends each remaining sequence with ``server_shutting_down``;
 :meth:`Supervisor.stop` then stops the worker. A worker that exits meanwhile is never
 restarted.
 
-Replan commands (:mod:`service.watcher`, the control API) go to the worker through
+Replan commands (:mod:`service.vram.watcher`, the control API) go to the worker through
 :meth:`Supervisor.run_command`; the worker's pool figures (``engine.ipc.PoolStats``)
 arrive with each heartbeat and each command's answer, in :attr:`Supervisor.pool`.
 """
@@ -70,9 +70,9 @@ from engine.messages import (
     ReplanWanted,
     TokenOutput,
 )
-from service import stale
-from service.events import EngineInfoEvent, EventHub, HealthEvent, PlanEvent, WorkerEvent
-from service.worker_process import ExitStatus, WorkerProcess
+from service.events.hub import EngineInfoEvent, EventHub, HealthEvent, PlanEvent, WorkerEvent
+from service.supervision import stale
+from service.supervision.worker_process import ExitStatus, WorkerProcess
 
 log = logging.getLogger("headroom.supervisor")
 
@@ -105,7 +105,7 @@ class SupervisorConfig:
     restarted. ``start_timeout_s``: a worker not ready this long after spawning is
     killed. ``backoff_initial_s`` doubles per consecutive exit up to ``backoff_max_s``;
     ``max_exits`` exits within ``exit_window_s`` mean a crash loop -> ``failed``.
-    ``pidfile``: the stale-worker list (None: :func:`service.stale.default_pidfile`);
+    ``pidfile``: the stale-worker list (None: :func:`service.supervision.stale.default_pidfile`);
     ``guard_workers`` False skips it (no reaping, no recording). ``release_timeout_s``:
     the longest wait for a dead worker's memory before a new one plans.
     """
@@ -203,7 +203,7 @@ class Supervisor:
     Attributes:
         events: the event hub the supervisor publishes ``health``, ``worker``,
             ``engine`` and ``plan`` events to (None: publish nothing).
-        vram_source: a ``sample()``-able VRAM source (:mod:`service.vram`) to wait on
+        vram_source: a ``sample()``-able VRAM source (:mod:`service.vram.sources`) to wait on
             for a dead worker's memory before a restart (None: no wait).
         on_first_ready: called once, when the first worker is ready.
         pool: the worker's KV pool figures, from its last heartbeat or command answer

@@ -2,12 +2,12 @@
 token-protected control actions; plus the dashboard page at ``/ui``.
 
 :func:`events_router` builds a Litestar :class:`~litestar.Router` around an
-:class:`service.events.EventHub` and a :class:`ControlTarget` (what carries the
+:class:`service.events.hub.EventHub` and a :class:`ControlTarget` (what carries the
 actions out; the supervisor implements it), so the routes know nothing of workers.
 
 Routes (under ``path``, default ``/api``):
 
-- ``GET /status``: the hub's :class:`service.events.Snapshot` as JSON (open by
+- ``GET /status``: the hub's :class:`service.events.hub.Snapshot` as JSON (open by
   default, like ``/api/health``; ``status_requires_token=True`` protects it).
 - ``POST /control/restart``: restart the worker. No body. 202.
 - ``POST /control/reserve``: ``{"reserve": "auto" | bytes | "1.5GiB"}``. 202.
@@ -18,16 +18,16 @@ Routes (under ``path``, default ``/api``):
 
 Every control route answers :class:`ControlResponse`, or the service's error shape
 (``{"error": {...}}``): 401 without the token, 403 for an Origin not on the list, 400
-for a bad body, and whatever :class:`service.errors.APIError` the target raises (e.g.
+for a bad body, and whatever :class:`service.api.errors.APIError` the target raises (e.g.
 409 or 503); a target's ValueError is a 400, NotImplementedError a 501.
 
-**The token** (:mod:`service.token`) is sent as ``Authorization: Bearer <token>``. A
+**The token** (:mod:`service.events.token`) is sent as ``Authorization: Bearer <token>``. A
 browser cannot set headers on a WebSocket, so the socket also takes it as the
 subprotocol ``headroom.token.<token>`` (the server echoes it, as the WebSocket
 handshake requires) or as ``?token=<token>`` (redacted in logs,
-:class:`service.security.RedactSecrets`). Tokens are compared in constant time. On the
+:class:`service.http.security.RedactSecrets`). Tokens are compared in constant time. On the
 control routes (and ``/status`` when protected) the Origin check and the token are
-Litestar guards (:class:`service.security.BearerGuard`), so they run for whatever
+Litestar guards (:class:`service.http.security.BearerGuard`), so they run for whatever
 spelling of the path the router accepted.
 
 **Origins.** A browser's Origin must be on the same allow-list as CORS, or be the
@@ -35,9 +35,9 @@ service's own origin on a loopback Host (the dashboard at ``/ui``); else the con
 routes answer 403 and the socket refuses the handshake.
 
 **The socket.** The Origin (when sent) must pass that check, else
-the handshake is refused (close code :data:`~service.events.CLOSE_ORIGIN_REFUSED`,
+the handshake is refused (close code :data:`~service.events.hub.CLOSE_ORIGIN_REFUSED`,
 4003, before accepting: a browser sees a failed handshake). A missing or wrong token
-is accepted and closed at once with :data:`~service.events.CLOSE_UNAUTHORIZED` (4001),
+is accepted and closed at once with :data:`~service.events.hub.CLOSE_UNAUTHORIZED` (4001),
 so a client can tell it apart from a network error and stop retrying. Then:
 
 1. ``?last_seq=N&epoch=E`` resumes: when the events after ``N`` of hub ``E`` are
@@ -45,8 +45,8 @@ so a client can tell it apart from a network error and stop retrying. Then:
    ``last_seq``) the first frame is ``{"type": "snapshot", ...}``.
 2. Then every event as one JSON text frame, in ``seq`` order.
 3. A client that does not keep up (its queue of
-   :data:`~service.events.DEFAULT_QUEUE_SIZE` events overflows) is closed with
-   :data:`~service.events.CLOSE_TOO_SLOW` (4008); at shutdown, 1001. Frames the
+   :data:`~service.events.hub.DEFAULT_QUEUE_SIZE` events overflows) is closed with
+   :data:`~service.events.hub.CLOSE_TOO_SLOW` (4008); at shutdown, 1001. Frames the
    client sends are read and ignored.
 """
 
@@ -65,7 +65,7 @@ from litestar import Request, Response, Router, WebSocket, get, post, websocket
 from litestar.datastructures import State
 from litestar.response import Redirect
 
-from service.errors import (
+from service.api.errors import (
     EXCEPTION_HANDLERS,
     NOT_FOUND,
     PERMISSION,
@@ -73,7 +73,8 @@ from service.errors import (
     decode_body,
     invalid,
 )
-from service.events import (
+from service.cli.settings import parse_size
+from service.events.hub import (
     CLOSE_GOING_AWAY,
     CLOSE_ORIGIN_REFUSED,
     CLOSE_UNAUTHORIZED,
@@ -83,15 +84,14 @@ from service.events import (
     SubscriptionClosed,
     encode,
 )
-from service.security import (
+from service.events.token import token_path
+from service.http.security import (
     BearerGuard,
     SecurityMiddleware,
     bearer_token,
     same_origin,
     secret_equal,
 )
-from service.settings import parse_size
-from service.token import token_path
 
 log = logging.getLogger("headroom.events")
 
@@ -104,10 +104,10 @@ CLOSE_TIMEOUT_S = 2.0
 
 
 class ControlTarget(Protocol):
-    """What carries out the control actions (:class:`service.control.SupervisorControl`).
+    """What carries out the control actions (:class:`service.events.control.SupervisorControl`).
 
     Each method may be sync or async and returns a message for people (or None).
-    Raise :class:`service.errors.APIError` to refuse with a status (e.g. 409 while
+    Raise :class:`service.api.errors.APIError` to refuse with a status (e.g. 409 while
     restarting), ValueError for a value it cannot take (400), NotImplementedError
     when it cannot do that at all (501).
     """
@@ -166,7 +166,7 @@ def subprotocol_token(offered: Iterable[str]) -> str | None:
 
 
 def default_origin_check(allowed_origins: Iterable[str] = ()) -> Callable[[str], bool]:
-    """The CORS allow-list check of :class:`service.security.SecurityMiddleware` (the
+    """The CORS allow-list check of :class:`service.http.security.SecurityMiddleware` (the
     Tauri origins, the dev server, ``allowed_origins``; ``"*"`` allows all), reused so
     the socket and CORS can never disagree."""
     return SecurityMiddleware(None, allowed_origins=allowed_origins).origin_allowed
@@ -454,7 +454,7 @@ UI_CSP = (
 
 def default_dashboard_dir() -> Path:
     """``ui-bridge/dashboard`` next to the ``service`` package (a source checkout)."""
-    return Path(__file__).resolve().parent.parent / "ui-bridge" / "dashboard"
+    return Path(__file__).resolve().parents[2] / "ui-bridge" / "dashboard"
 
 
 def dashboard_router(directory: Path | None = None, *, path: str = "/ui") -> Router:

@@ -5,7 +5,7 @@ otherwise 503 with ``status`` ``starting``, ``restarting`` (with Retry-After) or
 ``failed`` (with ``reason`` and the last exit's code, signal and output lines).
 
 ``GET /api/status`` (the plan, VRAM, counters, worker and the last errors) is the
-event hub's snapshot, served by :func:`service.events_api.events_router`.
+event hub's snapshot, served by :func:`service.events.routes.events_router`.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any
 
 from litestar import Controller, Response, get
 
-from service.state import Services
-from service.supervisor import State
+from service.http.state import Services
+from service.supervision.supervisor import State
 
 
 class HealthController(Controller):

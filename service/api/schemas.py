@@ -10,7 +10,7 @@ Extensions beyond OpenAI, as vLLM names them: ``top_k``, ``min_p``,
 
 Integer and number ranges are declared on the fields (``msgspec.Meta``), so decoding
 refuses a value outside them with a 400 naming the field, and the OpenAPI document
-(:mod:`service.openapi`) states them: ``seed`` 0..2**63-1, ``n`` 1..128, ``top_k``
+(:mod:`service.api.openapi`) states them: ``seed`` 0..2**63-1, ``n`` 1..128, ``top_k``
 -1..2**31-1, ``max_tokens`` from 0 (its upper bound is the context, checked with the
 prompt), ``temperature`` 0..2, ``top_p`` and ``min_p`` 0..1, penalties -2..2.
 """

@@ -1,8 +1,8 @@
 """Benchmark of the event fan-out: delivery latency to many subscribers, and what one
 stalled client costs the event loop.
 
-    python -m service.bench_events                 # in-process, then real sockets
-    python -m service.bench_events --no-sockets    # the hub alone
+    python -m service.bench.events                 # in-process, then real sockets
+    python -m service.bench.events --no-sockets    # the hub alone
 
 1. **In-process**: ``--subscribers`` tasks each read their own subscription while
    events are published at ``--rate`` per second; latency is from ``publish()`` to the
@@ -40,7 +40,7 @@ from typing import Any
 
 import msgspec
 
-from service.events import CLOSE_TOO_SLOW, Consumer, EventHub, SubscriptionClosed, VramEvent
+from service.events.hub import CLOSE_TOO_SLOW, Consumer, EventHub, SubscriptionClosed, VramEvent
 
 GiB = 1 << 30
 TOKEN = "bench-token-0123456789abcdef"
@@ -177,7 +177,7 @@ def _server_main(port: int, conn: Any, sndbuf: int) -> None:
     import uvicorn
     from litestar import Litestar
 
-    from service.events_api import events_router
+    from service.events.routes import events_router
 
     class NoControl:
         def restart(self) -> None: ...
@@ -396,7 +396,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m service.bench_events", description=__doc__.split("\n")[0]
+        prog="python -m service.bench.events", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--subscribers", type=int, default=100)
     parser.add_argument("--events", type=int, default=5000, help="in-process events")

@@ -1,6 +1,6 @@
 """The control actions of ``/api/control/*`` carried out on the supervisor.
 
-:class:`SupervisorControl` implements :class:`service.events_api.ControlTarget`: the
+:class:`SupervisorControl` implements :class:`service.events.routes.ControlTarget`: the
 router checks the token and the Origin and parses the bodies; this turns each action
 into what the supervisor (and its VRAM watcher) does. A change of the KV pool or the
 prefix cache is a command to the worker (:meth:`Supervisor.run_command`); the engine's
@@ -15,10 +15,10 @@ from typing import Literal
 from engine import ipc
 from engine.memory.plan import fmt_bytes
 from engine.messages import BY_CONTROL
-from service.errors import APIError
-from service.state import CONTROL_REASON
-from service.supervisor import State, Supervisor
-from service.watcher import VramWatcher
+from service.api.errors import APIError
+from service.http.state import CONTROL_REASON
+from service.supervision.supervisor import State, Supervisor
+from service.vram.watcher import VramWatcher
 
 
 class SupervisorControl:

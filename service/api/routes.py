@@ -4,16 +4,16 @@
 Bodies are decoded here (not by Litestar's signature model) so that every defect
 in them, empty, not JSON, not an object, a wrong type, answers OpenAI's 400 with
 ``param``. Order of checks: body, then fields needing nothing else, then readiness
-(503), model (404), admission (503 ``queue_full``, see :mod:`service.admission`), a
+(503), model (404), admission (503 ``queue_full``, see :mod:`service.api.admission`), a
 cheap lower bound on the prompt's tokens against the context (400
 ``context_length_exceeded`` before any tokenizing, see
-:meth:`service.text.TextSide.min_tokens`), tokenizing (in threads; 400 for a template
+:meth:`service.api.text.TextSide.min_tokens`), tokenizing (in threads; 400 for a template
 refusal), context (400), submit. With ``--request-timeout``, a request still running
 that many seconds after it arrived is aborted in the engine and answered 504
 ``request_timeout`` (in a stream: an error event, then ``[DONE]``).
 
 Authentication (``--api-key``) is not here but in the guard of the router these
-routes are mounted on (:class:`service.security.BearerGuard`).
+routes are mounted on (:class:`service.http.security.BearerGuard`).
 
 Streaming answers are Server-Sent Events, ``data: {json}\\n\\n`` each, ending with
 ``data: [DONE]``; an error after the stream began is an ``{"error": ...}`` event,
@@ -34,15 +34,15 @@ import msgspec
 from litestar import Controller, Request, Response, get, post
 from litestar.response import Stream
 
-from service.errors import SERVER_ERROR, APIError, decode_body, invalid
-from service.generation import (
+from service.api.errors import SERVER_ERROR, APIError, decode_body, invalid
+from service.api.generation import (
     Generation,
     check_common,
     resolve_max_tokens,
     sampling_params,
     stop_strings,
 )
-from service.openai_schemas import (
+from service.api.schemas import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
@@ -58,8 +58,8 @@ from service.openai_schemas import (
     TextChoice,
     Usage,
 )
-from service.state import Services
-from service.text import TextSide
+from service.api.text import TextSide
+from service.http.state import Services
 
 log = logging.getLogger("headroom.api")
 
@@ -146,7 +146,7 @@ async def _respond(
         status = exc.status
         raise
     except Exception:
-        status = 500  # answered by the catch-all handler in service.errors
+        status = 500  # answered by the catch-all handler in service.api.errors
         raise
     finally:
         gen.close()
@@ -244,7 +244,7 @@ def _message_texts(messages: list[dict[str, Any]]) -> list[str]:
 
 def _check_prompt_bound(text: TextSide, texts: list[str], context_tokens: int, param: str) -> None:
     """Refuse, untokenized, a prompt that cannot fit the context (see
-    :meth:`service.text.TextSide.min_tokens`).
+    :meth:`service.api.text.TextSide.min_tokens`).
 
     Raises:
         APIError: 400 ``context_length_exceeded`` naming ``param``.

@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 from engine.ipc import Rejected
 from engine.messages import FINISH_ERROR, FINISH_LENGTH, GenerateRequest, SamplingParams
 from engine.text.stop import StopStringMatcher
-from service.admission import Ticket
-from service.errors import SERVER_ERROR, APIError, invalid
-from service.openai_schemas import MAX_N, SEED_MAX, TOP_K_MAX, _SamplingFields
-from service.supervisor import ENGINE_RESTARTED, EngineFailure, Submission, Supervisor
-from service.text import TextSide
+from service.api.admission import Ticket
+from service.api.errors import SERVER_ERROR, APIError, invalid
+from service.api.schemas import MAX_N, SEED_MAX, TOP_K_MAX, _SamplingFields
+from service.api.text import TextSide
+from service.supervision.supervisor import ENGINE_RESTARTED, EngineFailure, Submission, Supervisor
 
 _REPLACEMENT = "\ufffd"
 # ``seed``: any integer in 0..2**63-1 (a signed 64-bit integer in every client's

@@ -39,7 +39,7 @@ log = logging.getLogger("headroom.stale")
 APP_NAME = "headroom"
 PIDFILE_NAME = "workers.json"
 RUNTIME_DIR_ENV = "HEADROOM_RUNTIME_DIR"
-# A worker is started by multiprocessing's *spawn* method (service.worker_process):
+# A worker is started by multiprocessing's *spawn* method (service.supervision.worker_process):
 # ``<python> -c "from multiprocessing.spawn import spawn_main; spawn_main(...)"
 # --multiprocessing-fork``. A worker run as ``python -m engine.worker`` also counts.
 SPAWN_FLAG = "--multiprocessing-fork"
@@ -428,7 +428,7 @@ def wait_for_release(
     alive: Callable[[int], bool] = is_alive,
 ) -> ReleaseResult:
     """Wait until the GPU memory of the (dead or dying) worker ``pid`` is back, at most
-    ``timeout_s``. ``source`` gives :class:`service.vram.VramSample` s (``sample()``).
+    ``timeout_s``. ``source`` gives :class:`service.vram.sources.VramSample` s (``sample()``).
 
     Released when: the source is in CPU mode (nothing to wait for); or NVML attributes
     memory by pid and no longer lists ``pid`` (or lists it with 0 bytes); or, where NVML

@@ -41,7 +41,7 @@ import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from service.errors import AUTHENTICATION, PERMISSION, APIError, error_body
+from service.api.errors import AUTHENTICATION, PERMISSION, APIError, error_body
 
 # Tauri v2 serves its webview from these (macOS/Linux, then Windows over http and
 # https); the Tauri dev server listens on 1420.

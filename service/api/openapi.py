@@ -20,9 +20,7 @@ from typing import Any
 import msgspec
 from litestar import Response, get
 
-from service.events import Snapshot
-from service.events_api import CacheRequest, ControlResponse, ReserveRequest
-from service.openai_schemas import (
+from service.api.schemas import (
     ChatCompletion,
     ChatCompletionRequest,
     Completion,
@@ -30,6 +28,8 @@ from service.openai_schemas import (
     ErrorResponse,
     ModelList,
 )
+from service.events.hub import Snapshot
+from service.events.routes import CacheRequest, ControlResponse, ReserveRequest
 
 SCHEMA_PATH = "/schema/openapi.json"
 _REF = "#/components/schemas/{name}"

@@ -34,10 +34,11 @@ from litestar import Litestar  # noqa: E402
 
 from engine.memory.plan import LedgerEntry, MemoryPlan  # noqa: E402
 from engine.messages import EngineInfo, EngineStats  # noqa: E402
-from service.events.hub import (  # noqa: E402
+from service.events.hub import EventHub  # noqa: E402
+from service.events.routes import events_router  # noqa: E402
+from service.events.schemas import (  # noqa: E402
     CountersEvent,
     EngineInfoEvent,
-    EventHub,
     HealthEvent,
     PlanEvent,
     PlanPoint,
@@ -46,8 +47,8 @@ from service.events.hub import (  # noqa: E402
     VramEvent,
     WorkerEvent,
 )
-from service.events.routes import dashboard_router, events_router  # noqa: E402
 from service.events.token import new_token  # noqa: E402
+from service.http.dashboard import dashboard_router  # noqa: E402
 from service.http.security import SecurityMiddleware  # noqa: E402
 
 MiB = 1 << 20

@@ -16,20 +16,19 @@ import pytest
 from engine.memory.plan import LedgerEntry, MemoryPlan
 from engine.messages import EngineInfo, EngineStats, OomEvent
 from service.events import hub as ev
-from service.events.hub import (
+from service.events import schemas
+from service.events.hub import EventHub, SubscriptionClosed, VramThrottle
+from service.events.schemas import (
     CLOSE_GOING_AWAY,
     CLOSE_TOO_SLOW,
     CountersEvent,
     EngineInfoEvent,
-    EventHub,
     HealthEvent,
     PlanEvent,
     PlanPoint,
     ReplanEvent,
     RequestErrorEvent,
-    SubscriptionClosed,
     VramEvent,
-    VramThrottle,
     WorkerEvent,
 )
 
@@ -138,8 +137,8 @@ def test_publish_stamps_seq_and_ts_and_snapshot_holds_latest():
     assert [e.request_id for e in snap.request_errors] == [f"r{i}" for i in range(10, 60)]
     assert [r.action for r in snap.replans] == ["shrink_kv"]
     # Every frame decodes back to its type.
-    text = ev.encode(snap)
-    assert ev.message_decoder.decode(text) == snap
+    text = schemas.encode(snap)
+    assert schemas.message_decoder.decode(text) == snap
     assert json.loads(text)["type"] == "snapshot"
 
 
@@ -177,7 +176,7 @@ def test_events_from_engine_and_supervisor_shapes():
         failed=0,
     )
     c = CountersEvent(engine=stats)
-    assert ev.message_decoder.decode(ev.encode(c)) == c
+    assert schemas.message_decoder.decode(schemas.encode(c)) == c
 
 
 def test_vram_event_from_a_watcher_sample():

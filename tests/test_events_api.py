@@ -15,16 +15,17 @@ from litestar.exceptions import WebSocketDisconnect
 from litestar.testing import TestClient
 
 from service.api.errors import APIError
-from service.events.hub import (
+from service.events.hub import EventHub
+from service.events.routes import events_router
+from service.events.schemas import (
     CLOSE_ORIGIN_REFUSED,
     CLOSE_TOO_SLOW,
     CLOSE_UNAUTHORIZED,
     CountersEvent,
-    EventHub,
     HealthEvent,
     WorkerEvent,
 )
-from service.events.routes import UI_CSP, dashboard_router, events_router
+from service.http.dashboard import UI_CSP, dashboard_router
 
 TOKEN = "test-token-0123456789abcdef"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -36,7 +36,7 @@ from engine.messages import (
 from service.cli.settings import SettingsError, resolve
 from service.events.hub import EventHub
 from service.http.state import CONTROL_REASON, Services, bytes_asked
-from service.supervision.supervisor import State
+from service.supervision.states import State
 from service.vram.sources import SimulatedSource
 from service.vram.watcher import (
     TimelineError,

@@ -20,7 +20,9 @@ from service.api.admission import Ticket
 from service.api.errors import SERVER_ERROR, APIError, invalid
 from service.api.schemas import MAX_N, SEED_MAX, TOP_K_MAX, _SamplingFields
 from service.api.text import TextSide
-from service.supervision.supervisor import ENGINE_RESTARTED, EngineFailure, Submission, Supervisor
+from service.supervision.inflight import EngineFailure, Submission
+from service.supervision.states import ENGINE_RESTARTED
+from service.supervision.supervisor import Supervisor
 
 _REPLACEMENT = "\ufffd"
 # ``seed``: any integer in 0..2**63-1 (a signed 64-bit integer in every client's

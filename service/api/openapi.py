@@ -28,8 +28,8 @@ from service.api.schemas import (
     ErrorResponse,
     ModelList,
 )
-from service.events.hub import Snapshot
 from service.events.routes import CacheRequest, ControlResponse, ReserveRequest
+from service.events.schemas import Snapshot
 
 SCHEMA_PATH = "/schema/openapi.json"
 _REF = "#/components/schemas/{name}"

@@ -40,7 +40,8 @@ from typing import Any
 
 import msgspec
 
-from service.events.hub import CLOSE_TOO_SLOW, Consumer, EventHub, SubscriptionClosed, VramEvent
+from service.events.hub import EventHub, SubscriptionClosed
+from service.events.schemas import CLOSE_TOO_SLOW, Consumer, VramEvent
 
 GiB = 1 << 30
 TOKEN = "bench-token-0123456789abcdef"

@@ -17,7 +17,8 @@ from engine.memory.plan import fmt_bytes
 from engine.messages import BY_CONTROL
 from service.api.errors import APIError
 from service.http.state import CONTROL_REASON
-from service.supervision.supervisor import State, Supervisor
+from service.supervision.states import State
+from service.supervision.supervisor import Supervisor
 from service.vram.watcher import VramWatcher
 
 

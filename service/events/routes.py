@@ -57,41 +57,30 @@ import contextlib
 import inspect
 import logging
 from collections.abc import Awaitable, Callable, Iterable
-from pathlib import Path
 from typing import Any, Literal, Protocol
 
 import msgspec
-from litestar import Request, Response, Router, WebSocket, get, post, websocket
+from litestar import Request, Router, WebSocket, get, post, websocket
 from litestar.datastructures import State
-from litestar.response import Redirect
 
 from service.api.errors import (
     EXCEPTION_HANDLERS,
-    NOT_FOUND,
     PERMISSION,
     APIError,
     decode_body,
     invalid,
 )
 from service.cli.settings import parse_size
-from service.events.hub import (
+from service.events.hub import EventHub, Subscription, SubscriptionClosed
+from service.events.schemas import (
     CLOSE_GOING_AWAY,
     CLOSE_ORIGIN_REFUSED,
     CLOSE_UNAUTHORIZED,
-    EventHub,
     Snapshot,
-    Subscription,
-    SubscriptionClosed,
     encode,
 )
-from service.events.token import token_path
-from service.http.security import (
-    BearerGuard,
-    SecurityMiddleware,
-    bearer_token,
-    same_origin,
-    secret_equal,
-)
+from service.http.auth import bearer_token, secret_equal, token_guard
+from service.http.security import SecurityMiddleware, same_origin
 
 log = logging.getLogger("headroom.events")
 
@@ -228,15 +217,6 @@ class _Context:
         origin = connection.headers.get("origin")
         if not self.origin_ok(origin, connection.headers.get("host")):
             raise APIError(403, f"origin {origin!r} is not allowed", type=PERMISSION, code="origin")
-
-    def token_guard(self) -> BearerGuard:
-        """The guard of the control routes: the local token as a bearer secret."""
-        return BearerGuard(
-            self.token,
-            message="the local token is required: send 'Authorization: Bearer <token>' "
-            f"(the token is in {token_path()})",
-            code="invalid_token",
-        )
 
 
 async def _close_quietly(socket: WebSocket, code: int, reason: str) -> None:
@@ -391,7 +371,7 @@ def events_router(
     def origin_guard(connection: Any, _handler: Any) -> None:
         ctx.check_origin(connection)
 
-    guards = [origin_guard, ctx.token_guard()]
+    guards = [origin_guard, token_guard(ctx.token)]
 
     @post("/control/restart", status_code=202, guards=guards)
     async def control_restart() -> ControlResponse:
@@ -434,56 +414,3 @@ def events_router(
         route_handlers=handlers,
         exception_handlers=EXCEPTION_HANDLERS,
     )
-
-
-# -- the dashboard page --------------------------------------------------------------------------
-
-_UI_TYPES = {
-    ".html": "text/html; charset=utf-8",
-    ".js": "text/javascript; charset=utf-8",
-    ".css": "text/css; charset=utf-8",
-    ".map": "application/json",
-    ".svg": "image/svg+xml",
-}
-# The page only talks to its own origin, runs only its own script, and may not be framed.
-UI_CSP = (
-    "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; "
-    "img-src 'self' data:; connect-src 'self'; frame-ancestors 'none'; base-uri 'none'"
-)
-
-
-def default_dashboard_dir() -> Path:
-    """``ui-bridge/dashboard`` next to the ``service`` package (a source checkout)."""
-    return Path(__file__).resolve().parents[2] / "ui-bridge" / "dashboard"
-
-
-def dashboard_router(directory: Path | None = None, *, path: str = "/ui") -> Router:
-    """Serve the dashboard's files (``index.html``, ``app.js``...) from ``directory``
-    at ``path``/; ``path`` itself redirects there (the page uses relative URLs). Only
-    the plain files directly inside ``directory`` with a known extension when the
-    router is made are served."""
-    root = (directory or default_dashboard_dir()).resolve()
-    names = (
-        sorted(p.name for p in root.glob("*") if p.is_file() and p.suffix in _UI_TYPES)
-        if root.is_dir()
-        else []
-    )
-
-    @get(["/", *(f"/{name}" for name in names)], sync_to_thread=False)
-    def ui_file(request: Request[Any, Any, State]) -> Response[Any]:
-        raw = request.scope.get("raw_path") or request.scope["path"].encode()
-        tail = raw.decode("latin-1").split("?", 1)[0][len(path) :]
-        if tail == "":
-            query = request.url.query
-            return Redirect(path + "/" + (f"?{query}" if query else ""))
-        name = tail.lstrip("/") or "index.html"
-        file = root / name
-        if name not in names or not file.is_file():
-            raise APIError(404, f"no such file: {name}", type=NOT_FOUND)
-        return Response(
-            file.read_bytes(),
-            media_type=_UI_TYPES[file.suffix],
-            headers={"Cache-Control": "no-cache", "Content-Security-Policy": UI_CSP},
-        )
-
-    return Router(path=path, route_handlers=[ui_file], exception_handlers=EXCEPTION_HANDLERS)

@@ -25,13 +25,17 @@ from service.api.openapi import openapi_route
 from service.api.routes import OpenAIController
 from service.cli.settings import ServeSettings
 from service.events.control import SupervisorControl
-from service.events.hub import EventHub, HealthEvent
-from service.events.routes import dashboard_router, events_router
+from service.events.hub import EventHub
+from service.events.routes import events_router
+from service.events.schemas import HealthEvent
 from service.events.token import load_or_create_token, token_path
+from service.http.auth import api_key_guard
+from service.http.dashboard import dashboard_router
 from service.http.health import HealthController
-from service.http.security import SecurityMiddleware, api_key_guard, install_redaction
+from service.http.security import SecurityMiddleware, install_redaction
 from service.http.state import Services
-from service.supervision.supervisor import State, Supervisor, SupervisorConfig
+from service.supervision.states import State
+from service.supervision.supervisor import Supervisor, SupervisorConfig
 from service.vram.watcher import TimelineError, make_watcher
 
 log = logging.getLogger("headroom.service")

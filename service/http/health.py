@@ -15,7 +15,7 @@ from typing import Any
 from litestar import Controller, Response, get
 
 from service.http.state import Services
-from service.supervision.supervisor import State
+from service.supervision.states import State
 
 
 class HealthController(Controller):

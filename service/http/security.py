@@ -19,12 +19,8 @@ routing or body parsing:
    is added when the browser asks for it.
 Every refusal is OpenAI's error JSON.
 
-**Secrets** are not checked here, on a path prefix, but by :class:`BearerGuard`, a
-Litestar guard on the routers that need one (``/v1``: the API key; ``/api/control``:
-the local token). A guard runs after routing, so whatever spelling of a path the
-router accepts (``//v1/models``, ``/v1//models``, ``/%761/models``, ``/v1/./models``,
-a trailing slash...) reaches a protected handler only through its guard.
-:func:`bearer_token` is the one parser of ``Authorization: Bearer <secret>``.
+**Secrets** are not checked here, on a path prefix, but by the guards of
+:mod:`service.http.auth`, after routing.
 
 :class:`RedactSecrets` is a logging filter that takes ``token=...`` query values,
 ``headroom.token.<...>`` subprotocols, bearer values and the configured secrets out of
@@ -33,7 +29,6 @@ every log line (uvicorn logs the path and query of a WebSocket handshake).
 
 from __future__ import annotations
 
-import hmac
 import ipaddress
 import json
 import logging
@@ -41,7 +36,7 @@ import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from service.api.errors import AUTHENTICATION, PERMISSION, APIError, error_body
+from service.api.errors import PERMISSION, error_body
 
 # Tauri v2 serves its webview from these (macOS/Linux, then Windows over http and
 # https); the Tauri dev server listens on 1420.
@@ -213,73 +208,6 @@ async def _refuse(
     ]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
-
-
-# -- secrets: one parser, one guard per secret -------------------------------------------------
-
-
-def bearer_token(authorization: str | None) -> str | None:
-    """The secret of an ``Authorization: Bearer <secret>`` header (scheme in any case,
-    surrounding spaces ignored), else None."""
-    if not authorization:
-        return None
-    scheme, _, value = authorization.strip().partition(" ")
-    if scheme.lower() != "bearer" or not value.strip():
-        return None
-    return value.strip()
-
-
-def secret_equal(presented: str | None, expected: str | None) -> bool:
-    """Constant-time comparison; False when either side is missing or empty."""
-    if not presented or not expected:
-        return False
-    return hmac.compare_digest(presented.encode("utf-8"), expected.encode("utf-8"))
-
-
-class BearerGuard:
-    """A Litestar guard requiring ``Authorization: Bearer <secret>``.
-
-    Put it in ``guards=[...]`` of the Router or Controller it protects: Litestar runs it
-    after routing, for every handler below, whatever path spelling got there.
-
-    Args:
-        secret: returns the expected secret (read per request, so a rotated token
-            file takes effect); None or empty means no secret is configured and every
-            request passes.
-        message: the 401 message (what to send, where the secret is).
-        code: the error's ``code`` (``"invalid_api_key"``, ``"invalid_token"``).
-
-    Raises (when called):
-        APIError: 401 ``authentication_error`` with ``WWW-Authenticate: Bearer``.
-    """
-
-    def __init__(self, secret: Callable[[], str | None], *, message: str, code: str) -> None:
-        self._secret = secret
-        self._message = message
-        self._code = code
-
-    def __call__(self, connection: Any, _handler: Any = None) -> None:
-        expected = self._secret()
-        if not expected:
-            return
-        presented = bearer_token(connection.headers.get("authorization"))
-        if not secret_equal(presented, expected):
-            raise APIError(
-                401,
-                self._message,
-                type=AUTHENTICATION,
-                code=self._code,
-                headers={"WWW-Authenticate": "Bearer"},
-            )
-
-
-def api_key_guard(api_key: str | None) -> BearerGuard:
-    """The ``/v1`` guard: ``--api-key``, when set."""
-    return BearerGuard(
-        lambda: api_key,
-        message="a valid API key is required: send 'Authorization: Bearer <key>'",
-        code="invalid_api_key",
-    )
 
 
 # -- secrets out of logs ---------------------------------------------------------------------

@@ -30,7 +30,8 @@ from service.api.admission import Admission
 from service.api.errors import APIError
 from service.api.text import TextSide
 from service.cli.settings import ServeSettings
-from service.events.hub import CountersEvent, EventHub, PlanPoint, ReplanEvent, RequestErrorEvent
+from service.events.hub import EventHub
+from service.events.schemas import CountersEvent, PlanPoint, ReplanEvent, RequestErrorEvent
 from service.supervision.supervisor import Supervisor
 
 # How many request errors /api/status keeps (the newest).

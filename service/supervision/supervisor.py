@@ -4,17 +4,14 @@ States: ``starting`` (first spawn) -> ``ready`` -> ``restarting`` (worker died o
 hung; back to ``ready``) ... -> ``failed`` (a crash loop, or the first load failed),
 and ``stopped`` at shutdown.
 
-When a worker ends, every in-flight sequence ends at once with
-:class:`EngineFailure` (code ``engine_restarted``), except sequences that had not
-produced a token yet: each of those is sent again, once, to the next worker. New work
-is refused with :class:`NotReady` (HTTP 503 + Retry-After) until the worker is back.
-Restarts back off exponentially; ``max_exits`` exits within ``exit_window_s`` move to
-``failed``, which reports the last exit code, signal and the worker's last lines.
-
-The restart-race guard (CASES.md F4, :mod:`service.supervision.stale`): at start, workers of an
-earlier run whose service is gone are ended; every worker is listed in the pid file
-while it lives; and before a restarted worker plans, the supervisor waits (bounded)
-until the VRAM source no longer shows the dead worker's memory.
+When a worker ends, every sequence in flight ends with an ``EngineFailure``, except
+those that had not produced a token yet: each is sent again, once, to the next worker
+(:mod:`service.supervision.inflight`). New work is refused with ``NotReady`` (HTTP 503
++ Retry-After) until the worker is back. Restarts back off, and a crash loop moves to
+``failed`` (:mod:`service.supervision.restarts`), which reports the last exit code,
+signal and the worker's last lines. Stale workers of an earlier run are ended at start,
+and a restart waits for the dead worker's memory (:mod:`service.supervision.guard`); a
+hung worker is killed by :mod:`service.supervision.watchdog`.
 
 Graceful shutdown (:mod:`service.http.shutdown` drives it on SIGTERM/SIGINT):
 :meth:`Supervisor.begin_shutdown` moves to ``stopped`` at once, so new work is refused
@@ -31,14 +28,11 @@ arrive with each heartbeat and each command's answer, in :attr:`Supervisor.pool`
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import enum
 import logging
 import math
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -59,42 +53,32 @@ from engine.ipc import (
     WorkerError,
 )
 from engine.messages import (
-    OOM_FAILED,
-    AbortRequest,
     EngineEvent,
     EngineInfo,
     EngineStats,
     GenerateRequest,
-    OomEvent,
-    Replanned,
-    ReplanWanted,
-    TokenOutput,
 )
-from service.events.hub import EngineInfoEvent, EventHub, HealthEvent, PlanEvent, WorkerEvent
+from service.events.hub import EventHub
+from service.events.schemas import EngineInfoEvent, HealthEvent, PlanEvent, WorkerEvent
 from service.supervision import stale
+from service.supervision.engine_events import info_after, log_engine_event
+from service.supervision.guard import StaleGuard, wait_for_release
+from service.supervision.inflight import InFlight, Submission
+from service.supervision.restarts import RestartPolicy
+from service.supervision.rpc import Calls
+from service.supervision.states import (
+    ENGINE_FAILED,
+    ENGINE_RESTARTED,
+    SHUTDOWN_MESSAGE,
+    SHUTTING_DOWN,
+    NotReady,
+    State,
+    first_line,
+)
+from service.supervision.watchdog import watch
 from service.supervision.worker_process import ExitStatus, WorkerProcess
 
 log = logging.getLogger("headroom.supervisor")
-
-ENGINE_RESTARTED = "engine_restarted"
-ENGINE_FAILED = "engine_failed"
-SHUTTING_DOWN = "server_shutting_down"
-SHUTDOWN_MESSAGE = "the server is shutting down; this request was ended before it finished"
-
-
-def _first_line(text: str) -> str:
-    """One log line of a many-line message (a plan's misfit and its fixes); the whole
-    text is in the health report and in the start-up failure."""
-    first, _, rest = text.partition("\n")
-    return f"{first} (...)" if rest.strip() else first
-
-
-class State(str, enum.Enum):
-    STARTING = "starting"
-    READY = "ready"
-    RESTARTING = "restarting"
-    FAILED = "failed"
-    STOPPED = "stopped"
 
 
 @dataclass(frozen=True)
@@ -120,69 +104,6 @@ class SupervisorConfig:
     pidfile: Path | None = None
     guard_workers: bool = True
     release_timeout_s: float = 10.0
-
-
-class NotReady(Exception):
-    """No worker can take work now.
-
-    Attributes:
-        state: the supervisor's state.
-        retry_after_s: seconds after which retrying makes sense, or None (``failed``).
-        reason: why, for ``failed``.
-    """
-
-    def __init__(self, state: State, retry_after_s: int | None, reason: str | None) -> None:
-        what = {
-            State.STARTING: "the engine is starting",
-            State.RESTARTING: "the engine is restarting",
-            State.FAILED: "the engine has failed",
-            State.STOPPED: "the server is shutting down",
-        }.get(state, "the engine is not ready")
-        message = what + (f": {reason}" if reason else "")
-        if retry_after_s is not None:
-            message += f"; retry in {retry_after_s} s"
-        super().__init__(message)
-        self.message = message
-        self.state = state
-        self.retry_after_s = retry_after_s
-        self.reason = reason
-
-
-@dataclass(frozen=True)
-class EngineFailure:
-    """A sequence ended without an answer because its worker ended or the service is
-    shutting down (event on a :class:`Submission`'s queue). ``code`` is
-    ``engine_restarted``, ``engine_failed`` or ``server_shutting_down``."""
-
-    code: str
-    message: str
-
-
-# An event on a Submission's queue: (sequence index, what happened).
-Event = tuple[int, "TokenOutput | Rejected | EngineFailure"]
-
-
-@dataclass(eq=False)
-class _Sequence:
-    request: GenerateRequest
-    index: int
-    submission: Submission
-    produced: bool = False
-    retried: bool = False
-
-
-@dataclass(eq=False)
-class Submission:
-    """The engine requests of one API call (``n`` sequences), and their events.
-
-    Events arrive on ``queue`` as ``(index, TokenOutput | Rejected | EngineFailure)``;
-    each sequence ends with a finished ``TokenOutput``, a ``Rejected`` or an
-    ``EngineFailure``. Call :meth:`Supervisor.cancel` when done with it early.
-    """
-
-    request_ids: list[str]
-    queue: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
-    closed: bool = False
 
 
 class Supervisor:
@@ -226,11 +147,9 @@ class Supervisor:
         self.on_first_ready: Callable[[], None] | None = None
         self.pool: PoolStats | None = None
         self.last_release: stale.ReleaseResult | None = None
-        self._control_waiters: dict[int, asyncio.Future[ControlDone | None]] = {}
-        self._control_seq = 0
+        self._commands: Calls[ControlDone] = Calls()
         self._last_worker_pid: int | None = None
-        # Pid-file work (it reads /proc and may wait): one thread, in order.
-        self._pidfile_ops = concurrent.futures.ThreadPoolExecutor(1, "headroom-pidfile")
+        self._pids = StaleGuard(config.pidfile, config.guard_workers)
         self.state = State.STOPPED
         self.info: EngineInfo | None = None
         self.stats: EngineStats | None = None
@@ -241,15 +160,14 @@ class Supervisor:
         self.ready_since: float | None = None
         self._worker: WorkerProcess | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._inflight: dict[str, _Sequence] = {}
-        self._retry: list[_Sequence] = []
-        self._exits: deque[float] = deque()
-        self._consecutive_exits = 0
+        self._inflight = InFlight(self._send)
+        self._restarts = RestartPolicy(
+            config.backoff_initial_s, config.backoff_max_s, config.max_exits, config.exit_window_s
+        )
         self._last_load_s = 5.0
         self._restart_at: float | None = None
-        self._last_message_at = 0.0
-        self._stats_waiters: dict[int, asyncio.Future[EngineStats]] = {}
-        self._stats_seq = 0
+        self.last_message_at = 0.0
+        self._stats_calls: Calls[EngineStats] = Calls()
         self._tasks: set[asyncio.Task] = set()
         self._watchdog: asyncio.Task | None = None
         self._first_start = True
@@ -265,16 +183,10 @@ class Supervisor:
         self._loop = asyncio.get_running_loop()
         self.first_start_done = asyncio.Event()
         self.state = State.STARTING
-        if self.config.guard_workers:
-            try:
-                await self._loop.run_in_executor(
-                    self._pidfile_ops, stale.reap_stale_workers, self.config.pidfile
-                )
-            except OSError as exc:
-                log.warning("could not check for stale workers: %s", exc)
+        await self._pids.reap_stale()
         self._spawn()
         self._publish_health()
-        self._watchdog = asyncio.create_task(self._watch(), name="supervisor-watchdog")
+        self._watchdog = asyncio.create_task(watch(self), name="supervisor-watchdog")
 
     def begin_shutdown(self, timeout_s: float) -> None:
         """Refuse new work from now on (:class:`NotReady`, state ``stopped``, Retry-After
@@ -295,7 +207,7 @@ class Supervisor:
     @property
     def draining(self) -> bool:
         """Whether sequences sent to a worker are still unfinished (or waiting for one)."""
-        return bool(self._inflight or self._retry)
+        return self._inflight.busy
 
     async def drain(self, timeout_s: float, poll_s: float = 0.05) -> int:
         """Wait until nothing is in flight or ``timeout_s`` seconds passed, then end each
@@ -304,7 +216,7 @@ class Supervisor:
         deadline = time.monotonic() + timeout_s
         while self.draining and self.worker_alive and time.monotonic() < deadline:
             await asyncio.sleep(poll_s)
-        ended = sum(1 for s in (*self._inflight.values(), *self._retry) if not s.submission.closed)
+        ended = self._inflight.open_count()
         self._fail_all(SHUTTING_DOWN, SHUTDOWN_MESSAGE, retry=False)
         return ended
 
@@ -324,18 +236,16 @@ class Supervisor:
             task.cancel()
         worker, self._worker = self._worker, None
         self._fail_all(ENGINE_FAILED, "the server is shutting down", retry=False)
-        self._end_control_waiters()
+        self._commands.end_all()
         if worker is not None:
             await worker.stop()
-            if worker.pid is not None:
-                self._forget(worker.pid)
-        self._pidfile_ops.shutdown(wait=True)
+            self._pids.forget(worker.pid)
+        self._pids.close()
 
     def restart(self) -> None:
         """Kill the current worker (if any) and start a new one now, also from ``failed``
         (the crash-loop history is cleared)."""
-        self._exits.clear()
-        self._consecutive_exits = 0
+        self._restarts.clear()
         self.failure_reason = None
         if self._worker is not None and not self._worker.exited:
             self._worker.kill()  # the exit handler restarts it
@@ -347,7 +257,7 @@ class Supervisor:
     def _spawn(self) -> None:
         assert self._loop is not None
         self._restart_at = None
-        self._last_message_at = time.monotonic()
+        self.last_message_at = time.monotonic()
         worker = WorkerProcess(
             self.config.worker,
             loop=self._loop,
@@ -359,22 +269,13 @@ class Supervisor:
         worker.start()
         self.worker_pid = worker.pid
         self._last_worker_pid = worker.pid
-        if self.config.guard_workers and worker.pid is not None:
-            self._pidfile_ops.submit(self._pidfile_call, stale.record_worker, worker.pid)
+        self._pids.record(worker.pid)
         self._publish(WorkerEvent(phase="started", pid=worker.pid, restarts=self.restarts))
 
-    def _pidfile_call(self, fn: Callable[..., Any], pid: int) -> None:
-        try:
-            fn(pid, self.config.pidfile)
-        except OSError as exc:
-            log.warning("worker pid file: %s", exc)
-
-    def _forget(self, pid: int) -> None:
-        if self.config.guard_workers:
-            try:
-                self._pidfile_ops.submit(self._pidfile_call, stale.forget_worker, pid)
-            except RuntimeError:  # shut down already
-                pass
+    @property
+    def worker(self) -> WorkerProcess | None:
+        """The current worker process (loading, ready or just exited), or None."""
+        return self._worker
 
     @property
     def worker_alive(self) -> bool:
@@ -396,46 +297,24 @@ class Supervisor:
             NotReady: no worker is ready; nothing was sent.
         """
         self.check_ready()
-        submission = Submission([r.request_id for r in requests])
-        for index, request in enumerate(requests):
-            seq = _Sequence(request, index, submission)
-            self._inflight[request.request_id] = seq
-            self._send(request)
-        return submission
+        return self._inflight.submit(requests)
 
     def cancel(self, submission: Submission) -> None:
         """Abort every unfinished sequence of ``submission`` in the engine (its pages
         are freed) and drop its future events. Idempotent."""
-        submission.closed = True
-        for request_id in submission.request_ids:
-            if self._inflight.pop(request_id, None) is not None:
-                self._send(AbortRequest(request_id))
-        self._retry = [s for s in self._retry if s.submission is not submission]
+        self._inflight.cancel(submission)
 
     def abort_one(self, request_id: str) -> None:
         """Abort one sequence in the engine (a stop string ended it) and drop its
         future events."""
-        if self._inflight.pop(request_id, None) is not None:
-            self._send(AbortRequest(request_id))
-        self._retry = [s for s in self._retry if s.request.request_id != request_id]
+        self._inflight.abort_one(request_id)
 
     async def fresh_stats(self, timeout_s: float = 2.0) -> EngineStats | None:
         """Counters read by the worker now (not the last heartbeat's); None if no
         worker answers within ``timeout_s`` seconds."""
         if self._worker is None or self.state is not State.READY:
             return self.stats
-        assert self._loop is not None
-        self._stats_seq += 1
-        seq = self._stats_seq
-        future: asyncio.Future[EngineStats] = self._loop.create_future()
-        self._stats_waiters[seq] = future
-        self._worker.send(StatsRequest(seq))
-        try:
-            return await asyncio.wait_for(future, timeout_s)
-        except asyncio.TimeoutError:
-            return None
-        finally:
-            self._stats_waiters.pop(seq, None)
+        return await self._stats_calls.call(lambda seq: self._send(StatsRequest(seq)), timeout_s)
 
     @property
     def in_flight(self) -> int:
@@ -456,23 +335,7 @@ class Supervisor:
             NotReady: no worker is ready; nothing was sent.
         """
         self.check_ready()
-        assert self._loop is not None and self._worker is not None
-        self._control_seq += 1
-        seq = self._control_seq
-        future: asyncio.Future[ControlDone | None] = self._loop.create_future()
-        self._control_waiters[seq] = future
-        self._worker.send(kind(seq=seq, **fields))
-        try:
-            return await asyncio.wait_for(future, timeout_s)
-        except asyncio.TimeoutError:
-            return None
-        finally:
-            self._control_waiters.pop(seq, None)
-
-    def _end_control_waiters(self) -> None:
-        for future in self._control_waiters.values():
-            if not future.done():
-                future.set_result(None)
+        return await self._commands.call(lambda seq: self._send(kind(seq=seq, **fields)), timeout_s)
 
     def retry_after_s(self) -> int | None:
         """Whole seconds until a worker is expected to be ready, or None in ``failed``;
@@ -525,44 +388,26 @@ class Supervisor:
     def _on_message(self, worker: WorkerProcess, message: FromWorker) -> None:
         if worker is not self._worker:
             return  # a message from a previous incarnation
-        self._last_message_at = time.monotonic()
+        self.last_message_at = time.monotonic()
         if isinstance(message, Outputs):
             for output in message.outputs:
-                self._deliver(output)
+                self._inflight.deliver(output)
         elif isinstance(message, ControlDone):
-            self.stats = message.stats
-            self.pool = message.pool
-            if self.on_stats is not None:
-                try:
-                    self.on_stats(message.stats)
-                except Exception:
-                    log.exception("could not record the engine's counters")
-            waiter = self._control_waiters.get(message.seq)
-            if waiter is not None and not waiter.done():
-                waiter.set_result(message)
+            self._take_stats(message.stats, message.pool)
+            self._commands.answer(message.seq, message)
         elif isinstance(message, Heartbeat):
-            self.stats = message.stats
-            self.pool = message.pool
-            if self.on_stats is not None:
-                try:
-                    self.on_stats(message.stats)
-                except Exception:
-                    log.exception("could not record the engine's counters")
+            self._take_stats(message.stats, message.pool)
             if message.seq is not None:
-                future = self._stats_waiters.get(message.seq)
-                if future is not None and not future.done():
-                    future.set_result(message.stats)
+                self._stats_calls.answer(message.seq, message.stats)
         elif isinstance(message, Rejected):
-            seq = self._inflight.pop(message.request_id, None)
-            if seq is not None and not seq.submission.closed:
-                seq.submission.queue.put_nowait((seq.index, message))
+            self._inflight.reject(message)
         elif isinstance(message, EngineEvents):
             for event in message.events:
                 self._on_engine_event(event)
         elif isinstance(message, Ready):
             self._spawn_task(self._become_ready(worker, message))
         elif isinstance(message, WorkerError):
-            log.error("worker error (%s): %s", message.kind, _first_line(message.message))
+            log.error("worker error (%s): %s", message.kind, first_line(message.message))
             if message.during_load and self._first_start:
                 # Nothing ever served: a start-up failure (a missing model, a memory plan
                 # that does not fit: the same again on every try), reported, not retried.
@@ -572,24 +417,19 @@ class Supervisor:
                     reason = f"the engine failed to load: {message.kind}: {message.message}"
                 self._fail(reason)
 
+    def _take_stats(self, stats: EngineStats, pool: PoolStats | None) -> None:
+        self.stats = stats
+        self.pool = pool
+        if self.on_stats is not None:
+            try:
+                self.on_stats(stats)
+            except Exception:
+                log.exception("could not record the engine's counters")
+
     def _on_engine_event(self, event: EngineEvent) -> None:
-        """Log one engine event (one line) and hand it on."""
-        if isinstance(event, OomEvent):
-            log.log(
-                logging.ERROR if event.action == OOM_FAILED else logging.WARNING,
-                "out of memory in %s for %s (%d tokens in the step): %s; %s",
-                event.phase,
-                event.request_id,
-                event.tokens_in_step,
-                event.action.replace("_", " "),
-                event.message,
-            )
-        elif isinstance(event, ReplanWanted):
-            log.warning(
-                "the engine wants a new memory plan (prefill chunk cap now %d tokens): %s",
-                event.new_max_prefill_tokens,
-                event.reason,
-            )
+        """Log one engine event (one line), hand it on, and keep :attr:`info`'s limits
+        live (``/v1/models`` and the context check read them)."""
+        log_engine_event(event)
         if self.on_engine_event is not None:
             try:
                 self.on_engine_event(event)
@@ -598,32 +438,9 @@ class Supervisor:
         info = self.info
         if info is None:
             return
-        # The limits that changed, so /v1/models and the context check read them live.
-        if isinstance(event, Replanned):
-            self.info = msgspec.structs.replace(
-                info,
-                num_pages=event.after_pages,
-                kv_cache_bytes=event.after_bytes,
-                max_context_tokens=event.max_context_tokens,
-                max_prefill_tokens=event.max_prefill_tokens,
-            )
-        elif isinstance(event, ReplanWanted):
-            self.info = msgspec.structs.replace(
-                info, max_prefill_tokens=event.new_max_prefill_tokens
-            )
+        self.info = info_after(info, event)
         if self.info is not info:
             self._publish(EngineInfoEvent(info=msgspec.structs.replace(self.info, plan=None)))
-
-    def _deliver(self, output: TokenOutput) -> None:
-        seq = self._inflight.get(output.request_id)
-        if seq is None:
-            return  # cancelled by its caller, or already ended
-        if output.token_ids:
-            seq.produced = True
-        if output.finished:
-            del self._inflight[output.request_id]
-        if not seq.submission.closed:
-            seq.submission.queue.put_nowait((seq.index, output))
 
     async def _become_ready(self, worker: WorkerProcess, ready: Ready) -> None:
         try:
@@ -640,7 +457,7 @@ class Supervisor:
         self._last_load_s = ready.load_s
         self.state = State.READY
         self.ready_since = time.monotonic()
-        self._last_message_at = time.monotonic()
+        self.last_message_at = time.monotonic()
         first = self._first_start
         self._first_start = False
         self.failure_reason = None
@@ -661,13 +478,8 @@ class Supervisor:
             ready.pid,
             ready.load_s,
         )
-        retry, self._retry = self._retry, []
-        for seq in retry:
-            if seq.submission.closed:
-                continue
-            log.info("retrying %s on the new worker", seq.request.request_id)
-            self._inflight[seq.request.request_id] = seq
-            self._send(seq.request)
+        for request_id in self._inflight.resend_waiting():
+            log.info("retrying %s on the new worker", request_id)
 
     def _on_exit(self, worker: WorkerProcess, status: ExitStatus) -> None:
         if worker is not self._worker:
@@ -675,12 +487,9 @@ class Supervisor:
         self._worker = None
         self.pool = None
         self.last_exit = status
-        if worker.pid is not None:
-            self._forget(worker.pid)
-        for future in self._stats_waiters.values():
-            if not future.done():
-                future.cancel()
-        self._end_control_waiters()
+        self._pids.forget(worker.pid)
+        self._stats_calls.end_all()
+        self._commands.end_all()
         if self.state is State.STOPPED:
             if self._drain_until is not None:
                 # Shutting down (a signal to the whole process group may reach it): what
@@ -707,21 +516,17 @@ class Supervisor:
             )
         )
         now = time.monotonic()
-        self._exits.append(now)
-        while self._exits and now - self._exits[0] > self.config.exit_window_s:
-            self._exits.popleft()
-        if self.ready_since is not None and was_ready and now - self.ready_since > 60.0:
-            self._consecutive_exits = 0  # it ran well for a while: start the backoff over
-        self._consecutive_exits += 1
+        ran = was_ready and self.ready_since is not None
+        self._restarts.record_exit(now, now - self.ready_since if ran else None)
         self.ready_since = None
 
         if self.state is State.FAILED:
             self._fail_all(ENGINE_FAILED, self.failure_reason or "the engine failed", retry=False)
             self._publish_health()
             return
-        if len(self._exits) >= self.config.max_exits:
+        if self._restarts.crash_loop:
             self._fail(
-                f"crash loop: the worker exited {len(self._exits)} times in "
+                f"crash loop: the worker exited {self._restarts.recent_exits} times in "
                 f"{self.config.exit_window_s:.0f} s; last: {status.describe()}"
             )
             return
@@ -731,10 +536,7 @@ class Supervisor:
             retry=True,
         )
         self.state = State.RESTARTING if not self._first_start else State.STARTING
-        delay_s = min(
-            self.config.backoff_max_s,
-            self.config.backoff_initial_s * 2 ** (self._consecutive_exits - 1),
-        )
+        delay_s = self._restarts.delay_s()
         self._restart_at = now + delay_s
         log.info("restarting the worker in %.1f s", delay_s)
         self._publish(WorkerEvent(phase="restarting", delay_s=delay_s, restarts=self.restarts))
@@ -760,12 +562,8 @@ class Supervisor:
         pid, source = self._last_worker_pid, self.vram_source
         if pid is None or source is None:
             return
-        try:
-            result = await asyncio.to_thread(
-                stale.wait_for_release, pid, source, timeout_s=self.config.release_timeout_s
-            )
-        except Exception:
-            log.exception("could not wait for the memory of worker %d", pid)
+        result = await wait_for_release(pid, source, self.config.release_timeout_s)
+        if result is None:
             return
         self.last_release = result
         what = "released" if result.released else "not released"
@@ -781,7 +579,7 @@ class Supervisor:
 
     def _fail(self, reason: str) -> None:
         """Enter ``failed``: no more restarts until :meth:`restart`."""
-        log.error("engine failed: %s", _first_line(reason))
+        log.error("engine failed: %s", first_line(reason))
         self.state = State.FAILED
         self.failure_reason = reason
         self._restart_at = None
@@ -794,19 +592,7 @@ class Supervisor:
     def _fail_all(self, code: str, message: str, *, retry: bool) -> None:
         """End every in-flight sequence with an EngineFailure, except (``retry``) those
         that produced nothing yet and were never retried: they wait for the next worker."""
-        inflight, self._inflight = self._inflight, {}
-        pending = list(inflight.values())
-        if not retry:
-            pending += self._retry
-            self._retry = []
-        for seq in pending:
-            if seq.submission.closed:
-                continue
-            if retry and not seq.produced and not seq.retried:
-                seq.retried = True
-                self._retry.append(seq)
-                continue
-            seq.submission.queue.put_nowait((seq.index, EngineFailure(code, message)))
+        self._inflight.fail_all(code, message, retry=retry)
 
     def _publish(self, event: Any) -> None:
         """Hand ``event`` to the hub, if any; never raises (events are a view)."""
@@ -824,31 +610,3 @@ class Supervisor:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-    async def _watch(self) -> None:
-        """Kill a worker that stopped beating (hung) or never got ready."""
-        period_s = max(0.05, min(self.config.worker.heartbeat_interval_s, 1.0))
-        while True:
-            await asyncio.sleep(period_s)
-            worker = self._worker
-            if worker is None or worker.exited:
-                continue
-            now = time.monotonic()
-            if self.state is State.READY:
-                silent_s = now - self._last_message_at
-                if silent_s > self.config.stall_timeout_s:
-                    log.error(
-                        "worker %s sent no heartbeat for %.1f s (stall timeout %.1f s); killing it",
-                        worker.pid,
-                        silent_s,
-                        self.config.stall_timeout_s,
-                    )
-                    worker.kill()
-            elif self.state in (State.STARTING, State.RESTARTING):
-                if now - worker.started_at > self.config.start_timeout_s:
-                    log.error(
-                        "worker %s not ready after %.0f s; killing it",
-                        worker.pid,
-                        self.config.start_timeout_s,
-                    )
-                    worker.kill()

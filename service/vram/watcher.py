@@ -41,8 +41,10 @@ from engine import ipc
 from engine.memory.plan import fmt_bytes
 from engine.messages import BY_WATCHER
 from service.cli.settings import ServeSettings, parse_size
-from service.events.hub import EventHub, VramEvent
-from service.supervision.supervisor import State, Supervisor
+from service.events.hub import EventHub
+from service.events.schemas import VramEvent
+from service.supervision.states import State
+from service.supervision.supervisor import Supervisor
 from service.vram.replan import (
     DEFAULT_HOLD_S,
     EmptyPrefixCache,

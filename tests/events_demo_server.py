@@ -34,6 +34,7 @@ from litestar import Litestar  # noqa: E402
 
 from engine.memory.plan import LedgerEntry, MemoryPlan  # noqa: E402
 from engine.messages import EngineInfo, EngineStats  # noqa: E402
+from engine.units import GiB, MiB  # noqa: E402
 from service.events.hub import EventHub  # noqa: E402
 from service.events.routes import events_router  # noqa: E402
 from service.events.schemas import (  # noqa: E402
@@ -51,8 +52,6 @@ from service.events.token import new_token  # noqa: E402
 from service.http.dashboard import dashboard_router  # noqa: E402
 from service.http.security import SecurityMiddleware  # noqa: E402
 
-MiB = 1 << 20
-GiB = 1 << 30
 TOTAL = 16 * GiB
 OURS = 9 * GiB
 

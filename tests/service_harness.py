@@ -44,6 +44,36 @@ def headroom_command() -> list[str]:
     return [found] if found else [sys.executable, "-m", "service.cli"]
 
 
+def simulated_vram_args(timeline: Path) -> list[str]:
+    """``headroom serve`` flags for a 4 GiB card whose other users follow ``timeline``
+    (a JSON file of ``{"steps": [[seconds, size], ...]}``), 2048-token context, 8
+    running requests."""
+    return [
+        "--device-total",
+        "4GiB",
+        "--max-model-len",
+        "2048",
+        "--max-running-requests",
+        "8",
+        "--vram-source",
+        "simulated",
+        "--vram-timeline",
+        str(timeline),
+    ]
+
+
+def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.1):
+    """Poll ``predicate`` every ``interval_s`` seconds until it returns something true
+    (returned); fails the test naming ``what`` after ``timeout_s`` seconds."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(interval_s)
+
+
 def process_gone(pid: int) -> bool:
     """True when ``pid`` no longer runs (absent, or a zombie nobody reaped yet)."""
     try:

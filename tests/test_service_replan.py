@@ -23,7 +23,7 @@ import time
 
 import httpx
 import pytest
-from service_harness import ServerProcess, process_gone
+from service_harness import ServerProcess, process_gone, simulated_vram_args, wait_for
 from websockets.sync.client import connect
 
 pytestmark = pytest.mark.slow
@@ -53,16 +53,6 @@ TIMELINE = {
 TIMELINE_END_S = 20
 MIN_RESULTS = 8
 HOLD_S = 1.0
-
-
-def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.1):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(interval_s)
 
 
 class EventReader(threading.Thread):
@@ -151,22 +141,7 @@ def test_simulated_desktop_timeline_shrinks_and_grows_the_pool_without_failing_r
 ):
     timeline = tmp_path / "timeline.json"
     timeline.write_text(json.dumps(TIMELINE))
-    server = start_server(
-        [
-            "--device-total",
-            "4GiB",
-            "--max-model-len",
-            "2048",
-            "--max-running-requests",
-            "8",
-            "--vram-source",
-            "simulated",
-            "--vram-timeline",
-            str(timeline),
-            "--replan-hold",
-            str(HOLD_S),
-        ]
-    )
+    server = start_server([*simulated_vram_args(timeline), "--replan-hold", str(HOLD_S)])
     ready_at = time.monotonic()  # the timeline started a moment ago, at the first ready
     events = EventReader(server)
     events.start()

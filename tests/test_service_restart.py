@@ -16,20 +16,15 @@ import time
 import httpx
 import pytest
 from service_harness import ServerProcess, headroom_command, process_gone
+from service_harness import wait_for as harness_wait_for
 from test_service_cases import assert_openai_error
 from test_service_openai import QUESTION, sse_events
 
 pytestmark = pytest.mark.slow
 
 
-def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.05):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(interval_s)
+def wait_for(predicate, timeout_s: float, what: str):
+    return harness_wait_for(predicate, timeout_s, what, interval_s=0.05)
 
 
 def health_status(server: ServerProcess) -> tuple[int, dict]:

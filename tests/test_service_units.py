@@ -342,7 +342,9 @@ def test_engine_errors_map_out_of_memory_to_503_with_retry_after():
 def test_engine_events_cross_the_pipe_and_are_kept_as_request_errors():
     from engine.ipc import EngineEvents, encode, from_worker_decoder
     from engine.messages import OomEvent, ReplanWanted
-    from service.http.state import KEEP_REQUEST_ERRORS, Services
+    from service.events.hub import EventHub
+    from service.events.schemas import DEFAULT_KEEP_REQUEST_ERRORS
+    from service.http.state import Services
 
     failed = OomEvent(
         request_id="chatcmpl-1-0", phase="prefill", tokens_in_step=16, action="failed", message="m"
@@ -354,15 +356,20 @@ def test_engine_events_cross_the_pipe_and_are_kept_as_request_errors():
     message = EngineEvents([failed, retried, replan])
     assert from_worker_decoder.decode(encode(message)) == message
 
-    svc = Services(settings=None, supervisor=None)  # type: ignore[arg-type]
+    hub = EventHub()
+    svc = Services(settings=None, supervisor=None, events=hub)  # type: ignore[arg-type]
     for event in message.events:
         svc.record_engine_event(event)
-    assert [(e.request_id, e.code, e.phase) for e in svc.request_errors] == [
-        ("chatcmpl-1-0", "out_of_memory", "prefill")
+    snap = hub.snapshot()
+    assert [(e.request_id, e.code, e.phase, e.action) for e in snap.request_errors] == [
+        ("chatcmpl-1-0", "out_of_memory", "prefill", "failed"),
+        ("chatcmpl-2-0", "out_of_memory", "decode", "preempted"),
     ]
     counts = svc.engine_events
-    assert (counts.oom_steps, counts.oom_failed_requests, counts.replans_wanted) == (2, 1, 1)
-    assert counts.last_replan == replan
-    for _ in range(KEEP_REQUEST_ERRORS + 5):
+    assert (counts.oom_steps, counts.oom_failed_requests, counts.replans) == (2, 1, 1)
+    assert snap.counters is not None
+    assert (snap.counters.oom_steps, snap.counters.oom_failed_requests) == (2, 1)
+    assert snap.counters.replans == 1
+    for _ in range(DEFAULT_KEEP_REQUEST_ERRORS + 5):
         svc.record_engine_event(failed)
-    assert len(svc.request_errors) == KEEP_REQUEST_ERRORS
+    assert len(hub.snapshot().request_errors) == DEFAULT_KEEP_REQUEST_ERRORS

@@ -33,6 +33,7 @@ from engine.messages import (
     ReplanWanted,
     ResizeResult,
 )
+from engine.units import GiB, MiB
 from service.cli.settings import SettingsError, resolve
 from service.events.hub import EventHub
 from service.http.state import CONTROL_REASON, Services, bytes_asked
@@ -44,9 +45,6 @@ from service.vram.watcher import (
     load_timeline,
     simulated_ours_bytes,
 )
-
-MiB = 1 << 20
-GiB = 1 << 30
 
 STATS = EngineStats(
     running=0,

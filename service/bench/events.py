@@ -40,10 +40,10 @@ from typing import Any
 
 import msgspec
 
+from engine.units import GiB, MiB
 from service.events.hub import EventHub, SubscriptionClosed
 from service.events.schemas import CLOSE_TOO_SLOW, Consumer, VramEvent
 
-GiB = 1 << 30
 TOKEN = "bench-token-0123456789abcdef"
 
 
@@ -67,7 +67,7 @@ def summary_ms(values: list[float]) -> dict[str, float]:
 
 def sample_event(i: int) -> VramEvent:
     """A VRAM sample of realistic size (~700 bytes of JSON, five top consumers)."""
-    free = 8 * GiB - (i % 1000) * (1 << 20)
+    free = 8 * GiB - (i % 1000) * MiB
     return VramEvent(
         device="NVIDIA GeForce RTX 4090 (GPU 0)",
         source="nvml",

@@ -21,7 +21,6 @@ from engine.units import fmt_bytes
 
 log = logging.getLogger("headroom.events")
 
-MiB = 1 << 20
 
 # WebSocket close codes of /api/events (4000-4999 are the application's own).
 CLOSE_NORMAL = 1000

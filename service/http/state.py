@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import re
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 import msgspec
@@ -26,6 +25,7 @@ from engine.messages import (
     Replanned,
     ReplanWanted,
 )
+from engine.units import SIZE_UNITS
 from service.api.admission import Admission
 from service.api.errors import APIError
 from service.api.text import TextSide
@@ -34,9 +34,6 @@ from service.events.hub import EventHub
 from service.events.schemas import CountersEvent, PlanPoint, ReplanEvent, RequestErrorEvent
 from service.supervision.supervisor import Supervisor
 
-# How many request errors /api/status keeps (the newest).
-KEEP_REQUEST_ERRORS = 50
-
 # The reason (for people) of a replan asked for through the control API (the service's
 # own replans say which water mark was crossed); its ``origin`` is ``BY_CONTROL``, and
 # ``replan`` events name those ``set_kv_cache`` and ``clear_prefix_cache``.
@@ -44,42 +41,23 @@ CONTROL_REASON = "asked for through the control API"
 
 # "Tried to allocate 20.00 MiB" in torch's out-of-memory message.
 _ASKED = re.compile(r"[Tt]ried to allocate ([0-9.]+) ?(B|KiB|MiB|GiB|TiB)")
-_UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
 
 
 def bytes_asked(message: str) -> int | None:
     """The failed allocation's size from torch's out-of-memory text, or None."""
     match = _ASKED.search(message)
-    return None if match is None else int(float(match.group(1)) * _UNITS[match.group(2)])
+    return None if match is None else int(float(match.group(1)) * SIZE_UNITS[match.group(2).lower()])
 
 
 DEFAULT_MODEL_ALIAS = "default"
 
 
-class RequestError(msgspec.Struct, frozen=True, kw_only=True):
-    """A request the engine failed on its own (the engine stayed up), as
-    ``/api/status`` lists it (and, later, a ``request_error`` event).
-
-    ``at`` is the time in Unix seconds; ``request_id`` the engine's id
-    (``{api id}-{sequence}``); ``code`` e.g. ``"out_of_memory"``; ``phase`` where it
-    failed (``prefill``, ``decode``, ``sample``); ``message`` for people.
-    """
-
-    at: float
-    request_id: str
-    code: str
-    message: str
-    phase: str | None = None
-
-
 class EngineEventCounts(msgspec.Struct, kw_only=True):
-    """Engine events since the service started: out-of-memory steps (each rolled back),
-    requests failed by them, and replans asked for; ``last_replan`` is the latest."""
+    """Engine events since the service started, as the ``counters`` event carries them:
+    out-of-memory steps (each rolled back), requests failed by them, and replans."""
 
     oom_steps: int = 0
     oom_failed_requests: int = 0
-    replans_wanted: int = 0
-    last_replan: ReplanWanted | None = None
     replans: int = 0  # replan events: ReplanWanted and the engine's live Replanned changes
 
 
@@ -88,8 +66,8 @@ class Services:
     """The app's shared objects. ``text`` is set once a worker is ready and reloaded
     only when a restarted worker serves another model folder. ``started_at`` is the
     service's start, in Unix seconds (the ``created`` of ``/v1/models``).
-    ``request_errors`` holds the last :data:`KEEP_REQUEST_ERRORS` requests the engine
-    failed, oldest first; ``engine_events`` counts what the engine reported.
+    ``engine_events`` counts what the engine reported (the hub keeps the request errors
+    and replans themselves, for ``/api/status``).
     ``events`` is the hub the engine's events and the counters are published to (None in
     unit tests: nothing is published). ``admission`` counts the requests waiting for the
     engine (``--max-queued-requests``, :mod:`service.api.admission`)."""
@@ -98,9 +76,6 @@ class Services:
     supervisor: Supervisor
     text: TextSide | None = None
     started_at: int = field(default_factory=lambda: int(time.time()))
-    request_errors: deque[RequestError] = field(
-        default_factory=lambda: deque(maxlen=KEEP_REQUEST_ERRORS)
-    )
     engine_events: EngineEventCounts = field(default_factory=EngineEventCounts)
     events: EventHub | None = None
     admission: Admission = field(init=False)
@@ -121,19 +96,8 @@ class Services:
             self._publish(self._request_error(event))
             if event.action == OOM_FAILED:
                 counts.oom_failed_requests += 1
-                self.request_errors.append(
-                    RequestError(
-                        at=time.time(),
-                        request_id=event.request_id,
-                        code="out_of_memory",
-                        message=event.message,
-                        phase=event.phase,
-                    )
-                )
         elif isinstance(event, ReplanWanted):
-            counts.replans_wanted += 1
             counts.replans += 1
-            counts.last_replan = event
             self._publish(self._replan_wanted(event))
         elif isinstance(event, Replanned):
             counts.replans += 1

@@ -24,8 +24,8 @@ import torch
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.messages import REPLAN_RESIZE_POOL, GenerateRequest, Replanned, SamplingParams
+from engine.units import GiB
 
-GiB = 1 << 30
 LIMIT = 16 * GiB
 
 HOG = r"""

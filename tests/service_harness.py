@@ -200,7 +200,7 @@ class ServerProcess:
 
 @pytest.fixture(scope="session")
 def real_server(tmp_path_factory, default_model_dir) -> Iterator[ServerProcess]:
-    """The default model, 256 KV pages (about 4k tokens) so F5 is cheap to reach."""
+    """The default model, 256 KV pages (about 4k tokens) so a prompt larger than the pool is cheap to reach."""
     server = ServerProcess(tmp_path_factory.mktemp("real"), ["--num-pages", "256"])
     try:
         server.wait_ready()

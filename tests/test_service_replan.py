@@ -7,7 +7,7 @@
   and do not flap; ``/api/events`` delivers the ``vram`` and ``replan`` events in order.
 - ``--device-limit`` on a larger simulated card is a card of that size while serving, as
   in the plan: another process's memory counts against it, the pool shrinks and grows.
-- F4: a worker that outlived its SIGKILLed service (stuck in its load) is ended by the
+- A stale worker: one that outlived its SIGKILLed service (stuck in its load) is ended by the
   next start; an unrelated process listed in the same pid file is left alone.
 """
 
@@ -288,7 +288,7 @@ def test_device_limit_is_a_card_of_that_size_while_serving(start_server, tmp_pat
     assert final["engine"]["info"]["num_pages"] == planned_pages
 
 
-# -- F4: a stale worker of a killed service --------------------------------------------------
+# -- a stale worker of a killed service -------------------------------------------------------
 
 
 def test_stale_worker_of_a_killed_service_is_reaped_at_the_next_start(start_server, tmp_path):

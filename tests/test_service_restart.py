@@ -1,7 +1,7 @@
 """The worker's life and death, and clean start-up failures, with real server processes:
-C08 (worker killed: stream error, 503 + Retry-After, back to 200), the service killed
+the worker killed (stream error, 503 + Retry-After, back to 200), the service killed
 (no worker left), hung worker, crash loop, retry of requests that had no token yet,
-C10 (port taken), missing model, API key, custom CORS schemes in the config."""
+the port taken, missing model, API key, custom CORS schemes in the config."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def health_status(server: ServerProcess) -> tuple[int, dict]:
     return r.status_code, r.json()
 
 
-# -- C08: SIGKILL the worker mid-stream ----------------------------------------------------------
+# -- the worker SIGKILLed mid-stream ----------------------------------------------------------------
 
 
 def test_c08_worker_killed_during_stream(start_server):

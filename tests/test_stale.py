@@ -1,4 +1,4 @@
-"""The restart-race guard (CASES.md F4) with real processes.
+"""The restart-race guard (a stale worker outlives its killed service) with real processes.
 
 A fake service spawns a worker the way the supervisor does (multiprocessing *spawn*),
 records it in the pid file and is killed with SIGKILL: its worker survives it. The next

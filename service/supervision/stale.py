@@ -1,4 +1,4 @@
-"""The restart-race guard (CASES.md F4): stale workers of an earlier run, and ghosts.
+"""The restart-race guard: stale workers of an earlier run, and ghosts.
 
 Workers die with their parent (``engine.worker``: parent-death signal, pipe EOF,
 re-parenting check), but a worker stuck in a driver call, or one whose service was

@@ -558,7 +558,7 @@ class Supervisor:
 
     async def _wait_for_release(self) -> None:
         """Before a new worker plans: wait (bounded) until the VRAM source no longer
-        shows the last worker's memory (F4); log and publish what was seen."""
+        shows the last worker's memory; log and publish what was seen."""
         pid, source = self._last_worker_pid, self.vram_source
         if pid is None or source is None:
             return

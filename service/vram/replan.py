@@ -1,8 +1,8 @@
 """When to give GPU memory back, and when to take it again: a pure controller.
 
 Fed a :class:`service.vram.sources.VramSample` and the engine's :class:`PoolState` a few times a
-second, :meth:`ReplanController.decide` returns what the worker should do (DESIGN.md,
-"When memory moves"). ``headroom = free - reserve``.
+second, :meth:`ReplanController.decide` returns what the worker should do (the watcher carries it out; see
+``docs/architecture.md``, "The VRAM watcher"). ``headroom = free - reserve``.
 
 Below the low water mark, memory is given back cheapest first, until the headroom is
 expected back at the middle of the band:

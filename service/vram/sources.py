@@ -1,8 +1,7 @@
 """The VRAM watcher's eyes: what the GPU's memory looks like now, and the desktop reserve.
 
 A desktop GPU's free memory moves all the time (a game starts, a browser tab decodes a
-video); DESIGN.md, "When memory moves", has the service sample it a few times a second
-and replan when the headroom (``free - reserve``) runs low. This module provides the
+video), so the service samples it a few times a second and replans when the headroom (``free - reserve``) runs low. This module provides the
 samples; :mod:`service.vram.replan` decides what to do with them.
 
 Two sources give the same :class:`VramSample`:
@@ -38,7 +37,7 @@ from engine.memory.plan import reserve_for
 
 log = logging.getLogger("headroom.vram")
 
-# Samples per second of the watcher (DESIGN.md: "a few times a second"). NVML answers a
+# Samples per second of the watcher: a few times a second. NVML answers a
 # memory query in well under a millisecond, so 4 Hz costs nothing and sees a game's
 # allocation within 250 ms.
 DEFAULT_SAMPLE_HZ = 4.0

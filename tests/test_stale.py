@@ -24,6 +24,7 @@ import pytest
 
 from engine.memory.plan import GiB
 from service.supervision import stale
+from service.supervision.release import wait_for_release
 from service.supervision.stale import (
     ENDED,
     GONE,
@@ -38,7 +39,6 @@ from service.supervision.stale import (
     reap_stale_workers,
     record_worker,
     start_time,
-    wait_for_release,
 )
 from service.vram.sources import NvmlSource, SimulatedSource
 

@@ -191,6 +191,45 @@ async def _stream(
         _log_request(gen, request_id, status, started)
 
 
+def _event_stream(
+    gen: Generation,
+    stream_options: Any,
+    chunk_type: Callable[..., Any],
+    choice: Callable[[int, str, str | None, str | None], Any],
+    created: int,
+    model: str,
+    *,
+    roles: int = 0,
+) -> Stream:
+    """The SSE answer of a streaming call: ``chunk_type`` events (``ChatCompletionChunk``
+    or ``CompletionChunk``) whose one choice ``choice(index, text, finish_reason, role)``
+    builds; first one ``assistant`` role event per sequence when ``roles`` > 0; the
+    usage event when ``stream_options.include_usage``."""
+    include_usage = bool(stream_options and stream_options.include_usage)
+    usage_field: Any = None if include_usage else msgspec.UNSET
+    request_id = gen.request_id
+
+    def chunk(index: int, text: str, reason: str | None, role: str | None = None) -> bytes:
+        choices = [choice(index, text, reason, role)]
+        return _sse(
+            chunk_type(
+                id=request_id, created=created, model=model, choices=choices, usage=usage_field
+            )
+        )
+
+    def usage_chunk() -> bytes:
+        return _sse(
+            chunk_type(id=request_id, created=created, model=model, choices=[], usage=_usage(gen))
+        )
+
+    first = [chunk(i, "", None, role="assistant") for i in range(roles)]
+    return Stream(
+        _stream(gen, request_id, gen.started, first, chunk, usage_chunk if include_usage else None),
+        media_type="text/event-stream",
+        headers=_SSE_HEADERS,
+    )
+
+
 def _usage(gen: Generation) -> Usage:
     prompt = gen.prompt_tokens
     completion = gen.completion_tokens
@@ -433,33 +472,12 @@ class OpenAIController(Controller):
 
             return await _respond(gen, request, request_id, started, build)
 
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        usage_field: Any = None if include_usage else msgspec.UNSET
-
-        def chunk(index: int, text: str, reason: str | None, role: str | None = None) -> bytes:
+        def choice(index: int, text: str, reason: str | None, role: str | None) -> Any:
             delta = Delta(role=role, content=text if (text or role) else None)
-            return _sse(
-                ChatCompletionChunk(
-                    id=request_id,
-                    created=created,
-                    model=model,
-                    choices=[ChatChunkChoice(index=index, delta=delta, finish_reason=reason)],
-                    usage=usage_field,
-                )
-            )
+            return ChatChunkChoice(index=index, delta=delta, finish_reason=reason)
 
-        def usage_chunk() -> bytes:
-            return _sse(
-                ChatCompletionChunk(
-                    id=request_id, created=created, model=model, choices=[], usage=_usage(gen)
-                )
-            )
-
-        first = [chunk(i, "", None, role="assistant") for i in range(req.n)]
-        return Stream(
-            _stream(gen, request_id, started, first, chunk, usage_chunk if include_usage else None),
-            media_type="text/event-stream",
-            headers=_SSE_HEADERS,
+        return _event_stream(
+            gen, req.stream_options, ChatCompletionChunk, choice, created, model, roles=req.n
         )
 
     @post("/completions", status_code=200)
@@ -495,29 +513,7 @@ class OpenAIController(Controller):
 
             return await _respond(gen, request, request_id, started, build)
 
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        usage_field: Any = None if include_usage else msgspec.UNSET
+        def choice(index: int, text: str, reason: str | None, _role: str | None) -> Any:
+            return TextChoice(index=index, text=text, finish_reason=reason)
 
-        def chunk(index: int, text: str, reason: str | None) -> bytes:
-            return _sse(
-                CompletionChunk(
-                    id=request_id,
-                    created=created,
-                    model=model,
-                    choices=[TextChoice(index=index, text=text, finish_reason=reason)],
-                    usage=usage_field,
-                )
-            )
-
-        def usage_chunk() -> bytes:
-            return _sse(
-                CompletionChunk(
-                    id=request_id, created=created, model=model, choices=[], usage=_usage(gen)
-                )
-            )
-
-        return Stream(
-            _stream(gen, request_id, started, [], chunk, usage_chunk if include_usage else None),
-            media_type="text/event-stream",
-            headers=_SSE_HEADERS,
-        )
+        return _event_stream(gen, req.stream_options, CompletionChunk, choice, created, model)

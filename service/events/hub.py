@@ -37,6 +37,7 @@ from typing import Any, NamedTuple
 
 import msgspec
 
+from engine.units import MiB
 from service.events.schemas import (
     CLOSE_GOING_AWAY,
     CLOSE_NORMAL,
@@ -46,7 +47,6 @@ from service.events.schemas import (
     DEFAULT_KEEP_REQUEST_ERRORS,
     DEFAULT_QUEUE_SIZE,
     Event,
-    MiB,
     ReplanEvent,
     RequestErrorEvent,
     Snapshot,

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from service.supervision import stale
+from service.supervision import release, stale
 
 log = logging.getLogger("headroom.supervisor")
 
@@ -67,12 +67,12 @@ class StaleGuard:
             log.warning("worker pid file: %s", exc)
 
 
-async def wait_for_release(pid: int, source: Any, timeout_s: float) -> stale.ReleaseResult | None:
+async def wait_for_release(pid: int, source: Any, timeout_s: float) -> release.ReleaseResult | None:
     """Wait (in a thread, at most ``timeout_s`` seconds) until ``source`` (a VRAM
     source) no longer shows worker ``pid``'s memory; None when the wait itself failed
     (logged)."""
     try:
-        return await asyncio.to_thread(stale.wait_for_release, pid, source, timeout_s=timeout_s)
+        return await asyncio.to_thread(release.wait_for_release, pid, source, timeout_s=timeout_s)
     except Exception:
         log.exception("could not wait for the memory of worker %d", pid)
         return None

@@ -60,10 +60,10 @@ from engine.messages import (
 )
 from service.events.hub import EventHub
 from service.events.schemas import EngineInfoEvent, HealthEvent, PlanEvent, WorkerEvent
-from service.supervision import stale
 from service.supervision.engine_events import info_after, log_engine_event
 from service.supervision.guard import StaleGuard, wait_for_release
 from service.supervision.inflight import InFlight, Submission
+from service.supervision.release import ReleaseResult
 from service.supervision.restarts import RestartPolicy
 from service.supervision.rpc import Calls
 from service.supervision.states import (
@@ -146,7 +146,7 @@ class Supervisor:
         self.vram_source: Any = None
         self.on_first_ready: Callable[[], None] | None = None
         self.pool: PoolStats | None = None
-        self.last_release: stale.ReleaseResult | None = None
+        self.last_release: ReleaseResult | None = None
         self._commands: Calls[ControlDone] = Calls()
         self._last_worker_pid: int | None = None
         self._pids = StaleGuard(config.pidfile, config.guard_workers)

@@ -332,7 +332,7 @@ class SimulatedSource:
         ours_bytes: this service's memory, a number or a function called at each sample
             (a test passes ``lambda: weights + engine.pool.nbytes``).
         processes: optional function of ``t`` giving the processes NVML would list
-            (``(pid, name, bytes)``), for tests of :func:`service.supervision.stale.wait_for_release`.
+            (``(pid, name, bytes)``), for tests of :func:`service.supervision.release.wait_for_release`.
             Without it the others are anonymous (no pid attribution).
         own_pids: pids counted as ours among ``processes``.
         display_attached: whether a display is attached (moves the auto reserve).

@@ -82,25 +82,34 @@ def info(**kw: Any) -> EngineInfo:
     return EngineInfo(**base)
 
 
+def pool_stats(
+    pages: int, *, min_pages: int, activation_bytes_per_token: int, max_context_tokens: int
+) -> ipc.PoolStats:
+    """A worker's pool at its plan: ``pages`` pages of 1 MiB (the null page among them, so
+    one fewer free), a 2048-token prefill chunk (256 at the least), an empty prefix
+    cache, 1 GiB besides the pool."""
+    return ipc.PoolStats(
+        pages=pages,
+        planned_pages=pages,
+        min_pages=min_pages,
+        page_bytes=MiB,
+        pool_bytes=pages * MiB,
+        prefill_chunk=2048,
+        planned_prefill_chunk=2048,
+        min_prefill_chunk=256,
+        activation_bytes_per_token=activation_bytes_per_token,
+        free_pages=pages - 1,
+        cached_pages=0,
+        max_context_tokens=max_context_tokens,
+        fixed_bytes=GiB,
+    )
+
+
 # -- IPC ---------------------------------------------------------------------------------------
 
 
 def test_replan_commands_and_answers_cross_the_pipe():
-    pool = ipc.PoolStats(
-        pages=101,
-        planned_pages=101,
-        min_pages=33,
-        page_bytes=MiB,
-        pool_bytes=101 * MiB,
-        prefill_chunk=2048,
-        planned_prefill_chunk=2048,
-        min_prefill_chunk=256,
-        activation_bytes_per_token=1024,
-        free_pages=100,
-        cached_pages=0,
-        max_context_tokens=1600,
-        fixed_bytes=GiB,
-    )
+    pool = pool_stats(101, min_pages=33, activation_bytes_per_token=1024, max_context_tokens=1600)
     for command in (
         ipc.SetPrefillChunk(seq=1, tokens=512, reason="r"),
         ipc.EvictPrefixCache(seq=2, reason="r"),
@@ -344,20 +353,8 @@ class FakeSupervisor:
 
 
 def test_the_watcher_follows_a_simulated_timeline_with_commands():
-    pool = ipc.PoolStats(
-        pages=2001,
-        planned_pages=2001,
-        min_pages=129,
-        page_bytes=MiB,
-        pool_bytes=2001 * MiB,
-        prefill_chunk=2048,
-        planned_prefill_chunk=2048,
-        min_prefill_chunk=256,
-        activation_bytes_per_token=16 << 10,
-        free_pages=2000,
-        cached_pages=0,
-        max_context_tokens=2048,
-        fixed_bytes=GiB,
+    pool = pool_stats(
+        2001, min_pages=129, activation_bytes_per_token=16 << 10, max_context_tokens=2048
     )
     sup = FakeSupervisor(pool)
     now = [0.0]

@@ -22,9 +22,13 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+
+from engine.messages import EngineInfo
+from engine.units import MiB
 
 TESTS_DIR = Path(__file__).parent
 READY_TIMEOUT_S = 300.0
@@ -42,6 +46,30 @@ def headroom_command() -> list[str]:
         return [str(script)]
     found = shutil.which("headroom")
     return [found] if found else [sys.executable, "-m", "service.cli"]
+
+
+def engine_info(**overrides: Any) -> EngineInfo:
+    """An engine's facts for tests that need one but no engine: a 2048-token context,
+    101 pages of 1 MiB, on the CPU; ``overrides`` replace fields."""
+    fields: dict[str, Any] = dict(
+        model_name="m",
+        model_dir="/m",
+        architecture="A",
+        vocab_size=10,
+        max_context_tokens=2048,
+        model_context_tokens=2048,
+        eos_token_ids=[0],
+        device="cpu",
+        dtype="float32",
+        page_size=16,
+        num_pages=101,
+        kv_cache_bytes=101 * MiB,
+        weight_bytes=0,
+        max_prefill_tokens=2048,
+        max_running_requests=8,
+    )
+    fields.update(overrides)
+    return EngineInfo(**fields)
 
 
 def simulated_vram_args(timeline: Path) -> list[str]:

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from service_harness import engine_info
 
 from engine.memory.plan import LedgerEntry, MemoryPlan
-from engine.messages import EngineInfo, EngineStats, OomEvent
+from engine.messages import EngineStats, OomEvent
 from service.events import hub as ev
 from service.events import schemas
 from service.events.hub import EventHub, SubscriptionClosed, VramThrottle
@@ -77,26 +78,6 @@ def sample_plan() -> MemoryPlan:
     )
 
 
-def sample_info() -> EngineInfo:
-    return EngineInfo(
-        model_name="m",
-        model_dir="/m",
-        architecture="LlamaForCausalLM",
-        vocab_size=256,
-        max_context_tokens=128,
-        model_context_tokens=128,
-        eos_token_ids=[2],
-        device="cpu",
-        dtype="float32",
-        page_size=16,
-        num_pages=8,
-        kv_cache_bytes=1 << 20,
-        weight_bytes=1 << 20,
-        max_prefill_tokens=64,
-        max_running_requests=4,
-    )
-
-
 # -- publishing, snapshot ------------------------------------------------------------------------
 
 
@@ -112,7 +93,7 @@ def test_publish_stamps_seq_and_ts_and_snapshot_holds_latest():
     )
     hub.publish(WorkerEvent(phase="started", pid=42))
     hub.publish(PlanEvent(plan=sample_plan()))
-    hub.publish(EngineInfoEvent(info=sample_info()))
+    hub.publish(EngineInfoEvent(info=engine_info()))
     hub.publish(CountersEvent(engine=None, in_flight=3))
     for i in range(60):
         hub.publish(
@@ -484,7 +465,7 @@ def test_encoded_frames_carry_exactly_the_schema_properties():
         WorkerEvent(phase="exited", exit_code=None, signal="SIGKILL", reason="killed"),
         vram(GiB),
         PlanEvent(plan=sample_plan()),
-        EngineInfoEvent(info=sample_info()),
+        EngineInfoEvent(info=engine_info()),
         ReplanEvent(action="grow_kv", reason="r", before=point, after=point),
         RequestErrorEvent(request_id="r", code="out_of_memory", message="m", action="failed"),
         CountersEvent(),

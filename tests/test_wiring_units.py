@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 import pytest
 from click.testing import CliRunner
+from service_harness import engine_info as info
 
 from engine import ipc
 from engine.memory.plan import LedgerEntry, MemoryPlan
@@ -58,28 +59,6 @@ STATS = EngineStats(
     aborted=0,
     failed=0,
 )
-
-
-def info(**kw: Any) -> EngineInfo:
-    base = dict(
-        model_name="m",
-        model_dir="/m",
-        architecture="A",
-        vocab_size=10,
-        max_context_tokens=2048,
-        model_context_tokens=2048,
-        eos_token_ids=[0],
-        device="cpu",
-        dtype="float32",
-        page_size=16,
-        num_pages=101,
-        kv_cache_bytes=101 * MiB,
-        weight_bytes=0,
-        max_prefill_tokens=2048,
-        max_running_requests=8,
-    )
-    base.update(kw)
-    return EngineInfo(**base)
 
 
 def pool_stats(

@@ -28,12 +28,14 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 from litestar import Controller, Request, Response, get, post
 from litestar.response import Stream
 
+from engine.messages import EngineInfo
+from service.api.admission import Ticket
 from service.api.errors import SERVER_ERROR, APIError, decode_body, invalid
 from service.api.generation import (
     Generation,
@@ -61,6 +63,8 @@ from service.api.schemas import (
 from service.api.text import TextSide
 from service.http.state import Services
 
+T = TypeVar("T")
+R = TypeVar("R")
 log = logging.getLogger("headroom.api")
 
 _encoder = msgspec.json.Encoder()
@@ -230,6 +234,26 @@ def _event_stream(
     )
 
 
+async def _admit(
+    request: Request, svc: Services, body_type: type[T], check: Callable[[T], R]
+) -> tuple[T, R, EngineInfo, str, Ticket]:
+    """What every generation call does first, in this order (so the errors come in it):
+    decode the body into ``body_type`` (400), the checks common to both calls, then
+    ``check(req)`` (400; its result is returned), a ready worker (503), the model name
+    (404), and a place among the waiting requests (503 ``queue_full``).
+
+    Returns:
+        ``(req, check's result, the engine's facts, the model name to answer with, the
+        admission ticket)``; the caller releases the ticket.
+    """
+    req = decode_body(await request.body(), body_type)
+    check_common(req)  # type: ignore[arg-type]
+    checked = check(req)
+    info = svc.supervisor.check_ready()
+    model = svc.check_model(req.model, info)  # type: ignore[attr-defined]
+    return req, checked, info, model, svc.admission.enter()
+
+
 def _usage(gen: Generation) -> Usage:
     prompt = gen.prompt_tokens
     completion = gen.completion_tokens
@@ -254,6 +278,12 @@ def _check_chat_fields(req: ChatCompletionRequest) -> None:
         raise invalid('only response_format {"type": "text"} is supported', "response_format")
     if not req.messages:
         raise invalid("messages must not be empty", "messages")
+
+
+def _completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
+    """Check the fields only chat has not, and return the prompts (:func:`_prompt_items`)."""
+    _check_completion_fields(req)
+    return _prompt_items(req.prompt)
 
 
 def _check_completion_fields(req: CompletionRequest) -> None:
@@ -417,13 +447,10 @@ class OpenAIController(Controller):
     async def chat_completions(self, request: Request, svc: Services) -> Response[Any]:
         """Chat completion, streaming (SSE) or not. Errors: see the module docstring."""
         started = time.perf_counter()
-        req = decode_body(await request.body(), ChatCompletionRequest)
-        check_common(req)
-        _check_chat_fields(req)
-        info = svc.supervisor.check_ready()
-        model = svc.check_model(req.model, info)
+        req, _, info, model, ticket = await _admit(
+            request, svc, ChatCompletionRequest, _check_chat_fields
+        )
         assert svc.text is not None
-        ticket = svc.admission.enter()
         try:
             _check_prompt_bound(
                 svc.text, _message_texts(req.messages), info.max_context_tokens, "messages"
@@ -484,14 +511,9 @@ class OpenAIController(Controller):
     async def completions(self, request: Request, svc: Services) -> Response[Any]:
         """Text completion of a raw prompt (no chat template), streaming or not."""
         started = time.perf_counter()
-        req = decode_body(await request.body(), CompletionRequest)
-        check_common(req)
-        _check_completion_fields(req)
-        items = _prompt_items(req.prompt)
-        info = svc.supervisor.check_ready()
-        model = svc.check_model(req.model, info)
-        assert svc.text is not None
-        ticket = svc.admission.enter()
+        req, items, info, model, ticket = await _admit(
+            request, svc, CompletionRequest, _completion_prompts
+        )
         try:
             gen = await _completion_generation(req, items, info, svc, started, ticket)
         except BaseException:

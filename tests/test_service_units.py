@@ -294,8 +294,12 @@ def test_wildcard_origin():
 
 def test_service_modules_never_import_torch(default_model_dir):
     code = f"""
-import asyncio, sys
+import asyncio, importlib, pkgutil, sys
+import service
 import service.cli.commands, service.http.app, service.bench.serve, service.supervision.worker_process
+for module in pkgutil.walk_packages(service.__path__, "service."):
+    if not module.name.endswith("__main__"):
+        importlib.import_module(module.name)
 import service.bench.chaos, service.bench.chaos_requests, service.http.shutdown
 from service.http.app import create_app
 from service.cli.settings import resolve

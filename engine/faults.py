@@ -24,7 +24,7 @@ separated by ``,``; times defaults to 1), or in-process through ``Engine.faults`
 (``engine.faults.add("decode", "req-1", times=3)``). With neither, the runner holds no
 injector and pays one ``is None`` test per step.
 
-Faults can also be armed while a worker runs (the chaos run, :mod:`service.bench_chaos`):
+Faults can also be armed while a worker runs (the chaos run, :mod:`service.bench.chaos`):
 ``HEADROOM_FAULTS_DIR`` names a folder where a test drops files ``NAME.fault``, each
 holding rules in the syntax above. The injector looks there at most every
 :data:`SPOOL_POLL_S` seconds; it claims a file by renaming it ``NAME.taken`` (so one

@@ -113,7 +113,7 @@ class Rejected(msgspec.Struct, frozen=True, tag=True, kw_only=True):
 
 class PoolStats(msgspec.Struct, frozen=True, kw_only=True):
     """The KV pool and the prefill chunk as the service's replan controller needs them
-    (``service.replan.PoolState``). Pages count the whole pool, the null page included.
+    (``service.vram.replan.PoolState``). Pages count the whole pool, the null page included.
 
     ``pages`` is the pool now, ``planned_pages`` what the worker started with (the
     memory plan's pool), ``min_pages`` the floor (one request of the minimum context:

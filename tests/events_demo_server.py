@@ -31,13 +31,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import uvicorn  # noqa: E402
 from litestar import Litestar  # noqa: E402
+from service_harness import engine_info  # noqa: E402
 
 from engine.memory.plan import LedgerEntry, MemoryPlan  # noqa: E402
-from engine.messages import EngineInfo, EngineStats  # noqa: E402
-from service.events import (  # noqa: E402
+from engine.messages import EngineStats  # noqa: E402
+from engine.units import GiB, MiB  # noqa: E402
+from service.events.hub import EventHub  # noqa: E402
+from service.events.routes import events_router  # noqa: E402
+from service.events.schemas import (  # noqa: E402
     CountersEvent,
     EngineInfoEvent,
-    EventHub,
     HealthEvent,
     PlanEvent,
     PlanPoint,
@@ -46,14 +49,28 @@ from service.events import (  # noqa: E402
     VramEvent,
     WorkerEvent,
 )
-from service.events_api import dashboard_router, events_router  # noqa: E402
-from service.security import SecurityMiddleware  # noqa: E402
-from service.token import new_token  # noqa: E402
+from service.events.token import new_token  # noqa: E402
+from service.http.dashboard import dashboard_router  # noqa: E402
+from service.http.security import SecurityMiddleware  # noqa: E402
 
-MiB = 1 << 20
-GiB = 1 << 30
 TOTAL = 16 * GiB
 OURS = 9 * GiB
+
+
+# The demo engine's facts: Qwen3-1.7B's shape, in bfloat16.
+DEMO_MODEL = {
+    "model_name": "demo-model",
+    "model_dir": "/nowhere/demo-model",
+    "architecture": "Qwen3ForCausalLM",
+    "vocab_size": 151936,
+    "max_context_tokens": 32768,
+    "model_context_tokens": 40960,
+    "eos_token_ids": [151645],
+    "device": "simulated",
+    "dtype": "bfloat16",
+    "weight_bytes": 2 * GiB + 300 * MiB,
+    "max_running_requests": 64,
+}
 
 
 def demo_plan(kv_bytes: int) -> MemoryPlan:
@@ -123,22 +140,10 @@ class DemoWorker:
         await asyncio.sleep(0.8)  # "loading"
         self.hub.publish(
             EngineInfoEvent(
-                info=EngineInfo(
-                    model_name="demo-model",
-                    model_dir="/nowhere/demo-model",
-                    architecture="Qwen3ForCausalLM",
-                    vocab_size=151936,
-                    max_context_tokens=32768,
-                    model_context_tokens=40960,
-                    eos_token_ids=[151645],
-                    device="simulated",
-                    dtype="bfloat16",
-                    page_size=16,
+                info=engine_info(
+                    **DEMO_MODEL,
                     num_pages=self.kv_bytes // (2 * MiB),
                     kv_cache_bytes=self.kv_bytes,
-                    weight_bytes=2 * GiB + 300 * MiB,
-                    max_prefill_tokens=2048,
-                    max_running_requests=64,
                 )
             )
         )
@@ -323,7 +328,7 @@ def main() -> None:
         ),
         flush=True,
     )
-    # The page's own origin on a loopback Host passes the middleware (service.security's
+    # The page's own origin on a loopback Host passes the middleware (service.http.security's
     # same_origin), as in the service.
     secured = SecurityMiddleware(app)
     uvicorn.run(secured, host=args.host, port=port, log_level="warning", ws="websockets-sansio")

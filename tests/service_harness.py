@@ -22,9 +22,13 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+
+from engine.messages import EngineInfo
+from engine.units import MiB
 
 TESTS_DIR = Path(__file__).parent
 READY_TIMEOUT_S = 300.0
@@ -42,6 +46,60 @@ def headroom_command() -> list[str]:
         return [str(script)]
     found = shutil.which("headroom")
     return [found] if found else [sys.executable, "-m", "service.cli"]
+
+
+def engine_info(**overrides: Any) -> EngineInfo:
+    """An engine's facts for tests that need one but no engine: a 2048-token context,
+    101 pages of 1 MiB, on the CPU; ``overrides`` replace fields."""
+    fields: dict[str, Any] = dict(
+        model_name="m",
+        model_dir="/m",
+        architecture="A",
+        vocab_size=10,
+        max_context_tokens=2048,
+        model_context_tokens=2048,
+        eos_token_ids=[0],
+        device="cpu",
+        dtype="float32",
+        page_size=16,
+        num_pages=101,
+        kv_cache_bytes=101 * MiB,
+        weight_bytes=0,
+        max_prefill_tokens=2048,
+        max_running_requests=8,
+    )
+    fields.update(overrides)
+    return EngineInfo(**fields)
+
+
+def simulated_vram_args(timeline: Path) -> list[str]:
+    """``headroom serve`` flags for a 4 GiB card whose other users follow ``timeline``
+    (a JSON file of ``{"steps": [[seconds, size], ...]}``), 2048-token context, 8
+    running requests."""
+    return [
+        "--device-total",
+        "4GiB",
+        "--max-model-len",
+        "2048",
+        "--max-running-requests",
+        "8",
+        "--vram-source",
+        "simulated",
+        "--vram-timeline",
+        str(timeline),
+    ]
+
+
+def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.1):
+    """Poll ``predicate`` every ``interval_s`` seconds until it returns something true
+    (returned); fails the test naming ``what`` after ``timeout_s`` seconds."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(interval_s)
 
 
 def process_gone(pid: int) -> bool:
@@ -170,7 +228,7 @@ class ServerProcess:
 
 @pytest.fixture(scope="session")
 def real_server(tmp_path_factory, default_model_dir) -> Iterator[ServerProcess]:
-    """The default model, 256 KV pages (about 4k tokens) so F5 is cheap to reach."""
+    """The default model, 256 KV pages (about 4k tokens) so a prompt larger than the pool is cheap to reach."""
     server = ServerProcess(tmp_path_factory.mktemp("real"), ["--num-pages", "256"])
     try:
         server.wait_ready()

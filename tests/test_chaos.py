@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from service.bench_chaos import ChaosOptions, run_chaos
+from service.bench.chaos import ChaosOptions, run_chaos
 
 pytestmark = pytest.mark.slow
 

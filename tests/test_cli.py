@@ -17,7 +17,7 @@ import pytest
 from click.testing import CliRunner
 from service_harness import headroom_command
 
-from service.cli import main
+from service.cli.commands import main
 
 QUESTION = "What is the capital of France?"
 

@@ -12,24 +12,24 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from service_harness import engine_info
 
 from engine.memory.plan import LedgerEntry, MemoryPlan
-from engine.messages import EngineInfo, EngineStats, OomEvent
-from service import events as ev
-from service.events import (
+from engine.messages import EngineStats, OomEvent
+from service.events import hub as ev
+from service.events import schemas
+from service.events.hub import EventHub, SubscriptionClosed, VramThrottle
+from service.events.schemas import (
     CLOSE_GOING_AWAY,
     CLOSE_TOO_SLOW,
     CountersEvent,
     EngineInfoEvent,
-    EventHub,
     HealthEvent,
     PlanEvent,
     PlanPoint,
     ReplanEvent,
     RequestErrorEvent,
-    SubscriptionClosed,
     VramEvent,
-    VramThrottle,
     WorkerEvent,
 )
 
@@ -78,26 +78,6 @@ def sample_plan() -> MemoryPlan:
     )
 
 
-def sample_info() -> EngineInfo:
-    return EngineInfo(
-        model_name="m",
-        model_dir="/m",
-        architecture="LlamaForCausalLM",
-        vocab_size=256,
-        max_context_tokens=128,
-        model_context_tokens=128,
-        eos_token_ids=[2],
-        device="cpu",
-        dtype="float32",
-        page_size=16,
-        num_pages=8,
-        kv_cache_bytes=1 << 20,
-        weight_bytes=1 << 20,
-        max_prefill_tokens=64,
-        max_running_requests=4,
-    )
-
-
 # -- publishing, snapshot ------------------------------------------------------------------------
 
 
@@ -113,7 +93,7 @@ def test_publish_stamps_seq_and_ts_and_snapshot_holds_latest():
     )
     hub.publish(WorkerEvent(phase="started", pid=42))
     hub.publish(PlanEvent(plan=sample_plan()))
-    hub.publish(EngineInfoEvent(info=sample_info()))
+    hub.publish(EngineInfoEvent(info=engine_info()))
     hub.publish(CountersEvent(engine=None, in_flight=3))
     for i in range(60):
         hub.publish(
@@ -138,8 +118,8 @@ def test_publish_stamps_seq_and_ts_and_snapshot_holds_latest():
     assert [e.request_id for e in snap.request_errors] == [f"r{i}" for i in range(10, 60)]
     assert [r.action for r in snap.replans] == ["shrink_kv"]
     # Every frame decodes back to its type.
-    text = ev.encode(snap)
-    assert ev.message_decoder.decode(text) == snap
+    text = schemas.encode(snap)
+    assert schemas.message_decoder.decode(text) == snap
     assert json.loads(text)["type"] == "snapshot"
 
 
@@ -177,7 +157,7 @@ def test_events_from_engine_and_supervisor_shapes():
         failed=0,
     )
     c = CountersEvent(engine=stats)
-    assert ev.message_decoder.decode(ev.encode(c)) == c
+    assert schemas.message_decoder.decode(schemas.encode(c)) == c
 
 
 def test_vram_event_from_a_watcher_sample():
@@ -420,7 +400,7 @@ def test_publish_threadsafe():
 
 
 def test_token_created_private_and_reused(tmp_path, monkeypatch):
-    from service import token as tk
+    from service.events import token as tk
 
     monkeypatch.setenv(tk.CONFIG_DIR_ENV, str(tmp_path / "cfg"))
     path = tk.token_path()
@@ -438,7 +418,7 @@ def test_token_created_private_and_reused(tmp_path, monkeypatch):
 
 
 def test_token_invalid_file_replaced(tmp_path):
-    from service import token as tk
+    from service.events import token as tk
 
     path = tmp_path / "token"
     path.write_text("\n")
@@ -452,7 +432,7 @@ def test_token_invalid_file_replaced(tmp_path):
 def test_token_concurrent_creators_agree(tmp_path):
     import concurrent.futures
 
-    from service import token as tk
+    from service.events import token as tk
 
     path = tmp_path / "t" / "token"
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
@@ -464,18 +444,18 @@ def test_token_concurrent_creators_agree(tmp_path):
 
 
 def test_schema_file_matches_python_types():
-    from service.export_schema import SCHEMA_PATH, render
+    from service.events.export_schema import SCHEMA_PATH, render
 
     assert SCHEMA_PATH.read_text(encoding="utf-8") == render(), (
         "ui-bridge/schema/events.schema.json is out of date: run "
-        "`python -m service.export_schema` (then `npm run gen` in ui-bridge)"
+        "`python -m service.events.export_schema` (then `npm run gen` in ui-bridge)"
     )
 
 
 def test_encoded_frames_carry_exactly_the_schema_properties():
     """Every property the schema lists is sent (the TS types mark them required), and
     nothing else is."""
-    from service.export_schema import build_schema
+    from service.events.export_schema import build_schema
 
     defs = build_schema()["$defs"]
     hub = EventHub()
@@ -485,7 +465,7 @@ def test_encoded_frames_carry_exactly_the_schema_properties():
         WorkerEvent(phase="exited", exit_code=None, signal="SIGKILL", reason="killed"),
         vram(GiB),
         PlanEvent(plan=sample_plan()),
-        EngineInfoEvent(info=sample_info()),
+        EngineInfoEvent(info=engine_info()),
         ReplanEvent(action="grow_kv", reason="r", before=point, after=point),
         RequestErrorEvent(request_id="r", code="out_of_memory", message="m", action="failed"),
         CountersEvent(),
@@ -522,7 +502,7 @@ def test_encoded_frames_carry_exactly_the_schema_properties():
 
 
 def test_export_schema_check_flag(tmp_path):
-    from service.export_schema import main
+    from service.events.export_schema import main
 
     out = tmp_path / "s.json"
     assert main(["--check", "--out", str(out)]) == 1

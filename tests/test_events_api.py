@@ -1,4 +1,4 @@
-"""The control plane's router (service/events_api.py) on a tiny standalone Litestar app
+"""The control plane's router (service/events/routes.py) on a tiny standalone Litestar app
 with a fake ControlTarget: token and Origin checks, the control bodies, the event
 socket (snapshot, resume, slow-client drop, 50 connect/disconnect cycles) and the
 dashboard's files. The real supervisor is wired in later; this tests the router."""
@@ -14,17 +14,18 @@ from litestar import Litestar
 from litestar.exceptions import WebSocketDisconnect
 from litestar.testing import TestClient
 
-from service.errors import APIError
-from service.events import (
+from service.api.errors import APIError
+from service.events.hub import EventHub
+from service.events.routes import events_router
+from service.events.schemas import (
     CLOSE_ORIGIN_REFUSED,
     CLOSE_TOO_SLOW,
     CLOSE_UNAUTHORIZED,
     CountersEvent,
-    EventHub,
     HealthEvent,
     WorkerEvent,
 )
-from service.events_api import UI_CSP, dashboard_router, events_router
+from service.http.dashboard import UI_CSP, dashboard_router
 
 TOKEN = "test-token-0123456789abcdef"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -409,7 +410,7 @@ def test_dashboard_files(env):
     r = client.get("/ui/app.js")
     assert r.status_code == 200 and "javascript" in r.headers["content-type"]
     for bad in (
-        "/ui/../service/events.py",
+        "/ui/../service/events/hub.py",
         "/ui/%2e%2e%2fpyproject.toml",
         "/ui/src",
         "/ui/nope.js",

@@ -353,7 +353,7 @@ def test_faults_from_the_environment(tiny_dir, reference, monkeypatch):
 
 
 def test_c01_default_model_first_request_ooms_next_one_answers(default_model_dir, tokenizer_ids):
-    """C01 with the real default model: the first, long request cannot get its prefill
+    """A first request too long for memory, with the real default model: the first, long request cannot get its prefill
     through and fails fast with out_of_memory; the next, small one answers as it did
     before the trouble."""
     long_ids, short_ids = tokenizer_ids

@@ -18,7 +18,7 @@ import msgspec
 import pytest
 
 from engine.memory.plan import GiB, MiB, reserve_for, safety_margin_for
-from service.replan import (
+from service.vram.replan import (
     Decision,
     EmptyPrefixCache,
     NewChunkCap,
@@ -28,7 +28,7 @@ from service.replan import (
     Squeeze,
     default_water_marks,
 )
-from service.vram import (
+from service.vram.sources import (
     CardOfLimit,
     GpuProcess,
     NvmlSource,

@@ -536,14 +536,14 @@ def test_a_desktop_timeline_drives_live_resizes_and_no_request_fails(tiny_dir):
     seen through the simulated watcher, the replan controller deciding, the engine
     resizing its pool under a stream of requests: no request fails, every output equals
     the undisturbed run, the pool follows the timeline, and the decisions do not flap."""
-    from service.replan import (
+    from service.vram.replan import (
         EmptyPrefixCache,
         NewChunkCap,
         NewPoolSize,
         PoolState,
         ReplanController,
     )
-    from service.vram import SimulatedSource
+    from service.vram.sources import SimulatedSource
 
     planned = 204
     stream = _stream(7, 40)

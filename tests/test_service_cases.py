@@ -1,6 +1,8 @@
-"""CASES.md scenarios against a real ``headroom serve`` (default model):
-F5, C06, C11, C12, C14, C15, C16, C17, C19, C20, C22. C08 and C10 are in
-test_service_restart.py."""
+"""Client-facing scenarios against a real ``headroom serve`` (default model): a prompt
+larger than the KV pool (and the service serving on after it), the stream's format
+and usage, UTF-8 split across tokens, ``max_tokens`` edge values, broken bodies, a
+client that goes away, origins and preflight, roles the chat template lacks. A killed
+worker and a taken port are in test_service_restart.py."""
 
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ def engine_counters(http: httpx.Client) -> dict:
     return stats
 
 
-# -- F5 / C06: a prompt larger than the pool -----------------------------------------------
+# -- a prompt larger than the pool -----------------------------------------------------
 
 
 def test_f5_c06_prompt_over_context_is_refused_at_once_then_server_answers(real_server):
@@ -61,14 +63,14 @@ def test_f5_c06_prompt_over_context_is_refused_at_once_then_server_answers(real_
         error = assert_openai_error(r, 400, param="max_tokens", code="context_length_exceeded")
         assert str(context) in error["message"]
 
-        # C06: the next normal request is served.
+        # The next normal request is served.
         r = chat(http, max_tokens=4, temperature=0)
         assert r.status_code == 200, r.text
         r = http.post("/v1/completions", json={"prompt": long_text, "max_tokens": 1})
         assert_openai_error(r, 400, param="prompt", code="context_length_exceeded")
 
 
-# -- C11 / C12: stream format and usage ------------------------------------------------------
+# -- stream format and usage ------------------------------------------------------------
 
 
 def stream_events(http: httpx.Client, path: str, body: dict) -> list:
@@ -116,7 +118,7 @@ def test_c12_usage_in_streams(real_server, path):
     assert all("usage" not in c for c in without[:-1])
 
 
-# -- C14: split UTF-8 ----------------------------------------------------------------------------
+# -- split UTF-8 ------------------------------------------------------------------------------
 
 
 def test_c14_split_utf8_never_shows_replacement_char(real_server):
@@ -143,7 +145,7 @@ def test_c14_split_utf8_never_shows_replacement_char(real_server):
     assert all("\ufffd" not in p for p in chat_pieces)
 
 
-# -- C15: max_tokens edge values -------------------------------------------------------------------
+# -- max_tokens edge values ---------------------------------------------------------------------
 
 
 def test_c15_max_tokens_edges(real_server):
@@ -180,7 +182,7 @@ def test_c15_max_tokens_edges(real_server):
         assert_openai_error(chat(http, max_tokens="ten"), 400, param="max_tokens")
 
 
-# -- C16: broken bodies ------------------------------------------------------------------------------
+# -- broken bodies --------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -228,7 +230,7 @@ def test_c16_routes_and_models_errors(real_server):
         assert_openai_error(r, 400, param="prompt")
 
 
-# -- C17: client goes away ---------------------------------------------------------------------------
+# -- client goes away -----------------------------------------------------------------------------
 
 
 def wait_idle(http: httpx.Client, timeout_s: float) -> dict:
@@ -296,7 +298,7 @@ def test_c17_non_streaming_client_disconnect_aborts(real_server):
     assert after["aborted"] == before["aborted"] + 1
 
 
-# -- C19 / C20: origins and preflight ---------------------------------------------------------------
+# -- origins and preflight ---------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -378,12 +380,12 @@ def test_binds_loopback_only(real_server):
         httpx.get(f"http://{other}:{real_server.port}/api/health", timeout=2)
 
 
-# -- C22: roles the template lacks ---------------------------------------------------------------------
+# -- roles the template lacks -----------------------------------------------------------------------
 
 
 def test_c22_developer_is_system_and_unknown_roles_refused(real_server, default_model_dir):
     from engine.text.chat import render_chat
-    from service.text import load_tokenizer
+    from service.api.text import load_tokenizer
 
     def ask(role: str) -> dict:
         with real_server.client() as http:

@@ -19,13 +19,14 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from service_harness import ServerProcess
+from service_harness import ServerProcess, wait_for
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
+from engine.units import MiB
+
 pytestmark = pytest.mark.slow
 
-MiB = 1 << 20
 
 
 @pytest.fixture(scope="module")
@@ -65,16 +66,6 @@ def token_protocol(server: ServerProcess) -> list[str]:
 
 def recv(ws, timeout: float = 60.0) -> dict:
     return json.loads(ws.recv(timeout=timeout))
-
-
-def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.1):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(interval_s)
 
 
 def subscribers(server: ServerProcess) -> int:

@@ -7,7 +7,7 @@
   and do not flap; ``/api/events`` delivers the ``vram`` and ``replan`` events in order.
 - ``--device-limit`` on a larger simulated card is a card of that size while serving, as
   in the plan: another process's memory counts against it, the pool shrinks and grows.
-- F4: a worker that outlived its SIGKILLed service (stuck in its load) is ended by the
+- A stale worker: one that outlived its SIGKILLed service (stuck in its load) is ended by the
   next start; an unrelated process listed in the same pid file is left alone.
 """
 
@@ -23,7 +23,7 @@ import time
 
 import httpx
 import pytest
-from service_harness import ServerProcess, process_gone
+from service_harness import ServerProcess, process_gone, simulated_vram_args, wait_for
 from websockets.sync.client import connect
 
 pytestmark = pytest.mark.slow
@@ -53,16 +53,6 @@ TIMELINE = {
 TIMELINE_END_S = 20
 MIN_RESULTS = 8
 HOLD_S = 1.0
-
-
-def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.1):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(interval_s)
 
 
 class EventReader(threading.Thread):
@@ -154,22 +144,7 @@ def test_simulated_desktop_timeline_shrinks_and_grows_the_pool_without_failing_r
 ):
     timeline = tmp_path / "timeline.json"
     timeline.write_text(json.dumps(TIMELINE))
-    server = start_server(
-        [
-            "--device-total",
-            "4GiB",
-            "--max-model-len",
-            "2048",
-            "--max-running-requests",
-            "8",
-            "--vram-source",
-            "simulated",
-            "--vram-timeline",
-            str(timeline),
-            "--replan-hold",
-            str(HOLD_S),
-        ]
-    )
+    server = start_server([*simulated_vram_args(timeline), "--replan-hold", str(HOLD_S)])
     ready_at = time.monotonic()  # the timeline started a moment ago, at the first ready
     events = EventReader(server)
     events.start()
@@ -316,11 +291,11 @@ def test_device_limit_is_a_card_of_that_size_while_serving(start_server, tmp_pat
     assert final["engine"]["info"]["num_pages"] == planned_pages
 
 
-# -- F4: a stale worker of a killed service --------------------------------------------------
+# -- a stale worker of a killed service -------------------------------------------------------
 
 
 def test_stale_worker_of_a_killed_service_is_reaped_at_the_next_start(start_server, tmp_path):
-    from service.stale import read_pidfile, record_worker
+    from service.supervision.stale import read_pidfile, record_worker
 
     pidfile = tmp_path / "runtime" / "workers.json"
     first = start_server(env={"HEADROOM_FAKE_ORPHAN": "1"}, fake=True, wait=False)

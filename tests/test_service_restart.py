@@ -1,7 +1,7 @@
 """The worker's life and death, and clean start-up failures, with real server processes:
-C08 (worker killed: stream error, 503 + Retry-After, back to 200), the service killed
+the worker killed (stream error, 503 + Retry-After, back to 200), the service killed
 (no worker left), hung worker, crash loop, retry of requests that had no token yet,
-C10 (port taken), missing model, API key, custom CORS schemes in the config."""
+the port taken, missing model, API key, custom CORS schemes in the config."""
 
 from __future__ import annotations
 
@@ -16,20 +16,15 @@ import time
 import httpx
 import pytest
 from service_harness import ServerProcess, headroom_command, process_gone
+from service_harness import wait_for as harness_wait_for
 from test_service_cases import assert_openai_error
 from test_service_openai import QUESTION, sse_events
 
 pytestmark = pytest.mark.slow
 
 
-def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.05):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(interval_s)
+def wait_for(predicate, timeout_s: float, what: str):
+    return harness_wait_for(predicate, timeout_s, what, interval_s=0.05)
 
 
 def health_status(server: ServerProcess) -> tuple[int, dict]:
@@ -37,7 +32,7 @@ def health_status(server: ServerProcess) -> tuple[int, dict]:
     return r.status_code, r.json()
 
 
-# -- C08: SIGKILL the worker mid-stream ----------------------------------------------------------
+# -- the worker SIGKILLed mid-stream ----------------------------------------------------------------
 
 
 def test_c08_worker_killed_during_stream(start_server):

@@ -1,4 +1,4 @@
-"""Graceful shutdown of a real ``headroom serve`` (service.shutdown): SIGTERM, and SIGINT
+"""Graceful shutdown of a real ``headroom serve`` (service.http.shutdown): SIGTERM, and SIGINT
 to the whole process group as a terminal's Ctrl-C sends it, with a stream and a
 non-streaming request in flight. New requests get 503 + Retry-After while the drain
 runs; requests that finish in time finish; those past --shutdown-timeout end with an

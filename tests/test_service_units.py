@@ -11,11 +11,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from service.errors import APIError, decode_body
-from service.generation import resolve_max_tokens, stop_strings
-from service.openai_schemas import ChatCompletionRequest
-from service.security import SecurityMiddleware, host_name, is_loopback_host
-from service.settings import DEFAULT_PORT, SettingsError, parse_size, resolve
+from service.api.errors import APIError, decode_body
+from service.api.generation import resolve_max_tokens, stop_strings
+from service.api.schemas import ChatCompletionRequest
+from service.cli.settings import DEFAULT_PORT, SettingsError, parse_size, resolve
+from service.http.security import SecurityMiddleware, host_name, is_loopback_host
 
 # -- settings -----------------------------------------------------------------------------
 
@@ -157,8 +157,8 @@ def test_explicit_config_file_must_exist(tmp_path):
 def test_serve_help_documents_every_option():
     from click.testing import CliRunner
 
-    from service.cli import main
-    from service.settings import OPTIONS
+    from service.cli.commands import main
+    from service.cli.settings import OPTIONS
 
     text = CliRunner().invoke(main, ["serve", "--help"], terminal_width=200).output
     for option in OPTIONS:
@@ -294,12 +294,16 @@ def test_wildcard_origin():
 
 def test_service_modules_never_import_torch(default_model_dir):
     code = f"""
-import asyncio, sys
-import service.cli, service.app, service.bench_serve, service.worker_process
-import service.bench_chaos, service.chaos_requests, service.shutdown
-from service.app import create_app
-from service.settings import resolve
-from service.text import TextSide
+import asyncio, importlib, pkgutil, sys
+import service
+import service.cli.commands, service.http.app, service.bench.serve, service.supervision.worker_process
+for module in pkgutil.walk_packages(service.__path__, "service."):
+    if not module.name.endswith("__main__"):
+        importlib.import_module(module.name)
+import service.bench.chaos, service.bench.chaos_requests, service.http.shutdown
+from service.http.app import create_app
+from service.cli.settings import resolve
+from service.api.text import TextSide
 create_app(resolve({{}}, env={{"HEADROOM_CONFIG": "/dev/null"}}))
 text = asyncio.run(TextSide.load({default_model_dir!r}))
 assert text.tokenizer.encode("hello")
@@ -328,7 +332,7 @@ def test_running_service_has_no_torch_loaded(real_server):
 
 
 def test_engine_errors_map_out_of_memory_to_503_with_retry_after():
-    from service.generation import engine_error
+    from service.api.generation import engine_error
 
     oom = engine_error("out_of_memory", "out of device memory: ...")
     assert oom.status == 503
@@ -342,7 +346,9 @@ def test_engine_errors_map_out_of_memory_to_503_with_retry_after():
 def test_engine_events_cross_the_pipe_and_are_kept_as_request_errors():
     from engine.ipc import EngineEvents, encode, from_worker_decoder
     from engine.messages import OomEvent, ReplanWanted
-    from service.state import KEEP_REQUEST_ERRORS, Services
+    from service.events.hub import EventHub
+    from service.events.schemas import DEFAULT_KEEP_REQUEST_ERRORS
+    from service.http.state import Services
 
     failed = OomEvent(
         request_id="chatcmpl-1-0", phase="prefill", tokens_in_step=16, action="failed", message="m"
@@ -354,15 +360,20 @@ def test_engine_events_cross_the_pipe_and_are_kept_as_request_errors():
     message = EngineEvents([failed, retried, replan])
     assert from_worker_decoder.decode(encode(message)) == message
 
-    svc = Services(settings=None, supervisor=None)  # type: ignore[arg-type]
+    hub = EventHub()
+    svc = Services(settings=None, supervisor=None, events=hub)  # type: ignore[arg-type]
     for event in message.events:
         svc.record_engine_event(event)
-    assert [(e.request_id, e.code, e.phase) for e in svc.request_errors] == [
-        ("chatcmpl-1-0", "out_of_memory", "prefill")
+    snap = hub.snapshot()
+    assert [(e.request_id, e.code, e.phase, e.action) for e in snap.request_errors] == [
+        ("chatcmpl-1-0", "out_of_memory", "prefill", "failed"),
+        ("chatcmpl-2-0", "out_of_memory", "decode", "preempted"),
     ]
     counts = svc.engine_events
-    assert (counts.oom_steps, counts.oom_failed_requests, counts.replans_wanted) == (2, 1, 1)
-    assert counts.last_replan == replan
-    for _ in range(KEEP_REQUEST_ERRORS + 5):
+    assert (counts.oom_steps, counts.oom_failed_requests, counts.replans) == (2, 1, 1)
+    assert snap.counters is not None
+    assert (snap.counters.oom_steps, snap.counters.oom_failed_requests) == (2, 1)
+    assert snap.counters.replans == 1
+    for _ in range(DEFAULT_KEEP_REQUEST_ERRORS + 5):
         svc.record_engine_event(failed)
-    assert len(svc.request_errors) == KEEP_REQUEST_ERRORS
+    assert len(hub.snapshot().request_errors) == DEFAULT_KEEP_REQUEST_ERRORS

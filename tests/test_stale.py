@@ -1,4 +1,4 @@
-"""The restart-race guard (CASES.md F4) with real processes.
+"""The restart-race guard (a stale worker outlives its killed service) with real processes.
 
 A fake service spawns a worker the way the supervisor does (multiprocessing *spawn*),
 records it in the pid file and is killed with SIGKILL: its worker survives it. The next
@@ -23,8 +23,9 @@ from pathlib import Path
 import pytest
 
 from engine.memory.plan import GiB
-from service import stale
-from service.stale import (
+from service.supervision import stale
+from service.supervision.release import wait_for_release
+from service.supervision.stale import (
     ENDED,
     GONE,
     LEFT_ALONE,
@@ -38,9 +39,8 @@ from service.stale import (
     reap_stale_workers,
     record_worker,
     start_time,
-    wait_for_release,
 )
-from service.vram import NvmlSource, SimulatedSource
+from service.vram.sources import NvmlSource, SimulatedSource
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc")
 
@@ -50,7 +50,7 @@ FAKE_SERVICE = textwrap.dedent(
     """
     import multiprocessing, sys, time
     from pathlib import Path
-    from service.stale import record_worker
+    from service.supervision.stale import record_worker
 
     if __name__ == "__main__":
         worker = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(300,), daemon=True)

@@ -18,6 +18,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from service_harness import simulated_vram_args
 
 pytestmark = pytest.mark.slow
 
@@ -50,20 +51,7 @@ def test_dashboard_in_headless_chromium(start_server, tmp_path):
     steps = [[t / 2, f"{210 + 110 * math.sin(t / 3):.0f}MiB"] for t in range(1200)]
     timeline = tmp_path / "timeline.json"
     timeline.write_text(json.dumps({"steps": steps}))
-    server = start_server(
-        [
-            "--device-total",
-            "4GiB",
-            "--max-model-len",
-            "2048",
-            "--max-running-requests",
-            "8",
-            "--vram-source",
-            "simulated",
-            "--vram-timeline",
-            str(timeline),
-        ]
-    )
+    server = start_server(simulated_vram_args(timeline))
     out = tmp_path / "browser-test-out"
     result = subprocess.run(
         ["node", "scripts/browser-test.mjs", "--out", str(out), "--chromium", CHROMIUM],

@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 import pytest
 from click.testing import CliRunner
+from service_harness import engine_info as info
 
 from engine import ipc
 from engine.memory.plan import LedgerEntry, MemoryPlan
@@ -33,20 +34,18 @@ from engine.messages import (
     ReplanWanted,
     ResizeResult,
 )
-from service.events import EventHub
-from service.settings import SettingsError, resolve
-from service.state import CONTROL_REASON, Services, bytes_asked
-from service.supervisor import State
-from service.vram import SimulatedSource
-from service.watcher import (
+from engine.units import GiB, MiB
+from service.cli.settings import SettingsError, resolve
+from service.events.hub import EventHub
+from service.http.state import CONTROL_REASON, Services, bytes_asked
+from service.supervision.states import State
+from service.vram.sources import SimulatedSource
+from service.vram.watcher import (
     TimelineError,
     VramWatcher,
     load_timeline,
     simulated_ours_bytes,
 )
-
-MiB = 1 << 20
-GiB = 1 << 30
 
 STATS = EngineStats(
     running=0,
@@ -62,47 +61,34 @@ STATS = EngineStats(
 )
 
 
-def info(**kw: Any) -> EngineInfo:
-    base = dict(
-        model_name="m",
-        model_dir="/m",
-        architecture="A",
-        vocab_size=10,
-        max_context_tokens=2048,
-        model_context_tokens=2048,
-        eos_token_ids=[0],
-        device="cpu",
-        dtype="float32",
-        page_size=16,
-        num_pages=101,
-        kv_cache_bytes=101 * MiB,
-        weight_bytes=0,
-        max_prefill_tokens=2048,
-        max_running_requests=8,
+def pool_stats(
+    pages: int, *, min_pages: int, activation_bytes_per_token: int, max_context_tokens: int
+) -> ipc.PoolStats:
+    """A worker's pool at its plan: ``pages`` pages of 1 MiB (the null page among them, so
+    one fewer free), a 2048-token prefill chunk (256 at the least), an empty prefix
+    cache, 1 GiB besides the pool."""
+    return ipc.PoolStats(
+        pages=pages,
+        planned_pages=pages,
+        min_pages=min_pages,
+        page_bytes=MiB,
+        pool_bytes=pages * MiB,
+        prefill_chunk=2048,
+        planned_prefill_chunk=2048,
+        min_prefill_chunk=256,
+        activation_bytes_per_token=activation_bytes_per_token,
+        free_pages=pages - 1,
+        cached_pages=0,
+        max_context_tokens=max_context_tokens,
+        fixed_bytes=GiB,
     )
-    base.update(kw)
-    return EngineInfo(**base)
 
 
 # -- IPC ---------------------------------------------------------------------------------------
 
 
 def test_replan_commands_and_answers_cross_the_pipe():
-    pool = ipc.PoolStats(
-        pages=101,
-        planned_pages=101,
-        min_pages=33,
-        page_bytes=MiB,
-        pool_bytes=101 * MiB,
-        prefill_chunk=2048,
-        planned_prefill_chunk=2048,
-        min_prefill_chunk=256,
-        activation_bytes_per_token=1024,
-        free_pages=100,
-        cached_pages=0,
-        max_context_tokens=1600,
-        fixed_bytes=GiB,
-    )
+    pool = pool_stats(101, min_pages=33, activation_bytes_per_token=1024, max_context_tokens=1600)
     for command in (
         ipc.SetPrefillChunk(seq=1, tokens=512, reason="r"),
         ipc.EvictPrefixCache(seq=2, reason="r"),
@@ -346,20 +332,8 @@ class FakeSupervisor:
 
 
 def test_the_watcher_follows_a_simulated_timeline_with_commands():
-    pool = ipc.PoolStats(
-        pages=2001,
-        planned_pages=2001,
-        min_pages=129,
-        page_bytes=MiB,
-        pool_bytes=2001 * MiB,
-        prefill_chunk=2048,
-        planned_prefill_chunk=2048,
-        min_prefill_chunk=256,
-        activation_bytes_per_token=16 << 10,
-        free_pages=2000,
-        cached_pages=0,
-        max_context_tokens=2048,
-        fixed_bytes=GiB,
+    pool = pool_stats(
+        2001, min_pages=129, activation_bytes_per_token=16 << 10, max_context_tokens=2048
     )
     sup = FakeSupervisor(pool)
     now = [0.0]
@@ -464,7 +438,7 @@ def test_vram_and_replan_settings(tmp_path):
 
 
 def test_serve_help_documents_the_vram_options():
-    from service.cli import main
+    from service.cli.commands import main
 
     out = CliRunner().invoke(main, ["serve", "--help"], env={"HEADROOM_CONFIG": os.devnull}).output
     for flag in ("--vram-source", "--vram-timeline", "--vram-hz", "--replan-low", "--replan-high"):
@@ -473,7 +447,7 @@ def test_serve_help_documents_the_vram_options():
 
 
 def test_headroom_token_prints_the_file_and_the_dashboard_address(tmp_path):
-    from service.cli import main
+    from service.cli.commands import main
 
     env = {"HEADROOM_CONFIG": os.devnull, "HEADROOM_CONFIG_DIR": str(tmp_path / "cfg")}
     result = CliRunner().invoke(main, ["token", "--port", "9123"], env=env)

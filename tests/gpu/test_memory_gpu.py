@@ -18,8 +18,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import PlanDoesNotFit
 from engine.messages import GenerateRequest, SamplingParams
-
-GiB = 1 << 30
+from engine.units import GiB
 
 
 def qwen3(tmp_path) -> str:

@@ -24,8 +24,8 @@ import torch
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.messages import REPLAN_RESIZE_POOL, GenerateRequest, Replanned, SamplingParams
+from engine.units import GiB
 
-GiB = 1 << 30
 LIMIT = 16 * GiB
 
 HOG = r"""
@@ -76,7 +76,7 @@ def test_pool_follows_a_second_process_and_no_request_fails(capped):
     if not gguf:
         pytest.skip("HEADROOM_TEST_GGUF (the SmolLM2 GGUF) is not set")
     from engine.text.tokenizer import load_tokenizer
-    from service.replan import (
+    from service.vram.replan import (
         EmptyPrefixCache,
         NewChunkCap,
         NewPoolSize,
@@ -84,7 +84,7 @@ def test_pool_follows_a_second_process_and_no_request_fails(capped):
         ReplanController,
         default_water_marks,
     )
-    from service.vram import NvmlSource
+    from service.vram.sources import NvmlSource
 
     capped(LIMIT)
     # float32: a resize may preempt and recompute or lower the prefill chunk, and bf16's

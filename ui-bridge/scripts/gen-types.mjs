@@ -1,5 +1,5 @@
 // Generates src/types.ts from schema/events.schema.json (which the service exports with
-// `python -m service.export_schema`). Run: `npm run gen`. No dependencies, deterministic:
+// `python -m service.events.export_schema`). Run: `npm run gen`. No dependencies, deterministic:
 // test/types.test.ts regenerates in memory and fails when src/types.ts differs.
 import { readFileSync, writeFileSync } from "node:fs";
 import { dirname, join } from "node:path";
@@ -44,7 +44,7 @@ function doc(text, indent = "") {
 export function generate(schema) {
   const out = [
     "// Generated from schema/events.schema.json by scripts/gen-types.mjs: do not edit.",
-    "// Regenerate with `npm run gen` after `python -m service.export_schema`.",
+    "// Regenerate with `npm run gen` after `python -m service.events.export_schema`.",
     "",
   ];
   for (const [name, def] of Object.entries(schema.$defs)) {

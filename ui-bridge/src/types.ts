@@ -1,5 +1,5 @@
 // Generated from schema/events.schema.json by scripts/gen-types.mjs: do not edit.
-// Regenerate with `npm run gen` after `python -m service.export_schema`.
+// Regenerate with `npm run gen` after `python -m service.events.export_schema`.
 
 /**
  * Body of `POST /api/control/cache`. `kv_cache`: the KV pool's size (bytes or

@@ -1,0 +1,213 @@
+"""Every error the HTTP surface returns, in OpenAI's shape, mapped in one place.
+
+Body: ``{"error": {"message": str, "type": str, "param": str | null, "code": str | null}}``.
+:data:`EXCEPTION_HANDLERS` is given to the Litestar app, so an exception raised
+anywhere (a route, body decoding, a missing route, a bug) leaves as this shape with
+the right status: 400 for a request at fault (with ``param``), 401 for a missing API
+key, 403 for a refused Host or Origin, 404 for an unknown route or model, 503 while
+the engine is not ready (with Retry-After), 500 only for a bug, never as plain text.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any, TypeVar
+
+import msgspec
+from litestar import Request, Response
+from litestar.exceptions import HTTPException
+
+from engine.errors import RequestRejected
+from engine.text.chat import ChatTemplateError
+from service.supervision.states import NotReady, State
+
+log = logging.getLogger("headroom.api")
+
+T = TypeVar("T")
+
+INVALID_REQUEST = "invalid_request_error"
+AUTHENTICATION = "authentication_error"
+PERMISSION = "permission_error"
+NOT_FOUND = "not_found_error"
+SERVER_ERROR = "server_error"
+
+
+class APIError(Exception):
+    """An error answered as OpenAI's error object.
+
+    Args:
+        status: HTTP status code.
+        message: for a person: what is wrong and what to do.
+        type: OpenAI's error type (``invalid_request_error``, ``server_error``...).
+        param: the request field at fault (``"messages[0].role"``), or None.
+        code: a machine-readable code (``"context_length_exceeded"``), or None.
+        headers: extra response headers (``Retry-After``).
+    """
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = INVALID_REQUEST,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(
+    message: str, type: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    """OpenAI's error object as a dict."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    """A 400 for a request that cannot be served as sent."""
+    return APIError(400, message, param=param, code=code)
+
+
+def from_not_ready(exc: NotReady) -> APIError:
+    """503 while starting/restarting (with Retry-After) or failed."""
+    code = {
+        State.STARTING: "engine_starting",
+        State.RESTARTING: "engine_restarting",
+        State.FAILED: "engine_failed",
+        State.STOPPED: "server_shutting_down",
+    }.get(exc.state, "engine_unavailable")
+    headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s is not None else {}
+    return APIError(503, exc.message, type=SERVER_ERROR, code=code, headers=headers)
+
+
+def from_rejected(exc: RequestRejected) -> APIError:
+    """A request the engine refuses to queue (e.g. longer than its KV pool)."""
+    return APIError(400, exc.message, param=exc.param, code=exc.code)
+
+
+# -- request bodies -----------------------------------------------------------------------
+
+_PATH = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
+_MISSING = re.compile(r"missing required field `(?P<field>[^`]+)`")
+
+
+def decode_body(raw: bytes, type_: type[T]) -> T:
+    """Decode a JSON request body into ``type_`` (a msgspec struct).
+
+    Raises:
+        APIError: 400 for an empty body, invalid JSON (invalid UTF-8, ``NaN``...), a
+            JSON value that is not an object, a missing field or a field of the wrong
+            type or value; ``param`` names the field (``"messages[0].content"``) when
+            there is one. Anything else the decoder cannot take (nesting deeper than
+            its recursion limit, a number too large for memory) is a 400 too: a body
+            is the client's to fix, never a 500.
+    """
+    if not raw.strip():
+        raise invalid("the request body is empty; send a JSON object")
+    try:
+        return msgspec.json.decode(raw, type=type_)
+    except RecursionError:
+        raise invalid(
+            "the request body is nested too deeply to decode; flatten the JSON", code="too_deep"
+        ) from None
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        param = None
+        match = _PATH.search(text)
+        if match:
+            param = match.group("path") or None
+            text = text[: match.start()]
+        missing = _MISSING.search(text)
+        if missing:
+            param = f"{param}.{missing.group('field')}" if param else missing.group("field")
+        if text.startswith("Expected `object`") and param is None:
+            text = f"the request body must be a JSON object: {text}"
+        raise invalid(f"invalid request: {text}", param) from None
+    except msgspec.DecodeError as exc:
+        raise invalid(f"the request body is not valid JSON: {exc}") from None
+    except (ValueError, MemoryError, OverflowError) as exc:
+        raise invalid(f"the request body cannot be decoded: {type(exc).__name__}") from None
+
+
+# -- exception handlers ---------------------------------------------------------------------
+
+
+def _response(error: APIError, request: Request | None = None) -> Response[Any]:
+    if request is not None:
+        # The one line a refused request leaves: no traceback, the path without its
+        # query (where a token could be).
+        log.info(
+            "%s %s -> %d %s%s",
+            request.method,
+            request.url.path,
+            error.status,
+            error.type,
+            f" ({error.code})" if error.code else "",
+        )
+    return Response(content=error.body(), status_code=error.status, headers=error.headers)
+
+
+def _api_error(request: Request, exc: APIError) -> Response[Any]:
+    return _response(exc, request)
+
+
+def _not_ready(_: Request, exc: NotReady) -> Response[Any]:
+    return _response(from_not_ready(exc))
+
+
+def _template_error(_: Request, exc: ChatTemplateError) -> Response[Any]:
+    return _response(invalid(exc.message, exc.param))
+
+
+def _rejected(_: Request, exc: RequestRejected) -> Response[Any]:
+    return _response(from_rejected(exc))
+
+
+def _http_error(request: Request, exc: HTTPException) -> Response[Any]:
+    status = exc.status_code
+    if status == 413:
+        limit = request.route_handler.resolve_request_max_body_size()
+        error = APIError(
+            413,
+            f"the request body is larger than this server takes ({limit} bytes); "
+            "send a smaller one or raise --max-body-size",
+            code="request_too_large",
+        )
+    elif status == 404:
+        error = APIError(404, f"no route for this path: {exc.detail}", type=NOT_FOUND)
+    elif status == 405:
+        error = APIError(405, f"method not allowed: {exc.detail}", code="method_not_allowed")
+    elif status >= 500:
+        error = APIError(status, str(exc.detail), type=SERVER_ERROR)
+    else:
+        error = APIError(status, str(exc.detail))
+    error.headers.update(exc.headers or {})
+    return _response(error, request)
+
+
+def _unexpected(request: Request, exc: Exception) -> Response[Any]:
+    log.exception("unexpected error in %s %s", request.method, request.url.path)
+    return _response(
+        APIError(500, f"internal error: {type(exc).__name__}: {exc}", type=SERVER_ERROR)
+    )
+
+
+EXCEPTION_HANDLERS: dict[type[Exception], Any] = {
+    APIError: _api_error,
+    NotReady: _not_ready,
+    ChatTemplateError: _template_error,
+    RequestRejected: _rejected,
+    HTTPException: _http_error,
+    Exception: _unexpected,
+}

@@ -1,0 +1,179 @@
+"""The service's OpenAPI 3.1 document, served at ``GET /schema/openapi.json``.
+
+Built from the same msgspec types the routes decode and encode (request bodies,
+answers, the error object), not from handler signatures: the OpenAI routes decode
+their bodies themselves (so every defect answers OpenAI's 400 with ``param``), which
+a signature-based generator could not see. Each operation lists every status it may
+answer, with its body: 200/202, 400 (the request), 401 (a missing API key or local
+token), 403 (a refused Origin), 404 (a model or route), 413 (``--max-body-size``),
+503 (engine not ready, ``queue_full`` or ``out_of_memory``, with Retry-After), 504
+(``--request-timeout``), and 500 only for a bug. Streaming answers
+(``"stream": true``) are ``text/event-stream``: ``data: <chunk JSON>`` events, then
+``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import msgspec
+from litestar import Response, get
+
+from service.api.schemas import (
+    ChatCompletion,
+    ChatCompletionRequest,
+    Completion,
+    CompletionRequest,
+    ErrorResponse,
+    ModelList,
+)
+from service.events.routes import CacheRequest, ControlResponse, ReserveRequest
+from service.events.schemas import Snapshot
+
+SCHEMA_PATH = "/schema/openapi.json"
+_REF = "#/components/schemas/{name}"
+
+_ERROR_TEXT = {
+    400: "The request cannot be served as sent; `param` names the field.",
+    401: "A valid secret is required as `Authorization: Bearer <secret>`.",
+    403: "The Origin or Host is not allowed.",
+    404: "No such model (or route).",
+    405: "Method not allowed.",
+    409: "The action conflicts with the engine's state (e.g. while it restarts).",
+    413: "The body is larger than --max-body-size.",
+    500: "A bug in the server.",
+    501: "The action is not supported here.",
+    503: "The engine is not ready, too many requests wait for it (queue_full), or the "
+    "device ran out of memory for this request; see Retry-After.",
+    504: "The request ran past --request-timeout.",
+}
+
+
+def _json(schema_name: str) -> dict[str, Any]:
+    return {"application/json": {"schema": {"$ref": _REF.format(name=schema_name)}}}
+
+
+def _errors(*statuses: int) -> dict[str, Any]:
+    return {
+        str(s): {"description": _ERROR_TEXT[s], "content": _json("ErrorResponse")} for s in statuses
+    }
+
+
+_BEARER = [{"bearer": []}]
+_GENERATION_ERRORS = (400, 401, 403, 404, 405, 413, 500, 503, 504)
+_CONTROL_ERRORS = (400, 401, 403, 405, 409, 413, 500, 501, 503)
+
+
+def _generation(request: str, answer: str, summary: str) -> dict[str, Any]:
+    return {
+        "post": {
+            "summary": summary,
+            "security": _BEARER,
+            "requestBody": {"required": True, "content": _json(request)},
+            "responses": {
+                "200": {
+                    "description": "The completion; with `stream: true`, Server-Sent Events "
+                    "ending with `data: [DONE]` (an error after the stream began is an "
+                    '`{"error": ...}` event before it).',
+                    "content": {
+                        **_json(answer),
+                        "text/event-stream": {"schema": {"type": "string"}},
+                    },
+                },
+                **_errors(*_GENERATION_ERRORS),
+            },
+        }
+    }
+
+
+def _control(request: str | None, summary: str) -> dict[str, Any]:
+    operation: dict[str, Any] = {
+        "summary": summary,
+        "security": _BEARER,
+        "responses": {
+            "202": {"description": "Done (or started).", "content": _json("ControlResponse")},
+            **_errors(*_CONTROL_ERRORS),
+        },
+    }
+    if request is not None:
+        operation["requestBody"] = {"required": True, "content": _json(request)}
+    return {"post": operation}
+
+
+def openapi_document() -> dict[str, Any]:
+    """The OpenAPI 3.1 document as a dict (see the module docstring)."""
+    _, components = msgspec.json.schema_components(
+        [
+            ChatCompletionRequest,
+            CompletionRequest,
+            ChatCompletion,
+            Completion,
+            ModelList,
+            ErrorResponse,
+            Snapshot,
+            ControlResponse,
+            ReserveRequest,
+            CacheRequest,
+        ],
+        ref_template=_REF,
+    )
+    health = {
+        "description": "The engine's state (`status`: ready, starting, restarting, failed).",
+        "content": {"application/json": {"schema": {"type": "object"}}},
+    }
+    paths = {
+        "/v1/models": {
+            "get": {
+                "summary": "The served model; `context_length` is the context one request "
+                "can use now (it follows the KV pool).",
+                "security": _BEARER,
+                "responses": {
+                    "200": {"description": "The model list.", "content": _json("ModelList")},
+                    **_errors(401, 403, 503),
+                },
+            }
+        },
+        "/v1/chat/completions": _generation(
+            "ChatCompletionRequest", "ChatCompletion", "Chat completion."
+        ),
+        "/v1/completions": _generation("CompletionRequest", "Completion", "Text completion."),
+        "/api/health": {
+            "get": {
+                "summary": "Is the engine serving.",
+                "responses": {"200": health, "503": health, **_errors(403)},
+            }
+        },
+        "/api/status": {
+            "get": {
+                "summary": "The event hub's snapshot.",
+                "responses": {
+                    "200": {"description": "The snapshot.", "content": _json("Snapshot")},
+                    **_errors(401, 403),
+                },
+            }
+        },
+        "/api/control/restart": _control(None, "Restart the worker."),
+        "/api/control/reserve": _control("ReserveRequest", "Set the memory reserve."),
+        "/api/control/cache": _control("CacheRequest", "Resize the KV pool / clear the cache."),
+    }
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "headroom", "version": "0.1.0"},
+        "paths": paths,
+        "components": {
+            "schemas": components,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+    }
+
+
+@get(SCHEMA_PATH, sync_to_thread=False, include_in_schema=False)
+def openapi_route() -> Response[bytes]:
+    """``GET /schema/openapi.json`` (open, like ``/api/health``)."""
+    return Response(_encoded(), media_type="application/json")
+
+
+@functools.cache
+def _encoded() -> bytes:
+    return msgspec.json.encode(openapi_document())

@@ -1,0 +1,202 @@
+"""Request and response bodies of the OpenAI-compatible API, as msgspec structs.
+
+Requests decode leniently where OpenAI's clients expect it: unknown fields are
+ignored (new client versions send new fields). Fields we cannot honour are declared
+so that setting them is refused with a 400 naming the field rather than silently
+ignored (``logprobs``, ``tools``, ``response_format`` other than text, ``logit_bias``,
+``echo``, ``suffix``, ``best_of`` above ``n``); their neutral values are accepted.
+Extensions beyond OpenAI, as vLLM names them: ``top_k``, ``min_p``,
+``repetition_penalty``, ``ignore_eos``.
+
+Integer and number ranges are declared on the fields (``msgspec.Meta``), so decoding
+refuses a value outside them with a 400 naming the field, and the OpenAPI document
+(:mod:`service.api.openapi`) states them: ``seed`` 0..2**63-1, ``n`` 1..128, ``top_k``
+-1..2**31-1, ``max_tokens`` from 0 (its upper bound is the context, checked with the
+prompt), ``temperature`` 0..2, ``top_p`` and ``min_p`` 0..1, penalties -2..2.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import UNSET, Meta, UnsetType
+
+SEED_MAX = (1 << 63) - 1
+MAX_N = 128
+TOP_K_MAX = (1 << 31) - 1
+
+Seed = Annotated[int, Meta(ge=0, le=SEED_MAX)]
+TokenCount = Annotated[int, Meta(ge=0)]
+N = Annotated[int, Meta(ge=1, le=MAX_N)]
+TopK = Annotated[int, Meta(ge=-1, le=TOP_K_MAX)]
+Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
+Probability = Annotated[float, Meta(ge=0.0, le=1.0)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool = False
+
+
+class _SamplingFields(msgspec.Struct, kw_only=True):
+    """Fields shared by chat and text completions."""
+
+    model: str | None = None
+    max_tokens: TokenCount | None = None
+    temperature: Temperature | None = None
+    top_p: Probability | None = None
+    top_k: TopK | None = None
+    min_p: Probability | None = None
+    seed: Seed | None = None
+    stop: str | list[str] | None = None
+    n: N = 1
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    ignore_eos: bool = False
+    logit_bias: dict[str, float] | None = None
+
+
+class ChatCompletionRequest(_SamplingFields, kw_only=True):
+    """``POST /v1/chat/completions``. ``messages`` items are ``{"role", "content"}``
+    objects; content is a string or a list of ``{"type": "text", "text"}`` parts.
+    ``max_completion_tokens`` wins over ``max_tokens``; both absent (or null) mean
+    "up to the rest of the context"."""
+
+    messages: Annotated[list[dict[str, Any]], Meta(min_length=1)]
+    max_completion_tokens: TokenCount | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+
+
+class CompletionRequest(_SamplingFields, kw_only=True):
+    """``POST /v1/completions``. ``prompt`` is a string, a list of strings, a list of
+    token ids or a list of those; each prompt yields ``n`` choices. ``max_tokens``
+    defaults to 16, as OpenAI's does."""
+
+    prompt: str | list[Any]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ErrorObject(msgspec.Struct, kw_only=True):
+    """OpenAI's error object: ``param`` names the request field at fault, ``code`` is
+    machine-readable (``context_length_exceeded``, ``invalid_api_key``...)."""
+
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(msgspec.Struct, kw_only=True):
+    """Every error the HTTP surface answers: ``{"error": {...}}``."""
+
+    error: ErrorObject
+
+
+class Usage(msgspec.Struct, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ChatMessageOut(msgspec.Struct, kw_only=True):
+    role: str
+    content: str
+
+
+class ChatChoice(msgspec.Struct, kw_only=True):
+    index: int
+    message: ChatMessageOut
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class ChatCompletion(msgspec.Struct, kw_only=True):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    object: str = "chat.completion"
+    system_fingerprint: str | None = None
+
+
+class Delta(msgspec.Struct, kw_only=True, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(msgspec.Struct, kw_only=True):
+    index: int
+    delta: Delta
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(msgspec.Struct, kw_only=True):
+    """One SSE event of a chat stream. ``usage`` is absent unless the client asked for
+    it (``stream_options.include_usage``): then null on every chunk but the last."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    object: str = "chat.completion.chunk"
+    usage: Usage | None | UnsetType = UNSET
+
+
+class TextChoice(msgspec.Struct, kw_only=True):
+    index: int
+    text: str
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class Completion(msgspec.Struct, kw_only=True):
+    id: str
+    created: int
+    model: str
+    choices: list[TextChoice]
+    usage: Usage
+    object: str = "text_completion"
+
+
+class CompletionChunk(msgspec.Struct, kw_only=True):
+    id: str
+    created: int
+    model: str
+    choices: list[TextChoice]
+    object: str = "text_completion"
+    usage: Usage | None | UnsetType = UNSET
+
+
+class ModelCard(msgspec.Struct, kw_only=True):
+    """One served model. ``context_length`` is what one request can really use (prompt
+    plus completion, in tokens): the smaller of the model's own context and what the
+    KV pool holds; ``model_context_length`` is the model's own."""
+
+    id: str
+    created: int
+    context_length: int
+    max_model_len: int
+    model_context_length: int
+    object: str = "model"
+    owned_by: str = "headroom"
+
+
+class ModelList(msgspec.Struct, kw_only=True):
+    data: list[ModelCard]
+    object: str = "list"

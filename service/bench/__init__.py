@@ -1,0 +1,1 @@
+"""Benchmarks against the service: ``bench serve``, the event fan-out, ``bench chaos``."""

@@ -1,0 +1,2 @@
+"""The control plane: event schemas and hub, the WebSocket and control routes, the local
+token, and the schema export for ``ui-bridge/``."""

@@ -1,0 +1,137 @@
+"""The control actions of ``/api/control/*`` carried out on the supervisor.
+
+:class:`SupervisorControl` implements :class:`service.events.routes.ControlTarget`: the
+router checks the token and the Origin and parses the bodies; this turns each action
+into what the supervisor (and its VRAM watcher) does. A change of the KV pool or the
+prefix cache is a command to the worker (:meth:`Supervisor.run_command`); the engine's
+``Replanned`` answer becomes a ``replan`` event named ``set_kv_cache`` or
+``clear_prefix_cache``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from engine import ipc
+from engine.memory.plan import fmt_bytes
+from engine.messages import BY_CONTROL
+from service.api.errors import APIError
+from service.http.state import CONTROL_REASON
+from service.supervision.states import State
+from service.supervision.supervisor import Supervisor
+from service.vram.watcher import VramWatcher
+
+
+class SupervisorControl:
+    """The control actions on one supervisor.
+
+    Args:
+        supervisor: the service's supervisor.
+        watcher: its VRAM watcher (the reserve, and the KV pool ceiling grows stop at);
+            None: those actions answer 501.
+        command_timeout_s: how long a command may wait for the worker.
+    """
+
+    def __init__(
+        self,
+        supervisor: Supervisor,
+        watcher: VramWatcher | None = None,
+        *,
+        command_timeout_s: float = 30.0,
+    ) -> None:
+        self.supervisor = supervisor
+        self.watcher = watcher
+        self.command_timeout_s = command_timeout_s
+
+    def restart(self) -> str:
+        """Kill the worker (if any) and start a new one, also from ``failed``.
+
+        Raises:
+            APIError: 409 while the service is shutting down.
+        """
+        sup = self.supervisor
+        if sup.state is State.STOPPED:
+            raise APIError(409, "the service is shutting down", code="stopping")
+        pid = sup.worker_pid if sup.worker_alive else None
+        sup.restart()
+        return f"restarting the worker (pid {pid})" if pid else "starting a new worker"
+
+    def set_reserve(self, reserve: int | Literal["auto"]) -> str:
+        """Keep ``reserve`` bytes free for the desktop (``"auto"``: the default rule);
+        the watcher replans against it from its next sample. Held in memory: a restart
+        of the service goes back to ``--reserve``."""
+        if self.watcher is None:
+            raise NotImplementedError("this service has no VRAM watcher")
+        return self.watcher.set_reserve(reserve)
+
+    async def set_kv_cache(self, kv_cache_bytes: int | None) -> str:
+        """Resize the KV pool to ``kv_cache_bytes`` (whole pages, rounded down), live;
+        None goes back to the plan's size. The size is also the ceiling the watcher
+        grows back to until it is changed again.
+
+        Raises:
+            NotReady: no worker is ready (503).
+            ValueError: smaller than one request of the minimum context (400).
+            NotImplementedError: the engine cannot resize its pool (501).
+            APIError: 409 when the worker refused (e.g. out of device memory growing),
+                503 when it did not answer.
+        """
+        sup = self.supervisor
+        sup.check_ready()
+        pool = sup.pool
+        if pool is None:
+            raise NotImplementedError("this engine cannot resize its KV pool while it runs")
+        if kv_cache_bytes is None:
+            pages = pool.planned_pages
+            what = f"the plan's size ({pages - 1} pages)"
+        else:
+            pages = kv_cache_bytes // pool.page_bytes + 1
+            if pages < pool.min_pages:
+                raise ValueError(
+                    f"a KV cache of {fmt_bytes(kv_cache_bytes)} holds {pages - 1} pages; the "
+                    f"smallest is {pool.min_pages - 1} pages "
+                    f"({fmt_bytes((pool.min_pages - 1) * pool.page_bytes)}): one request of "
+                    "the minimum context"
+                )
+            what = f"{fmt_bytes(kv_cache_bytes)} ({pages - 1} pages)"
+        if self.watcher is None:
+            done = await self._resize(pages, what)
+        else:
+            async with self.watcher.lock:  # not in the middle of one of the watcher's
+                self.watcher.kv_ceiling_pages = None if kv_cache_bytes is None else pages
+                done = await self._resize(pages, what)
+        return self._answer(done)
+
+    async def _resize(self, pages: int, what: str) -> ipc.ControlDone | None:
+        return await self.supervisor.run_command(
+            ipc.ResizePool,
+            num_pages=pages,
+            reason=f"{CONTROL_REASON}: KV cache {what}",
+            origin=BY_CONTROL,
+            timeout_s=self.command_timeout_s,
+        )
+
+    async def clear_prefix_cache(self) -> str:
+        """Free every prefix-cache page no running request holds.
+
+        Raises:
+            NotReady: no worker is ready (503).
+            APIError: as :meth:`set_kv_cache`.
+        """
+        done = await self.supervisor.run_command(
+            ipc.EvictPrefixCache, reason=CONTROL_REASON, origin=BY_CONTROL, timeout_s=self.command_timeout_s
+        )
+        return self._answer(done)
+
+    @staticmethod
+    def _answer(done: ipc.ControlDone | None) -> str:
+        if done is None:
+            raise APIError(
+                503,
+                "the engine worker did not answer (it restarted, or is busy); try again",
+                code="engine_unavailable",
+                headers={"Retry-After": "2"},
+            )
+        if not done.ok:
+            raise APIError(409, f"the engine refused: {done.message}", code="refused")
+        return done.message

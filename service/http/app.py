@@ -1,0 +1,178 @@
+"""The ASGI app of ``headroom serve``: Litestar routes behind the security middleware.
+
+:func:`create_app` wires one :class:`service.http.state.Services` (settings, supervisor,
+tokenizer side) into the routes by dependency injection, registers the OpenAI-shaped
+exception handlers, and starts/stops the supervisor with the app's lifespan. The
+control plane rides along: the event hub (the supervisor and the services publish to
+it), ``/api/events``, ``/api/status`` and ``/api/control/*`` behind the local token
+(:mod:`service.events.token`), the dashboard at ``/ui``, and the VRAM watcher that publishes
+``vram`` events and replans the worker's memory (:mod:`service.vram.watcher`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from litestar import Litestar
+from litestar.di import Provide
+
+from service.api.errors import EXCEPTION_HANDLERS
+from service.api.openapi import openapi_route
+from service.api.routes import OpenAIController
+from service.cli.settings import ServeSettings
+from service.events.control import SupervisorControl
+from service.events.hub import EventHub
+from service.events.routes import events_router
+from service.events.schemas import HealthEvent
+from service.events.token import load_or_create_token, token_path
+from service.http.auth import api_key_guard
+from service.http.dashboard import dashboard_router
+from service.http.health import HealthController
+from service.http.security import SecurityMiddleware, install_redaction
+from service.http.state import Services
+from service.supervision.states import State
+from service.supervision.supervisor import Supervisor, SupervisorConfig
+from service.vram.watcher import TimelineError, make_watcher
+
+log = logging.getLogger("headroom.service")
+
+
+class StartupError(Exception):
+    """The app cannot be built (e.g. the local token cannot be written); the message
+    says what and where."""
+
+
+def supervisor_config(settings: ServeSettings) -> SupervisorConfig:
+    return SupervisorConfig(
+        worker=settings.worker_config(),
+        stall_timeout_s=settings.stall_timeout_s,
+        start_timeout_s=settings.start_timeout_s,
+        max_exits=settings.max_restarts,
+        exit_window_s=settings.restart_window_s,
+    )
+
+
+def _bind_hosts(settings: ServeSettings) -> list[str]:
+    """The bind address is an acceptable Host unless it is a wildcard."""
+    try:
+        if ipaddress.ip_address(settings.host).is_unspecified:
+            return []
+    except ValueError:
+        pass
+    return [settings.host]
+
+
+def create_app(
+    settings: ServeSettings,
+    *,
+    on_start_failure: Callable[[str], None] | None = None,
+) -> tuple[Any, Services]:
+    """Build the app.
+
+    Args:
+        settings: resolved settings.
+        on_start_failure: called with the reason when the *first* worker fails to
+            load (model missing, unsupported...): the CLI stops the server then, so a
+            start-up failure is an exit, not a server answering 503 forever.
+
+    Returns:
+        ``(asgi_app, services)``.
+
+    Raises:
+        StartupError: the local token file cannot be read or created, or the
+            ``--vram-timeline`` file cannot be used.
+    """
+    try:
+        token = load_or_create_token()
+    except OSError as exc:
+        raise StartupError(
+            f"cannot read or create the local token {token_path()}: {exc}; set "
+            "HEADROOM_CONFIG_DIR to a folder you can write"
+        ) from None
+    hub = EventHub()
+    supervisor = Supervisor(supervisor_config(settings))
+    supervisor.events = hub
+    services = Services(settings=settings, supervisor=supervisor, events=hub)
+    supervisor.on_ready = services.prepare
+    supervisor.on_engine_event = services.record_engine_event
+    supervisor.on_stats = services.publish_counters
+    try:
+        watcher = make_watcher(settings, supervisor, hub)
+    except TimelineError as exc:
+        raise StartupError(str(exc)) from None
+    supervisor.vram_source = watcher.source
+    control = SupervisorControl(supervisor, watcher)
+    watch_tasks: list[asyncio.Task] = []
+
+    async def refresh() -> None:
+        """Before a /api/status snapshot: the engine's counters read now (the heartbeat
+        handler publishes them)."""
+        await supervisor.fresh_stats()
+        services.publish_counters()
+
+    async def start() -> None:
+        hub.attach_loop()
+        hub.publish(HealthEvent.from_report(supervisor.health()))
+        await supervisor.start()
+        watch_tasks.append(asyncio.create_task(watcher.run(), name="vram-watcher"))
+        if on_start_failure is not None:
+            watch_tasks.append(asyncio.create_task(_watch_first_start()))
+
+    async def _watch_first_start() -> None:
+        assert supervisor.first_start_done is not None
+        await supervisor.first_start_done.wait()
+        if supervisor.state is State.FAILED and on_start_failure is not None:
+            on_start_failure(supervisor.failure_reason or "the engine failed to start")
+
+    async def stop() -> None:
+        for task in watch_tasks:
+            task.cancel()
+        await asyncio.gather(*watch_tasks, return_exceptions=True)
+        await supervisor.stop()
+        watcher.source.close()
+        hub.close()
+        if services.text is not None:
+            services.text.close()
+
+    # Whatever path spelling the router accepts for a /v1 route, its guard runs.
+    openai_routes = type(
+        "GuardedOpenAIController",
+        (OpenAIController,),
+        {"guards": [api_key_guard(settings.api_key)]},
+    )
+    install_redaction(lambda: (settings.api_key or "", token))
+    app = Litestar(
+        route_handlers=[
+            openai_routes,
+            HealthController,
+            # /api/status stays open (as /api/health) for curl and scripts; the control
+            # routes and the event socket need the token.
+            events_router(
+                hub,
+                control,
+                token=token,
+                allowed_origins=settings.cors_origin,
+                before_status=refresh,
+                status_requires_token=False,
+            ),
+            dashboard_router(),
+            openapi_route,
+        ],
+        dependencies={"svc": Provide(lambda: services, sync_to_thread=False)},
+        exception_handlers=EXCEPTION_HANDLERS,
+        on_startup=[start],
+        on_shutdown=[stop],
+        openapi_config=None,
+        logging_config=None,
+        request_max_body_size=settings.max_body_size,
+    )
+    secured = SecurityMiddleware(
+        app,
+        allowed_origins=settings.cors_origin,
+        allowed_hosts=[*_bind_hosts(settings), *settings.allowed_host],
+    )
+    return secured, services

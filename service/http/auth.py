@@ -1,0 +1,95 @@
+"""Who holds a secret: the one bearer parser and the one guard, for ``/v1`` and
+``/api/control``.
+
+Secrets are not checked on a path prefix but by :class:`BearerGuard`, a Litestar guard
+on the routers that need one: ``/v1`` requires the API key (``--api-key``, when set:
+:func:`api_key_guard`), ``/api/control`` the local token (:func:`token_guard`). A guard
+runs after routing, so whatever spelling of a path the router accepts (``//v1/models``,
+``/v1//models``, ``/%761/models``, ``/v1/./models``, a trailing slash...) reaches a
+protected handler only through its guard. :func:`bearer_token` is the one parser of
+``Authorization: Bearer <secret>`` (the event socket uses it too, next to its
+subprotocol and query forms).
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Callable
+from typing import Any
+
+from service.api.errors import AUTHENTICATION, APIError
+from service.events.token import token_path
+
+
+def bearer_token(authorization: str | None) -> str | None:
+    """The secret of an ``Authorization: Bearer <secret>`` header (scheme in any case,
+    surrounding spaces ignored), else None."""
+    if not authorization:
+        return None
+    scheme, _, value = authorization.strip().partition(" ")
+    if scheme.lower() != "bearer" or not value.strip():
+        return None
+    return value.strip()
+
+
+def secret_equal(presented: str | None, expected: str | None) -> bool:
+    """Constant-time comparison; False when either side is missing or empty."""
+    if not presented or not expected:
+        return False
+    return hmac.compare_digest(presented.encode("utf-8"), expected.encode("utf-8"))
+
+
+class BearerGuard:
+    """A Litestar guard requiring ``Authorization: Bearer <secret>``.
+
+    Put it in ``guards=[...]`` of the Router or Controller it protects: Litestar runs it
+    after routing, for every handler below, whatever path spelling got there.
+
+    Args:
+        secret: returns the expected secret (read per request, so a rotated token
+            file takes effect); None or empty means no secret is configured and every
+            request passes.
+        message: the 401 message (what to send, where the secret is).
+        code: the error's ``code`` (``"invalid_api_key"``, ``"invalid_token"``).
+
+    Raises (when called):
+        APIError: 401 ``authentication_error`` with ``WWW-Authenticate: Bearer``.
+    """
+
+    def __init__(self, secret: Callable[[], str | None], *, message: str, code: str) -> None:
+        self._secret = secret
+        self._message = message
+        self._code = code
+
+    def __call__(self, connection: Any, _handler: Any = None) -> None:
+        expected = self._secret()
+        if not expected:
+            return
+        presented = bearer_token(connection.headers.get("authorization"))
+        if not secret_equal(presented, expected):
+            raise APIError(
+                401,
+                self._message,
+                type=AUTHENTICATION,
+                code=self._code,
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+
+
+def api_key_guard(api_key: str | None) -> BearerGuard:
+    """The ``/v1`` guard: ``--api-key``, when set."""
+    return BearerGuard(
+        lambda: api_key,
+        message="a valid API key is required: send 'Authorization: Bearer <key>'",
+        code="invalid_api_key",
+    )
+
+
+def token_guard(token: Callable[[], str | None]) -> BearerGuard:
+    """The ``/api/control`` guard: the local token (``token()``, read per request)."""
+    return BearerGuard(
+        token,
+        message="the local token is required: send 'Authorization: Bearer <token>' "
+        f"(the token is in {token_path()})",
+        code="invalid_token",
+    )

@@ -1,0 +1,72 @@
+"""The dashboard page at ``/ui``: the files of ``ui-bridge/dashboard``, served by
+Litestar's static files.
+
+``/ui`` redirects to ``/ui/`` (keeping the query: the page uses relative URLs). Only the
+plain files directly inside the directory with a known extension when the router is
+made are served, each with ``Cache-Control: no-cache`` and a Content-Security-Policy
+that lets the page talk only to its own origin and run only its own script; any other
+path answers the service's 404.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from litestar import Request, Response, Router
+from litestar.datastructures import CacheControlHeader
+from litestar.response import Redirect
+from litestar.static_files import create_static_files_router
+
+from service.api.errors import EXCEPTION_HANDLERS, NOT_FOUND, APIError
+
+_UI_SUFFIXES = (".html", ".js", ".css", ".map", ".svg")
+# The page only talks to its own origin, runs only its own script, and may not be framed.
+UI_CSP = (
+    "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; "
+    "img-src 'self' data:; connect-src 'self'; frame-ancestors 'none'; base-uri 'none'"
+)
+
+
+def default_dashboard_dir() -> Path:
+    """``ui-bridge/dashboard`` next to the ``service`` package (a source checkout)."""
+    return Path(__file__).resolve().parents[2] / "ui-bridge" / "dashboard"
+
+
+def dashboard_router(directory: Path | None = None, *, path: str = "/ui") -> Router:
+    """A router serving ``directory`` (default: :func:`default_dashboard_dir`) at
+    ``path``/, ``index.html`` for the folder itself."""
+    root = (directory or default_dashboard_dir()).resolve()
+    names = (
+        {p.name for p in root.glob("*") if p.is_file() and p.suffix in _UI_SUFFIXES}
+        if root.is_dir()
+        else set()
+    )
+
+    def only_known_files(request: Request[Any, Any, Any]) -> Response[Any] | None:
+        # The raw path: the router has already normalized the decoded one, and "/ui" and
+        # "/ui/" reach the same handler.
+        raw = request.scope.get("raw_path") or request.scope["path"].encode()
+        tail = raw.decode("latin-1").split("?", 1)[0][len(path) :]
+        if tail == "":
+            query = request.url.query
+            return Redirect(path + "/" + (f"?{query}" if query else ""))
+        name = tail.lstrip("/") or "index.html"
+        if name not in names:
+            raise APIError(404, f"no such file: {name}", type=NOT_FOUND)
+        return None
+
+    def add_csp(response: Response[Any]) -> Response[Any]:
+        response.headers["Content-Security-Policy"] = UI_CSP
+        return response
+
+    return create_static_files_router(
+        path=path,
+        directories=[root],
+        html_mode=True,
+        name="dashboard",
+        before_request=only_known_files,
+        after_request=add_csp,
+        cache_control=CacheControlHeader(no_cache=True),
+        exception_handlers=EXCEPTION_HANDLERS,
+    )

@@ -1,0 +1,33 @@
+"""``GET /api/health``: is the engine serving.
+
+Health answers 200 ``{"status": "ready", ...}`` only while a worker is ready;
+otherwise 503 with ``status`` ``starting``, ``restarting`` (with Retry-After) or
+``failed`` (with ``reason`` and the last exit's code, signal and output lines).
+
+``GET /api/status`` (the plan, VRAM, counters, worker and the last errors) is the
+event hub's snapshot, served by :func:`service.events.routes.events_router`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from litestar import Controller, Response, get
+
+from service.http.state import Services
+from service.supervision.states import State
+
+
+class HealthController(Controller):
+    path = "/api"
+
+    @get("/health")
+    async def health(self, svc: Services) -> Response[dict[str, Any]]:
+        """200 when ready, else 503; the body says which state and why."""
+        report = svc.supervisor.health()
+        if svc.supervisor.state is State.READY:
+            return Response(report, status_code=200)
+        headers = {}
+        if report.get("retry_after_s") is not None:
+            headers["Retry-After"] = str(report["retry_after_s"])
+        return Response(report, status_code=503, headers=headers)

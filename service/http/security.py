@@ -1,0 +1,273 @@
+"""Who may talk to the service: Host check, CORS allow-list, optional API key.
+
+:class:`SecurityMiddleware` wraps the whole ASGI app, so its checks run before any
+routing or body parsing:
+
+1. **Host** must be a loopback name or address (``localhost``, ``*.localhost``,
+   ``127.0.0.0/8``, ``::1``), the bind address, or a configured host; anything else
+   is 403. This defeats DNS rebinding: a page on ``evil.example`` whose name was
+   re-pointed at 127.0.0.1 still sends ``Host: evil.example``.
+2. **Origin**, when a browser sends one, must be on the allow-list: the Tauri
+   origins, the Tauri dev server and configured ones (``*`` allows all). A refused
+   origin gets 403 even for "simple" requests a browser would send without asking,
+   so a web page cannot make the engine work for it. Allowed origins are echoed
+   exactly in ``Access-Control-Allow-Origin``. The service's own origin on a loopback
+   Host (:func:`same_origin`) is allowed too: Chromium sends Origin with the module
+   scripts, fetches and WebSocket of the dashboard the service serves at ``/ui``.
+3. **Preflight** (``OPTIONS`` with ``Access-Control-Request-Method``) is answered 204
+   here and never reaches a handler; ``Access-Control-Allow-Private-Network: true``
+   is added when the browser asks for it.
+Every refusal is OpenAI's error JSON.
+
+**Secrets** are not checked here, on a path prefix, but by the guards of
+:mod:`service.http.auth`, after routing.
+
+:class:`RedactSecrets` is a logging filter that takes ``token=...`` query values,
+``headroom.token.<...>`` subprotocols, bearer values and the configured secrets out of
+every log line (uvicorn logs the path and query of a WebSocket handshake).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import logging
+import re
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from service.api.errors import PERMISSION, error_body
+
+# Tauri v2 serves its webview from these (macOS/Linux, then Windows over http and
+# https); the Tauri dev server listens on 1420.
+DEFAULT_ORIGINS: tuple[str, ...] = (
+    "tauri://localhost",
+    "http://tauri.localhost",
+    "https://tauri.localhost",
+    "http://localhost:1420",
+)
+_ALLOW_METHODS = "GET, POST, OPTIONS"
+_DEFAULT_ALLOW_HEADERS = "authorization, content-type"
+_PREFLIGHT_MAX_AGE_S = "600"
+
+
+def normalize_origin(origin: str) -> str:
+    """Compare origins case-insensitively and without a trailing slash. Never raises,
+    whatever the scheme (``tauri://``, ``app://``, anything a user configures)."""
+    return origin.strip().rstrip("/").lower()
+
+
+def host_name(host_header: str) -> str:
+    """The name part of a Host header: ``"[::1]:8427"`` -> ``"::1"``,
+    ``"localhost:8427"`` -> ``"localhost"``. Lower-case, trailing dot removed."""
+    host = host_header.strip().lower()
+    if host.startswith("["):
+        end = host.find("]")
+        return host[1:end] if end > 0 else host
+    if host.count(":") == 1:
+        host = host.split(":", 1)[0]
+    return host.rstrip(".")
+
+
+def is_loopback_host(name: str) -> bool:
+    """``localhost``, a ``.localhost`` name (RFC 6761: always loopback) or a loopback
+    address."""
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def same_origin(origin: str, host: str | None) -> bool:
+    """Whether ``origin`` is the service's own (``http(s)://<Host header>``) on a
+    loopback Host: the dashboard at ``/ui`` calling home. A foreign page cannot send
+    that pair: its Origin is its own, and a DNS-rebound name is not a loopback Host."""
+    if not host:
+        return False
+    scheme, sep, rest = origin.strip().lower().partition("://")
+    if not sep or scheme not in ("http", "https"):
+        return False
+    return rest.rstrip("/") == host.strip().lower() and is_loopback_host(host_name(host))
+
+
+class SecurityMiddleware:
+    """ASGI middleware applying the checks in the module docstring.
+
+    Args:
+        app: the wrapped ASGI app.
+        allowed_origins: origins allowed besides :data:`DEFAULT_ORIGINS`; ``"*"``
+            allows every origin.
+        allowed_hosts: Host names allowed besides loopback ones (e.g. the bind
+            address when serving on a LAN).
+    """
+
+    def __init__(
+        self,
+        app: Any,
+        *,
+        allowed_origins: Iterable[str] = (),
+        allowed_hosts: Iterable[str] = (),
+    ) -> None:
+        self.app = app
+        origins = {normalize_origin(o) for o in (*DEFAULT_ORIGINS, *allowed_origins) if o}
+        self._any_origin = "*" in origins
+        self._origins = frozenset(origins - {"*"})
+        self._hosts = frozenset(host_name(h) for h in allowed_hosts if h)
+
+    def origin_allowed(self, origin: str) -> bool:
+        return self._any_origin or normalize_origin(origin) in self._origins
+
+    def host_allowed(self, host: str | None) -> bool:
+        if host is None:
+            return True  # HTTP/1.0 without Host: not a browser, nothing to rebind
+        name = host_name(host)
+        return is_loopback_host(name) or name in self._hosts
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        headers = _headers(scope)
+        host = headers.get("host")
+        if not self.host_allowed(host):
+            await _refuse(
+                scope, receive, send, 403, f"host {host!r} is not allowed", PERMISSION, "host"
+            )
+            return
+        origin = headers.get("origin")
+        if origin is not None and not (self.origin_allowed(origin) or same_origin(origin, host)):
+            await _refuse(
+                scope, receive, send, 403, f"origin {origin!r} is not allowed", PERMISSION, "origin"
+            )
+            return
+        cors = _cors_headers(origin) if origin is not None else []
+        if (
+            scope["type"] == "http"
+            and scope["method"] == "OPTIONS"
+            and origin is not None
+            and "access-control-request-method" in headers
+        ):
+            await _preflight(send, cors, headers)
+            return
+        if not cors:
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_cors(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), *cors]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_cors)
+
+
+def _headers(scope: dict[str, Any]) -> dict[str, str]:
+    return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+
+
+def _cors_headers(origin: str) -> list[tuple[bytes, bytes]]:
+    return [
+        (b"access-control-allow-origin", origin.encode("latin-1")),
+        (b"vary", b"Origin"),
+    ]
+
+
+async def _preflight(send: Any, cors: list[tuple[bytes, bytes]], headers: dict[str, str]) -> None:
+    requested = headers.get("access-control-request-headers", "").strip()
+    out = [
+        *cors,
+        (b"access-control-allow-methods", _ALLOW_METHODS.encode()),
+        (b"access-control-allow-headers", (requested or _DEFAULT_ALLOW_HEADERS).encode("latin-1")),
+        (b"access-control-max-age", _PREFLIGHT_MAX_AGE_S.encode()),
+    ]
+    if headers.get("access-control-request-private-network", "").lower() == "true":
+        out.append((b"access-control-allow-private-network", b"true"))
+    await send({"type": "http.response.start", "status": 204, "headers": out})
+    await send({"type": "http.response.body", "body": b""})
+
+
+async def _refuse(
+    scope: dict[str, Any],
+    receive: Any,
+    send: Any,
+    status: int,
+    message: str,
+    type_: str,
+    code: str,
+) -> None:
+    if scope["type"] == "websocket":
+        await receive()  # the websocket.connect message
+        await send({"type": "websocket.close", "code": 1008, "reason": message[:120]})
+        return
+    body = json.dumps(error_body(message, type_, None, code)).encode()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+    ]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+# -- secrets out of logs ---------------------------------------------------------------------
+
+REDACTED = "<redacted>"
+_SECRET_PATTERNS = (
+    # ?token=..., &token=..., access_token=..., api_key=... in a path or query
+    re.compile(r"(?i)((?:^|[?&;\s/])(?:[a-z_]*token|api[_-]?key|key)=)[^&\s\"'#]+"),
+    re.compile(r"(headroom\.token\.)[A-Za-z0-9_\-]+"),
+    re.compile(r"(?i)(bearer\s+)[^\s,\"']+"),
+)
+
+
+def redact(text: str, secrets: Iterable[str] = ()) -> str:
+    """``text`` with secrets replaced by ``<redacted>``: query values of ``token=``,
+    ``*_token=``, ``api_key=``, ``key=``; ``headroom.token.<token>`` subprotocols;
+    ``Bearer <value>``; and each string of ``secrets`` wherever it appears."""
+    for pattern in _SECRET_PATTERNS:
+        text = pattern.sub(lambda m: m.group(1) + REDACTED, text)
+    for secret in secrets:
+        if secret and len(secret) >= 4:
+            text = text.replace(secret, REDACTED)
+    return text
+
+
+class RedactSecrets(logging.Filter):
+    """A logging filter applying :func:`redact` to each record's final message (its
+    arguments merged in), so no handler it is attached to ever writes a secret."""
+
+    def __init__(self, secrets: Callable[[], Iterable[str]] = tuple) -> None:
+        super().__init__()
+        self._secrets = secrets
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except Exception:  # a malformed record: leave it to logging's own error report
+            return True
+        clean = redact(message, self._secrets())
+        if clean != message:
+            record.msg, record.args = clean, None
+        return True
+
+
+def install_redaction(secrets: Callable[[], Iterable[str]] = tuple) -> RedactSecrets:
+    """Attach one :class:`RedactSecrets` to every handler of the root logger and to the
+    loggers uvicorn writes the request line of a WebSocket or an HTTP request to (a
+    filter on a handler sees records propagated from every logger). Idempotent per
+    handler: an older RedactSecrets is replaced."""
+    flt = RedactSecrets(secrets)
+    handlers = list(logging.getLogger().handlers)
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+        handlers += logging.getLogger(name).handlers
+    for handler in handlers:
+        for old in [f for f in handler.filters if isinstance(f, RedactSecrets)]:
+            handler.removeFilter(old)
+        handler.addFilter(flt)
+    for name in ("uvicorn.error", "uvicorn.access"):
+        logger = logging.getLogger(name)
+        for old in [f for f in logger.filters if isinstance(f, RedactSecrets)]:
+            logger.removeFilter(old)
+        logger.addFilter(flt)
+    return flt

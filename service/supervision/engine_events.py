@@ -1,0 +1,53 @@
+"""What the supervisor does with an engine event: one log line, and the engine's
+limits after it.
+
+The worker reports ``OomEvent`` (a step ran out of memory), ``ReplanWanted`` (the
+prefill chunk cap shrank) and ``Replanned`` (the KV pool changed size); the last two
+change what ``/v1/models`` and the context check read.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import msgspec
+
+from engine.messages import OOM_FAILED, EngineEvent, EngineInfo, OomEvent, Replanned, ReplanWanted
+
+log = logging.getLogger("headroom.supervisor")
+
+
+def log_engine_event(event: EngineEvent) -> None:
+    """Log ``event`` in one line (errors for a failed OOM recovery, else warnings)."""
+    if isinstance(event, OomEvent):
+        log.log(
+            logging.ERROR if event.action == OOM_FAILED else logging.WARNING,
+            "out of memory in %s for %s (%d tokens in the step): %s; %s",
+            event.phase,
+            event.request_id,
+            event.tokens_in_step,
+            event.action.replace("_", " "),
+            event.message,
+        )
+    elif isinstance(event, ReplanWanted):
+        log.warning(
+            "the engine wants a new memory plan (prefill chunk cap now %d tokens): %s",
+            event.new_max_prefill_tokens,
+            event.reason,
+        )
+
+
+def info_after(info: EngineInfo, event: EngineEvent) -> EngineInfo:
+    """``info`` with the limits ``event`` changed; ``info`` itself (the same object)
+    when it changed none."""
+    if isinstance(event, Replanned):
+        return msgspec.structs.replace(
+            info,
+            num_pages=event.after_pages,
+            kv_cache_bytes=event.after_bytes,
+            max_context_tokens=event.max_context_tokens,
+            max_prefill_tokens=event.max_prefill_tokens,
+        )
+    if isinstance(event, ReplanWanted):
+        return msgspec.structs.replace(info, max_prefill_tokens=event.new_max_prefill_tokens)
+    return info

@@ -1,0 +1,612 @@
+"""The supervisor: keeps one engine worker alive and routes requests through it.
+
+States: ``starting`` (first spawn) -> ``ready`` -> ``restarting`` (worker died or
+hung; back to ``ready``) ... -> ``failed`` (a crash loop, or the first load failed),
+and ``stopped`` at shutdown.
+
+When a worker ends, every sequence in flight ends with an ``EngineFailure``, except
+those that had not produced a token yet: each is sent again, once, to the next worker
+(:mod:`service.supervision.inflight`). New work is refused with ``NotReady`` (HTTP 503
++ Retry-After) until the worker is back. Restarts back off, and a crash loop moves to
+``failed`` (:mod:`service.supervision.restarts`), which reports the last exit code,
+signal and the worker's last lines. Stale workers of an earlier run are ended at start,
+and a restart waits for the dead worker's memory (:mod:`service.supervision.guard`); a
+hung worker is killed by :mod:`service.supervision.watchdog`.
+
+Graceful shutdown (:mod:`service.http.shutdown` drives it on SIGTERM/SIGINT):
+:meth:`Supervisor.begin_shutdown` moves to ``stopped`` at once, so new work is refused
+(503 + Retry-After) while what is in flight runs on; :meth:`Supervisor.drain` waits for
+it up to a deadline, then ends each remaining sequence with ``server_shutting_down``;
+:meth:`Supervisor.stop` then stops the worker. A worker that exits meanwhile is never
+restarted.
+
+Replan commands (:mod:`service.vram.watcher`, the control API) go to the worker through
+:meth:`Supervisor.run_command`; the worker's pool figures (``engine.ipc.PoolStats``)
+arrive with each heartbeat and each command's answer, in :attr:`Supervisor.pool`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from engine.ipc import (
+    ControlDone,
+    EngineEvents,
+    FromWorker,
+    Heartbeat,
+    Outputs,
+    PoolStats,
+    Ready,
+    Rejected,
+    ReplanCommand,
+    StatsRequest,
+    WorkerConfig,
+    WorkerError,
+)
+from engine.messages import (
+    EngineEvent,
+    EngineInfo,
+    EngineStats,
+    GenerateRequest,
+)
+from service.events.hub import EventHub
+from service.events.schemas import EngineInfoEvent, HealthEvent, PlanEvent, WorkerEvent
+from service.supervision.engine_events import info_after, log_engine_event
+from service.supervision.guard import StaleGuard, wait_for_release
+from service.supervision.inflight import InFlight, Submission
+from service.supervision.release import ReleaseResult
+from service.supervision.restarts import RestartPolicy
+from service.supervision.rpc import Calls
+from service.supervision.states import (
+    ENGINE_FAILED,
+    ENGINE_RESTARTED,
+    SHUTDOWN_MESSAGE,
+    SHUTTING_DOWN,
+    NotReady,
+    State,
+    first_line,
+)
+from service.supervision.watchdog import watch
+from service.supervision.worker_process import ExitStatus, WorkerProcess
+
+log = logging.getLogger("headroom.supervisor")
+
+
+@dataclass(frozen=True)
+class SupervisorConfig:
+    """Knobs of the supervisor; times in seconds.
+
+    ``stall_timeout_s``: a ready worker silent this long (no heartbeat) is killed and
+    restarted. ``start_timeout_s``: a worker not ready this long after spawning is
+    killed. ``backoff_initial_s`` doubles per consecutive exit up to ``backoff_max_s``;
+    ``max_exits`` exits within ``exit_window_s`` mean a crash loop -> ``failed``.
+    ``pidfile``: the stale-worker list (None: :func:`service.supervision.stale.default_pidfile`);
+    ``guard_workers`` False skips it (no reaping, no recording). ``release_timeout_s``:
+    the longest wait for a dead worker's memory before a new one plans.
+    """
+
+    worker: WorkerConfig
+    stall_timeout_s: float = 30.0
+    start_timeout_s: float = 900.0
+    backoff_initial_s: float = 0.5
+    backoff_max_s: float = 10.0
+    max_exits: int = 5
+    exit_window_s: float = 60.0
+    pidfile: Path | None = None
+    guard_workers: bool = True
+    release_timeout_s: float = 10.0
+
+
+class Supervisor:
+    """Owns the worker process; see the module docstring for the states.
+
+    Args:
+        config: the supervisor's knobs, the worker's config inside.
+        on_ready: awaited with the new :class:`EngineInfo` after a worker reports
+            ready and before the state becomes ``ready`` (the service loads its
+            tokenizer there). An exception in it counts as a failed start.
+        on_engine_event: called (on the event loop) with each
+            :class:`engine.messages.EngineEvent` the worker reports (``OomEvent``,
+            ``ReplanWanted``, ``Replanned``), in order, after the supervisor has logged it
+            and before it updates :attr:`info` for a ``Replanned``.
+        on_stats: called with the engine's counters of each heartbeat (periodic or
+            asked for by :meth:`fresh_stats`).
+
+    Attributes:
+        events: the event hub the supervisor publishes ``health``, ``worker``,
+            ``engine`` and ``plan`` events to (None: publish nothing).
+        vram_source: a ``sample()``-able VRAM source (:mod:`service.vram.sources`) to wait on
+            for a dead worker's memory before a restart (None: no wait).
+        on_first_ready: called once, when the first worker is ready.
+        pool: the worker's KV pool figures, from its last heartbeat or command answer
+            (None: no worker, or an engine that cannot resize its pool).
+    """
+
+    def __init__(
+        self,
+        config: SupervisorConfig,
+        on_ready: Callable[[EngineInfo], Awaitable[None]] | None = None,
+        on_engine_event: Callable[[EngineEvent], None] | None = None,
+        on_stats: Callable[[EngineStats], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.on_ready = on_ready
+        self.on_engine_event = on_engine_event
+        self.on_stats = on_stats
+        self.events: EventHub | None = None
+        self.vram_source: Any = None
+        self.on_first_ready: Callable[[], None] | None = None
+        self.pool: PoolStats | None = None
+        self.last_release: ReleaseResult | None = None
+        self._commands: Calls[ControlDone] = Calls()
+        self._last_worker_pid: int | None = None
+        self._pids = StaleGuard(config.pidfile, config.guard_workers)
+        self.state = State.STOPPED
+        self.info: EngineInfo | None = None
+        self.stats: EngineStats | None = None
+        self.failure_reason: str | None = None
+        self.last_exit: ExitStatus | None = None
+        self.restarts = 0
+        self.worker_pid: int | None = None
+        self.ready_since: float | None = None
+        self._worker: WorkerProcess | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._inflight = InFlight(self._send)
+        self._restarts = RestartPolicy(
+            config.backoff_initial_s, config.backoff_max_s, config.max_exits, config.exit_window_s
+        )
+        self._last_load_s = 5.0
+        self._restart_at: float | None = None
+        self.last_message_at = 0.0
+        self._stats_calls: Calls[EngineStats] = Calls()
+        self._tasks: set[asyncio.Task] = set()
+        self._watchdog: asyncio.Task | None = None
+        self._first_start = True
+        self.first_start_done: asyncio.Event | None = None
+        # Set by begin_shutdown: when the drain ends (time.monotonic()), for Retry-After.
+        self._drain_until: float | None = None
+
+    # -- lifecycle -----------------------------------------------------------------
+
+    async def start(self) -> None:
+        """End stale workers of an earlier run, spawn the first worker and return (state
+        ``starting``)."""
+        self._loop = asyncio.get_running_loop()
+        self.first_start_done = asyncio.Event()
+        self.state = State.STARTING
+        await self._pids.reap_stale()
+        self._spawn()
+        self._publish_health()
+        self._watchdog = asyncio.create_task(watch(self), name="supervisor-watchdog")
+
+    def begin_shutdown(self, timeout_s: float) -> None:
+        """Refuse new work from now on (:class:`NotReady`, state ``stopped``, Retry-After
+        until the drain's end) while what is in flight runs on; no worker is restarted
+        after this. ``timeout_s``: how long :meth:`drain` will wait, in seconds."""
+        if self._drain_until is not None:
+            return
+        self._drain_until = time.monotonic() + timeout_s
+        self.state = State.STOPPED
+        self._restart_at = None
+        for task in list(self._tasks):
+            task.cancel()  # a pending restart, a new worker's preparation
+        if self._worker is None:
+            # No worker to finish them: sequences waiting for a restart end now.
+            self._fail_all(SHUTTING_DOWN, SHUTDOWN_MESSAGE, retry=False)
+        self._publish_health()
+
+    @property
+    def draining(self) -> bool:
+        """Whether sequences sent to a worker are still unfinished (or waiting for one)."""
+        return self._inflight.busy
+
+    async def drain(self, timeout_s: float, poll_s: float = 0.05) -> int:
+        """Wait until nothing is in flight or ``timeout_s`` seconds passed, then end each
+        remaining sequence with ``server_shutting_down``. Call after
+        :meth:`begin_shutdown`. Returns how many sequences were ended that way."""
+        deadline = time.monotonic() + timeout_s
+        while self.draining and self.worker_alive and time.monotonic() < deadline:
+            await asyncio.sleep(poll_s)
+        ended = self._inflight.open_count()
+        self._fail_all(SHUTTING_DOWN, SHUTDOWN_MESSAGE, retry=False)
+        return ended
+
+    def end_drain_now(self) -> None:
+        """End every sequence still in flight with ``server_shutting_down`` now (a
+        second Ctrl-C); :meth:`drain` then returns at once."""
+        self._fail_all(SHUTTING_DOWN, SHUTDOWN_MESSAGE, retry=False)
+
+    async def stop(self) -> None:
+        """Stop the worker (gracefully, then by force) and fail what is in flight."""
+        self.state = State.STOPPED
+        self._restart_at = None
+        self._publish_health()
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        for task in list(self._tasks):
+            task.cancel()
+        worker, self._worker = self._worker, None
+        self._fail_all(ENGINE_FAILED, "the server is shutting down", retry=False)
+        self._commands.end_all()
+        if worker is not None:
+            await worker.stop()
+            self._pids.forget(worker.pid)
+        self._pids.close()
+
+    def restart(self) -> None:
+        """Kill the current worker (if any) and start a new one now, also from ``failed``
+        (the crash-loop history is cleared)."""
+        self._restarts.clear()
+        self.failure_reason = None
+        if self._worker is not None and not self._worker.exited:
+            self._worker.kill()  # the exit handler restarts it
+        else:
+            self.state = State.RESTARTING
+            self._spawn()
+            self._publish_health()
+
+    def _spawn(self) -> None:
+        assert self._loop is not None
+        self._restart_at = None
+        self.last_message_at = time.monotonic()
+        worker = WorkerProcess(
+            self.config.worker,
+            loop=self._loop,
+            on_message=lambda m: self._on_message(worker, m),
+            on_exit=lambda s: self._on_exit(worker, s),
+        )
+        self._worker = worker
+        self.pool = None
+        worker.start()
+        self.worker_pid = worker.pid
+        self._last_worker_pid = worker.pid
+        self._pids.record(worker.pid)
+        self._publish(WorkerEvent(phase="started", pid=worker.pid, restarts=self.restarts))
+
+    @property
+    def worker(self) -> WorkerProcess | None:
+        """The current worker process (loading, ready or just exited), or None."""
+        return self._worker
+
+    @property
+    def worker_alive(self) -> bool:
+        """Whether a worker process runs now (loading or ready)."""
+        return self._worker is not None and not self._worker.exited
+
+    # -- requests --------------------------------------------------------------------
+
+    def check_ready(self) -> EngineInfo:
+        """The engine's facts if a worker is ready; raises :class:`NotReady` otherwise."""
+        if self.state is State.READY and self.info is not None:
+            return self.info
+        raise NotReady(self.state, self.retry_after_s(), self.failure_reason)
+
+    def submit(self, requests: list[GenerateRequest]) -> Submission:
+        """Send ``requests`` (one per sequence, index = position) to the worker.
+
+        Raises:
+            NotReady: no worker is ready; nothing was sent.
+        """
+        self.check_ready()
+        return self._inflight.submit(requests)
+
+    def cancel(self, submission: Submission) -> None:
+        """Abort every unfinished sequence of ``submission`` in the engine (its pages
+        are freed) and drop its future events. Idempotent."""
+        self._inflight.cancel(submission)
+
+    def abort_one(self, request_id: str) -> None:
+        """Abort one sequence in the engine (a stop string ended it) and drop its
+        future events."""
+        self._inflight.abort_one(request_id)
+
+    async def fresh_stats(self, timeout_s: float = 2.0) -> EngineStats | None:
+        """Counters read by the worker now (not the last heartbeat's); None if no
+        worker answers within ``timeout_s`` seconds."""
+        if self._worker is None or self.state is not State.READY:
+            return self.stats
+        return await self._stats_calls.call(lambda seq: self._send(StatsRequest(seq)), timeout_s)
+
+    @property
+    def in_flight(self) -> int:
+        """Sequences sent to the worker and not finished yet."""
+        return len(self._inflight)
+
+    async def run_command(
+        self, kind: type[ReplanCommand], *, timeout_s: float = 30.0, **fields: Any
+    ) -> ControlDone | None:
+        """Send a replan command (``kind(seq=..., **fields)``) to the ready worker and
+        wait for its answer; :attr:`pool` and :attr:`stats` are fresh when it returns.
+
+        Returns:
+            The worker's :class:`engine.ipc.ControlDone`, or None when the worker ended
+            (or did not answer within ``timeout_s`` seconds).
+
+        Raises:
+            NotReady: no worker is ready; nothing was sent.
+        """
+        self.check_ready()
+        return await self._commands.call(lambda seq: self._send(kind(seq=seq, **fields)), timeout_s)
+
+    def retry_after_s(self) -> int | None:
+        """Whole seconds until a worker is expected to be ready, or None in ``failed``;
+        while shutting down, until the drain ends (at least 1: a service restarted by
+        its manager may answer then), None once the worker is stopped."""
+        if self.state is State.STOPPED and self._drain_until is not None:
+            return max(1, math.ceil(self._drain_until - time.monotonic()))
+        if self.state in (State.FAILED, State.STOPPED):
+            return None
+        wait_s = self._last_load_s
+        if self._restart_at is not None:
+            wait_s += max(0.0, self._restart_at - time.monotonic())
+        elif self._worker is not None and self.state is not State.READY:
+            wait_s = max(0.0, self._worker.started_at + self._last_load_s - time.monotonic())
+        return max(1, math.ceil(wait_s))
+
+    def health(self) -> dict[str, Any]:
+        """A JSON-able summary: state, pid, model, restarts, last exit, failure reason,
+        and the event socket's subscribers (``event_subscribers``)."""
+        report: dict[str, Any] = {
+            "status": self.state.value,
+            "worker_pid": self.worker_pid if self._worker and not self._worker.exited else None,
+            "restarts": self.restarts,
+            "in_flight": len(self._inflight),
+        }
+        if self.info is not None:
+            report["model"] = self.info.model_name
+        if self.ready_since is not None and self.state is State.READY:
+            report["ready_for_s"] = round(time.monotonic() - self.ready_since, 1)
+        if self.failure_reason:
+            report["reason"] = self.failure_reason
+        if self.last_exit is not None:
+            report["last_exit"] = {
+                "exit_code": self.last_exit.exit_code,
+                "signal": self.last_exit.signal,
+                "last_lines": list(self.last_exit.last_lines[-10:]),
+            }
+        if self.state in (State.STARTING, State.RESTARTING) or self._drain_until is not None:
+            report["retry_after_s"] = self.retry_after_s()
+        if self.events is not None:
+            report["event_subscribers"] = self.events.subscriber_count
+        return report
+
+    # -- worker events (event loop thread) -----------------------------------------------
+
+    def _send(self, message: Any) -> None:
+        if self._worker is not None:
+            self._worker.send(message)
+
+    def _on_message(self, worker: WorkerProcess, message: FromWorker) -> None:
+        if worker is not self._worker:
+            return  # a message from a previous incarnation
+        self.last_message_at = time.monotonic()
+        if isinstance(message, Outputs):
+            for output in message.outputs:
+                self._inflight.deliver(output)
+        elif isinstance(message, ControlDone):
+            self._take_stats(message.stats, message.pool)
+            self._commands.answer(message.seq, message)
+        elif isinstance(message, Heartbeat):
+            self._take_stats(message.stats, message.pool)
+            if message.seq is not None:
+                self._stats_calls.answer(message.seq, message.stats)
+        elif isinstance(message, Rejected):
+            self._inflight.reject(message)
+        elif isinstance(message, EngineEvents):
+            for event in message.events:
+                self._on_engine_event(event)
+        elif isinstance(message, Ready):
+            self._spawn_task(self._become_ready(worker, message))
+        elif isinstance(message, WorkerError):
+            log.error("worker error (%s): %s", message.kind, first_line(message.message))
+            if message.during_load and self._first_start:
+                # Nothing ever served: a start-up failure (a missing model, a memory plan
+                # that does not fit: the same again on every try), reported, not retried.
+                if message.kind == "PlanDoesNotFit":
+                    reason = message.message  # it says what does not fit and what fixes it
+                else:
+                    reason = f"the engine failed to load: {message.kind}: {message.message}"
+                self._fail(reason)
+
+    def _take_stats(self, stats: EngineStats, pool: PoolStats | None) -> None:
+        self.stats = stats
+        self.pool = pool
+        if self.on_stats is not None:
+            try:
+                self.on_stats(stats)
+            except Exception:
+                log.exception("could not record the engine's counters")
+
+    def _on_engine_event(self, event: EngineEvent) -> None:
+        """Log one engine event (one line), hand it on, and keep :attr:`info`'s limits
+        live (``/v1/models`` and the context check read them)."""
+        log_engine_event(event)
+        if self.on_engine_event is not None:
+            try:
+                self.on_engine_event(event)
+            except Exception:
+                log.exception("could not record an engine event")
+        info = self.info
+        if info is None:
+            return
+        self.info = info_after(info, event)
+        if self.info is not info:
+            self._publish(EngineInfoEvent(info=msgspec.structs.replace(self.info, plan=None)))
+
+    async def _become_ready(self, worker: WorkerProcess, ready: Ready) -> None:
+        try:
+            if self.on_ready is not None:
+                await self.on_ready(ready.info)
+        except Exception as exc:
+            log.exception("could not prepare for the new engine")
+            self._fail(f"could not prepare for the engine: {exc}")
+            worker.kill()
+            return
+        if worker is not self._worker or worker.exited or self.state is State.STOPPED:
+            return
+        self.info = ready.info
+        self._last_load_s = ready.load_s
+        self.state = State.READY
+        self.ready_since = time.monotonic()
+        self.last_message_at = time.monotonic()
+        first = self._first_start
+        self._first_start = False
+        self.failure_reason = None
+        if self.first_start_done is not None:
+            self.first_start_done.set()
+        if first and self.on_first_ready is not None:
+            try:
+                self.on_first_ready()
+            except Exception:
+                log.exception("on_first_ready failed")
+        self._publish(EngineInfoEvent(info=msgspec.structs.replace(ready.info, plan=None)))
+        self._publish(PlanEvent(plan=ready.info.plan))
+        self._publish_health()
+        log.info(
+            "engine ready: %s, %d context tokens, pid %d (load %.1f s)",
+            ready.info.model_name,
+            ready.info.max_context_tokens,
+            ready.pid,
+            ready.load_s,
+        )
+        for request_id in self._inflight.resend_waiting():
+            log.info("retrying %s on the new worker", request_id)
+
+    def _on_exit(self, worker: WorkerProcess, status: ExitStatus) -> None:
+        if worker is not self._worker:
+            return
+        self._worker = None
+        self.pool = None
+        self.last_exit = status
+        self._pids.forget(worker.pid)
+        self._stats_calls.end_all()
+        self._commands.end_all()
+        if self.state is State.STOPPED:
+            if self._drain_until is not None:
+                # Shutting down (a signal to the whole process group may reach it): what
+                # it carried ends now, and no restart is planned.
+                log.info("worker %s %s during shutdown", worker.pid, status.describe())
+                self._fail_all(SHUTTING_DOWN, SHUTDOWN_MESSAGE, retry=False)
+            return
+        was_ready = self.state is State.READY
+        log.error(
+            "worker %s %s%s",
+            worker.pid,
+            status.describe(),
+            "" if not status.last_lines else f"; last line: {status.last_lines[-1]}",
+        )
+        self._publish(
+            WorkerEvent(
+                phase="exited",
+                pid=worker.pid,
+                exit_code=status.exit_code if status.signal is None else None,
+                signal=status.signal,
+                reason=status.describe(),
+                restarts=self.restarts,
+                last_lines=list(status.last_lines[-10:]),
+            )
+        )
+        now = time.monotonic()
+        ran = was_ready and self.ready_since is not None
+        self._restarts.record_exit(now, now - self.ready_since if ran else None)
+        self.ready_since = None
+
+        if self.state is State.FAILED:
+            self._fail_all(ENGINE_FAILED, self.failure_reason or "the engine failed", retry=False)
+            self._publish_health()
+            return
+        if self._restarts.crash_loop:
+            self._fail(
+                f"crash loop: the worker exited {self._restarts.recent_exits} times in "
+                f"{self.config.exit_window_s:.0f} s; last: {status.describe()}"
+            )
+            return
+        self._fail_all(
+            ENGINE_RESTARTED,
+            f"the engine worker {status.describe()} and is restarting; retry the request",
+            retry=True,
+        )
+        self.state = State.RESTARTING if not self._first_start else State.STARTING
+        delay_s = self._restarts.delay_s()
+        self._restart_at = now + delay_s
+        log.info("restarting the worker in %.1f s", delay_s)
+        self._publish(WorkerEvent(phase="restarting", delay_s=delay_s, restarts=self.restarts))
+        self._publish_health()
+        self._spawn_task(self._restart_later(delay_s))
+
+    async def _restart_later(self, delay_s: float) -> None:
+        await asyncio.sleep(delay_s)
+        if self.state in (State.RESTARTING, State.STARTING) and self._worker is None:
+            await self._wait_for_release()
+        if self.state in (State.RESTARTING, State.STARTING) and self._worker is None:
+            self.restarts += 1
+            try:
+                self._spawn()
+            except OSError as exc:  # out of processes or file descriptors
+                self._fail(f"could not start a worker process: {exc}")
+                return
+            self._publish_health()
+
+    async def _wait_for_release(self) -> None:
+        """Before a new worker plans: wait (bounded) until the VRAM source no longer
+        shows the last worker's memory; log and publish what was seen."""
+        pid, source = self._last_worker_pid, self.vram_source
+        if pid is None or source is None:
+            return
+        result = await wait_for_release(pid, source, self.config.release_timeout_s)
+        if result is None:
+            return
+        self.last_release = result
+        what = "released" if result.released else "not released"
+        self._publish(
+            WorkerEvent(
+                phase="restarting",
+                pid=pid,
+                reason=f"memory of worker {pid} {what} after {result.waited_s:.1f} s: "
+                f"{result.reason}",
+                restarts=self.restarts,
+            )
+        )
+
+    def _fail(self, reason: str) -> None:
+        """Enter ``failed``: no more restarts until :meth:`restart`."""
+        log.error("engine failed: %s", first_line(reason))
+        self.state = State.FAILED
+        self.failure_reason = reason
+        self._restart_at = None
+        self._fail_all(ENGINE_FAILED, reason, retry=False)
+        self._publish(WorkerEvent(phase="failed", reason=reason, restarts=self.restarts))
+        self._publish_health()
+        if self.first_start_done is not None:
+            self.first_start_done.set()
+
+    def _fail_all(self, code: str, message: str, *, retry: bool) -> None:
+        """End every in-flight sequence with an EngineFailure, except (``retry``) those
+        that produced nothing yet and were never retried: they wait for the next worker."""
+        self._inflight.fail_all(code, message, retry=retry)
+
+    def _publish(self, event: Any) -> None:
+        """Hand ``event`` to the hub, if any; never raises (events are a view)."""
+        if self.events is None:
+            return
+        try:
+            self.events.publish(event)
+        except Exception:
+            log.exception("could not publish a %s event", type(event).__name__)
+
+    def _publish_health(self) -> None:
+        self._publish(HealthEvent.from_report(self.health()))
+
+    def _spawn_task(self, coro: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)

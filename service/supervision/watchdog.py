@@ -1,0 +1,51 @@
+"""The supervisor's watchdog: kill a worker that stopped beating (hung) or never got
+ready; the supervisor's exit handling then restarts it.
+
+A ready worker silent for ``stall_timeout_s`` seconds (no heartbeat, no other message)
+is killed, as is one not ready ``start_timeout_s`` seconds after it was spawned. The
+check runs every heartbeat interval (at most once a second, at least every 50 ms).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from service.supervision.states import State
+
+if TYPE_CHECKING:
+    from service.supervision.supervisor import Supervisor
+
+log = logging.getLogger("headroom.supervisor")
+
+
+async def watch(supervisor: Supervisor) -> None:
+    """Run until cancelled, killing ``supervisor``'s worker when it hangs."""
+    config = supervisor.config
+    period_s = max(0.05, min(config.worker.heartbeat_interval_s, 1.0))
+    while True:
+        await asyncio.sleep(period_s)
+        worker = supervisor.worker
+        if worker is None or worker.exited:
+            continue
+        now = time.monotonic()
+        if supervisor.state is State.READY:
+            silent_s = now - supervisor.last_message_at
+            if silent_s > config.stall_timeout_s:
+                log.error(
+                    "worker %s sent no heartbeat for %.1f s (stall timeout %.1f s); killing it",
+                    worker.pid,
+                    silent_s,
+                    config.stall_timeout_s,
+                )
+                worker.kill()
+        elif supervisor.state in (State.STARTING, State.RESTARTING):
+            if now - worker.started_at > config.start_timeout_s:
+                log.error(
+                    "worker %s not ready after %.0f s; killing it",
+                    worker.pid,
+                    config.start_timeout_s,
+                )
+                worker.kill()

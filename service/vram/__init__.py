@@ -1,0 +1,1 @@
+"""GPU memory while the service runs: memory sources, the watcher, the replan controller."""

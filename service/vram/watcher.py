@@ -1,0 +1,421 @@
+"""The VRAM watcher: sample the GPU, publish ``vram`` events, replan the worker live.
+
+When memory moves: a few times a second (``--vram-hz``) the watcher takes a
+:class:`service.vram.sources.VramSample` from its source, publishes it (coalesced by the hub),
+and hands it with the worker's pool (``engine.ipc.PoolStats`` from its last heartbeat or
+command) to :class:`service.vram.replan.ReplanController`. Each action the controller picks
+goes to the worker as a typed command (``engine.ipc.SetPrefillChunk``,
+``EvictPrefixCache``, ``ResizePool``, each with ``origin="watcher"``) and is awaited before the next sample, so every
+decision sees the pool its predecessor left. The worker answers with the engine's
+``Replanned`` events, which :meth:`service.http.state.Services.record_engine_event` turns
+into ``replan`` events.
+
+Sources (``--vram-source``):
+
+- ``nvml`` (default): the real card (:class:`service.vram.sources.NvmlSource`); this service's
+  pids are the service and its current worker. Without an NVIDIA GPU or driver it is in
+  CPU mode: one ``vram`` event with ``source="none"`` and the reason, and no replans.
+  With a GPU but an engine on the CPU, memory is shown and never replanned.
+- ``simulated``: a card of ``--device-total`` whose other processes follow the
+  ``--vram-timeline`` script (:func:`load_timeline`); this service's memory on it is
+  what the worker's memory plan charges (fixed sizes plus the KV pool now, less the
+  activation memory a lowered prefill chunk no longer needs). For tests and demos.
+
+With ``--device-limit``, either source is read as a card of that size
+(:class:`service.vram.sources.CardOfLimit`), the rule the memory plan used at start: everything
+in use, other processes' memory included, counts against the limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from engine import ipc
+from engine.memory.plan import fmt_bytes
+from engine.messages import BY_WATCHER
+from service.cli.settings import ServeSettings, parse_size
+from service.events.hub import EventHub
+from service.events.schemas import VramEvent
+from service.supervision.states import State
+from service.supervision.supervisor import Supervisor
+from service.vram.replan import (
+    DEFAULT_HOLD_S,
+    EmptyPrefixCache,
+    NewChunkCap,
+    NewPoolSize,
+    PoolState,
+    ReplanController,
+    Squeeze,
+    default_water_marks,
+)
+from service.vram.sources import (
+    DEFAULT_SAMPLE_HZ,
+    CardOfLimit,
+    NvmlSource,
+    SimulatedSource,
+    VramSample,
+    nvml_index,
+)
+from service.vram.sources import resolve_reserve as _resolve_reserve
+
+log = logging.getLogger("headroom.vram")
+
+
+class TimelineError(ValueError):
+    """A ``--vram-timeline`` file that cannot be used; the message names the file."""
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """A parsed ``--vram-timeline`` file: ``steps`` of ``(seconds, others' bytes)``,
+    the card's ``total_bytes`` and ``display`` when the file sets them, and the moment
+    ``t = 0``: ``"ready"`` (the first worker is ready) or ``"service"`` (start)."""
+
+    steps: tuple[tuple[float, int], ...]
+    total_bytes: int | None = None
+    display: bool | None = None
+    start: Literal["ready", "service"] = "ready"
+
+
+def _size(value: Any, total: int | None, where: str) -> int:
+    if isinstance(value, str) and value.strip().endswith("%"):
+        if total is None:
+            raise TimelineError(f"{where}: a share of the card ({value}) needs a total")
+        try:
+            share = float(value.strip()[:-1]) / 100
+        except ValueError:
+            raise TimelineError(f"{where}: {value!r} is not a percentage") from None
+        return int(share * total)
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise TimelineError(f"{where}: {exc}") from None
+
+
+def load_timeline(path: str | Path, default_total: int | None = None) -> Timeline:
+    """Read a timeline file (JSON)::
+
+        {"total": "3GiB", "display": true, "start": "ready",
+         "steps": [[0, 0], [2, "40%"], [6, "1.6GiB"], [10, "40%"], [14, 0]]}
+
+    Each step holds from its time (seconds) to the next; sizes are bytes, text sizes
+    (``service.cli.settings.parse_size``) or a share of the card (``"40%"``).
+
+    Raises:
+        TimelineError: unreadable, not JSON, or a bad value (the message says which).
+    """
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise TimelineError(f"cannot read the VRAM timeline {path}: {exc}") from None
+    except ValueError as exc:
+        raise TimelineError(f"the VRAM timeline {path} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("steps", []), list):
+        raise TimelineError(f'{path}: expected {{"steps": [[seconds, size], ...], ...}}')
+    total = _size(data["total"], None, f"{path}: total") if "total" in data else default_total
+    steps = []
+    for i, step in enumerate(data.get("steps", [])):
+        if not isinstance(step, list) or len(step) != 2 or not isinstance(step[0], (int, float)):
+            raise TimelineError(f"{path}: step {i} is not [seconds, size]: {step!r}")
+        steps.append((float(step[0]), _size(step[1], total, f"{path}: step {i}")))
+    start = data.get("start", "ready")
+    if start not in ("ready", "service"):
+        raise TimelineError(f'{path}: "start" must be "ready" or "service", not {start!r}')
+    display = data.get("display")
+    return Timeline(
+        steps=tuple(steps),
+        total_bytes=total,
+        display=None if display is None else bool(display),
+        start=start,
+    )
+
+
+def simulated_ours_bytes(pool: ipc.PoolStats | None) -> int:
+    """What the worker holds on a simulated card, as its plan counts it: the fixed sizes,
+    the KV pool now, less what a lowered prefill chunk no longer needs."""
+    if pool is None:
+        return 0
+    lowered = max(pool.planned_prefill_chunk - pool.prefill_chunk, 0)
+    return max(
+        pool.fixed_bytes
+        + (pool.pages - 1) * pool.page_bytes
+        - lowered * pool.activation_bytes_per_token,
+        0,
+    )
+
+
+class VramWatcher:
+    """Watches one source and replans the supervisor's worker; see the module docstring.
+
+    Args:
+        supervisor: whose worker gives memory back and takes it again.
+        hub: where ``vram`` events go.
+        source: ``sample()``-able (:class:`NvmlSource`, :class:`SimulatedSource`).
+        kind: ``"nvml"`` or ``"simulated"`` (the ``source`` of the ``vram`` events).
+        hz: samples per second.
+        reserve: ``--reserve`` in bytes, or None for auto.
+        low_water_bytes, high_water_bytes: the replan band (None: from the card's size,
+            :func:`service.vram.replan.default_water_marks`).
+        hold_s: seconds above high water before a grow.
+        command_timeout_s: how long a command to the worker may take before the watcher
+            stops waiting (a long CPU step delays it; a hung worker is the watchdog's).
+    """
+
+    def __init__(
+        self,
+        supervisor: Supervisor,
+        hub: EventHub | None,
+        source: Any,
+        *,
+        kind: Literal["nvml", "simulated"] = "nvml",
+        hz: float = DEFAULT_SAMPLE_HZ,
+        reserve: int | None = None,
+        low_water_bytes: int | None = None,
+        high_water_bytes: int | None = None,
+        hold_s: float = DEFAULT_HOLD_S,
+        command_timeout_s: float = 30.0,
+    ) -> None:
+        self.supervisor = supervisor
+        self.hub = hub
+        self.source = source
+        self.kind = kind
+        self.hz = hz
+        self.reserve = reserve
+        self.low_water_bytes = low_water_bytes
+        self.high_water_bytes = high_water_bytes
+        self.hold_s = hold_s
+        self.command_timeout_s = command_timeout_s
+        self.controller: ReplanController | None = None
+        # A KV pool size asked for through the control API (pages, null page included):
+        # the ceiling grows stop at instead of the plan's pool. None: the plan's.
+        self.kv_ceiling_pages: int | None = None
+        self.latest: VramSample | None = None
+        self.commands = 0  # commands sent to workers
+        self._said_no_replan = False
+        # One change of the worker's memory at a time: a decision and its commands, or a
+        # resize asked for through the control API.
+        self.lock = asyncio.Lock()
+
+    # -- the reserve ------------------------------------------------------------------
+
+    def reserve_bytes(self, sample: VramSample | None = None) -> int:
+        """The reserve now, in bytes (auto resolved against ``sample`` or the latest)."""
+        sample = sample or self.latest
+        if sample is None:
+            return self.reserve or 0
+        return _resolve_reserve(self.reserve, sample)
+
+    def set_reserve(self, reserve: int | Literal["auto"]) -> str:
+        """Keep ``reserve`` bytes free for the desktop from the next sample on
+        (``"auto"``: 512 MiB + 5% of the card with a display, else 0). Kept in memory
+        until the service stops."""
+        self.reserve = None if reserve == "auto" else int(reserve)
+        if self.controller is not None:
+            self.controller.reserve = self.reserve
+        now = self.reserve_bytes()
+        log.info(
+            "desktop reserve set to %s (%s)",
+            "auto" if self.reserve is None else fmt_bytes(self.reserve),
+            fmt_bytes(now),
+        )
+        how = "auto: " if self.reserve is None else ""
+        return f"the desktop reserve is now {how}{fmt_bytes(now)}"
+
+    # -- the loop ---------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Sample, publish and replan until cancelled (or, in CPU mode, after the one
+        sample that says so)."""
+        from service.vram.sources import watch
+
+        async for sample in watch(self.source, self.hz):
+            self.latest = sample
+            reserve = self.reserve_bytes(sample)
+            if self.hub is not None:
+                self.hub.publish(VramEvent.from_sample(sample, reserve, source=self.kind))
+            if not sample.gpu:  # CPU mode (service.vram.sources.watch logs why): nothing to replan
+                continue
+            try:
+                await self.step(sample)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("replanning failed; the watcher goes on")
+
+    def _replans_enabled(self) -> bool:
+        info = self.supervisor.info
+        if self.kind == "simulated" or info is None or info.device.startswith("cuda"):
+            return True
+        if not self._said_no_replan:
+            self._said_no_replan = True
+            log.info("the engine runs on %s: GPU memory is watched, not replanned", info.device)
+        return False
+
+    def _controller(self, sample: VramSample) -> ReplanController:
+        if self.controller is None:
+            low, high = default_water_marks(sample.total_bytes)
+            low = low if self.low_water_bytes is None else self.low_water_bytes
+            high = high if self.high_water_bytes is None else self.high_water_bytes
+            if high <= low:
+                high = low + (high if self.high_water_bytes is not None else 256 << 20)
+            self.controller = ReplanController(
+                low_water_bytes=low, high_water_bytes=high, hold_s=self.hold_s, reserve=self.reserve
+            )
+            log.info(
+                "replanning the KV pool between %s and %s of headroom (hold %.1f s)",
+                fmt_bytes(low),
+                fmt_bytes(high),
+                self.hold_s,
+            )
+        return self.controller
+
+    def pool_state(self, pool: ipc.PoolStats) -> PoolState:
+        """The controller's view of the worker's pool; grows stop at the size asked for
+        through the control API, if any."""
+        ceiling = pool.planned_pages if self.kv_ceiling_pages is None else self.kv_ceiling_pages
+        return PoolState(
+            pages=pool.pages,
+            planned_pages=max(ceiling, pool.min_pages),
+            min_pages=pool.min_pages,
+            page_bytes=pool.page_bytes,
+            prefill_chunk=pool.prefill_chunk,
+            planned_prefill_chunk=pool.planned_prefill_chunk,
+            min_prefill_chunk=pool.min_prefill_chunk,
+            activation_bytes_per_token=pool.activation_bytes_per_token,
+            free_pages=pool.free_pages,
+            cached_pages=pool.cached_pages,
+        )
+
+    async def step(self, sample: VramSample) -> list[Any]:
+        """One decision on ``sample``, carried out; returns the actions taken."""
+        sup = self.supervisor
+        if sup.state is not State.READY or sup.pool is None or not self._replans_enabled():
+            return []
+        async with self.lock:
+            pool = sup.pool
+            if pool is None:
+                return []
+            actions = self._controller(sample).decide(sample, self.pool_state(pool))
+            for action in actions:
+                if isinstance(action, Squeeze):
+                    log.warning("%s", action.message)
+                    continue
+                if not await self._apply(action):
+                    break
+            return actions
+
+    async def _apply(self, action: Any) -> bool:
+        if isinstance(action, NewChunkCap):
+            kind, fields = ipc.SetPrefillChunk, {"tokens": action.tokens}
+        elif isinstance(action, EmptyPrefixCache):
+            kind, fields = ipc.EvictPrefixCache, {}
+        elif isinstance(action, NewPoolSize):
+            kind, fields = ipc.ResizePool, {"num_pages": action.num_pages}
+        else:  # pragma: no cover - a new action kind
+            log.error("unknown replan action %r", action)
+            return False
+        self.commands += 1
+        done = await self.supervisor.run_command(
+            kind, timeout_s=self.command_timeout_s, reason=action.reason, origin=BY_WATCHER, **fields
+        )
+        if done is None:
+            log.warning("the worker did not carry out %s (gone, or busy too long)", kind.__name__)
+            return False
+        if not done.ok:
+            log.warning("the worker could not carry out %s: %s", kind.__name__, done.message)
+            return False
+        return True
+
+
+def _cuda_index(device: str) -> int:
+    if device.startswith("cuda:"):
+        try:
+            return int(device.split(":", 1)[1])
+        except ValueError:
+            return 0
+    return 0
+
+
+def make_watcher(settings: ServeSettings, supervisor: Supervisor, hub: EventHub) -> VramWatcher:
+    """The watcher ``settings`` ask for (``--vram-source`` and its options).
+
+    Raises:
+        TimelineError: a ``--vram-timeline`` that cannot be read or used.
+    """
+    if settings.vram_source == "simulated":
+        timeline = (
+            load_timeline(settings.vram_timeline, settings.device_total)
+            if settings.vram_timeline
+            else Timeline(steps=())
+        )
+        total = timeline.total_bytes or settings.device_total
+        if total is None:
+            raise TimelineError("the simulated card needs a size: --device-total or a total")
+        # What the plan saw as taken by others at start (--device-free) stays taken.
+        baseline = 0
+        if settings.device_free is not None and settings.device_total is not None:
+            baseline = max(settings.device_total - settings.device_free, 0)
+        steps = [(-1e9, baseline), *((t, b + baseline) for t, b in timeline.steps)]
+        anchor: dict[str, float | None] = {"t0": time.monotonic()}
+        if timeline.start == "ready":
+            anchor["t0"] = None
+            previous = supervisor.on_first_ready
+
+            def on_first_ready() -> None:
+                anchor["t0"] = time.monotonic()
+                log.info("the simulated VRAM timeline starts now")
+                if previous is not None:
+                    previous()
+
+            supervisor.on_first_ready = on_first_ready
+
+        def clock() -> float:
+            t0 = anchor["t0"]
+            return -1.0 if t0 is None else time.monotonic() - t0
+
+        def ours() -> int:
+            return simulated_ours_bytes(supervisor.pool if supervisor.worker_alive else None)
+
+        source: Any = SimulatedSource(
+            total,
+            steps,
+            ours_bytes=ours,
+            display_attached=settings.device_display
+            if timeline.display is None
+            else timeline.display,
+            clock=clock,
+            name=f"simulated GPU ({fmt_bytes(total)})",
+        )
+        kind: Literal["nvml", "simulated"] = "simulated"
+    else:
+
+        def own_pids() -> set[int]:
+            pids = {os.getpid()}
+            if supervisor.worker_pid is not None:
+                pids.add(supervisor.worker_pid)
+            return pids
+
+        source = NvmlSource(nvml_index(_cuda_index(settings.device)), own_pids=own_pids)
+        kind = "nvml"
+    if settings.device_limit is not None:
+        # One rule with the plan: a card of that size, others' memory counting against it.
+        source = CardOfLimit(source, settings.device_limit)
+    return VramWatcher(
+        supervisor,
+        hub,
+        source,
+        kind=kind,
+        hz=settings.vram_hz,
+        reserve=settings.reserve,
+        low_water_bytes=settings.replan_low,
+        high_water_bytes=settings.replan_high,
+        hold_s=settings.replan_hold,
+    )

@@ -48,7 +48,7 @@ def test_an_option_default_must_be_immutable():
 
 
 def test_every_engine_option_is_a_serve_option_of_the_same_name(tmp_path):
-    from service.settings import OPTIONS, resolve
+    from service.cli.settings import OPTIONS, resolve
 
     serve = {o.name: o for o in OPTIONS}
     for opt in options_of(EngineConfig):

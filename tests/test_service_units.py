@@ -178,10 +178,10 @@ def test_serve_help_documents_every_option():
         (b"{oops", None, "not valid JSON"),
         (b"[]", None, "JSON object"),
         (b"{}", "messages", "messages"),
-        (b'{"messages": [], "max_tokens": "x"}', "max_tokens", "int"),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": "x"}', "max_tokens", "int"),
         (b'{"messages": [1]}', "messages[0]", "object"),
         (
-            b'{"messages": [], "stream_options": {"include_usage": 3}}',
+            b'{"messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": 3}}',
             "stream_options.include_usage",
             "bool",
         ),

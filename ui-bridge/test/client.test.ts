@@ -28,6 +28,8 @@ function vram(free: number): Omit<VramEvent, "seq" | "ts"> {
     headroom_bytes: free - GiB,
     top_consumers: [],
     reason: null,
+    device_limit_bytes: null,
+    memory_rule: null,
   };
 }
 

@@ -24,7 +24,7 @@ def test_short_chaos_run_loses_nothing(tmp_path, default_model_dir):
         ooms=5,
         max_tokens=8,
         device="cpu",
-        hang_s=300,
+        hang_s=900,
         workdir=tmp_path,
         # Prefill in chunks of 256 tokens, and a stall timeout for a CPU shared with other
         # work: one step of 16 sequences with long prefill chunks took over 30 s on a

@@ -186,7 +186,7 @@ class EngineConfig:
     cuda_graph_max_batch: int = option(
         64,
         "Largest decode batch captured in a CUDA graph; larger batches run eagerly.",
-        checks=(at_least(1),),
+        checks=(at_least(1, "turn graphs off with --no-cuda-graphs"),),
     )
     # Not options (tests and benchmarks set them).
     load_format: str = "auto"  # "dummy": random weights of the config's shapes (benchmarks)

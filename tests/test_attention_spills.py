@@ -25,7 +25,11 @@ import torch, triton
 from triton.backends.compiler import GPUTarget
 import kernels.attention_triton as K
 
-ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+from triton.backends.nvidia.compiler import get_ptxas
+
+# The ptxas Triton itself uses for sm_90: from Triton 3.9 on that is the newer of its two
+# bundled ones, and the other refuses the PTX version Triton then emits.
+ptxas = get_ptxas(90).path
 target = GPUTarget("cuda", 90, 32)
 names = {torch.bfloat16: "bf16", torch.float32: "fp32"}
 

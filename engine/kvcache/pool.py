@@ -17,7 +17,7 @@ must really reach the device, as NVML sees it. Three ways were weighed:
   new one, copy the live part (the pages below ``min(old, new)``), drop the old one and,
   on CUDA, empty the allocator's cache so the freed segment goes back to the driver.
   The peak over the start is one layer's new buffer (``1 / (2 x num_layers)`` of the
-  pool), never a second pool. Measured on an H200 (GPU.md, "Giving memory back"):
+  pool), never a second pool. Measured on an H200 with NVML watching:
   28 buffers of 1 GiB halved in 44 ms with the default allocator and 149 ms with
   expandable segments (which the engine uses), and NVML saw the 14 GiB come back at
   once; a 1 GiB replan is a few ms of copying. It needs nothing beyond torch, works on
@@ -30,7 +30,7 @@ must really reach the device, as NVML sees it. Three ways were weighed:
   the top): no copy, but a page's address becomes (segment, offset), which every
   attention kernel and the slot arithmetic would have to learn.
 - *CUDA's virtual memory API* (reserve the largest range once, map and unmap 2 MiB
-  granules at its top): no copy and a stable base pointer (GPU.md: 16 GiB mapped in
+  granules at its top): no copy and a stable base pointer (on an H200: 16 GiB mapped in
   8 ms, the top 8 GiB unmapped in 6 ms, NVML saw it return). It is CUDA-only and needs
   ``cuda.bindings`` and cupy to view the mapping as a tensor. The engine's decode CUDA
   graphs are instead dropped before a resize and captured again on next use

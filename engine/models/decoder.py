@@ -12,8 +12,9 @@ at load time.
 The elementwise work goes through :mod:`kernels.dispatch` (Triton on CUDA, the torch
 references elsewhere) in fused form: the residual add with the next RMSNorm, Qwen3's
 q/k norm with rotary and the KV-cache store (the model writes the pool, then calls the
-attention backend with ``kv_stored=True``), SiLU with the gate multiply, and, for decode steps of a few tokens, the projections
-themselves (matrix-vector kernels; the gate/up one applies SiLU-and-mul as it writes). The forward
+attention backend with ``kv_stored=True``), SiLU with the gate multiply, and, with ``HEADROOM_GEMV=1``, the projections of decode
+steps of a few tokens (matrix-vector kernels; the gate/up one applies SiLU-and-mul as it
+writes; :mod:`kernels.triton_gemv`). The forward
 reads no value back to the host, so a decode step can be captured in a CUDA graph.
 """
 

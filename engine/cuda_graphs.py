@@ -23,6 +23,10 @@ re-capture costs one warm-up forward and one capture of a single batch size, pai
 the first decode step after the resize, not by the resize (measured figures in the
 README's GPU section).
 
+Each graph also takes the argmax of its logits rows (a few small kernels): a step whose
+requests are all greedy and unpenalized reads those ids and launches nothing between
+replays (:meth:`engine.runner.ModelRunner.run`).
+
 Memory: all sizes share one private memory pool; :meth:`capture_all` returns what the
 capture took from the device, which the memory plan charges as "CUDA graph pool".
 """
@@ -39,6 +43,7 @@ import torch
 
 from engine.attention.base import AttentionBackend
 from engine.forward_batch import ForwardBatch
+from engine.sampling.device import greedy_tokens
 from engine.step_inputs import PinnedStaging, token_at
 
 log = logging.getLogger("headroom.engine")
@@ -98,6 +103,7 @@ class DecodeGraphs:
         # Every graph writes its logits here (rows [:b]), so no graph keeps an output block
         # of its own alive in the pool: one [max_batch, V] float32 buffer for all sizes.
         self._logits: torch.Tensor | None = None
+        self._tokens: torch.Tensor | None = None  # int64 [max_batch]: each row's argmax
         self._pool = torch.cuda.graph_pool_handle()
         self._failed: set[int] = set()
         self.captures = 0
@@ -149,7 +155,7 @@ class DecodeGraphs:
         """Drop every graph (the KV pool's buffers are about to move); sizes are captured
         again on their next use."""
         self._graphs.clear()
-        self._logits = None
+        self._logits = self._tokens = None
         self._failed.clear()
         # With no graph left the old pool is released (its memory goes back with the
         # resize's empty_cache); a capture must not name it again.
@@ -216,6 +222,11 @@ class DecodeGraphs:
                 # Allocated inside the first (largest) capture, from the graphs' pool.
                 self._logits = torch.empty((self.max_batch, logits.shape[1]), dtype=logits.dtype, device=self.device)
             self._logits[:b].copy_(logits)
+            if self._tokens is None:
+                self._tokens = torch.empty(self.max_batch, dtype=torch.int64, device=self.device)
+            # The greedy pick inside the graph: a greedy batch then needs no sampling
+            # launch between replays, only the read of these ids.
+            self._tokens[:b].copy_(greedy_tokens(self._logits[:b]))
         del logits
         self._graphs[b] = graph
         self.captures += 1
@@ -293,3 +304,10 @@ class DecodeGraphs:
         self._fill(items, padded)
         self._graphs[padded].replay()
         return self._logits[: len(items)]
+
+    def greedy_tokens(self, batch_size: int) -> torch.Tensor:
+        """``int64 [batch_size]`` on the device: the argmax of each row of the last
+        replay's logits (``-1`` for a row with NaN / infinite logits), as
+        :func:`engine.sampling.device.greedy_tokens` gives; valid until the next replay."""
+        assert self._tokens is not None
+        return self._tokens[:batch_size]

@@ -78,6 +78,10 @@ class Engine(LiveReplan):
         # large for the card):
         # the plan picks the largest chunk whose activation peak fits.
         self.knobs = PlanKnobs.of(config)
+        # What this process's caching allocator already held (an earlier engine in the
+        # same process, a test): on the device, but not the plan's to size.
+        self._reserved_at_start = (torch.cuda.memory_reserved(self.device)
+                                   if self.device.type == "cuda" and torch.cuda.is_initialized() else 0)
         self.device_memory = device_memory(config, self.device) if self._planned else None
         self.plan: MemoryPlan | None = None
         if self.device_memory is not None:
@@ -240,10 +244,7 @@ class Engine(LiveReplan):
         del probe_pool
         # Nothing of the profile stays cached: the pool is sized against a clean device.
         torch.cuda.empty_cache()
-        # The CUDA context: what this process holds beyond the allocator's reservations.
-        free_now, _ = torch.cuda.mem_get_info(self.device)
-        used_by_us = self.device_memory.free_bytes - free_now
-        runtime = max(used_by_us - torch.cuda.memory_reserved(self.device), 0)
+        runtime = self._runtime_bytes()
         if peak is None:
             activation, sampler = self.device_memory.total_bytes, None
         else:
@@ -253,6 +254,26 @@ class Engine(LiveReplan):
             measured_sampler_bytes=sampler, runtime_bytes=runtime, cuda_graph_bytes=graph_bytes,
         )
         return make_plan(self.device_memory, knobs, fp)
+
+    def _runtime_bytes(self) -> int:
+        """The plan's "CUDA context and runtime" line: this process's device memory
+        outside the caching allocator (CUDA context, kernel modules, library handles).
+
+        Two parts: what NVML already attributed to this process at start (its context,
+        when NVML lists processes; inside a container it lists none and the plan counted
+        that memory as other processes'), and what the process took since, less the
+        growth of the allocator's reservations (charged on their own lines). The growth
+        is measured from the allocator's reservation at start, not from zero, so memory
+        the allocator held before the engine (an earlier engine in the same process)
+        does not hide the context's growth.
+        """
+        dm = self.device_memory
+        assert dm is not None
+        own_at_start = 0 if dm.simulated else max(dm.total_bytes - dm.free_bytes - dm.others_bytes, 0)
+        free_now, _ = torch.cuda.mem_get_info(self.device)
+        grown = dm.free_bytes - free_now
+        reserved_grown = torch.cuda.memory_reserved(self.device) - self._reserved_at_start
+        return own_at_start + max(grown - reserved_grown, 0)
 
     def _num_pages(self, mc: ModelConfig) -> int:
         """Pool size in pages, the null page included (see EngineConfig for the order)."""

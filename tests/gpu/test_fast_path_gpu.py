@@ -12,6 +12,7 @@ is compared: the contexts differ from there).
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 
 import pytest
@@ -93,8 +94,9 @@ def assert_greedy_matches(ours: list[int], ref: list[int], ref_logits: list[torc
 
 
 @pytest.mark.parametrize("backend,graphs", BACKENDS)
-def test_greedy_matches_transformers(shape_model, backend, graphs):
+def test_greedy_matches_transformers(shape_model, backend, graphs, caplog):
     path, prompts, refs = shape_model
+    caplog.set_level(logging.INFO, logger="headroom.engine")
     engine = Engine(EngineConfig(model=path, device="cuda", dtype="bfloat16", kv_cache=1 << 30,
                                  attention_backend=backend, cuda_graphs=graphs, max_running_requests=8))
     assert engine.attention_backend == backend
@@ -105,6 +107,11 @@ def test_greedy_matches_transformers(shape_model, backend, graphs):
         assert_greedy_matches(got, ref, logits)
     if graphs:
         assert engine.runner.graphs.captures >= len(engine.runner.graphs.sizes)
+    if backend == "flashinfer":
+        # The first step of each kind says how long FlashInfer's JIT build took.
+        firsts = [r.getMessage() for r in caplog.records if r.getMessage().startswith("flashinfer: first")]
+        print("\n" + "\n".join(firsts))
+        assert any("first decode step" in m for m in firsts) and any("first prefill step" in m for m in firsts)
 
 
 def _default_model() -> str:

@@ -387,18 +387,20 @@ def plan(config_path: Path | None, as_json: bool, **flags: Any) -> None:
     settings = _resolve_or_fail(flags, config_path)
     _check_model_path(settings.model)
 
-    from engine.commands.plan import NoDevice, build_plan, render
+    from engine.commands.plan import NoDevice, build_plan, planned_setup, render
     from engine.loader.errors import ModelLoadError
 
     try:
-        memory_plan = build_plan(settings.engine_config())
+        config = settings.engine_config()
+        device, dtype = planned_setup(config)
+        memory_plan = build_plan(config)
     except NoDevice as exc:
         _fail(str(exc), EXIT_USAGE)
     except ModelLoadError as exc:
         _fail(f"cannot read the model: {exc}", EXIT_USAGE)
     except ValueError as exc:
         _fail(str(exc), EXIT_USAGE)
-    click.echo(render(memory_plan, as_json))
+    click.echo(render(memory_plan, as_json, f"{str(dtype).removeprefix('torch.')} on {device}"))
     if not memory_plan.fits:
         sys.exit(EXIT_FAILED)
 

@@ -14,6 +14,7 @@ from engine.options import at_least, nonzero_size, option
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "LlamaForCausalLM",
+    "MistralForCausalLM",  # the Llama layout (Mistral, Ministral)
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
 )

@@ -207,8 +207,9 @@ class Engine(LiveReplan):
 
     def _fit_chunk(self, planner) -> MemoryPlan:
         """Plan with ``self.knobs`` as :func:`engine.memory.plan.fit_plan` does: the
-        prefill chunk halved first, then the context lowered down to ``--min-context``;
-        sets ``self.knobs`` to what fits and logs a lowered context.
+        context lowered to what the pool holds, down to ``--min-context``, and the
+        prefill chunk halved only when even that floor does not fit; sets ``self.knobs``
+        to what fits.
 
         Raises:
             PlanDoesNotFit: with the plan at the configured chunk, whose message names

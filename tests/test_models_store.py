@@ -135,3 +135,21 @@ def test_pull_failures_say_why(tiny_files, tmp_path, spec, env, code, needle):
     assert got.returncode == code, (got.stdout, got.stderr)
     assert needle in got.stderr, got.stderr
     assert "Traceback" not in got.stderr
+
+
+def test_the_api_answers_to_the_store_name_the_model_was_served_by(tmp_path):
+    """``--model acme/tiny-GGUF:tiny-q8_0.gguf`` serves a folder named after the file; a
+    request naming the store name is for that model too (a path is no name)."""
+    from dataclasses import replace
+
+    from service_harness import engine_info
+
+    from service.cli.settings import ServeSettings
+    from service.http.state import Services
+
+    info = engine_info(model_name="tiny-q8_0")
+    by_name = Services(settings=replace(ServeSettings(), model=f"{GGUF_REPO}:{GGUF_FILE}"), supervisor=None)
+    assert by_name.model_names(info) == ["tiny-q8_0", f"{GGUF_REPO}:{GGUF_FILE}"]
+    assert by_name.check_model(f"{GGUF_REPO}:{GGUF_FILE}", info) == "tiny-q8_0"  # accepted, not 404
+    by_path = Services(settings=replace(ServeSettings(), model=str(tmp_path)), supervisor=None)
+    assert by_path.model_names(info) == ["tiny-q8_0"]

@@ -18,6 +18,7 @@ from typing import Any
 
 import click
 
+from service.cli.models import models, pull
 from service.cli.settings import (
     DEFAULT_PORT,
     OPTIONS,
@@ -35,6 +36,10 @@ EXIT_FAILED = 1
 @click.group()
 def main() -> None:
     """headroom: a local LLM service that plans every byte of GPU memory."""
+
+
+main.add_command(models)
+main.add_command(pull)
 
 
 def _fail(message: str, code: int = 1) -> None:
@@ -102,12 +107,23 @@ _config_option = click.option(
 
 
 def _check_model_path(model: str | None) -> None:
-    """Fail fast, before torch is imported, for a model path that does not exist."""
-    if model is not None and not Path(model).expanduser().exists():
+    """Fail fast, before torch is imported, for a model that is neither a path nor a
+    name in the store."""
+    if model is None or Path(model).expanduser().exists():
+        return
+    from engine.loader.errors import ModelNotFound
+    from engine.loader.store import find_model
+
+    try:
+        found = find_model(model)
+    except ModelNotFound as exc:
+        _fail(str(exc), EXIT_USAGE)
+    if found is None:
         _fail(
-            f"model not found: {model} (no such file or folder); pass a Hugging Face "
-            "model folder or a .gguf file with --model, or leave --model out for the "
-            "default model",
+            f"model not found: {model} (no such file or folder, and no such name in the "
+            "store: `headroom models` lists it); pass a Hugging Face model folder, a "
+            ".gguf file or a store name with --model (`headroom pull REPO[:FILE]` "
+            "fetches one), or leave --model out for the default model",
             EXIT_USAGE,
         )
 
@@ -387,18 +403,20 @@ def plan(config_path: Path | None, as_json: bool, **flags: Any) -> None:
     settings = _resolve_or_fail(flags, config_path)
     _check_model_path(settings.model)
 
-    from engine.commands.plan import NoDevice, build_plan, render
+    from engine.commands.plan import NoDevice, build_plan, planned_setup, render
     from engine.loader.errors import ModelLoadError
 
     try:
-        memory_plan = build_plan(settings.engine_config())
+        config = settings.engine_config()
+        device, dtype = planned_setup(config)
+        memory_plan = build_plan(config)
     except NoDevice as exc:
         _fail(str(exc), EXIT_USAGE)
     except ModelLoadError as exc:
         _fail(f"cannot read the model: {exc}", EXIT_USAGE)
     except ValueError as exc:
         _fail(str(exc), EXIT_USAGE)
-    click.echo(render(memory_plan, as_json))
+    click.echo(render(memory_plan, as_json, f"{str(dtype).removeprefix('torch.')} on {device}"))
     if not memory_plan.fits:
         sys.exit(EXIT_FAILED)
 

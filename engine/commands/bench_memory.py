@@ -11,6 +11,7 @@ Without CUDA it prints the plan of a simulated card (no measurement).
 from __future__ import annotations
 
 import tempfile
+import time
 
 import torch
 
@@ -67,6 +68,7 @@ def measure(shape: str | None, *, device_limit_bytes: int, max_model_len: int, m
         free, _ = torch.cuda.mem_get_info()
         context = total - free - torch.cuda.memory_reserved()
         torch.cuda.set_per_process_memory_fraction(min((device_limit_bytes - context) / total, 1.0))
+        started = time.perf_counter()
         engine = Engine(EngineConfig(
             model=model, load_format="dummy" if shape else "auto", device_limit=device_limit_bytes,
             reserve=0, max_model_len=max_model_len, max_running_requests=max_running,
@@ -74,8 +76,14 @@ def measure(shape: str | None, *, device_limit_bytes: int, max_model_len: int, m
         ))
         plan = engine.plan
         assert plan is not None
+        ready_s = time.perf_counter() - started
+        # The plan's lines: what is not KV cache, and where each figure comes from.
+        print(f"plan of {shape or 'the default model'} at {device_limit_bytes / GiB:.1f} GiB "
+              f"(engine ready in {ready_s:.1f} s):\n{plan.table()}", flush=True)
         torch.cuda.reset_peak_memory_stats()
+        started = time.perf_counter()
         worst_step_workload(engine)
+        print(f"worst-step workload: {time.perf_counter() - started:.1f} s", flush=True)
         measured = torch.cuda.max_memory_reserved()
         allocated = torch.cuda.max_memory_allocated()
         predicted = predicted_allocator_bytes(plan)

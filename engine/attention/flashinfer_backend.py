@@ -147,8 +147,14 @@ class FlashInferAttentionBackend(AttentionBackend):
         if wrapper is None:
             wrapper = self._graph_wrapper(batch_size, page_table.shape[1])
         indptr, indices, last = paged_kv_csr(seq_lens, page_table, self.pool.page_size)
+        started = time.perf_counter()
         wrapper.plan(torch.from_numpy(indptr), torch.from_numpy(indices), torch.from_numpy(last), self.num_heads,
                      self.pool.num_kv_heads, self.head_dim, self.pool.page_size, **self._plan_kwargs())
+        if "decode" in self._first_use:
+            # The plan loads (and on a cold cache compiles) the decode module.
+            self._first_use.discard("decode")
+            log.info("flashinfer: first decode step (planned for a CUDA graph) took %.1f s: its kernels are "
+                     "compiled on first use and cached for later runs", time.perf_counter() - started)
 
     def _graph_wrapper(self, batch_size: int, width: int):
         if batch_size > self.max_batch:

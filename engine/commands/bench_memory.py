@@ -38,17 +38,33 @@ def predicted_allocator_bytes(plan: MemoryPlan) -> int:
 
 def worst_step_workload(engine: Engine) -> None:
     """Reach the profile's worst step for real: ``B - 1`` requests decoding at long
-    contexts while one prompt near the context limit is prefilled in full chunks."""
+    contexts while one prompt near the context limit is prefilled in full chunks.
+
+    The long requests generate enough tokens to outlast every prefill step (theirs and
+    the long prompt's): one that finished early would leave the step smaller than the
+    worst, and the wait for all ``B - 1`` to decode would never end.
+
+    Raises:
+        RuntimeError: the engine ran out of work before the ``B - 1`` requests decoded.
+    """
     b = engine.config.max_running_requests
     ctx = engine.max_context_tokens
+    chunk = engine.knobs.max_prefill_tokens
     per_req = min(ctx, (engine.allocator.num_usable * engine.config.page_size) // b) - 64
+    # Steps until the long prompt's last chunk: all prompts, chunk by chunk, each step's
+    # token budget shared with the decode rows.
+    prefill_steps = -(-b * per_req // max(chunk - b, 1))
+    long_new = prefill_steps + 16
     vocab = engine.model_config.vocab_size
     g = torch.Generator().manual_seed(0)
     sp = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)
+    sp_long = SamplingParams(max_new_tokens=long_new, temperature=0.0, ignore_eos=True)
     for i in range(b - 1):
-        ids = torch.randint(10, vocab, (per_req - 40,), generator=g).tolist()
-        engine.add_request(GenerateRequest(request_id=f"long-{i}", prompt_token_ids=ids, sampling=sp))
+        ids = torch.randint(10, vocab, (max(per_req - long_new - 8, 1),), generator=g).tolist()
+        engine.add_request(GenerateRequest(request_id=f"long-{i}", prompt_token_ids=ids, sampling=sp_long))
     while len([r for r in engine.scheduler.running if r.output_ids]) < b - 1:
+        if not engine.has_work():
+            raise RuntimeError("the long requests finished before all of them were decoding together")
         engine.step()
     ids = torch.randint(10, vocab, (per_req,), generator=g).tolist()
     engine.add_request(GenerateRequest(request_id="chunked", prompt_token_ids=ids, sampling=sp))

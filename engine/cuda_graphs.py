@@ -23,6 +23,10 @@ re-capture costs one warm-up forward and one capture of a single batch size, pai
 the first decode step after the resize, not by the resize (measured figures in the
 README's GPU section).
 
+A backend whose kernels read a schedule planned on the host (FlashInfer) plans it in
+:meth:`engine.attention.base.AttentionBackend.graph_plan`, which runs after the inputs
+are written and before the capture or replay.
+
 Each graph also takes the argmax of its logits rows (a few small kernels): a step whose
 requests are all greedy and unpenalized reads those ids and launches nothing between
 replays (:meth:`engine.runner.ModelRunner.run`).
@@ -104,7 +108,7 @@ class DecodeGraphs:
         # of its own alive in the pool: one [max_batch, V] float32 buffer for all sizes.
         self._logits: torch.Tensor | None = None
         self._tokens: torch.Tensor | None = None  # int64 [max_batch]: each row's argmax
-        self._pool = torch.cuda.graph_pool_handle()
+        self._pool = None  # the graphs' private memory pool, made at the first capture
         self._failed: set[int] = set()
         self.captures = 0
         self.capture_seconds = 0.0
@@ -159,7 +163,7 @@ class DecodeGraphs:
         self._failed.clear()
         # With no graph left the old pool is released (its memory goes back with the
         # resize's empty_cache); a capture must not name it again.
-        self._pool = torch.cuda.graph_pool_handle()
+        self._pool = None
 
     # -- filling -------------------------------------------------------------------------
 
@@ -185,6 +189,7 @@ class DecodeGraphs:
         # Padding rows: token 0 at position 0, written to the null page, no context.
         ids[nb:] = pos[nb:] = slots[nb:] = seq[nb:] = prefix[nb:] = 0
         self.staging.upload(h, self._dev)
+        self.attn.graph_plan(padded, seq, table)
 
     def _fill_dummy(self, padded: int) -> None:
         g = self.max_batch
@@ -195,6 +200,7 @@ class DecodeGraphs:
         self._section(h, self._SEQ, padded)[:] = 1
         h[self._TABLE * g : n] = 0
         self.staging.upload(h, self._dev)
+        self.attn.graph_plan(padded, self._section(h, self._SEQ, padded), h[self._TABLE * g : n].reshape(padded, -1))
 
     # -- capture and replay --------------------------------------------------------------
 
@@ -216,6 +222,8 @@ class DecodeGraphs:
             self._warm_up(b, stream)
         self._fill_dummy(b)
         graph = torch.cuda.CUDAGraph()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
             logits = self.model(batch, self.attn)
             if self._logits is None:

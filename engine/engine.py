@@ -45,6 +45,8 @@ from engine.startup import (
 
 log = logging.getLogger("headroom.engine")
 
+log = logging.getLogger("headroom.engine")
+
 # Without a memory plan (CPU, or a fixed size asked for), the pool gets this much.
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 
@@ -235,11 +237,14 @@ class Engine(LiveReplan):
             num_layers=mc.num_layers, num_pages=profile_pool_pages(knobs), page_size=self.config.page_size,
             num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, dtype=self.dtype, device=self.device,
         )
+        # Where the context grows (logged): after the weights, the profile step, the capture.
+        growth = [self._outside_allocator_growth()]
         try:
             peak = measure_step_peak(self.model, self._attention(probe_pool), probe_pool, knobs, mc.max_position_embeddings)
         except torch.OutOfMemoryError:
             # The step does not fit at all: charge everything that was free.
             peak = None
+        growth.append(self._outside_allocator_growth())
         graph_bytes = 0
         if peak is not None and self._use_cuda_graphs:
             # The graphs' memory does not depend on the prefill chunk: measured once,
@@ -251,6 +256,10 @@ class Engine(LiveReplan):
         del probe_pool
         # Nothing of the profile stays cached: the pool is sized against a clean device.
         torch.cuda.empty_cache()
+        growth.append(self._outside_allocator_growth())
+        log.info("CUDA context growth outside the allocator since the plan's probe: %.0f MiB after the weights, "
+                 "%.0f MiB after the profile step, %.0f MiB after the decode graphs' capture (if any)",
+                 *(g / 2**20 for g in growth))
         runtime = self._runtime_bytes()
         if peak is None:
             activation, sampler = self.device_memory.total_bytes, None
@@ -277,10 +286,15 @@ class Engine(LiveReplan):
         dm = self.device_memory
         assert dm is not None
         own_at_start = 0 if dm.simulated else max(dm.total_bytes - dm.free_bytes - dm.others_bytes, 0)
+        return own_at_start + max(self._outside_allocator_growth(), 0)
+
+    def _outside_allocator_growth(self) -> int:
+        """Bytes the device lost since the plan's probe that the caching allocator does not
+        hold (context growth: kernel modules, library handles, graph executables)."""
+        assert self.device_memory is not None
         free_now, _ = torch.cuda.mem_get_info(self.device)
-        grown = dm.free_bytes - free_now
-        reserved_grown = torch.cuda.memory_reserved(self.device) - self._reserved_at_start
-        return own_at_start + max(grown - reserved_grown, 0)
+        grown = self.device_memory.free_bytes - free_now
+        return grown - (torch.cuda.memory_reserved(self.device) - self._reserved_at_start)
 
     def _num_pages(self, mc: ModelConfig) -> int:
         """Pool size in pages, the null page included (see EngineConfig for the order)."""

@@ -682,8 +682,15 @@ def _int_list(ctx: Any, param: Any, value: str) -> tuple[int, ...]:
     "--profile",
     is_flag=True,
     default=False,
-    help="Afterwards, print where a batch-1 decode step's time goes (host, graph "
-    "replay, the kernels inside it; CUDA).",
+    help="Afterwards, print where a decode step's time goes at each --profile-batches "
+    "size (host, graph replay, the kernels inside it; CUDA).",
+)
+@click.option(
+    "--profile-batches",
+    default="1",
+    show_default=True,
+    callback=_int_list,
+    help="Batch sizes --profile looks at, comma-separated.",
 )
 @click.option(
     "--batches",
@@ -715,6 +722,7 @@ def bench_engine(
     long_prefill_tokens: int,
     transformers_side: bool,
     profile: bool,
+    profile_batches: tuple[int, ...],
     batches: tuple[int, ...],
     prompt_tokens: int,
     new_tokens: int,
@@ -742,6 +750,7 @@ def bench_engine(
             long_prefill_tokens=long_prefill_tokens,
             transformers_side=transformers_side,
             profile=profile,
+            profile_batches=profile_batches,
         )
     except ModelLoadError as exc:
         _fail(f"cannot load the model: {exc}", EXIT_USAGE)

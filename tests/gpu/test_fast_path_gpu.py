@@ -32,8 +32,8 @@ BACKENDS = [
     ("triton", True),
     ("triton", False),
     ("torch", False),
-    pytest.param("flashinfer", False, marks=pytest.mark.skipif(
-        importlib.util.find_spec("flashinfer") is None, reason="flashinfer is not installed")),
+    *(pytest.param("flashinfer", graphs, marks=pytest.mark.skipif(
+        importlib.util.find_spec("flashinfer") is None, reason="flashinfer is not installed")) for graphs in (True, False)),
 ]
 
 
@@ -101,10 +101,13 @@ def test_greedy_matches_transformers(shape_model, backend, graphs, caplog):
                                  attention_backend=backend, cuda_graphs=graphs, max_running_requests=8))
     assert engine.attention_backend == backend
     assert (engine.runner.graphs is not None) == graphs
-    ours = run_greedy(engine, prompts)
+    replayed = []
+    ours = run_greedy(engine, prompts, on_step=lambda e, _: replayed.append(e.runner.replayed))
     for got, (ref, logits) in zip(ours, refs, strict=True):
         assert len(got) == NEW_TOKENS
         assert_greedy_matches(got, ref, logits)
+    # With graphs the decode steps replayed them (all but the prefill steps).
+    assert (sum(replayed) >= NEW_TOKENS - 1) == graphs
     if graphs:
         assert engine.runner.graphs.captures >= len(engine.runner.graphs.sizes)
     if backend == "flashinfer":

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from litestar import Controller, Request, Response, get, post
@@ -149,6 +150,47 @@ async def _completion_generation(
     return gen
 
 
+@contextmanager
+def _released_on_error(ticket: Ticket) -> Iterator[None]:
+    """Give the request's place back when preparing its generation fails (the
+    generation releases it otherwise)."""
+    try:
+        yield
+    except BaseException:
+        ticket.release()
+        raise
+
+
+def _chat_choices(texts: list[str], reasons: list[str | None]) -> list[ChatChoice]:
+    """The choices of a whole chat answer, one per sequence."""
+    return [
+        ChatChoice(
+            index=i,
+            message=ChatMessageOut(role="assistant", content=text),
+            finish_reason=reasons[i],
+        )
+        for i, text in enumerate(texts)
+    ]
+
+
+def _chat_delta(index: int, text: str, reason: str | None, role: str | None) -> ChatChunkChoice:
+    """The one choice of a chat stream's chunk: a role, new text, or the ending."""
+    delta = Delta(role=role, content=text if (text or role) else None)
+    return ChatChunkChoice(index=index, delta=delta, finish_reason=reason)
+
+
+def _text_choices(texts: list[str], reasons: list[str | None]) -> list[TextChoice]:
+    """The choices of a whole text completion, one per sequence."""
+    return [
+        TextChoice(index=i, text=text, finish_reason=reasons[i]) for i, text in enumerate(texts)
+    ]
+
+
+def _text_piece(index: int, text: str, reason: str | None, _role: str | None) -> TextChoice:
+    """The one choice of a text stream's chunk (text completions have no roles)."""
+    return TextChoice(index=index, text=text, finish_reason=reason)
+
+
 class OpenAIController(Controller):
     """OpenAI's API under ``/v1``."""
 
@@ -184,7 +226,7 @@ class OpenAIController(Controller):
             request, svc, ChatCompletionRequest, check_chat_fields
         )
         assert svc.text is not None
-        try:
+        with _released_on_error(ticket):
             check_prompt_bound(
                 svc.text, message_texts(req.messages), info.max_context_tokens, "messages"
             )
@@ -210,31 +252,12 @@ class OpenAIController(Controller):
                 ticket=ticket,
             )
             gen.start()
-        except BaseException:
-            ticket.release()
-            raise
         created = int(time.time())
 
         if not req.stream:
-
-            def chat_choices(texts: list[str], reasons: list[str | None]) -> list[ChatChoice]:
-                return [
-                    ChatChoice(
-                        index=i,
-                        message=ChatMessageOut(role="assistant", content=text),
-                        finish_reason=reasons[i],
-                    )
-                    for i, text in enumerate(texts)
-                ]
-
-            return await respond(gen, request, ChatCompletion, chat_choices, created, model)
-
-        def choice(index: int, text: str, reason: str | None, role: str | None) -> Any:
-            delta = Delta(role=role, content=text if (text or role) else None)
-            return ChatChunkChoice(index=index, delta=delta, finish_reason=reason)
-
+            return await respond(gen, request, ChatCompletion, _chat_choices, created, model)
         return event_stream(
-            gen, req.stream_options, ChatCompletionChunk, choice, created, model, roles=req.n
+            gen, req.stream_options, ChatCompletionChunk, _chat_delta, created, model, roles=req.n
         )
 
     @post("/completions", status_code=200)
@@ -244,24 +267,10 @@ class OpenAIController(Controller):
         req, items, info, model, ticket = await _admit(
             request, svc, CompletionRequest, completion_prompts
         )
-        try:
+        with _released_on_error(ticket):
             gen = await _completion_generation(req, items, info, svc, started, ticket)
-        except BaseException:
-            ticket.release()
-            raise
         created = int(time.time())
 
         if not req.stream:
-
-            def text_choices(texts: list[str], reasons: list[str | None]) -> list[TextChoice]:
-                return [
-                    TextChoice(index=i, text=text, finish_reason=reasons[i])
-                    for i, text in enumerate(texts)
-                ]
-
-            return await respond(gen, request, Completion, text_choices, created, model)
-
-        def choice(index: int, text: str, reason: str | None, _role: str | None) -> Any:
-            return TextChoice(index=index, text=text, finish_reason=reason)
-
-        return event_stream(gen, req.stream_options, CompletionChunk, choice, created, model)
+            return await respond(gen, request, Completion, _text_choices, created, model)
+        return event_stream(gen, req.stream_options, CompletionChunk, _text_piece, created, model)

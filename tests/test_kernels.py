@@ -2,14 +2,14 @@
 q/k norm + rotary + KV-cache store), and the dispatch between them.
 
 Without a GPU the kernels run in Triton's interpreter on small shapes (see
-``triton_interp.py``); with one, compiled on CUDA.
+``triton_interpret.py``); with one, compiled on CUDA.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from triton_interp import kernel_device
+from triton_interpret import kernel_device
 
 from engine.config import RopeConfig
 from engine.models.rope import build_cos_sin_cache

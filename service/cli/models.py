@@ -4,11 +4,10 @@
 from __future__ import annotations
 
 import json
-import sys
 
 import click
 
-EXIT_USAGE = 2
+from service.cli.exits import EXIT_FAILED, EXIT_USAGE, fail
 
 
 @click.command()
@@ -51,7 +50,6 @@ def pull(spec: str) -> None:
     try:
         pulled = fetch(spec)
     except PullError as exc:
-        click.echo(f"headroom: error: {exc}", err=True)
-        sys.exit(EXIT_USAGE if exc.usage else 1)
+        fail(str(exc), EXIT_USAGE if exc.usage else EXIT_FAILED)
     click.echo(f"pulled {pulled.name} into {pulled.path}")
     click.echo(f"serve it with: headroom serve --model {pulled.name}")

@@ -1,23 +1,26 @@
 """One API call's generation: sampling checks, engine requests, text out.
 
-Shared by chat and text completions, streaming or not. A :class:`Generation` submits
-``len(prompts) * n`` engine sequences through the supervisor, turns each one's token
-ids into text (incremental detokenizer, then stop strings, which end the sequence in
-the engine at once), counts usage and times the first token.
+Shared by chat and text completions, streaming or not. A :class:`Generation` takes the
+checked call into the engine in one part (:meth:`Generation.start`: its place among the
+waiting requests, its prompts to token ids, ``len(prompts) * n`` engine sequences
+submitted to the worker link's routing), then turns each sequence's token ids into text
+(:meth:`Generation.pieces`: incremental detokenizer, then stop strings, which end the
+sequence in the engine at once), counts usage and times the first token.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from engine.ipc import Rejected
-from engine.messages import FINISH_ERROR, FINISH_LENGTH, GenerateRequest, SamplingParams
+from engine.messages import FINISH_ERROR, FINISH_LENGTH, EngineInfo, GenerateRequest, SamplingParams
 from engine.text.stop import StopStringMatcher
-from service.api.admission import Ticket
+from service.api.admission import Admission, Ticket
 from service.api.errors import SERVER_ERROR, APIError, invalid
+from service.api.prompts import Prompt, encode_prompts
 from service.api.schemas import MAX_N, SEED_MAX, TOP_K_MAX, _SamplingFields
 from service.api.text import TextSide
 from service.supervision.inflight import EngineFailure, Submission
@@ -113,6 +116,29 @@ def resolve_max_tokens(
             "context_length_exceeded",
         )
     return requested
+
+
+@dataclass(frozen=True)
+class MaxTokens:
+    """How a call asks for its completions' length (see :func:`resolve_max_tokens`):
+    ``requested`` tokens (None: ``default``, or the rest of the context), ``param`` and
+    ``prompt_param`` the fields its errors name."""
+
+    requested: int | None
+    param: str
+    prompt_param: str
+    default: int | None = None
+
+    def resolve(self, prompt_tokens: int, context_tokens: int) -> int:
+        """Tokens a sequence after a prompt of ``prompt_tokens`` may generate."""
+        return resolve_max_tokens(
+            self.requested,
+            self.param,
+            prompt_tokens,
+            context_tokens,
+            prompt_param=self.prompt_param,
+            default=self.default,
+        )
 
 
 def sampling_params(req: _SamplingFields, max_new_tokens: int, seed_offset: int) -> SamplingParams:
@@ -225,14 +251,16 @@ class Generation:
             routing (``supervisor.link.requests``), its ``retry_after_s`` dates a 503.
         text: the tokenizer side.
         request_id: the API id (``chatcmpl-...``); engine ids are ``{request_id}-{i}``.
-        prompts: prompt token ids, one list per prompt.
         n: sequences per prompt; sequence ``i`` answers ``prompts[i // n]``.
-        sampling: one :class:`SamplingParams` per sequence.
         stops: stop strings.
         started: ``time.perf_counter()`` when the HTTP request arrived.
         deadline: ``time.perf_counter()`` past which :meth:`pieces` gives up (504
             ``request_timeout``; the caller's :meth:`close` aborts the sequences), or
             None.
+
+    Attributes (set by :meth:`start`):
+        prompts: prompt token ids, one list per prompt.
+        sampling: one :class:`SamplingParams` per sequence.
         ticket: the request's place among those waiting for the engine, released at
             its first output or at :meth:`close`.
     """
@@ -240,12 +268,12 @@ class Generation:
     supervisor: Supervisor
     text: TextSide
     request_id: str
-    prompts: list[list[int]]
     n: int
-    sampling: list[SamplingParams]
     stops: list[str]
     started: float
     deadline: float | None = None
+    prompts: list[list[int]] = field(default_factory=list)
+    sampling: list[SamplingParams] = field(default_factory=list)
     ticket: Ticket | None = None
     first_token_at: float | None = None
     submission: Submission | None = None
@@ -265,12 +293,42 @@ class Generation:
             return None
         return (self.first_token_at - self.started) * 1000.0
 
-    def start(self) -> None:
-        """Submit the sequences (none when ``max_new_tokens`` is 0).
+    async def start(
+        self,
+        admission: Admission,
+        info: EngineInfo,
+        req: _SamplingFields,
+        prompts: Sequence[Prompt],
+        max_tokens: MaxTokens,
+    ) -> None:
+        """Take the checked call ``req`` into the engine, in this order (so the errors
+        come in it): a place among the requests waiting for the engine
+        (``admission``), the prompts to token ids (bounded untokenized, then the chat
+        template or the tokenizer in threads, see
+        :func:`service.api.prompts.encode_prompts`), each prompt's completion length
+        against ``info``'s context, one ``GenerateRequest`` per sequence, submitted
+        (none when the length is 0). The place is given back when any step fails.
 
         Raises:
+            APIError: 503 ``queue_full``; 400 as
+                :func:`~service.api.prompts.encode_prompts` and
+                :func:`resolve_max_tokens` raise (``context_length_exceeded``...).
+            engine.text.chat.ChatTemplateError: messages the template cannot render.
             NotReady: no worker ready; nothing submitted.
         """
+        self.ticket = admission.enter()
+        try:
+            self.prompts = await encode_prompts(self.text, prompts, info)
+            self.sampling = []
+            for ids in self.prompts:
+                max_new = max_tokens.resolve(len(ids), info.max_context_tokens)
+                self.sampling += [sampling_params(req, max_new, j) for j in range(self.n)]
+            self._submit()
+        except BaseException:
+            self.ticket.release()
+            raise
+
+    def _submit(self) -> None:
         prompt_of = [self.prompts[i // self.n] for i in range(len(self.sampling))]
         self._seqs = [
             _SeqText(StopStringMatcher(self.stops), self.text.detokenizer(ids)) for ids in prompt_of

@@ -188,6 +188,11 @@ class EngineConfig:
         "Largest decode batch captured in a CUDA graph; larger batches run eagerly.",
         checks=(at_least(1, "turn graphs off with --no-cuda-graphs"),),
     )
+    gguf_quantized: bool = option(
+        True,
+        "On CUDA, keep a GGUF's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K projections in "
+        "their block format (--no-gguf-quantized: dequantize them at load, as the CPU does).",
+    )
     # Not options (tests and benchmarks set them).
     load_format: str = "auto"  # "dummy": random weights of the config's shapes (benchmarks)
     safety_margin_bytes: int | None = None

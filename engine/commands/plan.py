@@ -11,8 +11,9 @@ import torch
 
 from engine.attention.base import resolve_backend_name
 from engine.config import EngineConfig
+from engine.loader.gguf_quant import gguf_weight_size
 from engine.loader.hf_config import load_model_config
-from engine.loader.resolve import resolve_model
+from engine.loader.resolve import gguf_file, resolve_model
 from engine.memory.footprint import CUDA_RUNTIME_ESTIMATE_BYTES, make_footprint
 from engine.memory.plan import MemoryPlan, PlanKnobs, make_plan
 from engine.startup import attention_workspaces, device_memory, resolve_device, resolve_dtype
@@ -41,12 +42,16 @@ def build_plan(config: EngineConfig) -> MemoryPlan:
         )
     dtype = resolve_dtype(config.dtype, torch.device("cuda") if simulated else device)
     mc = load_model_config(resolve_model(config.model))
+    # The plan stands for a GPU: a GGUF keeps its projections in block format there.
+    gguf = gguf_file(config.model) if config.gguf_quantized else None
+    weights = None if gguf is None else gguf_weight_size(gguf, mc, dtype)
     knobs = PlanKnobs.of(config)
     dev = device_memory(config, device)
     assert dev is not None
     backend = resolve_backend_name(config.attention_backend, "cuda")
     workspaces = attention_workspaces(backend, mc, config.max_running_requests)
-    fp = make_footprint(mc, dtype, knobs, workspaces=workspaces, runtime_bytes=CUDA_RUNTIME_ESTIMATE_BYTES)
+    fp = make_footprint(mc, dtype, knobs, workspaces=workspaces, runtime_bytes=CUDA_RUNTIME_ESTIMATE_BYTES,
+                        weights=weights)
     return make_plan(dev, knobs, fp)
 
 

@@ -217,7 +217,9 @@ class CausalLM(nn.Module):
             h = self.model.norm(h[rows])
         else:
             h, _ = self.model.norm.add_forward(h[rows], residual[rows])  # [B, hidden]
-        return F.linear(h, self.lm_head_weight).float()
+        if self.lm_head is None:
+            return F.linear(h, self.model.embed_tokens.weight).float()
+        return self.lm_head(h).float()  # an nn.Linear, or GGUF blocks (QuantLinear)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

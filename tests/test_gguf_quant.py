@@ -1,0 +1,94 @@
+"""A GGUF loaded with its projections kept in block format (the CUDA default) against
+the same file dequantized at load (the CPU default), and the memory plan's price of
+those weights against what the loader allocates.
+
+On the CPU the quantized linears run the torch reference (``gguf``'s dequantizers);
+float32 on both sides, so the logits agree to rounding.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from test_gguf_convert import VOCAB, write_gguf  # noqa: E402
+
+from engine.commands.plan import build_plan  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+from engine.loader.default_model import default_gguf_path  # noqa: E402
+from engine.loader.gguf_convert import convert_gguf  # noqa: E402
+from engine.loader.gguf_quant import gguf_weight_size  # noqa: E402
+from engine.loader.load import load_model  # noqa: E402
+from engine.models.quant_linear import QuantLinear, model_weight_bytes  # noqa: E402
+
+GiB = 1 << 30
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, rel: float = 1e-5) -> None:
+    tol = rel * max(1.0, float(b.abs().max()))
+    diff = float((a - b).abs().max())
+    assert diff <= tol, f"max |diff| {diff:.3g} > {tol:.3g}"
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def tiny(request, tmp_path_factory, make_tiny_hf_model):
+    arch = request.param
+    tmp = tmp_path_factory.mktemp(f"quant-{arch}")
+    path = tmp / f"tiny-{arch}.gguf"
+    write_gguf(path, arch, make_tiny_hf_model(arch, None, vocab_size=VOCAB))
+    return arch, path, convert_gguf(path, tmp / "hf")
+
+
+def test_quantized_projections_give_the_dequantized_logits(tiny, paged_runner):
+    arch, path, folder = tiny
+    dense, config = load_model(folder, "cpu", torch.float32)
+    quant, _ = load_model(folder, "cpu", torch.float32, quantized_gguf=path)
+    linears = [m for m in quant.modules() if isinstance(m, QuantLinear)]
+    # q/k/v, o, gate/up, down per layer; the qwen3 head is tied to the embeddings.
+    assert len(linears) == 4 * config.num_layers + (arch != "qwen3")
+    assert all([p.type_name for p in m.parts] == ["Q8_0"] for m in linears)
+    if arch == "qwen2":
+        assert quant.model.layers[0].self_attn.qkv_proj.bias is not None
+    ids = [5, 70, 3, 200, 42, 42, 9, 100]
+    a, b = paged_runner(dense, config), paged_runner(quant, config)
+    _close(b.step({0: ids[:6]})[0], a.step({0: ids[:6]})[0])
+    for tok in ids[6:]:  # decode rows, one at a time
+        _close(b.step({0: [tok]})[0], a.step({0: [tok]})[0])
+
+
+def test_weight_size_is_what_the_loader_allocates(tiny):
+    _, path, folder = tiny
+    model, config = load_model(folder, "cpu", torch.bfloat16, quantized_gguf=path)
+    size = gguf_weight_size(path, config, torch.bfloat16)
+    rope_cache = config.max_position_embeddings * config.head_dim * 4
+    assert size.bytes == model_weight_bytes(model) + rope_cache
+    assert "Q8_0 blocks" in size.mix and "bfloat16" in size.mix
+
+
+def test_default_model_from_its_q4_1_blocks(default_model_dir, paged_runner):
+    dense, config = load_model(default_model_dir, "cpu", torch.float32)
+    quant, _ = load_model(default_model_dir, "cpu", torch.float32, quantized_gguf=default_gguf_path())
+    types = {p.type_name for m in quant.modules() if isinstance(m, QuantLinear) for p in m.parts}
+    assert types == {"Q4_1"}
+    ids = [1, 504, 3458, 314, 253, 1345]
+    _close(paged_runner(quant, config).step({0: ids})[0], paged_runner(dense, config).step({0: ids})[0], rel=1e-4)
+
+
+def test_plan_charges_the_quantized_bytes_and_shows_the_mix(default_model_dir):
+    gguf_path = str(default_gguf_path())
+    plan = build_plan(EngineConfig(model=gguf_path, device_total=4 * GiB))
+    weights = next(e for e in plan.ledger if e.name == "weights")
+    dense = build_plan(EngineConfig(model=gguf_path, device_total=4 * GiB, gguf_quantized=False))
+    dense_weights = next(e for e in dense.ledger if e.name == "weights")
+    from engine.loader.hf_config import load_model_config
+
+    size = gguf_weight_size(gguf_path, load_model_config(default_model_dir), torch.bfloat16)
+    assert weights.bytes == size.bytes
+    assert "210 Q4_1 blocks" in weights.source and "Q8_0" in weights.source
+    # Q4_1 holds 5 bits a weight against bfloat16's 16; the tied Q8_0 embedding and the
+    # norms are bfloat16 on both sides.
+    assert weights.bytes < 0.6 * dense_weights.bytes
+    assert dense_weights.source == "exact, from tensor shapes"
+    assert plan.num_pages > dense.num_pages

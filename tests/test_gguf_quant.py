@@ -92,3 +92,28 @@ def test_plan_charges_the_quantized_bytes_and_shows_the_mix(default_model_dir):
     assert weights.bytes < 0.6 * dense_weights.bytes
     assert dense_weights.source == "exact, from tensor shapes"
     assert plan.num_pages > dense.num_pages
+
+
+def test_benchmark_gguf_of_k_quants_loads_in_blocks(tmp_path, paged_runner):
+    """The benchmark's random Q4_K_M-like file (K-quant blocks built directly), on a
+    small Llama layout: loaded in blocks, priced exactly, finite logits."""
+    import numpy as np
+
+    from engine.commands.model_shapes import write_shape
+    from engine.loader.gguf_quant import load_gguf_quantized
+    from engine.loader.hf_config import load_model_config
+    from engine.quant_bench import write_random_gguf
+
+    folder = write_shape("llama-3.1-8b", tmp_path / "cfg", hidden_size=256, intermediate_size=512,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
+                         max_position_embeddings=64, rope_scaling=None)
+    config = load_model_config(folder)
+    path = tmp_path / "k.gguf"
+    write_random_gguf(path, config, np.random.default_rng(0))
+    model = load_gguf_quantized(config, path, "cpu", torch.float32)
+    types = {p.type_name for m in model.modules() if isinstance(m, QuantLinear) for p in m.parts}
+    assert types == {"Q4_K", "Q6_K"}
+    size = gguf_weight_size(path, config, torch.float32)
+    assert size.bytes == model_weight_bytes(model) + config.max_position_embeddings * config.head_dim * 4
+    logits = paged_runner(model, config).step({0: [1, 2, 3]})
+    assert logits.shape == (1, 300) and bool(torch.isfinite(logits).all())

@@ -203,12 +203,13 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _default_split(n_programs: int, nblocks: int, x: torch.Tensor) -> int:
-    """Split K until the grid covers the SMs about four times over (a decode GEMV of
-    a few thousand rows is otherwise too few programs to keep HBM busy)."""
+def _default_split(n_programs: int, nblocks: int, x: torch.Tensor, programs_per_sm: int) -> int:
+    """Split K until the grid holds ``programs_per_sm`` programs per SM (a decode GEMV
+    of a few thousand rows is otherwise too few programs to keep HBM busy), each range
+    at least 4 blocks long."""
     if not x.is_cuda:
         return 1
-    want = 4 * _sm_count(x.device.index or 0)
+    want = programs_per_sm * _sm_count(x.device.index or 0)
     return max(1, min(nblocks // 4 or 1, -(-want // n_programs)))
 
 
@@ -221,6 +222,7 @@ def quant_gemv(
     split_k: int | None = None,
     blocks_per_step: int | None = None,
     num_warps: int = 4,
+    programs_per_sm: int = 4,
 ) -> torch.Tensor:
     """``x @ W.T`` for few rows of ``x``, ``W`` dequantized on the fly from ``blocks``.
 
@@ -231,6 +233,7 @@ def quant_gemv(
         type_name: the GGML type (``"Q4_K"`` ...).
         block_n, split_k, blocks_per_step, num_warps: tiling (defaults: 16 rows, a split
             that fills the SMs, 4 blocks per step for 32-weight blocks, 1 for K-quants).
+        programs_per_sm: what the default split aims at.
 
     Returns:
         ``[M, N]`` in ``x.dtype`` (float32 accumulation).
@@ -243,7 +246,7 @@ def quant_gemv(
     nblocks = k // fmt.block_elements
     kb = blocks_per_step or (4 if fmt.block_elements == 32 else 1)
     n_programs = triton.cdiv(n, block_n)
-    split = split_k if split_k is not None else _default_split(n_programs, nblocks, x)
+    split = split_k if split_k is not None else _default_split(n_programs, nblocks, x, programs_per_sm)
     per_split = triton.cdiv(nblocks, split)
     split = triton.cdiv(nblocks, per_split)
     atomic = split > 1

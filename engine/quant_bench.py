@@ -18,6 +18,8 @@ the shape's projections at one row, with the same roofline share.
 from __future__ import annotations
 
 import argparse
+import functools
+import itertools
 import tempfile
 from pathlib import Path
 
@@ -84,10 +86,10 @@ def copy_bandwidth(nbytes: int = GiB) -> float:
     return 2 * nbytes * 10 / (start.elapsed_time(end) / 1000)
 
 
-def _graph_seconds(fn) -> float:
+def _graph_seconds(fn, replays: int = _GRAPH_REPLAYS) -> float:
     from engine.kernel_bench import _graph_us
 
-    return _graph_us(fn, _GRAPH_REPLAYS * 20) / 1e6
+    return _graph_us(fn, replays * 20) / 1e6
 
 
 def step_bytes(model: torch.nn.Module, config, batch: int, context: int, kv_bytes_per_token: int) -> int:
@@ -164,19 +166,16 @@ def sweep_rows(bandwidth: float, shapes: list[tuple[str, int, int]]) -> list[str
         w = torch.from_numpy(random_blocks(kind, n, k, rng, scale=1e-4)).cuda()
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         results = []
-        kbs = (1, 2) if block_format(kind).block_elements == 256 else (2, 4, 8)
-        for block_n in (8, 16, 32):
-            for warps in (2, 4, 8):
-                for per_sm in (2, 4, 8):
-                    for kb in kbs:
-                        fn = lambda: quant_gemv(x, w, kind, block_n=block_n, num_warps=warps,  # noqa: E731
-                                                programs_per_sm=per_sm, blocks_per_step=kb)
-                        try:
-                            seconds = _graph_seconds(fn)
-                        except (RuntimeError, triton.runtime.errors.OutOfResources) as e:
-                            print(f"{kind} {n}x{k} block_n={block_n} warps={warps}: {str(e).splitlines()[0]}")
-                            continue
-                        results.append((seconds, block_n, warps, per_sm, kb))
+        kbs = (1, 2) if block_format(kind).block_elements == 256 else (2, 4)
+        for block_n, warps, per_sm, kb in itertools.product((8, 16, 32), (2, 4), (4, 8), kbs):
+            fn = functools.partial(quant_gemv, x, w, kind, block_n=block_n, num_warps=warps,
+                                   programs_per_sm=per_sm, blocks_per_step=kb)
+            try:
+                seconds = _graph_seconds(fn, replays=10)
+            except (RuntimeError, triton.runtime.errors.OutOfResources) as e:
+                print(f"{kind} {n}x{k} block_n={block_n} warps={warps}: {str(e).splitlines()[0]}")
+                continue
+            results.append((seconds, block_n, warps, per_sm, kb))
         results.sort()
         for seconds, block_n, warps, per_sm, kb in results[:3] + results[-1:]:
             rows.append(f"| {kind} {n}x{k} | block_n {block_n}, warps {warps}, {per_sm}/SM, kb {kb} | "

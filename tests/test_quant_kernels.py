@@ -102,3 +102,19 @@ def test_tensor_bytes_is_the_file_size(type_name):
     blocks = random_blocks(type_name, 3, 2 * fmt.block_elements, np.random.default_rng(0))
     assert tensor_bytes(type_name, (3, 2 * fmt.block_elements), 2) == blocks.nbytes
     assert tensor_bytes("F32", (3, 64), 2) == 3 * 64 * 2
+
+
+@pytest.mark.parametrize("m,split_k", [(2, 1), (2, 3), (20, None)])
+def test_output_into_a_column_slice(dev, m, split_k):
+    """A fused projection of mixed types writes each part's columns of one output."""
+    from kernels.quant import triton_quant
+
+    x, w = _case("Q5_1", m, 6, 3, dev, seed=4)
+    wide = torch.full((m, 10), 7.0, device=dev)
+    if m <= triton_quant.GEMV_MAX_ROWS:
+        got = triton_quant.quant_gemv(x, w, "Q5_1", block_n=4, split_k=split_k, out=wide[:, 2:8])
+    else:
+        got = triton_quant.quant_gemm(x, w, "Q5_1", block_m=16, block_n=16, out=wide[:, 2:8])
+    assert got.data_ptr() == wide[:, 2:8].data_ptr()
+    assert_matches(wide[:, 2:8], x, w, "Q5_1")
+    assert bool((wide[:, :2] == 7).all() and (wide[:, 8:] == 7).all())

@@ -83,21 +83,31 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        outs = [self._part(x2, spec, w) for spec, w in self.part_views()]
-        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        views = self.part_views()
+        if len(views) == 1:
+            y = self._part(x2, *views[0])
+        else:  # each part writes its columns of one output: no concatenation
+            y = torch.empty(x2.shape[0], self.out_features, device=x.device, dtype=x.dtype)
+            col = 0
+            for spec, w in views:
+                self._part(x2, spec, w, y[:, col : col + spec.rows])
+                col += spec.rows
         if self.bias is not None:
             y = y + self.bias
         return y.view(*lead, self.out_features)
 
     @staticmethod
-    def _part(x: torch.Tensor, spec: PartSpec, w: torch.Tensor) -> torch.Tensor:
-        if spec.type_name is None:
-            return F.linear(x, w)
-        if use_triton(x):
+    def _part(x: torch.Tensor, spec: PartSpec, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ w.T`` of one part, into ``out`` (a column slice) when given."""
+        if spec.type_name is not None and use_triton(x):
             from kernels.quant.triton_quant import quant_matmul
 
-            return quant_matmul(x.contiguous(), w, spec.type_name)
-        return reference.quant_matmul(x, w, spec.type_name)
+            return quant_matmul(x.contiguous(), w, spec.type_name, out=out)
+        y = F.linear(x, w) if spec.type_name is None else reference.quant_matmul(x, w, spec.type_name)
+        if out is None:
+            return y
+        out.copy_(y)
+        return out
 
     def extra_repr(self) -> str:
         mix = ", ".join(f"{p.type_name or 'dense'}x{p.rows}" for p in self.parts)

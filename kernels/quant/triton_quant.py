@@ -223,6 +223,7 @@ def quant_gemv(
     blocks_per_step: int | None = None,
     num_warps: int = 4,
     programs_per_sm: int = 4,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x @ W.T`` for few rows of ``x``, ``W`` dequantized on the fly from ``blocks``.
 
@@ -234,9 +235,11 @@ def quant_gemv(
         block_n, split_k, blocks_per_step, num_warps: tiling (defaults: 16 rows, a split
             that fills the SMs, 4 blocks per step for 32-weight blocks, 1 for K-quants).
         programs_per_sm: what the default split aims at.
+        out: where to write ``[M, N]`` (``x.dtype``, unit column stride; may be a column
+            slice of a wider tensor), else a new tensor.
 
     Returns:
-        ``[M, N]`` in ``x.dtype`` (float32 accumulation).
+        ``[M, N]`` in ``x.dtype`` (float32 accumulation): ``out`` when given.
 
     Raises:
         ValueError: shapes or dtypes that do not match the format.
@@ -250,13 +253,16 @@ def quant_gemv(
     per_split = triton.cdiv(nblocks, split)
     split = triton.cdiv(nblocks, per_split)
     atomic = split > 1
-    out = torch.zeros((m, n), device=x.device, dtype=torch.float32) if atomic else torch.empty((m, n), device=x.device, dtype=x.dtype)
+    result = _output(x, n, out)
+    dest = torch.zeros((m, n), device=x.device, dtype=torch.float32) if atomic else result
     _gemv_kernel[(n_programs, split)](
-        x, blocks, out, m, n, k, blocks.stride(0), per_split, x.stride(0), out.stride(0),
+        x, blocks, dest, m, n, k, blocks.stride(0), per_split, x.stride(0), dest.stride(0),
         QT=fmt.code, QK=fmt.block_elements, BB=fmt.block_bytes, L=fmt.sub_elements, NSUB=fmt.subs_per_block,
         BLOCK_N=block_n, BLOCK_M=max(triton.next_power_of_2(m), 1), KB=kb, ATOMIC=atomic, num_warps=num_warps,
     )
-    return out.to(x.dtype) if atomic else out
+    if atomic:
+        result.copy_(dest)
+    return result
 
 
 def quant_gemm(
@@ -268,16 +274,17 @@ def quant_gemm(
     block_n: int = 64,
     blocks_per_step: int = 1,
     num_warps: int = 4,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x @ W.T`` for many rows of ``x`` (prefill): ``W`` dequantized tile by tile into
     registers and multiplied with ``tl.dot``.
 
-    Args and return as :func:`quant_gemv`; float32 inputs multiply in IEEE float32
+    Args (``out`` too) and return as :func:`quant_gemv`; float32 inputs multiply in IEEE float32
     (no TF32), 16-bit ones with the weight tile rounded to their dtype.
     """
     fmt, k = _check(x, blocks, type_name)
     m, n = x.shape[0], blocks.shape[0]
-    out = torch.empty((m, n), device=x.device, dtype=x.dtype)
+    out = _output(x, n, out)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _gemm_kernel[grid](
         x, blocks, out, m, n, k, blocks.stride(0), x.stride(0), out.stride(0),
@@ -287,8 +294,18 @@ def quant_gemm(
     return out
 
 
-def quant_matmul(x: torch.Tensor, blocks: torch.Tensor, type_name: str) -> torch.Tensor:
-    """``x @ W.T``: the GEMV for up to :data:`GEMV_MAX_ROWS` rows, the GEMM above."""
+def quant_matmul(x: torch.Tensor, blocks: torch.Tensor, type_name: str, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T``: the GEMV for up to :data:`GEMV_MAX_ROWS` rows, the GEMM above
+    (``out`` as in :func:`quant_gemv`)."""
     if x.shape[0] <= GEMV_MAX_ROWS:
-        return quant_gemv(x, blocks, type_name)
-    return quant_gemm(x, blocks, type_name)
+        return quant_gemv(x, blocks, type_name, out=out)
+    return quant_gemm(x, blocks, type_name, out=out)
+
+
+def _output(x: torch.Tensor, n: int, out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
+        return torch.empty((x.shape[0], n), device=x.device, dtype=x.dtype)
+    if out.shape != (x.shape[0], n) or out.dtype != x.dtype or out.stride(1) != 1:
+        raise ValueError(f"out must be [{x.shape[0]}, {n}] {x.dtype} with unit column stride, got "
+                         f"{tuple(out.shape)} {out.dtype} stride {out.stride()}")
+    return out

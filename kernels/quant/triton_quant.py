@@ -4,14 +4,17 @@ Two kernels share one sub-block decoder (:func:`_sub_block`):
 
 - :func:`quant_gemv`, for decode rows (``M <= GEMV_MAX_ROWS``): each program owns
   ``BLOCK_N`` weight rows and a range of blocks along K (split-K, partial sums added
-  atomically into a float32 output when the range is split), multiplies the raw
-  integer codes by the activations and applies each sub-block's scale and offset once
-  to the sums (``y = scale * sum(q * x) + offset * sum(x)``), so the inner loop is the
-  byte loads and one multiply-add per weight. The weight bytes are read once per step
-  whatever ``M``.
+  atomically into a float32 output when the range is split), the sub-blocks unrolled.
+  The weight bytes are read once per step whatever ``M``.
 - :func:`quant_gemm`, for prefill: each program owns a ``BLOCK_M x BLOCK_N`` output
-  tile, dequantizes one sub-block of ``BLOCK_N`` rows at a time into a register tile
-  in the activations' dtype and feeds it to ``tl.dot``.
+  tile and walks the sub-blocks in one runtime loop (bounded registers).
+
+Both multiply the activations by the raw integer codes and apply each sub-block's
+scale and offset once to the sums, ``y += scale * (x @ q) + offset * sum(x)``: the
+codes are exact in bfloat16, so the product runs on tensor cores (``tl.dot``) without
+rounding a dequantized weight, and the inner loop is the byte loads, the unpacking and
+the product. The GEMV of up to ``DOT_MIN_ROWS`` rows uses a broadcast product instead
+(no padding to 16 rows, few registers).
 
 A sub-block is ``L`` consecutive weights of one row that share a scale and an offset
 (:mod:`kernels.quant.formats`): the decoder returns the codes ``q [BLOCK_N, L]``, the
@@ -35,9 +38,12 @@ from kernels.quant.formats import block_format
 
 # Rows of activations up to which the GEMV runs (decode batches); the GEMM above.
 GEMV_MAX_ROWS = 16
+# Above this many rows the GEMV multiplies on tensor cores (16 rows padded), below it
+# as a broadcast product (fewer registers, no padding).
+DOT_MIN_ROWS = 4
 
 # Triton's interpreter mis-converts a float32 tile to bfloat16 before ``tl.dot`` (the
-# product comes out as garbage), so there the GEMM multiplies in float32 whatever the
+# product comes out as garbage), so there the kernels multiply in float32 whatever the
 # activations' dtype.
 _INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -51,24 +57,25 @@ def _f16(ptr):
 
 
 @triton.jit
-def _k_scale_min(blk, S: tl.constexpr):
-    """Q4_K/Q5_K: the 6-bit scale and min of sub-block ``S`` from the 12 packed bytes
-    at ``blk + 4`` (ggml's ``get_scale_min_k4``)."""
-    if S < 4:
-        sc = tl.load(blk + 4 + S).to(tl.int32) & 63
-        mn = tl.load(blk + 8 + S).to(tl.int32) & 63
-    else:
-        packed = tl.load(blk + 8 + S).to(tl.int32)
-        sc = (packed & 15) | ((tl.load(blk + S).to(tl.int32) >> 6) << 4)
-        mn = (packed >> 4) | ((tl.load(blk + 4 + S).to(tl.int32) >> 6) << 4)
+def _k_scale_min(blk, S):
+    """Q4_K/Q5_K: the 6-bit scale and min of sub-block ``S`` (constexpr or runtime) from
+    the 12 packed bytes at ``blk + 4`` (ggml's ``get_scale_min_k4``). Both halves'
+    formulas are evaluated (their loads stay inside the block) and one is selected, so a
+    runtime ``S`` needs no branch."""
+    low = tl.load(blk + 4 + S).to(tl.int32)
+    packed = tl.load(blk + 8 + S).to(tl.int32)
+    sc = tl.where(S < 4, low & 63, (packed & 15) | ((tl.load(blk + S).to(tl.int32) >> 6) << 4))
+    mn = tl.where(S < 4, packed & 63, (packed >> 4) | ((low >> 6) << 4))
     return sc.to(tl.float32), mn.to(tl.float32)
 
 
 @triton.jit
-def _sub_block(blk, t, QT: tl.constexpr, S: tl.constexpr):
+def _sub_block(blk, t, QT: tl.constexpr, S):
     """Sub-block ``S`` of the blocks at ``blk`` (``[BLOCK_N]`` uint8 pointers, one per
     row): ``(q [BLOCK_N, L] float32, scale [BLOCK_N], offset [BLOCK_N])``, weights
-    ``scale * q + offset``. ``t`` is ``tl.arange(0, L)``; ``QT`` the format's code."""
+    ``scale * q + offset``; the codes ``q`` are small integers (exact in bfloat16).
+    ``t`` is ``tl.arange(0, L)``; ``QT`` the format's code; ``S`` constexpr (unrolled
+    loops) or runtime."""
     b = blk[:, None]
     tt = t[None, :]
     if QT == 0:  # Q4_0: d, 16 bytes of nibbles (low: weights 0-15, high: 16-31)
@@ -118,10 +125,23 @@ def _sub_block(blk, t, QT: tl.constexpr, S: tl.constexpr):
 
 
 @triton.jit
+def _codes_dot(xv, q, DOT: tl.constexpr, IEEE: tl.constexpr):
+    """``xv [BLOCK_M, L] @ q.T`` -> ``[BLOCK_M, BLOCK_N]`` float32: on tensor cores
+    (``DOT``; the integer codes are exact in the activations' 16-bit type, or in
+    float32 with ``IEEE``), else as a broadcast product summed over L (a few rows)."""
+    if DOT:
+        if IEEE:
+            return tl.dot(xv.to(tl.float32), tl.trans(q), input_precision="ieee")
+        return tl.dot(xv, tl.trans(q.to(xv.dtype)))
+    return tl.sum(xv.to(tl.float32)[:, None, :] * q[None, :, :], axis=2)
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, M, N, K, row_bytes, blocks_per_split, stride_xm, stride_om,
     QT: tl.constexpr, QK: tl.constexpr, BB: tl.constexpr, L: tl.constexpr, NSUB: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, KB: tl.constexpr, ATOMIC: tl.constexpr,
+    DOT: tl.constexpr, IEEE: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -132,7 +152,7 @@ def _gemv_kernel(
     t = tl.arange(0, L)
     kb_begin = pid_k * blocks_per_split
     kb_end = tl.minimum(kb_begin + blocks_per_split, K // QK)
-    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for kb0 in range(kb_begin, kb_end, KB):
         for i in tl.static_range(KB):
             kb = tl.minimum(kb0 + i, kb_end - 1)
@@ -142,11 +162,10 @@ def _gemv_kernel(
                 q, scale, offset = _sub_block(blk, t, QT, s)
                 k_idx = kb * QK + s * L + t
                 xv = tl.load(x_ptr + ms[:, None] * stride_xm + k_idx[None, :], mask=m_mask[:, None] & live, other=0.0)
-                xv = xv.to(tl.float32)
-                dot = tl.sum(q[:, None, :] * xv[None, :, :], axis=2)  # [BLOCK_N, BLOCK_M]
-                acc += scale[:, None] * dot + offset[:, None] * tl.sum(xv, axis=1)[None, :]
-    out = out_ptr + ms[None, :] * stride_om + rows[:, None]
-    mask = (rows[:, None] < N) & m_mask[None, :]
+                part = _codes_dot(xv, q, DOT, IEEE)
+                acc += part * scale[None, :] + tl.sum(xv.to(tl.float32), axis=1)[:, None] * offset[None, :]
+    out = out_ptr + ms[:, None] * stride_om + rows[None, :]
+    mask = m_mask[:, None] & (rows[None, :] < N)
     if ATOMIC:
         tl.atomic_add(out, acc, mask=mask)
     else:
@@ -157,7 +176,7 @@ def _gemv_kernel(
 def _gemm_kernel(
     x_ptr, w_ptr, out_ptr, M, N, K, row_bytes, stride_xm, stride_om,
     QT: tl.constexpr, QK: tl.constexpr, BB: tl.constexpr, L: tl.constexpr, NSUB: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -167,21 +186,15 @@ def _gemm_kernel(
     m_mask = ms < M
     x_row = x_ptr + ms.to(tl.int64)[:, None] * stride_xm
     t = tl.arange(0, L)
-    nblocks = K // QK
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for kb0 in range(0, nblocks, KB):
-        for i in tl.static_range(KB):
-            kb = tl.minimum(kb0 + i, nblocks - 1)
-            live = (kb0 + i) < nblocks
-            blk = row_ptr + kb * BB
-            for s in tl.static_range(NSUB):
-                q, scale, offset = _sub_block(blk, t, QT, s)
-                xv = tl.load(x_row + (kb * QK + s * L + t)[None, :], mask=m_mask[:, None] & live, other=0.0)
-                w = q * scale[:, None] + offset[:, None]  # [BLOCK_N, L] float32
-                if IEEE:
-                    acc += tl.dot(xv.to(tl.float32), tl.trans(w), input_precision="ieee")
-                else:
-                    acc += tl.dot(xv, tl.trans(w.to(xv.dtype)))
+    # One runtime loop over sub-blocks (not unrolled): one tile's registers live at a time.
+    for sb in range(0, (K // QK) * NSUB):
+        kb = sb // NSUB
+        s = sb % NSUB
+        q, scale, offset = _sub_block(row_ptr + kb * BB, t, QT, s)
+        xv = tl.load(x_row + (kb * QK + s * L + t)[None, :], mask=m_mask[:, None], other=0.0)
+        part = _codes_dot(xv, q, True, IEEE)
+        acc += part * scale[None, :] + tl.sum(xv.to(tl.float32), axis=1)[:, None] * offset[None, :]
     out = out_ptr + ms[:, None] * stride_om + rows[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & (rows[None, :] < N))
 
@@ -233,7 +246,8 @@ def quant_gemv(
         blocks: ``[N, K / block_elements * block_bytes]`` uint8, GGUF blocks row by row.
         type_name: the GGML type (``"Q4_K"`` ...).
         block_n, split_k, blocks_per_step, num_warps: tiling (defaults: 16 rows, a split
-            that fills the SMs, 4 blocks per step for 32-weight blocks, 1 for K-quants).
+            that fills the SMs; per step 4 blocks of 32 weights (2 above ``DOT_MIN_ROWS``
+            rows) or 1 K-quant block).
         programs_per_sm: what the default split aims at.
         out: where to write ``[M, N]`` (``x.dtype``, unit column stride; may be a column
             slice of a wider tensor), else a new tensor.
@@ -247,7 +261,11 @@ def quant_gemv(
     fmt, k = _check(x, blocks, type_name)
     m, n = x.shape[0], blocks.shape[0]
     nblocks = k // fmt.block_elements
-    kb = blocks_per_step or (4 if fmt.block_elements == 32 else 1)
+    dot = m > DOT_MIN_ROWS
+    # 32-weight blocks: several per step, fewer when tensor-core tiles hold the registers.
+    kb = blocks_per_step or (1 if fmt.block_elements > 32 else 2 if dot else 4)
+    if dot:
+        block_n = max(block_n, 16)  # tl.dot's smallest tile
     n_programs = triton.cdiv(n, block_n)
     split = split_k if split_k is not None else _default_split(n_programs, nblocks, x, programs_per_sm)
     per_split = triton.cdiv(nblocks, split)
@@ -258,7 +276,8 @@ def quant_gemv(
     _gemv_kernel[(n_programs, split)](
         x, blocks, dest, m, n, k, blocks.stride(0), per_split, x.stride(0), dest.stride(0),
         QT=fmt.code, QK=fmt.block_elements, BB=fmt.block_bytes, L=fmt.sub_elements, NSUB=fmt.subs_per_block,
-        BLOCK_N=block_n, BLOCK_M=max(triton.next_power_of_2(m), 1), KB=kb, ATOMIC=atomic, num_warps=num_warps,
+        BLOCK_N=block_n, BLOCK_M=16 if dot else triton.next_power_of_2(m), KB=kb, ATOMIC=atomic,
+        DOT=dot, IEEE=x.dtype == torch.float32 or _INTERPRETING, num_warps=num_warps,
     )
     if atomic:
         result.copy_(dest)
@@ -272,8 +291,7 @@ def quant_gemm(
     *,
     block_m: int = 64,
     block_n: int = 64,
-    blocks_per_step: int = 1,
-    num_warps: int = 4,
+    num_warps: int = 8,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x @ W.T`` for many rows of ``x`` (prefill): ``W`` dequantized tile by tile into
@@ -289,7 +307,7 @@ def quant_gemm(
     _gemm_kernel[grid](
         x, blocks, out, m, n, k, blocks.stride(0), x.stride(0), out.stride(0),
         QT=fmt.code, QK=fmt.block_elements, BB=fmt.block_bytes, L=fmt.sub_elements, NSUB=fmt.subs_per_block,
-        BLOCK_M=block_m, BLOCK_N=block_n, KB=blocks_per_step, IEEE=x.dtype == torch.float32 or _INTERPRETING, num_warps=num_warps,
+        BLOCK_M=block_m, BLOCK_N=block_n, IEEE=x.dtype == torch.float32 or _INTERPRETING, num_warps=num_warps,
     )
     return out
 

@@ -177,9 +177,13 @@ def sweep_rows(bandwidth: float, shapes: list[tuple[str, int, int]]) -> list[str
                 continue
             results.append((seconds, block_n, warps, per_sm, kb))
         results.sort()
+        default = _graph_seconds(functools.partial(quant_gemv, x, w, kind), replays=10)
+        shape_rows = [f"| {kind} {n}x{k} | default | {default * 1e6:.1f} | {w.nbytes / default / bandwidth:.0%} |"]
         for seconds, block_n, warps, per_sm, kb in results[:3] + results[-1:]:
-            rows.append(f"| {kind} {n}x{k} | block_n {block_n}, warps {warps}, {per_sm}/SM, kb {kb} | "
-                        f"{seconds * 1e6:.1f} | {w.nbytes / seconds / bandwidth:.0%} |")
+            shape_rows.append(f"| {kind} {n}x{k} | block_n {block_n}, warps {warps}, {per_sm}/SM, kb {kb} | "
+                              f"{seconds * 1e6:.1f} | {w.nbytes / seconds / bandwidth:.0%} |")
+        print("\n".join(shape_rows), flush=True)
+        rows += shape_rows
         del w
     return rows
 
@@ -197,16 +201,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--dir", default=None, help="where to write the GGUF (default: a temp dir)")
     p.add_argument("--no-bf16", action="store_true", help="skip the bfloat16 comparison")
-    p.add_argument("--sweep", action="store_true", help="first, the GEMV's tilings on the shape's projections")
+    p.add_argument("--sweep", action="store_true", help="then the GEMV's tilings on the gate/up and down shapes")
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     torch.manual_seed(0)
-    if args.sweep:
-        bandwidth = copy_bandwidth()
-        h, i = 4096, 14336
-        shapes = [("Q4_K", 2 * i, h), ("Q6_K", h, i), ("Q4_K", h + 1024, h)]
-        print("| GEMV shape | tiling | us | roofline share |\n|---|---|---|---|")
-        print("\n".join(sweep_rows(bandwidth, shapes)), flush=True)
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         overrides = {} if args.layers is None else {"num_hidden_layers": args.layers}
         folder = write_shape(args.shape, Path(tmp) / "cfg", **overrides)
@@ -217,21 +215,24 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{args.shape}, {config.num_layers} layers, context {args.context}; GGUF {path.stat().st_size / GiB:.2f} GiB; "
               f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")
         print(f"plan: {gguf_weight_size(path, config, torch.bfloat16).mix}")
-        header = ["| weights | batch | VRAM GiB | step ms | tok/s | GiB read/step | roofline share |",
-                  "|---|---|---|---|---|---|---|"]
         model = load_gguf_quantized(config, path, "cuda", torch.bfloat16)
-        rows = decode_rows(model, config, batches, args.context, bandwidth, "GGUF Q4_K/Q6_K")
+        print("| weights | batch | VRAM GiB | step ms | tok/s | GiB read/step | roofline share |\n"
+              "|---|---|---|---|---|---|---|", flush=True)
+        print("\n".join(decode_rows(model, config, batches, args.context, bandwidth, "GGUF Q4_K/Q6_K")), flush=True)
         gemv = gemv_rows(model, bandwidth)
         del model
         torch.cuda.empty_cache()
         if not args.no_bf16:
             dense, _ = load_model(folder, "cuda", torch.bfloat16, load_format="dummy")
-            rows += decode_rows(dense, config, batches, args.context, bandwidth, "bfloat16")
+            print("\n".join(decode_rows(dense, config, batches, args.context, bandwidth, "bfloat16")), flush=True)
             del dense
             torch.cuda.empty_cache()
-    print("\n".join(header + rows))
     print("\n| projection | type | N x K | GEMV us (1 row) | roofline share |\n|---|---|---|---|---|")
-    print("\n".join(gemv))
+    print("\n".join(gemv), flush=True)
+    if args.sweep:
+        h, i = config.hidden_size, config.intermediate_size
+        print("\n| GEMV shape | tiling | us | roofline share |\n|---|---|---|---|", flush=True)
+        sweep_rows(bandwidth, [("Q4_K", 2 * i, h), ("Q6_K", h, i)])
 
 
 if __name__ == "__main__":

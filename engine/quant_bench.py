@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--dir", default=None, help="where to write the GGUF (default: a temp dir)")
     p.add_argument("--no-bf16", action="store_true", help="skip the bfloat16 comparison")
-    p.add_argument("--sweep", action="store_true", help="then the GEMV's tilings on the gate/up and down shapes")
+    p.add_argument("--sweep", action="store_true", help="then the GEMV's tilings on the gate/up, down and o shapes")
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     torch.manual_seed(0)
@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.sweep:
         h, i = config.hidden_size, config.intermediate_size
         print("\n| GEMV shape | tiling | us | roofline share |\n|---|---|---|---|", flush=True)
-        sweep_rows(bandwidth, [("Q4_K", 2 * i, h), ("Q6_K", h, i)])
+        sweep_rows(bandwidth, [("Q4_K", 2 * i, h), ("Q6_K", h, i), ("Q4_K", h, h)])
 
 
 if __name__ == "__main__":

@@ -121,7 +121,7 @@ def test_output_into_a_column_slice(dev, m, split_k):
 
 
 def test_kernels_compile_for_hopper_without_register_spills():
-    """Every block type's GEMV (1 row; 16 rows on tensor cores) and GEMM (bfloat16,
+    """Every block type's GEMV (1 and 16 rows) and GEMM (bfloat16,
     float32) compiles for sm_90 with no stack frame, in a child process (see
     ``triton_quant_compile_check.py``): a spilling kernel makes the driver reserve its
     frame for every thread the GPU can hold, memory the plan never sees."""

@@ -62,13 +62,13 @@ def main() -> int:
     for fmt in FORMATS.values():
         layout = {"QT": fmt.code, "QK": fmt.block_elements, "BB": fmt.block_bytes, "L": fmt.sub_elements,
                   "NSUB": fmt.subs_per_block}
-        for block_m, atomic, dot in ((1, False, False), (16, True, True)):
-            kb = 1 if fmt.block_elements > 32 else 2 if dot else 4
+        for block_m, atomic, block_n in ((1, False, 16), (16, True, 8)):
+            kb = 1 if fmt.block_elements > 32 else 4 if block_m == 1 else 2
             out = "*fp32" if atomic else "*bf16"
             args = {"x_ptr": "*bf16", "w_ptr": "*u8", "out_ptr": out, **common, "blocks_per_split": "i32",
                     "stride_xm": "i32", "stride_om": "i32"}
             regs, frame, ptx = _compile(triton_quant._gemv_kernel, args, {
-                **layout, "BLOCK_N": 16, "BLOCK_M": block_m, "KB": kb, "ATOMIC": atomic, "DOT": dot, "IEEE": False,
+                **layout, "BLOCK_N": block_n, "BLOCK_M": block_m, "KB": kb, "ATOMIC": atomic,
             }, 4)
             print(f"gemv {fmt.name} M<={block_m}: {regs} registers, {frame} B stack; loads {_loads(ptx)}")
             failures += frame > 0

@@ -9,12 +9,12 @@ Two kernels share one sub-block decoder (:func:`_sub_block`):
 - :func:`quant_gemm`, for prefill: each program owns a ``BLOCK_M x BLOCK_N`` output
   tile and walks the sub-blocks in one runtime loop (bounded registers).
 
-Both multiply the activations by the raw integer codes and apply each sub-block's
-scale and offset once to the sums, ``y += scale * (x @ q) + offset * sum(x)``: the
-codes are exact in bfloat16, so the product runs on tensor cores (``tl.dot``) without
-rounding a dequantized weight, and the inner loop is the byte loads, the unpacking and
-the product. The GEMV of up to ``DOT_MIN_ROWS`` rows uses a broadcast product instead
-(no padding to 16 rows, few registers).
+The GEMV dequantizes each sub-block in registers (``w = scale * q + offset``) and
+accumulates ``x * w`` elementwise in a ``[BLOCK_M, BLOCK_N, L]`` float32 tile, summed
+over ``L`` once at the end. The GEMM multiplies the activations by the raw integer
+codes on tensor cores (``tl.dot``; the codes are exact in bfloat16) and applies each
+sub-block's scale and offset to the sums, ``y += scale * (x @ q) + offset * sum(x)``,
+so no weight is rounded to 16 bits.
 
 A sub-block is ``L`` consecutive weights of one row that share a scale and an offset
 (:mod:`kernels.quant.formats`): the decoder returns the codes ``q [BLOCK_N, L]``, the
@@ -38,9 +38,6 @@ from kernels.quant.formats import block_format
 
 # Rows of activations up to which the GEMV runs (decode batches); the GEMM above.
 GEMV_MAX_ROWS = 16
-# Above this many rows the GEMV multiplies on tensor cores (16 rows padded), below it
-# as a broadcast product (fewer registers, no padding).
-DOT_MIN_ROWS = 4
 
 # Triton's interpreter mis-converts a float32 tile to bfloat16 before ``tl.dot`` (the
 # product comes out as garbage), so there the kernels multiply in float32 whatever the
@@ -125,15 +122,13 @@ def _sub_block(blk, t, QT: tl.constexpr, S):
 
 
 @triton.jit
-def _codes_dot(xv, q, DOT: tl.constexpr, IEEE: tl.constexpr):
-    """``xv [BLOCK_M, L] @ q.T`` -> ``[BLOCK_M, BLOCK_N]`` float32: on tensor cores
-    (``DOT``; the integer codes are exact in the activations' 16-bit type, or in
-    float32 with ``IEEE``), else as a broadcast product summed over L (a few rows)."""
-    if DOT:
-        if IEEE:
-            return tl.dot(xv.to(tl.float32), tl.trans(q), input_precision="ieee")
-        return tl.dot(xv, tl.trans(q.to(xv.dtype)))
-    return tl.sum(xv.to(tl.float32)[:, None, :] * q[None, :, :], axis=2)
+def _codes_dot(xv, q, IEEE: tl.constexpr):
+    """``xv [BLOCK_M, L] @ q.T`` -> ``[BLOCK_M, BLOCK_N]`` float32 on tensor cores: the
+    integer codes are exact in the activations' 16-bit type (or in float32 with
+    ``IEEE``)."""
+    if IEEE:
+        return tl.dot(xv.to(tl.float32), tl.trans(q), input_precision="ieee")
+    return tl.dot(xv, tl.trans(q.to(xv.dtype)))
 
 
 @triton.jit
@@ -141,7 +136,6 @@ def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, M, N, K, row_bytes, blocks_per_split, stride_xm, stride_om,
     QT: tl.constexpr, QK: tl.constexpr, BB: tl.constexpr, L: tl.constexpr, NSUB: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, KB: tl.constexpr, ATOMIC: tl.constexpr,
-    DOT: tl.constexpr, IEEE: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -152,7 +146,9 @@ def _gemv_kernel(
     t = tl.arange(0, L)
     kb_begin = pid_k * blocks_per_split
     kb_end = tl.minimum(kb_begin + blocks_per_split, K // QK)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    # Products accumulate elementwise and are summed over L once at the end: no
+    # cross-thread reduction (shuffles, shared memory, barriers) inside the loop.
+    acc = tl.zeros([BLOCK_M, BLOCK_N, L], tl.float32)
     for kb0 in range(kb_begin, kb_end, KB):
         for i in tl.static_range(KB):
             kb = tl.minimum(kb0 + i, kb_end - 1)
@@ -160,16 +156,17 @@ def _gemv_kernel(
             blk = row_ptr + kb * BB
             for s in tl.static_range(NSUB):
                 q, scale, offset = _sub_block(blk, t, QT, s)
+                w = q * scale[:, None] + offset[:, None]  # [BLOCK_N, L]
                 k_idx = kb * QK + s * L + t
                 xv = tl.load(x_ptr + ms[:, None] * stride_xm + k_idx[None, :], mask=m_mask[:, None] & live, other=0.0)
-                part = _codes_dot(xv, q, DOT, IEEE)
-                acc += part * scale[None, :] + tl.sum(xv.to(tl.float32), axis=1)[:, None] * offset[None, :]
+                acc += xv.to(tl.float32)[:, None, :] * w[None, :, :]
+    total = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
     out = out_ptr + ms[:, None] * stride_om + rows[None, :]
     mask = m_mask[:, None] & (rows[None, :] < N)
     if ATOMIC:
-        tl.atomic_add(out, acc, mask=mask)
+        tl.atomic_add(out, total, mask=mask)
     else:
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -193,7 +190,7 @@ def _gemm_kernel(
         s = sb % NSUB
         q, scale, offset = _sub_block(row_ptr + kb * BB, t, QT, s)
         xv = tl.load(x_row + (kb * QK + s * L + t)[None, :], mask=m_mask[:, None], other=0.0)
-        part = _codes_dot(xv, q, True, IEEE)
+        part = _codes_dot(xv, q, IEEE)
         acc += part * scale[None, :] + tl.sum(xv.to(tl.float32), axis=1)[:, None] * offset[None, :]
     out = out_ptr + ms[:, None] * stride_om + rows[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & (rows[None, :] < N))
@@ -231,7 +228,7 @@ def quant_gemv(
     blocks: torch.Tensor,
     type_name: str,
     *,
-    block_n: int = 16,
+    block_n: int | None = None,
     split_k: int | None = None,
     blocks_per_step: int | None = None,
     num_warps: int = 4,
@@ -245,9 +242,9 @@ def quant_gemv(
             register tile grows with it).
         blocks: ``[N, K / block_elements * block_bytes]`` uint8, GGUF blocks row by row.
         type_name: the GGML type (``"Q4_K"`` ...).
-        block_n, split_k, blocks_per_step, num_warps: tiling (defaults: 16 rows, a split
-            that fills the SMs; per step 4 blocks of 32 weights (2 above ``DOT_MIN_ROWS``
-            rows) or 1 K-quant block).
+        block_n, split_k, blocks_per_step, num_warps: tiling (defaults: 16 weight rows
+            for up to 4 activation rows, else 8; a split that fills the SMs; per step 4
+            blocks of 32 weights (2 above 4 rows) or 1 K-quant block).
         programs_per_sm: what the default split aims at.
         out: where to write ``[M, N]`` (``x.dtype``, unit column stride; may be a column
             slice of a wider tensor), else a new tensor.
@@ -261,11 +258,11 @@ def quant_gemv(
     fmt, k = _check(x, blocks, type_name)
     m, n = x.shape[0], blocks.shape[0]
     nblocks = k // fmt.block_elements
-    dot = m > DOT_MIN_ROWS
-    # 32-weight blocks: several per step, fewer when tensor-core tiles hold the registers.
-    kb = blocks_per_step or (1 if fmt.block_elements > 32 else 2 if dot else 4)
-    if dot:
-        block_n = max(block_n, 16)  # tl.dot's smallest tile
+    # The accumulator holds BLOCK_M x BLOCK_N x L floats: fewer rows and blocks per step
+    # for larger M.
+    few = m <= 4
+    kb = blocks_per_step or (1 if fmt.block_elements > 32 else 4 if few else 2)
+    block_n = block_n or (16 if few else 8)
     n_programs = triton.cdiv(n, block_n)
     split = split_k if split_k is not None else _default_split(n_programs, nblocks, x, programs_per_sm)
     per_split = triton.cdiv(nblocks, split)
@@ -276,8 +273,7 @@ def quant_gemv(
     _gemv_kernel[(n_programs, split)](
         x, blocks, dest, m, n, k, blocks.stride(0), per_split, x.stride(0), dest.stride(0),
         QT=fmt.code, QK=fmt.block_elements, BB=fmt.block_bytes, L=fmt.sub_elements, NSUB=fmt.subs_per_block,
-        BLOCK_N=block_n, BLOCK_M=16 if dot else triton.next_power_of_2(m), KB=kb, ATOMIC=atomic,
-        DOT=dot, IEEE=x.dtype == torch.float32 or _INTERPRETING, num_warps=num_warps,
+        BLOCK_N=block_n, BLOCK_M=triton.next_power_of_2(m), KB=kb, ATOMIC=atomic, num_warps=num_warps,
     )
     if atomic:
         result.copy_(dest)

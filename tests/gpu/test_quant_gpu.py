@@ -78,7 +78,7 @@ def test_default_model_from_q4_1_blocks_gives_the_dequantized_greedy_text(dtype,
 @pytest.mark.parametrize("type_name,n,k", [("Q4_K", 4096, 4096), ("Q6_K", 1024, 4096), ("Q6_K", 4096, 14336),
                                            ("Q4_K", 14336, 4096), ("Q4_1", 1536, 576), ("Q8_0", 576, 1536)])
 def test_kernels_at_real_shapes_match_gguf_dequantize(type_name, n, k):
-    """The default tilings (split-K, tensor-core GEMV, GEMM) at 1, 16 and 80 rows."""
+    """The default tilings (split-K GEMV, GEMM) at 1, 16 and 80 rows."""
     from kernels.quant import reference, triton_quant
     from kernels.quant.synthetic import random_blocks
 
@@ -96,7 +96,8 @@ def test_kernels_at_real_shapes_match_gguf_dequantize(type_name, n, k):
 
 def test_benchmark_weights_take_their_block_bytes(tmp_path):
     """Two layers of the benchmark's Llama-3-8B-shape Q4_K/Q6_K file: the device holds
-    the file's blocks (under a third of bfloat16), and the plan's price equals it."""
+    the file's blocks (Q4_K 4.5 and Q6_K 6.56 bits a weight against bfloat16's 16; the
+    Q6_K LM head weighs most in two layers), and the plan's price equals it."""
     from engine.commands.model_shapes import write_shape
     from engine.loader.gguf_quant import gguf_weight_size, load_gguf_quantized
     from engine.loader.hf_config import load_model_config
@@ -109,6 +110,6 @@ def test_benchmark_weights_take_their_block_bytes(tmp_path):
     model = load_gguf_quantized(config, path, "cuda", torch.bfloat16)
     blocks = sum(b.nbytes for m in model.modules() if isinstance(m, QuantLinear) for b in m.buffers())
     dense_projections = sum(m.out_features * m.in_features * 2 for m in model.modules() if isinstance(m, QuantLinear))
-    assert blocks < dense_projections / 3
+    assert blocks < 0.42 * dense_projections
     size = gguf_weight_size(path, config, torch.bfloat16)
     assert size.bytes == model_weight_bytes(model) + config.max_position_embeddings * config.head_dim * 4

@@ -1,6 +1,6 @@
-"""A GGUF loaded with its projections kept in block format (the CUDA default) against
-the same file dequantized at load (the CPU default), and the memory plan's price of
-those weights against what the loader allocates.
+"""A GGUF loaded with its projections kept in block format (``--gguf-quantized``, on
+CUDA) against the same file dequantized at load (the default), and the memory plan's
+price of those weights against what the loader allocates.
 
 On the CPU the quantized linears run the torch reference (``gguf``'s dequantizers);
 float32 on both sides, so the logits agree to rounding.
@@ -77,11 +77,17 @@ def test_default_model_from_its_q4_1_blocks(default_model_dir, paged_runner):
 
 
 def test_plan_charges_the_quantized_bytes_and_shows_the_mix(default_model_dir):
+    """--gguf-quantized on a CUDA device: the plan charges the blocks. By default (off),
+    and on a CPU even when asked (the block kernels are GPU kernels), it charges the
+    dequantized tensors the loader will place."""
     gguf_path = str(default_gguf_path())
-    plan = build_plan(EngineConfig(model=gguf_path, device_total=4 * GiB))
+    card = dict(model=gguf_path, device="cuda", device_total=4 * GiB)
+    plan = build_plan(EngineConfig(**card, gguf_quantized=True))
     weights = next(e for e in plan.ledger if e.name == "weights")
-    dense = build_plan(EngineConfig(model=gguf_path, device_total=4 * GiB, gguf_quantized=False))
+    dense = build_plan(EngineConfig(**card))
     dense_weights = next(e for e in dense.ledger if e.name == "weights")
+    on_cpu = build_plan(EngineConfig(model=gguf_path, device="cpu", device_total=4 * GiB, gguf_quantized=True))
+    assert next(e for e in on_cpu.ledger if e.name == "weights").source == "exact, from tensor shapes"
     from engine.loader.hf_config import load_model_config
 
     size = gguf_weight_size(gguf_path, load_model_config(default_model_dir), torch.bfloat16)

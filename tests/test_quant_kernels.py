@@ -4,7 +4,12 @@ reference built on ``gguf``'s own dequantizers, for every block type kept quanti
 Shapes cover partial tiles: N odd and not a multiple of the row tile, K a whole number
 of blocks but not of the kernels' K step (several blocks per step, split-K ranges of
 unequal length), M below and above the row tiles. Without a GPU the kernels run in
-Triton's interpreter (see ``triton_interp.py``).
+Triton's interpreter (see ``triton_interpret.py``).
+
+Compiling for sm_90 (no register spills): here for :data:`COMPILE_CHECK_TYPES` only, one
+K-quant and one legacy type, GEMV and GEMM; every type takes minutes on a two-core CI
+runner, so the full sweep runs with the GPU tests
+(``tests/gpu/test_quant_gpu.py::test_every_block_type_compiles_for_hopper_without_register_spills``).
 """
 
 from __future__ import annotations
@@ -12,14 +17,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import triton_interpret  # noqa: F401  (loops with runtime bounds in the interpreter)
-from triton_interp import kernel_device
+from triton_interpret import kernel_device, run_compiler_script, skip_without_ptxas
 
 from kernels.quant import reference
 from kernels.quant.formats import FORMATS, block_format, tensor_bytes
 from kernels.quant.synthetic import random_blocks
 
 TYPES = list(FORMATS)
+# Compiled for sm_90 on every run: one K-quant (256-element super-blocks, packed sub-block
+# scales) and one legacy type (32-element blocks, one scale and min each).
+COMPILE_CHECK_TYPES = ("Q4_K", "Q4_1")
 
 
 @pytest.fixture(scope="module")
@@ -121,19 +128,14 @@ def test_output_into_a_column_slice(dev, m, split_k):
 
 
 def test_kernels_compile_for_hopper_without_register_spills():
-    """Every block type's GEMV (1 and 16 rows) and GEMM (bfloat16,
-    float32) compiles for sm_90 with no stack frame, in a child process (see
+    """The GEMV (1 and 16 rows) and GEMM (bfloat16, float32) of :data:`COMPILE_CHECK_TYPES`
+    compile for sm_90 with no stack frame, in a child process (see
     ``triton_quant_compile_check.py``): a spilling kernel makes the driver reserve its
-    frame for every thread the GPU can hold, memory the plan never sees."""
-    from triton_interp import run_compiler_script
-
-    pytest.importorskip("triton")
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    try:
-        get_ptxas(90)
-    except Exception as e:  # noqa: BLE001 - any failure means no usable ptxas here
-        pytest.skip(f"Triton's ptxas for sm_90 is not usable here ({e})")
-    done = run_compiler_script("triton_quant_compile_check.py", timeout=1200)
+    frame for every thread the GPU can hold, memory the plan never sees. The other block
+    types are compiled by the GPU tests' sweep (minutes on two cores)."""
+    skip_without_ptxas()
+    done = run_compiler_script("triton_quant_compile_check.py", timeout=900, args=COMPILE_CHECK_TYPES)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "quant kernels ok" in done.stdout
+    for type_name in COMPILE_CHECK_TYPES:
+        assert f"gemv {type_name} " in done.stdout and f"gemm {type_name} " in done.stdout

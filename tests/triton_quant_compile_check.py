@@ -1,5 +1,6 @@
 """Compile the GGUF dequantize-GEMV and GEMM kernels for a Hopper GPU (sm_90) without
-one, every block type, the decode and prefill variants, and report register spills.
+one, the decode and prefill variants, and report register spills: every block type, or
+the types named as arguments (``python tests/triton_quant_compile_check.py Q4_K Q4_1``).
 
 Run as a script in its own process (Triton's mode is fixed at import, and the test
 session imports it in interpreter mode): the interpreter accepts code the compiler
@@ -56,10 +57,14 @@ def _loads(ptx: str) -> str:
     return ", ".join(f"{k} x{n}" for k, n in sorted(counts.items()))
 
 
-def main() -> int:
+def main(type_names: list[str]) -> int:
+    unknown = [name for name in type_names if name not in FORMATS]
+    if unknown:
+        print(f"not kept quantized: {', '.join(unknown)}; choose from {', '.join(FORMATS)}")
+        return 2
     failures = 0
     common = {"M": "i32", "N": "i32", "K": "i32", "row_bytes": "i32"}
-    for fmt in FORMATS.values():
+    for fmt in (FORMATS[name] for name in type_names or FORMATS):
         layout = {"QT": fmt.code, "QK": fmt.block_elements, "BB": fmt.block_bytes, "L": fmt.sub_elements,
                   "NSUB": fmt.subs_per_block}
         for block_m, atomic, block_n in ((1, False, 16), (16, True, 8)):
@@ -84,4 +89,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

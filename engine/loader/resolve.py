@@ -11,8 +11,9 @@ from engine.loader.errors import ModelNotFound
 log = logging.getLogger(__name__)
 
 _WHAT_TO_PASS = (
-    "pass a Hugging Face model folder (config.json + *.safetensors), a .gguf file, or "
-    "nothing for the default model; headroom does not download models"
+    "pass a Hugging Face model folder (config.json + *.safetensors), a .gguf file, a "
+    "name from the store (`headroom models`; `headroom pull REPO[:FILE]` fetches one), "
+    "or nothing for the default model"
 )
 
 
@@ -23,6 +24,8 @@ def resolve_model(path: str | Path | None) -> Path:
     - a ``.gguf`` file (or a folder holding exactly one and no ``config.json``):
       converted into the cache once, reused afterwards.
     - a folder with ``config.json``: itself.
+    - a name of the local store (:mod:`engine.loader.store`, ``headroom pull``) that is
+      not a path: its folder, or its GGUF file converted as above.
 
     Raises:
         ModelNotFound: the path does not exist or holds no model, or the default model's
@@ -33,7 +36,12 @@ def resolve_model(path: str | Path | None) -> Path:
         return _converted(default_gguf_path())
     p = Path(path).expanduser()
     if not p.exists():
-        raise ModelNotFound(f"{p} does not exist; {_WHAT_TO_PASS}")
+        from engine.loader.store import find_model
+
+        stored = find_model(str(path))
+        if stored is None:
+            raise ModelNotFound(f"{p} does not exist and is no name in the store; {_WHAT_TO_PASS}")
+        p = stored
     if p.is_file():
         if p.suffix.lower() == ".gguf":
             return _converted(p)
@@ -50,12 +58,19 @@ def resolve_model(path: str | Path | None) -> Path:
 
 
 def gguf_file(path: str | Path | None) -> Path | None:
-    """The GGUF file behind ``--model`` (the default model's for ``None``), or None when
-    it names a Hugging Face folder or nothing that exists (:func:`resolve_model` says
-    why)."""
+    """The GGUF file behind ``--model`` (the default model's for ``None``; a store name's
+    file as :func:`resolve_model` finds it), or None when it names a Hugging Face folder
+    or nothing that exists (:func:`resolve_model` says why)."""
     if path is None:
         return default_gguf_path()
     p = Path(path).expanduser()
+    if not p.exists():
+        from engine.loader.store import find_model
+
+        stored = find_model(str(path))
+        if stored is None:
+            return None
+        p = stored
     if p.is_file() and p.suffix.lower() == ".gguf":
         return p
     if p.is_dir() and not (p / "config.json").is_file():

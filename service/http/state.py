@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import msgspec
 
@@ -216,8 +217,14 @@ class Services:
         )
 
     def model_names(self, info: EngineInfo) -> list[str]:
-        """Names the served model answers to: the engine's, then configured aliases."""
-        return [info.model_name, *self.settings.served_model_name]
+        """Names the served model answers to: the engine's, the store name ``--model``
+        gave (``owner/name[:FILE.gguf]``, when it is not a path), then configured
+        aliases."""
+        names = [info.model_name]
+        model = self.settings.model
+        if model and model != info.model_name and not Path(model).expanduser().exists():
+            names.append(model)
+        return [*names, *self.settings.served_model_name]
 
     def check_model(self, requested: str | None, info: EngineInfo) -> str:
         """The model name to report for a request naming ``requested``.

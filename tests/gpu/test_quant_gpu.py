@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 from test_fast_path_gpu import _chat_prompts, run_greedy
+from triton_interpret import run_compiler_script, skip_without_ptxas
 
 from engine.config import EngineConfig
 from engine.engine import Engine
@@ -43,7 +44,7 @@ def _gguf() -> str:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_default_model_from_q4_1_blocks_gives_the_dequantized_greedy_text(dtype, paged_runner):
     common = dict(model=_gguf(), device="cuda", dtype=dtype, kv_cache=1 << 30, max_running_requests=8)
-    quant = Engine(EngineConfig(**common))
+    quant = Engine(EngineConfig(**common, gguf_quantized=True))
     linears = [m for m in quant.model.modules() if isinstance(m, QuantLinear)]
     assert linears and {p.type_name for m in linears for p in m.parts} == {"Q4_1"}
     # The decode step with the quantized linears captures as CUDA graphs.
@@ -59,7 +60,7 @@ def test_default_model_from_q4_1_blocks_gives_the_dequantized_greedy_text(dtype,
     del quant, linears
     torch.cuda.empty_cache()
 
-    dense = Engine(EngineConfig(**common, gguf_quantized=False))
+    dense = Engine(EngineConfig(**common))  # the default: dequantized at load
     assert not any(isinstance(m, QuantLinear) for m in dense.model.modules())
     want = run_greedy(dense, prompts, new_tokens=NEW_TOKENS)
     print(f"\n{dtype}: weights {quant_bytes / 2**20:.1f} MiB in blocks, {dense.info.weight_bytes / 2**20:.1f} MiB "
@@ -113,3 +114,18 @@ def test_benchmark_weights_take_their_block_bytes(tmp_path):
     assert blocks < 0.42 * dense_projections
     size = gguf_weight_size(path, config, torch.bfloat16)
     assert size.bytes == model_weight_bytes(model) + config.max_position_embeddings * config.head_dim * 4
+
+
+def test_every_block_type_compiles_for_hopper_without_register_spills():
+    """The sweep the CPU suite leaves out (it compiles one K-quant and one legacy type,
+    ``tests/test_quant_kernels.py``): every block type's GEMV (1 and 16 rows) and GEMM
+    (bfloat16, float32) compiles for sm_90 with no stack frame (see
+    ``triton_quant_compile_check.py``)."""
+    from kernels.quant.formats import FORMATS
+
+    skip_without_ptxas()
+    done = run_compiler_script("triton_quant_compile_check.py", timeout=1200)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "quant kernels ok" in done.stdout
+    for type_name in FORMATS:
+        assert f"gemm {type_name} " in done.stdout

@@ -8,6 +8,8 @@ float32 on both sides, so the logits agree to rounding.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -98,6 +100,24 @@ def test_plan_charges_the_quantized_bytes_and_shows_the_mix(default_model_dir):
     assert weights.bytes < 0.6 * dense_weights.bytes
     assert dense_weights.source == "exact, from tensor shapes"
     assert plan.num_pages > dense.num_pages
+
+
+def test_plan_command_prices_blocks_only_with_the_flag(default_model_dir):
+    """``headroom plan`` takes --gguf-quantized (and HEADROOM_GGUF_QUANTIZED) as serve
+    does; without it the ledger's weights are the dequantized tensors."""
+    from click.testing import CliRunner
+
+    from service.cli.commands import main
+
+    args = ["plan", "--model", str(default_gguf_path()), "--device", "cuda", "--device-total", "4GiB"]
+    env = {"HEADROOM_CONFIG": os.devnull}
+    default = CliRunner().invoke(main, args, env=env)
+    flagged = CliRunner().invoke(main, [*args, "--gguf-quantized"], env=env)
+    by_env = CliRunner().invoke(main, args, env={**env, "HEADROOM_GGUF_QUANTIZED": "1"})
+    for result in (default, flagged, by_env):
+        assert result.exit_code == 0, result.output
+    assert "Q4_1 blocks" not in default.stdout and "exact, from tensor shapes" in default.stdout
+    assert "210 Q4_1 blocks" in flagged.stdout and "210 Q4_1 blocks" in by_env.stdout
 
 
 def test_benchmark_gguf_of_k_quants_loads_in_blocks(tmp_path, paged_runner):

@@ -23,6 +23,7 @@ from engine.kvcache.pool import KVPool
 from engine.kvcache.radix import RadixCache
 from engine.live_replan import LiveReplan
 from engine.loader.default_model import model_display_name
+from engine.loader.gguf_quant import gguf_weight_size
 from engine.loader.hf_config import load_model_config
 from engine.loader.load import load_model
 from engine.loader.resolve import resolve_model
@@ -30,6 +31,7 @@ from engine.memory.footprint import kv_bytes_per_token, make_footprint
 from engine.memory.plan import MemoryPlan, PlanKnobs, fit_plan, make_plan
 from engine.memory.profile import measure_step_peak, profile_pool_pages
 from engine.messages import EngineInfo, EngineStats, GenerateRequest, TokenOutput
+from engine.models.quant_linear import model_weight_bytes
 from engine.options import pick
 from engine.runner import ModelRunner
 from engine.sampling.sampler import SamplingState
@@ -39,6 +41,7 @@ from engine.startup import (
     attention_workspaces,
     device_memory,
     estimated_planner,
+    quantized_gguf,
     resolve_device,
     resolve_dtype,
 )
@@ -79,6 +82,10 @@ class Engine(LiveReplan):
         self.model_dir: Path = resolve_model(config.model)
         mc: ModelConfig = load_model_config(self.model_dir)
         self.model_config = mc
+        # A GGUF asked to keep its projections in block format (--gguf-quantized, on
+        # CUDA): planned and loaded so; otherwise dequantized at load and priced dense.
+        self.quantized_gguf = quantized_gguf(config, self.device)
+        self.weight_size = None if self.quantized_gguf is None else gguf_weight_size(self.quantized_gguf, mc, self.dtype)
         # The attention backend's name (auto resolved) and whether decode steps run as
         # CUDA graphs; both decide workspaces the plan charges.
         self.attention_backend = resolve_backend_name(config.attention_backend, self.device.type)
@@ -95,9 +102,11 @@ class Engine(LiveReplan):
         self.device_memory = device_memory(config, self.device) if self._planned else None
         self.plan: MemoryPlan | None = None
         if self.device_memory is not None:
-            self.plan = self._fit_chunk(estimated_planner(config, mc, self.device, self.dtype, self.device_memory))
+            self.plan = self._fit_chunk(estimated_planner(config, mc, self.device, self.dtype, self.device_memory,
+                                                          weights=self.weight_size))
         # Weights.
-        self.model, _ = load_model(self.model_dir, self.device, self.dtype, load_format=config.load_format)
+        self.model, _ = load_model(self.model_dir, self.device, self.dtype, load_format=config.load_format,
+                                   quantized_gguf=self.quantized_gguf)
         # Profile run on a GPU: the measured step peak and the CUDA context replace the
         # estimates, and the plan is made again.
         if self.device_memory is not None and self.device.type == "cuda":
@@ -158,7 +167,7 @@ class Engine(LiveReplan):
             page_size=config.page_size,
             num_pages=num_pages,
             kv_cache_bytes=self.pool.nbytes,
-            weight_bytes=sum(p.nbytes for p in self.model.parameters()),
+            weight_bytes=model_weight_bytes(self.model),
             max_prefill_tokens=self.knobs.max_prefill_tokens,
             max_running_requests=config.max_running_requests,
             plan=self.plan,
@@ -268,6 +277,7 @@ class Engine(LiveReplan):
         fp = make_footprint(
             mc, self.dtype, knobs, workspaces=self._workspaces(), measured_activation_bytes=activation,
             measured_sampler_bytes=sampler, runtime_bytes=runtime, cuda_graph_bytes=graph_bytes,
+            weights=self.weight_size,
         )
         return make_plan(self.device_memory, knobs, fp)
 

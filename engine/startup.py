@@ -9,14 +9,20 @@ weights), so both plan the same dtype, backend and runtime on the same device.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.attention.base import backend_class, resolve_backend_name
 from engine.config import EngineConfig, ModelConfig
+from engine.loader.resolve import gguf_file
 from engine.memory.device import nvml_index, probe_nvml, simulated_device
 from engine.memory.footprint import CUDA_RUNTIME_ESTIMATE_BYTES, make_footprint
 from engine.memory.plan import DeviceMemory, MemoryPlan, PlanKnobs, make_plan
+
+if TYPE_CHECKING:
+    from engine.loader.gguf_quant import WeightSize
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -68,18 +74,37 @@ def attention_workspaces(backend: str, mc: ModelConfig, max_running_requests: in
     return ((f"attention backend ({backend})", size),)
 
 
+def quantized_gguf(config: EngineConfig, device: torch.device) -> Path | None:
+    """The GGUF file whose projections load in block format, or None (every weight is
+    dequantized into the model dtype at load, the default).
+
+    Blocks are kept only when asked for (``--gguf-quantized``), on a CUDA device (the
+    block kernels are GPU kernels), for a ``--model`` that is a GGUF file.
+    """
+    if not config.gguf_quantized or device.type != "cuda":
+        return None
+    return gguf_file(config.model)
+
+
 def estimated_planner(
-    config: EngineConfig, mc: ModelConfig, device: torch.device, dtype: torch.dtype, memory: DeviceMemory
+    config: EngineConfig,
+    mc: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    memory: DeviceMemory,
+    weights: WeightSize | None = None,
 ) -> Callable[[PlanKnobs], MemoryPlan]:
     """The plan from estimates (before any weight loads) as a function of the knobs, for
     :func:`engine.memory.plan.fit_plan`: the attention backend ``auto`` resolves for
     ``device`` and the CUDA context is charged at its estimate (a planned device is a GPU
-    or a simulated one)."""
+    or a simulated one). ``weights`` prices a GGUF loaded in block format
+    (:func:`engine.loader.gguf_quant.gguf_weight_size`); None prices the dense tensors."""
     backend = resolve_backend_name(config.attention_backend, device.type)
     workspaces = attention_workspaces(backend, mc, config.max_running_requests)
 
     def plan(knobs: PlanKnobs) -> MemoryPlan:
-        fp = make_footprint(mc, dtype, knobs, workspaces=workspaces, runtime_bytes=CUDA_RUNTIME_ESTIMATE_BYTES)
+        fp = make_footprint(mc, dtype, knobs, workspaces=workspaces, runtime_bytes=CUDA_RUNTIME_ESTIMATE_BYTES,
+                            weights=weights)
         return make_plan(memory, knobs, fp)
 
     return plan

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_interpret import kernel_device
+from triton_interpret import kernel_device, run_compiler_script
 
 from engine.config import RopeConfig
 from engine.models.rope import build_cos_sin_cache
@@ -203,16 +203,7 @@ def test_headroom_kernels_torch_forces_the_references(monkeypatch):
 
 def test_kernels_compile_for_hopper_without_a_gpu():
     """Compile every kernel for sm_90 in a child process (see triton_compile_check.py)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
     pytest.importorskip("triton")
-    script = Path(__file__).with_name("triton_compile_check.py")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = str(Path(__file__).resolve().parents[1])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    done = run_compiler_script("triton_compile_check.py", timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "sampling ok" in done.stdout

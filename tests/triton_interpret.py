@@ -42,3 +42,30 @@ def kernel_device() -> str:
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("no CUDA device and triton was imported without TRITON_INTERPRET=1")
     return "cpu"
+
+
+def run_compiler_script(name: str, timeout: float, args: tuple[str, ...] = ()):
+    """Run ``tests/<name>`` with ``args`` in a child process without ``TRITON_INTERPRET``
+    (Triton's mode is fixed when it is first imported, and this session imports it
+    interpreted), the project root on ``PYTHONPATH``. Returns the ``CompletedProcess``
+    (text output)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).with_name(name)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def skip_without_ptxas() -> None:
+    """Skip the test when Triton or the ptxas it uses for sm_90 is not usable here."""
+    pytest.importorskip("triton")
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    try:
+        get_ptxas(90)
+    except Exception as e:  # noqa: BLE001 - any failure means no usable ptxas here
+        pytest.skip(f"Triton's ptxas for sm_90 is not usable here ({e})")

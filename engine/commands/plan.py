@@ -11,10 +11,17 @@ import msgspec
 import torch
 
 from engine.config import EngineConfig
+from engine.loader.gguf_quant import gguf_weight_size
 from engine.loader.hf_config import load_model_config
 from engine.loader.resolve import resolve_model
 from engine.memory.plan import MemoryPlan, PlanKnobs, fit_plan
-from engine.startup import device_memory, estimated_planner, resolve_device, resolve_dtype
+from engine.startup import (
+    device_memory,
+    estimated_planner,
+    quantized_gguf,
+    resolve_device,
+    resolve_dtype,
+)
 
 
 class NoDevice(Exception):
@@ -51,9 +58,13 @@ def build_plan(config: EngineConfig) -> MemoryPlan:
     """
     device, dtype = planned_setup(config)
     mc = load_model_config(resolve_model(config.model))
+    # Priced as the engine will load it: dense (dequantized) unless --gguf-quantized
+    # keeps a GGUF's blocks on a CUDA device.
+    gguf = quantized_gguf(config, device)
+    weights = None if gguf is None else gguf_weight_size(gguf, mc, dtype)
     memory = device_memory(config, device)
     assert memory is not None
-    plan, _ = fit_plan(estimated_planner(config, mc, device, dtype, memory), PlanKnobs.of(config))
+    plan, _ = fit_plan(estimated_planner(config, mc, device, dtype, memory, weights=weights), PlanKnobs.of(config))
     return plan
 
 

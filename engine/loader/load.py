@@ -15,13 +15,22 @@ from engine.models.registry import get_model_class
 
 
 def load_model(
-    model_dir: str | Path, device: torch.device | str, dtype: torch.dtype, *, load_format: str = "auto"
+    model_dir: str | Path,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    *,
+    load_format: str = "auto",
+    quantized_gguf: str | Path | None = None,
 ) -> tuple[CausalLM, ModelConfig]:
     """Load a Hugging Face model folder onto ``device`` in ``dtype``.
 
     The model is built on the meta device and materialized uninitialized, so the weights
     are written once, straight into their final place. Returns ``(model, config)``, the
     model in eval mode with its RoPE cache built (float32).
+
+    With ``quantized_gguf`` (the GGUF file ``model_dir`` was converted from), the
+    weights come from that file instead and its projections stay in GGUF block format
+    (:func:`engine.loader.gguf_quant.load_gguf_quantized`).
 
     ``load_format="dummy"`` skips the weight files and fills every parameter with small
     random values (norms with ones): a model of real shape for memory and speed
@@ -37,6 +46,10 @@ def load_model(
     """
     model_dir = Path(model_dir)
     config = load_model_config(model_dir)
+    if quantized_gguf is not None and load_format == "auto":
+        from engine.loader.gguf_quant import load_gguf_quantized
+
+        return load_gguf_quantized(config, quantized_gguf, device, dtype), config
     model = _build_on_meta(config).to(dtype=dtype)
     model.to_empty(device=device)
     model.init_rope_cache()

@@ -57,6 +57,29 @@ def resolve_model(path: str | Path | None) -> Path:
     raise ModelNotFound(f"{p} holds no config.json and no .gguf file; {_WHAT_TO_PASS}")
 
 
+def gguf_file(path: str | Path | None) -> Path | None:
+    """The GGUF file behind ``--model`` (the default model's for ``None``; a store name's
+    file as :func:`resolve_model` finds it), or None when it names a Hugging Face folder
+    or nothing that exists (:func:`resolve_model` says why)."""
+    if path is None:
+        return default_gguf_path()
+    p = Path(path).expanduser()
+    if not p.exists():
+        from engine.loader.store import find_model
+
+        stored = find_model(str(path))
+        if stored is None:
+            return None
+        p = stored
+    if p.is_file() and p.suffix.lower() == ".gguf":
+        return p
+    if p.is_dir() and not (p / "config.json").is_file():
+        ggufs = sorted(p.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ggufs[0]
+    return None
+
+
 def _converted(gguf_path: Path) -> Path:
     out = converted_dir(gguf_path)
     if (out / "config.json").is_file():

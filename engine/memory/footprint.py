@@ -6,11 +6,16 @@ cannot fit fails early) and measured by :mod:`engine.memory.profile` on a GPU af
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from engine.config import ModelConfig
 from engine.loader.load import weight_bytes
 from engine.memory.plan import Footprint, PlanKnobs
+
+if TYPE_CHECKING:
+    from engine.loader.gguf_quant import WeightSize
 
 # Per request and vocabulary entry, in bytes: the float32 logits row (4); the sampler's
 # transients on it, a clone (4), sorted values (4) and order (8, int64), the scatter
@@ -77,6 +82,7 @@ def make_footprint(
     measured_sampler_bytes: int | None = None,
     runtime_bytes: int = 0,
     cuda_graph_bytes: int = 0,
+    weights: WeightSize | None = None,
 ) -> Footprint:
     """Footprint of ``mc`` in ``dtype`` under ``knobs``.
 
@@ -86,6 +92,8 @@ def make_footprint(
     per-request estimate. ``runtime_bytes`` is the CUDA context (measured with the
     activation, else estimated). ``cuda_graph_bytes`` is what capturing the decode
     step's CUDA graphs took (measured by :meth:`engine.cuda_graphs.DecodeGraphs.capture_all`).
+    ``weights`` replaces the dense size of ``mc`` in ``dtype`` with what a GGUF loaded
+    with its projections in block format takes (:func:`engine.loader.gguf_quant.gguf_weight_size`).
     """
     est_here = estimate_activation_bytes(mc, dtype, knobs)
     if measured_activation_bytes is None:
@@ -102,7 +110,8 @@ def make_footprint(
             return int(peak * estimate_activation_bytes(mc, dtype, k) / max(est_here, 1))
 
     return Footprint(
-        weight_bytes=weight_bytes(mc, dtype),
+        weight_bytes=weight_bytes(mc, dtype) if weights is None else weights.bytes,
+        weight_source="exact, from tensor shapes" if weights is None else f"exact, GGUF: {weights.mix}",
         kv_bytes_per_token=kv_bytes_per_token(mc, dtype),
         vocab_size=mc.vocab_size,
         model_context_tokens=model_context(mc, PlanKnobs()),

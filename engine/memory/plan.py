@@ -123,7 +123,8 @@ class Footprint:
     whether it was ``"measured"`` or ``"estimated"``; ``runtime_bytes`` is the CUDA
     context (``runtime_source`` likewise). ``activation_at`` gives the peak
     for other knobs (used to price suggestions); it must agree with the peak at the
-    knobs the footprint was made for.
+    knobs the footprint was made for. ``weight_source`` says how ``weight_bytes`` was
+    counted (for a GGUF kept in block format, its type mix).
     """
 
     weight_bytes: int
@@ -140,6 +141,7 @@ class Footprint:
     runtime_bytes: int = 0
     runtime_source: str = "estimated"
     activation_at: Callable[[PlanKnobs], int] | None = None
+    weight_source: str = "exact, from tensor shapes"
 
 
 class LedgerEntry(msgspec.Struct, frozen=True):
@@ -268,7 +270,7 @@ def _ledger(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint) -> MemoryPlan
         LedgerEntry("desktop reserve", reserve, "-", reserve_src),
         LedgerEntry("safety margin", margin, "-", "auto" if knobs.safety_margin_bytes is None else "flag"),
         LedgerEntry("budget", budget, "=", ""),
-        LedgerEntry("weights", fp.weight_bytes, "-", "exact, from tensor shapes"),
+        LedgerEntry("weights", fp.weight_bytes, "-", fp.weight_source),
         LedgerEntry("CUDA context and runtime", fp.runtime_bytes, "-", fp.runtime_source if fp.runtime_bytes else "none"),
     ]
     ledger += [LedgerEntry(f"workspace: {name}", b, "-", "declared") for name, b in fp.workspace_bytes]

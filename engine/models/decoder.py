@@ -31,11 +31,27 @@ from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch
 from engine.loader.errors import WeightMismatch
 from engine.models.rope import build_cos_sin_cache
-from kernels.dispatch import fused_add_rms_norm, gate_up_silu, linear, rms_norm, rotary_and_store
+from kernels.dispatch import (
+    fused_add_rms_norm,
+    gate_up_silu,
+    linear,
+    rms_norm,
+    rotary_and_store,
+    silu_and_mul,
+)
 
 # Qwen2's bias covers q/k/v only; Llama's and Qwen3's ``attention_bias`` covers o_proj too
 # (``LlamaAttention`` / ``Qwen3Attention`` in transformers).
 _O_PROJ_BIAS_FOLLOWS_QKV = {"Qwen2ForCausalLM": False}
+
+def project(proj: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``proj(x)``: a bias-free ``nn.Linear`` through the decode GEMV dispatch
+    (:data:`kernels.dispatch.linear`); one with a bias, or a GGUF-block
+    :class:`~engine.models.quant_linear.QuantLinear` (no ``weight``), as itself."""
+    if isinstance(proj, nn.Linear) and proj.bias is None:
+        return linear(x, proj.weight)
+    return proj(x)
+
 
 # Hugging Face tensor -> (our fused parameter, shard). Shards are laid out in this order.
 _FUSED = {
@@ -87,7 +103,7 @@ class Attention(nn.Module):
         cos_sin_cache: torch.Tensor,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x) if self.qkv_proj.bias is not None else linear(x, self.qkv_proj.weight)
+        qkv = project(self.qkv_proj, x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -101,7 +117,7 @@ class Attention(nn.Module):
             self.q_norm.eps if self.q_norm is not None else 0.0,
         )
         out = attn.forward(q, k, v, self.layer, batch, kv_stored=True)  # [T, Hq * D]
-        return self.o_proj(out) if self.o_proj.bias is not None else linear(out, self.o_proj.weight)
+        return project(self.o_proj, out)
 
 
 class MLP(nn.Module):
@@ -111,7 +127,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(gate_up_silu(x, self.gate_up_proj.weight), self.down_proj.weight)
+        if isinstance(self.gate_up_proj, nn.Linear):
+            return project(self.down_proj, gate_up_silu(x, self.gate_up_proj.weight))
+        # GGUF blocks: their own product, then SiLU-and-mul.
+        return project(self.down_proj, silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -220,7 +239,9 @@ class CausalLM(nn.Module):
             h = self.model.norm(h[rows])
         else:
             h, _ = self.model.norm.add_forward(h[rows], residual[rows])  # [B, hidden]
-        return F.linear(h, self.lm_head_weight).float()
+        if self.lm_head is None:
+            return F.linear(h, self.model.embed_tokens.weight).float()
+        return self.lm_head(h).float()  # an nn.Linear, or GGUF blocks (QuantLinear)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -72,7 +72,7 @@ def token(config_path: Path | None, **flags: Any) -> None:
 
 # Engine options (declared on engine.config.EngineConfig) that generate and plan share
 # with serve: same flags, variables and config keys.
-_MODEL_OPTIONS = ("model", "device", "dtype")
+_MODEL_OPTIONS = ("model", "device", "dtype", "gguf_quantized")
 _PLAN_KNOBS = (
     "reserve",
     "device_limit",

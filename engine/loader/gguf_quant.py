@@ -1,0 +1,214 @@
+"""Load a GGUF model with its projections kept in GGUF block format on the device.
+
+The projections (q/k/v, o, gate/up, down and an untied LM head) whose tensors are of a
+type :mod:`kernels.quant` reads become :class:`~engine.models.quant_linear.QuantLinear`
+modules holding the file's blocks as they are; every other tensor (embeddings, norms,
+biases, projections of other types) is dequantized into the model dtype, as the
+converted Hugging Face folder holds it. llama.cpp's q/k row permutation is undone on
+the blocks' rows (a row of blocks is a row of weights).
+
+:func:`gguf_weight_size` prices the same choice, tensor by tensor, with the same
+function (:func:`kernels.quant.formats.tensor_bytes`), so the memory plan charges what
+:func:`load_gguf_quantized` allocates.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.config import ModelConfig
+from engine.loader.errors import WeightMismatch
+from engine.loader.gguf_convert import (
+    _ROPE_FREQS,
+    _dequantize,
+    _field,
+    _hf_name,
+    _open,
+    reverse_llama_permute,
+)
+from engine.models.quant_linear import PartSpec, QuantLinear
+from engine.units import MiB
+from kernels.quant.formats import FORMATS, tensor_bytes
+
+# Our fused module (under model.layers.N) -> the GGUF tensors stacked in it, in order.
+_LAYER_TARGETS = {
+    "self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"),
+    "self_attn.o_proj": ("attn_output",),
+    "mlp.gate_up_proj": ("ffn_gate", "ffn_up"),
+    "mlp.down_proj": ("ffn_down",),
+}
+
+
+@dataclass(frozen=True)
+class WeightSize:
+    """Device bytes of a model's weights and how they are stored.
+
+    Attributes:
+        bytes: weights plus the float32 RoPE cache, as
+            :func:`engine.loader.load.weight_bytes` counts them.
+        mix: the type mix, e.g. ``"210 Q4_1 blocks 61.0 MiB; bfloat16 62 tensors
+            (1 Q8_0, 61 F32) 54.4 MiB"``.
+    """
+
+    bytes: int
+    mix: str
+
+
+def _targets(config: ModelConfig) -> dict[str, tuple[str, ...]]:
+    """Module name -> GGUF tensor stems, for every projection of ``config``."""
+    out = {
+        f"model.layers.{i}.{module}": tuple(f"blk.{i}.{stem}" for stem in stems)
+        for i in range(config.num_layers)
+        for module, stems in _LAYER_TARGETS.items()
+    }
+    if not config.tie_word_embeddings:
+        out["lm_head"] = ("output",)
+    return out
+
+
+def _kept_quantized(tensor: Any, projection_weights: set[str]) -> str | None:
+    """The block type ``tensor`` stays in on the device, or None (dequantized)."""
+    name = tensor.tensor_type.name
+    return name if tensor.name in projection_weights and name in FORMATS else None
+
+
+def _hf_shape(tensor: Any) -> tuple[int, ...]:
+    return tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims innermost first
+
+
+def gguf_weight_size(gguf_path: str | Path, config: ModelConfig, dtype: torch.dtype) -> WeightSize:
+    """What :func:`load_gguf_quantized` allocates for ``gguf_path``, from the file's
+    tensor table (no tensor data is read).
+
+    Raises:
+        CorruptWeights: the file is not a readable GGUF.
+    """
+    reader = _open(Path(gguf_path))
+    projection_weights = {f"{s}.weight" for stems in _targets(config).values() for s in stems}
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    quant_count: Counter[str] = Counter()
+    quant_bytes: Counter[str] = Counter()
+    dense_types: Counter[str] = Counter()
+    dense_bytes = 0
+    for t in reader.tensors:
+        if t.name == _ROPE_FREQS:
+            continue
+        kept = _kept_quantized(t, projection_weights)
+        nbytes = tensor_bytes(kept or "dense", _hf_shape(t), itemsize)
+        if kept:
+            quant_count[kept] += 1
+            quant_bytes[kept] += nbytes
+        else:
+            dense_types[t.tensor_type.name] += 1
+            dense_bytes += nbytes
+    rope_cache = config.max_position_embeddings * config.head_dim * 4  # float32
+    parts = [f"{quant_count[k]} {k} blocks {quant_bytes[k] / MiB:.1f} MiB" for k in sorted(quant_count)]
+    if dense_types:
+        types = ", ".join(f"{n} {k}" for k, n in sorted(dense_types.items()))
+        dtype_name = str(dtype).removeprefix("torch.")
+        parts.append(f"{dtype_name} {sum(dense_types.values())} tensors ({types}) {dense_bytes / MiB:.1f} MiB")
+    return WeightSize(sum(quant_bytes.values()) + dense_bytes + rope_cache, "; ".join(parts))
+
+
+def load_gguf_quantized(
+    config: ModelConfig, gguf_path: str | Path, device: torch.device | str, dtype: torch.dtype
+) -> torch.nn.Module:
+    """Build the model of ``config`` on ``device`` from ``gguf_path``, projections in
+    GGUF blocks where their type allows. Returns the model in eval mode, RoPE cache
+    built.
+
+    Raises:
+        CorruptWeights: the file is not a readable GGUF.
+        WeightMismatch: a tensor is missing or its shape disagrees with ``config``.
+    """
+    from engine.loader.load import _build_on_meta
+
+    gguf_path = Path(gguf_path)
+    reader = _open(gguf_path)
+    arch = _field(reader, "general.architecture")
+    by_name = {t.name: t for t in reader.tensors}
+    targets = _targets(config)
+    projection_weights = {f"{s}.weight" for stems in targets.values() for s in stems}
+    model = _build_on_meta(config)
+    for module_name, stems in targets.items():
+        old = model.get_submodule(module_name)
+        specs = []
+        for stem in stems:
+            t = by_name.get(f"{stem}.weight")
+            if t is None:
+                raise WeightMismatch(f"{gguf_path}: tensor {stem}.weight is missing")
+            specs.append(PartSpec(_hf_shape(t)[0], _kept_quantized(t, projection_weights)))
+        if sum(s.rows for s in specs) != old.out_features:
+            raise WeightMismatch(f"{gguf_path}: {', '.join(stems)} hold {sum(s.rows for s in specs)} rows, "
+                                 f"the config expects {old.out_features} for {module_name}")
+        with torch.device("meta"):
+            new = QuantLinear(old.in_features, specs, bias=old.bias is not None, dtype=dtype)
+        parent, _, leaf = module_name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, leaf, new)
+    model = model.to(dtype=dtype)  # floating tensors only: the uint8 blocks keep their type
+    model.to_empty(device=device)
+    model.init_rope_cache()
+    with torch.no_grad():
+        for module_name, stems in targets.items():
+            _fill(model.get_submodule(module_name), [by_name[f"{s}.weight"] for s in stems],
+                  [by_name.get(f"{s}.bias") for s in stems], arch, config, gguf_path)
+        skip = projection_weights | {f"{s}.bias" for stems in targets.values() for s in stems} | {_ROPE_FREQS}
+        try:
+            model.load_weights(_rest(reader, skip, gguf_path))
+        except WeightMismatch as e:
+            raise WeightMismatch(f"{gguf_path}: {e}") from None
+    return model.eval()
+
+
+def _rows_in_hf_order(data: torch.Tensor, stem: str, arch: str, config: ModelConfig) -> torch.Tensor:
+    """llama.cpp permutes llama's q/k rows; undo it (rows of weights or of blocks)."""
+    if arch == "llama" and stem.endswith(("attn_q", "attn_k")):
+        heads = config.num_heads if stem.endswith("attn_q") else config.num_kv_heads
+        return reverse_llama_permute(data, heads)
+    return data
+
+
+def _fill(module: QuantLinear, weights: list[Any], biases: list[Any | None], arch: str, config: ModelConfig,
+          gguf_path: Path) -> None:
+    views = module.part_views()
+    starts = np.cumsum([0] + [spec.rows for spec, _ in views])
+    row = 0
+    for t in weights:
+        stem = t.name.removesuffix(".weight")
+        i = int(np.searchsorted(starts, row, side="right")) - 1
+        spec, buf = views[i]
+        if spec.type_name is None:
+            data = torch.from_numpy(np.array(_dequantize(t), dtype=np.float32))
+        else:
+            data = torch.from_numpy(np.array(t.data))  # a copy: the file is mapped read-only
+        data = _rows_in_hf_order(data, stem, arch, config)
+        dest = buf.narrow(0, row - int(starts[i]), data.shape[0])
+        if tuple(dest.shape) != tuple(data.shape):
+            raise WeightMismatch(f"{gguf_path}: tensor {t.name} has shape {tuple(data.shape)}, "
+                                 f"its place holds {tuple(dest.shape)}")
+        dest.copy_(data)
+        row += data.shape[0]
+    if module.bias is not None:
+        if any(b is None for b in biases):
+            raise WeightMismatch(f"{gguf_path}: {weights[0].name} and its neighbours lack a bias the config expects")
+        parts = [_rows_in_hf_order(torch.from_numpy(np.array(_dequantize(b), dtype=np.float32)),
+                                   b.name.removesuffix(".bias"), arch, config) for b in biases]
+        module.bias.copy_(torch.cat(parts))
+
+
+def _rest(reader: Any, skip: set[str], gguf_path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor not in a quantized module, dequantized, under its Hugging Face name."""
+    for t in reader.tensors:
+        if t.name in skip:
+            continue
+        name = _hf_name(t.name)
+        if name is None:
+            raise WeightMismatch(f"tensor {t.name} has no place in the model")
+        yield name, torch.from_numpy(np.array(_dequantize(t), dtype=np.float32))

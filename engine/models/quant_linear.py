@@ -1,0 +1,122 @@
+"""A linear layer whose weight stays in GGUF block format on the device.
+
+The weight ``[out_features, in_features]`` is one or more row ranges ("parts"), stacked
+along ``out_features`` as the fused q/k/v and gate/up projections stack their shards:
+a part is either GGUF blocks of a type :mod:`kernels.quant` reads (uint8
+``[rows, in_features / block_elements * block_bytes]``) or a dense weight in the model
+dtype (a shard stored as F16/F32 or a type not kept quantized). Adjacent parts of one
+type are merged at build time, so a fused projection whose shards share a type (the
+common case) is one kernel launch.
+
+On CUDA the product is :func:`kernels.quant.triton_quant.quant_matmul` (the GEMV for
+decode rows, the GEMM for prefill); elsewhere the reference, which dequantizes through
+``gguf`` on every call (correct, slow: the CPU path dequantizes at load instead).
+
+All tensors are buffers, not parameters: ``CausalLM.load_weights`` fills the parameters
+it knows and the quantized loader fills these (:mod:`engine.loader.gguf_quant`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.dispatch import use_triton
+from kernels.quant import reference
+from kernels.quant.formats import FORMATS, tensor_bytes
+
+
+@dataclass(frozen=True)
+class PartSpec:
+    """Rows ``rows`` of the weight, stored as GGUF ``type_name`` blocks, or dense when
+    ``type_name`` is None."""
+
+    rows: int
+    type_name: str | None
+
+
+def merge_parts(parts: list[PartSpec]) -> list[PartSpec]:
+    """Adjacent parts of one storage merged (their rows concatenate)."""
+    merged: list[PartSpec] = []
+    for p in parts:
+        if merged and merged[-1].type_name == p.type_name:
+            merged[-1] = PartSpec(merged[-1].rows + p.rows, p.type_name)
+        else:
+            merged.append(p)
+    return merged
+
+
+class QuantLinear(nn.Module):
+    """``y = x @ W.T (+ bias)`` with ``W`` held as GGUF blocks.
+
+    Args:
+        in_features: ``K``; a multiple of every quantized part's block size.
+        parts: the row ranges, top to bottom (merged with :func:`merge_parts`).
+        bias: whether there is a bias ``[out_features]`` (model dtype).
+        dtype: dtype of dense parts and the bias.
+
+    Buffers: ``part{i}`` for each part; ``bias`` when present. Build under
+    ``torch.device("meta")`` and materialize with ``to_empty`` like the rest of the model.
+    """
+
+    def __init__(self, in_features: int, parts: list[PartSpec], *, bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.parts = merge_parts(parts)
+        self.out_features = sum(p.rows for p in self.parts)
+        for i, p in enumerate(self.parts):
+            if p.type_name is None:
+                buf = torch.empty(p.rows, in_features, dtype=dtype)
+            else:
+                fmt = FORMATS[p.type_name]
+                buf = torch.empty(p.rows, tensor_bytes(p.type_name, (1, in_features), 0), dtype=torch.uint8)
+                assert buf.shape[1] == in_features // fmt.block_elements * fmt.block_bytes
+            self.register_buffer(f"part{i}", buf)
+        self.register_buffer("bias", torch.empty(self.out_features, dtype=dtype) if bias else None)
+
+    def part_views(self) -> list[tuple[PartSpec, torch.Tensor]]:
+        return [(p, getattr(self, f"part{i}")) for i, p in enumerate(self.parts)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        views = self.part_views()
+        if len(views) == 1:
+            y = self._part(x2, *views[0])
+        else:  # each part writes its columns of one output: no concatenation
+            y = torch.empty(x2.shape[0], self.out_features, device=x.device, dtype=x.dtype)
+            col = 0
+            for spec, w in views:
+                self._part(x2, spec, w, y[:, col : col + spec.rows])
+                col += spec.rows
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*lead, self.out_features)
+
+    @staticmethod
+    def _part(x: torch.Tensor, spec: PartSpec, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ w.T`` of one part, into ``out`` (a column slice) when given."""
+        if spec.type_name is not None and use_triton(x):
+            from kernels.quant.triton_quant import quant_matmul
+
+            return quant_matmul(x.contiguous(), w, spec.type_name, out=out)
+        y = F.linear(x, w) if spec.type_name is None else reference.quant_matmul(x, w, spec.type_name)
+        if out is None:
+            return y
+        out.copy_(y)
+        return out
+
+    def extra_repr(self) -> str:
+        mix = ", ".join(f"{p.type_name or 'dense'}x{p.rows}" for p in self.parts)
+        return f"in_features={self.in_features}, out_features={self.out_features}, parts=[{mix}]"
+
+
+def model_weight_bytes(model: nn.Module) -> int:
+    """Bytes of a model's weights on the device: its parameters and the blocks, dense
+    parts and biases of its :class:`QuantLinear` modules."""
+    params = sum(p.nbytes for p in model.parameters())
+    quant = sum(b.nbytes for m in model.modules() if isinstance(m, QuantLinear) for b in m.buffers())
+    return params + quant

@@ -1,0 +1,239 @@
+"""Decode speed of a GGUF kept in block format on CUDA, against the same shape in bfloat16.
+
+``python -m engine.quant_bench [--shape llama-3.1-8b] [--batches 1,16] [--context 256]``
+writes a random-weight GGUF of a shape from :mod:`engine.commands.model_shapes` with
+gguf's writer, laid out as a Q4_K_M file is (q/k/o/gate/up in Q4_K; v, down and the LM
+head in Q6_K; the embeddings in F16, which the loader dequantizes to bfloat16 either
+way), loads it with its projections in blocks, and times one decode step (Triton
+attention, one CUDA graph per batch size, ``--context`` tokens of KV per sequence).
+Then the same shape with bfloat16 weights (random, ``load_format="dummy"``).
+
+Per row: weights' VRAM, step time, tokens/s, and the share of the HBM roofline: the
+bytes one step must read (every weight but the embedding table, which a step only
+gathers rows of, plus the KV cache) over the measured device-to-device copy bandwidth
+(bytes read plus bytes written per second). It also prints the dequantize-GEMV alone on
+the shape's projections at one row, with the same roofline share.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.units import GiB
+
+_GRAPH_REPLAYS = 50
+
+
+def write_random_gguf(path: Path, config, rng: np.random.Generator) -> None:
+    """A random GGUF of ``config`` (a :class:`engine.config.ModelConfig` of a Llama
+    layout), projections in Q4_K/Q6_K. One random tensor per (type, shape) is shared by
+    all layers: the file still holds every layer's copy, so the device reads each."""
+    import gguf
+
+    from kernels.quant.synthetic import random_blocks
+
+    h, i, q, kv = config.hidden_size, config.intermediate_size, config.q_size, config.kv_size
+    cache: dict[tuple[str, int, int], np.ndarray] = {}
+
+    def blocks(kind: str, rows: int, cols: int) -> tuple[np.ndarray, gguf.GGMLQuantizationType]:
+        key = (kind, rows, cols)
+        if key not in cache:
+            cache[key] = random_blocks(kind, rows, cols, rng, scale=1e-4)
+        return cache[key], gguf.GGMLQuantizationType[kind]
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    norm = np.ones(h, dtype=np.float32)
+    embd = (rng.standard_normal((config.vocab_size, h), dtype=np.float32) * 0.02).astype(np.float16)
+    writer.add_tensor("token_embd.weight", embd)
+    layout = {"attn_q": ("Q4_K", q, h), "attn_k": ("Q4_K", kv, h), "attn_v": ("Q6_K", kv, h),
+              "attn_output": ("Q4_K", h, q), "ffn_gate": ("Q4_K", i, h), "ffn_up": ("Q4_K", i, h),
+              "ffn_down": ("Q6_K", h, i)}
+    for layer in range(config.num_layers):
+        writer.add_tensor(f"blk.{layer}.attn_norm.weight", norm)
+        writer.add_tensor(f"blk.{layer}.ffn_norm.weight", norm)
+        for stem, (kind, rows, cols) in layout.items():
+            data, qtype = blocks(kind, rows, cols)
+            writer.add_tensor(f"blk.{layer}.{stem}.weight", data, raw_dtype=qtype)
+    writer.add_tensor("output_norm.weight", norm)
+    if not config.tie_word_embeddings:
+        data, qtype = blocks("Q6_K", config.vocab_size, h)
+        writer.add_tensor("output.weight", data, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def copy_bandwidth(nbytes: int = GiB) -> float:
+    """Device-to-device copy rate in bytes/s, counting bytes read plus bytes written."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    return 2 * nbytes * 10 / (start.elapsed_time(end) / 1000)
+
+
+def _graph_seconds(fn, replays: int = _GRAPH_REPLAYS) -> float:
+    from engine.kernel_bench import _graph_us
+
+    return _graph_us(fn, replays * 20) / 1e6
+
+
+def step_bytes(model: torch.nn.Module, config, batch: int, context: int, kv_bytes_per_token: int) -> int:
+    """Bytes a decode step reads: the weights but the embedding table (unless tied, then
+    it is the LM head), plus ``batch * context`` tokens of KV."""
+    from engine.models.quant_linear import model_weight_bytes
+
+    weights = model_weight_bytes(model)
+    if not config.tie_word_embeddings:
+        weights -= model.model.embed_tokens.weight.nbytes
+    return weights + batch * context * kv_bytes_per_token
+
+
+def decode_rows(model, config, batches: list[int], context: int, bandwidth: float, label: str) -> list[str]:
+    from engine.attention.base import create_attention_backend
+    from engine.kernel_bench import _decode_batch
+    from engine.kvcache.pool import KVPool
+    from engine.memory.footprint import kv_bytes_per_token
+    from engine.models.quant_linear import model_weight_bytes
+
+    dtype = model.model.embed_tokens.weight.dtype
+    kv_token = kv_bytes_per_token(config, dtype)
+    rows = []
+    for b in batches:
+        page = 16
+        pool = KVPool(num_layers=config.num_layers, num_pages=b * (context // page + 1) + 2, page_size=page,
+                      num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, dtype=dtype, device="cuda")
+        attn = create_attention_backend("triton", pool, num_heads=config.num_heads, head_dim=config.head_dim,
+                                        scale=config.head_dim**-0.5, max_batch=max(batches))
+        batch = _decode_batch(b, context, page, "cuda")
+        attn.prepare(batch)
+        attn.prepare = lambda _b: None  # metadata once; the step is what is timed
+        seconds = _graph_seconds(lambda m=model, bt=batch, a=attn: m(bt, a))
+        moved = step_bytes(model, config, b, context, kv_token)
+        share = moved / seconds / bandwidth
+        rows.append(f"| {label} | {b} | {model_weight_bytes(model) / GiB:.2f} | {seconds * 1e3:.3f} | "
+                    f"{b / seconds:,.0f} | {moved / GiB:.2f} | {share:.0%} |")
+        del pool, attn
+        torch.cuda.empty_cache()
+    return rows
+
+
+def gemv_rows(model, bandwidth: float) -> list[str]:
+    """The dequantize-GEMV alone at one row on each distinct projection of the model."""
+    from engine.models.quant_linear import QuantLinear
+    from kernels.quant.triton_quant import quant_gemv
+
+    seen = {}
+    for name, m in model.named_modules():
+        if isinstance(m, QuantLinear):
+            for spec, w in m.part_views():
+                if spec.type_name is not None:
+                    seen.setdefault((spec.type_name, tuple(w.shape), m.in_features), (name, w))
+    rows = []
+    for (kind, _, k), (name, w) in sorted(seen.items(), key=lambda kv: kv[1][0]):
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        seconds = _graph_seconds(lambda x=x, w=w, kind=kind: quant_gemv(x, w, kind))
+        rows.append(f"| {name.split('.', 3)[-1]} | {kind} | {w.shape[0]}x{k} | {seconds * 1e6:.1f} | "
+                    f"{w.nbytes / seconds / bandwidth:.0%} |")
+    return rows
+
+
+def sweep_rows(bandwidth: float, shapes: list[tuple[str, int, int]]) -> list[str]:
+    """The GEMV at one row over a few tilings per projection shape, best first."""
+    import triton
+
+    from kernels.quant.formats import block_format
+    from kernels.quant.synthetic import random_blocks
+    from kernels.quant.triton_quant import quant_gemv
+
+    rows = []
+    rng = np.random.default_rng(0)
+    for kind, n, k in shapes:
+        w = torch.from_numpy(random_blocks(kind, n, k, rng, scale=1e-4)).cuda()
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        results = []
+        kbs = (1, 2, 4) if block_format(kind).block_elements == 256 else (2, 4, 8)
+        for block_n, warps, per_sm, kb in itertools.product((8, 16, 32), (4, 8), (1, 4), kbs):
+            fn = functools.partial(quant_gemv, x, w, kind, block_n=block_n, num_warps=warps,
+                                   programs_per_sm=per_sm, blocks_per_step=kb)
+            try:
+                seconds = _graph_seconds(fn, replays=10)
+            except (RuntimeError, triton.runtime.errors.OutOfResources) as e:
+                print(f"{kind} {n}x{k} block_n={block_n} warps={warps}: {str(e).splitlines()[0]}")
+                continue
+            results.append((seconds, block_n, warps, per_sm, kb))
+        results.sort()
+        default = _graph_seconds(functools.partial(quant_gemv, x, w, kind), replays=10)
+        shape_rows = [f"| {kind} {n}x{k} | default | {default * 1e6:.1f} | {w.nbytes / default / bandwidth:.0%} |"]
+        for seconds, block_n, warps, per_sm, kb in results[:3] + results[-1:]:
+            shape_rows.append(f"| {kind} {n}x{k} | block_n {block_n}, warps {warps}, {per_sm}/SM, kb {kb} | "
+                              f"{seconds * 1e6:.1f} | {w.nbytes / seconds / bandwidth:.0%} |")
+        print("\n".join(shape_rows), flush=True)
+        rows += shape_rows
+        del w
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    from engine.commands.model_shapes import write_shape
+    from engine.loader.gguf_quant import gguf_weight_size, load_gguf_quantized
+    from engine.loader.hf_config import load_model_config
+    from engine.loader.load import load_model
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="llama-3.1-8b")
+    p.add_argument("--layers", type=int, default=None, help="fewer layers than the shape's (quick runs)")
+    p.add_argument("--batches", default="1,16")
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--dir", default=None, help="where to write the GGUF (default: a temp dir)")
+    p.add_argument("--no-bf16", action="store_true", help="skip the bfloat16 comparison")
+    p.add_argument("--sweep", action="store_true", help="then the GEMV's tilings on the gate/up, down and o shapes")
+    args = p.parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",")]
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        overrides = {} if args.layers is None else {"num_hidden_layers": args.layers}
+        folder = write_shape(args.shape, Path(tmp) / "cfg", **overrides)
+        config = load_model_config(folder)
+        path = Path(tmp) / "random-q4_k_m.gguf"
+        write_random_gguf(path, config, np.random.default_rng(0))
+        bandwidth = copy_bandwidth()
+        print(f"{args.shape}, {config.num_layers} layers, context {args.context}; GGUF {path.stat().st_size / GiB:.2f} GiB; "
+              f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")
+        print(f"plan: {gguf_weight_size(path, config, torch.bfloat16).mix}")
+        model = load_gguf_quantized(config, path, "cuda", torch.bfloat16)
+        print("| weights | batch | VRAM GiB | step ms | tok/s | GiB read/step | roofline share |\n"
+              "|---|---|---|---|---|---|---|", flush=True)
+        print("\n".join(decode_rows(model, config, batches, args.context, bandwidth, "GGUF Q4_K/Q6_K")), flush=True)
+        gemv = gemv_rows(model, bandwidth)
+        del model
+        torch.cuda.empty_cache()
+        if not args.no_bf16:
+            dense, _ = load_model(folder, "cuda", torch.bfloat16, load_format="dummy")
+            print("\n".join(decode_rows(dense, config, batches, args.context, bandwidth, "bfloat16")), flush=True)
+            del dense
+            torch.cuda.empty_cache()
+    print("\n| projection | type | N x K | GEMV us (1 row) | roofline share |\n|---|---|---|---|---|")
+    print("\n".join(gemv), flush=True)
+    if args.sweep:
+        h, i = config.hidden_size, config.intermediate_size
+        print("\n| GEMV shape | tiling | us | roofline share |\n|---|---|---|---|", flush=True)
+        sweep_rows(bandwidth, [("Q4_K", 2 * i, h), ("Q6_K", h, i), ("Q4_K", h, h)])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,7 @@
+"""GGUF block-quantized weights kept in their block format on the device.
+
+:mod:`kernels.quant.formats` describes the block layouts and their sizes,
+:mod:`kernels.quant.reference` is the plain-torch reference (``gguf``'s own
+dequantizers, then a matmul), :mod:`kernels.quant.triton_quant` holds the Triton
+dequantize-GEMV (decode rows) and dequantize-to-tiles GEMM (prefill).
+"""

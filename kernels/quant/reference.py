@@ -1,0 +1,50 @@
+"""Plain-torch reference of the quantized matmul, built on ``gguf``'s dequantizers.
+
+Slow (the blocks travel to the host and back through NumPy on every call): the kernels'
+yardstick in tests, and the path a quantized linear takes off CUDA.
+"""
+
+from __future__ import annotations
+
+import gguf.quants
+import numpy as np
+import torch
+
+from kernels.quant.formats import block_format
+
+
+def dequantize(blocks: torch.Tensor, type_name: str, in_features: int) -> torch.Tensor:
+    """The float32 weight ``[N, in_features]`` of ``blocks``.
+
+    Args:
+        blocks: ``[N, in_features / block_elements * block_bytes]`` uint8, the GGUF
+            tensor's bytes (any device).
+        type_name: its GGML type name (see :data:`kernels.quant.formats.FORMATS`).
+        in_features: ``K``, a multiple of the block's element count.
+
+    Returns:
+        float32 ``[N, in_features]`` on ``blocks``' device.
+    """
+    fmt = block_format(type_name)
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2:
+        raise ValueError(f"blocks must be a 2-D uint8 tensor, got {blocks.dtype} {tuple(blocks.shape)}")
+    if in_features % fmt.block_elements or blocks.shape[1] != in_features // fmt.block_elements * fmt.block_bytes:
+        raise ValueError(f"{type_name} blocks of shape {tuple(blocks.shape)} do not hold rows of {in_features} weights")
+    raw = np.ascontiguousarray(blocks.cpu().numpy())
+    w = gguf.quants.dequantize(raw, fmt.qtype).reshape(blocks.shape[0], in_features)
+    return torch.from_numpy(np.asarray(w, dtype=np.float32)).to(blocks.device)
+
+
+def quant_matmul(x: torch.Tensor, blocks: torch.Tensor, type_name: str) -> torch.Tensor:
+    """``x @ W.T`` for the quantized ``W`` in ``blocks``.
+
+    Args:
+        x: ``[M, K]`` activations (float32, bfloat16 or float16).
+        blocks: ``[N, K / block_elements * block_bytes]`` uint8.
+        type_name: the GGML type of ``blocks``.
+
+    Returns:
+        ``[M, N]`` in ``x.dtype``, accumulated in float32.
+    """
+    w = dequantize(blocks, type_name, x.shape[-1])
+    return (x.float() @ w.T).to(x.dtype)

@@ -1,0 +1,131 @@
+"""GGUF blocks on the GPU: the default model served from its Q4_1 blocks against the
+same file dequantized at load, the kernels at Llama-3-8B projection shapes against
+``gguf``'s dequantizers, and the plan's price of the blocks against the loader.
+
+Greedy text: equal, or, where a near-tie flips a pick, the dequantized model's own
+logit for our token is within ``NEAR_TIE`` of its best at the first difference
+(nothing after it is compared: the contexts differ from there). The two sides hold the
+same weights exactly in float32 (Q4_1 values are exact there), so only the summation
+order differs; in bfloat16 the dequantized side also rounds every weight to 8 bits of
+mantissa, which the blocks never do.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from test_fast_path_gpu import _chat_prompts, run_greedy
+from triton_interpret import run_compiler_script, skip_without_ptxas
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.loader.errors import ModelNotFound
+from engine.models.quant_linear import QuantLinear
+
+NEW_TOKENS = 48
+NEAR_TIE = {"float32": 1e-3, "bfloat16": 0.25}
+
+
+def _gguf() -> str:
+    path = os.environ.get("HEADROOM_TEST_GGUF")
+    if path:
+        return path
+    from engine.loader.default_model import default_gguf_path
+
+    try:
+        return str(default_gguf_path())
+    except ModelNotFound as e:
+        pytest.skip(str(e))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_default_model_from_q4_1_blocks_gives_the_dequantized_greedy_text(dtype, paged_runner):
+    common = dict(model=_gguf(), device="cuda", dtype=dtype, kv_cache=1 << 30, max_running_requests=8)
+    quant = Engine(EngineConfig(**common, gguf_quantized=True))
+    linears = [m for m in quant.model.modules() if isinstance(m, QuantLinear)]
+    assert linears and {p.type_name for m in linears for p in m.parts} == {"Q4_1"}
+    # The decode step with the quantized linears captures as CUDA graphs.
+    assert quant.runner.graphs is not None
+    # What the plan charged is what the loader placed.
+    mc = quant.model_config
+    assert quant.weight_size.bytes == quant.info.weight_bytes + mc.max_position_embeddings * mc.head_dim * 4
+    assert "Q4_1 blocks" in next(e.source for e in quant.plan.ledger if e.name == "weights")
+    prompts = _chat_prompts(quant, 5)
+    got = run_greedy(quant, prompts, new_tokens=NEW_TOKENS)
+    assert quant.runner.graphs.captures >= 1
+    quant_bytes = quant.info.weight_bytes
+    del quant, linears
+    torch.cuda.empty_cache()
+
+    dense = Engine(EngineConfig(**common))  # the default: dequantized at load
+    assert not any(isinstance(m, QuantLinear) for m in dense.model.modules())
+    want = run_greedy(dense, prompts, new_tokens=NEW_TOKENS)
+    print(f"\n{dtype}: weights {quant_bytes / 2**20:.1f} MiB in blocks, {dense.info.weight_bytes / 2**20:.1f} MiB "
+          f"dequantized; {sum(g == w for g, w in zip(got, want, strict=True))}/5 greedy texts identical")
+    for ids, g, w in zip(prompts, got, want, strict=True):
+        j = next((i for i, (a, b) in enumerate(zip(g, w, strict=True)) if a != b), None)
+        if j is None:
+            continue
+        logits = paged_runner(dense.model, dense.model_config, device="cuda", num_pages=64, page_size=16).step(
+            {0: ids + w[:j]})[0]
+        gap = float(logits[w[j]] - logits[g[j]])
+        print(f"  prompt of {len(ids)} tokens: first difference at token {j}, dequantized logit gap {gap:.4f}")
+        assert gap <= NEAR_TIE[dtype], f"token {j}: blocks pick {g[j]}, dequantized {w[j]}, gap {gap:.4f}"
+
+
+@pytest.mark.parametrize("type_name,n,k", [("Q4_K", 4096, 4096), ("Q6_K", 1024, 4096), ("Q6_K", 4096, 14336),
+                                           ("Q4_K", 14336, 4096), ("Q4_1", 1536, 576), ("Q8_0", 576, 1536)])
+def test_kernels_at_real_shapes_match_gguf_dequantize(type_name, n, k):
+    """The default tilings (split-K GEMV, GEMM) at 1, 16 and 80 rows."""
+    from kernels.quant import reference, triton_quant
+    from kernels.quant.synthetic import random_blocks
+
+    rng = np.random.default_rng(n + k)
+    w = torch.from_numpy(random_blocks(type_name, n, k, rng, scale=1e-3)).cuda()
+    weight = reference.dequantize(w, type_name, k)
+    for m in (1, 16, 80):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        ref = x.float() @ weight.T
+        out = triton_quant.quant_matmul(x, w, type_name).float()
+        # bfloat16 output rounding (2^-8 relative) with room for the summation order.
+        tol = 2**-6 * float(ref.abs().max())
+        assert float((out - ref).abs().max()) <= tol, f"{m} rows"
+
+
+def test_benchmark_weights_take_their_block_bytes(tmp_path):
+    """Two layers of the benchmark's Llama-3-8B-shape Q4_K/Q6_K file: the device holds
+    the file's blocks (Q4_K 4.5 and Q6_K 6.56 bits a weight against bfloat16's 16; the
+    Q6_K LM head weighs most in two layers), and the plan's price equals it."""
+    from engine.commands.model_shapes import write_shape
+    from engine.loader.gguf_quant import gguf_weight_size, load_gguf_quantized
+    from engine.loader.hf_config import load_model_config
+    from engine.models.quant_linear import model_weight_bytes
+    from engine.quant_bench import write_random_gguf
+
+    config = load_model_config(write_shape("llama-3.1-8b", tmp_path / "cfg", num_hidden_layers=2))
+    path = tmp_path / "k.gguf"
+    write_random_gguf(path, config, np.random.default_rng(0))
+    model = load_gguf_quantized(config, path, "cuda", torch.bfloat16)
+    blocks = sum(b.nbytes for m in model.modules() if isinstance(m, QuantLinear) for b in m.buffers())
+    dense_projections = sum(m.out_features * m.in_features * 2 for m in model.modules() if isinstance(m, QuantLinear))
+    assert blocks < 0.42 * dense_projections
+    size = gguf_weight_size(path, config, torch.bfloat16)
+    assert size.bytes == model_weight_bytes(model) + config.max_position_embeddings * config.head_dim * 4
+
+
+def test_every_block_type_compiles_for_hopper_without_register_spills():
+    """The sweep the CPU suite leaves out (it compiles one K-quant and one legacy type,
+    ``tests/test_quant_kernels.py``): every block type's GEMV (1 and 16 rows) and GEMM
+    (bfloat16, float32) compiles for sm_90 with no stack frame (see
+    ``triton_quant_compile_check.py``)."""
+    from kernels.quant.formats import FORMATS
+
+    skip_without_ptxas()
+    done = run_compiler_script("triton_quant_compile_check.py", timeout=1200)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "quant kernels ok" in done.stdout
+    for type_name in FORMATS:
+        assert f"gemm {type_name} " in done.stdout

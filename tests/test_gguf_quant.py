@@ -1,0 +1,145 @@
+"""A GGUF loaded with its projections kept in block format (``--gguf-quantized``, on
+CUDA) against the same file dequantized at load (the default), and the memory plan's
+price of those weights against what the loader allocates.
+
+On the CPU the quantized linears run the torch reference (``gguf``'s dequantizers);
+float32 on both sides, so the logits agree to rounding.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from test_gguf_convert import VOCAB, write_gguf  # noqa: E402
+
+from engine.commands.plan import build_plan  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+from engine.loader.default_model import default_gguf_path  # noqa: E402
+from engine.loader.gguf_convert import convert_gguf  # noqa: E402
+from engine.loader.gguf_quant import gguf_weight_size  # noqa: E402
+from engine.loader.load import load_model  # noqa: E402
+from engine.models.quant_linear import QuantLinear, model_weight_bytes  # noqa: E402
+
+GiB = 1 << 30
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, rel: float = 1e-5) -> None:
+    tol = rel * max(1.0, float(b.abs().max()))
+    diff = float((a - b).abs().max())
+    assert diff <= tol, f"max |diff| {diff:.3g} > {tol:.3g}"
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def tiny(request, tmp_path_factory, make_tiny_hf_model):
+    arch = request.param
+    tmp = tmp_path_factory.mktemp(f"quant-{arch}")
+    path = tmp / f"tiny-{arch}.gguf"
+    write_gguf(path, arch, make_tiny_hf_model(arch, None, vocab_size=VOCAB))
+    return arch, path, convert_gguf(path, tmp / "hf")
+
+
+def test_quantized_projections_give_the_dequantized_logits(tiny, paged_runner):
+    arch, path, folder = tiny
+    dense, config = load_model(folder, "cpu", torch.float32)
+    quant, _ = load_model(folder, "cpu", torch.float32, quantized_gguf=path)
+    linears = [m for m in quant.modules() if isinstance(m, QuantLinear)]
+    # q/k/v, o, gate/up, down per layer; the qwen3 head is tied to the embeddings.
+    assert len(linears) == 4 * config.num_layers + (arch != "qwen3")
+    assert all([p.type_name for p in m.parts] == ["Q8_0"] for m in linears)
+    if arch == "qwen2":
+        assert quant.model.layers[0].self_attn.qkv_proj.bias is not None
+    ids = [5, 70, 3, 200, 42, 42, 9, 100]
+    a, b = paged_runner(dense, config), paged_runner(quant, config)
+    _close(b.step({0: ids[:6]})[0], a.step({0: ids[:6]})[0])
+    for tok in ids[6:]:  # decode rows, one at a time
+        _close(b.step({0: [tok]})[0], a.step({0: [tok]})[0])
+
+
+def test_weight_size_is_what_the_loader_allocates(tiny):
+    _, path, folder = tiny
+    model, config = load_model(folder, "cpu", torch.bfloat16, quantized_gguf=path)
+    size = gguf_weight_size(path, config, torch.bfloat16)
+    rope_cache = config.max_position_embeddings * config.head_dim * 4
+    assert size.bytes == model_weight_bytes(model) + rope_cache
+    assert "Q8_0 blocks" in size.mix and "bfloat16" in size.mix
+
+
+def test_default_model_from_its_q4_1_blocks(default_model_dir, paged_runner):
+    dense, config = load_model(default_model_dir, "cpu", torch.float32)
+    quant, _ = load_model(default_model_dir, "cpu", torch.float32, quantized_gguf=default_gguf_path())
+    types = {p.type_name for m in quant.modules() if isinstance(m, QuantLinear) for p in m.parts}
+    assert types == {"Q4_1"}
+    ids = [1, 504, 3458, 314, 253, 1345]
+    _close(paged_runner(quant, config).step({0: ids})[0], paged_runner(dense, config).step({0: ids})[0], rel=1e-4)
+
+
+def test_plan_charges_the_quantized_bytes_and_shows_the_mix(default_model_dir):
+    """--gguf-quantized on a CUDA device: the plan charges the blocks. By default (off),
+    and on a CPU even when asked (the block kernels are GPU kernels), it charges the
+    dequantized tensors the loader will place."""
+    gguf_path = str(default_gguf_path())
+    card = dict(model=gguf_path, device="cuda", device_total=4 * GiB)
+    plan = build_plan(EngineConfig(**card, gguf_quantized=True))
+    weights = next(e for e in plan.ledger if e.name == "weights")
+    dense = build_plan(EngineConfig(**card))
+    dense_weights = next(e for e in dense.ledger if e.name == "weights")
+    on_cpu = build_plan(EngineConfig(model=gguf_path, device="cpu", device_total=4 * GiB, gguf_quantized=True))
+    assert next(e for e in on_cpu.ledger if e.name == "weights").source == "exact, from tensor shapes"
+    from engine.loader.hf_config import load_model_config
+
+    size = gguf_weight_size(gguf_path, load_model_config(default_model_dir), torch.bfloat16)
+    assert weights.bytes == size.bytes
+    assert "210 Q4_1 blocks" in weights.source and "Q8_0" in weights.source
+    # Q4_1 holds 5 bits a weight against bfloat16's 16; the tied Q8_0 embedding and the
+    # norms are bfloat16 on both sides.
+    assert weights.bytes < 0.6 * dense_weights.bytes
+    assert dense_weights.source == "exact, from tensor shapes"
+    assert plan.num_pages > dense.num_pages
+
+
+def test_plan_command_prices_blocks_only_with_the_flag(default_model_dir):
+    """``headroom plan`` takes --gguf-quantized (and HEADROOM_GGUF_QUANTIZED) as serve
+    does; without it the ledger's weights are the dequantized tensors."""
+    from click.testing import CliRunner
+
+    from service.cli.commands import main
+
+    args = ["plan", "--model", str(default_gguf_path()), "--device", "cuda", "--device-total", "4GiB"]
+    env = {"HEADROOM_CONFIG": os.devnull}
+    default = CliRunner().invoke(main, args, env=env)
+    flagged = CliRunner().invoke(main, [*args, "--gguf-quantized"], env=env)
+    by_env = CliRunner().invoke(main, args, env={**env, "HEADROOM_GGUF_QUANTIZED": "1"})
+    for result in (default, flagged, by_env):
+        assert result.exit_code == 0, result.output
+    assert "Q4_1 blocks" not in default.stdout and "exact, from tensor shapes" in default.stdout
+    assert "210 Q4_1 blocks" in flagged.stdout and "210 Q4_1 blocks" in by_env.stdout
+
+
+def test_benchmark_gguf_of_k_quants_loads_in_blocks(tmp_path, paged_runner):
+    """The benchmark's random Q4_K_M-like file (K-quant blocks built directly), on a
+    small Llama layout: loaded in blocks, priced exactly, finite logits."""
+    import numpy as np
+
+    from engine.commands.model_shapes import write_shape
+    from engine.loader.gguf_quant import load_gguf_quantized
+    from engine.loader.hf_config import load_model_config
+    from engine.quant_bench import write_random_gguf
+
+    folder = write_shape("llama-3.1-8b", tmp_path / "cfg", hidden_size=256, intermediate_size=512,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
+                         max_position_embeddings=64, rope_scaling=None)
+    config = load_model_config(folder)
+    path = tmp_path / "k.gguf"
+    write_random_gguf(path, config, np.random.default_rng(0))
+    model = load_gguf_quantized(config, path, "cpu", torch.float32)
+    types = {p.type_name for m in model.modules() if isinstance(m, QuantLinear) for p in m.parts}
+    assert types == {"Q4_K", "Q6_K"}
+    size = gguf_weight_size(path, config, torch.float32)
+    assert size.bytes == model_weight_bytes(model) + config.max_position_embeddings * config.head_dim * 4
+    logits = paged_runner(model, config).step({0: [1, 2, 3]})
+    assert logits.shape == (1, 300) and bool(torch.isfinite(logits).all())

@@ -1,0 +1,92 @@
+"""Compile the GGUF dequantize-GEMV and GEMM kernels for a Hopper GPU (sm_90) without
+one, the decode and prefill variants, and report register spills: every block type, or
+the types named as arguments (``python tests/triton_quant_compile_check.py Q4_K Q4_1``).
+
+Run as a script in its own process (Triton's mode is fixed at import, and the test
+session imports it in interpreter mode): the interpreter accepts code the compiler
+refuses. Prints one line per kernel variant; exits non-zero on a failure or a spill.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from kernels.quant import triton_quant  # noqa: E402
+from kernels.quant.formats import FORMATS  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def _compile(fn, args: dict[str, str], constexprs: dict, num_warps: int) -> tuple[int, int, str]:
+    """``(registers, stack frame bytes, ptx)`` of one variant, from the ptxas Triton
+    uses for sm_90, run with ``-v``."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    signature = args | {name: "constexpr" for name in constexprs}
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    ptx = triton.compile(src, target=TARGET, options={"num_warps": num_warps}).asm["ptx"]
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    try:
+        err = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull],
+                             capture_output=True, text=True, check=True).stderr
+    finally:
+        os.unlink(f.name)
+    regs = int(re.search(r"Used (\d+) registers", err).group(1))
+    frame = int(re.search(r"(\d+) bytes stack frame", err).group(1))
+    return regs, frame, ptx
+
+
+def _loads(ptx: str) -> str:
+    """The global load widths in the PTX, e.g. ``u8 x40, v2.b32 x8``: how the byte
+    reads were vectorized."""
+    found = re.findall(r"ld\.global(?:\.[a-z]+)*?\.((?:v\d\.)?[a-z]\d+)", ptx)
+    counts: dict[str, int] = {}
+    for kind in found:
+        counts[kind] = counts.get(kind, 0) + 1
+    return ", ".join(f"{k} x{n}" for k, n in sorted(counts.items()))
+
+
+def main(type_names: list[str]) -> int:
+    unknown = [name for name in type_names if name not in FORMATS]
+    if unknown:
+        print(f"not kept quantized: {', '.join(unknown)}; choose from {', '.join(FORMATS)}")
+        return 2
+    failures = 0
+    common = {"M": "i32", "N": "i32", "K": "i32", "row_bytes": "i32"}
+    for fmt in (FORMATS[name] for name in type_names or FORMATS):
+        layout = {"QT": fmt.code, "QK": fmt.block_elements, "BB": fmt.block_bytes, "L": fmt.sub_elements,
+                  "NSUB": fmt.subs_per_block}
+        for block_m, atomic, block_n in ((1, False, 16), (16, True, 8)):
+            kb = 1 if fmt.block_elements > 32 else 4 if block_m == 1 else 2
+            out = "*fp32" if atomic else "*bf16"
+            args = {"x_ptr": "*bf16", "w_ptr": "*u8", "out_ptr": out, **common, "blocks_per_split": "i32",
+                    "stride_xm": "i32", "stride_om": "i32"}
+            regs, frame, ptx = _compile(triton_quant._gemv_kernel, args, {
+                **layout, "BLOCK_N": block_n, "BLOCK_M": block_m, "KB": kb, "ATOMIC": atomic,
+            }, 4)
+            print(f"gemv {fmt.name} M<={block_m}: {regs} registers, {frame} B stack; loads {_loads(ptx)}")
+            failures += frame > 0
+        for dtype, ieee in (("bf16", False), ("fp32", True)):
+            args = {"x_ptr": f"*{dtype}", "w_ptr": "*u8", "out_ptr": f"*{dtype}", **common,
+                    "stride_xm": "i32", "stride_om": "i32"}
+            regs, frame, _ = _compile(triton_quant._gemm_kernel, args,
+                                      {**layout, "BLOCK_M": 64, "BLOCK_N": 64, "IEEE": ieee}, 8)
+            print(f"gemm {fmt.name} {dtype}: {regs} registers, {frame} B stack")
+            failures += frame > 0
+    print("quant kernels ok" if not failures else f"{failures} variants spill registers")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -48,7 +48,6 @@ from engine.startup import (
 
 log = logging.getLogger("headroom.engine")
 
-log = logging.getLogger("headroom.engine")
 
 # Without a memory plan (CPU, or a fixed size asked for), the pool gets this much.
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30

@@ -18,6 +18,7 @@ from engine.messages import FINISH_ERROR, FINISH_LENGTH, GenerateRequest, Sampli
 from engine.text.stop import StopStringMatcher
 from service.api.admission import Ticket
 from service.api.errors import SERVER_ERROR, APIError, invalid
+from service.api.sampling_defaults import SamplingDefaults
 from service.api.schemas import MAX_N, SEED_MAX, TOP_K_MAX, _SamplingFields
 from service.api.text import TextSide
 from service.supervision.inflight import EngineFailure, Submission
@@ -115,10 +116,20 @@ def resolve_max_tokens(
     return requested
 
 
-def sampling_params(req: _SamplingFields, max_new_tokens: int, seed_offset: int) -> SamplingParams:
-    """OpenAI sampling fields to engine :class:`SamplingParams` (OpenAI's defaults:
-    temperature 1, top_p 1). With a seed, sequence ``i`` of ``n`` uses ``seed + i`` so
-    its choices differ yet repeat run to run.
+_OPENAI_DEFAULTS = SamplingDefaults()
+
+
+def sampling_params(
+    req: _SamplingFields,
+    max_new_tokens: int,
+    seed_offset: int,
+    defaults: SamplingDefaults = _OPENAI_DEFAULTS,
+) -> SamplingParams:
+    """OpenAI sampling fields to engine :class:`SamplingParams`. An unset field takes
+    its value from ``defaults`` (the model's generation config, see
+    :mod:`service.api.sampling_defaults`; OpenAI's: temperature 1, top_p 1). With a
+    seed, sequence ``i`` of ``n`` uses ``seed + i`` so its choices differ yet repeat run
+    to run.
 
     Raises:
         APIError: 400 naming the field for a value out of range.
@@ -138,12 +149,16 @@ def sampling_params(req: _SamplingFields, max_new_tokens: int, seed_offset: int)
     seed = None if req.seed is None else (req.seed + seed_offset) % (SEED_MAX + 1)
     return SamplingParams(
         max_new_tokens=max_new_tokens,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_k=max(0, req.top_k or 0),
-        top_p=1.0 if req.top_p is None else req.top_p,
-        min_p=req.min_p or 0.0,
+        temperature=defaults.temperature if req.temperature is None else req.temperature,
+        top_k=defaults.top_k if req.top_k is None else max(0, req.top_k),
+        top_p=defaults.top_p if req.top_p is None else req.top_p,
+        min_p=defaults.min_p if req.min_p is None else req.min_p,
         seed=seed,
-        repetition_penalty=req.repetition_penalty or 1.0,
+        repetition_penalty=(
+            defaults.repetition_penalty
+            if req.repetition_penalty is None
+            else req.repetition_penalty
+        ),
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
         ignore_eos=req.ignore_eos,

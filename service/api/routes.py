@@ -398,7 +398,7 @@ async def _completion_generation(
             prompt_param="prompt",
             default=16,
         )
-        sampling += [sampling_params(req, max_new, j) for j in range(req.n)]
+        sampling += [sampling_params(req, max_new, j, svc.sampling_defaults) for j in range(req.n)]
     request_id = f"cmpl-{uuid.uuid4().hex}"
     gen = Generation(
         supervisor=svc.supervisor,
@@ -461,7 +461,12 @@ class OpenAIController(Controller):
             else:
                 requested, param = req.max_tokens, "max_tokens"
             max_new = resolve_max_tokens(
-                requested, param, len(prompt_ids), info.max_context_tokens, prompt_param="messages"
+                requested,
+                param,
+                len(prompt_ids),
+                info.max_context_tokens,
+                prompt_param="messages",
+                default=svc.settings.default_max_tokens or None,
             )
             request_id = f"chatcmpl-{uuid.uuid4().hex}"
             gen = Generation(
@@ -470,7 +475,9 @@ class OpenAIController(Controller):
                 request_id=request_id,
                 prompts=[prompt_ids],
                 n=req.n,
-                sampling=[sampling_params(req, max_new, i) for i in range(req.n)],
+                sampling=[
+                    sampling_params(req, max_new, i, svc.sampling_defaults) for i in range(req.n)
+                ],
                 stops=stop_strings(req.stop),
                 started=started,
                 deadline=_deadline(svc, started),

@@ -6,6 +6,7 @@ dependency injection (parameter name ``svc``), never through module globals.
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from engine.messages import (
 from engine.units import SIZE_UNITS
 from service.api.admission import Admission
 from service.api.errors import APIError
+from service.api.sampling_defaults import SamplingDefaults, load_sampling_defaults
 from service.api.text import TextSide
 from service.cli.settings import ServeSettings
 from service.events.hub import EventHub
@@ -75,6 +77,7 @@ class Services:
     settings: ServeSettings
     supervisor: Supervisor
     text: TextSide | None = None
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     started_at: int = field(default_factory=lambda: int(time.time()))
     engine_events: EngineEventCounts = field(default_factory=EngineEventCounts)
     events: EventHub | None = None
@@ -216,8 +219,10 @@ class Services:
         )
 
     def model_names(self, info: EngineInfo) -> list[str]:
-        """Names the served model answers to: the engine's, then configured aliases."""
-        return [info.model_name, *self.settings.served_model_name]
+        """Names the served model answers to: the engine's, the configured aliases, then
+        ``default`` (each once)."""
+        names = [info.model_name, *self.settings.served_model_name, DEFAULT_MODEL_ALIAS]
+        return list(dict.fromkeys(names))
 
     def check_model(self, requested: str | None, info: EngineInfo) -> str:
         """The model name to report for a request naming ``requested``.
@@ -231,7 +236,7 @@ class Services:
         names = self.model_names(info)
         # "default" always names the one served model: the README's and most clients'
         # first request, before anyone has read /v1/models.
-        if not requested or requested in names or requested == DEFAULT_MODEL_ALIAS:
+        if not requested or requested in names:
             return names[0]
         raise APIError(
             404,
@@ -242,8 +247,12 @@ class Services:
         )
 
     async def prepare(self, info: EngineInfo) -> None:
-        """Called by the supervisor when a worker is ready: load its tokenizer."""
+        """Called by the supervisor when a worker is ready: load its tokenizer and its
+        sampling defaults (:mod:`service.api.sampling_defaults`)."""
         if self.text is None or self.text.model_dir != info.model_dir:
             old, self.text = self.text, await TextSide.load(info.model_dir)
+            self.sampling_defaults = await asyncio.to_thread(
+                load_sampling_defaults, info.model_dir
+            )
             if old is not None:
                 old.close()

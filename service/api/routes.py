@@ -36,6 +36,7 @@ from litestar.response import Stream
 
 from engine.messages import EngineInfo
 from service.api.admission import Ticket
+from service.api.chat_generation import check_prompt_bound, request_deadline, start_chat
 from service.api.errors import SERVER_ERROR, APIError, decode_body, invalid
 from service.api.generation import (
     Generation,
@@ -60,7 +61,6 @@ from service.api.schemas import (
     TextChoice,
     Usage,
 )
-from service.api.text import TextSide
 from service.http.state import Services
 
 T = TypeVar("T")
@@ -297,43 +297,6 @@ def _check_completion_fields(req: CompletionRequest) -> None:
         raise invalid("best_of other than n is not supported by this server", "best_of")
 
 
-def _message_texts(messages: list[dict[str, Any]]) -> list[str]:
-    """The text of chat messages: string contents and the ``text`` of content parts."""
-    texts: list[str] = []
-    for message in messages:
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, str):
-            texts.append(content)
-        elif isinstance(content, list):
-            texts += [
-                p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
-            ]
-    return texts
-
-
-def _check_prompt_bound(text: TextSide, texts: list[str], context_tokens: int, param: str) -> None:
-    """Refuse, untokenized, a prompt that cannot fit the context (see
-    :meth:`service.api.text.TextSide.min_tokens`).
-
-    Raises:
-        APIError: 400 ``context_length_exceeded`` naming ``param``.
-    """
-    floor = text.min_tokens(texts)
-    if floor > context_tokens:
-        raise invalid(
-            f"This model's maximum context length is {context_tokens} tokens. However, your "
-            f"prompt is at least {floor} tokens (a token here stands for at most "
-            f"{text.bytes_per_token} bytes of text). Please shorten the prompt.",
-            param,
-            "context_length_exceeded",
-        )
-
-
-def _deadline(svc: Services, started: float) -> float | None:
-    timeout = svc.settings.request_timeout
-    return started + timeout if timeout > 0 else None
-
-
 def _prompt_items(prompt: str | list[Any]) -> list[str | list[int]]:
     """OpenAI's four prompt forms as a list of strings / token id lists.
 
@@ -371,7 +334,7 @@ async def _completion_generation(
     for i, item in enumerate(items):
         if isinstance(item, str):
             param = "prompt" if len(items) == 1 else f"prompt[{i}]"
-            _check_prompt_bound(svc.text, [item], info.max_context_tokens, param)
+            check_prompt_bound(svc.text, [item], info.max_context_tokens, param)
     prompts: list[list[int]] = []
     for i, item in enumerate(items):
         param = "prompt" if len(items) == 1 else f"prompt[{i}]"
@@ -409,7 +372,7 @@ async def _completion_generation(
         sampling=sampling,
         stops=stop_strings(req.stop),
         started=started,
-        deadline=_deadline(svc, started),
+        deadline=request_deadline(svc, started),
         ticket=ticket,
     )
     gen.start()
@@ -450,40 +413,9 @@ class OpenAIController(Controller):
         req, _, info, model, ticket = await _admit(
             request, svc, ChatCompletionRequest, _check_chat_fields
         )
-        assert svc.text is not None
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
         try:
-            _check_prompt_bound(
-                svc.text, _message_texts(req.messages), info.max_context_tokens, "messages"
-            )
-            prompt_ids = await svc.text.encode_chat(req.messages)
-            if req.max_completion_tokens is not None:
-                requested, param = req.max_completion_tokens, "max_completion_tokens"
-            else:
-                requested, param = req.max_tokens, "max_tokens"
-            max_new = resolve_max_tokens(
-                requested,
-                param,
-                len(prompt_ids),
-                info.max_context_tokens,
-                prompt_param="messages",
-                default=svc.settings.default_max_tokens or None,
-            )
-            request_id = f"chatcmpl-{uuid.uuid4().hex}"
-            gen = Generation(
-                supervisor=svc.supervisor,
-                text=svc.text,
-                request_id=request_id,
-                prompts=[prompt_ids],
-                n=req.n,
-                sampling=[
-                    sampling_params(req, max_new, i, svc.sampling_defaults) for i in range(req.n)
-                ],
-                stops=stop_strings(req.stop),
-                started=started,
-                deadline=_deadline(svc, started),
-                ticket=ticket,
-            )
-            gen.start()
+            gen = await start_chat(req, info, svc, started, ticket, request_id)
         except BaseException:
             ticket.release()
             raise

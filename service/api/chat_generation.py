@@ -1,0 +1,136 @@
+"""A chat request's way into the engine, shared by every API that chats: OpenAI's
+``/v1/chat/completions`` and Ollama's ``/api/chat`` and ``/api/generate``.
+
+Both build an OpenAI :class:`~service.api.schemas.ChatCompletionRequest` (Ollama's
+routes map their fields onto one), so both get the same checks, in the same order: a
+cheap lower bound on the prompt's tokens against the context (400
+``context_length_exceeded`` before any tokenizing, see
+:meth:`service.api.text.TextSide.min_tokens`), the chat template (in threads; 400 for a
+refusal), the completion's length against the context (400), then the submission
+through the supervisor, whose restarts, OOM isolation and retries apply alike.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.messages import EngineInfo
+from service.api.admission import Ticket
+from service.api.errors import invalid
+from service.api.generation import Generation, resolve_max_tokens, sampling_params, stop_strings
+from service.api.schemas import ChatCompletionRequest
+from service.api.text import TextSide
+from service.http.state import Services
+
+
+def message_texts(messages: list[dict[str, Any]]) -> list[str]:
+    """The text of chat messages: string contents and the ``text`` of content parts."""
+    texts: list[str] = []
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            texts.append(content)
+        elif isinstance(content, list):
+            texts += [
+                p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
+            ]
+    return texts
+
+
+def check_prompt_bound(text: TextSide, texts: list[str], context_tokens: int, param: str) -> None:
+    """Refuse, untokenized, a prompt that cannot fit the context (see
+    :meth:`service.api.text.TextSide.min_tokens`).
+
+    Raises:
+        APIError: 400 ``context_length_exceeded`` naming ``param``.
+    """
+    floor = text.min_tokens(texts)
+    if floor > context_tokens:
+        raise invalid(
+            f"This model's maximum context length is {context_tokens} tokens. However, your "
+            f"prompt is at least {floor} tokens (a token here stands for at most "
+            f"{text.bytes_per_token} bytes of text). Please shorten the prompt.",
+            param,
+            "context_length_exceeded",
+        )
+
+
+def request_deadline(svc: Services, started: float) -> float | None:
+    """``time.perf_counter()`` past which a request arrived at ``started`` is aborted
+    (``--request-timeout``), or None."""
+    timeout = svc.settings.request_timeout
+    return started + timeout if timeout > 0 else None
+
+
+async def start_chat(
+    req: ChatCompletionRequest,
+    info: EngineInfo,
+    svc: Services,
+    started: float,
+    ticket: Ticket,
+    request_id: str,
+    *,
+    context_tokens: int | None = None,
+    prompt_ids: list[int] | None = None,
+    default_max_tokens: int | None = None,
+) -> Generation:
+    """Render, bound and submit a chat request; the caller releases ``ticket`` if this
+    raises.
+
+    Args:
+        req: checked by :func:`service.api.generation.check_common` already.
+        info: the ready engine's facts.
+        started: ``time.perf_counter()`` when the HTTP request arrived.
+        request_id: the API id; engine sequences are ``{request_id}-{i}``.
+        context_tokens: a smaller context than the engine's for this request
+            (Ollama's ``num_ctx``); None: ``info.max_context_tokens``.
+        prompt_ids: the prompt already tokenized (Ollama's raw ``/api/generate``);
+            None: ``req.messages`` through the chat template.
+        default_max_tokens: the answer's length when the request sets none (0: the
+            rest of the context); None: ``--default-max-tokens``.
+
+    Returns:
+        The started :class:`Generation`. An unset ``max_completion_tokens`` and
+        ``max_tokens`` mean ``--default-max-tokens`` (0: the rest of the context).
+
+    Raises:
+        APIError: 400 ``context_length_exceeded`` (prompt or prompt plus completion),
+            400 for a template refusal (as ``ChatTemplateError``), 503 when no worker
+            is ready.
+    """
+    assert svc.text is not None
+    context = info.max_context_tokens
+    if context_tokens is not None:
+        context = min(context, context_tokens)
+    if prompt_ids is None:
+        check_prompt_bound(svc.text, message_texts(req.messages), context, "messages")
+        prompt_ids = await svc.text.encode_chat(req.messages)
+    if req.max_completion_tokens is not None:
+        requested, param = req.max_completion_tokens, "max_completion_tokens"
+    else:
+        requested, param = req.max_tokens, "max_tokens"
+    max_new = resolve_max_tokens(
+        requested,
+        param,
+        len(prompt_ids),
+        context,
+        prompt_param="messages",
+        default=(
+            svc.settings.default_max_tokens if default_max_tokens is None else default_max_tokens
+        )
+        or None,
+    )
+    gen = Generation(
+        supervisor=svc.supervisor,
+        text=svc.text,
+        request_id=request_id,
+        prompts=[prompt_ids],
+        n=req.n,
+        sampling=[sampling_params(req, max_new, i, svc.sampling_defaults) for i in range(req.n)],
+        stops=stop_strings(req.stop),
+        started=started,
+        deadline=request_deadline(svc, started),
+        ticket=ticket,
+    )
+    gen.start()
+    return gen

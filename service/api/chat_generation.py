@@ -15,12 +15,19 @@ from __future__ import annotations
 from typing import Any
 
 from engine.messages import EngineInfo
+from engine.text.chat import template_has_tools
 from service.api.admission import Ticket
+from service.api.chat_output import ChatOutput, chat_output
 from service.api.errors import invalid
 from service.api.generation import Generation, resolve_max_tokens, sampling_params, stop_strings
 from service.api.schemas import ChatCompletionRequest
 from service.api.text import TextSide
+from service.api.tools import plan_tools
 from service.http.state import Services
+
+# Prompt tokens decoded to see how the prompt ends (an open ``<think>``): a few tokens
+# hold the tag and the newlines around it.
+_TAIL_TOKENS = 8
 
 
 def message_texts(messages: list[dict[str, Any]]) -> list[str]:
@@ -42,7 +49,8 @@ def check_prompt_bound(text: TextSide, texts: list[str], context_tokens: int, pa
     :meth:`service.api.text.TextSide.min_tokens`).
 
     Raises:
-        APIError: 400 ``context_length_exceeded`` naming ``param``.
+        APIError: 400 ``tools``/``tool_choice`` (see
+            :func:`service.api.tools.plan_tools`), 400 ``context_length_exceeded`` naming ``param``.
     """
     floor = text.min_tokens(texts)
     if floor > context_tokens:
@@ -73,7 +81,7 @@ async def start_chat(
     context_tokens: int | None = None,
     prompt_ids: list[int] | None = None,
     default_max_tokens: int | None = None,
-) -> Generation:
+) -> tuple[Generation, ChatOutput]:
     """Render, bound and submit a chat request; the caller releases ``ticket`` if this
     raises.
 
@@ -90,11 +98,15 @@ async def start_chat(
             rest of the context); None: ``--default-max-tokens``.
 
     Returns:
-        The started :class:`Generation`. An unset ``max_completion_tokens`` and
-        ``max_tokens`` mean ``--default-max-tokens`` (0: the rest of the context).
+        The started :class:`Generation` (an unset ``max_completion_tokens`` and
+        ``max_tokens`` mean ``--default-max-tokens``; 0: the rest of the context) and
+        the :class:`~service.api.chat_output.ChatOutput` that shapes its answers
+        (reasoning, tool calls). ``tools``/``tool_choice`` and
+        ``chat_template_kwargs`` reach the template (:mod:`service.api.tools`).
 
     Raises:
-        APIError: 400 ``context_length_exceeded`` (prompt or prompt plus completion),
+        APIError: 400 ``tools``/``tool_choice`` (see
+            :func:`service.api.tools.plan_tools`), 400 ``context_length_exceeded`` (prompt or prompt plus completion),
             400 for a template refusal (as ``ChatTemplateError``), 503 when no worker
             is ready.
     """
@@ -102,9 +114,19 @@ async def start_chat(
     context = info.max_context_tokens
     if context_tokens is not None:
         context = min(context, context_tokens)
+    tokenizer = svc.text.tokenizer
+    template = getattr(tokenizer, "chat_template", None)
+    template = template if isinstance(template, str) else None
+    plan = plan_tools(req.tools, req.tool_choice, template, template_has_tools(tokenizer))
     if prompt_ids is None:
         check_prompt_bound(svc.text, message_texts(req.messages), context, "messages")
-        prompt_ids = await svc.text.encode_chat(req.messages)
+        prompt_ids = await svc.text.encode_chat(
+            req.messages, tools=plan.tools, template_kwargs=req.chat_template_kwargs
+        )
+    # How the answer is split: the prompt's end says whether it opened a thinking block.
+    output = chat_output(req.n, template, tokenizer.decode(prompt_ids[-_TAIL_TOKENS:]), plan)
+    if plan.prefix:
+        prompt_ids = prompt_ids + await svc.text.encode_text(plan.prefix)
     if req.max_completion_tokens is not None:
         requested, param = req.max_completion_tokens, "max_completion_tokens"
     else:
@@ -133,4 +155,4 @@ async def start_chat(
         ticket=ticket,
     )
     gen.start()
-    return gen
+    return gen, output

@@ -47,15 +47,12 @@ from service.api.generation import (
 )
 from service.api.schemas import (
     ChatChoice,
-    ChatChunkChoice,
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
-    ChatMessageOut,
     Completion,
     CompletionChunk,
     CompletionRequest,
-    Delta,
     ModelCard,
     ModelList,
     TextChoice,
@@ -214,11 +211,15 @@ def _event_stream(
     request_id = gen.request_id
 
     def chunk(index: int, text: str, reason: str | None, role: str | None = None) -> bytes:
-        choices = [choice(index, text, reason, role)]
-        return _sse(
-            chunk_type(
-                id=request_id, created=created, model=model, choices=choices, usage=usage_field
+        made = choice(index, text, reason, role)
+        # A piece may make several events (a tool call's name, then its arguments).
+        return b"".join(
+            _sse(
+                chunk_type(
+                    id=request_id, created=created, model=model, choices=[c], usage=usage_field
+                )
             )
+            for c in (made if isinstance(made, list) else [made])
         )
 
     def usage_chunk() -> bytes:
@@ -266,14 +267,9 @@ def _check_chat_fields(req: ChatCompletionRequest) -> None:
     """Refuse what we cannot honour instead of ignoring it (see openai_schemas)."""
     if req.logprobs or req.top_logprobs:
         raise invalid("logprobs are not supported by this server", "logprobs")
-    if req.tools or req.functions:
-        raise invalid("tool calling is not supported by this server", "tools")
-    if req.tool_choice not in (None, "none", "auto") or req.function_call not in (
-        None,
-        "none",
-        "auto",
-    ):
-        raise invalid("tool calling is not supported by this server", "tool_choice")
+    if req.functions or req.function_call not in (None, "none", "auto"):
+        # The deprecated form of tools; tools themselves: service.api.tools.
+        raise invalid("functions are not supported; send tools instead", "functions")
     if req.response_format and req.response_format.get("type", "text") != "text":
         raise invalid('only response_format {"type": "text"} is supported', "response_format")
     if not req.messages:
@@ -415,7 +411,7 @@ class OpenAIController(Controller):
         )
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         try:
-            gen = await start_chat(req, info, svc, started, ticket, request_id)
+            gen, output = await start_chat(req, info, svc, started, ticket, request_id)
         except BaseException:
             ticket.release()
             raise
@@ -424,13 +420,10 @@ class OpenAIController(Controller):
         if not req.stream:
 
             def build(texts: list[str], reasons: list[str | None]) -> ChatCompletion:
+                shaped = [output.message(text, reasons[i]) for i, text in enumerate(texts)]
                 choices = [
-                    ChatChoice(
-                        index=i,
-                        message=ChatMessageOut(role="assistant", content=text),
-                        finish_reason=reasons[i],
-                    )
-                    for i, text in enumerate(texts)
+                    ChatChoice(index=i, message=message, finish_reason=reason)
+                    for i, (message, reason) in enumerate(shaped)
                 ]
                 return ChatCompletion(
                     id=request_id, created=created, model=model, choices=choices, usage=_usage(gen)
@@ -438,12 +431,8 @@ class OpenAIController(Controller):
 
             return await _respond(gen, request, request_id, started, build)
 
-        def choice(index: int, text: str, reason: str | None, role: str | None) -> Any:
-            delta = Delta(role=role, content=text if (text or role) else None)
-            return ChatChunkChoice(index=index, delta=delta, finish_reason=reason)
-
         return _event_stream(
-            gen, req.stream_options, ChatCompletionChunk, choice, created, model, roles=req.n
+            gen, req.stream_options, ChatCompletionChunk, output.deltas, created, model, roles=req.n
         )
 
     @post("/completions", status_code=200)

@@ -65,7 +65,8 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     """``POST /v1/chat/completions``. ``messages`` items are ``{"role", "content"}``
     objects; content is a string or a list of ``{"type": "text", "text"}`` parts.
     ``max_completion_tokens`` wins over ``max_tokens``; both absent (or null) mean
-    "up to the rest of the context"."""
+    ``--default-max-tokens``. ``chat_template_kwargs`` (e.g. ``{"enable_thinking":
+    false}``) are passed to the chat template."""
 
     messages: Annotated[list[dict[str, Any]], Meta(min_length=1)]
     max_completion_tokens: TokenCount | None = None
@@ -76,6 +77,8 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     functions: list[Any] | None = None
     function_call: Any = None
     response_format: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -113,8 +116,13 @@ class Usage(msgspec.Struct, kw_only=True):
 
 
 class ChatMessageOut(msgspec.Struct, kw_only=True):
+    """The answer. ``reasoning_content``: a reasoning model's thinking (absent for
+    other models); ``tool_calls``: the calls the model made (absent when none)."""
+
     role: str
-    content: str
+    content: str | None
+    reasoning_content: str | None | UnsetType = UNSET
+    tool_calls: list[dict[str, Any]] | UnsetType = UNSET
 
 
 class ChatChoice(msgspec.Struct, kw_only=True):
@@ -137,6 +145,8 @@ class ChatCompletion(msgspec.Struct, kw_only=True):
 class Delta(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct, kw_only=True):

@@ -157,7 +157,7 @@ async def _start(
     try:
         assert svc.text is not None
         prompt_ids = None if raw_prompt is None else await svc.text.encode_prompt(raw_prompt)
-        gen = await start_chat(
+        gen, _ = await start_chat(
             mapped.request,
             info,
             svc,

@@ -117,3 +117,23 @@ def test_template_without_tools_is_a_400(real_server):
         client.chat.completions.create(model="default", messages=HI, tools=[WEATHER])
     assert exc.value.body["param"] == "tools"
     assert "no tool support" in exc.value.body["message"]
+
+
+def test_ollama_thinking_and_tools(qwen3_server):
+    import ollama
+
+    client = ollama.Client(host=qwen3_server.base_url, timeout=300)
+    options = {"temperature": 0, "num_predict": 6}
+    whole = client.chat(model="default", messages=HI, options=options)
+    assert whole.message.thinking and not whole.message.content
+    streamed = "".join(
+        p.message.thinking or ""
+        for p in client.chat(model="default", messages=HI, options=options, stream=True)
+    )
+    assert streamed.strip() == whole.message.thinking
+    off = client.chat(model="default", messages=HI, options=options, think=False)
+    assert off.message.content and not off.message.thinking
+    with_tools = client.chat(model="default", messages=HI, options=options, tools=[WEATHER])
+    assert with_tools.prompt_eval_count > whole.prompt_eval_count
+    shown = client.show("default")
+    assert {"completion", "tools", "thinking"} <= set(shown.capabilities)

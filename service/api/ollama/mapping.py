@@ -7,9 +7,10 @@ engine's), ``num_predict`` (``max_tokens``; -1 and -2: the rest of the context; 
 (negative: none), ``stop``, ``repeat_penalty`` (``repetition_penalty``),
 ``presence_penalty``, ``frequency_penalty``. Other options (``num_gpu``, ``num_thread``,
 ``mirostat``...) and ``keep_alive`` (the model stays loaded while the server runs) are
-accepted and ignored. Refused with a 400 rather than dropped: ``format`` (structured
-output), ``tools``, ``images``, and ``/api/generate``'s ``suffix``, ``template`` and
-``context``.
+accepted and ignored. ``think`` is the template's ``enable_thinking``; ``tools`` work
+as on ``/v1`` (``tool_choice`` auto). Refused with a 400 rather than dropped:
+``format`` (structured output), ``images``, and ``/api/generate``'s ``suffix``,
+``template`` and ``context``.
 """
 
 from __future__ import annotations
@@ -64,8 +65,6 @@ def _refuse_unsupported(body: OllamaChatRequest | OllamaGenerateRequest) -> None
     if body.format not in (None, ""):
         raise invalid("format (structured output) is not supported by this server", "format")
     if isinstance(body, OllamaChatRequest):
-        if body.tools:
-            raise invalid("tool calling is not supported by this server", "tools")
         for i, message in enumerate(body.messages):
             if isinstance(message, dict) and message.get("images"):
                 raise invalid(
@@ -86,8 +85,19 @@ def _messages(body: OllamaChatRequest) -> list[dict[str, Any]]:
         if not isinstance(message, dict):
             out.append(message)  # the template check names it
             continue
-        out.append({"role": message.get("role"), "content": message.get("content", "")})
+        entry = {"role": message.get("role"), "content": message.get("content", "")}
+        if message.get("tool_calls"):
+            entry["tool_calls"] = message["tool_calls"]
+        if isinstance(message.get("tool_name"), str):
+            entry["name"] = message["tool_name"]
+        out.append(entry)
     return out
+
+
+def _thinking(body: OllamaChatRequest | OllamaGenerateRequest) -> dict[str, Any] | None:
+    """Ollama's ``think`` as the template's ``enable_thinking`` (``"high"``... count as
+    on)."""
+    return None if body.think is None else {"enable_thinking": bool(body.think)}
 
 
 def _sampling(options: OllamaOptions | None) -> tuple[dict[str, Any], int | None, int | None]:
@@ -137,7 +147,13 @@ def chat_request(body: OllamaChatRequest) -> Mapped:
     if not body.messages:
         raise invalid("messages must not be empty", "messages")
     fields, context, default_max = _sampling(body.options)
-    req = ChatCompletionRequest(model=model_name(body.model), messages=_messages(body), **fields)
+    req = ChatCompletionRequest(
+        model=model_name(body.model),
+        messages=_messages(body),
+        tools=body.tools or None,
+        chat_template_kwargs=_thinking(body),
+        **fields,
+    )
     _check(req)
     return Mapped(req, context, default_max)
 
@@ -153,7 +169,12 @@ def generate_request(body: OllamaGenerateRequest) -> Mapped:
     fields, context, default_max = _sampling(body.options)
     messages = [{"role": "system", "content": body.system}] if body.system else []
     messages.append({"role": "user", "content": body.prompt})
-    req = ChatCompletionRequest(model=model_name(body.model), messages=messages, **fields)
+    req = ChatCompletionRequest(
+        model=model_name(body.model),
+        messages=messages,
+        chat_template_kwargs=_thinking(body),
+        **fields,
+    )
     _check(req)
     return Mapped(req, context, default_max)
 

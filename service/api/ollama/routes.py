@@ -20,10 +20,12 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import importlib.metadata
+import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -32,7 +34,9 @@ from litestar import Controller, Request, Response, get, post
 from litestar.response import Stream
 
 from engine.messages import EngineInfo
+from engine.text.chat import template_has_tools
 from service.api.chat_generation import start_chat
+from service.api.chat_output import FINISH_TOOL_CALLS, ChatOutput
 from service.api.errors import EXCEPTION_HANDLERS, APIError, decode_body
 from service.api.generation import Generation
 from service.api.ollama.mapping import Mapped, chat_request, details, generate_request, model_name
@@ -48,6 +52,7 @@ from service.api.ollama.schemas import (
     OllamaShowRequest,
     OllamaVersion,
 )
+from service.api.reasoning import template_thinks
 from service.api.routes import CLIENT_GONE, _log_request, _respond
 from service.http.state import Services
 from service.supervision.states import NotReady
@@ -107,26 +112,67 @@ def _timings(gen: Generation, done_reason: str | None) -> dict[str, Any]:
     }
 
 
+@dataclass
+class _Part:
+    """What one line carries: answer text, thinking, complete tool calls."""
+
+    content: str = ""
+    thinking: str = ""
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.content or self.thinking or self.tool_calls)
+
+
+def _ollama_call(name: str, arguments: str) -> dict[str, Any]:
+    """An OpenAI call's name and JSON text arguments as Ollama's call (arguments an
+    object; text that is not a JSON object is kept as text)."""
+    try:
+        parsed = json.loads(arguments)
+    except ValueError:
+        parsed = arguments
+    return {"function": {"name": name, "arguments": parsed}}
+
+
+def _done_reason(reason: str | None) -> str | None:
+    return "stop" if reason == FINISH_TOOL_CALLS else reason
+
+
 async def _ndjson(
-    gen: Generation, request_id: str, line: Callable[[str, bool, dict[str, Any]], Any]
+    gen: Generation,
+    output: ChatOutput,
+    line: Callable[[_Part, bool, dict[str, Any]], Any],
 ) -> AsyncIterator[bytes]:
-    """A stream of ``line(text, done, timings)`` objects, one a line; an error becomes
-    an ``{"error": ...}`` line that ends the stream."""
+    """A stream of ``line(part, done, timings)`` objects, one a line; an error becomes
+    an ``{"error": ...}`` line that ends the stream. A tool call goes out whole, once
+    its arguments are complete."""
     status = 200
     reason: str | None = None
+    names: dict[int, str] = {}
     try:
         try:
             async for piece in gen.pieces():
-                if piece.finish_reason:
-                    reason = piece.finish_reason
-                if piece.text:
-                    yield _encoder.encode(line(piece.text, False, {})) + b"\n"
-            yield _encoder.encode(line("", True, _timings(gen, reason))) + b"\n"
+                reason = piece.finish_reason or reason
+                for choice in output.deltas(0, piece.text, piece.finish_reason, None):
+                    delta = choice.delta
+                    part = _Part(delta.content or "", delta.reasoning_content or "")
+                    for call in delta.tool_calls or []:
+                        if "id" in call:
+                            names[call["index"]] = call["function"]["name"]
+                        else:
+                            name = names[call["index"]]
+                            part.tool_calls.append(
+                                _ollama_call(name, call["function"]["arguments"])
+                            )
+                    if part:
+                        yield _encoder.encode(line(part, False, {})) + b"\n"
+            timings = _timings(gen, _done_reason(reason))
+            yield _encoder.encode(line(_Part(), True, timings)) + b"\n"
         except APIError as exc:
             status = exc.status
             yield _encoder.encode({"error": exc.message}) + b"\n"
         except Exception as exc:  # a bug: still end the stream in Ollama's shape
-            log.exception("%s failed", request_id)
+            log.exception("%s failed", gen.request_id)
             status = 500
             yield _encoder.encode({"error": f"internal error: {exc}"}) + b"\n"
     except (asyncio.CancelledError, GeneratorExit):
@@ -134,7 +180,7 @@ async def _ndjson(
         raise
     finally:
         gen.close()
-        _log_request(gen, request_id, status, gen.started)
+        _log_request(gen, gen.request_id, status, gen.started)
 
 
 async def _admit(svc: Services, mapped: Mapped) -> tuple[EngineInfo, str, Any]:
@@ -151,13 +197,13 @@ async def _start(
     started: float,
     *,
     raw_prompt: str | None = None,
-) -> tuple[Generation, str]:
+) -> tuple[Generation, ChatOutput, str]:
     info, model, ticket = await _admit(svc, mapped)
     request_id = f"ollama-{uuid.uuid4().hex}"
     try:
         assert svc.text is not None
         prompt_ids = None if raw_prompt is None else await svc.text.encode_prompt(raw_prompt)
-        gen, _ = await start_chat(
+        gen, output = await start_chat(
             mapped.request,
             info,
             svc,
@@ -171,27 +217,32 @@ async def _start(
     except BaseException:
         ticket.release()
         raise
-    return gen, model
+    return gen, output, model
 
 
 async def _answer(
     gen: Generation,
+    output: ChatOutput,
     request: Request,
     started: float,
     stream: bool,
-    line: Callable[[str, bool, dict[str, Any]], Any],
+    line: Callable[[_Part, bool, dict[str, Any]], Any],
 ) -> Response[Any]:
-    """NDJSON lines as the text comes, or one object (``line(text, True, timings)``)
+    """NDJSON lines as the text comes, or one object (``line(part, True, timings)``)
     when it is complete."""
     if stream:
-        return Stream(_ndjson(gen, gen.request_id, line), media_type=_NDJSON)
-    return await _respond(
-        gen,
-        request,
-        gen.request_id,
-        started,
-        lambda texts, reasons: line(texts[0], True, _timings(gen, reasons[0])),
-    )
+        return Stream(_ndjson(gen, output, line), media_type=_NDJSON)
+
+    def build(texts: list[str], reasons: list[str | None]) -> Any:
+        message, reason = output.message(texts[0], reasons[0])
+        calls = [
+            _ollama_call(c["function"]["name"], c["function"]["arguments"])
+            for c in (message.tool_calls or [])
+        ]
+        part = _Part(message.content or "", message.reasoning_content or "", calls)
+        return line(part, True, _timings(gen, _done_reason(reason)))
+
+    return await _respond(gen, request, gen.request_id, started, build)
 
 
 class OllamaController(Controller):
@@ -205,15 +256,19 @@ class OllamaController(Controller):
         """A chat answer, streamed as NDJSON unless ``"stream": false``."""
         started = time.perf_counter()
         body = decode_body(await request.body(), OllamaChatRequest)
-        gen, model = await _start(svc, chat_request(body), started)
+        gen, output, model = await _start(svc, chat_request(body), started)
 
-        def line(text: str, done: bool, timings: dict[str, Any]) -> OllamaChatChunk:
-            message = OllamaMessage(role="assistant", content=text)
+        def line(part: _Part, done: bool, timings: dict[str, Any]) -> OllamaChatChunk:
+            message = OllamaMessage(role="assistant", content=part.content)
+            if part.thinking:
+                message.thinking = part.thinking
+            if part.tool_calls:
+                message.tool_calls = part.tool_calls
             return OllamaChatChunk(
                 model=model, created_at=_now(), message=message, done=done, **timings
             )
 
-        return await _answer(gen, request, started, body.stream, line)
+        return await _answer(gen, output, request, started, body.stream, line)
 
     @post("/generate", status_code=200)
     async def generate(self, request: Request, svc: Services) -> Response[Any]:
@@ -231,16 +286,19 @@ class OllamaController(Controller):
                 model=model, created_at=_now(), response="", done=True, done_reason=reason
             )
             return _json(chunk)
-        gen, model = await _start(
+        gen, output, model = await _start(
             svc, mapped, started, raw_prompt=body.prompt if body.raw else None
         )
 
-        def line(text: str, done: bool, timings: dict[str, Any]) -> OllamaGenerateChunk:
-            return OllamaGenerateChunk(
-                model=model, created_at=_now(), response=text, done=done, **timings
+        def line(part: _Part, done: bool, timings: dict[str, Any]) -> OllamaGenerateChunk:
+            chunk = OllamaGenerateChunk(
+                model=model, created_at=_now(), response=part.content, done=done, **timings
             )
+            if part.thinking:
+                chunk.thinking = part.thinking
+            return chunk
 
-        return await _answer(gen, request, started, body.stream, line)
+        return await _answer(gen, output, request, started, body.stream, line)
 
     @get("/tags")
     async def list_tags(self, svc: Services) -> Response[bytes]:
@@ -283,6 +341,10 @@ class OllamaController(Controller):
         defaults = svc.sampling_defaults
         parameters = "\n".join(f"{k} {v}" for k, v in defaults.as_dict().items())
         capabilities = ["completion"]
+        if svc.text is not None and template_has_tools(svc.text.tokenizer):
+            capabilities.append("tools")
+        if template_thinks(template):
+            capabilities.append("thinking")
         model_info = {
             "general.architecture": d.family,
             "general.basename": info.model_name,

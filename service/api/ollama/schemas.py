@@ -63,9 +63,15 @@ class OllamaGenerateRequest(_OllamaCommon, kw_only=True):
     images: list[Any] | None = None
 
 
-class OllamaMessage(msgspec.Struct, kw_only=True):
+class OllamaMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """An answer's message: ``thinking`` holds a reasoning model's thinking,
+    ``tool_calls`` the calls it made (``{"function": {"name", "arguments": {...}}}``,
+    arguments an object as in Ollama)."""
+
     role: str
     content: str
+    thinking: str | UnsetType = UNSET
+    tool_calls: list[dict[str, Any]] | UnsetType = UNSET
 
 
 class _Done(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -97,6 +103,7 @@ class OllamaGenerateChunk(_Done, kw_only=True, omit_defaults=True):
     created_at: str
     response: str
     done: bool
+    thinking: str | UnsetType = UNSET
 
 
 class OllamaDetails(msgspec.Struct, kw_only=True):

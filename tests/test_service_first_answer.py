@@ -45,3 +45,22 @@ def test_models_lists_every_name(real_server):
             model=name, messages=[{"role": "user", "content": "Hi"}], max_tokens=1
         )
         assert reply.model == names[0]
+
+
+def test_logit_bias_through_the_openai_client(real_server, smollm_tokenizer):
+    client = openai.OpenAI(base_url=real_server.base_url + "/v1", api_key="unused", timeout=300)
+    ask = {"model": "default", "prompt": "The capital of France is", "max_tokens": 1}
+    first = client.completions.create(temperature=0, **ask).choices[0].text
+    greedy = smollm_tokenizer.encode(first, add_special_tokens=False)[0]
+    banned = (
+        client.completions.create(temperature=0, logit_bias={str(greedy): -100}, **ask)
+        .choices[0]
+        .text
+    )
+    assert banned and banned != first
+    forced = client.completions.create(logit_bias={str(greedy): 100}, **ask).choices[0].text
+    assert forced == first  # sampled at temperature 0.2, yet +100 wins every draw
+    for bias, why in (({"999999999": -100}, "outside"), ({"5": 300}, "[-100, 100]")):
+        with pytest.raises(openai.BadRequestError) as exc:
+            client.completions.create(logit_bias=bias, **ask)
+        assert exc.value.body["param"] == "logit_bias" and why in exc.value.body["message"]

@@ -19,7 +19,13 @@ from engine.text.chat import template_has_tools
 from service.api.admission import Ticket
 from service.api.chat_output import ChatOutput, chat_output
 from service.api.errors import invalid
-from service.api.generation import Generation, resolve_max_tokens, sampling_params, stop_strings
+from service.api.generation import (
+    Generation,
+    logit_bias_pairs,
+    resolve_max_tokens,
+    sampling_params,
+    stop_strings,
+)
 from service.api.schemas import ChatCompletionRequest
 from service.api.text import TextSide
 from service.api.tools import plan_tools
@@ -111,6 +117,7 @@ async def start_chat(
             is ready.
     """
     assert svc.text is not None
+    logit_bias_pairs(req.logit_bias, info.vocab_size)
     context = info.max_context_tokens
     if context_tokens is not None:
         context = min(context, context_tokens)

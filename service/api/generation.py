@@ -162,11 +162,46 @@ def sampling_params(
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
         ignore_eos=req.ignore_eos,
+        logit_bias=logit_bias_pairs(req.logit_bias),
     )
 
 
+# OpenAI's bounds of a logit_bias value; -100 and 100 ban or force a token in practice.
+LOGIT_BIAS_MAX = 100.0
+
+
+def logit_bias_pairs(
+    logit_bias: dict[str, float] | None, vocab_size: int | None = None
+) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias`` (token id as text -> bias) as the engine's pairs.
+
+    Raises:
+        APIError: 400 ``logit_bias`` for a key that is not a token id, one outside
+            ``[0, vocab_size)`` (when ``vocab_size`` is given) or a bias outside
+            [-100, 100].
+    """
+    pairs = []
+    for key, bias in (logit_bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise invalid(f"logit_bias keys are token ids, got {key!r}", "logit_bias") from None
+        if token < 0 or (vocab_size is not None and token >= vocab_size):
+            top = "" if vocab_size is None else f"..{vocab_size - 1}"
+            raise invalid(
+                f"logit_bias token id {token} is outside the vocabulary (0{top})", "logit_bias"
+            )
+        if not -LOGIT_BIAS_MAX <= bias <= LOGIT_BIAS_MAX:
+            raise invalid(
+                f"logit_bias values must be in [-100, 100], got {bias} for {key}", "logit_bias"
+            )
+        pairs.append((token, float(bias)))
+    return tuple(pairs)
+
+
 def check_common(req: _SamplingFields) -> None:
-    """Checks that need no tokenizer or engine: ``n``, ``logit_bias``, ``stop``, the
+    """Checks that need no tokenizer or engine: ``n``, ``logit_bias`` (its ids against
+    the vocabulary come later, with the engine's facts), ``stop``, the
     sampling ranges (``seed`` in 0..2**63-1, ``top_k``, ``temperature``...) and
     ``max_tokens`` at least 0 (its upper bound is the context, checked with the prompt).
 
@@ -175,8 +210,7 @@ def check_common(req: _SamplingFields) -> None:
     """
     if req.n < 1 or req.n > MAX_N:
         raise invalid(f"n must be between 1 and {MAX_N}, got {req.n}", "n")
-    if req.logit_bias:
-        raise invalid("logit_bias is not supported", "logit_bias")
+    logit_bias_pairs(req.logit_bias)
     stop_strings(req.stop)
     sampling_params(req, 0, 0)
     if req.max_tokens is not None and req.max_tokens < 0:

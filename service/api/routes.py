@@ -41,6 +41,7 @@ from service.api.errors import SERVER_ERROR, APIError, decode_body, invalid
 from service.api.generation import (
     Generation,
     check_common,
+    logit_bias_pairs,
     resolve_max_tokens,
     sampling_params,
     stop_strings,
@@ -327,6 +328,7 @@ async def _completion_generation(
     """Bound, tokenize and check each prompt, then submit (errors: see the module
     docstring)."""
     assert svc.text is not None
+    logit_bias_pairs(req.logit_bias, info.vocab_size)
     for i, item in enumerate(items):
         if isinstance(item, str):
             param = "prompt" if len(items) == 1 else f"prompt[{i}]"

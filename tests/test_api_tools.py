@@ -10,7 +10,7 @@ import json
 import pytest
 
 from engine.text.chat import ChatTemplateError, render_chat, template_has_tools
-from service.api.chat_output import ChatOutput, chat_output
+from service.api.chat_output import ChatOutput
 from service.api.errors import APIError
 from service.api.reasoning import ReasoningSplitter, split_reasoning
 from service.api.tools import (
@@ -130,17 +130,14 @@ def _replay(output: ChatOutput, text: str, size: int, finish: str = "stop") -> d
 
 @pytest.mark.parametrize("size", [1, 4, 17])
 def test_streamed_answer_equals_whole_answer(size):
-    template = "{% if tools %}<tool_call>{% endif %}<think>"
     plan = ToolPlan(tools=[WEATHER], parse=HERMES)
-    whole, reason = chat_output(1, template, "<|im_start|>assistant\n", plan).message(
+    whole, reason = ChatOutput(n=1, thinking=False, tools=plan).message(
         QWEN3_THINK_AND_CALL, "stop"
     )
     assert reason == "tool_calls"
     assert whole.reasoning_content.startswith("The user asks")
     assert whole.content is None and len(whole.tool_calls) == 2
-    streamed = _replay(
-        chat_output(1, template, "<|im_start|>assistant\n", plan), QWEN3_THINK_AND_CALL, size
-    )
+    streamed = _replay(ChatOutput(n=1, thinking=False, tools=plan), QWEN3_THINK_AND_CALL, size)
     assert streamed["finish"] == ["tool_calls"]
     assert streamed["reasoning_content"].strip() == whole.reasoning_content
     assert streamed["content"].strip() == ""

@@ -101,6 +101,17 @@ def test_tools_and_tool_messages_reach_the_template(qwen3_server):
         model="default", messages=history, tools=[WEATHER], **GREEDY
     )
     assert answered.choices[0].finish_reason in ("length", "stop", "tool_calls")
+    # A named function: the answer starts with the call's opening, after the thinking
+    # block the prompt opened is closed, so none of it is reasoning.
+    forced = client.chat.completions.create(
+        model="default",
+        messages=HI,
+        tools=[WEATHER],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        **GREEDY,
+    )
+    assert forced.usage.prompt_tokens > with_tools.usage.prompt_tokens
+    assert not forced.choices[0].message.model_extra.get("reasoning_content")
     with pytest.raises(openai.BadRequestError) as exc:
         client.chat.completions.create(
             model="default",

@@ -17,7 +17,7 @@ from typing import Any
 from engine.messages import EngineInfo
 from engine.text.chat import template_has_tools
 from service.api.admission import Ticket
-from service.api.chat_output import ChatOutput, chat_output
+from service.api.chat_output import ChatOutput
 from service.api.errors import invalid
 from service.api.generation import (
     Generation,
@@ -26,6 +26,8 @@ from service.api.generation import (
     sampling_params,
     stop_strings,
 )
+from service.api.reasoning import CLOSE as CLOSE_THINKING
+from service.api.reasoning import reasoning_start
 from service.api.schemas import ChatCompletionRequest
 from service.api.text import TextSide
 from service.api.tools import plan_tools
@@ -131,9 +133,14 @@ async def start_chat(
             req.messages, tools=plan.tools, template_kwargs=req.chat_template_kwargs
         )
     # How the answer is split: the prompt's end says whether it opened a thinking block.
-    output = chat_output(req.n, template, tokenizer.decode(prompt_ids[-_TAIL_TOKENS:]), plan)
+    thinking = reasoning_start(template, tokenizer.decode(prompt_ids[-_TAIL_TOKENS:]))
     if plan.prefix:
-        prompt_ids = prompt_ids + await svc.text.encode_text(plan.prefix)
+        # A forced call is the answer itself: a thinking block the prompt opened is
+        # closed before it (empty), and the answer has no reasoning to split.
+        opened = CLOSE_THINKING + "\n\n" if thinking else ""
+        prompt_ids = prompt_ids + await svc.text.encode_text(opened + plan.prefix)
+        thinking = None if thinking is None else False
+    output = ChatOutput(n=req.n, thinking=thinking, tools=plan)
     if req.max_completion_tokens is not None:
         requested, param = req.max_completion_tokens, "max_completion_tokens"
     else:

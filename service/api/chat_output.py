@@ -1,7 +1,7 @@
 """A chat answer's text shaped into OpenAI's message: reasoning, content, tool calls.
 
 One :class:`ChatOutput` per request, built from what the request and the model's
-template say (:func:`chat_output`): whether the answer starts inside a thinking block
+template say (:func:`service.api.chat_generation.start_chat`): whether the answer starts inside a thinking block
 (:mod:`service.api.reasoning`), which tool-call format to parse and the text the answer
 was started with (:mod:`service.api.tools`). The routes ask it for each choice's
 message (whole answers) or deltas (streams); the text path, the engine and the
@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from service.api.reasoning import ReasoningSplitter, reasoning_start, split_reasoning
+from service.api.reasoning import ReasoningSplitter, split_reasoning
 from service.api.schemas import ChatChunkChoice, ChatMessageOut, Delta
 from service.api.tools import ToolPlan, call_start, parse_tool_calls
 
@@ -135,11 +135,3 @@ class ChatOutput:
             out.append(ChatChunkChoice(index=index, delta=Delta(), finish_reason=FINISH_TOOL_CALLS))
         return out
 
-
-def chat_output(
-    n: int, chat_template: str | None, prompt_tail: str, tools: ToolPlan | None = None
-) -> ChatOutput:
-    """The shaper of a request whose rendered prompt ends with ``prompt_tail``."""
-    return ChatOutput(
-        n=n, thinking=reasoning_start(chat_template, prompt_tail), tools=tools or ToolPlan()
-    )

@@ -5,7 +5,7 @@ Each request keeps a :class:`SamplingState`: its own random generator (so its to
 do not depend on what else is in the batch) and the counts of its generated tokens
 (for the penalties).
 
-Order, per row: logit bias, repetition penalty, presence/frequency penalties, then greedy rows take
+Order, per row: logit bias, grammar mask (structured output), repetition penalty, presence/frequency penalties, then greedy rows take
 the argmax; sampled rows go through temperature, top-k, top-p, min-p (the order of
 transformers' ``generate``) and draw with their own generator.
 
@@ -31,6 +31,7 @@ from collections.abc import Sequence
 import torch
 
 from engine.messages import SamplingParams
+from engine.sampling.grammar import apply_grammars
 from kernels.dispatch import use_triton
 from kernels.sampling import INVALID_TOKEN
 
@@ -138,6 +139,8 @@ class SamplingState:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(self.seed & _SEED_MASK)
         self.num_generated = 0
+        # xgrammar's GrammarMatcher for a json_schema request (set by the engine).
+        self.matcher = None
 
         self.counts: torch.Tensor | None = None
         self.prompt_mask: torch.Tensor | None = None
@@ -164,6 +167,8 @@ class SamplingState:
         self.num_generated += 1
         if self.counts is not None:
             self.counts[token_id] += 1
+        if self.matcher is not None and not self.matcher.is_terminated():
+            self.matcher.accept_token(token_id)
 
 
 def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -242,6 +247,7 @@ class Sampler:
         """
         self._check_batch(logits, states, params)
         logits = apply_logit_bias(logits, params)
+        logits = apply_grammars(logits, [s.matcher for s in states])
         if use_triton(logits):
             sampler = self.device_sampler(logits.device)
             sampler.load(states, params, logits.shape[1])

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+
 from engine.messages import EngineInfo
 from engine.text.chat import template_has_tools
 from service.api.admission import Ticket
@@ -29,6 +31,7 @@ from service.api.generation import (
 from service.api.reasoning import CLOSE as CLOSE_THINKING
 from service.api.reasoning import reasoning_start
 from service.api.schemas import ChatCompletionRequest
+from service.api.structured import response_schema
 from service.api.text import TextSide
 from service.api.tools import plan_tools
 from service.http.state import Services
@@ -110,7 +113,8 @@ async def start_chat(
         ``max_tokens`` mean ``--default-max-tokens``; 0: the rest of the context) and
         the :class:`~service.api.chat_output.ChatOutput` that shapes its answers
         (reasoning, tool calls). ``tools``/``tool_choice`` and
-        ``chat_template_kwargs`` reach the template (:mod:`service.api.tools`).
+        ``chat_template_kwargs`` reach the template (:mod:`service.api.tools`);
+        ``response_format`` constrains the answer (:mod:`service.api.structured`).
 
     Raises:
         APIError: 400 ``tools``/``tool_choice`` (see
@@ -120,6 +124,7 @@ async def start_chat(
     """
     assert svc.text is not None
     logit_bias_pairs(req.logit_bias, info.vocab_size)
+    schema = response_schema(req.response_format)
     context = info.max_context_tokens
     if context_tokens is not None:
         context = min(context, context_tokens)
@@ -162,7 +167,12 @@ async def start_chat(
         request_id=request_id,
         prompts=[prompt_ids],
         n=req.n,
-        sampling=[sampling_params(req, max_new, i, svc.sampling_defaults) for i in range(req.n)],
+        sampling=[
+            msgspec.structs.replace(
+                sampling_params(req, max_new, i, svc.sampling_defaults), json_schema=schema
+            )
+            for i in range(req.n)
+        ],
         stops=stop_strings(req.stop),
         started=started,
         deadline=request_deadline(svc, started),

@@ -59,6 +59,7 @@ from service.api.schemas import (
     TextChoice,
     Usage,
 )
+from service.api.structured import response_schema
 from service.http.state import Services
 
 T = TypeVar("T")
@@ -271,8 +272,7 @@ def _check_chat_fields(req: ChatCompletionRequest) -> None:
     if req.functions or req.function_call not in (None, "none", "auto"):
         # The deprecated form of tools; tools themselves: service.api.tools.
         raise invalid("functions are not supported; send tools instead", "functions")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise invalid('only response_format {"type": "text"} is supported', "response_format")
+    response_schema(req.response_format)
     if not req.messages:
         raise invalid("messages must not be empty", "messages")
 

@@ -3,8 +3,9 @@
 Requests decode leniently where OpenAI's clients expect it: unknown fields are
 ignored (new client versions send new fields). Fields we cannot honour are declared
 so that setting them is refused with a 400 naming the field rather than silently
-ignored (``logprobs``, ``functions``, ``response_format`` other than text, ``echo``,
-``suffix``, ``best_of`` above ``n``); their neutral values are accepted. ``tools``/``tool_choice`` are served by :mod:`service.api.tools`,
+ignored (``logprobs``, ``functions``, ``echo``, ``suffix``, ``best_of`` above ``n``);
+their neutral values are accepted. ``response_format`` is structured output
+(:mod:`service.api.structured`). ``tools``/``tool_choice`` are served by :mod:`service.api.tools`,
 ``chat_template_kwargs`` reach the template, and answers carry ``reasoning_content``
 (:mod:`service.api.reasoning`). ``logit_bias`` ids are checked against the vocabulary.
 Extensions beyond OpenAI, as vLLM names them: ``top_k``, ``min_p``,

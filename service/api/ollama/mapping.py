@@ -8,9 +8,9 @@ engine's), ``num_predict`` (``max_tokens``; -1 and -2: the rest of the context; 
 ``presence_penalty``, ``frequency_penalty``. Other options (``num_gpu``, ``num_thread``,
 ``mirostat``...) and ``keep_alive`` (the model stays loaded while the server runs) are
 accepted and ignored. ``think`` is the template's ``enable_thinking``; ``tools`` work
-as on ``/v1`` (``tool_choice`` auto). Refused with a 400 rather than dropped:
-``format`` (structured output), ``images``, and ``/api/generate``'s ``suffix``,
-``template`` and ``context``.
+as on ``/v1`` (``tool_choice`` auto); ``format`` (``"json"`` or a JSON schema) is
+structured output (:mod:`service.api.structured`). Refused with a 400 rather than
+dropped: ``images``, and ``/api/generate``'s ``suffix``, ``template`` and ``context``.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from service.api.ollama.schemas import (
     OllamaOptions,
 )
 from service.api.schemas import ChatCompletionRequest
+from service.api.structured import ollama_format
 
 # Ollama's option names for the OpenAI fields they become (for errors naming them).
 _OPTION_OF_FIELD = {
@@ -62,8 +63,6 @@ def model_name(name: str) -> str:
 
 
 def _refuse_unsupported(body: OllamaChatRequest | OllamaGenerateRequest) -> None:
-    if body.format not in (None, ""):
-        raise invalid("format (structured output) is not supported by this server", "format")
     if isinstance(body, OllamaChatRequest):
         for i, message in enumerate(body.messages):
             if isinstance(message, dict) and message.get("images"):
@@ -152,6 +151,7 @@ def chat_request(body: OllamaChatRequest) -> Mapped:
         messages=_messages(body),
         tools=body.tools or None,
         chat_template_kwargs=_thinking(body),
+        response_format=ollama_format(body.format),
         **fields,
     )
     _check(req)
@@ -173,6 +173,7 @@ def generate_request(body: OllamaGenerateRequest) -> Mapped:
         model=model_name(body.model),
         messages=messages,
         chat_template_kwargs=_thinking(body),
+        response_format=ollama_format(body.format),
         **fields,
     )
     _check(req)

@@ -28,7 +28,12 @@ WEATHER = {
     "function": {
         "name": "get_weather",
         "description": "The weather in a city.",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
     },
 }
 
@@ -153,19 +158,26 @@ def test_streamed_answer_equals_whole_answer(size):
     assert plain["content"] == "It is 3 < 4 <tool" and plain["finish"] == ["stop"]
 
 
-def test_forced_call_prefix_is_parsed_with_the_answer():
-    plan = plan_tools(
-        [WEATHER],
-        {"type": "function", "function": {"name": "get_weather"}},
-        "{{ tools }}<tool_call>",
-        True,
-    )
-    assert plan.prefix.endswith('"arguments": ')
-    message, reason = ChatOutput(n=1, tools=plan).message(
-        '{"city": "Paris"}}\n</tool_call>', "stop"
-    )
-    assert reason == "tool_calls"
+@pytest.mark.parametrize("fmt", [HERMES, LLAMA3_JSON, MISTRAL])
+def test_forced_calls_parse_what_the_grammar_lets_through(fmt):
+    template = {HERMES: "<tool_call>", LLAMA3_JSON: "<|python_tag|>", MISTRAL: "[TOOL_CALLS]"}
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    # Named: the prefix holds the name, the grammar is the function's parameters.
+    plan = plan_tools([WEATHER], named, "{{ tools }}" + template[fmt], True)
+    assert json.loads(plan.schema) == WEATHER["function"]["parameters"]
+    message, reason = ChatOutput(n=1, tools=plan).message('{"city": "Paris"}', "stop")
+    assert reason == "tool_calls" and message.content is None
     assert json.loads(message.tool_calls[0]["function"]["arguments"]) == {"city": "Paris"}
+    # Required: the grammar is any tool's whole call.
+    plan = plan_tools([WEATHER], "required", "{{ tools }}" + template[fmt], True)
+    key = "parameters" if fmt == LLAMA3_JSON else "arguments"
+    assert json.loads(plan.schema)["properties"]["name"] == {"const": "get_weather"}
+    written = json.dumps({"name": "get_weather", key: {"city": "Oslo"}})
+    streamed = _replay(ChatOutput(n=1, tools=plan), written, 3)
+    assert streamed["finish"] == ["tool_calls"]
+    assert [json.loads(c["arguments"]) for c in streamed["tool_calls"].values()] == [
+        {"city": "Oslo"}
+    ]
 
 
 def test_tool_choice_checks():

@@ -6,6 +6,9 @@ no tool support."""
 
 from __future__ import annotations
 
+import json
+
+import jsonschema_rs
 import openai
 import pytest
 from service_harness import ServerProcess
@@ -101,17 +104,27 @@ def test_tools_and_tool_messages_reach_the_template(qwen3_server):
         model="default", messages=history, tools=[WEATHER], **GREEDY
     )
     assert answered.choices[0].finish_reason in ("length", "stop", "tool_calls")
-    # A named function: the answer starts with the call's opening, after the thinking
-    # block the prompt opened is closed, so none of it is reasoning.
-    forced = client.chat.completions.create(
-        model="default",
-        messages=HI,
-        tools=[WEATHER],
-        tool_choice={"type": "function", "function": {"name": "get_weather"}},
-        **GREEDY,
-    )
-    assert forced.usage.prompt_tokens > with_tools.usage.prompt_tokens
-    assert not forced.choices[0].message.model_extra.get("reasoning_content")
+    # Forced calls (named, required) come out valid even from random weights: the
+    # arguments are grammar-constrained to the function's parameters. The thinking
+    # block the prompt opened is closed first, so none of it is reasoning.
+    schema = WEATHER["function"]["parameters"]
+    for choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
+        for seed in range(3):
+            forced = client.chat.completions.create(
+                model="default",
+                messages=HI,
+                tools=[WEATHER],
+                tool_choice=choice,
+                max_tokens=64,
+                temperature=1.0,
+                seed=seed,
+            )
+            out = forced.choices[0]
+            assert out.finish_reason == "tool_calls", out
+            assert not out.message.model_extra.get("reasoning_content")
+            call = out.message.tool_calls[0]
+            assert call.function.name == "get_weather"
+            jsonschema_rs.validate(schema, json.loads(call.function.arguments))
     with pytest.raises(openai.BadRequestError) as exc:
         client.chat.completions.create(
             model="default",

@@ -146,6 +146,8 @@ async def start_chat(
         prompt_ids = prompt_ids + await svc.text.encode_text(opened + plan.prefix)
         thinking = None if thinking is None else False
     output = ChatOutput(n=req.n, thinking=thinking, tools=plan)
+    if plan.schema is not None:
+        schema = plan.schema  # a forced call: its arguments are the answer
     if req.max_completion_tokens is not None:
         requested, param = req.max_completion_tokens, "max_completion_tokens"
     else:

@@ -69,7 +69,8 @@ class ChatOutput:
         if reasoning is not None:
             message.reasoning_content = reasoning
         if self.tools.parse is not None:
-            content, calls = parse_tool_calls(self.tools.parse, self.tools.prefix + text)
+            whole = self.tools.prefix + text + self.tools.suffix
+            content, calls = parse_tool_calls(self.tools.parse, whole)
             if calls:
                 message.content = content or None
                 message.tool_calls = [c.as_openai() for c in calls]
@@ -118,6 +119,7 @@ class ChatOutput:
             seq.held = seq.held[len(safe) :]
             seq.sent += len(safe)
             return [ChatChunkChoice(index=index, delta=Delta(content=safe))] if safe else []
+        seq.held += self.tools.suffix
         rest, calls = parse_tool_calls(self.tools.parse, seq.held)
         if not calls:
             rest = seq.held
@@ -134,4 +136,3 @@ class ChatOutput:
         if calls:
             out.append(ChatChunkChoice(index=index, delta=Delta(), finish_reason=FINISH_TOOL_CALLS))
         return out
-

@@ -13,10 +13,10 @@ model writes back is parsed by the parser of its family, chosen from the templat
 
 ``tool_choice``: ``auto`` (default with tools) parses calls; ``none`` renders the tools
 but parses nothing; ``required`` and a named function start the answer with the
-format's call opening (the named function's name included), so the model continues a
-call instead of choosing whether to make one. Without grammar-constrained decoding the
-arguments are the model's, not guaranteed to match the schema. Answers with calls
-end with ``finish_reason: "tool_calls"``.
+format's call opening (the named function's name included) and constrain the rest to
+the call's JSON schema (:func:`forced_call`, through the engine's structured output),
+so the call parses and its arguments match the function's ``parameters``. Answers with
+calls end with ``finish_reason: "tool_calls"``.
 """
 
 from __future__ import annotations
@@ -202,17 +202,42 @@ def call_start(fmt: str, text: str) -> int | None:
     return None
 
 
-def forced_prefix(fmt: str, name: str | None) -> str:
-    """The answer's start that makes the model continue a call (``tool_choice``
-    ``required``: any function; named: that one)."""
-    if fmt == HERMES:
-        head = _HERMES_OPEN + '\n{"name": "'
-        return head + (f'{name}", "arguments": ' if name else "")
-    if fmt == LLAMA3_JSON:
-        head = '{"name": "'
-        return head + (f'{name}", "parameters": ' if name else "")
-    head = _MISTRAL_TAG + '[{"name": "'
-    return head + (f'{name}", "arguments": ' if name else "")
+# Per format: (opening of a call before its name, the arguments' key, closing).
+_CALL_SHAPE = {
+    HERMES: (_HERMES_OPEN + "\n", "arguments", "\n" + _HERMES_CLOSE),
+    LLAMA3_JSON: ("", "parameters", ""),
+    MISTRAL: (_MISTRAL_TAG + "[", "arguments", "]"),
+}
+
+
+def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
+    params = tool["function"].get("parameters")
+    return params if isinstance(params, dict) else {"type": "object"}
+
+
+def forced_call(fmt: str, tools: list[dict[str, Any]], name: str | None) -> tuple[str, str, str]:
+    """``(prefix, json_schema, suffix)`` of a forced call: the answer starts with
+    ``prefix`` (rendered after the generation prompt), the model writes a value of
+    ``json_schema`` under grammar-constrained sampling, and ``suffix`` closes the call
+    for the parser. Named: the prefix holds the name, the schema is the function's
+    ``parameters``. ``required``: the schema is any one of the tools' calls (its name
+    and its arguments)."""
+    opening, key, closing = _CALL_SHAPE[fmt]
+    if name is not None:
+        tool = next(t for t in tools if t["function"]["name"] == name)
+        prefix = opening + json.dumps({"name": name})[:-1] + f', "{key}": '
+        return prefix, json.dumps(_parameters(tool)), "}" + closing
+    calls = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": t["function"]["name"]}, key: _parameters(t)},
+            "required": ["name", key],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
+    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    return opening, json.dumps(schema), closing
 
 
 @dataclass(frozen=True)
@@ -222,11 +247,15 @@ class ToolPlan:
     ``tools``: the definitions for the template (None: no tools). ``parse``: the
     format to parse the answer with (None: no parsing). ``prefix``: text the answer
     starts with (rendered after the generation prompt, and prepended to the model's
-    text before parsing)."""
+    text before parsing); ``schema``: the JSON schema the model's text is constrained
+    to (a forced call's arguments); ``suffix``: text appended before parsing (the
+    call's closing, which the grammar leaves out)."""
 
     tools: list[dict[str, Any]] | None = None
     parse: str | None = None
     prefix: str = ""
+    schema: str | None = None
+    suffix: str = ""
 
 
 def plan_tools(
@@ -277,7 +306,8 @@ def plan_tools(
     if choice == "auto":
         return ToolPlan(tools=tools, parse=fmt)
     if choice == "required":
-        return ToolPlan(tools=tools, parse=fmt, prefix=forced_prefix(fmt, None))
+        prefix, schema, suffix = forced_call(fmt, tools, None)
+        return ToolPlan(tools=tools, parse=fmt, prefix=prefix, schema=schema, suffix=suffix)
     if isinstance(choice, dict):
         name = (
             (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
@@ -287,7 +317,8 @@ def plan_tools(
                 f"tool_choice names a function that is not among tools ({', '.join(names)})",
                 "tool_choice",
             )
-        return ToolPlan(tools=tools, parse=fmt, prefix=forced_prefix(fmt, name))
+        prefix, schema, suffix = forced_call(fmt, tools, name)
+        return ToolPlan(tools=tools, parse=fmt, prefix=prefix, schema=schema, suffix=suffix)
     raise invalid(
         "tool_choice must be 'none', 'auto', 'required' or "
         "{'type': 'function', 'function': {'name': ...}}",

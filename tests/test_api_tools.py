@@ -244,3 +244,16 @@ def test_template_gets_tools_tool_messages_and_kwargs(smollm_tokenizer):
     with pytest.raises(ChatTemplateError, match="no tool support") as exc:
         render_chat(tokenizer, messages)
     assert exc.value.param == "messages[2].role"
+
+
+def test_odd_tool_choice_and_template_kwargs_are_400s(smollm_tokenizer):
+    for choice in ({"type": "function", "function": "get_weather"}, {"type": "x"}, ["auto"]):
+        with pytest.raises(APIError) as exc:
+            plan_tools([WEATHER], choice, "{{ tools }}<tool_call>", True)
+        assert exc.value.param == "tool_choice"
+    for kwargs in ({"chat_template": "{{ 1 }}"}, {"continue_final_message": True}):
+        with pytest.raises(ChatTemplateError) as err:
+            render_chat(
+                smollm_tokenizer, [{"role": "user", "content": "hi"}], template_kwargs=kwargs
+            )
+        assert err.value.param == "chat_template_kwargs"

@@ -20,8 +20,27 @@ if TYPE_CHECKING:
 # What templates know as "system": OpenAI renamed it "developer" for newer models.
 _ROLE_ALIASES = {"developer": "system"}
 _ROLES = ("system", "developer", "user", "assistant")
-# Variables render_chat sets itself; chat_template_kwargs may not override them.
-_RESERVED_KWARGS = frozenset({"messages", "tools", "add_generation_prompt", "tokenize"})
+# render_chat's own arguments and apply_chat_template's parameters (the template
+# itself among them): chat_template_kwargs are template variables only.
+_RESERVED_KWARGS = frozenset(
+    {
+        "messages",
+        "conversation",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
 # A template with tool support reads a ``tools`` variable ("tools", "tools is defined"...).
 _TOOLS_VARIABLE = re.compile(r"\btools\b")
 # Text parts are joined with a newline, as vLLM does, so "a" + "b" never fuse into "ab".
@@ -100,7 +119,9 @@ def render_chat(
         prompt = tokenizer.apply_chat_template(
             normalized, tokenize=False, add_generation_prompt=True, **extra
         )
-    except TemplateError as exc:
+    except (TemplateError, TypeError, ValueError) as exc:
+        # Jinja raises TypeError/ValueError too when a variable (a tool definition, a
+        # chat_template_kwargs value) is not of the shape the template expects.
         roles = ", ".join(m["role"] for m in normalized)
         raise ChatTemplateError(
             f"the model's chat template cannot render these messages (roles: {roles}): {exc}"

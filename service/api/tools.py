@@ -309,9 +309,8 @@ def plan_tools(
         prefix, schema, suffix = forced_call(fmt, tools, None)
         return ToolPlan(tools=tools, parse=fmt, prefix=prefix, schema=schema, suffix=suffix)
     if isinstance(choice, dict):
-        name = (
-            (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
-        )
+        function = choice.get("function") if choice.get("type") == "function" else None
+        name = function.get("name") if isinstance(function, dict) else None
         if name not in names:
             raise invalid(
                 f"tool_choice names a function that is not among tools ({', '.join(names)})",

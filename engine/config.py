@@ -14,6 +14,7 @@ from engine.options import at_least, nonzero_size, option
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "LlamaForCausalLM",
+    "MistralForCausalLM",  # the Llama layout (Mistral, Ministral)
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
 )
@@ -97,7 +98,8 @@ class EngineConfig:
     Plan knobs (bytes; ``None`` = automatic): ``reserve`` (desktop reserve),
     ``safety_margin_bytes``, ``device_limit`` (plan as if the card were this big),
     ``min_context`` (tokens: smallest context one request must get for the plan to
-    fit; default the model's context).
+    fit; default 2048: below the context asked for, the plan lowers it to what the
+    pool holds, down to this floor).
 
     ``attention_backend``: ``auto`` (Triton on CUDA, torch elsewhere), ``triton``,
     ``flashinfer`` or ``torch``. ``cuda_graphs`` captures the decode step at batch sizes
@@ -151,9 +153,10 @@ class EngineConfig:
         checks=(nonzero_size,),
     )
     min_context: int | None = option(  # tokens
-        None,
-        "Smallest context, in tokens, one request must get for the memory plan to fit "
-        "(unset: the model's context, capped by --max-model-len).",
+        2048,
+        "Smallest context, in tokens, one request must get for the memory plan to fit: "
+        "on a tight card the context is lowered (by pages) down to this, and grows back "
+        "with the KV pool when memory frees up; capped by --max-model-len.",
         checks=(at_least(1),),
     )
     device_total: int | None = option(  # bytes

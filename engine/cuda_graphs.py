@@ -23,6 +23,14 @@ re-capture costs one warm-up forward and one capture of a single batch size, pai
 the first decode step after the resize, not by the resize (measured figures in the
 README's GPU section).
 
+A backend whose kernels read a schedule planned on the host (FlashInfer) plans it in
+:meth:`engine.attention.base.AttentionBackend.graph_plan`, which runs after the inputs
+are written and before the capture or replay.
+
+Each graph also takes the argmax of its logits rows (a few small kernels): a step whose
+requests are all greedy and unpenalized reads those ids and launches nothing between
+replays (:meth:`engine.runner.ModelRunner.run`).
+
 Memory: all sizes share one private memory pool; :meth:`capture_all` returns what the
 capture took from the device, which the memory plan charges as "CUDA graph pool".
 """
@@ -39,6 +47,7 @@ import torch
 
 from engine.attention.base import AttentionBackend
 from engine.forward_batch import ForwardBatch
+from engine.sampling.device import greedy_tokens
 from engine.step_inputs import PinnedStaging, token_at
 
 log = logging.getLogger("headroom.engine")
@@ -98,7 +107,8 @@ class DecodeGraphs:
         # Every graph writes its logits here (rows [:b]), so no graph keeps an output block
         # of its own alive in the pool: one [max_batch, V] float32 buffer for all sizes.
         self._logits: torch.Tensor | None = None
-        self._pool = torch.cuda.graph_pool_handle()
+        self._tokens: torch.Tensor | None = None  # int64 [max_batch]: each row's argmax
+        self._pool = None  # the graphs' private memory pool, made at the first capture
         self._failed: set[int] = set()
         self.captures = 0
         self.capture_seconds = 0.0
@@ -149,11 +159,11 @@ class DecodeGraphs:
         """Drop every graph (the KV pool's buffers are about to move); sizes are captured
         again on their next use."""
         self._graphs.clear()
-        self._logits = None
+        self._logits = self._tokens = None
         self._failed.clear()
         # With no graph left the old pool is released (its memory goes back with the
         # resize's empty_cache); a capture must not name it again.
-        self._pool = torch.cuda.graph_pool_handle()
+        self._pool = None
 
     # -- filling -------------------------------------------------------------------------
 
@@ -179,6 +189,7 @@ class DecodeGraphs:
         # Padding rows: token 0 at position 0, written to the null page, no context.
         ids[nb:] = pos[nb:] = slots[nb:] = seq[nb:] = prefix[nb:] = 0
         self.staging.upload(h, self._dev)
+        self.attn.graph_plan(padded, seq, table)
 
     def _fill_dummy(self, padded: int) -> None:
         g = self.max_batch
@@ -189,6 +200,7 @@ class DecodeGraphs:
         self._section(h, self._SEQ, padded)[:] = 1
         h[self._TABLE * g : n] = 0
         self.staging.upload(h, self._dev)
+        self.attn.graph_plan(padded, self._section(h, self._SEQ, padded), h[self._TABLE * g : n].reshape(padded, -1))
 
     # -- capture and replay --------------------------------------------------------------
 
@@ -210,12 +222,19 @@ class DecodeGraphs:
             self._warm_up(b, stream)
         self._fill_dummy(b)
         graph = torch.cuda.CUDAGraph()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
             logits = self.model(batch, self.attn)
             if self._logits is None:
                 # Allocated inside the first (largest) capture, from the graphs' pool.
                 self._logits = torch.empty((self.max_batch, logits.shape[1]), dtype=logits.dtype, device=self.device)
             self._logits[:b].copy_(logits)
+            if self._tokens is None:
+                self._tokens = torch.empty(self.max_batch, dtype=torch.int64, device=self.device)
+            # The greedy pick inside the graph: a greedy batch then needs no sampling
+            # launch between replays, only the read of these ids.
+            self._tokens[:b].copy_(greedy_tokens(self._logits[:b]))
         del logits
         self._graphs[b] = graph
         self.captures += 1
@@ -293,3 +312,10 @@ class DecodeGraphs:
         self._fill(items, padded)
         self._graphs[padded].replay()
         return self._logits[: len(items)]
+
+    def greedy_tokens(self, batch_size: int) -> torch.Tensor:
+        """``int64 [batch_size]`` on the device: the argmax of each row of the last
+        replay's logits (``-1`` for a row with NaN / infinite logits), as
+        :func:`engine.sampling.device.greedy_tokens` gives; valid until the next replay."""
+        assert self._tokens is not None
+        return self._tokens[:batch_size]

@@ -9,8 +9,8 @@ cache, scheduler. A step is schedule -> forward -> commit.
 from __future__ import annotations
 
 import itertools
+import logging
 import math
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -26,8 +26,8 @@ from engine.loader.default_model import model_display_name
 from engine.loader.hf_config import load_model_config
 from engine.loader.load import load_model
 from engine.loader.resolve import resolve_model
-from engine.memory.footprint import CUDA_RUNTIME_ESTIMATE_BYTES, kv_bytes_per_token, make_footprint
-from engine.memory.plan import MIN_PREFILL_TOKENS, MemoryPlan, PlanKnobs, make_plan
+from engine.memory.footprint import kv_bytes_per_token, make_footprint
+from engine.memory.plan import MemoryPlan, PlanKnobs, fit_plan, make_plan
 from engine.memory.profile import measure_step_peak, profile_pool_pages
 from engine.messages import EngineInfo, EngineStats, GenerateRequest, TokenOutput
 from engine.options import pick
@@ -36,7 +36,17 @@ from engine.sampling.grammar import GrammarCompiler, GrammarError
 from engine.sampling.sampler import SamplingState
 from engine.scheduler.request import Phase, Request
 from engine.scheduler.scheduler import Scheduler, SchedulerConfig
-from engine.startup import attention_workspaces, device_memory, resolve_device, resolve_dtype
+from engine.startup import (
+    attention_workspaces,
+    device_memory,
+    estimated_planner,
+    resolve_device,
+    resolve_dtype,
+)
+
+log = logging.getLogger("headroom.engine")
+
+log = logging.getLogger("headroom.engine")
 
 # Without a memory plan (CPU, or a fixed size asked for), the pool gets this much.
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
@@ -80,18 +90,22 @@ class Engine(LiveReplan):
         # large for the card):
         # the plan picks the largest chunk whose activation peak fits.
         self.knobs = PlanKnobs.of(config)
+        # What this process's caching allocator already held (an earlier engine in the
+        # same process, a test): on the device, but not the plan's to size.
+        self._reserved_at_start = (torch.cuda.memory_reserved(self.device)
+                                   if self.device.type == "cuda" and torch.cuda.is_initialized() else 0)
         self.device_memory = device_memory(config, self.device) if self._planned else None
         self.plan: MemoryPlan | None = None
         if self.device_memory is not None:
-            runtime = CUDA_RUNTIME_ESTIMATE_BYTES if self._on_gpu_or_simulated else 0
-            self.plan = self._fit_chunk(lambda knobs: make_plan(self.device_memory, knobs, make_footprint(
-                mc, self.dtype, knobs, workspaces=self._workspaces(), runtime_bytes=runtime)))
+            self.plan = self._fit_chunk(estimated_planner(config, mc, self.device, self.dtype, self.device_memory))
         # Weights.
         self.model, _ = load_model(self.model_dir, self.device, self.dtype, load_format=config.load_format)
         # Profile run on a GPU: the measured step peak and the CUDA context replace the
         # estimates, and the plan is made again.
         if self.device_memory is not None and self.device.type == "cuda":
             self.plan = self._fit_chunk(self._measured_plan)
+        if self.plan is not None and self.plan.context_lowered:
+            log.warning("%s; it grows back with the KV pool when memory frees up", self.plan.context_note)
         # KV pool.
         num_pages = self._num_pages(mc)
         self.pool = KVPool(
@@ -110,6 +124,11 @@ class Engine(LiveReplan):
             measure_step_peak(self.model, self.attn, self.pool, self.knobs, mc.max_position_embeddings)
         # Pages and prefix cache.
         self.allocator = PageAllocator(num_pages)
+        # Live replans grow the pool back to the plan's size, or, when the plan lowered
+        # the context, to one request of the wanted context.
+        self.kv_pool_ceiling_pages = num_pages
+        if self.plan is not None and self.plan.context_lowered:
+            self.kv_pool_ceiling_pages = max(num_pages, self.min_kv_pool_pages(self.plan.wanted_context_tokens))
         self.radix = RadixCache(self.allocator, config.page_size) if config.prefix_cache else None
         # Scheduler and runner.
         model_ctx = mc.max_position_embeddings
@@ -156,10 +175,6 @@ class Engine(LiveReplan):
             c.device_total is not None or self.device.type == "cuda"
         )
 
-    @property
-    def _on_gpu_or_simulated(self) -> bool:
-        return self.device.type == "cuda" or self.config.device_total is not None
-
     def _workspaces(self) -> tuple[tuple[str, int], ...]:
         """Fixed workspaces declared by the components, charged before the pool is sized."""
         return attention_workspaces(self.attention_backend, self.model_config, self.config.max_running_requests)
@@ -199,20 +214,18 @@ class Engine(LiveReplan):
             torch.cuda.empty_cache()
 
     def _fit_chunk(self, planner) -> MemoryPlan:
-        """Plan with ``self.knobs``, halving the prefill chunk until the plan fits (floor
-        ``MIN_PREFILL_TOKENS``); sets ``self.knobs`` to what fits.
+        """Plan with ``self.knobs`` as :func:`engine.memory.plan.fit_plan` does: the
+        context lowered to what the pool holds, down to ``--min-context``, and the
+        prefill chunk halved only when even that floor does not fit; sets ``self.knobs``
+        to what fits.
 
         Raises:
             PlanDoesNotFit: with the plan at the configured chunk, whose message names
                 what to change.
         """
-        first = plan = planner(self.knobs)
-        knobs = self.knobs
-        while not plan.fits and knobs.max_prefill_tokens > MIN_PREFILL_TOKENS:
-            knobs = replace(knobs, max_prefill_tokens=max(knobs.max_prefill_tokens // 2, MIN_PREFILL_TOKENS))
-            plan = planner(knobs)
+        plan, knobs = fit_plan(planner, self.knobs)
         if not plan.fits:
-            raise PlanDoesNotFit(first)
+            raise PlanDoesNotFit(plan)
         self.knobs = knobs
         return plan
 
@@ -226,11 +239,14 @@ class Engine(LiveReplan):
             num_layers=mc.num_layers, num_pages=profile_pool_pages(knobs), page_size=self.config.page_size,
             num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, dtype=self.dtype, device=self.device,
         )
+        # Where the context grows (logged): after the weights, the profile step, the capture.
+        growth = [self._outside_allocator_growth()]
         try:
             peak = measure_step_peak(self.model, self._attention(probe_pool), probe_pool, knobs, mc.max_position_embeddings)
         except torch.OutOfMemoryError:
             # The step does not fit at all: charge everything that was free.
             peak = None
+        growth.append(self._outside_allocator_growth())
         graph_bytes = 0
         if peak is not None and self._use_cuda_graphs:
             # The graphs' memory does not depend on the prefill chunk: measured once,
@@ -242,10 +258,11 @@ class Engine(LiveReplan):
         del probe_pool
         # Nothing of the profile stays cached: the pool is sized against a clean device.
         torch.cuda.empty_cache()
-        # The CUDA context: what this process holds beyond the allocator's reservations.
-        free_now, _ = torch.cuda.mem_get_info(self.device)
-        used_by_us = self.device_memory.free_bytes - free_now
-        runtime = max(used_by_us - torch.cuda.memory_reserved(self.device), 0)
+        growth.append(self._outside_allocator_growth())
+        log.info("CUDA context growth outside the allocator since the plan's probe: %.0f MiB after the weights, "
+                 "%.0f MiB after the profile step, %.0f MiB after the decode graphs' capture (if any)",
+                 *(g / 2**20 for g in growth))
+        runtime = self._runtime_bytes()
         if peak is None:
             activation, sampler = self.device_memory.total_bytes, None
         else:
@@ -255,6 +272,31 @@ class Engine(LiveReplan):
             measured_sampler_bytes=sampler, runtime_bytes=runtime, cuda_graph_bytes=graph_bytes,
         )
         return make_plan(self.device_memory, knobs, fp)
+
+    def _runtime_bytes(self) -> int:
+        """The plan's "CUDA context and runtime" line: this process's device memory
+        outside the caching allocator (CUDA context, kernel modules, library handles).
+
+        Two parts: what NVML already attributed to this process at start (its context,
+        when NVML lists processes; inside a container it lists none and the plan counted
+        that memory as other processes'), and what the process took since, less the
+        growth of the allocator's reservations (charged on their own lines). The growth
+        is measured from the allocator's reservation at start, not from zero, so memory
+        the allocator held before the engine (an earlier engine in the same process)
+        does not hide the context's growth.
+        """
+        dm = self.device_memory
+        assert dm is not None
+        own_at_start = 0 if dm.simulated else max(dm.total_bytes - dm.free_bytes - dm.others_bytes, 0)
+        return own_at_start + max(self._outside_allocator_growth(), 0)
+
+    def _outside_allocator_growth(self) -> int:
+        """Bytes the device lost since the plan's probe that the caching allocator does not
+        hold (context growth: kernel modules, library handles, graph executables)."""
+        assert self.device_memory is not None
+        free_now, _ = torch.cuda.mem_get_info(self.device)
+        grown = self.device_memory.free_bytes - free_now
+        return grown - (torch.cuda.memory_reserved(self.device) - self._reserved_at_start)
 
     def _num_pages(self, mc: ModelConfig) -> int:
         """Pool size in pages, the null page included (see EngineConfig for the order)."""

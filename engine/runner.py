@@ -3,7 +3,8 @@
 The step loop on a GPU: the step's integers go to the device in one copy from pinned
 memory (:class:`engine.step_inputs.StepInputs`), a decode step replays a CUDA graph when
 one is captured for its (padded) batch size (:class:`engine.cuda_graphs.DecodeGraphs`),
-and the only host sync is reading the sampled ids back.
+and the only host sync is reading the sampled ids back. A replayed step whose requests
+are all greedy and unpenalized takes the ids the graph picked (no sampling launch).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.faults import FaultInjector
 from engine.forward_batch import ForwardBatch
 from engine.kvcache.pool import KVPool
-from engine.sampling.sampler import Sampler
+from engine.sampling.sampler import Sampler, all_plain_greedy
 from engine.scheduler.request import Phase
 from engine.scheduler.scheduler import StepPlan
 from engine.step_inputs import StepInputs
@@ -34,6 +35,7 @@ class ModelRunner:
         faults: the test-only :class:`engine.faults.FaultInjector`, from
             ``HEADROOM_FAULTS`` at construction, else None (see ``Engine.faults``).
         graphs: the decode step's CUDA graphs (:meth:`enable_cuda_graphs`), else None.
+        replayed: whether the last :meth:`forward` replayed a graph.
 
     Raises (constructor):
         ValueError: a malformed ``HEADROOM_FAULTS``.
@@ -49,6 +51,7 @@ class ModelRunner:
         self.faults: FaultInjector | None = FaultInjector.from_env()
         self.inputs = StepInputs(device, pool.page_size)
         self.graphs: DecodeGraphs | None = None
+        self.replayed = False
 
     def enable_cuda_graphs(self, *, max_batch: int, max_context_tokens: int) -> int:
         """Capture the decode step at every size up to ``max_batch`` (CUDA, and a backend
@@ -77,10 +80,13 @@ class ModelRunner:
 
     def forward(self, plan: StepPlan) -> torch.Tensor:
         """``[S, V]`` float32 logits of the plan's sampling rows: a graph replay for a
-        decode step of a captured size, else the model run eagerly."""
+        decode step of a captured size, else the model run eagerly. ``replayed`` says
+        which."""
+        self.replayed = False
         if self.graphs is not None and plan.is_decode:
             logits = self.graphs.run(plan.items)
             if logits is not None:
+                self.replayed = True
                 return logits
         return self.model(self.build_batch(plan), self.attn)
 
@@ -111,7 +117,11 @@ class ModelRunner:
         # of the generator state, no device sync).
         saved = [(s.generator, s.generator.get_state()) for s, p in zip(states, params, strict=True) if not p.greedy]
         try:
-            tokens = self.sampler.sample(logits, states, params)
+            if self.replayed and len(sampling) == len(plan.items) and all_plain_greedy(params):
+                # Every row of a decode step takes its argmax, which the graph computed.
+                tokens = self.sampler.read_tokens(self.graphs.greedy_tokens(len(sampling)))
+            else:
+                tokens = self.sampler.sample(logits, states, params)
             if faults is not None:
                 faults.check("sample", [r.request_id for r in sampling])
             picked = tokens.tolist()

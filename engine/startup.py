@@ -3,17 +3,20 @@ device's memory as the plan sees it and the attention workspaces it charges (the
 knobs: ``PlanKnobs.of``).
 
 Shared by the engine's constructor and ``headroom plan`` (which plans without loading
-weights).
+weights), so both plan the same dtype, backend and runtime on the same device.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from engine.attention.base import backend_class
+from engine.attention.base import backend_class, resolve_backend_name
 from engine.config import EngineConfig, ModelConfig
 from engine.memory.device import nvml_index, probe_nvml, simulated_device
-from engine.memory.plan import DeviceMemory
+from engine.memory.footprint import CUDA_RUNTIME_ESTIMATE_BYTES, make_footprint
+from engine.memory.plan import DeviceMemory, MemoryPlan, PlanKnobs, make_plan
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -63,3 +66,20 @@ def attention_workspaces(backend: str, mc: ModelConfig, max_running_requests: in
     size = backend_class(backend).workspace_size(
         num_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, max_batch=max_running_requests)
     return ((f"attention backend ({backend})", size),)
+
+
+def estimated_planner(
+    config: EngineConfig, mc: ModelConfig, device: torch.device, dtype: torch.dtype, memory: DeviceMemory
+) -> Callable[[PlanKnobs], MemoryPlan]:
+    """The plan from estimates (before any weight loads) as a function of the knobs, for
+    :func:`engine.memory.plan.fit_plan`: the attention backend ``auto`` resolves for
+    ``device`` and the CUDA context is charged at its estimate (a planned device is a GPU
+    or a simulated one)."""
+    backend = resolve_backend_name(config.attention_backend, device.type)
+    workspaces = attention_workspaces(backend, mc, config.max_running_requests)
+
+    def plan(knobs: PlanKnobs) -> MemoryPlan:
+        fp = make_footprint(mc, dtype, knobs, workspaces=workspaces, runtime_bytes=CUDA_RUNTIME_ESTIMATE_BYTES)
+        return make_plan(memory, knobs, fp)
+
+    return plan

@@ -117,8 +117,11 @@ def _serve(conn: Connection, engine: Any, config: WorkerConfig) -> int:
     interval_s = config.heartbeat_interval_s
     # Engines without events (tests' fakes) are served as well.
     drain_events = getattr(engine, "drain_events", None)
-    # The pool the engine was loaded with: the memory plan's, to grow back to.
-    planned_pages = engine.pool.num_pages if hasattr(engine, "resize_kv_pool") else 0
+    # The pool to grow back to: the memory plan's (larger when the plan lowered the
+    # context: one request of the context asked for).
+    planned_pages = 0
+    if hasattr(engine, "resize_kv_pool"):
+        planned_pages = getattr(engine, "kv_pool_ceiling_pages", engine.pool.num_pages)
     next_beat = 0.0
     while True:
         now = time.monotonic()

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from kernels.activation import silu_and_mul as _silu_and_mul_ref
+from kernels.gemv import gate_up_silu as _gate_up_silu_ref
+from kernels.gemv import linear as _linear_ref
 from kernels.rms_norm import fused_add_rms_norm as _fused_add_rms_norm_ref
 from kernels.rms_norm import rms_norm as _rms_norm_ref
 from kernels.rotary import rotary_and_store as _rotary_and_store_ref
@@ -85,6 +87,8 @@ KERNELS: dict[str, Kernel] = {
         Kernel("fused_add_rms_norm", _fused_add_rms_norm_ref, "kernels.triton_norm", "fused_add_rms_norm"),
         Kernel("silu_and_mul", _silu_and_mul_ref, "kernels.triton_activation", "silu_and_mul"),
         Kernel("rotary_and_store", _rotary_and_store_ref, "kernels.triton_rotary", "rotary_and_store"),
+        Kernel("linear", _linear_ref, "kernels.triton_gemv", "linear"),
+        Kernel("gate_up_silu", _gate_up_silu_ref, "kernels.triton_gemv", "gate_up_silu"),
     )
 }
 
@@ -92,3 +96,5 @@ rms_norm = KERNELS["rms_norm"]
 fused_add_rms_norm = KERNELS["fused_add_rms_norm"]
 silu_and_mul = KERNELS["silu_and_mul"]
 rotary_and_store = KERNELS["rotary_and_store"]
+linear = KERNELS["linear"]
+gate_up_silu = KERNELS["gate_up_silu"]

@@ -168,13 +168,15 @@ def _tiny_hf_config(kind: str, vocab_size: int, overrides: dict):
         return transformers.LlamaConfig(**{"rope_theta": 10000.0, "rope_scaling": rope, **common})
     if kind == "qwen2":  # q/k/v bias
         return transformers.Qwen2Config(**common, rope_theta=1_000_000.0)
+    if kind == "mistral":  # Llama layout; head_dim 32 != 64 / 4, as in Mistral Nemo and Ministral
+        return transformers.MistralConfig(**{"head_dim": 32, "sliding_window": None, **common})
     if kind == "qwen3":  # head_dim 32 != 64 / 4, tied embeddings, q/k norm
         return transformers.Qwen3Config(**common, head_dim=32, tie_word_embeddings=True)
     raise ValueError(kind)
 
 
 def _make_tiny_hf_model(kind: str, path, *, vocab_size: int = 256, **overrides):
-    """A random transformers model (``"llama"``, ``"qwen2"`` or ``"qwen3"``), float32, saved
+    """A random transformers model (``"llama"``, ``"mistral"``, ``"qwen2"`` or ``"qwen3"``), float32, saved
     as safetensors to ``path`` (skipped when ``path`` is None); ``overrides`` go to its
     config. Norm weights and biases are perturbed too, so loading one into the wrong place
     shows in the logits."""

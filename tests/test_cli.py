@@ -82,6 +82,16 @@ def test_plan_that_fits_prints_the_ledger_and_exits_0(default_model_dir):
     assert "512.0 MiB" in out  # 6 GiB - 5.5 GiB: used by other processes
 
 
+def test_plan_on_a_tight_card_lowers_the_context_as_serve_would(default_model_dir):
+    result = invoke(["plan", "--device", "cpu", "--device-total", "4GiB", "--device-free", "3GiB", "--reserve", "1GiB"])
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    # The dtype serve would use on this machine's device (float32 on a CPU).
+    assert "simulated device (4.00 GiB), float32 on cpu" in out
+    assert "context 8,192 -> 7,120 tokens: 1.00 GiB held by other processes" in out
+    assert "fits: yes, with a lowered context (--min-context 2048)" in out
+
+
 def test_plan_that_does_not_fit_exits_1_naming_the_knobs(default_model_dir):
     result = invoke(["plan", "--device-total", "1GiB"])
     assert result.exit_code == 1, result.output
@@ -90,7 +100,7 @@ def test_plan_that_does_not_fit_exits_1_naming_the_knobs(default_model_dir):
     assert "does not fit" in out
     # The knobs, each in the direction that frees memory.
     assert "--reserve 563 MiB → 282 MiB" in out
-    assert "--max-model-len 8192 → 2048" in out
+    assert "--min-context 2048 → 512" in out
     assert "--max-running-requests 64 → 16" in out
 
 
@@ -189,7 +199,7 @@ def test_serve_plan_that_does_not_fit_exits_at_once_with_the_plan_message(defaul
     assert result.returncode != 0
     err = result.stderr
     assert "the engine could not start: the memory plan does not fit" in err
-    assert "--max-model-len 8192 → 2048" in err  # the fix travels to the user
+    assert "--min-context 2048 → 512" in err  # the fix travels to the user
     assert "restarting the worker" not in err  # a misfit is not retried
     assert "Traceback" not in err
     assert took_s < 60

@@ -88,10 +88,12 @@ def _gguf_name(hf_name: str) -> str:
     return f"blk.{layer}.{_HF_TO_GGUF[rest]}.{suffix}"
 
 
-def write_gguf(path, arch: str, hf, *, override: dict[str, np.ndarray] | None = None) -> None:
+def write_gguf(path, arch: str, hf, *, override: dict[str, np.ndarray] | None = None,
+               tokenizer=None, eot_token_id: int | None = None) -> None:
     """Write ``hf`` (a transformers model) as a GGUF. 2-D weights are stored Q8_0 and the
     transformers model is updated to their dequantized values, so both sides hold the
-    same numbers."""
+    same numbers. ``tokenizer(writer)`` writes the tokenizer's keys instead of the
+    byte-level BPE one (tokens of :func:`_tokens`) and the chat template."""
     cfg = hf.config
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(cfg.num_hidden_layers)
@@ -103,18 +105,24 @@ def write_gguf(path, arch: str, hf, *, override: dict[str, np.ndarray] | None = 
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     writer.add_vocab_size(cfg.vocab_size)
-    if arch == "qwen3":
-        writer.add_key_length(cfg.head_dim)
-        writer.add_value_length(cfg.head_dim)
-    tokens = _tokens()
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")
-    writer.add_token_list(tokens)
-    writer.add_token_types([3] * 3 + [1] * (len(tokens) - 3))
-    writer.add_token_merges(["h e"])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if arch == "qwen3" or head_dim != cfg.hidden_size // cfg.num_attention_heads:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    if tokenizer is not None:
+        tokenizer(writer)
+    else:
+        tokens = _tokens()
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("qwen2")
+        writer.add_token_list(tokens)
+        writer.add_token_types([3] * 3 + [1] * (len(tokens) - 3))
+        writer.add_token_merges(["h e"])
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
+        writer.add_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    if eot_token_id is not None:
+        writer.add_eot_token_id(eot_token_id)
     rope = cfg.rope_parameters
     if rope["rope_type"] == "llama3":
         factors = llama_cpp_rope_factors(rope["rope_theta"], cfg.head_dim, rope)

@@ -2,14 +2,14 @@
 q/k norm + rotary + KV-cache store), and the dispatch between them.
 
 Without a GPU the kernels run in Triton's interpreter on small shapes (see
-``triton_interp.py``); with one, compiled on CUDA.
+``triton_interpret.py``); with one, compiled on CUDA.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from triton_interp import kernel_device
+from triton_interpret import kernel_device
 
 from engine.config import RopeConfig
 from engine.models.rope import build_cos_sin_cache
@@ -149,6 +149,33 @@ def test_rotary_and_store_without_tokens(dev):
     assert not buf.any()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,k,n", [(1, 64, 48), (3, 200, 40), (16, 96, 130)])
+def test_gemv_matches_its_reference(dev, dtype, rows, k, n, monkeypatch):
+    """Decode-sized projections: odd widths (masked tiles), up to the 16-row tile."""
+    from kernels import gemv, triton_gemv
+
+    monkeypatch.setenv("HEADROOM_GEMV", "1")
+
+    g = torch.Generator().manual_seed(rows * k + n)
+    x = torch.randn(rows, k, generator=g).to(dev, dtype)
+    w = (torch.randn(2 * n, k, generator=g) / k**0.5).to(dev, dtype)
+    assert_close(triton_gemv.linear(x, w), gemv.linear(x, w))
+    assert_close(triton_gemv.gate_up_silu(x, w), gemv.gate_up_silu(x, w))
+
+
+def test_gemv_leaves_larger_steps_and_float32_to_the_reference(dev, monkeypatch):
+    from kernels import gemv, triton_gemv
+
+    monkeypatch.setenv("HEADROOM_GEMV", "1")
+
+    x, w = torch.randn(17, 32, device=dev), torch.randn(24, 32, device=dev)
+    assert torch.equal(triton_gemv.linear(x, w), gemv.linear(x, w))
+    xb, wb = x.to(torch.bfloat16), w.to(torch.bfloat16)
+    assert torch.equal(triton_gemv.linear(xb, wb), gemv.linear(xb, wb))  # 17 rows: cuBLAS's
+    assert triton_gemv.gate_up_silu(x[:4], w).shape == (4, 12)
+
+
 def test_dispatch_uses_the_reference_on_cpu(monkeypatch):
     """CPU tensors always take the torch path, even with triton installed; the Triton
     module is only imported for CUDA tensors."""
@@ -157,7 +184,8 @@ def test_dispatch_uses_the_reference_on_cpu(monkeypatch):
     assert not dispatch.use_triton(x)
     assert torch.equal(dispatch.rms_norm(x, w, 1e-6), rms_norm.rms_norm(x, w, 1e-6))
     assert torch.equal(dispatch.silu_and_mul(x), activation.silu_and_mul(x))
-    assert set(dispatch.KERNELS) == {"rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_and_store"}
+    assert set(dispatch.KERNELS) == {"rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_and_store", "linear",
+                                     "gate_up_silu"}
     for kernel in dispatch.KERNELS.values():  # every Triton twin exists with that name
         pytest.importorskip("triton")
         assert callable(kernel.triton())

@@ -52,7 +52,7 @@ def test_missing_path_is_named(tmp_path):
     missing = tmp_path / "no-such-model"
     with pytest.raises(ModelNotFound) as e:
         resolve_model(str(missing))
-    assert str(missing) in str(e.value) and "does not download" in str(e.value)
+    assert str(missing) in str(e.value) and "headroom pull REPO[:FILE]" in str(e.value)
 
 
 def test_folder_without_model_and_non_gguf_file(tmp_path):

@@ -14,12 +14,13 @@ from engine.commands.plan import build_plan, render
 from engine.config import EngineConfig
 from engine.errors import PlanDoesNotFit
 from engine.memory.device import simulated_device
-from engine.memory.plan import Footprint, GiB, MiB, PlanKnobs, make_plan, reserve_for
+from engine.memory.plan import Footprint, GiB, MiB, PlanKnobs, fit_plan, make_plan, reserve_for
 
 FLAG_TO_KNOB = {
     "--max-prefill-tokens": "max_prefill_tokens",
     "--max-running-requests": "max_running_requests",
     "--max-model-len": "max_model_len",
+    "--min-context": "min_context",
 }
 
 
@@ -67,7 +68,8 @@ def test_ledger_arithmetic_is_exact():
 
 
 def test_f1_declared_workspace_is_charged_and_the_message_names_knobs_that_shrink():
-    knobs = PlanKnobs(max_prefill_tokens=8192, max_running_requests=64)
+    # The floor is the whole context: a plan short of it does not fit.
+    knobs = PlanKnobs(max_prefill_tokens=8192, max_running_requests=64, min_context=8192)
     dev = simulated_device(6 * GiB, 6 * GiB)
     fp = _footprint(weight_bytes=0, activation_peak_bytes=int(0.7 * GiB))
     probe = make_plan(dev, knobs, fp)
@@ -106,11 +108,11 @@ def test_default_model_on_6gib_card_fits_and_on_1gib_card_fails(default_model_di
     msg = one.message()
     assert "1.00 GiB" in msg
     flags = [s.flag for s in one.suggestions]
-    # For this small model the context and the desktop reserve dominate; the chunk
-    # and batch knobs free less (they are priced, and ranked below).
-    assert flags[:2] == ["--max-model-len", "--reserve"] or flags[:2] == ["--reserve", "--max-model-len"], flags
+    # For this small model the desktop reserve frees most; the batch and the context
+    # floor (--min-context, 2048 tokens by default) less (priced, and ranked below).
+    assert flags[0] == "--reserve" and "--min-context" in flags, flags
     for s in one.suggestions:
-        if s.flag in ("--max-prefill-tokens", "--max-model-len", "--max-running-requests"):
+        if s.flag in ("--max-prefill-tokens", "--min-context", "--max-running-requests"):
             assert int(s.proposed) < int(s.current)
         assert s.saves_bytes > 0
         assert f"{s.flag} {s.current} → {s.proposed} frees about" in msg
@@ -126,7 +128,7 @@ def test_a_card_that_cannot_hold_the_weights_fails_before_they_load(default_mode
     with pytest.raises(PlanDoesNotFit) as err:
         engine_mod.Engine(EngineConfig(model=default_model_dir, device_total=1 * GiB,
                                        device_display=True))
-    assert "--max-model-len" in str(err.value) and "does not fit" in str(err.value)
+    assert "--min-context" in str(err.value) and "does not fit" in str(err.value)
 
 
 def test_f1_engine_charges_its_backends_workspace(default_model_dir):
@@ -172,3 +174,86 @@ def test_plan_json_round_trips(default_model_dir):
     plan = build_plan(EngineConfig(model=default_model_dir, device_total=6 * GiB))
     back = msgspec.json.decode(render(plan, as_json=True), type=MemoryPlan)
     assert back == plan
+
+
+# -- fit the card: a lowered context above the floor instead of a refusal -----------------
+
+
+def test_a_tight_card_lowers_the_context_by_pages_down_to_the_floor():
+    """Budget for 3,000 tokens of KV past the fixed sizes: the plan fits with the context
+    lowered to whole pages, says why, and refuses only below ``min_context``."""
+    dev = simulated_device(8 * GiB, 7 * GiB)
+    knobs = PlanKnobs(page_size=16, reserve=0, safety_margin_bytes=0, max_running_requests=8)
+    probe = make_plan(dev, knobs, _footprint(weight_bytes=0))
+    kv_per_token = 64 * 1024
+    fp = _footprint(weight_bytes=probe.budget_bytes - probe.fixed_bytes - 3000 * kv_per_token)
+    plan = make_plan(dev, knobs, fp)
+    assert plan.fits and plan.context_lowered
+    assert plan.max_context_tokens == 3000 // 16 * 16 == plan.num_pages * 16
+    assert (plan.wanted_context_tokens, plan.min_context_tokens) == (8192, 2048)
+    assert plan.context_note == "context 8,192 -> 2,992 tokens: 1.00 GiB held by other processes"
+    assert plan.context_note in plan.table() and not plan.message()
+    # A floor above what the pool holds: no fit, and the floor is priced as a fix.
+    high = make_plan(dev, dataclasses.replace(knobs, min_context=4096), fp)
+    assert not high.fits and not high.context_lowered and not high.context_note
+    floor = next(s for s in high.suggestions if s.flag == "--min-context")
+    assert (floor.current, floor.proposed) == ("4096", "1024")
+    assert floor.saves_bytes >= high.shortfall_bytes  # a lower floor alone fixes it
+    # With the whole card free, the same footprint gets the full context and no note.
+    whole = make_plan(simulated_device(8 * GiB, 8 * GiB), knobs, fp)
+    assert whole.max_context_tokens == 8192 and not whole.context_lowered and not whole.context_note
+
+
+def test_fit_plan_halves_the_chunk_only_to_reach_the_floor():
+    """The prefill chunk is halved while the plan does not hold the floor; a plan that
+    holds it with a lowered context keeps the configured chunk."""
+    dev = simulated_device(8 * GiB, 8 * GiB)
+    base = PlanKnobs(page_size=16, reserve=0, safety_margin_bytes=0, max_prefill_tokens=2048, min_context=2048)
+
+    def planner_for(kv_tokens_at_256: int):
+        # Each token of chunk costs 1 MiB of activation; at a chunk of 256 the budget
+        # leaves ``kv_tokens_at_256`` tokens of KV.
+        probe = make_plan(dev, base, _footprint(weight_bytes=0, activation_peak_bytes=0))
+        weights = probe.budget_bytes - probe.fixed_bytes - kv_tokens_at_256 * 64 * 1024 - 256 * MiB
+
+        def plan(k: PlanKnobs):
+            return make_plan(dev, k, _footprint(weight_bytes=weights, activation_peak_bytes=0,
+                                                activation_at=lambda kk: kk.max_prefill_tokens * MiB))
+        return plan
+
+    # Each token of chunk above 256 costs 16 tokens of KV: with 16,000 tokens at 256
+    # there are none at 2048 and 3,712 at 1024 (above the floor, below the context).
+    plan, knobs = fit_plan(planner_for(16_000), base)
+    assert plan.fits and knobs.max_prefill_tokens == 1024 and plan.max_prefill_tokens == 1024
+    assert plan.context_lowered
+    # Plenty at 2048 for the floor, not for the whole context: the chunk stays.
+    plan, knobs = fit_plan(planner_for(28_672 + 4000), base)
+    assert plan.fits and plan.context_lowered and knobs.max_prefill_tokens == 2048
+    # Nothing fits even at the smallest chunk: the plan at the configured chunk comes back.
+    plan, knobs = fit_plan(planner_for(1000), base)
+    assert not plan.fits and knobs == base and plan.max_prefill_tokens == 2048
+
+
+def test_an_engine_on_a_tight_card_starts_with_a_lowered_context_and_grows_it_back(default_model_dir):
+    """The engine starts where it used to refuse, refuses a prompt over the lowered
+    context, and a pool grown to its ceiling (one request of the model's context) gives
+    the whole context back."""
+    from engine.engine import Engine
+    from engine.errors import RequestRejected
+    from engine.messages import GenerateRequest
+
+    config = EngineConfig(model=default_model_dir, device_total=4 * GiB, device_free=3 * GiB, reserve=1 * GiB)
+    engine = Engine(config)
+    # `headroom plan` makes the same decision, in the same dtype on the same device.
+    assert build_plan(config) == engine.plan
+    lowered = engine.info.max_context_tokens
+    assert 2048 <= lowered < 8192 and engine.plan.context_lowered
+    assert engine.info.model_context_tokens == 8192
+    with pytest.raises(RequestRejected) as err:
+        engine.add_request(GenerateRequest(request_id="long", prompt_token_ids=[7] * lowered))
+    assert err.value.code == "context_length_exceeded"
+    assert engine.kv_pool_ceiling_pages == 8192 // 16 + 1 > engine.pool.num_pages
+    engine.resize_kv_pool(engine.kv_pool_ceiling_pages)
+    assert engine.max_context_tokens == engine.info.max_context_tokens == 8192
+    engine.add_request(GenerateRequest(request_id="long", prompt_token_ids=[7] * lowered))
+    assert engine.has_work()  # queued, not refused

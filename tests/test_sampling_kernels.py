@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_interp import kernel_device
+from triton_interpret import kernel_device
 
 from engine.messages import SamplingParams as SP
 from engine.sampling.device import DeviceSampler

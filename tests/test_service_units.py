@@ -377,3 +377,39 @@ def test_engine_events_cross_the_pipe_and_are_kept_as_request_errors():
     for _ in range(DEFAULT_KEEP_REQUEST_ERRORS + 5):
         svc.record_engine_event(failed)
     assert len(hub.snapshot().request_errors) == DEFAULT_KEEP_REQUEST_ERRORS
+
+
+def test_watchdog_kills_a_stalled_worker_once_until_it_is_reaped():
+    """A killed worker stays the supervisor's worker until reaped; the watchdog must not
+    kill (and log) it again on every check meanwhile."""
+    import asyncio
+    import time
+    from types import SimpleNamespace
+
+    from service.supervision.states import State
+    from service.supervision.watchdog import watch
+
+    kills = []
+    worker = SimpleNamespace(pid=4242, exited=False, started_at=time.monotonic())
+    worker.kill = lambda: kills.append(time.monotonic())
+    supervisor = SimpleNamespace(
+        config=SimpleNamespace(
+            worker=SimpleNamespace(heartbeat_interval_s=0.05),
+            stall_timeout_s=0.01,
+            start_timeout_s=60.0,
+        ),
+        worker=worker,
+        state=State.READY,
+        last_message_at=time.monotonic() - 10.0,
+    )
+
+    async def run() -> None:
+        task = asyncio.create_task(watch(supervisor))
+        deadline = time.monotonic() + 30.0
+        while not kills and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3)  # six more checks with the killed worker not yet reaped
+        task.cancel()
+
+    asyncio.run(run())
+    assert len(kills) == 1

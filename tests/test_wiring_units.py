@@ -403,10 +403,13 @@ def test_timeline_file(tmp_path):
     timeline = load_timeline(path)
     assert timeline.total_bytes == 4 * GiB and timeline.display is False
     assert timeline.steps == ((0.0, 0), (2.0, int(0.4 * 4 * GiB)), (5.0, GiB))
-    assert timeline.start == "ready"
+    assert (timeline.start, timeline.baseline) == ("ready", "kept")
+    path.write_text(json.dumps({"baseline": "replaced", "steps": [[0, "1GiB"], [9, 0]]}))
+    assert load_timeline(path).baseline == "replaced"
     path.write_text(json.dumps({"steps": [[0, "40%"]]}))
     assert load_timeline(path, default_total=GiB).steps == ((0.0, int(0.4 * GiB)),)
-    for bad in ('{"steps": [[0, "40%"]]}', '{"steps": [[0]]}', "not json", '{"start": "x"}'):
+    for bad in ('{"steps": [[0, "40%"]]}', '{"steps": [[0]]}', "not json", '{"start": "x"}',
+                '{"baseline": "gone"}'):
         path.write_text(bad)
         with pytest.raises(TimelineError, match=str(path.name)):
             load_timeline(path)

@@ -19,7 +19,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kernels import triton_activation, triton_norm, triton_rotary, triton_sampling  # noqa: E402
+from kernels import triton_activation, triton_gemv, triton_norm, triton_rotary, triton_sampling  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -45,6 +45,15 @@ def main() -> int:
              [("x_ptr", _p(bf)), ("out_ptr", _p(bf)), ("stride_x", "i32"), ("stride_out", "i32"), ("inter", "i32")],
              {"BLOCK": 1024})
     print("silu_and_mul ok")
+    for gated in (False, True):
+        ptx = _compile(triton_gemv._gemv_kernel,
+                       [("X", _p(bf)), ("W", _p(bf)), ("Out", _p(bf)), ("M", "i32"), ("N", "i32"),
+                        ("stride_xm", "i32"), ("stride_wn", "i32"), ("stride_om", "i32")],
+                       {"K": 576, "BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 128, "GATED": gated, "F32_DOT": False})
+        if "fma.rn.bf16" in ptx:
+            print("gemv: the compiler fused bfloat16 products into FMAs (rounds unlike eager torch)")
+            return 1
+    print("gemv ok")
     rotary_args = [
         ("q_ptr", _p(bf)), ("k_ptr", _p(bf)), ("v_ptr", _p(bf)), ("pos_ptr", _p("i64")),
         ("cache_ptr", _p("fp32")), ("k_cache_ptr", _p(bf)), ("v_cache_ptr", _p(bf)),

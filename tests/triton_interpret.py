@@ -1,15 +1,18 @@
-"""Run Triton kernels on the CPU through Triton's interpreter when there is no CUDA.
+"""Where the Triton kernel tests run: compiled on CUDA when there is a GPU, else in
+Triton's interpreter on CPU tensors (``TRITON_INTERPRET=1``).
 
 Import this before anything imports ``triton``: ``TRITON_INTERPRET=1`` is read when a
-kernel is decorated. The interpreter's ``int()`` of a scalar (used by ``range`` with
-a runtime bound) converts a one-element array, which NumPy 2.4 and later reject;
-scalars are re-read through ``.item()`` here, so loops with runtime bounds work.
+kernel is decorated (``conftest.py`` sets it too, before any test module is imported).
+The interpreter's ``int()`` of a scalar (used by ``range`` with a runtime bound)
+converts a one-element array, which NumPy 2.4 and later reject; scalars are re-read
+through ``.item()`` here, so loops with runtime bounds work.
 """
 
 from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 INTERPRETING = not torch.cuda.is_available()
@@ -29,3 +32,13 @@ if INTERPRETING:
             scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0].item()))
 
         _interp._patch_lang_tensor = _patch_lang_tensor
+
+
+def kernel_device() -> str:
+    """``"cuda"`` or ``"cpu"`` (interpreted); skips the test when neither can run Triton."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        return "cuda"
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no CUDA device and triton was imported without TRITON_INTERPRET=1")
+    return "cpu"

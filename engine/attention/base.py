@@ -16,6 +16,7 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from engine.forward_batch import ForwardBatch
@@ -34,7 +35,8 @@ class AttentionBackend(ABC):
             when it does not depend on the model (else see :meth:`workspace_size`).
         supports_cuda_graphs: :meth:`prepare` and :meth:`forward` of a decode batch whose
             device tensors the runner filled issue no host sync and no host-to-device
-            copy, so a decode step can be captured in a CUDA graph and replayed.
+            copy while a CUDA graph is being captured, so a decode step can be captured
+            and replayed; host work the kernels need per step goes in :meth:`graph_plan`.
     """
 
     workspace_bytes: int = 0
@@ -53,6 +55,18 @@ class AttentionBackend(ABC):
         shapes serving up to ``max_batch`` sequences per step; declared so the memory
         plan can charge it before the KV pool is sized."""
         return cls.workspace_bytes
+
+    def graph_plan(self, batch_size: int, seq_lens: np.ndarray, page_table: np.ndarray) -> None:
+        """Host-side work a captured decode step of ``batch_size`` rows needs, run outside
+        the graph before its capture and before each replay (the default: none).
+
+        Args:
+            seq_lens: ``[batch_size]`` int64, KV length of each row after the step (0 for
+                a padding row).
+            page_table: ``[batch_size, W]`` int64, each row's pages in order (a padding
+                row's entries are not meaningful).
+        """
+        return None
 
     @abstractmethod
     def prepare(self, batch: ForwardBatch) -> None:

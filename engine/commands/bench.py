@@ -156,6 +156,7 @@ def run_bench_engine(
     *, model: str | None, device: str, batches: tuple[int, ...], prompt_tokens: int, new_tokens: int, seed: int = 0,
     shape: str | None = None, attention_backend: str = "auto", cuda_graphs: bool = True,
     long_prefill_tokens: int = LONG_PREFILL_TOKENS, transformers_side: bool = True, profile: bool = False,
+    profile_batches: tuple[int, ...] = (1,),
 ) -> list[dict]:
     """Measure both sides at each batch size and on one long prompt; returns one row per
     (case, side) and prints a table. Each side runs once untimed first (warm-up).
@@ -166,8 +167,8 @@ def run_bench_engine(
         long_prefill_tokens: the long prompt's length (capped by the model's context; 0
             skips it).
         transformers_side: also run transformers' ``generate`` (the comparison).
-        profile: afterwards, print where a batch-1 decode step's time goes
-            (:func:`profile_decode`).
+        profile: afterwards, print where a decode step's time goes at each of
+            ``profile_batches`` (:func:`profile_decode`).
     """
     if shape is not None:
         model = _shape_folder(shape)
@@ -216,7 +217,8 @@ def run_bench_engine(
                          "decode_tok_s": ours.decode_tok_s / theirs.decode_tok_s})
     _print_table(engine, rows, prompt_tokens, new_tokens, roof)
     if profile and on_cuda:
-        profile_decode(engine)
+        for b in profile_batches:
+            profile_decode(engine, batch=b)
     return rows
 
 
@@ -251,10 +253,30 @@ def _print_table(engine: Engine, rows: list[dict], prompt_tokens: int, new_token
         print(line)
 
 
-def profile_decode(engine: Engine, batch: int = 1, replays: int = 10, top: int = 15) -> None:
+# Kernel kinds of a decode replay, by the first pattern a kernel's name contains.
+KERNEL_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("attention", ("_decode_kernel", "_merge_kernel", "BatchDecode", "flashinfer", "VariableLengthMerge",
+                   "MergeStates")),
+    ("GEMM (cuBLAS / gemv)", ("nvjet", "gemm", "gemv", "cutlass", "xmma", "splitKreduce", "Kernel2")),
+    ("residual add + RMSNorm", ("rms_norm",)),
+    ("q/k norm + rotary + KV store", ("rotary", "norm_rotate")),
+    ("SiLU-and-mul", ("silu",)),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """The kind of a profiled kernel (:data:`KERNEL_KINDS`), ``"other"`` when none fits."""
+    low = name.lower()
+    for kind, patterns in KERNEL_KINDS:
+        if any(p.lower() in low for p in patterns):
+            return kind
+    return "other"
+
+
+def profile_decode(engine: Engine, batch: int = 1, replays: int = 10, top: int = 25) -> None:
     """Where a decode step's time goes at ``batch`` (CUDA, graphs on): the step's host
     parts, the graph replay alone, and the kernels inside the replay (torch profiler),
-    printed. For explaining a figure, not for tests."""
+    by kernel and by kind, printed. For explaining a figure, not for tests."""
     from torch.profiler import ProfilerActivity, profile
 
     graphs = engine.runner.graphs
@@ -297,6 +319,14 @@ def profile_decode(engine: Engine, batch: int = 1, replays: int = 10, top: int =
           f"{sum(r[0] for r in rows) / 1e3:.3f} ms of kernel time per replay")
     for t, count, name in rows[:top]:
         print(f"  {t:8.1f} us {count:5.0f}x  {name[:100]}")
+    kinds: dict[str, list[float]] = {}
+    for t, count, name in rows:
+        acc = kinds.setdefault(kernel_kind(name), [0.0, 0.0])
+        acc[0] += t
+        acc[1] += count
+    print(f"profile at batch {batch}, by kind (per replay):")
+    for kind, (t, count) in sorted(kinds.items(), key=lambda kv: -kv[1][0]):
+        print(f"  {t:8.1f} us {count:5.0f}x  {kind}")
     for i in range(batch):
         engine.abort(f"profile-{i}")
     engine.step()

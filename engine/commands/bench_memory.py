@@ -11,6 +11,7 @@ Without CUDA it prints the plan of a simulated card (no measurement).
 from __future__ import annotations
 
 import tempfile
+import time
 
 import torch
 
@@ -37,17 +38,33 @@ def predicted_allocator_bytes(plan: MemoryPlan) -> int:
 
 def worst_step_workload(engine: Engine) -> None:
     """Reach the profile's worst step for real: ``B - 1`` requests decoding at long
-    contexts while one prompt near the context limit is prefilled in full chunks."""
+    contexts while one prompt near the context limit is prefilled in full chunks.
+
+    The long requests generate enough tokens to outlast every prefill step (theirs and
+    the long prompt's): one that finished early would leave the step smaller than the
+    worst, and the wait for all ``B - 1`` to decode would never end.
+
+    Raises:
+        RuntimeError: the engine ran out of work before the ``B - 1`` requests decoded.
+    """
     b = engine.config.max_running_requests
     ctx = engine.max_context_tokens
+    chunk = engine.knobs.max_prefill_tokens
     per_req = min(ctx, (engine.allocator.num_usable * engine.config.page_size) // b) - 64
+    # Steps until the long prompt's last chunk: all prompts, chunk by chunk, each step's
+    # token budget shared with the decode rows.
+    prefill_steps = -(-b * per_req // max(chunk - b, 1))
+    long_new = prefill_steps + 16
     vocab = engine.model_config.vocab_size
     g = torch.Generator().manual_seed(0)
     sp = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)
+    sp_long = SamplingParams(max_new_tokens=long_new, temperature=0.0, ignore_eos=True)
     for i in range(b - 1):
-        ids = torch.randint(10, vocab, (per_req - 40,), generator=g).tolist()
-        engine.add_request(GenerateRequest(request_id=f"long-{i}", prompt_token_ids=ids, sampling=sp))
+        ids = torch.randint(10, vocab, (max(per_req - long_new - 8, 1),), generator=g).tolist()
+        engine.add_request(GenerateRequest(request_id=f"long-{i}", prompt_token_ids=ids, sampling=sp_long))
     while len([r for r in engine.scheduler.running if r.output_ids]) < b - 1:
+        if not engine.has_work():
+            raise RuntimeError("the long requests finished before all of them were decoding together")
         engine.step()
     ids = torch.randint(10, vocab, (per_req,), generator=g).tolist()
     engine.add_request(GenerateRequest(request_id="chunked", prompt_token_ids=ids, sampling=sp))
@@ -67,6 +84,7 @@ def measure(shape: str | None, *, device_limit_bytes: int, max_model_len: int, m
         free, _ = torch.cuda.mem_get_info()
         context = total - free - torch.cuda.memory_reserved()
         torch.cuda.set_per_process_memory_fraction(min((device_limit_bytes - context) / total, 1.0))
+        started = time.perf_counter()
         engine = Engine(EngineConfig(
             model=model, load_format="dummy" if shape else "auto", device_limit=device_limit_bytes,
             reserve=0, max_model_len=max_model_len, max_running_requests=max_running,
@@ -74,8 +92,14 @@ def measure(shape: str | None, *, device_limit_bytes: int, max_model_len: int, m
         ))
         plan = engine.plan
         assert plan is not None
+        ready_s = time.perf_counter() - started
+        # The plan's lines: what is not KV cache, and where each figure comes from.
+        print(f"plan of {shape or 'the default model'} at {device_limit_bytes / GiB:.1f} GiB "
+              f"(engine ready in {ready_s:.1f} s):\n{plan.table()}", flush=True)
         torch.cuda.reset_peak_memory_stats()
+        started = time.perf_counter()
         worst_step_workload(engine)
+        print(f"worst-step workload: {time.perf_counter() - started:.1f} s", flush=True)
         measured = torch.cuda.max_memory_reserved()
         allocated = torch.cuda.max_memory_allocated()
         predicted = predicted_allocator_bytes(plan)

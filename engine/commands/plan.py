@@ -1,6 +1,7 @@
 """``headroom plan``: print the memory ledger for a model and a device, without serving.
 
-Reads the model's config only (no weights); the activation peak is the estimate the
+Reads the model's config only (no weights); plans the dtype and device ``headroom
+serve`` would (:func:`planned_setup`); the activation peak is the estimate the
 engine starts from (a served GPU engine replaces it with its profile run's measurement).
 """
 
@@ -9,53 +10,62 @@ from __future__ import annotations
 import msgspec
 import torch
 
-from engine.attention.base import resolve_backend_name
 from engine.config import EngineConfig
 from engine.loader.hf_config import load_model_config
 from engine.loader.resolve import resolve_model
-from engine.memory.footprint import CUDA_RUNTIME_ESTIMATE_BYTES, make_footprint
-from engine.memory.plan import MemoryPlan, PlanKnobs, make_plan
-from engine.startup import attention_workspaces, device_memory, resolve_device, resolve_dtype
+from engine.memory.plan import MemoryPlan, PlanKnobs, fit_plan
+from engine.startup import device_memory, estimated_planner, resolve_device, resolve_dtype
 
 
 class NoDevice(Exception):
     """No GPU to plan for and no simulated device given."""
 
 
-def build_plan(config: EngineConfig) -> MemoryPlan:
-    """The plan the engine would start from for ``config``.
-
-    A simulated device (``device_total``) stands in for a GPU: dtype
-    ``auto`` is bfloat16 there, as on a CUDA device.
+def planned_setup(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
+    """The device and dtype ``headroom serve`` would plan with ``config``: ``--device``
+    as the engine resolves it, and dtype ``auto`` for that device (float32 on a CPU,
+    even when a simulated card stands in for the GPU's memory).
 
     Raises:
         NoDevice: neither a CUDA device nor a simulated one; the message names the flags.
-        engine.loader.errors.ModelLoadError: the model is missing or its config broken.
+        ValueError: an unknown dtype.
     """
     device = resolve_device(config.device)
-    simulated = config.device_total is not None
-    if not simulated and device.type != "cuda":
+    if config.device_total is None and device.type != "cuda":
         raise NoDevice(
             "no CUDA device here: plan for a simulated card with --device-total SIZE "
             "(and --device-free SIZE), e.g. --device-total 6GiB --device-free 5.5GiB"
         )
-    dtype = resolve_dtype(config.dtype, torch.device("cuda") if simulated else device)
+    return device, resolve_dtype(config.dtype, device)
+
+
+def build_plan(config: EngineConfig) -> MemoryPlan:
+    """The plan the engine would start from for ``config``, with the same decisions: the
+    prefill chunk lowered, then the context lowered down to ``--min-context``
+    (:func:`engine.memory.plan.fit_plan`); a plan that does not fit even so is returned
+    with ``fits`` False.
+
+    Raises:
+        NoDevice: see :func:`planned_setup`.
+        engine.loader.errors.ModelLoadError: the model is missing or its config broken.
+    """
+    device, dtype = planned_setup(config)
     mc = load_model_config(resolve_model(config.model))
-    knobs = PlanKnobs.of(config)
-    dev = device_memory(config, device)
-    assert dev is not None
-    backend = resolve_backend_name(config.attention_backend, "cuda")
-    workspaces = attention_workspaces(backend, mc, config.max_running_requests)
-    fp = make_footprint(mc, dtype, knobs, workspaces=workspaces, runtime_bytes=CUDA_RUNTIME_ESTIMATE_BYTES)
-    return make_plan(dev, knobs, fp)
+    memory = device_memory(config, device)
+    assert memory is not None
+    plan, _ = fit_plan(estimated_planner(config, mc, device, dtype, memory), PlanKnobs.of(config))
+    return plan
 
 
-def render(plan: MemoryPlan, as_json: bool) -> str:
-    """The plan as a ledger table (with the fix when it does not fit), or as JSON."""
+def render(plan: MemoryPlan, as_json: bool, setup: str = "") -> str:
+    """The plan as a ledger table (with the fix when it does not fit), or as JSON;
+    ``setup`` (e.g. "float32 on cpu") follows the device in the table's head."""
     if as_json:
         return msgspec.json.encode(plan).decode()
-    head = f"memory plan for {plan.device}\n"
+    head = f"memory plan for {plan.device}" + (f", {setup}" if setup else "") + "\n"
     body = plan.table()
+    if plan.context_lowered:
+        return f"{head}{body}\nfits: yes, with a lowered context (--min-context {plan.min_context_tokens})"
     if plan.fits:
         return f"{head}{body}\nfits: yes"
     return f"{head}{body}\nfits: no\n\n{plan.message()}"

@@ -78,8 +78,12 @@ def model_display_name(model_dir: str | Path) -> str:
     """The name to show for a model folder: its name, without the ``-<12 hex>`` content
     hash :func:`converted_dir` appends to the GGUF conversions in the cache
     (``SmolLM2-135M-Instruct.Q4_1-b179c9523d0e`` -> ``SmolLM2-135M-Instruct.Q4_1``).
-    Folders outside the cache keep their names as they are."""
+    A folder of the model store (``models--owner--name/snapshots/<commit>``) is its
+    repository, ``owner/name``. Other folders keep their names as they are."""
     model_dir = Path(model_dir)
+    repo_folder = model_dir.parent.parent.name
+    if model_dir.parent.name == "snapshots" and repo_folder.startswith("models--"):
+        return repo_folder.removeprefix("models--").replace("--", "/")
     name = model_dir.name
     stem, sep, digest = name.rpartition("-")
     is_hash = len(digest) == 12 and all(c in "0123456789abcdef" for c in digest)

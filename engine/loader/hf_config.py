@@ -90,7 +90,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
         head_dim=head_dim,
         rms_norm_eps=float(hf.rms_norm_eps),
-        max_position_embeddings=hf.max_position_embeddings,
+        max_position_embeddings=_context(hf),
         rope=_rope(hf, config_path),
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
         attention_bias=attention_bias,
@@ -133,6 +133,16 @@ def _architecture(raw: dict[str, Any], config_path: Path) -> str:
             f"{', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     return architecture
+
+
+def _context(hf: Any) -> int:
+    """The model's context in tokens. A Mistral sliding window shorter than the context
+    (Mistral 7B v0.1: 4096 of 32768) caps it: within the window, full attention is the
+    same computation, and headroom has no sliding-window kernels."""
+    window = getattr(hf, "sliding_window", None) if getattr(hf, "model_type", "") == "mistral" else None
+    if window:
+        return min(hf.max_position_embeddings, int(window))
+    return hf.max_position_embeddings
 
 
 def _check_variant(hf: Any, config_path: Path) -> None:

@@ -11,8 +11,9 @@ from engine.loader.errors import ModelNotFound
 log = logging.getLogger(__name__)
 
 _WHAT_TO_PASS = (
-    "pass a Hugging Face model folder (config.json + *.safetensors), a .gguf file, or "
-    "nothing for the default model; headroom does not download models"
+    "pass a Hugging Face model folder (config.json + *.safetensors), a .gguf file, a "
+    "name from the store (`headroom models`; `headroom pull REPO[:FILE]` fetches one), "
+    "or nothing for the default model"
 )
 
 
@@ -24,6 +25,8 @@ def resolve_model(path: str | Path | None) -> Path:
     - a ``.gguf`` file (or a folder holding exactly one and no ``config.json``):
       converted into the cache once, reused afterwards.
     - a folder with ``config.json``: itself.
+    - a name of the local store (:mod:`engine.loader.store`, ``headroom pull``) that is
+      not a path: its folder, or its GGUF file converted as above.
 
     Raises:
         ModelNotFound: the path does not exist or holds no model, or the default model's
@@ -36,7 +39,12 @@ def resolve_model(path: str | Path | None) -> Path:
         return model_dir
     p = Path(path).expanduser()
     if not p.exists():
-        raise ModelNotFound(f"{p} does not exist; {_WHAT_TO_PASS}")
+        from engine.loader.store import find_model
+
+        stored = find_model(str(path))
+        if stored is None:
+            raise ModelNotFound(f"{p} does not exist and is no name in the store; {_WHAT_TO_PASS}")
+        p = stored
     if p.is_file():
         if p.suffix.lower() == ".gguf":
             return _converted(p)

@@ -19,8 +19,13 @@ The ledger, top to bottom::
   - model scratch                measured in the profile run
   = KV cache pool                whole pages, never negative
 
-A plan that cannot hold one request of ``min_context_tokens`` does not fit; its
-:meth:`MemoryPlan.message` says by how much and which settings fix it.
+A plan that cannot hold one request of the wanted context (the model's, capped by
+``--max-model-len``) but can hold one of ``min_context_tokens`` (``--min-context``)
+fits with a lowered context: ``max_context_tokens`` is what the pool holds, and
+:attr:`MemoryPlan.context_note` says why ("context 8192 -> 3,456 tokens: 1.1 GiB held
+by other processes"). Below that floor it does not fit; its :meth:`MemoryPlan.message`
+says by how much and which settings fix it; :func:`fit_plan` lowers the prefill
+chunk before it gives up.
 """
 
 from __future__ import annotations
@@ -89,7 +94,8 @@ class PlanKnobs:
     ``device_limit`` (bytes) caps the device's total (run as if the card were
     smaller). ``max_model_len`` caps a request's context below the model's.
     ``min_context`` is the smallest context, in tokens, one request must get for the
-    plan to fit. ``reserve`` and ``safety_margin_bytes`` are in bytes.
+    plan to fit (the context is lowered down to it when the card is tight; None: the
+    wanted context, never lowered). ``reserve`` and ``safety_margin_bytes`` are in bytes.
     """
 
     page_size: int = EngineConfig.page_size
@@ -160,7 +166,13 @@ class Suggestion(msgspec.Struct, frozen=True):
 
 
 class MemoryPlan(msgspec.Struct, frozen=True, kw_only=True):
-    """The ledger and what it gives. Sizes in bytes, contexts in tokens."""
+    """The ledger and what it gives. Sizes in bytes, contexts in tokens.
+
+    ``wanted_context_tokens`` is the context asked for (the model's, capped by
+    ``--max-model-len``); ``max_context_tokens`` what one request gets (lower when the
+    pool cannot hold the wanted one); ``context_note`` says why it is lower ("" when it
+    is not).
+    """
 
     device: str
     simulated: bool
@@ -177,6 +189,13 @@ class MemoryPlan(msgspec.Struct, frozen=True, kw_only=True):
     suggestions: list[Suggestion]
     max_prefill_tokens: int
     max_running_requests: int
+    wanted_context_tokens: int = 0
+    context_note: str = ""
+
+    @property
+    def context_lowered(self) -> bool:
+        """The plan fits, with a context below the one asked for."""
+        return self.fits and self.max_context_tokens < self.wanted_context_tokens
 
     def message(self) -> str:
         """What does not fit, by how much, and what fixes it (empty when it fits)."""
@@ -210,6 +229,8 @@ class MemoryPlan(msgspec.Struct, frozen=True, kw_only=True):
             f"  {'KV pages':<{width}}  {self.num_pages:>10d}        x {self.page_size} tokens; "
             f"max context {self.max_context_tokens} tokens"
         )
+        if self.context_note:
+            out.append(f"  {self.context_note}")
         return "\n".join(out)
 
 
@@ -267,6 +288,14 @@ def _ledger(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint) -> MemoryPlan
     kv_bytes = pages * page_bytes
     ledger.append(LedgerEntry("KV cache pool", kv_bytes, "=", f"{pages} pages of {fmt_bytes(page_bytes)}"))
     fits = pages >= need_pages
+    max_ctx = int(min(model_ctx, pages * knobs.page_size))
+    note = ""
+    if fits and max_ctx < model_ctx:
+        note = f"context {model_ctx:,} -> {max_ctx:,} tokens: " + (
+            f"{fmt_bytes(device.others_bytes)} held by other processes"
+            if device.others_bytes > 0
+            else f"the budget of {fmt_bytes(budget)} leaves {fmt_bytes(kv_bytes)} for the KV cache"
+        )
     return MemoryPlan(
         device=device.name,
         simulated=device.simulated,
@@ -276,14 +305,38 @@ def _ledger(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint) -> MemoryPlan
         kv_pool_bytes=kv_bytes,
         num_pages=int(pages),
         page_size=knobs.page_size,
-        max_context_tokens=int(min(model_ctx, pages * knobs.page_size)),
+        max_context_tokens=max_ctx,
         min_context_tokens=min_ctx,
         fits=fits,
         shortfall_bytes=0 if fits else int(need_pages * page_bytes - kv_room),
         suggestions=[],
         max_prefill_tokens=knobs.max_prefill_tokens,
         max_running_requests=knobs.max_running_requests,
+        wanted_context_tokens=model_ctx,
+        context_note=note,
     )
+
+
+def fit_plan(planner: Callable[[PlanKnobs], MemoryPlan], knobs: PlanKnobs) -> tuple[MemoryPlan, PlanKnobs]:
+    """Plan with ``knobs``; when that cannot hold one request of ``--min-context``,
+    halve the prefill chunk (floor ``MIN_PREFILL_TOKENS``) until it can. A plan that fits
+    with a lowered context keeps its chunk: a smaller chunk slows every prompt's prefill
+    and frees little where the context-long terms of the activation peak dominate,
+    while a lowered context only refuses the longest prompts, and grows back with the
+    pool.
+
+    Returns:
+        (the plan, the knobs it was made with). When nothing fits, the plan at the
+        configured knobs (``fits`` False: its message prices the fixes) and ``knobs``.
+    """
+    first = plan = planner(knobs)
+    tried = knobs
+    while not plan.fits and tried.max_prefill_tokens > MIN_PREFILL_TOKENS:
+        tried = replace(tried, max_prefill_tokens=max(tried.max_prefill_tokens // 2, MIN_PREFILL_TOKENS))
+        plan = planner(tried)
+    if not plan.fits:
+        return first, knobs
+    return plan, tried
 
 
 def _flag(name: str) -> str:
@@ -311,7 +364,7 @@ def _suggest(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint, plan: Memory
     ctx = plan.min_context_tokens
     if ctx > 512:
         shorter = max(ctx // 4, 512)
-        candidates.append((_flag("max_model_len"), str(ctx), str(shorter), replace(knobs, max_model_len=shorter, min_context=None)))
+        candidates.append((_flag("min_context"), str(ctx), str(shorter), replace(knobs, min_context=shorter)))
     reserve = next(e.bytes for e in plan.ledger if e.name == "desktop reserve")
     if reserve > 0:
         lower = reserve // 2
@@ -321,7 +374,7 @@ def _suggest(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint, plan: Memory
     for flag, cur, new, k in candidates:
         other = _ledger(device, k, fp)
         # A shorter context lowers the KV need, not fixed memory: price it by the shortfall.
-        if flag == _flag("max_model_len"):
+        if flag == _flag("min_context"):
             saved = plan.shortfall_bytes - other.shortfall_bytes
         else:
             saved = _kv_room(other) - base

@@ -51,8 +51,9 @@ def profile_batch(num_tokens: int, num_seqs: int, context: int, page_size: int, 
 class StepPeak:
     """Bytes one worst-case step allocates above what was allocated before it:
     ``forward_bytes`` for the model's forward (activations, attention transients, the
-    logits rows), ``sampler_bytes`` for sampling those rows (its own transients and the
-    per-request penalty state)."""
+    logits rows), ``sampler_bytes`` for sampling those rows: the per-request penalty
+    state plus what the sampling raises the step's peak by, over the forward's (its
+    transients first reuse the blocks the forward freed). The step's peak is the sum."""
 
     forward_bytes: int
     sampler_bytes: int
@@ -83,22 +84,29 @@ def measure_step_peak(
     vocab = model.config.vocab_size
     sp = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.01, frequency_penalty=0.1, seed=0)
 
-    def grown(run):
+    def snapshot():
         torch.cuda.synchronize(device)
-        alloc, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        out = run()
+        return torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
+
+    def peak_since(alloc, reserved):
         torch.cuda.synchronize(device)
-        peak = max(torch.cuda.max_memory_allocated(device) - alloc, torch.cuda.max_memory_reserved(device) - reserved)
-        return out, peak
+        return max(torch.cuda.max_memory_allocated(device) - alloc, torch.cuda.max_memory_reserved(device) - reserved)
 
-    logits, forward_bytes = grown(lambda: model(batch, attn))
-
-    def sample():
-        states = [SamplingState(sp, [0], vocab, device) for _ in range(seqs)]
-        return Sampler().sample(logits, states, [sp] * seqs)
-
-    _, sampler_bytes = grown(sample)
+    # The requests' sampling state (penalty counts, prompt masks) lives as long as they
+    # do, through the forward too: made first, charged whole.
+    alloc, reserved = snapshot()
+    states = [SamplingState(sp, [0], vocab, device) for _ in range(seqs)]
+    state_bytes = max(snapshot()[0] - alloc, 0)
+    # One window over the forward and the sampling: the sampler's transients reuse
+    # blocks the forward freed (the logits rows stay), so the step's peak is what the
+    # two need together, not their sum.
+    alloc, reserved = snapshot()
+    torch.cuda.reset_peak_memory_stats(device)
+    logits = model(batch, attn)
+    forward_bytes = peak_since(alloc, reserved)
+    Sampler().sample(logits, states, [sp] * seqs)
+    step_bytes = peak_since(alloc, reserved)
+    sampler_bytes = state_bytes + max(step_bytes - forward_bytes, 0)
     return StepPeak(forward_bytes=forward_bytes, sampler_bytes=sampler_bytes)
 
 

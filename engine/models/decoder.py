@@ -12,7 +12,9 @@ at load time.
 The elementwise work goes through :mod:`kernels.dispatch` (Triton on CUDA, the torch
 references elsewhere) in fused form: the residual add with the next RMSNorm, Qwen3's
 q/k norm with rotary and the KV-cache store (the model writes the pool, then calls the
-attention backend with ``kv_stored=True``), SiLU with the gate multiply. The forward
+attention backend with ``kv_stored=True``), SiLU with the gate multiply, and, with ``HEADROOM_GEMV=1``, the projections of decode
+steps of a few tokens (matrix-vector kernels; the gate/up one applies SiLU-and-mul as it
+writes; :mod:`kernels.triton_gemv`). The forward
 reads no value back to the host, so a decode step can be captured in a CUDA graph.
 """
 
@@ -29,7 +31,7 @@ from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch
 from engine.loader.errors import WeightMismatch
 from engine.models.rope import build_cos_sin_cache
-from kernels.dispatch import fused_add_rms_norm, rms_norm, rotary_and_store, silu_and_mul
+from kernels.dispatch import fused_add_rms_norm, gate_up_silu, linear, rms_norm, rotary_and_store
 
 # Qwen2's bias covers q/k/v only; Llama's and Qwen3's ``attention_bias`` covers o_proj too
 # (``LlamaAttention`` / ``Qwen3Attention`` in transformers).
@@ -85,7 +87,8 @@ class Attention(nn.Module):
         cos_sin_cache: torch.Tensor,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x) if self.qkv_proj.bias is not None else linear(x, self.qkv_proj.weight)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -98,7 +101,7 @@ class Attention(nn.Module):
             self.q_norm.eps if self.q_norm is not None else 0.0,
         )
         out = attn.forward(q, k, v, self.layer, batch, kv_stored=True)  # [T, Hq * D]
-        return self.o_proj(out)
+        return self.o_proj(out) if self.o_proj.bias is not None else linear(out, self.o_proj.weight)
 
 
 class MLP(nn.Module):
@@ -108,7 +111,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return linear(gate_up_silu(x, self.gate_up_proj.weight), self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):

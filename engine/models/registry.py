@@ -8,6 +8,7 @@ from engine.models.decoder import CausalLM
 
 _MODELS: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": CausalLM,
+    "MistralForCausalLM": CausalLM,
     "Qwen2ForCausalLM": CausalLM,
     "Qwen3ForCausalLM": CausalLM,
 }

@@ -91,6 +91,12 @@ def _has_openai_penalty(p: SamplingParams) -> bool:
     return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
+def all_plain_greedy(params: Sequence[SamplingParams]) -> bool:
+    """Every row greedy with no penalty: its token is the argmax of its logits, which a
+    decode CUDA graph computes on the device (:mod:`engine.cuda_graphs`)."""
+    return all(p.greedy and not _has_repetition_penalty(p) and not _has_openai_penalty(p) for p in params)
+
+
 class SamplingState:
     """Mutable per-request sampling state: random generator and token counts.
 
@@ -250,12 +256,10 @@ class Sampler:
         logits = apply_grammars(logits, [s.matcher for s in states])
         if use_triton(logits):
             sampler = self.device_sampler(logits.device)
-            sampler.load(states, params, logits.shape[1])
-            tokens = sampler.sample_on_device(logits, states, params).cpu()  # the one sync
-            bad = tokens == INVALID_TOKEN
-            if bool(bad.any()):
-                raise InvalidLogitsError(bad.nonzero().flatten().tolist())
-            return tokens
+            if not all_plain_greedy(params):
+                # Greedy, unpenalized rows read no per-row parameter: no upload needed.
+                sampler.load(states, params, logits.shape[1])
+            return self.read_tokens(sampler.sample_on_device(logits, states, params))
         x = self.penalize(logits, states, params)  # [B, V] float32
         if self.check_logits:
             bad = ~torch.isfinite(x.amax(dim=-1))  # NaN propagates through amax
@@ -280,6 +284,20 @@ class Sampler:
             race[j].exponential_(generator=states[i].generator)
         race.clamp_min_(torch.finfo(race.dtype).tiny)  # an exact 0 would make 0/0 = NaN
         tokens[idx] = (probs / race).argmax(dim=-1)
+        return tokens
+
+    @staticmethod
+    def read_tokens(tokens: torch.Tensor) -> torch.Tensor:
+        """Read ``int64 [B]`` device token ids back to the host (the step's one sync) and
+        check them: ``-1`` marks a row whose logits were unusable.
+
+        Raises:
+            InvalidLogitsError: naming those rows.
+        """
+        tokens = tokens.cpu()
+        bad = tokens == INVALID_TOKEN
+        if bool(bad.any()):
+            raise InvalidLogitsError(bad.nonzero().flatten().tolist())
         return tokens
 
     @staticmethod

@@ -12,15 +12,13 @@ through the supervisor, whose restarts, OOM isolation and retries apply alike.
 
 from __future__ import annotations
 
-from typing import Any
-
 import msgspec
 
 from engine.messages import EngineInfo
 from engine.text.chat import template_has_tools
 from service.api.admission import Ticket
 from service.api.chat_output import ChatOutput
-from service.api.errors import invalid
+from service.api.checks import check_prompt_bound, message_texts
 from service.api.generation import (
     Generation,
     logit_bias_pairs,
@@ -32,46 +30,12 @@ from service.api.reasoning import CLOSE as CLOSE_THINKING
 from service.api.reasoning import reasoning_start
 from service.api.schemas import ChatCompletionRequest
 from service.api.structured import response_schema
-from service.api.text import TextSide
 from service.api.tools import plan_tools
 from service.http.state import Services
 
 # Prompt tokens decoded to see how the prompt ends (an open ``<think>``): a few tokens
 # hold the tag and the newlines around it.
 _TAIL_TOKENS = 8
-
-
-def message_texts(messages: list[dict[str, Any]]) -> list[str]:
-    """The text of chat messages: string contents and the ``text`` of content parts."""
-    texts: list[str] = []
-    for message in messages:
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, str):
-            texts.append(content)
-        elif isinstance(content, list):
-            texts += [
-                p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
-            ]
-    return texts
-
-
-def check_prompt_bound(text: TextSide, texts: list[str], context_tokens: int, param: str) -> None:
-    """Refuse, untokenized, a prompt that cannot fit the context (see
-    :meth:`service.api.text.TextSide.min_tokens`).
-
-    Raises:
-        APIError: 400 ``tools``/``tool_choice`` (see
-            :func:`service.api.tools.plan_tools`), 400 ``context_length_exceeded`` naming ``param``.
-    """
-    floor = text.min_tokens(texts)
-    if floor > context_tokens:
-        raise invalid(
-            f"This model's maximum context length is {context_tokens} tokens. However, your "
-            f"prompt is at least {floor} tokens (a token here stands for at most "
-            f"{text.bytes_per_token} bytes of text). Please shorten the prompt.",
-            param,
-            "context_length_exceeded",
-        )
 
 
 def request_deadline(svc: Services, started: float) -> float | None:

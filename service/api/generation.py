@@ -270,7 +270,8 @@ class Generation:
     """The sequences of one API call.
 
     Args:
-        supervisor: where the engine requests go.
+        supervisor: the worker's keeper; the engine requests go through its link's
+            routing (``supervisor.link.requests``), its ``retry_after_s`` dates a 503.
         text: the tokenizer side.
         request_id: the API id (``chatcmpl-...``); engine ids are ``{request_id}-{i}``.
         prompts: prompt token ids, one list per prompt.
@@ -331,14 +332,14 @@ class Generation:
             )
             for i, (ids, sampling) in enumerate(zip(prompt_of, self.sampling, strict=True))
         ]
-        self.submission = self.supervisor.submit(requests)
+        self.submission = self.supervisor.link.requests.submit(requests)
 
     def close(self) -> None:
         """Abort whatever is still running in the engine. Idempotent."""
         if self.ticket is not None:
             self.ticket.release()
         if self.submission is not None:
-            self.supervisor.cancel(self.submission)
+            self.supervisor.link.requests.cancel(self.submission)
 
     async def pieces(self) -> AsyncIterator[Piece]:
         """Text as it is generated, until every sequence has finished.
@@ -411,7 +412,7 @@ class Generation:
         if stopped:
             seq.finished = True
             # The stop string ended it here: free the engine's pages now.
-            self.supervisor.abort_one(f"{self.request_id}-{index}")
+            self.supervisor.link.requests.abort_one(f"{self.request_id}-{index}")
             return Piece(index, safe, "stop")
         if output.finished:
             seq.finished = True

@@ -13,31 +13,26 @@ that many seconds after it arrived is aborted in the engine and answered 504
 ``request_timeout`` (in a stream: an error event, then ``[DONE]``).
 
 Authentication (``--api-key``) is not here but in the guard of the router these
-routes are mounted on (:class:`service.http.security.BearerGuard`).
-
-Streaming answers are Server-Sent Events, ``data: {json}\\n\\n`` each, ending with
-``data: [DONE]``; an error after the stream began is an ``{"error": ...}`` event,
-then ``[DONE]``. A client that disconnects, streaming or not, has its sequences
-aborted in the engine at once.
+routes are mounted on (:class:`service.http.auth.BearerGuard`). The checks that need
+no tokenizer are in :mod:`service.api.checks`; how a generation becomes its answer,
+JSON or Server-Sent Events, in :mod:`service.api.responses`.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
-import msgspec
 from litestar import Controller, Request, Response, get, post
-from litestar.response import Stream
 
 from engine.messages import EngineInfo
 from service.api.admission import Ticket
-from service.api.chat_generation import check_prompt_bound, request_deadline, start_chat
-from service.api.errors import SERVER_ERROR, APIError, decode_body, invalid
+from service.api.chat_generation import request_deadline, start_chat
+from service.api.checks import check_chat_fields, check_prompt_bound, completion_prompts
+from service.api.errors import decode_body, invalid
 from service.api.generation import (
     Generation,
     check_common,
@@ -46,6 +41,7 @@ from service.api.generation import (
     sampling_params,
     stop_strings,
 )
+from service.api.responses import event_stream, json_response, respond
 from service.api.schemas import (
     ChatChoice,
     ChatCompletion,
@@ -57,184 +53,11 @@ from service.api.schemas import (
     ModelCard,
     ModelList,
     TextChoice,
-    Usage,
 )
-from service.api.structured import response_schema
 from service.http.state import Services
 
 T = TypeVar("T")
 R = TypeVar("R")
-log = logging.getLogger("headroom.api")
-
-_encoder = msgspec.json.Encoder()
-_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-_DONE = b"data: [DONE]\n\n"
-CLIENT_GONE = 499  # nginx's code for "client closed request", used in our logs only
-
-
-def _sse(payload: Any) -> bytes:
-    return b"data: " + _encoder.encode(payload) + b"\n\n"
-
-
-def _json(payload: Any) -> Response[bytes]:
-    return Response(content=_encoder.encode(payload), media_type="application/json")
-
-
-def _log_request(gen: Generation | None, request_id: str, status: int, started: float) -> None:
-    """The one log line of a request: id, status, tokens, TTFT, total time."""
-    total_ms = (time.perf_counter() - started) * 1000.0
-    ttft = gen.ttft_ms if gen is not None else None
-    log.info(
-        "%s status=%d prompt_tokens=%d completion_tokens=%d ttft_ms=%s total_ms=%.1f",
-        request_id,
-        status,
-        gen.prompt_tokens if gen is not None else 0,
-        gen.completion_tokens if gen is not None else 0,
-        "-" if ttft is None else f"{ttft:.1f}",
-        total_ms,
-    )
-
-
-async def _wait_disconnect(receive: Callable[[], Awaitable[dict[str, Any]]]) -> None:
-    """Return when the client goes away. The body is already read, so the next ASGI
-    message the server sends on this channel is ``http.disconnect``."""
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def _collect(gen: Generation, request: Request) -> tuple[list[str], list[str | None]] | None:
-    """Run a generation to its end; None when the client disconnected first (its
-    sequences are aborted by the caller's ``gen.close()``)."""
-    texts = [""] * len(gen.sampling)
-    reasons: list[str | None] = [None] * len(gen.sampling)
-
-    async def run() -> None:
-        async for piece in gen.pieces():
-            texts[piece.index] += piece.text
-            if piece.finish_reason:
-                reasons[piece.index] = piece.finish_reason
-
-    work = asyncio.ensure_future(run())
-    gone = asyncio.ensure_future(_wait_disconnect(request.receive))
-    try:
-        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not work.done():
-            work.cancel()
-    if not work.done() or work.cancelled():
-        return None
-    work.result()  # raises the generation's APIError, if any
-    return texts, reasons
-
-
-async def _respond(
-    gen: Generation,
-    request: Request,
-    request_id: str,
-    started: float,
-    build: Callable[[list[str], list[str | None]], Any],
-) -> Response[bytes]:
-    """Non-streaming: run to the end and answer with ``build(texts, reasons)``."""
-    status = 200
-    try:
-        result = await _collect(gen, request)
-        if result is None:
-            status = CLIENT_GONE
-            return Response(content=b"", status_code=CLIENT_GONE)
-        return _json(build(*result))
-    except APIError as exc:
-        status = exc.status
-        raise
-    except Exception:
-        status = 500  # answered by the catch-all handler in service.api.errors
-        raise
-    finally:
-        gen.close()
-        _log_request(gen, request_id, status, started)
-
-
-async def _stream(
-    gen: Generation,
-    request_id: str,
-    started: float,
-    first: list[bytes],
-    chunks: Callable[[int, str, str | None], bytes],
-    usage_chunk: Callable[[], bytes] | None,
-) -> AsyncIterator[bytes]:
-    """Streaming: ``first`` events, one event per piece of text, the usage event if
-    asked, ``[DONE]``; an error becomes an error event before ``[DONE]``."""
-    status = 200
-    try:
-        try:
-            for event in first:
-                yield event
-            async for piece in gen.pieces():
-                if piece.text:
-                    yield chunks(piece.index, piece.text, None)
-                if piece.finish_reason:
-                    yield chunks(piece.index, "", piece.finish_reason)
-            if usage_chunk is not None:
-                yield usage_chunk()
-        except APIError as exc:
-            status = exc.status
-            yield _sse(exc.body())
-        except Exception as exc:  # a bug: still end the stream in OpenAI's shape
-            log.exception("%s failed", request_id)
-            status = 500
-            yield _sse(APIError(500, f"internal error: {exc}", type=SERVER_ERROR).body())
-        yield _DONE
-    except (asyncio.CancelledError, GeneratorExit):
-        status = CLIENT_GONE
-        raise
-    finally:
-        gen.close()
-        _log_request(gen, request_id, status, started)
-
-
-def _event_stream(
-    gen: Generation,
-    stream_options: Any,
-    chunk_type: Callable[..., Any],
-    choice: Callable[[int, str, str | None, str | None], Any],
-    created: int,
-    model: str,
-    *,
-    roles: int = 0,
-) -> Stream:
-    """The SSE answer of a streaming call: ``chunk_type`` events (``ChatCompletionChunk``
-    or ``CompletionChunk``) whose one choice ``choice(index, text, finish_reason, role)``
-    builds; first one ``assistant`` role event per sequence when ``roles`` > 0; the
-    usage event when ``stream_options.include_usage``."""
-    include_usage = bool(stream_options and stream_options.include_usage)
-    usage_field: Any = None if include_usage else msgspec.UNSET
-    request_id = gen.request_id
-
-    def chunk(index: int, text: str, reason: str | None, role: str | None = None) -> bytes:
-        made = choice(index, text, reason, role)
-        # A piece may make several events (a tool call's name, then its arguments).
-        return b"".join(
-            _sse(
-                chunk_type(
-                    id=request_id, created=created, model=model, choices=[c], usage=usage_field
-                )
-            )
-            for c in (made if isinstance(made, list) else [made])
-        )
-
-    def usage_chunk() -> bytes:
-        return _sse(
-            chunk_type(id=request_id, created=created, model=model, choices=[], usage=_usage(gen))
-        )
-
-    first = [chunk(i, "", None, role="assistant") for i in range(roles)]
-    return Stream(
-        _stream(gen, request_id, gen.started, first, chunk, usage_chunk if include_usage else None),
-        media_type="text/event-stream",
-        headers=_SSE_HEADERS,
-    )
 
 
 async def _admit(
@@ -255,66 +78,6 @@ async def _admit(
     info = svc.supervisor.check_ready()
     model = svc.check_model(req.model, info)  # type: ignore[attr-defined]
     return req, checked, info, model, svc.admission.enter()
-
-
-def _usage(gen: Generation) -> Usage:
-    prompt = gen.prompt_tokens
-    completion = gen.completion_tokens
-    return Usage(
-        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
-    )
-
-
-def _check_chat_fields(req: ChatCompletionRequest) -> None:
-    """Refuse what we cannot honour instead of ignoring it (see openai_schemas)."""
-    if req.logprobs or req.top_logprobs:
-        raise invalid("logprobs are not supported by this server", "logprobs")
-    if req.functions or req.function_call not in (None, "none", "auto"):
-        # The deprecated form of tools; tools themselves: service.api.tools.
-        raise invalid("functions are not supported; send tools instead", "functions")
-    response_schema(req.response_format)
-    if not req.messages:
-        raise invalid("messages must not be empty", "messages")
-
-
-def _completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
-    """Check the fields only chat has not, and return the prompts (:func:`_prompt_items`)."""
-    _check_completion_fields(req)
-    return _prompt_items(req.prompt)
-
-
-def _check_completion_fields(req: CompletionRequest) -> None:
-    if req.logprobs is not None:
-        raise invalid("logprobs are not supported by this server", "logprobs")
-    if req.echo:
-        raise invalid("echo is not supported by this server", "echo")
-    if req.suffix:
-        raise invalid("suffix is not supported by this server", "suffix")
-    if req.best_of is not None and req.best_of != req.n:
-        raise invalid("best_of other than n is not supported by this server", "best_of")
-
-
-def _prompt_items(prompt: str | list[Any]) -> list[str | list[int]]:
-    """OpenAI's four prompt forms as a list of strings / token id lists.
-
-    Raises:
-        APIError: 400 ``prompt`` for an empty or mixed list.
-    """
-    if isinstance(prompt, str):
-        return [prompt]
-    if not prompt:
-        raise invalid("prompt must not be empty", "prompt")
-    if all(isinstance(p, str) for p in prompt):
-        return list(prompt)
-    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return [list(prompt)]
-    if all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompt):
-        return [list(p) for p in prompt]
-    raise invalid(
-        "prompt must be a string, a list of strings, a list of token ids or a list of "
-        "token id lists",
-        "prompt",
-    )
 
 
 async def _completion_generation(
@@ -377,6 +140,29 @@ async def _completion_generation(
     return gen
 
 
+@contextmanager
+def _released_on_error(ticket: Ticket) -> Iterator[None]:
+    """Give the request's place back when preparing its generation fails (the
+    generation releases it otherwise)."""
+    try:
+        yield
+    except BaseException:
+        ticket.release()
+        raise
+
+
+def _text_choices(texts: list[str], reasons: list[str | None]) -> list[TextChoice]:
+    """The choices of a whole text completion, one per sequence."""
+    return [
+        TextChoice(index=i, text=text, finish_reason=reasons[i]) for i, text in enumerate(texts)
+    ]
+
+
+def _text_piece(index: int, text: str, reason: str | None, _role: str | None) -> TextChoice:
+    """The one choice of a text stream's chunk (text completions have no roles)."""
+    return TextChoice(index=index, text=text, finish_reason=reason)
+
+
 class OpenAIController(Controller):
     """OpenAI's API under ``/v1``."""
 
@@ -402,38 +188,31 @@ class OpenAIController(Controller):
             )
             for name in svc.model_names(info)
         ]
-        return _json(ModelList(data=cards))
+        return json_response(ModelList(data=cards))
 
     @post("/chat/completions", status_code=200)
     async def chat_completions(self, request: Request, svc: Services) -> Response[Any]:
         """Chat completion, streaming (SSE) or not. Errors: see the module docstring."""
         started = time.perf_counter()
         req, _, info, model, ticket = await _admit(
-            request, svc, ChatCompletionRequest, _check_chat_fields
+            request, svc, ChatCompletionRequest, check_chat_fields
         )
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        try:
+        with _released_on_error(ticket):
             gen, output = await start_chat(req, info, svc, started, ticket, request_id)
-        except BaseException:
-            ticket.release()
-            raise
         created = int(time.time())
 
         if not req.stream:
 
-            def build(texts: list[str], reasons: list[str | None]) -> ChatCompletion:
+            def choices(texts: list[str], reasons: list[str | None]) -> list[ChatChoice]:
                 shaped = [output.message(text, reasons[i]) for i, text in enumerate(texts)]
-                choices = [
+                return [
                     ChatChoice(index=i, message=message, finish_reason=reason)
                     for i, (message, reason) in enumerate(shaped)
                 ]
-                return ChatCompletion(
-                    id=request_id, created=created, model=model, choices=choices, usage=_usage(gen)
-                )
 
-            return await _respond(gen, request, request_id, started, build)
-
-        return _event_stream(
+            return await respond(gen, request, ChatCompletion, choices, created, model)
+        return event_stream(
             gen, req.stream_options, ChatCompletionChunk, output.deltas, created, model, roles=req.n
         )
 
@@ -442,30 +221,12 @@ class OpenAIController(Controller):
         """Text completion of a raw prompt (no chat template), streaming or not."""
         started = time.perf_counter()
         req, items, info, model, ticket = await _admit(
-            request, svc, CompletionRequest, _completion_prompts
+            request, svc, CompletionRequest, completion_prompts
         )
-        try:
+        with _released_on_error(ticket):
             gen = await _completion_generation(req, items, info, svc, started, ticket)
-        except BaseException:
-            ticket.release()
-            raise
-        request_id = gen.request_id
         created = int(time.time())
 
         if not req.stream:
-
-            def build(texts: list[str], reasons: list[str | None]) -> Completion:
-                choices = [
-                    TextChoice(index=i, text=text, finish_reason=reasons[i])
-                    for i, text in enumerate(texts)
-                ]
-                return Completion(
-                    id=request_id, created=created, model=model, choices=choices, usage=_usage(gen)
-                )
-
-            return await _respond(gen, request, request_id, started, build)
-
-        def choice(index: int, text: str, reason: str | None, _role: str | None) -> Any:
-            return TextChoice(index=index, text=text, finish_reason=reason)
-
-        return _event_stream(gen, req.stream_options, CompletionChunk, choice, created, model)
+            return await respond(gen, request, Completion, _text_choices, created, model)
+        return event_stream(gen, req.stream_options, CompletionChunk, _text_piece, created, model)

@@ -128,17 +128,28 @@ class ChatMessageOut(msgspec.Struct, kw_only=True):
     tool_calls: list[dict[str, Any]] | UnsetType = UNSET
 
 
-class ChatChoice(msgspec.Struct, kw_only=True):
+class _Choice(msgspec.Struct, kw_only=True):
+    """What every choice starts with: its index among the call's sequences."""
+
     index: int
+
+
+class ChatChoice(_Choice, kw_only=True):
     message: ChatMessageOut
     finish_reason: str | None
     logprobs: None = None
 
 
-class ChatCompletion(msgspec.Struct, kw_only=True):
+class _Answer(msgspec.Struct, kw_only=True):
+    """The fields every completion body and stream chunk starts with: the call's id,
+    its Unix time and the model that answered."""
+
     id: str
     created: int
     model: str
+
+
+class ChatCompletion(_Answer, kw_only=True):
     choices: list[ChatChoice]
     usage: Usage
     object: str = "chat.completion"
@@ -152,45 +163,34 @@ class Delta(msgspec.Struct, kw_only=True, omit_defaults=True):
     tool_calls: list[dict[str, Any]] | None = None
 
 
-class ChatChunkChoice(msgspec.Struct, kw_only=True):
-    index: int
+class ChatChunkChoice(_Choice, kw_only=True):
     delta: Delta
     finish_reason: str | None = None
     logprobs: None = None
 
 
-class ChatCompletionChunk(msgspec.Struct, kw_only=True):
+class ChatCompletionChunk(_Answer, kw_only=True):
     """One SSE event of a chat stream. ``usage`` is absent unless the client asked for
     it (``stream_options.include_usage``): then null on every chunk but the last."""
 
-    id: str
-    created: int
-    model: str
     choices: list[ChatChunkChoice]
     object: str = "chat.completion.chunk"
     usage: Usage | None | UnsetType = UNSET
 
 
-class TextChoice(msgspec.Struct, kw_only=True):
-    index: int
+class TextChoice(_Choice, kw_only=True):
     text: str
     finish_reason: str | None = None
     logprobs: None = None
 
 
-class Completion(msgspec.Struct, kw_only=True):
-    id: str
-    created: int
-    model: str
+class Completion(_Answer, kw_only=True):
     choices: list[TextChoice]
     usage: Usage
     object: str = "text_completion"
 
 
-class CompletionChunk(msgspec.Struct, kw_only=True):
-    id: str
-    created: int
-    model: str
+class CompletionChunk(_Answer, kw_only=True):
     choices: list[TextChoice]
     object: str = "text_completion"
     usage: Usage | None | UnsetType = UNSET

@@ -35,8 +35,10 @@ from service.http.dashboard import dashboard_router
 from service.http.health import HealthController
 from service.http.security import SecurityMiddleware, install_redaction
 from service.http.state import Services
+from service.supervision.config import SupervisorConfig
+from service.supervision.report import health_report
 from service.supervision.states import State
-from service.supervision.supervisor import Supervisor, SupervisorConfig
+from service.supervision.supervisor import Supervisor
 from service.vram.watcher import TimelineError, make_watcher
 
 log = logging.getLogger("headroom.service")
@@ -117,7 +119,7 @@ def create_app(
 
     async def start() -> None:
         hub.attach_loop()
-        hub.publish(HealthEvent.from_report(supervisor.health()))
+        hub.publish(HealthEvent.from_report(health_report(supervisor)))
         await supervisor.start()
         watch_tasks.append(asyncio.create_task(watcher.run(), name="vram-watcher"))
         if on_start_failure is not None:
@@ -139,11 +141,12 @@ def create_app(
         if services.text is not None:
             services.text.close()
 
-    # Whatever path spelling the router accepts for a /v1 route, its guard runs.
+    # Whatever path spelling the router accepts for a /v1 route, its guard runs. Without
+    # --api-key there is nothing to check, so no guard stands in the request's path.
     openai_routes = type(
         "GuardedOpenAIController",
         (OpenAIController,),
-        {"guards": [api_key_guard(settings.api_key)]},
+        {"guards": [api_key_guard(settings.api_key)] if settings.api_key else []},
     )
     ollama_routes = type(
         "GuardedOllamaController",

@@ -15,6 +15,7 @@ from typing import Any
 from litestar import Controller, Response, get
 
 from service.http.state import Services
+from service.supervision.report import health_report
 from service.supervision.states import State
 
 
@@ -24,7 +25,7 @@ class HealthController(Controller):
     @get("/health")
     async def health(self, svc: Services) -> Response[dict[str, Any]]:
         """200 when ready, else 503; the body says which state and why."""
-        report = svc.supervisor.health()
+        report = health_report(svc.supervisor)
         if svc.supervisor.state is State.READY:
             return Response(report, status_code=200)
         headers = {}

@@ -10,6 +10,7 @@ import asyncio
 import re
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import msgspec
 
@@ -219,9 +220,14 @@ class Services:
         )
 
     def model_names(self, info: EngineInfo) -> list[str]:
-        """Names the served model answers to: the engine's, the configured aliases, then
-        ``default`` (each once)."""
-        names = [info.model_name, *self.settings.served_model_name, DEFAULT_MODEL_ALIAS]
+        """Names the served model answers to: the engine's, the store name ``--model``
+        gave (``owner/name[:FILE.gguf]``, when it is not a path), the configured aliases,
+        then ``default`` (each once)."""
+        names = [info.model_name]
+        model = self.settings.model
+        if model and model != info.model_name and not Path(model).expanduser().exists():
+            names.append(model)
+        names += [*self.settings.served_model_name, DEFAULT_MODEL_ALIAS]
         return list(dict.fromkeys(names))
 
     def check_model(self, requested: str | None, info: EngineInfo) -> str:

@@ -41,7 +41,7 @@ class Submission:
 
     Events arrive on ``queue`` as ``(index, TokenOutput | Rejected | EngineFailure)``;
     each sequence ends with a finished ``TokenOutput``, a ``Rejected`` or an
-    ``EngineFailure``. Call ``Supervisor.cancel`` when done with it early.
+    ``EngineFailure``. Call :meth:`InFlight.cancel` when done with it early.
     """
 
     request_ids: list[str]
@@ -63,10 +63,13 @@ class InFlight:
 
     Args:
         send: hands a message to the current worker (dropped when there is none).
+        check_ready: raises (``NotReady``) unless a worker is ready to take new
+            sequences; called before each submission.
     """
 
-    def __init__(self, send: Callable[[Any], None]) -> None:
+    def __init__(self, send: Callable[[Any], None], check_ready: Callable[[], object]) -> None:
         self._send = send
+        self._check_ready = check_ready
         self._sent: dict[str, _Sequence] = {}
         self._waiting: list[_Sequence] = []
 
@@ -84,7 +87,12 @@ class InFlight:
         return sum(1 for s in (*self._sent.values(), *self._waiting) if not s.submission.closed)
 
     def submit(self, requests: list[GenerateRequest]) -> Submission:
-        """Send ``requests`` (one per sequence, index = position) to the worker."""
+        """Send ``requests`` (one per sequence, index = position) to the worker.
+
+        Raises:
+            NotReady: no worker is ready (from ``check_ready``); nothing was sent.
+        """
+        self._check_ready()
         submission = Submission([r.request_id for r in requests])
         for index, request in enumerate(requests):
             self._sent[request.request_id] = _Sequence(request, index, submission)

@@ -1,4 +1,9 @@
-"""The supervisor: keeps one engine worker alive and routes requests through it.
+"""The supervisor: keeps one engine worker alive (the lifecycle state machine).
+
+The traffic with the current worker, the API's sequences included, goes through its
+:class:`~service.supervision.link.WorkerLink` (:attr:`Supervisor.link`), which the
+supervisor attaches to each new worker and detaches at its exit; the health summary is
+:func:`service.supervision.report.health_report`.
 
 States: ``starting`` (first spawn) -> ``ready`` -> ``restarting`` (worker died or
 hung; back to ``ready``) ... -> ``failed`` (a crash loop, or the first load failed),
@@ -32,8 +37,6 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -42,30 +45,21 @@ from engine.ipc import (
     ControlDone,
     EngineEvents,
     FromWorker,
-    Heartbeat,
-    Outputs,
     PoolStats,
     Ready,
-    Rejected,
     ReplanCommand,
-    StatsRequest,
-    WorkerConfig,
     WorkerError,
 )
-from engine.messages import (
-    EngineEvent,
-    EngineInfo,
-    EngineStats,
-    GenerateRequest,
-)
+from engine.messages import EngineEvent, EngineInfo, EngineStats
 from service.events.hub import EventHub
 from service.events.schemas import EngineInfoEvent, HealthEvent, PlanEvent, WorkerEvent
+from service.supervision.config import SupervisorConfig
 from service.supervision.engine_events import info_after, log_engine_event
 from service.supervision.guard import StaleGuard, wait_for_release
-from service.supervision.inflight import InFlight, Submission
+from service.supervision.link import WorkerLink
 from service.supervision.release import ReleaseResult
+from service.supervision.report import exited_event, health_report, memory_wait_event
 from service.supervision.restarts import RestartPolicy
-from service.supervision.rpc import Calls
 from service.supervision.states import (
     ENGINE_FAILED,
     ENGINE_RESTARTED,
@@ -79,31 +73,6 @@ from service.supervision.watchdog import watch
 from service.supervision.worker_process import ExitStatus, WorkerProcess
 
 log = logging.getLogger("headroom.supervisor")
-
-
-@dataclass(frozen=True)
-class SupervisorConfig:
-    """Knobs of the supervisor; times in seconds.
-
-    ``stall_timeout_s``: a ready worker silent this long (no heartbeat) is killed and
-    restarted. ``start_timeout_s``: a worker not ready this long after spawning is
-    killed. ``backoff_initial_s`` doubles per consecutive exit up to ``backoff_max_s``;
-    ``max_exits`` exits within ``exit_window_s`` mean a crash loop -> ``failed``.
-    ``pidfile``: the stale-worker list (None: :func:`service.supervision.stale.default_pidfile`);
-    ``guard_workers`` False skips it (no reaping, no recording). ``release_timeout_s``:
-    the longest wait for a dead worker's memory before a new one plans.
-    """
-
-    worker: WorkerConfig
-    stall_timeout_s: float = 30.0
-    start_timeout_s: float = 900.0
-    backoff_initial_s: float = 0.5
-    backoff_max_s: float = 10.0
-    max_exits: int = 5
-    exit_window_s: float = 60.0
-    pidfile: Path | None = None
-    guard_workers: bool = True
-    release_timeout_s: float = 10.0
 
 
 class Supervisor:
@@ -127,8 +96,7 @@ class Supervisor:
         vram_source: a ``sample()``-able VRAM source (:mod:`service.vram.sources`) to wait on
             for a dead worker's memory before a restart (None: no wait).
         on_first_ready: called once, when the first worker is ready.
-        pool: the worker's KV pool figures, from its last heartbeat or command answer
-            (None: no worker, or an engine that cannot resize its pool).
+        link: the traffic with the current worker (requests in flight, calls).
     """
 
     def __init__(
@@ -145,14 +113,11 @@ class Supervisor:
         self.events: EventHub | None = None
         self.vram_source: Any = None
         self.on_first_ready: Callable[[], None] | None = None
-        self.pool: PoolStats | None = None
         self.last_release: ReleaseResult | None = None
-        self._commands: Calls[ControlDone] = Calls()
         self._last_worker_pid: int | None = None
         self._pids = StaleGuard(config.pidfile, config.guard_workers)
         self.state = State.STOPPED
         self.info: EngineInfo | None = None
-        self.stats: EngineStats | None = None
         self.failure_reason: str | None = None
         self.last_exit: ExitStatus | None = None
         self.restarts = 0
@@ -160,14 +125,16 @@ class Supervisor:
         self.ready_since: float | None = None
         self._worker: WorkerProcess | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._inflight = InFlight(self._send)
+        # The traffic with the current worker; the API's sequences go through
+        # link.requests, which checks readiness here first.
+        self.link = WorkerLink(self.check_ready, lambda: self.on_stats)
+        self._inflight = self.link.requests
         self._restarts = RestartPolicy(
             config.backoff_initial_s, config.backoff_max_s, config.max_exits, config.exit_window_s
         )
         self._last_load_s = 5.0
         self._restart_at: float | None = None
         self.last_message_at = 0.0
-        self._stats_calls: Calls[EngineStats] = Calls()
         self._tasks: set[asyncio.Task] = set()
         self._watchdog: asyncio.Task | None = None
         self._first_start = True
@@ -201,8 +168,13 @@ class Supervisor:
             task.cancel()  # a pending restart, a new worker's preparation
         if self._worker is None:
             # No worker to finish them: sequences waiting for a restart end now.
-            self._fail_all(SHUTTING_DOWN, SHUTDOWN_MESSAGE, retry=False)
+            self._inflight.fail_all(SHUTTING_DOWN, SHUTDOWN_MESSAGE, retry=False)
         self._publish_health()
+
+    @property
+    def shutting_down(self) -> bool:
+        """Whether :meth:`begin_shutdown` was called."""
+        return self._drain_until is not None
 
     @property
     def draining(self) -> bool:
@@ -217,13 +189,13 @@ class Supervisor:
         while self.draining and self.worker_alive and time.monotonic() < deadline:
             await asyncio.sleep(poll_s)
         ended = self._inflight.open_count()
-        self._fail_all(SHUTTING_DOWN, SHUTDOWN_MESSAGE, retry=False)
+        self._inflight.fail_all(SHUTTING_DOWN, SHUTDOWN_MESSAGE, retry=False)
         return ended
 
     def end_drain_now(self) -> None:
         """End every sequence still in flight with ``server_shutting_down`` now (a
         second Ctrl-C); :meth:`drain` then returns at once."""
-        self._fail_all(SHUTTING_DOWN, SHUTDOWN_MESSAGE, retry=False)
+        self._inflight.fail_all(SHUTTING_DOWN, SHUTDOWN_MESSAGE, retry=False)
 
     async def stop(self) -> None:
         """Stop the worker (gracefully, then by force) and fail what is in flight."""
@@ -235,8 +207,8 @@ class Supervisor:
         for task in list(self._tasks):
             task.cancel()
         worker, self._worker = self._worker, None
-        self._fail_all(ENGINE_FAILED, "the server is shutting down", retry=False)
-        self._commands.end_all()
+        self.link.detach()
+        self._inflight.fail_all(ENGINE_FAILED, "the server is shutting down", retry=False)
         if worker is not None:
             await worker.stop()
             self._pids.forget(worker.pid)
@@ -265,7 +237,7 @@ class Supervisor:
             on_exit=lambda s: self._on_exit(worker, s),
         )
         self._worker = worker
-        self.pool = None
+        self.link.attach(worker)
         worker.start()
         self.worker_pid = worker.pid
         self._last_worker_pid = worker.pid
@@ -290,31 +262,23 @@ class Supervisor:
             return self.info
         raise NotReady(self.state, self.retry_after_s(), self.failure_reason)
 
-    def submit(self, requests: list[GenerateRequest]) -> Submission:
-        """Send ``requests`` (one per sequence, index = position) to the worker.
-
-        Raises:
-            NotReady: no worker is ready; nothing was sent.
-        """
-        self.check_ready()
-        return self._inflight.submit(requests)
-
-    def cancel(self, submission: Submission) -> None:
-        """Abort every unfinished sequence of ``submission`` in the engine (its pages
-        are freed) and drop its future events. Idempotent."""
-        self._inflight.cancel(submission)
-
-    def abort_one(self, request_id: str) -> None:
-        """Abort one sequence in the engine (a stop string ended it) and drop its
-        future events."""
-        self._inflight.abort_one(request_id)
-
     async def fresh_stats(self, timeout_s: float = 2.0) -> EngineStats | None:
         """Counters read by the worker now (not the last heartbeat's); None if no
         worker answers within ``timeout_s`` seconds."""
         if self._worker is None or self.state is not State.READY:
             return self.stats
-        return await self._stats_calls.call(lambda seq: self._send(StatsRequest(seq)), timeout_s)
+        return await self.link.fresh_stats(timeout_s)
+
+    @property
+    def stats(self) -> EngineStats | None:
+        """The engine's counters from the worker's last heartbeat or answer."""
+        return self.link.stats
+
+    @property
+    def pool(self) -> PoolStats | None:
+        """The worker's KV pool figures from its last heartbeat or command answer (None:
+        no worker, or an engine that cannot resize its pool)."""
+        return self.link.pool
 
     @property
     def in_flight(self) -> int:
@@ -335,7 +299,7 @@ class Supervisor:
             NotReady: no worker is ready; nothing was sent.
         """
         self.check_ready()
-        return await self._commands.call(lambda seq: self._send(kind(seq=seq, **fields)), timeout_s)
+        return await self.link.command(kind, timeout_s, **fields)
 
     def retry_after_s(self) -> int | None:
         """Whole seconds until a worker is expected to be ready, or None in ``failed``;
@@ -352,56 +316,15 @@ class Supervisor:
             wait_s = max(0.0, self._worker.started_at + self._last_load_s - time.monotonic())
         return max(1, math.ceil(wait_s))
 
-    def health(self) -> dict[str, Any]:
-        """A JSON-able summary: state, pid, model, restarts, last exit, failure reason,
-        and the event socket's subscribers (``event_subscribers``)."""
-        report: dict[str, Any] = {
-            "status": self.state.value,
-            "worker_pid": self.worker_pid if self._worker and not self._worker.exited else None,
-            "restarts": self.restarts,
-            "in_flight": len(self._inflight),
-        }
-        if self.info is not None:
-            report["model"] = self.info.model_name
-        if self.ready_since is not None and self.state is State.READY:
-            report["ready_for_s"] = round(time.monotonic() - self.ready_since, 1)
-        if self.failure_reason:
-            report["reason"] = self.failure_reason
-        if self.last_exit is not None:
-            report["last_exit"] = {
-                "exit_code": self.last_exit.exit_code,
-                "signal": self.last_exit.signal,
-                "last_lines": list(self.last_exit.last_lines[-10:]),
-            }
-        if self.state in (State.STARTING, State.RESTARTING) or self._drain_until is not None:
-            report["retry_after_s"] = self.retry_after_s()
-        if self.events is not None:
-            report["event_subscribers"] = self.events.subscriber_count
-        return report
-
     # -- worker events (event loop thread) -----------------------------------------------
-
-    def _send(self, message: Any) -> None:
-        if self._worker is not None:
-            self._worker.send(message)
 
     def _on_message(self, worker: WorkerProcess, message: FromWorker) -> None:
         if worker is not self._worker:
             return  # a message from a previous incarnation
         self.last_message_at = time.monotonic()
-        if isinstance(message, Outputs):
-            for output in message.outputs:
-                self._inflight.deliver(output)
-        elif isinstance(message, ControlDone):
-            self._take_stats(message.stats, message.pool)
-            self._commands.answer(message.seq, message)
-        elif isinstance(message, Heartbeat):
-            self._take_stats(message.stats, message.pool)
-            if message.seq is not None:
-                self._stats_calls.answer(message.seq, message.stats)
-        elif isinstance(message, Rejected):
-            self._inflight.reject(message)
-        elif isinstance(message, EngineEvents):
+        if self.link.receive(message):
+            return
+        if isinstance(message, EngineEvents):
             for event in message.events:
                 self._on_engine_event(event)
         elif isinstance(message, Ready):
@@ -416,15 +339,6 @@ class Supervisor:
                 else:
                     reason = f"the engine failed to load: {message.kind}: {message.message}"
                 self._fail(reason)
-
-    def _take_stats(self, stats: EngineStats, pool: PoolStats | None) -> None:
-        self.stats = stats
-        self.pool = pool
-        if self.on_stats is not None:
-            try:
-                self.on_stats(stats)
-            except Exception:
-                log.exception("could not record the engine's counters")
 
     def _on_engine_event(self, event: EngineEvent) -> None:
         """Log one engine event (one line), hand it on, and keep :attr:`info`'s limits
@@ -485,17 +399,15 @@ class Supervisor:
         if worker is not self._worker:
             return
         self._worker = None
-        self.pool = None
+        self.link.detach()
         self.last_exit = status
         self._pids.forget(worker.pid)
-        self._stats_calls.end_all()
-        self._commands.end_all()
         if self.state is State.STOPPED:
             if self._drain_until is not None:
                 # Shutting down (a signal to the whole process group may reach it): what
                 # it carried ends now, and no restart is planned.
                 log.info("worker %s %s during shutdown", worker.pid, status.describe())
-                self._fail_all(SHUTTING_DOWN, SHUTDOWN_MESSAGE, retry=False)
+                self._inflight.fail_all(SHUTTING_DOWN, SHUTDOWN_MESSAGE, retry=False)
             return
         was_ready = self.state is State.READY
         log.error(
@@ -504,24 +416,16 @@ class Supervisor:
             status.describe(),
             "" if not status.last_lines else f"; last line: {status.last_lines[-1]}",
         )
-        self._publish(
-            WorkerEvent(
-                phase="exited",
-                pid=worker.pid,
-                exit_code=status.exit_code if status.signal is None else None,
-                signal=status.signal,
-                reason=status.describe(),
-                restarts=self.restarts,
-                last_lines=list(status.last_lines[-10:]),
-            )
-        )
+        self._publish(exited_event(worker.pid, status, self.restarts))
         now = time.monotonic()
         ran = was_ready and self.ready_since is not None
         self._restarts.record_exit(now, now - self.ready_since if ran else None)
         self.ready_since = None
 
         if self.state is State.FAILED:
-            self._fail_all(ENGINE_FAILED, self.failure_reason or "the engine failed", retry=False)
+            self._inflight.fail_all(
+                ENGINE_FAILED, self.failure_reason or "the engine failed", retry=False
+            )
             self._publish_health()
             return
         if self._restarts.crash_loop:
@@ -530,7 +434,7 @@ class Supervisor:
                 f"{self.config.exit_window_s:.0f} s; last: {status.describe()}"
             )
             return
-        self._fail_all(
+        self._inflight.fail_all(
             ENGINE_RESTARTED,
             f"the engine worker {status.describe()} and is restarting; retry the request",
             retry=True,
@@ -566,16 +470,7 @@ class Supervisor:
         if result is None:
             return
         self.last_release = result
-        what = "released" if result.released else "not released"
-        self._publish(
-            WorkerEvent(
-                phase="restarting",
-                pid=pid,
-                reason=f"memory of worker {pid} {what} after {result.waited_s:.1f} s: "
-                f"{result.reason}",
-                restarts=self.restarts,
-            )
-        )
+        self._publish(memory_wait_event(pid, result, self.restarts))
 
     def _fail(self, reason: str) -> None:
         """Enter ``failed``: no more restarts until :meth:`restart`."""
@@ -583,16 +478,11 @@ class Supervisor:
         self.state = State.FAILED
         self.failure_reason = reason
         self._restart_at = None
-        self._fail_all(ENGINE_FAILED, reason, retry=False)
+        self._inflight.fail_all(ENGINE_FAILED, reason, retry=False)
         self._publish(WorkerEvent(phase="failed", reason=reason, restarts=self.restarts))
         self._publish_health()
         if self.first_start_done is not None:
             self.first_start_done.set()
-
-    def _fail_all(self, code: str, message: str, *, retry: bool) -> None:
-        """End every in-flight sequence with an EngineFailure, except (``retry``) those
-        that produced nothing yet and were never retried: they wait for the next worker."""
-        self._inflight.fail_all(code, message, retry=retry)
 
     def _publish(self, event: Any) -> None:
         """Hand ``event`` to the hub, if any; never raises (events are a view)."""
@@ -604,7 +494,7 @@ class Supervisor:
             log.exception("could not publish a %s event", type(event).__name__)
 
     def _publish_health(self) -> None:
-        self._publish(HealthEvent.from_report(self.health()))
+        self._publish(HealthEvent.from_report(health_report(self)))
 
     def _spawn_task(self, coro: Awaitable[None]) -> None:
         task = asyncio.ensure_future(coro)

@@ -25,10 +25,12 @@ async def watch(supervisor: Supervisor) -> None:
     """Run until cancelled, killing ``supervisor``'s worker when it hangs."""
     config = supervisor.config
     period_s = max(0.05, min(config.worker.heartbeat_interval_s, 1.0))
+    # A killed worker stays `supervisor.worker` until it is reaped; kill (and log) once.
+    killed = None
     while True:
         await asyncio.sleep(period_s)
         worker = supervisor.worker
-        if worker is None or worker.exited:
+        if worker is None or worker.exited or worker is killed:
             continue
         now = time.monotonic()
         if supervisor.state is State.READY:
@@ -41,6 +43,7 @@ async def watch(supervisor: Supervisor) -> None:
                     config.stall_timeout_s,
                 )
                 worker.kill()
+                killed = worker
         elif supervisor.state in (State.STARTING, State.RESTARTING):
             if now - worker.started_at > config.start_timeout_s:
                 log.error(
@@ -49,3 +52,4 @@ async def watch(supervisor: Supervisor) -> None:
                     config.start_timeout_s,
                 )
                 worker.kill()
+                killed = worker

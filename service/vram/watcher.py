@@ -76,12 +76,17 @@ class TimelineError(ValueError):
 class Timeline:
     """A parsed ``--vram-timeline`` file: ``steps`` of ``(seconds, others' bytes)``,
     the card's ``total_bytes`` and ``display`` when the file sets them, and the moment
-    ``t = 0``: ``"ready"`` (the first worker is ready) or ``"service"`` (start)."""
+    ``t = 0``: ``"ready"`` (the first worker is ready) or ``"service"`` (start).
+    ``baseline``: what becomes of the other processes' memory ``--device-free`` gave
+    the plan at start: ``"kept"`` (it stays taken; the steps come on top) or
+    ``"replaced"`` (the steps are all the other processes: they hold that memory until
+    the first step, then what the steps say, so an app open at start can leave)."""
 
     steps: tuple[tuple[float, int], ...]
     total_bytes: int | None = None
     display: bool | None = None
     start: Literal["ready", "service"] = "ready"
+    baseline: Literal["kept", "replaced"] = "kept"
 
 
 def _size(value: Any, total: int | None, where: str) -> int:
@@ -102,7 +107,7 @@ def _size(value: Any, total: int | None, where: str) -> int:
 def load_timeline(path: str | Path, default_total: int | None = None) -> Timeline:
     """Read a timeline file (JSON)::
 
-        {"total": "3GiB", "display": true, "start": "ready",
+        {"total": "3GiB", "display": true, "start": "ready", "baseline": "kept",
          "steps": [[0, 0], [2, "40%"], [6, "1.6GiB"], [10, "40%"], [14, 0]]}
 
     Each step holds from its time (seconds) to the next; sizes are bytes, text sizes
@@ -129,12 +134,16 @@ def load_timeline(path: str | Path, default_total: int | None = None) -> Timelin
     start = data.get("start", "ready")
     if start not in ("ready", "service"):
         raise TimelineError(f'{path}: "start" must be "ready" or "service", not {start!r}')
+    baseline = data.get("baseline", "kept")
+    if baseline not in ("kept", "replaced"):
+        raise TimelineError(f'{path}: "baseline" must be "kept" or "replaced", not {baseline!r}')
     display = data.get("display")
     return Timeline(
         steps=tuple(steps),
         total_bytes=total,
         display=None if display is None else bool(display),
         start=start,
+        baseline=baseline,
     )
 
 
@@ -359,11 +368,13 @@ def make_watcher(settings: ServeSettings, supervisor: Supervisor, hub: EventHub)
         total = timeline.total_bytes or settings.device_total
         if total is None:
             raise TimelineError("the simulated card needs a size: --device-total or a total")
-        # What the plan saw as taken by others at start (--device-free) stays taken.
+        # What the plan saw as taken by others at start (--device-free): it stays taken
+        # under the steps, or until the first step when they replace it.
         baseline = 0
         if settings.device_free is not None and settings.device_total is not None:
             baseline = max(settings.device_total - settings.device_free, 0)
-        steps = [(-1e9, baseline), *((t, b + baseline) for t, b in timeline.steps)]
+        on_top = baseline if timeline.baseline == "kept" else 0
+        steps = [(-1e9, baseline), *((t, b + on_top) for t, b in timeline.steps)]
         anchor: dict[str, float | None] = {"t0": time.monotonic()}
         if timeline.start == "ready":
             anchor["t0"] = None

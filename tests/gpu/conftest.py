@@ -1,5 +1,7 @@
 """GPU tests run only where CUDA is present."""
 
+import gc
+
 import pytest
 import torch
 
@@ -15,6 +17,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _release_gpu_memory():
+    """After each test: engines hold reference cycles (and graphs, pools), so collect
+    them and give their memory back, or the next test plans a card already full of
+    this process's leftovers (a served worker counts them as another process's)."""
+    yield
+    if torch.cuda.is_available():
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
 @pytest.fixture
 def capped():
     """Make this process's allocator stop where a card of N bytes would: N minus the
@@ -22,6 +35,7 @@ def capped():
     total = torch.cuda.get_device_properties(0).total_memory
 
     def cap(limit: int) -> None:
+        gc.collect()
         torch.cuda.init()
         torch.cuda.empty_cache()
         free, _ = torch.cuda.mem_get_info()

@@ -12,6 +12,7 @@ is compared: the contexts differ from there).
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 
 import pytest
@@ -31,8 +32,8 @@ BACKENDS = [
     ("triton", True),
     ("triton", False),
     ("torch", False),
-    pytest.param("flashinfer", False, marks=pytest.mark.skipif(
-        importlib.util.find_spec("flashinfer") is None, reason="flashinfer is not installed")),
+    *(pytest.param("flashinfer", graphs, marks=pytest.mark.skipif(
+        importlib.util.find_spec("flashinfer") is None, reason="flashinfer is not installed")) for graphs in (True, False)),
 ]
 
 
@@ -93,18 +94,27 @@ def assert_greedy_matches(ours: list[int], ref: list[int], ref_logits: list[torc
 
 
 @pytest.mark.parametrize("backend,graphs", BACKENDS)
-def test_greedy_matches_transformers(shape_model, backend, graphs):
+def test_greedy_matches_transformers(shape_model, backend, graphs, caplog):
     path, prompts, refs = shape_model
+    caplog.set_level(logging.INFO, logger="headroom.engine")
     engine = Engine(EngineConfig(model=path, device="cuda", dtype="bfloat16", kv_cache=1 << 30,
                                  attention_backend=backend, cuda_graphs=graphs, max_running_requests=8))
     assert engine.attention_backend == backend
     assert (engine.runner.graphs is not None) == graphs
-    ours = run_greedy(engine, prompts)
+    replayed = []
+    ours = run_greedy(engine, prompts, on_step=lambda e, _: replayed.append(e.runner.replayed))
     for got, (ref, logits) in zip(ours, refs, strict=True):
         assert len(got) == NEW_TOKENS
         assert_greedy_matches(got, ref, logits)
+    # With graphs the decode steps replayed them (all but the prefill steps).
+    assert (sum(replayed) >= NEW_TOKENS - 1) == graphs
     if graphs:
         assert engine.runner.graphs.captures >= len(engine.runner.graphs.sizes)
+    if backend == "flashinfer":
+        # The first step of each kind says how long FlashInfer's JIT build took.
+        firsts = [r.getMessage() for r in caplog.records if r.getMessage().startswith("flashinfer: first")]
+        print("\n" + "\n".join(firsts))
+        assert any("first decode step" in m for m in firsts) and any("first prefill step" in m for m in firsts)
 
 
 def _default_model() -> str:

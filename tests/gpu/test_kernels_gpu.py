@@ -52,6 +52,21 @@ def test_silu_and_mul_at_model_width():
     _close_and_mostly_equal(triton_activation.silu_and_mul(x), activation.silu_and_mul(x), "SiLU-and-mul 65x14336")
 
 
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("k,n", [(576, 960), (1024, 4096), (3072, 1024), (4096, 14336)])
+def test_gemv_at_model_widths(rows, k, n, monkeypatch):
+    """The decode projections (SmolLM2 q/k/v, Qwen3-0.6B q/k/v and MLP down, Llama-3-8B
+    gate/up) against cuBLAS: both accumulate in float32 and round once."""
+    from kernels import gemv, triton_gemv
+
+    monkeypatch.setenv("HEADROOM_GEMV", "1")
+
+    x = torch.randn(rows, k, device=DEV, dtype=BF16)
+    w = torch.randn(2 * n, k, device=DEV, dtype=BF16) / k**0.5
+    _close_and_mostly_equal(triton_gemv.linear(x, w[:n]), gemv.linear(x, w[:n]), f"linear {rows}x{k}->{n}")
+    _close_and_mostly_equal(triton_gemv.gate_up_silu(x, w), gemv.gate_up_silu(x, w), f"gate/up + SiLU {rows}x{k}->{n}")
+
+
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_rotary_and_store_at_llama3_8b_shape(qk_norm):
     from kernels import triton_rotary

@@ -131,6 +131,11 @@ export interface LedgerEntry {
 
 /**
  * The ledger and what it gives. Sizes in bytes, contexts in tokens.
+ *
+ * `wanted_context_tokens` is the context asked for (the model's, capped by
+ * `--max-model-len`); `max_context_tokens` what one request gets (lower when the
+ * pool cannot hold the wanted one); `context_note` says why it is lower ("" when it
+ * is not).
  */
 export interface MemoryPlan {
   device: string;
@@ -148,6 +153,8 @@ export interface MemoryPlan {
   suggestions: Suggestion[];
   max_prefill_tokens: number;
   max_running_requests: number;
+  wanted_context_tokens: number;
+  context_note: string;
 }
 
 /**

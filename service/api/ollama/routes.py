@@ -53,7 +53,7 @@ from service.api.ollama.schemas import (
     OllamaVersion,
 )
 from service.api.reasoning import template_thinks
-from service.api.routes import CLIENT_GONE, _log_request, _respond
+from service.api.responses import CLIENT_GONE, log_request, respond_with
 from service.http.state import Services
 from service.supervision.states import NotReady
 
@@ -180,7 +180,7 @@ async def _ndjson(
         raise
     finally:
         gen.close()
-        _log_request(gen, gen.request_id, status, gen.started)
+        log_request(gen, gen.request_id, status, gen.started)
 
 
 async def _admit(svc: Services, mapped: Mapped) -> tuple[EngineInfo, str, Any]:
@@ -242,7 +242,7 @@ async def _answer(
         part = _Part(message.content or "", message.reasoning_content or "", calls)
         return line(part, True, _timings(gen, _done_reason(reason)))
 
-    return await _respond(gen, request, gen.request_id, started, build)
+    return await respond_with(gen, request, build)
 
 
 class OllamaController(Controller):

@@ -1,0 +1,44 @@
+"""How a ``headroom`` command fails: one line on stderr naming the fix, and an exit code
+(1 the work failed, 2 a usage error, as click's own usage errors).
+
+Light at import (click only), like the whole of :mod:`service.cli`.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import NoReturn
+
+import click
+
+EXIT_USAGE = 2
+EXIT_FAILED = 1
+
+
+def fail(message: str, code: int = EXIT_FAILED) -> NoReturn:
+    """Print ``headroom: error: <message>`` on stderr and exit with ``code``."""
+    click.echo(f"headroom: error: {message}", err=True)
+    sys.exit(code)
+
+
+def check_model_path(model: str | None) -> None:
+    """Fail fast, before torch is imported, for a model that is neither a path nor a
+    name in the store."""
+    if model is None or Path(model).expanduser().exists():
+        return
+    from engine.loader.errors import ModelNotFound
+    from engine.loader.store import find_model
+
+    try:
+        found = find_model(model)
+    except ModelNotFound as exc:
+        fail(str(exc), EXIT_USAGE)
+    if found is None:
+        fail(
+            f"model not found: {model} (no such file or folder, and no such name in the "
+            "store: `headroom models` lists it); pass a Hugging Face model folder, a "
+            ".gguf file or a store name with --model (`headroom pull REPO[:FILE]` "
+            "fetches one), or leave --model out for the default model",
+            EXIT_USAGE,
+        )

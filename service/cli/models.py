@@ -1,0 +1,55 @@
+"""``headroom models`` and ``headroom pull``: the local model store
+(:mod:`engine.loader.store`, :mod:`engine.loader.pull`). Torch-free."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from service.cli.exits import EXIT_FAILED, EXIT_USAGE, fail
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the list as JSON.")
+def models(as_json: bool) -> None:
+    """List the models in the local store (fetched with `headroom pull`): name,
+    architecture, quantization, size on disk and context. Pass a name to --model."""
+    from engine.loader.store import list_store, store_dir
+    from engine.units import fmt_bytes
+
+    found = list_store()
+    if as_json:
+        click.echo(json.dumps([
+            {"name": m.name, "path": str(m.path), "architecture": m.architecture, "quantization": m.quantization,
+             "size_bytes": m.size_bytes, "context_tokens": m.context_tokens}
+            for m in found
+        ]))
+        return
+    if not found:
+        click.echo(f"no models in {store_dir()} yet: fetch one with `headroom pull REPO[:FILE.gguf]`")
+        return
+    rows = [("NAME", "ARCHITECTURE", "QUANTIZATION", "SIZE", "CONTEXT")]
+    rows += [(m.name, m.architecture, m.quantization, fmt_bytes(m.size_bytes),
+              f"{m.context_tokens:,}" if m.context_tokens else "?") for m in found]
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    for r in rows:
+        click.echo("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
+
+
+@click.command()
+@click.argument("spec", metavar="REPO[:FILE]")
+def pull(spec: str) -> None:
+    """Fetch a model from the Hugging Face Hub into the local store: REPO (owner/name)
+    for a Hugging Face folder (config, safetensors, tokenizer), REPO:FILE.gguf for one
+    GGUF file. Resumes an interrupted download; honours HF_ENDPOINT, HF_TOKEN and
+    HF_HUB_OFFLINE. Then serve it with `--model REPO[:FILE.gguf]`."""
+    from engine.loader.pull import PullError
+    from engine.loader.pull import pull as fetch
+
+    try:
+        pulled = fetch(spec)
+    except PullError as exc:
+        fail(str(exc), EXIT_USAGE if exc.usage else EXIT_FAILED)
+    click.echo(f"pulled {pulled.name} into {pulled.path}")
+    click.echo(f"serve it with: headroom serve --model {pulled.name}")

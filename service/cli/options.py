@@ -1,0 +1,132 @@
+"""The click options of the ``headroom`` commands, each declared once.
+
+Serve's settings (:data:`service.cli.settings.OPTIONS`) become options here with their
+environment variable and default in the help; other commands take a subset of them
+(:func:`with_settings`), so a setting has the same flag, variable and config key
+everywhere. The options of the benchmarks and ``generate`` that are not settings
+(``--requests``, ``--max-tokens``, ``--device``...) are declared once below; a command
+passes only what differs (its default, the line of help that says what the option
+means for it).
+
+Light at import (click only), like the whole of :mod:`service.cli`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from service.cli.exits import EXIT_USAGE, fail
+from service.cli.settings import OPTIONS, OPTIONS_BY_NAME, Option, SettingsError, resolve
+
+Decorator = Callable[[Any], Any]
+
+
+def settings_option(opt: Option, flag: str | None = None, *, show_env: bool = True) -> Decorator:
+    """A click option for one setting of service.cli.settings.OPTIONS (``flag`` renames it
+    on the command line; the value still lands under the setting's name), with its
+    environment variable and default in the help."""
+    default = ", ".join(opt.default) if opt.multiple else opt.default
+    shown = "unset" if default in (None, "") else default
+    if opt.type is bool:
+        shown = "on" if default else "off"
+    env = f"env: {opt.env}; " if show_env else ""
+    help_text = f"{opt.help} [{env}default: {shown}]"
+    name = (flag or opt.flag)[2:]
+    if opt.type is bool:
+        return click.option(f"--{name}/--no-{name}", opt.name, default=None, help=help_text)
+    return click.option(
+        f"--{name}",
+        opt.name,
+        type=opt.type,
+        default=None,
+        multiple=opt.multiple,
+        metavar=opt.metavar,
+        help=help_text,
+    )
+
+
+def with_settings(*names: str, renamed: dict[str, str] | None = None) -> Decorator:
+    """Decorate a command with the settings ``names`` (serve's options, same help,
+    environment variables and config keys); ``renamed`` maps a setting to another flag."""
+    renamed = renamed or {}
+
+    def wrap(func: Any) -> Any:
+        for name in reversed(names):
+            func = settings_option(OPTIONS_BY_NAME[name], renamed.get(name))(func)
+        return func
+
+    return wrap
+
+
+def with_serve_options(func: Any) -> Any:
+    """Every setting of service.cli.settings.OPTIONS, in their order, so --help lists each
+    one with its environment variable and default."""
+    return with_settings(*(opt.name for opt in OPTIONS))(func)
+
+
+config_option = click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="TOML config file [env: HEADROOM_CONFIG; default: "
+    "<user config dir>/headroom/config.toml].",
+)
+
+
+def resolve_or_fail(flags: dict[str, Any], config_path: Path | None) -> Any:
+    """The resolved settings (:func:`service.cli.settings.resolve`), or exit 2 with the
+    reason a setting is wrong."""
+    try:
+        return resolve(flags, config_path=config_path)
+    except SettingsError as exc:
+        fail(str(exc), EXIT_USAGE)
+
+
+# -- options of generate and the benchmarks that are not settings -------------------------------
+
+
+def model_option(help_text: str) -> Decorator:
+    """``--model``: a Hugging Face folder or a .gguf file; unset, the embedded model."""
+    return click.option("--model", default=None, help=help_text)
+
+
+def device_option(help_text: str) -> Decorator:
+    """``--device``: auto, cpu or cuda[:N]."""
+    return click.option("--device", default="auto", show_default=True, help=help_text)
+
+
+def count_option(*decls: str, least: int, default: int, help_text: str | None = None) -> Decorator:
+    """An integer option of at least ``least`` (click's usage error below it), its default
+    shown in the help; ``decls`` as click's (flags, then the parameter's name if renamed)."""
+    return click.option(
+        *decls, type=click.IntRange(min=least), default=default, show_default=True, help=help_text
+    )
+
+
+def requests_option(default: int) -> Decorator:
+    """``-n/--requests`` (lands as ``num_requests``): how many requests a benchmark sends."""
+    return count_option(
+        "-n", "--requests", "num_requests", least=1, default=default, help_text="Requests to send."
+    )
+
+
+def max_tokens_option(default: int, help_text: str) -> Decorator:
+    """``--max-tokens``: completion tokens of a request, at least 1."""
+    return count_option("--max-tokens", least=1, default=default, help_text=help_text)
+
+
+def url_option(default: str | None, help_text: str) -> Decorator:
+    """``--url``: the base URL of a running ``headroom serve``."""
+    return click.option("--url", default=default, show_default=default is not None, help=help_text)
+
+
+def seed_option(default: int | None, help_text: str) -> Decorator:
+    """``--seed``: the seed of a sampler or of a benchmark's random choices."""
+    return click.option(
+        "--seed", type=int, default=default, show_default=default is not None, help=help_text
+    )

@@ -1,0 +1,129 @@
+"""``headroom serve``: bind the port, build the app and run it under uvicorn until a
+signal drains it.
+
+Light at import (click only): the worker is spawned and re-imports the parent's main
+module, and must never import Litestar; uvicorn and the app are imported inside
+:func:`serve`.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from service.cli.exits import check_model_path, fail
+from service.cli.options import config_option, resolve_or_fail, with_serve_options
+from service.cli.settings import DEFAULT_PORT
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind and listen on ``host:port`` before anything else starts, so a taken port
+    fails the start at once (and no other process can take it in between).
+
+    Raises:
+        OSError: with the message ``"port N is in use"`` for EADDRINUSE.
+    """
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    family, _, _, _, address = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    if sys.platform != "win32":
+        # Reuse a port left in TIME_WAIT by our previous run; on POSIX this never
+        # lets two live listeners share it (on Windows it would).
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        if exc.errno in (errno.EADDRINUSE, getattr(errno, "WSAEADDRINUSE", -1)):
+            raise OSError(exc.errno, f"port {port} is in use (on {host})") from None
+        raise OSError(exc.errno, f"cannot bind {host}:{port}: {exc.strerror}") from None
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def _websocket_protocol() -> str:
+    """uvicorn's sans-I/O websockets protocol where this uvicorn has it (0.35+: no
+    deprecation warnings from the legacy websockets API), else its automatic choice."""
+    try:
+        from uvicorn.config import WS_PROTOCOLS
+    except ImportError:  # pragma: no cover - a very old uvicorn
+        return "auto"
+    return "websockets-sansio" if "websockets-sansio" in WS_PROTOCOLS else "auto"
+
+
+@click.command(
+    epilog=f"Settings come from, lowest first: defaults, the config file (TOML, keys as "
+    f"the option names with underscores, e.g. port = {DEFAULT_PORT}), HEADROOM_* "
+    f"environment variables, then these flags. The default port is {DEFAULT_PORT}."
+)
+@config_option
+@with_serve_options
+def serve(config_path: Path | None, **flags: Any) -> None:
+    """Serve the OpenAI-compatible API on 127.0.0.1 with a supervised engine worker.
+
+    With no arguments: the embedded default model on http://127.0.0.1:8427.
+    """
+    settings = resolve_or_fail(flags, config_path)
+    _setup_logging(settings.log_level)
+    log = logging.getLogger("headroom.service")
+    check_model_path(settings.model)
+    try:
+        sock = bind_socket(settings.host, settings.port)
+    except OSError as exc:
+        fail(exc.strerror or str(exc))
+
+    import uvicorn
+
+    from service.http.app import StartupError, create_app
+    from service.http.shutdown import WRITE_GRACE_S, GracefulServer
+
+    failure: list[str] = []
+    server: GracefulServer | None = None
+
+    def on_start_failure(reason: str) -> None:
+        failure.append(reason)
+        if server is not None:
+            server.should_exit = True
+
+    try:
+        app, services = create_app(settings, on_start_failure=on_start_failure)
+    except StartupError as exc:
+        sock.close()
+        fail(str(exc))
+    host, port = sock.getsockname()[:2]
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_config=None,
+        access_log=False,
+        lifespan="on",
+        timeout_graceful_shutdown=WRITE_GRACE_S,
+        ws=_websocket_protocol(),
+        # h11 bounds the request line plus headers (--max-header-size); httptools would not.
+        http="h11",
+        h11_max_incomplete_event_size=settings.max_header_size,
+    )
+    # SIGTERM/SIGINT drain the requests in flight, then exit 0 (service.http.shutdown).
+    server = GracefulServer(config, services.supervisor, settings.shutdown_timeout)
+    log.info("headroom listening on http://%s:%d (engine starting)", host, port)
+    server.run(sockets=[sock])
+    if failure:
+        fail(f"the engine could not start: {failure[0]}")
+    if not server.started:
+        fail("the server did not start")

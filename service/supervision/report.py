@@ -1,0 +1,76 @@
+"""What the supervisor reports: the health summary (``/api/health``, the ``health``
+event) and the worker events whose fields need assembling (an exit, the wait for a
+dead worker's memory).
+
+Reads the supervisor's public state only; never changes it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from service.events.schemas import WorkerEvent
+from service.supervision.release import ReleaseResult
+from service.supervision.states import State
+from service.supervision.worker_process import ExitStatus
+
+if TYPE_CHECKING:
+    from service.supervision.supervisor import Supervisor
+
+# The worker's last lines a report carries (the newest).
+LAST_LINES = 10
+
+
+def health_report(sup: Supervisor) -> dict[str, Any]:
+    """A JSON-able summary: state, pid, model, restarts, last exit, failure reason,
+    ``retry_after_s`` while starting, restarting or draining, and the event socket's
+    subscribers (``event_subscribers``)."""
+    report: dict[str, Any] = {
+        "status": sup.state.value,
+        "worker_pid": sup.worker_pid if sup.worker_alive else None,
+        "restarts": sup.restarts,
+        "in_flight": sup.in_flight,
+    }
+    if sup.info is not None:
+        report["model"] = sup.info.model_name
+    if sup.ready_since is not None and sup.state is State.READY:
+        report["ready_for_s"] = round(time.monotonic() - sup.ready_since, 1)
+    if sup.failure_reason:
+        report["reason"] = sup.failure_reason
+    if sup.last_exit is not None:
+        report["last_exit"] = {
+            "exit_code": sup.last_exit.exit_code,
+            "signal": sup.last_exit.signal,
+            "last_lines": list(sup.last_exit.last_lines[-LAST_LINES:]),
+        }
+    if sup.state in (State.STARTING, State.RESTARTING) or sup.shutting_down:
+        report["retry_after_s"] = sup.retry_after_s()
+    if sup.events is not None:
+        report["event_subscribers"] = sup.events.subscriber_count
+    return report
+
+
+def exited_event(pid: int | None, status: ExitStatus, restarts: int) -> WorkerEvent:
+    """The ``worker`` event of an exit: its code, or the signal that killed it."""
+    return WorkerEvent(
+        phase="exited",
+        pid=pid,
+        exit_code=status.exit_code if status.signal is None else None,
+        signal=status.signal,
+        reason=status.describe(),
+        restarts=restarts,
+        last_lines=list(status.last_lines[-LAST_LINES:]),
+    )
+
+
+def memory_wait_event(pid: int, result: ReleaseResult, restarts: int) -> WorkerEvent:
+    """The ``worker`` event saying whether dead worker ``pid``'s memory came back before
+    the next one plans, and after how long."""
+    what = "released" if result.released else "not released"
+    return WorkerEvent(
+        phase="restarting",
+        pid=pid,
+        reason=f"memory of worker {pid} {what} after {result.waited_s:.1f} s: {result.reason}",
+        restarts=restarts,
+    )

@@ -400,7 +400,7 @@ def test_watchdog_kills_a_stalled_worker_once_until_it_is_reaped():
         ),
         worker=worker,
         state=State.READY,
-        last_message_at=time.monotonic() - 10.0,
+        link=SimpleNamespace(last_message_at=time.monotonic() - 10.0),
     )
 
     async def run() -> None:

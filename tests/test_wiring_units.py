@@ -225,10 +225,15 @@ def test_the_worker_carries_out_replan_commands_and_answers_after_the_events():
 
 
 @dataclass
-class StubSupervisor:
-    info: EngineInfo | None = field(default_factory=info)
+class StubLink:
     stats: EngineStats | None = STATS
     in_flight: int = 0
+
+
+@dataclass
+class StubSupervisor:
+    info: EngineInfo | None = field(default_factory=info)
+    link: StubLink = field(default_factory=StubLink)
 
 
 def services_with_hub() -> tuple[Services, EventHub]:
@@ -311,15 +316,12 @@ def test_bytes_asked_reads_torchs_message():
 # -- the watcher ----------------------------------------------------------------------------
 
 
-class FakeSupervisor:
+class FakeLink:
     """Applies commands to a pool at once, like the worker, and records them."""
 
     def __init__(self, pool: ipc.PoolStats) -> None:
-        self.state = State.READY
-        self.info = info(device="cuda:0")
         self.pool: ipc.PoolStats | None = pool
         self.commands: list[Any] = []
-        self.worker_alive = True
 
     async def run_command(self, kind, *, timeout_s: float = 30.0, **fields: Any):
         self.commands.append((kind.__name__, fields))
@@ -329,6 +331,16 @@ class FakeSupervisor:
         elif kind is ipc.SetPrefillChunk:
             self.pool = msgspec.structs.replace(self.pool, prefill_chunk=fields["tokens"])
         return ipc.ControlDone(seq=1, ok=True, message="ok", stats=STATS, pool=self.pool)
+
+
+class FakeSupervisor:
+    """A ready worker's keeper whose link is a :class:`FakeLink`."""
+
+    def __init__(self, pool: ipc.PoolStats) -> None:
+        self.state = State.READY
+        self.info = info(device="cuda:0")
+        self.link = FakeLink(pool)
+        self.worker_alive = True
 
 
 def test_the_watcher_follows_a_simulated_timeline_with_commands():
@@ -343,7 +355,7 @@ def test_the_watcher_follows_a_simulated_timeline_with_commands():
     source = SimulatedSource(
         total,
         [(0.0, margin - 200 * MiB), (2.0, margin + 1000 * MiB), (6.0, margin - 200 * MiB)],
-        ours_bytes=lambda: simulated_ours_bytes(sup.pool),
+        ours_bytes=lambda: simulated_ours_bytes(sup.link.pool),
         clock=lambda: now[0],
     )
     watcher = VramWatcher(sup, None, source, kind="simulated", hold_s=1.0)  # type: ignore[arg-type]
@@ -352,20 +364,20 @@ def test_the_watcher_follows_a_simulated_timeline_with_commands():
         pages = []
         while now[0] < 10.0:
             await watcher.step(source.sample())
-            assert sup.pool is not None
-            pages.append(sup.pool.pages)
+            assert sup.link.pool is not None
+            pages.append(sup.link.pool.pages)
             now[0] += 0.25
         return pages
 
     pages = asyncio.run(play())
-    kinds = [k for k, _ in sup.commands]
+    kinds = [k for k, _ in sup.link.commands]
     assert kinds[0] == "SetPrefillChunk" and "ResizePool" in kinds
     assert min(pages) < 2001 and pages[-1] == 2001  # shrank, then grew back to the plan
-    assert sup.pool is not None and sup.pool.prefill_chunk == 2048
+    assert sup.link.pool is not None and sup.link.pool.prefill_chunk == 2048
     assert kinds.count("ResizePool") <= 5
     # A ceiling asked for through the control API caps the grow.
     watcher.kv_ceiling_pages = 1500
-    assert watcher.pool_state(sup.pool).planned_pages == 1500
+    assert watcher.pool_state(sup.link.pool).planned_pages == 1500
 
 
 def test_the_watcher_leaves_a_cpu_engine_alone_on_a_real_gpu():
@@ -389,7 +401,7 @@ def test_the_watcher_leaves_a_cpu_engine_alone_on_a_real_gpu():
     full = SimulatedSource(GiB, [(0.0, GiB)], clock=lambda: 0.0)  # nothing free at all
     watcher = VramWatcher(sup, None, full, kind="nvml")  # type: ignore[arg-type]
     assert asyncio.run(watcher.step(full.sample())) == []
-    assert sup.commands == []
+    assert sup.link.commands == []
 
 
 # -- the timeline file, settings, headroom token ------------------------------------------------

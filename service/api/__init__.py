@@ -1,2 +1,2 @@
 """The OpenAI-compatible API: routes, request and response schemas, error mapping,
-the OpenAPI document, admission (backpressure) and one call's generation."""
+the OpenAPI document, admission (backpressure), a call's prompts and its generation."""

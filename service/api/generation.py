@@ -1,23 +1,26 @@
 """One API call's generation: sampling checks, engine requests, text out.
 
-Shared by chat and text completions, streaming or not. A :class:`Generation` submits
-``len(prompts) * n`` engine sequences through the supervisor, turns each one's token
-ids into text (incremental detokenizer, then stop strings, which end the sequence in
-the engine at once), counts usage and times the first token.
+Shared by chat and text completions, streaming or not. A :class:`Generation` takes the
+checked call into the engine in one part (:meth:`Generation.start`: its place among the
+waiting requests, its prompts to token ids, ``len(prompts) * n`` engine sequences
+submitted to the worker link's routing), then turns each sequence's token ids into text
+(:meth:`Generation.pieces`: incremental detokenizer, then stop strings, which end the
+sequence in the engine at once), counts usage and times the first token.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from engine.ipc import Rejected
-from engine.messages import FINISH_ERROR, FINISH_LENGTH, GenerateRequest, SamplingParams
+from engine.messages import FINISH_ERROR, FINISH_LENGTH, EngineInfo, GenerateRequest, SamplingParams
 from engine.text.stop import StopStringMatcher
-from service.api.admission import Ticket
+from service.api.admission import Admission, Ticket
 from service.api.errors import SERVER_ERROR, APIError, invalid
+from service.api.prompts import Prompt, encode_prompts
 from service.api.sampling_defaults import SamplingDefaults
 from service.api.schemas import MAX_N, SEED_MAX, TOP_K_MAX, _SamplingFields
 from service.api.text import TextSide
@@ -116,6 +119,29 @@ def resolve_max_tokens(
     return requested
 
 
+@dataclass(frozen=True)
+class MaxTokens:
+    """How a call asks for its completions' length (see :func:`resolve_max_tokens`):
+    ``requested`` tokens (None: ``default``, or the rest of the context), ``param`` and
+    ``prompt_param`` the fields its errors name."""
+
+    requested: int | None
+    param: str
+    prompt_param: str
+    default: int | None = None
+
+    def resolve(self, prompt_tokens: int, context_tokens: int) -> int:
+        """Tokens a sequence after a prompt of ``prompt_tokens`` may generate."""
+        return resolve_max_tokens(
+            self.requested,
+            self.param,
+            prompt_tokens,
+            context_tokens,
+            prompt_param=self.prompt_param,
+            default=self.default,
+        )
+
+
 _OPENAI_DEFAULTS = SamplingDefaults()
 
 
@@ -124,12 +150,14 @@ def sampling_params(
     max_new_tokens: int,
     seed_offset: int,
     defaults: SamplingDefaults = _OPENAI_DEFAULTS,
+    json_schema: str | None = None,
 ) -> SamplingParams:
     """OpenAI sampling fields to engine :class:`SamplingParams`. An unset field takes
     its value from ``defaults`` (the model's generation config, see
     :mod:`service.api.sampling_defaults`; OpenAI's: temperature 1, top_p 1). With a
     seed, sequence ``i`` of ``n`` uses ``seed + i`` so its choices differ yet repeat run
-    to run.
+    to run. ``json_schema``: the JSON schema (as text) the answer is constrained to
+    (:mod:`service.api.structured`), or None.
 
     Raises:
         APIError: 400 naming the field for a value out of range.
@@ -163,6 +191,7 @@ def sampling_params(
         frequency_penalty=req.frequency_penalty or 0.0,
         ignore_eos=req.ignore_eos,
         logit_bias=logit_bias_pairs(req.logit_bias),
+        json_schema=json_schema,
     )
 
 
@@ -265,6 +294,31 @@ class _SeqText:
     finished: bool = False
 
 
+class CallSteps:
+    """A call's own steps inside :meth:`Generation.start`, around its prompts'
+    encoding. This base takes none (text completions); a chat's
+    (:class:`service.api.chat_generation.ChatSteps`) checks its tools and
+    ``response_format`` and continues its prompt for a forced tool call.
+
+    Attributes:
+        json_schema: the JSON schema (as text) every answer is constrained to, or None
+            (free text); known once :meth:`check` has passed.
+    """
+
+    json_schema: str | None = None
+
+    def check(self) -> None:
+        """The call's own checks, after its admission and before any tokenizing.
+
+        Raises:
+            APIError: 400 naming the field.
+        """
+
+    async def continued(self, prompt_ids: list[int]) -> list[int]:
+        """A prompt's token ids as the engine gets them, from its encoding."""
+        return prompt_ids
+
+
 @dataclass
 class Generation:
     """The sequences of one API call.
@@ -274,14 +328,20 @@ class Generation:
             routing (``supervisor.link.requests``), its ``retry_after_s`` dates a 503.
         text: the tokenizer side.
         request_id: the API id (``chatcmpl-...``); engine ids are ``{request_id}-{i}``.
-        prompts: prompt token ids, one list per prompt.
         n: sequences per prompt; sequence ``i`` answers ``prompts[i // n]``.
-        sampling: one :class:`SamplingParams` per sequence.
         stops: stop strings.
         started: ``time.perf_counter()`` when the HTTP request arrived.
         deadline: ``time.perf_counter()`` past which :meth:`pieces` gives up (504
             ``request_timeout``; the caller's :meth:`close` aborts the sequences), or
             None.
+        defaults: what an unset sampling field means (the model's generation config,
+            :mod:`service.api.sampling_defaults`).
+        context_tokens: a smaller context than the engine's for this call (Ollama's
+            ``num_ctx``), or None.
+
+    Attributes (set by :meth:`start`):
+        prompts: prompt token ids, one list per prompt.
+        sampling: one :class:`SamplingParams` per sequence.
         ticket: the request's place among those waiting for the engine, released at
             its first output or at :meth:`close`.
     """
@@ -289,12 +349,14 @@ class Generation:
     supervisor: Supervisor
     text: TextSide
     request_id: str
-    prompts: list[list[int]]
     n: int
-    sampling: list[SamplingParams]
     stops: list[str]
     started: float
     deadline: float | None = None
+    defaults: SamplingDefaults = _OPENAI_DEFAULTS
+    context_tokens: int | None = None
+    prompts: list[list[int]] = field(default_factory=list)
+    sampling: list[SamplingParams] = field(default_factory=list)
     ticket: Ticket | None = None
     first_token_at: float | None = None
     submission: Submission | None = None
@@ -314,12 +376,55 @@ class Generation:
             return None
         return (self.first_token_at - self.started) * 1000.0
 
-    def start(self) -> None:
-        """Submit the sequences (none when ``max_new_tokens`` is 0).
+    async def start(
+        self,
+        admission: Admission,
+        info: EngineInfo,
+        req: _SamplingFields,
+        prompts: Sequence[Prompt],
+        max_tokens: MaxTokens,
+        steps: CallSteps | None = None,
+    ) -> None:
+        """Take the checked call ``req`` into the engine, in this order (so the errors
+        come in it): a place among the requests waiting for the engine
+        (``admission``), ``logit_bias`` against the vocabulary, the call's own checks
+        (``steps``, see :class:`CallSteps`), the prompts to token ids (bounded
+        untokenized, then the chat template or the tokenizer in threads, see
+        :func:`service.api.prompts.encode_prompts`; then continued by ``steps``), each
+        prompt's completion length against the context (``info``'s, or
+        ``context_tokens``), one ``GenerateRequest`` per sequence, submitted (none
+        when the length is 0). The place is given back when any step fails.
 
         Raises:
+            APIError: 503 ``queue_full``; 400 ``logit_bias``; 400 as ``steps``,
+                :func:`~service.api.prompts.encode_prompts` and
+                :func:`resolve_max_tokens` raise (``context_length_exceeded``...).
+            engine.text.chat.ChatTemplateError: messages the template cannot render.
             NotReady: no worker ready; nothing submitted.
         """
+        steps = steps or CallSteps()
+        self.ticket = admission.enter()
+        try:
+            logit_bias_pairs(req.logit_bias, info.vocab_size)
+            steps.check()
+            context = info.max_context_tokens
+            if self.context_tokens is not None:
+                context = min(context, self.context_tokens)
+            encoded = await encode_prompts(self.text, prompts, info, context)
+            self.prompts = [await steps.continued(ids) for ids in encoded]
+            self.sampling = []
+            for ids in self.prompts:
+                max_new = max_tokens.resolve(len(ids), context)
+                self.sampling += [
+                    sampling_params(req, max_new, j, self.defaults, steps.json_schema)
+                    for j in range(self.n)
+                ]
+            self._submit()
+        except BaseException:
+            self.ticket.release()
+            raise
+
+    def _submit(self) -> None:
         prompt_of = [self.prompts[i // self.n] for i in range(len(self.sampling))]
         self._seqs = [
             _SeqText(StopStringMatcher(self.stops), self.text.detokenizer(ids)) for ids in prompt_of

@@ -4,9 +4,12 @@
 Bodies are decoded here (not by Litestar's signature model) so that every defect
 in them, empty, not JSON, not an object, a wrong type, answers OpenAI's 400 with
 ``param``. Order of checks: body, then fields needing nothing else, then readiness
-(503), model (404), admission (503 ``queue_full``, see :mod:`service.api.admission`), a
-cheap lower bound on the prompt's tokens against the context (400
-``context_length_exceeded`` before any tokenizing, see
+(503), model (404); then the checked call goes into the engine in one part
+(:meth:`service.api.generation.Generation.start`; a chat's through
+:func:`service.api.chat_generation.start_chat`): admission (503 ``queue_full``, see
+:mod:`service.api.admission`), ``logit_bias`` against the vocabulary (400), a chat's
+``response_format`` and ``tools``/``tool_choice`` (400), a cheap lower bound on the
+prompt's tokens against the context (400 ``context_length_exceeded`` before any tokenizing, see
 :meth:`service.api.text.TextSide.min_tokens`), tokenizing (in threads; 400 for a template
 refusal), context (400), submit. With ``--request-timeout``, a request still running
 that many seconds after it arrived is aborted in the engine and answered 504
@@ -22,25 +25,17 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from litestar import Controller, Request, Response, get, post
 
 from engine.messages import EngineInfo
-from service.api.admission import Ticket
-from service.api.chat_generation import request_deadline, start_chat
-from service.api.checks import check_chat_fields, check_prompt_bound, completion_prompts
-from service.api.errors import decode_body, invalid
-from service.api.generation import (
-    Generation,
-    check_common,
-    logit_bias_pairs,
-    resolve_max_tokens,
-    sampling_params,
-    stop_strings,
-)
+from service.api.chat_generation import call_generation, start_chat
+from service.api.checks import check_chat_fields, completion_prompts
+from service.api.errors import decode_body
+from service.api.generation import MaxTokens, check_common
+from service.api.prompts import completion_prompts_of
 from service.api.responses import event_stream, json_response, respond
 from service.api.schemas import (
     ChatChoice,
@@ -60,95 +55,23 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 
-async def _admit(
+async def _checked(
     request: Request, svc: Services, body_type: type[T], check: Callable[[T], R]
-) -> tuple[T, R, EngineInfo, str, Ticket]:
-    """What every generation call does first, in this order (so the errors come in it):
-    decode the body into ``body_type`` (400), the checks common to both calls, then
-    ``check(req)`` (400; its result is returned), a ready worker (503), the model name
-    (404), and a place among the waiting requests (503 ``queue_full``).
+) -> tuple[T, R, EngineInfo, str]:
+    """What every generation call checks first, in this order (so the errors come in
+    it): decode the body into ``body_type`` (400), the checks common to both calls, then
+    ``check(req)`` (400; its result is returned), a ready worker (503) and the model name
+    (404).
 
     Returns:
-        ``(req, check's result, the engine's facts, the model name to answer with, the
-        admission ticket)``; the caller releases the ticket.
+        ``(req, check's result, the engine's facts, the model name to answer with)``.
     """
     req = decode_body(await request.body(), body_type)
     check_common(req)  # type: ignore[arg-type]
     checked = check(req)
     info = svc.supervisor.check_ready()
     model = svc.check_model(req.model, info)  # type: ignore[attr-defined]
-    return req, checked, info, model, svc.admission.enter()
-
-
-async def _completion_generation(
-    req: CompletionRequest,
-    items: list[str | list[int]],
-    info: Any,
-    svc: Services,
-    started: float,
-    ticket: Any,
-) -> Generation:
-    """Bound, tokenize and check each prompt, then submit (errors: see the module
-    docstring)."""
-    assert svc.text is not None
-    logit_bias_pairs(req.logit_bias, info.vocab_size)
-    for i, item in enumerate(items):
-        if isinstance(item, str):
-            param = "prompt" if len(items) == 1 else f"prompt[{i}]"
-            check_prompt_bound(svc.text, [item], info.max_context_tokens, param)
-    prompts: list[list[int]] = []
-    for i, item in enumerate(items):
-        param = "prompt" if len(items) == 1 else f"prompt[{i}]"
-        if isinstance(item, str):
-            ids = await svc.text.encode_prompt(item)
-        else:
-            ids = item
-            bad = next((t for t in ids if t < 0 or t >= info.vocab_size), None)
-            if bad is not None:
-                raise invalid(
-                    f"token id {bad} is outside the vocabulary (0..{info.vocab_size - 1})",
-                    param,
-                )
-        if not ids:
-            raise invalid("prompt must not be empty", param)
-        prompts.append(ids)
-    sampling = []
-    for ids in prompts:
-        max_new = resolve_max_tokens(
-            req.max_tokens,
-            "max_tokens",
-            len(ids),
-            info.max_context_tokens,
-            prompt_param="prompt",
-            default=16,
-        )
-        sampling += [sampling_params(req, max_new, j, svc.sampling_defaults) for j in range(req.n)]
-    request_id = f"cmpl-{uuid.uuid4().hex}"
-    gen = Generation(
-        supervisor=svc.supervisor,
-        text=svc.text,
-        request_id=request_id,
-        prompts=prompts,
-        n=req.n,
-        sampling=sampling,
-        stops=stop_strings(req.stop),
-        started=started,
-        deadline=request_deadline(svc, started),
-        ticket=ticket,
-    )
-    gen.start()
-    return gen
-
-
-@contextmanager
-def _released_on_error(ticket: Ticket) -> Iterator[None]:
-    """Give the request's place back when preparing its generation fails (the
-    generation releases it otherwise)."""
-    try:
-        yield
-    except BaseException:
-        ticket.release()
-        raise
+    return req, checked, info, model
 
 
 def _text_choices(texts: list[str], reasons: list[str | None]) -> list[TextChoice]:
@@ -194,12 +117,8 @@ class OpenAIController(Controller):
     async def chat_completions(self, request: Request, svc: Services) -> Response[Any]:
         """Chat completion, streaming (SSE) or not. Errors: see the module docstring."""
         started = time.perf_counter()
-        req, _, info, model, ticket = await _admit(
-            request, svc, ChatCompletionRequest, check_chat_fields
-        )
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        with _released_on_error(ticket):
-            gen, output = await start_chat(req, info, svc, started, ticket, request_id)
+        req, _, info, model = await _checked(request, svc, ChatCompletionRequest, check_chat_fields)
+        gen, output = await start_chat(req, info, svc, started, f"chatcmpl-{uuid.uuid4().hex}")
         created = int(time.time())
 
         if not req.stream:
@@ -220,11 +139,13 @@ class OpenAIController(Controller):
     async def completions(self, request: Request, svc: Services) -> Response[Any]:
         """Text completion of a raw prompt (no chat template), streaming or not."""
         started = time.perf_counter()
-        req, items, info, model, ticket = await _admit(
+        req, items, info, model = await _checked(
             request, svc, CompletionRequest, completion_prompts
         )
-        with _released_on_error(ticket):
-            gen = await _completion_generation(req, items, info, svc, started, ticket)
+        gen = call_generation(svc, f"cmpl-{uuid.uuid4().hex}", req, started)
+        # An unset max_tokens is OpenAI's 16 for text completions.
+        max_tokens = MaxTokens(req.max_tokens, "max_tokens", "prompt", default=16)
+        await gen.start(svc.admission, info, req, completion_prompts_of(items), max_tokens)
         created = int(time.time())
 
         if not req.stream:

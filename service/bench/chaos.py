@@ -26,11 +26,9 @@ pages leaked, OOMs injected, p50/p99 TTFT. The zeros that matter are in
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -44,47 +42,12 @@ from pathlib import Path
 import httpx
 
 from service.bench.chaos_requests import Outcome, Spec, greedy_pool, make_specs, run_one
+from service.bench.chaos_service import HOG_SCRIPT, ChaosService, wait_ready
 from service.bench.serve import percentile
 from service.supervision.stale import is_alive
 
 READY_TIMEOUT_S = 900.0
 OOM_SITES = ("prefill", "decode", "sample")
-
-# A second process on the GPU (--hog): takes and frees memory in a loop, with torch only.
-HOG_SCRIPT = r"""
-import sys, time, torch
-top = float(sys.argv[1])
-steps = [s for s in (0.25, 0.5, 1.0, 0.75, 0.25) if s * top >= 0.05]
-print("hog ready", flush=True)
-while True:
-    for share in steps:
-        x = torch.empty(int(share * top * (1 << 30)), dtype=torch.uint8, device="cuda")
-        x.fill_(1)
-        torch.cuda.synchronize()
-        time.sleep(3.0)
-        del x
-        torch.cuda.empty_cache()
-        time.sleep(1.5)
-"""
-
-
-def default_timeline(horizon_s: float = 6 * 3600, period_s: float = 24.0) -> dict:
-    """A desktop in a loop: a game takes 40% of the card, a video tab 7% more on top,
-    then both leave; repeated every ``period_s`` seconds up to ``horizon_s``."""
-    steps: list[list] = []
-    t = 0.0
-    while t < horizon_s:
-        share = period_s / 24.0
-        steps += [
-            [t, 0],
-            [t + 6 * share, "40%"],
-            [t + 12 * share, "47%"],
-            [t + 16 * share, "40%"],
-            [t + 20 * share, 0],
-        ]
-        t += period_s
-    return {"steps": steps}
-
 
 @dataclass(frozen=True)
 class ChaosOptions:
@@ -195,81 +158,6 @@ class ChaosReport:
         return "\n".join(lines)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class _Service:
-    """``headroom serve`` started by the run, its folders under ``workdir``."""
-
-    def __init__(self, opts: ChaosOptions, workdir: Path) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.faults_dir = workdir / "faults"
-        self.faults_dir.mkdir(parents=True, exist_ok=True)
-        config = workdir / "config.toml"
-        config.touch()
-        env = dict(os.environ)
-        env.pop("HEADROOM_API_KEY", None)
-        env.update(
-            HEADROOM_CONFIG=str(config),
-            HEADROOM_CONFIG_DIR=str(workdir / "config"),
-            HEADROOM_RUNTIME_DIR=str(workdir / "runtime"),
-            HEADROOM_FAULTS_DIR=str(self.faults_dir),
-            PYTHONUNBUFFERED="1",
-        )
-        self.token_path = workdir / "config" / "token"
-        args = ["--port", str(self.port), "--device", opts.device]
-        args += ["--model", opts.model] if opts.model else []
-        # Every kill is a restart on purpose: room for them besides a real crash loop.
-        args += ["--max-restarts", str(opts.kills + 5)]
-        if opts.hog_gib is None:
-            timeline = opts.vram_timeline
-            if timeline is None:
-                timeline = workdir / "timeline.json"
-                timeline.write_text(json.dumps(default_timeline()))
-            args += ["--vram-source", "simulated", "--device-total", opts.device_total]
-            args += ["--vram-timeline", str(timeline), "--replan-hold", "2"]
-        args += list(opts.serve_args)
-        self.log_path = workdir / "serve.log"
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        command = [sys.executable, "-m", "service.cli", "serve", *args]
-        self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=env)
-
-    def stop(self, timeout_s: float = 120.0) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-        return self.proc.returncode
-
-
-def _health(http: httpx.Client) -> dict | None:
-    try:
-        r = http.get("/api/health", timeout=10)
-        body = r.json()
-        return body if r.status_code == 200 else dict(body, _not_ready=True)
-    except (httpx.HTTPError, ValueError):
-        return None
-
-
-def _wait_ready(http: httpx.Client, timeout_s: float, other_than: int | None = None) -> dict:
-    """The health report once ready (with a worker pid other than ``other_than``)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        h = _health(http)
-        if h and not h.get("_not_ready") and h.get("worker_pid") not in (None, other_than):
-            return h
-        time.sleep(0.1)
-    raise RuntimeError(f"the service was not ready within {timeout_s:.0f} s")
-
-
 def _reference(url: str, clients: int, max_tokens: int, hang_s: float) -> dict[int, str]:
     """Each greedy body's text on the undisturbed service (``clients`` at a time)."""
     pool = greedy_pool(max_tokens)
@@ -342,14 +230,14 @@ def _killer(url, points, progress, report, seen_pids) -> None:  # type: ignore[n
         for point in points:
             if not progress.wait_for(point):
                 return
-            pid = _wait_ready(http, READY_TIMEOUT_S)["worker_pid"]
+            pid = wait_ready(http, READY_TIMEOUT_S)["worker_pid"]
             seen_pids.add(pid)
             killed_at = time.monotonic()
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 continue
-            health = _wait_ready(http, READY_TIMEOUT_S, other_than=pid)
+            health = wait_ready(http, READY_TIMEOUT_S, other_than=pid)
             report.back_to_ready_s.append(time.monotonic() - killed_at)
             seen_pids.add(health["worker_pid"])
 
@@ -375,7 +263,7 @@ def _quiesce_and_count_pages(url: str, token: str | None, report: ChaosReport) -
     """Wait until the engine is idle, then pages held by nothing; clear the prefix cache
     and count again: every page must be free."""
     with httpx.Client(base_url=url, timeout=60) as http:
-        _wait_ready(http, READY_TIMEOUT_S)
+        wait_ready(http, READY_TIMEOUT_S)
         deadline = time.monotonic() + 300
         while True:
             engine = http.get("/api/status").json()["counters"]["engine"]
@@ -411,7 +299,7 @@ def run_chaos(opts: ChaosOptions, out=print) -> ChaosReport:  # type: ignore[no-
     workdir.mkdir(parents=True, exist_ok=True)
     rng = random.Random(opts.seed)
     report = ChaosReport()
-    service = None if opts.url else _Service(opts, workdir)
+    service = None if opts.url else ChaosService(opts, workdir)
     url = opts.url or service.url  # type: ignore[union-attr]
     faults_dir = service.faults_dir if service else opts.faults_dir
     hog = None
@@ -420,7 +308,7 @@ def run_chaos(opts: ChaosOptions, out=print) -> ChaosReport:  # type: ignore[no-
     try:
         with httpx.Client(base_url=url) as http:
             out(f"chaos: waiting for {url} (log: {service.log_path if service else 'not ours'})")
-            first = _wait_ready(http, READY_TIMEOUT_S)
+            first = wait_ready(http, READY_TIMEOUT_S)
         seen_pids.add(first["worker_pid"])
         restarts_before = first.get("restarts", 0)
         token = opts.token
@@ -472,7 +360,7 @@ def run_chaos(opts: ChaosOptions, out=print) -> ChaosReport:  # type: ignore[no-
                 report.wrong.append(f"{o.texts[0]!r} != {reference[o.spec.key]!r}")
         _quiesce_and_count_pages(url, token, report)
         with httpx.Client(base_url=url) as http:
-            last = _wait_ready(http, READY_TIMEOUT_S)
+            last = wait_ready(http, READY_TIMEOUT_S)
         seen_pids.add(last["worker_pid"])
         report.restarts = last.get("restarts", 0) - restarts_before
     finally:

@@ -3,7 +3,8 @@
 :class:`SupervisorControl` implements :class:`service.events.routes.ControlTarget`: the
 router checks the token and the Origin and parses the bodies; this turns each action
 into what the supervisor (and its VRAM watcher) does. A change of the KV pool or the
-prefix cache is a command to the worker (:meth:`Supervisor.run_command`); the engine's
+prefix cache is a command to the worker
+(:meth:`service.supervision.link.WorkerLink.run_command`); the engine's
 ``Replanned`` answer becomes a ``replan`` event named ``set_kv_cache`` or
 ``clear_prefix_cache``.
 """
@@ -78,7 +79,7 @@ class SupervisorControl:
         """
         sup = self.supervisor
         sup.check_ready()
-        pool = sup.pool
+        pool = sup.link.pool
         if pool is None:
             raise NotImplementedError("this engine cannot resize its KV pool while it runs")
         if kv_cache_bytes is None:
@@ -103,7 +104,7 @@ class SupervisorControl:
         return self._answer(done)
 
     async def _resize(self, pages: int, what: str) -> ipc.ControlDone | None:
-        return await self.supervisor.run_command(
+        return await self.supervisor.link.run_command(
             ipc.ResizePool,
             num_pages=pages,
             reason=f"{CONTROL_REASON}: KV cache {what}",
@@ -118,7 +119,7 @@ class SupervisorControl:
             NotReady: no worker is ready (503).
             APIError: as :meth:`set_kv_cache`.
         """
-        done = await self.supervisor.run_command(
+        done = await self.supervisor.link.run_command(
             ipc.EvictPrefixCache, reason=CONTROL_REASON, origin=BY_CONTROL, timeout_s=self.command_timeout_s
         )
         return self._answer(done)

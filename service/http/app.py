@@ -114,7 +114,7 @@ def create_app(
     async def refresh() -> None:
         """Before a /api/status snapshot: the engine's counters read now (the heartbeat
         handler publishes them)."""
-        await supervisor.fresh_stats()
+        await supervisor.link.fresh_stats()
         services.publish_counters()
 
     async def start() -> None:

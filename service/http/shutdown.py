@@ -79,7 +79,7 @@ class GracefulServer(uvicorn.Server):
 
     def _on_signal(self, name: str, count: int) -> None:
         if count == 1:
-            in_flight = self.supervisor.in_flight
+            in_flight = self.supervisor.link.in_flight
             log.info(
                 "%s: shutting down; new requests get 503, %d sequence(s) in flight may "
                 "finish within %.0f s",

@@ -121,11 +121,11 @@ class Services:
             return
         supervisor = self.supervisor
         if stats is None and supervisor is not None:
-            stats = supervisor.stats
+            stats = supervisor.link.stats
         counts = self.engine_events
         event = CountersEvent(
             engine=stats,
-            in_flight=supervisor.in_flight if supervisor is not None else 0,
+            in_flight=supervisor.link.in_flight if supervisor is not None else 0,
             oom_steps=counts.oom_steps,
             oom_failed_requests=counts.oom_failed_requests,
             replans=counts.replans,
@@ -148,7 +148,7 @@ class Services:
         )
 
     def _cached_pages(self) -> int | None:
-        stats = self.supervisor.stats if self.supervisor is not None else None
+        stats = self.supervisor.link.stats if self.supervisor is not None else None
         return None if stats is None else stats.cached_pages
 
     def _replan_wanted(self, event: ReplanWanted) -> ReplanEvent | None:

@@ -1,5 +1,5 @@
-"""What the supervisor does with an engine event: one log line, and the engine's
-limits after it.
+"""What the supervisor does with an engine event: one log line, the service's record of
+it (``on_engine_event``), and the engine's limits after it.
 
 The worker reports ``OomEvent`` (a step ran out of memory), ``ReplanWanted`` (the
 prefill chunk cap shrank) and ``Replanned`` (the KV pool changed size); the last two
@@ -9,6 +9,7 @@ change what ``/v1/models`` and the context check read.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import msgspec
 
@@ -51,3 +52,20 @@ def info_after(info: EngineInfo, event: EngineEvent) -> EngineInfo:
     if isinstance(event, ReplanWanted):
         return msgspec.structs.replace(info, max_prefill_tokens=event.new_max_prefill_tokens)
     return info
+
+
+def take_engine_event(
+    event: EngineEvent,
+    on_engine_event: Callable[[EngineEvent], None] | None,
+    info: EngineInfo | None,
+) -> EngineInfo | None:
+    """Log ``event`` (:func:`log_engine_event`), hand it to ``on_engine_event`` (whose
+    exception is logged, never raised) and return ``info`` after it (:func:`info_after`;
+    None stays None)."""
+    log_engine_event(event)
+    if on_engine_event is not None:
+        try:
+            on_engine_event(event)
+        except Exception:
+            log.exception("could not record an engine event")
+    return None if info is None else info_after(info, event)

@@ -1,20 +1,26 @@
-"""The traffic with the current engine worker, apart from its lifecycle: what is sent
-to it and what its messages answer.
+"""The traffic with the current engine worker, apart from its lifecycle: every message
+it sends arrives here first, and what is sent to it leaves from here.
 
 - the API's sequences (:class:`~service.supervision.inflight.InFlight`): sent, and
   their outputs and refusals routed back to their calls;
 - numbered calls (:class:`~service.supervision.rpc.Calls`): fresh counters
-  (``StatsRequest``) and replan commands, each answered with the same ``seq``;
-- the figures each heartbeat and command answer carries: the engine's counters and
-  the KV pool's (``engine.ipc.PoolStats``).
+  (:meth:`WorkerLink.fresh_stats`) and replan commands (:meth:`WorkerLink.run_command`,
+  from :mod:`service.vram.watcher` and the control API), each answered with the same
+  ``seq``;
+- the figures each heartbeat and command answer carries: the engine's counters
+  (:attr:`WorkerLink.stats`) and the KV pool's (``engine.ipc.PoolStats``,
+  :attr:`WorkerLink.pool`);
+- the worker's liveness: when it last sent anything (the watchdog reads it).
 
-The lifecycle (:mod:`service.supervision.supervisor`) attaches each new worker and
-detaches it when it exits. Event-loop only.
+The lifecycle's own messages (``Ready``, ``WorkerError``, ``EngineEvents``) are handed
+to the supervisor (:mod:`service.supervision.supervisor`), which attaches each new
+worker and detaches it when it exits. Event-loop only.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +37,7 @@ from engine.ipc import (
 from engine.messages import EngineStats
 from service.supervision.inflight import InFlight
 from service.supervision.rpc import Calls
+from service.supervision.states import NotReady
 from service.supervision.worker_process import WorkerProcess
 
 log = logging.getLogger("headroom.supervisor")
@@ -41,27 +48,36 @@ class WorkerLink:
 
     Args:
         check_ready: raises ``NotReady`` unless a worker is ready; called before each
-            submission (:attr:`requests`), so nothing is sent while none is.
+            submission (:attr:`requests`) and command, so nothing is sent while none is.
         on_stats: called with the engine's counters of each heartbeat and command
             answer (read per call, so it may be set after construction).
+        on_lifecycle: called with ``(worker, message)`` for each message of the
+            current worker that is not traffic (``Ready``, ``WorkerError``,
+            ``EngineEvents``).
 
     Attributes:
         requests: the sequences in flight; the API submits and cancels through it.
         stats: the engine's counters from the last heartbeat or answer (None: none yet).
         pool: the KV pool's figures from the last heartbeat or answer (None: no
             worker, or an engine that cannot resize its pool).
+        last_message_at: ``time.monotonic()`` of the current worker's last message
+            (or of its spawn, or of its becoming ready).
     """
 
     def __init__(
         self,
         check_ready: Callable[[], object],
         on_stats: Callable[[], Callable[[EngineStats], None] | None],
+        on_lifecycle: Callable[[WorkerProcess, FromWorker], None],
     ) -> None:
         self._worker: WorkerProcess | None = None
+        self._check_ready = check_ready
         self._on_stats = on_stats
+        self._on_lifecycle = on_lifecycle
         self.requests = InFlight(self.send, check_ready)
         self.stats: EngineStats | None = None
         self.pool: PoolStats | None = None
+        self.last_message_at = 0.0
         self._stats_calls: Calls[EngineStats] = Calls()
         self._commands: Calls[ControlDone] = Calls()
 
@@ -69,6 +85,7 @@ class WorkerLink:
         """Send to ``worker`` from now on (a new incarnation: no pool figures yet)."""
         self._worker = worker
         self.pool = None
+        self.last_message_at = time.monotonic()
 
     def detach(self) -> None:
         """The worker is gone: drop what is sent from now on and end the open calls."""
@@ -77,14 +94,23 @@ class WorkerLink:
         self._stats_calls.end_all()
         self._commands.end_all()
 
+    @property
+    def in_flight(self) -> int:
+        """Sequences sent to the worker and not finished yet."""
+        return len(self.requests)
+
     def send(self, message: Any) -> None:
         """Queue ``message`` for the current worker; dropped when there is none."""
         if self._worker is not None:
             self._worker.send(message)
 
-    def receive(self, message: FromWorker) -> bool:
-        """Take one message of the current worker if it is traffic (outputs, a refusal,
-        an answer, a heartbeat); False for the others (the lifecycle's)."""
+    def receive(self, worker: WorkerProcess, message: FromWorker) -> None:
+        """Take one message of ``worker`` (dropped unless it is the current one): stamp
+        its liveness, route traffic (outputs, a refusal, an answer, a heartbeat) and
+        hand the rest to the lifecycle."""
+        if worker is not self._worker:
+            return  # a message from a previous incarnation
+        self.last_message_at = time.monotonic()
         if isinstance(message, Outputs):
             for output in message.outputs:
                 self.requests.deliver(output)
@@ -98,19 +124,32 @@ class WorkerLink:
             if message.seq is not None:
                 self._stats_calls.answer(message.seq, message.stats)
         else:
-            return False
-        return True
+            self._on_lifecycle(worker, message)
 
-    async def fresh_stats(self, timeout_s: float) -> EngineStats | None:
-        """Counters the worker reads now; None if it does not answer in ``timeout_s``
-        seconds (or exits first)."""
+    async def fresh_stats(self, timeout_s: float = 2.0) -> EngineStats | None:
+        """Counters the worker reads now (not the last heartbeat's); the last ones
+        (:attr:`stats`) when no worker is ready, None if the ready one does not answer
+        in ``timeout_s`` seconds (or exits first)."""
+        try:
+            self._check_ready()
+        except NotReady:
+            return self.stats
         return await self._stats_calls.call(lambda seq: self.send(StatsRequest(seq)), timeout_s)
 
-    async def command(
-        self, kind: type[ReplanCommand], timeout_s: float, **fields: Any
+    async def run_command(
+        self, kind: type[ReplanCommand], *, timeout_s: float = 30.0, **fields: Any
     ) -> ControlDone | None:
-        """Send ``kind(seq=..., **fields)`` and wait for its answer; None if none comes in
-        ``timeout_s`` seconds (or the worker exits first)."""
+        """Send a replan command (``kind(seq=..., **fields)``) to the ready worker and
+        wait for its answer; :attr:`pool` and :attr:`stats` are fresh when it returns.
+
+        Returns:
+            The worker's :class:`engine.ipc.ControlDone`, or None when the worker ended
+            (or did not answer within ``timeout_s`` seconds).
+
+        Raises:
+            NotReady: no worker is ready; nothing was sent.
+        """
+        self._check_ready()
         return await self._commands.call(lambda seq: self.send(kind(seq=seq, **fields)), timeout_s)
 
     def _take_stats(self, stats: EngineStats, pool: PoolStats | None) -> None:

@@ -1,12 +1,13 @@
 """What the supervisor reports: the health summary (``/api/health``, the ``health``
-event) and the worker events whose fields need assembling (an exit, the wait for a
-dead worker's memory).
+event), the worker events whose fields need assembling (an exit, the wait for a
+dead worker's memory), and their way to the event hub (:func:`publish`).
 
 Reads the supervisor's public state only; never changes it.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -16,7 +17,10 @@ from service.supervision.states import State
 from service.supervision.worker_process import ExitStatus
 
 if TYPE_CHECKING:
+    from service.events.hub import EventHub
     from service.supervision.supervisor import Supervisor
+
+log = logging.getLogger("headroom.supervisor")
 
 # The worker's last lines a report carries (the newest).
 LAST_LINES = 10
@@ -30,7 +34,7 @@ def health_report(sup: Supervisor) -> dict[str, Any]:
         "status": sup.state.value,
         "worker_pid": sup.worker_pid if sup.worker_alive else None,
         "restarts": sup.restarts,
-        "in_flight": sup.in_flight,
+        "in_flight": sup.link.in_flight,
     }
     if sup.info is not None:
         report["model"] = sup.info.model_name
@@ -74,3 +78,13 @@ def memory_wait_event(pid: int, result: ReleaseResult, restarts: int) -> WorkerE
         reason=f"memory of worker {pid} {what} after {result.waited_s:.1f} s: {result.reason}",
         restarts=restarts,
     )
+
+
+def publish(hub: EventHub | None, event: Any) -> None:
+    """Hand ``event`` to ``hub``, if any; never raises (events are a view)."""
+    if hub is None:
+        return
+    try:
+        hub.publish(event)
+    except Exception:
+        log.exception("could not publish a %s event", type(event).__name__)

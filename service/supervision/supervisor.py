@@ -2,8 +2,9 @@
 
 The traffic with the current worker, the API's sequences included, goes through its
 :class:`~service.supervision.link.WorkerLink` (:attr:`Supervisor.link`), which the
-supervisor attaches to each new worker and detaches at its exit; the health summary is
-:func:`service.supervision.report.health_report`.
+supervisor attaches to each new worker and detaches at its exit; every message of the
+worker arrives there, and only the lifecycle's own (ready, an error, engine events) come
+on here. The health summary is :func:`service.supervision.report.health_report`.
 
 States: ``starting`` (first spawn) -> ``ready`` -> ``restarting`` (worker died or
 hung; back to ``ready``) ... -> ``failed`` (a crash loop, or the first load failed),
@@ -25,9 +26,9 @@ it up to a deadline, then ends each remaining sequence with ``server_shutting_do
 :meth:`Supervisor.stop` then stops the worker. A worker that exits meanwhile is never
 restarted.
 
-Replan commands (:mod:`service.vram.watcher`, the control API) go to the worker through
-:meth:`Supervisor.run_command`; the worker's pool figures (``engine.ipc.PoolStats``)
-arrive with each heartbeat and each command's answer, in :attr:`Supervisor.pool`.
+Replan commands, fresh counters and the pool's figures are the link's
+(:meth:`~service.supervision.link.WorkerLink.run_command`,
+:attr:`~service.supervision.link.WorkerLink.pool`).
 """
 
 from __future__ import annotations
@@ -41,24 +42,16 @@ from typing import Any
 
 import msgspec
 
-from engine.ipc import (
-    ControlDone,
-    EngineEvents,
-    FromWorker,
-    PoolStats,
-    Ready,
-    ReplanCommand,
-    WorkerError,
-)
+from engine.ipc import EngineEvents, FromWorker, Ready, WorkerError
 from engine.messages import EngineEvent, EngineInfo, EngineStats
 from service.events.hub import EventHub
 from service.events.schemas import EngineInfoEvent, HealthEvent, PlanEvent, WorkerEvent
 from service.supervision.config import SupervisorConfig
-from service.supervision.engine_events import info_after, log_engine_event
+from service.supervision.engine_events import take_engine_event
 from service.supervision.guard import StaleGuard, wait_for_release
 from service.supervision.link import WorkerLink
 from service.supervision.release import ReleaseResult
-from service.supervision.report import exited_event, health_report, memory_wait_event
+from service.supervision.report import exited_event, health_report, memory_wait_event, publish
 from service.supervision.restarts import RestartPolicy
 from service.supervision.states import (
     ENGINE_FAILED,
@@ -88,7 +81,7 @@ class Supervisor:
             ``ReplanWanted``, ``Replanned``), in order, after the supervisor has logged it
             and before it updates :attr:`info` for a ``Replanned``.
         on_stats: called with the engine's counters of each heartbeat (periodic or
-            asked for by :meth:`fresh_stats`).
+            asked for by the link's ``fresh_stats``).
 
     Attributes:
         events: the event hub the supervisor publishes ``health``, ``worker``,
@@ -96,7 +89,8 @@ class Supervisor:
         vram_source: a ``sample()``-able VRAM source (:mod:`service.vram.sources`) to wait on
             for a dead worker's memory before a restart (None: no wait).
         on_first_ready: called once, when the first worker is ready.
-        link: the traffic with the current worker (requests in flight, calls).
+        link: the traffic with the current worker (requests in flight, commands,
+            counters, pool figures, liveness).
     """
 
     def __init__(
@@ -125,16 +119,15 @@ class Supervisor:
         self.ready_since: float | None = None
         self._worker: WorkerProcess | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        # The traffic with the current worker; the API's sequences go through
-        # link.requests, which checks readiness here first.
-        self.link = WorkerLink(self.check_ready, lambda: self.on_stats)
+        # The traffic with the current worker; the API's sequences and the commands
+        # go through it, which checks readiness here first.
+        self.link = WorkerLink(self.check_ready, lambda: self.on_stats, self._on_message)
         self._inflight = self.link.requests
         self._restarts = RestartPolicy(
             config.backoff_initial_s, config.backoff_max_s, config.max_exits, config.exit_window_s
         )
         self._last_load_s = 5.0
         self._restart_at: float | None = None
-        self.last_message_at = 0.0
         self._tasks: set[asyncio.Task] = set()
         self._watchdog: asyncio.Task | None = None
         self._first_start = True
@@ -229,11 +222,10 @@ class Supervisor:
     def _spawn(self) -> None:
         assert self._loop is not None
         self._restart_at = None
-        self.last_message_at = time.monotonic()
         worker = WorkerProcess(
             self.config.worker,
             loop=self._loop,
-            on_message=lambda m: self._on_message(worker, m),
+            on_message=lambda m: self.link.receive(worker, m),
             on_exit=lambda s: self._on_exit(worker, s),
         )
         self._worker = worker
@@ -262,45 +254,6 @@ class Supervisor:
             return self.info
         raise NotReady(self.state, self.retry_after_s(), self.failure_reason)
 
-    async def fresh_stats(self, timeout_s: float = 2.0) -> EngineStats | None:
-        """Counters read by the worker now (not the last heartbeat's); None if no
-        worker answers within ``timeout_s`` seconds."""
-        if self._worker is None or self.state is not State.READY:
-            return self.stats
-        return await self.link.fresh_stats(timeout_s)
-
-    @property
-    def stats(self) -> EngineStats | None:
-        """The engine's counters from the worker's last heartbeat or answer."""
-        return self.link.stats
-
-    @property
-    def pool(self) -> PoolStats | None:
-        """The worker's KV pool figures from its last heartbeat or command answer (None:
-        no worker, or an engine that cannot resize its pool)."""
-        return self.link.pool
-
-    @property
-    def in_flight(self) -> int:
-        """Sequences sent to the worker and not finished yet."""
-        return len(self._inflight)
-
-    async def run_command(
-        self, kind: type[ReplanCommand], *, timeout_s: float = 30.0, **fields: Any
-    ) -> ControlDone | None:
-        """Send a replan command (``kind(seq=..., **fields)``) to the ready worker and
-        wait for its answer; :attr:`pool` and :attr:`stats` are fresh when it returns.
-
-        Returns:
-            The worker's :class:`engine.ipc.ControlDone`, or None when the worker ended
-            (or did not answer within ``timeout_s`` seconds).
-
-        Raises:
-            NotReady: no worker is ready; nothing was sent.
-        """
-        self.check_ready()
-        return await self.link.command(kind, timeout_s, **fields)
-
     def retry_after_s(self) -> int | None:
         """Whole seconds until a worker is expected to be ready, or None in ``failed``;
         while shutting down, until the drain ends (at least 1: a service restarted by
@@ -319,11 +272,7 @@ class Supervisor:
     # -- worker events (event loop thread) -----------------------------------------------
 
     def _on_message(self, worker: WorkerProcess, message: FromWorker) -> None:
-        if worker is not self._worker:
-            return  # a message from a previous incarnation
-        self.last_message_at = time.monotonic()
-        if self.link.receive(message):
-            return
+        """A lifecycle message of the current worker (the link routes the traffic)."""
         if isinstance(message, EngineEvents):
             for event in message.events:
                 self._on_engine_event(event)
@@ -343,16 +292,8 @@ class Supervisor:
     def _on_engine_event(self, event: EngineEvent) -> None:
         """Log one engine event (one line), hand it on, and keep :attr:`info`'s limits
         live (``/v1/models`` and the context check read them)."""
-        log_engine_event(event)
-        if self.on_engine_event is not None:
-            try:
-                self.on_engine_event(event)
-            except Exception:
-                log.exception("could not record an engine event")
         info = self.info
-        if info is None:
-            return
-        self.info = info_after(info, event)
+        self.info = take_engine_event(event, self.on_engine_event, info)
         if self.info is not info:
             self._publish(EngineInfoEvent(info=msgspec.structs.replace(self.info, plan=None)))
 
@@ -371,7 +312,7 @@ class Supervisor:
         self._last_load_s = ready.load_s
         self.state = State.READY
         self.ready_since = time.monotonic()
-        self.last_message_at = time.monotonic()
+        self.link.last_message_at = time.monotonic()
         first = self._first_start
         self._first_start = False
         self.failure_reason = None
@@ -485,13 +426,7 @@ class Supervisor:
             self.first_start_done.set()
 
     def _publish(self, event: Any) -> None:
-        """Hand ``event`` to the hub, if any; never raises (events are a view)."""
-        if self.events is None:
-            return
-        try:
-            self.events.publish(event)
-        except Exception:
-            log.exception("could not publish a %s event", type(event).__name__)
+        publish(self.events, event)
 
     def _publish_health(self) -> None:
         self._publish(HealthEvent.from_report(health_report(self)))

@@ -34,7 +34,7 @@ async def watch(supervisor: Supervisor) -> None:
             continue
         now = time.monotonic()
         if supervisor.state is State.READY:
-            silent_s = now - supervisor.last_message_at
+            silent_s = now - supervisor.link.last_message_at
             if silent_s > config.stall_timeout_s:
                 log.error(
                     "worker %s sent no heartbeat for %.1f s (stall timeout %.1f s); killing it",

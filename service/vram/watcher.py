@@ -306,10 +306,10 @@ class VramWatcher:
     async def step(self, sample: VramSample) -> list[Any]:
         """One decision on ``sample``, carried out; returns the actions taken."""
         sup = self.supervisor
-        if sup.state is not State.READY or sup.pool is None or not self._replans_enabled():
+        if sup.state is not State.READY or sup.link.pool is None or not self._replans_enabled():
             return []
         async with self.lock:
-            pool = sup.pool
+            pool = sup.link.pool
             if pool is None:
                 return []
             actions = self._controller(sample).decide(sample, self.pool_state(pool))
@@ -332,7 +332,7 @@ class VramWatcher:
             log.error("unknown replan action %r", action)
             return False
         self.commands += 1
-        done = await self.supervisor.run_command(
+        done = await self.supervisor.link.run_command(
             kind, timeout_s=self.command_timeout_s, reason=action.reason, origin=BY_WATCHER, **fields
         )
         if done is None:
@@ -393,7 +393,7 @@ def make_watcher(settings: ServeSettings, supervisor: Supervisor, hub: EventHub)
             return -1.0 if t0 is None else time.monotonic() - t0
 
         def ours() -> int:
-            return simulated_ours_bytes(supervisor.pool if supervisor.worker_alive else None)
+            return simulated_ours_bytes(supervisor.link.pool if supervisor.worker_alive else None)
 
         source: Any = SimulatedSource(
             total,

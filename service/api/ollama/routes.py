@@ -183,12 +183,12 @@ async def _ndjson(
         log_request(gen, gen.request_id, status, gen.started)
 
 
-async def _admit(svc: Services, mapped: Mapped) -> tuple[EngineInfo, str, Any]:
-    """Readiness (503), the model name (404), a place among the waiting requests
-    (503 ``queue_full``), in the order ``/v1`` checks them."""
+def _checked(svc: Services, mapped: Mapped) -> tuple[EngineInfo, str]:
+    """Readiness (503) and the model name (404), in the order ``/v1`` checks them
+    (admission, ``queue_full``, comes next, in :func:`start_chat`)."""
     info = svc.supervisor.check_ready()
     model = svc.check_model(mapped.request.model, info)
-    return info, model, svc.admission.enter()
+    return info, model
 
 
 async def _start(
@@ -198,25 +198,17 @@ async def _start(
     *,
     raw_prompt: str | None = None,
 ) -> tuple[Generation, ChatOutput, str]:
-    info, model, ticket = await _admit(svc, mapped)
-    request_id = f"ollama-{uuid.uuid4().hex}"
-    try:
-        assert svc.text is not None
-        prompt_ids = None if raw_prompt is None else await svc.text.encode_prompt(raw_prompt)
-        gen, output = await start_chat(
-            mapped.request,
-            info,
-            svc,
-            started,
-            ticket,
-            request_id,
-            context_tokens=mapped.context_tokens,
-            prompt_ids=prompt_ids,
-            default_max_tokens=mapped.default_max_tokens,
-        )
-    except BaseException:
-        ticket.release()
-        raise
+    info, model = _checked(svc, mapped)
+    gen, output = await start_chat(
+        mapped.request,
+        info,
+        svc,
+        started,
+        f"ollama-{uuid.uuid4().hex}",
+        context_tokens=mapped.context_tokens,
+        raw_prompt=raw_prompt,
+        default_max_tokens=mapped.default_max_tokens,
+    )
     return gen, output, model
 
 

@@ -1,0 +1,122 @@
+"""One API call's prompts, from the forms the API takes to token ids.
+
+A :class:`Prompt` is one prompt as the call gave it: chat messages (through the model's
+chat template), a text (tokenized as is) or token ids (checked against the
+vocabulary). :func:`encode_prompts` turns a call's prompts into ids, in the order the
+API's errors come in: every text bounded untokenized first (400
+``context_length_exceeded`` before any tokenizing, see
+:meth:`service.api.text.TextSide.min_tokens`), then each prompt encoded in the text
+side's threads or checked, in turn. It is a step of
+:meth:`service.api.generation.Generation.start`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from engine.messages import EngineInfo
+from service.api.checks import check_prompt_bound, message_texts
+from service.api.errors import invalid
+from service.api.text import TextSide
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt of an API call, in one of three forms (exactly one is set).
+
+    Args:
+        param: the field its errors name (``messages``, ``prompt``, ``prompt[1]``).
+        messages: chat messages, rendered through the model's chat template.
+        text: a raw prompt, tokenized as is (BOS added as the tokenizer does).
+        token_ids: ids the client tokenized, checked against the vocabulary.
+        tools: tool definitions the chat template renders with ``messages``
+            (:mod:`service.api.tools`), or None.
+        template_kwargs: extra variables for the chat template
+            (``chat_template_kwargs``), or None.
+    """
+
+    param: str
+    messages: list[dict[str, Any]] | None = None
+    text: str | None = None
+    token_ids: list[int] | None = None
+    tools: list[dict[str, Any]] | None = None
+    template_kwargs: dict[str, Any] | None = None
+
+
+def chat_prompt(
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+) -> list[Prompt]:
+    """A chat call's one prompt (``tools`` and ``template_kwargs``: see
+    :class:`Prompt`)."""
+    return [Prompt("messages", messages=messages, tools=tools, template_kwargs=template_kwargs)]
+
+
+def completion_prompts_of(items: Sequence[str | list[int]]) -> list[Prompt]:
+    """A text completion's prompts (:func:`service.api.checks.prompt_items`), each named
+    ``prompt`` when alone, else ``prompt[i]``."""
+    prompts = []
+    for i, item in enumerate(items):
+        param = "prompt" if len(items) == 1 else f"prompt[{i}]"
+        if isinstance(item, str):
+            prompts.append(Prompt(param, text=item))
+        else:
+            prompts.append(Prompt(param, token_ids=item))
+    return prompts
+
+
+async def encode_prompts(
+    text: TextSide,
+    prompts: Sequence[Prompt],
+    info: EngineInfo,
+    context_tokens: int | None = None,
+) -> list[list[int]]:
+    """The token ids of each prompt, in order.
+
+    Args:
+        context_tokens: the context the prompts must fit; None:
+            ``info.max_context_tokens``.
+
+    Raises:
+        APIError: 400 ``context_length_exceeded`` naming the prompt's field when its
+            text cannot fit the context (checked for every prompt
+            before any is tokenized); 400 naming it for a token id outside the
+            vocabulary or an empty raw prompt.
+        engine.text.chat.ChatTemplateError: messages the template cannot render
+            (answered 400 by :mod:`service.api.errors`).
+    """
+    context = info.max_context_tokens if context_tokens is None else context_tokens
+    for prompt in prompts:
+        if prompt.messages is not None:
+            texts = message_texts(prompt.messages)
+        elif prompt.text is not None:
+            texts = [prompt.text]
+        else:
+            continue
+        check_prompt_bound(text, texts, context, prompt.param)
+    encoded: list[list[int]] = []
+    for prompt in prompts:
+        if prompt.messages is not None:
+            encoded.append(
+                await text.encode_chat(
+                    prompt.messages, tools=prompt.tools, template_kwargs=prompt.template_kwargs
+                )
+            )
+            continue
+        if prompt.text is not None:
+            ids = await text.encode_prompt(prompt.text)
+        else:
+            ids = prompt.token_ids or []
+            bad = next((t for t in ids if t < 0 or t >= info.vocab_size), None)
+            if bad is not None:
+                raise invalid(
+                    f"token id {bad} is outside the vocabulary (0..{info.vocab_size - 1})",
+                    prompt.param,
+                )
+        if not ids:
+            raise invalid("prompt must not be empty", prompt.param)
+        encoded.append(ids)
+    return encoded

@@ -34,6 +34,7 @@ from engine.messages import EngineInfo, EngineStats, GenerateRequest, TokenOutpu
 from engine.models.quant_linear import model_weight_bytes
 from engine.options import pick
 from engine.runner import ModelRunner
+from engine.sampling.grammar import GrammarCompiler, GrammarError
 from engine.sampling.sampler import SamplingState
 from engine.scheduler.request import Phase, Request
 from engine.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -79,6 +80,7 @@ class Engine(LiveReplan):
             (set_settings or torch.cuda.memory._set_allocator_settings)("expandable_segments:True")
         # Model config: enough to plan before any weight is read.
         self.model_dir: Path = resolve_model(config.model)
+        self._grammar_compiler: GrammarCompiler | None = None
         mc: ModelConfig = load_model_config(self.model_dir)
         self.model_config = mc
         # A GGUF asked to keep its projections in block format (--gguf-quantized, on
@@ -358,6 +360,11 @@ class Engine(LiveReplan):
             state = SamplingState(req.sampling, req.prompt_token_ids, vocab, self.device)
         except ValueError as exc:  # a sampling parameter out of range; the message names it
             raise RequestRejected(str(exc), code="invalid_request") from None
+        if req.sampling.json_schema is not None:
+            try:
+                state.matcher = self._grammars().matcher(req.sampling.json_schema)
+            except GrammarError as exc:
+                raise RequestRejected(str(exc), code="invalid_request", param="response_format") from None
         self.scheduler.add(
             Request(
                 request_id=req.request_id,
@@ -367,6 +374,14 @@ class Engine(LiveReplan):
                 arrival=next(self._arrivals),
             )
         )
+
+    def _grammars(self) -> GrammarCompiler:
+        """The JSON-schema compiler, made on the first structured-output request."""
+        if self._grammar_compiler is None:
+            self._grammar_compiler = GrammarCompiler(
+                self.model_dir, self.model_config.vocab_size, list(self.model_config.eos_token_ids)
+            )
+        return self._grammar_compiler
 
     def abort(self, request_id: str) -> None:
         """End a request in any phase and free its pages; unknown ids are ignored. Its

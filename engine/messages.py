@@ -26,6 +26,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     ``presence * (count > 0) + frequency * count`` over generated tokens.
     ``max_new_tokens`` counts generated tokens; ``stop_token_ids`` end the request like
     EOS does (the stop token is part of the output ids, not of the text).
+    ``logit_bias``: OpenAI's, as ``(token id, bias)`` pairs added to the raw logits
+    before everything else (a bias of -100 bans a token in practice, +100 forces it).
+    ``json_schema``: JSON text of a JSON Schema the answer must match (structured
+    output, :mod:`engine.sampling.grammar`).
     """
 
     max_new_tokens: int = 128
@@ -39,6 +43,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     frequency_penalty: float = 0.0
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    json_schema: str | None = None
 
     @property
     def greedy(self) -> bool:

@@ -348,3 +348,26 @@ def test_mismatched_batch_is_rejected():
         state.append(10)
     with pytest.raises(ValueError, match="prompt ids"):
         SamplingState(SamplingParams(repetition_penalty=1.2), [3, 10], 10, "cpu")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_logit_bias_bans_and_forces_tokens(device):
+    logits = torch.randn(3, 500, generator=torch.Generator().manual_seed(9)).to(device)
+    best = logits.argmax(-1).cpu()
+    worst = int(logits[1].argmin())
+    params = [
+        SamplingParams(temperature=0.0, logit_bias=((int(best[0]), -100.0),)),
+        SamplingParams(temperature=0.0, logit_bias=((worst, 100.0),)),
+        SamplingParams(temperature=0.0),
+    ]
+    tokens = Sampler().sample(logits, _states(params, 500, device), params).cpu()
+    banned = logits[0].clone()
+    banned[best[0]] -= 100.0
+    assert tokens[0] == banned.argmax().cpu() != best[0]
+    assert tokens[1] == worst
+    assert tokens[2] == best[2]  # rows without a bias are untouched
+    sampled = [SamplingParams(temperature=1.0, seed=1, logit_bias=((worst, 100.0),))]
+    row = logits[1:2]
+    assert Sampler().sample(row, _states(sampled, 500, device), sampled).cpu()[0] == worst
+    with pytest.raises(ValueError, match="outside"):
+        SamplingState(SamplingParams(logit_bias=((500, 1.0),)), [1], 500, device)

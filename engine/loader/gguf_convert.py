@@ -375,7 +375,32 @@ def _write_generation_config(reader: Any, out: Path) -> None:
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
     if bos is not None:
         generation["bos_token_id"] = int(bos)
+    generation.update(_sampling_fields(reader))
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+
+
+# llama.cpp's recommended-sampling metadata (gguf-py ``Keys.General.SAMPLING_*``) ->
+# generation_config.json fields; the service takes them as the defaults of unset
+# request fields (service.api.sampling_defaults).
+_GGUF_SAMPLING = {
+    "general.sampling.temp": "temperature",
+    "general.sampling.top_p": "top_p",
+    "general.sampling.top_k": "top_k",
+    "general.sampling.min_p": "min_p",
+    "general.sampling.penalty_repeat": "repetition_penalty",
+}
+
+
+def _sampling_fields(reader: Any) -> dict[str, Any]:
+    fields: dict[str, Any] = {}
+    for key, name in _GGUF_SAMPLING.items():
+        value = _field(reader, key)
+        if value is not None:
+            # GGUF stores float32: 0.2 reads back as 0.20000000298...
+            fields[name] = int(value) if name == "top_k" else round(float(value), 6)
+    if fields:
+        fields["do_sample"] = True  # transformers' GenerationConfig wants it with them
+    return fields
 
 
 def _publish(tmp: Path, out_dir: Path) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from engine.loader.default_model import converted_dir, default_gguf_path
+from engine.loader.default_model import add_default_sampling, converted_dir, default_gguf_path
 from engine.loader.errors import ModelNotFound
 
 log = logging.getLogger(__name__)
@@ -20,7 +20,8 @@ _WHAT_TO_PASS = (
 def resolve_model(path: str | Path | None) -> Path:
     """The Hugging Face folder to load for ``path``.
 
-    - ``None``: the embedded default model, converted into the cache on first use.
+    - ``None``: the embedded default model, converted into the cache on first use
+      (with its model card's sampling in ``generation_config.json``).
     - a ``.gguf`` file (or a folder holding exactly one and no ``config.json``):
       converted into the cache once, reused afterwards.
     - a folder with ``config.json``: itself.
@@ -33,7 +34,9 @@ def resolve_model(path: str | Path | None) -> Path:
         Any :class:`~engine.loader.errors.ModelLoadError` of the GGUF conversion.
     """
     if path is None:
-        return _converted(default_gguf_path())
+        model_dir = _converted(default_gguf_path())
+        add_default_sampling(model_dir)
+        return model_dir
     p = Path(path).expanduser()
     if not p.exists():
         from engine.loader.store import find_model

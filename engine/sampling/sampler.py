@@ -5,7 +5,7 @@ Each request keeps a :class:`SamplingState`: its own random generator (so its to
 do not depend on what else is in the batch) and the counts of its generated tokens
 (for the penalties).
 
-Order, per row: repetition penalty, presence/frequency penalties, then greedy rows take
+Order, per row: logit bias, grammar mask (structured output), repetition penalty, presence/frequency penalties, then greedy rows take
 the argmax; sampled rows go through temperature, top-k, top-p, min-p (the order of
 transformers' ``generate``) and draw with their own generator.
 
@@ -31,6 +31,7 @@ from collections.abc import Sequence
 import torch
 
 from engine.messages import SamplingParams
+from engine.sampling.grammar import apply_grammars
 from kernels.dispatch import use_triton
 from kernels.sampling import INVALID_TOKEN
 
@@ -75,6 +76,11 @@ def check_params(params: SamplingParams) -> None:
     for name in ("presence_penalty", "frequency_penalty"):
         if not math.isfinite(getattr(params, name)):
             raise ValueError(f"{name} must be finite, got {getattr(params, name)}")
+    for token, bias in params.logit_bias:
+        if token < 0 or not math.isfinite(bias):
+            raise ValueError(
+                f"logit_bias needs token ids >= 0 and finite biases, got {token}: {bias}"
+            )
 
 
 def _has_repetition_penalty(p: SamplingParams) -> bool:
@@ -129,6 +135,9 @@ class SamplingState:
         check_params(params)
         if vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+        outside = [t for t, _ in params.logit_bias if t >= vocab_size]
+        if outside:
+            raise ValueError(f"logit_bias token ids {outside} are outside [0, {vocab_size})")
         self.params = params
         self.vocab_size = vocab_size
         self.device = torch.device(device)
@@ -136,6 +145,8 @@ class SamplingState:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(self.seed & _SEED_MASK)
         self.num_generated = 0
+        # xgrammar's GrammarMatcher for a json_schema request (set by the engine).
+        self.matcher = None
 
         self.counts: torch.Tensor | None = None
         self.prompt_mask: torch.Tensor | None = None
@@ -162,6 +173,32 @@ class SamplingState:
         self.num_generated += 1
         if self.counts is not None:
             self.counts[token_id] += 1
+        if self.matcher is not None and not self.matcher.is_terminated():
+            self.matcher.accept_token(token_id)
+
+
+def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """``logits`` plus each row's ``logit_bias`` (OpenAI's: added to the raw logits,
+    before penalties and filters); ``logits`` itself when no row has one, else a new
+    float32 tensor (one host-to-device copy of the pairs).
+
+    Args:
+        logits: ``[B, V]`` float.
+        params: ``B`` parameter sets; their token ids are checked against ``V`` when
+            their state is built.
+    """
+    rows, ids, biases = [], [], []
+    for row, p in enumerate(params):
+        for token, bias in p.logit_bias:
+            rows.append(row)
+            ids.append(token)
+            biases.append(bias)
+    if not rows:
+        return logits
+    x = logits.float().clone()
+    index = torch.tensor([rows, ids], dtype=torch.long).to(x.device)  # [2, N]
+    values = torch.tensor(biases, dtype=x.dtype).to(x.device)  # [N]
+    return x.index_put_((index[0], index[1]), values, accumulate=True)
 
 
 class Sampler:
@@ -215,6 +252,8 @@ class Sampler:
                 generator has advanced then.
         """
         self._check_batch(logits, states, params)
+        logits = apply_logit_bias(logits, params)
+        logits = apply_grammars(logits, [s.matcher for s in states])
         if use_triton(logits):
             sampler = self.device_sampler(logits.device)
             if not all_plain_greedy(params):

@@ -7,6 +7,8 @@ content is a string or a list of text parts ``[{"type": "text", "text": ...}]``.
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +20,29 @@ if TYPE_CHECKING:
 # What templates know as "system": OpenAI renamed it "developer" for newer models.
 _ROLE_ALIASES = {"developer": "system"}
 _ROLES = ("system", "developer", "user", "assistant")
+# render_chat's own arguments and apply_chat_template's parameters (the template
+# itself among them): chat_template_kwargs are template variables only.
+_RESERVED_KWARGS = frozenset(
+    {
+        "messages",
+        "conversation",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+# A template with tool support reads a ``tools`` variable ("tools", "tools is defined"...).
+_TOOLS_VARIABLE = re.compile(r"\btools\b")
 # Text parts are joined with a newline, as vLLM does, so "a" + "b" never fuse into "ab".
 _PART_SEPARATOR = "\n"
 
@@ -35,31 +60,68 @@ class ChatTemplateError(ValueError):
         self.param = param
 
 
-def render_chat(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, Any]]) -> str:
+def template_has_tools(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether the tokenizer's chat template renders tool definitions (it reads a
+    ``tools`` variable), as Qwen2.5/3, Hermes, Llama 3.1+ and Mistral's do."""
+    template = getattr(tokenizer, "chat_template", None)
+    return isinstance(template, str) and _TOOLS_VARIABLE.search(template) is not None
+
+
+def render_chat(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    tools: list[dict[str, Any]] | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
+) -> str:
     """Render ``messages`` with the tokenizer's chat template, ending with the
     assistant generation header (``add_generation_prompt=True``).
 
-    Roles: system, developer (rendered as system), user, assistant. Content: a string
-    or a list of text parts, joined with a newline.
+    Roles: system, developer (rendered as system), user, assistant, and tool where
+    the template renders tools. Content: a string or a list of text parts, joined with
+    a newline. An assistant message's ``tool_calls`` are passed on with their JSON
+    ``arguments`` text parsed (templates write them with ``tojson``). ``tools``: the
+    OpenAI tool definitions, for the template's ``tools`` variable.
+    ``template_kwargs``: more template variables (``enable_thinking``...); the names
+    the call sets itself are refused.
 
     Returns:
         The prompt text, special tokens written out as text (e.g. ``<|im_start|>``).
     Raises:
-        ChatTemplateError: empty ``messages``, an unknown or tool role, content that is
-            not text, a tokenizer without a chat template, or a template that refuses
-            the conversation (e.g. roles out of the order it requires).
+        ChatTemplateError: empty ``messages``, an unknown role, a tool role or
+            ``tools`` with a template that has no tool support, content that is not
+            text, a tokenizer without a chat template, a reserved name in
+            ``template_kwargs``, or a template that refuses the conversation (e.g.
+            roles out of the order it requires).
     """
     if not getattr(tokenizer, "chat_template", None):
         raise ChatTemplateError(
             "this model's tokenizer has no chat template; use /v1/completions "
             "with a raw prompt instead"
         )
-    normalized = _normalize(messages)
+    has_tools = template_has_tools(tokenizer)
+    if tools and not has_tools:
+        raise ChatTemplateError(
+            "this model's chat template has no tool support (it renders no tools), so "
+            "tools cannot be used with this model",
+            "tools",
+        )
+    extra = dict(template_kwargs or {})
+    reserved = sorted(_RESERVED_KWARGS.intersection(extra))
+    if reserved:
+        raise ChatTemplateError(
+            f"chat_template_kwargs cannot set {', '.join(reserved)}", "chat_template_kwargs"
+        )
+    normalized = _normalize(messages, tools_allowed=has_tools)
+    if tools:
+        extra["tools"] = tools
     try:
         prompt = tokenizer.apply_chat_template(
-            normalized, tokenize=False, add_generation_prompt=True
+            normalized, tokenize=False, add_generation_prompt=True, **extra
         )
-    except TemplateError as exc:
+    except (TemplateError, TypeError, ValueError) as exc:
+        # Jinja raises TypeError/ValueError too when a variable (a tool definition, a
+        # chat_template_kwargs value) is not of the shape the template expects.
         roles = ", ".join(m["role"] for m in normalized)
         raise ChatTemplateError(
             f"the model's chat template cannot render these messages (roles: {roles}): {exc}"
@@ -86,38 +148,95 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
 
 
 def encode_chat(
-    tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, Any]]
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    tools: list[dict[str, Any]] | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> list[int]:
-    """``encode_prompt(tokenizer, render_chat(tokenizer, messages))``.
+    """``encode_prompt(tokenizer, render_chat(tokenizer, messages, ...))``.
 
     Returns:
         Prompt token ids, ``list[int]``.
     Raises:
         ChatTemplateError: as ``render_chat``.
     """
-    return encode_prompt(tokenizer, render_chat(tokenizer, messages))
+    prompt = render_chat(tokenizer, messages, tools=tools, template_kwargs=template_kwargs)
+    return encode_prompt(tokenizer, prompt)
 
 
-def _normalize(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, str]]:
-    """Check roles and content; return plain ``{"role", "content": str}`` dicts."""
+def _normalize(
+    messages: Sequence[Mapping[str, Any]], *, tools_allowed: bool = False
+) -> list[dict[str, Any]]:
+    """Check roles and content; return plain ``{"role", "content": str}`` dicts (with
+    ``tool_calls`` on assistant messages and ``tool_call_id``/``name`` on tool ones)."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise ChatTemplateError("messages must be a list of {role, content} objects")
     if not messages:
         raise ChatTemplateError("messages must not be empty")
+    roles = (*_ROLES, "tool") if tools_allowed else _ROLES
     out = []
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping):
             raise ChatTemplateError(f"messages[{i}] is not an object", f"messages[{i}]")
         role = message.get("role")
-        if role not in _ROLES:
-            hint = " (tool calling is not supported)" if role in ("tool", "function") else ""
+        if role not in roles:
+            hint = (
+                " (this model's chat template has no tool support)"
+                if role in ("tool", "function")
+                else ""
+            )
             raise ChatTemplateError(
                 f"messages[{i}].role {role!r} is not supported{hint}; "
-                f"use one of {', '.join(_ROLES)}",
+                f"use one of {', '.join(roles)}",
                 f"messages[{i}].role",
             )
-        content = _content_text(message.get("content"), i, role)
-        out.append({"role": _ROLE_ALIASES.get(role, role), "content": content})
+        calls = message.get("tool_calls") if role == "assistant" else None
+        content = message.get("content")
+        if calls and content is None:
+            content = ""  # an assistant turn that only called tools
+        entry: dict[str, Any] = {
+            "role": _ROLE_ALIASES.get(role, role),
+            "content": _content_text(content, i, role),
+        }
+        if calls:
+            entry["tool_calls"] = _tool_calls(calls, i)
+        if role == "tool":
+            for key in ("tool_call_id", "name"):
+                if isinstance(message.get(key), str):
+                    entry[key] = message[key]
+        out.append(entry)
+    return out
+
+
+def _tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
+    """An assistant message's OpenAI ``tool_calls`` for the template: ``arguments``
+    JSON text parsed into an object (left as text when it is not JSON)."""
+    param = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise ChatTemplateError(f"{param} must be a list", param)
+    out = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+            raise ChatTemplateError(
+                f"{param}[{j}] must be {{'type': 'function', 'function': {{'name', "
+                "'arguments'}}}",
+                f"{param}[{j}]",
+            )
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except ValueError:
+                pass
+        out.append(
+            {
+                "id": call.get("id"),
+                "type": "function",
+                "function": {"name": function["name"], "arguments": arguments},
+            }
+        )
     return out
 
 

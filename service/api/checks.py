@@ -11,6 +11,7 @@ from typing import Any
 
 from service.api.errors import invalid
 from service.api.schemas import ChatCompletionRequest, CompletionRequest
+from service.api.structured import response_schema
 from service.api.text import TextSide
 
 
@@ -18,16 +19,10 @@ def check_chat_fields(req: ChatCompletionRequest) -> None:
     """Refuse what we cannot honour instead of ignoring it (see :mod:`service.api.schemas`)."""
     if req.logprobs or req.top_logprobs:
         raise invalid("logprobs are not supported by this server", "logprobs")
-    if req.tools or req.functions:
-        raise invalid("tool calling is not supported by this server", "tools")
-    if req.tool_choice not in (None, "none", "auto") or req.function_call not in (
-        None,
-        "none",
-        "auto",
-    ):
-        raise invalid("tool calling is not supported by this server", "tool_choice")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise invalid('only response_format {"type": "text"} is supported', "response_format")
+    if req.functions or req.function_call not in (None, "none", "auto"):
+        # The deprecated form of tools; tools themselves: service.api.tools.
+        raise invalid("functions are not supported; send tools instead", "functions")
+    response_schema(req.response_format)
     if not req.messages:
         raise invalid("messages must not be empty", "messages")
 

@@ -21,6 +21,7 @@ from engine.text.stop import StopStringMatcher
 from service.api.admission import Admission, Ticket
 from service.api.errors import SERVER_ERROR, APIError, invalid
 from service.api.prompts import Prompt, encode_prompts
+from service.api.sampling_defaults import SamplingDefaults
 from service.api.schemas import MAX_N, SEED_MAX, TOP_K_MAX, _SamplingFields
 from service.api.text import TextSide
 from service.supervision.inflight import EngineFailure, Submission
@@ -141,10 +142,22 @@ class MaxTokens:
         )
 
 
-def sampling_params(req: _SamplingFields, max_new_tokens: int, seed_offset: int) -> SamplingParams:
-    """OpenAI sampling fields to engine :class:`SamplingParams` (OpenAI's defaults:
-    temperature 1, top_p 1). With a seed, sequence ``i`` of ``n`` uses ``seed + i`` so
-    its choices differ yet repeat run to run.
+_OPENAI_DEFAULTS = SamplingDefaults()
+
+
+def sampling_params(
+    req: _SamplingFields,
+    max_new_tokens: int,
+    seed_offset: int,
+    defaults: SamplingDefaults = _OPENAI_DEFAULTS,
+    json_schema: str | None = None,
+) -> SamplingParams:
+    """OpenAI sampling fields to engine :class:`SamplingParams`. An unset field takes
+    its value from ``defaults`` (the model's generation config, see
+    :mod:`service.api.sampling_defaults`; OpenAI's: temperature 1, top_p 1). With a
+    seed, sequence ``i`` of ``n`` uses ``seed + i`` so its choices differ yet repeat run
+    to run. ``json_schema``: the JSON schema (as text) the answer is constrained to
+    (:mod:`service.api.structured`), or None.
 
     Raises:
         APIError: 400 naming the field for a value out of range.
@@ -164,20 +177,60 @@ def sampling_params(req: _SamplingFields, max_new_tokens: int, seed_offset: int)
     seed = None if req.seed is None else (req.seed + seed_offset) % (SEED_MAX + 1)
     return SamplingParams(
         max_new_tokens=max_new_tokens,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_k=max(0, req.top_k or 0),
-        top_p=1.0 if req.top_p is None else req.top_p,
-        min_p=req.min_p or 0.0,
+        temperature=defaults.temperature if req.temperature is None else req.temperature,
+        top_k=defaults.top_k if req.top_k is None else max(0, req.top_k),
+        top_p=defaults.top_p if req.top_p is None else req.top_p,
+        min_p=defaults.min_p if req.min_p is None else req.min_p,
         seed=seed,
-        repetition_penalty=req.repetition_penalty or 1.0,
+        repetition_penalty=(
+            defaults.repetition_penalty
+            if req.repetition_penalty is None
+            else req.repetition_penalty
+        ),
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
         ignore_eos=req.ignore_eos,
+        logit_bias=logit_bias_pairs(req.logit_bias),
+        json_schema=json_schema,
     )
 
 
+# OpenAI's bounds of a logit_bias value; -100 and 100 ban or force a token in practice.
+LOGIT_BIAS_MAX = 100.0
+
+
+def logit_bias_pairs(
+    logit_bias: dict[str, float] | None, vocab_size: int | None = None
+) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias`` (token id as text -> bias) as the engine's pairs.
+
+    Raises:
+        APIError: 400 ``logit_bias`` for a key that is not a token id, one outside
+            ``[0, vocab_size)`` (when ``vocab_size`` is given) or a bias outside
+            [-100, 100].
+    """
+    pairs = []
+    for key, bias in (logit_bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise invalid(f"logit_bias keys are token ids, got {key!r}", "logit_bias") from None
+        if token < 0 or (vocab_size is not None and token >= vocab_size):
+            top = "" if vocab_size is None else f"..{vocab_size - 1}"
+            raise invalid(
+                f"logit_bias token id {token} is outside the vocabulary (0{top})", "logit_bias"
+            )
+        if not -LOGIT_BIAS_MAX <= bias <= LOGIT_BIAS_MAX:
+            raise invalid(
+                f"logit_bias values must be in [-100, 100], got {bias} for {key}", "logit_bias"
+            )
+        pairs.append((token, float(bias)))
+    return tuple(pairs)
+
+
 def check_common(req: _SamplingFields) -> None:
-    """Checks that need no tokenizer or engine: ``n``, ``logit_bias``, ``stop``, the
+    """Checks that need no tokenizer or engine: ``n``, ``logit_bias`` (its ids against
+    the vocabulary come later, with the engine's facts), ``stop``, the
     sampling ranges (``seed`` in 0..2**63-1, ``top_k``, ``temperature``...) and
     ``max_tokens`` at least 0 (its upper bound is the context, checked with the prompt).
 
@@ -186,8 +239,7 @@ def check_common(req: _SamplingFields) -> None:
     """
     if req.n < 1 or req.n > MAX_N:
         raise invalid(f"n must be between 1 and {MAX_N}, got {req.n}", "n")
-    if req.logit_bias:
-        raise invalid("logit_bias is not supported", "logit_bias")
+    logit_bias_pairs(req.logit_bias)
     stop_strings(req.stop)
     sampling_params(req, 0, 0)
     if req.max_tokens is not None and req.max_tokens < 0:
@@ -242,6 +294,31 @@ class _SeqText:
     finished: bool = False
 
 
+class CallSteps:
+    """A call's own steps inside :meth:`Generation.start`, around its prompts'
+    encoding. This base takes none (text completions); a chat's
+    (:class:`service.api.chat_generation.ChatSteps`) checks its tools and
+    ``response_format`` and continues its prompt for a forced tool call.
+
+    Attributes:
+        json_schema: the JSON schema (as text) every answer is constrained to, or None
+            (free text); known once :meth:`check` has passed.
+    """
+
+    json_schema: str | None = None
+
+    def check(self) -> None:
+        """The call's own checks, after its admission and before any tokenizing.
+
+        Raises:
+            APIError: 400 naming the field.
+        """
+
+    async def continued(self, prompt_ids: list[int]) -> list[int]:
+        """A prompt's token ids as the engine gets them, from its encoding."""
+        return prompt_ids
+
+
 @dataclass
 class Generation:
     """The sequences of one API call.
@@ -257,6 +334,10 @@ class Generation:
         deadline: ``time.perf_counter()`` past which :meth:`pieces` gives up (504
             ``request_timeout``; the caller's :meth:`close` aborts the sequences), or
             None.
+        defaults: what an unset sampling field means (the model's generation config,
+            :mod:`service.api.sampling_defaults`).
+        context_tokens: a smaller context than the engine's for this call (Ollama's
+            ``num_ctx``), or None.
 
     Attributes (set by :meth:`start`):
         prompts: prompt token ids, one list per prompt.
@@ -272,6 +353,8 @@ class Generation:
     stops: list[str]
     started: float
     deadline: float | None = None
+    defaults: SamplingDefaults = _OPENAI_DEFAULTS
+    context_tokens: int | None = None
     prompts: list[list[int]] = field(default_factory=list)
     sampling: list[SamplingParams] = field(default_factory=list)
     ticket: Ticket | None = None
@@ -300,29 +383,42 @@ class Generation:
         req: _SamplingFields,
         prompts: Sequence[Prompt],
         max_tokens: MaxTokens,
+        steps: CallSteps | None = None,
     ) -> None:
         """Take the checked call ``req`` into the engine, in this order (so the errors
         come in it): a place among the requests waiting for the engine
-        (``admission``), the prompts to token ids (bounded untokenized, then the chat
-        template or the tokenizer in threads, see
-        :func:`service.api.prompts.encode_prompts`), each prompt's completion length
-        against ``info``'s context, one ``GenerateRequest`` per sequence, submitted
-        (none when the length is 0). The place is given back when any step fails.
+        (``admission``), ``logit_bias`` against the vocabulary, the call's own checks
+        (``steps``, see :class:`CallSteps`), the prompts to token ids (bounded
+        untokenized, then the chat template or the tokenizer in threads, see
+        :func:`service.api.prompts.encode_prompts`; then continued by ``steps``), each
+        prompt's completion length against the context (``info``'s, or
+        ``context_tokens``), one ``GenerateRequest`` per sequence, submitted (none
+        when the length is 0). The place is given back when any step fails.
 
         Raises:
-            APIError: 503 ``queue_full``; 400 as
+            APIError: 503 ``queue_full``; 400 ``logit_bias``; 400 as ``steps``,
                 :func:`~service.api.prompts.encode_prompts` and
                 :func:`resolve_max_tokens` raise (``context_length_exceeded``...).
             engine.text.chat.ChatTemplateError: messages the template cannot render.
             NotReady: no worker ready; nothing submitted.
         """
+        steps = steps or CallSteps()
         self.ticket = admission.enter()
         try:
-            self.prompts = await encode_prompts(self.text, prompts, info)
+            logit_bias_pairs(req.logit_bias, info.vocab_size)
+            steps.check()
+            context = info.max_context_tokens
+            if self.context_tokens is not None:
+                context = min(context, self.context_tokens)
+            encoded = await encode_prompts(self.text, prompts, info, context)
+            self.prompts = [await steps.continued(ids) for ids in encoded]
             self.sampling = []
             for ids in self.prompts:
-                max_new = max_tokens.resolve(len(ids), info.max_context_tokens)
-                self.sampling += [sampling_params(req, max_new, j) for j in range(self.n)]
+                max_new = max_tokens.resolve(len(ids), context)
+                self.sampling += [
+                    sampling_params(req, max_new, j, self.defaults, steps.json_schema)
+                    for j in range(self.n)
+                ]
             self._submit()
         except BaseException:
             self.ticket.release()

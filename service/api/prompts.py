@@ -31,17 +31,28 @@ class Prompt:
         messages: chat messages, rendered through the model's chat template.
         text: a raw prompt, tokenized as is (BOS added as the tokenizer does).
         token_ids: ids the client tokenized, checked against the vocabulary.
+        tools: tool definitions the chat template renders with ``messages``
+            (:mod:`service.api.tools`), or None.
+        template_kwargs: extra variables for the chat template
+            (``chat_template_kwargs``), or None.
     """
 
     param: str
     messages: list[dict[str, Any]] | None = None
     text: str | None = None
     token_ids: list[int] | None = None
+    tools: list[dict[str, Any]] | None = None
+    template_kwargs: dict[str, Any] | None = None
 
 
-def chat_prompt(messages: list[dict[str, Any]]) -> list[Prompt]:
-    """A chat call's one prompt."""
-    return [Prompt("messages", messages=messages)]
+def chat_prompt(
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+) -> list[Prompt]:
+    """A chat call's one prompt (``tools`` and ``template_kwargs``: see
+    :class:`Prompt`)."""
+    return [Prompt("messages", messages=messages, tools=tools, template_kwargs=template_kwargs)]
 
 
 def completion_prompts_of(items: Sequence[str | list[int]]) -> list[Prompt]:
@@ -58,18 +69,26 @@ def completion_prompts_of(items: Sequence[str | list[int]]) -> list[Prompt]:
 
 
 async def encode_prompts(
-    text: TextSide, prompts: Sequence[Prompt], info: EngineInfo
+    text: TextSide,
+    prompts: Sequence[Prompt],
+    info: EngineInfo,
+    context_tokens: int | None = None,
 ) -> list[list[int]]:
     """The token ids of each prompt, in order.
 
+    Args:
+        context_tokens: the context the prompts must fit; None:
+            ``info.max_context_tokens``.
+
     Raises:
         APIError: 400 ``context_length_exceeded`` naming the prompt's field when its
-            text cannot fit ``info.max_context_tokens`` (checked for every prompt
+            text cannot fit the context (checked for every prompt
             before any is tokenized); 400 naming it for a token id outside the
             vocabulary or an empty raw prompt.
         engine.text.chat.ChatTemplateError: messages the template cannot render
             (answered 400 by :mod:`service.api.errors`).
     """
+    context = info.max_context_tokens if context_tokens is None else context_tokens
     for prompt in prompts:
         if prompt.messages is not None:
             texts = message_texts(prompt.messages)
@@ -77,11 +96,15 @@ async def encode_prompts(
             texts = [prompt.text]
         else:
             continue
-        check_prompt_bound(text, texts, info.max_context_tokens, prompt.param)
+        check_prompt_bound(text, texts, context, prompt.param)
     encoded: list[list[int]] = []
     for prompt in prompts:
         if prompt.messages is not None:
-            encoded.append(await text.encode_chat(prompt.messages))
+            encoded.append(
+                await text.encode_chat(
+                    prompt.messages, tools=prompt.tools, template_kwargs=prompt.template_kwargs
+                )
+            )
             continue
         if prompt.text is not None:
             ids = await text.encode_prompt(prompt.text)

@@ -39,7 +39,7 @@ def json_response(payload: Any) -> Response[bytes]:
     return Response(content=_encoder.encode(payload), media_type="application/json")
 
 
-def _log_request(gen: Generation | None, request_id: str, status: int, started: float) -> None:
+def log_request(gen: Generation | None, request_id: str, status: int, started: float) -> None:
     """The one log line of a request: id, status, tokens, TTFT, total time."""
     total_ms = (time.perf_counter() - started) * 1000.0
     ttft = gen.ttft_ms if gen is not None else None
@@ -100,20 +100,32 @@ async def respond(
     """Non-streaming: run to the end and answer with one ``body_type``
     (``ChatCompletion`` or ``Completion``) whose choices ``choices(texts, reasons)``
     builds, one per sequence, with the call's usage."""
+
+    def body(texts: list[str], reasons: list[str | None]) -> Any:
+        return body_type(
+            id=gen.request_id,
+            created=created,
+            model=model,
+            choices=choices(texts, reasons),
+            usage=usage_of(gen),
+        )
+
+    return await respond_with(gen, request, body)
+
+
+async def respond_with(
+    gen: Generation, request: Request, build: Callable[[list[str], list[str | None]], Any]
+) -> Response[bytes]:
+    """Non-streaming, any API's shape: run to the end and answer with the JSON of
+    ``build(texts, reasons)``; 499 (logged only) when the client went away first. The
+    generation is closed and the request's one log line written whatever happens."""
     status = 200
     try:
         result = await _collect(gen, request)
         if result is None:
             status = CLIENT_GONE
             return Response(content=b"", status_code=CLIENT_GONE)
-        body = body_type(
-            id=gen.request_id,
-            created=created,
-            model=model,
-            choices=choices(*result),
-            usage=usage_of(gen),
-        )
-        return json_response(body)
+        return json_response(build(*result))
     except APIError as exc:
         status = exc.status
         raise
@@ -122,7 +134,7 @@ async def respond(
         raise
     finally:
         gen.close()
-        _log_request(gen, gen.request_id, status, gen.started)
+        log_request(gen, gen.request_id, status, gen.started)
 
 
 async def _stream(
@@ -160,7 +172,7 @@ async def _stream(
         raise
     finally:
         gen.close()
-        _log_request(gen, request_id, status, started)
+        log_request(gen, request_id, status, started)
 
 
 def event_stream(
@@ -175,18 +187,22 @@ def event_stream(
 ) -> Stream:
     """The SSE answer of a streaming call: ``chunk_type`` events (``ChatCompletionChunk``
     or ``CompletionChunk``) whose one choice ``choice(index, text, finish_reason, role)``
-    builds; first one ``assistant`` role event per sequence when ``roles`` > 0; the
+    builds (or a list of choices, one event each); first one ``assistant`` role event per sequence when ``roles`` > 0; the
     usage event when ``stream_options.include_usage``."""
     include_usage = bool(stream_options and stream_options.include_usage)
     usage_field: Any = None if include_usage else msgspec.UNSET
     request_id = gen.request_id
 
     def chunk(index: int, text: str, reason: str | None, role: str | None = None) -> bytes:
-        choices = [choice(index, text, reason, role)]
-        return _sse(
-            chunk_type(
-                id=request_id, created=created, model=model, choices=choices, usage=usage_field
+        made = choice(index, text, reason, role)
+        # A piece may make several events (a tool call's name, then its arguments).
+        return b"".join(
+            _sse(
+                chunk_type(
+                    id=request_id, created=created, model=model, choices=[c], usage=usage_field
+                )
             )
+            for c in (made if isinstance(made, list) else [made])
         )
 
     def usage_chunk() -> bytes:

@@ -5,9 +5,11 @@ Bodies are decoded here (not by Litestar's signature model) so that every defect
 in them, empty, not JSON, not an object, a wrong type, answers OpenAI's 400 with
 ``param``. Order of checks: body, then fields needing nothing else, then readiness
 (503), model (404); then the checked call goes into the engine in one part
-(:meth:`service.api.generation.Generation.start`): admission (503 ``queue_full``, see
-:mod:`service.api.admission`), a cheap lower bound on the prompt's tokens against the
-context (400 ``context_length_exceeded`` before any tokenizing, see
+(:meth:`service.api.generation.Generation.start`; a chat's through
+:func:`service.api.chat_generation.start_chat`): admission (503 ``queue_full``, see
+:mod:`service.api.admission`), ``logit_bias`` against the vocabulary (400), a chat's
+``response_format`` and ``tools``/``tool_choice`` (400), a cheap lower bound on the
+prompt's tokens against the context (400 ``context_length_exceeded`` before any tokenizing, see
 :meth:`service.api.text.TextSide.min_tokens`), tokenizing (in threads; 400 for a template
 refusal), context (400), submit. With ``--request-timeout``, a request still running
 that many seconds after it arrived is aborted in the engine and answered 504
@@ -29,22 +31,20 @@ from typing import Any, TypeVar
 from litestar import Controller, Request, Response, get, post
 
 from engine.messages import EngineInfo
+from service.api.chat_generation import call_generation, start_chat
 from service.api.checks import check_chat_fields, completion_prompts
 from service.api.errors import decode_body
-from service.api.generation import Generation, MaxTokens, check_common, stop_strings
-from service.api.prompts import chat_prompt, completion_prompts_of
+from service.api.generation import MaxTokens, check_common
+from service.api.prompts import completion_prompts_of
 from service.api.responses import event_stream, json_response, respond
 from service.api.schemas import (
     ChatChoice,
-    ChatChunkChoice,
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
-    ChatMessageOut,
     Completion,
     CompletionChunk,
     CompletionRequest,
-    Delta,
     ModelCard,
     ModelList,
     TextChoice,
@@ -72,39 +72,6 @@ async def _checked(
     info = svc.supervisor.check_ready()
     model = svc.check_model(req.model, info)  # type: ignore[attr-defined]
     return req, checked, info, model
-
-
-def _generation(svc: Services, request_id: str, req: Any, started: float) -> Generation:
-    """A call's generation, not started yet (``req``: its checked request)."""
-    assert svc.text is not None
-    timeout = svc.settings.request_timeout
-    return Generation(
-        supervisor=svc.supervisor,
-        text=svc.text,
-        request_id=request_id,
-        n=req.n,
-        stops=stop_strings(req.stop),
-        started=started,
-        deadline=started + timeout if timeout > 0 else None,
-    )
-
-
-def _chat_choices(texts: list[str], reasons: list[str | None]) -> list[ChatChoice]:
-    """The choices of a whole chat answer, one per sequence."""
-    return [
-        ChatChoice(
-            index=i,
-            message=ChatMessageOut(role="assistant", content=text),
-            finish_reason=reasons[i],
-        )
-        for i, text in enumerate(texts)
-    ]
-
-
-def _chat_delta(index: int, text: str, reason: str | None, role: str | None) -> ChatChunkChoice:
-    """The one choice of a chat stream's chunk: a role, new text, or the ending."""
-    delta = Delta(role=role, content=text if (text or role) else None)
-    return ChatChunkChoice(index=index, delta=delta, finish_reason=reason)
 
 
 def _text_choices(texts: list[str], reasons: list[str | None]) -> list[TextChoice]:
@@ -151,18 +118,21 @@ class OpenAIController(Controller):
         """Chat completion, streaming (SSE) or not. Errors: see the module docstring."""
         started = time.perf_counter()
         req, _, info, model = await _checked(request, svc, ChatCompletionRequest, check_chat_fields)
-        if req.max_completion_tokens is not None:
-            max_tokens = MaxTokens(req.max_completion_tokens, "max_completion_tokens", "messages")
-        else:
-            max_tokens = MaxTokens(req.max_tokens, "max_tokens", "messages")
-        gen = _generation(svc, f"chatcmpl-{uuid.uuid4().hex}", req, started)
-        await gen.start(svc.admission, info, req, chat_prompt(req.messages), max_tokens)
+        gen, output = await start_chat(req, info, svc, started, f"chatcmpl-{uuid.uuid4().hex}")
         created = int(time.time())
 
         if not req.stream:
-            return await respond(gen, request, ChatCompletion, _chat_choices, created, model)
+
+            def choices(texts: list[str], reasons: list[str | None]) -> list[ChatChoice]:
+                shaped = [output.message(text, reasons[i]) for i, text in enumerate(texts)]
+                return [
+                    ChatChoice(index=i, message=message, finish_reason=reason)
+                    for i, (message, reason) in enumerate(shaped)
+                ]
+
+            return await respond(gen, request, ChatCompletion, choices, created, model)
         return event_stream(
-            gen, req.stream_options, ChatCompletionChunk, _chat_delta, created, model, roles=req.n
+            gen, req.stream_options, ChatCompletionChunk, output.deltas, created, model, roles=req.n
         )
 
     @post("/completions", status_code=200)
@@ -172,7 +142,7 @@ class OpenAIController(Controller):
         req, items, info, model = await _checked(
             request, svc, CompletionRequest, completion_prompts
         )
-        gen = _generation(svc, f"cmpl-{uuid.uuid4().hex}", req, started)
+        gen = call_generation(svc, f"cmpl-{uuid.uuid4().hex}", req, started)
         # An unset max_tokens is OpenAI's 16 for text completions.
         max_tokens = MaxTokens(req.max_tokens, "max_tokens", "prompt", default=16)
         await gen.start(svc.admission, info, req, completion_prompts_of(items), max_tokens)

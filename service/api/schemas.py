@@ -3,8 +3,11 @@
 Requests decode leniently where OpenAI's clients expect it: unknown fields are
 ignored (new client versions send new fields). Fields we cannot honour are declared
 so that setting them is refused with a 400 naming the field rather than silently
-ignored (``logprobs``, ``tools``, ``response_format`` other than text, ``logit_bias``,
-``echo``, ``suffix``, ``best_of`` above ``n``); their neutral values are accepted.
+ignored (``logprobs``, ``functions``, ``echo``, ``suffix``, ``best_of`` above ``n``);
+their neutral values are accepted. ``response_format`` is structured output
+(:mod:`service.api.structured`). ``tools``/``tool_choice`` are served by :mod:`service.api.tools`,
+``chat_template_kwargs`` reach the template, and answers carry ``reasoning_content``
+(:mod:`service.api.reasoning`). ``logit_bias`` ids are checked against the vocabulary.
 Extensions beyond OpenAI, as vLLM names them: ``top_k``, ``min_p``,
 ``repetition_penalty``, ``ignore_eos``.
 
@@ -65,7 +68,8 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     """``POST /v1/chat/completions``. ``messages`` items are ``{"role", "content"}``
     objects; content is a string or a list of ``{"type": "text", "text"}`` parts.
     ``max_completion_tokens`` wins over ``max_tokens``; both absent (or null) mean
-    "up to the rest of the context"."""
+    ``--default-max-tokens``. ``chat_template_kwargs`` (e.g. ``{"enable_thinking":
+    false}``) are passed to the chat template."""
 
     messages: Annotated[list[dict[str, Any]], Meta(min_length=1)]
     max_completion_tokens: TokenCount | None = None
@@ -76,6 +80,8 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     functions: list[Any] | None = None
     function_call: Any = None
     response_format: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -113,8 +119,13 @@ class Usage(msgspec.Struct, kw_only=True):
 
 
 class ChatMessageOut(msgspec.Struct, kw_only=True):
+    """The answer. ``reasoning_content``: a reasoning model's thinking (absent for
+    other models); ``tool_calls``: the calls the model made (absent when none)."""
+
     role: str
-    content: str
+    content: str | None
+    reasoning_content: str | None | UnsetType = UNSET
+    tool_calls: list[dict[str, Any]] | UnsetType = UNSET
 
 
 class _Choice(msgspec.Struct, kw_only=True):
@@ -148,6 +159,8 @@ class ChatCompletion(_Answer, kw_only=True):
 class Delta(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChunkChoice(_Choice, kw_only=True):

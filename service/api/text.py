@@ -14,6 +14,7 @@ refused at once (see its docstring for why the bound is sound).
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -85,21 +86,37 @@ class TextSide:
         tokenizer = await asyncio.to_thread(load_tokenizer, model_dir)
         return cls(tokenizer, model_dir)
 
-    async def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    async def encode_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
         """Chat messages to prompt ids through the model's template (ending with the
-        assistant generation header).
+        assistant generation header); ``tools`` and ``template_kwargs`` reach the
+        template (:func:`engine.text.chat.render_chat`).
 
         Raises:
             engine.text.chat.ChatTemplateError: roles or content the template cannot
-                render; its ``param`` names the field.
+                render, or tools it has no support for; its ``param`` names the field.
         """
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, encode_chat, self.tokenizer, messages)
+        work = functools.partial(
+            encode_chat, self.tokenizer, messages, tools=tools, template_kwargs=template_kwargs
+        )
+        return await loop.run_in_executor(self._pool, work)
 
     async def encode_prompt(self, prompt: str) -> list[int]:
         """A raw completion prompt to ids (BOS added as the tokenizer does)."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, encode_prompt, self.tokenizer, prompt)
+
+    async def encode_text(self, text: str) -> list[int]:
+        """Text to ids with no special tokens added (a continuation of a prompt)."""
+        loop = asyncio.get_running_loop()
+        work = functools.partial(self.tokenizer.encode, text, add_special_tokens=False)
+        return list(await loop.run_in_executor(self._pool, work))
 
     def detokenizer(self, prompt_ids: list[int]) -> IncrementalDetokenizer:
         """A fresh incremental detokenizer for one sequence that follows ``prompt_ids``."""

@@ -50,6 +50,10 @@ from engine.units import (
 )
 
 DEFAULT_PORT = 8427
+# An unset max_tokens: long enough for a full answer (a reasoning model's thinking
+# included), short enough that a model which never says its end token stops within
+# minutes on a laptop CPU instead of running to the end of its context.
+DEFAULT_MAX_TOKENS = 2048
 
 
 class SettingsError(Exception):
@@ -153,6 +157,14 @@ class ServeSettings(EngineConfig):
         "Seconds a completion request may take from arrival to its last token; past it "
         "the engine drops it and the client gets a 504 request_timeout error (0: none).",
         checks=(at_least(0, "0: none"),),
+    )
+    default_max_tokens: int = option(
+        DEFAULT_MAX_TOKENS,
+        "Most tokens a chat completion (/v1/chat/completions, Ollama's /api/chat and "
+        "/api/generate) generates when the request sets no max_tokens, "
+        "max_completion_tokens or num_predict; never more than the context leaves after "
+        "the prompt (0: the rest of the context). /v1/completions keeps OpenAI's 16.",
+        checks=(at_least(0, "0: the rest of the context"),),
     )
     heartbeat_interval_s: float = option(
         0.5, "Seconds between the worker's heartbeats.", checks=(positive,)

@@ -21,6 +21,7 @@ from litestar import Litestar
 from litestar.di import Provide
 
 from service.api.errors import EXCEPTION_HANDLERS
+from service.api.ollama.routes import OllamaController
 from service.api.openapi import openapi_route
 from service.api.routes import OpenAIController
 from service.cli.settings import ServeSettings
@@ -147,10 +148,16 @@ def create_app(
         (OpenAIController,),
         {"guards": [api_key_guard(settings.api_key)] if settings.api_key else []},
     )
+    ollama_routes = type(
+        "GuardedOllamaController",
+        (OllamaController,),
+        {"guards": [api_key_guard(settings.api_key)]},
+    )
     install_redaction(lambda: (settings.api_key or "", token))
     app = Litestar(
         route_handlers=[
             openai_routes,
+            ollama_routes,
             HealthController,
             # /api/status stays open (as /api/health) for curl and scripts; the control
             # routes and the event socket need the token.

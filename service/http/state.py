@@ -6,6 +6,7 @@ dependency injection (parameter name ``svc``), never through module globals.
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from engine.messages import (
 from engine.units import SIZE_UNITS
 from service.api.admission import Admission
 from service.api.errors import APIError
+from service.api.sampling_defaults import SamplingDefaults, load_sampling_defaults
 from service.api.text import TextSide
 from service.cli.settings import ServeSettings
 from service.events.hub import EventHub
@@ -76,6 +78,7 @@ class Services:
     settings: ServeSettings
     supervisor: Supervisor
     text: TextSide | None = None
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     started_at: int = field(default_factory=lambda: int(time.time()))
     engine_events: EngineEventCounts = field(default_factory=EngineEventCounts)
     events: EventHub | None = None
@@ -218,13 +221,14 @@ class Services:
 
     def model_names(self, info: EngineInfo) -> list[str]:
         """Names the served model answers to: the engine's, the store name ``--model``
-        gave (``owner/name[:FILE.gguf]``, when it is not a path), then configured
-        aliases."""
+        gave (``owner/name[:FILE.gguf]``, when it is not a path), the configured aliases,
+        then ``default`` (each once)."""
         names = [info.model_name]
         model = self.settings.model
         if model and model != info.model_name and not Path(model).expanduser().exists():
             names.append(model)
-        return [*names, *self.settings.served_model_name]
+        names += [*self.settings.served_model_name, DEFAULT_MODEL_ALIAS]
+        return list(dict.fromkeys(names))
 
     def check_model(self, requested: str | None, info: EngineInfo) -> str:
         """The model name to report for a request naming ``requested``.
@@ -238,7 +242,7 @@ class Services:
         names = self.model_names(info)
         # "default" always names the one served model: the README's and most clients'
         # first request, before anyone has read /v1/models.
-        if not requested or requested in names or requested == DEFAULT_MODEL_ALIAS:
+        if not requested or requested in names:
             return names[0]
         raise APIError(
             404,
@@ -249,8 +253,12 @@ class Services:
         )
 
     async def prepare(self, info: EngineInfo) -> None:
-        """Called by the supervisor when a worker is ready: load its tokenizer."""
+        """Called by the supervisor when a worker is ready: load its tokenizer and its
+        sampling defaults (:mod:`service.api.sampling_defaults`)."""
         if self.text is None or self.text.model_dir != info.model_dir:
             old, self.text = self.text, await TextSide.load(info.model_dir)
+            self.sampling_defaults = await asyncio.to_thread(
+                load_sampling_defaults, info.model_dir
+            )
             if old is not None:
                 old.close()

@@ -1,0 +1,62 @@
+"""Structured output: OpenAI's ``response_format`` (and Ollama's ``format``) as the JSON
+schema the engine constrains sampling with (:mod:`engine.sampling.grammar`).
+
+``{"type": "text"}`` (or none): free text. ``{"type": "json_object"}``: any JSON
+object. ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}``: a
+value matching ``schema``; every answer is constrained, ``strict`` or not. A schema the
+grammar compiler cannot take is a 400 naming ``response_format`` (from the engine).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from service.api.errors import invalid
+
+ANY_OBJECT = '{"type": "object"}'
+
+
+def response_schema(response_format: dict[str, Any] | None) -> str | None:
+    """The JSON text of the schema an answer must match, or None for free text.
+
+    Raises:
+        APIError: 400 ``response_format`` for an unknown type or a ``json_schema``
+            without a ``schema`` object.
+    """
+    if not response_format:
+        return None
+    kind = response_format.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ANY_OBJECT
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise invalid(
+                'response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}',
+                "response_format",
+            )
+        return json.dumps(schema)
+    raise invalid(
+        f"response_format type {kind!r} is not supported; use text, json_object or json_schema",
+        "response_format",
+    )
+
+
+def ollama_format(fmt: Any) -> dict[str, Any] | None:
+    """Ollama's ``format`` (``"json"`` or a JSON schema object) as OpenAI's
+    ``response_format``.
+
+    Raises:
+        APIError: 400 ``format`` for anything else.
+    """
+    if fmt in (None, ""):
+        return None
+    if fmt == "json":
+        return {"type": "json_object"}
+    if isinstance(fmt, dict):
+        return {"type": "json_schema", "json_schema": {"name": "format", "schema": fmt}}
+    raise invalid('format must be "json" or a JSON schema object', "format")

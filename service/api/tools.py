@@ -1,0 +1,325 @@
+"""Tool calls: OpenAI's ``tools`` and ``tool_choice`` in, ``message.tool_calls`` out.
+
+The tool definitions reach the model through its chat template (``tools``); what the
+model writes back is parsed by the parser of its family, chosen from the template:
+
+- ``hermes`` (Qwen2.5/3, Hermes, and most tool-tuned open models): each call is
+  ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, after optional text;
+- ``llama3_json`` (Llama 3.1+): the whole answer is ``{"name": ..., "parameters":
+  {...}}`` (optionally after ``<|python_tag|>``; several joined by ``;``);
+- ``mistral``: ``[TOOL_CALLS]`` then a JSON list of ``{"name", "arguments"}`` (or, in
+  newer templates, ``name[ARGS]{...}``); ``[TOOL_CALLS]`` is a special token, so the
+  text may start at the list itself.
+
+``tool_choice``: ``auto`` (default with tools) parses calls; ``none`` renders the tools
+but parses nothing; ``required`` and a named function start the answer with the
+format's call opening (the named function's name included) and constrain the rest to
+the call's JSON schema (:func:`forced_call`, through the engine's structured output),
+so the call parses and its arguments match the function's ``parameters``. Answers with
+calls end with ``finish_reason: "tool_calls"``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from service.api.errors import invalid
+
+HERMES = "hermes"
+LLAMA3_JSON = "llama3_json"
+MISTRAL = "mistral"
+
+_HERMES_OPEN = "<tool_call>"
+_HERMES_CLOSE = "</tool_call>"
+_HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+_PYTHON_TAG = "<|python_tag|>"
+_MISTRAL_TAG = "[TOOL_CALLS]"
+_MISTRAL_ARGS = "[ARGS]"
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One parsed call: ``arguments`` is JSON text, as OpenAI sends it."""
+
+    name: str
+    arguments: str
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+    def as_openai(self, index: int | None = None) -> dict[str, Any]:
+        call: dict[str, Any] = {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+        if index is not None:
+            call["index"] = index
+        return call
+
+
+def parser_for_template(chat_template: str | None) -> str | None:
+    """The tool-call format a chat template teaches its model, or None when it shows
+    none this server parses."""
+    if not chat_template:
+        return None
+    if _HERMES_OPEN in chat_template:
+        return HERMES
+    if _MISTRAL_TAG in chat_template:
+        return MISTRAL
+    if _PYTHON_TAG in chat_template or (
+        "<|start_header_id|>" in chat_template and "parameters" in chat_template
+    ):
+        return LLAMA3_JSON
+    return None
+
+
+def _call(obj: Any, args_key: str) -> ToolCall | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get(args_key, obj.get("arguments", obj.get("parameters", {})))
+    text = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+    return ToolCall(name=obj["name"], arguments=text)
+
+
+def _json_prefix(text: str) -> tuple[Any, int] | None:
+    """The JSON value at the start of ``text`` (after whitespace) and where it ends."""
+    stripped = text.lstrip()
+    try:
+        value, end = json.JSONDecoder().raw_decode(stripped)
+    except ValueError:
+        return None
+    return value, len(text) - len(stripped) + end
+
+
+def parse_tool_calls(fmt: str, text: str) -> tuple[str, list[ToolCall]]:
+    """A whole answer as ``(content, calls)``. Text that does not parse as calls
+    stays content: a model that meant to answer in words is never turned into a call.
+
+    Args:
+        fmt: :data:`HERMES`, :data:`LLAMA3_JSON` or :data:`MISTRAL`.
+        text: the model's answer (special tokens left out, as the API shows it).
+    """
+    if fmt == HERMES:
+        start = text.find(_HERMES_OPEN)
+        if start < 0:
+            return text, []
+        blocks = _HERMES_BLOCK.findall(text, start)
+        if not blocks:
+            # One unclosed block (cut by max_tokens, or the end token came first).
+            blocks = [text[start + len(_HERMES_OPEN) :]]
+        calls = []
+        for block in blocks:
+            parsed = _json_prefix(block)
+            call = _call(parsed[0], "arguments") if parsed else None
+            if call is None:
+                return text, []
+            calls.append(call)
+        return text[:start].rstrip(), calls
+    if fmt == LLAMA3_JSON:
+        body = text.strip().removeprefix(_PYTHON_TAG).strip()
+        if not body.startswith("{"):
+            return text, []
+        calls = []
+        for part in _split_top_level(body, ";"):
+            parsed = _json_prefix(part)
+            call = _call(parsed[0], "parameters") if parsed else None
+            if call is None or part[parsed[1] :].strip():
+                return text, []
+            calls.append(call)
+        return "", calls
+    if fmt == MISTRAL:
+        start = text.find(_MISTRAL_TAG)
+        content, body = (
+            (text[:start], text[start + len(_MISTRAL_TAG) :]) if start >= 0 else ("", text)
+        )
+        body = body.strip()
+        if _MISTRAL_ARGS in body:
+            calls = []
+            for chunk in body.split(_MISTRAL_TAG):
+                name, _, args = chunk.partition(_MISTRAL_ARGS)
+                parsed = _json_prefix(args)
+                if not name.strip() or parsed is None:
+                    return text, []
+                calls.append(_call({"name": name.strip(), "arguments": parsed[0]}, "arguments"))
+            return content.rstrip(), [c for c in calls if c is not None]
+        parsed = _json_prefix(body) if body.startswith("[") else None
+        if parsed is None or not isinstance(parsed[0], list):
+            return text, []
+        calls = [_call(obj, "arguments") for obj in parsed[0]]
+        if not calls or any(c is None for c in calls):
+            return text, []
+        return content.rstrip(), calls  # type: ignore[return-value]
+    raise ValueError(f"unknown tool-call format {fmt!r}")
+
+
+def _split_top_level(text: str, sep: str) -> list[str]:
+    """``text`` split at ``sep`` outside JSON strings and brackets."""
+    parts, depth, start, in_string, escaped = [], 0, 0, False, False
+    for i, ch in enumerate(text):
+        if in_string:
+            escaped = not escaped and ch == "\\"
+            if ch == '"' and not escaped:
+                in_string = False
+            continue
+        if ch == '"':
+            in_string = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+        elif ch == sep and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return [p for p in parts if p.strip()]
+
+
+def call_start(fmt: str, text: str) -> int | None:
+    """Where a tool-call section may begin in a streamed answer so far, or None when
+    none can have begun: the text before it is safe to send as content. A marker cut
+    at the end of ``text`` counts as begun (it is held back)."""
+    if fmt == HERMES:
+        at = text.find(_HERMES_OPEN)
+        if at >= 0:
+            return at
+        for n in range(min(len(_HERMES_OPEN) - 1, len(text)), 0, -1):
+            if _HERMES_OPEN.startswith(text[-n:]):
+                return len(text) - n
+        return None
+    # Llama 3 and Mistral answer with the call alone: decided by the answer's start.
+    stripped = text.lstrip()
+    if not stripped:
+        return 0
+    markers = ("{", _PYTHON_TAG) if fmt == LLAMA3_JSON else ("[", _MISTRAL_TAG)
+    if any(stripped.startswith(m) or m.startswith(stripped) for m in markers):
+        return 0
+    if fmt == MISTRAL:
+        at = text.find(_MISTRAL_TAG)
+        return at if at >= 0 else None
+    return None
+
+
+# Per format: (opening of a call before its name, the arguments' key, closing).
+_CALL_SHAPE = {
+    HERMES: (_HERMES_OPEN + "\n", "arguments", "\n" + _HERMES_CLOSE),
+    LLAMA3_JSON: ("", "parameters", ""),
+    MISTRAL: (_MISTRAL_TAG + "[", "arguments", "]"),
+}
+
+
+def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
+    params = tool["function"].get("parameters")
+    return params if isinstance(params, dict) else {"type": "object"}
+
+
+def forced_call(fmt: str, tools: list[dict[str, Any]], name: str | None) -> tuple[str, str, str]:
+    """``(prefix, json_schema, suffix)`` of a forced call: the answer starts with
+    ``prefix`` (rendered after the generation prompt), the model writes a value of
+    ``json_schema`` under grammar-constrained sampling, and ``suffix`` closes the call
+    for the parser. Named: the prefix holds the name, the schema is the function's
+    ``parameters``. ``required``: the schema is any one of the tools' calls (its name
+    and its arguments)."""
+    opening, key, closing = _CALL_SHAPE[fmt]
+    if name is not None:
+        tool = next(t for t in tools if t["function"]["name"] == name)
+        prefix = opening + json.dumps({"name": name})[:-1] + f', "{key}": '
+        return prefix, json.dumps(_parameters(tool)), "}" + closing
+    calls = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": t["function"]["name"]}, key: _parameters(t)},
+            "required": ["name", key],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
+    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    return opening, json.dumps(schema), closing
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """What a request's ``tools`` and ``tool_choice`` mean for its answer.
+
+    ``tools``: the definitions for the template (None: no tools). ``parse``: the
+    format to parse the answer with (None: no parsing). ``prefix``: text the answer
+    starts with (rendered after the generation prompt, and prepended to the model's
+    text before parsing); ``schema``: the JSON schema the model's text is constrained
+    to (a forced call's arguments); ``suffix``: text appended before parsing (the
+    call's closing, which the grammar leaves out)."""
+
+    tools: list[dict[str, Any]] | None = None
+    parse: str | None = None
+    prefix: str = ""
+    schema: str | None = None
+    suffix: str = ""
+
+
+def plan_tools(
+    tools: list[Any] | None, tool_choice: Any, chat_template: str | None, has_tools: bool
+) -> ToolPlan:
+    """Check ``tools`` and ``tool_choice`` against each other and the template.
+
+    Raises:
+        APIError: 400 ``tools`` for a malformed definition or a template with no tool
+            support (or a format this server does not parse); 400 ``tool_choice`` for
+            an unknown value or a function not among ``tools``.
+    """
+    if not tools:
+        if tool_choice not in (None, "none", "auto"):
+            raise invalid("tool_choice needs tools", "tool_choice")
+        return ToolPlan()
+    names = []
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if (
+            not isinstance(tool, dict)
+            or tool.get("type", "function") != "function"
+            or not isinstance(function, dict)
+            or not isinstance(function.get("name"), str)
+        ):
+            raise invalid(
+                "each tool must be {'type': 'function', 'function': {'name', 'description', "
+                "'parameters'}}",
+                f"tools[{i}]",
+            )
+        names.append(function["name"])
+    if not has_tools:
+        raise invalid(
+            "this model's chat template has no tool support (it renders no tools), so "
+            "tools cannot be used with this model",
+            "tools",
+        )
+    fmt = parser_for_template(chat_template)
+    if fmt is None:
+        raise invalid(
+            "this model's chat template uses a tool-call format this server does not parse "
+            "(it parses Hermes/Qwen <tool_call>, Llama 3 JSON and Mistral [TOOL_CALLS])",
+            "tools",
+        )
+    choice = "auto" if tool_choice is None else tool_choice
+    if choice == "none":
+        return ToolPlan(tools=tools)
+    if choice == "auto":
+        return ToolPlan(tools=tools, parse=fmt)
+    if choice == "required":
+        prefix, schema, suffix = forced_call(fmt, tools, None)
+        return ToolPlan(tools=tools, parse=fmt, prefix=prefix, schema=schema, suffix=suffix)
+    if isinstance(choice, dict):
+        function = choice.get("function") if choice.get("type") == "function" else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if name not in names:
+            raise invalid(
+                f"tool_choice names a function that is not among tools ({', '.join(names)})",
+                "tool_choice",
+            )
+        prefix, schema, suffix = forced_call(fmt, tools, name)
+        return ToolPlan(tools=tools, parse=fmt, prefix=prefix, schema=schema, suffix=suffix)
+    raise invalid(
+        "tool_choice must be 'none', 'auto', 'required' or "
+        "{'type': 'function', 'function': {'name': ...}}",
+        "tool_choice",
+    )

@@ -1,0 +1,259 @@
+"""Reasoning and tool calls on recorded model outputs (no server): the parsers of each
+family, the answer shaped whole and streamed in small pieces (the stream, put back
+together as the openai client does, equals the whole answer), tool_choice checks, and
+tools and chat_template_kwargs reaching a template."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.text.chat import ChatTemplateError, render_chat, template_has_tools
+from service.api.chat_output import ChatOutput
+from service.api.errors import APIError
+from service.api.reasoning import ReasoningSplitter, split_reasoning
+from service.api.tools import (
+    HERMES,
+    LLAMA3_JSON,
+    MISTRAL,
+    ToolPlan,
+    parse_tool_calls,
+    parser_for_template,
+    plan_tools,
+)
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+# Answers as the families write them (special tokens left out, as the API shows text).
+QWEN3_THINK_AND_CALL = (
+    "<think>\nThe user asks about Paris and Rome; I will call get_weather twice.\n</think>\n\n"
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
+)
+HERMES_TEXT_THEN_CALL = (
+    "Let me check.\n"
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+)
+LLAMA3_CALL = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+LLAMA3_TWO = '<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"x": 1}}'
+MISTRAL_CALLS = '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]'
+MISTRAL_SKIPPED_TAG = '[{"name": "get_weather", "arguments": {"city": "Paris"}}]'
+MISTRAL_V11 = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'
+
+
+def _names_args(calls):
+    return [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+def test_hermes_parser():
+    content, calls = parse_tool_calls(HERMES, QWEN3_THINK_AND_CALL.split("</think>")[1])
+    assert content == ""
+    assert _names_args(calls) == [
+        ("get_weather", {"city": "Paris"}),
+        ("get_weather", {"city": "Rome"}),
+    ]
+    content, calls = parse_tool_calls(HERMES, HERMES_TEXT_THEN_CALL)
+    assert content == "Let me check." and _names_args(calls) == [("get_weather", {"city": "Oslo"})]
+    # Unclosed (the end token came first) still parses; broken JSON stays text.
+    content, calls = parse_tool_calls(HERMES, '<tool_call>\n{"name": "f", "arguments": {}}')
+    assert _names_args(calls) == [("f", {})]
+    broken = '<tool_call>\n{"name": "f", "argu'
+    assert parse_tool_calls(HERMES, broken) == (broken, [])
+    assert parse_tool_calls(HERMES, "Paris.") == ("Paris.", [])
+
+
+def test_llama3_and_mistral_parsers():
+    assert _names_args(parse_tool_calls(LLAMA3_JSON, LLAMA3_CALL)[1]) == [
+        ("get_weather", {"city": "Paris"})
+    ]
+    assert _names_args(parse_tool_calls(LLAMA3_JSON, LLAMA3_TWO)[1]) == [("a", {}), ("b", {"x": 1})]
+    assert parse_tool_calls(LLAMA3_JSON, "{not a call} really")[1] == []
+    for text in (MISTRAL_CALLS, MISTRAL_SKIPPED_TAG, MISTRAL_V11):
+        content, calls = parse_tool_calls(MISTRAL, text)
+        assert content == "" and _names_args(calls) == [("get_weather", {"city": "Paris"})], text
+    assert parse_tool_calls(MISTRAL, "[1, 2] is a list") == ("[1, 2] is a list", [])
+
+
+def test_parser_chosen_from_template():
+    assert parser_for_template("{% if tools %}<tool_call>{% endif %}") == HERMES
+    assert parser_for_template("{{ '[TOOL_CALLS]' }} {{ tools }}") == MISTRAL
+    assert parser_for_template("<|start_header_id|> {{ tools }} parameters") == LLAMA3_JSON
+    assert parser_for_template("{{ messages }}") is None
+
+
+def test_reasoning_split_whole_and_streamed():
+    reasoning, content = split_reasoning("<think>\nhmm\n</think>\n\nParis.")
+    assert (reasoning, content) == ("hmm", "Paris.")
+    assert split_reasoning("Paris.") == (None, "Paris.")
+    # The prompt opened the block: the answer starts inside it, with no <think>.
+    assert split_reasoning("hmm</think>Paris.", in_reasoning=True) == ("hmm", "Paris.")
+    # Tags cut anywhere between pieces never leak into content.
+    text = "<think>a < b</think>x <think> stays"
+    for size in (1, 2, 3, 5):
+        splitter = ReasoningSplitter()
+        parts = [splitter.feed(text[i : i + size]) for i in range(0, len(text), size)]
+        parts.append(splitter.flush())
+        assert "".join(r for r, _ in parts) == "a < b"
+        assert "".join(c for _, c in parts) == "x <think> stays"
+
+
+def _replay(output: ChatOutput, text: str, size: int, finish: str = "stop") -> dict:
+    """Stream ``text`` in ``size``-character pieces and put the deltas back together
+    as the openai client's stream accumulator does."""
+    events = output.deltas(0, "", None, "assistant")
+    for i in range(0, len(text), size):
+        events += output.deltas(0, text[i : i + size], None, None)
+    events += output.deltas(0, "", finish, None)
+    message: dict = {"content": "", "reasoning_content": "", "tool_calls": {}}
+    finishes = [e.finish_reason for e in events if e.finish_reason]
+    for event in events:
+        d = event.delta
+        message["content"] += d.content or ""
+        message["reasoning_content"] += d.reasoning_content or ""
+        for call in d.tool_calls or []:
+            slot = message["tool_calls"].setdefault(call["index"], {"name": "", "arguments": ""})
+            if "id" in call:
+                slot["id"] = call["id"]
+                slot["name"] += call["function"]["name"]
+            slot["arguments"] += call["function"]["arguments"]
+    message["finish"] = finishes
+    return message
+
+
+@pytest.mark.parametrize("size", [1, 4, 17])
+def test_streamed_answer_equals_whole_answer(size):
+    plan = ToolPlan(tools=[WEATHER], parse=HERMES)
+    whole, reason = ChatOutput(n=1, thinking=False, tools=plan).message(
+        QWEN3_THINK_AND_CALL, "stop"
+    )
+    assert reason == "tool_calls"
+    assert whole.reasoning_content.startswith("The user asks")
+    assert whole.content is None and len(whole.tool_calls) == 2
+    streamed = _replay(ChatOutput(n=1, thinking=False, tools=plan), QWEN3_THINK_AND_CALL, size)
+    assert streamed["finish"] == ["tool_calls"]
+    assert streamed["reasoning_content"].strip() == whole.reasoning_content
+    assert streamed["content"].strip() == ""
+    got = [(c["name"], json.loads(c["arguments"])) for c in streamed["tool_calls"].values()]
+    want = [
+        (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in whole.tool_calls
+    ]
+    assert got == want
+    # Words before a call stream as content; an answer without a call is all content.
+    text_first = _replay(ChatOutput(n=1, tools=plan), HERMES_TEXT_THEN_CALL, size)
+    assert text_first["content"].strip() == "Let me check." and len(text_first["tool_calls"]) == 1
+    plain = _replay(ChatOutput(n=1, tools=plan), "It is 3 < 4 <tool", size)
+    assert plain["content"] == "It is 3 < 4 <tool" and plain["finish"] == ["stop"]
+
+
+@pytest.mark.parametrize("fmt", [HERMES, LLAMA3_JSON, MISTRAL])
+def test_forced_calls_parse_what_the_grammar_lets_through(fmt):
+    template = {HERMES: "<tool_call>", LLAMA3_JSON: "<|python_tag|>", MISTRAL: "[TOOL_CALLS]"}
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    # Named: the prefix holds the name, the grammar is the function's parameters.
+    plan = plan_tools([WEATHER], named, "{{ tools }}" + template[fmt], True)
+    assert json.loads(plan.schema) == WEATHER["function"]["parameters"]
+    message, reason = ChatOutput(n=1, tools=plan).message('{"city": "Paris"}', "stop")
+    assert reason == "tool_calls" and message.content is None
+    assert json.loads(message.tool_calls[0]["function"]["arguments"]) == {"city": "Paris"}
+    # Required: the grammar is any tool's whole call.
+    plan = plan_tools([WEATHER], "required", "{{ tools }}" + template[fmt], True)
+    key = "parameters" if fmt == LLAMA3_JSON else "arguments"
+    assert json.loads(plan.schema)["properties"]["name"] == {"const": "get_weather"}
+    written = json.dumps({"name": "get_weather", key: {"city": "Oslo"}})
+    streamed = _replay(ChatOutput(n=1, tools=plan), written, 3)
+    assert streamed["finish"] == ["tool_calls"]
+    assert [json.loads(c["arguments"]) for c in streamed["tool_calls"].values()] == [
+        {"city": "Oslo"}
+    ]
+
+
+def test_tool_choice_checks():
+    template = "{{ tools }}<tool_call>"
+    assert plan_tools(None, None, template, True) == ToolPlan()
+    assert plan_tools([WEATHER], "none", template, True).parse is None
+    assert plan_tools([WEATHER], None, template, True).parse == HERMES
+    assert plan_tools([WEATHER], "required", template, True).prefix.startswith("<tool_call>")
+    for tools, choice, param in [
+        (None, "required", "tool_choice"),
+        ([WEATHER], "sometimes", "tool_choice"),
+        ([WEATHER], {"type": "function", "function": {"name": "other"}}, "tool_choice"),
+        ([{"type": "function"}], None, "tools[0]"),
+    ]:
+        with pytest.raises(APIError) as exc:
+            plan_tools(tools, choice, template, True)
+        assert exc.value.param == param and exc.value.status == 400
+    with pytest.raises(APIError, match="no tool support") as exc:
+        plan_tools([WEATHER], None, "{{ messages }}", False)
+    assert exc.value.param == "tools"
+
+
+QWEN_LIKE = (
+    "{% if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t.function.name }}"
+    "{% endfor %}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{% if m.tool_calls %}{% for c in m.tool_calls %}<tool_call>{{ c.function | tojson }}"
+    "</tool_call>{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}"
+    "<think>\n\n</think>\n\n{% endif %}"
+)
+
+
+def test_template_gets_tools_tool_messages_and_kwargs(smollm_tokenizer):
+    tokenizer = smollm_tokenizer
+    original = tokenizer.chat_template
+    try:
+        tokenizer.chat_template = QWEN_LIKE
+        assert template_has_tools(tokenizer)
+        call = {
+            "id": "c1",
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+        }
+        messages = [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+        ]
+        prompt = render_chat(tokenizer, messages, tools=[WEATHER])
+        assert "Tools: get_weather" in prompt
+        # arguments reach the template parsed, so tojson writes them once.
+        assert '"arguments": {"city": "Paris"}' in prompt
+        assert "<|im_start|>tool\nsunny" in prompt
+        off = render_chat(tokenizer, messages[:1], template_kwargs={"enable_thinking": False})
+        assert off.endswith("<think>\n\n</think>\n\n")
+        assert not render_chat(tokenizer, messages[:1]).endswith("</think>\n\n")
+        with pytest.raises(ChatTemplateError) as exc:
+            render_chat(tokenizer, messages[:1], template_kwargs={"tools": []})
+        assert exc.value.param == "chat_template_kwargs"
+    finally:
+        tokenizer.chat_template = original
+    # The default model's template renders no tools: a tool role is refused, naming why.
+    with pytest.raises(ChatTemplateError, match="no tool support") as exc:
+        render_chat(tokenizer, messages)
+    assert exc.value.param == "messages[2].role"
+
+
+def test_odd_tool_choice_and_template_kwargs_are_400s(smollm_tokenizer):
+    for choice in ({"type": "function", "function": "get_weather"}, {"type": "x"}, ["auto"]):
+        with pytest.raises(APIError) as exc:
+            plan_tools([WEATHER], choice, "{{ tools }}<tool_call>", True)
+        assert exc.value.param == "tool_choice"
+    for kwargs in ({"chat_template": "{{ 1 }}"}, {"continue_final_message": True}):
+        with pytest.raises(ChatTemplateError) as err:
+            render_chat(
+                smollm_tokenizer, [{"role": "user", "content": "hi"}], template_kwargs=kwargs
+            )
+        assert err.value.param == "chat_template_kwargs"

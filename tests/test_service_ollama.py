@@ -1,0 +1,134 @@
+"""Ollama's API of a real ``headroom serve``: the official ``ollama`` Python client with
+the default model (chat, streams, generate, tags, show, ps, version, errors), and with
+the fake engine the API key and a worker killed under a stream."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import httpx
+import ollama
+import pytest
+from service_harness import wait_for
+
+pytestmark = pytest.mark.slow
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+GREEDY = {"temperature": 0, "num_predict": 16}
+
+
+def test_ollama_client_chat_and_stream(real_server):
+    client = ollama.Client(host=real_server.base_url, timeout=600)
+    names = [m.model for m in client.list().models]
+    assert "default" in names
+    reply = client.chat(model="default", messages=QUESTION, options=GREEDY, stream=False)
+    assert "Paris" in reply.message.content
+    assert reply.message.role == "assistant"
+    assert reply.done and reply.done_reason in ("stop", "length")
+    assert reply.eval_count > 0 and reply.prompt_eval_count > 0
+    assert reply.total_duration >= reply.eval_duration > 0
+    assert reply.model == names[0]  # the name every alias answers with
+
+    parts = list(
+        client.chat(model="default:latest", messages=QUESTION, options=GREEDY, stream=True)
+    )
+    assert all(not p.done for p in parts[:-1]) and parts[-1].done
+    assert parts[-1].eval_count == reply.eval_count
+    assert "".join(p.message.content for p in parts) == reply.message.content
+
+    # num_predict caps the answer; seeds repeat.
+    short = client.chat(
+        model="default", messages=QUESTION, options={"num_predict": 2, "seed": 3}, stream=False
+    )
+    assert short.eval_count == 2 and short.done_reason == "length"
+    again = client.chat(
+        model="default", messages=QUESTION, options={"num_predict": 2, "seed": 3}, stream=False
+    )
+    assert again.message.content == short.message.content
+
+
+def test_ollama_client_generate(real_server):
+    client = ollama.Client(host=real_server.base_url, timeout=600)
+    templated = client.generate(model="default", prompt=QUESTION[0]["content"], options=GREEDY)
+    assert "Paris" in templated.response and templated.done
+    raw = client.generate(
+        model="default", prompt="The capital of France is", raw=True, options=GREEDY
+    )
+    assert raw.response and raw.prompt_eval_count < templated.prompt_eval_count
+    streamed = "".join(
+        p.response
+        for p in client.generate(
+            model="default",
+            prompt="The capital of France is",
+            raw=True,
+            options=GREEDY,
+            stream=True,
+        )
+    )
+    assert streamed == raw.response
+    loaded = client.generate(model="default")  # empty prompt: is the model loaded?
+    assert loaded.done and loaded.done_reason == "load" and loaded.response == ""
+
+
+def test_ollama_client_show_ps_version(real_server):
+    client = ollama.Client(host=real_server.base_url, timeout=60)
+    shown = client.show("default")
+    assert shown.details.family == "llama"
+    assert "temperature 0.2" in shown.parameters  # the default model's card sampling
+    assert "im_start" in shown.template
+    assert "completion" in shown.capabilities
+    assert shown.modelinfo["llama.context_length"] > 0
+    running = client.ps().models
+    assert running and running[0].context_length > 0 and running[0].size > 0
+    assert httpx.get(real_server.base_url + "/api/version").json()["version"]
+
+
+def test_ollama_errors(real_server):
+    client = ollama.Client(host=real_server.base_url, timeout=60)
+    with pytest.raises(ollama.ResponseError) as missing:
+        client.chat(model="no-such-model", messages=QUESTION)
+    assert missing.value.status_code == 404 and "no-such-model" in missing.value.error
+    with pytest.raises(ollama.ResponseError) as hot:
+        client.chat(model="default", messages=QUESTION, options={"temperature": 5})
+    assert hot.value.status_code == 400 and "temperature" in hot.value.error
+    r = httpx.post(
+        real_server.base_url + "/api/chat",
+        json={"model": "default", "messages": QUESTION, "format": "yaml"},
+    )
+    assert r.status_code == 400 and "format" in r.json()["error"]
+    # Ollama's error shape, not OpenAI's, for bodies the decoder refuses too.
+    r = httpx.post(real_server.base_url + "/api/chat", content=b"{not json")
+    assert r.status_code == 400 and isinstance(r.json()["error"], str)
+    r = httpx.post(real_server.base_url + "/api/chat", json={"model": "default", "messages": []})
+    assert r.status_code == 400 and "messages" in r.json()["error"]
+
+
+def test_ollama_api_key_and_worker_killed_mid_stream(start_server):
+    server = start_server(["--api-key", "sekrit"], {"HEADROOM_FAKE_STEP_S": "0.2"}, fake=True)
+    body = {"model": "default", "messages": QUESTION, "options": {"num_predict": 500}}
+    r = httpx.post(server.base_url + "/api/chat", json={**body, "stream": False}, timeout=30)
+    assert r.status_code == 401 and isinstance(r.json()["error"], str)
+    assert httpx.get(server.base_url + "/api/tags").status_code == 401
+    client = ollama.Client(host=server.base_url, headers={"Authorization": "Bearer sekrit"})
+    assert client.list().models
+
+    headers = {"Authorization": "Bearer sekrit"}
+    lines = []
+    with httpx.stream(
+        "POST", server.base_url + "/api/chat", json=body, headers=headers, timeout=120
+    ) as stream:
+        killed = False
+        for line in stream.iter_lines():
+            if not line:
+                continue
+            lines.append(json.loads(line))
+            if not killed:
+                os.kill(server.worker_pid(), signal.SIGKILL)
+                killed = True
+    # As on /v1: a stream with tokens already out ends with the error, never hangs.
+    assert "error" in lines[-1] and "restart" in lines[-1]["error"], lines[-1]
+    wait_for(lambda: server.health().status_code == 200, 60, "ready again")
+    after = client.chat(model="default", messages=QUESTION, options={"num_predict": 3})
+    assert after.done and after.eval_count == 3

@@ -1,0 +1,55 @@
+"""Structured output through a real ``headroom serve`` with the default model: the
+openai client's ``response_format`` (json_schema and json_object) and the ollama
+client's ``format``; every answer parses and validates against its schema."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema_rs
+import ollama
+import openai
+import pytest
+
+pytestmark = pytest.mark.slow
+
+CITY = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 24},
+        "country": {"type": "string", "maxLength": 24},
+        "population_millions": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
+    "required": ["city", "country", "population_millions"],
+    "additionalProperties": False,
+}
+ASK = [{"role": "user", "content": "Describe Paris as JSON."}]
+
+
+def test_openai_response_format(real_server):
+    client = openai.OpenAI(base_url=real_server.base_url + "/v1", api_key="unused", timeout=600)
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY, "strict": True}}
+    for seed in range(3):
+        reply = client.chat.completions.create(
+            model="default", messages=ASK, response_format=fmt, seed=seed, max_tokens=160
+        )
+        assert reply.choices[0].finish_reason == "stop", reply.choices[0].message.content
+        jsonschema_rs.validate(CITY, json.loads(reply.choices[0].message.content))
+    anything = client.chat.completions.create(
+        model="default", messages=ASK, response_format={"type": "json_object"}, max_tokens=96
+    )
+    if anything.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(anything.choices[0].message.content), dict)
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(
+            model="default", messages=ASK, response_format={"type": "json_schema"}
+        )
+    assert exc.value.body["param"] == "response_format"
+
+
+def test_ollama_format(real_server):
+    client = ollama.Client(host=real_server.base_url, timeout=600)
+    reply = client.chat(
+        model="default", messages=ASK, format=CITY, options={"seed": 1, "num_predict": 160}
+    )
+    jsonschema_rs.validate(CITY, json.loads(reply.message.content))

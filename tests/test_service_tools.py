@@ -1,0 +1,163 @@
+"""Reasoning, chat_template_kwargs and tools through a real ``headroom serve``, with the
+official openai client: a tiny random-weight Qwen3 whose template has tools and
+thinking (its generation prompt opens a thinking block unless ``enable_thinking`` is
+false, so every word it says is reasoning), and the default model, whose template has
+no tool support."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema_rs
+import openai
+import pytest
+from service_harness import ServerProcess
+from test_api_tools import QWEN_LIKE, WEATHER
+
+pytestmark = pytest.mark.slow
+
+THINKING_TEMPLATE = QWEN_LIKE.replace(
+    "<think>\n\n</think>\n\n{% endif %}", "<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}"
+)
+HI = [{"role": "user", "content": "Hi"}]
+GREEDY = {"max_tokens": 6, "temperature": 0, "extra_body": {"ignore_eos": True}}
+
+
+@pytest.fixture(scope="module")
+def qwen3_server(tmp_path_factory, make_tiny_hf_model, smollm_tokenizer, default_model_dir):
+    folder = tmp_path_factory.mktemp("tiny-qwen3")
+    make_tiny_hf_model(
+        "qwen3", folder, vocab_size=len(smollm_tokenizer), max_position_embeddings=512
+    )
+    original = smollm_tokenizer.chat_template
+    smollm_tokenizer.chat_template = THINKING_TEMPLATE
+    try:
+        smollm_tokenizer.save_pretrained(folder)
+    finally:
+        smollm_tokenizer.chat_template = original
+    server = ServerProcess(
+        tmp_path_factory.mktemp("qwen3-serve"), ["--model", str(folder), "--device", "cpu"]
+    )
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+
+
+def _client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", timeout=300)
+
+
+def test_reasoning_content_whole_and_streamed(qwen3_server):
+    client = _client(qwen3_server)
+    whole = client.chat.completions.create(model="default", messages=HI, **GREEDY)
+    message = whole.choices[0].message
+    reasoning = message.model_extra["reasoning_content"]
+    assert reasoning and not message.content  # the prompt opened <think>: all reasoning
+    streamed = {"reasoning_content": "", "content": ""}
+    for chunk in client.chat.completions.create(
+        model="default", messages=HI, stream=True, **GREEDY
+    ):
+        for choice in chunk.choices:
+            extra = choice.delta.model_extra or {}
+            streamed["reasoning_content"] += extra.get("reasoning_content") or ""
+            streamed["content"] += choice.delta.content or ""
+    # The whole answer's reasoning loses the whitespace around it; a stream cannot.
+    assert streamed["reasoning_content"].strip() == reasoning and streamed["content"] == ""
+
+
+def test_chat_template_kwargs_reach_the_template(qwen3_server):
+    client = _client(qwen3_server)
+    thinking = client.chat.completions.create(model="default", messages=HI, **GREEDY)
+    off = client.chat.completions.create(
+        model="default",
+        messages=HI,
+        max_tokens=6,
+        temperature=0,
+        extra_body={"ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False}},
+    )
+    # The empty block the template closes is in the prompt; the answer is content.
+    assert off.usage.prompt_tokens > thinking.usage.prompt_tokens
+    assert off.choices[0].message.content
+    assert not off.choices[0].message.model_extra.get("reasoning_content")
+
+
+def test_tools_and_tool_messages_reach_the_template(qwen3_server):
+    client = _client(qwen3_server)
+    plain = client.chat.completions.create(model="default", messages=HI, **GREEDY)
+    with_tools = client.chat.completions.create(
+        model="default", messages=HI, tools=[WEATHER], tool_choice="none", **GREEDY
+    )
+    assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens
+    call = {
+        "id": "c1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+    }
+    history = [
+        *HI,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
+    answered = client.chat.completions.create(
+        model="default", messages=history, tools=[WEATHER], **GREEDY
+    )
+    assert answered.choices[0].finish_reason in ("length", "stop", "tool_calls")
+    # Forced calls (named, required) come out valid even from random weights: the
+    # arguments are grammar-constrained to the function's parameters. The thinking
+    # block the prompt opened is closed first, so none of it is reasoning.
+    schema = WEATHER["function"]["parameters"]
+    for choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
+        for seed in range(3):
+            forced = client.chat.completions.create(
+                model="default",
+                messages=HI,
+                tools=[WEATHER],
+                tool_choice=choice,
+                max_tokens=64,
+                temperature=1.0,
+                seed=seed,
+            )
+            out = forced.choices[0]
+            assert out.finish_reason == "tool_calls", out
+            assert not out.message.model_extra.get("reasoning_content")
+            call = out.message.tool_calls[0]
+            assert call.function.name == "get_weather"
+            jsonschema_rs.validate(schema, json.loads(call.function.arguments))
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(
+            model="default",
+            messages=HI,
+            tools=[WEATHER],
+            tool_choice={"type": "function", "function": {"name": "nope"}},
+        )
+    assert exc.value.body["param"] == "tool_choice"
+
+
+def test_template_without_tools_is_a_400(real_server):
+    client = _client(real_server)
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(model="default", messages=HI, tools=[WEATHER])
+    assert exc.value.body["param"] == "tools"
+    assert "no tool support" in exc.value.body["message"]
+
+
+def test_ollama_thinking_and_tools(qwen3_server):
+    import ollama
+
+    client = ollama.Client(host=qwen3_server.base_url, timeout=300)
+    options = {"temperature": 0, "num_predict": 6}
+    whole = client.chat(model="default", messages=HI, options=options)
+    assert whole.message.thinking and not whole.message.content
+    streamed = "".join(
+        p.message.thinking or ""
+        for p in client.chat(model="default", messages=HI, options=options, stream=True)
+    )
+    assert streamed.strip() == whole.message.thinking
+    off = client.chat(model="default", messages=HI, options=options, think=False)
+    assert off.message.content and not off.message.thinking
+    with_tools = client.chat(model="default", messages=HI, options=options, tools=[WEATHER])
+    assert with_tools.prompt_eval_count > whole.prompt_eval_count
+    shown = client.show("default")
+    assert {"completion", "tools", "thinking"} <= set(shown.capabilities)

@@ -95,18 +95,22 @@ def _template(key: str) -> string.Template:
         ) from None
 
 
-def _systemd_quote(arg: str) -> str:
-    """One ExecStart argument: double-quoted with C escapes, ``%`` doubled (a specifier
-    otherwise), ``$`` doubled (a variable otherwise). Source: systemd.service(5),
-    "Command lines"; systemd.unit(5), "Specifiers"."""
-    text = arg.replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%").replace("$", "$$")
+def _systemd_quote(arg: str, *, command: bool = True) -> str:
+    """One argument of ExecStart (``command``) or Environment=: double-quoted with C
+    escapes and ``%`` doubled (a specifier otherwise); in a command line ``$`` is
+    doubled too (a variable otherwise), in Environment= it is plain. Sources:
+    systemd.service(5) "Command lines", systemd.exec(5) "Environment=", systemd.unit(5)
+    "Specifiers"."""
+    text = arg.replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%")
+    if command:
+        text = text.replace("$", "$$")
     return f'"{text}"'
 
 
 def render_systemd(spec: ServiceSpec) -> str:
     """The systemd user unit's text."""
     env_lines = [
-        "Environment=" + _systemd_quote(f"{k}={v}")
+        "Environment=" + _systemd_quote(f"{k}={v}", command=False)
         for k, v in (("PYTHONUNBUFFERED", "1"), *spec.environment)
     ]
     return _template("linux").substitute(
@@ -125,9 +129,7 @@ def render_launchd(spec: ServiceSpec, label: str = LAUNCHD_LABEL) -> str:
     return _template("darwin").substitute(
         label=escape(label),
         program_arguments="\n".join(string_el(a) for a in spec.command),
-        environment="\n".join(
-            f"\t\t<key>{escape(k)}</key>\n{string_el(v)}" for k, v in env
-        ),
+        environment="\n".join(f"\t\t<key>{escape(k)}</key>\n{string_el(v)}" for k, v in env),
         stderr_path=escape(str(spec.log_dir / "launchd.log")),
     )
 

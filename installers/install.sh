@@ -22,8 +22,8 @@
 #
 # Offline or air-gapped: pass pip's own flags with --pip-arg (e.g. --pip-arg --no-index
 # --pip-arg --find-links=/wheels), or --reuse-site-packages DIR to use the packages
-# already installed in another environment's site-packages (torch included) instead of
-# downloading them.
+# already installed in another environment's site-packages (torch, pip and setuptools
+# included) instead of downloading them.
 set -euo pipefail
 
 die() { echo "install.sh: error: $*" >&2; exit 1; }
@@ -105,7 +105,12 @@ venv="$prefix/venv"
 mkdir -p "$prefix"
 if [ ! -x "$venv/bin/python" ]; then
   say "creating the virtual environment $venv"
-  "$python" -m venv "$venv"
+  if [ -n "$reuse" ]; then
+    # pip and setuptools come from the reused packages too (a venv's own would shadow them).
+    "$python" -m venv --without-pip "$venv"
+  else
+    "$python" -m venv "$venv"
+  fi
 fi
 vpython="$venv/bin/python"
 if [ -n "$reuse" ]; then

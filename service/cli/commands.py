@@ -1,5 +1,6 @@
 """The ``headroom`` command: the group :func:`main` with ``serve`` (:mod:`service.cli.serve`),
-``bench ...`` (:mod:`service.cli.bench`), ``token``, and the engine's commands run in
+``bench ...`` (:mod:`service.cli.bench`), ``service ...`` (:mod:`service.cli.autostart`),
+``doctor`` (:mod:`service.cli.doctor`), ``token``, and the engine's commands run in
 this process (``generate``, ``plan``).
 
 This module stays light at import (click only): the worker is started with the
@@ -19,7 +20,7 @@ from typing import Any
 
 import click
 
-from service.cli.autostart import service
+from service.cli.autostart import service as service_group
 from service.cli.bench import bench
 from service.cli.doctor import doctor
 from service.cli.exits import EXIT_FAILED, EXIT_USAGE, check_model_path, fail
@@ -44,7 +45,7 @@ def main() -> None:
 
 
 main.add_command(serve)
-main.add_command(service)
+main.add_command(service_group)
 main.add_command(doctor)
 main.add_command(bench)
 main.add_command(models)

@@ -246,7 +246,7 @@ def test_without_user_systemd_the_error_names_the_fix(home, returncode, stderr, 
     with pytest.raises(ServiceError, match=expected) as info:
         manager.install()
     assert str(manager.path) in str(info.value)  # written; uninstall removes it
-    for action in (manager.start, manager.stop, manager.status):
+    for action in (manager.start, manager.stop, manager.status, lambda: manager.logs(5, False)):
         with pytest.raises(ServiceError, match=expected):
             action()
     manager.uninstall()
@@ -273,3 +273,14 @@ def test_help_alias_and_version():
     assert runner.invoke(main, ["service", "-h"]).exit_code == 0
     version = runner.invoke(main, ["--version"])
     assert version.exit_code == 0 and version.output.startswith("headroom ")
+
+
+def test_logs_show_the_tail_of_the_rotated_file_on_macos_and_windows(home, capsys):
+    manager = manager_for("darwin", RecordingRunner())
+    with pytest.raises(ServiceError, match="no log yet"):
+        manager.logs(2, False)
+    manager.log_file().parent.mkdir(parents=True)
+    manager.log_file().write_text("one\ntwo\nthree\n")
+    assert manager.logs(2, False) == 0
+    assert capsys.readouterr().out == "two\nthree\n"
+    assert manager.log_file().parent == manager.spec.log_dir

@@ -306,6 +306,7 @@ class SystemdManager(Manager):
         return self.runner.run(self._systemctl("is-active", SYSTEMD_UNIT)).stdout.strip()
 
     def logs(self, lines: int, follow: bool) -> int:
+        self._require_manager("show the service's log")
         argv = ["journalctl", "--user", "-u", SYSTEMD_UNIT, "-n", str(lines), "--no-pager"]
         if follow:
             argv.append("-f")

@@ -1,5 +1,6 @@
 """The ``headroom`` command: the group :func:`main` with ``serve`` (:mod:`service.cli.serve`),
-``bench ...`` (:mod:`service.cli.bench`), ``token``, and the engine's commands run in
+``bench ...`` (:mod:`service.cli.bench`), ``service ...`` (:mod:`service.cli.autostart`),
+``doctor`` (:mod:`service.cli.doctor`), ``token``, and the engine's commands run in
 this process (``generate``, ``plan``).
 
 This module stays light at import (click only): the worker is started with the
@@ -19,7 +20,9 @@ from typing import Any
 
 import click
 
+from service.cli.autostart import service as service_group
 from service.cli.bench import bench
+from service.cli.doctor import doctor
 from service.cli.exits import EXIT_FAILED, EXIT_USAGE, check_model_path, fail
 from service.cli.models import models, pull
 from service.cli.options import (
@@ -30,14 +33,20 @@ from service.cli.options import (
     with_settings,
 )
 from service.cli.serve import serve
+from service.version import headroom_version
 
 
-@click.group()
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(
+    version=headroom_version(), prog_name="headroom", message="%(prog)s %(version)s"
+)
 def main() -> None:
     """headroom: a local LLM service that plans every byte of GPU memory."""
 
 
 main.add_command(serve)
+main.add_command(service_group)
+main.add_command(doctor)
 main.add_command(bench)
 main.add_command(models)
 main.add_command(pull)

@@ -18,8 +18,10 @@ from typing import Any
 import click
 
 from service.cli.exits import check_model_path, fail
+from service.cli.logfile import setup_logging
 from service.cli.options import config_option, resolve_or_fail, with_serve_options
 from service.cli.settings import DEFAULT_PORT
+from service.version import headroom_version
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -48,14 +50,6 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(),
-        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-
-
 def _websocket_protocol() -> str:
     """uvicorn's sans-I/O websockets protocol where this uvicorn has it (0.35+: no
     deprecation warnings from the legacy websockets API), else its automatic choice."""
@@ -79,8 +73,13 @@ def serve(config_path: Path | None, **flags: Any) -> None:
     With no arguments: the embedded default model on http://127.0.0.1:8427.
     """
     settings = resolve_or_fail(flags, config_path)
-    _setup_logging(settings.log_level)
+    try:
+        log_path = setup_logging(settings.log_level, settings.log_file)
+    except OSError as exc:
+        fail(f"cannot open the log file for --log-file {settings.log_file}: {exc}")
     log = logging.getLogger("headroom.service")
+    if log_path is not None:
+        log.info("headroom %s logging to %s", headroom_version(), log_path)
     check_model_path(settings.model)
     try:
         sock = bind_socket(settings.host, settings.port)

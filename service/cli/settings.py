@@ -199,6 +199,14 @@ class ServeSettings(EngineConfig):
         "debug, info, warning or error.",
         checks=(one_of("debug", "info", "warning", "error", ignore_case=True),),
     )
+    log_file: str | None = option(
+        None,
+        "Write the log to this file instead of stderr, rotated at 10 MiB with 5 older "
+        "files kept (headroom.log.1 ... .5); 'auto': headroom.log in the user log folder "
+        "(~/.local/state/headroom/log on Linux, ~/Library/Logs/headroom on macOS, "
+        "%LOCALAPPDATA%\\headroom\\Logs on Windows; HEADROOM_LOG_DIR moves it). Unset: "
+        "stderr (under systemd, the journal). The macOS and Windows services set 'auto'.",
+    )
     # Not a user option: "module:callable" building the engine in the worker (tests
     # use a fake one). Read from HEADROOM_ENGINE_FACTORY only.
     engine_factory: str = "engine.engine:Engine"

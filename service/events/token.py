@@ -24,22 +24,14 @@ import stat
 import sys
 from pathlib import Path
 
-import platformdirs
+from service.paths import CONFIG_DIR_ENV as CONFIG_DIR_ENV
+from service.paths import config_dir
 
 log = logging.getLogger("headroom.token")
 
-CONFIG_DIR_ENV = "HEADROOM_CONFIG_DIR"
 TOKEN_FILE = "token"
 TOKEN_BYTES = 32  # 256 bits, 43 URL-safe characters
 _POSIX = sys.platform != "win32"
-
-
-def config_dir() -> Path:
-    """The user's headroom config folder (``HEADROOM_CONFIG_DIR`` wins)."""
-    override = os.environ.get(CONFIG_DIR_ENV)
-    if override:
-        return Path(override).expanduser()
-    return Path(platformdirs.user_config_dir("headroom", appauthor=False))
 
 
 def token_path(directory: Path | None = None) -> Path:

@@ -1,5 +1,6 @@
-"""The dashboard page at ``/ui``: the files of ``ui-bridge/dashboard``, served by
-Litestar's static files.
+"""The dashboard page at ``/ui``: the files of ``ui-bridge/dashboard`` (a wheel's copy
+of them in an installed package, :mod:`service.resources`), served by Litestar's static
+files.
 
 ``/ui`` redirects to ``/ui/`` (keeping the query: the page uses relative URLs). Only the
 plain files directly inside the directory with a known extension when the router is
@@ -19,6 +20,7 @@ from litestar.response import Redirect
 from litestar.static_files import create_static_files_router
 
 from service.api.errors import EXCEPTION_HANDLERS, NOT_FOUND, APIError
+from service.resources import data_dir
 
 _UI_SUFFIXES = (".html", ".js", ".css", ".map", ".svg")
 # The page only talks to its own origin, runs only its own script, and may not be framed.
@@ -29,8 +31,9 @@ UI_CSP = (
 
 
 def default_dashboard_dir() -> Path:
-    """``ui-bridge/dashboard`` next to the ``service`` package (a source checkout)."""
-    return Path(__file__).resolve().parents[2] / "ui-bridge" / "dashboard"
+    """The built dashboard: the wheel's copy, else ``ui-bridge/dashboard`` of the source
+    tree (:func:`service.resources.data_dir`)."""
+    return data_dir("dashboard")
 
 
 def dashboard_router(directory: Path | None = None, *, path: str = "/ui") -> Router:

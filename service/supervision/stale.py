@@ -58,14 +58,16 @@ def default_pidfile() -> Path:
     ``HEADROOM_RUNTIME_DIR`` names the folder instead (tests, several installs)."""
     import platformdirs
 
+    from service.paths import runtime_dir
+
     override = os.environ.get(RUNTIME_DIR_ENV)
     if override:
         folder = Path(override).expanduser()
         folder.mkdir(parents=True, exist_ok=True, mode=0o700)
         return folder / PIDFILE_NAME
-    for make in (platformdirs.user_runtime_dir, platformdirs.user_cache_dir):
+    for make in (runtime_dir, lambda: platformdirs.user_cache_dir(APP_NAME)):
         try:
-            folder = Path(make(APP_NAME))
+            folder = Path(make())
             folder.mkdir(parents=True, exist_ok=True, mode=0o700)
             if os.access(folder, os.W_OK):
                 return folder / PIDFILE_NAME

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import importlib.metadata
 import json
 import logging
 import time
@@ -56,6 +55,7 @@ from service.api.reasoning import template_thinks
 from service.api.responses import CLIENT_GONE, log_request, respond_with
 from service.http.state import Services
 from service.supervision.states import NotReady
+from service.version import headroom_version
 
 log = logging.getLogger("headroom.api")
 
@@ -358,11 +358,7 @@ class OllamaController(Controller):
     @get("/version")
     async def version_info(self) -> Response[bytes]:
         """headroom's version (not an Ollama version)."""
-        try:
-            version = importlib.metadata.version("headroom")
-        except importlib.metadata.PackageNotFoundError:
-            version = "0.0.0"
-        return _json(OllamaVersion(version=version))
+        return _json(OllamaVersion(version=headroom_version()))
 
 
 def _modified_at(svc: Services) -> str:

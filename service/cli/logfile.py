@@ -1,0 +1,54 @@
+"""Where ``headroom serve`` logs: stderr, or with ``--log-file`` a file rotated by size
+(:class:`logging.handlers.RotatingFileHandler`).
+
+Rotation: at :data:`MAX_BYTES` (10 MiB) the file becomes ``.1`` (``.1`` becomes ``.2``
+...) and at most :data:`BACKUP_COUNT` (5) older files are kept, so the log never takes
+more than about 60 MiB. ``auto`` is ``headroom.log`` in the user log folder
+(:func:`service.paths.log_dir`). The macOS and Windows services pass ``--log-file auto``;
+the Linux one logs to stderr, which systemd keeps in the user journal.
+"""
+
+from __future__ import annotations
+
+import logging
+import logging.handlers
+import sys
+from pathlib import Path
+
+from engine.units import MiB
+
+MAX_BYTES = 10 * MiB
+BACKUP_COUNT = 5
+LOG_FILE_NAME = "headroom.log"
+FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
+
+
+def resolve_log_file(value: str | None) -> Path | None:
+    """The file ``--log-file`` names (``auto``: the user log folder's headroom.log)."""
+    if value is None or value == "":
+        return None
+    if value.strip().lower() == "auto":
+        from service.paths import log_dir
+
+        return log_dir() / LOG_FILE_NAME
+    return Path(value).expanduser()
+
+
+def setup_logging(level: str, log_file: str | None = None) -> Path | None:
+    """Configure the root logger at ``level``: to the rotated ``log_file`` when given
+    (its folder made), else to stderr. Returns the file's path, or None for stderr.
+
+    Raises:
+        OSError: the file or its folder cannot be created or opened.
+    """
+    path = resolve_log_file(log_file)
+    if path is None:
+        handler: logging.Handler = logging.StreamHandler(sys.stderr)
+    else:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handler = logging.handlers.RotatingFileHandler(
+            path, maxBytes=MAX_BYTES, backupCount=BACKUP_COUNT, encoding="utf-8"
+        )
+    handler.setFormatter(logging.Formatter(FORMAT))
+    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+    return path

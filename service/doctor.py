@@ -1,0 +1,312 @@
+"""``headroom doctor``: what this machine and installation need to serve, checked one
+by one, each a :class:`Check` that is OK, WARN (works, but worse than it could) or FAIL
+(``headroom serve`` will not work as set up), with the fix when it is not OK.
+
+:func:`run_checks` runs them in order: headroom itself, the config, torch and its CUDA
+build, the NVIDIA driver through NVML, Triton and FlashInfer, the model ``serve`` would
+load, the port (a headroom already listening there is asked for its ``/api/health``),
+the local token's permissions, and the login service's state. Nothing here changes the
+machine. torch is imported (to read its build), never a model.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import stat
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+OK, WARN, FAIL = "OK", "WARN", "FAIL"
+CUDA_INDEX = "https://download.pytorch.org/whl/cu128"
+
+
+@dataclass(frozen=True)
+class Check:
+    """One line of the report: ``status`` (OK, WARN, FAIL), ``name``, what was found,
+    and (unless OK) the ``fix``."""
+
+    name: str
+    status: str
+    detail: str
+    fix: str = ""
+
+
+@dataclass
+class Context:
+    """Facts shared between checks: the settings (None when the config is broken) and
+    the GPUs NVML sees."""
+
+    settings: Any = None
+    gpus: list[str] = field(default_factory=list)
+    cuda_usable: bool = False
+
+
+def _check_headroom(ctx: Context) -> Check:
+    from service.version import headroom_version
+
+    return Check(
+        "headroom",
+        OK,
+        f"{headroom_version()} on Python {sys.version.split()[0]} ({sys.executable})",
+    )
+
+
+def _check_config(ctx: Context) -> Check:
+    from service.cli.settings import ENV_PREFIX, SettingsError, default_config_path, resolve
+
+    path = Path(os.environ.get(ENV_PREFIX + "CONFIG") or default_config_path())
+    try:
+        ctx.settings = resolve({})
+    except SettingsError as exc:
+        return Check("config", FAIL, str(exc), f"correct or remove {path}")
+    where = f"{path}" if path.exists() else f"{path} (absent: the defaults)"
+    return Check("config", OK, where)
+
+
+def _check_nvml(ctx: Context) -> Check:
+    try:
+        import pynvml
+    except ImportError:
+        return Check("driver", FAIL, "pynvml is missing", "pip install nvidia-ml-py")
+    try:
+        pynvml.nvmlInit()
+    except Exception as exc:  # NVMLError_LibraryNotFound, _DriverNotLoaded...
+        return Check(
+            "driver",
+            WARN,
+            f"no NVIDIA driver or GPU found by NVML ({exc}): headroom runs on the CPU",
+            "to use an NVIDIA GPU, install its driver (nvidia-smi should list the card)",
+        )
+    try:
+        driver = pynvml.nvmlSystemGetDriverVersion()
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            name = pynvml.nvmlDeviceGetName(handle)
+            total = pynvml.nvmlDeviceGetMemoryInfo(handle).total
+            name = name.decode() if isinstance(name, bytes) else name
+            ctx.gpus.append(f"{name} ({total / (1 << 30):.1f} GiB)")
+    finally:
+        pynvml.nvmlShutdown()
+    driver = driver.decode() if isinstance(driver, bytes) else driver
+    if not ctx.gpus:
+        return Check("driver", WARN, f"NVIDIA driver {driver}, but no GPU", "")
+    return Check("driver", OK, f"NVIDIA driver {driver}, NVML: {', '.join(ctx.gpus)}")
+
+
+def _check_torch(ctx: Context) -> Check:
+    try:
+        import torch
+    except ImportError:
+        return Check("torch", FAIL, "torch is not installed", "pip install torch")
+    cuda = torch.version.cuda
+    build = f"CUDA {cuda} build" if cuda else "CPU build"
+    if not ctx.gpus:
+        return Check("torch", OK, f"{torch.__version__}, {build}; no GPU: runs on the CPU")
+    if cuda is None:
+        return Check(
+            "torch",
+            FAIL,
+            f"{torch.__version__} is a CPU build, on a machine with an NVIDIA GPU",
+            f"pip install --force-reinstall torch --index-url {CUDA_INDEX} "
+            "(installers/install.sh picks the build from nvidia-smi)",
+        )
+    try:
+        ctx.cuda_usable = torch.cuda.is_available()
+    except Exception:  # pragma: no cover - some broken drivers raise
+        ctx.cuda_usable = False
+    if not ctx.cuda_usable:
+        return Check(
+            "torch",
+            FAIL,
+            f"{torch.__version__}, {build}, but CUDA cannot initialise",
+            "update the NVIDIA driver if it is older than CUDA "
+            f"{cuda} needs; after a suspend, reload its UVM module (sudo rmmod nvidia_uvm "
+            "&& sudo modprobe nvidia_uvm) or reboot",
+        )
+    return Check("torch", OK, f"{torch.__version__}, {build}, CUDA works")
+
+
+def _version_of(module: str) -> str | None:
+    if importlib.util.find_spec(module) is None:
+        return None
+    try:
+        return importlib.metadata.version(module)
+    except Exception:
+        return "installed"
+
+
+def _check_kernels(ctx: Context) -> Check:
+    triton, flashinfer = _version_of("triton"), _version_of("flashinfer")
+    found = f"triton {triton or 'missing'}, flashinfer {flashinfer or 'missing (optional)'}"
+    if not ctx.cuda_usable:
+        return Check("kernels", OK, f"{found}; not used on the CPU")
+    if triton is None:
+        return Check(
+            "kernels",
+            WARN,
+            f"{found}: attention and sampling run the slower torch path",
+            "pip install 'headroom[cuda]' (Triton)",
+        )
+    return Check("kernels", OK, found)
+
+
+def _check_model(ctx: Context) -> Check:
+    model = ctx.settings.model if ctx.settings is not None else None
+    if model is not None:
+        path = Path(model).expanduser()
+        if path.exists():
+            return Check("model", OK, f"{path}")
+        from engine.loader.errors import ModelNotFound
+        from engine.loader.store import find_model
+
+        try:
+            found = find_model(model)
+        except ModelNotFound as exc:
+            return Check("model", FAIL, str(exc), "set model in the config to one that exists")
+        if found is None:
+            return Check(
+                "model",
+                FAIL,
+                f"{model}: no such file, folder or name in the store",
+                f"`headroom pull {model}` or correct model in the config",
+            )
+        return Check("model", OK, f"{model} (the store: {found})")
+    from engine.loader.default_model import DEFAULT_INSTALL, default_gguf_path
+    from engine.loader.errors import ModelNotFound
+
+    try:
+        path = default_gguf_path()
+    except ModelNotFound as exc:
+        return Check("model", FAIL, str(exc), DEFAULT_INSTALL)
+    return Check("model", OK, f"default, {path.name} ({path.stat().st_size / (1 << 20):.0f} MiB)")
+
+
+def _ask_health(host: str, port: int) -> dict[str, Any] | None:
+    """The JSON of ``/api/health`` at ``host:port``, or None when what listens there is
+    not headroom (or does not answer)."""
+    import httpx
+
+    name = f"[{host}]" if ":" in host else host
+    try:
+        response = httpx.get(f"http://{name}:{port}/api/health", timeout=3.0)
+        body = response.json()
+    except (httpx.HTTPError, ValueError):
+        return None
+    return body if isinstance(body, dict) and "status" in body else None
+
+
+def _check_port(ctx: Context) -> Check:
+    if ctx.settings is None:
+        return Check("port", WARN, "not checked: the config is broken", "")
+    host, port = ctx.settings.host, ctx.settings.port
+    if host in ("0.0.0.0", "::", ""):
+        host = "127.0.0.1"
+    from service.cli.serve import bind_socket
+
+    try:
+        bind_socket(host, port).close()
+        return Check("port", OK, f"{host}:{port} is free")
+    except OSError:
+        pass
+    health = _ask_health(host, port)
+    if health is None:
+        return Check(
+            "port",
+            FAIL,
+            f"{host}:{port} is in use by another program",
+            "stop it, or set another port (port = N in the config, HEADROOM_PORT or --port)",
+        )
+    status = health.get("status")
+    detail = f"headroom answers on {host}:{port}: {status}"
+    if status == "ready":
+        return Check("port", OK, detail)
+    reason = health.get("reason") or health.get("detail") or ""
+    return Check(
+        "port",
+        WARN,
+        f"{detail}{f' ({reason})' if reason else ''}",
+        "see `headroom service logs`, or the log of the headroom serve you started",
+    )
+
+
+def _check_token(ctx: Context) -> Check:
+    from service.events.token import read_token, token_path
+
+    path = token_path()
+    if not path.exists():
+        return Check("token", OK, f"{path} not created yet (headroom serve creates it)")
+    if read_token(path) is None:
+        return Check("token", FAIL, f"{path} holds no valid token", f"delete {path}")
+    if sys.platform == "win32":
+        return Check("token", OK, f"{path} (the user folder's permissions)")
+    mode = stat.S_IMODE(path.stat().st_mode)
+    if mode & 0o077:
+        return Check(
+            "token",
+            FAIL,
+            f"{path} is readable by other users (mode {mode:o})",
+            f"chmod 600 {path}",
+        )
+    return Check("token", OK, f"{path} (mode {mode:o})")
+
+
+def _check_service(ctx: Context) -> Check:
+    from service.autostart.manager import SystemdManager, manager_for
+
+    try:
+        manager = manager_for()
+    except ValueError as exc:
+        return Check("service", OK, str(exc))
+    if not manager.is_installed():
+        return Check(
+            "service",
+            OK,
+            f"not installed ({manager.name}); `headroom service install` starts headroom at login",
+        )
+    if isinstance(manager, SystemdManager):
+        state = manager.active_state()
+        if state is None:
+            return Check(
+                "service",
+                WARN,
+                f"installed at {manager.path}, but there is no systemd user instance now",
+                "log in through a session with systemd --user, or `sudo loginctl enable-linger $USER`",
+            )
+        if state == "failed":
+            return Check(
+                "service",
+                FAIL,
+                f"installed at {manager.path}: failed",
+                "`headroom service logs` says why; then `headroom service start`",
+            )
+        return Check("service", OK, f"installed at {manager.path}: {state}")
+    return Check("service", OK, f"installed at {manager.path}")
+
+
+CHECKS: tuple[Callable[[Context], Check], ...] = (
+    _check_headroom,
+    _check_config,
+    _check_nvml,
+    _check_torch,
+    _check_kernels,
+    _check_model,
+    _check_port,
+    _check_token,
+    _check_service,
+)
+
+
+def run_checks() -> Iterator[Check]:
+    """Each check's result in order; a check that raises is a FAIL naming the error."""
+    ctx = Context()
+    for check in CHECKS:
+        name = check.__name__.removeprefix("_check_")
+        try:
+            yield check(ctx)
+        except Exception as exc:  # a doctor reports; it does not crash
+            yield Check(name, FAIL, f"the check itself failed: {type(exc).__name__}: {exc}")

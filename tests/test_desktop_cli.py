@@ -1,0 +1,138 @@
+"""``headroom doctor``, ``serve --log-file`` (rotation, the user log folder) and the
+runtime folder chosen without platformdirs' warning when XDG_RUNTIME_DIR is unset."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from service_harness import free_port, wait_for
+
+from engine.units import MiB
+from service.cli.commands import main
+from service.cli.logfile import BACKUP_COUNT, MAX_BYTES, setup_logging
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def doctor_env(tmp_path, monkeypatch) -> dict[str, str]:
+    """An empty config, a fresh config folder and a free port, in a temporary home."""
+    config = tmp_path / "config.toml"
+    config.write_text("")
+    env = {
+        "HEADROOM_CONFIG": str(config),
+        "HEADROOM_CONFIG_DIR": str(tmp_path / "cfg"),
+        "HEADROOM_PORT": str(free_port()),
+        "XDG_CONFIG_HOME": str(tmp_path / "xdg-config"),
+    }
+    return env
+
+
+def doctor(env: dict[str, str]):
+    result = CliRunner().invoke(main, ["doctor"], env=env)
+    lines = {}
+    for line in result.output.splitlines():
+        parts = line.split(None, 2)
+        if len(parts) >= 2 and parts[0] in ("OK", "WARN", "FAIL"):
+            lines[parts[1]] = (parts[0], line)
+    return result, lines
+
+
+def test_doctor_passes_on_a_working_installation(doctor_env):
+    result, lines = doctor(doctor_env)
+    assert result.exit_code == 0, result.output
+    for name in ("headroom", "config", "torch", "kernels", "model", "port", "token", "service"):
+        assert lines[name][0] == "OK", result.output
+    assert lines["driver"][0] in ("OK", "WARN")  # WARN: no NVIDIA driver (a CPU machine)
+    assert "is free" in lines["port"][1]
+    assert "not installed" in lines["service"][1]
+
+
+def test_doctor_fails_with_the_fix(doctor_env, tmp_path):
+    Path(doctor_env["HEADROOM_CONFIG"]).write_text("port = [not toml")
+    token = Path(doctor_env["HEADROOM_CONFIG_DIR"]) / "token"
+    token.parent.mkdir()
+    token.write_text("a" * 43 + "\n")
+    token.chmod(0o644)
+    result, lines = doctor(doctor_env)
+    assert result.exit_code == 1
+    assert lines["config"][0] == "FAIL" and "not valid TOML" in lines["config"][1]
+    assert f"fix: correct or remove {doctor_env['HEADROOM_CONFIG']}" in result.output
+    assert lines["token"][0] == "FAIL" and f"fix: chmod 600 {token}" in result.output
+
+    Path(doctor_env["HEADROOM_CONFIG"]).write_text("")
+    token.chmod(0o600)
+    with socket.socket() as other:  # another program on the port
+        other.bind(("127.0.0.1", int(doctor_env["HEADROOM_PORT"])))
+        other.listen()
+        result, lines = doctor(doctor_env)
+    assert result.exit_code == 1
+    assert lines["port"][0] == "FAIL" and "in use by another program" in lines["port"][1]
+    assert "fix: stop it, or set another port" in result.output
+
+
+def test_doctor_asks_the_headroom_that_listens(doctor_env, start_server):
+    server = start_server(fake=True)
+    doctor_env["HEADROOM_PORT"] = str(server.port)
+    result, lines = doctor(doctor_env)
+    assert lines["port"] == ("OK", lines["port"][1]), result.output
+    assert f"headroom answers on 127.0.0.1:{server.port}: ready" in lines["port"][1]
+
+
+def test_log_file_rotates_at_the_documented_size(tmp_path):
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        path = setup_logging("info", str(tmp_path / "logs" / "h.log"))
+        handler = root.handlers[0]
+        assert (handler.maxBytes, handler.backupCount) == (10 * MiB, 5)
+        assert (MAX_BYTES, BACKUP_COUNT) == (10 * MiB, 5)
+        line = "x" * 1023
+        for _ in range(MAX_BYTES // 1024 + 100):  # a little more than one file's worth
+            logging.getLogger("headroom.test").info(line)
+        handler.flush()
+        assert path.stat().st_size < MAX_BYTES
+        assert (tmp_path / "logs" / "h.log.1").stat().st_size <= MAX_BYTES
+        assert not (tmp_path / "logs" / "h.log.2").exists()
+    finally:
+        for h in root.handlers:
+            h.close()
+        root.handlers[:] = saved[0]
+        root.setLevel(saved[1])
+
+
+def test_serve_logs_to_the_user_log_dir_with_log_file_auto(start_server, tmp_path):
+    log_dir = tmp_path / "user-logs"
+    server = start_server(["--log-file", "auto"], {"HEADROOM_LOG_DIR": str(log_dir)}, fake=True)
+    log = log_dir / "headroom.log"
+    wait_for(lambda: log.exists() and "engine ready" in log.read_text(), 60, "the log file")
+    assert f"listening on http://127.0.0.1:{server.port}" in log.read_text()
+    assert "listening" not in server.log()  # not on stderr as well
+
+
+def test_no_runtime_dir_warning_without_xdg_runtime_dir(tmp_path):
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("XDG_RUNTIME_DIR", "HEADROOM_RUNTIME_DIR")
+    }
+    env["TMPDIR"] = str(tmp_path)
+    env["PYTHONPATH"] = str(ROOT)
+    code = (
+        "from service.supervision.stale import default_pidfile; "
+        "from service.paths import runtime_dir; print(runtime_dir()); print(default_pidfile())"
+    )
+    result = subprocess.run(
+        [sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, env=env
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    runtime, pidfile = result.stdout.split()
+    assert Path(pidfile).parent == Path(runtime)
+    if not Path(f"/run/user/{os.getuid()}").is_dir():
+        assert Path(runtime).is_relative_to(tmp_path)  # platformdirs' private fallback

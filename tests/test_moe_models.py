@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from model_checks import check_extend_and_decode, check_ragged_batch
 
 from engine.loader.errors import WeightMismatch
 from engine.loader.load import load_model, weight_bytes
@@ -27,17 +28,6 @@ def pair(request, tmp_path_factory, make_tiny_hf_model):
     hf = make_tiny_hf_model(request.param, path, vocab_size=VOCAB)
     ours, config = load_model(path, "cpu", torch.float32)
     return request.param, hf, ours, config, path
-
-
-def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0].float()  # [T, V]
-
-
-def _assert_close(ours: torch.Tensor, ref: torch.Tensor) -> None:
-    tol = 1e-4 * max(1.0, float(ref.abs().max()))
-    diff = float((ours - ref).abs().max())
-    assert diff <= tol, f"max |diff| {diff:.3g} > {tol:.3g}"
 
 
 def test_config_and_layer_layout_follow_transformers(pair):
@@ -67,30 +57,14 @@ def test_experts_are_stacked_from_per_expert_tensors(pair):
 
 
 def test_prefill_extend_and_decode_match_transformers(pair, paged_runner):
-    """Prefill 7 tokens, extend by 5 through the KV cache, then decode 3 one by one."""
     _, hf, ours, config, _ = pair
-    ids = torch.randint(0, VOCAB, (15,), generator=torch.Generator().manual_seed(2)).tolist()
-    ref = _hf_logits(hf, ids)
-    runner = paged_runner(ours, config)
-    _assert_close(runner.step({0: ids[:7]})[0], ref[6])
-    _assert_close(runner.step({0: ids[7:12]})[0], ref[11])
-    for i in range(12, 15):
-        _assert_close(runner.step({0: [ids[i]]})[0], ref[i])
+    check_extend_and_decode(hf, paged_runner(ours, config), VOCAB)
 
 
 def test_ragged_batch_matches_transformers(pair, paged_runner):
     """Two sequences share each step, so a step routes tokens of both to the experts."""
     _, hf, ours, config, _ = pair
-    gen = torch.Generator().manual_seed(3)
-    a = torch.randint(0, VOCAB, (9,), generator=gen).tolist()
-    b = torch.randint(0, VOCAB, (6,), generator=gen).tolist()
-    runner = paged_runner(ours, config)
-    first = runner.step({"a": a[:5], "b": b[:2]})
-    _assert_close(first[0], _hf_logits(hf, a[:5])[-1])
-    _assert_close(first[1], _hf_logits(hf, b[:2])[-1])
-    second = runner.step({"b": b[2:], "a": a[5:]})
-    _assert_close(second[0], _hf_logits(hf, b)[-1])
-    _assert_close(second[1], _hf_logits(hf, a)[-1])
+    check_ragged_batch(hf, paged_runner(ours, config), VOCAB)
 
 
 def test_weight_bytes_counts_every_expert(pair):

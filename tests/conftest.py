@@ -179,7 +179,7 @@ def _tiny_hf_config(kind: str, vocab_size: int, overrides: dict):
         )
     if kind == "qwen2_moe":  # shared expert; layer 0 dense (decoder_sparse_step 2); top-2 not renormalized
         return transformers.Qwen2MoeConfig(
-            **common, **moe, num_experts=6, shared_expert_intermediate_size=48, decoder_sparse_step=2,
+            **common, **moe, num_experts=6, shared_expert_intermediate_size=64, decoder_sparse_step=2,
             norm_topk_prob=False,
         )
     if kind == "mixtral":  # Mixtral's w1/w2/w3 expert names, always renormalized

@@ -17,6 +17,11 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "MistralForCausalLM",  # the Llama layout (Mistral, Ministral)
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    # Mixture of experts (engine.models.moe)
+    "Qwen2MoeForCausalLM",  # with a shared expert behind a sigmoid gate
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
+    "OlmoeForCausalLM",  # q/k RMSNorm over the whole projection, not per head
 )
 
 # RoPE variants engine.models.rope implements (transformers' ``rope_type`` names).
@@ -47,7 +52,16 @@ class ModelConfig:
 
     ``head_dim`` is explicit because Qwen3 decouples it from ``hidden_size // num_heads``.
     ``qk_norm`` is Qwen3's per-head RMSNorm on queries and keys; ``attention_bias`` is
-    Qwen2's bias on the q/k/v projections.
+    Qwen2's bias on the q/k/v projections. ``qk_norm_whole`` is OLMoE's RMSNorm over the
+    whole query and key projections (``[q_size]`` and ``[kv_size]`` weights) before the
+    heads are split, and ``clip_qkv`` its optional clamp of q, k and v to ``±clip_qkv``.
+
+    Mixture of experts (``num_experts > 0``): the layers in ``moe_layers`` replace the
+    MLP by ``num_experts`` routed experts of ``moe_intermediate_size`` each, of which a
+    router picks ``num_experts_per_tok`` per token (softmax over all experts, top-k,
+    renormalized to sum 1 when ``norm_topk_prob``); ``shared_expert_intermediate_size >
+    0`` adds Qwen2-MoE's always-on expert, scaled by ``sigmoid(shared_expert_gate(x))``.
+    The other layers keep the dense MLP of ``intermediate_size``.
     """
 
     architecture: str
@@ -66,6 +80,18 @@ class ModelConfig:
     qk_norm: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    qk_norm_whole: bool = False
+    clip_qkv: float | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0
+    moe_layers: tuple[int, ...] = ()
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0 and bool(self.moe_layers)
 
     @property
     def q_size(self) -> int:

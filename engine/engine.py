@@ -85,7 +85,7 @@ class Engine(LiveReplan):
         self.model_config = mc
         # A GGUF asked to keep its projections in block format (--gguf-quantized, on
         # CUDA): planned and loaded so; otherwise dequantized at load and priced dense.
-        self.quantized_gguf = quantized_gguf(config, self.device)
+        self.quantized_gguf = quantized_gguf(config, self.device, mc)
         self.weight_size = None if self.quantized_gguf is None else gguf_weight_size(self.quantized_gguf, mc, self.dtype)
         # The attention backend's name (auto resolved) and whether decode steps run as
         # CUDA graphs; both decide workspaces the plan charges.

@@ -8,6 +8,7 @@ weights), so both plan the same dtype, backend and runtime on the same device.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -23,6 +24,8 @@ from engine.memory.plan import DeviceMemory, MemoryPlan, PlanKnobs, make_plan
 
 if TYPE_CHECKING:
     from engine.loader.gguf_quant import WeightSize
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -74,14 +77,18 @@ def attention_workspaces(backend: str, mc: ModelConfig, max_running_requests: in
     return ((f"attention backend ({backend})", size),)
 
 
-def quantized_gguf(config: EngineConfig, device: torch.device) -> Path | None:
+def quantized_gguf(config: EngineConfig, device: torch.device, mc: ModelConfig | None = None) -> Path | None:
     """The GGUF file whose projections load in block format, or None (every weight is
     dequantized into the model dtype at load, the default).
 
     Blocks are kept only when asked for (``--gguf-quantized``), on a CUDA device (the
-    block kernels are GPU kernels), for a ``--model`` that is a GGUF file.
+    block kernels are GPU kernels), for a ``--model`` that is a GGUF file, and not for
+    a mixture of experts (``mc``), whose stacked experts have no block kernels yet.
     """
     if not config.gguf_quantized or device.type != "cuda":
+        return None
+    if mc is not None and mc.is_moe:
+        log.warning("--gguf-quantized does not cover mixture-of-experts models yet; dequantizing at load")
         return None
     return gguf_file(config.model)
 

@@ -28,6 +28,7 @@ import torch
 from kernels.activation import silu_and_mul as _silu_and_mul_ref
 from kernels.gemv import gate_up_silu as _gate_up_silu_ref
 from kernels.gemv import linear as _linear_ref
+from kernels.moe import fused_moe as _fused_moe_ref
 from kernels.rms_norm import fused_add_rms_norm as _fused_add_rms_norm_ref
 from kernels.rms_norm import rms_norm as _rms_norm_ref
 from kernels.rotary import rotary_and_store as _rotary_and_store_ref
@@ -89,6 +90,7 @@ KERNELS: dict[str, Kernel] = {
         Kernel("rotary_and_store", _rotary_and_store_ref, "kernels.triton_rotary", "rotary_and_store"),
         Kernel("linear", _linear_ref, "kernels.triton_gemv", "linear"),
         Kernel("gate_up_silu", _gate_up_silu_ref, "kernels.triton_gemv", "gate_up_silu"),
+        Kernel("fused_moe", _fused_moe_ref, "kernels.triton_moe", "fused_moe"),
     )
 }
 
@@ -98,3 +100,4 @@ silu_and_mul = KERNELS["silu_and_mul"]
 rotary_and_store = KERNELS["rotary_and_store"]
 linear = KERNELS["linear"]
 gate_up_silu = KERNELS["gate_up_silu"]
+fused_moe = KERNELS["fused_moe"]

@@ -172,11 +172,27 @@ def _tiny_hf_config(kind: str, vocab_size: int, overrides: dict):
         return transformers.MistralConfig(**{"head_dim": 32, "sliding_window": None, **common})
     if kind == "qwen3":  # head_dim 32 != 64 / 4, tied embeddings, q/k norm
         return transformers.Qwen3Config(**common, head_dim=32, tie_word_embeddings=True)
+    moe = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+    if kind == "qwen3_moe":  # 8 experts, renormalized top-2, layer 1 dense (mlp_only_layers)
+        return transformers.Qwen3MoeConfig(
+            **common, **moe, head_dim=32, num_experts=8, norm_topk_prob=True, mlp_only_layers=[1]
+        )
+    if kind == "qwen2_moe":  # shared expert; layer 0 dense (decoder_sparse_step 2); top-2 not renormalized
+        return transformers.Qwen2MoeConfig(
+            **common, **moe, num_experts=6, shared_expert_intermediate_size=64, decoder_sparse_step=2,
+            norm_topk_prob=False,
+        )
+    if kind == "mixtral":  # Mixtral's w1/w2/w3 expert names, always renormalized
+        return transformers.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
+    if kind == "olmoe":  # q/k norm over the whole projection, q/k/v clamped
+        return transformers.OlmoeConfig(**{**common, "intermediate_size": 32}, num_experts=8,
+                                        num_experts_per_tok=2, clip_qkv=1.5, pad_token_id=0)
     raise ValueError(kind)
 
 
 def _make_tiny_hf_model(kind: str, path, *, vocab_size: int = 256, **overrides):
-    """A random transformers model (``"llama"``, ``"mistral"``, ``"qwen2"`` or ``"qwen3"``), float32, saved
+    """A random transformers model (``"llama"``, ``"mistral"``, ``"qwen2"``, ``"qwen3"``, or the
+    mixtures of experts ``"qwen3_moe"``, ``"qwen2_moe"``, ``"mixtral"``, ``"olmoe"``), float32, saved
     as safetensors to ``path`` (skipped when ``path`` is None); ``overrides`` go to its
     config. Norm weights and biases are perturbed too, so loading one into the wrong place
     shows in the logits."""

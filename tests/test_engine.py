@@ -75,8 +75,10 @@ def test_default_model_greedy_equals_transformers(default_engine, default_model_
     assert "Paris" in tokenizer.decode(ours["p0"])
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen2", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe"])
 def test_tiny_random_models_greedy_equal_transformers(kind, tmp_path, make_tiny_hf_model):
+    """32 greedy tokens of three prompts batched together; the mixtures of experts route
+    the batch's tokens through their experts in each step."""
     hf = make_tiny_hf_model(kind, tmp_path)
     engine = Engine(EngineConfig(model=str(tmp_path), device="cpu", page_size=4, num_pages=128))
     g = torch.Generator().manual_seed(1)

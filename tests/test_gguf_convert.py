@@ -32,6 +32,11 @@ _HF_TO_GGUF = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
 
 
@@ -80,6 +85,32 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
+def _gguf_tensors(hf_name: str, w: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """GGUF names and arrays of one transformers tensor: a layer's stacked experts
+    (transformers 5 keeps gate and up in one ``[E, 2I, H]``) become llama.cpp's
+    ``ffn_gate_exps``/``ffn_up_exps``/``ffn_down_exps``."""
+    if hf_name.endswith("mlp.experts.gate_up_proj"):
+        layer = hf_name.split(".")[2]
+        half = w.shape[1] // 2
+        return [(f"blk.{layer}.ffn_gate_exps.weight", w[:, :half]), (f"blk.{layer}.ffn_up_exps.weight", w[:, half:])]
+    if hf_name.endswith("mlp.experts.down_proj"):
+        return [(f"blk.{hf_name.split('.')[2]}.ffn_down_exps.weight", w)]
+    return [(_gguf_name(hf_name), w)]
+
+
+def _add_moe_metadata(writer, cfg) -> None:
+    """llama.cpp's expert keys (``convert_hf_to_gguf.py``'s Qwen2MoeModel, Mixtral)."""
+    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+    if not experts:
+        return
+    writer.add_expert_count(experts)
+    writer.add_expert_used_count(cfg.num_experts_per_tok)
+    if getattr(cfg, "moe_intermediate_size", None):
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if getattr(cfg, "shared_expert_intermediate_size", None):
+        writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+
+
 def _gguf_name(hf_name: str) -> str:
     stem, suffix = hf_name.rsplit(".", 1)
     if stem in _HF_TO_GGUF:
@@ -123,6 +154,7 @@ def write_gguf(path, arch: str, hf, *, override: dict[str, np.ndarray] | None = 
         writer.add_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}")
     if eot_token_id is not None:
         writer.add_eot_token_id(eot_token_id)
+    _add_moe_metadata(writer, cfg)
     rope = cfg.rope_parameters
     if rope["rope_type"] == "llama3":
         factors = llama_cpp_rope_factors(rope["rope_theta"], cfg.head_dim, rope)
@@ -134,21 +166,21 @@ def write_gguf(path, arch: str, hf, *, override: dict[str, np.ndarray] | None = 
                 continue
             param = hf.get_parameter(name)
             w = param.detach().numpy().astype(np.float32)
-            if w.ndim == 2:
+            if w.ndim >= 2:  # matrices and stacked experts
                 q = gguf.quantize(w, gguf.GGMLQuantizationType.Q8_0)
                 w = gguf.dequantize(q, gguf.GGMLQuantizationType.Q8_0).reshape(w.shape)
                 param.copy_(torch.from_numpy(w))
             if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
                 heads = cfg.num_attention_heads if ".q_proj." in name else cfg.num_key_value_heads
                 w = llama_cpp_permute(w, heads)
-            gname = _gguf_name(name)
-            if override and gname in override:
-                writer.add_tensor(gname, override[gname])
-            elif w.ndim == 2:
-                q = gguf.quantize(w, gguf.GGMLQuantizationType.Q8_0)
-                writer.add_tensor(gname, q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-            else:
-                writer.add_tensor(gname, w)
+            for gname, part in _gguf_tensors(name, w):
+                if override and gname in override:
+                    writer.add_tensor(gname, override[gname])
+                elif part.ndim >= 2:
+                    q = gguf.quantize(np.ascontiguousarray(part), gguf.GGMLQuantizationType.Q8_0)
+                    writer.add_tensor(gname, q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+                else:
+                    writer.add_tensor(gname, part)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from model_checks import assert_close, check_extend_and_decode, check_ragged_batch, hf_logits
 
 from engine.config import SUPPORTED_ARCHITECTURES, RopeConfig
 from engine.loader.errors import UnsupportedArchitecture, UnsupportedConfig
@@ -28,17 +29,6 @@ def pair(request, tmp_path_factory, make_tiny_hf_model):
     return request.param, hf, ours, config
 
 
-def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0].float()  # [T, V]
-
-
-def _assert_close(ours: torch.Tensor, ref: torch.Tensor) -> None:
-    tol = 1e-4 * max(1.0, float(ref.abs().max()))
-    diff = float((ours - ref).abs().max())
-    assert diff <= tol, f"max |diff| {diff:.3g} > {tol:.3g}"
-
-
 def test_config_reflects_architecture(pair):
     kind, _, _, config = pair
     assert config.attention_bias == (kind == "qwen2")
@@ -55,34 +45,17 @@ def test_prefill_matches_transformers(pair, paged_runner):
     ids = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(1)).tolist()
     logits = paged_runner(ours, config).step({0: ids})
     assert logits.shape == (1, VOCAB) and logits.dtype == torch.float32
-    _assert_close(logits[0], _hf_logits(hf, ids)[-1])
+    assert_close(logits[0], hf_logits(hf, ids)[-1])
 
 
 def test_chunked_prefill_and_decode_match_transformers(pair, paged_runner):
-    """Prefill 7 tokens, extend by 5 through the KV cache, then decode 3 one by one."""
     _, hf, ours, config = pair
-    ids = torch.randint(0, VOCAB, (15,), generator=torch.Generator().manual_seed(2)).tolist()
-    ref = _hf_logits(hf, ids)
-    runner = paged_runner(ours, config)
-    _assert_close(runner.step({0: ids[:7]})[0], ref[6])
-    _assert_close(runner.step({0: ids[7:12]})[0], ref[11])
-    for i in range(12, 15):
-        _assert_close(runner.step({0: [ids[i]]})[0], ref[i])
+    check_extend_and_decode(hf, paged_runner(ours, config), VOCAB)
 
 
 def test_ragged_batch_matches_transformers(pair, paged_runner):
-    """Two sequences of different lengths share every step (continuous batching)."""
     _, hf, ours, config = pair
-    gen = torch.Generator().manual_seed(3)
-    a = torch.randint(0, VOCAB, (9,), generator=gen).tolist()
-    b = torch.randint(0, VOCAB, (6,), generator=gen).tolist()
-    runner = paged_runner(ours, config)
-    first = runner.step({"a": a[:5], "b": b[:2]})
-    _assert_close(first[0], _hf_logits(hf, a[:5])[-1])
-    _assert_close(first[1], _hf_logits(hf, b[:2])[-1])
-    second = runner.step({"b": b[2:], "a": a[5:]})  # order differs from the pool's
-    _assert_close(second[0], _hf_logits(hf, b)[-1])
-    _assert_close(second[1], _hf_logits(hf, a)[-1])
+    check_ragged_batch(hf, paged_runner(ours, config), VOCAB)
 
 
 def test_weight_bytes_is_exact(pair):
@@ -100,7 +73,7 @@ def test_bfloat16_load_keeps_rope_cache_float32(tmp_path, paged_runner, make_tin
     assert ours.cos_sin_cache.dtype == torch.float32
     ids = list(range(10))
     logits = paged_runner(ours, config).step({0: ids})[0]
-    ref = _hf_logits(hf, ids)[-1]
+    ref = hf_logits(hf, ids)[-1]
     assert logits.dtype == torch.float32
     assert float((logits - ref).abs().max()) < 0.05 * float(ref.abs().max())
 

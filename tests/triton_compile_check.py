@@ -19,7 +19,14 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kernels import triton_activation, triton_gemv, triton_norm, triton_rotary, triton_sampling  # noqa: E402
+from kernels import (  # noqa: E402
+    triton_activation,
+    triton_gemv,
+    triton_moe,
+    triton_norm,
+    triton_rotary,
+    triton_sampling,
+)
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -54,6 +61,19 @@ def main() -> int:
             print("gemv: the compiler fused bfloat16 products into FMAs (rounds unlike eager torch)")
             return 1
     print("gemv ok")
+    for dt, precision in ((bf, "tf32"), ("fp32", "ieee")):
+        for gated in (False, True):
+            ptx = _compile(triton_moe._grouped_gemm_kernel,
+                           [("A", _p(dt)), ("W", _p(dt)), ("Out", _p(dt)), ("RouteWeights", _p("fp32")),
+                            ("SortedRows", _p("i32")), ("BlockExperts", _p("i32")), ("NumPadded", _p("i32")),
+                            ("num_rows", "i32"), ("top_k", "i32"), ("N", "i32"), ("K", "i32"),
+                            ("stride_am", "i32"), ("stride_we", "i64"), ("stride_wn", "i32"), ("stride_om", "i32")],
+                           {"GATED": gated, "WEIGHTED": not gated, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64,
+                            "PRECISION": precision, "F32_DOT": False})
+            if "fma.rn.bf16" in ptx:
+                print("fused_moe: the compiler fused bfloat16 products into FMAs (rounds unlike eager torch)")
+                return 1
+    print("fused_moe ok")
     rotary_args = [
         ("q_ptr", _p(bf)), ("k_ptr", _p(bf)), ("v_ptr", _p(bf)), ("pos_ptr", _p("i64")),
         ("cache_ptr", _p("fp32")), ("k_cache_ptr", _p(bf)), ("v_cache_ptr", _p(bf)),

@@ -25,7 +25,7 @@ from engine.units import GiB
 
 def kv_share(plan: MemoryPlan) -> float:
     """KV pool / (budget - weights): the share of what the model leaves that holds KV."""
-    weights = next(e.bytes for e in plan.ledger if e.name == "weights")
+    weights = sum(e.bytes for e in plan.ledger if e.name in ("weights", "routed expert weights"))
     return plan.kv_pool_bytes / max(plan.budget_bytes - weights, 1)
 
 

@@ -1,8 +1,8 @@
 """Configs of real models' shapes, for random-weight benchmarks and GPU tests.
 
 No hub is reachable, so these are written from the published configs' numbers
-(Qwen/Qwen3-0.6B, meta-llama/Llama-3.1-8B and HuggingFaceTB/SmolLM2-135M-Instruct
-``config.json``) and loaded with
+(Qwen/Qwen3-0.6B, meta-llama/Llama-3.1-8B, HuggingFaceTB/SmolLM2-135M-Instruct and
+Qwen/Qwen3-30B-A3B ``config.json``) and loaded with
 ``load_format="dummy"`` (random weights) or saved with random weights by transformers.
 """
 
@@ -78,6 +78,36 @@ SHAPES: dict[str, dict] = {
         "mlp_bias": False,
         "bos_token_id": 128000,
         "eos_token_id": [128001, 128008, 128009],
+        "torch_dtype": "bfloat16",
+    },
+    # A mixture of experts: 48 layers of 128 experts (8 routed per token), 30.5B
+    # parameters of which 3.3B active; the experts are 29.0B of them.
+    "qwen3-30b-a3b": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "vocab_size": 151936,
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
         "torch_dtype": "bfloat16",
     },
 }

@@ -60,7 +60,7 @@ def build_plan(config: EngineConfig) -> MemoryPlan:
     mc = load_model_config(resolve_model(config.model))
     # Priced as the engine will load it: dense (dequantized) unless --gguf-quantized
     # keeps a GGUF's blocks on a CUDA device.
-    gguf = quantized_gguf(config, device)
+    gguf = quantized_gguf(config, device, mc)
     weights = None if gguf is None else gguf_weight_size(gguf, mc, dtype)
     memory = device_memory(config, device)
     assert memory is not None

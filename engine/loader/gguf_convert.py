@@ -44,7 +44,11 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
 }
+# llama.cpp files Mixtral under "llama", with experts (``llama.expert_count``).
+_LLAMA_WITH_EXPERTS = ("MixtralForCausalLM", "mixtral")
 
 # llama.cpp tensor names (gguf-py ``tensor_mapping``) -> Hugging Face names.
 _TOP_LEVEL = {
@@ -64,7 +68,17 @@ _PER_LAYER = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # Mixtures of experts (gguf-py's MODEL_TENSOR.FFN_*_EXP / *_SHEXP names).
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# A layer's experts stacked in one GGUF tensor ``[E, rows, cols]`` -> one Hugging Face
+# tensor per expert, ``mlp.experts.E.<proj>`` (Mixtral: ``block_sparse_moe.experts.E.w1``).
+_STACKED_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+_MIXTRAL_EXPERT_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 _ROPE_FREQS = "rope_freqs.weight"  # llama3 RoPE factors; folded into config.json
 
 SHARD_BYTES = 2 * 1024**3  # bounds peak host memory while converting large models
@@ -76,7 +90,9 @@ def convert_gguf(
     """Convert ``gguf_path`` into the Hugging Face folder ``out_dir``.
 
     Args:
-        gguf_path: a GGUF file of a llama, qwen2 or qwen3 model.
+        gguf_path: a GGUF file of a llama (Mixtral when it has experts), qwen2, qwen3,
+            qwen2moe or qwen3moe model; stacked expert tensors (``ffn_*_exps``) are
+            dequantized and written one tensor per expert.
         out_dir: destination folder; must not exist yet (an existing complete folder,
             e.g. from a concurrent conversion, is kept and returned).
         dtype: dtype of the stored weights.
@@ -86,7 +102,8 @@ def convert_gguf(
 
     Raises:
         CorruptWeights: the file is not a readable GGUF.
-        UnsupportedArchitecture: the GGUF architecture is not llama/qwen2/qwen3.
+        UnsupportedArchitecture: the GGUF architecture is not one of
+            :data:`GGUF_ARCHITECTURES`.
         UnsupportedGGUFType: a tensor is stored in a type gguf-py cannot dequantize
             (checked for all tensors before anything is written).
         UnsupportedConfig: RoPE factors that are not Llama 3's.
@@ -156,6 +173,9 @@ def _check_types(reader: Any, gguf_path: Path) -> None:
 def _hf_config(reader: Any, gguf_path: Path, gguf_arch: str) -> dict[str, Any]:
     """config.json fields, following transformers' ``integrations/ggml.py`` mapping."""
     architecture, model_type = GGUF_ARCHITECTURES[gguf_arch]
+    experts = int(_field(reader, f"{gguf_arch}.expert_count", 0) or 0)
+    if gguf_arch == "llama" and experts:
+        architecture, model_type = _LLAMA_WITH_EXPERTS
 
     def get(key: str, default: Any = None) -> Any:
         value = _field(reader, f"{gguf_arch}.{key}", default)
@@ -187,12 +207,37 @@ def _hf_config(reader: Any, gguf_path: Path, gguf_arch: str) -> dict[str, Any]:
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
     }
-    if gguf_arch != "qwen2":  # Qwen2's q/k/v bias is implied by its architecture
+    if gguf_arch == "qwen2moe":
+        config["qkv_bias"] = "blk.0.attn_q.bias" in names
+    elif gguf_arch != "qwen2":  # Qwen2's q/k/v bias is implied by its architecture
         config["attention_bias"] = "blk.0.attn_q.bias" in names
+    if experts:
+        config.update(_moe_config(reader, gguf_arch, experts, names, config["num_hidden_layers"], get))
     scaling = _rope_scaling(reader, gguf_path, gguf_arch, config)
     if scaling is not None:
         config["rope_scaling"] = scaling
     return config
+
+
+def _moe_config(reader: Any, gguf_arch: str, experts: int, names: set[str], layers: int, get) -> dict[str, Any]:
+    """The mixture-of-experts fields of config.json. GGUF has no ``mlp_only_layers``:
+    a layer without a router (``ffn_gate_inp``) is dense. Whether the top-k weights are
+    renormalized is ``expert_weights_norm`` where the file says, else the family's rule
+    as llama.cpp builds it (Qwen3-MoE and Mixtral yes, Qwen2-MoE no)."""
+    used = int(get("expert_used_count"))
+    if gguf_arch == "llama":
+        return {"num_local_experts": experts, "num_experts_per_tok": used}
+    moe: dict[str, Any] = {
+        "num_experts": experts,
+        "num_experts_per_tok": used,
+        "moe_intermediate_size": int(get("expert_feed_forward_length")),
+        "norm_topk_prob": bool(_field(reader, f"{gguf_arch}.expert_weights_norm", gguf_arch == "qwen3moe")),
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in names],
+    }
+    if gguf_arch == "qwen2moe":
+        moe["shared_expert_intermediate_size"] = int(get("expert_shared_feed_forward_length"))
+    return moe
 
 
 def _rope_scaling(
@@ -292,6 +337,11 @@ def _converted(
     for t in tqdm(reader.tensors, desc=f"converting {gguf_path.name}", unit="tensor", disable=None):
         if t.name == _ROPE_FREQS:
             continue
+        stem, _, _ = t.name.rpartition(".")
+        parts = stem.split(".")
+        if len(parts) == 3 and parts[0] == "blk" and parts[2] in _STACKED_EXPERTS:
+            yield from _expert_tensors(t, parts[1], _STACKED_EXPERTS[parts[2]], config, dtype)
+            continue
         name = _hf_name(t.name)
         if name is None:
             raise ModelLoadError(
@@ -299,10 +349,29 @@ def _converted(
                 f"{gguf_arch} model; the file is not a plain {gguf_arch} checkpoint"
             )
         w = torch.from_numpy(np.array(_dequantize(t), dtype=np.float32))
+        if name.endswith("shared_expert_gate.weight"):  # llama.cpp may store it as [H]
+            w = w.reshape(1, -1)
+        if config["architectures"] == [_LLAMA_WITH_EXPERTS[0]] and ".mlp.gate." in name:
+            name = name.replace(".mlp.gate.", ".block_sparse_moe.gate.")
         if gguf_arch == "llama" and (".q_proj." in name or ".k_proj." in name):
             heads = config["num_attention_heads" if ".q_proj." in name else "num_key_value_heads"]
             w = reverse_llama_permute(w, heads)
         yield name, w.to(dtype).contiguous()
+
+
+def _expert_tensors(
+    tensor: Any, layer: str, proj: str, config: dict[str, Any], dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """One stacked ``[E, rows, cols]`` GGUF expert tensor, dequantized, as one Hugging
+    Face tensor per expert."""
+    w = torch.from_numpy(np.array(_dequantize(tensor), dtype=np.float32)).to(dtype)
+    if config["architectures"] == [_LLAMA_WITH_EXPERTS[0]]:
+        prefix, proj = f"model.layers.{layer}.block_sparse_moe.experts", _MIXTRAL_EXPERT_NAMES[proj]
+        names = [f"{prefix}.{e}.{proj}.weight" for e in range(w.shape[0])]
+    else:
+        names = [f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight" for e in range(w.shape[0])]
+    for name, expert in zip(names, w, strict=True):
+        yield name, expert.contiguous()
 
 
 def _write_weights(

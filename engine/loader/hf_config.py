@@ -76,7 +76,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     num_heads = hf.num_attention_heads
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
     attention_bias = architecture == "Qwen2ForCausalLM" or bool(
-        getattr(hf, "attention_bias", False)
+        getattr(hf, "qkv_bias", False) or getattr(hf, "attention_bias", False)
     )
     generation = _read_json(model_dir / "generation_config.json", required=False)
     eos = _token_ids(getattr(hf, "eos_token_id", None)) + _token_ids(generation.get("eos_token_id"))
@@ -94,10 +94,48 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         rope=_rope(hf, config_path),
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
         attention_bias=attention_bias,
-        qk_norm=architecture == "Qwen3ForCausalLM",
+        qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
         bos_token_id=getattr(hf, "bos_token_id", None),
         eos_token_ids=tuple(dict.fromkeys(eos)),  # dedupe, keep order
+        qk_norm_whole=architecture == "OlmoeForCausalLM",
+        clip_qkv=getattr(hf, "clip_qkv", None),
+        **_moe_fields(hf, architecture),
     )
+
+
+def _moe_fields(hf: Any, architecture: str) -> dict[str, Any]:
+    """The mixture-of-experts fields of :class:`ModelConfig`, as each family's
+    transformers config names them; ``{}`` for a dense model.
+
+    Mixtral and OLMoE route in every layer and size experts by ``intermediate_size``;
+    Qwen2-MoE and Qwen3-MoE size them by ``moe_intermediate_size`` and keep a dense MLP
+    in ``mlp_only_layers`` and in layers ``i`` with ``(i + 1) % decoder_sparse_step != 0``
+    (``Qwen3MoeDecoderLayer``). Mixtral always renormalizes the top-k weights
+    (``MixtralTopKRouter``); the others do when ``norm_topk_prob``.
+    """
+    num_experts = getattr(hf, "num_local_experts", None) or getattr(hf, "num_experts", None) or 0
+    if architecture not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM"):
+        return {}
+    layers = range(hf.num_hidden_layers)
+    if architecture in ("MixtralForCausalLM", "OlmoeForCausalLM"):
+        moe_layers = tuple(layers) if num_experts > 0 else ()
+        expert_size = hf.intermediate_size
+        norm_topk = architecture == "MixtralForCausalLM" or bool(getattr(hf, "norm_topk_prob", False))
+    else:
+        step = int(getattr(hf, "decoder_sparse_step", 1) or 1)
+        dense = set(getattr(hf, "mlp_only_layers", None) or ())
+        moe_layers = tuple(i for i in layers if num_experts > 0 and i not in dense and (i + 1) % step == 0)
+        expert_size = hf.moe_intermediate_size
+        norm_topk = bool(getattr(hf, "norm_topk_prob", False))
+    return {
+        "num_experts": int(num_experts),
+        "num_experts_per_tok": int(hf.num_experts_per_tok),
+        "moe_intermediate_size": int(expert_size),
+        "norm_topk_prob": norm_topk,
+        "shared_expert_intermediate_size": int(getattr(hf, "shared_expert_intermediate_size", 0) or 0)
+        if architecture == "Qwen2MoeForCausalLM" else 0,
+        "moe_layers": moe_layers,
+    }
 
 
 def _read_json(path: Path, *, required: bool) -> dict[str, Any]:
@@ -139,7 +177,7 @@ def _context(hf: Any) -> int:
     """The model's context in tokens. A Mistral sliding window shorter than the context
     (Mistral 7B v0.1: 4096 of 32768) caps it: within the window, full attention is the
     same computation, and headroom has no sliding-window kernels."""
-    window = getattr(hf, "sliding_window", None) if getattr(hf, "model_type", "") == "mistral" else None
+    window = getattr(hf, "sliding_window", None) if getattr(hf, "model_type", "") in ("mistral", "mixtral") else None
     if window:
         return min(hf.max_position_embeddings, int(window))
     return hf.max_position_embeddings

@@ -76,6 +76,15 @@ def weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
     return params + rope_cache
 
 
+def expert_weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
+    """The part of :func:`weight_bytes` that the routed experts of a mixture of experts
+    take (``mlp.experts.*``; not the router or a shared expert); 0 for a dense model."""
+    if not config.is_moe:
+        return 0
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return sum(p.numel() for n, p in _build_on_meta(config).named_parameters() if ".experts." in n) * itemsize
+
+
 def _build_on_meta(config: ModelConfig) -> CausalLM:
     with torch.device("meta"):
         return get_model_class(config.architecture)(config)

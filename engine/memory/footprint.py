@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.config import ModelConfig
-from engine.loader.load import weight_bytes
+from engine.loader.load import expert_weight_bytes, weight_bytes
 from engine.memory.plan import Footprint, PlanKnobs
 
 if TYPE_CHECKING:
@@ -48,7 +48,9 @@ def estimate_activation_bytes(mc: ModelConfig, dtype: torch.dtype, knobs: PlanKn
     ``S``. A profile run replaces it on a real GPU.
 
     Terms (``it`` = itemsize): the residual stream and its norm ``3*T*H*it``; the larger
-    of the attention block and the MLP (``3*T*I*it``); the logits rows ``B*V*4``. The
+    of the attention block and the MLP (``3*T*I*it``, or for a mixture of experts the
+    larger of that, where some layers stay dense, and :func:`moe_activation_bytes`);
+    the logits rows ``B*V*4``. The
     attention block holds the fused qkv ``T*(q+2kv)*it``, rotated copies
     ``T*(q+kv)*it`` and the output ``T*q*it``, plus the larger of the chunk's context
     (gathered ``2*S*kv*it``, expanded to all heads ``2*S*q*it``, its mask ``T*S`` and the
@@ -67,9 +69,38 @@ def estimate_activation_bytes(mc: ModelConfig, dtype: torch.dtype, knobs: PlanKn
     gathered = min((b - 1) * s, DEFAULT_GATHER_BUDGET_TOKENS)
     decode = 2 * gathered * (kv + q) * it
     attn = t * (q + 2 * kv) * it + t * (q + kv) * it + t * q * it + max(chunk, decode)
-    mlp = 3 * t * i * it
+    mlp = 3 * t * i * it if len(mc.moe_layers) < mc.num_layers else 0
+    if mc.is_moe:
+        mlp = max(mlp, moe_activation_bytes(mc, t, it))
     logits = b * mc.vocab_size * 4
     return residual + max(attn, mlp) + logits
+
+
+# Rows per block of the fused MoE kernel's sort at prefill sizes (kernels.triton_moe).
+_MOE_PREFILL_BLOCK_M = 64
+
+
+def moe_activation_bytes(mc: ModelConfig, t: int, it: int) -> int:
+    """Upper estimate of a sparse MLP's transient peak for ``t`` tokens, in bytes, on
+    the fused Triton path (:func:`kernels.triton_moe.fused_moe`): every token is
+    copied once per choice, ``R = t * K`` routed rows (``K = num_experts_per_tok``).
+
+    Terms: the router's logits and float32 softmax ``t*E*(it+4)`` and top-k weights
+    and ids ``R*(4+8)``; the sort, about six int64 vectors of ``R`` and two int32 ones
+    of the padded capacity ``C = R + min(E, R)*63``; the activations ``R*I*it`` and
+    the weighted down products ``R*H*it`` live together, with the ``t*H*it`` output;
+    a shared expert adds its gate/up and activation ``3*t*Is*it`` and its output
+    ``t*H*it``. The sizes depend on ``t`` only, not on how the tokens route.
+    """
+    from kernels.moe import padded_capacity
+
+    k, e, h = mc.num_experts_per_tok, mc.num_experts, mc.hidden_size
+    r = t * k
+    router = t * e * (it + 4) + r * (4 + 8)
+    sort = 6 * r * 8 + 2 * padded_capacity(r, e, _MOE_PREFILL_BLOCK_M) * 4
+    routed = r * (mc.moe_intermediate_size + h) * it + t * h * it
+    shared = (3 * mc.shared_expert_intermediate_size + h) * t * it if mc.shared_expert_intermediate_size else 0
+    return router + sort + routed + shared
 
 
 def make_footprint(
@@ -111,6 +142,7 @@ def make_footprint(
 
     return Footprint(
         weight_bytes=weight_bytes(mc, dtype) if weights is None else weights.bytes,
+        expert_weight_bytes=expert_weight_bytes(mc, dtype) if weights is None else 0,
         weight_source="exact, from tensor shapes" if weights is None else f"exact, GGUF: {weights.mix}",
         kv_bytes_per_token=kv_bytes_per_token(mc, dtype),
         vocab_size=mc.vocab_size,

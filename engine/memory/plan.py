@@ -12,6 +12,7 @@ The ledger, top to bottom::
   - safety margin                fragmentation and allocator rounding
   = budget
   - weights                      exact, from tensor shapes
+  - routed expert weights        a mixture of experts' routed experts (all on the device)
   - attention workspace          declared by the backend
   - sampler and logits           max running requests x vocab
   - prefill activation peak      measured by a profile run (estimated before it)
@@ -124,7 +125,9 @@ class Footprint:
     context (``runtime_source`` likewise). ``activation_at`` gives the peak
     for other knobs (used to price suggestions); it must agree with the peak at the
     knobs the footprint was made for. ``weight_source`` says how ``weight_bytes`` was
-    counted (for a GGUF kept in block format, its type mix).
+    counted (for a GGUF kept in block format, its type mix). ``expert_weight_bytes`` is
+    the part of ``weight_bytes`` a mixture of experts' routed experts take; the ledger
+    shows it on a line of its own.
     """
 
     weight_bytes: int
@@ -142,6 +145,8 @@ class Footprint:
     runtime_source: str = "estimated"
     activation_at: Callable[[PlanKnobs], int] | None = None
     weight_source: str = "exact, from tensor shapes"
+    # The routed experts' share of weight_bytes (a mixture of experts; 0 when dense).
+    expert_weight_bytes: int = 0
 
 
 class LedgerEntry(msgspec.Struct, frozen=True):
@@ -249,6 +254,20 @@ def make_plan(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint) -> MemoryPl
     return msgspec.structs.replace(plan, suggestions=_suggest(device, knobs, fp, plan))
 
 
+def _weight_lines(fp: Footprint) -> list[LedgerEntry]:
+    """``weights``, and for a mixture of experts the routed experts apart from the rest
+    (attention, router, shared experts, embeddings): all on the device for now. A hybrid
+    placement would charge here only the experts it keeps on the device plus an expert
+    cache line, and count the rest against host memory."""
+    if fp.expert_weight_bytes <= 0:
+        return [LedgerEntry("weights", fp.weight_bytes, "-", fp.weight_source)]
+    return [
+        LedgerEntry("weights", fp.weight_bytes - fp.expert_weight_bytes, "-",
+                    fp.weight_source + "; all but the routed experts"),
+        LedgerEntry("routed expert weights", fp.expert_weight_bytes, "-", "exact, from tensor shapes; all on the device"),
+    ]
+
+
 def _ledger(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint) -> MemoryPlan:
     if min(device.total_bytes, device.free_bytes, device.others_bytes, fp.weight_bytes) < 0:
         raise ValueError("memory sizes must be >= 0")
@@ -270,7 +289,7 @@ def _ledger(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint) -> MemoryPlan
         LedgerEntry("desktop reserve", reserve, "-", reserve_src),
         LedgerEntry("safety margin", margin, "-", "auto" if knobs.safety_margin_bytes is None else "flag"),
         LedgerEntry("budget", budget, "=", ""),
-        LedgerEntry("weights", fp.weight_bytes, "-", fp.weight_source),
+        *_weight_lines(fp),
         LedgerEntry("CUDA context and runtime", fp.runtime_bytes, "-", fp.runtime_source if fp.runtime_bytes else "none"),
     ]
     ledger += [LedgerEntry(f"workspace: {name}", b, "-", "declared") for name, b in fp.workspace_bytes]

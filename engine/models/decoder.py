@@ -1,9 +1,14 @@
-"""One decoder-only transformer for Llama, Qwen2 and Qwen3.
+"""One decoder-only transformer for Llama, Qwen2 and Qwen3, and their mixture-of-experts
+kin (Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE).
 
-The three differ only in what :class:`ModelConfig` records: Qwen2 has a bias on the
+They differ only in what :class:`ModelConfig` records: Qwen2 has a bias on the
 q/k/v projections (``attention_bias``), Qwen3 normalizes each query and key head with
 RMSNorm before RoPE (``qk_norm``) and may decouple ``head_dim`` from
-``hidden_size // num_heads``; any of them may tie the LM head to the embeddings.
+``hidden_size // num_heads``; any of them may tie the LM head to the embeddings. OLMoE
+normalizes the whole query and key projections instead (``qk_norm_whole``) and may clamp
+q/k/v (``clip_qkv``). The layers of ``moe_layers`` swap the MLP for
+:class:`engine.models.moe.SparseMoeBlock`, whose experts :meth:`CausalLM.load_weights`
+stacks from the checkpoint's per-expert tensors.
 
 q/k/v are one fused linear and gate/up another: fewer, larger matmuls, hence fewer kernel
 launches per layer. :meth:`CausalLM.load_weights` fuses Hugging Face's separate tensors
@@ -30,6 +35,7 @@ from engine.attention.base import AttentionBackend
 from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch
 from engine.loader.errors import WeightMismatch
+from engine.models.moe import SparseMoeBlock
 from engine.models.rope import build_cos_sin_cache
 from kernels.dispatch import (
     fused_add_rms_norm,
@@ -42,7 +48,7 @@ from kernels.dispatch import (
 
 # Qwen2's bias covers q/k/v only; Llama's and Qwen3's ``attention_bias`` covers o_proj too
 # (``LlamaAttention`` / ``Qwen3Attention`` in transformers).
-_O_PROJ_BIAS_FOLLOWS_QKV = {"Qwen2ForCausalLM": False}
+_O_PROJ_BIAS_FOLLOWS_QKV = {"Qwen2ForCausalLM": False, "Qwen2MoeForCausalLM": False}
 
 def project(proj: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``proj(x)``: a bias-free ``nn.Linear`` through the decode GEMV dispatch
@@ -61,6 +67,23 @@ _FUSED = {
     "gate_proj": ("gate_up_proj", "gate"),
     "up_proj": ("gate_up_proj", "up"),
 }
+
+# One expert's projection in a checkpoint -> (our stacked parameter, shard kind). Mixtral
+# names them w1 (gate), w3 (up), w2 (down).
+_EXPERT_PROJ = {
+    "gate_proj": ("gate_up_proj", "gate"),
+    "up_proj": ("gate_up_proj", "up"),
+    "down_proj": ("down_proj", "down"),
+    "w1": ("gate_up_proj", "gate"),
+    "w3": ("gate_up_proj", "up"),
+    "w2": ("down_proj", "down"),
+}
+# Mixtral's checkpoints call the sparse MLP ``block_sparse_moe``; transformers 5 and we ``mlp``.
+_MOE_RENAMES = {"block_sparse_moe": "mlp"}
+
+# Which part of a parameter one checkpoint tensor fills: None (all of it), a fused
+# shard ("q", "gate", ...), or (kind, expert) of a stacked expert parameter.
+Shard = str | tuple[str, int] | None
 
 _MAX_NAMES_SHOWN = 8
 
@@ -92,8 +115,14 @@ class Attention(nn.Module):
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
         )
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        # Qwen3 normalizes each head (fused with rotary below); OLMoE the whole
+        # projections before the heads are split (OlmoeAttention), under the same names.
+        self.qk_norm_whole = config.qk_norm_whole
+        q_width, k_width = (self.q_size, self.kv_size) if self.qk_norm_whole else (self.head_dim, self.head_dim)
+        has_norm = config.qk_norm or config.qk_norm_whole
+        self.q_norm = RMSNorm(q_width, config.rms_norm_eps) if has_norm else None
+        self.k_norm = RMSNorm(k_width, config.rms_norm_eps) if has_norm else None
+        self.clip_qkv = config.clip_qkv
 
     def forward(
         self,
@@ -105,26 +134,32 @@ class Attention(nn.Module):
         num_tokens = x.shape[0]
         qkv = project(self.qkv_proj, x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm_whole:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            c = self.clip_qkv
+            q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         pool = attn.pool
+        head_norm = self.q_norm is not None and not self.qk_norm_whole
         q = rotary_and_store(
             q, k, v, batch.positions, cos_sin_cache,
             pool.k_buffers[self.layer], pool.v_buffers[self.layer], batch.out_slots,
-            self.q_norm.weight if self.q_norm is not None else None,
-            self.k_norm.weight if self.k_norm is not None else None,
-            self.q_norm.eps if self.q_norm is not None else 0.0,
+            self.q_norm.weight if head_norm else None,
+            self.k_norm.weight if head_norm else None,
+            self.q_norm.eps if head_norm else 0.0,
         )
         out = attn.forward(q, k, v, self.layer, batch, kv_stored=True)  # [T, Hq * D]
         return project(self.o_proj, out)
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if isinstance(self.gate_up_proj, nn.Linear):
@@ -139,7 +174,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = (
+            SparseMoeBlock(config, MLP)
+            if layer in config.moe_layers
+            else MLP(config.hidden_size, config.intermediate_size)
+        )
 
     def forward(
         self,
@@ -245,25 +284,27 @@ class CausalLM(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face tensors into the model, fusing q/k/v and gate/up.
+        """Copy Hugging Face tensors into the model, fusing q/k/v and gate/up and
+        stacking each layer's experts.
 
         Args:
             weights: ``(name, tensor)`` pairs with Hugging Face names
                 (``model.layers.N.self_attn.q_proj.weight``, ...), any dtype/device;
                 they are cast to the parameter's. ``rotary_emb.inv_freq`` tensors are
                 ignored (we compute our own), as is ``lm_head.weight`` of a tied model.
+                An expert comes either per expert (``mlp.experts.E.gate_proj.weight``,
+                Mixtral's ``block_sparse_moe.experts.E.w1.weight``), written into row
+                ``E`` of the stacked parameter, or already stacked
+                (``mlp.experts.gate_up_proj``).
 
         Raises:
             WeightMismatch: a tensor has no place in the model or the wrong shape, or a
                 parameter received no tensor; the message lists the names (truncated).
         """
         params = dict(self.named_parameters())
-        expected = {(name, None) for name in params}
-        for fused, shards in (("qkv_proj", ("q", "k", "v")), ("gate_up_proj", ("gate", "up"))):
-            for name in [n for n in params if f".{fused}.weight" in n or f".{fused}.bias" in n]:
-                expected.discard((name, None))
-                expected.update((name, s) for s in shards)
-        loaded: set[tuple[str, str | None]] = set()
+        shards_of = {name: self._shards(name, p) for name, p in params.items()}
+        expected = {(name, s) for name, shards in shards_of.items() for s in shards}
+        loaded: set[tuple[str, Shard]] = set()
         unexpected: list[str] = []
         for hf_name, tensor in weights:
             if hf_name.endswith("rotary_emb.inv_freq"):
@@ -281,8 +322,9 @@ class CausalLM(nn.Module):
                     f"{tuple(dest.shape)}; config.json and the weights disagree"
                 )
             dest.copy_(tensor)
-            loaded.add((target, shard))
-        missing = sorted(f"{n}[{s}]" if s else n for n, s in expected - loaded)
+            # A whole stacked tensor (transformers 5's own names) fills every shard.
+            loaded.update((target, s) for s in ([shard] if shard is not None else shards_of[target]))
+        missing = sorted(_shard_name(n, s) for n, s in expected - loaded)
         if missing or unexpected:
             parts = []
             if missing:
@@ -296,28 +338,63 @@ class CausalLM(nn.Module):
             )
 
     @staticmethod
-    def _target(hf_name: str) -> tuple[str, str | None]:
+    def _target(hf_name: str) -> tuple[str, Shard]:
         """Our parameter name and shard for a Hugging Face tensor name."""
         parts = hf_name.split(".")
+        if len(parts) >= 4 and parts[-4] == "experts" and parts[-3].isdigit() and parts[-2] in _EXPERT_PROJ:
+            # model.layers.N.mlp.experts.E.gate_proj.weight -> model.layers.N.mlp.experts.gate_up_proj
+            stacked, kind = _EXPERT_PROJ[parts[-2]]
+            prefix = [_MOE_RENAMES.get(p, p) for p in parts[:-3]]
+            return ".".join([*prefix, stacked]), (kind, int(parts[-3]))
+        parts = [_MOE_RENAMES.get(p, p) for p in parts]
         if len(parts) >= 2 and parts[-2] in _FUSED:
             fused, shard = _FUSED[parts[-2]]
             return ".".join([*parts[:-2], fused, parts[-1]]), shard
-        return hf_name, None
+        return ".".join(parts), None
 
-    def _shard_view(self, param: torch.Tensor, shard: str | None) -> torch.Tensor:
-        """The rows of a fused parameter that one Hugging Face tensor fills."""
+    @staticmethod
+    def _shards(name: str, param: torch.Tensor) -> list[Shard]:
+        """The shards that fill parameter ``name`` (``[None]``: one tensor fills it)."""
+        if name.endswith("experts.gate_up_proj"):
+            return [(kind, e) for e in range(param.shape[0]) for kind in ("gate", "up")]
+        if name.endswith("experts.down_proj"):
+            return [("down", e) for e in range(param.shape[0])]
+        for fused, shards in (("qkv_proj", ("q", "k", "v")), ("gate_up_proj", ("gate", "up"))):
+            if f".{fused}.weight" in name or f".{fused}.bias" in name:
+                return list(shards)
+        return [None]
+
+    def _shard_view(self, param: torch.Tensor, shard: Shard) -> torch.Tensor:
+        """The part of a fused or stacked parameter that one Hugging Face tensor fills."""
         if shard is None:
             return param
+        if isinstance(shard, tuple):  # one expert of a stacked [E, ...] parameter
+            kind, expert = shard
+            param = param[expert]
+            shard = None if kind == "down" else kind
+            if shard is None:
+                return param
         cfg = self.config
+        # gate/up split their parameter in halves: the dense MLP, the shared expert and
+        # the routed experts each have their own intermediate size.
+        half = param.shape[0] // 2
         offsets = {
             "q": (0, cfg.q_size),
             "k": (cfg.q_size, cfg.kv_size),
             "v": (cfg.q_size + cfg.kv_size, cfg.kv_size),
-            "gate": (0, cfg.intermediate_size),
-            "up": (cfg.intermediate_size, cfg.intermediate_size),
+            "gate": (0, half),
+            "up": (half, half),
         }
         start, size = offsets[shard]
         return param.narrow(0, start, size)
+
+
+def _shard_name(name: str, shard: Shard) -> str:
+    if shard is None:
+        return name
+    if isinstance(shard, tuple):
+        return f"{name}[expert {shard[1]} {shard[0]}]"
+    return f"{name}[{shard}]"
 
 
 def _names(names: list[str]) -> str:

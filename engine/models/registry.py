@@ -11,6 +11,11 @@ _MODELS: dict[str, type[CausalLM]] = {
     "MistralForCausalLM": CausalLM,
     "Qwen2ForCausalLM": CausalLM,
     "Qwen3ForCausalLM": CausalLM,
+    # Mixtures of experts: the same decoder with engine.models.moe's sparse MLP.
+    "Qwen2MoeForCausalLM": CausalLM,
+    "Qwen3MoeForCausalLM": CausalLM,
+    "MixtralForCausalLM": CausalLM,
+    "OlmoeForCausalLM": CausalLM,
 }
 
 

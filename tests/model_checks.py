@@ -1,0 +1,42 @@
+"""Checks shared by the dense and mixture-of-experts model tests: our decoder over the
+paged KV cache against transformers' logits for the same token ids."""
+
+from __future__ import annotations
+
+import torch
+
+
+def hf_logits(hf, ids: list[int]) -> torch.Tensor:
+    """transformers' ``[T, V]`` float32 logits of one sequence."""
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float()
+
+
+def assert_close(ours: torch.Tensor, ref: torch.Tensor) -> None:
+    tol = 1e-4 * max(1.0, float(ref.abs().max()))
+    diff = float((ours - ref).abs().max())
+    assert diff <= tol, f"max |diff| {diff:.3g} > {tol:.3g}"
+
+
+def check_extend_and_decode(hf, runner, vocab: int) -> None:
+    """Prefill 7 tokens, extend by 5 through the KV cache, then decode 3 one by one."""
+    ids = torch.randint(0, vocab, (15,), generator=torch.Generator().manual_seed(2)).tolist()
+    ref = hf_logits(hf, ids)
+    assert_close(runner.step({0: ids[:7]})[0], ref[6])
+    assert_close(runner.step({0: ids[7:12]})[0], ref[11])
+    for i in range(12, 15):
+        assert_close(runner.step({0: [ids[i]]})[0], ref[i])
+
+
+def check_ragged_batch(hf, runner, vocab: int) -> None:
+    """Two sequences of different lengths share every step (continuous batching), in
+    an order that differs from the pool's in the second step."""
+    gen = torch.Generator().manual_seed(3)
+    a = torch.randint(0, vocab, (9,), generator=gen).tolist()
+    b = torch.randint(0, vocab, (6,), generator=gen).tolist()
+    first = runner.step({"a": a[:5], "b": b[:2]})
+    assert_close(first[0], hf_logits(hf, a[:5])[-1])
+    assert_close(first[1], hf_logits(hf, b[:2])[-1])
+    second = runner.step({"b": b[2:], "a": a[5:]})
+    assert_close(second[0], hf_logits(hf, b)[-1])
+    assert_close(second[1], hf_logits(hf, a)[-1])

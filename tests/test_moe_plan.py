@@ -1,0 +1,67 @@
+"""The memory plan of a mixture of experts: the routed experts' weights on a ledger line
+of their own (all on the device), and the sparse MLP's prefill transient (a copy of
+each token per routed choice) in the activation estimate. Shapes of Qwen3-30B-A3B,
+from its published config (no weights are read)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from engine.commands.model_shapes import write_shape
+from engine.loader.hf_config import load_model_config
+from engine.loader.load import expert_weight_bytes, weight_bytes
+from engine.memory.device import simulated_device
+from engine.memory.footprint import estimate_activation_bytes, make_footprint, moe_activation_bytes
+from engine.memory.plan import GiB, PlanKnobs, make_plan
+
+
+def _config(tmp_path, **overrides):
+    return load_model_config(write_shape("qwen3-30b-a3b", tmp_path, **overrides))
+
+
+def test_routed_experts_are_charged_on_their_own_line(tmp_path):
+    mc = _config(tmp_path)
+    assert mc.moe_layers == tuple(range(48)) and mc.num_experts == 128 and mc.num_experts_per_tok == 8
+    knobs = PlanKnobs()
+    plan = make_plan(simulated_device(80 * GiB), knobs, make_footprint(mc, torch.bfloat16, knobs))
+    ledger = {e.name: e.bytes for e in plan.ledger}
+    experts = 48 * 128 * 3 * 2048 * 768 * 2  # layers x experts x (gate, up, down) x H x I x bf16
+    assert ledger["routed expert weights"] == experts == expert_weight_bytes(mc, torch.bfloat16)
+    assert ledger["weights"] + experts == weight_bytes(mc, torch.bfloat16)
+    assert plan.fits  # 57 GiB of weights on an 80 GiB card
+    small = make_plan(simulated_device(24 * GiB), knobs, make_footprint(mc, torch.bfloat16, knobs))
+    assert not small.fits
+
+
+def test_a_dense_model_has_no_expert_line(tmp_path):
+    mc = load_model_config(write_shape("qwen3-0.6b", tmp_path))
+    knobs = PlanKnobs()
+    plan = make_plan(simulated_device(8 * GiB), knobs, make_footprint(mc, torch.bfloat16, knobs))
+    assert "routed expert weights" not in {e.name for e in plan.ledger}
+    assert expert_weight_bytes(mc, torch.bfloat16) == 0
+
+
+def test_prefill_activation_prices_the_routed_token_copies(tmp_path):
+    mc = _config(tmp_path)
+    knobs = PlanKnobs(max_prefill_tokens=4096)
+    t, it = 4096, 2
+    routed = moe_activation_bytes(mc, t, it)
+    # At least the activations and down products of every routed copy, at most twice that.
+    copies = t * 8 * (768 + 2048) * it
+    assert copies < routed < 2 * copies
+    assert estimate_activation_bytes(mc, torch.bfloat16, knobs) >= routed
+    # More experts per token, more copies; a dense layer's MLP still counts where it is larger.
+    top16 = dataclasses.replace(mc, num_experts_per_tok=16)
+    assert moe_activation_bytes(top16, t, it) > routed
+    with_dense = dataclasses.replace(mc, moe_layers=mc.moe_layers[1:], intermediate_size=60000)
+    assert estimate_activation_bytes(with_dense, torch.bfloat16, knobs) > estimate_activation_bytes(
+        mc, torch.bfloat16, knobs
+    )
+
+
+def test_shared_expert_adds_its_transient(tmp_path):
+    mc = _config(tmp_path)
+    shared = dataclasses.replace(mc, shared_expert_intermediate_size=5632)
+    assert moe_activation_bytes(shared, 512, 2) - moe_activation_bytes(mc, 512, 2) == 512 * (3 * 5632 + 2048) * 2

@@ -1,24 +1,28 @@
 """Triton kernels over GGUF blocks: dequantize inside the matmul, never to memory.
 
-Two kernels share one sub-block decoder (:func:`_sub_block`):
+Two kernels share one block decoder (:func:`_codes` for the codes, :func:`_scales` for
+each sub-block's scale and offset):
 
-- :func:`quant_gemv`, for decode rows (``M <= GEMV_MAX_ROWS``): each program owns
-  ``BLOCK_N`` weight rows and a range of blocks along K (split-K, partial sums added
-  atomically into a float32 output when the range is split), the sub-blocks unrolled.
-  The weight bytes are read once per step whatever ``M``.
+- :func:`quant_gemv`, for decode rows (``M <= GEMV_MAX_ROWS``): one program per
+  (activation row, ``BLOCK_N`` weight rows, range of K); it walks its range ``KB``
+  blocks at a time in a ``[KB, NSUB, BLOCK_N, L]`` tile whose rows stay in each
+  thread's registers, so the activations are loaded and converted once for them. Each
+  sub-block's codes times the activations are summed in registers and scaled once,
+  ``y += scale * sum(q * x) + offset * sum(x)``. Tiling autotuned per (N, K, type);
+  split-K (partial sums added atomically into float32) only when N is small.
 - :func:`quant_gemm`, for prefill: each program owns a ``BLOCK_M x BLOCK_N`` output
-  tile and walks the sub-blocks in one runtime loop (bounded registers).
+  tile and walks the sub-blocks in one runtime loop (bounded registers), multiplying
+  the activations by the raw codes on tensor cores (``tl.dot``; the codes are exact in
+  bfloat16) and scaling the sums the same way.
 
-The GEMV dequantizes each sub-block in registers (``w = scale * q + offset``) and
-accumulates ``x * w`` elementwise in a ``[BLOCK_M, BLOCK_N, L]`` float32 tile, summed
-over ``L`` once at the end. The GEMM multiplies the activations by the raw integer
-codes on tensor cores (``tl.dot``; the codes are exact in bfloat16) and applies each
-sub-block's scale and offset to the sums, ``y += scale * (x @ q) + offset * sum(x)``,
-so no weight is rounded to 16 bits.
+No weight is rounded to 16 bits. Codes become floats without an int-to-float
+instruction: ORed into the mantissa of 2**23 (:func:`_codes_f32`; for Q4_K and Q8_0
+four codes at a time in PTX, :func:`_codes_fast`); each format's zero point (Q4_0's 8,
+Q6_K's 32, ...) is subtracted there, so only formats with a min pay ``offset * sum(x)``.
 
 A sub-block is ``L`` consecutive weights of one row that share a scale and an offset
-(:mod:`kernels.quant.formats`): the decoder returns the codes ``q [BLOCK_N, L]``, the
-scale and the offset ``[BLOCK_N]`` with ``w = scale * q + offset``, read straight from
+(:mod:`kernels.quant.formats`): the decoder gives its codes, scale and offset with
+``w = scale * (code - zero) + offset``, read straight from
 the block bytes as ggml lays them out (ggml-common.h; decoded as ``gguf.quants``
 does). Out-of-range rows are clamped to the last row (their loads stay in bounds, their
 stores are masked); blocks past a program's range are loaded from its last block and

@@ -18,7 +18,6 @@ the shape's projections at one row, with the same roofline share.
 from __future__ import annotations
 
 import argparse
-import functools
 import itertools
 import tempfile
 from pathlib import Path
@@ -132,33 +131,47 @@ def decode_rows(model, config, batches: list[int], context: int, bandwidth: floa
     return rows
 
 
-def gemv_rows(model, bandwidth: float) -> list[str]:
-    """The dequantize-GEMV alone at one row on each distinct projection of the model."""
-    from engine.models.quant_linear import QuantLinear
+def _rotating(w: torch.Tensor, reach: int = 512 << 20) -> list[torch.Tensor]:
+    """Copies of ``w`` adding up to ``reach`` bytes (at least 2), so that back-to-back
+    calls cycling through them read HBM rather than the 50 MB L2."""
+    return [w] + [w.clone() for _ in range(max(1, -(-reach // w.nbytes) - 1))]
+
+
+def _gemv_seconds(x: torch.Tensor, w: torch.Tensor, kind: str, replays: int = _GRAPH_REPLAYS, **tiling) -> float:
     from kernels.quant.triton_quant import quant_gemv
 
+    copies = _rotating(w)
+    turn = itertools.cycle(copies)
+    return _graph_seconds(lambda: quant_gemv(x, next(turn), kind, **tiling), replays)
+
+
+def gemv_rows(model, bandwidth: float, m: int = 1) -> list[str]:
+    """The dequantize-GEMV alone at ``m`` rows on each distinct projection of the model
+    (weights rotated through copies so each call reads HBM)."""
+    from engine.models.quant_linear import QuantLinear
+
     seen = {}
-    for name, m in model.named_modules():
-        if isinstance(m, QuantLinear):
-            for spec, w in m.part_views():
+    for name, mod in model.named_modules():
+        if isinstance(mod, QuantLinear):
+            for spec, w in mod.part_views():
                 if spec.type_name is not None:
-                    seen.setdefault((spec.type_name, tuple(w.shape), m.in_features), (name, w))
+                    seen.setdefault((spec.type_name, tuple(w.shape), mod.in_features), (name, w))
     rows = []
     for (kind, _, k), (name, w) in sorted(seen.items(), key=lambda kv: kv[1][0]):
-        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        seconds = _graph_seconds(lambda x=x, w=w, kind=kind: quant_gemv(x, w, kind))
-        rows.append(f"| {name.split('.', 3)[-1]} | {kind} | {w.shape[0]}x{k} | {seconds * 1e6:.1f} | "
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        seconds = _gemv_seconds(x, w, kind)
+        rows.append(f"| {name.split('.', 3)[-1]} | {kind} | {w.shape[0]}x{k} | {m} | {seconds * 1e6:.1f} | "
                     f"{w.nbytes / seconds / bandwidth:.0%} |")
     return rows
 
 
 def sweep_rows(bandwidth: float, shapes: list[tuple[str, int, int]]) -> list[str]:
-    """The GEMV at one row over a few tilings per projection shape, best first."""
+    """The GEMV at one row per projection shape: what the autotuner picked, then its
+    tilings, best three and worst, then the best without the PTX code conversion."""
     import triton
 
-    from kernels.quant.formats import block_format
+    from kernels.quant import triton_quant
     from kernels.quant.synthetic import random_blocks
-    from kernels.quant.triton_quant import quant_gemv
 
     rows = []
     rng = np.random.default_rng(0)
@@ -166,25 +179,62 @@ def sweep_rows(bandwidth: float, shapes: list[tuple[str, int, int]]) -> list[str
         w = torch.from_numpy(random_blocks(kind, n, k, rng, scale=1e-4)).cuda()
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         results = []
-        kbs = (1, 2, 4) if block_format(kind).block_elements == 256 else (2, 4, 8)
-        for block_n, warps, per_sm, kb in itertools.product((8, 16, 32), (4, 8), (1, 4), kbs):
-            fn = functools.partial(quant_gemv, x, w, kind, block_n=block_n, num_warps=warps,
-                                   programs_per_sm=per_sm, blocks_per_step=kb)
+        configs = triton_quant._prune(triton_quant._gemv_configs(), {"QK": triton_quant.block_format(kind).block_elements})
+        for c in configs:
             try:
-                seconds = _graph_seconds(fn, replays=10)
+                seconds = _gemv_seconds(x, w, kind, replays=5, block_n=c.kwargs["BLOCK_N"],
+                                        blocks_per_step=c.kwargs["KB"], num_warps=c.num_warps, split_k=1)
             except (RuntimeError, triton.runtime.errors.OutOfResources) as e:
-                print(f"{kind} {n}x{k} block_n={block_n} warps={warps}: {str(e).splitlines()[0]}")
+                print(f"{kind} {n}x{k} {c}: {str(e).splitlines()[0]}")
                 continue
-            results.append((seconds, block_n, warps, per_sm, kb))
+            results.append((seconds, c.kwargs["BLOCK_N"], c.kwargs["KB"], c.num_warps, True))
         results.sort()
-        default = _graph_seconds(functools.partial(quant_gemv, x, w, kind), replays=10)
-        shape_rows = [f"| {kind} {n}x{k} | default | {default * 1e6:.1f} | {w.nbytes / default / bandwidth:.0%} |"]
-        for seconds, block_n, warps, per_sm, kb in results[:3] + results[-1:]:
-            shape_rows.append(f"| {kind} {n}x{k} | block_n {block_n}, warps {warps}, {per_sm}/SM, kb {kb} | "
+        _, block_n, kb, warps, _ = results[0]
+        triton_quant._ASM = False
+        plain = _gemv_seconds(x, w, kind, replays=5, block_n=block_n, blocks_per_step=kb, num_warps=warps, split_k=1)
+        results.append((plain, block_n, kb, warps, False))
+        triton_quant._ASM = True
+        default = _gemv_seconds(x, w, kind, replays=5)
+        picked = [str(c) for key, c in triton_quant._gemv_tuned.cache.items() if n in key and k in key]
+        shape_rows = [f"| {kind} {n}x{k} | tuned ({'; '.join(picked)}) | {default * 1e6:.1f} | "
+                      f"{w.nbytes / default / bandwidth:.0%} |"]
+        for seconds, block_n, kb, warps, ptx in results[:3] + results[-2:]:
+            shape_rows.append(f"| {kind} {n}x{k} | block_n {block_n}, kb {kb}, warps {warps}, ptx {ptx} | "
                               f"{seconds * 1e6:.1f} | {w.nbytes / seconds / bandwidth:.0%} |")
         print("\n".join(shape_rows), flush=True)
         rows += shape_rows
         del w
+    return rows
+
+
+def profile_rows(model, config, context: int, steps: int = 5) -> list[str]:
+    """Per-kernel GPU time of ``steps`` eager decode steps at batch 1 (torch.profiler),
+    the largest first, with each kernel's share of the total."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from engine.attention.base import create_attention_backend
+    from engine.kernel_bench import _decode_batch
+    from engine.kvcache.pool import KVPool
+
+    dtype = model.model.embed_tokens.weight.dtype
+    pool = KVPool(num_layers=config.num_layers, num_pages=context // 16 + 4, page_size=16,
+                  num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, dtype=dtype, device="cuda")
+    attn = create_attention_backend("triton", pool, num_heads=config.num_heads, head_dim=config.head_dim,
+                                    scale=config.head_dim**-0.5, max_batch=1)
+    batch = _decode_batch(1, context, 16, "cuda")
+    attn.prepare(batch)
+    for _ in range(2):
+        model(batch, attn)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            model(batch, attn)
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    total = sum(e.device_time_total for e in events)
+    events.sort(key=lambda e: -e.device_time_total)
+    rows = [f"| {e.key[:70]} | {e.count // steps} | {e.device_time_total / steps:.1f} | {e.device_time_total / total:.0%} |"
+            for e in events[:12]]
     return rows
 
 
@@ -202,6 +252,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dir", default=None, help="where to write the GGUF (default: a temp dir)")
     p.add_argument("--no-bf16", action="store_true", help="skip the bfloat16 comparison")
     p.add_argument("--sweep", action="store_true", help="then the GEMV's tilings on the gate/up, down and o shapes")
+    p.add_argument("--profile", action="store_true", help="per-kernel times of eager batch-1 decode steps")
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     torch.manual_seed(0)
@@ -219,15 +270,21 @@ def main(argv: list[str] | None = None) -> None:
         print("| weights | batch | VRAM GiB | step ms | tok/s | GiB read/step | roofline share |\n"
               "|---|---|---|---|---|---|---|", flush=True)
         print("\n".join(decode_rows(model, config, batches, args.context, bandwidth, "GGUF Q4_K/Q6_K")), flush=True)
-        gemv = gemv_rows(model, bandwidth)
+        gemv = gemv_rows(model, bandwidth) + gemv_rows(model, bandwidth, m=16)
+        if args.profile:
+            print("\n| kernel (GGUF, eager batch 1) | calls/step | us/step | share |\n|---|---|---|---|")
+            print("\n".join(profile_rows(model, config, args.context)), flush=True)
         del model
         torch.cuda.empty_cache()
         if not args.no_bf16:
             dense, _ = load_model(folder, "cuda", torch.bfloat16, load_format="dummy")
             print("\n".join(decode_rows(dense, config, batches, args.context, bandwidth, "bfloat16")), flush=True)
+            if args.profile:
+                print("\n| kernel (bfloat16, eager batch 1) | calls/step | us/step | share |\n|---|---|---|---|")
+                print("\n".join(profile_rows(dense, config, args.context)), flush=True)
             del dense
             torch.cuda.empty_cache()
-    print("\n| projection | type | N x K | GEMV us (1 row) | roofline share |\n|---|---|---|---|---|")
+    print("\n| projection | type | N x K | rows | GEMV us | roofline share |\n|---|---|---|---|---|---|")
     print("\n".join(gemv), flush=True)
     if args.sweep:
         h, i = config.hidden_size, config.intermediate_size

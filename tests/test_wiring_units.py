@@ -307,6 +307,41 @@ def test_engine_events_become_replan_and_request_error_events():
     assert hub.seq == seq
 
 
+def test_a_context_that_grows_back_with_the_pool_publishes_a_plan():
+    """Fit-the-card lowered the context to 1,024 tokens; the pool growing back to the
+    full context publishes a ``plan`` whose note is gone, a shrink below it one whose
+    note says so, and the supervisor's info carries the same plan."""
+    from service.supervision.engine_events import info_after
+
+    plan = MemoryPlan(
+        device="sim", simulated=True, ledger=[], budget_bytes=3 * GiB, fixed_bytes=GiB, kv_pool_bytes=64 * MiB,
+        num_pages=64, page_size=16, max_context_tokens=1024, min_context_tokens=512, fits=True, shortfall_bytes=0,
+        suggestions=[], max_prefill_tokens=2048, max_running_requests=8, wanted_context_tokens=2048,
+        context_note="context 2,048 -> 1,024 tokens: 1.0 GiB held by other processes",
+    )
+    svc, hub = services_with_hub()
+    svc.supervisor.info = info(max_context_tokens=1024, num_pages=65, plan=plan)
+    grow = replanned(REPLAN_RESIZE_POOL, 65, 129, reason="headroom back")
+    svc.record_engine_event(grow)
+    published = hub.snapshot().plan
+    assert published is not None and published.plan is not None
+    assert published.plan.max_context_tokens == 2048 and published.plan.num_pages == 128
+    assert published.plan.context_note == "" and not published.plan.context_lowered
+    svc.supervisor.info = info_after(svc.supervisor.info, grow)
+    assert svc.supervisor.info.plan == published.plan
+
+    shrink = msgspec.structs.replace(replanned(REPLAN_RESIZE_POOL, 129, 49, reason="another app"),
+                                     max_context_tokens=768)
+    svc.record_engine_event(shrink)
+    after = hub.snapshot().plan.plan
+    assert after.max_context_tokens == 768 and after.context_note == "context 2,048 -> 768 tokens: another app"
+    # A resize that leaves the context where it was publishes no plan.
+    seq = hub.seq
+    svc.supervisor.info = info_after(svc.supervisor.info, shrink)
+    svc.record_engine_event(msgspec.structs.replace(replanned(REPLAN_RESIZE_POOL, 49, 50), max_context_tokens=768))
+    assert hub.snapshot().plan.plan == after and hub.seq > seq
+
+
 def test_bytes_asked_reads_torchs_message():
     assert bytes_asked("Tried to allocate 1.50 GiB") == int(1.5 * GiB)
     assert bytes_asked("tried to allocate 512 B") == 512

@@ -33,7 +33,11 @@ def _compile(fn, args: dict[str, str], constexprs: dict, num_warps: int) -> tupl
     from triton.backends.nvidia.compiler import get_ptxas
 
     signature = args | {name: "constexpr" for name in constexprs}
-    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    # As a launch specializes them: pointers and the row and activation strides 16-byte
+    # aligned (what lets the byte reads vectorize).
+    aligned = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in args
+               if args[a].startswith("*") or a in ("row_bytes", "stride_xm", "K")}
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=aligned)
     ptx = triton.compile(src, target=TARGET, options={"num_warps": num_warps}).asm["ptx"]
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(ptx)
@@ -65,17 +69,17 @@ def main(type_names: list[str]) -> int:
     failures = 0
     common = {"M": "i32", "N": "i32", "K": "i32", "row_bytes": "i32"}
     for fmt in (FORMATS[name] for name in type_names or FORMATS):
-        layout = {"QT": fmt.code, "QK": fmt.block_elements, "BB": fmt.block_bytes, "L": fmt.sub_elements,
-                  "NSUB": fmt.subs_per_block}
-        for block_m, atomic, block_n in ((1, False, 16), (16, True, 8)):
-            kb = 1 if fmt.block_elements > 32 else 4 if block_m == 1 else 2
+        layout = triton_quant._layout(fmt)
+        for atomic, block_n, kb, warps in ((False, 4, 2, 4), (False, 1, 4, 2), (True, 4, 2, 4)):
+            kb = kb if fmt.block_elements > 32 else kb * 8
             out = "*fp32" if atomic else "*bf16"
             args = {"x_ptr": "*bf16", "w_ptr": "*u8", "out_ptr": out, **common, "blocks_per_split": "i32",
                     "stride_xm": "i32", "stride_om": "i32"}
             regs, frame, ptx = _compile(triton_quant._gemv_kernel, args, {
-                **layout, "BLOCK_N": block_n, "BLOCK_M": block_m, "KB": kb, "ATOMIC": atomic,
-            }, 4)
-            print(f"gemv {fmt.name} M<={block_m}: {regs} registers, {frame} B stack; loads {_loads(ptx)}")
+                **layout, "BLOCK_N": block_n, "KB": kb, "ATOMIC": atomic, "ASM": True,
+            }, warps)
+            print(f"gemv {fmt.name} {block_n}x{kb}{' atomic' if atomic else ''}: {regs} registers, {frame} B stack; "
+                  f"loads {_loads(ptx)}")
             failures += frame > 0
         for dtype, ieee in (("bf16", False), ("fp32", True)):
             args = {"x_ptr": f"*{dtype}", "w_ptr": "*u8", "out_ptr": f"*{dtype}", **common,

@@ -199,6 +199,17 @@ class MemoryPlan(msgspec.Struct, frozen=True, kw_only=True):
     wanted_context_tokens: int = 0
     context_note: str = ""
 
+    def after_resize(self, num_pages: int, kv_pool_bytes: int, max_context_tokens: int, reason: str) -> MemoryPlan:
+        """This plan once the KV pool was resized while serving to ``num_pages`` usable
+        pages of ``kv_pool_bytes``, giving ``max_context_tokens`` per request:
+        ``context_note`` says the context grew back (or shrank) and why (``reason``),
+        "" once it is the wanted one again. The ledger keeps the start's lines."""
+        note = ""
+        if max_context_tokens < self.wanted_context_tokens:
+            note = f"context {self.wanted_context_tokens:,} -> {max_context_tokens:,} tokens: {reason}"
+        return msgspec.structs.replace(self, num_pages=num_pages, kv_pool_bytes=kv_pool_bytes,
+                                       max_context_tokens=max_context_tokens, context_note=note)
+
     @property
     def context_lowered(self) -> bool:
         """The plan fits, with a context below the one asked for."""

@@ -34,7 +34,13 @@ from service.api.sampling_defaults import SamplingDefaults, load_sampling_defaul
 from service.api.text import TextSide
 from service.cli.settings import ServeSettings
 from service.events.hub import EventHub
-from service.events.schemas import CountersEvent, PlanPoint, ReplanEvent, RequestErrorEvent
+from service.events.schemas import (
+    CountersEvent,
+    PlanEvent,
+    PlanPoint,
+    ReplanEvent,
+    RequestErrorEvent,
+)
 from service.supervision.supervisor import Supervisor
 
 # The reason (for people) of a replan asked for through the control API (the service's
@@ -106,6 +112,7 @@ class Services:
         elif isinstance(event, Replanned):
             counts.replans += 1
             self._publish(self._replanned(event))
+            self._publish(self._plan_after(event))
         self.publish_counters()
 
     # -- events ------------------------------------------------------------------------
@@ -166,6 +173,17 @@ class Services:
         return ReplanEvent(
             action="lower_chunk_cap", reason=event.reason, before=before, after=after
         )
+
+    def _plan_after(self, event: Replanned) -> PlanEvent | None:
+        """A ``plan`` event when a resize changed the per-request context (the pool
+        grew back after fit-the-card lowered it, or shrank below it): the plan with the
+        new pool and context, its note saying so."""
+        info = self.supervisor.info if self.supervisor is not None else None
+        if info is None or info.plan is None or event.max_context_tokens == info.max_context_tokens:
+            return None
+        plan = info.plan.after_resize(max(event.after_pages - 1, 0), event.after_bytes, event.max_context_tokens,
+                                      event.reason)
+        return PlanEvent(plan=plan)
 
     def _replanned(self, event: Replanned) -> ReplanEvent | None:
         info = self.supervisor.info if self.supervisor is not None else None

@@ -42,8 +42,13 @@ def info_after(info: EngineInfo, event: EngineEvent) -> EngineInfo:
     """``info`` with the limits ``event`` changed; ``info`` itself (the same object)
     when it changed none."""
     if isinstance(event, Replanned):
+        plan = info.plan
+        if plan is not None and event.max_context_tokens != info.max_context_tokens:
+            plan = plan.after_resize(max(event.after_pages - 1, 0), event.after_bytes, event.max_context_tokens,
+                                     event.reason)
         return msgspec.structs.replace(
             info,
+            plan=plan,
             num_pages=event.after_pages,
             kv_cache_bytes=event.after_bytes,
             max_context_tokens=event.max_context_tokens,

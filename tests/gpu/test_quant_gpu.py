@@ -52,7 +52,7 @@ def test_default_model_from_q4_1_blocks_gives_the_dequantized_greedy_text(dtype,
     # What the plan charged is what the loader placed.
     mc = quant.model_config
     assert quant.weight_size.bytes == quant.info.weight_bytes + mc.max_position_embeddings * mc.head_dim * 4
-    assert "Q4_1 blocks" in next(e.source for e in quant.plan.ledger if e.name == "weights")
+    assert "Q4_1 blocks" in quant.weight_size.mix
     prompts = _chat_prompts(quant, 5)
     got = run_greedy(quant, prompts, new_tokens=NEW_TOKENS)
     assert quant.runner.graphs.captures >= 1

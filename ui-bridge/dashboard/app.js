@@ -377,6 +377,9 @@ function formatBytes(n) {
   if (a >= KiB) return `${Math.round(n / KiB)} KiB`;
   return `${n} B`;
 }
+function planSummary(plan) {
+  return `${plan.device}: ${plan.num_pages} pages × ${plan.page_size} tokens, max context ${plan.max_context_tokens} tokens` + (plan.fits ? "" : ` — does not fit: ${formatBytes(plan.shortfall_bytes)} short`) + (plan.context_note ? ` — ${plan.context_note}` : "");
+}
 
 // dashboard/src/chart.ts
 var SERIES = [
@@ -598,7 +601,7 @@ function renderPlan(s) {
   const plan = s.plan?.plan ?? null;
   const body = $("plan-ledger");
   body.replaceChildren();
-  $("plan-summary").textContent = !s.plan ? "no plan yet" : !plan ? "the KV cache size is fixed (no plan made)" : `${plan.device}: ${plan.num_pages} pages × ${plan.page_size} tokens, max context ${plan.max_context_tokens} tokens` + (plan.fits ? "" : ` — does not fit: ${formatBytes(plan.shortfall_bytes)} short`);
+  $("plan-summary").textContent = !s.plan ? "no plan yet" : !plan ? "the KV cache size is fixed (no plan made)" : planSummary(plan);
   if (!plan) return;
   for (const e of plan.ledger) {
     body.append(row([e.sign === "+" ? "" : e.sign, e.name, formatBytes(e.bytes), e.source], e.sign === "=" ? "subtotal" : void 0));

@@ -1,7 +1,7 @@
 // The dashboard served at /ui: health, worker, a live VRAM chart, the plan ledger,
 // counters and recent request errors, from /api/events on the page's own origin.
 import { ControlClient, EventStream, HeadroomApiError, type StatusInfo } from "../../src/client.js";
-import { formatBytes } from "../../src/format.js";
+import { formatBytes, planSummary } from "../../src/format.js";
 import type { HeadroomState } from "../../src/state.js";
 import type { ServerMessage } from "../../src/types.js";
 import { bands, sampleOf, SERIES, VramChart } from "./chart.js";
@@ -133,8 +133,7 @@ function renderPlan(s: HeadroomState): void {
     ? "no plan yet"
     : !plan
       ? "the KV cache size is fixed (no plan made)"
-      : `${plan.device}: ${plan.num_pages} pages × ${plan.page_size} tokens, max context ${plan.max_context_tokens} tokens` +
-        (plan.fits ? "" : ` — does not fit: ${formatBytes(plan.shortfall_bytes)} short`);
+      : planSummary(plan);
   if (!plan) return;
   for (const e of plan.ledger) {
     body.append(row([e.sign === "+" ? "" : e.sign, e.name, formatBytes(e.bytes), e.source], e.sign === "=" ? "subtotal" : undefined));

@@ -251,6 +251,8 @@ class NvmlSource:
             self._handle = None
             self._shutdown()
 
+    simulated = False
+
     @property
     def available(self) -> bool:
         """Whether a GPU is being watched (False: CPU mode, :attr:`reason` says why)."""
@@ -376,6 +378,7 @@ class SimulatedSource:
         self.name = name
 
     available = True
+    simulated = True
     reason = ""
 
     def others_at(self, t: float) -> int:

@@ -117,7 +117,8 @@ class ServeSettings(EngineConfig):
         '(--vram-source simulated): {"steps": [[seconds, size], ...]} with sizes such as '
         '"1.2GiB", bytes or "40%" of the card, seconds counted from when the engine is '
         'first ready ("start": "service" counts from the service\'s start); optional '
-        '"total" (the card) and "display" (bool).',
+        '"total" (the card), "display" (bool) and "gpu_at" (seconds before which the '
+        "card is absent).",
     )
     vram_hz: float = option(
         4.0,

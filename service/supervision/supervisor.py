@@ -83,6 +83,9 @@ from service.supervision.worker_process import ExitStatus, WorkerProcess
 
 log = logging.getLogger("headroom.supervisor")
 
+# Seconds a worker being unloaded (paused, idle) may take to exit before it is killed.
+UNLOAD_TIMEOUT_S = 15.0
+
 
 class Supervisor:
     """Owns the worker process; see the module docstring for the states.
@@ -160,6 +163,7 @@ class Supervisor:
         # A request woke the worker (idle, or paused with load_on_request): requests wait
         # for it to load instead of a 503.
         self._waking = False
+        self._resume_pending = False
         self.last_request_at = time.monotonic()
 
     # -- lifecycle -----------------------------------------------------------------
@@ -299,7 +303,7 @@ class Supervisor:
         if self._waking:
             deadline = time.monotonic() + self.config.start_timeout_s
             while (
-                self.state in (State.STARTING, State.RESTARTING)
+                self.state in (State.STARTING, State.RESTARTING, State.PAUSED, State.IDLE)
                 and self._waking
                 and time.monotonic() < deadline
             ):
@@ -520,6 +524,10 @@ class Supervisor:
             self._inflight.fail_all(
                 ENGINE_PAUSED, f"the engine was unloaded ({self.state.value}); retry", retry=False
             )
+            if self._resume_pending:
+                self._resume_pending = False
+                self._start_unloaded(waking=True)
+                return
         else:
             self._inflight.fail_all(
                 ENGINE_RESTARTED, f"the engine is {self.state.value}; retry the request", retry=True
@@ -585,11 +593,14 @@ class Supervisor:
         self.memory_wait = None
         self.wait_reason = reason
         self._waking = False
+        self._resume_pending = False
         log.info("unloading the engine (%s): %s", state.value, reason)
         self._publish_health()
         worker = self._worker
         if worker is not None:
-            await worker.stop()
+            # Longer than a shutdown's wait: nothing hurries, and a worker that exits by
+            # itself frees its memory as cleanly as a killed one but logs no kill.
+            await worker.stop(timeout_s=UNLOAD_TIMEOUT_S)
 
     async def pause(self) -> str:
         """Game mode: stop the worker and give all its memory back until :meth:`resume`
@@ -610,6 +621,11 @@ class Supervisor:
         if self.state not in (State.PAUSED, State.IDLE):
             return f"nothing to resume: the engine is {self.state.value}"
         log.info("resuming the engine (%s), asked for by %s", self.state.value, by)
+        if self._worker is not None:
+            # Still stopping (an unload in progress): the next worker starts at its exit.
+            self._resume_pending = True
+            self._waking = True
+            return "resuming once the worker being unloaded has stopped"
         self._cancel_pending()
         self._start_unloaded(waking=True)
         return "resuming: the worker is loading"

@@ -282,7 +282,6 @@ class Supervisor:
 
     def check_ready(self) -> EngineInfo:
         """The engine's facts if a worker is ready; raises :class:`NotReady` otherwise."""
-        self.last_request_at = time.monotonic()
         if self.state is State.READY and self.info is not None:
             return self.info
         raise NotReady(self.state, self.retry_after_s(), self.failure_reason or self.wait_reason)
@@ -296,6 +295,8 @@ class Supervisor:
             NotReady: no worker is ready (also when the woken one could not load, or has
                 to wait for memory or the GPU).
         """
+        # A generation request (not a poll of /v1/models or /api/ps): keeps it loaded.
+        self.last_request_at = time.monotonic()
         if self.state is State.READY and self.info is not None:
             return self.check_ready()
         if self.state is State.IDLE or (self.state is State.PAUSED and self.config.load_on_request):

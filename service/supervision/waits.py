@@ -102,7 +102,8 @@ async def wait_for_memory(
         sample = await asyncio.to_thread(source.sample)
         now = time.monotonic()
         if sample.gpu:
-            wait.free_bytes = sample.free_bytes
+            # A card of --device-limit reads below zero when others hold more than it.
+            wait.free_bytes = max(sample.free_bytes, 0)
             wait.top_consumers = [(p.pid, p.name, p.bytes) for p in sample.top_consumers]
             if shown is None or abs(shown[0] - wait.free_bytes) >= 64 << 20 or shown[1] != wait.top_consumers:
                 shown = (wait.free_bytes, list(wait.top_consumers))

@@ -28,3 +28,17 @@ class PlanDoesNotFit(Exception):
     def __init__(self, plan) -> None:
         super().__init__(plan.message())
         self.plan = plan
+
+
+# What helps when CUDA cannot start on a machine with an NVIDIA GPU (for people).
+CUDA_HINTS = (
+    "after a suspend and resume the NVIDIA driver often needs its UVM module reloaded "
+    "(sudo rmmod nvidia_uvm && sudo modprobe nvidia_uvm); at login the driver may still "
+    "be loading; a driver update needs a reboot; --device cpu runs on the CPU instead"
+)
+
+
+class CudaUnavailable(Exception):
+    """A GPU is present or was asked for (``--device cuda``, or ``auto`` where NVML sees
+    an NVIDIA GPU) but CUDA cannot be initialised; the engine never falls back to the
+    CPU silently. The message says why and what helps (:data:`CUDA_HINTS`)."""

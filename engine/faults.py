@@ -1,4 +1,5 @@
-"""Test-only fault injection: raise ``torch.OutOfMemoryError`` at a named site of a step.
+"""Test-only fault injection: raise ``torch.OutOfMemoryError`` at a named site of a step,
+or fail CUDA's initialisation when an engine starts.
 
 The OOM handling of :meth:`engine.engine.Engine.step` must be exercised on machines
 without a GPU, where a real out-of-memory never happens at a chosen moment. A rule
@@ -13,6 +14,14 @@ names a site, a request and a count:
 ``sample``
     sampling of a step in which the request samples, after the sampler has drawn
     (its random generator has advanced: rollback must restore it).
+
+``cuda_init``
+    the start of an engine on any device but ``cpu``
+    (:func:`engine.startup.resolve_device`): CUDA's initialisation fails with
+    :class:`engine.errors.CudaUnavailable`, as after a laptop's suspend (error 999). The
+    request part is ignored (write ``*``). Each worker is a new process, so a count
+    that spans workers lives in a spool file (below): each engine start that fires it
+    writes the file back with one less, until none is left.
 
 ``request_id`` ``"*"`` matches any request. Each firing uses up one of ``times``;
 a step fires at most once.
@@ -44,7 +53,8 @@ from pathlib import Path
 import torch
 
 ENV_VAR = "HEADROOM_FAULTS"
-SITES: tuple[str, ...] = ("prefill", "decode", "sample")
+SITES: tuple[str, ...] = ("prefill", "decode", "sample", "cuda_init")
+CUDA_INIT = "cuda_init"
 ANY_REQUEST = "*"
 SPOOL_ENV_VAR = "HEADROOM_FAULTS_DIR"
 SPOOL_POLL_S = 0.05
@@ -132,6 +142,8 @@ class FaultInjector:
         except OSError:
             return
         for path in files:
+            if _only_cuda_init(path):
+                continue  # the engine's start takes those (check_cuda_init)
             taken = path.with_suffix(".taken")
             try:
                 os.rename(path, taken)  # atomic: exactly one worker claims it
@@ -205,3 +217,53 @@ class FaultInjector:
             return
         with contextlib.suppress(OSError):
             os.rename(source, source.with_suffix(".fired"))
+
+
+def _only_cuda_init(path: Path) -> bool:
+    """Whether the spool file ``path`` holds ``cuda_init`` rules only."""
+    try:
+        rules = FaultInjector.parse(path.read_text()).rules
+    except (OSError, ValueError):
+        return False
+    return bool(rules) and all(r.site == CUDA_INIT for r in rules)
+
+
+def check_cuda_init(environ: Mapping[str, str] | None = None) -> None:
+    """Fire an armed ``cuda_init`` fault: from ``HEADROOM_FAULTS`` (every engine start
+    while it is set) or from a spool file (one count per engine start, across workers:
+    the file is claimed, and written back with one count less until none is left).
+
+    Raises:
+        engine.errors.CudaUnavailable: the injected failure, worded as CUDA's.
+    """
+    from engine.errors import CUDA_HINTS, CudaUnavailable
+
+    env = os.environ if environ is None else environ
+    failure = CudaUnavailable(
+        "CUDA failed to initialise: CUDA unknown error (error 999, injected at site "
+        f"cuda_init); {CUDA_HINTS}"
+    )
+    spec = env.get(ENV_VAR, "").strip()
+    if spec and any(r.site == CUDA_INIT for r in FaultInjector.parse(spec).rules):
+        raise failure
+    spool = env.get(SPOOL_ENV_VAR, "").strip()
+    if not spool:
+        return
+    for path in sorted(Path(spool).glob("*.fault")):
+        if not _only_cuda_init(path):
+            continue
+        taken = path.with_suffix(".taken")
+        try:
+            os.rename(path, taken)  # atomic: one engine start takes one count
+            rules = FaultInjector.parse(taken.read_text()).rules
+        except (FileNotFoundError, ValueError):
+            continue
+        left = sum(r.remaining for r in rules) - 1
+        if left > 0:
+            scratch = taken.with_suffix(".next")
+            scratch.write_text(f"{CUDA_INIT}:*:{left}")
+            os.rename(scratch, path)
+            os.unlink(taken)
+        else:
+            os.rename(taken, path.with_suffix(".fired"))
+        raise failure

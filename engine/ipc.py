@@ -177,17 +177,43 @@ class ControlDone(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     result: ResizeResult | None = None
 
 
+class Misfit(msgspec.Struct, frozen=True, kw_only=True):
+    """The figures of a memory plan that does not fit (``engine.errors.PlanDoesNotFit``),
+    in bytes: the card's ``total_bytes`` (``--device-limit`` applied), what other
+    processes held when it was made, and the ``shortfall_bytes`` one request of the
+    minimum context lacks. ``simulated``: planned for a ``--device-total`` card. When
+    the shortfall is no more than the others' memory, the plan fits once they free it."""
+
+    total_bytes: int
+    others_bytes: int
+    shortfall_bytes: int
+    simulated: bool
+
+    @property
+    def waitable(self) -> bool:
+        """Whether the plan would fit on this card without the other processes."""
+        return self.others_bytes > 0 and self.shortfall_bytes <= self.others_bytes
+
+    @property
+    def needed_free_bytes(self) -> int:
+        """The free memory (nothing of ours on the card) at which the plan fits."""
+        return self.total_bytes - self.others_bytes + self.shortfall_bytes
+
+
 class WorkerError(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     """The worker is about to exit because of an error.
 
     ``during_load`` is true when the engine never became ready (model missing,
-    unsupported architecture, a plan that does not fit): restarting will not help.
-    ``kind`` is the exception's class name; ``message`` its text.
+    unsupported architecture, a plan that does not fit, CUDA that cannot start).
+    ``kind`` is the exception's class name; ``message`` its text; ``misfit`` the plan's
+    figures when the plan did not fit (the service waits for memory when other
+    processes hold what is missing).
     """
 
     message: str
     kind: str
     during_load: bool
+    misfit: Misfit | None = None
 
 
 ReplanCommand = SetPrefillChunk | EvictPrefixCache | ResizePool

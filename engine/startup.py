@@ -17,6 +17,8 @@ import torch
 
 from engine.attention.base import backend_class, resolve_backend_name
 from engine.config import EngineConfig, ModelConfig
+from engine.errors import CUDA_HINTS, CudaUnavailable
+from engine.faults import check_cuda_init
 from engine.loader.resolve import gguf_file
 from engine.memory.device import nvml_index, probe_nvml, simulated_device
 from engine.memory.footprint import CUDA_RUNTIME_ESTIMATE_BYTES, make_footprint
@@ -31,10 +33,39 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def resolve_device(name: str) -> torch.device:
-    """``"auto"`` is CUDA when available, else CPU."""
+    """``"auto"`` is CUDA when available, else the CPU on a machine without an NVIDIA GPU.
+
+    Never falls back to the CPU silently: only ``cpu`` (or ``auto`` where NVML sees no
+    GPU) runs there.
+
+    Raises:
+        CudaUnavailable: ``cuda[:N]`` asked for, or ``auto`` on a machine where NVML sees
+            an NVIDIA GPU, and CUDA cannot be initialised (after a suspend, a driver still
+            loading or updated); the message says why and what helps. Also the test-only
+            ``cuda_init`` fault (:func:`engine.faults.check_cuda_init`).
+    """
+    if name == "cpu":
+        return torch.device("cpu")
+    check_cuda_init()
+    if torch.cuda.is_available():
+        return torch.device("cuda" if name == "auto" else name)
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+        present = probe_nvml(0)
+        if present is None:
+            return torch.device("cpu")
+        where = f"NVML sees {present.name}"
+    else:
+        where = f"--device {name} asks for a GPU"
+    raise CudaUnavailable(f"{where} but CUDA failed to initialise ({_cuda_init_error()}); {CUDA_HINTS}")
+
+
+def _cuda_init_error() -> str:
+    """CUDA's own reason for not starting, as torch reports it."""
+    try:
+        torch.cuda.init()
+    except Exception as exc:
+        return str(exc).partition("\n")[0] or type(exc).__name__
+    return "torch sees no CUDA device"
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

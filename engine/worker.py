@@ -25,12 +25,13 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
-from engine.errors import PlanDoesNotFit, RequestRejected
+from engine.errors import CudaUnavailable, PlanDoesNotFit, RequestRejected
 from engine.ipc import (
     ControlDone,
     EngineEvents,
     EvictPrefixCache,
     Heartbeat,
+    Misfit,
     Outputs,
     PoolStats,
     Ready,
@@ -86,14 +87,16 @@ def worker_main(conn: Connection, config: WorkerConfig, log_conn: Connection | N
     try:
         engine = _make_engine(config)
     except Exception as exc:  # every load failure is reported, then we exit
-        if isinstance(exc, (PlanDoesNotFit, ModelLoadError)):
+        if isinstance(exc, (PlanDoesNotFit, ModelLoadError, CudaUnavailable)):
             # Expected, and their messages say what to do (the service shows them in
             # full): one line, no traceback.
             log.error("the engine cannot start: %s", str(exc).partition("\n")[0])
         else:
             traceback.print_exc()
+        misfit = _misfit(exc.plan) if isinstance(exc, PlanDoesNotFit) else None
         _send_quietly(
-            conn, WorkerError(message=str(exc), kind=type(exc).__name__, during_load=True)
+            conn,
+            WorkerError(message=str(exc), kind=type(exc).__name__, during_load=True, misfit=misfit),
         )
         sys.stdout.flush()
         sys.stderr.flush()
@@ -279,6 +282,17 @@ def _describe_resize(r: ResizeResult) -> str:
     if r.ended:
         text += f"; {len(r.ended)} requests ended"
     return text
+
+
+def _misfit(plan: Any) -> Misfit:
+    """The figures of a plan that does not fit, from its ledger's lines."""
+    lines = {entry.name: entry.bytes for entry in plan.ledger}
+    return Misfit(
+        total_bytes=lines.get("device total", 0),
+        others_bytes=lines.get("used by other processes", 0),
+        shortfall_bytes=plan.shortfall_bytes,
+        simulated=plan.simulated,
+    )
 
 
 def _make_engine(config: WorkerConfig) -> Any:

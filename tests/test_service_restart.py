@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 
@@ -194,7 +195,9 @@ def run_serve(args: list[str], timeout_s: float = 60) -> subprocess.CompletedPro
         capture_output=True,
         text=True,
         timeout=timeout_s,
-        env={**os.environ, "HEADROOM_CONFIG": os.devnull},
+        # A folder of its own for the single-instance lock: a service the user runs
+        # must not make this one refuse to start.
+        env={**os.environ, "HEADROOM_CONFIG": os.devnull, "HEADROOM_RUNTIME_DIR": tempfile.mkdtemp()},
     )
 
 

@@ -86,6 +86,10 @@ def from_not_ready(exc: NotReady) -> APIError:
         State.RESTARTING: "engine_restarting",
         State.FAILED: "engine_failed",
         State.STOPPED: "server_shutting_down",
+        State.WAITING_FOR_MEMORY: "engine_waiting_for_memory",
+        State.WAITING_FOR_GPU: "engine_waiting_for_gpu",
+        State.PAUSED: "engine_paused",
+        State.IDLE: "engine_idle",
     }.get(exc.state, "engine_unavailable")
     headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s is not None else {}
     return APIError(503, exc.message, type=SERVER_ERROR, code=code, headers=headers)

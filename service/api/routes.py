@@ -69,7 +69,7 @@ async def _checked(
     req = decode_body(await request.body(), body_type)
     check_common(req)  # type: ignore[arg-type]
     checked = check(req)
-    info = svc.supervisor.check_ready()
+    info = await svc.supervisor.ready()
     model = svc.check_model(req.model, info)  # type: ignore[attr-defined]
     return req, checked, info, model
 

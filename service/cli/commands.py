@@ -79,6 +79,41 @@ def token(config_path: Path | None, **flags: Any) -> None:
     click.echo(f"dashboard:  http://{host}:{settings.port}/ui/#token={value}")
 
 
+@main.command()
+def status() -> None:
+    """Ask the running headroom serve how it is: its state, model and GPU headroom.
+
+    Exits 0 when one answers, 1 when none runs (or it does not answer)."""
+    from service.cli.instance import running
+
+    info = running()
+    if info is None:
+        fail("no headroom service is running (start one with `headroom serve`)")
+    import httpx
+
+    url = info.get("url", "")
+    try:
+        health = httpx.get(f"{url}/api/health", timeout=5.0).json()
+        snapshot = httpx.get(f"{url}/api/status", timeout=10.0).json()
+    except (httpx.HTTPError, ValueError) as exc:
+        fail(f"headroom (pid {info.get('pid')}) on {url} does not answer: {exc}")
+    from engine.memory.plan import fmt_bytes
+
+    click.echo(f"headroom {info.get('version', '?')} on {url} (pid {info.get('pid')})")
+    click.echo(f"state:    {health.get('status')}")
+    if health.get("reason"):
+        click.echo(f"reason:   {health['reason']}")
+    click.echo(f"model:    {health.get('model') or '(none loaded yet)'}")
+    vram = snapshot.get("vram") or {}
+    if vram.get("source") not in (None, "none"):
+        click.echo(
+            f"headroom: {fmt_bytes(vram['headroom_bytes'])} ({fmt_bytes(vram['free_bytes'])} "
+            f"free of {fmt_bytes(vram['total_bytes'])}, reserve {fmt_bytes(vram['reserve_bytes'])})"
+        )
+    else:
+        click.echo("headroom: no GPU watched (CPU mode)")
+
+
 # Engine options (declared on engine.config.EngineConfig) that generate and plan share
 # with serve: same flags, variables and config keys.
 _MODEL_OPTIONS = ("model", "device", "dtype", "gguf_quantized")

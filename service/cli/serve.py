@@ -81,13 +81,30 @@ def serve(config_path: Path | None, **flags: Any) -> None:
     if log_path is not None:
         log.info("headroom %s logging to %s", headroom_version(), log_path)
     check_model_path(settings.model)
+    from service.cli.instance import AlreadyRunning, remove_runtime, take_lock
+
+    try:
+        lock = take_lock()
+    except AlreadyRunning as exc:
+        fail(str(exc))
     try:
         sock = bind_socket(settings.host, settings.port)
     except OSError as exc:
         fail(exc.strerror or str(exc))
+    try:
+        _serve_bound(settings, sock, log)
+    finally:
+        remove_runtime()
+        lock.close()
 
+
+def _serve_bound(settings: Any, sock: socket.socket, log: logging.Logger) -> None:
+    """Run the app on the bound ``sock`` until a signal drains it (``runtime.json``
+    names it meanwhile)."""
     import uvicorn
 
+    from service.cli.instance import write_runtime
+    from service.events.token import token_path
     from service.http.app import StartupError, create_app
     from service.http.shutdown import WRITE_GRACE_S, GracefulServer
 
@@ -105,6 +122,7 @@ def serve(config_path: Path | None, **flags: Any) -> None:
         sock.close()
         fail(str(exc))
     host, port = sock.getsockname()[:2]
+    write_runtime(host, port, token_path())
     config = uvicorn.Config(
         app,
         host=host,

@@ -56,6 +56,34 @@ DEFAULT_PORT = 8427
 DEFAULT_MAX_TOKENS = 2048
 
 
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_duration(text: str | float) -> float:
+    """Seconds in a duration: ``30s``, ``5m``, ``1.5h``, ``250ms``, or a bare number of
+    seconds (Ollama's ``keep_alive`` spellings; ``-1`` is negative: never).
+
+    Raises:
+        ValueError: anything else, with the accepted forms.
+    """
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        return float(text)
+    value = str(text).strip().lower()
+    for unit in sorted(_DURATION_UNITS, key=len, reverse=True):
+        if value.endswith(unit):
+            number, scale = value[: -len(unit)].strip(), _DURATION_UNITS[unit]
+            break
+    else:
+        number, scale = value, 1.0
+    try:
+        return float(number) * scale
+    except ValueError:
+        raise ValueError(
+            f"{text!r} is not a duration; write seconds or a number with s, m, h or ms "
+            "(e.g. 30s, 5m, 1h)"
+        ) from None
+
+
 class SettingsError(Exception):
     """A setting has a value that cannot be used; the message names its source."""
 
@@ -89,7 +117,8 @@ class ServeSettings(EngineConfig):
         '(--vram-source simulated): {"steps": [[seconds, size], ...]} with sizes such as '
         '"1.2GiB", bytes or "40%" of the card, seconds counted from when the engine is '
         'first ready ("start": "service" counts from the service\'s start); optional '
-        '"total" (the card) and "display" (bool).',
+        '"total" (the card), "display" (bool) and "gpu_at" (seconds before which the '
+        "card is absent).",
     )
     vram_hz: float = option(
         4.0,
@@ -166,6 +195,23 @@ class ServeSettings(EngineConfig):
         "the prompt (0: the rest of the context). /v1/completions keeps OpenAI's 16.",
         checks=(at_least(0, "0: the rest of the context"),),
     )
+    keep_alive: str | None = option(
+        None,
+        "Unload the engine after this long without requests (e.g. 30s, 5m, 1h, or "
+        "seconds), giving its memory back; the next request loads it again and waits "
+        "for it (state 'idle'). Unset: never.",
+    )
+    load_on_request: bool = option(
+        False,
+        "A request to a paused engine (POST /api/control/pause) loads it again and waits "
+        "for it, instead of a 503 with Retry-After.",
+    )
+    memory_settle: float = option(
+        3.0,
+        "Seconds the GPU's free memory must stay sufficient before a service waiting for "
+        "memory (state 'waiting_for_memory') starts the engine.",
+        checks=(at_least(0, "seconds"),),
+    )
     heartbeat_interval_s: float = option(
         0.5, "Seconds between the worker's heartbeats.", checks=(positive,)
     )
@@ -211,6 +257,14 @@ class ServeSettings(EngineConfig):
     # use a fake one). Read from HEADROOM_ENGINE_FACTORY only.
     engine_factory: str = "engine.engine:Engine"
     sources: dict[str, str] = field(default_factory=dict, compare=False)
+
+    @property
+    def keep_alive_s(self) -> float | None:
+        """``--keep-alive`` in seconds, None for never (unset, or negative as Ollama's -1)."""
+        if self.keep_alive is None:
+            return None
+        seconds = parse_duration(self.keep_alive)
+        return None if seconds < 0 else seconds
 
     def engine_config(self) -> EngineConfig:
         """The engine's part of these settings (the fields of the same names)."""
@@ -394,5 +448,10 @@ def _validate(s: ServeSettings) -> None:
         fail("vram_timeline", "needs --vram-source simulated")
     if s.replan_low is not None and s.replan_high is not None and s.replan_low >= s.replan_high:
         fail("replan_high", "must be above --replan-low")
+    if s.keep_alive is not None:
+        try:
+            parse_duration(s.keep_alive)
+        except ValueError as exc:
+            fail("keep_alive", str(exc))
     if s.stall_timeout_s <= s.heartbeat_interval_s:
         fail("stall_timeout_s", "must be longer than --heartbeat-interval-s")

@@ -57,6 +57,26 @@ class SupervisorControl:
         sup.restart()
         return f"restarting the worker (pid {pid})" if pid else "starting a new worker"
 
+    async def pause(self) -> str:
+        """Game mode: stop the worker and give its memory back (state ``paused``).
+
+        Raises:
+            APIError: 409 while the service is shutting down.
+        """
+        if self.supervisor.state is State.STOPPED:
+            raise APIError(409, "the service is shutting down", code="stopping")
+        return await self.supervisor.pause()
+
+    def resume(self) -> str:
+        """Load the worker again after a pause (or an idle unload).
+
+        Raises:
+            APIError: 409 while the service is shutting down.
+        """
+        if self.supervisor.state is State.STOPPED:
+            raise APIError(409, "the service is shutting down", code="stopping")
+        return self.supervisor.resume()
+
     def set_reserve(self, reserve: int | Literal["auto"]) -> str:
         """Keep ``reserve`` bytes free for the desktop (``"auto"``: the default rule);
         the watcher replans against it from its next sample. Held in memory: a restart

@@ -10,6 +10,10 @@ Routes (under ``path``, default ``/api``):
 - ``GET /status``: the hub's :class:`service.events.hub.Snapshot` as JSON (open by
   default, like ``/api/health``; ``status_requires_token=True`` protects it).
 - ``POST /control/restart``: restart the worker. No body. 202.
+- ``POST /control/pause``: game mode: stop the worker and give its memory back (state
+  ``paused``; requests get 503 + Retry-After, or with ``--load-on-request`` wake it).
+  No body. 202.
+- ``POST /control/resume``: load the worker again after a pause. No body. 202.
 - ``POST /control/reserve``: ``{"reserve": "auto" | bytes | "1.5GiB"}``. 202.
 - ``POST /control/cache``: ``{"kv_cache": bytes | "6GiB" | null, "clear_prefix_cache":
   bool}``; ``kv_cache`` null means "back to the plan's size"; at least one of the two.
@@ -105,6 +109,14 @@ class ControlTarget(Protocol):
         """Kill the worker (if any) and start a new one, also from ``failed``."""
         ...
 
+    def pause(self) -> Awaitable[str | None] | str | None:
+        """Stop the worker and give its memory back (``paused``)."""
+        ...
+
+    def resume(self) -> Awaitable[str | None] | str | None:
+        """Load the worker again after a pause."""
+        ...
+
     def set_reserve(self, reserve: int | Literal["auto"]) -> Awaitable[str | None] | str | None:
         """Keep ``reserve`` bytes free for the desktop (``"auto"``: the default)."""
         ...
@@ -135,8 +147,8 @@ class CacheRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class ControlResponse(msgspec.Struct, kw_only=True):
-    """What a control route answers: ``action`` done (``restart``, ``reserve``,
-    ``cache``), and the target's ``message``."""
+    """What a control route answers: ``action`` done (``restart``, ``pause``,
+    ``resume``, ``reserve``, ``cache``), and the target's ``message``."""
 
     ok: bool
     action: str
@@ -378,6 +390,16 @@ def events_router(
         message = await _call(ctx.control.restart)
         return ControlResponse(ok=True, action="restart", message=message)
 
+    @post("/control/pause", status_code=202, guards=guards)
+    async def control_pause() -> ControlResponse:
+        message = await _call(ctx.control.pause)
+        return ControlResponse(ok=True, action="pause", message=message)
+
+    @post("/control/resume", status_code=202, guards=guards)
+    async def control_resume() -> ControlResponse:
+        message = await _call(ctx.control.resume)
+        return ControlResponse(ok=True, action="resume", message=message)
+
     @post("/control/reserve", status_code=202, guards=guards)
     async def control_reserve(request: Request[Any, Any, State]) -> ControlResponse:
         body = decode_body(await request.body(), ReserveRequest)
@@ -406,7 +428,14 @@ def events_router(
         text = "; ".join(m for m in messages if m) or None
         return ControlResponse(ok=True, action="cache", message=text)
 
-    handlers: list[Any] = [events_socket, control_restart, control_reserve, control_cache]
+    handlers: list[Any] = [
+        events_socket,
+        control_restart,
+        control_pause,
+        control_resume,
+        control_reserve,
+        control_cache,
+    ]
     if status_path is not None:
         handlers.append(get(status_path, guards=guards if status_requires_token else None)(status))
     return Router(

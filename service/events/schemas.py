@@ -34,7 +34,17 @@ DEFAULT_QUEUE_SIZE = 256  # events waiting per subscriber before it is dropped
 DEFAULT_KEEP_REQUEST_ERRORS = 50  # request errors in a snapshot
 DEFAULT_KEEP_REPLANS = 20  # replans in a snapshot
 
-HealthStatus = Literal["starting", "ready", "restarting", "failed", "stopped"]
+HealthStatus = Literal[
+    "starting",
+    "ready",
+    "restarting",
+    "failed",
+    "stopped",
+    "waiting_for_memory",
+    "waiting_for_gpu",
+    "paused",
+    "idle",
+]
 WorkerPhase = Literal["started", "exited", "restarting", "failed"]
 VramSource = Literal["nvml", "simulated", "none"]
 
@@ -51,12 +61,34 @@ class EventBase(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
     ts: float = 0.0
 
 
+class Consumer(msgspec.Struct, frozen=True):
+    """A process holding device memory: ``pid``, process ``name``, ``bytes``."""
+
+    pid: int
+    name: str
+    bytes: int
+
+
+class MemoryNeed(msgspec.Struct, frozen=True, kw_only=True):
+    """What ``waiting_for_memory`` waits for, in bytes: ``needed_bytes`` free on the card
+    for the plan to fit, ``free_bytes`` now, ``short_bytes`` the difference, the largest
+    other consumers now, and ``waiting_s`` seconds waited so far."""
+
+    needed_bytes: int
+    free_bytes: int
+    short_bytes: int
+    top_consumers: list[Consumer]
+    waiting_s: float = 0.0
+
+
 class HealthEvent(EventBase, frozen=True, kw_only=True, tag="health"):
     """The service's readiness, as ``/api/health`` reports it.
 
     ``status``: ``ready`` only while a worker serves. ``reason`` says why for
-    ``failed``; ``retry_after_s`` is the expected wait (whole seconds) while starting or
-    restarting. ``model`` is the served model's name once one was loaded.
+    ``failed``, ``waiting_for_memory``, ``waiting_for_gpu`` (with what helps),
+    ``paused`` and ``idle``; ``retry_after_s`` is the expected wait (whole seconds)
+    while starting, restarting, waiting, paused or idle. ``memory`` is set in
+    ``waiting_for_memory``. ``model`` is the served model's name once one was loaded.
     """
 
     status: HealthStatus
@@ -65,6 +97,7 @@ class HealthEvent(EventBase, frozen=True, kw_only=True, tag="health"):
     retry_after_s: int | None = None
     worker_pid: int | None = None
     restarts: int = 0
+    memory: MemoryNeed | None = None
 
     @classmethod
     def from_report(cls, report: dict[str, Any]) -> HealthEvent:
@@ -77,6 +110,7 @@ class HealthEvent(EventBase, frozen=True, kw_only=True, tag="health"):
             retry_after_s=report.get("retry_after_s"),
             worker_pid=report.get("worker_pid"),
             restarts=int(report.get("restarts", 0)),
+            memory=msgspec.convert(report["memory"], MemoryNeed) if report.get("memory") else None,
         )
 
 
@@ -106,14 +140,6 @@ class EngineInfoEvent(EventBase, frozen=True, kw_only=True, tag="engine"):
     plan travels in ``plan`` events."""
 
     info: EngineInfo
-
-
-class Consumer(msgspec.Struct, frozen=True):
-    """A process holding device memory: ``pid``, process ``name``, ``bytes``."""
-
-    pid: int
-    name: str
-    bytes: int
 
 
 class VramEvent(EventBase, frozen=True, kw_only=True, tag="vram"):

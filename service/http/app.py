@@ -56,6 +56,9 @@ def supervisor_config(settings: ServeSettings) -> SupervisorConfig:
         start_timeout_s=settings.start_timeout_s,
         max_exits=settings.max_restarts,
         exit_window_s=settings.restart_window_s,
+        memory_settle_s=settings.memory_settle,
+        keep_alive_s=settings.keep_alive_s,
+        load_on_request=settings.load_on_request,
     )
 
 

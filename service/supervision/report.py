@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from service.events.schemas import WorkerEvent
 from service.supervision.release import ReleaseResult
-from service.supervision.states import State
+from service.supervision.states import UNLOADED, State
 from service.supervision.worker_process import ExitStatus
 
 if TYPE_CHECKING:
@@ -27,9 +27,11 @@ LAST_LINES = 10
 
 
 def health_report(sup: Supervisor) -> dict[str, Any]:
-    """A JSON-able summary: state, pid, model, restarts, last exit, failure reason,
-    ``retry_after_s`` while starting, restarting or draining, and the event socket's
-    subscribers (``event_subscribers``)."""
+    """A JSON-able summary: state, pid, model, restarts, last exit, the reason of a
+    failure or a wait, ``retry_after_s`` while starting, restarting, waiting, paused,
+    idle or draining, ``memory`` in ``waiting_for_memory`` (``needed_bytes`` free,
+    ``free_bytes`` now, ``short_bytes``, ``top_consumers`` as pid/name/bytes,
+    ``waiting_s``), and the event socket's subscribers (``event_subscribers``)."""
     report: dict[str, Any] = {
         "status": sup.state.value,
         "worker_pid": sup.worker_pid if sup.worker_alive else None,
@@ -40,15 +42,17 @@ def health_report(sup: Supervisor) -> dict[str, Any]:
         report["model"] = sup.info.model_name
     if sup.ready_since is not None and sup.state is State.READY:
         report["ready_for_s"] = round(time.monotonic() - sup.ready_since, 1)
-    if sup.failure_reason:
-        report["reason"] = sup.failure_reason
+    if sup.failure_reason or sup.wait_reason:
+        report["reason"] = sup.failure_reason or sup.wait_reason
+    if sup.memory_wait is not None and sup.state is State.WAITING_FOR_MEMORY:
+        report["memory"] = sup.memory_wait.report()
     if sup.last_exit is not None:
         report["last_exit"] = {
             "exit_code": sup.last_exit.exit_code,
             "signal": sup.last_exit.signal,
             "last_lines": list(sup.last_exit.last_lines[-LAST_LINES:]),
         }
-    if sup.state in (State.STARTING, State.RESTARTING) or sup.shutting_down:
+    if sup.state in (State.STARTING, State.RESTARTING) or sup.state in UNLOADED or sup.shutting_down:
         report["retry_after_s"] = sup.retry_after_s()
     if sup.events is not None:
         report["event_subscribers"] = sup.events.subscriber_count

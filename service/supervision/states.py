@@ -2,8 +2,22 @@
 
 ``starting`` (first spawn) -> ``ready`` -> ``restarting`` (worker died or hung; back to
 ``ready``) ... -> ``failed`` (a crash loop, or the first load failed), and ``stopped``
-at shutdown. While not ``ready``, new work is refused with :class:`NotReady` (HTTP 503
-+ Retry-After).
+at shutdown. Without a worker, and without failing:
+
+- ``waiting_for_memory``: the plan does not fit because other processes hold memory (it
+  would fit on the card without them); the worker starts once the VRAM source shows
+  enough free memory for the settle time.
+- ``waiting_for_gpu``: CUDA cannot be initialised on a machine with a GPU (or the
+  worker died of a CUDA error that is not an out-of-memory); retried with backoff.
+- ``paused``: game mode, asked for through ``/api/control/pause``; the worker is
+  stopped and its memory given back until ``/api/control/resume`` (or, with
+  ``--load-on-request``, a request).
+- ``idle``: unloaded after ``--keep-alive`` without requests; the next request loads
+  the worker again and waits for it.
+
+While not ``ready``, new work is refused with :class:`NotReady` (HTTP 503 +
+Retry-After), except that a request wakes an ``idle`` worker (and a ``paused`` one with
+``--load-on-request``) and waits for it.
 """
 
 from __future__ import annotations
@@ -12,6 +26,7 @@ import enum
 
 ENGINE_RESTARTED = "engine_restarted"
 ENGINE_FAILED = "engine_failed"
+ENGINE_PAUSED = "engine_paused"
 SHUTTING_DOWN = "server_shutting_down"
 SHUTDOWN_MESSAGE = "the server is shutting down; this request was ended before it finished"
 
@@ -29,6 +44,14 @@ class State(str, enum.Enum):
     RESTARTING = "restarting"
     FAILED = "failed"
     STOPPED = "stopped"
+    WAITING_FOR_MEMORY = "waiting_for_memory"
+    WAITING_FOR_GPU = "waiting_for_gpu"
+    PAUSED = "paused"
+    IDLE = "idle"
+
+
+# States without a worker that are not failures: the service waits, and says why.
+UNLOADED = frozenset({State.WAITING_FOR_MEMORY, State.WAITING_FOR_GPU, State.PAUSED, State.IDLE})
 
 
 class NotReady(Exception):
@@ -46,6 +69,10 @@ class NotReady(Exception):
             State.RESTARTING: "the engine is restarting",
             State.FAILED: "the engine has failed",
             State.STOPPED: "the server is shutting down",
+            State.WAITING_FOR_MEMORY: "the engine is waiting for GPU memory",
+            State.WAITING_FOR_GPU: "the engine is waiting for the GPU",
+            State.PAUSED: "the engine is paused (POST /api/control/resume resumes it)",
+            State.IDLE: "the engine is unloaded",
         }.get(state, "the engine is not ready")
         message = what + (f": {reason}" if reason else "")
         if retry_after_s is not None:

@@ -8,7 +8,13 @@ on here. The health summary is :func:`service.supervision.report.health_report`.
 
 States: ``starting`` (first spawn) -> ``ready`` -> ``restarting`` (worker died or
 hung; back to ``ready``) ... -> ``failed`` (a crash loop, or the first load failed),
-and ``stopped`` at shutdown.
+and ``stopped`` at shutdown. Without a worker, and without failing
+(:mod:`service.supervision.states`): ``waiting_for_memory`` (the plan would fit once
+other processes free memory; :mod:`service.supervision.waits` watches the VRAM source),
+``waiting_for_gpu`` (CUDA does not start, or broke; retried with backoff), ``paused``
+(:meth:`Supervisor.pause`, :meth:`Supervisor.resume`) and ``idle`` (unloaded after
+``keep_alive_s`` without requests; :meth:`Supervisor.ready` loads it again for the next
+request). A worker's exit in those states is never a crash.
 
 When a worker ends, every sequence in flight ends with an ``EngineFailure``, except
 those that had not produced a token yet: each is sent again, once, to the next worker
@@ -55,17 +61,30 @@ from service.supervision.report import exited_event, health_report, memory_wait_
 from service.supervision.restarts import RestartPolicy
 from service.supervision.states import (
     ENGINE_FAILED,
+    ENGINE_PAUSED,
     ENGINE_RESTARTED,
     SHUTDOWN_MESSAGE,
     SHUTTING_DOWN,
+    UNLOADED,
     NotReady,
     State,
     first_line,
+)
+from service.supervision.waits import (
+    GpuBackoff,
+    MemoryWait,
+    cuda_fault,
+    misfit_to_wait_for,
+    sleep_or_gpu_appears,
+    wait_for_memory,
 )
 from service.supervision.watchdog import watch
 from service.supervision.worker_process import ExitStatus, WorkerProcess
 
 log = logging.getLogger("headroom.supervisor")
+
+# Seconds a worker being unloaded (paused, idle) may take to exit before it is killed.
+UNLOAD_TIMEOUT_S = 15.0
 
 
 class Supervisor:
@@ -134,6 +153,18 @@ class Supervisor:
         self.first_start_done: asyncio.Event | None = None
         # Set by begin_shutdown: when the drain ends (time.monotonic()), for Retry-After.
         self._drain_until: float | None = None
+        # The worker's config; a wait for memory on a simulated card plans the next one
+        # on the memory the card shows then.
+        self._worker_config = config.worker
+        self.memory_wait: MemoryWait | None = None
+        # Why the service waits without a worker (waiting_for_gpu, paused, idle).
+        self.wait_reason: str | None = None
+        self._gpu_backoff = GpuBackoff(config.gpu_retry_initial_s, config.gpu_retry_max_s)
+        # A request woke the worker (idle, or paused with load_on_request): requests wait
+        # for it to load instead of a 503.
+        self._waking = False
+        self._resume_pending = False
+        self.last_request_at = time.monotonic()
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -212,6 +243,7 @@ class Supervisor:
         (the crash-loop history is cleared)."""
         self._restarts.clear()
         self.failure_reason = None
+        self._clear_waits()
         if self._worker is not None and not self._worker.exited:
             self._worker.kill()  # the exit handler restarts it
         else:
@@ -223,7 +255,7 @@ class Supervisor:
         assert self._loop is not None
         self._restart_at = None
         worker = WorkerProcess(
-            self.config.worker,
+            self._worker_config,
             loop=self._loop,
             on_message=lambda m: self.link.receive(worker, m),
             on_exit=lambda s: self._on_exit(worker, s),
@@ -252,7 +284,32 @@ class Supervisor:
         """The engine's facts if a worker is ready; raises :class:`NotReady` otherwise."""
         if self.state is State.READY and self.info is not None:
             return self.info
-        raise NotReady(self.state, self.retry_after_s(), self.failure_reason)
+        raise NotReady(self.state, self.retry_after_s(), self.failure_reason or self.wait_reason)
+
+    async def ready(self) -> EngineInfo:
+        """As :meth:`check_ready`, but a request first wakes an ``idle`` worker (and a
+        ``paused`` one with ``load_on_request``) and waits, up to the start timeout,
+        for it to load.
+
+        Raises:
+            NotReady: no worker is ready (also when the woken one could not load, or has
+                to wait for memory or the GPU).
+        """
+        # A generation request (not a poll of /v1/models or /api/ps): keeps it loaded.
+        self.last_request_at = time.monotonic()
+        if self.state is State.READY and self.info is not None:
+            return self.check_ready()
+        if self.state is State.IDLE or (self.state is State.PAUSED and self.config.load_on_request):
+            self.resume(by="a request")
+        if self._waking:
+            deadline = time.monotonic() + self.config.start_timeout_s
+            while (
+                self.state in (State.STARTING, State.RESTARTING, State.PAUSED, State.IDLE)
+                and self._waking
+                and time.monotonic() < deadline
+            ):
+                await asyncio.sleep(0.05)
+        return self.check_ready()
 
     def retry_after_s(self) -> int | None:
         """Whole seconds until a worker is expected to be ready, or None in ``failed``;
@@ -262,6 +319,11 @@ class Supervisor:
             return max(1, math.ceil(self._drain_until - time.monotonic()))
         if self.state in (State.FAILED, State.STOPPED):
             return None
+        if self.state is State.PAUSED:
+            # No end is known; a client polling once a minute costs nothing.
+            return 60
+        if self.state is State.WAITING_FOR_MEMORY:
+            return max(1, math.ceil(self.config.memory_settle_s + self._last_load_s))
         wait_s = self._last_load_s
         if self._restart_at is not None:
             wait_s += max(0.0, self._restart_at - time.monotonic())
@@ -280,6 +342,15 @@ class Supervisor:
             self._spawn_task(self._become_ready(worker, message))
         elif isinstance(message, WorkerError):
             log.error("worker error (%s): %s", message.kind, first_line(message.message))
+            if self.state in UNLOADED or self.state is State.STOPPED:
+                return
+            misfit = misfit_to_wait_for(message, self.vram_source) if message.during_load else None
+            if misfit is not None:
+                self._enter_memory_wait(MemoryWait(misfit, message.message))
+                return
+            if cuda_fault(message):
+                self._enter_gpu_wait(message.message)
+                return
             if message.during_load and self._first_start:
                 # Nothing ever served: a start-up failure (a missing model, a memory plan
                 # that does not fit: the same again on every try), reported, not retried.
@@ -306,7 +377,7 @@ class Supervisor:
             self._fail(f"could not prepare for the engine: {exc}")
             worker.kill()
             return
-        if worker is not self._worker or worker.exited or self.state is State.STOPPED:
+        if worker is not self._worker or worker.exited or self.state is State.STOPPED or self.state in UNLOADED:
             return
         self.info = ready.info
         self._last_load_s = ready.load_s
@@ -316,6 +387,9 @@ class Supervisor:
         first = self._first_start
         self._first_start = False
         self.failure_reason = None
+        self._clear_waits()
+        self._gpu_backoff.clear()
+        self.last_request_at = time.monotonic()
         if self.first_start_done is not None:
             self.first_start_done.set()
         if first and self.on_first_ready is not None:
@@ -349,6 +423,9 @@ class Supervisor:
                 # it carried ends now, and no restart is planned.
                 log.info("worker %s %s during shutdown", worker.pid, status.describe())
                 self._inflight.fail_all(SHUTTING_DOWN, SHUTDOWN_MESSAGE, retry=False)
+            return
+        if self.state in UNLOADED:
+            self._exited_unloaded(worker, status)
             return
         was_ready = self.state is State.READY
         log.error(
@@ -413,9 +490,170 @@ class Supervisor:
         self.last_release = result
         self._publish(memory_wait_event(pid, result, self.restarts))
 
+    # -- waits, pause and idle ---------------------------------------------------------------
+
+    def _clear_waits(self) -> None:
+        self.memory_wait = None
+        self.wait_reason = None
+        self._waking = False
+
+    def _enter_memory_wait(self, wait: MemoryWait) -> None:
+        """The plan does not fit until other processes free memory: wait for it (the
+        worker is exiting; :meth:`_exited_unloaded` starts the wait)."""
+        self.state = State.WAITING_FOR_MEMORY
+        self._waking = False
+        self.memory_wait = wait
+        self.wait_reason = wait.describe()
+        log.warning("waiting for GPU memory: %s", self.wait_reason)
+        self._publish_health()
+
+    def _enter_gpu_wait(self, reason: str) -> None:
+        delay_s = self._gpu_backoff.next_delay_s()
+        self.state = State.WAITING_FOR_GPU
+        self._waking = False
+        self.wait_reason = reason
+        self._restart_at = time.monotonic() + delay_s
+        log.warning("waiting for the GPU (next try in %.0f s): %s", delay_s, first_line(reason))
+        self._publish_health()
+
+    def _exited_unloaded(self, worker: WorkerProcess, status: ExitStatus) -> None:
+        """The worker exited in a waiting, paused or idle state: no crash; what it
+        carried ends (or waits for the next worker), and the wait begins."""
+        log.info("worker %s %s (%s)", worker.pid, status.describe(), self.state.value)
+        self._publish(exited_event(worker.pid, status, self.restarts))
+        if self.state in (State.PAUSED, State.IDLE):
+            self._inflight.fail_all(
+                ENGINE_PAUSED, f"the engine was unloaded ({self.state.value}); retry", retry=False
+            )
+            if self._resume_pending:
+                self._resume_pending = False
+                self._start_unloaded(waking=True)
+                return
+        else:
+            self._inflight.fail_all(
+                ENGINE_RESTARTED, f"the engine is {self.state.value}; retry the request", retry=True
+            )
+        if self.state is State.WAITING_FOR_MEMORY:
+            self._spawn_task(self._await_memory())
+        elif self.state is State.WAITING_FOR_GPU:
+            delay_s = max((self._restart_at or 0.0) - time.monotonic(), 0.0)
+            self._spawn_task(self._await_gpu(delay_s))
+        self._publish_health()
+
+    async def _await_memory(self) -> None:
+        wait, source = self.memory_wait, self.vram_source
+        if wait is None or source is None:
+            return
+        sample = await wait_for_memory(
+            source, wait, self.config.memory_settle_s, on_change=self._publish_health
+        )
+        if self.state is not State.WAITING_FOR_MEMORY or self._worker is not None:
+            return
+        if wait.misfit.simulated:
+            # A simulated card's figures are the worker's config: plan on the card now.
+            self._worker_config = _with_device_free(self._worker_config, sample.free_bytes)
+        log.info(
+            "%d MiB of GPU memory free for %.0f s: starting the worker",
+            sample.free_bytes >> 20,
+            self.config.memory_settle_s,
+        )
+        self._start_unloaded()
+
+    async def _await_gpu(self, delay_s: float) -> None:
+        await sleep_or_gpu_appears(self.vram_source, delay_s)
+        if self.state is State.WAITING_FOR_GPU and self._worker is None:
+            log.info("trying the GPU again")
+            self._start_unloaded()
+
+    def _start_unloaded(self, waking: bool = False) -> None:
+        """Spawn a worker from a waiting, paused or idle state."""
+        self.state = State.STARTING if self._first_start else State.RESTARTING
+        self.memory_wait = None
+        self.wait_reason = None
+        self._waking = waking
+        try:
+            self._spawn()
+        except OSError as exc:  # out of processes or file descriptors
+            self._fail(f"could not start a worker process: {exc}")
+            return
+        self._publish_health()
+
+    def _cancel_pending(self) -> None:
+        self._restart_at = None
+        current = asyncio.current_task()
+        for task in list(self._tasks):
+            if task is not current:
+                task.cancel()  # a pending restart or wait
+
+    async def unload(self, state: State, reason: str) -> None:
+        """Stop the worker and give its memory back, entering ``paused`` or ``idle``
+        (``state``); ``reason`` is for people (health, events)."""
+        assert state in (State.PAUSED, State.IDLE)
+        self._cancel_pending()
+        self.state = state
+        self.memory_wait = None
+        self.wait_reason = reason
+        self._waking = False
+        self._resume_pending = False
+        log.info("unloading the engine (%s): %s", state.value, reason)
+        self._publish_health()
+        worker = self._worker
+        if worker is not None:
+            # Longer than a shutdown's wait: nothing hurries, and a worker that exits by
+            # itself frees its memory as cleanly as a killed one but logs no kill.
+            await worker.stop(timeout_s=UNLOAD_TIMEOUT_S)
+
+    async def pause(self) -> str:
+        """Game mode: stop the worker and give all its memory back until :meth:`resume`
+        (or, with ``load_on_request``, a request)."""
+        if self.state is State.PAUSED:
+            return "already paused"
+        pid = self.worker_pid if self.worker_alive else None
+        await self.unload(
+            State.PAUSED,
+            "paused through the control API; POST /api/control/resume resumes it"
+            + ("; a request resumes it" if self.config.load_on_request else ""),
+        )
+        return f"paused: worker {pid} stopped, its memory given back" if pid else "paused"
+
+    def resume(self, by: str = "the control API") -> str:
+        """Load the worker again from ``paused`` or ``idle``; in any other state there is
+        nothing to resume (a worker runs, loads or is waited for)."""
+        if self.state not in (State.PAUSED, State.IDLE):
+            return f"nothing to resume: the engine is {self.state.value}"
+        log.info("resuming the engine (%s), asked for by %s", self.state.value, by)
+        if self._worker is not None:
+            # Still stopping (an unload in progress): the next worker starts at its exit.
+            self._resume_pending = True
+            self._waking = True
+            return "resuming once the worker being unloaded has stopped"
+        self._cancel_pending()
+        self._start_unloaded(waking=True)
+        return "resuming: the worker is loading"
+
+    def unload_idle(self) -> None:
+        """Unload the worker for ``keep_alive_s`` without requests (``idle``)."""
+        reason = (
+            f"unloaded after {self.config.keep_alive_s:g} s without requests (--keep-alive); "
+            "the next request loads it again"
+        )
+        self.state = State.IDLE  # at once: the watchdog asks only once
+        self._spawn_task(self.unload(State.IDLE, reason))
+
+    def idle_due(self, now: float) -> bool:
+        """Whether a ready worker has been without requests for ``keep_alive_s``."""
+        keep = self.config.keep_alive_s
+        if keep is None or self.state is not State.READY:
+            return False
+        if self.link.in_flight:
+            self.last_request_at = now
+            return False
+        return now - self.last_request_at >= keep
+
     def _fail(self, reason: str) -> None:
         """Enter ``failed``: no more restarts until :meth:`restart`."""
         log.error("engine failed: %s", first_line(reason))
+        self._waking = False
         self.state = State.FAILED
         self.failure_reason = reason
         self._restart_at = None
@@ -435,3 +673,12 @@ class Supervisor:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+def _with_device_free(config: Any, free_bytes: int) -> Any:
+    """``config`` (a WorkerConfig) planning a simulated card with ``free_bytes`` free."""
+    from dataclasses import replace
+
+    engine = config.engine
+    free = min(free_bytes, engine.device_total) if engine.device_total is not None else free_bytes
+    return msgspec.structs.replace(config, engine=replace(engine, device_free=free))

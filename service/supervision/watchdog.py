@@ -1,5 +1,6 @@
 """The supervisor's watchdog: kill a worker that stopped beating (hung) or never got
-ready; the supervisor's exit handling then restarts it.
+ready; the supervisor's exit handling then restarts it. It also unloads a ready worker
+left without requests for ``keep_alive_s`` (the ``idle`` state).
 
 A ready worker silent for ``stall_timeout_s`` seconds (no heartbeat, no other message)
 is killed, as is one not ready ``start_timeout_s`` seconds after it was spawned. The
@@ -29,6 +30,9 @@ async def watch(supervisor: Supervisor) -> None:
     killed = None
     while True:
         await asyncio.sleep(period_s)
+        if supervisor.idle_due(time.monotonic()):
+            supervisor.unload_idle()
+            continue
         worker = supervisor.worker
         if worker is None or worker.exited or worker is killed:
             continue

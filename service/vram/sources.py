@@ -251,6 +251,8 @@ class NvmlSource:
             self._handle = None
             self._shutdown()
 
+    simulated = False
+
     @property
     def available(self) -> bool:
         """Whether a GPU is being watched (False: CPU mode, :attr:`reason` says why)."""
@@ -338,6 +340,8 @@ class SimulatedSource:
         display_attached: whether a display is attached (moves the auto reserve).
         clock: the time ``t`` of a sample taken without an explicit ``at``; default
             seconds since this source was made.
+        gpu_from: the time ``t`` before which the card is absent (CPU-mode samples, as
+            NVML gives while a driver loads after a resume); None: always there.
     """
 
     def __init__(
@@ -351,6 +355,7 @@ class SimulatedSource:
         display_attached: bool = False,
         clock: Callable[[], float] | None = None,
         name: str = "simulated GPU",
+        gpu_from: float | None = None,
     ) -> None:
         if total_bytes <= 0:
             raise ValueError(f"a simulated GPU needs a positive size, got {total_bytes}")
@@ -374,8 +379,10 @@ class SimulatedSource:
 
         self._clock = clock
         self.name = name
+        self.gpu_from = gpu_from
 
     available = True
+    simulated = True
     reason = ""
 
     def others_at(self, t: float) -> int:
@@ -388,6 +395,8 @@ class SimulatedSource:
     def sample(self, at: float | None = None) -> VramSample:
         """The simulated card at time ``at`` (default: the clock's now)."""
         t = self._clock() if at is None else at
+        if self.gpu_from is not None and t < self.gpu_from:
+            return cpu_mode_sample(f"no GPU yet: the simulated GPU appears at t={self.gpu_from:g} s", t)
         ours = int(self._ours() if callable(self._ours) else self._ours)
         others = min(self.others_at(t), max(self.total_bytes - ours, 0))
         listed: tuple[GpuProcess, ...] = ()

@@ -80,13 +80,16 @@ class Timeline:
     ``baseline``: what becomes of the other processes' memory ``--device-free`` gave
     the plan at start: ``"kept"`` (it stays taken; the steps come on top) or
     ``"replaced"`` (the steps are all the other processes: they hold that memory until
-    the first step, then what the steps say, so an app open at start can leave)."""
+    the first step, then what the steps say, so an app open at start can leave).
+    ``gpu_at``: seconds before which the card is absent (a driver loading after a
+    resume); None: always there."""
 
     steps: tuple[tuple[float, int], ...]
     total_bytes: int | None = None
     display: bool | None = None
     start: Literal["ready", "service"] = "ready"
     baseline: Literal["kept", "replaced"] = "kept"
+    gpu_at: float | None = None
 
 
 def _size(value: Any, total: int | None, where: str) -> int:
@@ -108,7 +111,7 @@ def load_timeline(path: str | Path, default_total: int | None = None) -> Timelin
     """Read a timeline file (JSON)::
 
         {"total": "3GiB", "display": true, "start": "ready", "baseline": "kept",
-         "steps": [[0, 0], [2, "40%"], [6, "1.6GiB"], [10, "40%"], [14, 0]]}
+         "gpu_at": 0, "steps": [[0, 0], [2, "40%"], [6, "1.6GiB"], [10, "40%"], [14, 0]]}
 
     Each step holds from its time (seconds) to the next; sizes are bytes, text sizes
     (``service.cli.settings.parse_size``) or a share of the card (``"40%"``).
@@ -138,12 +141,16 @@ def load_timeline(path: str | Path, default_total: int | None = None) -> Timelin
     if baseline not in ("kept", "replaced"):
         raise TimelineError(f'{path}: "baseline" must be "kept" or "replaced", not {baseline!r}')
     display = data.get("display")
+    gpu_at = data.get("gpu_at")
+    if gpu_at is not None and (isinstance(gpu_at, bool) or not isinstance(gpu_at, (int, float))):
+        raise TimelineError(f'{path}: "gpu_at" must be seconds, not {gpu_at!r}')
     return Timeline(
         steps=tuple(steps),
         total_bytes=total,
         display=None if display is None else bool(display),
         start=start,
         baseline=baseline,
+        gpu_at=None if gpu_at is None else float(gpu_at),
     )
 
 
@@ -404,6 +411,7 @@ def make_watcher(settings: ServeSettings, supervisor: Supervisor, hub: EventHub)
             else timeline.display,
             clock=clock,
             name=f"simulated GPU ({fmt_bytes(total)})",
+            gpu_from=timeline.gpu_at,
         )
         kind: Literal["nvml", "simulated"] = "simulated"
     else:

@@ -21,8 +21,8 @@ export interface Consumer {
 }
 
 /**
- * What a control route answers: `action` done (`restart`, `reserve`,
- * `cache`), and the target's `message`.
+ * What a control route answers: `action` done (`restart`, `pause`,
+ * `resume`, `reserve`, `cache`), and the target's `message`.
  */
 export interface ControlResponse {
   ok: boolean;
@@ -103,19 +103,22 @@ export interface EngineStats {
  * The service's readiness, as `/api/health` reports it.
  *
  * `status`: `ready` only while a worker serves. `reason` says why for
- * `failed`; `retry_after_s` is the expected wait (whole seconds) while starting or
- * restarting. `model` is the served model's name once one was loaded.
+ * `failed`, `waiting_for_memory`, `waiting_for_gpu` (with what helps),
+ * `paused` and `idle`; `retry_after_s` is the expected wait (whole seconds)
+ * while starting, restarting, waiting, paused or idle. `memory` is set in
+ * `waiting_for_memory`. `model` is the served model's name once one was loaded.
  */
 export interface HealthEvent {
   type: "health";
   seq: number;
   ts: number;
-  status: "failed" | "ready" | "restarting" | "starting" | "stopped";
+  status: "failed" | "idle" | "paused" | "ready" | "restarting" | "starting" | "stopped" | "waiting_for_gpu" | "waiting_for_memory";
   model: string | null;
   reason: string | null;
   retry_after_s: number | null;
   worker_pid: number | null;
   restarts: number;
+  memory: MemoryNeed | null;
 }
 
 /**
@@ -127,6 +130,19 @@ export interface LedgerEntry {
   bytes: number;
   sign: string;
   source: string;
+}
+
+/**
+ * What `waiting_for_memory` waits for, in bytes: `needed_bytes` free on the card
+ * for the plan to fit, `free_bytes` now, `short_bytes` the difference, the largest
+ * other consumers now, and `waiting_s` seconds waited so far.
+ */
+export interface MemoryNeed {
+  needed_bytes: number;
+  free_bytes: number;
+  short_bytes: number;
+  top_consumers: Consumer[];
+  waiting_s: number;
 }
 
 /**

@@ -41,6 +41,7 @@ const health = (status: HealthEvent["status"]): Omit<HealthEvent, "seq" | "ts"> 
   retry_after_s: null,
   worker_pid: 1,
   restarts: 0,
+  memory: null,
 });
 
 async function until(predicate: () => boolean, timeoutMs = 5000): Promise<void> {

@@ -183,10 +183,11 @@ async def _ndjson(
         log_request(gen, gen.request_id, status, gen.started)
 
 
-def _checked(svc: Services, mapped: Mapped) -> tuple[EngineInfo, str]:
-    """Readiness (503) and the model name (404), in the order ``/v1`` checks them
-    (admission, ``queue_full``, comes next, in :func:`start_chat`)."""
-    info = svc.supervisor.check_ready()
+async def _checked(svc: Services, mapped: Mapped) -> tuple[EngineInfo, str]:
+    """Readiness (503; an idle worker is loaded first) and the model name (404), in the
+    order ``/v1`` checks them (admission, ``queue_full``, comes next, in
+    :func:`start_chat`)."""
+    info = await svc.supervisor.ready()
     model = svc.check_model(mapped.request.model, info)
     return info, model
 
@@ -198,7 +199,7 @@ async def _start(
     *,
     raw_prompt: str | None = None,
 ) -> tuple[Generation, ChatOutput, str]:
-    info, model = _checked(svc, mapped)
+    info, model = await _checked(svc, mapped)
     gen, output = await start_chat(
         mapped.request,
         info,

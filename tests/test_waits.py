@@ -1,0 +1,147 @@
+"""The supervisor's waits without a worker (:mod:`service.supervision.waits`) on a
+simulated card: which misfits are worth waiting for, the wait for memory with its settle
+time, the worker errors that mean "wait for the GPU", the backoff, a GPU that appears,
+and ``--keep-alive`` durations."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from engine.faults import FaultInjector, check_cuda_init
+from engine.ipc import Misfit, WorkerError
+from service.cli.settings import SettingsError, parse_duration, resolve
+from service.supervision.waits import (
+    GpuBackoff,
+    MemoryWait,
+    cuda_fault,
+    misfit_to_wait_for,
+    sleep_or_gpu_appears,
+    wait_for_memory,
+)
+from service.vram.sources import SimulatedSource
+from service.vram.watcher import load_timeline
+
+GiB = 1 << 30
+
+
+def _misfit(others: int, shortfall: int, simulated: bool = True) -> WorkerError:
+    misfit = Misfit(total_bytes=8 * GiB, others_bytes=others, shortfall_bytes=shortfall, simulated=simulated)
+    return WorkerError(message="does not fit", kind="PlanDoesNotFit", during_load=True, misfit=misfit)
+
+
+def test_only_a_misfit_the_other_processes_cause_is_waited_for():
+    card = SimulatedSource(8 * GiB)
+    waitable = misfit_to_wait_for(_misfit(6 * GiB, 2 * GiB), card)
+    assert waitable is not None
+    # Free 2 GiB now (8 - 6), 2 GiB short: 4 GiB must be free.
+    assert waitable.needed_free_bytes == 4 * GiB
+    # Larger than the card: no wait fixes it.
+    assert misfit_to_wait_for(_misfit(1 * GiB, 3 * GiB), card) is None
+    assert misfit_to_wait_for(_misfit(0, 1), card) is None
+    # Planned on a simulated card, watched on a real one: its numbers never move.
+    class RealCard(SimulatedSource):
+        simulated = False
+
+    assert misfit_to_wait_for(_misfit(6 * GiB, 2 * GiB), RealCard(8 * GiB)) is None
+    assert misfit_to_wait_for(_misfit(6 * GiB, 2 * GiB), None) is None
+
+
+def test_the_wait_ends_once_the_memory_stayed_free_for_the_settle_time():
+    now = {"t": 0.0}
+    # Another app holds 6 GiB, drops to 5 GiB (not enough), then leaves.
+    card = SimulatedSource(8 * GiB, [(0, 6 * GiB), (1, 5 * GiB), (2, 0)], clock=lambda: now["t"])
+    wait = MemoryWait(_misfit(6 * GiB, 2 * GiB).misfit, "does not fit")
+    changes: list[int] = []
+
+    async def run():
+        async def tick():
+            while True:
+                await asyncio.sleep(0.01)
+                now["t"] += 0.05
+
+        ticker = asyncio.create_task(tick())
+        try:
+            return await asyncio.wait_for(
+                wait_for_memory(card, wait, 1.0, period_s=0.01, on_change=lambda: changes.append(wait.free_bytes)),
+                60,
+            )
+        finally:
+            ticker.cancel()
+
+    sample = asyncio.run(run())
+    assert sample.free_bytes == 8 * GiB
+    # Settled: at least a second of simulated time after the app left at t=2.
+    assert sample.timestamp >= 3.0
+    assert changes[:3] == [2 * GiB, 3 * GiB, 8 * GiB]
+    report = wait.report()
+    assert report["short_bytes"] == 0 and report["needed_bytes"] == 4 * GiB
+
+
+@pytest.mark.parametrize(
+    ("kind", "message", "wait"),
+    [
+        ("CudaUnavailable", "CUDA failed to initialise", True),
+        ("AcceleratorError", "CUDA error: an illegal memory access was encountered", True),
+        ("RuntimeError", "CUDA error: unknown error", True),
+        ("OutOfMemoryError", "CUDA out of memory. Tried to allocate 2.00 GiB", False),
+        ("RuntimeError", "CUDA error: out of memory", False),
+        ("ModelLoadError", "no such model", False),
+    ],
+)
+def test_which_worker_errors_wait_for_the_gpu(kind, message, wait):
+    assert cuda_fault(WorkerError(message=message, kind=kind, during_load=False)) is wait
+
+
+def test_gpu_retries_back_off_to_a_cap_and_start_over_once_ready():
+    backoff = GpuBackoff(1.0, 8.0)
+    assert [backoff.next_delay_s() for _ in range(5)] == [1.0, 2.0, 4.0, 8.0, 8.0]
+    backoff.clear()
+    assert backoff.next_delay_s() == 1.0
+
+
+def test_a_gpu_that_appears_ends_the_backoff_sleep_early(tmp_path):
+    timeline = tmp_path / "timeline.json"
+    timeline.write_text(json.dumps({"total": "8GiB", "gpu_at": 0.5, "steps": []}))
+    parsed = load_timeline(timeline)
+    assert parsed.gpu_at == 0.5
+    card = SimulatedSource(8 * GiB, gpu_from=parsed.gpu_at)
+    assert not card.sample(at=0.1).gpu and "no GPU yet" in card.sample(at=0.1).reason
+    assert card.sample(at=0.6).gpu
+    # A 10-minute backoff, cut short when the GPU shows up.
+    asyncio.run(asyncio.wait_for(sleep_or_gpu_appears(card, 600.0, period_s=0.02), 60))
+
+
+def test_the_cuda_init_fault_counts_across_engine_starts(tmp_path):
+    (tmp_path / "gpu.fault").write_text("cuda_init:*:2")
+    env = {"HEADROOM_FAULTS_DIR": str(tmp_path)}
+    from engine.errors import CudaUnavailable
+
+    for _ in range(2):
+        with pytest.raises(CudaUnavailable, match="nvidia_uvm"):
+            check_cuda_init(env)
+    check_cuda_init(env)  # used up: CUDA starts
+    assert (tmp_path / "gpu.fired").exists()
+    # A step injector leaves such files to the engine's start.
+    (tmp_path / "other.fault").write_text("cuda_init:*:1")
+    injector = FaultInjector(spool=tmp_path)
+    injector.poll_spool()
+    assert injector.rules == [] and (tmp_path / "other.fault").exists()
+
+
+def test_keep_alive_takes_ollama_durations(tmp_path):
+    assert parse_duration("5m") == 300.0
+    assert parse_duration("30s") == 30.0
+    assert parse_duration("1.5h") == 5400.0
+    assert parse_duration("250ms") == 0.25
+    assert parse_duration("90") == 90.0
+    config = tmp_path / "config.toml"
+    config.touch()
+    env = {"HEADROOM_CONFIG": str(config)}
+    assert resolve({"keep_alive": "5m"}, env=env).keep_alive_s == 300.0
+    assert resolve({"keep_alive": "-1"}, env=env).keep_alive_s is None  # Ollama's "forever"
+    assert resolve({}, env=env).keep_alive_s is None
+    with pytest.raises(SettingsError, match="keep-alive.*not a duration"):
+        resolve({"keep_alive": "soon"}, env=env)

@@ -53,21 +53,14 @@ main.add_command(pull)
 def token(config_path: Path | None, **flags: Any) -> None:
     """Print the local token's file and the dashboard's address with the token."""
     settings = resolve_or_fail(flags, config_path)
-    from service.events.token import load_or_create_token, token_path
+    from service.events.token import dashboard_url, load_or_create_token, token_path
 
     try:
         value = load_or_create_token()
     except OSError as exc:
         fail(f"cannot read or create the local token {token_path()}: {exc}")
-    host = settings.host
-    if host in ("0.0.0.0", "::", ""):
-        host = "127.0.0.1"
-    if ":" in host:
-        host = f"[{host}]"
     click.echo(f"token file: {token_path()}")
-    # A fragment never leaves the browser (not sent, not logged); the page reads it and
-    # takes it out of the address bar and the history entry.
-    click.echo(f"dashboard:  http://{host}:{settings.port}/ui/#token={value}")
+    click.echo(f"dashboard:  {dashboard_url(settings.host, settings.port, value)}")
 
 
 # Engine options (declared on engine.config.EngineConfig) that generate and plan share

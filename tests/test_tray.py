@@ -366,3 +366,17 @@ def test_tray_under_xvfb_follows_restart_kill_and_pause(server, tmp_path):
         xvfb.wait(15)
         print(f"tray screenshots: {out}: {[p.name for p in sorted(out.iterdir())]}")
         print((tmp_path / "tray.log").read_text(errors="replace"))
+
+
+def test_the_tray_command_names_its_extra_when_pystray_is_missing(monkeypatch, tmp_path):
+    from click.testing import CliRunner
+
+    from service.cli.commands import main
+
+    env = {"HEADROOM_CONFIG": os.devnull, "HEADROOM_CONFIG_DIR": str(tmp_path)}
+    assert "pip install 'headroom[tray]'" in CliRunner().invoke(main, ["tray", "--help"], env=env).output
+    monkeypatch.setitem(sys.modules, "pystray", None)  # an import of it fails
+    monkeypatch.delitem(sys.modules, "service.tray.app", raising=False)
+    result = CliRunner().invoke(main, ["tray"], env=env)
+    assert result.exit_code != 0
+    assert "the tray needs pystray and Pillow: pip install 'headroom[tray]'" in result.output

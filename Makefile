@@ -1,6 +1,7 @@
 # Quick start: `make serve` (install, then serve the embedded default model) and
-# `make test` (install with the test tools and what the dashboard's tests need, then run
-# pytest and ui-bridge's npm tests: both always run, and it fails if either failed).
+# `make test` (install with the test tools and what the dashboard's and the tray's tests
+# need, then run pytest and ui-bridge's npm tests: both always run, and it fails if either
+# failed).
 #
 # headroom lives in its own virtual environment (.venv here). torch is installed
 # first, pinned by TORCH, only when the venv has none: keep a CUDA build you already
@@ -12,7 +13,7 @@ BIN := $(VENV)/bin
 
 APT_GET = DEBIAN_FRONTEND=noninteractive apt-get
 
-.PHONY: install install-test ui-deps serve test lint
+.PHONY: install install-test ui-deps tray-deps serve test lint
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -47,12 +48,18 @@ ui-deps:
 	@command -v chromium >/dev/null 2>&1 || { echo "make: installing chromium with apt-get (chromium is missing)"; $(APT_GET) update && $(APT_GET) install -y chromium; }
 	cd ui-bridge && npm ci --no-audit --no-fund --loglevel=error
 
+# The tray's test (tests/test_tray.py) runs `headroom tray` on a bare Xvfb display; apt
+# installs xvfb only where it is missing (Debian, as root), saying so. pystray and Pillow
+# come with the test extra.
+tray-deps:
+	@command -v Xvfb >/dev/null 2>&1 || { echo "make: installing xvfb with apt-get (Xvfb is missing)"; $(APT_GET) update && $(APT_GET) install -y xvfb; }
+
 serve: install
 	$(BIN)/headroom serve
 
 # Both suites always run: a pytest failure does not hide npm's result (nor the other
 # way round); the target fails at the end if either failed, naming which.
-test: install-test ui-deps
+test: install-test ui-deps tray-deps
 	@py=0; js=0; \
 	$(BIN)/python -m pytest -q tests || py=$$?; \
 	(cd ui-bridge && npm test) || js=$$?; \

@@ -2,7 +2,9 @@
 default model on the CPU, planned for a simulated 4 GiB card whose other processes
 breathe): ``ui-bridge/scripts/browser-test.mjs`` (playwright-core driving Debian's
 chromium) sees the chart move and the plan ledger, kills the worker and sees the exit,
-``restarting`` and ``ready`` again. Its screenshots stay in the test's tmp dir; their
+``restarting`` and ``ready`` again; then a new user's first minute: the service's address
+leads to the page, which asks for the token with its form, the Restart button's exit says
+who asked, and the chat panel answers. Its screenshots stay in the test's tmp dir; their
 paths are printed (``pytest -s`` shows them).
 
 Skipped without Node/npm or Chromium (``make test`` installs both: see the Makefile).
@@ -59,7 +61,7 @@ def test_dashboard_in_headless_chromium(start_server, tmp_path):
         env={**os.environ, "HEADROOM_URL": server.base_url, "HEADROOM_TOKEN": server.token},
         capture_output=True,
         text=True,
-        timeout=400,
+        timeout=540,
     )
     print(result.stdout)
     print(result.stderr)
@@ -67,4 +69,10 @@ def test_dashboard_in_headless_chromium(start_server, tmp_path):
     for shot in shots:
         print(f"screenshot: {shot}")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert [s.name for s in shots] == ["1-ready.png", "2-worker-exited.png", "3-ready-again.png"]
+    assert [s.name for s in shots] == [
+        "1-ready.png",
+        "2-worker-exited.png",
+        "3-ready-again.png",
+        "4-token-form.png",
+        "5-chat.png",
+    ]

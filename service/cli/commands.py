@@ -1,6 +1,6 @@
 """The ``headroom`` command: the group :func:`main` with ``serve`` (:mod:`service.cli.serve`),
 ``bench ...`` (:mod:`service.cli.bench`), ``service ...`` (:mod:`service.cli.autostart`),
-``doctor`` (:mod:`service.cli.doctor`), ``token``, and the engine's commands run in
+``doctor`` (:mod:`service.cli.doctor`), ``token``, ``status``, ``tray`` (:mod:`service.tray.app`), and the engine's commands run in
 this process (``generate``, ``plan``).
 
 This module stays light at import (click only): the worker is started with the
@@ -62,21 +62,43 @@ main.add_command(pull)
 def token(config_path: Path | None, **flags: Any) -> None:
     """Print the local token's file and the dashboard's address with the token."""
     settings = resolve_or_fail(flags, config_path)
-    from service.events.token import load_or_create_token, token_path
+    from service.events.token import dashboard_url, load_or_create_token, token_path
 
     try:
         value = load_or_create_token()
     except OSError as exc:
         fail(f"cannot read or create the local token {token_path()}: {exc}")
-    host = settings.host
-    if host in ("0.0.0.0", "::", ""):
-        host = "127.0.0.1"
-    if ":" in host:
-        host = f"[{host}]"
     click.echo(f"token file: {token_path()}")
-    # A fragment never leaves the browser (not sent, not logged); the page reads it and
-    # takes it out of the address bar and the history entry.
-    click.echo(f"dashboard:  http://{host}:{settings.port}/ui/#token={value}")
+    click.echo(f"dashboard:  {dashboard_url(settings.host, settings.port, value)}")
+
+
+@main.command(
+    epilog="The tray follows the service through its public API: the event socket and the "
+    "control routes, with the local token (the file `headroom token` names). It needs the "
+    "`tray` extra: pip install 'headroom[tray]'."
+)
+@config_option
+@with_settings("host", "port")
+def tray(config_path: Path | None, **flags: Any) -> None:
+    """Show the running service in the desktop's tray: its state as the icon's colour,
+    headroom and KV pool in the tooltip; pause, restart, reserve and start at login in
+    the menu."""
+    settings = resolve_or_fail(flags, config_path)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)-7s %(name)s: %(message)s")
+    try:
+        from service.tray.app import TrayApp
+    except ImportError as exc:
+        fail(f"the tray needs pystray and Pillow: pip install 'headroom[tray]' ({exc})")
+    except Exception as exc:  # pystray picks its backend at import: no display is an error there
+        fail(f"no desktop tray to show the icon in: {exc}")
+    from service.events.token import dashboard_url, load_or_create_token, token_path
+
+    try:
+        value = load_or_create_token()
+    except OSError as exc:
+        fail(f"cannot read or create the local token {token_path()}: {exc}")
+    base_url = dashboard_url(settings.host, settings.port).removesuffix("/ui/")
+    TrayApp(base_url, settings.host, settings.port, value).run()
 
 
 @main.command()

@@ -60,6 +60,28 @@ def _websocket_protocol() -> str:
     return "websockets-sansio" if "websockets-sansio" in WS_PROTOCOLS else "auto"
 
 
+def _announce_dashboard_when_ready(supervisor: Any, host: str, port: int) -> None:
+    """Once the first worker is ready, say where the dashboard is: a log line with its
+    address, and on a terminal the link with the token as well (written to the terminal
+    itself, never to the log, which a login service keeps in a file)."""
+    from service.events.token import dashboard_url, read_token
+
+    previous = supervisor.on_first_ready
+
+    def announce() -> None:
+        logging.getLogger("headroom.service").info(
+            "headroom ready: dashboard at %s (`headroom token` prints the link with the token)",
+            dashboard_url(host, port),
+        )
+        token = read_token()
+        if token and sys.stderr.isatty():
+            click.echo(f"open the dashboard: {dashboard_url(host, port, token)}", err=True)
+        if previous is not None:
+            previous()
+
+    supervisor.on_first_ready = announce
+
+
 @click.command(
     epilog=f"Settings come from, lowest first: defaults, the config file (TOML, keys as "
     f"the option names with underscores, e.g. port = {DEFAULT_PORT}), HEADROOM_* "
@@ -123,6 +145,7 @@ def _serve_bound(settings: Any, sock: socket.socket, log: logging.Logger) -> Non
         fail(str(exc))
     host, port = sock.getsockname()[:2]
     write_runtime(host, port, token_path())
+    _announce_dashboard_when_ready(services.supervisor, settings.host, port)
     config = uvicorn.Config(
         app,
         host=host,

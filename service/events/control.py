@@ -11,6 +11,7 @@ prefix cache is a command to the worker
 
 from __future__ import annotations
 
+import logging
 from typing import Literal
 
 from engine import ipc
@@ -21,6 +22,12 @@ from service.http.state import CONTROL_REASON
 from service.supervision.states import State
 from service.supervision.supervisor import Supervisor
 from service.vram.watcher import VramWatcher
+
+log = logging.getLogger("headroom.control")
+
+# Said with a worker's exit that the control API asked for (log line, ``worker`` event,
+# the errors of requests in flight), so it does not read as a crash.
+RESTART_REASON = "restart requested by the control API"
 
 
 class SupervisorControl:
@@ -54,7 +61,8 @@ class SupervisorControl:
         if sup.state is State.STOPPED:
             raise APIError(409, "the service is shutting down", code="stopping")
         pid = sup.worker_pid if sup.worker_alive else None
-        sup.restart()
+        log.info("%s (worker pid %s)", RESTART_REASON, pid)
+        sup.restart(reason=RESTART_REASON)
         return f"restarting the worker (pid {pid})" if pid else "starting a new worker"
 
     async def pause(self) -> str:

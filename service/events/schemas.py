@@ -142,6 +142,16 @@ class EngineInfoEvent(EventBase, frozen=True, kw_only=True, tag="engine"):
     info: EngineInfo
 
 
+class HostMemory(msgspec.Struct, frozen=True, kw_only=True):
+    """The host's RAM, in bytes: ``total_bytes``, ``available_bytes`` (what new
+    allocations can take without swapping) and ``ours_bytes`` (the resident set of this
+    service's processes)."""
+
+    total_bytes: int
+    available_bytes: int
+    ours_bytes: int
+
+
 class VramEvent(EventBase, frozen=True, kw_only=True, tag="vram"):
     """The device's memory now, in bytes.
 
@@ -170,15 +180,22 @@ class VramEvent(EventBase, frozen=True, kw_only=True, tag="vram"):
     reason: str | None = None
     device_limit_bytes: int | None = None
     memory_rule: str | None = None
+    host: HostMemory | None = None
 
     @classmethod
     def from_sample(
-        cls, sample: Any, reserve_bytes: int, *, source: VramSource = "nvml"
+        cls,
+        sample: Any,
+        reserve_bytes: int,
+        *,
+        source: VramSource = "nvml",
+        host: HostMemory | None = None,
     ) -> VramEvent:
         """From the watcher's sample (``service.vram.sources.VramSample`` or anything with its
         fields: ``gpu``, ``device``, ``total_bytes``, ``free_bytes``, ``ours_bytes``,
         ``others_bytes``, ``top_consumers`` of ``pid``/``name``/``bytes``, ``reason``).
-        A sample with ``gpu`` False becomes ``source="none"`` (CPU mode)."""
+        A sample with ``gpu`` False becomes ``source="none"`` (CPU mode); ``host``: the
+        host's RAM to send with it."""
         gpu = bool(getattr(sample, "gpu", True))
         free = int(sample.free_bytes)
         return cls(
@@ -197,6 +214,7 @@ class VramEvent(EventBase, frozen=True, kw_only=True, tag="vram"):
             reason=getattr(sample, "reason", None) or None,
             device_limit_bytes=getattr(sample, "device_limit_bytes", None),
             memory_rule=memory_rule(getattr(sample, "device_limit_bytes", None)) if gpu else None,
+            host=host,
         )
 
 

@@ -31,7 +31,7 @@ from service.events.routes import events_router
 from service.events.schemas import HealthEvent
 from service.events.token import load_or_create_token, token_path
 from service.http.auth import api_key_guard
-from service.http.dashboard import dashboard_router
+from service.http.dashboard import dashboard_router, root_redirect
 from service.http.health import HealthController
 from service.http.security import SecurityMiddleware, install_redaction
 from service.http.state import Services
@@ -173,6 +173,7 @@ def create_app(
                 status_requires_token=False,
             ),
             dashboard_router(),
+            root_redirect,
             openapi_route,
         ],
         dependencies={"svc": Provide(lambda: services, sync_to_thread=False)},

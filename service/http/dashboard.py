@@ -2,7 +2,8 @@
 of them in an installed package, :mod:`service.resources`), served by Litestar's static
 files.
 
-``/ui`` redirects to ``/ui/`` (keeping the query: the page uses relative URLs). Only the
+``/ui`` redirects to ``/ui/`` (keeping the query: the page uses relative URLs), and so
+does ``/`` (:data:`root_redirect`), where a person typing the address lands. Only the
 plain files directly inside the directory with a known extension when the router is
 made are served, each with ``Cache-Control: no-cache`` and a Content-Security-Policy
 that lets the page talk only to its own origin and run only its own script; any other
@@ -14,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from litestar import Request, Response, Router
+from litestar import Request, Response, Router, get
 from litestar.datastructures import CacheControlHeader
 from litestar.response import Redirect
 from litestar.static_files import create_static_files_router
@@ -73,3 +74,9 @@ def dashboard_router(directory: Path | None = None, *, path: str = "/ui") -> Rou
         cache_control=CacheControlHeader(no_cache=True),
         exception_handlers=EXCEPTION_HANDLERS,
     )
+
+
+@get("/", include_in_schema=False, name="root")
+async def root_redirect() -> Redirect:
+    """``/``: the dashboard (a person who types the service's address lands there)."""
+    return Redirect("/ui/")

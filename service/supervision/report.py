@@ -59,14 +59,17 @@ def health_report(sup: Supervisor) -> dict[str, Any]:
     return report
 
 
-def exited_event(pid: int | None, status: ExitStatus, restarts: int) -> WorkerEvent:
-    """The ``worker`` event of an exit: its code, or the signal that killed it."""
+def exited_event(
+    pid: int | None, status: ExitStatus, restarts: int, *, reason: str | None = None
+) -> WorkerEvent:
+    """The ``worker`` event of an exit: its code, or the signal that killed it;
+    ``reason`` replaces the plain description (e.g. to say who asked for the kill)."""
     return WorkerEvent(
         phase="exited",
         pid=pid,
         exit_code=status.exit_code if status.signal is None else None,
         signal=status.signal,
-        reason=status.describe(),
+        reason=reason or status.describe(),
         restarts=restarts,
         last_lines=list(status.last_lines[-LAST_LINES:]),
     )

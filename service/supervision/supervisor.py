@@ -150,6 +150,7 @@ class Supervisor:
         self._tasks: set[asyncio.Task] = set()
         self._watchdog: asyncio.Task | None = None
         self._first_start = True
+        self._asked_restart: str | None = None  # who asked for the kill under way
         self.first_start_done: asyncio.Event | None = None
         # Set by begin_shutdown: when the drain ends (time.monotonic()), for Retry-After.
         self._drain_until: float | None = None
@@ -238,13 +239,15 @@ class Supervisor:
             self._pids.forget(worker.pid)
         self._pids.close()
 
-    def restart(self) -> None:
+    def restart(self, reason: str | None = None) -> None:
         """Kill the current worker (if any) and start a new one now, also from ``failed``
-        (the crash-loop history is cleared)."""
+        (the crash-loop history is cleared). ``reason`` (who asked) is added to the
+        exit's log line, ``worker`` event and errors, so it does not read as a crash."""
         self._restarts.clear()
         self.failure_reason = None
         self._clear_waits()
         if self._worker is not None and not self._worker.exited:
+            self._asked_restart = reason
             self._worker.kill()  # the exit handler restarts it
         else:
             self.state = State.RESTARTING
@@ -428,13 +431,15 @@ class Supervisor:
             self._exited_unloaded(worker, status)
             return
         was_ready = self.state is State.READY
-        log.error(
+        asked, self._asked_restart = self._asked_restart, None
+        what = status.describe() + (f": {asked}" if asked else "")
+        (log.info if asked else log.error)(
             "worker %s %s%s",
             worker.pid,
-            status.describe(),
+            what,
             "" if not status.last_lines else f"; last line: {status.last_lines[-1]}",
         )
-        self._publish(exited_event(worker.pid, status, self.restarts))
+        self._publish(exited_event(worker.pid, status, self.restarts, reason=what))
         now = time.monotonic()
         ran = was_ready and self.ready_since is not None
         self._restarts.record_exit(now, now - self.ready_since if ran else None)
@@ -449,12 +454,12 @@ class Supervisor:
         if self._restarts.crash_loop:
             self._fail(
                 f"crash loop: the worker exited {self._restarts.recent_exits} times in "
-                f"{self.config.exit_window_s:.0f} s; last: {status.describe()}"
+                f"{self.config.exit_window_s:.0f} s; last: {what}"
             )
             return
         self._inflight.fail_all(
             ENGINE_RESTARTED,
-            f"the engine worker {status.describe()} and is restarting; retry the request",
+            f"the engine worker {what} and is restarting; retry the request",
             retry=True,
         )
         self.state = State.RESTARTING if not self._first_start else State.STARTING

@@ -14,7 +14,9 @@ Sources (``--vram-source``):
 
 - ``nvml`` (default): the real card (:class:`service.vram.sources.NvmlSource`); this service's
   pids are the service and its current worker. Without an NVIDIA GPU or driver it is in
-  CPU mode: one ``vram`` event with ``source="none"`` and the reason, and no replans.
+  CPU mode: ``vram`` events with ``source="none"``, the reason and the host's RAM
+  (``host``, about once a second: there the engine's memory is the host's), and no
+  replans.
   With a GPU but an engine on the CPU, memory is shown and never replanned.
 - ``simulated``: a card of ``--device-total`` whose other processes follow the
   ``--vram-timeline`` script (:func:`load_timeline`); this service's memory on it is
@@ -45,6 +47,7 @@ from service.events.hub import EventHub
 from service.events.schemas import VramEvent
 from service.supervision.states import State
 from service.supervision.supervisor import Supervisor
+from service.vram.host import HOST_SAMPLE_S, host_memory
 from service.vram.replan import (
     DEFAULT_HOLD_S,
     EmptyPrefixCache,
@@ -248,23 +251,42 @@ class VramWatcher:
     # -- the loop ---------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Sample, publish and replan until cancelled (or, in CPU mode, after the one
+        """Sample, publish and replan until cancelled; in CPU mode, publish the host's
+        memory once a second instead (with a hub; without one, return after the one
         sample that says so)."""
         from service.vram.sources import watch
 
         async for sample in watch(self.source, self.hz):
             self.latest = sample
             reserve = self.reserve_bytes(sample)
+            if not sample.gpu:  # CPU mode (service.vram.sources.watch logs why): nothing to replan
+                self._publish_cpu_mode(sample)
+                continue
             if self.hub is not None:
                 self.hub.publish(VramEvent.from_sample(sample, reserve, source=self.kind))
-            if not sample.gpu:  # CPU mode (service.vram.sources.watch logs why): nothing to replan
-                continue
             try:
                 await self.step(sample)
             except asyncio.CancelledError:
                 raise
             except Exception:
                 log.exception("replanning failed; the watcher goes on")
+        if self.latest is not None and not self.latest.gpu and self.hub is not None:
+            # No GPU to watch: the engine's memory is the host's, and that is shown.
+            while True:
+                await asyncio.sleep(HOST_SAMPLE_S)
+                self._publish_cpu_mode(self.latest)
+
+    def _publish_cpu_mode(self, sample: VramSample) -> None:
+        if self.hub is None:
+            return
+        sup = self.supervisor
+        pids = [os.getpid(), *([sup.worker_pid] if sup.worker_alive and sup.worker_pid else [])]
+        try:
+            host = host_memory(pids)
+        except Exception:  # the host view is a courtesy; the CPU-mode event still goes
+            log.debug("could not read the host's memory", exc_info=True)
+            host = None
+        self.hub.publish(VramEvent.from_sample(sample, 0, source=self.kind, host=host))
 
     def _replans_enabled(self) -> bool:
         info = self.supervisor.info

@@ -253,7 +253,9 @@ var EventStream = class {
     };
   }
   detach(socket) {
-    socket.onopen = socket.onmessage = socket.onerror = socket.onclose = null;
+    socket.onopen = socket.onmessage = socket.onclose = null;
+    socket.onerror = () => {
+    };
   }
   handle(socket, data) {
     let message;
@@ -326,6 +328,15 @@ var ControlClient = class {
   restart() {
     return this.call("POST", "/api/control/restart");
   }
+  /** Stop the worker and give all its memory back (game mode) until `resume()`. A
+   * service without the route answers 404, thrown as a `HeadroomApiError`. */
+  pause() {
+    return this.call("POST", "/api/control/pause");
+  }
+  /** Start the worker again after `pause()`. */
+  resume() {
+    return this.call("POST", "/api/control/resume");
+  }
   /** Keep `reserve` free for the desktop: bytes, a size such as `"1.5GiB"`, or `"auto"`. */
   setReserve(reserve) {
     return this.call("POST", "/api/control/reserve", { reserve });
@@ -396,16 +407,6 @@ function bands(s) {
   const driver = Math.max(0, s.total - free - ours - others);
   const reserve = Math.min(Math.max(0, s.reserve), free);
   return { ours, others, driver, reserve, headroom: free - reserve };
-}
-function sampleOf(e) {
-  return {
-    t: e.ts,
-    total: e.total_bytes,
-    free: e.free_bytes,
-    ours: e.ours_bytes,
-    others: e.others_bytes,
-    reserve: e.reserve_bytes
-  };
 }
 var GiB2 = 1 << 30;
 var VramChart = class {
@@ -504,6 +505,148 @@ var VramChart = class {
   }
 };
 
+// dashboard/src/chat.ts
+function parseSse(buffer) {
+  const chunks = [];
+  const blocks = buffer.replace(/\r\n/g, "\n").split("\n\n");
+  const rest = blocks.pop() ?? "";
+  for (const block of blocks) {
+    const data = block.split("\n").filter((line) => line.startsWith("data:")).map((line) => line.slice(5).trimStart()).join("\n");
+    if (!data) continue;
+    if (data === "[DONE]") {
+      chunks.push({ kind: "done", finishReason: null });
+      continue;
+    }
+    let event;
+    try {
+      event = JSON.parse(data);
+    } catch {
+      chunks.push({ kind: "error", message: `the service sent an event that is not JSON: ${data.slice(0, 80)}` });
+      continue;
+    }
+    if (event.error) {
+      chunks.push({ kind: "error", message: event.error.message ?? "the service reported an error" });
+      continue;
+    }
+    const choice = event.choices?.[0];
+    if (choice?.delta?.reasoning_content) chunks.push({ kind: "reasoning", text: choice.delta.reasoning_content });
+    if (choice?.delta?.content) chunks.push({ kind: "text", text: choice.delta.content });
+    if (choice?.finish_reason) chunks.push({ kind: "done", finishReason: choice.finish_reason });
+  }
+  return { chunks, rest };
+}
+function chatBody(messages, maxTokens) {
+  return { model: "default", messages, stream: true, max_tokens: maxTokens };
+}
+async function httpError(response) {
+  const text = await response.text();
+  let message = text.slice(0, 300);
+  try {
+    message = JSON.parse(text).error?.message ?? message;
+  } catch {
+  }
+  const hint = response.status === 401 ? " (this service was started with --api-key: enter the key)" : "";
+  return `${response.status}: ${message}${hint}`;
+}
+async function streamChat(messages, onChunk, options = {}) {
+  const headers = { "Content-Type": "application/json" };
+  if (options.apiKey) headers.Authorization = `Bearer ${options.apiKey}`;
+  const fetchFn = options.fetch ?? globalThis.fetch.bind(globalThis);
+  const response = await fetchFn("/v1/chat/completions", {
+    method: "POST",
+    headers,
+    body: JSON.stringify(chatBody(messages, options.maxTokens ?? 512)),
+    signal: options.signal
+  });
+  if (!response.ok || !response.body) {
+    onChunk({ kind: "error", message: await httpError(response) });
+    return;
+  }
+  const reader = response.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  let ended = false;
+  for (; ; ) {
+    const { value, done } = await reader.read();
+    buffer += decoder.decode(value, { stream: !done });
+    const { chunks, rest } = parseSse(done ? `${buffer}
+
+` : buffer);
+    buffer = rest;
+    for (const chunk of chunks) {
+      if (chunk.kind === "done" && chunk.finishReason === null) ended = true;
+      onChunk(chunk);
+    }
+    if (done) break;
+  }
+  if (!ended) onChunk({ kind: "error", message: "the stream ended before [DONE]" });
+}
+
+// dashboard/src/view.ts
+var STATES = {
+  ready: { label: "ready", tone: "ok" },
+  starting: { label: "starting", tone: "busy" },
+  restarting: { label: "restarting", tone: "busy" },
+  waiting_for_memory: { label: "waiting for memory", tone: "wait" },
+  waiting_for_gpu: { label: "waiting for the GPU", tone: "wait" },
+  paused: { label: "paused", tone: "paused" },
+  idle: { label: "idle (model unloaded)", tone: "paused" },
+  failed: { label: "failed", tone: "bad" },
+  stopped: { label: "stopped", tone: "bad" }
+};
+function healthView(health) {
+  if (!health) return { label: "unknown", tone: "unknown", detail: "" };
+  const known = STATES[health.status];
+  const label = known?.label ?? health.status.replace(/_/g, " ");
+  const tone = known?.tone ?? "unknown";
+  const parts = [];
+  if (health.reason) parts.push(health.reason);
+  if (health.retry_after_s != null && health.status !== "ready") parts.push(`retry in ~${health.retry_after_s} s`);
+  return { label, tone, detail: parts.join("; ") };
+}
+function exitText(exit, time2) {
+  if (!exit) return "none";
+  const parts = [`pid ${exit.pid ?? "?"} at ${time2(exit.ts)}`];
+  if (exit.exit_code != null) parts.push(`exit code ${exit.exit_code}`);
+  if (exit.reason) parts.push(exit.reason);
+  else if (exit.signal != null) parts.push(`killed by ${exit.signal}`);
+  return parts.join("; ");
+}
+function memoryView(v) {
+  if (!v) return { title: "Memory", detail: "no data yet", kind: "none", sample: null };
+  if (v.source !== "none") {
+    return {
+      title: "VRAM",
+      detail: `${v.device} (${v.source})`,
+      kind: "gpu",
+      sample: {
+        t: v.ts,
+        total: v.total_bytes,
+        free: v.free_bytes,
+        ours: v.ours_bytes,
+        others: v.others_bytes,
+        reserve: v.reserve_bytes
+      }
+    };
+  }
+  const why = v.reason || "no GPU, CPU mode";
+  const host = v.host ?? null;
+  if (!host) return { title: "Memory", detail: why, kind: "none", sample: null };
+  return {
+    title: "Host memory",
+    detail: `${why}; the engine runs in the host's RAM`,
+    kind: "host",
+    sample: {
+      t: v.ts,
+      total: host.total_bytes,
+      free: host.available_bytes,
+      ours: host.ours_bytes,
+      others: Math.max(0, host.total_bytes - host.available_bytes - host.ours_bytes),
+      reserve: 0
+    }
+  };
+}
+
 // dashboard/src/main.ts
 var TOKEN_KEY = "headroom.token";
 function $(id) {
@@ -536,22 +679,38 @@ function readToken() {
     history.replaceState(null, "", url.toString());
     return fromUrl;
   }
-  const stored = sessionStorage.getItem(TOKEN_KEY);
-  if (stored) return stored;
-  const typed = prompt("headroom's local token (the file `token` in headroom's config folder):")?.trim();
-  if (typed) sessionStorage.setItem(TOKEN_KEY, typed);
-  return typed || null;
+  return sessionStorage.getItem(TOKEN_KEY);
+}
+function askForToken(note) {
+  const form = $("token-form");
+  const input = $("token-input");
+  $("token-note").textContent = note;
+  form.hidden = false;
+  input.focus();
+  return new Promise((resolve) => {
+    form.addEventListener("submit", function onSubmit(event) {
+      event.preventDefault();
+      const typed = input.value.trim();
+      if (!typed) return;
+      form.removeEventListener("submit", onSubmit);
+      form.hidden = true;
+      input.value = "";
+      sessionStorage.setItem(TOKEN_KEY, typed);
+      resolve(typed);
+    });
+  });
 }
 function renderHealth(s) {
   const status = s.health?.status ?? "unknown";
+  const view = healthView(s.health);
   const badge = $("health");
-  badge.textContent = status;
-  badge.className = `badge ${status}`;
+  badge.textContent = view.label;
+  badge.className = `badge ${view.tone}`;
   document.body.dataset.health = status;
   $("model").textContent = s.health?.model ?? "–";
-  $("health-reason").textContent = s.health?.reason ?? "";
-  const retry = s.health?.retry_after_s;
-  $("retry").textContent = retry != null && status !== "ready" ? `retry in ~${retry} s` : "";
+  $("health-reason").textContent = view.detail;
+  $("pause").hidden = status === "paused" || status === "idle";
+  $("resume").hidden = !$("pause").hidden;
 }
 function renderWorker(s) {
   const w = s.worker;
@@ -564,36 +723,40 @@ function renderWorker(s) {
   if (w?.phase === "failed" && w.reason) parts.push(w.reason);
   $("worker-detail").textContent = parts.join("; ");
   const x = s.last_exit;
-  const exit = [];
-  if (x) {
-    exit.push(`pid ${x.pid ?? "?"} at ${time(x.ts)}`);
-    if (x.exit_code != null) exit.push(`exit code ${x.exit_code}`);
-    if (x.reason) exit.push(x.reason);
-    else if (x.signal != null) exit.push(`killed by ${x.signal}`);
-  }
-  $("worker-exit").textContent = exit.length ? exit.join("; ") : "none";
+  $("worker-exit").textContent = exitText(x, time);
   $("worker-lines").textContent = (x?.last_lines ?? []).join("\n");
   $("worker-when").textContent = w ? time(w.ts) : "";
   const info = s.engine?.info;
   $("engine").textContent = info ? `${info.architecture} on ${info.device} (${info.dtype}); context ${info.max_context_tokens} tokens (model ${info.model_context_tokens}); KV ${info.num_pages} pages × ${info.page_size} = ${formatBytes(info.kv_cache_bytes)}; weights ${formatBytes(info.weight_bytes)}` : "–";
 }
+var HOST_LABELS = { headroom: "available" };
 function renderVramLegend(s) {
   const v = s.vram;
+  const view = memoryView(v);
   const legend = $("vram-legend");
   legend.replaceChildren();
-  $("vram-device").textContent = !v ? "no data yet" : v.source === "none" ? `no GPU: CPU mode${v.reason ? ` (${v.reason})` : ""}` : `${v.device} (${v.source})`;
-  if (!v) return;
-  const b = bands(sampleOf(v));
+  $("vram-title").textContent = view.title;
+  $("vram-device").textContent = view.detail;
+  document.body.dataset.memory = view.kind;
+  $("vram-chart").hidden = view.sample === null;
+  if (!v || !view.sample) return;
+  const b = bands(view.sample);
   for (const { key, label, color } of SERIES) {
+    if (view.kind === "host" && (key === "driver" || key === "reserve")) continue;
     const item = el("span", void 0, "legend-item");
     const swatch = el("i", void 0, "swatch");
     swatch.style.background = color;
-    item.append(swatch, el("span", `${label}: ${formatBytes(b[key])}`));
+    const name = view.kind === "host" ? HOST_LABELS[key] ?? label : label;
+    item.append(swatch, el("span", `${name}: ${formatBytes(b[key])}`));
     legend.append(item);
   }
-  const headroom = el("span", `headroom ${formatBytes(v.headroom_bytes)} of ${formatBytes(v.total_bytes)}`, "legend-item strong");
-  if (v.headroom_bytes < 0) headroom.classList.add("bad");
-  legend.append(headroom);
+  if (view.kind === "gpu") {
+    const headroom = el("span", `headroom ${formatBytes(v.headroom_bytes)} of ${formatBytes(v.total_bytes)}`, "legend-item strong");
+    if (v.headroom_bytes < 0) headroom.classList.add("bad");
+    legend.append(headroom);
+  } else {
+    legend.append(el("span", `${formatBytes(view.sample.free)} of ${formatBytes(view.sample.total)} available`, "legend-item strong"));
+  }
   const top = $("vram-top");
   top.replaceChildren(...v.top_consumers.map((c) => row([c.pid, c.name, formatBytes(c.bytes)])));
 }
@@ -666,12 +829,72 @@ function renderConnection(info) {
   document.body.dataset.connection = info.status;
   if (info.status === "unauthorized") sessionStorage.removeItem(TOKEN_KEY);
 }
-function main() {
-  const token = readToken();
-  if (!token) {
-    $("connection").textContent = "no token: open the address `headroom token` prints (…/ui/#token=<token>)";
-    return;
-  }
+function setUpChat() {
+  const messages = [];
+  const form = $("chat-form");
+  const input = $("chat-input");
+  const log = $("chat-log");
+  const send = $("chat-send");
+  let controller = null;
+  $("chat-clear").addEventListener("click", () => {
+    controller?.abort();
+    messages.length = 0;
+    log.replaceChildren();
+  });
+  input.addEventListener("keydown", (event) => {
+    if (event.key === "Enter" && !event.shiftKey) {
+      event.preventDefault();
+      form.requestSubmit();
+    }
+  });
+  form.addEventListener("submit", async (event) => {
+    event.preventDefault();
+    if (controller) {
+      controller.abort();
+      return;
+    }
+    const text = input.value.trim();
+    if (!text) return;
+    input.value = "";
+    messages.push({ role: "user", content: text });
+    log.append(el("div", text, "chat-user"));
+    const reply = el("div", "", "chat-assistant");
+    const note = el("div", "", "muted");
+    log.append(reply, note);
+    controller = new AbortController();
+    send.textContent = "Stop";
+    let answer = "";
+    try {
+      await streamChat(
+        messages,
+        (chunk) => {
+          if (chunk.kind === "text") answer += chunk.text;
+          else if (chunk.kind === "reasoning") note.textContent += chunk.text;
+          else if (chunk.kind === "error") {
+            note.textContent = chunk.message;
+            note.className = "bad";
+          } else if (chunk.finishReason === "length") note.textContent = "(cut at the token limit)";
+          reply.textContent = answer;
+          log.scrollTop = log.scrollHeight;
+        },
+        { apiKey: $("chat-key").value.trim() || void 0, signal: controller.signal }
+      );
+    } catch (err) {
+      note.textContent = controller.signal.aborted ? "(stopped)" : String(err);
+    } finally {
+      if (answer) messages.push({ role: "assistant", content: answer });
+      else messages.pop();
+      controller = null;
+      send.textContent = "Send";
+    }
+  });
+}
+async function main() {
+  setUpChat();
+  const token = readToken() ?? await askForToken("Enter headroom's local token: `headroom token` prints it (and the link that fills it in).");
+  start(token);
+}
+function start(token) {
   const chart = new VramChart($("vram-chart"));
   const stream = new EventStream({ token });
   const control = new ControlClient({ token });
@@ -685,19 +908,28 @@ function main() {
     renderCounters(s);
     renderErrors(s);
   };
-  stream.onStatus(renderConnection);
+  stream.onStatus((info) => {
+    renderConnection(info);
+    if (info.status === "unauthorized") {
+      stream.close();
+      void askForToken("The token was refused: enter the right one.").then(() => location.reload());
+    }
+  });
   stream.onState((s, m) => {
     debug.messages++;
     if (m.type === "snapshot") {
-      if (s.vram) chart.push(sampleOf(s.vram));
+      const sample = memoryView(s.vram).sample;
+      if (sample) chart.push(sample);
       renderAll(s);
       return;
     }
     switch (m.type) {
-      case "vram":
-        chart.push(sampleOf(m));
+      case "vram": {
+        const sample = memoryView(m).sample;
+        if (sample) chart.push(sample);
         renderVramLegend(s);
         break;
+      }
       case "health":
         renderHealth(s);
         renderWorker(s);
@@ -735,8 +967,10 @@ function main() {
     });
   };
   act("restart", () => control.restart());
+  act("pause", () => control.pause());
+  act("resume", () => control.resume());
   act("clear-cache", () => control.clearPrefixCache());
   act("set-reserve", () => control.setReserve($("reserve").value.trim() || "auto"));
   stream.connect();
 }
-main();
+void main();

@@ -165,6 +165,8 @@ async function main() {
     check(after.health?.worker_pid !== pid && after.health?.status === "ready", `a new worker serves (pid ${after.health?.worker_pid})`);
     check((after.health?.restarts ?? 0) >= 1, "the restart is counted");
     await page.screenshot({ path: join(outDir, "3-ready-again.png"), fullPage: true });
+
+    if (!flag("--demo")) await firstMinute(context, page, server, check);
     check(consoleErrors.length === 0, `no console errors${consoleErrors.length ? ": " + consoleErrors.join(" | ") : ""}`);
   } finally {
     await context.close();
@@ -177,6 +179,47 @@ async function main() {
     process.exit(1);
   }
   log(`all ${checks.length} checks passed`);
+}
+
+/**
+ * What a new user meets (a real service only): the service's address leads to the page,
+ * which asks for the token with its form; the Restart button's exit says who asked; the
+ * chat panel answers.
+ */
+async function firstMinute(context, page, server, check) {
+  const fresh = await context.newPage(); // a new tab: no token in its session storage
+  await fresh.goto(`${server.url}/`);
+  check(new URL(fresh.url()).pathname === "/ui/", `the service's address leads to the dashboard (${fresh.url()})`);
+  await fresh.waitForSelector("#token-form:not([hidden])", { timeout: 20_000 });
+  await fresh.screenshot({ path: join(outDir, "4-token-form.png"), fullPage: true });
+  await fresh.fill("#token-input", server.token);
+  await fresh.click("#token-form button[type=submit]");
+  await fresh.waitForSelector('body[data-health="ready"]', { timeout: 60_000 });
+  check(await fresh.isHidden("#token-form"), "the token typed in the form connects the page");
+  await fresh.close();
+
+  await page.click("#restart");
+  await page.waitForFunction(
+    () => document.querySelector("#worker-exit").textContent.includes("restart requested by the control API"),
+    null,
+    { timeout: 60_000 },
+  );
+  await page.waitForSelector('body[data-health="ready"]', { timeout: 120_000 });
+  check(true, `a restart from the page says who asked: "${await page.textContent("#worker-exit")}"`);
+
+  await page.fill("#chat-input", "Say hello in three words.");
+  await page.click("#chat-send");
+  await page.waitForFunction(
+    () => document.querySelector(".chat-assistant")?.textContent && document.querySelector("#chat-send").textContent === "Send",
+    null,
+    { timeout: 180_000 },
+  );
+  const reply = await page.textContent(".chat-assistant");
+  const note = await page.evaluate(() =>
+    [...document.querySelectorAll("#chat-log .muted, #chat-log .bad")].map((e) => e.textContent).join(" "),
+  );
+  check(reply.trim().length > 0 && !(await page.locator("#chat-log .bad").count()), `the chat panel answers: "${reply.trim()}" ${note}`);
+  await page.screenshot({ path: join(outDir, "5-chat.png"), fullPage: true });
 }
 
 main().catch((err) => {

@@ -279,7 +279,10 @@ export class EventStream {
   }
 
   private detach(socket: WebSocketLike): void {
-    socket.onopen = socket.onmessage = socket.onerror = socket.onclose = null;
+    socket.onopen = socket.onmessage = socket.onclose = null;
+    // Node's `ws` reports closing a socket that is still connecting as an error event;
+    // with no listener it would be an unhandled error. A browser's does not.
+    socket.onerror = () => {};
   }
 
   private handle(socket: WebSocketLike, data: unknown): void {
@@ -375,6 +378,17 @@ export class ControlClient {
   /** Restart the engine worker (also from `failed`). */
   restart(): Promise<ControlResponse> {
     return this.call("POST", "/api/control/restart");
+  }
+
+  /** Stop the worker and give all its memory back (game mode) until `resume()`. A
+   * service without the route answers 404, thrown as a `HeadroomApiError`. */
+  pause(): Promise<ControlResponse> {
+    return this.call("POST", "/api/control/pause");
+  }
+
+  /** Start the worker again after `pause()`. */
+  resume(): Promise<ControlResponse> {
+    return this.call("POST", "/api/control/resume");
   }
 
   /** Keep `reserve` free for the desktop: bytes, a size such as `"1.5GiB"`, or `"auto"`. */

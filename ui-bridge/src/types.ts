@@ -122,6 +122,17 @@ export interface HealthEvent {
 }
 
 /**
+ * The host's RAM, in bytes: `total_bytes`, `available_bytes` (what new
+ * allocations can take without swapping) and `ours_bytes` (the resident set of this
+ * service's processes).
+ */
+export interface HostMemory {
+  total_bytes: number;
+  available_bytes: number;
+  ours_bytes: number;
+}
+
+/**
  * One line of the ledger: `sign` is `+` for what the device offers, `-` for
  * what is taken from it, `=` for a subtotal.
  */
@@ -307,6 +318,7 @@ export interface VramEvent {
   reason: string | null;
   device_limit_bytes: number | null;
   memory_rule: string | null;
+  host: HostMemory | null;
 }
 
 /**

@@ -30,6 +30,7 @@ function vram(free: number): Omit<VramEvent, "seq" | "ts"> {
     reason: null,
     device_limit_bytes: null,
     memory_rule: null,
+    host: null,
   };
 }
 
@@ -239,6 +240,21 @@ describe("ControlClient", () => {
     const snap = await c.status();
     expect(snap.type).toBe("snapshot");
     expect(snap.health?.status).toBe("ready");
+  });
+
+  it("pauses and resumes with the token, and a service without the routes is a 404 error", async () => {
+    const c = new ControlClient({ baseUrl: server.baseUrl, token: server.token });
+    expect((await c.pause()).action).toBe("pause");
+    expect((await c.resume()).action).toBe("resume");
+    expect(server.controlCalls.map((x) => [x.path, x.auth])).toEqual([
+      ["/api/control/pause", `Bearer ${server.token}`],
+      ["/api/control/resume", `Bearer ${server.token}`],
+    ]);
+    server.missingRoutes.add("/api/control/pause");
+    const err = await c.pause().catch((e: unknown) => e);
+    expect(err).toBeInstanceOf(HeadroomApiError);
+    expect((err as HeadroomApiError).status).toBe(404);
+    expect((err as HeadroomApiError).message).toContain("/api/control/pause");
   });
 
   it("throws HeadroomApiError with the service's error fields", async () => {

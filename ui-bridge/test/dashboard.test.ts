@@ -3,7 +3,9 @@ import { describe, expect, it } from "vitest";
 import { bundleDashboard, OUTFILE } from "../scripts/build-dashboard.mjs";
 import { bands } from "../dashboard/src/chart.js";
 import { planSummary } from "../src/format.js";
-import type { MemoryPlan } from "../src/types.js";
+import { type ChatChunk, parseSse, streamChat } from "../dashboard/src/chat.js";
+import { exitText, healthView, memoryView } from "../dashboard/src/view.js";
+import type { MemoryPlan, VramEvent, WorkerEvent } from "../src/types.js";
 
 const GiB = 1 << 30;
 
@@ -39,5 +41,142 @@ describe("dashboard", () => {
     expect(planSummary({ ...plan, max_context_tokens: 8192, context_note: "" })).toBe(
       "NVIDIA RTX 4060: 216 pages × 16 tokens, max context 8192 tokens",
     );
+  });
+});
+
+const vram = (over: Partial<VramEvent>): VramEvent => ({
+  type: "vram",
+  seq: 1,
+  ts: 100,
+  device: "no GPU",
+  source: "none",
+  total_bytes: 0,
+  free_bytes: 0,
+  ours_bytes: 0,
+  others_bytes: 0,
+  reserve_bytes: 0,
+  headroom_bytes: 0,
+  top_consumers: [],
+  reason: "no GPU, CPU mode: NVML is not available; no NVIDIA driver or GPU",
+  device_limit_bytes: null,
+  memory_rule: null,
+  host: null,
+  ...over,
+});
+
+describe("dashboard: states", () => {
+  it("shows the desktop service's states with their reason, and any unknown one by name", () => {
+    const h = (status: string, reason: string | null = null, retry: number | null = null) =>
+      healthView({ status, reason, retry_after_s: retry });
+    expect(h("ready")).toEqual({ label: "ready", tone: "ok", detail: "" });
+    const waiting = h("waiting_for_memory", "needs 2.1 GiB, 0.9 GiB free; firefox holds 3 GiB", 5);
+    expect(waiting.label).toBe("waiting for memory");
+    expect(waiting.tone).toBe("wait");
+    expect(waiting.detail).toBe("needs 2.1 GiB, 0.9 GiB free; firefox holds 3 GiB; retry in ~5 s");
+    expect(h("waiting_for_gpu", "CUDA failed to initialise (error 999)")).toMatchObject({ label: "waiting for the GPU", tone: "wait" });
+    expect(h("paused", "paused through the control API")).toMatchObject({ label: "paused", tone: "paused", detail: "paused through the control API" });
+    expect(h("idle")).toMatchObject({ label: "idle (model unloaded)", tone: "paused" });
+    expect(h("failed", "crash loop")).toMatchObject({ tone: "bad", detail: "crash loop" });
+    expect(h("defragmenting_moon")).toEqual({ label: "defragmenting moon", tone: "unknown", detail: "" });
+    expect(healthView(null).tone).toBe("unknown");
+  });
+
+  it("says who asked for a restart, and a crash as a crash", () => {
+    const t = () => "12:00";
+    const exit = (reason: string | null): WorkerEvent => ({
+      type: "worker", seq: 3, ts: 1, phase: "exited", pid: 42, exit_code: null, signal: "SIGKILL",
+      reason, delay_s: null, restarts: 0, last_lines: [],
+    });
+    expect(exitText(exit("was killed by SIGKILL: restart requested by the control API"), t)).toBe(
+      "pid 42 at 12:00; was killed by SIGKILL: restart requested by the control API",
+    );
+    expect(exitText(exit(null), t)).toBe("pid 42 at 12:00; killed by SIGKILL");
+    expect(exitText(null, t)).toBe("none");
+  });
+});
+
+describe("dashboard: memory panel", () => {
+  it("shows the host's RAM in CPU mode and says why there is no GPU once", () => {
+    const view = memoryView(vram({ host: { total_bytes: 16 * GiB, available_bytes: 10 * GiB, ours_bytes: 2 * GiB } }));
+    expect(view.title).toBe("Host memory");
+    expect(view.kind).toBe("host");
+    expect(view.detail.match(/CPU mode/g)).toHaveLength(1);
+    expect(view.detail).not.toMatch(/no GPU.*no GPU: CPU/);
+    expect(view.sample).toEqual({ t: 100, total: 16 * GiB, free: 10 * GiB, ours: 2 * GiB, others: 4 * GiB, reserve: 0 });
+    expect(bands(view.sample!)).toEqual({ ours: 2 * GiB, others: 4 * GiB, driver: 0, reserve: 0, headroom: 10 * GiB });
+  });
+
+  it("draws nothing in CPU mode until the host's memory comes, and the GPU's otherwise", () => {
+    expect(memoryView(vram({}))).toMatchObject({ kind: "none", sample: null, title: "Memory" });
+    expect(memoryView(null).sample).toBeNull();
+    const gpu = memoryView(vram({ source: "nvml", device: "RTX 4060", total_bytes: 8 * GiB, free_bytes: 3 * GiB, ours_bytes: 4 * GiB, others_bytes: GiB, reserve_bytes: GiB, reason: null }));
+    expect(gpu).toMatchObject({ title: "VRAM", kind: "gpu", detail: "RTX 4060 (nvml)" });
+    expect(gpu.sample).toMatchObject({ total: 8 * GiB, free: 3 * GiB, reserve: GiB });
+  });
+});
+
+const sse = (...events: unknown[]) => events.map((e) => `data: ${typeof e === "string" ? e : JSON.stringify(e)}\n\n`).join("");
+const delta = (content: string, finish: string | null = null) => ({ choices: [{ index: 0, delta: { content }, finish_reason: finish }] });
+
+describe("dashboard: chat", () => {
+  it("parses OpenAI's stream, keeping an event cut in the middle for the next read", () => {
+    const text = sse(delta("Hel"), delta("lo"), delta("", "stop"), "[DONE]");
+    const cut = text.length - 10;
+    const first = parseSse(text.slice(0, cut));
+    expect(first.chunks).toEqual([
+      { kind: "text", text: "Hel" },
+      { kind: "text", text: "lo" },
+      { kind: "done", finishReason: "stop" },
+    ]);
+    const second = parseSse(first.rest + text.slice(cut));
+    expect(second).toEqual({ chunks: [{ kind: "done", finishReason: null }], rest: "" });
+    expect(parseSse(sse({ error: { message: "the engine is restarting; retry the request" } })).chunks).toEqual([
+      { kind: "error", message: "the engine is restarting; retry the request" },
+    ]);
+    expect(parseSse(sse({ choices: [{ delta: { reasoning_content: "hmm" } }] })).chunks).toEqual([{ kind: "reasoning", text: "hmm" }]);
+  });
+
+  it("streams a turn with fetch and reports HTTP errors as an error chunk", async () => {
+    const calls: { url: string; init: RequestInit }[] = [];
+    const body = sse(delta("Hi"), delta("!", "stop"), "[DONE]");
+    const ok: typeof fetch = async (url, init) => {
+      calls.push({ url: String(url), init: init ?? {} });
+      return new Response(new Blob([body]).stream(), { status: 200, headers: { "content-type": "text/event-stream" } });
+    };
+    const got: ChatChunk[] = [];
+    await streamChat([{ role: "user", content: "hello" }], (c) => got.push(c), { fetch: ok, apiKey: "k" });
+    expect(got.filter((c) => c.kind === "text").map((c) => (c as { text: string }).text).join("")).toBe("Hi!");
+    expect(got.at(-1)).toEqual({ kind: "done", finishReason: null });
+    expect(calls[0]!.url).toBe("/v1/chat/completions");
+    expect(JSON.parse(String(calls[0]!.init.body))).toEqual({
+      model: "default", messages: [{ role: "user", content: "hello" }], stream: true, max_tokens: 512,
+    });
+    expect((calls[0]!.init.headers as Record<string, string>).Authorization).toBe("Bearer k");
+
+    const refused: typeof fetch = async () =>
+      new Response(JSON.stringify({ error: { message: "Invalid API key", type: "authentication_error", param: null, code: "invalid_api_key" } }), { status: 401 });
+    const errors: ChatChunk[] = [];
+    await streamChat([{ role: "user", content: "x" }], (c) => errors.push(c), { fetch: refused });
+    expect(errors).toHaveLength(1);
+    expect(errors[0]).toMatchObject({ kind: "error" });
+    expect((errors[0] as { message: string }).message).toMatch(/^401: Invalid API key .*--api-key/);
+
+    const cut: typeof fetch = async () => new Response(new Blob([sse(delta("par"))]).stream(), { status: 200 });
+    const partial: ChatChunk[] = [];
+    await streamChat([{ role: "user", content: "x" }], (c) => partial.push(c), { fetch: cut });
+    expect(partial.at(-1)).toEqual({ kind: "error", message: "the stream ended before [DONE]" });
+  });
+});
+
+describe("dashboard: page", () => {
+  const html = readFileSync(new URL("../dashboard/index.html", import.meta.url), "utf8");
+  it("asks for the token with a form in the page, never a blocking prompt", () => {
+    expect(html).toMatch(/<form id="token-form"[^>]*>/);
+    expect(html).toContain('id="token-input" type="password"');
+    expect(readFileSync(OUTFILE, "utf8")).not.toMatch(/\bprompt\(/);
+  });
+
+  it("has pause and resume, and a chat panel", () => {
+    for (const id of ["pause", "resume", "chat-form", "chat-input", "chat-log", "chat-send"]) expect(html).toContain(`id="${id}"`);
   });
 });

@@ -25,6 +25,8 @@ export class FakeServer {
   /** Every socket URL a client opened (to check the resume parameters). */
   readonly connectUrls: URL[] = [];
   readonly controlCalls: ControlCall[] = [];
+  /** Control paths answered 404, as by a service that does not have them yet. */
+  readonly missingRoutes = new Set<string>();
   /** While true, new sockets are refused (the handshake fails). */
   refuse = false;
   private http: Server;
@@ -156,6 +158,9 @@ export class FakeServer {
       res.end(JSON.stringify(body));
     };
     if (req.method === "GET" && path === "/api/status") return reply(200, this.snapshot());
+    if (req.method === "POST" && this.missingRoutes.has(path)) {
+      return reply(404, { error: { message: `no route ${path}`, type: "not_found_error", param: null, code: null } });
+    }
     if (req.method === "POST" && path.startsWith("/api/control/")) {
       const auth = req.headers.authorization;
       this.controlCalls.push({ method: req.method, path, auth, body: raw ? JSON.parse(raw) : null });

@@ -4,7 +4,9 @@ import { ControlClient, EventStream, HeadroomApiError, type StatusInfo } from ".
 import { formatBytes, planSummary } from "../../src/format.js";
 import type { HeadroomState } from "../../src/state.js";
 import type { ServerMessage } from "../../src/types.js";
-import { bands, sampleOf, SERIES, VramChart } from "./chart.js";
+import { bands, SERIES, VramChart } from "./chart.js";
+import { type ChatMessage, streamChat } from "./chat.js";
+import { exitText, healthView, memoryView } from "./view.js";
 
 const TOKEN_KEY = "headroom.token";
 
@@ -36,8 +38,8 @@ const time = (ts: number) => new Date(ts * 1000).toLocaleTimeString();
 /**
  * The token from the address's fragment (`#token=...`, as `headroom token` prints it: a
  * fragment is never sent to the server), then removed from the address bar and from the
- * history entry; else this tab's storage, or a prompt. An old-style `?token=` is read
- * and removed the same way.
+ * history entry; else this tab's storage; else null (the page then asks with its form).
+ * An old-style `?token=` is read and removed the same way.
  */
 function readToken(): string | null {
   const url = new URL(location.href);
@@ -52,23 +54,43 @@ function readToken(): string | null {
     history.replaceState(null, "", url.toString());
     return fromUrl;
   }
-  const stored = sessionStorage.getItem(TOKEN_KEY);
-  if (stored) return stored;
-  const typed = prompt("headroom's local token (the file `token` in headroom's config folder):")?.trim();
-  if (typed) sessionStorage.setItem(TOKEN_KEY, typed);
-  return typed || null;
+  return sessionStorage.getItem(TOKEN_KEY);
+}
+
+/** Ask for the token with the page's form (not a blocking prompt): resolves with what
+ * was entered, kept in this tab's storage. */
+function askForToken(note: string): Promise<string> {
+  const form = $("token-form") as HTMLFormElement;
+  const input = $("token-input") as HTMLInputElement;
+  $("token-note").textContent = note;
+  form.hidden = false;
+  input.focus();
+  return new Promise((resolve) => {
+    form.addEventListener("submit", function onSubmit(event) {
+      event.preventDefault();
+      const typed = input.value.trim();
+      if (!typed) return;
+      form.removeEventListener("submit", onSubmit);
+      form.hidden = true;
+      input.value = "";
+      sessionStorage.setItem(TOKEN_KEY, typed);
+      resolve(typed);
+    });
+  });
 }
 
 function renderHealth(s: HeadroomState): void {
-  const status = s.health?.status ?? "unknown";
+  // A string, not the schema's union: a newer service may send states this page predates.
+  const status: string = s.health?.status ?? "unknown";
+  const view = healthView(s.health);
   const badge = $("health");
-  badge.textContent = status;
-  badge.className = `badge ${status}`;
+  badge.textContent = view.label;
+  badge.className = `badge ${view.tone}`;
   document.body.dataset.health = status;
   $("model").textContent = s.health?.model ?? "–";
-  $("health-reason").textContent = s.health?.reason ?? "";
-  const retry = s.health?.retry_after_s;
-  $("retry").textContent = retry != null && status !== "ready" ? `retry in ~${retry} s` : "";
+  $("health-reason").textContent = view.detail;
+  $("pause").hidden = status === "paused" || status === "idle";
+  $("resume").hidden = !($("pause").hidden);
 }
 
 function renderWorker(s: HeadroomState): void {
@@ -82,14 +104,7 @@ function renderWorker(s: HeadroomState): void {
   if (w?.phase === "failed" && w.reason) parts.push(w.reason);
   $("worker-detail").textContent = parts.join("; ");
   const x = s.last_exit;
-  const exit: string[] = [];
-  if (x) {
-    exit.push(`pid ${x.pid ?? "?"} at ${time(x.ts)}`);
-    if (x.exit_code != null) exit.push(`exit code ${x.exit_code}`);
-    if (x.reason) exit.push(x.reason);
-    else if (x.signal != null) exit.push(`killed by ${x.signal}`);
-  }
-  $("worker-exit").textContent = exit.length ? exit.join("; ") : "none";
+  $("worker-exit").textContent = exitText(x, time);
   $("worker-lines").textContent = (x?.last_lines ?? []).join("\n");
   $("worker-when").textContent = w ? time(w.ts) : "";
   const info = s.engine?.info;
@@ -100,27 +115,37 @@ function renderWorker(s: HeadroomState): void {
     : "–";
 }
 
+// In host mode there is no unattributed driver share and no reserve, and the free band
+// is what the host has available.
+const HOST_LABELS: Partial<Record<string, string>> = { headroom: "available" };
+
 function renderVramLegend(s: HeadroomState): void {
   const v = s.vram;
+  const view = memoryView(v);
   const legend = $("vram-legend");
   legend.replaceChildren();
-  $("vram-device").textContent = !v
-    ? "no data yet"
-    : v.source === "none"
-      ? `no GPU: CPU mode${v.reason ? ` (${v.reason})` : ""}`
-      : `${v.device} (${v.source})`;
-  if (!v) return;
-  const b = bands(sampleOf(v));
+  $("vram-title").textContent = view.title;
+  $("vram-device").textContent = view.detail;
+  document.body.dataset.memory = view.kind;
+  $("vram-chart").hidden = view.sample === null;
+  if (!v || !view.sample) return;
+  const b = bands(view.sample);
   for (const { key, label, color } of SERIES) {
+    if (view.kind === "host" && (key === "driver" || key === "reserve")) continue;
     const item = el("span", undefined, "legend-item");
     const swatch = el("i", undefined, "swatch");
     swatch.style.background = color;
-    item.append(swatch, el("span", `${label}: ${formatBytes(b[key])}`));
+    const name = view.kind === "host" ? (HOST_LABELS[key] ?? label) : label;
+    item.append(swatch, el("span", `${name}: ${formatBytes(b[key])}`));
     legend.append(item);
   }
-  const headroom = el("span", `headroom ${formatBytes(v.headroom_bytes)} of ${formatBytes(v.total_bytes)}`, "legend-item strong");
-  if (v.headroom_bytes < 0) headroom.classList.add("bad");
-  legend.append(headroom);
+  if (view.kind === "gpu") {
+    const headroom = el("span", `headroom ${formatBytes(v.headroom_bytes)} of ${formatBytes(v.total_bytes)}`, "legend-item strong");
+    if (v.headroom_bytes < 0) headroom.classList.add("bad");
+    legend.append(headroom);
+  } else {
+    legend.append(el("span", `${formatBytes(view.sample.free)} of ${formatBytes(view.sample.total)} available`, "legend-item strong"));
+  }
   const top = $("vram-top");
   top.replaceChildren(...v.top_consumers.map((c) => row([c.pid, c.name, formatBytes(c.bytes)])));
 }
@@ -207,12 +232,77 @@ function renderConnection(info: StatusInfo): void {
   if (info.status === "unauthorized") sessionStorage.removeItem(TOKEN_KEY);
 }
 
-function main(): void {
-  const token = readToken();
-  if (!token) {
-    $("connection").textContent = "no token: open the address `headroom token` prints (…/ui/#token=<token>)";
-    return;
-  }
+/** The chat panel: the conversation stays in the page; each turn streams into the log. */
+function setUpChat(): void {
+  const messages: ChatMessage[] = [];
+  const form = $("chat-form") as HTMLFormElement;
+  const input = $("chat-input") as HTMLTextAreaElement;
+  const log = $("chat-log");
+  const send = $("chat-send") as HTMLButtonElement;
+  let controller: AbortController | null = null;
+  $("chat-clear").addEventListener("click", () => {
+    controller?.abort();
+    messages.length = 0;
+    log.replaceChildren();
+  });
+  input.addEventListener("keydown", (event) => {
+    if (event.key === "Enter" && !event.shiftKey) {
+      event.preventDefault(); // Enter sends, Shift+Enter breaks the line
+      form.requestSubmit();
+    }
+  });
+  form.addEventListener("submit", async (event) => {
+    event.preventDefault();
+    if (controller) {
+      controller.abort(); // the button reads "Stop" while a reply streams
+      return;
+    }
+    const text = input.value.trim();
+    if (!text) return;
+    input.value = "";
+    messages.push({ role: "user", content: text });
+    log.append(el("div", text, "chat-user"));
+    const reply = el("div", "", "chat-assistant");
+    const note = el("div", "", "muted");
+    log.append(reply, note);
+    controller = new AbortController();
+    send.textContent = "Stop";
+    let answer = "";
+    try {
+      await streamChat(
+        messages,
+        (chunk) => {
+          if (chunk.kind === "text") answer += chunk.text;
+          else if (chunk.kind === "reasoning") note.textContent += chunk.text;
+          else if (chunk.kind === "error") {
+            note.textContent = chunk.message;
+            note.className = "bad";
+          } else if (chunk.finishReason === "length") note.textContent = "(cut at the token limit)";
+          reply.textContent = answer;
+          log.scrollTop = log.scrollHeight;
+        },
+        { apiKey: ($("chat-key") as HTMLInputElement).value.trim() || undefined, signal: controller.signal },
+      );
+    } catch (err) {
+      note.textContent = controller.signal.aborted ? "(stopped)" : String(err);
+    } finally {
+      if (answer) messages.push({ role: "assistant", content: answer });
+      else messages.pop(); // a failed turn is not part of the conversation
+      controller = null;
+      send.textContent = "Send";
+    }
+  });
+}
+
+async function main(): Promise<void> {
+  setUpChat();
+  const token =
+    readToken() ??
+    (await askForToken("Enter headroom's local token: `headroom token` prints it (and the link that fills it in)."));
+  start(token);
+}
+
+function start(token: string): void {
   const chart = new VramChart($("vram-chart") as HTMLCanvasElement);
   const stream = new EventStream({ token });
   const control = new ControlClient({ token });
@@ -227,19 +317,28 @@ function main(): void {
     renderCounters(s);
     renderErrors(s);
   };
-  stream.onStatus(renderConnection);
+  stream.onStatus((info) => {
+    renderConnection(info);
+    if (info.status === "unauthorized") {
+      stream.close();
+      void askForToken("The token was refused: enter the right one.").then(() => location.reload());
+    }
+  });
   stream.onState((s: HeadroomState, m: ServerMessage) => {
     debug.messages++;
     if (m.type === "snapshot") {
-      if (s.vram) chart.push(sampleOf(s.vram));
+      const sample = memoryView(s.vram).sample;
+      if (sample) chart.push(sample);
       renderAll(s);
       return;
     }
     switch (m.type) {
-      case "vram":
-        chart.push(sampleOf(m));
+      case "vram": {
+        const sample = memoryView(m).sample;
+        if (sample) chart.push(sample);
         renderVramLegend(s);
         break;
+      }
       case "health":
         renderHealth(s);
         renderWorker(s);
@@ -278,9 +377,12 @@ function main(): void {
     });
   };
   act("restart", () => control.restart());
+  // The service answers 404 where it has no game mode yet; the error is shown.
+  act("pause", () => control.pause());
+  act("resume", () => control.resume());
   act("clear-cache", () => control.clearPrefixCache());
   act("set-reserve", () => control.setReserve(( $("reserve") as HTMLInputElement).value.trim() || "auto"));
   stream.connect();
 }
 
-main();
+void main();

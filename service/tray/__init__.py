@@ -1,0 +1,1 @@
+"""The desktop tray: ``headroom tray`` (:mod:`service.tray.app`)."""

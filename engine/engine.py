@@ -372,6 +372,7 @@ class Engine(LiveReplan):
                 sampling=req.sampling,
                 state=state,
                 arrival=next(self._arrivals),
+                prompt_logprobs=None if req.sampling.prompt_logprobs is None else [None] * n,
             )
         )
 
@@ -416,6 +417,7 @@ class Engine(LiveReplan):
             else:
                 self.scheduler.commit(plan, sampled)
                 touched = [it.req for it in plan.items if it.req.request_id in sampled]
+                self._keep_logprobs(plan)
                 if self._oom is not None:
                     self._oom.after_good_step(plan)
             if oom_text is not None:
@@ -424,6 +426,21 @@ class Engine(LiveReplan):
         outputs = [self._output(r) for r in touched if r not in ended]
         outputs.extend(self._output(r) for r in ended)
         return outputs
+
+    def _keep_logprobs(self, plan) -> None:
+        """File the runner's logprobs of a committed step with their requests."""
+        runner = self.runner
+        if not runner.logprobs and not runner.prompt_logprobs:
+            return
+        for it in plan.items:
+            req = it.req
+            record = runner.logprobs.get(req.request_id)
+            if record is not None:
+                req.output_logprobs.append(record)
+            scored = runner.prompt_logprobs.get(req.request_id)
+            if scored and req.prompt_logprobs is not None:
+                for position, rec in scored:
+                    req.prompt_logprobs[position] = rec
 
     def drain_events(self) -> list:
         """Engine events since the last call (``list[engine.messages.EngineEvent]``): an
@@ -475,10 +492,18 @@ class Engine(LiveReplan):
         )
 
     def _output(self, req: Request) -> TokenOutput:
-        new = req.output_ids[req.emitted :]
+        start = req.emitted
+        new = req.output_ids[start:]
         req.emitted = len(req.output_ids)
         done = req.phase is Phase.FINISHED
+        logprobs = prompt_logprobs = None
+        if req.sampling.logprobs is not None:
+            logprobs = req.output_logprobs[start : start + len(new)]
+        if req.prompt_logprobs is not None and (new or done):
+            prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, None
         return TokenOutput(
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             request_id=req.request_id,
             token_ids=new,
             finished=done,

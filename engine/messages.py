@@ -101,6 +101,9 @@ FINISH_STOP = "stop"  # EOS or a stop token id (stop strings are the service's)
 FINISH_LENGTH = "length"  # max_new_tokens or the context limit
 FINISH_ABORT = "abort"  # aborted by the caller
 FINISH_ERROR = "error"  # failed; ``error_code`` says why
+# error_code of a request whose JSON schema did not compile (unsupported, or not within
+# engine.sampling.grammar.COMPILE_TIMEOUT_S): the caller's fault, not the engine's.
+ERROR_INVALID_SCHEMA = "invalid_schema"
 
 
 class TokenOutput(msgspec.Struct, frozen=True, tag=True, kw_only=True):

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from engine.ipc import Rejected
 from engine.messages import (
+    ERROR_INVALID_SCHEMA,
     FINISH_ERROR,
     FINISH_LENGTH,
     EngineInfo,
@@ -283,6 +284,9 @@ def engine_error(code: str | None, message: str | None) -> APIError:
     stayed up) is a 503 with Retry-After: the same request may well run later. Any
     other code is a 500 carrying the engine's code (``engine_error`` when it gave none).
     """
+    if code == ERROR_INVALID_SCHEMA:
+        # The schema did not compile (unsupported, or not in time): the request's fault.
+        return invalid(message or "the JSON schema cannot be used", "response_format")
     if code == OUT_OF_MEMORY:
         return APIError(
             503,

@@ -11,6 +11,8 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import time
+from concurrent import futures
 from pathlib import Path
 
 import torch
@@ -30,7 +32,14 @@ from engine.loader.resolve import resolve_model
 from engine.memory.footprint import kv_bytes_per_token, make_footprint
 from engine.memory.plan import MemoryPlan, PlanKnobs, fit_plan, make_plan
 from engine.memory.profile import measure_step_peak, profile_pool_pages
-from engine.messages import EngineInfo, EngineStats, GenerateRequest, TokenOutput
+from engine.messages import (
+    ERROR_INVALID_SCHEMA,
+    FINISH_ERROR,
+    EngineInfo,
+    EngineStats,
+    GenerateRequest,
+    TokenOutput,
+)
 from engine.models.quant_linear import model_weight_bytes
 from engine.options import pick
 from engine.runner import ModelRunner
@@ -81,6 +90,8 @@ class Engine(LiveReplan):
         # Model config: enough to plan before any weight is read.
         self.model_dir: Path = resolve_model(config.model)
         self._grammar_compiler: GrammarCompiler | None = None
+        # Requests waiting for their grammar's compile: (request, future, deadline).
+        self._compiling: list[tuple[Request, futures.Future, float]] = []
         mc: ModelConfig = load_model_config(self.model_dir)
         self.model_config = mc
         # A GGUF asked to keep its projections in block format (--gguf-quantized, on
@@ -360,20 +371,57 @@ class Engine(LiveReplan):
             state = SamplingState(req.sampling, req.prompt_token_ids, vocab, self.device)
         except ValueError as exc:  # a sampling parameter out of range; the message names it
             raise RequestRejected(str(exc), code="invalid_request") from None
+        request = Request(
+            request_id=req.request_id,
+            prompt_ids=list(req.prompt_token_ids),
+            sampling=req.sampling,
+            state=state,
+            arrival=next(self._arrivals),
+            prompt_logprobs=None if req.sampling.prompt_logprobs is None else [None] * n,
+        )
         if req.sampling.json_schema is not None:
+            grammars = self._grammars()
+            future = grammars.compile(req.sampling.json_schema)
+            if not future.done():
+                # Compiling in the background: the request waits for it, the steps go on.
+                self._compiling.append((request, future, time.monotonic() + grammars.timeout_s))
+                return
             try:
-                state.matcher = self._grammars().matcher(req.sampling.json_schema)
+                state.matcher = grammars.matcher_of(future.result())
             except GrammarError as exc:
                 raise RequestRejected(str(exc), code="invalid_request", param="response_format") from None
-        self.scheduler.add(
-            Request(
-                request_id=req.request_id,
-                prompt_ids=list(req.prompt_token_ids),
-                sampling=req.sampling,
-                state=state,
-                arrival=next(self._arrivals),
-            )
-        )
+        self.scheduler.add(request)
+
+    def _admit_compiled(self) -> list[TokenOutput]:
+        """Requests whose grammar has compiled go to the scheduler; those whose compile
+        failed or ran past its time end with ``error_code`` :data:`ERROR_INVALID_SCHEMA`."""
+        if not self._compiling:
+            return []
+        if not self.scheduler.has_work():
+            # Nothing else to run: wait a little for a compile rather than spin.
+            futures.wait([f for _, f, _ in self._compiling], timeout=0.01, return_when=futures.FIRST_COMPLETED)
+        failed, waiting = [], []
+        now = time.monotonic()
+        for request, future, deadline in self._compiling:
+            if future.done():
+                try:
+                    request.state.matcher = self._grammars().matcher_of(future.result())
+                except GrammarError as exc:
+                    failed.append(self._failed(request, str(exc)))
+                    continue
+                self.scheduler.add(request)
+            elif now > deadline:
+                failed.append(self._failed(request, self._grammars().timeout_message()))
+            else:
+                waiting.append((request, future, deadline))
+        self._compiling = waiting
+        return failed
+
+    @staticmethod
+    def _failed(request: Request, message: str) -> TokenOutput:
+        return TokenOutput(request_id=request.request_id, token_ids=[], finished=True, finish_reason=FINISH_ERROR,
+                           error_code=ERROR_INVALID_SCHEMA, error_message=message,
+                           prompt_tokens=len(request.prompt_ids))
 
     def _grammars(self) -> GrammarCompiler:
         """The JSON-schema compiler, made on the first structured-output request."""
@@ -387,9 +435,10 @@ class Engine(LiveReplan):
         """End a request in any phase and free its pages; unknown ids are ignored. Its
         final ``TokenOutput`` (``finish_reason="abort"``) comes with the next step."""
         self.scheduler.abort(request_id)
+        self._compiling = [c for c in self._compiling if c[0].request_id != request_id]
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self._compiling)
 
     def step(self) -> list[TokenOutput]:
         """Run one step (schedule -> forward -> commit) and report what changed.
@@ -403,6 +452,7 @@ class Engine(LiveReplan):
         Raises:
             Whatever else the model or the sampler raises (the worker then ends).
         """
+        refused = self._admit_compiled()
         plan = self.scheduler.schedule()
         touched: list[Request] = []
         if plan is not None:
@@ -416,6 +466,7 @@ class Engine(LiveReplan):
             else:
                 self.scheduler.commit(plan, sampled)
                 touched = [it.req for it in plan.items if it.req.request_id in sampled]
+                self._keep_logprobs(plan)
                 if self._oom is not None:
                     self._oom.after_good_step(plan)
             if oom_text is not None:
@@ -423,7 +474,22 @@ class Engine(LiveReplan):
         ended = self.scheduler.drain_ended()
         outputs = [self._output(r) for r in touched if r not in ended]
         outputs.extend(self._output(r) for r in ended)
-        return outputs
+        return refused + outputs
+
+    def _keep_logprobs(self, plan) -> None:
+        """File the runner's logprobs of a committed step with their requests."""
+        runner = self.runner
+        if not runner.logprobs and not runner.prompt_logprobs:
+            return
+        for it in plan.items:
+            req = it.req
+            record = runner.logprobs.get(req.request_id)
+            if record is not None:
+                req.output_logprobs.append(record)
+            scored = runner.prompt_logprobs.get(req.request_id)
+            if scored and req.prompt_logprobs is not None:
+                for position, rec in scored:
+                    req.prompt_logprobs[position] = rec
 
     def drain_events(self) -> list:
         """Engine events since the last call (``list[engine.messages.EngineEvent]``): an
@@ -475,10 +541,18 @@ class Engine(LiveReplan):
         )
 
     def _output(self, req: Request) -> TokenOutput:
-        new = req.output_ids[req.emitted :]
+        start = req.emitted
+        new = req.output_ids[start:]
         req.emitted = len(req.output_ids)
         done = req.phase is Phase.FINISHED
+        logprobs = prompt_logprobs = None
+        if req.sampling.logprobs is not None:
+            logprobs = req.output_logprobs[start : start + len(new)]
+        if req.prompt_logprobs is not None and (new or done):
+            prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, None
         return TokenOutput(
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             request_id=req.request_id,
             token_ids=new,
             finished=done,

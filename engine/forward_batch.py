@@ -28,8 +28,12 @@ class ForwardBatch:
         prefix_lens: ``[B]`` int64 on the CPU, tokens already in the KV cache before
             this step.
         extend_lens: ``[B]`` int64 on the CPU, new tokens this step (``sum == T``).
-        logits_indices: ``[B]`` int64, row in ``T`` of each sequence's last new token;
-            the model returns logits for those rows only.
+        logits_indices: ``[L]`` int64, the rows in ``T`` the model returns logits for:
+            each sampling sequence's last new token, and every token of a scored chunk
+            (a prompt whose logprobs are wanted, ``StepItem.scores``).
+        sample_rows: None when no chunk is scored (the logits rows are the sampling
+            rows); else ``[S]`` int64 on the CPU, the logits row of each sampling
+            sequence.
         seq_lens_device, prefix_lens_device, extend_lens_device, extend_starts_device:
             ``[B]`` int64 on the model's device (kernels read them there): KV length after
             the step, cached prefix, new tokens, and the first row in ``T`` of each
@@ -52,6 +56,7 @@ class ForwardBatch:
     extend_lens_device: torch.Tensor | None = None
     extend_starts_device: torch.Tensor | None = None
     page_table_cpu: torch.Tensor | None = None
+    sample_rows: torch.Tensor | None = None
 
     def device_meta(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(seq_lens, prefix_lens, extend_lens, extend_starts)`` on the model's device,

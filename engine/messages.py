@@ -30,6 +30,11 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     before everything else (a bias of -100 bans a token in practice, +100 forces it).
     ``json_schema``: JSON text of a JSON Schema the answer must match (structured
     output, :mod:`engine.sampling.grammar`).
+    ``logprobs``: None (none wanted, no cost), or ``k`` in 0..:data:`MAX_LOGPROBS`:
+    each generated token comes with its log-probability and the ``k`` most likely
+    tokens' (:class:`TokenLogprobs`). ``prompt_logprobs``: the same for every prompt
+    token after the first (OpenAI's ``echo``); such a request skips the prefix cache
+    and prefills in chunks of at most :data:`SCORED_CHUNK_TOKENS` tokens.
     """
 
     max_new_tokens: int = 128
@@ -45,10 +50,36 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     ignore_eos: bool = False
     logit_bias: tuple[tuple[int, float], ...] = ()
     json_schema: str | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0 or self.top_k == 1
+
+
+# OpenAI's bound on top_logprobs.
+MAX_LOGPROBS = 20
+# Largest prefill chunk of a request whose prompt is scored: each of its tokens makes a
+# row of ``V`` float32 logits (4 * V bytes, 0.6 MB at a 150k vocabulary).
+SCORED_CHUNK_TOKENS = 256
+
+
+class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):
+    """One token's log-probability and the ``k`` most likely alternatives at its
+    position (natural log, float32 precision), most likely first.
+
+    Which distribution: the log-softmax of the logits the token was sampled from after
+    ``logit_bias`` and the grammar mask, before penalties, temperature and the top-k,
+    top-p and min-p filters (so a token the grammar forbids has ``-inf``, and the
+    ranking is the model's, not cut by the filters). Prompt tokens: the model's
+    log-softmax at the position before them.
+    """
+
+    token_id: int
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
 
 
 class GenerateRequest(msgspec.Struct, frozen=True, tag=True, kw_only=True):
@@ -70,6 +101,9 @@ FINISH_STOP = "stop"  # EOS or a stop token id (stop strings are the service's)
 FINISH_LENGTH = "length"  # max_new_tokens or the context limit
 FINISH_ABORT = "abort"  # aborted by the caller
 FINISH_ERROR = "error"  # failed; ``error_code`` says why
+# error_code of a request whose JSON schema did not compile (unsupported, or not within
+# engine.sampling.grammar.COMPILE_TIMEOUT_S): the caller's fault, not the engine's.
+ERROR_INVALID_SCHEMA = "invalid_schema"
 
 
 class TokenOutput(msgspec.Struct, frozen=True, tag=True, kw_only=True):
@@ -79,7 +113,10 @@ class TokenOutput(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     ``finished`` is set once; then ``finish_reason`` is one of the ``FINISH_*`` values
     and, for ``"error"``, ``error_code`` (e.g. ``"out_of_memory"``) and ``error_message``.
     ``prompt_tokens`` / ``cached_tokens`` are the prompt length and how much of it came
-    from the prefix cache.
+    from the prefix cache. ``logprobs``: one :class:`TokenLogprobs` per token of
+    ``token_ids`` when the request asked (``SamplingParams.logprobs``), else None.
+    ``prompt_logprobs``: with the request's first output, when it asked
+    (``SamplingParams.prompt_logprobs``): one entry per prompt token, the first None.
     """
 
     request_id: str
@@ -90,6 +127,8 @@ class TokenOutput(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     error_message: str | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):

@@ -16,6 +16,8 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.faults import FaultInjector
 from engine.forward_batch import ForwardBatch
 from engine.kvcache.pool import KVPool
+from engine.messages import TokenLogprobs
+from engine.sampling.logprobs import token_logprobs
 from engine.sampling.sampler import Sampler, all_plain_greedy
 from engine.scheduler.request import Phase
 from engine.scheduler.scheduler import StepPlan
@@ -36,6 +38,10 @@ class ModelRunner:
             ``HEADROOM_FAULTS`` at construction, else None (see ``Engine.faults``).
         graphs: the decode step's CUDA graphs (:meth:`enable_cuda_graphs`), else None.
         replayed: whether the last :meth:`forward` replayed a graph.
+        logprobs: ``{request_id: TokenLogprobs}`` of the last :meth:`run`'s sampled
+            tokens, for the requests that asked (``SamplingParams.logprobs``).
+        prompt_logprobs: ``{request_id: [(prompt position, TokenLogprobs)]}`` of the
+            last run's scored prompt chunks (``SamplingParams.prompt_logprobs``).
 
     Raises (constructor):
         ValueError: a malformed ``HEADROOM_FAULTS``.
@@ -52,6 +58,8 @@ class ModelRunner:
         self.inputs = StepInputs(device, pool.page_size)
         self.graphs: DecodeGraphs | None = None
         self.replayed = False
+        self.logprobs: dict[str, TokenLogprobs] = {}
+        self.prompt_logprobs: dict[str, list[tuple[int, TokenLogprobs]]] = {}
 
     def enable_cuda_graphs(self, *, max_batch: int, max_context_tokens: int) -> int:
         """Capture the decode step at every size up to ``max_batch`` (CUDA, and a backend
@@ -88,7 +96,42 @@ class ModelRunner:
             if logits is not None:
                 self.replayed = True
                 return logits
-        return self.model(self.build_batch(plan), self.attn)
+        batch = self.build_batch(plan)
+        logits = self.model(batch, self.attn)
+        if batch.sample_rows is None:
+            return logits
+        self.prompt_logprobs = self._score_prompts(plan, logits)
+        return logits.index_select(0, batch.sample_rows.to(logits.device))
+
+    @staticmethod
+    def _score_prompts(plan: StepPlan, logits: torch.Tensor) -> dict[str, list[tuple[int, TokenLogprobs]]]:
+        """The logprobs of the prompt tokens the plan's scored chunks predict:
+        ``{request_id: [(prompt position, record)]}``. ``logits`` has every row of a
+        scored chunk and the last row of any other sampling chunk, in plan order (see
+        :meth:`engine.step_inputs.StepInputs.build`); the row at position ``p``
+        predicts the token at ``p + 1``."""
+        rows, targets, ks, owners = [], [], [], []
+        at = 0
+        for it in plan.items:
+            if it.scores:
+                prompt = it.req.prompt_ids
+                for p in range(it.start, it.start + it.num_tokens):
+                    if p + 1 < len(prompt):
+                        rows.append(at + p - it.start)
+                        targets.append(prompt[p + 1])
+                        ks.append(it.req.sampling.prompt_logprobs)
+                        owners.append((it.req.request_id, p + 1))
+                at += it.num_tokens
+            elif it.samples:
+                at += 1
+        out: dict[str, list[tuple[int, TokenLogprobs]]] = {}
+        if not rows:
+            return out
+        index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        found = token_logprobs(logits.index_select(0, index), torch.tensor(targets), ks)
+        for (rid, position), record in zip(owners, found, strict=True):
+            out.setdefault(rid, []).append((position, record))
+        return out
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> dict[str, int]:
@@ -103,6 +146,7 @@ class ModelRunner:
                 real, or injected by ``faults``.
         """
         faults = self.faults
+        self.logprobs, self.prompt_logprobs = {}, {}
         self.stage = "forward"
         logits = self.forward(plan)  # [S, V] float32
         if faults is not None:
@@ -116,12 +160,15 @@ class ModelRunner:
         # Greedy rows never touch their generator; snapshot only the others (a CPU copy
         # of the generator state, no device sync).
         saved = [(s.generator, s.generator.get_state()) for s, p in zip(states, params, strict=True) if not p.greedy]
+        wanted = [p.logprobs is not None for p in params]
+        records: list[TokenLogprobs | None] | None = [] if any(wanted) else None
         try:
-            if self.replayed and len(sampling) == len(plan.items) and all_plain_greedy(params):
+            if (self.replayed and len(sampling) == len(plan.items) and all_plain_greedy(params)
+                    and records is None):
                 # Every row of a decode step takes its argmax, which the graph computed.
                 tokens = self.sampler.read_tokens(self.graphs.greedy_tokens(len(sampling)))
             else:
-                tokens = self.sampler.sample(logits, states, params)
+                tokens = self.sampler.sample(logits, states, params, records)
             if faults is not None:
                 faults.check("sample", [r.request_id for r in sampling])
             picked = tokens.tolist()
@@ -129,6 +176,8 @@ class ModelRunner:
             for gen, state in saved:
                 gen.set_state(state)
             raise
+        if records is not None:
+            self.logprobs = {r.request_id: rec for r, rec in zip(sampling, records, strict=True) if rec is not None}
         return {r.request_id: int(t) for r, t in zip(sampling, picked, strict=True)}
 
     @staticmethod

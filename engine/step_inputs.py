@@ -100,7 +100,11 @@ class StepInputs:
         width = max(len(it.req.pages) for it in items)
         t = int(ext.sum())
         samples = np.fromiter((it.samples for it in items), dtype=bool, count=nb)
-        ns = int(samples.sum())
+        scores = np.fromiter((it.scores for it in items), dtype=bool, count=nb)
+        # A scored chunk (a prompt whose logprobs are wanted) takes logits at all its
+        # rows; the others at their last row when they sample.
+        per_item = np.where(scores, ext, samples.astype(np.int64))
+        ns = int(per_item.sum())
         n = 3 * t + ns + 4 * nb + nb * width
         h = self.staging.host(n)
         ids, pos, slots = h[:t], h[t : 2 * t], h[2 * t : 3 * t]
@@ -121,7 +125,16 @@ class StepInputs:
         seq = np.repeat(np.arange(nb), ext)
         pos[:] = np.arange(t) - np.repeat(starts, ext) + np.repeat(prefix, ext)
         slots[:] = table[seq, pos // ps] * ps + pos % ps
-        logits_rows[:] = (starts + ext - 1)[samples]
+        sample_rows = None
+        if scores.any():
+            logits_rows[:] = np.concatenate(
+                [np.arange(st, st + e) if sc else np.arange(st + e - 1, st + e) if sm else np.arange(0)
+                 for st, e, sc, sm in zip(starts, ext, scores, samples, strict=True)])
+            # Where each sampling item's row lies among the logits rows: its chunk's last.
+            ends = np.cumsum(per_item)
+            sample_rows = torch.from_numpy(ends[samples] - 1)
+        else:
+            logits_rows[:] = (starts + ext - 1)[samples]
         meta[0], meta[1], meta[2], meta[3] = prefix + ext, prefix, ext, starts
         table_cpu = torch.from_numpy(table.copy())
         if self._dev is not None and n > self._dev.numel():
@@ -142,4 +155,5 @@ class StepInputs:
             extend_lens_device=dmeta[2],
             extend_starts_device=dmeta[3],
             page_table_cpu=table_cpu,
+            sample_rows=sample_rows,
         )

@@ -244,8 +244,9 @@ def test_deep_nesting_leaves_one_log_line_and_no_traceback(server):
         ("temperature", 1e308, "temperature", ...),
         ("stop", ["x"] * 10_000, "stop", ...),
         ("stop", "s" * 100_000, "stop", ...),
-        ("logprobs", True, "logprobs", ...),
-        ("top_logprobs", 2**64, "logprobs", ...),
+        ("logprobs", "yes", "logprobs", ...),
+        ("top_logprobs", 21, "top_logprobs", ...),
+        ("top_logprobs", 2**64, "top_logprobs", ...),
     ],
 )
 def test_fields_out_of_range_are_400_naming_the_field(server, field, value, param, code):

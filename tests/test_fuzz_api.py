@@ -73,8 +73,12 @@ def _shorten(body: object) -> None:
         body["best_of"] = body.get("n", 1)
 
 
+# Ollama's routes take the API key as /v1 does; the control routes take the local token.
+OLLAMA_PATHS = {"/api/chat", "/api/generate", "/api/tags", "/api/ps", "/api/show", "/api/version"}
+
+
 def _secret_for(path: str, token: str) -> str:
-    return KEY if path.startswith("/v1") else token
+    return KEY if path.startswith("/v1") or path in OLLAMA_PATHS else token
 
 
 def _fuzz_one(operation, mode, headers, label, counts, statuses, problems) -> None:
@@ -131,7 +135,8 @@ def test_fuzz_the_api_against_its_own_schema(server):
     for label, n in sorted(counts.items()):
         print(f"  {label}: {n}")
     assert not problems, "\n".join(problems[:20])
-    assert len(counts) >= 6 + 5, counts  # each operation valid, each with a body invalid
+    # Each operation valid, each with a body invalid (OpenAI's, control, Ollama's).
+    assert len(counts) >= 6 + 5 + 6 + 3, counts
     # Healthy after: ready, and a plain request still answers.
     assert server.health().status_code == 200
     r = httpx.post(

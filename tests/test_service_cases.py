@@ -202,7 +202,7 @@ def test_c15_max_tokens_edges(real_server):
         (b'{"messages": [{"role": "user", "content": "hi"}], "n": 0}', "n"),
         (b'{"messages": [{"role": "user", "content": 5}]}', "messages[0].content"),
         (b'{"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}', "stream"),
-        (b'{"messages": [{"role": "user", "content": "hi"}], "logprobs": true}', "logprobs"),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 30}', "top_logprobs"),
         (b'{"messages": [{"role": "user", "content": "hi"}], "tools": [{}]}', "tools[0]"),
     ],
 )

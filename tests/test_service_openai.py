@@ -139,7 +139,8 @@ def test_32_concurrent_streams_match_greedy_alone(real_server):
             "stream": stream,
         }
 
-    with real_server.client() as http:
+    # A busy 2-core machine may take minutes over the 32 requests one by one.
+    with real_server.client(timeout=300.0) as http:
         alone = [
             http.post("/v1/chat/completions", json=body(p, False)).json()["choices"][0]["message"][
                 "content"

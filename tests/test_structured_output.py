@@ -12,7 +12,7 @@ import pytest
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import RequestRejected
-from engine.messages import GenerateRequest, SamplingParams
+from engine.messages import ERROR_INVALID_SCHEMA, GenerateRequest, SamplingParams
 from engine.text.tokenizer import load_tokenizer
 
 SCHEMAS = [
@@ -84,10 +84,43 @@ def test_20_seeded_json_schema_answers_all_validate(tiny_engine):
         json.loads(tokenizer.decode(free["free"], skip_special_tokens=True))
 
 
+def _refusal(engine: Engine, rid: str, sp: SamplingParams) -> str:
+    """Why the engine refused ``sp``'s schema: at once (a schema compiled before fails
+    in ``add_request``) or, compiled in the background, with the request's one output."""
+    try:
+        engine.add_request(GenerateRequest(request_id=rid, prompt_token_ids=[1, 2], sampling=sp))
+    except RequestRejected as exc:
+        assert exc.param == "response_format"
+        return str(exc)
+    while engine.has_work():
+        for o in engine.step():
+            if o.request_id == rid:
+                assert o.finished and o.finish_reason == "error" and not o.token_ids, o
+                assert o.error_code == ERROR_INVALID_SCHEMA
+                return o.error_message
+    raise AssertionError("the request was not refused")
+
+
 def test_bad_schema_is_rejected_naming_response_format(tiny_engine):
     bad = SamplingParams(max_new_tokens=4, json_schema='{"type": "no-such-type"}')
-    with pytest.raises(RequestRejected) as exc:
-        tiny_engine.add_request(
-            GenerateRequest(request_id="bad", prompt_token_ids=[1, 2], sampling=bad)
-        )
-    assert exc.value.param == "response_format"
+    assert "cannot be used" in _refusal(tiny_engine, "bad", bad)
+
+
+def test_slow_compile_fails_in_bounded_time_and_the_grammar_is_kept(tiny_engine):
+    """A compile past the limit fails its request (while other requests' steps go on);
+    the grammar it was making is kept, so the same schema later is served at once."""
+    grammars = tiny_engine._grammars()
+    big = {"type": "object", "properties": {
+        f"field{i}": {"type": "object", "properties": {"a": {"type": "array", "items": {"type": "integer"}},
+                                                       "b": {"enum": [f"v{j}" for j in range(20)]}}}
+        for i in range(60)}}
+    sp = SamplingParams(max_new_tokens=4, json_schema=json.dumps(big))
+    limit = grammars.timeout_s
+    grammars.timeout_s = 0.0
+    try:
+        assert "did not compile within 0 s" in _refusal(tiny_engine, "slow", sp)
+        grammars.compile(sp.json_schema).result(timeout=300)
+        out, reasons = _run(tiny_engine, {"again": sp}, [1, 2])
+        assert reasons["again"] in ("stop", "length")
+    finally:
+        grammars.timeout_s = limit

@@ -30,8 +30,9 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.messages import SamplingParams
+from engine.messages import MAX_LOGPROBS, SamplingParams, TokenLogprobs
 from engine.sampling.grammar import apply_grammars
+from engine.sampling.logprobs import token_logprobs
 from kernels.dispatch import use_triton
 from kernels.sampling import INVALID_TOKEN
 
@@ -76,6 +77,10 @@ def check_params(params: SamplingParams) -> None:
     for name in ("presence_penalty", "frequency_penalty"):
         if not math.isfinite(getattr(params, name)):
             raise ValueError(f"{name} must be finite, got {getattr(params, name)}")
+    for name in ("logprobs", "prompt_logprobs"):
+        k = getattr(params, name)
+        if k is not None and not 0 <= k <= MAX_LOGPROBS:
+            raise ValueError(f"{name} must be in 0..{MAX_LOGPROBS}, got {k}")
     for token, bias in params.logit_bias:
         if token < 0 or not math.isfinite(bias):
             raise ValueError(
@@ -228,6 +233,7 @@ class Sampler:
         logits: torch.Tensor,
         states: Sequence[SamplingState],
         params: Sequence[SamplingParams],
+        logprobs: list[TokenLogprobs | None] | None = None,
     ) -> torch.Tensor:
         """Pick one token per row.
 
@@ -238,6 +244,10 @@ class Sampler:
                 advance their generator; greedy rows never touch it. Counts are not
                 updated: call :meth:`SamplingState.append` with the chosen tokens.
             params: ``B`` parameter sets, each the one its state was built with.
+            logprobs: a list to fill, when given, with one entry per row: the chosen
+                token's :class:`TokenLogprobs` for rows whose ``params.logprobs`` is
+                set (computed from the logits after ``logit_bias`` and the grammar
+                mask, before penalties, temperature and filters), None for the others.
 
         Returns:
             ``int64 [B]`` token ids on ``logits.device``; on the GPU path (CUDA logits,
@@ -254,6 +264,25 @@ class Sampler:
         self._check_batch(logits, states, params)
         logits = apply_logit_bias(logits, params)
         logits = apply_grammars(logits, [s.matcher for s in states])
+        tokens = self._sample(logits, states, params)
+        if logprobs is not None:
+            logprobs[:] = [None] * len(params)
+            rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+            if rows:
+                idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
+                found = token_logprobs(
+                    logits.index_select(0, idx), tokens[rows], [params[i].logprobs for i in rows]
+                )
+                for i, record in zip(rows, found, strict=True):
+                    logprobs[i] = record
+        return tokens
+
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        states: Sequence[SamplingState],
+        params: Sequence[SamplingParams],
+    ) -> torch.Tensor:
         if use_triton(logits):
             sampler = self.device_sampler(logits.device)
             if not all_plain_greedy(params):

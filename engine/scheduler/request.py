@@ -40,6 +40,11 @@ class Request:
     last_node: RadixNode | None = None
     prompt_cached_tokens: int = 0  # prefix-cache hit of the first admission, reported to the caller
     emitted: int = 0  # output tokens already returned to the caller
+    # One TokenLogprobs per output token when the request asked (SamplingParams.logprobs).
+    output_logprobs: list = field(default_factory=list)
+    # One entry per prompt token (the first stays None) when the prompt is scored
+    # (SamplingParams.prompt_logprobs); sent with the first output, then dropped.
+    prompt_logprobs: list | None = None
     finish_reason: str | None = None
     error_code: str | None = None
     error_message: str | None = None

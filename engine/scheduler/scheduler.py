@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 
 from engine.kvcache.allocator import OutOfPages, PageAllocator
 from engine.kvcache.radix import RadixCache
-from engine.messages import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
+from engine.messages import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, SCORED_CHUNK_TOKENS
 from engine.scheduler.request import Phase, Request
 from engine.scheduler.resize import (
     Vacated,
@@ -59,6 +59,12 @@ class StepItem:
         """Whether this chunk reaches the request's last token, so the step samples for it."""
         return self.start + self.num_tokens == self.req.total_len
 
+    @property
+    def scores(self) -> bool:
+        """Whether this chunk's prompt tokens are scored (the request wants its prompt's
+        logprobs): the step returns logits at all its rows."""
+        return self.req.sampling.prompt_logprobs is not None and self.start < len(self.req.prompt_ids)
+
 
 @dataclass
 class StepPlan:
@@ -67,7 +73,7 @@ class StepPlan:
 
     @property
     def is_decode(self) -> bool:
-        return all(it.num_tokens == 1 and not it.admitted for it in self.items)
+        return all(it.num_tokens == 1 and not it.admitted and not it.scores for it in self.items)
 
     @property
     def num_tokens(self) -> int:
@@ -189,6 +195,8 @@ class Scheduler:
         n = min(req.pending_len, budget)
         if req.chunk_cap is not None:
             n = min(n, req.chunk_cap)
+        if req.sampling.prompt_logprobs is not None and req.kv_len < len(req.prompt_ids):
+            n = min(n, SCORED_CHUNK_TOKENS)  # each scored token makes a row of logits
         try:
             pages = self._alloc_for(req, req.kv_len + n)
         except OutOfPages:
@@ -201,8 +209,9 @@ class Scheduler:
         return StepItem(req, req.kv_len, n, pages, admitted=admitted)
 
     def _admit(self, req: Request, budget: int) -> StepItem | None:
-        if self.radix is not None:
-            # Leave at least one token to compute: the step needs its logits.
+        if self.radix is not None and req.sampling.prompt_logprobs is None:
+            # Leave at least one token to compute: the step needs its logits. A prompt
+            # whose logprobs are wanted is computed whole: no cached prefix.
             pages, node = self.radix.match_prefix(req.all_ids[: req.total_len - 1])
             self.radix.lock(node)
             req.pages, req.last_node = list(pages), node

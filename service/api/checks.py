@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from engine.messages import MAX_LOGPROBS
 from service.api.errors import invalid
 from service.api.schemas import ChatCompletionRequest, CompletionRequest
 from service.api.structured import response_schema
@@ -17,8 +18,10 @@ from service.api.text import TextSide
 
 def check_chat_fields(req: ChatCompletionRequest) -> None:
     """Refuse what we cannot honour instead of ignoring it (see :mod:`service.api.schemas`)."""
-    if req.logprobs or req.top_logprobs:
-        raise invalid("logprobs are not supported by this server", "logprobs")
+    if req.top_logprobs is not None:
+        _check_logprobs_count(req.top_logprobs, "top_logprobs")
+        if req.top_logprobs > 0 and not req.logprobs:
+            raise invalid("top_logprobs needs logprobs set to true", "top_logprobs")
     if req.functions or req.function_call not in (None, "none", "auto"):
         # The deprecated form of tools; tools themselves: service.api.tools.
         raise invalid("functions are not supported; send tools instead", "functions")
@@ -35,13 +38,17 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
 
 def _check_completion_fields(req: CompletionRequest) -> None:
     if req.logprobs is not None:
-        raise invalid("logprobs are not supported by this server", "logprobs")
-    if req.echo:
-        raise invalid("echo is not supported by this server", "echo")
+        _check_logprobs_count(req.logprobs, "logprobs")
     if req.suffix:
         raise invalid("suffix is not supported by this server", "suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise invalid("best_of other than n is not supported by this server", "best_of")
+
+
+def _check_logprobs_count(k: int, param: str) -> None:
+    """Alternatives per token: 0..20, as OpenAI's bound."""
+    if isinstance(k, bool) or not 0 <= k <= MAX_LOGPROBS:
+        raise invalid(f"{param} must be an integer in [0, {MAX_LOGPROBS}], got {k}", param)
 
 
 def message_texts(messages: list[dict[str, Any]]) -> list[str]:

@@ -16,7 +16,15 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from engine.ipc import Rejected
-from engine.messages import FINISH_ERROR, FINISH_LENGTH, EngineInfo, GenerateRequest, SamplingParams
+from engine.messages import (
+    ERROR_INVALID_SCHEMA,
+    FINISH_ERROR,
+    FINISH_LENGTH,
+    EngineInfo,
+    GenerateRequest,
+    SamplingParams,
+    TokenLogprobs,
+)
 from engine.text.stop import StopStringMatcher
 from service.api.admission import Admission, Ticket
 from service.api.errors import SERVER_ERROR, APIError, invalid
@@ -192,7 +200,22 @@ def sampling_params(
         ignore_eos=req.ignore_eos,
         logit_bias=logit_bias_pairs(req.logit_bias),
         json_schema=json_schema,
+        logprobs=(k := wanted_logprobs(req)),
+        prompt_logprobs=k if getattr(req, "echo", False) else None,
     )
+
+
+def wanted_logprobs(req: _SamplingFields) -> int | None:
+    """How many alternatives each token's logprobs carry, or None for no logprobs: a
+    chat's ``logprobs: true`` with ``top_logprobs`` (0 when unset), a text completion's
+    ``logprobs`` count. Their range (0..20) is checked with the call's fields
+    (:mod:`service.api.checks`)."""
+    asked = getattr(req, "logprobs", None)
+    if asked is None or asked is False:
+        return None
+    if asked is True:
+        return getattr(req, "top_logprobs", None) or 0
+    return asked
 
 
 # OpenAI's bounds of a logit_bias value; -100 and 100 ban or force a token in practice.
@@ -261,6 +284,9 @@ def engine_error(code: str | None, message: str | None) -> APIError:
     stayed up) is a 503 with Retry-After: the same request may well run later. Any
     other code is a 500 carrying the engine's code (``engine_error`` when it gave none).
     """
+    if code == ERROR_INVALID_SCHEMA:
+        # The schema did not compile (unsupported, or not in time): the request's fault.
+        return invalid(message or "the JSON schema cannot be used", "response_format")
     if code == OUT_OF_MEMORY:
         return APIError(
             503,
@@ -292,6 +318,8 @@ class _SeqText:
     detokenizer: object
     completion_tokens: int = 0
     finished: bool = False
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # not yet taken
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class CallSteps:
@@ -500,7 +528,23 @@ class Generation:
                 code=REQUEST_TIMEOUT,
             ) from None
 
+    def take_logprobs(self, index: int) -> list[TokenLogprobs]:
+        """Sequence ``index``'s token logprobs that arrived since the last take (the
+        request asked for them, see :func:`wanted_logprobs`; else always empty)."""
+        seq = self._seqs[index]
+        taken, seq.logprobs = seq.logprobs, []
+        return taken
+
+    def prompt_logprobs(self, index: int) -> list[TokenLogprobs | None] | None:
+        """The logprobs of sequence ``index``'s prompt tokens (``echo`` with
+        ``logprobs``; the first is None), once they arrived, else None."""
+        return self._seqs[index].prompt_logprobs
+
     def _on_output(self, index: int, seq: _SeqText, output) -> Piece | None:
+        if output.logprobs:
+            seq.logprobs += output.logprobs
+        if output.prompt_logprobs is not None:
+            seq.prompt_logprobs = output.prompt_logprobs
         text = ""
         if output.token_ids:
             if self.first_token_at is None:

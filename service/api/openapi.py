@@ -9,7 +9,9 @@ token), 403 (a refused Origin), 404 (a model or route), 413 (``--max-body-size``
 503 (engine not ready, ``queue_full`` or ``out_of_memory``, with Retry-After), 504
 (``--request-timeout``), and 500 only for a bug. Streaming answers
 (``"stream": true``) are ``text/event-stream``: ``data: <chunk JSON>`` events, then
-``data: [DONE]``.
+``data: [DONE]``. Ollama's routes (``/api/chat``, ``/api/generate``, ``/api/tags``,
+``/api/ps``, ``/api/show``, ``/api/version``) are listed too, with Ollama's error body
+``{"error": message}`` and NDJSON streams.
 """
 
 from __future__ import annotations
@@ -20,6 +22,17 @@ from typing import Any
 import msgspec
 from litestar import Response, get
 
+from service.api.ollama.schemas import (
+    OllamaChatChunk,
+    OllamaChatRequest,
+    OllamaError,
+    OllamaGenerateChunk,
+    OllamaGenerateRequest,
+    OllamaModelList,
+    OllamaShow,
+    OllamaShowRequest,
+    OllamaVersion,
+)
 from service.api.schemas import (
     ChatCompletion,
     ChatCompletionRequest,
@@ -101,6 +114,74 @@ def _control(request: str | None, summary: str) -> dict[str, Any]:
     return {"post": operation}
 
 
+_OLLAMA_ERRORS = (400, 401, 403, 404, 405, 413, 500, 503, 504)
+
+
+def _ollama_errors(*statuses: int) -> dict[str, Any]:
+    """Ollama's routes answer errors in its own shape, ``{"error": message}``."""
+    return {
+        str(s): {"description": _ERROR_TEXT[s], "content": _json("OllamaError")} for s in statuses
+    }
+
+
+def _ollama_get(answer: str, summary: str) -> dict[str, Any]:
+    return {
+        "get": {
+            "summary": summary,
+            "security": _BEARER,
+            "responses": {
+                "200": {"description": summary, "content": _json(answer)},
+                **_ollama_errors(401, 403, 405, 500, 503),
+            },
+        }
+    }
+
+
+def _ollama_generation(request: str, answer: str, summary: str) -> dict[str, Any]:
+    return {
+        "post": {
+            "summary": summary,
+            "security": _BEARER,
+            "requestBody": {"required": True, "content": _json(request)},
+            "responses": {
+                "200": {
+                    "description": "With `stream` true (Ollama's default), one JSON object "
+                    "a line (NDJSON), the last with `done: true`; else one object.",
+                    "content": {
+                        **_json(answer),
+                        "application/x-ndjson": {"schema": {"type": "string"}},
+                    },
+                },
+                **_ollama_errors(*_OLLAMA_ERRORS),
+            },
+        }
+    }
+
+
+def _ollama_paths() -> dict[str, Any]:
+    """Ollama's native API beside OpenAI's (:mod:`service.api.ollama.routes`)."""
+    return {
+        "/api/chat": _ollama_generation("OllamaChatRequest", "OllamaChatChunk", "Ollama chat."),
+        "/api/generate": _ollama_generation(
+            "OllamaGenerateRequest", "OllamaGenerateChunk", "Ollama generate."
+        ),
+        "/api/tags": _ollama_get("OllamaModelList", "The served model, as Ollama lists models."),
+        "/api/ps": _ollama_get("OllamaModelList", "The running model, as Ollama lists them."),
+        "/api/version": _ollama_get("OllamaVersion", "The Ollama API version answered."),
+        "/api/show": {
+            "post": {
+                "summary": "A model's details, template and sampling defaults.",
+                "security": _BEARER,
+                "requestBody": {"required": True, "content": _json("OllamaShowRequest")},
+                "responses": {
+                    "200": {"description": "The model.", "content": _json("OllamaShow")},
+                    **_ollama_errors(400, 401, 403, 404, 405, 413, 500, 503),
+                },
+            }
+        },
+    }
+
+
 def openapi_document() -> dict[str, Any]:
     """The OpenAPI 3.1 document as a dict (see the module docstring)."""
     _, components = msgspec.json.schema_components(
@@ -115,6 +196,15 @@ def openapi_document() -> dict[str, Any]:
             ControlResponse,
             ReserveRequest,
             CacheRequest,
+            OllamaChatRequest,
+            OllamaGenerateRequest,
+            OllamaChatChunk,
+            OllamaGenerateChunk,
+            OllamaModelList,
+            OllamaShowRequest,
+            OllamaShow,
+            OllamaVersion,
+            OllamaError,
         ],
         ref_template=_REF,
     )
@@ -156,6 +246,7 @@ def openapi_document() -> dict[str, Any]:
         "/api/control/restart": _control(None, "Restart the worker."),
         "/api/control/reserve": _control("ReserveRequest", "Set the memory reserve."),
         "/api/control/cache": _control("CacheRequest", "Resize the KV pool / clear the cache."),
+        **_ollama_paths(),
     }
     return {
         "openapi": "3.1.0",

@@ -26,6 +26,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from litestar import Controller, Request, Response, get, post
@@ -34,17 +35,20 @@ from engine.messages import EngineInfo
 from service.api.chat_generation import call_generation, start_chat
 from service.api.checks import check_chat_fields, completion_prompts
 from service.api.errors import decode_body
-from service.api.generation import MaxTokens, check_common
+from service.api.generation import Generation, MaxTokens, check_common
+from service.api.logprobs import TokenTexts
 from service.api.prompts import completion_prompts_of
 from service.api.responses import event_stream, json_response, respond
 from service.api.schemas import (
     ChatChoice,
+    ChatChunkChoice,
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
     Completion,
     CompletionChunk,
     CompletionRequest,
+    Delta,
     ModelCard,
     ModelList,
     TextChoice,
@@ -74,16 +78,51 @@ async def _checked(
     return req, checked, info, model
 
 
-def _text_choices(texts: list[str], reasons: list[str | None]) -> list[TextChoice]:
-    """The choices of a whole text completion, one per sequence."""
-    return [
-        TextChoice(index=i, text=text, finish_reason=reasons[i]) for i, text in enumerate(texts)
-    ]
+@dataclass
+class _TextShaper:
+    """A text completion's choices, whole or streamed: ``echo`` puts each prompt's text
+    first (in a stream, in the sequence's first chunk), and ``logprobs`` adds OpenAI's
+    legacy logprobs object (with ``echo``, the prompt's tokens first).
 
+    Args:
+        gen: the started generation (``n`` sequences per prompt).
+        echoes: each prompt's text when ``echo`` is set, else None.
+        tokens: the tokenizer's token texts when ``logprobs`` is set, else None.
+    """
 
-def _text_piece(index: int, text: str, reason: str | None, _role: str | None) -> TextChoice:
-    """The one choice of a text stream's chunk (text completions have no roles)."""
-    return TextChoice(index=index, text=text, finish_reason=reason)
+    gen: Generation
+    echoes: list[str] | None
+    tokens: TokenTexts | None
+    _started: set[int] = field(default_factory=set)
+    _offsets: dict[int, int] = field(default_factory=dict)
+
+    def _head(self, index: int) -> str:
+        if index in self._started:
+            return ""
+        self._started.add(index)
+        return self.echoes[index // self.gen.n] if self.echoes is not None else ""
+
+    def _logprobs(self, index: int) -> dict | None:
+        if self.tokens is None:
+            return None
+        pairs: list = []
+        if index not in self._offsets and self.echoes is not None:
+            scored = self.gen.prompt_logprobs(index)
+            if scored is not None:
+                pairs += zip(self.gen.prompts[index // self.gen.n], scored, strict=True)
+        pairs += [(r.token_id, r) for r in self.gen.take_logprobs(index)]
+        body, self._offsets[index] = self.tokens.legacy(pairs, self._offsets.get(index, 0))
+        return body
+
+    def choices(self, texts: list[str], reasons: list[str | None]) -> list[TextChoice]:
+        """The choices of a whole text completion, one per sequence."""
+        return [self.piece(i, text, reasons[i], None) for i, text in enumerate(texts)]
+
+    def piece(self, index: int, text: str, reason: str | None, _role: str | None) -> TextChoice:
+        """The one choice of a text stream's chunk (text completions have no roles)."""
+        return TextChoice(
+            index=index, text=self._head(index) + text, finish_reason=reason, logprobs=self._logprobs(index)
+        )
 
 
 class OpenAIController(Controller):
@@ -120,19 +159,36 @@ class OpenAIController(Controller):
         req, _, info, model = await _checked(request, svc, ChatCompletionRequest, check_chat_fields)
         gen, output = await start_chat(req, info, svc, started, f"chatcmpl-{uuid.uuid4().hex}")
         created = int(time.time())
+        assert svc.text is not None
+        tokens = svc.text.token_texts if req.logprobs else None
+
+        def logprobs(index: int) -> dict | None:
+            return None if tokens is None else tokens.chat(gen.take_logprobs(index))
 
         if not req.stream:
 
             def choices(texts: list[str], reasons: list[str | None]) -> list[ChatChoice]:
                 shaped = [output.message(text, reasons[i]) for i, text in enumerate(texts)]
                 return [
-                    ChatChoice(index=i, message=message, finish_reason=reason)
+                    ChatChoice(index=i, message=message, finish_reason=reason, logprobs=logprobs(i))
                     for i, (message, reason) in enumerate(shaped)
                 ]
 
             return await respond(gen, request, ChatCompletion, choices, created, model)
+
+        def deltas(index: int, text: str, reason: str | None, role: str | None) -> list[ChatChunkChoice]:
+            made = output.deltas(index, text, reason, role)
+            if tokens is not None and role is None:
+                # The tokens that arrived since the last chunk go with this piece's first.
+                records = gen.take_logprobs(index)
+                if records:
+                    if not made:
+                        made = [ChatChunkChoice(index=index, delta=Delta())]
+                    made[0].logprobs = tokens.chat(records)
+            return made
+
         return event_stream(
-            gen, req.stream_options, ChatCompletionChunk, output.deltas, created, model, roles=req.n
+            gen, req.stream_options, ChatCompletionChunk, deltas, created, model, roles=req.n
         )
 
     @post("/completions", status_code=200)
@@ -147,7 +203,12 @@ class OpenAIController(Controller):
         max_tokens = MaxTokens(req.max_tokens, "max_tokens", "prompt", default=16)
         await gen.start(svc.admission, info, req, completion_prompts_of(items), max_tokens)
         created = int(time.time())
+        assert svc.text is not None
+        echoes = None
+        if req.echo:
+            echoes = [p if isinstance(p, str) else svc.text.tokenizer.decode(p) for p in items]
+        shaper = _TextShaper(gen, echoes, None if req.logprobs is None else svc.text.token_texts)
 
         if not req.stream:
-            return await respond(gen, request, Completion, _text_choices, created, model)
-        return event_stream(gen, req.stream_options, CompletionChunk, _text_piece, created, model)
+            return await respond(gen, request, Completion, shaper.choices, created, model)
+        return event_stream(gen, req.stream_options, CompletionChunk, shaper.piece, created, model)

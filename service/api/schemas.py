@@ -3,8 +3,9 @@
 Requests decode leniently where OpenAI's clients expect it: unknown fields are
 ignored (new client versions send new fields). Fields we cannot honour are declared
 so that setting them is refused with a 400 naming the field rather than silently
-ignored (``logprobs``, ``functions``, ``echo``, ``suffix``, ``best_of`` above ``n``);
-their neutral values are accepted. ``response_format`` is structured output
+ignored (``functions``, ``suffix``, ``best_of`` other than ``n``); their neutral values
+are accepted. ``logprobs``/``top_logprobs`` (0..20) and a completion's ``echo`` are
+shaped by :mod:`service.api.logprobs`. ``response_format`` is structured output
 (:mod:`service.api.structured`). ``tools``/``tool_choice`` are served by :mod:`service.api.tools`,
 ``chat_template_kwargs`` reach the template, and answers carry ``reasoning_content``
 (:mod:`service.api.reasoning`). ``logit_bias`` ids are checked against the vocabulary.
@@ -137,7 +138,7 @@ class _Choice(msgspec.Struct, kw_only=True):
 class ChatChoice(_Choice, kw_only=True):
     message: ChatMessageOut
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
 
 
 class _Answer(msgspec.Struct, kw_only=True):
@@ -166,7 +167,7 @@ class Delta(msgspec.Struct, kw_only=True, omit_defaults=True):
 class ChatChunkChoice(_Choice, kw_only=True):
     delta: Delta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
 
 
 class ChatCompletionChunk(_Answer, kw_only=True):
@@ -181,7 +182,7 @@ class ChatCompletionChunk(_Answer, kw_only=True):
 class TextChoice(_Choice, kw_only=True):
     text: str
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
 
 
 class Completion(_Answer, kw_only=True):

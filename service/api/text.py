@@ -23,6 +23,7 @@ from typing import Any
 from engine.text.chat import encode_chat, encode_prompt
 from engine.text.detokenizer import IncrementalDetokenizer
 from engine.text.tokenizer import load_tokenizer  # the engine's: generate and serve tokenize alike
+from service.api.logprobs import TokenTexts
 
 # Unicode composition (NFC/NFKC) can shrink input: a Hangul syllable composed of 3
 # jamo (9 bytes -> 3), a letter and its combining marks. A normalizer's input bytes per
@@ -62,6 +63,7 @@ class TextSide:
 
     def __init__(self, tokenizer: Any, model_dir: str, threads: int = 4) -> None:
         self.tokenizer = tokenizer
+        self.token_texts = TokenTexts(tokenizer)  # logprobs' token texts, decoded once each
         self.model_dir = model_dir
         self.bytes_per_token = max_bytes_per_token(tokenizer)
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tokenize")

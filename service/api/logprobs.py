@@ -1,0 +1,113 @@
+"""The engine's token logprobs in OpenAI's two shapes.
+
+Chat (``logprobs: true``, ``top_logprobs: k``): ``choices[].logprobs = {"content":
+[{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}],
+"refusal": null}``. Text completions (``logprobs: k``, the legacy shape):
+``{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}``;
+with ``echo`` the prompt's tokens come first, the first of them with ``null`` logprobs.
+
+What the numbers are (:class:`engine.messages.TokenLogprobs`): natural-log
+probabilities from the logits after ``logit_bias`` and the grammar mask, before
+penalties, temperature and the top-k/top-p/min-p filters. A token's text is the
+tokenizer's decoding of it alone; ``bytes`` are its raw bytes (for byte-level BPE
+vocabularies a piece of a UTF-8 character is given exactly, while its text shows
+U+FFFD). A ``-inf`` (a token the grammar or a bias of -100 forbids) is sent as
+-9999.0, as JSON has no infinity.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from engine.messages import TokenLogprobs
+
+FLOOR = -9999.0
+
+
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else FLOOR
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's printable stand-ins for bytes (byte-level BPE), inverted."""
+    printable = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    codes = printable[:]
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            codes.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, codes, strict=True)}
+
+
+_BYTES = _byte_decoder()
+
+
+class TokenTexts:
+    """Each token id's text and bytes, decoded once per id.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+
+    def of(self, token_id: int) -> tuple[str, list[int]]:
+        """``(text, bytes as a list of ints)`` of one token."""
+        hit = self._cache.get(token_id)
+        if hit is None:
+            text = self.tokenizer.decode([token_id])
+            piece = self.tokenizer.convert_ids_to_tokens(token_id)
+            if isinstance(piece, str) and piece and all(ch in _BYTES for ch in piece) and "\ufffd" in text:
+                raw = [_BYTES[ch] for ch in piece]  # part of a character: its exact bytes
+            else:
+                raw = list(text.encode("utf-8"))
+            hit = self._cache[token_id] = (text, raw)
+        return hit
+
+    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text, raw = self.of(token_id)
+        return {"token": text, "logprob": _finite(logprob), "bytes": raw}
+
+    def chat(self, records: list[TokenLogprobs]) -> dict[str, Any]:
+        """OpenAI's chat ``logprobs`` object for ``records`` (one per token)."""
+        content = []
+        for r in records:
+            entry = self._entry(r.token_id, r.logprob)
+            entry["top_logprobs"] = [
+                self._entry(t, lp) for t, lp in zip(r.top_ids, r.top_logprobs, strict=True)
+            ]
+            content.append(entry)
+        return {"content": content, "refusal": None}
+
+    def legacy(
+        self, tokens: list[tuple[int, TokenLogprobs | None]], offset: int
+    ) -> tuple[dict[str, Any], int]:
+        """OpenAI's text-completion ``logprobs`` object for ``tokens`` (``(id, its
+        record)``; None for a token without logprobs: the prompt's first), whose text
+        begins at character ``offset`` of the choice's text; returns it and the offset
+        after them."""
+        texts: list[str] = []
+        token_logprobs: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        offsets: list[int] = []
+        for token_id, r in tokens:
+            text, _ = self.of(token_id)
+            texts.append(text)
+            offsets.append(offset)
+            offset += len(text)
+            if r is None:
+                token_logprobs.append(None)
+                tops.append(None)
+                continue
+            token_logprobs.append(_finite(r.logprob))
+            top: dict[str, float] = {}
+            for t, lp in zip(r.top_ids, r.top_logprobs, strict=True):
+                top.setdefault(self.of(t)[0], _finite(lp))
+            tops.append(top)
+        body = {"tokens": texts, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+        return body, offset

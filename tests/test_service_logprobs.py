@@ -1,0 +1,112 @@
+"""logprobs / top_logprobs and echo through a real ``headroom serve`` with the default
+model, read with the official ``openai`` client and checked against transformers'
+log-softmax of the same weights."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+import torch
+
+from engine.text.chat import encode_chat
+from engine.text.tokenizer import load_tokenizer
+
+pytestmark = pytest.mark.slow
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+TOL = 2e-3  # float32 on both sides, different kernels
+
+
+@pytest.fixture(scope="module")
+def client(real_server):
+    return openai.OpenAI(base_url=real_server.base_url + "/v1", api_key="unused", timeout=300.0)
+
+
+@pytest.fixture(scope="module")
+def hf(default_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+
+
+def hf_logprobs(hf, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+def test_chat_logprobs_match_transformers_whole_and_streamed(client, hf, default_model_dir):
+    reply = client.chat.completions.create(
+        model="default", messages=QUESTION, max_tokens=5, temperature=0, logprobs=True, top_logprobs=3
+    )
+    choice = reply.choices[0]
+    content = choice.logprobs.content
+    assert len(content) == reply.usage.completion_tokens == 5
+    assert choice.finish_reason == "length"
+    assert "".join(t.token for t in content) == choice.message.content
+    tokenizer = load_tokenizer(default_model_dir)
+    prompt = encode_chat(tokenizer, QUESTION)
+    ids = tokenizer.encode(choice.message.content, add_special_tokens=False)
+    ref = hf_logprobs(hf, prompt + ids)
+    for i, entry in enumerate(content):
+        row = ref[len(prompt) - 1 + i]
+        assert len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].token == entry.token  # greedy: the best one
+        assert abs(entry.logprob - entry.top_logprobs[0].logprob) < 1e-6
+        assert abs(entry.logprob - row.max().item()) < TOL
+        assert bytes(entry.bytes).decode("utf-8", "replace") == entry.token
+        values = [t.logprob for t in entry.top_logprobs]
+        assert torch.allclose(torch.tensor(values), row.topk(3).values, atol=TOL)
+
+    stream = client.chat.completions.create(
+        model="default", messages=QUESTION, max_tokens=5, temperature=0, logprobs=True, top_logprobs=3,
+        stream=True,
+    )
+    streamed = [t for chunk in stream if chunk.choices and chunk.choices[0].logprobs
+                for t in chunk.choices[0].logprobs.content]
+    assert [t.token for t in streamed] == [t.token for t in content]
+    assert all(abs(a.logprob - b.logprob) < 1e-5 for a, b in zip(streamed, content, strict=True))
+
+
+def test_no_logprobs_unless_asked_and_bounds(client):
+    reply = client.chat.completions.create(model="default", messages=QUESTION, max_tokens=2, temperature=0)
+    assert reply.choices[0].logprobs is None
+    for bad in (21, -1):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(
+                model="default", messages=QUESTION, max_tokens=2, logprobs=True, top_logprobs=bad
+            )
+        assert err.value.body["param"] == "top_logprobs"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="default", prompt="Hi", max_tokens=2, logprobs=21)
+    assert err.value.body["param"] == "logprobs"
+
+
+def test_completion_logprobs_with_echo(client, hf, default_model_dir):
+    prompt = "The capital of France is"
+    reply = client.completions.create(
+        model="default", prompt=prompt, max_tokens=4, temperature=0, logprobs=2, echo=True
+    )
+    choice = reply.choices[0]
+    lp = choice.logprobs
+    assert choice.text.startswith(prompt)
+    n_prompt = reply.usage.prompt_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == n_prompt + 4
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x is not None for x in lp.token_logprobs[1:])
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    assert all(len(t) <= 2 for t in lp.top_logprobs[1:])
+    tokenizer = load_tokenizer(default_model_dir)
+    ids = tokenizer.encode(prompt)
+    assert len(ids) == n_prompt
+    ref = hf_logprobs(hf, ids)
+    for p in range(1, n_prompt):
+        assert abs(lp.token_logprobs[p] - ref[p - 1, ids[p]].item()) < TOL
+
+    # Streamed without echo: the generated tokens' logprobs, the same as whole.
+    whole = client.completions.create(model="default", prompt=prompt, max_tokens=4, temperature=0, logprobs=1)
+    chunks = client.completions.create(
+        model="default", prompt=prompt, max_tokens=4, temperature=0, logprobs=1, stream=True
+    )
+    tokens = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert tokens == whole.choices[0].logprobs.tokens == lp.tokens[n_prompt:]
+    assert "".join(tokens) == whole.choices[0].text

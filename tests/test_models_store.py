@@ -149,7 +149,7 @@ def test_the_api_answers_to_the_store_name_the_model_was_served_by(tmp_path):
 
     info = engine_info(model_name="tiny-q8_0")
     by_name = Services(settings=replace(ServeSettings(), model=f"{GGUF_REPO}:{GGUF_FILE}"), supervisor=None)
-    assert by_name.model_names(info) == ["tiny-q8_0", f"{GGUF_REPO}:{GGUF_FILE}"]
+    assert by_name.model_names(info) == ["tiny-q8_0", f"{GGUF_REPO}:{GGUF_FILE}", "default"]
     assert by_name.check_model(f"{GGUF_REPO}:{GGUF_FILE}", info) == "tiny-q8_0"  # accepted, not 404
     by_path = Services(settings=replace(ServeSettings(), model=str(tmp_path)), supervisor=None)
-    assert by_path.model_names(info) == ["tiny-q8_0"]
+    assert by_path.model_names(info) == ["tiny-q8_0", "default"]

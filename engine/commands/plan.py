@@ -30,14 +30,19 @@ class NoDevice(Exception):
 
 def planned_setup(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
     """The device and dtype ``headroom serve`` would plan with ``config``: ``--device``
-    as the engine resolves it, and dtype ``auto`` for that device (float32 on a CPU,
+    as the engine resolves it (``cuda`` with ``--device-total`` is taken as named, so a
+    CUDA card can be priced on a machine without one), and dtype ``auto`` for that device (float32 on a CPU,
     even when a simulated card stands in for the GPU's memory).
 
     Raises:
         NoDevice: neither a CUDA device nor a simulated one; the message names the flags.
         ValueError: an unknown dtype.
     """
-    device = resolve_device(config.device)
+    if config.device_total is not None and config.device.startswith("cuda"):
+        # A simulated card stands in for the GPU: pricing it needs no CUDA here.
+        device = torch.device(config.device)
+    else:
+        device = resolve_device(config.device)
     if config.device_total is None and device.type != "cuda":
         raise NoDevice(
             "no CUDA device here: plan for a simulated card with --device-total SIZE "

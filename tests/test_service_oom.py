@@ -84,7 +84,7 @@ def test_request_that_runs_out_of_memory_fails_alone_with_503(start_server):
         assert plan["num_pages"] + 1 == engine["num_pages"]
         assert engine["plan"] is None
         assert engine["model_name"] == MODEL_NAME
-        assert [m["id"] for m in http.get("/v1/models").json()["data"]] == [MODEL_NAME]
+        assert [m["id"] for m in http.get("/v1/models").json()["data"]] == [MODEL_NAME, "default"]
     log = server.log()
     assert "out of memory in prefill for chatcmpl-" in log
     assert "wants a new memory plan" in log

@@ -297,8 +297,9 @@ def test_service_modules_never_import_torch(default_model_dir):
 import asyncio, importlib, pkgutil, sys
 import service
 import service.cli.commands, service.http.app, service.bench.serve, service.supervision.worker_process
+# service.tray.app is the tray's own process: pystray opens the display when imported.
 for module in pkgutil.walk_packages(service.__path__, "service."):
-    if not module.name.endswith("__main__"):
+    if not module.name.endswith("__main__") and module.name != "service.tray.app":
         importlib.import_module(module.name)
 import service.bench.chaos, service.bench.chaos_requests, service.http.shutdown
 from service.http.app import create_app
@@ -401,6 +402,7 @@ def test_watchdog_kills_a_stalled_worker_once_until_it_is_reaped():
         worker=worker,
         state=State.READY,
         link=SimpleNamespace(last_message_at=time.monotonic() - 10.0),
+        idle_due=lambda now: False,  # no --keep-alive
     )
 
     async def run() -> None:

@@ -82,6 +82,14 @@ def take_lock(folder: Path | None = None) -> IO[str]:
     return handle
 
 
+def release_lock(handle: IO[str]) -> None:
+    """Remove the lock file and let it go, at exit: the service leaves nothing in the
+    runtime dir (a starter that opened the old file in between locks that one alone)."""
+    with contextlib.suppress(OSError):
+        Path(handle.name).unlink()
+    handle.close()
+
+
 def running(folder: Path | None = None) -> dict[str, Any] | None:
     """The running service's ``runtime.json``, or None when none runs (nobody holds the
     lock: a file left by a killed one is stale and ignored)."""

@@ -103,7 +103,7 @@ def serve(config_path: Path | None, **flags: Any) -> None:
     if log_path is not None:
         log.info("headroom %s logging to %s", headroom_version(), log_path)
     check_model_path(settings.model)
-    from service.cli.instance import AlreadyRunning, remove_runtime, take_lock
+    from service.cli.instance import AlreadyRunning, release_lock, remove_runtime, take_lock
 
     try:
         lock = take_lock()
@@ -112,12 +112,13 @@ def serve(config_path: Path | None, **flags: Any) -> None:
     try:
         sock = bind_socket(settings.host, settings.port)
     except OSError as exc:
+        release_lock(lock)
         fail(exc.strerror or str(exc))
     try:
         _serve_bound(settings, sock, log)
     finally:
         remove_runtime()
-        lock.close()
+        release_lock(lock)
 
 
 def _serve_bound(settings: Any, sock: socket.socket, log: logging.Logger) -> None:

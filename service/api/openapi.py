@@ -67,10 +67,10 @@ def _json(schema_name: str) -> dict[str, Any]:
     return {"application/json": {"schema": {"$ref": _REF.format(name=schema_name)}}}
 
 
-def _errors(*statuses: int) -> dict[str, Any]:
-    return {
-        str(s): {"description": _ERROR_TEXT[s], "content": _json("ErrorResponse")} for s in statuses
-    }
+def _errors(*statuses: int, schema: str = "ErrorResponse") -> dict[str, Any]:
+    """The error answers of an operation; Ollama's routes use their own shape,
+    ``OllamaError`` (``{"error": message}``)."""
+    return {str(s): {"description": _ERROR_TEXT[s], "content": _json(schema)} for s in statuses}
 
 
 _BEARER = [{"bearer": []}]
@@ -114,16 +114,6 @@ def _control(request: str | None, summary: str) -> dict[str, Any]:
     return {"post": operation}
 
 
-_OLLAMA_ERRORS = (400, 401, 403, 404, 405, 413, 500, 503, 504)
-
-
-def _ollama_errors(*statuses: int) -> dict[str, Any]:
-    """Ollama's routes answer errors in its own shape, ``{"error": message}``."""
-    return {
-        str(s): {"description": _ERROR_TEXT[s], "content": _json("OllamaError")} for s in statuses
-    }
-
-
 def _ollama_get(answer: str, summary: str) -> dict[str, Any]:
     return {
         "get": {
@@ -131,7 +121,7 @@ def _ollama_get(answer: str, summary: str) -> dict[str, Any]:
             "security": _BEARER,
             "responses": {
                 "200": {"description": summary, "content": _json(answer)},
-                **_ollama_errors(401, 403, 405, 500, 503),
+                **_errors(401, 403, 405, 500, 503, schema="OllamaError"),
             },
         }
     }
@@ -152,7 +142,7 @@ def _ollama_generation(request: str, answer: str, summary: str) -> dict[str, Any
                         "application/x-ndjson": {"schema": {"type": "string"}},
                     },
                 },
-                **_ollama_errors(*_OLLAMA_ERRORS),
+                **_errors(*_GENERATION_ERRORS, schema="OllamaError"),
             },
         }
     }
@@ -175,7 +165,7 @@ def _ollama_paths() -> dict[str, Any]:
                 "requestBody": {"required": True, "content": _json("OllamaShowRequest")},
                 "responses": {
                     "200": {"description": "The model.", "content": _json("OllamaShow")},
-                    **_ollama_errors(400, 401, 403, 404, 405, 413, 500, 503),
+                    **_errors(400, 401, 403, 404, 405, 413, 500, 503, schema="OllamaError"),
                 },
             }
         },

@@ -44,11 +44,13 @@ def _ours_bytes(server: ServerProcess) -> int | None:
 
 
 def test_waits_for_memory_other_processes_hold_then_serves(start_server, tmp_path):
-    # A 4 GiB card of which another app holds 3 GiB from the service's start for 10 s: the
-    # plan cannot fit beside it (1 GiB desktop reserve), and would without it.
+    # A 4 GiB card of which another app holds 3 GiB from the service's start for 30 s: the
+    # plan cannot fit beside it (1 GiB desktop reserve), and would without it. The hold is
+    # long enough that the first plan falls inside it even on a crowded machine (the plan
+    # comes a few seconds after the start; 10 s was once not enough with two suites on 2 cores).
     timeline = tmp_path / "timeline.json"
     timeline.write_text(
-        json.dumps({"start": "service", "baseline": "replaced", "steps": [[0, "3GiB"], [10, 0]]})
+        json.dumps({"start": "service", "baseline": "replaced", "steps": [[0, "3GiB"], [30, 0]]})
     )
     flags = "--device-total 4GiB --device-free 1GiB --reserve 1GiB --vram-source simulated"
     server = start_server(

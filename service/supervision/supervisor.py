@@ -476,12 +476,7 @@ class Supervisor:
             await self._wait_for_release()
         if self.state in (State.RESTARTING, State.STARTING) and self._worker is None:
             self.restarts += 1
-            try:
-                self._spawn()
-            except OSError as exc:  # out of processes or file descriptors
-                self._fail(f"could not start a worker process: {exc}")
-                return
-            self._publish_health()
+            self._spawn_and_publish()
 
     async def _wait_for_release(self) -> None:
         """Before a new worker plans: wait (bounded) until the VRAM source no longer
@@ -576,6 +571,9 @@ class Supervisor:
         self.memory_wait = None
         self.wait_reason = None
         self._waking = waking
+        self._spawn_and_publish()
+
+    def _spawn_and_publish(self) -> None:
         try:
             self._spawn()
         except OSError as exc:  # out of processes or file descriptors

@@ -29,6 +29,7 @@ from service.vram.replan import (
     default_water_marks,
 )
 from service.vram.sources import (
+    REOPEN_INTERVAL_S,
     CardOfLimit,
     GpuProcess,
     NvmlSource,
@@ -190,6 +191,33 @@ def test_nvml_source_without_pynvml_is_in_cpu_mode(monkeypatch):
     src = NvmlSource()
     assert not src.available and "pynvml" in src.reason
     assert src.sample().gpu is False
+
+
+def test_nvml_source_opens_a_gpu_that_appears_later():
+    # The driver is still loading when the service starts: NVML fails to initialise twice.
+    calls = {"init": 0}
+    nvml = fake_nvml()
+    ok_init = nvml.nvmlInit
+
+    def init():
+        calls["init"] += 1
+        if calls["init"] <= 2:
+            raise FakeNVMLError("Driver Not Loaded")
+        ok_init()
+
+    nvml.nvmlInit = init
+    now = [100.0]
+    src = NvmlSource(0, nvml=nvml, clock=lambda: now[0])
+    assert not src.available and "Driver Not Loaded" in src.reason
+    assert src.sample().gpu is False and calls["init"] == 1  # no retry before the interval
+    now[0] += REOPEN_INTERVAL_S
+    assert src.sample().gpu is False and calls["init"] == 2  # retried, failed again
+    now[0] += REOPEN_INTERVAL_S
+    s = src.sample()
+    assert s.gpu is True and src.available and s.total_bytes == 24 * GiB
+    src.close()
+    now[0] += REOPEN_INTERVAL_S
+    assert src.sample().gpu is False and calls["init"] == 3  # closed: never reopened
 
 
 def test_nvml_source_survives_a_failed_read():

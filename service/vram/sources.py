@@ -181,6 +181,11 @@ def _split(
     return ours, max(used - ours, 0), listed, top
 
 
+# Seconds between attempts to open NVML again after it failed (a sample at 4 Hz would
+# otherwise call nvmlInit four times a second on a machine without a driver).
+REOPEN_INTERVAL_S = 10.0
+
+
 class NvmlSource:
     """Samples one GPU through NVML; a CPU-mode source where that is impossible.
 
@@ -192,10 +197,13 @@ class NvmlSource:
         nvml: the ``pynvml`` module to use (tests pass a fake); default: import it.
         clock: seconds for ``timestamp``.
 
-    NVML is initialized once here and shut down by :meth:`close`. Never raises: a
-    missing library, driver or device puts the source in CPU mode (:attr:`available`
-    False, :attr:`reason` why), and an NVML error at a later sample gives a CPU-mode
-    sample with the error as its reason (the next sample tries again).
+    NVML is initialized here and shut down by :meth:`close`. Never raises: a missing
+    library, driver or device puts the source in CPU mode (:attr:`available` False,
+    :attr:`reason` why), and an NVML error at a later sample gives a CPU-mode sample with
+    the error as its reason (the next sample tries again). Where pynvml is installed but
+    NVML or the GPU could not be opened (the driver still loading at login, a GPU behind
+    a switch), a sample tries to open it again every :data:`REOPEN_INTERVAL_S` seconds,
+    so a GPU that appears later is watched without a restart.
     """
 
     def __init__(
@@ -215,6 +223,8 @@ class NvmlSource:
         self._handle = None
         self._name = ""
         self.reason = ""
+        self._closed = False
+        self._opened_at = clock()
         self._open()
 
     def _open(self) -> None:
@@ -261,6 +271,9 @@ class NvmlSource:
     def sample(self) -> VramSample:
         """The GPU's memory now (a CPU-mode sample when unavailable). Never raises."""
         now = self._clock()
+        if self._handle is None and self._reopen_due(now):
+            self._opened_at = now
+            self._open()
         if self._handle is None:
             return cpu_mode_sample(self.reason, now)
         nvml, handle = self._nvml, self._handle
@@ -302,6 +315,14 @@ class NvmlSource:
                 f"no GPU, CPU mode: NVML failed to read GPU {self.index} ({exc})", now
             )
 
+    def _reopen_due(self, now: float) -> bool:
+        # Without pynvml no retry can help; after close() none is wanted.
+        return (
+            self._nvml is not None
+            and not self._closed
+            and now - self._opened_at >= REOPEN_INTERVAL_S
+        )
+
     def _shutdown(self) -> None:
         try:
             self._nvml.nvmlShutdown()
@@ -309,7 +330,8 @@ class NvmlSource:
             pass
 
     def close(self) -> None:
-        """Shut NVML down (a CPU-mode source has nothing to close)."""
+        """Shut NVML down (a CPU-mode source has nothing to close) and stop reopening."""
+        self._closed = True
         if self._handle is not None:
             self._handle = None
             self.reason = "no GPU, CPU mode: the NVML source was closed"

@@ -256,25 +256,37 @@ class VramWatcher:
         sample that says so)."""
         from service.vram.sources import watch
 
-        async for sample in watch(self.source, self.hz):
+        while True:
+            async for sample in watch(self.source, self.hz):
+                self.latest = sample
+                reserve = self.reserve_bytes(sample)
+                if not sample.gpu:  # CPU mode (watch logs why): nothing to replan
+                    self._publish_cpu_mode(sample)
+                    continue
+                if self.hub is not None:
+                    self.hub.publish(VramEvent.from_sample(sample, reserve, source=self.kind))
+                try:
+                    await self.step(sample)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    log.exception("replanning failed; the watcher goes on")
+            if self.latest is None or self.latest.gpu or self.hub is None:
+                return
+            await self._host_memory_until_a_gpu_appears()
+
+    async def _host_memory_until_a_gpu_appears(self) -> None:
+        """No GPU to watch: the engine's memory is the host's, and that is shown once a
+        second; the source is asked again each time (an NVML source retries opening the
+        driver now and then), and a GPU that appears is watched from then on."""
+        while True:
+            await asyncio.sleep(HOST_SAMPLE_S)
+            sample = await asyncio.to_thread(self.source.sample)
+            if sample.gpu:
+                log.info("a GPU is now visible: %s; watching its memory", sample.device)
+                return
             self.latest = sample
-            reserve = self.reserve_bytes(sample)
-            if not sample.gpu:  # CPU mode (service.vram.sources.watch logs why): nothing to replan
-                self._publish_cpu_mode(sample)
-                continue
-            if self.hub is not None:
-                self.hub.publish(VramEvent.from_sample(sample, reserve, source=self.kind))
-            try:
-                await self.step(sample)
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("replanning failed; the watcher goes on")
-        if self.latest is not None and not self.latest.gpu and self.hub is not None:
-            # No GPU to watch: the engine's memory is the host's, and that is shown.
-            while True:
-                await asyncio.sleep(HOST_SAMPLE_S)
-                self._publish_cpu_mode(self.latest)
+            self._publish_cpu_mode(sample)
 
     def _publish_cpu_mode(self, sample: VramSample) -> None:
         if self.hub is None:

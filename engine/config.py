@@ -22,6 +22,9 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "Qwen3MoeForCausalLM",
     "MixtralForCausalLM",
     "OlmoeForCausalLM",  # q/k RMSNorm over the whole projection, not per head
+    # Hybrid linear attention (engine.models.qwen3_next): Gated DeltaNet layers between
+    # gated full-attention layers, MoE or dense MLPs.
+    "Qwen3NextForCausalLM",
 )
 
 # RoPE variants engine.models.rope implements (transformers' ``rope_type`` names).
@@ -62,6 +65,16 @@ class ModelConfig:
     renormalized to sum 1 when ``norm_topk_prob``); ``shared_expert_intermediate_size >
     0`` adds Qwen2-MoE's always-on expert, scaled by ``sigmoid(shared_expert_gate(x))``.
     The other layers keep the dense MLP of ``intermediate_size``.
+
+    Hybrid linear attention (``layer_types`` non-empty, Qwen3-Next): layer ``i`` is
+    ``"linear_attention"`` (a Gated DeltaNet: ``linear_num_key_heads`` query/key heads of
+    ``linear_key_head_dim``, ``linear_num_value_heads`` value heads of
+    ``linear_value_head_dim``, a causal depthwise conv of ``linear_conv_kernel_dim`` taps)
+    or ``"full_attention"`` (paged KV cache; only these layers have one). ``rotary_dim``
+    is the part of each head RoPE turns (0: all of it; Qwen3-Next's
+    ``partial_rotary_factor``); ``attn_output_gate`` multiplies the attention output by
+    ``sigmoid`` of a second half of ``q_proj``. ``zero_centered_norms``: RMSNorm weights
+    are stored as ``w - 1`` (``Qwen3NextRMSNorm`` scales by ``1 + w``).
     """
 
     architecture: str
@@ -88,6 +101,35 @@ class ModelConfig:
     norm_topk_prob: bool = False
     shared_expert_intermediate_size: int = 0
     moe_layers: tuple[int, ...] = ()
+    layer_types: tuple[str, ...] = ()
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
+    rotary_dim: int = 0
+    attn_output_gate: bool = False
+    zero_centered_norms: bool = False
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Some layers are linear attention (they keep a per-request state, not KV)."""
+        return "linear_attention" in self.layer_types
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "linear_attention")
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The layers with a KV cache, in order; their position is their KV pool index."""
+        if not self.layer_types:
+            return tuple(range(self.num_layers))
+        return tuple(i for i, t in enumerate(self.layer_types) if t != "linear_attention")
+
+    @property
+    def num_kv_layers(self) -> int:
+        return len(self.kv_layers)
 
     @property
     def is_moe(self) -> bool:

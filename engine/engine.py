@@ -23,6 +23,7 @@ from engine.errors import PlanDoesNotFit, RequestRejected
 from engine.kvcache.allocator import PageAllocator
 from engine.kvcache.pool import KVPool
 from engine.kvcache.radix import RadixCache
+from engine.kvcache.state_pool import StatePool
 from engine.live_replan import LiveReplan
 from engine.loader.default_model import model_display_name
 from engine.loader.gguf_quant import gguf_weight_size
@@ -128,7 +129,7 @@ class Engine(LiveReplan):
         # KV pool.
         num_pages = self._num_pages(mc)
         self.pool = KVPool(
-            num_layers=mc.num_layers,
+            num_layers=mc.num_kv_layers,
             num_pages=num_pages,
             page_size=config.page_size,
             num_kv_heads=mc.num_kv_heads,
@@ -148,7 +149,15 @@ class Engine(LiveReplan):
         self.kv_pool_ceiling_pages = num_pages
         if self.plan is not None and self.plan.context_lowered:
             self.kv_pool_ceiling_pages = max(num_pages, self.min_kv_pool_pages(self.plan.wanted_context_tokens))
-        self.radix = RadixCache(self.allocator, config.page_size) if config.prefix_cache else None
+        # Hybrid linear-attention models: no prefix reuse (a shared prefix's KV pages are
+        # kept, but not the linear layers' states after it), and a state pool of one slot
+        # per running request (engine.kvcache.state_pool).
+        self.radix = (RadixCache(self.allocator, config.page_size)
+                      if config.prefix_cache and not mc.is_hybrid else None)
+        self.states = None
+        if mc.is_hybrid:
+            self.states = StatePool(mc, self.knobs.max_running_requests, self.dtype, self.device)
+            self.model.bind_states(self.states)
         # Scheduler and runner.
         model_ctx = mc.max_position_embeddings
         if config.max_model_len is not None:
@@ -160,6 +169,7 @@ class Engine(LiveReplan):
             pick(self.knobs, SchedulerConfig, max_context_tokens=max_context_tokens, eos_token_ids=mc.eos_token_ids),
             self.allocator,
             self.radix,
+            self.states,
         )
         self.runner = ModelRunner(self.model, self.pool, self.attn, self.device)
         if self._use_cuda_graphs:
@@ -210,7 +220,9 @@ class Engine(LiveReplan):
         """Decode steps replay CUDA graphs: asked for (the default), on CUDA, and the
         backend's decode path can be captured (the torch backend's cannot: it builds its
         metadata on the host per step)."""
+        # Not for hybrid linear-attention models yet: their state slots are read on the host.
         return (self.config.cuda_graphs and self.device.type == "cuda" and self._cuda_graph_max_batch >= 1
+                and not self.model_config.is_hybrid
                 and backend_class(self.attention_backend).supports_cuda_graphs)
 
     @property
@@ -255,7 +267,7 @@ class Engine(LiveReplan):
         mc = self.model_config
         torch.cuda.empty_cache()
         probe_pool = KVPool(
-            num_layers=mc.num_layers, num_pages=profile_pool_pages(knobs), page_size=self.config.page_size,
+            num_layers=mc.num_kv_layers, num_pages=profile_pool_pages(knobs), page_size=self.config.page_size,
             num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, dtype=self.dtype, device=self.device,
         )
         # Where the context grows (logged): after the weights, the profile step, the capture.

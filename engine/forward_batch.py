@@ -41,6 +41,8 @@ class ForwardBatch:
             :meth:`device_meta` builds them from the CPU copies.
         page_table_cpu: the page table on the CPU when the runner has it at hand (for
             backends that plan on the host), else None.
+        state_slots: ``[B]`` int64 on the CPU, each sequence's slot in the state pool of
+            a hybrid linear-attention model; None for other models.
     """
 
     is_decode: bool
@@ -57,6 +59,7 @@ class ForwardBatch:
     extend_starts_device: torch.Tensor | None = None
     page_table_cpu: torch.Tensor | None = None
     sample_rows: torch.Tensor | None = None
+    state_slots: torch.Tensor | None = None
 
     def device_meta(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(seq_lens, prefix_lens, extend_lens, extend_starts)`` on the model's device,

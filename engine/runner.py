@@ -84,7 +84,10 @@ class ModelRunner:
 
     def build_batch(self, plan: StepPlan) -> ForwardBatch:
         """Flatten the plan's chunks into one ragged batch (see :class:`ForwardBatch`)."""
-        return self.inputs.build(plan.items, plan.is_decode)
+        batch = self.inputs.build(plan.items, plan.is_decode)
+        if plan.items and plan.items[0].req.state_slot is not None:  # a hybrid model's requests
+            batch.state_slots = torch.tensor([it.req.state_slot for it in plan.items], dtype=torch.int64)
+        return batch
 
     def forward(self, plan: StepPlan) -> torch.Tensor:
         """``[S, V]`` float32 logits of the plan's sampling rows: a graph replay for a

@@ -75,7 +75,7 @@ class PagedRunner:
         dtype = next(model.parameters()).dtype
         self.model, self.page_size = model, page_size
         self.pool = KVPool(
-            num_layers=config.num_layers,
+            num_layers=config.num_kv_layers,
             num_pages=num_pages,
             page_size=page_size,
             num_kv_heads=config.num_kv_heads,
@@ -90,6 +90,13 @@ class PagedRunner:
             head_dim=config.head_dim,
             scale=config.head_dim**-0.5,
         )
+        self.states = None
+        if config.is_hybrid:  # linear-attention layers keep a state slot per sequence
+            from engine.kvcache.state_pool import StatePool
+
+            self.states = StatePool(config, 8, dtype, device)
+            model.bind_states(self.states)
+        self.state_slot: dict[object, int] = {}
         self.next_page = 1
         self.pages: dict[object, list[int]] = {}
         self.lens: dict[object, int] = {}
@@ -130,6 +137,11 @@ class PagedRunner:
             extend_lens=torch.tensor(extend),
             logits_indices=torch.tensor(last, device=dev),
         )
+        if self.states is not None:
+            for seq in new_tokens:
+                if seq not in self.state_slot:
+                    self.state_slot[seq] = self.states.alloc()
+            batch.state_slots = torch.tensor([self.state_slot[s] for s in new_tokens])
         self.last_batch = batch
         return self.model(batch, self.attn)
 
@@ -138,6 +150,24 @@ class PagedRunner:
 def paged_runner():
     """The :class:`PagedRunner` class: ``paged_runner(model, config).step({seq: ids})``."""
     return PagedRunner
+
+
+def _import_qwen3_next_without_fla() -> None:
+    """transformers binds Qwen3-Next's linear-attention functions to fla-core's Triton
+    kernels at import when fla-core is installed, and those need a GPU: import its
+    module with fla hidden so the reference is its plain torch path."""
+    import sys
+
+    name = "transformers.models.qwen3_next.modeling_qwen3_next"
+    if name in sys.modules:
+        return
+    hidden = {k: sys.modules.pop(k) for k in list(sys.modules) if k == "fla" or k.startswith("fla.")}
+    sys.modules["fla"] = None  # makes ``import fla`` raise ImportError
+    try:
+        __import__(name)
+    finally:
+        del sys.modules["fla"]
+        sys.modules.update(hidden)
 
 
 def _tiny_hf_config(kind: str, vocab_size: int, overrides: dict):
@@ -181,6 +211,18 @@ def _tiny_hf_config(kind: str, vocab_size: int, overrides: dict):
         return transformers.Qwen2MoeConfig(
             **common, **moe, num_experts=6, shared_expert_intermediate_size=64, decoder_sparse_step=2,
             norm_topk_prob=False,
+        )
+    if kind in ("qwen3_next", "qwen3_next_dense"):
+        _import_qwen3_next_without_fla()
+        # Layers linear, full, linear, full (full_attention_interval 2); 2 key heads serving
+        # 4 value heads; partial rotary; the MoE one has a shared expert and layer 1 dense.
+        extra = dict(num_experts=6, shared_expert_intermediate_size=48, norm_topk_prob=True,
+                     mlp_only_layers=[1]) if kind == "qwen3_next" else dict(num_experts=0)
+        return transformers.Qwen3NextConfig(
+            **{**common, "num_hidden_layers": 4}, **moe, **extra, head_dim=16,
+            full_attention_interval=2, linear_num_key_heads=2, linear_num_value_heads=4,
+            linear_key_head_dim=16, linear_value_head_dim=24, linear_conv_kernel_dim=4,
+            partial_rotary_factor=0.5,
         )
     if kind == "mixtral":  # Mixtral's w1/w2/w3 expert names, always renormalized
         return transformers.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)

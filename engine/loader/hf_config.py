@@ -94,13 +94,36 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         rope=_rope(hf, config_path),
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
         attention_bias=attention_bias,
-        qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+        qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM"),
         bos_token_id=getattr(hf, "bos_token_id", None),
         eos_token_ids=tuple(dict.fromkeys(eos)),  # dedupe, keep order
         qk_norm_whole=architecture == "OlmoeForCausalLM",
         clip_qkv=getattr(hf, "clip_qkv", None),
         **_moe_fields(hf, architecture),
+        **_hybrid_fields(hf, architecture, head_dim),
     )
+
+
+def _hybrid_fields(hf: Any, architecture: str, head_dim: int) -> dict[str, Any]:
+    """Qwen3-Next's linear-attention fields of :class:`ModelConfig` (``{}`` for the
+    others). ``layer_types`` is transformers' own list (its default puts a full-attention
+    layer every ``full_attention_interval``); the rotary part of a head is
+    ``int(head_dim * partial_rotary_factor)`` (``Qwen3NextRotaryEmbedding``)."""
+    if architecture != "Qwen3NextForCausalLM":
+        return {}
+    rope = getattr(hf, "rope_parameters", None) or {}
+    factor = float(rope.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0)) or 1.0)
+    return {
+        "layer_types": tuple(hf.layer_types),
+        "linear_num_key_heads": int(hf.linear_num_key_heads),
+        "linear_num_value_heads": int(hf.linear_num_value_heads),
+        "linear_key_head_dim": int(hf.linear_key_head_dim),
+        "linear_value_head_dim": int(hf.linear_value_head_dim),
+        "linear_conv_kernel_dim": int(hf.linear_conv_kernel_dim),
+        "rotary_dim": int(head_dim * factor),
+        "attn_output_gate": True,
+        "zero_centered_norms": True,
+    }
 
 
 def _moe_fields(hf: Any, architecture: str) -> dict[str, Any]:
@@ -114,7 +137,8 @@ def _moe_fields(hf: Any, architecture: str) -> dict[str, Any]:
     (``MixtralTopKRouter``); the others do when ``norm_topk_prob``.
     """
     num_experts = getattr(hf, "num_local_experts", None) or getattr(hf, "num_experts", None) or 0
-    if architecture not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM"):
+    if architecture not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM",
+                            "Qwen3NextForCausalLM"):
         return {}
     layers = range(hf.num_hidden_layers)
     if architecture in ("MixtralForCausalLM", "OlmoeForCausalLM"):
@@ -133,7 +157,7 @@ def _moe_fields(hf: Any, architecture: str) -> dict[str, Any]:
         "moe_intermediate_size": int(expert_size),
         "norm_topk_prob": norm_topk,
         "shared_expert_intermediate_size": int(getattr(hf, "shared_expert_intermediate_size", 0) or 0)
-        if architecture == "Qwen2MoeForCausalLM" else 0,
+        if architecture in ("Qwen2MoeForCausalLM", "Qwen3NextForCausalLM") else 0,
         "moe_layers": moe_layers,
     }
 
@@ -190,7 +214,8 @@ def _check_variant(hf: Any, config_path: Path) -> None:
     if getattr(hf, "mlp_bias", False):
         raise UnsupportedConfig(f"{config_path}: mlp_bias=true is not supported")
     layer_types = getattr(hf, "layer_types", None) or ()
-    if getattr(hf, "use_sliding_window", False) or any(t != "full_attention" for t in layer_types):
+    known = ("full_attention", "linear_attention") if getattr(hf, "model_type", "") == "qwen3_next" else ("full_attention",)
+    if getattr(hf, "use_sliding_window", False) or any(t not in known for t in layer_types):
         raise UnsupportedConfig(
             f"{config_path}: sliding-window attention is not supported; "
             "set use_sliding_window to false if the model was trained without it"
@@ -209,7 +234,8 @@ def _rope(hf: Any, config_path: Path) -> RopeConfig:
             f"{', '.join(SUPPORTED_ROPE_TYPES)}"
         )
     partial = params.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", None))
-    if partial not in (None, 1, 1.0):
+    # Qwen3-Next's partial rotary is ModelConfig.rotary_dim (engine.models.qwen3_next).
+    if partial not in (None, 1, 1.0) and getattr(hf, "model_type", "") != "qwen3_next":
         raise UnsupportedConfig(f"{config_path}: partial_rotary_factor {partial} is not supported")
     defaults = RopeConfig()
     return RopeConfig(

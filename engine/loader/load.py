@@ -72,7 +72,7 @@ def weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
     model = _build_on_meta(config)
     itemsize = torch.empty((), dtype=dtype).element_size()
     params = sum(p.numel() for p in model.parameters()) * itemsize
-    rope_cache = config.max_position_embeddings * config.head_dim * 4  # float32
+    rope_cache = config.max_position_embeddings * (config.rotary_dim or config.head_dim) * 4  # float32
     return params + rope_cache
 
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.config import ModelConfig
+from engine.kvcache.state_pool import state_bytes_per_request
 from engine.loader.load import expert_weight_bytes, weight_bytes
 from engine.memory.plan import Footprint, PlanKnobs
 
@@ -33,8 +34,8 @@ def itemsize(dtype: torch.dtype) -> int:
 
 
 def kv_bytes_per_token(mc: ModelConfig, dtype: torch.dtype) -> int:
-    """Keys and values of one token over all layers, in bytes."""
-    return 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * itemsize(dtype)
+    """Keys and values of one token over the layers with a KV cache, in bytes."""
+    return 2 * mc.num_kv_layers * mc.num_kv_heads * mc.head_dim * itemsize(dtype)
 
 
 def model_context(mc: ModelConfig, knobs: PlanKnobs) -> int:
@@ -72,8 +73,36 @@ def estimate_activation_bytes(mc: ModelConfig, dtype: torch.dtype, knobs: PlanKn
     mlp = 3 * t * i * it if len(mc.moe_layers) < mc.num_layers else 0
     if mc.is_moe:
         mlp = max(mlp, moe_activation_bytes(mc, t, it))
+    if mc.is_hybrid:
+        attn = max(attn, linear_attention_activation_bytes(mc, t, it))
     logits = b * mc.vocab_size * 4
     return residual + max(attn, mlp) + logits
+
+
+def linear_attention_activation_bytes(mc: ModelConfig, t: int, it: int) -> int:
+    """Upper estimate of a Gated DeltaNet layer's transient peak for a prefill chunk of
+    ``t`` tokens, in bytes (:class:`engine.models.gated_deltanet.GatedDeltaNet`).
+
+    Terms (``C = 2*Hk*Dk + Hv*Dv`` conv channels, ``Hv`` value heads, ``c = 64`` the
+    chunk of flash-linear-attention's ``chunk_gated_delta_rule``): the projections
+    ``t*(2*Hk*Dk + 2*Hv*Dv + 2*Hv)*it``; the conv input, its padded copy, output and
+    SiLU ``4*t*C*it``; q and k repeated to the value heads ``2*t*Hv*Dk*it``; the
+    float32 gates ``3*t*Hv*4``; inside the kernel, its float32 intra-chunk matrix
+    ``t*Hv*c*4``, the WY factors ``w``, ``u`` ``t*Hv*(Dk+Dv)*it``, the per-chunk states
+    ``ceil(t/c)*Hv*Dk*Dv*it`` and the output ``t*Hv*Dv*it``; then the gated norm
+    (float32 copy) ``t*Hv*Dv*(4+it)``. Source: the shapes in the module and in
+    ``fla/ops/gated_delta_rule/chunk.py``.
+    """
+    hk, hv, dk, dv = mc.linear_num_key_heads, mc.linear_num_value_heads, mc.linear_key_head_dim, mc.linear_value_head_dim
+    c = 2 * hk * dk + hv * dv
+    chunk = 64
+    proj = t * (2 * hk * dk + 2 * hv * dv + 2 * hv) * it
+    conv = 4 * t * c * it
+    repeated = 2 * t * hv * dk * it
+    gates = 3 * t * hv * 4
+    kernel = t * hv * chunk * 4 + t * hv * (dk + dv) * it + -(-t // chunk) * hv * dk * dv * it + t * hv * dv * it
+    norm = t * hv * dv * (4 + it)
+    return proj + conv + repeated + gates + kernel + norm
 
 
 # Rows per block of the fused MoE kernel's sort at prefill sizes (kernels.triton_moe).
@@ -160,4 +189,5 @@ def make_footprint(
         activation_peak_bytes=peak,
         activation_source=source,
         activation_at=at,
+        state_bytes_per_request=state_bytes_per_request(mc, dtype),
     )

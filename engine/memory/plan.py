@@ -147,6 +147,9 @@ class Footprint:
     weight_source: str = "exact, from tensor shapes"
     # The routed experts' share of weight_bytes (a mixture of experts; 0 when dense).
     expert_weight_bytes: int = 0
+    # A hybrid linear-attention model's recurrent and conv states of one request
+    # (engine.kvcache.state_pool); the pool holds max_running_requests of them.
+    state_bytes_per_request: int = 0
 
 
 class LedgerEntry(msgspec.Struct, frozen=True):
@@ -306,11 +309,19 @@ def _ledger(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint) -> MemoryPlan
     ledger += [LedgerEntry(f"workspace: {name}", b, "-", "declared") for name, b in fp.workspace_bytes]
     ledger += [
         LedgerEntry("sampler and logits", sampler, "-", f"{fp.sampler_source}, {knobs.max_running_requests} requests x vocab {fp.vocab_size}"),
-        LedgerEntry("prefill activation peak", activation, "-", f"{fp.activation_source} at {knobs.max_prefill_tokens} tokens"),
+        LedgerEntry("prefill activation peak", activation, "-", f"{fp.activation_source} at {knobs.max_prefill_tokens} tokens"
+                    + (", linear-attention layers included" if fp.state_bytes_per_request else "")),
         LedgerEntry("CUDA graph pool", fp.cuda_graph_bytes, "-", "measured at capture" if fp.cuda_graph_bytes else "none captured"),
         LedgerEntry("model scratch", fp.scratch_bytes, "-", "measured" if fp.scratch_bytes else "none"),
     ]
-    fixed = fp.weight_bytes + fp.runtime_bytes + sum(b for _, b in fp.workspace_bytes) + sampler + activation + fp.cuda_graph_bytes + fp.scratch_bytes
+    # One slot per running request, plus the null slot (engine.kvcache.state_pool).
+    states = fp.state_bytes_per_request * (knobs.max_running_requests + 1)
+    if fp.state_bytes_per_request:
+        ledger.append(LedgerEntry("linear-attention state pool", states, "-",
+                                  f"exact, {knobs.max_running_requests} requests + 1 null slot x "
+                                  f"{fmt_bytes(fp.state_bytes_per_request)}"))
+    fixed = (fp.weight_bytes + fp.runtime_bytes + sum(b for _, b in fp.workspace_bytes) + sampler + activation
+             + fp.cuda_graph_bytes + fp.scratch_bytes + states)
     kv_room = budget - fixed
     page_bytes = fp.kv_bytes_per_token * knobs.page_size
     pages = max(kv_room // page_bytes, 0) if page_bytes > 0 else 0

@@ -82,6 +82,15 @@ def measure_step_peak(
     seqs = max(min(knobs.max_running_requests, tokens), 1)
     batch = profile_batch(tokens, seqs, ctx, pool.page_size, pool.num_pages, device)
     vocab = model.config.vocab_size
+    bound = None
+    if model.config.is_hybrid:
+        # The state pool is a ledger line of its own: made before the window opens, so
+        # the window measures the linear-attention layers' transient only.
+        from engine.kvcache.state_pool import StatePool
+
+        bound = model.states
+        model.bind_states(StatePool(model.config, seqs, pool.dtype, device))
+        batch.state_slots = torch.arange(1, seqs + 1)
     sp = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.01, frequency_penalty=0.1, seed=0)
 
     def snapshot():
@@ -107,6 +116,8 @@ def measure_step_peak(
     Sampler().sample(logits, states, [sp] * seqs)
     step_bytes = peak_since(alloc, reserved)
     sampler_bytes = state_bytes + max(step_bytes - forward_bytes, 0)
+    if model.config.is_hybrid:
+        model.bind_states(bound)
     return StepPeak(forward_bytes=forward_bytes, sampler_bytes=sampler_bytes)
 
 

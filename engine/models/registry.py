@@ -5,6 +5,7 @@ from __future__ import annotations
 from engine.config import SUPPORTED_ARCHITECTURES
 from engine.loader.errors import UnsupportedArchitecture
 from engine.models.decoder import CausalLM
+from engine.models.qwen3_next import HybridCausalLM
 
 _MODELS: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": CausalLM,
@@ -16,6 +17,8 @@ _MODELS: dict[str, type[CausalLM]] = {
     "Qwen3MoeForCausalLM": CausalLM,
     "MixtralForCausalLM": CausalLM,
     "OlmoeForCausalLM": CausalLM,
+    # Gated DeltaNet layers between gated full-attention layers, over a state pool.
+    "Qwen3NextForCausalLM": HybridCausalLM,
 }
 
 

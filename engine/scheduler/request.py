@@ -51,6 +51,8 @@ class Request:
     # Largest prefill chunk this request may run, None for no limit of its own: halved
     # by the engine each time a step with its chunk as the largest runs out of memory.
     chunk_cap: int | None = None
+    # Slot in a hybrid model's state pool while admitted (engine.kvcache.state_pool), else None.
+    state_slot: int | None = None
     oom_retries: int = 0  # same-size retries after an OOM it faced alone, since its last good step
 
     @property

@@ -19,11 +19,15 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from engine.kvcache.allocator import OutOfPages, PageAllocator
 from engine.kvcache.radix import RadixCache
 from engine.messages import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, SCORED_CHUNK_TOKENS
 from engine.scheduler.request import Phase, Request
+
+if TYPE_CHECKING:
+    from engine.kvcache.state_pool import StatePool
 from engine.scheduler.resize import (
     Vacated,
     end_beyond_context,
@@ -89,8 +93,12 @@ class Scheduler:
     context limit; ``config`` keeps what was asked for at the start.
     """
 
-    def __init__(self, config: SchedulerConfig, allocator: PageAllocator, radix: RadixCache | None) -> None:
+    def __init__(self, config: SchedulerConfig, allocator: PageAllocator, radix: RadixCache | None,
+                 states: StatePool | None = None) -> None:
+        """``states``: a hybrid model's state pool; a request holds one of its slots
+        from admission for as long as it holds pages (``Request.state_slot``)."""
         self.config = config
+        self.states = states
         self.max_prefill_tokens = config.max_prefill_tokens
         self.max_running_requests = config.max_running_requests
         self.max_context_tokens = config.max_context_tokens
@@ -209,6 +217,10 @@ class Scheduler:
         return StepItem(req, req.kv_len, n, pages, admitted=admitted)
 
     def _admit(self, req: Request, budget: int) -> StepItem | None:
+        if self.states is not None:
+            if self.states.num_free == 0:
+                return None
+            req.state_slot = self.states.alloc()
         if self.radix is not None and req.sampling.prompt_logprobs is None:
             # Leave at least one token to compute: the step needs its logits. A prompt
             # whose logprobs are wanted is computed whole: no cached prefix.
@@ -346,6 +358,10 @@ class Scheduler:
             self.allocator.free(own)
         if self.radix is not None and req.last_node is not None:
             self.radix.unlock(req.last_node)
+        if req.state_slot is not None:
+            # Its states describe the tokens of its pages: they go together.
+            self.states.free(req.state_slot)
+            req.state_slot = None
         req.pages, req.last_node, req.kv_len, req.cached_len = [], None, 0, 0
 
     def _finish(self, req: Request, reason: str) -> None:

@@ -1,0 +1,152 @@
+"""Hybrid linear-attention models (Qwen3-Next: Gated DeltaNet layers between gated
+full-attention layers) against transformers on tiny random configs, one dense and one
+with MoE layers: logits over the paged KV cache and the state pool, greedy decoding
+through the engine, chunked prefill, state slots given back, and the plan's state-pool
+line (Qwen3-Next-80B-A3B's published shape, no weights read)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from model_checks import check_extend_and_decode, check_ragged_batch
+from test_engine import hf_greedy, run_all
+
+from engine.commands.model_shapes import write_shape
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.kvcache.state_pool import StatePool, state_bytes_per_request
+from engine.loader.hf_config import load_model_config
+from engine.loader.load import load_model, weight_bytes
+from engine.memory.device import simulated_device
+from engine.memory.footprint import (
+    estimate_activation_bytes,
+    linear_attention_activation_bytes,
+    make_footprint,
+)
+from engine.memory.plan import GiB, PlanKnobs, make_plan
+from engine.messages import GenerateRequest, SamplingParams
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 256
+GREEDY = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=["qwen3_next_dense", "qwen3_next"])
+def pair(request, tmp_path_factory, make_tiny_hf_model):
+    path = tmp_path_factory.mktemp(request.param)
+    hf = make_tiny_hf_model(request.param, path, vocab_size=VOCAB)
+    ours, config = load_model(path, "cpu", torch.float32)
+    return request.param, hf, ours, config, path
+
+
+def test_layer_layout_follows_the_config(pair):
+    kind, hf, ours, config, _ = pair
+    assert config.layer_types == tuple(hf.config.layer_types)
+    assert config.linear_layers == (0, 2) and config.kv_layers == (1, 3)
+    assert config.rotary_dim == 8  # head_dim 16, partial_rotary_factor 0.5
+    hf_sparse = tuple(i for i, layer in enumerate(hf.model.layers) if hasattr(layer.mlp, "experts"))
+    assert config.moe_layers == hf_sparse == ((0, 2, 3) if kind == "qwen3_next" else ())
+    assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in hf.parameters())
+    held = sum(p.nbytes for p in ours.parameters()) + ours.cos_sin_cache.nbytes
+    assert weight_bytes(config, torch.float32) == held
+
+
+def test_prefill_extend_and_decode_match_transformers(pair, paged_runner):
+    _, hf, ours, config, _ = pair
+    check_extend_and_decode(hf, paged_runner(ours, config), VOCAB)
+
+
+def test_ragged_batch_matches_transformers(pair, paged_runner):
+    """Two sequences in every step, each with its own state slot."""
+    _, hf, ours, config, _ = pair
+    check_ragged_batch(hf, paged_runner(ours, config), VOCAB)
+
+
+def test_greedy_32_steps_equal_transformers(pair):
+    """Three prompts batched through the engine (scheduler, state slots, KV pages)."""
+    _, hf, _, _, path = pair
+    engine = Engine(EngineConfig(model=str(path), device="cpu", page_size=4, num_pages=128))
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (5, 11, 23)]
+    ours = run_all(engine, {f"r{i}": (ids, GREEDY) for i, ids in enumerate(prompts)})
+    for i, ids in enumerate(prompts):
+        assert ours[f"r{i}"] == hf_greedy(hf, ids, 32)
+
+
+def test_chunked_prefill_16_tokens_equals_one_chunk(pair):
+    """The conv and recurrent states carry from chunk to chunk."""
+    _, _, _, _, path = pair
+    ids = torch.randint(3, VOCAB, (70,), generator=torch.Generator().manual_seed(4)).tolist()
+    sp = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+    chunked = Engine(EngineConfig(model=str(path), device="cpu", page_size=4, num_pages=64, max_prefill_tokens=16))
+    whole = Engine(EngineConfig(model=str(path), device="cpu", page_size=4, num_pages=64, max_prefill_tokens=128))
+    assert run_all(chunked, {"c": (ids, sp)}) == run_all(whole, {"c": (ids, sp)})
+
+
+def test_state_slots_come_back_after_finish_and_abort(pair):
+    _, _, _, _, path = pair
+    engine = Engine(EngineConfig(model=str(path), device="cpu", page_size=4, num_pages=64, max_running_requests=2))
+    states = engine.states
+    assert states.max_requests == 2 and states.num_free == 2
+    # No prefix reuse for hybrid models: the linear layers' states after a prefix are not kept.
+    assert engine.radix is None
+    sp = SamplingParams(max_new_tokens=50, temperature=0.0, ignore_eos=True)
+    for rid in ("a", "b", "c"):
+        engine.add_request(GenerateRequest(request_id=rid, prompt_token_ids=[5, 6, 7, 8], sampling=sp))
+    engine.step()
+    # Two slots bound the running requests; the third waits.
+    assert states.num_free == 0
+    assert {r.request_id for r in engine.scheduler.running} == {"a", "b"}
+    engine.abort("a")
+    assert states.num_free == 1
+    ended = set()
+    while engine.has_work():
+        ended |= {o.request_id for o in engine.step() if o.finished}
+    assert ended >= {"b", "c"}
+    assert states.num_free == 2
+
+
+def test_a_preempted_request_gives_its_slot_back_and_recomputes(pair):
+    _, _, _, _, path = pair
+    engine = Engine(EngineConfig(model=str(path), device="cpu", page_size=4, num_pages=64))
+    sp = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    ids = [9, 10, 11, 12, 13, 14]
+    alone = run_all(engine, {"x": (ids, sp)})["x"]
+    engine.add_request(GenerateRequest(request_id="y", prompt_token_ids=ids, sampling=sp))
+    out = engine.step()[0].token_ids
+    free = engine.states.num_free
+    engine.scheduler.preempt(engine.scheduler.requests["y"])
+    assert engine.states.num_free == free + 1
+    while engine.has_work():
+        for o in engine.step():
+            out += o.token_ids
+    assert out == alone
+
+
+def test_plan_charges_the_state_pool_on_its_own_line(tmp_path):
+    mc = load_model_config(write_shape("qwen3-next-80b-a3b", tmp_path))
+    assert mc.is_hybrid and len(mc.linear_layers) == 36 and mc.num_kv_layers == 12
+    knobs = PlanKnobs(max_running_requests=8)
+    plan = make_plan(simulated_device(80 * GiB), knobs, make_footprint(mc, torch.bfloat16, knobs))
+    ledger = {e.name: e for e in plan.ledger}
+    per_request = state_bytes_per_request(mc, torch.bfloat16)
+    # 36 layers x (32 x 128 x 128 x 4 recurrent + 8192 x 3 x 2 conv) = 75.2 MiB per request.
+    assert per_request == 36 * (32 * 128 * 128 * 4 + 8192 * 3 * 2)
+    assert ledger["linear-attention state pool"].bytes == (8 + 1) * per_request  # the null slot too
+    assert "8 requests" in ledger["linear-attention state pool"].source
+    assert plan.table().count("linear-attention state pool") == 1
+    # A KV page holds the 12 full-attention layers only.
+    assert ledger["KV cache pool"].bytes == plan.num_pages * 2 * 12 * 2 * 256 * 2 * knobs.page_size
+    # And the pool made by the engine is the size the plan charged.
+    tiny = load_model_config(write_shape("qwen3-next-80b-a3b", tmp_path / "tiny", num_hidden_layers=4))
+    assert StatePool(tiny, 3, torch.bfloat16, "meta").nbytes == (3 + 1) * state_bytes_per_request(tiny, torch.bfloat16)
+
+
+def test_linear_attention_transient_is_priced_at_the_chunk(tmp_path):
+    mc = load_model_config(write_shape("qwen3-next-80b-a3b", tmp_path))
+    small = linear_attention_activation_bytes(mc, 2048, 2)
+    large = linear_attention_activation_bytes(mc, 8192, 2)
+    assert 3.9 < large / small < 4.1  # linear in the chunk
+    knobs = PlanKnobs(max_prefill_tokens=8192, max_running_requests=1)
+    assert estimate_activation_bytes(mc, torch.bfloat16, knobs) > large

@@ -185,8 +185,9 @@ class GatedDeltaNet(nn.Module):
         cu = torch.zeros(len(lens) + 1, dtype=torch.long)
         cu[1:] = torch.tensor(lens).cumsum(0)
         kernel = recurrent if is_decode else chunk
+        # By keyword: the recurrent kernel's fifth parameter is a per-key gate (gk), not beta.
         o, final = kernel(
-            q[None], k[None], v[None], g[None], beta[None],
+            q[None], k[None], v[None], g=g[None], beta=beta[None],
             scale=self.dk ** -0.5, initial_state=initial, output_final_state=True,
             use_qk_l2norm_in_kernel=True, cu_seqlens=cu.to(q.device),
         )

@@ -202,6 +202,12 @@ class EngineConfig:
         "Whether the simulated GPU (--device-total) drives a display, which the "
         "automatic --reserve keeps memory for.",
     )
+    kv_cache_dtype: str = option(
+        "auto",
+        "KV cache storage: auto (the model's dtype) or fp8 (float8_e4m3fn, scale 1.0: half "
+        "of bfloat16's bytes per token, so twice the context in the same memory).",
+        choices=("auto", "fp8"),
+    )
     prefix_cache: bool = option(True, "Share KV pages of common prompt prefixes.")
     attention_backend: str = option(
         "auto",

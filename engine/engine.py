@@ -21,7 +21,7 @@ from engine.attention.base import backend_class, create_attention_backend, resol
 from engine.config import EngineConfig, ModelConfig
 from engine.errors import PlanDoesNotFit, RequestRejected
 from engine.kvcache.allocator import PageAllocator
-from engine.kvcache.pool import KVPool
+from engine.kvcache.pool import KVPool, kv_storage_dtype
 from engine.kvcache.radix import RadixCache
 from engine.live_replan import LiveReplan
 from engine.loader.default_model import model_display_name
@@ -81,6 +81,8 @@ class Engine(LiveReplan):
         # Device and dtype.
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        # The KV pool's storage dtype (--kv-cache-dtype): the model's, or FP8 on any device.
+        self.kv_dtype = kv_storage_dtype(config.kv_cache_dtype, self.dtype)
         if self.device.type == "cuda":
             # Expandable segments keep reserved memory close to allocated memory (no
             # segments stranded at one block size), so what the plan measured is what
@@ -133,8 +135,9 @@ class Engine(LiveReplan):
             page_size=config.page_size,
             num_kv_heads=mc.num_kv_heads,
             head_dim=mc.head_dim,
-            dtype=self.dtype,
+            dtype=self.kv_dtype,
             device=self.device,
+            compute_dtype=self.dtype,
         )
         # Attention backend, and on a GPU one warm-up step at the plan's largest size, so
         # the step-size buffers sit in the allocator's cache before any request arrives.
@@ -256,7 +259,8 @@ class Engine(LiveReplan):
         torch.cuda.empty_cache()
         probe_pool = KVPool(
             num_layers=mc.num_layers, num_pages=profile_pool_pages(knobs), page_size=self.config.page_size,
-            num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, dtype=self.dtype, device=self.device,
+            num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, dtype=self.kv_dtype, device=self.device,
+            compute_dtype=self.dtype,
         )
         # Where the context grows (logged): after the weights, the profile step, the capture.
         growth = [self._outside_allocator_growth()]
@@ -325,7 +329,7 @@ class Engine(LiveReplan):
             return cfg.num_pages
         if self.plan is not None:
             return self.plan.num_pages + 1
-        page_bytes = kv_bytes_per_token(mc, self.dtype) * cfg.page_size
+        page_bytes = kv_bytes_per_token(mc, self.kv_dtype) * cfg.page_size
         budget = cfg.kv_cache if cfg.kv_cache is not None else DEFAULT_CPU_KV_CACHE_BYTES
         # Without a plan: never fewer pages than one full context needs (+ the null page).
         want_ctx = min(mc.max_position_embeddings, cfg.max_model_len or mc.max_position_embeddings)

@@ -80,6 +80,8 @@ def render(plan: MemoryPlan, as_json: bool, setup: str = "") -> str:
         return msgspec.json.encode(plan).decode()
     head = f"memory plan for {plan.device}" + (f", {setup}" if setup else "") + "\n"
     body = plan.table()
+    if plan.kv_bytes_per_token:
+        body += f"\nKV cache: {plan.kv_bytes_per_token:,} bytes per token ({plan.kv_cache_dtype})"
     if plan.context_lowered:
         return f"{head}{body}\nfits: yes, with a lowered context (--min-context {plan.min_context_tokens})"
     if plan.fits:

@@ -25,9 +25,10 @@ from engine.kvcache.pool import KVPool, kv_storage_dtype
 from engine.kvcache.radix import RadixCache
 from engine.live_replan import LiveReplan
 from engine.loader.default_model import model_display_name
+from engine.loader.fp8 import resolve_quantization
 from engine.loader.gguf_quant import gguf_weight_size
 from engine.loader.hf_config import load_model_config
-from engine.loader.load import load_model
+from engine.loader.load import fp8_weight_size, load_model
 from engine.loader.resolve import resolve_model
 from engine.memory.footprint import kv_bytes_per_token, make_footprint
 from engine.memory.plan import MemoryPlan, PlanKnobs, fit_plan, make_plan
@@ -100,6 +101,11 @@ class Engine(LiveReplan):
         # CUDA): planned and loaded so; otherwise dequantized at load and priced dense.
         self.quantized_gguf = quantized_gguf(config, self.device, mc)
         self.weight_size = None if self.quantized_gguf is None else gguf_weight_size(self.quantized_gguf, mc, self.dtype)
+        # FP8 projections (--quantization fp8, or an FP8 checkpoint), priced at their bytes.
+        self.quantization = None if self.quantized_gguf is not None else resolve_quantization(
+            config.quantization, self.model_dir)
+        if self.quantization == "fp8":
+            self.weight_size = fp8_weight_size(mc, self.dtype)
         # The attention backend's name (auto resolved) and whether decode steps run as
         # CUDA graphs; both decide workspaces the plan charges.
         self.attention_backend = resolve_backend_name(config.attention_backend, self.device.type)
@@ -120,7 +126,7 @@ class Engine(LiveReplan):
                                                           weights=self.weight_size))
         # Weights.
         self.model, _ = load_model(self.model_dir, self.device, self.dtype, load_format=config.load_format,
-                                   quantized_gguf=self.quantized_gguf)
+                                   quantized_gguf=self.quantized_gguf, quantization=self.quantization)
         # Profile run on a GPU: the measured step peak and the CUDA context replace the
         # estimates, and the plan is made again.
         if self.device_memory is not None and self.device.type == "cuda":

@@ -244,6 +244,19 @@ class EngineConfig:
         "Whether the simulated GPU (--device-total) drives a display, which the "
         "automatic --reserve keeps memory for.",
     )
+    quantization: str = option(
+        "auto",
+        "Weights: auto (as the checkpoint stores them; an FP8 checkpoint stays FP8) or fp8 "
+        "(quantize a bfloat16/float32 checkpoint's projections to float8_e4m3fn at load, one "
+        "scale per output channel: about half of bfloat16's weight bytes).",
+        choices=("auto", "fp8"),
+    )
+    kv_cache_dtype: str = option(
+        "auto",
+        "KV cache storage: auto (the model's dtype) or fp8 (float8_e4m3fn, scale 1.0: half "
+        "of bfloat16's bytes per token, so twice the context in the same memory).",
+        choices=("auto", "fp8"),
+    )
     prefix_cache: bool = option(True, "Share KV pages of common prompt prefixes.")
     attention_backend: str = option(
         "auto",

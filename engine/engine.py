@@ -21,14 +21,15 @@ from engine.attention.base import backend_class, create_attention_backend, resol
 from engine.config import EngineConfig, ModelConfig
 from engine.errors import PlanDoesNotFit, RequestRejected
 from engine.kvcache.allocator import PageAllocator
-from engine.kvcache.pool import KVPool
+from engine.kvcache.pool import KVPool, kv_storage_dtype
 from engine.kvcache.radix import RadixCache
 from engine.kvcache.state_pool import StatePool
 from engine.live_replan import LiveReplan
 from engine.loader.default_model import model_display_name
+from engine.loader.fp8 import resolve_quantization
 from engine.loader.gguf_quant import gguf_weight_size
 from engine.loader.hf_config import load_model_config
-from engine.loader.load import load_model
+from engine.loader.load import fp8_weight_size, load_model
 from engine.loader.resolve import resolve_model
 from engine.memory.footprint import kv_bytes_per_token, make_footprint
 from engine.memory.plan import MemoryPlan, PlanKnobs, fit_plan, make_plan
@@ -82,6 +83,8 @@ class Engine(LiveReplan):
         # Device and dtype.
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        # The KV pool's storage dtype (--kv-cache-dtype): the model's, or FP8 on any device.
+        self.kv_dtype = kv_storage_dtype(config.kv_cache_dtype, self.dtype)
         if self.device.type == "cuda":
             # Expandable segments keep reserved memory close to allocated memory (no
             # segments stranded at one block size), so what the plan measured is what
@@ -99,6 +102,11 @@ class Engine(LiveReplan):
         # CUDA): planned and loaded so; otherwise dequantized at load and priced dense.
         self.quantized_gguf = quantized_gguf(config, self.device, mc)
         self.weight_size = None if self.quantized_gguf is None else gguf_weight_size(self.quantized_gguf, mc, self.dtype)
+        # FP8 projections (--quantization fp8, or an FP8 checkpoint), priced at their bytes.
+        self.quantization = None if self.quantized_gguf is not None else resolve_quantization(
+            config.quantization, self.model_dir)
+        if self.quantization == "fp8":
+            self.weight_size = fp8_weight_size(mc, self.dtype)
         # The attention backend's name (auto resolved) and whether decode steps run as
         # CUDA graphs; both decide workspaces the plan charges.
         self.attention_backend = resolve_backend_name(config.attention_backend, self.device.type)
@@ -119,7 +127,7 @@ class Engine(LiveReplan):
                                                           weights=self.weight_size))
         # Weights.
         self.model, _ = load_model(self.model_dir, self.device, self.dtype, load_format=config.load_format,
-                                   quantized_gguf=self.quantized_gguf)
+                                   quantized_gguf=self.quantized_gguf, quantization=self.quantization)
         # Profile run on a GPU: the measured step peak and the CUDA context replace the
         # estimates, and the plan is made again.
         if self.device_memory is not None and self.device.type == "cuda":
@@ -134,8 +142,9 @@ class Engine(LiveReplan):
             page_size=config.page_size,
             num_kv_heads=mc.num_kv_heads,
             head_dim=mc.head_dim,
-            dtype=self.dtype,
+            dtype=self.kv_dtype,
             device=self.device,
+            compute_dtype=self.dtype,
         )
         # Attention backend, and on a GPU one warm-up step at the plan's largest size, so
         # the step-size buffers sit in the allocator's cache before any request arrives.
@@ -268,7 +277,8 @@ class Engine(LiveReplan):
         torch.cuda.empty_cache()
         probe_pool = KVPool(
             num_layers=mc.num_kv_layers, num_pages=profile_pool_pages(knobs), page_size=self.config.page_size,
-            num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, dtype=self.dtype, device=self.device,
+            num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, dtype=self.kv_dtype, device=self.device,
+            compute_dtype=self.dtype,
         )
         # Where the context grows (logged): after the weights, the profile step, the capture.
         growth = [self._outside_allocator_growth()]
@@ -337,7 +347,7 @@ class Engine(LiveReplan):
             return cfg.num_pages
         if self.plan is not None:
             return self.plan.num_pages + 1
-        page_bytes = kv_bytes_per_token(mc, self.dtype) * cfg.page_size
+        page_bytes = kv_bytes_per_token(mc, self.kv_dtype) * cfg.page_size
         budget = cfg.kv_cache if cfg.kv_cache is not None else DEFAULT_CPU_KV_CACHE_BYTES
         # Without a plan: never fewer pages than one full context needs (+ the null page).
         want_ctx = min(mc.max_position_embeddings, cfg.max_model_len or mc.max_position_embeddings)

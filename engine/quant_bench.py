@@ -6,7 +6,9 @@ gguf's writer, laid out as a Q4_K_M file is (q/k/o/gate/up in Q4_K; v, down and 
 head in Q6_K; the embeddings in F16, which the loader dequantizes to bfloat16 either
 way), loads it with its projections in blocks, and times one decode step (Triton
 attention, one CUDA graph per batch size, ``--context`` tokens of KV per sequence).
-Then the same shape with bfloat16 weights (random, ``load_format="dummy"``).
+Then the same shape with bfloat16 weights (random, ``load_format="dummy"``); with
+``--fp8``, those with an FP8 KV cache, and the shape with FP8 projections
+(``quantization="fp8"``: ``torch._scaled_mm`` with per-token activation scales).
 
 Per row: weights' VRAM, step time, tokens/s, and the share of the HBM roofline: the
 bytes one step must read (every weight but the embedding table, which a step only
@@ -102,20 +104,23 @@ def step_bytes(model: torch.nn.Module, config, batch: int, context: int, kv_byte
     return weights + batch * context * kv_bytes_per_token
 
 
-def decode_rows(model, config, batches: list[int], context: int, bandwidth: float, label: str) -> list[str]:
+def decode_rows(model, config, batches: list[int], context: int, bandwidth: float, label: str,
+                kv_cache_dtype: str = "auto") -> list[str]:
     from engine.attention.base import create_attention_backend
     from engine.kernel_bench import _decode_batch
-    from engine.kvcache.pool import KVPool
+    from engine.kvcache.pool import KVPool, kv_storage_dtype
     from engine.memory.footprint import kv_bytes_per_token
     from engine.models.quant_linear import model_weight_bytes
 
     dtype = model.model.embed_tokens.weight.dtype
-    kv_token = kv_bytes_per_token(config, dtype)
+    kv_dtype = kv_storage_dtype(kv_cache_dtype, dtype)
+    kv_token = kv_bytes_per_token(config, kv_dtype)
     rows = []
     for b in batches:
         page = 16
         pool = KVPool(num_layers=config.num_layers, num_pages=b * (context // page + 1) + 2, page_size=page,
-                      num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, dtype=dtype, device="cuda")
+                      num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, dtype=kv_dtype, device="cuda",
+                      compute_dtype=dtype)
         attn = create_attention_backend("triton", pool, num_heads=config.num_heads, head_dim=config.head_dim,
                                         scale=config.head_dim**-0.5, max_batch=max(batches))
         batch = _decode_batch(b, context, page, "cuda")
@@ -253,6 +258,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-bf16", action="store_true", help="skip the bfloat16 comparison")
     p.add_argument("--sweep", action="store_true", help="then the GEMV's tilings on the gate/up, down and o shapes")
     p.add_argument("--profile", action="store_true", help="per-kernel times of eager batch-1 decode steps")
+    p.add_argument("--fp8", action="store_true",
+                   help="then FP8 weights (--quantization fp8) and bfloat16 weights with an FP8 KV cache")
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     torch.manual_seed(0)
@@ -282,7 +289,15 @@ def main(argv: list[str] | None = None) -> None:
             if args.profile:
                 print("\n| kernel (bfloat16, eager batch 1) | calls/step | us/step | share |\n|---|---|---|---|")
                 print("\n".join(profile_rows(dense, config, args.context)), flush=True)
+            if args.fp8:
+                print("\n".join(decode_rows(dense, config, batches, args.context, bandwidth, "bfloat16, FP8 KV",
+                                             kv_cache_dtype="fp8")), flush=True)
             del dense
+            torch.cuda.empty_cache()
+        if args.fp8:
+            fp8, _ = load_model(folder, "cuda", torch.bfloat16, load_format="dummy", quantization="fp8")
+            print("\n".join(decode_rows(fp8, config, batches, args.context, bandwidth, "FP8 (scaled_mm)")), flush=True)
+            del fp8
             torch.cuda.empty_cache()
     print("\n| projection | type | N x K | rows | GEMV us | roofline share |\n|---|---|---|---|---|---|")
     print("\n".join(gemv), flush=True)

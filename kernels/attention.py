@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.kv_store import gather_kv
+
 
 def context_slots(page_table_row: torch.Tensor, length: int, page_size: int) -> torch.Tensor:
     """``[length]`` int64: the slots of positions ``0 .. length-1`` of one sequence."""
@@ -64,7 +66,7 @@ def paged_decode_ref(
             continue
         slots = context_slots(page_table[b], n, page_size)
         q_pos = torch.tensor([n - 1], device=q.device)
-        out[b] = _attend(q[b : b + 1], k_buf[slots], v_buf[slots], q_pos, scale)[0]
+        out[b] = _attend(q[b : b + 1], gather_kv(k_buf, slots, q.dtype), gather_kv(v_buf, slots, q.dtype), q_pos, scale)[0]
     return out
 
 
@@ -101,5 +103,5 @@ def paged_extend_ref(
             continue
         slots = context_slots(page_table[b], prefix + ext, page_size)
         q_pos = prefix + torch.arange(ext, device=q.device)
-        out[start : start + ext] = _attend(q[start : start + ext], k_buf[slots], v_buf[slots], q_pos, scale)
+        out[start : start + ext] = _attend(q[start : start + ext], gather_kv(k_buf, slots, q.dtype), gather_kv(v_buf, slots, q.dtype), q_pos, scale)
     return out

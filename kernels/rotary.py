@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.kv_store import scatter_kv
 from kernels.rms_norm import rms_norm
 
 
@@ -81,7 +82,6 @@ def rotary_and_store(
         q = rms_norm(q, q_norm_weight, norm_eps)
         k = rms_norm(k, k_norm_weight, norm_eps)
     q, k = apply_rotary(q, k, positions, cos_sin_cache)
-    # index_copy_ is a plain scatter (see KVPool.store).
-    k_cache.index_copy_(0, out_slots, k)
-    v_cache.index_copy_(0, out_slots, v)
+    scatter_kv(k_cache, out_slots, k)
+    scatter_kv(v_cache, out_slots, v)
     return q

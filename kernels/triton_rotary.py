@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.kv_store import FP8_MAX, is_fp8
 from kernels.triton_round import round_to
 
 
@@ -43,13 +44,22 @@ def _norm_rotate(src, m, w_ptr, dt_ptr, cols, col_mask, cos, sin, eps, D,
 
 
 @triton.jit
+def _to_cache(x, cache_ptr, FP8_MAX: tl.constexpr):
+    """``x`` in the pool's dtype; an FP8 pool (``FP8_MAX > 0``) clamps first, as
+    :func:`kernels.kv_store.to_kv_dtype` does."""
+    if FP8_MAX > 0:
+        x = tl.clamp(x.to(tl.float32), -FP8_MAX, FP8_MAX)
+    return x.to(cache_ptr.dtype.element_ty)
+
+
+@triton.jit
 def _rotary_store_kernel(
     q_ptr, k_ptr, v_ptr, pos_ptr, cache_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, q_out_ptr,
     qw_ptr, kw_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cache,
     HQ, HK, D, eps,
     HAS_NORM: tl.constexpr, HALF: tl.constexpr, HALF_BLOCK: tl.constexpr,
-    HQ_BLOCK: tl.constexpr, HK_BLOCK: tl.constexpr,
+    HQ_BLOCK: tl.constexpr, HK_BLOCK: tl.constexpr, FP8_MAX: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     dt = q_out_ptr.dtype.element_ty
@@ -77,11 +87,12 @@ def _rotary_store_kernel(
     src = k_ptr + t * stride_kt + hk[:, None] * stride_kh + cols[None, :]
     o1, o2 = _norm_rotate(src, m, kw_ptr, q_out_ptr, cols, col_mask, cos, sin, eps, D, HAS_NORM, HALF)
     dst = slot * HK * D + hk[:, None] * D + cols[None, :]
-    tl.store(k_cache_ptr + dst, o1, mask=m)
-    tl.store(k_cache_ptr + dst + HALF, o2, mask=m)
+    tl.store(k_cache_ptr + dst, _to_cache(o1, k_cache_ptr, FP8_MAX), mask=m)
+    tl.store(k_cache_ptr + dst + HALF, _to_cache(o2, k_cache_ptr, FP8_MAX), mask=m)
     src = v_ptr + t * stride_vt + hk[:, None] * stride_vh + cols[None, :]
-    tl.store(v_cache_ptr + dst, tl.load(src, mask=m, other=0.0), mask=m)
-    tl.store(v_cache_ptr + dst + HALF, tl.load(src + HALF, mask=m, other=0.0), mask=m)
+    tl.store(v_cache_ptr + dst, _to_cache(tl.load(src, mask=m, other=0.0), v_cache_ptr, FP8_MAX), mask=m)
+    tl.store(v_cache_ptr + dst + HALF, _to_cache(tl.load(src + HALF, mask=m, other=0.0), v_cache_ptr, FP8_MAX),
+             mask=m)
 
 
 def rotary_and_store(
@@ -129,6 +140,7 @@ def rotary_and_store(
         HQ, HK, D, norm_eps,
         HAS_NORM=has_norm, HALF=half, HALF_BLOCK=triton.next_power_of_2(half),
         HQ_BLOCK=triton.next_power_of_2(HQ), HK_BLOCK=triton.next_power_of_2(HK),
+        FP8_MAX=FP8_MAX if is_fp8(k_cache.dtype) else 0.0,
         num_warps=4 if tile <= 4096 else 8,
     )
     return q_out

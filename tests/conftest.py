@@ -68,7 +68,8 @@ class PagedRunner:
     the scheduler will: each sequence gets pages as it grows (consecutive ids from 1),
     and a step extends any set of sequences by any number of tokens."""
 
-    def __init__(self, model, config, *, page_size: int = 4, num_pages: int = 64, device: str = "cpu"):
+    def __init__(self, model, config, *, page_size: int = 4, num_pages: int = 64, device: str = "cpu",
+                 kv_dtype=None):
         from engine.attention.torch_backend import TorchAttentionBackend
         from engine.kvcache.pool import KVPool
 
@@ -80,8 +81,9 @@ class PagedRunner:
             page_size=page_size,
             num_kv_heads=config.num_kv_heads,
             head_dim=config.head_dim,
-            dtype=dtype,
+            dtype=dtype if kv_dtype is None else kv_dtype,
             device=device,
+            compute_dtype=dtype,
         )
         self.device = device
         self.attn = TorchAttentionBackend(

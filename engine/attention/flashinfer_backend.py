@@ -84,8 +84,12 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     def __init__(self, pool, *, num_heads: int, head_dim: int, scale: float, max_batch: int = 64) -> None:
         super().__init__(pool, num_heads=num_heads, head_dim=head_dim, scale=scale, max_batch=max_batch)
-        if pool.dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError(f"--attention-backend flashinfer runs float16 and bfloat16 KV caches, not {pool.dtype}; "
+        # FlashInfer reads an FP8 (e4m3) pool itself, upcasting with the default scale 1.0
+        # our pool is written with (kernels.kv_store).
+        if pool.compute_dtype not in (torch.float16, torch.bfloat16) or pool.dtype not in (
+                torch.float16, torch.bfloat16, torch.float8_e4m3fn):
+            raise ValueError(f"--attention-backend flashinfer runs float16 and bfloat16 models with a KV cache in "
+                             f"their dtype or FP8, not {pool.compute_dtype} with {pool.dtype}; "
                              "use --dtype bfloat16 or --attention-backend triton")
         import flashinfer
 
@@ -107,8 +111,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._graph_buffers: tuple[torch.Tensor, ...] | None = None
 
     def _plan_kwargs(self) -> dict:
-        dtype = self.pool.dtype
-        return dict(q_data_type=dtype, kv_data_type=dtype, sm_scale=self.scale)
+        return dict(q_data_type=self.pool.compute_dtype, kv_data_type=self.pool.dtype, sm_scale=self.scale)
 
     def prepare(self, batch: ForwardBatch) -> None:
         ps = self.pool.page_size

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend, register_backend
 from engine.forward_batch import ForwardBatch
+from kernels.kv_store import gather_kv
 
 # Padded decode gathers stay under this many context tokens per group.
 DEFAULT_GATHER_BUDGET_TOKENS = 1 << 16
@@ -106,15 +107,15 @@ class TorchAttentionBackend(AttentionBackend):
         for g in self._decode:
             b, s = g.slots.shape
             qd = q.index_select(0, g.rows)[:, :, None, :]  # [b, H, 1, D]
-            kd = k_buf.index_select(0, g.slots.reshape(-1)).view(b, s, *k_buf.shape[1:]).transpose(1, 2)  # [b, H_kv, S, D]
-            vd = v_buf.index_select(0, g.slots.reshape(-1)).view(b, s, *v_buf.shape[1:]).transpose(1, 2)
+            kd = gather_kv(k_buf, g.slots.reshape(-1), q.dtype).view(b, s, *k_buf.shape[1:]).transpose(1, 2)  # [b, H_kv, S, D]
+            vd = gather_kv(v_buf, g.slots.reshape(-1), q.dtype).view(b, s, *v_buf.shape[1:]).transpose(1, 2)
             kd, vd = self._expand(kd), self._expand(vd)
             o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=self.scale)
             out.index_copy_(0, g.rows, o[:, :, 0, :])
         for p in self._prefill:
             qp = q[p.start : p.start + p.length].transpose(0, 1)[None]  # [1, H, E, D]
-            kp = k_buf.index_select(0, p.slots).transpose(0, 1)[None]  # [1, H_kv, S, D]
-            vp = v_buf.index_select(0, p.slots).transpose(0, 1)[None]
+            kp = gather_kv(k_buf, p.slots, q.dtype).transpose(0, 1)[None]  # [1, H_kv, S, D]
+            vp = gather_kv(v_buf, p.slots, q.dtype).transpose(0, 1)[None]
             if p.mask is None:
                 o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=self.scale, enable_gqa=True)
             else:

@@ -181,7 +181,7 @@ def run_bench_engine(
     on_cuda = engine.device.type == "cuda"
     roof = None
     if on_cuda:
-        roof = Roofline(engine.info.weight_bytes, kv_bytes_per_token(engine.model_config, engine.dtype),
+        roof = Roofline(engine.info.weight_bytes, kv_bytes_per_token(engine.model_config, engine.kv_dtype),
                         copy_bandwidth(engine.device))
     g = torch.Generator().manual_seed(seed)
     vocab = engine.model_config.vocab_size

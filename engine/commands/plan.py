@@ -11,8 +11,10 @@ import msgspec
 import torch
 
 from engine.config import EngineConfig
+from engine.loader.fp8 import resolve_quantization
 from engine.loader.gguf_quant import gguf_weight_size
 from engine.loader.hf_config import load_model_config
+from engine.loader.load import fp8_weight_size
 from engine.loader.resolve import resolve_model
 from engine.memory.plan import MemoryPlan, PlanKnobs, fit_plan
 from engine.startup import (
@@ -67,6 +69,8 @@ def build_plan(config: EngineConfig) -> MemoryPlan:
     # keeps a GGUF's blocks on a CUDA device.
     gguf = quantized_gguf(config, device, mc)
     weights = None if gguf is None else gguf_weight_size(gguf, mc, dtype)
+    if gguf is None and resolve_quantization(config.quantization, resolve_model(config.model)) == "fp8":
+        weights = fp8_weight_size(mc, dtype)
     memory = device_memory(config, device)
     assert memory is not None
     plan, _ = fit_plan(estimated_planner(config, mc, device, dtype, memory, weights=weights), PlanKnobs.of(config))
@@ -80,6 +84,8 @@ def render(plan: MemoryPlan, as_json: bool, setup: str = "") -> str:
         return msgspec.json.encode(plan).decode()
     head = f"memory plan for {plan.device}" + (f", {setup}" if setup else "") + "\n"
     body = plan.table()
+    if plan.kv_bytes_per_token:
+        body += f"\nKV cache: {plan.kv_bytes_per_token:,} bytes per token ({plan.kv_cache_dtype})"
     if plan.context_lowered:
         return f"{head}{body}\nfits: yes, with a lowered context (--min-context {plan.min_context_tokens})"
     if plan.fits:

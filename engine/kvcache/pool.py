@@ -49,6 +49,25 @@ from collections.abc import Sequence
 
 import torch
 
+from kernels.kv_store import FP8_KV_DTYPE, is_fp8, scatter_kv
+
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8")
+
+
+def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The pool's storage dtype for ``--kv-cache-dtype``: ``auto`` is the model's
+    dtype, ``fp8`` is ``float8_e4m3fn`` with a per-tensor scale of 1.0
+    (:mod:`kernels.kv_store`), one byte per element.
+
+    Raises:
+        ValueError: an unknown name (the message lists the choices).
+    """
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype == "fp8":
+        return FP8_KV_DTYPE
+    raise ValueError(f"unknown --kv-cache-dtype {kv_cache_dtype!r}; choose one of {', '.join(KV_CACHE_DTYPES)}")
+
 
 class KVPool:
     """Key/value buffers for ``num_layers`` layers.
@@ -59,7 +78,10 @@ class KVPool:
             usable). Must be at least 2.
         page_size: tokens per page.
         num_kv_heads, head_dim: per-token K/V shape.
-        dtype, device: of the buffers.
+        dtype, device: of the buffers (the storage dtype: the model's, or
+            ``float8_e4m3fn`` for an FP8 KV cache, see :func:`kv_storage_dtype`).
+        compute_dtype: what keys and values are written as and read back as (the
+            model's dtype); defaults to ``dtype``.
 
     Raises:
         ValueError: ``num_pages < 2`` or ``page_size < 1``.
@@ -75,6 +97,7 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        compute_dtype: torch.dtype | None = None,
     ) -> None:
         if num_pages < 2:
             raise ValueError(f"the KV pool needs at least 2 pages (one is the null page), got {num_pages}")
@@ -85,6 +108,7 @@ class KVPool:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
+        self.compute_dtype = dtype if compute_dtype is None else compute_dtype
         self.device = torch.device(device)
         self.k_buffers = [self._new_buffer(num_pages, zero_from=0) for _ in range(num_layers)]
         self.v_buffers = [self._new_buffer(num_pages, zero_from=0) for _ in range(num_layers)]
@@ -119,12 +143,11 @@ class KVPool:
 
         Args:
             slots: ``[T]`` int64 flat slots.
-            k, v: ``[T, num_kv_heads, head_dim]`` in the pool's dtype.
+            k, v: ``[T, num_kv_heads, head_dim]`` in ``compute_dtype`` (cast to the
+                storage dtype here: FP8 pages clamp and round, :mod:`kernels.kv_store`).
         """
-        # index_copy_ is a plain scatter; advanced-index assignment goes through the
-        # slower index_put_ machinery.
-        self.k_buffers[layer].index_copy_(0, slots, k)
-        self.v_buffers[layer].index_copy_(0, slots, v)
+        scatter_kv(self.k_buffers[layer], slots, k)
+        scatter_kv(self.v_buffers[layer], slots, v)
 
     def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> None:
         """Copy the keys and values of pages ``src[i]`` to pages ``dst[i]``, in every
@@ -139,7 +162,8 @@ class KVPool:
         src_slots = (torch.tensor(list(src), dtype=torch.int64)[:, None] * ps + offsets).reshape(-1).to(self.device)
         dst_slots = (torch.tensor(list(dst), dtype=torch.int64)[:, None] * ps + offsets).reshape(-1).to(self.device)
         for buf in (*self.k_buffers, *self.v_buffers):
-            buf.index_copy_(0, dst_slots, buf.index_select(0, src_slots))
+            raw = buf.view(torch.uint8) if is_fp8(buf.dtype) else buf  # no fp8 index ops on the CPU
+            raw.index_copy_(0, dst_slots, raw.index_select(0, src_slots))
 
     def resize(self, num_pages: int) -> None:
         """Change the pool to ``num_pages`` pages (the null page included), layer by

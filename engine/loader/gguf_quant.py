@@ -53,12 +53,14 @@ class WeightSize:
     Attributes:
         bytes: weights plus the float32 RoPE cache, as
             :func:`engine.loader.load.weight_bytes` counts them.
+        source: what stores them (``"GGUF"`` blocks, ``"FP8"`` projections).
         mix: the type mix, e.g. ``"210 Q4_1 blocks 61.0 MiB; bfloat16 62 tensors
             (1 Q8_0, 61 F32) 54.4 MiB"``.
     """
 
     bytes: int
     mix: str
+    source: str = "GGUF"
 
 
 def _targets(config: ModelConfig) -> dict[str, tuple[str, ...]]:

@@ -8,10 +8,14 @@ import torch
 
 from engine.config import ModelConfig
 from engine.loader.errors import WeightMismatch
+from engine.loader.fp8 import fp8_weights
+from engine.loader.gguf_quant import WeightSize
 from engine.loader.hf_config import load_model_config
 from engine.loader.weights import iter_weights
 from engine.models.decoder import CausalLM
+from engine.models.fp8_linear import FP8_MAX, FP8_WEIGHT_DTYPE, swap_projections
 from engine.models.registry import get_model_class
+from engine.units import fmt_bytes
 
 
 def load_model(
@@ -21,6 +25,7 @@ def load_model(
     *,
     load_format: str = "auto",
     quantized_gguf: str | Path | None = None,
+    quantization: str | None = None,
 ) -> tuple[CausalLM, ModelConfig]:
     """Load a Hugging Face model folder onto ``device`` in ``dtype``.
 
@@ -31,6 +36,11 @@ def load_model(
     With ``quantized_gguf`` (the GGUF file ``model_dir`` was converted from), the
     weights come from that file instead and its projections stay in GGUF block format
     (:func:`engine.loader.gguf_quant.load_gguf_quantized`).
+
+    With ``quantization="fp8"`` the dense projections are
+    :class:`~engine.models.fp8_linear.Fp8Linear` (float8_e4m3fn, a float32 scale per
+    output row), filled from the checkpoint through :func:`engine.loader.fp8.fp8_weights`
+    (quantized as they stream in, or an FP8 checkpoint's as stored).
 
     ``load_format="dummy"`` skips the weight files and fills every parameter with small
     random values (norms with ones): a model of real shape for memory and speed
@@ -50,7 +60,7 @@ def load_model(
         from engine.loader.gguf_quant import load_gguf_quantized
 
         return load_gguf_quantized(config, quantized_gguf, device, dtype), config
-    model = _build_on_meta(config).to(dtype=dtype)
+    model = _build_on_meta(config, dtype, quantization)
     model.to_empty(device=device)
     model.init_rope_cache()
     if load_format == "dummy":
@@ -59,21 +69,37 @@ def load_model(
     if load_format != "auto":
         raise ValueError(f"unknown load_format {load_format!r}; use 'auto' or 'dummy'")
     try:
-        model.load_weights(iter_weights(model_dir))
+        weights = iter_weights(model_dir)
+        model.load_weights(fp8_weights(weights) if quantization == "fp8" else weights)
     except WeightMismatch as e:
         raise WeightMismatch(f"{model_dir}: {e}") from None
     return model.eval(), config
 
 
-def weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
-    """Device bytes :func:`load_model` will allocate for ``config`` in ``dtype``: every
-    parameter, plus the float32 RoPE cos/sin cache. Computed from the shapes of a model
-    built on the meta device, so it is exact and allocates nothing."""
-    model = _build_on_meta(config)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    params = sum(p.numel() for p in model.parameters()) * itemsize
+def weight_bytes(config: ModelConfig, dtype: torch.dtype, quantization: str | None = None) -> int:
+    """Device bytes :func:`load_model` will allocate for ``config`` in ``dtype`` (and
+    ``quantization``: FP8 projections take one byte per weight plus a float32 scale per
+    row): every parameter, plus the float32 RoPE cos/sin cache. Computed from the
+    shapes of a model built on the meta device, so it is exact and allocates nothing."""
+    model = _build_on_meta(config, dtype, quantization)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
     rope_cache = config.max_position_embeddings * (config.rotary_dim or config.head_dim) * 4  # float32
     return params + rope_cache
+
+
+def fp8_weight_size(config: ModelConfig, dtype: torch.dtype) -> WeightSize:
+    """What :func:`load_model` allocates with ``quantization="fp8"`` (exact, as
+    :func:`weight_bytes`), with the mix: FP8 projections and their scales, the rest in
+    ``dtype``."""
+    model = _build_on_meta(config, dtype, "fp8")
+    by_dtype: dict[str, list[int]] = {}
+    for p in model.parameters():
+        name = str(p.dtype).removeprefix("torch.")
+        entry = by_dtype.setdefault(name, [0, 0])
+        entry[0] += 1
+        entry[1] += p.numel() * p.element_size()
+    mix = "; ".join(f"{name} {n} tensors {fmt_bytes(b)}" for name, (n, b) in sorted(by_dtype.items()))
+    return WeightSize(bytes=weight_bytes(config, dtype, "fp8"), mix=mix, source="FP8")
 
 
 def expert_weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
@@ -85,9 +111,16 @@ def expert_weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
     return sum(p.numel() for n, p in _build_on_meta(config).named_parameters() if ".experts." in n) * itemsize
 
 
-def _build_on_meta(config: ModelConfig) -> CausalLM:
+def _build_on_meta(config: ModelConfig, dtype: torch.dtype | None = None, quantization: str | None = None) -> CausalLM:
+    """The model on the meta device, cast to ``dtype`` (when given), its projections
+    FP8 when ``quantization == "fp8"`` (swapped after the cast, which would upcast them)."""
     with torch.device("meta"):
-        return get_model_class(config.architecture)(config)
+        model = get_model_class(config.architecture)(config)
+    if dtype is not None:
+        model = model.to(dtype=dtype)
+    if quantization == "fp8":
+        swap_projections(model, dtype or torch.get_default_dtype())
+    return model
 
 
 @torch.no_grad()
@@ -96,5 +129,9 @@ def _fill_dummy(model: CausalLM) -> None:
     for name, p in model.named_parameters():
         if "norm" in name:
             p.fill_(1.0)
+        elif p.dtype == FP8_WEIGHT_DTYPE:  # FP8 codes over their range, scaled to the same +-0.02
+            p.copy_(torch.empty(p.shape, device=p.device).uniform_(-FP8_MAX, FP8_MAX, generator=g))
+        elif name.endswith("weight_scale"):
+            p.fill_(0.02 / FP8_MAX)
         else:
             p.uniform_(-0.02, 0.02, generator=g)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.config import ModelConfig
+from engine.kvcache.pool import kv_storage_dtype
 from engine.kvcache.state_pool import state_bytes_per_request
 from engine.loader.load import expert_weight_bytes, weight_bytes
 from engine.memory.plan import Footprint, PlanKnobs
@@ -152,9 +153,12 @@ def make_footprint(
     per-request estimate. ``runtime_bytes`` is the CUDA context (measured with the
     activation, else estimated). ``cuda_graph_bytes`` is what capturing the decode
     step's CUDA graphs took (measured by :meth:`engine.cuda_graphs.DecodeGraphs.capture_all`).
+    The KV cache is charged in ``knobs.kv_cache_dtype``'s storage dtype
+    (:func:`engine.kvcache.pool.kv_storage_dtype`).
     ``weights`` replaces the dense size of ``mc`` in ``dtype`` with what a GGUF loaded
     with its projections in block format takes (:func:`engine.loader.gguf_quant.gguf_weight_size`).
     """
+    kv_dtype = kv_storage_dtype(knobs.kv_cache_dtype, dtype)
     est_here = estimate_activation_bytes(mc, dtype, knobs)
     if measured_activation_bytes is None:
         peak, source = est_here, "estimated"
@@ -171,9 +175,10 @@ def make_footprint(
 
     return Footprint(
         weight_bytes=weight_bytes(mc, dtype) if weights is None else weights.bytes,
-        expert_weight_bytes=expert_weight_bytes(mc, dtype) if weights is None else 0,
-        weight_source="exact, from tensor shapes" if weights is None else f"exact, GGUF: {weights.mix}",
-        kv_bytes_per_token=kv_bytes_per_token(mc, dtype),
+        expert_weight_bytes=expert_weight_bytes(mc, dtype) if weights is None or weights.source == "FP8" else 0,
+        weight_source="exact, from tensor shapes" if weights is None else f"exact, {weights.source}: {weights.mix}",
+        kv_bytes_per_token=kv_bytes_per_token(mc, kv_dtype),
+        kv_cache_dtype=str(kv_dtype).removeprefix("torch."),
         vocab_size=mc.vocab_size,
         model_context_tokens=model_context(mc, PlanKnobs()),
         workspace_bytes=workspaces,

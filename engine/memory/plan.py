@@ -107,6 +107,7 @@ class PlanKnobs:
     reserve: int | None = EngineConfig.reserve
     safety_margin_bytes: int | None = EngineConfig.safety_margin_bytes
     device_limit: int | None = EngineConfig.device_limit
+    kv_cache_dtype: str = EngineConfig.kv_cache_dtype
 
     @classmethod
     def of(cls, config: EngineConfig) -> PlanKnobs:
@@ -118,7 +119,8 @@ class PlanKnobs:
 class Footprint:
     """What the model and its components need, in bytes.
 
-    ``kv_bytes_per_token`` covers all layers, keys and values. ``workspace_bytes`` maps a
+    ``kv_bytes_per_token`` covers all layers, keys and values, in the KV cache's
+    storage dtype ``kv_cache_dtype`` (``--kv-cache-dtype fp8``: one byte per element). ``workspace_bytes`` maps a
     component to fixed memory it declared. ``activation_peak_bytes`` is the transient
     peak of one step at the knobs' maximum chunk and batch; ``activation_source`` says
     whether it was ``"measured"`` or ``"estimated"``; ``runtime_bytes`` is the CUDA
@@ -150,6 +152,8 @@ class Footprint:
     # A hybrid linear-attention model's recurrent and conv states of one request
     # (engine.kvcache.state_pool); the pool holds max_running_requests of them.
     state_bytes_per_request: int = 0
+    # The KV cache's storage dtype as torch names it (e.g. "bfloat16", "float8_e4m3fn").
+    kv_cache_dtype: str = ""
 
 
 class LedgerEntry(msgspec.Struct, frozen=True):
@@ -181,7 +185,8 @@ class MemoryPlan(msgspec.Struct, frozen=True, kw_only=True):
     ``wanted_context_tokens`` is the context asked for (the model's, capped by
     ``--max-model-len``); ``max_context_tokens`` what one request gets (lower when the
     pool cannot hold the wanted one); ``context_note`` says why it is lower ("" when it
-    is not).
+    is not). ``kv_bytes_per_token`` is what one token of context costs in the KV cache
+    (all layers, keys and values) in its storage dtype ``kv_cache_dtype``.
     """
 
     device: str
@@ -201,6 +206,8 @@ class MemoryPlan(msgspec.Struct, frozen=True, kw_only=True):
     max_running_requests: int
     wanted_context_tokens: int = 0
     context_note: str = ""
+    kv_cache_dtype: str = ""  # the KV cache's storage dtype, e.g. "bfloat16", "float8_e4m3fn"
+    kv_bytes_per_token: int = 0  # all layers, keys and values, in that dtype
 
     def after_resize(self, num_pages: int, kv_pool_bytes: int, max_context_tokens: int, reason: str) -> MemoryPlan:
         """This plan once the KV pool was resized while serving to ``num_pages`` usable
@@ -329,7 +336,8 @@ def _ledger(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint) -> MemoryPlan
     min_ctx = min(knobs.min_context or model_ctx, model_ctx)
     need_pages = math.ceil(min_ctx / knobs.page_size)
     kv_bytes = pages * page_bytes
-    ledger.append(LedgerEntry("KV cache pool", kv_bytes, "=", f"{pages} pages of {fmt_bytes(page_bytes)}"))
+    ledger.append(LedgerEntry("KV cache pool", kv_bytes, "=", f"{pages} pages of {fmt_bytes(page_bytes)}"
+                                                     + (f", {fp.kv_cache_dtype}" if fp.kv_cache_dtype else "")))
     fits = pages >= need_pages
     max_ctx = int(min(model_ctx, pages * knobs.page_size))
     note = ""
@@ -346,6 +354,8 @@ def _ledger(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint) -> MemoryPlan
         budget_bytes=budget,
         fixed_bytes=fixed,
         kv_pool_bytes=kv_bytes,
+        kv_cache_dtype=fp.kv_cache_dtype,
+        kv_bytes_per_token=fp.kv_bytes_per_token,
         num_pages=int(pages),
         page_size=knobs.page_size,
         max_context_tokens=max_ctx,

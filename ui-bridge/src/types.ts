@@ -162,7 +162,8 @@ export interface MemoryNeed {
  * `wanted_context_tokens` is the context asked for (the model's, capped by
  * `--max-model-len`); `max_context_tokens` what one request gets (lower when the
  * pool cannot hold the wanted one); `context_note` says why it is lower ("" when it
- * is not).
+ * is not). `kv_bytes_per_token` is what one token of context costs in the KV cache
+ * (all layers, keys and values) in its storage dtype `kv_cache_dtype`.
  */
 export interface MemoryPlan {
   device: string;
@@ -182,6 +183,8 @@ export interface MemoryPlan {
   max_running_requests: number;
   wanted_context_tokens: number;
   context_note: string;
+  kv_cache_dtype: string;
+  kv_bytes_per_token: number;
 }
 
 /**

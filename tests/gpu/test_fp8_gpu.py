@@ -1,0 +1,94 @@
+"""FP8 on CUDA: the KV cache through the Triton kernels and FP8 weights through
+``torch._scaled_mm``, on a random model of Qwen3-0.6B's width (4 layers), against
+bfloat16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.attention.base import backend_class
+from engine.commands.model_shapes import write_shape
+from engine.loader.load import load_model
+from engine.models.fp8_linear import PROJECTIONS, Fp8Linear, quantize_rows
+
+FP8 = torch.float8_e4m3fn
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    folder = write_shape("qwen3-0.6b", tmp_path_factory.mktemp("qwen3"), num_hidden_layers=4)
+    return load_model(folder, "cuda", torch.bfloat16, load_format="dummy")
+
+
+def _steps():
+    g = torch.Generator().manual_seed(0)
+
+    def ids(n):
+        return torch.randint(0, 151_000, (n,), generator=g).tolist()
+
+    return [{"a": ids(37), "b": ids(70)}, {"a": ids(9), "b": ids(1)}] + [{"a": ids(1), "b": ids(1)}] * 6
+
+
+def _triton(runner, config):
+    runner.attn = backend_class("triton")(runner.pool, num_heads=config.num_heads, head_dim=config.head_dim,
+                                          scale=config.head_dim**-0.5, max_batch=4)
+    return runner
+
+
+def _to_fp8(model) -> int:
+    """``model``'s projections quantized in place (per-row scales, as --quantization fp8)."""
+    n = 0
+    for module in list(model.modules()):
+        for name in PROJECTIONS:
+            lin = getattr(module, name, None)
+            if isinstance(lin, torch.nn.Linear):
+                fp8 = Fp8Linear(lin.in_features, lin.out_features, bias=lin.bias is not None, dtype=torch.bfloat16,
+                                device="cuda")
+                with torch.no_grad():
+                    q, s = quantize_rows(lin.weight)
+                    fp8.weight.copy_(q)
+                    fp8.weight_scale.copy_(s)
+                    if lin.bias is not None:
+                        fp8.bias.copy_(lin.bias)
+                setattr(module, name, fp8)
+                n += 1
+    return n
+
+
+def test_fp8_kv_through_triton_stays_near_bf16_kv(qwen3, paged_runner):
+    model, config = qwen3
+    ref = _triton(paged_runner(model, config, page_size=16, num_pages=32, device="cuda"), config)
+    got = _triton(paged_runner(model, config, page_size=16, num_pages=32, device="cuda", kv_dtype=FP8), config)
+    worst = 0.0
+    for step in _steps():
+        want, have = ref.step(step), got.step(step)
+        worst = max(worst, (have - want).abs().max().item() / want.abs().max().item())
+        assert (have.argmax(-1) == want.argmax(-1)).float().mean() >= 0.5
+    print(f"fp8 KV: worst logits difference {worst:.3%} of the largest logit")
+    assert worst < 0.05
+
+
+def test_fp8_weights_take_scaled_mm_and_stay_near_bf16(qwen3, paged_runner, tmp_path):
+    model, config = qwen3
+    ref = paged_runner(model, config, page_size=16, num_pages=32, device="cuda")
+    steps = _steps()
+    want = [ref.step(s) for s in steps]
+    fp8_model, _ = load_model(write_shape("qwen3-0.6b", tmp_path, num_hidden_layers=4), "cuda", torch.bfloat16, load_format="dummy")
+    assert _to_fp8(fp8_model) == 4 * config.num_layers
+    x = torch.randn(3, config.hidden_size, device="cuda", dtype=torch.bfloat16)
+    proj = fp8_model.model.layers[0].self_attn.qkv_proj
+    assert proj._scaled_mm_fits(x)
+    exact = x.float() @ proj.dequantized(torch.float32).T
+    rel = (proj(x).float() - exact).norm() / exact.norm()
+    assert rel < 0.05, rel
+    got = paged_runner(fp8_model, config, page_size=16, num_pages=32, device="cuda")
+    worst = 0.0
+    for step, w in zip(steps, want, strict=True):
+        have = got.step(step)
+        worst = max(worst, (have - w).abs().max().item() / w.abs().max().item())
+    print(f"fp8 weights (scaled_mm): GEMM relative error {rel:.3%}; worst logits difference {worst:.3%} "
+          "of the largest logit")
+    # Per-row e4m3 weights and per-token e4m3 activations, 4 layers of random weights:
+    # measured 10.3% on an H200 (the GEMM alone under 5%).
+    assert worst < 0.15

@@ -1,0 +1,166 @@
+"""Routed experts in a host tier with a cache tier in front (engine.models.expert_cache),
+checked on the CPU: the host tier is one CPU tensor, the cache another, and the copy,
+CPU-run and eviction choices are the ones a GPU would make. Greedy decoding through a
+paged KV pool must give the all-resident model's ids, whatever the cache holds."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from engine.loader.load import load_model
+from engine.models.expert_cache import (
+    ALWAYS_COPY,
+    ALWAYS_CPU,
+    CostModel,
+    ExpertCounters,
+    OffloadedExperts,
+    measure_costs,
+    offload_experts,
+    resize_cache,
+)
+
+VOCAB = 256
+STEPS = 32
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
+def tiny(request, tmp_path_factory, make_tiny_hf_model):
+    path = tmp_path_factory.mktemp(request.param)
+    make_tiny_hf_model(request.param, path, vocab_size=VOCAB)
+    model, config = load_model(path, "cpu", torch.float32)
+    return model, config
+
+
+def _greedy(runner, prompts: dict[str, list[int]], steps: int, on_step=None) -> dict[str, list[int]]:
+    """Prefill every prompt in one step, then ``steps`` batched greedy decode steps;
+    ``on_step(i)`` runs before decode step ``i``."""
+    out = {k: [] for k in prompts}
+    logits = runner.step(prompts)
+    for i in range(steps):
+        nxt = {k: [int(logits[j].argmax())] for j, k in enumerate(prompts)}
+        for k, t in nxt.items():
+            out[k].append(t[0])
+        if on_step is not None:
+            on_step(i)
+        logits = runner.step(nxt)
+    return out
+
+
+def _prompts() -> dict[str, list[int]]:
+    gen = torch.Generator().manual_seed(5)
+    return {"a": torch.randint(0, VOCAB, (9,), generator=gen).tolist(),
+            "b": torch.randint(0, VOCAB, (5,), generator=gen).tolist()}
+
+
+@pytest.fixture(scope="module")
+def reference(tiny, paged_runner):
+    model, config = tiny
+    return _greedy(paged_runner(model, config), _prompts(), STEPS)
+
+
+# Mixed: a copy pays off from 2 tokens on, so decode rows of one token run on the CPU.
+MIXED = CostModel(copy_bytes_per_s=1.0, expert_bytes=2, cpu_s_base=0.0, cpu_s_per_token=1.0)
+
+
+@pytest.mark.parametrize(("costs", "slots"), [(ALWAYS_COPY, 3), (ALWAYS_CPU, 2), (MIXED, 2), (ALWAYS_COPY, 1)],
+                         ids=["copy-lru", "cpu", "mixed", "one-slot"])
+def test_greedy_ids_equal_the_all_resident_model(tiny, paged_runner, reference, costs, slots):
+    model, config = tiny
+    hybrid = copy.deepcopy(model)
+    stores, counters = offload_experts(hybrid, config.moe_layers, slots, costs)
+    got = _greedy(paged_runner(hybrid, config), _prompts(), STEPS)
+    assert got == reference
+    assert counters.hits + counters.misses > 0
+    if costs is ALWAYS_CPU:
+        assert counters.copies == 0 and counters.cpu_runs == counters.misses
+    if costs is ALWAYS_COPY:
+        # A miss runs on the CPU only when every slot holds an expert of the same step.
+        assert counters.copies > 0 and counters.copies + counters.cpu_runs == counters.misses
+        if slots > 1:  # one slot may hold an expert every step needs
+            assert (counters.evictions > 0) == (slots < config.num_experts)
+    if costs is ALWAYS_COPY and slots < config.num_experts_per_tok:
+        assert counters.cpu_runs > 0  # no slot may be evicted for an expert of the same step
+    if costs is MIXED:
+        assert counters.copies > 0 and counters.cpu_runs > 0
+    # The experts' device memory is the cache's now: the host tier holds every expert.
+    for s in stores:
+        assert s.num_slots == slots and s.host_gate_up.shape[0] == config.num_experts
+
+
+def test_a_cache_halved_mid_run_and_grown_back_keeps_outputs_equal(tiny, paged_runner, reference):
+    model, config = tiny
+    hybrid = copy.deepcopy(model)
+    full = config.num_experts * len(config.moe_layers)
+    stores, counters = offload_experts(hybrid, config.moe_layers, config.num_experts, ALWAYS_COPY)
+    sizes = []
+
+    def replan(i: int) -> None:
+        if i == 10:
+            resize_cache(stores, full // 2)
+        if i == 20:
+            resize_cache(stores, full)
+        sizes.append(sum(s.num_slots for s in stores))
+
+    assert _greedy(paged_runner(hybrid, config), _prompts(), STEPS, replan) == reference
+    assert sizes[9] == full and sizes[10] == full // 2 and sizes[-1] == full
+    assert all(len(s.slot_of) <= s.num_slots for s in stores)
+
+
+def _store(num_experts=4, slots=2, costs=ALWAYS_COPY) -> OffloadedExperts:
+    gen = torch.Generator().manual_seed(0)
+    gu = torch.randn(num_experts, 6, 4, generator=gen)
+    dn = torch.randn(num_experts, 4, 3, generator=gen)
+    return OffloadedExperts(gu, dn, torch.device("cpu"), slots, ExpertCounters(), costs)
+
+
+def _route(store: OffloadedExperts, *experts: int) -> None:
+    ids = torch.tensor([[e] for e in experts])
+    store(torch.randn(len(experts), 4), torch.ones(len(experts), 1), ids)
+
+
+def test_lru_evicts_the_least_recently_used_expert():
+    store = _store()
+    _route(store, 0)
+    _route(store, 1)
+    _route(store, 0)  # 0 is now the most recent
+    _route(store, 2)  # evicts 1
+    assert set(store.slot_of) == {0, 2}
+    assert store.counters.evictions == 1
+    assert (store.counters.hits, store.counters.misses, store.counters.copies) == (1, 3, 3)
+    assert store.counters.hit_rate == pytest.approx(1 / 4)
+    # The cached slot holds that expert's weights.
+    assert torch.equal(store.slot_gate_up[store.slot_of[2]], store.host_gate_up[2])
+
+
+def test_shrinking_keeps_the_most_recent_experts_in_their_weights():
+    store = _store(slots=3)
+    for e in (0, 1, 2):
+        _route(store, e)
+    store.resize(1)
+    assert list(store.slot_of) == [2] and store.num_slots == 1
+    assert torch.equal(store.slot_down[store.slot_of[2]], store.host_down[2])
+    store.resize(4)
+    assert list(store.slot_of) == [2] and store.num_slots == 4
+    with pytest.raises(ValueError, match="not in 0..4"):
+        store.resize(5)
+
+
+def test_cost_model_copies_when_a_copy_beats_the_cpu_run():
+    costs = CostModel(copy_bytes_per_s=100.0, expert_bytes=100, cpu_s_base=0.2, cpu_s_per_token=0.1)
+    assert costs.copy_s() == 1.0
+    assert not costs.prefers_copy(1) and costs.prefers_copy(8)
+    measured = measure_costs(torch.randn(2, 64, 32), torch.randn(2, 32, 32), torch.device("cpu"), repeats=1)
+    assert measured.expert_bytes == (64 * 32 + 32 * 32) * 4
+    assert measured.copy_bytes_per_s > 0 and measured.cpu_s(16) >= measured.cpu_s(1) >= 0
+
+
+def test_a_dense_layer_cannot_be_offloaded(tiny):
+    model, config = tiny
+    dense = [i for i in range(config.num_layers) if i not in config.moe_layers]
+    if not dense:
+        pytest.skip("every layer is sparse")
+    with pytest.raises(ValueError, match="no routed experts"):
+        offload_experts(copy.deepcopy(model), (dense[0],), 2, ALWAYS_COPY)

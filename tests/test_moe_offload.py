@@ -9,6 +9,7 @@ import copy
 
 import pytest
 import torch
+from model_checks import paged_greedy
 
 from engine.loader.load import load_model
 from engine.models.expert_cache import (
@@ -34,21 +35,6 @@ def tiny(request, tmp_path_factory, make_tiny_hf_model):
     return model, config
 
 
-def _greedy(runner, prompts: dict[str, list[int]], steps: int, on_step=None) -> dict[str, list[int]]:
-    """Prefill every prompt in one step, then ``steps`` batched greedy decode steps;
-    ``on_step(i)`` runs before decode step ``i``."""
-    out = {k: [] for k in prompts}
-    logits = runner.step(prompts)
-    for i in range(steps):
-        nxt = {k: [int(logits[j].argmax())] for j, k in enumerate(prompts)}
-        for k, t in nxt.items():
-            out[k].append(t[0])
-        if on_step is not None:
-            on_step(i)
-        logits = runner.step(nxt)
-    return out
-
-
 def _prompts() -> dict[str, list[int]]:
     gen = torch.Generator().manual_seed(5)
     return {"a": torch.randint(0, VOCAB, (9,), generator=gen).tolist(),
@@ -58,7 +44,7 @@ def _prompts() -> dict[str, list[int]]:
 @pytest.fixture(scope="module")
 def reference(tiny, paged_runner):
     model, config = tiny
-    return _greedy(paged_runner(model, config), _prompts(), STEPS)
+    return paged_greedy(paged_runner(model, config), _prompts(), STEPS)[0]
 
 
 # Mixed: a copy pays off from 2 tokens on, so decode rows of one token run on the CPU.
@@ -71,7 +57,7 @@ def test_greedy_ids_equal_the_all_resident_model(tiny, paged_runner, reference, 
     model, config = tiny
     hybrid = copy.deepcopy(model)
     stores, counters = offload_experts(hybrid, config.moe_layers, slots, costs)
-    got = _greedy(paged_runner(hybrid, config), _prompts(), STEPS)
+    got, _ = paged_greedy(paged_runner(hybrid, config), _prompts(), STEPS)
     assert got == reference
     assert counters.hits + counters.misses > 0
     if costs is ALWAYS_CPU:
@@ -104,7 +90,7 @@ def test_a_cache_halved_mid_run_and_grown_back_keeps_outputs_equal(tiny, paged_r
             resize_cache(stores, full)
         sizes.append(sum(s.num_slots for s in stores))
 
-    assert _greedy(paged_runner(hybrid, config), _prompts(), STEPS, replan) == reference
+    assert paged_greedy(paged_runner(hybrid, config), _prompts(), STEPS, replan)[0] == reference
     assert sizes[9] == full and sizes[10] == full // 2 and sizes[-1] == full
     assert all(len(s.slot_of) <= s.num_slots for s in stores)
 
@@ -146,6 +132,17 @@ def test_shrinking_keeps_the_most_recent_experts_in_their_weights():
     assert list(store.slot_of) == [2] and store.num_slots == 4
     with pytest.raises(ValueError, match="not in 0..4"):
         store.resize(5)
+
+
+def test_a_hot_expert_is_copied_in_once_its_reuse_pays_for_the_copy():
+    """A copy costs three CPU runs: a cold expert runs on the CPU; one routed to every
+    step is credited with the steps it would serve from the cache, and is copied in."""
+    store = _store(slots=4, costs=CostModel(copy_bytes_per_s=1.0, expert_bytes=3, cpu_s_base=1.0, cpu_s_per_token=0.0))
+    _route(store, 0)
+    assert store.counters.cpu_runs == 1 and not store.slot_of
+    for _ in range(30):
+        _route(store, 0)
+    assert 0 in store.slot_of and store.counters.copies == 1 and store.counters.hits > 0
 
 
 def test_cost_model_copies_when_a_copy_beats_the_cpu_run():

@@ -9,9 +9,11 @@ used. Each step, for every expert the router picked:
 - in the cache: a hit; it runs on the device from its slot;
 - missing: :class:`CostModel` decides, for the number of tokens routed to it, whether
   copying it in (host -> device, ``non_blocking`` from pinned memory) or running it on
-  the CPU (the activations copied over and back) is cheaper; a copy evicts the least
-  recently used slot that this step does not need. With no free or evictable slot it
-  runs on the CPU.
+  the CPU (the activations copied over and back) is cheaper; a copy is credited with
+  the later steps it is expected to serve from the cache (the expert's recent share of
+  steps, a decayed average, times the cache's slots: about how many steps a slot stays
+  before LRU evicts it). A copy evicts the least recently used slot that this step does
+  not need. With no free or evictable slot it runs on the CPU.
 
 Nothing here assumes CUDA: with the device being the CPU, the host tier is one CPU
 tensor and the cache tier another, and the same choices, copies and evictions happen,
@@ -79,10 +81,16 @@ class CostModel:
     def cpu_s(self, tokens: int) -> float:
         return self.cpu_s_base + tokens * self.cpu_s_per_token
 
-    def prefers_copy(self, tokens: int) -> bool:
-        """Copy the expert in (True) or run it on the CPU (False) for ``tokens`` tokens."""
-        return self.copy_s() <= self.cpu_s(tokens)
+    def prefers_copy(self, tokens: int, reuse: float = 0.0) -> bool:
+        """Copy the expert in (True) or run it on the CPU (False) for ``tokens`` tokens,
+        crediting the copy with ``reuse`` later one-token steps it is expected to serve
+        from the cache (each saving a CPU run)."""
+        return self.copy_s() <= self.cpu_s(tokens) + reuse * self.cpu_s(1)
 
+
+# Per-step decay of an expert's heat: an average over about the last 1 / (1 - 0.95) = 20
+# steps.
+HEAT_DECAY = 0.95
 
 ALWAYS_COPY = CostModel(copy_bytes_per_s=float("inf"), expert_bytes=0, cpu_s_base=1.0, cpu_s_per_token=0.0)
 ALWAYS_CPU = CostModel(copy_bytes_per_s=1.0, expert_bytes=1, cpu_s_base=0.0, cpu_s_per_token=0.0)
@@ -149,6 +157,8 @@ class OffloadedExperts(nn.Module):
         self.counters = counters
         self.costs = costs
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # expert -> slot, least recent first
+        # Each expert's share of recent steps that routed to it (decayed average).
+        self.heat = torch.zeros(self.num_experts, dtype=torch.float64)
         self.slot_gate_up = torch.empty(0, *gate_up.shape[1:], dtype=gate_up.dtype, device=self.device)
         self.slot_down = torch.empty(0, *down.shape[1:], dtype=down.dtype, device=self.device)
         self.resize(num_slots)
@@ -200,6 +210,8 @@ class OffloadedExperts(nn.Module):
         the experts to run on the CPU this step."""
         on_cpu: set[int] = set()
         active = set(tokens_per_expert)
+        self.heat *= HEAT_DECAY
+        self.heat[list(active)] += 1 - HEAT_DECAY
         # The busiest experts first: when the cache cannot take every expert of a
         # prefill chunk, those with the most tokens get the slots.
         for expert, n in sorted(tokens_per_expert.items(), key=lambda kv: -kv[1]):
@@ -208,7 +220,8 @@ class OffloadedExperts(nn.Module):
                 self.slot_of.move_to_end(expert)
                 continue
             self.counters.misses += 1
-            slot = self._free_slot(active) if self.costs.prefers_copy(n) else None
+            reuse = float(self.heat[expert]) * self.num_slots
+            slot = self._free_slot(active) if self.costs.prefers_copy(n, reuse) else None
             if slot is None:
                 on_cpu.add(expert)
                 self.counters.cpu_runs += 1

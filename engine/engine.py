@@ -8,6 +8,7 @@ cache, scheduler. A step is schedule -> forward -> commit.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
@@ -39,6 +40,12 @@ from engine.messages import (
     EngineStats,
     GenerateRequest,
     TokenOutput,
+)
+from engine.models.expert_cache import (
+    ExpertCounters,
+    OffloadedExperts,
+    offload_experts,
+    resize_cache,
 )
 from engine.models.quant_linear import model_weight_bytes
 from engine.options import pick
@@ -116,13 +123,31 @@ class Engine(LiveReplan):
         if self.device_memory is not None:
             self.plan = self._fit_chunk(estimated_planner(config, mc, self.device, self.dtype, self.device_memory,
                                                           weights=self.weight_size))
-        # Weights.
-        self.model, _ = load_model(self.model_dir, self.device, self.dtype, load_format=config.load_format,
-                                   quantized_gguf=self.quantized_gguf)
+        # Weights. With a hybrid plan (--cpu-experts) the model is read into host memory,
+        # the chosen layers' routed experts stay there behind a device expert cache, and
+        # the rest moves to the device.
+        self.expert_stores: list[OffloadedExperts] = []
+        self.expert_counters: ExpertCounters | None = None
+        host_layers = self.plan.cpu_expert_layers if self.plan is not None else 0
+        if host_layers:
+            # The measured plan keeps the split the weights were loaded with.
+            self.knobs = dataclasses.replace(self.knobs, cpu_experts=str(host_layers))
+            self.model, _ = load_model(self.model_dir, "cpu", self.dtype, load_format=config.load_format)
+            layers = mc.moe_layers[-host_layers:]
+            self.expert_stores, self.expert_counters = offload_experts(
+                self.model, layers, 0, device=self.device)
+            self.model.to(self.device)
+            resize_cache(self.expert_stores, self.plan.expert_cache_slots)
+            log.info("routed experts of %d of %d MoE layers in host memory; expert cache of %d slots",
+                     host_layers, len(mc.moe_layers), self.plan.expert_cache_slots)
+        else:
+            self.model, _ = load_model(self.model_dir, self.device, self.dtype, load_format=config.load_format,
+                                       quantized_gguf=self.quantized_gguf)
         # Profile run on a GPU: the measured step peak and the CUDA context replace the
         # estimates, and the plan is made again.
         if self.device_memory is not None and self.device.type == "cuda":
             self.plan = self._fit_chunk(self._measured_plan)
+            resize_cache(self.expert_stores, self.plan.expert_cache_slots)
         if self.plan is not None and self.plan.context_lowered:
             log.warning("%s; it grows back with the KV pool when memory frees up", self.plan.context_note)
         # KV pool.
@@ -210,7 +235,9 @@ class Engine(LiveReplan):
         """Decode steps replay CUDA graphs: asked for (the default), on CUDA, and the
         backend's decode path can be captured (the torch backend's cannot: it builds its
         metadata on the host per step)."""
+        # A layer with experts in host memory reads the routed ids back each step.
         return (self.config.cuda_graphs and self.device.type == "cuda" and self._cuda_graph_max_batch >= 1
+                and not self.expert_stores
                 and backend_class(self.attention_backend).supports_cuda_graphs)
 
     @property

@@ -161,3 +161,36 @@ def test_a_dense_layer_cannot_be_offloaded(tiny):
         pytest.skip("every layer is sparse")
     with pytest.raises(ValueError, match="no routed experts"):
         offload_experts(copy.deepcopy(model), (dense[0],), 2, ALWAYS_COPY)
+
+
+def test_the_engine_loads_a_hybrid_plan_and_decodes_the_same_ids(tiny, tmp_path_factory, make_tiny_hf_model):
+    """--cpu-experts 1 on a simulated 8 GiB card: the last MoE layer's experts go to the
+    host tier behind the plan's expert cache, and greedy ids equal --cpu-experts none."""
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    from engine.messages import GenerateRequest, SamplingParams
+
+    _, config = tiny
+    kind = "mixtral" if config.architecture == "MixtralForCausalLM" else "qwen3_moe"
+    path = tmp_path_factory.mktemp(kind + "-engine")
+    make_tiny_hf_model(kind, path, vocab_size=VOCAB)
+
+    def greedy(cpu_experts: str):
+        engine = Engine(EngineConfig(model=str(path), device="cpu", dtype="float32", device_total=8 << 30,
+                                     cpu_experts=cpu_experts, max_running_requests=4))
+        sp = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+        for name, ids in _prompts().items():
+            engine.add_request(GenerateRequest(request_id=name, prompt_token_ids=ids, sampling=sp))
+        out = {name: [] for name in _prompts()}
+        while engine.has_work():
+            for o in engine.step():
+                out[o.request_id].extend(o.token_ids)
+        return engine, out
+
+    hybrid, got = greedy("1")
+    whole, ref = greedy("none")
+    assert got == ref
+    assert hybrid.plan.cpu_expert_layers == 1 and len(hybrid.expert_stores) == 1
+    assert hybrid.plan.expert_cache_slots == sum(s.num_slots for s in hybrid.expert_stores) > 0
+    assert hybrid.expert_counters.hits + hybrid.expert_counters.misses > 0
+    assert whole.plan.cpu_expert_layers == 0 and not whole.expert_stores

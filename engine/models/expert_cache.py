@@ -283,11 +283,13 @@ class OffloadedExperts(nn.Module):
 
 
 def offload_experts(model: nn.Module, layers: tuple[int, ...], slots_per_layer: int,
-                    costs: CostModel | None = None) -> tuple[list[OffloadedExperts], ExpertCounters]:
+                    costs: CostModel | None = None,
+                    device: torch.device | None = None) -> tuple[list[OffloadedExperts], ExpertCounters]:
     """Move the routed experts of decoder ``layers`` of ``model`` (a
     :class:`engine.models.decoder.CausalLM`) to the host tier, each with a cache of
-    ``slots_per_layer`` slots on the model's device; ``costs`` None measures them on the
-    first such layer.
+    ``slots_per_layer`` slots on ``device`` (None: where the experts are now); ``costs``
+    None measures them on the first such layer. A model read into host memory and then
+    moved to the device keeps the stores' tensors where they are (plain attributes).
 
     Returns:
         (the offloaded layers' stores, their shared counters).
@@ -302,11 +304,11 @@ def offload_experts(model: nn.Module, layers: tuple[int, ...], slots_per_layer: 
         if not hasattr(mlp, "experts"):
             raise ValueError(f"layer {i} has no routed experts to offload")
         old = mlp.experts
-        device = old.gate_up_proj.device
+        dev = old.gate_up_proj.device if device is None else torch.device(device)
         if costs is None:
-            costs = measure_costs(old.gate_up_proj.detach().cpu(), old.down_proj.detach().cpu(), device)
+            costs = measure_costs(old.gate_up_proj.detach().cpu(), old.down_proj.detach().cpu(), dev)
         slots = min(slots_per_layer, old.gate_up_proj.shape[0])
-        store = OffloadedExperts(old.gate_up_proj, old.down_proj, device, slots, counters, costs)
+        store = OffloadedExperts(old.gate_up_proj, old.down_proj, dev, slots, counters, costs)
         mlp.experts = store
         del old
         stores.append(store)

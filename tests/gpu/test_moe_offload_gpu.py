@@ -56,9 +56,10 @@ def test_hybrid_tiny_qwen3_moe_equals_all_resident_in_bf16(tmp_path, make_tiny_h
     assert counters.copies > 0 and counters.evictions > 0
 
 
-def _zipf_route(tokens, experts, top_k, gen, s=1.2):
+def _zipf_route(tokens, experts, top_k, gen, perm, s=1.2):
+    """Each token's ``top_k`` experts drawn by Zipf(``s``) over ``perm`` (the layer's
+    fixed order of heat, so the hot experts stay hot from step to step)."""
     p = 1.0 / torch.arange(1, experts + 1, dtype=torch.float64) ** s
-    perm = torch.randperm(experts, generator=gen)  # hot experts are not the low ids
     ids = torch.stack([perm[torch.multinomial(p, top_k, replacement=False, generator=gen)] for _ in range(tokens)])
     w = torch.rand(tokens, top_k, generator=gen)
     return (w / w.sum(-1, keepdim=True)), ids
@@ -85,7 +86,8 @@ def test_qwen3_30b_a3b_expert_layers_hybrid_vs_resident(batch, slots):
     stores = [OffloadedExperts(gu, dn, torch.device("cuda"), per_layer, counters, costs) for gu, dn in weights]
     resident = [(gu.cuda(), dn.cuda()) for gu, dn in weights]
     steps = 64
-    routes = [[_zipf_route(batch, experts, top_k, gen) for _ in range(layers)] for _ in range(steps)]
+    perms = [torch.randperm(experts, generator=gen) for _ in range(layers)]  # hot experts are not the low ids
+    routes = [[_zipf_route(batch, experts, top_k, gen, perms[i]) for i in range(layers)] for _ in range(steps)]
     x = torch.randn(batch, hdim, dtype=torch.bfloat16, device="cuda")
 
     def run(hybrid: bool) -> float:

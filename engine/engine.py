@@ -565,7 +565,16 @@ class Engine(LiveReplan):
             finished=self.scheduler.finished_count,
             aborted=self.scheduler.aborted_count,
             failed=self.scheduler.failed_count,
+            **self._expert_stats(),
         )
+
+    def _expert_stats(self) -> dict[str, int]:
+        """The expert cache's counters for :class:`EngineStats` (none without one)."""
+        c = self.expert_counters
+        if c is None:
+            return {}
+        return dict(expert_cache_hits=c.hits, expert_cache_misses=c.misses, expert_copies=c.copies,
+                    expert_cpu_runs=c.cpu_runs, expert_cache_slots=sum(s.num_slots for s in self.expert_stores))
 
     def _output(self, req: Request) -> TokenOutput:
         start = req.emitted

@@ -192,5 +192,9 @@ def test_the_engine_loads_a_hybrid_plan_and_decodes_the_same_ids(tiny, tmp_path_
     assert got == ref
     assert hybrid.plan.cpu_expert_layers == 1 and len(hybrid.expert_stores) == 1
     assert hybrid.plan.expert_cache_slots == sum(s.num_slots for s in hybrid.expert_stores) > 0
-    assert hybrid.expert_counters.hits + hybrid.expert_counters.misses > 0
+    stats = hybrid.stats()
+    assert stats.expert_cache_hits + stats.expert_cache_misses > 0
+    assert stats.expert_cache_slots == hybrid.plan.expert_cache_slots
+    assert stats.expert_cache_misses == stats.expert_copies + stats.expert_cpu_runs
+    assert whole.stats().expert_cache_slots == 0
     assert whole.plan.cpu_expert_layers == 0 and not whole.expert_stores

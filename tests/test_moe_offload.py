@@ -165,7 +165,8 @@ def test_a_dense_layer_cannot_be_offloaded(tiny):
 
 def test_the_engine_loads_a_hybrid_plan_and_decodes_the_same_ids(tiny, tmp_path_factory, make_tiny_hf_model):
     """--cpu-experts 1 on a simulated 8 GiB card: the last MoE layer's experts go to the
-    host tier behind the plan's expert cache, and greedy ids equal --cpu-experts none."""
+    host tier behind the plan's expert cache, and greedy ids equal --cpu-experts none,
+    with the cache halved by a live replan mid-stream."""
     from engine.config import EngineConfig
     from engine.engine import Engine
     from engine.messages import GenerateRequest, SamplingParams
@@ -175,26 +176,34 @@ def test_the_engine_loads_a_hybrid_plan_and_decodes_the_same_ids(tiny, tmp_path_
     path = tmp_path_factory.mktemp(kind + "-engine")
     make_tiny_hf_model(kind, path, vocab_size=VOCAB)
 
-    def greedy(cpu_experts: str):
+    def greedy(cpu_experts: str, halve_at: int | None = None):
         engine = Engine(EngineConfig(model=str(path), device="cpu", dtype="float32", device_total=8 << 30,
                                      cpu_experts=cpu_experts, max_running_requests=4))
         sp = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
         for name, ids in _prompts().items():
             engine.add_request(GenerateRequest(request_id=name, prompt_token_ids=ids, sampling=sp))
         out = {name: [] for name in _prompts()}
+        steps = 0
         while engine.has_work():
+            steps += 1
+            if steps == halve_at:  # a live replan mid-stream, between steps
+                slots = engine.stats().expert_cache_slots
+                assert engine.resize_expert_cache(slots // 2) == (slots - slots // 2) * engine.expert_stores[0].slot_bytes
             for o in engine.step():
                 out[o.request_id].extend(o.token_ids)
         return engine, out
 
-    hybrid, got = greedy("1")
+    hybrid, got = greedy("1", halve_at=6)
     whole, ref = greedy("none")
     assert got == ref
     assert hybrid.plan.cpu_expert_layers == 1 and len(hybrid.expert_stores) == 1
-    assert hybrid.plan.expert_cache_slots == sum(s.num_slots for s in hybrid.expert_stores) > 0
+    assert hybrid.plan.expert_cache_slots > 0
+    assert sum(s.num_slots for s in hybrid.expert_stores) == min(hybrid.plan.expert_cache_slots, config.num_experts) // 2
     stats = hybrid.stats()
     assert stats.expert_cache_hits + stats.expert_cache_misses > 0
-    assert stats.expert_cache_slots == hybrid.plan.expert_cache_slots
+    assert stats.expert_cache_slots == sum(s.num_slots for s in hybrid.expert_stores)
     assert stats.expert_cache_misses == stats.expert_copies + stats.expert_cpu_runs
     assert whole.stats().expert_cache_slots == 0
+    with pytest.raises(ValueError, match="no routed experts live in host memory"):
+        whole.resize_expert_cache(4)
     assert whole.plan.cpu_expert_layers == 0 and not whole.expert_stores

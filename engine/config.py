@@ -220,6 +220,15 @@ class EngineConfig:
         kind="size",
         checks=(nonzero_size,),
     )
+    cpu_experts: str = option(
+        "auto",
+        "Mixture-of-experts layers whose routed experts live in pinned host memory, with a "
+        "GPU expert cache sized from what is left in front of them: auto (the plan picks "
+        "the fewest layers that make it fit; none when everything fits), none, or a number "
+        "of layers. Offloaded layers decode slower: a missing expert is copied over PCIe "
+        "or run on the CPU.",
+        checks=(lambda v: None if v in ("auto", "none") or (v.isdigit()) else f"{v!r} is not auto, none or a number of layers",),
+    )
     min_context: int | None = option(  # tokens
         2048,
         "Smallest context, in tokens, one request must get for the memory plan to fit: "

@@ -8,6 +8,7 @@ cache, scheduler. A step is schedule -> forward -> commit.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
@@ -41,6 +42,12 @@ from engine.messages import (
     EngineStats,
     GenerateRequest,
     TokenOutput,
+)
+from engine.models.expert_cache import (
+    ExpertCounters,
+    OffloadedExperts,
+    offload_experts,
+    resize_cache,
 )
 from engine.models.quant_linear import model_weight_bytes
 from engine.options import pick
@@ -125,13 +132,32 @@ class Engine(LiveReplan):
         if self.device_memory is not None:
             self.plan = self._fit_chunk(estimated_planner(config, mc, self.device, self.dtype, self.device_memory,
                                                           weights=self.weight_size))
-        # Weights.
-        self.model, _ = load_model(self.model_dir, self.device, self.dtype, load_format=config.load_format,
-                                   quantized_gguf=self.quantized_gguf, quantization=self.quantization)
+        # Weights. With a hybrid plan (--cpu-experts) the model is read into host memory,
+        # the chosen layers' routed experts stay there behind a device expert cache, and
+        # the rest moves to the device.
+        self.expert_stores: list[OffloadedExperts] = []
+        self.expert_counters: ExpertCounters | None = None
+        host_layers = self.plan.cpu_expert_layers if self.plan is not None else 0
+        if host_layers:
+            # The measured plan keeps the split the weights were loaded with.
+            self.knobs = dataclasses.replace(self.knobs, cpu_experts=str(host_layers))
+            self.model, _ = load_model(self.model_dir, "cpu", self.dtype, load_format=config.load_format,
+                                       quantization=self.quantization)
+            layers = mc.moe_layers[-host_layers:]
+            self.expert_stores, self.expert_counters = offload_experts(
+                self.model, layers, 0, device=self.device)
+            self.model.to(self.device)
+            resize_cache(self.expert_stores, self.plan.expert_cache_slots)
+            log.info("routed experts of %d of %d MoE layers in host memory; expert cache of %d slots",
+                     host_layers, len(mc.moe_layers), self.plan.expert_cache_slots)
+        else:
+            self.model, _ = load_model(self.model_dir, self.device, self.dtype, load_format=config.load_format,
+                                       quantized_gguf=self.quantized_gguf, quantization=self.quantization)
         # Profile run on a GPU: the measured step peak and the CUDA context replace the
         # estimates, and the plan is made again.
         if self.device_memory is not None and self.device.type == "cuda":
             self.plan = self._fit_chunk(self._measured_plan)
+            resize_cache(self.expert_stores, self.plan.expert_cache_slots)
         if self.plan is not None and self.plan.context_lowered:
             log.warning("%s; it grows back with the KV pool when memory frees up", self.plan.context_note)
         # KV pool.
@@ -229,9 +255,11 @@ class Engine(LiveReplan):
         """Decode steps replay CUDA graphs: asked for (the default), on CUDA, and the
         backend's decode path can be captured (the torch backend's cannot: it builds its
         metadata on the host per step)."""
-        # Not for hybrid linear-attention models yet: their state slots are read on the host.
+        # Not for hybrid linear-attention models yet (their state slots are read on the
+        # host), nor where a layer's experts live in host memory (the routed ids are read
+        # back each step).
         return (self.config.cuda_graphs and self.device.type == "cuda" and self._cuda_graph_max_batch >= 1
-                and not self.model_config.is_hybrid
+                and not self.model_config.is_hybrid and not self.expert_stores
                 and backend_class(self.attention_backend).supports_cuda_graphs)
 
     @property
@@ -560,7 +588,16 @@ class Engine(LiveReplan):
             finished=self.scheduler.finished_count,
             aborted=self.scheduler.aborted_count,
             failed=self.scheduler.failed_count,
+            **self._expert_stats(),
         )
+
+    def _expert_stats(self) -> dict[str, int]:
+        """The expert cache's counters for :class:`EngineStats` (none without one)."""
+        c = self.expert_counters
+        if c is None:
+            return {}
+        return dict(expert_cache_hits=c.hits, expert_cache_misses=c.misses, expert_copies=c.copies,
+                    expert_cpu_runs=c.cpu_runs, expert_cache_slots=sum(s.num_slots for s in self.expert_stores))
 
     def _output(self, req: Request) -> TokenOutput:
         start = req.emitted

@@ -1,8 +1,9 @@
 """Live replans: the engine changes its memory use while requests run.
 
 The service's VRAM watcher asks for these, cheapest first, when another process takes
-device memory: a smaller prefill chunk cap, an empty prefix cache, a smaller KV pool;
-and for the pool to grow back when the memory returns. A person may ask too, through
+device memory: a smaller prefill chunk cap, an empty prefix cache, a smaller GPU expert
+cache (:meth:`LiveReplan.resize_expert_cache`, for experts in host memory), a smaller
+KV pool; and for them to grow back when the memory returns. A person may ask too, through
 the control API: ``origin`` says who asked. Each change that happens queues a
 ``Replanned`` event (with that origin) for ``Engine.drain_events``. Call them between
 steps (the engine is single-threaded).
@@ -33,6 +34,7 @@ from engine.messages import (
     ReplanOrigin,
     ResizeResult,
 )
+from engine.models.expert_cache import resize_cache
 from engine.scheduler.resize import Vacated
 
 log = logging.getLogger("headroom.engine")
@@ -56,6 +58,30 @@ class LiveReplan:
         if context_tokens is None:
             context_tokens = self.plan.min_context_tokens if self.plan is not None else self.info.model_context_tokens
         return math.ceil(context_tokens / self.config.page_size) + 1
+
+    def resize_expert_cache(self, num_slots: int) -> int:
+        """Resize the GPU expert cache of the layers whose routed experts live in host
+        memory to ``num_slots`` slots in all (spread over the layers; capped by their
+        experts), between steps: the cheapest memory to give back, as every expert stays
+        in host memory and no request can fail for it (misses are copied in again or run
+        on the CPU). Returns the device bytes freed (negative when it grew).
+
+        Raises:
+            ValueError: ``num_slots`` < 0, or this engine has no experts in host memory.
+        """
+        stores = getattr(self, "expert_stores", [])
+        if not stores:
+            raise ValueError("no routed experts live in host memory (--cpu-experts): there is no expert cache")
+        if num_slots < 0:
+            raise ValueError(f"num_slots {num_slots} must be >= 0")
+        before = sum(s.num_slots * s.slot_bytes for s in stores)
+        resize_cache(stores, num_slots)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        after = sum(s.num_slots * s.slot_bytes for s in stores)
+        log.info("expert cache resized to %d slots (%+.0f MiB)", sum(s.num_slots for s in stores),
+                 (after - before) / (1 << 20))
+        return before - after
 
     def resize_kv_pool(self, num_pages: int, *, reason: str = "", origin: ReplanOrigin = BY_WATCHER) -> ResizeResult:
         """Shrink or grow the KV pool to ``num_pages`` pages (null page included) while

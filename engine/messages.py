@@ -169,6 +169,14 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     finished: int
     aborted: int
     failed: int
+    # Routed experts in host memory (--cpu-experts), totals since start: expert-steps
+    # served from the GPU expert cache, missing from it, experts copied in, expert-steps
+    # run on the CPU; and the cache's slots now. All 0 when every expert is on the device.
+    expert_cache_hits: int = 0
+    expert_cache_misses: int = 0
+    expert_copies: int = 0
+    expert_cpu_runs: int = 0
+    expert_cache_slots: int = 0
 
 
 # OomEvent.phase values: where the step ran out of memory.

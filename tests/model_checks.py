@@ -40,3 +40,19 @@ def check_ragged_batch(hf, runner, vocab: int) -> None:
     second = runner.step({"b": b[2:], "a": a[5:]})
     assert_close(second[0], hf_logits(hf, b)[-1])
     assert_close(second[1], hf_logits(hf, a)[-1])
+
+
+def paged_greedy(runner, prompts: dict, steps: int, on_step=None) -> tuple[dict, torch.Tensor]:
+    """Prefill every prompt (key -> ids) in one step of ``runner`` (a ``PagedRunner``),
+    then ``steps`` batched greedy decode steps; ``on_step(i)`` runs before decode step
+    ``i``. Returns (key -> greedy ids, the last step's ``[B, V]`` logits)."""
+    out = {k: [] for k in prompts}
+    logits = runner.step(prompts)
+    for i in range(steps):
+        nxt = {k: [int(logits[j].argmax())] for j, k in enumerate(prompts)}
+        for k, t in nxt.items():
+            out[k].append(t[0])
+        if on_step is not None:
+            on_step(i)
+        logits = runner.step(nxt)
+    return out, logits

@@ -31,7 +31,8 @@ def test_routed_experts_are_charged_on_their_own_line(tmp_path):
     assert ledger["routed expert weights"] == experts == expert_weight_bytes(mc, torch.bfloat16)
     assert ledger["weights"] + experts == weight_bytes(mc, torch.bfloat16)
     assert plan.fits  # 57 GiB of weights on an 80 GiB card
-    small = make_plan(simulated_device(24 * GiB), knobs, make_footprint(mc, torch.bfloat16, knobs))
+    whole = PlanKnobs(cpu_experts="none")
+    small = make_plan(simulated_device(24 * GiB), whole, make_footprint(mc, torch.bfloat16, whole))
     assert not small.fits
 
 
@@ -65,3 +66,41 @@ def test_shared_expert_adds_its_transient(tmp_path):
     mc = _config(tmp_path)
     shared = dataclasses.replace(mc, shared_expert_intermediate_size=5632)
     assert moe_activation_bytes(shared, 512, 2) - moe_activation_bytes(mc, 512, 2) == 512 * (3 * 5632 + 2048) * 2
+
+
+def test_a_card_too_small_for_every_expert_plans_hybrid(tmp_path):
+    """24 GiB cannot hold Qwen3-30B-A3B's 57 GiB: auto puts the fewest layers' routed
+    experts in host memory and gives an expert cache the half of what is left; none
+    does not fit, and its message names --cpu-experts with its price."""
+    mc = _config(tmp_path)
+    dev = simulated_device(24 * GiB)
+
+    def plan(cpu_experts: str):
+        knobs = PlanKnobs(cpu_experts=cpu_experts)
+        return make_plan(dev, knobs, make_footprint(mc, torch.bfloat16, knobs))
+
+    hybrid = plan("auto")
+    assert hybrid.fits and 0 < hybrid.cpu_expert_layers < 48
+    slot = 3 * 2048 * 768 * 2
+    assert hybrid.expert_slot_bytes == slot
+    ledger = {e.name: e for e in hybrid.ledger}
+    per_layer = 128 * slot
+    assert ledger["routed expert weights"].bytes == (48 - hybrid.cpu_expert_layers) * per_layer
+    assert ledger["expert cache"].bytes == hybrid.expert_cache_slots * slot > 0
+    assert "in pinned host memory" in ledger["routed expert weights"].source
+    # One layer fewer in host memory does not fit: auto took the fewest.
+    assert not plan(str(hybrid.cpu_expert_layers - 1)).fits
+    # The cache took half of what one min-context request's KV left; the pool the rest.
+    assert hybrid.kv_pool_bytes + 2 * slot >= ledger["expert cache"].bytes
+    whole = plan("none")
+    assert not whole.fits and whole.cpu_expert_layers == 0 and "expert cache" not in {e.name for e in whole.ledger}
+    text = whole.message()
+    assert "--cpu-experts none → " in text and "copied over PCIe or run on the CPU" in text
+    assert plan("48").cpu_expert_layers == 48 and plan("99").cpu_expert_layers == 48
+
+
+def test_a_card_that_holds_every_expert_offloads_none(tmp_path):
+    mc = _config(tmp_path)
+    knobs = PlanKnobs()
+    plan = make_plan(simulated_device(80 * GiB), knobs, make_footprint(mc, torch.bfloat16, knobs))
+    assert plan.fits and plan.cpu_expert_layers == 0 and plan.expert_cache_slots == 0

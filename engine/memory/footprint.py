@@ -176,6 +176,8 @@ def make_footprint(
     return Footprint(
         weight_bytes=weight_bytes(mc, dtype) if weights is None else weights.bytes,
         expert_weight_bytes=expert_weight_bytes(mc, dtype) if weights is None or weights.source == "FP8" else 0,
+        expert_layers=len(mc.moe_layers) if mc.is_moe and (weights is None or weights.source == "FP8") else 0,
+        num_experts=mc.num_experts,
         weight_source="exact, from tensor shapes" if weights is None else f"exact, {weights.source}: {weights.mix}",
         kv_bytes_per_token=kv_bytes_per_token(mc, kv_dtype),
         kv_cache_dtype=str(kv_dtype).removeprefix("torch."),

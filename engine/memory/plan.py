@@ -12,13 +12,21 @@ The ledger, top to bottom::
   - safety margin                fragmentation and allocator rounding
   = budget
   - weights                      exact, from tensor shapes
-  - routed expert weights        a mixture of experts' routed experts (all on the device)
+  - routed expert weights        a mixture of experts' routed experts kept on the device
   - attention workspace          declared by the backend
   - sampler and logits           max running requests x vocab
   - prefill activation peak      measured by a profile run (estimated before it)
   - CUDA graph pool              measured at capture
   - model scratch                measured in the profile run
+  - expert cache                 slots for the experts of layers in host memory (--cpu-experts)
   = KV cache pool                whole pages, never negative
+
+Hybrid placement (``--cpu-experts``): the routed experts of some mixture-of-experts
+layers live in pinned host memory; the device keeps everything else and an expert
+cache of whole slots (one expert's ``[2I, H] + [H, I]``) taking half of what is left
+once one request of ``--min-context`` has its KV pages (the KV pool gets the rest),
+capped at every offloaded expert. ``auto`` offloads the fewest layers that make the
+plan fit (none when it fits whole).
 
 A plan that cannot hold one request of the wanted context (the model's, capped by
 ``--max-model-len``) but can hold one of ``min_context_tokens`` (``--min-context``)
@@ -108,6 +116,7 @@ class PlanKnobs:
     safety_margin_bytes: int | None = EngineConfig.safety_margin_bytes
     device_limit: int | None = EngineConfig.device_limit
     kv_cache_dtype: str = EngineConfig.kv_cache_dtype
+    cpu_experts: str = EngineConfig.cpu_experts
 
     @classmethod
     def of(cls, config: EngineConfig) -> PlanKnobs:
@@ -147,13 +156,21 @@ class Footprint:
     runtime_source: str = "estimated"
     activation_at: Callable[[PlanKnobs], int] | None = None
     weight_source: str = "exact, from tensor shapes"
-    # The routed experts' share of weight_bytes (a mixture of experts; 0 when dense).
+    # The routed experts' share of weight_bytes (a mixture of experts; 0 when dense),
+    # over expert_layers layers of num_experts experts each.
     expert_weight_bytes: int = 0
     # A hybrid linear-attention model's recurrent and conv states of one request
     # (engine.kvcache.state_pool); the pool holds max_running_requests of them.
     state_bytes_per_request: int = 0
     # The KV cache's storage dtype as torch names it (e.g. "bfloat16", "float8_e4m3fn").
     kv_cache_dtype: str = ""
+    expert_layers: int = 0
+    num_experts: int = 0
+
+    @property
+    def expert_slot_bytes(self) -> int:
+        """One routed expert's bytes (a slot of the expert cache)."""
+        return self.expert_weight_bytes // max(self.expert_layers * self.num_experts, 1)
 
 
 class LedgerEntry(msgspec.Struct, frozen=True):
@@ -174,9 +191,11 @@ class Suggestion(msgspec.Struct, frozen=True):
     current: str
     proposed: str
     saves_bytes: int
+    price: str = ""  # what the setting costs besides memory ("" when nothing)
 
     def text(self) -> str:
-        return f"{self.flag} {self.current} → {self.proposed} frees about {fmt_bytes(self.saves_bytes)}"
+        cost = f" ({self.price})" if self.price else ""
+        return f"{self.flag} {self.current} → {self.proposed} frees about {fmt_bytes(self.saves_bytes)}{cost}"
 
 
 class MemoryPlan(msgspec.Struct, frozen=True, kw_only=True):
@@ -208,6 +227,11 @@ class MemoryPlan(msgspec.Struct, frozen=True, kw_only=True):
     context_note: str = ""
     kv_cache_dtype: str = ""  # the KV cache's storage dtype, e.g. "bfloat16", "float8_e4m3fn"
     kv_bytes_per_token: int = 0  # all layers, keys and values, in that dtype
+    # Hybrid placement: layers whose routed experts live in host memory, and the
+    # device expert cache in front of them (whole slots of expert_slot_bytes).
+    cpu_expert_layers: int = 0
+    expert_cache_slots: int = 0
+    expert_slot_bytes: int = 0
 
     def after_resize(self, num_pages: int, kv_pool_bytes: int, max_context_tokens: int, reason: str) -> MemoryPlan:
         """This plan once the KV pool was resized while serving to ``num_pages`` usable
@@ -275,21 +299,47 @@ def make_plan(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint) -> MemoryPl
     return msgspec.structs.replace(plan, suggestions=_suggest(device, knobs, fp, plan))
 
 
-def _weight_lines(fp: Footprint) -> list[LedgerEntry]:
+def _weight_lines(fp: Footprint, host_layers: int) -> list[LedgerEntry]:
     """``weights``, and for a mixture of experts the routed experts apart from the rest
-    (attention, router, shared experts, embeddings): all on the device for now. A hybrid
-    placement would charge here only the experts it keeps on the device plus an expert
-    cache line, and count the rest against host memory."""
+    (attention, router, shared experts, embeddings); the routed experts of
+    ``host_layers`` layers live in host memory, not here."""
     if fp.expert_weight_bytes <= 0:
         return [LedgerEntry("weights", fp.weight_bytes, "-", fp.weight_source)]
+    per_layer = fp.expert_weight_bytes // max(fp.expert_layers, 1)
+    on_device = fp.expert_weight_bytes - host_layers * per_layer
+    where = "all on the device" if host_layers == 0 else (
+        f"{fp.expert_layers - host_layers} of {fp.expert_layers} layers on the device, "
+        f"{host_layers} ({fmt_bytes(host_layers * per_layer)}) in pinned host memory")
     return [
         LedgerEntry("weights", fp.weight_bytes - fp.expert_weight_bytes, "-",
                     fp.weight_source + "; all but the routed experts"),
-        LedgerEntry("routed expert weights", fp.expert_weight_bytes, "-", "exact, from tensor shapes; all on the device"),
+        LedgerEntry("routed expert weights", on_device, "-", "exact, from tensor shapes; " + where),
     ]
 
 
+def host_expert_layers(knobs: PlanKnobs, fp: Footprint) -> int | None:
+    """The layers ``--cpu-experts`` puts in host memory: a number (capped by the
+    model's mixture-of-experts layers), 0 for none, None for auto (the plan decides)."""
+    if fp.expert_layers == 0 or knobs.cpu_experts == "none":
+        return 0
+    if knobs.cpu_experts == "auto":
+        return None
+    return min(int(knobs.cpu_experts), fp.expert_layers)
+
+
 def _ledger(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint) -> MemoryPlan:
+    host = host_expert_layers(knobs, fp)
+    if host is not None:
+        return _ledger_at(device, knobs, fp, host)
+    # auto: the fewest offloaded layers that fit; all of them when none does.
+    for layers in range(fp.expert_layers + 1):
+        plan = _ledger_at(device, knobs, fp, layers)
+        if plan.fits:
+            return plan
+    return plan
+
+
+def _ledger_at(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint, host_layers: int) -> MemoryPlan:
     if min(device.total_bytes, device.free_bytes, device.others_bytes, fp.weight_bytes) < 0:
         raise ValueError("memory sizes must be >= 0")
     total = device.total_bytes
@@ -310,7 +360,7 @@ def _ledger(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint) -> MemoryPlan
         LedgerEntry("desktop reserve", reserve, "-", reserve_src),
         LedgerEntry("safety margin", margin, "-", "auto" if knobs.safety_margin_bytes is None else "flag"),
         LedgerEntry("budget", budget, "=", ""),
-        *_weight_lines(fp),
+        *_weight_lines(fp, host_layers),
         LedgerEntry("CUDA context and runtime", fp.runtime_bytes, "-", fp.runtime_source if fp.runtime_bytes else "none"),
     ]
     ledger += [LedgerEntry(f"workspace: {name}", b, "-", "declared") for name, b in fp.workspace_bytes]
@@ -329,12 +379,22 @@ def _ledger(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint) -> MemoryPlan
                                   f"{fmt_bytes(fp.state_bytes_per_request)}"))
     fixed = (fp.weight_bytes + fp.runtime_bytes + sum(b for _, b in fp.workspace_bytes) + sampler + activation
              + fp.cuda_graph_bytes + fp.scratch_bytes + states)
-    kv_room = budget - fixed
     page_bytes = fp.kv_bytes_per_token * knobs.page_size
-    pages = max(kv_room // page_bytes, 0) if page_bytes > 0 else 0
     model_ctx = fp.model_context_tokens if knobs.max_model_len is None else min(fp.model_context_tokens, knobs.max_model_len)
     min_ctx = min(knobs.min_context or model_ctx, model_ctx)
     need_pages = math.ceil(min_ctx / knobs.page_size)
+    slots = 0
+    if host_layers > 0:
+        per_layer = fp.expert_weight_bytes // max(fp.expert_layers, 1)
+        fixed -= host_layers * per_layer
+        slot = fp.expert_slot_bytes
+        spare = budget - fixed - need_pages * page_bytes
+        slots = int(min(max(spare // 2, 0) // slot, host_layers * fp.num_experts)) if slot > 0 else 0
+        fixed += slots * slot
+        ledger.append(LedgerEntry("expert cache", slots * slot, "-",
+                                  f"{slots} slots of {fmt_bytes(slot)} for {host_layers} layers x {fp.num_experts} experts in host memory"))
+    kv_room = budget - fixed
+    pages = max(kv_room // page_bytes, 0) if page_bytes > 0 else 0
     kv_bytes = pages * page_bytes
     ledger.append(LedgerEntry("KV cache pool", kv_bytes, "=", f"{pages} pages of {fmt_bytes(page_bytes)}"
                                                      + (f", {fp.kv_cache_dtype}" if fp.kv_cache_dtype else "")))
@@ -367,6 +427,9 @@ def _ledger(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint) -> MemoryPlan
         max_running_requests=knobs.max_running_requests,
         wanted_context_tokens=model_ctx,
         context_note=note,
+        cpu_expert_layers=host_layers,
+        expert_cache_slots=slots,
+        expert_slot_bytes=fp.expert_slot_bytes if host_layers else 0,
     )
 
 
@@ -422,6 +485,10 @@ def _suggest(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint, plan: Memory
     if reserve > 0:
         lower = reserve // 2
         candidates.append((_flag("reserve"), fmt_bytes(reserve), fmt_bytes(lower), replace(knobs, reserve=lower)))
+    host = host_expert_layers(knobs, fp)
+    if host is not None and host < fp.expert_layers:
+        for more in sorted({min(max(host * 2, 1), fp.expert_layers), fp.expert_layers}):
+            candidates.append((_flag("cpu_experts"), knobs.cpu_experts, str(more), replace(knobs, cpu_experts=str(more))))
     # Per flag: the gentlest move that makes the plan fit, else the one that frees most.
     best: dict[str, tuple[bool, Suggestion]] = {}
     for flag, cur, new, k in candidates:
@@ -433,7 +500,10 @@ def _suggest(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint, plan: Memory
             saved = _kv_room(other) - base
         if saved <= 0:
             continue  # never suggest a direction that does not help
-        s = Suggestion(flag, cur, new, int(saved))
+        price = ""
+        if flag == _flag("cpu_experts"):
+            price = f"decode slows: an expert missing from the GPU cache is copied over PCIe or run on the CPU; needs {fmt_bytes(int(new) * fp.expert_weight_bytes // fp.expert_layers)} of host memory"
+        s = Suggestion(flag, cur, new, int(saved), price)
         held = best.get(flag)
         if held is None or _better((other.fits, s), held):
             best[flag] = (other.fits, s)

@@ -12,10 +12,10 @@ projections apart (``mlp.experts.N.gate_proj.weight``, Mixtral's
 ``block_sparse_moe.experts.N.w1.weight``), and :meth:`engine.models.decoder.CausalLM.load_weights`
 stacks them into these at load.
 
-All experts live on the model's device. Placing some layers' routed experts in pinned
-host memory, with a GPU expert cache in front of them, would replace :class:`Experts`'
-two parameters by a per-layer store that :meth:`SparseMoeBlock.forward` asks for the
-experts a step routes to; the router and shared expert stay here, on the GPU.
+By default all experts live on the model's device. A layer whose routed experts live in
+host memory has :class:`engine.models.expert_cache.OffloadedExperts` in place of
+:class:`Experts` (a device expert cache in front of the host copy); the router and the
+shared expert stay here, on the device.
 """
 
 from __future__ import annotations
@@ -60,7 +60,10 @@ class SparseMoeBlock(nn.Module):
         weights, ids = route(nn.functional.linear(x, self.gate.weight), self.top_k, self.renormalize)
         if not self.float32_weights:
             weights = weights.to(x.dtype)
-        out = fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+        if isinstance(self.experts, Experts):
+            out = fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+        else:  # offloaded: the store picks cache, copy or CPU per expert
+            out = self.experts(x, weights, ids)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

@@ -146,6 +146,7 @@ _PLAN_KNOBS = (
     "max_running_requests",
     "max_model_len",
     "min_context",
+    "cpu_experts",
 )
 
 

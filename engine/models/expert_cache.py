@@ -1,0 +1,327 @@
+"""Routed experts kept in host memory, with a device expert cache in front of them.
+
+A layer whose routed experts live on the host (pinned when the device is CUDA) swaps
+:class:`engine.models.moe.Experts` for an :class:`OffloadedExperts`: the full
+``[E, 2I, H]`` / ``[E, H, I]`` stacks stay in the **host tier**, and a **cache tier** of
+``S`` slots (``[S, 2I, H]`` + ``[S, H, I]`` on the device) holds the experts recently
+used. Each step, for every expert the router picked:
+
+- in the cache: a hit; it runs on the device from its slot;
+- missing: :class:`CostModel` decides, for the number of tokens routed to it, whether
+  copying it in (host -> device, ``non_blocking`` from pinned memory) or running it on
+  the CPU (the activations copied over and back) is cheaper; a copy is credited with
+  the later steps it is expected to serve from the cache (the expert's recent share of
+  steps, a decayed average, times the cache's slots: about how many steps a slot stays
+  before LRU evicts it). A copy evicts the least recently used slot that this step does
+  not need. With no free or evictable slot it runs on the CPU.
+
+Nothing here assumes CUDA: with the device being the CPU, the host tier is one CPU
+tensor and the cache tier another, and the same choices, copies and evictions happen,
+so the logic is checked without a GPU. On CPU the experts run one by one in expert
+order, exactly as :func:`kernels.moe.fused_moe`'s reference does, so outputs are equal
+to the all-resident model's; on CUDA the cached experts run through the fused kernel
+over slot indices.
+
+:meth:`OffloadedExperts.resize` grows or shrinks the cache between steps (a live
+replan), evicting least recently used slots; the host tier always has every expert,
+so no request can fail for it. The decode path reads the routed ids back to the host,
+so a layer with offloaded experts is not captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.activation import silu_and_mul
+from kernels.dispatch import fused_moe
+
+
+@dataclass
+class ExpertCounters:
+    """Per-engine totals since start: ``hits`` (expert-steps served from the cache),
+    ``misses`` (expert-steps not in it), ``copies`` (experts copied in), ``cpu_runs``
+    (expert-steps run on the CPU), ``evictions``."""
+
+    hits: int = 0
+    misses: int = 0
+    copies: int = 0
+    cpu_runs: int = 0
+    evictions: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        seen = self.hits + self.misses
+        return self.hits / seen if seen else 0.0
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds to bring one expert in versus to run it on the CPU.
+
+    ``copy_bytes_per_s``: host -> device bandwidth; ``expert_bytes``: one expert's
+    ``[2I, H] + [H, I]`` bytes; ``cpu_s_base`` and ``cpu_s_per_token``: a CPU run of one
+    expert on ``n`` tokens takes ``cpu_s_base + n * cpu_s_per_token`` (measured by
+    :func:`measure_costs` on 1 and 16 tokens; linear between).
+    """
+
+    copy_bytes_per_s: float
+    expert_bytes: int
+    cpu_s_base: float
+    cpu_s_per_token: float
+
+    def copy_s(self) -> float:
+        return self.expert_bytes / self.copy_bytes_per_s
+
+    def cpu_s(self, tokens: int) -> float:
+        return self.cpu_s_base + tokens * self.cpu_s_per_token
+
+    def prefers_copy(self, tokens: int, reuse: float = 0.0) -> bool:
+        """Copy the expert in (True) or run it on the CPU (False) for ``tokens`` tokens,
+        crediting the copy with ``reuse`` later one-token steps it is expected to serve
+        from the cache (each saving a CPU run)."""
+        return self.copy_s() <= self.cpu_s(tokens) + reuse * self.cpu_s(1)
+
+
+# Per-step decay of an expert's heat: an average over about the last 1 / (1 - 0.95) = 20
+# steps.
+HEAT_DECAY = 0.95
+
+ALWAYS_COPY = CostModel(copy_bytes_per_s=float("inf"), expert_bytes=0, cpu_s_base=1.0, cpu_s_per_token=0.0)
+ALWAYS_CPU = CostModel(copy_bytes_per_s=1.0, expert_bytes=1, cpu_s_base=0.0, cpu_s_per_token=0.0)
+
+
+def _expert_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    return F.linear(silu_and_mul(F.linear(x, w_gate_up)), w_down)
+
+
+def measure_costs(host_gate_up: torch.Tensor, host_down: torch.Tensor, device: torch.device, repeats: int = 3) -> CostModel:
+    """Time one expert's copy to ``device`` and its CPU run on 1 and 16 tokens (best of
+    ``repeats``), from the host tier ``host_gate_up`` ``[E, 2I, H]``, ``host_down``
+    ``[E, H, I]``."""
+    gu, dn = host_gate_up[0], host_down[0]
+    nbytes = gu.nbytes + dn.nbytes
+    dst_gu = torch.empty_like(gu, device=device)
+    dst_dn = torch.empty_like(dn, device=device)
+
+    def best(fn) -> float:
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    def copy() -> None:
+        dst_gu.copy_(gu, non_blocking=True)
+        dst_dn.copy_(dn, non_blocking=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    copy()  # first touch
+    copy_s = max(best(copy), 1e-9)
+    xs = {n: torch.randn(n, gu.shape[1], dtype=gu.dtype) for n in (1, 16)}
+    cpu = {n: best(lambda n=n: _expert_mlp(xs[n], gu, dn)) for n in xs}
+    per_token = max((cpu[16] - cpu[1]) / 15, 0.0)
+    return CostModel(nbytes / copy_s, nbytes, max(cpu[1] - per_token, 0.0), per_token)
+
+
+class OffloadedExperts(nn.Module):
+    """One layer's routed experts in the host tier, ``num_slots`` of them cached on
+    ``device``.
+
+    Args:
+        gate_up: ``[E, 2I, H]``; down: ``[E, H, I]``, any device (moved to the host,
+            pinned when ``device`` is CUDA).
+        num_slots: cache slots, ``0 <= num_slots <= E``.
+        counters: shared totals (one object for all layers).
+        costs: the copy-or-CPU rule.
+    """
+
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, device: torch.device, num_slots: int,
+                 counters: ExpertCounters, costs: CostModel) -> None:
+        super().__init__()
+        self.device = torch.device(device)
+        pin = self.device.type == "cuda"
+        self.host_gate_up = gate_up.detach().to("cpu").contiguous()
+        self.host_down = down.detach().to("cpu").contiguous()
+        if pin:
+            self.host_gate_up = self.host_gate_up.pin_memory()
+            self.host_down = self.host_down.pin_memory()
+        self.num_experts = gate_up.shape[0]
+        self.counters = counters
+        self.costs = costs
+        self.slot_of: OrderedDict[int, int] = OrderedDict()  # expert -> slot, least recent first
+        # Each expert's share of recent steps that routed to it (decayed average).
+        self.heat = torch.zeros(self.num_experts, dtype=torch.float64)
+        self.slot_gate_up = torch.empty(0, *gate_up.shape[1:], dtype=gate_up.dtype, device=self.device)
+        self.slot_down = torch.empty(0, *down.shape[1:], dtype=down.dtype, device=self.device)
+        self.resize(num_slots)
+
+    @property
+    def num_slots(self) -> int:
+        return self.slot_gate_up.shape[0]
+
+    @property
+    def slot_bytes(self) -> int:
+        """One slot's device bytes (``[2I, H] + [H, I]``)."""
+        return self.host_gate_up[0].nbytes + self.host_down[0].nbytes
+
+    def resize(self, num_slots: int) -> None:
+        """Hold ``num_slots`` slots (``0..E``): shrinking evicts the least recently used
+        experts and compacts the rest into the low slots; growing keeps every cached
+        expert. Between steps only."""
+        if not 0 <= num_slots <= self.num_experts:
+            raise ValueError(f"num_slots {num_slots} is not in 0..{self.num_experts}")
+        while len(self.slot_of) > num_slots:
+            self.slot_of.popitem(last=False)
+            self.counters.evictions += 1
+        keep = list(self.slot_of.items())
+        gu = torch.empty(num_slots, *self.slot_gate_up.shape[1:], dtype=self.slot_gate_up.dtype, device=self.device)
+        dn = torch.empty(num_slots, *self.slot_down.shape[1:], dtype=self.slot_down.dtype, device=self.device)
+        for new, (expert, old) in enumerate(keep):
+            gu[new].copy_(self.slot_gate_up[old])
+            dn[new].copy_(self.slot_down[old])
+            self.slot_of[expert] = new
+        # Free the old cache before the caller plans with the new size.
+        self.slot_gate_up, self.slot_down = gu, dn
+
+    def _free_slot(self, pinned: set[int]) -> int | None:
+        """A slot to fill: an empty one, else the least recently used expert's that
+        this step does not need (evicted); None when every slot is needed."""
+        used = set(self.slot_of.values())
+        for s in range(self.num_slots):
+            if s not in used:
+                return s
+        for expert, slot in self.slot_of.items():
+            if expert not in pinned:
+                del self.slot_of[expert]
+                self.counters.evictions += 1
+                return slot
+        return None
+
+    def _place(self, tokens_per_expert: dict[int, int]) -> set[int]:
+        """Bring in what the cost model says to copy; count hits and misses. Returns
+        the experts to run on the CPU this step."""
+        on_cpu: set[int] = set()
+        active = set(tokens_per_expert)
+        self.heat *= HEAT_DECAY
+        self.heat[list(active)] += 1 - HEAT_DECAY
+        # The busiest experts first: when the cache cannot take every expert of a
+        # prefill chunk, those with the most tokens get the slots.
+        for expert, n in sorted(tokens_per_expert.items(), key=lambda kv: -kv[1]):
+            if expert in self.slot_of:
+                self.counters.hits += 1
+                self.slot_of.move_to_end(expert)
+                continue
+            self.counters.misses += 1
+            reuse = float(self.heat[expert]) * self.num_slots
+            slot = self._free_slot(active) if self.costs.prefers_copy(n, reuse) else None
+            if slot is None:
+                on_cpu.add(expert)
+                self.counters.cpu_runs += 1
+                continue
+            self.slot_gate_up[slot].copy_(self.host_gate_up[expert], non_blocking=True)
+            self.slot_down[slot].copy_(self.host_down[expert], non_blocking=True)
+            self.slot_of[expert] = slot
+            self.counters.copies += 1
+        return on_cpu
+
+    def _run_cpu(self, x: torch.Tensor, tokens: torch.Tensor, expert: int) -> torch.Tensor:
+        xh = x[tokens].to("cpu")
+        y = _expert_mlp(xh, self.host_gate_up[expert], self.host_down[expert])
+        return y.to(x.device, non_blocking=True)
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """As :func:`kernels.moe.fused_moe` with this layer's experts: ``x`` ``[T, H]``,
+        ``topk_weights``/``topk_ids`` ``[T, K]`` -> ``[T, H]`` in ``x``'s dtype."""
+        out = torch.zeros_like(x)
+        if x.shape[0] == 0:
+            return out
+        experts, counts = torch.unique(topk_ids, return_counts=True)
+        on_cpu = self._place(dict(zip(experts.tolist(), counts.tolist(), strict=True)))
+        if x.is_cuda:
+            return self._forward_fused(x, topk_weights, topk_ids, on_cpu, len(experts))
+        # Expert order and the reference's ops: equal to the all-resident model.
+        for e in experts.tolist():
+            tokens, ks = torch.where(topk_ids == e)
+            if e in on_cpu:
+                y = self._run_cpu(x, tokens, e)
+            else:
+                slot = self.slot_of[e]
+                y = _expert_mlp(x[tokens], self.slot_gate_up[slot], self.slot_down[slot])
+            out.index_add_(0, tokens, (y * topk_weights[tokens, ks, None]).to(x.dtype))
+        return out
+
+    def _forward_fused(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                       on_cpu: set[int], num_active: int) -> torch.Tensor:
+        """The cached experts through the fused kernel over slot ids (a CPU-run
+        expert's rows get weight 0 and any valid slot), plus the CPU-run experts."""
+        lut = torch.zeros(self.num_experts, dtype=torch.int64)
+        for e, s in self.slot_of.items():
+            lut[e] = s
+        slot_ids = lut.to(x.device, non_blocking=True)[topk_ids]
+        weights = topk_weights
+        if on_cpu:
+            cpu_mask = torch.zeros(self.num_experts, dtype=torch.bool)
+            cpu_mask[list(on_cpu)] = True
+            weights = topk_weights.masked_fill(cpu_mask.to(x.device)[topk_ids], 0)
+        if self.num_slots > 0 and len(on_cpu) < num_active:
+            out = fused_moe(x, self.slot_gate_up, self.slot_down, weights, slot_ids)
+        else:
+            out = torch.zeros_like(x)
+        for e in sorted(on_cpu):
+            tokens, ks = torch.where(topk_ids == e)
+            y = self._run_cpu(x, tokens, e)
+            out.index_add_(0, tokens, (y * topk_weights[tokens, ks, None]).to(x.dtype))
+        return out
+
+
+def offload_experts(model: nn.Module, layers: tuple[int, ...], slots_per_layer: int,
+                    costs: CostModel | None = None,
+                    device: torch.device | None = None) -> tuple[list[OffloadedExperts], ExpertCounters]:
+    """Move the routed experts of decoder ``layers`` of ``model`` (a
+    :class:`engine.models.decoder.CausalLM`) to the host tier, each with a cache of
+    ``slots_per_layer`` slots on ``device`` (None: where the experts are now); ``costs``
+    None measures them on the first such layer. A model read into host memory and then
+    moved to the device keeps the stores' tensors where they are (plain attributes).
+
+    Returns:
+        (the offloaded layers' stores, their shared counters).
+
+    Raises:
+        ValueError: a layer in ``layers`` is not a mixture-of-experts layer.
+    """
+    counters = ExpertCounters()
+    stores = []
+    for i in layers:
+        mlp = model.model.layers[i].mlp
+        if not hasattr(mlp, "experts"):
+            raise ValueError(f"layer {i} has no routed experts to offload")
+        old = mlp.experts
+        dev = old.gate_up_proj.device if device is None else torch.device(device)
+        if costs is None:
+            costs = measure_costs(old.gate_up_proj.detach().cpu(), old.down_proj.detach().cpu(), dev)
+        slots = min(slots_per_layer, old.gate_up_proj.shape[0])
+        store = OffloadedExperts(old.gate_up_proj, old.down_proj, dev, slots, counters, costs)
+        mlp.experts = store
+        del old
+        stores.append(store)
+    if stores and stores[0].device.type == "cuda":
+        torch.cuda.empty_cache()
+    return stores, counters
+
+
+def resize_cache(stores: list[OffloadedExperts], total_slots: int) -> None:
+    """Spread ``total_slots`` over ``stores`` evenly (the first layers get the
+    remainder) and resize each: the live replan's handle on the expert cache."""
+    if not stores:
+        return
+    each, extra = divmod(total_slots, len(stores))
+    for i, s in enumerate(stores):
+        s.resize(min(each + (i < extra), s.num_experts))

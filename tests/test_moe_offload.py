@@ -1,0 +1,209 @@
+"""Routed experts in a host tier with a cache tier in front (engine.models.expert_cache),
+checked on the CPU: the host tier is one CPU tensor, the cache another, and the copy,
+CPU-run and eviction choices are the ones a GPU would make. Greedy decoding through a
+paged KV pool must give the all-resident model's ids, whatever the cache holds."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from model_checks import paged_greedy
+
+from engine.loader.load import load_model
+from engine.models.expert_cache import (
+    ALWAYS_COPY,
+    ALWAYS_CPU,
+    CostModel,
+    ExpertCounters,
+    OffloadedExperts,
+    measure_costs,
+    offload_experts,
+    resize_cache,
+)
+
+VOCAB = 256
+STEPS = 32
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
+def tiny(request, tmp_path_factory, make_tiny_hf_model):
+    path = tmp_path_factory.mktemp(request.param)
+    make_tiny_hf_model(request.param, path, vocab_size=VOCAB)
+    model, config = load_model(path, "cpu", torch.float32)
+    return model, config
+
+
+def _prompts() -> dict[str, list[int]]:
+    gen = torch.Generator().manual_seed(5)
+    return {"a": torch.randint(0, VOCAB, (9,), generator=gen).tolist(),
+            "b": torch.randint(0, VOCAB, (5,), generator=gen).tolist()}
+
+
+@pytest.fixture(scope="module")
+def reference(tiny, paged_runner):
+    model, config = tiny
+    return paged_greedy(paged_runner(model, config), _prompts(), STEPS)[0]
+
+
+# Mixed: a copy pays off from 2 tokens on, so decode rows of one token run on the CPU.
+MIXED = CostModel(copy_bytes_per_s=1.0, expert_bytes=2, cpu_s_base=0.0, cpu_s_per_token=1.0)
+
+
+@pytest.mark.parametrize(("costs", "slots"), [(ALWAYS_COPY, 3), (ALWAYS_CPU, 2), (MIXED, 2), (ALWAYS_COPY, 1)],
+                         ids=["copy-lru", "cpu", "mixed", "one-slot"])
+def test_greedy_ids_equal_the_all_resident_model(tiny, paged_runner, reference, costs, slots):
+    model, config = tiny
+    hybrid = copy.deepcopy(model)
+    stores, counters = offload_experts(hybrid, config.moe_layers, slots, costs)
+    got, _ = paged_greedy(paged_runner(hybrid, config), _prompts(), STEPS)
+    assert got == reference
+    assert counters.hits + counters.misses > 0
+    if costs is ALWAYS_CPU:
+        assert counters.copies == 0 and counters.cpu_runs == counters.misses
+    if costs is ALWAYS_COPY:
+        # A miss runs on the CPU only when every slot holds an expert of the same step.
+        assert counters.copies > 0 and counters.copies + counters.cpu_runs == counters.misses
+        if slots > 1:  # one slot may hold an expert every step needs
+            assert (counters.evictions > 0) == (slots < config.num_experts)
+    if costs is ALWAYS_COPY and slots < config.num_experts_per_tok:
+        assert counters.cpu_runs > 0  # no slot may be evicted for an expert of the same step
+    if costs is MIXED:
+        assert counters.copies > 0 and counters.cpu_runs > 0
+    # The experts' device memory is the cache's now: the host tier holds every expert.
+    for s in stores:
+        assert s.num_slots == slots and s.host_gate_up.shape[0] == config.num_experts
+
+
+def test_a_cache_halved_mid_run_and_grown_back_keeps_outputs_equal(tiny, paged_runner, reference):
+    model, config = tiny
+    hybrid = copy.deepcopy(model)
+    full = config.num_experts * len(config.moe_layers)
+    stores, counters = offload_experts(hybrid, config.moe_layers, config.num_experts, ALWAYS_COPY)
+    sizes = []
+
+    def replan(i: int) -> None:
+        if i == 10:
+            resize_cache(stores, full // 2)
+        if i == 20:
+            resize_cache(stores, full)
+        sizes.append(sum(s.num_slots for s in stores))
+
+    assert paged_greedy(paged_runner(hybrid, config), _prompts(), STEPS, replan)[0] == reference
+    assert sizes[9] == full and sizes[10] == full // 2 and sizes[-1] == full
+    assert all(len(s.slot_of) <= s.num_slots for s in stores)
+
+
+def _store(num_experts=4, slots=2, costs=ALWAYS_COPY) -> OffloadedExperts:
+    gen = torch.Generator().manual_seed(0)
+    gu = torch.randn(num_experts, 6, 4, generator=gen)
+    dn = torch.randn(num_experts, 4, 3, generator=gen)
+    return OffloadedExperts(gu, dn, torch.device("cpu"), slots, ExpertCounters(), costs)
+
+
+def _route(store: OffloadedExperts, *experts: int) -> None:
+    ids = torch.tensor([[e] for e in experts])
+    store(torch.randn(len(experts), 4), torch.ones(len(experts), 1), ids)
+
+
+def test_lru_evicts_the_least_recently_used_expert():
+    store = _store()
+    _route(store, 0)
+    _route(store, 1)
+    _route(store, 0)  # 0 is now the most recent
+    _route(store, 2)  # evicts 1
+    assert set(store.slot_of) == {0, 2}
+    assert store.counters.evictions == 1
+    assert (store.counters.hits, store.counters.misses, store.counters.copies) == (1, 3, 3)
+    assert store.counters.hit_rate == pytest.approx(1 / 4)
+    # The cached slot holds that expert's weights.
+    assert torch.equal(store.slot_gate_up[store.slot_of[2]], store.host_gate_up[2])
+
+
+def test_shrinking_keeps_the_most_recent_experts_in_their_weights():
+    store = _store(slots=3)
+    for e in (0, 1, 2):
+        _route(store, e)
+    store.resize(1)
+    assert list(store.slot_of) == [2] and store.num_slots == 1
+    assert torch.equal(store.slot_down[store.slot_of[2]], store.host_down[2])
+    store.resize(4)
+    assert list(store.slot_of) == [2] and store.num_slots == 4
+    with pytest.raises(ValueError, match="not in 0..4"):
+        store.resize(5)
+
+
+def test_a_hot_expert_is_copied_in_once_its_reuse_pays_for_the_copy():
+    """A copy costs three CPU runs: a cold expert runs on the CPU; one routed to every
+    step is credited with the steps it would serve from the cache, and is copied in."""
+    store = _store(slots=4, costs=CostModel(copy_bytes_per_s=1.0, expert_bytes=3, cpu_s_base=1.0, cpu_s_per_token=0.0))
+    _route(store, 0)
+    assert store.counters.cpu_runs == 1 and not store.slot_of
+    for _ in range(30):
+        _route(store, 0)
+    assert 0 in store.slot_of and store.counters.copies == 1 and store.counters.hits > 0
+
+
+def test_cost_model_copies_when_a_copy_beats_the_cpu_run():
+    costs = CostModel(copy_bytes_per_s=100.0, expert_bytes=100, cpu_s_base=0.2, cpu_s_per_token=0.1)
+    assert costs.copy_s() == 1.0
+    assert not costs.prefers_copy(1) and costs.prefers_copy(8)
+    measured = measure_costs(torch.randn(2, 64, 32), torch.randn(2, 32, 32), torch.device("cpu"), repeats=1)
+    assert measured.expert_bytes == (64 * 32 + 32 * 32) * 4
+    assert measured.copy_bytes_per_s > 0 and measured.cpu_s(16) >= measured.cpu_s(1) >= 0
+
+
+def test_a_dense_layer_cannot_be_offloaded(tiny):
+    model, config = tiny
+    dense = [i for i in range(config.num_layers) if i not in config.moe_layers]
+    if not dense:
+        pytest.skip("every layer is sparse")
+    with pytest.raises(ValueError, match="no routed experts"):
+        offload_experts(copy.deepcopy(model), (dense[0],), 2, ALWAYS_COPY)
+
+
+def test_the_engine_loads_a_hybrid_plan_and_decodes_the_same_ids(tiny, tmp_path_factory, make_tiny_hf_model):
+    """--cpu-experts 1 on a simulated 8 GiB card: the last MoE layer's experts go to the
+    host tier behind the plan's expert cache, and greedy ids equal --cpu-experts none,
+    with the cache halved by a live replan mid-stream."""
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    from engine.messages import GenerateRequest, SamplingParams
+
+    _, config = tiny
+    kind = "mixtral" if config.architecture == "MixtralForCausalLM" else "qwen3_moe"
+    path = tmp_path_factory.mktemp(kind + "-engine")
+    make_tiny_hf_model(kind, path, vocab_size=VOCAB)
+
+    def greedy(cpu_experts: str, halve_at: int | None = None):
+        engine = Engine(EngineConfig(model=str(path), device="cpu", dtype="float32", device_total=8 << 30,
+                                     cpu_experts=cpu_experts, max_running_requests=4))
+        sp = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+        for name, ids in _prompts().items():
+            engine.add_request(GenerateRequest(request_id=name, prompt_token_ids=ids, sampling=sp))
+        out = {name: [] for name in _prompts()}
+        steps = 0
+        while engine.has_work():
+            steps += 1
+            if steps == halve_at:  # a live replan mid-stream, between steps
+                slots = engine.stats().expert_cache_slots
+                assert engine.resize_expert_cache(slots // 2) == (slots - slots // 2) * engine.expert_stores[0].slot_bytes
+            for o in engine.step():
+                out[o.request_id].extend(o.token_ids)
+        return engine, out
+
+    hybrid, got = greedy("1", halve_at=6)
+    whole, ref = greedy("none")
+    assert got == ref
+    assert hybrid.plan.cpu_expert_layers == 1 and len(hybrid.expert_stores) == 1
+    assert hybrid.plan.expert_cache_slots > 0
+    assert sum(s.num_slots for s in hybrid.expert_stores) == min(hybrid.plan.expert_cache_slots, config.num_experts) // 2
+    stats = hybrid.stats()
+    assert stats.expert_cache_hits + stats.expert_cache_misses > 0
+    assert stats.expert_cache_slots == sum(s.num_slots for s in hybrid.expert_stores)
+    assert stats.expert_cache_misses == stats.expert_copies + stats.expert_cpu_runs
+    assert whole.stats().expert_cache_slots == 0
+    with pytest.raises(ValueError, match="no routed experts live in host memory"):
+        whole.resize_expert_cache(4)
+    assert whole.plan.cpu_expert_layers == 0 and not whole.expert_stores

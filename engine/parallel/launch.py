@@ -80,8 +80,18 @@ def start_group(config: Any) -> Group:
                     daemon=True)
         for rank in range(1, world)
     ]
-    for p in followers:
-        p.start()
+    # The service starts its worker as a daemonic multiprocessing child, and
+    # multiprocessing refuses children of those (it could not reap them at exit). The
+    # ranks are reaped here (stop_group, end_followers) and killed with rank 0 by the
+    # parent-death signal, so the flag is lifted while they start.
+    config_of_this = multiprocessing.current_process()._config
+    daemon = config_of_this.pop("daemon", None)
+    try:
+        for p in followers:
+            p.start()
+    finally:
+        if daemon is not None:
+            config_of_this["daemon"] = daemon
     group = Group(tp=None, followers=followers)  # type: ignore[arg-type]
     threading.Thread(target=_watch, args=(group,), name="headroom-rank-watcher", daemon=True).start()
     import torch

@@ -76,10 +76,17 @@ class Engine(LiveReplan):
     Raises (constructor): the loader's ``ModelLoadError`` subclasses for a missing or
     broken model; :class:`PlanDoesNotFit` when the memory plan cannot hold one request
     of the minimum context (raised before the weights load where the sizes show it);
-    ``ValueError`` for a bad config value.
+    ``ValueError`` for a bad config value, a tensor-parallel size without ``tp`` or a
+    model it cannot split.
     """
 
     def __init__(self, config: EngineConfig, tp: TensorParallel | None = None) -> None:
+        if config.tensor_parallel_size > 1 and tp is None:
+            raise ValueError(
+                f"--tensor-parallel-size {config.tensor_parallel_size} runs the engine as a group of rank "
+                "processes: build it with engine.parallel.launch.parallel_engine (headroom serve does), "
+                "or use --tensor-parallel-size 1"
+            )
         self.config = config
         # A rank of a tensor-parallel group (engine.parallel): this engine holds its
         # shard; rank 0's schedules and broadcasts, the others follow.

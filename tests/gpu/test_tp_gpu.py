@@ -11,25 +11,15 @@ import dataclasses
 
 import pytest
 import torch
+from test_engine import run_all
 
 from engine.commands.model_shapes import SHAPES
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.messages import GenerateRequest, SamplingParams
+from engine.messages import SamplingParams
 from engine.parallel.launch import parallel_engine
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
-
-
-def _greedy(engine, prompts: list[list[int]], steps: int) -> dict[str, list[int]]:
-    sp = SamplingParams(max_new_tokens=steps, temperature=0.0, ignore_eos=True)
-    for i, ids in enumerate(prompts):
-        engine.add_request(GenerateRequest(request_id=str(i), prompt_token_ids=ids, sampling=sp))
-    out: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-    while engine.has_work():
-        for o in engine.step():
-            out[o.request_id].extend(o.token_ids)
-    return out
 
 
 def _save_qwen3_8b_four_layers(path) -> None:
@@ -52,10 +42,11 @@ def test_tp2_greedy_equals_tp1_on_qwen3_8b_shape(tmp_path):
     config = EngineConfig(model=str(tmp_path), device="cuda", dtype="float32", kv_cache=2 << 30,
                           max_model_len=4096)
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(10, 151000, (n,), generator=g).tolist() for n in (7, 33, 130)]
-    alone = _greedy(Engine(config), prompts, 32)
+    sp = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)
+    requests = {str(i): (torch.randint(10, 151000, (n,), generator=g).tolist(), sp) for i, n in enumerate((7, 33, 130))}
+    alone = run_all(Engine(config), requests)
     torch.cuda.empty_cache()
     with parallel_engine(dataclasses.replace(config, tensor_parallel_size=2)) as engine:
         assert engine.device == torch.device("cuda:0")
-        split = _greedy(engine, prompts, 32)
+        split = run_all(engine, requests)
     assert split == alone

@@ -5,6 +5,8 @@ The same code runs on NCCL with one GPU per rank (tests/gpu/test_tp_gpu.py)."""
 
 from __future__ import annotations
 
+import multiprocessing
+
 import pytest
 import torch
 from test_engine import GREEDY, run_all
@@ -80,3 +82,12 @@ def test_unsplittable_model_is_refused_with_the_fix():
                      max_position_embeddings=16)
     with pytest.raises(ValueError, match="tensor-parallel size that divides"):
         check_shardable(mc, 2)
+
+
+def test_unsplittable_model_fails_before_any_rank_starts(tmp_path, make_tiny_hf_model):
+    """Four heads cannot split three ways: the error comes at once, no rank is spawned."""
+    make_tiny_hf_model("llama", tmp_path)
+    config = EngineConfig(model=str(tmp_path), device="cpu", num_pages=16, tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="4 attention heads do not divide by 3"), parallel_engine(config):
+        pass
+    assert not multiprocessing.active_children()

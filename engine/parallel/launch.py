@@ -70,8 +70,14 @@ def start_group(config: Any) -> Group:
 
     ``config`` is an :class:`engine.config.EngineConfig`; the followers build their
     engines from it on their own device (``cuda:rank``, or the CPU).
+
+    Raises:
+        ValueError: fewer CUDA devices than ranks, or a model the group cannot split
+            (checked before any rank starts, so the worker reports it as a load error
+            instead of losing a rank); the loader's errors for a missing model.
     """
     world = config.tensor_parallel_size
+    _check_before_start(config)
     os.environ.update(NCCL_ENV)  # the spawned followers inherit it too
     store = os.path.join(tempfile.mkdtemp(prefix="headroom-tp-"), "store")
     ctx = multiprocessing.get_context("spawn")
@@ -99,6 +105,20 @@ def start_group(config: Any) -> Group:
     group.tp = init_group(0, world, torch.device(rank_device(config.device, 0)), store)
     log.info("tensor-parallel group of %d ranks formed (pids %s)", world, group.pids)
     return group
+
+
+def _check_before_start(config: Any) -> None:
+    import torch
+
+    from engine.loader.hf_config import load_model_config
+    from engine.loader.resolve import resolve_model
+    from engine.parallel.shard import check_shardable
+
+    world = config.tensor_parallel_size
+    if rank_device(config.device, 0) != "cpu" and torch.cuda.device_count() < world:
+        raise ValueError(f"--tensor-parallel-size {world} needs {world} CUDA devices, this machine has "
+                         f"{torch.cuda.device_count()}; use --tensor-parallel-size {max(torch.cuda.device_count(), 1)}")
+    check_shardable(load_model_config(resolve_model(config.model)), world)
 
 
 def rank_config(config: Any, rank: int) -> Any:

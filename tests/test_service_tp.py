@@ -40,22 +40,42 @@ def _chat(server) -> dict:
     return r.json()
 
 
-def test_a_killed_rank_restarts_the_whole_group(start_server, tiny_qwen3):
-    server = start_server(["--model", tiny_qwen3, "--device", "cpu", "--tensor-parallel-size", "2"])
+def _group_restarts_after(server, leader: int, rank1: int) -> None:
+    """The old group ends whole, a new one serves, nothing of the old one lives on."""
+    wait_for(lambda: process_gone(leader), 120, "rank 0 to end with its group")
+    wait_for(lambda: (r := server.health()).status_code == 200 and r.json()["worker_pid"] not in (None, leader),
+             180, "the group to restart")
+    assert _chat(server)["choices"][0]["message"]["content"] is not None
+    assert process_gone(leader) and process_gone(rank1)
+    assert len(_ranks(server.worker_pid())) == 1
+
+
+def _serving_group(start_server, tiny_qwen3, *flags: str) -> tuple:
+    server = start_server(["--model", tiny_qwen3, "--device", "cpu", "--tensor-parallel-size", "2", *flags])
     _chat(server)
     leader = server.worker_pid()
     ranks = wait_for(lambda: _ranks(leader) or None, 30, "rank 1 as the worker's child")
     assert len(ranks) == 1
-    os.kill(ranks[0], signal.SIGKILL)
+    return server, leader, ranks[0]
 
-    wait_for(lambda: process_gone(leader), 60, "rank 0 to end with its group")
-    wait_for(lambda: (r := server.health()).status_code == 200 and r.json()["worker_pid"] not in (None, leader),
-             180, "the group to restart")
-    assert _chat(server)["choices"][0]["message"]["content"] is not None
-    # Nothing of the old group lives on; the new group has its own rank 1.
-    assert process_gone(leader) and process_gone(ranks[0])
-    assert len(_ranks(server.worker_pid())) == 1
+
+def test_a_killed_rank_restarts_the_whole_group(start_server, tiny_qwen3):
+    server, leader, rank1 = _serving_group(start_server, tiny_qwen3)
+    os.kill(rank1, signal.SIGKILL)
+    _group_restarts_after(server, leader, rank1)
     assert "ending the tensor-parallel group" in server.log()
+
+
+def test_a_hung_rank_restarts_the_whole_group(start_server, tiny_qwen3):
+    """Rank 1 stopped (SIGSTOP): rank 0 waits in the step's collective, sends no
+    heartbeat, the watchdog ends it and the parent-death signal ends rank 1."""
+    server, leader, rank1 = _serving_group(start_server, tiny_qwen3, "--stall-timeout-s", "10")
+    os.kill(rank1, signal.SIGSTOP)
+    with server.client() as http:
+        r = http.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 4, "temperature": 0}, timeout=300)
+    assert r.status_code in (200, 503), r.text  # retried on the new group, or failed as for one worker
+    _group_restarts_after(server, leader, rank1)
+    assert "sent no heartbeat" in server.log()
 
 
 def test_a_live_shrink_reaches_both_ranks(start_server, tiny_qwen3, tmp_path):

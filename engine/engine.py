@@ -161,7 +161,10 @@ class Engine(LiveReplan):
         # the step-size buffers sit in the allocator's cache before any request arrives.
         self.attn = self._attention(self.pool)
         if self.plan is not None and self.device.type == "cuda":
-            measure_step_peak(self.model, self.attn, self.pool, self.knobs, mc.max_position_embeddings)
+            measure_step_peak(
+                self.model, self.attn, self.pool, self.knobs, mc.max_position_embeddings,
+                vocab_size=self.vocab_size,
+            )
         # Pages and prefix cache.
         self.allocator = PageAllocator(num_pages)
         # Live replans grow the pool back to the plan's size, or, when the plan lowered
@@ -286,7 +289,10 @@ class Engine(LiveReplan):
         # Where the context grows (logged): after the weights, the profile step, the capture.
         growth = [self._outside_allocator_growth()]
         try:
-            peak = measure_step_peak(self.model, self._attention(probe_pool), probe_pool, knobs, mc.max_position_embeddings)
+            peak = measure_step_peak(
+                self.model, self._attention(probe_pool), probe_pool, knobs, mc.max_position_embeddings,
+                vocab_size=self.vocab_size,
+            )
         except torch.OutOfMemoryError:
             # The step does not fit at all: charge everything that was free.
             peak = None

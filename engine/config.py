@@ -289,6 +289,12 @@ class EngineConfig:
         "their block format: saves VRAM (weights at about 37% of bfloat16's for Q4_K_M) but "
         "decode is slower until the kernels are tuned. Off: dequantized at load, as the CPU does.",
     )
+    tensor_parallel_size: int = option(
+        1,
+        "Split the model across this many GPUs of this machine (tensor parallel; one "
+        "rank process per GPU, NCCL; gloo with --device cpu). The heads must divide by it.",
+        checks=(at_least(1),),
+    )
     # Not options (tests and benchmarks set them).
     load_format: str = "auto"  # "dummy": random weights of the config's shapes (benchmarks)
     safety_margin_bytes: int | None = None

@@ -51,6 +51,9 @@ from engine.models.expert_cache import (
 )
 from engine.models.quant_linear import model_weight_bytes
 from engine.options import pick
+from engine.parallel.follow import lead
+from engine.parallel.group import TensorParallel
+from engine.parallel.shard import rank_config as shard_rank_config
 from engine.runner import ModelRunner
 from engine.sampling.grammar import GrammarCompiler, GrammarError
 from engine.sampling.sampler import SamplingState
@@ -82,11 +85,21 @@ class Engine(LiveReplan):
     Raises (constructor): the loader's ``ModelLoadError`` subclasses for a missing or
     broken model; :class:`PlanDoesNotFit` when the memory plan cannot hold one request
     of the minimum context (raised before the weights load where the sizes show it);
-    ``ValueError`` for a bad config value.
+    ``ValueError`` for a bad config value, a tensor-parallel size without ``tp`` or a
+    model it cannot split.
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, tp: TensorParallel | None = None) -> None:
+        if config.tensor_parallel_size > 1 and tp is None:
+            raise ValueError(
+                f"--tensor-parallel-size {config.tensor_parallel_size} runs the engine as a group of rank "
+                "processes: build it with engine.parallel.launch.parallel_engine (headroom serve does), "
+                "or use --tensor-parallel-size 1"
+            )
         self.config = config
+        # A rank of a tensor-parallel group (engine.parallel): this engine holds its
+        # shard; rank 0's schedules and broadcasts, the others follow.
+        self.tp = tp
         # Device and dtype.
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
@@ -104,6 +117,11 @@ class Engine(LiveReplan):
         # Requests waiting for their grammar's compile: (request, future, deadline).
         self._compiling: list[tuple[Request, futures.Future, float]] = []
         mc: ModelConfig = load_model_config(self.model_dir)
+        # Token ids are checked and sampled over the whole vocabulary; every size below
+        # (plan, pool, attention) is this rank's shard's.
+        self.vocab_size = mc.vocab_size
+        if tp is not None:
+            mc = shard_rank_config(mc, tp)
         self.model_config = mc
         # A GGUF asked to keep its projections in block format (--gguf-quantized, on
         # CUDA): planned and loaded so; otherwise dequantized at load and priced dense.
@@ -152,7 +170,7 @@ class Engine(LiveReplan):
                      host_layers, len(mc.moe_layers), self.plan.expert_cache_slots)
         else:
             self.model, _ = load_model(self.model_dir, self.device, self.dtype, load_format=config.load_format,
-                                       quantized_gguf=self.quantized_gguf, quantization=self.quantization)
+                                       quantized_gguf=self.quantized_gguf, quantization=self.quantization, tp=tp)
         # Profile run on a GPU: the measured step peak and the CUDA context replace the
         # estimates, and the plan is made again.
         if self.device_memory is not None and self.device.type == "cuda":
@@ -162,6 +180,9 @@ class Engine(LiveReplan):
             log.warning("%s; it grows back with the KV pool when memory frees up", self.plan.context_note)
         # KV pool.
         num_pages = self._num_pages(mc)
+        if tp is not None:
+            # Every rank holds the same page ids: the group's pool is the tightest rank's.
+            num_pages = tp.min_int(num_pages)
         self.pool = KVPool(
             num_layers=mc.num_kv_layers,
             num_pages=num_pages,
@@ -176,7 +197,10 @@ class Engine(LiveReplan):
         # the step-size buffers sit in the allocator's cache before any request arrives.
         self.attn = self._attention(self.pool)
         if self.plan is not None and self.device.type == "cuda":
-            measure_step_peak(self.model, self.attn, self.pool, self.knobs, mc.max_position_embeddings)
+            measure_step_peak(
+                self.model, self.attn, self.pool, self.knobs, mc.max_position_embeddings,
+                vocab_size=self.vocab_size,
+            )
         # Pages and prefix cache.
         self.allocator = PageAllocator(num_pages)
         # Live replans grow the pool back to the plan's size, or, when the plan lowered
@@ -210,12 +234,14 @@ class Engine(LiveReplan):
         if self._use_cuda_graphs:
             self.cuda_graph_bytes = self.runner.enable_cuda_graphs(
                 max_batch=self._cuda_graph_max_batch, max_context_tokens=model_ctx)
+        if tp is not None and tp.is_leader:
+            lead(self, tp)
         self._arrivals = itertools.count()
         self.info = EngineInfo(
             model_name=model_display_name(self.model_dir),
             model_dir=str(self.model_dir),
             architecture=mc.architecture,
-            vocab_size=mc.vocab_size,
+            vocab_size=self.vocab_size,
             max_context_tokens=max_context_tokens,
             model_context_tokens=model_ctx,
             eos_token_ids=list(mc.eos_token_ids),
@@ -257,9 +283,10 @@ class Engine(LiveReplan):
         metadata on the host per step)."""
         # Not for hybrid linear-attention models yet (their state slots are read on the
         # host), nor where a layer's experts live in host memory (the routed ids are read
-        # back each step).
+        # back each step), nor under tensor parallelism (a replayed graph would skip rank
+        # 0's step broadcast).
         return (self.config.cuda_graphs and self.device.type == "cuda" and self._cuda_graph_max_batch >= 1
-                and not self.model_config.is_hybrid and not self.expert_stores
+                and not self.model_config.is_hybrid and not self.expert_stores and self.tp is None
                 and backend_class(self.attention_backend).supports_cuda_graphs)
 
     @property
@@ -311,7 +338,10 @@ class Engine(LiveReplan):
         # Where the context grows (logged): after the weights, the profile step, the capture.
         growth = [self._outside_allocator_growth()]
         try:
-            peak = measure_step_peak(self.model, self._attention(probe_pool), probe_pool, knobs, mc.max_position_embeddings)
+            peak = measure_step_peak(
+                self.model, self._attention(probe_pool), probe_pool, knobs, mc.max_position_embeddings,
+                vocab_size=self.vocab_size,
+            )
         except torch.OutOfMemoryError:
             # The step does not fit at all: charge everything that was free.
             peak = None
@@ -414,7 +444,7 @@ class Engine(LiveReplan):
             raise RequestRejected("max_new_tokens must be >= 1", code="invalid_request", param="max_tokens")
         if req.request_id in self.scheduler.requests:
             raise RequestRejected(f"request id {req.request_id!r} is already running", code="invalid_request")
-        vocab = self.model_config.vocab_size
+        vocab = self.vocab_size
         if min(req.prompt_token_ids) < 0 or max(req.prompt_token_ids) >= vocab:
             raise RequestRejected(f"prompt token ids must lie in [0, {vocab})", code="invalid_request", param="prompt")
         try:
@@ -477,7 +507,7 @@ class Engine(LiveReplan):
         """The JSON-schema compiler, made on the first structured-output request."""
         if self._grammar_compiler is None:
             self._grammar_compiler = GrammarCompiler(
-                self.model_dir, self.model_config.vocab_size, list(self.model_config.eos_token_ids)
+                self.model_dir, self.vocab_size, list(self.model_config.eos_token_ids)
             )
         return self._grammar_compiler
 

@@ -8,6 +8,11 @@ service's replan commands (:class:`engine.ipc.ResizePool` and the others) arrive
 same pipe and are carried out there, between two steps: the engine is never resized
 mid-step.
 
+With ``--tensor-parallel-size N`` this process is rank 0 of a group of N
+(:mod:`engine.parallel.launch`): it spawns the other ranks as its children and the
+service still sees one worker; a lost rank ends the group (exit code 5) and the
+supervisor restarts it as after any worker death.
+
 The worker dies with its parent three ways, so no orphan keeps holding the GPU:
 Linux's parent-death signal (SIGKILL, set with ``prctl``), the pipe closing (EOF on
 the next read), and a re-parenting check (the parent pid changed).
@@ -111,6 +116,11 @@ def worker_main(conn: Connection, config: WorkerConfig, log_conn: Connection | N
             conn, WorkerError(message=str(exc), kind=type(exc).__name__, during_load=False)
         )
         raise
+    group = getattr(engine, "tp_group", None)
+    if group is not None:
+        from engine.parallel.launch import stop_group
+
+        stop_group(group)
     sys.exit(code)
 
 
@@ -300,7 +310,14 @@ def _make_engine(config: WorkerConfig) -> Any:
     worker, so torch is imported by this process only."""
     module_name, _, attr = config.engine_factory.partition(":")
     factory = getattr(importlib.import_module(module_name), attr or "Engine")
-    return factory(config.engine)
+    if config.engine.tensor_parallel_size == 1:
+        return factory(config.engine)
+    from engine.parallel.launch import rank_config, start_group
+
+    group = start_group(config.engine)
+    engine = factory(rank_config(config.engine, 0), tp=group.tp)
+    engine.tp_group = group
+    return engine
 
 
 def _redirect_output(log_conn: Connection) -> None:

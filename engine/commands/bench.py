@@ -184,7 +184,7 @@ def run_bench_engine(
         roof = Roofline(engine.info.weight_bytes, kv_bytes_per_token(engine.model_config, engine.kv_dtype),
                         copy_bandwidth(engine.device))
     g = torch.Generator().manual_seed(seed)
-    vocab = engine.model_config.vocab_size
+    vocab = engine.vocab_size
     chunk = engine.knobs.max_prefill_tokens
     cases = [(b, prompt_tokens, new_tokens) for b in batches]
     # The long prompt also decodes a few tokens: decode speed at a long context.
@@ -284,7 +284,7 @@ def profile_decode(engine: Engine, batch: int = 1, replays: int = 10, top: int =
         print("profile: needs CUDA graphs (a CUDA device, a backend that captures)")
         return
     sp = SamplingParams(max_new_tokens=10_000, temperature=0.0, ignore_eos=True)
-    vocab = engine.model_config.vocab_size
+    vocab = engine.vocab_size
     for i in range(batch):
         ids = [(10 + 31 * i + j) % vocab for j in range(128)]
         engine.add_request(GenerateRequest(request_id=f"profile-{i}", prompt_token_ids=ids, sampling=sp))

@@ -55,7 +55,7 @@ def worst_step_workload(engine: Engine) -> None:
     # token budget shared with the decode rows.
     prefill_steps = -(-b * per_req // max(chunk - b, 1))
     long_new = prefill_steps + 16
-    vocab = engine.model_config.vocab_size
+    vocab = engine.vocab_size
     g = torch.Generator().manual_seed(0)
     sp = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)
     sp_long = SamplingParams(max_new_tokens=long_new, temperature=0.0, ignore_eos=True)

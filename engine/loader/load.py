@@ -15,6 +15,8 @@ from engine.loader.weights import iter_weights
 from engine.models.decoder import CausalLM
 from engine.models.fp8_linear import FP8_MAX, FP8_WEIGHT_DTYPE, swap_projections
 from engine.models.registry import get_model_class
+from engine.parallel.group import TensorParallel
+from engine.parallel.shard import rank_config, shard_weights
 from engine.units import fmt_bytes
 
 
@@ -26,6 +28,7 @@ def load_model(
     load_format: str = "auto",
     quantized_gguf: str | Path | None = None,
     quantization: str | None = None,
+    tp: TensorParallel | None = None,
 ) -> tuple[CausalLM, ModelConfig]:
     """Load a Hugging Face model folder onto ``device`` in ``dtype``.
 
@@ -46,8 +49,13 @@ def load_model(
     random values (norms with ones): a model of real shape for memory and speed
     measurements, from a folder that holds only ``config.json``.
 
+    With ``tp`` (a rank of a tensor-parallel group) the model is built at this rank's
+    shard shapes and holds its slice of the weights (:mod:`engine.parallel.shard`); the
+    returned config is still the whole model's.
+
     Raises:
-        ValueError: an unknown ``load_format``.
+        ValueError: an unknown ``load_format``; a model ``tp`` cannot split, or ``tp``
+            with ``quantized_gguf``.
         ModelNotFound, UnsupportedArchitecture, ConfigFieldMissing, UnsupportedConfig:
             from reading ``config.json``.
         CorruptWeights: a safetensors file is truncated or unreadable.
@@ -57,12 +65,18 @@ def load_model(
     model_dir = Path(model_dir)
     config = load_model_config(model_dir)
     if quantized_gguf is not None and load_format == "auto":
+        if tp is not None:
+            raise ValueError("GGUF block weights are not split across ranks; use --tensor-parallel-size 1 "
+                             "or let the GGUF load dequantized")
         from engine.loader.gguf_quant import load_gguf_quantized
 
         return load_gguf_quantized(config, quantized_gguf, device, dtype), config
-    model = _build_on_meta(config, dtype, quantization)
+    shapes = config if tp is None else rank_config(config, tp)
+    model = _build_on_meta(shapes, dtype, quantization)
     model.to_empty(device=device)
     model.init_rope_cache()
+    if tp is not None:
+        model.use_parallel(tp, config.vocab_size)
     if load_format == "dummy":
         _fill_dummy(model)
         return model.eval(), config
@@ -70,6 +84,7 @@ def load_model(
         raise ValueError(f"unknown load_format {load_format!r}; use 'auto' or 'dummy'")
     try:
         weights = iter_weights(model_dir)
+        weights = weights if tp is None else shard_weights(weights, config, tp)
         model.load_weights(fp8_weights(weights) if quantization == "fp8" else weights)
     except WeightMismatch as e:
         raise WeightMismatch(f"{model_dir}: {e}") from None

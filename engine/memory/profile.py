@@ -61,14 +61,21 @@ class StepPeak:
 
 @torch.inference_mode()
 def measure_step_peak(
-    model: torch.nn.Module, attn: AttentionBackend, pool: KVPool, knobs: PlanKnobs, max_position_embeddings: int
+    model: torch.nn.Module,
+    attn: AttentionBackend,
+    pool: KVPool,
+    knobs: PlanKnobs,
+    max_position_embeddings: int,
+    vocab_size: int | None = None,
 ) -> StepPeak:
     """Run one worst-case step over ``pool`` and measure it (CUDA only).
 
     Each part is the larger of the allocator's peak allocated and peak reserved growth,
     so rounding into fresh segments is charged too. The blocks stay cached afterwards:
     run over the real pool, this is the warm-up that leaves the step-size buffers
-    allocated once.
+    allocated once. ``vocab_size`` is the logits' width (the whole vocabulary; under
+    tensor parallelism the model's own config holds its rank's shard); default: the
+    model config's.
 
     Raises:
         torch.OutOfMemoryError: the step itself does not fit on the device.
@@ -81,7 +88,7 @@ def measure_step_peak(
     tokens = min(knobs.max_prefill_tokens, ctx)
     seqs = max(min(knobs.max_running_requests, tokens), 1)
     batch = profile_batch(tokens, seqs, ctx, pool.page_size, pool.num_pages, device)
-    vocab = model.config.vocab_size
+    vocab = vocab_size or model.config.vocab_size
     bound = None
     if model.config.is_hybrid:
         # The state pool is a ledger line of its own: made before the window opens, so

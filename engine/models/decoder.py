@@ -21,6 +21,10 @@ attention backend with ``kv_stored=True``), SiLU with the gate multiply, and, wi
 steps of a few tokens (matrix-vector kernels; the gate/up one applies SiLU-and-mul as it
 writes; :mod:`kernels.triton_gemv`). The forward
 reads no value back to the host, so a decode step can be captured in a CUDA graph.
+
+Under tensor parallelism (:mod:`engine.parallel`) each rank builds the decoder at its
+shard's shapes; :meth:`CausalLM.use_parallel` adds the collectives: an all-reduce after
+o and down, the vocab-parallel embedding lookup, the LM head's logits gathered.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from engine.forward_batch import ForwardBatch
 from engine.loader.errors import WeightMismatch
 from engine.models.moe import SparseMoeBlock
 from engine.models.rope import build_cos_sin_cache
+from engine.parallel.group import TensorParallel
 from kernels.dispatch import (
     fused_add_rms_norm,
     gate_up_silu,
@@ -179,6 +184,9 @@ class DecoderLayer(nn.Module):
             if layer in config.moe_layers
             else MLP(config.hidden_size, config.intermediate_size)
         )
+        # Set by CausalLM.use_parallel: o and down are row-parallel, their partial
+        # products are summed over the ranks.
+        self.tp: TensorParallel | None = None
 
     def forward(
         self,
@@ -197,8 +205,13 @@ class DecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm.add_forward(h, residual)
         h = self.self_attn(x, batch, attn, cos_sin_cache)
+        if self.tp is not None:
+            h = self.tp.all_reduce(h)
         x, residual = self.post_attention_layernorm.add_forward(h, residual)
-        return self.mlp(x), residual
+        h = self.mlp(x)
+        if self.tp is not None:
+            h = self.tp.all_reduce(h)
+        return h, residual
 
 
 class DecoderModel(nn.Module):
@@ -239,6 +252,18 @@ class CausalLM(nn.Module):
         # Filled by init_rope_cache, not here: a None buffer is skipped by ``to(dtype)`` and
         # ``to_empty``, so the cache is never cast to the model dtype or allocated twice.
         self.register_buffer("cos_sin_cache", None, persistent=False)
+        # Tensor parallelism (use_parallel): this rank's group and the full vocabulary.
+        self.tp: TensorParallel | None = None
+        self.full_vocab_size = config.vocab_size
+
+    def use_parallel(self, tp: TensorParallel, full_vocab_size: int) -> None:
+        """Run as one rank of ``tp``: the model was built at the shard's shapes
+        (:func:`engine.parallel.shard.rank_config`) and holds this rank's weights;
+        ``forward`` then returns logits over all ``full_vocab_size`` tokens on every
+        rank."""
+        self.tp, self.full_vocab_size = tp, full_vocab_size
+        for layer in self.model.layers:
+            layer.tp = tp
 
     def init_rope_cache(self) -> None:
         """(Re)compute :attr:`cos_sin_cache` in float32 on the model's device."""
@@ -268,7 +293,10 @@ class CausalLM(nn.Module):
         if self.cos_sin_cache is None:
             self.init_rope_cache()
         attn.prepare(batch)
-        h = self.model.embed_tokens(batch.input_ids)  # [T, hidden]
+        if self.tp is None:
+            h = self.model.embed_tokens(batch.input_ids)  # [T, hidden]
+        else:
+            h = self.tp.embed(self.model.embed_tokens.weight, batch.input_ids, self.full_vocab_size)
         residual = None
         for layer in self.model.layers:
             h, residual = layer(h, residual, batch, attn, self.cos_sin_cache)
@@ -279,8 +307,12 @@ class CausalLM(nn.Module):
         else:
             h, _ = self.model.norm.add_forward(h[rows], residual[rows])  # [B, hidden]
         if self.lm_head is None:
-            return F.linear(h, self.model.embed_tokens.weight).float()
-        return self.lm_head(h).float()  # an nn.Linear, or GGUF blocks (QuantLinear)
+            logits = F.linear(h, self.model.embed_tokens.weight).float()
+        else:
+            logits = self.lm_head(h).float()  # an nn.Linear, or GGUF blocks (QuantLinear)
+        if self.tp is not None:
+            logits = self.tp.gather_vocab(logits, self.full_vocab_size)
+        return logits
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -1,0 +1,71 @@
+"""Tensor parallel against one GPU, side by side: decode tokens/s at batch 1 and 64, and
+the prefill of one 8k-token prompt, for TP=1 and TP=N in one run (random weights of a
+real shape, ``load_format="dummy"``).
+
+    python -m engine.commands.bench_tp --shape qwen3-8b --tp 2
+
+Needs N CUDA devices; the TP=1 engine is freed before the group starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import tempfile
+
+import torch
+
+from engine.commands.bench import LONG_PREFILL_TOKENS, engine_speed
+from engine.commands.model_shapes import write_shape
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.parallel.launch import parallel_engine
+
+DECODE_BATCHES = (1, 64)
+
+
+def measure(engine: Engine, *, prompt_tokens: int, new_tokens: int, seed: int = 0) -> dict[str, float]:
+    """``{"decode b1", "decode b64", "prefill 8k"}`` tokens/s of ``engine`` (after one
+    warm-up run of each)."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = engine.vocab_size
+    row: dict[str, float] = {}
+    for batch in DECODE_BATCHES:
+        prompts = [torch.randint(10, vocab, (prompt_tokens,), generator=g).tolist() for _ in range(batch)]
+        engine_speed(engine, prompts, 4)  # warm-up
+        row[f"decode b{batch}"] = engine_speed(engine, prompts, new_tokens).decode_tok_s
+    long = [torch.randint(10, vocab, (LONG_PREFILL_TOKENS,), generator=g).tolist()]
+    engine_speed(engine, long, 2)
+    row["prefill 8k"] = engine_speed(engine, long, 2).prefill_tok_s
+    return row
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="qwen3-8b")
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    args = ap.parse_args(argv)
+    folder = tempfile.mkdtemp(prefix=f"headroom-bench-tp-{args.shape}-")
+    write_shape(args.shape, folder)
+    config = EngineConfig(model=folder, device=args.device, load_format="dummy", max_model_len=LONG_PREFILL_TOKENS + 256)
+    rows = {}
+    engine = Engine(config)
+    rows[1] = measure(engine, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens)
+    del engine
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    with parallel_engine(dataclasses.replace(config, tensor_parallel_size=args.tp)) as engine:
+        rows[args.tp] = measure(engine, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens)
+    names = list(rows[1])
+    print(f"{args.shape}, tokens/s   " + "  ".join(f"{n:>12}" for n in names))
+    for tp, row in rows.items():
+        print(f"TP={tp:<20}" + "  ".join(f"{row[n]:12.1f}" for n in names))
+
+
+if __name__ == "__main__":
+    main()

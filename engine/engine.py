@@ -40,6 +40,7 @@ from engine.messages import (
     GenerateRequest,
     TokenOutput,
 )
+from engine.models.cpu_quant_linear import pack_model_for_cpu
 from engine.models.quant_linear import model_weight_bytes
 from engine.options import pick
 from engine.runner import ModelRunner
@@ -94,10 +95,12 @@ class Engine(LiveReplan):
         self._compiling: list[tuple[Request, futures.Future, float]] = []
         mc: ModelConfig = load_model_config(self.model_dir)
         self.model_config = mc
-        # A GGUF asked to keep its projections in block format (--gguf-quantized, on
-        # CUDA): planned and loaded so; otherwise dequantized at load and priced dense.
+        # A GGUF asked to keep its projections in block format (--gguf-quantized; on the
+        # CPU its 4-bit blocks repacked into torch's int4 layout): planned and loaded so;
+        # otherwise dequantized at load and priced dense.
         self.quantized_gguf = quantized_gguf(config, self.device, mc)
-        self.weight_size = None if self.quantized_gguf is None else gguf_weight_size(self.quantized_gguf, mc, self.dtype)
+        self.weight_size = None if self.quantized_gguf is None else gguf_weight_size(
+            self.quantized_gguf, mc, self.dtype, self.device.type)
         # The attention backend's name (auto resolved) and whether decode steps run as
         # CUDA graphs; both decide workspaces the plan charges.
         self.attention_backend = resolve_backend_name(config.attention_backend, self.device.type)
@@ -119,6 +122,8 @@ class Engine(LiveReplan):
         # Weights.
         self.model, _ = load_model(self.model_dir, self.device, self.dtype, load_format=config.load_format,
                                    quantized_gguf=self.quantized_gguf)
+        if self.quantized_gguf is not None and self.device.type == "cpu":
+            pack_model_for_cpu(self.model, self.dtype)  # the block kernels are GPU kernels
         # Profile run on a GPU: the measured step peak and the CUDA context replace the
         # estimates, and the plan is made again.
         if self.device_memory is not None and self.device.type == "cuda":

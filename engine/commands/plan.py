@@ -66,7 +66,7 @@ def build_plan(config: EngineConfig) -> MemoryPlan:
     # Priced as the engine will load it: dense (dequantized) unless --gguf-quantized
     # keeps a GGUF's blocks on a CUDA device.
     gguf = quantized_gguf(config, device, mc)
-    weights = None if gguf is None else gguf_weight_size(gguf, mc, dtype)
+    weights = None if gguf is None else gguf_weight_size(gguf, mc, dtype, device.type)
     memory = device_memory(config, device)
     assert memory is not None
     plan, _ = fit_plan(estimated_planner(config, mc, device, dtype, memory, weights=weights), PlanKnobs.of(config))

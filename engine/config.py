@@ -282,12 +282,15 @@ class EngineConfig:
         checks=(at_least(1, "turn graphs off with --no-cuda-graphs"),),
     )
     # Off by default until the block kernels are tuned: measured on an H200, the first
-    # GEMV decoded an 8B Q4_K/Q6_K model at 52 tok/s against 216 from bfloat16 weights.
+    # GEMV decoded an 8B Q4_K/Q6_K model at 52 tok/s against 216 from bfloat16 weights;
+    # on a 2-core AVX2 CPU the default model decoded 3x slower through torch's int4 kernel.
     gguf_quantized: bool = option(
         False,
         "On CUDA, keep a GGUF's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K projections in "
         "their block format: saves VRAM (weights at about 37% of bfloat16's for Q4_K_M) but "
-        "decode is slower until the kernels are tuned. Off: dequantized at load, as the CPU does.",
+        "decode is slower until the kernels are tuned. On the CPU, repack Q4_0/Q4_1 projections "
+        "exactly into torch's int4 layout (weights at about 19% of float32's); fast only where "
+        "torch's int4 CPU kernel is (AVX-512), slower than float32 on AVX2. Off: dequantized at load.",
     )
     tensor_parallel_size: int = option(
         1,

@@ -43,6 +43,7 @@ from engine.messages import (
     GenerateRequest,
     TokenOutput,
 )
+from engine.models.cpu_quant_linear import pack_model_for_cpu
 from engine.models.expert_cache import (
     ExpertCounters,
     OffloadedExperts,
@@ -123,10 +124,12 @@ class Engine(LiveReplan):
         if tp is not None:
             mc = shard_rank_config(mc, tp)
         self.model_config = mc
-        # A GGUF asked to keep its projections in block format (--gguf-quantized, on
-        # CUDA): planned and loaded so; otherwise dequantized at load and priced dense.
+        # A GGUF asked to keep its projections in block format (--gguf-quantized; on the
+        # CPU its 4-bit blocks repacked into torch's int4 layout): planned and loaded so;
+        # otherwise dequantized at load and priced dense.
         self.quantized_gguf = quantized_gguf(config, self.device, mc)
-        self.weight_size = None if self.quantized_gguf is None else gguf_weight_size(self.quantized_gguf, mc, self.dtype)
+        self.weight_size = None if self.quantized_gguf is None else gguf_weight_size(
+            self.quantized_gguf, mc, self.dtype, self.device.type)
         # FP8 projections (--quantization fp8, or an FP8 checkpoint), priced at their bytes.
         self.quantization = None if self.quantized_gguf is not None else resolve_quantization(
             config.quantization, self.model_dir)
@@ -171,6 +174,8 @@ class Engine(LiveReplan):
         else:
             self.model, _ = load_model(self.model_dir, self.device, self.dtype, load_format=config.load_format,
                                        quantized_gguf=self.quantized_gguf, quantization=self.quantization, tp=tp)
+        if self.quantized_gguf is not None and self.device.type == "cpu":
+            pack_model_for_cpu(self.model, self.dtype)  # the block kernels are GPU kernels
         # Profile run on a GPU: the measured step peak and the CUDA context replace the
         # estimates, and the plan is made again.
         if self.device_memory is not None and self.device.type == "cuda":

@@ -113,10 +113,11 @@ def quantized_gguf(config: EngineConfig, device: torch.device, mc: ModelConfig |
     dequantized into the model dtype at load, the default).
 
     Blocks are kept only when asked for (``--gguf-quantized``), on a CUDA device (the
-    block kernels are GPU kernels), for a ``--model`` that is a GGUF file, and not for
-    a mixture of experts (``mc``), whose stacked experts have no block kernels yet.
+    block kernels) or the CPU (Q4_0/Q4_1 repacked into torch's int4 layout), for a
+    ``--model`` that is a GGUF file, and not for a mixture of experts (``mc``), whose
+    stacked experts have no block kernels yet.
     """
-    if not config.gguf_quantized or device.type != "cuda":
+    if not config.gguf_quantized or device.type not in ("cuda", "cpu"):
         return None
     if mc is not None and mc.is_moe:
         log.warning("--gguf-quantized does not cover mixture-of-experts models yet; dequantizing at load")

@@ -79,9 +79,9 @@ def test_default_model_from_its_q4_1_blocks(default_model_dir, paged_runner):
 
 
 def test_plan_charges_the_quantized_bytes_and_shows_the_mix(default_model_dir):
-    """--gguf-quantized on a CUDA device: the plan charges the blocks. By default (off),
-    and on a CPU even when asked (the block kernels are GPU kernels), it charges the
-    dequantized tensors the loader will place."""
+    """--gguf-quantized on a CUDA device: the plan charges the blocks; on a CPU, their
+    int4 repacking. By default (off) it charges the dequantized tensors the loader will
+    place."""
     gguf_path = str(default_gguf_path())
     card = dict(model=gguf_path, device="cuda", device_total=4 * GiB)
     plan = build_plan(EngineConfig(**card, gguf_quantized=True))
@@ -89,7 +89,7 @@ def test_plan_charges_the_quantized_bytes_and_shows_the_mix(default_model_dir):
     dense = build_plan(EngineConfig(**card))
     dense_weights = next(e for e in dense.ledger if e.name == "weights")
     on_cpu = build_plan(EngineConfig(model=gguf_path, device="cpu", device_total=4 * GiB, gguf_quantized=True))
-    assert next(e for e in on_cpu.ledger if e.name == "weights").source == "exact, from tensor shapes"
+    assert "210 int4 blocks" in next(e for e in on_cpu.ledger if e.name == "weights").source
     from engine.loader.hf_config import load_model_config
 
     size = gguf_weight_size(gguf_path, load_model_config(default_model_dir), torch.bfloat16)

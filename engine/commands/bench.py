@@ -156,7 +156,7 @@ def run_bench_engine(
     *, model: str | None, device: str, batches: tuple[int, ...], prompt_tokens: int, new_tokens: int, seed: int = 0,
     shape: str | None = None, attention_backend: str = "auto", cuda_graphs: bool = True,
     long_prefill_tokens: int = LONG_PREFILL_TOKENS, transformers_side: bool = True, profile: bool = False,
-    profile_batches: tuple[int, ...] = (1,),
+    profile_batches: tuple[int, ...] = (1,), gguf_quantized: bool = False,
 ) -> list[dict]:
     """Measure both sides at each batch size and on one long prompt; returns one row per
     (case, side) and prints a table. Each side runs once untimed first (warm-up).
@@ -169,13 +169,17 @@ def run_bench_engine(
         transformers_side: also run transformers' ``generate`` (the comparison).
         profile: afterwards, print where a decode step's time goes at each of
             ``profile_batches`` (:func:`profile_decode`).
+        gguf_quantized: the engine keeps a GGUF ``model``'s projections quantized
+            (``--gguf-quantized``).
+
+    The table ends with the process's peak resident memory (both sides in one process).
     """
     if shape is not None:
         model = _shape_folder(shape)
     engine = Engine(EngineConfig(
         model=model, device=device, load_format="dummy" if shape is not None else "auto",
         attention_backend=attention_backend, cuda_graphs=cuda_graphs,
-        max_running_requests=max(64, *batches),
+        max_running_requests=max(64, *batches), gguf_quantized=gguf_quantized,
     ))
     hf = _hf_model(engine, shape) if transformers_side else None
     on_cuda = engine.device.type == "cuda"
@@ -216,10 +220,19 @@ def run_bench_engine(
                          "prefill_tok_s": ours.prefill_tok_s / theirs.prefill_tok_s,
                          "decode_tok_s": ours.decode_tok_s / theirs.decode_tok_s})
     _print_table(engine, rows, prompt_tokens, new_tokens, roof)
+    print(f"peak RSS {peak_rss_bytes() / 2**20:.0f} MiB (this process: both sides)")
     if profile and on_cuda:
         for b in profile_batches:
             profile_decode(engine, batch=b)
     return rows
+
+
+def peak_rss_bytes() -> int:
+    """The process's peak resident set size in bytes (``getrusage``'s ``ru_maxrss``, in
+    KiB on Linux)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _warm(side: str, engine: Engine, hf, prompts: list[list[int]], new_tokens: int) -> None:

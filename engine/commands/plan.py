@@ -68,7 +68,7 @@ def build_plan(config: EngineConfig) -> MemoryPlan:
     # Priced as the engine will load it: dense (dequantized) unless --gguf-quantized
     # keeps a GGUF's blocks on a CUDA device.
     gguf = quantized_gguf(config, device, mc)
-    weights = None if gguf is None else gguf_weight_size(gguf, mc, dtype)
+    weights = None if gguf is None else gguf_weight_size(gguf, mc, dtype, device.type)
     if gguf is None and resolve_quantization(config.quantization, resolve_model(config.model)) == "fp8":
         weights = fp8_weight_size(mc, dtype)
     memory = device_memory(config, device)

@@ -33,6 +33,7 @@ from engine.loader.gguf_convert import (
     _open,
     reverse_llama_permute,
 )
+from engine.models.cpu_quant_linear import INT4_TYPES, int4_bytes
 from engine.models.quant_linear import PartSpec, QuantLinear
 from engine.units import MiB
 from kernels.quant.formats import FORMATS, tensor_bytes
@@ -85,9 +86,12 @@ def _hf_shape(tensor: Any) -> tuple[int, ...]:
     return tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims innermost first
 
 
-def gguf_weight_size(gguf_path: str | Path, config: ModelConfig, dtype: torch.dtype) -> WeightSize:
-    """What :func:`load_gguf_quantized` allocates for ``gguf_path``, from the file's
-    tensor table (no tensor data is read).
+def gguf_weight_size(gguf_path: str | Path, config: ModelConfig, dtype: torch.dtype,
+                     device_type: str = "cuda") -> WeightSize:
+    """What :func:`load_gguf_quantized` allocates for ``gguf_path`` on a ``device_type``
+    device, from the file's tensor table (no tensor data is read). On the CPU the Q4_0/Q4_1
+    projections take torch's int4 layout and other block types are dequantized
+    (:mod:`engine.models.cpu_quant_linear`).
 
     Raises:
         CorruptWeights: the file is not a readable GGUF.
@@ -103,7 +107,10 @@ def gguf_weight_size(gguf_path: str | Path, config: ModelConfig, dtype: torch.dt
         if t.name == _ROPE_FREQS:
             continue
         kept = _kept_quantized(t, projection_weights)
-        nbytes = tensor_bytes(kept or "dense", _hf_shape(t), itemsize)
+        if device_type == "cpu" and kept is not None:
+            kept = "int4" if kept in INT4_TYPES else None
+        shape = _hf_shape(t)
+        nbytes = int4_bytes(shape[0], shape[1], itemsize) if kept == "int4" else tensor_bytes(kept or "dense", shape, itemsize)
         if kept:
             quant_count[kept] += 1
             quant_bytes[kept] += nbytes

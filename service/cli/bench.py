@@ -235,6 +235,13 @@ def _int_list(ctx: Any, param: Any, value: str) -> tuple[int, ...]:
     help="Also run transformers' generate, the comparison.",
 )
 @click.option(
+    "--gguf-quantized/--no-gguf-quantized",
+    default=False,
+    show_default=True,
+    help="Engine side: keep a GGUF's 4-bit projections quantized (block kernels on CUDA, "
+    "torch's int4 layout on the CPU) instead of dequantizing them at load.",
+)
+@click.option(
     "--profile",
     is_flag=True,
     default=False,

@@ -97,6 +97,11 @@ export interface EngineStats {
   finished: number;
   aborted: number;
   failed: number;
+  expert_cache_hits: number;
+  expert_cache_misses: number;
+  expert_copies: number;
+  expert_cpu_runs: number;
+  expert_cache_slots: number;
 }
 
 /**
@@ -185,6 +190,9 @@ export interface MemoryPlan {
   context_note: string;
   kv_cache_dtype: string;
   kv_bytes_per_token: number;
+  cpu_expert_layers: number;
+  expert_cache_slots: number;
+  expert_slot_bytes: number;
 }
 
 /**
@@ -288,6 +296,7 @@ export interface Suggestion {
   current: string;
   proposed: string;
   saves_bytes: number;
+  price: string;
 }
 
 /**

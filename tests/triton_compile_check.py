@@ -82,9 +82,11 @@ def main() -> int:
         ("stride_vt", "i32"), ("stride_vh", "i32"), ("stride_cache", "i32"),
         ("HQ", "i32"), ("HK", "i32"), ("D", "i32"), ("eps", "fp32"),
     ]
-    for norm in (False, True):
-        ptx = _compile(triton_rotary._rotary_store_kernel, rotary_args,
-                       {"HAS_NORM": norm, "HALF": 64, "HALF_BLOCK": 64, "HQ_BLOCK": 32, "HK_BLOCK": 8})
+    fp8_cache = [(n, _p("fp8e4nv")) if n in ("k_cache_ptr", "v_cache_ptr") else (n, t) for n, t in rotary_args]
+    for norm, args, fp8_max in ((False, rotary_args, 0.0), (True, rotary_args, 0.0), (True, fp8_cache, 448.0)):
+        ptx = _compile(triton_rotary._rotary_store_kernel, args,
+                       {"HAS_NORM": norm, "HALF": 64, "HALF_BLOCK": 64, "HQ_BLOCK": 32, "HK_BLOCK": 8,
+                        "FP8_MAX": fp8_max})
         if "fma.rn.bf16" in ptx:
             print("rotary: the compiler fused bfloat16 products into FMAs (rounds unlike eager torch)")
             return 1

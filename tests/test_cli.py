@@ -203,3 +203,15 @@ def test_serve_plan_that_does_not_fit_exits_at_once_with_the_plan_message(defaul
     assert "restarting the worker" not in err  # a misfit is not retried
     assert "Traceback" not in err
     assert took_s < 60
+
+
+def test_plan_takes_the_kv_cache_dtype_and_fp8_flags_as_serve_does(default_model_dir):
+    """`headroom plan` has serve's --kv-cache-dtype and --quantization: FP8 halves the KV
+    bytes per token and prices the projections at one byte."""
+    base = ["plan", "--device", "cuda", "--device-total", "8GiB"]
+    auto = invoke(base)
+    fp8 = invoke([*base, "--kv-cache-dtype", "fp8", "--quantization", "fp8"])
+    assert auto.exit_code == 0, auto.output
+    assert fp8.exit_code == 0, fp8.output
+    assert "(float8_e4m3fn)" in fp8.stdout and "(float8_e4m3fn)" not in auto.stdout
+    assert "FP8" in fp8.stdout and "FP8" not in auto.stdout

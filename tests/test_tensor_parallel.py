@@ -80,7 +80,8 @@ def test_unsplittable_model_is_refused_with_the_fix():
     mc = ModelConfig(architecture="LlamaForCausalLM", vocab_size=10, hidden_size=8, intermediate_size=12,
                      num_layers=1, num_heads=3, num_kv_heads=1, head_dim=4, rms_norm_eps=1e-6,
                      max_position_embeddings=16)
-    with pytest.raises(ValueError, match="tensor-parallel size that divides"):
+    # Three heads and one KV head: no size above 1 splits it, so 1 is the fix named.
+    with pytest.raises(ValueError, match="do not divide by 2; .*use --tensor-parallel-size 1$"):
         check_shardable(mc, 2)
 
 
@@ -88,6 +89,9 @@ def test_unsplittable_model_fails_before_any_rank_starts(tmp_path, make_tiny_hf_
     """Four heads cannot split three ways: the error comes at once, no rank is spawned."""
     make_tiny_hf_model("llama", tmp_path)
     config = EngineConfig(model=str(tmp_path), device="cpu", num_pages=16, tensor_parallel_size=3)
-    with pytest.raises(ValueError, match="4 attention heads do not divide by 3"), parallel_engine(config):
+    with pytest.raises(ValueError, match="4 attention heads do not divide by 3") as refused, parallel_engine(config):
         pass
     assert not multiprocessing.active_children()
+    # The fix names the sizes that do split it (heads 4, KV heads 2 in the tiny config).
+    assert str(refused.value).endswith("use --tensor-parallel-size 2, or 1"), refused.value
+

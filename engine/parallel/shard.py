@@ -26,20 +26,23 @@ _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 
 def check_shardable(mc: ModelConfig, world: int) -> None:
     """Raise ``ValueError`` (naming the fix) when ``mc`` cannot be split ``world`` ways."""
-    problems = []
-    for what, n in (("attention heads", mc.num_heads), ("KV heads", mc.num_kv_heads),
-                    ("MLP width (intermediate_size)", mc.intermediate_size)):
-        if n % world:
-            problems.append(f"its {n} {what} do not divide by {world}")
+    sizes = (("attention heads", mc.num_heads), ("KV heads", mc.num_kv_heads),
+             ("MLP width (intermediate_size)", mc.intermediate_size))
+    problems = [f"its {n} {what} do not divide by {world}" for what, n in sizes if n % world]
+    unsplittable = mc.is_moe or mc.qk_norm_whole
     if mc.is_moe:
         problems.append("mixture-of-experts layers are not split across ranks yet")
     if mc.qk_norm_whole:
         problems.append("its norm over the whole query/key projection spans every head")
-    if problems:
-        raise ValueError(
-            f"--tensor-parallel-size {world} cannot split {mc.architecture}: " + "; ".join(problems)
-            + "; use a tensor-parallel size that divides the head counts, or 1"
-        )
+    if not problems:
+        return
+    divisors = [d for d in range(2, 9) if all(n % d == 0 for _, n in sizes)]
+    if unsplittable or not divisors:
+        fix = "use --tensor-parallel-size 1"
+    else:
+        fix = "use --tensor-parallel-size " + " or ".join(str(d) for d in divisors) + ", or 1"
+    raise ValueError(f"--tensor-parallel-size {world} cannot split {mc.architecture}: " + "; ".join(problems)
+                     + "; " + fix)
 
 
 def rank_config(mc: ModelConfig, tp: TensorParallel) -> ModelConfig:

@@ -12,6 +12,19 @@ def hf_logits(hf, ids: list[int]) -> torch.Tensor:
         return hf(torch.tensor([ids])).logits[0].float()
 
 
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    """transformers' ``n`` greedy ids after ``ids``, on the model's device."""
+    with torch.no_grad():
+        gen = model.generate(torch.tensor([ids], device=model.device), max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False, eos_token_id=None, pad_token_id=0)
+    return gen[0, len(ids):].tolist()
+
+
+def agreeing_prefix(ours: list[int], ref: list[int]) -> int:
+    """How many leading ids of two equally long greedy runs are equal."""
+    return next((j for j, (a, b) in enumerate(zip(ours, ref, strict=True)) if a != b), len(ours))
+
+
 def assert_close(ours: torch.Tensor, ref: torch.Tensor) -> None:
     tol = 1e-4 * max(1.0, float(ref.abs().max()))
     diff = float((ours - ref).abs().max())

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from model_checks import hf_greedy
 
 from engine.config import EngineConfig
 from engine.engine import Engine
@@ -40,14 +41,6 @@ def run_all(engine: Engine, requests: dict[str, tuple[list[int], SamplingParams]
                 done.add(o.request_id)
     assert done == set(requests)
     return out
-
-
-def hf_greedy(model, ids: list[int], n: int) -> list[int]:
-    with torch.no_grad():
-        gen = model.generate(
-            torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
-        )
-    return gen[0, len(ids) :].tolist()
 
 
 @pytest.fixture(scope="module")

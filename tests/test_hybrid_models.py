@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_checks import check_extend_and_decode, check_ragged_batch
-from test_engine import hf_greedy, run_all
+from model_checks import check_extend_and_decode, check_ragged_batch, hf_greedy
+from test_engine import run_all
 
 from engine.commands.model_shapes import write_shape
 from engine.config import EngineConfig

@@ -75,35 +75,44 @@ def estimate_activation_bytes(mc: ModelConfig, dtype: torch.dtype, knobs: PlanKn
     if mc.is_moe:
         mlp = max(mlp, moe_activation_bytes(mc, t, it))
     if mc.is_hybrid:
-        attn = max(attn, linear_attention_activation_bytes(mc, t, it))
+        attn = max(attn, linear_attention_activation_bytes(mc, t, it, b))
     logits = b * mc.vocab_size * 4
     return residual + max(attn, mlp) + logits
 
 
-def linear_attention_activation_bytes(mc: ModelConfig, t: int, it: int) -> int:
-    """Upper estimate of a Gated DeltaNet layer's transient peak for a prefill chunk of
-    ``t`` tokens, in bytes (:class:`engine.models.gated_deltanet.GatedDeltaNet`).
+def linear_attention_activation_bytes(mc: ModelConfig, t: int, it: int, seqs: int = 1) -> int:
+    """A Gated DeltaNet layer's transient peak for a prefill step of ``t`` tokens in
+    ``seqs`` sequences, in bytes (:class:`engine.models.gated_deltanet.GatedDeltaNet` on
+    flash-linear-attention's ``chunk_gated_delta_rule``).
 
-    Terms (``C = 2*Hk*Dk + Hv*Dv`` conv channels, ``Hv`` value heads, ``c = 64`` the
-    chunk of flash-linear-attention's ``chunk_gated_delta_rule``): the projections
-    ``t*(2*Hk*Dk + 2*Hv*Dv + 2*Hv)*it``; the conv input, its padded copy, output and
-    SiLU ``4*t*C*it``; q and k repeated to the value heads ``2*t*Hv*Dk*it``; the
-    float32 gates ``3*t*Hv*4``; inside the kernel, its float32 intra-chunk matrix
-    ``t*Hv*c*4``, the WY factors ``w``, ``u`` ``t*Hv*(Dk+Dv)*it``, the per-chunk states
-    ``ceil(t/c)*Hv*Dk*Dv*it`` and the output ``t*Hv*Dv*it``; then the gated norm
-    (float32 copy) ``t*Hv*Dv*(4+it)``. Source: the shapes in the module and in
-    ``fla/ops/gated_delta_rule/chunk.py``.
+    The larger of two phases' live sets. The conv phase: the projection's flat
+    ``q|k|v``, its copy after the conv state, the conv output and its SiLU
+    (``4*t*C*it``, ``C = 2*Hk*Dk + Hv*Dv``) beside the output gate ``z`` and ``b``,
+    ``a`` (``t*(Hv*Dv + 2*Hv)*it``). The recurrence phase, the peak for real shapes: the
+    layer holds ``z``, ``b``, ``a``, ``beta`` (``t*(Hv*Dv + 3*Hv)*it``), q and k repeated
+    to the value heads and a contiguous v (``t*Hv*(2*Dk + Dv)*it``) and the float32
+    gate ``g`` (``t*Hv*4``); inside the kernel, q and k L2-normalized (``2*t*Hv*Dk*it``)
+    with their float32 inverse norms and the gate's chunk-local cumsum (``3*t*Hv*4``),
+    the intra-chunk matrix ``A`` (``t*Hv*c*it``, ``c = 64`` tokens per chunk), the WY
+    factors ``w``, ``u`` (``t*Hv*(Dk + Dv)*it``), one state per chunk
+    (``(ceil(t/c) + seqs - 1)*Hv*Dk*Dv*it``), the corrected values and the output
+    (``2*t*Hv*Dv*it``); and per sequence the gathered initial and the final state in
+    float32 (``2*seqs*Hv*Dk*Dv*4``).
+
+    Source: the buffers the allocator saw live at the peak of one layer's forward with
+    fla-core 0.6.0 on an NVIDIA H200 (``torch.cuda.memory._record_memory_history``), at
+    Qwen3-Next-80B-A3B's dimensions; ``python -m engine.hybrid_bench`` compares the two.
     """
     hk, hv, dk, dv = mc.linear_num_key_heads, mc.linear_num_value_heads, mc.linear_key_head_dim, mc.linear_value_head_dim
-    c = 2 * hk * dk + hv * dv
-    chunk = 64
-    proj = t * (2 * hk * dk + 2 * hv * dv + 2 * hv) * it
-    conv = 4 * t * c * it
-    repeated = 2 * t * hv * dk * it
-    gates = 3 * t * hv * 4
-    kernel = t * hv * chunk * 4 + t * hv * (dk + dv) * it + -(-t // chunk) * hv * dk * dv * it + t * hv * dv * it
-    norm = t * hv * dv * (4 + it)
-    return proj + conv + repeated + gates + kernel + norm
+    c = 64
+    conv_channels = 2 * hk * dk + hv * dv
+    gate = t * (hv * dv + 2 * hv) * it
+    conv_phase = gate + 4 * t * conv_channels * it
+    held = gate + t * hv * it + t * hv * (2 * dk + dv) * it + t * hv * 4
+    chunks = -(-t // c) + seqs - 1
+    kernel = (2 * t * hv * dk * it + 3 * t * hv * 4 + t * hv * c * it + t * hv * (dk + dv) * it
+              + chunks * hv * dk * dv * it + 2 * t * hv * dv * it + 2 * seqs * hv * dk * dv * 4)
+    return max(conv_phase, held + kernel)
 
 
 # Rows per block of the fused MoE kernel's sort at prefill sizes (kernels.triton_moe).

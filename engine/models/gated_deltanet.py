@@ -151,13 +151,17 @@ class GatedDeltaNet(nn.Module):
             out, conv_pool[slot] = self._conv(mixed[at : at + n], history)
             rows.append(out)
             at += n
-        mixed = torch.cat(rows)
+        mixed = rows[0] if len(rows) == 1 else torch.cat(rows)
+        del rows
         t = x.shape[0]
         per = self.hv // self.hk
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(t, self.hk, self.dk).repeat_interleave(per, dim=1)
         k = k.reshape(t, self.hk, self.dk).repeat_interleave(per, dim=1)
-        v = v.reshape(t, self.hv, self.dv)
+        # A contiguous v of its own lets the conv output go before the recurrence, whose
+        # kernels hold the step's largest transient (the kernel would copy v anyway).
+        v = v.reshape(t, self.hv, self.dv).contiguous()
+        del mixed
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         if x.is_cuda and _fla() is not None:

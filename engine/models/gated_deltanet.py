@@ -137,6 +137,18 @@ class GatedDeltaNet(nn.Module):
         out = F.conv1d(seq[None], self.conv1d.weight, groups=self.conv_dim)[0]  # [C, T]
         return F.silu(out).t(), seq[:, -(self.kernel - 1):]
 
+    def _conv_batch(self, mixed: torch.Tensor, conv_pool: torch.Tensor, slots, lens, fresh) -> torch.Tensor:
+        """:meth:`_conv` over each sequence of a ragged batch, its conv state read from and
+        written back to ``conv_pool``; returns ``[T, C]``. A function of its own, so no
+        local keeps a sequence's conv output alive once the caller lets it go."""
+        rows, at = [], 0
+        for slot, n, new in zip(slots, lens, fresh, strict=True):
+            history = torch.zeros_like(conv_pool[slot]) if new else conv_pool[slot]
+            out, conv_pool[slot] = self._conv(mixed[at : at + n], history)
+            rows.append(out)
+            at += n
+        return rows[0] if len(rows) == 1 else torch.cat(rows)
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch, states) -> torch.Tensor:
         """``x [T, hidden]`` -> ``[T, hidden]``; reads and writes the step's sequences'
         states in ``states`` (an :class:`engine.kvcache.state_pool.StatePool`)."""
@@ -145,14 +157,7 @@ class GatedDeltaNet(nn.Module):
         slots = batch.state_slots.tolist()
         fresh = (batch.prefix_lens == 0).tolist()
         lens = batch.extend_lens.tolist()
-        rows, at = [], 0
-        for slot, n, new in zip(slots, lens, fresh, strict=True):
-            history = torch.zeros_like(conv_pool[slot]) if new else conv_pool[slot]
-            out, conv_pool[slot] = self._conv(mixed[at : at + n], history)
-            rows.append(out)
-            at += n
-        mixed = rows[0] if len(rows) == 1 else torch.cat(rows)
-        del rows
+        mixed = self._conv_batch(mixed, conv_pool, slots, lens, fresh)
         t = x.shape[0]
         per = self.hv // self.hk
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)

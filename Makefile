@@ -61,7 +61,7 @@ serve: install
 # way round); the target fails at the end if either failed, naming which.
 test: install-test ui-deps tray-deps
 	@py=0; js=0; \
-	$(BIN)/python -m pytest -q tests || py=$$?; \
+	$(BIN)/python -m pytest -q --durations=25 tests || py=$$?; \
 	(cd ui-bridge && npm test) || js=$$?; \
 	if [ $$py -ne 0 ] || [ $$js -ne 0 ]; then \
 		echo "make test: failed (pytest exit $$py, npm test exit $$js)"; exit 1; \

@@ -611,3 +611,27 @@ def test_expert_cache_resizes_become_replan_events_with_the_slots():
     assert shrink.before.num_pages == shrink.after.num_pages == 100, "the pool is untouched"
     assert by_hand.after.expert_cache_slots == 0
     assert pool.before.expert_cache_slots is None and pool.after.expert_cache_bytes is None
+
+
+def test_the_control_api_sizes_the_expert_cache_in_whole_slots_and_sets_the_ceiling():
+    from service.events.control import SupervisorControl
+
+    pool = msgspec.structs.replace(
+        pool_stats(201, min_pages=33, activation_bytes_per_token=0, max_context_tokens=2048),
+        expert_slots=48, planned_expert_slots=48, max_expert_slots=64, expert_slot_bytes=8 * MiB,
+    )
+    sup = FakeSupervisor(pool)
+    sup.check_ready = lambda: None  # type: ignore[attr-defined]
+    watcher = VramWatcher(sup, None, None, kind="simulated")  # type: ignore[arg-type]
+    control = SupervisorControl(sup, watcher)  # type: ignore[arg-type]
+    asyncio.run(control.set_expert_cache(100 * MiB))  # 12.5 slots: 12
+    kind, fields = sup.link.commands[-1]
+    assert kind == "ResizeExpertCache" and fields["num_slots"] == 12 and fields["origin"] == BY_CONTROL
+    assert watcher.expert_ceiling_slots == 12
+    asyncio.run(control.set_expert_cache(None))  # back to the plan, no ceiling
+    assert sup.link.commands[-1][1]["num_slots"] == 48 and watcher.expert_ceiling_slots is None
+    asyncio.run(control.set_expert_cache(10 << 30))  # more than every expert: all of them
+    assert sup.link.commands[-1][1]["num_slots"] == 64
+    sup.link.pool = msgspec.structs.replace(pool, max_expert_slots=0, expert_slot_bytes=0)
+    with pytest.raises(NotImplementedError, match="--cpu-experts"):
+        asyncio.run(control.set_expert_cache(MiB))

@@ -9,6 +9,7 @@ Service -> worker: :class:`engine.messages.GenerateRequest`,
 :class:`engine.messages.AbortRequest`, :class:`StatsRequest`, :class:`Shutdown`, and
 the live replan commands (when another process takes or frees device memory, or a
 person asks): :class:`SetPrefillChunk`, :class:`EvictPrefixCache`, :class:`ResizePool`,
+:class:`ResizeExpertCache`,
 each saying who asked (``origin``).
 
 Worker -> service: :class:`Ready` (once, after the model is loaded), :class:`Outputs`,
@@ -84,6 +85,18 @@ class ResizePool(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     origin: ReplanOrigin = BY_WATCHER
 
 
+class ResizeExpertCache(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+    """Resize the GPU expert cache in front of the routed experts in host memory to
+    ``num_slots`` slots over all such layers (``Engine.resize_expert_cache``: every
+    expert stays in host memory, so nothing that runs is lost; 0 leaves none on the
+    device)."""
+
+    seq: int
+    num_slots: int
+    reason: str = ""
+    origin: ReplanOrigin = BY_WATCHER
+
+
 class Ready(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     """The engine is loaded and accepts requests.
 
@@ -123,7 +136,13 @@ class PoolStats(msgspec.Struct, frozen=True, kw_only=True):
     ``activation_bytes_per_token`` the plan's activation peak per token of chunk (0:
     unknown). ``free_pages``/``cached_pages`` are held by nobody / only by the prefix
     cache. ``max_context_tokens`` is one request's limit now. ``fixed_bytes`` is
-    everything the plan charged besides the pool (0 without a plan).
+    everything the plan charged besides the pool (0 without a plan), the expert cache of
+    ``planned_expert_slots`` included.
+
+    The GPU expert cache (routed experts in host memory, ``--cpu-experts``; all 0
+    without one): ``expert_slots`` now, ``planned_expert_slots`` the plan's (the ceiling
+    to grow back to), ``max_expert_slots`` every offloaded expert cached, and
+    ``expert_slot_bytes`` one slot's device bytes as the plan counts them.
     """
 
     pages: int
@@ -139,6 +158,10 @@ class PoolStats(msgspec.Struct, frozen=True, kw_only=True):
     cached_pages: int
     max_context_tokens: int
     fixed_bytes: int = 0
+    expert_slots: int = 0
+    planned_expert_slots: int = 0
+    max_expert_slots: int = 0
+    expert_slot_bytes: int = 0
 
 
 class Heartbeat(msgspec.Struct, frozen=True, tag=True, kw_only=True):
@@ -216,8 +239,11 @@ class WorkerError(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     misfit: Misfit | None = None
 
 
-ReplanCommand = SetPrefillChunk | EvictPrefixCache | ResizePool
-ToWorker = GenerateRequest | AbortRequest | StatsRequest | Shutdown | SetPrefillChunk | EvictPrefixCache | ResizePool
+ReplanCommand = SetPrefillChunk | EvictPrefixCache | ResizePool | ResizeExpertCache
+ToWorker = (
+    GenerateRequest | AbortRequest | StatsRequest | Shutdown | SetPrefillChunk | EvictPrefixCache | ResizePool
+    | ResizeExpertCache
+)
 FromWorker = Ready | Outputs | Rejected | Heartbeat | EngineEvents | ControlDone | WorkerError
 
 _encoder = msgspec.msgpack.Encoder()

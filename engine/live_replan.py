@@ -29,6 +29,7 @@ from engine.messages import (
     BY_WATCHER,
     REPLAN_EVICT_PREFIX_CACHE,
     REPLAN_PREFILL_CHUNK,
+    REPLAN_RESIZE_EXPERT_CACHE,
     REPLAN_RESIZE_POOL,
     Replanned,
     ReplanOrigin,
@@ -59,28 +60,59 @@ class LiveReplan:
             context_tokens = self.plan.min_context_tokens if self.plan is not None else self.info.model_context_tokens
         return math.ceil(context_tokens / self.config.page_size) + 1
 
-    def resize_expert_cache(self, num_slots: int) -> int:
+    @property
+    def expert_cache_slots(self) -> int:
+        """Slots of the GPU expert cache now, over every layer whose routed experts live
+        in host memory (0 without such layers)."""
+        return sum(s.num_slots for s in getattr(self, "expert_stores", []))
+
+    @property
+    def expert_cache_bytes(self) -> int:
+        """Device bytes of the GPU expert cache now."""
+        return sum(s.num_slots * s.slot_bytes for s in getattr(self, "expert_stores", []))
+
+    @property
+    def max_expert_cache_slots(self) -> int:
+        """The most slots the expert cache can use: every offloaded expert cached."""
+        return sum(s.num_experts for s in getattr(self, "expert_stores", []))
+
+    def resize_expert_cache(
+        self, num_slots: int, *, reason: str = "", origin: ReplanOrigin = BY_WATCHER
+    ) -> int:
         """Resize the GPU expert cache of the layers whose routed experts live in host
         memory to ``num_slots`` slots in all (spread over the layers; capped by their
         experts), between steps: the cheapest memory to give back, as every expert stays
         in host memory and no request can fail for it (misses are copied in again or run
-        on the CPU). Returns the device bytes freed (negative when it grew).
+        on the CPU). Returns the device bytes freed (negative when it grew); a
+        ``Replanned`` event (``REPLAN_RESIZE_EXPERT_CACHE``) is queued when the size
+        changed.
 
         Raises:
             ValueError: ``num_slots`` < 0, or this engine has no experts in host memory.
+            torch.OutOfMemoryError: a grow did not fit; the layers resized before it
+                keep their new size, the rest their old (all consistent).
         """
         stores = getattr(self, "expert_stores", [])
         if not stores:
             raise ValueError("no routed experts live in host memory (--cpu-experts): there is no expert cache")
         if num_slots < 0:
             raise ValueError(f"num_slots {num_slots} must be >= 0")
-        before = sum(s.num_slots * s.slot_bytes for s in stores)
-        resize_cache(stores, num_slots)
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-        after = sum(s.num_slots * s.slot_bytes for s in stores)
-        log.info("expert cache resized to %d slots (%+.0f MiB)", sum(s.num_slots for s in stores),
-                 (after - before) / (1 << 20))
+        started = time.perf_counter()
+        before_slots, before = self.expert_cache_slots, self.expert_cache_bytes
+        try:
+            resize_cache(stores, num_slots)
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            after_slots, after = self.expert_cache_slots, self.expert_cache_bytes
+            if after_slots != before_slots:
+                ms = (time.perf_counter() - started) * 1000
+                log.info("expert cache %d -> %d slots (%.1f -> %.1f MiB) in %.1f ms%s", before_slots, after_slots,
+                         before / 2**20, after / 2**20, ms, f" ({reason})" if reason else "")
+                self._replanned(
+                    REPLAN_RESIZE_EXPERT_CACHE, reason, origin, self.pool.num_pages, self.pool.nbytes, ms,
+                    before_expert_slots=before_slots, before_expert_bytes=before,
+                )
         return before - after
 
     def resize_kv_pool(self, num_pages: int, *, reason: str = "", origin: ReplanOrigin = BY_WATCHER) -> ResizeResult:
@@ -224,7 +256,9 @@ class LiveReplan:
             action=action, reason=reason, origin=origin, before_pages=before_pages, after_pages=self.pool.num_pages,
             before_bytes=before_bytes, after_bytes=self.pool.nbytes, duration_ms=duration_ms,
             max_prefill_tokens=self.scheduler.max_prefill_tokens,
-            max_context_tokens=self.max_context_tokens, **extra,
+            max_context_tokens=self.max_context_tokens,
+            **{"before_expert_slots": self.expert_cache_slots, "before_expert_bytes": self.expert_cache_bytes, **extra},
+            after_expert_slots=self.expert_cache_slots, after_expert_bytes=self.expert_cache_bytes,
         ))
 
     def _context_limit(self, num_pages: int) -> int:

@@ -225,6 +225,7 @@ BY_CONTROL: ReplanOrigin = "control"
 REPLAN_RESIZE_POOL = "resize_pool"  # the KV pool was shrunk or grown
 REPLAN_PREFILL_CHUNK = "prefill_chunk"  # the engine-wide prefill chunk cap was set
 REPLAN_EVICT_PREFIX_CACHE = "evict_prefix_cache"  # unreferenced prefix-cache pages were freed
+REPLAN_RESIZE_EXPERT_CACHE = "resize_expert_cache"  # the GPU expert cache was shrunk or grown
 
 
 class ResizeResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -261,6 +262,11 @@ class Replanned(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     change; ``duration_ms`` how long the change took. For a resize, ``evicted_pages``,
     ``relocated_pages``, ``preempted`` and ``ended`` are as in :class:`ResizeResult`; for
     an eviction, ``evicted_pages`` is what was freed.
+
+    ``before_expert_slots`` / ``after_expert_slots`` and ``before_expert_bytes`` /
+    ``after_expert_bytes``: the GPU expert cache of the routed experts in host memory
+    (``--cpu-experts``), slots over all such layers and their device bytes; equal unless
+    it was resized (``REPLAN_RESIZE_EXPERT_CACHE``), all 0 without one.
     """
 
     action: str
@@ -277,6 +283,10 @@ class Replanned(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     relocated_pages: int = 0
     preempted: list[str] = msgspec.field(default_factory=list)
     ended: list[str] = msgspec.field(default_factory=list)
+    before_expert_slots: int = 0
+    after_expert_slots: int = 0
+    before_expert_bytes: int = 0
+    after_expert_bytes: int = 0
 
 
 EngineEvent = OomEvent | ReplanWanted | Replanned

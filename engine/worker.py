@@ -41,6 +41,7 @@ from engine.ipc import (
     PoolStats,
     Ready,
     Rejected,
+    ResizeExpertCache,
     ResizePool,
     SetPrefillChunk,
     Shutdown,
@@ -184,7 +185,7 @@ def _receive(conn: Connection, engine: Any, planned_pages: int) -> int | None:
             engine.abort(message.request_id)
         elif isinstance(message, StatsRequest):
             conn.send_bytes(encode(_heartbeat(engine, planned_pages, message.seq)))
-        elif isinstance(message, (SetPrefillChunk, EvictPrefixCache, ResizePool)):
+        elif isinstance(message, (SetPrefillChunk, EvictPrefixCache, ResizePool, ResizeExpertCache)):
             _replan(conn, engine, message, planned_pages)
         elif isinstance(message, Shutdown):
             return EXIT_OK
@@ -204,16 +205,25 @@ def pool_stats(engine: Any, stats: Any, planned_pages: int) -> PoolStats | None:
 
     On a planned engine, page and fixed sizes are the plan's (a simulated card counts
     bytes as the plan does, whatever the CPU pool really holds); otherwise the pool's.
+    The expert cache's figures are the plan's too (slot bytes, planned slots), its slots
+    now the engine's; all 0 without routed experts in host memory.
     """
     if not hasattr(engine, "resize_kv_pool"):
         return None
     plan = getattr(engine, "plan", None)
     page_bytes, fixed, per_token = engine.kv_page_bytes, 0, 0
+    stores = getattr(engine, "expert_stores", [])
+    max_slots = getattr(engine, "max_expert_cache_slots", 0)
+    slot_bytes = stores[0].slot_bytes if stores else 0
+    planned_slots = 0  # routed experts go to host memory only by a plan's choice
     if plan is not None and plan.num_pages > 0:
         page_bytes = max(plan.kv_pool_bytes // plan.num_pages, 1)
         fixed = plan.fixed_bytes
         peak = next((e.bytes for e in plan.ledger if e.name == "prefill activation peak"), 0)
         per_token = peak // max(plan.max_prefill_tokens, 1)
+        if stores:
+            planned_slots = min(plan.expert_cache_slots, max_slots)
+            slot_bytes = plan.expert_slot_bytes or slot_bytes
     return PoolStats(
         pages=engine.pool.num_pages,
         planned_pages=planned_pages,
@@ -228,6 +238,10 @@ def pool_stats(engine: Any, stats: Any, planned_pages: int) -> PoolStats | None:
         cached_pages=stats.cached_pages,
         max_context_tokens=engine.max_context_tokens,
         fixed_bytes=fixed,
+        expert_slots=getattr(engine, "expert_cache_slots", 0),
+        planned_expert_slots=planned_slots,
+        max_expert_slots=max_slots,
+        expert_slot_bytes=slot_bytes,
     )
 
 
@@ -248,6 +262,13 @@ def _replan(conn: Connection, engine: Any, command: Any, planned_pages: int) -> 
         elif isinstance(command, EvictPrefixCache):
             freed = engine.evict_prefix_cache(**why)
             text = f"{freed} prefix-cache pages freed"
+        elif isinstance(command, ResizeExpertCache):
+            if not hasattr(engine, "resize_expert_cache"):
+                raise ValueError("this engine has no expert cache to resize")
+            before = engine.expert_cache_slots
+            freed = engine.resize_expert_cache(command.num_slots, **why)
+            text = (f"expert cache {before} -> {engine.expert_cache_slots} slots "
+                    f"({'freed' if freed >= 0 else 'took'} {fmt_bytes(abs(freed))})")
         else:
             result = engine.resize_kv_pool(command.num_pages, **why)
             text = _describe_resize(result)

@@ -206,8 +206,9 @@ def _tiny_hf_config(kind: str, vocab_size: int, overrides: dict):
         return transformers.Qwen3Config(**common, head_dim=32, tie_word_embeddings=True)
     moe = dict(num_experts_per_tok=2, moe_intermediate_size=32)
     if kind == "qwen3_moe":  # 8 experts, renormalized top-2, layer 1 dense (mlp_only_layers)
-        return transformers.Qwen3MoeConfig(
-            **common, **moe, head_dim=32, num_experts=8, norm_topk_prob=True, mlp_only_layers=[1]
+        return transformers.Qwen3MoeConfig(  # overrides may size the experts too
+            **{**common, **moe, "head_dim": 32, "num_experts": 8, "norm_topk_prob": True, "mlp_only_layers": [1],
+               **overrides}
         )
     if kind == "qwen2_moe":  # shared expert; layer 0 dense (decoder_sparse_step 2); top-2 not renormalized
         return transformers.Qwen2MoeConfig(

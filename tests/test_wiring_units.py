@@ -26,6 +26,7 @@ from engine.messages import (
     BY_WATCHER,
     REPLAN_EVICT_PREFIX_CACHE,
     REPLAN_PREFILL_CHUNK,
+    REPLAN_RESIZE_EXPERT_CACHE,
     REPLAN_RESIZE_POOL,
     EngineInfo,
     EngineStats,
@@ -94,6 +95,7 @@ def test_replan_commands_and_answers_cross_the_pipe():
         ipc.EvictPrefixCache(seq=2, reason="r"),
         ipc.EvictPrefixCache(seq=3, origin=BY_CONTROL),
         ipc.ResizePool(seq=4, num_pages=50, reason="r"),
+        ipc.ResizeExpertCache(seq=5, num_slots=0, reason="r"),
     ):
         assert ipc.to_worker_decoder.decode(ipc.encode(command)) == command
     replanned = Replanned(
@@ -363,6 +365,8 @@ class FakeLink:
         assert self.pool is not None
         if kind is ipc.ResizePool:
             self.pool = msgspec.structs.replace(self.pool, pages=fields["num_pages"])
+        elif kind is ipc.ResizeExpertCache:
+            self.pool = msgspec.structs.replace(self.pool, expert_slots=fields["num_slots"])
         elif kind is ipc.SetPrefillChunk:
             self.pool = msgspec.structs.replace(self.pool, prefill_chunk=fields["tokens"])
         return ipc.ControlDone(seq=1, ok=True, message="ok", stats=STATS, pool=self.pool)
@@ -538,3 +542,96 @@ def test_planned_page_bytes_come_from_the_plan():
     assert pool.page_bytes == 512 * 1024  # the plan's, not the CPU pool's
     assert pool.fixed_bytes == GiB and pool.activation_bytes_per_token == 1000
     assert simulated_ours_bytes(pool) == GiB + 100 * 512 * 1024
+
+
+# -- the GPU expert cache in the replan -------------------------------------------------------
+
+
+def test_the_watcher_gives_the_expert_cache_back_before_the_pool_and_takes_it_again():
+    """A hybrid engine (48 expert slots of 8 MiB in its plan) on a simulated card:
+    another process takes 250 MiB; the chunk cap and the expert cache give it back (the
+    pool is untouched), and once it leaves the expert cache grows back to the plan. The
+    simulated card counts the slots given back."""
+    pool = msgspec.structs.replace(
+        pool_stats(2001, min_pages=129, activation_bytes_per_token=16 << 10, max_context_tokens=2048),
+        expert_slots=48, planned_expert_slots=48, max_expert_slots=64, expert_slot_bytes=8 * MiB,
+    )
+    assert simulated_ours_bytes(msgspec.structs.replace(pool, expert_slots=40)) == simulated_ours_bytes(pool) - 64 * MiB
+    sup = FakeSupervisor(pool)
+    now = [0.0]
+    total = 4 * GiB
+    margin = total - simulated_ours_bytes(pool)
+    source = SimulatedSource(
+        total,
+        [(0.0, margin - 200 * MiB), (2.0, margin + 50 * MiB), (6.0, margin - 200 * MiB)],
+        ours_bytes=lambda: simulated_ours_bytes(sup.link.pool),
+        clock=lambda: now[0],
+    )
+    watcher = VramWatcher(sup, None, source, kind="simulated", hold_s=1.0)  # type: ignore[arg-type]
+
+    async def play() -> list[int]:
+        slots = []
+        while now[0] < 10.0:
+            await watcher.step(source.sample())
+            slots.append(sup.link.pool.expert_slots)
+            now[0] += 0.25
+        return slots
+
+    slots = asyncio.run(play())
+    kinds = [k for k, _ in sup.link.commands]
+    assert "ResizePool" not in kinds, kinds
+    assert kinds.index("SetPrefillChunk") < kinds.index("ResizeExpertCache"), kinds
+    assert min(slots) < 48 and slots[-1] == 48, slots
+    assert sup.link.pool.pages == 2001 and sup.link.pool.prefill_chunk == 2048
+    shrink = next(f for k, f in sup.link.commands if k == "ResizeExpertCache")
+    assert shrink["origin"] == BY_WATCHER and "below the low water mark" in shrink["reason"]
+    # A size asked for through the control API caps the grow (never above every expert).
+    watcher.expert_ceiling_slots = 20
+    assert watcher.pool_state(sup.link.pool).planned_expert_slots == 20
+    watcher.expert_ceiling_slots = 500
+    assert watcher.pool_state(sup.link.pool).planned_expert_slots == 64
+
+
+def test_expert_cache_resizes_become_replan_events_with_the_slots():
+    svc, hub = services_with_hub()
+    sizes = dict(before_expert_slots=48, before_expert_bytes=48 * 8 * MiB)
+    svc.record_engine_event(replanned(REPLAN_RESIZE_EXPERT_CACHE, 101, 101, **sizes, after_expert_slots=10,
+                                      after_expert_bytes=80 * MiB))
+    svc.record_engine_event(replanned(REPLAN_RESIZE_EXPERT_CACHE, 101, 101, before_expert_slots=10,
+                                      before_expert_bytes=80 * MiB, after_expert_slots=48,
+                                      after_expert_bytes=48 * 8 * MiB))
+    svc.record_engine_event(replanned(REPLAN_RESIZE_EXPERT_CACHE, 101, 101, **sizes, after_expert_slots=0,
+                                      reason=f"{CONTROL_REASON}: expert cache 0 B", origin=BY_CONTROL))
+    svc.record_engine_event(replanned(REPLAN_RESIZE_POOL, 101, 51))  # an engine without host experts
+    shrink, grow, by_hand, pool = hub.snapshot().replans
+    assert [r.action for r in (shrink, grow, by_hand)] == ["shrink_expert_cache", "grow_expert_cache",
+                                                           "set_expert_cache"]
+    assert (shrink.before.expert_cache_slots, shrink.after.expert_cache_slots) == (48, 10)
+    assert (shrink.before.expert_cache_bytes, shrink.after.expert_cache_bytes) == (384 * MiB, 80 * MiB)
+    assert shrink.before.num_pages == shrink.after.num_pages == 100, "the pool is untouched"
+    assert by_hand.after.expert_cache_slots == 0
+    assert pool.before.expert_cache_slots is None and pool.after.expert_cache_bytes is None
+
+
+def test_the_control_api_sizes_the_expert_cache_in_whole_slots_and_sets_the_ceiling():
+    from service.events.control import SupervisorControl
+
+    pool = msgspec.structs.replace(
+        pool_stats(201, min_pages=33, activation_bytes_per_token=0, max_context_tokens=2048),
+        expert_slots=48, planned_expert_slots=48, max_expert_slots=64, expert_slot_bytes=8 * MiB,
+    )
+    sup = FakeSupervisor(pool)
+    sup.check_ready = lambda: None  # type: ignore[attr-defined]
+    watcher = VramWatcher(sup, None, None, kind="simulated")  # type: ignore[arg-type]
+    control = SupervisorControl(sup, watcher)  # type: ignore[arg-type]
+    asyncio.run(control.set_expert_cache(100 * MiB))  # 12.5 slots: 12
+    kind, fields = sup.link.commands[-1]
+    assert kind == "ResizeExpertCache" and fields["num_slots"] == 12 and fields["origin"] == BY_CONTROL
+    assert watcher.expert_ceiling_slots == 12
+    asyncio.run(control.set_expert_cache(None))  # back to the plan, no ceiling
+    assert sup.link.commands[-1][1]["num_slots"] == 48 and watcher.expert_ceiling_slots is None
+    asyncio.run(control.set_expert_cache(10 << 30))  # more than every expert: all of them
+    assert sup.link.commands[-1][1]["num_slots"] == 64
+    sup.link.pool = msgspec.structs.replace(pool, max_expert_slots=0, expert_slot_bytes=0)
+    with pytest.raises(NotImplementedError, match="--cpu-experts"):
+        asyncio.run(control.set_expert_cache(MiB))

@@ -5,8 +5,8 @@ router checks the token and the Origin and parses the bodies; this turns each ac
 into what the supervisor (and its VRAM watcher) does. A change of the KV pool or the
 prefix cache is a command to the worker
 (:meth:`service.supervision.link.WorkerLink.run_command`); the engine's
-``Replanned`` answer becomes a ``replan`` event named ``set_kv_cache`` or
-``clear_prefix_cache``.
+``Replanned`` answer becomes a ``replan`` event named ``set_kv_cache``,
+``set_expert_cache`` or ``clear_prefix_cache``.
 """
 
 from __future__ import annotations
@@ -130,6 +130,45 @@ class SupervisorControl:
                 self.watcher.kv_ceiling_pages = None if kv_cache_bytes is None else pages
                 done = await self._resize(pages, what)
         return self._answer(done)
+
+    async def set_expert_cache(self, expert_cache_bytes: int | None) -> str:
+        """Resize the GPU expert cache (routed experts in host memory, ``--cpu-experts``)
+        to ``expert_cache_bytes`` (whole slots, rounded down; at most every offloaded
+        expert; 0 empties it), live; None goes back to the plan's size. The size is also
+        the ceiling the watcher grows the cache back to until it is changed again.
+
+        Raises:
+            NotReady: no worker is ready (503).
+            NotImplementedError: every expert is on the device: no expert cache (501).
+            APIError: as :meth:`set_kv_cache`.
+        """
+        sup = self.supervisor
+        sup.check_ready()
+        pool = sup.link.pool
+        if pool is None or pool.max_expert_slots == 0 or pool.expert_slot_bytes <= 0:
+            raise NotImplementedError(
+                "this engine has no expert cache: every routed expert is on the device "
+                "(start with --cpu-experts to keep some in host memory)"
+            )
+        if expert_cache_bytes is None:
+            slots = pool.planned_expert_slots
+            what = f"the plan's size ({slots} slots)"
+        else:
+            slots = min(expert_cache_bytes // pool.expert_slot_bytes, pool.max_expert_slots)
+            what = f"{fmt_bytes(slots * pool.expert_slot_bytes)} ({slots} slots of {fmt_bytes(pool.expert_slot_bytes)})"
+        fields = {"num_slots": slots, "reason": f"{CONTROL_REASON}: expert cache {what}"}
+        if self.watcher is None:
+            done = await self._command(ipc.ResizeExpertCache, fields)
+        else:
+            async with self.watcher.lock:
+                self.watcher.expert_ceiling_slots = None if expert_cache_bytes is None else slots
+                done = await self._command(ipc.ResizeExpertCache, fields)
+        return self._answer(done)
+
+    async def _command(self, kind: type, fields: dict) -> ipc.ControlDone | None:
+        return await self.supervisor.link.run_command(
+            kind, origin=BY_CONTROL, timeout_s=self.command_timeout_s, **fields
+        )
 
     async def _resize(self, pages: int, what: str) -> ipc.ControlDone | None:
         return await self.supervisor.link.run_command(

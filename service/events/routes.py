@@ -15,9 +15,9 @@ Routes (under ``path``, default ``/api``):
   No body. 202.
 - ``POST /control/resume``: load the worker again after a pause. No body. 202.
 - ``POST /control/reserve``: ``{"reserve": "auto" | bytes | "1.5GiB"}``. 202.
-- ``POST /control/cache``: ``{"kv_cache": bytes | "6GiB" | null, "clear_prefix_cache":
-  bool}``; ``kv_cache`` null means "back to the plan's size"; at least one of the two.
-  202.
+- ``POST /control/cache``: ``{"kv_cache": bytes | "6GiB" | null, "expert_cache":
+  bytes | "1GiB" | null, "clear_prefix_cache": bool}``; a null size means "back to the
+  plan's size"; at least one of the three. 202.
 - ``WS /events``: see below.
 
 Every control route answers :class:`ControlResponse`, or the service's error shape
@@ -129,6 +129,10 @@ class ControlTarget(Protocol):
         """Evict every prefix-cache page no running request holds."""
         ...
 
+    def set_expert_cache(self, expert_cache_bytes: int | None) -> Awaitable[str | None] | str | None:
+        """Resize the GPU expert cache to ``expert_cache_bytes`` (None: the plan's size)."""
+        ...
+
 
 class ReserveRequest(msgspec.Struct, forbid_unknown_fields=True):
     """Body of ``POST /api/control/reserve``: ``reserve`` is ``"auto"``, a number of
@@ -140,9 +144,13 @@ class ReserveRequest(msgspec.Struct, forbid_unknown_fields=True):
 class CacheRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Body of ``POST /api/control/cache``. ``kv_cache``: the KV pool's size (bytes or
     text such as ``"6GiB"``; null: back to the plan's size; absent: unchanged).
-    ``clear_prefix_cache``: evict the prefix cache's unused pages (done first)."""
+    ``clear_prefix_cache``: evict the prefix cache's unused pages (done first).
+    ``expert_cache``: the GPU expert cache's size, for routed experts in host memory
+    (``--cpu-experts``; bytes or text, whole slots; null: the plan's size; absent:
+    unchanged); done before ``kv_cache``."""
 
     kv_cache: int | str | None | msgspec.UnsetType = msgspec.UNSET
+    expert_cache: int | str | None | msgspec.UnsetType = msgspec.UNSET
     clear_prefix_cache: bool = False
 
 
@@ -414,14 +422,17 @@ def events_router(
     @post("/control/cache", status_code=202, guards=guards)
     async def control_cache(request: Request[Any, Any, State]) -> ControlResponse:
         body = decode_body(await request.body(), CacheRequest)
-        if body.kv_cache is msgspec.UNSET and not body.clear_prefix_cache:
+        if body.kv_cache is msgspec.UNSET and body.expert_cache is msgspec.UNSET and not body.clear_prefix_cache:
             raise invalid(
-                "nothing to do: send 'kv_cache' (bytes, a size such as \"6GiB\", or null "
-                "for the plan's size) and/or 'clear_prefix_cache': true"
+                "nothing to do: send 'kv_cache' or 'expert_cache' (bytes, a size such as "
+                "\"6GiB\", or null for the plan's size) and/or 'clear_prefix_cache': true"
             )
         messages = []
         if body.clear_prefix_cache:
             messages.append(await _call(ctx.control.clear_prefix_cache))
+        if body.expert_cache is not msgspec.UNSET:
+            size = None if body.expert_cache is None else _parse_size_field(body.expert_cache, "expert_cache")
+            messages.append(await _call(ctx.control.set_expert_cache, size))
         if body.kv_cache is not msgspec.UNSET:
             size = None if body.kv_cache is None else _parse_size_field(body.kv_cache, "kv_cache")
             messages.append(await _call(ctx.control.set_kv_cache, size))

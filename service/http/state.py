@@ -19,6 +19,7 @@ from engine.messages import (
     OOM_FAILED,
     REPLAN_EVICT_PREFIX_CACHE,
     REPLAN_PREFILL_CHUNK,
+    REPLAN_RESIZE_EXPERT_CACHE,
     REPLAN_RESIZE_POOL,
     EngineEvent,
     EngineInfo,
@@ -205,6 +206,12 @@ class Services:
         elif event.action == REPLAN_EVICT_PREFIX_CACHE:
             action = "clear_prefix_cache" if by_control else "evict_prefix_cache"
             cached_after = None if cached is None else max(cached - event.evicted_pages, 0)
+        elif event.action == REPLAN_RESIZE_EXPERT_CACHE:
+            if by_control:
+                action = "set_expert_cache"
+            else:
+                action = "shrink_expert_cache" if event.after_expert_slots < event.before_expert_slots else "grow_expert_cache"
+            cached_after = cached
         else:
             action = event.action
         before = PlanPoint(
@@ -212,12 +219,14 @@ class Services:
             num_pages=max(event.before_pages - 1, 0),
             max_prefill_tokens=chunk_before,
             prefix_cache_pages=cached,
+            **_expert_cache(event.before_expert_slots, event.before_expert_bytes, event),
         )
         after = PlanPoint(
             kv_pool_bytes=event.after_bytes,
             num_pages=max(event.after_pages - 1, 0),
             max_prefill_tokens=event.max_prefill_tokens,
             prefix_cache_pages=cached_after,
+            **_expert_cache(event.after_expert_slots, event.after_expert_bytes, event),
         )
         details = []
         if event.evicted_pages and event.action != REPLAN_EVICT_PREFIX_CACHE:
@@ -280,3 +289,11 @@ class Services:
             )
             if old is not None:
                 old.close()
+
+
+def _expert_cache(slots: int, nbytes: int, event: Replanned) -> dict[str, int]:
+    """A :class:`PlanPoint`'s expert-cache fields from a ``Replanned``'s figures; none
+    (left null) for an engine with every expert on the device."""
+    has_cache = (event.before_expert_slots or event.after_expert_slots
+                 or event.before_expert_bytes or event.after_expert_bytes)
+    return {"expert_cache_slots": slots, "expert_cache_bytes": nbytes} if has_cache else {}

@@ -9,17 +9,22 @@ expected back at the middle of the band:
 
 1. lower the prefill chunk cap (the step's transient activation memory; nothing that
    runs is lost, long prompts take more steps), not below ``min_prefill_chunk``;
-2. evict unreferenced prefix-cache pages (only lost work that may be recomputed), when
-   the shrink that follows needs more pages than are free;
-3. shrink the KV pool by whole pages (live: running requests keep going; the youngest
+2. shrink the GPU expert cache, when routed experts live in host memory
+   (``--cpu-experts``), by whole slots, down to none: every expert stays in host memory,
+   so nothing that runs is lost; a miss runs on the CPU or is copied in for the step;
+3. evict unreferenced prefix-cache pages (only lost work that may be recomputed), when
+   the shrink that follows needs more pages than are free (an eviction by itself gives
+   the device nothing: the pages stay in the pool until it shrinks);
+4. shrink the KV pool by whole pages (live: running requests keep going; the youngest
    are preempted and recomputed if pages run short), never below ``min_pages`` (one
    request of the minimum context). When even that is not enough, a :class:`Squeeze`
    is reported once per episode (the service logs it and shows who holds the memory)
    instead of shrinking further.
 
-Above the high water mark for ``hold_s`` seconds in a row, the pool grows back toward
-the plan, then the chunk cap, never so far that the headroom drops below
-``low + (high - low) / 4``; each grow restarts the hold.
+Above the high water mark for ``hold_s`` seconds in a row, memory is taken back in the
+reverse order: the pool grows back toward the plan, then the expert cache, then the
+chunk cap, never so far that the headroom drops below ``low + (high - low) / 4``; each
+grow restarts the hold.
 
 Why this does not flap: a shrink leaves the headroom at the band's middle, a grow never
 below its lower quarter, so after either the headroom sits inside ``(low, high)``, and
@@ -82,6 +87,10 @@ class PoolState:
     ``activation_bytes_per_token`` prices the chunk cap (the plan's activation peak per
     token of chunk); 0 when unknown, then lowering it is still tried first but counted
     as freeing nothing.
+    ``expert_slots`` is the GPU expert cache now (slots over every layer whose routed
+    experts live in host memory), ``planned_expert_slots`` the plan's (the ceiling to
+    grow back to), ``expert_slot_bytes`` one slot's device memory; all 0 when every
+    expert is on the device (then the step is skipped).
     """
 
     pages: int
@@ -94,6 +103,9 @@ class PoolState:
     activation_bytes_per_token: int = 0
     free_pages: int = 0
     cached_pages: int = 0
+    expert_slots: int = 0
+    planned_expert_slots: int = 0
+    expert_slot_bytes: int = 0
 
     @property
     def pool_bytes(self) -> int:
@@ -114,6 +126,20 @@ class EmptyPrefixCache:
     """Free the prefix cache's unreferenced pages (``Engine.evict_prefix_cache``)."""
 
     reason: str
+
+
+@dataclass(frozen=True)
+class NewExpertCache:
+    """Resize the GPU expert cache to ``num_slots`` slots over all its layers
+    (``Engine.resize_expert_cache``)."""
+
+    num_slots: int
+    before: int
+    reason: str
+
+    @property
+    def grows(self) -> bool:
+        return self.num_slots > self.before
 
 
 @dataclass(frozen=True)
@@ -140,7 +166,7 @@ class Squeeze:
     message: str
 
 
-Action = NewChunkCap | EmptyPrefixCache | NewPoolSize | Squeeze
+Action = NewChunkCap | NewExpertCache | EmptyPrefixCache | NewPoolSize | Squeeze
 
 
 @dataclass(frozen=True)
@@ -163,8 +189,8 @@ class ReplanController:
         hold_s: seconds the headroom must stay above high water before a grow.
         reserve: ``--reserve``: bytes, or None for auto (from each sample: whether a
             display is attached; :func:`service.vram.sources.resolve_reserve`).
-        settle_s: after a pool resize, further shrinks wait this long for the samples to
-            show it (not when the headroom is negative).
+        settle_s: after a resize (of the pool or the expert cache), further shrinks wait
+            this long for the samples to show it (not when the headroom is negative).
 
     Call :meth:`decide` once per sample with the pool as it is after the last decision
     was applied. ``decisions`` keeps every non-empty decision, in order.
@@ -216,6 +242,16 @@ class ReplanController:
     def grows(self) -> int:
         """Pool grows decided so far."""
         return self._count(NewPoolSize, grows=True)
+
+    @property
+    def expert_shrinks(self) -> int:
+        """Expert cache shrinks decided so far."""
+        return self._count(NewExpertCache, grows=False)
+
+    @property
+    def expert_grows(self) -> int:
+        """Expert cache grows decided so far."""
+        return self._count(NewExpertCache, grows=True)
 
     @property
     def squeezes(self) -> int:
@@ -290,6 +326,11 @@ class ReplanController:
                 chunk = max(floor_chunk, pool.prefill_chunk // 2)
             actions.append(NewChunkCap(chunk, pool.prefill_chunk, reason))
             freed += (pool.prefill_chunk - chunk) * apt
+        if need > freed and pool.expert_slots > 0 and pool.expert_slot_bytes > 0:
+            give = min(math.ceil((need - freed) / pool.expert_slot_bytes), pool.expert_slots)
+            actions.append(NewExpertCache(pool.expert_slots - give, pool.expert_slots, reason))
+            self._last_resize_at = now
+            freed += give * pool.expert_slot_bytes
         if need > freed:
             give = min(
                 math.ceil((need - freed) / pool.page_bytes),
@@ -311,15 +352,21 @@ class ReplanController:
                 Squeeze(
                     short,
                     f"GPU memory squeeze: {reason}; the KV pool is at its floor of "
-                    f"{max(pool.min_pages, 2) - 1} pages (one request of the minimum context) and the "
-                    f"prefill chunk at {chunk} tokens, so the headroom stays about {fmt_bytes(short)} below low water. "
+                    f"{max(pool.min_pages, 2) - 1} pages (one request of the minimum context), "
+                    + ("the expert cache empty (every routed expert in host memory), "
+                       if pool.planned_expert_slots > 0 else "")
+                    + f"and the prefill chunk at {chunk} tokens, so the headroom stays about {fmt_bytes(short)} below low water. "
                     "Requests may fail with out_of_memory until the other processes let go.",
                 )
             )
         return actions
 
     def _take_back(self, now: float, headroom: int, pool: PoolState) -> list[Action]:
-        if pool.pages >= pool.planned_pages and pool.prefill_chunk >= pool.planned_prefill_chunk:
+        if (
+            pool.pages >= pool.planned_pages
+            and pool.expert_slots >= pool.planned_expert_slots
+            and pool.prefill_chunk >= pool.planned_prefill_chunk
+        ):
             self._above_since = None
             return []  # the plan is whole: nothing to take back
         if self._above_since is None:
@@ -340,7 +387,19 @@ class ReplanController:
                 self._last_resize_at = now
                 pages += grow
                 spare -= grow * pool.page_bytes
-        if pages >= pool.planned_pages and pool.prefill_chunk < pool.planned_prefill_chunk:
+        slots = pool.expert_slots
+        if pages >= pool.planned_pages and slots < pool.planned_expert_slots and pool.expert_slot_bytes > 0:
+            grow = min(max(spare, 0) // pool.expert_slot_bytes, pool.planned_expert_slots - slots)
+            if grow > 0:
+                actions.append(NewExpertCache(slots + grow, slots, reason))
+                self._last_resize_at = now
+                slots += grow
+                spare -= grow * pool.expert_slot_bytes
+        if (
+            pages >= pool.planned_pages
+            and slots >= pool.planned_expert_slots
+            and pool.prefill_chunk < pool.planned_prefill_chunk
+        ):
             apt = pool.activation_bytes_per_token
             chunk = (
                 pool.planned_prefill_chunk

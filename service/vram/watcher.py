@@ -5,7 +5,7 @@ When memory moves: a few times a second (``--vram-hz``) the watcher takes a
 and hands it with the worker's pool (``engine.ipc.PoolStats`` from its last heartbeat or
 command) to :class:`service.vram.replan.ReplanController`. Each action the controller picks
 goes to the worker as a typed command (``engine.ipc.SetPrefillChunk``,
-``EvictPrefixCache``, ``ResizePool``, each with ``origin="watcher"``) and is awaited before the next sample, so every
+``ResizeExpertCache``, ``EvictPrefixCache``, ``ResizePool``, each with ``origin="watcher"``) and is awaited before the next sample, so every
 decision sees the pool its predecessor left. The worker answers with the engine's
 ``Replanned`` events, which :meth:`service.http.state.Services.record_engine_event` turns
 into ``replan`` events.
@@ -21,7 +21,8 @@ Sources (``--vram-source``):
 - ``simulated``: a card of ``--device-total`` whose other processes follow the
   ``--vram-timeline`` script (:func:`load_timeline`); this service's memory on it is
   what the worker's memory plan charges (fixed sizes plus the KV pool now, less the
-  activation memory a lowered prefill chunk no longer needs). For tests and demos.
+  activation memory a lowered prefill chunk no longer needs and the expert cache slots
+  given back). For tests and demos.
 
 With ``--device-limit``, either source is read as a card of that size
 (:class:`service.vram.sources.CardOfLimit`), the rule the memory plan used at start: everything
@@ -52,6 +53,7 @@ from service.vram.replan import (
     DEFAULT_HOLD_S,
     EmptyPrefixCache,
     NewChunkCap,
+    NewExpertCache,
     NewPoolSize,
     PoolState,
     ReplanController,
@@ -158,15 +160,17 @@ def load_timeline(path: str | Path, default_total: int | None = None) -> Timelin
 
 
 def simulated_ours_bytes(pool: ipc.PoolStats | None) -> int:
-    """What the worker holds on a simulated card, as its plan counts it: the fixed sizes,
-    the KV pool now, less what a lowered prefill chunk no longer needs."""
+    """What the worker holds on a simulated card, as its plan counts it: the fixed sizes
+    (the planned expert cache among them), the KV pool now, less what a lowered prefill
+    chunk no longer needs, corrected by the expert cache's slots now."""
     if pool is None:
         return 0
     lowered = max(pool.planned_prefill_chunk - pool.prefill_chunk, 0)
     return max(
         pool.fixed_bytes
         + (pool.pages - 1) * pool.page_bytes
-        - lowered * pool.activation_bytes_per_token,
+        - lowered * pool.activation_bytes_per_token
+        + (pool.expert_slots - pool.planned_expert_slots) * pool.expert_slot_bytes,
         0,
     )
 
@@ -216,6 +220,8 @@ class VramWatcher:
         # A KV pool size asked for through the control API (pages, null page included):
         # the ceiling grows stop at instead of the plan's pool. None: the plan's.
         self.kv_ceiling_pages: int | None = None
+        # Likewise the expert cache's slots asked for through the control API.
+        self.expert_ceiling_slots: int | None = None
         self.latest: VramSample | None = None
         self.commands = 0  # commands sent to workers
         self._said_no_replan = False
@@ -320,7 +326,7 @@ class VramWatcher:
                 low_water_bytes=low, high_water_bytes=high, hold_s=self.hold_s, reserve=self.reserve
             )
             log.info(
-                "replanning the KV pool between %s and %s of headroom (hold %.1f s)",
+                "replanning between %s and %s of headroom (hold %.1f s)",
                 fmt_bytes(low),
                 fmt_bytes(high),
                 self.hold_s,
@@ -328,9 +334,10 @@ class VramWatcher:
         return self.controller
 
     def pool_state(self, pool: ipc.PoolStats) -> PoolState:
-        """The controller's view of the worker's pool; grows stop at the size asked for
-        through the control API, if any."""
+        """The controller's view of the worker's pool and expert cache; grows stop at the
+        sizes asked for through the control API, if any."""
         ceiling = pool.planned_pages if self.kv_ceiling_pages is None else self.kv_ceiling_pages
+        slots = pool.planned_expert_slots if self.expert_ceiling_slots is None else self.expert_ceiling_slots
         return PoolState(
             pages=pool.pages,
             planned_pages=max(ceiling, pool.min_pages),
@@ -342,6 +349,9 @@ class VramWatcher:
             activation_bytes_per_token=pool.activation_bytes_per_token,
             free_pages=pool.free_pages,
             cached_pages=pool.cached_pages,
+            expert_slots=pool.expert_slots,
+            planned_expert_slots=min(slots, pool.max_expert_slots),
+            expert_slot_bytes=pool.expert_slot_bytes,
         )
 
     async def step(self, sample: VramSample) -> list[Any]:
@@ -365,6 +375,8 @@ class VramWatcher:
     async def _apply(self, action: Any) -> bool:
         if isinstance(action, NewChunkCap):
             kind, fields = ipc.SetPrefillChunk, {"tokens": action.tokens}
+        elif isinstance(action, NewExpertCache):
+            kind, fields = ipc.ResizeExpertCache, {"num_slots": action.num_slots}
         elif isinstance(action, EmptyPrefixCache):
             kind, fields = ipc.EvictPrefixCache, {}
         elif isinstance(action, NewPoolSize):

@@ -401,6 +401,12 @@ export class ControlClient {
     return this.call("POST", "/api/control/cache", { kv_cache: kvCache });
   }
 
+  /** Resize the GPU expert cache (routed experts in host memory, `--cpu-experts`): bytes
+   * (whole slots), a size such as `"1GiB"`, or null for the plan's size. */
+  setExpertCache(expertCache: number | string | null): Promise<ControlResponse> {
+    return this.call("POST", "/api/control/cache", { expert_cache: expertCache });
+  }
+
   /** Evict the prefix cache's unused pages. */
   clearPrefixCache(): Promise<ControlResponse> {
     return this.call("POST", "/api/control/cache", { clear_prefix_cache: true });

@@ -210,7 +210,10 @@ function renderErrors(s: HeadroomState): void {
     row([
       time(r.ts),
       r.action,
-      `${formatBytes(r.before.kv_pool_bytes)} → ${formatBytes(r.after.kv_pool_bytes)}`,
+      r.after.expert_cache_slots != null && r.before.expert_cache_slots !== r.after.expert_cache_slots
+        ? `expert cache ${r.before.expert_cache_slots} → ${r.after.expert_cache_slots} slots (` +
+          `${formatBytes(r.before.expert_cache_bytes ?? 0)} → ${formatBytes(r.after.expert_cache_bytes ?? 0)})`
+        : `${formatBytes(r.before.kv_pool_bytes)} → ${formatBytes(r.after.kv_pool_bytes)}`,
       `${r.before.max_prefill_tokens} → ${r.after.max_prefill_tokens}`,
       r.duration_s != null ? `${(r.duration_s * 1000).toFixed(0)} ms` : null,
       r.reason,

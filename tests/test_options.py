@@ -85,3 +85,69 @@ def test_plan_suggestions_name_the_declared_flags():
     assert option_named(EngineConfig, "max_prefill_tokens").flag == "--max-prefill-tokens"
     with pytest.raises(KeyError):
         option_named(EngineConfig, "load_format")  # a field, not an option
+
+
+# -- values as a person writes them, in each source ---------------------------------------
+
+
+def _resolve_with(tmp_path, file_text: str = "", env: dict | None = None, flags: dict | None = None):
+    from service.cli.settings import resolve
+
+    config = tmp_path / "config.toml"
+    config.write_text(file_text)
+    return resolve(flags or {}, env=env or {}, config_path=config)
+
+
+def test_word_or_number_options_take_a_number_from_every_source(tmp_path):
+    """An option whose value is a word or a number (``--cpu-experts auto|none|N``,
+    ``--keep-alive 5m|seconds``) takes TOML's bare number as the flag's text."""
+    from service.cli.settings import OPTIONS
+
+    shaped = [o for o in OPTIONS if o.kind == "word_or_number"]
+    assert {"cpu_experts", "keep_alive"} <= {o.name for o in shaped}
+    for opt in shaped:
+        for text in (f"{opt.name} = 2\n", f'{opt.name} = "2"\n'):
+            assert getattr(_resolve_with(tmp_path, text), opt.name) == "2", text
+        assert getattr(_resolve_with(tmp_path, env={opt.env: "2"}), opt.name) == "2"
+        assert getattr(_resolve_with(tmp_path, flags={opt.name: "2"}), opt.name) == "2"
+    assert _resolve_with(tmp_path, "keep_alive = 1.5\n").keep_alive_s == 1.5
+    assert option_named(EngineConfig, "cpu_experts").metavar == "auto|none|N"
+
+
+def test_a_word_or_number_option_refuses_other_toml_values(tmp_path):
+    from service.cli.settings import SettingsError
+
+    with pytest.raises(SettingsError, match="cpu_experts: True is neither text nor a number"):
+        _resolve_with(tmp_path, "cpu_experts = true\n")
+    with pytest.raises(SettingsError, match="--cpu-experts: '-1' is not auto, none or a number"):
+        _resolve_with(tmp_path, flags={"cpu_experts": "-1"})
+
+
+def test_an_option_error_names_its_flag_once(tmp_path):
+    """A bad value from the flag says the flag once; from elsewhere, the flag and where
+    the value came from."""
+    from service.cli.settings import OPTIONS, SettingsError
+
+    for opt in (o for o in OPTIONS if o.choices):
+        with pytest.raises(SettingsError) as info:
+            _resolve_with(tmp_path, flags={opt.name: "bogus"})
+        assert str(info.value).startswith(f"{opt.flag}: 'bogus' is not one of"), info.value
+        assert str(info.value).count(opt.flag) == 1
+        with pytest.raises(SettingsError) as info:
+            _resolve_with(tmp_path, env={opt.env: "bogus"})
+        assert str(info.value).startswith(f"{opt.flag} ({opt.env}): ")
+
+
+@pytest.mark.parametrize(
+    ("file_text", "env", "flags"),
+    [
+        ("", {}, {"quantization": "fp8", "gguf_quantized": True}),
+        ("gguf_quantized = true\n", {"HEADROOM_QUANTIZATION": "fp8"}, {}),
+    ],
+)
+def test_fp8_quantization_and_gguf_blocks_are_refused_together(tmp_path, file_text, env, flags):
+    """Both choose the weights' format: the pair is refused, naming the fix."""
+    from service.cli.settings import SettingsError
+
+    with pytest.raises(SettingsError, match="--gguf-quantized .*drop one of the two"):
+        _resolve_with(tmp_path, file_text, env, flags)

@@ -151,3 +151,22 @@ def test_fp8_quantization_and_gguf_blocks_are_refused_together(tmp_path, file_te
 
     with pytest.raises(SettingsError, match="--gguf-quantized .*drop one of the two"):
         _resolve_with(tmp_path, file_text, env, flags)
+
+
+def test_cpu_experts_above_the_moe_layers_is_refused_naming_the_largest():
+    """A number typed is honoured or refused, never cut (engine.settings_fit)."""
+    from engine.config import ModelConfig
+    from engine.errors import SettingRefused
+    from engine.settings_fit import check_cpu_experts
+
+    shape = dict(architecture="Qwen3MoeForCausalLM", vocab_size=10, hidden_size=8, intermediate_size=12,
+                 num_layers=4, num_heads=2, num_kv_heads=1, head_dim=4, rms_norm_eps=1e-6,
+                 max_position_embeddings=16)
+    moe = ModelConfig(**shape, num_experts=4, num_experts_per_tok=2, moe_layers=(1, 2, 3))
+    for fine in ("auto", "none", "0", "3"):
+        check_cpu_experts(EngineConfig(cpu_experts=fine), moe)
+    with pytest.raises(SettingRefused, match="has 3 mixture-of-experts layers; use --cpu-experts 3 or fewer"):
+        check_cpu_experts(EngineConfig(cpu_experts="4"), moe)
+    dense = ModelConfig(**{**shape, "architecture": "LlamaForCausalLM"})
+    with pytest.raises(SettingRefused, match="has no mixture-of-experts layers; use --cpu-experts none"):
+        check_cpu_experts(EngineConfig(cpu_experts="1"), dense)

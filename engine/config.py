@@ -144,6 +144,13 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
 
+def _auto_none_or_count(value: str) -> str | None:
+    """``auto``, ``none`` or a whole number of at least 0 (``--cpu-experts``)."""
+    if value in ("auto", "none") or value.isdecimal():
+        return None
+    return f"{value!r} is not auto, none or a number of layers"
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Knobs of one engine instance; each option is declared here once
@@ -227,7 +234,9 @@ class EngineConfig:
         "the fewest layers that make it fit; none when everything fits), none, or a number "
         "of layers. Offloaded layers decode slower: a missing expert is copied over PCIe "
         "or run on the CPU.",
-        checks=(lambda v: None if v in ("auto", "none") or (v.isdigit()) else f"{v!r} is not auto, none or a number of layers",),
+        kind="word_or_number",
+        metavar="auto|none|N",
+        checks=(_auto_none_or_count,),
     )
     min_context: int | None = option(  # tokens
         2048,
@@ -304,6 +313,13 @@ class EngineConfig:
 
     def problem(self) -> tuple[str, str] | None:
         """The first (option name, why) of options that do not go together, or None."""
+        if self.quantization == "fp8" and self.gguf_quantized:
+            # Both choose the weights' format; silently keeping one would price and load
+            # something other than what was asked.
+            return "quantization", (
+                "fp8 does not go with --gguf-quantized (which keeps a GGUF's own blocks): "
+                "drop one of the two"
+            )
         if self.device_free is not None:
             if self.device_total is None:
                 return "device_free", "needs --device-total (the size of the simulated GPU)"

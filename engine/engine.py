@@ -60,6 +60,7 @@ from engine.sampling.grammar import GrammarCompiler, GrammarError
 from engine.sampling.sampler import SamplingState
 from engine.scheduler.request import Phase, Request
 from engine.scheduler.scheduler import Scheduler, SchedulerConfig
+from engine.settings_fit import check_for_model
 from engine.startup import (
     attention_workspaces,
     device_memory,
@@ -86,8 +87,9 @@ class Engine(LiveReplan):
     Raises (constructor): the loader's ``ModelLoadError`` subclasses for a missing or
     broken model; :class:`PlanDoesNotFit` when the memory plan cannot hold one request
     of the minimum context (raised before the weights load where the sizes show it);
-    ``ValueError`` for a bad config value, a tensor-parallel size without ``tp`` or a
-    model it cannot split.
+    ``ValueError`` for a bad config value or a tensor-parallel size without ``tp``;
+    :class:`engine.errors.SettingRefused` (a ``ValueError``) for a setting the model
+    cannot honour (:mod:`engine.settings_fit`).
     """
 
     def __init__(self, config: EngineConfig, tp: TensorParallel | None = None) -> None:
@@ -118,6 +120,9 @@ class Engine(LiveReplan):
         # Requests waiting for their grammar's compile: (request, future, deadline).
         self._compiling: list[tuple[Request, futures.Future, float]] = []
         mc: ModelConfig = load_model_config(self.model_dir)
+        # Settings the model cannot honour are refused here too (a GGUF the service could
+        # not read before conversion): a number typed is honoured or refused, never cut.
+        check_for_model(config, mc)
         # Token ids are checked and sampled over the whole vocabulary; every size below
         # (plan, pool, attention) is this rank's shard's.
         self.vocab_size = mc.vocab_size
@@ -259,6 +264,8 @@ class Engine(LiveReplan):
             max_prefill_tokens=self.knobs.max_prefill_tokens,
             max_running_requests=config.max_running_requests,
             plan=self.plan,
+            kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
+            kv_bytes_per_token=kv_bytes_per_token(mc, self.kv_dtype),
         )
 
     # -- construction stages --------------------------------------------------------------

@@ -42,3 +42,10 @@ class CudaUnavailable(Exception):
     """A GPU is present or was asked for (``--device cuda``, or ``auto`` where NVML sees
     an NVIDIA GPU) but CUDA cannot be initialised; the engine never falls back to the
     CPU silently. The message says why and what helps (:data:`CUDA_HINTS`)."""
+
+
+class SettingRefused(ValueError):
+    """A setting the model or the machine cannot honour (a tensor-parallel size that
+    does not split the model, more ranks than GPUs, more ``--cpu-experts`` layers than
+    the model has), found before anything loads; the message names the fix. A
+    ``ValueError``, as any bad config value."""

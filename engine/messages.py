@@ -154,6 +154,11 @@ class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
     max_prefill_tokens: int
     max_running_requests: int
     plan: MemoryPlan | None = None  # None when the pool size was fixed (no plan made)
+    # The KV cache's storage dtype (e.g. "bfloat16", "float8_e4m3fn") and what one token
+    # of context costs in it (all layers, keys and values; a rank's with tensor
+    # parallel): known on every device, a CPU's fixed pool included, where no plan is.
+    kv_cache_dtype: str = ""
+    kv_bytes_per_token: int = 0
 
 
 class EngineStats(msgspec.Struct, frozen=True, kw_only=True):

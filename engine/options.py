@@ -11,6 +11,9 @@ settings both declare their options here, and the CLI builds its flags from
 
 Sizes are bytes in the field; ``kind="size"`` (or ``"size_or_auto"``, where ``auto``
 is None) says a person writes them as text such as ``6GiB`` (:mod:`engine.units`).
+``kind="word_or_number"`` is a text field whose value is a word or a number
+(``auto|none|N``, a duration such as ``5m`` or seconds): a number from the config file
+(TOML ``2``, ``1.5``) becomes its text, as the command line and the environment give it.
 """
 
 from __future__ import annotations
@@ -45,15 +48,23 @@ class Option:
     default: Any
     help: str
     multiple: bool = False
-    kind: str | None = None  # "size" | "size_or_auto" | None
+    kind: str | None = None  # "size" | "size_or_auto" | "word_or_number" | None
     choices: tuple[str, ...] = ()
     checks: tuple[Check, ...] = ()
+    shown_metavar: str | None = None
 
     @property
     def metavar(self) -> str | None:
+        if self.shown_metavar:
+            return self.shown_metavar
         if self.choices:
             return "|".join(self.choices)
         return {"size": "SIZE", "size_or_auto": "auto|SIZE"}.get(self.kind or "")
+
+    @property
+    def is_size(self) -> bool:
+        """Written as a size (``6GiB``), held in bytes."""
+        return self.kind in ("size", "size_or_auto")
 
     @property
     def env(self) -> str:
@@ -82,6 +93,7 @@ class _Meta:
     choices: tuple[str, ...]
     checks: tuple[Check, ...]
     shown_default: Any
+    metavar: str | None
 
 
 def option(
@@ -92,21 +104,25 @@ def option(
     choices: tuple[str, ...] = (),
     checks: tuple[Check, ...] = (),
     shown_default: Any = _NO_DEFAULT,
+    metavar: str | None = None,
 ) -> Any:
     """A dataclass field that is an option.
 
     Args:
         default: the field's default (bytes for a size).
         help: the ``--help`` text (the CLI appends the variable and the default).
-        kind: ``"size"`` or ``"size_or_auto"`` for sizes written as text.
+        kind: ``"size"`` or ``"size_or_auto"`` for sizes written as text,
+            ``"word_or_number"`` for text that may be a number (see the module docstring).
         choices: the allowed values (checked, and listed as the metavar).
         checks: more checks of the resolved value, e.g. ``at_least(1)``.
         shown_default: the default as a person writes it where it differs from the
             field's (a size in bytes shown as ``"32MiB"``).
+        metavar: how ``--help`` shows the value (e.g. ``"auto|none|N"``).
     """
     if choices:
         checks = (one_of(*choices), *checks)
-    meta = _Meta(help, kind, choices, checks, default if shown_default is _NO_DEFAULT else shown_default)
+    meta = _Meta(help, kind, choices, checks, default if shown_default is _NO_DEFAULT else shown_default,
+                 metavar)
     if isinstance(default, (list, dict, set)):
         raise TypeError("an option's default must be immutable (use a tuple)")
     return dataclasses.field(default=default, metadata={_METADATA_KEY: meta})
@@ -132,6 +148,7 @@ def options_of(cls: type) -> tuple[Option, ...]:
                 kind=meta.kind,
                 choices=meta.choices,
                 checks=meta.checks,
+                shown_metavar=meta.metavar,
             )
         )
     return tuple(found)

@@ -30,7 +30,7 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
-from engine.errors import CudaUnavailable, PlanDoesNotFit, RequestRejected
+from engine.errors import CudaUnavailable, PlanDoesNotFit, RequestRejected, SettingRefused
 from engine.ipc import (
     ControlDone,
     EngineEvents,
@@ -93,7 +93,7 @@ def worker_main(conn: Connection, config: WorkerConfig, log_conn: Connection | N
     try:
         engine = _make_engine(config)
     except Exception as exc:  # every load failure is reported, then we exit
-        if isinstance(exc, (PlanDoesNotFit, ModelLoadError, CudaUnavailable)):
+        if isinstance(exc, (PlanDoesNotFit, ModelLoadError, CudaUnavailable, SettingRefused)):
             # Expected, and their messages say what to do (the service shows them in
             # full): one line, no traceback.
             log.error("the engine cannot start: %s", str(exc).partition("\n")[0])

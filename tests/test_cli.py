@@ -215,3 +215,61 @@ def test_plan_takes_the_kv_cache_dtype_and_fp8_flags_as_serve_does(default_model
     assert fp8.exit_code == 0, fp8.output
     assert "(float8_e4m3fn)" in fp8.stdout and "(float8_e4m3fn)" not in auto.stdout
     assert "FP8" in fp8.stdout and "FP8" not in auto.stdout
+
+
+# -- settings the model cannot honour, refused before the port opens ---------------------------
+
+
+@pytest.mark.parametrize(
+    ("kind", "args", "needle"),
+    [
+        ("llama", ["--tensor-parallel-size", "3", "--device", "cpu"],
+         "--tensor-parallel-size 3 cannot split LlamaForCausalLM: its 4 attention heads do not divide by 3"),
+        ("qwen3_moe", ["--cpu-experts", "2"],
+         "--cpu-experts 2: Qwen3MoeForCausalLM has 1 mixture-of-experts layers; use --cpu-experts 1 or fewer"),
+    ],
+)
+def test_serve_refuses_what_the_model_cannot_honour_before_the_port_opens(
+    kind, args, needle, tmp_path, make_tiny_hf_model
+):
+    make_tiny_hf_model(kind, tmp_path)
+    # Reading the model's config imports transformers (slow on a busy machine).
+    result = run_headroom(["serve", "--port", "0", "--model", str(tmp_path), *args], timeout_s=600)
+    assert result.returncode == 2, result.stderr
+    assert f"headroom: error: {needle}" in result.stderr
+    assert "listening" not in result.stderr and "Traceback" not in result.stderr
+
+
+def test_plan_refuses_cpu_experts_above_the_moe_layers(tmp_path, make_tiny_hf_model):
+    make_tiny_hf_model("qwen3_moe", tmp_path)
+    result = invoke(["plan", "--model", str(tmp_path), "--device", "cpu", "--device-total", "1GiB",
+                     "--cpu-experts", "3"])
+    assert result.exit_code == 2, result.output
+    assert "use --cpu-experts 1 or fewer" in result.output
+
+
+def test_serve_refuses_fp8_weights_with_gguf_blocks_before_the_port_opens():
+    result = invoke(["serve", "--port", "0", "--quantization", "fp8", "--gguf-quantized"])
+    assert result.exit_code == 2, result.output
+    assert "--quantization: fp8 does not go with --gguf-quantized" in result.output
+    assert "drop one of the two" in result.output
+
+
+def test_plan_with_tensor_parallel_is_one_ranks_plan(tmp_path, make_tiny_hf_model):
+    """`headroom plan --tensor-parallel-size 2` prices rank 0 as the engine builds it:
+    half the KV heads, so half the KV bytes per token, and fewer weight bytes."""
+    make_tiny_hf_model("llama", tmp_path)
+    base = ["plan", "--model", str(tmp_path), "--device", "cpu", "--device-total", "4GiB", "--reserve", "0"]
+    whole = invoke([*base, "--json"])
+    split = invoke([*base, "--json", "--tensor-parallel-size", "2"])
+    assert whole.exit_code == 0 and split.exit_code == 0, split.output
+    one, rank = json.loads(whole.stdout), json.loads(split.stdout)
+    assert (one["tensor_parallel_size"], rank["tensor_parallel_size"]) == (1, 2)
+    assert (one["kv_heads"], rank["kv_heads"]) == (2, 1)
+    assert rank["kv_bytes_per_token"] * 2 == one["kv_bytes_per_token"]
+    weights = {p["name"]: p["bytes"] for p in one["ledger"]}["weights"]
+    assert {p["name"]: p["bytes"] for p in rank["ledger"]}["weights"] < weights
+    text = invoke([*base, "--tensor-parallel-size", "2"]).stdout
+    assert "tensor parallel: the plan of one rank of 2; weights split 2 ways, 1 KV heads per rank" in text
+    refused = invoke([*base, "--tensor-parallel-size", "3"])
+    assert refused.exit_code == 2 and "use --tensor-parallel-size 2, or 1" in refused.output

@@ -68,6 +68,11 @@ def test_engine_greedy_with_fp8_kv_on_the_cpu(tmp_path, make_tiny_hf_model):
     fp8 = Engine(EngineConfig(model=str(tmp_path), device="cpu", page_size=4, num_pages=128, kv_cache_dtype="fp8"))
     assert fp8.pool.dtype == FP8 and fp8.pool.compute_dtype == torch.float32
     assert fp8.pool.nbytes * 4 == base.pool.nbytes
+    # Without a plan (a CPU), the engine's info (/api/status's engine) still says the
+    # KV cache's dtype and its bytes per token.
+    assert base.plan is None and fp8.plan is None
+    assert (base.info.kv_cache_dtype, fp8.info.kv_cache_dtype) == ("float32", "float8_e4m3fn")
+    assert base.info.kv_bytes_per_token == 4 * fp8.info.kv_bytes_per_token > 0
     want, have = run_all(base, prompts), run_all(fp8, prompts)
     for r in prompts:
         assert len(have[r]) == len(want[r]) == GREEDY.max_new_tokens

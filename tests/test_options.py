@@ -85,3 +85,88 @@ def test_plan_suggestions_name_the_declared_flags():
     assert option_named(EngineConfig, "max_prefill_tokens").flag == "--max-prefill-tokens"
     with pytest.raises(KeyError):
         option_named(EngineConfig, "load_format")  # a field, not an option
+
+
+# -- values as a person writes them, in each source ---------------------------------------
+
+
+def _resolve_with(tmp_path, file_text: str = "", env: dict | None = None, flags: dict | None = None):
+    from service.cli.settings import resolve
+
+    config = tmp_path / "config.toml"
+    config.write_text(file_text)
+    return resolve(flags or {}, env=env or {}, config_path=config)
+
+
+def test_word_or_number_options_take_a_number_from_every_source(tmp_path):
+    """An option whose value is a word or a number (``--cpu-experts auto|none|N``,
+    ``--keep-alive 5m|seconds``) takes TOML's bare number as the flag's text."""
+    from service.cli.settings import OPTIONS
+
+    shaped = [o for o in OPTIONS if o.kind == "word_or_number"]
+    assert {"cpu_experts", "keep_alive"} <= {o.name for o in shaped}
+    for opt in shaped:
+        for text in (f"{opt.name} = 2\n", f'{opt.name} = "2"\n'):
+            assert getattr(_resolve_with(tmp_path, text), opt.name) == "2", text
+        assert getattr(_resolve_with(tmp_path, env={opt.env: "2"}), opt.name) == "2"
+        assert getattr(_resolve_with(tmp_path, flags={opt.name: "2"}), opt.name) == "2"
+    assert _resolve_with(tmp_path, "keep_alive = 1.5\n").keep_alive_s == 1.5
+    assert option_named(EngineConfig, "cpu_experts").metavar == "auto|none|N"
+
+
+def test_a_word_or_number_option_refuses_other_toml_values(tmp_path):
+    from service.cli.settings import SettingsError
+
+    with pytest.raises(SettingsError, match="cpu_experts: True is neither text nor a number"):
+        _resolve_with(tmp_path, "cpu_experts = true\n")
+    with pytest.raises(SettingsError, match="--cpu-experts: '-1' is not auto, none or a number"):
+        _resolve_with(tmp_path, flags={"cpu_experts": "-1"})
+
+
+def test_an_option_error_names_its_flag_once(tmp_path):
+    """A bad value from the flag says the flag once; from elsewhere, the flag and where
+    the value came from."""
+    from service.cli.settings import OPTIONS, SettingsError
+
+    for opt in (o for o in OPTIONS if o.choices):
+        with pytest.raises(SettingsError) as info:
+            _resolve_with(tmp_path, flags={opt.name: "bogus"})
+        assert str(info.value).startswith(f"{opt.flag}: 'bogus' is not one of"), info.value
+        assert str(info.value).count(opt.flag) == 1
+        with pytest.raises(SettingsError) as info:
+            _resolve_with(tmp_path, env={opt.env: "bogus"})
+        assert str(info.value).startswith(f"{opt.flag} ({opt.env}): ")
+
+
+@pytest.mark.parametrize(
+    ("file_text", "env", "flags"),
+    [
+        ("", {}, {"quantization": "fp8", "gguf_quantized": True}),
+        ("gguf_quantized = true\n", {"HEADROOM_QUANTIZATION": "fp8"}, {}),
+    ],
+)
+def test_fp8_quantization_and_gguf_blocks_are_refused_together(tmp_path, file_text, env, flags):
+    """Both choose the weights' format: the pair is refused, naming the fix."""
+    from service.cli.settings import SettingsError
+
+    with pytest.raises(SettingsError, match="--gguf-quantized .*drop one of the two"):
+        _resolve_with(tmp_path, file_text, env, flags)
+
+
+def test_cpu_experts_above_the_moe_layers_is_refused_naming_the_largest():
+    """A number typed is honoured or refused, never cut (engine.settings_fit)."""
+    from engine.config import ModelConfig
+    from engine.errors import SettingRefused
+    from engine.settings_fit import check_cpu_experts
+
+    shape = dict(architecture="Qwen3MoeForCausalLM", vocab_size=10, hidden_size=8, intermediate_size=12,
+                 num_layers=4, num_heads=2, num_kv_heads=1, head_dim=4, rms_norm_eps=1e-6,
+                 max_position_embeddings=16)
+    moe = ModelConfig(**shape, num_experts=4, num_experts_per_tok=2, moe_layers=(1, 2, 3))
+    for fine in ("auto", "none", "0", "3"):
+        check_cpu_experts(EngineConfig(cpu_experts=fine), moe)
+    with pytest.raises(SettingRefused, match="has 3 mixture-of-experts layers; use --cpu-experts 3 or fewer"):
+        check_cpu_experts(EngineConfig(cpu_experts="4"), moe)
+    dense = ModelConfig(**{**shape, "architecture": "LlamaForCausalLM"})
+    with pytest.raises(SettingRefused, match="has no mixture-of-experts layers; use --cpu-experts none"):
+        check_cpu_experts(EngineConfig(cpu_experts="1"), dense)

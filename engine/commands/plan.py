@@ -17,6 +17,8 @@ from engine.loader.hf_config import load_model_config
 from engine.loader.load import fp8_weight_size
 from engine.loader.resolve import resolve_model
 from engine.memory.plan import MemoryPlan, PlanKnobs, fit_plan
+from engine.parallel.split import rank_model_config
+from engine.settings_fit import check_for_model
 from engine.startup import (
     device_memory,
     estimated_planner,
@@ -59,12 +61,21 @@ def build_plan(config: EngineConfig) -> MemoryPlan:
     (:func:`engine.memory.plan.fit_plan`); a plan that does not fit even so is returned
     with ``fits`` False.
 
+    With ``--tensor-parallel-size N`` it is one rank's plan: the weights split N ways,
+    the KV heads divided by N (``plan.tensor_parallel_size`` says N).
+
     Raises:
         NoDevice: see :func:`planned_setup`.
         engine.loader.errors.ModelLoadError: the model is missing or its config broken.
+        engine.errors.SettingRefused: a setting the model cannot honour
+            (:func:`engine.settings_fit.check_for_model`).
     """
     device, dtype = planned_setup(config)
-    mc = load_model_config(resolve_model(config.model))
+    whole = load_model_config(resolve_model(config.model))
+    check_for_model(config, whole)
+    # With tensor parallel, rank 0's plan (each rank's alike): its heads, KV heads, MLP
+    # width and vocabulary slice, as the engine builds it (engine.parallel.split).
+    mc = rank_model_config(whole, config.tensor_parallel_size)
     # Priced as the engine will load it: dense (dequantized) unless --gguf-quantized
     # keeps a GGUF's blocks on a CUDA device.
     gguf = quantized_gguf(config, device, mc)
@@ -74,7 +85,7 @@ def build_plan(config: EngineConfig) -> MemoryPlan:
     memory = device_memory(config, device)
     assert memory is not None
     plan, _ = fit_plan(estimated_planner(config, mc, device, dtype, memory, weights=weights), PlanKnobs.of(config))
-    return plan
+    return msgspec.structs.replace(plan, kv_heads=mc.num_kv_heads)
 
 
 def render(plan: MemoryPlan, as_json: bool, setup: str = "") -> str:
@@ -84,8 +95,14 @@ def render(plan: MemoryPlan, as_json: bool, setup: str = "") -> str:
         return msgspec.json.encode(plan).decode()
     head = f"memory plan for {plan.device}" + (f", {setup}" if setup else "") + "\n"
     body = plan.table()
+    if plan.tensor_parallel_size > 1:
+        n = plan.tensor_parallel_size
+        head += (f"tensor parallel: the plan of one rank of {n}; weights split {n} ways"
+                 + (f", {plan.kv_heads} KV heads per rank" if plan.kv_heads else "")
+                 + f"; each of the {n} GPUs needs this budget\n")
     if plan.kv_bytes_per_token:
-        body += f"\nKV cache: {plan.kv_bytes_per_token:,} bytes per token ({plan.kv_cache_dtype})"
+        per = " per rank" if plan.tensor_parallel_size > 1 else ""
+        body += f"\nKV cache: {plan.kv_bytes_per_token:,} bytes per token{per} ({plan.kv_cache_dtype})"
     if plan.context_lowered:
         return f"{head}{body}\nfits: yes, with a lowered context (--min-context {plan.min_context_tokens})"
     if plan.fits:

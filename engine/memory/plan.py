@@ -117,6 +117,7 @@ class PlanKnobs:
     device_limit: int | None = EngineConfig.device_limit
     kv_cache_dtype: str = EngineConfig.kv_cache_dtype
     cpu_experts: str = EngineConfig.cpu_experts
+    tensor_parallel_size: int = EngineConfig.tensor_parallel_size
 
     @classmethod
     def of(cls, config: EngineConfig) -> PlanKnobs:
@@ -232,6 +233,11 @@ class MemoryPlan(msgspec.Struct, frozen=True, kw_only=True):
     cpu_expert_layers: int = 0
     expert_cache_slots: int = 0
     expert_slot_bytes: int = 0
+    # Tensor parallel: this is one rank's plan of this many (weights, KV heads and pool
+    # split as the ranks hold them); every rank's GPU needs it. kv_heads: the KV heads
+    # the cache holds (a rank's), 0 where not known.
+    tensor_parallel_size: int = 1
+    kv_heads: int = 0
 
     def after_resize(self, num_pages: int, kv_pool_bytes: int, max_context_tokens: int, reason: str) -> MemoryPlan:
         """This plan once the KV pool was resized while serving to ``num_pages`` usable
@@ -430,6 +436,7 @@ def _ledger_at(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint, host_layer
         cpu_expert_layers=host_layers,
         expert_cache_slots=slots,
         expert_slot_bytes=fp.expert_slot_bytes if host_layers else 0,
+        tensor_parallel_size=knobs.tensor_parallel_size,
     )
 
 

@@ -11,8 +11,19 @@ embedding and the LM head by vocabulary rows, the KV heads across ranks (each ra
 pool holds its heads; every rank's page table is the same).
 
 The collectives run on NCCL on CUDA and on gloo on the CPU: the same code either way.
+Which sizes split a model, and each rank's shapes, are torch-free
+(:mod:`engine.parallel.split`), so the service and ``headroom plan`` check and price them
+before any rank starts; this package imports torch only when its other modules are used.
 """
 
-from engine.parallel.group import TensorParallel
+from typing import Any
 
 __all__ = ["TensorParallel"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "TensorParallel":
+        from engine.parallel.group import TensorParallel
+
+        return TensorParallel
+    raise AttributeError(name)

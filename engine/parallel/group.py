@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from engine.parallel.split import vocab_slice
+
 # Environment every rank process gets before it touches NCCL (see the module docstring).
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0"}
 
@@ -68,9 +70,7 @@ class TensorParallel:
     def vocab_range(self, vocab_size: int) -> tuple[int, int]:
         """``[start, end)`` of the vocabulary rows this rank holds: equal slices of
         ``ceil(vocab_size / world)``, the last one shorter."""
-        per = -(-vocab_size // self.world)
-        start = min(self.rank * per, vocab_size)
-        return start, min(start + per, vocab_size)
+        return vocab_slice(vocab_size, self.world, self.rank)
 
     def embed(self, weight: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """Vocab-parallel embedding: ``[T]`` ids -> ``[T, hidden]``; each rank looks up

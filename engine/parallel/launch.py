@@ -72,9 +72,10 @@ def start_group(config: Any) -> Group:
     engines from it on their own device (``cuda:rank``, or the CPU).
 
     Raises:
-        ValueError: fewer CUDA devices than ranks, or a model the group cannot split
-            (checked before any rank starts, so the worker reports it as a load error
-            instead of losing a rank); the loader's errors for a missing model.
+        engine.errors.SettingRefused: fewer CUDA devices than ranks, or a model the
+            group cannot split (checked before any rank starts, so the worker reports it
+            as a load error instead of losing a rank); the loader's errors for a
+            missing model.
     """
     world = config.tensor_parallel_size
     _check_before_start(config)
@@ -112,13 +113,13 @@ def _check_before_start(config: Any) -> None:
 
     from engine.loader.hf_config import load_model_config
     from engine.loader.resolve import resolve_model
-    from engine.parallel.shard import check_shardable
+    from engine.parallel.split import check_gpu_count
+    from engine.settings_fit import check_for_model
 
     world = config.tensor_parallel_size
-    if rank_device(config.device, 0) != "cpu" and torch.cuda.device_count() < world:
-        raise ValueError(f"--tensor-parallel-size {world} needs {world} CUDA devices, this machine has "
-                         f"{torch.cuda.device_count()}; use --tensor-parallel-size {max(torch.cuda.device_count(), 1)}")
-    check_shardable(load_model_config(resolve_model(config.model)), world)
+    if rank_device(config.device, 0) != "cpu":
+        check_gpu_count(world, torch.cuda.device_count())
+    check_for_model(config, load_model_config(resolve_model(config.model)))
 
 
 def rank_config(config: Any, rank: int) -> Any:

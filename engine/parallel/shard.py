@@ -10,13 +10,14 @@ summed by an all-reduce), vocab-parallel embedding and LM head.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable, Iterator
 
 import torch
 
 from engine.config import ModelConfig
 from engine.parallel.group import TensorParallel
+from engine.parallel.split import check_shardable as check_shardable  # where callers look for it
+from engine.parallel.split import rank_model_config
 
 # Checkpoint projections split by output rows / by input columns.
 _COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
@@ -24,43 +25,14 @@ _ROW = ("o_proj", "down_proj")
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 
 
-def check_shardable(mc: ModelConfig, world: int) -> None:
-    """Raise ``ValueError`` (naming the fix) when ``mc`` cannot be split ``world`` ways."""
-    sizes = (("attention heads", mc.num_heads), ("KV heads", mc.num_kv_heads),
-             ("MLP width (intermediate_size)", mc.intermediate_size))
-    problems = [f"its {n} {what} do not divide by {world}" for what, n in sizes if n % world]
-    unsplittable = mc.is_moe or mc.qk_norm_whole
-    if mc.is_moe:
-        problems.append("mixture-of-experts layers are not split across ranks yet")
-    if mc.qk_norm_whole:
-        problems.append("its norm over the whole query/key projection spans every head")
-    if not problems:
-        return
-    divisors = [d for d in range(2, 9) if all(n % d == 0 for _, n in sizes)]
-    if unsplittable or not divisors:
-        fix = "use --tensor-parallel-size 1"
-    else:
-        fix = "use --tensor-parallel-size " + " or ".join(str(d) for d in divisors) + ", or 1"
-    raise ValueError(f"--tensor-parallel-size {world} cannot split {mc.architecture}: " + "; ".join(problems)
-                     + "; " + fix)
-
-
 def rank_config(mc: ModelConfig, tp: TensorParallel) -> ModelConfig:
     """The shapes one rank's decoder has: heads, KV heads and MLP width divided by the
     world size, the vocabulary cut to this rank's slice (:meth:`TensorParallel.vocab_range`).
 
     Raises:
-        ValueError: see :func:`check_shardable`.
+        engine.errors.SettingRefused: see :func:`engine.parallel.split.check_shardable`.
     """
-    check_shardable(mc, tp.world)
-    start, end = tp.vocab_range(mc.vocab_size)
-    return dataclasses.replace(
-        mc,
-        num_heads=mc.num_heads // tp.world,
-        num_kv_heads=mc.num_kv_heads // tp.world,
-        intermediate_size=mc.intermediate_size // tp.world,
-        vocab_size=end - start,
-    )
+    return rank_model_config(mc, tp.world, tp.rank)
 
 
 def shard_weights(

@@ -147,6 +147,7 @@ _PLAN_KNOBS = (
     "max_model_len",
     "min_context",
     "cpu_experts",
+    "tensor_parallel_size",
 )
 
 

@@ -200,6 +200,8 @@ class ServeSettings(EngineConfig):
         "Unload the engine after this long without requests (e.g. 30s, 5m, 1h, or "
         "seconds), giving its memory back; the next request loads it again and waits "
         "for it (state 'idle'). Unset: never.",
+        kind="word_or_number",
+        metavar="DURATION",
     )
     load_on_request: bool = option(
         False,
@@ -320,13 +322,39 @@ def _convert_size(option: Option, value: Any, source: str) -> int | None:
         text = str(exc)
         if option.kind == "size_or_auto":
             text = text.replace("; write ", "; write auto or ")
-        where = source if source == option.flag else f"{source}: {option.name}"
-        raise SettingsError(f"{where}: {text}") from None
+        raise SettingsError(f"{_where(option, source)}: {text}") from None
+
+
+def _convert_word_or_number(option: Option, value: Any, source: str) -> str | None:
+    """A ``word_or_number`` option's value as its text: TOML's ``2`` or ``1.5`` become
+    ``"2"`` or ``"1.5"``, as the command line and the environment spell them.
+
+    Raises:
+        SettingsError: neither text nor a number (a bool, a list...), naming the source.
+    """
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    raise SettingsError(f"{_where(option, source)}: {value!r} is neither text nor a number")
+
+
+def _where(option: Option, source: str) -> str:
+    """Where a value came from, naming the option once: the flag alone, else the
+    source and the option's name."""
+    return source if source == option.flag else f"{source}: {option.name}"
+
+
+def _convert_kind(option: Option, value: Any, source: str) -> Any:
+    """A value of an option with a ``kind`` (a size, a word or number) as the field holds it."""
+    if option.kind == "word_or_number":
+        return _convert_word_or_number(option, value, source)
+    return _convert_size(option, value, source)
 
 
 def _convert_one(option: Option, value: Any, source: str) -> Any:
     if option.kind is not None:
-        return _convert_size(option, value, source)
+        return _convert_kind(option, value, source)
     kind = option.type
     try:
         if kind is bool:
@@ -416,9 +444,9 @@ def resolve(
             value = tuple(flag_value) if opt.multiple else flag_value
             source = opt.flag
             if opt.kind is not None:
-                value = _convert_size(opt, value, opt.flag)
+                value = _convert_kind(opt, value, opt.flag)
         elif opt.kind is not None and source == "default":
-            value = _convert_size(opt, value, "default")
+            value = _convert_kind(opt, value, "default")
         values[opt.name] = value
         sources[opt.name] = source
     factory = env.get(ENV_PREFIX + "ENGINE_FACTORY")
@@ -433,7 +461,10 @@ def _validate(s: ServeSettings) -> None:
     """Each option's own checks (declared with it), then the rules between options."""
 
     def fail(name: str, why: str) -> None:
-        raise SettingsError(f"{OPTIONS_BY_NAME[name].flag} ({s.sources[name]}): {why}")
+        flag, source = OPTIONS_BY_NAME[name].flag, s.sources[name]
+        # A value from the flag itself names the flag once; one from elsewhere says where.
+        where = flag if source == flag else f"{flag} ({source})"
+        raise SettingsError(f"{where}: {why}")
 
     for opt in OPTIONS:
         why = opt.problem(getattr(s, opt.name))

@@ -357,7 +357,7 @@ class Supervisor:
             if message.during_load and self._first_start:
                 # Nothing ever served: a start-up failure (a missing model, a memory plan
                 # that does not fit: the same again on every try), reported, not retried.
-                if message.kind == "PlanDoesNotFit":
+                if message.kind in ("PlanDoesNotFit", "SettingRefused"):
                     reason = message.message  # it says what does not fit and what fixes it
                 else:
                     reason = f"the engine failed to load: {message.kind}: {message.message}"

@@ -1,0 +1,86 @@
+"""Settings checked against the model and the machine before ``headroom serve`` opens
+its port (torch-free): a tensor-parallel size that does not split the model or asks for
+more GPUs than there are, ``--cpu-experts`` above the model's MoE layers. Each is
+refused with exit code 2 and the fix, like any bad option; what cannot be read here (a
+GGUF not converted yet, a machine without NVML) is left to the worker, which refuses it
+in one log line.
+
+Light at import, like the whole of :mod:`service.cli`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from service.cli.exits import EXIT_USAGE, fail
+
+
+def model_config_if_readable(model: str | None) -> Any:
+    """The model's :class:`engine.config.ModelConfig` when its ``config.json`` is on disk
+    (a Hugging Face folder, a GGUF already converted), else None: converting a GGUF
+    needs torch and is the worker's job. A config the loader refuses is None too (the
+    worker says why)."""
+    from engine.loader.default_model import converted_dir
+    from engine.loader.errors import ModelLoadError
+    from engine.loader.hf_config import load_model_config
+    from engine.loader.resolve import gguf_file, resolve_model
+
+    try:
+        gguf = gguf_file(model)
+        folder = converted_dir(gguf) if gguf is not None else resolve_model(model)
+        if not (Path(folder) / "config.json").is_file():
+            return None
+        return load_model_config(folder)
+    except (ModelLoadError, OSError):
+        return None
+
+
+def visible_gpus() -> int | None:
+    """GPUs a CUDA process here would see: NVML's count, cut to ``CUDA_VISIBLE_DEVICES``'
+    entries when set; None without NVML (no NVIDIA driver, no pynvml)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # ImportError, NVMLError_LibraryNotFound, _DriverNotLoaded...
+        return None
+    try:
+        count = pynvml.nvmlDeviceGetCount()
+    except Exception:
+        return None
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        count = min(count, len([p for p in visible.split(",") if p.strip()]))
+    return count
+
+
+def check_before_serving(settings: Any) -> None:
+    """Refuse (exit 2, one line naming the fix) settings the model or the machine cannot
+    honour; settings that need no model facts cost nothing here."""
+    from engine.errors import SettingRefused
+
+    world = settings.tensor_parallel_size
+    wants_layers = settings.cpu_experts.isdecimal() and int(settings.cpu_experts) > 0
+    if world == 1 and not wants_layers:
+        return
+    from engine.parallel.split import check_gpu_count
+    from engine.settings_fit import check_for_model
+
+    try:
+        if world > 1 and settings.device != "cpu":
+            gpus = visible_gpus()
+            # "auto" on a machine without a GPU runs the ranks on the CPU (gloo).
+            if gpus is not None and (gpus > 0 or settings.device.startswith("cuda")):
+                check_gpu_count(world, gpus)
+        mc = model_config_if_readable(settings.model)
+        if mc is not None:
+            check_for_model(settings, mc)
+    except SettingRefused as exc:
+        fail(str(exc), EXIT_USAGE)

@@ -151,6 +151,13 @@ def _auto_none_or_count(value: str) -> str | None:
     return f"{value!r} is not auto, none or a number of layers"
 
 
+def _auto_or_thread_count(value: str) -> str | None:
+    """``auto`` or a whole number of at least 1 (``--cpu-threads``)."""
+    if value == "auto" or (value.isdecimal() and int(value) >= 1):
+        return None
+    return f"{value!r} is not auto or a number of threads (1 or more)"
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Knobs of one engine instance; each option is declared here once
@@ -237,6 +244,16 @@ class EngineConfig:
         kind="word_or_number",
         metavar="auto|none|N",
         checks=(_auto_none_or_count,),
+    )
+    cpu_threads: str = option(
+        "auto",
+        "Threads for the engine's CPU work (the whole model with --device cpu, experts run "
+        "on the CPU otherwise): auto (the cores this process may use less those other "
+        "programs keep busy, re-read each second, so a busy desktop does not stall every "
+        "step) or a fixed number.",
+        kind="word_or_number",
+        metavar="auto|N",
+        checks=(_auto_or_thread_count,),
     )
     min_context: int | None = option(  # tokens
         2048,

@@ -27,6 +27,7 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -136,6 +137,7 @@ def _serve(conn: Connection, engine: Any, config: WorkerConfig) -> int:
     planned_pages = 0
     if hasattr(engine, "resize_kv_pool"):
         planned_pages = getattr(engine, "kv_pool_ceiling_pages", engine.pool.num_pages)
+    threads = _cpu_threads(config)
     next_beat = 0.0
     while True:
         now = time.monotonic()
@@ -154,6 +156,7 @@ def _serve(conn: Connection, engine: Any, config: WorkerConfig) -> int:
         except (EOFError, OSError):
             return EXIT_OK  # the service closed the pipe: it is gone or wants us gone
         if engine.has_work():
+            threads()
             outputs = engine.step()
             if outputs:
                 conn.send_bytes(encode(Outputs(outputs)))
@@ -161,6 +164,27 @@ def _serve(conn: Connection, engine: Any, config: WorkerConfig) -> int:
                 events = drain_events()
                 if events:
                     conn.send_bytes(encode(EngineEvents(list(events))))
+
+
+def _cpu_threads(config: WorkerConfig) -> Callable[[], None]:
+    """torch's CPU thread count, set now and then fitted between steps to the cores other
+    programs leave free (:mod:`engine.cpu_threads`); returns the call for the loop."""
+    if "torch" not in sys.modules:  # an engine without torch (tests' fakes)
+        return lambda: None
+    import torch
+
+    from engine.cpu_threads import CpuThreads, parse_cpu_threads
+
+    fit = CpuThreads(fixed=parse_cpu_threads(getattr(config.engine, "cpu_threads", "auto")))
+    torch.set_num_threads(fit.current)
+    fit.update()  # opens the first window, so the first step already reads the load
+
+    def between_steps() -> None:
+        n = fit.update()
+        if n is not None:
+            torch.set_num_threads(n)
+
+    return between_steps
 
 
 def _receive(conn: Connection, engine: Any, planned_pages: int) -> int | None:

@@ -18,6 +18,24 @@ SMOLLM_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 if not os.path.exists("/dev/nvidia0") and not os.path.exists("/dev/nvidiactl"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from engine.cpu_threads import CpuThreads  # noqa: E402 (after the Triton mode is fixed)
+
+_TEST_THREADS = CpuThreads()
+
+
+@pytest.fixture(autouse=True)
+def _cpu_threads_fit_the_free_cores():
+    """The test process's own torch work (transformers references, in-process engines)
+    uses the cores other programs leave free, by the rule the worker follows
+    (engine/cpu_threads.py): on a 2-core machine with one core busy elsewhere, two
+    threads make every small op wait a time slice for the late one."""
+    import torch
+
+    n = _TEST_THREADS.update()
+    if n is not None:
+        torch.set_num_threads(n)
+    yield
+
 
 def smollm_dir() -> str:
     """Folder of the embedded default model's GGUF.

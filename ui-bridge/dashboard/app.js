@@ -345,6 +345,11 @@ var ControlClient = class {
   setKvCache(kvCache) {
     return this.call("POST", "/api/control/cache", { kv_cache: kvCache });
   }
+  /** Resize the GPU expert cache (routed experts in host memory, `--cpu-experts`): bytes
+   * (whole slots), a size such as `"1GiB"`, or null for the plan's size. */
+  setExpertCache(expertCache) {
+    return this.call("POST", "/api/control/cache", { expert_cache: expertCache });
+  }
   /** Evict the prefix cache's unused pages. */
   clearPrefixCache() {
     return this.call("POST", "/api/control/cache", { clear_prefix_cache: true });
@@ -814,7 +819,7 @@ function renderErrors(s) {
     (r) => row([
       time(r.ts),
       r.action,
-      `${formatBytes(r.before.kv_pool_bytes)} → ${formatBytes(r.after.kv_pool_bytes)}`,
+      r.after.expert_cache_slots != null && r.before.expert_cache_slots !== r.after.expert_cache_slots ? `expert cache ${r.before.expert_cache_slots} → ${r.after.expert_cache_slots} slots (${formatBytes(r.before.expert_cache_bytes ?? 0)} → ${formatBytes(r.after.expert_cache_bytes ?? 0)})` : `${formatBytes(r.before.kv_pool_bytes)} → ${formatBytes(r.after.kv_pool_bytes)}`,
       `${r.before.max_prefill_tokens} → ${r.after.max_prefill_tokens}`,
       r.duration_s != null ? `${(r.duration_s * 1e3).toFixed(0)} ms` : null,
       r.reason

@@ -5,9 +5,13 @@
  * Body of `POST /api/control/cache`. `kv_cache`: the KV pool's size (bytes or
  * text such as `"6GiB"`; null: back to the plan's size; absent: unchanged).
  * `clear_prefix_cache`: evict the prefix cache's unused pages (done first).
+ * `expert_cache`: the GPU expert cache's size, for routed experts in host memory
+ * (`--cpu-experts`; bytes or text, whole slots; null: the plan's size; absent:
+ * unchanged); done before `kv_cache`.
  */
 export interface CacheRequest {
   kv_cache?: number | string | null;
+  expert_cache?: number | string | null;
   clear_prefix_cache?: boolean;
 }
 
@@ -69,6 +73,8 @@ export interface EngineInfo {
   max_prefill_tokens: number;
   max_running_requests: number;
   plan: MemoryPlan | null;
+  kv_cache_dtype: string;
+  kv_bytes_per_token: number;
 }
 
 /**
@@ -193,6 +199,8 @@ export interface MemoryPlan {
   cpu_expert_layers: number;
   expert_cache_slots: number;
   expert_slot_bytes: number;
+  tensor_parallel_size: number;
+  kv_heads: number;
 }
 
 /**
@@ -208,19 +216,24 @@ export interface PlanEvent {
 
 /**
  * The sizes a replan moves: the KV pool (bytes and usable pages), the prefill
- * chunk cap (tokens) and the prefix cache's pages (None when unknown).
+ * chunk cap (tokens), the prefix cache's pages (None when unknown) and the GPU expert
+ * cache in front of routed experts in host memory (slots over all its layers and
+ * their bytes; None when every expert is on the device).
  */
 export interface PlanPoint {
   kv_pool_bytes: number;
   num_pages: number;
   max_prefill_tokens: number;
   prefix_cache_pages: number | null;
+  expert_cache_slots: number | null;
+  expert_cache_bytes: number | null;
 }
 
 /**
  * The plan changed while serving. `action` names the step (e.g.
- * `lower_chunk_cap`, `evict_prefix_cache`, `shrink_kv`, `grow_kv`,
- * `set_kv_cache`); `reason` says why for people; `duration_s` how long it took.
+ * `lower_chunk_cap`, `evict_prefix_cache`, `shrink_expert_cache`,
+ * `grow_expert_cache`, `shrink_kv`, `grow_kv`, `set_kv_cache`,
+ * `set_expert_cache`); `reason` says why for people; `duration_s` how long it took.
  */
 export interface ReplanEvent {
   type: "replan";

@@ -36,6 +36,8 @@ describe("dashboard", () => {
       wanted_context_tokens: 8192, context_note: "context 8,192 -> 3,456 tokens: 1.10 GiB held by other processes",
       kv_cache_dtype: "bfloat16", kv_bytes_per_token: 114688, cpu_expert_layers: 0, expert_cache_slots: 0,
       expert_slot_bytes: 0,
+      tensor_parallel_size: 1,
+      kv_heads: 3,
     };
     expect(planSummary(plan)).toBe(
       "NVIDIA RTX 4060: 216 pages × 16 tokens, max context 3456 tokens — context 8,192 -> 3,456 tokens: 1.10 GiB held by other processes",

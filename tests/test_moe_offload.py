@@ -6,6 +6,7 @@ paged KV pool must give the all-resident model's ids, whatever the cache holds."
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -68,7 +69,8 @@ def test_greedy_ids_equal_the_all_resident_model(tiny, paged_runner, reference, 
         if slots > 1:  # one slot may hold an expert every step needs
             assert (counters.evictions > 0) == (slots < config.num_experts)
     if costs is ALWAYS_COPY and slots < config.num_experts_per_tok:
-        assert counters.cpu_runs > 0  # no slot may be evicted for an expert of the same step
+        # No slot may be evicted for an expert of the same step: the rest stream through.
+        assert counters.streamed > 0 and counters.cpu_runs == 0
     if costs is MIXED:
         assert counters.copies > 0 and counters.cpu_runs > 0
     # The experts' device memory is the cache's now: the host tier holds every expert.
@@ -119,6 +121,35 @@ def test_lru_evicts_the_least_recently_used_expert():
     assert store.counters.hit_rate == pytest.approx(1 / 4)
     # The cached slot holds that expert's weights.
     assert torch.equal(store.slot_gate_up[store.slot_of[2]], store.host_gate_up[2])
+
+
+@pytest.mark.parametrize("slots", [1, 2, 3])
+def test_a_step_routing_past_the_cache_streams_the_rest_through_its_slots(slots):
+    """Six experts in one step, fewer slots: the cached ones run, the rest pass through
+    the slots in waves (none on the CPU: a copy is cheaper), the output equals the
+    all-resident layer's exactly, and the cache keeps what the last waves left."""
+    from kernels.dispatch import fused_moe
+
+    store = _store(num_experts=8, slots=slots)
+    _route(store, 7)  # one expert cached before the big step
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(12, 4, generator=gen)
+    ids = torch.tensor([[e, (e + 1) % 6] for e in range(6)] * 2)
+    ids[0, 1] = 7
+    w = torch.rand(12, 2, generator=gen)
+    before = dataclasses.replace(store.counters)
+    got = store(x, w, ids)
+    assert torch.equal(got, fused_moe(x, store.host_gate_up, store.host_down, w, ids))
+    c = dataclasses.replace(store.counters)
+    assert c.cpu_runs == before.cpu_runs and c.hits == before.hits + 1
+    assert c.streamed - before.streamed == 6 - max(slots - 1, 0)  # 7 stays cached, free slots filled first
+    assert c.copies - before.copies == 6 and c.misses - before.misses == 6
+    assert len(store.slot_of) == slots and sorted(store.slot_of.values()) == list(range(slots))
+    for e, s in store.slot_of.items():
+        assert torch.equal(store.slot_gate_up[s], store.host_gate_up[e])
+    # The next step's hits are served from what the waves left.
+    assert store(x[:1], w[:1, :1], torch.tensor([[max(store.slot_of)]])).shape == (1, 4)
+    assert store.counters.hits == c.hits + 1
 
 
 def test_shrinking_keeps_the_most_recent_experts_in_their_weights():

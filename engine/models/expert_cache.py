@@ -13,7 +13,15 @@ used. Each step, for every expert the router picked:
   the later steps it is expected to serve from the cache (the expert's recent share of
   steps, a decayed average, times the cache's slots: about how many steps a slot stays
   before LRU evicts it). A copy evicts the least recently used slot that this step does
-  not need. With no free or evictable slot it runs on the CPU.
+  not need.
+- missing with every slot holding an expert of this step (a prefill chunk routes to
+  most experts): it is **streamed** when a copy still beats the CPU run. Once the
+  cached experts have run, the rest pass through the same slots in waves, the slots
+  split in two halves that alternate: on CUDA the copies go on a side stream, so a
+  half fills while the other half computes (events order them), and the last waves
+  stay in the cache. A prefill of thousands of tokens would otherwise run most of a
+  layer's experts on the CPU, at tens of milliseconds each, where a copy takes a
+  fraction of one.
 
 Nothing here assumes CUDA: with the device being the CPU, the host tier is one CPU
 tensor and the cache tier another, and the same choices, copies and evictions happen,
@@ -45,12 +53,15 @@ from kernels.dispatch import fused_moe
 @dataclass
 class ExpertCounters:
     """Per-engine totals since start: ``hits`` (expert-steps served from the cache),
-    ``misses`` (expert-steps not in it), ``copies`` (experts copied in), ``cpu_runs``
-    (expert-steps run on the CPU), ``evictions``."""
+    ``misses`` (expert-steps not in it), ``copies`` (experts copied in, streamed ones
+    included), ``streamed`` (copies into a slot already used in the same step: the
+    waves of a step that routes to more experts than the cache holds), ``cpu_runs``
+    (expert-steps run on the CPU), ``evictions``. ``misses == copies + cpu_runs``."""
 
     hits: int = 0
     misses: int = 0
     copies: int = 0
+    streamed: int = 0
     cpu_runs: int = 0
     evictions: int = 0
 
@@ -161,6 +172,7 @@ class OffloadedExperts(nn.Module):
         self.heat = torch.zeros(self.num_experts, dtype=torch.float64)
         self.slot_gate_up = torch.empty(0, *gate_up.shape[1:], dtype=gate_up.dtype, device=self.device)
         self.slot_down = torch.empty(0, *down.shape[1:], dtype=down.dtype, device=self.device)
+        self._copy_stream: torch.cuda.Stream | None = None  # created on the first streamed step
         self.resize(num_slots)
 
     @property
@@ -205,10 +217,12 @@ class OffloadedExperts(nn.Module):
                 return slot
         return None
 
-    def _place(self, tokens_per_expert: dict[int, int]) -> set[int]:
+    def _place(self, tokens_per_expert: dict[int, int]) -> tuple[set[int], list[int]]:
         """Bring in what the cost model says to copy; count hits and misses. Returns
-        the experts to run on the CPU this step."""
+        the experts to run on the CPU this step and those to stream through the slots
+        after the cached ones have run (in expert order)."""
         on_cpu: set[int] = set()
+        streamed: list[int] = []
         active = set(tokens_per_expert)
         self.heat *= HEAT_DECAY
         self.heat[list(active)] += 1 - HEAT_DECAY
@@ -222,15 +236,48 @@ class OffloadedExperts(nn.Module):
             self.counters.misses += 1
             reuse = float(self.heat[expert]) * self.num_slots
             slot = self._free_slot(active) if self.costs.prefers_copy(n, reuse) else None
-            if slot is None:
+            if slot is not None:
+                self.slot_gate_up[slot].copy_(self.host_gate_up[expert], non_blocking=True)
+                self.slot_down[slot].copy_(self.host_down[expert], non_blocking=True)
+                self.slot_of[expert] = slot
+                self.counters.copies += 1
+            elif self.num_slots and self.costs.prefers_copy(n):
+                streamed.append(expert)
+                self.counters.copies += 1
+                self.counters.streamed += 1
+            else:
                 on_cpu.add(expert)
                 self.counters.cpu_runs += 1
-                continue
+        return on_cpu, sorted(streamed)
+
+    def _waves(self, streamed: list[int]) -> list[list[tuple[int, int]]]:
+        """``(expert, slot)`` waves for ``streamed``: the slots split in two halves
+        used in turn, so one half can fill while the other computes (one half with a
+        single slot). The cache keeps the experts the last waves leave in it, most
+        recent last."""
+        half = (self.num_slots + 1) // 2
+        halves = [list(range(half)), list(range(half, self.num_slots))] if self.num_slots > 1 else [[0]]
+        waves: list[list[tuple[int, int]]] = []
+        rest = list(streamed)
+        while rest:
+            slots = halves[len(waves) % len(halves)]
+            waves.append(list(zip(rest[:len(slots)], slots, strict=False)))
+            rest = rest[len(slots):]
+        holder = {slot: expert for expert, slot in self.slot_of.items()}
+        for wave in waves:
+            for expert, slot in wave:
+                old = holder.pop(slot, None)
+                if old is not None:
+                    del self.slot_of[old]
+                    self.counters.evictions += 1
+                holder[slot] = expert
+                self.slot_of[expert] = slot
+        return waves
+
+    def _fill(self, wave: list[tuple[int, int]]) -> None:
+        for expert, slot in wave:
             self.slot_gate_up[slot].copy_(self.host_gate_up[expert], non_blocking=True)
             self.slot_down[slot].copy_(self.host_down[expert], non_blocking=True)
-            self.slot_of[expert] = slot
-            self.counters.copies += 1
-        return on_cpu
 
     def _run_cpu(self, x: torch.Tensor, tokens: torch.Tensor, expert: int) -> torch.Tensor:
         xh = x[tokens].to("cpu")
@@ -244,18 +291,33 @@ class OffloadedExperts(nn.Module):
         if x.shape[0] == 0:
             return out
         experts, counts = torch.unique(topk_ids, return_counts=True)
-        on_cpu = self._place(dict(zip(experts.tolist(), counts.tolist(), strict=True)))
+        on_cpu, streamed = self._place(dict(zip(experts.tolist(), counts.tolist(), strict=True)))
         if x.is_cuda:
+            if streamed:
+                return self._forward_streamed(x, topk_weights, topk_ids, experts.tolist(), counts.tolist(),
+                                              on_cpu, streamed)
             return self._forward_fused(x, topk_weights, topk_ids, on_cpu, len(experts))
-        # Expert order and the reference's ops: equal to the all-resident model.
-        for e in experts.tolist():
+        # Every expert's output first, then added in expert order with the reference's
+        # ops: equal to the all-resident model whatever ran where.
+        ys: dict[int, torch.Tensor] = {}
+
+        def run(e: int, slot: int | None) -> None:
             tokens, ks = torch.where(topk_ids == e)
-            if e in on_cpu:
+            if slot is None:
                 y = self._run_cpu(x, tokens, e)
             else:
-                slot = self.slot_of[e]
                 y = _expert_mlp(x[tokens], self.slot_gate_up[slot], self.slot_down[slot])
-            out.index_add_(0, tokens, (y * topk_weights[tokens, ks, None]).to(x.dtype))
+            ys[e] = (y * topk_weights[tokens, ks, None]).to(x.dtype)
+
+        for e in experts.tolist():
+            if e not in streamed:
+                run(e, None if e in on_cpu else self.slot_of[e])
+        for wave in self._waves(streamed):
+            self._fill(wave)
+            for e, slot in wave:
+                run(e, slot)
+        for e in experts.tolist():
+            out.index_add_(0, torch.where(topk_ids == e)[0], ys[e])
         return out
 
     def _forward_fused(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
@@ -275,10 +337,55 @@ class OffloadedExperts(nn.Module):
             out = fused_moe(x, self.slot_gate_up, self.slot_down, weights, slot_ids)
         else:
             out = torch.zeros_like(x)
+        self._add_cpu_runs(out, x, topk_weights, topk_ids, on_cpu)
+        return out
+
+    def _add_cpu_runs(self, out: torch.Tensor, x: torch.Tensor, topk_weights: torch.Tensor,
+                      topk_ids: torch.Tensor, on_cpu: set[int]) -> None:
         for e in sorted(on_cpu):
             tokens, ks = torch.where(topk_ids == e)
             y = self._run_cpu(x, tokens, e)
             out.index_add_(0, tokens, (y * topk_weights[tokens, ks, None]).to(x.dtype))
+
+    def _forward_streamed(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                          experts: list[int], counts: list[int], on_cpu: set[int],
+                          streamed: list[int]) -> torch.Tensor:
+        """A step routing to more experts than the slots hold, on CUDA: the cached
+        experts' rows through the fused kernel, then each wave's rows once its copy
+        (on the side stream) is done; a half's next copy waits for the compute that
+        read it. Rows are gathered per group from one sort of the routed pairs, with
+        offsets known on the host, so nothing waits for the device."""
+        k = topk_ids.shape[1]
+        order = torch.argsort(topk_ids.flatten(), stable=True)
+        start = dict(zip(experts, torch.tensor([0, *counts[:-1]]).cumsum(0).tolist(), strict=True))
+        size = dict(zip(experts, counts, strict=True))
+        out = torch.zeros_like(x)
+
+        def compute(group: list[tuple[int, int]]) -> None:
+            rows = torch.cat([order[start[e]:start[e] + size[e]] for e, _ in group])
+            slots = torch.tensor([s for e, s in group for _ in range(size[e])], pin_memory=True)
+            tokens = rows // k
+            y = fused_moe(x[tokens], self.slot_gate_up, self.slot_down, topk_weights.flatten()[rows, None],
+                          slots.to(x.device, non_blocking=True)[:, None])
+            out.index_add_(0, tokens, y)
+
+        cached = [(e, self.slot_of[e]) for e in experts if e in self.slot_of]
+        if cached:
+            compute(cached)
+        waves = self._waves(streamed)
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(x.device)
+        main = torch.cuda.current_stream(x.device)
+        freed = [main.record_event()] * 2
+        for i, wave in enumerate(waves):
+            with torch.cuda.stream(self._copy_stream):
+                self._copy_stream.wait_event(freed[i % 2])
+                self._fill(wave)
+                filled = self._copy_stream.record_event()
+            main.wait_event(filled)
+            compute(wave)
+            freed[i % 2] = main.record_event()
+        self._add_cpu_runs(out, x, topk_weights, topk_ids, on_cpu)
         return out
 
 

@@ -114,7 +114,7 @@ def test_fast_path_options_reach_the_engine_config(tmp_path):
     assert (ec.attention_backend, ec.cuda_graphs, ec.cuda_graph_max_batch) == ("flashinfer", False, 8)
     default = resolve({}, env={"HEADROOM_CUDA_GRAPHS": "on"}, config_path=empty).engine_config()
     assert (default.attention_backend, default.cuda_graphs, default.cuda_graph_max_batch) == ("auto", True, 64)
-    with pytest.raises(SettingsError, match="--attention-backend .*not one of auto, triton, flashinfer, torch"):
+    with pytest.raises(SettingsError, match="--attention-backend: .*not one of auto, triton, flashinfer, torch"):
         resolve({"attention_backend": "xformers"}, env={}, config_path=empty)
-    with pytest.raises(SettingsError, match="--cuda-graph-max-batch .*--no-cuda-graphs"):
+    with pytest.raises(SettingsError, match="--cuda-graph-max-batch: .*--no-cuda-graphs"):
         resolve({"cuda_graph_max_batch": 0}, env={}, config_path=empty)

@@ -182,7 +182,7 @@ def test_cost_model_copies_when_a_copy_beats_the_cpu_run():
     assert not costs.prefers_copy(1) and costs.prefers_copy(8)
     measured = measure_costs(torch.randn(2, 64, 32), torch.randn(2, 32, 32), torch.device("cpu"), repeats=1)
     assert measured.expert_bytes == (64 * 32 + 32 * 32) * 4
-    assert measured.copy_bytes_per_s > 0 and measured.cpu_s(16) >= measured.cpu_s(1) >= 0
+    assert measured.copy_bytes_per_s > 0 and measured.cpu_s(256) >= measured.cpu_s(1) >= 0
 
 
 def test_a_dense_layer_cannot_be_offloaded(tiny):

@@ -85,7 +85,7 @@ def build_plan(config: EngineConfig) -> MemoryPlan:
     memory = device_memory(config, device)
     assert memory is not None
     plan, _ = fit_plan(estimated_planner(config, mc, device, dtype, memory, weights=weights), PlanKnobs.of(config))
-    return msgspec.structs.replace(plan, kv_heads=mc.num_kv_heads)
+    return plan
 
 
 def render(plan: MemoryPlan, as_json: bool, setup: str = "") -> str:

@@ -189,6 +189,7 @@ def make_footprint(
         num_experts=mc.num_experts,
         weight_source="exact, from tensor shapes" if weights is None else f"exact, {weights.source}: {weights.mix}",
         kv_bytes_per_token=kv_bytes_per_token(mc, kv_dtype),
+        kv_heads=mc.num_kv_heads,
         kv_cache_dtype=str(kv_dtype).removeprefix("torch."),
         vocab_size=mc.vocab_size,
         model_context_tokens=model_context(mc, PlanKnobs()),

@@ -167,6 +167,8 @@ class Footprint:
     kv_cache_dtype: str = ""
     expert_layers: int = 0
     num_experts: int = 0
+    # The KV heads the cache holds (a tensor-parallel rank's share); 0 where not known.
+    kv_heads: int = 0
 
     @property
     def expert_slot_bytes(self) -> int:
@@ -437,6 +439,7 @@ def _ledger_at(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint, host_layer
         expert_cache_slots=slots,
         expert_slot_bytes=fp.expert_slot_bytes if host_layers else 0,
         tensor_parallel_size=knobs.tensor_parallel_size,
+        kv_heads=fp.kv_heads,
     )
 
 

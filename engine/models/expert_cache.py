@@ -78,7 +78,9 @@ class CostModel:
     ``copy_bytes_per_s``: host -> device bandwidth; ``expert_bytes``: one expert's
     ``[2I, H] + [H, I]`` bytes; ``cpu_s_base`` and ``cpu_s_per_token``: a CPU run of one
     expert on ``n`` tokens takes ``cpu_s_base + n * cpu_s_per_token`` (measured by
-    :func:`measure_costs` on 1 and 16 tokens; linear between).
+    :func:`measure_costs` on 1 and 256 tokens; linear between). A run of a few
+    tokens reads the weights and barely computes, so a slope taken below a few dozen
+    tokens says nothing of a prefill chunk's hundreds, which are compute-bound.
     """
 
     copy_bytes_per_s: float
@@ -112,11 +114,19 @@ def _expert_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) 
 
 
 def measure_costs(host_gate_up: torch.Tensor, host_down: torch.Tensor, device: torch.device, repeats: int = 3) -> CostModel:
-    """Time one expert's copy to ``device`` and its CPU run on 1 and 16 tokens (best of
-    ``repeats``), from the host tier ``host_gate_up`` ``[E, 2I, H]``, ``host_down``
-    ``[E, H, I]``."""
-    gu, dn = host_gate_up[0], host_down[0]
-    nbytes = gu.nbytes + dn.nbytes
+    """Time expert copies to ``device`` and one expert's CPU run on 1 and 256 tokens
+    (best of ``repeats``), from the host tier ``host_gate_up`` ``[E, 2I, H]``,
+    ``host_down`` ``[E, H, I]``.
+
+    The copy is timed as the store makes it: from pinned memory (on CUDA), up to 4
+    experts back to back, so the figure is the bus's rate rather than one copy's launch
+    and wait (a single pageable copy measured 10-15 GB/s on a link that streams 46).
+    """
+    n = min(4, host_gate_up.shape[0])
+    gu, dn = host_gate_up[:n].contiguous(), host_down[:n].contiguous()
+    if device.type == "cuda":
+        gu, dn = gu.pin_memory(), dn.pin_memory()
+    nbytes = (gu.nbytes + dn.nbytes) // n
     dst_gu = torch.empty_like(gu, device=device)
     dst_dn = torch.empty_like(dn, device=device)
 
@@ -129,16 +139,17 @@ def measure_costs(host_gate_up: torch.Tensor, host_down: torch.Tensor, device: t
         return min(times)
 
     def copy() -> None:
-        dst_gu.copy_(gu, non_blocking=True)
-        dst_dn.copy_(dn, non_blocking=True)
+        for i in range(n):
+            dst_gu[i].copy_(gu[i], non_blocking=True)
+            dst_dn[i].copy_(dn[i], non_blocking=True)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
     copy()  # first touch
-    copy_s = max(best(copy), 1e-9)
-    xs = {n: torch.randn(n, gu.shape[1], dtype=gu.dtype) for n in (1, 16)}
-    cpu = {n: best(lambda n=n: _expert_mlp(xs[n], gu, dn)) for n in xs}
-    per_token = max((cpu[16] - cpu[1]) / 15, 0.0)
+    copy_s = max(best(copy) / n, 1e-9)
+    xs = {t: torch.randn(t, gu.shape[2], dtype=gu.dtype) for t in (1, 256)}
+    cpu = {t: best(lambda t=t: _expert_mlp(xs[t], gu[0], dn[0])) for t in xs}
+    per_token = max((cpu[256] - cpu[1]) / 255, 0.0)
     return CostModel(nbytes / copy_s, nbytes, max(cpu[1] - per_token, 0.0), per_token)
 
 
@@ -356,35 +367,41 @@ class OffloadedExperts(nn.Module):
         read it. Rows are gathered per group from one sort of the routed pairs, with
         offsets known on the host, so nothing waits for the device."""
         k = topk_ids.shape[1]
-        order = torch.argsort(topk_ids.flatten(), stable=True)
+        flat_ids = topk_ids.flatten()
+        order = torch.argsort(flat_ids, stable=True)
         start = dict(zip(experts, torch.tensor([0, *counts[:-1]]).cumsum(0).tolist(), strict=True))
         size = dict(zip(experts, counts, strict=True))
+        cached = [(e, self.slot_of[e]) for e in experts if e in self.slot_of]
+        groups = [cached, *self._waves(streamed)]
+        # Each group's expert -> slot table, sent in one copy.
+        table = torch.zeros(len(groups), self.num_experts, dtype=torch.int64, pin_memory=True)
+        for g, group in enumerate(groups):
+            for e, slot in group:
+                table[g, e] = slot
+        table = table.to(x.device, non_blocking=True)
         out = torch.zeros_like(x)
 
-        def compute(group: list[tuple[int, int]]) -> None:
-            rows = torch.cat([order[start[e]:start[e] + size[e]] for e, _ in group])
-            slots = torch.tensor([s for e, s in group for _ in range(size[e])], pin_memory=True)
+        def compute(g: int) -> None:
+            rows = torch.cat([order[start[e]:start[e] + size[e]] for e, _ in groups[g]])
             tokens = rows // k
             y = fused_moe(x[tokens], self.slot_gate_up, self.slot_down, topk_weights.flatten()[rows, None],
-                          slots.to(x.device, non_blocking=True)[:, None])
+                          table[g][flat_ids[rows]][:, None])
             out.index_add_(0, tokens, y)
 
-        cached = [(e, self.slot_of[e]) for e in experts if e in self.slot_of]
         if cached:
-            compute(cached)
-        waves = self._waves(streamed)
+            compute(0)
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(x.device)
         main = torch.cuda.current_stream(x.device)
         freed = [main.record_event()] * 2
-        for i, wave in enumerate(waves):
+        for g in range(1, len(groups)):
             with torch.cuda.stream(self._copy_stream):
-                self._copy_stream.wait_event(freed[i % 2])
-                self._fill(wave)
+                self._copy_stream.wait_event(freed[g % 2])
+                self._fill(groups[g])
                 filled = self._copy_stream.record_event()
             main.wait_event(filled)
-            compute(wave)
-            freed[i % 2] = main.record_event()
+            compute(g)
+            freed[g % 2] = main.record_event()
         self._add_cpu_runs(out, x, topk_weights, topk_ids, on_cpu)
         return out
 

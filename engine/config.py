@@ -8,6 +8,7 @@ holds the knobs of one engine instance.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from engine.options import at_least, nonzero_size, option
@@ -152,10 +153,17 @@ def _auto_none_or_count(value: str) -> str | None:
 
 
 def _auto_or_thread_count(value: str) -> str | None:
-    """``auto`` or a whole number of at least 1 (``--cpu-threads``)."""
-    if value == "auto" or (value.isdecimal() and int(value) >= 1):
+    """``auto`` or a whole number from 1 to the cores this process may use
+    (``--cpu-threads``): more threads than cores make every op wait for a time slice,
+    and with hundreds of them a step outlasts the watchdog."""
+    if value == "auto":
         return None
-    return f"{value!r} is not auto or a number of threads (1 or more)"
+    if not (value.isdecimal() and int(value) >= 1):
+        return f"{value!r} is not auto or a number of threads (1 or more)"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if int(value) > cores:
+        return f"{value} is more than the {cores} cores this process may use; use auto or 1-{cores}"
+    return None
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -79,6 +80,8 @@ class Option:
         "unset" and pass."""
         if value is None:
             return None
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"{value} is not a finite number"
         for check in self.checks:
             why = check(value)
             if why is not None:

@@ -4,6 +4,7 @@ real busy process beside it."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -96,9 +97,15 @@ def test_the_option_takes_auto_or_a_count_from_every_source(tmp_path):
     from service.cli.settings import SettingsError, resolve
 
     config = tmp_path / "config.toml"
-    config.write_text("cpu_threads = 3\n")
-    assert resolve({}, env={}, config_path=config).cpu_threads == "3"
+    config.write_text("cpu_threads = 1\n")
+    assert resolve({}, env={}, config_path=config).cpu_threads == "1"
     assert resolve({}, env={"HEADROOM_CPU_THREADS": "auto"}, config_path=config).cpu_threads == "auto"
     for bad in ("0", "-1", "many"):
         with pytest.raises(SettingsError, match="--cpu-threads: .* is not auto or a number of threads"):
             resolve({"cpu_threads": bad}, env={}, config_path=config)
+    # More threads than cores: each op waits for time slices, and hundreds of threads
+    # stall a step past the watchdog.
+    cores = len(os.sched_getaffinity(0))
+    assert resolve({"cpu_threads": str(cores)}, env={}, config_path=config).cpu_threads == str(cores)
+    with pytest.raises(SettingsError, match=f"--cpu-threads: {cores + 1} is more than the {cores} cores .* 1-{cores}"):
+        resolve({"cpu_threads": str(cores + 1)}, env={}, config_path=config)

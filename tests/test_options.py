@@ -170,3 +170,18 @@ def test_cpu_experts_above_the_moe_layers_is_refused_naming_the_largest():
     dense = ModelConfig(**{**shape, "architecture": "LlamaForCausalLM"})
     with pytest.raises(SettingRefused, match="has no mixture-of-experts layers; use --cpu-experts none"):
         check_cpu_experts(EngineConfig(cpu_experts="1"), dense)
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "-inf"])
+def test_a_seconds_option_refuses_a_number_that_is_not_finite(tmp_path, value):
+    """--shutdown-timeout inf passed, then the first Ctrl-C crashed the signal handler
+    (a Retry-After of infinite seconds) and the service never exited."""
+    from service.cli.settings import SettingsError, resolve
+
+    empty = tmp_path / "empty.toml"
+    empty.write_text("")
+    for name, flag in (("shutdown_timeout", "--shutdown-timeout"), ("stall_timeout_s", "--stall-timeout-s")):
+        with pytest.raises(SettingsError, match=f"{flag}: {value.lstrip('-')}|{flag}: -inf"):
+            resolve({name: float(value)}, env={}, config_path=empty)
+    with pytest.raises(SettingsError, match=r"--shutdown-timeout \(HEADROOM_SHUTDOWN_TIMEOUT\): .*not a finite number"):
+        resolve({}, env={"HEADROOM_SHUTDOWN_TIMEOUT": value}, config_path=empty)

@@ -199,7 +199,8 @@ class ServeSettings(EngineConfig):
         None,
         "Unload the engine after this long without requests (e.g. 30s, 5m, 1h, or "
         "seconds), giving its memory back; the next request loads it again and waits "
-        "for it (state 'idle'). Unset: never.",
+        "for it (state 'idle'). Unset or negative (Ollama's -1): never; 0: as soon as "
+        "no request runs.",
         kind="word_or_number",
         metavar="DURATION",
     )

@@ -21,6 +21,7 @@ from service.api.errors import APIError
 from service.http.state import CONTROL_REASON
 from service.supervision.states import State
 from service.supervision.supervisor import Supervisor
+from service.vram.host import host_memory
 from service.vram.watcher import VramWatcher
 
 log = logging.getLogger("headroom.control")
@@ -123,6 +124,7 @@ class SupervisorControl:
                     "the minimum context"
                 )
             what = f"{fmt_bytes(kv_cache_bytes)} ({pages - 1} pages)"
+            self._check_host_room(pages, pool.pages, pool.page_bytes)
         if self.watcher is None:
             done = await self._resize(pages, what)
         else:
@@ -170,6 +172,27 @@ class SupervisorControl:
             kind, origin=BY_CONTROL, timeout_s=self.command_timeout_s, **fields
         )
 
+    def _check_host_room(self, pages: int, now_pages: int, page_bytes: int) -> None:
+        """On the CPU a pool larger than the host's available memory does not fail: the
+        worker pages to swap or stalls until the watchdog kills it. Refuse it first (a
+        CUDA device refuses a grow that does not fit with an out-of-memory error, 409).
+
+        Raises:
+            ValueError: the growth exceeds the host's available memory (400).
+        """
+        info = self.supervisor.info
+        if info is None or info.device.startswith("cuda") or pages <= now_pages:
+            return
+        grow = (pages - now_pages) * page_bytes
+        available = host_memory(()).available_bytes
+        if grow > available:
+            most = now_pages - 1 + available // page_bytes
+            raise ValueError(
+                f"a KV cache of {pages - 1} pages needs {fmt_bytes(grow)} more host memory than it "
+                f"holds now, and {fmt_bytes(available)} is available; the most it can grow to now "
+                f"is {fmt_bytes(most * page_bytes)} ({most} pages)"
+            )
+
     async def _resize(self, pages: int, what: str) -> ipc.ControlDone | None:
         return await self.supervisor.link.run_command(
             ipc.ResizePool,
@@ -197,6 +220,7 @@ class SupervisorControl:
             raise APIError(
                 503,
                 "the engine worker did not answer (it restarted, or is busy); try again",
+                type="server_error",
                 code="engine_unavailable",
                 headers={"Retry-After": "2"},
             )

@@ -185,3 +185,18 @@ def test_a_seconds_option_refuses_a_number_that_is_not_finite(tmp_path, value):
             resolve({name: float(value)}, env={}, config_path=empty)
     with pytest.raises(SettingsError, match=r"--shutdown-timeout \(HEADROOM_SHUTDOWN_TIMEOUT\): .*not a finite number"):
         resolve({}, env={"HEADROOM_SHUTDOWN_TIMEOUT": value}, config_path=empty)
+
+
+@pytest.mark.parametrize("key", ["", " "])
+def test_an_empty_api_key_is_refused_rather_than_turning_the_check_off(tmp_path, key):
+    from service.cli.settings import SettingsError, resolve
+
+    empty = tmp_path / "empty.toml"
+    empty.write_text("")
+    with pytest.raises(SettingsError, match="--api-key: is empty; unset it"):
+        resolve({"api_key": key}, env={}, config_path=empty)
+    with pytest.raises(SettingsError, match="HEADROOM_API_KEY.*is empty"):
+        resolve({}, env={"HEADROOM_API_KEY": " "}, config_path=empty)
+    # An empty variable is an unset one, for every option.
+    assert resolve({}, env={"HEADROOM_API_KEY": ""}, config_path=empty).api_key is None
+    assert resolve({"api_key": "k"}, env={}, config_path=empty).api_key == "k"

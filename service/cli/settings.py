@@ -148,7 +148,10 @@ class ServeSettings(EngineConfig):
         (), "Another name the model answers to in the API (repeatable)."
     )
     api_key: str | None = option(
-        None, "Require 'Authorization: Bearer KEY' on /v1 (unset: no key)."
+        None,
+        "Require 'Authorization: Bearer KEY' on /v1 (unset: no key).",
+        # An empty key (an empty HEADROOM_API_KEY) would turn authentication off unseen.
+        checks=(lambda key: None if key.strip() else "is empty; unset it to serve without a key",),
     )
     cors_origin: tuple[str, ...] = option(
         (),

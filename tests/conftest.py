@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import os
+import shutil
+import tempfile
 
 import pytest
 from service_harness import real_server, start_server  # noqa: F401
@@ -17,6 +20,13 @@ SMOLLM_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # with a GPU the same tests run the compiled kernels on CUDA.
 if not os.path.exists("/dev/nvidia0") and not os.path.exists("/dev/nvidiactl"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# The services the tests start keep their pid, lock and runtime.json in a folder of the
+# session's own: a headroom the developer runs under the same account (one per user)
+# would otherwise make every `headroom serve` of the suite exit "already running".
+_RUNTIME = tempfile.mkdtemp(prefix="headroom-tests-run-")
+os.environ["HEADROOM_RUNTIME_DIR"] = _RUNTIME
+atexit.register(shutil.rmtree, _RUNTIME, ignore_errors=True)
 
 from engine.cpu_threads import CpuThreads  # noqa: E402 (after the Triton mode is fixed)
 

@@ -141,6 +141,7 @@ def test_pidfile_records_and_forgets(tmp_path):
 def test_default_pidfile_is_in_the_runtime_dir_else_the_cache_dir(tmp_path, monkeypatch):
     import platformdirs
 
+    monkeypatch.delenv("HEADROOM_RUNTIME_DIR", raising=False)  # the test session sets its own
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "xdg"))  # platformdirs is faked below
     monkeypatch.setattr(platformdirs, "user_runtime_dir", lambda app: str(tmp_path / "run" / app))
     monkeypatch.setattr(platformdirs, "user_cache_dir", lambda app: str(tmp_path / "cache" / app))

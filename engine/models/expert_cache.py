@@ -248,8 +248,7 @@ class OffloadedExperts(nn.Module):
             reuse = float(self.heat[expert]) * self.num_slots
             slot = self._free_slot(active) if self.costs.prefers_copy(n, reuse) else None
             if slot is not None:
-                self.slot_gate_up[slot].copy_(self.host_gate_up[expert], non_blocking=True)
-                self.slot_down[slot].copy_(self.host_down[expert], non_blocking=True)
+                self._fill([(expert, slot)])
                 self.slot_of[expert] = slot
                 self.counters.copies += 1
             elif self.num_slots and self.costs.prefers_copy(n):
@@ -393,15 +392,19 @@ class OffloadedExperts(nn.Module):
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(x.device)
         main = torch.cuda.current_stream(x.device)
-        freed = [main.record_event()] * 2
+        # One event per half (as _waves splits the slots): a half's next fill waits for
+        # the last compute that read it; with one slot, every wave waits for the last.
+        halves = 2 if self.num_slots > 1 else 1
+        freed = [main.record_event()] * halves
         for g in range(1, len(groups)):
+            half = (g - 1) % halves
             with torch.cuda.stream(self._copy_stream):
-                self._copy_stream.wait_event(freed[g % 2])
+                self._copy_stream.wait_event(freed[half])
                 self._fill(groups[g])
                 filled = self._copy_stream.record_event()
             main.wait_event(filled)
             compute(g)
-            freed[g % 2] = main.record_event()
+            freed[half] = main.record_event()
         self._add_cpu_runs(out, x, topk_weights, topk_ids, on_cpu)
         return out
 

@@ -126,13 +126,15 @@ def test_qwen3_30b_a3b_expert_layers_hybrid_vs_resident(batch, slots):
     assert same < 5e-2 and plan.fits and plan.cpu_expert_layers > 0
 
 
-@pytest.mark.parametrize("routing", ["zipf", "uniform-always-copy"])
-def test_a_prefill_chunk_streams_the_missing_experts_through_the_cache(routing):
+@pytest.mark.parametrize(("routing", "slots"), [("zipf", 16), ("uniform-always-copy", 16), ("uniform-always-copy", 1)])
+def test_a_prefill_chunk_streams_the_missing_experts_through_the_cache(routing, slots):
     """zipf: the measured cost model decides; the hot experts' hundreds of tokens make
     a copy cheaper than a CPU run and they stream through the slots, the cold ones run on
     the CPU. uniform-always-copy: every miss streams, to time the waves against their
-    copies alone (the compute hidden behind them)."""
-    hdim, inter, experts, top_k, tokens, slots = 2048, 768, 128, 8, 2048, 16
+    copies alone (the compute hidden behind them). One slot: both halves of the waves
+    are that slot, so each fill must wait for the compute of the wave before it (a race
+    there shows as a wrong output, not as a crash)."""
+    hdim, inter, experts, top_k, tokens = 2048, 768, 128, 8, 2048
     gen = torch.Generator().manual_seed(0)
     gu = torch.randn(experts, 2 * inter, hdim, dtype=torch.bfloat16, generator=gen) * 0.02
     dn = torch.randn(experts, hdim, inter, dtype=torch.bfloat16, generator=gen) * 0.02

@@ -31,6 +31,7 @@ from engine.text.stop import StopStringMatcher
 from service.api.admission import Admission, Ticket
 from service.api.errors import SERVER_ERROR, APIError, invalid
 from service.api.prompts import Prompt, encode_prompts
+from service.api.ranges import MAX_TOKENS_MIN, SEED_MIN, TEMPERATURE_MAX, TEMPERATURE_MIN
 from service.api.sampling_defaults import SamplingDefaults
 from service.api.schemas import MAX_N, SEED_MAX, TOP_K_MAX, _SamplingFields
 from service.api.text import TextSide
@@ -173,7 +174,7 @@ def sampling_params(
     Raises:
         APIError: 400 naming the field for a value out of range.
     """
-    _check_range(req.temperature, "temperature", 0.0, 2.0)
+    _check_range(req.temperature, "temperature", TEMPERATURE_MIN, TEMPERATURE_MAX)
     _check_range(req.top_p, "top_p", 0.0, 1.0, low_open=True)
     _check_range(req.min_p, "min_p", 0.0, 1.0)
     _check_range(req.presence_penalty, "presence_penalty", -2.0, 2.0)
@@ -184,7 +185,7 @@ def sampling_params(
             f"top_k must be -1 or 0 (off) or a positive count up to {TOP_K_MAX}, got {req.top_k}",
             "top_k",
         )
-    _check_int(req.seed, "seed", 0, SEED_MAX)
+    _check_int(req.seed, "seed", SEED_MIN, SEED_MAX)
     seed = None if req.seed is None else (req.seed + seed_offset) % (SEED_MAX + 1)
     return SamplingParams(
         max_new_tokens=max_new_tokens,
@@ -268,8 +269,8 @@ def check_common(req: _SamplingFields) -> None:
     logit_bias_pairs(req.logit_bias)
     stop_strings(req.stop)
     sampling_params(req, 0, 0)
-    if req.max_tokens is not None and req.max_tokens < 0:
-        raise invalid(f"max_tokens must be at least 0, got {req.max_tokens}", "max_tokens")
+    if req.max_tokens is not None and req.max_tokens < MAX_TOKENS_MIN:
+        raise invalid(f"max_tokens must be at least {MAX_TOKENS_MIN}, got {req.max_tokens}", "max_tokens")
 
 
 # Seconds a client should wait before retrying a request that ran out of device

@@ -20,6 +20,7 @@ from typing import Any
 
 import click
 
+from service.api.ranges import MAX_TOKENS_MIN, TEMPERATURE_MAX, TEMPERATURE_MIN
 from service.cli.autostart import service as service_group
 from service.cli.bench import bench
 from service.cli.doctor import doctor
@@ -161,10 +162,12 @@ _PLAN_KNOBS = (
     "are also read from HEADROOM_* variables and the config file. One prompt runs, so "
     "the plan holds one request (--max-running-requests 1)."
 )
-@max_tokens_option(256, "Most tokens to generate.")
+@max_tokens_option(
+    256, "Most tokens to generate (0: none, as the API's max_tokens 0).", least=MAX_TOKENS_MIN
+)
 @click.option(
     "--temperature",
-    type=click.FloatRange(0.0, 2.0),
+    type=click.FloatRange(TEMPERATURE_MIN, TEMPERATURE_MAX),
     default=0.7,
     show_default=True,
     help="Sampling temperature; 0 is greedy.",

@@ -4,7 +4,8 @@ by one, each a :class:`Check` that is OK, WARN (works, but worse than it could) 
 
 :func:`run_checks` runs them in order: headroom itself, the config, torch and its CUDA
 build, the NVIDIA driver through NVML, Triton and FlashInfer, the model ``serve`` would
-load, the port (a headroom already listening there is asked for its ``/api/health``),
+load, the port (the running headroom, found as ``headroom status`` finds it, else one
+listening on the configured port, is asked for its ``/api/health``),
 the local token's permissions, and the login service's state. Nothing here changes the
 machine. torch is imported (to read its build), never a model.
 """
@@ -200,12 +201,21 @@ def _ask_health(host: str, port: int) -> dict[str, Any] | None:
     return body if isinstance(body, dict) and "status" in body else None
 
 
+_SEE_LOG = "see `headroom service logs`, or the log of the headroom serve you started"
+
+
 def _check_port(ctx: Context) -> Check:
+    """The running headroom's health (where ``runtime.json`` says it listens, as
+    ``headroom status`` finds it); without one, whether the configured port is free."""
     if ctx.settings is None:
         return Check("port", WARN, "not checked: the config is broken", "")
-    host, port = ctx.settings.host, ctx.settings.port
+    from service.cli.instance import service_address
+
+    host, port, info = service_address(ctx.settings.host, ctx.settings.port)
     if host in ("0.0.0.0", "::", ""):
         host = "127.0.0.1"
+    if info is not None:
+        return _running_health(host, port, info, ctx.settings.port)
     from service.cli.serve import bind_socket
 
     try:
@@ -221,17 +231,26 @@ def _check_port(ctx: Context) -> Check:
             f"{host}:{port} is in use by another program",
             "stop it, or set another port (port = N in the config, HEADROOM_PORT or --port)",
         )
+    return _health_check(f"headroom answers on {host}:{port}", health)
+
+
+def _running_health(host: str, port: int, info: dict[str, Any], configured: int) -> Check:
+    who = f"headroom serve (pid {info.get('pid')}) on {host}:{port}"
+    if port != configured:
+        who += f" (the config says port {configured})"
+    health = _ask_health(host, port)
+    if health is None:
+        return Check("port", WARN, f"{who} does not answer /api/health", _SEE_LOG)
+    return _health_check(f"{who} answers", health)
+
+
+def _health_check(detail: str, health: dict[str, Any]) -> Check:
     status = health.get("status")
-    detail = f"headroom answers on {host}:{port}: {status}"
+    detail = f"{detail}: {status}"
     if status == "ready":
         return Check("port", OK, detail)
     reason = health.get("reason") or health.get("detail") or ""
-    return Check(
-        "port",
-        WARN,
-        f"{detail}{f' ({reason})' if reason else ''}",
-        "see `headroom service logs`, or the log of the headroom serve you started",
-    )
+    return Check("port", WARN, f"{detail}{f' ({reason})' if reason else ''}", _SEE_LOG)
 
 
 def _check_token(ctx: Context) -> Check:
@@ -262,21 +281,20 @@ def _check_service(ctx: Context) -> Check:
         manager = manager_for()
     except ValueError as exc:
         return Check("service", OK, str(exc))
-    if not manager.is_installed():
+    installed = manager.is_installed()
+    where = f"installed at {manager.path}" if installed else f"not installed ({manager.name})"
+    # Checked first: `headroom service install` cannot work without it either.
+    problem = manager.user_manager_problem()
+    if problem is not None:
+        return Check("service", WARN, f"{where}, and {problem.what}", problem.fix)
+    if not installed:
         return Check(
             "service",
             OK,
-            f"not installed ({manager.name}); `headroom service install` starts headroom at login",
+            f"{where}; `headroom service install` starts headroom at login",
         )
     if isinstance(manager, SystemdManager):
         state = manager.active_state()
-        if state is None:
-            return Check(
-                "service",
-                WARN,
-                f"installed at {manager.path}, but there is no systemd user instance now",
-                "log in through a session with systemd --user, or `sudo loginctl enable-linger $USER`",
-            )
         if state == "failed":
             return Check(
                 "service",

@@ -14,6 +14,7 @@ failed, shows its log. Fixtures (registered in conftest.py):
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -88,6 +89,17 @@ def simulated_vram_args(timeline: Path) -> list[str]:
         "--vram-timeline",
         str(timeline),
     ]
+
+
+def fake_systemctl(folder: Path, returncode: int, stderr: str = "") -> str:
+    """A PATH whose first folder (``folder``, created) holds a ``systemctl`` that prints
+    ``stderr`` and exits with ``returncode`` for any command: 1 with "Failed to connect
+    to bus" is a machine without a systemd user instance, 0 one with it."""
+    folder.mkdir(exist_ok=True)
+    script = folder / "systemctl"
+    script.write_text(f"#!/bin/sh\necho {shlex.quote(stderr)} >&2\nexit {returncode}\n")
+    script.chmod(0o755)
+    return f"{folder}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
 def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.1):

@@ -70,6 +70,35 @@ def test_generate_prompt_too_long_says_what_to_do(default_model_dir):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("args", "field", "value"),
+    [
+        (["--seed", "-5"], "seed", -5),
+        (["--seed", str(1 << 63)], "seed", 1 << 63),
+        (["--temperature", "2.5"], "temperature", 2.5),
+        (["--max-tokens", "-1"], "max_tokens", -1),
+    ],
+)
+def test_generate_refuses_what_the_api_refuses(args, field, value):
+    """One declaration of each range (service.api.ranges) for both doors: a value the
+    API refuses is a usage error of `headroom generate`, before the model loads."""
+    import msgspec
+
+    from service.api.schemas import CompletionRequest
+
+    result = invoke(["generate", *args, QUESTION])
+    assert result.exit_code == 2 and f"Invalid value for '{args[0]}'" in result.output, result.output
+    with pytest.raises(msgspec.ValidationError, match=f"at `\\$.{field}`"):
+        msgspec.json.decode(msgspec.json.encode({"prompt": "x", field: value}), type=CompletionRequest)
+
+
+def test_generate_takes_max_tokens_0_as_the_api_does(default_model_dir):
+    """The API's max_tokens 0 is an empty completion; generate's is an empty reply."""
+    result = invoke(["generate", "--max-tokens", "0", "--seed", "0", QUESTION])
+    assert result.exit_code == 0, result.output
+    assert result.output == "\n"
+
+
 # -- plan ----------------------------------------------------------------------------------------
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from service_harness import free_port, wait_for
+from service_harness import fake_systemctl, free_port, wait_for
 
 from engine.units import MiB
 from service.cli.commands import main
@@ -23,14 +23,17 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture
 def doctor_env(tmp_path, monkeypatch) -> dict[str, str]:
-    """An empty config, a fresh config folder and a free port, in a temporary home."""
+    """An empty config, a fresh config folder, a free port, no running headroom and a
+    systemd user instance that answers, in a temporary home."""
     config = tmp_path / "config.toml"
     config.write_text("")
     env = {
         "HEADROOM_CONFIG": str(config),
         "HEADROOM_CONFIG_DIR": str(tmp_path / "cfg"),
         "HEADROOM_PORT": str(free_port()),
+        "HEADROOM_RUNTIME_DIR": str(tmp_path / "run"),
         "XDG_CONFIG_HOME": str(tmp_path / "xdg-config"),
+        "PATH": fake_systemctl(tmp_path / "bin", 0),
     }
     return env
 
@@ -84,6 +87,28 @@ def test_doctor_asks_the_headroom_that_listens(doctor_env, start_server):
     result, lines = doctor(doctor_env)
     assert lines["port"] == ("OK", lines["port"][1]), result.output
     assert f"headroom answers on 127.0.0.1:{server.port}: ready" in lines["port"][1]
+
+
+def test_doctor_and_token_find_the_running_service_on_its_own_port(doctor_env, start_server):
+    """The service runs on another port than the configured one: doctor reports its
+    health and `headroom token` its dashboard, both where `headroom status` finds it."""
+    server = start_server(fake=True)
+    doctor_env["HEADROOM_RUNTIME_DIR"] = server.env["HEADROOM_RUNTIME_DIR"]
+    result, lines = doctor(doctor_env)
+    assert lines["port"][0] == "OK", result.output
+    assert f"on 127.0.0.1:{server.port}" in lines["port"][1] and "answers: ready" in lines["port"][1]
+    assert f"(the config says port {doctor_env['HEADROOM_PORT']})" in lines["port"][1]
+    assert f"(pid {server.proc.pid})" in lines["port"][1]
+
+    shown = CliRunner().invoke(main, ["token"], env=doctor_env)
+    assert shown.exit_code == 0, shown.output
+    assert f"http://127.0.0.1:{server.port}/ui/#token={server.token}" in shown.output
+
+    server.stop()  # none runs: the configured port again
+    shown = CliRunner().invoke(main, ["token"], env=doctor_env)
+    assert f"http://127.0.0.1:{doctor_env['HEADROOM_PORT']}/ui/#token=" in shown.output
+    result, lines = doctor(doctor_env)
+    assert f"127.0.0.1:{doctor_env['HEADROOM_PORT']} is free" in lines["port"][1], result.output
 
 
 def test_log_file_rotates_at_the_documented_size(tmp_path):

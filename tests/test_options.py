@@ -200,3 +200,15 @@ def test_an_empty_api_key_is_refused_rather_than_turning_the_check_off(tmp_path,
     # An empty variable is an unset one, for every option.
     assert resolve({}, env={"HEADROOM_API_KEY": ""}, config_path=empty).api_key is None
     assert resolve({"api_key": "k"}, env={}, config_path=empty).api_key == "k"
+
+
+def test_a_missing_config_file_is_named_by_its_absolute_path(tmp_path, monkeypatch):
+    """`--config c1.toml` from some folder: the message names the file looked at."""
+    from pathlib import Path
+
+    from service.cli.settings import SettingsError, resolve
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SettingsError) as info:
+        resolve({}, env={}, config_path=Path("c1.toml"))
+    assert str(info.value) == f"config file {tmp_path / 'c1.toml'} does not exist"

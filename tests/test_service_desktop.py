@@ -139,14 +139,22 @@ def test_pause_gives_the_memory_back_and_resume_serves_again(start_server):
 def test_a_request_after_keep_alive_expiry_loads_the_engine_and_is_answered(start_server):
     server = start_server(["--keep-alive", "2s"])
     pid = server.worker_pid()
+    first = httpx.post(f"{server.base_url}/v1/completions", json=ASK, timeout=LOAD_S)
+    assert first.status_code == 200, first.text
     idle = wait_for(
         lambda: (h := _health(server)).get("status") == "idle" and h, 120, "the idle unload"
     )
     assert "--keep-alive" in idle["reason"]
     wait_for(lambda: process_gone(pid), 60, "the idle worker to exit")
-    # The request waits for the engine to load again.
+    # The dashboard's snapshot says so too.
+    snapshot = httpx.get(
+        f"{server.base_url}/api/status", headers={"Authorization": f"Bearer {server.token}"}, timeout=60
+    ).json()
+    assert snapshot["health"]["status"] == "idle" and "--keep-alive" in snapshot["health"]["reason"]
+    # The request waits for the engine to load again, and is answered as before.
     answer = httpx.post(f"{server.base_url}/v1/completions", json=ASK, timeout=LOAD_S)
     assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
     assert server.worker_pid() != pid
 
 

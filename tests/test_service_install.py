@@ -14,11 +14,13 @@ import plistlib
 import shlex
 import shutil
 import subprocess
+import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from service_harness import fake_systemctl
 
 from service.autostart.definitions import (
     LAUNCHD_LABEL,
@@ -251,6 +253,30 @@ def test_without_user_systemd_the_error_names_the_fix(home, returncode, stderr, 
             action()
     manager.uninstall()
     assert tree(home) == set()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the systemd user unit is Linux's")
+def test_status_and_doctor_without_user_systemd_say_so_and_name_the_fix(home, monkeypatch, tmp_path):
+    """`service status` and doctor ask for the user instance before looking for the
+    unit: "not installed" would send the user to an install that cannot work either."""
+    from service.doctor import WARN, Context, _check_service
+
+    bus = "Failed to connect to bus: No medium found"
+    monkeypatch.setenv("PATH", fake_systemctl(tmp_path / "bin", 1, bus))
+    result = CliRunner().invoke(main, ["service", "status"])
+    assert result.exit_code != 0
+    assert "no systemd user instance" in result.output and bus in result.output
+    assert "loginctl enable-linger" in result.output and "service install" not in result.output
+    check = _check_service(Context())
+    assert check.status == WARN and "not installed" in check.detail
+    assert "no systemd user instance" in check.detail and "loginctl enable-linger" in check.fix
+
+    manager_for("linux", RecordingRunner()).install(start=False)  # installed, no instance
+    check = _check_service(Context())
+    assert check.status == WARN and "installed at" in check.detail and bus in check.detail
+
+    monkeypatch.setenv("PATH", fake_systemctl(tmp_path / "bin", 0))  # an instance answers
+    assert _check_service(Context()).status == "OK"
 
 
 def test_the_spec_runs_this_installation_and_passes_moved_folders(home, monkeypatch, tmp_path):

@@ -110,3 +110,31 @@ def test_completion_logprobs_with_echo(client, hf, default_model_dir):
     tokens = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
     assert tokens == whole.choices[0].logprobs.tokens == lp.tokens[n_prompt:]
     assert "".join(tokens) == whole.choices[0].text
+
+
+def test_prompt_scoring_with_max_tokens_0(client):
+    """``echo`` + ``logprobs`` + ``max_tokens: 0`` scores the prompt (as lm-eval style
+    clients do): the prompt's tokens and logprobs, as with ``max_tokens: 1`` less the
+    generated token; whole, streamed, and for each of ``n`` choices."""
+    prompt = "Once upon a time"
+    ask = dict(model="default", prompt=prompt, temperature=0, logprobs=2, echo=True)
+    one = client.completions.create(max_tokens=1, **ask).choices[0].logprobs
+    n_prompt = len(one.tokens) - 1
+    reply = client.completions.create(max_tokens=0, n=2, **ask)
+    assert len(reply.choices) == 2
+    assert reply.usage.completion_tokens == 0 and reply.usage.prompt_tokens == n_prompt
+    for choice in reply.choices:
+        lp = choice.logprobs
+        assert choice.text == prompt and choice.finish_reason == "length"
+        assert lp.tokens == one.tokens[:n_prompt]
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        pairs = zip(lp.token_logprobs[1:], one.token_logprobs[1:n_prompt], strict=True)
+        assert all(abs(a - b) < 1e-5 for a, b in pairs)
+        assert [set(t) for t in lp.top_logprobs[1:]] == [set(t) for t in one.top_logprobs[1:n_prompt]]
+        assert lp.text_offset == one.text_offset[:n_prompt]
+
+    chunks = list(client.completions.create(max_tokens=0, stream=True, **ask))
+    streamed = [c.choices[0] for c in chunks if c.choices]
+    assert "".join(c.text for c in streamed) == prompt
+    assert [t for c in streamed if c.logprobs for t in c.logprobs.tokens] == one.tokens[:n_prompt]
+    assert streamed[-1].finish_reason == "length"

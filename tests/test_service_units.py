@@ -415,3 +415,17 @@ def test_watchdog_kills_a_stalled_worker_once_until_it_is_reaped():
 
     asyncio.run(run())
     assert len(kills) == 1
+
+
+def test_a_full_queue_is_a_503_with_retry_after_counted_in_words():
+    from service.api.admission import QUEUE_FULL, Admission
+
+    admission = Admission(1)
+    ticket = admission.enter()
+    with pytest.raises(APIError) as info:
+        admission.enter()
+    refused = info.value
+    assert (refused.status, refused.code) == (503, QUEUE_FULL) and refused.headers["Retry-After"] == "1"
+    assert refused.message.startswith("1 request is already waiting for the engine")
+    ticket.release()
+    admission.enter()  # the place is free again

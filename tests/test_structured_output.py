@@ -13,6 +13,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import RequestRejected
 from engine.messages import ERROR_INVALID_SCHEMA, GenerateRequest, SamplingParams
+from engine.sampling.grammar import xgrammar_reason
 from engine.text.tokenizer import load_tokenizer
 
 SCHEMAS = [
@@ -103,7 +104,39 @@ def _refusal(engine: Engine, rid: str, sp: SamplingParams) -> str:
 
 def test_bad_schema_is_rejected_naming_response_format(tiny_engine):
     bad = SamplingParams(max_new_tokens=4, json_schema='{"type": "no-such-type"}')
-    assert "cannot be used" in _refusal(tiny_engine, "bad", bad)
+    message = _refusal(tiny_engine, "bad", bad)
+    # xgrammar's reason alone: no log time, C++ source line or trailing newline.
+    assert message == 'the JSON schema cannot be used: Unsupported type "no-such-type"'
+    broken = SamplingParams(max_new_tokens=4, json_schema="{not json")
+    message = _refusal(tiny_engine, "broken", broken)
+    assert message.startswith("the JSON schema cannot be used: Failed to parse JSON"), message
+    assert ".cc:" not in message and "Check failed" not in message
+
+
+def test_xgrammar_reason_drops_the_log_prefix():
+    raised = RuntimeError(
+        '[03:53:55] /project/cpp/json_schema_converter.cc:5082: Unsupported type "nonsense"\n'
+    )
+    assert xgrammar_reason(raised) == 'Unsupported type "nonsense"'
+    assert xgrammar_reason(ValueError("plain words")) == "plain words"
+
+
+def test_json_is_one_line_with_the_documented_separators(tiny_engine):
+    """What the README promises of the JSON's whitespace: the grammar takes `, ` and `: `
+    between items and nothing else outside strings."""
+    schema = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
+                         "required": ["a", "b"], "additionalProperties": False})
+    grammars = tiny_engine._grammars()
+    compiled = grammars.compile(schema).result(timeout=300)
+
+    def accepts(text: str) -> bool:
+        matcher = grammars.matcher_of(compiled)
+        return matcher.accept_string(text) and matcher.is_completed()
+
+    assert accepts(json.dumps({"a": 1, "b": "x y"}))
+    assert not accepts('{"a": 1, "b": "x y"')  # not complete
+    for other in ('{"a":1,"b":"x y"}', '{"a": 1,"b": "x y"}', '{ "a": 1, "b": "x y"}', '{"a":  1, "b": "x y"}'):
+        assert not accepts(other), other
 
 
 def test_slow_compile_fails_in_bounded_time_and_the_grammar_is_kept(tiny_engine):

@@ -83,6 +83,9 @@ def test_unsplittable_model_is_refused_with_the_fix():
     # Three heads and one KV head: no size above 1 splits it, so 1 is the fix named.
     with pytest.raises(ValueError, match="do not divide by 2; .*use --tensor-parallel-size 1$"):
         check_shardable(mc, 2)
+    # Each size with its own verb: the width is one number.
+    with pytest.raises(ValueError, match=r"its 12 MLP width \(intermediate_size\) does not divide by 5"):
+        check_shardable(mc, 5)
 
 
 def test_unsplittable_model_fails_before_any_rank_starts(tmp_path, make_tiny_hf_model):

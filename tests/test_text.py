@@ -139,6 +139,8 @@ def test_unsupported_role_is_named(smollm_tokenizer, role):
         render_chat(smollm_tokenizer, messages)
     assert f"messages[2].role {role!r} is not supported" in str(info.value)
     assert info.value.param == "messages[2].role"
+    # Every role the API takes is named, tool with why it is not one for this model.
+    assert "system, developer, user, assistant; tool needs a model whose chat template" in str(info.value)
 
 
 def test_non_text_part_is_rejected(smollm_tokenizer):

@@ -67,7 +67,7 @@ def run_generate(
     config: EngineConfig | None = None,
 ) -> None:
     """Load the model, render ``prompt`` (chat template unless ``chat`` is False) and
-    stream the reply to ``out``.
+    stream the reply to ``out`` (``max_tokens`` 0: an empty one, the engine not run).
 
     ``config`` (plan knobs and all) replaces ``EngineConfig(model=model, device=device)``
     when given; ``model`` and ``device`` are then ignored.
@@ -85,8 +85,9 @@ def run_generate(
         ids = encode_chat(tokenizer, [{"role": "user", "content": prompt}])
     else:
         ids = list(tokenizer.encode(prompt))
-    sampling = SamplingParams(max_new_tokens=max_tokens, temperature=temperature, seed=seed)
-    for text in stream_text(engine, tokenizer, ids, sampling):
-        out.write(text)
-        out.flush()
+    if max_tokens > 0:  # 0 asks for no token, as the API's max_tokens 0 does
+        sampling = SamplingParams(max_new_tokens=max_tokens, temperature=temperature, seed=seed)
+        for text in stream_text(engine, tokenizer, ids, sampling):
+            out.write(text)
+            out.flush()
     out.write("\n")

@@ -19,7 +19,7 @@ def check_shardable(mc: ModelConfig, world: int) -> None:
     """Refuse a model ``world`` ranks cannot split.
 
     Raises:
-        SettingRefused: the heads, KV heads or MLP width do not divide by ``world``, or
+        SettingRefused: the heads, KV heads or MLP width does not divide by ``world``, or
             the model has parts not split yet (MoE layers, a norm over the whole
             query/key projection); the message names the sizes that do split it.
     """
@@ -27,7 +27,9 @@ def check_shardable(mc: ModelConfig, world: int) -> None:
         return
     sizes = (("attention heads", mc.num_heads), ("KV heads", mc.num_kv_heads),
              ("MLP width (intermediate_size)", mc.intermediate_size))
-    problems = [f"its {n} {what} do not divide by {world}" for what, n in sizes if n % world]
+    plural = {"attention heads", "KV heads"}
+    problems = [f"its {n} {what} {'do' if what in plural else 'does'} not divide by {world}"
+                for what, n in sizes if n % world]
     unsplittable = mc.is_moe or mc.qk_norm_whole
     if mc.is_moe:
         problems.append("mixture-of-experts layers are not split across ranks yet")

@@ -15,12 +15,15 @@ request) in a background thread, so the engine's steps go on meanwhile
 :data:`CACHED_GRAMMARS`). A compile that takes longer than
 :data:`COMPILE_TIMEOUT_S` fails its request (the compile itself runs on, as xgrammar
 cannot be interrupted, and its grammar is kept for the next request with that schema).
-JSON is compact (no whitespace between tokens the schema does not need), so a model
-cannot pad forever.
+JSON is one line with json.dumps's default separators (``", "`` and ``": "``) and no
+other whitespace outside strings (:data:`SEPARATORS`), so a model cannot pad forever.
+A schema xgrammar refuses is a :class:`GrammarError` whose message is xgrammar's reason
+without its log prefix (time, C++ source line).
 """
 
 from __future__ import annotations
 
+import re
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -33,6 +36,18 @@ import torch
 COMPILE_TIMEOUT_S = 10.0
 # Compiled grammars kept, by schema text, most recently used last.
 CACHED_GRAMMARS = 64
+# Comma and colon between JSON items: how models write JSON in their training text
+# (json.dumps's default), and fixed, so there is no whitespace to choose.
+SEPARATORS = (", ", ": ")
+# xgrammar's C++ errors start with its log prefix ("[03:53:55] /project/cpp/x.cc:5082: ")
+# and, for a failed internal check, "Check failed: (cond) is false: ": neither helps
+# the API's caller.
+_XGRAMMAR_PREFIX = re.compile(r"^\[\d\d:\d\d:\d\d\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
+
+
+def xgrammar_reason(exc: BaseException) -> str:
+    """The reason in an xgrammar exception, without its log prefix and trailing newline."""
+    return _XGRAMMAR_PREFIX.sub("", str(exc).strip()).strip()
 
 
 class GrammarError(ValueError):
@@ -66,9 +81,11 @@ class GrammarCompiler:
 
     def _compile(self, json_schema: str) -> Any:
         try:
-            return self._compiler.compile_json_schema(json_schema, any_whitespace=False)
+            return self._compiler.compile_json_schema(
+                json_schema, any_whitespace=False, separators=SEPARATORS
+            )
         except Exception as exc:  # xgrammar raises RuntimeError/ValueError for bad schemas
-            raise GrammarError(f"the JSON schema cannot be used: {exc}") from None
+            raise GrammarError(f"the JSON schema cannot be used: {xgrammar_reason(exc)}") from None
 
     def compile(self, json_schema: str) -> Future:
         """The compiled grammar of ``json_schema`` (JSON text), as a future: done at once

@@ -186,9 +186,11 @@ def _normalize(
                 if role in ("tool", "function")
                 else ""
             )
+            # tool is one of the API's roles: say why it is not one here.
+            tool = "" if tools_allowed else "; tool needs a model whose chat template has tool support"
             raise ChatTemplateError(
                 f"messages[{i}].role {role!r} is not supported{hint}; "
-                f"use one of {', '.join(roles)}",
+                f"use one of {', '.join(roles)}{tool}",
                 f"messages[{i}].role",
             )
         calls = message.get("tool_calls") if role == "assistant" else None

@@ -54,8 +54,8 @@ class Admission:
         if self.limit and self.waiting >= self.limit:
             raise APIError(
                 503,
-                f"{self.waiting} requests are already waiting for the engine (the limit, "
-                "--max-queued-requests); retry later",
+                f"{self.waiting} {'request is' if self.waiting == 1 else 'requests are'} "
+                "already waiting for the engine (the limit, --max-queued-requests); retry later",
                 type=SERVER_ERROR,
                 code=QUEUE_FULL,
                 headers={"Retry-After": str(QUEUE_RETRY_AFTER_S)},

@@ -15,6 +15,8 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
+import msgspec
+
 from engine.ipc import Rejected
 from engine.messages import (
     ERROR_INVALID_SCHEMA,
@@ -29,6 +31,7 @@ from engine.text.stop import StopStringMatcher
 from service.api.admission import Admission, Ticket
 from service.api.errors import SERVER_ERROR, APIError, invalid
 from service.api.prompts import Prompt, encode_prompts
+from service.api.ranges import MAX_TOKENS_MIN, SEED_MIN, TEMPERATURE_MAX, TEMPERATURE_MIN
 from service.api.sampling_defaults import SamplingDefaults
 from service.api.schemas import MAX_N, SEED_MAX, TOP_K_MAX, _SamplingFields
 from service.api.text import TextSide
@@ -96,7 +99,8 @@ def resolve_max_tokens(
     ``param`` / ``prompt_param`` name the fields blamed in errors. ``requested`` None
     means ``default`` (clamped to the rest of the context), or, with
     no default, the whole rest of the context. ``0`` is allowed and produces an empty
-    completion (``finish_reason: "length"``) without running the engine.
+    completion (``finish_reason: "length"``), without running the engine unless the
+    call scores its prompt (``echo`` with ``logprobs``).
 
     Raises:
         APIError: 400 ``param`` for a negative value; 400 ``context_length_exceeded``
@@ -170,7 +174,7 @@ def sampling_params(
     Raises:
         APIError: 400 naming the field for a value out of range.
     """
-    _check_range(req.temperature, "temperature", 0.0, 2.0)
+    _check_range(req.temperature, "temperature", TEMPERATURE_MIN, TEMPERATURE_MAX)
     _check_range(req.top_p, "top_p", 0.0, 1.0, low_open=True)
     _check_range(req.min_p, "min_p", 0.0, 1.0)
     _check_range(req.presence_penalty, "presence_penalty", -2.0, 2.0)
@@ -181,7 +185,7 @@ def sampling_params(
             f"top_k must be -1 or 0 (off) or a positive count up to {TOP_K_MAX}, got {req.top_k}",
             "top_k",
         )
-    _check_int(req.seed, "seed", 0, SEED_MAX)
+    _check_int(req.seed, "seed", SEED_MIN, SEED_MAX)
     seed = None if req.seed is None else (req.seed + seed_offset) % (SEED_MAX + 1)
     return SamplingParams(
         max_new_tokens=max_new_tokens,
@@ -265,8 +269,8 @@ def check_common(req: _SamplingFields) -> None:
     logit_bias_pairs(req.logit_bias)
     stop_strings(req.stop)
     sampling_params(req, 0, 0)
-    if req.max_tokens is not None and req.max_tokens < 0:
-        raise invalid(f"max_tokens must be at least 0, got {req.max_tokens}", "max_tokens")
+    if req.max_tokens is not None and req.max_tokens < MAX_TOKENS_MIN:
+        raise invalid(f"max_tokens must be at least {MAX_TOKENS_MIN}, got {req.max_tokens}", "max_tokens")
 
 
 # Seconds a client should wait before retrying a request that ran out of device
@@ -421,7 +425,8 @@ class Generation:
         :func:`service.api.prompts.encode_prompts`; then continued by ``steps``), each
         prompt's completion length against the context (``info``'s, or
         ``context_tokens``), one ``GenerateRequest`` per sequence, submitted (none
-        when the length is 0). The place is given back when any step fails.
+        when the length is 0, except one per prompt that scores its prompt tokens for
+        ``echo`` with ``logprobs``). The place is given back when any step fails.
 
         Raises:
             APIError: 503 ``queue_full``; 400 ``logit_bias``; 400 as ``steps``,
@@ -458,12 +463,36 @@ class Generation:
             _SeqText(StopStringMatcher(self.stops), self.text.detokenizer(ids)) for ids in prompt_of
         ]
         if self.sampling and self.sampling[0].max_new_tokens == 0:
+            if self.sampling[0].prompt_logprobs is not None:
+                self._submit_scoring()
             return
         requests = [
             GenerateRequest(
                 request_id=f"{self.request_id}-{i}", prompt_token_ids=ids, sampling=sampling
             )
             for i, (ids, sampling) in enumerate(zip(prompt_of, self.sampling, strict=True))
+        ]
+        self.submission = self.supervisor.link.requests.submit(requests)
+
+    @property
+    def _scoring(self) -> bool:
+        """Whether this call only scores its prompts (``max_tokens`` 0 with ``echo`` and
+        ``logprobs``, see :meth:`_submit_scoring`)."""
+        return self.submission is not None and self.sampling[0].max_new_tokens == 0
+
+    def _submit_scoring(self) -> None:
+        """Score each prompt once for its ``n`` choices: the engine computes prompt
+        logprobs only on the way to a sampled token (it refuses ``max_new_tokens`` 0),
+        so each request asks for one token, which :meth:`_scored` drops."""
+        requests = [
+            GenerateRequest(
+                request_id=f"{self.request_id}-{p * self.n}",
+                prompt_token_ids=ids,
+                sampling=msgspec.structs.replace(
+                    self.sampling[p * self.n], max_new_tokens=1, logprobs=None
+                ),
+            )
+            for p, ids in enumerate(self.prompts)
         ]
         self.submission = self.supervisor.link.requests.submit(requests)
 
@@ -492,6 +521,10 @@ class Generation:
                 self._seqs[i].finished = True
                 yield Piece(i, "", FINISH_LENGTH)
             return
+        if self._scoring:
+            async for piece in self._scored():
+                yield piece
+            return
         pending = len(self._seqs)
         queue = self.submission.queue
         while pending:
@@ -510,6 +543,33 @@ class Generation:
                 pending -= 1
             if piece is not None:
                 yield piece
+
+    async def _scored(self) -> AsyncIterator[Piece]:
+        """The empty choices of a scoring call (:meth:`_submit_scoring`), each once its
+        prompt's logprobs arrived; the one token each engine request sampled is
+        dropped (neither text nor usage). Raises as :meth:`pieces`."""
+        assert self.submission is not None
+        pending = len(self.prompts)
+        while pending:
+            prompt, event = await self._next(self.submission.queue)
+            if self.ticket is not None:
+                self.ticket.release()
+            if isinstance(event, EngineFailure):
+                raise self._failure(event)
+            if isinstance(event, Rejected):
+                raise APIError(400, event.message, param=event.param, code=event.code)
+            choices = range(prompt * self.n, (prompt + 1) * self.n)
+            if event.prompt_logprobs is not None:
+                for i in choices:
+                    self._seqs[i].prompt_logprobs = event.prompt_logprobs
+            if not event.finished:
+                continue
+            if event.finish_reason == FINISH_ERROR:
+                raise engine_error(event.error_code, event.error_message)
+            pending -= 1
+            for i in choices:
+                self._seqs[i].finished = True
+                yield Piece(i, "", FINISH_LENGTH)
 
     async def _next(self, queue: asyncio.Queue) -> tuple[int, object]:
         if self.deadline is None:

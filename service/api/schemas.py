@@ -12,7 +12,8 @@ shaped by :mod:`service.api.logprobs`. ``response_format`` is structured output
 Extensions beyond OpenAI, as vLLM names them: ``top_k``, ``min_p``,
 ``repetition_penalty``, ``ignore_eos``.
 
-Integer and number ranges are declared on the fields (``msgspec.Meta``), so decoding
+Integer and number ranges are declared on the fields (``msgspec.Meta``; those that
+``headroom generate`` shares come from :mod:`service.api.ranges`), so decoding
 refuses a value outside them with a 400 naming the field, and the OpenAPI document
 (:mod:`service.api.openapi`) states them: ``seed`` 0..2**63-1, ``n`` 1..128, ``top_k``
 -1..2**31-1, ``max_tokens`` from 0 (its upper bound is the context, checked with the
@@ -26,15 +27,22 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
-SEED_MAX = (1 << 63) - 1
+from service.api.ranges import (
+    MAX_TOKENS_MIN,
+    SEED_MAX,
+    SEED_MIN,
+    TEMPERATURE_MAX,
+    TEMPERATURE_MIN,
+)
+
 MAX_N = 128
 TOP_K_MAX = (1 << 31) - 1
 
-Seed = Annotated[int, Meta(ge=0, le=SEED_MAX)]
-TokenCount = Annotated[int, Meta(ge=0)]
+Seed = Annotated[int, Meta(ge=SEED_MIN, le=SEED_MAX)]
+TokenCount = Annotated[int, Meta(ge=MAX_TOKENS_MIN)]
 N = Annotated[int, Meta(ge=1, le=MAX_N)]
 TopK = Annotated[int, Meta(ge=-1, le=TOP_K_MAX)]
-Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
+Temperature = Annotated[float, Meta(ge=TEMPERATURE_MIN, le=TEMPERATURE_MAX)]
 Probability = Annotated[float, Meta(ge=0.0, le=1.0)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 

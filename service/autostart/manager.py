@@ -46,6 +46,18 @@ class ServiceError(Exception):
     """An operation on the service failed; the message says why and what fixes it."""
 
 
+@dataclass(frozen=True)
+class ManagerProblem:
+    """Why the OS's service manager cannot be reached (``what``) and what fixes it
+    (``fix``); as text, both."""
+
+    what: str
+    fix: str
+
+    def __str__(self) -> str:
+        return f"{self.what}; {self.fix}"
+
+
 @dataclass
 class Runner:
     """Runs the OS's service tools. :meth:`run` captures the output; :meth:`attach`
@@ -146,6 +158,11 @@ class Manager:
     def is_installed(self) -> bool:
         return self.path.exists()
 
+    def user_manager_problem(self) -> ManagerProblem | None:
+        """Why the OS's service manager cannot be reached now, or None (it can, or
+        this OS needs no check)."""
+        return None
+
     def install(self, start: bool = True) -> list[str]:
         """Write the definition and register it with the OS (and start it unless
         ``start`` is False); returns what was done, one line each.
@@ -228,22 +245,22 @@ class SystemdManager(Manager):
     def _systemctl(self, *args: str) -> list[str]:
         return ["systemctl", "--user", *args]
 
-    def user_manager_problem(self) -> str | None:
+    def user_manager_problem(self) -> ManagerProblem | None:
         """Why ``systemctl --user`` cannot work here (with the fix), or None."""
         result = self.runner.run(self._systemctl("show-environment"))
         if result.returncode == 0:
             return None
         if result.returncode == 127:
-            return (
-                "systemctl is not installed: this system does not run systemd; start "
-                "`headroom serve` from your desktop's autostart instead"
+            return ManagerProblem(
+                "systemctl is not installed: this system does not run systemd",
+                "start `headroom serve` from your desktop's autostart instead",
             )
         why = (result.stderr or result.stdout).strip() or f"exit code {result.returncode}"
-        return (
-            f"there is no systemd user instance to talk to ({why}): log in through a "
-            "session that starts one (a desktop or SSH login with pam_systemd, which sets "
-            "XDG_RUNTIME_DIR), or keep one running without a login with `sudo loginctl "
-            "enable-linger $USER`; or run `headroom serve` directly"
+        return ManagerProblem(
+            f"there is no systemd user instance to talk to ({why})",
+            "log in through a session that starts one (a desktop or SSH login with "
+            "pam_systemd, which sets XDG_RUNTIME_DIR), or keep one running without a login "
+            "with `sudo loginctl enable-linger $USER`; or run `headroom serve` directly",
         )
 
     def _require_manager(self, what: str) -> None:

@@ -82,6 +82,11 @@ def status() -> None:
     from service.autostart.manager import ServiceError
 
     manager = _manager()
+    # Without a service manager to ask, "not installed" would send the user to an
+    # install that cannot work either.
+    problem = manager.user_manager_problem()
+    if problem is not None:
+        fail(f"cannot ask for the service's status: {problem}")
     if not manager.is_installed():
         fail("the service is not installed: `headroom service install` installs it")
     try:

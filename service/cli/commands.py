@@ -20,6 +20,7 @@ from typing import Any
 
 import click
 
+from service.api.ranges import MAX_TOKENS_MIN, TEMPERATURE_MAX, TEMPERATURE_MIN
 from service.cli.autostart import service as service_group
 from service.cli.bench import bench
 from service.cli.doctor import doctor
@@ -60,16 +61,21 @@ main.add_command(pull)
 @config_option
 @with_settings("host", "port")
 def token(config_path: Path | None, **flags: Any) -> None:
-    """Print the local token's file and the dashboard's address with the token."""
+    """Print the local token's file and the dashboard's address with the token: the
+    running headroom serve's (where `headroom status` finds it), else the configured
+    host and port's."""
     settings = resolve_or_fail(flags, config_path)
+    from service.cli.instance import service_address
     from service.events.token import dashboard_url, load_or_create_token, token_path
 
+    host, port, info = service_address(settings.host, settings.port)
+    path = Path(info["token_file"]) if info and info.get("token_file") else token_path()
     try:
-        value = load_or_create_token()
+        value = load_or_create_token(path)
     except OSError as exc:
-        fail(f"cannot read or create the local token {token_path()}: {exc}")
-    click.echo(f"token file: {token_path()}")
-    click.echo(f"dashboard:  {dashboard_url(settings.host, settings.port, value)}")
+        fail(f"cannot read or create the local token {path}: {exc}")
+    click.echo(f"token file: {path}")
+    click.echo(f"dashboard:  {dashboard_url(host, port, value)}")
 
 
 @main.command(
@@ -156,10 +162,12 @@ _PLAN_KNOBS = (
     "are also read from HEADROOM_* variables and the config file. One prompt runs, so "
     "the plan holds one request (--max-running-requests 1)."
 )
-@max_tokens_option(256, "Most tokens to generate.")
+@max_tokens_option(
+    256, "Most tokens to generate (0: none, as the API's max_tokens 0).", least=MAX_TOKENS_MIN
+)
 @click.option(
     "--temperature",
-    type=click.FloatRange(0.0, 2.0),
+    type=click.FloatRange(TEMPERATURE_MIN, TEMPERATURE_MAX),
     default=0.7,
     show_default=True,
     help="Sampling temperature; 0 is greedy.",

@@ -9,7 +9,8 @@ where the first listens, read from ``runtime.json`` in the same folder:
 ``{"pid", "host", "port", "url", "version", "token_file", "started_at"}`` (Unix
 seconds), written atomically (a temporary file renamed over it) once the port is bound,
 and removed at exit. A desktop app reads it to find the service; ``headroom status``
-reads it and asks the service.
+reads it and asks the service, and ``headroom doctor`` and ``headroom token`` take
+its address from it (:func:`service_address`).
 
 Light at import (no Litestar, no torch), like the whole of :mod:`service.cli`.
 """
@@ -100,6 +101,20 @@ def running(folder: Path | None = None) -> dict[str, Any] | None:
         return exc.info
     handle.close()
     return None
+
+
+def service_address(host: str, port: int) -> tuple[str, int, dict[str, Any] | None]:
+    """Where headroom listens: the running service's host and port (its
+    ``runtime.json``), else ``host`` and ``port`` (the configured ones).
+
+    Returns:
+        ``(host, port, info)``: ``info`` is the running service's ``runtime.json``, or
+        None when none runs (or it has not written one yet).
+    """
+    info = running()
+    if info is not None and isinstance(info.get("host"), str) and isinstance(info.get("port"), int):
+        return info["host"], info["port"], info
+    return host, port, None
 
 
 def read_runtime(folder: Path | None = None) -> dict[str, Any] | None:

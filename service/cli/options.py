@@ -19,6 +19,7 @@ from typing import Any
 
 import click
 
+from service.api.ranges import SEED_MAX, SEED_MIN
 from service.cli.exits import EXIT_USAGE, fail
 from service.cli.settings import OPTIONS, OPTIONS_BY_NAME, Option, SettingsError, resolve
 
@@ -115,9 +116,11 @@ def requests_option(default: int) -> Decorator:
     )
 
 
-def max_tokens_option(default: int, help_text: str) -> Decorator:
-    """``--max-tokens``: completion tokens of a request, at least 1."""
-    return count_option("--max-tokens", least=1, default=default, help_text=help_text)
+def max_tokens_option(default: int, help_text: str, least: int = 1) -> Decorator:
+    """``--max-tokens``: completion tokens of a request, at least ``least`` (a
+    benchmark's 1; ``headroom generate`` takes the API's,
+    :data:`service.api.ranges.MAX_TOKENS_MIN`)."""
+    return count_option("--max-tokens", least=least, default=default, help_text=help_text)
 
 
 def url_option(default: str | None, help_text: str) -> Decorator:
@@ -126,7 +129,12 @@ def url_option(default: str | None, help_text: str) -> Decorator:
 
 
 def seed_option(default: int | None, help_text: str) -> Decorator:
-    """``--seed``: the seed of a sampler or of a benchmark's random choices."""
+    """``--seed``: the seed of a sampler or of a benchmark's random choices, in the
+    API's range (:mod:`service.api.ranges`)."""
     return click.option(
-        "--seed", type=int, default=default, show_default=default is not None, help=help_text
+        "--seed",
+        type=click.IntRange(SEED_MIN, SEED_MAX),
+        default=default,
+        show_default=default is not None,
+        help=help_text,
     )

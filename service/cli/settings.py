@@ -431,7 +431,9 @@ def resolve(
     if path.exists():
         file_values = read_config_file(path)
     elif explicit:
-        raise SettingsError(f"config file {path} does not exist")
+        # The absolute path: a relative one depends on a working directory the reader
+        # may not share (a service's, a script's).
+        raise SettingsError(f"config file {path.absolute()} does not exist")
 
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}

@@ -9,6 +9,8 @@ attention, one CUDA graph per batch size, ``--context`` tokens of KV per sequenc
 Then the same shape with bfloat16 weights (random, ``load_format="dummy"``); with
 ``--fp8``, those with an FP8 KV cache, and the shape with FP8 projections
 (``quantization="fp8"``: ``torch._scaled_mm`` with per-token activation scales).
+``HEADROOM_QUANT_INT8=1`` puts Q4_K/Q6_K decode rows on the int8-activation GEMV
+(:mod:`kernels.quant.triton_int8`); ``--float-gemv`` then times the float GEMV too.
 
 Per row: weights' VRAM, step time, tokens/s, and the share of the HBM roofline: the
 bytes one step must read (every weight but the embedding table, which a step only
@@ -287,7 +289,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sweep", action="store_true", help="then the GEMV's tilings on the gate/up, down and o shapes")
     p.add_argument("--profile", action="store_true", help="per-kernel times of eager batch-1 decode steps")
     p.add_argument("--float-gemv", action="store_true",
-                   help="then the GGUF rows again with Q4_K/Q6_K on the float GEMV instead of the int8 one")
+                   help="then the GGUF rows again with Q4_K/Q6_K on the float GEMV (with HEADROOM_QUANT_INT8=1, "
+                        "which puts them on the int8 one first)")
     p.add_argument("--fp8", action="store_true",
                    help="then FP8 weights (--quantization fp8) and bfloat16 weights with an FP8 KV cache")
     args = p.parse_args(argv)

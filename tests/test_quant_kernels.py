@@ -159,13 +159,18 @@ def test_int8_gemv_matches_its_reference(dev, type_name, m, n, blocks_k, split_k
     from kernels.quant import triton_int8, triton_quant
 
     x, w = _case(type_name, m, n, blocks_k, dev, seed=5)
-    out = triton_quant.quant_gemv(x, w, type_name, block_n=block_n, split_k=split_k, blocks_per_step=kb)
+    out = triton_quant.quant_gemv(x, w, type_name, block_n=block_n, split_k=split_k, blocks_per_step=kb,
+                                  int8_dot=True)
     ref = reference.quant_matmul_int8(x, w, type_name)
     scale = float(ref.abs().max())
     assert float((out - ref).abs().max()) <= 1e-5 * scale
     exact = reference.quant_matmul(x, w, type_name)
     assert float((out - exact).abs().max()) <= INT8_ROUNDING_TOL * float(exact.abs().max())
-    assert triton_quant.uses_int8_dot(type_name) and type_name in triton_int8.INT8_TYPES
+    assert triton_quant.uses_int8_dot(type_name, True) and type_name in triton_int8.INT8_TYPES
+    if type_name == "Q4_K":  # the tiling where a thread holds whole runs of a block
+        split = triton_int8.int8_gemv(triton_int8.quantize_activations(x), w, type_name, block_n=block_n,
+                                      split_k=split_k, blocks_per_step=kb, variant={"SPLIT": 1})
+        assert float((split - ref).abs().max()) <= 1e-5 * scale
 
 
 def test_int8_activations_equal_the_reference_codes(dev):
@@ -192,8 +197,8 @@ def test_int8_gemv_bfloat16_into_a_column_slice(dev):
     _, w6 = _case("Q6_K", 2, 3, 2, dev, seed=8)
     q8 = triton_int8.quantize_activations(x)
     wide = torch.full((2, 10), 7.0, device=dev, dtype=torch.bfloat16)
-    triton_quant.quant_gemv(x, w4, "Q4_K", block_n=4, out=wide[:, 1:6], q8=q8)
-    triton_quant.quant_gemv(x, w6, "Q6_K", block_n=4, out=wide[:, 6:9], q8=q8)
+    triton_quant.quant_gemv(x, w4, "Q4_K", block_n=4, out=wide[:, 1:6], int8_dot=True, q8=q8)
+    triton_quant.quant_gemv(x, w6, "Q6_K", block_n=4, out=wide[:, 6:9], int8_dot=True, q8=q8)
     for got, w, t in ((wide[:, 1:6], w4, "Q4_K"), (wide[:, 6:9], w6, "Q6_K")):
         ref = reference.quant_matmul_int8(x.float(), w, t)
         assert float((got.float() - ref).abs().max()) <= 2**-6 * float(ref.abs().max())

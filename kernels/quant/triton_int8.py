@@ -20,15 +20,25 @@ activation codes with one ``dp4a`` (four int8 products summed into an int32; PTX
   activations' sum: ``d * sc * (dot - 32 * sum(codes)) * dx`` per sub-block of 16.
   Blocks are 210 bytes, so their words are read as two 16-bit halves.
 
-Per weight this is well under one instruction for Q4_K (0.6 for the dot products, the
-rest per sub-block), about two for Q6_K. The activations are rounded to int8 (llama.cpp
-does the same; the error is at most half a code step, ``amax / 254`` of each group of
-32), so results differ from the float GEMV by that rounding;
+Counting the source's operations, the dot products take 0.6 instructions a Q4_K
+weight (the float GEMV about 6.7), about two a Q6_K weight. The activations are rounded
+to int8 (llama.cpp does the same; the error is at most half a code step, ``amax / 254``
+of each group of 32), so results differ from the float GEMV by that rounding;
 :func:`kernels.quant.reference.quant_matmul_int8` is the exact reference of this
-arithmetic. Tiling: one program per (activation row, ``BLOCK_N`` weight rows, range of
-K), ``KB`` blocks per step in a ``[BLOCK_N, KB, 4, words]`` tile whose rows come first,
-so a thread holds the same words of several rows and loads the activation words once
-for them; autotuned per (N, K, type), split-K below two rows per SM as the float GEMV.
+arithmetic. Block layouts as ggml-common.h's ``block_q4_K``/``block_q6_K``; the scheme
+as llama.cpp's ``quantize_q8_1`` and ``vec_dot_q4_K_q8_1``/``vec_dot_q6_K_q8_1``.
+
+Tiling: one program per (activation row, ``BLOCK_N`` weight rows, range of K), ``KB``
+blocks per step in a ``[BLOCK_N, KB, 4, words]`` tile whose rows come first, so a thread
+holds the same words of several rows and loads the activation words once for them
+(``SPLIT``, Q4_K: each run of 8 words as two 4-word tiles, so one thread holds a whole
+run); Q4_K's 16-byte header is read as four words. Autotuned per (N, K, type); split-K
+below two rows per SM, as the float GEMV.
+
+Measured on the H200 (README, "GGUF weights kept quantized") it is not faster than the
+float GEMV on the 8B shapes, so :func:`kernels.quant.triton_quant.quant_gemv` takes it
+only with ``HEADROOM_QUANT_INT8=1``: timed by stages left out (``ABL``), Q6_K's 16-bit
+reads cap it near 48% of the copy rate and the small projections are latency-bound.
 """
 
 from __future__ import annotations
@@ -40,7 +50,7 @@ import triton
 import triton.language as tl
 
 from kernels.quant.formats import block_format
-from kernels.quant.triton_quant import _ASM, _INTERPRETING, _f16, _k_scale_min, _output, _sm_count
+from kernels.quant.triton_quant import _ASM, _INTERPRETING, _f16, _output, _sm_count
 
 # The block types with an integer-dot GEMV.
 INT8_TYPES = ("Q4_K", "Q6_K")
@@ -141,11 +151,11 @@ def _k_scales_words(w1, w2, w3, S):
 
 
 @triton.jit
-def _q4k_step(w32, w32_3, w8, kb, kb3, x32, xd, xs, live, live3, ASM: tl.constexpr, ABL: tl.constexpr = 0,
-              HDR: tl.constexpr = 1, SPLIT: tl.constexpr = 0):
-    """``[BLOCK_N, KB, 4]`` float32: Q4_K blocks ``kb`` of the rows at ``w32``/``w8``
-    (int32/uint8 row pointers), run ``r`` of each block (sub-blocks ``2r`` and
-    ``2r + 1``) times the activations."""
+def _q4k_step(w32, w32_3, kb, kb3, x32, xd, xs, live, live3, ASM: tl.constexpr, ABL: tl.constexpr,
+              SPLIT: tl.constexpr):
+    """``[BLOCK_N, KB, 4]`` float32: Q4_K blocks ``kb`` of the rows at ``w32``
+    (``[BLOCK_N, 1, 1, 1]`` int32 row pointers; ``w32_3`` the same ``[BLOCK_N, 1, 1]``),
+    run ``r`` of each block (sub-blocks ``2r`` and ``2r + 1``) times the activations."""
     r = tl.arange(0, 4)[None, None, :, None]
     m4 = 0x0F0F0F0F
     if SPLIT:
@@ -172,17 +182,16 @@ def _q4k_step(w32, w32_3, w8, kb, kb3, x32, xd, xs, live, live3, ASM: tl.constex
         dot_lo = tl.sum(_dp4a(wv & m4, tl.load(xw, mask=live, other=0), ASM), axis=3).to(tl.float32)
         dot_hi = tl.sum(_dp4a((wv >> 4) & m4, tl.load(xw + 8, mask=live, other=0), ASM), axis=3).to(tl.float32)
     r3 = tl.arange(0, 4)[None, None, :]
-    blk = w8 + kb3 * 144  # [BLOCK_N, KB, 1]
-    if HDR:
-        hdr = w32_3 + kb3 * 36  # [BLOCK_N, KB, 1] word pointers
-        w1 = tl.load(hdr + 1)
-        w2 = tl.load(hdr + 2)
-        w3 = tl.load(hdr + 3)
-        sc_lo, mn_lo = _k_scales_words(w1, w2, w3, 2 * r3)
-        sc_hi, mn_hi = _k_scales_words(w1, w2, w3, 2 * r3 + 1)
-    else:
-        sc_lo, mn_lo = _k_scale_min(blk, 2 * r3)
-        sc_hi, mn_hi = _k_scale_min(blk, 2 * r3 + 1)
+    # The 16-byte header as four words (d and dmin, 12 scale bytes): per (row, block)
+    # four loads instead of a byte load per scale (measured 36 against 53 us on the
+    # gate/up shape).
+    hdr = w32_3 + kb3 * 36  # [BLOCK_N, KB, 1] word pointers
+    w0 = tl.load(hdr)
+    w1 = tl.load(hdr + 1)
+    w2 = tl.load(hdr + 2)
+    w3 = tl.load(hdr + 3)
+    sc_lo, mn_lo = _k_scales_words(w1, w2, w3, 2 * r3)
+    sc_hi, mn_hi = _k_scales_words(w1, w2, w3, 2 * r3 + 1)
     g = kb3 * 8 + 2 * r3  # the activation group of sub-block 2r: [1, KB, 4]
     dx_lo = tl.load(xd + g, mask=live3, other=0.0)
     dx_hi = tl.load(xd + g + 1, mask=live3, other=0.0)
@@ -190,18 +199,13 @@ def _q4k_step(w32, w32_3, w8, kb, kb3, x32, xd, xs, live, live3, ASM: tl.constex
         return dot_lo * dx_lo + dot_hi * dx_hi
     sum_lo = (tl.load(xs + 2 * g) + tl.load(xs + 2 * g + 1)).to(tl.float32) * dx_lo
     sum_hi = (tl.load(xs + 2 * g + 2) + tl.load(xs + 2 * g + 3)).to(tl.float32) * dx_hi
-    if HDR:
-        w0 = tl.load(hdr)
-        d = w0.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        dmin = (w0 >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    else:
-        d = _f16(blk)
-        dmin = _f16(blk + 2)
+    d = w0.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    dmin = (w0 >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     return d * (dot_lo * sc_lo * dx_lo + dot_hi * sc_hi * dx_hi) - dmin * (mn_lo * sum_lo + mn_hi * sum_hi)
 
 
 @triton.jit
-def _q6k_step(w16, w8, kb, kb3, x32, xd, xs, live, live3, ASM: tl.constexpr, ABL: tl.constexpr = 0):
+def _q6k_step(w16, w8, kb, kb3, x32, xd, xs, live, live3, ASM: tl.constexpr, ABL: tl.constexpr):
     """``[BLOCK_N, KB, 4]`` float32: Q6_K blocks ``kb`` of the rows at ``w16``/``w8``
     (int16/uint8 row pointers); index ``a`` = (half, word run) of each block, 16 of its
     words times the activations."""
@@ -248,8 +252,11 @@ def _int8_gemv_kernel(
     xq_ptr, xd_ptr, xs_ptr, w32_ptr, w16_ptr, w8_ptr, out_ptr, M, N, K, row_bytes, row_words, row_halves,
     blocks_per_split, stride_xq, stride_xd, stride_xs, stride_om,
     QT: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr, ATOMIC: tl.constexpr, ASM: tl.constexpr,
-    ABL: tl.constexpr = 0, HDR: tl.constexpr = 1, SPLIT: tl.constexpr = 0,
+    ABL: tl.constexpr = 0, SPLIT: tl.constexpr = 0,
 ):
+    # ABL (timing only; wrong results): 1 leaves out the scales (the dot products times
+    # the activation scales), 2 also the dot products (the weight words summed), so
+    # differences of times place the kernel's time by stage (README).
     # Grid as the float GEMV's: axis 0 = activation rows x weight tiles (the rows of
     # one tile launched together, so all but the first read it from L2), axis 1 = K ranges.
     pid_m = tl.program_id(0) % M
@@ -275,7 +282,7 @@ def _int8_gemv_kernel(
         kb3 = tl.minimum(kb0 + tl.arange(0, KB)[None, :, None], kb_end - 1)
         live3 = (kb0 + tl.arange(0, KB)[None, :, None]) < kb_end
         if QT == 5:
-            acc += _q4k_step(w32, w32_3, w8, kb, kb3, x32, xd, xs, live, live3, ASM, ABL, HDR, SPLIT)
+            acc += _q4k_step(w32, w32_3, kb, kb3, x32, xd, xs, live, live3, ASM, ABL, SPLIT)
         else:
             acc += _q6k_step(w16, w8, kb, kb3, x32, xd, xs, live, live3, ASM, ABL)
     total = tl.sum(tl.sum(acc, axis=2), axis=1)
@@ -335,6 +342,8 @@ def int8_gemv(
             as :func:`kernels.quant.triton_quant.quant_gemv`'s; by default autotuned on
             CUDA when the rows fill the SMs twice over, else K is split.
         out: where to write ``[M, N]`` (``q8.dtype``, unit column stride), else a new tensor.
+        variant: constexprs of a forced tiling: ``SPLIT`` (Q4_K: a thread holds whole
+            runs), ``ABL`` (timing a stage left out; the result is then wrong).
 
     Returns:
         ``[M, N]`` in ``q8.dtype`` (float32 accumulation).

@@ -15,6 +15,10 @@ each sub-block's scale and offset):
   the activations by the raw codes on tensor cores (``tl.dot``; the codes are exact in
   bfloat16) and scaling the sums the same way.
 
+With ``HEADROOM_QUANT_INT8=1`` (or ``int8_dot=True``), Q4_K/Q6_K decode rows go to the
+int8-activation GEMV of :mod:`kernels.quant.triton_int8` instead (integer dot products
+on activations rounded to int8; not faster on the H200, so off by default).
+
 No weight is rounded to 16 bits. Codes become floats without an int-to-float
 instruction: ORed into the mantissa of 2**23 (:func:`_codes_f32`; for Q4_K and Q8_0
 four codes at a time in PTX, :func:`_codes_fast`); each format's zero point (Q4_0's 8,
@@ -50,9 +54,10 @@ _INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 # The GEMV converts codes to floats with inline PTX (:func:`_codes_fast`); the
 # interpreter runs none, and HEADROOM_QUANT_PTX=0 turns it off (to compare).
 _ASM = not _INTERPRETING and os.environ.get("HEADROOM_QUANT_PTX", "1") != "0"
-# Q4_K/Q6_K decode rows through the int8-activation GEMV (:mod:`kernels.quant.triton_int8`);
-# HEADROOM_QUANT_INT8=0 keeps them on the float GEMV (to compare).
-_INT8 = os.environ.get("HEADROOM_QUANT_INT8", "1") != "0"
+# HEADROOM_QUANT_INT8=1 puts Q4_K/Q6_K decode rows on the int8-activation GEMV
+# (:mod:`kernels.quant.triton_int8`). Off by default: on the H200 it decoded the 8B shape
+# no faster than the float GEMV (README, "GGUF weights kept quantized").
+_INT8 = os.environ.get("HEADROOM_QUANT_INT8", "0") == "1"
 
 
 @triton.jit
@@ -365,8 +370,8 @@ def quant_gemv(
             slice of a wider tensor), else a new tensor.
         int8_dot: Q4_K/Q6_K through the int8-activation GEMV
             (:mod:`kernels.quant.triton_int8`: activations rounded to int8 per 32
-            values, integer dot products); default on for those types unless
-            ``HEADROOM_QUANT_INT8=0``. Other types ignore it.
+            values, integer dot products); default off unless
+            ``HEADROOM_QUANT_INT8=1``. Other types ignore it.
         q8: ``x`` already quantized (:func:`kernels.quant.triton_int8.quantize_activations`),
             shared by the parts of a fused projection; else quantized here.
 

@@ -9,6 +9,8 @@ attention, one CUDA graph per batch size, ``--context`` tokens of KV per sequenc
 Then the same shape with bfloat16 weights (random, ``load_format="dummy"``); with
 ``--fp8``, those with an FP8 KV cache, and the shape with FP8 projections
 (``quantization="fp8"``: ``torch._scaled_mm`` with per-token activation scales).
+``HEADROOM_QUANT_INT8=1`` puts Q4_K/Q6_K decode rows on the int8-activation GEMV
+(:mod:`kernels.quant.triton_int8`); ``--float-gemv`` then times the float GEMV too.
 
 Per row: weights' VRAM, step time, tokens/s, and the share of the HBM roofline: the
 bytes one step must read (every weight but the embedding table, which a step only
@@ -126,7 +128,8 @@ def decode_rows(model, config, batches: list[int], context: int, bandwidth: floa
         batch = _decode_batch(b, context, page, "cuda")
         attn.prepare(batch)
         attn.prepare = lambda _b: None  # metadata once; the step is what is timed
-        seconds = _graph_seconds(lambda m=model, bt=batch, a=attn: m(bt, a))
+        # Fewer replays for larger batches (their steps are longer; same precision).
+        seconds = _graph_seconds(lambda m=model, bt=batch, a=attn: m(bt, a), max(3, _GRAPH_REPLAYS // b))
         moved = step_bytes(model, config, b, context, kv_token)
         share = moved / seconds / bandwidth
         rows.append(f"| {label} | {b} | {model_weight_bytes(model) / GiB:.2f} | {seconds * 1e3:.3f} | "
@@ -148,6 +151,16 @@ def _gemv_seconds(x: torch.Tensor, w: torch.Tensor, kind: str, replays: int = _G
     copies = _rotating(w)
     turn = itertools.cycle(copies)
     return _graph_seconds(lambda: quant_gemv(x, next(turn), kind, **tiling), replays)
+
+
+def _int8_seconds(x: torch.Tensor, w: torch.Tensor, kind: str, variant: dict, replays: int = 5, **tiling) -> float:
+    """As :func:`_gemv_seconds` for the int8 GEMV at a forced tiling and variant, the
+    activations' quantization included."""
+    from kernels.quant.triton_int8 import int8_gemv, quantize_activations
+
+    turn = itertools.cycle(_rotating(w))
+    return _graph_seconds(lambda: int8_gemv(quantize_activations(x), next(turn), kind, variant=variant, **tiling),
+                          replays)
 
 
 def gemv_rows(model, bandwidth: float, m: int = 1) -> list[str]:
@@ -172,10 +185,11 @@ def gemv_rows(model, bandwidth: float, m: int = 1) -> list[str]:
 
 def sweep_rows(bandwidth: float, shapes: list[tuple[str, int, int]]) -> list[str]:
     """The GEMV at one row per projection shape: what the autotuner picked, then its
-    tilings, best three and worst, then the best without the PTX code conversion."""
+    tilings, best three and worst, then the best without the PTX code conversion (the
+    float GEMV) or, for the int8 GEMV's types, the float GEMV's own tuned pick."""
     import triton
 
-    from kernels.quant import triton_quant
+    from kernels.quant import triton_int8, triton_quant
     from kernels.quant.synthetic import random_blocks
 
     rows = []
@@ -183,29 +197,45 @@ def sweep_rows(bandwidth: float, shapes: list[tuple[str, int, int]]) -> list[str
     for kind, n, k in shapes:
         w = torch.from_numpy(random_blocks(kind, n, k, rng, scale=1e-4)).cuda()
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        int8 = triton_quant.uses_int8_dot(kind)
         results = []
-        configs = triton_quant._prune(triton_quant._gemv_configs(), {"QK": triton_quant.block_format(kind).block_elements})
+        if int8:
+            configs = triton_int8._prune(triton_int8._configs(), {"QT": triton_quant.block_format(kind).code})
+        else:
+            configs = triton_quant._prune(triton_quant._gemv_configs(),
+                                          {"QK": triton_quant.block_format(kind).block_elements})
         for c in configs:
+            tiling = dict(block_n=c.kwargs["BLOCK_N"], blocks_per_step=c.kwargs["KB"], num_warps=c.num_warps, split_k=1)
+            split = c.kwargs.get("SPLIT", 0)
             try:
-                seconds = _gemv_seconds(x, w, kind, replays=5, block_n=c.kwargs["BLOCK_N"],
-                                        blocks_per_step=c.kwargs["KB"], num_warps=c.num_warps, split_k=1)
+                if int8:
+                    seconds = _int8_seconds(x, w, kind, {"SPLIT": split}, **tiling)
+                else:
+                    seconds = _gemv_seconds(x, w, kind, replays=5, **tiling)
             except (RuntimeError, triton.runtime.errors.OutOfResources) as e:
                 print(f"{kind} {n}x{k} {c}: {str(e).splitlines()[0]}")
                 continue
-            results.append((seconds, c.kwargs["BLOCK_N"], c.kwargs["KB"], c.num_warps, True))
+            results.append((seconds, f"block_n {c.kwargs['BLOCK_N']}, kb {c.kwargs['KB']}, warps {c.num_warps}"
+                            + (f", split {split}" if int8 else ", ptx True")))
         results.sort()
-        _, block_n, kb, warps, _ = results[0]
-        triton_quant._ASM = False
-        plain = _gemv_seconds(x, w, kind, replays=5, block_n=block_n, blocks_per_step=kb, num_warps=warps, split_k=1)
-        results.append((plain, block_n, kb, warps, False))
-        triton_quant._ASM = True
+        if int8:
+            other = _gemv_seconds(x, w, kind, replays=5, int8_dot=False)
+            results.append((other, "float GEMV, tuned"))
+        else:
+            label = results[0][1]
+            tiling = dict(item.split(" ") for item in label.split(", ")[:3])
+            triton_quant._ASM = False
+            other = _gemv_seconds(x, w, kind, replays=5, block_n=int(tiling["block_n"]),
+                                  blocks_per_step=int(tiling["kb"]), num_warps=int(tiling["warps"]), split_k=1)
+            triton_quant._ASM = True
+            results.append((other, label.replace("ptx True", "ptx False")))
         default = _gemv_seconds(x, w, kind, replays=5)
-        picked = [str(c) for key, c in triton_quant._gemv_tuned.cache.items() if n in key and k in key]
-        shape_rows = [f"| {kind} {n}x{k} | tuned ({'; '.join(picked)}) | {default * 1e6:.1f} | "
+        tuned = triton_int8._tuned if int8 else triton_quant._gemv_tuned
+        picked = [str(c) for key, c in tuned.cache.items() if n in key and k in key]
+        shape_rows = [f"| {kind} {n}x{k} | {'int8 ' if int8 else ''}tuned ({'; '.join(picked)}) | {default * 1e6:.1f} | "
                       f"{w.nbytes / default / bandwidth:.0%} |"]
-        for seconds, block_n, kb, warps, ptx in results[:3] + results[-2:]:
-            shape_rows.append(f"| {kind} {n}x{k} | block_n {block_n}, kb {kb}, warps {warps}, ptx {ptx} | "
-                              f"{seconds * 1e6:.1f} | {w.nbytes / seconds / bandwidth:.0%} |")
+        for seconds, label in results[:3] + results[-2:]:
+            shape_rows.append(f"| {kind} {n}x{k} | {label} | {seconds * 1e6:.1f} | {w.nbytes / seconds / bandwidth:.0%} |")
         print("\n".join(shape_rows), flush=True)
         rows += shape_rows
         del w
@@ -258,6 +288,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-bf16", action="store_true", help="skip the bfloat16 comparison")
     p.add_argument("--sweep", action="store_true", help="then the GEMV's tilings on the gate/up, down and o shapes")
     p.add_argument("--profile", action="store_true", help="per-kernel times of eager batch-1 decode steps")
+    p.add_argument("--float-gemv", action="store_true",
+                   help="then the GGUF rows again with Q4_K/Q6_K on the float GEMV (with HEADROOM_QUANT_INT8=1, "
+                        "which puts them on the int8 one first)")
     p.add_argument("--fp8", action="store_true",
                    help="then FP8 weights (--quantization fp8) and bfloat16 weights with an FP8 KV cache")
     args = p.parse_args(argv)
@@ -277,6 +310,13 @@ def main(argv: list[str] | None = None) -> None:
         print("| weights | batch | VRAM GiB | step ms | tok/s | GiB read/step | roofline share |\n"
               "|---|---|---|---|---|---|---|", flush=True)
         print("\n".join(decode_rows(model, config, batches, args.context, bandwidth, "GGUF Q4_K/Q6_K")), flush=True)
+        if args.float_gemv:
+            from kernels.quant import triton_quant
+
+            triton_quant._INT8 = False
+            print("\n".join(decode_rows(model, config, batches, args.context, bandwidth,
+                                         "GGUF Q4_K/Q6_K, float GEMV")), flush=True)
+            triton_quant._INT8 = True
         gemv = gemv_rows(model, bandwidth) + gemv_rows(model, bandwidth, m=16)
         if args.profile:
             print("\n| kernel (GGUF, eager batch 1) | calls/step | us/step | share |\n|---|---|---|---|")
@@ -304,7 +344,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.sweep:
         h, i = config.hidden_size, config.intermediate_size
         print("\n| GEMV shape | tiling | us | roofline share |\n|---|---|---|---|", flush=True)
-        sweep_rows(bandwidth, [("Q4_K", 2 * i, h), ("Q6_K", h, i), ("Q4_K", h, h)])
+        sweep_rows(bandwidth, [("Q4_K", 2 * i, h), ("Q6_K", h, i), ("Q4_K", h, h), ("Q6_K", config.kv_size, h)])
 
 
 if __name__ == "__main__":

@@ -61,7 +61,7 @@ def test_gemv_matches_gguf_dequantize(dev, type_name, m, n, blocks_k, split_k):
     from kernels.quant import triton_quant
 
     x, w = _case(type_name, m, n, blocks_k, dev)
-    out = triton_quant.quant_gemv(x, w, type_name, block_n=4, split_k=split_k, blocks_per_step=2)
+    out = triton_quant.quant_gemv(x, w, type_name, block_n=4, split_k=split_k, blocks_per_step=2, int8_dot=False)
     assert_matches(out, x, w, type_name)
 
 
@@ -80,7 +80,7 @@ def test_bfloat16_activations(dev, type_name):
     from kernels.quant import triton_quant
 
     x, w = _case(type_name, 2, 9, 2, dev, dtype=torch.bfloat16, seed=2)
-    assert_matches(triton_quant.quant_gemv(x, w, type_name, block_n=4), x, w, type_name)
+    assert_matches(triton_quant.quant_gemv(x, w, type_name, block_n=4, int8_dot=False), x, w, type_name)
     x, w = _case(type_name, 18, 9, 2, dev, dtype=torch.bfloat16, seed=3)
     assert_matches(triton_quant.quant_gemm(x, w, type_name, block_m=16, block_n=16), x, w, type_name)
 
@@ -139,3 +139,75 @@ def test_kernels_compile_for_hopper_without_register_spills():
     assert "quant kernels ok" in done.stdout
     for type_name in COMPILE_CHECK_TYPES:
         assert f"gemv {type_name} " in done.stdout and f"gemm {type_name} " in done.stdout
+
+
+# How far the int8 GEMV may land from the exact product, as a share of the largest
+# output: the activations are rounded to int8 per 32 values (error up to amax / 254 of
+# each group); measured up to 1.8% on these random blocks, whose mins make every
+# weight of a sub-block share a large offset.
+INT8_ROUNDING_TOL = 0.05
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("m,n,blocks_k,split_k,block_n,kb", [(1, 7, 3, 1, 4, 2), (3, 5, 5, 2, 4, 2),
+                                                            (2, 9, 2, None, 8, 4), (16, 3, 1, None, 4, 2)])
+def test_int8_gemv_matches_its_reference(dev, type_name, m, n, blocks_k, split_k, block_n, kb):
+    """The int8-activation GEMV equals the torch reference of its arithmetic (the
+    activations rounded as the kernel rounds them, the exact weights) to float32
+    summation order, and the exact product within the stated rounding tolerance; N
+    not a multiple of the row tile, K ranges of unequal length, dead blocks in a step."""
+    from kernels.quant import triton_int8, triton_quant
+
+    x, w = _case(type_name, m, n, blocks_k, dev, seed=5)
+    out = triton_quant.quant_gemv(x, w, type_name, block_n=block_n, split_k=split_k, blocks_per_step=kb,
+                                  int8_dot=True)
+    ref = reference.quant_matmul_int8(x, w, type_name)
+    scale = float(ref.abs().max())
+    assert float((out - ref).abs().max()) <= 1e-5 * scale
+    exact = reference.quant_matmul(x, w, type_name)
+    assert float((out - exact).abs().max()) <= INT8_ROUNDING_TOL * float(exact.abs().max())
+    assert triton_quant.uses_int8_dot(type_name, True) and type_name in triton_int8.INT8_TYPES
+    if type_name == "Q4_K":  # the tiling where a thread holds whole runs of a block
+        split = triton_int8.int8_gemv(triton_int8.quantize_activations(x), w, type_name, block_n=block_n,
+                                      split_k=split_k, blocks_per_step=kb, variant={"SPLIT": 1})
+        assert float((split - ref).abs().max()) <= 1e-5 * scale
+
+
+def test_int8_activations_equal_the_reference_codes(dev):
+    """Codes, scales and sums bit for bit (correctly rounded divisions in the kernel),
+    a group of zeros and a partial program of groups included; bfloat16 rows too."""
+    from kernels.quant import triton_int8
+
+    rng = np.random.default_rng(6)
+    x = torch.from_numpy(rng.standard_normal((3, 40 * 32), dtype=np.float32) * 3).to(dev)
+    x[1, 64:96] = 0
+    for xs in (x, x.to(torch.bfloat16)):
+        q8 = triton_int8.quantize_activations(xs)
+        codes, scales, sums = reference.quantize_activations(xs)
+        assert torch.equal(q8.codes, codes) and torch.equal(q8.scales, scales) and torch.equal(q8.sums, sums)
+        assert q8.dtype == xs.dtype and int(q8.codes.abs().max()) == 127 and float(q8.scales[1, 2]) == 0
+
+
+def test_int8_gemv_bfloat16_into_a_column_slice(dev):
+    """bfloat16 rows, one quantization shared by two parts writing columns of one output
+    (a fused projection of Q4_K and Q6_K shards)."""
+    from kernels.quant import triton_int8, triton_quant
+
+    x, w4 = _case("Q4_K", 2, 5, 2, dev, dtype=torch.bfloat16, seed=7)
+    _, w6 = _case("Q6_K", 2, 3, 2, dev, seed=8)
+    q8 = triton_int8.quantize_activations(x)
+    wide = torch.full((2, 10), 7.0, device=dev, dtype=torch.bfloat16)
+    triton_quant.quant_gemv(x, w4, "Q4_K", block_n=4, out=wide[:, 1:6], int8_dot=True, q8=q8)
+    triton_quant.quant_gemv(x, w6, "Q6_K", block_n=4, out=wide[:, 6:9], int8_dot=True, q8=q8)
+    for got, w, t in ((wide[:, 1:6], w4, "Q4_K"), (wide[:, 6:9], w6, "Q6_K")):
+        ref = reference.quant_matmul_int8(x.float(), w, t)
+        assert float((got.float() - ref).abs().max()) <= 2**-6 * float(ref.abs().max())
+    assert bool((wide[:, 0] == 7).all() and (wide[:, 9] == 7).all())
+
+
+def test_int8_gemv_refuses_other_types(dev):
+    from kernels.quant import triton_int8
+
+    x, w = _case("Q4_1", 1, 3, 8, dev)
+    with pytest.raises(ValueError, match="int8 GEMV reads Q4_K, Q6_K"):
+        triton_int8.int8_gemv(triton_int8.quantize_activations(x), w, "Q4_1")

@@ -21,7 +21,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kernels.quant import triton_quant  # noqa: E402
+from kernels.quant import triton_int8, triton_quant  # noqa: E402
 from kernels.quant.formats import FORMATS  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -36,7 +36,7 @@ def _compile(fn, args: dict[str, str], constexprs: dict, num_warps: int) -> tupl
     # As a launch specializes them: pointers and the row and activation strides 16-byte
     # aligned (what lets the byte reads vectorize).
     aligned = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in args
-               if args[a].startswith("*") or a in ("row_bytes", "stride_xm", "K")}
+               if args[a].startswith("*") or a in ("row_bytes", "row_words", "row_halves", "stride_xm", "stride_xq", "K")}
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=aligned)
     ptx = triton.compile(src, target=TARGET, options={"num_warps": num_warps}).asm["ptx"]
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
@@ -59,6 +59,33 @@ def _loads(ptx: str) -> str:
     for kind in found:
         counts[kind] = counts.get(kind, 0) + 1
     return ", ".join(f"{k} x{n}" for k, n in sorted(counts.items()))
+
+
+def _int8_variants(type_names: list[str]) -> int:
+    """The int8-activation GEMV (:mod:`kernels.quant.triton_int8`) of ``type_names`` at a
+    few tilings, and the activation quantizer; returns how many spill."""
+    failures = 0
+    args = {"xq_ptr": "*i32", "xd_ptr": "*fp32", "xs_ptr": "*i32", "w32_ptr": "*i32", "w16_ptr": "*i16",
+            "w8_ptr": "*u8", "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "row_bytes": "i32",
+            "row_words": "i32", "row_halves": "i32", "blocks_per_split": "i32", "stride_xq": "i32",
+            "stride_xd": "i32", "stride_xs": "i32", "stride_om": "i32"}
+    for name in type_names:
+        for block_n, kb, warps, split in ((4, 4, 2, 0), (32, 4, 8, 0), (16, 4, 4, 1)):
+            if split and name != "Q4_K":
+                continue
+            regs, frame, ptx = _compile(triton_int8._int8_gemv_kernel, args, {
+                "QT": FORMATS[name].code, "BLOCK_N": block_n, "KB": kb, "ATOMIC": False, "ASM": True,
+                "SPLIT": split}, warps)
+            print(f"gemv int8 {name} {block_n}x{kb}{' split' if split else ''}: {regs} registers, {frame} B stack; "
+                  f"dp4a x{ptx.count('dp4a')}; loads {_loads(ptx)}")
+            failures += frame > 0
+    if type_names:
+        regs, frame, _ = _compile(triton_int8._quantize_kernel, {
+            "x_ptr": "*bf16", "q_ptr": "*i8", "d_ptr": "*fp32", "s_ptr": "*i32", "groups": "i32",
+            "stride_xm": "i32", "stride_qm": "i32", "stride_dm": "i32", "stride_sm": "i32"}, {"G": 32}, 4)
+        print(f"quantize int8: {regs} registers, {frame} B stack")
+        failures += frame > 0
+    return failures
 
 
 def main(type_names: list[str]) -> int:
@@ -88,6 +115,7 @@ def main(type_names: list[str]) -> int:
                                       {**layout, "BLOCK_M": 64, "BLOCK_N": 64, "IEEE": ieee}, 8)
             print(f"gemm {fmt.name} {dtype}: {regs} registers, {frame} B stack")
             failures += frame > 0
+    failures += _int8_variants([name for name in type_names or FORMATS if name in triton_int8.INT8_TYPES])
     print("quant kernels ok" if not failures else f"{failures} variants spill registers")
     return 1 if failures else 0
 

@@ -84,25 +84,41 @@ class QuantLinear(nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         views = self.part_views()
+        q8 = self._int8_activations(x2)
         if len(views) == 1:
-            y = self._part(x2, *views[0])
+            y = self._part(x2, *views[0], q8=q8)
         else:  # each part writes its columns of one output: no concatenation
             y = torch.empty(x2.shape[0], self.out_features, device=x.device, dtype=x.dtype)
             col = 0
             for spec, w in views:
-                self._part(x2, spec, w, y[:, col : col + spec.rows])
+                self._part(x2, spec, w, y[:, col : col + spec.rows], q8=q8)
                 col += spec.rows
         if self.bias is not None:
             y = y + self.bias
         return y.view(*lead, self.out_features)
 
+    def _int8_activations(self, x: torch.Tensor):
+        """Decode rows quantized to int8 once for every part whose GEMV takes them
+        (:mod:`kernels.quant.triton_int8`), else None."""
+        if not use_triton(x):
+            return None
+        from kernels.quant.triton_quant import GEMV_MAX_ROWS, uses_int8_dot
+
+        if x.shape[0] > GEMV_MAX_ROWS or not any(p.type_name and uses_int8_dot(p.type_name) for p in self.parts):
+            return None
+        from kernels.quant.triton_int8 import quantize_activations
+
+        return quantize_activations(x.contiguous())
+
     @staticmethod
-    def _part(x: torch.Tensor, spec: PartSpec, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """``x @ w.T`` of one part, into ``out`` (a column slice) when given."""
+    def _part(x: torch.Tensor, spec: PartSpec, w: torch.Tensor, out: torch.Tensor | None = None,
+              q8=None) -> torch.Tensor:
+        """``x @ w.T`` of one part, into ``out`` (a column slice) when given; ``q8``:
+        ``x`` quantized for the int8 GEMV."""
         if spec.type_name is not None and use_triton(x):
             from kernels.quant.triton_quant import quant_matmul
 
-            return quant_matmul(x.contiguous(), w, spec.type_name, out=out)
+            return quant_matmul(x.contiguous(), w, spec.type_name, out=out, q8=q8)
         y = F.linear(x, w) if spec.type_name is None else reference.quant_matmul(x, w, spec.type_name)
         if out is None:
             return y

@@ -48,3 +48,38 @@ def quant_matmul(x: torch.Tensor, blocks: torch.Tensor, type_name: str) -> torch
     """
     w = dequantize(blocks, type_name, x.shape[-1])
     return (x.float() @ w.T).to(x.dtype)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` as the int8 GEMV takes it (``K % 32 == 0``): per group of 32 values,
+    ``scale = amax / 127`` and codes ``round(x * (127 / amax))`` half away from zero
+    (llama.cpp's ``quantize_q8_1``, with the reciprocal multiplied as the kernel does).
+
+    Returns:
+        ``(codes int8 [M, K], scales float32 [M, K / 32], sums int32 [M, K / 16])``, the
+        sums being the codes' per 16 values; a group of zeros has scale 0 and codes 0.
+    """
+    m, k = x.shape
+    g = x.float().reshape(m, k // 32, 32)
+    amax = g.abs().amax(dim=2)
+    # Tensor by tensor: torch divides by a Python scalar through its reciprocal on CUDA,
+    # one rounding more than the kernel's correctly rounded division.
+    c127 = torch.full_like(amax, 127.0)
+    inv = torch.where(amax > 0, c127 / amax.clamp_min(1e-30), torch.zeros_like(amax))
+    v = g * inv[..., None]
+    q = torch.where(v >= 0, torch.floor(v + 0.5), -torch.floor(0.5 - v)).to(torch.int32)
+    sums = q.reshape(m, k // 16, 16).sum(dim=2, dtype=torch.int32)
+    return q.reshape(m, k).to(torch.int8), amax / c127, sums
+
+
+def quant_matmul_int8(x: torch.Tensor, blocks: torch.Tensor, type_name: str) -> torch.Tensor:
+    """``x @ W.T`` as the int8 GEMV computes it: ``x`` rounded by
+    :func:`quantize_activations`, then multiplied in float32 by the exact ``W``.
+
+    Returns:
+        ``[M, N]`` in ``x.dtype``.
+    """
+    codes, scales, _ = quantize_activations(x)
+    xq = (codes.float().reshape(x.shape[0], -1, 32) * scales[..., None]).reshape(x.shape)
+    w = dequantize(blocks, type_name, x.shape[-1])
+    return (xq @ w.T).to(x.dtype)

@@ -15,6 +15,10 @@ each sub-block's scale and offset):
   the activations by the raw codes on tensor cores (``tl.dot``; the codes are exact in
   bfloat16) and scaling the sums the same way.
 
+With ``HEADROOM_QUANT_INT8=1`` (or ``int8_dot=True``), Q4_K/Q6_K decode rows go to the
+int8-activation GEMV of :mod:`kernels.quant.triton_int8` instead (integer dot products
+on activations rounded to int8; not faster on the H200, so off by default).
+
 No weight is rounded to 16 bits. Codes become floats without an int-to-float
 instruction: ORed into the mantissa of 2**23 (:func:`_codes_f32`; for Q4_K and Q8_0
 four codes at a time in PTX, :func:`_codes_fast`); each format's zero point (Q4_0's 8,
@@ -50,6 +54,10 @@ _INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 # The GEMV converts codes to floats with inline PTX (:func:`_codes_fast`); the
 # interpreter runs none, and HEADROOM_QUANT_PTX=0 turns it off (to compare).
 _ASM = not _INTERPRETING and os.environ.get("HEADROOM_QUANT_PTX", "1") != "0"
+# HEADROOM_QUANT_INT8=1 puts Q4_K/Q6_K decode rows on the int8-activation GEMV
+# (:mod:`kernels.quant.triton_int8`). Off by default: on the H200 it decoded the 8B shape
+# no faster than the float GEMV (README, "GGUF weights kept quantized").
+_INT8 = os.environ.get("HEADROOM_QUANT_INT8", "0") == "1"
 
 
 @triton.jit
@@ -338,6 +346,8 @@ def quant_gemv(
     blocks_per_step: int | None = None,
     num_warps: int = 4,
     out: torch.Tensor | None = None,
+    int8_dot: bool | None = None,
+    q8=None,
 ) -> torch.Tensor:
     """``x @ W.T`` for few rows of ``x``, ``W`` dequantized on the fly from ``blocks``.
 
@@ -358,6 +368,12 @@ def quant_gemv(
             step (default 2, or 16 of 32 weights), warps.
         out: where to write ``[M, N]`` (``x.dtype``, unit column stride; may be a column
             slice of a wider tensor), else a new tensor.
+        int8_dot: Q4_K/Q6_K through the int8-activation GEMV
+            (:mod:`kernels.quant.triton_int8`: activations rounded to int8 per 32
+            values, integer dot products); default off unless
+            ``HEADROOM_QUANT_INT8=1``. Other types ignore it.
+        q8: ``x`` already quantized (:func:`kernels.quant.triton_int8.quantize_activations`),
+            shared by the parts of a fused projection; else quantized here.
 
     Returns:
         ``[M, N]`` in ``x.dtype`` (float32 accumulation): ``out`` when given.
@@ -368,6 +384,11 @@ def quant_gemv(
     fmt, k = _check(x, blocks, type_name)
     m, n = x.shape[0], blocks.shape[0]
     nblocks = k // fmt.block_elements
+    if uses_int8_dot(type_name, int8_dot):
+        from kernels.quant.triton_int8 import int8_gemv, quantize_activations
+
+        return int8_gemv(q8 if q8 is not None else quantize_activations(x), blocks, type_name, block_n=block_n,
+                         split_k=split_k, blocks_per_step=blocks_per_step, num_warps=num_warps, out=out)
     result = _output(x, n, out)
     if _tuned_shape(x, n, split_k, block_n, blocks_per_step):
         _gemv_tuned[lambda meta: (m * triton.cdiv(n, meta["BLOCK_N"]), 1)](
@@ -420,12 +441,20 @@ def quant_gemm(
     return out
 
 
-def quant_matmul(x: torch.Tensor, blocks: torch.Tensor, type_name: str, out: torch.Tensor | None = None) -> torch.Tensor:
+def quant_matmul(x: torch.Tensor, blocks: torch.Tensor, type_name: str, out: torch.Tensor | None = None,
+                 q8=None) -> torch.Tensor:
     """``x @ W.T``: the GEMV for up to :data:`GEMV_MAX_ROWS` rows, the GEMM above
-    (``out`` as in :func:`quant_gemv`)."""
+    (``out`` and ``q8`` as in :func:`quant_gemv`)."""
     if x.shape[0] <= GEMV_MAX_ROWS:
-        return quant_gemv(x, blocks, type_name, out=out)
+        return quant_gemv(x, blocks, type_name, out=out, q8=q8)
     return quant_gemm(x, blocks, type_name, out=out)
+
+
+def uses_int8_dot(type_name: str, int8_dot: bool | None = None) -> bool:
+    """Whether the GEMV of ``type_name`` runs on int8 activations (see :func:`quant_gemv`)."""
+    from kernels.quant.triton_int8 import INT8_TYPES
+
+    return type_name in INT8_TYPES and (_INT8 if int8_dot is None else int8_dot)
 
 
 def _output(x: torch.Tensor, n: int, out: torch.Tensor | None) -> torch.Tensor:

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 from test_fast_path_gpu import _chat_prompts, run_greedy
+from test_quant_kernels import INT8_ROUNDING_TOL
 from triton_interpret import run_compiler_script, skip_without_ptxas
 
 from engine.config import EngineConfig
@@ -79,7 +80,8 @@ def test_default_model_from_q4_1_blocks_gives_the_dequantized_greedy_text(dtype,
 @pytest.mark.parametrize("type_name,n,k", [("Q4_K", 4096, 4096), ("Q6_K", 1024, 4096), ("Q6_K", 4096, 14336),
                                            ("Q4_K", 14336, 4096), ("Q4_1", 1536, 576), ("Q8_0", 576, 1536)])
 def test_kernels_at_real_shapes_match_gguf_dequantize(type_name, n, k):
-    """The default tilings (split-K GEMV, GEMM) at 1, 16 and 80 rows."""
+    """The default tilings (split-K or tuned GEMV, GEMM) at 1, 16 and 80 rows; for Q4_K/Q6_K
+    decode rows also the int8 GEMV, against the reference of its rounding."""
     from kernels.quant import reference, triton_quant
     from kernels.quant.synthetic import random_blocks
 
@@ -88,11 +90,17 @@ def test_kernels_at_real_shapes_match_gguf_dequantize(type_name, n, k):
     weight = reference.dequantize(w, type_name, k)
     for m in (1, 16, 80):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        ref = x.float() @ weight.T
+        exact = x.float() @ weight.T
         out = triton_quant.quant_matmul(x, w, type_name).float()
         # bfloat16 output rounding (2^-8 relative) with room for the summation order.
-        tol = 2**-6 * float(ref.abs().max())
-        assert float((out - ref).abs().max()) <= tol, f"{m} rows"
+        assert float((out - exact).abs().max()) <= 2**-6 * float(exact.abs().max()), f"{m} rows"
+        if m <= triton_quant.GEMV_MAX_ROWS and triton_quant.uses_int8_dot(type_name, True):
+            # The opt-in int8 GEMV (tuned tiling): against the reference of its rounding,
+            # and the exact product within the activations' int8 rounding.
+            out = triton_quant.quant_gemv(x, w, type_name, int8_dot=True).float()
+            ref = reference.quant_matmul_int8(x.float(), w, type_name)
+            assert float((out - ref).abs().max()) <= 2**-6 * float(ref.abs().max()), f"int8, {m} rows"
+            assert float((out - exact).abs().max()) <= INT8_ROUNDING_TOL * float(exact.abs().max()), f"int8, {m} rows"
 
 
 def test_benchmark_weights_take_their_block_bytes(tmp_path):

@@ -1,0 +1,395 @@
+"""Decode GEMV over Q4_K/Q6_K blocks with int8 activations and integer dot products.
+
+The float GEMV (:func:`kernels.quant.triton_quant.quant_gemv`) turns every weight into
+a float32 and multiplies it: about 6.7 instructions a Q4_K weight, so it is bound by
+instruction issue, not by HBM. Here, as llama.cpp's MMVQ kernels do, the activation
+row is quantized first (:func:`quantize_activations`: int8 codes, one float32 scale
+per 32 values, ``scale = amax / 127``, codes rounded half away from zero, and the codes'
+sum per 16 values), and each 32-bit word of weight codes is multiplied by a word of
+activation codes with one ``dp4a`` (four int8 products summed into an int32; PTX
+``dp4a.s32.s32``, emulated with shifts in Triton's interpreter):
+
+- Q4_K: a word of ``qs`` holds 4 codes of sub-block ``2r`` (low nibbles) and 4 of
+  ``2r + 1`` (high nibbles); two masks and a shift make two int8 words, two ``dp4a``
+  take 8 weights. Per sub-block (32 weights) and row:
+  ``d * sc * dot * dx - dmin * mn * dx * sum(codes)``.
+- Q6_K: a word of ``ql``'s first 32 bytes of a half, the word 32 bytes on and the word
+  of ``qh`` at the same place hold 16 codes of four sub-blocks (ggml's
+  ``dequantize_row_q6_K`` order); masks and shifts put the two high bits under each
+  nibble. The codes are ``0..63`` with zero point 32, taken off through the
+  activations' sum: ``d * sc * (dot - 32 * sum(codes)) * dx`` per sub-block of 16.
+  Blocks are 210 bytes, so their words are read as two 16-bit halves.
+
+Counting the source's operations, the dot products take 0.6 instructions a Q4_K
+weight (the float GEMV about 6.7), about two a Q6_K weight. The activations are rounded
+to int8 (llama.cpp does the same; the error is at most half a code step, ``amax / 254``
+of each group of 32), so results differ from the float GEMV by that rounding;
+:func:`kernels.quant.reference.quant_matmul_int8` is the exact reference of this
+arithmetic. Block layouts as ggml-common.h's ``block_q4_K``/``block_q6_K``; the scheme
+as llama.cpp's ``quantize_q8_1`` and ``vec_dot_q4_K_q8_1``/``vec_dot_q6_K_q8_1``.
+
+Tiling: one program per (activation row, ``BLOCK_N`` weight rows, range of K), ``KB``
+blocks per step in a ``[BLOCK_N, KB, 4, words]`` tile whose rows come first, so a thread
+holds the same words of several rows and loads the activation words once for them
+(``SPLIT``, Q4_K: each run of 8 words as two 4-word tiles, so one thread holds a whole
+run); Q4_K's 16-byte header is read as four words. Autotuned per (N, K, type); split-K
+below two rows per SM, as the float GEMV.
+
+Measured on the H200 (README, "GGUF weights kept quantized") it is not faster than the
+float GEMV on the 8B shapes, so :func:`kernels.quant.triton_quant.quant_gemv` takes it
+only with ``HEADROOM_QUANT_INT8=1``: timed by stages left out (``ABL``), Q6_K's 16-bit
+reads cap it near 48% of the copy rate and the small projections are latency-bound.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.quant.formats import block_format
+from kernels.quant.triton_quant import _ASM, _INTERPRETING, _f16, _output, _sm_count
+
+# The block types with an integer-dot GEMV.
+INT8_TYPES = ("Q4_K", "Q6_K")
+# Activations per int8 scale (llama.cpp's block_q8_1), and per code sum.
+GROUP = 32
+SUM_GROUP = 16
+
+
+class Q8Activations(NamedTuple):
+    """Activation rows quantized for :func:`int8_gemv` (:func:`quantize_activations`).
+
+    Attributes:
+        codes: int8 ``[M, K]``; ``x ~= codes * scale`` of their group of 32.
+        scales: float32 ``[M, K / 32]``.
+        sums: int32 ``[M, K / 16]``, the codes' sum per 16.
+        dtype: the activations' dtype (the GEMV's output dtype).
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    sums: torch.Tensor
+    dtype: torch.dtype
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, q_ptr, d_ptr, s_ptr, groups, stride_xm, stride_qm, stride_dm, stride_sm, G: tl.constexpr):
+    m = tl.program_id(0).to(tl.int64)
+    g1 = tl.program_id(1) * G + tl.arange(0, G)
+    g = g1[:, None]
+    t = tl.arange(0, 32)[None, :]
+    live = g < groups
+    x = tl.load(x_ptr + m * stride_xm + g * 32 + t, mask=live, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=1)
+    # Correctly rounded divisions (Triton's `/` is approximate): the codes then equal
+    # the torch reference's bit for bit.
+    inv = tl.where(amax > 0, tl.div_rn(tl.full([G], 127.0, tl.float32), tl.maximum(amax, 1e-30)), 0.0)
+    v = x * inv[:, None]
+    q = tl.where(v >= 0, tl.floor(v + 0.5), -tl.floor(0.5 - v)).to(tl.int32)
+    tl.store(q_ptr + m * stride_qm + g * 32 + t, q.to(tl.int8), mask=live)
+    g_live = g1 < groups
+    tl.store(d_ptr + m * stride_dm + g1, tl.div_rn(amax, tl.full([G], 127.0, tl.float32)), mask=g_live)
+    tl.store(s_ptr + m * stride_sm + 2 * g1, tl.sum(tl.where(t < 16, q, 0), axis=1), mask=g_live)
+    tl.store(s_ptr + m * stride_sm + 2 * g1 + 1, tl.sum(tl.where(t >= 16, q, 0), axis=1), mask=g_live)
+
+
+def quantize_activations(x: torch.Tensor) -> Q8Activations:
+    """``x [M, K]`` (float32/bfloat16/float16, unit column stride, ``K % 32 == 0``) to
+    int8 codes with a float32 scale per 32 values (:class:`Q8Activations`); the torch
+    twin is :func:`kernels.quant.reference.quantize_activations`.
+
+    Raises:
+        ValueError: ``x`` not 2-D with whole groups of 32 and a unit column stride.
+    """
+    if x.dim() != 2 or x.shape[1] % GROUP or x.stride(1) != 1:
+        raise ValueError(f"want x [M, K] with K a multiple of {GROUP} and unit column stride, got {tuple(x.shape)}")
+    m, k = x.shape
+    groups = k // GROUP
+    codes = torch.empty((m, k), device=x.device, dtype=torch.int8)
+    scales = torch.empty((m, groups), device=x.device, dtype=torch.float32)
+    sums = torch.empty((m, 2 * groups), device=x.device, dtype=torch.int32)
+    g = 32
+    _quantize_kernel[(m, triton.cdiv(groups, g))](x, codes, scales, sums, groups, x.stride(0), codes.stride(0),
+                                                  scales.stride(0), sums.stride(0), G=g, num_warps=4)
+    return Q8Activations(codes, scales, sums, x.dtype)
+
+
+@triton.jit
+def _dp4a(a, b, ASM: tl.constexpr):
+    """Per element, the sum of the four products of the signed bytes of int32 ``a`` and
+    ``b`` (PTX ``dp4a``; shifts in the interpreter)."""
+    if ASM:
+        r = tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, 0;", "=r,r,r", [a, b], dtype=tl.int32,
+                                      is_pure=True, pack=1)
+    else:
+        r = ((a << 24) >> 24) * ((b << 24) >> 24) + ((a << 16) >> 24) * ((b << 16) >> 24)
+        r += ((a << 8) >> 24) * ((b << 8) >> 24) + (a >> 24) * (b >> 24)
+    return r
+
+
+@triton.jit
+def _word16(p):
+    """The int32 of two little-endian 16-bit halves at ``p`` (int16 pointers)."""
+    return (tl.load(p).to(tl.int32) & 0xFFFF) | (tl.load(p + 1).to(tl.int32) << 16)
+
+
+@triton.jit
+def _k_scales_words(w1, w2, w3, S):
+    """Q4_K's 6-bit scale and min of sub-block ``S`` (a tensor) as float32, from the 12
+    scale bytes read as three int32 words (``get_scale_min_k4``: sub-blocks 4-7 take
+    their high bits from the top two bits of sub-blocks 0-3's bytes)."""
+    sh = 8 * (S % 4)
+    b1 = w1 >> sh
+    b2 = w2 >> sh
+    b3 = w3 >> sh
+    sc = tl.where(S < 4, b1 & 63, (b3 & 15) | (((b1 >> 6) & 3) << 4))
+    mn = tl.where(S < 4, b2 & 63, ((b3 >> 4) & 15) | (((b2 >> 6) & 3) << 4))
+    return sc.to(tl.float32), mn.to(tl.float32)
+
+
+@triton.jit
+def _q4k_step(w32, w32_3, kb, kb3, x32, xd, xs, live, live3, ASM: tl.constexpr, ABL: tl.constexpr,
+              SPLIT: tl.constexpr):
+    """``[BLOCK_N, KB, 4]`` float32: Q4_K blocks ``kb`` of the rows at ``w32``
+    (``[BLOCK_N, 1, 1, 1]`` int32 row pointers; ``w32_3`` the same ``[BLOCK_N, 1, 1]``),
+    run ``r`` of each block (sub-blocks ``2r`` and ``2r + 1``) times the activations."""
+    r = tl.arange(0, 4)[None, None, :, None]
+    m4 = 0x0F0F0F0F
+    if SPLIT:
+        # Each run's 8 words as two 4-word tiles of one shape: a thread holds a run's
+        # 8 words (two 16-byte loads), so its sums and scales are neither shuffled nor
+        # computed again by a second thread.
+        j = tl.arange(0, 4)[None, None, None, :]
+        wp = w32 + kb * 36 + 4 + 8 * r + j
+        xw = x32 + kb * 64 + 16 * r + j
+        wa = tl.load(wp)
+        wb = tl.load(wp + 4)
+        if ABL == 2:
+            return tl.sum(wa + wb, axis=3).to(tl.float32)
+        dot_lo = (tl.sum(_dp4a(wa & m4, tl.load(xw, mask=live, other=0), ASM), axis=3)
+                  + tl.sum(_dp4a(wb & m4, tl.load(xw + 4, mask=live, other=0), ASM), axis=3)).to(tl.float32)
+        dot_hi = (tl.sum(_dp4a((wa >> 4) & m4, tl.load(xw + 8, mask=live, other=0), ASM), axis=3)
+                  + tl.sum(_dp4a((wb >> 4) & m4, tl.load(xw + 12, mask=live, other=0), ASM), axis=3)).to(tl.float32)
+    else:
+        j = tl.arange(0, 8)[None, None, None, :]
+        wv = tl.load(w32 + kb * 36 + 4 + 8 * r + j)  # 144-byte blocks: 36 words, qs from word 4
+        if ABL == 2:
+            return tl.sum(wv, axis=3).to(tl.float32)
+        xw = x32 + kb * 64 + 16 * r + j
+        dot_lo = tl.sum(_dp4a(wv & m4, tl.load(xw, mask=live, other=0), ASM), axis=3).to(tl.float32)
+        dot_hi = tl.sum(_dp4a((wv >> 4) & m4, tl.load(xw + 8, mask=live, other=0), ASM), axis=3).to(tl.float32)
+    r3 = tl.arange(0, 4)[None, None, :]
+    # The 16-byte header as four words (d and dmin, 12 scale bytes): per (row, block)
+    # four loads instead of a byte load per scale (measured 36 against 53 us on the
+    # gate/up shape).
+    hdr = w32_3 + kb3 * 36  # [BLOCK_N, KB, 1] word pointers
+    w0 = tl.load(hdr)
+    w1 = tl.load(hdr + 1)
+    w2 = tl.load(hdr + 2)
+    w3 = tl.load(hdr + 3)
+    sc_lo, mn_lo = _k_scales_words(w1, w2, w3, 2 * r3)
+    sc_hi, mn_hi = _k_scales_words(w1, w2, w3, 2 * r3 + 1)
+    g = kb3 * 8 + 2 * r3  # the activation group of sub-block 2r: [1, KB, 4]
+    dx_lo = tl.load(xd + g, mask=live3, other=0.0)
+    dx_hi = tl.load(xd + g + 1, mask=live3, other=0.0)
+    if ABL == 1:
+        return dot_lo * dx_lo + dot_hi * dx_hi
+    sum_lo = (tl.load(xs + 2 * g) + tl.load(xs + 2 * g + 1)).to(tl.float32) * dx_lo
+    sum_hi = (tl.load(xs + 2 * g + 2) + tl.load(xs + 2 * g + 3)).to(tl.float32) * dx_hi
+    d = w0.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    dmin = (w0 >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return d * (dot_lo * sc_lo * dx_lo + dot_hi * sc_hi * dx_hi) - dmin * (mn_lo * sum_lo + mn_hi * sum_hi)
+
+
+@triton.jit
+def _q6k_step(w16, w8, kb, kb3, x32, xd, xs, live, live3, ASM: tl.constexpr, ABL: tl.constexpr):
+    """``[BLOCK_N, KB, 4]`` float32: Q6_K blocks ``kb`` of the rows at ``w16``/``w8``
+    (int16/uint8 row pointers); index ``a`` = (half, word run) of each block, 16 of its
+    words times the activations."""
+    a = tl.arange(0, 4)[None, None, :, None]
+    u = tl.arange(0, 4)[None, None, None, :]
+    # 210-byte blocks: 105 halves; ql word (h, l4 = 4q + u) at byte 64h + 4 l4, qh's at 128 + 32h + 4 l4.
+    base = w16 + kb * 105 + 2 * u
+    ql = base + 32 * (a // 2) + 8 * (a % 2)
+    lo_a = _word16(ql)
+    lo_b = _word16(ql + 16)
+    qh = _word16(base + 64 + 16 * (a // 2) + 8 * (a % 2))
+    xw = x32 + kb * 64 + 32 * (a // 2) + 4 * (a % 2) + u  # element 128h + 4 l4
+    if ABL == 2:
+        return tl.sum(lo_a + lo_b + qh, axis=3).to(tl.float32)
+    m4 = 0x0F0F0F0F
+    m2 = 0x30303030
+    d0 = tl.sum(_dp4a((lo_a & m4) | ((qh << 4) & m2), tl.load(xw, mask=live, other=0), ASM), axis=3)
+    d1 = tl.sum(_dp4a((lo_b & m4) | ((qh << 2) & m2), tl.load(xw + 8, mask=live, other=0), ASM), axis=3)
+    d2 = tl.sum(_dp4a(((lo_a >> 4) & m4) | (qh & m2), tl.load(xw + 16, mask=live, other=0), ASM), axis=3)
+    d3 = tl.sum(_dp4a(((lo_b >> 4) & m4) | ((qh >> 2) & m2), tl.load(xw + 24, mask=live, other=0), ASM), axis=3)
+    if ABL == 1:
+        return (d0 + d1 + d2 + d3).to(tl.float32)
+    a3 = tl.arange(0, 4)[None, None, :]
+    blk = w8 + kb3 * 210  # [BLOCK_N, KB, 1]
+    sub = 8 * (a3 // 2) + (a3 % 2)  # sub-block of d0; d_i's is sub + 2i
+    grp = kb3 * 8 + 4 * (a3 // 2)  # activation group of d0; d_i's is grp + i
+    s16 = xs + kb3 * 16 + sub
+    acc = _q6k_sub(d0, blk, sub, s16, xd + grp, live3)
+    acc += _q6k_sub(d1, blk, sub + 2, s16 + 2, xd + grp + 1, live3)
+    acc += _q6k_sub(d2, blk, sub + 4, s16 + 4, xd + grp + 2, live3)
+    acc += _q6k_sub(d3, blk, sub + 6, s16 + 6, xd + grp + 3, live3)
+    return _f16(blk + 208) * acc
+
+
+@triton.jit
+def _q6k_sub(dot, blk, sub, s16, xd, live3):
+    """One Q6_K sub-block's ``sc * (dot - 32 * sum(codes)) * dx`` (zero point 32)."""
+    sc = tl.load(blk + 192 + sub).to(tl.int8, bitcast=True).to(tl.float32)
+    return (dot - 32 * tl.load(s16)).to(tl.float32) * sc * tl.load(xd, mask=live3, other=0.0)
+
+
+@triton.jit
+def _int8_gemv_kernel(
+    xq_ptr, xd_ptr, xs_ptr, w32_ptr, w16_ptr, w8_ptr, out_ptr, M, N, K, row_bytes, row_words, row_halves,
+    blocks_per_split, stride_xq, stride_xd, stride_xs, stride_om,
+    QT: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr, ATOMIC: tl.constexpr, ASM: tl.constexpr,
+    ABL: tl.constexpr = 0, SPLIT: tl.constexpr = 0,
+):
+    # ABL (timing only; wrong results): 1 leaves out the scales (the dot products times
+    # the activation scales), 2 also the dot products (the weight words summed), so
+    # differences of times place the kernel's time by stage (README).
+    # Grid as the float GEMV's: axis 0 = activation rows x weight tiles (the rows of
+    # one tile launched together, so all but the first read it from L2), axis 1 = K ranges.
+    pid_m = tl.program_id(0) % M
+    pid_n = tl.program_id(0) // M
+    pid_k = tl.program_id(1)
+    rows = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
+    w8 = w8_ptr + (rows * row_bytes)[:, None, None]  # [BLOCK_N, 1, 1]
+    w32_3 = w32_ptr + (rows * row_words)[:, None, None]
+    w32 = w32_3[:, :, :, None]
+    w16 = w16_ptr + (rows * row_halves)[:, None, None, None]
+    x32 = xq_ptr + pid_m.to(tl.int64) * stride_xq  # int32 words of int8 codes
+    xd = xd_ptr + pid_m.to(tl.int64) * stride_xd
+    xs = xs_ptr + pid_m.to(tl.int64) * stride_xs
+    kb_begin = pid_k * blocks_per_split
+    kb_end = tl.minimum(kb_begin + blocks_per_split, K // 256)
+    acc = tl.zeros([BLOCK_N, KB, 4], tl.float32)
+    for kb0 in range(kb_begin, kb_end, KB):
+        # Blocks past the range are read from its last block (in bounds) and multiplied
+        # by zeroed activations and scales.
+        kb = kb0 + tl.arange(0, KB)[None, :, None, None]
+        live = kb < kb_end
+        kb = tl.minimum(kb, kb_end - 1)
+        kb3 = tl.minimum(kb0 + tl.arange(0, KB)[None, :, None], kb_end - 1)
+        live3 = (kb0 + tl.arange(0, KB)[None, :, None]) < kb_end
+        if QT == 5:
+            acc += _q4k_step(w32, w32_3, kb, kb3, x32, xd, xs, live, live3, ASM, ABL, SPLIT)
+        else:
+            acc += _q6k_step(w16, w8, kb, kb3, x32, xd, xs, live, live3, ASM, ABL)
+    total = tl.sum(tl.sum(acc, axis=2), axis=1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    out = out_ptr + pid_m * stride_om + cols
+    if ATOMIC:
+        tl.atomic_add(out, total, mask=cols < N)
+    else:
+        tl.store(out, total.to(out_ptr.dtype.element_ty), mask=cols < N)
+
+
+def _configs() -> list[triton.Config]:
+    """Tilings the tuned kernel picks from per (N, K, type): weight rows per program,
+    blocks of K per step, warps, and for Q4_K whether a thread holds whole runs
+    (``SPLIT``; then the tile's ``BLOCK_N * KB * 4`` runs at least fill the threads).
+    The plain ones were the best on the H200 for some 8B projection shape."""
+    plain = [triton.Config({"BLOCK_N": block_n, "KB": kb}, num_warps=warps)
+             for block_n, kb, warps in ((8, 2, 4), (8, 4, 4), (4, 4, 2), (2, 4, 2), (8, 8, 4), (32, 4, 8))]
+    split = [triton.Config({"BLOCK_N": block_n, "KB": kb, "SPLIT": 1}, num_warps=warps)
+             for block_n, kb, warps in ((8, 4, 4), (16, 4, 4), (32, 4, 8), (16, 2, 4), (8, 2, 2))]
+    return plain + split
+
+
+def _prune(configs, named_args, **kwargs):
+    """``SPLIT`` is Q4_K's alone."""
+    if named_args.get("QT", kwargs.get("QT")) == 5:
+        return configs
+    return [c for c in configs if not c.kwargs.get("SPLIT")]
+
+
+_tuned = triton.autotune(
+    configs=_configs(), key=["N", "K", "QT"], prune_configs_by={"early_config_prune": _prune},
+    do_bench=lambda fn, quantiles: triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles),
+)(_int8_gemv_kernel)
+
+
+def int8_gemv(
+    q8: Q8Activations,
+    blocks: torch.Tensor,
+    type_name: str,
+    *,
+    block_n: int | None = None,
+    split_k: int | None = None,
+    blocks_per_step: int | None = None,
+    num_warps: int = 4,
+    out: torch.Tensor | None = None,
+    variant: dict | None = None,
+) -> torch.Tensor:
+    """``x @ W.T`` for the quantized activations ``q8`` of ``x`` and ``W`` in Q4_K or
+    Q6_K ``blocks``.
+
+    Args:
+        q8: :func:`quantize_activations` of ``x [M, K]``.
+        blocks: uint8 ``[N, K / 256 * block_bytes]``, GGUF blocks row by row.
+        type_name: ``"Q4_K"`` or ``"Q6_K"``.
+        block_n, split_k, blocks_per_step, num_warps: a forced tiling (tests, sweeps),
+            as :func:`kernels.quant.triton_quant.quant_gemv`'s; by default autotuned on
+            CUDA when the rows fill the SMs twice over, else K is split.
+        out: where to write ``[M, N]`` (``q8.dtype``, unit column stride), else a new tensor.
+        variant: constexprs of a forced tiling: ``SPLIT`` (Q4_K: a thread holds whole
+            runs), ``ABL`` (timing a stage left out; the result is then wrong).
+
+    Returns:
+        ``[M, N]`` in ``q8.dtype`` (float32 accumulation).
+
+    Raises:
+        ValueError: another type, or blocks that do not hold rows of ``K`` weights.
+    """
+    if type_name not in INT8_TYPES:
+        raise ValueError(f"the int8 GEMV reads {', '.join(INT8_TYPES)}, not {type_name}")
+    fmt = block_format(type_name)
+    m, k = q8.codes.shape
+    n = blocks.shape[0]
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != k // 256 * fmt.block_bytes \
+            or k % 256 or blocks.stride(1) != 1 or blocks.stride(0) % 2:
+        raise ValueError(f"{type_name} blocks {blocks.dtype} {tuple(blocks.shape)} do not hold rows of K={k} weights")
+    nblocks = k // 256
+    result = _output(q8.codes.new_empty((m, 0), dtype=q8.dtype), n, out)
+    # The same bytes seen as 32- and 16-bit words: aligned word loads (Q4_K's 144-byte
+    # blocks) and Q6_K's halves; the bytes' own view reads the scales.
+    flat = blocks.as_strided((blocks.stride(0) * (n - 1) + blocks.shape[1],), (1,))
+    w32 = flat[: flat.numel() // 4 * 4].view(torch.int32)
+    w16 = flat[: flat.numel() // 2 * 2].view(torch.int16)
+    args = (q8.codes.view(torch.int32), q8.scales, q8.sums, w32, w16, blocks)
+    # Row strides in bytes, 32- and 16-bit words (Q6_K's word view is unused when the
+    # rows are not whole words).
+    row = (blocks.stride(0), blocks.stride(0) // 4, blocks.stride(0) // 2)
+    strides = (q8.codes.stride(0) // 4, q8.scales.stride(0), q8.sums.stride(0))
+    asm = _ASM and blocks.is_cuda
+    if (blocks.is_cuda and not _INTERPRETING and split_k is None and block_n is None and blocks_per_step is None
+            and n >= 2 * _sm_count(blocks.device.index or 0)):
+        _tuned[lambda meta: (m * triton.cdiv(n, meta["BLOCK_N"]), 1)](
+            *args, result, m, n, k, *row, nblocks, *strides, result.stride(0),
+            QT=fmt.code, ATOMIC=False, ASM=asm)
+        return result
+    block_n = block_n or 4
+    kb = blocks_per_step or 2
+    if split_k is None:
+        want = 4 * _sm_count(blocks.device.index or 0) if blocks.is_cuda else 1
+        split_k = max(1, min(nblocks // kb or 1, -(-want // (m * triton.cdiv(n, block_n)))))
+    per_split = triton.cdiv(nblocks, split_k)
+    split = triton.cdiv(nblocks, per_split)
+    atomic = split > 1
+    dest = torch.zeros((m, n), device=blocks.device, dtype=torch.float32) if atomic else result
+    _int8_gemv_kernel[(m * triton.cdiv(n, block_n), split)](
+        *args, dest, m, n, k, *row, per_split, *strides, dest.stride(0),
+        QT=fmt.code, BLOCK_N=block_n, KB=kb, ATOMIC=atomic, ASM=asm, num_warps=num_warps, **(variant or {}))
+    if atomic:
+        result.copy_(dest)
+    return result

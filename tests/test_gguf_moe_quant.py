@@ -24,6 +24,7 @@ from engine.config import EngineConfig  # noqa: E402
 from engine.loader.gguf_convert import convert_gguf  # noqa: E402
 from engine.loader.gguf_quant import gguf_weight_size, load_gguf_quantized  # noqa: E402
 from engine.loader.hf_config import load_model_config  # noqa: E402
+from engine.models.cpu_quant_linear import pack_model_for_cpu  # noqa: E402
 from engine.models.moe import Experts  # noqa: E402
 from engine.models.quant_experts import QuantExperts  # noqa: E402
 from engine.models.quant_linear import model_weight_bytes  # noqa: E402
@@ -81,7 +82,8 @@ def test_quantized_experts_give_the_dequantized_greedy_ids_and_logits(tiny, page
 
 def test_weight_size_prices_the_expert_blocks(tiny):
     """On CUDA the plan charges the experts' blocks, byte for byte what the loader
-    allocates; on the CPU (experts dequantized at load) their dense size."""
+    allocates; on the CPU (experts dequantized at load, the projections repacked as the
+    engine does) their dense size."""
     path, config = tiny
     rope_cache = config.max_position_embeddings * config.head_dim * 4
     blocks = load_gguf_quantized(config, path, "cpu", torch.bfloat16, experts_in_blocks=True)
@@ -92,7 +94,7 @@ def test_weight_size_prices_the_expert_blocks(tiny):
     e, h, i = config.num_experts, HIDDEN, MOE_INTERMEDIATE
     assert sum(b.nbytes for b in experts.buffers()) == e * (2 * i * h // 256 * 144 + h * i // 256 * 210)
     on_cpu = gguf_weight_size(path, config, torch.bfloat16, "cpu")
-    dense = load_gguf_quantized(config, path, "cpu", torch.bfloat16)
+    dense = pack_model_for_cpu(load_gguf_quantized(config, path, "cpu", torch.bfloat16), torch.bfloat16)
     assert isinstance(dense.model.layers[0].mlp.experts, Experts)
     assert on_cpu.bytes == model_weight_bytes(dense) + rope_cache
 
@@ -109,7 +111,7 @@ def test_startup_keeps_moe_blocks_on_cuda_and_falls_back_with_cpu_experts(tiny, 
     assert "--gguf-quantized with --cpu-experts 1" in caplog.text
 
 
-def test_plan_command_shows_the_expert_blocks(tiny):
+def test_plan_command_shows_the_expert_blocks(tiny, tmp_path):
     """``headroom plan --gguf-quantized`` on a MoE GGUF prices the expert blocks."""
     import os
 
@@ -119,6 +121,50 @@ def test_plan_command_shows_the_expert_blocks(tiny):
 
     path, _ = tiny
     args = ["plan", "--model", str(path), "--device", "cuda", "--device-total", "4GiB", "--gguf-quantized"]
-    result = CliRunner().invoke(main, args, env={"HEADROOM_CONFIG": os.devnull})
+    result = CliRunner().invoke(main, args, env={"HEADROOM_CONFIG": os.devnull, "HEADROOM_CACHE_DIR": str(tmp_path)})
     assert result.exit_code == 0, result.output
     assert "Q6_K blocks" in result.stdout and "routed experts" in result.stdout
+
+
+def test_benchmark_moe_gguf_converts_and_loads_in_blocks(tmp_path, paged_runner):
+    """The random Qwen3-MoE GGUF the GPU runs serve (K-quant blocks built directly, the
+    default model's tokenizer), at a small Qwen3-30B-A3B-like shape: it converts (config
+    and tokenizer from its metadata), its experts load in their Q4_K/Q4_K/Q6_K blocks,
+    priced exactly, and a step gives finite logits."""
+    from engine.commands.model_shapes import write_shape
+    from engine.quant_bench import MOE_EXPERT_TYPES, write_random_moe_gguf
+
+    shape = load_model_config(write_shape("qwen3-30b-a3b", tmp_path / "cfg", hidden_size=256, moe_intermediate_size=256,
+                                          num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                          num_experts=4, num_experts_per_tok=2, max_position_embeddings=64))
+    path = tmp_path / "moe.gguf"
+    write_random_moe_gguf(path, shape, np.random.default_rng(0))
+    config = load_model_config(convert_gguf(path, tmp_path / "hf"))
+    assert (config.architecture, config.num_experts, config.moe_layers) == ("Qwen3MoeForCausalLM", 4, (0, 1))
+    model = load_gguf_quantized(config, path, "cpu", torch.float32, experts_in_blocks=True)
+    assert all(layer.mlp.experts.types == MOE_EXPERT_TYPES for layer in model.model.layers)
+    size = gguf_weight_size(path, config, torch.float32)
+    assert size.bytes == model_weight_bytes(model) + config.max_position_embeddings * config.head_dim * 4
+    logits = paged_runner(model, config).step({0: [1, 2, 3]})
+    assert logits.shape == (1, config.vocab_size) and bool(torch.isfinite(logits).all())
+
+
+@pytest.mark.parametrize("kind,arch", [("qwen2_moe", "qwen2moe"), ("mixtral", "llama")])
+def test_other_families_load_their_experts_in_blocks(kind, arch, tmp_path, make_tiny_hf_model, paged_runner):
+    """Qwen2-MoE (its shared expert's projections in blocks too) and Mixtral (a llama file
+    with experts), Q8_0 as ``write_gguf`` stores them: blocks against dequantized."""
+    from engine.models.quant_linear import QuantLinear
+
+    path = tmp_path / f"{kind}.gguf"
+    write_gguf(path, arch, make_tiny_hf_model(kind, None, vocab_size=VOCAB))
+    config = load_model_config(convert_gguf(path, tmp_path / "hf"))
+    blocks = load_gguf_quantized(config, path, "cpu", torch.float32, experts_in_blocks=True)
+    dense = load_gguf_quantized(config, path, "cpu", torch.float32, experts_in_blocks=False)
+    for i in config.moe_layers:
+        mlp = blocks.model.layers[i].mlp
+        assert isinstance(mlp.experts, QuantExperts) and mlp.experts.types == ("Q8_0",) * 3
+        if kind == "qwen2_moe":
+            assert isinstance(mlp.shared_expert.gate_up_proj, QuantLinear)
+    ids = [5, 70, 3, 200, 42, 42, 9, 100]
+    la, lb = paged_runner(dense, config).step({0: ids})[0], paged_runner(blocks, config).step({0: ids})[0]
+    assert float((la - lb).abs().max()) <= 1e-5 * max(1.0, float(la.abs().max()))

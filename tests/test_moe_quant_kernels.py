@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from triton_interpret import kernel_device
+from triton_interpret import kernel_device, run_compiler_script, skip_without_ptxas
 
 from kernels.moe import route
 from kernels.quant import moe_reference
@@ -119,3 +119,15 @@ def test_blocks_of_another_type_are_refused(dev):
         triton_moe_quant.fused_moe_quant(x, wg, wu, wd, ("Q8_0", "Q8_0", "Q4_0"), weights, ids)
     with pytest.raises(ValueError, match="method must be"):
         triton_moe_quant.fused_moe_quant(x, wg, wu, wd, ("Q8_0",) * 3, weights, ids, method="loop")
+
+
+def test_kernels_compile_for_hopper_without_register_spills():
+    """The grouped GEMV and the sorted GEMM, gated and weighted, for Q4_K/Q4_K/Q6_K and
+    Q8_0 experts, compile for sm_90 with no stack frame, in a child process (see
+    ``triton_moe_quant_compile_check.py``): the interpreter accepts code the compiler
+    refuses, and a spilling kernel makes the driver reserve memory the plan never sees."""
+    skip_without_ptxas()
+    done = run_compiler_script("triton_moe_quant_compile_check.py", timeout=900)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "moe quant kernels ok" in done.stdout
+    assert "moe gemv Q4_K/Q4_K gate/up" in done.stdout and "moe gemm Q6_K/Q6_K down" in done.stdout

@@ -28,15 +28,16 @@ def main() -> int:
                       "GATED": gated, "WEIGHTED": not gated}
             pointers = {"X": "*bf16", "Wa": "*u8", "Wb": "*u8", "Out": "*bf16", "RouteWeights": "*bf16"}
             scalars = dict.fromkeys(_SCALARS, "i32")
-            regs, frame, _ = _compile(triton_moe_quant._moe_gemv_kernel, {**pointers, "TopkIds": "*i64", **scalars},
-                                      {**consts, "BLOCK_N": 4, "ASM": True}, 4)
-            print(f"moe gemv {'/'.join(types)} {'gate/up' if gated else 'down'}: {regs} registers, {frame} B stack")
-            failures += frame > 0
             sort = {"SortedRows": "*i32", "BlockExperts": "*i32", "NumPadded": "*i32"}
-            regs, frame, _ = _compile(triton_moe_quant._moe_gemm_kernel, {**pointers, **sort, **scalars},
-                                      {**consts, "BLOCK_M": 64, "BLOCK_N": 64, "IEEE": False}, 8)
-            print(f"moe gemm {'/'.join(types)} {'gate/up' if gated else 'down'}: {regs} registers, {frame} B stack")
-            failures += frame > 0
+            variants = (("gemv", triton_moe_quant._moe_gemv_kernel, {**pointers, "TopkIds": "*i64", **scalars},
+                         {"BLOCK_N": 4, "ASM": True}, 4),
+                        ("gemm", triton_moe_quant._moe_gemm_kernel, {**pointers, **sort, **scalars},
+                         {"BLOCK_M": 64, "BLOCK_N": 64, "IEEE": False}, 8))
+            for name, fn, args, tiling, warps in variants:
+                regs, frame, _ = _compile(fn, args, {**consts, **tiling}, warps)
+                print(f"moe {name} {'/'.join(types)} {'gate/up' if gated else 'down'}: {regs} registers, "
+                      f"{frame} B stack")
+                failures += frame > 0
     print("moe quant kernels ok" if not failures else f"{failures} variants spill registers")
     return 1 if failures else 0
 

@@ -74,6 +74,86 @@ def write_random_gguf(path: Path, config, rng: np.random.Generator) -> None:
     writer.close()
 
 
+# A Q4_K_M file's types (llama.cpp's ``llama_tensor_get_type``, simplified): Q6_K for
+# v, down and the LM head, Q4_K elsewhere; routed experts the same per projection.
+MOE_EXPERT_TYPES = ("Q4_K", "Q4_K", "Q6_K")
+
+
+def write_random_moe_gguf(path: Path, config, rng: np.random.Generator, *, tokenizer_gguf: Path | None = None,
+                          expert_types: tuple[str, str, str] = MOE_EXPERT_TYPES) -> None:
+    """A random ``qwen3moe`` GGUF of ``config`` (a :class:`engine.config.ModelConfig` of a
+    Qwen3-MoE layout, every layer sparse), laid out as llama.cpp writes one: attention in
+    Q4_K (v in Q6_K), each layer's experts stacked in ``ffn_gate_exps``/``ffn_up_exps``/
+    ``ffn_down_exps`` of ``expert_types``, the router and norms F32, the embeddings F16,
+    the LM head Q6_K. The metadata and tokenizer keys (copied from ``tokenizer_gguf``,
+    default the embedded default model's, whose vocabulary then sizes the model) let
+    ``headroom serve --model`` convert and serve it. One random stack of expert blocks
+    per (type, shape) is shared by all layers (the file still holds each layer's copy).
+
+    Raises:
+        ValueError: the hidden or expert size is not whole blocks of the types.
+    """
+    import gguf
+
+    from engine.loader.default_model import default_gguf_path
+    from kernels.quant.synthetic import random_blocks
+
+    source = gguf.GGUFReader(tokenizer_gguf or default_gguf_path())
+    tokens = len(source.fields["tokenizer.ggml.tokens"].data)
+    h, i, e = config.hidden_size, config.moe_intermediate_size, config.num_experts
+    q, kv, hd = config.q_size, config.kv_size, config.head_dim
+    writer = gguf.GGUFWriter(str(path), "qwen3moe")
+    writer.add_block_count(config.num_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(h)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_heads)
+    writer.add_head_count_kv(config.num_kv_heads)
+    writer.add_key_length(hd)
+    writer.add_value_length(hd)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(config.rope.theta)
+    writer.add_vocab_size(tokens)
+    writer.add_expert_count(e)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    writer.add_expert_feed_forward_length(i)
+    for key, field in source.fields.items():
+        if key.startswith("tokenizer."):
+            sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(key, field.contents(), field.types[0], sub)
+    cache: dict[tuple, np.ndarray] = {}
+
+    def blocks(kind: str, *shape: int) -> np.ndarray:
+        if (kind, shape) not in cache:
+            stack = [random_blocks(kind, shape[-2], shape[-1], rng, scale=1e-4) for _ in range(shape[0])]
+            cache[(kind, shape)] = np.stack(stack)
+        return cache[(kind, shape)]
+
+    def add(name: str, kind: str, *shape: int) -> None:
+        data = blocks(kind, *((1,) * (len(shape) == 2) + shape))
+        writer.add_tensor(name, data[0] if len(shape) == 2 else data, raw_dtype=gguf.GGMLQuantizationType[kind])
+
+    writer.add_tensor("token_embd.weight", (rng.standard_normal((tokens, h), dtype=np.float32) * 0.02).astype(np.float16))
+    for layer in range(config.num_layers):
+        p = f"blk.{layer}."
+        for name, size in (("attn_norm", h), ("ffn_norm", h), ("attn_q_norm", hd), ("attn_k_norm", hd)):
+            writer.add_tensor(p + name + ".weight", np.ones(size, dtype=np.float32))
+        for name, kind, rows, cols in (("attn_q", "Q4_K", q, h), ("attn_k", "Q4_K", kv, h),
+                                       ("attn_v", "Q6_K", kv, h), ("attn_output", "Q4_K", h, q)):
+            add(p + name + ".weight", kind, rows, cols)
+        writer.add_tensor(p + "ffn_gate_inp.weight", rng.standard_normal((e, h), dtype=np.float32) * 0.02)
+        for stem, kind, rows, cols in zip(("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"), expert_types,
+                                          (i, i, h), (h, h, i), strict=True):
+            add(p + stem + ".weight", kind, e, rows, cols)
+    writer.add_tensor("output_norm.weight", np.ones(h, dtype=np.float32))
+    if not config.tie_word_embeddings:
+        add("output.weight", "Q6_K", tokens, h)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def copy_bandwidth(nbytes: int = GiB) -> float:
     """Device-to-device copy rate in bytes/s, counting bytes read plus bytes written."""
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
@@ -293,7 +373,14 @@ def main(argv: list[str] | None = None) -> None:
                         "which puts them on the int8 one first)")
     p.add_argument("--fp8", action="store_true",
                    help="then FP8 weights (--quantization fp8) and bfloat16 weights with an FP8 KV cache")
+    p.add_argument("--write-gguf", default=None, metavar="PATH",
+                   help="only write the random GGUF of --shape (and --layers) to PATH, for headroom serve: a "
+                        "mixture-of-experts shape as a qwen3moe file with Q4_K/Q4_K/Q6_K experts and the default "
+                        "model's tokenizer")
     args = p.parse_args(argv)
+    if args.write_gguf is not None:
+        _write_gguf_only(Path(args.write_gguf), args.shape, args.layers)
+        return
     batches = [int(b) for b in args.batches.split(",")]
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
@@ -345,6 +432,20 @@ def main(argv: list[str] | None = None) -> None:
         h, i = config.hidden_size, config.intermediate_size
         print("\n| GEMV shape | tiling | us | roofline share |\n|---|---|---|---|", flush=True)
         sweep_rows(bandwidth, [("Q4_K", 2 * i, h), ("Q6_K", h, i), ("Q4_K", h, h), ("Q6_K", config.kv_size, h)])
+
+
+def _write_gguf_only(path: Path, shape: str, layers: int | None) -> None:
+    from engine.commands.model_shapes import write_shape
+    from engine.loader.hf_config import load_model_config
+
+    with tempfile.TemporaryDirectory() as tmp:
+        overrides = {} if layers is None else {"num_hidden_layers": layers}
+        config = load_model_config(write_shape(shape, Path(tmp) / "cfg", **overrides))
+    if config.is_moe:
+        write_random_moe_gguf(path, config, np.random.default_rng(0))
+    else:
+        write_random_gguf(path, config, np.random.default_rng(0))
+    print(f"wrote {path}: {shape}, {config.num_layers} layers, {path.stat().st_size / GiB:.2f} GiB")
 
 
 if __name__ == "__main__":

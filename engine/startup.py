@@ -114,14 +114,21 @@ def quantized_gguf(config: EngineConfig, device: torch.device, mc: ModelConfig |
 
     Blocks are kept only when asked for (``--gguf-quantized``), on a CUDA device (the
     block kernels) or the CPU (Q4_0/Q4_1 repacked into torch's int4 layout), for a
-    ``--model`` that is a GGUF file, and not for a mixture of experts (``mc``), whose
-    stacked experts have no block kernels yet.
+    ``--model`` that is a GGUF file. A mixture of experts (``mc``) keeps its routed
+    experts in blocks too on CUDA (the fused MoE over blocks); on the CPU they are
+    dequantized at load (the int4 repacking covers linear layers only). With
+    ``--cpu-experts N`` (routed experts in host memory, whose tiers hold dense experts)
+    the whole file is dequantized at load, and a log line says so.
     """
     if not config.gguf_quantized or device.type not in ("cuda", "cpu"):
         return None
     if mc is not None and mc.is_moe:
-        log.warning("--gguf-quantized does not cover mixture-of-experts models yet; dequantizing at load")
-        return None
+        if config.cpu_experts.isdecimal() and int(config.cpu_experts) > 0:
+            log.warning("--gguf-quantized with --cpu-experts %s: experts in host memory are held dense; "
+                        "dequantizing the GGUF at load", config.cpu_experts)
+            return None
+        if device.type == "cpu":
+            log.info("--gguf-quantized on the CPU: the routed experts are dequantized at load")
     return gguf_file(config.model)
 
 

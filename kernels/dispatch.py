@@ -29,6 +29,7 @@ from kernels.activation import silu_and_mul as _silu_and_mul_ref
 from kernels.gemv import gate_up_silu as _gate_up_silu_ref
 from kernels.gemv import linear as _linear_ref
 from kernels.moe import fused_moe as _fused_moe_ref
+from kernels.quant.moe_reference import fused_moe_quant as _fused_moe_quant_ref
 from kernels.rms_norm import fused_add_rms_norm as _fused_add_rms_norm_ref
 from kernels.rms_norm import rms_norm as _rms_norm_ref
 from kernels.rotary import rotary_and_store as _rotary_and_store_ref
@@ -91,6 +92,7 @@ KERNELS: dict[str, Kernel] = {
         Kernel("linear", _linear_ref, "kernels.triton_gemv", "linear"),
         Kernel("gate_up_silu", _gate_up_silu_ref, "kernels.triton_gemv", "gate_up_silu"),
         Kernel("fused_moe", _fused_moe_ref, "kernels.triton_moe", "fused_moe"),
+        Kernel("fused_moe_quant", _fused_moe_quant_ref, "kernels.quant.triton_moe_quant", "fused_moe_quant"),
     )
 }
 
@@ -101,3 +103,4 @@ rotary_and_store = KERNELS["rotary_and_store"]
 linear = KERNELS["linear"]
 gate_up_silu = KERNELS["gate_up_silu"]
 fused_moe = KERNELS["fused_moe"]
+fused_moe_quant = KERNELS["fused_moe_quant"]

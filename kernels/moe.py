@@ -14,6 +14,8 @@ Expert weights are stacked: ``w_gate_up`` ``[E, 2 * I, H]`` (gate rows first, th
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -76,12 +78,25 @@ def fused_moe(
             y = F.linear(silu_and_mul(F.linear(x, w_gate_up[e])), w_down[e]) * weight
             out += y.to(x.dtype)
         return out
-    # The loop reads which experts got tokens back to the host: fine on the CPU, where
-    # this runs; the Triton path on CUDA does not.
+    return moe_by_expert(x, topk_weights, topk_ids, lambda e: (w_gate_up[e], w_down[e]))
+
+
+def moe_by_expert(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    weights_of: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+) -> torch.Tensor:
+    """:func:`fused_moe`'s loop over the experts that received tokens, expert ``e``'s
+    ``([2I, H], [H, I])`` weights given by ``weights_of(e)`` (a stacked tensor's row, or
+    GGUF blocks dequantized on demand: :mod:`kernels.quant.moe_reference`). Reads the
+    routed experts back to the host: the CPU path."""
+    out = torch.zeros_like(x)
     for e in torch.unique(topk_ids).tolist():
         tokens, slots = torch.where(topk_ids == e)
-        h = silu_and_mul(F.linear(x[tokens], w_gate_up[e]))
-        y = F.linear(h, w_down[e]) * topk_weights[tokens, slots, None]
+        w_gate_up, w_down = weights_of(e)
+        h = silu_and_mul(F.linear(x[tokens], w_gate_up))
+        y = F.linear(h, w_down) * topk_weights[tokens, slots, None]
         out.index_add_(0, tokens, y.to(x.dtype))
     return out
 

@@ -45,6 +45,18 @@ def _load_tiles(A, W, a_rows, row_mask, w_cols, col_mask, kk, kmask, stride_am, 
 
 
 @triton.jit
+def moe_epilogue(acc, acc_up, dt: tl.constexpr, GATED: tl.constexpr):
+    """The float32 sums rounded to ``dt`` as the reference's eager ops round them: the
+    product alone, or with ``GATED`` ``silu(gate) * up`` (``acc`` the gate's sums,
+    ``acc_up`` the up's), each op rounded."""
+    res = round_to(acc, dt)
+    if GATED:
+        act = round_to(res / (1.0 + tl.exp(-res)), dt)
+        res = round_to(act * round_to(acc_up, dt), dt)
+    return res
+
+
+@triton.jit
 def _grouped_gemm_kernel(
     A, W, Out, RouteWeights, SortedRows, BlockExperts, NumPadded,
     num_rows, top_k, N, K,
@@ -80,10 +92,7 @@ def _grouped_gemm_kernel(
                                 F32_DOT)
             acc_up = tl.dot(a, wu, acc_up, input_precision=PRECISION)
     dt = Out.dtype.element_ty
-    res = round_to(acc, dt)
-    if GATED:
-        act = round_to(res / (1.0 + tl.exp(-res)), dt)
-        res = round_to(act * round_to(acc_up, dt), dt)
+    res = moe_epilogue(acc, acc_up, dt, GATED)
     if WEIGHTED:
         rw = tl.load(RouteWeights + rows, mask=row_mask, other=0.0).to(tl.float32)
         res = round_to(res * rw[:, None], dt)

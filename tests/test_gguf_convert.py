@@ -123,7 +123,8 @@ def write_gguf(path, arch: str, hf, *, override: dict[str, np.ndarray] | None = 
                tokenizer=None, eot_token_id: int | None = None) -> None:
     """Write ``hf`` (a transformers model) as a GGUF. 2-D weights are stored Q8_0 and the
     transformers model is updated to their dequantized values, so both sides hold the
-    same numbers. ``tokenizer(writer)`` writes the tokenizer's keys instead of the
+    same numbers. ``override`` replaces GGUF tensors by name: an array, or ``(blocks,
+    GGMLQuantizationType)`` for raw blocks of that type. ``tokenizer(writer)`` writes the tokenizer's keys instead of the
     byte-level BPE one (tokens of :func:`_tokens`) and the chat template."""
     cfg = hf.config
     writer = gguf.GGUFWriter(str(path), arch)
@@ -174,7 +175,10 @@ def write_gguf(path, arch: str, hf, *, override: dict[str, np.ndarray] | None = 
                 heads = cfg.num_attention_heads if ".q_proj." in name else cfg.num_key_value_heads
                 w = llama_cpp_permute(w, heads)
             for gname, part in _gguf_tensors(name, w):
-                if override and gname in override:
+                if override and gname in override and isinstance(override[gname], tuple):
+                    blocks, qtype = override[gname]  # raw blocks of a GGML type
+                    writer.add_tensor(gname, blocks, raw_dtype=qtype)
+                elif override and gname in override:
                     writer.add_tensor(gname, override[gname])
                 elif part.ndim >= 2:
                     q = gguf.quantize(np.ascontiguousarray(part), gguf.GGMLQuantizationType.Q8_0)

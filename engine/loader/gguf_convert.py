@@ -337,26 +337,42 @@ def _converted(
     for t in tqdm(reader.tensors, desc=f"converting {gguf_path.name}", unit="tensor", disable=None):
         if t.name == _ROPE_FREQS:
             continue
-        stem, _, _ = t.name.rpartition(".")
-        parts = stem.split(".")
-        if len(parts) == 3 and parts[0] == "blk" and parts[2] in _STACKED_EXPERTS:
-            yield from _expert_tensors(t, parts[1], _STACKED_EXPERTS[parts[2]], config, dtype)
-            continue
-        name = _hf_name(t.name)
-        if name is None:
-            raise ModelLoadError(
-                f"{gguf_path}: tensor {t.name} has no Hugging Face counterpart for a "
-                f"{gguf_arch} model; the file is not a plain {gguf_arch} checkpoint"
-            )
-        w = torch.from_numpy(np.array(_dequantize(t), dtype=np.float32))
-        if name.endswith("shared_expert_gate.weight"):  # llama.cpp may store it as [H]
-            w = w.reshape(1, -1)
-        if config["architectures"] == [_LLAMA_WITH_EXPERTS[0]] and ".mlp.gate." in name:
-            name = name.replace(".mlp.gate.", ".block_sparse_moe.gate.")
-        if gguf_arch == "llama" and (".q_proj." in name or ".k_proj." in name):
-            heads = config["num_attention_heads" if ".q_proj." in name else "num_key_value_heads"]
-            w = reverse_llama_permute(w, heads)
-        yield name, w.to(dtype).contiguous()
+        yield from hf_tensors(t, gguf_path, gguf_arch, config, dtype)
+
+
+def hf_tensors(
+    t: Any, gguf_path: Path, gguf_arch: str, config: dict[str, Any], dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """One GGUF tensor, dequantized, as the Hugging Face tensors it stands for (one per
+    expert for a stacked expert tensor), under their names.
+
+    Args:
+        config: config.json's fields (``architectures``, ``num_attention_heads``,
+            ``num_key_value_heads`` are read).
+
+    Raises:
+        ModelLoadError: the tensor has no Hugging Face counterpart.
+    """
+    stem, _, _ = t.name.rpartition(".")
+    parts = stem.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _STACKED_EXPERTS:
+        yield from _expert_tensors(t, parts[1], _STACKED_EXPERTS[parts[2]], config, dtype)
+        return
+    name = _hf_name(t.name)
+    if name is None:
+        raise ModelLoadError(
+            f"{gguf_path}: tensor {t.name} has no Hugging Face counterpart for a "
+            f"{gguf_arch} model; the file is not a plain {gguf_arch} checkpoint"
+        )
+    w = torch.from_numpy(np.array(_dequantize(t), dtype=np.float32))
+    if name.endswith("shared_expert_gate.weight"):  # llama.cpp may store it as [H]
+        w = w.reshape(1, -1)
+    if config["architectures"] == [_LLAMA_WITH_EXPERTS[0]] and ".mlp.gate." in name:
+        name = name.replace(".mlp.gate.", ".block_sparse_moe.gate.")
+    if gguf_arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+        heads = config["num_attention_heads" if ".q_proj." in name else "num_key_value_heads"]
+        w = reverse_llama_permute(w, heads)
+    yield name, w.to(dtype).contiguous()
 
 
 def _expert_tensors(

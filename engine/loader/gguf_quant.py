@@ -1,11 +1,18 @@
 """Load a GGUF model with its projections kept in GGUF block format on the device.
 
-The projections (q/k/v, o, gate/up, down and an untied LM head) whose tensors are of a
-type :mod:`kernels.quant` reads become :class:`~engine.models.quant_linear.QuantLinear`
-modules holding the file's blocks as they are; every other tensor (embeddings, norms,
-biases, projections of other types) is dequantized into the model dtype, as the
-converted Hugging Face folder holds it. llama.cpp's q/k row permutation is undone on
-the blocks' rows (a row of blocks is a row of weights).
+The projections (q/k/v, o, gate/up, down, a shared expert's and an untied LM head) whose
+tensors are of a type :mod:`kernels.quant` reads become
+:class:`~engine.models.quant_linear.QuantLinear` modules holding the file's blocks as
+they are; every other tensor (embeddings, norms, routers, biases, projections of other
+types) is dequantized into the model dtype, as the converted Hugging Face folder holds
+it. llama.cpp's q/k row permutation is undone on the blocks' rows (a row of blocks is a
+row of weights).
+
+A mixture of experts' stacked experts (``ffn_gate_exps``/``ffn_up_exps``/``ffn_down_exps``
+of qwen3moe, qwen2moe and llama files with experts) become a
+:class:`~engine.models.quant_experts.QuantExperts` per layer, each projection in its own
+block type, when all three are types the kernels read; on the CPU (whose int4 repacking
+covers linear layers only) and for other types they are dequantized at load.
 
 :func:`gguf_weight_size` prices the same choice, tensor by tensor, with the same
 function (:func:`kernels.quant.formats.tensor_bytes`), so the memory plan charges what
@@ -24,27 +31,36 @@ import numpy as np
 import torch
 
 from engine.config import ModelConfig
-from engine.loader.errors import WeightMismatch
+from engine.loader.errors import ModelLoadError, WeightMismatch
 from engine.loader.gguf_convert import (
     _ROPE_FREQS,
     _dequantize,
     _field,
-    _hf_name,
     _open,
+    hf_tensors,
     reverse_llama_permute,
 )
 from engine.models.cpu_quant_linear import INT4_TYPES, int4_bytes
+from engine.models.quant_experts import QuantExperts
 from engine.models.quant_linear import PartSpec, QuantLinear
 from engine.units import MiB
 from kernels.quant.formats import FORMATS, tensor_bytes
 
 # Our fused module (under model.layers.N) -> the GGUF tensors stacked in it, in order.
-_LAYER_TARGETS = {
+_ATTENTION_TARGETS = {
     "self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"),
     "self_attn.o_proj": ("attn_output",),
+}
+_LAYER_TARGETS = {
     "mlp.gate_up_proj": ("ffn_gate", "ffn_up"),
     "mlp.down_proj": ("ffn_down",),
 }
+_SHARED_EXPERT_TARGETS = {
+    "mlp.shared_expert.gate_up_proj": ("ffn_gate_shexp", "ffn_up_shexp"),
+    "mlp.shared_expert.down_proj": ("ffn_down_shexp",),
+}
+# A layer's routed experts, stacked (gguf-py's FFN_GATE_EXP, FFN_UP_EXP, FFN_DOWN_EXP).
+_EXPERT_STEMS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 
 
 @dataclass(frozen=True)
@@ -65,15 +81,45 @@ class WeightSize:
 
 
 def _targets(config: ModelConfig) -> dict[str, tuple[str, ...]]:
-    """Module name -> GGUF tensor stems, for every projection of ``config``."""
-    out = {
-        f"model.layers.{i}.{module}": tuple(f"blk.{i}.{stem}" for stem in stems)
-        for i in range(config.num_layers)
-        for module, stems in _LAYER_TARGETS.items()
-    }
+    """Module name -> GGUF tensor stems, for every projection of ``config`` (a mixture of
+    experts' layers: their shared expert's, when they have one)."""
+    out = {}
+    for i in range(config.num_layers):
+        mlp = _LAYER_TARGETS
+        if config.is_moe and i in config.moe_layers:
+            mlp = _SHARED_EXPERT_TARGETS if config.shared_expert_intermediate_size else {}
+        for module, stems in {**_ATTENTION_TARGETS, **mlp}.items():
+            out[f"model.layers.{i}.{module}"] = tuple(f"blk.{i}.{stem}" for stem in stems)
     if not config.tie_word_embeddings:
         out["lm_head"] = ("output",)
     return out
+
+
+def _expert_targets(config: ModelConfig) -> dict[str, tuple[str, str, str]]:
+    """``model.layers.N.mlp.experts`` -> its gate, up and down GGUF tensor names."""
+    if not config.is_moe:
+        return {}
+    return {f"model.layers.{i}.mlp.experts": tuple(f"blk.{i}.{stem}.weight" for stem in _EXPERT_STEMS)
+            for i in config.moe_layers}
+
+
+def _experts_in_blocks(by_name: dict[str, Any], config: ModelConfig, gguf_path: Path,
+                       experts_in_blocks: bool) -> dict[str, tuple[str, str, str]]:
+    """The expert modules kept in blocks -> their (gate, up, down) types: every layer
+    whose three tensors are of types the kernels read, when ``experts_in_blocks``.
+
+    Raises:
+        WeightMismatch: an expert tensor is missing.
+    """
+    kept = {}
+    for module, names in _expert_targets(config).items():
+        missing = [n for n in names if n not in by_name]
+        if missing:
+            raise WeightMismatch(f"{gguf_path}: tensor {missing[0]} is missing")
+        types = tuple(by_name[n].tensor_type.name for n in names)
+        if experts_in_blocks and all(t in FORMATS for t in types):
+            kept[module] = types
+    return kept
 
 
 def _kept_quantized(tensor: Any, projection_weights: set[str]) -> str | None:
@@ -90,14 +136,19 @@ def gguf_weight_size(gguf_path: str | Path, config: ModelConfig, dtype: torch.dt
                      device_type: str = "cuda") -> WeightSize:
     """What :func:`load_gguf_quantized` allocates for ``gguf_path`` on a ``device_type``
     device, from the file's tensor table (no tensor data is read). On the CPU the Q4_0/Q4_1
-    projections take torch's int4 layout and other block types are dequantized
-    (:mod:`engine.models.cpu_quant_linear`).
+    projections take torch's int4 layout and other block types, and a mixture of
+    experts' routed experts, are dequantized (:mod:`engine.models.cpu_quant_linear`).
 
     Raises:
         CorruptWeights: the file is not a readable GGUF.
+        WeightMismatch: a mixture of experts' expert tensor is missing.
     """
-    reader = _open(Path(gguf_path))
+    gguf_path = Path(gguf_path)
+    reader = _open(gguf_path)
     projection_weights = {f"{s}.weight" for stems in _targets(config).values() for s in stems}
+    by_name = {t.name: t for t in reader.tensors}
+    expert_blocks = {n for m in _experts_in_blocks(by_name, config, gguf_path, device_type != "cpu")
+                     for n in _expert_targets(config)[m]}
     itemsize = torch.empty((), dtype=dtype).element_size()
     quant_count: Counter[str] = Counter()
     quant_bytes: Counter[str] = Counter()
@@ -106,7 +157,7 @@ def gguf_weight_size(gguf_path: str | Path, config: ModelConfig, dtype: torch.dt
     for t in reader.tensors:
         if t.name == _ROPE_FREQS:
             continue
-        kept = _kept_quantized(t, projection_weights)
+        kept = _kept_quantized(t, projection_weights | expert_blocks)
         if device_type == "cpu" and kept is not None:
             kept = "int4" if kept in INT4_TYPES else None
         shape = _hf_shape(t)
@@ -119,6 +170,9 @@ def gguf_weight_size(gguf_path: str | Path, config: ModelConfig, dtype: torch.dt
             dense_bytes += nbytes
     rope_cache = config.max_position_embeddings * config.head_dim * 4  # float32
     parts = [f"{quant_count[k]} {k} blocks {quant_bytes[k] / MiB:.1f} MiB" for k in sorted(quant_count)]
+    if expert_blocks:
+        expert_bytes = sum(tensor_bytes(by_name[n].tensor_type.name, _hf_shape(by_name[n]), itemsize) for n in expert_blocks)
+        parts.append(f"routed experts {expert_bytes / MiB:.1f} MiB of them")
     if dense_types:
         types = ", ".join(f"{n} {k}" for k, n in sorted(dense_types.items()))
         dtype_name = str(dtype).removeprefix("torch.")
@@ -127,11 +181,17 @@ def gguf_weight_size(gguf_path: str | Path, config: ModelConfig, dtype: torch.dt
 
 
 def load_gguf_quantized(
-    config: ModelConfig, gguf_path: str | Path, device: torch.device | str, dtype: torch.dtype
+    config: ModelConfig, gguf_path: str | Path, device: torch.device | str, dtype: torch.dtype,
+    *, experts_in_blocks: bool | None = None,
 ) -> torch.nn.Module:
     """Build the model of ``config`` on ``device`` from ``gguf_path``, projections in
     GGUF blocks where their type allows. Returns the model in eval mode, RoPE cache
     built.
+
+    ``experts_in_blocks``: keep a mixture of experts' routed experts in blocks
+    (:class:`~engine.models.quant_experts.QuantExperts`) where their types allow; default
+    everywhere but on the CPU, where the engine dequantizes them at load (tests set it
+    to run the torch reference over the blocks).
 
     Raises:
         CorruptWeights: the file is not a readable GGUF.
@@ -140,11 +200,15 @@ def load_gguf_quantized(
     from engine.loader.load import _build_on_meta
 
     gguf_path = Path(gguf_path)
+    device = torch.device(device)
     reader = _open(gguf_path)
     arch = _field(reader, "general.architecture")
     by_name = {t.name: t for t in reader.tensors}
     targets = _targets(config)
     projection_weights = {f"{s}.weight" for stems in targets.values() for s in stems}
+    if experts_in_blocks is None:
+        experts_in_blocks = device.type != "cpu"
+    expert_modules = _experts_in_blocks(by_name, config, gguf_path, experts_in_blocks)
     model = _build_on_meta(config)
     for module_name, stems in targets.items():
         old = model.get_submodule(module_name)
@@ -159,21 +223,44 @@ def load_gguf_quantized(
                                  f"the config expects {old.out_features} for {module_name}")
         with torch.device("meta"):
             new = QuantLinear(old.in_features, specs, bias=old.bias is not None, dtype=dtype)
-        parent, _, leaf = module_name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, leaf, new)
+        _swap(model, module_name, new)
+    for module_name, types in expert_modules.items():
+        with torch.device("meta"):
+            new = QuantExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size, types)
+        _swap(model, module_name, new)
     model = model.to(dtype=dtype)  # floating tensors only: the uint8 blocks keep their type
     model.to_empty(device=device)
     model.init_rope_cache()
+    expert_weights = {n for m in expert_modules for n in _expert_targets(config)[m]}
     with torch.no_grad():
         for module_name, stems in targets.items():
             _fill(model.get_submodule(module_name), [by_name[f"{s}.weight"] for s in stems],
                   [by_name.get(f"{s}.bias") for s in stems], arch, config, gguf_path)
-        skip = projection_weights | {f"{s}.bias" for stems in targets.values() for s in stems} | {_ROPE_FREQS}
+        for module_name in expert_modules:
+            _fill_experts(model.get_submodule(module_name),
+                          [by_name[n] for n in _expert_targets(config)[module_name]], gguf_path)
+        skip = (projection_weights | {f"{s}.bias" for stems in targets.values() for s in stems} | expert_weights
+                | {_ROPE_FREQS})
         try:
-            model.load_weights(_rest(reader, skip, gguf_path))
+            model.load_weights(_rest(reader, skip, gguf_path, arch, config))
         except WeightMismatch as e:
             raise WeightMismatch(f"{gguf_path}: {e}") from None
     return model.eval()
+
+
+def _swap(model: torch.nn.Module, module_name: str, new: torch.nn.Module) -> None:
+    parent, _, leaf = module_name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, new)
+
+
+def _fill_experts(module: QuantExperts, tensors: list[Any], gguf_path: Path) -> None:
+    """Copy the stacked gate, up and down blocks into ``module``'s buffers."""
+    for buf, t in zip((module.gate, module.up, module.down), tensors, strict=True):
+        data = torch.from_numpy(np.array(t.data))  # a copy: the file is mapped read-only
+        if data.numel() != buf.numel() or _hf_shape(t)[:2] != tuple(buf.shape[:2]):
+            raise WeightMismatch(f"{gguf_path}: tensor {t.name} has shape {_hf_shape(t)}, the config expects "
+                                 f"{tuple(buf.shape[:2])} rows of experts")
+        buf.copy_(data.reshape(buf.shape))
 
 
 def _rows_in_hf_order(data: torch.Tensor, stem: str, arch: str, config: ModelConfig) -> torch.Tensor:
@@ -212,12 +299,16 @@ def _fill(module: QuantLinear, weights: list[Any], biases: list[Any | None], arc
         module.bias.copy_(torch.cat(parts))
 
 
-def _rest(reader: Any, skip: set[str], gguf_path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor not in a quantized module, dequantized, under its Hugging Face name."""
+def _rest(reader: Any, skip: set[str], gguf_path: Path, arch: str,
+          config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor not in a quantized module, dequantized, under its Hugging Face name
+    (stacked experts not kept in blocks: one tensor per expert)."""
+    names = {"architectures": [config.architecture], "num_attention_heads": config.num_heads,
+             "num_key_value_heads": config.num_kv_heads}
     for t in reader.tensors:
         if t.name in skip:
             continue
-        name = _hf_name(t.name)
-        if name is None:
-            raise WeightMismatch(f"tensor {t.name} has no place in the model")
-        yield name, torch.from_numpy(np.array(_dequantize(t), dtype=np.float32))
+        try:
+            yield from hf_tensors(t, gguf_path, arch, names, torch.float32)
+        except ModelLoadError:
+            raise WeightMismatch(f"tensor {t.name} has no place in the model") from None

@@ -14,8 +14,10 @@ stacks them into these at load.
 
 By default all experts live on the model's device. A layer whose routed experts live in
 host memory has :class:`engine.models.expert_cache.OffloadedExperts` in place of
-:class:`Experts` (a device expert cache in front of the host copy); the router and the
-shared expert stay here, on the device.
+:class:`Experts` (a device expert cache in front of the host copy); a GGUF's experts kept
+in their blocks (``--gguf-quantized``) have :class:`engine.models.quant_experts.QuantExperts`.
+Both are called as ``experts(x, weights, ids)``; the router and the shared expert stay
+here, on the device.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ class SparseMoeBlock(nn.Module):
             weights = weights.to(x.dtype)
         if isinstance(self.experts, Experts):
             out = fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
-        else:  # offloaded: the store picks cache, copy or CPU per expert
+        else:  # offloaded (the store picks cache, copy or CPU per expert) or GGUF blocks
             out = self.experts(x, weights, ids)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

@@ -201,35 +201,26 @@ def _codes_dot(xv, q, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _gemv_kernel(
-    x_ptr, w_ptr, out_ptr, M, N, K, row_bytes, blocks_per_split, stride_xm, stride_om,
+def _gemv_dot(
+    x_row, row_ptr, kb_begin, kb_end,
     QT: tl.constexpr, QK: tl.constexpr, BB: tl.constexpr, L: tl.constexpr, NSUB: tl.constexpr,
-    ZERO: tl.constexpr, HAS_MIN: tl.constexpr,
-    BLOCK_N: tl.constexpr, KB: tl.constexpr, ATOMIC: tl.constexpr, ASM: tl.constexpr,
+    ZERO: tl.constexpr, HAS_MIN: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr, ASM: tl.constexpr,
 ):
-    # One activation row per program, the rows of one weight tile launched one after
-    # another (so the rows after the first read the tile from L2); axis 0 for the
-    # rows x tiles (an LM head's tiles outnumber axis 1's 65535).
-    pid_m = tl.program_id(0) % M
-    pid_n = tl.program_id(0) // M
-    pid_k = tl.program_id(1)
-    # The tile is [KB, NSUB, BLOCK_N, L]: KB blocks of K x each block's NSUB sub-blocks
-    # x rows x the sub-block's L weights. Threads spread over blocks and sub-blocks
-    # first (the rows' dimension comes last in the layout's order), so a thread holds
-    # the same L weights of several rows and the activations, one [KB, NSUB, 1, L]
-    # tile, are loaded, converted and summed once for all of them. Each sub-block's
-    # codes times the activations are summed in registers and scaled once.
-    rn = tl.arange(0, BLOCK_N)[None, None, :]
-    rows = pid_n * BLOCK_N + rn
-    row_ptr = w_ptr + tl.minimum(rows, N - 1).to(tl.int64) * row_bytes  # [1, 1, BLOCK_N]
+    """``[BLOCK_N]`` float32: the activation row at ``x_row`` times the weight rows at
+    ``row_ptr`` (``[1, 1, BLOCK_N]`` pointers to each row's first block) over blocks
+    ``kb_begin .. kb_end - 1``.
+
+    The tile is [KB, NSUB, BLOCK_N, L]: KB blocks of K x each block's NSUB sub-blocks x
+    rows x the sub-block's L weights. Threads spread over blocks and sub-blocks first
+    (the rows' dimension comes last in the layout's order), so a thread holds the same L
+    weights of several rows and the activations, one [KB, NSUB, 1, L] tile, are loaded,
+    converted and summed once for all of them. Each sub-block's codes times the
+    activations are summed in registers and scaled once."""
     kbi = tl.arange(0, KB)[:, None, None]
     S = tl.arange(0, NSUB)[None, :, None]  # [1, NSUB, 1]
     # Runs of 8 for the code bytes as for the bfloat16 activations (16-byte loads):
     # both loads then take one layout, with no shuffle of the codes between them.
     t = tl.max_contiguous(tl.arange(0, L), 8)[None, None, None, :]
-    x_row = x_ptr + pid_m.to(tl.int64) * stride_xm
-    kb_begin = pid_k * blocks_per_split
-    kb_end = tl.minimum(kb_begin + blocks_per_split, K // QK)
     acc = tl.zeros([KB, NSUB, BLOCK_N], tl.float32)
     for kb0 in range(kb_begin, kb_end, KB):
         kb = kb0 + kbi  # [KB, 1, 1]
@@ -242,13 +233,57 @@ def _gemv_kernel(
         acc += tl.sum(q * xv, axis=3) * scale
         if HAS_MIN:
             acc += tl.sum(xv, axis=3) * offset
-    total = tl.sum(tl.sum(acc, axis=1), axis=0)  # [BLOCK_N]
+    return tl.sum(tl.sum(acc, axis=1), axis=0)
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, out_ptr, M, N, K, row_bytes, blocks_per_split, stride_xm, stride_om,
+    QT: tl.constexpr, QK: tl.constexpr, BB: tl.constexpr, L: tl.constexpr, NSUB: tl.constexpr,
+    ZERO: tl.constexpr, HAS_MIN: tl.constexpr,
+    BLOCK_N: tl.constexpr, KB: tl.constexpr, ATOMIC: tl.constexpr, ASM: tl.constexpr,
+):
+    # One activation row per program, the rows of one weight tile launched one after
+    # another (so the rows after the first read the tile from L2); axis 0 for the
+    # rows x tiles (an LM head's tiles outnumber axis 1's 65535).
+    pid_m = tl.program_id(0) % M
+    pid_n = tl.program_id(0) // M
+    pid_k = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)[None, None, :]
+    row_ptr = w_ptr + tl.minimum(rows, N - 1).to(tl.int64) * row_bytes  # [1, 1, BLOCK_N]
+    x_row = x_ptr + pid_m.to(tl.int64) * stride_xm
+    kb_begin = pid_k * blocks_per_split
+    kb_end = tl.minimum(kb_begin + blocks_per_split, K // QK)
+    total = _gemv_dot(x_row, row_ptr, kb_begin, kb_end, QT, QK, BB, L, NSUB, ZERO, HAS_MIN, BLOCK_N, KB, ASM)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     out = out_ptr + pid_m * stride_om + cols
     if ATOMIC:
         tl.atomic_add(out, total, mask=cols < N)
     else:
         tl.store(out, total.to(out_ptr.dtype.element_ty), mask=cols < N)
+
+
+@triton.jit
+def _gemm_dot(
+    x_row, m_mask, row_ptr, nblocks,
+    QT: tl.constexpr, QK: tl.constexpr, BB: tl.constexpr, L: tl.constexpr, NSUB: tl.constexpr,
+    ZERO: tl.constexpr, HAS_MIN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+):
+    """``[BLOCK_M, BLOCK_N]`` float32: the activation rows at ``x_row`` (``[BLOCK_M, 1]``
+    pointers, ``m_mask`` the live ones) times the weight rows at ``row_ptr``
+    (``[BLOCK_N]`` pointers) over all ``nblocks`` blocks."""
+    t = tl.arange(0, L)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    # One runtime loop over sub-blocks (not unrolled): one tile's registers live at a time.
+    for sb in range(0, nblocks * NSUB):
+        kb = sb // NSUB
+        s = sb % NSUB
+        q, scale, offset = _sub_block(row_ptr + kb * BB, t, QT, s, ZERO)
+        xv = tl.load(x_row + (kb * QK + s * L + t)[None, :], mask=m_mask[:, None], other=0.0)
+        acc += _codes_dot(xv, q, IEEE) * scale[None, :]
+        if HAS_MIN:
+            acc += tl.sum(xv.to(tl.float32), axis=1)[:, None] * offset[None, :]
+    return acc
 
 
 @triton.jit
@@ -264,17 +299,7 @@ def _gemm_kernel(
     ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = ms < M
     x_row = x_ptr + ms.to(tl.int64)[:, None] * stride_xm
-    t = tl.arange(0, L)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    # One runtime loop over sub-blocks (not unrolled): one tile's registers live at a time.
-    for sb in range(0, (K // QK) * NSUB):
-        kb = sb // NSUB
-        s = sb % NSUB
-        q, scale, offset = _sub_block(row_ptr + kb * BB, t, QT, s, ZERO)
-        xv = tl.load(x_row + (kb * QK + s * L + t)[None, :], mask=m_mask[:, None], other=0.0)
-        acc += _codes_dot(xv, q, IEEE) * scale[None, :]
-        if HAS_MIN:
-            acc += tl.sum(xv.to(tl.float32), axis=1)[:, None] * offset[None, :]
+    acc = _gemm_dot(x_row, m_mask, row_ptr, K // QK, QT, QK, BB, L, NSUB, ZERO, HAS_MIN, BLOCK_M, BLOCK_N, IEEE)
     out = out_ptr + ms[:, None] * stride_om + rows[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & (rows[None, :] < N))
 

@@ -135,6 +135,8 @@ class Supervisor:
         self.last_exit: ExitStatus | None = None
         self.restarts = 0
         self.worker_pid: int | None = None
+        # A tensor-parallel worker's other ranks (from its Ready), for the VRAM watcher.
+        self.rank_pids: list[int] = []
         self.ready_since: float | None = None
         self._worker: WorkerProcess | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -383,6 +385,7 @@ class Supervisor:
         if worker is not self._worker or worker.exited or self.state is State.STOPPED or self.state in UNLOADED:
             return
         self.info = ready.info
+        self.rank_pids = list(ready.rank_pids)
         self._last_load_s = ready.load_s
         self.state = State.READY
         self.ready_since = time.monotonic()

@@ -72,6 +72,10 @@ class VramSample(msgspec.Struct, frozen=True, kw_only=True):
     ``device_limit_bytes`` is set when the sample is read as a smaller card
     (``--device-limit``, :func:`as_card`): then ``total_bytes`` is that card's size and
     ``free_bytes`` what is free on it.
+
+    ``gpus`` is set on the sample of a tensor-parallel worker's GPUs
+    (:class:`service.vram.gpus.GpuGroup`): every rank's GPU, in rank order, while the
+    other fields are the tightest GPU's (the least headroom). Empty for one GPU.
     """
 
     timestamp: float
@@ -87,6 +91,7 @@ class VramSample(msgspec.Struct, frozen=True, kw_only=True):
     pids_visible: bool = True
     reason: str = ""
     device_limit_bytes: int | None = None
+    gpus: tuple[VramSample, ...] = ()
 
     def headroom(self, reserve_bytes: int) -> int:
         """``free - reserve``: what can still be taken before the desktop suffers."""

@@ -146,3 +146,28 @@ def test_make_watcher_watches_one_simulated_card_per_rank(tmp_path):
     # Ranks on the CPU without a simulated card leave the GPUs to one NVML source.
     cpu = resolve({"device": "cpu", "tensor_parallel_size": 2}, env={}, config_path=config)
     assert not isinstance(make_watcher(cpu, sup, None).source, GpuGroup)  # type: ignore[arg-type]
+
+
+def test_a_dead_ranks_memory_is_waited_for_on_its_own_gpu():
+    """The restart's release wait asks the group sample for each rank's pid: rank 1's
+    memory is on GPU 1 only, and the group's sample finds it there."""
+    from service.supervision.release import wait_for_release
+
+    held = {"rank1": GiB}
+
+    def gpu(rank: int):
+        def procs(t: float):
+            return [(200 + rank, "headroom-rank1", held["rank1"])] if rank == 1 and held["rank1"] else []
+        return SimulatedSource(TOTAL, processes=procs, clock=lambda: 0.0, name=f"simulated GPU {rank}")
+
+    group = GpuGroup([gpu(0), gpu(1)])
+    assert group.sample().held_by(201) == GiB and group.sample().held_by(999) is None
+    clock = [0.0]
+
+    def sleep(s: float) -> None:
+        clock[0] += s
+        if clock[0] >= 1.0:
+            held["rank1"] = 0  # the driver tore rank 1's context down
+
+    result = wait_for_release(201, group, clock=lambda: clock[0], sleep=sleep)
+    assert result.released and result.waited_s >= 1.0 and "201" in result.reason

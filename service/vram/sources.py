@@ -98,7 +98,11 @@ class VramSample(msgspec.Struct, frozen=True, kw_only=True):
         return self.free_bytes - reserve_bytes
 
     def held_by(self, pid: int) -> int | None:
-        """Bytes NVML attributes to ``pid``, None when NVML does not list it."""
+        """Bytes NVML attributes to ``pid``, None when NVML does not list it; with
+        ``gpus``, summed over every GPU that lists it."""
+        if self.gpus:
+            held = [b for b in (g.held_by(pid) for g in self.gpus) if b is not None]
+            return sum(held) if held else None
         for p in self.processes:
             if p.pid == pid:
                 return p.bytes

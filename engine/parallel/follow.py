@@ -137,7 +137,7 @@ def follow(engine: Any, tp: TensorParallel) -> None:
         if op == OP_STOP:
             return
         if op == OP_FORWARD:
-            t, b, p, n_logits = (int(x) for x in header[1:5])
+            t, b, p, n_logits = values[1:5]
             payload = torch.empty(3 * t + b * p + 2 * b + n_logits, dtype=torch.int64, device=tp.device)
             dist.broadcast(payload, 0)
             with torch.inference_mode():
@@ -146,7 +146,7 @@ def follow(engine: Any, tp: TensorParallel) -> None:
             with torch.inference_mode():
                 engine.runner.graphs.replay_shared(values[1], values[2])
         elif op == OP_COPY_PAGES:
-            n = int(header[1])
+            n = values[1]
             payload = torch.empty(2 * n, dtype=torch.int64, device=tp.device)
             dist.broadcast(payload, 0)
             moves = payload.tolist()
@@ -154,7 +154,7 @@ def follow(engine: Any, tp: TensorParallel) -> None:
         elif op == OP_RESIZE:
             engine.runner.pool_will_move()
             try:
-                engine.pool.resize(int(header[6]))
+                engine.pool.resize(values[6])
             finally:
                 _agree_on_pool(engine, tp)
         else:

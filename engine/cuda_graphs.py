@@ -33,6 +33,11 @@ replays (:meth:`engine.runner.ModelRunner.run`).
 
 Memory: all sizes share one private memory pool; :meth:`capture_all` returns what the
 capture took from the device, which the memory plan charges as "CUDA graph pool".
+
+Under tensor parallel every rank holds its own graphs of the same sizes, the all-reduces
+captured inside; ``sync`` (:class:`engine.parallel.graphs.GraphSync`) keeps the ranks'
+replays and re-captures in step and carries rank 0's inputs to the others
+(:meth:`replay_shared`).
 """
 
 from __future__ import annotations
@@ -110,7 +115,11 @@ class DecodeGraphs:
         self._tokens: torch.Tensor | None = None  # int64 [max_batch]: each row's argmax
         self._pool = None  # the graphs' private memory pool, made at the first capture
         self._failed: set[int] = set()
+        # The other ranks of a tensor-parallel group (engine.parallel.graphs.GraphSync),
+        # else None.
+        self.sync = None
         self.captures = 0
+        self.replays = 0
         self.capture_seconds = 0.0
 
     # Sections of the packed buffer, in units of max_batch entries.
@@ -297,21 +306,64 @@ class DecodeGraphs:
         padded = self.size_for(len(items))
         if padded is None:
             return None
-        if padded not in self._graphs:
-            try:
-                with torch.inference_mode():
-                    self._capture(padded)
-            except torch.OutOfMemoryError:
-                self._failed.add(padded)
-                self._graphs.pop(padded, None)
-                log.warning("CUDA graphs: no memory to capture batch size %d; it runs eagerly until the next "
-                            "KV pool resize", padded)
-                return None
-            log.info("CUDA graphs: re-captured decode at batch size %d (%d captures, %.2f s in all)", padded,
-                     self.captures, self.capture_seconds)
+        words = self.input_words(padded)
+        if self.sync is not None:
+            self.sync.announce(padded, words)
+        if not self._ensure(padded):
+            return None
         self._fill(items, padded)
+        if self.sync is not None:
+            self.sync.share(self._dev[:words])
         self._graphs[padded].replay()
+        self.replays += 1
         return self._logits[: len(items)]
+
+    def input_words(self, padded: int) -> int:
+        """How many int64 words of the input buffer a replay of ``padded`` rows reads
+        (every section, the page table's first ``padded`` rows)."""
+        return self._TABLE * self.max_batch + padded * self.width
+
+    def _ensure(self, padded: int) -> bool:
+        """Capture ``padded`` if it is not captured now; False when that ran out of memory
+        (on any rank of a group: they agree), and the size runs eagerly until the next
+        :meth:`invalidate`."""
+        if padded in self._graphs:
+            return True
+        ok = True
+        try:
+            with torch.inference_mode():
+                self._capture(padded)
+        except torch.OutOfMemoryError:
+            ok = False
+        if self.sync is not None:
+            ok = self.sync.agree(ok)
+        if not ok:
+            self._failed.add(padded)
+            self._graphs.pop(padded, None)
+            log.warning("CUDA graphs: no memory to capture batch size %d; it runs eagerly until the next "
+                        "KV pool resize", padded)
+            return False
+        log.info("CUDA graphs: re-captured decode at batch size %d (%d captures, %.2f s in all)", padded,
+                 self.captures, self.capture_seconds)
+        return True
+
+    def replay_shared(self, padded: int, words: int) -> None:
+        """A follower's replay of rank 0's step (see :mod:`engine.parallel.graphs`):
+        capture ``padded`` if needed (with rank 0), receive rank 0's ``words`` input
+        words into the static buffer, plan the backend where it plans on the host, and
+        replay. Nothing comes out: rank 0 samples."""
+        assert self.sync is not None
+        if not self._ensure(padded):
+            return
+        inputs = self._dev[:words]
+        self.sync.share(inputs)
+        if type(self.attn).graph_plan is not AttentionBackend.graph_plan:
+            h = inputs.cpu().numpy()
+            g = self.max_batch
+            self.attn.graph_plan(padded, self._section(h, self._SEQ, padded),
+                                 h[self._TABLE * g : words].reshape(padded, self.width))
+        self._graphs[padded].replay()
+        self.replays += 1
 
     def greedy_tokens(self, batch_size: int) -> torch.Tensor:
         """``int64 [batch_size]`` on the device: the argmax of each row of the last

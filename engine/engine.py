@@ -295,10 +295,10 @@ class Engine(LiveReplan):
         metadata on the host per step)."""
         # Not for hybrid linear-attention models yet (their state slots are read on the
         # host), nor where a layer's experts live in host memory (the routed ids are read
-        # back each step), nor under tensor parallelism (a replayed graph would skip rank
-        # 0's step broadcast).
+        # back each step). Under tensor parallelism every rank captures its graphs, the
+        # all-reduces inside (engine.parallel.graphs).
         return (self.config.cuda_graphs and self.device.type == "cuda" and self._cuda_graph_max_batch >= 1
-                and not self.model_config.is_hybrid and not self.expert_stores and self.tp is None
+                and not self.model_config.is_hybrid and not self.expert_stores
                 and backend_class(self.attention_backend).supports_cuda_graphs)
 
     @property

@@ -101,11 +101,14 @@ class Ready(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     """The engine is loaded and accepts requests.
 
     ``load_s`` is the wall time from the worker's start to this message, in seconds.
+    ``rank_pids`` are the pids of a tensor-parallel worker's other ranks (its children,
+    ranks 1..N-1; empty for one rank): the VRAM watcher counts their GPU memory as ours.
     """
 
     info: EngineInfo
     pid: int
     load_s: float
+    rank_pids: list[int] = []
 
 
 class Outputs(msgspec.Struct, frozen=True, tag=True):

@@ -109,7 +109,9 @@ def worker_main(conn: Connection, config: WorkerConfig, log_conn: Connection | N
         sys.stderr.flush()
         os._exit(EXIT_LOAD_FAILED)
     load_s = time.monotonic() - started
-    conn.send_bytes(encode(Ready(info=engine.info, pid=os.getpid(), load_s=load_s)))
+    group = getattr(engine, "tp_group", None)
+    rank_pids = group.pids[1:] if group is not None else []
+    conn.send_bytes(encode(Ready(info=engine.info, pid=os.getpid(), load_s=load_s, rank_pids=rank_pids)))
     log.info("engine ready in %.1f s: %s", load_s, engine.info.model_name)
     try:
         code = _serve(conn, engine, config)

@@ -1,6 +1,6 @@
 """``headroom serve --tensor-parallel-size 2 --device cpu``: the two ranks are one worker
 to the supervisor. A rank SIGKILLed ends the group, which restarts whole (no rank of the
-old group left) and the next request succeeds; a live shrink of the pool (a simulated
+old group left) and the next request succeeds; a live shrink of the pool (one rank's simulated
 card filling up) reaches both ranks, each reporting its pool size."""
 
 from __future__ import annotations
@@ -79,8 +79,10 @@ def test_a_hung_rank_restarts_the_whole_group(start_server, tiny_qwen3):
 
 
 def test_a_live_shrink_reaches_both_ranks(start_server, tiny_qwen3, tmp_path):
+    """GPU 1 fills up while GPU 0 stays free: the watcher follows the tightest GPU, so
+    both ranks' pools shrink; /api/status shows both GPUs, the tightest on top."""
     timeline = tmp_path / "timeline.json"
-    timeline.write_text(json.dumps({"steps": [[0, 0], [3, "1.5GiB"]]}))
+    timeline.write_text(json.dumps({"steps": [[0, 0]], "gpus": {"1": [[0, 0], [3, "1.5GiB"]]}}))
     flags = ("--device cpu --device-total 8GiB --device-limit 4GiB --max-model-len 512 --vram-source simulated "
              "--tensor-parallel-size 2 --replan-hold 1")
     server = start_server(["--model", tiny_qwen3, *flags.split(), "--vram-timeline", str(timeline)])
@@ -88,6 +90,11 @@ def test_a_live_shrink_reaches_both_ranks(start_server, tiny_qwen3, tmp_path):
         planned = http.get("/api/status").json()["engine"]["info"]["num_pages"]
         pages = lambda: http.get("/api/status").json()["engine"]["info"]["num_pages"]  # noqa: E731
         shrunk = wait_for(lambda: (p := pages()) < planned and p, 120, "the pool to shrink")
+        vram = http.get("/api/status").json()["vram"]
+    assert [(g["rank"], g["device"]) for g in vram["gpus"]] == [(0, "simulated GPU 0 (8.00 GiB)"),
+                                                                 (1, "simulated GPU 1 (8.00 GiB)")]
+    assert vram["device"] == vram["gpus"][1]["device"]
+    assert vram["gpus"][0]["others_bytes"] == 0 < vram["gpus"][1]["others_bytes"] == vram["others_bytes"]
     # Each rank logs the pool it now holds; rank 0 checked that they agree.
     reports = wait_for(
         lambda: (found := re.findall(r"KV pool on rank (\d): (\d+) pages", server.log())) and

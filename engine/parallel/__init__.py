@@ -10,6 +10,10 @@ the KV pool, and all ranks run the same forward on their shard of the weights
 embedding and the LM head by vocabulary rows, the KV heads across ranks (each rank's KV
 pool holds its heads; every rank's page table is the same).
 
+On GPUs each rank replays its own decode CUDA graphs, the collectives captured inside,
+fed by one device-to-device broadcast of rank 0's packed inputs per step
+(:mod:`engine.parallel.graphs`).
+
 The collectives run on NCCL on CUDA and on gloo on the CPU: the same code either way.
 Which sizes split a model, and each rank's shapes, are torch-free
 (:mod:`engine.parallel.split`), so the service and ``headroom plan`` check and price them

@@ -7,6 +7,10 @@ command, so every rank's pool keeps the same pages at the same ids (the page tab
 rank 0 are valid on every rank). A follower runs exactly the collectives rank 0 runs, in
 the same order, which is what keeps the group in step.
 
+A decode step that replays a CUDA graph goes another way (:mod:`engine.parallel.graphs`):
+rank 0 sends :data:`OP_REPLAY` with the batch size, then broadcasts its graph's packed
+input buffer from the device into every follower's, and each rank replays its own graph.
+
 After a resize every rank reports its pool size (an all-gather); rank 0 checks they agree
 and raises otherwise (a rank that failed to resize: the group must restart); the sizes
 stay on rank 0's engine as ``rank_pool_pages``.
@@ -22,13 +26,14 @@ import torch
 import torch.distributed as dist
 
 from engine.forward_batch import ForwardBatch
+from engine.parallel.graphs import GraphSync
 from engine.parallel.group import TensorParallel
 
 log = logging.getLogger("headroom.parallel")
 
 # Header: [op, num_tokens, batch, max_pages, num_logits, is_decode, num_pages or moves, 0].
 _HEADER = 8
-OP_FORWARD, OP_COPY_PAGES, OP_RESIZE, OP_STOP = 1, 2, 3, 4
+OP_FORWARD, OP_COPY_PAGES, OP_RESIZE, OP_STOP, OP_REPLAY = 1, 2, 3, 4, 5
 
 
 class GroupOutOfStep(RuntimeError):
@@ -93,6 +98,13 @@ def lead(engine: Any, tp: TensorParallel) -> None:
     # Instance attributes shadow the methods: the engine's replan code stays the same.
     pool.copy_pages, pool.resize = leading_copy_pages, leading_resize
     engine.runner.model = _LeadingModel(engine.runner.model, tp)
+    _sync_graphs(engine, tp)
+
+
+def _sync_graphs(engine: Any, tp: TensorParallel) -> None:
+    """Keep this rank's decode graphs (if it captured any) in step with the others'."""
+    if engine.runner.graphs is not None:
+        engine.runner.graphs.sync = GraphSync(tp)
 
 
 def stop_followers(tp: TensorParallel) -> None:
@@ -117,19 +129,24 @@ def follow(engine: Any, tp: TensorParallel) -> None:
             fails); the follower then exits.
     """
     header = torch.empty(_HEADER, dtype=torch.int64, device=tp.device)
+    _sync_graphs(engine, tp)
     while True:
         dist.broadcast(header, 0)
-        op = int(header[0])
+        values = header.tolist()  # one read back of the header, not one per field
+        op = values[0]
         if op == OP_STOP:
             return
         if op == OP_FORWARD:
-            t, b, p, n_logits = (int(x) for x in header[1:5])
+            t, b, p, n_logits = values[1:5]
             payload = torch.empty(3 * t + b * p + 2 * b + n_logits, dtype=torch.int64, device=tp.device)
             dist.broadcast(payload, 0)
             with torch.inference_mode():
                 engine.model(_unpack(header, payload, engine.device), engine.attn)
+        elif op == OP_REPLAY:
+            with torch.inference_mode():
+                engine.runner.graphs.replay_shared(values[1], values[2])
         elif op == OP_COPY_PAGES:
-            n = int(header[1])
+            n = values[1]
             payload = torch.empty(2 * n, dtype=torch.int64, device=tp.device)
             dist.broadcast(payload, 0)
             moves = payload.tolist()
@@ -137,7 +154,7 @@ def follow(engine: Any, tp: TensorParallel) -> None:
         elif op == OP_RESIZE:
             engine.runner.pool_will_move()
             try:
-                engine.pool.resize(int(header[6]))
+                engine.pool.resize(values[6])
             finally:
                 _agree_on_pool(engine, tp)
         else:

@@ -87,6 +87,12 @@ class TensorParallel:
         per = -(-vocab_size // self.world)
         if logits.shape[1] < per:
             logits = torch.nn.functional.pad(logits, (0, per - logits.shape[1]))
+        if self.device.type == "cuda":
+            # One stacked output, no copies after the collective: what a CUDA graph
+            # captures cleanly (the list form copies into its parts afterwards).
+            stacked = torch.empty((self.world, *logits.shape), dtype=logits.dtype, device=logits.device)
+            dist.all_gather_into_tensor(stacked, logits.contiguous())
+            return stacked.permute(1, 0, 2).reshape(logits.shape[0], -1)[:, :vocab_size]
         parts = [torch.empty_like(logits) for _ in range(self.world)]
         dist.all_gather(parts, logits.contiguous())
         return torch.cat(parts, dim=1)[:, :vocab_size]

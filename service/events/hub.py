@@ -95,15 +95,19 @@ class VramThrottle:
         old = self.last
         if old is None or old.source != new.source or old.device != new.device:
             return True
+        if [g.device for g in old.gpus] != [g.device for g in new.gpus]:
+            return True
+        # Each GPU of a tensor-parallel worker counts, not only the tightest one.
         return any(
             abs(a - b) >= self.threshold_bytes
+            for was, now in ((old, new), *zip(old.gpus, new.gpus, strict=True))
             for a, b in (
-                (old.total_bytes, new.total_bytes),
-                (old.free_bytes, new.free_bytes),
-                (old.ours_bytes, new.ours_bytes),
-                (old.others_bytes, new.others_bytes),
-                (old.reserve_bytes, new.reserve_bytes),
-                (old.headroom_bytes, new.headroom_bytes),
+                (was.total_bytes, now.total_bytes),
+                (was.free_bytes, now.free_bytes),
+                (was.ours_bytes, now.ours_bytes),
+                (was.others_bytes, now.others_bytes),
+                (was.reserve_bytes, now.reserve_bytes),
+                (was.headroom_bytes, now.headroom_bytes),
             )
         )
 

@@ -152,8 +152,45 @@ class HostMemory(msgspec.Struct, frozen=True, kw_only=True):
     ours_bytes: int
 
 
+class GpuMemory(msgspec.Struct, frozen=True, kw_only=True):
+    """One GPU's memory, in bytes, as in :class:`VramEvent`: ``rank`` is the
+    tensor-parallel rank whose device it is (0 for a single GPU), the other fields mean
+    what :class:`VramEvent`'s of the same names mean, for this card."""
+
+    rank: int
+    device: str
+    total_bytes: int
+    free_bytes: int
+    ours_bytes: int
+    others_bytes: int
+    reserve_bytes: int
+    headroom_bytes: int
+    device_limit_bytes: int | None = None
+
+    @classmethod
+    def from_sample(cls, sample: Any, reserve_bytes: int, rank: int = 0) -> GpuMemory:
+        """From one GPU's sample (``service.vram.sources.VramSample``)."""
+        free = int(sample.free_bytes)
+        return cls(
+            rank=rank,
+            device=str(getattr(sample, "device", "") or "GPU"),
+            total_bytes=int(sample.total_bytes),
+            free_bytes=free,
+            ours_bytes=int(sample.ours_bytes),
+            others_bytes=int(sample.others_bytes),
+            reserve_bytes=int(reserve_bytes),
+            headroom_bytes=free - int(reserve_bytes),
+            device_limit_bytes=getattr(sample, "device_limit_bytes", None),
+        )
+
+
 class VramEvent(EventBase, frozen=True, kw_only=True, tag="vram"):
     """The device's memory now, in bytes.
+
+    ``gpus`` lists every GPU the worker runs on, one entry per tensor-parallel rank's
+    device in rank order (one entry for a single GPU; empty in CPU mode). The other
+    fields are those of the *tightest* GPU: the one with the least headroom, which sizes
+    the group's KV pool and which the replans follow (with one GPU, that GPU).
 
     ``ours_bytes`` is held by this service's processes, ``others_bytes`` by everyone
     else; ``free_bytes`` is what the device has free; ``reserve_bytes`` is kept for the
@@ -181,6 +218,7 @@ class VramEvent(EventBase, frozen=True, kw_only=True, tag="vram"):
     device_limit_bytes: int | None = None
     memory_rule: str | None = None
     host: HostMemory | None = None
+    gpus: list[GpuMemory] = []
 
     @classmethod
     def from_sample(
@@ -190,13 +228,17 @@ class VramEvent(EventBase, frozen=True, kw_only=True, tag="vram"):
         *,
         source: VramSource = "nvml",
         host: HostMemory | None = None,
+        gpus: list[GpuMemory] | None = None,
     ) -> VramEvent:
         """From the watcher's sample (``service.vram.sources.VramSample`` or anything with its
         fields: ``gpu``, ``device``, ``total_bytes``, ``free_bytes``, ``ours_bytes``,
         ``others_bytes``, ``top_consumers`` of ``pid``/``name``/``bytes``, ``reason``).
         A sample with ``gpu`` False becomes ``source="none"`` (CPU mode); ``host``: the
-        host's RAM to send with it."""
+        host's RAM to send with it. ``gpus``: every GPU's entry (None: the sample's own
+        GPU as the one entry, none in CPU mode)."""
         gpu = bool(getattr(sample, "gpu", True))
+        if gpus is None:
+            gpus = [GpuMemory.from_sample(sample, reserve_bytes)] if gpu else []
         free = int(sample.free_bytes)
         return cls(
             device=str(getattr(sample, "device", "") or ("no GPU" if not gpu else "GPU")),
@@ -215,6 +257,7 @@ class VramEvent(EventBase, frozen=True, kw_only=True, tag="vram"):
             device_limit_bytes=getattr(sample, "device_limit_bytes", None),
             memory_rule=memory_rule(getattr(sample, "device_limit_bytes", None)) if gpu else None,
             host=host,
+            gpus=gpus,
         )
 
 

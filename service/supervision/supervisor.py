@@ -135,6 +135,8 @@ class Supervisor:
         self.last_exit: ExitStatus | None = None
         self.restarts = 0
         self.worker_pid: int | None = None
+        # A tensor-parallel worker's other ranks (from its Ready), for the VRAM watcher.
+        self.rank_pids: list[int] = []
         self.ready_since: float | None = None
         self._worker: WorkerProcess | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -383,6 +385,7 @@ class Supervisor:
         if worker is not self._worker or worker.exited or self.state is State.STOPPED or self.state in UNLOADED:
             return
         self.info = ready.info
+        self.rank_pids = list(ready.rank_pids)
         self._last_load_s = ready.load_s
         self.state = State.READY
         self.ready_since = time.monotonic()
@@ -480,15 +483,18 @@ class Supervisor:
 
     async def _wait_for_release(self) -> None:
         """Before a new worker plans: wait (bounded) until the VRAM source no longer
-        shows the last worker's memory; log and publish what was seen."""
+        shows the last worker's memory, its other ranks' too under tensor parallel (on
+        every rank's GPU); log and publish what was seen."""
         pid, source = self._last_worker_pid, self.vram_source
         if pid is None or source is None:
             return
-        result = await wait_for_release(pid, source, self.config.release_timeout_s)
-        if result is None:
-            return
-        self.last_release = result
-        self._publish(memory_wait_event(pid, result, self.restarts))
+        for each in (pid, *self.rank_pids):
+            result = await wait_for_release(each, source, self.config.release_timeout_s)
+            if result is None:
+                return
+            self.last_release = result
+            self._publish(memory_wait_event(each, result, self.restarts))
+        self.rank_pids = []  # waited for: the next group's come with its Ready
 
     # -- waits, pause and idle ---------------------------------------------------------------
 

@@ -72,6 +72,10 @@ class VramSample(msgspec.Struct, frozen=True, kw_only=True):
     ``device_limit_bytes`` is set when the sample is read as a smaller card
     (``--device-limit``, :func:`as_card`): then ``total_bytes`` is that card's size and
     ``free_bytes`` what is free on it.
+
+    ``gpus`` is set on the sample of a tensor-parallel worker's GPUs
+    (:class:`service.vram.gpus.GpuGroup`): every rank's GPU, in rank order, while the
+    other fields are the tightest GPU's (the least headroom). Empty for one GPU.
     """
 
     timestamp: float
@@ -87,13 +91,18 @@ class VramSample(msgspec.Struct, frozen=True, kw_only=True):
     pids_visible: bool = True
     reason: str = ""
     device_limit_bytes: int | None = None
+    gpus: tuple[VramSample, ...] = ()
 
     def headroom(self, reserve_bytes: int) -> int:
         """``free - reserve``: what can still be taken before the desktop suffers."""
         return self.free_bytes - reserve_bytes
 
     def held_by(self, pid: int) -> int | None:
-        """Bytes NVML attributes to ``pid``, None when NVML does not list it."""
+        """Bytes NVML attributes to ``pid``, None when NVML does not list it; with
+        ``gpus``, summed over every GPU that lists it."""
+        if self.gpus:
+            held = [b for b in (g.held_by(pid) for g in self.gpus) if b is not None]
+            return sum(held) if held else None
         for p in self.processes:
             if p.pid == pid:
                 return p.bytes

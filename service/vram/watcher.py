@@ -36,7 +36,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -45,9 +45,10 @@ from engine.memory.plan import fmt_bytes
 from engine.messages import BY_WATCHER
 from service.cli.settings import ServeSettings, parse_size
 from service.events.hub import EventHub
-from service.events.schemas import VramEvent
+from service.events.schemas import GpuMemory, VramEvent
 from service.supervision.states import State
 from service.supervision.supervisor import Supervisor
+from service.vram.gpus import GpuGroup
 from service.vram.host import HOST_SAMPLE_S, host_memory
 from service.vram.replan import (
     DEFAULT_HOLD_S,
@@ -87,7 +88,8 @@ class Timeline:
     ``"replaced"`` (the steps are all the other processes: they hold that memory until
     the first step, then what the steps say, so an app open at start can leave).
     ``gpu_at``: seconds before which the card is absent (a driver loading after a
-    resume); None: always there."""
+    resume); None: always there. ``gpus``: steps of their own for some GPUs of a
+    tensor-parallel worker (by rank); the others follow ``steps``."""
 
     steps: tuple[tuple[float, int], ...]
     total_bytes: int | None = None
@@ -95,6 +97,7 @@ class Timeline:
     start: Literal["ready", "service"] = "ready"
     baseline: Literal["kept", "replaced"] = "kept"
     gpu_at: float | None = None
+    gpus: dict[int, tuple[tuple[float, int], ...]] = field(default_factory=dict)
 
 
 def _size(value: Any, total: int | None, where: str) -> int:
@@ -119,7 +122,9 @@ def load_timeline(path: str | Path, default_total: int | None = None) -> Timelin
          "gpu_at": 0, "steps": [[0, 0], [2, "40%"], [6, "1.6GiB"], [10, "40%"], [14, 0]]}
 
     Each step holds from its time (seconds) to the next; sizes are bytes, text sizes
-    (``service.cli.settings.parse_size``) or a share of the card (``"40%"``).
+    (``service.cli.settings.parse_size``) or a share of the card (``"40%"``). With
+    ``--tensor-parallel-size N`` every rank's GPU follows ``steps`` unless ``"gpus"``
+    gives it steps of its own, by rank: ``"gpus": {"1": [[0, 0], [3, "40%"]]}``.
 
     Raises:
         TimelineError: unreadable, not JSON, or a bad value (the message says which).
@@ -134,11 +139,15 @@ def load_timeline(path: str | Path, default_total: int | None = None) -> Timelin
     if not isinstance(data, dict) or not isinstance(data.get("steps", []), list):
         raise TimelineError(f'{path}: expected {{"steps": [[seconds, size], ...], ...}}')
     total = _size(data["total"], None, f"{path}: total") if "total" in data else default_total
-    steps = []
-    for i, step in enumerate(data.get("steps", [])):
-        if not isinstance(step, list) or len(step) != 2 or not isinstance(step[0], (int, float)):
-            raise TimelineError(f"{path}: step {i} is not [seconds, size]: {step!r}")
-        steps.append((float(step[0]), _size(step[1], total, f"{path}: step {i}")))
+    steps = _steps(data.get("steps", []), total, f"{path}: step")
+    per_gpu = data.get("gpus", {})
+    if not isinstance(per_gpu, dict) or not all(isinstance(v, list) for v in per_gpu.values()):
+        raise TimelineError(f'{path}: "gpus" must map a rank to its steps: {{"1": [[seconds, size], ...]}}')
+    gpus = {}
+    for rank, gpu_steps in per_gpu.items():
+        if not str(rank).isdigit():
+            raise TimelineError(f'{path}: "gpus" names GPUs by rank (0, 1, ...), not {rank!r}')
+        gpus[int(rank)] = _steps(gpu_steps, total, f"{path}: GPU {rank}'s step")
     start = data.get("start", "ready")
     if start not in ("ready", "service"):
         raise TimelineError(f'{path}: "start" must be "ready" or "service", not {start!r}')
@@ -150,13 +159,23 @@ def load_timeline(path: str | Path, default_total: int | None = None) -> Timelin
     if gpu_at is not None and (isinstance(gpu_at, bool) or not isinstance(gpu_at, (int, float))):
         raise TimelineError(f'{path}: "gpu_at" must be seconds, not {gpu_at!r}')
     return Timeline(
-        steps=tuple(steps),
+        steps=steps,
         total_bytes=total,
         display=None if display is None else bool(display),
         start=start,
         baseline=baseline,
         gpu_at=None if gpu_at is None else float(gpu_at),
+        gpus=gpus,
     )
+
+
+def _steps(raw: list[Any], total: int | None, where: str) -> tuple[tuple[float, int], ...]:
+    steps = []
+    for i, step in enumerate(raw):
+        if not isinstance(step, list) or len(step) != 2 or not isinstance(step[0], (int, float)):
+            raise TimelineError(f"{where} {i} is not [seconds, size]: {step!r}")
+        steps.append((float(step[0]), _size(step[1], total, f"{where} {i}")))
+    return tuple(steps)
 
 
 def simulated_ours_bytes(pool: ipc.PoolStats | None) -> int:
@@ -270,7 +289,7 @@ class VramWatcher:
                     self._publish_cpu_mode(sample)
                     continue
                 if self.hub is not None:
-                    self.hub.publish(VramEvent.from_sample(sample, reserve, source=self.kind))
+                    self.hub.publish(self.event(sample, reserve))
                 try:
                     await self.step(sample)
                 except asyncio.CancelledError:
@@ -293,6 +312,16 @@ class VramWatcher:
                 return
             self.latest = sample
             self._publish_cpu_mode(sample)
+
+    def event(self, sample: VramSample, reserve: int | None = None) -> VramEvent:
+        """The ``vram`` event of ``sample``: its fields the tightest GPU's, ``gpus`` every
+        GPU's with the reserve resolved against each card (``reserve``: the tightest
+        one's, when already known)."""
+        reserve = self.reserve_bytes(sample) if reserve is None else reserve
+        gpus = None
+        if sample.gpus:
+            gpus = [GpuMemory.from_sample(s, self.reserve_bytes(s), rank) for rank, s in enumerate(sample.gpus)]
+        return VramEvent.from_sample(sample, reserve, source=self.kind, gpus=gpus)
 
     def _publish_cpu_mode(self, sample: VramSample) -> None:
         if self.hub is None:
@@ -407,76 +436,38 @@ def _cuda_index(device: str) -> int:
 
 
 def make_watcher(settings: ServeSettings, supervisor: Supervisor, hub: EventHub) -> VramWatcher:
-    """The watcher ``settings`` ask for (``--vram-source`` and its options).
+    """The watcher ``settings`` ask for (``--vram-source`` and its options): one source,
+    or with ``--tensor-parallel-size N`` on GPUs (or a simulated card) one per rank, read
+    as the tightest (:class:`service.vram.gpus.GpuGroup`).
 
     Raises:
         TimelineError: a ``--vram-timeline`` that cannot be read or used.
     """
+    ranks = _watched_ranks(settings)
     if settings.vram_source == "simulated":
-        timeline = (
-            load_timeline(settings.vram_timeline, settings.device_total)
-            if settings.vram_timeline
-            else Timeline(steps=())
-        )
-        total = timeline.total_bytes or settings.device_total
-        if total is None:
-            raise TimelineError("the simulated card needs a size: --device-total or a total")
-        # What the plan saw as taken by others at start (--device-free): it stays taken
-        # under the steps, or until the first step when they replace it.
-        baseline = 0
-        if settings.device_free is not None and settings.device_total is not None:
-            baseline = max(settings.device_total - settings.device_free, 0)
-        on_top = baseline if timeline.baseline == "kept" else 0
-        steps = [(-1e9, baseline), *((t, b + on_top) for t, b in timeline.steps)]
-        anchor: dict[str, float | None] = {"t0": time.monotonic()}
-        if timeline.start == "ready":
-            anchor["t0"] = None
-            previous = supervisor.on_first_ready
-
-            def on_first_ready() -> None:
-                anchor["t0"] = time.monotonic()
-                log.info("the simulated VRAM timeline starts now")
-                if previous is not None:
-                    previous()
-
-            supervisor.on_first_ready = on_first_ready
-
-        def clock() -> float:
-            t0 = anchor["t0"]
-            return -1.0 if t0 is None else time.monotonic() - t0
-
-        def ours() -> int:
-            return simulated_ours_bytes(supervisor.link.pool if supervisor.worker_alive else None)
-
-        source: Any = SimulatedSource(
-            total,
-            steps,
-            ours_bytes=ours,
-            display_attached=settings.device_display
-            if timeline.display is None
-            else timeline.display,
-            clock=clock,
-            name=f"simulated GPU ({fmt_bytes(total)})",
-            gpu_from=timeline.gpu_at,
-        )
+        sources = _simulated_sources(settings, supervisor, ranks)
         kind: Literal["nvml", "simulated"] = "simulated"
     else:
 
         def own_pids() -> set[int]:
+            # The service, its worker and, under tensor parallelism, the worker's ranks.
             pids = {os.getpid()}
             if supervisor.worker_pid is not None:
                 pids.add(supervisor.worker_pid)
+            pids.update(getattr(supervisor, "rank_pids", ()))
             return pids
 
-        source = NvmlSource(nvml_index(_cuda_index(settings.device)), own_pids=own_pids)
+        first = _cuda_index(settings.device) if ranks == 1 else 0  # rank r runs on cuda:r
+        sources = [NvmlSource(nvml_index(first + r), own_pids=own_pids) for r in range(ranks)]
         kind = "nvml"
     if settings.device_limit is not None:
         # One rule with the plan: a card of that size, others' memory counting against it.
-        source = CardOfLimit(source, settings.device_limit)
-    return VramWatcher(
+        sources = [CardOfLimit(s, settings.device_limit) for s in sources]
+    group = GpuGroup(sources) if ranks > 1 else None
+    watcher = VramWatcher(
         supervisor,
         hub,
-        source,
+        group or sources[0],
         kind=kind,
         hz=settings.vram_hz,
         reserve=settings.reserve,
@@ -484,3 +475,76 @@ def make_watcher(settings: ServeSettings, supervisor: Supervisor, hub: EventHub)
         high_water_bytes=settings.replan_high,
         hold_s=settings.replan_hold,
     )
+    if group is not None:
+        group.reserve_of = watcher.reserve_bytes
+    return watcher
+
+
+def _watched_ranks(settings: ServeSettings) -> int:
+    """How many GPUs to watch: one per rank of a tensor-parallel worker on GPUs or on a
+    simulated card; one otherwise (ranks on the CPU leave the GPUs alone)."""
+    world = settings.tensor_parallel_size
+    if world > 1 and (settings.vram_source == "simulated" or settings.device != "cpu"):
+        return world
+    return 1
+
+
+def _simulated_sources(settings: ServeSettings, supervisor: Supervisor, ranks: int) -> list[Any]:
+    """One simulated card per rank, each of ``--device-total`` and following its steps of
+    the ``--vram-timeline`` (``"gpus"``, else ``"steps"``); the worker's memory on each
+    is what its plan charges (the ranks' shards are alike)."""
+    timeline = (
+        load_timeline(settings.vram_timeline, settings.device_total)
+        if settings.vram_timeline
+        else Timeline(steps=())
+    )
+    total = timeline.total_bytes or settings.device_total
+    if total is None:
+        raise TimelineError("the simulated card needs a size: --device-total or a total")
+    unknown = sorted(i for i in timeline.gpus if i >= ranks)
+    if unknown:
+        raise TimelineError(
+            f"the VRAM timeline has steps for GPU {unknown[0]}, but the worker runs on {ranks} "
+            f"GPU(s) (--tensor-parallel-size {settings.tensor_parallel_size}); number them 0 to {ranks - 1}"
+        )
+    # What the plan saw as taken by others at start (--device-free): it stays taken
+    # under the steps, or until the first step when they replace it.
+    baseline = 0
+    if settings.device_free is not None and settings.device_total is not None:
+        baseline = max(settings.device_total - settings.device_free, 0)
+    on_top = baseline if timeline.baseline == "kept" else 0
+    anchor: dict[str, float | None] = {"t0": time.monotonic()}
+    if timeline.start == "ready":
+        anchor["t0"] = None
+        previous = supervisor.on_first_ready
+
+        def on_first_ready() -> None:
+            anchor["t0"] = time.monotonic()
+            log.info("the simulated VRAM timeline starts now")
+            if previous is not None:
+                previous()
+
+        supervisor.on_first_ready = on_first_ready
+
+    def clock() -> float:
+        t0 = anchor["t0"]
+        return -1.0 if t0 is None else time.monotonic() - t0
+
+    def ours() -> int:
+        return simulated_ours_bytes(supervisor.link.pool if supervisor.worker_alive else None)
+
+    sources = []
+    for rank in range(ranks):
+        steps = [(-1e9, baseline), *((t, b + on_top) for t, b in timeline.gpus.get(rank, timeline.steps))]
+        sources.append(
+            SimulatedSource(
+                total,
+                steps,
+                ours_bytes=ours,
+                display_attached=settings.device_display if timeline.display is None else timeline.display,
+                clock=clock,
+                name=f"simulated GPU{f' {rank}' if ranks > 1 else ''} ({fmt_bytes(total)})",
+                gpu_from=timeline.gpu_at,
+            )
+        )
+    return sources

@@ -1,9 +1,11 @@
 """Tensor parallel on two GPUs (NCCL): TP=2 gives TP=1's greedy ids on a random-weight
 Qwen3-8B shape (4 of its 36 layers, weights saved by transformers, float32 so the split's different summation order
-stays far below any argmax margin). Skips unless two CUDA devices are present.
+stays far below any argmax margin), with the decode step replayed from CUDA graphs on both ranks (the all-reduces
+captured inside, rank 0's inputs broadcast device to device) and eagerly; a live shrink mid-decode drops the graphs
+on both ranks, which capture again in step. ``bench_tp`` reports TP=2 with graphs. Skips unless two CUDA devices
+are present.
 
-The speed comparison is a command, not a test: ``python -m engine.commands.bench_tp
---shape qwen3-8b --tp 2``."""
+The speed comparison is a command: ``python -m engine.commands.bench_tp --shape qwen3-8b --tp 2``."""
 
 from __future__ import annotations
 
@@ -37,16 +39,53 @@ def _save_qwen3_8b_four_layers(path) -> None:
     torch.cuda.empty_cache()
 
 
-def test_tp2_greedy_equals_tp1_on_qwen3_8b_shape(tmp_path):
+@pytest.mark.parametrize("graphs", [True, False], ids=["cuda-graphs", "eager"])
+def test_tp2_greedy_equals_tp1_on_qwen3_8b_shape(tmp_path, graphs):
     _save_qwen3_8b_four_layers(tmp_path)
     config = EngineConfig(model=str(tmp_path), device="cuda", dtype="float32", kv_cache=2 << 30,
-                          max_model_len=4096)
+                          max_model_len=4096, cuda_graphs=graphs)
     g = torch.Generator().manual_seed(0)
     sp = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)
     requests = {str(i): (torch.randint(10, 151000, (n,), generator=g).tolist(), sp) for i, n in enumerate((7, 33, 130))}
-    alone = run_all(Engine(config), requests)
+    one = Engine(config)
+    alone = run_all(one, requests)
+    assert (one.runner.graphs is not None) is graphs
+    del one
     torch.cuda.empty_cache()
     with parallel_engine(dataclasses.replace(config, tensor_parallel_size=2)) as engine:
         assert engine.device == torch.device("cuda:0")
         split = run_all(engine, requests)
+        if graphs:
+            assert engine.runner.graphs is not None and engine.runner.graphs.replays > 0
+        else:
+            assert engine.runner.graphs is None
     assert split == alone
+
+
+def test_tp2_with_graphs_recaptures_in_step_after_a_live_shrink(tmp_path, make_tiny_hf_model):
+    """The CPU test's shrink mid-decode (tests/test_tensor_parallel.py), on two GPUs with
+    graphs: the resize drops both ranks' graphs, the next decode captures again on both
+    (and they agree it worked), and the ids stay those of one GPU shrunk the same way."""
+    from test_tensor_parallel import _shrunk_mid_decode
+
+    make_tiny_hf_model("qwen3", tmp_path)
+    config = EngineConfig(model=str(tmp_path), device="cuda", dtype="float32", page_size=4, num_pages=128)
+    one = Engine(config)
+    alone, _ = _shrunk_mid_decode(one)
+    assert one.runner.graphs is not None
+    del one
+    torch.cuda.empty_cache()
+    with parallel_engine(dataclasses.replace(config, tensor_parallel_size=2)) as engine:
+        captured = engine.runner.graphs.captures
+        split, _ = _shrunk_mid_decode(engine)
+        assert engine.rank_pool_pages == [16, 16]
+        assert engine.runner.graphs.captures > captured and engine.runner.graphs.replays > 0
+    assert split == alone
+
+
+def test_bench_tp_reports_tp2_with_cuda_graphs(capsys):
+    from engine.commands.bench_tp import main
+
+    main(["--shape", "qwen3-8b", "--tp", "2", "--new-tokens", "8", "--also-eager"])
+    out = capsys.readouterr().out
+    assert "TP=1 (CUDA graphs)" in out and "TP=2 (CUDA graphs)" in out and "TP=2 (eager)" in out

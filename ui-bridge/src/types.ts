@@ -111,6 +111,23 @@ export interface EngineStats {
 }
 
 /**
+ * One GPU's memory, in bytes, as in :class:`VramEvent`: `rank` is the
+ * tensor-parallel rank whose device it is (0 for a single GPU), the other fields mean
+ * what :class:`VramEvent`'s of the same names mean, for this card.
+ */
+export interface GpuMemory {
+  rank: number;
+  device: string;
+  total_bytes: number;
+  free_bytes: number;
+  ours_bytes: number;
+  others_bytes: number;
+  reserve_bytes: number;
+  headroom_bytes: number;
+  device_limit_bytes: number | null;
+}
+
+/**
  * The service's readiness, as `/api/health` reports it.
  *
  * `status`: `ready` only while a worker serves. `reason` says why for
@@ -315,6 +332,11 @@ export interface Suggestion {
 /**
  * The device's memory now, in bytes.
  *
+ * `gpus` lists every GPU the worker runs on, one entry per tensor-parallel rank's
+ * device in rank order (one entry for a single GPU; empty in CPU mode). The other
+ * fields are those of the *tightest* GPU: the one with the least headroom, which sizes
+ * the group's KV pool and which the replans follow (with one GPU, that GPU).
+ *
  * `ours_bytes` is held by this service's processes, `others_bytes` by everyone
  * else; `free_bytes` is what the device has free; `reserve_bytes` is kept for the
  * desktop; `headroom_bytes = free_bytes - reserve_bytes` (negative when the desktop
@@ -344,6 +366,7 @@ export interface VramEvent {
   device_limit_bytes: number | null;
   memory_rule: string | null;
   host: HostMemory | null;
+  gpus: GpuMemory[];
 }
 
 /**

@@ -31,6 +31,7 @@ function vram(free: number): Omit<VramEvent, "seq" | "ts"> {
     device_limit_bytes: null,
     memory_rule: null,
     host: null,
+    gpus: [],
   };
 }
 

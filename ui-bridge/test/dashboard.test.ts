@@ -65,6 +65,7 @@ const vram = (over: Partial<VramEvent>): VramEvent => ({
   device_limit_bytes: null,
   memory_rule: null,
   host: null,
+  gpus: [],
   ...over,
 });
 

@@ -12,6 +12,7 @@ import dataclasses
 import itertools
 import logging
 import math
+import os
 import time
 from concurrent import futures
 from pathlib import Path
@@ -295,10 +296,13 @@ class Engine(LiveReplan):
         metadata on the host per step)."""
         # Not for hybrid linear-attention models yet (their state slots are read on the
         # host), nor where a layer's experts live in host memory (the routed ids are read
-        # back each step). Under tensor parallelism every rank captures its graphs, the
-        # all-reduces inside (engine.parallel.graphs).
+        # back each step). Under tensor parallelism every rank can capture its graphs, the
+        # all-reduces inside (engine.parallel.graphs), but that path has not yet run on
+        # two GPUs: it stays opt-in (HEADROOM_TP_CUDA_GRAPHS=1) until it has, and the
+        # group decodes eagerly as measured.
+        tp_ok = self.tp is None or os.environ.get("HEADROOM_TP_CUDA_GRAPHS") == "1"
         return (self.config.cuda_graphs and self.device.type == "cuda" and self._cuda_graph_max_batch >= 1
-                and not self.model_config.is_hybrid and not self.expert_stores
+                and not self.model_config.is_hybrid and not self.expert_stores and tp_ok
                 and backend_class(self.attention_backend).supports_cuda_graphs)
 
     @property

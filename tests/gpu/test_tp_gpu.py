@@ -10,6 +10,7 @@ The speed comparison is a command: ``python -m engine.commands.bench_tp --shape 
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -20,6 +21,9 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.messages import SamplingParams
 from engine.parallel.launch import parallel_engine
+
+# The graphs under tensor parallel are opt-in until this file has passed on two GPUs.
+os.environ.setdefault("HEADROOM_TP_CUDA_GRAPHS", "1")
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 

@@ -185,7 +185,7 @@ def test_dispatch_uses_the_reference_on_cpu(monkeypatch):
     assert torch.equal(dispatch.rms_norm(x, w, 1e-6), rms_norm.rms_norm(x, w, 1e-6))
     assert torch.equal(dispatch.silu_and_mul(x), activation.silu_and_mul(x))
     assert set(dispatch.KERNELS) == {"rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_and_store", "linear",
-                                     "gate_up_silu", "fused_moe"}
+                                     "gate_up_silu", "fused_moe", "fused_moe_quant"}
     for kernel in dispatch.KERNELS.values():  # every Triton twin exists with that name
         pytest.importorskip("triton")
         assert callable(kernel.triton())

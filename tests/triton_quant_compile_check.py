@@ -75,7 +75,7 @@ def _int8_variants(type_names: list[str]) -> int:
                 continue
             regs, frame, ptx = _compile(triton_int8._int8_gemv_kernel, args, {
                 "QT": FORMATS[name].code, "BLOCK_N": block_n, "KB": kb, "ATOMIC": False, "ASM": True,
-                "SPLIT": split}, warps)
+                "ABL": 0, "SPLIT": split}, warps)
             print(f"gemv int8 {name} {block_n}x{kb}{' split' if split else ''}: {regs} registers, {frame} B stack; "
                   f"dp4a x{ptx.count('dp4a')}; loads {_loads(ptx)}")
             failures += frame > 0

@@ -315,16 +315,18 @@ class EngineConfig:
         "Largest decode batch captured in a CUDA graph; larger batches run eagerly.",
         checks=(at_least(1, "turn graphs off with --no-cuda-graphs"),),
     )
-    # Off by default until the block kernels are tuned: measured on an H200, the first
-    # GEMV decoded an 8B Q4_K/Q6_K model at 52 tok/s against 216 from bfloat16 weights;
-    # on a 2-core AVX2 CPU the default model decoded 3x slower through torch's int4 kernel.
-    gguf_quantized: bool = option(
-        False,
-        "On CUDA, keep a GGUF's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K projections in "
-        "their block format: saves VRAM (weights at about 37% of bfloat16's for Q4_K_M) but "
-        "decode is slower until the kernels are tuned. On the CPU, repack Q4_0/Q4_1 projections "
-        "exactly into torch's int4 layout (weights at about 19% of float32's); fast only where "
-        "torch's int4 CPU kernel is (AVX-512), slower than float32 on AVX2. Off: dequantized at load.",
+    # Auto (None): on the CPU, where the int4 repacking decodes the default model faster
+    # and in a third of the memory (README, "The CPU path"); off on CUDA until the block
+    # kernels are tuned (measured on an H200: an 8B Q4_K/Q6_K model decoded at 219 tok/s
+    # from blocks against 224 from bfloat16 weights, at batch 1).
+    gguf_quantized: bool | None = option(
+        None,
+        "Keep a GGUF's quantized weights quantized. On the CPU (default there), "
+        "Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 projections are repacked into torch's int4 layout and "
+        "computed with bfloat16 activations, the token embeddings stay in blocks. On CUDA "
+        "(off by default), Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K projections stay in their "
+        "block format: weights at about 37% of bfloat16's for Q4_K_M, decode a little slower. "
+        "Off: every weight dequantized at load.",
     )
     tensor_parallel_size: int = option(
         1,
@@ -338,7 +340,7 @@ class EngineConfig:
 
     def problem(self) -> tuple[str, str] | None:
         """The first (option name, why) of options that do not go together, or None."""
-        if self.quantization == "fp8" and self.gguf_quantized:
+        if self.quantization == "fp8" and self.gguf_quantized is True:
             # Both choose the weights' format; silently keeping one would price and load
             # something other than what was asked.
             return "quantization", (

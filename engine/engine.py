@@ -34,6 +34,7 @@ from engine.loader.hf_config import load_model_config
 from engine.loader.load import fp8_weight_size, load_model
 from engine.loader.resolve import resolve_model
 from engine.memory.footprint import kv_bytes_per_token, make_footprint
+from engine.memory.host import trim_host_heap
 from engine.memory.plan import MemoryPlan, PlanKnobs, fit_plan, make_plan
 from engine.memory.profile import measure_step_peak, profile_pool_pages
 from engine.messages import (
@@ -179,9 +180,11 @@ class Engine(LiveReplan):
                      host_layers, len(mc.moe_layers), self.plan.expert_cache_slots)
         else:
             self.model, _ = load_model(self.model_dir, self.device, self.dtype, load_format=config.load_format,
-                                       quantized_gguf=self.quantized_gguf, quantization=self.quantization, tp=tp)
+                                       quantized_gguf=self.quantized_gguf, quantization=self.quantization, tp=tp,
+                                       embeddings_in_blocks=self.device.type == "cpu")
         if self.quantized_gguf is not None and self.device.type == "cpu":
             pack_model_for_cpu(self.model, self.dtype)  # the block kernels are GPU kernels
+            trim_host_heap()  # the freed blocks and file tables would stay resident
         # Profile run on a GPU: the measured step peak and the CUDA context replace the
         # estimates, and the plan is made again.
         if self.device_memory is not None and self.device.type == "cuda":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -19,6 +20,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         exactly like transformers' ``LlamaRMSNorm``, so low-precision outputs match
         bit for bit.
     """
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        # The same arithmetic in one op (no casts to round in float32): on the CPU, where
+        # a decode step is hundreds of small ops, one instead of six.
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     xf = x.float()
     variance = xf.pow(2).mean(-1, keepdim=True)
     return weight * (xf * torch.rsqrt(variance + eps)).to(x.dtype)

@@ -80,8 +80,8 @@ def test_default_model_from_its_q4_1_blocks(default_model_dir, paged_runner):
 
 def test_plan_charges_the_quantized_bytes_and_shows_the_mix(default_model_dir):
     """--gguf-quantized on a CUDA device: the plan charges the blocks; on a CPU, their
-    int4 repacking. By default (off) it charges the dequantized tensors the loader will
-    place."""
+    int4 repacking, the CPU's default. Off (CUDA's default) it charges the dequantized
+    tensors the loader will place."""
     gguf_path = str(default_gguf_path())
     card = dict(model=gguf_path, device="cuda", device_total=4 * GiB)
     plan = build_plan(EngineConfig(**card, gguf_quantized=True))
@@ -89,7 +89,14 @@ def test_plan_charges_the_quantized_bytes_and_shows_the_mix(default_model_dir):
     dense = build_plan(EngineConfig(**card))
     dense_weights = next(e for e in dense.ledger if e.name == "weights")
     on_cpu = build_plan(EngineConfig(model=gguf_path, device="cpu", device_total=4 * GiB, gguf_quantized=True))
-    assert "210 int4 blocks" in next(e for e in on_cpu.ledger if e.name == "weights").source
+    # The 210 projections and the tied head repacked, the embeddings in their Q8_0 blocks;
+    # the CPU's default is the same.
+    cpu_weights = next(e for e in on_cpu.ledger if e.name == "weights")
+    assert "211 int4 blocks" in cpu_weights.source and "1 Q8_0 blocks" in cpu_weights.source
+    cpu_default = build_plan(EngineConfig(model=gguf_path, device="cpu", device_total=4 * GiB))
+    assert next(e for e in cpu_default.ledger if e.name == "weights") == cpu_weights
+    cpu_off = build_plan(EngineConfig(model=gguf_path, device="cpu", device_total=4 * GiB, gguf_quantized=False))
+    assert next(e for e in cpu_off.ledger if e.name == "weights").source == "exact, from tensor shapes"
     from engine.loader.hf_config import load_model_config
 
     size = gguf_weight_size(gguf_path, load_model_config(default_model_dir), torch.bfloat16)

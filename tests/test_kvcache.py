@@ -87,3 +87,31 @@ def test_radix_split_keeps_locks():
     assert rc.evict(10) == 0  # still all locked
     rc.unlock(node)
     assert rc.evict(10) == 3
+
+
+def _rss_bytes() -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    except (OSError, StopIteration):
+        return None
+
+
+def test_cpu_pool_is_resident_only_where_written():
+    """A CPU pool is zero-filled memory the kernel hands out on first touch: 512 MiB of
+    pool cost a few MiB of RSS until pages are written, read back as zeros, and a resize
+    keeps what was written."""
+    import torch
+
+    from engine.kvcache.pool import KVPool
+
+    before = _rss_bytes()
+    if before is None:
+        pytest.skip("no /proc/self/status here")
+    pool = KVPool(num_layers=8, num_pages=2048, page_size=16, num_kv_heads=8, head_dim=64,
+                  dtype=torch.float32, device="cpu")  # 2 x 8 x 2048 x 16 x 8 x 64 x 4 B = 512 MiB
+    assert _rss_bytes() - before < 64 << 20
+    assert pool.k_buffers[3][-16:].abs().sum().item() == 0.0 and pool.v_buffers[7][:16].abs().sum().item() == 0.0
+    pool.k_buffers[0][16:32] = 1.0
+    pool.resize(1024)
+    assert pool.num_pages == 1024 and pool.k_buffers[0][16:32].eq(1.0).all() and pool.k_buffers[0][32:].eq(0).all()

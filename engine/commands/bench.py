@@ -156,7 +156,7 @@ def run_bench_engine(
     *, model: str | None, device: str, batches: tuple[int, ...], prompt_tokens: int, new_tokens: int, seed: int = 0,
     shape: str | None = None, attention_backend: str = "auto", cuda_graphs: bool = True,
     long_prefill_tokens: int = LONG_PREFILL_TOKENS, transformers_side: bool = True, profile: bool = False,
-    profile_batches: tuple[int, ...] = (1,), gguf_quantized: bool = False,
+    profile_batches: tuple[int, ...] = (1,), gguf_quantized: bool | None = None,
 ) -> list[dict]:
     """Measure both sides at each batch size and on one long prompt; returns one row per
     (case, side) and prints a table. Each side runs once untimed first (warm-up).

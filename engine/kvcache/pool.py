@@ -45,6 +45,8 @@ below the new size may hold live keys and values: the engine moves them there fi
 
 from __future__ import annotations
 
+import math
+import mmap
 from collections.abc import Sequence
 
 import torch
@@ -115,7 +117,17 @@ class KVPool:
 
     def _new_buffer(self, num_pages: int, *, zero_from: int) -> torch.Tensor:
         """One layer's buffer of ``num_pages`` pages; pages from ``zero_from`` on are zeroed
-        (those below are about to be overwritten by a copy)."""
+        (those below are about to be overwritten by a copy).
+
+        On the CPU the buffer is a fresh anonymous memory map: the kernel hands its pages
+        out zeroed on first touch, so the pool costs resident memory only for the pages
+        requests have written (a 1 GiB default pool under a short chat is a few MiB of
+        RSS, where writing zeros would make all of it resident at start)."""
+        if self.device.type == "cpu":
+            shape = (num_pages * self.page_size, self.num_kv_heads, self.head_dim)
+            nbytes = math.prod(shape) * torch.empty((), dtype=self.dtype).element_size()
+            raw = torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=torch.uint8)[:nbytes]
+            return raw.view(self.dtype).view(shape)
         buf = torch.empty((num_pages * self.page_size, self.num_kv_heads, self.head_dim), dtype=self.dtype, device=self.device)
         if zero_from < num_pages:
             buf[zero_from * self.page_size :].zero_()

@@ -40,7 +40,7 @@ from engine.loader.gguf_convert import (
     hf_tensors,
     reverse_llama_permute,
 )
-from engine.models.cpu_quant_linear import INT4_TYPES, int4_bytes
+from engine.models.cpu_quant_linear import CODE_BITS, QuantEmbedding, packable, packed_bytes
 from engine.models.quant_experts import QuantExperts
 from engine.models.quant_linear import PartSpec, QuantLinear
 from engine.units import MiB
@@ -95,6 +95,20 @@ def _targets(config: ModelConfig) -> dict[str, tuple[str, ...]]:
     return out
 
 
+_EMBEDDINGS = "token_embd.weight"
+
+
+def _embeddings_in_blocks(by_name: dict[str, Any], wanted: bool) -> str | None:
+    """The block type the token embeddings stay in, or None (dequantized): when
+    ``wanted`` (the CPU engine's layout), a type :mod:`engine.models.cpu_quant_linear`
+    reads (a lookup dequantizes its rows; a tied LM head is repacked from the same
+    blocks)."""
+    t = by_name.get(_EMBEDDINGS)
+    if not wanted or t is None or t.tensor_type.name not in CODE_BITS:
+        return None
+    return t.tensor_type.name
+
+
 def _expert_targets(config: ModelConfig) -> dict[str, tuple[str, str, str]]:
     """``model.layers.N.mlp.experts`` -> its gate, up and down GGUF tensor names."""
     if not config.is_moe:
@@ -135,9 +149,11 @@ def _hf_shape(tensor: Any) -> tuple[int, ...]:
 def gguf_weight_size(gguf_path: str | Path, config: ModelConfig, dtype: torch.dtype,
                      device_type: str = "cuda") -> WeightSize:
     """What :func:`load_gguf_quantized` allocates for ``gguf_path`` on a ``device_type``
-    device, from the file's tensor table (no tensor data is read). On the CPU the Q4_0/Q4_1
-    projections take torch's int4 layout and other block types, and a mixture of
-    experts' routed experts, are dequantized (:mod:`engine.models.cpu_quant_linear`).
+    device, from the file's tensor table (no tensor data is read). On the CPU the
+    Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 projections take torch's int4 layout (one or two planes), the
+    token embeddings of those types stay in blocks and a tied LM head is repacked from
+    them; other block types, and a mixture of experts' routed experts, are dequantized
+    (:mod:`engine.models.cpu_quant_linear`).
 
     Raises:
         CorruptWeights: the file is not a readable GGUF.
@@ -150,6 +166,7 @@ def gguf_weight_size(gguf_path: str | Path, config: ModelConfig, dtype: torch.dt
     expert_blocks = {n for m in _experts_in_blocks(by_name, config, gguf_path, device_type != "cpu")
                      for n in _expert_targets(config)[m]}
     itemsize = torch.empty((), dtype=dtype).element_size()
+    embed_type = _embeddings_in_blocks(by_name, device_type == "cpu")
     quant_count: Counter[str] = Counter()
     quant_bytes: Counter[str] = Counter()
     dense_types: Counter[str] = Counter()
@@ -158,10 +175,19 @@ def gguf_weight_size(gguf_path: str | Path, config: ModelConfig, dtype: torch.dt
         if t.name == _ROPE_FREQS:
             continue
         kept = _kept_quantized(t, projection_weights | expert_blocks)
-        if device_type == "cpu" and kept is not None:
-            kept = "int4" if kept in INT4_TYPES else None
         shape = _hf_shape(t)
-        nbytes = int4_bytes(shape[0], shape[1], itemsize) if kept == "int4" else tensor_bytes(kept or "dense", shape, itemsize)
+        if device_type == "cpu" and kept is not None:
+            kept = "int4" if packable(kept, shape[0]) else None
+        if t.name == _EMBEDDINGS and embed_type is not None:
+            kept = embed_type
+        if kept == "int4":
+            nbytes = packed_bytes(shape[0], shape[1], t.tensor_type.name)
+        else:
+            nbytes = tensor_bytes(kept or "dense", shape, itemsize)
+        if t.name == _EMBEDDINGS and embed_type is not None and config.tie_word_embeddings:
+            head = packed_bytes(shape[0], shape[1], embed_type)  # the tied head, repacked
+            quant_count["int4"] += 1
+            quant_bytes["int4"] += head
         if kept:
             quant_count[kept] += 1
             quant_bytes[kept] += nbytes
@@ -182,7 +208,7 @@ def gguf_weight_size(gguf_path: str | Path, config: ModelConfig, dtype: torch.dt
 
 def load_gguf_quantized(
     config: ModelConfig, gguf_path: str | Path, device: torch.device | str, dtype: torch.dtype,
-    *, experts_in_blocks: bool | None = None,
+    *, experts_in_blocks: bool | None = None, embeddings_in_blocks: bool = False,
 ) -> torch.nn.Module:
     """Build the model of ``config`` on ``device`` from ``gguf_path``, projections in
     GGUF blocks where their type allows. Returns the model in eval mode, RoPE cache
@@ -192,6 +218,13 @@ def load_gguf_quantized(
     (:class:`~engine.models.quant_experts.QuantExperts`) where their types allow; default
     everywhere but on the CPU, where the engine dequantizes them at load (tests set it
     to run the torch reference over the blocks).
+
+    ``embeddings_in_blocks``: the CPU engine's layout (:func:`gguf_weight_size` for
+    ``"cpu"`` prices it): token embeddings of a type
+    :mod:`engine.models.cpu_quant_linear` reads stay in blocks
+    (:class:`~engine.models.cpu_quant_linear.QuantEmbedding`) and a tied LM head becomes
+    a QuantLinear over the same blocks, for
+    :func:`~engine.models.cpu_quant_linear.pack_model_for_cpu` to repack.
 
     Raises:
         CorruptWeights: the file is not a readable GGUF.
@@ -224,6 +257,18 @@ def load_gguf_quantized(
         with torch.device("meta"):
             new = QuantLinear(old.in_features, specs, bias=old.bias is not None, dtype=dtype)
         _swap(model, module_name, new)
+    embed_type = _embeddings_in_blocks(by_name, embeddings_in_blocks)
+    if embed_type is not None:
+        embed = by_name[_EMBEDDINGS]
+        rows, cols = _hf_shape(embed)
+        if (rows, cols) != (config.vocab_size, config.hidden_size):
+            raise WeightMismatch(f"{gguf_path}: tensor {_EMBEDDINGS} has shape {(rows, cols)}, the config expects "
+                                 f"{(config.vocab_size, config.hidden_size)}")
+        with torch.device("meta"):
+            blocks = torch.empty((rows, tensor_bytes(embed_type, (1, cols), 0)), dtype=torch.uint8)
+            model.model.embed_tokens = QuantEmbedding(blocks, embed_type, cols, dtype)
+            if config.tie_word_embeddings:  # the head reads the same blocks, repacked
+                model.lm_head = QuantLinear(cols, [PartSpec(rows, embed_type)], bias=False, dtype=dtype)
     for module_name, types in expert_modules.items():
         with torch.device("meta"):
             new = QuantExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size, types)
@@ -236,11 +281,17 @@ def load_gguf_quantized(
         for module_name, stems in targets.items():
             _fill(model.get_submodule(module_name), [by_name[f"{s}.weight"] for s in stems],
                   [by_name.get(f"{s}.bias") for s in stems], arch, config, gguf_path)
+        if embed_type is not None:
+            embed = by_name[_EMBEDDINGS]
+            model.model.embed_tokens.blocks.copy_(torch.from_numpy(np.array(embed.data)).reshape(
+                model.model.embed_tokens.blocks.shape))
+            if config.tie_word_embeddings:
+                _fill(model.lm_head, [embed], [None], arch, config, gguf_path)
         for module_name in expert_modules:
             _fill_experts(model.get_submodule(module_name),
                           [by_name[n] for n in _expert_targets(config)[module_name]], gguf_path)
         skip = (projection_weights | {f"{s}.bias" for stems in targets.values() for s in stems} | expert_weights
-                | {_ROPE_FREQS})
+                | {_ROPE_FREQS} | ({_EMBEDDINGS} if embed_type is not None else set()))
         try:
             model.load_weights(_rest(reader, skip, gguf_path, arch, config))
         except WeightMismatch as e:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -29,6 +31,7 @@ def load_model(
     quantized_gguf: str | Path | None = None,
     quantization: str | None = None,
     tp: TensorParallel | None = None,
+    embeddings_in_blocks: bool = False,
 ) -> tuple[CausalLM, ModelConfig]:
     """Load a Hugging Face model folder onto ``device`` in ``dtype``.
 
@@ -38,7 +41,8 @@ def load_model(
 
     With ``quantized_gguf`` (the GGUF file ``model_dir`` was converted from), the
     weights come from that file instead and its projections stay in GGUF block format
-    (:func:`engine.loader.gguf_quant.load_gguf_quantized`).
+    (:func:`engine.loader.gguf_quant.load_gguf_quantized`; ``embeddings_in_blocks``: the
+    CPU engine's layout, embeddings in blocks too).
 
     With ``quantization="fp8"`` the dense projections are
     :class:`~engine.models.fp8_linear.Fp8Linear` (float8_e4m3fn, a float32 scale per
@@ -70,7 +74,8 @@ def load_model(
                              "or let the GGUF load dequantized")
         from engine.loader.gguf_quant import load_gguf_quantized
 
-        return load_gguf_quantized(config, quantized_gguf, device, dtype), config
+        return load_gguf_quantized(config, quantized_gguf, device, dtype,
+                                   embeddings_in_blocks=embeddings_in_blocks), config
     shapes = config if tp is None else rank_config(config, tp)
     model = _build_on_meta(shapes, dtype, quantization)
     model.to_empty(device=device)
@@ -126,10 +131,26 @@ def expert_weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
     return sum(p.numel() for n, p in _build_on_meta(config).named_parameters() if ".experts." in n) * itemsize
 
 
+@contextlib.contextmanager
+def _no_weight_init() -> Iterator[None]:
+    """Skip ``torch.nn.init`` while modules are built on the meta device: the weights are
+    loaded afterwards, and a meta ``normal_`` goes through torch's Python references, which
+    import torch._dynamo and with it Triton (74 MB of resident memory on the CPU path)."""
+    names = ("normal_", "uniform_", "kaiming_uniform_", "trunc_normal_", "zeros_", "ones_")
+    saved = {n: getattr(torch.nn.init, n) for n in names}
+    try:
+        for n in names:
+            setattr(torch.nn.init, n, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(torch.nn.init, n, f)
+
+
 def _build_on_meta(config: ModelConfig, dtype: torch.dtype | None = None, quantization: str | None = None) -> CausalLM:
     """The model on the meta device, cast to ``dtype`` (when given), its projections
     FP8 when ``quantization == "fp8"`` (swapped after the cast, which would upcast them)."""
-    with torch.device("meta"):
+    with torch.device("meta"), _no_weight_init():
         model = get_model_class(config.architecture)(config)
     if dtype is not None:
         model = model.to(dtype=dtype)

@@ -267,7 +267,7 @@ class CausalLM(nn.Module):
 
     def init_rope_cache(self) -> None:
         """(Re)compute :attr:`cos_sin_cache` in float32 on the model's device."""
-        device = self.model.embed_tokens.weight.device
+        device = self.model.norm.weight.device  # the embeddings may be blocks (CPU GGUF)
         self.cos_sin_cache = build_cos_sin_cache(
             self.config.rope, self.config.head_dim, self.config.max_position_embeddings, device
         )

@@ -133,12 +133,12 @@ class QuantLinear(nn.Module):
 def model_weight_bytes(model: nn.Module) -> int:
     """Bytes of a model's weights on the device: its parameters and the blocks, dense
     parts and biases of its :class:`QuantLinear` modules (or of their CPU repacking,
-    :class:`~engine.models.cpu_quant_linear.CpuInt4Linear`) and of its
-    :class:`~engine.models.quant_experts.QuantExperts`."""
-    from engine.models.cpu_quant_linear import CpuInt4Linear
+    :class:`~engine.models.cpu_quant_linear.CpuInt4Linear`), of embeddings kept in blocks
+    and of its :class:`~engine.models.quant_experts.QuantExperts`."""
+    from engine.models.cpu_quant_linear import CpuInt4Linear, QuantEmbedding
     from engine.models.quant_experts import QuantExperts
 
     params = sum(p.nbytes for p in model.parameters())
-    kinds = QuantLinear | CpuInt4Linear | QuantExperts
+    kinds = QuantLinear | CpuInt4Linear | QuantEmbedding | QuantExperts
     quant = sum(b.nbytes for m in model.modules() if isinstance(m, kinds) for b in m.buffers())
     return params + quant

@@ -236,10 +236,10 @@ def _int_list(ctx: Any, param: Any, value: str) -> tuple[int, ...]:
 )
 @click.option(
     "--gguf-quantized/--no-gguf-quantized",
-    default=False,
-    show_default=True,
-    help="Engine side: keep a GGUF's 4-bit projections quantized (block kernels on CUDA, "
-    "torch's int4 layout on the CPU) instead of dequantizing them at load.",
+    default=None,
+    help="Engine side: keep a GGUF's quantized weights quantized (block kernels on CUDA, "
+    "torch's int4 layout on the CPU) instead of dequantizing them at load.  [default: on "
+    "the CPU, off on CUDA]",
 )
 @click.option(
     "--profile",

@@ -32,8 +32,8 @@ def settings_option(opt: Option, flag: str | None = None, *, show_env: bool = Tr
     environment variable and default in the help."""
     default = ", ".join(opt.default) if opt.multiple else opt.default
     shown = "unset" if default in (None, "") else default
-    if opt.type is bool:
-        shown = "on" if default else "off"
+    if opt.type is bool:  # unset (None) means the option decides by device: "auto"
+        shown = "auto" if default is None else "on" if default else "off"
     env = f"env: {opt.env}; " if show_env else ""
     help_text = f"{opt.help} [{env}default: {shown}]"
     name = (flag or opt.flag)[2:]

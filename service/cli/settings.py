@@ -369,6 +369,8 @@ def _convert_one(option: Option, value: Any, source: str) -> Any:
                 return True
             if text in ("0", "false", "no", "off"):
                 return False
+            if text == "auto" and option.default is None:
+                return None
             raise ValueError(value)
         if kind is int and isinstance(value, (bool, float)):
             raise ValueError(value)

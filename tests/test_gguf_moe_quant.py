@@ -94,7 +94,8 @@ def test_weight_size_prices_the_expert_blocks(tiny):
     e, h, i = config.num_experts, HIDDEN, MOE_INTERMEDIATE
     assert sum(b.nbytes for b in experts.buffers()) == e * (2 * i * h // 256 * 144 + h * i // 256 * 210)
     on_cpu = gguf_weight_size(path, config, torch.bfloat16, "cpu")
-    dense = pack_model_for_cpu(load_gguf_quantized(config, path, "cpu", torch.bfloat16), torch.bfloat16)
+    dense = pack_model_for_cpu(load_gguf_quantized(config, path, "cpu", torch.bfloat16, embeddings_in_blocks=True),
+                               torch.bfloat16)
     assert isinstance(dense.model.layers[0].mlp.experts, Experts)
     assert on_cpu.bytes == model_weight_bytes(dense) + rope_cache
 

@@ -164,3 +164,20 @@ def test_cpu_weight_size_is_what_the_engine_holds(int4_engine):
     # 210 projections and the tied head repacked; the embeddings in their Q8_0 blocks.
     assert "211 int4 blocks" in size.mix and "1 Q8_0 blocks" in size.mix
     assert size.bytes < 0.3 * weight_bytes(mc, torch.float32)
+
+
+def test_empty_steps_give_empty_outputs():
+    """A step with no rows (what is left after an out-of-memory retry drops a prefill)
+    goes through the lookup, the projections and the rescored head."""
+    rng = np.random.default_rng(4)
+    blocks = torch.from_numpy(random_blocks("Q8_0", 64, 64, rng))
+    emb = QuantEmbedding(blocks, "Q8_0", 64, torch.float32)
+    q = QuantLinear(64, [PartSpec(64, "Q8_0")], bias=False, dtype=torch.float32)
+    q.part0.copy_(blocks)
+    head = cpu_quant_linear.RescoredHead(CpuInt4Linear.from_quant_linear(q, torch.float32), emb)
+    assert emb(torch.empty(0, dtype=torch.long)).shape == (0, 64)
+    assert head(torch.empty(0, 64)).shape == (0, 64)
+    mixed = QuantLinear(64, [PartSpec(48, "Q4_0"), PartSpec(16, "Q8_0")], bias=False, dtype=torch.float32)
+    for spec, buf in mixed.part_views():
+        buf.copy_(torch.from_numpy(random_blocks(spec.type_name, spec.rows, 64, rng)))
+    assert CpuInt4Linear.from_quant_linear(mixed, torch.float32)(torch.empty(0, 64)).shape == (0, 64)

@@ -25,9 +25,11 @@ def test_a_tight_card_starts_with_a_lowered_context_that_grows_back(start_server
     # The steps are all of the other processes: the 1 GiB --device-free left out at start
     # is theirs, and they let go of it at LEAVES_AT_S.
     timeline.write_text(json.dumps({"baseline": "replaced", "steps": [[0, "1GiB"], [LEAVES_AT_S, 0]]}))
-    # A 1 GiB desktop reserve: with the default model in float32 on the CPU, the 4 GiB
+    # A 1 GiB desktop reserve: with the default model's weights in float32 on the CPU
+    # (--no-gguf-quantized: the int4 repacking would leave room for it all), the 4 GiB
     # card's budget then holds a little less than the model's 8192-token context.
-    flags = "--device-total 4GiB --device-free 3GiB --reserve 1GiB --vram-source simulated --replan-hold 1"
+    flags = ("--device-total 4GiB --device-free 3GiB --reserve 1GiB --vram-source simulated --replan-hold 1 "
+             "--no-gguf-quantized")
     server = start_server([*flags.split(), "--vram-timeline", str(timeline)])
     http = server.client()
 

@@ -14,7 +14,11 @@ from engine.text.tokenizer import load_tokenizer
 pytestmark = pytest.mark.slow
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-TOL = 2e-3  # float32 on both sides, different kernels
+# The server runs the CPU's default, int4 weights with bfloat16 activations
+# (engine/models/cpu_quant_linear.py), against transformers' float32 reference of the
+# same weights: measured 0.06 apart at most; a log-probability computed wrongly (a missing
+# normalisation, another position) is off by whole units.
+TOL = 0.15
 
 
 @pytest.fixture(scope="module")

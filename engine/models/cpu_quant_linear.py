@@ -107,7 +107,7 @@ def block_codes(blocks: torch.Tensor, type_name: str, in_features: int
 def dequantize_rows(blocks: torch.Tensor, type_name: str, in_features: int, dtype: torch.dtype) -> torch.Tensor:
     """``[N, K]`` weights in ``dtype`` from GGUF blocks (``w = d * u + c``, computed in float32)."""
     u, d, c = block_codes(blocks, type_name, in_features)
-    w = u.float().view(u.shape[0], -1, GROUP) * d[..., None] + c[..., None]
+    w = u.float().view(u.shape[0], in_features // GROUP, GROUP) * d[..., None] + c[..., None]
     return w.view(u.shape[0], in_features).to(dtype)
 
 
@@ -299,7 +299,7 @@ class RescoredHead(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         logits = self.head(h).float()
         cand = logits.topk(min(self.top, logits.shape[-1]), dim=-1).indices  # [B, top]
-        rows = self.embeddings(cand.reshape(-1)).float().view(*cand.shape, -1)  # [B, top, K]
+        rows = self.embeddings(cand.reshape(-1)).float().view(*cand.shape, h.shape[-1])  # [B, top, K]
         exact = torch.einsum("bk,btk->bt", h.float(), rows)
         return logits.scatter_(-1, cand, exact)
 

@@ -31,7 +31,7 @@ from engine.loader.default_model import model_display_name
 from engine.loader.fp8 import resolve_quantization
 from engine.loader.gguf_quant import gguf_weight_size
 from engine.loader.hf_config import load_model_config
-from engine.loader.load import fp8_weight_size, load_model
+from engine.loader.load import fp8_weight_size, load_model, parameter_count
 from engine.loader.resolve import resolve_model
 from engine.memory.footprint import kv_bytes_per_token, make_footprint
 from engine.memory.host import trim_host_heap
@@ -52,7 +52,7 @@ from engine.models.expert_cache import (
     offload_experts,
     resize_cache,
 )
-from engine.models.quant_linear import model_weight_bytes
+from engine.models.quant_linear import model_weight_bytes, quantized_format
 from engine.options import pick
 from engine.parallel.follow import lead
 from engine.parallel.group import TensorParallel
@@ -265,6 +265,8 @@ class Engine(LiveReplan):
             num_pages=num_pages,
             kv_cache_bytes=self.pool.nbytes,
             weight_bytes=model_weight_bytes(self.model),
+            parameter_count=parameter_count(mc),
+            weight_format=quantized_format(self.model),
             max_prefill_tokens=self.knobs.max_prefill_tokens,
             max_running_requests=config.max_running_requests,
             plan=self.plan,

@@ -159,6 +159,11 @@ class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
     # parallel): known on every device, a CPU's fixed pool included, where no plan is.
     kv_cache_dtype: str = ""
     kv_bytes_per_token: int = 0
+    # The model's parameters, counted from its shapes whatever their storage, and the
+    # block type most of the quantized projections keep (e.g. "Q4_1"; "" when the
+    # weights are held in ``dtype``).
+    parameter_count: int = 0
+    weight_format: str = ""
 
 
 class EngineStats(msgspec.Struct, frozen=True, kw_only=True):

@@ -76,6 +76,11 @@ def test_ollama_client_show_ps_version(real_server):
     client = ollama.Client(host=real_server.base_url, timeout=60)
     shown = client.show("default")
     assert shown.details.family == "llama"
+    # The CPU serves the GGUF's Q4_1 weights repacked, not float32: as Ollama names them.
+    assert shown.details.parameter_size == "135M"
+    assert (shown.details.format, shown.details.quantization_level) == ("gguf", "Q4_1")
+    listed = client.list().models[0].details
+    assert (listed.parameter_size, listed.quantization_level) == ("135M", "Q4_1")
     assert "temperature 0.2" in shown.parameters  # the default model's card sampling
     assert "im_start" in shown.template
     assert "completion" in shown.capabilities

@@ -139,6 +139,9 @@ def _empty(tmp_path: Path) -> Path:
         ("", {"HEADROOM_PORT": "eighty"}, "HEADROOM_PORT"),
         ("", {"HEADROOM_PORT": "70000"}, "not a TCP port"),
         ("", {"HEADROOM_STALL_TIMEOUT_S": "0.1"}, "longer than"),
+        ("gguf_quantized = 3\n", {}, "gguf_quantized = 3 is not a valid bool (use true/false, on/off, yes/no or 1/0 or auto)"),
+        ("", {"HEADROOM_GGUF_QUANTIZED": "maybe"}, "(use true/false, on/off, yes/no or 1/0 or auto)"),
+        ("", {"HEADROOM_PREFIX_CACHE": "maybe"}, "is not a valid bool (use true/false, on/off, yes/no or 1/0)"),
     ],
 )
 def test_settings_errors_name_their_source(tmp_path, file_text, env, needle):
@@ -147,6 +150,13 @@ def test_settings_errors_name_their_source(tmp_path, file_text, env, needle):
     with pytest.raises(SettingsError) as info:
         resolve({}, env=env, config_path=config)
     assert needle in str(info.value)
+
+
+@pytest.mark.parametrize(("text", "value"), [("auto", None), ("on", True), ("0", False)])
+def test_gguf_quantized_takes_auto_as_unset(tmp_path, text, value):
+    """Unset means by device (on for the CPU, off on CUDA); "auto" says so explicitly."""
+    settings = resolve({}, env={"HEADROOM_GGUF_QUANTIZED": text}, config_path=_empty(tmp_path))
+    assert settings.gguf_quantized is value
 
 
 def test_explicit_config_file_must_exist(tmp_path):

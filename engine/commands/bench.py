@@ -220,7 +220,8 @@ def run_bench_engine(
                          "prefill_tok_s": ours.prefill_tok_s / theirs.prefill_tok_s,
                          "decode_tok_s": ours.decode_tok_s / theirs.decode_tok_s})
     _print_table(engine, rows, prompt_tokens, new_tokens, roof)
-    print(f"peak RSS {peak_rss_bytes() / 2**20:.0f} MiB (this process: both sides)")
+    sides = "both sides" if hf is not None else "the engine alone"
+    print(f"peak RSS {peak_rss_bytes() / 2**20:.0f} MiB (this process: {sides})")
     if profile and on_cuda:
         for b in profile_batches:
             profile_decode(engine, batch=b)

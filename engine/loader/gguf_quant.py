@@ -203,6 +203,7 @@ def gguf_weight_size(gguf_path: str | Path, config: ModelConfig, dtype: torch.dt
         types = ", ".join(f"{n} {k}" for k, n in sorted(dense_types.items()))
         dtype_name = str(dtype).removeprefix("torch.")
         parts.append(f"{dtype_name} {sum(dense_types.values())} tensors ({types}) {dense_bytes / MiB:.1f} MiB")
+    parts.append(f"RoPE cache {rope_cache / MiB:.1f} MiB")  # so the parts add up to the total
     return WeightSize(sum(quant_bytes.values()) + dense_bytes + rope_cache, "; ".join(parts))
 
 

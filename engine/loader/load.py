@@ -107,6 +107,12 @@ def weight_bytes(config: ModelConfig, dtype: torch.dtype, quantization: str | No
     return params + rope_cache
 
 
+def parameter_count(config: ModelConfig) -> int:
+    """The model's parameters, from the shapes of a model built on the meta device
+    (whatever the weights' storage: a tied head is counted once)."""
+    return sum(p.numel() for p in _build_on_meta(config).parameters())
+
+
 def fp8_weight_size(config: ModelConfig, dtype: torch.dtype) -> WeightSize:
     """What :func:`load_model` allocates with ``quantization="fp8"`` (exact, as
     :func:`weight_bytes`), with the mix: FP8 projections and their scales, the rest in

@@ -197,6 +197,7 @@ class CpuInt4Linear(nn.Module):
             self.register_buffer(f"scales_zeros{i}", scales_zeros)
             self.kinds.append((rows, n_planes))
         self.register_buffer("bias", bias)
+        self.source_types: dict[str, int] = {}  # GGUF block type -> weights repacked from it
 
     @classmethod
     def from_quant_linear(cls, module: nn.Module, dtype: torch.dtype) -> CpuInt4Linear:
@@ -223,7 +224,11 @@ class CpuInt4Linear(nn.Module):
             else:
                 packed, sz = _pack_rows(held, k)
                 parts.append((packed.shape[0], n_planes, packed, sz))
-        return cls(k, module.out_features, parts, module.bias)
+        linear = cls(k, module.out_features, parts, module.bias)
+        for spec, _ in module.part_views():
+            if packable(spec.type_name, spec.rows):
+                linear.source_types[spec.type_name] = linear.source_types.get(spec.type_name, 0) + spec.rows * k
+        return linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if len(self.kinds) == 1 and self.kinds[0][1] == 1 and self.bias is None:

@@ -142,3 +142,23 @@ def model_weight_bytes(model: nn.Module) -> int:
     kinds = QuantLinear | CpuInt4Linear | QuantEmbedding | QuantExperts
     quant = sum(b.nbytes for m in model.modules() if isinstance(m, kinds) for b in m.buffers())
     return params + quant
+
+
+def quantized_format(model: nn.Module) -> str:
+    """The block type that holds most of ``model``'s quantized projection weights (e.g.
+    ``"Q4_1"``), counted over its :class:`QuantLinear` modules and their CPU repacking;
+    ``""`` when none is quantized."""
+    from collections import Counter
+
+    from engine.models.cpu_quant_linear import CpuInt4Linear
+
+    weights: Counter[str] = Counter()
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            for p in m.parts:
+                if p.type_name is not None:
+                    weights[p.type_name] += p.rows * m.in_features
+        elif isinstance(m, CpuInt4Linear):
+            for type_name, count in m.source_types.items():
+                weights[type_name] += count
+    return weights.most_common(1)[0][0] if weights else ""

@@ -378,8 +378,11 @@ def _convert_one(option: Option, value: Any, source: str) -> Any:
             raise ValueError(value)
         return kind(value)
     except (TypeError, ValueError):
+        accepted = ""
+        if kind is bool:
+            accepted = " (use true/false, on/off, yes/no or 1/0" + (" or auto" if option.default is None else "") + ")"
         raise SettingsError(
-            f"{source}: {option.name} = {value!r} is not a valid {kind.__name__}"
+            f"{source}: {option.name} = {value!r} is not a valid {kind.__name__}{accepted}"
         ) from None
 
 

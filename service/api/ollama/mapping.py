@@ -185,12 +185,14 @@ _BYTES_PER_PARAMETER = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 def details(info: EngineInfo) -> OllamaDetails:
     """Ollama's ``details`` of the served model: family from the architecture
-    (``LlamaForCausalLM`` -> ``llama``), the parameter count from the weights' bytes
-    and dtype (``135M``), the dtype as the quantization level (the weights are held
-    dequantized)."""
+    (``LlamaForCausalLM`` -> ``llama``), the parameter count (``135M``), and as the
+    format and quantization level the GGUF block type the weights are held in
+    (``gguf``, ``Q4_1``) or, when they are held dequantized, their dtype."""
     family = info.architecture.lower().removesuffix("forcausallm") or info.architecture
-    per = _BYTES_PER_PARAMETER.get(info.dtype.removeprefix("torch."), 0)
-    count = info.weight_bytes // per if per else 0
+    count = info.parameter_count
+    if not count:  # an engine of an older build: from the dense weights' bytes
+        per = _BYTES_PER_PARAMETER.get(info.dtype.removeprefix("torch."), 0)
+        count = info.weight_bytes // per if per and not info.weight_format else 0
     if count >= 10**9:
         size = f"{count / 10**9:.1f}B"
     elif count:
@@ -198,9 +200,9 @@ def details(info: EngineInfo) -> OllamaDetails:
     else:
         size = "unknown"
     return OllamaDetails(
-        format="safetensors",
+        format="gguf" if info.weight_format else "safetensors",
         family=family,
         families=[family],
         parameter_size=size,
-        quantization_level=info.dtype.removeprefix("torch.").upper(),
+        quantization_level=info.weight_format or info.dtype.removeprefix("torch.").upper(),
     )

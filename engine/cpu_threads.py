@@ -131,3 +131,21 @@ def parse_cpu_threads(value: str) -> int | None:
 
 
 __all__ = ["CpuThreads", "parse_cpu_threads", "read_proc_stat", "usable_cores"]
+
+
+def fit_between_steps(setting: str = "auto") -> Callable[[], None]:
+    """Set torch's CPU thread count now (``setting``: ``--cpu-threads``, "auto" or a
+    number) and return the call that refits it between steps, as the worker's loop and
+    ``headroom bench engine`` on the CPU make it."""
+    import torch
+
+    fit = CpuThreads(fixed=parse_cpu_threads(setting))
+    torch.set_num_threads(fit.current)
+    fit.update()  # opens the first window, so the first step already reads the load
+
+    def between_steps() -> None:
+        n = fit.update()
+        if n is not None:
+            torch.set_num_threads(n)
+
+    return between_steps

@@ -173,20 +173,9 @@ def _cpu_threads(config: WorkerConfig) -> Callable[[], None]:
     programs leave free (:mod:`engine.cpu_threads`); returns the call for the loop."""
     if "torch" not in sys.modules:  # an engine without torch (tests' fakes)
         return lambda: None
-    import torch
+    from engine.cpu_threads import fit_between_steps
 
-    from engine.cpu_threads import CpuThreads, parse_cpu_threads
-
-    fit = CpuThreads(fixed=parse_cpu_threads(getattr(config.engine, "cpu_threads", "auto")))
-    torch.set_num_threads(fit.current)
-    fit.update()  # opens the first window, so the first step already reads the load
-
-    def between_steps() -> None:
-        n = fit.update()
-        if n is not None:
-            torch.set_num_threads(n)
-
-    return between_steps
+    return fit_between_steps(getattr(config.engine, "cpu_threads", "auto"))
 
 
 def _receive(conn: Connection, engine: Any, planned_pages: int) -> int | None:

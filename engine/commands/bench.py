@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from engine.commands.model_shapes import write_shape
 from engine.config import EngineConfig
+from engine.cpu_threads import fit_between_steps
 from engine.engine import Engine
 from engine.memory.footprint import kv_bytes_per_token
 from engine.messages import GenerateRequest, SamplingParams
@@ -46,9 +48,11 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def engine_speed(engine: Engine, prompts: list[list[int]], new_tokens: int) -> Speed:
+def engine_speed(engine: Engine, prompts: list[list[int]], new_tokens: int,
+                 between_steps: Callable[[], None] = lambda: None) -> Speed:
     """Run ``prompts`` together through ``engine``; the prefix cache is cleared first so
-    the prompts are computed, not looked up."""
+    the prompts are computed, not looked up. ``between_steps`` runs before each step (the
+    CPU's thread fitting, as in the worker's loop)."""
     if engine.radix is not None:
         engine.radix.clear()
     sp = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
@@ -59,6 +63,7 @@ def engine_speed(engine: Engine, prompts: list[list[int]], new_tokens: int) -> S
     first: set[str] = set()
     t_first = None
     while engine.has_work():
+        between_steps()
         for out in engine.step():
             if out.token_ids:
                 first.add(out.request_id)
@@ -183,6 +188,9 @@ def run_bench_engine(
     ))
     hf = _hf_model(engine, shape) if transformers_side else None
     on_cuda = engine.device.type == "cuda"
+    # On the CPU the engine side fits its threads to the free cores between steps, as the
+    # worker does (a busy core otherwise stalls every step); transformers gets what is set.
+    between_steps = fit_between_steps(engine.config.cpu_threads) if engine.device.type == "cpu" else lambda: None
     roof = None
     if on_cuda:
         roof = Roofline(engine.info.weight_bytes, kv_bytes_per_token(engine.model_config, engine.kv_dtype),
@@ -200,7 +208,7 @@ def run_bench_engine(
     for b, plen, ntok in cases:
         prompts = [torch.randint(10, vocab, (plen,), generator=g).tolist() for _ in range(b)]
         label = f"{b}x{plen}"
-        sides = [("headroom", lambda p=prompts, n=ntok: engine_speed(engine, p, n))]
+        sides = [("headroom", lambda p=prompts, n=ntok: engine_speed(engine, p, n, between_steps))]
         if hf is not None:
             sides.append(("transformers", lambda p=prompts, n=ntok: transformers_speed(hf, p, n, engine.device)))
         measured = {}

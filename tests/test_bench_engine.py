@@ -1,0 +1,21 @@
+"""``headroom bench engine`` on the CPU, small: both sides run the same cases and the
+table ends with the resident-memory line (figures are measured, never asserted)."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.commands.bench import run_bench_engine
+
+
+@pytest.mark.parametrize("transformers_side", [True, False])
+def test_bench_engine_runs_both_sides_on_the_cpu(default_model_dir, capsys, transformers_side):
+    rows = run_bench_engine(model=None, device="cpu", batches=(1, 2), prompt_tokens=8, new_tokens=3,
+                            long_prefill_tokens=0, transformers_side=transformers_side)
+    sides = {(r["batch"], r["side"]) for r in rows}
+    want = {"headroom", "transformers", "ratio"} if transformers_side else {"headroom"}
+    assert sides == {(b, s) for b in (1, 2) for s in want}
+    assert all(r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0 for r in rows)
+    out = capsys.readouterr().out
+    assert "on cpu (float32)" in out
+    assert ("both sides" if transformers_side else "the engine alone") in out

@@ -128,7 +128,12 @@ PROMPTS = [
 ]
 
 
-def test_32_concurrent_streams_match_greedy_alone(real_server):
+def test_32_concurrent_streams_match_greedy_alone(start_server):
+    # Float32 weights: the CPU's default int4 path computes with bfloat16 activations, where
+    # the attention's padded batch rounds a sequence's hidden state differently from the
+    # sequence alone and flips near-tied tokens now and then; float32 keeps the check
+    # exact, and it is the batching (no answer mixed with another) that is under test.
+    real_server = start_server(["--num-pages", "256", "--no-gguf-quantized"])
     max_tokens = 24
 
     def body(prompt: str, stream: bool) -> dict:

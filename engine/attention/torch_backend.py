@@ -27,7 +27,7 @@ DEFAULT_GATHER_BUDGET_TOKENS = 1 << 16
 class _DecodeGroup:
     rows: torch.Tensor  # [b] rows of T
     slots: torch.Tensor  # [b, S] context slots, padded with the null page's slot 0
-    mask: torch.Tensor | None  # [b, 1, 1, S] bool, True where a key is real; None: no padding
+    mask: torch.Tensor  # [b, 1, 1, S] bool, True where a key is real
 
 
 @dataclass
@@ -90,10 +90,11 @@ class TorchAttentionBackend(AttentionBackend):
     def _decode_group(batch, group, rows, seq_lens, slots_of, device) -> _DecodeGroup:
         longest = max(seq_lens[g] for g in group)
         slots = torch.stack([slots_of(g, longest) for g in group])  # [b, S]
-        mask = None
-        if any(seq_lens[g] != longest for g in group):
-            lens = torch.tensor([seq_lens[g] for g in group], device=device)
-            mask = (torch.arange(longest, device=device)[None, :] < lens[:, None])[:, None, None, :]
+        # A mask even where no row is padded: the same sdpa kernel for a sequence alone
+        # and in any batch, so its greedy answer does not depend on who else runs (the
+        # unmasked kernel rounds differently and flipped near-ties between the two).
+        lens = torch.tensor([seq_lens[g] for g in group], device=device)
+        mask = (torch.arange(longest, device=device)[None, :] < lens[:, None])[:, None, None, :]
         return _DecodeGroup(torch.tensor(rows, device=device), slots, mask)
 
     def _expand(self, x: torch.Tensor) -> torch.Tensor:
@@ -112,11 +113,8 @@ class TorchAttentionBackend(AttentionBackend):
             qd = (q if whole else q.index_select(0, g.rows))[:, :, None, :]  # [b, H, 1, D]
             kd = gather_kv(k_buf, g.slots.reshape(-1), q.dtype).view(b, s, *k_buf.shape[1:]).transpose(1, 2)  # [b, H_kv, S, D]
             vd = gather_kv(v_buf, g.slots.reshape(-1), q.dtype).view(b, s, *v_buf.shape[1:]).transpose(1, 2)
-            if g.mask is None:  # no padding (one sequence, or equal lengths): no mask, no expansion
-                o = F.scaled_dot_product_attention(qd, kd, vd, scale=self.scale, enable_gqa=True)
-            else:
-                o = F.scaled_dot_product_attention(qd, self._expand(kd), self._expand(vd), attn_mask=g.mask,
-                                                   scale=self.scale)
+            o = F.scaled_dot_product_attention(qd, self._expand(kd), self._expand(vd), attn_mask=g.mask,
+                                               scale=self.scale)
             if whole:
                 return o.reshape(q.shape[0], self.num_heads * self.head_dim)
             out.index_copy_(0, g.rows, o[:, :, 0, :])

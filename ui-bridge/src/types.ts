@@ -75,6 +75,8 @@ export interface EngineInfo {
   plan: MemoryPlan | null;
   kv_cache_dtype: string;
   kv_bytes_per_token: number;
+  parameter_count: number;
+  weight_format: string;
 }
 
 /**

@@ -198,6 +198,8 @@ class CpuInt4Linear(nn.Module):
             self.kinds.append((rows, n_planes))
         self.register_buffer("bias", bias)
         self.source_types: dict[str, int] = {}  # GGUF block type -> weights repacked from it
+        # The common case, decided once: one 4-bit matrix and no bias (no bookkeeping).
+        self._single = len(self.kinds) == 1 and self.kinds[0][1] == 1 and bias is None
 
     @classmethod
     def from_quant_linear(cls, module: nn.Module, dtype: torch.dtype) -> CpuInt4Linear:
@@ -207,8 +209,10 @@ class CpuInt4Linear(nn.Module):
         k = module.in_features
         # Runs of packable parts with the same plane count become one matrix.
         groups: list[tuple[int, list[tuple[torch.Tensor, str]] | torch.Tensor]] = []
+        source_types: dict[str, int] = {}
         for spec, w in module.part_views():
             if packable(spec.type_name, spec.rows):
+                source_types[spec.type_name] = source_types.get(spec.type_name, 0) + spec.rows * k
                 n_planes = planes(spec.type_name)
                 if not (groups and groups[-1][0] == n_planes):
                     groups.append((n_planes, []))
@@ -225,14 +229,11 @@ class CpuInt4Linear(nn.Module):
                 packed, sz = _pack_rows(held, k)
                 parts.append((packed.shape[0], n_planes, packed, sz))
         linear = cls(k, module.out_features, parts, module.bias)
-        for spec, _ in module.part_views():
-            if packable(spec.type_name, spec.rows):
-                linear.source_types[spec.type_name] = linear.source_types.get(spec.type_name, 0) + spec.rows * k
+        linear.source_types = source_types
         return linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if len(self.kinds) == 1 and self.kinds[0][1] == 1 and self.bias is None:
-            # The common case (a fused projection of one 4-bit type): no bookkeeping.
+        if self._single:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x.reshape(-1, self.in_features).to(PACK_DTYPE), self.part0, GROUP, self.scales_zeros0)
             return y.to(x.dtype).view(*x.shape[:-1], self.out_features)

@@ -190,7 +190,7 @@ def details(info: EngineInfo) -> OllamaDetails:
     (``gguf``, ``Q4_1``) or, when they are held dequantized, their dtype."""
     family = info.architecture.lower().removesuffix("forcausallm") or info.architecture
     count = info.parameter_count
-    if not count:  # an engine of an older build: from the dense weights' bytes
+    if not count:  # an engine that does not count them (tests' fake): from the dense bytes
         per = _BYTES_PER_PARAMETER.get(info.dtype.removeprefix("torch."), 0)
         count = info.weight_bytes // per if per and not info.weight_format else 0
     if count >= 10**9:

@@ -9,8 +9,9 @@ attention, one CUDA graph per batch size, ``--context`` tokens of KV per sequenc
 Then the same shape with bfloat16 weights (random, ``load_format="dummy"``); with
 ``--fp8``, those with an FP8 KV cache, and the shape with FP8 projections
 (``quantization="fp8"``: ``torch._scaled_mm`` with per-token activation scales).
-``HEADROOM_QUANT_INT8=1`` puts Q4_K/Q6_K decode rows on the int8-activation GEMV
-(:mod:`kernels.quant.triton_int8`); ``--float-gemv`` then times the float GEMV too.
+Q4_K/Q6_K decode rows run on the int8-activation GEMV (:mod:`kernels.quant.triton_int8`)
+unless ``HEADROOM_QUANT_INT8=0``; ``--float-gemv`` then times the float GEMV too, and
+``--variants`` every kernel choice.
 
 Per row: weights' VRAM, step time, tokens/s, and the share of the HBM roofline: the
 bytes one step must read (every weight but the embedding table, which a step only
@@ -219,6 +220,56 @@ def decode_rows(model, config, batches: list[int], context: int, bandwidth: floa
     return rows
 
 
+def set_q6k_layout(model: torch.nn.Module, repacked: bool) -> None:
+    """Every Q6_K part of ``model``'s quantized projections in the repacked layout
+    (:mod:`kernels.quant.repack`, what the loader makes on CUDA) or back in GGUF's, in
+    place: the two layouts timed on one loaded model."""
+    from engine.models.quant_linear import PartSpec, QuantLinear
+    from kernels.quant.repack import planes_to_q6k
+
+    for mod in model.modules():
+        if not isinstance(mod, QuantLinear):
+            continue
+        if repacked:
+            mod.repack_for_kernels()
+            continue
+        for i, (spec, w) in enumerate(mod.part_views()):
+            if spec.type_name == "Q6_K_P":
+                planes_to_q6k(w, out=w)
+                mod.parts[i] = PartSpec(spec.rows, "Q6_K")
+
+
+def variant_rows(model, config, batches: list[int], context: int, bandwidth: float) -> list[str]:
+    """Decode rows of the GGUF model for each kernel choice: Q6_K in GGUF blocks or
+    repacked planes, x the float or the int8-activation GEMV; then the batches above
+    one with every multi-row step on the GEMM (tensor cores, the weights read once)
+    instead of the GEMV (the weights read once per row). Leaves the model repacked, the
+    module defaults restored."""
+    from kernels.quant import triton_quant
+
+    int8, gemv_rows_max = triton_quant._INT8, triton_quant.GEMV_MAX_ROWS
+    rows = []
+    try:
+        for repacked in (False, True):
+            set_q6k_layout(model, repacked)
+            layout = "Q6_K planes" if repacked else "Q6_K blocks"
+            for use_int8 in (False, True):
+                triton_quant._INT8 = use_int8
+                label = f"GGUF Q4_K/{layout}, {'int8' if use_int8 else 'float'} GEMV"
+                rows += decode_rows(model, config, batches, context, bandwidth, label)
+                print("\n".join(rows[-len(batches):]), flush=True)
+            triton_quant.GEMV_MAX_ROWS = 1
+            many = [b for b in batches if b > 1]
+            if many:
+                rows += decode_rows(model, config, many, context, bandwidth, f"GGUF Q4_K/{layout}, GEMM")
+                print("\n".join(rows[-len(many):]), flush=True)
+            triton_quant.GEMV_MAX_ROWS = gemv_rows_max
+    finally:
+        triton_quant._INT8, triton_quant.GEMV_MAX_ROWS = int8, gemv_rows_max
+        set_q6k_layout(model, True)
+    return rows
+
+
 def _rotating(w: torch.Tensor, reach: int = 512 << 20) -> list[torch.Tensor]:
     """Copies of ``w`` adding up to ``reach`` bytes (at least 2), so that back-to-back
     calls cycling through them read HBM rather than the 50 MB L2."""
@@ -265,8 +316,9 @@ def gemv_rows(model, bandwidth: float, m: int = 1) -> list[str]:
 
 def sweep_rows(bandwidth: float, shapes: list[tuple[str, int, int]]) -> list[str]:
     """The GEMV at one row per projection shape: what the autotuner picked, then its
-    tilings, best three and worst, then the best without the PTX code conversion (the
-    float GEMV) or, for the int8 GEMV's types, the float GEMV's own tuned pick."""
+    tilings (for the int8 GEMV all of them, else the best three and the worst two),
+    then the best without the PTX code conversion (the float GEMV) or, for the int8
+    GEMV's types, the float GEMV's own tuned pick."""
     import triton
 
     from kernels.quant import triton_int8, triton_quant
@@ -287,16 +339,17 @@ def sweep_rows(bandwidth: float, shapes: list[tuple[str, int, int]]) -> list[str
         for c in configs:
             tiling = dict(block_n=c.kwargs["BLOCK_N"], blocks_per_step=c.kwargs["KB"], num_warps=c.num_warps, split_k=1)
             split = c.kwargs.get("SPLIT", 0)
+            prefetch = c.kwargs.get("PREFETCH", 0)
             try:
                 if int8:
-                    seconds = _int8_seconds(x, w, kind, {"SPLIT": split}, **tiling)
+                    seconds = _int8_seconds(x, w, kind, {"SPLIT": split, "PREFETCH": prefetch}, **tiling)
                 else:
                     seconds = _gemv_seconds(x, w, kind, replays=5, **tiling)
             except (RuntimeError, triton.runtime.errors.OutOfResources) as e:
                 print(f"{kind} {n}x{k} {c}: {str(e).splitlines()[0]}")
                 continue
             results.append((seconds, f"block_n {c.kwargs['BLOCK_N']}, kb {c.kwargs['KB']}, warps {c.num_warps}"
-                            + (f", split {split}" if int8 else ", ptx True")))
+                            + (f", split {split}, prefetch {prefetch}" if int8 else ", ptx True")))
         results.sort()
         if int8:
             other = _gemv_seconds(x, w, kind, replays=5, int8_dot=False)
@@ -314,10 +367,30 @@ def sweep_rows(bandwidth: float, shapes: list[tuple[str, int, int]]) -> list[str
         picked = [str(c) for key, c in tuned.cache.items() if n in key and k in key]
         shape_rows = [f"| {kind} {n}x{k} | {'int8 ' if int8 else ''}tuned ({'; '.join(picked)}) | {default * 1e6:.1f} | "
                       f"{w.nbytes / default / bandwidth:.0%} |"]
-        for seconds, label in results[:3] + results[-2:]:
+        for seconds, label in results if int8 else results[:3] + results[-2:]:
             shape_rows.append(f"| {kind} {n}x{k} | {label} | {seconds * 1e6:.1f} | {w.nbytes / seconds / bandwidth:.0%} |")
         print("\n".join(shape_rows), flush=True)
         rows += shape_rows
+        del w
+    return rows
+
+
+def gemm_rows(bandwidth: float, shapes: list[tuple[str, int, int]], m: int = 512) -> list[str]:
+    """The prefill GEMM at ``m`` rows per projection shape (weights rotated through
+    copies), in TFLOP/s and as a share of the roofline of reading the weights once."""
+    from kernels.quant.synthetic import random_blocks
+    from kernels.quant.triton_quant import quant_gemm
+
+    rows = []
+    rng = np.random.default_rng(1)
+    for kind, n, k in shapes:
+        w = torch.from_numpy(random_blocks(kind, n, k, rng, scale=1e-4)).cuda()
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        turn = itertools.cycle(_rotating(w))
+        seconds = _graph_seconds(lambda: quant_gemm(x, next(turn), kind), 5)
+        rows.append(f"| {kind} {n}x{k} | {m} | {seconds * 1e6:.1f} | {2 * m * n * k / seconds / 1e12:.1f} | "
+                    f"{w.nbytes / seconds / bandwidth:.0%} |")
+        print(rows[-1], flush=True)
         del w
     return rows
 
@@ -368,9 +441,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-bf16", action="store_true", help="skip the bfloat16 comparison")
     p.add_argument("--sweep", action="store_true", help="then the GEMV's tilings on the gate/up, down and o shapes")
     p.add_argument("--profile", action="store_true", help="per-kernel times of eager batch-1 decode steps")
+    p.add_argument("--variants", action="store_true",
+                   help="the GGUF rows for each kernel choice instead: Q6_K blocks or repacked planes, float or "
+                        "int8 GEMV, and the GEMM for multi-row steps")
     p.add_argument("--float-gemv", action="store_true",
-                   help="then the GGUF rows again with Q4_K/Q6_K on the float GEMV (with HEADROOM_QUANT_INT8=1, "
-                        "which puts them on the int8 one first)")
+                   help="then the GGUF rows again with Q4_K/Q6_K on the float GEMV")
     p.add_argument("--fp8", action="store_true",
                    help="then FP8 weights (--quantization fp8) and bfloat16 weights with an FP8 KV cache")
     p.add_argument("--write-gguf", default=None, metavar="PATH",
@@ -396,14 +471,18 @@ def main(argv: list[str] | None = None) -> None:
         model = load_gguf_quantized(config, path, "cuda", torch.bfloat16)
         print("| weights | batch | VRAM GiB | step ms | tok/s | GiB read/step | roofline share |\n"
               "|---|---|---|---|---|---|---|", flush=True)
-        print("\n".join(decode_rows(model, config, batches, args.context, bandwidth, "GGUF Q4_K/Q6_K")), flush=True)
+        if args.variants:
+            variant_rows(model, config, batches, args.context, bandwidth)
+        else:
+            print("\n".join(decode_rows(model, config, batches, args.context, bandwidth, "GGUF Q4_K/Q6_K")),
+                  flush=True)
         if args.float_gemv:
             from kernels.quant import triton_quant
 
-            triton_quant._INT8 = False
+            int8, triton_quant._INT8 = triton_quant._INT8, False
             print("\n".join(decode_rows(model, config, batches, args.context, bandwidth,
                                          "GGUF Q4_K/Q6_K, float GEMV")), flush=True)
-            triton_quant._INT8 = True
+            triton_quant._INT8 = int8
         gemv = gemv_rows(model, bandwidth) + gemv_rows(model, bandwidth, m=16)
         if args.profile:
             print("\n| kernel (GGUF, eager batch 1) | calls/step | us/step | share |\n|---|---|---|---|")
@@ -430,8 +509,11 @@ def main(argv: list[str] | None = None) -> None:
     print("\n".join(gemv), flush=True)
     if args.sweep:
         h, i = config.hidden_size, config.intermediate_size
+        print("\n| GEMM shape | rows | us | TFLOP/s | roofline share |\n|---|---|---|---|---|", flush=True)
+        gemm_rows(bandwidth, [("Q4_K", 2 * i, h), ("Q6_K_P", h, i), ("Q6_K", h, i)])
         print("\n| GEMV shape | tiling | us | roofline share |\n|---|---|---|---|", flush=True)
-        sweep_rows(bandwidth, [("Q4_K", 2 * i, h), ("Q6_K", h, i), ("Q4_K", h, h), ("Q6_K", config.kv_size, h)])
+        sweep_rows(bandwidth, [("Q4_K", 2 * i, h), ("Q6_K_P", h, i), ("Q4_K", h, h), ("Q4_K", config.q_size + config.kv_size, h),
+                               ("Q6_K_P", config.kv_size, h), ("Q6_K_P", config.vocab_size, h)])
 
 
 def _write_gguf_only(path: Path, shape: str, layers: int | None) -> None:

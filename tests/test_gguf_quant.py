@@ -127,13 +127,11 @@ def test_plan_command_prices_blocks_only_with_the_flag(default_model_dir):
     assert "210 Q4_1 blocks" in flagged.stdout and "210 Q4_1 blocks" in by_env.stdout
 
 
-def test_benchmark_gguf_of_k_quants_loads_in_blocks(tmp_path, paged_runner):
-    """The benchmark's random Q4_K_M-like file (K-quant blocks built directly), on a
-    small Llama layout: loaded in blocks, priced exactly, finite logits."""
+def _small_k_quant_gguf(tmp_path, seed: int):
+    """The benchmark's random Q4_K_M-like file on a small Llama layout: ``(config, path)``."""
     import numpy as np
 
     from engine.commands.model_shapes import write_shape
-    from engine.loader.gguf_quant import load_gguf_quantized
     from engine.loader.hf_config import load_model_config
     from engine.quant_bench import write_random_gguf
 
@@ -142,7 +140,16 @@ def test_benchmark_gguf_of_k_quants_loads_in_blocks(tmp_path, paged_runner):
                          max_position_embeddings=64, rope_scaling=None)
     config = load_model_config(folder)
     path = tmp_path / "k.gguf"
-    write_random_gguf(path, config, np.random.default_rng(0))
+    write_random_gguf(path, config, np.random.default_rng(seed))
+    return config, path
+
+
+def test_benchmark_gguf_of_k_quants_loads_in_blocks(tmp_path, paged_runner):
+    """The benchmark's random Q4_K_M-like file (K-quant blocks built directly), on a
+    small Llama layout: loaded in blocks, priced exactly, finite logits."""
+    from engine.loader.gguf_quant import load_gguf_quantized
+
+    config, path = _small_k_quant_gguf(tmp_path, 0)
     model = load_gguf_quantized(config, path, "cpu", torch.float32)
     types = {p.type_name for m in model.modules() if isinstance(m, QuantLinear) for p in m.parts}
     assert types == {"Q4_K", "Q6_K"}
@@ -150,3 +157,29 @@ def test_benchmark_gguf_of_k_quants_loads_in_blocks(tmp_path, paged_runner):
     assert size.bytes == model_weight_bytes(model) + config.max_position_embeddings * config.head_dim * 4
     logits = paged_runner(model, config).step({0: [1, 2, 3]})
     assert logits.shape == (1, 300) and bool(torch.isfinite(logits).all())
+
+
+def test_q6k_projections_repacked_for_the_kernels_keep_their_bytes_and_logits(tmp_path, paged_runner):
+    """What the loader does on CUDA (``QuantLinear.repack_for_kernels``), here on the CPU:
+    Q6_K parts whose rows are an even number of blocks (down, K = 2 blocks) become
+    ``Q6_K_P`` planes; v (K = 1 block) stays in GGUF blocks. The bytes held do not change
+    (the plan's price holds), the logits are the same, and the benchmark's helper turns
+    the layout back exactly."""
+    from engine.loader.gguf_quant import load_gguf_quantized
+    from engine.quant_bench import set_q6k_layout
+
+    config, path = _small_k_quant_gguf(tmp_path, 1)
+    model = load_gguf_quantized(config, path, "cpu", torch.float32)
+    before = {n: b.clone() for n, b in model.named_buffers() if b.dtype == torch.uint8}
+    held = model_weight_bytes(model)
+    logits = paged_runner(model, config).step({0: [4, 5, 6]})
+    set_q6k_layout(model, True)
+    layer = model.model.layers[0]
+    assert [p.type_name for p in layer.mlp.down_proj.parts] == ["Q6_K_P"]
+    assert [p.type_name for p in layer.self_attn.qkv_proj.parts] == ["Q4_K", "Q6_K"]
+    assert model_weight_bytes(model) == held
+    assert not torch.equal(layer.mlp.down_proj.part0, before["model.layers.0.mlp.down_proj.part0"])
+    _close(paged_runner(model, config).step({0: [4, 5, 6]}), logits)
+    set_q6k_layout(model, False)
+    assert all(torch.equal(b, before[n]) for n, b in model.named_buffers() if n in before)
+    assert [p.type_name for p in layer.mlp.down_proj.parts] == ["Q6_K"]

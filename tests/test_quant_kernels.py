@@ -20,10 +20,11 @@ import torch
 from triton_interpret import kernel_device, run_compiler_script, skip_without_ptxas
 
 from kernels.quant import reference
-from kernels.quant.formats import FORMATS, block_format, tensor_bytes
+from kernels.quant.formats import FORMATS, REPACKED, block_format, tensor_bytes
 from kernels.quant.synthetic import random_blocks
 
-TYPES = list(FORMATS)
+# Every GGUF type kept quantized, and the layouts the loader repacks some into on CUDA.
+TYPES = list(FORMATS) + list(REPACKED)
 # Compiled for sm_90 on every run: one K-quant (256-element super-blocks, packed sub-block
 # scales) and one legacy type (32-element blocks, one scale and min each).
 COMPILE_CHECK_TYPES = ("Q4_K", "Q4_1")
@@ -75,7 +76,7 @@ def test_gemm_matches_gguf_dequantize(dev, type_name, m, n, blocks_k):
     assert_matches(out, x, w, type_name)
 
 
-@pytest.mark.parametrize("type_name", ["Q4_1", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q4_K", "Q6_K", "Q6_K_P"])
 def test_bfloat16_activations(dev, type_name):
     from kernels.quant import triton_quant
 
@@ -148,9 +149,10 @@ def test_kernels_compile_for_hopper_without_register_spills():
 INT8_ROUNDING_TOL = 0.05
 
 
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q6_K_P"])
 @pytest.mark.parametrize("m,n,blocks_k,split_k,block_n,kb", [(1, 7, 3, 1, 4, 2), (3, 5, 5, 2, 4, 2),
-                                                            (2, 9, 2, None, 8, 4), (16, 3, 1, None, 4, 2)])
+                                                            (2, 9, 2, None, 8, 4), (16, 3, 1, None, 4, 2),
+                                                            (1, 5, 3, 1, 1, 16)])
 def test_int8_gemv_matches_its_reference(dev, type_name, m, n, blocks_k, split_k, block_n, kb):
     """The int8-activation GEMV equals the torch reference of its arithmetic (the
     activations rounded as the kernel rounds them, the exact weights) to float32
@@ -158,6 +160,8 @@ def test_int8_gemv_matches_its_reference(dev, type_name, m, n, blocks_k, split_k
     not a multiple of the row tile, K ranges of unequal length, dead blocks in a step."""
     from kernels.quant import triton_int8, triton_quant
 
+    if type_name == "Q6_K_P":  # its rows are read as 32-bit words: an even number of blocks
+        blocks_k += blocks_k % 2
     x, w = _case(type_name, m, n, blocks_k, dev, seed=5)
     out = triton_quant.quant_gemv(x, w, type_name, block_n=block_n, split_k=split_k, blocks_per_step=kb,
                                   int8_dot=True)
@@ -167,10 +171,13 @@ def test_int8_gemv_matches_its_reference(dev, type_name, m, n, blocks_k, split_k
     exact = reference.quant_matmul(x, w, type_name)
     assert float((out - exact).abs().max()) <= INT8_ROUNDING_TOL * float(exact.abs().max())
     assert triton_quant.uses_int8_dot(type_name, True) and type_name in triton_int8.INT8_TYPES
-    if type_name == "Q4_K":  # the tiling where a thread holds whole runs of a block
-        split = triton_int8.int8_gemv(triton_int8.quantize_activations(x), w, type_name, block_n=block_n,
-                                      split_k=split_k, blocks_per_step=kb, variant={"SPLIT": 1})
-        assert float((split - ref).abs().max()) <= 1e-5 * scale
+    # The next step's words loaded ahead; for Q4_K the tiling where a thread holds whole
+    # runs of a block, with and without.
+    variants = [{"PREFETCH": 1}] + ([{"SPLIT": 1}, {"SPLIT": 1, "PREFETCH": 1}] if type_name == "Q4_K" else [])
+    for variant in variants:
+        got = triton_int8.int8_gemv(triton_int8.quantize_activations(x), w, type_name, block_n=block_n,
+                                    split_k=split_k, blocks_per_step=kb, variant=variant)
+        assert float((got - ref).abs().max()) <= 1e-5 * scale, variant
 
 
 def test_int8_activations_equal_the_reference_codes(dev):
@@ -211,3 +218,34 @@ def test_int8_gemv_refuses_other_types(dev):
     x, w = _case("Q4_1", 1, 3, 8, dev)
     with pytest.raises(ValueError, match="int8 GEMV reads Q4_K, Q6_K"):
         triton_int8.int8_gemv(triton_int8.quantize_activations(x), w, "Q4_1")
+
+
+def test_q6k_planes_hold_the_same_bytes_and_turn_back(dev):
+    """The repacked layout is a permutation of each row's bytes (same size: the plan's
+    price holds), turns back exactly, can be made in place, and its fields start where
+    the kernels read them."""
+    from kernels.quant.repack import planes_to_q6k, q6k_to_planes, repackable, repacked_type
+
+    w = torch.from_numpy(random_blocks("Q6_K", 5, 4 * 256, np.random.default_rng(9)))
+    planes = q6k_to_planes(w)
+    assert planes.shape == w.shape and not torch.equal(planes, w)
+    assert torch.equal(planes.sort(dim=1).values, w.sort(dim=1).values)
+    assert torch.equal(planes_to_q6k(planes), w)
+    inplace = w.clone()
+    assert q6k_to_planes(inplace, out=inplace) is inplace and torch.equal(inplace, planes)
+    blocks = w.reshape(5, 4, 210)
+    assert torch.equal(planes[:, 128 * 2 : 128 * 3], blocks[:, 2, :128])  # block 2's ql
+    assert torch.equal(planes[:, 4 * 128 + 64 : 4 * 128 + 128], blocks[:, 1, 128:192])  # block 1's qh
+    assert torch.equal(planes[:, 4 * 208 + 6 : 4 * 208 + 8], blocks[:, 3, 208:210])  # block 3's d
+    assert repacked_type("Q6_K") == "Q6_K_P" and repacked_type("Q4_K") is None
+    assert repackable("Q6_K", w) and not repackable("Q6_K", w[:, : 3 * 210]) and not repackable("Q4_K", w)
+    with pytest.raises(ValueError, match="Q6_K rows"):
+        q6k_to_planes(w[:, :100])
+
+
+def test_int8_gemv_refuses_q6k_planes_of_odd_blocks(dev):
+    from kernels.quant import triton_int8
+
+    x, w = _case("Q6_K_P", 1, 3, 3, dev)
+    with pytest.raises(ValueError, match="do not hold rows"):
+        triton_int8.int8_gemv(triton_int8.quantize_activations(x), w, "Q6_K_P")

@@ -22,7 +22,10 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from kernels.quant import triton_int8, triton_quant  # noqa: E402
-from kernels.quant.formats import FORMATS  # noqa: E402
+from kernels.quant.formats import FORMATS, REPACKED, block_format  # noqa: E402
+
+# Every GGUF type kept quantized and every layout the loader repacks into.
+LAYOUTS = {**FORMATS, **REPACKED}
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -70,13 +73,15 @@ def _int8_variants(type_names: list[str]) -> int:
             "row_words": "i32", "row_halves": "i32", "blocks_per_split": "i32", "stride_xq": "i32",
             "stride_xd": "i32", "stride_xs": "i32", "stride_om": "i32"}
     for name in type_names:
-        for block_n, kb, warps, split in ((4, 4, 2, 0), (32, 4, 8, 0), (16, 4, 4, 1)):
+        for block_n, kb, warps, split, prefetch in ((4, 4, 2, 0, 0), (32, 4, 8, 0, 0), (32, 4, 8, 0, 1),
+                                                     (16, 4, 4, 1, 0), (16, 4, 4, 1, 1)):
             if split and name != "Q4_K":
                 continue
             regs, frame, ptx = _compile(triton_int8._int8_gemv_kernel, args, {
-                "QT": FORMATS[name].code, "BLOCK_N": block_n, "KB": kb, "ATOMIC": False, "ASM": True,
-                "ABL": 0, "SPLIT": split}, warps)
-            print(f"gemv int8 {name} {block_n}x{kb}{' split' if split else ''}: {regs} registers, {frame} B stack; "
+                "QT": block_format(name).code, "BLOCK_N": block_n, "KB": kb, "ATOMIC": False, "ASM": True,
+                "ABL": 0, "SPLIT": split, "PREFETCH": prefetch}, warps)
+            print(f"gemv int8 {name} {block_n}x{kb}{' split' if split else ''}{' prefetch' if prefetch else ''}: "
+                  f"{regs} registers, {frame} B stack; "
                   f"dp4a x{ptx.count('dp4a')}; loads {_loads(ptx)}")
             failures += frame > 0
     if type_names:
@@ -89,13 +94,13 @@ def _int8_variants(type_names: list[str]) -> int:
 
 
 def main(type_names: list[str]) -> int:
-    unknown = [name for name in type_names if name not in FORMATS]
+    unknown = [name for name in type_names if name not in LAYOUTS]
     if unknown:
-        print(f"not kept quantized: {', '.join(unknown)}; choose from {', '.join(FORMATS)}")
+        print(f"not kept quantized: {', '.join(unknown)}; choose from {', '.join(LAYOUTS)}")
         return 2
     failures = 0
     common = {"M": "i32", "N": "i32", "K": "i32", "row_bytes": "i32"}
-    for fmt in (FORMATS[name] for name in type_names or FORMATS):
+    for fmt in (LAYOUTS[name] for name in type_names or LAYOUTS):
         layout = triton_quant._layout(fmt)
         for atomic, block_n, kb, warps in ((False, 4, 2, 4), (False, 1, 4, 2), (True, 4, 2, 4)):
             kb = kb if fmt.block_elements > 32 else kb * 8
@@ -115,7 +120,7 @@ def main(type_names: list[str]) -> int:
                                       {**layout, "BLOCK_M": 64, "BLOCK_N": 64, "IEEE": ieee}, 8)
             print(f"gemm {fmt.name} {dtype}: {regs} registers, {frame} B stack")
             failures += frame > 0
-    failures += _int8_variants([name for name in type_names or FORMATS if name in triton_int8.INT8_TYPES])
+    failures += _int8_variants([name for name in type_names or LAYOUTS if name in triton_int8.INT8_TYPES])
     print("quant kernels ok" if not failures else f"{failures} variants spill registers")
     return 1 if failures else 0
 

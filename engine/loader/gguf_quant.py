@@ -45,6 +45,7 @@ from engine.models.quant_experts import QuantExperts
 from engine.models.quant_linear import PartSpec, QuantLinear
 from engine.units import MiB
 from kernels.quant.formats import FORMATS, tensor_bytes
+from kernels.quant.repack import REPACK
 
 # Our fused module (under model.layers.N) -> the GGUF tensors stacked in it, in order.
 _ATTENTION_TARGETS = {
@@ -291,6 +292,10 @@ def load_gguf_quantized(
         for module_name in expert_modules:
             _fill_experts(model.get_submodule(module_name),
                           [by_name[n] for n in _expert_targets(config)[module_name]], gguf_path)
+        if device.type == "cuda" and REPACK:
+            for module in model.modules():
+                if isinstance(module, QuantLinear):
+                    module.repack_for_kernels()
         skip = (projection_weights | {f"{s}.bias" for stems in targets.values() for s in stems} | expert_weights
                 | {_ROPE_FREQS} | ({_EMBEDDINGS} if embed_type is not None else set()))
         try:

@@ -9,7 +9,8 @@ type are merged at build time, so a fused projection whose shards share a type (
 common case) is one kernel launch.
 
 On CUDA the product is :func:`kernels.quant.triton_quant.quant_matmul` (the GEMV for
-decode rows, the GEMM for prefill); elsewhere the reference, which dequantizes through
+decode rows, the GEMM for prefill), over Q6_K parts repacked at load into aligned planes
+(:meth:`QuantLinear.repack_for_kernels`); elsewhere the reference, which dequantizes through
 ``gguf`` on every call (correct, slow: the CPU path dequantizes at load instead).
 
 All tensors are buffers, not parameters: ``CausalLM.load_weights`` fills the parameters
@@ -27,6 +28,7 @@ from torch import nn
 from kernels.dispatch import use_triton
 from kernels.quant import reference
 from kernels.quant.formats import FORMATS, tensor_bytes
+from kernels.quant.repack import q6k_to_planes, repackable, repacked_type
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,16 @@ class QuantLinear(nn.Module):
 
     def part_views(self) -> list[tuple[PartSpec, torch.Tensor]]:
         return [(p, getattr(self, f"part{i}")) for i, p in enumerate(self.parts)]
+
+    def repack_for_kernels(self) -> None:
+        """Rearrange in place, once the blocks are filled, each part whose GGUF type has a
+        layout the CUDA kernels read with wider loads (:mod:`kernels.quant.repack`: Q6_K
+        as ``Q6_K_P``, the same bytes); its spec then names the layout. Rows stay rows,
+        so the bytes and the plan's price do not change."""
+        for i, (spec, w) in enumerate(self.part_views()):
+            if spec.type_name is not None and repackable(spec.type_name, w):
+                q6k_to_planes(w, out=w)
+                self.parts[i] = PartSpec(spec.rows, repacked_type(spec.type_name))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]

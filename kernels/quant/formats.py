@@ -42,7 +42,8 @@ class BlockFormat:
 
     @property
     def qtype(self) -> gguf.GGMLQuantizationType:
-        return gguf.GGMLQuantizationType[self.name]
+        """The GGML type whose blocks these are (a repacked layout's source type)."""
+        return gguf.GGMLQuantizationType[REPACKED_FROM.get(self.name, self.name)]
 
 
 def _fmt(name: str, code: int, sub: int) -> BlockFormat:
@@ -68,14 +69,21 @@ FORMATS: dict[str, BlockFormat] = {
 }
 
 
+# Layouts the loader repacks a GGML type into on CUDA: the same bytes in another order
+# (:mod:`kernels.quant.repack`), so the kernels read them with aligned wide loads.
+# ``Q6_K_P``: Q6_K's 210-byte blocks (2-byte aligned) as four planes per row.
+REPACKED: dict[str, BlockFormat] = {"Q6_K_P": BlockFormat("Q6_K_P", 8, 256, 210, 16)}
+REPACKED_FROM: dict[str, str] = {"Q6_K_P": "Q6_K"}
+
+
 def block_format(name: str) -> BlockFormat:
-    """The format of GGML type ``name``.
+    """The format of GGML type ``name``, or of a repacked layout (:data:`REPACKED`).
 
     Raises:
         ValueError: the type is not one the kernels read (the message lists those).
     """
     try:
-        return FORMATS[name]
+        return FORMATS[name] if name in FORMATS else REPACKED[name]
     except KeyError:
         raise ValueError(
             f"GGUF type {name} is not kept quantized; supported: {', '.join(FORMATS)}"
@@ -101,7 +109,7 @@ def tensor_bytes(type_name: str, shape: tuple[int, ...], dense_itemsize: int) ->
     numel = 1
     for d in shape:
         numel *= int(d)
-    fmt = FORMATS.get(type_name)
+    fmt = FORMATS.get(type_name) or REPACKED.get(type_name)
     if fmt is None:
         return numel * dense_itemsize
     if int(shape[-1]) % fmt.block_elements:

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from kernels.quant.formats import block_format
+from kernels.quant.repack import to_gguf_blocks
 
 
 def dequantize(blocks: torch.Tensor, type_name: str, in_features: int) -> torch.Tensor:
@@ -19,7 +20,8 @@ def dequantize(blocks: torch.Tensor, type_name: str, in_features: int) -> torch.
     Args:
         blocks: ``[N, in_features / block_elements * block_bytes]`` uint8, the GGUF
             tensor's bytes (any device).
-        type_name: its GGML type name (see :data:`kernels.quant.formats.FORMATS`).
+        type_name: its GGML type name (see :data:`kernels.quant.formats.FORMATS`), or a
+            repacked layout (:data:`kernels.quant.formats.REPACKED`).
         in_features: ``K``, a multiple of the block's element count.
 
     Returns:
@@ -30,6 +32,7 @@ def dequantize(blocks: torch.Tensor, type_name: str, in_features: int) -> torch.
         raise ValueError(f"blocks must be a 2-D uint8 tensor, got {blocks.dtype} {tuple(blocks.shape)}")
     if in_features % fmt.block_elements or blocks.shape[1] != in_features // fmt.block_elements * fmt.block_bytes:
         raise ValueError(f"{type_name} blocks of shape {tuple(blocks.shape)} do not hold rows of {in_features} weights")
+    blocks, _ = to_gguf_blocks(blocks, type_name)
     raw = np.ascontiguousarray(blocks.cpu().numpy())
     w = gguf.quants.dequantize(raw, fmt.qtype).reshape(blocks.shape[0], in_features)
     return torch.from_numpy(np.asarray(w, dtype=np.float32)).to(blocks.device)

@@ -35,10 +35,11 @@ holds the same words of several rows and loads the activation words once for the
 run); Q4_K's 16-byte header is read as four words. Autotuned per (N, K, type); split-K
 below two rows per SM, as the float GEMV.
 
-Measured on the H200 (README, "GGUF weights kept quantized") it is not faster than the
-float GEMV on the 8B shapes, so :func:`kernels.quant.triton_quant.quant_gemv` takes it
-only with ``HEADROOM_QUANT_INT8=1``: timed by stages left out (``ABL``), Q6_K's 16-bit
-reads cap it near 48% of the copy rate and the small projections are latency-bound.
+Q6_K rows are read from their repacked planes (``Q6_K_P``, :mod:`kernels.quant.repack`)
+as whole, aligned words; each step can load the next step's words before its own
+arithmetic (``PREFETCH``, a tuned choice). On the H200 this is the default decode
+GEMV for Q4_K/Q6_K (README, "GGUF weights kept quantized";
+``HEADROOM_QUANT_INT8=0`` turns it off).
 """
 
 from __future__ import annotations
@@ -52,8 +53,8 @@ import triton.language as tl
 from kernels.quant.formats import block_format
 from kernels.quant.triton_quant import _ASM, _INTERPRETING, _f16, _output, _sm_count
 
-# The block types with an integer-dot GEMV.
-INT8_TYPES = ("Q4_K", "Q6_K")
+# The block types with an integer-dot GEMV (Q6_K_P: Q6_K repacked, kernels.quant.repack).
+INT8_TYPES = ("Q4_K", "Q6_K", "Q6_K_P")
 # Activations per int8 scale (llama.cpp's block_q8_1), and per code sum.
 GROUP = 32
 SUM_GROUP = 16
@@ -151,22 +152,37 @@ def _k_scales_words(w1, w2, w3, S):
 
 
 @triton.jit
-def _q4k_step(w32, w32_3, kb, kb3, x32, xd, xs, live, live3, ASM: tl.constexpr, ABL: tl.constexpr,
-              SPLIT: tl.constexpr):
-    """``[BLOCK_N, KB, 4]`` float32: Q4_K blocks ``kb`` of the rows at ``w32``
-    (``[BLOCK_N, 1, 1, 1]`` int32 row pointers; ``w32_3`` the same ``[BLOCK_N, 1, 1]``),
-    run ``r`` of each block (sub-blocks ``2r`` and ``2r + 1``) times the activations."""
+def _q4k_words(w32, w32_3, kb, kb3, SPLIT: tl.constexpr):
+    """The weight words of Q4_K blocks ``kb`` of the rows at ``w32`` (``[BLOCK_N, 1, 1, 1]``
+    int32 row pointers; ``w32_3`` the same ``[BLOCK_N, 1, 1]``): ``(wa, wb, h0, h1, h2,
+    h3)``, run ``r`` of each block's ``qs`` (sub-blocks ``2r`` and ``2r + 1``; with
+    ``SPLIT`` its 8 words as two 4-word tiles, else ``wa`` holds all 8 and ``wb`` is
+    ``wa``) and the 16-byte header as four words (d and dmin, 12 scale bytes: four loads
+    per (row, block) instead of a byte load per scale, measured 36 against 53 us on the
+    gate/up shape). Loads only, so a step can issue the next blocks' before it multiplies."""
+    r = tl.arange(0, 4)[None, None, :, None]
+    if SPLIT:
+        # A thread holds a run's 8 words (two 16-byte loads), so its sums and scales are
+        # neither shuffled nor computed again by a second thread.
+        wp = w32 + kb * 36 + 4 + 8 * r + tl.arange(0, 4)[None, None, None, :]
+        wa = tl.load(wp)
+        wb = tl.load(wp + 4)
+    else:
+        wa = tl.load(w32 + kb * 36 + 4 + 8 * r + tl.arange(0, 8)[None, None, None, :])  # 36 words, qs from word 4
+        wb = wa
+    hdr = w32_3 + kb3 * 36  # [BLOCK_N, KB, 1] word pointers
+    return wa, wb, tl.load(hdr), tl.load(hdr + 1), tl.load(hdr + 2), tl.load(hdr + 3)
+
+
+@triton.jit
+def _q4k_dot(wa, wb, w0, w1, w2, w3, kb, kb3, x32, xd, xs, live, live3, ASM: tl.constexpr, ABL: tl.constexpr,
+             SPLIT: tl.constexpr):
+    """``[BLOCK_N, KB, 4]`` float32: the words of :func:`_q4k_words` times the
+    activations, run ``r`` of each block (sub-blocks ``2r`` and ``2r + 1``) summed."""
     r = tl.arange(0, 4)[None, None, :, None]
     m4 = 0x0F0F0F0F
     if SPLIT:
-        # Each run's 8 words as two 4-word tiles of one shape: a thread holds a run's
-        # 8 words (two 16-byte loads), so its sums and scales are neither shuffled nor
-        # computed again by a second thread.
-        j = tl.arange(0, 4)[None, None, None, :]
-        wp = w32 + kb * 36 + 4 + 8 * r + j
-        xw = x32 + kb * 64 + 16 * r + j
-        wa = tl.load(wp)
-        wb = tl.load(wp + 4)
+        xw = x32 + kb * 64 + 16 * r + tl.arange(0, 4)[None, None, None, :]
         if ABL == 2:
             return tl.sum(wa + wb, axis=3).to(tl.float32)
         dot_lo = (tl.sum(_dp4a(wa & m4, tl.load(xw, mask=live, other=0), ASM), axis=3)
@@ -174,22 +190,12 @@ def _q4k_step(w32, w32_3, kb, kb3, x32, xd, xs, live, live3, ASM: tl.constexpr, 
         dot_hi = (tl.sum(_dp4a((wa >> 4) & m4, tl.load(xw + 8, mask=live, other=0), ASM), axis=3)
                   + tl.sum(_dp4a((wb >> 4) & m4, tl.load(xw + 12, mask=live, other=0), ASM), axis=3)).to(tl.float32)
     else:
-        j = tl.arange(0, 8)[None, None, None, :]
-        wv = tl.load(w32 + kb * 36 + 4 + 8 * r + j)  # 144-byte blocks: 36 words, qs from word 4
         if ABL == 2:
-            return tl.sum(wv, axis=3).to(tl.float32)
-        xw = x32 + kb * 64 + 16 * r + j
-        dot_lo = tl.sum(_dp4a(wv & m4, tl.load(xw, mask=live, other=0), ASM), axis=3).to(tl.float32)
-        dot_hi = tl.sum(_dp4a((wv >> 4) & m4, tl.load(xw + 8, mask=live, other=0), ASM), axis=3).to(tl.float32)
+            return tl.sum(wa, axis=3).to(tl.float32)
+        xw = x32 + kb * 64 + 16 * r + tl.arange(0, 8)[None, None, None, :]
+        dot_lo = tl.sum(_dp4a(wa & m4, tl.load(xw, mask=live, other=0), ASM), axis=3).to(tl.float32)
+        dot_hi = tl.sum(_dp4a((wa >> 4) & m4, tl.load(xw + 8, mask=live, other=0), ASM), axis=3).to(tl.float32)
     r3 = tl.arange(0, 4)[None, None, :]
-    # The 16-byte header as four words (d and dmin, 12 scale bytes): per (row, block)
-    # four loads instead of a byte load per scale (measured 36 against 53 us on the
-    # gate/up shape).
-    hdr = w32_3 + kb3 * 36  # [BLOCK_N, KB, 1] word pointers
-    w0 = tl.load(hdr)
-    w1 = tl.load(hdr + 1)
-    w2 = tl.load(hdr + 2)
-    w3 = tl.load(hdr + 3)
     sc_lo, mn_lo = _k_scales_words(w1, w2, w3, 2 * r3)
     sc_hi, mn_hi = _k_scales_words(w1, w2, w3, 2 * r3 + 1)
     g = kb3 * 8 + 2 * r3  # the activation group of sub-block 2r: [1, KB, 4]
@@ -205,18 +211,38 @@ def _q4k_step(w32, w32_3, kb, kb3, x32, xd, xs, live, live3, ASM: tl.constexpr, 
 
 
 @triton.jit
-def _q6k_step(w16, w8, kb, kb3, x32, xd, xs, live, live3, ASM: tl.constexpr, ABL: tl.constexpr):
-    """``[BLOCK_N, KB, 4]`` float32: Q6_K blocks ``kb`` of the rows at ``w16``/``w8``
-    (int16/uint8 row pointers); index ``a`` = (half, word run) of each block, 16 of its
-    words times the activations."""
+def _q6k_words(w16, w32, w8, kb, kb3, NB, PLANES: tl.constexpr):
+    """The weight words of Q6_K blocks ``kb`` of the rows at ``w16``/``w32``/``w8``
+    (int16/int32/uint8 row pointers of rows of ``NB`` blocks), for index ``a`` = (half,
+    word run) of each block: ``(lo_a, lo_b, qh, d)``, 16 of its words and its float32
+    ``d``. ``PLANES``: the rows are in the ``Q6_K_P`` layout (:mod:`kernels.quant.repack`),
+    read as whole words; GGUF's 210-byte blocks are read as 16-bit halves. Loads only,
+    as :func:`_q4k_words`."""
     a = tl.arange(0, 4)[None, None, :, None]
     u = tl.arange(0, 4)[None, None, None, :]
-    # 210-byte blocks: 105 halves; ql word (h, l4 = 4q + u) at byte 64h + 4 l4, qh's at 128 + 32h + 4 l4.
-    base = w16 + kb * 105 + 2 * u
-    ql = base + 32 * (a // 2) + 8 * (a % 2)
-    lo_a = _word16(ql)
-    lo_b = _word16(ql + 16)
-    qh = _word16(base + 64 + 16 * (a // 2) + 8 * (a % 2))
+    # ql word (h, l4 = 4q + u) at byte 64h + 4 l4 of the block's ql, qh's at 32h + 4 l4 of its qh.
+    if PLANES:
+        ql32 = w32 + kb * 32 + 16 * (a // 2) + 4 * (a % 2) + u
+        lo_a = tl.load(ql32)
+        lo_b = tl.load(ql32 + 8)
+        qh = tl.load(w32 + NB * 32 + kb * 16 + 8 * (a // 2) + 4 * (a % 2) + u)
+        d = _f16(w8 + NB * 208 + kb3 * 2)
+    else:  # 105 halves a block
+        base = w16 + kb * 105 + 2 * u
+        ql = base + 32 * (a // 2) + 8 * (a % 2)
+        lo_a = _word16(ql)
+        lo_b = _word16(ql + 16)
+        qh = _word16(base + 64 + 16 * (a // 2) + 8 * (a % 2))
+        d = _f16(w8 + kb3 * 210 + 208)
+    return lo_a, lo_b, qh, d
+
+
+@triton.jit
+def _q6k_dot(lo_a, lo_b, qh, d, w8, kb, kb3, NB, x32, xd, xs, live, live3, ASM: tl.constexpr, ABL: tl.constexpr,
+             PLANES: tl.constexpr):
+    """``[BLOCK_N, KB, 4]`` float32: the words of :func:`_q6k_words` times the activations."""
+    a = tl.arange(0, 4)[None, None, :, None]
+    u = tl.arange(0, 4)[None, None, None, :]
     xw = x32 + kb * 64 + 32 * (a // 2) + 4 * (a % 2) + u  # element 128h + 4 l4
     if ABL == 2:
         return tl.sum(lo_a + lo_b + qh, axis=3).to(tl.float32)
@@ -229,22 +255,31 @@ def _q6k_step(w16, w8, kb, kb3, x32, xd, xs, live, live3, ASM: tl.constexpr, ABL
     if ABL == 1:
         return (d0 + d1 + d2 + d3).to(tl.float32)
     a3 = tl.arange(0, 4)[None, None, :]
-    blk = w8 + kb3 * 210  # [BLOCK_N, KB, 1]
+    sc = w8 + NB * 192 + kb3 * 16 if PLANES else w8 + kb3 * 210 + 192  # the block's int8 scales
     sub = 8 * (a3 // 2) + (a3 % 2)  # sub-block of d0; d_i's is sub + 2i
     grp = kb3 * 8 + 4 * (a3 // 2)  # activation group of d0; d_i's is grp + i
     s16 = xs + kb3 * 16 + sub
-    acc = _q6k_sub(d0, blk, sub, s16, xd + grp, live3)
-    acc += _q6k_sub(d1, blk, sub + 2, s16 + 2, xd + grp + 1, live3)
-    acc += _q6k_sub(d2, blk, sub + 4, s16 + 4, xd + grp + 2, live3)
-    acc += _q6k_sub(d3, blk, sub + 6, s16 + 6, xd + grp + 3, live3)
-    return _f16(blk + 208) * acc
+    acc = _q6k_sub(d0, sc + sub, s16, xd + grp, live3)
+    acc += _q6k_sub(d1, sc + sub + 2, s16 + 2, xd + grp + 1, live3)
+    acc += _q6k_sub(d2, sc + sub + 4, s16 + 4, xd + grp + 2, live3)
+    acc += _q6k_sub(d3, sc + sub + 6, s16 + 6, xd + grp + 3, live3)
+    return d * acc
 
 
 @triton.jit
-def _q6k_sub(dot, blk, sub, s16, xd, live3):
-    """One Q6_K sub-block's ``sc * (dot - 32 * sum(codes)) * dx`` (zero point 32)."""
-    sc = tl.load(blk + 192 + sub).to(tl.int8, bitcast=True).to(tl.float32)
+def _q6k_sub(dot, sc_ptr, s16, xd, live3):
+    """One Q6_K sub-block's ``sc * (dot - 32 * sum(codes)) * dx`` (zero point 32; ``sc_ptr``
+    points at its int8 scale)."""
+    sc = tl.load(sc_ptr).to(tl.int8, bitcast=True).to(tl.float32)
     return (dot - 32 * tl.load(s16)).to(tl.float32) * sc * tl.load(xd, mask=live3, other=0.0)
+
+
+@triton.jit
+def _step_blocks(kb0, step, step3, kb_end):
+    """The blocks of the step from ``kb0``: ``(live, kb, live3, kb3)``, which of
+    ``kb0 + step`` are before ``kb_end`` and the blocks themselves clamped to it (a dead
+    block is read from the range's last one, in bounds), in the 4-D and 3-D tile shapes."""
+    return kb0 + step < kb_end, tl.minimum(kb0 + step, kb_end - 1), kb0 + step3 < kb_end, tl.minimum(kb0 + step3, kb_end - 1)
 
 
 @triton.jit
@@ -252,7 +287,7 @@ def _int8_gemv_kernel(
     xq_ptr, xd_ptr, xs_ptr, w32_ptr, w16_ptr, w8_ptr, out_ptr, M, N, K, row_bytes, row_words, row_halves,
     blocks_per_split, stride_xq, stride_xd, stride_xs, stride_om,
     QT: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr, ATOMIC: tl.constexpr, ASM: tl.constexpr,
-    ABL: tl.constexpr = 0, SPLIT: tl.constexpr = 0,
+    ABL: tl.constexpr = 0, SPLIT: tl.constexpr = 0, PREFETCH: tl.constexpr = 0,
 ):
     # ABL (timing only; wrong results): 1 leaves out the scales (the dot products times
     # the activation scales), 2 also the dot products (the weight words summed), so
@@ -273,18 +308,37 @@ def _int8_gemv_kernel(
     kb_begin = pid_k * blocks_per_split
     kb_end = tl.minimum(kb_begin + blocks_per_split, K // 256)
     acc = tl.zeros([BLOCK_N, KB, 4], tl.float32)
-    for kb0 in range(kb_begin, kb_end, KB):
-        # Blocks past the range are read from its last block (in bounds) and multiplied
-        # by zeroed activations and scales.
-        kb = kb0 + tl.arange(0, KB)[None, :, None, None]
-        live = kb < kb_end
-        kb = tl.minimum(kb, kb_end - 1)
-        kb3 = tl.minimum(kb0 + tl.arange(0, KB)[None, :, None], kb_end - 1)
-        live3 = (kb0 + tl.arange(0, KB)[None, :, None]) < kb_end
-        if QT == 5:
-            acc += _q4k_step(w32, w32_3, kb, kb3, x32, xd, xs, live, live3, ASM, ABL, SPLIT)
-        else:
-            acc += _q6k_step(w16, w8, kb, kb3, x32, xd, xs, live, live3, ASM, ABL)
+    step = tl.arange(0, KB)[None, :, None, None]
+    step3 = tl.arange(0, KB)[None, :, None]
+    NB = K // 256
+    # PREFETCH: the next step's weight words are loaded before this step's arithmetic,
+    # so their latency overlaps it (Triton pipelines no loads in a loop without a dot).
+    # Blocks past the range are read from its last block (in bounds) and multiplied
+    # by zeroed activations and scales.
+    if QT == 5:
+        na, nb, n0, n1, n2, n3 = _q4k_words(w32, w32_3, tl.minimum(kb_begin + step, kb_end - 1),
+                                            tl.minimum(kb_begin + step3, kb_end - 1), SPLIT)
+        for kb0 in range(kb_begin, kb_end, KB):
+            live, kb, live3, kb3 = _step_blocks(kb0, step, step3, kb_end)
+            if PREFETCH:
+                wa, wb, h0, h1, h2, h3 = na, nb, n0, n1, n2, n3
+                na, nb, n0, n1, n2, n3 = _q4k_words(w32, w32_3, tl.minimum(kb0 + KB + step, kb_end - 1),
+                                                    tl.minimum(kb0 + KB + step3, kb_end - 1), SPLIT)
+            else:
+                wa, wb, h0, h1, h2, h3 = _q4k_words(w32, w32_3, kb, kb3, SPLIT)
+            acc += _q4k_dot(wa, wb, h0, h1, h2, h3, kb, kb3, x32, xd, xs, live, live3, ASM, ABL, SPLIT)
+    else:
+        na, nb, nh, nd = _q6k_words(w16, w32, w8, tl.minimum(kb_begin + step, kb_end - 1),
+                                    tl.minimum(kb_begin + step3, kb_end - 1), NB, QT == 8)
+        for kb0 in range(kb_begin, kb_end, KB):
+            live, kb, live3, kb3 = _step_blocks(kb0, step, step3, kb_end)
+            if PREFETCH:
+                lo_a, lo_b, qh, d = na, nb, nh, nd
+                na, nb, nh, nd = _q6k_words(w16, w32, w8, tl.minimum(kb0 + KB + step, kb_end - 1),
+                                            tl.minimum(kb0 + KB + step3, kb_end - 1), NB, QT == 8)
+            else:
+                lo_a, lo_b, qh, d = _q6k_words(w16, w32, w8, kb, kb3, NB, QT == 8)
+            acc += _q6k_dot(lo_a, lo_b, qh, d, w8, kb, kb3, NB, x32, xd, xs, live, live3, ASM, ABL, QT == 8)
     total = tl.sum(tl.sum(acc, axis=2), axis=1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     out = out_ptr + pid_m * stride_om + cols
@@ -297,13 +351,21 @@ def _int8_gemv_kernel(
 def _configs() -> list[triton.Config]:
     """Tilings the tuned kernel picks from per (N, K, type): weight rows per program,
     blocks of K per step, warps, and for Q4_K whether a thread holds whole runs
-    (``SPLIT``; then the tile's ``BLOCK_N * KB * 4`` runs at least fill the threads).
-    The plain ones were the best on the H200 for some 8B projection shape."""
-    plain = [triton.Config({"BLOCK_N": block_n, "KB": kb}, num_warps=warps)
-             for block_n, kb, warps in ((8, 2, 4), (8, 4, 4), (4, 4, 2), (2, 4, 2), (8, 8, 4), (32, 4, 8))]
-    split = [triton.Config({"BLOCK_N": block_n, "KB": kb, "SPLIT": 1}, num_warps=warps)
-             for block_n, kb, warps in ((8, 4, 4), (16, 4, 4), (32, 4, 8), (16, 2, 4), (8, 2, 2))]
-    return plain + split
+    (``SPLIT``; then the tile's ``BLOCK_N * KB * 4`` runs at least fill the threads),
+    each with and without the next step's words loaded ahead (``PREFETCH``). The plain
+    ones were the best on the H200 for some 8B projection shape."""
+    plain = [{"BLOCK_N": block_n, "KB": kb, "num_warps": warps}
+             for block_n, kb, warps in ((8, 2, 4), (8, 4, 4), (4, 4, 2), (8, 8, 4), (32, 4, 8))]
+    split = [{"BLOCK_N": block_n, "KB": kb, "SPLIT": 1, "num_warps": warps}
+             for block_n, kb, warps in ((16, 4, 4), (32, 4, 8), (8, 2, 2))]
+    # Few rows, many blocks a step: a small projection (q/k/v, o: one wave of programs,
+    # latency-bound) issues all of a row's loads at once, as a 4096-wide row is 16 blocks.
+    wide = [{"BLOCK_N": block_n, "KB": kb, "num_warps": warps, "PREFETCH": 0}
+            for block_n, kb, warps in ((2, 16, 2), (4, 16, 4), (4, 8, 2), (1, 16, 2))]
+    return [triton.Config({k: v for k, v in c.items() if k != "num_warps"} | {"PREFETCH": prefetch},
+                          num_warps=c["num_warps"])
+            for c in plain + split for prefetch in (0, 1)] + [
+        triton.Config({k: v for k, v in c.items() if k != "num_warps"}, num_warps=c["num_warps"]) for c in wide]
 
 
 def _prune(configs, named_args, **kwargs):
@@ -332,18 +394,19 @@ def int8_gemv(
     variant: dict | None = None,
 ) -> torch.Tensor:
     """``x @ W.T`` for the quantized activations ``q8`` of ``x`` and ``W`` in Q4_K or
-    Q6_K ``blocks``.
+    Q6_K ``blocks`` (or Q6_K repacked as ``Q6_K_P``, :mod:`kernels.quant.repack`).
 
     Args:
         q8: :func:`quantize_activations` of ``x [M, K]``.
         blocks: uint8 ``[N, K / 256 * block_bytes]``, GGUF blocks row by row.
-        type_name: ``"Q4_K"`` or ``"Q6_K"``.
+        type_name: ``"Q4_K"``, ``"Q6_K"`` or ``"Q6_K_P"`` (then the rows are whole 32-bit
+            words: an even number of blocks).
         block_n, split_k, blocks_per_step, num_warps: a forced tiling (tests, sweeps),
             as :func:`kernels.quant.triton_quant.quant_gemv`'s; by default autotuned on
             CUDA when the rows fill the SMs twice over, else K is split.
         out: where to write ``[M, N]`` (``q8.dtype``, unit column stride), else a new tensor.
         variant: constexprs of a forced tiling: ``SPLIT`` (Q4_K: a thread holds whole
-            runs), ``ABL`` (timing a stage left out; the result is then wrong).
+            runs), ``PREFETCH`` (the next step's weight words loaded ahead), ``ABL`` (timing a stage left out; the result is then wrong).
 
     Returns:
         ``[M, N]`` in ``q8.dtype`` (float32 accumulation).
@@ -357,7 +420,7 @@ def int8_gemv(
     m, k = q8.codes.shape
     n = blocks.shape[0]
     if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != k // 256 * fmt.block_bytes \
-            or k % 256 or blocks.stride(1) != 1 or blocks.stride(0) % 2:
+            or k % 256 or blocks.stride(1) != 1 or blocks.stride(0) % (4 if fmt.code == 8 else 2):
         raise ValueError(f"{type_name} blocks {blocks.dtype} {tuple(blocks.shape)} do not hold rows of K={k} weights")
     nblocks = k // 256
     result = _output(q8.codes.new_empty((m, 0), dtype=q8.dtype), n, out)
@@ -368,7 +431,7 @@ def int8_gemv(
     w16 = flat[: flat.numel() // 2 * 2].view(torch.int16)
     args = (q8.codes.view(torch.int32), q8.scales, q8.sums, w32, w16, blocks)
     # Row strides in bytes, 32- and 16-bit words (Q6_K's word view is unused when the
-    # rows are not whole words).
+    # rows are not whole words; Q6_K_P's rows always are).
     row = (blocks.stride(0), blocks.stride(0) // 4, blocks.stride(0) // 2)
     strides = (q8.codes.stride(0) // 4, q8.scales.stride(0), q8.sums.stride(0))
     asm = _ASM and blocks.is_cuda

@@ -71,11 +71,11 @@ def _moe_gemv_kernel(
     expert = tl.load(TopkIds + r).to(tl.int64)
     x_row = X + (r // top_k if GATED else r).to(tl.int64) * stride_xm
     rows = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N)[None, None, :], N - 1).to(tl.int64)
-    acc = _gemv_dot(x_row, Wa + expert * a_expert_bytes + rows * a_row_bytes, 0, K // A_QK,
+    acc = _gemv_dot(x_row, Wa + expert * a_expert_bytes + rows * a_row_bytes, 0, K // A_QK, K // A_QK,
                     A_QT, A_QK, A_BB, A_L, A_NSUB, A_ZERO, A_HAS_MIN, BLOCK_N, A_KB, ASM)
     acc_up = acc
     if GATED:
-        acc_up = _gemv_dot(x_row, Wb + expert * b_expert_bytes + rows * b_row_bytes, 0, K // B_QK,
+        acc_up = _gemv_dot(x_row, Wb + expert * b_expert_bytes + rows * b_row_bytes, 0, K // B_QK, K // B_QK,
                            B_QT, B_QK, B_BB, B_L, B_NSUB, B_ZERO, B_HAS_MIN, BLOCK_N, B_KB, ASM)
     dt = Out.dtype.element_ty
     res = moe_epilogue(acc, acc_up, dt, GATED)

@@ -15,9 +15,12 @@ each sub-block's scale and offset):
   the activations by the raw codes on tensor cores (``tl.dot``; the codes are exact in
   bfloat16) and scaling the sums the same way.
 
-With ``HEADROOM_QUANT_INT8=1`` (or ``int8_dot=True``), Q4_K/Q6_K decode rows go to the
-int8-activation GEMV of :mod:`kernels.quant.triton_int8` instead (integer dot products
-on activations rounded to int8; not faster on the H200, so off by default).
+Q4_K and Q6_K decode rows go to the int8-activation GEMV of
+:mod:`kernels.quant.triton_int8` instead (integer dot products on activations rounded
+to int8 per 32 values, as llama.cpp's CUDA kernels do; with Q6_K repacked into aligned
+planes it decoded the 8B shape at batch 1 in 3.68 ms a step against the float GEMV's
+4.47 on the H200); ``HEADROOM_QUANT_INT8=0`` (or ``int8_dot=False``) keeps them on the
+float GEMV.
 
 No weight is rounded to 16 bits. Codes become floats without an int-to-float
 instruction: ORed into the mantissa of 2**23 (:func:`_codes_f32`; for Q4_K and Q8_0
@@ -54,10 +57,9 @@ _INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 # The GEMV converts codes to floats with inline PTX (:func:`_codes_fast`); the
 # interpreter runs none, and HEADROOM_QUANT_PTX=0 turns it off (to compare).
 _ASM = not _INTERPRETING and os.environ.get("HEADROOM_QUANT_PTX", "1") != "0"
-# HEADROOM_QUANT_INT8=1 puts Q4_K/Q6_K decode rows on the int8-activation GEMV
-# (:mod:`kernels.quant.triton_int8`). Off by default: on the H200 it decoded the 8B shape
-# no faster than the float GEMV (README, "GGUF weights kept quantized").
-_INT8 = os.environ.get("HEADROOM_QUANT_INT8", "0") == "1"
+# Q4_K/Q6_K decode rows on the int8-activation GEMV (:mod:`kernels.quant.triton_int8`)
+# unless HEADROOM_QUANT_INT8=0 (README, "GGUF weights kept quantized").
+_INT8 = os.environ.get("HEADROOM_QUANT_INT8", "1") != "0"
 
 
 @triton.jit
@@ -143,6 +145,41 @@ def _codes_f32(u, ZERO: tl.constexpr):
     return (u | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + ZERO)
 
 
+@triton.jit
+def _q6p_fields(row, kb, NB):
+    """Q6_K_P (:mod:`kernels.quant.repack`): pointers to block ``kb``'s ``ql``, ``qh``,
+    scales and ``d`` in the row at ``row`` of ``NB`` blocks (uint8 pointers; broadcast)."""
+    return row + kb * 128, row + NB * 128 + kb * 64, row + NB * 192 + kb * 16, row + NB * 208 + kb * 2
+
+
+@triton.jit
+def _q6p_codes(ql, qh, tt, S):
+    """Q6_K_P codes in ``[0, 64)`` of element ``tt`` of sub-block ``S``: Q6_K's decoding
+    (:func:`_codes`) over the block's ``ql`` and ``qh`` planes."""
+    lo = (tl.load(ql + (S // 8) * 64 + 16 * (S % 4) + tt).to(tl.int32) >> (4 * ((S // 4) % 2))) & 15
+    hi = (tl.load(qh + (S // 8) * 32 + 16 * (S % 2) + tt).to(tl.int32) >> (2 * ((S // 2) % 4))) & 3
+    return lo | (hi << 4)
+
+
+@triton.jit
+def _q6p_scale(sc, dp, S):
+    """Q6_K_P: the float32 scale of sub-block ``S`` (``d`` times its int8 scale)."""
+    return _f16(dp) * tl.load(sc + S).to(tl.int8, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _block_sub(row, kb, NB, t, QT: tl.constexpr, BB: tl.constexpr, S, ZERO: tl.constexpr):
+    """``(q, scale, offset)`` of sub-block ``S`` of block ``kb`` of the rows at ``row``
+    (``[R]`` pointers, ``NB`` blocks a row; ``t`` the sub-block's element range): as
+    :func:`_sub_block`, for GGUF blocks and repacked layouts alike."""
+    if QT == 8:
+        ql, qh, sc, dp = _q6p_fields(row, kb, NB)
+        scale = _q6p_scale(sc, dp, S)
+        q = _codes_f32(_q6p_codes(ql[:, None], qh[:, None], t[None, :], S), ZERO)
+        return q, scale, scale * 0.0
+    return _sub_block(row + kb * BB, t, QT, S, ZERO)
+
+
 # Four codes of one 32-bit register to four float32 ``2**23 + code`` (PTX): ``prmt``
 # puts code byte i under the exponent bytes of 2**23 (0x4B000000), one instruction a
 # weight; the masks and shifts before it work on all four bytes at once. Operands with
@@ -202,13 +239,13 @@ def _codes_dot(xv, q, IEEE: tl.constexpr):
 
 @triton.jit
 def _gemv_dot(
-    x_row, row_ptr, kb_begin, kb_end,
+    x_row, row_ptr, kb_begin, kb_end, NB,
     QT: tl.constexpr, QK: tl.constexpr, BB: tl.constexpr, L: tl.constexpr, NSUB: tl.constexpr,
     ZERO: tl.constexpr, HAS_MIN: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr, ASM: tl.constexpr,
 ):
     """``[BLOCK_N]`` float32: the activation row at ``x_row`` times the weight rows at
-    ``row_ptr`` (``[1, 1, BLOCK_N]`` pointers to each row's first block) over blocks
-    ``kb_begin .. kb_end - 1``.
+    ``row_ptr`` (``[1, 1, BLOCK_N]`` pointers to each row's first block; ``NB`` blocks a
+    row) over blocks ``kb_begin .. kb_end - 1``.
 
     The tile is [KB, NSUB, BLOCK_N, L]: KB blocks of K x each block's NSUB sub-blocks x
     rows x the sub-block's L weights. Threads spread over blocks and sub-blocks first
@@ -226,9 +263,15 @@ def _gemv_dot(
         kb = kb0 + kbi  # [KB, 1, 1]
         live = (kb < kb_end)[:, :, :, None]
         kb = tl.minimum(kb, kb_end - 1)
-        blk = row_ptr + kb * BB  # [KB, 1, BLOCK_N]
-        scale, offset = _scales(blk, QT, S)  # [KB, NSUB, BLOCK_N]
-        q = _codes_fast(blk[:, :, :, None], t, QT, S[:, :, :, None], ZERO, ASM)  # [KB, NSUB, BLOCK_N, L]
+        if QT == 8:
+            ql, qh, sc, dp = _q6p_fields(row_ptr, kb, NB)  # [KB, 1, BLOCK_N]
+            scale = _q6p_scale(sc, dp, S)  # [KB, NSUB, BLOCK_N]
+            offset = scale * 0.0
+            q = _codes_f32(_q6p_codes(ql[:, :, :, None], qh[:, :, :, None], t, S[:, :, :, None]), ZERO)
+        else:
+            blk = row_ptr + kb * BB  # [KB, 1, BLOCK_N]
+            scale, offset = _scales(blk, QT, S)  # [KB, NSUB, BLOCK_N]
+            q = _codes_fast(blk[:, :, :, None], t, QT, S[:, :, :, None], ZERO, ASM)  # [KB, NSUB, BLOCK_N, L]
         xv = tl.load(x_row + (kb * QK + S * L)[:, :, :, None] + t, mask=live, other=0.0).to(tl.float32)
         acc += tl.sum(q * xv, axis=3) * scale
         if HAS_MIN:
@@ -254,7 +297,7 @@ def _gemv_kernel(
     x_row = x_ptr + pid_m.to(tl.int64) * stride_xm
     kb_begin = pid_k * blocks_per_split
     kb_end = tl.minimum(kb_begin + blocks_per_split, K // QK)
-    total = _gemv_dot(x_row, row_ptr, kb_begin, kb_end, QT, QK, BB, L, NSUB, ZERO, HAS_MIN, BLOCK_N, KB, ASM)
+    total = _gemv_dot(x_row, row_ptr, kb_begin, kb_end, K // QK, QT, QK, BB, L, NSUB, ZERO, HAS_MIN, BLOCK_N, KB, ASM)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     out = out_ptr + pid_m * stride_om + cols
     if ATOMIC:
@@ -278,7 +321,7 @@ def _gemm_dot(
     for sb in range(0, nblocks * NSUB):
         kb = sb // NSUB
         s = sb % NSUB
-        q, scale, offset = _sub_block(row_ptr + kb * BB, t, QT, s, ZERO)
+        q, scale, offset = _block_sub(row_ptr, kb, nblocks, t, QT, BB, s, ZERO)
         xv = tl.load(x_row + (kb * QK + s * L + t)[None, :], mask=m_mask[:, None], other=0.0)
         acc += _codes_dot(xv, q, IEEE) * scale[None, :]
         if HAS_MIN:
@@ -318,8 +361,8 @@ def _check(x: torch.Tensor, blocks: torch.Tensor, type_name: str):
 
 # Per format code: the zero point folded into the codes (Q4_0's -8, Q5_0's -16, Q8_0's
 # sign flip, Q6_K's -32) and whether the weight has a min (an offset per sub-block).
-_ZERO = {0: 8, 1: 0, 2: 16, 3: 0, 4: 128, 5: 0, 6: 0, 7: 32}
-_HAS_MIN = {0: False, 1: True, 2: False, 3: True, 4: False, 5: True, 6: True, 7: False}
+_ZERO = {0: 8, 1: 0, 2: 16, 3: 0, 4: 128, 5: 0, 6: 0, 7: 32, 8: 32}
+_HAS_MIN = {0: False, 1: True, 2: False, 3: True, 4: False, 5: True, 6: True, 7: False, 8: False}
 
 
 def _layout(fmt) -> dict:
@@ -395,8 +438,8 @@ def quant_gemv(
             slice of a wider tensor), else a new tensor.
         int8_dot: Q4_K/Q6_K through the int8-activation GEMV
             (:mod:`kernels.quant.triton_int8`: activations rounded to int8 per 32
-            values, integer dot products); default off unless
-            ``HEADROOM_QUANT_INT8=1``. Other types ignore it.
+            values, integer dot products); default on unless
+            ``HEADROOM_QUANT_INT8=0``. Other types ignore it.
         q8: ``x`` already quantized (:func:`kernels.quant.triton_int8.quantize_activations`),
             shared by the parts of a fused projection; else quantized here.
 

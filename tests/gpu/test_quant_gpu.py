@@ -78,10 +78,12 @@ def test_default_model_from_q4_1_blocks_gives_the_dequantized_greedy_text(dtype,
 
 
 @pytest.mark.parametrize("type_name,n,k", [("Q4_K", 4096, 4096), ("Q6_K", 1024, 4096), ("Q6_K", 4096, 14336),
-                                           ("Q4_K", 14336, 4096), ("Q4_1", 1536, 576), ("Q8_0", 576, 1536)])
+                                           ("Q6_K_P", 1024, 4096), ("Q6_K_P", 4096, 14336), ("Q4_K", 14336, 4096),
+                                           ("Q4_1", 1536, 576), ("Q8_0", 576, 1536)])
 def test_kernels_at_real_shapes_match_gguf_dequantize(type_name, n, k):
-    """The default tilings (split-K or tuned GEMV, GEMM) at 1, 16 and 80 rows; for Q4_K/Q6_K
-    decode rows also the int8 GEMV, against the reference of its rounding."""
+    """The default tilings (split-K or tuned GEMV, GEMM) at 1, 16 and 80 rows. Q4_K/Q6_K
+    decode rows take the int8 GEMV by default: against the reference of its rounding,
+    and the exact product within the activations' int8 rounding; their float GEMV too."""
     from kernels.quant import reference, triton_quant
     from kernels.quant.synthetic import random_blocks
 
@@ -91,16 +93,16 @@ def test_kernels_at_real_shapes_match_gguf_dequantize(type_name, n, k):
     for m in (1, 16, 80):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         exact = x.float() @ weight.T
+        int8 = m <= triton_quant.GEMV_MAX_ROWS and triton_quant.uses_int8_dot(type_name)
         out = triton_quant.quant_matmul(x, w, type_name).float()
         # bfloat16 output rounding (2^-8 relative) with room for the summation order.
-        assert float((out - exact).abs().max()) <= 2**-6 * float(exact.abs().max()), f"{m} rows"
-        if m <= triton_quant.GEMV_MAX_ROWS and triton_quant.uses_int8_dot(type_name, True):
-            # The opt-in int8 GEMV (tuned tiling): against the reference of its rounding,
-            # and the exact product within the activations' int8 rounding.
-            out = triton_quant.quant_gemv(x, w, type_name, int8_dot=True).float()
+        tol = INT8_ROUNDING_TOL if int8 else 2**-6
+        assert float((out - exact).abs().max()) <= tol * float(exact.abs().max()), f"{m} rows"
+        if int8:
             ref = reference.quant_matmul_int8(x.float(), w, type_name)
             assert float((out - ref).abs().max()) <= 2**-6 * float(ref.abs().max()), f"int8, {m} rows"
-            assert float((out - exact).abs().max()) <= INT8_ROUNDING_TOL * float(exact.abs().max()), f"int8, {m} rows"
+            out = triton_quant.quant_gemv(x, w, type_name, int8_dot=False).float()
+            assert float((out - exact).abs().max()) <= 2**-6 * float(exact.abs().max()), f"float GEMV, {m} rows"
 
 
 def test_benchmark_weights_take_their_block_bytes(tmp_path):
@@ -117,6 +119,8 @@ def test_benchmark_weights_take_their_block_bytes(tmp_path):
     path = tmp_path / "k.gguf"
     write_random_gguf(path, config, np.random.default_rng(0))
     model = load_gguf_quantized(config, path, "cuda", torch.bfloat16)
+    types = {p.type_name for m in model.modules() if isinstance(m, QuantLinear) for p in m.parts}
+    assert types == {"Q4_K", "Q6_K_P"}  # Q6_K repacked on CUDA (v, down, the LM head), same bytes
     blocks = sum(b.nbytes for m in model.modules() if isinstance(m, QuantLinear) for b in m.buffers())
     dense_projections = sum(m.out_features * m.in_features * 2 for m in model.modules() if isinstance(m, QuantLinear))
     assert blocks < 0.42 * dense_projections

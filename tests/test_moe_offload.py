@@ -23,6 +23,7 @@ from engine.models.expert_cache import (
     offload_experts,
     resize_cache,
 )
+from engine.models.expert_stacks import DenseStack
 
 VOCAB = 256
 STEPS = 32
@@ -75,7 +76,7 @@ def test_greedy_ids_equal_the_all_resident_model(tiny, paged_runner, reference, 
         assert counters.copies > 0 and counters.cpu_runs > 0
     # The experts' device memory is the cache's now: the host tier holds every expert.
     for s in stores:
-        assert s.num_slots == slots and s.host_gate_up.shape[0] == config.num_experts
+        assert s.num_slots == slots and s.host.num_experts == config.num_experts
 
 
 def test_a_cache_halved_mid_run_and_grown_back_keeps_outputs_equal(tiny, paged_runner, reference):
@@ -101,7 +102,7 @@ def _store(num_experts=4, slots=2, costs=ALWAYS_COPY) -> OffloadedExperts:
     gen = torch.Generator().manual_seed(0)
     gu = torch.randn(num_experts, 6, 4, generator=gen)
     dn = torch.randn(num_experts, 4, 3, generator=gen)
-    return OffloadedExperts(gu, dn, torch.device("cpu"), slots, ExpertCounters(), costs)
+    return OffloadedExperts(DenseStack(gu, dn), torch.device("cpu"), slots, ExpertCounters(), costs)
 
 
 def _route(store: OffloadedExperts, *experts: int) -> None:
@@ -120,7 +121,7 @@ def test_lru_evicts_the_least_recently_used_expert():
     assert (store.counters.hits, store.counters.misses, store.counters.copies) == (1, 3, 3)
     assert store.counters.hit_rate == pytest.approx(1 / 4)
     # The cached slot holds that expert's weights.
-    assert torch.equal(store.slot_gate_up[store.slot_of[2]], store.host_gate_up[2])
+    assert torch.equal(store.cache.gate_up[store.slot_of[2]], store.host.gate_up[2])
 
 
 @pytest.mark.parametrize("slots", [1, 2, 3])
@@ -139,14 +140,14 @@ def test_a_step_routing_past_the_cache_streams_the_rest_through_its_slots(slots)
     w = torch.rand(12, 2, generator=gen)
     before = dataclasses.replace(store.counters)
     got = store(x, w, ids)
-    assert torch.equal(got, fused_moe(x, store.host_gate_up, store.host_down, w, ids))
+    assert torch.equal(got, fused_moe(x, store.host.gate_up, store.host.down, w, ids))
     c = dataclasses.replace(store.counters)
     assert c.cpu_runs == before.cpu_runs and c.hits == before.hits + 1
     assert c.streamed - before.streamed == 6 - max(slots - 1, 0)  # 7 stays cached, free slots filled first
     assert c.copies - before.copies == 6 and c.misses - before.misses == 6
     assert len(store.slot_of) == slots and sorted(store.slot_of.values()) == list(range(slots))
     for e, s in store.slot_of.items():
-        assert torch.equal(store.slot_gate_up[s], store.host_gate_up[e])
+        assert torch.equal(store.cache.gate_up[s], store.host.gate_up[e])
     # The next step's hits are served from what the waves left.
     assert store(x[:1], w[:1, :1], torch.tensor([[max(store.slot_of)]])).shape == (1, 4)
     assert store.counters.hits == c.hits + 1
@@ -158,7 +159,7 @@ def test_shrinking_keeps_the_most_recent_experts_in_their_weights():
         _route(store, e)
     store.resize(1)
     assert list(store.slot_of) == [2] and store.num_slots == 1
-    assert torch.equal(store.slot_down[store.slot_of[2]], store.host_down[2])
+    assert torch.equal(store.cache.down[store.slot_of[2]], store.host.down[2])
     store.resize(4)
     assert list(store.slot_of) == [2] and store.num_slots == 4
     with pytest.raises(ValueError, match="not in 0..4"):

@@ -10,7 +10,7 @@ import dataclasses
 
 import pytest
 import torch
-from model_checks import paged_greedy
+from model_checks import halved_cache_run, paged_greedy
 
 from engine.loader.load import load_model
 from engine.models.expert_cache import (
@@ -21,7 +21,6 @@ from engine.models.expert_cache import (
     OffloadedExperts,
     measure_costs,
     offload_experts,
-    resize_cache,
 )
 from engine.models.expert_stacks import DenseStack
 
@@ -82,20 +81,7 @@ def test_greedy_ids_equal_the_all_resident_model(tiny, paged_runner, reference, 
 def test_a_cache_halved_mid_run_and_grown_back_keeps_outputs_equal(tiny, paged_runner, reference):
     model, config = tiny
     hybrid = copy.deepcopy(model)
-    full = config.num_experts * len(config.moe_layers)
-    stores, counters = offload_experts(hybrid, config.moe_layers, config.num_experts, ALWAYS_COPY)
-    sizes = []
-
-    def replan(i: int) -> None:
-        if i == 10:
-            resize_cache(stores, full // 2)
-        if i == 20:
-            resize_cache(stores, full)
-        sizes.append(sum(s.num_slots for s in stores))
-
-    assert paged_greedy(paged_runner(hybrid, config), _prompts(), STEPS, replan)[0] == reference
-    assert sizes[9] == full and sizes[10] == full // 2 and sizes[-1] == full
-    assert all(len(s.slot_of) <= s.num_slots for s in stores)
+    assert halved_cache_run(paged_runner(hybrid, config), _prompts(), STEPS, hybrid, config)[0] == reference
 
 
 def _store(num_experts=4, slots=2, costs=ALWAYS_COPY) -> OffloadedExperts:

@@ -229,7 +229,8 @@ def test_the_quantized_reference_layer_matches_its_block_stack(tiny):
     assert down.shape == (experts.hidden_size, experts.intermediate_size)
 
 
-def test_a_cpu_engine_with_a_hybrid_plan_loads_the_gguf_in_blocks_and_decodes_the_same_ids(tiny):
+def test_a_cpu_engine_with_a_hybrid_plan_loads_the_gguf_in_blocks_and_decodes_the_same_ids(tiny, tmp_path,
+                                                                                             monkeypatch):
     """--cpu-experts 1 on a simulated card, the CPU engine's GGUF layout (projections
     repacked, experts dequantized at load, as on the CPU they always are): the hybrid
     load reads the file as the all-resident one does and decodes the same ids."""
@@ -239,6 +240,7 @@ def test_a_cpu_engine_with_a_hybrid_plan_loads_the_gguf_in_blocks_and_decodes_th
     from engine.models.expert_stacks import DenseStack
 
     path, config, _ = tiny
+    monkeypatch.setenv("HEADROOM_CACHE_DIR", str(tmp_path / "cache"))  # the file's conversion goes there
 
     def greedy(cpu_experts: str):
         engine = Engine(EngineConfig(model=str(path), device="cpu", dtype="float32", device_total=8 << 30,

@@ -93,3 +93,26 @@ def halved_cache_run(runner, prompts: dict, steps: int, model, config) -> tuple[
     assert sizes[9] == full and sizes[10] == full // 2 and sizes[-1] == full
     assert all(len(s.slot_of) <= s.num_slots for s in stores)
     return ids, logits, sizes
+
+
+def engine_greedy(config, prompts: dict, max_new_tokens: int, on_step=None):
+    """An ``Engine`` of ``config`` (an ``EngineConfig``) given every prompt (key -> ids)
+    as a greedy request of ``max_new_tokens`` tokens, stepped until done;
+    ``on_step(engine, i)`` runs before step ``i`` (from 1). Returns (the engine, key ->
+    generated ids)."""
+    from engine.engine import Engine
+    from engine.messages import GenerateRequest, SamplingParams
+
+    engine = Engine(config)
+    sp = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
+    for name, ids in prompts.items():
+        engine.add_request(GenerateRequest(request_id=name, prompt_token_ids=ids, sampling=sp))
+    out = {name: [] for name in prompts}
+    steps = 0
+    while engine.has_work():
+        steps += 1
+        if on_step is not None:
+            on_step(engine, steps)
+        for o in engine.step():
+            out[o.request_id].extend(o.token_ids)
+    return engine, out

@@ -10,7 +10,7 @@ import dataclasses
 
 import pytest
 import torch
-from model_checks import halved_cache_run, paged_greedy
+from model_checks import engine_greedy, halved_cache_run, paged_greedy
 
 from engine.loader.load import load_model
 from engine.models.expert_cache import (
@@ -186,32 +186,22 @@ def test_the_engine_loads_a_hybrid_plan_and_decodes_the_same_ids(tiny, tmp_path_
     host tier behind the plan's expert cache, and greedy ids equal --cpu-experts none,
     with the cache halved by a live replan mid-stream."""
     from engine.config import EngineConfig
-    from engine.engine import Engine
-    from engine.messages import GenerateRequest, SamplingParams
 
     _, config = tiny
     kind = "mixtral" if config.architecture == "MixtralForCausalLM" else "qwen3_moe"
     path = tmp_path_factory.mktemp(kind + "-engine")
     make_tiny_hf_model(kind, path, vocab_size=VOCAB)
 
-    def greedy(cpu_experts: str, halve_at: int | None = None):
-        engine = Engine(EngineConfig(model=str(path), device="cpu", dtype="float32", device_total=8 << 30,
-                                     cpu_experts=cpu_experts, max_running_requests=4))
-        sp = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
-        for name, ids in _prompts().items():
-            engine.add_request(GenerateRequest(request_id=name, prompt_token_ids=ids, sampling=sp))
-        out = {name: [] for name in _prompts()}
-        steps = 0
-        while engine.has_work():
-            steps += 1
-            if steps == halve_at:  # a live replan mid-stream, between steps
-                slots = engine.stats().expert_cache_slots
-                assert engine.resize_expert_cache(slots // 2) == (slots - slots // 2) * engine.expert_stores[0].slot_bytes
-            for o in engine.step():
-                out[o.request_id].extend(o.token_ids)
-        return engine, out
+    def halve(engine, step: int) -> None:
+        if step == 6:  # a live replan mid-stream, between steps
+            slots = engine.stats().expert_cache_slots
+            assert engine.resize_expert_cache(slots // 2) == (slots - slots // 2) * engine.expert_stores[0].slot_bytes
 
-    hybrid, got = greedy("1", halve_at=6)
+    def greedy(cpu_experts: str, on_step=None):
+        return engine_greedy(EngineConfig(model=str(path), device="cpu", dtype="float32", device_total=8 << 30,
+                                          cpu_experts=cpu_experts, max_running_requests=4), _prompts(), 16, on_step)
+
+    hybrid, got = greedy("1", halve)
     whole, ref = greedy("none")
     assert got == ref
     assert hybrid.plan.cpu_expert_layers == 1 and len(hybrid.expert_stores) == 1

@@ -21,7 +21,7 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from model_checks import halved_cache_run, paged_greedy  # noqa: E402
+from model_checks import engine_greedy, halved_cache_run, paged_greedy  # noqa: E402
 from test_gguf_convert import VOCAB, write_gguf  # noqa: E402
 from test_gguf_moe_quant import EXPERT_TYPES, write_tiny_moe_gguf  # noqa: E402
 
@@ -235,24 +235,15 @@ def test_a_cpu_engine_with_a_hybrid_plan_loads_the_gguf_in_blocks_and_decodes_th
     repacked, experts dequantized at load, as on the CPU they always are): the hybrid
     load reads the file as the all-resident one does and decodes the same ids."""
     from engine.config import EngineConfig
-    from engine.engine import Engine
-    from engine.messages import GenerateRequest, SamplingParams
     from engine.models.expert_stacks import DenseStack
 
     path, config, _ = tiny
     monkeypatch.setenv("HEADROOM_CACHE_DIR", str(tmp_path / "cache"))  # the file's conversion goes there
 
     def greedy(cpu_experts: str):
-        engine = Engine(EngineConfig(model=str(path), device="cpu", dtype="float32", device_total=8 << 30,
-                                     cpu_experts=cpu_experts, max_running_requests=4, gguf_quantized=True))
-        sp = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
-        for name, ids in _prompts().items():
-            engine.add_request(GenerateRequest(request_id=name, prompt_token_ids=ids, sampling=sp))
-        out = {name: [] for name in _prompts()}
-        while engine.has_work():
-            for o in engine.step():
-                out[o.request_id].extend(o.token_ids)
-        return engine, out
+        return engine_greedy(EngineConfig(model=str(path), device="cpu", dtype="float32", device_total=8 << 30,
+                                          cpu_experts=cpu_experts, max_running_requests=4, gguf_quantized=True),
+                             _prompts(), 12)
 
     hybrid, got = greedy("1")
     whole, ref = greedy("none")

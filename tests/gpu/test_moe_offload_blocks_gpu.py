@@ -31,7 +31,7 @@ import gc
 
 import pytest
 import torch
-from model_checks import halved_cache_run, paged_greedy
+from model_checks import engine_greedy, halved_cache_run, paged_greedy
 
 gguf = pytest.importorskip("gguf")
 
@@ -140,23 +140,14 @@ def test_the_engine_keeps_a_gguf_in_blocks_with_cpu_experts(tmp_path, make_tiny_
     prices the host tier and the slots in block bytes, the engine holds pinned blocks,
     and greedy ids equal --cpu-experts none's."""
     from engine.config import EngineConfig
-    from engine.engine import Engine
-    from engine.messages import GenerateRequest, SamplingParams
 
     path, config = _write("mixtral-q8_0", tmp_path, make_tiny_hf_model)
     monkeypatch.setenv("HEADROOM_CACHE_DIR", str(tmp_path / "cache"))  # the file's conversion goes there
 
     def greedy(cpu_experts: str):
-        engine = Engine(EngineConfig(model=str(path), device="cuda", dtype="float32", gguf_quantized=True,
-                                     cpu_experts=cpu_experts, max_running_requests=4, device_limit=8 << 30))
-        sp = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
-        for name, ids in _prompts().items():
-            engine.add_request(GenerateRequest(request_id=name, prompt_token_ids=ids, sampling=sp))
-        out = {name: [] for name in _prompts()}
-        while engine.has_work():
-            for o in engine.step():
-                out[o.request_id].extend(o.token_ids)
-        return engine, out
+        return engine_greedy(EngineConfig(model=str(path), device="cuda", dtype="float32", gguf_quantized=True,
+                                          cpu_experts=cpu_experts, max_running_requests=4, device_limit=8 << 30),
+                             _prompts(), 16)
 
     whole, ref = greedy("none")
     layer_bytes = sum(b.nbytes for b in whole.model.model.layers[config.moe_layers[-1]].mlp.experts.buffers())

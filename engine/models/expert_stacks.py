@@ -68,7 +68,7 @@ class ExpertStack:
         return self._map(lambda t: torch.empty(num_experts, *t.shape[1:], dtype=t.dtype, device=device))
 
     def head(self, num_experts: int) -> ExpertStack:
-        """The first ``num_experts`` experts, contiguous copies."""
+        """The first ``num_experts`` experts, contiguous (views of a contiguous stack)."""
         return self._map(lambda t: t[:num_experts].contiguous())
 
     def on_host(self, pin: bool) -> ExpertStack:

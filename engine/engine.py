@@ -162,7 +162,8 @@ class Engine(LiveReplan):
                                                           weights=self.weight_size))
         # Weights. With a hybrid plan (--cpu-experts) the model is read into host memory,
         # the chosen layers' routed experts stay there behind a device expert cache, and
-        # the rest moves to the device.
+        # the rest moves to the device. A GGUF read in blocks is read in the device's
+        # layout (experts in blocks on CUDA), so the host tier holds the blocks.
         self.expert_stores: list[OffloadedExperts] = []
         self.expert_counters: ExpertCounters | None = None
         host_layers = self.plan.cpu_expert_layers if self.plan is not None else 0
@@ -170,7 +171,9 @@ class Engine(LiveReplan):
             # The measured plan keeps the split the weights were loaded with.
             self.knobs = dataclasses.replace(self.knobs, cpu_experts=str(host_layers))
             self.model, _ = load_model(self.model_dir, "cpu", self.dtype, load_format=config.load_format,
-                                       quantization=self.quantization)
+                                       quantized_gguf=self.quantized_gguf, quantization=self.quantization,
+                                       embeddings_in_blocks=self.device.type == "cpu",
+                                       experts_in_blocks=self.device.type != "cpu")
             layers = mc.moe_layers[-host_layers:]
             self.expert_stores, self.expert_counters = offload_experts(
                 self.model, layers, 0, device=self.device)

@@ -115,23 +115,18 @@ def quantized_gguf(config: EngineConfig, device: torch.device, mc: ModelConfig |
     Blocks are kept when asked for (``--gguf-quantized``; unset: on the CPU only), on a
     CUDA device (the block kernels) or the CPU (repacked into torch's int4 layout), for a
     ``--model`` that is a GGUF file. A mixture of experts (``mc``) keeps its routed
-    experts in blocks too on CUDA (the fused MoE over blocks); on the CPU they are
-    dequantized at load (the int4 repacking covers linear layers only). With
-    ``--cpu-experts N`` (routed experts in host memory, whose tiers hold dense experts)
-    the whole file is dequantized at load, and a log line says so.
+    experts in blocks too on CUDA (the fused MoE over blocks), also those that
+    ``--cpu-experts`` puts in host memory (the host tier and the expert cache hold the
+    blocks: :mod:`engine.models.expert_cache`); on the CPU they are dequantized at load
+    (the int4 repacking covers linear layers only).
     """
     wanted = config.gguf_quantized
     if wanted is None:  # auto: on the CPU only, and not with another weight format asked for
         wanted = device.type == "cpu" and config.quantization == "auto" and config.tensor_parallel_size == 1
     if not wanted or device.type not in ("cuda", "cpu"):
         return None
-    if mc is not None and mc.is_moe:
-        if config.cpu_experts.isdecimal() and int(config.cpu_experts) > 0:
-            log.warning("--gguf-quantized with --cpu-experts %s: experts in host memory are held dense; "
-                        "dequantizing the GGUF at load", config.cpu_experts)
-            return None
-        if device.type == "cpu":
-            log.info("--gguf-quantized on the CPU: the routed experts are dequantized at load")
+    if mc is not None and mc.is_moe and device.type == "cpu":
+        log.info("--gguf-quantized on the CPU: the routed experts are dequantized at load")
     return gguf_file(config.model)
 
 

@@ -69,3 +69,50 @@ def paged_greedy(runner, prompts: dict, steps: int, on_step=None) -> tuple[dict,
             on_step(i)
         logits = runner.step(nxt)
     return out, logits
+
+
+def halved_cache_run(runner, prompts: dict, steps: int, model, config) -> tuple[dict, torch.Tensor, list[int]]:
+    """:func:`paged_greedy` over ``runner`` (a ``PagedRunner`` of ``model``, whose MoE
+    layers' experts are offloaded first with every expert cached, copies always
+    preferred), the expert cache halved by a live replan before decode step 10 and grown
+    back before step 20. Returns (ids, last logits, the cache's slots at each step)."""
+    from engine.models.expert_cache import ALWAYS_COPY, offload_experts, resize_cache
+
+    full = config.num_experts * len(config.moe_layers)
+    stores, _ = offload_experts(model, config.moe_layers, config.num_experts, ALWAYS_COPY)
+    sizes = []
+
+    def replan(i: int) -> None:
+        if i == 10:
+            resize_cache(stores, full // 2)
+        if i == 20:
+            resize_cache(stores, full)
+        sizes.append(sum(s.num_slots for s in stores))
+
+    ids, logits = paged_greedy(runner, prompts, steps, replan)
+    assert sizes[9] == full and sizes[10] == full // 2 and sizes[-1] == full
+    assert all(len(s.slot_of) <= s.num_slots for s in stores)
+    return ids, logits, sizes
+
+
+def engine_greedy(config, prompts: dict, max_new_tokens: int, on_step=None):
+    """An ``Engine`` of ``config`` (an ``EngineConfig``) given every prompt (key -> ids)
+    as a greedy request of ``max_new_tokens`` tokens, stepped until done;
+    ``on_step(engine, i)`` runs before step ``i`` (from 1). Returns (the engine, key ->
+    generated ids)."""
+    from engine.engine import Engine
+    from engine.messages import GenerateRequest, SamplingParams
+
+    engine = Engine(config)
+    sp = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
+    for name, ids in prompts.items():
+        engine.add_request(GenerateRequest(request_id=name, prompt_token_ids=ids, sampling=sp))
+    out = {name: [] for name in prompts}
+    steps = 0
+    while engine.has_work():
+        steps += 1
+        if on_step is not None:
+            on_step(engine, steps)
+        for o in engine.step():
+            out[o.request_id].extend(o.token_ids)
+    return engine, out

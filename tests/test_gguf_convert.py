@@ -40,11 +40,17 @@ _HF_TO_GGUF = {
 }
 
 
+# Two merges, not one: transformers 5.17's GGUF reader hands a one-element array back
+# as its bare string, whose characters then fail as merges ("expected tuple of length
+# 2"). Their products are in the vocabulary, as a BPE tokenizer requires.
+MERGES = (("h", "e"), ("t", "h"))
+
+
 def _tokens() -> list[str]:
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    tokens = specials + list(bytes_to_unicode().values()) + ["he"]
+    tokens = specials + list(bytes_to_unicode().values()) + [a + b for a, b in MERGES]
     return tokens + [f"<extra_{i}>" for i in range(288 - len(tokens))]
 
 
@@ -149,7 +155,7 @@ def write_gguf(path, arch: str, hf, *, override: dict[str, np.ndarray] | None = 
         writer.add_tokenizer_pre("qwen2")
         writer.add_token_list(tokens)
         writer.add_token_types([3] * 3 + [1] * (len(tokens) - 3))
-        writer.add_token_merges(["h e"])
+        writer.add_token_merges([f"{a} {b}" for a, b in MERGES])
         writer.add_bos_token_id(1)
         writer.add_eos_token_id(2)
         writer.add_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}")

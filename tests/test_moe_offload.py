@@ -10,7 +10,7 @@ import dataclasses
 
 import pytest
 import torch
-from model_checks import paged_greedy
+from model_checks import engine_greedy, halved_cache_run, paged_greedy
 
 from engine.loader.load import load_model
 from engine.models.expert_cache import (
@@ -21,8 +21,8 @@ from engine.models.expert_cache import (
     OffloadedExperts,
     measure_costs,
     offload_experts,
-    resize_cache,
 )
+from engine.models.expert_stacks import DenseStack
 
 VOCAB = 256
 STEPS = 32
@@ -75,33 +75,20 @@ def test_greedy_ids_equal_the_all_resident_model(tiny, paged_runner, reference, 
         assert counters.copies > 0 and counters.cpu_runs > 0
     # The experts' device memory is the cache's now: the host tier holds every expert.
     for s in stores:
-        assert s.num_slots == slots and s.host_gate_up.shape[0] == config.num_experts
+        assert s.num_slots == slots and s.host.num_experts == config.num_experts
 
 
 def test_a_cache_halved_mid_run_and_grown_back_keeps_outputs_equal(tiny, paged_runner, reference):
     model, config = tiny
     hybrid = copy.deepcopy(model)
-    full = config.num_experts * len(config.moe_layers)
-    stores, counters = offload_experts(hybrid, config.moe_layers, config.num_experts, ALWAYS_COPY)
-    sizes = []
-
-    def replan(i: int) -> None:
-        if i == 10:
-            resize_cache(stores, full // 2)
-        if i == 20:
-            resize_cache(stores, full)
-        sizes.append(sum(s.num_slots for s in stores))
-
-    assert paged_greedy(paged_runner(hybrid, config), _prompts(), STEPS, replan)[0] == reference
-    assert sizes[9] == full and sizes[10] == full // 2 and sizes[-1] == full
-    assert all(len(s.slot_of) <= s.num_slots for s in stores)
+    assert halved_cache_run(paged_runner(hybrid, config), _prompts(), STEPS, hybrid, config)[0] == reference
 
 
 def _store(num_experts=4, slots=2, costs=ALWAYS_COPY) -> OffloadedExperts:
     gen = torch.Generator().manual_seed(0)
     gu = torch.randn(num_experts, 6, 4, generator=gen)
     dn = torch.randn(num_experts, 4, 3, generator=gen)
-    return OffloadedExperts(gu, dn, torch.device("cpu"), slots, ExpertCounters(), costs)
+    return OffloadedExperts(DenseStack(gu, dn), torch.device("cpu"), slots, ExpertCounters(), costs)
 
 
 def _route(store: OffloadedExperts, *experts: int) -> None:
@@ -120,7 +107,7 @@ def test_lru_evicts_the_least_recently_used_expert():
     assert (store.counters.hits, store.counters.misses, store.counters.copies) == (1, 3, 3)
     assert store.counters.hit_rate == pytest.approx(1 / 4)
     # The cached slot holds that expert's weights.
-    assert torch.equal(store.slot_gate_up[store.slot_of[2]], store.host_gate_up[2])
+    assert torch.equal(store.cache.gate_up[store.slot_of[2]], store.host.gate_up[2])
 
 
 @pytest.mark.parametrize("slots", [1, 2, 3])
@@ -139,14 +126,14 @@ def test_a_step_routing_past_the_cache_streams_the_rest_through_its_slots(slots)
     w = torch.rand(12, 2, generator=gen)
     before = dataclasses.replace(store.counters)
     got = store(x, w, ids)
-    assert torch.equal(got, fused_moe(x, store.host_gate_up, store.host_down, w, ids))
+    assert torch.equal(got, fused_moe(x, store.host.gate_up, store.host.down, w, ids))
     c = dataclasses.replace(store.counters)
     assert c.cpu_runs == before.cpu_runs and c.hits == before.hits + 1
     assert c.streamed - before.streamed == 6 - max(slots - 1, 0)  # 7 stays cached, free slots filled first
     assert c.copies - before.copies == 6 and c.misses - before.misses == 6
     assert len(store.slot_of) == slots and sorted(store.slot_of.values()) == list(range(slots))
     for e, s in store.slot_of.items():
-        assert torch.equal(store.slot_gate_up[s], store.host_gate_up[e])
+        assert torch.equal(store.cache.gate_up[s], store.host.gate_up[e])
     # The next step's hits are served from what the waves left.
     assert store(x[:1], w[:1, :1], torch.tensor([[max(store.slot_of)]])).shape == (1, 4)
     assert store.counters.hits == c.hits + 1
@@ -158,7 +145,7 @@ def test_shrinking_keeps_the_most_recent_experts_in_their_weights():
         _route(store, e)
     store.resize(1)
     assert list(store.slot_of) == [2] and store.num_slots == 1
-    assert torch.equal(store.slot_down[store.slot_of[2]], store.host_down[2])
+    assert torch.equal(store.cache.down[store.slot_of[2]], store.host.down[2])
     store.resize(4)
     assert list(store.slot_of) == [2] and store.num_slots == 4
     with pytest.raises(ValueError, match="not in 0..4"):
@@ -199,32 +186,22 @@ def test_the_engine_loads_a_hybrid_plan_and_decodes_the_same_ids(tiny, tmp_path_
     host tier behind the plan's expert cache, and greedy ids equal --cpu-experts none,
     with the cache halved by a live replan mid-stream."""
     from engine.config import EngineConfig
-    from engine.engine import Engine
-    from engine.messages import GenerateRequest, SamplingParams
 
     _, config = tiny
     kind = "mixtral" if config.architecture == "MixtralForCausalLM" else "qwen3_moe"
     path = tmp_path_factory.mktemp(kind + "-engine")
     make_tiny_hf_model(kind, path, vocab_size=VOCAB)
 
-    def greedy(cpu_experts: str, halve_at: int | None = None):
-        engine = Engine(EngineConfig(model=str(path), device="cpu", dtype="float32", device_total=8 << 30,
-                                     cpu_experts=cpu_experts, max_running_requests=4))
-        sp = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
-        for name, ids in _prompts().items():
-            engine.add_request(GenerateRequest(request_id=name, prompt_token_ids=ids, sampling=sp))
-        out = {name: [] for name in _prompts()}
-        steps = 0
-        while engine.has_work():
-            steps += 1
-            if steps == halve_at:  # a live replan mid-stream, between steps
-                slots = engine.stats().expert_cache_slots
-                assert engine.resize_expert_cache(slots // 2) == (slots - slots // 2) * engine.expert_stores[0].slot_bytes
-            for o in engine.step():
-                out[o.request_id].extend(o.token_ids)
-        return engine, out
+    def halve(engine, step: int) -> None:
+        if step == 6:  # a live replan mid-stream, between steps
+            slots = engine.stats().expert_cache_slots
+            assert engine.resize_expert_cache(slots // 2) == (slots - slots // 2) * engine.expert_stores[0].slot_bytes
 
-    hybrid, got = greedy("1", halve_at=6)
+    def greedy(cpu_experts: str, on_step=None):
+        return engine_greedy(EngineConfig(model=str(path), device="cpu", dtype="float32", device_total=8 << 30,
+                                          cpu_experts=cpu_experts, max_running_requests=4), _prompts(), 16, on_step)
+
+    hybrid, got = greedy("1", halve)
     whole, ref = greedy("none")
     assert got == ref
     assert hybrid.plan.cpu_expert_layers == 1 and len(hybrid.expert_stores) == 1

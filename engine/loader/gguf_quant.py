@@ -74,11 +74,19 @@ class WeightSize:
         source: what stores them (``"GGUF"`` blocks, ``"FP8"`` projections).
         mix: the type mix, e.g. ``"210 Q4_1 blocks 61.0 MiB; bfloat16 62 tensors
             (1 Q8_0, 61 F32) 54.4 MiB"``.
+        expert_layer_bytes: a mixture of experts' routed experts, bytes per MoE layer
+            (in ``ModelConfig.moe_layers`` order) as they are stored, blocks or
+            dequantized; empty where the size does not split them out (the plan then
+            prices the experts from the dense shapes).
+        experts_in_blocks: whether every layer's routed experts are GGUF blocks (and so
+            are the host tier and the expert cache of ``--cpu-experts``).
     """
 
     bytes: int
     mix: str
     source: str = "GGUF"
+    expert_layer_bytes: tuple[int, ...] = ()
+    experts_in_blocks: bool = False
 
 
 def _targets(config: ModelConfig) -> dict[str, tuple[str, ...]]:
@@ -154,7 +162,9 @@ def gguf_weight_size(gguf_path: str | Path, config: ModelConfig, dtype: torch.dt
     Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 projections take torch's int4 layout (one or two planes), the
     token embeddings of those types stay in blocks and a tied LM head is repacked from
     them; other block types, and a mixture of experts' routed experts, are dequantized
-    (:mod:`engine.models.cpu_quant_linear`).
+    (:mod:`engine.models.cpu_quant_linear`). The routed experts' bytes are also given
+    per layer, so that the plan can put the host tier and the expert cache of
+    ``--cpu-experts`` at their stored size.
 
     Raises:
         CorruptWeights: the file is not a readable GGUF.
@@ -166,6 +176,8 @@ def gguf_weight_size(gguf_path: str | Path, config: ModelConfig, dtype: torch.dt
     by_name = {t.name: t for t in reader.tensors}
     expert_blocks = {n for m in _experts_in_blocks(by_name, config, gguf_path, device_type != "cpu")
                      for n in _expert_targets(config)[m]}
+    layer_of = {n: i for i, names in enumerate(_expert_targets(config).values()) for n in names}
+    expert_layer_bytes = [0] * len(layer_of and config.moe_layers)
     itemsize = torch.empty((), dtype=dtype).element_size()
     embed_type = _embeddings_in_blocks(by_name, device_type == "cpu")
     quant_count: Counter[str] = Counter()
@@ -189,6 +201,8 @@ def gguf_weight_size(gguf_path: str | Path, config: ModelConfig, dtype: torch.dt
             head = packed_bytes(shape[0], shape[1], embed_type)  # the tied head, repacked
             quant_count["int4"] += 1
             quant_bytes["int4"] += head
+        if t.name in layer_of:
+            expert_layer_bytes[layer_of[t.name]] += nbytes
         if kept:
             quant_count[kept] += 1
             quant_bytes[kept] += nbytes
@@ -205,7 +219,9 @@ def gguf_weight_size(gguf_path: str | Path, config: ModelConfig, dtype: torch.dt
         dtype_name = str(dtype).removeprefix("torch.")
         parts.append(f"{dtype_name} {sum(dense_types.values())} tensors ({types}) {dense_bytes / MiB:.1f} MiB")
     parts.append(f"RoPE cache {rope_cache / MiB:.1f} MiB")  # so the parts add up to the total
-    return WeightSize(sum(quant_bytes.values()) + dense_bytes + rope_cache, "; ".join(parts))
+    return WeightSize(sum(quant_bytes.values()) + dense_bytes + rope_cache, "; ".join(parts),
+                      expert_layer_bytes=tuple(expert_layer_bytes),
+                      experts_in_blocks=bool(layer_of) and expert_blocks == set(layer_of))
 
 
 def load_gguf_quantized(

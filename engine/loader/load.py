@@ -32,6 +32,7 @@ def load_model(
     quantization: str | None = None,
     tp: TensorParallel | None = None,
     embeddings_in_blocks: bool = False,
+    experts_in_blocks: bool | None = None,
 ) -> tuple[CausalLM, ModelConfig]:
     """Load a Hugging Face model folder onto ``device`` in ``dtype``.
 
@@ -42,7 +43,9 @@ def load_model(
     With ``quantized_gguf`` (the GGUF file ``model_dir`` was converted from), the
     weights come from that file instead and its projections stay in GGUF block format
     (:func:`engine.loader.gguf_quant.load_gguf_quantized`; ``embeddings_in_blocks``: the
-    CPU engine's layout, embeddings in blocks too).
+    CPU engine's layout, embeddings in blocks too; ``experts_in_blocks``: a mixture of
+    experts' routed experts in blocks, None for everywhere but on the CPU, True to read
+    a CUDA engine's layout into host memory first).
 
     With ``quantization="fp8"`` the dense projections are
     :class:`~engine.models.fp8_linear.Fp8Linear` (float8_e4m3fn, a float32 scale per
@@ -74,7 +77,7 @@ def load_model(
                              "or let the GGUF load dequantized")
         from engine.loader.gguf_quant import load_gguf_quantized
 
-        return load_gguf_quantized(config, quantized_gguf, device, dtype,
+        return load_gguf_quantized(config, quantized_gguf, device, dtype, experts_in_blocks=experts_in_blocks,
                                    embeddings_in_blocks=embeddings_in_blocks), config
     shapes = config if tp is None else rank_config(config, tp)
     model = _build_on_meta(shapes, dtype, quantization)

@@ -165,7 +165,9 @@ def make_footprint(
     The KV cache is charged in ``knobs.kv_cache_dtype``'s storage dtype
     (:func:`engine.kvcache.pool.kv_storage_dtype`).
     ``weights`` replaces the dense size of ``mc`` in ``dtype`` with what a GGUF loaded
-    with its projections in block format takes (:func:`engine.loader.gguf_quant.gguf_weight_size`).
+    with its projections in block format takes (:func:`engine.loader.gguf_quant.gguf_weight_size`),
+    its routed experts priced per layer as stored (blocks, for the host tier and the
+    expert cache too).
     """
     kv_dtype = kv_storage_dtype(knobs.kv_cache_dtype, dtype)
     est_here = estimate_activation_bytes(mc, dtype, knobs)
@@ -182,10 +184,17 @@ def make_footprint(
                 return peak
             return int(peak * estimate_activation_bytes(mc, dtype, k) / max(est_here, 1))
 
+    # The routed experts apart, for the ledger and the hybrid placement: dense shapes,
+    # or a GGUF's bytes per layer as stored (blocks stay blocks in the host tier and
+    # the expert cache alike).
+    layer_bytes = () if weights is None else weights.expert_layer_bytes
+    dense_experts = mc.is_moe and not layer_bytes and (weights is None or weights.source == "FP8")
     return Footprint(
         weight_bytes=weight_bytes(mc, dtype) if weights is None else weights.bytes,
-        expert_weight_bytes=expert_weight_bytes(mc, dtype) if weights is None or weights.source == "FP8" else 0,
-        expert_layers=len(mc.moe_layers) if mc.is_moe and (weights is None or weights.source == "FP8") else 0,
+        expert_weight_bytes=expert_weight_bytes(mc, dtype) if dense_experts else sum(layer_bytes),
+        expert_layers=len(mc.moe_layers) if dense_experts else len(layer_bytes),
+        expert_layer_bytes=layer_bytes,
+        expert_form="GGUF blocks" if weights is not None and weights.experts_in_blocks else "",
         num_experts=mc.num_experts,
         weight_source="exact, from tensor shapes" if weights is None else f"exact, {weights.source}: {weights.mix}",
         kv_bytes_per_token=kv_bytes_per_token(mc, kv_dtype),

@@ -169,11 +169,34 @@ class Footprint:
     num_experts: int = 0
     # The KV heads the cache holds (a tensor-parallel rank's share); 0 where not known.
     kv_heads: int = 0
+    # The routed experts' bytes per MoE layer as stored (a GGUF's blocks may differ by
+    # layer: Q4_K_M files give some layers Q6_K down blocks); empty: every layer holds
+    # expert_weight_bytes / expert_layers. expert_form names a storage other than the
+    # model dtype ("GGUF blocks"), which the host tier and the expert cache keep.
+    expert_layer_bytes: tuple[int, ...] = ()
+    expert_form: str = ""
 
     @property
     def expert_slot_bytes(self) -> int:
-        """One routed expert's bytes (a slot of the expert cache)."""
+        """One routed expert's bytes (a slot of the expert cache), on average."""
         return self.expert_weight_bytes // max(self.expert_layers * self.num_experts, 1)
+
+    def host_expert_bytes(self, host_layers: int) -> int:
+        """The routed experts of the last ``host_layers`` MoE layers (those
+        ``--cpu-experts`` puts in host memory), in bytes."""
+        if host_layers <= 0:
+            return 0
+        if self.expert_layer_bytes:
+            return sum(self.expert_layer_bytes[-host_layers:])
+        return host_layers * (self.expert_weight_bytes // max(self.expert_layers, 1))
+
+    def host_slot_bytes(self, host_layers: int) -> int:
+        """One slot of the expert cache in front of the last ``host_layers`` MoE
+        layers: their largest expert, so that slots spread over layers of different
+        block types never take more than the plan charged."""
+        if host_layers > 0 and self.expert_layer_bytes and self.num_experts:
+            return max(-(-b // self.num_experts) for b in self.expert_layer_bytes[-host_layers:])
+        return self.expert_slot_bytes
 
 
 class LedgerEntry(msgspec.Struct, frozen=True):
@@ -313,15 +336,16 @@ def _weight_lines(fp: Footprint, host_layers: int) -> list[LedgerEntry]:
     ``host_layers`` layers live in host memory, not here."""
     if fp.expert_weight_bytes <= 0:
         return [LedgerEntry("weights", fp.weight_bytes, "-", fp.weight_source)]
-    per_layer = fp.expert_weight_bytes // max(fp.expert_layers, 1)
-    on_device = fp.expert_weight_bytes - host_layers * per_layer
+    host_bytes = fp.host_expert_bytes(host_layers)
+    on_device = fp.expert_weight_bytes - host_bytes
     where = "all on the device" if host_layers == 0 else (
         f"{fp.expert_layers - host_layers} of {fp.expert_layers} layers on the device, "
-        f"{host_layers} ({fmt_bytes(host_layers * per_layer)}) in pinned host memory")
+        f"{host_layers} ({fmt_bytes(host_bytes)}) in pinned host memory")
+    source = f"exact, {fp.expert_form} as stored" if fp.expert_form else "exact, from tensor shapes"
     return [
         LedgerEntry("weights", fp.weight_bytes - fp.expert_weight_bytes, "-",
                     fp.weight_source + "; all but the routed experts"),
-        LedgerEntry("routed expert weights", on_device, "-", "exact, from tensor shapes; " + where),
+        LedgerEntry("routed expert weights", on_device, "-", f"{source}; {where}"),
     ]
 
 
@@ -392,15 +416,16 @@ def _ledger_at(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint, host_layer
     min_ctx = min(knobs.min_context or model_ctx, model_ctx)
     need_pages = math.ceil(min_ctx / knobs.page_size)
     slots = 0
+    slot = fp.host_slot_bytes(host_layers)
     if host_layers > 0:
-        per_layer = fp.expert_weight_bytes // max(fp.expert_layers, 1)
-        fixed -= host_layers * per_layer
-        slot = fp.expert_slot_bytes
+        fixed -= fp.host_expert_bytes(host_layers)
         spare = budget - fixed - need_pages * page_bytes
         slots = int(min(max(spare // 2, 0) // slot, host_layers * fp.num_experts)) if slot > 0 else 0
         fixed += slots * slot
+        form = f" ({fp.expert_form})" if fp.expert_form else ""
         ledger.append(LedgerEntry("expert cache", slots * slot, "-",
-                                  f"{slots} slots of {fmt_bytes(slot)} for {host_layers} layers x {fp.num_experts} experts in host memory"))
+                                  f"{slots} slots of {fmt_bytes(slot)}{form} for {host_layers} layers x "
+                                  f"{fp.num_experts} experts in host memory"))
     kv_room = budget - fixed
     pages = max(kv_room // page_bytes, 0) if page_bytes > 0 else 0
     kv_bytes = pages * page_bytes
@@ -437,7 +462,7 @@ def _ledger_at(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint, host_layer
         context_note=note,
         cpu_expert_layers=host_layers,
         expert_cache_slots=slots,
-        expert_slot_bytes=fp.expert_slot_bytes if host_layers else 0,
+        expert_slot_bytes=slot if host_layers else 0,
         tensor_parallel_size=knobs.tensor_parallel_size,
         kv_heads=fp.kv_heads,
     )
@@ -512,7 +537,7 @@ def _suggest(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint, plan: Memory
             continue  # never suggest a direction that does not help
         price = ""
         if flag == _flag("cpu_experts"):
-            price = f"decode slows: an expert missing from the GPU cache is copied over PCIe or run on the CPU; needs {fmt_bytes(int(new) * fp.expert_weight_bytes // fp.expert_layers)} of host memory"
+            price = f"decode slows: an expert missing from the GPU cache is copied over PCIe or run on the CPU; needs {fmt_bytes(fp.host_expert_bytes(int(new)))} of host memory"
         s = Suggestion(flag, cur, new, int(saved), price)
         held = best.get(flag)
         if held is None or _better((other.fits, s), held):

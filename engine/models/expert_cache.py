@@ -1,15 +1,19 @@
 """Routed experts kept in host memory, with a device expert cache in front of them.
 
 A layer whose routed experts live on the host (pinned when the device is CUDA) swaps
-:class:`engine.models.moe.Experts` for an :class:`OffloadedExperts`: the full
-``[E, 2I, H]`` / ``[E, H, I]`` stacks stay in the **host tier**, and a **cache tier** of
-``S`` slots (``[S, 2I, H]`` + ``[S, H, I]`` on the device) holds the experts recently
-used. Each step, for every expert the router picked:
+its experts module for an :class:`OffloadedExperts`: the full stack of ``E`` experts
+stays in the **host tier**, and a **cache tier** of ``S`` slots (a stack of ``S`` on the
+device) holds the experts recently used. Both tiers hold the experts in the form the
+layer had (:mod:`engine.models.expert_stacks`): dense ``[E, 2I, H]`` / ``[E, H, I]``
+stacks of :class:`engine.models.moe.Experts`, or a GGUF's blocks of
+:class:`engine.models.quant_experts.QuantExperts`, so a copy moves blocks (a quarter to
+a third of the dense bytes) and a cached expert runs through the quantized kernels.
+Each step, for every expert the router picked:
 
 - in the cache: a hit; it runs on the device from its slot;
 - missing: :class:`CostModel` decides, for the number of tokens routed to it, whether
   copying it in (host -> device, ``non_blocking`` from pinned memory) or running it on
-  the CPU (the activations copied over and back) is cheaper; a copy is credited with
+  the CPU (the activations copied over and back; blocks dequantized first) is cheaper; a copy is credited with
   the later steps it is expected to serve from the cache (the expert's recent share of
   steps, a decayed average, times the cache's slots: about how many steps a slot stays
   before LRU evicts it). A copy evicts the least recently used slot that this step does
@@ -26,9 +30,10 @@ used. Each step, for every expert the router picked:
 Nothing here assumes CUDA: with the device being the CPU, the host tier is one CPU
 tensor and the cache tier another, and the same choices, copies and evictions happen,
 so the logic is checked without a GPU. On CPU the experts run one by one in expert
-order, exactly as :func:`kernels.moe.fused_moe`'s reference does, so outputs are equal
-to the all-resident model's; on CUDA the cached experts run through the fused kernel
-over slot indices.
+order, exactly as the references of :func:`kernels.moe.fused_moe` and
+:func:`kernels.quant.moe_reference.fused_moe_quant` do, so outputs are equal to the
+all-resident model's; on CUDA the cached experts run through the fused kernel (dense or
+over blocks) over slot indices.
 
 :meth:`OffloadedExperts.resize` grows or shrinks the cache between steps (a live
 replan), evicting least recently used slots; the host tier always has every expert,
@@ -46,8 +51,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.models.expert_stacks import DenseStack, ExpertStack, stack_of
 from kernels.activation import silu_and_mul
-from kernels.dispatch import fused_moe
 
 
 @dataclass
@@ -76,7 +81,7 @@ class CostModel:
     """Seconds to bring one expert in versus to run it on the CPU.
 
     ``copy_bytes_per_s``: host -> device bandwidth; ``expert_bytes``: one expert's
-    ``[2I, H] + [H, I]`` bytes; ``cpu_s_base`` and ``cpu_s_per_token``: a CPU run of one
+    bytes as the tiers hold it (``[2I, H] + [H, I]`` dense, or its blocks); ``cpu_s_base`` and ``cpu_s_per_token``: a CPU run of one
     expert on ``n`` tokens takes ``cpu_s_base + n * cpu_s_per_token`` (measured by
     :func:`measure_costs` on 1 and 256 tokens; linear between). A run of a few
     tokens reads the weights and barely computes, so a slope taken below a few dozen
@@ -114,21 +119,25 @@ def _expert_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) 
 
 
 def measure_costs(host_gate_up: torch.Tensor, host_down: torch.Tensor, device: torch.device, repeats: int = 3) -> CostModel:
-    """Time expert copies to ``device`` and one expert's CPU run on 1 and 256 tokens
-    (best of ``repeats``), from the host tier ``host_gate_up`` ``[E, 2I, H]``,
-    ``host_down`` ``[E, H, I]``.
+    """:func:`measure_stack_costs` of dense experts ``host_gate_up`` ``[E, 2I, H]``,
+    ``host_down`` ``[E, H, I]``."""
+    return measure_stack_costs(DenseStack(host_gate_up, host_down), device, repeats)
 
-    The copy is timed as the store makes it: from pinned memory (on CUDA), up to 4
-    experts back to back, so the figure is the bus's rate rather than one copy's launch
-    and wait (a single pageable copy measured 10-15 GB/s on a link that streams 46).
+
+def measure_stack_costs(host: ExpertStack, device: torch.device, repeats: int = 3) -> CostModel:
+    """Time expert copies of ``host`` (a host tier) to ``device`` and one expert's CPU
+    run on 1 and 256 tokens (best of ``repeats``), as :class:`OffloadedExperts` makes
+    them: the copy moves the stack's own bytes (a GGUF's blocks), the CPU run
+    dequantizes first.
+
+    The copy is timed from pinned memory (on CUDA), up to 4 experts back to back, so
+    the figure is the bus's rate rather than one copy's launch and wait (a single
+    pageable copy measured 10-15 GB/s on a link that streams 46).
     """
-    n = min(4, host_gate_up.shape[0])
-    gu, dn = host_gate_up[:n].contiguous(), host_down[:n].contiguous()
-    if device.type == "cuda":
-        gu, dn = gu.pin_memory(), dn.pin_memory()
-    nbytes = (gu.nbytes + dn.nbytes) // n
-    dst_gu = torch.empty_like(gu, device=device)
-    dst_dn = torch.empty_like(dn, device=device)
+    n = min(4, host.num_experts)
+    src = host.head(n).on_host(pin=device.type == "cuda")
+    dst = src.empty(n, device)
+    nbytes = src.expert_bytes
 
     def best(fn) -> float:
         times = []
@@ -140,15 +149,15 @@ def measure_costs(host_gate_up: torch.Tensor, host_down: torch.Tensor, device: t
 
     def copy() -> None:
         for i in range(n):
-            dst_gu[i].copy_(gu[i], non_blocking=True)
-            dst_dn[i].copy_(dn[i], non_blocking=True)
+            dst.copy_in(i, src, i, non_blocking=True)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
     copy()  # first touch
     copy_s = max(best(copy) / n, 1e-9)
-    xs = {t: torch.randn(t, gu.shape[2], dtype=gu.dtype) for t in (1, 256)}
-    cpu = {t: best(lambda t=t: _expert_mlp(xs[t], gu[0], dn[0])) for t in xs}
+    hidden = src.weights_of(0, src.cpu_dtype)[0].shape[1]
+    xs = {t: torch.randn(t, hidden, dtype=src.cpu_dtype) for t in (1, 256)}
+    cpu = {t: best(lambda t=t: _expert_mlp(xs[t], *src.weights_of(0, xs[t].dtype))) for t in xs}
     per_token = max((cpu[256] - cpu[1]) / 255, 0.0)
     return CostModel(nbytes / copy_s, nbytes, max(cpu[1] - per_token, 0.0), per_token)
 
@@ -158,42 +167,45 @@ class OffloadedExperts(nn.Module):
     ``device``.
 
     Args:
-        gate_up: ``[E, 2I, H]``; down: ``[E, H, I]``, any device (moved to the host,
-            pinned when ``device`` is CUDA).
+        experts: the layer's experts, any device, in the form the tiers keep
+            (:class:`~engine.models.expert_stacks.DenseStack` or
+            :class:`~engine.models.expert_stacks.BlockStack`); copied to host memory,
+            pinned when ``device`` is CUDA.
         num_slots: cache slots, ``0 <= num_slots <= E``.
         counters: shared totals (one object for all layers).
         costs: the copy-or-CPU rule.
+
+    Attributes:
+        host: the host tier, every expert. cache: the cache tier, ``num_slots`` on
+        ``device``. slot_of: expert -> slot, least recently used first.
+
+    Raises:
+        ValueError: ``num_slots`` outside ``0..E``.
     """
 
-    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, device: torch.device, num_slots: int,
+    def __init__(self, experts: ExpertStack, device: torch.device, num_slots: int,
                  counters: ExpertCounters, costs: CostModel) -> None:
         super().__init__()
         self.device = torch.device(device)
-        pin = self.device.type == "cuda"
-        self.host_gate_up = gate_up.detach().to("cpu").contiguous()
-        self.host_down = down.detach().to("cpu").contiguous()
-        if pin:
-            self.host_gate_up = self.host_gate_up.pin_memory()
-            self.host_down = self.host_down.pin_memory()
-        self.num_experts = gate_up.shape[0]
+        self.host = experts.on_host(pin=self.device.type == "cuda")
+        self.num_experts = self.host.num_experts
         self.counters = counters
         self.costs = costs
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # expert -> slot, least recent first
         # Each expert's share of recent steps that routed to it (decayed average).
         self.heat = torch.zeros(self.num_experts, dtype=torch.float64)
-        self.slot_gate_up = torch.empty(0, *gate_up.shape[1:], dtype=gate_up.dtype, device=self.device)
-        self.slot_down = torch.empty(0, *down.shape[1:], dtype=down.dtype, device=self.device)
+        self.cache = self.host.empty(0, self.device)
         self._copy_stream: torch.cuda.Stream | None = None  # created on the first streamed step
         self.resize(num_slots)
 
     @property
     def num_slots(self) -> int:
-        return self.slot_gate_up.shape[0]
+        return self.cache.num_experts
 
     @property
     def slot_bytes(self) -> int:
-        """One slot's device bytes (``[2I, H] + [H, I]``)."""
-        return self.host_gate_up[0].nbytes + self.host_down[0].nbytes
+        """One slot's device bytes (one expert as the tiers hold it)."""
+        return self.host.expert_bytes
 
     def resize(self, num_slots: int) -> None:
         """Hold ``num_slots`` slots (``0..E``): shrinking evicts the least recently used
@@ -205,14 +217,12 @@ class OffloadedExperts(nn.Module):
             self.slot_of.popitem(last=False)
             self.counters.evictions += 1
         keep = list(self.slot_of.items())
-        gu = torch.empty(num_slots, *self.slot_gate_up.shape[1:], dtype=self.slot_gate_up.dtype, device=self.device)
-        dn = torch.empty(num_slots, *self.slot_down.shape[1:], dtype=self.slot_down.dtype, device=self.device)
+        cache = self.host.empty(num_slots, self.device)
         for new, (expert, old) in enumerate(keep):
-            gu[new].copy_(self.slot_gate_up[old])
-            dn[new].copy_(self.slot_down[old])
+            cache.copy_in(new, self.cache, old)
             self.slot_of[expert] = new
         # Free the old cache before the caller plans with the new size.
-        self.slot_gate_up, self.slot_down = gu, dn
+        self.cache = cache
 
     def _free_slot(self, pinned: set[int]) -> int | None:
         """A slot to fill: an empty one, else the least recently used expert's that
@@ -286,13 +296,12 @@ class OffloadedExperts(nn.Module):
 
     def _fill(self, wave: list[tuple[int, int]]) -> None:
         for expert, slot in wave:
-            self.slot_gate_up[slot].copy_(self.host_gate_up[expert], non_blocking=True)
-            self.slot_down[slot].copy_(self.host_down[expert], non_blocking=True)
+            self.cache.copy_in(slot, self.host, expert, non_blocking=True)
 
     def _run_cpu(self, x: torch.Tensor, tokens: torch.Tensor, expert: int) -> torch.Tensor:
-        xh = x[tokens].to("cpu")
-        y = _expert_mlp(xh, self.host_gate_up[expert], self.host_down[expert])
-        return y.to(x.device, non_blocking=True)
+        xh = x[tokens].to("cpu", self.host.cpu_dtype)
+        y = _expert_mlp(xh, *self.host.weights_of(expert, xh.dtype))
+        return y.to(x.device, x.dtype, non_blocking=True)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """As :func:`kernels.moe.fused_moe` with this layer's experts: ``x`` ``[T, H]``,
@@ -316,7 +325,7 @@ class OffloadedExperts(nn.Module):
             if slot is None:
                 y = self._run_cpu(x, tokens, e)
             else:
-                y = _expert_mlp(x[tokens], self.slot_gate_up[slot], self.slot_down[slot])
+                y = _expert_mlp(x[tokens], *self.cache.weights_of(slot, x.dtype))
             ys[e] = (y * topk_weights[tokens, ks, None]).to(x.dtype)
 
         for e in experts.tolist():
@@ -344,7 +353,7 @@ class OffloadedExperts(nn.Module):
             cpu_mask[list(on_cpu)] = True
             weights = topk_weights.masked_fill(cpu_mask.to(x.device)[topk_ids], 0)
         if self.num_slots > 0 and len(on_cpu) < num_active:
-            out = fused_moe(x, self.slot_gate_up, self.slot_down, weights, slot_ids)
+            out = self.cache.moe(x, weights, slot_ids)
         else:
             out = torch.zeros_like(x)
         self._add_cpu_runs(out, x, topk_weights, topk_ids, on_cpu)
@@ -383,8 +392,7 @@ class OffloadedExperts(nn.Module):
         def compute(g: int) -> None:
             rows = torch.cat([order[start[e]:start[e] + size[e]] for e, _ in groups[g]])
             tokens = rows // k
-            y = fused_moe(x[tokens], self.slot_gate_up, self.slot_down, topk_weights.flatten()[rows, None],
-                          table[g][flat_ids[rows]][:, None])
+            y = self.cache.moe(x[tokens], topk_weights.flatten()[rows, None], table[g][flat_ids[rows]][:, None])
             out.index_add_(0, tokens, y)
 
         if cached:
@@ -415,14 +423,17 @@ def offload_experts(model: nn.Module, layers: tuple[int, ...], slots_per_layer: 
     """Move the routed experts of decoder ``layers`` of ``model`` (a
     :class:`engine.models.decoder.CausalLM`) to the host tier, each with a cache of
     ``slots_per_layer`` slots on ``device`` (None: where the experts are now); ``costs``
-    None measures them on the first such layer. A model read into host memory and then
-    moved to the device keeps the stores' tensors where they are (plain attributes).
+    None measures them on the first such layer. Dense experts stay dense, a GGUF's
+    experts in blocks stay in blocks (:func:`engine.models.expert_stacks.stack_of`). A
+    model read into host memory and then moved to the device keeps the stores' tensors
+    where they are (plain attributes).
 
     Returns:
         (the offloaded layers' stores, their shared counters).
 
     Raises:
-        ValueError: a layer in ``layers`` is not a mixture-of-experts layer.
+        ValueError: a layer in ``layers`` is not a mixture-of-experts layer, or its
+            experts are already offloaded.
     """
     counters = ExpertCounters()
     stores = []
@@ -430,15 +441,14 @@ def offload_experts(model: nn.Module, layers: tuple[int, ...], slots_per_layer: 
         mlp = model.model.layers[i].mlp
         if not hasattr(mlp, "experts"):
             raise ValueError(f"layer {i} has no routed experts to offload")
-        old = mlp.experts
-        dev = old.gate_up_proj.device if device is None else torch.device(device)
+        experts = stack_of(mlp.experts)
+        dev = experts.device if device is None else torch.device(device)
         if costs is None:
-            costs = measure_costs(old.gate_up_proj.detach().cpu(), old.down_proj.detach().cpu(), dev)
-        slots = min(slots_per_layer, old.gate_up_proj.shape[0])
-        store = OffloadedExperts(old.gate_up_proj, old.down_proj, dev, slots, counters, costs)
-        mlp.experts = store
-        del old
-        stores.append(store)
+            costs = measure_stack_costs(experts, dev)
+        slots = min(slots_per_layer, experts.num_experts)
+        mlp.experts = OffloadedExperts(experts, dev, slots, counters, costs)
+        del experts
+        stores.append(mlp.experts)
     if stores and stores[0].device.type == "cuda":
         torch.cuda.empty_cache()
     return stores, counters

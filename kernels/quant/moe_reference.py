@@ -63,9 +63,16 @@ def fused_moe_quant(
     check_expert_blocks(w_gate, w_up, w_down, types, hidden, inter)
     if x.shape[0] == 0:
         return torch.zeros_like(x)
+    return moe_by_expert(x, topk_weights, topk_ids,
+                         lambda e: expert_weights(w_gate, w_up, w_down, types, e, x.dtype))
 
-    def weights_of(e: int) -> tuple[torch.Tensor, torch.Tensor]:
-        gate_up = torch.cat([dequantize(w_gate[e], types[0], hidden), dequantize(w_up[e], types[1], hidden)])
-        return gate_up.to(x.dtype), dequantize(w_down[e], types[2], inter).to(x.dtype)
 
-    return moe_by_expert(x, topk_weights, topk_ids, weights_of)
+def expert_weights(w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, types: tuple[str, str, str],
+                   expert: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert ``expert``'s weights dequantized from stacked blocks (shapes as
+    :func:`fused_moe_quant` takes them): ``([2I, H], [H, I])`` in ``dtype`` on the
+    blocks' device, gate rows first, as :class:`engine.models.moe.Experts` stacks them.
+    ``H`` is read from the down blocks' rows, ``I`` from the gate's."""
+    hidden, inter = w_down.shape[1], w_gate.shape[1]
+    gate_up = torch.cat([dequantize(w_gate[expert], types[0], hidden), dequantize(w_up[expert], types[1], hidden)])
+    return gate_up.to(dtype), dequantize(w_down[expert], types[2], inter).to(dtype)

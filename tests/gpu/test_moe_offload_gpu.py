@@ -36,6 +36,7 @@ from engine.models.expert_cache import (
     offload_experts,
     resize_cache,
 )
+from engine.models.expert_stacks import DenseStack
 from kernels.dispatch import fused_moe
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -50,7 +51,7 @@ def test_hybrid_tiny_qwen3_moe_equals_all_resident_in_bf16(tmp_path, make_tiny_h
     ref, ref_logits = paged_greedy(paged_runner(model, config, device="cuda"), prompts, STEPS)
     hybrid = copy.deepcopy(model)
     stores, counters = offload_experts(hybrid, config.moe_layers, 3)
-    assert stores[0].host_gate_up.is_pinned() and stores[0].slot_gate_up.is_cuda
+    assert stores[0].host.gate_up.is_pinned() and stores[0].cache.gate_up.is_cuda
 
     def halve(i):
         if i == 16:
@@ -90,7 +91,7 @@ def test_qwen3_30b_a3b_expert_layers_hybrid_vs_resident(batch, slots):
     weights = [(torch.randn(experts, 2 * inter, hdim, dtype=torch.bfloat16) * 0.02,
                 torch.randn(experts, hdim, inter, dtype=torch.bfloat16) * 0.02) for _ in range(layers)]
     costs = measure_costs(weights[0][0], weights[0][1], torch.device("cuda"))
-    stores = [OffloadedExperts(gu, dn, torch.device("cuda"), per_layer, counters, costs) for gu, dn in weights]
+    stores = [OffloadedExperts(DenseStack(gu, dn), torch.device("cuda"), per_layer, counters, costs) for gu, dn in weights]
     resident = [(gu.cuda(), dn.cuda()) for gu, dn in weights]
     steps = 64
     perms = [torch.randperm(experts, generator=gen) for _ in range(layers)]  # hot experts are not the low ids
@@ -141,7 +142,7 @@ def test_a_prefill_chunk_streams_the_missing_experts_through_the_cache(routing, 
     measured = measure_costs(gu, dn, torch.device("cuda"))
     costs = measured if routing == "zipf" else ALWAYS_COPY
     counters = ExpertCounters()
-    store = OffloadedExperts(gu, dn, torch.device("cuda"), slots, counters, costs)
+    store = OffloadedExperts(DenseStack(gu, dn), torch.device("cuda"), slots, counters, costs)
     gu_d, dn_d = gu.cuda(), dn.cuda()
     x = torch.randn(tokens, hdim, dtype=torch.bfloat16, generator=gen).cuda()
     if routing == "zipf":
@@ -170,7 +171,7 @@ def test_a_prefill_chunk_streams_the_missing_experts_through_the_cache(routing, 
     per_step = {k: (getattr(counters, k) - getattr(before, k)) / 7 for k in ("streamed", "cpu_runs", "hits")}
     # Every miss on the CPU: a step that could not stream (an upper figure: the cached
     # experts run on the CPU too).
-    on_cpu = OffloadedExperts(gu, dn, torch.device("cuda"), slots, ExpertCounters(), ALWAYS_CPU)
+    on_cpu = OffloadedExperts(DenseStack(gu, dn), torch.device("cuda"), slots, ExpertCounters(), ALWAYS_CPU)
     _, cpu_s = timed(lambda: on_cpu(x, w, ids), reps=2)
     print(f"\nprefill chunk of {tokens} tokens, {routing} routing, Qwen3-30B-A3B layer shape, {slots} of {experts} "
           f"slots: hybrid {hybrid_s * 1e3:.1f} ms/layer (per step {per_step}; those copies alone "

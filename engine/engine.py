@@ -52,7 +52,11 @@ from engine.models.expert_cache import (
     offload_experts,
     resize_cache,
 )
-from engine.models.quant_linear import model_weight_bytes, quantized_format
+from engine.models.quant_linear import (
+    model_weight_bytes,
+    quantized_format,
+    repack_model_for_kernels,
+)
 from engine.options import pick
 from engine.parallel.follow import lead
 from engine.parallel.group import TensorParallel
@@ -178,6 +182,8 @@ class Engine(LiveReplan):
             self.expert_stores, self.expert_counters = offload_experts(
                 self.model, layers, 0, device=self.device)
             self.model.to(self.device)
+            if self.device.type == "cuda":
+                repack_model_for_kernels(self.model)  # read on the host: repacked once on the device
             resize_cache(self.expert_stores, self.plan.expert_cache_slots)
             log.info("routed experts of %d of %d MoE layers in host memory; expert cache of %d slots",
                      host_layers, len(mc.moe_layers), self.plan.expert_cache_slots)

@@ -387,7 +387,7 @@ def gemm_rows(bandwidth: float, shapes: list[tuple[str, int, int]], m: int = 512
         w = torch.from_numpy(random_blocks(kind, n, k, rng, scale=1e-4)).cuda()
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         turn = itertools.cycle(_rotating(w))
-        seconds = _graph_seconds(lambda: quant_gemm(x, next(turn), kind), 5)
+        seconds = _graph_seconds(lambda x=x, turn=turn, kind=kind: quant_gemm(x, next(turn), kind), 5)
         rows.append(f"| {kind} {n}x{k} | {m} | {seconds * 1e6:.1f} | {2 * m * n * k / seconds / 1e12:.1f} | "
                     f"{w.nbytes / seconds / bandwidth:.0%} |")
         print(rows[-1], flush=True)

@@ -73,6 +73,12 @@ def reference(tiny, paged_runner):
     return paged_greedy(paged_runner(model, config), _prompts(), STEPS)
 
 
+def _same_logits(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal to float32 summation order: the module's reference may have run with another
+    torch thread count (the suite fits threads to the free cores), which regroups sums."""
+    assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max())
+
+
 @pytest.mark.parametrize(("costs", "slots"), [(ALWAYS_COPY, 3), (ALWAYS_CPU, 2), (MIXED, 2), (ALWAYS_COPY, 1)],
                          ids=["copy-lru", "cpu", "mixed", "one-slot"])
 def test_greedy_ids_equal_the_all_resident_quantized_model(tiny, paged_runner, reference, costs, slots):
@@ -82,7 +88,7 @@ def test_greedy_ids_equal_the_all_resident_quantized_model(tiny, paged_runner, r
     got, logits = paged_greedy(paged_runner(hybrid, config), _prompts(), STEPS)
     assert got == reference[0]
     # The same reference ops on the same dequantized values, expert by expert in order.
-    assert torch.equal(logits, reference[1])
+    _same_logits(logits, reference[1])
     assert counters.hits + counters.misses > 0
     assert counters.misses == counters.copies + counters.cpu_runs
     if costs is ALWAYS_CPU:
@@ -109,7 +115,8 @@ def test_a_cache_halved_mid_run_and_grown_back_keeps_outputs_equal(tiny, paged_r
     _, config, model = tiny
     hybrid = copy.deepcopy(model)
     got, logits, _ = halved_cache_run(paged_runner(hybrid, config), _prompts(), STEPS, hybrid, config)
-    assert got == reference[0] and torch.equal(logits, reference[1])
+    assert got == reference[0]
+    _same_logits(logits, reference[1])
 
 
 def _layer(tiny) -> tuple[QuantExperts, int]:

@@ -42,10 +42,9 @@ from engine.loader.gguf_convert import (
 )
 from engine.models.cpu_quant_linear import CODE_BITS, QuantEmbedding, packable, packed_bytes
 from engine.models.quant_experts import QuantExperts
-from engine.models.quant_linear import PartSpec, QuantLinear
+from engine.models.quant_linear import PartSpec, QuantLinear, repack_model_for_kernels
 from engine.units import MiB
 from kernels.quant.formats import FORMATS, tensor_bytes
-from kernels.quant.repack import REPACK
 
 # Our fused module (under model.layers.N) -> the GGUF tensors stacked in it, in order.
 _ATTENTION_TARGETS = {
@@ -308,10 +307,8 @@ def load_gguf_quantized(
         for module_name in expert_modules:
             _fill_experts(model.get_submodule(module_name),
                           [by_name[n] for n in _expert_targets(config)[module_name]], gguf_path)
-        if device.type == "cuda" and REPACK:
-            for module in model.modules():
-                if isinstance(module, QuantLinear):
-                    module.repack_for_kernels()
+        if device.type == "cuda":
+            repack_model_for_kernels(model)
         skip = (projection_weights | {f"{s}.bias" for stems in targets.values() for s in stems} | expert_weights
                 | {_ROPE_FREQS} | ({_EMBEDDINGS} if embed_type is not None else set()))
         try:

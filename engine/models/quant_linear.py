@@ -28,7 +28,7 @@ from torch import nn
 from kernels.dispatch import use_triton
 from kernels.quant import reference
 from kernels.quant.formats import FORMATS, tensor_bytes
-from kernels.quant.repack import q6k_to_planes, repackable, repacked_type
+from kernels.quant.repack import REPACK, q6k_to_planes, repackable, repacked_type
 
 
 @dataclass(frozen=True)
@@ -140,6 +140,17 @@ class QuantLinear(nn.Module):
     def extra_repr(self) -> str:
         mix = ", ".join(f"{p.type_name or 'dense'}x{p.rows}" for p in self.parts)
         return f"in_features={self.in_features}, out_features={self.out_features}, parts=[{mix}]"
+
+
+def repack_model_for_kernels(model: nn.Module) -> None:
+    """:meth:`QuantLinear.repack_for_kernels` on every quantized projection of ``model``,
+    once its blocks are on a CUDA device (the loader's and the hybrid load's last step);
+    ``HEADROOM_QUANT_REPACK=0`` keeps GGUF's layout (to time it)."""
+    if not REPACK:
+        return
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            module.repack_for_kernels()
 
 
 def model_weight_bytes(model: nn.Module) -> int:

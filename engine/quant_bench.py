@@ -426,17 +426,81 @@ def profile_rows(model, config, context: int, steps: int = 5) -> list[str]:
     return rows
 
 
+def _batches(text: str) -> list[int]:
+    """``--batches``: comma-separated positive batch sizes."""
+    try:
+        batches = [int(b) for b in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of batch sizes (e.g. 1,16)") from None
+    if not batches or min(batches) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: batch sizes are 1 or more")
+    return batches
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not 1 or more")
+    return value
+
+
+# K-quant blocks hold 256 weights: every row the random file quantizes is whole blocks.
+_K_BLOCK = 256
+
+
+def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse, before any work, what the benchmark cannot do (argparse's one-line
+    errors, exit 2): a shape it cannot write, more layers than the shape's, an unusable
+    output path, or timing without a GPU."""
+    from engine.commands.model_shapes import SHAPES
+
+    shape = SHAPES[args.shape]
+    if "linear_num_value_heads" in shape:
+        p.error(f"--shape {args.shape}: hybrid (linear-attention) models have no random GGUF writer here; "
+                "choose a dense or mixture-of-experts shape")
+    if args.layers is not None and args.layers > shape["num_hidden_layers"]:
+        p.error(f"--layers {args.layers}: {args.shape} has {shape['num_hidden_layers']} layers; use that many or fewer")
+    sizes = {"hidden size": shape["hidden_size"],
+             "expert size" if "num_experts" in shape else "intermediate size":
+             shape["moe_intermediate_size" if "num_experts" in shape else "intermediate_size"]}
+    for what, size in sizes.items():
+        if size % _K_BLOCK:
+            p.error(f"--shape {args.shape}: its {what} {size} is not a multiple of {_K_BLOCK}, the K-quant block "
+                    "the random Q4_K_M-like file is written in; choose another shape")
+    if args.write_gguf is not None:
+        out = Path(args.write_gguf).expanduser()
+        if out.is_dir():
+            p.error(f"--write-gguf {out}: is a directory; give a file path ending in .gguf")
+        if not out.parent.is_dir():
+            p.error(f"--write-gguf {out}: {out.parent} is not an existing folder; create it first")
+        existed = out.exists()
+        try:
+            with open(out, "ab"):
+                pass
+        except OSError as e:
+            p.error(f"--write-gguf {out}: cannot write there ({e.strerror}); choose a writable folder")
+        if not existed:
+            out.unlink()
+    elif not torch.cuda.is_available():
+        p.error("times decode steps on a CUDA GPU and finds none here; --write-gguf PATH writes the random GGUF "
+                "without one")
+
+
 def main(argv: list[str] | None = None) -> None:
-    from engine.commands.model_shapes import write_shape
+    from engine.commands.model_shapes import SHAPES, write_shape
     from engine.loader.gguf_quant import gguf_weight_size, load_gguf_quantized
     from engine.loader.hf_config import load_model_config
     from engine.loader.load import load_model
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shape", default="llama-3.1-8b")
-    p.add_argument("--layers", type=int, default=None, help="fewer layers than the shape's (quick runs)")
-    p.add_argument("--batches", default="1,16")
-    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--shape", default="llama-3.1-8b", choices=list(SHAPES),
+                   help="model shape of the random GGUF (default %(default)s)")
+    p.add_argument("--layers", type=_positive, default=None, help="fewer layers than the shape's (quick runs)")
+    p.add_argument("--batches", type=_batches, default=[1, 16], help="decode batch sizes, e.g. 1,16 (default)")
+    p.add_argument("--context", type=_positive, default=256, help="tokens of KV per sequence (default %(default)s)")
     p.add_argument("--dir", default=None, help="where to write the GGUF (default: a temp dir)")
     p.add_argument("--no-bf16", action="store_true", help="skip the bfloat16 comparison")
     p.add_argument("--sweep", action="store_true", help="then the GEMV's tilings on the gate/up, down and o shapes")
@@ -453,10 +517,11 @@ def main(argv: list[str] | None = None) -> None:
                         "mixture-of-experts shape as a qwen3moe file with Q4_K/Q4_K/Q6_K experts and the default "
                         "model's tokenizer")
     args = p.parse_args(argv)
+    _check_args(p, args)
     if args.write_gguf is not None:
-        _write_gguf_only(Path(args.write_gguf), args.shape, args.layers)
+        _write_gguf_only(Path(args.write_gguf).expanduser(), args.shape, args.layers)
         return
-    batches = [int(b) for b in args.batches.split(",")]
+    batches = args.batches
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         overrides = {} if args.layers is None else {"num_hidden_layers": args.layers}

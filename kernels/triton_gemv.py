@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from kernels import gemv as ref
+from kernels.env import env_flag
 from kernels.triton_activation import silu_and_mul
 from kernels.triton_round import round_to
 
@@ -35,7 +36,7 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # batch 1 (Qwen3-0.6B shape: 555 against 553 decode tok/s) and add compile time at start,
 # so the projections stay with cuBLAS unless asked. Read at each call, so a test can set it.
 def _enabled() -> bool:
-    return os.environ.get("HEADROOM_GEMV", "0") == "1"
+    return env_flag("HEADROOM_GEMV", False)
 # The reduction width is a compile-time constant (a model has three: hidden size,
 # attention width, MLP width), so the loop over it is fully known to the compiler.
 _BLOCK_K = 128

@@ -183,3 +183,34 @@ def test_q6k_projections_repacked_for_the_kernels_keep_their_bytes_and_logits(tm
     set_q6k_layout(model, False)
     assert all(torch.equal(b, before[n]) for n, b in model.named_buffers() if n in before)
     assert [p.type_name for p in layer.mlp.down_proj.parts] == ["Q6_K"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--shape", "bogus"], "invalid choice: 'bogus'"),
+    (["--layers", "0"], "0 is not 1 or more"),
+    (["--batches", "abc"], "'abc' is not a comma-separated list of batch sizes"),
+    (["--shape", "qwen3-0.6b", "--layers", "40", "--write-gguf", "x.gguf"], "qwen3-0.6b has 28 layers"),
+    (["--shape", "smollm2-135m", "--write-gguf", "x.gguf"], "hidden size 576 is not a multiple of 256"),
+    (["--shape", "qwen3-next-80b-a3b", "--write-gguf", "x.gguf"], "hybrid (linear-attention) models"),
+    (["--write-gguf", "missing/x.gguf"], "is not an existing folder"),
+    (["--write-gguf", "."], "is a directory"),
+])
+def test_the_quant_benchmark_refuses_bad_arguments_before_any_work(argv, message, tmp_path, monkeypatch, capsys):
+    """One argparse line (exit 2) naming the fix, before a weight is generated."""
+    from engine.quant_bench import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_the_quant_benchmark_without_a_gpu_names_what_works_without_one(monkeypatch, capsys):
+    from engine.quant_bench import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit):
+        main([])
+    assert "finds none here; --write-gguf PATH writes the random GGUF without one" in capsys.readouterr().err

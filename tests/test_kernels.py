@@ -207,3 +207,19 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     done = run_compiler_script("triton_compile_check.py", timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "sampling ok" in done.stdout
+
+
+def test_kernel_switches_take_the_usual_words_and_refuse_others(monkeypatch):
+    """``HEADROOM_QUANT_INT8`` and the other kernel switches: unset means the default,
+    1/true/yes/on and 0/false/no/off (any case) are read, anything else is refused with
+    the variable and the accepted words named (a typo must not silently mean on)."""
+    from kernels.env import env_flag
+
+    monkeypatch.delenv("HEADROOM_TEST_SWITCH", raising=False)
+    assert env_flag("HEADROOM_TEST_SWITCH", True) and not env_flag("HEADROOM_TEST_SWITCH", False)
+    for word, value in (("1", True), ("On", True), ("yes", True), ("FALSE", False), ("off", False), ("0", False)):
+        monkeypatch.setenv("HEADROOM_TEST_SWITCH", word)
+        assert env_flag("HEADROOM_TEST_SWITCH", not value) is value
+    monkeypatch.setenv("HEADROOM_TEST_SWITCH", "abc")
+    with pytest.raises(ValueError, match=r"HEADROOM_TEST_SWITCH='abc' is not a switch: use 1/0, true/false"):
+        env_flag("HEADROOM_TEST_SWITCH", True)

@@ -257,3 +257,12 @@ def test_an_engine_on_a_tight_card_starts_with_a_lowered_context_and_grows_it_ba
     assert engine.max_context_tokens == engine.info.max_context_tokens == 8192
     engine.add_request(GenerateRequest(request_id="long", prompt_token_ids=[7] * lowered))
     assert engine.has_work()  # queued, not refused
+
+
+def test_a_device_limit_names_the_smaller_card_it_plans_for():
+    """The plan's head names the card the ledger is for, not the larger device behind it."""
+    dev = simulated_device(24 * GiB)
+    plan = make_plan(dev, PlanKnobs(device_limit=4 * GiB), _footprint())
+    assert plan.device == "simulated device (24.00 GiB) as a 4.00 GiB card (--device-limit)"
+    assert plan.ledger[0].bytes == 4 * GiB
+    assert make_plan(dev, PlanKnobs(), _footprint()).device == "simulated device (24.00 GiB)"

@@ -441,7 +441,8 @@ def _ledger_at(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint, host_layer
             else f"the budget of {fmt_bytes(budget)} leaves {fmt_bytes(kv_bytes)} for the KV cache"
         )
     return MemoryPlan(
-        device=device.name,
+        # Under --device-limit the plan is for the smaller card: name that one.
+        device=device.name if total == device.total_bytes else f"{device.name} as a {fmt_bytes(total)} card (--device-limit)",
         simulated=device.simulated,
         ledger=ledger,
         budget_bytes=budget,

@@ -45,6 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.env import env_flag
 from kernels.quant.formats import block_format
 
 # Rows of activations up to which the GEMV runs (decode batches); the GEMM above.
@@ -56,10 +57,10 @@ GEMV_MAX_ROWS = 16
 _INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 # The GEMV converts codes to floats with inline PTX (:func:`_codes_fast`); the
 # interpreter runs none, and HEADROOM_QUANT_PTX=0 turns it off (to compare).
-_ASM = not _INTERPRETING and os.environ.get("HEADROOM_QUANT_PTX", "1") != "0"
+_ASM = not _INTERPRETING and env_flag("HEADROOM_QUANT_PTX", True)
 # Q4_K/Q6_K decode rows on the int8-activation GEMV (:mod:`kernels.quant.triton_int8`)
 # unless HEADROOM_QUANT_INT8=0 (README, "GGUF weights kept quantized").
-_INT8 = os.environ.get("HEADROOM_QUANT_INT8", "1") != "0"
+_INT8 = env_flag("HEADROOM_QUANT_INT8", True)
 
 
 @triton.jit

@@ -31,7 +31,8 @@ def tiny_files(tmp_path_factory, make_tiny_hf_model) -> dict[str, dict[str, byte
     path = tmp / GGUF_FILE
     write_gguf(path, "qwen2", make_tiny_hf_model("qwen2", None, vocab_size=VOCAB))
     folder = convert_gguf(path, tmp / "folder")
-    files = {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+    # What a Hugging Face repository holds: not the record of the GGUF it came from.
+    files = {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file() and p.name != "gguf_source.json"}
     files["pytorch_model.bin"] = b"not for headroom"
     return {
         GGUF_REPO: {GGUF_FILE: path.read_bytes(), "README.md": b"# tiny\n"},

@@ -99,6 +99,11 @@ def test_pull_lists_the_store_and_serves_by_name(tiny_files, tmp_path):
         gen = headroom(["generate", "--model", name, "--device", "cpu", "--max-tokens", "2", "--raw", "he"],
                        cache, HF_HUB_OFFLINE="1")
         assert gen.returncode == 0, gen.stderr
+    planned = headroom(["plan", "--model", f"{GGUF_REPO}:{GGUF_FILE}", "--device-total", "6GiB"], cache)
+    assert planned.returncode == 0, planned.stderr
+    # The GGUF's conversion: metadata only, the CPU kept the file's blocks and the plan read the config.
+    (converted,) = (cache / "models").glob("tiny-q8_0-*")
+    assert (converted / "config.json").is_file() and not list(converted.glob("*.safetensors"))
     unknown = headroom(["generate", "--model", "acme/nothing", "--raw", "he"], cache)
     assert unknown.returncode == 2 and "no such name in the store" in unknown.stderr
 

@@ -69,8 +69,8 @@ def smollm_tokenizer():
 
 @pytest.fixture(scope="session")
 def default_model_dir(tmp_path_factory) -> str:
-    """The embedded default model converted to a Hugging Face folder (a str path), once
-    per session.
+    """The embedded default model converted to a Hugging Face folder (a str path), with
+    its float weights, once per session.
 
     ``HEADROOM_CACHE_DIR`` points at a session temp dir from first use to the end of the
     session, so engines and ``headroom serve`` children started by later tests find this
@@ -78,12 +78,15 @@ def default_model_dir(tmp_path_factory) -> str:
     """
     smollm_dir()  # skips when the package is missing
     from engine.loader.default_model import CACHE_ENV
+    from engine.loader.gguf_convert import ensure_gguf_weights
     from engine.loader.resolve import resolve_model
 
     previous = os.environ.get(CACHE_ENV)
     os.environ[CACHE_ENV] = str(tmp_path_factory.mktemp("headroom-cache"))
     try:
-        yield str(resolve_model(None))
+        folder = resolve_model(None)
+        ensure_gguf_weights(folder)  # tests load it with transformers too, which reads the folder's tensors
+        yield str(folder)
     finally:
         if previous is None:
             os.environ.pop(CACHE_ENV, None)

@@ -283,6 +283,20 @@ def test_garbage_gguf(tmp_path):
         convert_gguf(path, tmp_path / "out")
 
 
+def dies_at_fifth_tensor(dequantize):
+    """``dequantize`` that raises KeyboardInterrupt (Ctrl-C halfway through the tensors)
+    on its fifth call."""
+    calls = []
+
+    def dies_midway(tensor):
+        calls.append(tensor.name)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return dequantize(tensor)
+
+    return dies_midway
+
+
 def test_interrupted_conversion_leaves_nothing(tmp_path, monkeypatch, make_tiny_hf_model):
     hf = make_tiny_hf_model("qwen2", None, vocab_size=VOCAB)
     path = tmp_path / "tiny.gguf"
@@ -291,15 +305,7 @@ def test_interrupted_conversion_leaves_nothing(tmp_path, monkeypatch, make_tiny_
     stale = tmp_path / "models" / ".tiny.partial-999999999"  # a dead converter's leftovers
     stale.mkdir(parents=True)
     real = gguf_convert._dequantize
-    calls = []
-
-    def dies_midway(tensor):
-        calls.append(tensor.name)
-        if len(calls) == 5:
-            raise KeyboardInterrupt  # Ctrl-C halfway through the tensors
-        return real(tensor)
-
-    monkeypatch.setattr(gguf_convert, "_dequantize", dies_midway)
+    monkeypatch.setattr(gguf_convert, "_dequantize", dies_at_fifth_tensor(real))
     with pytest.raises(KeyboardInterrupt):
         convert_gguf(path, out)
     assert not out.exists()

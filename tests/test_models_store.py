@@ -31,7 +31,8 @@ def tiny_files(tmp_path_factory, make_tiny_hf_model) -> dict[str, dict[str, byte
     path = tmp / GGUF_FILE
     write_gguf(path, "qwen2", make_tiny_hf_model("qwen2", None, vocab_size=VOCAB))
     folder = convert_gguf(path, tmp / "folder")
-    files = {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+    # What a Hugging Face repository holds: not the record of the GGUF it came from.
+    files = {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file() and p.name != "gguf_source.json"}
     files["pytorch_model.bin"] = b"not for headroom"
     return {
         GGUF_REPO: {GGUF_FILE: path.read_bytes(), "README.md": b"# tiny\n"},
@@ -98,6 +99,11 @@ def test_pull_lists_the_store_and_serves_by_name(tiny_files, tmp_path):
         gen = headroom(["generate", "--model", name, "--device", "cpu", "--max-tokens", "2", "--raw", "he"],
                        cache, HF_HUB_OFFLINE="1")
         assert gen.returncode == 0, gen.stderr
+    planned = headroom(["plan", "--model", f"{GGUF_REPO}:{GGUF_FILE}", "--device-total", "6GiB"], cache)
+    assert planned.returncode == 0, planned.stderr
+    # The GGUF's conversion: metadata only, the CPU kept the file's blocks and the plan read the config.
+    (converted,) = (cache / "models").glob("tiny-q8_0-*")
+    assert (converted / "config.json").is_file() and not list(converted.glob("*.safetensors"))
     unknown = headroom(["generate", "--model", "acme/nothing", "--raw", "he"], cache)
     assert unknown.returncode == 2 and "no such name in the store" in unknown.stderr
 

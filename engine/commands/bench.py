@@ -150,6 +150,9 @@ def _hf_model(engine: Engine, shape: str | None):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if shape is None:
+        from engine.loader.gguf_convert import ensure_gguf_weights
+
+        ensure_gguf_weights(engine.model_dir)  # a GGUF's conversion holds no float weights until read
         hf = AutoModelForCausalLM.from_pretrained(engine.model_dir, dtype=engine.dtype)
     else:
         with torch.device(engine.device):

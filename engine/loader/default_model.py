@@ -145,9 +145,46 @@ def add_default_sampling(model_dir: Path) -> None:
     if not missing:
         return
     config.update(missing)
+    _write_json(path, config)
+
+
+def _write_json(path: Path, value: object) -> None:
+    """Write ``value`` to ``path`` as indented JSON through a temp file and a rename;
+    a read-only folder is left as it is."""
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     try:
-        tmp.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        tmp.write_text(json.dumps(value, indent=2) + "\n", encoding="utf-8")
         os.replace(tmp, path)
     except OSError:
         tmp.unlink(missing_ok=True)
+
+
+# The GGUF file a converted folder was made from, so the float weights can be written
+# into the folder later, when a load first reads them (engine.loader.gguf_convert).
+GGUF_SOURCE = "gguf_source.json"
+
+
+def read_gguf_source(model_dir: str | Path) -> dict | None:
+    """The record :func:`record_gguf_source` left in ``model_dir``: ``{"gguf": path,
+    "size": bytes, "mtime_ns": int, "dtype": "float32"}``, or None when the folder has
+    none (a Hugging Face folder, or a conversion made before weights were written
+    lazily) or it is unreadable."""
+    try:
+        record = json.loads((Path(model_dir) / GGUF_SOURCE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or not isinstance(record.get("gguf"), str):
+        return None
+    return record
+
+
+def record_gguf_source(model_dir: str | Path, gguf_path: str | Path, dtype: str = "float32") -> None:
+    """Write (atomically, a rename) which GGUF file ``model_dir`` stands for, with its
+    size and mtime (so a load can tell the file changed since) and the dtype its float
+    weights are to be stored in. A record that already says the same is left alone;
+    a read-only folder is left as it is."""
+    model_dir, gguf_path = Path(model_dir), Path(gguf_path).resolve()
+    stat = gguf_path.stat()
+    record = {"gguf": str(gguf_path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "dtype": dtype}
+    if read_gguf_source(model_dir) != record:
+        _write_json(model_dir / GGUF_SOURCE, record)

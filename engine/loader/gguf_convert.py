@@ -12,10 +12,17 @@ tightly. The default model is 135M parameters (540 MB); pass ``dtype`` for large
 
 The conversion writes into a temporary folder next to the destination and renames it
 at the end, so an interrupted conversion never leaves a half-written model behind.
+
+The weights can be left out (``weights=False``, what :func:`engine.loader.resolve.resolve_model`
+does): the folder then holds the metadata and a record of the GGUF file
+(``gguf_source.json``), and :func:`ensure_gguf_weights` writes the float tensors the first
+time a load reads them. A load that keeps the GGUF's blocks, or only needs the config
+(``headroom plan``), never writes them: they are 4-7 times the size of a K-quant file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -29,13 +36,16 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from engine.loader.default_model import read_gguf_source, record_gguf_source
 from engine.loader.errors import (
     CorruptWeights,
     ModelLoadError,
+    ModelNotFound,
     UnsupportedArchitecture,
     UnsupportedConfig,
     UnsupportedGGUFType,
 )
+from engine.loader.weights import INDEX_FILE, SINGLE_FILE
 
 log = logging.getLogger(__name__)
 
@@ -85,9 +95,11 @@ SHARD_BYTES = 2 * 1024**3  # bounds peak host memory while converting large mode
 
 
 def convert_gguf(
-    gguf_path: str | Path, out_dir: str | Path, *, dtype: torch.dtype = torch.float32
+    gguf_path: str | Path, out_dir: str | Path, *, dtype: torch.dtype = torch.float32, weights: bool = True
 ) -> Path:
-    """Convert ``gguf_path`` into the Hugging Face folder ``out_dir``.
+    """Convert ``gguf_path`` into the Hugging Face folder ``out_dir``: ``config.json``,
+    ``generation_config.json``, the tokenizer files, ``gguf_source.json`` (which file it
+    came from) and, with ``weights``, the dequantized tensors in safetensors.
 
     Args:
         gguf_path: a GGUF file of a llama (Mixtral when it has experts), qwen2, qwen3,
@@ -95,7 +107,8 @@ def convert_gguf(
             dequantized and written one tensor per expert.
         out_dir: destination folder; must not exist yet (an existing complete folder,
             e.g. from a concurrent conversion, is kept and returned).
-        dtype: dtype of the stored weights.
+        dtype: dtype of the stored weights (now, or later by :func:`ensure_gguf_weights`).
+        weights: write the tensors now; False leaves them to :func:`ensure_gguf_weights`.
 
     Returns:
         ``out_dir``.
@@ -127,15 +140,119 @@ def convert_gguf(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        _write_weights(reader, gguf_path, gguf_arch, hf_config, tmp, dtype)
+        if weights:
+            _write_weights(reader, gguf_path, gguf_arch, hf_config, tmp, dtype)
         _write_config(hf_config, tmp)
         _write_tokenizer(gguf_path, tmp)
         _write_generation_config(reader, tmp)
+        record_gguf_source(tmp, gguf_path, str(dtype).removeprefix("torch."))
         _publish(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def has_weights(model_dir: str | Path) -> bool:
+    """Whether ``model_dir`` holds its safetensors weights (``model.safetensors`` or an
+    index; :func:`engine.loader.weights.weight_files` checks the shards it lists)."""
+    model_dir = Path(model_dir)
+    return (model_dir / INDEX_FILE).is_file() or (model_dir / SINGLE_FILE).is_file()
+
+
+def ensure_gguf_weights(model_dir: str | Path) -> bool:
+    """Write the dequantized weights into a folder :func:`convert_gguf` made without them,
+    from the GGUF file its ``gguf_source.json`` names, once.
+
+    The tensors go into a temp folder inside ``model_dir`` and are renamed into place,
+    the index (or the single ``model.safetensors``) last, so an interrupted write never
+    leaves files that pass for complete; a lock file serializes concurrent processes
+    (tensor-parallel ranks, two servers), and the one that waited finds the weights
+    written. A folder that holds weights already (a conversion made before they were
+    written lazily included), or that is no GGUF conversion, is left as it is.
+
+    Returns:
+        True when this call wrote the weights, False when there was nothing to do.
+
+    Raises:
+        ModelNotFound: the GGUF file the folder was made from is gone.
+        ModelLoadError: the GGUF file changed since the folder was made from it, or the
+            folder cannot be written.
+        Any error of :func:`convert_gguf` reading the file.
+    """
+    model_dir = Path(model_dir)
+    if has_weights(model_dir):
+        return False
+    source = read_gguf_source(model_dir)
+    if source is None:
+        return False
+    gguf_path = Path(source["gguf"])
+    if not gguf_path.is_file():
+        raise ModelNotFound(
+            f"{model_dir} was converted from {gguf_path}, which is gone; pass the GGUF file to --model "
+            "again (the converted folder is found by its content)"
+        )
+    stat = gguf_path.stat()
+    if (stat.st_size, stat.st_mtime_ns) != (source.get("size"), source.get("mtime_ns")):
+        raise ModelLoadError(
+            f"{gguf_path} changed since {model_dir} was converted from it; pass it to --model again"
+        )
+    dtype = getattr(torch, str(source.get("dtype", "float32")), None)
+    if not isinstance(dtype, torch.dtype):
+        dtype = torch.float32
+    try:
+        with _weights_lock(model_dir):
+            if has_weights(model_dir):  # a concurrent process wrote them while we waited
+                return False
+            _write_weights_into(gguf_path, model_dir, dtype)
+    except OSError as e:
+        raise ModelLoadError(f"cannot write the weights of {gguf_path} into {model_dir} ({e})") from e
+    return True
+
+
+@contextlib.contextmanager
+def _weights_lock(model_dir: Path) -> Iterator[None]:
+    """An exclusive lock on ``model_dir/.weights.lock`` (POSIX ``flock``, released by the
+    kernel when the process dies); none elsewhere, where a concurrent writer only costs
+    the same files written twice, each rename atomic."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with (model_dir / ".weights.lock").open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+_WEIGHTS_PARTIAL = ".weights.partial-"
+
+
+def _write_weights_into(gguf_path: Path, model_dir: Path, dtype: torch.dtype) -> None:
+    """Dequantize ``gguf_path`` into ``model_dir`` (the caller holds the lock)."""
+    for stale in model_dir.glob(f"{_WEIGHTS_PARTIAL}*"):  # a writer that died held the lock
+        shutil.rmtree(stale, ignore_errors=True)
+    log.info("writing the float weights of %s into %s (once)", gguf_path, model_dir)
+    reader = _open(gguf_path)
+    gguf_arch = _field(reader, "general.architecture")
+    if gguf_arch not in GGUF_ARCHITECTURES:
+        raise UnsupportedArchitecture(f"{gguf_path}: GGUF architecture {gguf_arch!r} is not supported")
+    _check_types(reader, gguf_path)
+    hf_config = _hf_config(reader, gguf_path, gguf_arch)
+    tmp = model_dir / f"{_WEIGHTS_PARTIAL}{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        _write_weights(reader, gguf_path, gguf_arch, hf_config, tmp, dtype)
+        names = sorted(p.name for p in tmp.iterdir())
+        last = INDEX_FILE if INDEX_FILE in names else SINGLE_FILE
+        for name in [n for n in names if n != last] + [last]:
+            os.replace(tmp / name, model_dir / name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _open(gguf_path: Path) -> Any:

@@ -40,8 +40,12 @@ def load_model(
     are written once, straight into their final place. Returns ``(model, config)``, the
     model in eval mode with its RoPE cache built (float32).
 
+    A folder converted from a GGUF without its weights (what
+    :func:`engine.loader.resolve.resolve_model` makes) gets them written on this first
+    read (:func:`engine.loader.gguf_convert.ensure_gguf_weights`).
+
     With ``quantized_gguf`` (the GGUF file ``model_dir`` was converted from), the
-    weights come from that file instead and its projections stay in GGUF block format
+    weights come from that file instead, and none are written into the folder and its projections stay in GGUF block format
     (:func:`engine.loader.gguf_quant.load_gguf_quantized`; ``embeddings_in_blocks``: the
     CPU engine's layout, embeddings in blocks too; ``experts_in_blocks``: a mixture of
     experts' routed experts in blocks, None for everywhere but on the CPU, True to read
@@ -66,6 +70,8 @@ def load_model(
         ModelNotFound, UnsupportedArchitecture, ConfigFieldMissing, UnsupportedConfig:
             from reading ``config.json``.
         CorruptWeights: a safetensors file is truncated or unreadable.
+        ModelNotFound, ModelLoadError: from writing a GGUF conversion's weights (the GGUF
+            file is gone or changed, the folder is read-only).
         WeightMismatch: the tensors do not match the config (missing, unexpected, shape);
             the message names ``model_dir`` and the tensors.
     """
@@ -79,6 +85,10 @@ def load_model(
 
         return load_gguf_quantized(config, quantized_gguf, device, dtype, experts_in_blocks=experts_in_blocks,
                                    embeddings_in_blocks=embeddings_in_blocks), config
+    if load_format == "auto":  # before the model takes its memory: the step dequantizes
+        from engine.loader.gguf_convert import ensure_gguf_weights
+
+        ensure_gguf_weights(model_dir)  # a GGUF conversion gets its float tensors on first read
     shapes = config if tp is None else rank_config(config, tp)
     model = _build_on_meta(shapes, dtype, quantization)
     model.to_empty(device=device)

@@ -5,7 +5,13 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from engine.loader.default_model import add_default_sampling, converted_dir, default_gguf_path
+from engine.loader.default_model import (
+    add_default_sampling,
+    converted_dir,
+    default_gguf_path,
+    read_gguf_source,
+    record_gguf_source,
+)
 from engine.loader.errors import ModelNotFound
 
 log = logging.getLogger(__name__)
@@ -23,7 +29,10 @@ def resolve_model(path: str | Path | None) -> Path:
     - ``None``: the embedded default model, converted into the cache on first use
       (with its model card's sampling in ``generation_config.json``).
     - a ``.gguf`` file (or a folder holding exactly one and no ``config.json``):
-      converted into the cache once, reused afterwards.
+      converted into the cache once, reused afterwards. The conversion holds the
+      config, tokenizer and generation config; the float weights are written into it
+      only when a load reads them (:func:`engine.loader.gguf_convert.ensure_gguf_weights`,
+      which :func:`engine.loader.load.load_model` calls).
     - a folder with ``config.json``: itself.
     - a name of the local store (:mod:`engine.loader.store`, ``headroom pull``) that is
       not a path: its folder, or its GGUF file converted as above.
@@ -86,8 +95,11 @@ def gguf_file(path: str | Path | None) -> Path | None:
 def _converted(gguf_path: Path) -> Path:
     out = converted_dir(gguf_path)
     if (out / "config.json").is_file():
+        if read_gguf_source(out) is not None:
+            # The folder is named by content: this path holds the same file, maybe moved.
+            record_gguf_source(out, gguf_path, read_gguf_source(out).get("dtype", "float32"))
         return out
     from engine.loader.gguf_convert import convert_gguf  # imports torch/gguf: only when needed
 
-    log.info("converting %s into %s (once)", gguf_path, out)
-    return convert_gguf(gguf_path, out)
+    log.info("converting the metadata of %s into %s (once)", gguf_path, out)
+    return convert_gguf(gguf_path, out, weights=False)

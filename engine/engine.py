@@ -171,9 +171,10 @@ class Engine(LiveReplan):
         self.expert_stores: list[OffloadedExperts] = []
         self.expert_counters: ExpertCounters | None = None
         host_layers = self.plan.cpu_expert_layers if self.plan is not None else 0
-        if self.device.type == "cpu" and mc.is_moe and config.cpu_experts not in ("auto", "none"):
-            log.warning("--cpu-experts %s has no effect on the CPU: every weight is in host memory already",
-                        config.cpu_experts)
+        if self.plan is None and mc.is_moe and config.cpu_experts not in ("auto", "none"):
+            # No device to plan for (the CPU without a simulated --device-total): nothing to split.
+            log.warning("--cpu-experts %s has no effect on %s without a planned device (--device-total): every "
+                        "weight is in host memory already", config.cpu_experts, self.device)
         if host_layers:
             # The measured plan keeps the split the weights were loaded with.
             self.knobs = dataclasses.replace(self.knobs, cpu_experts=str(host_layers))

@@ -8,7 +8,6 @@ weights), so both plan the same dtype, backend and runtime on the same device.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -150,8 +149,6 @@ def estimated_planner(
     def plan(knobs: PlanKnobs) -> MemoryPlan:
         fp = make_footprint(mc, dtype, knobs, workspaces=workspaces, runtime_bytes=CUDA_RUNTIME_ESTIMATE_BYTES,
                             weights=weights)
-        if device.type == "cpu":  # every weight is in host memory already: no expert split to plan or suggest
-            fp = dataclasses.replace(fp, expert_layers=0, expert_layer_bytes=())
         return make_plan(memory, knobs, fp)
 
     return plan

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 
 import pytest
 import torch
@@ -181,7 +182,7 @@ def test_a_dense_layer_cannot_be_offloaded(tiny):
         offload_experts(copy.deepcopy(model), (dense[0],), 2, ALWAYS_COPY)
 
 
-def test_the_engine_loads_a_hybrid_plan_and_decodes_the_same_ids(tiny, tmp_path_factory, make_tiny_hf_model):
+def test_the_engine_loads_a_hybrid_plan_and_decodes_the_same_ids(tiny, tmp_path_factory, make_tiny_hf_model, caplog):
     """--cpu-experts 1 on a simulated 8 GiB card: the last MoE layer's experts go to the
     host tier behind the plan's expert cache, and greedy ids equal --cpu-experts none,
     with the cache halved by a live replan mid-stream."""
@@ -204,6 +205,12 @@ def test_the_engine_loads_a_hybrid_plan_and_decodes_the_same_ids(tiny, tmp_path_
     hybrid, got = greedy("1", halve)
     whole, ref = greedy("none")
     assert got == ref
+    # Without a planned device there is nothing to split, and the log says the flag did nothing.
+    with caplog.at_level(logging.WARNING, logger="headroom.engine"):
+        unplanned, _ = engine_greedy(EngineConfig(model=str(path), device="cpu", dtype="float32", cpu_experts="1",
+                                                  max_running_requests=4), _prompts(), 2)
+    assert unplanned.plan is None and not unplanned.expert_stores
+    assert "--cpu-experts 1 has no effect on cpu without a planned device" in caplog.text
     assert hybrid.plan.cpu_expert_layers == 1 and len(hybrid.expert_stores) == 1
     assert hybrid.plan.expert_cache_slots > 0
     assert sum(s.num_slots for s in hybrid.expert_stores) == min(hybrid.plan.expert_cache_slots, config.num_experts) // 2

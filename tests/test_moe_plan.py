@@ -105,19 +105,3 @@ def test_a_card_that_holds_every_expert_offloads_none(tmp_path):
     plan = make_plan(simulated_device(80 * GiB), knobs, make_footprint(mc, torch.bfloat16, knobs))
     assert plan.fits and plan.cpu_expert_layers == 0 and plan.expert_cache_slots == 0
 
-
-def test_a_cpu_device_plans_no_expert_split_and_suggests_none(tmp_path):
-    """On the CPU every weight is in host memory already: ``--cpu-experts`` splits nothing
-    there (the engine says so in its log), so the plan shows no host tier and never
-    offers the flag as a fix, where a CUDA plan of the same card would."""
-    from engine.config import EngineConfig
-    from engine.startup import estimated_planner
-
-    mc = _config(tmp_path)
-    memory = simulated_device(24 * GiB)
-    config = EngineConfig(cpu_experts="4")
-    cpu = estimated_planner(config, mc, torch.device("cpu"), torch.bfloat16, memory)(PlanKnobs.of(config))
-    assert cpu.cpu_expert_layers == 0 and not cpu.fits
-    assert "--cpu-experts" not in cpu.message() and "host memory" not in cpu.table()
-    cuda = estimated_planner(config, mc, torch.device("cuda"), torch.bfloat16, memory)(PlanKnobs.of(config))
-    assert cuda.cpu_expert_layers == 4

@@ -124,15 +124,7 @@ def convert_gguf(
             cannot be built.
     """
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
-    reader = _open(gguf_path)
-    gguf_arch = _field(reader, "general.architecture")
-    if gguf_arch not in GGUF_ARCHITECTURES:
-        raise UnsupportedArchitecture(
-            f"{gguf_path}: GGUF architecture {gguf_arch!r} is not supported; headroom "
-            f"converts {', '.join(GGUF_ARCHITECTURES)}"
-        )
-    _check_types(reader, gguf_path)
-    hf_config = _hf_config(reader, gguf_path, gguf_arch)
+    reader, gguf_arch, hf_config = _read_checked(gguf_path)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_partials(out_dir)
@@ -151,6 +143,20 @@ def convert_gguf(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def _read_checked(gguf_path: Path) -> tuple[Any, str, dict]:
+    """``(reader, GGUF architecture, Hugging Face config)`` of ``gguf_path``, with every
+    refusal of :func:`convert_gguf` made before anything is written."""
+    reader = _open(gguf_path)
+    gguf_arch = _field(reader, "general.architecture")
+    if gguf_arch not in GGUF_ARCHITECTURES:
+        raise UnsupportedArchitecture(
+            f"{gguf_path}: GGUF architecture {gguf_arch!r} is not supported; headroom "
+            f"converts {', '.join(GGUF_ARCHITECTURES)}"
+        )
+    _check_types(reader, gguf_path)
+    return reader, gguf_arch, _hf_config(reader, gguf_path, gguf_arch)
 
 
 def has_weights(model_dir: str | Path) -> bool:
@@ -236,12 +242,7 @@ def _write_weights_into(gguf_path: Path, model_dir: Path, dtype: torch.dtype) ->
     for stale in model_dir.glob(f"{_WEIGHTS_PARTIAL}*"):  # a writer that died held the lock
         shutil.rmtree(stale, ignore_errors=True)
     log.info("writing the float weights of %s into %s (once)", gguf_path, model_dir)
-    reader = _open(gguf_path)
-    gguf_arch = _field(reader, "general.architecture")
-    if gguf_arch not in GGUF_ARCHITECTURES:
-        raise UnsupportedArchitecture(f"{gguf_path}: GGUF architecture {gguf_arch!r} is not supported")
-    _check_types(reader, gguf_path)
-    hf_config = _hf_config(reader, gguf_path, gguf_arch)
+    reader, gguf_arch, hf_config = _read_checked(gguf_path)
     tmp = model_dir / f"{_WEIGHTS_PARTIAL}{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()

@@ -45,7 +45,7 @@ def load_model(
     read (:func:`engine.loader.gguf_convert.ensure_gguf_weights`).
 
     With ``quantized_gguf`` (the GGUF file ``model_dir`` was converted from), the
-    weights come from that file instead, and none are written into the folder and its projections stay in GGUF block format
+    weights come from that file instead (none are written into the folder), its projections in GGUF block format
     (:func:`engine.loader.gguf_quant.load_gguf_quantized`; ``embeddings_in_blocks``: the
     CPU engine's layout, embeddings in blocks too; ``experts_in_blocks``: a mixture of
     experts' routed experts in blocks, None for everywhere but on the CPU, True to read

@@ -95,9 +95,10 @@ def gguf_file(path: str | Path | None) -> Path | None:
 def _converted(gguf_path: Path) -> Path:
     out = converted_dir(gguf_path)
     if (out / "config.json").is_file():
-        if read_gguf_source(out) is not None:
+        source = read_gguf_source(out)
+        if source is not None:
             # The folder is named by content: this path holds the same file, maybe moved.
-            record_gguf_source(out, gguf_path, read_gguf_source(out).get("dtype", "float32"))
+            record_gguf_source(out, gguf_path, source.get("dtype", "float32"))
         return out
     from engine.loader.gguf_convert import convert_gguf  # imports torch/gguf: only when needed
 

@@ -11,7 +11,8 @@ Then the same shape with bfloat16 weights (random, ``load_format="dummy"``); wit
 (``quantization="fp8"``: ``torch._scaled_mm`` with per-token activation scales).
 Q4_K/Q6_K decode rows run on the int8-activation GEMV (:mod:`kernels.quant.triton_int8`)
 unless ``HEADROOM_QUANT_INT8=0``; ``--float-gemv`` then times the float GEMV too, and
-``--variants`` every kernel choice.
+``--variants`` every kernel choice (the int8 GEMV's activations quantized inside it, the
+default, or by a launch of their own first, ``HEADROOM_QUANT_INT8_FUSE=0``).
 
 Per row: weights' VRAM, step time, tokens/s, and the share of the HBM roofline: the
 bytes one step must read (every weight but the embedding table, which a step only
@@ -239,25 +240,32 @@ def set_q6k_layout(model: torch.nn.Module, repacked: bool) -> None:
                 mod.parts[i] = PartSpec(spec.rows, "Q6_K")
 
 
+# The GEMV choices --variants times: (label, int8 GEMV, its activations quantized in a
+# launch of their own first).
+_GEMV_VARIANTS = (("float GEMV", False, False), ("int8 GEMV, x quantized apart", True, True),
+                  ("int8 GEMV, x quantized in it", True, False))
+
+
 def variant_rows(model, config, batches: list[int], context: int, bandwidth: float) -> list[str]:
     """Decode rows of the GGUF model for each kernel choice: Q6_K in GGUF blocks or
-    repacked planes, x the float or the int8-activation GEMV; then the batches above
-    one with every multi-row step on the GEMM (tensor cores, the weights read once)
-    instead of the GEMV (the weights read once per row). Leaves the model repacked, the
-    module defaults restored."""
+    repacked planes, x the float GEMV or the int8-activation GEMV (its activations
+    quantized by a launch of their own, or inside it); then the batches above one with
+    every multi-row step on the GEMM (tensor cores, the weights read once) instead of
+    the GEMV (the weights read once per row). Leaves the model repacked, the module
+    defaults restored."""
     from kernels.quant import triton_quant
 
-    int8, gemv_rows_max = triton_quant._INT8, triton_quant.GEMV_MAX_ROWS
+    int8, fuse, gemv_rows_max = triton_quant._INT8, triton_quant._INT8_FUSE, triton_quant.GEMV_MAX_ROWS
     rows = []
     try:
         for repacked in (False, True):
             set_q6k_layout(model, repacked)
             layout = "Q6_K planes" if repacked else "Q6_K blocks"
-            for use_int8 in (False, True):
-                triton_quant._INT8 = use_int8
-                label = f"GGUF Q4_K/{layout}, {'int8' if use_int8 else 'float'} GEMV"
-                rows += decode_rows(model, config, batches, context, bandwidth, label)
+            for name, use_int8, apart in _GEMV_VARIANTS:
+                triton_quant._INT8, triton_quant._INT8_FUSE = use_int8, not apart
+                rows += decode_rows(model, config, batches, context, bandwidth, f"GGUF Q4_K/{layout}, {name}")
                 print("\n".join(rows[-len(batches):]), flush=True)
+            triton_quant._INT8, triton_quant._INT8_FUSE = int8, fuse
             triton_quant.GEMV_MAX_ROWS = 1
             many = [b for b in batches if b > 1]
             if many:
@@ -265,7 +273,7 @@ def variant_rows(model, config, batches: list[int], context: int, bandwidth: flo
                 print("\n".join(rows[-len(many):]), flush=True)
             triton_quant.GEMV_MAX_ROWS = gemv_rows_max
     finally:
-        triton_quant._INT8, triton_quant.GEMV_MAX_ROWS = int8, gemv_rows_max
+        triton_quant._INT8, triton_quant._INT8_FUSE, triton_quant.GEMV_MAX_ROWS = int8, fuse, gemv_rows_max
         set_q6k_layout(model, True)
     return rows
 
@@ -286,12 +294,16 @@ def _gemv_seconds(x: torch.Tensor, w: torch.Tensor, kind: str, replays: int = _G
 
 def _int8_seconds(x: torch.Tensor, w: torch.Tensor, kind: str, variant: dict, replays: int = 5, **tiling) -> float:
     """As :func:`_gemv_seconds` for the int8 GEMV at a forced tiling and variant, the
-    activations' quantization included."""
+    activations' quantization included (inside the GEMV, or in a launch of its own
+    first with ``HEADROOM_QUANT_INT8_FUSE=0``)."""
     from kernels.quant.triton_int8 import int8_gemv, quantize_activations
+    from kernels.quant.triton_quant import int8_quantize_apart
 
     turn = itertools.cycle(_rotating(w))
-    return _graph_seconds(lambda: int8_gemv(quantize_activations(x), next(turn), kind, variant=variant, **tiling),
-                          replays)
+    if int8_quantize_apart():
+        return _graph_seconds(lambda: int8_gemv(quantize_activations(x), next(turn), kind, variant=variant, **tiling),
+                              replays)
+    return _graph_seconds(lambda: int8_gemv(x, next(turn), kind, variant=variant, **tiling), replays)
 
 
 def gemv_rows(model, bandwidth: float, m: int = 1) -> list[str]:
@@ -332,7 +344,8 @@ def sweep_rows(bandwidth: float, shapes: list[tuple[str, int, int]]) -> list[str
         int8 = triton_quant.uses_int8_dot(kind)
         results = []
         if int8:
-            configs = triton_int8._prune(triton_int8._configs(), {"QT": triton_quant.block_format(kind).code})
+            configs = triton_int8._prune(triton_int8._configs(), {"QT": triton_quant.block_format(kind).code,
+                                                                  "QUANT_X": not triton_quant.int8_quantize_apart()})
         else:
             configs = triton_quant._prune(triton_quant._gemv_configs(),
                                           {"QK": triton_quant.block_format(kind).block_elements})
@@ -507,7 +520,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--profile", action="store_true", help="per-kernel times of eager batch-1 decode steps")
     p.add_argument("--variants", action="store_true",
                    help="the GGUF rows for each kernel choice instead: Q6_K blocks or repacked planes, float or "
-                        "int8 GEMV, and the GEMM for multi-row steps")
+                        "int8 GEMV (activations quantized apart or inside it), and the GEMM for multi-row steps")
     p.add_argument("--float-gemv", action="store_true",
                    help="then the GGUF rows again with Q4_K/Q6_K on the float GEMV")
     p.add_argument("--fp8", action="store_true",

@@ -180,6 +180,86 @@ def test_int8_gemv_matches_its_reference(dev, type_name, m, n, blocks_k, split_k
         assert float((got - ref).abs().max()) <= 1e-5 * scale, variant
 
 
+# (m, n, blocks_k, split_k, block_n, kb, dtype): N odd and not a multiple of the row
+# tile, K ranges of unequal length (split-K) and whole rows (no split), dead blocks in a
+# step, 1 to GEMV_MAX_ROWS activation rows, bfloat16 and float32 rows.
+QUANT_X_CASES = [(1, 7, 3, 1, 4, 2, torch.float32), (3, 5, 5, 2, 4, 2, torch.bfloat16),
+                 (16, 3, 2, None, 4, 4, torch.bfloat16), (2, 9, 2, 3, 8, 4, torch.float32),
+                 (1, 5, 4, 1, 1, 16, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q6_K_P"])
+@pytest.mark.parametrize("m,n,blocks_k,split_k,block_n,kb,dtype", QUANT_X_CASES)
+def test_int8_gemv_quantizing_its_rows_equals_quantizing_apart(dev, type_name, m, n, blocks_k, split_k, block_n, kb,
+                                                              dtype):
+    """The GEMV given float rows (quantized as it reads them, one launch) equals it given
+    the rows' codes from :func:`quantize_activations` (two launches) bit for bit, at
+    every tiling variant; a group of zeros (scale 0) included."""
+    from kernels.quant import triton_int8
+
+    if type_name == "Q6_K_P":  # its rows are read as 32-bit words: an even number of blocks
+        blocks_k += blocks_k % 2
+    x, w = _case(type_name, m, n, blocks_k, dev, dtype=dtype, seed=10 + m)
+    x[0, 32:64] = 0
+    variants = [{}, {"PREFETCH": 1}] + ([{"SPLIT": 1}, {"SPLIT": 1, "PREFETCH": 1}] if type_name == "Q4_K" else [])
+    for variant in variants:
+        tiling = dict(block_n=block_n, split_k=split_k, blocks_per_step=kb, variant=variant)
+        apart = triton_int8.int8_gemv(triton_int8.quantize_activations(x), w, type_name, **tiling)
+        fused = triton_int8.int8_gemv(x, w, type_name, **tiling)
+        assert fused.dtype == dtype and torch.equal(fused, apart), variant
+
+
+def test_int8_gemv_quantizing_its_rows_into_a_column_slice(dev):
+    """Float rows in, the product written into columns of a wider output (a part of a
+    fused projection), float16 rows too; rows that are not float or not unit-stride
+    are refused."""
+    from kernels.quant import triton_int8
+
+    x, w = _case("Q4_K", 2, 5, 2, dev, dtype=torch.float16, seed=11)
+    wide = torch.full((2, 8), 7.0, device=dev, dtype=torch.float16)
+    got = triton_int8.int8_gemv(x, w, "Q4_K", block_n=4, out=wide[:, 1:6])
+    assert got.data_ptr() == wide[:, 1:6].data_ptr()
+    assert torch.equal(wide[:, 1:6], triton_int8.int8_gemv(triton_int8.quantize_activations(x), w, "Q4_K", block_n=4))
+    assert bool((wide[:, 0] == 7).all() and (wide[:, 6:] == 7).all())
+    with pytest.raises(ValueError, match="want float activations"):
+        triton_int8.int8_gemv(x.t().contiguous().t(), w, "Q4_K")
+    with pytest.raises(ValueError, match="want float activations"):
+        triton_int8.int8_gemv(x.to(torch.int32), w, "Q4_K")
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_quant_linear_output_is_the_same_whether_it_quantizes_apart(dev, monkeypatch, m):
+    """A fused q/k/v-like projection of Q4_K and Q6_K_P parts with a bias, in decode
+    rows: its output with the activations quantized inside each GEMV (the default)
+    equals its output with them quantized by a launch of their own, bit for bit, and
+    both equal the int8 reference of its parts."""
+    from engine.models import quant_linear
+    from engine.models.quant_linear import PartSpec, QuantLinear
+    from kernels.quant import triton_quant
+
+    if dev == "cpu":  # the Triton path, interpreted, on CPU tensors
+        monkeypatch.setattr(quant_linear, "use_triton", lambda t: True)
+    k, rows = 512, (5, 3)
+    layer = QuantLinear(k, [PartSpec(rows[0], "Q4_K"), PartSpec(rows[1], "Q6_K")], bias=True, dtype=torch.bfloat16)
+    layer = layer.to_empty(device=dev)
+    rng = np.random.default_rng(12)
+    for (spec, buf), seed in zip(layer.part_views(), (0, 1), strict=True):
+        buf.copy_(torch.from_numpy(random_blocks(spec.type_name, spec.rows, k, np.random.default_rng(seed))))
+    layer.repack_for_kernels()  # as the loader does on CUDA
+    assert [p.type_name for p in layer.parts] == ["Q4_K", "Q6_K_P"]
+    layer.bias.copy_(torch.linspace(-1, 1, sum(rows)))
+    x = torch.from_numpy(rng.standard_normal((m, 1, k), dtype=np.float32)).to(torch.bfloat16).to(dev)
+    monkeypatch.setattr(triton_quant, "_INT8_FUSE", True)
+    fused = layer(x)
+    monkeypatch.setattr(triton_quant, "_INT8_FUSE", False)
+    apart = layer(x)
+    assert fused.shape == (m, 1, sum(rows)) and torch.equal(fused, apart)
+    x2 = x.reshape(m, k).float()
+    want = torch.cat([reference.quant_matmul_int8(x2, w, spec.type_name) for spec, w in layer.part_views()], dim=1)
+    want = want + layer.bias.float()
+    assert float((fused.reshape(m, -1).float() - want).abs().max()) <= 2**-6 * float(want.abs().max())
+
+
 def test_int8_activations_equal_the_reference_codes(dev):
     """Codes, scales and sums bit for bit (correctly rounded divisions in the kernel),
     a group of zeros and a partial program of groups included; bfloat16 rows too."""

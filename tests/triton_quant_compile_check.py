@@ -66,24 +66,41 @@ def _loads(ptx: str) -> str:
 
 def _int8_variants(type_names: list[str]) -> int:
     """The int8-activation GEMV (:mod:`kernels.quant.triton_int8`) of ``type_names`` at a
-    few tilings, and the activation quantizer; returns how many spill."""
+    few tilings, on quantized codes and quantizing bfloat16 rows itself (``QUANT_X``),
+    and the activation quantizer; returns how many spill, or (``QUANT_X``) multiply
+    more weight words than the kernel on codes or round each activation on more than
+    one thread (the compiler's layouts decide both)."""
     failures = 0
     args = {"xq_ptr": "*i32", "xd_ptr": "*fp32", "xs_ptr": "*i32", "w32_ptr": "*i32", "w16_ptr": "*i16",
             "w8_ptr": "*u8", "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "row_bytes": "i32",
             "row_words": "i32", "row_halves": "i32", "blocks_per_split": "i32", "stride_xq": "i32",
             "stride_xd": "i32", "stride_xs": "i32", "stride_om": "i32"}
+    # QUANT_X: the float row in place of the codes (the scale and sum pointers unused).
+    args_x = args | {"xq_ptr": "*bf16", "xd_ptr": "*bf16", "xs_ptr": "*bf16"}
     for name in type_names:
         for block_n, kb, warps, split, prefetch in ((4, 4, 2, 0, 0), (32, 4, 8, 0, 0), (32, 4, 8, 0, 1),
-                                                     (16, 4, 4, 1, 0), (16, 4, 4, 1, 1)):
+                                                     (16, 4, 4, 1, 0), (16, 4, 4, 1, 1), (2, 16, 2, 0, 0)):
             if split and name != "Q4_K":
                 continue
-            regs, frame, ptx = _compile(triton_int8._int8_gemv_kernel, args, {
-                "QT": block_format(name).code, "BLOCK_N": block_n, "KB": kb, "ATOMIC": False, "ASM": True,
-                "ABL": 0, "SPLIT": split, "PREFETCH": prefetch}, warps)
-            print(f"gemv int8 {name} {block_n}x{kb}{' split' if split else ''}{' prefetch' if prefetch else ''}: "
-                  f"{regs} registers, {frame} B stack; "
-                  f"dp4a x{ptx.count('dp4a')}; loads {_loads(ptx)}")
-            failures += frame > 0
+            products = None
+            for quant_x in (0, 1):
+                regs, frame, ptx = _compile(triton_int8._int8_gemv_kernel, args_x if quant_x else args, {
+                    "QT": block_format(name).code, "BLOCK_N": block_n, "KB": kb, "ATOMIC": False, "ASM": True,
+                    "ABL": 0, "SPLIT": split, "PREFETCH": prefetch, "QUANT_X": quant_x}, warps)
+                # A line per dp4a on codes; with QUANT_X each line also counts the codes' sum.
+                lines = len(re.findall(r"^\s*dp4a.*$", ptx, re.M))
+                floors = ptx.count("cvt.rmi")  # two per activation rounded (_q8_round)
+                print(f"gemv int8 {name} {block_n}x{kb}{' split' if split else ''}{' prefetch' if prefetch else ''}"
+                      f"{' x-quant' if quant_x else ''}: {regs} registers, {frame} B stack; dp4a x{lines}"
+                      f"{f', floors x{floors}' if quant_x else ''}; loads {_loads(ptx)}")
+                failures += frame > 0
+                if quant_x:
+                    once = 2 * kb * 256 // (32 * warps)
+                    if lines != products or floors > once:
+                        print(f"  x-quant: {lines} dp4a lines against {products} on codes, {floors} floors "
+                              f"against {once} (each activation once)")
+                        failures += 1
+                products = lines
     if type_names:
         regs, frame, _ = _compile(triton_int8._quantize_kernel, {
             "x_ptr": "*bf16", "q_ptr": "*i8", "d_ptr": "*fp32", "s_ptr": "*i32", "groups": "i32",

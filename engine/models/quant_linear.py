@@ -111,12 +111,15 @@ class QuantLinear(nn.Module):
 
     def _int8_activations(self, x: torch.Tensor):
         """Decode rows quantized to int8 once for every part whose GEMV takes them
-        (:mod:`kernels.quant.triton_int8`), else None."""
+        (:mod:`kernels.quant.triton_int8`) when that GEMV reads them quantized apart,
+        else None (by default each GEMV quantizes the rows as it reads them: no
+        launch of its own)."""
         if not use_triton(x):
             return None
-        from kernels.quant.triton_quant import GEMV_MAX_ROWS, uses_int8_dot
+        from kernels.quant.triton_quant import GEMV_MAX_ROWS, int8_quantize_apart, uses_int8_dot
 
-        if x.shape[0] > GEMV_MAX_ROWS or not any(p.type_name and uses_int8_dot(p.type_name) for p in self.parts):
+        if x.shape[0] > GEMV_MAX_ROWS or not int8_quantize_apart() or \
+                not any(p.type_name and uses_int8_dot(p.type_name) for p in self.parts):
             return None
         from kernels.quant.triton_int8 import quantize_activations
 

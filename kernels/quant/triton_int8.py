@@ -3,11 +3,11 @@
 The float GEMV (:func:`kernels.quant.triton_quant.quant_gemv`) turns every weight into
 a float32 and multiplies it: about 6.7 instructions a Q4_K weight, so it is bound by
 instruction issue, not by HBM. Here, as llama.cpp's MMVQ kernels do, the activation
-row is quantized first (:func:`quantize_activations`: int8 codes, one float32 scale
-per 32 values, ``scale = amax / 127``, codes rounded half away from zero, and the codes'
-sum per 16 values), and each 32-bit word of weight codes is multiplied by a word of
-activation codes with one ``dp4a`` (four int8 products summed into an int32; PTX
-``dp4a.s32.s32``, emulated with shifts in Triton's interpreter):
+row is quantized (int8 codes, one float32 scale per 32 values, ``scale = amax / 127``,
+codes rounded half away from zero, and the codes' sum per 16 values), and each 32-bit
+word of weight codes is multiplied by a word of activation codes with one ``dp4a``
+(four int8 products summed into an int32; PTX ``dp4a.s32.s32``, emulated with shifts in
+Triton's interpreter):
 
 - Q4_K: a word of ``qs`` holds 4 codes of sub-block ``2r`` (low nibbles) and 4 of
   ``2r + 1`` (high nibbles); two masks and a shift make two int8 words, two ``dp4a``
@@ -28,12 +28,30 @@ of each group of 32), so results differ from the float GEMV by that rounding;
 arithmetic. Block layouts as ggml-common.h's ``block_q4_K``/``block_q6_K``; the scheme
 as llama.cpp's ``quantize_q8_1`` and ``vec_dot_q4_K_q8_1``/``vec_dot_q6_K_q8_1``.
 
+Where the rows are quantized: llama.cpp quantizes them in a launch of their own
+(:func:`quantize_activations`), and so can :func:`int8_gemv` (given its codes). By
+default it quantizes them itself (``QUANT_X``; one launch less per projection, each
+2-4 us in a CUDA graph): each program, at each step, loads the float activations of its
+``KB`` blocks once, quantizes every group of 32 with :func:`_quantize_kernel`'s own
+arithmetic (:func:`_q8_inv`, :func:`_q8_round`, :func:`_q8_scale`: the same codes and
+scales bit for bit, so the same results at the same tiling) in a tile of its own whose
+activations are spread over the program's threads (each rounded once), and the codes
+go to the weight tile's layout through shared memory for all ``BLOCK_N`` rows; the
+codes' sums are counted with the products (a second ``dp4a`` with ``0x01010101``).
+Every program so quantizes its own slice of the row (the quantizing launch did it once
+for all of them), work that more rows a program share: hence tilings tried only in
+this mode (:data:`_QUANT_X_TILINGS`).
+
 Tiling: one program per (activation row, ``BLOCK_N`` weight rows, range of K), ``KB``
 blocks per step in a ``[BLOCK_N, KB, 4, words]`` tile whose rows come first, so a thread
 holds the same words of several rows and loads the activation words once for them
 (``SPLIT``, Q4_K: each run of 8 words as two 4-word tiles, so one thread holds a whole
-run); Q4_K's 16-byte header is read as four words. Autotuned per (N, K, type); split-K
-below two rows per SM, as the float GEMV.
+run); Q4_K's 16-byte header is read as four words. Autotuned per (N, K, type, mode);
+split-K below two rows per SM, as the float GEMV. Triton gives a step's values the
+layout of whichever tile's loads it propagates first, the last issued: a step reads its
+activations before its weight words so that the weight tile's layout wins (the
+activations are moved, not the weights; the accumulator, hence the order of the final
+sums, the same in both modes).
 
 Q6_K rows are read from their repacked planes (``Q6_K_P``, :mod:`kernels.quant.repack`)
 as whole, aligned words; each step can load the next step's words before its own
@@ -77,6 +95,28 @@ class Q8Activations(NamedTuple):
 
 
 @triton.jit
+def _q8_inv(amax):
+    """``127 / amax`` per group (0 for a group of zeros), float32 of ``amax``'s shape.
+    Shared by :func:`_quantize_kernel` and the GEMV's ``QUANT_X`` mode, so both round
+    the same way; correctly rounded (Triton's ``/`` is approximate), so the codes equal
+    the torch reference's bit for bit."""
+    return tl.where(amax > 0, tl.div_rn(tl.full(amax.shape, 127.0, tl.float32), tl.maximum(amax, 1e-30)), 0.0)
+
+
+@triton.jit
+def _q8_scale(amax):
+    """The float32 scale ``amax / 127`` of a group (correctly rounded, as :func:`_q8_inv`)."""
+    return tl.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32))
+
+
+@triton.jit
+def _q8_round(v):
+    """int32 codes of ``v = x * 127 / amax``, rounded half away from zero (``quantize_q8_1``'s
+    ``roundf``)."""
+    return tl.where(v >= 0, tl.floor(v + 0.5), -tl.floor(0.5 - v)).to(tl.int32)
+
+
+@triton.jit
 def _quantize_kernel(x_ptr, q_ptr, d_ptr, s_ptr, groups, stride_xm, stride_qm, stride_dm, stride_sm, G: tl.constexpr):
     m = tl.program_id(0).to(tl.int64)
     g1 = tl.program_id(1) * G + tl.arange(0, G)
@@ -85,14 +125,10 @@ def _quantize_kernel(x_ptr, q_ptr, d_ptr, s_ptr, groups, stride_xm, stride_qm, s
     live = g < groups
     x = tl.load(x_ptr + m * stride_xm + g * 32 + t, mask=live, other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=1)
-    # Correctly rounded divisions (Triton's `/` is approximate): the codes then equal
-    # the torch reference's bit for bit.
-    inv = tl.where(amax > 0, tl.div_rn(tl.full([G], 127.0, tl.float32), tl.maximum(amax, 1e-30)), 0.0)
-    v = x * inv[:, None]
-    q = tl.where(v >= 0, tl.floor(v + 0.5), -tl.floor(0.5 - v)).to(tl.int32)
+    q = _q8_round(x * _q8_inv(amax)[:, None])
     tl.store(q_ptr + m * stride_qm + g * 32 + t, q.to(tl.int8), mask=live)
     g_live = g1 < groups
-    tl.store(d_ptr + m * stride_dm + g1, tl.div_rn(amax, tl.full([G], 127.0, tl.float32)), mask=g_live)
+    tl.store(d_ptr + m * stride_dm + g1, _q8_scale(amax), mask=g_live)
     tl.store(s_ptr + m * stride_sm + 2 * g1, tl.sum(tl.where(t < 16, q, 0), axis=1), mask=g_live)
     tl.store(s_ptr + m * stride_sm + 2 * g1 + 1, tl.sum(tl.where(t >= 16, q, 0), axis=1), mask=g_live)
 
@@ -129,6 +165,30 @@ def _dp4a(a, b, ASM: tl.constexpr):
         r = ((a << 24) >> 24) * ((b << 24) >> 24) + ((a << 16) >> 24) * ((b << 16) >> 24)
         r += ((a << 8) >> 24) * ((b << 8) >> 24) + (a >> 24) * (b >> 24)
     return r
+
+
+@triton.jit
+def _dot_sum(w, x, ASM: tl.constexpr, SUMS: tl.constexpr):
+    """``(dot, sums)``: the :func:`_dp4a` of weight words ``w`` and activation words ``x``
+    summed over the last axis, and with ``SUMS`` the sum of ``x``'s codes (its signed
+    bytes) over it, else 0. ``QUANT_X`` counts the sums here, in one instruction with
+    the products (``dp4a`` with ``0x01010101``), so they are computed in the weight
+    tile's layout, where the scales use them, rather than moved there."""
+    if SUMS:
+        if ASM:
+            ones = tl.full(w.shape, 0x01010101, tl.int32)
+            d, c = tl.inline_asm_elementwise("dp4a.s32.s32 $0, $2, $3, 0; dp4a.s32.s32 $1, $4, $3, 0;",
+                                             "=r,=r,r,r,r", [w, x, ones], dtype=(tl.int32, tl.int32), is_pure=True,
+                                             pack=1)
+        else:
+            d = _dp4a(w, x, ASM)
+            c = ((x << 24) >> 24) + ((x << 16) >> 24) + ((x << 8) >> 24) + (x >> 24)
+        dot = tl.sum(d, axis=3)
+        sums = tl.sum(c, axis=3)
+    else:
+        dot = tl.sum(_dp4a(w, x, ASM), axis=3)
+        sums = 0
+    return dot, sums
 
 
 @triton.jit
@@ -175,36 +235,102 @@ def _q4k_words(w32, w32_3, kb, kb3, SPLIT: tl.constexpr):
 
 
 @triton.jit
-def _q4k_dot(wa, wb, w0, w1, w2, w3, kb, kb3, x32, xd, xs, live, live3, ASM: tl.constexpr, ABL: tl.constexpr,
-             SPLIT: tl.constexpr):
-    """``[BLOCK_N, KB, 4]`` float32: the words of :func:`_q4k_words` times the
-    activations, run ``r`` of each block (sub-blocks ``2r`` and ``2r + 1``) summed."""
+def _x_load(x, e, live):
+    """``QUANT_X``: activations of the float row at ``x`` as float32, at element offsets
+    ``e`` (``[1, KB, A, words, 4]``, four consecutive elements a word; zero in blocks not
+    ``live``, ``[1, KB, 1, 1]``), and their largest magnitude per ``[1, KB, A]``."""
+    v = tl.load(x + e, mask=live[:, :, :, :, None], other=0.0).to(tl.float32)
+    return v, tl.max(tl.max(tl.abs(v), axis=4), axis=3)
+
+
+@triton.jit
+def _x_pack(v, amax):
+    """``QUANT_X``: the activations ``v`` of :func:`_x_load` quantized with their group's
+    ``amax`` (``[1, KB, A]``) as :func:`_quantize_kernel` quantizes them, as the int32
+    words of four codes :func:`int8_gemv` would read from its codes (``[1, KB, A, words]``)."""
+    q = _q8_round(v * _q8_inv(amax)[:, :, :, None, None])
+    byte = tl.arange(0, 4)[None, None, None, None, :]
+    # Little-endian bytes, disjoint: their sum is the word (the top byte's sign bits
+    # fall off it).
+    return tl.sum((q & 0xFF) << (8 * byte), axis=4)
+
+
+@triton.jit
+def _q4k_act(x32, xd, xs, kb, kb3, live, live3, HALF: tl.constexpr, SPLIT: tl.constexpr, QUANT_X: tl.constexpr):
+    """The activations of sub-blocks ``2r + HALF`` (a group of 32) of blocks ``kb``, for
+    :func:`_q4k_dot`: ``(xa, xb, dx, sums)``, the group's code words (with ``SPLIT`` its
+    8 words as two ``[1, KB, 4, 4]`` tiles, else ``xa`` ``[1, KB, 4, 8]`` holds them and
+    ``xb`` is ``xa``), its scale and its codes' sum (``[1, KB, 4]``). Read from the
+    quantized row, or with ``QUANT_X`` quantized here from the float row at ``x32`` (the
+    sums then 0: the dot counts them); dead blocks give zeros (scale 0)."""
     r = tl.arange(0, 4)[None, None, :, None]
+    if QUANT_X:
+        w = tl.arange(0, 4 if SPLIT else 8)[None, None, None, :, None]
+        e = (kb * 256 + 64 * r + 32 * HALF)[:, :, :, :, None] + 4 * w + tl.arange(0, 4)[None, None, None, None, :]
+        if SPLIT:
+            va, ma = _x_load(x32, e, live)
+            vb, mb = _x_load(x32, e + 16, live)
+            amax = tl.maximum(ma, mb)
+            xa = _x_pack(va, amax)
+            xb = _x_pack(vb, amax)
+        else:
+            v, amax = _x_load(x32, e, live)
+            xa = _x_pack(v, amax)
+            xb = xa
+        dx = _q8_scale(amax)
+        sums = 0  # counted with the products (_dot_sum)
+    else:
+        r3 = tl.arange(0, 4)[None, None, :]
+        g = kb3 * 8 + 2 * r3 + HALF  # [1, KB, 4]
+        if SPLIT:
+            xw = x32 + kb * 64 + 16 * r + 8 * HALF + tl.arange(0, 4)[None, None, None, :]
+            xa = tl.load(xw, mask=live, other=0)
+            xb = tl.load(xw + 4, mask=live, other=0)
+        else:
+            xa = tl.load(x32 + kb * 64 + 16 * r + 8 * HALF + tl.arange(0, 8)[None, None, None, :], mask=live, other=0)
+            xb = xa
+        dx = tl.load(xd + g, mask=live3, other=0.0)
+        sums = tl.load(xs + 2 * g) + tl.load(xs + 2 * g + 1)
+    return xa, xb, dx, sums
+
+
+@triton.jit
+def _q4k_dot(wa, wb, w0, w1, w2, w3, xa_lo, xb_lo, dx_lo, s_lo, xa_hi, xb_hi, dx_hi, s_hi, ASM: tl.constexpr,
+             ABL: tl.constexpr, SPLIT: tl.constexpr, QUANT_X: tl.constexpr):
+    """``[BLOCK_N, KB, 4]`` float32: the words of :func:`_q4k_words` times the
+    activations of :func:`_q4k_act` (``_lo``: sub-blocks ``2r``, ``_hi``: ``2r + 1``), run
+    ``r`` of each block summed (with ``QUANT_X`` the codes' sums counted here)."""
     m4 = 0x0F0F0F0F
     if SPLIT:
-        xw = x32 + kb * 64 + 16 * r + tl.arange(0, 4)[None, None, None, :]
         if ABL == 2:
             return tl.sum(wa + wb, axis=3).to(tl.float32)
-        dot_lo = (tl.sum(_dp4a(wa & m4, tl.load(xw, mask=live, other=0), ASM), axis=3)
-                  + tl.sum(_dp4a(wb & m4, tl.load(xw + 4, mask=live, other=0), ASM), axis=3)).to(tl.float32)
-        dot_hi = (tl.sum(_dp4a((wa >> 4) & m4, tl.load(xw + 8, mask=live, other=0), ASM), axis=3)
-                  + tl.sum(_dp4a((wb >> 4) & m4, tl.load(xw + 12, mask=live, other=0), ASM), axis=3)).to(tl.float32)
+        da, ca = _dot_sum(wa & m4, xa_lo, ASM, QUANT_X)
+        db, cb = _dot_sum(wb & m4, xb_lo, ASM, QUANT_X)
+        dot_lo = (da + db).to(tl.float32)
+        if QUANT_X:
+            s_lo = ca + cb
+        da, ca = _dot_sum((wa >> 4) & m4, xa_hi, ASM, QUANT_X)
+        db, cb = _dot_sum((wb >> 4) & m4, xb_hi, ASM, QUANT_X)
+        dot_hi = (da + db).to(tl.float32)
+        if QUANT_X:
+            s_hi = ca + cb
     else:
         if ABL == 2:
             return tl.sum(wa, axis=3).to(tl.float32)
-        xw = x32 + kb * 64 + 16 * r + tl.arange(0, 8)[None, None, None, :]
-        dot_lo = tl.sum(_dp4a(wa & m4, tl.load(xw, mask=live, other=0), ASM), axis=3).to(tl.float32)
-        dot_hi = tl.sum(_dp4a((wa >> 4) & m4, tl.load(xw + 8, mask=live, other=0), ASM), axis=3).to(tl.float32)
+        da, ca = _dot_sum(wa & m4, xa_lo, ASM, QUANT_X)
+        dot_lo = da.to(tl.float32)
+        db, cb = _dot_sum((wa >> 4) & m4, xa_hi, ASM, QUANT_X)
+        dot_hi = db.to(tl.float32)
+        if QUANT_X:
+            s_lo = ca
+            s_hi = cb
     r3 = tl.arange(0, 4)[None, None, :]
     sc_lo, mn_lo = _k_scales_words(w1, w2, w3, 2 * r3)
     sc_hi, mn_hi = _k_scales_words(w1, w2, w3, 2 * r3 + 1)
-    g = kb3 * 8 + 2 * r3  # the activation group of sub-block 2r: [1, KB, 4]
-    dx_lo = tl.load(xd + g, mask=live3, other=0.0)
-    dx_hi = tl.load(xd + g + 1, mask=live3, other=0.0)
     if ABL == 1:
         return dot_lo * dx_lo + dot_hi * dx_hi
-    sum_lo = (tl.load(xs + 2 * g) + tl.load(xs + 2 * g + 1)).to(tl.float32) * dx_lo
-    sum_hi = (tl.load(xs + 2 * g + 2) + tl.load(xs + 2 * g + 3)).to(tl.float32) * dx_hi
+    sum_lo = s_lo.to(tl.float32) * dx_lo
+    sum_hi = s_hi.to(tl.float32) * dx_hi
     d = w0.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     dmin = (w0 >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     return d * (dot_lo * sc_lo * dx_lo + dot_hi * sc_hi * dx_hi) - dmin * (mn_lo * sum_lo + mn_hi * sum_hi)
@@ -238,40 +364,70 @@ def _q6k_words(w16, w32, w8, kb, kb3, NB, PLANES: tl.constexpr):
 
 
 @triton.jit
-def _q6k_dot(lo_a, lo_b, qh, d, w8, kb, kb3, NB, x32, xd, xs, live, live3, ASM: tl.constexpr, ABL: tl.constexpr,
-             PLANES: tl.constexpr):
-    """``[BLOCK_N, KB, 4]`` float32: the words of :func:`_q6k_words` times the activations."""
-    a = tl.arange(0, 4)[None, None, :, None]
-    u = tl.arange(0, 4)[None, None, None, :]
-    xw = x32 + kb * 64 + 32 * (a // 2) + 4 * (a % 2) + u  # element 128h + 4 l4
+def _q6k_act(x32, xd, xs, kb, kb3, live, live3, SUB: tl.constexpr, QUANT_X: tl.constexpr):
+    """The activations :func:`_q6k_dot`'s ``d_SUB`` multiplies, for index ``a`` = (half
+    ``h``, word run ``j``) of blocks ``kb``: ``(words, dx, sums)``, the codes of the 16
+    elements from ``128h + 32 SUB + 16j`` as ``[1, KB, 4, 4]`` words, their group's scale
+    and their sum (``[1, KB, 4]``). Read from the quantized row, or with ``QUANT_X``
+    quantized here from the float row at ``x32`` (the sums then 0: the dot counts
+    them); dead blocks give zeros (scale 0)."""
+    if QUANT_X:
+        a = tl.arange(0, 4)[None, None, :, None]
+        e = ((kb * 256 + 128 * (a // 2) + 32 * SUB + 16 * (a % 2))[:, :, :, :, None]
+             + 4 * tl.arange(0, 4)[None, None, None, :, None] + tl.arange(0, 4)[None, None, None, None, :])
+        v, m16 = _x_load(x32, e, live)
+        # A group of 32 is the runs a = 2h and 2h + 1 of a half: their larger magnitude,
+        # for both (the compiled code is shorter than with the other run loaded again).
+        kbs: tl.constexpr = m16.shape[1]
+        pair = tl.max(tl.reshape(m16, (1, kbs, 2, 2)), axis=3)
+        amax = tl.reshape(tl.join(pair, pair), (1, kbs, 4))
+        words = _x_pack(v, amax)
+        dx = _q8_scale(amax)
+        sums = 0  # counted with the products (_dot_sum)
+    else:
+        a = tl.arange(0, 4)[None, None, :, None]
+        u = tl.arange(0, 4)[None, None, None, :]
+        words = tl.load(x32 + kb * 64 + 32 * (a // 2) + 4 * (a % 2) + u + 8 * SUB, mask=live, other=0)
+        a3 = tl.arange(0, 4)[None, None, :]
+        dx = tl.load(xd + kb3 * 8 + 4 * (a3 // 2) + SUB, mask=live3, other=0.0)
+        sums = tl.load(xs + kb3 * 16 + 8 * (a3 // 2) + (a3 % 2) + 2 * SUB)
+    return words, dx, sums
+
+
+@triton.jit
+def _q6k_dot(lo_a, lo_b, qh, d, w8, kb3, NB, x0, dx0, s0, x1, dx1, s1, x2, dx2, s2, x3, dx3, s3, ASM: tl.constexpr,
+             ABL: tl.constexpr, PLANES: tl.constexpr, QUANT_X: tl.constexpr):
+    """``[BLOCK_N, KB, 4]`` float32: the words of :func:`_q6k_words` times the activations
+    of :func:`_q6k_act` (``x_i, dx_i, s_i`` for ``d_i``; with ``QUANT_X`` the sums counted
+    here)."""
     if ABL == 2:
         return tl.sum(lo_a + lo_b + qh, axis=3).to(tl.float32)
     m4 = 0x0F0F0F0F
     m2 = 0x30303030
-    d0 = tl.sum(_dp4a((lo_a & m4) | ((qh << 4) & m2), tl.load(xw, mask=live, other=0), ASM), axis=3)
-    d1 = tl.sum(_dp4a((lo_b & m4) | ((qh << 2) & m2), tl.load(xw + 8, mask=live, other=0), ASM), axis=3)
-    d2 = tl.sum(_dp4a(((lo_a >> 4) & m4) | (qh & m2), tl.load(xw + 16, mask=live, other=0), ASM), axis=3)
-    d3 = tl.sum(_dp4a(((lo_b >> 4) & m4) | ((qh >> 2) & m2), tl.load(xw + 24, mask=live, other=0), ASM), axis=3)
+    d0, c0 = _dot_sum((lo_a & m4) | ((qh << 4) & m2), x0, ASM, QUANT_X)
+    d1, c1 = _dot_sum((lo_b & m4) | ((qh << 2) & m2), x1, ASM, QUANT_X)
+    d2, c2 = _dot_sum(((lo_a >> 4) & m4) | (qh & m2), x2, ASM, QUANT_X)
+    d3, c3 = _dot_sum(((lo_b >> 4) & m4) | ((qh >> 2) & m2), x3, ASM, QUANT_X)
+    if QUANT_X:
+        s0, s1, s2, s3 = c0, c1, c2, c3
     if ABL == 1:
         return (d0 + d1 + d2 + d3).to(tl.float32)
     a3 = tl.arange(0, 4)[None, None, :]
     sc = w8 + NB * 192 + kb3 * 16 if PLANES else w8 + kb3 * 210 + 192  # the block's int8 scales
     sub = 8 * (a3 // 2) + (a3 % 2)  # sub-block of d0; d_i's is sub + 2i
-    grp = kb3 * 8 + 4 * (a3 // 2)  # activation group of d0; d_i's is grp + i
-    s16 = xs + kb3 * 16 + sub
-    acc = _q6k_sub(d0, sc + sub, s16, xd + grp, live3)
-    acc += _q6k_sub(d1, sc + sub + 2, s16 + 2, xd + grp + 1, live3)
-    acc += _q6k_sub(d2, sc + sub + 4, s16 + 4, xd + grp + 2, live3)
-    acc += _q6k_sub(d3, sc + sub + 6, s16 + 6, xd + grp + 3, live3)
+    acc = _q6k_sub(d0, sc + sub, s0, dx0)
+    acc += _q6k_sub(d1, sc + sub + 2, s1, dx1)
+    acc += _q6k_sub(d2, sc + sub + 4, s2, dx2)
+    acc += _q6k_sub(d3, sc + sub + 6, s3, dx3)
     return d * acc
 
 
 @triton.jit
-def _q6k_sub(dot, sc_ptr, s16, xd, live3):
+def _q6k_sub(dot, sc_ptr, sums, dx):
     """One Q6_K sub-block's ``sc * (dot - 32 * sum(codes)) * dx`` (zero point 32; ``sc_ptr``
     points at its int8 scale)."""
     sc = tl.load(sc_ptr).to(tl.int8, bitcast=True).to(tl.float32)
-    return (dot - 32 * tl.load(s16)).to(tl.float32) * sc * tl.load(xd, mask=live3, other=0.0)
+    return (dot - 32 * sums).to(tl.float32) * sc * dx
 
 
 @triton.jit
@@ -287,11 +443,16 @@ def _int8_gemv_kernel(
     xq_ptr, xd_ptr, xs_ptr, w32_ptr, w16_ptr, w8_ptr, out_ptr, M, N, K, row_bytes, row_words, row_halves,
     blocks_per_split, stride_xq, stride_xd, stride_xs, stride_om,
     QT: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr, ATOMIC: tl.constexpr, ASM: tl.constexpr,
-    ABL: tl.constexpr = 0, SPLIT: tl.constexpr = 0, PREFETCH: tl.constexpr = 0,
+    ABL: tl.constexpr = 0, SPLIT: tl.constexpr = 0, PREFETCH: tl.constexpr = 0, QUANT_X: tl.constexpr = 0,
 ):
     # ABL (timing only; wrong results): 1 leaves out the scales (the dot products times
     # the activation scales), 2 also the dot products (the weight words summed), so
     # differences of times place the kernel's time by stage (README).
+    # QUANT_X: xq_ptr is the float activation row itself (stride_xq in elements; xd_ptr
+    # and xs_ptr unused), quantized step by step in registers once for the BLOCK_N rows
+    # (_q4k_act, _q6k_act): no launch and no round trip through memory for the codes.
+    # Each step takes its activations before its weight words (both modes): Triton lays
+    # a step out as the tile whose loads come last (module docstring), the weights'.
     # Grid as the float GEMV's: axis 0 = activation rows x weight tiles (the rows of
     # one tile launched together, so all but the first read it from L2), axis 1 = K ranges.
     pid_m = tl.program_id(0) % M
@@ -302,7 +463,7 @@ def _int8_gemv_kernel(
     w32_3 = w32_ptr + (rows * row_words)[:, None, None]
     w32 = w32_3[:, :, :, None]
     w16 = w16_ptr + (rows * row_halves)[:, None, None, None]
-    x32 = xq_ptr + pid_m.to(tl.int64) * stride_xq  # int32 words of int8 codes
+    x32 = xq_ptr + pid_m.to(tl.int64) * stride_xq  # int32 words of int8 codes, or (QUANT_X) floats
     xd = xd_ptr + pid_m.to(tl.int64) * stride_xd
     xs = xs_ptr + pid_m.to(tl.int64) * stride_xs
     kb_begin = pid_k * blocks_per_split
@@ -320,25 +481,33 @@ def _int8_gemv_kernel(
                                             tl.minimum(kb_begin + step3, kb_end - 1), SPLIT)
         for kb0 in range(kb_begin, kb_end, KB):
             live, kb, live3, kb3 = _step_blocks(kb0, step, step3, kb_end)
+            xa_lo, xb_lo, dx_lo, s_lo = _q4k_act(x32, xd, xs, kb, kb3, live, live3, 0, SPLIT, QUANT_X)
+            xa_hi, xb_hi, dx_hi, s_hi = _q4k_act(x32, xd, xs, kb, kb3, live, live3, 1, SPLIT, QUANT_X)
             if PREFETCH:
                 wa, wb, h0, h1, h2, h3 = na, nb, n0, n1, n2, n3
                 na, nb, n0, n1, n2, n3 = _q4k_words(w32, w32_3, tl.minimum(kb0 + KB + step, kb_end - 1),
                                                     tl.minimum(kb0 + KB + step3, kb_end - 1), SPLIT)
             else:
                 wa, wb, h0, h1, h2, h3 = _q4k_words(w32, w32_3, kb, kb3, SPLIT)
-            acc += _q4k_dot(wa, wb, h0, h1, h2, h3, kb, kb3, x32, xd, xs, live, live3, ASM, ABL, SPLIT)
+            acc += _q4k_dot(wa, wb, h0, h1, h2, h3, xa_lo, xb_lo, dx_lo, s_lo, xa_hi, xb_hi, dx_hi, s_hi, ASM, ABL,
+                            SPLIT, QUANT_X)
     else:
         na, nb, nh, nd = _q6k_words(w16, w32, w8, tl.minimum(kb_begin + step, kb_end - 1),
                                     tl.minimum(kb_begin + step3, kb_end - 1), NB, QT == 8)
         for kb0 in range(kb_begin, kb_end, KB):
             live, kb, live3, kb3 = _step_blocks(kb0, step, step3, kb_end)
+            x0, dx0, s0 = _q6k_act(x32, xd, xs, kb, kb3, live, live3, 0, QUANT_X)
+            x1, dx1, s1 = _q6k_act(x32, xd, xs, kb, kb3, live, live3, 1, QUANT_X)
+            x2, dx2, s2 = _q6k_act(x32, xd, xs, kb, kb3, live, live3, 2, QUANT_X)
+            x3, dx3, s3 = _q6k_act(x32, xd, xs, kb, kb3, live, live3, 3, QUANT_X)
             if PREFETCH:
                 lo_a, lo_b, qh, d = na, nb, nh, nd
                 na, nb, nh, nd = _q6k_words(w16, w32, w8, tl.minimum(kb0 + KB + step, kb_end - 1),
                                             tl.minimum(kb0 + KB + step3, kb_end - 1), NB, QT == 8)
             else:
                 lo_a, lo_b, qh, d = _q6k_words(w16, w32, w8, kb, kb3, NB, QT == 8)
-            acc += _q6k_dot(lo_a, lo_b, qh, d, w8, kb, kb3, NB, x32, xd, xs, live, live3, ASM, ABL, QT == 8)
+            acc += _q6k_dot(lo_a, lo_b, qh, d, w8, kb3, NB, x0, dx0, s0, x1, dx1, s1, x2, dx2, s2, x3, dx3, s3, ASM,
+                            ABL, QT == 8, QUANT_X)
     total = tl.sum(tl.sum(acc, axis=2), axis=1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     out = out_ptr + pid_m * stride_om + cols
@@ -361,28 +530,35 @@ def _configs() -> list[triton.Config]:
     # Few rows, many blocks a step: a small projection (q/k/v, o: one wave of programs,
     # latency-bound) issues all of a row's loads at once, as a 4096-wide row is 16 blocks.
     wide = [{"BLOCK_N": block_n, "KB": kb, "num_warps": warps, "PREFETCH": 0}
-            for block_n, kb, warps in ((2, 16, 2), (4, 16, 4), (4, 8, 2), (1, 16, 2))]
+            for block_n, kb, warps in ((2, 16, 2), (4, 16, 4), (4, 8, 2), (1, 16, 2)) + _QUANT_X_TILINGS]
     return [triton.Config({k: v for k, v in c.items() if k != "num_warps"} | {"PREFETCH": prefetch},
                           num_warps=c["num_warps"])
             for c in plain + split for prefetch in (0, 1)] + [
         triton.Config({k: v for k, v in c.items() if k != "num_warps"}, num_warps=c["num_warps"]) for c in wide]
 
 
+# (BLOCK_N, KB, warps) tried only when the kernel quantizes its rows (QUANT_X): every
+# program quantizes the activations of its K range once a step, so more rows a program
+# share that work, and a small projection's row is still one step or two.
+_QUANT_X_TILINGS = ((8, 16, 4), (16, 8, 4))
+
+
 def _prune(configs, named_args, **kwargs):
-    """``SPLIT`` is Q4_K's alone."""
-    if named_args.get("QT", kwargs.get("QT")) == 5:
-        return configs
-    return [c for c in configs if not c.kwargs.get("SPLIT")]
+    """``SPLIT`` is Q4_K's alone; the :data:`_QUANT_X_TILINGS` are ``QUANT_X``'s."""
+    quant_x = named_args.get("QUANT_X", kwargs.get("QUANT_X"))
+    q4k = named_args.get("QT", kwargs.get("QT")) == 5
+    return [c for c in configs if (q4k or not c.kwargs.get("SPLIT"))
+            and (quant_x or (c.kwargs["BLOCK_N"], c.kwargs["KB"], c.num_warps) not in _QUANT_X_TILINGS)]
 
 
 _tuned = triton.autotune(
-    configs=_configs(), key=["N", "K", "QT"], prune_configs_by={"early_config_prune": _prune},
+    configs=_configs(), key=["N", "K", "QT", "QUANT_X"], prune_configs_by={"early_config_prune": _prune},
     do_bench=lambda fn, quantiles: triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles),
 )(_int8_gemv_kernel)
 
 
 def int8_gemv(
-    q8: Q8Activations,
+    x: torch.Tensor | Q8Activations,
     blocks: torch.Tensor,
     type_name: str,
     *,
@@ -393,53 +569,66 @@ def int8_gemv(
     out: torch.Tensor | None = None,
     variant: dict | None = None,
 ) -> torch.Tensor:
-    """``x @ W.T`` for the quantized activations ``q8`` of ``x`` and ``W`` in Q4_K or
-    Q6_K ``blocks`` (or Q6_K repacked as ``Q6_K_P``, :mod:`kernels.quant.repack`).
+    """``x @ W.T`` for ``x``'s activations rounded to int8 and ``W`` in Q4_K or Q6_K
+    ``blocks`` (or Q6_K repacked as ``Q6_K_P``, :mod:`kernels.quant.repack`).
 
     Args:
-        q8: :func:`quantize_activations` of ``x [M, K]``.
+        x: the float activations ``[M, K]`` (float32/bfloat16/float16, unit column
+            stride), quantized inside the GEMV as :func:`quantize_activations` would
+            (one launch; the same result bit for bit at the same tiling); or
+            :func:`quantize_activations` of them, read as they are (a second launch,
+            the codes shared by several calls).
         blocks: uint8 ``[N, K / 256 * block_bytes]``, GGUF blocks row by row.
         type_name: ``"Q4_K"``, ``"Q6_K"`` or ``"Q6_K_P"`` (then the rows are whole 32-bit
             words: an even number of blocks).
         block_n, split_k, blocks_per_step, num_warps: a forced tiling (tests, sweeps),
             as :func:`kernels.quant.triton_quant.quant_gemv`'s; by default autotuned on
             CUDA when the rows fill the SMs twice over, else K is split.
-        out: where to write ``[M, N]`` (``q8.dtype``, unit column stride), else a new tensor.
+        out: where to write ``[M, N]`` (``x``'s dtype, unit column stride), else a new tensor.
         variant: constexprs of a forced tiling: ``SPLIT`` (Q4_K: a thread holds whole
             runs), ``PREFETCH`` (the next step's weight words loaded ahead), ``ABL`` (timing a stage left out; the result is then wrong).
 
     Returns:
-        ``[M, N]`` in ``q8.dtype`` (float32 accumulation).
+        ``[M, N]`` in ``x``'s dtype (float32 accumulation).
 
     Raises:
-        ValueError: another type, or blocks that do not hold rows of ``K`` weights.
+        ValueError: another type, blocks that do not hold rows of ``K`` weights, or float
+            activations that are not 2-D with a unit column stride.
     """
     if type_name not in INT8_TYPES:
         raise ValueError(f"the int8 GEMV reads {', '.join(INT8_TYPES)}, not {type_name}")
     fmt = block_format(type_name)
-    m, k = q8.codes.shape
+    quant_x = not isinstance(x, Q8Activations)
+    if quant_x and (x.dim() != 2 or x.stride(1) != 1 or not x.dtype.is_floating_point):
+        raise ValueError(f"want float activations [M, K] with unit column stride, got {x.dtype} {tuple(x.shape)}")
+    m, k = x.shape if quant_x else x.codes.shape
     n = blocks.shape[0]
     if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != k // 256 * fmt.block_bytes \
             or k % 256 or blocks.stride(1) != 1 or blocks.stride(0) % (4 if fmt.code == 8 else 2):
         raise ValueError(f"{type_name} blocks {blocks.dtype} {tuple(blocks.shape)} do not hold rows of K={k} weights")
     nblocks = k // 256
-    result = _output(q8.codes.new_empty((m, 0), dtype=q8.dtype), n, out)
+    dtype = x.dtype
+    result = _output(blocks.new_empty((m, 0), dtype=dtype), n, out)
     # The same bytes seen as 32- and 16-bit words: aligned word loads (Q4_K's 144-byte
     # blocks) and Q6_K's halves; the bytes' own view reads the scales.
     flat = blocks.as_strided((blocks.stride(0) * (n - 1) + blocks.shape[1],), (1,))
     w32 = flat[: flat.numel() // 4 * 4].view(torch.int32)
     w16 = flat[: flat.numel() // 2 * 2].view(torch.int16)
-    args = (q8.codes.view(torch.int32), q8.scales, q8.sums, w32, w16, blocks)
+    if quant_x:  # the scales' and sums' pointers are unused: x stands in for them
+        args = (x, x, x, w32, w16, blocks)
+        strides = (x.stride(0), 0, 0)
+    else:
+        args = (x.codes.view(torch.int32), x.scales, x.sums, w32, w16, blocks)
+        strides = (x.codes.stride(0) // 4, x.scales.stride(0), x.sums.stride(0))
     # Row strides in bytes, 32- and 16-bit words (Q6_K's word view is unused when the
     # rows are not whole words; Q6_K_P's rows always are).
     row = (blocks.stride(0), blocks.stride(0) // 4, blocks.stride(0) // 2)
-    strides = (q8.codes.stride(0) // 4, q8.scales.stride(0), q8.sums.stride(0))
     asm = _ASM and blocks.is_cuda
     if (blocks.is_cuda and not _INTERPRETING and split_k is None and block_n is None and blocks_per_step is None
             and n >= 2 * _sm_count(blocks.device.index or 0)):
         _tuned[lambda meta: (m * triton.cdiv(n, meta["BLOCK_N"]), 1)](
             *args, result, m, n, k, *row, nblocks, *strides, result.stride(0),
-            QT=fmt.code, ATOMIC=False, ASM=asm)
+            QT=fmt.code, ATOMIC=False, ASM=asm, QUANT_X=quant_x)
         return result
     block_n = block_n or 4
     kb = blocks_per_step or 2
@@ -452,7 +641,8 @@ def int8_gemv(
     dest = torch.zeros((m, n), device=blocks.device, dtype=torch.float32) if atomic else result
     _int8_gemv_kernel[(m * triton.cdiv(n, block_n), split)](
         *args, dest, m, n, k, *row, per_split, *strides, dest.stride(0),
-        QT=fmt.code, BLOCK_N=block_n, KB=kb, ATOMIC=atomic, ASM=asm, num_warps=num_warps, **(variant or {}))
+        QT=fmt.code, BLOCK_N=block_n, KB=kb, ATOMIC=atomic, ASM=asm, QUANT_X=quant_x, num_warps=num_warps,
+        **(variant or {}))
     if atomic:
         result.copy_(dest)
     return result

@@ -20,7 +20,8 @@ Q4_K and Q6_K decode rows go to the int8-activation GEMV of
 to int8 per 32 values, as llama.cpp's CUDA kernels do; with Q6_K repacked into aligned
 planes it decoded the 8B shape at batch 1 in 3.68 ms a step against the float GEMV's
 4.47 on the H200); ``HEADROOM_QUANT_INT8=0`` (or ``int8_dot=False``) keeps them on the
-float GEMV.
+float GEMV. The int8 GEMV rounds the activations to int8 itself, as it reads them
+(``HEADROOM_QUANT_INT8_FUSE=0``: in a launch of their own first).
 
 No weight is rounded to 16 bits. Codes become floats without an int-to-float
 instruction: ORed into the mantissa of 2**23 (:func:`_codes_f32`; for Q4_K and Q8_0
@@ -61,6 +62,10 @@ _ASM = not _INTERPRETING and env_flag("HEADROOM_QUANT_PTX", True)
 # Q4_K/Q6_K decode rows on the int8-activation GEMV (:mod:`kernels.quant.triton_int8`)
 # unless HEADROOM_QUANT_INT8=0 (README, "GGUF weights kept quantized").
 _INT8 = env_flag("HEADROOM_QUANT_INT8", True)
+# The int8 GEMV quantizes its activation rows itself (one launch, the same results at
+# the same tiling) unless HEADROOM_QUANT_INT8_FUSE=0: then a quantizing launch first,
+# whose codes the parts of a fused projection share.
+_INT8_FUSE = env_flag("HEADROOM_QUANT_INT8_FUSE", True)
 
 
 @triton.jit
@@ -442,7 +447,9 @@ def quant_gemv(
             values, integer dot products); default on unless
             ``HEADROOM_QUANT_INT8=0``. Other types ignore it.
         q8: ``x`` already quantized (:func:`kernels.quant.triton_int8.quantize_activations`),
-            shared by the parts of a fused projection; else quantized here.
+            shared by the parts of a fused projection; else the int8 GEMV quantizes
+            ``x`` itself (:func:`int8_quantize_apart` false: one launch) or after a
+            quantizing launch.
 
     Returns:
         ``[M, N]`` in ``x.dtype`` (float32 accumulation): ``out`` when given.
@@ -456,8 +463,10 @@ def quant_gemv(
     if uses_int8_dot(type_name, int8_dot):
         from kernels.quant.triton_int8 import int8_gemv, quantize_activations
 
-        return int8_gemv(q8 if q8 is not None else quantize_activations(x), blocks, type_name, block_n=block_n,
-                         split_k=split_k, blocks_per_step=blocks_per_step, num_warps=num_warps, out=out)
+        if q8 is None:
+            q8 = quantize_activations(x) if int8_quantize_apart() else x
+        return int8_gemv(q8, blocks, type_name, block_n=block_n, split_k=split_k, blocks_per_step=blocks_per_step,
+                         num_warps=num_warps, out=out)
     result = _output(x, n, out)
     if _tuned_shape(x, n, split_k, block_n, blocks_per_step):
         _gemv_tuned[lambda meta: (m * triton.cdiv(n, meta["BLOCK_N"]), 1)](
@@ -524,6 +533,12 @@ def uses_int8_dot(type_name: str, int8_dot: bool | None = None) -> bool:
     from kernels.quant.triton_int8 import INT8_TYPES
 
     return type_name in INT8_TYPES and (_INT8 if int8_dot is None else int8_dot)
+
+
+def int8_quantize_apart() -> bool:
+    """Whether int8-GEMV activations are quantized by a launch of their own before the
+    GEMV (``HEADROOM_QUANT_INT8_FUSE=0``) rather than inside it."""
+    return not _INT8_FUSE
 
 
 def _output(x: torch.Tensor, n: int, out: torch.Tensor | None) -> torch.Tensor:

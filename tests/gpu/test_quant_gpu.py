@@ -105,6 +105,46 @@ def test_kernels_at_real_shapes_match_gguf_dequantize(type_name, n, k):
             assert float((out - exact).abs().max()) <= 2**-6 * float(exact.abs().max()), f"float GEMV, {m} rows"
 
 
+@pytest.mark.parametrize("type_name,n,k", [("Q4_K", 4096, 4096), ("Q4_K", 14336, 4096), ("Q4_K", 28672, 4096),
+                                           ("Q6_K_P", 4096, 14336), ("Q6_K_P", 1024, 4096), ("Q6_K", 4096, 14336),
+                                           ("Q6_K_P", 256, 4096)])
+def test_int8_gemv_quantizing_its_rows_equals_quantizing_apart_at_real_shapes(type_name, n, k):
+    """At the 8B projection shapes, 1 and 16 rows, bfloat16 and float32: the int8 GEMV
+    given the float rows (quantizing them as it reads them, one launch) equals it given
+    their codes from ``quantize_activations`` bit for bit at the same tiling: the
+    autotuner's pick for the one-launch kernel, and split-K (256 rows) at a forced
+    two-way split (more ranges add their partial sums atomically in any order)."""
+    from kernels.quant import triton_int8
+    from kernels.quant.formats import block_format
+    from kernels.quant.synthetic import random_blocks
+    from kernels.quant.triton_quant import _sm_count
+
+    rng = np.random.default_rng(n + k + 1)
+    w = torch.from_numpy(random_blocks(type_name, n, k, rng, scale=1e-3)).cuda()
+    tuned = n >= 2 * _sm_count(0)
+    for m in (1, 16):
+        for dtype in (torch.bfloat16, torch.float32):
+            x = torch.randn(m, k, device="cuda", dtype=dtype)
+            x[0, :32] = 0  # a group of zeros: scale 0
+            q8 = triton_int8.quantize_activations(x)
+            if tuned:
+                fused = triton_int8.int8_gemv(x, w, type_name)
+                code = block_format(type_name).code
+                picked = [c for key, c in triton_int8._tuned.cache.items()
+                          if tuple(key[:4]) == (n, k, code, True) and str(dtype) in key]
+                assert picked, f"no tuned config for {n}x{k} {type_name}"
+                cfg = picked[0]
+                tiling = dict(block_n=cfg.kwargs["BLOCK_N"], blocks_per_step=cfg.kwargs["KB"], num_warps=cfg.num_warps,
+                              split_k=1, variant={v: cfg.kwargs[v] for v in ("SPLIT", "PREFETCH") if v in cfg.kwargs})
+            else:
+                tiling = dict(block_n=4, blocks_per_step=2, split_k=2)
+                fused = triton_int8.int8_gemv(x, w, type_name, **tiling)
+            apart = triton_int8.int8_gemv(q8, w, type_name, **tiling)
+            assert torch.equal(fused, apart), f"{m} rows {dtype}, {tiling}: max |diff| " \
+                f"{float((fused.float() - apart.float()).abs().max()):.3g}"
+            assert torch.equal(triton_int8.int8_gemv(x, w, type_name, **tiling), apart), f"{m} rows {dtype}, forced"
+
+
 def test_benchmark_weights_take_their_block_bytes(tmp_path):
     """Two layers of the benchmark's Llama-3-8B-shape Q4_K/Q6_K file: the device holds
     the file's blocks (Q4_K 4.5 and Q6_K 6.56 bits a weight against bfloat16's 16; the

@@ -12,7 +12,9 @@ Then the same shape with bfloat16 weights (random, ``load_format="dummy"``); wit
 Q4_K/Q6_K decode rows run on the int8-activation GEMV (:mod:`kernels.quant.triton_int8`)
 unless ``HEADROOM_QUANT_INT8=0``; ``--float-gemv`` then times the float GEMV too, and
 ``--variants`` every kernel choice (the int8 GEMV's activations quantized inside it, the
-default, or by a launch of their own first, ``HEADROOM_QUANT_INT8_FUSE=0``).
+default, or by a launch of their own first, ``HEADROOM_QUANT_INT8_FUSE=0``; q/k/v's
+Q4_K and Q6_K parts in one launch, the default, or one each,
+``HEADROOM_QUANT_INT8_PARTS=0``).
 
 Per row: weights' VRAM, step time, tokens/s, and the share of the HBM roofline: the
 bytes one step must read (every weight but the embedding table, which a step only
@@ -241,31 +243,35 @@ def set_q6k_layout(model: torch.nn.Module, repacked: bool) -> None:
 
 
 # The GEMV choices --variants times: (label, int8 GEMV, its activations quantized in a
-# launch of their own first).
-_GEMV_VARIANTS = (("float GEMV", False, False), ("int8 GEMV, x quantized apart", True, True),
-                  ("int8 GEMV, x quantized in it", True, False))
+# launch of their own first, a projection's Q4_K and Q6_K parts in one launch).
+_GEMV_VARIANTS = (("float GEMV", False, False, False),
+                  ("int8 GEMV, x quantized apart, a launch a part", True, True, False),
+                  ("int8 GEMV, x quantized in it, a launch a part", True, False, False),
+                  ("int8 GEMV, x quantized in it, a launch a projection", True, False, True))
 
 
 def variant_rows(model, config, batches: list[int], context: int, bandwidth: float) -> list[str]:
     """Decode rows of the GGUF model for each kernel choice: Q6_K in GGUF blocks or
     repacked planes, x the float GEMV or the int8-activation GEMV (its activations
-    quantized by a launch of their own, or inside it); then the batches above one with
+    quantized by a launch of their own, or inside it; a projection of Q4_K and Q6_K
+    parts in a launch a part, or in one); then the batches above one with
     every multi-row step on the GEMM (tensor cores, the weights read once) instead of
     the GEMV (the weights read once per row). Leaves the model repacked, the module
     defaults restored."""
     from kernels.quant import triton_quant
 
-    int8, fuse, gemv_rows_max = triton_quant._INT8, triton_quant._INT8_FUSE, triton_quant.GEMV_MAX_ROWS
+    saved = triton_quant._INT8, triton_quant._INT8_FUSE, triton_quant._INT8_PARTS
+    gemv_rows_max = triton_quant.GEMV_MAX_ROWS
     rows = []
     try:
         for repacked in (False, True):
             set_q6k_layout(model, repacked)
             layout = "Q6_K planes" if repacked else "Q6_K blocks"
-            for name, use_int8, apart in _GEMV_VARIANTS:
-                triton_quant._INT8, triton_quant._INT8_FUSE = use_int8, not apart
+            for name, use_int8, apart, one_launch in _GEMV_VARIANTS:
+                triton_quant._INT8, triton_quant._INT8_FUSE, triton_quant._INT8_PARTS = use_int8, not apart, one_launch
                 rows += decode_rows(model, config, batches, context, bandwidth, f"GGUF Q4_K/{layout}, {name}")
                 print("\n".join(rows[-len(batches):]), flush=True)
-            triton_quant._INT8, triton_quant._INT8_FUSE = int8, fuse
+            triton_quant._INT8, triton_quant._INT8_FUSE, triton_quant._INT8_PARTS = saved
             triton_quant.GEMV_MAX_ROWS = 1
             many = [b for b in batches if b > 1]
             if many:
@@ -273,7 +279,8 @@ def variant_rows(model, config, batches: list[int], context: int, bandwidth: flo
                 print("\n".join(rows[-len(many):]), flush=True)
             triton_quant.GEMV_MAX_ROWS = gemv_rows_max
     finally:
-        triton_quant._INT8, triton_quant._INT8_FUSE, triton_quant.GEMV_MAX_ROWS = int8, fuse, gemv_rows_max
+        triton_quant._INT8, triton_quant._INT8_FUSE, triton_quant._INT8_PARTS = saved
+        triton_quant.GEMV_MAX_ROWS = gemv_rows_max
         set_q6k_layout(model, True)
     return rows
 
@@ -520,7 +527,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--profile", action="store_true", help="per-kernel times of eager batch-1 decode steps")
     p.add_argument("--variants", action="store_true",
                    help="the GGUF rows for each kernel choice instead: Q6_K blocks or repacked planes, float or "
-                        "int8 GEMV (activations quantized apart or inside it), and the GEMM for multi-row steps")
+                        "int8 GEMV (activations quantized apart or inside it, q/k/v's parts in one launch or one "
+                        "each), and the GEMM for multi-row steps")
     p.add_argument("--float-gemv", action="store_true",
                    help="then the GGUF rows again with Q4_K/Q6_K on the float GEMV")
     p.add_argument("--fp8", action="store_true",

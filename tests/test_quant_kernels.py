@@ -227,15 +227,53 @@ def test_int8_gemv_quantizing_its_rows_into_a_column_slice(dev):
         triton_int8.int8_gemv(x.to(torch.int32), w, "Q4_K")
 
 
+@pytest.mark.parametrize("types", [("Q4_K", "Q6_K_P"), ("Q6_K", "Q4_K")])
+@pytest.mark.parametrize("m,n0,n1,blocks_k,split_k,block_n,kb,dtype",
+                         [(1, 7, 3, 2, 1, 4, 2, torch.float32), (3, 5, 9, 4, 2, 4, 2, torch.bfloat16),
+                          (16, 8, 5, 2, None, 8, 4, torch.bfloat16), (2, 3, 2, 2, 3, 4, 4, torch.float32)])
+def test_int8_gemv_of_two_parts_in_one_launch_equals_a_launch_each(dev, types, m, n0, n1, blocks_k, split_k, block_n,
+                                                                   kb, dtype):
+    """Two parts of different types in one launch (each program's rows of one part; the
+    first part's last tile partial, so the second's start a tile): each part's columns
+    equal its own launch bit for bit, from float rows and from their codes, at every
+    tiling variant (``SPLIT`` acting on the Q4_K part only)."""
+    from kernels.quant import triton_int8
+
+    rng = np.random.default_rng(13 + m)
+    k = blocks_k * 256
+    parts = [(torch.from_numpy(random_blocks(t, n, k, rng)).to(dev), t) for t, n in zip(types, (n0, n1), strict=True)]
+    x = torch.from_numpy(rng.standard_normal((m, k), dtype=np.float32)).to(dtype).to(dev)
+    for rows in (x, triton_int8.quantize_activations(x)):
+        for variant in ({}, {"PREFETCH": 1}, {"SPLIT": 1}):
+            tiling = dict(block_n=block_n, split_k=split_k, blocks_per_step=kb, variant=variant)
+            one = triton_int8.int8_gemv_parts(rows, parts, **tiling)
+            each = torch.cat([triton_int8.int8_gemv(rows, w, t, **tiling) for w, t in parts], dim=1)
+            assert one.shape == (m, n0 + n1) and torch.equal(one, each), variant
+
+
+def test_int8_gemv_of_parts_refuses_none_three_or_other_widths(dev):
+    from kernels.quant import triton_int8
+
+    x, w = _case("Q4_K", 1, 3, 2, dev)
+    _, narrow = _case("Q6_K", 1, 3, 1, dev)
+    with pytest.raises(ValueError, match="one or two parts"):
+        triton_int8.int8_gemv_parts(x, [])
+    with pytest.raises(ValueError, match="one or two parts"):
+        triton_int8.int8_gemv_parts(x, [(w, "Q4_K")] * 3)
+    with pytest.raises(ValueError, match="do not hold rows of K=512"):
+        triton_int8.int8_gemv_parts(x, [(w, "Q4_K"), (narrow, "Q6_K")])
+
+
 @pytest.mark.parametrize("m", [1, 3])
-def test_quant_linear_output_is_the_same_whether_it_quantizes_apart(dev, monkeypatch, m):
+def test_quant_linear_output_is_the_same_whichever_launches_it_takes(dev, monkeypatch, m):
     """A fused q/k/v-like projection of Q4_K and Q6_K_P parts with a bias, in decode
-    rows: its output with the activations quantized inside each GEMV (the default)
-    equals its output with them quantized by a launch of their own, bit for bit, and
-    both equal the int8 reference of its parts."""
+    rows: its output with the activations quantized inside the GEMV and both parts in
+    one launch (the default) equals its output with a launch a part, and with the
+    activations quantized by a launch of their own, bit for bit; all equal the int8
+    reference of its parts."""
     from engine.models import quant_linear
     from engine.models.quant_linear import PartSpec, QuantLinear
-    from kernels.quant import triton_quant
+    from kernels.quant import triton_int8, triton_quant
 
     if dev == "cpu":  # the Triton path, interpreted, on CPU tensors
         monkeypatch.setattr(quant_linear, "use_triton", lambda t: True)
@@ -249,15 +287,28 @@ def test_quant_linear_output_is_the_same_whether_it_quantizes_apart(dev, monkeyp
     assert [p.type_name for p in layer.parts] == ["Q4_K", "Q6_K_P"]
     layer.bias.copy_(torch.linspace(-1, 1, sum(rows)))
     x = torch.from_numpy(rng.standard_normal((m, 1, k), dtype=np.float32)).to(torch.bfloat16).to(dev)
-    monkeypatch.setattr(triton_quant, "_INT8_FUSE", True)
-    fused = layer(x)
-    monkeypatch.setattr(triton_quant, "_INT8_FUSE", False)
-    apart = layer(x)
-    assert fused.shape == (m, 1, sum(rows)) and torch.equal(fused, apart)
+    launches = []
+    gemv_parts = triton_int8.int8_gemv_parts
+
+    def counted(rows_in, parts, **kwargs):
+        launches.append(len(parts))
+        return gemv_parts(rows_in, parts, **kwargs)
+
+    monkeypatch.setattr(triton_int8, "int8_gemv_parts", counted)
+    outputs = {}
+    for fuse, one_launch in ((True, True), (True, False), (False, True), (False, False)):
+        monkeypatch.setattr(triton_quant, "_INT8_FUSE", fuse)
+        monkeypatch.setattr(triton_quant, "_INT8_PARTS", one_launch)
+        launches.clear()
+        outputs[fuse, one_launch] = layer(x)
+        assert launches == ([2] if one_launch else [1, 1])
+    default = outputs[True, True]
+    assert default.shape == (m, 1, sum(rows))
+    assert all(torch.equal(default, y) for y in outputs.values())
     x2 = x.reshape(m, k).float()
     want = torch.cat([reference.quant_matmul_int8(x2, w, spec.type_name) for spec, w in layer.part_views()], dim=1)
     want = want + layer.bias.float()
-    assert float((fused.reshape(m, -1).float() - want).abs().max()) <= 2**-6 * float(want.abs().max())
+    assert float((default.reshape(m, -1).float() - want).abs().max()) <= 2**-6 * float(want.abs().max())
 
 
 def test_int8_activations_equal_the_reference_codes(dev):

@@ -39,7 +39,8 @@ def _compile(fn, args: dict[str, str], constexprs: dict, num_warps: int) -> tupl
     # As a launch specializes them: pointers and the row and activation strides 16-byte
     # aligned (what lets the byte reads vectorize).
     aligned = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in args
-               if args[a].startswith("*") or a in ("row_bytes", "row_words", "row_halves", "stride_xm", "stride_xq", "K")}
+               if args[a].startswith("*") or a in ("row_bytes", "row_words", "row_halves", "stride_xm", "stride_xq", "K",
+                                                   "row_bytes1", "row_words1", "row_halves1")}
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=aligned)
     ptx = triton.compile(src, target=TARGET, options={"num_warps": num_warps}).asm["ptx"]
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
@@ -67,14 +68,15 @@ def _loads(ptx: str) -> str:
 def _int8_variants(type_names: list[str]) -> int:
     """The int8-activation GEMV (:mod:`kernels.quant.triton_int8`) of ``type_names`` at a
     few tilings, on quantized codes and quantizing bfloat16 rows itself (``QUANT_X``),
-    and the activation quantizer; returns how many spill, or (``QUANT_X``) multiply
+    with Q4_K the kernel of a Q4_K part over a Q6_K_P part, and the activation quantizer; returns how many spill, or (``QUANT_X``) multiply
     more weight words than the kernel on codes or round each activation on more than
     one thread (the compiler's layouts decide both)."""
     failures = 0
     args = {"xq_ptr": "*i32", "xd_ptr": "*fp32", "xs_ptr": "*i32", "w32_ptr": "*i32", "w16_ptr": "*i16",
             "w8_ptr": "*u8", "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "row_bytes": "i32",
             "row_words": "i32", "row_halves": "i32", "blocks_per_split": "i32", "stride_xq": "i32",
-            "stride_xd": "i32", "stride_xs": "i32", "stride_om": "i32"}
+            "stride_xd": "i32", "stride_xs": "i32", "stride_om": "i32", "w32b_ptr": "*i32", "w16b_ptr": "*i16",
+            "w8b_ptr": "*u8", "N1": "i32", "row_bytes1": "i32", "row_words1": "i32", "row_halves1": "i32"}
     # QUANT_X: the float row in place of the codes (the scale and sum pointers unused).
     args_x = args | {"xq_ptr": "*bf16", "xd_ptr": "*bf16", "xs_ptr": "*bf16"}
     for name in type_names:
@@ -86,7 +88,7 @@ def _int8_variants(type_names: list[str]) -> int:
             for quant_x in (0, 1):
                 regs, frame, ptx = _compile(triton_int8._int8_gemv_kernel, args_x if quant_x else args, {
                     "QT": block_format(name).code, "BLOCK_N": block_n, "KB": kb, "ATOMIC": False, "ASM": True,
-                    "ABL": 0, "SPLIT": split, "PREFETCH": prefetch, "QUANT_X": quant_x}, warps)
+                    "ABL": 0, "SPLIT": split, "PREFETCH": prefetch, "QUANT_X": quant_x, "QT1": 0}, warps)
                 # A line per dp4a on codes; with QUANT_X each line also counts the codes' sum.
                 lines = len(re.findall(r"^\s*dp4a.*$", ptx, re.M))
                 floors = ptx.count("cvt.rmi")  # two per activation rounded (_q8_round)
@@ -101,6 +103,15 @@ def _int8_variants(type_names: list[str]) -> int:
                               f"against {once} (each activation once)")
                         failures += 1
                 products = lines
+    if "Q4_K" in type_names:  # two parts in one launch: a Q4_K_M file's q/k over its v
+        for block_n, kb, warps, prefetch in ((8, 2, 4, 0), (32, 4, 8, 1)):
+            for quant_x in (0, 1):
+                regs, frame, _ = _compile(triton_int8._int8_gemv_kernel, args_x if quant_x else args, {
+                    "QT": 5, "BLOCK_N": block_n, "KB": kb, "ATOMIC": False, "ASM": True, "ABL": 0, "SPLIT": 0,
+                    "PREFETCH": prefetch, "QUANT_X": quant_x, "QT1": 8}, warps)
+                print(f"gemv int8 Q4_K over Q6_K_P {block_n}x{kb}{' prefetch' if prefetch else ''}"
+                      f"{' x-quant' if quant_x else ''}: {regs} registers, {frame} B stack")
+                failures += frame > 0
     if type_names:
         regs, frame, _ = _compile(triton_int8._quantize_kernel, {
             "x_ptr": "*bf16", "q_ptr": "*i8", "d_ptr": "*fp32", "s_ptr": "*i32", "groups": "i32",

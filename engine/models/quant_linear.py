@@ -6,7 +6,8 @@ a part is either GGUF blocks of a type :mod:`kernels.quant` reads (uint8
 ``[rows, in_features / block_elements * block_bytes]``) or a dense weight in the model
 dtype (a shard stored as F16/F32 or a type not kept quantized). Adjacent parts of one
 type are merged at build time, so a fused projection whose shards share a type (the
-common case) is one kernel launch.
+common case) is one kernel launch; so are decode rows of two parts that the int8 GEMV
+reads (a Q4_K_M file's q/k in Q4_K over v in Q6_K).
 
 On CUDA the product is :func:`kernels.quant.triton_quant.quant_matmul` (the GEMV for
 decode rows, the GEMM for prefill), over Q6_K parts repacked at load into aligned planes
@@ -99,6 +100,10 @@ class QuantLinear(nn.Module):
         q8 = self._int8_activations(x2)
         if len(views) == 1:
             y = self._part(x2, *views[0], q8=q8)
+        elif self._int8_one_launch(x2):  # decode rows, both parts on the int8 GEMV
+            from kernels.quant.triton_int8 import int8_gemv_parts
+
+            y = int8_gemv_parts(q8 if q8 is not None else x2.contiguous(), [(w, spec.type_name) for spec, w in views])
         else:  # each part writes its columns of one output: no concatenation
             y = torch.empty(x2.shape[0], self.out_features, device=x.device, dtype=x.dtype)
             col = 0
@@ -124,6 +129,15 @@ class QuantLinear(nn.Module):
         from kernels.quant.triton_int8 import quantize_activations
 
         return quantize_activations(x.contiguous())
+
+    def _int8_one_launch(self, x: torch.Tensor) -> bool:
+        """Whether ``x``'s rows are decode rows for a GEMV over all the parts in one launch
+        (:func:`kernels.quant.triton_quant.int8_parts_in_one_launch`)."""
+        if not use_triton(x):
+            return False
+        from kernels.quant.triton_quant import GEMV_MAX_ROWS, int8_parts_in_one_launch
+
+        return x.shape[0] <= GEMV_MAX_ROWS and int8_parts_in_one_launch([p.type_name for p in self.parts])
 
     @staticmethod
     def _part(x: torch.Tensor, spec: PartSpec, w: torch.Tensor, out: torch.Tensor | None = None,

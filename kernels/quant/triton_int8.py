@@ -42,16 +42,21 @@ Every program so quantizes its own slice of the row (the quantizing launch did i
 for all of them), work that more rows a program share: hence tilings tried only in
 this mode (:data:`_QUANT_X_TILINGS`).
 
+A fused projection whose parts differ in type (a Q4_K_M file's q and k in Q4_K over v in
+Q6_K) is one launch too (:func:`int8_gemv_parts`): the first part's weight tiles, then
+the second's, each program of one part (a branch on its tile, both types compiled in),
+so each part's columns are what its own launch gives at the same tiling.
+
 Tiling: one program per (activation row, ``BLOCK_N`` weight rows, range of K), ``KB``
 blocks per step in a ``[BLOCK_N, KB, 4, words]`` tile whose rows come first, so a thread
 holds the same words of several rows and loads the activation words once for them
 (``SPLIT``, Q4_K: each run of 8 words as two 4-word tiles, so one thread holds a whole
-run); Q4_K's 16-byte header is read as four words. Autotuned per (N, K, type, mode);
-split-K below two rows per SM, as the float GEMV. Triton gives a step's values the
-layout of whichever tile's loads it propagates first, the last issued: a step reads its
-activations before its weight words so that the weight tile's layout wins (the
-activations are moved, not the weights; the accumulator, hence the order of the final
-sums, the same in both modes).
+run); Q4_K's 16-byte header is read as four words. Autotuned per (N, K, type, mode,
+second part); split-K below two rows per SM, as the float GEMV. Triton gives a step's
+values the layout of whichever tile's loads it propagates first, the last issued: a
+step reads its activations before its weight words so that the weight tile's layout
+wins (the activations are moved, not the weights; the accumulator, hence the order of
+the final sums, the same in both modes).
 
 Q6_K rows are read from their repacked planes (``Q6_K_P``, :mod:`kernels.quant.repack`)
 as whole, aligned words; each step can load the next step's words before its own
@@ -439,35 +444,17 @@ def _step_blocks(kb0, step, step3, kb_end):
 
 
 @triton.jit
-def _int8_gemv_kernel(
-    xq_ptr, xd_ptr, xs_ptr, w32_ptr, w16_ptr, w8_ptr, out_ptr, M, N, K, row_bytes, row_words, row_halves,
-    blocks_per_split, stride_xq, stride_xd, stride_xs, stride_om,
-    QT: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr, ATOMIC: tl.constexpr, ASM: tl.constexpr,
-    ABL: tl.constexpr = 0, SPLIT: tl.constexpr = 0, PREFETCH: tl.constexpr = 0, QUANT_X: tl.constexpr = 0,
-):
-    # ABL (timing only; wrong results): 1 leaves out the scales (the dot products times
-    # the activation scales), 2 also the dot products (the weight words summed), so
-    # differences of times place the kernel's time by stage (README).
-    # QUANT_X: xq_ptr is the float activation row itself (stride_xq in elements; xd_ptr
-    # and xs_ptr unused), quantized step by step in registers once for the BLOCK_N rows
-    # (_q4k_act, _q6k_act): no launch and no round trip through memory for the codes.
-    # Each step takes its activations before its weight words (both modes): Triton lays
-    # a step out as the tile whose loads come last (module docstring), the weights'.
-    # Grid as the float GEMV's: axis 0 = activation rows x weight tiles (the rows of
-    # one tile launched together, so all but the first read it from L2), axis 1 = K ranges.
-    pid_m = tl.program_id(0) % M
-    pid_n = tl.program_id(0) // M
-    pid_k = tl.program_id(1)
-    rows = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
+def _rows_dot(QT: tl.constexpr, w32_ptr, w16_ptr, w8_ptr, row0, N, K, row_bytes, row_words, row_halves, x32, xd, xs,
+              kb_begin, kb_end, BLOCK_N: tl.constexpr, KB: tl.constexpr, ASM: tl.constexpr, ABL: tl.constexpr,
+              SPLIT: tl.constexpr, PREFETCH: tl.constexpr, QUANT_X: tl.constexpr):
+    """``[BLOCK_N]`` float32: weight rows ``row0 ...`` (of ``N``, type ``QT``) times the
+    activation row at ``x32`` (with ``xd``, ``xs``) over blocks ``kb_begin`` to
+    ``kb_end``; rows past ``N`` are read as row ``N - 1``."""
+    rows = tl.minimum(row0 + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
     w8 = w8_ptr + (rows * row_bytes)[:, None, None]  # [BLOCK_N, 1, 1]
     w32_3 = w32_ptr + (rows * row_words)[:, None, None]
     w32 = w32_3[:, :, :, None]
     w16 = w16_ptr + (rows * row_halves)[:, None, None, None]
-    x32 = xq_ptr + pid_m.to(tl.int64) * stride_xq  # int32 words of int8 codes, or (QUANT_X) floats
-    xd = xd_ptr + pid_m.to(tl.int64) * stride_xd
-    xs = xs_ptr + pid_m.to(tl.int64) * stride_xs
-    kb_begin = pid_k * blocks_per_split
-    kb_end = tl.minimum(kb_begin + blocks_per_split, K // 256)
     acc = tl.zeros([BLOCK_N, KB, 4], tl.float32)
     step = tl.arange(0, KB)[None, :, None, None]
     step3 = tl.arange(0, KB)[None, :, None]
@@ -475,7 +462,9 @@ def _int8_gemv_kernel(
     # PREFETCH: the next step's weight words are loaded before this step's arithmetic,
     # so their latency overlaps it (Triton pipelines no loads in a loop without a dot).
     # Blocks past the range are read from its last block (in bounds) and multiplied
-    # by zeroed activations and scales.
+    # by zeroed activations and scales. Each step takes its activations before its
+    # weight words (both modes): Triton lays a step out as the tile whose loads come
+    # last (module docstring), the weights'.
     if QT == 5:
         na, nb, n0, n1, n2, n3 = _q4k_words(w32, w32_3, tl.minimum(kb_begin + step, kb_end - 1),
                                             tl.minimum(kb_begin + step3, kb_end - 1), SPLIT)
@@ -508,13 +497,60 @@ def _int8_gemv_kernel(
                 lo_a, lo_b, qh, d = _q6k_words(w16, w32, w8, kb, kb3, NB, QT == 8)
             acc += _q6k_dot(lo_a, lo_b, qh, d, w8, kb3, NB, x0, dx0, s0, x1, dx1, s1, x2, dx2, s2, x3, dx3, s3, ASM,
                             ABL, QT == 8, QUANT_X)
-    total = tl.sum(tl.sum(acc, axis=2), axis=1)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return tl.sum(tl.sum(acc, axis=2), axis=1)
+
+
+@triton.jit
+def _int8_gemv_kernel(
+    xq_ptr, xd_ptr, xs_ptr, w32_ptr, w16_ptr, w8_ptr, out_ptr, M, N, K, row_bytes, row_words, row_halves,
+    blocks_per_split, stride_xq, stride_xd, stride_xs, stride_om,
+    w32b_ptr, w16b_ptr, w8b_ptr, N1, row_bytes1, row_words1, row_halves1,
+    QT: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr, ATOMIC: tl.constexpr, ASM: tl.constexpr,
+    ABL: tl.constexpr = 0, SPLIT: tl.constexpr = 0, PREFETCH: tl.constexpr = 0, QUANT_X: tl.constexpr = 0,
+    QT1: tl.constexpr = 0,
+):
+    # ABL (timing only; wrong results): 1 leaves out the scales (the dot products times
+    # the activation scales), 2 also the dot products (the weight words summed), so
+    # differences of times place the kernel's time by stage (README).
+    # QUANT_X: xq_ptr is the float activation row itself (stride_xq in elements; xd_ptr
+    # and xs_ptr unused), quantized step by step in registers once for the BLOCK_N rows
+    # (_q4k_act, _q6k_act): no launch and no round trip through memory for the codes.
+    # QT1: a second part (type QT1, N1 rows at w32b_ptr/w16b_ptr/w8b_ptr) under the
+    # first, written to output columns N ... N + N1 - 1 by the programs after the first
+    # part's tiles; 0: one part (the second's arguments unused).
+    # Grid as the float GEMV's: axis 0 = activation rows x weight tiles (the rows of
+    # one tile launched together, so all but the first read it from L2), axis 1 = K ranges.
+    pid_m = tl.program_id(0) % M
+    pid_n = tl.program_id(0) // M
+    pid_k = tl.program_id(1)
+    x32 = xq_ptr + pid_m.to(tl.int64) * stride_xq  # int32 words of int8 codes, or (QUANT_X) floats
+    xd = xd_ptr + pid_m.to(tl.int64) * stride_xd
+    xs = xs_ptr + pid_m.to(tl.int64) * stride_xs
+    kb_begin = pid_k * blocks_per_split
+    kb_end = tl.minimum(kb_begin + blocks_per_split, K // 256)
+    if QT1 == 0:
+        total = _rows_dot(QT, w32_ptr, w16_ptr, w8_ptr, pid_n * BLOCK_N, N, K, row_bytes, row_words, row_halves, x32,
+                          xd, xs, kb_begin, kb_end, BLOCK_N, KB, ASM, ABL, SPLIT, PREFETCH, QUANT_X)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        end = N
+    else:
+        # A tile is one part's rows: the first part's last tile is partial, not shared.
+        tiles0 = tl.cdiv(N, BLOCK_N)
+        if pid_n < tiles0:
+            total = _rows_dot(QT, w32_ptr, w16_ptr, w8_ptr, pid_n * BLOCK_N, N, K, row_bytes, row_words, row_halves,
+                              x32, xd, xs, kb_begin, kb_end, BLOCK_N, KB, ASM, ABL, SPLIT, PREFETCH, QUANT_X)
+        else:
+            total = _rows_dot(QT1, w32b_ptr, w16b_ptr, w8b_ptr, (pid_n - tiles0) * BLOCK_N, N1, K, row_bytes1,
+                              row_words1, row_halves1, x32, xd, xs, kb_begin, kb_end, BLOCK_N, KB, ASM, ABL, SPLIT,
+                              PREFETCH, QUANT_X)
+        second = pid_n >= tiles0
+        cols = tl.where(second, N + (pid_n - tiles0) * BLOCK_N, pid_n * BLOCK_N) + tl.arange(0, BLOCK_N)
+        end = tl.where(second, N + N1, N)
     out = out_ptr + pid_m * stride_om + cols
     if ATOMIC:
-        tl.atomic_add(out, total, mask=cols < N)
+        tl.atomic_add(out, total, mask=cols < end)
     else:
-        tl.store(out, total.to(out_ptr.dtype.element_ty), mask=cols < N)
+        tl.store(out, total.to(out_ptr.dtype.element_ty), mask=cols < end)
 
 
 def _configs() -> list[triton.Config]:
@@ -544,15 +580,15 @@ _QUANT_X_TILINGS = ((8, 16, 4), (16, 8, 4))
 
 
 def _prune(configs, named_args, **kwargs):
-    """``SPLIT`` is Q4_K's alone; the :data:`_QUANT_X_TILINGS` are ``QUANT_X``'s."""
+    """``SPLIT`` is Q4_K's alone (a part's); the :data:`_QUANT_X_TILINGS` are ``QUANT_X``'s."""
     quant_x = named_args.get("QUANT_X", kwargs.get("QUANT_X"))
-    q4k = named_args.get("QT", kwargs.get("QT")) == 5
+    q4k = 5 in (named_args.get("QT", kwargs.get("QT")), named_args.get("QT1", kwargs.get("QT1")))
     return [c for c in configs if (q4k or not c.kwargs.get("SPLIT"))
             and (quant_x or (c.kwargs["BLOCK_N"], c.kwargs["KB"], c.num_warps) not in _QUANT_X_TILINGS)]
 
 
 _tuned = triton.autotune(
-    configs=_configs(), key=["N", "K", "QT", "QUANT_X"], prune_configs_by={"early_config_prune": _prune},
+    configs=_configs(), key=["N", "K", "QT", "QUANT_X", "N1", "QT1"], prune_configs_by={"early_config_prune": _prune},
     do_bench=lambda fn, quantiles: triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles),
 )(_int8_gemv_kernel)
 
@@ -595,54 +631,112 @@ def int8_gemv(
         ValueError: another type, blocks that do not hold rows of ``K`` weights, or float
             activations that are not 2-D with a unit column stride.
     """
+    return int8_gemv_parts(x, [(blocks, type_name)], block_n=block_n, split_k=split_k,
+                           blocks_per_step=blocks_per_step, num_warps=num_warps, out=out, variant=variant)
+
+
+class _Part(NamedTuple):
+    """One part's kernel arguments: its type's code, rows, the blocks as 32-bit words,
+    16-bit halves and bytes, and its row stride in each."""
+
+    code: int
+    rows: int
+    words: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    strides: tuple[int, int, int]
+
+
+def _part(blocks: torch.Tensor, type_name: str, k: int) -> _Part:
     if type_name not in INT8_TYPES:
         raise ValueError(f"the int8 GEMV reads {', '.join(INT8_TYPES)}, not {type_name}")
     fmt = block_format(type_name)
-    quant_x = not isinstance(x, Q8Activations)
-    if quant_x and (x.dim() != 2 or x.stride(1) != 1 or not x.dtype.is_floating_point):
-        raise ValueError(f"want float activations [M, K] with unit column stride, got {x.dtype} {tuple(x.shape)}")
-    m, k = x.shape if quant_x else x.codes.shape
     n = blocks.shape[0]
     if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != k // 256 * fmt.block_bytes \
             or k % 256 or blocks.stride(1) != 1 or blocks.stride(0) % (4 if fmt.code == 8 else 2):
         raise ValueError(f"{type_name} blocks {blocks.dtype} {tuple(blocks.shape)} do not hold rows of K={k} weights")
-    nblocks = k // 256
-    dtype = x.dtype
-    result = _output(blocks.new_empty((m, 0), dtype=dtype), n, out)
     # The same bytes seen as 32- and 16-bit words: aligned word loads (Q4_K's 144-byte
     # blocks) and Q6_K's halves; the bytes' own view reads the scales.
     flat = blocks.as_strided((blocks.stride(0) * (n - 1) + blocks.shape[1],), (1,))
     w32 = flat[: flat.numel() // 4 * 4].view(torch.int32)
     w16 = flat[: flat.numel() // 2 * 2].view(torch.int16)
-    if quant_x:  # the scales' and sums' pointers are unused: x stands in for them
-        args = (x, x, x, w32, w16, blocks)
-        strides = (x.stride(0), 0, 0)
-    else:
-        args = (x.codes.view(torch.int32), x.scales, x.sums, w32, w16, blocks)
-        strides = (x.codes.stride(0) // 4, x.scales.stride(0), x.sums.stride(0))
     # Row strides in bytes, 32- and 16-bit words (Q6_K's word view is unused when the
     # rows are not whole words; Q6_K_P's rows always are).
-    row = (blocks.stride(0), blocks.stride(0) // 4, blocks.stride(0) // 2)
-    asm = _ASM and blocks.is_cuda
-    if (blocks.is_cuda and not _INTERPRETING and split_k is None and block_n is None and blocks_per_step is None
-            and n >= 2 * _sm_count(blocks.device.index or 0)):
-        _tuned[lambda meta: (m * triton.cdiv(n, meta["BLOCK_N"]), 1)](
-            *args, result, m, n, k, *row, nblocks, *strides, result.stride(0),
-            QT=fmt.code, ATOMIC=False, ASM=asm, QUANT_X=quant_x)
+    return _Part(fmt.code, n, (w32, w16, blocks), (blocks.stride(0), blocks.stride(0) // 4, blocks.stride(0) // 2))
+
+
+def int8_gemv_parts(
+    x: torch.Tensor | Q8Activations,
+    parts: list[tuple[torch.Tensor, str]],
+    *,
+    block_n: int | None = None,
+    split_k: int | None = None,
+    blocks_per_step: int | None = None,
+    num_warps: int = 4,
+    out: torch.Tensor | None = None,
+    variant: dict | None = None,
+) -> torch.Tensor:
+    """:func:`int8_gemv` of a weight stacked from one or two parts of (possibly)
+    different types, in one launch: a fused projection whose shards differ in type (a
+    Q4_K_M file's q/k in Q4_K over v in Q6_K). Each program's ``block_n`` rows are of one
+    part; the first part's columns come first in the output.
+
+    Args:
+        x, block_n, split_k, blocks_per_step, num_warps, variant: as :func:`int8_gemv`'s
+            (one tiling for both parts; ``SPLIT`` acts on a Q4_K part only).
+        parts: ``[(blocks, type_name)]``, one or two, top to bottom, each as
+            :func:`int8_gemv`'s ``blocks`` and ``type_name`` (the same ``K``).
+        out: where to write ``[M, N0 + N1]`` (``x``'s dtype, unit column stride), else a
+            new tensor.
+
+    Returns:
+        ``[M, N0 + N1]`` in ``x``'s dtype: each part's columns equal :func:`int8_gemv`
+        of that part at the same tiling, bit for bit.
+
+    Raises:
+        ValueError: no part or more than two, or what :func:`int8_gemv` refuses.
+    """
+    if not 1 <= len(parts) <= 2:
+        raise ValueError(f"the int8 GEMV takes one or two parts in a launch, not {len(parts)}")
+    quant_x = not isinstance(x, Q8Activations)
+    if quant_x and (x.dim() != 2 or x.stride(1) != 1 or not x.dtype.is_floating_point):
+        raise ValueError(f"want float activations [M, K] with unit column stride, got {x.dtype} {tuple(x.shape)}")
+    m, k = x.shape if quant_x else x.codes.shape
+    first, *rest = [_part(blocks, type_name, k) for blocks, type_name in parts]
+    # One part: the second's arguments are the first's, unused (QT1 = 0).
+    second = rest[0] if rest else first._replace(code=0, rows=0)
+    n = first.rows + second.rows
+    nblocks = k // 256
+    device = first.words[2].device
+    result = _output(first.words[2].new_empty((m, 0), dtype=x.dtype), n, out)
+    if quant_x:  # the scales' and sums' pointers are unused: x stands in for them
+        acts = (x, x, x)
+        strides = (x.stride(0), 0, 0)
+    else:
+        acts = (x.codes.view(torch.int32), x.scales, x.sums)
+        strides = (x.codes.stride(0) // 4, x.scales.stride(0), x.sums.stride(0))
+
+    def tiles(rows_per_program: int) -> int:
+        return triton.cdiv(first.rows, rows_per_program) + triton.cdiv(second.rows, rows_per_program)
+
+    def launch(kernel, grid, dest, per_split, **constexprs):
+        kernel[grid](*acts, *first.words, dest, m, first.rows, k, *first.strides, per_split, *strides, dest.stride(0),
+                     *second.words, second.rows, *second.strides, QT=first.code, QT1=second.code, QUANT_X=quant_x,
+                     ASM=_ASM and device.type == "cuda", **constexprs)
+
+    if (device.type == "cuda" and not _INTERPRETING and split_k is None and block_n is None
+            and blocks_per_step is None and n >= 2 * _sm_count(device.index or 0)):
+        launch(_tuned, lambda meta: (m * tiles(meta["BLOCK_N"]), 1), result, nblocks, ATOMIC=False)
         return result
     block_n = block_n or 4
     kb = blocks_per_step or 2
     if split_k is None:
-        want = 4 * _sm_count(blocks.device.index or 0) if blocks.is_cuda else 1
-        split_k = max(1, min(nblocks // kb or 1, -(-want // (m * triton.cdiv(n, block_n)))))
+        want = 4 * _sm_count(device.index or 0) if device.type == "cuda" else 1
+        split_k = max(1, min(nblocks // kb or 1, -(-want // (m * tiles(block_n)))))
     per_split = triton.cdiv(nblocks, split_k)
     split = triton.cdiv(nblocks, per_split)
     atomic = split > 1
-    dest = torch.zeros((m, n), device=blocks.device, dtype=torch.float32) if atomic else result
-    _int8_gemv_kernel[(m * triton.cdiv(n, block_n), split)](
-        *args, dest, m, n, k, *row, per_split, *strides, dest.stride(0),
-        QT=fmt.code, BLOCK_N=block_n, KB=kb, ATOMIC=atomic, ASM=asm, QUANT_X=quant_x, num_warps=num_warps,
-        **(variant or {}))
+    dest = torch.zeros((m, n), device=device, dtype=torch.float32) if atomic else result
+    launch(_int8_gemv_kernel, (m * tiles(block_n), split), dest, per_split, BLOCK_N=block_n, KB=kb, ATOMIC=atomic,
+           num_warps=num_warps, **(variant or {}))
     if atomic:
         result.copy_(dest)
     return result

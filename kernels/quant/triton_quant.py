@@ -21,7 +21,8 @@ to int8 per 32 values, as llama.cpp's CUDA kernels do; with Q6_K repacked into a
 planes it decoded the 8B shape at batch 1 in 3.68 ms a step against the float GEMV's
 4.47 on the H200); ``HEADROOM_QUANT_INT8=0`` (or ``int8_dot=False``) keeps them on the
 float GEMV. The int8 GEMV rounds the activations to int8 itself, as it reads them
-(``HEADROOM_QUANT_INT8_FUSE=0``: in a launch of their own first).
+(``HEADROOM_QUANT_INT8_FUSE=0``: in a launch of their own first), and takes a projection
+of a Q4_K part and a Q6_K part in one launch (``HEADROOM_QUANT_INT8_PARTS=0``: one each).
 
 No weight is rounded to 16 bits. Codes become floats without an int-to-float
 instruction: ORed into the mantissa of 2**23 (:func:`_codes_f32`; for Q4_K and Q8_0
@@ -66,6 +67,10 @@ _INT8 = env_flag("HEADROOM_QUANT_INT8", True)
 # the same tiling) unless HEADROOM_QUANT_INT8_FUSE=0: then a quantizing launch first,
 # whose codes the parts of a fused projection share.
 _INT8_FUSE = env_flag("HEADROOM_QUANT_INT8_FUSE", True)
+# Decode rows of a projection of two parts on the int8 GEMV in different types (a
+# Q4_K_M file's q/k in Q4_K over v in Q6_K) take one launch for both unless
+# HEADROOM_QUANT_INT8_PARTS=0 (a launch a part).
+_INT8_PARTS = env_flag("HEADROOM_QUANT_INT8_PARTS", True)
 
 
 @triton.jit
@@ -533,6 +538,14 @@ def uses_int8_dot(type_name: str, int8_dot: bool | None = None) -> bool:
     from kernels.quant.triton_int8 import INT8_TYPES
 
     return type_name in INT8_TYPES and (_INT8 if int8_dot is None else int8_dot)
+
+
+def int8_parts_in_one_launch(type_names: list[str | None]) -> bool:
+    """Whether the decode GEMVs of a projection whose parts (top to bottom) are of
+    ``type_names`` (None: dense) run as one launch
+    (:func:`kernels.quant.triton_int8.int8_gemv_parts`): two parts, both on the int8
+    GEMV, unless ``HEADROOM_QUANT_INT8_PARTS=0``."""
+    return _INT8_PARTS and len(type_names) == 2 and all(t is not None and uses_int8_dot(t) for t in type_names)
 
 
 def int8_quantize_apart() -> bool:

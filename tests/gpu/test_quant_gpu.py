@@ -105,6 +105,12 @@ def test_kernels_at_real_shapes_match_gguf_dequantize(type_name, n, k):
             assert float((out - exact).abs().max()) <= 2**-6 * float(exact.abs().max()), f"float GEMV, {m} rows"
 
 
+def _tiling(config) -> dict:
+    """A tuned config as :func:`kernels.quant.triton_int8.int8_gemv`'s forced tiling."""
+    return dict(block_n=config.kwargs["BLOCK_N"], blocks_per_step=config.kwargs["KB"], num_warps=config.num_warps,
+                split_k=1, variant={v: config.kwargs[v] for v in ("SPLIT", "PREFETCH") if v in config.kwargs})
+
+
 @pytest.mark.parametrize("type_name,n,k", [("Q4_K", 4096, 4096), ("Q4_K", 14336, 4096), ("Q4_K", 28672, 4096),
                                            ("Q6_K_P", 4096, 14336), ("Q6_K_P", 1024, 4096), ("Q6_K", 4096, 14336),
                                            ("Q6_K_P", 256, 4096)])
@@ -131,11 +137,9 @@ def test_int8_gemv_quantizing_its_rows_equals_quantizing_apart_at_real_shapes(ty
                 fused = triton_int8.int8_gemv(x, w, type_name)
                 code = block_format(type_name).code
                 picked = [c for key, c in triton_int8._tuned.cache.items()
-                          if tuple(key[:4]) == (n, k, code, True) and str(dtype) in key]
+                          if tuple(key[:6]) == (n, k, code, True, 0, 0) and str(dtype) in key]
                 assert picked, f"no tuned config for {n}x{k} {type_name}"
-                cfg = picked[0]
-                tiling = dict(block_n=cfg.kwargs["BLOCK_N"], blocks_per_step=cfg.kwargs["KB"], num_warps=cfg.num_warps,
-                              split_k=1, variant={v: cfg.kwargs[v] for v in ("SPLIT", "PREFETCH") if v in cfg.kwargs})
+                tiling = _tiling(picked[0])
             else:
                 tiling = dict(block_n=4, blocks_per_step=2, split_k=2)
                 fused = triton_int8.int8_gemv(x, w, type_name, **tiling)
@@ -143,6 +147,32 @@ def test_int8_gemv_quantizing_its_rows_equals_quantizing_apart_at_real_shapes(ty
             assert torch.equal(fused, apart), f"{m} rows {dtype}, {tiling}: max |diff| " \
                 f"{float((fused.float() - apart.float()).abs().max()):.3g}"
             assert torch.equal(triton_int8.int8_gemv(x, w, type_name, **tiling), apart), f"{m} rows {dtype}, forced"
+
+
+@pytest.mark.parametrize("first,second", [(("Q4_K", 5120), ("Q6_K_P", 1024)), (("Q4_K", 2048), ("Q6_K", 1024))])
+def test_int8_gemv_of_two_parts_in_one_launch_equals_a_launch_each(first, second):
+    """The 8B q/k/v projection of a Q4_K_M file (q and k in Q4_K over v in Q6_K planes;
+    GGUF's Q6_K blocks too), 1 and 16 bfloat16 rows, float rows and their codes: the
+    one launch for both parts (autotuned) equals each part's own launch at the tiling
+    it picked, bit for bit."""
+    from kernels.quant import triton_int8
+    from kernels.quant.formats import block_format
+    from kernels.quant.synthetic import random_blocks
+
+    k = 4096
+    rng = np.random.default_rng(3)
+    parts = [(torch.from_numpy(random_blocks(t, n, k, rng, scale=1e-3)).cuda(), t) for t, n in (first, second)]
+    key = (first[1], k, block_format(first[0]).code, True, second[1], block_format(second[0]).code)
+    for m in (1, 16):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        for rows in (x, triton_int8.quantize_activations(x)):
+            one = triton_int8.int8_gemv_parts(rows, parts)
+            quant_x = rows is x
+            picked = [c for cache_key, c in triton_int8._tuned.cache.items()
+                      if tuple(cache_key[:6]) == key[:3] + (quant_x,) + key[4:]]
+            assert picked, f"no tuned config for {key}"
+            each = torch.cat([triton_int8.int8_gemv(rows, w, t, **_tiling(picked[0])) for w, t in parts], dim=1)
+            assert torch.equal(one, each), f"{m} rows, {'floats' if quant_x else 'codes'}, {picked[0]}"
 
 
 def test_benchmark_weights_take_their_block_bytes(tmp_path):

@@ -246,6 +246,7 @@ def set_q6k_layout(model: torch.nn.Module, repacked: bool) -> None:
 # launch of their own first, a projection's Q4_K and Q6_K parts in one launch).
 _GEMV_VARIANTS = (("float GEMV", False, False, False),
                   ("int8 GEMV, x quantized apart, a launch a part", True, True, False),
+                  ("int8 GEMV, x quantized apart, a launch a projection", True, True, True),
                   ("int8 GEMV, x quantized in it, a launch a part", True, False, False),
                   ("int8 GEMV, x quantized in it, a launch a projection", True, False, True))
 

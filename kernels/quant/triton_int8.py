@@ -29,9 +29,10 @@ arithmetic. Block layouts as ggml-common.h's ``block_q4_K``/``block_q6_K``; the 
 as llama.cpp's ``quantize_q8_1`` and ``vec_dot_q4_K_q8_1``/``vec_dot_q6_K_q8_1``.
 
 Where the rows are quantized: llama.cpp quantizes them in a launch of their own
-(:func:`quantize_activations`), and so can :func:`int8_gemv` (given its codes). By
-default it quantizes them itself (``QUANT_X``; one launch less per projection, each
-2-4 us in a CUDA graph): each program, at each step, loads the float activations of its
+(:func:`quantize_activations`), and so does :func:`int8_gemv` by default (given its
+codes). Given the float rows it quantizes them itself (``QUANT_X``; one launch less per
+projection, each 2-4 us in a CUDA graph, but measured slower, so off by default,
+``HEADROOM_QUANT_INT8_FUSE=1``): each program, at each step, loads the float activations of its
 ``KB`` blocks once, quantizes every group of 32 with :func:`_quantize_kernel`'s own
 arithmetic (:func:`_q8_inv`, :func:`_q8_round`, :func:`_q8_scale`: the same codes and
 scales bit for bit, so the same results at the same tiling) in a tile of its own whose

@@ -20,9 +20,10 @@ Q4_K and Q6_K decode rows go to the int8-activation GEMV of
 to int8 per 32 values, as llama.cpp's CUDA kernels do; with Q6_K repacked into aligned
 planes it decoded the 8B shape at batch 1 in 3.68 ms a step against the float GEMV's
 4.47 on the H200); ``HEADROOM_QUANT_INT8=0`` (or ``int8_dot=False``) keeps them on the
-float GEMV. The int8 GEMV rounds the activations to int8 itself, as it reads them
-(``HEADROOM_QUANT_INT8_FUSE=0``: in a launch of their own first), and takes a projection
-of a Q4_K part and a Q6_K part in one launch (``HEADROOM_QUANT_INT8_PARTS=0``: one each).
+float GEMV. The activations are rounded to int8 by a launch of their own, which the
+parts of a projection share (``HEADROOM_QUANT_INT8_FUSE=1``: by the GEMV itself, as it
+reads them; slower on the H200), and a projection of a Q4_K part and a Q6_K part is one
+GEMV launch (``HEADROOM_QUANT_INT8_PARTS=0``: one each).
 
 No weight is rounded to 16 bits. Codes become floats without an int-to-float
 instruction: ORed into the mantissa of 2**23 (:func:`_codes_f32`; for Q4_K and Q8_0
@@ -63,10 +64,12 @@ _ASM = not _INTERPRETING and env_flag("HEADROOM_QUANT_PTX", True)
 # Q4_K/Q6_K decode rows on the int8-activation GEMV (:mod:`kernels.quant.triton_int8`)
 # unless HEADROOM_QUANT_INT8=0 (README, "GGUF weights kept quantized").
 _INT8 = env_flag("HEADROOM_QUANT_INT8", True)
-# The int8 GEMV quantizes its activation rows itself (one launch, the same results at
-# the same tiling) unless HEADROOM_QUANT_INT8_FUSE=0: then a quantizing launch first,
-# whose codes the parts of a fused projection share.
-_INT8_FUSE = env_flag("HEADROOM_QUANT_INT8_FUSE", True)
+# The int8 GEMV's activation rows are quantized by a launch of their own, whose codes
+# the parts of a fused projection share, unless HEADROOM_QUANT_INT8_FUSE=1: then the
+# GEMV quantizes them as it reads them (one launch less, the same results at the same
+# tiling, but every program rounds its slice again: a batch-1 step of the 8B Q4_K_M
+# shape took 4.36 ms against 3.21 on the H200, README "GGUF weights kept quantized").
+_INT8_FUSE = env_flag("HEADROOM_QUANT_INT8_FUSE", False)
 # Decode rows of a projection of two parts on the int8 GEMV in different types (a
 # Q4_K_M file's q/k in Q4_K over v in Q6_K) take one launch for both unless
 # HEADROOM_QUANT_INT8_PARTS=0 (a launch a part).
@@ -550,7 +553,7 @@ def int8_parts_in_one_launch(type_names: list[str | None]) -> bool:
 
 def int8_quantize_apart() -> bool:
     """Whether int8-GEMV activations are quantized by a launch of their own before the
-    GEMV (``HEADROOM_QUANT_INT8_FUSE=0``) rather than inside it."""
+    GEMV (the default) rather than inside it (``HEADROOM_QUANT_INT8_FUSE=1``)."""
     return not _INT8_FUSE
 
 

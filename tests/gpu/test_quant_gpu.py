@@ -117,9 +117,9 @@ def _tiling(config) -> dict:
 def test_int8_gemv_quantizing_its_rows_equals_quantizing_apart_at_real_shapes(type_name, n, k):
     """At the 8B projection shapes, 1 and 16 rows, bfloat16 and float32: the int8 GEMV
     given the float rows (quantizing them as it reads them, one launch) equals it given
-    their codes from ``quantize_activations`` bit for bit at the same tiling: the
-    autotuner's pick for the one-launch kernel, and split-K (256 rows) at a forced
-    two-way split (more ranges add their partial sums atomically in any order)."""
+    their codes from ``quantize_activations`` at the same tiling, to summation order
+    (bit for bit in Triton's interpreter, tests/test_quant_kernels.py): the autotuner's
+    pick for the one-launch kernel, and split-K (256 rows) at a forced two-way split."""
     from kernels.quant import triton_int8
     from kernels.quant.formats import block_format
     from kernels.quant.synthetic import random_blocks
@@ -144,9 +144,13 @@ def test_int8_gemv_quantizing_its_rows_equals_quantizing_apart_at_real_shapes(ty
                 tiling = dict(block_n=4, blocks_per_step=2, split_k=2)
                 fused = triton_int8.int8_gemv(x, w, type_name, **tiling)
             apart = triton_int8.int8_gemv(q8, w, type_name, **tiling)
-            assert torch.equal(fused, apart), f"{m} rows {dtype}, {tiling}: max |diff| " \
-                f"{float((fused.float() - apart.float()).abs().max()):.3g}"
-            assert torch.equal(triton_int8.int8_gemv(x, w, type_name, **tiling), apart), f"{m} rows {dtype}, forced"
+            # The same codes, scales and products; the compiled kernel may add the
+            # partial sums in another order (Q4_K's did on sm_90), so the outputs agree
+            # to float32 summation order, then the output dtype's last bit.
+            tol = (2**-7 if dtype == torch.bfloat16 else 1e-5) * float(apart.float().abs().max())
+            for got in (fused, triton_int8.int8_gemv(x, w, type_name, **tiling)):
+                diff = float((got.float() - apart.float()).abs().max())
+                assert diff <= tol, f"{m} rows {dtype}, {tiling}: max |diff| {diff:.3g} > {tol:.3g}"
 
 
 @pytest.mark.parametrize("first,second", [(("Q4_K", 5120), ("Q6_K_P", 1024)), (("Q4_K", 2048), ("Q6_K", 1024))])

@@ -118,3 +118,54 @@ def test_fast_path_options_reach_the_engine_config(tmp_path):
         resolve({"attention_backend": "xformers"}, env={}, config_path=empty)
     with pytest.raises(SettingsError, match="--cuda-graph-max-batch: .*--no-cuda-graphs"):
         resolve({"cuda_graph_max_batch": 0}, env={}, config_path=empty)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_backend_gathers_query_heads_as_repeating_kv_heads_would(dtype):
+    """The torch backend's gather by query head (one index of pool rows per step) gives
+    sdpa the tensors that gathering the KV heads and repeating them gave: the outputs of
+    padded decode rows and of a chunk over a cached prefix equal that formulation's bit
+    for bit."""
+    import torch.nn.functional as F
+
+    from engine.forward_batch import ForwardBatch
+    from engine.kvcache.pool import KVPool
+
+    hq, hk, d, ps = 6, 2, 16, 4
+    pool = KVPool(num_layers=1, num_pages=16, page_size=ps, num_kv_heads=hk, head_dim=d, dtype=dtype, device="cpu")
+    g = torch.Generator().manual_seed(0)
+    pool.k_buffers[0].copy_(torch.randn(pool.k_buffers[0].shape, generator=g))
+    pool.v_buffers[0].copy_(torch.randn(pool.v_buffers[0].shape, generator=g))
+    attn = backend_class("torch")(pool, num_heads=hq, head_dim=d, scale=d**-0.5, max_batch=4)
+    # Rows: decode (seq 9), decode (seq 5), a 3-token chunk over a 4-token prefix, decode (seq 7).
+    seq, ext = [9, 5, 7, 7], [1, 1, 3, 1]
+    pages = torch.tensor([[1, 2, 3], [4, 5, 0], [6, 7, 0], [8, 9, 0]])
+    t = sum(ext)
+    q = torch.randn(t, hq, d, generator=g).to(dtype)
+    batch = ForwardBatch(
+        is_decode=False, input_ids=torch.zeros(t, dtype=torch.int64), positions=torch.zeros(t, dtype=torch.int64),
+        out_slots=torch.zeros(t, dtype=torch.int64), page_table=pages, prefix_lens=torch.tensor([8, 4, 4, 6]),
+        extend_lens=torch.tensor(ext), logits_indices=torch.tensor([0, 1, 4, 5]),
+    )
+    attn.prepare(batch)
+    got = attn.forward(q, q[:, :hk], q[:, :hk], 0, batch, kv_stored=True).view(t, hq, d)
+
+    def kv(b: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:  # [H, length, D], heads repeated
+        pos = torch.arange(length)
+        slots = pages[b, pos // ps] * ps + pos % ps
+        return tuple(buf[0].index_select(0, slots).transpose(0, 1).repeat_interleave(hq // hk, dim=0)
+                     for buf in (pool.k_buffers, pool.v_buffers))
+
+    decode = [0, 1, 3]
+    longest = max(seq[b] for b in decode)
+    ks, vs = zip(*(kv(b, longest) for b in decode))  # padded past each row's length
+    mask = (torch.arange(longest)[None, :] < torch.tensor([seq[b] for b in decode])[:, None])[:, None, None, :]
+    rows = torch.tensor([0, 1, 5])
+    want = F.scaled_dot_product_attention(q[rows][:, :, None], torch.stack(ks), torch.stack(vs), attn_mask=mask,
+                                          scale=d**-0.5)[:, :, 0]
+    assert torch.equal(got[rows], want)
+    k2, v2 = kv(2, seq[2])
+    chunk_mask = torch.arange(seq[2])[None, :] <= (4 + torch.arange(3))[:, None]
+    want2 = F.scaled_dot_product_attention(q[2:5].transpose(0, 1)[None], k2[None], v2[None], attn_mask=chunk_mask,
+                                           scale=d**-0.5)[0].transpose(0, 1)
+    assert torch.equal(got[2:5], want2)

@@ -311,6 +311,44 @@ def test_quant_linear_output_is_the_same_whichever_launches_it_takes(dev, monkey
     assert float((default.reshape(m, -1).float() - want).abs().max()) <= 2**-6 * float(want.abs().max())
 
 
+def test_quant_linear_takes_its_rows_quantized_by_their_producer(dev, monkeypatch):
+    """:meth:`QuantLinear.wants_int8` asks for decode rows quantized by the kernel that
+    writes them exactly where ``forward`` would quantize them in a launch of its own
+    (int8 parts, up to GEMV_MAX_ROWS rows, quantized apart) and the switch is on; given
+    them as ``q8``, ``forward`` launches no quantizing kernel and its output is the same
+    bit for bit."""
+    from engine.models import quant_linear
+    from engine.models.quant_linear import PartSpec, QuantLinear
+    from kernels.quant import triton_int8, triton_quant
+
+    if dev == "cpu":  # the Triton path, interpreted, on CPU tensors
+        monkeypatch.setattr(quant_linear, "use_triton", lambda t: True)
+    k = 256
+    layer = QuantLinear(k, [PartSpec(4, "Q4_K"), PartSpec(3, "Q6_K")], bias=False, dtype=torch.bfloat16)
+    layer = layer.to_empty(device=dev)
+    for (spec, buf), seed in zip(layer.part_views(), (0, 1), strict=True):
+        buf.copy_(torch.from_numpy(random_blocks(spec.type_name, spec.rows, k, np.random.default_rng(seed))))
+    dense = QuantLinear(k, [PartSpec(4, None)], bias=False, dtype=torch.bfloat16)
+    x = torch.randn(2, k, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16).to(dev)
+    monkeypatch.setattr(triton_quant, "_INT8_FUSE", False)
+    monkeypatch.setattr(triton_quant, "_INT8_PRODUCER", True)
+    assert layer.wants_int8(x) and layer.wants_int8(x[:1, None, :])
+    assert not layer.wants_int8(x.new_empty(triton_quant.GEMV_MAX_ROWS + 1, k))  # prefill: the GEMM
+    assert not dense.wants_int8(x)
+    launches = []
+    quantize = triton_int8.quantize_activations
+    monkeypatch.setattr(triton_int8, "quantize_activations", lambda rows: launches.append(1) or quantize(rows))
+    own = layer(x)
+    assert launches == [1]
+    given = layer(x, q8=quantize(x))
+    assert launches == [1] and torch.equal(given, own)
+    monkeypatch.setattr(triton_quant, "_INT8_PRODUCER", False)
+    assert not layer.wants_int8(x)
+    monkeypatch.setattr(triton_quant, "_INT8_PRODUCER", True)
+    monkeypatch.setattr(triton_quant, "_INT8_FUSE", True)  # the GEMV quantizes its float rows: none to hand over
+    assert not layer.wants_int8(x)
+
+
 def test_int8_activations_equal_the_reference_codes(dev):
     """Codes, scales and sums bit for bit (correctly rounded divisions in the kernel),
     a group of zeros and a partial program of groups included; bfloat16 rows too."""

@@ -273,3 +273,27 @@ def test_norms_quantizing_for_the_int8_gemv_give_the_same_logits(tmp_path, paged
             assert torch.equal(on, off)
         else:
             _close(on, off, rel=2**-6)
+
+
+def test_the_quant_benchmark_variants_set_each_switch_and_restore_them(monkeypatch):
+    """``--variants`` times the decode step under each GEMV choice, the activations
+    quantized by their norm or SiLU-and-mul among them, then the GEMM, and leaves the
+    switches as it found them (here without a GPU: the timing is stubbed out)."""
+    from engine import quant_bench
+    from kernels.quant import triton_quant
+
+    seen = []
+
+    def timed(model, config, batches, context, bandwidth, label):
+        seen.append((label, quant_bench._gemv_switches(), triton_quant.GEMV_MAX_ROWS))
+        return [label] * len(batches)
+
+    monkeypatch.setattr(quant_bench, "decode_rows", timed)
+    before = quant_bench._gemv_switches()
+    rows = quant_bench.variant_rows(torch.nn.Module(), None, [1], 256, 1.0)
+    assert quant_bench._gemv_switches() == before
+    variants = quant_bench._GEMV_VARIANTS
+    assert len(rows) == len(seen) == 2 * len(variants)  # Q6_K blocks, then planes; one batch: no GEMM rows
+    for (label, switches, _), (name, int8, apart, parts, producer) in zip(seen, variants * 2, strict=True):
+        assert label.endswith(name) and switches == (int8, not apart, parts, producer)
+    assert sum(producer for *_, producer in variants) == 1

@@ -30,7 +30,8 @@ as llama.cpp's ``quantize_q8_1`` and ``vec_dot_q4_K_q8_1``/``vec_dot_q6_K_q8_1``
 
 Where the rows are quantized: llama.cpp quantizes them in a launch of their own
 (:func:`quantize_activations`), and so does :func:`int8_gemv` by default (given its
-codes). Given the float rows it quantizes them itself (``QUANT_X``; one launch less per
+codes), unless the kernel that wrote the rows quantized them as it did (the decoder's
+norms and SiLU-and-mul, ``quantize=True``, through :func:`_q8_groups`, the same code). Given the float rows it quantizes them itself (``QUANT_X``; one launch less per
 projection, each 2-4 us in a CUDA graph, but measured slower, so off by default,
 ``HEADROOM_QUANT_INT8_FUSE=1``): each program, at each step, loads the float activations of its
 ``KB`` blocks once, quantizes every group of 32 with :func:`_quantize_kernel`'s own

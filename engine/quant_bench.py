@@ -11,10 +11,11 @@ Then the same shape with bfloat16 weights (random, ``load_format="dummy"``); wit
 (``quantization="fp8"``: ``torch._scaled_mm`` with per-token activation scales).
 Q4_K/Q6_K decode rows run on the int8-activation GEMV (:mod:`kernels.quant.triton_int8`)
 unless ``HEADROOM_QUANT_INT8=0``; ``--float-gemv`` then times the float GEMV too, and
-``--variants`` every kernel choice (the int8 GEMV's activations quantized inside it, the
-default, or by a launch of their own first, ``HEADROOM_QUANT_INT8_FUSE=0``; q/k/v's
-Q4_K and Q6_K parts in one launch, the default, or one each,
-``HEADROOM_QUANT_INT8_PARTS=0``).
+``--variants`` every kernel choice (the int8 GEMV's activations quantized by a launch of
+their own first, or by the norm or SiLU-and-mul kernel that writes them where one does,
+the default, ``HEADROOM_QUANT_INT8_PRODUCER=0`` to turn off; or inside the GEMV,
+``HEADROOM_QUANT_INT8_FUSE=1``; q/k/v's Q4_K and Q6_K parts in one launch, the default,
+or one each, ``HEADROOM_QUANT_INT8_PARTS=0``).
 
 Per row: weights' VRAM, step time, tokens/s, and the share of the HBM roofline: the
 bytes one step must read (every weight but the embedding table, which a step only
@@ -242,37 +243,59 @@ def set_q6k_layout(model: torch.nn.Module, repacked: bool) -> None:
                 mod.parts[i] = PartSpec(spec.rows, "Q6_K")
 
 
-# The GEMV choices --variants times: (label, int8 GEMV, its activations quantized in a
-# launch of their own first, a projection's Q4_K and Q6_K parts in one launch).
-_GEMV_VARIANTS = (("float GEMV", False, False, False),
-                  ("int8 GEMV, x quantized apart, a launch a part", True, True, False),
-                  ("int8 GEMV, x quantized apart, a launch a projection", True, True, True),
-                  ("int8 GEMV, x quantized in it, a launch a part", True, False, False),
-                  ("int8 GEMV, x quantized in it, a launch a projection", True, False, True))
+# The GEMV choices --variants times: (label, int8 GEMV, its activations quantized apart
+# from it (not inside it), a projection's Q4_K and Q6_K parts in one launch, activations
+# quantized apart by the norm or SiLU-and-mul that writes them where one does rather
+# than by a launch of their own).
+_GEMV_VARIANTS = (("float GEMV", False, False, False, False),
+                  ("int8 GEMV, x quantized apart, a launch a part", True, True, False, False),
+                  ("int8 GEMV, x quantized apart, a launch a projection", True, True, True, False),
+                  ("int8 GEMV, x quantized by its norm/SiLU (o's apart), a launch a projection", True, True, True, True),
+                  ("int8 GEMV, x quantized in it, a launch a part", True, False, False, False),
+                  ("int8 GEMV, x quantized in it, a launch a projection", True, False, True, False))
+
+
+def _gemv_switches() -> tuple[bool, bool, bool, bool]:
+    """The GEMV switches of :mod:`kernels.quant.triton_quant` as they are now (read from
+    ``HEADROOM_QUANT_INT8``, ``_INT8_FUSE``, ``_INT8_PARTS`` and ``_INT8_PRODUCER`` at
+    import): ``(int8, fuse, parts, producer)``."""
+    from kernels.quant import triton_quant
+
+    return triton_quant._INT8, triton_quant._INT8_FUSE, triton_quant._INT8_PARTS, triton_quant._INT8_PRODUCER
+
+
+def _set_gemv_switches(int8: bool, fuse: bool, parts: bool, producer: bool) -> None:
+    """Set the switches :func:`_gemv_switches` reads (they are read at each call, so a
+    graph captured after this takes them)."""
+    from kernels.quant import triton_quant
+
+    triton_quant._INT8, triton_quant._INT8_FUSE = int8, fuse
+    triton_quant._INT8_PARTS, triton_quant._INT8_PRODUCER = parts, producer
 
 
 def variant_rows(model, config, batches: list[int], context: int, bandwidth: float) -> list[str]:
     """Decode rows of the GGUF model for each kernel choice: Q6_K in GGUF blocks or
     repacked planes, x the float GEMV or the int8-activation GEMV (its activations
-    quantized by a launch of their own, or inside it; a projection of Q4_K and Q6_K
-    parts in a launch a part, or in one); then the batches above one with
+    quantized by a launch of their own, by the norm or SiLU-and-mul kernel that writes
+    them, or inside the GEMV; a projection of Q4_K and Q6_K parts in a launch a part,
+    or in one); then the batches above one with
     every multi-row step on the GEMM (tensor cores, the weights read once) instead of
     the GEMV (the weights read once per row). Leaves the model repacked, the module
     defaults restored."""
     from kernels.quant import triton_quant
 
-    saved = triton_quant._INT8, triton_quant._INT8_FUSE, triton_quant._INT8_PARTS
+    saved = _gemv_switches()
     gemv_rows_max = triton_quant.GEMV_MAX_ROWS
     rows = []
     try:
         for repacked in (False, True):
             set_q6k_layout(model, repacked)
             layout = "Q6_K planes" if repacked else "Q6_K blocks"
-            for name, use_int8, apart, one_launch in _GEMV_VARIANTS:
-                triton_quant._INT8, triton_quant._INT8_FUSE, triton_quant._INT8_PARTS = use_int8, not apart, one_launch
+            for name, use_int8, apart, one_launch, producer in _GEMV_VARIANTS:
+                _set_gemv_switches(use_int8, not apart, one_launch, producer)
                 rows += decode_rows(model, config, batches, context, bandwidth, f"GGUF Q4_K/{layout}, {name}")
                 print("\n".join(rows[-len(batches):]), flush=True)
-            triton_quant._INT8, triton_quant._INT8_FUSE, triton_quant._INT8_PARTS = saved
+            _set_gemv_switches(*saved)
             triton_quant.GEMV_MAX_ROWS = 1
             many = [b for b in batches if b > 1]
             if many:
@@ -280,7 +303,7 @@ def variant_rows(model, config, batches: list[int], context: int, bandwidth: flo
                 print("\n".join(rows[-len(many):]), flush=True)
             triton_quant.GEMV_MAX_ROWS = gemv_rows_max
     finally:
-        triton_quant._INT8, triton_quant._INT8_FUSE, triton_quant._INT8_PARTS = saved
+        _set_gemv_switches(*saved)
         triton_quant.GEMV_MAX_ROWS = gemv_rows_max
         set_q6k_layout(model, True)
     return rows
@@ -528,8 +551,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--profile", action="store_true", help="per-kernel times of eager batch-1 decode steps")
     p.add_argument("--variants", action="store_true",
                    help="the GGUF rows for each kernel choice instead: Q6_K blocks or repacked planes, float or "
-                        "int8 GEMV (activations quantized apart or inside it, q/k/v's parts in one launch or one "
-                        "each), and the GEMM for multi-row steps")
+                        "int8 GEMV (activations quantized apart, by the norm or SiLU-and-mul that writes them, or "
+                        "inside the GEMV; q/k/v's parts in one launch or one each), and the GEMM for multi-row "
+                        "steps")
     p.add_argument("--float-gemv", action="store_true",
                    help="then the GGUF rows again with Q4_K/Q6_K on the float GEMV")
     p.add_argument("--fp8", action="store_true",

@@ -6,6 +6,13 @@ the input dtype before the multiply by the weight, that product rounded once, an
 residual sum rounded to the input dtype before it is normalized. Only the order of the
 mean-square sum differs, so low-precision outputs agree to the last bit almost always
 and otherwise by one unit in the last place.
+
+With ``quantize=True`` the kernel also writes its output rows quantized for the int8
+GEMV (:class:`kernels.quant.triton_int8.Q8Activations`), from the output values as
+stored (rounded to the output dtype), with the quantizing launch's own code
+(:func:`kernels.quant.triton_int8._q8_groups`): the same codes, scales and sums bit for
+bit as :func:`kernels.quant.triton_int8.quantize_activations` of the output, without
+that launch. The output itself is the same either way.
 """
 
 from __future__ import annotations
@@ -14,16 +21,19 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.quant.triton_int8 import Q8Activations, _q8_groups, producer_activations, producer_args
 from kernels.triton_round import round_to
 
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr,
-    stride_x, stride_res, stride_out,
+    x_ptr, res_ptr, w_ptr, out_ptr, q_ptr, d_ptr, s_ptr,
+    stride_x, stride_res, stride_out, stride_q, stride_d, stride_s,
     H, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr, BLOCK: tl.constexpr,
 ):
+    # QUANT: the output row also quantized into codes/scales/sums at q_ptr/d_ptr/s_ptr
+    # (H a multiple of 32, so BLOCK is whole groups); else those are unused.
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
@@ -39,7 +49,13 @@ def _rms_norm_kernel(
     rstd = tl.math.rsqrt(var + eps)
     normed = round_to(xf * rstd, dt)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, round_to(normed * w, dt).to(dt), mask=mask)
+    y = round_to(normed * w, dt)  # the output's value, exact in float32
+    tl.store(out_ptr + row * stride_out + cols, y.to(dt), mask=mask)
+    if QUANT:
+        # The float32 of the stored value, as the quantizing launch would load it; the
+        # padding past H is zeros, in groups that are not stored.
+        _q8_groups(tl.reshape(y, (BLOCK // 32, 32)), q_ptr + row * stride_q, d_ptr + row * stride_d,
+                   s_ptr + row * stride_s, tl.arange(0, BLOCK // 32), H // 32)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -48,37 +64,50 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def _launch(x2, res2, weight, out2, eps) -> None:
+def _launch(x2, res2, weight, out2, eps, q8: Q8Activations | None) -> None:
     rows, H = x2.shape
     if rows == 0:
         return
     block = triton.next_power_of_2(H)
     warps = max(1, min(16, block // 512))
+    quant, quant_strides = producer_args(q8, out2)
     _rms_norm_kernel[(rows,)](
-        x2, res2 if res2 is not None else x2, weight, out2,
-        x2.stride(0), res2.stride(0) if res2 is not None else 0, out2.stride(0),
+        x2, res2 if res2 is not None else x2, weight, out2, *quant,
+        x2.stride(0), res2.stride(0) if res2 is not None else 0, out2.stride(0), *quant_strides,
         H, eps,
-        HAS_RESIDUAL=res2 is not None, BLOCK=block, num_warps=warps,
+        HAS_RESIDUAL=res2 is not None, QUANT=q8 is not None, BLOCK=block, num_warps=warps,
     )
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Same contract as :func:`kernels.rms_norm.rms_norm`."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, quantize: bool = False):
+    """Same contract as :func:`kernels.rms_norm.rms_norm`.
+
+    With ``quantize``: ``(out, q8)``, ``q8`` the output's rows ``[rows, H]`` quantized for
+    the int8 GEMV in the same launch, equal to ``quantize_activations(out.reshape(-1, H))``
+    bit for bit.
+
+    Raises:
+        ValueError: ``quantize`` and ``H`` not a multiple of 32.
+    """
     x2 = _rows(x)
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    _launch(x2, None, weight, out, eps)
-    return out.view(x.shape)
+    q8 = producer_activations(out, quantize)
+    _launch(x2, None, weight, out, eps, q8)
+    return (out.view(x.shape), q8) if quantize else out.view(x.shape)
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *, quantize: bool = False
+):
     """Same contract as :func:`kernels.rms_norm.fused_add_rms_norm`: one launch, the
     residual updated in place.
 
+    With ``quantize``: ``(out, residual, q8)``, ``q8`` as :func:`rms_norm`'s.
+
     Raises:
         ValueError: ``residual`` is not a ``[T, H]`` tensor with a contiguous last
-            dimension (it is written through a row stride).
+            dimension (it is written through a row stride); ``quantize`` and ``H`` not a
+            multiple of 32.
     """
     if residual.dim() != 2 or residual.stride(-1) != 1:
         raise ValueError(
@@ -87,5 +116,6 @@ def fused_add_rms_norm(
         )
     x2 = _rows(x)
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    _launch(x2, residual, weight, out, eps)
-    return out, residual
+    q8 = producer_activations(out, quantize)
+    _launch(x2, residual, weight, out, eps, q8)
+    return (out, residual, q8) if quantize else (out, residual)

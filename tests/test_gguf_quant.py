@@ -214,3 +214,86 @@ def test_the_quant_benchmark_without_a_gpu_names_what_works_without_one(monkeypa
     with pytest.raises(SystemExit):
         main([])
     assert "finds none here; --write-gguf PATH writes the random GGUF without one" in capsys.readouterr().err
+
+
+def test_norms_quantizing_for_the_int8_gemv_give_the_same_logits(tmp_path, paged_runner, monkeypatch):
+    """The decoder's norms and SiLU-and-mul writing their outputs quantized for the int8
+    GEMV (the default on CUDA) against the projections quantizing them in launches of
+    their own (``HEADROOM_QUANT_INT8_PRODUCER=0``): the same logits at decode rows of 3
+    and 1 tokens, with only the o projection's rows (the attention's output) left to a
+    quantizing launch. Triton's interpreter on the CPU, bfloat16; bit for bit there (on
+    CUDA the small projections split K with atomic adds, so to summation order)."""
+    import numpy as np
+    from triton_interpret import kernel_device
+
+    from engine.commands.model_shapes import write_shape
+    from engine.loader.gguf_quant import load_gguf_quantized
+    from engine.loader.hf_config import load_model_config
+    from engine.models import quant_linear
+    from engine.quant_bench import write_random_gguf
+    from kernels import dispatch
+    from kernels.quant import triton_int8, triton_quant
+
+    dev = kernel_device()
+    if dev == "cpu":  # the Triton paths, interpreted, on CPU tensors
+        monkeypatch.setattr(dispatch, "use_triton", lambda t: True)
+        monkeypatch.setattr(quant_linear, "use_triton", lambda t: True)
+    monkeypatch.setattr(triton_quant, "_INT8_FUSE", False)
+    folder = write_shape("llama-3.1-8b", tmp_path / "cfg", hidden_size=256, intermediate_size=256,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
+                         max_position_embeddings=64, rope_scaling=None)
+    config = load_model_config(folder)
+    path = tmp_path / "k.gguf"
+    write_random_gguf(path, config, np.random.default_rng(2))
+    model = load_gguf_quantized(config, path, dev, torch.bfloat16)
+    assert isinstance(model.lm_head, QuantLinear)
+    launches = []
+    quantize = triton_int8.quantize_activations
+
+    def counted(x):
+        launches.append(x.shape)
+        return quantize(x)
+
+    monkeypatch.setattr(triton_int8, "quantize_activations", counted)
+    if dev == "cpu":  # 64 weight rows a program: few programs for the interpreter, either way
+        gemv_parts = triton_int8.int8_gemv_parts
+        monkeypatch.setattr(triton_int8, "int8_gemv_parts",
+                            lambda x, parts, block_n=None, **kw: gemv_parts(x, parts, block_n=block_n or 64, **kw))
+    logits = {}
+    for producer in (True, False):
+        monkeypatch.setattr(triton_quant, "_INT8_PRODUCER", producer)
+        launches.clear()
+        runner = paged_runner(model, config, device=dev)
+        logits[producer] = [runner.step({0: [3, 1, 4]}), runner.step({0: [1]})]
+        # Per step: o's rows alone, or q/k/v's, o's, gate/up's, down's and the LM head's.
+        assert len(launches) == (2 if producer else 2 * (4 * config.num_layers + 1)), launches
+    for on, off in zip(logits[True], logits[False], strict=True):
+        assert bool(torch.isfinite(on).all())
+        if dev == "cpu":
+            assert torch.equal(on, off)
+        else:
+            _close(on, off, rel=2**-6)
+
+
+def test_the_quant_benchmark_variants_set_each_switch_and_restore_them(monkeypatch):
+    """``--variants`` times the decode step under each GEMV choice, the activations
+    quantized by their norm or SiLU-and-mul among them, then the GEMM, and leaves the
+    switches as it found them (here without a GPU: the timing is stubbed out)."""
+    from engine import quant_bench
+    from kernels.quant import triton_quant
+
+    seen = []
+
+    def timed(model, config, batches, context, bandwidth, label):
+        seen.append((label, quant_bench._gemv_switches(), triton_quant.GEMV_MAX_ROWS))
+        return [label] * len(batches)
+
+    monkeypatch.setattr(quant_bench, "decode_rows", timed)
+    before = quant_bench._gemv_switches()
+    rows = quant_bench.variant_rows(torch.nn.Module(), None, [1], 256, 1.0)
+    assert quant_bench._gemv_switches() == before
+    variants = quant_bench._GEMV_VARIANTS
+    assert len(rows) == len(seen) == 2 * len(variants)  # Q6_K blocks, then planes; one batch: no GEMM rows
+    for (label, switches, _), (name, int8, apart, parts, producer) in zip(seen, variants * 2, strict=True):
+        assert label.endswith(name) and switches == (int8, not apart, parts, producer)
+    assert sum(producer for *_, producer in variants) == 1

@@ -311,6 +311,44 @@ def test_quant_linear_output_is_the_same_whichever_launches_it_takes(dev, monkey
     assert float((default.reshape(m, -1).float() - want).abs().max()) <= 2**-6 * float(want.abs().max())
 
 
+def test_quant_linear_takes_its_rows_quantized_by_their_producer(dev, monkeypatch):
+    """:meth:`QuantLinear.wants_int8` asks for decode rows quantized by the kernel that
+    writes them exactly where ``forward`` would quantize them in a launch of its own
+    (int8 parts, up to GEMV_MAX_ROWS rows, quantized apart) and the switch is on; given
+    them as ``q8``, ``forward`` launches no quantizing kernel and its output is the same
+    bit for bit."""
+    from engine.models import quant_linear
+    from engine.models.quant_linear import PartSpec, QuantLinear
+    from kernels.quant import triton_int8, triton_quant
+
+    if dev == "cpu":  # the Triton path, interpreted, on CPU tensors
+        monkeypatch.setattr(quant_linear, "use_triton", lambda t: True)
+    k = 256
+    layer = QuantLinear(k, [PartSpec(4, "Q4_K"), PartSpec(3, "Q6_K")], bias=False, dtype=torch.bfloat16)
+    layer = layer.to_empty(device=dev)
+    for (spec, buf), seed in zip(layer.part_views(), (0, 1), strict=True):
+        buf.copy_(torch.from_numpy(random_blocks(spec.type_name, spec.rows, k, np.random.default_rng(seed))))
+    dense = QuantLinear(k, [PartSpec(4, None)], bias=False, dtype=torch.bfloat16)
+    x = torch.randn(2, k, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16).to(dev)
+    monkeypatch.setattr(triton_quant, "_INT8_FUSE", False)
+    monkeypatch.setattr(triton_quant, "_INT8_PRODUCER", True)
+    assert layer.wants_int8(x) and layer.wants_int8(x[:1, None, :])
+    assert not layer.wants_int8(x.new_empty(triton_quant.GEMV_MAX_ROWS + 1, k))  # prefill: the GEMM
+    assert not dense.wants_int8(x)
+    launches = []
+    quantize = triton_int8.quantize_activations
+    monkeypatch.setattr(triton_int8, "quantize_activations", lambda rows: launches.append(1) or quantize(rows))
+    own = layer(x)
+    assert launches == [1]
+    given = layer(x, q8=quantize(x))
+    assert launches == [1] and torch.equal(given, own)
+    monkeypatch.setattr(triton_quant, "_INT8_PRODUCER", False)
+    assert not layer.wants_int8(x)
+    monkeypatch.setattr(triton_quant, "_INT8_PRODUCER", True)
+    monkeypatch.setattr(triton_quant, "_INT8_FUSE", True)  # the GEMV quantizes its float rows: none to hand over
+    assert not layer.wants_int8(x)
+
+
 def test_int8_activations_equal_the_reference_codes(dev):
     """Codes, scales and sums bit for bit (correctly rounded divisions in the kernel),
     a group of zeros and a partial program of groups included; bfloat16 rows too."""
@@ -380,3 +418,72 @@ def test_int8_gemv_refuses_q6k_planes_of_odd_blocks(dev):
     x, w = _case("Q6_K_P", 1, 3, 3, dev)
     with pytest.raises(ValueError, match="do not hold rows"):
         triton_int8.int8_gemv(triton_int8.quantize_activations(x), w, "Q6_K_P")
+
+
+def _assert_q8_of(q8, out: torch.Tensor) -> None:
+    """``q8`` equals :func:`quantize_activations` of ``out``'s rows bit for bit."""
+    from kernels.quant import triton_int8
+
+    want = triton_int8.quantize_activations(out.reshape(-1, out.shape[-1]))
+    assert q8.dtype == out.dtype
+    for name in ("codes", "scales", "sums"):
+        got, ref = getattr(q8, name), getattr(want, name)
+        assert got.dtype == ref.dtype and torch.equal(got, ref), name
+
+
+PRODUCER_DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", PRODUCER_DTYPES)
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("k", [96, 576])
+def test_norms_quantizing_their_output_equal_a_quantizing_launch(dev, dtype, m, k):
+    """RMSNorm and residual-add + RMSNorm with ``quantize=True``: the same output (and
+    residual) as without, bit for bit, and the codes, scales and sums of
+    :func:`quantize_activations` of that output; rows of a width that is not a power of
+    two (padding groups in the kernel's row), a group of zeros included."""
+    from kernels import triton_norm
+
+    g = torch.Generator().manual_seed(m * k)
+    x = (torch.randn(m, k, generator=g) * 3).to(dtype).to(dev)
+    x[0, 32:64] = 0
+    res = torch.randn(m, k, generator=g).to(dtype).to(dev)
+    w = torch.randn(k, generator=g).to(dtype).to(dev)
+    plain = triton_norm.rms_norm(x, w, 1e-6)
+    out, q8 = triton_norm.rms_norm(x, w, 1e-6, quantize=True)
+    assert torch.equal(out, plain)
+    _assert_q8_of(q8, out)
+    assert float(q8.scales[0, 1]) == 0
+    res_plain = res.clone()
+    plain, _ = triton_norm.fused_add_rms_norm(x, res_plain, w, 1e-6)
+    out, r, q8 = triton_norm.fused_add_rms_norm(x, res, w, 1e-6, quantize=True)
+    assert r is res and torch.equal(res, res_plain) and torch.equal(out, plain)
+    _assert_q8_of(q8, out)
+
+
+@pytest.mark.parametrize("dtype", PRODUCER_DTYPES)
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("inter", [96, 576, 1120])
+def test_silu_and_mul_quantizing_its_output_equals_a_quantizing_launch(dev, dtype, m, inter):
+    """SiLU-and-mul with ``quantize=True``: the same output bit for bit, and its codes as
+    :func:`quantize_activations` gives them; 1120 columns take two programs a row (the
+    second's groups start at 32), leading dimensions are kept."""
+    from kernels import triton_activation
+
+    g = torch.Generator().manual_seed(m + inter)
+    x = (torch.randn(m, 1, 2 * inter, generator=g) * 3).to(dtype).to(dev)
+    x[-1, 0, :32] = 0
+    plain = triton_activation.silu_and_mul(x)
+    out, q8 = triton_activation.silu_and_mul(x, quantize=True)
+    assert out.shape == (m, 1, inter) and torch.equal(out, plain)
+    _assert_q8_of(q8, out)
+
+
+def test_producers_refuse_to_quantize_rows_of_partial_groups(dev):
+    from kernels import triton_activation, triton_norm
+
+    x = torch.randn(2, 48, device=dev)
+    with pytest.raises(ValueError, match="whole groups of 32"):
+        triton_norm.rms_norm(x, torch.ones(48, device=dev), 1e-6, quantize=True)
+    with pytest.raises(ValueError, match="whole groups of 32"):
+        triton_activation.silu_and_mul(torch.randn(2, 96, device=dev), quantize=True)  # 48 outputs a row

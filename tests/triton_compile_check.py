@@ -43,14 +43,22 @@ def _compile(fn, args: list[tuple[str, str]], constexprs: dict) -> str:
 
 def main() -> int:
     bf = "bf16"
-    _compile(triton_norm._rms_norm_kernel,
-             [("x_ptr", _p(bf)), ("res_ptr", _p(bf)), ("w_ptr", _p(bf)), ("out_ptr", _p(bf)),
-              ("stride_x", "i32"), ("stride_res", "i32"), ("stride_out", "i32"), ("H", "i32"), ("eps", "fp32")],
-             {"HAS_RESIDUAL": True, "BLOCK": 1024})
+    quant = [("q_ptr", _p("i8")), ("d_ptr", _p("fp32")), ("s_ptr", _p("i32"))]
+    quant_strides = [("stride_q", "i32"), ("stride_d", "i32"), ("stride_s", "i32")]
+    # With and without the output quantized for the int8 GEMV (QUANT), at a hidden size
+    # of 4096 and an intermediate size's 1024-column programs (an 8B model's).
+    for q in (False, True):
+        _compile(triton_norm._rms_norm_kernel,
+                 [("x_ptr", _p(bf)), ("res_ptr", _p(bf)), ("w_ptr", _p(bf)), ("out_ptr", _p(bf)), *quant,
+                  ("stride_x", "i32"), ("stride_res", "i32"), ("stride_out", "i32"), *quant_strides, ("H", "i32"),
+                  ("eps", "fp32")],
+                 {"HAS_RESIDUAL": True, "QUANT": q, "BLOCK": 4096})
     print("rms_norm ok")
-    _compile(triton_activation._silu_and_mul_kernel,
-             [("x_ptr", _p(bf)), ("out_ptr", _p(bf)), ("stride_x", "i32"), ("stride_out", "i32"), ("inter", "i32")],
-             {"BLOCK": 1024})
+    for q in (False, True):
+        _compile(triton_activation._silu_and_mul_kernel,
+                 [("x_ptr", _p(bf)), ("out_ptr", _p(bf)), *quant, ("stride_x", "i32"), ("stride_out", "i32"),
+                  *quant_strides, ("inter", "i32")],
+                 {"QUANT": q, "BLOCK": 1024})
     print("silu_and_mul ok")
     for gated in (False, True):
         ptx = _compile(triton_gemv._gemv_kernel,

@@ -19,7 +19,10 @@ references elsewhere) in fused form: the residual add with the next RMSNorm, Qwe
 q/k norm with rotary and the KV-cache store (the model writes the pool, then calls the
 attention backend with ``kv_stored=True``), SiLU with the gate multiply, and, with ``HEADROOM_GEMV=1``, the projections of decode
 steps of a few tokens (matrix-vector kernels; the gate/up one applies SiLU-and-mul as it
-writes; :mod:`kernels.triton_gemv`). The forward
+writes; :mod:`kernels.triton_gemv`). Before GGUF-block projections whose decode GEMV
+reads int8 activations, the norm or SiLU-and-mul that writes their input quantizes it
+in the same launch (:func:`wants_int8`; ``HEADROOM_QUANT_INT8_PRODUCER=0``: a launch of
+the projection's own). The forward
 reads no value back to the host, so a decode step can be captured in a CUDA graph.
 
 Under tensor parallelism (:mod:`engine.parallel`) each rank builds the decoder at its
@@ -40,6 +43,7 @@ from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch
 from engine.loader.errors import WeightMismatch
 from engine.models.moe import SparseMoeBlock
+from engine.models.quant_linear import QuantLinear
 from engine.models.rope import build_cos_sin_cache
 from engine.parallel.group import TensorParallel
 from kernels.dispatch import (
@@ -55,13 +59,25 @@ from kernels.dispatch import (
 # (``LlamaAttention`` / ``Qwen3Attention`` in transformers).
 _O_PROJ_BIAS_FOLLOWS_QKV = {"Qwen2ForCausalLM": False, "Qwen2MoeForCausalLM": False}
 
-def project(proj: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def project(proj: nn.Module, x: torch.Tensor, q8=None) -> torch.Tensor:
     """``proj(x)``: a bias-free ``nn.Linear`` through the decode GEMV dispatch
     (:data:`kernels.dispatch.linear`); one with a bias, or a GGUF-block
-    :class:`~engine.models.quant_linear.QuantLinear` (no ``weight``), as itself."""
+    :class:`~engine.models.quant_linear.QuantLinear` (no ``weight``), as itself.
+    ``q8``: ``x``'s rows quantized for the int8 GEMV by the kernel that wrote ``x`` (given
+    only where :func:`wants_int8` said so), which the ``QuantLinear`` then reads instead
+    of quantizing ``x`` in a launch of its own."""
+    if q8 is not None:
+        return proj(x, q8=q8)
     if isinstance(proj, nn.Linear) and proj.bias is None:
         return linear(x, proj.weight)
     return proj(x)
+
+
+def wants_int8(proj: nn.Module | None, x: torch.Tensor) -> bool:
+    """Whether the kernel that writes ``proj``'s input should write it quantized for the
+    int8 GEMV too (:meth:`~engine.models.quant_linear.QuantLinear.wants_int8`; never for
+    other modules or None). ``x``: that input, or the producer's, of the same rows."""
+    return isinstance(proj, QuantLinear) and proj.wants_int8(x)
 
 
 # Hugging Face tensor -> (our fused parameter, shard). Shards are laid out in this order.
@@ -106,6 +122,23 @@ class RMSNorm(nn.Module):
         """``residual += x`` (in place), then the norm of it: ``(normed, residual)``."""
         return fused_add_rms_norm(x, residual, self.weight, self.eps)
 
+    def forward_for(self, x: torch.Tensor, proj: nn.Module | None) -> tuple[torch.Tensor, object]:
+        """The norm of ``x`` as the input of ``proj``: ``(normed, q8)``, ``q8`` the normed
+        rows quantized for ``proj``'s int8 GEMV in the same launch where it takes them
+        (:func:`wants_int8`), else None."""
+        if wants_int8(proj, x):
+            return rms_norm(x, self.weight, self.eps, quantize=True)
+        return rms_norm(x, self.weight, self.eps), None
+
+    def add_forward_for(
+        self, x: torch.Tensor, residual: torch.Tensor, proj: nn.Module | None
+    ) -> tuple[torch.Tensor, torch.Tensor, object]:
+        """:meth:`add_forward` as the input of ``proj``: ``(normed, residual, q8)``, ``q8``
+        as :meth:`forward_for`'s."""
+        if wants_int8(proj, x):
+            return fused_add_rms_norm(x, residual, self.weight, self.eps, quantize=True)
+        return *fused_add_rms_norm(x, residual, self.weight, self.eps), None
+
 
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int) -> None:
@@ -135,9 +168,12 @@ class Attention(nn.Module):
         batch: ForwardBatch,
         attn: AttentionBackend,
         cos_sin_cache: torch.Tensor,
+        q8=None,
     ) -> torch.Tensor:
+        """``x [T, hidden]`` (normed) to the o projection's output ``[T, hidden]``; ``q8``:
+        ``x`` quantized for the q/k/v projection by the norm (:func:`project`)."""
         num_tokens = x.shape[0]
-        qkv = project(self.qkv_proj, x)
+        qkv = project(self.qkv_proj, x, q8)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm_whole:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -166,11 +202,18 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, q8=None) -> torch.Tensor:
+        """``x [T, hidden]`` to ``[T, hidden]``; ``q8``: ``x`` quantized for the gate/up
+        projection by the norm (:func:`project`)."""
         if isinstance(self.gate_up_proj, nn.Linear):
             return project(self.down_proj, gate_up_silu(x, self.gate_up_proj.weight))
-        # GGUF blocks: their own product, then SiLU-and-mul.
-        return project(self.down_proj, silu_and_mul(self.gate_up_proj(x)))
+        # GGUF blocks: their own product, then SiLU-and-mul (which quantizes its output
+        # for the down projection where that reads int8 rows).
+        gate_up = project(self.gate_up_proj, x, q8)
+        if wants_int8(self.down_proj, gate_up):
+            act, act_q8 = silu_and_mul(gate_up, quantize=True)
+            return project(self.down_proj, act, act_q8)
+        return project(self.down_proj, silu_and_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):
@@ -199,16 +242,23 @@ class DecoderLayer(nn.Module):
         """``h``: the previous layer's MLP output (the embeddings for the first layer,
         with ``residual`` None); ``residual``: the residual stream before it. Returns
         this layer's ``(mlp_output, residual)``; the stream itself is
-        ``residual + mlp_output``, summed by the next fused norm."""
+        ``residual + mlp_output``, summed by the next fused norm.
+
+        Where q/k/v or gate/up read int8 rows (GGUF blocks, decode rows on CUDA), the
+        norm before them writes its output quantized too (``q8``), so no launch of their
+        own quantizes it."""
+        qkv_proj = self.self_attn.qkv_proj
         if residual is None:
-            residual, x = h, self.input_layernorm(h)
+            residual = h
+            x, q8 = self.input_layernorm.forward_for(h, qkv_proj)
         else:
-            x, residual = self.input_layernorm.add_forward(h, residual)
-        h = self.self_attn(x, batch, attn, cos_sin_cache)
+            x, residual, q8 = self.input_layernorm.add_forward_for(h, residual, qkv_proj)
+        h = self.self_attn(x, batch, attn, cos_sin_cache, q8)
         if self.tp is not None:
             h = self.tp.all_reduce(h)
-        x, residual = self.post_attention_layernorm.add_forward(h, residual)
-        h = self.mlp(x)
+        gate_up_proj = self.mlp.gate_up_proj if isinstance(self.mlp, MLP) else None  # MoE: the router reads x
+        x, residual, q8 = self.post_attention_layernorm.add_forward_for(h, residual, gate_up_proj)
+        h = self.mlp(x) if q8 is None else self.mlp(x, q8)
         if self.tp is not None:
             h = self.tp.all_reduce(h)
         return h, residual
@@ -303,13 +353,15 @@ class CausalLM(nn.Module):
         # RMSNorm is per row, so normalizing only the rows that need logits is exact.
         rows = batch.logits_indices
         if residual is None:  # no layers
-            h = self.model.norm(h[rows])
-        else:
-            h, _ = self.model.norm.add_forward(h[rows], residual[rows])  # [B, hidden]
+            h, q8 = self.model.norm.forward_for(h[rows], self.lm_head)
+        else:  # [B, hidden]; quantized too for an LM head in blocks that reads int8 rows
+            h, _, q8 = self.model.norm.add_forward_for(h[rows], residual[rows], self.lm_head)
         if self.lm_head is None:
             logits = F.linear(h, self.model.embed_tokens.weight).float()
-        else:
+        elif q8 is None:
             logits = self.lm_head(h).float()  # an nn.Linear, or GGUF blocks (QuantLinear)
+        else:
+            logits = self.lm_head(h, q8=q8).float()
         if self.tp is not None:
             logits = self.tp.gather_vocab(logits, self.full_vocab_size)
         return logits

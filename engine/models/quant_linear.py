@@ -13,6 +13,9 @@ On CUDA the product is :func:`kernels.quant.triton_quant.quant_matmul` (the GEMV
 decode rows, the GEMM for prefill), over Q6_K parts repacked at load into aligned planes
 (:meth:`QuantLinear.repack_for_kernels`); elsewhere the reference, which dequantizes through
 ``gguf`` on every call (correct, slow: the CPU path dequantizes at load instead).
+Decode rows for the int8 GEMV are quantized once for all parts, by a launch of their
+own or, when the decoder's norm or SiLU-and-mul kernel wrote them, by that kernel
+(:meth:`QuantLinear.wants_int8`, ``forward``'s ``q8``).
 
 All tensors are buffers, not parameters: ``CausalLM.load_weights`` fills the parameters
 it knows and the quantized loader fills these (:mod:`engine.loader.gguf_quant`).
@@ -20,6 +23,7 @@ it knows and the quantized loader fills these (:mod:`engine.loader.gguf_quant`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -93,11 +97,24 @@ class QuantLinear(nn.Module):
                 q6k_to_planes(w, out=w)
                 self.parts[i] = PartSpec(spec.rows, repacked_type(spec.type_name))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, q8=None) -> torch.Tensor:
+        """``x @ W.T (+ bias)``.
+
+        Args:
+            x: ``[..., in_features]`` in the model dtype.
+            q8: ``x``'s rows ``[rows, in_features]`` already quantized for the int8 GEMV
+                (:class:`kernels.quant.triton_int8.Q8Activations`), by the kernel that
+                wrote ``x`` when :meth:`wants_int8` asked it to: used instead of a
+                quantizing launch here. None: quantized here if the GEMV needs it.
+
+        Returns:
+            ``[..., out_features]`` in ``x``'s dtype.
+        """
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         views = self.part_views()
-        q8 = self._int8_activations(x2)
+        if q8 is None:
+            q8 = self._int8_activations(x2)
         if len(views) == 1:
             y = self._part(x2, *views[0], q8=q8)
         elif self._int8_one_launch(x2):  # decode rows, both parts on the int8 GEMV
@@ -114,17 +131,40 @@ class QuantLinear(nn.Module):
             y = y + self.bias
         return y.view(*lead, self.out_features)
 
-    def _int8_activations(self, x: torch.Tensor):
-        """Decode rows quantized to int8 once for every part whose GEMV takes them
-        (:mod:`kernels.quant.triton_int8`) when that GEMV reads them quantized apart,
-        else None (by default each GEMV quantizes the rows as it reads them: no
-        launch of its own)."""
+    def wants_int8(self, x: torch.Tensor) -> bool:
+        """Whether the kernel that writes this projection's input ``x`` should also write
+        it quantized for the int8 GEMV (``quantize=True`` of the RMSNorm and SiLU-and-mul
+        kernels) and hand it to :meth:`forward` as ``q8``: the rows :meth:`forward` would
+        otherwise quantize in a launch of their own, unless
+        ``HEADROOM_QUANT_INT8_PRODUCER=0``. Shapes only, no host sync: safe while a CUDA
+        graph is captured.
+
+        Args:
+            x: the input, or the producer's (any tensor of the same rows on the same
+                device: only its device and row count are read).
+        """
+        if not self._quantizes_apart(x):
+            return False
+        from kernels.quant.triton_quant import int8_from_producer
+
+        return int8_from_producer()
+
+    def _quantizes_apart(self, x: torch.Tensor) -> bool:
+        """Whether ``x``'s rows are decode rows that some part's GEMV reads as int8
+        codes quantized apart (by a launch of their own, shared by the parts)."""
         if not use_triton(x):
-            return None
+            return False
         from kernels.quant.triton_quant import GEMV_MAX_ROWS, int8_quantize_apart, uses_int8_dot
 
-        if x.shape[0] > GEMV_MAX_ROWS or not int8_quantize_apart() or \
-                not any(p.type_name and uses_int8_dot(p.type_name) for p in self.parts):
+        return (math.prod(x.shape[:-1]) <= GEMV_MAX_ROWS and int8_quantize_apart()
+                and any(p.type_name and uses_int8_dot(p.type_name) for p in self.parts))
+
+    def _int8_activations(self, x: torch.Tensor):
+        """Decode rows ``x [rows, in_features]`` quantized to int8 once for every part
+        whose GEMV takes them (:mod:`kernels.quant.triton_int8`) when that GEMV reads
+        them quantized apart (the default), else None (``HEADROOM_QUANT_INT8_FUSE=1``:
+        each GEMV quantizes the rows as it reads them, no launch of its own)."""
+        if not self._quantizes_apart(x):
             return None
         from kernels.quant.triton_int8 import quantize_activations
 

@@ -30,7 +30,8 @@ as llama.cpp's ``quantize_q8_1`` and ``vec_dot_q4_K_q8_1``/``vec_dot_q6_K_q8_1``
 
 Where the rows are quantized: llama.cpp quantizes them in a launch of their own
 (:func:`quantize_activations`), and so does :func:`int8_gemv` by default (given its
-codes). Given the float rows it quantizes them itself (``QUANT_X``; one launch less per
+codes), unless the kernel that wrote the rows quantized them as it did (the decoder's
+norms and SiLU-and-mul, ``quantize=True``, through :func:`_q8_groups`, the same code). Given the float rows it quantizes them itself (``QUANT_X``; one launch less per
 projection, each 2-4 us in a CUDA graph, but measured slower, so off by default,
 ``HEADROOM_QUANT_INT8_FUSE=1``): each program, at each step, loads the float activations of its
 ``KB`` blocks once, quantizes every group of 32 with :func:`_quantize_kernel`'s own
@@ -123,20 +124,73 @@ def _q8_round(v):
 
 
 @triton.jit
+def _q8_groups(x, q_row, d_row, s_row, g1, groups):
+    """Quantize groups of 32 activations of one row and store them as
+    :class:`Q8Activations` hold them: ``x`` float32 ``[G, 32]`` (row ``i`` is group
+    ``g1[i]``, ``g1`` int32 ``[G]``), ``q_row``/``d_row``/``s_row`` that row's codes (int8),
+    scales (float32) and sums (int32); groups ``>= groups`` are not stored. The one place
+    the codes are made: :func:`_quantize_kernel` and the kernels that write a row and
+    quantize it as they do (:mod:`kernels.triton_norm`, :mod:`kernels.triton_activation`)
+    call it, so they give the same codes, scales and sums bit for bit from the same
+    float32 values."""
+    g = g1[:, None]
+    t = tl.arange(0, 32)[None, :]
+    amax = tl.max(tl.abs(x), axis=1)
+    q = _q8_round(x * _q8_inv(amax)[:, None])
+    tl.store(q_row + g * 32 + t, q.to(tl.int8), mask=g < groups)
+    live = g1 < groups
+    tl.store(d_row + g1, _q8_scale(amax), mask=live)
+    tl.store(s_row + 2 * g1, tl.sum(tl.where(t < 16, q, 0), axis=1), mask=live)
+    tl.store(s_row + 2 * g1 + 1, tl.sum(tl.where(t >= 16, q, 0), axis=1), mask=live)
+
+
+@triton.jit
 def _quantize_kernel(x_ptr, q_ptr, d_ptr, s_ptr, groups, stride_xm, stride_qm, stride_dm, stride_sm, G: tl.constexpr):
     m = tl.program_id(0).to(tl.int64)
     g1 = tl.program_id(1) * G + tl.arange(0, G)
-    g = g1[:, None]
     t = tl.arange(0, 32)[None, :]
-    live = g < groups
-    x = tl.load(x_ptr + m * stride_xm + g * 32 + t, mask=live, other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=1)
-    q = _q8_round(x * _q8_inv(amax)[:, None])
-    tl.store(q_ptr + m * stride_qm + g * 32 + t, q.to(tl.int8), mask=live)
-    g_live = g1 < groups
-    tl.store(d_ptr + m * stride_dm + g1, _q8_scale(amax), mask=g_live)
-    tl.store(s_ptr + m * stride_sm + 2 * g1, tl.sum(tl.where(t < 16, q, 0), axis=1), mask=g_live)
-    tl.store(s_ptr + m * stride_sm + 2 * g1 + 1, tl.sum(tl.where(t >= 16, q, 0), axis=1), mask=g_live)
+    x = tl.load(x_ptr + m * stride_xm + g1[:, None] * 32 + t, mask=g1[:, None] < groups, other=0.0).to(tl.float32)
+    _q8_groups(x, q_ptr + m * stride_qm, d_ptr + m * stride_dm, s_ptr + m * stride_sm, g1, groups)
+
+
+def empty_activations(m: int, k: int, device: torch.device, dtype: torch.dtype) -> Q8Activations:
+    """Uninitialized :class:`Q8Activations` for ``m`` rows of ``k`` activations of
+    ``dtype`` (a kernel writes them: :func:`quantize_activations`, or the norm or
+    activation kernel that makes the rows, ``quantize=True``).
+
+    Raises:
+        ValueError: ``k`` not a multiple of 32 (a scale's group).
+    """
+    if k % GROUP:
+        raise ValueError(f"int8 activations come in groups of {GROUP}: a row of {k} is not whole groups")
+    groups = k // GROUP
+    return Q8Activations(torch.empty((m, k), device=device, dtype=torch.int8),
+                         torch.empty((m, groups), device=device, dtype=torch.float32),
+                         torch.empty((m, 2 * groups), device=device, dtype=torch.int32), dtype)
+
+
+def producer_activations(out: torch.Tensor, quantize: bool) -> Q8Activations | None:
+    """For a kernel that writes the rows ``out [rows, K]`` and, asked to (``quantize``),
+    quantizes them as it does (:mod:`kernels.triton_norm`,
+    :mod:`kernels.triton_activation`): the buffers it fills, else None.
+
+    Raises:
+        ValueError: ``quantize`` and ``K`` not a multiple of 32.
+    """
+    if not quantize:
+        return None
+    if out.shape[1] % GROUP:
+        raise ValueError(f"quantize=True needs rows of whole groups of {GROUP} activations, got {out.shape[1]}")
+    return empty_activations(*out.shape, out.device, out.dtype)
+
+
+def producer_args(q8: Q8Activations | None, stand_in: torch.Tensor) -> tuple[tuple, tuple]:
+    """Such a kernel's codes, scales and sums arguments and their row strides; without
+    ``q8`` it leaves them unused (its ``QUANT`` off) and ``stand_in`` fills them."""
+    if q8 is None:
+        return (stand_in, stand_in, stand_in), (0, 0, 0)
+    quant = (q8.codes, q8.scales, q8.sums)
+    return quant, tuple(t.stride(0) for t in quant)
 
 
 def quantize_activations(x: torch.Tensor) -> Q8Activations:
@@ -151,13 +205,12 @@ def quantize_activations(x: torch.Tensor) -> Q8Activations:
         raise ValueError(f"want x [M, K] with K a multiple of {GROUP} and unit column stride, got {tuple(x.shape)}")
     m, k = x.shape
     groups = k // GROUP
-    codes = torch.empty((m, k), device=x.device, dtype=torch.int8)
-    scales = torch.empty((m, groups), device=x.device, dtype=torch.float32)
-    sums = torch.empty((m, 2 * groups), device=x.device, dtype=torch.int32)
+    q8 = empty_activations(m, k, x.device, x.dtype)
     g = 32
-    _quantize_kernel[(m, triton.cdiv(groups, g))](x, codes, scales, sums, groups, x.stride(0), codes.stride(0),
-                                                  scales.stride(0), sums.stride(0), G=g, num_warps=4)
-    return Q8Activations(codes, scales, sums, x.dtype)
+    _quantize_kernel[(m, triton.cdiv(groups, g))](x, q8.codes, q8.scales, q8.sums, groups, x.stride(0),
+                                                  q8.codes.stride(0), q8.scales.stride(0), q8.sums.stride(0), G=g,
+                                                  num_warps=4)
+    return q8
 
 
 @triton.jit

@@ -22,8 +22,10 @@ planes it decoded the 8B shape at batch 1 in 3.68 ms a step against the float GE
 4.47 on the H200); ``HEADROOM_QUANT_INT8=0`` (or ``int8_dot=False``) keeps them on the
 float GEMV. The activations are rounded to int8 by a launch of their own, which the
 parts of a projection share (``HEADROOM_QUANT_INT8_FUSE=1``: by the GEMV itself, as it
-reads them; slower on the H200), and a projection of a Q4_K part and a Q6_K part is one
-GEMV launch (``HEADROOM_QUANT_INT8_PARTS=0``: one each).
+reads them; slower on the H200), or, where an RMSNorm or SiLU-and-mul kernel writes
+the rows, by that kernel as it writes them (``HEADROOM_QUANT_INT8_PRODUCER=0``: by their
+own launch there too); and a projection of a Q4_K part and a Q6_K part is one GEMV
+launch (``HEADROOM_QUANT_INT8_PARTS=0``: one each).
 
 No weight is rounded to 16 bits. Codes become floats without an int-to-float
 instruction: ORed into the mantissa of 2**23 (:func:`_codes_f32`; for Q4_K and Q8_0
@@ -74,6 +76,12 @@ _INT8_FUSE = env_flag("HEADROOM_QUANT_INT8_FUSE", False)
 # Q4_K_M file's q/k in Q4_K over v in Q6_K) take one launch for both unless
 # HEADROOM_QUANT_INT8_PARTS=0 (a launch a part).
 _INT8_PARTS = env_flag("HEADROOM_QUANT_INT8_PARTS", True)
+# Rows that a decoder's RMSNorm or SiLU-and-mul kernel writes for a projection on the
+# int8 GEMV are quantized by that kernel as it writes them (kernels.triton_norm,
+# kernels.triton_activation with quantize=True: the quantizing launch left out) unless
+# HEADROOM_QUANT_INT8_PRODUCER=0; only where they are quantized apart at all (not with
+# HEADROOM_QUANT_INT8_FUSE=1).
+_INT8_PRODUCER = env_flag("HEADROOM_QUANT_INT8_PRODUCER", True)
 
 
 @triton.jit
@@ -555,6 +563,13 @@ def int8_quantize_apart() -> bool:
     """Whether int8-GEMV activations are quantized by a launch of their own before the
     GEMV (the default) rather than inside it (``HEADROOM_QUANT_INT8_FUSE=1``)."""
     return not _INT8_FUSE
+
+
+def int8_from_producer() -> bool:
+    """Whether int8-GEMV activations quantized apart are quantized by the kernel that
+    writes them where it can (an RMSNorm, SiLU-and-mul: ``quantize=True``) rather than by
+    a launch of their own; see :data:`_INT8_PRODUCER`."""
+    return _INT8_PRODUCER and int8_quantize_apart()
 
 
 def _output(x: torch.Tensor, n: int, out: torch.Tensor | None) -> torch.Tensor:

@@ -179,6 +179,79 @@ def test_int8_gemv_of_two_parts_in_one_launch_equals_a_launch_each(first, second
             assert torch.equal(one, each), f"{m} rows, {'floats' if quant_x else 'codes'}, {picked[0]}"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m", [1, 16])
+def test_producers_quantize_as_the_quantizing_launch_at_real_shapes(dtype, m):
+    """The 8B model's norms (hidden 4096; 5120 too, padding groups in the row's block)
+    and SiLU-and-mul (intermediate 14336, 14 programs a row) with ``quantize=True``,
+    compiled: the same output as without, bit for bit, and the codes, scales and sums of
+    ``quantize_activations`` of that output bit for bit (compared directly: the GEMV's
+    outputs from them may differ in summation order between launches on sm_90)."""
+    from kernels import triton_activation, triton_norm
+    from kernels.quant import triton_int8
+
+    def same_codes(q8, out):
+        want = triton_int8.quantize_activations(out.reshape(-1, out.shape[-1]))
+        return all(torch.equal(getattr(q8, f), getattr(want, f)) for f in ("codes", "scales", "sums"))
+
+    g = torch.Generator(device="cuda").manual_seed(m)
+    for h in (4096, 5120):
+        x = (torch.randn(m, h, device="cuda", generator=g) * 3).to(dtype)
+        x[0, :32] = 0  # a group of zeros: scale 0
+        res = torch.randn(m, h, device="cuda", generator=g).to(dtype)
+        w = torch.randn(h, device="cuda", generator=g).to(dtype)
+        out, q8 = triton_norm.rms_norm(x, w, 1e-5, quantize=True)
+        assert torch.equal(out, triton_norm.rms_norm(x, w, 1e-5)) and same_codes(q8, out), f"rms_norm {h}"
+        res_plain = res.clone()
+        plain, _ = triton_norm.fused_add_rms_norm(x, res_plain, w, 1e-5)
+        out, _, q8 = triton_norm.fused_add_rms_norm(x, res, w, 1e-5, quantize=True)
+        assert torch.equal(res, res_plain) and torch.equal(out, plain), f"fused_add_rms_norm {h}"
+        assert same_codes(q8, out), f"fused_add_rms_norm {h}"
+    gate_up = (torch.randn(m, 2 * 14336, device="cuda", generator=g) * 3).to(dtype)
+    out, q8 = triton_activation.silu_and_mul(gate_up, quantize=True)
+    assert torch.equal(out, triton_activation.silu_and_mul(gate_up)) and same_codes(q8, out)
+
+
+def test_decode_hands_the_norms_codes_to_the_int8_gemv(tmp_path, paged_runner, monkeypatch):
+    """Two layers of the benchmark's 8B Q4_K_M-like file, bfloat16, decode rows of 1 and
+    16 tokens: every int8 row a producer hands a projection (q/k/v, gate/up and down a
+    layer, the LM head) equals ``quantize_activations`` of the rows it wrote, bit for
+    bit, and the logits equal those with ``HEADROOM_QUANT_INT8_PRODUCER=0`` to the
+    GEMVs' summation order."""
+    from engine.commands.model_shapes import write_shape
+    from engine.loader.gguf_quant import load_gguf_quantized
+    from engine.loader.hf_config import load_model_config
+    from engine.quant_bench import write_random_gguf
+    from kernels.quant import triton_int8, triton_quant
+
+    config = load_model_config(write_shape("llama-3.1-8b", tmp_path / "cfg", num_hidden_layers=2, vocab_size=16384))
+    path = tmp_path / "k.gguf"
+    write_random_gguf(path, config, np.random.default_rng(0))
+    model = load_gguf_quantized(config, path, "cuda", torch.bfloat16)
+    handed = []
+    forward = QuantLinear.forward
+
+    def checked(self, x, q8=None):
+        if q8 is not None:
+            want = triton_int8.quantize_activations(x.reshape(-1, self.in_features))
+            handed.append(all(torch.equal(getattr(q8, f), getattr(want, f)) for f in ("codes", "scales", "sums")))
+        return forward(self, x, q8)
+
+    monkeypatch.setattr(QuantLinear, "forward", checked)
+    monkeypatch.setattr(triton_quant, "_INT8_FUSE", False)
+    logits = {}
+    for producer in (True, False):
+        monkeypatch.setattr(triton_quant, "_INT8_PRODUCER", producer)
+        handed.clear()
+        runner = paged_runner(model, config, device="cuda", num_pages=32, page_size=16)
+        logits[producer] = [runner.step({0: list(range(1, 17))}), runner.step({0: [5]})]
+        assert handed == ([True] * 2 * (3 * config.num_layers + 1) if producer else []), handed
+    for on, off in zip(logits[True], logits[False], strict=True):
+        assert bool(torch.isfinite(on).all())
+        diff = float((on - off).abs().max())
+        assert diff <= 2**-6 * float(off.abs().max()), f"max |diff| {diff:.3g}"
+
+
 def test_benchmark_weights_take_their_block_bytes(tmp_path):
     """Two layers of the benchmark's Llama-3-8B-shape Q4_K/Q6_K file: the device holds
     the file's blocks (Q4_K 4.5 and Q6_K 6.56 bits a weight against bfloat16's 16; the

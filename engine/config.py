@@ -318,7 +318,7 @@ class EngineConfig:
     # Auto (None): on the CPU, where the int4 repacking decodes the default model faster
     # and in a third of the memory (README, "The CPU path"); off on CUDA, where the block
     # GEMV reads the weights once per decode row (measured on an H200, 8B Q4_K/Q6_K shape:
-    # 316 tok/s from blocks against bfloat16's 216 at batch 1, 519 against 3,204 at 16).
+    # 327 tok/s from blocks against bfloat16's 216 at batch 1, 519 against 3,204 at 16).
     gguf_quantized: bool | None = option(
         None,
         "Keep a GGUF's quantized weights quantized. On the CPU (default there), "

@@ -198,22 +198,32 @@ async function firstMinute(context, page, server, check) {
   check(await fresh.isHidden("#token-form"), "the token typed in the form connects the page");
   await fresh.close();
 
+  // The page's health is still "ready" from before until the restart's events arrive:
+  // wait for a "restarting" after the click, then "ready" again (a chat sent in between
+  // is refused with 503 while the new worker loads).
+  const mark = await page.evaluate(() => window.__seen.health.length);
   await page.click("#restart");
   await page.waitForFunction(
     () => document.querySelector("#worker-exit").textContent.includes("restart requested by the control API"),
     null,
     { timeout: 60_000 },
   );
-  await page.waitForSelector('body[data-health="ready"]', { timeout: 120_000 });
+  await page.waitForFunction(
+    (from) => window.__seen.health.slice(from).includes("restarting") && document.body.dataset.health === "ready",
+    mark,
+    { timeout: 120_000 },
+  );
   check(true, `a restart from the page says who asked: "${await page.textContent("#worker-exit")}"`);
 
   await page.fill("#chat-input", "Say hello in three words.");
   await page.click("#chat-send");
-  await page.waitForFunction(
-    () => document.querySelector(".chat-assistant")?.textContent && document.querySelector("#chat-send").textContent === "Send",
-    null,
-    { timeout: 180_000 },
-  );
+  // The panel samples (the API's default temperature) with a 512-token limit, so an
+  // answer may run long on a busy 2-core machine: the first streamed text shows that the
+  // chat answers, and a reply still streaming then is stopped from the page (the button
+  // reads "Stop" meanwhile), which must end the turn at once.
+  await page.waitForFunction(() => document.querySelector(".chat-assistant")?.textContent, null, { timeout: 180_000 });
+  if ((await page.textContent("#chat-send")) === "Stop") await page.click("#chat-send");
+  await page.waitForFunction(() => document.querySelector("#chat-send").textContent === "Send", null, { timeout: 60_000 });
   const reply = await page.textContent(".chat-assistant");
   const note = await page.evaluate(() =>
     [...document.querySelectorAll("#chat-log .muted, #chat-log .bad")].map((e) => e.textContent).join(" "),

@@ -396,6 +396,15 @@ def sweep_rows(bandwidth: float, shapes: list[tuple[str, int, int]]) -> list[str
                             + (f", split {split}, prefetch {prefetch}" if int8 else ", ptx True")))
         results.sort()
         if int8:
+            # The best tiling with K split over 2-4 programs a tile (atomics into a
+            # zeroed float32 row, then a copy: both launches timed too).
+            best = results[0][1]
+            tiling = dict(item.split(" ") for item in best.split(", "))
+            for split_k in (2, 4):
+                seconds = _int8_seconds(x, w, kind, {"SPLIT": int(tiling["split"]), "PREFETCH": int(tiling["prefetch"])},
+                                        block_n=int(tiling["block_n"]), blocks_per_step=int(tiling["kb"]),
+                                        num_warps=int(tiling["warps"]), split_k=split_k)
+                results.append((seconds, f"{best}, split-K {split_k}"))
             other = _gemv_seconds(x, w, kind, replays=5, int8_dot=False)
             results.append((other, "float GEMV, tuned"))
         else:
@@ -536,6 +545,7 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     from engine.commands.model_shapes import SHAPES, write_shape
     from engine.loader.gguf_quant import gguf_weight_size, load_gguf_quantized
+    from kernels import pdl
     from engine.loader.hf_config import load_model_config
     from engine.loader.load import load_model
 
@@ -587,6 +597,11 @@ def main(argv: list[str] | None = None) -> None:
         else:
             print("\n".join(decode_rows(model, config, batches, args.context, bandwidth, "GGUF Q4_K/Q6_K")),
                   flush=True)
+        if pdl.enabled(torch.device("cuda")):  # the same step launched in stream order
+            pdl.PDL = False
+            print("\n".join(decode_rows(model, config, batches, args.context, bandwidth,
+                                         "GGUF Q4_K/Q6_K, PDL off")), flush=True)
+            pdl.PDL = True
         if args.float_gemv:
             from kernels.quant import triton_quant
 

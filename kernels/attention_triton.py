@@ -28,6 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+from kernels.quant.triton_int8 import GROUP, _q8_groups, producer_activations, producer_args
+
 _LOG2E = 1.4426950408889634
 
 # Split-K aims for about this many programs per decode launch (an H200 has 132 SMs);
@@ -109,8 +112,10 @@ def _decode_kernel(
     scale_log2,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = 0,
 ):
+    # PDL (kernels.pdl): launched while the kernel that stored this step's K/V ends.
+    pdl.begin(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -150,10 +155,14 @@ def _decode_kernel(
 
 @triton.jit
 def _merge_kernel(
-    PartO, PartLse, Out, stride_ob, stride_oh,
+    PartO, PartLse, Out, Codes, Scales, Sums, stride_ob, stride_oh, stride_q, stride_d, stride_s,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, QUANT: tl.constexpr = 0, PDL: tl.constexpr = 0,
 ):
+    # QUANT: the output row also quantized for the o projection's int8 GEMV into
+    # Codes/Scales/Sums; a head's HEAD_DIM values (== BLOCK_D, whole groups of 32) are
+    # its own groups, so each program quantizes the values it writes.
+    pdl.begin(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -167,7 +176,13 @@ def _merge_kernel(
     o = tl.load(PartO + row[:, None] * HEAD_DIM + d[None, :], mask=smask[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
     total = tl.sum(w, 0)
     out = tl.sum(w[:, None] * o, 0) / tl.where(total > 0, total, 1.0)
-    tl.store(Out + b * stride_ob + h * stride_oh + d, out.to(Out.dtype.element_ty), mask=d < HEAD_DIM)
+    stored = out.to(Out.dtype.element_ty)
+    tl.store(Out + b * stride_ob + h * stride_oh + d, stored, mask=d < HEAD_DIM)
+    if QUANT:
+        # From the value as stored, as the quantizing launch would load it.
+        groups: tl.constexpr = HEAD_DIM // 32
+        _q8_groups(tl.reshape(stored.to(tl.float32), (groups, 32)), Codes + b * stride_q, Scales + b * stride_d,
+                   Sums + b * stride_s, h * groups + tl.arange(0, groups), NUM_HEADS * groups)
 
 
 def paged_decode(
@@ -183,9 +198,17 @@ def paged_decode(
     workspace: torch.Tensor | None = None,
     num_splits: int | None = None,
     block_n: int | None = None,
-) -> torch.Tensor:
+    quantize: bool = False,
+):
     """Triton version of :func:`kernels.attention.paged_decode_ref` (same arguments and
     result; ``seq_lens`` and ``page_table`` on the device).
+
+    With ``quantize``: ``(out, q8)``, ``q8`` the rows ``out.view(B, H * D)`` quantized for
+    the int8 GEMV of the o projection by the split merge as it writes them
+    (:class:`kernels.quant.triton_int8.Q8Activations`, equal to
+    ``quantize_activations`` of those rows bit for bit), or None where the launch cannot
+    (one split, so no merge; ``D`` not a power of two of whole groups of 32): the
+    caller then quantizes them apart.
 
     Args:
         out: ``[B, H, D]`` to write into (else allocated).
@@ -205,8 +228,11 @@ def paged_decode(
     splits = num_splits or decode_num_splits(batch, num_kv_heads)
     if out is None:
         out = torch.empty_like(q)
+    block_d = triton.next_power_of_2(head_dim)
+    fused = quantize and splits > 1 and head_dim == block_d and head_dim % GROUP == 0 and out.is_contiguous()
+    q8 = producer_activations(out.view(batch, num_heads * head_dim), True) if fused else None
     if batch == 0:
-        return out
+        return (out, q8) if quantize else out
     part_o = part_lse = out  # unused when splits == 1
     if splits > 1:
         need = batch * num_heads * splits * (head_dim + 1)
@@ -216,7 +242,6 @@ def paged_decode(
             raise ValueError(f"decode workspace holds {workspace.numel()} floats, {need} needed")
         part_o = workspace[: batch * num_heads * splits * head_dim]
         part_lse = workspace[batch * num_heads * splits * head_dim : need]
-    block_d = triton.next_power_of_2(head_dim)
     default_n, warps = decode_config(q.dtype, head_dim)
     block_n = block_n or default_n
     _decode_kernel[(batch, num_kv_heads, splits)](
@@ -226,15 +251,16 @@ def paged_decode(
         scale * _LOG2E,
         NUM_HEADS=num_heads, GROUP=group, BLOCK_G=_group_block(group), HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE_SIZE=page_size, BLOCK_N=block_n, NUM_SPLITS=splits, PRECISION=_dot_precision(q.dtype),
-        num_warps=warps,
+        num_warps=warps, **pdl.launch_args(q.device),
     )
     if splits > 1:
+        quant, quant_strides = producer_args(q8, out)
         _merge_kernel[(batch, num_heads)](
-            part_o, part_lse, out, out.stride(0), out.stride(1),
+            part_o, part_lse, out, *quant, out.stride(0), out.stride(1), *quant_strides,
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits,
-            BLOCK_S=triton.next_power_of_2(splits), num_warps=2,
+            BLOCK_S=triton.next_power_of_2(splits), QUANT=q8 is not None, num_warps=2, **pdl.launch_args(q.device),
         )
-    return out
+    return (out, q8) if quantize else out
 
 
 @triton.jit

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
 from kernels.quant.triton_int8 import _q8_groups, producer_activations, producer_args
 from kernels.triton_round import round_to
 
@@ -22,9 +23,12 @@ _BLOCK = 1024
 
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, q_ptr, d_ptr, s_ptr, stride_x, stride_out, stride_q, stride_d, stride_s,
-                         inter, QUANT: tl.constexpr, BLOCK: tl.constexpr):
+                         inter, QUANT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
     # QUANT: the output also quantized into codes/scales/sums at q_ptr/d_ptr/s_ptr
     # (inter a multiple of 32, so a program's BLOCK columns are whole groups).
+    # PDL (kernels.pdl): the down projection may launch, and load its first weights,
+    # once this kernel's inputs are ready.
+    pdl.begin(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -62,6 +66,6 @@ def silu_and_mul(x: torch.Tensor, *, quantize: bool = False):
         grid = (rows, triton.cdiv(inter, block))
         quant, quant_strides = producer_args(q8, out)
         _silu_and_mul_kernel[grid](x2, out, *quant, x2.stride(0), out.stride(0), *quant_strides, inter,
-                                   QUANT=q8 is not None, BLOCK=block, num_warps=4)
+                                   QUANT=q8 is not None, BLOCK=block, num_warps=4, **pdl.launch_args(x.device))
     out = out.view(*x.shape[:-1], inter)
     return (out, q8) if quantize else out

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
 from kernels.quant.triton_int8 import Q8Activations, _q8_groups, producer_activations, producer_args
 from kernels.triton_round import round_to
 
@@ -30,10 +31,13 @@ def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, q_ptr, d_ptr, s_ptr,
     stride_x, stride_res, stride_out, stride_q, stride_d, stride_s,
     H, eps,
-    HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = 0,
 ):
     # QUANT: the output row also quantized into codes/scales/sums at q_ptr/d_ptr/s_ptr
     # (H a multiple of 32, so BLOCK is whole groups); else those are unused.
+    # PDL (kernels.pdl): the projection after the norm may launch, and load its first
+    # weights, once this kernel's inputs are ready.
+    pdl.begin(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
@@ -76,6 +80,7 @@ def _launch(x2, res2, weight, out2, eps, q8: Q8Activations | None) -> None:
         x2.stride(0), res2.stride(0) if res2 is not None else 0, out2.stride(0), *quant_strides,
         H, eps,
         HAS_RESIDUAL=res2 is not None, QUANT=q8 is not None, BLOCK=block, num_warps=warps,
+        **pdl.launch_args(x2.device),
     )
 
 

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
 from kernels.kv_store import FP8_MAX, is_fp8
 from kernels.triton_round import round_to
 
@@ -59,8 +60,10 @@ def _rotary_store_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cache,
     HQ, HK, D, eps,
     HAS_NORM: tl.constexpr, HALF: tl.constexpr, HALF_BLOCK: tl.constexpr,
-    HQ_BLOCK: tl.constexpr, HK_BLOCK: tl.constexpr, FP8_MAX: tl.constexpr,
+    HQ_BLOCK: tl.constexpr, HK_BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, PDL: tl.constexpr = 0,
 ):
+    # PDL (kernels.pdl): launched while the q/k/v projection ends.
+    pdl.begin(PDL)
     t = tl.program_id(0).to(tl.int64)
     dt = q_out_ptr.dtype.element_ty
     cols = tl.arange(0, HALF_BLOCK)
@@ -141,6 +144,6 @@ def rotary_and_store(
         HAS_NORM=has_norm, HALF=half, HALF_BLOCK=triton.next_power_of_2(half),
         HQ_BLOCK=triton.next_power_of_2(HQ), HK_BLOCK=triton.next_power_of_2(HK),
         FP8_MAX=FP8_MAX if is_fp8(k_cache.dtype) else 0.0,
-        num_warps=4 if tile <= 4096 else 8,
+        num_warps=4 if tile <= 4096 else 8, **pdl.launch_args(q.device),
     )
     return q_out

@@ -95,13 +95,14 @@ def default_model_dir(tmp_path_factory) -> str:
 
 
 class PagedRunner:
-    """Drives a ``CausalLM`` over a real ``KVPool`` + torch attention backend, the way
+    """Drives a ``CausalLM`` over a real ``KVPool`` + an attention backend (torch's unless
+    ``attention`` names another), the way
     the scheduler will: each sequence gets pages as it grows (consecutive ids from 1),
     and a step extends any set of sequences by any number of tokens."""
 
     def __init__(self, model, config, *, page_size: int = 4, num_pages: int = 64, device: str = "cpu",
-                 kv_dtype=None):
-        from engine.attention.torch_backend import TorchAttentionBackend
+                 kv_dtype=None, attention: str = "torch"):
+        from engine.attention.base import create_attention_backend
         from engine.kvcache.pool import KVPool
 
         dtype = next(model.parameters()).dtype
@@ -117,7 +118,8 @@ class PagedRunner:
             compute_dtype=dtype,
         )
         self.device = device
-        self.attn = TorchAttentionBackend(
+        self.attn = create_attention_backend(
+            attention,
             self.pool,
             num_heads=config.num_heads,
             head_dim=config.head_dim,

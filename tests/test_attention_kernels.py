@@ -71,6 +71,45 @@ def test_decode_matches_reference(heads, kv_heads, head_dim, lens, splits):
 HALF = torch.bfloat16 if DEVICE == "cuda" else torch.float16
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, HALF])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,splits", [(8, 2, 64, 4), (4, 4, 128, 2), (6, 2, 32, 3)])
+def test_decode_merge_quantizes_its_output_as_the_quantizing_launch(dtype, heads, kv_heads, head_dim, splits):
+    """``quantize=True``: the split merge writes the same output, and its rows quantized
+    for the o projection's int8 GEMV equal ``quantize_activations`` of that output bit
+    for bit (a padded empty row included); one split (no merge) and a head dim that is
+    not a power of two of whole groups hand back None, for the GEMV to quantize."""
+    from kernels.quant.triton_int8 import quantize_activations
+
+    g = torch.Generator().manual_seed(heads * 7 + head_dim)
+    page_size, num_pages, lens = 16, 24, [37, 0, 5]
+    k_buf, v_buf = _pool(kv_heads, head_dim, num_pages, page_size, dtype, g)
+    table = _page_table(lens, page_size, num_pages, g)
+    q = torch.randn(len(lens), heads, head_dim, generator=g).to(dtype).to(DEVICE)
+    seq_lens = torch.tensor(lens, dtype=torch.int64, device=DEVICE)
+    plain = paged_decode(q, k_buf, v_buf, table, seq_lens, page_size, 0.125, num_splits=splits, block_n=16)
+    out, q8 = paged_decode(q, k_buf, v_buf, table, seq_lens, page_size, 0.125, num_splits=splits, block_n=16,
+                           quantize=True)
+    assert torch.equal(out, plain)
+    want = quantize_activations(out.view(len(lens), heads * head_dim))
+    for field in ("codes", "scales", "sums"):
+        assert torch.equal(getattr(q8, field), getattr(want, field)), field
+    assert q8.dtype == dtype
+    one = paged_decode(q, k_buf, v_buf, table, seq_lens, page_size, 0.125, num_splits=1, block_n=16, quantize=True)
+    assert one[1] is None and torch.equal(one[0], paged_decode(q, k_buf, v_buf, table, seq_lens, page_size, 0.125,
+                                                               num_splits=1, block_n=16))
+
+
+def test_decode_merge_leaves_quantizing_to_the_gemv_for_odd_head_dims():
+    g = torch.Generator().manual_seed(3)
+    k_buf, v_buf = _pool(2, 96, 8, 16, torch.float32, g)
+    table = _page_table([20], 16, 8, g)
+    q = torch.randn(1, 4, 96, generator=g).to(DEVICE)
+    out, q8 = paged_decode(q, k_buf, v_buf, table, torch.tensor([20], device=DEVICE), 16, 0.1, num_splits=4,
+                           block_n=16, quantize=True)
+    assert q8 is None
+    torch.testing.assert_close(out, paged_decode_ref(q, k_buf, v_buf, table, torch.tensor([20], device=DEVICE), 16, 0.1))
+
+
 def test_decode_half_precision_and_default_split_count():
     g = torch.Generator().manual_seed(7)
     page_size, num_pages = 4, 40

@@ -58,7 +58,13 @@ for dtype, dt in names.items():
         sig["scale_log2"] = "fp32"
         out[f"decode {dt} D={d}"] = frame(K._decode_kernel, sig, dict(
             NUM_HEADS=8, GROUP=8, BLOCK_G=16, HEAD_DIM=d, BLOCK_D=d, PAGE_SIZE=16, BLOCK_N=bn,
-            NUM_SPLITS=4, PRECISION=prec), w)
+            NUM_SPLITS=4, PRECISION=prec, PDL=1), w)
+        # The split merge writing o's rows quantized for the int8 GEMV too.
+        sig = {"PartO": "*fp32", "PartLse": "*fp32", "Out": f"*{dt}", "Codes": "*i8", "Scales": "*fp32",
+               "Sums": "*i32"}
+        sig.update({n: "i32" for n in ("stride_ob", "stride_oh", "stride_q", "stride_d", "stride_s")})
+        out[f"merge {dt} D={d}"] = frame(K._merge_kernel, sig, dict(
+            NUM_HEADS=32, HEAD_DIM=d, BLOCK_D=d, NUM_SPLITS=16, BLOCK_S=16, QUANT=1, PDL=1), 2)
         bm, bn, w = K.extend_config(dtype, d)
         sig = {"Q": f"*{dt}", "K": f"*{dt}", "V": f"*{dt}", "PageTable": "*i64", "QStarts": "*i64",
                "PrefixLens": "*i64", "ExtendLens": "*i64", "Out": f"*{dt}"}
@@ -83,5 +89,5 @@ def test_kernel_configs_compile_without_register_spills():
     done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     frames = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(frames) == 8
+    assert len(frames) == 12
     assert frames == {name: 0 for name in frames}, frames

@@ -216,13 +216,16 @@ def test_the_quant_benchmark_without_a_gpu_names_what_works_without_one(monkeypa
     assert "finds none here; --write-gguf PATH writes the random GGUF without one" in capsys.readouterr().err
 
 
-def test_norms_quantizing_for_the_int8_gemv_give_the_same_logits(tmp_path, paged_runner, monkeypatch):
-    """The decoder's norms and SiLU-and-mul writing their outputs quantized for the int8
-    GEMV (the default on CUDA) against the projections quantizing them in launches of
-    their own (``HEADROOM_QUANT_INT8_PRODUCER=0``): the same logits at decode rows of 3
-    and 1 tokens, with only the o projection's rows (the attention's output) left to a
-    quantizing launch. Triton's interpreter on the CPU, bfloat16; bit for bit there (on
-    CUDA the small projections split K with atomic adds, so to summation order)."""
+@pytest.mark.parametrize("attention", ["torch", "triton"])
+def test_norms_quantizing_for_the_int8_gemv_give_the_same_logits(tmp_path, paged_runner, monkeypatch, attention):
+    """The decoder's norms and SiLU-and-mul (and, at a decode step on the Triton
+    attention backend, the attention's split merge) writing their outputs quantized for
+    the int8 GEMV (the default on CUDA) against the projections quantizing them in
+    launches of their own (``HEADROOM_QUANT_INT8_PRODUCER=0``): the same logits at rows
+    of 3 and 1 tokens, with only the o projection's rows left to a quantizing launch
+    where the attention cannot write them (torch's backend; the 3-token extend).
+    Triton's interpreter on the CPU, bfloat16; bit for bit there (on CUDA the small
+    projections split K with atomic adds, so to summation order)."""
     import numpy as np
     from triton_interpret import kernel_device
 
@@ -263,10 +266,12 @@ def test_norms_quantizing_for_the_int8_gemv_give_the_same_logits(tmp_path, paged
     for producer in (True, False):
         monkeypatch.setattr(triton_quant, "_INT8_PRODUCER", producer)
         launches.clear()
-        runner = paged_runner(model, config, device=dev)
+        runner = paged_runner(model, config, device=dev, attention=attention)
         logits[producer] = [runner.step({0: [3, 1, 4]}), runner.step({0: [1]})]
-        # Per step: o's rows alone, or q/k/v's, o's, gate/up's, down's and the LM head's.
-        assert len(launches) == (2 if producer else 2 * (4 * config.num_layers + 1)), launches
+        # Per step: o's rows alone (not at Triton's decode step), or q/k/v's, o's,
+        # gate/up's, down's and the LM head's.
+        own = 2 if attention == "torch" else 1
+        assert len(launches) == (own if producer else 2 * (4 * config.num_layers + 1)), launches
     for on, off in zip(logits[True], logits[False], strict=True):
         assert bool(torch.isfinite(on).all())
         if dev == "cpu":

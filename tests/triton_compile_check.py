@@ -48,17 +48,21 @@ def main() -> int:
     # With and without the output quantized for the int8 GEMV (QUANT), at a hidden size
     # of 4096 and an intermediate size's 1024-column programs (an 8B model's).
     for q in (False, True):
-        _compile(triton_norm._rms_norm_kernel,
+        ptx = _compile(triton_norm._rms_norm_kernel,
                  [("x_ptr", _p(bf)), ("res_ptr", _p(bf)), ("w_ptr", _p(bf)), ("out_ptr", _p(bf)), *quant,
                   ("stride_x", "i32"), ("stride_res", "i32"), ("stride_out", "i32"), *quant_strides, ("H", "i32"),
                   ("eps", "fp32")],
-                 {"HAS_RESIDUAL": True, "QUANT": q, "BLOCK": 4096})
+                 {"HAS_RESIDUAL": True, "QUANT": q, "BLOCK": 4096, "PDL": 1})
+        # Programmatic dependent launch (kernels.pdl): the wait, then the early launch.
+        if not ("griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx):
+            print("rms_norm: PDL=1 compiled without griddepcontrol.wait/launch_dependents")
+            return 1
     print("rms_norm ok")
     for q in (False, True):
         _compile(triton_activation._silu_and_mul_kernel,
                  [("x_ptr", _p(bf)), ("out_ptr", _p(bf)), *quant, ("stride_x", "i32"), ("stride_out", "i32"),
                   *quant_strides, ("inter", "i32")],
-                 {"QUANT": q, "BLOCK": 1024})
+                 {"QUANT": q, "BLOCK": 1024, "PDL": 1})
     print("silu_and_mul ok")
     for gated in (False, True):
         ptx = _compile(triton_gemv._gemv_kernel,
@@ -94,7 +98,7 @@ def main() -> int:
     for norm, args, fp8_max in ((False, rotary_args, 0.0), (True, rotary_args, 0.0), (True, fp8_cache, 448.0)):
         ptx = _compile(triton_rotary._rotary_store_kernel, args,
                        {"HAS_NORM": norm, "HALF": 64, "HALF_BLOCK": 64, "HQ_BLOCK": 32, "HK_BLOCK": 8,
-                        "FP8_MAX": fp8_max})
+                        "FP8_MAX": fp8_max, "PDL": 1})
         if "fma.rn.bf16" in ptx:
             print("rotary: the compiler fused bfloat16 products into FMAs (rounds unlike eager torch)")
             return 1

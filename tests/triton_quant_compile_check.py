@@ -89,7 +89,7 @@ def _int8_variants(type_names: list[str]) -> int:
             for quant_x in (0, 1):
                 regs, frame, ptx = _compile(triton_int8._int8_gemv_kernel, args_x if quant_x else args, {
                     "QT": block_format(name).code, "BLOCK_N": block_n, "KB": kb, "ATOMIC": False, "ASM": True,
-                    "ABL": 0, "SPLIT": split, "PREFETCH": prefetch, "QUANT_X": quant_x, "QT1": 0}, warps)
+                    "ABL": 0, "SPLIT": split, "PREFETCH": prefetch, "QUANT_X": quant_x, "QT1": 0, "PDL": 1}, warps)
                 # A line per dp4a on codes; with QUANT_X each line also counts the codes' sum.
                 lines = len(re.findall(r"^\s*dp4a.*$", ptx, re.M))
                 floors = ptx.count("cvt.rmi")  # two per activation rounded (_q8_round)
@@ -111,14 +111,14 @@ def _int8_variants(type_names: list[str]) -> int:
             for quant_x in (0, 1):
                 regs, frame, _ = _compile(triton_int8._int8_gemv_kernel, args_x if quant_x else args, {
                     "QT": 5, "BLOCK_N": block_n, "KB": kb, "ATOMIC": False, "ASM": True, "ABL": 0, "SPLIT": 0,
-                    "PREFETCH": prefetch, "QUANT_X": quant_x, "QT1": 8}, warps)
+                    "PREFETCH": prefetch, "QUANT_X": quant_x, "QT1": 8, "PDL": 1}, warps)
                 print(f"gemv int8 Q4_K over Q6_K_P {block_n}x{kb}{' prefetch' if prefetch else ''}"
                       f"{' x-quant' if quant_x else ''}: {regs} registers, {frame} B stack")
                 failures += frame > 0 and not quant_x
     if type_names:
         regs, frame, _ = _compile(triton_int8._quantize_kernel, {
             "x_ptr": "*bf16", "q_ptr": "*i8", "d_ptr": "*fp32", "s_ptr": "*i32", "groups": "i32",
-            "stride_xm": "i32", "stride_qm": "i32", "stride_dm": "i32", "stride_sm": "i32"}, {"G": 32}, 4)
+            "stride_xm": "i32", "stride_qm": "i32", "stride_dm": "i32", "stride_sm": "i32"}, {"G": 32, "PDL": 1}, 4)
         print(f"quantize int8: {regs} registers, {frame} B stack")
         failures += frame > 0
     return failures

@@ -80,7 +80,8 @@ class AttentionBackend(ABC):
         layer: int,
         batch: ForwardBatch,
         kv_stored: bool = False,
-    ) -> torch.Tensor:
+        quantize: bool = False,
+    ):
         """Store the new keys/values and attend.
 
         Args:
@@ -90,6 +91,9 @@ class AttentionBackend(ABC):
             kv_stored: the caller already wrote ``k``/``v`` (rotated) into the pool at
                 ``batch.out_slots`` (the model's fused rotary + store kernel); the
                 backend then skips its store and reads them from the pool.
+            quantize: the output feeds an int8 GEMV (the o projection in GGUF blocks,
+                :meth:`~engine.models.quant_linear.QuantLinear.wants_int8`): return
+                ``(out, q8)`` (:meth:`attend_quantized`).
 
         Returns:
             ``[T, num_heads * head_dim]`` in ``q``'s dtype: causal attention of each new
@@ -97,7 +101,13 @@ class AttentionBackend(ABC):
         """
         if not kv_stored:
             self.pool.store(layer, batch.out_slots, k, v)
-        return self.attend(q, layer, batch)
+        return self.attend_quantized(q, layer, batch) if quantize else self.attend(q, layer, batch)
+
+    def attend_quantized(self, q: torch.Tensor, layer: int, batch: ForwardBatch) -> tuple[torch.Tensor, object]:
+        """:meth:`attend`, and its output's rows quantized for the int8 GEMV by the
+        launch that writes them (:class:`kernels.quant.triton_int8.Q8Activations`) where
+        the backend can, else None (the default: the GEMV then quantizes them itself)."""
+        return self.attend(q, layer, batch), None
 
     @abstractmethod
     def attend(self, q: torch.Tensor, layer: int, batch: ForwardBatch) -> torch.Tensor:

@@ -48,15 +48,26 @@ class TritonAttentionBackend(AttentionBackend):
         batch.device_meta()
 
     def attend(self, q: torch.Tensor, layer: int, batch: ForwardBatch) -> torch.Tensor:
+        return self._attend(q, layer, batch, False)[0]
+
+    def attend_quantized(self, q: torch.Tensor, layer: int, batch: ForwardBatch) -> tuple[torch.Tensor, object]:
+        """Decode: the split merge quantizes the rows it writes (:func:`kernels.
+        attention_triton.paged_decode`'s ``quantize``) where the launch has one."""
+        return self._attend(q, layer, batch, True)
+
+    def _attend(self, q: torch.Tensor, layer: int, batch: ForwardBatch, quantize: bool) -> tuple[torch.Tensor, object]:
         if q.stride(-1) != 1:
             q = q.contiguous()
         k_buf, v_buf = self.pool.k_buffers[layer], self.pool.v_buffers[layer]
         seq_lens, prefix_lens, extend_lens, starts = batch.device_meta()
         ps = self.pool.page_size
+        q8 = None
         if self._decode:
             out = self._kernels.paged_decode(q, k_buf, v_buf, batch.page_table, seq_lens, ps, self.scale,
-                                             workspace=self._workspace)
+                                             workspace=self._workspace, quantize=quantize)
+            if quantize:
+                out, q8 = out
         else:
             out = self._kernels.paged_extend(q, k_buf, v_buf, batch.page_table, starts, prefix_lens, extend_lens,
                                              ps, self.scale, max_extend=self._max_extend)
-        return out.view(q.shape[0], self.num_heads * self.head_dim)
+        return out.view(q.shape[0], self.num_heads * self.head_dim), q8

@@ -192,6 +192,9 @@ class Attention(nn.Module):
             self.k_norm.weight if head_norm else None,
             self.q_norm.eps if head_norm else 0.0,
         )
+        if wants_int8(self.o_proj, x):  # the attention kernel may write o's int8 rows too
+            out, o_q8 = attn.forward(q, k, v, self.layer, batch, kv_stored=True, quantize=True)
+            return project(self.o_proj, out, o_q8)
         out = attn.forward(q, k, v, self.layer, batch, kv_stored=True)  # [T, Hq * D]
         return project(self.o_proj, out)
 

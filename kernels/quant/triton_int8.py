@@ -75,6 +75,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
 from kernels.quant.formats import block_format
 from kernels.quant.triton_quant import _ASM, _INTERPRETING, _f16, _output, _sm_count
 
@@ -145,7 +146,9 @@ def _q8_groups(x, q_row, d_row, s_row, g1, groups):
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, q_ptr, d_ptr, s_ptr, groups, stride_xm, stride_qm, stride_dm, stride_sm, G: tl.constexpr):
+def _quantize_kernel(x_ptr, q_ptr, d_ptr, s_ptr, groups, stride_xm, stride_qm, stride_dm, stride_sm, G: tl.constexpr,
+                     PDL: tl.constexpr = 0):
+    pdl.begin(PDL)  # the GEMV after it may load its first weights meanwhile
     m = tl.program_id(0).to(tl.int64)
     g1 = tl.program_id(1) * G + tl.arange(0, G)
     t = tl.arange(0, 32)[None, :]
@@ -209,7 +212,7 @@ def quantize_activations(x: torch.Tensor) -> Q8Activations:
     g = 32
     _quantize_kernel[(m, triton.cdiv(groups, g))](x, q8.codes, q8.scales, q8.sums, groups, x.stride(0),
                                                   q8.codes.stride(0), q8.scales.stride(0), q8.sums.stride(0), G=g,
-                                                  num_warps=4)
+                                                  num_warps=4, **pdl.launch_args(x.device))
     return q8
 
 
@@ -500,10 +503,13 @@ def _step_blocks(kb0, step, step3, kb_end):
 @triton.jit
 def _rows_dot(QT: tl.constexpr, w32_ptr, w16_ptr, w8_ptr, row0, N, K, row_bytes, row_words, row_halves, x32, xd, xs,
               kb_begin, kb_end, BLOCK_N: tl.constexpr, KB: tl.constexpr, ASM: tl.constexpr, ABL: tl.constexpr,
-              SPLIT: tl.constexpr, PREFETCH: tl.constexpr, QUANT_X: tl.constexpr):
+              SPLIT: tl.constexpr, PREFETCH: tl.constexpr, QUANT_X: tl.constexpr, PDL: tl.constexpr):
     """``[BLOCK_N]`` float32: weight rows ``row0 ...`` (of ``N``, type ``QT``) times the
     activation row at ``x32`` (with ``xd``, ``xs``) over blocks ``kb_begin`` to
-    ``kb_end``; rows past ``N`` are read as row ``N - 1``."""
+    ``kb_end``; rows past ``N`` are read as row ``N - 1``. ``PDL``: the first step's
+    weight words are loaded (with ``PREFETCH``) before the wait for the kernel that
+    wrote the activations (:mod:`kernels.pdl`), and the next kernel may launch once
+    the loop is done."""
     rows = tl.minimum(row0 + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
     w8 = w8_ptr + (rows * row_bytes)[:, None, None]  # [BLOCK_N, 1, 1]
     w32_3 = w32_ptr + (rows * row_words)[:, None, None]
@@ -522,6 +528,7 @@ def _rows_dot(QT: tl.constexpr, w32_ptr, w16_ptr, w8_ptr, row0, N, K, row_bytes,
     if QT == 5:
         na, nb, n0, n1, n2, n3 = _q4k_words(w32, w32_3, tl.minimum(kb_begin + step, kb_end - 1),
                                             tl.minimum(kb_begin + step3, kb_end - 1), SPLIT)
+        pdl.wait(PDL)
         for kb0 in range(kb_begin, kb_end, KB):
             live, kb, live3, kb3 = _step_blocks(kb0, step, step3, kb_end)
             xa_lo, xb_lo, dx_lo, s_lo = _q4k_act(x32, xd, xs, kb, kb3, live, live3, 0, SPLIT, QUANT_X)
@@ -537,6 +544,7 @@ def _rows_dot(QT: tl.constexpr, w32_ptr, w16_ptr, w8_ptr, row0, N, K, row_bytes,
     else:
         na, nb, nh, nd = _q6k_words(w16, w32, w8, tl.minimum(kb_begin + step, kb_end - 1),
                                     tl.minimum(kb_begin + step3, kb_end - 1), NB, QT == 8)
+        pdl.wait(PDL)
         for kb0 in range(kb_begin, kb_end, KB):
             live, kb, live3, kb3 = _step_blocks(kb0, step, step3, kb_end)
             x0, dx0, s0 = _q6k_act(x32, xd, xs, kb, kb3, live, live3, 0, QUANT_X)
@@ -551,6 +559,7 @@ def _rows_dot(QT: tl.constexpr, w32_ptr, w16_ptr, w8_ptr, row0, N, K, row_bytes,
                 lo_a, lo_b, qh, d = _q6k_words(w16, w32, w8, kb, kb3, NB, QT == 8)
             acc += _q6k_dot(lo_a, lo_b, qh, d, w8, kb3, NB, x0, dx0, s0, x1, dx1, s1, x2, dx2, s2, x3, dx3, s3, ASM,
                             ABL, QT == 8, QUANT_X)
+    pdl.launch_dependents(PDL)
     return tl.sum(tl.sum(acc, axis=2), axis=1)
 
 
@@ -561,7 +570,7 @@ def _int8_gemv_kernel(
     w32b_ptr, w16b_ptr, w8b_ptr, N1, row_bytes1, row_words1, row_halves1,
     QT: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr, ATOMIC: tl.constexpr, ASM: tl.constexpr,
     ABL: tl.constexpr = 0, SPLIT: tl.constexpr = 0, PREFETCH: tl.constexpr = 0, QUANT_X: tl.constexpr = 0,
-    QT1: tl.constexpr = 0,
+    QT1: tl.constexpr = 0, PDL: tl.constexpr = 0,
 ):
     # ABL (timing only; wrong results): 1 leaves out the scales (the dot products times
     # the activation scales), 2 also the dot products (the weight words summed), so
@@ -572,6 +581,8 @@ def _int8_gemv_kernel(
     # QT1: a second part (type QT1, N1 rows at w32b_ptr/w16b_ptr/w8b_ptr) under the
     # first, written to output columns N ... N + N1 - 1 by the programs after the first
     # part's tiles; 0: one part (the second's arguments unused).
+    # PDL: launched before the kernel that wrote the activations ends (kernels.pdl);
+    # _rows_dot waits for it after loading its first weight words.
     # Grid as the float GEMV's: axis 0 = activation rows x weight tiles (the rows of
     # one tile launched together, so all but the first read it from L2), axis 1 = K ranges.
     pid_m = tl.program_id(0) % M
@@ -584,7 +595,7 @@ def _int8_gemv_kernel(
     kb_end = tl.minimum(kb_begin + blocks_per_split, K // 256)
     if QT1 == 0:
         total = _rows_dot(QT, w32_ptr, w16_ptr, w8_ptr, pid_n * BLOCK_N, N, K, row_bytes, row_words, row_halves, x32,
-                          xd, xs, kb_begin, kb_end, BLOCK_N, KB, ASM, ABL, SPLIT, PREFETCH, QUANT_X)
+                          xd, xs, kb_begin, kb_end, BLOCK_N, KB, ASM, ABL, SPLIT, PREFETCH, QUANT_X, PDL)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         end = N
     else:
@@ -592,11 +603,11 @@ def _int8_gemv_kernel(
         tiles0 = tl.cdiv(N, BLOCK_N)
         if pid_n < tiles0:
             total = _rows_dot(QT, w32_ptr, w16_ptr, w8_ptr, pid_n * BLOCK_N, N, K, row_bytes, row_words, row_halves,
-                              x32, xd, xs, kb_begin, kb_end, BLOCK_N, KB, ASM, ABL, SPLIT, PREFETCH, QUANT_X)
+                              x32, xd, xs, kb_begin, kb_end, BLOCK_N, KB, ASM, ABL, SPLIT, PREFETCH, QUANT_X, PDL)
         else:
             total = _rows_dot(QT1, w32b_ptr, w16b_ptr, w8b_ptr, (pid_n - tiles0) * BLOCK_N, N1, K, row_bytes1,
                               row_words1, row_halves1, x32, xd, xs, kb_begin, kb_end, BLOCK_N, KB, ASM, ABL, SPLIT,
-                              PREFETCH, QUANT_X)
+                              PREFETCH, QUANT_X, PDL)
         second = pid_n >= tiles0
         cols = tl.where(second, N + (pid_n - tiles0) * BLOCK_N, pid_n * BLOCK_N) + tl.arange(0, BLOCK_N)
         end = tl.where(second, N + N1, N)
@@ -619,12 +630,13 @@ def _configs() -> list[triton.Config]:
              for block_n, kb, warps in ((16, 4, 4), (32, 4, 8), (8, 2, 2))]
     # Few rows, many blocks a step: a small projection (q/k/v, o: one wave of programs,
     # latency-bound) issues all of a row's loads at once, as a 4096-wide row is 16 blocks.
-    wide = [{"BLOCK_N": block_n, "KB": kb, "num_warps": warps, "PREFETCH": 0}
+    # With PREFETCH its one step's words are loaded before the loop, so under PDL
+    # (kernels.pdl) before the wait for the kernel before it.
+    wide = [{"BLOCK_N": block_n, "KB": kb, "num_warps": warps}
             for block_n, kb, warps in ((2, 16, 2), (4, 16, 4), (4, 8, 2), (1, 16, 2)) + _QUANT_X_TILINGS]
     return [triton.Config({k: v for k, v in c.items() if k != "num_warps"} | {"PREFETCH": prefetch},
                           num_warps=c["num_warps"])
-            for c in plain + split for prefetch in (0, 1)] + [
-        triton.Config({k: v for k, v in c.items() if k != "num_warps"}, num_warps=c["num_warps"]) for c in wide]
+            for c in plain + split + wide for prefetch in (0, 1)]
 
 
 # (BLOCK_N, KB, warps) tried only when the kernel quantizes its rows (QUANT_X): every
@@ -774,7 +786,7 @@ def int8_gemv_parts(
     def launch(kernel, grid, dest, per_split, **constexprs):
         kernel[grid](*acts, *first.words, dest, m, first.rows, k, *first.strides, per_split, *strides, dest.stride(0),
                      *second.words, second.rows, *second.strides, QT=first.code, QT1=second.code, QUANT_X=quant_x,
-                     ASM=_ASM and device.type == "cuda", **constexprs)
+                     ASM=_ASM and device.type == "cuda", **pdl.launch_args(device), **constexprs)
 
     if (device.type == "cuda" and not _INTERPRETING and split_k is None and block_n is None
             and blocks_per_step is None and n >= 2 * _sm_count(device.index or 0)):

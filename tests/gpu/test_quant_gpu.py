@@ -212,12 +212,14 @@ def test_producers_quantize_as_the_quantizing_launch_at_real_shapes(dtype, m):
     assert torch.equal(out, triton_activation.silu_and_mul(gate_up)) and same_codes(q8, out)
 
 
-def test_decode_hands_the_norms_codes_to_the_int8_gemv(tmp_path, paged_runner, monkeypatch):
-    """Two layers of the benchmark's 8B Q4_K_M-like file, bfloat16, decode rows of 1 and
-    16 tokens: every int8 row a producer hands a projection (q/k/v, gate/up and down a
-    layer, the LM head) equals ``quantize_activations`` of the rows it wrote, bit for
-    bit, and the logits equal those with ``HEADROOM_QUANT_INT8_PRODUCER=0`` to the
-    GEMVs' summation order."""
+@pytest.mark.parametrize("attention", ["torch", "triton"])
+def test_decode_hands_the_norms_codes_to_the_int8_gemv(tmp_path, paged_runner, monkeypatch, attention):
+    """Two layers of the benchmark's 8B Q4_K_M-like file, bfloat16, decode rows of 16
+    and 1 tokens: every int8 row a producer hands a projection (q/k/v, gate/up and down a
+    layer, the LM head; o's too from the Triton attention's split merge at the 1-token
+    step) equals ``quantize_activations`` of the rows it wrote, bit for bit, and the
+    logits equal those with ``HEADROOM_QUANT_INT8_PRODUCER=0`` to the GEMVs' summation
+    order."""
     from engine.commands.model_shapes import write_shape
     from engine.loader.gguf_quant import load_gguf_quantized
     from engine.loader.hf_config import load_model_config
@@ -243,9 +245,10 @@ def test_decode_hands_the_norms_codes_to_the_int8_gemv(tmp_path, paged_runner, m
     for producer in (True, False):
         monkeypatch.setattr(triton_quant, "_INT8_PRODUCER", producer)
         handed.clear()
-        runner = paged_runner(model, config, device="cuda", num_pages=32, page_size=16)
+        runner = paged_runner(model, config, device="cuda", num_pages=32, page_size=16, attention=attention)
         logits[producer] = [runner.step({0: list(range(1, 17))}), runner.step({0: [5]})]
-        assert handed == ([True] * 2 * (3 * config.num_layers + 1) if producer else []), handed
+        handed_o = config.num_layers if attention == "triton" else 0
+        assert handed == ([True] * (2 * (3 * config.num_layers + 1) + handed_o) if producer else []), handed
     for on, off in zip(logits[True], logits[False], strict=True):
         assert bool(torch.isfinite(on).all())
         diff = float((on - off).abs().max())

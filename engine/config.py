@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from engine.options import at_least, nonzero_size, option
+from engine.options import at_least, device_spec, nonzero_size, option
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "LlamaForCausalLM",
@@ -201,7 +201,7 @@ class EngineConfig:
         "Hugging Face model folder or .gguf file; unset serves the "
         "embedded default model (SmolLM2-135M-Instruct).",
     )
-    device: str = option("auto", "auto (CUDA when present), cpu, or cuda[:N].")
+    device: str = option("auto", "auto (CUDA when present), cpu, or cuda[:N].", checks=(device_spec,))
     dtype: str = option("auto", "auto, float32, bfloat16 or float16.")
     max_model_len: int | None = option(
         None,

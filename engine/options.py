@@ -217,6 +217,14 @@ def in_range(low: int, high: int, what: str) -> Check:
     return lambda value: None if low <= value <= high else f"{value} is not {what} ({low}-{high})"
 
 
+def device_spec(value: Any) -> str | None:
+    """``auto``, ``cpu``, ``cuda`` or ``cuda:N`` (torch's own spelling of a CUDA device)."""
+    text = str(value)
+    if text in ("auto", "cpu", "cuda") or (text.startswith("cuda:") and text[5:].isdecimal()):
+        return None
+    return f"{value!r} is not a device: use auto, cpu, cuda or cuda:N (N a GPU's index)"
+
+
 def one_of(*choices: str, ignore_case: bool = False) -> Check:
     """``value`` is one of ``choices`` (optionally in any case)."""
 

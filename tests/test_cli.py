@@ -223,6 +223,46 @@ def test_bench_memory_needs_cuda():
 # -- serve ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("device", ["tpu", "", "cuda:abc", "cuda:", "CPU"])
+@pytest.mark.parametrize("command", [["serve", "--port", "0"], ["plan", "--device-total", "4GiB"],
+                                     ["bench", "engine"], ["generate", "hi"]])
+def test_a_device_that_is_not_one_is_refused_at_once(command, device):
+    """Not a worker that waits for a GPU forever: exit 2 naming the accepted values."""
+    result = invoke([*command, "--device", device])
+    assert result.exit_code == 2, result.output
+    assert "use auto, cpu, cuda or cuda:N" in result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_serve_on_cuda_with_a_cpu_build_of_torch_names_the_fix():
+    """Waiting for the GPU cannot help a torch built without CUDA: exit 2 at once."""
+    from service.cli.precheck import torch_without_gpu_support
+
+    if torch_without_gpu_support() is None:
+        pytest.skip("this torch is a GPU build")
+    result = invoke(["serve", "--port", "0", "--device", "cuda:0"])
+    assert result.exit_code == 2, result.output
+    assert "is built without CUDA" in result.stderr and "--device cpu" in result.stderr
+
+
+def test_the_torch_build_is_read_without_importing_torch(tmp_path, monkeypatch):
+    import importlib.util
+
+    from service.cli import precheck
+
+    pkg = tmp_path / "torch"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    spec = importlib.util.spec_from_file_location("torch", pkg / "__init__.py")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: spec)
+    (pkg / "version.py").write_text("__version__ = '2.13.0+cpu'\ncuda: Optional[str] = None\nhip: Optional[str] = None\n")
+    assert precheck.torch_without_gpu_support() == "2.13.0+cpu"
+    (pkg / "version.py").write_text("__version__ = '2.11.0+cu130'\ncuda: Optional[str] = '13.0'\nhip: Optional[str] = None\n")
+    assert precheck.torch_without_gpu_support() is None
+    (pkg / "version.py").write_text("__version__ = '2.9.0+rocm6.4'\ncuda: Optional[str] = None\nhip: Optional[str] = '6.4'\n")
+    assert precheck.torch_without_gpu_support() is None
+
+
 def test_serve_plan_that_does_not_fit_exits_at_once_with_the_plan_message(default_model_dir):
     started = time.monotonic()
     result = run_headroom(["serve", "--port", "0", "--device-total", "1GiB"], timeout_s=90)

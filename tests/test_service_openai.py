@@ -47,6 +47,19 @@ def test_openai_client_chat(real_server):
     assert text == reply.choices[0].message.content
 
 
+def test_openai_client_retrieves_a_model_by_any_name_it_lists(real_server):
+    client = openai.OpenAI(base_url=real_server.base_url + "/v1", api_key="unused")
+    listed = client.models.list().data
+    for card in listed:
+        got = client.models.retrieve(card.id)
+        assert (got.id, got.object) == (card.id, "model")
+        assert got.context_length == card.context_length
+    with pytest.raises(openai.NotFoundError) as raised:
+        client.models.retrieve("no-such-model")
+    assert raised.value.body["code"] == "model_not_found"
+    assert listed[0].id in raised.value.body["message"]
+
+
 def test_openai_client_completions(real_server):
     client = openai.OpenAI(base_url=real_server.base_url + "/v1", api_key="unused")
     reply = client.completions.create(

@@ -47,6 +47,26 @@ def test_openai_response_format(real_server):
     assert exc.value.body["param"] == "response_format"
 
 
+def test_a_schema_the_engine_refuses_is_a_400_streamed_or_not(real_server):
+    """The grammar compiles in the engine; a streamed call still gets the 400 JSON
+    naming ``response_format`` before any event, not a 200 stream carrying an error, and
+    a good schema still streams."""
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "(["}}}
+    for stream in (False, True):
+        with real_server.client() as http:
+            r = http.post("/v1/chat/completions", json={
+                "messages": ASK, "response_format": bad, "stream": stream, "max_tokens": 8})
+        assert r.status_code == 400, (stream, r.status_code, r.text[:300])
+        assert r.headers["content-type"].startswith("application/json")
+        assert r.json()["error"]["param"] == "response_format"
+        assert "Unclosed" in r.json()["error"]["message"]
+    client = openai.OpenAI(base_url=real_server.base_url + "/v1", api_key="unused", timeout=600)
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY, "strict": True}}
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(
+        model="default", messages=ASK, response_format=fmt, seed=0, max_tokens=160, stream=True) if chunk.choices)
+    jsonschema_rs.validate(CITY, json.loads(text))
+
+
 def test_ollama_format(real_server):
     client = ollama.Client(host=real_server.base_url, timeout=600)
     reply = client.chat(

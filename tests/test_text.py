@@ -128,7 +128,20 @@ def test_multi_turn_keeps_every_message(smollm_tokenizer):
     )
 
 
-@pytest.mark.parametrize("role", ["tool", "function", "narrator", None])
+def test_a_missing_role_is_said_to_be_missing(smollm_tokenizer):
+    with pytest.raises(ChatTemplateError) as info:
+        render_chat(smollm_tokenizer, [{"content": "hi"}])
+    assert str(info.value).startswith("messages[0].role is missing; use one of system, developer, user")
+    assert info.value.param == "messages[0].role"
+
+
+def test_a_content_part_that_is_not_an_object_is_named(smollm_tokenizer):
+    with pytest.raises(ChatTemplateError) as info:
+        render_chat(smollm_tokenizer, [{"role": "user", "content": [5]}])
+    assert "messages[0].content[0] without a type (a part is an object) is not supported" in str(info.value)
+
+
+@pytest.mark.parametrize("role", ["tool", "function", "narrator"])
 def test_unsupported_role_is_named(smollm_tokenizer, role):
     messages = [
         {"role": "user", "content": "hi"},

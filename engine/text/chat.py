@@ -180,6 +180,9 @@ def _normalize(
         if not isinstance(message, Mapping):
             raise ChatTemplateError(f"messages[{i}] is not an object", f"messages[{i}]")
         role = message.get("role")
+        if role is None:
+            raise ChatTemplateError(f"messages[{i}].role is missing; use one of {', '.join(roles)}",
+                                    f"messages[{i}].role")
         if role not in roles:
             hint = (
                 " (this model's chat template has no tool support)"
@@ -258,9 +261,7 @@ def _content_text(content: Any, i: int, role: str) -> str:
         kind = part.get("type") if isinstance(part, Mapping) else None
         text = part.get("text") if isinstance(part, Mapping) else None
         if kind != "text" or not isinstance(text, str):
-            raise ChatTemplateError(
-                f"{param}[{j}] of type {kind!r} is not supported; only text parts are",
-                f"{param}[{j}]",
-            )
+            what = f"of type {kind!r}" if kind is not None else "without a type (a part is an object)"
+            raise ChatTemplateError(f"{param}[{j}] {what} is not supported; only text parts are", f"{param}[{j}]")
         texts.append(text)
     return _PART_SEPARATOR.join(texts)

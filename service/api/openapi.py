@@ -39,6 +39,7 @@ from service.api.schemas import (
     Completion,
     CompletionRequest,
     ErrorResponse,
+    ModelCard,
     ModelList,
 )
 from service.events.routes import CacheRequest, ControlResponse, ReserveRequest
@@ -181,6 +182,7 @@ def openapi_document() -> dict[str, Any]:
             ChatCompletion,
             Completion,
             ModelList,
+            ModelCard,
             ErrorResponse,
             Snapshot,
             ControlResponse,
@@ -211,6 +213,17 @@ def openapi_document() -> dict[str, Any]:
                 "responses": {
                     "200": {"description": "The model list.", "content": _json("ModelList")},
                     **_errors(401, 403, 503),
+                },
+            }
+        },
+        "/v1/models/{model}": {
+            "get": {
+                "summary": "One served model by a name `/v1/models` lists (OpenAI's retrieve).",
+                "security": _BEARER,
+                "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
+                "responses": {
+                    "200": {"description": "The model.", "content": _json("ModelCard")},
+                    **_errors(401, 403, 404, 503),
                 },
             }
         },

@@ -144,15 +144,17 @@ async def _stream(
     first: list[bytes],
     chunks: Callable[[int, str, str | None], bytes],
     usage_chunk: Callable[[], bytes] | None,
+    pieces: AsyncIterator[Any] | None = None,
 ) -> AsyncIterator[bytes]:
-    """Streaming: ``first`` events, one event per piece of text, the usage event if
-    asked, ``[DONE]``; an error becomes an error event before ``[DONE]``."""
+    """Streaming: ``first`` events, one event per piece of text (of ``pieces``, default
+    ``gen.pieces()``), the usage event if asked, ``[DONE]``; an error becomes an error
+    event before ``[DONE]``."""
     status = 200
     try:
         try:
             for event in first:
                 yield event
-            async for piece in gen.pieces():
+            async for piece in pieces if pieces is not None else gen.pieces():
                 if piece.text:
                     yield chunks(piece.index, piece.text, None)
                 if piece.finish_reason:
@@ -184,11 +186,13 @@ def event_stream(
     model: str,
     *,
     roles: int = 0,
+    pieces: AsyncIterator[Any] | None = None,
 ) -> Stream:
     """The SSE answer of a streaming call: ``chunk_type`` events (``ChatCompletionChunk``
     or ``CompletionChunk``) whose one choice ``choice(index, text, finish_reason, role)``
     builds (or a list of choices, one event each); first one ``assistant`` role event per sequence when ``roles`` > 0; the
-    usage event when ``stream_options.include_usage``."""
+    usage event when ``stream_options.include_usage``. ``pieces``: the generation's
+    pieces, when the caller already took the first (:func:`first_piece_held`)."""
     include_usage = bool(stream_options and stream_options.include_usage)
     usage_field: Any = None if include_usage else msgspec.UNSET
     request_id = gen.request_id
@@ -212,10 +216,39 @@ def event_stream(
 
     first = [chunk(i, "", None, role="assistant") for i in range(roles)]
     return Stream(
-        _stream(gen, request_id, gen.started, first, chunk, usage_chunk if include_usage else None),
+        _stream(gen, request_id, gen.started, first, chunk, usage_chunk if include_usage else None, pieces),
         media_type="text/event-stream",
         headers=_SSE_HEADERS,
     )
+
+
+async def first_piece_held(gen: Generation) -> AsyncIterator[Any]:
+    """``gen.pieces()`` with its first piece already awaited, for a stream whose first
+    bytes should wait for the engine: an error the engine finds before any token (a
+    JSON schema its grammar compiler refuses) is then raised here, so the call answers
+    with its status and JSON error body instead of a 200 stream carrying an error
+    event. The generation is closed and the request logged when that happens.
+
+    Raises:
+        APIError: what :meth:`Generation.pieces` raises before its first piece.
+    """
+    pieces = gen.pieces()
+    try:
+        head = await anext(pieces)
+    except StopAsyncIteration:
+        head = None
+    except APIError as exc:
+        gen.close()
+        log_request(gen, gen.request_id, exc.status, gen.started)
+        raise
+
+    async def chained() -> AsyncIterator[Any]:
+        if head is not None:
+            yield head
+        async for piece in pieces:
+            yield piece
+
+    return chained()
 
 
 def usage_of(gen: Generation) -> Usage:

@@ -38,7 +38,7 @@ from service.api.errors import decode_body
 from service.api.generation import Generation, MaxTokens, check_common
 from service.api.logprobs import TokenTexts
 from service.api.prompts import completion_prompts_of
-from service.api.responses import event_stream, json_response, respond
+from service.api.responses import event_stream, first_piece_held, json_response, respond
 from service.api.schemas import (
     ChatChoice,
     ChatChunkChoice,
@@ -53,6 +53,7 @@ from service.api.schemas import (
     ModelList,
     TextChoice,
 )
+from service.api.structured import response_schema
 from service.http.state import Services
 
 T = TypeVar("T")
@@ -125,6 +126,17 @@ class _TextShaper:
         )
 
 
+def _card(svc: Services, info, name: str) -> ModelCard:
+    """The model card of ``name`` (one of ``svc.model_names(info)``)."""
+    return ModelCard(
+        id=name,
+        created=svc.started_at,
+        context_length=info.max_context_tokens,
+        max_model_len=info.max_context_tokens,
+        model_context_length=info.model_context_tokens,
+    )
+
+
 class OpenAIController(Controller):
     """OpenAI's API under ``/v1``."""
 
@@ -140,17 +152,19 @@ class OpenAIController(Controller):
         # The last worker's facts stay valid while it restarts; before the first one
         # is ready, check_ready raises NotReady (503).
         info = svc.supervisor.info or svc.supervisor.check_ready()
-        cards = [
-            ModelCard(
-                id=name,
-                created=svc.started_at,
-                context_length=info.max_context_tokens,
-                max_model_len=info.max_context_tokens,
-                model_context_length=info.model_context_tokens,
-            )
-            for name in svc.model_names(info)
-        ]
-        return json_response(ModelList(data=cards))
+        return json_response(ModelList(data=[_card(svc, info, name) for name in svc.model_names(info)]))
+
+    @get("/models/{model_id:path}")
+    async def model(self, model_id: str, svc: Services) -> Response[bytes]:
+        """One served model by a name :meth:`models` lists (OpenAI's retrieve; a name
+        with slashes, as a Hugging Face id, included); 404 ``model_not_found`` for any
+        other name, 503 before the first worker is ready."""
+        info = svc.supervisor.info or svc.supervisor.check_ready()
+        name = model_id.lstrip("/")
+        # check_model takes an empty name for the served model, a retrieve does not.
+        if name not in svc.model_names(info):
+            svc.check_model(name or " ", info)  # raises the 404 naming the served models
+        return json_response(_card(svc, info, name))
 
     @post("/chat/completions", status_code=200)
     async def chat_completions(self, request: Request, svc: Services) -> Response[Any]:
@@ -187,8 +201,11 @@ class OpenAIController(Controller):
                     made[0].logprobs = tokens.chat(records)
             return made
 
+        # A constrained answer's schema compiles in the engine: its first bytes wait for
+        # the engine, so a schema it refuses is a 400, as without stream.
+        held = await first_piece_held(gen) if response_schema(req.response_format) is not None else None
         return event_stream(
-            gen, req.stream_options, ChatCompletionChunk, deltas, created, model, roles=req.n
+            gen, req.stream_options, ChatCompletionChunk, deltas, created, model, roles=req.n, pieces=held
         )
 
     @post("/completions", status_code=200)

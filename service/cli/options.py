@@ -97,8 +97,16 @@ def model_option(help_text: str) -> Decorator:
 
 
 def device_option(help_text: str) -> Decorator:
-    """``--device``: auto, cpu or cuda[:N]."""
-    return click.option("--device", default="auto", show_default=True, help=help_text)
+    """``--device``: auto, cpu or cuda[:N] (anything else is click's usage error)."""
+    from engine.options import device_spec
+
+    def checked(ctx: click.Context, param: click.Parameter, value: str) -> str:
+        why = device_spec(value)
+        if why is not None:
+            raise click.BadParameter(why)
+        return value
+
+    return click.option("--device", default="auto", show_default=True, help=help_text, callback=checked)
 
 
 def count_option(*decls: str, least: int, default: int, help_text: str | None = None) -> Decorator:

@@ -61,10 +61,38 @@ def visible_gpus() -> int | None:
     return count
 
 
+def torch_without_gpu_support() -> str | None:
+    """The installed torch's version when it is a build without CUDA or ROCm (read from
+    its ``version.py``, without importing torch), else None (a GPU build, or unknown)."""
+    import importlib.util
+    import re
+
+    spec = importlib.util.find_spec("torch")
+    if spec is None or spec.origin is None:
+        return None
+    try:
+        text = (Path(spec.origin).parent / "version.py").read_text()
+    except OSError:
+        return None
+    fields = dict(re.findall(r"^(\w+)\s*(?::[^=]*)?=\s*(.+?)\s*$", text, re.M))
+    if fields.get("cuda") == "None" and fields.get("hip") == "None":
+        return fields.get("__version__", "?").strip("'\"")
+    return None
+
+
 def check_before_serving(settings: Any) -> None:
     """Refuse (exit 2, one line naming the fix) settings the model or the machine cannot
     honour; settings that need no model facts cost nothing here."""
     from engine.errors import SettingRefused
+
+    if settings.device.startswith("cuda"):
+        # Waiting for a GPU (the worker's answer to a CUDA that fails to start) cannot
+        # help a torch built without one.
+        cpu_build = torch_without_gpu_support()
+        if cpu_build is not None:
+            fail(f"--device {settings.device}: the installed torch {cpu_build} is built without CUDA; install "
+                 "a CUDA build into this Python (e.g. `pip install --force-reinstall torch --index-url "
+                 "https://download.pytorch.org/whl/cu128`) or use --device cpu", EXIT_USAGE)
 
     world = settings.tensor_parallel_size
     wants_layers = settings.cpu_experts.isdecimal() and int(settings.cpu_experts) > 0

@@ -45,6 +45,7 @@ from engine.messages import (
     GenerateRequest,
     TokenOutput,
 )
+from engine.models.cpu_kernels import cpu_kernels
 from engine.models.cpu_quant_linear import pack_model_for_cpu
 from engine.models.expert_cache import (
     ExpertCounters,
@@ -196,7 +197,7 @@ class Engine(LiveReplan):
                                        quantized_gguf=self.quantized_gguf, quantization=self.quantization, tp=tp,
                                        embeddings_in_blocks=self.device.type == "cpu")
         if self.quantized_gguf is not None and self.device.type == "cpu":
-            pack_model_for_cpu(self.model, self.dtype)  # the block kernels are GPU kernels
+            pack_model_for_cpu(self.model, self.dtype, cpu_kernels())  # the block kernels are GPU kernels
             trim_host_heap()  # the freed blocks and file tables would stay resident
         # Profile run on a GPU: the measured step peak and the CUDA context replace the
         # estimates, and the plan is made again.

@@ -106,33 +106,73 @@ def test_quant_embedding_looks_up_gguf_s_rows():
     assert torch.equal(emb(ids), reference.dequantize(blocks, "Q8_0", 64)[ids])
 
 
+def _engine_with_cpu_kernels(on: bool) -> Engine:
+    """The default model on the CPU: with the C kernels (blocks as stored, the C decode
+    layer) or with torch's int4 layout (what runs where no C compiler is found)."""
+    from engine import engine as engine_module
+    from engine.models import cpu_kernels
+
+    with pytest.MonkeyPatch.context() as mp:
+        if not on:
+            mp.setattr(engine_module, "cpu_kernels", lambda: None)
+            mp.setattr(cpu_kernels, "cpu_kernels", lambda: None)
+        elif cpu_kernels.cpu_kernels() is None:
+            pytest.skip("the C CPU kernels do not build here")
+        return Engine(EngineConfig(model=str(default_gguf_path()), device="cpu", kv_cache=256 << 20))
+
+
 @pytest.fixture(scope="module")
 def int4_engine():
-    return Engine(EngineConfig(model=str(default_gguf_path()), device="cpu", kv_cache=256 << 20))
+    return _engine_with_cpu_kernels(False)
 
 
-# How far below the float32 reference's best token the int4 path's greedy choice may
+@pytest.fixture(scope="module")
+def blocks_engine():
+    return _engine_with_cpu_kernels(True)
+
+
+@pytest.fixture(scope="module")
+def reference_engine():
+    return Engine(EngineConfig(model=str(default_gguf_path()), device="cpu", kv_cache=256 << 20,
+                               gguf_quantized=False))
+
+
+# How far below the float32 reference's best token a quantized path's greedy choice may
 # score, in the reference's own log-probabilities (= logits). Measured on the 5 prompts:
-# where the two paths part, the reference's top two were at most 0.1 apart.
+# where the paths part, the reference's top two were at most 0.1 apart.
 NEAR_TIE = 0.25
 
 
-def test_default_model_greedy_with_int4_weights_follows_float32(int4_engine, default_model_dir):
+@pytest.mark.parametrize("layout", ["int4", "blocks"])
+def test_default_model_greedy_with_quantized_weights_follows_float32(layout, request, reference_engine,
+                                                                     default_model_dir):
     """The 5 greedy prompts, 32 tokens each, against the float32 reference (weights
-    dequantized at load). The answers agree token for token except where the reference
-    itself is near a tie: scored by the reference (teacher-forced, ``prompt_logprobs``),
-    every token the int4 path chose is within :data:`NEAR_TIE` of the reference's best.
-    Most answers are equal outright, and each starts with the same token."""
-    linears = [m for m in int4_engine.model.modules() if isinstance(m, CpuInt4Linear)]
-    assert len(linears) == 4 * int4_engine.model_config.num_layers + 1  # and the tied head
-    assert isinstance(int4_engine.model.model.embed_tokens, QuantEmbedding)
-    assert not any(isinstance(m, QuantLinear) for m in int4_engine.model.modules())
+    dequantized at load), in both CPU layouts: torch's int4 matmul (bfloat16
+    activations) and the C kernels (blocks as stored, int8 activations, the C decode
+    layer for decode steps). The answers agree token for token except where the
+    reference itself is near a tie: scored by the reference (teacher-forced,
+    ``prompt_logprobs``), every token the quantized path chose is within
+    :data:`NEAR_TIE` of the reference's best. Most answers are equal outright, and each
+    starts with the same token."""
+    from engine.models.cpu_block_linear import CpuBlockLinear
+
+    engine = request.getfixturevalue(f"{layout}_engine")
+    layers = 4 * engine.model_config.num_layers + 1  # and the tied head
+    if layout == "int4":
+        assert len([m for m in engine.model.modules() if isinstance(m, CpuInt4Linear)]) == layers
+        assert engine.model.cpu_decode is None
+    else:
+        assert len([m for m in engine.model.modules() if isinstance(m, CpuBlockLinear)]) == layers
+        assert not any(isinstance(m, CpuInt4Linear) for m in engine.model.modules())
+        assert engine.model.cpu_decode is not None and len(engine.model.cpu_decode.specs) == 30
+        # The tied head reads the embeddings' own blocks.
+        assert engine.model.lm_head.head.part(0).data_ptr() == engine.model.model.embed_tokens.blocks.data_ptr()
+    assert isinstance(engine.model.model.embed_tokens, QuantEmbedding)
+    assert not any(isinstance(m, QuantLinear) for m in engine.model.modules())
     tokenizer = load_tokenizer(default_model_dir)
     prompts = [encode_chat(tokenizer, [{"role": "user", "content": p}]) for p in PROMPTS]
     requests = {f"p{i}": (ids, GREEDY) for i, ids in enumerate(prompts)}
-    ours = run_all(int4_engine, requests)
-    reference_engine = Engine(EngineConfig(model=str(default_gguf_path()), device="cpu", kv_cache=256 << 20,
-                                           gguf_quantized=False))
+    ours = run_all(engine, requests)
     theirs = run_all(reference_engine, requests)
     equal = sum(ours[k] == theirs[k] for k in requests)
     assert equal >= 3, {k: tokenizer.decode(ours[k]) for k in requests}
@@ -142,7 +182,7 @@ def test_default_model_greedy_with_int4_weights_follows_float32(int4_engine, def
         assert out[0] == theirs[f"p{i}"][0], PROMPTS[i]
         if out == theirs[f"p{i}"]:
             continue
-        reference_engine.add_request(GenerateRequest(request_id=f"score{i}", prompt_token_ids=ids + out,
+        reference_engine.add_request(GenerateRequest(request_id=f"score-{layout}-{i}", prompt_token_ids=ids + out,
                                                      sampling=scoring))
         scored = None
         while reference_engine.has_work():
@@ -155,15 +195,24 @@ def test_default_model_greedy_with_int4_weights_follows_float32(int4_engine, def
             assert lp.logprob >= lp.top_logprobs[0] - NEAR_TIE, (PROMPTS[i], t, tokenizer.decode(out[:t + 1]))
 
 
-def test_cpu_weight_size_is_what_the_engine_holds(int4_engine):
-    """The plan's price of the repacked weights is the bytes the engine holds, and below
-    the float32 tensors' (20 or 40 bytes a group of 32 against 128)."""
-    mc = int4_engine.model_config
-    size = gguf_weight_size(default_gguf_path(), mc, torch.float32, "cpu")
-    assert size.bytes == model_weight_bytes(int4_engine.model) + mc.max_position_embeddings * mc.head_dim * 4
-    # 210 projections and the tied head repacked; the embeddings in their Q8_0 blocks.
-    assert "211 int4 blocks" in size.mix and "1 Q8_0 blocks" in size.mix
-    assert size.bytes < 0.3 * weight_bytes(mc, torch.float32)
+@pytest.mark.parametrize("layout", ["int4", "blocks"])
+def test_cpu_weight_size_is_what_the_engine_holds(layout, request):
+    """The plan's price of the CPU weights is the bytes the engine holds, and below the
+    float32 tensors': torch's int4 layout (20 or 40 bytes a group of 32 against 128,
+    the tied head repacked) or the blocks as stored (Q4_1 20, Q8_0 34, the tied head
+    sharing the embeddings' blocks)."""
+    engine = request.getfixturevalue(f"{layout}_engine")
+    mc = engine.model_config
+    size = gguf_weight_size(default_gguf_path(), mc, torch.float32, "cpu", cpu_blocks=layout == "blocks")
+    assert size.bytes == model_weight_bytes(engine.model) + mc.max_position_embeddings * mc.head_dim * 4
+    if layout == "int4":
+        # 210 projections and the tied head repacked; the embeddings in their Q8_0 blocks.
+        assert "211 int4 blocks" in size.mix and "1 Q8_0 blocks" in size.mix
+        assert size.bytes < 0.3 * weight_bytes(mc, torch.float32)
+    else:
+        # 210 Q4_1 projections; the embeddings and the tied head: one table of Q8_0 blocks.
+        assert "210 Q4_1 blocks" in size.mix and "2 Q8_0 blocks" in size.mix and "int4" not in size.mix
+        assert size.bytes < 0.22 * weight_bytes(mc, torch.float32)
 
 
 def test_empty_steps_give_empty_outputs():

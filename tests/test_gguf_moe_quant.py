@@ -93,11 +93,15 @@ def test_weight_size_prices_the_expert_blocks(tiny):
     experts = blocks.model.layers[0].mlp.experts
     e, h, i = config.num_experts, HIDDEN, MOE_INTERMEDIATE
     assert sum(b.nbytes for b in experts.buffers()) == e * (2 * i * h // 256 * 144 + h * i // 256 * 210)
-    on_cpu = gguf_weight_size(path, config, torch.bfloat16, "cpu")
-    dense = pack_model_for_cpu(load_gguf_quantized(config, path, "cpu", torch.bfloat16, embeddings_in_blocks=True),
-                               torch.bfloat16)
-    assert isinstance(dense.model.layers[0].mlp.experts, Experts)
-    assert on_cpu.bytes == model_weight_bytes(dense) + rope_cache
+    from engine.models.cpu_kernels import cpu_kernels
+
+    # Both CPU layouts: torch's int4 repacking, and the blocks as stored for the C kernels.
+    for lib in (None, cpu_kernels()) if cpu_kernels() is not None else (None,):
+        on_cpu = gguf_weight_size(path, config, torch.bfloat16, "cpu", cpu_blocks=lib is not None)
+        dense = pack_model_for_cpu(load_gguf_quantized(config, path, "cpu", torch.bfloat16,
+                                                       embeddings_in_blocks=True), torch.bfloat16, lib)
+        assert isinstance(dense.model.layers[0].mlp.experts, Experts)
+        assert on_cpu.bytes == model_weight_bytes(dense) + rope_cache, lib
 
 
 def test_startup_keeps_moe_blocks_on_cuda_with_experts_in_host_memory_too(tiny, caplog):

@@ -79,8 +79,9 @@ def test_default_model_from_its_q4_1_blocks(default_model_dir, paged_runner):
 
 
 def test_plan_charges_the_quantized_bytes_and_shows_the_mix(default_model_dir):
-    """--gguf-quantized on a CUDA device: the plan charges the blocks; on a CPU, their
-    int4 repacking, the CPU's default. Off (CUDA's default) it charges the dequantized
+    """--gguf-quantized on a CUDA device: the plan charges the blocks; on a CPU what the
+    CPU's default layout holds (the blocks with the C kernels, else their int4
+    repacking). Off (CUDA's default) it charges the dequantized
     tensors the loader will place."""
     gguf_path = str(default_gguf_path())
     card = dict(model=gguf_path, device="cuda", device_total=4 * GiB)
@@ -89,10 +90,16 @@ def test_plan_charges_the_quantized_bytes_and_shows_the_mix(default_model_dir):
     dense = build_plan(EngineConfig(**card))
     dense_weights = next(e for e in dense.ledger if e.name == "weights")
     on_cpu = build_plan(EngineConfig(model=gguf_path, device="cpu", device_total=4 * GiB, gguf_quantized=True))
-    # The 210 projections and the tied head repacked, the embeddings in their Q8_0 blocks;
-    # the CPU's default is the same.
+    # With the C CPU kernels the 210 projections stay in their Q4_1 blocks and the tied
+    # head reads the embeddings' Q8_0 blocks; with torch's int4 layout the projections and
+    # the head are repacked. The CPU's default is the same.
+    from engine.models.cpu_kernels import cpu_kernels
+
     cpu_weights = next(e for e in on_cpu.ledger if e.name == "weights")
-    assert "211 int4 blocks" in cpu_weights.source and "1 Q8_0 blocks" in cpu_weights.source
+    if cpu_kernels() is not None:
+        assert "210 Q4_1 blocks" in cpu_weights.source and "2 Q8_0 blocks" in cpu_weights.source
+    else:
+        assert "211 int4 blocks" in cpu_weights.source and "1 Q8_0 blocks" in cpu_weights.source
     cpu_default = build_plan(EngineConfig(model=gguf_path, device="cpu", device_total=4 * GiB))
     assert next(e for e in cpu_default.ledger if e.name == "weights") == cpu_weights
     cpu_off = build_plan(EngineConfig(model=gguf_path, device="cpu", device_total=4 * GiB, gguf_quantized=False))

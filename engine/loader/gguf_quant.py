@@ -41,6 +41,7 @@ from engine.loader.gguf_convert import (
     reverse_llama_permute,
 )
 from engine.models.cpu_quant_linear import CODE_BITS, QuantEmbedding, packable, packed_bytes
+from kernels.cpu.block_gemv import TYPE_IDS as _CPU_BLOCK_TYPE_IDS
 from engine.models.quant_experts import QuantExperts
 from engine.models.quant_linear import PartSpec, QuantLinear, repack_model_for_kernels
 from engine.units import MiB
@@ -104,6 +105,8 @@ def _targets(config: ModelConfig) -> dict[str, tuple[str, ...]]:
 
 
 _EMBEDDINGS = "token_embd.weight"
+# Block types the C CPU GEMV reads as stored (kernels.cpu.block_gemv).
+CPU_BLOCK_TYPES = frozenset(_CPU_BLOCK_TYPE_IDS)
 
 
 def _embeddings_in_blocks(by_name: dict[str, Any], wanted: bool) -> str | None:
@@ -155,7 +158,7 @@ def _hf_shape(tensor: Any) -> tuple[int, ...]:
 
 
 def gguf_weight_size(gguf_path: str | Path, config: ModelConfig, dtype: torch.dtype,
-                     device_type: str = "cuda") -> WeightSize:
+                     device_type: str = "cuda", cpu_blocks: bool | None = None) -> WeightSize:
     """What :func:`load_gguf_quantized` allocates for ``gguf_path`` on a ``device_type``
     device, from the file's tensor table (no tensor data is read). On the CPU the
     Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 projections take torch's int4 layout (one or two planes), the
@@ -163,7 +166,10 @@ def gguf_weight_size(gguf_path: str | Path, config: ModelConfig, dtype: torch.dt
     them; other block types, and a mixture of experts' routed experts, are dequantized
     (:mod:`engine.models.cpu_quant_linear`). The routed experts' bytes are also given
     per layer, so that the plan can put the host tier and the expert cache of
-    ``--cpu-experts`` at their stored size.
+    ``--cpu-experts`` at their stored size. Where the C CPU kernels run (``cpu_blocks``;
+    None asks :func:`~engine.models.cpu_kernels.cpu_kernels`, as the engine's load does)
+    Q4_0/Q4_1/Q8_0 projections stay in their blocks instead and a tied head shares the
+    embeddings' blocks (:mod:`engine.models.cpu_block_linear`).
 
     Raises:
         CorruptWeights: the file is not a readable GGUF.
@@ -183,13 +189,20 @@ def gguf_weight_size(gguf_path: str | Path, config: ModelConfig, dtype: torch.dt
     quant_bytes: Counter[str] = Counter()
     dense_types: Counter[str] = Counter()
     dense_bytes = 0
+    if device_type == "cpu" and cpu_blocks is None:
+        from engine.models.cpu_kernels import cpu_kernels
+
+        cpu_blocks = cpu_kernels() is not None
     for t in reader.tensors:
         if t.name == _ROPE_FREQS:
             continue
         kept = _kept_quantized(t, projection_weights | expert_blocks)
         shape = _hf_shape(t)
         if device_type == "cpu" and kept is not None:
-            kept = "int4" if packable(kept, shape[0]) else None
+            if cpu_blocks and kept in CPU_BLOCK_TYPES:
+                pass  # the C GEMV reads the blocks as stored
+            else:
+                kept = "int4" if packable(kept, shape[0]) else None
         if t.name == _EMBEDDINGS and embed_type is not None:
             kept = embed_type
         if kept == "int4":
@@ -197,9 +210,12 @@ def gguf_weight_size(gguf_path: str | Path, config: ModelConfig, dtype: torch.dt
         else:
             nbytes = tensor_bytes(kept or "dense", shape, itemsize)
         if t.name == _EMBEDDINGS and embed_type is not None and config.tie_word_embeddings:
-            head = packed_bytes(shape[0], shape[1], embed_type)  # the tied head, repacked
-            quant_count["int4"] += 1
-            quant_bytes["int4"] += head
+            if cpu_blocks and embed_type in CPU_BLOCK_TYPES:
+                head_kind, head = embed_type, 0  # the tied head reads the embeddings' own blocks
+            else:
+                head_kind, head = "int4", packed_bytes(shape[0], shape[1], embed_type)  # repacked
+            quant_count[head_kind] += 1
+            quant_bytes[head_kind] += head
         if t.name in layer_of:
             expert_layer_bytes[layer_of[t.name]] += nbytes
         if kept:

@@ -310,18 +310,37 @@ class RescoredHead(nn.Module):
         return logits.scatter_(-1, cand, exact)
 
 
-def pack_model_for_cpu(model: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """Replace every QuantLinear of ``model`` (on the CPU) by its :class:`CpuInt4Linear`;
-    a head tied to embeddings in blocks becomes a :class:`RescoredHead`."""
+def pack_model_for_cpu(model: nn.Module, dtype: torch.dtype, lib=None) -> nn.Module:
+    """Replace every QuantLinear of ``model`` (on the CPU) by a CPU kernel's module: with
+    ``lib`` (the C kernels, :func:`engine.models.cpu_kernels.cpu_kernels`) those whose
+    blocks the C GEMV reads become :class:`~engine.models.cpu_block_linear.CpuBlockLinear`
+    (the blocks as they are), the others a :class:`CpuInt4Linear`; a head tied to
+    embeddings in blocks becomes a :class:`RescoredHead`. With ``lib``, a model whose
+    every layer the C decode layer runs gets it too
+    (:mod:`engine.models.cpu_decode`)."""
+    from engine.models.cpu_block_linear import CpuBlockLinear, takes
+    from kernels.cpu.block_gemv import TYPE_IDS
     from engine.models.quant_linear import QuantLinear
 
     names = [n for n, m in model.named_modules() if isinstance(m, QuantLinear)]
     for name in names:
         parent, _, leaf = name.rpartition(".")
         owner = model.get_submodule(parent) if parent else model
-        setattr(owner, leaf, CpuInt4Linear.from_quant_linear(owner.get_submodule(leaf), dtype))
+        module = owner.get_submodule(leaf)
+        if lib is not None and takes(module):
+            setattr(owner, leaf, CpuBlockLinear.from_quant_linear(lib, module, dtype))
+        else:
+            setattr(owner, leaf, CpuInt4Linear.from_quant_linear(module, dtype))
     embeddings = model.model.embed_tokens
     if model.config.tie_word_embeddings and isinstance(embeddings, QuantEmbedding) and isinstance(
-            model.lm_head, CpuInt4Linear):
-        model.lm_head = RescoredHead(model.lm_head, embeddings)
+            model.lm_head, CpuInt4Linear | CpuBlockLinear):
+        head = model.lm_head
+        if isinstance(head, CpuBlockLinear) and embeddings.type_name in TYPE_IDS:
+            # The head reads the embeddings' blocks themselves: the loader's copy goes.
+            head = CpuBlockLinear(lib, embeddings.embedding_dim, [(embeddings.type_name, embeddings.blocks)], None)
+        model.lm_head = RescoredHead(head, embeddings)
+    if lib is not None:
+        from engine.models.cpu_decode import CpuDecode
+
+        model.cpu_decode = CpuDecode.build(model, lib)
     return model

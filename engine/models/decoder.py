@@ -308,6 +308,9 @@ class CausalLM(nn.Module):
         # Tensor parallelism (use_parallel): this rank's group and the full vocabulary.
         self.tp: TensorParallel | None = None
         self.full_vocab_size = config.vocab_size
+        # A CPU model's decode steps through the C decode layer, where it runs every layer
+        # (engine.models.cpu_decode; set by pack_model_for_cpu).
+        self.cpu_decode = None
 
     def use_parallel(self, tp: TensorParallel, full_vocab_size: int) -> None:
         """Run as one rank of ``tp``: the model was built at the shard's shapes
@@ -351,8 +354,12 @@ class CausalLM(nn.Module):
         else:
             h = self.tp.embed(self.model.embed_tokens.weight, batch.input_ids, self.full_vocab_size)
         residual = None
-        for layer in self.model.layers:
-            h, residual = layer(h, residual, batch, attn, self.cos_sin_cache)
+        fast = self.cpu_decode
+        if fast is not None and fast.takes(batch, h, attn.pool):  # the C decode layer (CPU)
+            h, residual = fast.run(h, batch, attn.pool, self.cos_sin_cache)
+        else:
+            for layer in self.model.layers:
+                h, residual = layer(h, residual, batch, attn, self.cos_sin_cache)
         # RMSNorm is per row, so normalizing only the rows that need logits is exact.
         rows = batch.logits_indices
         if residual is None:  # no layers

@@ -215,13 +215,15 @@ def model_weight_bytes(model: nn.Module) -> int:
     parts and biases of its :class:`QuantLinear` modules (or of their CPU repacking,
     :class:`~engine.models.cpu_quant_linear.CpuInt4Linear`), of embeddings kept in blocks
     and of its :class:`~engine.models.quant_experts.QuantExperts`."""
+    from engine.models.cpu_block_linear import CpuBlockLinear
     from engine.models.cpu_quant_linear import CpuInt4Linear, QuantEmbedding
     from engine.models.quant_experts import QuantExperts
 
     params = sum(p.nbytes for p in model.parameters())
-    kinds = QuantLinear | CpuInt4Linear | QuantEmbedding | QuantExperts
-    quant = sum(b.nbytes for m in model.modules() if isinstance(m, kinds) for b in m.buffers())
-    return params + quant
+    kinds = QuantLinear | CpuInt4Linear | CpuBlockLinear | QuantEmbedding | QuantExperts
+    # A tensor two modules share (a tied head reading the embeddings' blocks) counts once.
+    buffers = {b.data_ptr(): b.nbytes for m in model.modules() if isinstance(m, kinds) for b in m.buffers()}
+    return params + sum(buffers.values())
 
 
 def quantized_format(model: nn.Module) -> str:
@@ -230,15 +232,17 @@ def quantized_format(model: nn.Module) -> str:
     ``""`` when none is quantized."""
     from collections import Counter
 
+    from engine.models.cpu_block_linear import CpuBlockLinear
     from engine.models.cpu_quant_linear import CpuInt4Linear
 
     weights: Counter[str] = Counter()
+    inner = {id(o) for m in model.modules() if isinstance(m, CpuBlockLinear) for o in m.others}
     for m in model.modules():
         if isinstance(m, QuantLinear):
             for p in m.parts:
                 if p.type_name is not None:
                     weights[p.type_name] += p.rows * m.in_features
-        elif isinstance(m, CpuInt4Linear):
+        elif isinstance(m, CpuInt4Linear | CpuBlockLinear) and id(m) not in inner:
             for type_name, count in m.source_types.items():
                 weights[type_name] += count
     return weights.most_common(1)[0][0] if weights else ""

@@ -1,0 +1,252 @@
+/* GGUF-block GEMV on the CPU: y = x @ W.T with W kept in its file's blocks.
+ *
+ * Built at first use by kernels/cpu/build.py (cc -O3 -march=native -fopenmp) and called
+ * through ctypes; kernels/cpu/block_gemv.py holds the torch reference of the same
+ * arithmetic and the Python entry point.
+ *
+ * Each activation row is quantized per block of 32 to int16 codes c with a float32 scale
+ * dx = max|x| / 32767 and the codes' sum s; a weight block is w = dw * u + mw (Q4_1),
+ * dw * (u - 8) (Q4_0) or dw * q (Q8_0), so one block's product is exact integer
+ * arithmetic,
+ *
+ *     Q4_1: dw dx (u . c) + mw dx s      Q4_0: dw dx (u . c - 8 s)      Q8_0: dw dx (q . c)
+ *
+ * and the row's sum of those over blocks is accumulated in float32. This is llama.cpp's
+ * scheme for these types (ggml-cpu's vec_dot_q4_1_q8_1 and kin) with 16-bit codes where
+ * it takes 8: a small model's activations have blocks whose largest value is 30 times
+ * their mean, and 8-bit codes moved each projection by about 1% (the default model's
+ * greedy answers then left the float32 reference's on its first token); 16-bit codes
+ * move it by about 2**-15 of a block's largest value.
+ *
+ * Block layouts (ggml-common.h): Q4_0 {f16 d; u8 qs[16]} 18 bytes, Q4_1 {f16 d; f16 m;
+ * u8 qs[16]} 20 bytes, Q8_0 {f16 d; s8 qs[32]} 34 bytes; qs[j] holds weight j in its low
+ * nibble and weight j + 16 in its high one.
+ *
+ * Two builds of the inner product, chosen by the compiler's target: AVX2 (vpmaddwd on
+ * 16-bit lanes, vpdpwssd where AVX-VNNI or AVX512-VNNI has it) and plain C, which the tests also call on any machine (scalar = 1) to
+ * check the vector one against it.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define HR_AVX2 1
+#endif
+
+enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  /* ggml's type ids */
+
+static inline float f16_to_f32(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#ifdef HR_AVX2
+    return _cvtsh_ss(h);
+#else
+    /* IEEE half to float by hand (normal, subnormal, inf/nan). */
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else {
+            int e = -1;
+            do { man <<= 1; e++; } while (!(man & 0x400));
+            bits = sign | (uint32_t)(127 - 15 - e) << 23 | (man & 0x3ff) << 13;
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | man << 13;
+    } else {
+        bits = sign | (exp + 127 - 15) << 23 | man << 13;
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+static int block_bytes(int type) { return type == Q4_0 ? 18 : type == Q4_1 ? 20 : 34; }
+
+int hr_simd_level(void) {
+#if defined(HR_AVX2)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Quantize one row of K floats (K a multiple of 32) into codes, scales and sums. */
+void hr_quantize_row(const float *x, int64_t K, int16_t *codes, float *scales, int32_t *sums) {
+    for (int64_t b = 0; b < K / 32; b++) {
+        const float *xb = x + b * 32;
+        float amax = 0.0f;
+        for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(xb[j]));
+        const float d = amax / 32767.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        int32_t s = 0;
+        for (int j = 0; j < 32; j++) {
+            const int32_t c = (int32_t)nearbyintf(xb[j] * id);  /* round half to even */
+            codes[b * 32 + j] = (int16_t)c;
+            s += c;
+        }
+        scales[b] = d;
+        sums[b] = s;
+    }
+}
+
+/* One output: row w (nb blocks of type) times one quantized activation row. */
+static float dot_scalar(int type, const uint8_t *w, const int16_t *c, const float *dx, const int32_t *sx, int64_t nb) {
+    const int bb = block_bytes(type);
+    float acc = 0.0f;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * bb;
+        const int16_t *cb = c + b * 32;
+        const float dw = f16_to_f32(blk);
+        int32_t dot = 0;
+        if (type == Q8_0) {
+            const int8_t *q = (const int8_t *)(blk + 2);
+            for (int j = 0; j < 32; j++) dot += q[j] * cb[j];
+            acc += dw * dx[b] * (float)dot;
+        } else {
+            const uint8_t *qs = blk + (type == Q4_1 ? 4 : 2);
+            for (int j = 0; j < 16; j++) dot += (qs[j] & 15) * cb[j] + (qs[j] >> 4) * cb[j + 16];
+            if (type == Q4_1) {
+                acc += dw * dx[b] * (float)dot + f16_to_f32(blk + 2) * dx[b] * (float)sx[b];
+            } else {
+                acc += dw * dx[b] * (float)(dot - 8 * sx[b]);
+            }
+        }
+    }
+    return acc;
+}
+
+#ifdef HR_AVX2
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* 8 int32 lanes of a . b + c . d over 16-bit lanes (pairs of products summed). */
+static inline __m256i dot_i16(__m256i a, __m256i b, __m256i c, __m256i d) {
+#if defined(__AVXVNNI__)
+    return _mm256_dpwssd_avx_epi32(_mm256_madd_epi16(a, b), c, d);
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpwssd_epi32(_mm256_madd_epi16(a, b), c, d);
+#else
+    return _mm256_add_epi32(_mm256_madd_epi16(a, b), _mm256_madd_epi16(c, d));
+#endif
+}
+
+/* A tile of outputs: 4 weight rows (w, w + row_bytes, ...) times MT quantized activation
+ * rows (codes K apart). A block of each weight row is widened to 16-bit lanes once for
+ * the MT rows, and the 4 x MT accumulators are independent, so one FMA's latency hides
+ * behind the others. MT is a constant at each call (always inlined), so the
+ * accumulators stay in registers. */
+static inline __attribute__((always_inline)) void tile_avx2(
+    int type, const uint8_t *w, int64_t row_bytes, int64_t nb, const int16_t *codes, int64_t K, const float *dx,
+    const float *dxs, const int MT, float *y, int64_t ldy) {
+    const int bb = block_bytes(type);
+    const __m256i low4 = _mm256_set1_epi16(15);
+    __m256 acc[4][4];
+    float off[4][4];  /* the offset terms (Q4_0's -8, Q4_1's m) */
+    for (int i = 0; i < MT; i++)
+        for (int r = 0; r < 4; r++) { acc[i][r] = _mm256_setzero_ps(); off[i][r] = 0.0f; }
+    /* The tile reads its four rows block by block, an order the hardware prefetcher
+     * does not follow; the next tile's bytes are fetched ahead by hand, a few lines per
+     * block (past the last tile this only touches addresses: prefetches never fault). */
+    const char *next = (const char *)(w + 4 * row_bytes);
+    const int64_t lines = (4 * row_bytes + 63) / 64, per_block = (lines + nb - 1) / nb;
+    for (int64_t b = 0; b < nb; b++) {
+        for (int64_t l = b * per_block; l < (b + 1) * per_block && l < lines; l++)
+            _mm_prefetch(next + l * 64, _MM_HINT_T0);
+        __m256i lo[4], hi[4];  /* weights 0-15 and 16-31 of the block, 16-bit lanes */
+        float dw[4], ow[4];
+        for (int r = 0; r < 4; r++) {
+            const uint8_t *blk = w + r * row_bytes + b * bb;
+            dw[r] = f16_to_f32(blk);
+            if (type == Q8_0) {
+                lo[r] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 2)));
+                hi[r] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 18)));
+                ow[r] = 0.0f;
+            } else {
+                /* Each byte widened to a 16-bit lane: its low nibble is weight j, the
+                 * rest (shifted down) weight j + 16. */
+                const __m256i qs = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + (type == Q4_1 ? 4 : 2))));
+                lo[r] = _mm256_and_si256(qs, low4);
+                hi[r] = _mm256_srli_epi16(qs, 4);
+                ow[r] = type == Q4_1 ? f16_to_f32(blk + 2) : -8.0f * dw[r];
+            }
+        }
+        for (int i = 0; i < MT; i++) {
+            const __m256i c0 = _mm256_loadu_si256((const __m256i *)(codes + i * K + b * 32));
+            const __m256i c1 = _mm256_loadu_si256((const __m256i *)(codes + i * K + b * 32 + 16));
+            const float d = dx[i * nb + b], ds = dxs[i * nb + b];
+            for (int r = 0; r < 4; r++) {
+                /* 8 int32 lanes: pairs of 16-bit products, |sum| below 2**31 (Q8_0: 64 x 128 x 32767). */
+                const __m256i p = dot_i16(lo[r], c0, hi[r], c1);
+                acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw[r] * d), acc[i][r]);
+                off[i][r] += ow[r] * ds;
+            }
+        }
+    }
+    for (int i = 0; i < MT; i++)
+        for (int r = 0; r < 4; r++) y[i * ldy + r] = hsum(acc[i][r]) + off[i][r];
+}
+#endif
+
+/* y[m * ldy + n] = x[m] . W[n] for m < M, n < N.
+ *
+ * x: float32 [M, K] (rows K apart); w: N rows of K / 32 blocks of `type`; y: float32,
+ * rows ldy apart; work: at least hr_work_bytes(M, K) bytes, for the quantized rows.
+ * threads: OpenMP threads over N (the caller's torch.get_num_threads(); torch's libgomp
+ * is the one loaded, so they are torch's own pool); scalar: the plain C product.
+ * Returns 0, or -1 for a type or a K it does not take.
+ */
+int64_t hr_work_bytes(int64_t M, int64_t K) { return M * (2 * K + K / 32 * 12); }
+
+int hr_block_gemv(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, float *y,
+                  int64_t ldy, void *work, int threads, int scalar) {
+    if ((type != Q4_0 && type != Q4_1 && type != Q8_0) || K % 32 != 0 || M < 0 || N < 0) return -1;
+    const int64_t nb = K / 32, row_bytes = nb * block_bytes(type);
+    int16_t *codes = (int16_t *)work;
+    float *scales = (float *)(codes + M * K);
+    int32_t *sums = (int32_t *)(scales + M * nb);
+    float *scaled_sums = (float *)(sums + M * nb);  /* dx * s per block */
+    for (int64_t m = 0; m < M; m++) {
+        hr_quantize_row(x + m * K, K, codes + m * K, scales + m * nb, sums + m * nb);
+        for (int64_t b = 0; b < nb; b++) scaled_sums[m * nb + b] = scales[m * nb + b] * (float)sums[m * nb + b];
+    }
+    if (threads < 1) threads = 1;
+    const int64_t tiles = (N + 3) / 4;
+    if (tiles < 16 * threads) threads = tiles >= 16 ? (int)(tiles / 16) : 1;  /* a few tiles a thread */
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t n0 = t * 4;
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+            const int mt = M - m0 < 4 ? (int)(M - m0) : 4;
+            const int16_t *c = codes + m0 * K;
+            const float *dx = scales + m0 * nb, *dxs = scaled_sums + m0 * nb;
+            float *yt = y + m0 * ldy + n0;
+#ifdef HR_AVX2
+            if (!scalar && n0 + 4 <= N) {
+                const uint8_t *wt = w + n0 * row_bytes;
+                switch (mt) {  /* constant MT per call: the accumulators stay in registers */
+                    case 4: tile_avx2(type, wt, row_bytes, nb, c, K, dx, dxs, 4, yt, ldy); break;
+                    case 3: tile_avx2(type, wt, row_bytes, nb, c, K, dx, dxs, 3, yt, ldy); break;
+                    case 2: tile_avx2(type, wt, row_bytes, nb, c, K, dx, dxs, 2, yt, ldy); break;
+                    default: tile_avx2(type, wt, row_bytes, nb, c, K, dx, dxs, 1, yt, ldy); break;
+                }
+                continue;
+            }
+#endif
+            for (int i = 0; i < mt; i++)
+                for (int64_t n = n0; n < N && n < n0 + 4; n++)
+                    y[(m0 + i) * ldy + n] = dot_scalar(type, w + n * row_bytes, c + i * K, dx + i * nb,
+                                                       sums + (m0 + i) * nb, nb);
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,90 @@
+"""``x @ W.T`` on the CPU with ``W`` in GGUF blocks (Q4_0, Q4_1, Q8_0): the C kernel
+(``block_gemv.c``) and its torch reference.
+
+The kernel quantizes each activation row per block of 32 to int16 codes with a float32
+scale (``max|x| / 32767``), multiplies codes by the weights' integer codes exactly and
+scales each block's sum (llama.cpp's scheme for these types, with 16-bit activation
+codes where it takes 8: see the C file for why). The reference does the same
+quantization in torch and the product in float64 from ``gguf``'s dequantized weights,
+so the two agree to float32 summation order; against float32 activations a product
+moves by about ``max|x| / 65534`` per element of a block.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kernels.quant import reference
+from kernels.quant.formats import block_format
+
+GROUP = 32
+# ggml's type ids, as block_gemv.c reads them.
+TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
+
+
+def quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's activation codes: float32 ``[M, K]`` (``K`` a multiple of 32) to int16
+    codes ``[M, K]`` and float32 scales ``[M, K / 32]``, ``x ~ codes * scale`` per block;
+    round half to even, as ``nearbyintf``."""
+    m, k = x.shape
+    blocks = x.float().view(m, k // GROUP, GROUP)
+    d = blocks.abs().amax(-1) / 32767.0
+    inv = torch.where(d != 0, 1.0 / torch.where(d != 0, d, 1.0), 0.0)
+    codes = torch.round(blocks * inv[..., None]).to(torch.int16)
+    return codes.view(m, k), d
+
+
+def block_gemv_ref(x: torch.Tensor, blocks: torch.Tensor, type_name: str) -> torch.Tensor:
+    """Reference of :func:`block_gemv`: float32 ``[M, N]``.
+
+    Args:
+        x: float32 ``[M, K]``.
+        blocks: uint8 ``[N, K / 32 * block_bytes]`` of ``type_name``.
+        type_name: a key of :data:`TYPE_IDS`.
+    """
+    m, k = x.shape
+    codes, d = quantize_rows_ref(x)
+    xq = (codes.double().view(m, k // GROUP, GROUP) * d.double()[..., None]).view(m, k)
+    w = reference.dequantize(blocks, type_name, k).double()
+    return (xq @ w.T).float()
+
+
+def block_gemv(lib: ctypes.CDLL, x: torch.Tensor, blocks: torch.Tensor, type_name: str,
+               out: torch.Tensor | None = None, threads: int | None = None, scalar: bool = False) -> torch.Tensor:
+    """``x @ W.T`` by the C kernel.
+
+    Args:
+        lib: the library of :func:`kernels.cpu.build.load`.
+        x: float32 ``[M, K]``, ``K`` a multiple of 32 (made contiguous if it is not).
+        blocks: uint8 ``[N, K / 32 * block_bytes]``, contiguous.
+        out: float32 ``[M, N]`` view to write (its rows may be wider: ``out.stride(0)``),
+            else a new tensor.
+        threads: OpenMP threads, default ``torch.get_num_threads()``.
+        scalar: the plain C product instead of the vector one (tests).
+
+    Returns:
+        ``out``, float32 ``[M, N]``.
+
+    Raises:
+        ValueError: a type without the kernel, or shapes that do not match.
+    """
+    if type_name not in TYPE_IDS:
+        raise ValueError(f"{type_name} has no CPU block kernel; expected one of {', '.join(TYPE_IDS)}")
+    x = x.contiguous().float()
+    m, k = x.shape
+    n = blocks.shape[0]
+    if out is None:
+        out = torch.empty(m, n)
+    row_bytes = k // GROUP * block_format(type_name).block_bytes
+    if (k % GROUP or blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != row_bytes
+            or not blocks.is_contiguous() or out.shape != (m, n) or out.stride(1) != 1 or out.dtype != torch.float32):
+        raise ValueError(f"block_gemv: {type_name} blocks {blocks.dtype} {tuple(blocks.shape)}, x {tuple(x.shape)} "
+                         f"and out {tuple(out.shape)} do not match (rows of K={k} take {row_bytes} bytes)")
+    work = torch.empty(lib.hr_work_bytes(m, k), dtype=torch.uint8)
+    done = lib.hr_block_gemv(TYPE_IDS[type_name], x.data_ptr(), m, k, blocks.data_ptr(), n, out.data_ptr(),
+                             out.stride(0), work.data_ptr(), threads or torch.get_num_threads(), int(scalar))
+    if done != 0:
+        raise ValueError(f"block_gemv refused {type_name} blocks of K={k}")
+    return out

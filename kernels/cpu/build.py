@@ -1,0 +1,146 @@
+"""Build the CPU kernels (``block_gemv.c``, ``decode_layer.c``) at first use and load them.
+
+The C sources are compiled by the machine's C compiler (``$CC``, else ``cc``, ``gcc`` or
+``clang`` on the PATH) for the machine itself (``-march=native``: AVX2 or AVX-512 where
+the CPU has them) with OpenMP, into ``<cache>/kernels/``, named by a hash of the sources,
+the flags and the compiler, so a change to any of them builds anew and an unchanged one
+loads in milliseconds. A build writes a temporary file and renames it: a build stopped
+half-way or two processes building at once never leave a broken library under the final
+name. The library links ``libgomp.so.1``; loaded after torch, the dynamic linker hands it
+torch's own copy, so the kernels' threads are torch's intra-op pool, not a second pool
+competing for the same cores.
+
+Where no compiler is found or the build fails, :func:`load` returns None and says why
+(:func:`why_not`); callers keep torch's kernels then. ``HEADROOM_CPU_KERNELS=0`` turns
+the C kernels off (to compare, or where a build misbehaves).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from kernels.env import env_flag
+
+log = logging.getLogger("headroom.kernels")
+
+SOURCES = ("block_gemv.c", "decode_layer.c")
+_HERE = Path(__file__).resolve().parent
+_why_not: list[str] = []
+
+
+def _flags(openmp: bool) -> list[str]:
+    machine = platform.machine().lower()
+    arch = ["-march=native"] if machine in ("x86_64", "amd64", "i686") else ["-mcpu=native"]
+    return ["-O3", *arch, "-fPIC", "-shared", "-std=c11", *(["-fopenmp"] if openmp else [])]
+
+
+def compiler() -> str | None:
+    """The C compiler to build with: ``$CC``, else the first of cc, gcc, clang found."""
+    cc = os.environ.get("CC")
+    if cc:
+        return shutil.which(cc) or cc
+    for name in ("cc", "gcc", "clang"):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+def _build(cc: str, folder: Path) -> Path:
+    """Compile the sources into ``folder`` (with OpenMP if the compiler takes it).
+
+    Raises:
+        RuntimeError: the compiler failed both with and without OpenMP; the message has
+            the end of its output.
+    """
+    sources = [str(_HERE / name) for name in SOURCES]
+    text = b"".join((_HERE / name).read_bytes() for name in SOURCES)
+    errors = []
+    for openmp in (True, False):
+        flags = _flags(openmp)
+        key = hashlib.sha256(text + " ".join([cc, *flags]).encode()).hexdigest()[:16]
+        target = folder / f"headroom_cpu_{key}.so"
+        if target.exists():
+            return target
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".build-", suffix=".so")
+        os.close(fd)
+        try:
+            done = subprocess.run([cc, *flags, *sources, "-o", tmp, "-lm"], capture_output=True, text=True, timeout=300)
+            if done.returncode == 0:
+                os.replace(tmp, target)
+                return target
+            errors.append((done.stderr or done.stdout).strip()[-600:])
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            errors.append(str(exc))
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    raise RuntimeError(f"{cc} could not build the CPU kernels: {errors[-1]}")
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    c_int, c_i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+    lib.hr_simd_level.restype = c_int
+    lib.hr_simd_level.argtypes = []
+    lib.hr_work_bytes.restype = c_i64
+    lib.hr_work_bytes.argtypes = [c_i64, c_i64]
+    lib.hr_block_gemv.restype = c_int
+    lib.hr_block_gemv.argtypes = [c_int, ptr, c_i64, c_i64, ptr, c_i64, ptr, c_i64, ptr, c_int, c_int]
+    lib.hr_decode_scratch_bytes.restype = c_i64
+    lib.hr_decode_scratch_bytes.argtypes = [ptr, c_i64, c_i64]
+    lib.hr_decode_layer.restype = c_int
+    lib.hr_decode_layer.argtypes = [ptr, ptr, ptr, ptr, ptr, c_i64]
+    return lib
+
+
+@functools.cache
+def load(cache_dir: str) -> ctypes.CDLL | None:
+    """The built library (cached per process), or None where the kernels cannot run:
+    switched off, no compiler, a failed build, or a CPU without AVX2 (the plain C build
+    is slower than torch's own kernels; it is kept for tests, :func:`load_any`).
+
+    Args:
+        cache_dir: the folder the library is built into (headroom's cache).
+    """
+    if not env_flag("HEADROOM_CPU_KERNELS", True):
+        _why_not.append("HEADROOM_CPU_KERNELS=0")
+        return None
+    lib = load_any(cache_dir)
+    if lib is not None and lib.hr_simd_level() < 1:
+        _why_not.append("this CPU has no AVX2: torch's kernels are faster than the plain C build")
+        return None
+    return lib
+
+
+@functools.cache
+def load_any(cache_dir: str) -> ctypes.CDLL | None:
+    """:func:`load` without the switch and the AVX2 check (tests call the plain C path
+    on any machine)."""
+    import torch  # noqa: F401  (torch's libgomp first: the kernels share its thread pool)
+
+    cc = compiler()
+    if cc is None:
+        _why_not.append("no C compiler found (set CC, or install gcc or clang)")
+        return None
+    try:
+        path = _build(cc, Path(cache_dir))
+        return _declare(ctypes.CDLL(str(path)))
+    except (RuntimeError, OSError) as exc:
+        _why_not.append(str(exc))
+        log.warning("CPU kernels unavailable, torch's are used: %s", exc)
+        return None
+
+
+def why_not() -> str | None:
+    """Why the last :func:`load` returned None, or None."""
+    return _why_not[-1] if _why_not else None

@@ -1,0 +1,168 @@
+/* One decoder layer of a decode step on the CPU, in one call.
+ *
+ * A decode step on the CPU is thousands of small torch ops (norms, rotary, the paged
+ * attention's gathers, casts), each costing a few microseconds of dispatch: more than
+ * the arithmetic of a small model. This runs a whole Llama/Qwen2/Qwen3-family layer for
+ * B rows of one new token each, float32 throughout, the projections from GGUF blocks
+ * through hr_block_gemv (block_gemv.c). Its reference is the torch layer it replaces
+ * (engine/models/decoder.py: DecoderLayer.forward over the torch attention backend);
+ * kernels/cpu/decode_layer.py has the entry point and tests compare the two.
+ *
+ * Per row, with the residual stream r and the previous layer's MLP output h:
+ *     r += h (or r = h at the first layer); x = rms_norm(r) * w_in
+ *     q, k, v = split(x @ Wqkv.T (+ bias)); per head: rms_norm(q), rms_norm(k) (Qwen3)
+ *     q, k = rotary(q, k, position) (GPT-NeoX halves); K/V pool[slot] = k, v
+ *     a = softmax(q K^T * scale) V over the row's pages (GQA: Hq / Hk query heads a KV head)
+ *     r += a @ Wo.T; x = rms_norm(r) * w_post; h = down(silu(gate(x)) * up(x))
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+int hr_block_gemv(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, float *y,
+                  int64_t ldy, void *work, int threads, int scalar);
+int64_t hr_work_bytes(int64_t M, int64_t K);
+
+/* One projection: blocks of one type, N x K. */
+typedef struct {
+    const uint8_t *blocks;
+    int32_t type;
+    int32_t pad;
+    int64_t rows;
+} hr_proj;
+
+/* The layer's weights and shapes; pointers the caller's tensors keep alive. */
+typedef struct {
+    int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
+    float eps, scale;
+    const float *input_norm, *post_norm;       /* [hidden] */
+    const float *q_norm, *k_norm;              /* [head_dim] each, or NULL (no per-head norm) */
+    const float *qkv_bias;                     /* [(Hq + 2 Hk) D] or NULL */
+    hr_proj qkv, o, gate_up, down;
+    float *k_cache, *v_cache;                  /* [slots, Hk, D] float32 */
+} hr_layer;
+
+/* The step: B rows of one token each. */
+typedef struct {
+    int64_t rows, page_size, max_pages;
+    const int64_t *positions, *out_slots, *seq_lens;  /* [B] */
+    const int64_t *page_table;                         /* [B, max_pages] */
+    const float *cos_sin;                              /* [max_pos, D]: cos | sin halves */
+    int32_t threads, first;                            /* first: residual = h */
+} hr_step;
+
+static void rms_norm_row(const float *x, const float *w, float *out, int64_t n, float eps) {
+    /* As torch's F.rms_norm in float32: x * rsqrt(mean(x^2) + eps) * w. */
+    float ss = 0.0f;
+    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
+    const float r = 1.0f / sqrtf(ss / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) out[i] = x[i] * r * w[i];
+}
+
+static void rotate(float *x, const float *cs, int64_t d) {
+    const int64_t half = d / 2;
+    for (int64_t i = 0; i < half; i++) {
+        const float c = cs[i], s = cs[half + i], x1 = x[i], x2 = x[half + i];
+        x[i] = x1 * c - x2 * s;
+        x[half + i] = x2 * c + x1 * s;
+    }
+}
+
+static int proj(const hr_proj *p, const float *x, int64_t m, int64_t k, float *y, void *work, int threads) {
+    return hr_block_gemv(p->type, x, m, k, p->blocks, p->rows, y, p->rows, work, threads, 0);
+}
+
+/* Bytes of scratch hr_decode_layer needs for `rows` rows and `max_len` tokens of context. */
+int64_t hr_decode_scratch_bytes(const hr_layer *L, int64_t rows, int64_t max_len) {
+    const int64_t qkv = (L->num_heads + 2 * L->num_kv_heads) * L->head_dim;
+    int64_t widest = L->hidden > L->intermediate ? L->hidden : L->intermediate;
+    if (L->num_heads * L->head_dim > widest) widest = L->num_heads * L->head_dim;
+    const int64_t floats = rows * (L->hidden + qkv + L->num_heads * L->head_dim + 2 * L->intermediate +
+                                   L->hidden) + rows * L->num_heads * max_len;
+    return floats * 4 + hr_work_bytes(rows, widest) + 64;
+}
+
+/* h: [B, hidden] the previous MLP output, replaced by this layer's; residual: [B, hidden],
+ * updated. Returns 0, or the gemv's -1 (a block type it does not take). */
+int hr_decode_layer(const hr_layer *L, const hr_step *S, float *h, float *residual, void *scratch,
+                    int64_t max_len) {
+    const int64_t B = S->rows, H = L->hidden, D = L->head_dim, Hq = L->num_heads, Hk = L->num_kv_heads;
+    const int64_t I = L->intermediate, qsize = Hq * D, kvsize = Hk * D, qkv_n = qsize + 2 * kvsize;
+    const int threads = S->threads;
+    float *x = (float *)scratch;                /* [B, H] normed rows */
+    float *qkv = x + B * H;                     /* [B, qkv_n] */
+    float *attn = qkv + B * qkv_n;              /* [B, Hq * D] */
+    float *gate_up = attn + B * qsize;          /* [B, 2 I] */
+    float *o = gate_up + B * 2 * I;             /* [B, H] */
+    float *scores = o + B * H;                  /* [B, Hq, max_len] */
+    void *work = scores + B * Hq * max_len;
+    int err;
+
+    for (int64_t b = 0; b < B; b++) {
+        float *r = residual + b * H;
+        const float *hb = h + b * H;
+        if (S->first) memcpy(r, hb, H * 4);
+        else for (int64_t i = 0; i < H; i++) r[i] += hb[i];
+        rms_norm_row(r, L->input_norm, x + b * H, H, L->eps);
+    }
+    if ((err = proj(&L->qkv, x, B, H, qkv, work, threads))) return err;
+
+    for (int64_t b = 0; b < B; b++) {
+        float *row = qkv + b * qkv_n;
+        if (L->qkv_bias) for (int64_t i = 0; i < qkv_n; i++) row[i] += L->qkv_bias[i];
+        const float *cs = S->cos_sin + S->positions[b] * D;
+        for (int64_t hd = 0; hd < Hq + Hk; hd++) {  /* q heads, then k heads */
+            float *head = row + hd * D;
+            if (L->q_norm) rms_norm_row(head, hd < Hq ? L->q_norm : L->k_norm, head, D, L->eps);
+            rotate(head, cs, D);
+        }
+        const int64_t slot = S->out_slots[b];
+        memcpy(L->k_cache + slot * kvsize, row + qsize, kvsize * 4);
+        memcpy(L->v_cache + slot * kvsize, row + qsize + kvsize, kvsize * 4);
+    }
+
+    /* Attention, a (row, query head) a task. */
+    const int64_t group = Hq / Hk, tasks = B * Hq;
+    const int att_threads = tasks < threads ? (int)tasks : threads;
+#pragma omp parallel for schedule(static) num_threads(att_threads) if (att_threads > 1)
+    for (int64_t task = 0; task < tasks; task++) {
+        const int64_t b = task / Hq, hq = task % Hq, kvh = hq / group, len = S->seq_lens[b];
+        const float *q = qkv + b * qkv_n + hq * D;
+        float *sc = scores + task * max_len, *out = attn + b * qsize + hq * D;
+        const int64_t *pages = S->page_table + b * S->max_pages;
+        float top = -INFINITY;
+        for (int64_t t = 0; t < len; t++) {
+            const int64_t slot = pages[t / S->page_size] * S->page_size + t % S->page_size;
+            const float *k = L->k_cache + (slot * Hk + kvh) * D;
+            float s = 0.0f;
+            for (int64_t i = 0; i < D; i++) s += q[i] * k[i];
+            sc[t] = s * L->scale;
+            if (sc[t] > top) top = sc[t];
+        }
+        float total = 0.0f;
+        for (int64_t t = 0; t < len; t++) total += (sc[t] = expf(sc[t] - top));
+        const float inv = 1.0f / total;
+        for (int64_t i = 0; i < D; i++) out[i] = 0.0f;
+        for (int64_t t = 0; t < len; t++) {
+            const int64_t slot = pages[t / S->page_size] * S->page_size + t % S->page_size;
+            const float *v = L->v_cache + (slot * Hk + kvh) * D, p = sc[t] * inv;
+            for (int64_t i = 0; i < D; i++) out[i] += p * v[i];
+        }
+    }
+
+    if ((err = proj(&L->o, attn, B, qsize, o, work, threads))) return err;
+    for (int64_t b = 0; b < B; b++) {
+        float *r = residual + b * H;
+        for (int64_t i = 0; i < H; i++) r[i] += o[b * H + i];
+        rms_norm_row(r, L->post_norm, x + b * H, H, L->eps);
+    }
+    if ((err = proj(&L->gate_up, x, B, H, gate_up, work, threads))) return err;
+    for (int64_t b = 0; b < B; b++) {  /* SiLU(gate) * up, into the gate half */
+        float *g = gate_up + b * 2 * I;
+        for (int64_t i = 0; i < I; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * g[I + i];
+    }
+    /* The down projection reads rows 2 I apart: compact them first. */
+    for (int64_t b = 1; b < B; b++) memmove(gate_up + b * I, gate_up + b * 2 * I, I * 4);
+    return proj(&L->down, gate_up, B, I, h, work, threads);
+}

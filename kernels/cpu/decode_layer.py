@@ -1,0 +1,96 @@
+"""One decoder layer of a CPU decode step in one C call (``decode_layer.c``).
+
+Its reference is the torch layer it stands for, ``DecoderLayer.forward`` of
+:mod:`engine.models.decoder` over the torch attention backend, with the same C block
+GEMV for the projections (:mod:`kernels.cpu.block_gemv`);
+``tests/test_cpu_kernels.py`` compares the two. The structs mirror ``hr_layer`` and
+``hr_step`` of the C file field for field.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kernels.cpu.block_gemv import TYPE_IDS
+
+_F = ctypes.POINTER(ctypes.c_float)
+
+
+class Proj(ctypes.Structure):
+    """``hr_proj``: one projection's blocks (one type, ``rows`` x K)."""
+
+    _fields_ = [("blocks", ctypes.c_void_p), ("type", ctypes.c_int32), ("pad", ctypes.c_int32),
+                ("rows", ctypes.c_int64)]
+
+
+class Layer(ctypes.Structure):
+    """``hr_layer``: a layer's shapes and weight pointers (the tensors must outlive it)."""
+
+    _fields_ = [("hidden", ctypes.c_int64), ("num_heads", ctypes.c_int64), ("num_kv_heads", ctypes.c_int64),
+                ("head_dim", ctypes.c_int64), ("intermediate", ctypes.c_int64),
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+                ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
+                ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p), ("qkv_bias", ctypes.c_void_p),
+                ("qkv", Proj), ("o", Proj), ("gate_up", Proj), ("down", Proj),
+                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]
+
+
+class Step(ctypes.Structure):
+    """``hr_step``: the decode step's rows (one new token each)."""
+
+    _fields_ = [("rows", ctypes.c_int64), ("page_size", ctypes.c_int64), ("max_pages", ctypes.c_int64),
+                ("positions", ctypes.c_void_p), ("out_slots", ctypes.c_void_p), ("seq_lens", ctypes.c_void_p),
+                ("page_table", ctypes.c_void_p), ("cos_sin", ctypes.c_void_p),
+                ("threads", ctypes.c_int32), ("first", ctypes.c_int32)]
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def proj(blocks: torch.Tensor, type_name: str) -> Proj:
+    """The ``hr_proj`` of uint8 ``blocks`` ``[N, K / 32 * block_bytes]`` of ``type_name``."""
+    return Proj(blocks.data_ptr(), TYPE_IDS[type_name], 0, blocks.shape[0])
+
+
+def layer(*, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, intermediate: int, eps: float,
+          scale: float, input_norm: torch.Tensor, post_norm: torch.Tensor, q_norm: torch.Tensor | None,
+          k_norm: torch.Tensor | None, qkv_bias: torch.Tensor | None, qkv: Proj, o: Proj, gate_up: Proj,
+          down: Proj) -> Layer:
+    """An ``hr_layer``; the norms and bias float32 and contiguous (the caller keeps them
+    alive); the KV buffers are set per step (:func:`run`), as a replan may move them."""
+    return Layer(hidden, num_heads, num_kv_heads, head_dim, intermediate, eps, scale, _ptr(input_norm),
+                 _ptr(post_norm), _ptr(q_norm), _ptr(k_norm), _ptr(qkv_bias), qkv, o, gate_up, down, None, None)
+
+
+def step(*, positions: torch.Tensor, out_slots: torch.Tensor, seq_lens: torch.Tensor, page_table: torch.Tensor,
+         page_size: int, cos_sin: torch.Tensor, threads: int) -> Step:
+    """An ``hr_step``: int64 ``[B]`` ``positions``, ``out_slots``, ``seq_lens`` and
+    ``[B, max_pages]`` ``page_table`` (contiguous, CPU), float32 ``cos_sin``
+    ``[max_pos, D]``."""
+    return Step(positions.shape[0], page_size, page_table.shape[1], positions.data_ptr(), out_slots.data_ptr(),
+                seq_lens.data_ptr(), page_table.data_ptr(), cos_sin.data_ptr(), threads, 0)
+
+
+def scratch_bytes(lib: ctypes.CDLL, spec: Layer, rows: int, max_len: int) -> int:
+    """Bytes of scratch :func:`run` needs for ``rows`` rows over ``max_len`` tokens."""
+    return lib.hr_decode_scratch_bytes(ctypes.byref(spec), rows, max_len)
+
+
+def run(lib: ctypes.CDLL, spec: Layer, st: Step, h: torch.Tensor, residual: torch.Tensor, k_cache: torch.Tensor,
+        v_cache: torch.Tensor, scratch: torch.Tensor, max_len: int, first: bool) -> None:
+    """One layer: ``h`` (float32 ``[B, hidden]``, the previous layer's MLP output) becomes
+    this layer's MLP output and ``residual`` (same shape; written from ``h`` when
+    ``first``) is updated, both in place; the new keys and values go to ``k_cache`` /
+    ``v_cache`` (float32 ``[slots, Hk, D]``) at the step's slots.
+
+    Raises:
+        RuntimeError: the kernel refused a projection's block type.
+    """
+    spec.k_cache, spec.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+    st.first = int(first)
+    if lib.hr_decode_layer(ctypes.byref(spec), ctypes.byref(st), h.data_ptr(), residual.data_ptr(),
+                           scratch.data_ptr(), max_len) != 0:
+        raise RuntimeError("the CPU decode layer refused a projection's block type")

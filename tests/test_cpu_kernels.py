@@ -1,0 +1,161 @@
+"""The C CPU kernels (kernels/cpu): the block GEMV against its torch reference, in its
+vector build and its plain C one; the C decode layer against the torch layers it stands
+for, on tiny Llama, Qwen2 (q/k/v bias) and Qwen3 (per-head q/k norm) GGUFs of Q8_0,
+Q4_0 and Q4_1 blocks; the build's fallbacks (no compiler, a failing one, the switch)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("gguf")
+
+from test_gguf_convert import VOCAB, write_gguf  # noqa: E402
+
+from engine.loader.gguf_convert import convert_gguf  # noqa: E402
+from engine.loader.load import load_model  # noqa: E402
+from engine.models.cpu_block_linear import CpuBlockLinear  # noqa: E402
+from engine.models.cpu_kernels import cpu_kernels  # noqa: E402
+from engine.models.cpu_quant_linear import pack_model_for_cpu  # noqa: E402
+from kernels.cpu import build  # noqa: E402
+from kernels.cpu.block_gemv import TYPE_IDS, block_gemv, block_gemv_ref, quantize_rows_ref  # noqa: E402
+from kernels.quant import reference  # noqa: E402
+from kernels.quant.synthetic import random_blocks  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def lib():
+    got = cpu_kernels()
+    if got is None:
+        pytest.skip(f"the C CPU kernels do not build here: {build.why_not()}")
+    return got
+
+
+def _tolerance(x: torch.Tensor, blocks: torch.Tensor, type_name: str) -> float:
+    """float32 summation order over ``K`` products: a few ulps of ``|x| @ |w|.T``."""
+    w = reference.dequantize(blocks, type_name, x.shape[1])
+    return float((x.abs() @ w.abs().T).max()) * 2e-6
+
+
+@pytest.mark.parametrize("type_name", list(TYPE_IDS))
+@pytest.mark.parametrize(("rows", "cols", "m"), [(96, 64, 1), (130, 576, 3), (64, 1536, 16), (7, 32, 5), (1, 96, 2)])
+@pytest.mark.parametrize("scalar", [False, True])
+def test_block_gemv_equals_its_reference(lib, type_name, rows, cols, m, scalar):
+    """Rows not a multiple of the kernel's tile of 4, one block a row, 1-16 activation
+    rows; the vector build and the plain C one."""
+    blocks = torch.from_numpy(random_blocks(type_name, rows, cols, np.random.default_rng(rows * cols + m)))
+    x = torch.randn(m, cols, generator=torch.Generator().manual_seed(rows))
+    x[0, 3] = 40.0  # a block with an outlier, as real activations have
+    got = block_gemv(lib, x, blocks, type_name, scalar=scalar)
+    want = block_gemv_ref(x, blocks, type_name)
+    assert got.shape == (m, rows) and got.dtype == torch.float32
+    assert float((got - want).abs().max()) <= _tolerance(x, blocks, type_name)
+
+
+def test_activation_codes_keep_an_outlier_block_s_small_values():
+    """16-bit codes: a block whose largest value is 1,000 times the rest still carries
+    the rest to about 2**-15 of the largest (8-bit codes would round them all to 0)."""
+    x = torch.full((1, 32), 0.01)
+    x[0, 0] = 10.0
+    codes, d = quantize_rows_ref(x)
+    back = codes.float() * d[..., None]
+    assert float((back - x).abs().max()) <= 10.0 / 32767
+    assert codes.dtype == torch.int16 and int(codes[0, 0]) == 32767
+
+
+def test_block_gemv_writes_into_a_wider_output_and_refuses_what_it_cannot_take(lib):
+    blocks = torch.from_numpy(random_blocks("Q4_1", 8, 64, np.random.default_rng(0)))
+    x = torch.randn(2, 64)
+    y = torch.zeros(2, 20)
+    block_gemv(lib, x, blocks, "Q4_1", out=y[:, 4:12])
+    assert float((y[:, 4:12] - block_gemv_ref(x, blocks, "Q4_1")).abs().max()) <= _tolerance(x, blocks, "Q4_1")
+    assert torch.equal(y[:, :4], torch.zeros(2, 4)) and torch.equal(y[:, 12:], torch.zeros(2, 8))
+    with pytest.raises(ValueError, match="Q6_K has no CPU block kernel"):
+        block_gemv(lib, x, blocks, "Q6_K")
+    with pytest.raises(ValueError, match="do not match"):
+        block_gemv(lib, torch.randn(2, 96), blocks, "Q4_1")  # rows of K=96 take more bytes
+    assert block_gemv(lib, torch.empty(0, 64), blocks, "Q4_1").shape == (0, 8)
+
+
+@pytest.fixture(scope="module", params=[("llama", "Q8_0"), ("qwen2", "Q4_0"), ("qwen3", "Q4_1")])
+def tiny_blocks(request, tmp_path_factory, make_tiny_hf_model):
+    """A tiny GGUF whose projections are of one block type, loaded quantized on the CPU
+    with the C kernels: ``(model, config)``."""
+    arch, type_name = request.param
+    tmp = tmp_path_factory.mktemp(f"cpu-{arch}")
+    path = tmp / f"tiny-{arch}.gguf"
+    hf = make_tiny_hf_model(arch, None, vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+                            num_attention_heads=4, num_key_value_heads=2)
+    override = {}
+    rng = np.random.default_rng(5)
+    qtype = getattr(pytest.importorskip("gguf").GGMLQuantizationType, type_name)
+    for name, param in hf.named_parameters():
+        if name.endswith("proj.weight"):
+            from test_gguf_convert import _gguf_name
+
+            rows, cols = param.shape
+            override[_gguf_name(name)] = (random_blocks(type_name, rows, cols, rng), qtype)
+    write_gguf(path, arch, hf, override=override)
+    folder = convert_gguf(path, tmp / "hf")
+    model, config = load_model(folder, "cpu", torch.float32, quantized_gguf=path)
+    return pack_model_for_cpu(model, torch.float32, cpu_kernels()), config
+
+
+def test_the_c_decode_layer_gives_the_torch_layers_logits(lib, tiny_blocks, paged_runner):
+    """A prefill of 5 tokens and a second sequence of 3 (torch layers), then decode
+    steps of both sequences together and of one alone, through the C decode layer and
+    through the torch layers over the same C GEMV: logits within 1e-3 of the largest
+    (measured: 3e-5 to 1.3e-4; the norms, rotary and attention sum in another order, and
+    a last-bit change of an activation can move its 16-bit code by one), and the KV pool
+    the same. A query head reading the wrong KV head moves them by about 1."""
+    model, config = tiny_blocks
+    assert model.cpu_decode is not None and len(model.cpu_decode.specs) == config.num_layers
+    assert all(isinstance(m, CpuBlockLinear) for m in (model.model.layers[0].self_attn.qkv_proj,
+                                                          model.model.layers[0].mlp.down_proj))
+    fast = model.cpu_decode
+    runs = {}
+    for use in (True, False):
+        model.cpu_decode = fast if use else None
+        runner = paged_runner(model, config, page_size=4, num_pages=32)
+        logits = [runner.step({0: [5, 70, 3, 20, 42], 1: [9, 8, 7]})]
+        assert not runner.last_batch.is_decode
+        for tokens in ([11, 12], [13, 14], [15, 16], [17, 18]):
+            logits.append(runner.step({0: [tokens[0]], 1: [tokens[1]]}))
+            assert runner.last_batch.is_decode
+        logits.append(runner.step({1: [19]}))
+        runs[use] = (logits, [b.clone() for b in runner.pool.k_buffers + runner.pool.v_buffers])
+    model.cpu_decode = fast
+    for got, want in zip(runs[True][0], runs[False][0], strict=True):
+        assert bool(torch.isfinite(got).all())
+        assert float((got - want).abs().max()) <= 1e-3 * max(1.0, float(want.abs().max()))
+    for got, want in zip(runs[True][1], runs[False][1], strict=True):
+        assert float((got - want).abs().max()) <= 1e-4 * max(1.0, float(want.abs().max()))
+
+
+def test_without_a_compiler_torch_s_kernels_serve(tmp_path, monkeypatch):
+    monkeypatch.setattr(build, "compiler", lambda: None)
+    assert build.load_any.__wrapped__(str(tmp_path)) is None
+    assert "no C compiler found" in build.why_not()
+
+
+def test_a_failing_build_leaves_no_library_and_says_why(tmp_path, monkeypatch):
+    monkeypatch.setenv("CC", "false")  # a compiler that always fails
+    assert build.load_any.__wrapped__(str(tmp_path)) is None
+    assert "could not build the CPU kernels" in build.why_not()
+    assert list(tmp_path.iterdir()) == []  # no half-written library, no temporary file
+
+
+def test_the_switch_turns_them_off(tmp_path, monkeypatch):
+    monkeypatch.setenv("HEADROOM_CPU_KERNELS", "0")
+    assert build.load.__wrapped__(str(tmp_path)) is None
+    assert build.why_not() == "HEADROOM_CPU_KERNELS=0"
+
+
+def test_a_build_is_reused_and_named_by_its_sources(tmp_path):
+    first = build.load_any.__wrapped__(str(tmp_path))
+    assert first is not None
+    built = sorted(p.name for p in tmp_path.iterdir())
+    assert len(built) == 1 and built[0].startswith("headroom_cpu_") and built[0].endswith(".so")
+    assert build.load_any.__wrapped__(str(tmp_path)) is not None
+    assert sorted(p.name for p in tmp_path.iterdir()) == built  # loaded, not built again

@@ -84,8 +84,11 @@ class CpuDecode:
         return cls(lib, specs, keep, torch.empty(0, dtype=torch.uint8))
 
     def takes(self, batch, h: torch.Tensor, pool) -> bool:
-        """Whether this step runs here: a decode step of float32 rows over a float32 pool."""
-        return batch.is_decode and h.dtype == torch.float32 and pool.dtype == torch.float32
+        """Whether this step runs here: a decode step of float32 rows over a float32 pool,
+        its index tensors int64 (what the C layer reads)."""
+        indices = (batch.positions, batch.out_slots, batch.page_table, batch.prefix_lens, batch.extend_lens)
+        return (batch.is_decode and h.dtype == torch.float32 and pool.dtype == torch.float32
+                and all(t.dtype == torch.int64 and t.device.type == "cpu" for t in indices))
 
     def run(self, h: torch.Tensor, batch, pool, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The layers of a decode step: ``h`` the embeddings ``[B, hidden]`` float32 to

@@ -545,9 +545,9 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     from engine.commands.model_shapes import SHAPES, write_shape
     from engine.loader.gguf_quant import gguf_weight_size, load_gguf_quantized
-    from kernels import pdl
     from engine.loader.hf_config import load_model_config
     from engine.loader.load import load_model
+    from kernels import pdl
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="llama-3.1-8b", choices=list(SHAPES),

@@ -158,7 +158,7 @@ def test_torch_backend_gathers_query_heads_as_repeating_kv_heads_would(dtype):
 
     decode = [0, 1, 3]
     longest = max(seq[b] for b in decode)
-    ks, vs = zip(*(kv(b, longest) for b in decode))  # padded past each row's length
+    ks, vs = zip(*(kv(b, longest) for b in decode), strict=True)  # padded past each row's length
     mask = (torch.arange(longest)[None, :] < torch.tensor([seq[b] for b in decode])[:, None])[:, None, None, :]
     rows = torch.tensor([0, 1, 5])
     want = F.scaled_dot_product_attention(q[rows][:, :, None], torch.stack(ks), torch.stack(vs), attn_mask=mask,

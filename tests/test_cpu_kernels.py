@@ -159,3 +159,32 @@ def test_a_build_is_reused_and_named_by_its_sources(tmp_path):
     assert len(built) == 1 and built[0].startswith("headroom_cpu_") and built[0].endswith(".so")
     assert build.load_any.__wrapped__(str(tmp_path)) is not None
     assert sorted(p.name for p in tmp_path.iterdir()) == built  # loaded, not built again
+
+
+def test_the_tensor_table_reader_gives_gguf_s_own_tensors(tmp_path):
+    """engine.loader.gguf_tensors against gguf.GGUFReader on the default model: the same
+    names, types, shapes, offsets and data views, without parsing the vocabulary (a
+    truncated or foreign file is refused with the download-again message)."""
+    import gguf
+
+    from engine.loader.default_model import default_gguf_path
+    from engine.loader.errors import CorruptWeights
+    from engine.loader.gguf_tensors import open_tensors
+
+    path = default_gguf_path()
+    light, full = open_tensors(path), gguf.GGUFReader(path)
+    assert light.values["general.architecture"] == "llama"
+    assert len(light.tensors) == len(full.tensors) > 0
+    for a, b in zip(light.tensors, full.tensors, strict=True):
+        assert (a.name, a.tensor_type, list(a.shape), a.n_elements, a.n_bytes, a.data_offset) == (
+            b.name, b.tensor_type, list(b.shape), b.n_elements, b.n_bytes, b.data_offset)
+        assert a.data.shape == b.data.shape and a.data.dtype == b.data.dtype
+        assert np.array_equal(a.data[:2], b.data[:2]) and np.array_equal(a.data[-1:], b.data[-1:])
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[: 1 << 20])
+    with pytest.raises(CorruptWeights, match="download it again"):
+        open_tensors(cut)
+    foreign = tmp_path / "foreign.gguf"
+    foreign.write_bytes(b"PK\x03\x04" + b"\x00" * 64)
+    with pytest.raises(CorruptWeights, match="download it again"):
+        open_tensors(foreign)

@@ -35,16 +35,15 @@ from engine.loader.errors import ModelLoadError, WeightMismatch
 from engine.loader.gguf_convert import (
     _ROPE_FREQS,
     _dequantize,
-    _field,
-    _open,
     hf_tensors,
     reverse_llama_permute,
 )
+from engine.loader.gguf_tensors import open_tensors
 from engine.models.cpu_quant_linear import CODE_BITS, QuantEmbedding, packable, packed_bytes
-from kernels.cpu.block_gemv import TYPE_IDS as _CPU_BLOCK_TYPE_IDS
 from engine.models.quant_experts import QuantExperts
 from engine.models.quant_linear import PartSpec, QuantLinear, repack_model_for_kernels
 from engine.units import MiB
+from kernels.cpu.block_gemv import TYPE_IDS as _CPU_BLOCK_TYPE_IDS
 from kernels.quant.formats import FORMATS, tensor_bytes
 
 # Our fused module (under model.layers.N) -> the GGUF tensors stacked in it, in order.
@@ -176,7 +175,7 @@ def gguf_weight_size(gguf_path: str | Path, config: ModelConfig, dtype: torch.dt
         WeightMismatch: a mixture of experts' expert tensor is missing.
     """
     gguf_path = Path(gguf_path)
-    reader = _open(gguf_path)
+    reader = open_tensors(gguf_path)
     projection_weights = {f"{s}.weight" for stems in _targets(config).values() for s in stems}
     by_name = {t.name: t for t in reader.tensors}
     expert_blocks = {n for m in _experts_in_blocks(by_name, config, gguf_path, device_type != "cpu")
@@ -267,8 +266,8 @@ def load_gguf_quantized(
 
     gguf_path = Path(gguf_path)
     device = torch.device(device)
-    reader = _open(gguf_path)
-    arch = _field(reader, "general.architecture")
+    reader = open_tensors(gguf_path)
+    arch = reader.values.get("general.architecture")
     by_name = {t.name: t for t in reader.tensors}
     targets = _targets(config)
     projection_weights = {f"{s}.weight" for stems in targets.values() for s in stems}
@@ -316,10 +315,10 @@ def load_gguf_quantized(
                   [by_name.get(f"{s}.bias") for s in stems], arch, config, gguf_path)
         if embed_type is not None:
             embed = by_name[_EMBEDDINGS]
-            model.model.embed_tokens.blocks.copy_(torch.from_numpy(np.array(embed.data)).reshape(
-                model.model.embed_tokens.blocks.shape))
-            if config.tie_word_embeddings:
-                _fill(model.lm_head, [embed], [None], arch, config, gguf_path)
+            blocks = model.model.embed_tokens.blocks
+            blocks.copy_(_mapped(embed.data).reshape(blocks.shape))
+            if config.tie_word_embeddings:  # the head's one part is the same blocks: no second copy
+                model.lm_head.part0 = blocks
         for module_name in expert_modules:
             _fill_experts(model.get_submodule(module_name),
                           [by_name[n] for n in _expert_targets(config)[module_name]], gguf_path)
@@ -383,6 +382,17 @@ def _fill(module: QuantLinear, weights: list[Any], biases: list[Any | None], arc
         parts = [_rows_in_hf_order(torch.from_numpy(np.array(_dequantize(b), dtype=np.float32)),
                                    b.name.removesuffix(".bias"), arch, config) for b in biases]
         module.bias.copy_(torch.cat(parts))
+
+
+def _mapped(data: np.ndarray) -> torch.Tensor:
+    """A tensor over a view of the file's read-only memory map, to copy from without a
+    transient copy of the whole tensor (torch warns that it cannot write to it; nothing
+    does)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(np.asarray(data))
 
 
 def _rest(reader: Any, skip: set[str], gguf_path: Path, arch: str,

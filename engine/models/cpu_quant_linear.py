@@ -319,8 +319,8 @@ def pack_model_for_cpu(model: nn.Module, dtype: torch.dtype, lib=None) -> nn.Mod
     every layer the C decode layer runs gets it too
     (:mod:`engine.models.cpu_decode`)."""
     from engine.models.cpu_block_linear import CpuBlockLinear, takes
-    from kernels.cpu.block_gemv import TYPE_IDS
     from engine.models.quant_linear import QuantLinear
+    from kernels.cpu.block_gemv import TYPE_IDS
 
     names = [n for n, m in model.named_modules() if isinstance(m, QuantLinear)]
     for name in names:

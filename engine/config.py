@@ -315,15 +315,16 @@ class EngineConfig:
         "Largest decode batch captured in a CUDA graph; larger batches run eagerly.",
         checks=(at_least(1, "turn graphs off with --no-cuda-graphs"),),
     )
-    # Auto (None): on the CPU, where the int4 repacking decodes the default model faster
-    # and in a third of the memory (README, "The CPU path"); off on CUDA, where the block
+    # Auto (None): on the CPU, where the blocks (or their int4 repacking) decode the
+    # default model faster in a fifth of float32's memory (README, "The CPU path"); off on CUDA, where the block
     # GEMV reads the weights once per decode row (measured on an H200, 8B Q4_K/Q6_K shape:
     # 327 tok/s from blocks against bfloat16's 216 at batch 1, 519 against 3,204 at 16).
     gguf_quantized: bool | None = option(
         None,
         "Keep a GGUF's quantized weights quantized. On the CPU (default there), "
-        "Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 projections are repacked into torch's int4 layout and "
-        "computed with bfloat16 activations, the token embeddings stay in blocks. On CUDA "
+        "Q4_0/Q4_1/Q8_0 projections stay in their blocks for headroom's C kernels (built "
+        "at first use with the machine's C compiler; without one, and for Q5_0/Q5_1, "
+        "repacked into torch's int4 layout), the token embeddings stay in blocks. On CUDA "
         "(off by default), Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K projections stay in their "
         "block format: weights at about 37% of bfloat16's for Q4_K_M, decode faster at one "
         "request and far slower at many (the weights are read again for each). "

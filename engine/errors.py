@@ -44,6 +44,12 @@ class CudaUnavailable(Exception):
     CPU silently. The message says why and what helps (:data:`CUDA_HINTS`)."""
 
 
+class TorchWithoutCuda(CudaUnavailable):
+    """A GPU was asked for, but the installed torch is built without CUDA (or ROCm): no
+    wait for the GPU can help (the service exits instead of waiting); the message names
+    the install that does."""
+
+
 class SettingRefused(ValueError):
     """A setting the model or the machine cannot honour (a tensor-parallel size that
     does not split the model, more ranks than GPUs, more ``--cpu-experts`` layers than

@@ -17,7 +17,7 @@ import torch
 
 from engine.attention.base import backend_class, resolve_backend_name
 from engine.config import EngineConfig, ModelConfig
-from engine.errors import CUDA_HINTS, CudaUnavailable
+from engine.errors import CUDA_HINTS, CudaUnavailable, TorchWithoutCuda
 from engine.faults import check_cuda_init
 from engine.loader.resolve import gguf_file
 from engine.memory.device import nvml_index, probe_nvml, simulated_device
@@ -56,6 +56,12 @@ def resolve_device(name: str) -> torch.device:
         where = f"NVML sees {present.name}"
     else:
         where = f"--device {name} asks for a GPU"
+    if torch.version.cuda is None and torch.version.hip is None:
+        # No driver hint can help a torch built without a GPU backend.
+        raise TorchWithoutCuda(
+            f"{where} but the installed torch {torch.__version__} is built without CUDA; install a CUDA build "
+            "into this Python (e.g. `pip install --force-reinstall torch --index-url "
+            "https://download.pytorch.org/whl/cu128`) or use --device cpu")
     raise CudaUnavailable(f"{where} but CUDA failed to initialise ({_cuda_init_error()}); {CUDA_HINTS}")
 
 
@@ -113,7 +119,7 @@ def quantized_gguf(config: EngineConfig, device: torch.device, mc: ModelConfig |
     dequantized into the model dtype at load, the default).
 
     Blocks are kept when asked for (``--gguf-quantized``; unset: on the CPU only), on a
-    CUDA device (the block kernels) or the CPU (repacked into torch's int4 layout), for a
+    CUDA device (the block kernels) or the CPU (the C kernels' blocks, or torch's int4 layout), for a
     ``--model`` that is a GGUF file. A mixture of experts (``mc``) keeps its routed
     experts in blocks too on CUDA (the fused MoE over blocks), also those that
     ``--cpu-experts`` puts in host memory (the host tier and the expert cache hold the

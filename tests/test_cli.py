@@ -344,3 +344,28 @@ def test_plan_with_tensor_parallel_is_one_ranks_plan(tmp_path, make_tiny_hf_mode
     assert "tensor parallel: the plan of one rank of 2; weights split 2 ways, 1 KV heads per rank" in text
     refused = invoke([*base, "--tensor-parallel-size", "3"])
     assert refused.exit_code == 2 and "use --tensor-parallel-size 2, or 1" in refused.output
+
+
+@pytest.mark.parametrize("command", [["generate", "hi"], ["plan"], ["bench", "engine", "--batches", "1"]])
+def test_cuda_asked_of_a_cpu_build_of_torch_names_the_install(command):
+    """generate, plan and bench as serve: a torch without CUDA gets the install that
+    helps, not a traceback or the driver's hints (exit 2)."""
+    from service.cli.precheck import torch_without_gpu_support
+
+    if torch_without_gpu_support() is None:
+        pytest.skip("this torch is a GPU build")
+    result = invoke([*command, "--device", "cuda"])
+    assert result.exit_code == 2, result.output
+    assert "is built without CUDA" in result.stderr and "--device cpu" in result.stderr
+    assert "Traceback" not in result.output and "nvidia_uvm" not in result.stderr
+
+
+def test_a_cache_folder_that_cannot_be_written_is_named(tmp_path):
+    """The default model's first conversion into a cache folder that is a file: exit 2
+    naming HEADROOM_CACHE_DIR, no traceback."""
+    blocked = tmp_path / "cache"
+    blocked.write_text("not a folder")
+    result = CliRunner().invoke(main, ["generate", "hi", "--device", "cpu"],
+                                env={"HEADROOM_CONFIG": os.devnull, "HEADROOM_CACHE_DIR": str(blocked)})
+    assert result.exit_code == 2, result.output
+    assert "HEADROOM_CACHE_DIR" in result.stderr and "Traceback" not in result.output

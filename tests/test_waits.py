@@ -84,6 +84,7 @@ def test_the_wait_ends_once_the_memory_stayed_free_for_the_settle_time():
     ("kind", "message", "wait"),
     [
         ("CudaUnavailable", "CUDA failed to initialise", True),
+        ("TorchWithoutCuda", "--device cuda asks for a GPU but the installed torch 2.13.0+cpu is built without CUDA", False),
         ("AcceleratorError", "CUDA error: an illegal memory access was encountered", True),
         ("RuntimeError", "CUDA error: unknown error", True),
         ("OutOfMemoryError", "CUDA out of memory. Tried to allocate 2.00 GiB", False),

@@ -120,17 +120,21 @@ def convert_gguf(
         UnsupportedGGUFType: a tensor is stored in a type gguf-py cannot dequantize
             (checked for all tensors before anything is written).
         UnsupportedConfig: RoPE factors that are not Llama 3's.
-        ModelLoadError: a tensor without a Hugging Face counterpart, or the tokenizer
-            cannot be built.
+        ModelLoadError: a tensor without a Hugging Face counterpart, the tokenizer
+            cannot be built, or the cache folder cannot be written.
     """
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     reader, gguf_arch, hf_config = _read_checked(gguf_path)
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_partials(out_dir)
     tmp = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_partials(out_dir)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    except OSError as e:
+        raise ModelLoadError(f"cannot write the conversion of {gguf_path.name} under {out_dir.parent} ({e}); "
+                             "point HEADROOM_CACHE_DIR at a writable folder") from e
     try:
         if weights:
             _write_weights(reader, gguf_path, gguf_arch, hf_config, tmp, dtype)

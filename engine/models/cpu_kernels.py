@@ -20,5 +20,8 @@ def cpu_kernels() -> ctypes.CDLL | None:
 
     lib = build.load(str(cache_root() / "kernels"))
     if lib is None:
-        log.info("CPU: torch's kernels (the C kernels are off: %s)", build.why_not())
+        why = build.why_not()
+        # Asked for: said in passing; otherwise a user loses the fast path without knowing.
+        level = logging.INFO if why and why.startswith("HEADROOM_CPU_KERNELS=") else logging.WARNING
+        log.log(level, "CPU: torch's kernels serve, slower (the C kernels are off: %s)", why)
     return lib

@@ -26,6 +26,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 from kernels.env import env_flag
@@ -55,31 +56,51 @@ def compiler() -> str | None:
     return None
 
 
-def _build(cc: str, folder: Path) -> Path:
-    """Compile the sources into ``folder`` (with OpenMP if the compiler takes it).
+_STALE_S = 600  # a temporary build file this old was left by a build that was killed
+
+
+def _targets(cc: str, folder: Path) -> list[tuple[bool, Path]]:
+    """``(openmp, library path)`` of each build, OpenMP first: named by a hash of the
+    sources, the flags and the compiler."""
+    text = b"".join((_HERE / name).read_bytes() for name in SOURCES)
+    return [(openmp, folder / f"headroom_cpu_{hashlib.sha256(text + ' '.join([cc, *_flags(openmp)]).encode()).hexdigest()[:16]}.so")
+            for openmp in (True, False)]
+
+
+def _build(cc: str, folder: Path) -> tuple[Path, bool]:
+    """The library in ``folder``, built if no build of these sources is there yet (with
+    OpenMP if the compiler takes it): ``(path, openmp)``.
 
     Raises:
         RuntimeError: the compiler failed both with and without OpenMP; the message has
-            the end of its output.
+            the end of its output, or its exit status.
+        OSError: the folder cannot be written.
     """
+    targets = _targets(cc, folder)
+    for openmp, target in targets:
+        if target.exists():  # a compiler that refuses -fopenmp tries it once, not at every start
+            return target, openmp
+    folder.mkdir(parents=True, exist_ok=True)
+    now = time.time()
+    for old in folder.glob(".build-*"):
+        try:
+            if now - old.stat().st_mtime > _STALE_S:
+                old.unlink()
+        except OSError:
+            pass
     sources = [str(_HERE / name) for name in SOURCES]
-    text = b"".join((_HERE / name).read_bytes() for name in SOURCES)
     errors = []
-    for openmp in (True, False):
-        flags = _flags(openmp)
-        key = hashlib.sha256(text + " ".join([cc, *flags]).encode()).hexdigest()[:16]
-        target = folder / f"headroom_cpu_{key}.so"
-        if target.exists():
-            return target
-        folder.mkdir(parents=True, exist_ok=True)
+    for openmp, target in targets:
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=".build-", suffix=".so")
         os.close(fd)
         try:
-            done = subprocess.run([cc, *flags, *sources, "-o", tmp, "-lm"], capture_output=True, text=True, timeout=300)
+            done = subprocess.run([cc, *_flags(openmp), *sources, "-o", tmp, "-lm"], capture_output=True, text=True,
+                                  timeout=300)
             if done.returncode == 0:
                 os.replace(tmp, target)
-                return target
-            errors.append((done.stderr or done.stdout).strip()[-600:])
+                return target, openmp
+            said = (done.stderr or done.stdout).strip()
+            errors.append(said[-600:] if said else f"it exited with status {done.returncode} and said nothing")
         except (OSError, subprocess.TimeoutExpired) as exc:
             errors.append(str(exc))
         finally:
@@ -113,7 +134,7 @@ def load(cache_dir: str) -> ctypes.CDLL | None:
         cache_dir: the folder the library is built into (headroom's cache).
     """
     if not env_flag("HEADROOM_CPU_KERNELS", True):
-        _why_not.append("HEADROOM_CPU_KERNELS=0")
+        _why_not.append(f"HEADROOM_CPU_KERNELS={os.environ['HEADROOM_CPU_KERNELS']}")
         return None
     lib = load_any(cache_dir)
     if lib is not None and lib.hr_simd_level() < 1:
@@ -133,12 +154,14 @@ def load_any(cache_dir: str) -> ctypes.CDLL | None:
         _why_not.append("no C compiler found (set CC, or install gcc or clang)")
         return None
     try:
-        path = _build(cc, Path(cache_dir))
-        return _declare(ctypes.CDLL(str(path)))
+        path, openmp = _build(cc, Path(cache_dir))
+        lib = _declare(ctypes.CDLL(str(path)))
     except (RuntimeError, OSError) as exc:
         _why_not.append(str(exc))
-        log.warning("CPU kernels unavailable, torch's are used: %s", exc)
         return None
+    log.info("CPU kernels: %s (%s, %s)", path, "AVX2" if lib.hr_simd_level() else "plain C",
+             "OpenMP threads" if openmp else f"one thread: {cc} takes no -fopenmp")
+    return lib
 
 
 def why_not() -> str | None:

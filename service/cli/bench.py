@@ -238,7 +238,7 @@ def _int_list(ctx: Any, param: Any, value: str) -> tuple[int, ...]:
     "--gguf-quantized/--no-gguf-quantized",
     default=None,
     help="Engine side: keep a GGUF's quantized weights quantized (block kernels on CUDA, "
-    "torch's int4 layout on the CPU) instead of dequantizing them at load.  [default: on "
+    "the C kernels' blocks or torch's int4 layout on the CPU) instead of dequantizing them at load.  [default: on "
     "the CPU, off on CUDA]",
 )
 @click.option(
@@ -278,6 +278,7 @@ def bench_engine(**options: Any) -> None:
     check_model_path(options["model"])
     from engine.commands.bench import run_bench_engine
     from engine.commands.model_shapes import SHAPES
+    from engine.errors import CudaUnavailable
     from engine.loader.errors import ModelLoadError
 
     shape = options["shape"]
@@ -288,6 +289,8 @@ def bench_engine(**options: Any) -> None:
         run_bench_engine(**options)
     except ModelLoadError as exc:
         fail(f"cannot load the model: {exc}", EXIT_USAGE)
+    except CudaUnavailable as exc:
+        fail(str(exc), EXIT_USAGE)
     except ValueError as exc:
         fail(str(exc), EXIT_USAGE)
 

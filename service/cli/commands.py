@@ -206,7 +206,7 @@ def generate(
     from dataclasses import replace
 
     from engine.commands.generate import GenerationFailed, run_generate
-    from engine.errors import PlanDoesNotFit, RequestRejected
+    from engine.errors import CudaUnavailable, PlanDoesNotFit, RequestRejected
     from engine.loader.errors import ModelLoadError
     from engine.text.chat import ChatTemplateError
 
@@ -223,6 +223,8 @@ def generate(
         )
     except ModelLoadError as exc:
         fail(f"cannot load the model: {exc}", EXIT_USAGE)
+    except CudaUnavailable as exc:
+        fail(str(exc), EXIT_USAGE)
     except PlanDoesNotFit as exc:
         fail(str(exc))
     except ChatTemplateError as exc:
@@ -272,13 +274,14 @@ def plan(config_path: Path | None, as_json: bool, **flags: Any) -> None:
     check_model_path(settings.model)
 
     from engine.commands.plan import NoDevice, build_plan, planned_setup, render
+    from engine.errors import CudaUnavailable
     from engine.loader.errors import ModelLoadError
 
     try:
         config = settings.engine_config()
         device, dtype = planned_setup(config)
         memory_plan = build_plan(config)
-    except NoDevice as exc:
+    except (NoDevice, CudaUnavailable) as exc:
         fail(str(exc), EXIT_USAGE)
     except ModelLoadError as exc:
         fail(f"cannot read the model: {exc}", EXIT_USAGE)

@@ -33,6 +33,23 @@ from engine.cpu_threads import CpuThreads  # noqa: E402 (after the Triton mode i
 _TEST_THREADS = CpuThreads()
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _private_cache_folder(tmp_path_factory):
+    """headroom's cache folder is a session temp dir unless one is set: what tests derive
+    and build there (model facts, the CPU kernels) never lands in the user's cache.
+    ``default_model_dir`` points it at its own folder while it lives."""
+    from engine.loader.default_model import CACHE_ENV
+
+    if os.environ.get(CACHE_ENV):
+        yield
+        return
+    os.environ[CACHE_ENV] = str(tmp_path_factory.mktemp("private-cache"))
+    try:
+        yield
+    finally:
+        os.environ.pop(CACHE_ENV, None)
+
+
 @pytest.fixture(autouse=True)
 def _cpu_threads_fit_the_free_cores():
     """The test process's own torch work (transformers references, in-process engines)

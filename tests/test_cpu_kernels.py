@@ -64,6 +64,23 @@ def test_activation_codes_keep_an_outlier_block_s_small_values():
     assert codes.dtype == torch.int16 and int(codes[0, 0]) == 32767
 
 
+@pytest.mark.parametrize("scalar", [False, True])
+def test_a_nan_or_an_infinity_in_the_activations_makes_its_row_nan(lib, scalar):
+    """As float arithmetic would: a row holding a NaN or an infinity gives NaN outputs,
+    the other rows stay finite; tiny blocks (below a scale's reciprocal) give zeros, not
+    undefined codes; K = 0 is an empty sum."""
+    blocks = torch.from_numpy(random_blocks("Q8_0", 8, 64, np.random.default_rng(1)))
+    x = torch.randn(4, 64)
+    x[1, 5] = float("nan")
+    x[2, 40] = float("inf")
+    x[3] = 1e-36
+    y = block_gemv(lib, x, blocks, "Q8_0", scalar=scalar)
+    assert bool(torch.isnan(y[1]).all()) and bool(torch.isnan(y[2]).all())
+    assert bool(torch.isfinite(y[0]).all()) and float(y[3].abs().max()) <= 1e-30
+    assert torch.equal(block_gemv(lib, torch.empty(2, 0), torch.empty(8, 0, dtype=torch.uint8), "Q8_0"),
+                       torch.zeros(2, 8))
+
+
 def test_block_gemv_writes_into_a_wider_output_and_refuses_what_it_cannot_take(lib):
     blocks = torch.from_numpy(random_blocks("Q4_1", 8, 64, np.random.default_rng(0)))
     x = torch.randn(2, 64)
@@ -76,6 +93,54 @@ def test_block_gemv_writes_into_a_wider_output_and_refuses_what_it_cannot_take(l
     with pytest.raises(ValueError, match="do not match"):
         block_gemv(lib, torch.randn(2, 96), blocks, "Q4_1")  # rows of K=96 take more bytes
     assert block_gemv(lib, torch.empty(0, 64), blocks, "Q4_1").shape == (0, 8)
+
+
+@pytest.mark.parametrize("type_name", list(TYPE_IDS))
+def test_dequantized_rows_are_gguf_s_and_many_rows_take_the_float32_gemm(lib, type_name):
+    """The prefill path: rows dequantized by the C kernel equal gguf's dequantizer bit
+    for bit; a CpuBlockLinear of many activation rows (chunks of weight rows, a mixed
+    part beside it) gives float32 products of them, few rows the block GEMV."""
+    from engine.models import cpu_block_linear
+    from kernels.cpu.block_gemv import dequantize_rows
+
+    rng = np.random.default_rng(7)
+    blocks = torch.from_numpy(random_blocks(type_name, 300, 96, rng))
+    want = reference.dequantize(blocks, type_name, 96)
+    assert torch.equal(dequantize_rows(lib, blocks, type_name, 0, 300), want)
+    assert torch.equal(dequantize_rows(lib, blocks, type_name, 17, 18), want[17:18])
+    with pytest.raises(ValueError, match="rows 5-301"):
+        dequantize_rows(lib, blocks, type_name, 5, 301)
+    linear = CpuBlockLinear(lib, 96, [(type_name, blocks)], None)
+    many = torch.randn(cpu_block_linear.GEMM_ROWS + 3, 96)
+    torch.testing.assert_close(linear(many), many @ want.T, rtol=1e-5, atol=1e-4)
+    few = torch.randn(2, 96)
+    assert float((linear(few) - block_gemv_ref(few, blocks, type_name)).abs().max()) <= _tolerance(few, blocks, type_name)
+
+
+def test_a_projection_of_mixed_types_keeps_the_others_in_torch_s_layout(lib):
+    """q/k/v of Q4_1, Q8_0 and Q5_1 (which the C GEMV does not read) and dense rows, with
+    a bias: the C-read runs in blocks, the rest a CpuInt4Linear of its own; the product
+    is the dequantized reference's (to bfloat16 for the int4 part), and the plan's
+    per-tensor price holds (blocks as stored, the rest as torch's layout holds it)."""
+    from engine.models.cpu_quant_linear import CpuInt4Linear
+    from engine.models.quant_linear import PartSpec, QuantLinear, model_weight_bytes
+
+    rng = np.random.default_rng(3)
+    cols = 128
+    specs = [PartSpec(32, "Q4_1"), PartSpec(16, "Q8_0"), PartSpec(32, "Q5_1"), PartSpec(8, None)]
+    q = QuantLinear(cols, specs, bias=True, dtype=torch.float32)
+    for spec, buf in q.part_views():
+        buf.copy_(torch.randn(spec.rows, cols) if spec.type_name is None
+                  else torch.from_numpy(random_blocks(spec.type_name, spec.rows, cols, rng)))
+    q.bias.copy_(torch.randn(q.out_features))
+    linear = CpuBlockLinear.from_quant_linear(lib, q, torch.float32)
+    assert linear.types == ["Q4_1", "Q8_0", None] and isinstance(linear.others[0], CpuInt4Linear)
+    assert linear.source_types == {"Q4_1": 32 * cols, "Q8_0": 16 * cols, "Q5_1": 32 * cols}
+    x = torch.randn(3, cols)
+    w = torch.cat([reference.dequantize(b, s.type_name, cols) if s.type_name else b for s, b in q.part_views()])
+    torch.testing.assert_close(linear(x), x @ w.T + q.bias, rtol=0, atol=float((x.abs() @ w.abs().T).max()) * 2**-8)
+    blocks_bytes = sum(b.nbytes for s, b in q.part_views() if s.type_name in ("Q4_1", "Q8_0"))
+    assert model_weight_bytes(linear) == blocks_bytes + model_weight_bytes(linear.others[0]) + q.bias.nbytes
 
 
 @pytest.fixture(scope="module", params=[("llama", "Q8_0"), ("qwen2", "Q4_0"), ("qwen3", "Q4_1")])

@@ -4,6 +4,7 @@ says what to do; the embedded default model converts once and matches transforme
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -278,3 +279,39 @@ def test_model_display_name_drops_the_cache_hash_of_conversions_only(tmp_path, m
     own.mkdir()
     assert model_display_name(own) == "my-model-b179c9523d0e"
     assert model_display_name(tmp_path / "cache" / "models" / "plain") == "plain"
+
+
+def test_model_facts_are_cached_by_the_config_files_bytes(tmp_path, monkeypatch, make_tiny_hf_model):
+    """A second read of the same config files comes from the cache, in a fresh process
+    without importing transformers; a changed config.json derives anew; an unreadable
+    record is a miss; a cache that cannot be written only skips the record."""
+    import subprocess
+    import sys
+
+    from engine.loader import config_cache
+    from engine.loader.hf_config import load_model_config
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("HEADROOM_CACHE_DIR", str(cache))
+    folder = tmp_path / "tiny"
+    make_tiny_hf_model("qwen3", folder)
+    first = load_model_config(folder)
+    records = list((cache / "model-facts").glob("*.json"))
+    assert len(records) == 1 and config_cache.cached_config(folder) == first
+    script = ("import sys; from engine.loader.hf_config import load_model_config; "
+              f"c = load_model_config({str(folder)!r}); print(c.architecture, c.head_dim, 'transformers' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "HEADROOM_CACHE_DIR": str(cache)})
+    assert done.stdout.split() == [first.architecture, str(first.head_dim), "False"], done.stderr[-2000:]
+    raw = json.loads((folder / "config.json").read_text())
+    raw["rms_norm_eps"] = 1e-3
+    (folder / "config.json").write_text(json.dumps(raw))
+    assert load_model_config(folder).rms_norm_eps == 1e-3 != first.rms_norm_eps
+    assert len(list((cache / "model-facts").glob("*.json"))) == 2
+    record = config_cache._record(folder)
+    record.write_text("{not json")
+    assert config_cache.cached_config(folder) is None and load_model_config(folder).rms_norm_eps == 1e-3
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where the cache folder should be")
+    monkeypatch.setenv("HEADROOM_CACHE_DIR", str(blocked))
+    assert load_model_config(folder).rms_norm_eps == 1e-3

@@ -299,8 +299,7 @@ def load_gguf_quantized(
         with torch.device("meta"):
             blocks = torch.empty((rows, tensor_bytes(embed_type, (1, cols), 0)), dtype=torch.uint8)
             model.model.embed_tokens = QuantEmbedding(blocks, embed_type, cols, dtype)
-            if config.tie_word_embeddings:  # the head reads the same blocks, repacked
-                model.lm_head = QuantLinear(cols, [PartSpec(rows, embed_type)], bias=False, dtype=dtype)
+            # A tied head is made after the blocks are filled, reading the same tensor.
     for module_name, types in expert_modules.items():
         with torch.device("meta"):
             new = QuantExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size, types)
@@ -310,18 +309,26 @@ def load_gguf_quantized(
     model.init_rope_cache()
     expert_weights = {n for m in expert_modules for n in _expert_targets(config)[m]}
     with torch.no_grad():
+        # After each module, the file's pages read for it leave this process's resident
+        # memory (reader.release): the map would otherwise hold the whole file there.
         for module_name, stems in targets.items():
             _fill(model.get_submodule(module_name), [by_name[f"{s}.weight"] for s in stems],
                   [by_name.get(f"{s}.bias") for s in stems], arch, config, gguf_path)
+            reader.release()
         if embed_type is not None:
             embed = by_name[_EMBEDDINGS]
             blocks = model.model.embed_tokens.blocks
             blocks.copy_(_mapped(embed.data).reshape(blocks.shape))
+            reader.release()
             if config.tie_word_embeddings:  # the head's one part is the same blocks: no second copy
+                with torch.device("meta"):
+                    model.lm_head = QuantLinear(model.model.embed_tokens.embedding_dim,
+                                                [PartSpec(blocks.shape[0], embed_type)], bias=False, dtype=dtype)
                 model.lm_head.part0 = blocks
         for module_name in expert_modules:
             _fill_experts(model.get_submodule(module_name),
                           [by_name[n] for n in _expert_targets(config)[module_name]], gguf_path)
+            reader.release()
         if device.type == "cuda":
             repack_model_for_kernels(model)
         skip = (projection_weights | {f"{s}.bias" for stems in targets.values() for s in stems} | expert_weights

@@ -108,6 +108,16 @@ class GGUFTensors:
                                         n_elements=n_elems, n_bytes=n_bytes, data_offset=at, data=data, field=None))
         self.tensors: list[Any] = tensors
 
+    def release(self) -> None:
+        """Drop the pages of the file read so far from this process's resident memory
+        (``madvise(MADV_DONTNEED)`` on the read-only map: a later read maps them again from
+        the page cache); nothing where the platform lacks it."""
+        import mmap
+
+        raw = getattr(self.data, "_mmap", None)
+        if raw is not None and hasattr(raw, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+            raw.madvise(mmap.MADV_DONTNEED)
+
 
 def _skip_value(buf: np.memmap, offs: int, value_type: int) -> int:
     """The offset after one key-value value of ``value_type`` at ``offs``.

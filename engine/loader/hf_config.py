@@ -53,9 +53,25 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         UnsupportedConfig: a variant headroom does not implement (RoPE scaling type,
             sliding window, activation, MLP bias, partial rotary).
         ModelLoadError: the JSON is unreadable or transformers rejects it.
+
+    The facts are cached by the config files' bytes (:mod:`engine.loader.config_cache`):
+    a later call, in this process or another, reads them without transformers.
     """
+    from engine.loader.config_cache import cached_config, store_config
+
     model_dir = Path(model_dir)
     config_path = model_dir / "config.json"
+    if config_path.is_file():
+        known = cached_config(model_dir)  # derived before from these very bytes
+        if known is not None:
+            return known
+    config = _derive(model_dir, config_path)
+    store_config(model_dir, config)
+    return config
+
+
+def _derive(model_dir: Path, config_path: Path) -> ModelConfig:
+    """:func:`load_model_config` without the cache."""
     raw = _read_json(config_path, required=True)
     architecture = _architecture(raw, config_path)
     for name in REQUIRED_FIELDS:

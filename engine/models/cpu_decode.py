@@ -65,6 +65,13 @@ class CpuDecode:
             if any(p is None for p in projs) or attn.o_proj.bias is not None or mlp.gate_up_proj.bias is not None \
                     or mlp.down_proj.bias is not None:
                 return None
+            # The C layer sizes its scratch from the config: each projection must be the
+            # shape it assumes (rows x K), or it would write past it.
+            h, q, kv, inter = config.hidden_size, config.q_size, config.kv_size, config.intermediate_size
+            shapes = [(attn.qkv_proj, q + 2 * kv, h), (attn.o_proj, h, q), (mlp.gate_up_proj, 2 * inter, h),
+                      (mlp.down_proj, h, inter)]
+            if any((p.out_features, p.in_features) != (rows, k) for p, rows, k in shapes):
+                return None
             head_norm = attn.q_norm is not None
             specs.append(decode_layer.layer(
                 hidden=config.hidden_size, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
@@ -103,6 +110,15 @@ class CpuDecode:
             self.scratch = torch.empty(need, dtype=torch.uint8)
         positions, out_slots = batch.positions.contiguous(), batch.out_slots.contiguous()
         page_table = batch.page_table.contiguous()
+        # The C layer indexes without bounds checks: what torch's indexing would refuse is
+        # refused here (the scheduler never makes such a step).
+        slots = pool.k_buffers[0].shape[0]
+        if h.shape[0] and (int(positions.max()) >= cos_sin.shape[0] or int(out_slots.max()) >= slots
+                           or int(page_table.max()) * pool.page_size >= slots or int(positions.min()) < 0
+                           or int(out_slots.min()) < 0 or int(page_table.min()) < 0):
+            raise IndexError(f"decode step out of range: positions below {cos_sin.shape[0]}, slots below {slots}")
+        if cos_sin.dtype != torch.float32 or not cos_sin.is_contiguous():
+            raise ValueError(f"cos/sin cache {cos_sin.dtype}, contiguous {cos_sin.is_contiguous()}: float32 wanted")
         st = decode_layer.step(positions=positions, out_slots=out_slots, seq_lens=seq_lens, page_table=page_table,
                                page_size=pool.page_size, cos_sin=cos_sin, threads=torch.get_num_threads())
         for i, spec in enumerate(self.specs):

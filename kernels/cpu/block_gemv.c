@@ -77,18 +77,30 @@ int hr_simd_level(void) {
 #endif
 }
 
-/* Quantize one row of K floats (K a multiple of 32) into codes, scales and sums. */
+/* Quantize one row of K floats (K a multiple of 32) into codes, scales and sums. A block
+ * holding a NaN or an infinity gets a NaN scale (and zero codes), so the products it
+ * enters are NaN, as in float arithmetic; a block too small for its scale's reciprocal
+ * (below about 1e-34) gets zero codes. */
 void hr_quantize_row(const float *x, int64_t K, int16_t *codes, float *scales, int32_t *sums) {
     for (int64_t b = 0; b < K / 32; b++) {
         const float *xb = x + b * 32;
         float amax = 0.0f;
-        for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(xb[j]));
-        const float d = amax / 32767.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        int finite = 1;
+        for (int j = 0; j < 32; j++) {
+            const float a = fabsf(xb[j]);
+            finite &= isfinite(a) != 0;
+            amax = fmaxf(amax, a);
+        }
+        float d = amax / 32767.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        if (!isfinite(id)) id = 0.0f;
+        if (!finite) d = NAN, id = 0.0f;
         int32_t s = 0;
         for (int j = 0; j < 32; j++) {
-            const int32_t c = (int32_t)nearbyintf(xb[j] * id);  /* round half to even */
+            /* round half to even; |x * id| <= 32767 up to rounding, clamped so the
+             * conversion is always defined */
+            const float c = fminf(fmaxf(nearbyintf(xb[j] * id), -32767.0f), 32767.0f);
             codes[b * 32 + j] = (int16_t)c;
-            s += c;
+            s += (int32_t)c;
         }
         scales[b] = d;
         sums[b] = s;
@@ -210,6 +222,10 @@ int64_t hr_work_bytes(int64_t M, int64_t K) { return M * (2 * K + K / 32 * 12); 
 int hr_block_gemv(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, float *y,
                   int64_t ldy, void *work, int threads, int scalar) {
     if ((type != Q4_0 && type != Q4_1 && type != Q8_0) || K % 32 != 0 || M < 0 || N < 0) return -1;
+    if (K == 0) {  /* an empty sum */
+        for (int64_t m = 0; m < M; m++) memset(y + m * ldy, 0, N * sizeof(float));
+        return 0;
+    }
     const int64_t nb = K / 32, row_bytes = nb * block_bytes(type);
     int16_t *codes = (int16_t *)work;
     float *scales = (float *)(codes + M * K);
@@ -246,6 +262,40 @@ int hr_block_gemv(int type, const float *x, int64_t M, int64_t K, const uint8_t 
                 for (int64_t n = n0; n < N && n < n0 + 4; n++)
                     y[(m0 + i) * ldy + n] = dot_scalar(type, w + n * row_bytes, c + i * K, dx + i * nb,
                                                        sums + (m0 + i) * nb, nb);
+        }
+    }
+    return 0;
+}
+
+/* Dequantize rows [lo, hi) of N x K blocks of `type` into float32 out[(n - lo) * K + k]
+ * (w = dw * u + mw, dw * (u - 8) or dw * q, computed in float32 as gguf's dequantizers
+ * do), threads over rows: the prefill path multiplies them with a float32 GEMM.
+ * Returns 0, or -1 for a type or a K it does not take. */
+int hr_dequantize_rows(int type, const uint8_t *w, int64_t K, int64_t lo, int64_t hi, float *out, int threads) {
+    if ((type != Q4_0 && type != Q4_1 && type != Q8_0) || K % 32 != 0 || lo < 0 || hi < lo) return -1;
+    const int64_t nb = K / 32, row_bytes = nb * block_bytes(type);
+    if (threads < 1) threads = 1;
+    if (hi - lo < 16 * threads) threads = 1;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t n = lo; n < hi; n++) {
+        const uint8_t *row = w + n * row_bytes;
+        float *dst = out + (n - lo) * K;
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = row + b * block_bytes(type);
+            const float d = f16_to_f32(blk);
+            float *o = dst + b * 32;
+            if (type == Q8_0) {
+                const int8_t *q = (const int8_t *)(blk + 2);
+                for (int j = 0; j < 32; j++) o[j] = d * (float)q[j];
+            } else {
+                const uint8_t *qs = blk + (type == Q4_1 ? 4 : 2);
+                const float m = type == Q4_1 ? f16_to_f32(blk + 2) : 0.0f;
+                if (type == Q4_1) {
+                    for (int j = 0; j < 16; j++) { o[j] = d * (float)(qs[j] & 15) + m; o[j + 16] = d * (float)(qs[j] >> 4) + m; }
+                } else {
+                    for (int j = 0; j < 16; j++) { o[j] = d * (float)((qs[j] & 15) - 8); o[j + 16] = d * (float)((qs[j] >> 4) - 8); }
+                }
+            }
         }
     }
     return 0;

@@ -3,7 +3,7 @@
 The C sources are compiled by the machine's C compiler (``$CC``, else ``cc``, ``gcc`` or
 ``clang`` on the PATH) for the machine itself (``-march=native``: AVX2 or AVX-512 where
 the CPU has them) with OpenMP, into ``<cache>/kernels/``, named by a hash of the sources,
-the flags and the compiler, so a change to any of them builds anew and an unchanged one
+the flags, the compiler and the CPU's features, so a change to any of them builds anew and an unchanged one
 loads in milliseconds. A build writes a temporary file and renames it: a build stopped
 half-way or two processes building at once never leave a broken library under the final
 name. The library links ``libgomp.so.1``; loaded after torch, the dynamic linker hands it
@@ -59,10 +59,21 @@ def compiler() -> str | None:
 _STALE_S = 600  # a temporary build file this old was left by a build that was killed
 
 
+def _cpu_features() -> bytes:
+    """What ``-march=native`` compiles for: the CPU's model and feature flags (Linux's
+    /proc/cpuinfo), else the platform's processor name. Part of a build's name, so a cache
+    shared with another kind of CPU never loads a library this one cannot run."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        return "\n".join(sorted({ln for ln in lines if ln.split(":")[0].strip() in ("flags", "Features", "model name")})).encode()
+    except OSError:
+        return f"{platform.machine()} {platform.processor()}".encode()
+
+
 def _targets(cc: str, folder: Path) -> list[tuple[bool, Path]]:
     """``(openmp, library path)`` of each build, OpenMP first: named by a hash of the
-    sources, the flags and the compiler."""
-    text = b"".join((_HERE / name).read_bytes() for name in SOURCES)
+    sources, the flags, the compiler and the CPU."""
+    text = b"".join((_HERE / name).read_bytes() for name in SOURCES) + _cpu_features()
     return [(openmp, folder / f"headroom_cpu_{hashlib.sha256(text + ' '.join([cc, *_flags(openmp)]).encode()).hexdigest()[:16]}.so")
             for openmp in (True, False)]
 
@@ -117,6 +128,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.hr_work_bytes.argtypes = [c_i64, c_i64]
     lib.hr_block_gemv.restype = c_int
     lib.hr_block_gemv.argtypes = [c_int, ptr, c_i64, c_i64, ptr, c_i64, ptr, c_i64, ptr, c_int, c_int]
+    lib.hr_dequantize_rows.restype = c_int
+    lib.hr_dequantize_rows.argtypes = [c_int, ptr, c_i64, c_i64, c_i64, ptr, c_int]
     lib.hr_decode_scratch_bytes.restype = c_i64
     lib.hr_decode_scratch_bytes.argtypes = [ptr, c_i64, c_i64]
     lib.hr_decode_layer.restype = c_int

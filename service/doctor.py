@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import os
+import shutil
 import stat
 import sys
 from collections.abc import Callable, Iterator
@@ -145,7 +146,16 @@ def _check_kernels(ctx: Context) -> Check:
     triton, flashinfer = _version_of("triton"), _version_of("flashinfer")
     found = f"triton {triton or 'missing'}, flashinfer {flashinfer or 'missing (optional)'}"
     if not ctx.cuda_usable:
-        return Check("kernels", OK, f"{found}; not used on the CPU")
+        # On the CPU the C kernels serve (kernels/cpu, built at the first start by a C
+        # compiler); without one torch's slower kernels do.
+        from kernels.cpu.build import compiler
+
+        cc = compiler()
+        if cc is None or shutil.which(cc) is None:
+            return Check("kernels", WARN, f"no C compiler{f' at CC={cc}' if cc else ''}: the CPU runs torch's "
+                         "slower kernels", "install gcc or clang (e.g. apt install gcc), or set CC to one")
+        return Check("kernels", OK, f"C compiler {cc} for the CPU kernels (built at the first CPU start); "
+                     f"{found}, not used on the CPU")
     if triton is None:
         return Check(
             "kernels",

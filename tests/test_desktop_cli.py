@@ -161,3 +161,17 @@ def test_no_runtime_dir_warning_without_xdg_runtime_dir(tmp_path):
     assert Path(pidfile).parent == Path(runtime)
     if not Path(f"/run/user/{os.getuid()}").is_dir():
         assert Path(runtime).is_relative_to(tmp_path)  # platformdirs' private fallback
+
+
+def test_doctor_says_when_the_cpu_kernels_have_no_compiler(doctor_env):
+    """On a machine without CUDA: the C compiler the CPU kernels build with, or a WARN
+    naming the fix when there is none."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("the kernels line is about Triton where CUDA works")
+    result, lines = doctor(doctor_env)
+    assert lines["kernels"][0] == "OK" and "C compiler" in lines["kernels"][1], result.output
+    result, lines = doctor({**doctor_env, "CC": "/nonexistent/cc"})
+    assert lines["kernels"][0] == "WARN" and "no C compiler at CC=/nonexistent/cc" in lines["kernels"][1]
+    assert "fix: install gcc or clang" in result.output

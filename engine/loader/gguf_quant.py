@@ -43,7 +43,9 @@ from engine.models.cpu_quant_linear import CODE_BITS, QuantEmbedding, packable, 
 from engine.models.quant_experts import QuantExperts
 from engine.models.quant_linear import PartSpec, QuantLinear, repack_model_for_kernels
 from engine.units import MiB
-from kernels.cpu.block_gemv import TYPE_IDS as _CPU_BLOCK_TYPE_IDS
+from kernels.cpu.block_gemv import (
+    TYPE_IDS as CPU_BLOCK_TYPES,  # what the C CPU GEMV reads as stored
+)
 from kernels.quant.formats import FORMATS, tensor_bytes
 
 # Our fused module (under model.layers.N) -> the GGUF tensors stacked in it, in order.
@@ -104,8 +106,6 @@ def _targets(config: ModelConfig) -> dict[str, tuple[str, ...]]:
 
 
 _EMBEDDINGS = "token_embd.weight"
-# Block types the C CPU GEMV reads as stored (kernels.cpu.block_gemv).
-CPU_BLOCK_TYPES = frozenset(_CPU_BLOCK_TYPE_IDS)
 
 
 def _embeddings_in_blocks(by_name: dict[str, Any], wanted: bool) -> str | None:
@@ -197,11 +197,8 @@ def gguf_weight_size(gguf_path: str | Path, config: ModelConfig, dtype: torch.dt
             continue
         kept = _kept_quantized(t, projection_weights | expert_blocks)
         shape = _hf_shape(t)
-        if device_type == "cpu" and kept is not None:
-            if cpu_blocks and kept in CPU_BLOCK_TYPES:
-                pass  # the C GEMV reads the blocks as stored
-            else:
-                kept = "int4" if packable(kept, shape[0]) else None
+        if device_type == "cpu" and kept is not None and not (cpu_blocks and kept in CPU_BLOCK_TYPES):
+            kept = "int4" if packable(kept, shape[0]) else None  # else the C GEMV reads the blocks as stored
         if t.name == _EMBEDDINGS and embed_type is not None:
             kept = embed_type
         if kept == "int4":

@@ -11,6 +11,7 @@ instead of holding a repacked copy.
 from __future__ import annotations
 
 import ctypes
+from collections import Counter
 
 import torch
 from torch import nn
@@ -71,13 +72,13 @@ class CpuBlockLinear(nn.Module):
             else:
                 self.others.append(w)
         self.register_buffer("bias", bias)
-        self.source_types: dict[str, int] = {}  # GGUF block type -> weights
+        source: Counter[str] = Counter()  # GGUF block type -> weights
         for type_name, rows in zip(self.types, self.rows, strict=True):
             if type_name is not None:
-                self.source_types[type_name] = self.source_types.get(type_name, 0) + rows * in_features
+                source[type_name] += rows * in_features
         for other in self.others:
-            for type_name, count in other.source_types.items():
-                self.source_types[type_name] = self.source_types.get(type_name, 0) + count
+            source.update(other.source_types)
+        self.source_types = dict(source)
 
     @classmethod
     def from_quant_linear(cls, lib: ctypes.CDLL, module: nn.Module, dtype: torch.dtype) -> CpuBlockLinear:

@@ -113,10 +113,10 @@ class CpuDecode:
         # The C layer indexes without bounds checks: what torch's indexing would refuse is
         # refused here (the scheduler never makes such a step).
         slots = pool.k_buffers[0].shape[0]
-        if h.shape[0] and (int(positions.max()) >= cos_sin.shape[0] or int(out_slots.max()) >= slots
-                           or int(page_table.max()) * pool.page_size >= slots or int(positions.min()) < 0
-                           or int(out_slots.min()) < 0 or int(page_table.min()) < 0):
-            raise IndexError(f"decode step out of range: positions below {cos_sin.shape[0]}, slots below {slots}")
+        if h.shape[0]:
+            limits = ((positions, cos_sin.shape[0]), (out_slots, slots), (page_table, slots // pool.page_size))
+            if any(int(low) < 0 or int(high) >= bound for t, bound in limits for low, high in [torch.aminmax(t)]):
+                raise IndexError(f"decode step out of range: positions below {cos_sin.shape[0]}, slots below {slots}")
         if cos_sin.dtype != torch.float32 or not cos_sin.is_contiguous():
             raise ValueError(f"cos/sin cache {cos_sin.dtype}, contiguous {cos_sin.is_contiguous()}: float32 wanted")
         st = decode_layer.step(positions=positions, out_slots=out_slots, seq_lens=seq_lens, page_table=page_table,

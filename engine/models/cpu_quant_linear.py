@@ -320,7 +320,6 @@ def pack_model_for_cpu(model: nn.Module, dtype: torch.dtype, lib=None) -> nn.Mod
     (:mod:`engine.models.cpu_decode`)."""
     from engine.models.cpu_block_linear import CpuBlockLinear, takes
     from engine.models.quant_linear import QuantLinear
-    from kernels.cpu.block_gemv import TYPE_IDS
 
     names = [n for n, m in model.named_modules() if isinstance(m, QuantLinear)]
     for name in names:
@@ -334,11 +333,9 @@ def pack_model_for_cpu(model: nn.Module, dtype: torch.dtype, lib=None) -> nn.Mod
     embeddings = model.model.embed_tokens
     if model.config.tie_word_embeddings and isinstance(embeddings, QuantEmbedding) and isinstance(
             model.lm_head, CpuInt4Linear | CpuBlockLinear):
-        head = model.lm_head
-        if isinstance(head, CpuBlockLinear) and embeddings.type_name in TYPE_IDS:
-            # The head reads the embeddings' blocks themselves: the loader's copy goes.
-            head = CpuBlockLinear(lib, embeddings.embedding_dim, [(embeddings.type_name, embeddings.blocks)], None)
-        model.lm_head = RescoredHead(head, embeddings)
+        # (The loader's tied head holds the embeddings' blocks themselves: a CpuBlockLinear
+        # of it shares them.)
+        model.lm_head = RescoredHead(model.lm_head, embeddings)
     if lib is not None:
         from engine.models.cpu_decode import CpuDecode
 

@@ -340,7 +340,8 @@ class CausalLM(nn.Module):
         Args:
             batch: the step; its tensors live on the model's device.
             attn: the attention backend over the KV pool; ``attn.prepare(batch)`` is
-                called here.
+                called here (not for a step the C decode layer runs: it reads the pool
+                itself).
 
         Returns:
             ``[B, vocab_size]`` float32 logits, one row per sequence, at
@@ -348,7 +349,6 @@ class CausalLM(nn.Module):
         """
         if self.cos_sin_cache is None:
             self.init_rope_cache()
-        attn.prepare(batch)
         if self.tp is None:
             h = self.model.embed_tokens(batch.input_ids)  # [T, hidden]
         else:
@@ -356,8 +356,9 @@ class CausalLM(nn.Module):
         residual = None
         fast = self.cpu_decode
         if fast is not None and fast.takes(batch, h, attn.pool):  # the C decode layer (CPU)
-            h, residual = fast.run(h, batch, attn.pool, self.cos_sin_cache)
+            h, residual = fast.run(h, batch, attn.pool, self.cos_sin_cache)  # reads the pool itself
         else:
+            attn.prepare(batch)
             for layer in self.model.layers:
                 h, residual = layer(h, residual, batch, attn, self.cos_sin_cache)
         # RMSNorm is per row, so normalizing only the rows that need logits is exact.

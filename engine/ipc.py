@@ -259,6 +259,9 @@ def encode(message: ToWorker | FromWorker) -> bytes:
     return _encoder.encode(message)
 
 
+ENGINE_FACTORY = "engine.engine:Engine"  # the real engine; tests name stand-ins
+
+
 class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Everything the worker needs to start, fixed for its lifetime.
 
@@ -272,4 +275,4 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     engine: EngineConfig
     parent_pid: int
     heartbeat_interval_s: float = 0.5
-    engine_factory: str = "engine.engine:Engine"
+    engine_factory: str = ENGINE_FACTORY

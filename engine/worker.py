@@ -33,6 +33,7 @@ from typing import Any
 
 from engine.errors import CudaUnavailable, PlanDoesNotFit, RequestRejected, SettingRefused
 from engine.ipc import (
+    ENGINE_FACTORY,
     ControlDone,
     EngineEvents,
     EvictPrefixCache,
@@ -53,12 +54,13 @@ from engine.ipc import (
     to_worker_decoder,
 )
 from engine.loader.errors import ModelLoadError
+from engine.loader.resolve import convert_ahead
 from engine.memory.plan import MIN_PREFILL_TOKENS, fmt_bytes
 from engine.messages import AbortRequest, GenerateRequest, ResizeResult
+from engine.parent_death import die_with_parent
 
 log = logging.getLogger("headroom.worker")
 
-_PR_SET_PDEATHSIG = 1
 # Exit codes the supervisor reads.
 EXIT_OK = 0
 EXIT_LOAD_FAILED = 3
@@ -343,7 +345,11 @@ def _misfit(plan: Any) -> Misfit:
 
 def _make_engine(config: WorkerConfig) -> Any:
     """Import and call ``config.engine_factory`` (``"module:callable"``) here, in the
-    worker, so torch is imported by this process only."""
+    worker, so torch is imported by this process only. A GGUF not converted yet is
+    converted first, in a child process (:func:`engine.loader.resolve.convert_ahead`),
+    for the real engine (a stand-in factory of the tests loads no model)."""
+    if config.engine_factory == ENGINE_FACTORY:
+        convert_ahead(config.engine.model)
     module_name, _, attr = config.engine_factory.partition(":")
     factory = getattr(importlib.import_module(module_name), attr or "Engine")
     if config.engine.tensor_parallel_size == 1:
@@ -384,14 +390,7 @@ def _ignore_group_signals(parent_pid: int) -> None:
 def _die_with_parent() -> None:
     """Ask Linux to SIGKILL us when the parent dies (a SIGKILLed service runs no
     cleanup). Elsewhere the pipe's EOF and the parent-pid check do the job."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
+    if sys.platform.startswith("linux") and not die_with_parent():
         log.warning("prctl(PR_SET_PDEATHSIG) unavailable; relying on the pipe closing")
 
 

@@ -311,3 +311,16 @@ def _make_tiny_hf_model(kind: str, path, *, vocab_size: int = 256, **overrides):
 def make_tiny_hf_model():
     """``make_tiny_hf_model(kind, path, vocab_size=256, **config) -> transformers model``."""
     return _make_tiny_hf_model
+
+
+@pytest.fixture
+def tiny_gguf(tmp_path, monkeypatch, make_tiny_hf_model):
+    """A tiny random Qwen3 written as a GGUF file (a Path), with ``HEADROOM_CACHE_DIR``
+    pointed at a cache folder of the test's own."""
+    pytest.importorskip("gguf")
+    from test_gguf_convert import VOCAB, write_gguf
+
+    path = tmp_path / "tiny-qwen3.gguf"
+    write_gguf(path, "qwen3", make_tiny_hf_model("qwen3", None, vocab_size=VOCAB))
+    monkeypatch.setenv("HEADROOM_CACHE_DIR", str(tmp_path / "cache"))
+    return path

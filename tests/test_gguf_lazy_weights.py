@@ -12,7 +12,7 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from test_gguf_convert import VOCAB, dies_at_fifth_tensor, write_gguf  # noqa: E402
+from test_gguf_convert import dies_at_fifth_tensor  # noqa: E402
 
 from engine.commands.plan import build_plan  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
@@ -28,14 +28,6 @@ GiB = 1 << 30
 
 def _tensors(folder):
     return sorted(p.name for p in folder.rglob("*.safetensors"))
-
-
-@pytest.fixture
-def tiny_gguf(tmp_path, monkeypatch, make_tiny_hf_model):
-    path = tmp_path / "tiny-qwen3.gguf"
-    write_gguf(path, "qwen3", make_tiny_hf_model("qwen3", None, vocab_size=VOCAB))
-    monkeypatch.setenv("HEADROOM_CACHE_DIR", str(tmp_path / "cache"))
-    return path
 
 
 def test_resolve_writes_the_metadata_only(tiny_gguf):

@@ -281,8 +281,8 @@ class DecoderModel(nn.Module):
 class CausalLM(nn.Module):
     """Decoder-only LM over the paged KV cache.
 
-    Build it under ``torch.device("meta")`` and materialize with ``to_empty`` (see
-    :func:`engine.loader.load.load_model`); then call :meth:`init_rope_cache` and
+    Build it under ``torch.device("meta")`` and give it storage with
+    :func:`engine.loader.load.materialize` (see :func:`engine.loader.load.load_model`); then call :meth:`init_rope_cache` and
     :meth:`load_weights`.
 
     Attributes:
@@ -296,14 +296,14 @@ class CausalLM(nn.Module):
         self.config = config
         self.model = DecoderModel(config)
         # A tied head reads the embedding matrix directly: no second parameter to keep
-        # tied through ``to_empty`` / dtype casts, and the weight is counted once.
+        # tied through materialization / dtype casts, and the weight is counted once.
         self.lm_head = (
             None
             if config.tie_word_embeddings
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         # Filled by init_rope_cache, not here: a None buffer is skipped by ``to(dtype)`` and
-        # ``to_empty``, so the cache is never cast to the model dtype or allocated twice.
+        # by materialization, so the cache is never cast to the model dtype or allocated twice.
         self.register_buffer("cos_sin_cache", None, persistent=False)
         # Tensor parallelism (use_parallel): this rank's group and the full vocabulary.
         self.tp: TensorParallel | None = None

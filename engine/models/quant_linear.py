@@ -66,7 +66,8 @@ class QuantLinear(nn.Module):
         dtype: dtype of dense parts and the bias.
 
     Buffers: ``part{i}`` for each part; ``bias`` when present. Build under
-    ``torch.device("meta")`` and materialize with ``to_empty`` like the rest of the model.
+    ``torch.device("meta")`` and materialize (:func:`engine.loader.load.materialize`)
+    like the rest of the model.
     """
 
     def __init__(self, in_features: int, parts: list[PartSpec], *, bias: bool, dtype: torch.dtype) -> None:

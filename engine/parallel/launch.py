@@ -30,12 +30,12 @@ from collections.abc import Iterator
 from typing import Any
 
 from engine.parallel.group import NCCL_ENV, TensorParallel, init_group, leave_group, rank_device
+from engine.parent_death import die_with_parent
 
 log = logging.getLogger("headroom.parallel")
 
 # rank 0's exit code when a follower is gone (the supervisor restarts the group).
 EXIT_RANK_LOST = 5
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclasses.dataclass
@@ -146,7 +146,7 @@ def _watch(group: Group) -> None:
 def follower_main(rank: int, config: Any, store: str, leader_pid: int) -> None:
     """Process target of ranks 1..N-1: join the group, build this rank's engine, follow
     rank 0 until it says stop (or is gone)."""
-    _die_with_leader()
+    die_with_parent()  # rank 0 is the parent: a follower dies with it
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when the group stops
     if os.getppid() != leader_pid:
         os._exit(EXIT_RANK_LOST)
@@ -163,17 +163,6 @@ def follower_main(rank: int, config: Any, store: str, leader_pid: int) -> None:
     log.info("rank %d ready: KV pool %d pages", rank, engine.pool.num_pages)
     follow(engine, tp)
     leave_group()
-
-
-def _die_with_leader() -> None:
-    """SIGKILL this follower when rank 0 dies (Linux ``prctl``); elsewhere the next
-    collective fails and the follower exits."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 def stop_group(group: Group) -> None:

@@ -28,7 +28,7 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 from engine.config import EngineConfig
-from engine.ipc import WorkerConfig
+from engine.ipc import ENGINE_FACTORY, WorkerConfig
 from engine.options import (
     ENV_PREFIX as ENV_PREFIX,
 )
@@ -261,7 +261,7 @@ class ServeSettings(EngineConfig):
     )
     # Not a user option: "module:callable" building the engine in the worker (tests
     # use a fake one). Read from HEADROOM_ENGINE_FACTORY only.
-    engine_factory: str = "engine.engine:Engine"
+    engine_factory: str = ENGINE_FACTORY
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
     @property

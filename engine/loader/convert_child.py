@@ -1,0 +1,95 @@
+"""Convert a GGUF's metadata in a short-lived child process.
+
+The one-time conversion (config, tokenizer, generation config:
+:func:`engine.loader.gguf_convert.convert_gguf` with ``weights=False``) reads the file
+with gguf's ``GGUFReader``, which parses the vocabulary into some 160 MiB of numpy
+objects, and builds the tokenizer through transformers; the first reading of the new
+``config.json`` imports transformers' ``AutoConfig`` (77 MiB) before its facts are
+cached (:mod:`engine.loader.config_cache`). Measured under ``headroom serve`` on the
+default model, a worker that did both in-process peaked at 648 MiB resident, 250 MiB
+above its later steady state, and glibc keeps much of it. Run in a child, that memory
+ends with the child: the process that serves never holds it.
+
+The child is ``python -m engine.loader.convert_child MODEL`` (an empty ``MODEL`` for the
+default model): it resolves the model as the engine will
+(:func:`engine.loader.resolve.resolve_model`) and reads its config once, which caches
+the facts. It dies with its parent (``prctl``) and reports a failure as one JSON line
+on stdout, ``{"kind", "message"}``, which :func:`convert_in_child` raises again as the
+same :mod:`engine.loader.errors` class; the conversion publishes its folder by a
+rename, so a child killed half-way leaves no folder under the final name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from engine.loader import errors
+
+_FAILED = 3  # the child's exit code for a conversion error it reported
+
+
+def convert_in_child(model: str | Path | None, name: str) -> None:
+    """Resolve ``model`` (a GGUF file, a folder holding one, a store name; None for the
+    default model) and read its config in a child process; ``name`` is what messages
+    call it.
+
+    Raises:
+        ModelLoadError (or the subclass the child raised: CorruptWeights,
+            UnsupportedArchitecture, UnsupportedGGUFType, UnsupportedConfig...): the
+            conversion failed; also when the child could not start or was killed (the
+            message names the exit status and the last lines it printed).
+    """
+    root = str(Path(__file__).resolve().parents[2])  # the folder holding the engine package
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    cmd = [sys.executable, "-m", "engine.loader.convert_child", "" if model is None else str(model)]
+    try:
+        done = subprocess.run(cmd, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True)
+    except OSError as e:
+        raise errors.ModelLoadError(f"cannot start the conversion of {name} ({e})") from e
+    if done.returncode == 0:
+        return
+    if done.returncode == _FAILED:
+        report = _report(done.stdout)
+        if report is not None:
+            kind = getattr(errors, str(report.get("kind")), None)
+            if not (isinstance(kind, type) and issubclass(kind, errors.ModelLoadError)):
+                kind = errors.ModelLoadError
+            raise kind(str(report.get("message")))
+    tail = "; ".join((done.stderr or done.stdout).strip().splitlines()[-3:])
+    how = f"signal {-done.returncode}" if done.returncode < 0 else f"exit code {done.returncode}"
+    raise errors.ModelLoadError(f"the conversion of {name} stopped ({how}){': ' + tail if tail else ''}")
+
+
+def _report(stdout: str) -> dict | None:
+    for line in reversed(stdout.strip().splitlines()):
+        try:
+            report = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(report, dict) and "kind" in report:
+            return report
+    return None
+
+
+def main(argv: list[str]) -> int:
+    from engine.parent_death import die_with_parent
+
+    die_with_parent()
+    from engine.loader.hf_config import load_model_config
+    from engine.loader.resolve import resolve_model
+
+    try:
+        load_model_config(resolve_model(argv[0] or None))
+    except errors.ModelLoadError as e:
+        print(json.dumps({"kind": type(e).__name__, "message": str(e)}), flush=True)
+        return _FAILED
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

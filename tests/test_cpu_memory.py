@@ -1,0 +1,141 @@
+"""Resident memory of the CPU engine: what loading the default model holds beyond its
+weights, and the GGUF's one-time conversion run in a child process (its reader, the
+tokenizer's build and transformers' config classes never enter the serving process).
+
+Memory is measured (``/proc/self/status``, Linux), never time."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from engine.loader import errors  # noqa: E402
+from engine.loader.config_cache import cached_config  # noqa: E402
+from engine.loader.default_model import converted_dir  # noqa: E402
+from engine.loader.load import materialize  # noqa: E402
+from engine.loader.resolve import convert_ahead, resolve_model  # noqa: E402
+
+MiB = 1 << 20
+# What a CPU load may hold beyond its weights: the RoPE table, the C kernels' library,
+# the KV pool's first pages, the allocator's slack. Before its mends it was 110 MiB
+# (sympy through Module.to_empty, the file's mapped pages of the small tensors).
+LOAD_SLACK = 40 * MiB
+
+_LOAD_SCRIPT = """
+import sys
+def vm(key):
+    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(key))
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.loader.resolve import convert_ahead
+convert_ahead(None)  # as the worker does: the config's facts cached by a child
+base = vm("VmRSS:")
+engine = Engine(EngineConfig(device="cpu", kv_cache=64 << 20))
+print(base, vm("VmHWM:"), engine.info.weight_bytes, "sympy" in sys.modules,
+      "transformers.models.auto.configuration_auto" in sys.modules)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_a_cpu_load_of_the_default_model_holds_its_weights_and_little_else(default_model_dir):
+    done = subprocess.run([sys.executable, "-c", _LOAD_SCRIPT], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    base, peak, weights, sympy, auto_config = done.stdout.split()
+    grown = int(peak) - int(base)
+    assert grown <= int(weights) + LOAD_SLACK, (
+        f"the load's peak is {grown / MiB:.0f} MiB above the imports, its weights {int(weights) / MiB:.0f} MiB")
+    assert (sympy, auto_config) == ("False", "False")
+
+
+def test_materialize_gives_every_tensor_storage_as_to_empty_does():
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    model[1].register_buffer("table", torch.zeros(5, dtype=torch.float64))
+    model[0].register_buffer("unset", None)
+    model[0].register_buffer("steps", torch.zeros(2, dtype=torch.int64), persistent=False)
+    assert materialize(model, "cpu") is model
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        assert t.device.type == "cpu" and t.is_contiguous(), name
+    assert isinstance(model[0].weight, torch.nn.Parameter) and model[0].weight.requires_grad
+    assert model[0].weight.shape == (3, 4) and model[1].table.dtype == torch.float64
+    assert model[0].steps.dtype == torch.int64 and "steps" not in model[0].state_dict()
+    assert model[0].unset is None
+    assert model(torch.ones(2, 4)).shape == (2, 3)  # real storage: it runs
+
+
+def _no_conversion_here(*args, **kwargs):
+    raise AssertionError("converted in this process")
+
+
+def test_convert_ahead_converts_in_a_child_and_caches_the_facts(tiny_gguf, monkeypatch):
+    import engine.loader.gguf_convert as gguf_convert
+
+    monkeypatch.setattr(gguf_convert, "convert_gguf", _no_conversion_here)
+    convert_ahead(str(tiny_gguf))
+    folder = converted_dir(tiny_gguf)
+    assert (folder / "config.json").is_file() and (folder / "tokenizer.json").is_file()
+    assert cached_config(folder) is not None  # the child read the config: the worker need not
+    assert resolve_model(str(tiny_gguf)) == folder  # found, not converted again
+
+    def no_child(*args, **kwargs):
+        raise AssertionError("a child started for a model already converted")
+
+    monkeypatch.setattr(subprocess, "run", no_child)
+    convert_ahead(str(tiny_gguf))
+    convert_ahead(str(folder))  # a Hugging Face folder: nothing to convert
+
+
+def test_convert_ahead_raises_the_child_s_error_and_leaves_no_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("HEADROOM_CACHE_DIR", str(tmp_path / "cache"))
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x07" * 64)
+    with pytest.raises(errors.CorruptWeights, match="broken.gguf is not a readable GGUF file.*download it again"):
+        convert_ahead(str(bad))
+    models = tmp_path / "cache" / "models"
+    assert not models.exists() or [p for p in models.iterdir() if p.is_dir()] == []  # no folder, not even a partial one
+    convert_ahead(str(tmp_path / "absent.gguf"))  # not a file: the engine's own resolve says so
+
+
+def test_a_child_that_dies_is_a_model_load_error_naming_its_exit(tiny_gguf, tmp_path, monkeypatch):
+    crash = tmp_path / "crash.py"
+    crash.write_text("import os, sys\nprint('converting...', file=sys.stderr)\nos._exit(9)\n")
+    real_run = subprocess.run
+
+    def run_crash(cmd, **kwargs):
+        return real_run([cmd[0], str(crash)], **kwargs)
+
+    monkeypatch.setattr(subprocess, "run", run_crash)
+    with pytest.raises(errors.ModelLoadError, match=r"conversion of tiny-qwen3.gguf stopped \(exit code 9\): converting"):
+        convert_ahead(str(tiny_gguf))
+    report = json.dumps({"kind": "NotAnError", "message": "odd"})
+    crash.write_text(f"import sys\nprint({report!r})\nsys.exit(3)\n")
+    with pytest.raises(errors.ModelLoadError, match="^odd$") as caught:
+        convert_ahead(str(tiny_gguf))
+    assert type(caught.value) is errors.ModelLoadError  # an unknown kind falls back to the base class
+    assert not (converted_dir(tiny_gguf) / "config.json").exists()
+
+
+def test_the_worker_converts_ahead_of_its_engine(tiny_gguf, monkeypatch):
+    """The worker's engine factory runs after the conversion: a factory that would convert
+    in-process finds the folder there."""
+    from engine import worker
+    from engine.config import EngineConfig
+
+    seen = []
+
+    def factory_probe(config):
+        seen.append((converted_dir(tiny_gguf) / "config.json").is_file())
+        return "engine"
+
+    monkeypatch.setattr(worker.importlib, "import_module", lambda name: type("M", (), {"Engine": factory_probe}))
+    config = worker.WorkerConfig(engine=EngineConfig(model=str(tiny_gguf), device="cpu"), parent_pid=os.getpid())
+    assert worker._make_engine(config) == "engine" and seen == [True]
+    assert Path(converted_dir(tiny_gguf)).is_dir()

@@ -170,8 +170,8 @@ def run_bench_engine(
     (case, side) and prints a table. Each side runs once untimed first (warm-up).
 
     Args:
-        shape: a name of :data:`engine.commands.model_shapes.SHAPES` to bench with random weights
-            instead of ``model``.
+        shape: a name of :data:`engine.commands.model_shapes.SHAPES` to bench with random
+            weights instead of ``model``.
         long_prefill_tokens: the long prompt's length (capped by the model's context; 0
             skips it).
         transformers_side: also run transformers' ``generate`` (the comparison).
@@ -180,7 +180,10 @@ def run_bench_engine(
         gguf_quantized: the engine keeps a GGUF ``model``'s projections quantized
             (``--gguf-quantized``).
 
-    The table ends with the process's peak resident memory (both sides in one process).
+    The engine runs every case before transformers is loaded, so the table ends with the
+    engine's own peak resident memory (``peak_rss_mib`` in its rows: the process's peak
+    after that case, load included; the KV cache a case fills is ``kv_mib``), then the
+    process's peak with transformers' model too.
     """
     if shape is not None:
         model = _shape_folder(shape)
@@ -189,15 +192,14 @@ def run_bench_engine(
         attention_backend=attention_backend, cuda_graphs=cuda_graphs,
         max_running_requests=max(64, *batches), gguf_quantized=gguf_quantized,
     ))
-    hf = _hf_model(engine, shape) if transformers_side else None
     on_cuda = engine.device.type == "cuda"
     # On the CPU the engine side fits its threads to the free cores between steps, as the
     # worker does (a busy core otherwise stalls every step); transformers gets what is set.
     between_steps = fit_between_steps(engine.config.cpu_threads) if engine.device.type == "cpu" else lambda: None
     roof = None
+    kv_per_token = kv_bytes_per_token(engine.model_config, engine.kv_dtype)
     if on_cuda:
-        roof = Roofline(engine.info.weight_bytes, kv_bytes_per_token(engine.model_config, engine.kv_dtype),
-                        copy_bandwidth(engine.device))
+        roof = Roofline(engine.info.weight_bytes, kv_per_token, copy_bandwidth(engine.device))
     g = torch.Generator().manual_seed(seed)
     vocab = engine.vocab_size
     chunk = engine.knobs.max_prefill_tokens
@@ -207,32 +209,48 @@ def run_bench_engine(
     long_len = min(long_prefill_tokens, engine.max_context_tokens - long_new - 1)
     if long_prefill_tokens > 0 and long_len > prompt_tokens:
         cases.append((1, long_len, long_new))
+    prompts = {case: [torch.randint(10, vocab, (case[1],), generator=g).tolist() for _ in range(case[0])]
+               for case in cases}
+    ours: dict[tuple, tuple[Speed, int]] = {}
+    for case in cases:
+        _, _, ntok = case
+        engine_speed(engine, prompts[case], min(4, ntok))  # warm-up
+        ours[case] = engine_speed(engine, prompts[case], ntok, between_steps), peak_rss_bytes()
+    engine_peak = peak_rss_bytes()
+    theirs: dict[tuple, Speed] = {}
+    if transformers_side:
+        hf = _hf_model(engine, shape)
+        for case in cases:
+            _, _, ntok = case
+            transformers_speed(hf, prompts[case], min(4, ntok), engine.device)  # warm-up
+            theirs[case] = transformers_speed(hf, prompts[case], ntok, engine.device)
     rows = []
-    for b, plen, ntok in cases:
-        prompts = [torch.randint(10, vocab, (plen,), generator=g).tolist() for _ in range(b)]
+    for case in cases:
+        b, plen, ntok = case
         label = f"{b}x{plen}"
-        sides = [("headroom", lambda p=prompts, n=ntok: engine_speed(engine, p, n, between_steps))]
-        if hf is not None:
-            sides.append(("transformers", lambda p=prompts, n=ntok: transformers_speed(hf, p, n, engine.device)))
-        measured = {}
-        for side, run in sides:
-            _warm(side, engine, hf, prompts, ntok)
-            speed = run()
-            measured[side] = speed
-            row = {"case": label, "batch": b, "prompt_tokens": plen, "side": side,
-                   "prefill_tok_s": speed.prefill_tok_s, "decode_tok_s": speed.decode_tok_s}
+        speed, peak = ours[case]
+        row = {"case": label, "batch": b, "prompt_tokens": plen, "side": "headroom",
+               "prefill_tok_s": speed.prefill_tok_s, "decode_tok_s": speed.decode_tok_s,
+               "peak_rss_mib": peak / 2**20, "kv_mib": b * (plen + ntok) * kv_per_token / 2**20}
+        sides = [(row, speed)]
+        if case in theirs:
+            sides.append(({"case": label, "batch": b, "prompt_tokens": plen, "side": "transformers",
+                           "prefill_tok_s": theirs[case].prefill_tok_s, "decode_tok_s": theirs[case].decode_tok_s},
+                          theirs[case]))
+        for r, sp in sides:
             if roof is not None:
-                row["prefill_roofline_share"] = speed.prefill_tok_s / roof.prefill(b * plen, chunk, b)
-                row["decode_roofline_share"] = speed.decode_tok_s / roof.decode(b, plen + ntok // 2)
-            rows.append(row)
-        if len(measured) == 2:
-            ours, theirs = measured["headroom"], measured["transformers"]
+                r["prefill_roofline_share"] = sp.prefill_tok_s / roof.prefill(b * plen, chunk, b)
+                r["decode_roofline_share"] = sp.decode_tok_s / roof.decode(b, plen + ntok // 2)
+            rows.append(r)
+        if case in theirs:
             rows.append({"case": label, "batch": b, "prompt_tokens": plen, "side": "ratio",
-                         "prefill_tok_s": ours.prefill_tok_s / theirs.prefill_tok_s,
-                         "decode_tok_s": ours.decode_tok_s / theirs.decode_tok_s})
+                         "prefill_tok_s": speed.prefill_tok_s / theirs[case].prefill_tok_s,
+                         "decode_tok_s": speed.decode_tok_s / theirs[case].decode_tok_s})
     _print_table(engine, rows, prompt_tokens, new_tokens, roof)
-    sides = "both sides" if hf is not None else "the engine alone"
-    print(f"peak RSS {peak_rss_bytes() / 2**20:.0f} MiB (this process: {sides})")
+    print(f"peak RSS of the engine alone: {engine_peak / 2**20:.0f} MiB (load and every case, before "
+          f"transformers is loaded; each case's KV cache in its row)")
+    if transformers_side:
+        print(f"peak RSS with transformers' model too: {peak_rss_bytes() / 2**20:.0f} MiB (the same process)")
     if profile and on_cuda:
         for b in profile_batches:
             profile_decode(engine, batch=b)
@@ -247,15 +265,6 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _warm(side: str, engine: Engine, hf, prompts: list[list[int]], new_tokens: int) -> None:
-    """One short untimed run of the side, so compilation and allocator growth are not
-    timed."""
-    if side == "headroom":
-        engine_speed(engine, prompts, min(4, new_tokens))
-    else:
-        transformers_speed(hf, prompts, min(4, new_tokens), engine.device)
-
-
 def _print_table(engine: Engine, rows: list[dict], prompt_tokens: int, new_tokens: int, roof: Roofline | None) -> None:
     info = engine.info
     print(f"model {info.model_name} on {info.device} ({info.dtype}), attention {engine.attention_backend}, "
@@ -264,7 +273,7 @@ def _print_table(engine: Engine, rows: list[dict], prompt_tokens: int, new_token
     if roof is not None:
         print(f"HBM roofline: {roof.bandwidth / 1e12:.2f} TB/s measured copy bandwidth, "
               f"{roof.weight_bytes / 2**20:.1f} MiB of weights, {roof.kv_bytes_per_token} KV bytes per token")
-    head = f"{'case':>10}  {'side':<12} {'prefill tok/s':>14} {'decode tok/s':>13}"
+    head = f"{'case':>10}  {'side':<12} {'prefill tok/s':>14} {'decode tok/s':>13} {'peak RSS MiB':>12} {'KV MiB':>7}"
     if roof is not None:
         head += f" {'prefill % roof':>14} {'decode % roof':>13}"
     print(head)
@@ -273,6 +282,7 @@ def _print_table(engine: Engine, rows: list[dict], prompt_tokens: int, new_token
             line = f"{r['case']:>10}  {r['side']:<12} {r['prefill_tok_s']:>13.2f}x {r['decode_tok_s']:>12.2f}x"
         else:
             line = f"{r['case']:>10}  {r['side']:<12} {r['prefill_tok_s']:>14.1f} {r['decode_tok_s']:>13.1f}"
+            line += (f" {r['peak_rss_mib']:>12.0f} {r['kv_mib']:>7.1f}" if "peak_rss_mib" in r else f" {'':>12} {'':>7}")
             if "decode_roofline_share" in r:
                 line += f" {100 * r['prefill_roofline_share']:>13.1f}% {100 * r['decode_roofline_share']:>12.1f}%"
         print(line)

@@ -19,6 +19,10 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HR_AVX2 1
+#endif
 
 int hr_block_gemv(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, float *y,
                   int64_t ldy, void *work, int threads, int scalar);
@@ -52,10 +56,35 @@ typedef struct {
     int32_t threads, first;                            /* first: residual = h */
 } hr_step;
 
+/* a . b over n floats. A plain C sum is one chain of dependent adds (the compiler may not
+ * reorder float sums), a few cycles an element: at a head size of 64 and a few hundred
+ * tokens of context, the attention's scores took about a third of the default model's
+ * decode step that way. With AVX2, two 8-lane accumulators, then the tail in plain C. */
+static inline float dot(const float *a, const float *b, int64_t n) {
+    int64_t i = 0;
+    float s = 0.0f;
+#ifdef HR_AVX2
+    if (n >= 8) {
+        __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+        for (; i + 16 <= n; i += 16) {
+            s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+            s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+        }
+        for (; i + 8 <= n; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+        s0 = _mm256_add_ps(s0, s1);
+        __m128 h = _mm_add_ps(_mm256_castps256_ps128(s0), _mm256_extractf128_ps(s0, 1));
+        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_add_ss(h, _mm_movehdup_ps(h));
+        s = _mm_cvtss_f32(h);
+    }
+#endif
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
 static void rms_norm_row(const float *x, const float *w, float *out, int64_t n, float eps) {
     /* As torch's F.rms_norm in float32: x * rsqrt(mean(x^2) + eps) * w. */
-    float ss = 0.0f;
-    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
+    const float ss = dot(x, x, n);
     const float r = 1.0f / sqrtf(ss / (float)n + eps);
     for (int64_t i = 0; i < n; i++) out[i] = x[i] * r * w[i];
 }
@@ -134,10 +163,7 @@ int hr_decode_layer(const hr_layer *L, const hr_step *S, float *h, float *residu
         float top = -INFINITY;
         for (int64_t t = 0; t < len; t++) {
             const int64_t slot = pages[t / S->page_size] * S->page_size + t % S->page_size;
-            const float *k = L->k_cache + (slot * Hk + kvh) * D;
-            float s = 0.0f;
-            for (int64_t i = 0; i < D; i++) s += q[i] * k[i];
-            sc[t] = s * L->scale;
+            sc[t] = dot(q, L->k_cache + (slot * Hk + kvh) * D, D) * L->scale;
             if (sc[t] > top) top = sc[t];
         }
         float total = 0.0f;

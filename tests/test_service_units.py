@@ -186,6 +186,9 @@ def test_serve_help_documents_every_option():
     [
         (b"", None, "empty"),
         (b"{oops", None, "not valid JSON"),
+        (b'{"messages": [{"role": "user", "content": "hi"}],\n "n": 1,,}', None,
+         "object keys must be strings at line 2, column 9, near ',}'"),
+        (b'{"messages": [{"role": "user"', None, "the body ends before the JSON does"),
         (b"[]", None, "JSON object"),
         (b"{}", "messages", "messages"),
         (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": "x"}', "max_tokens", "int"),

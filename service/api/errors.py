@@ -139,9 +139,29 @@ def decode_body(raw: bytes, type_: type[T]) -> T:
             text = f"the request body must be a JSON object: {text}"
         raise invalid(f"invalid request: {text}", param) from None
     except msgspec.DecodeError as exc:
-        raise invalid(f"the request body is not valid JSON: {exc}") from None
+        raise invalid(f"the request body is not valid JSON: {_where(str(exc), raw)}") from None
     except (ValueError, MemoryError, OverflowError) as exc:
         raise invalid(f"the request body cannot be decoded: {type(exc).__name__}") from None
+
+
+_AT_BYTE = re.compile(r"\s*\(byte (?P<at>\d+)\)$")
+
+
+def _where(message: str, raw: bytes) -> str:
+    """msgspec's decode error with its byte offset as a line and column and the text
+    there (``invalid character at line 3, column 7, near 'tru}'``); a body that ends early
+    says so."""
+    if message == "Input data was truncated":
+        return "the body ends before the JSON does (a missing closing bracket, brace or quote?)"
+    match = _AT_BYTE.search(message)
+    if match is None:
+        return message
+    at = min(int(match.group("at")), len(raw))
+    line = raw.count(b"\n", 0, at) + 1
+    column = at - (raw.rfind(b"\n", 0, at) + 1) + 1
+    near = raw[at:at + 16].decode("utf-8", errors="replace").splitlines()[0] if at < len(raw) else ""
+    text = message[: match.start()].removeprefix("JSON is malformed: ")
+    return f"{text} at line {line}, column {column}" + (f", near {near!r}" if near else "")
 
 
 # -- exception handlers ---------------------------------------------------------------------

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import math
 import os
 import time
 from concurrent import futures
@@ -33,6 +32,7 @@ from engine.loader.gguf_quant import gguf_weight_size
 from engine.loader.hf_config import load_model_config
 from engine.loader.load import fp8_weight_size, load_model, parameter_count
 from engine.loader.resolve import resolve_model
+from engine.memory.fixed_pool import unplanned_pages
 from engine.memory.footprint import kv_bytes_per_token, make_footprint
 from engine.memory.host import trim_host_heap
 from engine.memory.plan import MemoryPlan, PlanKnobs, fit_plan, make_plan
@@ -78,10 +78,6 @@ from engine.startup import (
 )
 
 log = logging.getLogger("headroom.engine")
-
-
-# Without a memory plan (CPU, or a fixed size asked for), the pool gets this much.
-DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 
 
 class Engine(LiveReplan):
@@ -440,12 +436,7 @@ class Engine(LiveReplan):
             return cfg.num_pages
         if self.plan is not None:
             return self.plan.num_pages + 1
-        page_bytes = kv_bytes_per_token(mc, self.kv_dtype) * cfg.page_size
-        budget = cfg.kv_cache if cfg.kv_cache is not None else DEFAULT_CPU_KV_CACHE_BYTES
-        # Without a plan: never fewer pages than one full context needs (+ the null page).
-        want_ctx = min(mc.max_position_embeddings, cfg.max_model_len or mc.max_position_embeddings)
-        floor = math.ceil(want_ctx / cfg.page_size) + 1 if cfg.kv_cache is None else 2
-        return max(budget // page_bytes, floor)
+        return unplanned_pages(cfg, mc, kv_bytes_per_token(mc, self.kv_dtype) * cfg.page_size)
 
     # -- public API -----------------------------------------------------------------------
 

@@ -123,6 +123,32 @@ def test_plan_on_a_tight_card_lowers_the_context_as_serve_would(default_model_di
     assert "fits: yes, with a lowered context (--min-context 2048)" in out
 
 
+def test_plan_on_the_cpu_shows_what_the_engine_holds(default_model_dir):
+    """No plan is fitted on the CPU: the weights as the CPU loads them (the GGUF's blocks)
+    and the pool the engine makes, both as the engine sizes them."""
+    import torch
+
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+
+    result = invoke(["plan", "--device", "cpu", "--max-model-len", "4096", "--json"])
+    assert result.exit_code == 0, result.output
+    got = json.loads(result.stdout)
+    engine = Engine(EngineConfig(device="cpu", max_model_len=4096))
+    # The plan's weights count the float32 RoPE table too, as every plan's do.
+    rope = engine.model_config.max_position_embeddings * engine.model_config.head_dim * 4
+    assert got["weight_bytes"] == engine.info.weight_bytes + rope
+    assert got["weight_source"].startswith("exact, GGUF: ") and "Q4_1 blocks" in got["weight_source"]
+    assert got["kv_pages"] == engine.pool.num_pages - 1  # the engine's own count holds the null page
+    assert got["kv_pool_bytes"] == got["kv_pages"] * got["page_size"] * got["kv_bytes_per_token"]
+    assert got["max_context_tokens"] == 4096 and got["kv_cache_dtype"] == str(engine.kv_dtype).removeprefix("torch.")
+    assert 0 < got["host_available_bytes"] <= got["host_total_bytes"]
+    assert got["dtype"] == "float32" and engine.dtype == torch.float32
+    table = invoke(["plan", "--device", "cpu"]).stdout
+    assert "no plan is fitted on the CPU" in table and "resident only where written" in table
+    assert "--device-total SIZE plans the pool for a budget" in table
+
+
 def test_plan_that_does_not_fit_exits_1_naming_the_knobs(default_model_dir):
     result = invoke(["plan", "--device-total", "1GiB"])
     assert result.exit_code == 1, result.output
@@ -204,12 +230,12 @@ def test_plan_bad_sizes_name_the_flag(args, needle):
     assert "Traceback" not in result.output
 
 
-def test_plan_without_a_device_says_how_to_simulate_one(default_model_dir):
+def test_plan_without_a_gpu_shows_the_cpu_and_how_to_simulate_a_card(default_model_dir):
     if cuda_available():
         pytest.skip("a CUDA device is present")
     result = invoke(["plan"])
-    assert result.exit_code == 2
-    assert "--device-total" in result.stderr
+    assert result.exit_code == 0, result.output
+    assert "on cpu (float32)" in result.stdout and "--device-total SIZE" in result.stdout
 
 
 def test_bench_memory_needs_cuda():

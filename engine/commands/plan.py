@@ -32,6 +32,11 @@ class NoDevice(Exception):
     """No GPU to plan for and no simulated device given."""
 
 
+class CpuWithoutPlan(NoDevice):
+    """A CPU run without a simulated device: the engine fits no plan there
+    (:func:`cpu_holdings` says what it holds instead)."""
+
+
 def planned_setup(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
     """The device and dtype ``headroom serve`` would plan with ``config``: ``--device``
     as the engine resolves it (``cuda`` with ``--device-total`` is taken as named, so a
@@ -47,6 +52,8 @@ def planned_setup(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
         device = torch.device(config.device)
     else:
         device = resolve_device(config.device)
+    if config.device_total is None and device.type == "cpu":
+        raise CpuWithoutPlan("on the CPU the engine fits no memory plan; --device-total SIZE plans for a budget")
     if config.device_total is None and device.type != "cuda":
         raise NoDevice(
             "no CUDA device here: plan for a simulated card with --device-total SIZE "
@@ -108,3 +115,84 @@ def render(plan: MemoryPlan, as_json: bool, setup: str = "") -> str:
     if plan.fits:
         return f"{head}{body}\nfits: yes"
     return f"{head}{body}\nfits: no\n\n{plan.message()}"
+
+
+class CpuHoldings(msgspec.Struct, frozen=True):
+    """What a CPU engine without a plan holds in host memory (bytes): its weights as
+    loaded, and its KV pool, sized as :func:`engine.memory.fixed_pool.unplanned_pages`
+    sizes it (an anonymous map: resident only where written). ``host_*``: the machine's
+    memory, ``host_available_bytes`` None where the OS does not say."""
+
+    model: str
+    dtype: str
+    weight_bytes: int
+    weight_source: str
+    kv_pool_bytes: int
+    kv_pages: int
+    page_size: int
+    kv_bytes_per_token: int
+    kv_cache_dtype: str
+    max_context_tokens: int
+    host_total_bytes: int
+    host_available_bytes: int | None
+
+
+def cpu_holdings(config: EngineConfig) -> CpuHoldings:
+    """:class:`CpuHoldings` of ``config`` on the CPU, from the model's config and (for a
+    GGUF) its tensor table, without loading the weights.
+
+    Raises:
+        engine.loader.errors.ModelLoadError: the model is missing or its config broken.
+        ValueError: an unknown dtype or KV cache dtype.
+    """
+    from engine.kvcache.pool import kv_storage_dtype
+    from engine.loader.default_model import model_display_name
+    from engine.loader.load import weight_bytes
+    from engine.memory.fixed_pool import unplanned_pages
+    from engine.memory.footprint import kv_bytes_per_token
+    from engine.memory.host import host_memory
+
+    device = torch.device("cpu")
+    dtype = resolve_dtype(config.dtype, device)
+    model_dir = resolve_model(config.model)
+    mc = load_model_config(model_dir)
+    gguf = quantized_gguf(config, device, mc)
+    if gguf is not None:
+        size = gguf_weight_size(gguf, mc, dtype, device.type)
+        weights, source = size.bytes, f"exact, {size.source}: {size.mix}"
+    else:
+        weights, source = weight_bytes(mc, dtype), f"exact, {str(dtype).removeprefix('torch.')} tensors"
+    kv_dtype = kv_storage_dtype(config.kv_cache_dtype, dtype)
+    per_token = kv_bytes_per_token(mc, kv_dtype)
+    pages = unplanned_pages(config, mc, per_token * config.page_size) - 1  # less the null page
+    context = min(mc.max_position_embeddings, config.max_model_len or mc.max_position_embeddings,
+                  pages * config.page_size)
+    total, available = host_memory()
+    return CpuHoldings(
+        model=model_display_name(model_dir), dtype=str(dtype).removeprefix("torch."), weight_bytes=weights,
+        weight_source=source, kv_pool_bytes=pages * per_token * config.page_size, kv_pages=pages,
+        page_size=config.page_size, kv_bytes_per_token=per_token, kv_cache_dtype=str(kv_dtype).removeprefix("torch."),
+        max_context_tokens=context, host_total_bytes=total, host_available_bytes=available)
+
+
+def render_cpu(h: CpuHoldings, as_json: bool) -> str:
+    """:class:`CpuHoldings` as a table (or JSON)."""
+    if as_json:
+        return msgspec.json.encode(h).decode()
+    from engine.units import fmt_bytes
+
+    def row(name: str, n: int, note: str) -> str:
+        return f"  {name:<24} {n / 2**20:>10.1f} MiB   {note}"
+
+    available = "" if h.host_available_bytes is None else f", {fmt_bytes(h.host_available_bytes)} available now"
+    rows = [
+        f"host memory of {h.model} on cpu ({h.dtype}): no plan is fitted on the CPU; the engine holds",
+        row("weights", h.weight_bytes, h.weight_source),
+        row("KV cache pool", h.kv_pool_bytes, f"{h.kv_pages} pages x {h.page_size} tokens, {h.kv_cache_dtype}, "
+            f"resident only where written (headroom serve --kv-cache sets its size)"),
+        row("at most", h.weight_bytes + h.kv_pool_bytes, f"of {fmt_bytes(h.host_total_bytes)}{available}"),
+        f"KV cache: {h.kv_bytes_per_token:,} bytes per token; max context {h.max_context_tokens:,} tokens",
+        "plus a step's activations and the runtime (torch); --device-total SIZE plans the pool for a budget "
+        "instead",
+    ]
+    return "\n".join(rows)

@@ -1,9 +1,11 @@
-"""Giving freed host memory back to the operating system."""
+"""Host memory: how much the machine has, and giving freed memory back to the operating
+system."""
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import sys
 
 
@@ -24,3 +26,22 @@ def trim_host_heap() -> bool:
         return False
     trim(0)
     return True
+
+
+def host_memory() -> tuple[int, int | None]:
+    """``(total, available)`` bytes of the machine's memory: the physical pages
+    (``sysconf``) and Linux's ``MemAvailable`` (what can be had without swapping, from
+    /proc/meminfo), None where the OS does not give it.
+
+    Raises:
+        OSError: the platform gives no physical page count.
+    """
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return total, int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return total, None

@@ -273,13 +273,25 @@ def plan(config_path: Path | None, as_json: bool, **flags: Any) -> None:
     settings = resolve_or_fail(flags, config_path)
     check_model_path(settings.model)
 
-    from engine.commands.plan import NoDevice, build_plan, planned_setup, render
+    from engine.commands.plan import (
+        CpuWithoutPlan,
+        NoDevice,
+        build_plan,
+        cpu_holdings,
+        planned_setup,
+        render,
+        render_cpu,
+    )
     from engine.errors import CudaUnavailable
     from engine.loader.errors import ModelLoadError
 
     try:
         config = settings.engine_config()
-        device, dtype = planned_setup(config)
+        try:
+            device, dtype = planned_setup(config)
+        except CpuWithoutPlan:
+            click.echo(render_cpu(cpu_holdings(config), as_json))
+            return
         memory_plan = build_plan(config)
     except (NoDevice, CudaUnavailable) as exc:
         fail(str(exc), EXIT_USAGE)

@@ -37,6 +37,7 @@ from engine.messages import (
 )
 from engine.models.expert_cache import resize_cache
 from engine.scheduler.resize import Vacated
+from engine.units import fmt_bytes
 
 log = logging.getLogger("headroom.engine")
 
@@ -238,8 +239,12 @@ class LiveReplan:
             return 0
         started = time.perf_counter()
         freed = self.radix.clear()
+        # A CPU pool's pages stay resident once written: the free ones go back to the OS
+        # here (on CUDA the pool gives memory back by resizing).
+        given = self.pool.release_memory(self.allocator.free_ids()) if freed else 0
         if freed:
-            log.info("prefix cache: %d pages evicted%s", freed, f" ({reason})" if reason else "")
+            log.info("prefix cache: %d pages evicted%s%s", freed, f", {fmt_bytes(given)} of host memory given back"
+                     if given else "", f" ({reason})" if reason else "")
             self._replanned(
                 REPLAN_EVICT_PREFIX_CACHE, reason, origin, self.pool.num_pages, self.pool.nbytes,
                 (time.perf_counter() - started) * 1000, evicted_pages=freed,

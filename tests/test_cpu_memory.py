@@ -139,3 +139,50 @@ def test_the_worker_converts_ahead_of_its_engine(tiny_gguf, monkeypatch):
     config = worker.WorkerConfig(engine=EngineConfig(model=str(tiny_gguf), device="cpu"), parent_pid=os.getpid())
     assert worker._make_engine(config) == "engine" and seen == [True]
     assert Path(converted_dir(tiny_gguf)).is_dir()
+
+
+def _rss() -> int:
+    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmRSS:"))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise and /proc/self/status")
+def test_a_cpu_pool_gives_the_memory_of_free_pages_back():
+    """Written pages are resident; released ones leave the process's memory and read as
+    zeros, the others keep their keys and values."""
+    from engine.kvcache.pool import KVPool
+
+    pool = KVPool(num_layers=4, num_pages=257, page_size=16, num_kv_heads=4, head_dim=64, dtype=torch.float32,
+                  device="cpu")  # 16 KiB a page per layer buffer: 32 MiB in all
+    before = _rss()
+    for buf in (*pool.k_buffers, *pool.v_buffers):
+        buf.fill_(1.0)
+    written = _rss() - before
+    assert written >= 28 * MiB
+    given = pool.release_memory(list(range(1, 200)))
+    assert given == 199 * 16 * 4 * 64 * 4 * 8
+    assert before + written - _rss() >= given - 4 * MiB  # it left this process's resident memory
+    for buf in (*pool.k_buffers, *pool.v_buffers):
+        assert float(buf[16:200 * 16].abs().max()) == 0.0  # released pages read as zeros
+        assert bool((buf[:16] == 1.0).all()) and bool((buf[200 * 16:] == 1.0).all())  # the rest intact
+    assert pool.release_memory([]) == 0
+
+
+def test_clearing_the_prefix_cache_gives_a_cpu_pool_s_memory_back(default_model_dir):
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    from engine.messages import GenerateRequest, SamplingParams
+
+    engine = Engine(EngineConfig(device="cpu", kv_cache=256 << 20))
+    sp = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    for i in range(4):
+        engine.add_request(GenerateRequest(request_id=f"r{i}", prompt_token_ids=list(range(100 + i, 612 + i)),
+                                           sampling=sp))
+    while engine.has_work():
+        engine.step()
+    cached = engine.radix.evictable_pages()
+    assert cached >= 4 * 512 // 16
+    given = []
+    real = engine.pool.release_memory
+    engine.pool.release_memory = lambda pages: given.append(real(pages)) or given[-1]
+    assert engine.evict_prefix_cache(reason="test") == cached
+    assert given and given[0] >= cached * engine.kv_page_bytes * 3 // 4  # whole OS pages of each page's rows

@@ -283,6 +283,17 @@ def test_garbage_gguf(tmp_path):
         convert_gguf(path, tmp_path / "out")
 
 
+def test_a_truncated_gguf_is_named_truncated(tmp_path, make_tiny_hf_model):
+    whole = tmp_path / "whole.gguf"
+    write_gguf(whole, "qwen3", make_tiny_hf_model("qwen3", None, vocab_size=VOCAB))
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(whole.read_bytes()[: whole.stat().st_size - 1000])
+    with pytest.raises(CorruptWeights, match=r"cut.gguf is not a readable GGUF file \(tensor .* ends at byte "
+                                             r"[\d,]+ of a [\d,]+-byte file: it is truncated\); download it again"):
+        convert_gguf(cut, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def dies_at_fifth_tensor(dequantize):
     """``dequantize`` that raises KeyboardInterrupt (Ctrl-C halfway through the tensors)
     on its fifth call."""

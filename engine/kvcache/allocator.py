@@ -34,6 +34,10 @@ class PageAllocator:
     def num_usable(self) -> int:
         return self._num_pages - 1
 
+    def free_ids(self) -> list[int]:
+        """The free pages, lowest first."""
+        return sorted(self._free_set)
+
     def alloc(self, n: int) -> list[int]:
         """Take ``n`` free pages, lowest ids first.
 

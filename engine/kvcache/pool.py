@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -69,6 +70,15 @@ def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dty
     if kv_cache_dtype == "fp8":
         return FP8_KV_DTYPE
     raise ValueError(f"unknown --kv-cache-dtype {kv_cache_dtype!r}; choose one of {', '.join(KV_CACHE_DTYPES)}")
+
+
+def _anonymous_map(nbytes: int) -> mmap.mmap:
+    """Zeroed memory of ``nbytes``, private where the platform says so: Python's default
+    anonymous map is shared, whose pages ``MADV_DONTNEED`` only unmaps (they come back
+    with their contents), where a private one's are freed (:meth:`KVPool.release_memory`)."""
+    if hasattr(mmap, "MAP_PRIVATE") and hasattr(mmap, "MAP_ANONYMOUS"):
+        return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return mmap.mmap(-1, nbytes)
 
 
 class KVPool:
@@ -126,12 +136,45 @@ class KVPool:
         if self.device.type == "cpu":
             shape = (num_pages * self.page_size, self.num_kv_heads, self.head_dim)
             nbytes = math.prod(shape) * torch.empty((), dtype=self.dtype).element_size()
-            raw = torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=torch.uint8)[:nbytes]
+            raw = torch.frombuffer(_anonymous_map(max(nbytes, 1)), dtype=torch.uint8)[:nbytes]
             return raw.view(self.dtype).view(shape)
         buf = torch.empty((num_pages * self.page_size, self.num_kv_heads, self.head_dim), dtype=self.dtype, device=self.device)
         if zero_from < num_pages:
             buf[zero_from * self.page_size :].zero_()
         return buf
+
+    def release_memory(self, pages: Sequence[int]) -> int:
+        """Give the memory of ``pages`` (free pages: their contents are dropped) back to the
+        operating system, on a CPU pool under Linux (``madvise(MADV_DONTNEED)`` on the
+        anonymous maps; a page reads as zeros afterwards and costs memory again when
+        written). Only whole OS pages inside a run of pages go. Returns the bytes given
+        back (0 elsewhere: a CUDA pool gives memory back by resizing)."""
+        if self.device.type != "cpu" or not sys.platform.startswith("linux") or not pages:
+            return 0
+        import ctypes
+
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        row = self.k_buffers[0][: self.page_size].nbytes  # one page of one layer's buffer
+        runs, start, prev = [], None, None
+        for p in sorted(set(pages)):
+            if start is not None and p == prev + 1:
+                prev = p
+                continue
+            if start is not None:
+                runs.append((start, prev + 1))
+            start = prev = p
+        runs.append((start, prev + 1))
+        given = 0
+        for buf in (*self.k_buffers, *self.v_buffers):
+            base, end_of = buf.data_ptr(), buf.data_ptr() + buf.nbytes
+            for lo, hi in runs:
+                a = base + lo * row
+                b = min(base + hi * row, end_of)
+                a, b = -(-a // mmap.PAGESIZE) * mmap.PAGESIZE, b // mmap.PAGESIZE * mmap.PAGESIZE
+                if b > a and madvise(a, b - a, mmap.MADV_DONTNEED) == 0:
+                    given += b - a
+        return given
 
     @staticmethod
     def bytes_per_page(

@@ -45,6 +45,7 @@ from engine.loader.errors import (
     UnsupportedConfig,
     UnsupportedGGUFType,
 )
+from engine.loader.gguf_tensors import open_tensors
 from engine.loader.weights import INDEX_FILE, SINGLE_FILE
 
 log = logging.getLogger(__name__)
@@ -265,6 +266,9 @@ def _open(gguf_path: Path) -> Any:
 
     if not gguf_path.is_file():
         raise ModelLoadError(f"{gguf_path} is not a file")
+    # The tensor table first: a truncated file is named as such, where gguf's reader
+    # fails on a numpy reshape.
+    open_tensors(gguf_path).release()
     try:
         return GGUFReader(gguf_path)
     except (ValueError, OSError, IndexError, KeyError, TypeError) as e:

@@ -102,7 +102,8 @@ class GGUFTensors:
                 count = n_elems
             at = start + offset
             if at + n_bytes > len(buf):
-                raise ValueError(f"tensor {name} ends past the end of the file")
+                raise ValueError(f"tensor {name} ends at byte {at + n_bytes:,} of a {len(buf):,}-byte file: "
+                                 "it is truncated")
             data = np.ndarray((count,), dtype=item_type, buffer=buf, offset=at).reshape(np_dims)
             tensors.append(ReaderTensor(name=name, tensor_type=ggml_type, shape=np.array(dims, dtype=np.uint64),
                                         n_elements=n_elems, n_bytes=n_bytes, data_offset=at, data=data, field=None))

@@ -395,3 +395,10 @@ def test_a_cache_folder_that_cannot_be_written_is_named(tmp_path):
                                 env={"HEADROOM_CONFIG": os.devnull, "HEADROOM_CACHE_DIR": str(blocked)})
     assert result.exit_code == 2, result.output
     assert "HEADROOM_CACHE_DIR" in result.stderr and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("batches", ["1,,2", "abc", "0", "1,-4", ""])
+def test_bench_engine_refuses_a_bad_batch_list(batches):
+    result = invoke(["bench", "engine", "--device", "cpu", "--batches", batches])
+    assert result.exit_code == 2
+    assert "give positive integers separated by commas, e.g. 1,16" in result.output

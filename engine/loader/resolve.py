@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 from engine.loader.default_model import (
@@ -115,7 +116,9 @@ def convert_ahead(path: str | Path | None) -> None:
     from engine.loader.convert_child import convert_in_child
 
     log.info("converting the metadata of %s into %s and reading its config (once, in a child process)", gguf, out)
+    started = time.monotonic()
     convert_in_child(path, gguf.name)
+    log.info("converted %s in %.1f s", gguf.name, time.monotonic() - started)
 
 
 def _converted(gguf_path: Path) -> Path:

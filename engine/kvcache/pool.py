@@ -45,6 +45,7 @@ below the new size may hold live keys and values: the engine moves them there fi
 
 from __future__ import annotations
 
+import itertools
 import math
 import mmap
 import sys
@@ -156,15 +157,9 @@ class KVPool:
         madvise = ctypes.CDLL(None, use_errno=True).madvise
         madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         row = self.k_buffers[0][: self.page_size].nbytes  # one page of one layer's buffer
-        runs, start, prev = [], None, None
-        for p in sorted(set(pages)):
-            if start is not None and p == prev + 1:
-                prev = p
-                continue
-            if start is not None:
-                runs.append((start, prev + 1))
-            start = prev = p
-        runs.append((start, prev + 1))
+        # Runs of consecutive pages: a page minus its index is constant along a run.
+        runs = [(run[0][1], run[-1][1] + 1) for _, group in itertools.groupby(
+            enumerate(sorted(set(pages))), key=lambda ip: ip[1] - ip[0]) for run in [list(group)]]
         given = 0
         for buf in (*self.k_buffers, *self.v_buffers):
             base, end_of = buf.data_ptr(), buf.data_ptr() + buf.nbytes

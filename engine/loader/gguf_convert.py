@@ -266,12 +266,12 @@ def _open(gguf_path: Path) -> Any:
 
     if not gguf_path.is_file():
         raise ModelLoadError(f"{gguf_path} is not a file")
-    # The tensor table first: a truncated file is named as such, where gguf's reader
-    # fails on a numpy reshape.
-    open_tensors(gguf_path).release()
     try:
         return GGUFReader(gguf_path)
     except (ValueError, OSError, IndexError, KeyError, TypeError) as e:
+        # gguf's reader fails on a numpy reshape where the file is truncated: the tensor
+        # table's own check names that (open_tensors raises CorruptWeights saying so).
+        open_tensors(gguf_path).release()
         raise CorruptWeights(
             f"{gguf_path} is not a readable GGUF file ({e}); download it again"
         ) from e

@@ -25,14 +25,14 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.activation import silu_and_mul as _silu_and_mul_ref
-from kernels.gemv import gate_up_silu as _gate_up_silu_ref
-from kernels.gemv import linear as _linear_ref
-from kernels.moe import fused_moe as _fused_moe_ref
-from kernels.quant.moe_reference import fused_moe_quant as _fused_moe_quant_ref
-from kernels.rms_norm import fused_add_rms_norm as _fused_add_rms_norm_ref
-from kernels.rms_norm import rms_norm as _rms_norm_ref
-from kernels.rotary import rotary_and_store as _rotary_and_store_ref
+from kernels.activation.reference import silu_and_mul as _silu_and_mul_ref
+from kernels.gemv.reference import gate_up_silu as _gate_up_silu_ref
+from kernels.gemv.reference import linear as _linear_ref
+from kernels.moe.reference import fused_moe as _fused_moe_ref
+from kernels.moe.quant_reference import fused_moe_quant as _fused_moe_quant_ref
+from kernels.norm.reference import fused_add_rms_norm as _fused_add_rms_norm_ref
+from kernels.norm.reference import rms_norm as _rms_norm_ref
+from kernels.rotary.reference import rotary_and_store as _rotary_and_store_ref
 
 
 @functools.cache
@@ -85,14 +85,14 @@ class Kernel:
 KERNELS: dict[str, Kernel] = {
     k.name: k
     for k in (
-        Kernel("rms_norm", _rms_norm_ref, "kernels.triton_norm", "rms_norm"),
-        Kernel("fused_add_rms_norm", _fused_add_rms_norm_ref, "kernels.triton_norm", "fused_add_rms_norm"),
-        Kernel("silu_and_mul", _silu_and_mul_ref, "kernels.triton_activation", "silu_and_mul"),
-        Kernel("rotary_and_store", _rotary_and_store_ref, "kernels.triton_rotary", "rotary_and_store"),
-        Kernel("linear", _linear_ref, "kernels.triton_gemv", "linear"),
-        Kernel("gate_up_silu", _gate_up_silu_ref, "kernels.triton_gemv", "gate_up_silu"),
-        Kernel("fused_moe", _fused_moe_ref, "kernels.triton_moe", "fused_moe"),
-        Kernel("fused_moe_quant", _fused_moe_quant_ref, "kernels.quant.triton_moe_quant", "fused_moe_quant"),
+        Kernel("rms_norm", _rms_norm_ref, "kernels.norm.triton_kernel", "rms_norm"),
+        Kernel("fused_add_rms_norm", _fused_add_rms_norm_ref, "kernels.norm.triton_kernel", "fused_add_rms_norm"),
+        Kernel("silu_and_mul", _silu_and_mul_ref, "kernels.activation.triton_kernel", "silu_and_mul"),
+        Kernel("rotary_and_store", _rotary_and_store_ref, "kernels.rotary.triton_kernel", "rotary_and_store"),
+        Kernel("linear", _linear_ref, "kernels.gemv.triton_kernel", "linear"),
+        Kernel("gate_up_silu", _gate_up_silu_ref, "kernels.gemv.triton_kernel", "gate_up_silu"),
+        Kernel("fused_moe", _fused_moe_ref, "kernels.moe.triton_kernel", "fused_moe"),
+        Kernel("fused_moe_quant", _fused_moe_quant_ref, "kernels.moe.quant_triton_kernel", "fused_moe_quant"),
     )
 }
 

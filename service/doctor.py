@@ -172,7 +172,7 @@ def _check_model(ctx: Context) -> Check:
         path = Path(model).expanduser()
         if path.exists():
             return Check("model", OK, f"{path}")
-        from engine.loader.errors import ModelNotFound
+        from engine.common.load_errors import ModelNotFound
         from engine.loader.store import find_model
 
         try:
@@ -188,7 +188,7 @@ def _check_model(ctx: Context) -> Check:
             )
         return Check("model", OK, f"{model} (the store: {found})")
     from engine.loader.default_model import DEFAULT_INSTALL, default_gguf_path
-    from engine.loader.errors import ModelNotFound
+    from engine.common.load_errors import ModelNotFound
 
     try:
         path = default_gguf_path()

@@ -28,7 +28,7 @@ _RUNTIME = tempfile.mkdtemp(prefix="headroom-tests-run-")
 os.environ["HEADROOM_RUNTIME_DIR"] = _RUNTIME
 atexit.register(shutil.rmtree, _RUNTIME, ignore_errors=True)
 
-from engine.cpu_threads import CpuThreads  # noqa: E402 (after the Triton mode is fixed)
+from engine.worker.cpu_threads import CpuThreads  # noqa: E402 (after the Triton mode is fixed)
 
 _TEST_THREADS = CpuThreads()
 
@@ -54,7 +54,7 @@ def _private_cache_folder(tmp_path_factory):
 def _cpu_threads_fit_the_free_cores():
     """The test process's own torch work (transformers references, in-process engines)
     uses the cores other programs leave free, by the rule the worker follows
-    (engine/cpu_threads.py): on a 2-core machine with one core busy elsewhere, two
+    (engine/worker/cpu_threads.py): on a 2-core machine with one core busy elsewhere, two
     threads make every small op wait a time slice for the late one."""
     import torch
 
@@ -119,7 +119,7 @@ class PagedRunner:
 
     def __init__(self, model, config, *, page_size: int = 4, num_pages: int = 64, device: str = "cpu",
                  kv_dtype=None, attention: str = "torch"):
-        from engine.attention.base import create_attention_backend
+        from engine.layers.attention.base import create_attention_backend
         from engine.kvcache.pool import KVPool
 
         dtype = next(model.parameters()).dtype
@@ -158,7 +158,7 @@ class PagedRunner:
         one row per key in order."""
         import torch
 
-        from engine.forward_batch import ForwardBatch
+        from engine.common.forward_batch import ForwardBatch
 
         ids, positions, slots, prefix, extend, last = [], [], [], [], [], []
         for seq, toks in new_tokens.items():

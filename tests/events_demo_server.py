@@ -34,8 +34,8 @@ from litestar import Litestar  # noqa: E402
 from service_harness import engine_info  # noqa: E402
 
 from engine.memory.plan import LedgerEntry, MemoryPlan  # noqa: E402
-from engine.messages import EngineStats  # noqa: E402
-from engine.units import GiB, MiB  # noqa: E402
+from engine.wire.messages import EngineStats  # noqa: E402
+from engine.common.units import GiB, MiB  # noqa: E402
 from service.events.hub import EventHub  # noqa: E402
 from service.events.routes import events_router  # noqa: E402
 from service.events.schemas import (  # noqa: E402

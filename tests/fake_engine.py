@@ -1,4 +1,4 @@
-"""A torch-free stand-in for engine.engine.Engine, for service tests that need a worker
+"""A torch-free stand-in for engine.core.engine.Engine, for service tests that need a worker
 to misbehave on cue (hang, crash at load, crash in a loop) quickly and on purpose.
 
 Selected with ``HEADROOM_ENGINE_FACTORY=fake_engine:FakeEngine`` (``tests/`` on
@@ -24,8 +24,8 @@ import os
 import sys
 import time
 
-from engine.errors import RequestRejected
-from engine.messages import EngineInfo, EngineStats, GenerateRequest, TokenOutput
+from engine.common.errors import RequestRejected
+from engine.wire.messages import EngineInfo, EngineStats, GenerateRequest, TokenOutput
 
 HANG_ONCE_SEED = 777
 HANG_ALWAYS_SEED = 778

@@ -76,7 +76,7 @@ def halved_cache_run(runner, prompts: dict, steps: int, model, config) -> tuple[
     layers' experts are offloaded first with every expert cached, copies always
     preferred), the expert cache halved by a live replan before decode step 10 and grown
     back before step 20. Returns (ids, last logits, the cache's slots at each step)."""
-    from engine.models.expert_cache import ALWAYS_COPY, offload_experts, resize_cache
+    from engine.layers.moe.expert_cache import ALWAYS_COPY, offload_experts, resize_cache
 
     full = config.num_experts * len(config.moe_layers)
     stores, _ = offload_experts(model, config.moe_layers, config.num_experts, ALWAYS_COPY)
@@ -100,8 +100,8 @@ def engine_greedy(config, prompts: dict, max_new_tokens: int, on_step=None):
     as a greedy request of ``max_new_tokens`` tokens, stepped until done;
     ``on_step(engine, i)`` runs before step ``i`` (from 1). Returns (the engine, key ->
     generated ids)."""
-    from engine.engine import Engine
-    from engine.messages import GenerateRequest, SamplingParams
+    from engine.core.engine import Engine
+    from engine.wire.messages import GenerateRequest, SamplingParams
 
     engine = Engine(config)
     sp = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)

@@ -28,8 +28,8 @@ from typing import Any
 import httpx
 import pytest
 
-from engine.messages import EngineInfo
-from engine.units import MiB
+from engine.wire.messages import EngineInfo
+from engine.common.units import MiB
 
 TESTS_DIR = Path(__file__).parent
 READY_TIMEOUT_S = 300.0

@@ -8,7 +8,7 @@ import pytest
 import torch
 from triton_interpret import INTERPRETING
 
-from engine.attention.base import BACKEND_CHOICES, backend_class, resolve_backend_name
+from engine.layers.attention.base import BACKEND_CHOICES, backend_class, resolve_backend_name
 from engine.loader.load import load_model
 
 pytest.importorskip("transformers")
@@ -59,7 +59,7 @@ def test_triton_backend_matches_torch_through_the_model(tiny, paged_runner):
 def test_kv_stored_skips_the_backends_store(tiny, paged_runner):
     """With ``kv_stored=True`` the backend attends over what the caller wrote and writes
     nothing itself."""
-    from engine.forward_batch import ForwardBatch
+    from engine.common.forward_batch import ForwardBatch
 
     model, config = tiny
     runner = paged_runner(model, config, page_size=4, num_pages=8)
@@ -128,7 +128,7 @@ def test_torch_backend_gathers_query_heads_as_repeating_kv_heads_would(dtype):
     for bit."""
     import torch.nn.functional as F
 
-    from engine.forward_batch import ForwardBatch
+    from engine.common.forward_batch import ForwardBatch
     from engine.kvcache.pool import KVPool
 
     hq, hk, d, ps = 6, 2, 16, 4

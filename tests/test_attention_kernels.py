@@ -13,8 +13,8 @@ from triton_interpret import DEVICE
 
 pytest.importorskip("triton")
 
-from kernels.attention import paged_decode_ref, paged_extend_ref  # noqa: E402
-from kernels.attention_triton import decode_num_splits, paged_decode, paged_extend  # noqa: E402
+from kernels.attention.reference import paged_decode_ref, paged_extend_ref  # noqa: E402
+from kernels.attention.triton_kernel import decode_num_splits, paged_decode, paged_extend  # noqa: E402
 
 
 def _pool(num_kv_heads: int, head_dim: int, num_pages: int, page_size: int, dtype, g):

@@ -23,7 +23,7 @@ SCRIPT = r"""
 import json, os, subprocess, sys, tempfile
 import torch, triton
 from triton.backends.compiler import GPUTarget
-import kernels.attention_triton as K
+import kernels.attention.triton_kernel as K
 
 from triton.backends.nvidia.compiler import get_ptxas
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.commands.bench import run_bench_engine
+from engine.bench.speed import run_bench_engine
 
 
 @pytest.mark.parametrize("transformers_side", [True, False])

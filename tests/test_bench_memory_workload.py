@@ -5,9 +5,9 @@ prefilling all the long prompts takes more steps than a request of 32 new tokens
 
 from __future__ import annotations
 
-from engine.commands.bench_memory import worst_step_workload
-from engine.config import EngineConfig
-from engine.engine import Engine
+from engine.bench.memory import worst_step_workload
+from engine.common.config import EngineConfig
+from engine.core.engine import Engine
 
 
 def test_worst_step_workload_reaches_the_worst_step_and_ends(tmp_path, make_tiny_hf_model):
@@ -17,7 +17,7 @@ def test_worst_step_workload_reaches_the_worst_step_and_ends(tmp_path, make_tiny
                                  max_model_len=2048, max_running_requests=b, max_prefill_tokens=chunk))
     # 15 prompts of ~900 tokens at 256 per step: about 55 prefill steps, more than 32.
     seen = []
-    run = engine.runner.run
+    run = engine.core.runner.run
 
     def recording(plan):
         decoding = sum(1 for it in plan.items if it.num_tokens == 1 and it.req.request_id.startswith("long-"))
@@ -25,7 +25,7 @@ def test_worst_step_workload_reaches_the_worst_step_and_ends(tmp_path, make_tiny
         seen.append((decoding, chunked[0] if chunked else 0))
         return run(plan)
 
-    engine.runner.run = recording
+    engine.core.runner.run = recording
     worst_step_workload(engine)
     assert not engine.has_work()
     # The worst step: all B - 1 long requests decode next to a full chunk of the long prompt.

@@ -128,8 +128,8 @@ def test_plan_on_the_cpu_shows_what_the_engine_holds(default_model_dir):
     and the pool the engine makes, both as the engine sizes them."""
     import torch
 
-    from engine.config import EngineConfig
-    from engine.engine import Engine
+    from engine.common.config import EngineConfig
+    from engine.core.engine import Engine
 
     result = invoke(["plan", "--device", "cpu", "--max-model-len", "4096", "--json"])
     assert result.exit_code == 0, result.output

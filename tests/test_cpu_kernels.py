@@ -15,9 +15,9 @@ from test_gguf_convert import VOCAB, write_gguf  # noqa: E402
 
 from engine.loader.gguf_convert import convert_gguf  # noqa: E402
 from engine.loader.load import load_model  # noqa: E402
-from engine.models.cpu_block_linear import CpuBlockLinear  # noqa: E402
-from engine.models.cpu_kernels import cpu_kernels  # noqa: E402
-from engine.models.cpu_quant_linear import pack_model_for_cpu  # noqa: E402
+from engine.layers.linear.cpu_blocks import CpuBlockLinear  # noqa: E402
+from engine.layers.linear.cpu_kernels import cpu_kernels  # noqa: E402
+from engine.layers.linear.cpu_int4 import pack_model_for_cpu  # noqa: E402
 from kernels.cpu import build  # noqa: E402
 from kernels.cpu.block_gemv import TYPE_IDS, block_gemv, block_gemv_ref, quantize_rows_ref  # noqa: E402
 from kernels.quant import reference  # noqa: E402
@@ -100,7 +100,7 @@ def test_dequantized_rows_are_gguf_s_and_many_rows_take_the_float32_gemm(lib, ty
     """The prefill path: rows dequantized by the C kernel equal gguf's dequantizer bit
     for bit; a CpuBlockLinear of many activation rows (chunks of weight rows, a mixed
     part beside it) gives float32 products of them, few rows the block GEMV."""
-    from engine.models import cpu_block_linear
+    from engine.layers.linear import cpu_blocks as cpu_block_linear
     from kernels.cpu.block_gemv import dequantize_rows
 
     rng = np.random.default_rng(7)
@@ -122,8 +122,8 @@ def test_a_projection_of_mixed_types_keeps_the_others_in_torch_s_layout(lib):
     a bias: the C-read runs in blocks, the rest a CpuInt4Linear of its own; the product
     is the dequantized reference's (to bfloat16 for the int4 part), and the plan's
     per-tensor price holds (blocks as stored, the rest as torch's layout holds it)."""
-    from engine.models.cpu_quant_linear import CpuInt4Linear
-    from engine.models.quant_linear import PartSpec, QuantLinear, model_weight_bytes
+    from engine.layers.linear.cpu_int4 import CpuInt4Linear
+    from engine.layers.linear.gguf_blocks import PartSpec, QuantLinear, model_weight_bytes
 
     rng = np.random.default_rng(3)
     cols = 128
@@ -261,7 +261,7 @@ def test_the_tensor_table_reader_gives_gguf_s_own_tensors(tmp_path):
     import gguf
 
     from engine.loader.default_model import default_gguf_path
-    from engine.loader.errors import CorruptWeights
+    from engine.common.load_errors import CorruptWeights
     from engine.loader.gguf_tensors import open_tensors
 
     path = default_gguf_path()

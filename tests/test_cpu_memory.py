@@ -17,7 +17,7 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from engine.loader import errors  # noqa: E402
+from engine.common import load_errors as errors
 from engine.loader.config_cache import cached_config  # noqa: E402
 from engine.loader.default_model import converted_dir  # noqa: E402
 from engine.loader.load import materialize  # noqa: E402
@@ -33,8 +33,8 @@ _LOAD_SCRIPT = """
 import sys
 def vm(key):
     return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(key))
-from engine.config import EngineConfig
-from engine.engine import Engine
+from engine.common.config import EngineConfig
+from engine.core.engine import Engine
 from engine.loader.resolve import convert_ahead
 convert_ahead(None)  # as the worker does: the config's facts cached by a child
 base = vm("VmRSS:")
@@ -126,8 +126,8 @@ def test_a_child_that_dies_is_a_model_load_error_naming_its_exit(tiny_gguf, tmp_
 def test_the_worker_converts_ahead_of_its_engine(tiny_gguf, monkeypatch):
     """The worker's engine factory runs after the conversion: a factory that would convert
     in-process finds the folder there."""
-    from engine import worker
-    from engine.config import EngineConfig
+    from engine.worker import process as worker
+    from engine.common.config import EngineConfig
 
     seen = []
 
@@ -168,9 +168,9 @@ def test_a_cpu_pool_gives_the_memory_of_free_pages_back():
 
 
 def test_clearing_the_prefix_cache_gives_a_cpu_pool_s_memory_back(default_model_dir):
-    from engine.config import EngineConfig
-    from engine.engine import Engine
-    from engine.messages import GenerateRequest, SamplingParams
+    from engine.common.config import EngineConfig
+    from engine.core.engine import Engine
+    from engine.wire.messages import GenerateRequest, SamplingParams
 
     engine = Engine(EngineConfig(device="cpu", kv_cache=256 << 20))
     sp = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)

@@ -18,14 +18,14 @@ pytest.importorskip("gguf")
 
 from test_engine import GREEDY, PROMPTS, run_all  # noqa: E402
 
-from engine.config import EngineConfig  # noqa: E402
-from engine.engine import Engine  # noqa: E402
+from engine.common.config import EngineConfig  # noqa: E402
+from engine.core.engine import Engine  # noqa: E402
 from engine.loader.default_model import default_gguf_path  # noqa: E402
 from engine.loader.gguf_quant import gguf_weight_size  # noqa: E402
 from engine.loader.load import weight_bytes  # noqa: E402
-from engine.messages import GenerateRequest, SamplingParams  # noqa: E402
-from engine.models import cpu_quant_linear  # noqa: E402
-from engine.models.cpu_quant_linear import (  # noqa: E402
+from engine.wire.messages import GenerateRequest, SamplingParams  # noqa: E402
+from engine.layers.linear import cpu_int4 as cpu_quant_linear
+from engine.layers.linear.cpu_int4 import (  # noqa: E402
     CODE_BITS,
     GROUP,
     CpuInt4Linear,
@@ -35,7 +35,7 @@ from engine.models.cpu_quant_linear import (  # noqa: E402
     pack_int4,
     planes,
 )
-from engine.models.quant_linear import PartSpec, QuantLinear, model_weight_bytes  # noqa: E402
+from engine.layers.linear.gguf_blocks import PartSpec, QuantLinear, model_weight_bytes  # noqa: E402
 from engine.text.chat import encode_chat  # noqa: E402
 from engine.text.tokenizer import load_tokenizer  # noqa: E402
 from kernels.quant import reference  # noqa: E402
@@ -109,8 +109,8 @@ def test_quant_embedding_looks_up_gguf_s_rows():
 def _engine_with_cpu_kernels(on: bool) -> Engine:
     """The default model on the CPU: with the C kernels (blocks as stored, the C decode
     layer) or with torch's int4 layout (what runs where no C compiler is found)."""
-    from engine import engine as engine_module
-    from engine.models import cpu_kernels
+    from engine.core import engine as engine_module
+    from engine.layers.linear import cpu_kernels
 
     with pytest.MonkeyPatch.context() as mp:
         if not on:
@@ -154,7 +154,7 @@ def test_default_model_greedy_with_quantized_weights_follows_float32(layout, req
     ``prompt_logprobs``), every token the quantized path chose is within
     :data:`NEAR_TIE` of the reference's best. Most answers are equal outright, and each
     starts with the same token."""
-    from engine.models.cpu_block_linear import CpuBlockLinear
+    from engine.layers.linear.cpu_blocks import CpuBlockLinear
 
     engine = request.getfixturevalue(f"{layout}_engine")
     layers = 4 * engine.model_config.num_layers + 1  # and the tied head

@@ -1,5 +1,5 @@
 """The CPU thread count fitted to the cores other programs leave free
-(engine/cpu_threads.py): the rule on scripted loads, /proc/stat read for real, and a
+(engine/worker/cpu_threads.py): the rule on scripted loads, /proc/stat read for real, and a
 real busy process beside it."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import time
 import pytest
 from service_harness import wait_for
 
-from engine.cpu_threads import CpuThreads, read_proc_stat
+from engine.worker.cpu_threads import CpuThreads, read_proc_stat
 
 
 class Machine:

@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 from service_harness import fake_systemctl, free_port, wait_for
 
-from engine.units import MiB
+from engine.common.units import MiB
 from service.cli.commands import main
 from service.cli.logfile import BACKUP_COUNT, MAX_BYTES, setup_logging
 

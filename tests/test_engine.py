@@ -9,10 +9,10 @@ import pytest
 import torch
 from model_checks import hf_greedy
 
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.errors import RequestRejected
-from engine.messages import GenerateRequest, SamplingParams
+from engine.common.config import EngineConfig
+from engine.core.engine import Engine
+from engine.common.errors import RequestRejected
+from engine.wire.messages import GenerateRequest, SamplingParams
 from engine.text.chat import encode_chat
 from engine.text.tokenizer import load_tokenizer
 

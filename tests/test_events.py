@@ -15,7 +15,7 @@ import pytest
 from service_harness import engine_info
 
 from engine.memory.plan import LedgerEntry, MemoryPlan
-from engine.messages import EngineStats, OomEvent
+from engine.wire.messages import EngineStats, OomEvent
 from service.events import hub as ev
 from service.events import schemas
 from service.events.hub import EventHub, SubscriptionClosed, VramThrottle

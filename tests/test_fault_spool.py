@@ -1,4 +1,4 @@
-"""Faults armed while the engine runs (engine.faults, HEADROOM_FAULTS_DIR): a rule file
+"""Faults armed while the engine runs (engine.common.faults, HEADROOM_FAULTS_DIR): a rule file
 dropped in the folder is claimed once, fires at its site, and is marked fired."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.faults import SPOOL_ENV_VAR, FaultInjector
+from engine.common.faults import SPOOL_ENV_VAR, FaultInjector
 
 
 def _spooled(tmp_path) -> FaultInjector:

@@ -9,12 +9,12 @@ import pytest
 import torch
 from triton_interpret import DEVICE, INTERPRETING
 
-from engine.config import EngineConfig
-from engine.engine import Engine
+from engine.common.config import EngineConfig
+from engine.core.engine import Engine
 from engine.loader.load import load_model
-from engine.memory.footprint import make_footprint
+from engine.core.footprint import make_footprint
 from engine.memory.plan import PlanKnobs
-from kernels.kv_store import FP8_MAX, gather_kv, scatter_kv
+from kernels.attention.kv_store import FP8_MAX, gather_kv, scatter_kv
 
 FP8 = torch.float8_e4m3fn
 # e4m3 keeps 3 mantissa bits: a stored key or value is off by up to 2**-4 of itself.
@@ -108,8 +108,8 @@ def test_triton_attention_reads_an_fp8_pool(kernel):
     """The Triton kernels upcast an FP8 pool as they load it: equal to the torch
     reference over the same FP8 pool."""
     pytest.importorskip("triton")
-    from kernels.attention import paged_decode_ref, paged_extend_ref
-    from kernels.attention_triton import paged_decode, paged_extend
+    from kernels.attention.reference import paged_decode_ref, paged_extend_ref
+    from kernels.attention.triton_kernel import paged_decode, paged_extend
 
     g = torch.Generator().manual_seed(0)
     ps, hk, h, d, pages = 4, 2, 4, 32, 12
@@ -134,8 +134,8 @@ def test_triton_attention_reads_an_fp8_pool(kernel):
 
 def test_triton_rotary_store_writes_an_fp8_pool_like_the_reference():
     pytest.importorskip("triton")
-    from kernels.rotary import rotary_and_store as ref_store
-    from kernels.triton_rotary import rotary_and_store
+    from kernels.rotary.reference import rotary_and_store as ref_store
+    from kernels.rotary.triton_kernel import rotary_and_store
 
     g = torch.Generator().manual_seed(0)
     t, hq, hk, d = 3, 4, 2, 16

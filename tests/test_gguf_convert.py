@@ -12,7 +12,7 @@ import torch
 gguf = pytest.importorskip("gguf")
 
 from engine.loader import gguf_convert  # noqa: E402
-from engine.loader.errors import CorruptWeights, UnsupportedArchitecture, UnsupportedGGUFType  # noqa: E402
+from engine.common.load_errors import CorruptWeights, UnsupportedArchitecture, UnsupportedGGUFType  # noqa: E402
 from engine.loader.gguf_convert import convert_gguf, reverse_llama_permute  # noqa: E402
 from engine.loader.load import load_model  # noqa: E402
 from engine.loader.resolve import resolve_model  # noqa: E402
@@ -235,8 +235,8 @@ def test_reverse_permute_inverts_llama_cpp(n_head):
 
 def test_llama3_rope_factors_become_rope_scaling(tmp_path):
     """llama.cpp stores Llama 3.1 RoPE scaling as a ``rope_freqs`` tensor of divisors."""
-    from engine.config import RopeConfig
-    from engine.models.rope import inv_freq
+    from engine.common.config import RopeConfig
+    from engine.layers.rope import inv_freq
 
     rope = RopeConfig(theta=500000.0, rope_type="llama3", factor=8.0)
     factors = (inv_freq(RopeConfig(theta=500000.0), 64) / inv_freq(rope, 64)).numpy()

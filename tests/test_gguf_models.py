@@ -18,7 +18,7 @@ gguf = pytest.importorskip("gguf")
 
 from test_gguf_convert import LLAMA31_ROPE, VOCAB, write_gguf  # noqa: E402
 
-from engine.loader.errors import UnsupportedArchitecture  # noqa: E402
+from engine.common.load_errors import UnsupportedArchitecture  # noqa: E402
 from engine.loader.load import load_model  # noqa: E402
 from engine.loader.resolve import resolve_model  # noqa: E402
 

@@ -1,5 +1,5 @@
 """A mixture-of-experts GGUF loaded with its routed experts kept in block format
-(:class:`~engine.models.quant_experts.QuantExperts`) against the same file with its
+(:class:`~engine.layers.moe.quant_experts.QuantExperts`) against the same file with its
 experts dequantized at load, and the memory plan's price of those blocks.
 
 The file is a tiny Qwen3-MoE written here with gguf's writer, its experts as a Q4_K_M
@@ -20,15 +20,15 @@ gguf = pytest.importorskip("gguf")
 
 from test_gguf_convert import VOCAB, write_gguf  # noqa: E402
 
-from engine.config import EngineConfig  # noqa: E402
+from engine.common.config import EngineConfig  # noqa: E402
 from engine.loader.gguf_convert import convert_gguf  # noqa: E402
 from engine.loader.gguf_quant import gguf_weight_size, load_gguf_quantized  # noqa: E402
 from engine.loader.hf_config import load_model_config  # noqa: E402
-from engine.models.cpu_quant_linear import pack_model_for_cpu  # noqa: E402
-from engine.models.moe import Experts  # noqa: E402
-from engine.models.quant_experts import QuantExperts  # noqa: E402
-from engine.models.quant_linear import model_weight_bytes  # noqa: E402
-from engine.startup import quantized_gguf  # noqa: E402
+from engine.layers.linear.cpu_int4 import pack_model_for_cpu  # noqa: E402
+from engine.layers.moe.sparse_moe import Experts  # noqa: E402
+from engine.layers.moe.quant_experts import QuantExperts  # noqa: E402
+from engine.layers.linear.gguf_blocks import model_weight_bytes  # noqa: E402
+from engine.core.startup import quantized_gguf  # noqa: E402
 from kernels.quant.synthetic import random_blocks  # noqa: E402
 
 EXPERT_TYPES = ("Q4_K", "Q4_K", "Q6_K")
@@ -93,7 +93,7 @@ def test_weight_size_prices_the_expert_blocks(tiny):
     experts = blocks.model.layers[0].mlp.experts
     e, h, i = config.num_experts, HIDDEN, MOE_INTERMEDIATE
     assert sum(b.nbytes for b in experts.buffers()) == e * (2 * i * h // 256 * 144 + h * i // 256 * 210)
-    from engine.models.cpu_kernels import cpu_kernels
+    from engine.layers.linear.cpu_kernels import cpu_kernels
 
     # Both CPU layouts: torch's int4 repacking, and the blocks as stored for the C kernels.
     for lib in (None, cpu_kernels()) if cpu_kernels() is not None else (None,):
@@ -112,7 +112,7 @@ def test_startup_keeps_moe_blocks_on_cuda_with_experts_in_host_memory_too(tiny, 
     assert quantized_gguf(EngineConfig(model=str(path), gguf_quantized=True), cuda, config) == path
     hybrid = EngineConfig(model=str(path), gguf_quantized=True, cpu_experts="1")
     assert quantized_gguf(hybrid, cuda, config) == path
-    with caplog.at_level(logging.INFO, logger="engine.startup"):
+    with caplog.at_level(logging.INFO, logger="engine.core.startup"):
         assert quantized_gguf(EngineConfig(model=str(path), gguf_quantized=True), cpu, config) == path
         assert "experts are dequantized at load" in caplog.text
 
@@ -137,8 +137,8 @@ def test_benchmark_moe_gguf_converts_and_loads_in_blocks(tmp_path, paged_runner)
     default model's tokenizer), at a small Qwen3-30B-A3B-like shape: it converts (config
     and tokenizer from its metadata), its experts load in their Q4_K/Q4_K/Q6_K blocks,
     priced exactly, and a step gives finite logits."""
-    from engine.commands.model_shapes import write_shape
-    from engine.quant_bench import MOE_EXPERT_TYPES, write_random_moe_gguf
+    from engine.bench.model_shapes import write_shape
+    from engine.bench.quant import MOE_EXPERT_TYPES, write_random_moe_gguf
 
     shape = load_model_config(write_shape("qwen3-30b-a3b", tmp_path / "cfg", hidden_size=256, moe_intermediate_size=256,
                                           num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
@@ -159,7 +159,7 @@ def test_benchmark_moe_gguf_converts_and_loads_in_blocks(tmp_path, paged_runner)
 def test_other_families_load_their_experts_in_blocks(kind, arch, tmp_path, make_tiny_hf_model, paged_runner):
     """Qwen2-MoE (its shared expert's projections in blocks too) and Mixtral (a llama file
     with experts), Q8_0 as ``write_gguf`` stores them: blocks against dequantized."""
-    from engine.models.quant_linear import QuantLinear
+    from engine.layers.linear.gguf_blocks import QuantLinear
 
     path = tmp_path / f"{kind}.gguf"
     write_gguf(path, arch, make_tiny_hf_model(kind, None, vocab_size=VOCAB))

@@ -18,12 +18,12 @@ gguf = pytest.importorskip("gguf")
 from test_gguf_convert import VOCAB, write_gguf  # noqa: E402
 
 from engine.commands.plan import build_plan  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
+from engine.common.config import EngineConfig  # noqa: E402
 from engine.loader.default_model import default_gguf_path  # noqa: E402
 from engine.loader.gguf_convert import convert_gguf  # noqa: E402
 from engine.loader.gguf_quant import gguf_weight_size  # noqa: E402
 from engine.loader.load import load_model  # noqa: E402
-from engine.models.quant_linear import QuantLinear, model_weight_bytes  # noqa: E402
+from engine.layers.linear.gguf_blocks import QuantLinear, model_weight_bytes  # noqa: E402
 
 GiB = 1 << 30
 
@@ -93,7 +93,7 @@ def test_plan_charges_the_quantized_bytes_and_shows_the_mix(default_model_dir):
     # With the C CPU kernels the 210 projections stay in their Q4_1 blocks and the tied
     # head reads the embeddings' Q8_0 blocks; with torch's int4 layout the projections and
     # the head are repacked. The CPU's default is the same.
-    from engine.models.cpu_kernels import cpu_kernels
+    from engine.layers.linear.cpu_kernels import cpu_kernels
 
     cpu_weights = next(e for e in on_cpu.ledger if e.name == "weights")
     if cpu_kernels() is not None:
@@ -138,9 +138,9 @@ def _small_k_quant_gguf(tmp_path, seed: int):
     """The benchmark's random Q4_K_M-like file on a small Llama layout: ``(config, path)``."""
     import numpy as np
 
-    from engine.commands.model_shapes import write_shape
+    from engine.bench.model_shapes import write_shape
     from engine.loader.hf_config import load_model_config
-    from engine.quant_bench import write_random_gguf
+    from engine.bench.quant import write_random_gguf
 
     folder = write_shape("llama-3.1-8b", tmp_path / "cfg", hidden_size=256, intermediate_size=512,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
@@ -173,7 +173,7 @@ def test_q6k_projections_repacked_for_the_kernels_keep_their_bytes_and_logits(tm
     (the plan's price holds), the logits are the same, and the benchmark's helper turns
     the layout back exactly."""
     from engine.loader.gguf_quant import load_gguf_quantized
-    from engine.quant_bench import set_q6k_layout
+    from engine.bench.quant import set_q6k_layout
 
     config, path = _small_k_quant_gguf(tmp_path, 1)
     model = load_gguf_quantized(config, path, "cpu", torch.float32)
@@ -204,7 +204,7 @@ def test_q6k_projections_repacked_for_the_kernels_keep_their_bytes_and_logits(tm
 ])
 def test_the_quant_benchmark_refuses_bad_arguments_before_any_work(argv, message, tmp_path, monkeypatch, capsys):
     """One argparse line (exit 2) naming the fix, before a weight is generated."""
-    from engine.quant_bench import main
+    from engine.bench.quant import main
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as e:
@@ -215,7 +215,7 @@ def test_the_quant_benchmark_refuses_bad_arguments_before_any_work(argv, message
 
 
 def test_the_quant_benchmark_without_a_gpu_names_what_works_without_one(monkeypatch, capsys):
-    from engine.quant_bench import main
+    from engine.bench.quant import main
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit):
@@ -236,13 +236,14 @@ def test_norms_quantizing_for_the_int8_gemv_give_the_same_logits(tmp_path, paged
     import numpy as np
     from triton_interpret import kernel_device
 
-    from engine.commands.model_shapes import write_shape
+    from engine.bench.model_shapes import write_shape
     from engine.loader.gguf_quant import load_gguf_quantized
     from engine.loader.hf_config import load_model_config
-    from engine.models import quant_linear
-    from engine.quant_bench import write_random_gguf
+    from engine.layers.linear import gguf_blocks as quant_linear
+    from engine.bench.quant import write_random_gguf
     from kernels import dispatch
-    from kernels.quant import triton_int8, triton_quant
+    from kernels.quant import triton_int8
+    from kernels.quant import triton_kernel as triton_quant
 
     dev = kernel_device()
     if dev == "cpu":  # the Triton paths, interpreted, on CPU tensors
@@ -291,8 +292,8 @@ def test_the_quant_benchmark_variants_set_each_switch_and_restore_them(monkeypat
     """``--variants`` times the decode step under each GEMV choice, the activations
     quantized by their norm or SiLU-and-mul among them, then the GEMM, and leaves the
     switches as it found them (here without a GPU: the timing is stubbed out)."""
-    from engine import quant_bench
-    from kernels.quant import triton_quant
+    from engine.bench import quant as quant_bench
+    from kernels.quant import triton_kernel as triton_quant
 
     seen = []
 

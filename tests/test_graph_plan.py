@@ -1,6 +1,6 @@
 """The host side of CUDA-graph decode for backends that plan on the host (FlashInfer):
 the page lists built from a step's sequence lengths and page table, and what
-:class:`engine.cuda_graphs.DecodeGraphs` hands the backend before a replay (padding rows
+:class:`engine.core.cuda_graphs.DecodeGraphs` hands the backend before a replay (padding rows
 included). Both run on the CPU; the captured replay itself is tested on the GPU
 (``tests/gpu/test_fast_path_gpu.py``)."""
 
@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from engine.attention.base import AttentionBackend
-from engine.attention.flashinfer_backend import paged_kv_csr
-from engine.cuda_graphs import DecodeGraphs
-from engine.messages import SamplingParams
+from engine.layers.attention.base import AttentionBackend
+from engine.layers.attention.flashinfer_backend import paged_kv_csr
+from engine.core.cuda_graphs import DecodeGraphs
+from engine.wire.messages import SamplingParams
 from engine.scheduler.request import Request
 from engine.scheduler.scheduler import StepItem
 
@@ -102,7 +102,7 @@ def test_decode_graphs_plan_the_capture_inputs():
 def test_profile_groups_kernels_by_kind():
     """The decode profile's table by kind: names as the profiler reports our Triton
     kernels, cuBLAS's and FlashInfer's."""
-    from engine.commands.bench import kernel_kind
+    from engine.bench.speed import kernel_kind
 
     assert kernel_kind("_decode_kernel") == kernel_kind("_merge_kernel") == "attention"
     assert kernel_kind("BatchDecodeWithPagedKVCacheKernel<...>") == "attention"

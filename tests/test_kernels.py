@@ -11,9 +11,12 @@ import pytest
 import torch
 from triton_interpret import kernel_device, run_compiler_script
 
-from engine.config import RopeConfig
-from engine.models.rope import build_cos_sin_cache
-from kernels import activation, dispatch, rms_norm, rotary
+from engine.common.config import RopeConfig
+from engine.layers.rope import build_cos_sin_cache
+from kernels import dispatch
+from kernels.activation import reference as activation
+from kernels.norm import reference as rms_norm
+from kernels.rotary import reference as rotary
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -37,7 +40,7 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 64), (7, 96), (3, 200), (5, 4, 32)])
 def test_rms_norm(dev, dtype, shape):
-    from kernels import triton_norm
+    from kernels.norm import triton_kernel as triton_norm
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(shape, generator=g).to(dtype).to(dev)
@@ -48,7 +51,7 @@ def test_rms_norm(dev, dtype, shape):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens,hidden", [(1, 64), (9, 96), (4, 576)])
 def test_fused_add_rms_norm_updates_the_residual_in_place(dev, dtype, tokens, hidden):
-    from kernels import triton_norm
+    from kernels.norm import triton_kernel as triton_norm
 
     g = torch.Generator().manual_seed(1)
     x = torch.randn(tokens, hidden, generator=g).to(dtype).to(dev)
@@ -65,7 +68,7 @@ def test_fused_add_rms_norm_updates_the_residual_in_place(dev, dtype, tokens, hi
 
 
 def test_fused_add_rms_norm_refuses_a_strided_residual(dev):
-    from kernels import triton_norm
+    from kernels.norm import triton_kernel as triton_norm
 
     x = torch.randn(4, 8, device=dev)
     res = torch.randn(8, 4, device=dev).t()
@@ -76,7 +79,7 @@ def test_fused_add_rms_norm_refuses_a_strided_residual(dev):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens,inter", [(1, 37), (5, 128), (2, 1500)])
 def test_silu_and_mul(dev, dtype, tokens, inter):
-    from kernels import triton_activation
+    from kernels.activation import triton_kernel as triton_activation
 
     x = torch.randn(tokens, 2 * inter, generator=torch.Generator().manual_seed(2)).to(dtype).to(dev)
     assert_close(triton_activation.silu_and_mul(x), activation.silu_and_mul(x))
@@ -102,7 +105,7 @@ def _paged_slots(num_tokens: int, page_size: int, g: torch.Generator) -> tuple[t
 @pytest.mark.parametrize("heads", [(2, 2), (6, 2), (8, 2), (8, 1)], ids=["gqa1", "gqa3", "gqa4", "gqa8"])
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qknorm"])
 def test_rotary_and_store(dev, dtype, head_dim, heads, qk_norm):
-    from kernels import triton_rotary
+    from kernels.rotary import triton_kernel as triton_rotary
 
     hq, hk = heads
     g = torch.Generator().manual_seed(head_dim + hq + hk)
@@ -138,7 +141,7 @@ def test_rotary_and_store(dev, dtype, head_dim, heads, qk_norm):
 
 
 def test_rotary_and_store_without_tokens(dev):
-    from kernels import triton_rotary
+    from kernels.rotary import triton_kernel as triton_rotary
 
     q = torch.empty(0, 2, 64, device=dev)
     k = torch.empty(0, 1, 64, device=dev)
@@ -153,7 +156,8 @@ def test_rotary_and_store_without_tokens(dev):
 @pytest.mark.parametrize("rows,k,n", [(1, 64, 48), (3, 200, 40), (16, 96, 130)])
 def test_gemv_matches_its_reference(dev, dtype, rows, k, n, monkeypatch):
     """Decode-sized projections: odd widths (masked tiles), up to the 16-row tile."""
-    from kernels import gemv, triton_gemv
+    from kernels.gemv import reference as gemv
+    from kernels.gemv import triton_kernel as triton_gemv
 
     monkeypatch.setenv("HEADROOM_GEMV", "1")
 
@@ -165,7 +169,8 @@ def test_gemv_matches_its_reference(dev, dtype, rows, k, n, monkeypatch):
 
 
 def test_gemv_leaves_larger_steps_and_float32_to_the_reference(dev, monkeypatch):
-    from kernels import gemv, triton_gemv
+    from kernels.gemv import reference as gemv
+    from kernels.gemv import triton_kernel as triton_gemv
 
     monkeypatch.setenv("HEADROOM_GEMV", "1")
 

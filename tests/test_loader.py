@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.config import SUPPORTED_ARCHITECTURES
+from engine.common.config import SUPPORTED_ARCHITECTURES
 from engine.loader import default_model, gguf_convert
-from engine.loader.errors import (
+from engine.common.load_errors import (
     ConfigFieldMissing,
     CorruptWeights,
     ModelLoadError,

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.messages import GenerateRequest, SamplingParams, TokenOutput
+from engine.common.config import EngineConfig
+from engine.core.engine import Engine
+from engine.wire.messages import GenerateRequest, SamplingParams, TokenOutput
 
 TOL = 1e-4
 
@@ -101,7 +101,7 @@ def test_scored_prompt_skips_the_prefix_cache(tiny):
 
 def test_logprobs_beyond_twenty_are_rejected(tiny):
     _, engine = tiny
-    from engine.errors import RequestRejected
+    from engine.common.errors import RequestRejected
 
     with pytest.raises(RequestRejected, match="logprobs"):
         engine.add_request(GenerateRequest(request_id="x", prompt_token_ids=[5, 6],

@@ -7,14 +7,14 @@ import pytest
 import torch
 from model_checks import assert_close, check_extend_and_decode, check_ragged_batch, hf_logits
 
-from engine.config import SUPPORTED_ARCHITECTURES, RopeConfig
-from engine.loader.errors import UnsupportedArchitecture, UnsupportedConfig
+from engine.common.config import SUPPORTED_ARCHITECTURES, RopeConfig
+from engine.common.load_errors import UnsupportedArchitecture, UnsupportedConfig
 from engine.loader.load import load_model, weight_bytes
 from engine.models.registry import get_model_class
-from engine.models.rope import build_cos_sin_cache
-from kernels.activation import silu_and_mul
-from kernels.rms_norm import rms_norm
-from kernels.rotary import apply_rotary
+from engine.layers.rope import build_cos_sin_cache
+from kernels.activation.reference import silu_and_mul
+from kernels.norm.reference import rms_norm
+from kernels.rotary.reference import apply_rotary
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,4 +1,4 @@
-"""Routed experts in a host tier with a cache tier in front (engine.models.expert_cache),
+"""Routed experts in a host tier with a cache tier in front (engine.layers.moe.expert_cache),
 checked on the CPU: the host tier is one CPU tensor, the cache another, and the copy,
 CPU-run and eviction choices are the ones a GPU would make. Greedy decoding through a
 paged KV pool must give the all-resident model's ids, whatever the cache holds."""
@@ -14,7 +14,7 @@ import torch
 from model_checks import engine_greedy, halved_cache_run, paged_greedy
 
 from engine.loader.load import load_model
-from engine.models.expert_cache import (
+from engine.layers.moe.expert_cache import (
     ALWAYS_COPY,
     ALWAYS_CPU,
     CostModel,
@@ -23,7 +23,7 @@ from engine.models.expert_cache import (
     measure_costs,
     offload_experts,
 )
-from engine.models.expert_stacks import DenseStack
+from engine.layers.moe.expert_stacks import DenseStack
 
 VOCAB = 256
 STEPS = 32
@@ -186,7 +186,7 @@ def test_the_engine_loads_a_hybrid_plan_and_decodes_the_same_ids(tiny, tmp_path_
     """--cpu-experts 1 on a simulated 8 GiB card: the last MoE layer's experts go to the
     host tier behind the plan's expert cache, and greedy ids equal --cpu-experts none,
     with the cache halved by a live replan mid-stream."""
-    from engine.config import EngineConfig
+    from engine.common.config import EngineConfig
 
     _, config = tiny
     kind = "mixtral" if config.architecture == "MixtralForCausalLM" else "qwen3_moe"

@@ -1,5 +1,5 @@
 """Routed experts of a GGUF kept in blocks in both tiers of the expert cache
-(engine.models.expert_cache over a BlockStack), checked on the CPU: the host tier and
+(engine.layers.moe.expert_cache over a BlockStack), checked on the CPU: the host tier and
 the cache tier are uint8 CPU tensors of the file's blocks, a copy moves blocks, a cached
 expert runs the quantized product's reference over slot ids, a CPU run dequantizes the
 host tier's blocks. Greedy decoding through a paged KV pool must give the all-resident
@@ -28,7 +28,7 @@ from test_gguf_moe_quant import EXPERT_TYPES, write_tiny_moe_gguf  # noqa: E402
 from engine.loader.gguf_convert import convert_gguf  # noqa: E402
 from engine.loader.gguf_quant import gguf_weight_size, load_gguf_quantized  # noqa: E402
 from engine.loader.hf_config import load_model_config  # noqa: E402
-from engine.models.expert_cache import (  # noqa: E402
+from engine.layers.moe.expert_cache import (  # noqa: E402
     ALWAYS_COPY,
     ALWAYS_CPU,
     CostModel,
@@ -37,9 +37,9 @@ from engine.models.expert_cache import (  # noqa: E402
     measure_stack_costs,
     offload_experts,
 )
-from engine.models.expert_stacks import BlockStack, stack_of  # noqa: E402
-from engine.models.quant_experts import QuantExperts  # noqa: E402
-from kernels.quant.moe_reference import fused_moe_quant  # noqa: E402
+from engine.layers.moe.expert_stacks import BlockStack, stack_of  # noqa: E402
+from engine.layers.moe.quant_experts import QuantExperts  # noqa: E402
+from kernels.moe.quant_reference import fused_moe_quant  # noqa: E402
 
 STEPS = 32
 # A copy pays off from 2 tokens on, so decode rows of one token run on the CPU.
@@ -180,7 +180,7 @@ def test_the_plan_prices_the_host_tier_and_the_expert_cache_in_block_bytes(tiny)
     layers), all as the loader allocates them; the dense plan of the same model charges
     more for each."""
     from engine.memory.device import simulated_device
-    from engine.memory.footprint import make_footprint
+    from engine.core.footprint import make_footprint
     from engine.memory.plan import PlanKnobs, make_plan
 
     path, config, model = tiny
@@ -241,8 +241,8 @@ def test_a_cpu_engine_with_a_hybrid_plan_loads_the_gguf_in_blocks_and_decodes_th
     """--cpu-experts 1 on a simulated card, the CPU engine's GGUF layout (projections
     repacked, experts dequantized at load, as on the CPU they always are): the hybrid
     load reads the file as the all-resident one does and decodes the same ids."""
-    from engine.config import EngineConfig
-    from engine.models.expert_stacks import DenseStack
+    from engine.common.config import EngineConfig
+    from engine.layers.moe.expert_stacks import DenseStack
 
     path, config, _ = tiny
     monkeypatch.setenv("HEADROOM_CACHE_DIR", str(tmp_path / "cache"))  # the file's conversion goes there

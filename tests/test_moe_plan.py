@@ -9,11 +9,11 @@ import dataclasses
 
 import torch
 
-from engine.commands.model_shapes import write_shape
+from engine.bench.model_shapes import write_shape
 from engine.loader.hf_config import load_model_config
 from engine.loader.load import expert_weight_bytes, weight_bytes
 from engine.memory.device import simulated_device
-from engine.memory.footprint import estimate_activation_bytes, make_footprint, moe_activation_bytes
+from engine.core.footprint import estimate_activation_bytes, make_footprint, moe_activation_bytes
 from engine.memory.plan import GiB, PlanKnobs, make_plan
 
 

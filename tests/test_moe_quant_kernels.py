@@ -17,8 +17,8 @@ import pytest
 import torch
 from triton_interpret import kernel_device, run_compiler_script, skip_without_ptxas
 
-from kernels.moe import route
-from kernels.quant import moe_reference
+from kernels.moe.reference import route
+from kernels.moe import quant_reference as moe_reference
 from kernels.quant.formats import FORMATS, block_format
 from kernels.quant.synthetic import random_blocks
 
@@ -63,7 +63,7 @@ def assert_matches(out: torch.Tensor, ref: torch.Tensor, rel: float) -> None:
 
 
 def _run(types, tokens, experts, dev, method, seed=0):
-    from kernels.quant import triton_moe_quant
+    from kernels.moe import quant_triton_kernel as triton_moe_quant
 
     x, (wg, wu, wd), weights, ids = _case(types, tokens, experts, dev, seed)
     ref = moe_reference.fused_moe_quant(x, wg, wu, wd, types, weights, ids)
@@ -90,7 +90,7 @@ def test_a_type_per_projection_matches_the_reference(dev, types, tokens, method)
 def test_default_method_by_tokens(dev):
     """The GEMV up to GEMV_MAX_TOKENS tokens and the GEMM above agree with the reference
     without a forced tiling."""
-    from kernels.quant import triton_moe_quant
+    from kernels.moe import quant_triton_kernel as triton_moe_quant
 
     types = ("Q8_0", "Q8_0", "Q8_0")
     for tokens in (triton_moe_quant.GEMV_MAX_TOKENS, triton_moe_quant.GEMV_MAX_TOKENS + 1):
@@ -102,7 +102,7 @@ def test_default_method_by_tokens(dev):
 def test_bfloat16_activations(dev):
     """bfloat16 activations: the reference rounds the dequantized weights to bfloat16 and
     the kernels do not, so they agree to a few bfloat16 ulps of the largest output."""
-    from kernels.quant import triton_moe_quant
+    from kernels.moe import quant_triton_kernel as triton_moe_quant
 
     types = ("Q4_K", "Q4_K", "Q6_K")
     for tokens, method in ((2, "gemv"), (18, "gemm")):
@@ -112,7 +112,7 @@ def test_bfloat16_activations(dev):
 
 
 def test_blocks_of_another_type_are_refused(dev):
-    from kernels.quant import triton_moe_quant
+    from kernels.moe import quant_triton_kernel as triton_moe_quant
 
     x, (wg, wu, wd), weights, ids = _case(("Q8_0",) * 3, 1, 4, dev)
     with pytest.raises(ValueError, match="down experts: want Q4_0 blocks"):

@@ -1,4 +1,4 @@
-"""Options declared once (engine/options.py): what a field's metadata gives the CLI, the
+"""Options declared once (engine/common/options.py): what a field's metadata gives the CLI, the
 environment and the config file, and the same names down the chain from the service's
 settings to the engine config, the plan knobs and the scheduler config."""
 
@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from engine.config import EngineConfig
+from engine.common.config import EngineConfig
 from engine.memory.plan import PlanKnobs
-from engine.options import at_least, option, option_named, options_of, pick
+from engine.common.options import at_least, option, option_named, options_of, pick
 from engine.scheduler.scheduler import SchedulerConfig
 
 
@@ -154,10 +154,10 @@ def test_fp8_quantization_and_gguf_blocks_are_refused_together(tmp_path, file_te
 
 
 def test_cpu_experts_above_the_moe_layers_is_refused_naming_the_largest():
-    """A number typed is honoured or refused, never cut (engine.settings_fit)."""
-    from engine.config import ModelConfig
-    from engine.errors import SettingRefused
-    from engine.settings_fit import check_cpu_experts
+    """A number typed is honoured or refused, never cut (engine.core.settings_fit)."""
+    from engine.common.config import ModelConfig
+    from engine.common.errors import SettingRefused
+    from engine.core.settings_fit import check_cpu_experts
 
     shape = dict(architecture="Qwen3MoeForCausalLM", vocab_size=10, hidden_size=8, intermediate_size=12,
                  num_layers=4, num_heads=2, num_kv_heads=1, head_dim=4, rms_norm_eps=1e-6,

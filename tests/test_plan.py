@@ -8,11 +8,11 @@ import dataclasses
 
 import pytest
 
-from engine.attention.base import register_backend
-from engine.attention.torch_backend import TorchAttentionBackend
+from engine.layers.attention.base import register_backend
+from engine.layers.attention.torch_backend import TorchAttentionBackend
 from engine.commands.plan import build_plan, render
-from engine.config import EngineConfig
-from engine.errors import PlanDoesNotFit
+from engine.common.config import EngineConfig
+from engine.common.errors import PlanDoesNotFit
 from engine.memory.device import simulated_device
 from engine.memory.plan import Footprint, GiB, MiB, PlanKnobs, fit_plan, make_plan, reserve_for
 
@@ -119,7 +119,7 @@ def test_default_model_on_6gib_card_fits_and_on_1gib_card_fails(default_model_di
 
 
 def test_a_card_that_cannot_hold_the_weights_fails_before_they_load(default_model_dir, monkeypatch):
-    import engine.engine as engine_mod
+    import engine.core.engine as engine_mod
 
     def no_load(*a, **k):
         raise AssertionError("weights were loaded for a plan that cannot fit")
@@ -132,7 +132,7 @@ def test_a_card_that_cannot_hold_the_weights_fails_before_they_load(default_mode
 
 
 def test_f1_engine_charges_its_backends_workspace(default_model_dir):
-    from engine.engine import Engine
+    from engine.core.engine import Engine
 
     cfg = dict(model=default_model_dir, device_total=int(2.2 * GiB), reserve=0,
                max_model_len=2048, max_prefill_tokens=512, max_running_requests=4)
@@ -149,9 +149,9 @@ def test_f1_engine_charges_its_backends_workspace(default_model_dir):
 
 
 def test_f5_context_follows_the_pool_and_a_prompt_over_it_is_refused(default_model_dir):
-    from engine.engine import Engine
-    from engine.errors import RequestRejected
-    from engine.messages import GenerateRequest
+    from engine.core.engine import Engine
+    from engine.common.errors import RequestRejected
+    from engine.wire.messages import GenerateRequest
 
     # Small enough that the pool, not the model, limits the context.
     engine = Engine(EngineConfig(model=default_model_dir, device_total=int(1.45 * GiB),
@@ -238,9 +238,9 @@ def test_an_engine_on_a_tight_card_starts_with_a_lowered_context_and_grows_it_ba
     """The engine starts where it used to refuse, refuses a prompt over the lowered
     context, and a pool grown to its ceiling (one request of the model's context) gives
     the whole context back."""
-    from engine.engine import Engine
-    from engine.errors import RequestRejected
-    from engine.messages import GenerateRequest
+    from engine.core.engine import Engine
+    from engine.common.errors import RequestRejected
+    from engine.wire.messages import GenerateRequest
 
     config = EngineConfig(model=default_model_dir, device_total=4 * GiB, device_free=3 * GiB, reserve=1 * GiB)
     engine = Engine(config)

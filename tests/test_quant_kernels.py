@@ -59,7 +59,7 @@ def assert_matches(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, type_nam
 @pytest.mark.parametrize("type_name", TYPES)
 @pytest.mark.parametrize("m,n,blocks_k,split_k", [(1, 7, 3, 1), (3, 21, 5, 2), (16, 5, 2, None), (6, 19, 3, 2)])
 def test_gemv_matches_gguf_dequantize(dev, type_name, m, n, blocks_k, split_k):
-    from kernels.quant import triton_quant
+    from kernels.quant import triton_kernel as triton_quant
 
     x, w = _case(type_name, m, n, blocks_k, dev)
     out = triton_quant.quant_gemv(x, w, type_name, block_n=4, split_k=split_k, blocks_per_step=2, int8_dot=False)
@@ -69,7 +69,7 @@ def test_gemv_matches_gguf_dequantize(dev, type_name, m, n, blocks_k, split_k):
 @pytest.mark.parametrize("type_name", TYPES)
 @pytest.mark.parametrize("m,n,blocks_k", [(17, 19, 3), (5, 33, 2)])
 def test_gemm_matches_gguf_dequantize(dev, type_name, m, n, blocks_k):
-    from kernels.quant import triton_quant
+    from kernels.quant import triton_kernel as triton_quant
 
     x, w = _case(type_name, m, n, blocks_k, dev, seed=1)
     out = triton_quant.quant_gemm(x, w, type_name, block_m=16, block_n=16)
@@ -78,7 +78,7 @@ def test_gemm_matches_gguf_dequantize(dev, type_name, m, n, blocks_k):
 
 @pytest.mark.parametrize("type_name", ["Q4_1", "Q4_K", "Q6_K", "Q6_K_P"])
 def test_bfloat16_activations(dev, type_name):
-    from kernels.quant import triton_quant
+    from kernels.quant import triton_kernel as triton_quant
 
     x, w = _case(type_name, 2, 9, 2, dev, dtype=torch.bfloat16, seed=2)
     assert_matches(triton_quant.quant_gemv(x, w, type_name, block_n=4, int8_dot=False), x, w, type_name)
@@ -87,7 +87,7 @@ def test_bfloat16_activations(dev, type_name):
 
 
 def test_matmul_dispatches_by_rows(dev):
-    from kernels.quant import triton_quant
+    from kernels.quant import triton_kernel as triton_quant
 
     for m in (triton_quant.GEMV_MAX_ROWS, triton_quant.GEMV_MAX_ROWS + 1):
         x, w = _case("Q8_0", m, 3, 1, dev, seed=m)
@@ -95,7 +95,7 @@ def test_matmul_dispatches_by_rows(dev):
 
 
 def test_blocks_of_the_wrong_width_are_refused(dev):
-    from kernels.quant import triton_quant
+    from kernels.quant import triton_kernel as triton_quant
 
     x, w = _case("Q4_0", 1, 3, 2, dev)
     with pytest.raises(ValueError, match="do not hold rows of K=32"):
@@ -115,7 +115,7 @@ def test_tensor_bytes_is_the_file_size(type_name):
 @pytest.mark.parametrize("m,split_k", [(2, 1), (2, 3), (20, None)])
 def test_output_into_a_column_slice(dev, m, split_k):
     """A fused projection of mixed types writes each part's columns of one output."""
-    from kernels.quant import triton_quant
+    from kernels.quant import triton_kernel as triton_quant
 
     x, w = _case("Q5_1", m, 6, 3, dev, seed=4)
     wide = torch.full((m, 10), 7.0, device=dev)
@@ -158,7 +158,8 @@ def test_int8_gemv_matches_its_reference(dev, type_name, m, n, blocks_k, split_k
     activations rounded as the kernel rounds them, the exact weights) to float32
     summation order, and the exact product within the stated rounding tolerance; N
     not a multiple of the row tile, K ranges of unequal length, dead blocks in a step."""
-    from kernels.quant import triton_int8, triton_quant
+    from kernels.quant import triton_int8
+    from kernels.quant import triton_kernel as triton_quant
 
     if type_name == "Q6_K_P":  # its rows are read as 32-bit words: an even number of blocks
         blocks_k += blocks_k % 2
@@ -271,9 +272,10 @@ def test_quant_linear_output_is_the_same_whichever_launches_it_takes(dev, monkey
     one launch (the default) equals its output with a launch a part, and with the
     activations quantized by a launch of their own, bit for bit; all equal the int8
     reference of its parts."""
-    from engine.models import quant_linear
-    from engine.models.quant_linear import PartSpec, QuantLinear
-    from kernels.quant import triton_int8, triton_quant
+    from engine.layers.linear import gguf_blocks as quant_linear
+    from engine.layers.linear.gguf_blocks import PartSpec, QuantLinear
+    from kernels.quant import triton_int8
+    from kernels.quant import triton_kernel as triton_quant
 
     if dev == "cpu":  # the Triton path, interpreted, on CPU tensors
         monkeypatch.setattr(quant_linear, "use_triton", lambda t: True)
@@ -317,9 +319,10 @@ def test_quant_linear_takes_its_rows_quantized_by_their_producer(dev, monkeypatc
     (int8 parts, up to GEMV_MAX_ROWS rows, quantized apart) and the switch is on; given
     them as ``q8``, ``forward`` launches no quantizing kernel and its output is the same
     bit for bit."""
-    from engine.models import quant_linear
-    from engine.models.quant_linear import PartSpec, QuantLinear
-    from kernels.quant import triton_int8, triton_quant
+    from engine.layers.linear import gguf_blocks as quant_linear
+    from engine.layers.linear.gguf_blocks import PartSpec, QuantLinear
+    from kernels.quant import triton_int8
+    from kernels.quant import triton_kernel as triton_quant
 
     if dev == "cpu":  # the Triton path, interpreted, on CPU tensors
         monkeypatch.setattr(quant_linear, "use_triton", lambda t: True)
@@ -367,7 +370,8 @@ def test_int8_activations_equal_the_reference_codes(dev):
 def test_int8_gemv_bfloat16_into_a_column_slice(dev):
     """bfloat16 rows, one quantization shared by two parts writing columns of one output
     (a fused projection of Q4_K and Q6_K shards)."""
-    from kernels.quant import triton_int8, triton_quant
+    from kernels.quant import triton_int8
+    from kernels.quant import triton_kernel as triton_quant
 
     x, w4 = _case("Q4_K", 2, 5, 2, dev, dtype=torch.bfloat16, seed=7)
     _, w6 = _case("Q6_K", 2, 3, 2, dev, seed=8)
@@ -442,7 +446,7 @@ def test_norms_quantizing_their_output_equal_a_quantizing_launch(dev, dtype, m, 
     residual) as without, bit for bit, and the codes, scales and sums of
     :func:`quantize_activations` of that output; rows of a width that is not a power of
     two (padding groups in the kernel's row), a group of zeros included."""
-    from kernels import triton_norm
+    from kernels.norm import triton_kernel as triton_norm
 
     g = torch.Generator().manual_seed(m * k)
     x = (torch.randn(m, k, generator=g) * 3).to(dtype).to(dev)
@@ -468,7 +472,7 @@ def test_silu_and_mul_quantizing_its_output_equals_a_quantizing_launch(dev, dtyp
     """SiLU-and-mul with ``quantize=True``: the same output bit for bit, and its codes as
     :func:`quantize_activations` gives them; 1120 columns take two programs a row (the
     second's groups start at 32), leading dimensions are kept."""
-    from kernels import triton_activation
+    from kernels.activation import triton_kernel as triton_activation
 
     g = torch.Generator().manual_seed(m + inter)
     x = (torch.randn(m, 1, 2 * inter, generator=g) * 3).to(dtype).to(dev)
@@ -480,7 +484,8 @@ def test_silu_and_mul_quantizing_its_output_equals_a_quantizing_launch(dev, dtyp
 
 
 def test_producers_refuse_to_quantize_rows_of_partial_groups(dev):
-    from kernels import triton_activation, triton_norm
+    from kernels.activation import triton_kernel as triton_activation
+    from kernels.norm import triton_kernel as triton_norm
 
     x = torch.randn(2, 48, device=dev)
     with pytest.raises(ValueError, match="whole groups of 32"):

@@ -14,12 +14,12 @@ import weakref
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.errors import RequestRejected
+from engine.common.config import EngineConfig
+from engine.core.engine import Engine
+from engine.common.errors import RequestRejected
 from engine.kvcache.allocator import OutOfPages, PageAllocator
 from engine.kvcache.pool import KVPool
-from engine.messages import (
+from engine.wire.messages import (
     REPLAN_EVICT_PREFIX_CACHE,
     REPLAN_PREFILL_CHUNK,
     REPLAN_RESIZE_POOL,

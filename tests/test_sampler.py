@@ -14,7 +14,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from engine.messages import SamplingParams
+from engine.wire.messages import SamplingParams
 from engine.sampling.sampler import InvalidLogitsError, Sampler, SamplingState
 
 DEVICES = [

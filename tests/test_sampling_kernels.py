@@ -13,11 +13,11 @@ import pytest
 import torch
 from triton_interpret import kernel_device
 
-from engine.messages import SamplingParams as SP
+from engine.wire.messages import SamplingParams as SP
 from engine.sampling.device import DeviceSampler
 from engine.sampling.sampler import Sampler, SamplingState
-from kernels import sampling as ref
-from kernels.sampling import INVALID_TOKEN
+from kernels.sampling import reference as ref
+from kernels.sampling.reference import INVALID_TOKEN
 
 V = 50
 MIX = [
@@ -38,7 +38,7 @@ def dev() -> str:
 
 @pytest.fixture(scope="module")
 def triton_kernels(dev):
-    from kernels import triton_sampling
+    from kernels.sampling import triton_kernel as triton_sampling
 
     return triton_sampling
 

@@ -23,7 +23,7 @@ from service_harness import ServerProcess, wait_for
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
-from engine.units import MiB
+from engine.common.units import MiB
 
 pytestmark = pytest.mark.slow
 

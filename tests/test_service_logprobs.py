@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 # The server runs the CPU's default, int4 weights with bfloat16 activations
-# (engine/models/cpu_quant_linear.py), against transformers' float32 reference of the
+# (engine/layers/linear/cpu_int4.py), against transformers' float32 reference of the
 # same weights: measured 0.06 apart at most; a log-probability computed wrongly (a missing
 # normalisation, another position) is off by whole units.
 TOL = 0.15

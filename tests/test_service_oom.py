@@ -1,5 +1,5 @@
 """Out-of-memory errors through the real server (issue 4): the worker's engine runs with
-``HEADROOM_FAULTS`` (engine/faults.py), which raises ``torch.OutOfMemoryError`` at a
+``HEADROOM_FAULTS`` (engine/common/faults.py), which raises ``torch.OutOfMemoryError`` at a
 step's prefill on the CPU. The request ids the worker sees are the service's, so the
 rules use ``*`` (any request).
 

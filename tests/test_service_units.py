@@ -358,8 +358,8 @@ def test_engine_errors_map_out_of_memory_to_503_with_retry_after():
 
 
 def test_engine_events_cross_the_pipe_and_are_kept_as_request_errors():
-    from engine.ipc import EngineEvents, encode, from_worker_decoder
-    from engine.messages import OomEvent, ReplanWanted
+    from engine.wire.ipc import EngineEvents, encode, from_worker_decoder
+    from engine.wire.messages import OomEvent, ReplanWanted
     from service.events.hub import EventHub
     from service.events.schemas import DEFAULT_KEEP_REQUEST_ERRORS
     from service.http.state import Services

@@ -1,11 +1,11 @@
-"""The skewed-routing MoE checkpoint writer (engine/commands/skewed_moe.py): a small
+"""The skewed-routing MoE checkpoint writer (engine/bench/skewed_moe.py): a small
 version loads in the engine, answers, and its router prefers some experts."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from engine.commands.skewed_moe import write_skewed_moe
+from engine.bench.skewed_moe import write_skewed_moe
 
 SMALL = dict(hidden_size=64, moe_intermediate_size=32, num_experts=32, num_experts_per_tok=4,
              num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
@@ -20,9 +20,9 @@ def test_router_skew_follows_the_zipf_exponent(tmp_path, default_model_dir):
 
 
 def test_written_checkpoint_loads_and_answers(tmp_path, default_model_dir):
-    from engine.config import EngineConfig
-    from engine.engine import Engine
-    from engine.messages import GenerateRequest, SamplingParams
+    from engine.common.config import EngineConfig
+    from engine.core.engine import Engine
+    from engine.wire.messages import GenerateRequest, SamplingParams
 
     write_skewed_moe(tmp_path, "qwen3-30b-a3b", 2, Path(default_model_dir), 1.0, **SMALL)
     engine = Engine(EngineConfig(model=str(tmp_path), device="cpu", kv_cache=16 << 20))

@@ -95,7 +95,7 @@ def spawn_cmdline() -> list[str]:
 
 def test_worker_command_lines():
     assert is_worker_cmdline(spawn_cmdline())
-    assert is_worker_cmdline(["/usr/bin/python3.11", "-m", "engine.worker"])
+    assert is_worker_cmdline(["/usr/bin/python3.11", "-m", "engine.worker.process"])
     assert not is_worker_cmdline(["headroom-worker", "300"])
     assert not is_worker_cmdline(
         [sys.executable, "headroom_worker_lookalike.py", "--multiprocessing-fork", "spawn_main"]

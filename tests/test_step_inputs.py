@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from engine.messages import SamplingParams
+from engine.wire.messages import SamplingParams
 from engine.scheduler.request import Request
 from engine.scheduler.scheduler import StepItem
-from engine.step_inputs import StepInputs, token_at
+from engine.core.step_inputs import StepInputs, token_at
 
 
 def _req(rid: str, prompt: list[int], output: list[int], pages: list[int]) -> Request:
@@ -55,7 +55,7 @@ def test_rows_that_do_not_sample_get_no_logits_row():
 
 
 def test_graph_batch_sizes_ladder():
-    from engine.cuda_graphs import graph_batch_sizes
+    from engine.core.cuda_graphs import graph_batch_sizes
 
     assert graph_batch_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
     assert graph_batch_sizes(20) == [1, 2, 4, 8, 16, 20]  # the largest is always captured

@@ -9,10 +9,10 @@ import json
 import jsonschema_rs
 import pytest
 
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.errors import RequestRejected
-from engine.messages import ERROR_INVALID_SCHEMA, GenerateRequest, SamplingParams
+from engine.common.config import EngineConfig
+from engine.core.engine import Engine
+from engine.common.errors import RequestRejected
+from engine.wire.messages import ERROR_INVALID_SCHEMA, GenerateRequest, SamplingParams
 from engine.sampling.grammar import xgrammar_reason
 from engine.text.tokenizer import load_tokenizer
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 from test_engine import GREEDY, run_all
 
-from engine.config import EngineConfig, ModelConfig
-from engine.engine import Engine
-from engine.messages import GenerateRequest
-from engine.parallel.launch import parallel_engine
+from engine.common.config import EngineConfig, ModelConfig
+from engine.core.engine import Engine
+from engine.wire.messages import GenerateRequest
+from engine.worker.tp_launch import parallel_engine
 from engine.parallel.shard import check_shardable
 
 pytestmark = pytest.mark.slow

@@ -11,7 +11,7 @@ import json
 import pytest
 from test_wiring_units import FakeSupervisor, pool_stats
 
-from engine.units import GiB, MiB
+from engine.common.units import GiB, MiB
 from service.cli.settings import resolve
 from service.events.hub import VramThrottle
 from service.vram.gpus import GpuGroup, tightest

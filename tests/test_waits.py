@@ -10,8 +10,8 @@ import json
 
 import pytest
 
-from engine.faults import FaultInjector, check_cuda_init
-from engine.ipc import Misfit, WorkerError
+from engine.common.faults import FaultInjector, check_cuda_init
+from engine.wire.ipc import Misfit, WorkerError
 from service.cli.settings import SettingsError, parse_duration, resolve
 from service.supervision.waits import (
     GpuBackoff,
@@ -118,7 +118,7 @@ def test_a_gpu_that_appears_ends_the_backoff_sleep_early(tmp_path):
 def test_the_cuda_init_fault_counts_across_engine_starts(tmp_path):
     (tmp_path / "gpu.fault").write_text("cuda_init:*:2")
     env = {"HEADROOM_FAULTS_DIR": str(tmp_path)}
-    from engine.errors import CudaUnavailable
+    from engine.common.errors import CudaUnavailable
 
     for _ in range(2):
         with pytest.raises(CudaUnavailable, match="nvidia_uvm"):

@@ -19,9 +19,9 @@ import pytest
 from click.testing import CliRunner
 from service_harness import engine_info as info
 
-from engine import ipc
+from engine.wire import ipc
 from engine.memory.plan import LedgerEntry, MemoryPlan
-from engine.messages import (
+from engine.wire.messages import (
     BY_CONTROL,
     BY_WATCHER,
     REPLAN_EVICT_PREFIX_CACHE,
@@ -35,7 +35,7 @@ from engine.messages import (
     ReplanWanted,
     ResizeResult,
 )
-from engine.units import GiB, MiB
+from engine.common.units import GiB, MiB
 from service.cli.settings import SettingsError, resolve
 from service.events.hub import EventHub
 from service.http.state import CONTROL_REASON, Services, bytes_asked
@@ -134,7 +134,7 @@ class FakeConn:
 
 
 class ResizableEngine:
-    """The parts of engine.engine.Engine the worker's replan handling touches."""
+    """The parts of engine.core.engine.Engine the worker's replan handling touches."""
 
     def __init__(self) -> None:
         self.pool = type("Pool", (), {"num_pages": 101, "nbytes": 101 * MiB})()
@@ -191,7 +191,7 @@ class ResizableEngine:
 
 
 def test_the_worker_carries_out_replan_commands_and_answers_after_the_events():
-    from engine.worker import _replan
+    from engine.worker.process import _replan
 
     engine, conn = ResizableEngine(), FakeConn()
     _replan(conn, engine, ipc.ResizePool(seq=7, num_pages=60, reason="game"), 101)
@@ -517,7 +517,7 @@ def test_headroom_token_prints_the_file_and_the_dashboard_address(tmp_path):
 
 
 def test_planned_page_bytes_come_from_the_plan():
-    from engine.worker import pool_stats
+    from engine.worker.process import pool_stats
 
     engine = ResizableEngine()
     engine.plan = MemoryPlan(

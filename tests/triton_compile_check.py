@@ -19,14 +19,12 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kernels import (  # noqa: E402
-    triton_activation,
-    triton_gemv,
-    triton_moe,
-    triton_norm,
-    triton_rotary,
-    triton_sampling,
-)
+from kernels.activation import triton_kernel as triton_activation
+from kernels.gemv import triton_kernel as triton_gemv
+from kernels.moe import triton_kernel as triton_moe
+from kernels.norm import triton_kernel as triton_norm
+from kernels.rotary import triton_kernel as triton_rotary
+from kernels.sampling import triton_kernel as triton_sampling
 
 TARGET = GPUTarget("cuda", 90, 32)
 

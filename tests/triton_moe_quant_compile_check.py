@@ -1,4 +1,4 @@
-"""Compile the fused MoE over GGUF blocks (``kernels/quant/triton_moe_quant.py``) for a
+"""Compile the fused MoE over GGUF blocks (``kernels/moe/quant_triton_kernel.py``) for a
 Hopper GPU (sm_90) without one, and report register spills: the grouped GEMV (gated
 gate/up, weighted down) and the sorted GEMM (bfloat16) for a Q4_K_M file's types (Q4_K
 gate and up, Q6_K down) and one legacy type (Q8_0).
@@ -14,7 +14,7 @@ import sys
 
 from triton_quant_compile_check import _compile  # noqa: I001 - drops TRITON_INTERPRET before triton loads
 
-from kernels.quant import triton_moe_quant  # noqa: E402
+from kernels.moe import quant_triton_kernel as triton_moe_quant
 
 _SCALARS = ("num_rows", "top_k", "N", "K", "a_expert_bytes", "b_expert_bytes", "a_row_bytes", "b_row_bytes",
             "stride_xm", "stride_om")

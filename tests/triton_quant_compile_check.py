@@ -21,7 +21,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kernels.quant import triton_int8, triton_quant  # noqa: E402
+from kernels.quant import triton_int8
+from kernels.quant import triton_kernel as triton_quant
 from kernels.quant.formats import FORMATS, REPACKED, block_format  # noqa: E402
 
 # Every GGUF type kept quantized and every layout the loader repacks into.

@@ -9,9 +9,9 @@ import sys
 from collections.abc import Iterator
 from typing import TextIO
 
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.messages import FINISH_ERROR, GenerateRequest, SamplingParams
+from engine.common.config import EngineConfig
+from engine.core.engine import Engine
+from engine.wire.messages import FINISH_ERROR, GenerateRequest, SamplingParams
 from engine.text.chat import encode_chat
 from engine.text.detokenizer import IncrementalDetokenizer
 from engine.text.tokenizer import load_tokenizer
@@ -34,7 +34,7 @@ def stream_text(engine: Engine, tokenizer, prompt_ids: list[int], sampling: Samp
     """Run one request to completion, yielding text as it becomes complete UTF-8.
 
     Raises:
-        engine.errors.RequestRejected: the prompt cannot run (e.g. too long).
+        engine.common.errors.RequestRejected: the prompt cannot run (e.g. too long).
         GenerationFailed: the engine failed the request (e.g. out of device memory),
             after the text produced before the failure was yielded.
     """
@@ -73,10 +73,10 @@ def run_generate(
     when given; ``model`` and ``device`` are then ignored.
 
     Raises:
-        engine.loader.errors.ModelLoadError: the model is missing or broken.
-        engine.errors.PlanDoesNotFit: the memory plan cannot hold the model and one request.
+        engine.common.load_errors.ModelLoadError: the model is missing or broken.
+        engine.common.errors.PlanDoesNotFit: the memory plan cannot hold the model and one request.
         engine.text.chat.ChatTemplateError: the template cannot render the prompt.
-        engine.errors.RequestRejected: the prompt does not fit.
+        engine.common.errors.RequestRejected: the prompt does not fit.
         GenerationFailed: the engine failed the request (e.g. ``out_of_memory``).
     """
     engine = Engine(config if config is not None else EngineConfig(model=model, device=device))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import msgspec
 import torch
 
-from engine.config import EngineConfig
+from engine.common.config import EngineConfig
 from engine.loader.fp8 import resolve_quantization
 from engine.loader.gguf_quant import gguf_weight_size
 from engine.loader.hf_config import load_model_config
@@ -18,8 +18,8 @@ from engine.loader.load import fp8_weight_size
 from engine.loader.resolve import resolve_model
 from engine.memory.plan import MemoryPlan, PlanKnobs, fit_plan
 from engine.parallel.split import rank_model_config
-from engine.settings_fit import check_for_model
-from engine.startup import (
+from engine.core.settings_fit import check_for_model
+from engine.core.startup import (
     device_memory,
     estimated_planner,
     quantized_gguf,
@@ -73,9 +73,9 @@ def build_plan(config: EngineConfig) -> MemoryPlan:
 
     Raises:
         NoDevice: see :func:`planned_setup`.
-        engine.loader.errors.ModelLoadError: the model is missing or its config broken.
-        engine.errors.SettingRefused: a setting the model cannot honour
-            (:func:`engine.settings_fit.check_for_model`).
+        engine.common.load_errors.ModelLoadError: the model is missing or its config broken.
+        engine.common.errors.SettingRefused: a setting the model cannot honour
+            (:func:`engine.core.settings_fit.check_for_model`).
     """
     device, dtype = planned_setup(config)
     whole = load_model_config(resolve_model(config.model))
@@ -142,14 +142,14 @@ def cpu_holdings(config: EngineConfig) -> CpuHoldings:
     GGUF) its tensor table, without loading the weights.
 
     Raises:
-        engine.loader.errors.ModelLoadError: the model is missing or its config broken.
+        engine.common.load_errors.ModelLoadError: the model is missing or its config broken.
         ValueError: an unknown dtype or KV cache dtype.
     """
     from engine.kvcache.pool import kv_storage_dtype
     from engine.loader.default_model import model_display_name
     from engine.loader.load import weight_bytes
     from engine.memory.fixed_pool import unplanned_pages
-    from engine.memory.footprint import kv_bytes_per_token
+    from engine.core.footprint import kv_bytes_per_token
     from engine.memory.host import host_memory
 
     device = torch.device("cpu")
@@ -179,7 +179,7 @@ def render_cpu(h: CpuHoldings, as_json: bool) -> str:
     """:class:`CpuHoldings` as a table (or JSON)."""
     if as_json:
         return msgspec.json.encode(h).decode()
-    from engine.units import fmt_bytes
+    from engine.common.units import fmt_bytes
 
     def row(name: str, n: int, note: str) -> str:
         return f"  {name:<24} {n / 2**20:>10.1f} MiB   {note}"

@@ -34,7 +34,7 @@ must really reach the device, as NVML sees it. Three ways were weighed:
   8 ms, the top 8 GiB unmapped in 6 ms, NVML saw it return). It is CUDA-only and needs
   ``cuda.bindings`` and cupy to view the mapping as a tensor. The engine's decode CUDA
   graphs are instead dropped before a resize and captured again on next use
-  (:mod:`engine.cuda_graphs`): measured on an H200, a 1 GiB shrink during decode took
+  (:mod:`engine.core.cuda_graphs`): measured on an H200, a 1 GiB shrink during decode took
   15 ms and the grow 14 ms, the re-captures milliseconds, so the dependency is not
   worth it.
 
@@ -53,7 +53,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.kv_store import FP8_KV_DTYPE, is_fp8, scatter_kv
+from kernels.attention.kv_store import FP8_KV_DTYPE, is_fp8, scatter_kv
 
 KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8")
 
@@ -61,7 +61,7 @@ KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8")
 def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     """The pool's storage dtype for ``--kv-cache-dtype``: ``auto`` is the model's
     dtype, ``fp8`` is ``float8_e4m3fn`` with a per-tensor scale of 1.0
-    (:mod:`kernels.kv_store`), one byte per element.
+    (:mod:`kernels.attention.kv_store`), one byte per element.
 
     Raises:
         ValueError: an unknown name (the message lists the choices).
@@ -194,7 +194,7 @@ class KVPool:
         Args:
             slots: ``[T]`` int64 flat slots.
             k, v: ``[T, num_kv_heads, head_dim]`` in ``compute_dtype`` (cast to the
-                storage dtype here: FP8 pages clamp and round, :mod:`kernels.kv_store`).
+                storage dtype here: FP8 pages clamp and round, :mod:`kernels.attention.kv_store`).
         """
         scatter_kv(self.k_buffers[layer], slots, k)
         scatter_kv(self.v_buffers[layer], slots, v)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.config import ModelConfig
+from engine.common.config import ModelConfig
 
 
 class OutOfStateSlots(RuntimeError):

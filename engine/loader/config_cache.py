@@ -6,7 +6,7 @@ holds about 77 MiB of the worker's resident memory for its whole life (measured 
 default model with transformers 5), for facts that depend only on the config files'
 bytes. The record is keyed by those bytes (``config.json``, ``generation_config.json``),
 the source of the code that derives the facts (``engine/loader/hf_config.py``,
-``engine/config.py``) and the installed transformers version, so any change to one of
+``engine/common/config.py``) and the installed transformers version, so any change to one of
 them misses and derives anew; a record that cannot be read is a miss, and a cache that
 cannot be written is skipped (the facts are derived every time then).
 """
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import msgspec
 
-from engine.config import ModelConfig
+from engine.common.config import ModelConfig
 
 log = logging.getLogger("headroom.engine")
 

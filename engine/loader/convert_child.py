@@ -15,7 +15,7 @@ default model): it resolves the model as the engine will
 (:func:`engine.loader.resolve.resolve_model`) and reads its config once, which caches
 the facts. It dies with its parent (``prctl``) and reports a failure as one JSON line
 on stdout, ``{"kind", "message"}``, which :func:`convert_in_child` raises again as the
-same :mod:`engine.loader.errors` class; the conversion publishes its folder by a
+same :mod:`engine.common.load_errors` class; the conversion publishes its folder by a
 rename, so a child killed half-way leaves no folder under the final name.
 """
 
@@ -27,7 +27,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from engine.loader import errors
+from engine.common import load_errors as errors
 
 _FAILED = 3  # the child's exit code for a conversion error it reported
 
@@ -77,7 +77,7 @@ def _report(stdout: str) -> dict | None:
 
 
 def main(argv: list[str]) -> int:
-    from engine.parent_death import die_with_parent
+    from engine.common.parent_death import die_with_parent
 
     die_with_parent()
     from engine.loader.hf_config import load_model_config

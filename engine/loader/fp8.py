@@ -1,6 +1,6 @@
 """FP8 weights: which checkpoints are FP8, and the weight stream the FP8 model loads.
 
-A model runs with FP8 projections (:class:`engine.models.fp8_linear.Fp8Linear`) when
+A model runs with FP8 projections (:class:`engine.layers.linear.fp8.Fp8Linear`) when
 ``--quantization fp8`` asks for it (a bfloat16/float32 checkpoint, quantized here as it
 streams in, per output row) or when the checkpoint already is FP8 (``config.json``'s
 ``quantization_config.quant_method == "fp8"``: float8_e4m3fn weights with a
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from engine.loader.errors import UnsupportedConfig
-from engine.models.fp8_linear import FP8_WEIGHT_DTYPE, quantize_rows
+from engine.common.load_errors import UnsupportedConfig
+from engine.layers.linear.fp8 import FP8_WEIGHT_DTYPE, quantize_rows
 
 QUANTIZATION_CHOICES: tuple[str, ...] = ("auto", "fp8")
 # Hugging Face names of the dense projections that become FP8 (fused at load).

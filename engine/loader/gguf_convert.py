@@ -37,7 +37,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from engine.loader.default_model import read_gguf_source, record_gguf_source
-from engine.loader.errors import (
+from engine.common.load_errors import (
     CorruptWeights,
     ModelLoadError,
     ModelNotFound,
@@ -396,8 +396,8 @@ def _llama3_from_factors(
     and the largest divisor is ``factor``. We rebuild the divisors from those values and
     accept them only if they match the file.
     """
-    from engine.config import RopeConfig
-    from engine.models.rope import inv_freq
+    from engine.common.config import RopeConfig
+    from engine.layers.rope import inv_freq
 
     rope = RopeConfig(
         theta=config["rope_theta"],

@@ -2,7 +2,7 @@
 
 The projections (q/k/v, o, gate/up, down, a shared expert's and an untied LM head) whose
 tensors are of a type :mod:`kernels.quant` reads become
-:class:`~engine.models.quant_linear.QuantLinear` modules holding the file's blocks as
+:class:`~engine.layers.linear.gguf_blocks.QuantLinear` modules holding the file's blocks as
 they are; every other tensor (embeddings, norms, routers, biases, projections of other
 types) is dequantized into the model dtype, as the converted Hugging Face folder holds
 it. llama.cpp's q/k row permutation is undone on the blocks' rows (a row of blocks is a
@@ -10,7 +10,7 @@ row of weights).
 
 A mixture of experts' stacked experts (``ffn_gate_exps``/``ffn_up_exps``/``ffn_down_exps``
 of qwen3moe, qwen2moe and llama files with experts) become a
-:class:`~engine.models.quant_experts.QuantExperts` per layer, each projection in its own
+:class:`~engine.layers.moe.quant_experts.QuantExperts` per layer, each projection in its own
 block type, when all three are types the kernels read; on the CPU (whose int4 repacking
 covers linear layers only) and for other types they are dequantized at load.
 
@@ -30,8 +30,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.config import ModelConfig
-from engine.loader.errors import ModelLoadError, WeightMismatch
+from engine.common.config import ModelConfig
+from engine.common.load_errors import ModelLoadError, WeightMismatch
 from engine.loader.gguf_convert import (
     _ROPE_FREQS,
     _dequantize,
@@ -39,10 +39,10 @@ from engine.loader.gguf_convert import (
     reverse_llama_permute,
 )
 from engine.loader.gguf_tensors import open_tensors
-from engine.models.cpu_quant_linear import CODE_BITS, QuantEmbedding, packable, packed_bytes
-from engine.models.quant_experts import QuantExperts
-from engine.models.quant_linear import PartSpec, QuantLinear, repack_model_for_kernels
-from engine.units import MiB
+from engine.layers.linear.cpu_int4 import CODE_BITS, QuantEmbedding, packable, packed_bytes
+from engine.layers.moe.quant_experts import QuantExperts
+from engine.layers.linear.gguf_blocks import PartSpec, QuantLinear, repack_model_for_kernels
+from engine.common.units import MiB
 from kernels.cpu.block_gemv import (
     TYPE_IDS as CPU_BLOCK_TYPES,  # what the C CPU GEMV reads as stored
 )
@@ -110,7 +110,7 @@ _EMBEDDINGS = "token_embd.weight"
 
 def _embeddings_in_blocks(by_name: dict[str, Any], wanted: bool) -> str | None:
     """The block type the token embeddings stay in, or None (dequantized): when
-    ``wanted`` (the CPU engine's layout), a type :mod:`engine.models.cpu_quant_linear`
+    ``wanted`` (the CPU engine's layout), a type :mod:`engine.layers.linear.cpu_int4`
     reads (a lookup dequantizes its rows; a tied LM head is repacked from the same
     blocks)."""
     t = by_name.get(_EMBEDDINGS)
@@ -163,12 +163,12 @@ def gguf_weight_size(gguf_path: str | Path, config: ModelConfig, dtype: torch.dt
     Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 projections take torch's int4 layout (one or two planes), the
     token embeddings of those types stay in blocks and a tied LM head is repacked from
     them; other block types, and a mixture of experts' routed experts, are dequantized
-    (:mod:`engine.models.cpu_quant_linear`). The routed experts' bytes are also given
+    (:mod:`engine.layers.linear.cpu_int4`). The routed experts' bytes are also given
     per layer, so that the plan can put the host tier and the expert cache of
     ``--cpu-experts`` at their stored size. Where the C CPU kernels run (``cpu_blocks``;
-    None asks :func:`~engine.models.cpu_kernels.cpu_kernels`, as the engine's load does)
+    None asks :func:`~engine.layers.linear.cpu_kernels.cpu_kernels`, as the engine's load does)
     Q4_0/Q4_1/Q8_0 projections stay in their blocks instead and a tied head shares the
-    embeddings' blocks (:mod:`engine.models.cpu_block_linear`).
+    embeddings' blocks (:mod:`engine.layers.linear.cpu_blocks`).
 
     Raises:
         CorruptWeights: the file is not a readable GGUF.
@@ -189,7 +189,7 @@ def gguf_weight_size(gguf_path: str | Path, config: ModelConfig, dtype: torch.dt
     dense_types: Counter[str] = Counter()
     dense_bytes = 0
     if device_type == "cpu" and cpu_blocks is None:
-        from engine.models.cpu_kernels import cpu_kernels
+        from engine.layers.linear.cpu_kernels import cpu_kernels
 
         cpu_blocks = cpu_kernels() is not None
     for t in reader.tensors:
@@ -244,16 +244,16 @@ def load_gguf_quantized(
     built.
 
     ``experts_in_blocks``: keep a mixture of experts' routed experts in blocks
-    (:class:`~engine.models.quant_experts.QuantExperts`) where their types allow; default
+    (:class:`~engine.layers.moe.quant_experts.QuantExperts`) where their types allow; default
     everywhere but on the CPU, where the engine dequantizes them at load (tests set it
     to run the torch reference over the blocks).
 
     ``embeddings_in_blocks``: the CPU engine's layout (:func:`gguf_weight_size` for
     ``"cpu"`` prices it): token embeddings of a type
-    :mod:`engine.models.cpu_quant_linear` reads stay in blocks
-    (:class:`~engine.models.cpu_quant_linear.QuantEmbedding`) and a tied LM head becomes
+    :mod:`engine.layers.linear.cpu_int4` reads stay in blocks
+    (:class:`~engine.layers.linear.cpu_int4.QuantEmbedding`) and a tied LM head becomes
     a QuantLinear over the same blocks, for
-    :func:`~engine.models.cpu_quant_linear.pack_model_for_cpu` to repack.
+    :func:`~engine.layers.linear.cpu_int4.pack_model_for_cpu` to repack.
 
     Raises:
         CorruptWeights: the file is not a readable GGUF.

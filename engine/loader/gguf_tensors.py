@@ -150,7 +150,7 @@ def open_tensors(gguf_path: Path) -> GGUFTensors:
         CorruptWeights: the file is not a GGUF this reads; the message says to download
             it again.
     """
-    from engine.loader.errors import CorruptWeights, ModelLoadError
+    from engine.common.load_errors import CorruptWeights, ModelLoadError
 
     gguf_path = Path(gguf_path)
     if not gguf_path.is_file():

@@ -14,13 +14,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-from engine.config import (
+from engine.common.config import (
     SUPPORTED_ARCHITECTURES,
     SUPPORTED_ROPE_TYPES,
     ModelConfig,
     RopeConfig,
 )
-from engine.loader.errors import (
+from engine.common.load_errors import (
     ConfigFieldMissing,
     ModelLoadError,
     ModelNotFound,

@@ -8,18 +8,18 @@ from pathlib import Path
 
 import torch
 
-from engine.config import ModelConfig
-from engine.loader.errors import WeightMismatch
+from engine.common.config import ModelConfig
+from engine.common.load_errors import WeightMismatch
 from engine.loader.fp8 import fp8_weights
 from engine.loader.gguf_quant import WeightSize
 from engine.loader.hf_config import load_model_config
 from engine.loader.weights import iter_weights
 from engine.models.decoder import CausalLM
-from engine.models.fp8_linear import FP8_MAX, FP8_WEIGHT_DTYPE, swap_projections
+from engine.layers.linear.fp8 import FP8_MAX, FP8_WEIGHT_DTYPE, swap_projections
 from engine.models.registry import get_model_class
 from engine.parallel.group import TensorParallel
 from engine.parallel.shard import rank_config, shard_weights
-from engine.units import fmt_bytes
+from engine.common.units import fmt_bytes
 
 
 def load_model(
@@ -52,7 +52,7 @@ def load_model(
     a CUDA engine's layout into host memory first).
 
     With ``quantization="fp8"`` the dense projections are
-    :class:`~engine.models.fp8_linear.Fp8Linear` (float8_e4m3fn, a float32 scale per
+    :class:`~engine.layers.linear.fp8.Fp8Linear` (float8_e4m3fn, a float32 scale per
     output row), filled from the checkpoint through :func:`engine.loader.fp8.fp8_weights`
     (quantized as they stream in, or an FP8 checkpoint's as stored).
 

@@ -13,7 +13,7 @@ from engine.loader.default_model import (
     read_gguf_source,
     record_gguf_source,
 )
-from engine.loader.errors import ModelNotFound
+from engine.common.load_errors import ModelNotFound
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ def resolve_model(path: str | Path | None) -> Path:
     Raises:
         ModelNotFound: the path does not exist or holds no model, or the default model's
             package is missing (the message names the path or the install command).
-        Any :class:`~engine.loader.errors.ModelLoadError` of the GGUF conversion.
+        Any :class:`~engine.common.load_errors.ModelLoadError` of the GGUF conversion.
     """
     if path is None:
         model_dir = _converted(default_gguf_path())
@@ -102,7 +102,7 @@ def convert_ahead(path: str | Path | None) -> None:
     :func:`resolve_model` then finds the folder.
 
     Raises:
-        Any :class:`~engine.loader.errors.ModelLoadError` of the GGUF conversion or of
+        Any :class:`~engine.common.load_errors.ModelLoadError` of the GGUF conversion or of
         reading its config.
     """
     gguf = gguf_file(path)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.loader.default_model import cache_root
-from engine.loader.errors import ModelNotFound
+from engine.common.load_errors import ModelNotFound
 
 
 def store_dir() -> Path:

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from engine.loader.errors import CorruptWeights, ModelNotFound
+from engine.common.load_errors import CorruptWeights, ModelNotFound
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

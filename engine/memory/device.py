@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 from engine.memory.plan import DeviceMemory
-from engine.units import GiB
+from engine.common.units import GiB
 
 
 def simulated_device(total_bytes: int, free_bytes: int | None = None, *, display_attached: bool = False) -> DeviceMemory:

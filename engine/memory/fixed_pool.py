@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from engine.config import EngineConfig, ModelConfig
+from engine.common.config import EngineConfig, ModelConfig
 
 # The CPU pool's default size: an anonymous map, resident only where written
 # (engine.kvcache.pool), so an idle or short-context run costs little of it.

@@ -45,11 +45,11 @@ from dataclasses import dataclass, replace
 
 import msgspec
 
-from engine.config import EngineConfig
-from engine.options import option_named, pick
-from engine.units import GiB as GiB
-from engine.units import MiB
-from engine.units import fmt_bytes as fmt_bytes
+from engine.common.config import EngineConfig
+from engine.common.options import option_named, pick
+from engine.common.units import GiB as GiB
+from engine.common.units import MiB
+from engine.common.units import fmt_bytes as fmt_bytes
 
 # Desktop reserve when a display is attached to the GPU: a compositor with two 4K
 # surfaces and a browser's GPU process commonly hold 300-600 MiB; the 5% share scales

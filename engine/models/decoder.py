@@ -7,7 +7,7 @@ RMSNorm before RoPE (``qk_norm``) and may decouple ``head_dim`` from
 ``hidden_size // num_heads``; any of them may tie the LM head to the embeddings. OLMoE
 normalizes the whole query and key projections instead (``qk_norm_whole``) and may clamp
 q/k/v (``clip_qkv``). The layers of ``moe_layers`` swap the MLP for
-:class:`engine.models.moe.SparseMoeBlock`, whose experts :meth:`CausalLM.load_weights`
+:class:`engine.layers.moe.sparse_moe.SparseMoeBlock`, whose experts :meth:`CausalLM.load_weights`
 stacks from the checkpoint's per-expert tensors.
 
 q/k/v are one fused linear and gate/up another: fewer, larger matmuls, hence fewer kernel
@@ -19,7 +19,7 @@ references elsewhere) in fused form: the residual add with the next RMSNorm, Qwe
 q/k norm with rotary and the KV-cache store (the model writes the pool, then calls the
 attention backend with ``kv_stored=True``), SiLU with the gate multiply, and, with ``HEADROOM_GEMV=1``, the projections of decode
 steps of a few tokens (matrix-vector kernels; the gate/up one applies SiLU-and-mul as it
-writes; :mod:`kernels.triton_gemv`). Before GGUF-block projections whose decode GEMV
+writes; :mod:`kernels.gemv.triton_kernel`). Before GGUF-block projections whose decode GEMV
 reads int8 activations, the norm or SiLU-and-mul that writes their input quantizes it
 in the same launch (:func:`wants_int8`; ``HEADROOM_QUANT_INT8_PRODUCER=0``: a launch of
 the projection's own). The forward
@@ -38,13 +38,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention.base import AttentionBackend
-from engine.config import ModelConfig
-from engine.forward_batch import ForwardBatch
-from engine.loader.errors import WeightMismatch
-from engine.models.moe import SparseMoeBlock
-from engine.models.quant_linear import QuantLinear
-from engine.models.rope import build_cos_sin_cache
+from engine.layers.attention.base import AttentionBackend
+from engine.common.config import ModelConfig
+from engine.common.forward_batch import ForwardBatch
+from engine.common.load_errors import WeightMismatch
+from engine.layers.moe.sparse_moe import SparseMoeBlock
+from engine.layers.linear.gguf_blocks import QuantLinear
+from engine.layers.rope import build_cos_sin_cache
 from engine.parallel.group import TensorParallel
 from kernels.dispatch import (
     fused_add_rms_norm,
@@ -62,7 +62,7 @@ _O_PROJ_BIAS_FOLLOWS_QKV = {"Qwen2ForCausalLM": False, "Qwen2MoeForCausalLM": Fa
 def project(proj: nn.Module, x: torch.Tensor, q8=None) -> torch.Tensor:
     """``proj(x)``: a bias-free ``nn.Linear`` through the decode GEMV dispatch
     (:data:`kernels.dispatch.linear`); one with a bias, or a GGUF-block
-    :class:`~engine.models.quant_linear.QuantLinear` (no ``weight``), as itself.
+    :class:`~engine.layers.linear.gguf_blocks.QuantLinear` (no ``weight``), as itself.
     ``q8``: ``x``'s rows quantized for the int8 GEMV by the kernel that wrote ``x`` (given
     only where :func:`wants_int8` said so), which the ``QuantLinear`` then reads instead
     of quantizing ``x`` in a launch of its own."""
@@ -75,7 +75,7 @@ def project(proj: nn.Module, x: torch.Tensor, q8=None) -> torch.Tensor:
 
 def wants_int8(proj: nn.Module | None, x: torch.Tensor) -> bool:
     """Whether the kernel that writes ``proj``'s input should write it quantized for the
-    int8 GEMV too (:meth:`~engine.models.quant_linear.QuantLinear.wants_int8`; never for
+    int8 GEMV too (:meth:`~engine.layers.linear.gguf_blocks.QuantLinear.wants_int8`; never for
     other modules or None). ``x``: that input, or the producer's, of the same rows."""
     return isinstance(proj, QuantLinear) and proj.wants_int8(x)
 
@@ -309,7 +309,7 @@ class CausalLM(nn.Module):
         self.tp: TensorParallel | None = None
         self.full_vocab_size = config.vocab_size
         # A CPU model's decode steps through the C decode layer, where it runs every layer
-        # (engine.models.cpu_decode; set by pack_model_for_cpu).
+        # (engine.layers.cpu_decode; set by pack_model_for_cpu).
         self.cpu_decode = None
 
     def use_parallel(self, tp: TensorParallel, full_vocab_size: int) -> None:

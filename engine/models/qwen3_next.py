@@ -1,6 +1,6 @@
-"""Qwen3-Next: a hybrid of Gated DeltaNet layers (:mod:`engine.models.gated_deltanet`)
+"""Qwen3-Next: a hybrid of Gated DeltaNet layers (:mod:`engine.layers.gated_deltanet`)
 and gated full-attention layers, with MoE (routed experts plus a shared expert behind a
-sigmoid gate: :class:`engine.models.moe.SparseMoeBlock`) or dense MLPs, as
+sigmoid gate: :class:`engine.layers.moe.sparse_moe.SparseMoeBlock`) or dense MLPs, as
 ``Qwen3NextForCausalLM`` in transformers.
 
 Its full-attention layers differ from Qwen3's: ``q_proj`` gives each head a query and a
@@ -20,13 +20,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention.base import AttentionBackend
-from engine.config import ModelConfig
-from engine.forward_batch import ForwardBatch
+from engine.layers.attention.base import AttentionBackend
+from engine.common.config import ModelConfig
+from engine.common.forward_batch import ForwardBatch
 from engine.models.decoder import MLP, CausalLM, Shard, project
-from engine.models.gated_deltanet import GatedDeltaNet
-from engine.models.moe import SparseMoeBlock
-from engine.models.rope import build_cos_sin_cache
+from engine.layers.gated_deltanet import GatedDeltaNet
+from engine.layers.moe.sparse_moe import SparseMoeBlock
+from engine.layers.rope import build_cos_sin_cache
 
 
 class ZeroCenteredRMSNorm(nn.Module):

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from engine.config import SUPPORTED_ARCHITECTURES
-from engine.loader.errors import UnsupportedArchitecture
+from engine.common.config import SUPPORTED_ARCHITECTURES
+from engine.common.load_errors import UnsupportedArchitecture
 from engine.models.decoder import CausalLM
 from engine.models.qwen3_next import HybridCausalLM
 
@@ -12,7 +12,7 @@ _MODELS: dict[str, type[CausalLM]] = {
     "MistralForCausalLM": CausalLM,
     "Qwen2ForCausalLM": CausalLM,
     "Qwen3ForCausalLM": CausalLM,
-    # Mixtures of experts: the same decoder with engine.models.moe's sparse MLP.
+    # Mixtures of experts: the same decoder with engine.layers.moe.sparse_moe's sparse MLP.
     "Qwen2MoeForCausalLM": CausalLM,
     "Qwen3MoeForCausalLM": CausalLM,
     "MixtralForCausalLM": CausalLM,
@@ -26,7 +26,7 @@ def get_model_class(architecture: str) -> type[CausalLM]:
     """The class that implements ``architecture``.
 
     Raises:
-        UnsupportedArchitecture: not one of :data:`engine.config.SUPPORTED_ARCHITECTURES`;
+        UnsupportedArchitecture: not one of :data:`engine.common.config.SUPPORTED_ARCHITECTURES`;
             the message lists those.
     """
     try:

@@ -3,7 +3,7 @@
 A worker started with ``--tensor-parallel-size N`` is a group of N rank processes
 (:mod:`engine.parallel.group`). Rank 0 is the worker the service talks to: it runs the
 scheduler and the sampler; every other rank follows its schedule
-(:mod:`engine.parallel.follow`): rank 0 broadcasts each step's inputs and each change of
+(:mod:`engine.core.tp_follow`): rank 0 broadcasts each step's inputs and each change of
 the KV pool, and all ranks run the same forward on their shard of the weights
 (:mod:`engine.parallel.shard`): q/k/v and gate/up split by output rows
 (column-parallel), o/down by input columns (row-parallel, then an all-reduce), the
@@ -12,7 +12,7 @@ pool holds its heads; every rank's page table is the same).
 
 On GPUs each rank replays its own decode CUDA graphs, the collectives captured inside,
 fed by one device-to-device broadcast of rank 0's packed inputs per step
-(:mod:`engine.parallel.graphs`).
+(:mod:`engine.core.tp_graphs`).
 
 The collectives run on NCCL on CUDA and on gloo on the CPU: the same code either way.
 Which sizes split a model, and each rank's shapes, are torch-free

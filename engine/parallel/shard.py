@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from engine.config import ModelConfig
+from engine.common.config import ModelConfig
 from engine.parallel.group import TensorParallel
 from engine.parallel.split import check_shardable as check_shardable  # where callers look for it
 from engine.parallel.split import rank_model_config
@@ -30,7 +30,7 @@ def rank_config(mc: ModelConfig, tp: TensorParallel) -> ModelConfig:
     world size, the vocabulary cut to this rank's slice (:meth:`TensorParallel.vocab_range`).
 
     Raises:
-        engine.errors.SettingRefused: see :func:`engine.parallel.split.check_shardable`.
+        engine.common.errors.SettingRefused: see :func:`engine.parallel.split.check_shardable`.
     """
     return rank_model_config(mc, tp.world, tp.rank)
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from engine.config import ModelConfig
-from engine.errors import SettingRefused
+from engine.common.config import ModelConfig
+from engine.common.errors import SettingRefused
 
 
 def check_shardable(mc: ModelConfig, world: int) -> None:

@@ -5,7 +5,7 @@ Interface for the step loop (and a CUDA graph around it):
 
 - :class:`DeviceSampler` owns ``fparams`` (``float32 [capacity, NUM_FPARAMS]``) and
   ``iparams`` (``int64 [capacity, NUM_IPARAMS]``) on the device, laid out as
-  :mod:`kernels.sampling` describes. Their storage never moves unless a step has more
+  :mod:`kernels.sampling.reference` describes. Their storage never moves unless a step has more
   rows than ``capacity`` (then both double, once; anything captured against them must be
   captured again: :attr:`DeviceSampler.generation` counts those moves).
 - :meth:`DeviceSampler.load` writes a step's rows ``[0, B)`` in place: the host fills a
@@ -38,9 +38,9 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.messages import SamplingParams
-from kernels import sampling as ref
-from kernels.sampling import NUM_FPARAMS, NUM_IPARAMS
+from engine.wire.messages import SamplingParams
+from kernels.sampling import reference as ref
+from kernels.sampling.reference import NUM_FPARAMS, NUM_IPARAMS
 
 _MIN_CAPACITY = 16
 _SEED_MASK = (1 << 63) - 1  # int64 storage; Philox takes the 63 bits as its key
@@ -71,7 +71,7 @@ class DeviceSampler:
             references run, which is what the tests use to compare).
         capacity: rows held before the first growth.
         kernels: the module with ``penalize_and_scale``, ``top_k_top_p`` and ``draw``
-            (:mod:`kernels.triton_sampling` by default on CUDA, :mod:`kernels.sampling`
+            (:mod:`kernels.sampling.triton_kernel` by default on CUDA, :mod:`kernels.sampling.reference`
             elsewhere).
 
     Attributes:
@@ -83,7 +83,7 @@ class DeviceSampler:
         self.device = torch.device(device)
         if kernels is None:
             if self.device.type == "cuda":
-                from kernels import triton_sampling as kernels
+                from kernels.sampling import triton_kernel as kernels
             else:
                 kernels = ref
         self.kernels = kernels

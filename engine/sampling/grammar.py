@@ -1,6 +1,6 @@
 """Structured output: JSON-schema-constrained sampling with xgrammar.
 
-A request whose :class:`~engine.messages.SamplingParams` carries ``json_schema`` (JSON
+A request whose :class:`~engine.wire.messages.SamplingParams` carries ``json_schema`` (JSON
 text of a JSON Schema) gets a grammar matcher on its :class:`SamplingState`. Each step,
 before the sampler's penalties and filters, the tokens that cannot continue a string
 the schema accepts get ``-inf`` (xgrammar's token bitmask, filled on the host, applied

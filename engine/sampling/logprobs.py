@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.messages import TokenLogprobs
+from engine.wire.messages import TokenLogprobs
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, ks: Sequence[int]) -> list[TokenLogprobs]:

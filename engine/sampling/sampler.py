@@ -30,11 +30,11 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.messages import MAX_LOGPROBS, SamplingParams, TokenLogprobs
+from engine.wire.messages import MAX_LOGPROBS, SamplingParams, TokenLogprobs
 from engine.sampling.grammar import apply_grammars
 from engine.sampling.logprobs import token_logprobs
 from kernels.dispatch import use_triton
-from kernels.sampling import INVALID_TOKEN
+from kernels.sampling.reference import INVALID_TOKEN
 
 _SEED_MASK = (1 << 64) - 1  # torch.Generator.manual_seed takes 64 bits
 
@@ -98,7 +98,7 @@ def _has_openai_penalty(p: SamplingParams) -> bool:
 
 def all_plain_greedy(params: Sequence[SamplingParams]) -> bool:
     """Every row greedy with no penalty: its token is the argmax of its logits, which a
-    decode CUDA graph computes on the device (:mod:`engine.cuda_graphs`)."""
+    decode CUDA graph computes on the device (:mod:`engine.core.cuda_graphs`)."""
     return all(p.greedy and not _has_repetition_penalty(p) and not _has_openai_penalty(p) for p in params)
 
 

@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from engine.kvcache.radix import RadixNode
-from engine.messages import SamplingParams
+from engine.wire.messages import SamplingParams
 from engine.sampling.sampler import SamplingState
 
 

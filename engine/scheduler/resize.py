@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.kvcache.relocate import relocate_below
-from engine.messages import FINISH_LENGTH
+from engine.wire.messages import FINISH_LENGTH
 
 if TYPE_CHECKING:
     from engine.scheduler.scheduler import Scheduler

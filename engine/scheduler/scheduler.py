@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from engine.kvcache.allocator import OutOfPages, PageAllocator
 from engine.kvcache.radix import RadixCache
-from engine.messages import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, SCORED_CHUNK_TOKENS
+from engine.wire.messages import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, SCORED_CHUNK_TOKENS
 from engine.scheduler.request import Phase, Request
 
 if TYPE_CHECKING:

@@ -2,7 +2,7 @@
 
 :mod:`kernels.quant.formats` describes the block layouts and their sizes,
 :mod:`kernels.quant.reference` is the plain-torch reference (``gguf``'s own
-dequantizers, then a matmul), :mod:`kernels.quant.triton_quant` holds the Triton
+dequantizers, then a matmul), :mod:`kernels.quant.triton_kernel` holds the Triton
 dequantize-GEMV (decode rows) and dequantize-to-tiles GEMM (prefill), and
 :mod:`kernels.quant.triton_int8` an opt-in Q4_K/Q6_K GEMV on int8 activations.
 """

@@ -1,6 +1,6 @@
 """Decode GEMV over Q4_K/Q6_K blocks with int8 activations and integer dot products.
 
-The float GEMV (:func:`kernels.quant.triton_quant.quant_gemv`) turns every weight into
+The float GEMV (:func:`kernels.quant.triton_kernel.quant_gemv`) turns every weight into
 a float32 and multiplies it: about 6.7 instructions a Q4_K weight, so it is bound by
 instruction issue, not by HBM. Here, as llama.cpp's MMVQ kernels do, the activation
 row is quantized (int8 codes, one float32 scale per 32 values, ``scale = amax / 127``,
@@ -77,7 +77,7 @@ import triton.language as tl
 
 from kernels import pdl
 from kernels.quant.formats import block_format
-from kernels.quant.triton_quant import _ASM, _INTERPRETING, _f16, _output, _sm_count
+from kernels.quant.triton_kernel import _ASM, _INTERPRETING, _f16, _output, _sm_count
 
 # The block types with an integer-dot GEMV (Q6_K_P: Q6_K repacked, kernels.quant.repack).
 INT8_TYPES = ("Q4_K", "Q6_K", "Q6_K_P")
@@ -131,7 +131,7 @@ def _q8_groups(x, q_row, d_row, s_row, g1, groups):
     ``g1[i]``, ``g1`` int32 ``[G]``), ``q_row``/``d_row``/``s_row`` that row's codes (int8),
     scales (float32) and sums (int32); groups ``>= groups`` are not stored. The one place
     the codes are made: :func:`_quantize_kernel` and the kernels that write a row and
-    quantize it as they do (:mod:`kernels.triton_norm`, :mod:`kernels.triton_activation`)
+    quantize it as they do (:mod:`kernels.norm.triton_kernel`, :mod:`kernels.activation.triton_kernel`)
     call it, so they give the same codes, scales and sums bit for bit from the same
     float32 values."""
     g = g1[:, None]
@@ -174,8 +174,8 @@ def empty_activations(m: int, k: int, device: torch.device, dtype: torch.dtype) 
 
 def producer_activations(out: torch.Tensor, quantize: bool) -> Q8Activations | None:
     """For a kernel that writes the rows ``out [rows, K]`` and, asked to (``quantize``),
-    quantizes them as it does (:mod:`kernels.triton_norm`,
-    :mod:`kernels.triton_activation`): the buffers it fills, else None.
+    quantizes them as it does (:mod:`kernels.norm.triton_kernel`,
+    :mod:`kernels.activation.triton_kernel`): the buffers it fills, else None.
 
     Raises:
         ValueError: ``quantize`` and ``K`` not a multiple of 32.
@@ -684,7 +684,7 @@ def int8_gemv(
         type_name: ``"Q4_K"``, ``"Q6_K"`` or ``"Q6_K_P"`` (then the rows are whole 32-bit
             words: an even number of blocks).
         block_n, split_k, blocks_per_step, num_warps: a forced tiling (tests, sweeps),
-            as :func:`kernels.quant.triton_quant.quant_gemv`'s; by default autotuned on
+            as :func:`kernels.quant.triton_kernel.quant_gemv`'s; by default autotuned on
             CUDA when the rows fill the SMs twice over, else K is split.
         out: where to write ``[M, N]`` (``x``'s dtype, unit column stride), else a new tensor.
         variant: constexprs of a forced tiling: ``SPLIT`` (Q4_K: a thread holds whole

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.messages import EngineInfo
+from engine.wire.messages import EngineInfo
 from engine.text.chat import template_has_tools
 from service.api.chat_output import ChatOutput
 from service.api.generation import CallSteps, Generation, MaxTokens, stop_strings

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.messages import MAX_LOGPROBS
+from engine.wire.messages import MAX_LOGPROBS
 from service.api.errors import invalid
 from service.api.schemas import ChatCompletionRequest, CompletionRequest
 from service.api.structured import response_schema

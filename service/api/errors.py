@@ -18,7 +18,7 @@ import msgspec
 from litestar import Request, Response
 from litestar.exceptions import HTTPException
 
-from engine.errors import RequestRejected
+from engine.common.errors import RequestRejected
 from engine.text.chat import ChatTemplateError
 from service.supervision.states import NotReady, State
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from engine.ipc import Rejected
-from engine.messages import (
+from engine.wire.ipc import Rejected
+from engine.wire.messages import (
     ERROR_INVALID_SCHEMA,
     FINISH_ERROR,
     FINISH_LENGTH,

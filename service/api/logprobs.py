@@ -6,7 +6,7 @@ Chat (``logprobs: true``, ``top_logprobs: k``): ``choices[].logprobs = {"content
 ``{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}``;
 with ``echo`` the prompt's tokens come first, the first of them with ``null`` logprobs.
 
-What the numbers are (:class:`engine.messages.TokenLogprobs`): natural-log
+What the numbers are (:class:`engine.wire.messages.TokenLogprobs`): natural-log
 probabilities from the logits after ``logit_bias`` and the grammar mask, before
 penalties, temperature and the top-k/top-p/min-p filters. A token's text is the
 tokenizer's decoding of it alone; ``bytes`` are its raw bytes (for byte-level BPE
@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from engine.messages import TokenLogprobs
+from engine.wire.messages import TokenLogprobs
 
 FLOOR = -9999.0
 

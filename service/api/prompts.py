@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine.messages import EngineInfo
+from engine.wire.messages import EngineInfo
 from service.api.checks import check_prompt_bound, message_texts
 from service.api.errors import invalid
 from service.api.text import TextSide

@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 
 from litestar import Controller, Request, Response, get, post
 
-from engine.messages import EngineInfo
+from engine.wire.messages import EngineInfo
 from service.api.chat_generation import call_generation, start_chat
 from service.api.checks import check_chat_fields, completion_prompts
 from service.api.errors import decode_body

@@ -6,7 +6,7 @@ The run (:func:`run_chaos`):
 1. starts ``headroom serve`` (unless ``--url`` names a running one) with a simulated
    card playing a VRAM timeline (``--vram-source simulated``; or the real card with
    ``--hog``) and a fault folder armed at runtime (``HEADROOM_FAULTS_DIR``, test-only,
-   :mod:`engine.faults`);
+   :mod:`engine.common.faults`);
 2. runs the greedy bodies of :func:`service.bench.chaos_requests.greedy_pool` once,
    undisturbed: the reference;
 3. sends N requests (:func:`service.bench.chaos_requests.make_specs`) from C client threads

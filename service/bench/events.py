@@ -40,7 +40,7 @@ from typing import Any
 
 import msgspec
 
-from engine.units import GiB, MiB
+from engine.common.units import GiB, MiB
 from service.events.hub import EventHub, SubscriptionClosed
 from service.events.schemas import CLOSE_TOO_SLOW, Consumer, VramEvent
 

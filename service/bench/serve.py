@@ -151,11 +151,11 @@ async def run_http(opts: BenchOptions, prompts: list[str]) -> Result:
 
 
 def run_engine_alone(opts: BenchOptions, prompts: list[str], engine_info: dict[str, Any]) -> Result:
-    """The same prompts through :class:`engine.engine.Engine` in this process, with the
+    """The same prompts through :class:`engine.core.engine.Engine` in this process, with the
     server's model folder and sizes. Imports torch (lazily, here)."""
-    from engine.config import EngineConfig
-    from engine.engine import Engine
-    from engine.messages import GenerateRequest, SamplingParams
+    from engine.common.config import EngineConfig
+    from engine.core.engine import Engine
+    from engine.wire.messages import GenerateRequest, SamplingParams
     from engine.text.chat import encode_chat
     from service.api.text import load_tokenizer
 

@@ -276,10 +276,10 @@ def bench_engine(**options: Any) -> None:
     same model, device and dtype, at each batch size and on one long prompt; on CUDA
     each figure also as a share of the HBM roofline."""
     check_model_path(options["model"])
-    from engine.commands.bench import run_bench_engine
-    from engine.commands.model_shapes import SHAPES
-    from engine.errors import CudaUnavailable
-    from engine.loader.errors import ModelLoadError
+    from engine.bench.speed import run_bench_engine
+    from engine.bench.model_shapes import SHAPES
+    from engine.common.errors import CudaUnavailable
+    from engine.common.load_errors import ModelLoadError
 
     shape = options["shape"]
     if shape is not None and shape not in SHAPES:
@@ -295,7 +295,7 @@ def bench_engine(**options: Any) -> None:
         fail(str(exc), EXIT_USAGE)
 
 
-# (shape, device limit): random-weight shapes of engine.commands.model_shapes on a capped card.
+# (shape, device limit): random-weight shapes of engine.bench.model_shapes on a capped card.
 DEFAULT_MEMORY_CASES = ("qwen3-0.6b:6GiB", "qwen3-0.6b:16GiB", "llama-3.1-8b:24GiB")
 
 
@@ -317,7 +317,7 @@ def bench_memory(
 ) -> None:
     """Predicted vs measured memory peak at the plan's worst step, and the KV pool's share
     of the budget, per case (needs a CUDA device)."""
-    from engine.commands.model_shapes import SHAPES
+    from engine.bench.model_shapes import SHAPES
 
     parsed = []
     for case in cases or DEFAULT_MEMORY_CASES:
@@ -350,6 +350,6 @@ def bench_memory(
             "one, `headroom plan --device-total 6GiB` prints the plan of a simulated card",
             EXIT_USAGE,
         )
-    from engine.commands.bench_memory import run_bench_memory
+    from engine.bench.memory import run_bench_memory
 
     run_bench_memory(parsed)

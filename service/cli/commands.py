@@ -142,7 +142,7 @@ def status() -> None:
         click.echo("headroom: no GPU watched (CPU mode)")
 
 
-# Engine options (declared on engine.config.EngineConfig) that generate and plan share
+# Engine options (declared on engine.common.config.EngineConfig) that generate and plan share
 # with serve: same flags, variables and config keys.
 _MODEL_OPTIONS = ("model", "device", "dtype", "gguf_quantized", "quantization", "kv_cache_dtype")
 _PLAN_KNOBS = (
@@ -206,8 +206,8 @@ def generate(
     from dataclasses import replace
 
     from engine.commands.generate import GenerationFailed, run_generate
-    from engine.errors import CudaUnavailable, PlanDoesNotFit, RequestRejected
-    from engine.loader.errors import ModelLoadError
+    from engine.common.errors import CudaUnavailable, PlanDoesNotFit, RequestRejected
+    from engine.common.load_errors import ModelLoadError
     from engine.text.chat import ChatTemplateError
 
     config = replace(settings.engine_config(), max_running_requests=1)
@@ -282,8 +282,8 @@ def plan(config_path: Path | None, as_json: bool, **flags: Any) -> None:
         render,
         render_cpu,
     )
-    from engine.errors import CudaUnavailable
-    from engine.loader.errors import ModelLoadError
+    from engine.common.errors import CudaUnavailable
+    from engine.common.load_errors import ModelLoadError
 
     try:
         config = settings.engine_config()

@@ -27,7 +27,7 @@ def check_model_path(model: str | None) -> None:
     name in the store."""
     if model is None or Path(model).expanduser().exists():
         return
-    from engine.loader.errors import ModelNotFound
+    from engine.common.load_errors import ModelNotFound
     from engine.loader.store import find_model
 
     try:

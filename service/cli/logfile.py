@@ -15,7 +15,7 @@ import logging.handlers
 import sys
 from pathlib import Path
 
-from engine.units import MiB
+from engine.common.units import MiB
 
 MAX_BYTES = 10 * MiB
 BACKUP_COUNT = 5

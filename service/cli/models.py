@@ -16,7 +16,7 @@ def models(as_json: bool) -> None:
     """List the models in the local store (fetched with `headroom pull`): name,
     architecture, quantization, size on disk and context. Pass a name to --model."""
     from engine.loader.store import list_store, store_dir
-    from engine.units import fmt_bytes
+    from engine.common.units import fmt_bytes
 
     found = list_store()
     if as_json:

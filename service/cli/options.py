@@ -98,7 +98,7 @@ def model_option(help_text: str) -> Decorator:
 
 def device_option(help_text: str) -> Decorator:
     """``--device``: auto, cpu or cuda[:N] (anything else is click's usage error)."""
-    from engine.options import device_spec
+    from engine.common.options import device_spec
 
     def checked(ctx: click.Context, param: click.Parameter, value: str) -> str:
         why = device_spec(value)

@@ -18,12 +18,12 @@ from service.cli.exits import EXIT_USAGE, fail
 
 
 def model_config_if_readable(model: str | None) -> Any:
-    """The model's :class:`engine.config.ModelConfig` when its ``config.json`` is on disk
+    """The model's :class:`engine.common.config.ModelConfig` when its ``config.json`` is on disk
     (a Hugging Face folder, a GGUF already converted), else None: converting a GGUF
     needs torch and is the worker's job. A config the loader refuses is None too (the
     worker says why)."""
     from engine.loader.default_model import converted_dir
-    from engine.loader.errors import ModelLoadError
+    from engine.common.load_errors import ModelLoadError
     from engine.loader.hf_config import load_model_config
     from engine.loader.resolve import gguf_file, resolve_model
 
@@ -83,7 +83,7 @@ def torch_without_gpu_support() -> str | None:
 def check_before_serving(settings: Any) -> None:
     """Refuse (exit 2, one line naming the fix) settings the model or the machine cannot
     honour; settings that need no model facts cost nothing here."""
-    from engine.errors import SettingRefused
+    from engine.common.errors import SettingRefused
 
     if settings.device.startswith("cuda"):
         # Waiting for a GPU (the worker's answer to a CUDA that fails to start) cannot
@@ -99,7 +99,7 @@ def check_before_serving(settings: Any) -> None:
     if world == 1 and not wants_layers:
         return
     from engine.parallel.split import check_gpu_count
-    from engine.settings_fit import check_for_model
+    from engine.core.settings_fit import check_for_model
 
     try:
         if world > 1 and settings.device != "cpu":

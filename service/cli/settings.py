@@ -1,8 +1,8 @@
 """``headroom serve`` settings: defaults < config file < environment < flags.
 
 Every setting is declared once, as a field with its metadata
-(:func:`engine.options.option`): the engine's options on
-:class:`engine.config.EngineConfig`, the service's own on :class:`ServeSettings`,
+(:func:`engine.common.options.option`): the engine's options on
+:class:`engine.common.config.EngineConfig`, the service's own on :class:`ServeSettings`,
 which extends it. :data:`OPTIONS` lists them all; the CLI builds its flags (and its
 ``--help``) from it, the environment variable is ``HEADROOM_`` + the name in capitals,
 and the config file key is the name itself. The config file is TOML at
@@ -27,15 +27,15 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-from engine.config import EngineConfig
-from engine.ipc import ENGINE_FACTORY, WorkerConfig
-from engine.options import (
+from engine.common.config import EngineConfig
+from engine.wire.ipc import ENGINE_FACTORY, WorkerConfig
+from engine.common.options import (
     ENV_PREFIX as ENV_PREFIX,
 )
-from engine.options import (
+from engine.common.options import (
     Option as Option,
 )
-from engine.options import (
+from engine.common.options import (
     at_least,
     in_range,
     one_of,
@@ -44,8 +44,8 @@ from engine.options import (
     pick,
     positive,
 )
-from engine.units import KiB, MiB
-from engine.units import (
+from engine.common.units import KiB, MiB
+from engine.common.units import (
     parse_size as parse_size,  # one table of units for the engine and the service
 )
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 import logging
 from typing import Literal
 
-from engine import ipc
+from engine.wire import ipc
 from engine.memory.plan import fmt_bytes
-from engine.messages import BY_CONTROL
+from engine.wire.messages import BY_CONTROL
 from service.api.errors import APIError
 from service.http.state import CONTROL_REASON
 from service.supervision.states import State

@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from engine.units import MiB
+from engine.common.units import MiB
 from service.events.schemas import (
     CLOSE_GOING_AWAY,
     CLOSE_NORMAL,

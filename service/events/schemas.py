@@ -16,8 +16,8 @@ from typing import Any, Literal
 import msgspec
 
 from engine.memory.plan import MemoryPlan
-from engine.messages import EngineInfo, EngineStats, OomEvent
-from engine.units import fmt_bytes
+from engine.wire.messages import EngineInfo, EngineStats, OomEvent
+from engine.common.units import fmt_bytes
 
 log = logging.getLogger("headroom.events")
 
@@ -331,7 +331,7 @@ class RequestErrorEvent(EventBase, frozen=True, kw_only=True, tag="request_error
         bytes_asked: int | None = None,
         headroom_bytes: int | None = None,
     ) -> RequestErrorEvent:
-        """From the engine's :class:`engine.messages.OomEvent`."""
+        """From the engine's :class:`engine.wire.messages.OomEvent`."""
         return cls(
             request_id=event.request_id,
             code="out_of_memory",

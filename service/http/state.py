@@ -14,7 +14,7 @@ from pathlib import Path
 
 import msgspec
 
-from engine.messages import (
+from engine.wire.messages import (
     BY_CONTROL,
     OOM_FAILED,
     REPLAN_EVICT_PREFIX_CACHE,
@@ -28,7 +28,7 @@ from engine.messages import (
     Replanned,
     ReplanWanted,
 )
-from engine.units import SIZE_UNITS
+from engine.common.units import SIZE_UNITS
 from service.api.admission import Admission
 from service.api.errors import APIError
 from service.api.sampling_defaults import SamplingDefaults, load_sampling_defaults

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.ipc import WorkerConfig
+from engine.wire.ipc import WorkerConfig
 from service.supervision.waits import (
     DEFAULT_MEMORY_SETTLE_S,
     GPU_RETRY_INITIAL_S,

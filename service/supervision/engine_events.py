@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from engine.messages import OOM_FAILED, EngineEvent, EngineInfo, OomEvent, Replanned, ReplanWanted
+from engine.wire.messages import OOM_FAILED, EngineEvent, EngineInfo, OomEvent, Replanned, ReplanWanted
 
 log = logging.getLogger("headroom.supervisor")
 

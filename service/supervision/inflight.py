@@ -17,8 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.ipc import Rejected
-from engine.messages import AbortRequest, GenerateRequest, TokenOutput
+from engine.wire.ipc import Rejected
+from engine.wire.messages import AbortRequest, GenerateRequest, TokenOutput
 
 
 @dataclass(frozen=True)

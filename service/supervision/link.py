@@ -8,7 +8,7 @@ it sends arrives here first, and what is sent to it leaves from here.
   from :mod:`service.vram.watcher` and the control API), each answered with the same
   ``seq``;
 - the figures each heartbeat and command answer carries: the engine's counters
-  (:attr:`WorkerLink.stats`) and the KV pool's (``engine.ipc.PoolStats``,
+  (:attr:`WorkerLink.stats`) and the KV pool's (``engine.wire.ipc.PoolStats``,
   :attr:`WorkerLink.pool`);
 - the worker's liveness: when it last sent anything (the watchdog reads it).
 
@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from engine.ipc import (
+from engine.wire.ipc import (
     ControlDone,
     FromWorker,
     Heartbeat,
@@ -34,7 +34,7 @@ from engine.ipc import (
     ReplanCommand,
     StatsRequest,
 )
-from engine.messages import EngineStats
+from engine.wire.messages import EngineStats
 from service.supervision.inflight import InFlight
 from service.supervision.rpc import Calls
 from service.supervision.states import NotReady
@@ -143,7 +143,7 @@ class WorkerLink:
         wait for its answer; :attr:`pool` and :attr:`stats` are fresh when it returns.
 
         Returns:
-            The worker's :class:`engine.ipc.ControlDone`, or None when the worker ended
+            The worker's :class:`engine.wire.ipc.ControlDone`, or None when the worker ended
             (or did not answer within ``timeout_s`` seconds).
 
         Raises:

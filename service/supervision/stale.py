@@ -1,6 +1,6 @@
 """The restart-race guard: stale workers of an earlier run, and ghosts.
 
-Workers die with their parent (``engine.worker``: parent-death signal, pipe EOF,
+Workers die with their parent (``engine.worker.process``: parent-death signal, pipe EOF,
 re-parenting check), but a worker stuck in a driver call, or one whose service was
 killed between spawning it and the ``prctl``, can outlive it and keep holding VRAM. Two
 helpers keep a new start from planning against that memory:
@@ -40,10 +40,10 @@ PIDFILE_NAME = "workers.json"
 RUNTIME_DIR_ENV = "HEADROOM_RUNTIME_DIR"
 # A worker is started by multiprocessing's *spawn* method (service.supervision.worker_process):
 # ``<python> -c "from multiprocessing.spawn import spawn_main; spawn_main(...)"
-# --multiprocessing-fork``. A worker run as ``python -m engine.worker`` also counts.
+# --multiprocessing-fork``. A worker run as ``python -m engine.worker.process`` also counts.
 SPAWN_FLAG = "--multiprocessing-fork"
 SPAWN_CALL = "spawn_main"
-WORKER_MODULE = "engine.worker"
+WORKER_MODULE = "engine.worker.process"
 
 # Outcomes of reap_stale_workers, per pid-file entry.
 ENDED = "ended"  # a stale worker; it was signalled and is gone
@@ -123,7 +123,7 @@ def _owner_uid(pid: int) -> int | None:
 def is_worker_cmdline(argv: Sequence[str]) -> bool:
     """Whether ``argv`` is a headroom worker's command line: a Python interpreter run by
     multiprocessing's spawn method (``-c "...spawn_main(...)" --multiprocessing-fork``),
-    or one running ``-m engine.worker``. Never true of another program with a similar
+    or one running ``-m engine.worker.process``. Never true of another program with a similar
     name (``headroom-worker``, ``headroom_worker_lookalike.py``)."""
     if len(argv) < 2 or "python" not in os.path.basename(argv[0]).lower():
         return False

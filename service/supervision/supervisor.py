@@ -48,8 +48,8 @@ from typing import Any
 
 import msgspec
 
-from engine.ipc import EngineEvents, FromWorker, Ready, WorkerError
-from engine.messages import EngineEvent, EngineInfo, EngineStats
+from engine.wire.ipc import EngineEvents, FromWorker, Ready, WorkerError
+from engine.wire.messages import EngineEvent, EngineInfo, EngineStats
 from service.events.hub import EventHub
 from service.events.schemas import EngineInfoEvent, HealthEvent, PlanEvent, WorkerEvent
 from service.supervision.config import SupervisorConfig
@@ -96,7 +96,7 @@ class Supervisor:
             ready and before the state becomes ``ready`` (the service loads its
             tokenizer there). An exception in it counts as a failed start.
         on_engine_event: called (on the event loop) with each
-            :class:`engine.messages.EngineEvent` the worker reports (``OomEvent``,
+            :class:`engine.wire.messages.EngineEvent` the worker reports (``OomEvent``,
             ``ReplanWanted``, ``Replanned``), in order, after the supervisor has logged it
             and before it updates :attr:`info` for a ``Replanned``.
         on_stats: called with the engine's counters of each heartbeat (periodic or

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.ipc import Misfit, WorkerError
+from engine.wire.ipc import Misfit, WorkerError
 from engine.memory.plan import fmt_bytes
 
 # Default seconds the free memory must stay sufficient before the worker starts: a

@@ -1,7 +1,7 @@
 """One incarnation of the engine worker, seen from the service: spawn, pipe, exit.
 
 The worker is a ``multiprocessing`` child started with the *spawn* method running
-:func:`engine.worker.worker_main` (that import is by name, in the child: this module
+:func:`engine.worker.process.worker_main` (that import is by name, in the child: this module
 never imports the engine's torch code). Three daemon threads serve it, so the event
 loop never blocks on the pipe:
 
@@ -31,13 +31,13 @@ from multiprocessing.connection import Connection, wait
 
 import msgspec
 
-from engine.ipc import FromWorker, Shutdown, ToWorker, WorkerConfig, encode, from_worker_decoder
+from engine.wire.ipc import FromWorker, Shutdown, ToWorker, WorkerConfig, encode, from_worker_decoder
 
 log = logging.getLogger("headroom.supervisor")
 worker_log = logging.getLogger("headroom.worker")
 
 # The worker's entry point, imported by name in the child process only.
-_WORKER_TARGET = "engine.worker"
+_WORKER_TARGET = "engine.worker.process"
 
 
 @dataclass(frozen=True)

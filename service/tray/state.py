@@ -19,7 +19,7 @@ import enum
 from dataclasses import dataclass, replace
 from typing import Any
 
-from engine.units import fmt_bytes
+from engine.common.units import fmt_bytes
 
 # Windows cuts a tray tooltip at 127 characters (NOTIFYICONDATA.szTip holds 128 with
 # the terminating NUL); the other platforms take at least that.

@@ -6,7 +6,7 @@ pool has the same pages on every rank, so the group's pool is sized by the tight
 rank's GPU and hands the watcher one :class:`service.vram.sources.VramSample`: the tightest GPU's, with
 ``gpus`` holding every GPU's sample in rank order. The replan controller decides on the
 tightest one, and its commands go to rank 0, which carries each to every rank alike, in
-step (:mod:`engine.parallel.follow`).
+step (:mod:`engine.core.tp_follow`).
 
 Torch-free, like the rest of the service.
 """

@@ -2,9 +2,9 @@
 
 When memory moves: a few times a second (``--vram-hz``) the watcher takes a
 :class:`service.vram.sources.VramSample` from its source, publishes it (coalesced by the hub),
-and hands it with the worker's pool (``engine.ipc.PoolStats`` from its last heartbeat or
+and hands it with the worker's pool (``engine.wire.ipc.PoolStats`` from its last heartbeat or
 command) to :class:`service.vram.replan.ReplanController`. Each action the controller picks
-goes to the worker as a typed command (``engine.ipc.SetPrefillChunk``,
+goes to the worker as a typed command (``engine.wire.ipc.SetPrefillChunk``,
 ``ResizeExpertCache``, ``EvictPrefixCache``, ``ResizePool``, each with ``origin="watcher"``) and is awaited before the next sample, so every
 decision sees the pool its predecessor left. The worker answers with the engine's
 ``Replanned`` events, which :meth:`service.http.state.Services.record_engine_event` turns
@@ -40,9 +40,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from engine import ipc
+from engine.wire import ipc
 from engine.memory.plan import fmt_bytes
-from engine.messages import BY_WATCHER
+from engine.wire.messages import BY_WATCHER
 from service.cli.settings import ServeSettings, parse_size
 from service.events.hub import EventHub
 from service.events.schemas import GpuMemory, VramEvent

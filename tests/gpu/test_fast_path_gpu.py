@@ -18,10 +18,10 @@ import os
 import pytest
 import torch
 
-from engine.commands.model_shapes import SHAPES
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.messages import GenerateRequest, SamplingParams
+from engine.bench.model_shapes import SHAPES
+from engine.common.config import EngineConfig
+from engine.core.engine import Engine
+from engine.wire.messages import GenerateRequest, SamplingParams
 
 NEW_TOKENS = 32
 # bfloat16 keeps 8 bits of mantissa: logits of size ~10 carry ~0.05 of rounding, and the
@@ -100,7 +100,7 @@ def test_greedy_matches_transformers(shape_model, backend, graphs, caplog):
     engine = Engine(EngineConfig(model=path, device="cuda", dtype="bfloat16", kv_cache=1 << 30,
                                  attention_backend=backend, cuda_graphs=graphs, max_running_requests=8))
     assert engine.attention_backend == backend
-    assert (engine.runner.graphs is not None) == graphs
+    assert (engine.core.runner.graphs is not None) == graphs
     replayed = []
     ours = run_greedy(engine, prompts, on_step=lambda e, _: replayed.append(e.runner.replayed))
     for got, (ref, logits) in zip(ours, refs, strict=True):
@@ -109,7 +109,7 @@ def test_greedy_matches_transformers(shape_model, backend, graphs, caplog):
     # With graphs the decode steps replayed them (all but the prefill steps).
     assert (sum(replayed) >= NEW_TOKENS - 1) == graphs
     if graphs:
-        assert engine.runner.graphs.captures >= len(engine.runner.graphs.sizes)
+        assert engine.core.runner.graphs.captures >= len(engine.core.runner.graphs.sizes)
     if backend == "flashinfer":
         # The first step of each kind says how long FlashInfer's JIT build took.
         firsts = [r.getMessage() for r in caplog.records if r.getMessage().startswith("flashinfer: first")]
@@ -159,7 +159,7 @@ def test_default_model_greedy_text_equals_the_torch_backend():
 def _shape_engine(tmp_path, **config) -> Engine:
     """The Qwen3-0.6B shape, 4 layers, random weights, float32 (so a batch of another
     composition, after a rollback, cannot flip a near-tied greedy pick)."""
-    from engine.commands.model_shapes import write_shape
+    from engine.bench.model_shapes import write_shape
 
     write_shape("qwen3-0.6b", tmp_path, num_hidden_layers=4)
     return Engine(EngineConfig(model=str(tmp_path), device="cuda", dtype="float32", load_format="dummy",
@@ -176,7 +176,7 @@ def test_live_shrink_and_grow_with_graphs_keeps_outputs(tmp_path):
     graphs: every output equals the run without resizes. The figures (resize time,
     re-capture time) are printed for the README."""
     engine = _shape_engine(tmp_path, kv_cache=3 << 30, max_running_requests=8)
-    graphs = engine.runner.graphs
+    graphs = engine.core.runner.graphs
     assert graphs is not None
     prompts = _random_prompts(8)
     baseline = run_greedy(engine, prompts, new_tokens=96)
@@ -211,8 +211,8 @@ def test_injected_oom_under_graphs_rolls_back(tmp_path):
     prompts = _random_prompts(3)
     clean = run_greedy(engine, prompts, new_tokens=24)
     engine.radix.clear()
-    engine.faults.add("decode", "r1", times=2)
-    engine.faults.add("sample", "r0", times=1)
+    engine.common.faults.add("decode", "r1", times=2)
+    engine.common.faults.add("sample", "r0", times=1)
     faulty = run_greedy(engine, prompts, new_tokens=24)
     assert faulty == clean
-    assert engine.runner.graphs is not None
+    assert engine.core.runner.graphs is not None

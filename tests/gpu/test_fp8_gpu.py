@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention.base import backend_class
-from engine.commands.model_shapes import write_shape
+from engine.layers.attention.base import backend_class
+from engine.bench.model_shapes import write_shape
 from engine.loader.load import load_model
-from engine.models.fp8_linear import PROJECTIONS, Fp8Linear, quantize_rows
+from engine.layers.linear.fp8 import PROJECTIONS, Fp8Linear, quantize_rows
 
 FP8 = torch.float8_e4m3fn
 

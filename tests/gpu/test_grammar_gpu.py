@@ -8,9 +8,9 @@ import json
 import jsonschema_rs
 import torch
 
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.messages import GenerateRequest, SamplingParams
+from engine.common.config import EngineConfig
+from engine.core.engine import Engine
+from engine.wire.messages import GenerateRequest, SamplingParams
 from engine.sampling.grammar import apply_grammars
 from engine.text.chat import encode_chat
 from engine.text.tokenizer import load_tokenizer

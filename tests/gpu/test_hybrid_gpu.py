@@ -15,9 +15,9 @@ import torch
 from model_checks import agreeing_prefix, hf_greedy
 from test_engine import run_all
 
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.messages import SamplingParams
+from engine.common.config import EngineConfig
+from engine.core.engine import Engine
+from engine.wire.messages import SamplingParams
 
 pytest.importorskip("fla")
 STEPS = 32
@@ -26,7 +26,7 @@ STEPS = 32
 @pytest.mark.parametrize("kind", ["qwen3_next_dense", "qwen3_next"])
 def test_hybrid_engine_on_cuda_uses_fla_and_matches_transformers(kind, tmp_path, make_tiny_hf_model, monkeypatch):
     hf = make_tiny_hf_model(kind, tmp_path, vocab_size=512).cuda()
-    import engine.models.gated_deltanet as gdn
+    import engine.layers.gated_deltanet as gdn
 
     calls = {"fla": 0}
     real = gdn.GatedDeltaNet._fla
@@ -52,10 +52,10 @@ def test_hybrid_engine_on_cuda_uses_fla_and_matches_transformers(kind, tmp_path,
 def test_plan_prices_the_linear_attention_transient_within_3_percent(chunk, tmp_path):
     """One Gated DeltaNet layer of Qwen3-Next-80B-A3B's dimensions, bfloat16, in fla's
     chunked kernel: the plan's estimate against the allocator's measured peak."""
-    from engine.commands.model_shapes import write_shape
-    from engine.hybrid_bench import layer_transient
+    from engine.bench.model_shapes import write_shape
+    from engine.bench.hybrid import layer_transient
     from engine.loader.hf_config import load_model_config
-    from engine.memory.footprint import linear_attention_activation_bytes
+    from engine.core.footprint import linear_attention_activation_bytes
 
     mc = load_model_config(write_shape("qwen3-next-80b-a3b", tmp_path, num_hidden_layers=4, num_experts=8))
     measured = layer_transient(mc, chunk)

@@ -10,12 +10,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import RopeConfig
+from engine.common.config import RopeConfig
 from engine.loader.load import load_model
-from engine.messages import SamplingParams as SP
-from engine.models.rope import build_cos_sin_cache
+from engine.wire.messages import SamplingParams as SP
+from engine.layers.rope import build_cos_sin_cache
 from engine.sampling.sampler import InvalidLogitsError, Sampler, SamplingState
-from kernels import activation, dispatch, rms_norm, rotary
+from kernels import dispatch
+from kernels.activation import reference as activation
+from kernels.norm import reference as rms_norm
+from kernels.rotary import reference as rotary
 
 DEV = "cuda"
 BF16 = torch.bfloat16
@@ -33,7 +36,7 @@ def _close_and_mostly_equal(out: torch.Tensor, ref: torch.Tensor, what: str) -> 
 
 
 def test_fused_add_rms_norm_at_model_width():
-    from kernels import triton_norm
+    from kernels.norm import triton_kernel as triton_norm
 
     x = torch.randn(257, 4096, device=DEV, dtype=BF16)
     res = torch.randn_like(x)
@@ -46,7 +49,7 @@ def test_fused_add_rms_norm_at_model_width():
 
 
 def test_silu_and_mul_at_model_width():
-    from kernels import triton_activation
+    from kernels.activation import triton_kernel as triton_activation
 
     x = torch.randn(65, 2 * 14336, device=DEV, dtype=BF16)
     _close_and_mostly_equal(triton_activation.silu_and_mul(x), activation.silu_and_mul(x), "SiLU-and-mul 65x14336")
@@ -57,7 +60,8 @@ def test_silu_and_mul_at_model_width():
 def test_gemv_at_model_widths(rows, k, n, monkeypatch):
     """The decode projections (SmolLM2 q/k/v, Qwen3-0.6B q/k/v and MLP down, Llama-3-8B
     gate/up) against cuBLAS: both accumulate in float32 and round once."""
-    from kernels import gemv, triton_gemv
+    from kernels.gemv import reference as gemv
+    from kernels.gemv import triton_kernel as triton_gemv
 
     monkeypatch.setenv("HEADROOM_GEMV", "1")
 
@@ -69,7 +73,7 @@ def test_gemv_at_model_widths(rows, k, n, monkeypatch):
 
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_rotary_and_store_at_llama3_8b_shape(qk_norm):
-    from kernels import triton_rotary
+    from kernels.rotary import triton_kernel as triton_rotary
 
     hq, hk, d, tokens, page = 32, 8, 128, 300, 16
     rope = RopeConfig(theta=500000.0, rope_type="llama3", factor=8.0, low_freq_factor=1.0,

@@ -12,13 +12,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.commands.bench_memory import predicted_allocator_bytes, worst_step_workload
-from engine.commands.model_shapes import write_shape
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.errors import PlanDoesNotFit
-from engine.messages import GenerateRequest, SamplingParams
-from engine.units import GiB
+from engine.bench.memory import predicted_allocator_bytes, worst_step_workload
+from engine.bench.model_shapes import write_shape
+from engine.common.config import EngineConfig
+from engine.core.engine import Engine
+from engine.common.errors import PlanDoesNotFit
+from engine.wire.messages import GenerateRequest, SamplingParams
+from engine.common.units import GiB
 
 
 def qwen3(tmp_path) -> str:

@@ -6,10 +6,10 @@ import json
 
 import torch
 
-from engine.commands.model_shapes import SHAPES
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.messages import GenerateRequest, SamplingParams
+from engine.bench.model_shapes import SHAPES
+from engine.common.config import EngineConfig
+from engine.core.engine import Engine
+from engine.wire.messages import GenerateRequest, SamplingParams
 
 
 def _save_qwen3_two_layers(path) -> torch.nn.Module:

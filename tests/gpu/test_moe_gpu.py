@@ -12,9 +12,9 @@ import torch
 from model_checks import agreeing_prefix, hf_greedy
 from test_engine import run_all
 
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.messages import SamplingParams
+from engine.common.config import EngineConfig
+from engine.core.engine import Engine
+from engine.wire.messages import SamplingParams
 
 KINDS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 STEPS = 16
@@ -24,7 +24,7 @@ STEPS = 16
 def test_moe_engine_on_cuda_uses_the_fused_kernel_and_matches_transformers(kind, tmp_path, make_tiny_hf_model,
                                                                            monkeypatch):
     hf = make_tiny_hf_model(kind, tmp_path, vocab_size=512).cuda()
-    import kernels.triton_moe as triton_moe
+    import kernels.moe.triton_kernel as triton_moe
 
     calls = {"triton": 0}
     triton_impl = triton_moe.fused_moe

@@ -41,8 +41,8 @@ from test_gguf_moe_quant import write_tiny_moe_gguf  # noqa: E402
 from engine.loader.gguf_convert import convert_gguf  # noqa: E402
 from engine.loader.gguf_quant import load_gguf_quantized  # noqa: E402
 from engine.loader.hf_config import load_model_config  # noqa: E402
-from engine.models.expert_cache import ALWAYS_COPY, ALWAYS_CPU, offload_experts  # noqa: E402
-from engine.models.expert_stacks import BlockStack  # noqa: E402
+from engine.layers.moe.expert_cache import ALWAYS_COPY, ALWAYS_CPU, offload_experts  # noqa: E402
+from engine.layers.moe.expert_stacks import BlockStack  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 STEPS = 32
@@ -139,7 +139,7 @@ def test_the_engine_keeps_a_gguf_in_blocks_with_cpu_experts(tmp_path, make_tiny_
     """--gguf-quantized --cpu-experts 1 on CUDA: no dequantizing fallback; the plan
     prices the host tier and the slots in block bytes, the engine holds pinned blocks,
     and greedy ids equal --cpu-experts none's."""
-    from engine.config import EngineConfig
+    from engine.common.config import EngineConfig
 
     path, config = _write("mixtral-q8_0", tmp_path, make_tiny_hf_model)
     monkeypatch.setenv("HEADROOM_CACHE_DIR", str(tmp_path / "cache"))  # the file's conversion goes there

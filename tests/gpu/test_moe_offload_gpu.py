@@ -27,7 +27,7 @@ import torch
 from model_checks import paged_greedy
 
 from engine.loader.load import load_model
-from engine.models.expert_cache import (
+from engine.layers.moe.expert_cache import (
     ALWAYS_COPY,
     ALWAYS_CPU,
     ExpertCounters,
@@ -36,7 +36,7 @@ from engine.models.expert_cache import (
     offload_experts,
     resize_cache,
 )
-from engine.models.expert_stacks import DenseStack
+from engine.layers.moe.expert_stacks import DenseStack
 from kernels.dispatch import fused_moe
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

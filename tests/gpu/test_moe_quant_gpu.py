@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine.units import GiB, MiB
-from kernels.moe import fused_moe as torch_fused_moe
-from kernels.moe import route
+from engine.common.units import GiB, MiB
+from kernels.moe.reference import fused_moe as torch_fused_moe
+from kernels.moe.reference import route
 from kernels.quant.reference import dequantize
 from kernels.quant.synthetic import random_blocks
 
@@ -51,7 +51,7 @@ def _routing(tokens, dtype=torch.bfloat16, seed=0):
 
 @pytest.mark.parametrize("types", [Q4_K_M, ("Q4_K",) * 3, ("Q6_K",) * 3, ("Q8_0",) * 3], ids="-".join)
 def test_fused_moe_over_blocks_matches_the_reference_at_qwen3_30b_a3b_shape(types):
-    from kernels.quant.triton_moe_quant import fused_moe_quant
+    from kernels.moe.quant_triton_kernel import fused_moe_quant
 
     blocks = _blocks(types, np.random.default_rng(0))
     w_gate_up, w_down = _dense(blocks, types)
@@ -73,7 +73,7 @@ def test_tiny_qwen3_moe_gguf_in_blocks_gives_the_dequantized_greedy_ids(tmp_path
     from test_gguf_moe_quant import STEPS, write_tiny_moe_gguf
 
     from engine.loader.gguf_quant import load_gguf_quantized
-    from engine.models.quant_experts import QuantExperts
+    from engine.layers.moe.quant_experts import QuantExperts
 
     path, config = write_tiny_moe_gguf(tmp_path, make_tiny_hf_model)
     blocks = load_gguf_quantized(config, path, "cuda", torch.float32)
@@ -110,8 +110,8 @@ def test_decode_time_and_vram_of_a_qwen3_30b_a3b_layer():
     """Printed (``pytest -s``): one layer's routed experts at batch 1 and 16, Q4_K gate/up
     and Q6_K down in blocks against bfloat16 experts through the dense fused MoE; and the
     experts' bytes both ways."""
-    from kernels.quant.triton_moe_quant import fused_moe_quant
-    from kernels.triton_moe import fused_moe
+    from kernels.moe.quant_triton_kernel import fused_moe_quant
+    from kernels.moe.triton_kernel import fused_moe
 
     blocks = _blocks(Q4_K_M, np.random.default_rng(0), scale=1e-4)
     w_gate_up, w_down = _dense(blocks, Q4_K_M)

@@ -21,10 +21,10 @@ from test_fast_path_gpu import _chat_prompts, run_greedy
 from test_quant_kernels import INT8_ROUNDING_TOL
 from triton_interpret import run_compiler_script, skip_without_ptxas
 
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.loader.errors import ModelNotFound
-from engine.models.quant_linear import QuantLinear
+from engine.common.config import EngineConfig
+from engine.core.engine import Engine
+from engine.common.load_errors import ModelNotFound
+from engine.layers.linear.gguf_blocks import QuantLinear
 
 NEW_TOKENS = 48
 NEAR_TIE = {"float32": 1e-3, "bfloat16": 0.25}
@@ -84,7 +84,8 @@ def test_kernels_at_real_shapes_match_gguf_dequantize(type_name, n, k):
     """The default tilings (split-K or tuned GEMV, GEMM) at 1, 16 and 80 rows. Q4_K/Q6_K
     decode rows take the int8 GEMV by default: against the reference of its rounding,
     and the exact product within the activations' int8 rounding; their float GEMV too."""
-    from kernels.quant import reference, triton_quant
+    from kernels.quant import reference
+    from kernels.quant import triton_kernel as triton_quant
     from kernels.quant.synthetic import random_blocks
 
     rng = np.random.default_rng(n + k)
@@ -123,7 +124,7 @@ def test_int8_gemv_quantizing_its_rows_equals_quantizing_apart_at_real_shapes(ty
     from kernels.quant import triton_int8
     from kernels.quant.formats import block_format
     from kernels.quant.synthetic import random_blocks
-    from kernels.quant.triton_quant import _sm_count
+    from kernels.quant.triton_kernel import _sm_count
 
     rng = np.random.default_rng(n + k + 1)
     w = torch.from_numpy(random_blocks(type_name, n, k, rng, scale=1e-3)).cuda()
@@ -187,7 +188,8 @@ def test_producers_quantize_as_the_quantizing_launch_at_real_shapes(dtype, m):
     compiled: the same output as without, bit for bit, and the codes, scales and sums of
     ``quantize_activations`` of that output bit for bit (compared directly: the GEMV's
     outputs from them may differ in summation order between launches on sm_90)."""
-    from kernels import triton_activation, triton_norm
+    from kernels.activation import triton_kernel as triton_activation
+    from kernels.norm import triton_kernel as triton_norm
     from kernels.quant import triton_int8
 
     def same_codes(q8, out):
@@ -220,11 +222,12 @@ def test_decode_hands_the_norms_codes_to_the_int8_gemv(tmp_path, paged_runner, m
     step) equals ``quantize_activations`` of the rows it wrote, bit for bit, and the
     logits equal those with ``HEADROOM_QUANT_INT8_PRODUCER=0`` to the GEMVs' summation
     order."""
-    from engine.commands.model_shapes import write_shape
+    from engine.bench.model_shapes import write_shape
     from engine.loader.gguf_quant import load_gguf_quantized
     from engine.loader.hf_config import load_model_config
-    from engine.quant_bench import write_random_gguf
-    from kernels.quant import triton_int8, triton_quant
+    from engine.bench.quant import write_random_gguf
+    from kernels.quant import triton_int8
+    from kernels.quant import triton_kernel as triton_quant
 
     config = load_model_config(write_shape("llama-3.1-8b", tmp_path / "cfg", num_hidden_layers=2, vocab_size=16384))
     path = tmp_path / "k.gguf"
@@ -259,11 +262,11 @@ def test_benchmark_weights_take_their_block_bytes(tmp_path):
     """Two layers of the benchmark's Llama-3-8B-shape Q4_K/Q6_K file: the device holds
     the file's blocks (Q4_K 4.5 and Q6_K 6.56 bits a weight against bfloat16's 16; the
     Q6_K LM head weighs most in two layers), and the plan's price equals it."""
-    from engine.commands.model_shapes import write_shape
+    from engine.bench.model_shapes import write_shape
     from engine.loader.gguf_quant import gguf_weight_size, load_gguf_quantized
     from engine.loader.hf_config import load_model_config
-    from engine.models.quant_linear import model_weight_bytes
-    from engine.quant_bench import write_random_gguf
+    from engine.layers.linear.gguf_blocks import model_weight_bytes
+    from engine.bench.quant import write_random_gguf
 
     config = load_model_config(write_shape("llama-3.1-8b", tmp_path / "cfg", num_hidden_layers=2))
     path = tmp_path / "k.gguf"

@@ -21,10 +21,10 @@ import msgspec
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.messages import REPLAN_RESIZE_POOL, GenerateRequest, Replanned, SamplingParams
-from engine.units import GiB
+from engine.common.config import EngineConfig
+from engine.core.engine import Engine
+from engine.wire.messages import REPLAN_RESIZE_POOL, GenerateRequest, Replanned, SamplingParams
+from engine.common.units import GiB
 
 LIMIT = 16 * GiB
 

@@ -5,7 +5,7 @@ captured inside, rank 0's inputs broadcast device to device) and eagerly; a live
 on both ranks, which capture again in step. ``bench_tp`` reports TP=2 with graphs. Skips unless two CUDA devices
 are present.
 
-The speed comparison is a command: ``python -m engine.commands.bench_tp --shape qwen3-8b --tp 2``."""
+The speed comparison is a command: ``python -m engine.bench.tensor_parallel --shape qwen3-8b --tp 2``."""
 
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ import pytest
 import torch
 from test_engine import run_all
 
-from engine.commands.model_shapes import SHAPES
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.messages import SamplingParams
-from engine.parallel.launch import parallel_engine
+from engine.bench.model_shapes import SHAPES
+from engine.common.config import EngineConfig
+from engine.core.engine import Engine
+from engine.wire.messages import SamplingParams
+from engine.worker.tp_launch import parallel_engine
 
 # The graphs under tensor parallel are opt-in until this file has passed on two GPUs.
 os.environ.setdefault("HEADROOM_TP_CUDA_GRAPHS", "1")
@@ -60,9 +60,9 @@ def test_tp2_greedy_equals_tp1_on_qwen3_8b_shape(tmp_path, graphs):
         assert engine.device == torch.device("cuda:0")
         split = run_all(engine, requests)
         if graphs:
-            assert engine.runner.graphs is not None and engine.runner.graphs.replays > 0
+            assert engine.core.runner.graphs is not None and engine.core.runner.graphs.replays > 0
         else:
-            assert engine.runner.graphs is None
+            assert engine.core.runner.graphs is None
     assert split == alone
 
 
@@ -80,15 +80,15 @@ def test_tp2_with_graphs_recaptures_in_step_after_a_live_shrink(tmp_path, make_t
     del one
     torch.cuda.empty_cache()
     with parallel_engine(dataclasses.replace(config, tensor_parallel_size=2)) as engine:
-        captured = engine.runner.graphs.captures
+        captured = engine.core.runner.graphs.captures
         split, _ = _shrunk_mid_decode(engine)
         assert engine.rank_pool_pages == [16, 16]
-        assert engine.runner.graphs.captures > captured and engine.runner.graphs.replays > 0
+        assert engine.core.runner.graphs.captures > captured and engine.core.runner.graphs.replays > 0
     assert split == alone
 
 
 def test_bench_tp_reports_tp2_with_cuda_graphs(capsys):
-    from engine.commands.bench_tp import main
+    from engine.bench.tensor_parallel import main
 
     main(["--shape", "qwen3-8b", "--tp", "2", "--new-tokens", "8", "--also-eager"])
     out = capsys.readouterr().out

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from engine.messages import EngineInfo
+from engine.wire.messages import EngineInfo
 from service.api.errors import APIError, invalid
 from service.api.generation import check_common
 from service.api.ollama.schemas import (

@@ -32,7 +32,7 @@ import msgspec
 from litestar import Controller, Request, Response, get, post
 from litestar.response import Stream
 
-from engine.messages import EngineInfo
+from engine.wire.messages import EngineInfo
 from engine.text.chat import template_has_tools
 from service.api.chat_generation import start_chat
 from service.api.chat_output import FINISH_TOOL_CALLS, ChatOutput

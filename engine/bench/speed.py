@@ -1,0 +1,367 @@
+"""``headroom bench engine``: prefill and decode speed of the engine against
+transformers' ``generate`` on the same model, device and dtype, in one run.
+
+Prompts are random token ids of one length (no padding on either side), outputs are
+greedy with EOS ignored, so both sides do exactly the same work. Besides the batch
+sizes, one long prompt (8k tokens, or the model's context if shorter) measures prefill.
+
+On CUDA each figure is also given as a share of the HBM roofline: the tokens/s the step
+would reach if it did nothing but read its bytes at the device's measured copy
+bandwidth. Bytes per step: every weight once, plus the KV cache the step reads (decode:
+each sequence's whole context at the mid-point of generation; prefill: the context up
+to each chunk). Bandwidth: a device-to-device copy of 1 GiB, counted as bytes read plus
+bytes written per second. Prefill is compute-bound, so its share is small by nature;
+decode at small batch is bandwidth-bound and its share says how close to the hardware
+the step loop runs.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine.bench.model_shapes import write_shape
+from engine.common.config import EngineConfig
+from engine.worker.cpu_threads import fit_between_steps
+from engine.core.engine import Engine
+from engine.core.footprint import kv_bytes_per_token
+from engine.wire.messages import GenerateRequest, SamplingParams
+
+LONG_PREFILL_TOKENS = 8192
+
+
+@dataclass(frozen=True)
+class Speed:
+    """Tokens per second: ``prefill`` (prompt tokens / time to every first token) and
+    ``decode`` (tokens after the first / the time after the first)."""
+
+    prefill_tok_s: float
+    decode_tok_s: float
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def engine_speed(engine: Engine, prompts: list[list[int]], new_tokens: int,
+                 between_steps: Callable[[], None] = lambda: None) -> Speed:
+    """Run ``prompts`` together through ``engine``; the prefix cache is cleared first so
+    the prompts are computed, not looked up. ``between_steps`` runs before each step (the
+    CPU's thread fitting, as in the worker's loop)."""
+    if engine.radix is not None:
+        engine.radix.clear()
+    sp = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    for i, ids in enumerate(prompts):
+        engine.add_request(GenerateRequest(request_id=f"bench-{i}", prompt_token_ids=ids, sampling=sp))
+    _sync(engine.device)
+    t0 = time.perf_counter()
+    first: set[str] = set()
+    t_first = None
+    while engine.has_work():
+        between_steps()
+        for out in engine.step():
+            if out.token_ids:
+                first.add(out.request_id)
+        if t_first is None and len(first) == len(prompts):
+            _sync(engine.device)
+            t_first = time.perf_counter()
+    _sync(engine.device)
+    t_end = time.perf_counter()
+    assert t_first is not None
+    prompt_tokens = sum(len(p) for p in prompts)
+    return Speed(prompt_tokens / (t_first - t0), len(prompts) * (new_tokens - 1) / max(t_end - t_first, 1e-9))
+
+
+def transformers_speed(model, prompts: list[list[int]], new_tokens: int, device: torch.device) -> Speed:
+    """The same work through ``model.generate`` (static batch, its own KV cache)."""
+    ids = torch.tensor(prompts, device=device)
+    mask = torch.ones_like(ids)
+    kw = dict(attention_mask=mask, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        _sync(device)
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+        _sync(device)
+        t1 = time.perf_counter()
+        model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
+        _sync(device)
+        t2 = time.perf_counter()
+    prefill_s = t1 - t0
+    decode_s = max((t2 - t1) - prefill_s, 1e-9)
+    return Speed(ids.numel() / prefill_s, len(prompts) * (new_tokens - 1) / decode_s)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 10) -> float:
+    """Device-to-device copy bandwidth in bytes/s (bytes read + bytes written), from
+    ``repeats`` copies of ``nbytes`` timed with CUDA events."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    seconds = start.elapsed_time(end) / 1000
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes * repeats / seconds
+
+
+@dataclass(frozen=True)
+class Roofline:
+    """Tokens/s at the HBM roofline (see the module docstring) for one measured case."""
+
+    weight_bytes: int
+    kv_bytes_per_token: int
+    bandwidth: float  # bytes/s
+
+    def decode(self, batch: int, context: int) -> float:
+        """Decode tokens/s if a step of ``batch`` sequences of ``context`` tokens only read
+        its bytes."""
+        step_bytes = self.weight_bytes + batch * context * self.kv_bytes_per_token
+        return batch * self.bandwidth / step_bytes
+
+    def prefill(self, tokens: int, chunk: int, num_seqs: int) -> float:
+        """Prefill tokens/s for ``tokens`` prompt tokens over ``num_seqs`` sequences run in
+        steps of ``chunk`` tokens: each step reads every weight and the context so far."""
+        steps = max(-(-tokens // chunk), 1)
+        per_seq = tokens // max(num_seqs, 1)
+        # Causal prefill reads on average half of each sequence's context per token block.
+        kv = num_seqs * per_seq * self.kv_bytes_per_token * (steps + 1) / 2
+        return tokens * self.bandwidth / (steps * self.weight_bytes + kv)
+
+
+def _shape_folder(shape: str) -> str:
+    """A folder holding only ``config.json`` of a shape of :mod:`engine.bench.model_shapes`
+    (random weights: ``load_format="dummy"``)."""
+    folder = tempfile.mkdtemp(prefix=f"headroom-bench-{shape}-")
+    write_shape(shape, folder)
+    return folder
+
+
+def _hf_model(engine: Engine, shape: str | None):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if shape is None:
+        from engine.loader.gguf_convert import ensure_gguf_weights
+
+        ensure_gguf_weights(engine.model_dir)  # a GGUF's conversion holds no float weights until read
+        hf = AutoModelForCausalLM.from_pretrained(engine.model_dir, dtype=engine.dtype)
+    else:
+        with torch.device(engine.device):
+            hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(engine.model_dir), dtype=engine.dtype)
+    return hf.to(engine.device).eval()
+
+
+def run_bench_engine(
+    *, model: str | None, device: str, batches: tuple[int, ...], prompt_tokens: int, new_tokens: int, seed: int = 0,
+    shape: str | None = None, attention_backend: str = "auto", cuda_graphs: bool = True,
+    long_prefill_tokens: int = LONG_PREFILL_TOKENS, transformers_side: bool = True, profile: bool = False,
+    profile_batches: tuple[int, ...] = (1,), gguf_quantized: bool | None = None,
+) -> list[dict]:
+    """Measure both sides at each batch size and on one long prompt; returns one row per
+    (case, side) and prints a table. Each side runs once untimed first (warm-up).
+
+    Args:
+        shape: a name of :data:`engine.bench.model_shapes.SHAPES` to bench with random
+            weights instead of ``model``.
+        long_prefill_tokens: the long prompt's length (capped by the model's context; 0
+            skips it).
+        transformers_side: also run transformers' ``generate`` (the comparison).
+        profile: afterwards, print where a decode step's time goes at each of
+            ``profile_batches`` (:func:`profile_decode`).
+        gguf_quantized: the engine keeps a GGUF ``model``'s projections quantized
+            (``--gguf-quantized``).
+
+    The engine runs every case before transformers is loaded, so the table ends with the
+    engine's own peak resident memory (``peak_rss_mib`` in its rows: the process's peak
+    after that case, load included; the KV cache a case fills is ``kv_mib``), then the
+    process's peak with transformers' model too.
+    """
+    if shape is not None:
+        model = _shape_folder(shape)
+    engine = Engine(EngineConfig(
+        model=model, device=device, load_format="dummy" if shape is not None else "auto",
+        attention_backend=attention_backend, cuda_graphs=cuda_graphs,
+        max_running_requests=max(64, *batches), gguf_quantized=gguf_quantized,
+    ))
+    on_cuda = engine.device.type == "cuda"
+    # On the CPU the engine side fits its threads to the free cores between steps, as the
+    # worker does (a busy core otherwise stalls every step); transformers gets what is set.
+    between_steps = fit_between_steps(engine.common.config.cpu_threads) if engine.device.type == "cpu" else lambda: None
+    roof = None
+    kv_per_token = kv_bytes_per_token(engine.model_config, engine.kv_dtype)
+    if on_cuda:
+        roof = Roofline(engine.info.weight_bytes, kv_per_token, copy_bandwidth(engine.device))
+    g = torch.Generator().manual_seed(seed)
+    vocab = engine.vocab_size
+    chunk = engine.knobs.max_prefill_tokens
+    cases = [(b, prompt_tokens, new_tokens) for b in batches]
+    # The long prompt also decodes a few tokens: decode speed at a long context.
+    long_new = 16
+    long_len = min(long_prefill_tokens, engine.max_context_tokens - long_new - 1)
+    if long_prefill_tokens > 0 and long_len > prompt_tokens:
+        cases.append((1, long_len, long_new))
+    prompts = {case: [torch.randint(10, vocab, (case[1],), generator=g).tolist() for _ in range(case[0])]
+               for case in cases}
+    ours: dict[tuple, tuple[Speed, int]] = {}
+    for case in cases:
+        _, _, ntok = case
+        engine_speed(engine, prompts[case], min(4, ntok))  # warm-up
+        ours[case] = engine_speed(engine, prompts[case], ntok, between_steps), peak_rss_bytes()
+    engine_peak = peak_rss_bytes()
+    theirs: dict[tuple, Speed] = {}
+    if transformers_side:
+        hf = _hf_model(engine, shape)
+        for case in cases:
+            _, _, ntok = case
+            transformers_speed(hf, prompts[case], min(4, ntok), engine.device)  # warm-up
+            theirs[case] = transformers_speed(hf, prompts[case], ntok, engine.device)
+    rows = []
+    for case in cases:
+        b, plen, ntok = case
+        label = f"{b}x{plen}"
+        speed, peak = ours[case]
+        row = {"case": label, "batch": b, "prompt_tokens": plen, "side": "headroom",
+               "prefill_tok_s": speed.prefill_tok_s, "decode_tok_s": speed.decode_tok_s,
+               "peak_rss_mib": peak / 2**20, "kv_mib": b * (plen + ntok) * kv_per_token / 2**20}
+        sides = [(row, speed)]
+        if case in theirs:
+            sides.append(({"case": label, "batch": b, "prompt_tokens": plen, "side": "transformers",
+                           "prefill_tok_s": theirs[case].prefill_tok_s, "decode_tok_s": theirs[case].decode_tok_s},
+                          theirs[case]))
+        for r, sp in sides:
+            if roof is not None:
+                r["prefill_roofline_share"] = sp.prefill_tok_s / roof.prefill(b * plen, chunk, b)
+                r["decode_roofline_share"] = sp.decode_tok_s / roof.decode(b, plen + ntok // 2)
+            rows.append(r)
+        if case in theirs:
+            rows.append({"case": label, "batch": b, "prompt_tokens": plen, "side": "ratio",
+                         "prefill_tok_s": speed.prefill_tok_s / theirs[case].prefill_tok_s,
+                         "decode_tok_s": speed.decode_tok_s / theirs[case].decode_tok_s})
+    _print_table(engine, rows, prompt_tokens, new_tokens, roof)
+    print(f"peak RSS of the engine alone: {engine_peak / 2**20:.0f} MiB (load and every case, before "
+          f"transformers is loaded; each case's KV cache in its row)")
+    if transformers_side:
+        print(f"peak RSS with transformers' model too: {peak_rss_bytes() / 2**20:.0f} MiB (the same process)")
+    if profile and on_cuda:
+        for b in profile_batches:
+            profile_decode(engine, batch=b)
+    return rows
+
+
+def peak_rss_bytes() -> int:
+    """The process's peak resident set size in bytes (``getrusage``'s ``ru_maxrss``, in
+    KiB on Linux)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _print_table(engine: Engine, rows: list[dict], prompt_tokens: int, new_tokens: int, roof: Roofline | None) -> None:
+    info = engine.info
+    print(f"model {info.model_name} on {info.device} ({info.dtype}), attention {engine.attention_backend}, "
+          f"CUDA graphs {'on' if engine.core.runner.graphs is not None else 'off'}; "
+          f"prompt {prompt_tokens} tokens, {new_tokens} new tokens, greedy")
+    if roof is not None:
+        print(f"HBM roofline: {roof.bandwidth / 1e12:.2f} TB/s measured copy bandwidth, "
+              f"{roof.weight_bytes / 2**20:.1f} MiB of weights, {roof.kv_bytes_per_token} KV bytes per token")
+    head = f"{'case':>10}  {'side':<12} {'prefill tok/s':>14} {'decode tok/s':>13} {'peak RSS MiB':>12} {'KV MiB':>7}"
+    if roof is not None:
+        head += f" {'prefill % roof':>14} {'decode % roof':>13}"
+    print(head)
+    for r in rows:
+        if r["side"] == "ratio":
+            line = f"{r['case']:>10}  {r['side']:<12} {r['prefill_tok_s']:>13.2f}x {r['decode_tok_s']:>12.2f}x"
+        else:
+            line = f"{r['case']:>10}  {r['side']:<12} {r['prefill_tok_s']:>14.1f} {r['decode_tok_s']:>13.1f}"
+            line += (f" {r['peak_rss_mib']:>12.0f} {r['kv_mib']:>7.1f}" if "peak_rss_mib" in r else f" {'':>12} {'':>7}")
+            if "decode_roofline_share" in r:
+                line += f" {100 * r['prefill_roofline_share']:>13.1f}% {100 * r['decode_roofline_share']:>12.1f}%"
+        print(line)
+
+
+# Kernel kinds of a decode replay, by the first pattern a kernel's name contains.
+KERNEL_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("attention", ("_decode_kernel", "_merge_kernel", "BatchDecode", "flashinfer", "VariableLengthMerge",
+                   "MergeStates")),
+    ("GEMM (cuBLAS / gemv)", ("nvjet", "gemm", "gemv", "cutlass", "xmma", "splitKreduce", "Kernel2")),
+    ("residual add + RMSNorm", ("rms_norm",)),
+    ("q/k norm + rotary + KV store", ("rotary", "norm_rotate")),
+    ("SiLU-and-mul", ("silu",)),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """The kind of a profiled kernel (:data:`KERNEL_KINDS`), ``"other"`` when none fits."""
+    low = name.lower()
+    for kind, patterns in KERNEL_KINDS:
+        if any(p.lower() in low for p in patterns):
+            return kind
+    return "other"
+
+
+def profile_decode(engine: Engine, batch: int = 1, replays: int = 10, top: int = 25) -> None:
+    """Where a decode step's time goes at ``batch`` (CUDA, graphs on): the step's host
+    parts, the graph replay alone, and the kernels inside the replay (torch profiler),
+    by kernel and by kind, printed. For explaining a figure, not for tests."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graphs = engine.core.runner.graphs
+    if graphs is None:
+        print("profile: needs CUDA graphs (a CUDA device, a backend that captures)")
+        return
+    sp = SamplingParams(max_new_tokens=10_000, temperature=0.0, ignore_eos=True)
+    vocab = engine.vocab_size
+    for i in range(batch):
+        ids = [(10 + 31 * i + j) % vocab for j in range(128)]
+        engine.add_request(GenerateRequest(request_id=f"profile-{i}", prompt_token_ids=ids, sampling=sp))
+    for _ in range(8):  # prefill, then a few decode steps
+        engine.step()
+    graph = graphs.graph_for(batch)
+    if graph is None:
+        print(f"profile: no graph captured for batch {batch}")
+        return
+    _sync(engine.device)
+    t0 = time.perf_counter()
+    for _ in range(100):
+        graph.replay()
+    _sync(engine.device)
+    replay_ms = (time.perf_counter() - t0) * 10
+    t0 = time.perf_counter()
+    for _ in range(100):
+        engine.step()
+    _sync(engine.device)
+    step_ms = (time.perf_counter() - t0) * 10
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        _sync(engine.device)
+    rows = []
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        rows.append((t / replays, ev.count / replays, ev.key))
+    rows.sort(reverse=True)
+    print(f"profile at batch {batch}: step {step_ms:.3f} ms, graph replay alone {replay_ms:.3f} ms "
+          f"(host and sampling: the rest); {sum(r[1] for r in rows):.0f} kernels and "
+          f"{sum(r[0] for r in rows) / 1e3:.3f} ms of kernel time per replay")
+    for t, count, name in rows[:top]:
+        print(f"  {t:8.1f} us {count:5.0f}x  {name[:100]}")
+    kinds: dict[str, list[float]] = {}
+    for t, count, name in rows:
+        acc = kinds.setdefault(kernel_kind(name), [0.0, 0.0])
+        acc[0] += t
+        acc[1] += count
+    print(f"profile at batch {batch}, by kind (per replay):")
+    for kind, (t, count) in sorted(kinds.items(), key=lambda kv: -kv[1][0]):
+        print(f"  {t:8.1f} us {count:5.0f}x  {kind}")
+    for i in range(batch):
+        engine.abort(f"profile-{i}")
+    engine.step()

@@ -1,0 +1,357 @@
+"""Frozen configuration records. Torch-free: the service builds these and sends them
+to the worker.
+
+``ModelConfig`` is the normalized description of a decoder-only transformer, built
+from a Hugging Face ``config.json`` by :mod:`engine.loader.hf_config`. ``EngineConfig``
+holds the knobs of one engine instance.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from engine.common.options import at_least, device_spec, nonzero_size, option
+
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",  # the Llama layout (Mistral, Ministral)
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    # Mixture of experts (engine.layers.moe.sparse_moe)
+    "Qwen2MoeForCausalLM",  # with a shared expert behind a sigmoid gate
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
+    "OlmoeForCausalLM",  # q/k RMSNorm over the whole projection, not per head
+    # Hybrid linear attention (engine.models.qwen3_next): Gated DeltaNet layers between
+    # gated full-attention layers, MoE or dense MLPs.
+    "Qwen3NextForCausalLM",
+)
+
+# RoPE variants engine.layers.rope implements (transformers' ``rope_type`` names).
+SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary position embedding parameters.
+
+    ``rope_type`` is one of ``"default"``, ``"linear"``, ``"llama3"`` (the names used by
+    transformers' ``rope_parameters`` / ``rope_scaling``). ``theta`` is the base.
+    ``factor``, ``low_freq_factor``, ``high_freq_factor`` and
+    ``original_max_position_embeddings`` are read only by the scaled types.
+    """
+
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture facts of one decoder-only model, all sizes in elements.
+
+    ``head_dim`` is explicit because Qwen3 decouples it from ``hidden_size // num_heads``.
+    ``qk_norm`` is Qwen3's per-head RMSNorm on queries and keys; ``attention_bias`` is
+    Qwen2's bias on the q/k/v projections. ``qk_norm_whole`` is OLMoE's RMSNorm over the
+    whole query and key projections (``[q_size]`` and ``[kv_size]`` weights) before the
+    heads are split, and ``clip_qkv`` its optional clamp of q, k and v to ``±clip_qkv``.
+
+    Mixture of experts (``num_experts > 0``): the layers in ``moe_layers`` replace the
+    MLP by ``num_experts`` routed experts of ``moe_intermediate_size`` each, of which a
+    router picks ``num_experts_per_tok`` per token (softmax over all experts, top-k,
+    renormalized to sum 1 when ``norm_topk_prob``); ``shared_expert_intermediate_size >
+    0`` adds Qwen2-MoE's always-on expert, scaled by ``sigmoid(shared_expert_gate(x))``.
+    The other layers keep the dense MLP of ``intermediate_size``.
+
+    Hybrid linear attention (``layer_types`` non-empty, Qwen3-Next): layer ``i`` is
+    ``"linear_attention"`` (a Gated DeltaNet: ``linear_num_key_heads`` query/key heads of
+    ``linear_key_head_dim``, ``linear_num_value_heads`` value heads of
+    ``linear_value_head_dim``, a causal depthwise conv of ``linear_conv_kernel_dim`` taps)
+    or ``"full_attention"`` (paged KV cache; only these layers have one). ``rotary_dim``
+    is the part of each head RoPE turns (0: all of it; Qwen3-Next's
+    ``partial_rotary_factor``); ``attn_output_gate`` multiplies the attention output by
+    ``sigmoid`` of a second half of ``q_proj``. ``zero_centered_norms``: RMSNorm weights
+    are stored as ``w - 1`` (``Qwen3NextRMSNorm`` scales by ``1 + w``).
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    qk_norm_whole: bool = False
+    clip_qkv: float | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0
+    moe_layers: tuple[int, ...] = ()
+    layer_types: tuple[str, ...] = ()
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
+    rotary_dim: int = 0
+    attn_output_gate: bool = False
+    zero_centered_norms: bool = False
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Some layers are linear attention (they keep a per-request state, not KV)."""
+        return "linear_attention" in self.layer_types
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "linear_attention")
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The layers with a KV cache, in order; their position is their KV pool index."""
+        if not self.layer_types:
+            return tuple(range(self.num_layers))
+        return tuple(i for i, t in enumerate(self.layer_types) if t != "linear_attention")
+
+    @property
+    def num_kv_layers(self) -> int:
+        return len(self.kv_layers)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0 and bool(self.moe_layers)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+def _auto_none_or_count(value: str) -> str | None:
+    """``auto``, ``none`` or a whole number of at least 0 (``--cpu-experts``)."""
+    if value in ("auto", "none") or value.isdecimal():
+        return None
+    return f"{value!r} is not auto, none or a number of layers"
+
+
+def _auto_or_thread_count(value: str) -> str | None:
+    """``auto`` or a whole number from 1 to the cores this process may use
+    (``--cpu-threads``): more threads than cores make every op wait for a time slice,
+    and with hundreds of them a step outlasts the watchdog."""
+    if value == "auto":
+        return None
+    if not (value.isdecimal() and int(value) >= 1):
+        return f"{value!r} is not auto or a number of threads (1 or more)"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if int(value) > cores:
+        return f"{value} is more than the {cores} cores this process may use; use auto or 1-{cores}"
+    return None
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Knobs of one engine instance; each option is declared here once
+    (:func:`engine.common.options.option`), and ``headroom serve``, ``generate`` and ``plan``
+    build their flags, ``HEADROOM_*`` variables and config keys from these fields.
+
+    ``model`` is a path to a Hugging Face folder or a ``.gguf`` file, or ``None`` for the
+    embedded default model. ``device`` is ``"auto"`` (CUDA when present), ``"cpu"`` or
+    ``"cuda[:N]"``; ``dtype`` is ``"auto"`` (bfloat16 on CUDA, float32 on CPU),
+    ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+
+    ``page_size`` is in tokens. ``max_prefill_tokens`` caps the tokens one prefill step
+    runs (the chunk of chunked prefill).
+
+    KV pool size, first that applies: ``num_pages`` (fixed); ``kv_cache`` (bytes,
+    fixed); the memory plan on a CUDA device, or on a simulated one when
+    ``device_total`` is set (total and free given, for machines without a GPU and for
+    tests); on a CPU otherwise, a fixed 1 GiB default.
+
+    Plan knobs (bytes; ``None`` = automatic): ``reserve`` (desktop reserve),
+    ``safety_margin_bytes``, ``device_limit`` (plan as if the card were this big),
+    ``min_context`` (tokens: smallest context one request must get for the plan to
+    fit; default 2048: below the context asked for, the plan lowers it to what the
+    pool holds, down to this floor).
+
+    ``attention_backend``: ``auto`` (Triton on CUDA, torch elsewhere), ``triton``,
+    ``flashinfer`` or ``torch``. ``cuda_graphs`` captures the decode step at batch sizes
+    up to ``cuda_graph_max_batch`` (capped by ``max_running_requests``).
+    """
+
+    model: str | None = option(
+        None,
+        "Hugging Face model folder or .gguf file; unset serves the "
+        "embedded default model (SmolLM2-135M-Instruct).",
+    )
+    device: str = option("auto", "auto (CUDA when present), cpu, or cuda[:N].", checks=(device_spec,))
+    dtype: str = option("auto", "auto, float32, bfloat16 or float16.")
+    max_model_len: int | None = option(
+        None,
+        "Cap on tokens per request (prompt + completion); "
+        "unset: the model's context, or what the KV cache holds.",
+        checks=(at_least(2),),
+    )
+    max_running_requests: int = option(
+        64, "Most requests decoded together.", checks=(at_least(1),)
+    )
+    max_prefill_tokens: int = option(
+        2048,
+        "Most prompt tokens per prefill step (the chunk of chunked prefill).",
+        checks=(at_least(1),),
+    )
+    page_size: int = option(16, "KV cache page size, in tokens.", checks=(at_least(1),))
+    num_pages: int | None = option(
+        None,
+        "Fix the KV cache size in pages, skipping the memory plan (unset: planned).",
+        checks=(at_least(2, "one page is the null page"),),
+    )
+    kv_cache: int | None = option(  # bytes
+        None,
+        "Fix the KV cache size (e.g. 2GiB), skipping the memory plan (unset: planned).",
+        kind="size",
+        checks=(nonzero_size,),
+    )
+    reserve: int | None = option(  # bytes; None: auto
+        None,
+        "GPU memory left to the desktop and other apps: auto (512 MiB + 5% of the card "
+        "when it drives a display, else 0) or a size such as 1GiB.",
+        kind="size_or_auto",
+        shown_default="auto",
+    )
+    device_limit: int | None = option(  # bytes
+        None,
+        "Serve as on a GPU of this size (e.g. 16GiB; unset: the whole card): the plan, the VRAM watcher and live replans all read a card of this size, other processes' memory counting against it.",
+        kind="size",
+        checks=(nonzero_size,),
+    )
+    cpu_experts: str = option(
+        "auto",
+        "Mixture-of-experts layers whose routed experts live in pinned host memory, with a "
+        "GPU expert cache sized from what is left in front of them: auto (the plan picks "
+        "the fewest layers that make it fit; none when everything fits), none, or a number "
+        "of layers. Offloaded layers decode slower: a missing expert is copied over PCIe "
+        "or run on the CPU.",
+        kind="word_or_number",
+        metavar="auto|none|N",
+        checks=(_auto_none_or_count,),
+    )
+    cpu_threads: str = option(
+        "auto",
+        "Threads for the engine's CPU work (the whole model with --device cpu, experts run "
+        "on the CPU otherwise): auto (the cores this process may use less those other "
+        "programs keep busy, re-read each second, so a busy desktop does not stall every "
+        "step) or a fixed number.",
+        kind="word_or_number",
+        metavar="auto|N",
+        checks=(_auto_or_thread_count,),
+    )
+    min_context: int | None = option(  # tokens
+        2048,
+        "Smallest context, in tokens, one request must get for the memory plan to fit: "
+        "on a tight card the context is lowered (by pages) down to this, and grows back "
+        "with the KV pool when memory frees up; capped by --max-model-len.",
+        checks=(at_least(1),),
+    )
+    device_total: int | None = option(  # bytes
+        None,
+        "Simulate a GPU of this size instead of reading the real one (e.g. 6GiB), to try "
+        "the memory plan on a machine without one; the engine still runs on --device.",
+        kind="size",
+        checks=(nonzero_size,),
+    )
+    device_free: int | None = option(  # bytes
+        None,
+        "Free memory of the simulated GPU (needs --device-total; unset: all of it).",
+        kind="size",
+    )
+    device_display: bool = option(
+        True,
+        "Whether the simulated GPU (--device-total) drives a display, which the "
+        "automatic --reserve keeps memory for.",
+    )
+    quantization: str = option(
+        "auto",
+        "Weights: auto (as the checkpoint stores them; an FP8 checkpoint stays FP8) or fp8 "
+        "(quantize a bfloat16/float32 checkpoint's projections to float8_e4m3fn at load, one "
+        "scale per output channel: about half of bfloat16's weight bytes).",
+        choices=("auto", "fp8"),
+    )
+    kv_cache_dtype: str = option(
+        "auto",
+        "KV cache storage: auto (the model's dtype) or fp8 (float8_e4m3fn, scale 1.0: half "
+        "of bfloat16's bytes per token, so twice the context in the same memory).",
+        choices=("auto", "fp8"),
+    )
+    prefix_cache: bool = option(True, "Share KV pages of common prompt prefixes.")
+    attention_backend: str = option(
+        "auto",
+        "Attention kernels: auto (Triton on CUDA, torch elsewhere), triton, flashinfer "
+        "(needs flashinfer-python) or torch.",
+        choices=("auto", "triton", "flashinfer", "torch"),
+    )
+    cuda_graphs: bool = option(
+        True, "Capture the decode step in CUDA graphs (--no-cuda-graphs: run eagerly)."
+    )
+    cuda_graph_max_batch: int = option(
+        64,
+        "Largest decode batch captured in a CUDA graph; larger batches run eagerly.",
+        checks=(at_least(1, "turn graphs off with --no-cuda-graphs"),),
+    )
+    # Auto (None): on the CPU, where the blocks (or their int4 repacking) decode the
+    # default model faster in a fifth of float32's memory (README, "The CPU path"); off on CUDA, where the block
+    # GEMV reads the weights once per decode row (measured on an H200, 8B Q4_K/Q6_K shape:
+    # 327 tok/s from blocks against bfloat16's 216 at batch 1, 519 against 3,204 at 16).
+    gguf_quantized: bool | None = option(
+        None,
+        "Keep a GGUF's quantized weights quantized. On the CPU (default there), "
+        "Q4_0/Q4_1/Q8_0 projections stay in their blocks for headroom's C kernels (built "
+        "at first use with the machine's C compiler; without one, and for Q5_0/Q5_1, "
+        "repacked into torch's int4 layout), the token embeddings stay in blocks. On CUDA "
+        "(off by default), Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K projections stay in their "
+        "block format: weights at about 37% of bfloat16's for Q4_K_M, decode faster at one "
+        "request and far slower at many (the weights are read again for each). "
+        "Off: every weight dequantized at load.",
+    )
+    tensor_parallel_size: int = option(
+        1,
+        "Split the model across this many GPUs of this machine (tensor parallel; one "
+        "rank process per GPU, NCCL; gloo with --device cpu). The heads must divide by it.",
+        checks=(at_least(1),),
+    )
+    # Not options (tests and benchmarks set them).
+    load_format: str = "auto"  # "dummy": random weights of the config's shapes (benchmarks)
+    safety_margin_bytes: int | None = None
+
+    def problem(self) -> tuple[str, str] | None:
+        """The first (option name, why) of options that do not go together, or None."""
+        if self.quantization == "fp8" and self.gguf_quantized is True:
+            # Both choose the weights' format; silently keeping one would price and load
+            # something other than what was asked.
+            return "quantization", (
+                "fp8 does not go with --gguf-quantized (which keeps a GGUF's own blocks): "
+                "drop one of the two"
+            )
+        if self.device_free is not None:
+            if self.device_total is None:
+                return "device_free", "needs --device-total (the size of the simulated GPU)"
+            if self.device_free > self.device_total:
+                return "device_free", "must not exceed --device-total"
+        return None

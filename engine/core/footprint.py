@@ -1,0 +1,219 @@
+"""What a model needs, in bytes: weights, KV per token, sampler, activations.
+
+The activation peak is estimated from shapes before the weights load (so a plan that
+cannot fit fails early) and measured by :mod:`engine.core.profile` on a GPU after.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.common.config import ModelConfig
+from engine.kvcache.pool import kv_storage_dtype
+from engine.kvcache.state_pool import state_bytes_per_request
+from engine.loader.load import expert_weight_bytes, weight_bytes
+from engine.memory.plan import Footprint, PlanKnobs
+
+if TYPE_CHECKING:
+    from engine.loader.gguf_quant import WeightSize
+
+# Per request and vocabulary entry, in bytes: the float32 logits row (4); the sampler's
+# transients on it, a clone (4), sorted values (4) and order (8, int64), the scatter
+# back (4), probabilities (4) and exponential race (4); per-request penalty state, the
+# int32 counts (4) and bool prompt mask (1). Source: engine/sampling/sampler.py.
+SAMPLER_BYTES_PER_VOCAB_ENTRY = 4 + 4 + 4 + 8 + 4 + 4 + 4 + 4 + 1
+
+# The CUDA context, cuBLAS handles and kernels' modules, before a profile measures them:
+# about 300-500 MiB on recent drivers (seen 420-510 MiB on an H200 with torch 2.11).
+CUDA_RUNTIME_ESTIMATE_BYTES = 512 << 20
+
+
+def itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def kv_bytes_per_token(mc: ModelConfig, dtype: torch.dtype) -> int:
+    """Keys and values of one token over the layers with a KV cache, in bytes."""
+    return 2 * mc.num_kv_layers * mc.num_kv_heads * mc.head_dim * itemsize(dtype)
+
+
+def model_context(mc: ModelConfig, knobs: PlanKnobs) -> int:
+    return mc.max_position_embeddings if knobs.max_model_len is None else min(mc.max_position_embeddings, knobs.max_model_len)
+
+
+def estimate_activation_bytes(mc: ModelConfig, dtype: torch.dtype, knobs: PlanKnobs) -> int:
+    """Upper estimate of one step's transient peak, in bytes, for the torch attention
+    backend on a GPU: ``T = max_prefill_tokens`` new tokens, of which ``B - 1`` decode
+    rows (``B = max_running_requests``) and one prefill chunk, all at the longest context
+    ``S``. A profile run replaces it on a real GPU.
+
+    Terms (``it`` = itemsize): the residual stream and its norm ``3*T*H*it``; the larger
+    of the attention block and the MLP (``3*T*I*it``, or for a mixture of experts the
+    larger of that, where some layers stay dense, and :func:`moe_activation_bytes`);
+    the logits rows ``B*V*4``. The
+    attention block holds the fused qkv ``T*(q+2kv)*it``, rotated copies
+    ``T*(q+kv)*it`` and the output ``T*q*it``, plus the larger of the chunk's context
+    (gathered ``2*S*kv*it``, expanded to all heads ``2*S*q*it``, its mask ``T*S`` and the
+    kernel's additive bias ``T*S*it``) and a decode group's (``G = min((B-1)*S,
+    gather budget)`` tokens gathered and expanded, ``2*G*(kv+q)*it``).
+    """
+    from engine.layers.attention.torch_backend import DEFAULT_GATHER_BUDGET_TOKENS
+
+    it = itemsize(dtype)
+    t = knobs.max_prefill_tokens
+    b = max(min(knobs.max_running_requests, t), 1)
+    s = model_context(mc, knobs)
+    h, q, kv, i = mc.hidden_size, mc.q_size, mc.kv_size, mc.intermediate_size
+    residual = 3 * t * h * it
+    chunk = 2 * s * (kv + q) * it + t * s * (1 + it)
+    gathered = min((b - 1) * s, DEFAULT_GATHER_BUDGET_TOKENS)
+    decode = 2 * gathered * (kv + q) * it
+    attn = t * (q + 2 * kv) * it + t * (q + kv) * it + t * q * it + max(chunk, decode)
+    mlp = 3 * t * i * it if len(mc.moe_layers) < mc.num_layers else 0
+    if mc.is_moe:
+        mlp = max(mlp, moe_activation_bytes(mc, t, it))
+    if mc.is_hybrid:
+        attn = max(attn, linear_attention_activation_bytes(mc, t, it, b))
+    logits = b * mc.vocab_size * 4
+    return residual + max(attn, mlp) + logits
+
+
+def linear_attention_activation_bytes(mc: ModelConfig, t: int, it: int, seqs: int = 1) -> int:
+    """A Gated DeltaNet layer's transient peak for a prefill step of ``t`` tokens in
+    ``seqs`` sequences, in bytes (:class:`engine.layers.gated_deltanet.GatedDeltaNet` on
+    flash-linear-attention's ``chunk_gated_delta_rule``).
+
+    The larger of two phases' live sets. The conv phase: the projection's flat
+    ``q|k|v``, its copy after the conv state, the conv output and its SiLU
+    (``4*t*C*it``, ``C = 2*Hk*Dk + Hv*Dv``) beside the output gate ``z`` and ``b``,
+    ``a`` (``t*(Hv*Dv + 2*Hv)*it``). The recurrence phase, the peak for real shapes: the
+    layer holds ``z``, ``b``, ``a``, ``beta`` (``t*(Hv*Dv + 3*Hv)*it``), q and k repeated
+    to the value heads and a contiguous v (``t*Hv*(2*Dk + Dv)*it``) and the float32
+    gate ``g`` (``t*Hv*4``); inside the kernel, q and k L2-normalized (``2*t*Hv*Dk*it``)
+    with their float32 inverse norms and the gate's chunk-local cumsum (``3*t*Hv*4``),
+    the intra-chunk matrix ``A`` (``t*Hv*c*it``, ``c = 64`` tokens per chunk), the WY
+    factors ``w``, ``u`` (``t*Hv*(Dk + Dv)*it``), one state per chunk
+    (``(ceil(t/c) + seqs - 1)*Hv*Dk*Dv*it``), the corrected values and the output
+    (``2*t*Hv*Dv*it``); and per sequence the gathered initial and the final state in
+    float32 (``2*seqs*Hv*Dk*Dv*4``).
+
+    Source: the buffers the allocator saw live at the peak of one layer's forward with
+    fla-core 0.6.0 on an NVIDIA H200 (``torch.cuda.memory._record_memory_history``), at
+    Qwen3-Next-80B-A3B's dimensions; ``python -m engine.bench.hybrid`` compares the two.
+    """
+    hk, hv, dk, dv = mc.linear_num_key_heads, mc.linear_num_value_heads, mc.linear_key_head_dim, mc.linear_value_head_dim
+    c = 64
+    conv_channels = 2 * hk * dk + hv * dv
+    gate = t * (hv * dv + 2 * hv) * it
+    conv_phase = gate + 4 * t * conv_channels * it
+    held = gate + t * hv * it + t * hv * (2 * dk + dv) * it + t * hv * 4
+    chunks = -(-t // c) + seqs - 1
+    kernel = (2 * t * hv * dk * it + 3 * t * hv * 4 + t * hv * c * it + t * hv * (dk + dv) * it
+              + chunks * hv * dk * dv * it + 2 * t * hv * dv * it + 2 * seqs * hv * dk * dv * 4)
+    return max(conv_phase, held + kernel)
+
+
+# Rows per block of the fused MoE kernel's sort at prefill sizes (kernels.moe.triton_kernel).
+_MOE_PREFILL_BLOCK_M = 64
+
+
+def moe_activation_bytes(mc: ModelConfig, t: int, it: int) -> int:
+    """Upper estimate of a sparse MLP's transient peak for ``t`` tokens, in bytes, on
+    the fused Triton path (:func:`kernels.moe.triton_kernel.fused_moe`): every token is
+    copied once per choice, ``R = t * K`` routed rows (``K = num_experts_per_tok``).
+
+    Terms: the router's logits and float32 softmax ``t*E*(it+4)`` and top-k weights
+    and ids ``R*(4+8)``; the sort, about six int64 vectors of ``R`` and two int32 ones
+    of the padded capacity ``C = R + min(E, R)*63``; the activations ``R*I*it`` and
+    the weighted down products ``R*H*it`` live together, with the ``t*H*it`` output;
+    a shared expert adds its gate/up and activation ``3*t*Is*it`` and its output
+    ``t*H*it``. The sizes depend on ``t`` only, not on how the tokens route.
+    """
+    from kernels.moe.reference import padded_capacity
+
+    k, e, h = mc.num_experts_per_tok, mc.num_experts, mc.hidden_size
+    r = t * k
+    router = t * e * (it + 4) + r * (4 + 8)
+    sort = 6 * r * 8 + 2 * padded_capacity(r, e, _MOE_PREFILL_BLOCK_M) * 4
+    routed = r * (mc.moe_intermediate_size + h) * it + t * h * it
+    shared = (3 * mc.shared_expert_intermediate_size + h) * t * it if mc.shared_expert_intermediate_size else 0
+    return router + sort + routed + shared
+
+
+def make_footprint(
+    mc: ModelConfig,
+    dtype: torch.dtype,
+    knobs: PlanKnobs,
+    *,
+    workspaces: tuple[tuple[str, int], ...] = (),
+    measured_activation_bytes: int | None = None,
+    measured_sampler_bytes: int | None = None,
+    runtime_bytes: int = 0,
+    cuda_graph_bytes: int = 0,
+    weights: WeightSize | None = None,
+) -> Footprint:
+    """Footprint of ``mc`` in ``dtype`` under ``knobs``.
+
+    With ``measured_activation_bytes``, the peak is that measurement; suggestions for
+    other knobs scale it by the estimate's ratio (the terms grow with the chunk alike).
+    ``measured_sampler_bytes`` (for ``knobs.max_running_requests`` rows) replaces the
+    per-request estimate. ``runtime_bytes`` is the CUDA context (measured with the
+    activation, else estimated). ``cuda_graph_bytes`` is what capturing the decode
+    step's CUDA graphs took (measured by :meth:`engine.core.cuda_graphs.DecodeGraphs.capture_all`).
+    The KV cache is charged in ``knobs.kv_cache_dtype``'s storage dtype
+    (:func:`engine.kvcache.pool.kv_storage_dtype`).
+    ``weights`` replaces the dense size of ``mc`` in ``dtype`` with what a GGUF loaded
+    with its projections in block format takes (:func:`engine.loader.gguf_quant.gguf_weight_size`),
+    its routed experts priced per layer as stored (blocks, for the host tier and the
+    expert cache too).
+    """
+    kv_dtype = kv_storage_dtype(knobs.kv_cache_dtype, dtype)
+    est_here = estimate_activation_bytes(mc, dtype, knobs)
+    if measured_activation_bytes is None:
+        peak, source = est_here, "estimated"
+
+        def at(k: PlanKnobs) -> int:
+            return estimate_activation_bytes(mc, dtype, k)
+    else:
+        peak, source = measured_activation_bytes, "measured"
+
+        def at(k: PlanKnobs) -> int:
+            if k == knobs:
+                return peak
+            return int(peak * estimate_activation_bytes(mc, dtype, k) / max(est_here, 1))
+
+    # The routed experts apart, for the ledger and the hybrid placement: dense shapes,
+    # or a GGUF's bytes per layer as stored (blocks stay blocks in the host tier and
+    # the expert cache alike).
+    layer_bytes = () if weights is None else weights.expert_layer_bytes
+    dense_experts = mc.is_moe and not layer_bytes and (weights is None or weights.source == "FP8")
+    return Footprint(
+        weight_bytes=weight_bytes(mc, dtype) if weights is None else weights.bytes,
+        expert_weight_bytes=expert_weight_bytes(mc, dtype) if dense_experts else sum(layer_bytes),
+        expert_layers=len(mc.moe_layers) if dense_experts else len(layer_bytes),
+        expert_layer_bytes=layer_bytes,
+        expert_form="GGUF blocks" if weights is not None and weights.experts_in_blocks else "",
+        num_experts=mc.num_experts,
+        weight_source="exact, from tensor shapes" if weights is None else f"exact, {weights.source}: {weights.mix}",
+        kv_bytes_per_token=kv_bytes_per_token(mc, kv_dtype),
+        kv_heads=mc.num_kv_heads,
+        kv_cache_dtype=str(kv_dtype).removeprefix("torch."),
+        vocab_size=mc.vocab_size,
+        model_context_tokens=model_context(mc, PlanKnobs()),
+        workspace_bytes=workspaces,
+        runtime_bytes=runtime_bytes,
+        cuda_graph_bytes=cuda_graph_bytes,
+        runtime_source="measured" if measured_activation_bytes is not None else "estimated",
+        sampler_bytes_per_request=(
+            SAMPLER_BYTES_PER_VOCAB_ENTRY * mc.vocab_size
+            if measured_sampler_bytes is None
+            else -(-measured_sampler_bytes // max(min(knobs.max_running_requests, knobs.max_prefill_tokens), 1))
+        ),
+        sampler_source="estimated" if measured_sampler_bytes is None else "measured",
+        activation_peak_bytes=peak,
+        activation_source=source,
+        activation_at=at,
+        state_bytes_per_request=state_bytes_per_request(mc, dtype),
+    )

@@ -1,0 +1,136 @@
+"""The profile run: one dummy step at the largest size the plan admits, measured.
+
+On CUDA, the allocator's peak statistics give the transient bytes of a step with
+``max_prefill_tokens`` new tokens spread over ``max_running_requests`` sequences at the
+longest context, plus sampling of every row through the sort path. The blocks it
+leaves in the caching allocator stay reserved, so later steps of that size reuse them
+instead of asking the device again: the step-size buffers are allocated once, here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from engine.layers.attention.base import AttentionBackend
+from engine.common.forward_batch import ForwardBatch
+from engine.kvcache.pool import KVPool
+from engine.core.footprint import model_context
+from engine.memory.plan import PlanKnobs
+from engine.wire.messages import SamplingParams
+from engine.sampling.sampler import Sampler, SamplingState
+
+
+def profile_batch(num_tokens: int, num_seqs: int, context: int, page_size: int, num_pages: int, device) -> ForwardBatch:
+    """A worst-case step: ``num_seqs - 1`` decode rows and one prefill chunk of the
+    remaining tokens, every sequence ``context`` tokens long after the step. Page tables
+    cycle through the ``num_pages - 1`` pages of a small pool: the keys read are
+    garbage, the shapes are real."""
+    chunk = num_tokens - (num_seqs - 1)
+    extend = [1] * (num_seqs - 1) + [chunk]
+    prefix = [context - e for e in extend]
+    max_pages = math.ceil(context / page_size)
+    table = (torch.arange(max_pages) % (num_pages - 1) + 1).repeat(num_seqs, 1)
+    positions = torch.cat([torch.arange(p, p + e) for p, e in zip(prefix, extend, strict=True)])
+    slots = table[0][positions // page_size] * page_size + positions % page_size
+    return ForwardBatch(
+        is_decode=False,
+        input_ids=torch.zeros(num_tokens, dtype=torch.int64, device=device),
+        positions=positions.to(device),
+        out_slots=slots.to(device),
+        page_table=table.to(device),
+        prefix_lens=torch.tensor(prefix, dtype=torch.int64),
+        extend_lens=torch.tensor(extend, dtype=torch.int64),
+        logits_indices=(torch.cumsum(torch.tensor(extend), 0) - 1).to(device),
+    )
+
+
+@dataclass(frozen=True)
+class StepPeak:
+    """Bytes one worst-case step allocates above what was allocated before it:
+    ``forward_bytes`` for the model's forward (activations, attention transients, the
+    logits rows), ``sampler_bytes`` for sampling those rows: the per-request penalty
+    state plus what the sampling raises the step's peak by, over the forward's (its
+    transients first reuse the blocks the forward freed). The step's peak is the sum."""
+
+    forward_bytes: int
+    sampler_bytes: int
+
+
+@torch.inference_mode()
+def measure_step_peak(
+    model: torch.nn.Module,
+    attn: AttentionBackend,
+    pool: KVPool,
+    knobs: PlanKnobs,
+    max_position_embeddings: int,
+    vocab_size: int | None = None,
+) -> StepPeak:
+    """Run one worst-case step over ``pool`` and measure it (CUDA only).
+
+    Each part is the larger of the allocator's peak allocated and peak reserved growth,
+    so rounding into fresh segments is charged too. The blocks stay cached afterwards:
+    run over the real pool, this is the warm-up that leaves the step-size buffers
+    allocated once. ``vocab_size`` is the logits' width (the whole vocabulary; under
+    tensor parallelism the model's own config holds its rank's shard); default: the
+    model config's.
+
+    Raises:
+        torch.OutOfMemoryError: the step itself does not fit on the device.
+        ValueError: ``pool`` is not on a CUDA device.
+    """
+    device = pool.device
+    if device.type != "cuda":
+        raise ValueError("the profile run measures CUDA allocations; estimate on other devices")
+    ctx = min(max_position_embeddings, knobs.max_model_len or max_position_embeddings)
+    tokens = min(knobs.max_prefill_tokens, ctx)
+    seqs = max(min(knobs.max_running_requests, tokens), 1)
+    batch = profile_batch(tokens, seqs, ctx, pool.page_size, pool.num_pages, device)
+    vocab = vocab_size or model.config.vocab_size
+    bound = None
+    if model.config.is_hybrid:
+        # The state pool is a ledger line of its own: made before the window opens, so
+        # the window measures the linear-attention layers' transient only.
+        from engine.kvcache.state_pool import StatePool
+
+        bound = model.states
+        model.bind_states(StatePool(model.config, seqs, pool.dtype, device))
+        batch.state_slots = torch.arange(1, seqs + 1)
+    sp = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.01, frequency_penalty=0.1, seed=0)
+
+    def snapshot():
+        torch.cuda.synchronize(device)
+        return torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
+
+    def peak_since(alloc, reserved):
+        torch.cuda.synchronize(device)
+        return max(torch.cuda.max_memory_allocated(device) - alloc, torch.cuda.max_memory_reserved(device) - reserved)
+
+    # The requests' sampling state (penalty counts, prompt masks) lives as long as they
+    # do, through the forward too: made first, charged whole.
+    alloc, reserved = snapshot()
+    states = [SamplingState(sp, [0], vocab, device) for _ in range(seqs)]
+    state_bytes = max(snapshot()[0] - alloc, 0)
+    # One window over the forward and the sampling: the sampler's transients reuse
+    # blocks the forward freed (the logits rows stay), so the step's peak is what the
+    # two need together, not their sum.
+    alloc, reserved = snapshot()
+    torch.cuda.reset_peak_memory_stats(device)
+    logits = model(batch, attn)
+    forward_bytes = peak_since(alloc, reserved)
+    Sampler().sample(logits, states, [sp] * seqs)
+    step_bytes = peak_since(alloc, reserved)
+    sampler_bytes = state_bytes + max(step_bytes - forward_bytes, 0)
+    if model.config.is_hybrid:
+        model.bind_states(bound)
+    return StepPeak(forward_bytes=forward_bytes, sampler_bytes=sampler_bytes)
+
+
+def profile_pool_pages(knobs: PlanKnobs) -> int:
+    """Pages of the small pool the profile run writes into (the chunk's pages + null)."""
+    return math.ceil(knobs.max_prefill_tokens / knobs.page_size) + 2
+
+
+__all__ = ["StepPeak", "measure_step_peak", "profile_batch", "profile_pool_pages", "model_context"]

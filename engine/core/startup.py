@@ -1,0 +1,160 @@
+"""What the engine decides before it loads anything: the device, the dtype, the
+device's memory as the plan sees it and the attention workspaces it charges (the plan's
+knobs: ``PlanKnobs.of``).
+
+Shared by the engine's constructor and ``headroom plan`` (which plans without loading
+weights), so both plan the same dtype, backend and runtime on the same device.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.layers.attention.base import backend_class, resolve_backend_name
+from engine.common.config import EngineConfig, ModelConfig
+from engine.common.errors import CUDA_HINTS, CudaUnavailable, TorchWithoutCuda
+from engine.common.faults import check_cuda_init
+from engine.loader.resolve import gguf_file
+from engine.memory.device import nvml_index, probe_nvml, simulated_device
+from engine.core.footprint import CUDA_RUNTIME_ESTIMATE_BYTES, make_footprint
+from engine.memory.plan import DeviceMemory, MemoryPlan, PlanKnobs, make_plan
+
+if TYPE_CHECKING:
+    from engine.loader.gguf_quant import WeightSize
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    """``"auto"`` is CUDA when available, else the CPU on a machine without an NVIDIA GPU.
+
+    Never falls back to the CPU silently: only ``cpu`` (or ``auto`` where NVML sees no
+    GPU) runs there.
+
+    Raises:
+        CudaUnavailable: ``cuda[:N]`` asked for, or ``auto`` on a machine where NVML sees
+            an NVIDIA GPU, and CUDA cannot be initialised (after a suspend, a driver still
+            loading or updated); the message says why and what helps. Also the test-only
+            ``cuda_init`` fault (:func:`engine.common.faults.check_cuda_init`).
+    """
+    if name == "cpu":
+        return torch.device("cpu")
+    check_cuda_init()
+    if torch.cuda.is_available():
+        return torch.device("cuda" if name == "auto" else name)
+    if name == "auto":
+        present = probe_nvml(0)
+        if present is None:
+            return torch.device("cpu")
+        where = f"NVML sees {present.name}"
+    else:
+        where = f"--device {name} asks for a GPU"
+    if torch.version.cuda is None and torch.version.hip is None:
+        # No driver hint can help a torch built without a GPU backend.
+        raise TorchWithoutCuda(
+            f"{where} but the installed torch {torch.__version__} is built without CUDA; install a CUDA build "
+            "into this Python (e.g. `pip install --force-reinstall torch --index-url "
+            "https://download.pytorch.org/whl/cu128`) or use --device cpu")
+    raise CudaUnavailable(f"{where} but CUDA failed to initialise ({_cuda_init_error()}); {CUDA_HINTS}")
+
+
+def _cuda_init_error() -> str:
+    """CUDA's own reason for not starting, as torch reports it."""
+    try:
+        torch.cuda.init()
+    except Exception as exc:
+        return str(exc).partition("\n")[0] or type(exc).__name__
+    return "torch sees no CUDA device"
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``"auto"`` is bfloat16 on CUDA and float32 on CPU (CPU bf16 matmuls are slow).
+
+    Raises:
+        ValueError: an unknown dtype name.
+    """
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose one of auto, {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def device_memory(config: EngineConfig, device: torch.device) -> DeviceMemory | None:
+    """The device as the plan sees it now: simulated when asked, NVML (or the CUDA
+    driver's free/total) on a GPU, None for a plain CPU run (no plan)."""
+    if config.device_total is not None:
+        return simulated_device(
+            config.device_total,
+            config.device_free,
+            display_attached=config.device_display,
+        )
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    snap = probe_nvml(nvml_index(index))
+    if snap is not None:
+        return snap
+    free, total = torch.cuda.mem_get_info(device)
+    name = torch.cuda.get_device_name(device)
+    return DeviceMemory(name=name, total_bytes=total, free_bytes=free, others_bytes=total - free)
+
+
+def attention_workspaces(backend: str, mc: ModelConfig, max_running_requests: int) -> tuple[tuple[str, int], ...]:
+    """The plan's workspace lines for attention backend ``backend`` (a resolved name)."""
+    size = backend_class(backend).workspace_size(
+        num_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, max_batch=max_running_requests)
+    return ((f"attention backend ({backend})", size),)
+
+
+def quantized_gguf(config: EngineConfig, device: torch.device, mc: ModelConfig | None = None) -> Path | None:
+    """The GGUF file whose projections load in block format, or None (every weight is
+    dequantized into the model dtype at load, the default).
+
+    Blocks are kept when asked for (``--gguf-quantized``; unset: on the CPU only), on a
+    CUDA device (the block kernels) or the CPU (the C kernels' blocks, or torch's int4 layout), for a
+    ``--model`` that is a GGUF file. A mixture of experts (``mc``) keeps its routed
+    experts in blocks too on CUDA (the fused MoE over blocks), also those that
+    ``--cpu-experts`` puts in host memory (the host tier and the expert cache hold the
+    blocks: :mod:`engine.layers.moe.expert_cache`); on the CPU they are dequantized at load
+    (the int4 repacking covers linear layers only).
+    """
+    wanted = config.gguf_quantized
+    if wanted is None:  # auto: on the CPU only, and not with another weight format asked for
+        wanted = device.type == "cpu" and config.quantization == "auto" and config.tensor_parallel_size == 1
+    if not wanted or device.type not in ("cuda", "cpu"):
+        return None
+    if mc is not None and mc.is_moe and device.type == "cpu":
+        log.info("--gguf-quantized on the CPU: the routed experts are dequantized at load")
+    return gguf_file(config.model)
+
+
+def estimated_planner(
+    config: EngineConfig,
+    mc: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    memory: DeviceMemory,
+    weights: WeightSize | None = None,
+) -> Callable[[PlanKnobs], MemoryPlan]:
+    """The plan from estimates (before any weight loads) as a function of the knobs, for
+    :func:`engine.memory.plan.fit_plan`: the attention backend ``auto`` resolves for
+    ``device`` and the CUDA context is charged at its estimate (a planned device is a GPU
+    or a simulated one). ``weights`` prices a GGUF loaded in block format
+    (:func:`engine.loader.gguf_quant.gguf_weight_size`); None prices the dense tensors."""
+    backend = resolve_backend_name(config.attention_backend, device.type)
+    workspaces = attention_workspaces(backend, mc, config.max_running_requests)
+
+    def plan(knobs: PlanKnobs) -> MemoryPlan:
+        fp = make_footprint(mc, dtype, knobs, workspaces=workspaces, runtime_bytes=CUDA_RUNTIME_ESTIMATE_BYTES,
+                            weights=weights)
+        return make_plan(memory, knobs, fp)
+
+    return plan

@@ -1,0 +1,144 @@
+"""Paged attention in plain torch: runs anywhere and is the reference for GPU backends.
+
+Decode rows (one new token) are batched: their context keys/values are gathered from
+the pool into a padded ``[b, H, S, D]`` block, in groups whose padded size stays
+under ``gather_budget_tokens`` so that one long sequence next to many short ones never
+blows the gather up. The gather reads each query head's KV head directly (one index of
+pool rows per step, shared by the layers), so grouped-query attention costs one
+``index_select`` per tensor instead of a gather, a transpose and a repeat: on the CPU a
+batch-1 decode step spent about a fifth of its time repeating K/V heads. Prefill chunks run one sequence at a time over exactly their
+context, with a causal mask offset by the cached prefix: query ``i`` sees context
+positions ``j <= prefix + i``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.layers.attention.base import AttentionBackend, register_backend
+from engine.common.forward_batch import ForwardBatch
+from kernels.attention.kv_store import gather_kv
+
+# Padded decode gathers stay under this many context tokens per group.
+DEFAULT_GATHER_BUDGET_TOKENS = 1 << 16
+
+
+@dataclass
+class _DecodeGroup:
+    rows: torch.Tensor  # [b] rows of T
+    heads: torch.Tensor  # [b * H * S] rows of the pool seen as [slots * H_kv, D], padded with slot 0's
+    mask: torch.Tensor  # [b, 1, 1, S] bool, True where a key is real
+
+
+@dataclass
+class _PrefillSeq:
+    start: int  # first row of T
+    length: int  # new tokens
+    slots: torch.Tensor  # [S] context slots
+    mask: torch.Tensor | None  # [E, S] bool, None when the chunk starts the sequence (plain causal)
+    heads: torch.Tensor | None  # [H * S] pool rows per query head (with mask), as _DecodeGroup's
+
+
+@register_backend("torch")
+class TorchAttentionBackend(AttentionBackend):
+    """See the module docstring. Its transients scale with the step; they belong to the
+    plan's measured activation peak, so ``workspace_bytes`` is 0."""
+
+    workspace_bytes = 0
+
+    def __init__(self, pool, *, num_heads: int, head_dim: int, scale: float, max_batch: int = 64,
+                 gather_budget_tokens: int = DEFAULT_GATHER_BUDGET_TOKENS) -> None:
+        super().__init__(pool, num_heads=num_heads, head_dim=head_dim, scale=scale, max_batch=max_batch)
+        self.gather_budget_tokens = gather_budget_tokens
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        ps = self.pool.page_size
+        device = batch.page_table.device
+        ext = batch.extend_lens.tolist()
+        seq_lens = batch.seq_lens.tolist()
+        prefix = batch.prefix_lens.tolist()
+        starts = [0]
+        for e in ext[:-1]:
+            starts.append(starts[-1] + e)
+
+        def slots_of(b: int, length: int) -> torch.Tensor:
+            pos = torch.arange(length, device=device)
+            return batch.page_table[b, pos // ps] * ps + pos % ps
+
+        self._decode: list[_DecodeGroup] = []
+        self._prefill: list[_PrefillSeq] = []
+        decode_rows = [b for b in range(len(ext)) if ext[b] == 1]
+        # Group decode rows so that rows x longest context stays under the budget.
+        group: list[int] = []
+        for b in decode_rows + [None]:
+            longest = max([seq_lens[g] for g in group] + ([seq_lens[b]] if b is not None else [0]))
+            if group and (b is None or (len(group) + 1) * longest > self.gather_budget_tokens):
+                self._decode.append(self._decode_group(batch, group, [starts[g] for g in group], seq_lens, slots_of, device))
+                group = []
+            if b is not None:
+                group.append(b)
+        for b in range(len(ext)):
+            if ext[b] == 1:
+                continue
+            s = seq_lens[b]
+            mask = heads = None
+            slots = slots_of(b, s)
+            if prefix[b] > 0:
+                q_pos = prefix[b] + torch.arange(ext[b], device=device)
+                mask = torch.arange(s, device=device)[None, :] <= q_pos[:, None]
+                heads = self._head_rows(slots)
+            self._prefill.append(_PrefillSeq(starts[b], ext[b], slots, mask, heads))
+
+    def _head_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """Rows of a layer's pool seen as ``[slots * H_kv, D]`` for ``slots [..., S]``, in
+        ``[..., H, S]`` order flattened: query head ``h`` reads KV head ``h // (H / H_kv)``."""
+        kv_heads = self.pool.num_kv_heads
+        head = torch.arange(self.num_heads, device=slots.device) // (self.num_heads // kv_heads)
+        return (slots.unsqueeze(-2) * kv_heads + head[:, None]).reshape(-1)
+
+    def _gather_heads(self, buf: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype, *shape: int) -> torch.Tensor:
+        """``[*shape, H, S, D]`` keys or values of ``buf [slots, H_kv, D]`` at ``rows``
+        (:meth:`_head_rows`), contiguous, in ``dtype``."""
+        return gather_kv(buf.view(-1, buf.shape[-1]), rows, dtype).view(*shape, self.num_heads, -1, buf.shape[-1])
+
+    def _decode_group(self, batch, group, rows, seq_lens, slots_of, device) -> _DecodeGroup:
+        longest = max(seq_lens[g] for g in group)
+        slots = torch.stack([slots_of(g, longest) for g in group])  # [b, S]
+        # A mask even where no row is padded: the same sdpa kernel for a sequence alone
+        # and in any batch, so its greedy answer does not depend on who else runs (the
+        # unmasked kernel rounds differently and flipped near-ties between the two).
+        lens = torch.tensor([seq_lens[g] for g in group], device=device)
+        mask = (torch.arange(longest, device=device)[None, :] < lens[:, None])[:, None, None, :]
+        return _DecodeGroup(torch.tensor(rows, device=device), self._head_rows(slots), mask)
+
+    def attend(self, q: torch.Tensor, layer: int, batch: ForwardBatch) -> torch.Tensor:
+        k_buf, v_buf = self.pool.k_buffers[layer], self.pool.v_buffers[layer]
+        out = torch.empty_like(q)  # [T, H, D]
+        for g in self._decode:
+            b = g.rows.shape[0]
+            whole = b == q.shape[0]  # the step is this one group of decode rows, in order
+            qd = (q if whole else q.index_select(0, g.rows))[:, :, None, :]  # [b, H, 1, D]
+            # Query heads' keys and values gathered as such: with a mask only sdpa's math
+            # kernel takes ``enable_gqa`` (an H x E x S score matrix); whole heads keep the
+            # fused kernel.
+            kd = self._gather_heads(k_buf, g.heads, q.dtype, b)  # [b, H, S, D]
+            vd = self._gather_heads(v_buf, g.heads, q.dtype, b)
+            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=self.scale)
+            if whole:
+                return o.reshape(q.shape[0], self.num_heads * self.head_dim)
+            out.index_copy_(0, g.rows, o[:, :, 0, :])
+        for p in self._prefill:
+            qp = q[p.start : p.start + p.length].transpose(0, 1)[None]  # [1, H, E, D]
+            if p.mask is None:
+                kp = gather_kv(k_buf, p.slots, q.dtype).transpose(0, 1)[None]  # [1, H_kv, S, D]
+                vp = gather_kv(v_buf, p.slots, q.dtype).transpose(0, 1)[None]
+                o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=self.scale, enable_gqa=True)
+            else:
+                kp = self._gather_heads(k_buf, p.heads, q.dtype, 1)  # [1, H, S, D]
+                vp = self._gather_heads(v_buf, p.heads, q.dtype, 1)
+                o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, scale=self.scale)
+            out[p.start : p.start + p.length] = o[0].transpose(0, 1)
+        return out.reshape(q.shape[0], self.num_heads * self.head_dim)

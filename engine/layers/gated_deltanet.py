@@ -1,0 +1,204 @@
+"""The Gated DeltaNet layer of hybrid linear-attention models (Qwen3-Next).
+
+Per token, as ``Qwen3NextGatedDeltaNet`` in transformers computes it:
+
+1. ``in_proj_qkvz`` -> q, k (``Hk`` heads of ``Dk``), v and the output gate z (``Hv``
+   heads of ``Dv``), grouped per key head in the checkpoint; ``in_proj_ba`` -> b, a
+   (``Hv`` each).
+2. A short causal depthwise conv (``K`` taps, no bias) over ``[q | k | v]``, then SiLU.
+   The last ``K - 1`` inputs of a sequence are its *conv state*.
+3. The gated delta rule (Yang et al., "Gated Delta Networks", 2024), per value head with
+   q, k L2-normalized and q scaled by ``Dk ** -0.5``; each key head serves
+   ``Hv / Hk`` value heads::
+
+       g_t = -exp(A_log) * softplus(a_t + dt_bias);   beta_t = sigmoid(b_t)
+       S   = S * exp(g_t)
+       S   = S + k_t (beta_t * (v_t - k_t^T S))^T     # S: [Dk, Dv], the recurrent state
+       o_t = S^T q_t
+
+4. ``o`` RMS-normalized per head (weight ``norm.weight``, not zero-centred), times
+   ``silu(z)``; then ``out_proj``.
+
+A sequence's whole past is in its two states, fixed in size: the recurrent state
+``[Hv, Dk, Dv]`` (float32) and the conv state ``[conv_dim, K - 1]``. They live in the
+engine's :class:`engine.kvcache.state_pool.StatePool`, at the slot the batch gives each
+sequence (``ForwardBatch.state_slots``); a sequence with no prefix starts from zeros, so
+a chunked prefill carries the states from chunk to chunk.
+
+On CUDA with ``fla-core`` installed, the recurrence runs in flash-linear-attention's
+Triton kernels (``chunk_gated_delta_rule`` for prefill, ``fused_recurrent_gated_delta_rule``
+for decode); elsewhere :func:`gated_delta_rule_ref`, the recurrence written token by token.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.common.config import ModelConfig
+from engine.common.forward_batch import ForwardBatch
+
+
+@functools.cache
+def _fla():
+    """flash-linear-attention's two kernels, or None when ``fla-core`` is absent."""
+    try:
+        from fla.ops.gated_delta_rule import (
+            chunk_gated_delta_rule,
+            fused_recurrent_gated_delta_rule,
+        )
+    except ImportError:
+        return None
+    return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    # eps inside the root, as flash-linear-attention's l2norm (and transformers' copy of it).
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+def gated_delta_rule_ref(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over one sequence, token by token (the torch reference).
+
+    Args:
+        q, k: ``[T, Hv, Dk]`` (already repeated to the value heads), not yet normalized.
+        v: ``[T, Hv, Dv]``. g: ``[T, Hv]`` float32 log-decay. beta: ``[T, Hv]``.
+        state: ``[Hv, Dk, Dv]`` float32, the recurrent state before the first token.
+
+    Returns:
+        ``(o [T, Hv, Dv] float32, state [Hv, Dk, Dv] float32 after the last token)``.
+    """
+    q = _l2norm(q.float()) * q.shape[-1] ** -0.5
+    k, v, beta, decay = _l2norm(k.float()), v.float(), beta.float(), g.float().exp()
+    out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    for t in range(q.shape[0]):
+        state = state * decay[t, :, None, None]
+        remembered = torch.einsum("hkv,hk->hv", state, k[t])
+        delta = (v[t] - remembered) * beta[t, :, None]
+        state = state + k[t][:, :, None] * delta[:, None, :]
+        out[t] = torch.einsum("hkv,hk->hv", state, q[t])
+    return out, state
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm over the last dim, then times ``silu(gate)`` (``Qwen3NextRMSNormGated``)."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return ((self.weight * xf.to(dtype)) * F.silu(gate.float())).to(dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """One linear-attention layer; ``linear_index`` is its place among the model's
+    linear layers (its row in the state pool). Parameter names follow transformers'."""
+
+    def __init__(self, config: ModelConfig, linear_index: int) -> None:
+        super().__init__()
+        self.linear_index = linear_index
+        self.hk, self.hv = config.linear_num_key_heads, config.linear_num_value_heads
+        self.dk, self.dv = config.linear_key_head_dim, config.linear_value_head_dim
+        self.key_dim, self.value_dim = self.hk * self.dk, self.hv * self.dv
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.kernel = config.linear_conv_kernel_dim
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=False)
+        self.in_proj_qkvz = nn.Linear(config.hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+        self.in_proj_ba = nn.Linear(config.hidden_size, 2 * self.hv, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.hv))
+        self.A_log = nn.Parameter(torch.zeros(self.hv))
+        self.norm = GatedRMSNorm(self.dv, config.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, config.hidden_size, bias=False)
+
+    def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``[T, hidden]`` -> ``mixed [T, conv_dim]`` (q|k|v, flat), ``z [T, Hv, Dv]``,
+        ``b``, ``a`` ``[T, Hv]``: the checkpoint groups the projections per key head."""
+        t, per = x.shape[0], self.hv // self.hk
+        qkvz = self.in_proj_qkvz(x).view(t, self.hk, 2 * self.dk + 2 * per * self.dv)
+        q, k, v, z = qkvz.split([self.dk, self.dk, per * self.dv, per * self.dv], dim=-1)
+        b, a = self.in_proj_ba(x).view(t, self.hk, 2 * per).split([per, per], dim=-1)
+        mixed = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
+        return mixed, z.reshape(t, self.hv, self.dv), b.reshape(t, self.hv), a.reshape(t, self.hv)
+
+    def _conv(self, mixed: torch.Tensor, history: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Causal depthwise conv + SiLU of one sequence: ``mixed [T, C]`` after
+        ``history [C, K-1]``; returns ``(out [T, C], new history [C, K-1])``."""
+        seq = torch.cat([history.to(mixed.dtype), mixed.t()], dim=-1)  # [C, K-1+T]
+        out = F.conv1d(seq[None], self.conv1d.weight, groups=self.conv_dim)[0]  # [C, T]
+        return F.silu(out).t(), seq[:, -(self.kernel - 1):]
+
+    def _conv_batch(self, mixed: torch.Tensor, conv_pool: torch.Tensor, slots, lens, fresh) -> torch.Tensor:
+        """:meth:`_conv` over each sequence of a ragged batch, its conv state read from and
+        written back to ``conv_pool``; returns ``[T, C]``. A function of its own, so no
+        local keeps a sequence's conv output alive once the caller lets it go."""
+        rows, at = [], 0
+        for slot, n, new in zip(slots, lens, fresh, strict=True):
+            history = torch.zeros_like(conv_pool[slot]) if new else conv_pool[slot]
+            out, conv_pool[slot] = self._conv(mixed[at : at + n], history)
+            rows.append(out)
+            at += n
+        return rows[0] if len(rows) == 1 else torch.cat(rows)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, states) -> torch.Tensor:
+        """``x [T, hidden]`` -> ``[T, hidden]``; reads and writes the step's sequences'
+        states in ``states`` (an :class:`engine.kvcache.state_pool.StatePool`)."""
+        mixed, z, b, a = self._split(x)
+        conv_pool, ssm_pool = states.conv[self.linear_index], states.ssm[self.linear_index]
+        slots = batch.state_slots.tolist()
+        fresh = (batch.prefix_lens == 0).tolist()
+        lens = batch.extend_lens.tolist()
+        mixed = self._conv_batch(mixed, conv_pool, slots, lens, fresh)
+        t = x.shape[0]
+        per = self.hv // self.hk
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(t, self.hk, self.dk).repeat_interleave(per, dim=1)
+        k = k.reshape(t, self.hk, self.dk).repeat_interleave(per, dim=1)
+        # A contiguous v of its own lets the conv output go before the recurrence, whose
+        # kernels hold the step's largest transient (the kernel would copy v anyway).
+        v = v.reshape(t, self.hv, self.dv).contiguous()
+        del mixed
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        if x.is_cuda and _fla() is not None:
+            o = self._fla(q, k, v, g, beta, ssm_pool, slots, fresh, lens, batch.is_decode)
+        else:
+            outs, at = [], 0
+            for slot, n, new in zip(slots, lens, fresh, strict=True):
+                s = slice(at, at + n)
+                state = torch.zeros_like(ssm_pool[slot]) if new else ssm_pool[slot]
+                out, ssm_pool[slot] = gated_delta_rule_ref(q[s], k[s], v[s], g[s], beta[s], state)
+                outs.append(out)
+                at += n
+            o = torch.cat(outs)
+        o = self.norm(o.to(x.dtype), z)
+        return self.out_proj(o.reshape(t, self.value_dim))
+
+    def _fla(self, q, k, v, g, beta, ssm_pool, slots, fresh, lens, is_decode) -> torch.Tensor:
+        """The recurrence in flash-linear-attention's kernels over the whole ragged batch
+        (``cu_seqlens``), states gathered from and scattered back to the pool."""
+        chunk, recurrent = _fla()
+        index = torch.tensor(slots, device=q.device)
+        initial = ssm_pool.index_select(0, index)
+        if not all(not f for f in fresh):
+            initial[torch.tensor(fresh, device=q.device)] = 0
+        cu = torch.zeros(len(lens) + 1, dtype=torch.long)
+        cu[1:] = torch.tensor(lens).cumsum(0)
+        kernel = recurrent if is_decode else chunk
+        # By keyword: the recurrent kernel's fifth parameter is a per-key gate (gk), not beta.
+        o, final = kernel(
+            q[None], k[None], v[None], g=g[None], beta=beta[None],
+            scale=self.dk ** -0.5, initial_state=initial, output_final_state=True,
+            use_qk_l2norm_in_kernel=True, cu_seqlens=cu.to(q.device),
+        )
+        ssm_pool.index_copy_(0, index, final.float())
+        return o[0]

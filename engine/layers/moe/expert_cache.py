@@ -1,0 +1,464 @@
+"""Routed experts kept in host memory, with a device expert cache in front of them.
+
+A layer whose routed experts live on the host (pinned when the device is CUDA) swaps
+its experts module for an :class:`OffloadedExperts`: the full stack of ``E`` experts
+stays in the **host tier**, and a **cache tier** of ``S`` slots (a stack of ``S`` on the
+device) holds the experts recently used. Both tiers hold the experts in the form the
+layer had (:mod:`engine.layers.moe.expert_stacks`): dense ``[E, 2I, H]`` / ``[E, H, I]``
+stacks of :class:`engine.layers.moe.sparse_moe.Experts`, or a GGUF's blocks of
+:class:`engine.layers.moe.quant_experts.QuantExperts`, so a copy moves blocks (a quarter to
+a third of the dense bytes) and a cached expert runs through the quantized kernels.
+Each step, for every expert the router picked:
+
+- in the cache: a hit; it runs on the device from its slot;
+- missing: :class:`CostModel` decides, for the number of tokens routed to it, whether
+  copying it in (host -> device, ``non_blocking`` from pinned memory) or running it on
+  the CPU (the activations copied over and back; blocks dequantized first) is cheaper; a copy is credited with
+  the later steps it is expected to serve from the cache (the expert's recent share of
+  steps, a decayed average, times the cache's slots: about how many steps a slot stays
+  before LRU evicts it). A copy evicts the least recently used slot that this step does
+  not need.
+- missing with every slot holding an expert of this step (a prefill chunk routes to
+  most experts): it is **streamed** when a copy still beats the CPU run. Once the
+  cached experts have run, the rest pass through the same slots in waves, the slots
+  split in two halves that alternate: on CUDA the copies go on a side stream, so a
+  half fills while the other half computes (events order them), and the last waves
+  stay in the cache. A prefill of thousands of tokens would otherwise run most of a
+  layer's experts on the CPU, at tens of milliseconds each, where a copy takes a
+  fraction of one.
+
+Nothing here assumes CUDA: with the device being the CPU, the host tier is one CPU
+tensor and the cache tier another, and the same choices, copies and evictions happen,
+so the logic is checked without a GPU. On CPU the experts run one by one in expert
+order, exactly as the references of :func:`kernels.moe.reference.fused_moe` and
+:func:`kernels.moe.quant_reference.fused_moe_quant` do, so outputs are equal to the
+all-resident model's; on CUDA the cached experts run through the fused kernel (dense or
+over blocks) over slot indices.
+
+:meth:`OffloadedExperts.resize` grows or shrinks the cache between steps (a live
+replan), evicting least recently used slots; the host tier always has every expert,
+so no request can fail for it. The decode path reads the routed ids back to the host,
+so a layer with offloaded experts is not captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.layers.moe.expert_stacks import DenseStack, ExpertStack, stack_of
+from kernels.activation.reference import silu_and_mul
+
+
+@dataclass
+class ExpertCounters:
+    """Per-engine totals since start: ``hits`` (expert-steps served from the cache),
+    ``misses`` (expert-steps not in it), ``copies`` (experts copied in, streamed ones
+    included), ``streamed`` (copies into a slot already used in the same step: the
+    waves of a step that routes to more experts than the cache holds), ``cpu_runs``
+    (expert-steps run on the CPU), ``evictions``. ``misses == copies + cpu_runs``."""
+
+    hits: int = 0
+    misses: int = 0
+    copies: int = 0
+    streamed: int = 0
+    cpu_runs: int = 0
+    evictions: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        seen = self.hits + self.misses
+        return self.hits / seen if seen else 0.0
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds to bring one expert in versus to run it on the CPU.
+
+    ``copy_bytes_per_s``: host -> device bandwidth; ``expert_bytes``: one expert's
+    bytes as the tiers hold it (``[2I, H] + [H, I]`` dense, or its blocks); ``cpu_s_base`` and ``cpu_s_per_token``: a CPU run of one
+    expert on ``n`` tokens takes ``cpu_s_base + n * cpu_s_per_token`` (measured by
+    :func:`measure_costs` on 1 and 256 tokens; linear between). A run of a few
+    tokens reads the weights and barely computes, so a slope taken below a few dozen
+    tokens says nothing of a prefill chunk's hundreds, which are compute-bound.
+    """
+
+    copy_bytes_per_s: float
+    expert_bytes: int
+    cpu_s_base: float
+    cpu_s_per_token: float
+
+    def copy_s(self) -> float:
+        return self.expert_bytes / self.copy_bytes_per_s
+
+    def cpu_s(self, tokens: int) -> float:
+        return self.cpu_s_base + tokens * self.cpu_s_per_token
+
+    def prefers_copy(self, tokens: int, reuse: float = 0.0) -> bool:
+        """Copy the expert in (True) or run it on the CPU (False) for ``tokens`` tokens,
+        crediting the copy with ``reuse`` later one-token steps it is expected to serve
+        from the cache (each saving a CPU run)."""
+        return self.copy_s() <= self.cpu_s(tokens) + reuse * self.cpu_s(1)
+
+
+# Per-step decay of an expert's heat: an average over about the last 1 / (1 - 0.95) = 20
+# steps.
+HEAT_DECAY = 0.95
+
+ALWAYS_COPY = CostModel(copy_bytes_per_s=float("inf"), expert_bytes=0, cpu_s_base=1.0, cpu_s_per_token=0.0)
+ALWAYS_CPU = CostModel(copy_bytes_per_s=1.0, expert_bytes=1, cpu_s_base=0.0, cpu_s_per_token=0.0)
+
+
+def _expert_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    return F.linear(silu_and_mul(F.linear(x, w_gate_up)), w_down)
+
+
+def measure_costs(host_gate_up: torch.Tensor, host_down: torch.Tensor, device: torch.device, repeats: int = 3) -> CostModel:
+    """:func:`measure_stack_costs` of dense experts ``host_gate_up`` ``[E, 2I, H]``,
+    ``host_down`` ``[E, H, I]``."""
+    return measure_stack_costs(DenseStack(host_gate_up, host_down), device, repeats)
+
+
+def measure_stack_costs(host: ExpertStack, device: torch.device, repeats: int = 3) -> CostModel:
+    """Time expert copies of ``host`` (a host tier) to ``device`` and one expert's CPU
+    run on 1 and 256 tokens (best of ``repeats``), as :class:`OffloadedExperts` makes
+    them: the copy moves the stack's own bytes (a GGUF's blocks), the CPU run
+    dequantizes first.
+
+    The copy is timed from pinned memory (on CUDA), up to 4 experts back to back, so
+    the figure is the bus's rate rather than one copy's launch and wait (a single
+    pageable copy measured 10-15 GB/s on a link that streams 46).
+    """
+    n = min(4, host.num_experts)
+    src = host.head(n).on_host(pin=device.type == "cuda")
+    dst = src.empty(n, device)
+    nbytes = src.expert_bytes
+
+    def best(fn) -> float:
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    def copy() -> None:
+        for i in range(n):
+            dst.copy_in(i, src, i, non_blocking=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    copy()  # first touch
+    copy_s = max(best(copy) / n, 1e-9)
+    hidden = src.weights_of(0, src.cpu_dtype)[0].shape[1]
+    xs = {t: torch.randn(t, hidden, dtype=src.cpu_dtype) for t in (1, 256)}
+    cpu = {t: best(lambda t=t: _expert_mlp(xs[t], *src.weights_of(0, xs[t].dtype))) for t in xs}
+    per_token = max((cpu[256] - cpu[1]) / 255, 0.0)
+    return CostModel(nbytes / copy_s, nbytes, max(cpu[1] - per_token, 0.0), per_token)
+
+
+class OffloadedExperts(nn.Module):
+    """One layer's routed experts in the host tier, ``num_slots`` of them cached on
+    ``device``.
+
+    Args:
+        experts: the layer's experts, any device, in the form the tiers keep
+            (:class:`~engine.layers.moe.expert_stacks.DenseStack` or
+            :class:`~engine.layers.moe.expert_stacks.BlockStack`); copied to host memory,
+            pinned when ``device`` is CUDA.
+        num_slots: cache slots, ``0 <= num_slots <= E``.
+        counters: shared totals (one object for all layers).
+        costs: the copy-or-CPU rule.
+
+    Attributes:
+        host: the host tier, every expert. cache: the cache tier, ``num_slots`` on
+        ``device``. slot_of: expert -> slot, least recently used first.
+
+    Raises:
+        ValueError: ``num_slots`` outside ``0..E``.
+    """
+
+    def __init__(self, experts: ExpertStack, device: torch.device, num_slots: int,
+                 counters: ExpertCounters, costs: CostModel) -> None:
+        super().__init__()
+        self.device = torch.device(device)
+        self.host = experts.on_host(pin=self.device.type == "cuda")
+        self.num_experts = self.host.num_experts
+        self.counters = counters
+        self.costs = costs
+        self.slot_of: OrderedDict[int, int] = OrderedDict()  # expert -> slot, least recent first
+        # Each expert's share of recent steps that routed to it (decayed average).
+        self.heat = torch.zeros(self.num_experts, dtype=torch.float64)
+        self.cache = self.host.empty(0, self.device)
+        self._copy_stream: torch.cuda.Stream | None = None  # created on the first streamed step
+        self.resize(num_slots)
+
+    @property
+    def num_slots(self) -> int:
+        return self.cache.num_experts
+
+    @property
+    def slot_bytes(self) -> int:
+        """One slot's device bytes (one expert as the tiers hold it)."""
+        return self.host.expert_bytes
+
+    def resize(self, num_slots: int) -> None:
+        """Hold ``num_slots`` slots (``0..E``): shrinking evicts the least recently used
+        experts and compacts the rest into the low slots; growing keeps every cached
+        expert. Between steps only."""
+        if not 0 <= num_slots <= self.num_experts:
+            raise ValueError(f"num_slots {num_slots} is not in 0..{self.num_experts}")
+        while len(self.slot_of) > num_slots:
+            self.slot_of.popitem(last=False)
+            self.counters.evictions += 1
+        keep = list(self.slot_of.items())
+        cache = self.host.empty(num_slots, self.device)
+        for new, (expert, old) in enumerate(keep):
+            cache.copy_in(new, self.cache, old)
+            self.slot_of[expert] = new
+        # Free the old cache before the caller plans with the new size.
+        self.cache = cache
+
+    def _free_slot(self, pinned: set[int]) -> int | None:
+        """A slot to fill: an empty one, else the least recently used expert's that
+        this step does not need (evicted); None when every slot is needed."""
+        used = set(self.slot_of.values())
+        for s in range(self.num_slots):
+            if s not in used:
+                return s
+        for expert, slot in self.slot_of.items():
+            if expert not in pinned:
+                del self.slot_of[expert]
+                self.counters.evictions += 1
+                return slot
+        return None
+
+    def _place(self, tokens_per_expert: dict[int, int]) -> tuple[set[int], list[int]]:
+        """Bring in what the cost model says to copy; count hits and misses. Returns
+        the experts to run on the CPU this step and those to stream through the slots
+        after the cached ones have run (in expert order)."""
+        on_cpu: set[int] = set()
+        streamed: list[int] = []
+        active = set(tokens_per_expert)
+        self.heat *= HEAT_DECAY
+        self.heat[list(active)] += 1 - HEAT_DECAY
+        # The busiest experts first: when the cache cannot take every expert of a
+        # prefill chunk, those with the most tokens get the slots.
+        for expert, n in sorted(tokens_per_expert.items(), key=lambda kv: -kv[1]):
+            if expert in self.slot_of:
+                self.counters.hits += 1
+                self.slot_of.move_to_end(expert)
+                continue
+            self.counters.misses += 1
+            reuse = float(self.heat[expert]) * self.num_slots
+            slot = self._free_slot(active) if self.costs.prefers_copy(n, reuse) else None
+            if slot is not None:
+                self._fill([(expert, slot)])
+                self.slot_of[expert] = slot
+                self.counters.copies += 1
+            elif self.num_slots and self.costs.prefers_copy(n):
+                streamed.append(expert)
+                self.counters.copies += 1
+                self.counters.streamed += 1
+            else:
+                on_cpu.add(expert)
+                self.counters.cpu_runs += 1
+        return on_cpu, sorted(streamed)
+
+    def _waves(self, streamed: list[int]) -> list[list[tuple[int, int]]]:
+        """``(expert, slot)`` waves for ``streamed``: the slots split in two halves
+        used in turn, so one half can fill while the other computes (one half with a
+        single slot). The cache keeps the experts the last waves leave in it, most
+        recent last."""
+        half = (self.num_slots + 1) // 2
+        halves = [list(range(half)), list(range(half, self.num_slots))] if self.num_slots > 1 else [[0]]
+        waves: list[list[tuple[int, int]]] = []
+        rest = list(streamed)
+        while rest:
+            slots = halves[len(waves) % len(halves)]
+            waves.append(list(zip(rest[:len(slots)], slots, strict=False)))
+            rest = rest[len(slots):]
+        holder = {slot: expert for expert, slot in self.slot_of.items()}
+        for wave in waves:
+            for expert, slot in wave:
+                old = holder.pop(slot, None)
+                if old is not None:
+                    del self.slot_of[old]
+                    self.counters.evictions += 1
+                holder[slot] = expert
+                self.slot_of[expert] = slot
+        return waves
+
+    def _fill(self, wave: list[tuple[int, int]]) -> None:
+        for expert, slot in wave:
+            self.cache.copy_in(slot, self.host, expert, non_blocking=True)
+
+    def _run_cpu(self, x: torch.Tensor, tokens: torch.Tensor, expert: int) -> torch.Tensor:
+        xh = x[tokens].to("cpu", self.host.cpu_dtype)
+        y = _expert_mlp(xh, *self.host.weights_of(expert, xh.dtype))
+        return y.to(x.device, x.dtype, non_blocking=True)
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """As :func:`kernels.moe.reference.fused_moe` with this layer's experts: ``x`` ``[T, H]``,
+        ``topk_weights``/``topk_ids`` ``[T, K]`` -> ``[T, H]`` in ``x``'s dtype."""
+        out = torch.zeros_like(x)
+        if x.shape[0] == 0:
+            return out
+        experts, counts = torch.unique(topk_ids, return_counts=True)
+        on_cpu, streamed = self._place(dict(zip(experts.tolist(), counts.tolist(), strict=True)))
+        if x.is_cuda:
+            if streamed:
+                return self._forward_streamed(x, topk_weights, topk_ids, experts.tolist(), counts.tolist(),
+                                              on_cpu, streamed)
+            return self._forward_fused(x, topk_weights, topk_ids, on_cpu, len(experts))
+        # Every expert's output first, then added in expert order with the reference's
+        # ops: equal to the all-resident model whatever ran where.
+        ys: dict[int, torch.Tensor] = {}
+
+        def run(e: int, slot: int | None) -> None:
+            tokens, ks = torch.where(topk_ids == e)
+            if slot is None:
+                y = self._run_cpu(x, tokens, e)
+            else:
+                y = _expert_mlp(x[tokens], *self.cache.weights_of(slot, x.dtype))
+            ys[e] = (y * topk_weights[tokens, ks, None]).to(x.dtype)
+
+        for e in experts.tolist():
+            if e not in streamed:
+                run(e, None if e in on_cpu else self.slot_of[e])
+        for wave in self._waves(streamed):
+            self._fill(wave)
+            for e, slot in wave:
+                run(e, slot)
+        for e in experts.tolist():
+            out.index_add_(0, torch.where(topk_ids == e)[0], ys[e])
+        return out
+
+    def _forward_fused(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                       on_cpu: set[int], num_active: int) -> torch.Tensor:
+        """The cached experts through the fused kernel over slot ids (a CPU-run
+        expert's rows get weight 0 and any valid slot), plus the CPU-run experts."""
+        lut = torch.zeros(self.num_experts, dtype=torch.int64)
+        for e, s in self.slot_of.items():
+            lut[e] = s
+        slot_ids = lut.to(x.device, non_blocking=True)[topk_ids]
+        weights = topk_weights
+        if on_cpu:
+            cpu_mask = torch.zeros(self.num_experts, dtype=torch.bool)
+            cpu_mask[list(on_cpu)] = True
+            weights = topk_weights.masked_fill(cpu_mask.to(x.device)[topk_ids], 0)
+        if self.num_slots > 0 and len(on_cpu) < num_active:
+            out = self.cache.moe(x, weights, slot_ids)
+        else:
+            out = torch.zeros_like(x)
+        self._add_cpu_runs(out, x, topk_weights, topk_ids, on_cpu)
+        return out
+
+    def _add_cpu_runs(self, out: torch.Tensor, x: torch.Tensor, topk_weights: torch.Tensor,
+                      topk_ids: torch.Tensor, on_cpu: set[int]) -> None:
+        for e in sorted(on_cpu):
+            tokens, ks = torch.where(topk_ids == e)
+            y = self._run_cpu(x, tokens, e)
+            out.index_add_(0, tokens, (y * topk_weights[tokens, ks, None]).to(x.dtype))
+
+    def _forward_streamed(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                          experts: list[int], counts: list[int], on_cpu: set[int],
+                          streamed: list[int]) -> torch.Tensor:
+        """A step routing to more experts than the slots hold, on CUDA: the cached
+        experts' rows through the fused kernel, then each wave's rows once its copy
+        (on the side stream) is done; a half's next copy waits for the compute that
+        read it. Rows are gathered per group from one sort of the routed pairs, with
+        offsets known on the host, so nothing waits for the device."""
+        k = topk_ids.shape[1]
+        flat_ids = topk_ids.flatten()
+        order = torch.argsort(flat_ids, stable=True)
+        start = dict(zip(experts, torch.tensor([0, *counts[:-1]]).cumsum(0).tolist(), strict=True))
+        size = dict(zip(experts, counts, strict=True))
+        cached = [(e, self.slot_of[e]) for e in experts if e in self.slot_of]
+        groups = [cached, *self._waves(streamed)]
+        # Each group's expert -> slot table, sent in one copy.
+        table = torch.zeros(len(groups), self.num_experts, dtype=torch.int64, pin_memory=True)
+        for g, group in enumerate(groups):
+            for e, slot in group:
+                table[g, e] = slot
+        table = table.to(x.device, non_blocking=True)
+        out = torch.zeros_like(x)
+
+        def compute(g: int) -> None:
+            rows = torch.cat([order[start[e]:start[e] + size[e]] for e, _ in groups[g]])
+            tokens = rows // k
+            y = self.cache.moe(x[tokens], topk_weights.flatten()[rows, None], table[g][flat_ids[rows]][:, None])
+            out.index_add_(0, tokens, y)
+
+        if cached:
+            compute(0)
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(x.device)
+        main = torch.cuda.current_stream(x.device)
+        # One event per half (as _waves splits the slots): a half's next fill waits for
+        # the last compute that read it; with one slot, every wave waits for the last.
+        halves = 2 if self.num_slots > 1 else 1
+        freed = [main.record_event()] * halves
+        for g in range(1, len(groups)):
+            half = (g - 1) % halves
+            with torch.cuda.stream(self._copy_stream):
+                self._copy_stream.wait_event(freed[half])
+                self._fill(groups[g])
+                filled = self._copy_stream.record_event()
+            main.wait_event(filled)
+            compute(g)
+            freed[half] = main.record_event()
+        self._add_cpu_runs(out, x, topk_weights, topk_ids, on_cpu)
+        return out
+
+
+def offload_experts(model: nn.Module, layers: tuple[int, ...], slots_per_layer: int,
+                    costs: CostModel | None = None,
+                    device: torch.device | None = None) -> tuple[list[OffloadedExperts], ExpertCounters]:
+    """Move the routed experts of decoder ``layers`` of ``model`` (a
+    :class:`engine.models.decoder.CausalLM`) to the host tier, each with a cache of
+    ``slots_per_layer`` slots on ``device`` (None: where the experts are now); ``costs``
+    None measures them on the first such layer. Dense experts stay dense, a GGUF's
+    experts in blocks stay in blocks (:func:`engine.layers.moe.expert_stacks.stack_of`). A
+    model read into host memory and then moved to the device keeps the stores' tensors
+    where they are (plain attributes).
+
+    Returns:
+        (the offloaded layers' stores, their shared counters).
+
+    Raises:
+        ValueError: a layer in ``layers`` is not a mixture-of-experts layer, or its
+            experts are already offloaded.
+    """
+    counters = ExpertCounters()
+    stores = []
+    for i in layers:
+        mlp = model.model.layers[i].mlp
+        if not hasattr(mlp, "experts"):
+            raise ValueError(f"layer {i} has no routed experts to offload")
+        experts = stack_of(mlp.experts)
+        dev = experts.device if device is None else torch.device(device)
+        if costs is None:
+            costs = measure_stack_costs(experts, dev)
+        slots = min(slots_per_layer, experts.num_experts)
+        mlp.experts = OffloadedExperts(experts, dev, slots, counters, costs)
+        del experts
+        stores.append(mlp.experts)
+    if stores and stores[0].device.type == "cuda":
+        torch.cuda.empty_cache()
+    return stores, counters
+
+
+def resize_cache(stores: list[OffloadedExperts], total_slots: int) -> None:
+    """Spread ``total_slots`` over ``stores`` evenly (the first layers get the
+    remainder) and resize each: the live replan's handle on the expert cache."""
+    if not stores:
+        return
+    each, extra = divmod(total_slots, len(stores))
+    for i, s in enumerate(stores):
+        s.resize(min(each + (i < extra), s.num_experts))

@@ -1,0 +1,71 @@
+"""A layer's routed experts kept in GGUF block format on the device.
+
+A GGUF stacks each layer's experts in three tensors, ``ffn_gate_exps`` and
+``ffn_up_exps`` (``[E, I, H]`` weights) and ``ffn_down_exps`` (``[E, H, I]``), each of
+one GGML type (a Q4_K_M file: gate and up Q4_K, down Q4_K or Q6_K). This module holds
+their bytes unchanged, uint8 ``[E, rows, row_bytes]`` per projection, and takes the
+place of :class:`engine.layers.moe.sparse_moe.Experts` in a
+:class:`~engine.layers.moe.sparse_moe.SparseMoeBlock` (which calls it as it calls offloaded
+experts: ``experts(x, weights, ids)``).
+
+The product is :data:`kernels.dispatch.fused_moe_quant`: the Triton grouped GEMV
+(decode) or GEMM (prefill) over the blocks on CUDA; elsewhere the reference, which
+dequantizes each routed expert through ``gguf`` on every call (correct, slow: a CPU
+engine dequantizes the experts at load instead, :mod:`engine.loader.gguf_quant`).
+
+The blocks are buffers, not parameters, as :class:`~engine.layers.linear.gguf_blocks.QuantLinear`'s:
+:mod:`engine.loader.gguf_quant` fills them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels.dispatch import fused_moe_quant
+from kernels.quant.formats import block_format, tensor_bytes
+
+
+class QuantExperts(nn.Module):
+    """One layer's ``num_experts`` routed experts as GGUF blocks.
+
+    Args:
+        num_experts, hidden_size, intermediate_size: ``E``, ``H``, ``I``.
+        types: GGML type names of gate, up and down (each one
+            :mod:`kernels.quant.formats` reads); ``H`` must be whole blocks of the gate's
+            and up's types, ``I`` of the down's.
+
+    Buffers ``gate`` ``[E, I, H / block_elements * block_bytes]``, ``up`` (same rows),
+    ``down`` ``[E, H, I / ...]``, uint8. Build under ``torch.device("meta")`` and
+    materialize (:func:`engine.loader.load.materialize`) like the rest of the model.
+
+    Raises:
+        ValueError: a type the kernels do not read, or sizes that are not whole blocks.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 types: tuple[str, str, str]) -> None:
+        super().__init__()
+        for t in types:
+            block_format(t)
+        self.types = tuple(types)
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        for name, type_name, rows, cols in (("gate", types[0], intermediate_size, hidden_size),
+                                            ("up", types[1], intermediate_size, hidden_size),
+                                            ("down", types[2], hidden_size, intermediate_size)):
+            self.register_buffer(name, torch.empty(num_experts, rows, tensor_bytes(type_name, (1, cols), 0),
+                                                   dtype=torch.uint8))
+
+    @property
+    def num_experts(self) -> int:
+        return self.gate.shape[0]
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """As :func:`kernels.moe.reference.fused_moe` with this layer's experts: ``x`` ``[T, H]``,
+        ``topk_weights``/``topk_ids`` ``[T, K]`` -> ``[T, H]`` in ``x``'s dtype."""
+        return fused_moe_quant(x, self.gate, self.up, self.down, self.types, topk_weights, topk_ids)
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.num_experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}, "
+                f"types={'/'.join(self.types)}")

@@ -1,0 +1,361 @@
+"""Paged attention in Triton: decode with split-K and grouped-query heads, and ragged
+prefill/extend over a cached prefix. Same signatures and results as the references in
+:mod:`kernels.attention.reference` (tested against them, on the CPU under ``TRITON_INTERPRET=1``).
+
+Both kernels read every key and value from the pool through the page table (the new
+tokens' K/V are stored before the call), use the online softmax of FlashAttention
+(Dao et al., 2022; Milakov & Gimelshein, 2018) in base 2, and accumulate in float32.
+
+Decode. One program per (sequence, KV head, split): the program loads the ``H / H_kv``
+query heads that share its KV head as the rows of one ``tl.dot`` tile, so each key is
+read once per group, not once per query head. Split-K (FlashDecoding, Dao et al., 2023)
+cuts each context into ``num_splits`` ranges so that a small batch still fills the
+GPU; a second kernel merges the ranges by their log-sum-exp. The split count depends
+only on the batch shape, never on sequence lengths, so one CUDA graph captured for a
+batch size serves every context length; ranges past a sequence's end cost one early
+exit. Rows with ``seq_len == 0`` (graph padding) give zeros.
+
+Extend. One program per (block of a sequence's new tokens, query head, sequence);
+blocks beyond a sequence's extend do no work. A block loops over the keys up to its
+last row's position only (the causal bound), prefix included.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import pdl
+from kernels.quant.triton_int8 import GROUP, _q8_groups, producer_activations, producer_args
+
+_LOG2E = 1.4426950408889634
+
+# Split-K aims for about this many programs per decode launch (an H200 has 132 SMs);
+# more splits than this cost merge work for nothing.
+_TARGET_PROGRAMS = 512
+MAX_SPLITS = 16
+
+
+def decode_num_splits(batch_size: int, num_kv_heads: int) -> int:
+    """Context ranges per sequence for a decode launch of this shape (1 .. MAX_SPLITS)."""
+    return max(1, min(MAX_SPLITS, _TARGET_PROGRAMS // max(batch_size * num_kv_heads, 1)))
+
+
+def decode_workspace_bytes(max_batch: int, num_heads: int, num_kv_heads: int, head_dim: int) -> int:
+    """Bytes of the split-K partials (float32 outputs and log-sum-exps) for any decode
+    batch up to ``max_batch``: the most that :func:`paged_decode` ever needs."""
+    most = max(b * decode_num_splits(b, num_kv_heads) for b in range(1, max_batch + 1))
+    return most * num_heads * (head_dim + 1) * 4
+
+
+def decode_config(dtype: torch.dtype, head_dim: int) -> tuple[int, int]:
+    """``(BLOCK_N, num_warps)`` of the decode kernel.
+
+    Chosen so that no configuration spills registers on sm_90 (``ptxas -v``; checked by
+    the tests): a kernel with a stack frame makes the driver reserve that frame for
+    every thread the GPU can hold (on an H200, 132 SMs x 2048 threads), for the rest of
+    the process. A 10 KB frame cost 2.6 GiB of device memory that no allocator sees.
+    """
+    return (64, 4) if head_dim <= 64 and dtype != torch.float32 else (64, 8)
+
+
+def extend_config(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int]:
+    """``(BLOCK_M, BLOCK_N, num_warps)`` of the extend kernel; no spills, as for
+    :func:`decode_config`. Float32 tiles hold twice the registers of 16-bit ones."""
+    wide = dtype == torch.float32
+    if head_dim <= 64:
+        return (64, 32, 8) if wide else (64, 64, 8)
+    return (32, 32, 8) if wide else (64, 32, 8)
+
+
+def _group_block(group: int) -> int:
+    # tl.dot wants at least 16 rows.
+    return max(16, triton.next_power_of_2(group))
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # float32 inputs would otherwise go through TF32 (10-bit mantissa).
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@triton.jit
+def _attend_block(
+    q, K, V, PageTable, pt_row, pos, nmask, visible, kvh, d, dmask, m_i, l_i, acc,
+    stride_ks, stride_kh, stride_vs, stride_vh, scale_log2,
+    PAGE_SIZE: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """One online-softmax step over the keys at positions ``pos`` of one sequence;
+    ``visible`` ([rows, N]) masks the scores. Returns the updated (max, sum, acc)."""
+    page = tl.load(PageTable + pt_row + pos // PAGE_SIZE, mask=nmask, other=0)
+    slot = page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
+    kv_mask = nmask[:, None] & dmask[None, :]
+    # An FP8 pool (scale 1.0) is upcast to the queries' dtype as it is loaded.
+    k = tl.load(K + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(V + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _decode_kernel(
+    Q, K, V, PageTable, SeqLens, Out, PartO, PartLse,
+    stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_pt, stride_ob, stride_oh,
+    scale_log2,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = 0,
+):
+    # PDL (kernels.pdl): launched while the kernel that stored this step's K/V ends.
+    pdl.begin(PDL)
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(SeqLens + b).to(tl.int32)
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    heads = kvh * GROUP + g
+    gmask = g < GROUP
+    dmask = d < HEAD_DIM
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=gmask[:, None] & dmask[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        nmask = pos < end
+        m_i, l_i, acc = _attend_block(
+            q, K, V, PageTable, b * stride_pt, pos, nmask, nmask[None, :], kvh, d, dmask, m_i, l_i, acc,
+            stride_ks, stride_kh, stride_vs, stride_vh, scale_log2, PAGE_SIZE, PRECISION,
+        )
+
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if NUM_SPLITS == 1:
+        tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + d[None, :], o.to(Out.dtype.element_ty),
+                 mask=gmask[:, None] & dmask[None, :])
+    else:
+        row = (b * NUM_HEADS + heads) * NUM_SPLITS + split  # [G]
+        tl.store(PartO + row[:, None] * HEAD_DIM + d[None, :], o, mask=gmask[:, None] & dmask[None, :])
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        tl.store(PartLse + row, lse, mask=gmask)
+
+
+@triton.jit
+def _merge_kernel(
+    PartO, PartLse, Out, Codes, Scales, Sums, stride_ob, stride_oh, stride_q, stride_d, stride_s,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, QUANT: tl.constexpr = 0, PDL: tl.constexpr = 0,
+):
+    # QUANT: the output row also quantized for the o projection's int8 GEMV into
+    # Codes/Scales/Sums; a head's HEAD_DIM values (== BLOCK_D, whole groups of 32) are
+    # its own groups, so each program quantizes the values it writes.
+    pdl.begin(PDL)
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    row = (b * NUM_HEADS + h) * NUM_SPLITS + s
+    smask = s < NUM_SPLITS
+    lse = tl.load(PartLse + row, mask=smask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)  # 0 for empty ranges
+    o = tl.load(PartO + row[:, None] * HEAD_DIM + d[None, :], mask=smask[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+    total = tl.sum(w, 0)
+    out = tl.sum(w[:, None] * o, 0) / tl.where(total > 0, total, 1.0)
+    stored = out.to(Out.dtype.element_ty)
+    tl.store(Out + b * stride_ob + h * stride_oh + d, stored, mask=d < HEAD_DIM)
+    if QUANT:
+        # From the value as stored, as the quantizing launch would load it.
+        groups: tl.constexpr = HEAD_DIM // 32
+        _q8_groups(tl.reshape(stored.to(tl.float32), (groups, 32)), Codes + b * stride_q, Scales + b * stride_d,
+                   Sums + b * stride_s, h * groups + tl.arange(0, groups), NUM_HEADS * groups)
+
+
+def paged_decode(
+    q: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+    workspace: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+    quantize: bool = False,
+):
+    """Triton version of :func:`kernels.attention.reference.paged_decode_ref` (same arguments and
+    result; ``seq_lens`` and ``page_table`` on the device).
+
+    With ``quantize``: ``(out, q8)``, ``q8`` the rows ``out.view(B, H * D)`` quantized for
+    the int8 GEMV of the o projection by the split merge as it writes them
+    (:class:`kernels.quant.triton_int8.Q8Activations`, equal to
+    ``quantize_activations`` of those rows bit for bit), or None where the launch cannot
+    (one split, so no merge; ``D`` not a power of two of whole groups of 32): the
+    caller then quantizes them apart.
+
+    Args:
+        out: ``[B, H, D]`` to write into (else allocated).
+        workspace: float32, at least :func:`decode_workspace_bytes` for this batch (else
+            allocated when split-K needs it). Pass a persistent one under CUDA graphs.
+        num_splits: context ranges per sequence (default :func:`decode_num_splits`).
+        block_n: keys per loop iteration (default: :func:`decode_config`).
+
+    Raises:
+        ValueError: ``H`` is not a multiple of ``H_kv``, or the workspace is too small.
+    """
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_buf.shape[1]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+    group = num_heads // num_kv_heads
+    splits = num_splits or decode_num_splits(batch, num_kv_heads)
+    if out is None:
+        out = torch.empty_like(q)
+    block_d = triton.next_power_of_2(head_dim)
+    fused = quantize and splits > 1 and head_dim == block_d and head_dim % GROUP == 0 and out.is_contiguous()
+    q8 = producer_activations(out.view(batch, num_heads * head_dim), True) if fused else None
+    if batch == 0:
+        return (out, q8) if quantize else out
+    part_o = part_lse = out  # unused when splits == 1
+    if splits > 1:
+        need = batch * num_heads * splits * (head_dim + 1)
+        if workspace is None:
+            workspace = torch.empty(need, dtype=torch.float32, device=q.device)
+        if workspace.numel() < need:
+            raise ValueError(f"decode workspace holds {workspace.numel()} floats, {need} needed")
+        part_o = workspace[: batch * num_heads * splits * head_dim]
+        part_lse = workspace[batch * num_heads * splits * head_dim : need]
+    default_n, warps = decode_config(q.dtype, head_dim)
+    block_n = block_n or default_n
+    _decode_kernel[(batch, num_kv_heads, splits)](
+        q, k_buf, v_buf, page_table, seq_lens, out, part_o, part_lse,
+        q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
+        page_table.stride(0), out.stride(0), out.stride(1),
+        scale * _LOG2E,
+        NUM_HEADS=num_heads, GROUP=group, BLOCK_G=_group_block(group), HEAD_DIM=head_dim, BLOCK_D=block_d,
+        PAGE_SIZE=page_size, BLOCK_N=block_n, NUM_SPLITS=splits, PRECISION=_dot_precision(q.dtype),
+        num_warps=warps, **pdl.launch_args(q.device),
+    )
+    if splits > 1:
+        quant, quant_strides = producer_args(q8, out)
+        _merge_kernel[(batch, num_heads)](
+            part_o, part_lse, out, *quant, out.stride(0), out.stride(1), *quant_strides,
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits,
+            BLOCK_S=triton.next_power_of_2(splits), QUANT=q8 is not None, num_warps=2, **pdl.launch_args(q.device),
+        )
+    return (out, q8) if quantize else out
+
+
+@triton.jit
+def _extend_kernel(
+    Q, K, V, PageTable, QStarts, PrefixLens, ExtendLens, Out,
+    stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_pt, stride_ot, stride_oh,
+    scale_log2,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):
+    mblk = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    ext = tl.load(ExtendLens + b).to(tl.int32)
+    prefix = tl.load(PrefixLens + b).to(tl.int32)
+    q_start = tl.load(QStarts + b).to(tl.int64)
+    seq_len = prefix + ext
+    kvh = h // GROUP
+
+    m = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
+    mmask = m < ext
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < HEAD_DIM
+    q_pos = prefix + m
+    q = tl.load(Q + (q_start + m)[:, None] * stride_qt + h * stride_qh + d[None, :],
+                mask=mmask[:, None] & dmask[None, :], other=0.0)
+    # Keys up to the block's last row (causal); nothing when the block lies past the extend.
+    hi = tl.minimum(seq_len, prefix + (mblk + 1) * BLOCK_M)
+    hi = tl.where(mblk * BLOCK_M < ext, hi, 0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # Key 0 is visible to every row, so after the first block no row's max is -inf.
+    for n0 in range(0, hi, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        nmask = pos < hi
+        visible = (pos[None, :] <= q_pos[:, None]) & nmask[None, :]
+        m_i, l_i, acc = _attend_block(
+            q, K, V, PageTable, b * stride_pt, pos, nmask, visible, kvh, d, dmask, m_i, l_i, acc,
+            stride_ks, stride_kh, stride_vs, stride_vh, scale_log2, PAGE_SIZE, PRECISION,
+        )
+
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(Out + (q_start + m)[:, None] * stride_ot + h * stride_oh + d[None, :], o.to(Out.dtype.element_ty),
+             mask=mmask[:, None] & dmask[None, :])
+
+
+def paged_extend(
+    q: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    page_table: torch.Tensor,
+    q_starts: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    page_size: int,
+    scale: float,
+    *,
+    max_extend: int,
+    out: torch.Tensor | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """Triton version of :func:`kernels.attention.reference.paged_extend_ref` (same arguments and
+    result; the index tensors on the device).
+
+    Args:
+        max_extend: the largest ``extend_lens`` entry (known on the host; sizes the grid).
+        out: ``[T, H, D]`` to write into (else allocated).
+        block_m, block_n: query rows and keys per tile (default: :func:`extend_config`).
+
+    Raises:
+        ValueError: ``H`` is not a multiple of ``H_kv``.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_buf.shape[1]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+    if out is None:
+        out = torch.empty_like(q)
+    batch = extend_lens.shape[0]
+    if batch == 0 or max_extend == 0:
+        return out
+    default_m, default_n, warps = extend_config(q.dtype, head_dim)
+    block_m = block_m or default_m
+    block_n = block_n or default_n
+    grid = (math.ceil(max_extend / block_m), num_heads, batch)
+    _extend_kernel[grid](
+        q, k_buf, v_buf, page_table, q_starts, prefix_lens, extend_lens, out,
+        q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
+        page_table.stride(0), out.stride(0), out.stride(1),
+        scale * _LOG2E,
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_dot_precision(q.dtype),
+        num_warps=warps,
+    )
+    return out

@@ -1,0 +1,206 @@
+"""Triton fused mixture of experts over experts kept in GGUF blocks; reference in
+:mod:`kernels.moe.quant_reference`.
+
+A layer's routed experts are three stacked block tensors, one GGML type each (a Q4_K_M
+file holds gate and up in Q4_K and down in Q4_K or Q6_K): gate and up ``[E, I, ...]``,
+down ``[E, H, ...]`` uint8. As :mod:`kernels.moe.triton_kernel` does for dense experts, two
+passes run over the routed rows (token ``t``'s ``k``-th choice is row ``t * K + k``):
+
+1. gate/up: ``silu(x @ gate_e.T) * (x @ up_e.T)`` -> ``[R, I]``; the gate and up sums of
+   the same columns are kept side by side, so the ``[R, 2I]`` product never exists;
+2. down: ``act @ down_e.T`` -> ``[R, H]``, each row times its router weight;
+
+then the ``K`` rows of a token are summed in torch. Blocks are dequantized inside the
+K loop by the dense kernels' decoders (:mod:`kernels.quant.triton_kernel`), never to
+memory. Two shapes of program:
+
+- decode (up to :data:`GEMV_MAX_TOKENS` tokens): a **grouped GEMV**, one program per
+  (routed row, ``BLOCK_N`` weight rows), reading its expert from ``topk_ids``
+  (:func:`kernels.quant.triton_kernel._gemv_dot`): no sort, every weight row an expert's
+  routed tokens need read once per row;
+- prefill: the routed rows sorted by expert and padded to blocks of ``BLOCK_M``
+  (:func:`kernels.moe.reference.align_to_blocks`), one program per (block, ``BLOCK_N`` columns)
+  multiplying the activations by each sub-block's codes on tensor cores
+  (:func:`kernels.quant.triton_kernel._gemm_dot`).
+
+Nothing is read back to the host, so a decode step with it can be captured in a CUDA
+graph. Rounding follows :mod:`kernels.moe.triton_kernel` (each product and the SiLU rounded to
+the activation dtype); the weights themselves are not rounded (the reference rounds the
+dequantized weights to the activation dtype, so bfloat16 results differ by that).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.moe.reference import align_to_blocks
+from kernels.quant.formats import block_format
+from kernels.moe.quant_reference import check_expert_blocks
+from kernels.quant.triton_kernel import (
+    _ASM,
+    _INTERPRETING,
+    GEMV_MAX_ROWS,
+    _gemm_dot,
+    _gemv_dot,
+    _layout,
+)
+from kernels.moe.triton_kernel import _block_m, moe_epilogue
+
+# Tokens up to which the grouped GEMV runs (decode batches); the sorted GEMM above.
+GEMV_MAX_TOKENS = GEMV_MAX_ROWS
+
+
+@triton.jit
+def _moe_gemv_kernel(
+    X, Wa, Wb, Out, RouteWeights, TopkIds,
+    num_rows, top_k, N, K, a_expert_bytes, b_expert_bytes, a_row_bytes, b_row_bytes, stride_xm, stride_om,
+    A_QT: tl.constexpr, A_QK: tl.constexpr, A_BB: tl.constexpr, A_L: tl.constexpr, A_NSUB: tl.constexpr,
+    A_ZERO: tl.constexpr, A_HAS_MIN: tl.constexpr, A_KB: tl.constexpr,
+    B_QT: tl.constexpr, B_QK: tl.constexpr, B_BB: tl.constexpr, B_L: tl.constexpr, B_NSUB: tl.constexpr,
+    B_ZERO: tl.constexpr, B_HAS_MIN: tl.constexpr, B_KB: tl.constexpr,
+    GATED: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_N: tl.constexpr, ASM: tl.constexpr,
+):
+    """GATED: ``X`` ``[T, K]`` read at row ``r // top_k``, ``Wa`` the gate and ``Wb`` the
+    up blocks; out ``[R, N]`` = silu(gate) * up. Else ``X`` ``[R, K]`` read at row ``r``,
+    ``Wa`` the down blocks; out ``[R, N]``, times ``RouteWeights[r]`` when WEIGHTED. The
+    routed rows of one weight tile run one after another (they share experts' rows in L2)."""
+    r = tl.program_id(0) % num_rows
+    pid_n = tl.program_id(0) // num_rows
+    expert = tl.load(TopkIds + r).to(tl.int64)
+    x_row = X + (r // top_k if GATED else r).to(tl.int64) * stride_xm
+    rows = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N)[None, None, :], N - 1).to(tl.int64)
+    acc = _gemv_dot(x_row, Wa + expert * a_expert_bytes + rows * a_row_bytes, 0, K // A_QK, K // A_QK,
+                    A_QT, A_QK, A_BB, A_L, A_NSUB, A_ZERO, A_HAS_MIN, BLOCK_N, A_KB, ASM)
+    acc_up = acc
+    if GATED:
+        acc_up = _gemv_dot(x_row, Wb + expert * b_expert_bytes + rows * b_row_bytes, 0, K // B_QK, K // B_QK,
+                           B_QT, B_QK, B_BB, B_L, B_NSUB, B_ZERO, B_HAS_MIN, BLOCK_N, B_KB, ASM)
+    dt = Out.dtype.element_ty
+    res = moe_epilogue(acc, acc_up, dt, GATED)
+    if WEIGHTED:
+        res = moe_epilogue(res * tl.load(RouteWeights + r).to(tl.float32), res, dt, False)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(Out + r.to(tl.int64) * stride_om + cols, res.to(dt), mask=cols < N)
+
+
+@triton.jit
+def _moe_gemm_kernel(
+    X, Wa, Wb, Out, RouteWeights, SortedRows, BlockExperts, NumPadded,
+    num_rows, top_k, N, K, a_expert_bytes, b_expert_bytes, a_row_bytes, b_row_bytes, stride_xm, stride_om,
+    A_QT: tl.constexpr, A_QK: tl.constexpr, A_BB: tl.constexpr, A_L: tl.constexpr, A_NSUB: tl.constexpr,
+    A_ZERO: tl.constexpr, A_HAS_MIN: tl.constexpr, A_KB: tl.constexpr,
+    B_QT: tl.constexpr, B_QK: tl.constexpr, B_BB: tl.constexpr, B_L: tl.constexpr, B_NSUB: tl.constexpr,
+    B_ZERO: tl.constexpr, B_HAS_MIN: tl.constexpr, B_KB: tl.constexpr,
+    GATED: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+):
+    """As :func:`_moe_gemv_kernel`, one program per block of ``BLOCK_M`` sorted rows of one
+    expert (:func:`kernels.moe.reference.align_to_blocks`) and ``BLOCK_N`` columns."""
+    pid_m = tl.program_id(0)
+    if pid_m * BLOCK_M >= tl.load(NumPadded):
+        return
+    expert = tl.load(BlockExperts + pid_m).to(tl.int64)
+    routed = tl.load(SortedRows + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    live = routed < num_rows
+    x_row = X + (routed // top_k if GATED else routed)[:, None] * stride_xm
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(cols, N - 1).to(tl.int64)
+    acc = _gemm_dot(x_row, live, Wa + expert * a_expert_bytes + rows * a_row_bytes, K // A_QK,
+                    A_QT, A_QK, A_BB, A_L, A_NSUB, A_ZERO, A_HAS_MIN, BLOCK_M, BLOCK_N, IEEE)
+    acc_up = acc
+    if GATED:
+        acc_up = _gemm_dot(x_row, live, Wb + expert * b_expert_bytes + rows * b_row_bytes, K // B_QK,
+                           B_QT, B_QK, B_BB, B_L, B_NSUB, B_ZERO, B_HAS_MIN, BLOCK_M, BLOCK_N, IEEE)
+    dt = Out.dtype.element_ty
+    res = moe_epilogue(acc, acc_up, dt, GATED)
+    if WEIGHTED:
+        rw = tl.load(RouteWeights + routed, mask=live, other=0.0).to(tl.float32)
+        res = moe_epilogue(res * rw[:, None], res, dt, False)
+    tl.store(Out + routed[:, None] * stride_om + cols[None, :], res.to(dt), mask=live[:, None] & (cols[None, :] < N))
+
+
+def _prefixed(prefix: str, type_name: str) -> dict:
+    """The kernels' layout constants of ``type_name`` under ``prefix`` (``A_QT`` ...), with
+    its GEMV blocks per step (2 of 256 weights, 16 of 32: 512 weights a step either way)."""
+    fmt = block_format(type_name)
+    layout = {**_layout(fmt), "KB": 2 if fmt.block_elements > 32 else 16}
+    return {f"{prefix}_{k}": v for k, v in layout.items()}
+
+
+def _launch(x, wa, wb, out, route_weights, types, *, top_k, gemv, sort, block_n, num_warps):
+    """One pass: ``types`` ``(a, b)`` (``b`` None: not gated)."""
+    gated = wb is not None
+    wb = wa if wb is None else wb
+    n, k, r = wa.shape[1], x.shape[1], out.shape[0]
+    args = (x, wa, wb, out, out if route_weights is None else route_weights)
+    shape = (r, top_k, n, k, wa.stride(0), wb.stride(0), wa.stride(1), wb.stride(1), x.stride(0), out.stride(0))
+    consts = {**_prefixed("A", types[0]), **_prefixed("B", types[1] or types[0]),
+              "GATED": gated, "WEIGHTED": route_weights is not None}
+    if gemv is not None:
+        _moe_gemv_kernel[(r * triton.cdiv(n, block_n),)](*args, gemv, *shape, **consts, BLOCK_N=block_n,
+                                                          ASM=_ASM and x.is_cuda, num_warps=num_warps)
+        return
+    sorted_rows, block_experts, num_padded, block_m = sort
+    grid = (sorted_rows.numel() // block_m, triton.cdiv(n, block_n))
+    _moe_gemm_kernel[grid](*args, sorted_rows, block_experts, num_padded, *shape, **consts, BLOCK_M=block_m,
+                           BLOCK_N=block_n, IEEE=x.dtype == torch.float32 or _INTERPRETING, num_warps=num_warps)
+
+
+def fused_moe_quant(
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    types: tuple[str, str, str],
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    method: str | None = None,
+    block_n: int | None = None,
+    block_m: int | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
+    """Same contract as :func:`kernels.moe.quant_reference.fused_moe_quant`.
+
+    Args (beyond it, for tests and sweeps):
+        method: ``"gemv"`` or ``"gemm"``; default the GEMV for up to
+            :data:`GEMV_MAX_TOKENS` tokens.
+        block_n: weight rows per program (default 4 for the GEMV, 64 for the GEMM).
+        block_m: sorted rows per GEMM program (default as :mod:`kernels.moe.triton_kernel`).
+        num_warps: default 4 for the GEMV, 8 for the GEMM.
+
+    Transient memory: the activations ``[R, I]`` and the weighted down products
+    ``[R, H]`` in ``x``'s dtype, ``R = T * K``; for the GEMM also the sort
+    (:func:`kernels.moe.reference.align_to_blocks`).
+
+    Raises:
+        ValueError: blocks that do not match ``types`` and ``x``'s width, or an unknown
+            ``method``.
+    """
+    tokens, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    rows = tokens * top_k
+    inter = w_gate.shape[1]
+    check_expert_blocks(w_gate, w_up, w_down, types, hidden, inter)
+    if rows == 0:
+        return torch.zeros_like(x)
+    method = method or ("gemv" if tokens <= GEMV_MAX_TOKENS else "gemm")
+    if method not in ("gemv", "gemm"):
+        raise ValueError(f"method must be 'gemv' or 'gemm', got {method!r}")
+    x = x.contiguous()
+    gemv = sort = None
+    if method == "gemv":
+        gemv = topk_ids.reshape(-1).contiguous()
+    else:
+        bm = block_m or _block_m(rows)
+        sort = (*align_to_blocks(topk_ids, w_gate.shape[0], bm), bm)
+    # The GEMM's gated pass holds two 64 x 64 float32 accumulators: 8 warps keep them in
+    # registers (4 spill on sm_90, tests/triton_moe_quant_compile_check.py).
+    common = dict(top_k=top_k, gemv=gemv, sort=sort, block_n=block_n or (4 if gemv is not None else 64),
+                  num_warps=num_warps or (4 if gemv is not None else 8))
+    act = torch.empty((rows, inter), dtype=x.dtype, device=x.device)
+    _launch(x, w_gate, w_up, act, None, types[:2], **common)
+    down = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
+    _launch(act, w_down, None, down, topk_weights.reshape(-1).contiguous(), (types[2], None), **common)
+    return down.view(tokens, top_k, hidden).sum(dim=1)

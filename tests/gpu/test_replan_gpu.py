@@ -55,20 +55,44 @@ def _prompts(tokenizer) -> list[list[int]]:
             for i in range(16)]
 
 
-def _run(engine, prompts, on_step=None) -> dict[str, list[int]]:
-    sp = SamplingParams(max_new_tokens=160, temperature=0.0, ignore_eos=True)
-    out = {}
+# Two greedy candidates closer than this (natural log) are a tie that float32's
+# summation order may break either way: a batch of another shape (a preempted and
+# recomputed request, a lowered prefill chunk) adds the same products in another order.
+TIE_NATS = 2e-3
+
+
+def _run(engine, prompts, on_step=None, logprobs=None):
+    """Greedy ids per request; with ``logprobs``, also each position's top-2 alternatives
+    (``{rid: [TokenLogprobs]}``) as the second value."""
+    sp = SamplingParams(max_new_tokens=160, temperature=0.0, ignore_eos=True, logprobs=logprobs)
+    out, tops = {}, {}
     for i, ids in enumerate(prompts):
         engine.add_request(GenerateRequest(request_id=f"r{i}", prompt_token_ids=ids, sampling=sp))
-        out[f"r{i}"] = []
+        out[f"r{i}"], tops[f"r{i}"] = [], []
     while engine.has_work():
         for o in engine.step():
             out[o.request_id].extend(o.token_ids)
+            tops[o.request_id].extend(o.logprobs or ())
             if o.finished:
                 assert o.finish_reason == "length", o
         if on_step is not None:
             on_step(engine)
-    return out
+    return (out, tops) if logprobs else out
+
+
+def _same_up_to_ties(rid, ids, baseline, tops, round_no):
+    """``ids`` equal ``baseline`` until the end, or until a position where the baseline's
+    two best tokens were tied within :data:`TIE_NATS` and ``ids`` took the other one
+    (past such a position the two streams continue from different text)."""
+    for i, (a, b) in enumerate(zip(ids, baseline, strict=True)):
+        if a == b:
+            continue
+        top = tops[i]
+        margin = top.top_logprobs[0] - top.top_logprobs[1]
+        assert a == top.top_ids[1] and margin < TIE_NATS, (
+            f"{rid} diverged at token {i} in round {round_no}: took {a} where the baseline took {b} "
+            f"by a margin of {margin:.4f} nats (top-2 {top.top_ids[:2]})")
+        return
 
 
 def test_pool_follows_a_second_process_and_no_request_fails(capped):
@@ -94,7 +118,7 @@ def test_pool_follows_a_second_process_and_no_request_fails(capped):
                                  max_model_len=4096, min_context=4096))
     prompts = _prompts(load_tokenizer(str(engine.model_dir)))
     planned = engine.pool.num_pages
-    baseline = _run(engine, prompts)
+    baseline, baseline_tops = _run(engine, prompts, logprobs=2)
     engine.radix.clear()
 
     source = NvmlSource(own_pids=(os.getpid(),))
@@ -137,8 +161,7 @@ def test_pool_follows_a_second_process_and_no_request_fails(capped):
     while hog.poll() is None or rounds == 0:
         disturbed = _run(engine, prompts, on_step)
         for rid, ids in disturbed.items():
-            same = next((i for i, (a, b) in enumerate(zip(ids, baseline[rid], strict=True)) if a != b), len(ids))
-            assert same == len(ids), f"{rid} diverged at token {same} in round {rounds}"
+            _same_up_to_ties(rid, ids, baseline[rid], baseline_tops[rid], rounds)
         rounds += 1
         engine.radix.clear()
     events = [ev for ev in engine.drain_events() if isinstance(ev, Replanned)]

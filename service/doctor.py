@@ -286,12 +286,18 @@ def _check_token(ctx: Context) -> Check:
 
 
 def _check_dashboard(ctx: Context) -> Check:
-    from service.resources import DASHBOARD_BUILD, dashboard_problem, data_dir
+    from service.resources import DASHBOARD_BUILD, dashboard_missing, data_dir
 
-    problem = dashboard_problem()
-    if problem is not None:
-        return Check("dashboard", WARN, f"{problem}; /ui says so, the API serves", DASHBOARD_BUILD)
-    return Check("dashboard", OK, f"{data_dir('dashboard')} (served at /ui)")
+    folder = data_dir("dashboard")
+    missing = dashboard_missing(folder)
+    if missing:
+        return Check(
+            "dashboard",
+            WARN,
+            f"not built: {' and '.join(missing)} missing in {folder} (/ui says so; the API serves)",
+            DASHBOARD_BUILD,
+        )
+    return Check("dashboard", OK, f"{folder} (served at /ui)")
 
 
 def _check_service(ctx: Context) -> Check:

@@ -46,12 +46,18 @@ def data_dir(name: str) -> Path:
     return SOURCE_ROOT / source
 
 
-def dashboard_problem(folder: Path | None = None) -> str | None:
-    """Why the dashboard cannot be served from ``folder`` (default: ``data_dir("dashboard")``):
-    None when it holds ``index.html`` and the built :data:`DASHBOARD_BUNDLE`, else a
-    sentence naming what is missing and the fix."""
+def dashboard_missing(folder: Path | None = None) -> list[str]:
+    """The dashboard's files missing in ``folder`` (default: ``data_dir("dashboard")``):
+    ``index.html`` and the built :data:`DASHBOARD_BUNDLE`; empty when it can be served."""
     folder = folder if folder is not None else data_dir("dashboard")
-    missing = [n for n in ("index.html", DASHBOARD_BUNDLE) if not (folder / n).is_file()]
+    return [n for n in ("index.html", DASHBOARD_BUNDLE) if not (folder / n).is_file()]
+
+
+def dashboard_problem(folder: Path | None = None) -> str | None:
+    """Why the dashboard cannot be served from ``folder`` (default: ``data_dir("dashboard")``),
+    a sentence naming what is missing and the fix; None when nothing is missing."""
+    folder = folder if folder is not None else data_dir("dashboard")
+    missing = dashboard_missing(folder)
     if not missing:
         return None
     return (

@@ -51,7 +51,7 @@ def test_doctor_warns_with_the_fix_while_the_dashboard_is_not_built(tmp_path, mo
     monkeypatch.setattr(resources, "SOURCE_ROOT", tmp_path)
     check = _check_dashboard(Context())
     assert check.status == WARN and check.fix == FIX
-    assert f"app.js missing in {folder}" in check.detail and "the API serves" in check.detail
+    assert check.detail == f"not built: app.js missing in {folder} (/ui says so; the API serves)"
     (folder / "app.js").write_text("")
     assert _check_dashboard(Context()).status == OK
 

@@ -6,7 +6,8 @@ by one, each a :class:`Check` that is OK, WARN (works, but worse than it could) 
 build, the NVIDIA driver through NVML, Triton and FlashInfer, the model ``serve`` would
 load, the port (the running headroom, found as ``headroom status`` finds it, else one
 listening on the configured port, is asked for its ``/api/health``),
-the local token's permissions, and the login service's state. Nothing here changes the
+the local token's permissions, the dashboard's files (its script is built from
+TypeScript in a source tree), and the login service's state. Nothing here changes the
 machine. torch is imported (to read its build), never a model.
 """
 
@@ -284,6 +285,21 @@ def _check_token(ctx: Context) -> Check:
     return Check("token", OK, f"{path} (mode {mode:o})")
 
 
+def _check_dashboard(ctx: Context) -> Check:
+    from service.resources import DASHBOARD_BUILD, dashboard_missing, data_dir
+
+    folder = data_dir("dashboard")
+    missing = dashboard_missing(folder)
+    if missing:
+        return Check(
+            "dashboard",
+            WARN,
+            f"not built: {' and '.join(missing)} missing in {folder} (/ui says so; the API serves)",
+            DASHBOARD_BUILD,
+        )
+    return Check("dashboard", OK, f"{folder} (served at /ui)")
+
+
 def _check_service(ctx: Context) -> Check:
     from service.autostart.manager import SystemdManager, manager_for
 
@@ -325,6 +341,7 @@ CHECKS: tuple[Callable[[Context], Check], ...] = (
     _check_model,
     _check_port,
     _check_token,
+    _check_dashboard,
     _check_service,
 )
 

@@ -8,6 +8,7 @@ import importlib.util
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 import pytest
 from service_harness import real_server, start_server  # noqa: F401
@@ -62,6 +63,20 @@ def _cpu_threads_fit_the_free_cores():
     if n is not None:
         torch.set_num_threads(n)
     yield
+
+
+@pytest.fixture(scope="session")
+def built_dashboard() -> Path:
+    """``ui-bridge/dashboard/app.js`` of this checkout, built with npm first where it is
+    missing (it is not committed; ``make test`` builds it before pytest). For the tests
+    that load ``/ui``: without it the page answers 503 and names the fix."""
+    from service.resources import DASHBOARD_BUNDLE, build_dashboard
+
+    root = Path(__file__).resolve().parents[1]
+    bundle = root / "ui-bridge" / "dashboard" / DASHBOARD_BUNDLE
+    if not bundle.is_file():
+        build_dashboard(root)
+    return bundle
 
 
 def smollm_dir() -> str:

@@ -397,6 +397,7 @@ def test_fifty_socket_cycles_while_events_flow_leave_no_subscriber_or_task(env, 
 # -- the dashboard ----------------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("built_dashboard")
 def test_dashboard_files(env):
     _, _, client = env
     r = client.get("/ui", follow_redirects=False)

@@ -85,6 +85,7 @@ def test_ready_line_on_a_terminal_carries_the_token_link(monkeypatch, capsys, tm
     assert token not in capsys.readouterr().err
 
 
+@pytest.mark.usefixtures("built_dashboard")
 def test_root_sends_a_person_to_the_dashboard(server):
     r = httpx.get(server.base_url + "/", follow_redirects=False)
     assert r.status_code in (301, 302, 307, 308) and r.headers["location"] == "/ui/"
@@ -94,6 +95,7 @@ def test_root_sends_a_person_to_the_dashboard(server):
     assert "/" not in httpx.get(server.base_url + "/schema/openapi.json").json()["paths"]
 
 
+@pytest.mark.usefixtures("built_dashboard")
 @pytest.mark.parametrize("path", ["/ui/", "/ui/app.js"])
 def test_dashboard_files_say_their_charset_once(server, path):
     r = httpx.get(server.base_url + path)

@@ -3,7 +3,8 @@
 environment's installed dependencies (a ``.pth`` file naming its site-packages), it
 carries the dashboard and the service templates, and its ``headroom serve`` serves
 ``/ui/`` from them, with no source tree in sight (no PYTHONPATH, another working
-folder).
+folder). The copy has no ``app.js`` (it is not committed): the build makes it, the same
+as this checkout's; without Node.js the build fails and names the fix.
 
 Slow (a wheel build and a venv, about half a minute on 2 busy cores).
 """
@@ -45,6 +46,9 @@ def copy_source(dest: Path) -> Path:
 
 def build_wheel(tmp: Path) -> Path:
     source = copy_source(tmp / "src")
+    assert not (source / "ui-bridge" / "dashboard" / "app.js").exists()
+    if (ROOT / "ui-bridge" / "node_modules").is_dir():  # else the build runs `npm ci`
+        (source / "ui-bridge" / "node_modules").symlink_to(ROOT / "ui-bridge" / "node_modules")
     subprocess.run(
         [
             sys.executable,
@@ -87,6 +91,7 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="the venv layout is POSIX's")
+@pytest.mark.usefixtures("built_dashboard")
 def test_the_wheel_carries_the_dashboard_and_serves_ui(tmp_path):
     wheel = build_wheel(tmp_path)
     names = set(zipfile.ZipFile(wheel).namelist())
@@ -176,3 +181,31 @@ def test_the_wheel_carries_the_dashboard_and_serves_ui(tmp_path):
             serve.kill()
             serve.wait()
         log.close()
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="a PATH without npm is spelled for POSIX")
+def test_the_build_without_node_names_the_fix(tmp_path):
+    """setup.py's build step, in a source tree without app.js and with no npm on the
+    PATH, stops with what to install and what to run."""
+    for name in (
+        "pyproject.toml",
+        "setup.py",
+        "README.md",
+        "MANIFEST.in",
+        "service/__init__.py",
+        "service/resources.py",
+        "ui-bridge/dashboard/index.html",
+    ):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, tmp_path / name)
+    result = subprocess.run(
+        [sys.executable, "setup.py", "-q", "build_py", "-d", str(tmp_path / "out")],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=clean_env(PATH=str(tmp_path / "no-bin")),
+        timeout=120,
+    )
+    assert result.returncode != 0
+    assert "npm is missing" in result.stderr and "`make dashboard`" in result.stderr, result.stderr
+    assert not (tmp_path / "out" / "service" / "_data").exists()

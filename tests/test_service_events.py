@@ -117,6 +117,7 @@ def test_control_and_the_socket_need_the_token(server):
     assert server.worker_pid()  # nothing restarted
 
 
+@pytest.mark.usefixtures("built_dashboard")
 def test_a_foreign_origin_is_refused_and_the_services_own_is_not(server):
     url = server.base_url
     evil = {"Origin": "https://evil.example"}

@@ -41,6 +41,7 @@ def npm_ci() -> None:
     subprocess.run(["npm", "ci", "--no-audit", "--no-fund"], cwd=UI_BRIDGE, check=True, timeout=900)
 
 
+@pytest.mark.usefixtures("built_dashboard")
 @pytest.mark.skipif(
     shutil.which("node") is None or shutil.which("npm") is None, reason="no Node.js/npm"
 )

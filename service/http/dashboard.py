@@ -5,23 +5,28 @@ files.
 ``/ui`` redirects to ``/ui/`` (keeping the query: the page uses relative URLs), and so
 does ``/`` (:data:`root_redirect`), where a person typing the address lands. Only the
 plain files directly inside the directory with a known extension when the router is
-made are served, each with ``Cache-Control: no-cache`` and a Content-Security-Policy
+made (and the page and its script, built or not: see below) are served, each with ``Cache-Control: no-cache`` and a Content-Security-Policy
 that lets the page talk only to its own origin and run only its own script; any other
 path answers the service's 404.
+
+The page's script is built from ``ui-bridge``'s TypeScript, not committed: in a source
+tree where nobody built it, ``/ui/`` answers 503 with a page naming the fix (and
+``/ui/app.js`` a 503 error saying the same) instead of a blank page; the API serves on.
 """
 
 from __future__ import annotations
 
+from html import escape
 from pathlib import Path
 from typing import Any
 
-from litestar import Request, Response, Router, get
+from litestar import MediaType, Request, Response, Router, get
 from litestar.datastructures import CacheControlHeader
 from litestar.response import Redirect
 from litestar.static_files import create_static_files_router
 
-from service.api.errors import EXCEPTION_HANDLERS, NOT_FOUND, APIError
-from service.resources import data_dir
+from service.api.errors import EXCEPTION_HANDLERS, NOT_FOUND, SERVER_ERROR, APIError
+from service.resources import DASHBOARD_BUNDLE, dashboard_problem, data_dir
 
 _UI_SUFFIXES = (".html", ".js", ".css", ".map", ".svg")
 # The page only talks to its own origin, runs only its own script, and may not be framed.
@@ -37,6 +42,21 @@ def default_dashboard_dir() -> Path:
     return data_dir("dashboard")
 
 
+def not_built_page(problem: str) -> Response[str]:
+    """``/ui/``'s answer (503) while the dashboard is not built: ``problem`` (from
+    :func:`service.resources.dashboard_problem`) for a person, who reloads once it is
+    built."""
+    body = (
+        '<!doctype html><html lang="en"><head><meta charset="utf-8">'
+        "<title>headroom: the dashboard is not built</title></head>"
+        '<body style="font-family: sans-serif; max-width: 46em; margin: 3em auto">'
+        "<h1>The dashboard is not built</h1>"
+        f"<p>{escape(problem)}.</p>"
+        "<p>Then reload this page. The API serves meanwhile.</p></body></html>"
+    )
+    return Response(body, status_code=503, media_type=MediaType.HTML)
+
+
 def dashboard_router(directory: Path | None = None, *, path: str = "/ui") -> Router:
     """A router serving ``directory`` (default: :func:`default_dashboard_dir`) at
     ``path``/, ``index.html`` for the folder itself."""
@@ -45,7 +65,7 @@ def dashboard_router(directory: Path | None = None, *, path: str = "/ui") -> Rou
         {p.name for p in root.glob("*") if p.is_file() and p.suffix in _UI_SUFFIXES}
         if root.is_dir()
         else set()
-    )
+    ) | {"index.html", DASHBOARD_BUNDLE}  # answered, built or not: see below
 
     def only_known_files(request: Request[Any, Any, Any]) -> Response[Any] | None:
         # The raw path: the router has already normalized the decoded one, and "/ui" and
@@ -58,6 +78,12 @@ def dashboard_router(directory: Path | None = None, *, path: str = "/ui") -> Rou
         name = tail.lstrip("/") or "index.html"
         if name not in names:
             raise APIError(404, f"no such file: {name}", type=NOT_FOUND)
+        if name in ("index.html", DASHBOARD_BUNDLE):
+            problem = dashboard_problem(root)  # looked at each time: built while serving
+            if problem is not None and name == "index.html":
+                return not_built_page(problem)
+            if problem is not None:
+                raise APIError(503, problem, type=SERVER_ERROR)
         return None
 
     def add_csp(response: Response[Any]) -> Response[Any]:

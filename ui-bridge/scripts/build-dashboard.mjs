@@ -1,6 +1,7 @@
 // Bundles dashboard/src/main.ts (and the client it imports) into dashboard/app.js, the
-// one script of the page the service serves at /ui. app.js is committed, so the service
-// serves the dashboard without Node; test/dashboard.test.ts fails when it is stale.
+// one script of the page the service serves at /ui. app.js is a build product, not
+// committed: `make dashboard`, setup.py's build step (the wheel carries it) and the tests
+// run this script; test/dashboard.test.ts checks that the bundle builds, the same twice.
 import { writeFileSync } from "node:fs";
 import { dirname, join } from "node:path";
 import { fileURLToPath } from "node:url";

@@ -1,34 +1,11 @@
 // The UI's view of the service: a snapshot, then every event applied in `seq` order.
-import type {
-  CountersEvent,
-  EngineInfoEvent,
-  EventMessage,
-  HealthEvent,
-  PlanEvent,
-  ReplanEvent,
-  RequestErrorEvent,
-  ServerMessage,
-  Snapshot,
-  VramEvent,
-  WorkerEvent,
-} from "./types.js";
+import type { EventMessage, ServerMessage, Snapshot } from "./types.js";
 
-/** Everything the dashboard shows; `seq` is the last event applied. */
-export interface HeadroomState {
+/** Everything the dashboard shows: the fields of a `Snapshot` (what each holds), with
+ * `epoch` null before the first snapshot; `seq` is the last event applied,
+ * `request_errors` and `replans` keep the newest (`ApplyOptions`), newest last. */
+export interface HeadroomState extends Omit<Snapshot, "type" | "ts" | "epoch"> {
   epoch: string | null;
-  seq: number;
-  health: HealthEvent | null;
-  worker: WorkerEvent | null;
-  /** The latest `worker` event of phase `exited`. */
-  last_exit: WorkerEvent | null;
-  engine: EngineInfoEvent | null;
-  plan: PlanEvent | null;
-  vram: VramEvent | null;
-  counters: CountersEvent | null;
-  /** Newest last, at most `keepRequestErrors`. */
-  request_errors: RequestErrorEvent[];
-  /** Newest last, at most `keepReplans`. */
-  replans: ReplanEvent[];
 }
 
 export interface ApplyOptions {
@@ -61,19 +38,8 @@ export function emptyState(): HeadroomState {
 }
 
 export function stateFromSnapshot(snapshot: Snapshot): HeadroomState {
-  return {
-    epoch: snapshot.epoch,
-    seq: snapshot.seq,
-    health: snapshot.health,
-    worker: snapshot.worker,
-    last_exit: snapshot.last_exit,
-    engine: snapshot.engine,
-    plan: snapshot.plan,
-    vram: snapshot.vram,
-    counters: snapshot.counters,
-    request_errors: [...snapshot.request_errors],
-    replans: [...snapshot.replans],
-  };
+  const { type: _type, ts: _ts, ...fields } = snapshot;
+  return { ...fields, request_errors: [...fields.request_errors], replans: [...fields.replans] };
 }
 
 const keepLast = <T>(items: T[], item: T, keep: number): T[] => {

@@ -63,6 +63,20 @@ function stream(opts: Partial<ConstructorParameters<typeof EventStream>[0]> = {}
   return s;
 }
 
+/** `s` connected, then dropped by a server that refuses it from then on: `waits` collects
+ * the retry delays `s` announces. */
+async function droppedAndRefused(s: EventStream): Promise<{ s: EventStream; waits: number[] }> {
+  const waits: number[] = [];
+  s.onStatus((info: StatusInfo) => {
+    if (info.status === "waiting") waits.push(info.retryInMs!);
+  });
+  s.connect();
+  await until(() => server.openSockets === 1);
+  server.refuse = true;
+  server.dropAll();
+  return { s, waits };
+}
+
 beforeEach(async () => {
   server = new FakeServer();
   await server.start();
@@ -131,15 +145,7 @@ describe("EventStream", () => {
   });
 
   it("backs off exponentially while the service is away, then starts over", async () => {
-    const s = stream();
-    const waits: number[] = [];
-    s.onStatus((info: StatusInfo) => {
-      if (info.status === "waiting") waits.push(info.retryInMs!);
-    });
-    s.connect();
-    await until(() => server.openSockets === 1);
-    server.refuse = true;
-    server.dropAll();
+    const { s, waits } = await droppedAndRefused(stream());
     await until(() => waits.length >= 5, 8000);
     expect(waits.slice(0, 5)).toEqual([20, 40, 80, 160, 160]);
     server.refuse = false;
@@ -153,15 +159,7 @@ describe("EventStream", () => {
   });
 
   it("a connection open for stableMs resets the backoff even without events", async () => {
-    const s = stream({ stableMs: 100 });
-    const waits: number[] = [];
-    s.onStatus((info: StatusInfo) => {
-      if (info.status === "waiting") waits.push(info.retryInMs!);
-    });
-    s.connect();
-    await until(() => server.openSockets === 1);
-    server.refuse = true;
-    server.dropAll();
+    const { waits } = await droppedAndRefused(stream({ stableMs: 100 }));
     await until(() => waits.length >= 3);
     server.refuse = false;
     await until(() => server.openSockets === 1, 8000); // resumed, nothing missed: no message

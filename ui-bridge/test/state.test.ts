@@ -2,21 +2,7 @@ import { describe, expect, it } from "vitest";
 import { applyMessage, emptyState, type HeadroomState } from "../src/state.js";
 import type { RequestErrorEvent, Snapshot } from "../src/types.js";
 
-const snapshot: Snapshot = {
-  type: "snapshot",
-  seq: 10,
-  ts: 1,
-  epoch: "e",
-  health: null,
-  worker: null,
-  last_exit: null,
-  engine: null,
-  plan: null,
-  vram: null,
-  counters: null,
-  request_errors: [],
-  replans: [],
-};
+const snapshot: Snapshot = { ...emptyState(), type: "snapshot", seq: 10, ts: 1, epoch: "e" };
 
 const requestError = (seq: number): RequestErrorEvent => ({
   type: "request_error",

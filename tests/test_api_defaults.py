@@ -19,7 +19,7 @@ from service.api.sampling_defaults import (
     from_generation_config,
     load_sampling_defaults,
 )
-from service.api.schemas import ChatCompletionRequest
+from service.api.openai.schemas import ChatCompletionRequest
 from service.cli.settings import DEFAULT_MAX_TOKENS, OPTIONS_BY_NAME, resolve
 from service.http.state import Services
 

@@ -13,7 +13,7 @@ import pytest
 
 from service.api.errors import APIError, decode_body
 from service.api.generation import resolve_max_tokens, stop_strings
-from service.api.schemas import ChatCompletionRequest
+from service.api.openai.schemas import ChatCompletionRequest
 from service.cli.settings import DEFAULT_PORT, SettingsError, parse_size, resolve
 from service.http.security import SecurityMiddleware, host_name, is_loopback_host
 

@@ -1,7 +1,7 @@
 """A chat request's way into the engine, shared by every API that chats: OpenAI's
 ``/v1/chat/completions`` and Ollama's ``/api/chat`` and ``/api/generate``.
 
-Both build an OpenAI :class:`~service.api.schemas.ChatCompletionRequest` (Ollama's
+Both build an OpenAI :class:`~service.api.openai.schemas.ChatCompletionRequest` (Ollama's
 routes map their fields onto one), so both go into the engine through the same
 :meth:`~service.api.generation.Generation.start`, with the same checks in the same
 order: admission (503 ``queue_full``), ``logit_bias`` against the vocabulary, then the
@@ -25,7 +25,7 @@ from service.api.generation import CallSteps, Generation, MaxTokens, stop_string
 from service.api.prompts import Prompt, chat_prompt
 from service.api.reasoning import CLOSE as CLOSE_THINKING
 from service.api.reasoning import reasoning_start
-from service.api.schemas import ChatCompletionRequest
+from service.api.openai.schemas import ChatCompletionRequest
 from service.api.structured import response_schema
 from service.api.text import TextSide
 from service.api.tools import ToolPlan, plan_tools

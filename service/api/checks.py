@@ -11,13 +11,13 @@ from typing import Any
 
 from engine.wire.messages import MAX_LOGPROBS
 from service.api.errors import invalid
-from service.api.schemas import ChatCompletionRequest, CompletionRequest
+from service.api.openai.schemas import ChatCompletionRequest, CompletionRequest
 from service.api.structured import response_schema
 from service.api.text import TextSide
 
 
 def check_chat_fields(req: ChatCompletionRequest) -> None:
-    """Refuse what we cannot honour instead of ignoring it (see :mod:`service.api.schemas`)."""
+    """Refuse what we cannot honour instead of ignoring it (see :mod:`service.api.openai.schemas`)."""
     if req.top_logprobs is not None:
         _check_logprobs_count(req.top_logprobs, "top_logprobs")
         if req.top_logprobs > 0 and not req.logprobs:

@@ -33,7 +33,7 @@ from service.api.ollama.schemas import (
     OllamaShowRequest,
     OllamaVersion,
 )
-from service.api.schemas import (
+from service.api.openai.schemas import (
     ChatCompletion,
     ChatCompletionRequest,
     Completion,

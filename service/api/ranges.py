@@ -1,5 +1,5 @@
 """The ranges of the sampling values a caller sets, declared once for every door into
-the engine: the OpenAI API's fields (:mod:`service.api.schemas`, and the checks of
+the engine: the OpenAI API's fields (:mod:`service.api.openai.schemas`, and the checks of
 bodies built in Python in :mod:`service.api.generation`) and ``headroom generate``'s
 options (:mod:`service.cli.options`). Bounds are inclusive. Plain numbers and no
 imports, so the CLI reads them at import and stays light.

@@ -21,7 +21,7 @@ from litestar.response import Stream
 
 from service.api.errors import SERVER_ERROR, APIError
 from service.api.generation import Generation
-from service.api.schemas import Usage
+from service.api.openai.schemas import Usage
 
 log = logging.getLogger("headroom.api")
 

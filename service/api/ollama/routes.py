@@ -2,7 +2,7 @@
 ``GET /api/tags``, ``POST /api/show``, ``GET /api/ps``, ``GET /api/version``.
 
 Generation runs on the OpenAI routes' path (:func:`service.api.chat_generation.start_chat`
-on the request :mod:`service.api.ollama.mapping` builds), so admission
+on the request :mod:`service.api.ollama.requests` builds), so admission
 (``queue_full``), the context checks, the supervisor's restarts and retries, OOM
 isolation, ``--request-timeout`` and client disconnects behave as on ``/v1``. Streams
 (the default, as in Ollama) are NDJSON: one JSON object a line, the last with
@@ -38,7 +38,7 @@ from service.api.chat_generation import start_chat
 from service.api.chat_output import FINISH_TOOL_CALLS, ChatOutput
 from service.api.errors import EXCEPTION_HANDLERS, APIError, decode_body
 from service.api.generation import Generation
-from service.api.ollama.mapping import Mapped, chat_request, details, generate_request, model_name
+from service.api.ollama.requests import Mapped, chat_request, details, generate_request, model_name
 from service.api.ollama.schemas import (
     OllamaChatChunk,
     OllamaChatRequest,

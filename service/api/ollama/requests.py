@@ -27,7 +27,7 @@ from service.api.ollama.schemas import (
     OllamaGenerateRequest,
     OllamaOptions,
 )
-from service.api.schemas import ChatCompletionRequest
+from service.api.openai.schemas import ChatCompletionRequest
 from service.api.structured import ollama_format
 
 # Ollama's option names for the OpenAI fields they become (for errors naming them).

@@ -39,7 +39,7 @@ from service.api.generation import Generation, MaxTokens, check_common
 from service.api.logprobs import TokenTexts
 from service.api.prompts import completion_prompts_of
 from service.api.responses import event_stream, first_piece_held, json_response, respond
-from service.api.schemas import (
+from service.api.openai.schemas import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,

@@ -1,60 +1,38 @@
-"""Ollama's requests onto the OpenAI request this server runs, and the model's facts
-into Ollama's ``details``.
+"""Ollama's bodies as the one :class:`~service.api.request.GenerationRequest` a call
+runs as, on the same path as OpenAI's.
 
 Mapped ``options``: ``num_ctx`` (the request's context: prompt plus answer, at most the
 engine's), ``num_predict`` (``max_tokens``; -1 and -2: the rest of the context; unset:
 ``--default-max-tokens``), ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``
 (negative: none), ``stop``, ``repeat_penalty`` (``repetition_penalty``),
-``presence_penalty``, ``frequency_penalty``. Other options (``num_gpu``, ``num_thread``,
-``mirostat``...) and ``keep_alive`` (the model stays loaded while the server runs) are
-accepted and ignored. ``think`` is the template's ``enable_thinking``; ``tools`` work
-as on ``/v1`` (``tool_choice`` auto); ``format`` (``"json"`` or a JSON schema) is
-structured output (:mod:`service.api.structured`). Refused with a 400 rather than
-dropped: ``images``, and ``/api/generate``'s ``suffix``, ``template`` and ``context``.
+``presence_penalty``, ``frequency_penalty``; their ranges are the OpenAI fields' (one
+declaration, :class:`service.api.sampling.Sampling`), and a value outside them is a
+400 naming the option. Other options (``num_gpu``, ``num_thread``, ``mirostat``...) and
+``keep_alive`` (the model stays loaded while the server runs) are accepted and
+ignored. ``think`` is the template's ``enable_thinking``; ``tools`` work as on ``/v1``
+(``tool_choice`` auto); ``format`` (``"json"`` or a JSON schema) is structured output
+(:mod:`service.api.structured`). Refused with a 400 rather than dropped: ``images``,
+and ``/api/generate``'s ``suffix``, ``template`` and ``context``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
 from typing import Any
 
-from engine.wire.messages import EngineInfo
+import msgspec
+
 from service.api.errors import APIError, invalid
-from service.api.generation import check_common
-from service.api.ollama.schemas import (
-    OllamaChatRequest,
-    OllamaDetails,
-    OllamaGenerateRequest,
-    OllamaOptions,
-)
-from service.api.openai.schemas import ChatCompletionRequest
+from service.api.ollama.schemas import OllamaChatRequest, OllamaGenerateRequest, OllamaOptions
+from service.api.prompts import Prompt, chat_prompt
+from service.api.request import GenerationRequest, stop_strings
+from service.api.sampling import Sampling
 from service.api.structured import ollama_format
 
-# Ollama's option names for the OpenAI fields they become (for errors naming them).
-_OPTION_OF_FIELD = {
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "seed": "seed",
-    "stop": "stop",
-    "repetition_penalty": "repeat_penalty",
-    "presence_penalty": "presence_penalty",
-    "frequency_penalty": "frequency_penalty",
-    "max_tokens": "num_predict",
-}
+# Ollama's option names of the sampling fields whose names differ.
+_OPTION_OF_FIELD = {"repetition_penalty": "repeat_penalty"}
+_FIELD_AT = re.compile(r" - at `\$\.(?P<field>\w+)`$")
 _TAG = ":latest"
-
-
-@dataclass(frozen=True)
-class Mapped:
-    """An Ollama request as this server runs it: the OpenAI request, the context cap
-    (``num_ctx``, None: the engine's) and the default answer length (None:
-    ``--default-max-tokens``; 0: the rest of the context)."""
-
-    request: ChatCompletionRequest
-    context_tokens: int | None
-    default_max_tokens: int | None
 
 
 def model_name(name: str) -> str:
@@ -99,45 +77,79 @@ def _thinking(body: OllamaChatRequest | OllamaGenerateRequest) -> dict[str, Any]
     return None if body.think is None else {"enable_thinking": bool(body.think)}
 
 
-def _sampling(options: OllamaOptions | None) -> tuple[dict[str, Any], int | None, int | None]:
-    """The OpenAI sampling fields of ``options``, the context cap and the default
-    answer length (see :class:`Mapped`)."""
-    o = options or OllamaOptions()
+def _sampling(o: OllamaOptions) -> Sampling:
+    """The sampling fields of ``options``, in their declared ranges.
+
+    Raises:
+        APIError: 400 ``options.<name>`` for a value out of its range.
+    """
     fields: dict[str, Any] = {
         "temperature": o.temperature,
         "top_p": o.top_p,
         "top_k": o.top_k,
         "min_p": o.min_p,
-        "stop": o.stop,
+        "seed": o.seed if o.seed is not None and o.seed >= 0 else None,
         "repetition_penalty": o.repeat_penalty,
         "presence_penalty": o.presence_penalty,
         "frequency_penalty": o.frequency_penalty,
     }
-    if o.seed is not None and o.seed >= 0:
-        fields["seed"] = o.seed
-    default_max = None
-    if o.num_predict is not None:
-        if o.num_predict < 0:
-            default_max = 0  # -1 (no limit) and -2 (fill the context)
-        else:
-            fields["max_tokens"] = o.num_predict
+    try:
+        return msgspec.convert(fields, type=Sampling)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        match = _FIELD_AT.search(text)
+        field = match.group("field") if match else ""
+        option = "options." + _OPTION_OF_FIELD.get(field, field)
+        raise invalid(f"{option}: {text[: match.start()] if match else text}", option) from None
+
+
+def _request(
+    body: OllamaChatRequest | OllamaGenerateRequest,
+    request_id: str,
+    started: float,
+    default_max_tokens: int,
+    prompt: Prompt,
+    tools: list[Any] | None = None,
+) -> GenerationRequest:
+    """What both calls map alike: ``options``, ``format``, ``stream``."""
+    o = body.options or OllamaOptions()
     if o.num_ctx is not None and o.num_ctx < 1:
         raise invalid(f"num_ctx must be at least 1, got {o.num_ctx}", "options.num_ctx")
-    return fields, o.num_ctx, default_max
-
-
-def _check(req: ChatCompletionRequest) -> None:
-    """The OpenAI checks, with errors naming Ollama's option."""
+    max_tokens = None
+    if o.num_predict is not None:
+        if o.num_predict < 0:
+            default_max_tokens = 0  # -1 (no limit) and -2 (fill the context)
+        else:
+            max_tokens = o.num_predict
+    json_schema = ollama_format(body.format)
     try:
-        check_common(req)
+        stop = stop_strings(o.stop)
     except APIError as exc:
-        if exc.param in _OPTION_OF_FIELD:
-            exc.param = "options." + _OPTION_OF_FIELD[exc.param]
+        exc.param = "options.stop"
         raise
+    return GenerationRequest(
+        request_id=request_id,
+        started=started,
+        prompts=(prompt,),
+        sampling=_sampling(o),
+        max_tokens=max_tokens,
+        default_max_tokens=default_max_tokens or None,
+        stop=tuple(stop),
+        json_schema=json_schema,
+        chat=True,
+        tools=tools,
+        context_tokens=o.num_ctx,
+        stream=body.stream,
+    )
 
 
-def chat_request(body: OllamaChatRequest) -> Mapped:
-    """``/api/chat``'s body as the OpenAI chat request it runs as.
+def chat_request(
+    body: OllamaChatRequest, request_id: str, started: float, default_max_tokens: int
+) -> GenerationRequest:
+    """``/api/chat``'s body as the request it runs as.
+
+    Args:
+        default_max_tokens: ``--default-max-tokens`` (0: the rest of the context).
 
     Raises:
         APIError: 400 naming the field (``options.temperature``, ``format``...).
@@ -145,64 +157,25 @@ def chat_request(body: OllamaChatRequest) -> Mapped:
     _refuse_unsupported(body)
     if not body.messages:
         raise invalid("messages must not be empty", "messages")
-    fields, context, default_max = _sampling(body.options)
-    req = ChatCompletionRequest(
-        model=model_name(body.model),
-        messages=_messages(body),
-        tools=body.tools or None,
-        chat_template_kwargs=_thinking(body),
-        response_format=ollama_format(body.format),
-        **fields,
-    )
-    _check(req)
-    return Mapped(req, context, default_max)
+    tools = body.tools or None
+    (prompt,) = chat_prompt(_messages(body), tools, _thinking(body))
+    return _request(body, request_id, started, default_max_tokens, prompt, tools)
 
 
-def generate_request(body: OllamaGenerateRequest) -> Mapped:
-    """``/api/generate``'s body as a chat request of a ``system`` message (when set)
-    and a ``user`` message; with ``raw`` the caller tokenizes ``prompt`` itself.
+def generate_request(
+    body: OllamaGenerateRequest, request_id: str, started: float, default_max_tokens: int
+) -> GenerationRequest:
+    """``/api/generate``'s body as a chat of a ``system`` message (when set) and a
+    ``user`` message, or with ``raw``, its prompt tokenized as is.
 
     Raises:
         APIError: 400 naming the field.
     """
     _refuse_unsupported(body)
-    fields, context, default_max = _sampling(body.options)
-    messages = [{"role": "system", "content": body.system}] if body.system else []
-    messages.append({"role": "user", "content": body.prompt})
-    req = ChatCompletionRequest(
-        model=model_name(body.model),
-        messages=messages,
-        chat_template_kwargs=_thinking(body),
-        response_format=ollama_format(body.format),
-        **fields,
-    )
-    _check(req)
-    return Mapped(req, context, default_max)
-
-
-_BYTES_PER_PARAMETER = {"float32": 4, "float16": 2, "bfloat16": 2}
-
-
-def details(info: EngineInfo) -> OllamaDetails:
-    """Ollama's ``details`` of the served model: family from the architecture
-    (``LlamaForCausalLM`` -> ``llama``), the parameter count (``135M``), and as the
-    format and quantization level the GGUF block type the weights are held in
-    (``gguf``, ``Q4_1``) or, when they are held dequantized, their dtype."""
-    family = info.architecture.lower().removesuffix("forcausallm") or info.architecture
-    count = info.parameter_count
-    if not count:  # an engine that does not count them (tests' fake): from the dense bytes
-        per = _BYTES_PER_PARAMETER.get(info.dtype.removeprefix("torch."), 0)
-        count = info.weight_bytes // per if per and not info.weight_format else 0
-    if count >= 10**9:
-        size = f"{count / 10**9:.1f}B"
-    elif count:
-        size = f"{round(count / 10**6)}M"
+    if body.raw:
+        prompt = Prompt("prompt", text=body.prompt)
     else:
-        size = "unknown"
-    return OllamaDetails(
-        format="gguf" if info.weight_format else "safetensors",
-        family=family,
-        families=[family],
-        parameter_size=size,
-        quantization_level=info.weight_format or info.dtype.removeprefix("torch.").upper(),
-    )
+        messages = [{"role": "system", "content": body.system}] if body.system else []
+        messages.append({"role": "user", "content": body.prompt})
+        (prompt,) = chat_prompt(messages, None, _thinking(body))
+    return _request(body, request_id, started, default_max_tokens, prompt)

@@ -104,14 +104,6 @@ class Generation:
         return self.request.request_id
 
     @property
-    def n(self) -> int:
-        return self.request.n
-
-    @property
-    def started(self) -> float:
-        return self.request.started
-
-    @property
     def prompt_tokens(self) -> int:
         return sum(len(p) for p in self.prompts)
 
@@ -123,7 +115,7 @@ class Generation:
     def ttft_ms(self) -> float | None:
         if self.first_token_at is None:
             return None
-        return (self.first_token_at - self.started) * 1000.0
+        return (self.first_token_at - self.request.started) * 1000.0
 
     @classmethod
     async def start(
@@ -204,7 +196,7 @@ class Generation:
         return out
 
     def _submit(self) -> None:
-        prompt_of = [self.prompts[i // self.n] for i in range(len(self.sampling))]
+        prompt_of = [self.prompts[i // self.request.n] for i in range(len(self.sampling))]
         self._seqs = [
             _SeqText(StopStringMatcher(list(self.request.stop)), self.text.detokenizer(ids))
             for ids in prompt_of
@@ -233,10 +225,10 @@ class Generation:
         so each request asks for one token, which :meth:`_scored` drops."""
         requests = [
             GenerateRequest(
-                request_id=f"{self.request_id}-{p * self.n}",
+                request_id=f"{self.request_id}-{p * self.request.n}",
                 prompt_token_ids=ids,
                 sampling=msgspec.structs.replace(
-                    self.sampling[p * self.n], max_new_tokens=1, logprobs=None
+                    self.sampling[p * self.request.n], max_new_tokens=1, logprobs=None
                 ),
             )
             for p, ids in enumerate(self.prompts)
@@ -294,7 +286,7 @@ class Generation:
         while pending:
             prompt, event = await self._next(self.submission.queue)
             self._raise_failed(event)
-            choices = range(prompt * self.n, (prompt + 1) * self.n)
+            choices = range(prompt * self.request.n, (prompt + 1) * self.request.n)
             if event.prompt_logprobs is not None:
                 for i in choices:
                     self._seqs[i].prompt_logprobs = event.prompt_logprobs
@@ -378,3 +370,17 @@ class Generation:
             reason = FINISH_LENGTH if output.finish_reason == FINISH_LENGTH else "stop"
             return Piece(index, safe, reason)
         return Piece(index, safe) if safe else None
+
+
+async def start_generation(
+    svc: ApiServices, model: str | None, request: GenerationRequest
+) -> tuple[Generation, str]:
+    """What every route does once its request is built: a ready worker (503; an idle
+    one is loaded first), the model it names (404), then :meth:`Generation.start`.
+
+    Returns:
+        The started generation and the model name to answer with.
+    """
+    info = await svc.supervisor.ready()
+    name = svc.check_model(model, info)
+    return await Generation.start(svc, info, request), name

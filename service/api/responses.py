@@ -41,7 +41,7 @@ def json_response(payload: Any, status: int = 200) -> Response[bytes]:
 
 def log_request(gen: Generation, status: int) -> None:
     """The one log line of a call: id, status, tokens, TTFT, total time."""
-    total_ms = (time.perf_counter() - gen.started) * 1000.0
+    total_ms = (time.perf_counter() - gen.request.started) * 1000.0
     ttft = gen.ttft_ms
     log.info(
         "%s status=%d prompt_tokens=%d completion_tokens=%d ttft_ms=%s total_ms=%.1f",

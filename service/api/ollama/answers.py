@@ -47,7 +47,7 @@ def _now() -> str:
 def _timings(gen: Generation, done_reason: str | None) -> dict[str, Any]:
     """The last line's fields: done_reason, counts, durations (ns). The prompt's time
     is the time to the first token; the answer's is the rest."""
-    total_s = time.perf_counter() - gen.started
+    total_s = time.perf_counter() - gen.request.started
     ttft_s = (gen.ttft_ms or 0.0) / 1000.0
     return {
         "done_reason": done_reason or "stop",
@@ -134,7 +134,7 @@ async def _answer(gen: Generation, request: Request, model: str, line: _Line) ->
     """NDJSON lines as the text comes, or one object (the done line, with the whole
     answer) when it is complete."""
     assert gen.chat is not None
-    output = ChatOutput(n=gen.n, thinking=gen.chat.thinking, tools=gen.chat.tools)
+    output = ChatOutput(n=gen.request.n, thinking=gen.chat.thinking, tools=gen.chat.tools)
     if gen.request.stream:
         return stream_answer(
             gen,

@@ -30,7 +30,7 @@ from litestar import Controller, Request, Response, get, post
 
 from engine.text.chat import template_has_tools
 from service.api.errors import EXCEPTION_HANDLERS, decode_body
-from service.api.generation import Generation
+from service.api.generation import start_generation
 from service.api.ollama.answers import chat_answer, generate_answer
 from service.api.ollama.models import details, models, modified_at, rfc3339
 from service.api.ollama.requests import chat_request, generate_request, model_name
@@ -88,9 +88,7 @@ class OllamaController(Controller):
         call = chat_request(
             body, f"ollama-{uuid.uuid4().hex}", started, svc.settings.default_max_tokens
         )
-        info = await svc.supervisor.ready()
-        model = svc.check_model(model_name(body.model), info)
-        gen = await Generation.start(svc, info, call)
+        gen, model = await start_generation(svc, model_name(body.model), call)
         return await chat_answer(gen, request, model)
 
     @post("/generate", status_code=200)
@@ -112,9 +110,7 @@ class OllamaController(Controller):
                 model=model, created_at=created, response="", done=True, done_reason=reason
             )
             return json_response(chunk)
-        info = await svc.supervisor.ready()
-        model = svc.check_model(model_name(body.model), info)
-        gen = await Generation.start(svc, info, call)
+        gen, model = await start_generation(svc, model_name(body.model), call)
         return await generate_answer(gen, request, model)
 
     @get("/tags")

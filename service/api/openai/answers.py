@@ -119,7 +119,7 @@ async def chat_answer(
     call streams (a stream constrained by ``response_format`` waits for the engine's
     first piece, so a schema it refuses is a 400 as without stream)."""
     assert gen.chat is not None
-    output = ChatOutput(n=gen.n, thinking=gen.chat.thinking, tools=gen.chat.tools)
+    output = ChatOutput(n=gen.request.n, thinking=gen.chat.thinking, tools=gen.chat.tools)
     tokens = gen.text.token_texts if gen.request.logprobs is not None else None
     created = int(time.time())
     if gen.request.stream:
@@ -152,7 +152,7 @@ async def _chat_events(
     chunks: _Chunks,
     pieces: AsyncIterator[Piece],
 ) -> AsyncIterator[ChatCompletionChunk]:
-    for i in range(gen.n):
+    for i in range(gen.request.n):
         for choice in output.deltas(i, "", None, "assistant"):
             yield chunks.of(choice)
 
@@ -203,7 +203,7 @@ class _TextShaper:
         if index in self._started:
             return ""
         self._started.add(index)
-        return self.echoes[index // self.gen.n] if self.echoes is not None else ""
+        return self.echoes[index // self.gen.request.n] if self.echoes is not None else ""
 
     def _logprobs(self, index: int) -> dict | None:
         if self.tokens is None:
@@ -212,7 +212,7 @@ class _TextShaper:
         if index not in self._offsets and self.echoes is not None:
             scored = self.gen.prompt_logprobs(index)
             if scored is not None:
-                pairs += zip(self.gen.prompts[index // self.gen.n], scored, strict=True)
+                pairs += zip(self.gen.prompts[index // self.gen.request.n], scored, strict=True)
         pairs += [(r.token_id, r) for r in self.gen.take_logprobs(index)]
         body, self._offsets[index] = self.tokens.legacy(pairs, self._offsets.get(index, 0))
         return body

@@ -29,7 +29,7 @@ from litestar import Controller, Request, Response, get, post
 
 from engine.wire.messages import EngineInfo
 from service.api.errors import decode_body
-from service.api.generation import Generation
+from service.api.generation import start_generation
 from service.api.openai.answers import chat_answer, completion_answer
 from service.api.openai.requests import chat_request, completion_request
 from service.api.openai.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
@@ -85,9 +85,7 @@ class OpenAIController(Controller):
         call = chat_request(
             body, f"chatcmpl-{uuid.uuid4().hex}", started, svc.settings.default_max_tokens
         )
-        info = await svc.supervisor.ready()
-        model = svc.check_model(body.model, info)
-        gen = await Generation.start(svc, info, call)
+        gen, model = await start_generation(svc, body.model, call)
         return await chat_answer(gen, request, model, body.stream_options)
 
     @post("/completions", status_code=200)
@@ -96,7 +94,5 @@ class OpenAIController(Controller):
         started = time.perf_counter()
         body = decode_body(await request.body(), CompletionRequest)
         call = completion_request(body, f"cmpl-{uuid.uuid4().hex}", started)
-        info = await svc.supervisor.ready()
-        model = svc.check_model(body.model, info)
-        gen = await Generation.start(svc, info, call)
+        gen, model = await start_generation(svc, body.model, call)
         return await completion_answer(gen, request, model, body.stream_options)

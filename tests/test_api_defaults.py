@@ -13,13 +13,14 @@ from transformers import GenerationConfig
 
 from engine.loader.default_model import DEFAULT_MODEL_SAMPLING, add_default_sampling
 from engine.loader.gguf_convert import _open, _write_generation_config
-from service.api.generation import resolve_max_tokens, sampling_params
+from service.api.request import resolve_max_tokens
+from service.api.sampling import sampling_params
 from service.api.sampling_defaults import (
     SamplingDefaults,
     from_generation_config,
     load_sampling_defaults,
 )
-from service.api.schemas import ChatCompletionRequest
+from service.api.openai.schemas import ChatCompletionRequest
 from service.cli.settings import DEFAULT_MAX_TOKENS, OPTIONS_BY_NAME, resolve
 from service.http.state import Services
 

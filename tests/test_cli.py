@@ -84,7 +84,7 @@ def test_generate_refuses_what_the_api_refuses(args, field, value):
     API refuses is a usage error of `headroom generate`, before the model loads."""
     import msgspec
 
-    from service.api.schemas import CompletionRequest
+    from service.api.openai.schemas import CompletionRequest
 
     result = invoke(["generate", *args, QUESTION])
     assert result.exit_code == 2 and f"Invalid value for '{args[0]}'" in result.output, result.output

@@ -12,8 +12,8 @@ import httpx
 import pytest
 
 from service.api.errors import APIError, decode_body
-from service.api.generation import resolve_max_tokens, stop_strings
-from service.api.schemas import ChatCompletionRequest
+from service.api.request import resolve_max_tokens, stop_strings
+from service.api.openai.schemas import ChatCompletionRequest
 from service.cli.settings import DEFAULT_PORT, SettingsError, parse_size, resolve
 from service.http.security import SecurityMiddleware, host_name, is_loopback_host
 
@@ -346,7 +346,7 @@ def test_running_service_has_no_torch_loaded(real_server):
 
 
 def test_engine_errors_map_out_of_memory_to_503_with_retry_after():
-    from service.api.generation import engine_error
+    from service.api.engine_errors import engine_error
 
     oom = engine_error("out_of_memory", "out of device memory: ...")
     assert oom.status == 503

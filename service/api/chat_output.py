@@ -1,7 +1,8 @@
 """A chat answer's text shaped into OpenAI's message: reasoning, content, tool calls.
 
 One :class:`ChatOutput` per request, built from what the request and the model's
-template say (:func:`service.api.chat_generation.start_chat`): whether the answer starts inside a thinking block
+template say (:class:`service.api.chat_plan.ChatPlan`, decided as the request goes into
+the engine): whether the answer starts inside a thinking block
 (:mod:`service.api.reasoning`), which tool-call format to parse and the text the answer
 was started with (:mod:`service.api.tools`). The routes ask it for each choice's
 message (whole answers) or deltas (streams); the text path, the engine and the
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from service.api.reasoning import ReasoningSplitter, split_reasoning
-from service.api.schemas import ChatChunkChoice, ChatMessageOut, Delta
+from service.api.openai.schemas import ChatChunkChoice, ChatMessageOut, Delta
 from service.api.tools import ToolPlan, call_start, parse_tool_calls
 
 FINISH_TOOL_CALLS = "tool_calls"

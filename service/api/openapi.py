@@ -22,26 +22,8 @@ from typing import Any
 import msgspec
 from litestar import Response, get
 
-from service.api.ollama.schemas import (
-    OllamaChatChunk,
-    OllamaChatRequest,
-    OllamaError,
-    OllamaGenerateChunk,
-    OllamaGenerateRequest,
-    OllamaModelList,
-    OllamaShow,
-    OllamaShowRequest,
-    OllamaVersion,
-)
-from service.api.schemas import (
-    ChatCompletion,
-    ChatCompletionRequest,
-    Completion,
-    CompletionRequest,
-    ErrorResponse,
-    ModelCard,
-    ModelList,
-)
+from service.api.ollama import schemas as ollama
+from service.api.openai import schemas as openai
 from service.events.routes import CacheRequest, ControlResponse, ReserveRequest
 from service.events.schemas import Snapshot
 
@@ -79,7 +61,28 @@ _GENERATION_ERRORS = (400, 401, 403, 404, 405, 413, 500, 503, 504)
 _CONTROL_ERRORS = (400, 401, 403, 405, 409, 413, 500, 501, 503)
 
 
-def _generation(request: str, answer: str, summary: str) -> dict[str, Any]:
+_SSE = (
+    "text/event-stream",
+    "The completion; with `stream: true`, Server-Sent Events ending with `data: [DONE]` "
+    '(an error after the stream began is an `{"error": ...}` event before it).',
+)
+_NDJSON = (
+    "application/x-ndjson",
+    "With `stream` true (Ollama's default), one JSON object a line (NDJSON), the last "
+    "with `done: true`; else one object.",
+)
+
+
+def _generation(
+    request: str,
+    answer: str,
+    summary: str,
+    stream: tuple[str, str] = _SSE,
+    error_schema: str = "ErrorResponse",
+) -> dict[str, Any]:
+    """A generating route: its body, its answer whole or streamed (``stream``: the
+    media type and its description) and its errors."""
+    media_type, description = stream
     return {
         "post": {
             "summary": summary,
@@ -87,15 +90,10 @@ def _generation(request: str, answer: str, summary: str) -> dict[str, Any]:
             "requestBody": {"required": True, "content": _json(request)},
             "responses": {
                 "200": {
-                    "description": "The completion; with `stream: true`, Server-Sent Events "
-                    "ending with `data: [DONE]` (an error after the stream began is an "
-                    '`{"error": ...}` event before it).',
-                    "content": {
-                        **_json(answer),
-                        "text/event-stream": {"schema": {"type": "string"}},
-                    },
+                    "description": description,
+                    "content": {**_json(answer), media_type: {"schema": {"type": "string"}}},
                 },
-                **_errors(*_GENERATION_ERRORS),
+                **_errors(*_GENERATION_ERRORS, schema=error_schema),
             },
         }
     }
@@ -128,33 +126,14 @@ def _ollama_get(answer: str, summary: str) -> dict[str, Any]:
     }
 
 
-def _ollama_generation(request: str, answer: str, summary: str) -> dict[str, Any]:
-    return {
-        "post": {
-            "summary": summary,
-            "security": _BEARER,
-            "requestBody": {"required": True, "content": _json(request)},
-            "responses": {
-                "200": {
-                    "description": "With `stream` true (Ollama's default), one JSON object "
-                    "a line (NDJSON), the last with `done: true`; else one object.",
-                    "content": {
-                        **_json(answer),
-                        "application/x-ndjson": {"schema": {"type": "string"}},
-                    },
-                },
-                **_errors(*_GENERATION_ERRORS, schema="OllamaError"),
-            },
-        }
-    }
-
-
 def _ollama_paths() -> dict[str, Any]:
     """Ollama's native API beside OpenAI's (:mod:`service.api.ollama.routes`)."""
     return {
-        "/api/chat": _ollama_generation("OllamaChatRequest", "OllamaChatChunk", "Ollama chat."),
-        "/api/generate": _ollama_generation(
-            "OllamaGenerateRequest", "OllamaGenerateChunk", "Ollama generate."
+        "/api/chat": _generation(
+            "OllamaChatRequest", "OllamaChatChunk", "Ollama chat.", _NDJSON, "OllamaError"
+        ),
+        "/api/generate": _generation(
+            "OllamaGenerateRequest", "OllamaGenerateChunk", "Ollama generate.", _NDJSON, "OllamaError"
         ),
         "/api/tags": _ollama_get("OllamaModelList", "The served model, as Ollama lists models."),
         "/api/ps": _ollama_get("OllamaModelList", "The running model, as Ollama lists them."),
@@ -177,26 +156,26 @@ def openapi_document() -> dict[str, Any]:
     """The OpenAPI 3.1 document as a dict (see the module docstring)."""
     _, components = msgspec.json.schema_components(
         [
-            ChatCompletionRequest,
-            CompletionRequest,
-            ChatCompletion,
-            Completion,
-            ModelList,
-            ModelCard,
-            ErrorResponse,
+            openai.ChatCompletionRequest,
+            openai.CompletionRequest,
+            openai.ChatCompletion,
+            openai.Completion,
+            openai.ModelList,
+            openai.ModelCard,
+            openai.ErrorResponse,
             Snapshot,
             ControlResponse,
             ReserveRequest,
             CacheRequest,
-            OllamaChatRequest,
-            OllamaGenerateRequest,
-            OllamaChatChunk,
-            OllamaGenerateChunk,
-            OllamaModelList,
-            OllamaShowRequest,
-            OllamaShow,
-            OllamaVersion,
-            OllamaError,
+            ollama.OllamaChatRequest,
+            ollama.OllamaGenerateRequest,
+            ollama.OllamaChatChunk,
+            ollama.OllamaGenerateChunk,
+            ollama.OllamaModelList,
+            ollama.OllamaShowRequest,
+            ollama.OllamaShow,
+            ollama.OllamaVersion,
+            ollama.OllamaError,
         ],
         ref_template=_REF,
     )

@@ -8,6 +8,9 @@ API's errors come in: every text bounded untokenized first (400
 :meth:`service.api.text.TextSide.min_tokens`), then each prompt encoded in the text
 side's threads or checked, in turn. It is a step of
 :meth:`service.api.generation.Generation.start`.
+
+The routes build a call's prompts (:func:`chat_prompt`, :func:`completion_prompts_of`)
+into its :class:`~service.api.request.GenerationRequest`.
 """
 
 from __future__ import annotations
@@ -17,9 +20,40 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.wire.messages import EngineInfo
-from service.api.checks import check_prompt_bound, message_texts
 from service.api.errors import invalid
 from service.api.text import TextSide
+
+
+def message_texts(messages: list[dict[str, Any]]) -> list[str]:
+    """The text of chat messages: string contents and the ``text`` of content parts."""
+    texts: list[str] = []
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            texts.append(content)
+        elif isinstance(content, list):
+            texts += [
+                p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
+            ]
+    return texts
+
+
+def check_prompt_bound(text: TextSide, texts: list[str], context_tokens: int, param: str) -> None:
+    """Refuse, untokenized, a prompt that cannot fit the context (see
+    :meth:`service.api.text.TextSide.min_tokens`).
+
+    Raises:
+        APIError: 400 ``context_length_exceeded`` naming ``param``.
+    """
+    floor = text.min_tokens(texts)
+    if floor > context_tokens:
+        raise invalid(
+            f"This model's maximum context length is {context_tokens} tokens. However, your "
+            f"prompt is at least {floor} tokens (a token here stands for at most "
+            f"{text.bytes_per_token} bytes of text). Please shorten the prompt.",
+            param,
+            "context_length_exceeded",
+        )
 
 
 @dataclass(frozen=True)
@@ -56,7 +90,7 @@ def chat_prompt(
 
 
 def completion_prompts_of(items: Sequence[str | list[int]]) -> list[Prompt]:
-    """A text completion's prompts (:func:`service.api.checks.prompt_items`), each named
+    """A text completion's prompts (:func:`service.api.openai.requests.prompt_items`), each named
     ``prompt`` when alone, else ``prompt[i]``."""
     prompts = []
     for i, item in enumerate(items):

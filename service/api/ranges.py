@@ -1,6 +1,6 @@
 """The ranges of the sampling values a caller sets, declared once for every door into
-the engine: the OpenAI API's fields (:mod:`service.api.schemas`, and the checks of
-bodies built in Python in :mod:`service.api.generation`) and ``headroom generate``'s
+the engine: the API's sampling fields (:class:`service.api.sampling.Sampling`, which
+OpenAI's bodies inherit and Ollama's options are converted into) and ``headroom generate``'s
 options (:mod:`service.cli.options`). Bounds are inclusive. Plain numbers and no
 imports, so the CLI reads them at import and stays light.
 """

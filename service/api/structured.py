@@ -46,9 +46,9 @@ def response_schema(response_format: dict[str, Any] | None) -> str | None:
     )
 
 
-def ollama_format(fmt: Any) -> dict[str, Any] | None:
-    """Ollama's ``format`` (``"json"`` or a JSON schema object) as OpenAI's
-    ``response_format``.
+def ollama_format(fmt: Any) -> str | None:
+    """The JSON text of the schema Ollama's ``format`` (``"json"``: any object, or a
+    JSON schema object) constrains an answer to, or None for free text.
 
     Raises:
         APIError: 400 ``format`` for anything else.
@@ -56,7 +56,7 @@ def ollama_format(fmt: Any) -> dict[str, Any] | None:
     if fmt in (None, ""):
         return None
     if fmt == "json":
-        return {"type": "json_object"}
+        return ANY_OBJECT
     if isinstance(fmt, dict):
-        return {"type": "json_schema", "json_schema": {"name": "format", "schema": fmt}}
+        return json.dumps(fmt)
     raise invalid('format must be "json" or a JSON schema object', "format")

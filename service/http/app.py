@@ -23,7 +23,7 @@ from litestar.di import Provide
 from service.api.errors import EXCEPTION_HANDLERS
 from service.api.ollama.routes import OllamaController
 from service.api.openapi import openapi_route
-from service.api.routes import OpenAIController
+from service.api.openai.routes import OpenAIController
 from service.cli.settings import ServeSettings
 from service.events.control import SupervisorControl
 from service.events.hub import EventHub

@@ -12,12 +12,12 @@ shaped by :mod:`service.api.logprobs`. ``response_format`` is structured output
 Extensions beyond OpenAI, as vLLM names them: ``top_k``, ``min_p``,
 ``repetition_penalty``, ``ignore_eos``.
 
-Integer and number ranges are declared on the fields (``msgspec.Meta``; those that
-``headroom generate`` shares come from :mod:`service.api.ranges`), so decoding
+Integer and number ranges are declared on the fields (``msgspec.Meta``; the sampling
+ones on :class:`service.api.sampling.Sampling`, which the bodies inherit), so decoding
 refuses a value outside them with a 400 naming the field, and the OpenAPI document
 (:mod:`service.api.openapi`) states them: ``seed`` 0..2**63-1, ``n`` 1..128, ``top_k``
 -1..2**31-1, ``max_tokens`` from 0 (its upper bound is the context, checked with the
-prompt), ``temperature`` 0..2, ``top_p`` and ``min_p`` 0..1, penalties -2..2.
+prompt), ``temperature`` 0..2, ``top_p`` (0..1], ``min_p`` 0..1, penalties -2..2.
 """
 
 from __future__ import annotations
@@ -27,49 +27,30 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
-from service.api.ranges import (
-    MAX_TOKENS_MIN,
-    SEED_MAX,
-    SEED_MIN,
-    TEMPERATURE_MAX,
-    TEMPERATURE_MIN,
-)
+from service.api.ranges import MAX_TOKENS_MIN
+from service.api.sampling import Sampling
 
 MAX_N = 128
-TOP_K_MAX = (1 << 31) - 1
 
-Seed = Annotated[int, Meta(ge=SEED_MIN, le=SEED_MAX)]
 TokenCount = Annotated[int, Meta(ge=MAX_TOKENS_MIN)]
 N = Annotated[int, Meta(ge=1, le=MAX_N)]
-TopK = Annotated[int, Meta(ge=-1, le=TOP_K_MAX)]
-Temperature = Annotated[float, Meta(ge=TEMPERATURE_MIN, le=TEMPERATURE_MAX)]
-Probability = Annotated[float, Meta(ge=0.0, le=1.0)]
-Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool = False
 
 
-class _SamplingFields(msgspec.Struct, kw_only=True):
-    """Fields shared by chat and text completions."""
+class _SamplingFields(Sampling, kw_only=True):
+    """Fields shared by chat and text completions (the sampling ones, and their
+    ranges, are :class:`service.api.sampling.Sampling`'s)."""
 
     model: str | None = None
     max_tokens: TokenCount | None = None
-    temperature: Temperature | None = None
-    top_p: Probability | None = None
-    top_k: TopK | None = None
-    min_p: Probability | None = None
-    seed: Seed | None = None
     stop: str | list[str] | None = None
     n: N = 1
-    presence_penalty: Penalty | None = None
-    frequency_penalty: Penalty | None = None
-    repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    ignore_eos: bool = False
     logit_bias: dict[str, float] | None = None
 
 

@@ -1,0 +1,77 @@
+"""What a chat's answer will be, decided on its way into the engine: the tool plan
+(checked against the model's template), the JSON schema its answers are constrained
+to, the prompt's continuation for a forced tool call, and whether its answers start
+inside a thinking block.
+
+Two steps of :meth:`service.api.generation.Generation.start`: :func:`plan_chat` before
+the prompt is tokenized (its 400s come after admission, as they need the tokenizer's
+template), :func:`continue_prompt` after. The answer builders shape text with the
+plan (:class:`service.api.chat_output.ChatOutput`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.text.chat import template_has_tools
+from service.api.reasoning import CLOSE as CLOSE_THINKING
+from service.api.reasoning import reasoning_start
+from service.api.request import GenerationRequest
+from service.api.text import TextSide
+from service.api.tools import ToolPlan, plan_tools
+
+# Prompt tokens decoded to see how the prompt ends (an open ``<think>``): a few tokens
+# hold the tag and the newlines around it.
+_TAIL_TOKENS = 8
+
+
+@dataclass
+class ChatPlan:
+    """A chat's answers as the engine will write them.
+
+    Attributes:
+        tools: the :class:`~service.api.tools.ToolPlan` (no tools: an empty plan).
+        json_schema: the schema every answer is constrained to (``response_format``,
+            or a forced call's arguments), or None.
+        thinking: None (no reasoning split), or whether answers start inside a
+            thinking block (known once :func:`continue_prompt` ran).
+    """
+
+    tools: ToolPlan = field(default_factory=ToolPlan)
+    json_schema: str | None = None
+    thinking: bool | None = None
+
+
+def chat_template(text: TextSide) -> str | None:
+    """The tokenizer's chat template text, or None."""
+    template = getattr(text.tokenizer, "chat_template", None)
+    return template if isinstance(template, str) else None
+
+
+def plan_chat(request: GenerationRequest, text: TextSide) -> ChatPlan:
+    """The tool plan and the answers' schema of a chat request.
+
+    Raises:
+        APIError: 400 ``tools``/``tool_choice`` (:func:`service.api.tools.plan_tools`).
+    """
+    tools = plan_tools(
+        request.tools, request.tool_choice, chat_template(text), template_has_tools(text.tokenizer)
+    )
+    # A forced call: its arguments are the answer.
+    schema = tools.schema if tools.schema is not None else request.json_schema
+    return ChatPlan(tools=tools, json_schema=schema)
+
+
+async def continue_prompt(plan: ChatPlan, text: TextSide, prompt_ids: list[int]) -> list[int]:
+    """A chat prompt's token ids as the engine gets them; sets ``plan.thinking`` from
+    how the prompt ends (an open thinking block)."""
+    tail = text.tokenizer.decode(prompt_ids[-_TAIL_TOKENS:])
+    thinking = reasoning_start(chat_template(text), tail)
+    if plan.tools.prefix:
+        # A forced call is the answer itself: a thinking block the prompt opened is
+        # closed before it (empty), and the answer has no reasoning to split.
+        opened = CLOSE_THINKING + "\n\n" if thinking else ""
+        prompt_ids = prompt_ids + await text.encode_text(opened + plan.tools.prefix)
+        thinking = None if thinking is None else False
+    plan.thinking = thinking
+    return prompt_ids

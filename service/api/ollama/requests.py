@@ -1,0 +1,181 @@
+"""Ollama's bodies as the one :class:`~service.api.request.GenerationRequest` a call
+runs as, on the same path as OpenAI's.
+
+Mapped ``options``: ``num_ctx`` (the request's context: prompt plus answer, at most the
+engine's), ``num_predict`` (``max_tokens``; -1 and -2: the rest of the context; unset:
+``--default-max-tokens``), ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``
+(negative: none), ``stop``, ``repeat_penalty`` (``repetition_penalty``),
+``presence_penalty``, ``frequency_penalty``; their ranges are the OpenAI fields' (one
+declaration, :class:`service.api.sampling.Sampling`), and a value outside them is a
+400 naming the option. Other options (``num_gpu``, ``num_thread``, ``mirostat``...) and
+``keep_alive`` (the model stays loaded while the server runs) are accepted and
+ignored. ``think`` is the template's ``enable_thinking``; ``tools`` work as on ``/v1``
+(``tool_choice`` auto); ``format`` (``"json"`` or a JSON schema) is structured output
+(:mod:`service.api.structured`). Refused with a 400 rather than dropped: ``images``,
+and ``/api/generate``'s ``suffix``, ``template`` and ``context``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import msgspec
+
+from service.api.errors import APIError, invalid
+from service.api.ollama.schemas import OllamaChatRequest, OllamaGenerateRequest, OllamaOptions
+from service.api.prompts import Prompt, chat_prompt
+from service.api.request import GenerationRequest, stop_strings
+from service.api.sampling import Sampling
+from service.api.structured import ollama_format
+
+# Ollama's option names of the sampling fields whose names differ.
+_OPTION_OF_FIELD = {"repetition_penalty": "repeat_penalty"}
+_FIELD_AT = re.compile(r" - at `\$\.(?P<field>\w+)`$")
+_TAG = ":latest"
+
+
+def model_name(name: str) -> str:
+    """Ollama's ``name:latest`` is ``name``: clients add the tag to names without one."""
+    return name[: -len(_TAG)] if name.endswith(_TAG) else name
+
+
+def _refuse_unsupported(body: OllamaChatRequest | OllamaGenerateRequest) -> None:
+    if isinstance(body, OllamaChatRequest):
+        for i, message in enumerate(body.messages):
+            if isinstance(message, dict) and message.get("images"):
+                raise invalid(
+                    "images are not supported: this server serves text models",
+                    f"messages[{i}].images",
+                )
+        return
+    for name in ("suffix", "template", "context", "images"):
+        if getattr(body, name):
+            raise invalid(f"{name} is not supported by this server", name)
+
+
+def _messages(body: OllamaChatRequest) -> list[dict[str, Any]]:
+    """Ollama's messages as the template takes them: role and content (Ollama's
+    ``thinking`` of earlier answers is not sent back to the model, as Ollama does)."""
+    out = []
+    for message in body.messages:
+        if not isinstance(message, dict):
+            out.append(message)  # the template check names it
+            continue
+        entry = {"role": message.get("role"), "content": message.get("content", "")}
+        if message.get("tool_calls"):
+            entry["tool_calls"] = message["tool_calls"]
+        if isinstance(message.get("tool_name"), str):
+            entry["name"] = message["tool_name"]
+        out.append(entry)
+    return out
+
+
+def _thinking(body: OllamaChatRequest | OllamaGenerateRequest) -> dict[str, Any] | None:
+    """Ollama's ``think`` as the template's ``enable_thinking`` (``"high"``... count as
+    on)."""
+    return None if body.think is None else {"enable_thinking": bool(body.think)}
+
+
+def _sampling(o: OllamaOptions) -> Sampling:
+    """The sampling fields of ``options``, in their declared ranges.
+
+    Raises:
+        APIError: 400 ``options.<name>`` for a value out of its range.
+    """
+    fields: dict[str, Any] = {
+        "temperature": o.temperature,
+        "top_p": o.top_p,
+        "top_k": o.top_k,
+        "min_p": o.min_p,
+        "seed": o.seed if o.seed is not None and o.seed >= 0 else None,
+        "repetition_penalty": o.repeat_penalty,
+        "presence_penalty": o.presence_penalty,
+        "frequency_penalty": o.frequency_penalty,
+    }
+    try:
+        return msgspec.convert(fields, type=Sampling)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        match = _FIELD_AT.search(text)
+        field = match.group("field") if match else ""
+        option = "options." + _OPTION_OF_FIELD.get(field, field)
+        raise invalid(f"{option}: {text[: match.start()] if match else text}", option) from None
+
+
+def _request(
+    body: OllamaChatRequest | OllamaGenerateRequest,
+    request_id: str,
+    started: float,
+    default_max_tokens: int,
+    prompt: Prompt,
+    tools: list[Any] | None = None,
+) -> GenerationRequest:
+    """What both calls map alike: ``options``, ``format``, ``stream``."""
+    o = body.options or OllamaOptions()
+    if o.num_ctx is not None and o.num_ctx < 1:
+        raise invalid(f"num_ctx must be at least 1, got {o.num_ctx}", "options.num_ctx")
+    max_tokens = None
+    if o.num_predict is not None:
+        if o.num_predict < 0:
+            default_max_tokens = 0  # -1 (no limit) and -2 (fill the context)
+        else:
+            max_tokens = o.num_predict
+    json_schema = ollama_format(body.format)
+    try:
+        stop = stop_strings(o.stop)
+    except APIError as exc:
+        exc.param = "options.stop"
+        raise
+    return GenerationRequest(
+        request_id=request_id,
+        started=started,
+        prompts=(prompt,),
+        sampling=_sampling(o),
+        max_tokens=max_tokens,
+        default_max_tokens=default_max_tokens or None,
+        stop=tuple(stop),
+        json_schema=json_schema,
+        chat=True,
+        tools=tools,
+        context_tokens=o.num_ctx,
+        stream=body.stream,
+    )
+
+
+def chat_request(
+    body: OllamaChatRequest, request_id: str, started: float, default_max_tokens: int
+) -> GenerationRequest:
+    """``/api/chat``'s body as the request it runs as.
+
+    Args:
+        default_max_tokens: ``--default-max-tokens`` (0: the rest of the context).
+
+    Raises:
+        APIError: 400 naming the field (``options.temperature``, ``format``...).
+    """
+    _refuse_unsupported(body)
+    if not body.messages:
+        raise invalid("messages must not be empty", "messages")
+    tools = body.tools or None
+    (prompt,) = chat_prompt(_messages(body), tools, _thinking(body))
+    return _request(body, request_id, started, default_max_tokens, prompt, tools)
+
+
+def generate_request(
+    body: OllamaGenerateRequest, request_id: str, started: float, default_max_tokens: int
+) -> GenerationRequest:
+    """``/api/generate``'s body as a chat of a ``system`` message (when set) and a
+    ``user`` message, or with ``raw``, its prompt tokenized as is.
+
+    Raises:
+        APIError: 400 naming the field.
+    """
+    _refuse_unsupported(body)
+    if body.raw:
+        prompt = Prompt("prompt", text=body.prompt)
+    else:
+        messages = [{"role": "system", "content": body.system}] if body.system else []
+        messages.append({"role": "user", "content": body.prompt})
+        (prompt,) = chat_prompt(messages, None, _thinking(body))
+    return _request(body, request_id, started, default_max_tokens, prompt)

@@ -1,0 +1,1 @@
+"""OpenAI's API under ``/v1``: its bodies, its requests, its answers and its routes."""

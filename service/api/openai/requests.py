@@ -1,0 +1,139 @@
+"""OpenAI's bodies as the one :class:`~service.api.request.GenerationRequest` a call
+runs as, with the checks that need neither the tokenizer nor the engine: fields this
+server refuses rather than ignores, OpenAI's four prompt forms, ``stop``,
+``logit_bias``'s form and ``response_format``.
+
+The body's shape and declared ranges were checked when it was decoded
+(:mod:`service.api.openai.schemas`); each refusal here is a 400 naming the field
+(:func:`service.api.errors.invalid`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.wire.messages import MAX_LOGPROBS
+from service.api.errors import invalid
+from service.api.openai.schemas import ChatCompletionRequest, CompletionRequest
+from service.api.prompts import chat_prompt, completion_prompts_of
+from service.api.request import GenerationRequest, stop_strings
+from service.api.sampling import Sampling, logit_bias_pairs
+from service.api.structured import response_schema
+
+# An unset max_tokens is OpenAI's 16 for text completions.
+COMPLETION_MAX_TOKENS = 16
+
+
+def _sampling(body: Sampling) -> Sampling:
+    """The sampling fields of a body (a copy: the body is not kept)."""
+    return Sampling(**{name: getattr(body, name) for name in Sampling.__struct_fields__})
+
+
+def chat_request(
+    body: ChatCompletionRequest, request_id: str, started: float, default_max_tokens: int
+) -> GenerationRequest:
+    """A chat completion's body as the request it runs as.
+
+    Args:
+        default_max_tokens: ``--default-max-tokens``, the length when the body sets
+            none of ``max_completion_tokens`` and ``max_tokens`` (0: the rest of the
+            context).
+
+    Raises:
+        APIError: 400 naming the field (``top_logprobs``, ``functions``,
+            ``response_format``, ``stop``, ``logit_bias``).
+    """
+    logit_bias, stop = logit_bias_pairs(body.logit_bias), stop_strings(body.stop)
+    if body.top_logprobs is not None:
+        _check_logprobs_count(body.top_logprobs, "top_logprobs")
+        if body.top_logprobs > 0 and not body.logprobs:
+            raise invalid("top_logprobs needs logprobs set to true", "top_logprobs")
+    if body.functions or body.function_call not in (None, "none", "auto"):
+        # The deprecated form of tools; tools themselves: service.api.tools.
+        raise invalid("functions are not supported; send tools instead", "functions")
+    json_schema = response_schema(body.response_format)
+    if body.max_completion_tokens is not None:
+        max_tokens, param = body.max_completion_tokens, "max_completion_tokens"
+    else:
+        max_tokens, param = body.max_tokens, "max_tokens"
+    return GenerationRequest(
+        request_id=request_id,
+        started=started,
+        prompts=tuple(chat_prompt(body.messages, body.tools or None, body.chat_template_kwargs)),
+        sampling=_sampling(body),
+        n=body.n,
+        max_tokens=max_tokens,
+        max_tokens_param=param,
+        default_max_tokens=default_max_tokens or None,
+        stop=tuple(stop),
+        logit_bias=logit_bias,
+        logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        json_schema=json_schema,
+        chat=True,
+        tools=body.tools,
+        tool_choice=body.tool_choice,
+        stream=body.stream,
+    )
+
+
+def completion_request(
+    body: CompletionRequest, request_id: str, started: float
+) -> GenerationRequest:
+    """A text completion's body as the request it runs as (each prompt yields ``n``
+    choices).
+
+    Raises:
+        APIError: 400 naming the field (``logprobs``, ``suffix``, ``best_of``,
+            ``prompt``, ``stop``, ``logit_bias``).
+    """
+    logit_bias, stop = logit_bias_pairs(body.logit_bias), stop_strings(body.stop)
+    if body.logprobs is not None:
+        _check_logprobs_count(body.logprobs, "logprobs")
+    if body.suffix:
+        raise invalid("suffix is not supported by this server", "suffix")
+    if body.best_of is not None and body.best_of != body.n:
+        raise invalid("best_of other than n is not supported by this server", "best_of")
+    items = prompt_items(body.prompt)
+    return GenerationRequest(
+        request_id=request_id,
+        started=started,
+        prompts=tuple(completion_prompts_of(items)),
+        sampling=_sampling(body),
+        n=body.n,
+        max_tokens=body.max_tokens,
+        default_max_tokens=COMPLETION_MAX_TOKENS,
+        stop=tuple(stop),
+        logit_bias=logit_bias,
+        logprobs=body.logprobs,
+        echo=body.echo,
+        stream=body.stream,
+    )
+
+
+def _check_logprobs_count(k: int, param: str) -> None:
+    """Alternatives per token: 0..20, as OpenAI's bound."""
+    if isinstance(k, bool) or not 0 <= k <= MAX_LOGPROBS:
+        raise invalid(f"{param} must be an integer in [0, {MAX_LOGPROBS}], got {k}", param)
+
+
+def prompt_items(prompt: str | list[Any]) -> list[str | list[int]]:
+    """OpenAI's four prompt forms as a list of strings / token id lists.
+
+    Raises:
+        APIError: 400 ``prompt`` for an empty or mixed list.
+    """
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise invalid("prompt must not be empty", "prompt")
+    if all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return [list(prompt)]
+    if all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompt):
+        return [list(p) for p in prompt]
+    raise invalid(
+        "prompt must be a string, a list of strings, a list of token ids or a list of "
+        "token id lists",
+        "prompt",
+    )

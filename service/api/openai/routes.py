@@ -1,0 +1,98 @@
+"""The OpenAI-compatible routes: ``/v1/chat/completions``, ``/v1/completions``,
+``/v1/models``.
+
+One path per call, each step once: the body is decoded here (not by Litestar's
+signature model) so that every defect in it, empty, not JSON, not an object, a wrong
+type, a value out of its declared range, answers OpenAI's 400 with ``param``
+(:func:`service.api.errors.decode_body`); it becomes the one
+:class:`~service.api.request.GenerationRequest` of the call
+(:mod:`service.api.openai.requests`, 400s for fields needing nothing else); then
+readiness (503) and the model (404); then the generation runner takes it into the
+engine (:meth:`service.api.generation.Generation.start`: admission 503
+``queue_full``, ``logit_bias`` ids, a chat's ``tools``/``tool_choice``, the prompt's
+bound, tokenizing, ``max_tokens`` against the context, submit); the answer is built
+in :mod:`service.api.openai.answers`. With ``--request-timeout``, a request still
+running that many seconds after it arrived is aborted in the engine and answered 504
+``request_timeout`` (in a stream: an error event, then ``[DONE]``).
+
+Authentication (``--api-key``) is not here but in the guard of the router these
+routes are mounted on (:class:`service.http.auth.BearerGuard`).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from litestar import Controller, Request, Response, get, post
+
+from engine.wire.messages import EngineInfo
+from service.api.errors import decode_body
+from service.api.generation import start_generation
+from service.api.openai.answers import chat_answer, completion_answer
+from service.api.openai.requests import chat_request, completion_request
+from service.api.openai.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from service.api.responses import json_response
+from service.api.services import ApiServices
+
+
+def _card(svc: ApiServices, info: EngineInfo, name: str) -> ModelCard:
+    """The model card of ``name`` (one of ``svc.model_names(info)``)."""
+    return ModelCard(
+        id=name,
+        created=svc.started_at,
+        context_length=info.max_context_tokens,
+        max_model_len=info.max_context_tokens,
+        model_context_length=info.model_context_tokens,
+    )
+
+
+class OpenAIController(Controller):
+    """OpenAI's API under ``/v1``."""
+
+    path = "/v1"
+
+    @get("/models")
+    async def models(self, svc: ApiServices) -> Response[bytes]:
+        """The served model. ``context_length`` (and ``max_model_len``) is the context
+        one request can use *now*, prompt plus completion in tokens: the live limit,
+        which follows the KV pool as it shrinks and grows (a request longer than it
+        is refused with ``context_length_exceeded``). ``model_context_length`` is the
+        model's own. 503 before the first worker is ready."""
+        # The last worker's facts stay valid while it restarts; before the first one
+        # is ready, check_ready raises NotReady (503).
+        info = svc.supervisor.info or svc.supervisor.check_ready()
+        return json_response(ModelList(data=[_card(svc, info, name) for name in svc.model_names(info)]))
+
+    @get("/models/{model_id:path}")
+    async def model(self, model_id: str, svc: ApiServices) -> Response[bytes]:
+        """One served model by a name :meth:`models` lists (OpenAI's retrieve; a name
+        with slashes, as a Hugging Face id, included); 404 ``model_not_found`` for any
+        other name, 503 before the first worker is ready."""
+        info = svc.supervisor.info or svc.supervisor.check_ready()
+        name = model_id.lstrip("/")
+        # check_model takes an empty name for the served model, a retrieve does not.
+        if name not in svc.model_names(info):
+            svc.check_model(name or " ", info)  # raises the 404 naming the served models
+        return json_response(_card(svc, info, name))
+
+    @post("/chat/completions", status_code=200)
+    async def chat_completions(self, request: Request, svc: ApiServices) -> Response[Any]:
+        """Chat completion, streaming (SSE) or not. Errors: see the module docstring."""
+        started = time.perf_counter()
+        body = decode_body(await request.body(), ChatCompletionRequest)
+        call = chat_request(
+            body, f"chatcmpl-{uuid.uuid4().hex}", started, svc.settings.default_max_tokens
+        )
+        gen, model = await start_generation(svc, body.model, call)
+        return await chat_answer(gen, request, model, body.stream_options)
+
+    @post("/completions", status_code=200)
+    async def completions(self, request: Request, svc: ApiServices) -> Response[Any]:
+        """Text completion of a raw prompt (no chat template), streaming or not."""
+        started = time.perf_counter()
+        body = decode_body(await request.body(), CompletionRequest)
+        call = completion_request(body, f"cmpl-{uuid.uuid4().hex}", started)
+        gen, model = await start_generation(svc, body.model, call)
+        return await completion_answer(gen, request, model, body.stream_options)

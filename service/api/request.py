@@ -1,0 +1,145 @@
+"""The one typed request every API call becomes, built once by its route.
+
+A route decodes its body into its API's struct (:mod:`service.api.openai.schemas`,
+:mod:`service.api.ollama.schemas`: the shape and the declared ranges are checked
+there), then builds one :class:`GenerationRequest` (the checks that need neither the
+tokenizer nor the engine are done there, once: ``stop``, ``logit_bias``'s form,
+``response_format``, the API's own fields). The generation runner
+(:class:`service.api.generation.Generation`) takes it into the engine: the checks that
+need the engine's facts (``logit_bias`` ids, tools against the template, the prompt and
+``max_tokens`` against the context) happen there, once; the engine validates the
+:class:`~engine.wire.messages.GenerateRequest` once more as its own contract.
+
+``max_tokens`` keeps its name from the body to here (Ollama's ``num_predict`` and
+OpenAI's ``max_completion_tokens`` are read into it); :func:`resolve_max_tokens` turns
+it into the engine's ``SamplingParams.max_new_tokens``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from service.api.errors import invalid
+from service.api.prompts import Prompt
+from service.api.sampling import Sampling
+
+# OpenAI takes up to 4 stop strings; we take more, within bounds that keep the stop
+# matcher's per-token work small.
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One API call as the generation runner takes it.
+
+    Args:
+        request_id: the API id (``chatcmpl-...``); engine ids are ``{request_id}-{i}``.
+        started: ``time.perf_counter()`` when the HTTP request arrived
+            (``--request-timeout`` counts from it).
+        prompts: the call's prompts (:class:`~service.api.prompts.Prompt`); sequence
+            ``i`` answers ``prompts[i // n]``.
+        sampling: the sampling fields (ranges checked at decode).
+        n: sequences per prompt.
+        max_tokens: the completion's length asked for; None: ``default_max_tokens``.
+        max_tokens_param: the field its errors name (``max_tokens``,
+            ``max_completion_tokens``).
+        default_max_tokens: the length when ``max_tokens`` is None; None: the rest of
+            the context.
+        stop: stop strings (:func:`stop_strings`).
+        logit_bias: ``(token id, bias)`` pairs (ids against the vocabulary: at start).
+        logprobs: alternatives per generated token, or None for no logprobs.
+        echo: the prompt's tokens are scored too (text completions' ``echo`` with
+            ``logprobs``).
+        json_schema: the JSON schema (as text) answers are constrained to, or None.
+        chat: answers are shaped as chat messages (a reasoning split, tool calls).
+        tools: tool definitions for the template (chat only), or None.
+        tool_choice: OpenAI's ``tool_choice`` (chat only).
+        context_tokens: a smaller context than the engine's for this call (Ollama's
+            ``num_ctx``), or None.
+        stream: the answer streams.
+    """
+
+    request_id: str
+    started: float
+    prompts: tuple[Prompt, ...]
+    sampling: Sampling
+    n: int = 1
+    max_tokens: int | None = None
+    max_tokens_param: str = "max_tokens"
+    default_max_tokens: int | None = None
+    stop: tuple[str, ...] = ()
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None
+    echo: bool = False
+    json_schema: str | None = None
+    chat: bool = False
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    context_tokens: int | None = None
+    stream: bool = False
+
+
+def stop_strings(stop: str | list[str] | None) -> list[str]:
+    """OpenAI's ``stop`` as a list; empty strings are dropped (they would match
+    everywhere).
+
+    Raises:
+        APIError: 400 ``stop`` for more than :data:`MAX_STOP_STRINGS` strings or one
+            longer than :data:`MAX_STOP_CHARS` characters.
+    """
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else list(stop)
+    if len(stops) > MAX_STOP_STRINGS:
+        raise invalid(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stops)}", "stop")
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise invalid(f"each stop string must be at most {MAX_STOP_CHARS} characters", "stop")
+    return [s for s in stops if s]
+
+
+def resolve_max_tokens(
+    requested: int | None,
+    param: str,
+    prompt_tokens: int,
+    context_tokens: int,
+    *,
+    prompt_param: str,
+    default: int | None = None,
+) -> int:
+    """How many tokens a sequence may generate (the engine's ``max_new_tokens``).
+
+    ``param`` / ``prompt_param`` name the fields blamed in errors. ``requested`` None
+    means ``default`` (clamped to the rest of the context), or, with no default, the
+    whole rest of the context. ``0`` is allowed and produces an empty completion
+    (``finish_reason: "length"``), without running the engine unless the call scores
+    its prompt (``echo`` with ``logprobs``).
+
+    Raises:
+        APIError: 400 ``param`` for a negative value; 400 ``context_length_exceeded``
+            when the prompt alone, or prompt plus ``requested``, exceeds
+            ``context_tokens`` (both numbers in the message).
+    """
+    if requested is not None and requested < 0:
+        raise invalid(f"{param} must be at least 0, got {requested}", param)
+    remaining = context_tokens - prompt_tokens
+    if remaining < (1 if requested != 0 else 0):
+        raise invalid(
+            f"This model's maximum context length is {context_tokens} tokens. However, your "
+            f"prompt is {prompt_tokens} tokens, which leaves no room for a completion. "
+            "Please shorten the prompt.",
+            prompt_param,
+            "context_length_exceeded",
+        )
+    if requested is None:
+        return remaining if default is None else min(default, remaining)
+    if requested > remaining:
+        raise invalid(
+            f"This model's maximum context length is {context_tokens} tokens. However, you "
+            f"requested {prompt_tokens + requested} tokens ({prompt_tokens} in the prompt, "
+            f"{requested} in the completion). Please reduce the prompt or {param}.",
+            param,
+            "context_length_exceeded",
+        )
+    return requested

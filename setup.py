@@ -2,7 +2,7 @@
 
 Everything else about the package is declared in pyproject.toml. The files live outside
 the Python packages (``ui-bridge/dashboard``, ``installers/templates``); this build step
-copies them into ``service/_data/`` of the wheel, where ``service.resources.data_dir``
+copies them into ``service/_data/`` of the wheel, where ``service.common.resources.data_dir``
 finds them. An editable install reads them from the source tree instead.
 """
 
@@ -16,7 +16,7 @@ from setuptools import setup
 from setuptools.command.build_py import build_py
 
 HERE = Path(__file__).resolve().parent
-SOURCES = runpy.run_path(str(HERE / "service" / "resources.py"))["SOURCES"]
+SOURCES = runpy.run_path(str(HERE / "service" / "common" / "resources.py"))["SOURCES"]
 REQUIRED = ("dashboard/index.html", "dashboard/app.js")
 
 

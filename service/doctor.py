@@ -49,7 +49,7 @@ class Context:
 
 
 def _check_headroom(ctx: Context) -> Check:
-    from service.version import headroom_version
+    from service.common.version import headroom_version
 
     return Check(
         "headroom",
@@ -59,7 +59,7 @@ def _check_headroom(ctx: Context) -> Check:
 
 
 def _check_config(ctx: Context) -> Check:
-    from service.cli.settings import ENV_PREFIX, SettingsError, default_config_path, resolve
+    from service.common.settings import ENV_PREFIX, SettingsError, default_config_path, resolve
 
     path = Path(os.environ.get(ENV_PREFIX + "CONFIG") or default_config_path())
     try:
@@ -264,7 +264,7 @@ def _health_check(detail: str, health: dict[str, Any]) -> Check:
 
 
 def _check_token(ctx: Context) -> Check:
-    from service.events.token import read_token, token_path
+    from service.common.token import read_token, token_path
 
     path = token_path()
     if not path.exists():

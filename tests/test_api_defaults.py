@@ -20,8 +20,8 @@ from service.api.sampling_defaults import (
     load_sampling_defaults,
 )
 from service.api.schemas import ChatCompletionRequest
-from service.cli.settings import DEFAULT_MAX_TOKENS, OPTIONS_BY_NAME, resolve
-from service.http.state import Services
+from service.common.settings import DEFAULT_MAX_TOKENS, OPTIONS_BY_NAME, resolve
+from service.api.services import Services
 
 
 def _chat(**fields) -> ChatCompletionRequest:

@@ -105,7 +105,7 @@ def test_backends_declare_their_workspace():
 
 
 def test_fast_path_options_reach_the_engine_config(tmp_path):
-    from service.cli.settings import SettingsError, resolve
+    from service.common.settings import SettingsError, resolve
 
     empty = tmp_path / "empty.toml"
     empty.write_text("")

@@ -409,7 +409,7 @@ def test_publish_threadsafe():
 
 
 def test_token_created_private_and_reused(tmp_path, monkeypatch):
-    from service.events import token as tk
+    from service.common import token as tk
 
     monkeypatch.setenv(tk.CONFIG_DIR_ENV, str(tmp_path / "cfg"))
     path = tk.token_path()
@@ -427,7 +427,7 @@ def test_token_created_private_and_reused(tmp_path, monkeypatch):
 
 
 def test_token_invalid_file_replaced(tmp_path):
-    from service.events import token as tk
+    from service.common import token as tk
 
     path = tmp_path / "token"
     path.write_text("\n")
@@ -441,7 +441,7 @@ def test_token_invalid_file_replaced(tmp_path):
 def test_token_concurrent_creators_agree(tmp_path):
     import concurrent.futures
 
-    from service.events import token as tk
+    from service.common import token as tk
 
     path = tmp_path / "t" / "token"
     with concurrent.futures.ThreadPoolExecutor(8) as pool:

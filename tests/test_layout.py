@@ -33,7 +33,17 @@ ENGINE_FLOORS: tuple[tuple[str, ...], ...] = (
     ("engine.commands", "engine.bench"),
 )
 
-SERVICE_FLOORS: tuple[tuple[str, ...], ...] = ()  # filled in with the service's floors
+SERVICE_FLOORS: tuple[tuple[str, ...], ...] = (
+    ("service", "service.common"),
+    ("service.events",),
+    ("service.supervision",),
+    ("service.vram",),
+    ("service.api",),
+    ("service.control",),
+    ("service.http",),
+    ("service.autostart", "service.bench", "service.tray"),
+    ("service.cli", "service.doctor"),
+)
 
 MAX_LINES = 450
 

@@ -12,7 +12,7 @@ import pytest
 from test_wiring_units import FakeSupervisor, pool_stats
 
 from engine.common.units import GiB, MiB
-from service.cli.settings import resolve
+from service.common.settings import resolve
 from service.events.hub import VramThrottle
 from service.vram.gpus import GpuGroup, tightest
 from service.vram.sources import SimulatedSource, cpu_mode_sample

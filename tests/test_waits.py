@@ -12,7 +12,7 @@ import pytest
 
 from engine.common.faults import FaultInjector, check_cuda_init
 from engine.wire.ipc import Misfit, WorkerError
-from service.cli.settings import SettingsError, parse_duration, resolve
+from service.common.settings import SettingsError, parse_duration, resolve
 from service.supervision.waits import (
     GpuBackoff,
     MemoryWait,

@@ -29,7 +29,7 @@ from service.api.schemas import ChatCompletionRequest
 from service.api.structured import response_schema
 from service.api.text import TextSide
 from service.api.tools import ToolPlan, plan_tools
-from service.http.state import Services
+from service.api.services import Services
 
 # Prompt tokens decoded to see how the prompt ends (an open ``<think>``): a few tokens
 # hold the tag and the newlines around it.

@@ -2,7 +2,7 @@
 this server refuses rather than ignores, OpenAI's four prompt forms, and a cheap lower
 bound on a prompt's tokens against the context (before any tokenizing).
 
-Each refusal is a 400 naming the field (:func:`service.api.errors.invalid`).
+Each refusal is a 400 naming the field (:func:`service.common.errors.invalid`).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.wire.messages import MAX_LOGPROBS
-from service.api.errors import invalid
+from service.common.errors import invalid
 from service.api.schemas import ChatCompletionRequest, CompletionRequest
 from service.api.structured import response_schema
 from service.api.text import TextSide

@@ -29,14 +29,14 @@ from engine.wire.messages import (
 )
 from engine.text.stop import StopStringMatcher
 from service.api.admission import Admission, Ticket
-from service.api.errors import SERVER_ERROR, APIError, invalid
+from service.common.errors import SERVER_ERROR, APIError, invalid
 from service.api.prompts import Prompt, encode_prompts
-from service.api.ranges import MAX_TOKENS_MIN, SEED_MIN, TEMPERATURE_MAX, TEMPERATURE_MIN
+from service.common.ranges import MAX_TOKENS_MIN, SEED_MIN, TEMPERATURE_MAX, TEMPERATURE_MIN
 from service.api.sampling_defaults import SamplingDefaults
 from service.api.schemas import MAX_N, SEED_MAX, TOP_K_MAX, _SamplingFields
 from service.api.text import TextSide
 from service.supervision.inflight import EngineFailure, Submission
-from service.supervision.states import ENGINE_RESTARTED
+from service.common.engine_states import ENGINE_RESTARTED
 from service.supervision.supervisor import Supervisor
 
 _REPLACEMENT = "\ufffd"

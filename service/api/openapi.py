@@ -42,7 +42,7 @@ from service.api.schemas import (
     ModelCard,
     ModelList,
 )
-from service.events.routes import CacheRequest, ControlResponse, ReserveRequest
+from service.events.control_schemas import CacheRequest, ControlResponse, ReserveRequest
 from service.events.schemas import Snapshot
 
 SCHEMA_PATH = "/schema/openapi.json"

@@ -19,7 +19,7 @@ import msgspec
 from litestar import Request, Response
 from litestar.response import Stream
 
-from service.api.errors import SERVER_ERROR, APIError
+from service.common.errors import SERVER_ERROR, APIError
 from service.api.generation import Generation
 from service.api.schemas import Usage
 
@@ -130,7 +130,7 @@ async def respond_with(
         status = exc.status
         raise
     except Exception:
-        status = 500  # answered by the catch-all handler in service.api.errors
+        status = 500  # answered by the catch-all handler in service.common.errors
         raise
     finally:
         gen.close()

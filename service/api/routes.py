@@ -16,7 +16,7 @@ that many seconds after it arrived is aborted in the engine and answered 504
 ``request_timeout`` (in a stream: an error event, then ``[DONE]``).
 
 Authentication (``--api-key``) is not here but in the guard of the router these
-routes are mounted on (:class:`service.http.auth.BearerGuard`). The checks that need
+routes are mounted on (:class:`service.common.auth.BearerGuard`). The checks that need
 no tokenizer are in :mod:`service.api.checks`; how a generation becomes its answer,
 JSON or Server-Sent Events, in :mod:`service.api.responses`.
 """
@@ -34,7 +34,7 @@ from litestar import Controller, Request, Response, get, post
 from engine.wire.messages import EngineInfo
 from service.api.chat_generation import call_generation, start_chat
 from service.api.checks import check_chat_fields, completion_prompts
-from service.api.errors import decode_body
+from service.common.errors import decode_body
 from service.api.generation import Generation, MaxTokens, check_common
 from service.api.logprobs import TokenTexts
 from service.api.prompts import completion_prompts_of
@@ -54,7 +54,7 @@ from service.api.schemas import (
     TextChoice,
 )
 from service.api.structured import response_schema
-from service.http.state import Services
+from service.api.services import Services
 
 T = TypeVar("T")
 R = TypeVar("R")

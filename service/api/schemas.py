@@ -13,7 +13,7 @@ Extensions beyond OpenAI, as vLLM names them: ``top_k``, ``min_p``,
 ``repetition_penalty``, ``ignore_eos``.
 
 Integer and number ranges are declared on the fields (``msgspec.Meta``; those that
-``headroom generate`` shares come from :mod:`service.api.ranges`), so decoding
+``headroom generate`` shares come from :mod:`service.common.ranges`), so decoding
 refuses a value outside them with a 400 naming the field, and the OpenAPI document
 (:mod:`service.api.openapi`) states them: ``seed`` 0..2**63-1, ``n`` 1..128, ``top_k``
 -1..2**31-1, ``max_tokens`` from 0 (its upper bound is the context, checked with the
@@ -27,7 +27,7 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
-from service.api.ranges import (
+from service.common.ranges import (
     MAX_TOKENS_MIN,
     SEED_MAX,
     SEED_MIN,

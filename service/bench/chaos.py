@@ -315,7 +315,7 @@ def run_chaos(opts: ChaosOptions, out=print) -> ChaosReport:  # type: ignore[no-
         if token is None and service is not None:
             token = service.token_path.read_text().strip()
         elif token is None:
-            from service.events.token import load_or_create_token
+            from service.common.token import load_or_create_token
 
             token = load_or_create_token()
         out("chaos: the undisturbed reference run")

@@ -178,7 +178,7 @@ def _server_main(port: int, conn: Any, sndbuf: int) -> None:
     import uvicorn
     from litestar import Litestar
 
-    from service.events.routes import events_router
+    from service.control.routes import events_router
 
     class NoControl:
         def restart(self) -> None: ...

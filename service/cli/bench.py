@@ -23,7 +23,7 @@ from service.cli.options import (
     seed_option,
     url_option,
 )
-from service.cli.settings import DEFAULT_PORT, parse_size
+from service.common.settings import DEFAULT_PORT, parse_size
 
 
 @click.group()

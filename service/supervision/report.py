@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from service.events.schemas import WorkerEvent
 from service.supervision.release import ReleaseResult
-from service.supervision.states import UNLOADED, State
+from service.common.engine_states import UNLOADED, State
 from service.supervision.worker_process import ExitStatus
 
 if TYPE_CHECKING:

@@ -58,7 +58,7 @@ def default_pidfile() -> Path:
     ``HEADROOM_RUNTIME_DIR`` names the folder instead (tests, several installs)."""
     import platformdirs
 
-    from service.paths import runtime_dir
+    from service.common.paths import runtime_dir
 
     override = os.environ.get(RUNTIME_DIR_ENV)
     if override:

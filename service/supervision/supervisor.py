@@ -9,7 +9,7 @@ on here. The health summary is :func:`service.supervision.report.health_report`.
 States: ``starting`` (first spawn) -> ``ready`` -> ``restarting`` (worker died or
 hung; back to ``ready``) ... -> ``failed`` (a crash loop, or the first load failed),
 and ``stopped`` at shutdown. Without a worker, and without failing
-(:mod:`service.supervision.states`): ``waiting_for_memory`` (the plan would fit once
+(:mod:`service.common.engine_states`): ``waiting_for_memory`` (the plan would fit once
 other processes free memory; :mod:`service.supervision.waits` watches the VRAM source),
 ``waiting_for_gpu`` (CUDA does not start, or broke; retried with backoff), ``paused``
 (:meth:`Supervisor.pause`, :meth:`Supervisor.resume`) and ``idle`` (unloaded after
@@ -53,13 +53,13 @@ from engine.wire.messages import EngineEvent, EngineInfo, EngineStats
 from service.events.hub import EventHub
 from service.events.schemas import EngineInfoEvent, HealthEvent, PlanEvent, WorkerEvent
 from service.supervision.config import SupervisorConfig
-from service.supervision.engine_events import take_engine_event
+from service.supervision.engine_events_to_ui import take_engine_event
 from service.supervision.guard import StaleGuard, wait_for_release
 from service.supervision.link import WorkerLink
 from service.supervision.release import ReleaseResult
 from service.supervision.report import exited_event, health_report, memory_wait_event, publish
 from service.supervision.restarts import RestartPolicy
-from service.supervision.states import (
+from service.common.engine_states import (
     ENGINE_FAILED,
     ENGINE_PAUSED,
     ENGINE_RESTARTED,
@@ -98,7 +98,8 @@ class Supervisor:
         on_engine_event: called (on the event loop) with each
             :class:`engine.wire.messages.EngineEvent` the worker reports (``OomEvent``,
             ``ReplanWanted``, ``Replanned``), in order, after the supervisor has logged it
-            and before it updates :attr:`info` for a ``Replanned``.
+            and before it updates :attr:`info` for a ``Replanned`` (the app passes
+            :meth:`service.supervision.engine_events_to_ui.EngineEventsToUI.record_engine_event`).
         on_stats: called with the engine's counters of each heartbeat (periodic or
             asked for by the link's ``fresh_stats``).
 

@@ -14,7 +14,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from service.supervision.states import State
+from service.common.engine_states import State
 
 if TYPE_CHECKING:
     from service.supervision.supervisor import Supervisor

@@ -157,7 +157,7 @@ def cpu_mode_sample(reason: str, timestamp: float | None = None) -> VramSample:
 
 def resolve_reserve(setting: int | str | None, sample: VramSample) -> int:
     """The desktop reserve in bytes for ``--reserve``: a size (bytes, as
-    ``service.cli.settings`` parses it), or ``None`` / ``"auto"``.
+    ``service.common.settings`` parses it), or ``None`` / ``"auto"``.
 
     Auto is :func:`engine.memory.plan.reserve_for` (documented there): 512 MiB plus 5% of
     the card when a display is attached to the GPU (a compositor with two 4K surfaces

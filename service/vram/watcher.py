@@ -7,7 +7,7 @@ command) to :class:`service.vram.replan.ReplanController`. Each action the contr
 goes to the worker as a typed command (``engine.wire.ipc.SetPrefillChunk``,
 ``ResizeExpertCache``, ``EvictPrefixCache``, ``ResizePool``, each with ``origin="watcher"``) and is awaited before the next sample, so every
 decision sees the pool its predecessor left. The worker answers with the engine's
-``Replanned`` events, which :meth:`service.http.state.Services.record_engine_event` turns
+``Replanned`` events, which :meth:`service.api.services.Services.record_engine_event` turns
 into ``replan`` events.
 
 Sources (``--vram-source``):
@@ -43,10 +43,10 @@ from typing import Any, Literal
 from engine.wire import ipc
 from engine.memory.plan import fmt_bytes
 from engine.wire.messages import BY_WATCHER
-from service.cli.settings import ServeSettings, parse_size
+from service.common.settings import ServeSettings, parse_size
 from service.events.hub import EventHub
 from service.events.schemas import GpuMemory, VramEvent
-from service.supervision.states import State
+from service.common.engine_states import State
 from service.supervision.supervisor import Supervisor
 from service.vram.gpus import GpuGroup
 from service.vram.host import HOST_SAMPLE_S, host_memory
@@ -122,7 +122,7 @@ def load_timeline(path: str | Path, default_total: int | None = None) -> Timelin
          "gpu_at": 0, "steps": [[0, 0], [2, "40%"], [6, "1.6GiB"], [10, "40%"], [14, 0]]}
 
     Each step holds from its time (seconds) to the next; sizes are bytes, text sizes
-    (``service.cli.settings.parse_size``) or a share of the card (``"40%"``). With
+    (``service.common.settings.parse_size``) or a share of the card (``"40%"``). With
     ``--tensor-parallel-size N`` every rank's GPU follows ``steps`` unless ``"gpus"``
     gives it steps of its own, by rank: ``"gpus": {"1": [[0, 0], [3, "40%"]]}``.
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.wire.messages import EngineInfo
-from service.api.errors import APIError, invalid
+from service.common.errors import APIError, invalid
 from service.api.generation import check_common
 from service.api.ollama.schemas import (
     OllamaChatRequest,

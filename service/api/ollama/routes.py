@@ -36,7 +36,7 @@ from engine.wire.messages import EngineInfo
 from engine.text.chat import template_has_tools
 from service.api.chat_generation import start_chat
 from service.api.chat_output import FINISH_TOOL_CALLS, ChatOutput
-from service.api.errors import EXCEPTION_HANDLERS, APIError, decode_body
+from service.common.errors import EXCEPTION_HANDLERS, APIError, decode_body
 from service.api.generation import Generation
 from service.api.ollama.mapping import Mapped, chat_request, details, generate_request, model_name
 from service.api.ollama.schemas import (
@@ -53,9 +53,9 @@ from service.api.ollama.schemas import (
 )
 from service.api.reasoning import template_thinks
 from service.api.responses import CLIENT_GONE, log_request, respond_with
-from service.http.state import Services
-from service.supervision.states import NotReady
-from service.version import headroom_version
+from service.api.services import Services
+from service.common.engine_states import NotReady
+from service.common.version import headroom_version
 
 log = logging.getLogger("headroom.api")
 

@@ -18,8 +18,8 @@ SOURCES: dict[str, tuple[str, tuple[str, ...]]] = {
     "dashboard": ("ui-bridge/dashboard", ("*.html", "*.js", "*.css", "*.map", "*.svg")),
     "templates": ("installers/templates", ("*",)),
 }
-PACKAGED_DIR = Path(__file__).resolve().parent / "_data"
-SOURCE_ROOT = Path(__file__).resolve().parents[1]
+PACKAGED_DIR = Path(__file__).resolve().parents[1] / "_data"  # service/_data
+SOURCE_ROOT = Path(__file__).resolve().parents[2]
 
 
 def data_dir(name: str) -> Path:

@@ -59,7 +59,8 @@ def _check_headroom(ctx: Context) -> Check:
 
 
 def _check_config(ctx: Context) -> Check:
-    from service.common.settings import ENV_PREFIX, SettingsError, default_config_path, resolve
+    from service.common.settings import ENV_PREFIX, SettingsError
+    from service.common.settings_sources import default_config_path, resolve
 
     path = Path(os.environ.get(ENV_PREFIX + "CONFIG") or default_config_path())
     try:

@@ -16,9 +16,9 @@ from service_harness import engine_info
 
 from engine.memory.plan import LedgerEntry, MemoryPlan
 from engine.wire.messages import EngineStats, OomEvent
-from service.events import hub as ev
 from service.events import schemas
-from service.events.hub import EventHub, SubscriptionClosed, VramThrottle
+from service.events.hub import EventHub, VramThrottle
+from service.events.subscription import SubscriptionClosed
 from service.events.schemas import (
     CLOSE_GOING_AWAY,
     CLOSE_TOO_SLOW,
@@ -306,7 +306,7 @@ def test_fifty_connect_disconnect_cycles_while_events_flow_leave_nothing_behind(
             while True:
                 try:
                     seqs.append((await sub.get()).event.seq)
-                except ev.SubscriptionClosed:
+                except SubscriptionClosed:
                     return seqs
 
         pub = asyncio.ensure_future(publisher())

@@ -48,7 +48,8 @@ def test_an_option_default_must_be_immutable():
 
 
 def test_every_engine_option_is_a_serve_option_of_the_same_name(tmp_path):
-    from service.common.settings import OPTIONS, resolve
+    from service.common.settings import OPTIONS
+    from service.common.settings_sources import resolve
 
     serve = {o.name: o for o in OPTIONS}
     for opt in options_of(EngineConfig):
@@ -91,7 +92,7 @@ def test_plan_suggestions_name_the_declared_flags():
 
 
 def _resolve_with(tmp_path, file_text: str = "", env: dict | None = None, flags: dict | None = None):
-    from service.common.settings import resolve
+    from service.common.settings_sources import resolve
 
     config = tmp_path / "config.toml"
     config.write_text(file_text)
@@ -176,7 +177,8 @@ def test_cpu_experts_above_the_moe_layers_is_refused_naming_the_largest():
 def test_a_seconds_option_refuses_a_number_that_is_not_finite(tmp_path, value):
     """--shutdown-timeout inf passed, then the first Ctrl-C crashed the signal handler
     (a Retry-After of infinite seconds) and the service never exited."""
-    from service.common.settings import SettingsError, resolve
+    from service.common.settings import SettingsError
+    from service.common.settings_sources import resolve
 
     empty = tmp_path / "empty.toml"
     empty.write_text("")
@@ -189,7 +191,8 @@ def test_a_seconds_option_refuses_a_number_that_is_not_finite(tmp_path, value):
 
 @pytest.mark.parametrize("key", ["", " "])
 def test_an_empty_api_key_is_refused_rather_than_turning_the_check_off(tmp_path, key):
-    from service.common.settings import SettingsError, resolve
+    from service.common.settings import SettingsError
+    from service.common.settings_sources import resolve
 
     empty = tmp_path / "empty.toml"
     empty.write_text("")
@@ -206,7 +209,9 @@ def test_a_missing_config_file_is_named_by_its_absolute_path(tmp_path, monkeypat
     """`--config c1.toml` from some folder: the message names the file looked at."""
     from pathlib import Path
 
-    from service.common.settings import SettingsError, resolve
+    from service.common.settings import SettingsError
+
+    from service.common.settings_sources import resolve
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SettingsError) as info:

@@ -14,7 +14,8 @@ import pytest
 from service.common.errors import APIError, decode_body
 from service.api.generation import resolve_max_tokens, stop_strings
 from service.api.schemas import ChatCompletionRequest
-from service.common.settings import DEFAULT_PORT, SettingsError, parse_size, resolve
+from service.common.settings import DEFAULT_PORT, SettingsError, parse_size
+from service.common.settings_sources import resolve
 from service.common.origins import host_name, is_loopback_host
 from service.http.security import SecurityMiddleware
 
@@ -317,7 +318,7 @@ for module in pkgutil.walk_packages(service.__path__, "service."):
         importlib.import_module(module.name)
 import service.bench.chaos, service.bench.chaos_requests, service.http.shutdown
 from service.http.app import create_app
-from service.common.settings import resolve
+from service.common.settings_sources import resolve
 from service.api.text import TextSide
 create_app(resolve({{}}, env={{"HEADROOM_CONFIG": "/dev/null"}}))
 text = asyncio.run(TextSide.load({default_model_dir!r}))

@@ -36,18 +36,14 @@ from engine.wire.messages import (
     ResizeResult,
 )
 from engine.common.units import GiB, MiB
-from service.common.settings import SettingsError, resolve
+from service.common.settings import SettingsError
+from service.common.settings_sources import resolve
 from service.events.hub import EventHub
 from service.control.actions import CONTROL_REASON
 from service.supervision.engine_events_to_ui import EngineEventsToUI, bytes_asked
 from service.common.engine_states import State
-from service.vram.sources import SimulatedSource
-from service.vram.watcher import (
-    TimelineError,
-    VramWatcher,
-    load_timeline,
-    simulated_ours_bytes,
-)
+from service.vram.simulated import SimulatedSource, TimelineError, load_timeline, simulated_ours_bytes
+from service.vram.watcher import VramWatcher
 
 STATS = EngineStats(
     running=0,

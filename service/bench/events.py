@@ -41,7 +41,8 @@ from typing import Any
 import msgspec
 
 from engine.common.units import GiB, MiB
-from service.events.hub import EventHub, SubscriptionClosed
+from service.events.hub import EventHub
+from service.events.subscription import SubscriptionClosed
 from service.events.schemas import CLOSE_TOO_SLOW, Consumer, VramEvent
 
 TOKEN = "bench-token-0123456789abcdef"

@@ -21,7 +21,8 @@ import click
 
 from service.common.ranges import SEED_MAX, SEED_MIN
 from service.cli.exits import EXIT_USAGE, fail
-from service.common.settings import OPTIONS, OPTIONS_BY_NAME, Option, SettingsError, resolve
+from service.common.settings import OPTIONS, OPTIONS_BY_NAME, Option, SettingsError
+from service.common.settings_sources import resolve
 
 Decorator = Callable[[Any], Any]
 
@@ -80,7 +81,7 @@ config_option = click.option(
 
 
 def resolve_or_fail(flags: dict[str, Any], config_path: Path | None) -> Any:
-    """The resolved settings (:func:`service.common.settings.resolve`), or exit 2 with the
+    """The resolved settings (:func:`service.common.settings_sources.resolve`), or exit 2 with the
     reason a setting is wrong."""
     try:
         return resolve(flags, config_path=config_path)

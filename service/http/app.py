@@ -40,7 +40,8 @@ from service.supervision.engine_events_to_ui import EngineEventsToUI
 from service.supervision.report import health_report
 from service.common.engine_states import State
 from service.supervision.supervisor import Supervisor
-from service.vram.watcher import TimelineError, make_watcher
+from service.vram.simulated import TimelineError
+from service.vram.watcher import make_watcher
 
 log = logging.getLogger("headroom.service")
 

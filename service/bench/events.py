@@ -20,9 +20,8 @@ stalled client costs the event loop.
    reports its event loop's lag and whether (and after how many events) the stalled
    client was dropped.
 
-Figures are printed as a table and, with ``--json``, as one JSON object. The clients
-share one Python process, so the socket latency includes their own queueing.
-"""
+Figures are printed as a table and, with ``--json``, as one JSON object. The clients share
+one Python process, so the socket latency includes their own queueing."""
 
 from __future__ import annotations
 
@@ -42,8 +41,8 @@ import msgspec
 
 from engine.common.units import GiB, MiB
 from service.events.hub import EventHub
-from service.events.subscription import SubscriptionClosed
 from service.events.schemas import CLOSE_TOO_SLOW, Consumer, VramEvent
+from service.events.subscription import SubscriptionClosed
 
 TOKEN = "bench-token-0123456789abcdef"
 

@@ -2,12 +2,12 @@
 
 Everything else about the package is declared in pyproject.toml. The files live outside
 the Python packages (``ui-bridge/dashboard``, ``installers/templates``); this build step
-copies them into ``service/_data/`` of the wheel, where ``service.resources.data_dir``
+copies them into ``service/_data/`` of the wheel, where ``service.common.resources.data_dir``
 finds them. An editable install reads them from the source tree instead.
 
 The dashboard's script (``ui-bridge/dashboard/app.js``) is not committed: where it is
 missing, the wheel's and the sdist's build make it with npm
-(``service.resources.build_dashboard``) and fail, naming the fix, without Node.js; an
+(``service.common.resources.build_dashboard``) and fail, naming the fix, without Node.js; an
 editable install builds it when npm is there and otherwise leaves it to ``make
 dashboard`` (the service says so at ``/ui`` and in ``headroom doctor``).
 """
@@ -23,7 +23,7 @@ from setuptools.command.build_py import build_py
 from setuptools.command.sdist import sdist
 
 HERE = Path(__file__).resolve().parent
-RESOURCES = runpy.run_path(str(HERE / "service" / "resources.py"))
+RESOURCES = runpy.run_path(str(HERE / "service" / "common" / "resources.py"))
 SOURCES = RESOURCES["SOURCES"]
 REQUIRED = ("dashboard/index.html", "dashboard/app.js")
 

@@ -50,7 +50,7 @@ class Context:
 
 
 def _check_headroom(ctx: Context) -> Check:
-    from service.version import headroom_version
+    from service.common.version import headroom_version
 
     return Check(
         "headroom",
@@ -60,7 +60,8 @@ def _check_headroom(ctx: Context) -> Check:
 
 
 def _check_config(ctx: Context) -> Check:
-    from service.cli.settings import ENV_PREFIX, SettingsError, default_config_path, resolve
+    from service.common.settings import ENV_PREFIX, SettingsError
+    from service.common.settings_sources import default_config_path, resolve
 
     path = Path(os.environ.get(ENV_PREFIX + "CONFIG") or default_config_path())
     try:
@@ -265,7 +266,7 @@ def _health_check(detail: str, health: dict[str, Any]) -> Check:
 
 
 def _check_token(ctx: Context) -> Check:
-    from service.events.token import read_token, token_path
+    from service.common.token import read_token, token_path
 
     path = token_path()
     if not path.exists():
@@ -286,7 +287,7 @@ def _check_token(ctx: Context) -> Check:
 
 
 def _check_dashboard(ctx: Context) -> Check:
-    from service.resources import DASHBOARD_BUILD, dashboard_missing, data_dir
+    from service.common.resources import DASHBOARD_BUILD, dashboard_missing, data_dir
 
     folder = data_dir("dashboard")
     missing = dashboard_missing(folder)

@@ -70,7 +70,7 @@ def built_dashboard() -> Path:
     """``ui-bridge/dashboard/app.js`` of this checkout, built with npm first where it is
     missing (it is not committed; ``make test`` builds it before pytest). For the tests
     that load ``/ui``: without it the page answers 503 and names the fix."""
-    from service.resources import DASHBOARD_BUNDLE, build_dashboard
+    from service.common.resources import DASHBOARD_BUNDLE, build_dashboard
 
     root = Path(__file__).resolve().parents[1]
     bundle = root / "ui-bridge" / "dashboard" / DASHBOARD_BUNDLE

@@ -37,7 +37,7 @@ from engine.memory.plan import LedgerEntry, MemoryPlan  # noqa: E402
 from engine.wire.messages import EngineStats  # noqa: E402
 from engine.common.units import GiB, MiB  # noqa: E402
 from service.events.hub import EventHub  # noqa: E402
-from service.events.routes import events_router  # noqa: E402
+from service.control.routes import events_router  # noqa: E402
 from service.events.schemas import (  # noqa: E402
     CountersEvent,
     EngineInfoEvent,
@@ -49,7 +49,7 @@ from service.events.schemas import (  # noqa: E402
     VramEvent,
     WorkerEvent,
 )
-from service.events.token import new_token  # noqa: E402
+from service.common.token import new_token  # noqa: E402
 from service.http.dashboard import dashboard_router  # noqa: E402
 from service.http.security import SecurityMiddleware  # noqa: E402
 

@@ -21,8 +21,8 @@ from service.api.sampling_defaults import (
     load_sampling_defaults,
 )
 from service.api.openai.schemas import ChatCompletionRequest
-from service.cli.settings import DEFAULT_MAX_TOKENS, OPTIONS_BY_NAME, resolve
-from service.http.state import Services
+from service.common.settings import DEFAULT_MAX_TOKENS, OPTIONS_BY_NAME, resolve
+from service.api.services import Services
 
 
 def _chat(**fields) -> ChatCompletionRequest:

@@ -11,7 +11,7 @@ import pytest
 
 from engine.text.chat import ChatTemplateError, render_chat, template_has_tools
 from service.api.chat_output import ChatOutput
-from service.api.errors import APIError
+from service.common.errors import APIError
 from service.api.reasoning import ReasoningSplitter, split_reasoning
 from service.api.tools import (
     HERMES,

@@ -105,7 +105,8 @@ def test_backends_declare_their_workspace():
 
 
 def test_fast_path_options_reach_the_engine_config(tmp_path):
-    from service.cli.settings import SettingsError, resolve
+    from service.common.settings import SettingsError
+    from service.common.settings_sources import resolve
 
     empty = tmp_path / "empty.toml"
     empty.write_text("")

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from service.bench.chaos import ChaosOptions, run_chaos
+from service.bench.chaos import run_chaos
+from service.bench.chaos_options import ChaosOptions
 
 pytestmark = pytest.mark.slow
 

@@ -80,7 +80,7 @@ def test_generate_prompt_too_long_says_what_to_do(default_model_dir):
     ],
 )
 def test_generate_refuses_what_the_api_refuses(args, field, value):
-    """One declaration of each range (service.api.ranges) for both doors: a value the
+    """One declaration of each range (service.common.ranges) for both doors: a value the
     API refuses is a usage error of `headroom generate`, before the model loads."""
     import msgspec
 

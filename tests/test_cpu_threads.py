@@ -94,7 +94,8 @@ def test_a_real_busy_process_takes_a_thread_away():
 
 
 def test_the_option_takes_auto_or_a_count_from_every_source(tmp_path):
-    from service.cli.settings import SettingsError, resolve
+    from service.common.settings import SettingsError
+    from service.common.settings_sources import resolve
 
     config = tmp_path / "config.toml"
     config.write_text("cpu_threads = 1\n")

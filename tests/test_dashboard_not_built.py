@@ -10,7 +10,7 @@ import pytest
 from litestar import Litestar, get
 from litestar.testing import TestClient
 
-from service import resources
+from service.common import resources
 from service.doctor import OK, WARN, Context, _check_dashboard
 from service.http.dashboard import UI_CSP, dashboard_router
 

@@ -150,7 +150,7 @@ def test_no_runtime_dir_warning_without_xdg_runtime_dir(tmp_path):
     env["PYTHONPATH"] = str(ROOT)
     code = (
         "from service.supervision.stale import default_pidfile; "
-        "from service.paths import runtime_dir; print(runtime_dir()); print(default_pidfile())"
+        "from service.common.paths import runtime_dir; print(runtime_dir()); print(default_pidfile())"
     )
     result = subprocess.run(
         [sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, env=env

@@ -16,9 +16,9 @@ from service_harness import engine_info
 
 from engine.memory.plan import LedgerEntry, MemoryPlan
 from engine.wire.messages import EngineStats, OomEvent
-from service.events import hub as ev
 from service.events import schemas
-from service.events.hub import EventHub, SubscriptionClosed, VramThrottle
+from service.events.hub import EventHub, VramThrottle
+from service.events.subscription import SubscriptionClosed
 from service.events.schemas import (
     CLOSE_GOING_AWAY,
     CLOSE_TOO_SLOW,
@@ -306,7 +306,7 @@ def test_fifty_connect_disconnect_cycles_while_events_flow_leave_nothing_behind(
             while True:
                 try:
                     seqs.append((await sub.get()).event.seq)
-                except ev.SubscriptionClosed:
+                except SubscriptionClosed:
                     return seqs
 
         pub = asyncio.ensure_future(publisher())
@@ -409,7 +409,7 @@ def test_publish_threadsafe():
 
 
 def test_token_created_private_and_reused(tmp_path, monkeypatch):
-    from service.events import token as tk
+    from service.common import token as tk
 
     monkeypatch.setenv(tk.CONFIG_DIR_ENV, str(tmp_path / "cfg"))
     path = tk.token_path()
@@ -427,7 +427,7 @@ def test_token_created_private_and_reused(tmp_path, monkeypatch):
 
 
 def test_token_invalid_file_replaced(tmp_path):
-    from service.events import token as tk
+    from service.common import token as tk
 
     path = tmp_path / "token"
     path.write_text("\n")
@@ -441,7 +441,7 @@ def test_token_invalid_file_replaced(tmp_path):
 def test_token_concurrent_creators_agree(tmp_path):
     import concurrent.futures
 
-    from service.events import token as tk
+    from service.common import token as tk
 
     path = tmp_path / "t" / "token"
     with concurrent.futures.ThreadPoolExecutor(8) as pool:

@@ -1,4 +1,4 @@
-"""The control plane's router (service/events/routes.py) on a tiny standalone Litestar app
+"""The control plane's router (service/control/routes.py) on a tiny standalone Litestar app
 with a fake ControlTarget: token and Origin checks, the control bodies, the event
 socket (snapshot, resume, slow-client drop, 50 connect/disconnect cycles) and the
 dashboard's files. The real supervisor is wired in later; this tests the router."""
@@ -14,9 +14,9 @@ from litestar import Litestar
 from litestar.exceptions import WebSocketDisconnect
 from litestar.testing import TestClient
 
-from service.api.errors import APIError
+from service.common.errors import APIError
 from service.events.hub import EventHub
-from service.events.routes import events_router
+from service.control.routes import events_router
 from service.events.schemas import (
     CLOSE_ORIGIN_REFUSED,
     CLOSE_TOO_SLOW,

@@ -18,8 +18,8 @@ import pytest
 from service_harness import ServerProcess, wait_for
 from websockets.sync.client import connect
 
-from service.events.control import RESTART_REASON
-from service.events.token import dashboard_url
+from service.control.actions import RESTART_REASON
+from service.common.token import dashboard_url
 from service.vram.host import host_memory
 
 pytestmark = pytest.mark.slow
@@ -67,7 +67,7 @@ def test_ready_log_names_the_dashboard_and_never_the_token(server):
 
 def test_ready_line_on_a_terminal_carries_the_token_link(monkeypatch, capsys, tmp_path):
     from service.cli.serve import _announce_dashboard_when_ready
-    from service.events.token import load_or_create_token
+    from service.common.token import load_or_create_token
 
     monkeypatch.setenv("HEADROOM_CONFIG_DIR", str(tmp_path))
     token = load_or_create_token()

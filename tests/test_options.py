@@ -48,7 +48,8 @@ def test_an_option_default_must_be_immutable():
 
 
 def test_every_engine_option_is_a_serve_option_of_the_same_name(tmp_path):
-    from service.cli.settings import OPTIONS, resolve
+    from service.common.settings import OPTIONS
+    from service.common.settings_sources import resolve
 
     serve = {o.name: o for o in OPTIONS}
     for opt in options_of(EngineConfig):
@@ -91,7 +92,7 @@ def test_plan_suggestions_name_the_declared_flags():
 
 
 def _resolve_with(tmp_path, file_text: str = "", env: dict | None = None, flags: dict | None = None):
-    from service.cli.settings import resolve
+    from service.common.settings_sources import resolve
 
     config = tmp_path / "config.toml"
     config.write_text(file_text)
@@ -101,7 +102,7 @@ def _resolve_with(tmp_path, file_text: str = "", env: dict | None = None, flags:
 def test_word_or_number_options_take_a_number_from_every_source(tmp_path):
     """An option whose value is a word or a number (``--cpu-experts auto|none|N``,
     ``--keep-alive 5m|seconds``) takes TOML's bare number as the flag's text."""
-    from service.cli.settings import OPTIONS
+    from service.common.settings import OPTIONS
 
     shaped = [o for o in OPTIONS if o.kind == "word_or_number"]
     assert {"cpu_experts", "keep_alive"} <= {o.name for o in shaped}
@@ -115,7 +116,7 @@ def test_word_or_number_options_take_a_number_from_every_source(tmp_path):
 
 
 def test_a_word_or_number_option_refuses_other_toml_values(tmp_path):
-    from service.cli.settings import SettingsError
+    from service.common.settings import SettingsError
 
     with pytest.raises(SettingsError, match="cpu_experts: True is neither text nor a number"):
         _resolve_with(tmp_path, "cpu_experts = true\n")
@@ -126,7 +127,7 @@ def test_a_word_or_number_option_refuses_other_toml_values(tmp_path):
 def test_an_option_error_names_its_flag_once(tmp_path):
     """A bad value from the flag says the flag once; from elsewhere, the flag and where
     the value came from."""
-    from service.cli.settings import OPTIONS, SettingsError
+    from service.common.settings import OPTIONS, SettingsError
 
     for opt in (o for o in OPTIONS if o.choices):
         with pytest.raises(SettingsError) as info:
@@ -147,7 +148,7 @@ def test_an_option_error_names_its_flag_once(tmp_path):
 )
 def test_fp8_quantization_and_gguf_blocks_are_refused_together(tmp_path, file_text, env, flags):
     """Both choose the weights' format: the pair is refused, naming the fix."""
-    from service.cli.settings import SettingsError
+    from service.common.settings import SettingsError
 
     with pytest.raises(SettingsError, match="--gguf-quantized .*drop one of the two"):
         _resolve_with(tmp_path, file_text, env, flags)
@@ -176,7 +177,8 @@ def test_cpu_experts_above_the_moe_layers_is_refused_naming_the_largest():
 def test_a_seconds_option_refuses_a_number_that_is_not_finite(tmp_path, value):
     """--shutdown-timeout inf passed, then the first Ctrl-C crashed the signal handler
     (a Retry-After of infinite seconds) and the service never exited."""
-    from service.cli.settings import SettingsError, resolve
+    from service.common.settings import SettingsError
+    from service.common.settings_sources import resolve
 
     empty = tmp_path / "empty.toml"
     empty.write_text("")
@@ -189,7 +191,8 @@ def test_a_seconds_option_refuses_a_number_that_is_not_finite(tmp_path, value):
 
 @pytest.mark.parametrize("key", ["", " "])
 def test_an_empty_api_key_is_refused_rather_than_turning_the_check_off(tmp_path, key):
-    from service.cli.settings import SettingsError, resolve
+    from service.common.settings import SettingsError
+    from service.common.settings_sources import resolve
 
     empty = tmp_path / "empty.toml"
     empty.write_text("")
@@ -206,7 +209,9 @@ def test_a_missing_config_file_is_named_by_its_absolute_path(tmp_path, monkeypat
     """`--config c1.toml` from some folder: the message names the file looked at."""
     from pathlib import Path
 
-    from service.cli.settings import SettingsError, resolve
+    from service.common.settings import SettingsError
+
+    from service.common.settings_sources import resolve
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SettingsError) as info:

@@ -124,7 +124,7 @@ def test_the_wheel_carries_the_dashboard_and_serves_ui(tmp_path):
     )
     env = clean_env()
     where = subprocess.run(
-        [str(python), "-c", "from service.resources import data_dir; print(data_dir('dashboard'))"],
+        [str(python), "-c", "from service.common.resources import data_dir; print(data_dir('dashboard'))"],
         capture_output=True,
         text=True,
         check=True,

@@ -32,12 +32,12 @@ from service.vram.replan import (
     Squeeze,
     default_water_marks,
 )
+from service.vram.simulated import SimulatedSource
 from service.vram.sources import (
     REOPEN_INTERVAL_S,
     CardOfLimit,
     GpuProcess,
     NvmlSource,
-    SimulatedSource,
     VramSample,
     as_card,
     cpu_mode_sample,

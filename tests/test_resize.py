@@ -543,7 +543,7 @@ def test_a_desktop_timeline_drives_live_resizes_and_no_request_fails(tiny_dir):
         PoolState,
         ReplanController,
     )
-    from service.vram.sources import SimulatedSource
+    from service.vram.simulated import SimulatedSource
 
     planned = 204
     stream = _stream(7, 40)

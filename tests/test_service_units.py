@@ -11,10 +11,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from service.api.errors import APIError, decode_body
+from service.common.errors import APIError, decode_body
 from service.api.request import resolve_max_tokens, stop_strings
 from service.api.openai.schemas import ChatCompletionRequest
-from service.cli.settings import DEFAULT_PORT, SettingsError, parse_size, resolve
+from service.common.settings import DEFAULT_PORT, SettingsError, parse_size, resolve
 from service.http.security import SecurityMiddleware, host_name, is_loopback_host
 
 # -- settings -----------------------------------------------------------------------------
@@ -168,7 +168,7 @@ def test_serve_help_documents_every_option():
     from click.testing import CliRunner
 
     from service.cli.commands import main
-    from service.cli.settings import OPTIONS
+    from service.common.settings import OPTIONS
 
     text = CliRunner().invoke(main, ["serve", "--help"], terminal_width=200).output
     for option in OPTIONS:
@@ -316,7 +316,7 @@ for module in pkgutil.walk_packages(service.__path__, "service."):
         importlib.import_module(module.name)
 import service.bench.chaos, service.bench.chaos_requests, service.http.shutdown
 from service.http.app import create_app
-from service.cli.settings import resolve
+from service.common.settings_sources import resolve
 from service.api.text import TextSide
 create_app(resolve({{}}, env={{"HEADROOM_CONFIG": "/dev/null"}}))
 text = asyncio.run(TextSide.load({default_model_dir!r}))
@@ -362,7 +362,7 @@ def test_engine_events_cross_the_pipe_and_are_kept_as_request_errors():
     from engine.wire.messages import OomEvent, ReplanWanted
     from service.events.hub import EventHub
     from service.events.schemas import DEFAULT_KEEP_REQUEST_ERRORS
-    from service.http.state import Services
+    from service.supervision.engine_events_to_ui import EngineEventsToUI
 
     failed = OomEvent(
         request_id="chatcmpl-1-0", phase="prefill", tokens_in_step=16, action="failed", message="m"
@@ -375,7 +375,7 @@ def test_engine_events_cross_the_pipe_and_are_kept_as_request_errors():
     assert from_worker_decoder.decode(encode(message)) == message
 
     hub = EventHub()
-    svc = Services(settings=None, supervisor=None, events=hub)  # type: ignore[arg-type]
+    svc = EngineEventsToUI(hub, None)
     for event in message.events:
         svc.record_engine_event(event)
     snap = hub.snapshot()
@@ -383,7 +383,7 @@ def test_engine_events_cross_the_pipe_and_are_kept_as_request_errors():
         ("chatcmpl-1-0", "out_of_memory", "prefill", "failed"),
         ("chatcmpl-2-0", "out_of_memory", "decode", "preempted"),
     ]
-    counts = svc.engine_events
+    counts = svc.counts
     assert (counts.oom_steps, counts.oom_failed_requests, counts.replans) == (2, 1, 1)
     assert snap.counters is not None
     assert (snap.counters.oom_steps, snap.counters.oom_failed_requests) == (2, 1)
@@ -400,7 +400,7 @@ def test_watchdog_kills_a_stalled_worker_once_until_it_is_reaped():
     import time
     from types import SimpleNamespace
 
-    from service.supervision.states import State
+    from service.common.engine_states import State
     from service.supervision.watchdog import watch
 
     kills = []

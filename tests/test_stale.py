@@ -40,7 +40,8 @@ from service.supervision.stale import (
     record_worker,
     start_time,
 )
-from service.vram.sources import NvmlSource, SimulatedSource
+from service.vram.simulated import SimulatedSource
+from service.vram.sources import NvmlSource
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc")
 

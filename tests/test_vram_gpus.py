@@ -12,17 +12,12 @@ import pytest
 from test_wiring_units import FakeSupervisor, pool_stats
 
 from engine.common.units import GiB, MiB
-from service.cli.settings import resolve
+from service.common.settings_sources import resolve
 from service.events.hub import VramThrottle
 from service.vram.gpus import GpuGroup, tightest
-from service.vram.sources import SimulatedSource, cpu_mode_sample
-from service.vram.watcher import (
-    TimelineError,
-    VramWatcher,
-    load_timeline,
-    make_watcher,
-    simulated_ours_bytes,
-)
+from service.vram.simulated import SimulatedSource, TimelineError, load_timeline, simulated_ours_bytes
+from service.vram.sources import cpu_mode_sample
+from service.vram.watcher import VramWatcher, make_watcher
 
 TOTAL = 4 * GiB
 

@@ -12,7 +12,8 @@ import pytest
 
 from engine.common.faults import FaultInjector, check_cuda_init
 from engine.wire.ipc import Misfit, WorkerError
-from service.cli.settings import SettingsError, parse_duration, resolve
+from service.common.settings import SettingsError, parse_duration
+from service.common.settings_sources import resolve
 from service.supervision.waits import (
     GpuBackoff,
     MemoryWait,
@@ -21,8 +22,7 @@ from service.supervision.waits import (
     sleep_or_gpu_appears,
     wait_for_memory,
 )
-from service.vram.sources import SimulatedSource
-from service.vram.watcher import load_timeline
+from service.vram.simulated import SimulatedSource, load_timeline
 
 GiB = 1 << 30
 

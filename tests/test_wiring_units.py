@@ -36,17 +36,14 @@ from engine.wire.messages import (
     ResizeResult,
 )
 from engine.common.units import GiB, MiB
-from service.cli.settings import SettingsError, resolve
+from service.common.settings import SettingsError
+from service.common.settings_sources import resolve
 from service.events.hub import EventHub
-from service.http.state import CONTROL_REASON, Services, bytes_asked
-from service.supervision.states import State
-from service.vram.sources import SimulatedSource
-from service.vram.watcher import (
-    TimelineError,
-    VramWatcher,
-    load_timeline,
-    simulated_ours_bytes,
-)
+from service.control.actions import CONTROL_REASON
+from service.supervision.engine_events_to_ui import EngineEventsToUI, bytes_asked
+from service.common.engine_states import State
+from service.vram.simulated import SimulatedSource, TimelineError, load_timeline, simulated_ours_bytes
+from service.vram.watcher import VramWatcher
 
 STATS = EngineStats(
     running=0,
@@ -238,10 +235,9 @@ class StubSupervisor:
     link: StubLink = field(default_factory=StubLink)
 
 
-def services_with_hub() -> tuple[Services, EventHub]:
+def services_with_hub() -> tuple[EngineEventsToUI, EventHub]:
     hub = EventHub()
-    svc = Services(settings=None, supervisor=StubSupervisor(), events=hub)  # type: ignore[arg-type]
-    return svc, hub
+    return EngineEventsToUI(hub, StubSupervisor()), hub
 
 
 def replanned(action: str, before: int, after: int, **kw: Any) -> Replanned:
@@ -313,7 +309,7 @@ def test_a_context_that_grows_back_with_the_pool_publishes_a_plan():
     """Fit-the-card lowered the context to 1,024 tokens; the pool growing back to the
     full context publishes a ``plan`` whose note is gone, a shrink below it one whose
     note says so, and the supervisor's info carries the same plan."""
-    from service.supervision.engine_events import info_after
+    from service.supervision.engine_events_to_ui import info_after
 
     plan = MemoryPlan(
         device="sim", simulated=True, ledger=[], budget_bytes=3 * GiB, fixed_bytes=GiB, kv_pool_bytes=64 * MiB,
@@ -614,7 +610,7 @@ def test_expert_cache_resizes_become_replan_events_with_the_slots():
 
 
 def test_the_control_api_sizes_the_expert_cache_in_whole_slots_and_sets_the_ceiling():
-    from service.events.control import SupervisorControl
+    from service.control.actions import SupervisorControl
 
     pool = msgspec.structs.replace(
         pool_stats(201, min_pages=33, activation_bytes_per_token=0, max_context_tokens=2048),

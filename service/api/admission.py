@@ -11,7 +11,7 @@ counted. The count lives in the service's event loop (no lock needed).
 
 from __future__ import annotations
 
-from service.api.errors import SERVER_ERROR, APIError
+from service.common.errors import SERVER_ERROR, APIError
 
 QUEUE_FULL = "queue_full"
 # Seconds a refused client should wait: about one decode wave of a small model.

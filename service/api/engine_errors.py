@@ -1,5 +1,5 @@
 """What the engine's and the supervisor's failures of a running call answer: the
-:class:`~service.api.errors.APIError` each one becomes, raised by
+:class:`~service.common.errors.APIError` each one becomes, raised by
 :meth:`service.api.generation.Generation.pieces`.
 
 A sequence the engine ended with ``finish_reason="error"`` (:func:`engine_error`), one it
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from engine.wire.ipc import Rejected
 from engine.wire.messages import ERROR_INVALID_SCHEMA
-from service.api.errors import SERVER_ERROR, APIError, invalid
+from service.common.errors import SERVER_ERROR, APIError, invalid
 from service.supervision.inflight import EngineFailure
-from service.supervision.states import ENGINE_RESTARTED
+from service.common.engine_states import ENGINE_RESTARTED
 
 # Seconds a client should wait before retrying a request that ran out of device
 # memory: the engine has rolled back and shrunk its steps by then, and memory another

@@ -40,7 +40,7 @@ from service.api.engine_errors import engine_error, failure, rejected, timed_out
 from service.api.prompts import encode_prompts
 from service.api.request import GenerationRequest, resolve_max_tokens
 from service.api.sampling import check_vocabulary, sampling_params
-from service.api.services import ApiServices
+from service.api.services import Services
 from service.api.text import TextSide
 from service.supervision.inflight import EngineFailure, Submission
 from service.supervision.supervisor import Supervisor
@@ -119,7 +119,7 @@ class Generation:
 
     @classmethod
     async def start(
-        cls, svc: ApiServices, info: EngineInfo, request: GenerationRequest
+        cls, svc: Services, info: EngineInfo, request: GenerationRequest
     ) -> Generation:
         """Take ``request`` into the engine (see the module docstring for the order of
         its steps and errors). The place among the waiting requests is given back when
@@ -162,7 +162,7 @@ class Generation:
             raise
         return gen
 
-    def _sampling(self, context: int, svc: ApiServices) -> list[SamplingParams]:
+    def _sampling(self, context: int, svc: Services) -> list[SamplingParams]:
         """One :class:`SamplingParams` per sequence: each prompt's ``max_tokens``
         resolved against the context, the seed offset by the sequence's place."""
         r = self.request
@@ -373,7 +373,7 @@ class Generation:
 
 
 async def start_generation(
-    svc: ApiServices, model: str | None, request: GenerationRequest
+    svc: Services, model: str | None, request: GenerationRequest
 ) -> tuple[Generation, str]:
     """What every route does once its request is built: a ready worker (503; an idle
     one is loaded first), the model it names (404), then :meth:`Generation.start`.

@@ -24,7 +24,7 @@ from litestar import Response, get
 
 from service.api.ollama import schemas as ollama
 from service.api.openai import schemas as openai
-from service.events.routes import CacheRequest, ControlResponse, ReserveRequest
+from service.events.control_schemas import CacheRequest, ControlResponse, ReserveRequest
 from service.events.schemas import Snapshot
 
 SCHEMA_PATH = "/schema/openapi.json"

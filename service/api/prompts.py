@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.wire.messages import EngineInfo
-from service.api.errors import invalid
+from service.common.errors import invalid
 from service.api.text import TextSide
 
 
@@ -120,7 +120,7 @@ async def encode_prompts(
             before any is tokenized); 400 naming it for a token id outside the
             vocabulary or an empty raw prompt.
         engine.text.chat.ChatTemplateError: messages the template cannot render
-            (answered 400 by :mod:`service.api.errors`).
+            (answered 400 by :mod:`service.common.errors`).
     """
     context = info.max_context_tokens if context_tokens is None else context_tokens
     for prompt in prompts:

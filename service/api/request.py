@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from service.api.errors import invalid
+from service.common.errors import invalid
 from service.api.prompts import Prompt
 from service.api.sampling import Sampling
 

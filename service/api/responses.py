@@ -24,7 +24,7 @@ import msgspec
 from litestar import Request, Response
 from litestar.response import Stream
 
-from service.api.errors import SERVER_ERROR, APIError
+from service.common.errors import SERVER_ERROR, APIError
 from service.api.generation import Generation, Piece
 
 log = logging.getLogger("headroom.api")
@@ -108,7 +108,7 @@ async def run_to_end(
         status = exc.status
         raise
     except Exception:
-        status = 500  # answered by the catch-all handler in service.api.errors
+        status = 500  # answered by the catch-all handler in service.common.errors
         raise
     finally:
         gen.close()

@@ -4,7 +4,7 @@
 :class:`Sampling` holds the fields every door sets by the same names (OpenAI's bodies
 inherit them, Ollama's ``options`` are converted into it): their ranges are declared on
 the fields (``msgspec.Meta``; those ``headroom generate`` shares come from
-:mod:`service.api.ranges`), so decoding refuses a value outside them with a 400 naming
+:mod:`service.common.ranges`), so decoding refuses a value outside them with a 400 naming
 the field, once, and the OpenAPI document states them. Nothing after the decode checks
 them again until the engine (:meth:`engine.core.engine.Engine.add_request`).
 """
@@ -17,8 +17,8 @@ import msgspec
 from msgspec import Meta
 
 from engine.wire.messages import SamplingParams
-from service.api.errors import invalid
-from service.api.ranges import SEED_MAX, SEED_MIN, TEMPERATURE_MAX, TEMPERATURE_MIN
+from service.common.errors import invalid
+from service.common.ranges import SEED_MAX, SEED_MIN, TEMPERATURE_MAX, TEMPERATURE_MIN
 from service.api.sampling_defaults import SamplingDefaults
 
 TOP_K_MAX = (1 << 31) - 1

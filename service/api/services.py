@@ -1,55 +1,89 @@
-"""What the API's routes need of the app's shared objects, declared here so the API
-does not import the assembly above it (:class:`service.http.state.Services` is the
-object the app hands in, by Litestar's dependency injection, parameter ``svc``).
+"""What the API's routes share: settings, the supervisor, the tokenizer side, the
+admission count; and the model names a request may use (:meth:`Services.check_model`).
+
+One :class:`Services` object per app, built by :func:`service.http.app.create_app` and
+handed to route handlers by Litestar's dependency injection (parameter name ``svc``),
+never through module globals. It holds shared objects only: what the engine's events
+become for the UI is :mod:`service.supervision.engine_events_to_ui`.
 """
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+import asyncio
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from engine.wire.messages import EngineInfo
 from service.api.admission import Admission
-from service.api.sampling_defaults import SamplingDefaults
+from service.common.errors import APIError
+from service.api.sampling_defaults import SamplingDefaults, load_sampling_defaults
 from service.api.text import TextSide
+from service.common.settings import ServeSettings
 from service.supervision.supervisor import Supervisor
 
-
-class ApiSettings(Protocol):
-    """The serve settings the API reads (``--request-timeout`` in seconds, 0: none;
-    ``--default-max-tokens``, 0: the rest of the context)."""
-
-    request_timeout: float
-    default_max_tokens: int
+DEFAULT_MODEL_ALIAS = "default"
 
 
-@runtime_checkable
-class ApiServices(Protocol):
-    """The routes' view of the app's shared objects.
+@dataclass
+class Services:
+    """The app's shared objects. ``text`` is set once a worker is ready and reloaded
+    only when a restarted worker serves another model folder. ``started_at`` is the
+    service's start, in Unix seconds (the ``created`` of ``/v1/models``).
+    ``admission`` counts the requests waiting for the engine
+    (``--max-queued-requests``, :mod:`service.api.admission`)."""
 
-    Attributes:
-        settings: the serve settings (:class:`ApiSettings`).
-        supervisor: the worker's keeper (readiness, the worker link's routing).
-        text: the tokenizer side, set once a worker is ready.
-        sampling_defaults: what an unset sampling field means for the served model.
-        admission: the count of requests waiting for the engine.
-        started_at: the service's start, in Unix seconds.
-    """
-
-    settings: ApiSettings
+    settings: ServeSettings
     supervisor: Supervisor
-    text: TextSide | None
-    sampling_defaults: SamplingDefaults
-    admission: Admission
-    started_at: int
+    text: TextSide | None = None
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+    started_at: int = field(default_factory=lambda: int(time.time()))
+    admission: Admission = field(init=False)
+
+    def __post_init__(self) -> None:
+        limit = self.settings.max_queued_requests if self.settings is not None else 0
+        self.admission = Admission(limit)
 
     def model_names(self, info: EngineInfo) -> list[str]:
-        """Every name the served model answers to, the engine's first."""
-        ...
+        """Names the served model answers to: the engine's, the store name ``--model``
+        gave (``owner/name[:FILE.gguf]``, when it is not a path), the configured aliases,
+        then ``default`` (each once)."""
+        names = [info.model_name]
+        model = self.settings.model
+        if model and model != info.model_name and not Path(model).expanduser().exists():
+            names.append(model)
+        names += [*self.settings.served_model_name, DEFAULT_MODEL_ALIAS]
+        return list(dict.fromkeys(names))
 
     def check_model(self, requested: str | None, info: EngineInfo) -> str:
-        """The model name to answer with for ``requested``.
+        """The model name to report for a request naming ``requested``.
+
+        An absent or empty name, or ``"default"``, means the served model (there is
+        only one).
 
         Raises:
-            APIError: 404 ``model_not_found``.
+            APIError: 404 ``model_not_found`` for any other name.
         """
-        ...
+        names = self.model_names(info)
+        # "default" always names the one served model: the README's and most clients'
+        # first request, before anyone has read /v1/models.
+        if not requested or requested in names:
+            return names[0]
+        raise APIError(
+            404,
+            f"The model `{requested}` does not exist; this server serves "
+            + ", ".join(f"`{n}`" for n in names),
+            param="model",
+            code="model_not_found",
+        )
+
+    async def prepare(self, info: EngineInfo) -> None:
+        """Called by the supervisor when a worker is ready: load its tokenizer and its
+        sampling defaults (:mod:`service.api.sampling_defaults`)."""
+        if self.text is None or self.text.model_dir != info.model_dir:
+            old, self.text = self.text, await TextSide.load(info.model_dir)
+            self.sampling_defaults = await asyncio.to_thread(
+                load_sampling_defaults, info.model_dir
+            )
+            if old is not None:
+                old.close()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from service.api.errors import invalid
+from service.common.errors import invalid
 
 ANY_OBJECT = '{"type": "object"}'
 

@@ -27,7 +27,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from service.api.errors import invalid
+from service.common.errors import invalid
 
 HERMES = "hermes"
 LLAMA3_JSON = "llama3_json"

@@ -1,5 +1,5 @@
 """The service definitions, rendered from the templates of ``installers/templates``
-(:func:`service.resources.data_dir`), with the values of one :class:`ServiceSpec`:
+(:func:`service.common.resources.data_dir`), with the values of one :class:`ServiceSpec`:
 
 - Linux: a systemd user unit, ``headroom.service`` (its log: the user journal).
 - macOS: a launchd LaunchAgent, ``<label>.plist`` (log: ``--log-file``, rotated).
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from xml.sax.saxutils import escape
 
-from service.paths import LOG_DIR_ENV, RUNTIME_DIR_ENV, log_dir
-from service.resources import data_dir
+from service.common.paths import LOG_DIR_ENV, RUNTIME_DIR_ENV, log_dir
+from service.common.resources import data_dir
 
 SERVICE_NAME = "headroom"
 SYSTEMD_UNIT = "headroom.service"

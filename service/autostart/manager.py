@@ -37,7 +37,7 @@ from service.autostart.definitions import (
     render_systemd,
     render_task,
 )
-from service.paths import APP_NAME
+from service.common.paths import APP_NAME
 
 LOG_FILE_NAME = "headroom.log"
 

@@ -41,6 +41,7 @@ from pathlib import Path
 
 import httpx
 
+from service.bench.chaos_options import ChaosOptions
 from service.bench.chaos_requests import Outcome, Spec, greedy_pool, make_specs, run_one
 from service.bench.chaos_service import HOG_SCRIPT, ChaosService, wait_ready
 from service.bench.serve import percentile
@@ -48,36 +49,6 @@ from service.supervision.stale import is_alive
 
 READY_TIMEOUT_S = 900.0
 OOM_SITES = ("prefill", "decode", "sample")
-
-@dataclass(frozen=True)
-class ChaosOptions:
-    """One chaos run. ``url`` None: start a service (``model``, ``device``, extra
-    ``serve_args``). ``requests`` sent by ``clients`` threads; ``kills`` SIGKILLs of
-    the worker; ``ooms`` one-shot injected OOMs (needs ``faults_dir`` with ``url``);
-    ``max_tokens`` per greedy request; ``hang_s``: a request with no ending after
-    this many seconds counts as hung. ``vram_timeline``: the simulated desktop (None: a
-    generated loop); ``hog_gib``: instead, a real second process on the GPU taking up
-    to this many GiB (the service then reads NVML). ``seed`` fixes the mix and timing
-    points. ``workdir``: logs, token, fault folder (None: a new temporary folder)."""
-
-    requests: int = 1000
-    clients: int = 16
-    kills: int = 10
-    ooms: int = 50
-    url: str | None = None
-    model: str | None = None
-    device: str = "auto"
-    max_tokens: int = 24
-    hang_s: float = 600.0
-    vram_timeline: Path | None = None
-    device_total: str = "4GiB"
-    hog_gib: float | None = None
-    seed: int = 0
-    faults_dir: Path | None = None
-    token: str | None = None
-    workdir: Path | None = None
-    serve_args: tuple[str, ...] = ()
-
 
 @dataclass
 class ChaosReport:
@@ -315,7 +286,7 @@ def run_chaos(opts: ChaosOptions, out=print) -> ChaosReport:  # type: ignore[no-
         if token is None and service is not None:
             token = service.token_path.read_text().strip()
         elif token is None:
-            from service.events.token import load_or_create_token
+            from service.common.token import load_or_create_token
 
             token = load_or_create_token()
         out("chaos: the undisturbed reference run")

@@ -12,12 +12,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
-
 import httpx
 
-if TYPE_CHECKING:
-    from service.bench.chaos import ChaosOptions
+from service.bench.chaos_options import ChaosOptions
 
 # A second process on the GPU (--hog): takes and frees memory in a loop, with torch only.
 HOG_SCRIPT = r"""

@@ -20,9 +20,8 @@ stalled client costs the event loop.
    reports its event loop's lag and whether (and after how many events) the stalled
    client was dropped.
 
-Figures are printed as a table and, with ``--json``, as one JSON object. The clients
-share one Python process, so the socket latency includes their own queueing.
-"""
+Figures are printed as a table and, with ``--json``, as one JSON object. The clients share
+one Python process, so the socket latency includes their own queueing."""
 
 from __future__ import annotations
 
@@ -41,8 +40,9 @@ from typing import Any
 import msgspec
 
 from engine.common.units import GiB, MiB
-from service.events.hub import EventHub, SubscriptionClosed
+from service.events.hub import EventHub
 from service.events.schemas import CLOSE_TOO_SLOW, Consumer, VramEvent
+from service.events.subscription import SubscriptionClosed
 
 TOKEN = "bench-token-0123456789abcdef"
 
@@ -178,7 +178,7 @@ def _server_main(port: int, conn: Any, sndbuf: int) -> None:
     import uvicorn
     from litestar import Litestar
 
-    from service.events.routes import events_router
+    from service.control.routes import events_router
 
     class NoControl:
         def restart(self) -> None: ...

@@ -1,5 +1,5 @@
 """The ``headroom`` command: :func:`main` (the click group of :mod:`service.cli.commands`)
-and its settings (:mod:`service.cli.settings`).
+(its options come from :mod:`service.common.settings`).
 
 Light at import (click only): the worker is spawned and re-imports the parent's main
 module, and must never import Litestar or torch.

@@ -23,7 +23,7 @@ from service.cli.options import (
     seed_option,
     url_option,
 )
-from service.cli.settings import DEFAULT_PORT, parse_size
+from service.common.settings import DEFAULT_PORT, parse_size
 
 
 @click.group()
@@ -168,7 +168,8 @@ def bench_chaos(**kwargs: Any) -> None:
     """Send many requests while killing the worker, injecting OOMs and moving the
     desktop's memory; print what succeeded, failed (by code), hung or came out wrong,
     restarts, time back to ready, orphans, leaked pages and TTFT."""
-    from service.bench.chaos import ChaosOptions, run_chaos
+    from service.bench.chaos import run_chaos
+    from service.bench.chaos_options import ChaosOptions
 
     if kwargs["url"] is None and kwargs["token"] is not None:
         fail(

@@ -20,7 +20,7 @@ from typing import Any
 
 import click
 
-from service.api.ranges import MAX_TOKENS_MIN, TEMPERATURE_MAX, TEMPERATURE_MIN
+from service.common.ranges import MAX_TOKENS_MIN, TEMPERATURE_MAX, TEMPERATURE_MIN
 from service.cli.autostart import service as service_group
 from service.cli.bench import bench
 from service.cli.doctor import doctor
@@ -34,7 +34,7 @@ from service.cli.options import (
     with_settings,
 )
 from service.cli.serve import serve
-from service.version import headroom_version
+from service.common.version import headroom_version
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -66,7 +66,7 @@ def token(config_path: Path | None, **flags: Any) -> None:
     host and port's."""
     settings = resolve_or_fail(flags, config_path)
     from service.cli.instance import service_address
-    from service.events.token import dashboard_url, load_or_create_token, token_path
+    from service.common.token import dashboard_url, load_or_create_token, token_path
 
     host, port, info = service_address(settings.host, settings.port)
     path = Path(info["token_file"]) if info and info.get("token_file") else token_path()
@@ -97,7 +97,7 @@ def tray(config_path: Path | None, **flags: Any) -> None:
         fail(f"the tray needs pystray and Pillow: pip install 'headroom[tray]' ({exc})")
     except Exception as exc:  # pystray picks its backend at import: no display is an error there
         fail(f"no desktop tray to show the icon in: {exc}")
-    from service.events.token import dashboard_url, load_or_create_token, token_path
+    from service.common.token import dashboard_url, load_or_create_token, token_path
 
     try:
         value = load_or_create_token()

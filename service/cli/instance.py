@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from service.version import headroom_version
+from service.common.version import headroom_version
 
 LOCK_NAME = "serve.lock"
 RUNTIME_NAME = "runtime.json"

@@ -4,7 +4,7 @@
 Rotation: at :data:`MAX_BYTES` (10 MiB) the file becomes ``.1`` (``.1`` becomes ``.2``
 ...) and at most :data:`BACKUP_COUNT` (5) older files are kept, so the log never takes
 more than about 60 MiB. ``auto`` is ``headroom.log`` in the user log folder
-(:func:`service.paths.log_dir`). The macOS and Windows services pass ``--log-file auto``;
+(:func:`service.common.paths.log_dir`). The macOS and Windows services pass ``--log-file auto``;
 the Linux one logs to stderr, which systemd keeps in the user journal.
 """
 
@@ -28,7 +28,7 @@ def resolve_log_file(value: str | None) -> Path | None:
     if value is None or value == "":
         return None
     if value.strip().lower() == "auto":
-        from service.paths import log_dir
+        from service.common.paths import log_dir
 
         return log_dir() / LOG_FILE_NAME
     return Path(value).expanduser()

@@ -1,6 +1,6 @@
 """The click options of the ``headroom`` commands, each declared once.
 
-Serve's settings (:data:`service.cli.settings.OPTIONS`) become options here with their
+Serve's settings (:data:`service.common.settings.OPTIONS`) become options here with their
 environment variable and default in the help; other commands take a subset of them
 (:func:`with_settings`), so a setting has the same flag, variable and config key
 everywhere. The options of the benchmarks and ``generate`` that are not settings
@@ -19,15 +19,16 @@ from typing import Any
 
 import click
 
-from service.api.ranges import SEED_MAX, SEED_MIN
+from service.common.ranges import SEED_MAX, SEED_MIN
 from service.cli.exits import EXIT_USAGE, fail
-from service.cli.settings import OPTIONS, OPTIONS_BY_NAME, Option, SettingsError, resolve
+from service.common.settings import OPTIONS, OPTIONS_BY_NAME, Option, SettingsError
+from service.common.settings_sources import resolve
 
 Decorator = Callable[[Any], Any]
 
 
 def settings_option(opt: Option, flag: str | None = None, *, show_env: bool = True) -> Decorator:
-    """A click option for one setting of service.cli.settings.OPTIONS (``flag`` renames it
+    """A click option for one setting of service.common.settings.OPTIONS (``flag`` renames it
     on the command line; the value still lands under the setting's name), with its
     environment variable and default in the help."""
     default = ", ".join(opt.default) if opt.multiple else opt.default
@@ -64,7 +65,7 @@ def with_settings(*names: str, renamed: dict[str, str] | None = None) -> Decorat
 
 
 def with_serve_options(func: Any) -> Any:
-    """Every setting of service.cli.settings.OPTIONS, in their order, so --help lists each
+    """Every setting of service.common.settings.OPTIONS, in their order, so --help lists each
     one with its environment variable and default."""
     return with_settings(*(opt.name for opt in OPTIONS))(func)
 
@@ -80,7 +81,7 @@ config_option = click.option(
 
 
 def resolve_or_fail(flags: dict[str, Any], config_path: Path | None) -> Any:
-    """The resolved settings (:func:`service.cli.settings.resolve`), or exit 2 with the
+    """The resolved settings (:func:`service.common.settings_sources.resolve`), or exit 2 with the
     reason a setting is wrong."""
     try:
         return resolve(flags, config_path=config_path)
@@ -127,7 +128,7 @@ def requests_option(default: int) -> Decorator:
 def max_tokens_option(default: int, help_text: str, least: int = 1) -> Decorator:
     """``--max-tokens``: completion tokens of a request, at least ``least`` (a
     benchmark's 1; ``headroom generate`` takes the API's,
-    :data:`service.api.ranges.MAX_TOKENS_MIN`)."""
+    :data:`service.common.ranges.MAX_TOKENS_MIN`)."""
     return count_option("--max-tokens", least=least, default=default, help_text=help_text)
 
 
@@ -138,7 +139,7 @@ def url_option(default: str | None, help_text: str) -> Decorator:
 
 def seed_option(default: int | None, help_text: str) -> Decorator:
     """``--seed``: the seed of a sampler or of a benchmark's random choices, in the
-    API's range (:mod:`service.api.ranges`)."""
+    API's range (:mod:`service.common.ranges`)."""
     return click.option(
         "--seed",
         type=click.IntRange(SEED_MIN, SEED_MAX),

@@ -21,8 +21,8 @@ from service.cli.exits import check_model_path, fail
 from service.cli.logfile import setup_logging
 from service.cli.options import config_option, resolve_or_fail, with_serve_options
 from service.cli.precheck import check_before_serving
-from service.cli.settings import DEFAULT_PORT
-from service.version import headroom_version
+from service.common.settings import DEFAULT_PORT
+from service.common.version import headroom_version
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -65,7 +65,7 @@ def _announce_dashboard_when_ready(supervisor: Any, host: str, port: int) -> Non
     """Once the first worker is ready, say where the dashboard is: a log line with its
     address, and on a terminal the link with the token as well (written to the terminal
     itself, never to the log, which a login service keeps in a file)."""
-    from service.events.token import dashboard_url, read_token
+    from service.common.token import dashboard_url, read_token
 
     previous = supervisor.on_first_ready
 
@@ -129,7 +129,7 @@ def _serve_bound(settings: Any, sock: socket.socket, log: logging.Logger) -> Non
     import uvicorn
 
     from service.cli.instance import write_runtime
-    from service.events.token import token_path
+    from service.common.token import token_path
     from service.http.app import StartupError, create_app
     from service.http.shutdown import WRITE_GRACE_S, GracefulServer
 

@@ -13,8 +13,9 @@ published in between is lost or doubled.
 
 Slow subscribers never slow the hub: :meth:`EventHub.publish` never awaits. A
 subscriber whose queue is full is dropped at once: it is unsubscribed, its queue is
-emptied, and its next :meth:`Subscription.get` raises :class:`SubscriptionClosed` with
-code :data:`CLOSE_TOO_SLOW` (4008), the close code the WebSocket then carries.
+emptied, and its next :meth:`~service.events.subscription.Subscription.get` raises
+:class:`~service.events.subscription.SubscriptionClosed` with code
+:data:`CLOSE_TOO_SLOW` (4008), the close code the WebSocket then carries.
 
 ``vram`` events are coalesced by a :class:`VramThrottle`: at most ``max_per_s`` a
 second, except that a change of at least ``threshold_bytes`` in any figure goes out at
@@ -33,7 +34,6 @@ import secrets
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple
 
 import msgspec
 
@@ -54,6 +54,7 @@ from service.events.schemas import (
     WorkerEvent,
     encode,
 )
+from service.events.subscription import Published, Subscription
 
 log = logging.getLogger("headroom.events")
 
@@ -129,108 +130,6 @@ class VramThrottle:
         """The held sample, if any (and forget it)."""
         sample, self.pending = self.pending, None
         return sample
-
-
-# -- subscriptions ----------------------------------------------------------------------------
-
-
-class Published(NamedTuple):
-    """An event as published: the struct and its JSON text (encoded once for all)."""
-
-    event: Event
-    text: str
-
-
-class SubscriptionClosed(Exception):
-    """The subscription ended: ``code`` is the WebSocket close code to use
-    (:data:`CLOSE_TOO_SLOW` when dropped for reading too slowly)."""
-
-    def __init__(self, code: int, reason: str) -> None:
-        super().__init__(f"subscription closed ({code}): {reason}")
-        self.code = code
-        self.reason = reason
-
-
-_CLOSED = object()
-
-
-class Subscription:
-    """One subscriber's view of the hub; made by :meth:`EventHub.subscribe`.
-
-    Attributes:
-        snapshot: the state to start from, or None when resuming (then ``missed``
-            holds the events after ``last_seq``, in order, possibly none).
-        missed: events to apply before those from :meth:`get`.
-        close_code / close_reason: set once closed.
-    """
-
-    def __init__(
-        self,
-        hub: EventHub,
-        queue_size: int,
-        snapshot: Snapshot | None,
-        missed: list[Published],
-    ) -> None:
-        self._hub = hub
-        self._queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=queue_size + 1)
-        self._limit = queue_size
-        self.snapshot = snapshot
-        self.missed = missed
-        self.close_code: int | None = None
-        self.close_reason = ""
-        self.closed_event = asyncio.Event()
-
-    @property
-    def needs_snapshot(self) -> bool:
-        """True when the subscriber must start from :attr:`snapshot` (no resume)."""
-        return self.snapshot is not None
-
-    @property
-    def closed(self) -> bool:
-        return self.close_code is not None
-
-    @property
-    def pending(self) -> int:
-        """Events waiting in the queue."""
-        return self._queue.qsize()
-
-    async def get(self) -> Published:
-        """The next event.
-
-        Raises:
-            SubscriptionClosed: the subscription was closed or dropped; events still
-                queued then are discarded (a dropped client reconnects and resumes).
-        """
-        if self.closed and self._queue.empty():
-            raise SubscriptionClosed(self.close_code or CLOSE_NORMAL, self.close_reason)
-        item = await self._queue.get()
-        if item is _CLOSED:
-            raise SubscriptionClosed(self.close_code or CLOSE_NORMAL, self.close_reason)
-        return item
-
-    def close(self, code: int = CLOSE_NORMAL, reason: str = "") -> None:
-        """Unsubscribe (idempotent); a waiting :meth:`get` raises SubscriptionClosed."""
-        self._hub._remove(self, code, reason)
-
-    def __enter__(self) -> Subscription:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    # hub side
-    def _offer(self, item: Published) -> bool:
-        if self._queue.qsize() >= self._limit:
-            return False
-        self._queue.put_nowait(item)
-        return True
-
-    def _end(self, code: int, reason: str) -> None:
-        self.close_code, self.close_reason = code, reason
-        while not self._queue.empty():
-            self._queue.get_nowait()
-        self._queue.put_nowait(_CLOSED)
-        self.closed_event.set()
 
 
 # -- the hub -------------------------------------------------------------------------------------
@@ -339,7 +238,7 @@ class EventHub:
         item = Published(stamped, encode(stamped))
         self._buffer.append(item)
         self._remember(stamped)
-        slow = [sub for sub in self._subs if not sub._offer(item)]
+        slow = [sub for sub in self._subs if not sub.offer(item)]
         for sub in slow:
             self.dropped += 1
             log.warning(
@@ -424,7 +323,7 @@ class EventHub:
         self._running_loop()
         missed = self._missed_since(last_seq, epoch)
         snapshot = self.snapshot() if missed is None else None
-        sub = Subscription(self, self.queue_size, snapshot, missed or [])
+        sub = Subscription(self._remove, self.queue_size, snapshot, missed or [])
         self._subs.add(sub)
         return sub
 
@@ -446,7 +345,7 @@ class EventHub:
     def _remove(self, sub: Subscription, code: int, reason: str) -> None:
         self._subs.discard(sub)
         if not sub.closed:
-            sub._end(code, reason)
+            sub.end(code, reason)
 
     def close(self, code: int = CLOSE_GOING_AWAY, reason: str = "the service is stopping") -> None:
         """Close every subscription with ``code`` and refuse new ones."""

@@ -1,11 +1,11 @@
 """The ASGI app of ``headroom serve``: Litestar routes behind the security middleware.
 
-:func:`create_app` wires one :class:`service.http.state.Services` (settings, supervisor,
+:func:`create_app` wires one :class:`service.api.services.Services` (settings, supervisor,
 tokenizer side) into the routes by dependency injection, registers the OpenAI-shaped
 exception handlers, and starts/stops the supervisor with the app's lifespan. The
-control plane rides along: the event hub (the supervisor and the services publish to
-it), ``/api/events``, ``/api/status`` and ``/api/control/*`` behind the local token
-(:mod:`service.events.token`), the dashboard at ``/ui``, and the VRAM watcher that publishes
+control plane rides along: the event hub (the supervisor publishes to it, the engine's
+events through :mod:`service.supervision.engine_events_to_ui`), ``/api/events``, ``/api/status`` and ``/api/control/*`` behind the local token
+(:mod:`service.common.token`), the dashboard at ``/ui``, and the VRAM watcher that publishes
 ``vram`` events and replans the worker's memory (:mod:`service.vram.watcher`).
 """
 
@@ -20,26 +20,28 @@ from typing import Any
 from litestar import Litestar
 from litestar.di import Provide
 
-from service.api.errors import EXCEPTION_HANDLERS
+from service.common.errors import EXCEPTION_HANDLERS
 from service.api.ollama.routes import OllamaController
 from service.api.openapi import openapi_route
 from service.api.openai.routes import OpenAIController
-from service.cli.settings import ServeSettings
-from service.events.control import SupervisorControl
+from service.common.settings import ServeSettings
+from service.control.actions import SupervisorControl
 from service.events.hub import EventHub
-from service.events.routes import events_router
+from service.control.routes import events_router
 from service.events.schemas import HealthEvent
-from service.events.token import load_or_create_token, token_path
-from service.http.auth import api_key_guard
+from service.common.token import load_or_create_token, token_path
+from service.common.auth import api_key_guard
 from service.http.dashboard import dashboard_router, root_redirect
-from service.http.health import HealthController
+from service.control.health import HealthController
 from service.http.security import SecurityMiddleware, install_redaction
-from service.http.state import Services
+from service.api.services import Services
 from service.supervision.config import SupervisorConfig
+from service.supervision.engine_events_to_ui import EngineEventsToUI
 from service.supervision.report import health_report
-from service.supervision.states import State
+from service.common.engine_states import State
 from service.supervision.supervisor import Supervisor
-from service.vram.watcher import TimelineError, make_watcher
+from service.vram.simulated import TimelineError
+from service.vram.watcher import make_watcher
 
 log = logging.getLogger("headroom.service")
 
@@ -102,10 +104,11 @@ def create_app(
     hub = EventHub()
     supervisor = Supervisor(supervisor_config(settings))
     supervisor.events = hub
-    services = Services(settings=settings, supervisor=supervisor, events=hub)
+    services = Services(settings=settings, supervisor=supervisor)
+    to_ui = EngineEventsToUI(hub, supervisor)
     supervisor.on_ready = services.prepare
-    supervisor.on_engine_event = services.record_engine_event
-    supervisor.on_stats = services.publish_counters
+    supervisor.on_engine_event = to_ui.record_engine_event
+    supervisor.on_stats = to_ui.publish_counters
     try:
         watcher = make_watcher(settings, supervisor, hub)
     except TimelineError as exc:
@@ -118,7 +121,7 @@ def create_app(
         """Before a /api/status snapshot: the engine's counters read now (the heartbeat
         handler publishes them)."""
         await supervisor.link.fresh_stats()
-        services.publish_counters()
+        to_ui.publish_counters()
 
     async def start() -> None:
         hub.attach_loop()

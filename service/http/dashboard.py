@@ -1,5 +1,5 @@
 """The dashboard page at ``/ui``: the files of ``ui-bridge/dashboard`` (a wheel's copy
-of them in an installed package, :mod:`service.resources`), served by Litestar's static
+of them in an installed package, :mod:`service.common.resources`), served by Litestar's static
 files.
 
 ``/ui`` redirects to ``/ui/`` (keeping the query: the page uses relative URLs), and so
@@ -25,8 +25,8 @@ from litestar.datastructures import CacheControlHeader
 from litestar.response import Redirect
 from litestar.static_files import create_static_files_router
 
-from service.api.errors import EXCEPTION_HANDLERS, NOT_FOUND, SERVER_ERROR, APIError
-from service.resources import DASHBOARD_BUNDLE, dashboard_problem, data_dir
+from service.common.errors import EXCEPTION_HANDLERS, NOT_FOUND, SERVER_ERROR, APIError
+from service.common.resources import DASHBOARD_BUNDLE, dashboard_problem, data_dir
 
 _UI_SUFFIXES = (".html", ".js", ".css", ".map", ".svg")
 # The page only talks to its own origin, runs only its own script, and may not be framed.
@@ -38,13 +38,13 @@ UI_CSP = (
 
 def default_dashboard_dir() -> Path:
     """The built dashboard: the wheel's copy, else ``ui-bridge/dashboard`` of the source
-    tree (:func:`service.resources.data_dir`)."""
+    tree (:func:`service.common.resources.data_dir`)."""
     return data_dir("dashboard")
 
 
 def not_built_page(problem: str) -> Response[str]:
     """``/ui/``'s answer (503) while the dashboard is not built: ``problem`` (from
-    :func:`service.resources.dashboard_problem`) for a person, who reloads once it is
+    :func:`service.common.resources.dashboard_problem`) for a person, who reloads once it is
     built."""
     body = (
         '<!doctype html><html lang="en"><head><meta charset="utf-8">'

@@ -12,15 +12,16 @@ routing or body parsing:
    origin gets 403 even for "simple" requests a browser would send without asking,
    so a web page cannot make the engine work for it. Allowed origins are echoed
    exactly in ``Access-Control-Allow-Origin``. The service's own origin on a loopback
-   Host (:func:`same_origin`) is allowed too: Chromium sends Origin with the module
+   Host (:func:`service.common.origins.same_origin`) is allowed too: Chromium sends Origin with the module
    scripts, fetches and WebSocket of the dashboard the service serves at ``/ui``.
 3. **Preflight** (``OPTIONS`` with ``Access-Control-Request-Method``) is answered 204
    here and never reaches a handler; ``Access-Control-Allow-Private-Network: true``
    is added when the browser asks for it.
-Every refusal is OpenAI's error JSON.
+Every refusal is OpenAI's error JSON. The rules on names (which origins and hosts pass)
+are :mod:`service.common.origins`, shared with the control plane's socket.
 
 **Secrets** are not checked here, on a path prefix, but by the guards of
-:mod:`service.http.auth`, after routing.
+:mod:`service.common.auth`, after routing.
 
 :class:`RedactSecrets` is a logging filter that takes ``token=...`` query values,
 ``headroom.token.<...>`` subprotocols, bearer values and the configured secrets out of
@@ -29,76 +30,28 @@ every log line (uvicorn logs the path and query of a WebSocket handshake).
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import logging
 import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from service.api.errors import PERMISSION, error_body
+from service.common.errors import PERMISSION, error_body
+from service.common.origins import OriginPolicy, same_origin
 
-# Tauri v2 serves its webview from these (macOS/Linux, then Windows over http and
-# https); the Tauri dev server listens on 1420.
-DEFAULT_ORIGINS: tuple[str, ...] = (
-    "tauri://localhost",
-    "http://tauri.localhost",
-    "https://tauri.localhost",
-    "http://localhost:1420",
-)
 _ALLOW_METHODS = "GET, POST, OPTIONS"
 _DEFAULT_ALLOW_HEADERS = "authorization, content-type"
 _PREFLIGHT_MAX_AGE_S = "600"
 
 
-def normalize_origin(origin: str) -> str:
-    """Compare origins case-insensitively and without a trailing slash. Never raises,
-    whatever the scheme (``tauri://``, ``app://``, anything a user configures)."""
-    return origin.strip().rstrip("/").lower()
-
-
-def host_name(host_header: str) -> str:
-    """The name part of a Host header: ``"[::1]:8427"`` -> ``"::1"``,
-    ``"localhost:8427"`` -> ``"localhost"``. Lower-case, trailing dot removed."""
-    host = host_header.strip().lower()
-    if host.startswith("["):
-        end = host.find("]")
-        return host[1:end] if end > 0 else host
-    if host.count(":") == 1:
-        host = host.split(":", 1)[0]
-    return host.rstrip(".")
-
-
-def is_loopback_host(name: str) -> bool:
-    """``localhost``, a ``.localhost`` name (RFC 6761: always loopback) or a loopback
-    address."""
-    if name == "localhost" or name.endswith(".localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(name).is_loopback
-    except ValueError:
-        return False
-
-
-def same_origin(origin: str, host: str | None) -> bool:
-    """Whether ``origin`` is the service's own (``http(s)://<Host header>``) on a
-    loopback Host: the dashboard at ``/ui`` calling home. A foreign page cannot send
-    that pair: its Origin is its own, and a DNS-rebound name is not a loopback Host."""
-    if not host:
-        return False
-    scheme, sep, rest = origin.strip().lower().partition("://")
-    if not sep or scheme not in ("http", "https"):
-        return False
-    return rest.rstrip("/") == host.strip().lower() and is_loopback_host(host_name(host))
-
-
-class SecurityMiddleware:
-    """ASGI middleware applying the checks in the module docstring.
+class SecurityMiddleware(OriginPolicy):
+    """ASGI middleware applying the checks in the module docstring, with the allow-lists
+    of its :class:`~service.common.origins.OriginPolicy`.
 
     Args:
         app: the wrapped ASGI app.
-        allowed_origins: origins allowed besides :data:`DEFAULT_ORIGINS`; ``"*"``
-            allows every origin.
+        allowed_origins: origins allowed besides
+            :data:`~service.common.origins.DEFAULT_ORIGINS`; ``"*"`` allows every origin.
         allowed_hosts: Host names allowed besides loopback ones (e.g. the bind
             address when serving on a LAN).
     """
@@ -110,20 +63,8 @@ class SecurityMiddleware:
         allowed_origins: Iterable[str] = (),
         allowed_hosts: Iterable[str] = (),
     ) -> None:
+        super().__init__(allowed_origins=allowed_origins, allowed_hosts=allowed_hosts)
         self.app = app
-        origins = {normalize_origin(o) for o in (*DEFAULT_ORIGINS, *allowed_origins) if o}
-        self._any_origin = "*" in origins
-        self._origins = frozenset(origins - {"*"})
-        self._hosts = frozenset(host_name(h) for h in allowed_hosts if h)
-
-    def origin_allowed(self, origin: str) -> bool:
-        return self._any_origin or normalize_origin(origin) in self._origins
-
-    def host_allowed(self, host: str | None) -> bool:
-        if host is None:
-            return True  # HTTP/1.0 without Host: not a browser, nothing to rebind
-        name = host_name(host)
-        return is_loopback_host(name) or name in self._hosts
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] not in ("http", "websocket"):

@@ -37,7 +37,7 @@ from engine.wire.ipc import (
 from engine.wire.messages import EngineStats
 from service.supervision.inflight import InFlight
 from service.supervision.rpc import Calls
-from service.supervision.states import NotReady
+from service.common.engine_states import NotReady
 from service.supervision.worker_process import WorkerProcess
 
 log = logging.getLogger("headroom.supervisor")

@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from service.events.schemas import WorkerEvent
 from service.supervision.release import ReleaseResult
-from service.supervision.states import UNLOADED, State
+from service.common.engine_states import UNLOADED, State
 from service.supervision.worker_process import ExitStatus
 
 if TYPE_CHECKING:
+    from engine.wire.messages import EngineInfo
     from service.events.hub import EventHub
-    from service.supervision.supervisor import Supervisor
+    from service.supervision.link import WorkerLink
+    from service.supervision.waits import MemoryWait
 
 log = logging.getLogger("headroom.supervisor")
 
@@ -26,7 +28,28 @@ log = logging.getLogger("headroom.supervisor")
 LAST_LINES = 10
 
 
-def health_report(sup: Supervisor) -> dict[str, Any]:
+class Reported(Protocol):
+    """What a health report reads of the supervisor
+    (:class:`service.supervision.supervisor.Supervisor`)."""
+
+    state: State
+    worker_pid: int | None
+    worker_alive: bool
+    restarts: int
+    link: WorkerLink
+    info: EngineInfo | None
+    ready_since: float | None
+    failure_reason: str | None
+    wait_reason: str | None
+    memory_wait: MemoryWait | None
+    last_exit: ExitStatus | None
+    shutting_down: bool
+    events: EventHub | None
+
+    def retry_after_s(self) -> int | None: ...
+
+
+def health_report(sup: Reported) -> dict[str, Any]:
     """A JSON-able summary: state, pid, model, restarts, last exit, the reason of a
     failure or a wait, ``retry_after_s`` while starting, restarting, waiting, paused,
     idle or draining, ``memory`` in ``waiting_for_memory`` (``needed_bytes`` free,

@@ -58,7 +58,7 @@ def default_pidfile() -> Path:
     ``HEADROOM_RUNTIME_DIR`` names the folder instead (tests, several installs)."""
     import platformdirs
 
-    from service.paths import runtime_dir
+    from service.common.paths import runtime_dir
 
     override = os.environ.get(RUNTIME_DIR_ENV)
     if override:
@@ -381,20 +381,14 @@ def _reap_one(
             if why is not None:
                 return ReapResult(rec.pid, GONE if why == "no such process" else LEFT_ALONE, why)
         try:
-            _signal(rec.pid, pidfd, signal.SIGTERM)
-            if _wait_gone(rec.pid, term_timeout_s, sleep):
-                return ReapResult(
-                    rec.pid,
-                    ENDED,
-                    f"stale worker of service pid {rec.service_pid}, ended by SIGTERM",
-                )
-            _signal(rec.pid, pidfd, signal.SIGKILL)
-            if _wait_gone(rec.pid, kill_timeout_s, sleep):
-                return ReapResult(
-                    rec.pid,
-                    ENDED,
-                    f"stale worker of service pid {rec.service_pid}, ended by SIGKILL",
-                )
+            for sig, timeout_s in ((signal.SIGTERM, term_timeout_s), (signal.SIGKILL, kill_timeout_s)):
+                _signal(rec.pid, pidfd, sig)
+                if _wait_gone(rec.pid, timeout_s, sleep):
+                    return ReapResult(
+                        rec.pid,
+                        ENDED,
+                        f"stale worker of service pid {rec.service_pid}, ended by {sig.name}",
+                    )
         except ProcessLookupError:
             return ReapResult(rec.pid, ENDED, "it ended while being signalled")
         return ReapResult(rec.pid, STILL_RUNNING, "survived SIGKILL (stuck in the driver?)")

@@ -9,12 +9,9 @@ on here. The health summary is :func:`service.supervision.report.health_report`.
 States: ``starting`` (first spawn) -> ``ready`` -> ``restarting`` (worker died or
 hung; back to ``ready``) ... -> ``failed`` (a crash loop, or the first load failed),
 and ``stopped`` at shutdown. Without a worker, and without failing
-(:mod:`service.supervision.states`): ``waiting_for_memory`` (the plan would fit once
-other processes free memory; :mod:`service.supervision.waits` watches the VRAM source),
-``waiting_for_gpu`` (CUDA does not start, or broke; retried with backoff), ``paused``
-(:meth:`Supervisor.pause`, :meth:`Supervisor.resume`) and ``idle`` (unloaded after
-``keep_alive_s`` without requests; :meth:`Supervisor.ready` loads it again for the next
-request). A worker's exit in those states is never a crash.
+(:mod:`service.common.engine_states`): ``waiting_for_memory``, ``waiting_for_gpu``,
+``paused`` and ``idle``, in :mod:`service.supervision.unloading`. Whether a request can
+run now (and waking an idle worker for it) is :mod:`service.supervision.readiness`.
 
 When a worker ends, every sequence in flight ends with an ``EngineFailure``, except
 those that had not produced a token yet: each is sent again, once, to the next worker
@@ -25,12 +22,9 @@ signal and the worker's last lines. Stale workers of an earlier run are ended at
 and a restart waits for the dead worker's memory (:mod:`service.supervision.guard`); a
 hung worker is killed by :mod:`service.supervision.watchdog`.
 
-Graceful shutdown (:mod:`service.http.shutdown` drives it on SIGTERM/SIGINT):
-:meth:`Supervisor.begin_shutdown` moves to ``stopped`` at once, so new work is refused
-(503 + Retry-After) while what is in flight runs on; :meth:`Supervisor.drain` waits for
-it up to a deadline, then ends each remaining sequence with ``server_shutting_down``;
-:meth:`Supervisor.stop` then stops the worker. A worker that exits meanwhile is never
-restarted.
+Graceful shutdown (begin, drain, stop) is :mod:`service.supervision.draining`. This
+module holds the lifecycle itself: start, spawn, a worker's messages, ready, exit and
+restart, failure, and publishing.
 
 Replan commands, fresh counters and the pool's figures are the link's
 (:meth:`~service.supervision.link.WorkerLink.run_command`,
@@ -41,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -53,41 +46,31 @@ from engine.wire.messages import EngineEvent, EngineInfo, EngineStats
 from service.events.hub import EventHub
 from service.events.schemas import EngineInfoEvent, HealthEvent, PlanEvent, WorkerEvent
 from service.supervision.config import SupervisorConfig
-from service.supervision.engine_events import take_engine_event
+from service.supervision.draining import Draining
+from service.supervision.engine_events_to_ui import take_engine_event
 from service.supervision.guard import StaleGuard, wait_for_release
 from service.supervision.link import WorkerLink
+from service.supervision.readiness import Readiness
 from service.supervision.release import ReleaseResult
 from service.supervision.report import exited_event, health_report, memory_wait_event, publish
 from service.supervision.restarts import RestartPolicy
-from service.supervision.states import (
+from service.supervision.unloading import Unloading
+from service.common.engine_states import (
     ENGINE_FAILED,
-    ENGINE_PAUSED,
     ENGINE_RESTARTED,
     SHUTDOWN_MESSAGE,
     SHUTTING_DOWN,
     UNLOADED,
-    NotReady,
     State,
     first_line,
 )
-from service.supervision.waits import (
-    GpuBackoff,
-    MemoryWait,
-    cuda_fault,
-    misfit_to_wait_for,
-    sleep_or_gpu_appears,
-    wait_for_memory,
-)
+from service.supervision.waits import GpuBackoff, MemoryWait, cuda_fault, misfit_to_wait_for
 from service.supervision.watchdog import watch
 from service.supervision.worker_process import ExitStatus, WorkerProcess
 
 log = logging.getLogger("headroom.supervisor")
 
-# Seconds a worker being unloaded (paused, idle) may take to exit before it is killed.
-UNLOAD_TIMEOUT_S = 15.0
-
-
-class Supervisor:
+class Supervisor(Readiness, Unloading, Draining):
     """Owns the worker process; see the module docstring for the states.
 
     Args:
@@ -98,7 +81,8 @@ class Supervisor:
         on_engine_event: called (on the event loop) with each
             :class:`engine.wire.messages.EngineEvent` the worker reports (``OomEvent``,
             ``ReplanWanted``, ``Replanned``), in order, after the supervisor has logged it
-            and before it updates :attr:`info` for a ``Replanned``.
+            and before it updates :attr:`info` for a ``Replanned`` (the app passes
+            :meth:`service.supervision.engine_events_to_ui.EngineEventsToUI.record_engine_event`).
         on_stats: called with the engine's counters of each heartbeat (periodic or
             asked for by the link's ``fresh_stats``).
 
@@ -182,65 +166,6 @@ class Supervisor:
         self._publish_health()
         self._watchdog = asyncio.create_task(watch(self), name="supervisor-watchdog")
 
-    def begin_shutdown(self, timeout_s: float) -> None:
-        """Refuse new work from now on (:class:`NotReady`, state ``stopped``, Retry-After
-        until the drain's end) while what is in flight runs on; no worker is restarted
-        after this. ``timeout_s``: how long :meth:`drain` will wait, in seconds."""
-        if self._drain_until is not None:
-            return
-        self._drain_until = time.monotonic() + timeout_s
-        self.state = State.STOPPED
-        self._restart_at = None
-        for task in list(self._tasks):
-            task.cancel()  # a pending restart, a new worker's preparation
-        if self._worker is None:
-            # No worker to finish them: sequences waiting for a restart end now.
-            self._inflight.fail_all(SHUTTING_DOWN, SHUTDOWN_MESSAGE, retry=False)
-        self._publish_health()
-
-    @property
-    def shutting_down(self) -> bool:
-        """Whether :meth:`begin_shutdown` was called."""
-        return self._drain_until is not None
-
-    @property
-    def draining(self) -> bool:
-        """Whether sequences sent to a worker are still unfinished (or waiting for one)."""
-        return self._inflight.busy
-
-    async def drain(self, timeout_s: float, poll_s: float = 0.05) -> int:
-        """Wait until nothing is in flight or ``timeout_s`` seconds passed, then end each
-        remaining sequence with ``server_shutting_down``. Call after
-        :meth:`begin_shutdown`. Returns how many sequences were ended that way."""
-        deadline = time.monotonic() + timeout_s
-        while self.draining and self.worker_alive and time.monotonic() < deadline:
-            await asyncio.sleep(poll_s)
-        ended = self._inflight.open_count()
-        self._inflight.fail_all(SHUTTING_DOWN, SHUTDOWN_MESSAGE, retry=False)
-        return ended
-
-    def end_drain_now(self) -> None:
-        """End every sequence still in flight with ``server_shutting_down`` now (a
-        second Ctrl-C); :meth:`drain` then returns at once."""
-        self._inflight.fail_all(SHUTTING_DOWN, SHUTDOWN_MESSAGE, retry=False)
-
-    async def stop(self) -> None:
-        """Stop the worker (gracefully, then by force) and fail what is in flight."""
-        self.state = State.STOPPED
-        self._restart_at = None
-        self._publish_health()
-        if self._watchdog is not None:
-            self._watchdog.cancel()
-        for task in list(self._tasks):
-            task.cancel()
-        worker, self._worker = self._worker, None
-        self.link.detach()
-        self._inflight.fail_all(ENGINE_FAILED, "the server is shutting down", retry=False)
-        if worker is not None:
-            await worker.stop()
-            self._pids.forget(worker.pid)
-        self._pids.close()
-
     def restart(self, reason: str | None = None) -> None:
         """Kill the current worker (if any) and start a new one now, also from ``failed``
         (the crash-loop history is cleared). ``reason`` (who asked) is added to the
@@ -282,59 +207,6 @@ class Supervisor:
     def worker_alive(self) -> bool:
         """Whether a worker process runs now (loading or ready)."""
         return self._worker is not None and not self._worker.exited
-
-    # -- requests --------------------------------------------------------------------
-
-    def check_ready(self) -> EngineInfo:
-        """The engine's facts if a worker is ready; raises :class:`NotReady` otherwise."""
-        if self.state is State.READY and self.info is not None:
-            return self.info
-        raise NotReady(self.state, self.retry_after_s(), self.failure_reason or self.wait_reason)
-
-    async def ready(self) -> EngineInfo:
-        """As :meth:`check_ready`, but a request first wakes an ``idle`` worker (and a
-        ``paused`` one with ``load_on_request``) and waits, up to the start timeout,
-        for it to load.
-
-        Raises:
-            NotReady: no worker is ready (also when the woken one could not load, or has
-                to wait for memory or the GPU).
-        """
-        # A generation request (not a poll of /v1/models or /api/ps): keeps it loaded.
-        self.last_request_at = time.monotonic()
-        if self.state is State.READY and self.info is not None:
-            return self.check_ready()
-        if self.state is State.IDLE or (self.state is State.PAUSED and self.config.load_on_request):
-            self.resume(by="a request")
-        if self._waking:
-            deadline = time.monotonic() + self.config.start_timeout_s
-            while (
-                self.state in (State.STARTING, State.RESTARTING, State.PAUSED, State.IDLE)
-                and self._waking
-                and time.monotonic() < deadline
-            ):
-                await asyncio.sleep(0.05)
-        return self.check_ready()
-
-    def retry_after_s(self) -> int | None:
-        """Whole seconds until a worker is expected to be ready, or None in ``failed``;
-        while shutting down, until the drain ends (at least 1: a service restarted by
-        its manager may answer then), None once the worker is stopped."""
-        if self.state is State.STOPPED and self._drain_until is not None:
-            return max(1, math.ceil(self._drain_until - time.monotonic()))
-        if self.state in (State.FAILED, State.STOPPED):
-            return None
-        if self.state is State.PAUSED:
-            # No end is known; a client polling once a minute costs nothing.
-            return 60
-        if self.state is State.WAITING_FOR_MEMORY:
-            return max(1, math.ceil(self.config.memory_settle_s + self._last_load_s))
-        wait_s = self._last_load_s
-        if self._restart_at is not None:
-            wait_s += max(0.0, self._restart_at - time.monotonic())
-        elif self._worker is not None and self.state is not State.READY:
-            wait_s = max(0.0, self._worker.started_at + self._last_load_s - time.monotonic())
-        return max(1, math.ceil(wait_s))
 
     # -- worker events (event loop thread) -----------------------------------------------
 
@@ -498,87 +370,6 @@ class Supervisor:
 
     # -- waits, pause and idle ---------------------------------------------------------------
 
-    def _clear_waits(self) -> None:
-        self.memory_wait = None
-        self.wait_reason = None
-        self._waking = False
-
-    def _enter_memory_wait(self, wait: MemoryWait) -> None:
-        """The plan does not fit until other processes free memory: wait for it (the
-        worker is exiting; :meth:`_exited_unloaded` starts the wait)."""
-        self.state = State.WAITING_FOR_MEMORY
-        self._waking = False
-        self.memory_wait = wait
-        self.wait_reason = wait.describe()
-        log.warning("waiting for GPU memory: %s", self.wait_reason)
-        self._publish_health()
-
-    def _enter_gpu_wait(self, reason: str) -> None:
-        delay_s = self._gpu_backoff.next_delay_s()
-        self.state = State.WAITING_FOR_GPU
-        self._waking = False
-        self.wait_reason = reason
-        self._restart_at = time.monotonic() + delay_s
-        log.warning("waiting for the GPU (next try in %.0f s): %s", delay_s, first_line(reason))
-        self._publish_health()
-
-    def _exited_unloaded(self, worker: WorkerProcess, status: ExitStatus) -> None:
-        """The worker exited in a waiting, paused or idle state: no crash; what it
-        carried ends (or waits for the next worker), and the wait begins."""
-        log.info("worker %s %s (%s)", worker.pid, status.describe(), self.state.value)
-        self._publish(exited_event(worker.pid, status, self.restarts))
-        if self.state in (State.PAUSED, State.IDLE):
-            self._inflight.fail_all(
-                ENGINE_PAUSED, f"the engine was unloaded ({self.state.value}); retry", retry=False
-            )
-            if self._resume_pending:
-                self._resume_pending = False
-                self._start_unloaded(waking=True)
-                return
-        else:
-            self._inflight.fail_all(
-                ENGINE_RESTARTED, f"the engine is {self.state.value}; retry the request", retry=True
-            )
-        if self.state is State.WAITING_FOR_MEMORY:
-            self._spawn_task(self._await_memory())
-        elif self.state is State.WAITING_FOR_GPU:
-            delay_s = max((self._restart_at or 0.0) - time.monotonic(), 0.0)
-            self._spawn_task(self._await_gpu(delay_s))
-        self._publish_health()
-
-    async def _await_memory(self) -> None:
-        wait, source = self.memory_wait, self.vram_source
-        if wait is None or source is None:
-            return
-        sample = await wait_for_memory(
-            source, wait, self.config.memory_settle_s, on_change=self._publish_health
-        )
-        if self.state is not State.WAITING_FOR_MEMORY or self._worker is not None:
-            return
-        if wait.misfit.simulated:
-            # A simulated card's figures are the worker's config: plan on the card now.
-            self._worker_config = _with_device_free(self._worker_config, sample.free_bytes)
-        log.info(
-            "%d MiB of GPU memory free for %.0f s: starting the worker",
-            sample.free_bytes >> 20,
-            self.config.memory_settle_s,
-        )
-        self._start_unloaded()
-
-    async def _await_gpu(self, delay_s: float) -> None:
-        await sleep_or_gpu_appears(self.vram_source, delay_s)
-        if self.state is State.WAITING_FOR_GPU and self._worker is None:
-            log.info("trying the GPU again")
-            self._start_unloaded()
-
-    def _start_unloaded(self, waking: bool = False) -> None:
-        """Spawn a worker from a waiting, paused or idle state."""
-        self.state = State.STARTING if self._first_start else State.RESTARTING
-        self.memory_wait = None
-        self.wait_reason = None
-        self._waking = waking
-        self._spawn_and_publish()
-
     def _spawn_and_publish(self) -> None:
         try:
             self._spawn()
@@ -587,77 +378,6 @@ class Supervisor:
             return
         self._publish_health()
 
-    def _cancel_pending(self) -> None:
-        self._restart_at = None
-        current = asyncio.current_task()
-        for task in list(self._tasks):
-            if task is not current:
-                task.cancel()  # a pending restart or wait
-
-    async def unload(self, state: State, reason: str) -> None:
-        """Stop the worker and give its memory back, entering ``paused`` or ``idle``
-        (``state``); ``reason`` is for people (health, events)."""
-        assert state in (State.PAUSED, State.IDLE)
-        self._cancel_pending()
-        self.state = state
-        self.memory_wait = None
-        self.wait_reason = reason
-        self._waking = False
-        self._resume_pending = False
-        log.info("unloading the engine (%s): %s", state.value, reason)
-        self._publish_health()
-        worker = self._worker
-        if worker is not None:
-            # Longer than a shutdown's wait: nothing hurries, and a worker that exits by
-            # itself frees its memory as cleanly as a killed one but logs no kill.
-            await worker.stop(timeout_s=UNLOAD_TIMEOUT_S)
-
-    async def pause(self) -> str:
-        """Game mode: stop the worker and give all its memory back until :meth:`resume`
-        (or, with ``load_on_request``, a request)."""
-        if self.state is State.PAUSED:
-            return "already paused"
-        pid = self.worker_pid if self.worker_alive else None
-        await self.unload(
-            State.PAUSED,
-            "paused through the control API; POST /api/control/resume resumes it"
-            + ("; a request resumes it" if self.config.load_on_request else ""),
-        )
-        return f"paused: worker {pid} stopped, its memory given back" if pid else "paused"
-
-    def resume(self, by: str = "the control API") -> str:
-        """Load the worker again from ``paused`` or ``idle``; in any other state there is
-        nothing to resume (a worker runs, loads or is waited for)."""
-        if self.state not in (State.PAUSED, State.IDLE):
-            return f"nothing to resume: the engine is {self.state.value}"
-        log.info("resuming the engine (%s), asked for by %s", self.state.value, by)
-        if self._worker is not None:
-            # Still stopping (an unload in progress): the next worker starts at its exit.
-            self._resume_pending = True
-            self._waking = True
-            return "resuming once the worker being unloaded has stopped"
-        self._cancel_pending()
-        self._start_unloaded(waking=True)
-        return "resuming: the worker is loading"
-
-    def unload_idle(self) -> None:
-        """Unload the worker for ``keep_alive_s`` without requests (``idle``)."""
-        reason = (
-            f"unloaded after {self.config.keep_alive_s:g} s without requests (--keep-alive); "
-            "the next request loads it again"
-        )
-        self.state = State.IDLE  # at once: the watchdog asks only once
-        self._spawn_task(self.unload(State.IDLE, reason))
-
-    def idle_due(self, now: float) -> bool:
-        """Whether a ready worker has been without requests for ``keep_alive_s``."""
-        keep = self.config.keep_alive_s
-        if keep is None or self.state is not State.READY:
-            return False
-        if self.link.in_flight:
-            self.last_request_at = now
-            return False
-        return now - self.last_request_at >= keep
 
     def _fail(self, reason: str) -> None:
         """Enter ``failed``: no more restarts until :meth:`restart`."""
@@ -682,12 +402,3 @@ class Supervisor:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-
-def _with_device_free(config: Any, free_bytes: int) -> Any:
-    """``config`` (a WorkerConfig) planning a simulated card with ``free_bytes`` free."""
-    from dataclasses import replace
-
-    engine = config.engine
-    free = min(free_bytes, engine.device_total) if engine.device_total is not None else free_bytes
-    return msgspec.structs.replace(config, engine=replace(engine, device_free=free))

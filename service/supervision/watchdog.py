@@ -12,17 +12,33 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from service.supervision.states import State
+from service.common.engine_states import State
 
 if TYPE_CHECKING:
-    from service.supervision.supervisor import Supervisor
+    from service.supervision.config import SupervisorConfig
+    from service.supervision.link import WorkerLink
+    from service.supervision.worker_process import WorkerProcess
 
 log = logging.getLogger("headroom.supervisor")
 
 
-async def watch(supervisor: Supervisor) -> None:
+class Watched(Protocol):
+    """What the watchdog reads and calls of the supervisor
+    (:class:`service.supervision.supervisor.Supervisor`)."""
+
+    config: SupervisorConfig
+    state: State
+    link: WorkerLink
+    worker: WorkerProcess | None
+
+    def idle_due(self, now: float) -> bool: ...
+
+    def unload_idle(self) -> None: ...
+
+
+async def watch(supervisor: Watched) -> None:
     """Run until cancelled, killing ``supervisor``'s worker when it hangs."""
     config = supervisor.config
     period_s = max(0.05, min(config.worker.heartbeat_interval_s, 1.0))

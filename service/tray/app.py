@@ -32,7 +32,7 @@ from typing import Any
 
 import pystray
 
-from service.events.token import dashboard_url
+from service.common.token import dashboard_url
 from service.tray.icons import draw_icon
 from service.tray.link import Answer, Control, EventFollower
 from service.tray.state import TrayModel, TrayView

@@ -21,7 +21,7 @@ import httpx
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
-from service.events.routes import SUBPROTOCOL_PREFIX
+from service.events.control_schemas import SUBPROTOCOL_PREFIX
 from service.events.schemas import CLOSE_UNAUTHORIZED
 
 log = logging.getLogger("headroom.tray")

@@ -1,1 +1,2 @@
-"""GPU memory while the service runs: memory sources, the watcher, the replan controller."""
+"""GPU memory while the service runs: memory sources, the simulated card, the watcher,
+the replan controller."""

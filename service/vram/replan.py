@@ -42,7 +42,7 @@ twenty, and the overshoot is at most the last step, which the reserve mostly abs
 and the hold-gated grow returns.
 
 Torch-free and clock-free: time is the samples' ``timestamp``, so tests drive it with a
-scripted timeline (``service.vram.sources.SimulatedSource``).
+scripted timeline (``service.vram.simulated.SimulatedSource``).
 """
 
 from __future__ import annotations

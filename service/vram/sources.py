@@ -12,9 +12,9 @@ Two sources give the same :class:`VramSample`:
   and whether a display is attached. Where NVML, the driver or the GPU is missing, it
   is in a clear *CPU mode* (``sample().gpu`` is False, ``reason`` says why): it never
   raises, neither at start nor when the GPU goes away later.
-- :class:`SimulatedSource` plays a scripted timeline of other processes' memory
-  (a list of ``(t_seconds, others_bytes)`` steps or a function of time), for tests and
-  for ``--device-total`` style simulations.
+- :class:`service.vram.simulated.SimulatedSource` plays a scripted timeline of other
+  processes' memory (a list of ``(t_seconds, others_bytes)`` steps or a function of
+  time), for tests and for ``--device-total`` style simulations.
 
 Torch-free, like the rest of the service.
 """
@@ -22,11 +22,10 @@ Torch-free, like the rest of the service.
 from __future__ import annotations
 
 import asyncio
-import bisect
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 import msgspec
@@ -157,7 +156,7 @@ def cpu_mode_sample(reason: str, timestamp: float | None = None) -> VramSample:
 
 def resolve_reserve(setting: int | str | None, sample: VramSample) -> int:
     """The desktop reserve in bytes for ``--reserve``: a size (bytes, as
-    ``service.cli.settings`` parses it), or ``None`` / ``"auto"``.
+    ``service.common.settings`` parses it), or ``None`` / ``"auto"``.
 
     Auto is :func:`engine.memory.plan.reserve_for` (documented there): 512 MiB plus 5% of
     the card when a display is attached to the GPU (a compositor with two 4K surfaces
@@ -178,7 +177,7 @@ def _pid_set(own_pids: Callable[[], Iterable[int]] | Iterable[int]) -> frozenset
     return frozenset(own_pids() if callable(own_pids) else own_pids)
 
 
-def _split(
+def split_by_owner(
     procs: dict[int, int], own: frozenset[int], used: int, names: Callable[[int], str]
 ) -> tuple[int, int, tuple[GpuProcess, ...], tuple[GpuProcess, ...]]:
     """(ours, others, all processes, top other consumers) from NVML's pid -> bytes."""
@@ -305,7 +304,7 @@ class NvmlSource:
             except Exception:
                 display = False
             used = int(mem.used)
-            ours, others, listed, top = _split(procs, _pid_set(self._own), used, self.proc_name)
+            ours, others, listed, top = split_by_owner(procs, _pid_set(self._own), used, self.proc_name)
             return VramSample(
                 timestamp=now,
                 gpu=True,
@@ -346,112 +345,6 @@ class NvmlSource:
             self.reason = "no GPU, CPU mode: the NVML source was closed"
             self._shutdown()
 
-
-Timeline = Sequence[tuple[float, int]] | Callable[[float], int]
-
-
-class SimulatedSource:
-    """A GPU that exists only in numbers, whose other processes follow a script.
-
-    Args:
-        total_bytes: the card's size.
-        timeline: other processes' demand for memory over time: a list of
-            ``(t_seconds, others_bytes)`` steps (each holds from its time to the next;
-            before the first, 0), or a function of ``t``. A sample shows what they can
-            hold: at most what this service leaves of the card (the rest of a demand
-            waits, as a game's allocations wait or fail, until memory is freed), so
-            ``free`` is never negative and a service that gives memory back sees it
-            taken.
-        ours_bytes: this service's memory, a number or a function called at each sample
-            (a test passes ``lambda: weights + engine.pool.nbytes``).
-        processes: optional function of ``t`` giving the processes NVML would list
-            (``(pid, name, bytes)``), for tests of :func:`service.supervision.release.wait_for_release`.
-            Without it the others are anonymous (no pid attribution).
-        own_pids: pids counted as ours among ``processes``.
-        display_attached: whether a display is attached (moves the auto reserve).
-        clock: the time ``t`` of a sample taken without an explicit ``at``; default
-            seconds since this source was made.
-        gpu_from: the time ``t`` before which the card is absent (CPU-mode samples, as
-            NVML gives while a driver loads after a resume); None: always there.
-    """
-
-    def __init__(
-        self,
-        total_bytes: int,
-        timeline: Timeline = (),
-        *,
-        ours_bytes: int | Callable[[], int] = 0,
-        processes: Callable[[float], Iterable[tuple[int, str, int]]] | None = None,
-        own_pids: Iterable[int] = (),
-        display_attached: bool = False,
-        clock: Callable[[], float] | None = None,
-        name: str = "simulated GPU",
-        gpu_from: float | None = None,
-    ) -> None:
-        if total_bytes <= 0:
-            raise ValueError(f"a simulated GPU needs a positive size, got {total_bytes}")
-        if not callable(timeline):
-            steps = sorted(timeline)
-            if any(b < 0 for _, b in steps):
-                raise ValueError("others' memory in a timeline must be >= 0 bytes")
-            self._times = [t for t, _ in steps]
-            self._values = [b for _, b in steps]
-        self._timeline = timeline
-        self.total_bytes = total_bytes
-        self._ours = ours_bytes
-        self._processes = processes
-        self._own = frozenset(own_pids)
-        self.display_attached = display_attached
-        if clock is None:
-            start = time.monotonic()
-
-            def clock() -> float:
-                return time.monotonic() - start
-
-        self._clock = clock
-        self.name = name
-        self.gpu_from = gpu_from
-
-    available = True
-    simulated = True
-    reason = ""
-
-    def others_at(self, t: float) -> int:
-        """Other processes' memory at time ``t`` per the script."""
-        if callable(self._timeline):
-            return max(int(self._timeline(t)), 0)
-        i = bisect.bisect_right(self._times, t) - 1
-        return self._values[i] if i >= 0 else 0
-
-    def sample(self, at: float | None = None) -> VramSample:
-        """The simulated card at time ``at`` (default: the clock's now)."""
-        t = self._clock() if at is None else at
-        if self.gpu_from is not None and t < self.gpu_from:
-            return cpu_mode_sample(f"no GPU yet: the simulated GPU appears at t={self.gpu_from:g} s", t)
-        ours = int(self._ours() if callable(self._ours) else self._ours)
-        others = min(self.others_at(t), max(self.total_bytes - ours, 0))
-        listed: tuple[GpuProcess, ...] = ()
-        top: tuple[GpuProcess, ...] = ()
-        if self._processes is not None:
-            procs = {pid: int(b) for pid, _, b in self._processes(t)}
-            names = {pid: n for pid, n, _ in self._processes(t)}
-            _, _, listed, top = _split(procs, self._own, ours + others, lambda p: names[p])
-        return VramSample(
-            timestamp=t,
-            gpu=True,
-            device=self.name,
-            total_bytes=self.total_bytes,
-            free_bytes=max(self.total_bytes - others - ours, 0),
-            ours_bytes=ours,
-            others_bytes=others,
-            display_attached=self.display_attached,
-            top_consumers=top,
-            processes=listed,
-            pids_visible=self._processes is not None,
-        )
-
-    def close(self) -> None:
-        pass
 
 
 async def watch(source: Any, hz: float = DEFAULT_SAMPLE_HZ) -> AsyncIterator[VramSample]:

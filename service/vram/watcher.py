@@ -7,8 +7,8 @@ command) to :class:`service.vram.replan.ReplanController`. Each action the contr
 goes to the worker as a typed command (``engine.wire.ipc.SetPrefillChunk``,
 ``ResizeExpertCache``, ``EvictPrefixCache``, ``ResizePool``, each with ``origin="watcher"``) and is awaited before the next sample, so every
 decision sees the pool its predecessor left. The worker answers with the engine's
-``Replanned`` events, which :meth:`service.http.state.Services.record_engine_event` turns
-into ``replan`` events.
+``Replanned`` events, which :mod:`service.supervision.engine_events_to_ui` turns into
+``replan`` events.
 
 Sources (``--vram-source``):
 
@@ -19,7 +19,7 @@ Sources (``--vram-source``):
   replans.
   With a GPU but an engine on the CPU, memory is shown and never replanned.
 - ``simulated``: a card of ``--device-total`` whose other processes follow the
-  ``--vram-timeline`` script (:func:`load_timeline`); this service's memory on it is
+  ``--vram-timeline`` script (:mod:`service.vram.simulated`); this service's memory on it is
   what the worker's memory plan charges (fixed sizes plus the KV pool now, less the
   activation memory a lowered prefill chunk no longer needs and the expert cache slots
   given back). For tests and demos.
@@ -32,21 +32,17 @@ in use, other processes' memory included, counts against the limit.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
-import time
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 from engine.wire import ipc
 from engine.memory.plan import fmt_bytes
 from engine.wire.messages import BY_WATCHER
-from service.cli.settings import ServeSettings, parse_size
+from service.common.settings import ServeSettings
 from service.events.hub import EventHub
 from service.events.schemas import GpuMemory, VramEvent
-from service.supervision.states import State
+from service.common.engine_states import State
 from service.supervision.supervisor import Supervisor
 from service.vram.gpus import GpuGroup
 from service.vram.host import HOST_SAMPLE_S, host_memory
@@ -65,133 +61,13 @@ from service.vram.sources import (
     DEFAULT_SAMPLE_HZ,
     CardOfLimit,
     NvmlSource,
-    SimulatedSource,
     VramSample,
     nvml_index,
 )
 from service.vram.sources import resolve_reserve as _resolve_reserve
+from service.vram.simulated import simulated_sources
 
 log = logging.getLogger("headroom.vram")
-
-
-class TimelineError(ValueError):
-    """A ``--vram-timeline`` file that cannot be used; the message names the file."""
-
-
-@dataclass(frozen=True)
-class Timeline:
-    """A parsed ``--vram-timeline`` file: ``steps`` of ``(seconds, others' bytes)``,
-    the card's ``total_bytes`` and ``display`` when the file sets them, and the moment
-    ``t = 0``: ``"ready"`` (the first worker is ready) or ``"service"`` (start).
-    ``baseline``: what becomes of the other processes' memory ``--device-free`` gave
-    the plan at start: ``"kept"`` (it stays taken; the steps come on top) or
-    ``"replaced"`` (the steps are all the other processes: they hold that memory until
-    the first step, then what the steps say, so an app open at start can leave).
-    ``gpu_at``: seconds before which the card is absent (a driver loading after a
-    resume); None: always there. ``gpus``: steps of their own for some GPUs of a
-    tensor-parallel worker (by rank); the others follow ``steps``."""
-
-    steps: tuple[tuple[float, int], ...]
-    total_bytes: int | None = None
-    display: bool | None = None
-    start: Literal["ready", "service"] = "ready"
-    baseline: Literal["kept", "replaced"] = "kept"
-    gpu_at: float | None = None
-    gpus: dict[int, tuple[tuple[float, int], ...]] = field(default_factory=dict)
-
-
-def _size(value: Any, total: int | None, where: str) -> int:
-    if isinstance(value, str) and value.strip().endswith("%"):
-        if total is None:
-            raise TimelineError(f"{where}: a share of the card ({value}) needs a total")
-        try:
-            share = float(value.strip()[:-1]) / 100
-        except ValueError:
-            raise TimelineError(f"{where}: {value!r} is not a percentage") from None
-        return int(share * total)
-    try:
-        return parse_size(value)
-    except ValueError as exc:
-        raise TimelineError(f"{where}: {exc}") from None
-
-
-def load_timeline(path: str | Path, default_total: int | None = None) -> Timeline:
-    """Read a timeline file (JSON)::
-
-        {"total": "3GiB", "display": true, "start": "ready", "baseline": "kept",
-         "gpu_at": 0, "steps": [[0, 0], [2, "40%"], [6, "1.6GiB"], [10, "40%"], [14, 0]]}
-
-    Each step holds from its time (seconds) to the next; sizes are bytes, text sizes
-    (``service.cli.settings.parse_size``) or a share of the card (``"40%"``). With
-    ``--tensor-parallel-size N`` every rank's GPU follows ``steps`` unless ``"gpus"``
-    gives it steps of its own, by rank: ``"gpus": {"1": [[0, 0], [3, "40%"]]}``.
-
-    Raises:
-        TimelineError: unreadable, not JSON, or a bad value (the message says which).
-    """
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise TimelineError(f"cannot read the VRAM timeline {path}: {exc}") from None
-    except ValueError as exc:
-        raise TimelineError(f"the VRAM timeline {path} is not valid JSON: {exc}") from None
-    if not isinstance(data, dict) or not isinstance(data.get("steps", []), list):
-        raise TimelineError(f'{path}: expected {{"steps": [[seconds, size], ...], ...}}')
-    total = _size(data["total"], None, f"{path}: total") if "total" in data else default_total
-    steps = _steps(data.get("steps", []), total, f"{path}: step")
-    per_gpu = data.get("gpus", {})
-    if not isinstance(per_gpu, dict) or not all(isinstance(v, list) for v in per_gpu.values()):
-        raise TimelineError(f'{path}: "gpus" must map a rank to its steps: {{"1": [[seconds, size], ...]}}')
-    gpus = {}
-    for rank, gpu_steps in per_gpu.items():
-        if not str(rank).isdigit():
-            raise TimelineError(f'{path}: "gpus" names GPUs by rank (0, 1, ...), not {rank!r}')
-        gpus[int(rank)] = _steps(gpu_steps, total, f"{path}: GPU {rank}'s step")
-    start = data.get("start", "ready")
-    if start not in ("ready", "service"):
-        raise TimelineError(f'{path}: "start" must be "ready" or "service", not {start!r}')
-    baseline = data.get("baseline", "kept")
-    if baseline not in ("kept", "replaced"):
-        raise TimelineError(f'{path}: "baseline" must be "kept" or "replaced", not {baseline!r}')
-    display = data.get("display")
-    gpu_at = data.get("gpu_at")
-    if gpu_at is not None and (isinstance(gpu_at, bool) or not isinstance(gpu_at, (int, float))):
-        raise TimelineError(f'{path}: "gpu_at" must be seconds, not {gpu_at!r}')
-    return Timeline(
-        steps=steps,
-        total_bytes=total,
-        display=None if display is None else bool(display),
-        start=start,
-        baseline=baseline,
-        gpu_at=None if gpu_at is None else float(gpu_at),
-        gpus=gpus,
-    )
-
-
-def _steps(raw: list[Any], total: int | None, where: str) -> tuple[tuple[float, int], ...]:
-    steps = []
-    for i, step in enumerate(raw):
-        if not isinstance(step, list) or len(step) != 2 or not isinstance(step[0], (int, float)):
-            raise TimelineError(f"{where} {i} is not [seconds, size]: {step!r}")
-        steps.append((float(step[0]), _size(step[1], total, f"{where} {i}")))
-    return tuple(steps)
-
-
-def simulated_ours_bytes(pool: ipc.PoolStats | None) -> int:
-    """What the worker holds on a simulated card, as its plan counts it: the fixed sizes
-    (the planned expert cache among them), the KV pool now, less what a lowered prefill
-    chunk no longer needs, corrected by the expert cache's slots now."""
-    if pool is None:
-        return 0
-    lowered = max(pool.planned_prefill_chunk - pool.prefill_chunk, 0)
-    return max(
-        pool.fixed_bytes
-        + (pool.pages - 1) * pool.page_bytes
-        - lowered * pool.activation_bytes_per_token
-        + (pool.expert_slots - pool.planned_expert_slots) * pool.expert_slot_bytes,
-        0,
-    )
 
 
 class VramWatcher:
@@ -200,7 +76,7 @@ class VramWatcher:
     Args:
         supervisor: whose worker gives memory back and takes it again.
         hub: where ``vram`` events go.
-        source: ``sample()``-able (:class:`NvmlSource`, :class:`SimulatedSource`).
+        source: ``sample()``-able (:class:`NvmlSource`, :class:`service.vram.simulated.SimulatedSource`).
         kind: ``"nvml"`` or ``"simulated"`` (the ``source`` of the ``vram`` events).
         hz: samples per second.
         reserve: ``--reserve`` in bytes, or None for auto.
@@ -445,7 +321,7 @@ def make_watcher(settings: ServeSettings, supervisor: Supervisor, hub: EventHub)
     """
     ranks = _watched_ranks(settings)
     if settings.vram_source == "simulated":
-        sources = _simulated_sources(settings, supervisor, ranks)
+        sources = simulated_sources(settings, supervisor, ranks)
         kind: Literal["nvml", "simulated"] = "simulated"
     else:
 
@@ -489,62 +365,3 @@ def _watched_ranks(settings: ServeSettings) -> int:
     return 1
 
 
-def _simulated_sources(settings: ServeSettings, supervisor: Supervisor, ranks: int) -> list[Any]:
-    """One simulated card per rank, each of ``--device-total`` and following its steps of
-    the ``--vram-timeline`` (``"gpus"``, else ``"steps"``); the worker's memory on each
-    is what its plan charges (the ranks' shards are alike)."""
-    timeline = (
-        load_timeline(settings.vram_timeline, settings.device_total)
-        if settings.vram_timeline
-        else Timeline(steps=())
-    )
-    total = timeline.total_bytes or settings.device_total
-    if total is None:
-        raise TimelineError("the simulated card needs a size: --device-total or a total")
-    unknown = sorted(i for i in timeline.gpus if i >= ranks)
-    if unknown:
-        raise TimelineError(
-            f"the VRAM timeline has steps for GPU {unknown[0]}, but the worker runs on {ranks} "
-            f"GPU(s) (--tensor-parallel-size {settings.tensor_parallel_size}); number them 0 to {ranks - 1}"
-        )
-    # What the plan saw as taken by others at start (--device-free): it stays taken
-    # under the steps, or until the first step when they replace it.
-    baseline = 0
-    if settings.device_free is not None and settings.device_total is not None:
-        baseline = max(settings.device_total - settings.device_free, 0)
-    on_top = baseline if timeline.baseline == "kept" else 0
-    anchor: dict[str, float | None] = {"t0": time.monotonic()}
-    if timeline.start == "ready":
-        anchor["t0"] = None
-        previous = supervisor.on_first_ready
-
-        def on_first_ready() -> None:
-            anchor["t0"] = time.monotonic()
-            log.info("the simulated VRAM timeline starts now")
-            if previous is not None:
-                previous()
-
-        supervisor.on_first_ready = on_first_ready
-
-    def clock() -> float:
-        t0 = anchor["t0"]
-        return -1.0 if t0 is None else time.monotonic() - t0
-
-    def ours() -> int:
-        return simulated_ours_bytes(supervisor.link.pool if supervisor.worker_alive else None)
-
-    sources = []
-    for rank in range(ranks):
-        steps = [(-1e9, baseline), *((t, b + on_top) for t, b in timeline.gpus.get(rank, timeline.steps))]
-        sources.append(
-            SimulatedSource(
-                total,
-                steps,
-                ours_bytes=ours,
-                display_attached=settings.device_display if timeline.display is None else timeline.display,
-                clock=clock,
-                name=f"simulated GPU{f' {rank}' if ranks > 1 else ''} ({fmt_bytes(total)})",
-                gpu_from=timeline.gpu_at,
-            )
-        )
-    return sources

@@ -1,5 +1,5 @@
 // A small stand-in for the service's control plane, speaking the same protocol as
-// service/events/routes.py: snapshot on connect, resume by last_seq + epoch from a bounded
+// service/control/socket.py: snapshot on connect, resume by last_seq + epoch from a bounded
 // buffer, 4001 for a bad token, bearer-protected control routes.
 import { createServer, type IncomingMessage, type Server } from "node:http";
 import type { AddressInfo } from "node:net";

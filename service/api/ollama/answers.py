@@ -22,7 +22,7 @@ import msgspec
 from litestar import Request, Response
 
 from service.api.chat_output import FINISH_TOOL_CALLS, ChatOutput
-from service.api.errors import APIError
+from service.common.errors import APIError
 from service.api.generation import Generation
 from service.api.ollama.models import rfc3339
 from service.api.ollama.schemas import OllamaChatChunk, OllamaGenerateChunk, OllamaMessage

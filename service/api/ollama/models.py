@@ -9,7 +9,7 @@ from datetime import datetime, timezone
 
 from engine.wire.messages import EngineInfo
 from service.api.ollama.schemas import OllamaDetails, OllamaModel
-from service.api.services import ApiServices
+from service.api.services import Services
 
 _BYTES_PER_PARAMETER = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -44,12 +44,12 @@ def rfc3339(moment: datetime) -> str:
     return moment.isoformat().replace("+00:00", "Z")
 
 
-def modified_at(svc: ApiServices) -> str:
+def modified_at(svc: Services) -> str:
     """The model's ``modified_at``: when the service started."""
     return rfc3339(datetime.fromtimestamp(svc.started_at, timezone.utc))
 
 
-def models(svc: ApiServices, info: EngineInfo) -> list[OllamaModel]:
+def models(svc: Services, info: EngineInfo) -> list[OllamaModel]:
     """One entry per name the served model answers to."""
     digest = hashlib.sha256(info.model_dir.encode("utf-8")).hexdigest()
     d = details(info)

@@ -22,7 +22,7 @@ from typing import Any
 
 import msgspec
 
-from service.api.errors import APIError, invalid
+from service.common.errors import APIError, invalid
 from service.api.ollama.schemas import OllamaChatRequest, OllamaGenerateRequest, OllamaOptions
 from service.api.prompts import Prompt, chat_prompt
 from service.api.request import GenerationRequest, stop_strings

@@ -29,7 +29,7 @@ import msgspec
 from litestar import Controller, Request, Response, get, post
 
 from engine.text.chat import template_has_tools
-from service.api.errors import EXCEPTION_HANDLERS, decode_body
+from service.common.errors import EXCEPTION_HANDLERS, decode_body
 from service.api.generation import start_generation
 from service.api.ollama.answers import chat_answer, generate_answer
 from service.api.ollama.models import details, models, modified_at, rfc3339
@@ -45,9 +45,9 @@ from service.api.ollama.schemas import (
 )
 from service.api.reasoning import template_thinks
 from service.api.responses import json_response
-from service.api.services import ApiServices
-from service.supervision.states import NotReady
-from service.version import headroom_version
+from service.api.services import Services
+from service.common.engine_states import NotReady
+from service.common.version import headroom_version
 
 # Ollama unloads an idle model after keep_alive; this server keeps it while it runs.
 _KEPT_FOR = timedelta(days=365)
@@ -81,7 +81,7 @@ class OllamaController(Controller):
     exception_handlers = OLLAMA_EXCEPTION_HANDLERS
 
     @post("/chat", status_code=200)
-    async def chat(self, request: Request, svc: ApiServices) -> Response[Any]:
+    async def chat(self, request: Request, svc: Services) -> Response[Any]:
         """A chat answer, streamed as NDJSON unless ``"stream": false``."""
         started = time.perf_counter()
         body = decode_body(await request.body(), OllamaChatRequest)
@@ -92,7 +92,7 @@ class OllamaController(Controller):
         return await chat_answer(gen, request, model)
 
     @post("/generate", status_code=200)
-    async def generate(self, request: Request, svc: ApiServices) -> Response[Any]:
+    async def generate(self, request: Request, svc: Services) -> Response[Any]:
         """A completion of ``prompt`` (through the chat template unless ``raw``),
         streamed as NDJSON unless ``"stream": false``; an empty prompt answers at once
         with ``done_reason: "load"`` once the model is ready."""
@@ -114,13 +114,13 @@ class OllamaController(Controller):
         return await generate_answer(gen, request, model)
 
     @get("/tags")
-    async def list_tags(self, svc: ApiServices) -> Response[bytes]:
+    async def list_tags(self, svc: Services) -> Response[bytes]:
         """Every name the served model answers to, as ``/v1/models`` lists them."""
         info = svc.supervisor.info or svc.supervisor.check_ready()
         return json_response(OllamaModelList(models=models(svc, info)))
 
     @get("/ps")
-    async def running(self, svc: ApiServices) -> Response[bytes]:
+    async def running(self, svc: Services) -> Response[bytes]:
         """The loaded model (none while no worker is ready): its memory (weights plus
         KV pool, in bytes; on the GPU unless the device is the CPU) and the context one
         request can use now."""
@@ -143,7 +143,7 @@ class OllamaController(Controller):
         return json_response(OllamaModelList(models=running))
 
     @post("/show", status_code=200)
-    async def show_model(self, request: Request, svc: ApiServices) -> Response[bytes]:
+    async def show_model(self, request: Request, svc: Services) -> Response[bytes]:
         """The model's details, sampling defaults, chat template and capabilities."""
         body = decode_body(await request.body(), OllamaShowRequest)
         info = svc.supervisor.info or svc.supervisor.check_ready()

@@ -24,7 +24,7 @@ from litestar import Request, Response
 from litestar.response import Stream
 
 from service.api.chat_output import ChatOutput
-from service.api.errors import APIError
+from service.common.errors import APIError
 from service.api.generation import Generation, Piece
 from service.api.logprobs import TokenTexts
 from service.api.openai.schemas import (

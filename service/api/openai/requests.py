@@ -5,7 +5,7 @@ server refuses rather than ignores, OpenAI's four prompt forms, ``stop``,
 
 The body's shape and declared ranges were checked when it was decoded
 (:mod:`service.api.openai.schemas`); each refusal here is a 400 naming the field
-(:func:`service.api.errors.invalid`).
+(:func:`service.common.errors.invalid`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.wire.messages import MAX_LOGPROBS
-from service.api.errors import invalid
+from service.common.errors import invalid
 from service.api.openai.schemas import ChatCompletionRequest, CompletionRequest
 from service.api.prompts import chat_prompt, completion_prompts_of
 from service.api.request import GenerationRequest, stop_strings

@@ -4,7 +4,7 @@
 One path per call, each step once: the body is decoded here (not by Litestar's
 signature model) so that every defect in it, empty, not JSON, not an object, a wrong
 type, a value out of its declared range, answers OpenAI's 400 with ``param``
-(:func:`service.api.errors.decode_body`); it becomes the one
+(:func:`service.common.errors.decode_body`); it becomes the one
 :class:`~service.api.request.GenerationRequest` of the call
 (:mod:`service.api.openai.requests`, 400s for fields needing nothing else); then
 readiness (503) and the model (404); then the generation runner takes it into the
@@ -16,7 +16,7 @@ running that many seconds after it arrived is aborted in the engine and answered
 ``request_timeout`` (in a stream: an error event, then ``[DONE]``).
 
 Authentication (``--api-key``) is not here but in the guard of the router these
-routes are mounted on (:class:`service.http.auth.BearerGuard`).
+routes are mounted on (:class:`service.common.auth.BearerGuard`).
 """
 
 from __future__ import annotations
@@ -28,16 +28,16 @@ from typing import Any
 from litestar import Controller, Request, Response, get, post
 
 from engine.wire.messages import EngineInfo
-from service.api.errors import decode_body
+from service.common.errors import decode_body
 from service.api.generation import start_generation
 from service.api.openai.answers import chat_answer, completion_answer
 from service.api.openai.requests import chat_request, completion_request
 from service.api.openai.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from service.api.responses import json_response
-from service.api.services import ApiServices
+from service.api.services import Services
 
 
-def _card(svc: ApiServices, info: EngineInfo, name: str) -> ModelCard:
+def _card(svc: Services, info: EngineInfo, name: str) -> ModelCard:
     """The model card of ``name`` (one of ``svc.model_names(info)``)."""
     return ModelCard(
         id=name,
@@ -54,7 +54,7 @@ class OpenAIController(Controller):
     path = "/v1"
 
     @get("/models")
-    async def models(self, svc: ApiServices) -> Response[bytes]:
+    async def models(self, svc: Services) -> Response[bytes]:
         """The served model. ``context_length`` (and ``max_model_len``) is the context
         one request can use *now*, prompt plus completion in tokens: the live limit,
         which follows the KV pool as it shrinks and grows (a request longer than it
@@ -66,7 +66,7 @@ class OpenAIController(Controller):
         return json_response(ModelList(data=[_card(svc, info, name) for name in svc.model_names(info)]))
 
     @get("/models/{model_id:path}")
-    async def model(self, model_id: str, svc: ApiServices) -> Response[bytes]:
+    async def model(self, model_id: str, svc: Services) -> Response[bytes]:
         """One served model by a name :meth:`models` lists (OpenAI's retrieve; a name
         with slashes, as a Hugging Face id, included); 404 ``model_not_found`` for any
         other name, 503 before the first worker is ready."""
@@ -78,7 +78,7 @@ class OpenAIController(Controller):
         return json_response(_card(svc, info, name))
 
     @post("/chat/completions", status_code=200)
-    async def chat_completions(self, request: Request, svc: ApiServices) -> Response[Any]:
+    async def chat_completions(self, request: Request, svc: Services) -> Response[Any]:
         """Chat completion, streaming (SSE) or not. Errors: see the module docstring."""
         started = time.perf_counter()
         body = decode_body(await request.body(), ChatCompletionRequest)
@@ -89,7 +89,7 @@ class OpenAIController(Controller):
         return await chat_answer(gen, request, model, body.stream_options)
 
     @post("/completions", status_code=200)
-    async def completions(self, request: Request, svc: ApiServices) -> Response[Any]:
+    async def completions(self, request: Request, svc: Services) -> Response[Any]:
         """Text completion of a raw prompt (no chat template), streaming or not."""
         started = time.perf_counter()
         body = decode_body(await request.body(), CompletionRequest)

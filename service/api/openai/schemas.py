@@ -27,7 +27,7 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
-from service.api.ranges import MAX_TOKENS_MIN
+from service.common.ranges import MAX_TOKENS_MIN
 from service.api.sampling import Sampling
 
 MAX_N = 128

@@ -1,6 +1,6 @@
 """The control actions of ``/api/control/*`` carried out on the supervisor.
 
-:class:`SupervisorControl` implements :class:`service.events.routes.ControlTarget`: the
+:class:`SupervisorControl` implements :class:`service.control.routes.ControlTarget`: the
 router checks the token and the Origin and parses the bodies; this turns each action
 into what the supervisor (and its VRAM watcher) does. A change of the KV pool or the
 prefix cache is a command to the worker
@@ -17,14 +17,18 @@ from typing import Literal
 from engine.wire import ipc
 from engine.memory.plan import fmt_bytes
 from engine.wire.messages import BY_CONTROL
-from service.api.errors import APIError
-from service.http.state import CONTROL_REASON
-from service.supervision.states import State
+from service.common.errors import APIError
+from service.common.engine_states import State
 from service.supervision.supervisor import Supervisor
 from service.vram.host import host_memory
 from service.vram.watcher import VramWatcher
 
 log = logging.getLogger("headroom.control")
+
+# The reason (for people) of a replan asked for through the control API (the service's
+# own replans say which water mark was crossed); its ``origin`` is ``BY_CONTROL``, and
+# ``replan`` events name those ``set_kv_cache`` and ``clear_prefix_cache``.
+CONTROL_REASON = "asked for through the control API"
 
 # Said with a worker's exit that the control API asked for (log line, ``worker`` event,
 # the errors of requests in flight), so it does not read as a crash.

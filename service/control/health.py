@@ -5,7 +5,7 @@ otherwise 503 with ``status`` ``starting``, ``restarting`` (with Retry-After) or
 ``failed`` (with ``reason`` and the last exit's code, signal and output lines).
 
 ``GET /api/status`` (the plan, VRAM, counters, worker and the last errors) is the
-event hub's snapshot, served by :func:`service.events.routes.events_router`.
+event hub's snapshot, served by :func:`service.control.routes.events_router`.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Any
 
 from litestar import Controller, Response, get
 
-from service.http.state import Services
+from service.api.services import Services
 from service.supervision.report import health_report
-from service.supervision.states import State
+from service.common.engine_states import State
 
 
 class HealthController(Controller):

@@ -20,7 +20,7 @@ from litestar.exceptions import HTTPException
 
 from engine.common.errors import RequestRejected
 from engine.text.chat import ChatTemplateError
-from service.supervision.states import NotReady, State
+from service.common.engine_states import NotReady, State
 
 log = logging.getLogger("headroom.api")
 

@@ -24,8 +24,8 @@ import stat
 import sys
 from pathlib import Path
 
-from service.paths import CONFIG_DIR_ENV as CONFIG_DIR_ENV
-from service.paths import config_dir
+from service.common.paths import CONFIG_DIR_ENV as CONFIG_DIR_ENV
+from service.common.paths import config_dir
 
 log = logging.getLogger("headroom.token")
 

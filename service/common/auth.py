@@ -17,8 +17,8 @@ import hmac
 from collections.abc import Callable
 from typing import Any
 
-from service.api.errors import AUTHENTICATION, APIError
-from service.events.token import token_path
+from service.common.errors import AUTHENTICATION, APIError
+from service.common.token import token_path
 
 
 def bearer_token(authorization: str | None) -> str | None:

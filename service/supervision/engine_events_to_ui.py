@@ -1,19 +1,32 @@
-"""What the routes share: settings, the supervisor, the tokenizer side.
+"""Where the engine's events become the service's: the one place an
+:class:`engine.wire.messages.EngineEvent` is logged, counted, turned into the events the
+UI reads (:mod:`service.events.schemas`) and applied to the supervisor's
+:class:`EngineInfo`.
 
-One :class:`Services` object per app, handed to route handlers by Litestar's
-dependency injection (parameter name ``svc``), never through module globals.
+The worker reports ``OomEvent`` (a step ran out of memory, and what the engine did),
+``ReplanWanted`` (the prefill chunk cap shrank) and ``Replanned`` (the KV pool, the
+prefill chunk, the prefix cache or the expert cache changed size). Here:
+
+- :func:`log_engine_event` writes each in one line;
+- :class:`EngineEventsToUI` counts them (:class:`EngineEventCounts`) and publishes to the
+  hub a ``request_error`` (each out-of-memory step, with the failed allocation's size and
+  the headroom then), a ``replan`` (before and after, as :class:`PlanPoint`), a ``plan``
+  when a resize changed the per-request context, and the ``counters``;
+- :func:`info_after` gives the limits a replan changed (``/v1/models`` and the context
+  check read them), which the supervisor keeps;
+- :func:`take_engine_event` is the supervisor's one call doing the three.
 """
 
 from __future__ import annotations
 
-import asyncio
+import logging
 import re
-import time
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
 
+from engine.common.units import SIZE_UNITS
 from engine.wire.messages import (
     BY_CONTROL,
     OOM_FAILED,
@@ -28,12 +41,6 @@ from engine.wire.messages import (
     Replanned,
     ReplanWanted,
 )
-from engine.common.units import SIZE_UNITS
-from service.api.admission import Admission
-from service.api.errors import APIError
-from service.api.sampling_defaults import SamplingDefaults, load_sampling_defaults
-from service.api.text import TextSide
-from service.cli.settings import ServeSettings
 from service.events.hub import EventHub
 from service.events.schemas import (
     CountersEvent,
@@ -42,12 +49,8 @@ from service.events.schemas import (
     ReplanEvent,
     RequestErrorEvent,
 )
-from service.supervision.supervisor import Supervisor
 
-# The reason (for people) of a replan asked for through the control API (the service's
-# own replans say which water mark was crossed); its ``origin`` is ``BY_CONTROL``, and
-# ``replan`` events name those ``set_kv_cache`` and ``clear_prefix_cache``.
-CONTROL_REASON = "asked for through the control API"
+log = logging.getLogger("headroom.supervisor")
 
 # "Tried to allocate 20.00 MiB" in torch's out-of-memory message.
 _ASKED = re.compile(r"[Tt]ried to allocate ([0-9.]+) ?(B|KiB|MiB|GiB|TiB)")
@@ -59,7 +62,63 @@ def bytes_asked(message: str) -> int | None:
     return None if match is None else int(float(match.group(1)) * SIZE_UNITS[match.group(2).lower()])
 
 
-DEFAULT_MODEL_ALIAS = "default"
+def log_engine_event(event: EngineEvent) -> None:
+    """Log ``event`` in one line (errors for a failed OOM recovery, else warnings)."""
+    if isinstance(event, OomEvent):
+        log.log(
+            logging.ERROR if event.action == OOM_FAILED else logging.WARNING,
+            "out of memory in %s for %s (%d tokens in the step): %s; %s",
+            event.phase,
+            event.request_id,
+            event.tokens_in_step,
+            event.action.replace("_", " "),
+            event.message,
+        )
+    elif isinstance(event, ReplanWanted):
+        log.warning(
+            "the engine wants a new memory plan (prefill chunk cap now %d tokens): %s",
+            event.new_max_prefill_tokens,
+            event.reason,
+        )
+
+
+def info_after(info: EngineInfo, event: EngineEvent) -> EngineInfo:
+    """``info`` with the limits ``event`` changed; ``info`` itself (the same object)
+    when it changed none."""
+    if isinstance(event, Replanned):
+        plan = info.plan
+        if plan is not None and event.max_context_tokens != info.max_context_tokens:
+            plan = plan.after_resize(max(event.after_pages - 1, 0), event.after_bytes, event.max_context_tokens,
+                                     event.reason)
+        return msgspec.structs.replace(
+            info,
+            plan=plan,
+            num_pages=event.after_pages,
+            kv_cache_bytes=event.after_bytes,
+            max_context_tokens=event.max_context_tokens,
+            max_prefill_tokens=event.max_prefill_tokens,
+        )
+    if isinstance(event, ReplanWanted):
+        return msgspec.structs.replace(info, max_prefill_tokens=event.new_max_prefill_tokens)
+    return info
+
+
+def take_engine_event(
+    event: EngineEvent,
+    on_engine_event: Callable[[EngineEvent], None] | None,
+    info: EngineInfo | None,
+) -> EngineInfo | None:
+    """What the supervisor does with each engine event: log it (:func:`log_engine_event`),
+    hand it to ``on_engine_event`` (:meth:`EngineEventsToUI.record_engine_event` in the
+    app; its exception is logged, never raised) and return ``info`` after it
+    (:func:`info_after`; None stays None)."""
+    log_engine_event(event)
+    if on_engine_event is not None:
+        try:
+            on_engine_event(event)
+        except Exception:
+            log.exception("could not record an engine event")
+    return None if info is None else info_after(info, event)
 
 
 class EngineEventCounts(msgspec.Struct, kw_only=True):
@@ -71,37 +130,32 @@ class EngineEventCounts(msgspec.Struct, kw_only=True):
     replans: int = 0  # replan events: ReplanWanted and the engine's live Replanned changes
 
 
-@dataclass
-class Services:
-    """The app's shared objects. ``text`` is set once a worker is ready and reloaded
-    only when a restarted worker serves another model folder. ``started_at`` is the
-    service's start, in Unix seconds (the ``created`` of ``/v1/models``).
-    ``engine_events`` counts what the engine reported (the hub keeps the request errors
-    and replans themselves, for ``/api/status``).
-    ``events`` is the hub the engine's events and the counters are published to (None in
-    unit tests: nothing is published). ``admission`` counts the requests waiting for the
-    engine (``--max-queued-requests``, :mod:`service.api.admission`)."""
+class EngineEventsToUI:
+    """Turns the engine's events and counters into hub events.
 
-    settings: ServeSettings
-    supervisor: Supervisor
-    text: TextSide | None = None
-    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
-    started_at: int = field(default_factory=lambda: int(time.time()))
-    engine_events: EngineEventCounts = field(default_factory=EngineEventCounts)
-    events: EventHub | None = None
-    admission: Admission = field(init=False)
-    _last_counters: CountersEvent | None = field(default=None, repr=False)
+    Args:
+        events: the hub to publish to (None: nothing is published, the counts still
+            are kept).
+        supervisor: what knows the engine's state: ``info`` (:class:`EngineInfo` or
+            None, read *before* it takes a ``Replanned``'s new sizes) and ``link``
+            (``stats``: the last :class:`EngineStats`, ``in_flight``); None in tests.
 
-    def __post_init__(self) -> None:
-        limit = self.settings.max_queued_requests if self.settings is not None else 0
-        self.admission = Admission(limit)
+    Attributes:
+        counts: the engine events since the service started.
+    """
+
+    def __init__(self, events: EventHub | None, supervisor: Any) -> None:
+        self.events = events
+        self.supervisor = supervisor
+        self.counts = EngineEventCounts()
+        self._last_counters: CountersEvent | None = None
 
     def record_engine_event(self, event: EngineEvent) -> None:
         """Called by the supervisor for each engine event (already logged there, and
         before the supervisor's ``info`` takes a ``Replanned``'s new sizes): counts it
         and publishes a ``request_error`` (each out-of-memory step, with the action the
         engine took) or a ``replan`` event, then the counters."""
-        counts = self.engine_events
+        counts = self.counts
         if isinstance(event, OomEvent):
             counts.oom_steps += 1
             self._publish(self._request_error(event))
@@ -116,8 +170,6 @@ class Services:
             self._publish(self._plan_after(event))
         self.publish_counters()
 
-    # -- events ------------------------------------------------------------------------
-
     def _publish(self, event: object | None) -> None:
         if self.events is not None and event is not None:
             self.events.publish(event)  # type: ignore[arg-type]
@@ -130,7 +182,7 @@ class Services:
         supervisor = self.supervisor
         if stats is None and supervisor is not None:
             stats = supervisor.link.stats
-        counts = self.engine_events
+        counts = self.counts
         event = CountersEvent(
             engine=stats,
             in_flight=supervisor.link.in_flight if supervisor is not None else 0,
@@ -245,50 +297,6 @@ class Services:
             after=after,
             duration_s=event.duration_ms / 1000,
         )
-
-    def model_names(self, info: EngineInfo) -> list[str]:
-        """Names the served model answers to: the engine's, the store name ``--model``
-        gave (``owner/name[:FILE.gguf]``, when it is not a path), the configured aliases,
-        then ``default`` (each once)."""
-        names = [info.model_name]
-        model = self.settings.model
-        if model and model != info.model_name and not Path(model).expanduser().exists():
-            names.append(model)
-        names += [*self.settings.served_model_name, DEFAULT_MODEL_ALIAS]
-        return list(dict.fromkeys(names))
-
-    def check_model(self, requested: str | None, info: EngineInfo) -> str:
-        """The model name to report for a request naming ``requested``.
-
-        An absent or empty name, or ``"default"``, means the served model (there is
-        only one).
-
-        Raises:
-            APIError: 404 ``model_not_found`` for any other name.
-        """
-        names = self.model_names(info)
-        # "default" always names the one served model: the README's and most clients'
-        # first request, before anyone has read /v1/models.
-        if not requested or requested in names:
-            return names[0]
-        raise APIError(
-            404,
-            f"The model `{requested}` does not exist; this server serves "
-            + ", ".join(f"`{n}`" for n in names),
-            param="model",
-            code="model_not_found",
-        )
-
-    async def prepare(self, info: EngineInfo) -> None:
-        """Called by the supervisor when a worker is ready: load its tokenizer and its
-        sampling defaults (:mod:`service.api.sampling_defaults`)."""
-        if self.text is None or self.text.model_dir != info.model_dir:
-            old, self.text = self.text, await TextSide.load(info.model_dir)
-            self.sampling_defaults = await asyncio.to_thread(
-                load_sampling_defaults, info.model_dir
-            )
-            if old is not None:
-                old.close()
 
 
 def _expert_cache(slots: int, nbytes: int, event: Replanned) -> dict[str, int]:

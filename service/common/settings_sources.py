@@ -1,0 +1,237 @@
+"""Where ``headroom serve``'s settings come from, later winning: the defaults, the config
+file, the environment, the flags (:func:`resolve`); then each option's own checks and
+the rules between options.
+
+The config file is TOML at ``platformdirs.user_config_dir("headroom")/config.toml``
+(``--config`` or ``HEADROOM_CONFIG`` point elsewhere); its keys sit at the top level or
+under a ``[serve]`` table. The environment variable of an option is ``HEADROOM_`` + its
+name in capitals. List settings take a list in TOML and comma-separated text in the
+environment; sizes are text everywhere (:func:`engine.common.units.parse_size`). The
+options themselves are declared in :mod:`service.common.settings`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+from engine.common.options import ENV_PREFIX, Option
+from engine.common.units import parse_size
+from service.common.settings import OPTIONS, OPTIONS_BY_NAME, ServeSettings, SettingsError, parse_duration
+
+
+def default_config_path() -> Path:
+    """``<user config dir>/headroom/config.toml`` (platformdirs)."""
+    from platformdirs import user_config_dir
+
+    return Path(user_config_dir("headroom")) / "config.toml"
+
+
+def _convert(option: Option, value: Any, source: str) -> Any:
+    """Coerce a value from the file (typed) or the environment (text)."""
+    if option.multiple:
+        if isinstance(value, str):
+            items = [v.strip() for v in value.split(",")]
+        elif isinstance(value, list):
+            items = value
+        else:
+            raise SettingsError(f"{source}: {option.name} must be a list of strings")
+        return tuple(_convert_one(option, v, source) for v in items if v != "")
+    return _convert_one(option, value, source)
+
+
+def _convert_size(option: Option, value: Any, source: str) -> int | None:
+    """A size option's value (text or bytes) as bytes; ``"auto"`` is None where allowed.
+
+    Raises:
+        SettingsError: not a size, naming the source (the flag, the variable or the file).
+    """
+    if value is None:
+        return None
+    if option.kind == "size_or_auto" and isinstance(value, str) and value.strip().lower() == "auto":
+        return None
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        text = str(exc)
+        if option.kind == "size_or_auto":
+            text = text.replace("; write ", "; write auto or ")
+        raise SettingsError(f"{_where(option, source)}: {text}") from None
+
+
+def _convert_word_or_number(option: Option, value: Any, source: str) -> str | None:
+    """A ``word_or_number`` option's value as its text: TOML's ``2`` or ``1.5`` become
+    ``"2"`` or ``"1.5"``, as the command line and the environment spell them.
+
+    Raises:
+        SettingsError: neither text nor a number (a bool, a list...), naming the source.
+    """
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    raise SettingsError(f"{_where(option, source)}: {value!r} is neither text nor a number")
+
+
+def _where(option: Option, source: str) -> str:
+    """Where a value came from, naming the option once: the flag alone, else the
+    source and the option's name."""
+    return source if source == option.flag else f"{source}: {option.name}"
+
+
+def _convert_kind(option: Option, value: Any, source: str) -> Any:
+    """A value of an option with a ``kind`` (a size, a word or number) as the field holds it."""
+    if option.kind == "word_or_number":
+        return _convert_word_or_number(option, value, source)
+    return _convert_size(option, value, source)
+
+
+def _convert_one(option: Option, value: Any, source: str) -> Any:
+    if option.kind is not None:
+        return _convert_kind(option, value, source)
+    kind = option.type
+    try:
+        if kind is bool:
+            if isinstance(value, bool):
+                return value
+            text = str(value).strip().lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off"):
+                return False
+            if text == "auto" and option.default is None:
+                return None
+            raise ValueError(value)
+        if kind is int and isinstance(value, (bool, float)):
+            raise ValueError(value)
+        if kind is str and not isinstance(value, str):
+            raise ValueError(value)
+        return kind(value)
+    except (TypeError, ValueError):
+        accepted = ""
+        if kind is bool:
+            accepted = " (use true/false, on/off, yes/no or 1/0" + (" or auto" if option.default is None else "") + ")"
+        raise SettingsError(
+            f"{source}: {option.name} = {value!r} is not a valid {kind.__name__}{accepted}"
+        ) from None
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """The settings in a TOML file (top level merged with ``[serve]``).
+
+    Raises:
+        SettingsError: unreadable or invalid TOML, or an unknown key.
+    """
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise SettingsError(f"cannot read config file {path}: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise SettingsError(f"config file {path} is not valid TOML: {exc}") from None
+    serve = data.get("serve", {})
+    # Other commands may keep their own tables; scalars at the top level are ours.
+    merged = {k: v for k, v in data.items() if not isinstance(v, dict)}
+    if isinstance(serve, dict):
+        merged.update(serve)
+    for key in merged:
+        if key.replace("-", "_") not in OPTIONS_BY_NAME:
+            raise SettingsError(
+                f"config file {path}: unknown setting {key!r}; known: "
+                + ", ".join(o.name for o in OPTIONS)
+            )
+    return {k.replace("-", "_"): v for k, v in merged.items()}
+
+
+def resolve(
+    flags: Mapping[str, Any],
+    env: Mapping[str, str] | None = None,
+    config_path: Path | None = None,
+) -> ServeSettings:
+    """Merge the sources, later winning: defaults, config file, environment, flags.
+
+    Args:
+        flags: option name -> value from the command line; None (or an empty tuple
+            for repeatable options) means "not given".
+        env: the environment (``os.environ`` when None).
+        config_path: the TOML file; None means ``HEADROOM_CONFIG`` or the default
+            path. A missing default file is fine; a missing explicit one is an error.
+
+    Raises:
+        SettingsError: a bad value, naming where it came from.
+    """
+    env = os.environ if env is None else env
+    explicit = config_path is not None or bool(env.get(ENV_PREFIX + "CONFIG"))
+    path = config_path or Path(env.get(ENV_PREFIX + "CONFIG") or default_config_path())
+    file_values: dict[str, Any] = {}
+    if path.exists():
+        file_values = read_config_file(path)
+    elif explicit:
+        # The absolute path: a relative one depends on a working directory the reader
+        # may not share (a service's, a script's).
+        raise SettingsError(f"config file {path.absolute()} does not exist")
+
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for opt in OPTIONS:
+        value, source = opt.default, "default"
+        if opt.name in file_values:
+            value = _convert(opt, file_values[opt.name], f"config file {path}")
+            source = str(path)
+        if opt.env in env and env[opt.env] != "":
+            value = _convert(opt, env[opt.env], f"environment {opt.env}")
+            source = opt.env
+        flag_value = flags.get(opt.name)
+        if flag_value is not None and flag_value != ():
+            value = tuple(flag_value) if opt.multiple else flag_value
+            source = opt.flag
+            if opt.kind is not None:
+                value = _convert_kind(opt, value, opt.flag)
+        elif opt.kind is not None and source == "default":
+            value = _convert_kind(opt, value, "default")
+        values[opt.name] = value
+        sources[opt.name] = source
+    factory = env.get(ENV_PREFIX + "ENGINE_FACTORY")
+    if factory:
+        values["engine_factory"] = factory
+    settings = ServeSettings(**values, sources=sources)
+    _validate(settings)
+    return settings
+
+
+def _validate(s: ServeSettings) -> None:
+    """Each option's own checks (declared with it), then the rules between options."""
+
+    def fail(name: str, why: str) -> None:
+        flag, source = OPTIONS_BY_NAME[name].flag, s.sources[name]
+        # A value from the flag itself names the flag once; one from elsewhere says where.
+        where = flag if source == flag else f"{flag} ({source})"
+        raise SettingsError(f"{where}: {why}")
+
+    for opt in OPTIONS:
+        why = opt.problem(getattr(s, opt.name))
+        if why is not None:
+            fail(opt.name, why)
+    problem = s.problem()
+    if problem is not None:
+        fail(*problem)
+    if s.vram_source == "simulated" and s.device_total is None and s.vram_timeline is None:
+        fail("vram_source", "simulated needs --device-total (or a --vram-timeline with a total)")
+    if s.vram_timeline is not None and s.vram_source != "simulated":
+        fail("vram_timeline", "needs --vram-source simulated")
+    if s.replan_low is not None and s.replan_high is not None and s.replan_low >= s.replan_high:
+        fail("replan_high", "must be above --replan-low")
+    if s.keep_alive is not None:
+        try:
+            parse_duration(s.keep_alive)
+        except ValueError as exc:
+            fail("keep_alive", str(exc))
+    if s.stall_timeout_s <= s.heartbeat_interval_s:
+        fail("stall_timeout_s", "must be longer than --heartbeat-interval-s")

@@ -1,0 +1,43 @@
+"""The control API's wire shapes, beside the event types: the bodies of
+``POST /api/control/reserve`` and ``/api/control/cache``, what every control route
+answers, and the WebSocket subprotocol that carries the local token. The routes are
+:mod:`service.control.routes`; the JSON Schema export (:mod:`service.events.export_schema`)
+and the OpenAPI document read these.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+# A browser cannot set headers on a WebSocket: the socket takes the local token as the
+# subprotocol ``headroom.token.<token>`` (the server echoes it).
+SUBPROTOCOL_PREFIX = "headroom.token."
+
+
+class ReserveRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """Body of ``POST /api/control/reserve``: ``reserve`` is ``"auto"``, a number of
+    bytes, or a size as text (``"1.5GiB"``, ``"512MiB"``)."""
+
+    reserve: int | str
+
+
+class CacheRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Body of ``POST /api/control/cache``. ``kv_cache``: the KV pool's size (bytes or
+    text such as ``"6GiB"``; null: back to the plan's size; absent: unchanged).
+    ``clear_prefix_cache``: evict the prefix cache's unused pages (done first).
+    ``expert_cache``: the GPU expert cache's size, for routed experts in host memory
+    (``--cpu-experts``; bytes or text, whole slots; null: the plan's size; absent:
+    unchanged); done before ``kv_cache``."""
+
+    kv_cache: int | str | None | msgspec.UnsetType = msgspec.UNSET
+    expert_cache: int | str | None | msgspec.UnsetType = msgspec.UNSET
+    clear_prefix_cache: bool = False
+
+
+class ControlResponse(msgspec.Struct, kw_only=True):
+    """What a control route answers: ``action`` done (``restart``, ``pause``,
+    ``resume``, ``reserve``, ``cache``), and the target's ``message``."""
+
+    ok: bool
+    action: str
+    message: str | None = None

@@ -21,7 +21,8 @@ from service.api.sampling_defaults import (
     load_sampling_defaults,
 )
 from service.api.openai.schemas import ChatCompletionRequest
-from service.common.settings import DEFAULT_MAX_TOKENS, OPTIONS_BY_NAME, resolve
+from service.common.settings import DEFAULT_MAX_TOKENS, OPTIONS_BY_NAME
+from service.common.settings_sources import resolve
 from service.api.services import Services
 
 

@@ -14,8 +14,10 @@ import pytest
 from service.common.errors import APIError, decode_body
 from service.api.request import resolve_max_tokens, stop_strings
 from service.api.openai.schemas import ChatCompletionRequest
-from service.common.settings import DEFAULT_PORT, SettingsError, parse_size, resolve
-from service.http.security import SecurityMiddleware, host_name, is_loopback_host
+from service.common.origins import host_name, is_loopback_host
+from service.common.settings import DEFAULT_PORT, SettingsError, parse_size
+from service.common.settings_sources import resolve
+from service.http.security import SecurityMiddleware
 
 # -- settings -----------------------------------------------------------------------------
 

@@ -268,7 +268,8 @@ def test_default_model_matches_transformers_gguf(default_model_dir, paged_runner
 
 
 def test_model_display_name_drops_the_cache_hash_of_conversions_only(tmp_path, monkeypatch):
-    from engine.loader.default_model import CACHE_ENV, model_display_name
+    from engine.common.cache_dir import CACHE_ENV
+    from engine.loader.default_model import model_display_name
 
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
     converted = tmp_path / "cache" / "models" / "SmolLM2-135M-Instruct.Q4_1-b179c9523d0e"

@@ -45,7 +45,7 @@ def _key(model_dir: Path) -> str:
 
 
 def _record(model_dir: Path) -> Path:
-    from engine.loader.default_model import cache_root
+    from engine.common.cache_dir import cache_root
 
     return cache_root() / "model-facts" / f"{_key(model_dir)}.json"
 

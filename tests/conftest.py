@@ -119,7 +119,7 @@ class PagedRunner:
 
     def __init__(self, model, config, *, page_size: int = 4, num_pages: int = 64, device: str = "cpu",
                  kv_dtype=None, attention: str = "torch"):
-        from engine.layers.attention.base import create_attention_backend
+        from engine.layers.attention.registry import create_attention_backend
         from engine.kvcache.pool import KVPool
 
         dtype = next(model.parameters()).dtype

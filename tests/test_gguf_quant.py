@@ -23,7 +23,8 @@ from engine.loader.default_model import default_gguf_path  # noqa: E402
 from engine.loader.gguf_convert import convert_gguf  # noqa: E402
 from engine.loader.gguf_quant import gguf_weight_size  # noqa: E402
 from engine.loader.load import load_model  # noqa: E402
-from engine.layers.linear.gguf_blocks import QuantLinear, model_weight_bytes  # noqa: E402
+from engine.layers.linear.gguf_blocks import QuantLinear  # noqa: E402
+from engine.layers.weight_census import model_weight_bytes  # noqa: E402
 
 GiB = 1 << 30
 

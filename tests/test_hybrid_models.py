@@ -16,7 +16,8 @@ from engine.common.config import EngineConfig
 from engine.core.engine import Engine
 from engine.kvcache.state_pool import StatePool, state_bytes_per_request
 from engine.loader.hf_config import load_model_config
-from engine.loader.load import load_model, weight_bytes
+from engine.loader.load import load_model
+from engine.loader.weight_size import weight_bytes
 from engine.memory.device import simulated_device
 from engine.core.footprint import (
     estimate_activation_bytes,

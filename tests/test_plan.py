@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from engine.layers.attention.base import register_backend
+from engine.layers.attention.registry import register_backend
 from engine.layers.attention.torch_backend import TorchAttentionBackend
 from engine.commands.plan import build_plan, render
 from engine.common.config import EngineConfig

@@ -183,7 +183,7 @@ def _graph_seconds(fn, replays: int = _GRAPH_REPLAYS) -> float:
 def step_bytes(model: torch.nn.Module, config, batch: int, context: int, kv_bytes_per_token: int) -> int:
     """Bytes a decode step reads: the weights but the embedding table (unless tied, then
     it is the LM head), plus ``batch * context`` tokens of KV."""
-    from engine.layers.linear.gguf_blocks import model_weight_bytes
+    from engine.layers.weight_census import model_weight_bytes
 
     weights = model_weight_bytes(model)
     if not config.tie_word_embeddings:
@@ -193,11 +193,11 @@ def step_bytes(model: torch.nn.Module, config, batch: int, context: int, kv_byte
 
 def decode_rows(model, config, batches: list[int], context: int, bandwidth: float, label: str,
                 kv_cache_dtype: str = "auto") -> list[str]:
-    from engine.layers.attention.base import create_attention_backend
+    from engine.layers.attention.registry import create_attention_backend
     from engine.bench.kernels import _decode_batch
     from engine.kvcache.pool import KVPool, kv_storage_dtype
     from engine.core.footprint import kv_bytes_per_token
-    from engine.layers.linear.gguf_blocks import model_weight_bytes
+    from engine.layers.weight_census import model_weight_bytes
 
     dtype = model.model.embed_tokens.weight.dtype
     kv_dtype = kv_storage_dtype(kv_cache_dtype, dtype)
@@ -454,7 +454,7 @@ def profile_rows(model, config, context: int, steps: int = 5) -> list[str]:
     the largest first, with each kernel's share of the total."""
     from torch.profiler import ProfilerActivity, profile
 
-    from engine.layers.attention.base import create_attention_backend
+    from engine.layers.attention.registry import create_attention_backend
     from engine.bench.kernels import _decode_batch
     from engine.kvcache.pool import KVPool
 

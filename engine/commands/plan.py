@@ -14,7 +14,7 @@ from engine.common.config import EngineConfig
 from engine.loader.fp8 import resolve_quantization
 from engine.loader.gguf_quant import gguf_weight_size
 from engine.loader.hf_config import load_model_config
-from engine.loader.load import fp8_weight_size
+from engine.loader.weight_size import fp8_weight_size
 from engine.loader.resolve import resolve_model
 from engine.memory.plan import MemoryPlan, PlanKnobs, fit_plan
 from engine.parallel.split import rank_model_config
@@ -147,7 +147,7 @@ def cpu_holdings(config: EngineConfig) -> CpuHoldings:
     """
     from engine.kvcache.pool import kv_storage_dtype
     from engine.loader.default_model import model_display_name
-    from engine.loader.load import weight_bytes
+    from engine.loader.weight_size import weight_bytes
     from engine.memory.fixed_pool import unplanned_pages
     from engine.core.footprint import kv_bytes_per_token
     from engine.memory.host import host_memory

@@ -28,6 +28,10 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "Qwen3NextForCausalLM",
 )
 
+# The --attention-backend choices; engine.layers.attention.registry maps each built-in
+# name to its class.
+ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "triton", "flashinfer", "torch")
+
 # RoPE variants engine.layers.rope implements (transformers' ``rope_type`` names).
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3")
 
@@ -305,7 +309,7 @@ class EngineConfig:
         "auto",
         "Attention kernels: auto (Triton on CUDA, torch elsewhere), triton, flashinfer "
         "(needs flashinfer-python) or torch.",
-        choices=("auto", "triton", "flashinfer", "torch"),
+        choices=ATTENTION_BACKENDS,
     )
     cuda_graphs: bool = option(
         True, "Capture the decode step in CUDA graphs (--no-cuda-graphs: run eagerly)."

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from engine.layers.attention.base import backend_class, create_attention_backend, resolve_backend_name
+from engine.layers.attention.registry import backend_class, create_attention_backend, resolve_backend_name
 from engine.common.config import EngineConfig, ModelConfig
 from engine.common.errors import PlanDoesNotFit, RequestRejected
 from engine.kvcache.allocator import PageAllocator
@@ -30,7 +30,8 @@ from engine.loader.default_model import model_display_name
 from engine.loader.fp8 import resolve_quantization
 from engine.loader.gguf_quant import gguf_weight_size
 from engine.loader.hf_config import load_model_config
-from engine.loader.load import fp8_weight_size, load_model, parameter_count
+from engine.loader.load import load_model
+from engine.loader.weight_size import fp8_weight_size, parameter_count
 from engine.loader.resolve import resolve_model
 from engine.memory.fixed_pool import unplanned_pages
 from engine.core.footprint import kv_bytes_per_token, make_footprint
@@ -46,18 +47,15 @@ from engine.wire.messages import (
     TokenOutput,
 )
 from engine.layers.linear.cpu_kernels import cpu_kernels
-from engine.layers.linear.cpu_int4 import pack_model_for_cpu
+from engine.layers.cpu_pack import pack_model_for_cpu
 from engine.layers.moe.expert_cache import (
     ExpertCounters,
     OffloadedExperts,
     offload_experts,
     resize_cache,
 )
-from engine.layers.linear.gguf_blocks import (
-    model_weight_bytes,
-    quantized_format,
-    repack_model_for_kernels,
-)
+from engine.layers.linear.gguf_blocks import repack_model_for_kernels
+from engine.layers.weight_census import model_weight_bytes, quantized_format
 from engine.common.options import pick
 from engine.core.tp_follow import lead
 from engine.parallel.group import TensorParallel

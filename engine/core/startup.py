@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.layers.attention.base import backend_class, resolve_backend_name
+from engine.layers.attention.registry import backend_class, resolve_backend_name
 from engine.common.config import EngineConfig, ModelConfig
 from engine.common.errors import CUDA_HINTS, CudaUnavailable, TorchWithoutCuda
 from engine.common.faults import check_cuda_init
@@ -25,7 +25,7 @@ from engine.core.footprint import CUDA_RUNTIME_ESTIMATE_BYTES, make_footprint
 from engine.memory.plan import DeviceMemory, MemoryPlan, PlanKnobs, make_plan
 
 if TYPE_CHECKING:
-    from engine.loader.gguf_quant import WeightSize
+    from engine.loader.weight_size import WeightSize
 
 log = logging.getLogger(__name__)
 

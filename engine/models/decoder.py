@@ -282,7 +282,7 @@ class CausalLM(nn.Module):
     """Decoder-only LM over the paged KV cache.
 
     Build it under ``torch.device("meta")`` and give it storage with
-    :func:`engine.loader.load.materialize` (see :func:`engine.loader.load.load_model`); then call :meth:`init_rope_cache` and
+    :func:`engine.loader.meta_build.materialize` (see :func:`engine.loader.load.load_model`); then call :meth:`init_rope_cache` and
     :meth:`load_weights`.
 
     Attributes:

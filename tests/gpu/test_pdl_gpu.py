@@ -20,7 +20,7 @@ REPLAYS = 20
 def _step_logits(model, config, batch_size: int, monkeypatch, on: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """An eager decode step's logits and ``REPLAYS`` replays of its CUDA graph, with PDL
     ``on`` or off, over a KV pool of fixed random values (context 256)."""
-    from engine.layers.attention.base import create_attention_backend
+    from engine.layers.attention.registry import create_attention_backend
     from engine.bench.kernels import _decode_batch
     from engine.kvcache.pool import KVPool
 

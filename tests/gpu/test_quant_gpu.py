@@ -265,7 +265,7 @@ def test_benchmark_weights_take_their_block_bytes(tmp_path):
     from engine.bench.model_shapes import write_shape
     from engine.loader.gguf_quant import gguf_weight_size, load_gguf_quantized
     from engine.loader.hf_config import load_model_config
-    from engine.layers.linear.gguf_blocks import model_weight_bytes
+    from engine.layers.weight_census import model_weight_bytes
     from engine.bench.quant import write_random_gguf
 
     config = load_model_config(write_shape("llama-3.1-8b", tmp_path / "cfg", num_hidden_layers=2))

@@ -30,7 +30,7 @@ import time
 import numpy as np
 import torch
 
-from engine.layers.attention.base import AttentionBackend, register_backend
+from engine.layers.attention.base import AttentionBackend
 from engine.common.forward_batch import ForwardBatch
 
 log = logging.getLogger("headroom.engine")
@@ -70,7 +70,6 @@ def paged_kv_csr(seq_lens: np.ndarray, page_table: np.ndarray, page_size: int):
     return indptr, indices, last
 
 
-@register_backend("flashinfer")
 class FlashInferAttentionBackend(AttentionBackend):
     """See the module docstring. Needs a CUDA device and ``import flashinfer``."""
 

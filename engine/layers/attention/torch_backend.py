@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.layers.attention.base import AttentionBackend, register_backend
+from engine.layers.attention.base import AttentionBackend
 from engine.common.forward_batch import ForwardBatch
 from kernels.attention.kv_store import gather_kv
 
@@ -42,7 +42,6 @@ class _PrefillSeq:
     heads: torch.Tensor | None  # [H * S] pool rows per query head (with mask), as _DecodeGroup's
 
 
-@register_backend("torch")
 class TorchAttentionBackend(AttentionBackend):
     """See the module docstring. Its transients scale with the step; they belong to the
     plan's measured activation peak, so ``workspace_bytes`` is 0."""

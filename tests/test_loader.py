@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.common.config import SUPPORTED_ARCHITECTURES
+from engine.models.registry import SUPPORTED_ARCHITECTURES
 from engine.loader import default_model, gguf_convert
 from engine.common.load_errors import (
     ConfigFieldMissing,

@@ -7,7 +7,8 @@ import pytest
 import torch
 from model_checks import assert_close, check_extend_and_decode, check_ragged_batch, hf_logits
 
-from engine.common.config import SUPPORTED_ARCHITECTURES, RopeConfig
+from engine.common.config import RopeConfig
+from engine.models.registry import SUPPORTED_ARCHITECTURES
 from engine.common.load_errors import UnsupportedArchitecture, UnsupportedConfig
 from engine.loader.load import load_model
 from engine.loader.weight_size import weight_bytes

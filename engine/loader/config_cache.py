@@ -27,7 +27,8 @@ from engine.common.config import ModelConfig
 log = logging.getLogger("headroom.engine")
 
 # The code that derives the facts: a change to it makes every record stale.
-_SOURCES = (Path(__file__).with_name("hf_config.py"), Path(__file__).parents[1] / "common" / "config.py")
+_SOURCES = (Path(__file__).with_name("hf_config.py"), Path(__file__).parents[1] / "common" / "config.py",
+            Path(__file__).parents[1] / "models" / "registry.py")
 
 
 def _key(model_dir: Path) -> str:

@@ -138,7 +138,7 @@ def test_benchmark_moe_gguf_converts_and_loads_in_blocks(tmp_path, paged_runner)
     and tokenizer from its metadata), its experts load in their Q4_K/Q4_K/Q6_K blocks,
     priced exactly, and a step gives finite logits."""
     from engine.bench.model_shapes import write_shape
-    from engine.bench.quant import MOE_EXPERT_TYPES, write_random_moe_gguf
+    from engine.bench.random_gguf import MOE_EXPERT_TYPES, write_random_moe_gguf
 
     shape = load_model_config(write_shape("qwen3-30b-a3b", tmp_path / "cfg", hidden_size=256, moe_intermediate_size=256,
                                           num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,

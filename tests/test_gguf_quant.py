@@ -141,7 +141,7 @@ def _small_k_quant_gguf(tmp_path, seed: int):
 
     from engine.bench.model_shapes import write_shape
     from engine.loader.hf_config import load_model_config
-    from engine.bench.quant import write_random_gguf
+    from engine.bench.random_gguf import write_random_gguf
 
     folder = write_shape("llama-3.1-8b", tmp_path / "cfg", hidden_size=256, intermediate_size=512,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
@@ -241,7 +241,7 @@ def test_norms_quantizing_for_the_int8_gemv_give_the_same_logits(tmp_path, paged
     from engine.loader.gguf_quant import load_gguf_quantized
     from engine.loader.hf_config import load_model_config
     from engine.layers.linear import gguf_blocks as quant_linear
-    from engine.bench.quant import write_random_gguf
+    from engine.bench.random_gguf import write_random_gguf
     from kernels import dispatch
     from kernels.quant import triton_int8
     from kernels.quant import triton_kernel as triton_quant

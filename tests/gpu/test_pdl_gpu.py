@@ -73,7 +73,7 @@ def test_pdl_decode_of_gguf_blocks_equals_stream_order(tmp_path, monkeypatch):
     from engine.bench.model_shapes import write_shape
     from engine.loader.gguf_quant import load_gguf_quantized
     from engine.loader.hf_config import load_model_config
-    from engine.bench.quant import write_random_gguf
+    from engine.bench.random_gguf import write_random_gguf
 
     config = load_model_config(write_shape("llama-3.1-8b", tmp_path / "cfg", num_hidden_layers=2, vocab_size=16384))
     path = tmp_path / "k.gguf"

@@ -225,7 +225,7 @@ def test_decode_hands_the_norms_codes_to_the_int8_gemv(tmp_path, paged_runner, m
     from engine.bench.model_shapes import write_shape
     from engine.loader.gguf_quant import load_gguf_quantized
     from engine.loader.hf_config import load_model_config
-    from engine.bench.quant import write_random_gguf
+    from engine.bench.random_gguf import write_random_gguf
     from kernels.quant import triton_int8
     from kernels.quant import triton_kernel as triton_quant
 
@@ -266,7 +266,7 @@ def test_benchmark_weights_take_their_block_bytes(tmp_path):
     from engine.loader.gguf_quant import gguf_weight_size, load_gguf_quantized
     from engine.loader.hf_config import load_model_config
     from engine.layers.weight_census import model_weight_bytes
-    from engine.bench.quant import write_random_gguf
+    from engine.bench.random_gguf import write_random_gguf
 
     config = load_model_config(write_shape("llama-3.1-8b", tmp_path / "cfg", num_hidden_layers=2))
     path = tmp_path / "k.gguf"

@@ -24,7 +24,8 @@ from engine.core.footprint import (
     linear_attention_activation_bytes,
     make_footprint,
 )
-from engine.memory.plan import GiB, PlanKnobs, make_plan
+from engine.memory.ledger import make_plan
+from engine.memory.plan import GiB, PlanKnobs
 from engine.wire.messages import GenerateRequest, SamplingParams
 
 transformers = pytest.importorskip("transformers")

@@ -181,7 +181,8 @@ def test_the_plan_prices_the_host_tier_and_the_expert_cache_in_block_bytes(tiny)
     more for each."""
     from engine.memory.device import simulated_device
     from engine.core.footprint import make_footprint
-    from engine.memory.plan import PlanKnobs, make_plan
+    from engine.memory.ledger import make_plan
+    from engine.memory.plan import PlanKnobs
 
     path, config, model = tiny
     size = gguf_weight_size(path, config, torch.float32, "cuda")

@@ -14,7 +14,8 @@ from engine.commands.plan import build_plan, render
 from engine.common.config import EngineConfig
 from engine.common.errors import PlanDoesNotFit
 from engine.memory.device import simulated_device
-from engine.memory.plan import Footprint, GiB, MiB, PlanKnobs, fit_plan, make_plan, reserve_for
+from engine.memory.ledger import fit_plan, make_plan
+from engine.memory.plan import Footprint, GiB, MiB, PlanKnobs, reserve_for
 
 FLAG_TO_KNOB = {
     "--max-prefill-tokens": "max_prefill_tokens",

@@ -16,7 +16,8 @@ from engine.loader.gguf_quant import gguf_weight_size
 from engine.loader.hf_config import load_model_config
 from engine.loader.weight_size import fp8_weight_size
 from engine.loader.resolve import resolve_model
-from engine.memory.plan import MemoryPlan, PlanKnobs, fit_plan
+from engine.memory.ledger import fit_plan
+from engine.memory.plan import MemoryPlan, PlanKnobs
 from engine.parallel.split import rank_model_config
 from engine.core.settings_fit import check_for_model
 from engine.core.startup import (
@@ -65,7 +66,7 @@ def planned_setup(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
 def build_plan(config: EngineConfig) -> MemoryPlan:
     """The plan the engine would start from for ``config``, with the same decisions: the
     prefill chunk lowered, then the context lowered down to ``--min-context``
-    (:func:`engine.memory.plan.fit_plan`); a plan that does not fit even so is returned
+    (:func:`engine.memory.ledger.fit_plan`); a plan that does not fit even so is returned
     with ``fits`` False.
 
     With ``--tensor-parallel-size N`` it is one rank's plan: the weights split N ways,

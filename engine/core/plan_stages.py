@@ -25,7 +25,8 @@ from engine.core.startup import attention_workspaces
 from engine.kvcache.pool import KVPool
 from engine.layers.attention.registry import backend_class, create_attention_backend
 from engine.memory.fixed_pool import unplanned_pages
-from engine.memory.plan import MemoryPlan, PlanKnobs, fit_plan, make_plan
+from engine.memory.ledger import fit_plan, make_plan
+from engine.memory.plan import MemoryPlan, PlanKnobs
 
 log = logging.getLogger("headroom.engine")
 
@@ -92,7 +93,7 @@ class PlanStages:
 
 
     def _fit_chunk(self, planner) -> MemoryPlan:
-        """Plan with ``self.knobs`` as :func:`engine.memory.plan.fit_plan` does: the
+        """Plan with ``self.knobs`` as :func:`engine.memory.ledger.fit_plan` does: the
         context lowered to what the pool holds, down to ``--min-context``, and the
         prefill chunk halved only when even that floor does not fit; sets ``self.knobs``
         to what fits.

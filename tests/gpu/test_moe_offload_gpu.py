@@ -77,7 +77,8 @@ def _zipf_route(tokens, experts, top_k, gen, perm, s=1.2):
 @pytest.mark.parametrize("slots", ["plan", 32])
 def test_qwen3_30b_a3b_expert_layers_hybrid_vs_resident(batch, slots):
     from engine.memory.device import simulated_device
-    from engine.memory.plan import Footprint, GiB, PlanKnobs, make_plan
+    from engine.memory.ledger import make_plan
+    from engine.memory.plan import Footprint, GiB, PlanKnobs
 
     hdim, inter, experts, top_k, layers = 2048, 768, 128, 8, 4
     slot = 3 * hdim * inter * 2

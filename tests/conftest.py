@@ -119,8 +119,8 @@ class PagedRunner:
 
     def __init__(self, model, config, *, page_size: int = 4, num_pages: int = 64, device: str = "cpu",
                  kv_dtype=None, attention: str = "torch"):
-        from engine.layers.attention.registry import create_attention_backend
         from engine.kvcache.pool import KVPool
+        from engine.layers.attention.registry import create_attention_backend
 
         dtype = next(model.parameters()).dtype
         self.model, self.page_size = model, page_size

@@ -17,11 +17,11 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from engine.common import load_errors as errors
+from engine.common import load_errors as errors  # noqa: E402
 from engine.loader.config_cache import cached_config  # noqa: E402
+from engine.loader.convert_child import convert_ahead  # noqa: E402
 from engine.loader.default_model import converted_dir  # noqa: E402
 from engine.loader.meta_build import materialize  # noqa: E402
-from engine.loader.convert_child import convert_ahead  # noqa: E402
 from engine.loader.resolve import resolve_model  # noqa: E402
 
 MiB = 1 << 20
@@ -127,8 +127,8 @@ def test_a_child_that_dies_is_a_model_load_error_naming_its_exit(tiny_gguf, tmp_
 def test_the_worker_converts_ahead_of_its_engine(tiny_gguf, monkeypatch):
     """The worker's engine factory runs after the conversion: a factory that would convert
     in-process finds the folder there."""
-    from engine.worker import process as worker
     from engine.common.config import EngineConfig
+    from engine.worker import process as worker
 
     seen = []
 

@@ -11,8 +11,8 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from engine.loader import gguf_config, gguf_hf_tensors  # noqa: E402
 from engine.common.load_errors import CorruptWeights, UnsupportedArchitecture, UnsupportedGGUFType  # noqa: E402
+from engine.loader import gguf_config, gguf_hf_tensors  # noqa: E402
 from engine.loader.gguf_convert import convert_gguf  # noqa: E402
 from engine.loader.gguf_hf_tensors import reverse_llama_permute  # noqa: E402
 from engine.loader.load import load_model  # noqa: E402

@@ -16,9 +16,9 @@ from test_gguf_convert import dies_at_fifth_tensor  # noqa: E402
 
 from engine.commands.plan import build_plan  # noqa: E402
 from engine.common.config import EngineConfig  # noqa: E402
+from engine.common.load_errors import ModelLoadError, ModelNotFound  # noqa: E402
 from engine.loader import gguf_convert, gguf_hf_tensors  # noqa: E402
 from engine.loader.default_model import GGUF_SOURCE  # noqa: E402
-from engine.common.load_errors import ModelLoadError, ModelNotFound  # noqa: E402
 from engine.loader.gguf_convert import convert_gguf, ensure_gguf_weights  # noqa: E402
 from engine.loader.load import load_model  # noqa: E402
 from engine.loader.resolve import resolve_model  # noqa: E402

@@ -21,14 +21,14 @@ gguf = pytest.importorskip("gguf")
 from test_gguf_convert import VOCAB, write_gguf  # noqa: E402
 
 from engine.common.config import EngineConfig  # noqa: E402
+from engine.core.startup import quantized_gguf  # noqa: E402
+from engine.layers.cpu_pack import pack_model_for_cpu  # noqa: E402
+from engine.layers.moe.quant_experts import QuantExperts  # noqa: E402
+from engine.layers.moe.sparse_moe import Experts  # noqa: E402
+from engine.layers.weight_census import model_weight_bytes  # noqa: E402
 from engine.loader.gguf_convert import convert_gguf  # noqa: E402
 from engine.loader.gguf_quant import gguf_weight_size, load_gguf_quantized  # noqa: E402
 from engine.loader.hf_config import load_model_config  # noqa: E402
-from engine.layers.cpu_pack import pack_model_for_cpu  # noqa: E402
-from engine.layers.moe.sparse_moe import Experts  # noqa: E402
-from engine.layers.moe.quant_experts import QuantExperts  # noqa: E402
-from engine.layers.weight_census import model_weight_bytes  # noqa: E402
-from engine.core.startup import quantized_gguf  # noqa: E402
 from kernels.quant.synthetic import random_blocks  # noqa: E402
 
 EXPERT_TYPES = ("Q4_K", "Q4_K", "Q6_K")

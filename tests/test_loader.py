@@ -10,8 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.models.registry import SUPPORTED_ARCHITECTURES
-from engine.loader import default_model, gguf_convert
 from engine.common.load_errors import (
     ConfigFieldMissing,
     CorruptWeights,
@@ -21,9 +19,11 @@ from engine.common.load_errors import (
     UnsupportedConfig,
     WeightMismatch,
 )
+from engine.loader import default_model, gguf_convert
 from engine.loader.hf_config import load_model_config
 from engine.loader.load import load_model
 from engine.loader.resolve import resolve_model
+from engine.models.registry import SUPPORTED_ARCHITECTURES
 
 LLAMA_CONFIG = {
     "architectures": ["LlamaForCausalLM"],

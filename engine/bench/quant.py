@@ -37,7 +37,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.bench.quant_gemv import GRAPH_REPLAYS, copy_bandwidth, gemm_rows, gemv_rows, graph_seconds, sweep_rows
+from engine.bench.quant_gemv import (
+    GRAPH_REPLAYS,
+    copy_bandwidth,
+    gemm_rows,
+    gemv_rows,
+    graph_seconds,
+    sweep_rows,
+)
 from engine.bench.random_gguf import write_random_gguf, write_shape_gguf
 from engine.common.units import GiB
 
@@ -55,10 +62,10 @@ def step_bytes(model: torch.nn.Module, config, batch: int, context: int, kv_byte
 
 def decode_rows(model, config, batches: list[int], context: int, bandwidth: float, label: str,
                 kv_cache_dtype: str = "auto") -> list[str]:
-    from engine.layers.attention.registry import create_attention_backend
     from engine.bench.kernels import _decode_batch
-    from engine.kvcache.pool import KVPool, kv_storage_dtype
     from engine.core.footprint import kv_bytes_per_token
+    from engine.kvcache.pool import KVPool, kv_storage_dtype
+    from engine.layers.attention.registry import create_attention_backend
     from engine.layers.weight_census import model_weight_bytes
 
     dtype = model.model.embed_tokens.weight.dtype
@@ -176,9 +183,9 @@ def profile_rows(model, config, context: int, steps: int = 5) -> list[str]:
     the largest first, with each kernel's share of the total."""
     from torch.profiler import ProfilerActivity, profile
 
-    from engine.layers.attention.registry import create_attention_backend
     from engine.bench.kernels import _decode_batch
     from engine.kvcache.pool import KVPool
+    from engine.layers.attention.registry import create_attention_backend
 
     dtype = model.model.embed_tokens.weight.dtype
     pool = KVPool(num_layers=config.num_layers, num_pages=context // 16 + 4, page_size=16,

@@ -16,53 +16,16 @@ from pathlib import Path
 
 import torch
 
-from engine.layers.attention.registry import resolve_backend_name
 from engine.common.config import EngineConfig, ModelConfig
 from engine.common.errors import RequestRejected
-from engine.kvcache.allocator import PageAllocator
-from engine.kvcache.pool import KVPool, kv_storage_dtype
-from engine.kvcache.radix import RadixCache
-from engine.kvcache.state_pool import StatePool
+from engine.common.options import pick
+from engine.core.footprint import kv_bytes_per_token
 from engine.core.grammar_waits import GrammarWaits
 from engine.core.live_replan import LiveReplan
 from engine.core.outputs import keep_logprobs, token_output
 from engine.core.plan_stages import PlanStages
-from engine.loader.default_model import model_display_name
-from engine.loader.fp8 import resolve_quantization
-from engine.loader.gguf_quant import gguf_weight_size
-from engine.loader.hf_config import load_model_config
-from engine.loader.load import load_model
-from engine.loader.weight_size import fp8_weight_size, parameter_count
-from engine.loader.resolve import resolve_model
-from engine.core.footprint import kv_bytes_per_token
-from engine.memory.host import trim_host_heap
-from engine.memory.plan import MemoryPlan, PlanKnobs
 from engine.core.profile import measure_step_peak
-from engine.wire.messages import (
-    EngineInfo,
-    EngineStats,
-    GenerateRequest,
-    TokenOutput,
-)
-from engine.layers.linear.cpu_kernels import cpu_kernels
-from engine.layers.cpu_pack import pack_model_for_cpu
-from engine.layers.moe.expert_cache import (
-    ExpertCounters,
-    OffloadedExperts,
-    offload_experts,
-    resize_cache,
-)
-from engine.layers.linear.gguf_blocks import repack_model_for_kernels
-from engine.layers.weight_census import model_weight_bytes, quantized_format
-from engine.common.options import pick
-from engine.core.tp_follow import lead
-from engine.parallel.group import TensorParallel
-from engine.parallel.shard import rank_config as shard_rank_config
 from engine.core.runner import ModelRunner
-from engine.sampling.grammar import GrammarError
-from engine.sampling.sampler import SamplingState
-from engine.scheduler.request import Request
-from engine.scheduler.scheduler import Scheduler, SchedulerConfig
 from engine.core.settings_fit import check_for_model
 from engine.core.startup import (
     device_memory,
@@ -70,6 +33,43 @@ from engine.core.startup import (
     quantized_gguf,
     resolve_device,
     resolve_dtype,
+)
+from engine.core.tp_follow import lead
+from engine.kvcache.allocator import PageAllocator
+from engine.kvcache.pool import KVPool, kv_storage_dtype
+from engine.kvcache.radix import RadixCache
+from engine.kvcache.state_pool import StatePool
+from engine.layers.attention.registry import resolve_backend_name
+from engine.layers.cpu_pack import pack_model_for_cpu
+from engine.layers.linear.cpu_kernels import cpu_kernels
+from engine.layers.linear.gguf_blocks import repack_model_for_kernels
+from engine.layers.moe.expert_cache import (
+    ExpertCounters,
+    OffloadedExperts,
+    offload_experts,
+    resize_cache,
+)
+from engine.layers.weight_census import model_weight_bytes, quantized_format
+from engine.loader.default_model import model_display_name
+from engine.loader.fp8 import resolve_quantization
+from engine.loader.gguf_quant import gguf_weight_size
+from engine.loader.hf_config import load_model_config
+from engine.loader.load import load_model
+from engine.loader.resolve import resolve_model
+from engine.loader.weight_size import fp8_weight_size, parameter_count
+from engine.memory.host import trim_host_heap
+from engine.memory.plan import MemoryPlan, PlanKnobs
+from engine.parallel.group import TensorParallel
+from engine.parallel.shard import rank_config as shard_rank_config
+from engine.sampling.grammar import GrammarError
+from engine.sampling.state import SamplingState
+from engine.scheduler.request import Request
+from engine.scheduler.scheduler import Scheduler, SchedulerConfig
+from engine.wire.messages import (
+    EngineInfo,
+    EngineStats,
+    GenerateRequest,
+    TokenOutput,
 )
 
 log = logging.getLogger("headroom.engine")

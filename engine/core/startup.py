@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.layers.attention.registry import backend_class, resolve_backend_name
 from engine.common.config import EngineConfig, ModelConfig
 from engine.common.errors import CUDA_HINTS, CudaUnavailable, TorchWithoutCuda
 from engine.common.faults import check_cuda_init
+from engine.core.footprint import CUDA_RUNTIME_ESTIMATE_BYTES, make_footprint
+from engine.layers.attention.registry import backend_class, resolve_backend_name
 from engine.loader.resolve import gguf_file
 from engine.memory.device import nvml_index, probe_nvml, simulated_device
-from engine.core.footprint import CUDA_RUNTIME_ESTIMATE_BYTES, make_footprint
 from engine.memory.ledger import make_plan
 from engine.memory.plan import DeviceMemory, MemoryPlan, PlanKnobs
 

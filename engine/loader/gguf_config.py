@@ -19,7 +19,6 @@ from engine.common.load_errors import (
 )
 from engine.loader.gguf_tensors import open_tensors
 
-
 # GGUF ``general.architecture`` -> (Hugging Face architecture, model_type).
 GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "llama": ("LlamaForCausalLM", "llama"),

@@ -37,8 +37,8 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from engine.loader.default_model import read_gguf_source, record_gguf_source
 from engine.common.load_errors import ModelLoadError, ModelNotFound
+from engine.loader.default_model import read_gguf_source, record_gguf_source
 from engine.loader.gguf_config import ROPE_FREQS, field, read_checked, sampling_fields
 from engine.loader.gguf_hf_tensors import hf_tensors
 from engine.loader.weights import INDEX_FILE, SINGLE_FILE

@@ -14,7 +14,6 @@ import torch
 from engine.common.load_errors import ModelLoadError
 from engine.loader.gguf_config import LLAMA_WITH_EXPERTS
 
-
 # llama.cpp tensor names (gguf-py ``tensor_mapping``) -> Hugging Face names.
 _TOP_LEVEL = {
     "token_embd": "model.embed_tokens",

@@ -31,15 +31,15 @@ import torch
 
 from engine.common.config import ModelConfig
 from engine.common.load_errors import ModelLoadError, WeightMismatch
+from engine.common.units import MiB
+from engine.layers.linear.cpu_int4 import CODE_BITS, QuantEmbedding, packable, packed_bytes
+from engine.layers.linear.gguf_blocks import PartSpec, QuantLinear, repack_model_for_kernels
+from engine.layers.moe.quant_experts import QuantExperts
 from engine.loader.gguf_config import ROPE_FREQS
 from engine.loader.gguf_hf_tensors import dequantize_tensor, hf_tensors, reverse_llama_permute
 from engine.loader.gguf_tensors import open_tensors
 from engine.loader.meta_build import build_on_meta, materialize
 from engine.loader.weight_size import WeightSize
-from engine.layers.linear.cpu_int4 import CODE_BITS, QuantEmbedding, packable, packed_bytes
-from engine.layers.moe.quant_experts import QuantExperts
-from engine.layers.linear.gguf_blocks import PartSpec, QuantLinear, repack_model_for_kernels
-from engine.common.units import MiB
 from kernels.cpu.block_gemv import (
     TYPE_IDS as CPU_BLOCK_TYPES,  # what the C CPU GEMV reads as stored
 )

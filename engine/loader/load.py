@@ -9,12 +9,12 @@ import torch
 
 from engine.common.config import ModelConfig
 from engine.common.load_errors import WeightMismatch
+from engine.layers.linear.fp8 import FP8_MAX, FP8_WEIGHT_DTYPE
 from engine.loader.fp8 import fp8_weights
-from engine.loader.meta_build import build_on_meta, materialize
 from engine.loader.hf_config import load_model_config
+from engine.loader.meta_build import build_on_meta, materialize
 from engine.loader.weights import iter_weights
 from engine.models.decoder import CausalLM
-from engine.layers.linear.fp8 import FP8_MAX, FP8_WEIGHT_DTYPE
 from engine.parallel.group import TensorParallel
 from engine.parallel.shard import rank_config, shard_weights
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from engine.common.load_errors import ModelNotFound
 from engine.loader.default_model import (
     add_default_sampling,
     converted_dir,
@@ -12,7 +13,6 @@ from engine.loader.default_model import (
     read_gguf_source,
     record_gguf_source,
 )
-from engine.common.load_errors import ModelNotFound
 
 log = logging.getLogger(__name__)
 

@@ -32,6 +32,10 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from engine.common.errors import CudaUnavailable, PlanDoesNotFit, RequestRejected, SettingRefused
+from engine.common.load_errors import ModelLoadError
+from engine.common.parent_death import die_with_parent
+from engine.loader.convert_child import convert_ahead
+from engine.memory.plan import MIN_PREFILL_TOKENS, fmt_bytes
 from engine.wire.ipc import (
     ENGINE_FACTORY,
     ControlDone,
@@ -53,11 +57,7 @@ from engine.wire.ipc import (
     encode,
     to_worker_decoder,
 )
-from engine.common.load_errors import ModelLoadError
-from engine.loader.convert_child import convert_ahead
-from engine.memory.plan import MIN_PREFILL_TOKENS, fmt_bytes
 from engine.wire.messages import AbortRequest, GenerateRequest, ResizeResult
-from engine.common.parent_death import die_with_parent
 
 log = logging.getLogger("headroom.worker")
 

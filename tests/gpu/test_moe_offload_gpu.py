@@ -26,17 +26,15 @@ import pytest
 import torch
 from model_checks import paged_greedy
 
-from engine.loader.load import load_model
 from engine.layers.moe.expert_cache import (
-    ALWAYS_COPY,
-    ALWAYS_CPU,
     ExpertCounters,
     OffloadedExperts,
-    measure_costs,
     offload_experts,
     resize_cache,
 )
+from engine.layers.moe.expert_costs import ALWAYS_COPY, ALWAYS_CPU, measure_costs
 from engine.layers.moe.expert_stacks import DenseStack
+from engine.loader.load import load_model
 from kernels.dispatch import fused_moe
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -30,8 +30,8 @@ import time
 import numpy as np
 import torch
 
-from engine.layers.attention.base import AttentionBackend
 from engine.common.forward_batch import ForwardBatch
+from engine.layers.attention.base import AttentionBackend
 
 log = logging.getLogger("headroom.engine")
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.layers.attention.base import AttentionBackend
 from engine.common.forward_batch import ForwardBatch
+from engine.layers.attention.base import AttentionBackend
 from kernels.attention.kv_store import gather_kv
 
 # Padded decode gathers stay under this many context tokens per group.

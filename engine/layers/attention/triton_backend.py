@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.layers.attention.base import AttentionBackend
 from engine.common.forward_batch import ForwardBatch
+from engine.layers.attention.base import AttentionBackend
 
 
 class TritonAttentionBackend(AttentionBackend):

@@ -36,7 +36,7 @@ from engine.core.startup import (
 )
 from engine.core.tp_follow import lead
 from engine.kvcache.allocator import PageAllocator
-from engine.kvcache.pool import KVPool, kv_storage_dtype
+from engine.kvcache.pool import kv_storage_dtype
 from engine.kvcache.radix import RadixCache
 from engine.kvcache.state_pool import StatePool
 from engine.layers.attention.registry import resolve_backend_name
@@ -201,16 +201,7 @@ class Engine(PlanStages, GrammarWaits, LiveReplan):
         if tp is not None:
             # Every rank holds the same page ids: the group's pool is the tightest rank's.
             num_pages = tp.min_int(num_pages)
-        self.pool = KVPool(
-            num_layers=mc.num_kv_layers,
-            num_pages=num_pages,
-            page_size=config.page_size,
-            num_kv_heads=mc.num_kv_heads,
-            head_dim=mc.head_dim,
-            dtype=self.kv_dtype,
-            device=self.device,
-            compute_dtype=self.dtype,
-        )
+        self.pool = self._kv_pool(num_pages)
         # Attention backend, and on a GPU one warm-up step at the plan's largest size, so
         # the step-size buffers sit in the allocator's cache before any request arrives.
         self.attn = self._attention(self.pool)

@@ -47,6 +47,14 @@ class PlanStages:
         return attention_workspaces(self.attention_backend, self.model_config, self.config.max_running_requests)
 
 
+    def _kv_pool(self, num_pages: int) -> KVPool:
+        """A KV pool of ``num_pages`` pages (the null page included) for this model, in
+        the engine's KV dtype on its device: the profile run's small one or the real one."""
+        mc = self.model_config
+        return KVPool(num_layers=mc.num_kv_layers, num_pages=num_pages, page_size=self.config.page_size,
+                      num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, dtype=self.kv_dtype, device=self.device,
+                      compute_dtype=self.dtype)
+
     def _attention(self, pool: KVPool):
         mc = self.model_config
         return create_attention_backend(self.attention_backend, pool, num_heads=mc.num_heads, head_dim=mc.head_dim,
@@ -115,11 +123,7 @@ class PlanStages:
         assert self.device_memory is not None
         mc = self.model_config
         torch.cuda.empty_cache()
-        probe_pool = KVPool(
-            num_layers=mc.num_kv_layers, num_pages=profile_pool_pages(knobs), page_size=self.config.page_size,
-            num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, dtype=self.kv_dtype, device=self.device,
-            compute_dtype=self.dtype,
-        )
+        probe_pool = self._kv_pool(profile_pool_pages(knobs))
         # Where the context grows (logged): after the weights, the profile step, the capture.
         growth = [self._outside_allocator_growth()]
         try:

@@ -23,8 +23,8 @@ import pytest
 import torch
 
 from engine.common.config import EngineConfig
-from engine.core.engine import Engine
 from engine.common.faults import ENV_VAR, FaultInjector
+from engine.core.engine import Engine
 from engine.wire.messages import GenerateRequest, OomEvent, ReplanWanted, SamplingParams
 
 SITES = ("prefill", "decode", "sample")

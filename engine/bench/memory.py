@@ -17,10 +17,10 @@ import torch
 
 from engine.bench.model_shapes import write_shape
 from engine.common.config import EngineConfig
+from engine.common.units import GiB
 from engine.core.engine import Engine
 from engine.memory.plan import MemoryPlan
 from engine.wire.messages import GenerateRequest, SamplingParams
-from engine.common.units import GiB
 
 
 def kv_share(plan: MemoryPlan) -> float:

@@ -26,10 +26,10 @@ import torch
 
 from engine.bench.model_shapes import write_shape
 from engine.common.config import EngineConfig
-from engine.worker.cpu_threads import fit_between_steps
 from engine.core.engine import Engine
 from engine.core.footprint import kv_bytes_per_token
 from engine.wire.messages import GenerateRequest, SamplingParams
+from engine.worker.cpu_threads import fit_between_steps
 
 LONG_PREFILL_TOKENS = 8192
 

@@ -18,8 +18,8 @@ import tempfile
 
 import torch
 
-from engine.bench.speed import LONG_PREFILL_TOKENS, engine_speed
 from engine.bench.model_shapes import write_shape
+from engine.bench.speed import LONG_PREFILL_TOKENS, engine_speed
 from engine.common.config import EngineConfig
 from engine.core.engine import Engine
 from engine.worker.tp_launch import parallel_engine

@@ -39,7 +39,7 @@ def _private_cache_folder(tmp_path_factory):
     """headroom's cache folder is a session temp dir unless one is set: what tests derive
     and build there (model facts, the CPU kernels) never lands in the user's cache.
     ``default_model_dir`` points it at its own folder while it lives."""
-    from engine.loader.default_model import CACHE_ENV
+    from engine.common.cache_dir import CACHE_ENV
 
     if os.environ.get(CACHE_ENV):
         yield
@@ -109,7 +109,7 @@ def default_model_dir(tmp_path_factory) -> str:
     conversion instead of converting again, and the user's cache is never touched.
     """
     smollm_dir()  # skips when the package is missing
-    from engine.loader.default_model import CACHE_ENV
+    from engine.common.cache_dir import CACHE_ENV
     from engine.loader.gguf_convert import ensure_gguf_weights
     from engine.loader.resolve import resolve_model
 
@@ -134,8 +134,8 @@ class PagedRunner:
 
     def __init__(self, model, config, *, page_size: int = 4, num_pages: int = 64, device: str = "cpu",
                  kv_dtype=None, attention: str = "torch"):
-        from engine.layers.attention.base import create_attention_backend
         from engine.kvcache.pool import KVPool
+        from engine.layers.attention.registry import create_attention_backend
 
         dtype = next(model.parameters()).dtype
         self.model, self.page_size = model, page_size

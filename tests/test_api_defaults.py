@@ -12,7 +12,8 @@ from service_harness import engine_info
 from transformers import GenerationConfig
 
 from engine.loader.default_model import DEFAULT_MODEL_SAMPLING, add_default_sampling
-from engine.loader.gguf_convert import _open, _write_generation_config
+from engine.loader.gguf_config import open_reader
+from engine.loader.gguf_convert import _write_generation_config
 from service.api.request import resolve_max_tokens
 from service.api.sampling import sampling_params
 from service.api.sampling_defaults import (
@@ -84,7 +85,7 @@ def test_gguf_sampling_metadata_reaches_generation_config(tmp_path):
     writer.close()
     out = tmp_path / "out"
     out.mkdir()
-    _write_generation_config(_open(path), out)
+    _write_generation_config(open_reader(path), out)
     defaults = load_sampling_defaults(out)
     assert (defaults.temperature, defaults.top_p, defaults.top_k) == (0.7, 0.8, 20)
 

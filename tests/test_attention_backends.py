@@ -8,7 +8,7 @@ import pytest
 import torch
 from triton_interpret import INTERPRETING
 
-from engine.layers.attention.base import BACKEND_CHOICES, backend_class, resolve_backend_name
+from engine.layers.attention.registry import BACKEND_CHOICES, backend_class, resolve_backend_name
 from engine.loader.load import load_model
 
 pytest.importorskip("transformers")

@@ -13,11 +13,11 @@ pytest.importorskip("gguf")
 
 from test_gguf_convert import VOCAB, write_gguf  # noqa: E402
 
-from engine.loader.gguf_convert import convert_gguf  # noqa: E402
-from engine.loader.load import load_model  # noqa: E402
+from engine.layers.cpu_pack import pack_model_for_cpu  # noqa: E402
 from engine.layers.linear.cpu_blocks import CpuBlockLinear  # noqa: E402
 from engine.layers.linear.cpu_kernels import cpu_kernels  # noqa: E402
-from engine.layers.linear.cpu_int4 import pack_model_for_cpu  # noqa: E402
+from engine.loader.gguf_convert import convert_gguf  # noqa: E402
+from engine.loader.load import load_model  # noqa: E402
 from kernels.cpu import build  # noqa: E402
 from kernels.cpu.block_gemv import TYPE_IDS, block_gemv, block_gemv_ref, quantize_rows_ref  # noqa: E402
 from kernels.quant import reference  # noqa: E402
@@ -123,7 +123,8 @@ def test_a_projection_of_mixed_types_keeps_the_others_in_torch_s_layout(lib):
     is the dequantized reference's (to bfloat16 for the int4 part), and the plan's
     per-tensor price holds (blocks as stored, the rest as torch's layout holds it)."""
     from engine.layers.linear.cpu_int4 import CpuInt4Linear
-    from engine.layers.linear.gguf_blocks import PartSpec, QuantLinear, model_weight_bytes
+    from engine.layers.linear.gguf_blocks import PartSpec, QuantLinear
+    from engine.layers.weight_census import model_weight_bytes
 
     rng = np.random.default_rng(3)
     cols = 128
@@ -260,8 +261,8 @@ def test_the_tensor_table_reader_gives_gguf_s_own_tensors(tmp_path):
     truncated or foreign file is refused with the download-again message)."""
     import gguf
 
-    from engine.loader.default_model import default_gguf_path
     from engine.common.load_errors import CorruptWeights
+    from engine.loader.default_model import default_gguf_path
     from engine.loader.gguf_tensors import open_tensors
 
     path = default_gguf_path()

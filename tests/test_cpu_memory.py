@@ -17,11 +17,12 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from engine.common import load_errors as errors
+from engine.common import load_errors as errors  # noqa: E402
 from engine.loader.config_cache import cached_config  # noqa: E402
+from engine.loader.convert_child import convert_ahead  # noqa: E402
 from engine.loader.default_model import converted_dir  # noqa: E402
-from engine.loader.load import materialize  # noqa: E402
-from engine.loader.resolve import convert_ahead, resolve_model  # noqa: E402
+from engine.loader.meta_build import materialize  # noqa: E402
+from engine.loader.resolve import resolve_model  # noqa: E402
 
 MiB = 1 << 20
 # What a CPU load may hold beyond its weights: the RoPE table, the C kernels' library,
@@ -35,7 +36,7 @@ def vm(key):
     return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(key))
 from engine.common.config import EngineConfig
 from engine.core.engine import Engine
-from engine.loader.resolve import convert_ahead
+from engine.loader.convert_child import convert_ahead
 convert_ahead(None)  # as the worker does: the config's facts cached by a child
 base = vm("VmRSS:")
 engine = Engine(EngineConfig(device="cpu", kv_cache=64 << 20))
@@ -126,8 +127,8 @@ def test_a_child_that_dies_is_a_model_load_error_naming_its_exit(tiny_gguf, tmp_
 def test_the_worker_converts_ahead_of_its_engine(tiny_gguf, monkeypatch):
     """The worker's engine factory runs after the conversion: a factory that would convert
     in-process finds the folder there."""
-    from engine.worker import process as worker
     from engine.common.config import EngineConfig
+    from engine.worker import process as worker
 
     seen = []
 

@@ -20,10 +20,6 @@ from test_engine import GREEDY, PROMPTS, run_all  # noqa: E402
 
 from engine.common.config import EngineConfig  # noqa: E402
 from engine.core.engine import Engine  # noqa: E402
-from engine.loader.default_model import default_gguf_path  # noqa: E402
-from engine.loader.gguf_quant import gguf_weight_size  # noqa: E402
-from engine.loader.load import weight_bytes  # noqa: E402
-from engine.wire.messages import GenerateRequest, SamplingParams  # noqa: E402
 from engine.layers.linear import cpu_int4 as cpu_quant_linear
 from engine.layers.linear.cpu_int4 import (  # noqa: E402
     CODE_BITS,
@@ -35,9 +31,14 @@ from engine.layers.linear.cpu_int4 import (  # noqa: E402
     pack_int4,
     planes,
 )
-from engine.layers.linear.gguf_blocks import PartSpec, QuantLinear, model_weight_bytes  # noqa: E402
+from engine.layers.linear.gguf_blocks import PartSpec, QuantLinear  # noqa: E402
+from engine.layers.weight_census import model_weight_bytes  # noqa: E402
+from engine.loader.default_model import default_gguf_path  # noqa: E402
+from engine.loader.gguf_quant import gguf_weight_size  # noqa: E402
+from engine.loader.weight_size import weight_bytes  # noqa: E402
 from engine.text.chat import encode_chat  # noqa: E402
 from engine.text.tokenizer import load_tokenizer  # noqa: E402
+from engine.wire.messages import GenerateRequest, SamplingParams  # noqa: E402
 from kernels.quant import reference  # noqa: E402
 from kernels.quant.synthetic import random_blocks  # noqa: E402
 

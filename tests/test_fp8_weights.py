@@ -12,10 +12,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.common.config import EngineConfig
-from engine.core.engine import Engine
 from engine.common.load_errors import UnsupportedConfig
-from engine.loader.load import load_model, weight_bytes
+from engine.core.engine import Engine
 from engine.layers.linear.fp8 import FP8_MAX, Fp8Linear, quantize_rows
+from engine.loader.load import load_model
+from engine.loader.weight_size import weight_bytes
 
 FP8 = torch.float8_e4m3fn
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -11,9 +11,10 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from engine.loader import gguf_convert  # noqa: E402
 from engine.common.load_errors import CorruptWeights, UnsupportedArchitecture, UnsupportedGGUFType  # noqa: E402
-from engine.loader.gguf_convert import convert_gguf, reverse_llama_permute  # noqa: E402
+from engine.loader import gguf_config, gguf_hf_tensors  # noqa: E402
+from engine.loader.gguf_convert import convert_gguf  # noqa: E402
+from engine.loader.gguf_hf_tensors import reverse_llama_permute  # noqa: E402
 from engine.loader.load import load_model  # noqa: E402
 from engine.loader.resolve import resolve_model  # noqa: E402
 
@@ -240,7 +241,7 @@ def test_llama3_rope_factors_become_rope_scaling(tmp_path):
 
     rope = RopeConfig(theta=500000.0, rope_type="llama3", factor=8.0)
     factors = (inv_freq(RopeConfig(theta=500000.0), 64) / inv_freq(rope, 64)).numpy()
-    scaling = gguf_convert._llama3_from_factors(
+    scaling = gguf_config._llama3_from_factors(
         factors, tmp_path, {"rope_theta": 500000.0, "head_dim": 64}
     )
     assert scaling == {
@@ -315,14 +316,14 @@ def test_interrupted_conversion_leaves_nothing(tmp_path, monkeypatch, make_tiny_
     out = tmp_path / "models" / "tiny"
     stale = tmp_path / "models" / ".tiny.partial-999999999"  # a dead converter's leftovers
     stale.mkdir(parents=True)
-    real = gguf_convert._dequantize
-    monkeypatch.setattr(gguf_convert, "_dequantize", dies_at_fifth_tensor(real))
+    real = gguf_hf_tensors.dequantize_tensor
+    monkeypatch.setattr(gguf_hf_tensors, "dequantize_tensor", dies_at_fifth_tensor(real))
     with pytest.raises(KeyboardInterrupt):
         convert_gguf(path, out)
     assert not out.exists()
     assert list((tmp_path / "models").iterdir()) == []
 
-    monkeypatch.setattr(gguf_convert, "_dequantize", real)
+    monkeypatch.setattr(gguf_hf_tensors, "dequantize_tensor", real)
     assert convert_gguf(path, out) == out
     assert (out / "model.safetensors").is_file()
     assert list((tmp_path / "models").iterdir()) == [out]

@@ -16,9 +16,9 @@ from test_gguf_convert import dies_at_fifth_tensor  # noqa: E402
 
 from engine.commands.plan import build_plan  # noqa: E402
 from engine.common.config import EngineConfig  # noqa: E402
-from engine.loader import gguf_convert  # noqa: E402
-from engine.loader.default_model import GGUF_SOURCE  # noqa: E402
 from engine.common.load_errors import ModelLoadError, ModelNotFound  # noqa: E402
+from engine.loader import gguf_convert, gguf_hf_tensors  # noqa: E402
+from engine.loader.default_model import GGUF_SOURCE  # noqa: E402
 from engine.loader.gguf_convert import convert_gguf, ensure_gguf_weights  # noqa: E402
 from engine.loader.load import load_model  # noqa: E402
 from engine.loader.resolve import resolve_model  # noqa: E402
@@ -69,14 +69,14 @@ def test_an_interrupted_weights_step_leaves_nothing_taken_as_complete(tiny_gguf,
     stale = folder / ".weights.partial-999999999"  # a dead writer's leftovers
     stale.mkdir()
     (stale / "model.safetensors").write_bytes(b"half")
-    real = gguf_convert._dequantize
-    monkeypatch.setattr(gguf_convert, "_dequantize", dies_at_fifth_tensor(real))
+    real = gguf_hf_tensors.dequantize_tensor
+    monkeypatch.setattr(gguf_hf_tensors, "dequantize_tensor", dies_at_fifth_tensor(real))
     with pytest.raises(KeyboardInterrupt):
         load_model(folder, "cpu", torch.float32)
     assert _tensors(folder) == []
     assert not list(folder.glob(".weights.partial-*"))
 
-    monkeypatch.setattr(gguf_convert, "_dequantize", real)
+    monkeypatch.setattr(gguf_hf_tensors, "dequantize_tensor", real)
     load_model(folder, "cpu", torch.float32)
     assert _tensors(folder) == ["model.safetensors"]
 

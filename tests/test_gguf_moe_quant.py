@@ -21,14 +21,14 @@ gguf = pytest.importorskip("gguf")
 from test_gguf_convert import VOCAB, write_gguf  # noqa: E402
 
 from engine.common.config import EngineConfig  # noqa: E402
+from engine.core.startup import quantized_gguf  # noqa: E402
+from engine.layers.cpu_pack import pack_model_for_cpu  # noqa: E402
+from engine.layers.moe.quant_experts import QuantExperts  # noqa: E402
+from engine.layers.moe.sparse_moe import Experts  # noqa: E402
+from engine.layers.weight_census import model_weight_bytes  # noqa: E402
 from engine.loader.gguf_convert import convert_gguf  # noqa: E402
 from engine.loader.gguf_quant import gguf_weight_size, load_gguf_quantized  # noqa: E402
 from engine.loader.hf_config import load_model_config  # noqa: E402
-from engine.layers.linear.cpu_int4 import pack_model_for_cpu  # noqa: E402
-from engine.layers.moe.sparse_moe import Experts  # noqa: E402
-from engine.layers.moe.quant_experts import QuantExperts  # noqa: E402
-from engine.layers.linear.gguf_blocks import model_weight_bytes  # noqa: E402
-from engine.core.startup import quantized_gguf  # noqa: E402
 from kernels.quant.synthetic import random_blocks  # noqa: E402
 
 EXPERT_TYPES = ("Q4_K", "Q4_K", "Q6_K")
@@ -138,7 +138,7 @@ def test_benchmark_moe_gguf_converts_and_loads_in_blocks(tmp_path, paged_runner)
     and tokenizer from its metadata), its experts load in their Q4_K/Q4_K/Q6_K blocks,
     priced exactly, and a step gives finite logits."""
     from engine.bench.model_shapes import write_shape
-    from engine.bench.quant import MOE_EXPERT_TYPES, write_random_moe_gguf
+    from engine.bench.random_gguf import MOE_EXPERT_TYPES, write_random_moe_gguf
 
     shape = load_model_config(write_shape("qwen3-30b-a3b", tmp_path / "cfg", hidden_size=256, moe_intermediate_size=256,
                                           num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,

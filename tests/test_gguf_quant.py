@@ -19,11 +19,12 @@ from test_gguf_convert import VOCAB, write_gguf  # noqa: E402
 
 from engine.commands.plan import build_plan  # noqa: E402
 from engine.common.config import EngineConfig  # noqa: E402
+from engine.layers.linear.gguf_blocks import QuantLinear  # noqa: E402
+from engine.layers.weight_census import model_weight_bytes  # noqa: E402
 from engine.loader.default_model import default_gguf_path  # noqa: E402
 from engine.loader.gguf_convert import convert_gguf  # noqa: E402
 from engine.loader.gguf_quant import gguf_weight_size  # noqa: E402
 from engine.loader.load import load_model  # noqa: E402
-from engine.layers.linear.gguf_blocks import QuantLinear, model_weight_bytes  # noqa: E402
 
 GiB = 1 << 30
 
@@ -139,8 +140,8 @@ def _small_k_quant_gguf(tmp_path, seed: int):
     import numpy as np
 
     from engine.bench.model_shapes import write_shape
+    from engine.bench.random_gguf import write_random_gguf
     from engine.loader.hf_config import load_model_config
-    from engine.bench.quant import write_random_gguf
 
     folder = write_shape("llama-3.1-8b", tmp_path / "cfg", hidden_size=256, intermediate_size=512,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
@@ -172,8 +173,8 @@ def test_q6k_projections_repacked_for_the_kernels_keep_their_bytes_and_logits(tm
     ``Q6_K_P`` planes; v (K = 1 block) stays in GGUF blocks. The bytes held do not change
     (the plan's price holds), the logits are the same, and the benchmark's helper turns
     the layout back exactly."""
-    from engine.loader.gguf_quant import load_gguf_quantized
     from engine.bench.quant import set_q6k_layout
+    from engine.loader.gguf_quant import load_gguf_quantized
 
     config, path = _small_k_quant_gguf(tmp_path, 1)
     model = load_gguf_quantized(config, path, "cpu", torch.float32)
@@ -237,10 +238,10 @@ def test_norms_quantizing_for_the_int8_gemv_give_the_same_logits(tmp_path, paged
     from triton_interpret import kernel_device
 
     from engine.bench.model_shapes import write_shape
+    from engine.bench.random_gguf import write_random_gguf
+    from engine.layers.linear import gguf_blocks as quant_linear
     from engine.loader.gguf_quant import load_gguf_quantized
     from engine.loader.hf_config import load_model_config
-    from engine.layers.linear import gguf_blocks as quant_linear
-    from engine.bench.quant import write_random_gguf
     from kernels import dispatch
     from kernels.quant import triton_int8
     from kernels.quant import triton_kernel as triton_quant

@@ -14,16 +14,18 @@ from test_engine import run_all
 from engine.bench.model_shapes import write_shape
 from engine.common.config import EngineConfig
 from engine.core.engine import Engine
-from engine.kvcache.state_pool import StatePool, state_bytes_per_request
-from engine.loader.hf_config import load_model_config
-from engine.loader.load import load_model, weight_bytes
-from engine.memory.device import simulated_device
 from engine.core.footprint import (
     estimate_activation_bytes,
     linear_attention_activation_bytes,
     make_footprint,
 )
-from engine.memory.plan import GiB, PlanKnobs, make_plan
+from engine.kvcache.state_pool import StatePool, state_bytes_per_request
+from engine.loader.hf_config import load_model_config
+from engine.loader.load import load_model
+from engine.loader.weight_size import weight_bytes
+from engine.memory.device import simulated_device
+from engine.memory.ledger import make_plan
+from engine.memory.plan import GiB, PlanKnobs
 from engine.wire.messages import GenerateRequest, SamplingParams
 
 transformers = pytest.importorskip("transformers")

@@ -10,7 +10,6 @@ docs/architecture.md draws the same floors in words.
 from __future__ import annotations
 
 import ast
-import re
 from pathlib import Path
 
 import pytest

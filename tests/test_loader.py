@@ -10,8 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.common.config import SUPPORTED_ARCHITECTURES
-from engine.loader import default_model, gguf_convert
 from engine.common.load_errors import (
     ConfigFieldMissing,
     CorruptWeights,
@@ -21,9 +19,11 @@ from engine.common.load_errors import (
     UnsupportedConfig,
     WeightMismatch,
 )
+from engine.loader import default_model, gguf_convert
 from engine.loader.hf_config import load_model_config
 from engine.loader.load import load_model
 from engine.loader.resolve import resolve_model
+from engine.models.registry import SUPPORTED_ARCHITECTURES
 
 LLAMA_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -268,7 +268,8 @@ def test_default_model_matches_transformers_gguf(default_model_dir, paged_runner
 
 
 def test_model_display_name_drops_the_cache_hash_of_conversions_only(tmp_path, monkeypatch):
-    from engine.loader.default_model import CACHE_ENV, model_display_name
+    from engine.common.cache_dir import CACHE_ENV
+    from engine.loader.default_model import model_display_name
 
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
     converted = tmp_path / "cache" / "models" / "SmolLM2-135M-Instruct.Q4_1-b179c9523d0e"

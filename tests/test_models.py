@@ -7,11 +7,12 @@ import pytest
 import torch
 from model_checks import assert_close, check_extend_and_decode, check_ragged_batch, hf_logits
 
-from engine.common.config import SUPPORTED_ARCHITECTURES, RopeConfig
+from engine.common.config import RopeConfig
 from engine.common.load_errors import UnsupportedArchitecture, UnsupportedConfig
-from engine.loader.load import load_model, weight_bytes
-from engine.models.registry import get_model_class
 from engine.layers.rope import build_cos_sin_cache
+from engine.loader.load import load_model
+from engine.loader.weight_size import weight_bytes
+from engine.models.registry import SUPPORTED_ARCHITECTURES, get_model_class
 from kernels.activation.reference import silu_and_mul
 from kernels.norm.reference import rms_norm
 from kernels.rotary.reference import apply_rotary

@@ -11,10 +11,11 @@ import torch
 from model_checks import check_extend_and_decode, check_ragged_batch
 
 from engine.common.load_errors import WeightMismatch
-from engine.loader.load import load_model, weight_bytes
+from engine.layers.moe.sparse_moe import SparseMoeBlock
+from engine.loader.load import load_model
+from engine.loader.weight_size import weight_bytes
 from engine.loader.weights import iter_weights
 from engine.models.decoder import MLP
-from engine.layers.moe.sparse_moe import SparseMoeBlock
 
 transformers = pytest.importorskip("transformers")
 

@@ -13,17 +13,10 @@ import pytest
 import torch
 from model_checks import engine_greedy, halved_cache_run, paged_greedy
 
-from engine.loader.load import load_model
-from engine.layers.moe.expert_cache import (
-    ALWAYS_COPY,
-    ALWAYS_CPU,
-    CostModel,
-    ExpertCounters,
-    OffloadedExperts,
-    measure_costs,
-    offload_experts,
-)
+from engine.layers.moe.expert_cache import ExpertCounters, OffloadedExperts, offload_experts
+from engine.layers.moe.expert_costs import ALWAYS_COPY, ALWAYS_CPU, CostModel, measure_costs
 from engine.layers.moe.expert_stacks import DenseStack
+from engine.loader.load import load_model
 
 VOCAB = 256
 STEPS = 32

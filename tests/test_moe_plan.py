@@ -10,11 +10,12 @@ import dataclasses
 import torch
 
 from engine.bench.model_shapes import write_shape
-from engine.loader.hf_config import load_model_config
-from engine.loader.load import expert_weight_bytes, weight_bytes
-from engine.memory.device import simulated_device
 from engine.core.footprint import estimate_activation_bytes, make_footprint, moe_activation_bytes
-from engine.memory.plan import GiB, PlanKnobs, make_plan
+from engine.loader.hf_config import load_model_config
+from engine.loader.weight_size import expert_weight_bytes, weight_bytes
+from engine.memory.device import simulated_device
+from engine.memory.ledger import make_plan
+from engine.memory.plan import GiB, PlanKnobs
 
 
 def _config(tmp_path, **overrides):

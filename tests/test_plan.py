@@ -8,13 +8,14 @@ import dataclasses
 
 import pytest
 
-from engine.layers.attention.base import register_backend
-from engine.layers.attention.torch_backend import TorchAttentionBackend
 from engine.commands.plan import build_plan, render
 from engine.common.config import EngineConfig
 from engine.common.errors import PlanDoesNotFit
+from engine.layers.attention.registry import register_backend
+from engine.layers.attention.torch_backend import TorchAttentionBackend
 from engine.memory.device import simulated_device
-from engine.memory.plan import Footprint, GiB, MiB, PlanKnobs, fit_plan, make_plan, reserve_for
+from engine.memory.ledger import fit_plan, make_plan
+from engine.memory.plan import Footprint, GiB, MiB, PlanKnobs, reserve_for
 
 FLAG_TO_KNOB = {
     "--max-prefill-tokens": "max_prefill_tokens",
@@ -149,8 +150,8 @@ def test_f1_engine_charges_its_backends_workspace(default_model_dir):
 
 
 def test_f5_context_follows_the_pool_and_a_prompt_over_it_is_refused(default_model_dir):
-    from engine.core.engine import Engine
     from engine.common.errors import RequestRejected
+    from engine.core.engine import Engine
     from engine.wire.messages import GenerateRequest
 
     # Small enough that the pool, not the model, limits the context.
@@ -238,8 +239,8 @@ def test_an_engine_on_a_tight_card_starts_with_a_lowered_context_and_grows_it_ba
     """The engine starts where it used to refuse, refuses a prompt over the lowered
     context, and a pool grown to its ceiling (one request of the model's context) gives
     the whole context back."""
-    from engine.core.engine import Engine
     from engine.common.errors import RequestRejected
+    from engine.core.engine import Engine
     from engine.wire.messages import GenerateRequest
 
     config = EngineConfig(model=default_model_dir, device_total=4 * GiB, device_free=3 * GiB, reserve=1 * GiB)

@@ -14,8 +14,9 @@ from transformers import (
     TopPLogitsWarper,
 )
 
+from engine.sampling.sampler import InvalidLogitsError, Sampler
+from engine.sampling.state import SamplingState
 from engine.wire.messages import SamplingParams
-from engine.sampling.sampler import InvalidLogitsError, Sampler, SamplingState
 
 DEVICES = [
     "cpu",

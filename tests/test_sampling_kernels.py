@@ -13,9 +13,10 @@ import pytest
 import torch
 from triton_interpret import kernel_device
 
-from engine.wire.messages import SamplingParams as SP
 from engine.sampling.device import DeviceSampler
-from engine.sampling.sampler import Sampler, SamplingState
+from engine.sampling.sampler import Sampler
+from engine.sampling.state import SamplingState
+from engine.wire.messages import SamplingParams as SP
 from kernels.sampling import reference as ref
 from kernels.sampling.reference import INVALID_TOKEN
 

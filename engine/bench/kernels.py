@@ -17,14 +17,15 @@ from collections.abc import Callable
 
 import torch
 
-from engine.wire.messages import SamplingParams
 from engine.sampling import sampler as sampler_mod
-from engine.sampling.sampler import Sampler, SamplingState
+from engine.sampling.sampler import Sampler
+from engine.sampling.state import SamplingState
+from engine.wire.messages import SamplingParams
 from kernels.activation import reference as activation
-from kernels.norm import reference as rms_norm
-from kernels.rotary import reference as rotary
 from kernels.activation import triton_kernel as triton_activation
+from kernels.norm import reference as rms_norm
 from kernels.norm import triton_kernel as triton_norm
+from kernels.rotary import reference as rotary
 from kernels.rotary import triton_kernel as triton_rotary
 
 _GRAPH_CALLS = 20
@@ -167,9 +168,9 @@ def model_rows(iters: int) -> list[str]:
     eager and, where the step captures, as a CUDA graph."""
     import tempfile
 
-    from engine.layers.attention.torch_backend import TorchAttentionBackend
     from engine.bench.model_shapes import write_shape
     from engine.kvcache.pool import KVPool
+    from engine.layers.attention.torch_backend import TorchAttentionBackend
     from engine.loader.load import load_model
     from kernels import dispatch
 

@@ -22,168 +22,37 @@ bytes one step must read (every weight but the embedding table, which a step onl
 gathers rows of, plus the KV cache) over the measured device-to-device copy bandwidth
 (bytes read plus bytes written per second). It also prints the dequantize-GEMV alone on
 the shape's projections at one row, with the same roofline share.
+
+The random GGUF comes from :mod:`engine.bench.random_gguf`; the GEMV and GEMM rows alone
+from :mod:`engine.bench.quant_gemv`. This module times the whole decode step and runs
+the command.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from engine.bench.quant_gemv import (
+    GRAPH_REPLAYS,
+    copy_bandwidth,
+    gemm_rows,
+    gemv_rows,
+    graph_seconds,
+    sweep_rows,
+)
+from engine.bench.random_gguf import write_random_gguf, write_shape_gguf
 from engine.common.units import GiB
-
-_GRAPH_REPLAYS = 50
-
-
-def write_random_gguf(path: Path, config, rng: np.random.Generator) -> None:
-    """A random GGUF of ``config`` (a :class:`engine.common.config.ModelConfig` of a Llama
-    layout), projections in Q4_K/Q6_K. One random tensor per (type, shape) is shared by
-    all layers: the file still holds every layer's copy, so the device reads each."""
-    import gguf
-
-    from kernels.quant.synthetic import random_blocks
-
-    h, i, q, kv = config.hidden_size, config.intermediate_size, config.q_size, config.kv_size
-    cache: dict[tuple[str, int, int], np.ndarray] = {}
-
-    def blocks(kind: str, rows: int, cols: int) -> tuple[np.ndarray, gguf.GGMLQuantizationType]:
-        key = (kind, rows, cols)
-        if key not in cache:
-            cache[key] = random_blocks(kind, rows, cols, rng, scale=1e-4)
-        return cache[key], gguf.GGMLQuantizationType[kind]
-
-    writer = gguf.GGUFWriter(str(path), "llama")
-    norm = np.ones(h, dtype=np.float32)
-    embd = (rng.standard_normal((config.vocab_size, h), dtype=np.float32) * 0.02).astype(np.float16)
-    writer.add_tensor("token_embd.weight", embd)
-    layout = {"attn_q": ("Q4_K", q, h), "attn_k": ("Q4_K", kv, h), "attn_v": ("Q6_K", kv, h),
-              "attn_output": ("Q4_K", h, q), "ffn_gate": ("Q4_K", i, h), "ffn_up": ("Q4_K", i, h),
-              "ffn_down": ("Q6_K", h, i)}
-    for layer in range(config.num_layers):
-        writer.add_tensor(f"blk.{layer}.attn_norm.weight", norm)
-        writer.add_tensor(f"blk.{layer}.ffn_norm.weight", norm)
-        for stem, (kind, rows, cols) in layout.items():
-            data, qtype = blocks(kind, rows, cols)
-            writer.add_tensor(f"blk.{layer}.{stem}.weight", data, raw_dtype=qtype)
-    writer.add_tensor("output_norm.weight", norm)
-    if not config.tie_word_embeddings:
-        data, qtype = blocks("Q6_K", config.vocab_size, h)
-        writer.add_tensor("output.weight", data, raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
-# A Q4_K_M file's types (llama.cpp's ``llama_tensor_get_type``, simplified): Q6_K for
-# v, down and the LM head, Q4_K elsewhere; routed experts the same per projection.
-MOE_EXPERT_TYPES = ("Q4_K", "Q4_K", "Q6_K")
-
-
-def write_random_moe_gguf(path: Path, config, rng: np.random.Generator, *, tokenizer_gguf: Path | None = None,
-                          expert_types: tuple[str, str, str] = MOE_EXPERT_TYPES) -> None:
-    """A random ``qwen3moe`` GGUF of ``config`` (a :class:`engine.common.config.ModelConfig` of a
-    Qwen3-MoE layout, every layer sparse), laid out as llama.cpp writes one: attention in
-    Q4_K (v in Q6_K), each layer's experts stacked in ``ffn_gate_exps``/``ffn_up_exps``/
-    ``ffn_down_exps`` of ``expert_types``, the router and norms F32, the embeddings F16,
-    the LM head Q6_K. The metadata and tokenizer keys (copied from ``tokenizer_gguf``,
-    default the embedded default model's, whose vocabulary then sizes the model) let
-    ``headroom serve --model`` convert and serve it. One random stack of expert blocks
-    per (type, shape) is shared by all layers (the file still holds each layer's copy).
-
-    Raises:
-        ValueError: the hidden or expert size is not whole blocks of the types.
-    """
-    import gguf
-
-    from engine.loader.default_model import default_gguf_path
-    from kernels.quant.synthetic import random_blocks
-
-    source = gguf.GGUFReader(tokenizer_gguf or default_gguf_path())
-    tokens = len(source.fields["tokenizer.ggml.tokens"].data)
-    h, i, e = config.hidden_size, config.moe_intermediate_size, config.num_experts
-    q, kv, hd = config.q_size, config.kv_size, config.head_dim
-    writer = gguf.GGUFWriter(str(path), "qwen3moe")
-    writer.add_block_count(config.num_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(h)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_heads)
-    writer.add_head_count_kv(config.num_kv_heads)
-    writer.add_key_length(hd)
-    writer.add_value_length(hd)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(config.rope.theta)
-    writer.add_vocab_size(tokens)
-    writer.add_expert_count(e)
-    writer.add_expert_used_count(config.num_experts_per_tok)
-    writer.add_expert_feed_forward_length(i)
-    for key, field in source.fields.items():
-        if key.startswith("tokenizer."):
-            sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-            writer.add_key_value(key, field.contents(), field.types[0], sub)
-    cache: dict[tuple, np.ndarray] = {}
-
-    def blocks(kind: str, *shape: int) -> np.ndarray:
-        if (kind, shape) not in cache:
-            stack = [random_blocks(kind, shape[-2], shape[-1], rng, scale=1e-4) for _ in range(shape[0])]
-            cache[(kind, shape)] = np.stack(stack)
-        return cache[(kind, shape)]
-
-    def add(name: str, kind: str, *shape: int) -> None:
-        data = blocks(kind, *((1,) * (len(shape) == 2) + shape))
-        writer.add_tensor(name, data[0] if len(shape) == 2 else data, raw_dtype=gguf.GGMLQuantizationType[kind])
-
-    writer.add_tensor("token_embd.weight", (rng.standard_normal((tokens, h), dtype=np.float32) * 0.02).astype(np.float16))
-    for layer in range(config.num_layers):
-        p = f"blk.{layer}."
-        for name, size in (("attn_norm", h), ("ffn_norm", h), ("attn_q_norm", hd), ("attn_k_norm", hd)):
-            writer.add_tensor(p + name + ".weight", np.ones(size, dtype=np.float32))
-        for name, kind, rows, cols in (("attn_q", "Q4_K", q, h), ("attn_k", "Q4_K", kv, h),
-                                       ("attn_v", "Q6_K", kv, h), ("attn_output", "Q4_K", h, q)):
-            add(p + name + ".weight", kind, rows, cols)
-        writer.add_tensor(p + "ffn_gate_inp.weight", rng.standard_normal((e, h), dtype=np.float32) * 0.02)
-        for stem, kind, rows, cols in zip(("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"), expert_types,
-                                          (i, i, h), (h, h, i), strict=True):
-            add(p + stem + ".weight", kind, e, rows, cols)
-    writer.add_tensor("output_norm.weight", np.ones(h, dtype=np.float32))
-    if not config.tie_word_embeddings:
-        add("output.weight", "Q6_K", tokens, h)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
-def copy_bandwidth(nbytes: int = GiB) -> float:
-    """Device-to-device copy rate in bytes/s, counting bytes read plus bytes written."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        dst.copy_(src)
-    end.record()
-    end.synchronize()
-    return 2 * nbytes * 10 / (start.elapsed_time(end) / 1000)
-
-
-def _graph_seconds(fn, replays: int = _GRAPH_REPLAYS) -> float:
-    from engine.bench.kernels import _graph_us
-
-    return _graph_us(fn, replays * 20) / 1e6
 
 
 def step_bytes(model: torch.nn.Module, config, batch: int, context: int, kv_bytes_per_token: int) -> int:
     """Bytes a decode step reads: the weights but the embedding table (unless tied, then
     it is the LM head), plus ``batch * context`` tokens of KV."""
-    from engine.layers.linear.gguf_blocks import model_weight_bytes
+    from engine.layers.weight_census import model_weight_bytes
 
     weights = model_weight_bytes(model)
     if not config.tie_word_embeddings:
@@ -193,11 +62,11 @@ def step_bytes(model: torch.nn.Module, config, batch: int, context: int, kv_byte
 
 def decode_rows(model, config, batches: list[int], context: int, bandwidth: float, label: str,
                 kv_cache_dtype: str = "auto") -> list[str]:
-    from engine.layers.attention.base import create_attention_backend
     from engine.bench.kernels import _decode_batch
-    from engine.kvcache.pool import KVPool, kv_storage_dtype
     from engine.core.footprint import kv_bytes_per_token
-    from engine.layers.linear.gguf_blocks import model_weight_bytes
+    from engine.kvcache.pool import KVPool, kv_storage_dtype
+    from engine.layers.attention.registry import create_attention_backend
+    from engine.layers.weight_census import model_weight_bytes
 
     dtype = model.model.embed_tokens.weight.dtype
     kv_dtype = kv_storage_dtype(kv_cache_dtype, dtype)
@@ -214,7 +83,7 @@ def decode_rows(model, config, batches: list[int], context: int, bandwidth: floa
         attn.prepare(batch)
         attn.prepare = lambda _b: None  # metadata once; the step is what is timed
         # Fewer replays for larger batches (their steps are longer; same precision).
-        seconds = _graph_seconds(lambda m=model, bt=batch, a=attn: m(bt, a), max(3, _GRAPH_REPLAYS // b))
+        seconds = graph_seconds(lambda m=model, bt=batch, a=attn: m(bt, a), max(3, GRAPH_REPLAYS // b))
         moved = step_bytes(model, config, b, context, kv_token)
         share = moved / seconds / bandwidth
         rows.append(f"| {label} | {b} | {model_weight_bytes(model) / GiB:.2f} | {seconds * 1e3:.3f} | "
@@ -309,154 +178,14 @@ def variant_rows(model, config, batches: list[int], context: int, bandwidth: flo
     return rows
 
 
-def _rotating(w: torch.Tensor, reach: int = 512 << 20) -> list[torch.Tensor]:
-    """Copies of ``w`` adding up to ``reach`` bytes (at least 2), so that back-to-back
-    calls cycling through them read HBM rather than the 50 MB L2."""
-    return [w] + [w.clone() for _ in range(max(1, -(-reach // w.nbytes) - 1))]
-
-
-def _gemv_seconds(x: torch.Tensor, w: torch.Tensor, kind: str, replays: int = _GRAPH_REPLAYS, **tiling) -> float:
-    from kernels.quant.triton_kernel import quant_gemv
-
-    copies = _rotating(w)
-    turn = itertools.cycle(copies)
-    return _graph_seconds(lambda: quant_gemv(x, next(turn), kind, **tiling), replays)
-
-
-def _int8_seconds(x: torch.Tensor, w: torch.Tensor, kind: str, variant: dict, replays: int = 5, **tiling) -> float:
-    """As :func:`_gemv_seconds` for the int8 GEMV at a forced tiling and variant, the
-    activations' quantization included (inside the GEMV, or in a launch of its own
-    first with ``HEADROOM_QUANT_INT8_FUSE=0``)."""
-    from kernels.quant.triton_int8 import int8_gemv, quantize_activations
-    from kernels.quant.triton_kernel import int8_quantize_apart
-
-    turn = itertools.cycle(_rotating(w))
-    if int8_quantize_apart():
-        return _graph_seconds(lambda: int8_gemv(quantize_activations(x), next(turn), kind, variant=variant, **tiling),
-                              replays)
-    return _graph_seconds(lambda: int8_gemv(x, next(turn), kind, variant=variant, **tiling), replays)
-
-
-def gemv_rows(model, bandwidth: float, m: int = 1) -> list[str]:
-    """The dequantize-GEMV alone at ``m`` rows on each distinct projection of the model
-    (weights rotated through copies so each call reads HBM)."""
-    from engine.layers.linear.gguf_blocks import QuantLinear
-
-    seen = {}
-    for name, mod in model.named_modules():
-        if isinstance(mod, QuantLinear):
-            for spec, w in mod.part_views():
-                if spec.type_name is not None:
-                    seen.setdefault((spec.type_name, tuple(w.shape), mod.in_features), (name, w))
-    rows = []
-    for (kind, _, k), (name, w) in sorted(seen.items(), key=lambda kv: kv[1][0]):
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        seconds = _gemv_seconds(x, w, kind)
-        rows.append(f"| {name.split('.', 3)[-1]} | {kind} | {w.shape[0]}x{k} | {m} | {seconds * 1e6:.1f} | "
-                    f"{w.nbytes / seconds / bandwidth:.0%} |")
-    return rows
-
-
-def sweep_rows(bandwidth: float, shapes: list[tuple[str, int, int]]) -> list[str]:
-    """The GEMV at one row per projection shape: what the autotuner picked, then its
-    tilings (for the int8 GEMV all of them, else the best three and the worst two),
-    then the best without the PTX code conversion (the float GEMV) or, for the int8
-    GEMV's types, the float GEMV's own tuned pick."""
-    import triton
-
-    from kernels.quant import triton_int8
-    from kernels.quant import triton_kernel as triton_quant
-    from kernels.quant.synthetic import random_blocks
-
-    rows = []
-    rng = np.random.default_rng(0)
-    for kind, n, k in shapes:
-        w = torch.from_numpy(random_blocks(kind, n, k, rng, scale=1e-4)).cuda()
-        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        int8 = triton_quant.uses_int8_dot(kind)
-        results = []
-        if int8:
-            configs = triton_int8._prune(triton_int8._configs(), {"QT": triton_quant.block_format(kind).code,
-                                                                  "QUANT_X": not triton_quant.int8_quantize_apart()})
-        else:
-            configs = triton_quant._prune(triton_quant._gemv_configs(),
-                                          {"QK": triton_quant.block_format(kind).block_elements})
-        for c in configs:
-            tiling = dict(block_n=c.kwargs["BLOCK_N"], blocks_per_step=c.kwargs["KB"], num_warps=c.num_warps, split_k=1)
-            split = c.kwargs.get("SPLIT", 0)
-            prefetch = c.kwargs.get("PREFETCH", 0)
-            try:
-                if int8:
-                    seconds = _int8_seconds(x, w, kind, {"SPLIT": split, "PREFETCH": prefetch}, **tiling)
-                else:
-                    seconds = _gemv_seconds(x, w, kind, replays=5, **tiling)
-            except (RuntimeError, triton.runtime.errors.OutOfResources) as e:
-                print(f"{kind} {n}x{k} {c}: {str(e).splitlines()[0]}")
-                continue
-            results.append((seconds, f"block_n {c.kwargs['BLOCK_N']}, kb {c.kwargs['KB']}, warps {c.num_warps}"
-                            + (f", split {split}, prefetch {prefetch}" if int8 else ", ptx True")))
-        results.sort()
-        if int8:
-            # The best tiling with K split over 2-4 programs a tile (atomics into a
-            # zeroed float32 row, then a copy: both launches timed too).
-            best = results[0][1]
-            tiling = dict(item.split(" ") for item in best.split(", "))
-            for split_k in (2, 4):
-                seconds = _int8_seconds(x, w, kind, {"SPLIT": int(tiling["split"]), "PREFETCH": int(tiling["prefetch"])},
-                                        block_n=int(tiling["block_n"]), blocks_per_step=int(tiling["kb"]),
-                                        num_warps=int(tiling["warps"]), split_k=split_k)
-                results.append((seconds, f"{best}, split-K {split_k}"))
-            other = _gemv_seconds(x, w, kind, replays=5, int8_dot=False)
-            results.append((other, "float GEMV, tuned"))
-        else:
-            label = results[0][1]
-            tiling = dict(item.split(" ") for item in label.split(", ")[:3])
-            triton_quant._ASM = False
-            other = _gemv_seconds(x, w, kind, replays=5, block_n=int(tiling["block_n"]),
-                                  blocks_per_step=int(tiling["kb"]), num_warps=int(tiling["warps"]), split_k=1)
-            triton_quant._ASM = True
-            results.append((other, label.replace("ptx True", "ptx False")))
-        default = _gemv_seconds(x, w, kind, replays=5)
-        tuned = triton_int8._tuned if int8 else triton_quant._gemv_tuned
-        picked = [str(c) for key, c in tuned.cache.items() if n in key and k in key]
-        shape_rows = [f"| {kind} {n}x{k} | {'int8 ' if int8 else ''}tuned ({'; '.join(picked)}) | {default * 1e6:.1f} | "
-                      f"{w.nbytes / default / bandwidth:.0%} |"]
-        for seconds, label in results if int8 else results[:3] + results[-2:]:
-            shape_rows.append(f"| {kind} {n}x{k} | {label} | {seconds * 1e6:.1f} | {w.nbytes / seconds / bandwidth:.0%} |")
-        print("\n".join(shape_rows), flush=True)
-        rows += shape_rows
-        del w
-    return rows
-
-
-def gemm_rows(bandwidth: float, shapes: list[tuple[str, int, int]], m: int = 512) -> list[str]:
-    """The prefill GEMM at ``m`` rows per projection shape (weights rotated through
-    copies), in TFLOP/s and as a share of the roofline of reading the weights once."""
-    from kernels.quant.synthetic import random_blocks
-    from kernels.quant.triton_kernel import quant_gemm
-
-    rows = []
-    rng = np.random.default_rng(1)
-    for kind, n, k in shapes:
-        w = torch.from_numpy(random_blocks(kind, n, k, rng, scale=1e-4)).cuda()
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        turn = itertools.cycle(_rotating(w))
-        seconds = _graph_seconds(lambda x=x, turn=turn, kind=kind: quant_gemm(x, next(turn), kind), 5)
-        rows.append(f"| {kind} {n}x{k} | {m} | {seconds * 1e6:.1f} | {2 * m * n * k / seconds / 1e12:.1f} | "
-                    f"{w.nbytes / seconds / bandwidth:.0%} |")
-        print(rows[-1], flush=True)
-        del w
-    return rows
-
-
 def profile_rows(model, config, context: int, steps: int = 5) -> list[str]:
     """Per-kernel GPU time of ``steps`` eager decode steps at batch 1 (torch.profiler),
     the largest first, with each kernel's share of the total."""
     from torch.profiler import ProfilerActivity, profile
 
-    from engine.layers.attention.base import create_attention_backend
     from engine.bench.kernels import _decode_batch
     from engine.kvcache.pool import KVPool
+    from engine.layers.attention.registry import create_attention_backend
 
     dtype = model.model.embed_tokens.weight.dtype
     pool = KVPool(num_layers=config.num_layers, num_pages=context // 16 + 4, page_size=16,
@@ -576,7 +305,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     _check_args(p, args)
     if args.write_gguf is not None:
-        _write_gguf_only(Path(args.write_gguf).expanduser(), args.shape, args.layers)
+        write_shape_gguf(Path(args.write_gguf).expanduser(), args.shape, args.layers)
         return
     batches = args.batches
     torch.manual_seed(0)
@@ -641,20 +370,6 @@ def main(argv: list[str] | None = None) -> None:
         print("\n| GEMV shape | tiling | us | roofline share |\n|---|---|---|---|", flush=True)
         sweep_rows(bandwidth, [("Q4_K", 2 * i, h), ("Q6_K_P", h, i), ("Q4_K", h, h), ("Q4_K", config.q_size + config.kv_size, h),
                                ("Q6_K_P", config.kv_size, h), ("Q6_K_P", config.vocab_size, h)])
-
-
-def _write_gguf_only(path: Path, shape: str, layers: int | None) -> None:
-    from engine.bench.model_shapes import write_shape
-    from engine.loader.hf_config import load_model_config
-
-    with tempfile.TemporaryDirectory() as tmp:
-        overrides = {} if layers is None else {"num_hidden_layers": layers}
-        config = load_model_config(write_shape(shape, Path(tmp) / "cfg", **overrides))
-    if config.is_moe:
-        write_random_moe_gguf(path, config, np.random.default_rng(0))
-    else:
-        write_random_gguf(path, config, np.random.default_rng(0))
-    print(f"wrote {path}: {shape}, {config.num_layers} layers, {path.stat().st_size / GiB:.2f} GiB")
 
 
 if __name__ == "__main__":

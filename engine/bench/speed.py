@@ -26,10 +26,10 @@ import torch
 
 from engine.bench.model_shapes import write_shape
 from engine.common.config import EngineConfig
-from engine.worker.cpu_threads import fit_between_steps
 from engine.core.engine import Engine
 from engine.core.footprint import kv_bytes_per_token
 from engine.wire.messages import GenerateRequest, SamplingParams
+from engine.worker.cpu_threads import fit_between_steps
 
 LONG_PREFILL_TOKENS = 8192
 
@@ -195,7 +195,7 @@ def run_bench_engine(
     on_cuda = engine.device.type == "cuda"
     # On the CPU the engine side fits its threads to the free cores between steps, as the
     # worker does (a busy core otherwise stalls every step); transformers gets what is set.
-    between_steps = fit_between_steps(engine.common.config.cpu_threads) if engine.device.type == "cpu" else lambda: None
+    between_steps = fit_between_steps(engine.config.cpu_threads) if engine.device.type == "cpu" else lambda: None
     roof = None
     kv_per_token = kv_bytes_per_token(engine.model_config, engine.kv_dtype)
     if on_cuda:
@@ -268,7 +268,7 @@ def peak_rss_bytes() -> int:
 def _print_table(engine: Engine, rows: list[dict], prompt_tokens: int, new_tokens: int, roof: Roofline | None) -> None:
     info = engine.info
     print(f"model {info.model_name} on {info.device} ({info.dtype}), attention {engine.attention_backend}, "
-          f"CUDA graphs {'on' if engine.core.runner.graphs is not None else 'off'}; "
+          f"CUDA graphs {'on' if engine.runner.graphs is not None else 'off'}; "
           f"prompt {prompt_tokens} tokens, {new_tokens} new tokens, greedy")
     if roof is not None:
         print(f"HBM roofline: {roof.bandwidth / 1e12:.2f} TB/s measured copy bandwidth, "
@@ -314,7 +314,7 @@ def profile_decode(engine: Engine, batch: int = 1, replays: int = 10, top: int =
     by kernel and by kind, printed. For explaining a figure, not for tests."""
     from torch.profiler import ProfilerActivity, profile
 
-    graphs = engine.core.runner.graphs
+    graphs = engine.runner.graphs
     if graphs is None:
         print("profile: needs CUDA graphs (a CUDA device, a backend that captures)")
         return

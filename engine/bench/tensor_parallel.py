@@ -18,8 +18,8 @@ import tempfile
 
 import torch
 
-from engine.bench.speed import LONG_PREFILL_TOKENS, engine_speed
 from engine.bench.model_shapes import write_shape
+from engine.bench.speed import LONG_PREFILL_TOKENS, engine_speed
 from engine.common.config import EngineConfig
 from engine.core.engine import Engine
 from engine.worker.tp_launch import parallel_engine
@@ -50,7 +50,7 @@ def _free() -> None:
 
 
 def _label(tp: int, engine: Engine) -> str:
-    graphs = engine.core.runner.graphs is not None and engine.core.runner.graphs.replays > 0
+    graphs = engine.runner.graphs is not None and engine.runner.graphs.replays > 0
     return f"TP={tp} ({'CUDA graphs' if graphs else 'eager'})"
 
 

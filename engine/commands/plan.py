@@ -11,13 +11,6 @@ import msgspec
 import torch
 
 from engine.common.config import EngineConfig
-from engine.loader.fp8 import resolve_quantization
-from engine.loader.gguf_quant import gguf_weight_size
-from engine.loader.hf_config import load_model_config
-from engine.loader.load import fp8_weight_size
-from engine.loader.resolve import resolve_model
-from engine.memory.plan import MemoryPlan, PlanKnobs, fit_plan
-from engine.parallel.split import rank_model_config
 from engine.core.settings_fit import check_for_model
 from engine.core.startup import (
     device_memory,
@@ -26,6 +19,14 @@ from engine.core.startup import (
     resolve_device,
     resolve_dtype,
 )
+from engine.loader.fp8 import resolve_quantization
+from engine.loader.gguf_quant import gguf_weight_size
+from engine.loader.hf_config import load_model_config
+from engine.loader.resolve import resolve_model
+from engine.loader.weight_size import fp8_weight_size
+from engine.memory.ledger import fit_plan
+from engine.memory.plan import MemoryPlan, PlanKnobs
+from engine.parallel.split import rank_model_config
 
 
 class NoDevice(Exception):
@@ -65,7 +66,7 @@ def planned_setup(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
 def build_plan(config: EngineConfig) -> MemoryPlan:
     """The plan the engine would start from for ``config``, with the same decisions: the
     prefill chunk lowered, then the context lowered down to ``--min-context``
-    (:func:`engine.memory.plan.fit_plan`); a plan that does not fit even so is returned
+    (:func:`engine.memory.ledger.fit_plan`); a plan that does not fit even so is returned
     with ``fits`` False.
 
     With ``--tensor-parallel-size N`` it is one rank's plan: the weights split N ways,
@@ -145,11 +146,11 @@ def cpu_holdings(config: EngineConfig) -> CpuHoldings:
         engine.common.load_errors.ModelLoadError: the model is missing or its config broken.
         ValueError: an unknown dtype or KV cache dtype.
     """
+    from engine.core.footprint import kv_bytes_per_token
     from engine.kvcache.pool import kv_storage_dtype
     from engine.loader.default_model import model_display_name
-    from engine.loader.load import weight_bytes
+    from engine.loader.weight_size import weight_bytes
     from engine.memory.fixed_pool import unplanned_pages
-    from engine.core.footprint import kv_bytes_per_token
     from engine.memory.host import host_memory
 
     device = torch.device("cpu")

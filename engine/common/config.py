@@ -13,20 +13,9 @@ from dataclasses import dataclass, field
 
 from engine.common.options import at_least, device_spec, nonzero_size, option
 
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",  # the Llama layout (Mistral, Ministral)
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    # Mixture of experts (engine.layers.moe.sparse_moe)
-    "Qwen2MoeForCausalLM",  # with a shared expert behind a sigmoid gate
-    "Qwen3MoeForCausalLM",
-    "MixtralForCausalLM",
-    "OlmoeForCausalLM",  # q/k RMSNorm over the whole projection, not per head
-    # Hybrid linear attention (engine.models.qwen3_next): Gated DeltaNet layers between
-    # gated full-attention layers, MoE or dense MLPs.
-    "Qwen3NextForCausalLM",
-)
+# The --attention-backend choices; engine.layers.attention.registry maps each built-in
+# name to its class.
+ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "triton", "flashinfer", "torch")
 
 # RoPE variants engine.layers.rope implements (transformers' ``rope_type`` names).
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3")
@@ -305,7 +294,7 @@ class EngineConfig:
         "auto",
         "Attention kernels: auto (Triton on CUDA, torch elsewhere), triton, flashinfer "
         "(needs flashinfer-python) or torch.",
-        choices=("auto", "triton", "flashinfer", "torch"),
+        choices=ATTENTION_BACKENDS,
     )
     cuda_graphs: bool = option(
         True, "Capture the decode step in CUDA graphs (--no-cuda-graphs: run eagerly)."

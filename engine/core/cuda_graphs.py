@@ -50,10 +50,10 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from engine.layers.attention.base import AttentionBackend
 from engine.common.forward_batch import ForwardBatch
-from engine.sampling.device import greedy_tokens
 from engine.core.step_inputs import PinnedStaging, token_at
+from engine.layers.attention.base import AttentionBackend
+from engine.sampling.device import greedy_tokens
 
 log = logging.getLogger("headroom.engine")
 

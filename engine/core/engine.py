@@ -11,76 +11,71 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import os
 import time
-from concurrent import futures
 from pathlib import Path
 
 import torch
 
-from engine.layers.attention.base import backend_class, create_attention_backend, resolve_backend_name
 from engine.common.config import EngineConfig, ModelConfig
-from engine.common.errors import PlanDoesNotFit, RequestRejected
-from engine.kvcache.allocator import PageAllocator
-from engine.kvcache.pool import KVPool, kv_storage_dtype
-from engine.kvcache.radix import RadixCache
-from engine.kvcache.state_pool import StatePool
-from engine.core.live_replan import LiveReplan
-from engine.loader.default_model import model_display_name
-from engine.loader.fp8 import resolve_quantization
-from engine.loader.gguf_quant import gguf_weight_size
-from engine.loader.hf_config import load_model_config
-from engine.loader.load import fp8_weight_size, load_model, parameter_count
-from engine.loader.resolve import resolve_model
-from engine.memory.fixed_pool import unplanned_pages
-from engine.core.footprint import kv_bytes_per_token, make_footprint
-from engine.memory.host import trim_host_heap
-from engine.memory.plan import MemoryPlan, PlanKnobs, fit_plan, make_plan
-from engine.core.profile import measure_step_peak, profile_pool_pages
-from engine.wire.messages import (
-    ERROR_INVALID_SCHEMA,
-    FINISH_ERROR,
-    EngineInfo,
-    EngineStats,
-    GenerateRequest,
-    TokenOutput,
-)
-from engine.layers.linear.cpu_kernels import cpu_kernels
-from engine.layers.linear.cpu_int4 import pack_model_for_cpu
-from engine.layers.moe.expert_cache import (
-    ExpertCounters,
-    OffloadedExperts,
-    offload_experts,
-    resize_cache,
-)
-from engine.layers.linear.gguf_blocks import (
-    model_weight_bytes,
-    quantized_format,
-    repack_model_for_kernels,
-)
+from engine.common.errors import RequestRejected
 from engine.common.options import pick
-from engine.core.tp_follow import lead
-from engine.parallel.group import TensorParallel
-from engine.parallel.shard import rank_config as shard_rank_config
+from engine.core.footprint import kv_bytes_per_token
+from engine.core.grammar_waits import GrammarWaits
+from engine.core.live_replan import LiveReplan
+from engine.core.outputs import keep_logprobs, token_output
+from engine.core.plan_stages import PlanStages
+from engine.core.profile import measure_step_peak
 from engine.core.runner import ModelRunner
-from engine.sampling.grammar import GrammarCompiler, GrammarError
-from engine.sampling.sampler import SamplingState
-from engine.scheduler.request import Phase, Request
-from engine.scheduler.scheduler import Scheduler, SchedulerConfig
 from engine.core.settings_fit import check_for_model
 from engine.core.startup import (
-    attention_workspaces,
     device_memory,
     estimated_planner,
     quantized_gguf,
     resolve_device,
     resolve_dtype,
 )
+from engine.core.tp_follow import lead
+from engine.kvcache.allocator import PageAllocator
+from engine.kvcache.pool import kv_storage_dtype
+from engine.kvcache.radix import RadixCache
+from engine.kvcache.state_pool import StatePool
+from engine.layers.attention.registry import resolve_backend_name
+from engine.layers.cpu_pack import pack_model_for_cpu
+from engine.layers.linear.cpu_kernels import cpu_kernels
+from engine.layers.linear.gguf_blocks import repack_model_for_kernels
+from engine.layers.moe.expert_cache import (
+    ExpertCounters,
+    OffloadedExperts,
+    offload_experts,
+    resize_cache,
+)
+from engine.layers.weight_census import model_weight_bytes, quantized_format
+from engine.loader.default_model import model_display_name
+from engine.loader.fp8 import resolve_quantization
+from engine.loader.gguf_quant import gguf_weight_size
+from engine.loader.hf_config import load_model_config
+from engine.loader.load import load_model
+from engine.loader.resolve import resolve_model
+from engine.loader.weight_size import fp8_weight_size, parameter_count
+from engine.memory.host import trim_host_heap
+from engine.memory.plan import MemoryPlan, PlanKnobs
+from engine.parallel.group import TensorParallel
+from engine.parallel.shard import rank_config as shard_rank_config
+from engine.sampling.grammar import GrammarError
+from engine.sampling.state import SamplingState
+from engine.scheduler.request import Request
+from engine.scheduler.scheduler import Scheduler, SchedulerConfig
+from engine.wire.messages import (
+    EngineInfo,
+    EngineStats,
+    GenerateRequest,
+    TokenOutput,
+)
 
 log = logging.getLogger("headroom.engine")
 
 
-class Engine(LiveReplan):
+class Engine(PlanStages, GrammarWaits, LiveReplan):
     """One model on one device, serving many requests by continuous batching.
 
     Single-threaded: call every method from one thread. The live replans (resize the KV
@@ -119,9 +114,8 @@ class Engine(LiveReplan):
             (set_settings or torch.cuda.memory._set_allocator_settings)("expandable_segments:True")
         # Model config: enough to plan before any weight is read.
         self.model_dir: Path = resolve_model(config.model)
-        self._grammar_compiler: GrammarCompiler | None = None
-        # Requests waiting for their grammar's compile: (request, future, deadline).
-        self._compiling: list[tuple[Request, futures.Future, float]] = []
+        self._grammar_compiler = None
+        self._compiling = []  # requests waiting for their grammar (GrammarWaits)
         mc: ModelConfig = load_model_config(self.model_dir)
         # Settings the model cannot honour are refused here too (a GGUF the service could
         # not read before conversion): a number typed is honoured or refused, never cut.
@@ -207,16 +201,7 @@ class Engine(LiveReplan):
         if tp is not None:
             # Every rank holds the same page ids: the group's pool is the tightest rank's.
             num_pages = tp.min_int(num_pages)
-        self.pool = KVPool(
-            num_layers=mc.num_kv_layers,
-            num_pages=num_pages,
-            page_size=config.page_size,
-            num_kv_heads=mc.num_kv_heads,
-            head_dim=mc.head_dim,
-            dtype=self.kv_dtype,
-            device=self.device,
-            compute_dtype=self.dtype,
-        )
+        self.pool = self._kv_pool(num_pages)
         # Attention backend, and on a GPU one warm-up step at the plan's largest size, so
         # the step-size buffers sit in the allocator's cache before any request arrives.
         self.attn = self._attention(self.pool)
@@ -284,159 +269,6 @@ class Engine(LiveReplan):
             kv_bytes_per_token=kv_bytes_per_token(mc, self.kv_dtype),
         )
 
-    # -- construction stages --------------------------------------------------------------
-
-    @property
-    def _planned(self) -> bool:
-        c = self.config
-        return c.num_pages is None and c.kv_cache is None and (
-            c.device_total is not None or self.device.type == "cuda"
-        )
-
-    def _workspaces(self) -> tuple[tuple[str, int], ...]:
-        """Fixed workspaces declared by the components, charged before the pool is sized."""
-        return attention_workspaces(self.attention_backend, self.model_config, self.config.max_running_requests)
-
-    def _attention(self, pool: KVPool):
-        mc = self.model_config
-        return create_attention_backend(self.attention_backend, pool, num_heads=mc.num_heads, head_dim=mc.head_dim,
-                                        scale=mc.head_dim**-0.5, max_batch=self.config.max_running_requests)
-
-    _graph_bytes_measured: int | None = None
-
-    @property
-    def _use_cuda_graphs(self) -> bool:
-        """Decode steps replay CUDA graphs: asked for (the default), on CUDA, and the
-        backend's decode path can be captured (the torch backend's cannot: it builds its
-        metadata on the host per step)."""
-        # Not for hybrid linear-attention models yet (their state slots are read on the
-        # host), nor where a layer's experts live in host memory (the routed ids are read
-        # back each step). Under tensor parallelism every rank can capture its graphs, the
-        # all-reduces inside (engine.core.tp_graphs), but that path has not yet run on
-        # two GPUs: it stays opt-in (HEADROOM_TP_CUDA_GRAPHS=1) until it has, and the
-        # group decodes eagerly as measured.
-        tp_ok = self.tp is None or os.environ.get("HEADROOM_TP_CUDA_GRAPHS") == "1"
-        return (self.config.cuda_graphs and self.device.type == "cuda" and self._cuda_graph_max_batch >= 1
-                and not self.model_config.is_hybrid and not self.expert_stores and tp_ok
-                and backend_class(self.attention_backend).supports_cuda_graphs)
-
-    @property
-    def _cuda_graph_max_batch(self) -> int:
-        return min(self.config.cuda_graph_max_batch, self.config.max_running_requests)
-
-    def _measure_cuda_graphs(self, model_ctx: int, probe_pool: KVPool) -> int:
-        """Capture the decode graphs over the profile run's small pool and return what
-        they took, then drop them: the plan charges it before the real pool is sized
-        (the real capture, over the real pool, takes the same: same shapes, same
-        kernels)."""
-        from engine.core.cuda_graphs import DecodeGraphs
-
-        graphs = DecodeGraphs(self.model, self._attention(probe_pool), self.device, page_size=self.config.page_size,
-                              max_batch=self._cuda_graph_max_batch, max_context_tokens=model_ctx)
-        try:
-            return graphs.capture_all()
-        finally:
-            del graphs
-            torch.cuda.empty_cache()
-
-    def _fit_chunk(self, planner) -> MemoryPlan:
-        """Plan with ``self.knobs`` as :func:`engine.memory.plan.fit_plan` does: the
-        context lowered to what the pool holds, down to ``--min-context``, and the
-        prefill chunk halved only when even that floor does not fit; sets ``self.knobs``
-        to what fits.
-
-        Raises:
-            PlanDoesNotFit: with the plan at the configured chunk, whose message names
-                what to change.
-        """
-        plan, knobs = fit_plan(planner, self.knobs)
-        if not plan.fits:
-            raise PlanDoesNotFit(plan)
-        self.knobs = knobs
-        return plan
-
-    def _measured_plan(self, knobs: PlanKnobs) -> MemoryPlan:
-        """Run one worst-case step at ``knobs`` on a small pool and plan with what it
-        measured."""
-        assert self.device_memory is not None
-        mc = self.model_config
-        torch.cuda.empty_cache()
-        probe_pool = KVPool(
-            num_layers=mc.num_kv_layers, num_pages=profile_pool_pages(knobs), page_size=self.config.page_size,
-            num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, dtype=self.kv_dtype, device=self.device,
-            compute_dtype=self.dtype,
-        )
-        # Where the context grows (logged): after the weights, the profile step, the capture.
-        growth = [self._outside_allocator_growth()]
-        try:
-            peak = measure_step_peak(
-                self.model, self._attention(probe_pool), probe_pool, knobs, mc.max_position_embeddings,
-                vocab_size=self.vocab_size,
-            )
-        except torch.OutOfMemoryError:
-            # The step does not fit at all: charge everything that was free.
-            peak = None
-        growth.append(self._outside_allocator_growth())
-        graph_bytes = 0
-        if peak is not None and self._use_cuda_graphs:
-            # The graphs' memory does not depend on the prefill chunk: measured once,
-            # however many chunks the plan tries.
-            if self._graph_bytes_measured is None:
-                model_ctx = min(mc.max_position_embeddings, self.config.max_model_len or mc.max_position_embeddings)
-                self._graph_bytes_measured = self._measure_cuda_graphs(model_ctx, probe_pool)
-            graph_bytes = self._graph_bytes_measured
-        del probe_pool
-        # Nothing of the profile stays cached: the pool is sized against a clean device.
-        torch.cuda.empty_cache()
-        growth.append(self._outside_allocator_growth())
-        log.info("CUDA context growth outside the allocator since the plan's probe: %.0f MiB after the weights, "
-                 "%.0f MiB after the profile step, %.0f MiB after the decode graphs' capture (if any)",
-                 *(g / 2**20 for g in growth))
-        runtime = self._runtime_bytes()
-        if peak is None:
-            activation, sampler = self.device_memory.total_bytes, None
-        else:
-            activation, sampler = peak.forward_bytes, peak.sampler_bytes
-        fp = make_footprint(
-            mc, self.dtype, knobs, workspaces=self._workspaces(), measured_activation_bytes=activation,
-            measured_sampler_bytes=sampler, runtime_bytes=runtime, cuda_graph_bytes=graph_bytes,
-            weights=self.weight_size,
-        )
-        return make_plan(self.device_memory, knobs, fp)
-
-    def _runtime_bytes(self) -> int:
-        """The plan's "CUDA context and runtime" line: this process's device memory
-        outside the caching allocator (CUDA context, kernel modules, library handles).
-
-        Two parts: what NVML already attributed to this process at start (its context,
-        when NVML lists processes; inside a container it lists none and the plan counted
-        that memory as other processes'), and what the process took since, less the
-        growth of the allocator's reservations (charged on their own lines). The growth
-        is measured from the allocator's reservation at start, not from zero, so memory
-        the allocator held before the engine (an earlier engine in the same process)
-        does not hide the context's growth.
-        """
-        dm = self.device_memory
-        assert dm is not None
-        own_at_start = 0 if dm.simulated else max(dm.total_bytes - dm.free_bytes - dm.others_bytes, 0)
-        return own_at_start + max(self._outside_allocator_growth(), 0)
-
-    def _outside_allocator_growth(self) -> int:
-        """Bytes the device lost since the plan's probe that the caching allocator does not
-        hold (context growth: kernel modules, library handles, graph executables)."""
-        assert self.device_memory is not None
-        free_now, _ = torch.cuda.mem_get_info(self.device)
-        grown = self.device_memory.free_bytes - free_now
-        return grown - (torch.cuda.memory_reserved(self.device) - self._reserved_at_start)
-
-    def _num_pages(self, mc: ModelConfig) -> int:
-        """Pool size in pages, the null page included (see EngineConfig for the order)."""
-        cfg = self.config
-        if cfg.num_pages is not None:
-            return cfg.num_pages
-        if self.plan is not None:
-            return self.plan.num_pages + 1
-        return unplanned_pages(cfg, mc, kv_bytes_per_token(mc, self.kv_dtype) * cfg.page_size)
 
     # -- public API -----------------------------------------------------------------------
 
@@ -498,44 +330,6 @@ class Engine(LiveReplan):
                 raise RequestRejected(str(exc), code="invalid_request", param="response_format") from None
         self.scheduler.add(request)
 
-    def _admit_compiled(self) -> list[TokenOutput]:
-        """Requests whose grammar has compiled go to the scheduler; those whose compile
-        failed or ran past its time end with ``error_code`` :data:`ERROR_INVALID_SCHEMA`."""
-        if not self._compiling:
-            return []
-        if not self.scheduler.has_work():
-            # Nothing else to run: wait a little for a compile rather than spin.
-            futures.wait([f for _, f, _ in self._compiling], timeout=0.01, return_when=futures.FIRST_COMPLETED)
-        failed, waiting = [], []
-        now = time.monotonic()
-        for request, future, deadline in self._compiling:
-            if future.done():
-                try:
-                    request.state.matcher = self._grammars().matcher_of(future.result())
-                except GrammarError as exc:
-                    failed.append(self._failed(request, str(exc)))
-                    continue
-                self.scheduler.add(request)
-            elif now > deadline:
-                failed.append(self._failed(request, self._grammars().timeout_message()))
-            else:
-                waiting.append((request, future, deadline))
-        self._compiling = waiting
-        return failed
-
-    @staticmethod
-    def _failed(request: Request, message: str) -> TokenOutput:
-        return TokenOutput(request_id=request.request_id, token_ids=[], finished=True, finish_reason=FINISH_ERROR,
-                           error_code=ERROR_INVALID_SCHEMA, error_message=message,
-                           prompt_tokens=len(request.prompt_ids))
-
-    def _grammars(self) -> GrammarCompiler:
-        """The JSON-schema compiler, made on the first structured-output request."""
-        if self._grammar_compiler is None:
-            self._grammar_compiler = GrammarCompiler(
-                self.model_dir, self.vocab_size, list(self.model_config.eos_token_ids)
-            )
-        return self._grammar_compiler
 
     def abort(self, request_id: str) -> None:
         """End a request in any phase and free its pages; unknown ids are ignored. Its
@@ -572,30 +366,16 @@ class Engine(LiveReplan):
             else:
                 self.scheduler.commit(plan, sampled)
                 touched = [it.req for it in plan.items if it.req.request_id in sampled]
-                self._keep_logprobs(plan)
+                keep_logprobs(self.runner, plan)
                 if self._oom is not None:
                     self._oom.after_good_step(plan)
             if oom_text is not None:
                 self._oom_recovery().recover(plan, self.runner.stage, oom_text)
         ended = self.scheduler.drain_ended()
-        outputs = [self._output(r) for r in touched if r not in ended]
-        outputs.extend(self._output(r) for r in ended)
+        outputs = [token_output(r) for r in touched if r not in ended]
+        outputs.extend(token_output(r) for r in ended)
         return refused + outputs
 
-    def _keep_logprobs(self, plan) -> None:
-        """File the runner's logprobs of a committed step with their requests."""
-        runner = self.runner
-        if not runner.logprobs and not runner.prompt_logprobs:
-            return
-        for it in plan.items:
-            req = it.req
-            record = runner.logprobs.get(req.request_id)
-            if record is not None:
-                req.output_logprobs.append(record)
-            scored = runner.prompt_logprobs.get(req.request_id)
-            if scored and req.prompt_logprobs is not None:
-                for position, rec in scored:
-                    req.prompt_logprobs[position] = rec
 
     def drain_events(self) -> list:
         """Engine events since the last call (``list[engine.wire.messages.EngineEvent]``): an
@@ -655,25 +435,3 @@ class Engine(LiveReplan):
         return dict(expert_cache_hits=c.hits, expert_cache_misses=c.misses, expert_copies=c.copies,
                     expert_cpu_runs=c.cpu_runs, expert_cache_slots=sum(s.num_slots for s in self.expert_stores))
 
-    def _output(self, req: Request) -> TokenOutput:
-        start = req.emitted
-        new = req.output_ids[start:]
-        req.emitted = len(req.output_ids)
-        done = req.phase is Phase.FINISHED
-        logprobs = prompt_logprobs = None
-        if req.sampling.logprobs is not None:
-            logprobs = req.output_logprobs[start : start + len(new)]
-        if req.prompt_logprobs is not None and (new or done):
-            prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, None
-        return TokenOutput(
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
-            request_id=req.request_id,
-            token_ids=new,
-            finished=done,
-            finish_reason=req.finish_reason if done else None,
-            error_code=req.error_code,
-            error_message=req.error_message,
-            prompt_tokens=len(req.prompt_ids),
-            cached_tokens=req.prompt_cached_tokens,
-        )

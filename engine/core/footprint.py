@@ -13,11 +13,11 @@ import torch
 from engine.common.config import ModelConfig
 from engine.kvcache.pool import kv_storage_dtype
 from engine.kvcache.state_pool import state_bytes_per_request
-from engine.loader.load import expert_weight_bytes, weight_bytes
+from engine.loader.weight_size import expert_weight_bytes, weight_bytes
 from engine.memory.plan import Footprint, PlanKnobs
 
 if TYPE_CHECKING:
-    from engine.loader.gguf_quant import WeightSize
+    from engine.loader.weight_size import WeightSize
 
 # Per request and vocabulary entry, in bytes: the float32 logits row (4); the sampler's
 # transients on it, a clone (4), sorted values (4) and order (8, int64), the scatter

@@ -25,6 +25,9 @@ import time
 import msgspec
 import torch
 
+from engine.common.units import fmt_bytes
+from engine.layers.moe.expert_cache import resize_cache
+from engine.scheduler.resize import Vacated
 from engine.wire.messages import (
     BY_WATCHER,
     REPLAN_EVICT_PREFIX_CACHE,
@@ -35,9 +38,6 @@ from engine.wire.messages import (
     ReplanOrigin,
     ResizeResult,
 )
-from engine.layers.moe.expert_cache import resize_cache
-from engine.scheduler.resize import Vacated
-from engine.common.units import fmt_bytes
 
 log = logging.getLogger("headroom.engine")
 

@@ -46,6 +46,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.scheduler.request import Phase, Request
+from engine.scheduler.scheduler import Scheduler, StepItem, StepPlan
 from engine.wire.messages import (
     OOM_FAILED,
     OOM_PHASE_DECODE,
@@ -58,8 +60,6 @@ from engine.wire.messages import (
     OomEvent,
     ReplanWanted,
 )
-from engine.scheduler.request import Phase, Request
-from engine.scheduler.scheduler import Scheduler, StepItem, StepPlan
 
 log = logging.getLogger("headroom.engine")
 

@@ -14,13 +14,14 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.layers.attention.base import AttentionBackend
 from engine.common.forward_batch import ForwardBatch
-from engine.kvcache.pool import KVPool
 from engine.core.footprint import model_context
+from engine.kvcache.pool import KVPool
+from engine.layers.attention.base import AttentionBackend
 from engine.memory.plan import PlanKnobs
+from engine.sampling.sampler import Sampler
+from engine.sampling.state import SamplingState
 from engine.wire.messages import SamplingParams
-from engine.sampling.sampler import Sampler, SamplingState
 
 
 def profile_batch(num_tokens: int, num_seqs: int, context: int, page_size: int, num_pages: int, device) -> ForwardBatch:

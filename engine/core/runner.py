@@ -11,17 +11,18 @@ from __future__ import annotations
 
 import torch
 
-from engine.layers.attention.base import AttentionBackend
-from engine.core.cuda_graphs import DecodeGraphs
 from engine.common.faults import FaultInjector
 from engine.common.forward_batch import ForwardBatch
+from engine.core.cuda_graphs import DecodeGraphs
+from engine.core.step_inputs import StepInputs
 from engine.kvcache.pool import KVPool
-from engine.wire.messages import TokenLogprobs
+from engine.layers.attention.base import AttentionBackend
 from engine.sampling.logprobs import token_logprobs
-from engine.sampling.sampler import Sampler, all_plain_greedy
+from engine.sampling.sampler import Sampler
+from engine.sampling.state import all_plain_greedy
 from engine.scheduler.request import Phase
 from engine.scheduler.scheduler import StepPlan
-from engine.core.step_inputs import StepInputs
+from engine.wire.messages import TokenLogprobs
 
 
 class ModelRunner:

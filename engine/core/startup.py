@@ -15,17 +15,18 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.layers.attention.base import backend_class, resolve_backend_name
 from engine.common.config import EngineConfig, ModelConfig
 from engine.common.errors import CUDA_HINTS, CudaUnavailable, TorchWithoutCuda
 from engine.common.faults import check_cuda_init
+from engine.core.footprint import CUDA_RUNTIME_ESTIMATE_BYTES, make_footprint
+from engine.layers.attention.registry import backend_class, resolve_backend_name
 from engine.loader.resolve import gguf_file
 from engine.memory.device import nvml_index, probe_nvml, simulated_device
-from engine.core.footprint import CUDA_RUNTIME_ESTIMATE_BYTES, make_footprint
-from engine.memory.plan import DeviceMemory, MemoryPlan, PlanKnobs, make_plan
+from engine.memory.ledger import make_plan
+from engine.memory.plan import DeviceMemory, MemoryPlan, PlanKnobs
 
 if TYPE_CHECKING:
-    from engine.loader.gguf_quant import WeightSize
+    from engine.loader.weight_size import WeightSize
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +146,7 @@ def estimated_planner(
     weights: WeightSize | None = None,
 ) -> Callable[[PlanKnobs], MemoryPlan]:
     """The plan from estimates (before any weight loads) as a function of the knobs, for
-    :func:`engine.memory.plan.fit_plan`: the attention backend ``auto`` resolves for
+    :func:`engine.memory.ledger.fit_plan`: the attention backend ``auto`` resolves for
     ``device`` and the CUDA context is charged at its estimate (a planned device is a GPU
     or a simulated one). ``weights`` prices a GGUF loaded in block format
     (:func:`engine.loader.gguf_quant.gguf_weight_size`); None prices the dense tensors."""

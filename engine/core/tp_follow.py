@@ -8,7 +8,7 @@ rank 0 are valid on every rank). A follower runs exactly the collectives rank 0 
 the same order, which is what keeps the group in step.
 
 A decode step that replays a CUDA graph goes another way (:mod:`engine.core.tp_graphs`):
-rank 0 sends :data:`OP_REPLAY` with the batch size, then broadcasts its graph's packed
+rank 0 sends :data:`~engine.core.tp_commands.OP_REPLAY` with the batch size, then broadcasts its graph's packed
 input buffer from the device into every follower's, and each rank replays its own graph.
 
 After a resize every rank reports its pool size (an all-gather); rank 0 checks they agree
@@ -26,24 +26,23 @@ import torch
 import torch.distributed as dist
 
 from engine.common.forward_batch import ForwardBatch
+from engine.core.tp_commands import (
+    HEADER_WORDS,
+    OP_COPY_PAGES,
+    OP_FORWARD,
+    OP_REPLAY,
+    OP_RESIZE,
+    OP_STOP,
+    send_command,
+)
 from engine.core.tp_graphs import GraphSync
 from engine.parallel.group import TensorParallel
 
 log = logging.getLogger("headroom.parallel")
 
-# Header: [op, num_tokens, batch, max_pages, num_logits, is_decode, num_pages or moves, 0].
-_HEADER = 8
-OP_FORWARD, OP_COPY_PAGES, OP_RESIZE, OP_STOP, OP_REPLAY = 1, 2, 3, 4, 5
-
 
 class GroupOutOfStep(RuntimeError):
     """The ranks' KV pools disagree after a resize; the group must be restarted."""
-
-
-def _broadcast(tp: TensorParallel, header: list[int], payload: torch.Tensor | None = None) -> None:
-    dist.broadcast(torch.tensor(header + [0] * (_HEADER - len(header)), dtype=torch.int64, device=tp.device), 0)
-    if payload is not None and payload.numel():
-        dist.broadcast(payload.to(tp.device, torch.int64).contiguous(), 0)
 
 
 def _pack(batch: ForwardBatch) -> torch.Tensor:
@@ -72,7 +71,7 @@ class _LeadingModel:
     def __call__(self, batch: ForwardBatch, attn: Any) -> torch.Tensor:
         b, p = batch.page_table.shape
         payload = _pack(batch)
-        _broadcast(self.tp, [OP_FORWARD, batch.num_tokens, b, p, int(batch.logits_indices.numel()),
+        send_command(self.tp, [OP_FORWARD, batch.num_tokens, b, p, int(batch.logits_indices.numel()),
                              int(batch.is_decode)], payload)
         return self.model(batch, attn)
 
@@ -85,11 +84,11 @@ def lead(engine: Any, tp: TensorParallel) -> None:
 
     def leading_copy_pages(src: Sequence[int], dst: Sequence[int]) -> None:
         if src:
-            _broadcast(tp, [OP_COPY_PAGES, len(src)], torch.tensor([*src, *dst], dtype=torch.int64))
+            send_command(tp, [OP_COPY_PAGES, len(src)], torch.tensor([*src, *dst], dtype=torch.int64))
         copy_pages(src, dst)
 
     def leading_resize(num_pages: int) -> None:
-        _broadcast(tp, [OP_RESIZE, 0, 0, 0, 0, 0, num_pages])
+        send_command(tp, [OP_RESIZE, 0, 0, 0, 0, 0, num_pages])
         try:
             resize(num_pages)
         finally:
@@ -97,19 +96,19 @@ def lead(engine: Any, tp: TensorParallel) -> None:
 
     # Instance attributes shadow the methods: the engine's replan code stays the same.
     pool.copy_pages, pool.resize = leading_copy_pages, leading_resize
-    engine.core.runner.model = _LeadingModel(engine.core.runner.model, tp)
+    engine.runner.model = _LeadingModel(engine.runner.model, tp)
     _sync_graphs(engine, tp)
 
 
 def _sync_graphs(engine: Any, tp: TensorParallel) -> None:
     """Keep this rank's decode graphs (if it captured any) in step with the others'."""
-    if engine.core.runner.graphs is not None:
-        engine.core.runner.graphs.sync = GraphSync(tp)
+    if engine.runner.graphs is not None:
+        engine.runner.graphs.sync = GraphSync(tp)
 
 
 def stop_followers(tp: TensorParallel) -> None:
     """Tell the followers to leave their loop (an orderly shutdown)."""
-    _broadcast(tp, [OP_STOP])
+    send_command(tp, [OP_STOP])
 
 
 def _agree_on_pool(engine: Any, tp: TensorParallel) -> list[int]:
@@ -122,13 +121,13 @@ def _agree_on_pool(engine: Any, tp: TensorParallel) -> list[int]:
 
 def follow(engine: Any, tp: TensorParallel) -> None:
     """A follower's loop: receive rank 0's commands and carry them out on this rank's
-    model and KV pool, until :data:`OP_STOP`.
+    model and KV pool, until :data:`~engine.core.tp_commands.OP_STOP`.
 
     Raises:
         RuntimeError: from ``torch.distributed`` when rank 0 is gone (the collective
             fails); the follower then exits.
     """
-    header = torch.empty(_HEADER, dtype=torch.int64, device=tp.device)
+    header = torch.empty(HEADER_WORDS, dtype=torch.int64, device=tp.device)
     _sync_graphs(engine, tp)
     while True:
         dist.broadcast(header, 0)
@@ -144,7 +143,7 @@ def follow(engine: Any, tp: TensorParallel) -> None:
                 engine.model(_unpack(header, payload, engine.device), engine.attn)
         elif op == OP_REPLAY:
             with torch.inference_mode():
-                engine.core.runner.graphs.replay_shared(values[1], values[2])
+                engine.runner.graphs.replay_shared(values[1], values[2])
         elif op == OP_COPY_PAGES:
             n = values[1]
             payload = torch.empty(2 * n, dtype=torch.int64, device=tp.device)
@@ -152,7 +151,7 @@ def follow(engine: Any, tp: TensorParallel) -> None:
             moves = payload.tolist()
             engine.pool.copy_pages(moves[:n], moves[n:])
         elif op == OP_RESIZE:
-            engine.core.runner.pool_will_move()
+            engine.runner.pool_will_move()
             try:
                 engine.pool.resize(values[6])
             finally:

@@ -12,7 +12,7 @@ itself, the stream the capture records on.
 A replayed step, in the order every rank runs it:
 
 1. rank 0 sends the step's header (``OP_REPLAY``, the padded batch size, the number of
-   input words) over the command broadcast of :mod:`engine.core.tp_follow`;
+   input words) over the command broadcast (:mod:`engine.core.tp_commands`);
 2. a size not captured yet (the first use after a KV pool resize dropped the graphs) is
    captured on every rank, and the ranks agree it worked (a MIN all-reduce of 0/1): a
    size that failed anywhere runs eagerly on every rank until the next resize, as on
@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from engine.core.tp_commands import OP_REPLAY, send_command
 from engine.parallel.group import TensorParallel
 
 
@@ -47,9 +48,7 @@ class GraphSync:
         """Rank 0: tell the followers a replay of ``padded`` rows reading ``words`` input
         words follows (the followers' loop receives it; a no-op on a follower)."""
         if self.tp.is_leader:
-            from engine.core.tp_follow import OP_REPLAY, _broadcast
-
-            _broadcast(self.tp, [OP_REPLAY, padded, words])
+            send_command(self.tp, [OP_REPLAY, padded, words])
 
     def agree(self, ok: bool) -> bool:
         """True when the capture worked on every rank (a collective every rank runs)."""

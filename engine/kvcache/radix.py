@@ -73,9 +73,7 @@ class RadixCache:
             child = node.children.get(self._page_key(tokens, pos))
             if child is None:
                 break
-            n = self._common_pages(child.key, tokens, pos)
-            if n * ps < len(child.key):
-                child = self._split(child, n)
+            child = self._shared_part(child, tokens, pos)
             pages.extend(child.pages)
             pos += len(child.key)
             node = child
@@ -84,13 +82,15 @@ class RadixCache:
         self.hit_tokens += pos
         return pages, node
 
-    def _common_pages(self, key: tuple[int, ...], tokens: Sequence[int], pos: int) -> int:
-        ps, n = self.page_size, 0
+    def _shared_part(self, child: RadixNode, tokens: Sequence[int], pos: int) -> RadixNode:
+        """``child``, whose first page matches ``tokens[pos:]``, cut to the whole pages
+        they share (:meth:`_split` where they part; ``child`` itself when all match)."""
+        key, ps, n = child.key, self.page_size, 0
         while n * ps < len(key) and pos + (n + 1) * ps <= len(tokens):
             if key[n * ps : (n + 1) * ps] != tuple(tokens[pos + n * ps : pos + (n + 1) * ps]):
                 break
             n += 1
-        return n
+        return self._split(child, n) if n * ps < len(key) else child
 
     def _split(self, child: RadixNode, n_pages: int) -> RadixNode:
         """Cut ``child``'s edge after ``n_pages`` pages; returns the new upper node."""
@@ -132,9 +132,7 @@ class RadixCache:
                 self.num_cached_pages += len(new.pages)
                 out.extend(new.pages)
                 return out, new
-            n = self._common_pages(child.key, tokens, pos)
-            if n * ps < len(child.key):
-                child = self._split(child, n)
+            child = self._shared_part(child, tokens, pos)
             out.extend(child.pages)
             pos += len(child.key)
             node = child

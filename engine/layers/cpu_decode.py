@@ -41,7 +41,7 @@ class CpuDecode:
     @classmethod
     def build(cls, model: nn.Module, lib: ctypes.CDLL) -> CpuDecode | None:
         """The decode path for ``model`` (a CPU CausalLM after
-        :func:`~engine.layers.linear.cpu_int4.pack_model_for_cpu`), or None where a
+        :func:`~engine.layers.cpu_pack.pack_model_for_cpu`), or None where a
         layer is not one it runs (module docstring)."""
         config = model.config
         if config.moe_layers or config.qk_norm_whole or config.clip_qkv is not None or config.head_dim % 2:

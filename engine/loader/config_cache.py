@@ -26,7 +26,9 @@ from engine.common.config import ModelConfig
 
 log = logging.getLogger("headroom.engine")
 
-_SOURCES = (Path(__file__).with_name("hf_config.py"), Path(__file__).parents[1] / "config.py")
+# The code that derives the facts: a change to it makes every record stale.
+_SOURCES = (Path(__file__).with_name("hf_config.py"), Path(__file__).parents[1] / "common" / "config.py",
+            Path(__file__).parents[1] / "models" / "registry.py")
 
 
 def _key(model_dir: Path) -> str:
@@ -45,7 +47,7 @@ def _key(model_dir: Path) -> str:
 
 
 def _record(model_dir: Path) -> Path:
-    from engine.loader.default_model import cache_root
+    from engine.common.cache_dir import cache_root
 
     return cache_root() / "model-facts" / f"{_key(model_dir)}.json"
 

@@ -1,4 +1,4 @@
-"""Convert a GGUF's metadata in a short-lived child process.
+"""Convert a GGUF's metadata in a short-lived child process, ahead of the engine's load.
 
 The one-time conversion (config, tokenizer, generation config:
 :func:`engine.loader.gguf_convert.convert_gguf` with ``weights=False``) reads the file
@@ -22,14 +22,46 @@ rename, so a child killed half-way leaves no folder under the final name.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from engine.common import load_errors as errors
+from engine.loader.config_cache import cached_config
+from engine.loader.default_model import converted_dir
+from engine.loader.hf_config import load_model_config
+from engine.loader.resolve import gguf_file, resolve_model
+
+log = logging.getLogger(__name__)
 
 _FAILED = 3  # the child's exit code for a conversion error it reported
+
+
+def convert_ahead(path: str | Path | None) -> None:
+    """Convert the GGUF behind ``path`` (:func:`gguf_file`) into the cache and cache its
+    config's facts now, in a child process (:func:`convert_in_child`), when
+    either is not there yet; nothing for anything else. The worker calls it before it
+    builds its engine, so the process that serves never holds gguf's reader, the
+    tokenizer's build or transformers' config classes; the engine's own
+    :func:`resolve_model` then finds the folder.
+
+    Raises:
+        Any :class:`~engine.common.load_errors.ModelLoadError` of the GGUF conversion or of
+        reading its config.
+    """
+    gguf = gguf_file(path)
+    if gguf is None:
+        return
+    out = converted_dir(gguf)
+    if (out / "config.json").is_file() and cached_config(out) is not None:
+        return
+    log.info("converting the metadata of %s into %s and reading its config (once, in a child process)", gguf, out)
+    started = time.monotonic()
+    convert_in_child(path, gguf.name)
+    log.info("converted %s in %.1f s", gguf.name, time.monotonic() - started)
 
 
 def convert_in_child(model: str | Path | None, name: str) -> None:
@@ -80,9 +112,6 @@ def main(argv: list[str]) -> int:
     from engine.common.parent_death import die_with_parent
 
     die_with_parent()
-    from engine.loader.hf_config import load_model_config
-    from engine.loader.resolve import resolve_model
-
     try:
         load_model_config(resolve_model(argv[0] or None))
     except errors.ModelLoadError as e:

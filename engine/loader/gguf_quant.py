@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,17 +31,15 @@ import torch
 
 from engine.common.config import ModelConfig
 from engine.common.load_errors import ModelLoadError, WeightMismatch
-from engine.loader.gguf_convert import (
-    _ROPE_FREQS,
-    _dequantize,
-    hf_tensors,
-    reverse_llama_permute,
-)
-from engine.loader.gguf_tensors import open_tensors
-from engine.layers.linear.cpu_int4 import CODE_BITS, QuantEmbedding, packable, packed_bytes
-from engine.layers.moe.quant_experts import QuantExperts
-from engine.layers.linear.gguf_blocks import PartSpec, QuantLinear, repack_model_for_kernels
 from engine.common.units import MiB
+from engine.layers.linear.cpu_int4 import CODE_BITS, QuantEmbedding, packable, packed_bytes
+from engine.layers.linear.gguf_blocks import PartSpec, QuantLinear, repack_model_for_kernels
+from engine.layers.moe.quant_experts import QuantExperts
+from engine.loader.gguf_config import ROPE_FREQS
+from engine.loader.gguf_hf_tensors import dequantize_tensor, hf_tensors, reverse_llama_permute
+from engine.loader.gguf_tensors import open_tensors
+from engine.loader.meta_build import build_on_meta, materialize
+from engine.loader.weight_size import WeightSize
 from kernels.cpu.block_gemv import (
     TYPE_IDS as CPU_BLOCK_TYPES,  # what the C CPU GEMV reads as stored
 )
@@ -63,31 +60,6 @@ _SHARED_EXPERT_TARGETS = {
 }
 # A layer's routed experts, stacked (gguf-py's FFN_GATE_EXP, FFN_UP_EXP, FFN_DOWN_EXP).
 _EXPERT_STEMS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
-
-
-@dataclass(frozen=True)
-class WeightSize:
-    """Device bytes of a model's weights and how they are stored.
-
-    Attributes:
-        bytes: weights plus the float32 RoPE cache, as
-            :func:`engine.loader.load.weight_bytes` counts them.
-        source: what stores them (``"GGUF"`` blocks, ``"FP8"`` projections).
-        mix: the type mix, e.g. ``"210 Q4_1 blocks 61.0 MiB; bfloat16 62 tensors
-            (1 Q8_0, 61 F32) 54.4 MiB"``.
-        expert_layer_bytes: a mixture of experts' routed experts, bytes per MoE layer
-            (in ``ModelConfig.moe_layers`` order) as they are stored, blocks or
-            dequantized; empty where the size does not split them out (the plan then
-            prices the experts from the dense shapes).
-        experts_in_blocks: whether every layer's routed experts are GGUF blocks (and so
-            are the host tier and the expert cache of ``--cpu-experts``).
-    """
-
-    bytes: int
-    mix: str
-    source: str = "GGUF"
-    expert_layer_bytes: tuple[int, ...] = ()
-    experts_in_blocks: bool = False
 
 
 def _targets(config: ModelConfig) -> dict[str, tuple[str, ...]]:
@@ -193,7 +165,7 @@ def gguf_weight_size(gguf_path: str | Path, config: ModelConfig, dtype: torch.dt
 
         cpu_blocks = cpu_kernels() is not None
     for t in reader.tensors:
-        if t.name == _ROPE_FREQS:
+        if t.name == ROPE_FREQS:
             continue
         kept = _kept_quantized(t, projection_weights | expert_blocks)
         shape = _hf_shape(t)
@@ -253,14 +225,12 @@ def load_gguf_quantized(
     :mod:`engine.layers.linear.cpu_int4` reads stay in blocks
     (:class:`~engine.layers.linear.cpu_int4.QuantEmbedding`) and a tied LM head becomes
     a QuantLinear over the same blocks, for
-    :func:`~engine.layers.linear.cpu_int4.pack_model_for_cpu` to repack.
+    :func:`~engine.layers.cpu_pack.pack_model_for_cpu` to repack.
 
     Raises:
         CorruptWeights: the file is not a readable GGUF.
         WeightMismatch: a tensor is missing or its shape disagrees with ``config``.
     """
-    from engine.loader.load import _build_on_meta, materialize
-
     gguf_path = Path(gguf_path)
     device = torch.device(device)
     reader = open_tensors(gguf_path)
@@ -271,7 +241,7 @@ def load_gguf_quantized(
     if experts_in_blocks is None:
         experts_in_blocks = device.type != "cpu"
     expert_modules = _experts_in_blocks(by_name, config, gguf_path, experts_in_blocks)
-    model = _build_on_meta(config)
+    model = build_on_meta(config)
     for module_name, stems in targets.items():
         old = model.get_submodule(module_name)
         specs = []
@@ -328,7 +298,7 @@ def load_gguf_quantized(
         if device.type == "cuda":
             repack_model_for_kernels(model)
         skip = (projection_weights | {f"{s}.bias" for stems in targets.values() for s in stems} | expert_weights
-                | {_ROPE_FREQS} | ({_EMBEDDINGS} if embed_type is not None else set()))
+                | {ROPE_FREQS} | ({_EMBEDDINGS} if embed_type is not None else set()))
         try:
             model.load_weights(_rest(reader, skip, gguf_path, arch, config))
         except WeightMismatch as e:
@@ -369,7 +339,7 @@ def _fill(module: QuantLinear, weights: list[Any], biases: list[Any | None], arc
         i = int(np.searchsorted(starts, row, side="right")) - 1
         spec, buf = views[i]
         if spec.type_name is None:
-            data = torch.from_numpy(np.array(_dequantize(t), dtype=np.float32))
+            data = torch.from_numpy(np.array(dequantize_tensor(t), dtype=np.float32))
         else:
             data = torch.from_numpy(np.array(t.data))  # a copy: the file is mapped read-only
         data = _rows_in_hf_order(data, stem, arch, config)
@@ -382,7 +352,7 @@ def _fill(module: QuantLinear, weights: list[Any], biases: list[Any | None], arc
     if module.bias is not None:
         if any(b is None for b in biases):
             raise WeightMismatch(f"{gguf_path}: {weights[0].name} and its neighbours lack a bias the config expects")
-        parts = [_rows_in_hf_order(torch.from_numpy(np.array(_dequantize(b), dtype=np.float32)),
+        parts = [_rows_in_hf_order(torch.from_numpy(np.array(dequantize_tensor(b), dtype=np.float32)),
                                    b.name.removesuffix(".bias"), arch, config) for b in biases]
         module.bias.copy_(torch.cat(parts))
 

@@ -14,12 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from engine.common.config import (
-    SUPPORTED_ARCHITECTURES,
-    SUPPORTED_ROPE_TYPES,
-    ModelConfig,
-    RopeConfig,
-)
+from engine.common.config import SUPPORTED_ROPE_TYPES, ModelConfig, RopeConfig
 from engine.common.load_errors import (
     ConfigFieldMissing,
     ModelLoadError,
@@ -27,6 +22,7 @@ from engine.common.load_errors import (
     UnsupportedArchitecture,
     UnsupportedConfig,
 )
+from engine.models.registry import SUPPORTED_ARCHITECTURES, Family, family
 
 REQUIRED_FIELDS: tuple[str, ...] = (
     "hidden_size",
@@ -91,7 +87,8 @@ def _derive(model_dir: Path, config_path: Path) -> ModelConfig:
     _check_variant(hf, config_path)
     num_heads = hf.num_attention_heads
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
-    attention_bias = architecture == "Qwen2ForCausalLM" or bool(
+    facts = family(architecture)
+    attention_bias = facts.qkv_bias or bool(
         getattr(hf, "qkv_bias", False) or getattr(hf, "attention_bias", False)
     )
     generation = _read_json(model_dir / "generation_config.json", required=False)
@@ -110,22 +107,22 @@ def _derive(model_dir: Path, config_path: Path) -> ModelConfig:
         rope=_rope(hf, config_path),
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
         attention_bias=attention_bias,
-        qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM"),
+        qk_norm=facts.qk_norm,
         bos_token_id=getattr(hf, "bos_token_id", None),
         eos_token_ids=tuple(dict.fromkeys(eos)),  # dedupe, keep order
-        qk_norm_whole=architecture == "OlmoeForCausalLM",
+        qk_norm_whole=facts.qk_norm_whole,
         clip_qkv=getattr(hf, "clip_qkv", None),
-        **_moe_fields(hf, architecture),
-        **_hybrid_fields(hf, architecture, head_dim),
+        **_moe_fields(hf, facts),
+        **_hybrid_fields(hf, facts, head_dim),
     )
 
 
-def _hybrid_fields(hf: Any, architecture: str, head_dim: int) -> dict[str, Any]:
+def _hybrid_fields(hf: Any, facts: Family, head_dim: int) -> dict[str, Any]:
     """Qwen3-Next's linear-attention fields of :class:`ModelConfig` (``{}`` for the
     others). ``layer_types`` is transformers' own list (its default puts a full-attention
     layer every ``full_attention_interval``); the rotary part of a head is
     ``int(head_dim * partial_rotary_factor)`` (``Qwen3NextRotaryEmbedding``)."""
-    if architecture != "Qwen3NextForCausalLM":
+    if not facts.hybrid:
         return {}
     rope = getattr(hf, "rope_parameters", None) or {}
     factor = float(rope.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0)) or 1.0)
@@ -142,7 +139,7 @@ def _hybrid_fields(hf: Any, architecture: str, head_dim: int) -> dict[str, Any]:
     }
 
 
-def _moe_fields(hf: Any, architecture: str) -> dict[str, Any]:
+def _moe_fields(hf: Any, facts: Family) -> dict[str, Any]:
     """The mixture-of-experts fields of :class:`ModelConfig`, as each family's
     transformers config names them; ``{}`` for a dense model.
 
@@ -153,14 +150,13 @@ def _moe_fields(hf: Any, architecture: str) -> dict[str, Any]:
     (``MixtralTopKRouter``); the others do when ``norm_topk_prob``.
     """
     num_experts = getattr(hf, "num_local_experts", None) or getattr(hf, "num_experts", None) or 0
-    if architecture not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM",
-                            "Qwen3NextForCausalLM"):
+    if not facts.moe:
         return {}
     layers = range(hf.num_hidden_layers)
-    if architecture in ("MixtralForCausalLM", "OlmoeForCausalLM"):
+    if facts.moe == "every_layer":
         moe_layers = tuple(layers) if num_experts > 0 else ()
         expert_size = hf.intermediate_size
-        norm_topk = architecture == "MixtralForCausalLM" or bool(getattr(hf, "norm_topk_prob", False))
+        norm_topk = facts.renormalize_top_k or bool(getattr(hf, "norm_topk_prob", False))
     else:
         step = int(getattr(hf, "decoder_sparse_step", 1) or 1)
         dense = set(getattr(hf, "mlp_only_layers", None) or ())
@@ -173,7 +169,7 @@ def _moe_fields(hf: Any, architecture: str) -> dict[str, Any]:
         "moe_intermediate_size": int(expert_size),
         "norm_topk_prob": norm_topk,
         "shared_expert_intermediate_size": int(getattr(hf, "shared_expert_intermediate_size", 0) or 0)
-        if architecture in ("Qwen2MoeForCausalLM", "Qwen3NextForCausalLM") else 0,
+        if facts.shared_expert else 0,
         "moe_layers": moe_layers,
     }
 
@@ -205,11 +201,10 @@ def _architecture(raw: dict[str, Any], config_path: Path) -> str:
             f'"architectures": ["LlamaForCausalLM"] (supported: {", ".join(SUPPORTED_ARCHITECTURES)})'
         )
     architecture = architectures[0]
-    if architecture not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedArchitecture(
-            f"{config_path}: architecture {architecture!r} is not supported; headroom runs "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
+    try:
+        family(architecture)
+    except UnsupportedArchitecture as e:
+        raise UnsupportedArchitecture(f"{config_path}: {e}") from None
     return architecture
 
 

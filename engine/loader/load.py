@@ -1,25 +1,22 @@
-"""Build a model and load its weights; size its weights without loading them."""
+"""Build a model and load its weights (their sizes without loading them:
+:mod:`engine.loader.weight_size`)."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from engine.common.config import ModelConfig
 from engine.common.load_errors import WeightMismatch
+from engine.layers.linear.fp8 import FP8_MAX, FP8_WEIGHT_DTYPE
 from engine.loader.fp8 import fp8_weights
-from engine.loader.gguf_quant import WeightSize
 from engine.loader.hf_config import load_model_config
+from engine.loader.meta_build import build_on_meta, materialize
 from engine.loader.weights import iter_weights
 from engine.models.decoder import CausalLM
-from engine.layers.linear.fp8 import FP8_MAX, FP8_WEIGHT_DTYPE, swap_projections
-from engine.models.registry import get_model_class
 from engine.parallel.group import TensorParallel
 from engine.parallel.shard import rank_config, shard_weights
-from engine.common.units import fmt_bytes
 
 
 def load_model(
@@ -90,7 +87,7 @@ def load_model(
 
         ensure_gguf_weights(model_dir)  # a GGUF conversion gets its float tensors on first read
     shapes = config if tp is None else rank_config(config, tp)
-    model = _build_on_meta(shapes, dtype, quantization)
+    model = build_on_meta(shapes, dtype, quantization)
     materialize(model, device)
     model.init_rope_cache()
     if tp is not None:
@@ -107,88 +104,6 @@ def load_model(
     except WeightMismatch as e:
         raise WeightMismatch(f"{model_dir}: {e}") from None
     return model.eval(), config
-
-
-def weight_bytes(config: ModelConfig, dtype: torch.dtype, quantization: str | None = None) -> int:
-    """Device bytes :func:`load_model` will allocate for ``config`` in ``dtype`` (and
-    ``quantization``: FP8 projections take one byte per weight plus a float32 scale per
-    row): every parameter, plus the float32 RoPE cos/sin cache. Computed from the
-    shapes of a model built on the meta device, so it is exact and allocates nothing."""
-    model = _build_on_meta(config, dtype, quantization)
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
-    rope_cache = config.max_position_embeddings * (config.rotary_dim or config.head_dim) * 4  # float32
-    return params + rope_cache
-
-
-def parameter_count(config: ModelConfig) -> int:
-    """The model's parameters, from the shapes of a model built on the meta device
-    (whatever the weights' storage: a tied head is counted once)."""
-    return sum(p.numel() for p in _build_on_meta(config).parameters())
-
-
-def fp8_weight_size(config: ModelConfig, dtype: torch.dtype) -> WeightSize:
-    """What :func:`load_model` allocates with ``quantization="fp8"`` (exact, as
-    :func:`weight_bytes`), with the mix: FP8 projections and their scales, the rest in
-    ``dtype``."""
-    model = _build_on_meta(config, dtype, "fp8")
-    by_dtype: dict[str, list[int]] = {}
-    for p in model.parameters():
-        name = str(p.dtype).removeprefix("torch.")
-        entry = by_dtype.setdefault(name, [0, 0])
-        entry[0] += 1
-        entry[1] += p.numel() * p.element_size()
-    mix = "; ".join(f"{name} {n} tensors {fmt_bytes(b)}" for name, (n, b) in sorted(by_dtype.items()))
-    return WeightSize(bytes=weight_bytes(config, dtype, "fp8"), mix=mix, source="FP8")
-
-
-def expert_weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
-    """The part of :func:`weight_bytes` that the routed experts of a mixture of experts
-    take (``mlp.experts.*``; not the router or a shared expert); 0 for a dense model."""
-    if not config.is_moe:
-        return 0
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return sum(p.numel() for n, p in _build_on_meta(config).named_parameters() if ".experts." in n) * itemsize
-
-
-@contextlib.contextmanager
-def _no_weight_init() -> Iterator[None]:
-    """Skip ``torch.nn.init`` while modules are built on the meta device: the weights are
-    loaded afterwards, and a meta ``normal_`` goes through torch's Python references, which
-    import torch._dynamo and with it Triton (74 MB of resident memory on the CPU path)."""
-    names = ("normal_", "uniform_", "kaiming_uniform_", "trunc_normal_", "zeros_", "ones_")
-    saved = {n: getattr(torch.nn.init, n) for n in names}
-    try:
-        for n in names:
-            setattr(torch.nn.init, n, lambda tensor, *args, **kwargs: tensor)
-        yield
-    finally:
-        for n, f in saved.items():
-            setattr(torch.nn.init, n, f)
-
-
-def _build_on_meta(config: ModelConfig, dtype: torch.dtype | None = None, quantization: str | None = None) -> CausalLM:
-    """The model on the meta device, cast to ``dtype`` (when given), its projections
-    FP8 when ``quantization == "fp8"`` (swapped after the cast, which would upcast them)."""
-    with torch.device("meta"), _no_weight_init():
-        model = get_model_class(config.architecture)(config)
-    if dtype is not None:
-        model = model.to(dtype=dtype)
-    if quantization == "fp8":
-        swap_projections(model, dtype or torch.get_default_dtype())
-    return model
-
-
-def materialize(model: torch.nn.Module, device: torch.device | str) -> torch.nn.Module:
-    """Give every parameter and buffer of ``model`` (built on the meta device) storage on
-    ``device``, uninitialized, in place: what ``Module.to_empty`` does, through
-    ``torch.empty`` of each shape and dtype. ``to_empty`` calls ``torch.empty_like`` on
-    meta tensors, which runs torch's Python reference of it and imports sympy: 40 MiB of
-    resident memory the CPU engine never uses (measured on the default model: 367 MiB
-    after load with ``to_empty``, 333 MiB with this). Tensors are laid out contiguously;
-    ties between modules are broken, as ``to_empty`` breaks them. Returns ``model``."""
-    # _apply is how Module.to/to_empty reach each parameter and buffer (keeping Parameter
-    # wrappers and requires_grad); only the function applied differs.
-    return model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
 
 
 @torch.no_grad()

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 
+from engine.common.load_errors import ModelNotFound
 from engine.loader.default_model import (
     add_default_sampling,
     converted_dir,
@@ -13,7 +13,6 @@ from engine.loader.default_model import (
     read_gguf_source,
     record_gguf_source,
 )
-from engine.common.load_errors import ModelNotFound
 
 log = logging.getLogger(__name__)
 
@@ -91,34 +90,6 @@ def gguf_file(path: str | Path | None) -> Path | None:
         if len(ggufs) == 1:
             return ggufs[0]
     return None
-
-
-def convert_ahead(path: str | Path | None) -> None:
-    """Convert the GGUF behind ``path`` (:func:`gguf_file`) into the cache and cache its
-    config's facts now, in a child process (:mod:`engine.loader.convert_child`), when
-    either is not there yet; nothing for anything else. The worker calls it before it
-    builds its engine, so the process that serves never holds gguf's reader, the
-    tokenizer's build or transformers' config classes; the engine's own
-    :func:`resolve_model` then finds the folder.
-
-    Raises:
-        Any :class:`~engine.common.load_errors.ModelLoadError` of the GGUF conversion or of
-        reading its config.
-    """
-    gguf = gguf_file(path)
-    if gguf is None:
-        return
-    from engine.loader.config_cache import cached_config
-
-    out = converted_dir(gguf)
-    if (out / "config.json").is_file() and cached_config(out) is not None:
-        return
-    from engine.loader.convert_child import convert_in_child
-
-    log.info("converting the metadata of %s into %s and reading its config (once, in a child process)", gguf, out)
-    started = time.monotonic()
-    convert_in_child(path, gguf.name)
-    log.info("converted %s in %.1f s", gguf.name, time.monotonic() - started)
 
 
 def _converted(gguf_path: Path) -> Path:

@@ -19,7 +19,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.loader.default_model import cache_root
+from engine.common.cache_dir import cache_root
 from engine.common.load_errors import ModelNotFound
 
 

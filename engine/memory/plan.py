@@ -33,20 +33,22 @@ A plan that cannot hold one request of the wanted context (the model's, capped b
 fits with a lowered context: ``max_context_tokens`` is what the pool holds, and
 :attr:`MemoryPlan.context_note` says why ("context 8192 -> 3,456 tokens: 1.1 GiB held
 by other processes"). Below that floor it does not fit; its :meth:`MemoryPlan.message`
-says by how much and which settings fix it; :func:`fit_plan` lowers the prefill
+says by how much and which settings fix it; :func:`~engine.memory.ledger.fit_plan` lowers the prefill
 chunk before it gives up.
+
+This module holds the plan's records and the reserves; the arithmetic that fills them is
+:mod:`engine.memory.ledger`.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import msgspec
 
 from engine.common.config import EngineConfig
-from engine.common.options import option_named, pick
+from engine.common.options import pick
 from engine.common.units import GiB as GiB
 from engine.common.units import MiB
 from engine.common.units import fmt_bytes as fmt_bytes
@@ -317,241 +319,3 @@ class MemoryPlan(msgspec.Struct, frozen=True, kw_only=True):
         return "\n".join(out)
 
 
-def make_plan(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint) -> MemoryPlan:
-    """Compute the ledger for ``device`` with ``knobs`` and the model's ``fp``.
-
-    Never raises for a plan that does not fit: ``fits`` is False, ``shortfall_bytes`` and
-    ``suggestions`` say what to change (each priced by planning again with that knob
-    moved). Raises ValueError only for nonsensical inputs (negative sizes).
-    """
-    plan = _ledger(device, knobs, fp)
-    if plan.fits:
-        return plan
-    return msgspec.structs.replace(plan, suggestions=_suggest(device, knobs, fp, plan))
-
-
-def _weight_lines(fp: Footprint, host_layers: int) -> list[LedgerEntry]:
-    """``weights``, and for a mixture of experts the routed experts apart from the rest
-    (attention, router, shared experts, embeddings); the routed experts of
-    ``host_layers`` layers live in host memory, not here."""
-    if fp.expert_weight_bytes <= 0:
-        return [LedgerEntry("weights", fp.weight_bytes, "-", fp.weight_source)]
-    host_bytes = fp.host_expert_bytes(host_layers)
-    on_device = fp.expert_weight_bytes - host_bytes
-    where = "all on the device" if host_layers == 0 else (
-        f"{fp.expert_layers - host_layers} of {fp.expert_layers} layers on the device, "
-        f"{host_layers} ({fmt_bytes(host_bytes)}) in pinned host memory")
-    source = f"exact, {fp.expert_form} as stored" if fp.expert_form else "exact, from tensor shapes"
-    return [
-        LedgerEntry("weights", fp.weight_bytes - fp.expert_weight_bytes, "-",
-                    fp.weight_source + "; all but the routed experts"),
-        LedgerEntry("routed expert weights", on_device, "-", f"{source}; {where}"),
-    ]
-
-
-def host_expert_layers(knobs: PlanKnobs, fp: Footprint) -> int | None:
-    """The layers ``--cpu-experts`` puts in host memory: a number (capped by the
-    model's mixture-of-experts layers), 0 for none, None for auto (the plan decides)."""
-    if fp.expert_layers == 0 or knobs.cpu_experts == "none":
-        return 0
-    if knobs.cpu_experts == "auto":
-        return None
-    return min(int(knobs.cpu_experts), fp.expert_layers)
-
-
-def _ledger(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint) -> MemoryPlan:
-    host = host_expert_layers(knobs, fp)
-    if host is not None:
-        return _ledger_at(device, knobs, fp, host)
-    # auto: the fewest offloaded layers that fit; all of them when none does.
-    for layers in range(fp.expert_layers + 1):
-        plan = _ledger_at(device, knobs, fp, layers)
-        if plan.fits:
-            return plan
-    return plan
-
-
-def _ledger_at(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint, host_layers: int) -> MemoryPlan:
-    if min(device.total_bytes, device.free_bytes, device.others_bytes, fp.weight_bytes) < 0:
-        raise ValueError("memory sizes must be >= 0")
-    total = device.total_bytes
-    if knobs.device_limit is not None:
-        total = min(total, knobs.device_limit)
-    reserve = knobs.reserve if knobs.reserve is not None else reserve_for(total, device.display_attached)
-    margin = knobs.safety_margin_bytes if knobs.safety_margin_bytes is not None else safety_margin_for(total)
-    src = "simulated" if device.simulated else "NVML"
-    reserve_src = _flag("reserve") if knobs.reserve is not None else (
-        "auto: display attached" if device.display_attached else "auto: no display"
-    )
-    budget = total - device.others_bytes - reserve - margin
-    sampler = fp.sampler_bytes_per_request * knobs.max_running_requests
-    activation = fp.activation_at(knobs) if fp.activation_at is not None else fp.activation_peak_bytes
-    ledger = [
-        LedgerEntry("device total", total, "+", src + (" (a card of --device-limit)" if total < device.total_bytes else "")),
-        LedgerEntry("used by other processes", device.others_bytes, "-", src + ", now"),
-        LedgerEntry("desktop reserve", reserve, "-", reserve_src),
-        LedgerEntry("safety margin", margin, "-", "auto" if knobs.safety_margin_bytes is None else "flag"),
-        LedgerEntry("budget", budget, "=", ""),
-        *_weight_lines(fp, host_layers),
-        LedgerEntry("CUDA context and runtime", fp.runtime_bytes, "-", fp.runtime_source if fp.runtime_bytes else "none"),
-    ]
-    ledger += [LedgerEntry(f"workspace: {name}", b, "-", "declared") for name, b in fp.workspace_bytes]
-    ledger += [
-        LedgerEntry("sampler and logits", sampler, "-", f"{fp.sampler_source}, {knobs.max_running_requests} requests x vocab {fp.vocab_size}"),
-        LedgerEntry("prefill activation peak", activation, "-", f"{fp.activation_source} at {knobs.max_prefill_tokens} tokens"
-                    + (", linear-attention layers included" if fp.state_bytes_per_request else "")),
-        LedgerEntry("CUDA graph pool", fp.cuda_graph_bytes, "-", "measured at capture" if fp.cuda_graph_bytes else "none captured"),
-        LedgerEntry("model scratch", fp.scratch_bytes, "-", "measured" if fp.scratch_bytes else "none"),
-    ]
-    # One slot per running request, plus the null slot (engine.kvcache.state_pool).
-    states = fp.state_bytes_per_request * (knobs.max_running_requests + 1)
-    if fp.state_bytes_per_request:
-        ledger.append(LedgerEntry("linear-attention state pool", states, "-",
-                                  f"exact, {knobs.max_running_requests} requests + 1 null slot x "
-                                  f"{fmt_bytes(fp.state_bytes_per_request)}"))
-    fixed = (fp.weight_bytes + fp.runtime_bytes + sum(b for _, b in fp.workspace_bytes) + sampler + activation
-             + fp.cuda_graph_bytes + fp.scratch_bytes + states)
-    page_bytes = fp.kv_bytes_per_token * knobs.page_size
-    model_ctx = fp.model_context_tokens if knobs.max_model_len is None else min(fp.model_context_tokens, knobs.max_model_len)
-    min_ctx = min(knobs.min_context or model_ctx, model_ctx)
-    need_pages = math.ceil(min_ctx / knobs.page_size)
-    slots = 0
-    slot = fp.host_slot_bytes(host_layers)
-    if host_layers > 0:
-        fixed -= fp.host_expert_bytes(host_layers)
-        spare = budget - fixed - need_pages * page_bytes
-        slots = int(min(max(spare // 2, 0) // slot, host_layers * fp.num_experts)) if slot > 0 else 0
-        fixed += slots * slot
-        form = f" ({fp.expert_form})" if fp.expert_form else ""
-        ledger.append(LedgerEntry("expert cache", slots * slot, "-",
-                                  f"{slots} slots of {fmt_bytes(slot)}{form} for {host_layers} layers x "
-                                  f"{fp.num_experts} experts in host memory"))
-    kv_room = budget - fixed
-    pages = max(kv_room // page_bytes, 0) if page_bytes > 0 else 0
-    kv_bytes = pages * page_bytes
-    ledger.append(LedgerEntry("KV cache pool", kv_bytes, "=", f"{pages} pages of {fmt_bytes(page_bytes)}"
-                                                     + (f", {fp.kv_cache_dtype}" if fp.kv_cache_dtype else "")))
-    fits = pages >= need_pages
-    max_ctx = int(min(model_ctx, pages * knobs.page_size))
-    note = ""
-    if fits and max_ctx < model_ctx:
-        note = f"context {model_ctx:,} -> {max_ctx:,} tokens: " + (
-            f"{fmt_bytes(device.others_bytes)} held by other processes"
-            if device.others_bytes > 0
-            else f"the budget of {fmt_bytes(budget)} leaves {fmt_bytes(kv_bytes)} for the KV cache"
-        )
-    return MemoryPlan(
-        # Under --device-limit the plan is for the smaller card: name that one.
-        device=device.name if total == device.total_bytes else f"{device.name} as a {fmt_bytes(total)} card (--device-limit)",
-        simulated=device.simulated,
-        ledger=ledger,
-        budget_bytes=budget,
-        fixed_bytes=fixed,
-        kv_pool_bytes=kv_bytes,
-        kv_cache_dtype=fp.kv_cache_dtype,
-        kv_bytes_per_token=fp.kv_bytes_per_token,
-        num_pages=int(pages),
-        page_size=knobs.page_size,
-        max_context_tokens=max_ctx,
-        min_context_tokens=min_ctx,
-        fits=fits,
-        shortfall_bytes=0 if fits else int(need_pages * page_bytes - kv_room),
-        suggestions=[],
-        max_prefill_tokens=knobs.max_prefill_tokens,
-        max_running_requests=knobs.max_running_requests,
-        wanted_context_tokens=model_ctx,
-        context_note=note,
-        cpu_expert_layers=host_layers,
-        expert_cache_slots=slots,
-        expert_slot_bytes=slot if host_layers else 0,
-        tensor_parallel_size=knobs.tensor_parallel_size,
-        kv_heads=fp.kv_heads,
-    )
-
-
-def fit_plan(planner: Callable[[PlanKnobs], MemoryPlan], knobs: PlanKnobs) -> tuple[MemoryPlan, PlanKnobs]:
-    """Plan with ``knobs``; when that cannot hold one request of ``--min-context``,
-    halve the prefill chunk (floor ``MIN_PREFILL_TOKENS``) until it can. A plan that fits
-    with a lowered context keeps its chunk: a smaller chunk slows every prompt's prefill
-    and frees little where the context-long terms of the activation peak dominate,
-    while a lowered context only refuses the longest prompts, and grows back with the
-    pool.
-
-    Returns:
-        (the plan, the knobs it was made with). When nothing fits, the plan at the
-        configured knobs (``fits`` False: its message prices the fixes) and ``knobs``.
-    """
-    first = plan = planner(knobs)
-    tried = knobs
-    while not plan.fits and tried.max_prefill_tokens > MIN_PREFILL_TOKENS:
-        tried = replace(tried, max_prefill_tokens=max(tried.max_prefill_tokens // 2, MIN_PREFILL_TOKENS))
-        plan = planner(tried)
-    if not plan.fits:
-        return first, knobs
-    return plan, tried
-
-
-def _flag(name: str) -> str:
-    """The command-line flag of the engine option ``name`` (a suggestion names it)."""
-    return option_named(EngineConfig, name).flag
-
-
-def _kv_room(plan: MemoryPlan) -> int:
-    return plan.budget_bytes - plan.fixed_bytes
-
-
-def _suggest(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint, plan: MemoryPlan) -> list[Suggestion]:
-    """Price each knob moved in the direction that frees memory; keep those that free
-    something, the ones that make the plan fit first, largest saving first."""
-    base = _kv_room(plan)
-    candidates: list[tuple[str, str, str, PlanKnobs]] = []
-    chunk = knobs.max_prefill_tokens
-    if chunk > MIN_PREFILL_TOKENS:
-        for smaller in (max(chunk // 4, MIN_PREFILL_TOKENS), max(chunk // 2, MIN_PREFILL_TOKENS)):
-            candidates.append((_flag("max_prefill_tokens"), str(chunk), str(smaller), replace(knobs, max_prefill_tokens=smaller)))
-    running = knobs.max_running_requests
-    if running > 1:
-        fewer = max(running // 4, 1)
-        candidates.append((_flag("max_running_requests"), str(running), str(fewer), replace(knobs, max_running_requests=fewer)))
-    ctx = plan.min_context_tokens
-    if ctx > 512:
-        shorter = max(ctx // 4, 512)
-        candidates.append((_flag("min_context"), str(ctx), str(shorter), replace(knobs, min_context=shorter)))
-    reserve = next(e.bytes for e in plan.ledger if e.name == "desktop reserve")
-    if reserve > 0:
-        lower = reserve // 2
-        candidates.append((_flag("reserve"), fmt_bytes(reserve), fmt_bytes(lower), replace(knobs, reserve=lower)))
-    host = host_expert_layers(knobs, fp)
-    if host is not None and host < fp.expert_layers:
-        for more in sorted({min(max(host * 2, 1), fp.expert_layers), fp.expert_layers}):
-            candidates.append((_flag("cpu_experts"), knobs.cpu_experts, str(more), replace(knobs, cpu_experts=str(more))))
-    # Per flag: the gentlest move that makes the plan fit, else the one that frees most.
-    best: dict[str, tuple[bool, Suggestion]] = {}
-    for flag, cur, new, k in candidates:
-        other = _ledger(device, k, fp)
-        # A shorter context lowers the KV need, not fixed memory: price it by the shortfall.
-        if flag == _flag("min_context"):
-            saved = plan.shortfall_bytes - other.shortfall_bytes
-        else:
-            saved = _kv_room(other) - base
-        if saved <= 0:
-            continue  # never suggest a direction that does not help
-        price = ""
-        if flag == _flag("cpu_experts"):
-            price = f"decode slows: an expert missing from the GPU cache is copied over PCIe or run on the CPU; needs {fmt_bytes(fp.host_expert_bytes(int(new)))} of host memory"
-        s = Suggestion(flag, cur, new, int(saved), price)
-        held = best.get(flag)
-        if held is None or _better((other.fits, s), held):
-            best[flag] = (other.fits, s)
-    ranked = sorted(best.values(), key=lambda fs: (not fs[0], -fs[1].saves_bytes))
-    suggestions = [s for _, s in ranked][:3]
-    if device.others_bytes > 0:
-        suggestions.append(Suggestion("close other GPU applications", fmt_bytes(device.others_bytes), "0", device.others_bytes))
-    return suggestions
-
-
-def _better(a: tuple[bool, Suggestion], b: tuple[bool, Suggestion]) -> bool:
-    if a[0] != b[0]:
-        return a[0]
-    # Both fit: the smaller change; neither fits: the larger saving.
-    return a[1].saves_bytes < b[1].saves_bytes if a[0] else a[1].saves_bytes > b[1].saves_bytes

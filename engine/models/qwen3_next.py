@@ -20,13 +20,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers.attention.base import AttentionBackend
 from engine.common.config import ModelConfig
 from engine.common.forward_batch import ForwardBatch
-from engine.models.decoder import MLP, CausalLM, Shard, project
+from engine.layers.attention.base import AttentionBackend
 from engine.layers.gated_deltanet import GatedDeltaNet
 from engine.layers.moe.sparse_moe import SparseMoeBlock
 from engine.layers.rope import build_cos_sin_cache
+from engine.models.decoder import MLP, CausalLM, project
+from engine.models.hf_weights import Shard
 
 
 class ZeroCenteredRMSNorm(nn.Module):

@@ -29,7 +29,7 @@ torch's argmax and a finiteness check instead. Plus a sort and a few torch ops w
 row uses top-k or top-p, plus a ``[B, V]`` stack of the penalty counts when a
 row has a penalty (penalized batches are the one place a step builds a tensor from a
 Python list; the counts live with each request, see
-:class:`engine.sampling.sampler.SamplingState`).
+:class:`engine.sampling.state.SamplingState`).
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ class DeviceSampler:
         """Write rows ``[0, B)`` of the persistent parameters for this step; returns ``B``.
 
         Args:
-            states: ``B`` :class:`~engine.sampling.sampler.SamplingState` (their ``seed``
+            states: ``B`` :class:`~engine.sampling.state.SamplingState` (their ``seed``
                 and ``num_generated`` are read).
             params: the ``B`` requests' parameters (validated already).
             vocab_size: ``V``, to clamp top-k.

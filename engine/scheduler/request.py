@@ -6,8 +6,8 @@ import enum
 from dataclasses import dataclass, field
 
 from engine.kvcache.radix import RadixNode
+from engine.sampling.state import SamplingState
 from engine.wire.messages import SamplingParams
-from engine.sampling.sampler import SamplingState
 
 
 class Phase(enum.Enum):

@@ -21,16 +21,34 @@ copies in the KV pool before the next step.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from engine.kvcache.allocator import PageAllocator
+from engine.kvcache.radix import RadixCache
 from engine.kvcache.relocate import relocate_below
+from engine.scheduler.request import Request
 from engine.wire.messages import FINISH_LENGTH
 
-if TYPE_CHECKING:
-    from engine.scheduler.scheduler import Scheduler
-
 log = logging.getLogger("headroom.engine")
+
+
+class Scheduler(Protocol):
+    """What a resize reads and calls on :class:`engine.scheduler.scheduler.Scheduler`
+    (declared here, so this module does not import the scheduler that imports it)."""
+
+    running: list[Request]
+    waiting: Iterable[Request]
+    allocator: PageAllocator
+    radix: RadixCache | None
+    max_context_tokens: int
+
+    def finish(self, req: Request, reason: str) -> None: ...
+
+    def fail(self, req: Request, code: str, message: str) -> None: ...
+
+    def preempt(self, req: Request) -> None: ...
 
 
 @dataclass(frozen=True)

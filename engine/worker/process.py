@@ -32,6 +32,10 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from engine.common.errors import CudaUnavailable, PlanDoesNotFit, RequestRejected, SettingRefused
+from engine.common.load_errors import ModelLoadError
+from engine.common.parent_death import die_with_parent
+from engine.loader.convert_child import convert_ahead
+from engine.memory.plan import MIN_PREFILL_TOKENS, fmt_bytes
 from engine.wire.ipc import (
     ENGINE_FACTORY,
     ControlDone,
@@ -53,11 +57,7 @@ from engine.wire.ipc import (
     encode,
     to_worker_decoder,
 )
-from engine.common.load_errors import ModelLoadError
-from engine.loader.resolve import convert_ahead
-from engine.memory.plan import MIN_PREFILL_TOKENS, fmt_bytes
 from engine.wire.messages import AbortRequest, GenerateRequest, ResizeResult
-from engine.common.parent_death import die_with_parent
 
 log = logging.getLogger("headroom.worker")
 
@@ -346,7 +346,7 @@ def _misfit(plan: Any) -> Misfit:
 def _make_engine(config: WorkerConfig) -> Any:
     """Import and call ``config.engine_factory`` (``"module:callable"``) here, in the
     worker, so torch is imported by this process only. A GGUF not converted yet is
-    converted first, in a child process (:func:`engine.loader.resolve.convert_ahead`),
+    converted first, in a child process (:func:`engine.loader.convert_child.convert_ahead`),
     for the real engine (a stand-in factory of the tests loads no model)."""
     if config.engine_factory == ENGINE_FACTORY:
         convert_ahead(config.engine.model)

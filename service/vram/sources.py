@@ -110,7 +110,7 @@ class VramSample(msgspec.Struct, frozen=True, kw_only=True):
 
 def as_card(sample: VramSample, limit_bytes: int | None) -> VramSample:
     """``sample`` as read on a card of ``limit_bytes`` (``--device-limit``), the rule the
-    memory plan applies at start (:func:`engine.memory.plan.make_plan`): the card's total
+    memory plan applies at start (:func:`engine.memory.ledger.make_plan`): the card's total
     is the limit, and everything in use (other processes' memory and ours) counts
     against it, as on a real card of that size.
 

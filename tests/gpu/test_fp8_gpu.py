@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.layers.attention.base import backend_class
 from engine.bench.model_shapes import write_shape
-from engine.loader.load import load_model
+from engine.layers.attention.registry import backend_class
 from engine.layers.linear.fp8 import PROJECTIONS, Fp8Linear, quantize_rows
+from engine.loader.load import load_model
 
 FP8 = torch.float8_e4m3fn
 

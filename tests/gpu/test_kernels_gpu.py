@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from engine.common.config import RopeConfig
-from engine.loader.load import load_model
-from engine.wire.messages import SamplingParams as SP
 from engine.layers.rope import build_cos_sin_cache
-from engine.sampling.sampler import InvalidLogitsError, Sampler, SamplingState
+from engine.loader.load import load_model
+from engine.sampling.sampler import InvalidLogitsError, Sampler
+from engine.sampling.state import SamplingState
+from engine.wire.messages import SamplingParams as SP
 from kernels import dispatch
 from kernels.activation import reference as activation
 from kernels.norm import reference as rms_norm

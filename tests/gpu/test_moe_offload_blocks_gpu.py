@@ -38,11 +38,12 @@ gguf = pytest.importorskip("gguf")
 from test_gguf_convert import VOCAB, write_gguf  # noqa: E402
 from test_gguf_moe_quant import write_tiny_moe_gguf  # noqa: E402
 
+from engine.layers.moe.expert_cache import offload_experts  # noqa: E402
+from engine.layers.moe.expert_costs import ALWAYS_COPY, ALWAYS_CPU  # noqa: E402
+from engine.layers.moe.expert_stacks import BlockStack  # noqa: E402
 from engine.loader.gguf_convert import convert_gguf  # noqa: E402
 from engine.loader.gguf_quant import load_gguf_quantized  # noqa: E402
 from engine.loader.hf_config import load_model_config  # noqa: E402
-from engine.layers.moe.expert_cache import ALWAYS_COPY, ALWAYS_CPU, offload_experts  # noqa: E402
-from engine.layers.moe.expert_stacks import BlockStack  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 STEPS = 32

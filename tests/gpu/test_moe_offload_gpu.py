@@ -26,17 +26,15 @@ import pytest
 import torch
 from model_checks import paged_greedy
 
-from engine.loader.load import load_model
 from engine.layers.moe.expert_cache import (
-    ALWAYS_COPY,
-    ALWAYS_CPU,
     ExpertCounters,
     OffloadedExperts,
-    measure_costs,
     offload_experts,
     resize_cache,
 )
+from engine.layers.moe.expert_costs import ALWAYS_COPY, ALWAYS_CPU, measure_costs
 from engine.layers.moe.expert_stacks import DenseStack
+from engine.loader.load import load_model
 from kernels.dispatch import fused_moe
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -77,7 +75,8 @@ def _zipf_route(tokens, experts, top_k, gen, perm, s=1.2):
 @pytest.mark.parametrize("slots", ["plan", 32])
 def test_qwen3_30b_a3b_expert_layers_hybrid_vs_resident(batch, slots):
     from engine.memory.device import simulated_device
-    from engine.memory.plan import Footprint, GiB, PlanKnobs, make_plan
+    from engine.memory.ledger import make_plan
+    from engine.memory.plan import Footprint, GiB, PlanKnobs
 
     hdim, inter, experts, top_k, layers = 2048, 768, 128, 8, 4
     slot = 3 * hdim * inter * 2

@@ -20,9 +20,9 @@ REPLAYS = 20
 def _step_logits(model, config, batch_size: int, monkeypatch, on: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """An eager decode step's logits and ``REPLAYS`` replays of its CUDA graph, with PDL
     ``on`` or off, over a KV pool of fixed random values (context 256)."""
-    from engine.layers.attention.base import create_attention_backend
     from engine.bench.kernels import _decode_batch
     from engine.kvcache.pool import KVPool
+    from engine.layers.attention.registry import create_attention_backend
 
     monkeypatch.setattr(pdl, "PDL", on)
     assert pdl.enabled(torch.device("cuda")) is on
@@ -71,9 +71,9 @@ def _assert_same_with_and_without(model, config, monkeypatch) -> None:
 
 def test_pdl_decode_of_gguf_blocks_equals_stream_order(tmp_path, monkeypatch):
     from engine.bench.model_shapes import write_shape
+    from engine.bench.random_gguf import write_random_gguf
     from engine.loader.gguf_quant import load_gguf_quantized
     from engine.loader.hf_config import load_model_config
-    from engine.bench.quant import write_random_gguf
 
     config = load_model_config(write_shape("llama-3.1-8b", tmp_path / "cfg", num_hidden_layers=2, vocab_size=16384))
     path = tmp_path / "k.gguf"

@@ -22,9 +22,9 @@ import pytest
 import torch
 
 from engine.common.config import EngineConfig
+from engine.common.units import GiB
 from engine.core.engine import Engine
 from engine.wire.messages import REPLAN_RESIZE_POOL, GenerateRequest, Replanned, SamplingParams
-from engine.common.units import GiB
 
 LIMIT = 16 * GiB
 

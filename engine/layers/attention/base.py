@@ -1,30 +1,22 @@
-"""The attention backend interface and its registry.
+"""The attention backend interface.
 
 A backend reads and writes the paged KV pool. The model calls
 :meth:`AttentionBackend.forward` once per layer; :meth:`prepare` runs once per step, so
 per-step metadata (gathered slot indices, masks) is built once and shared by all layers.
 
-Built-in backends: ``torch`` (plain torch, any device; the reference), ``triton``
-(Triton kernels on CUDA), ``flashinfer`` (FlashInfer's paged wrappers, when the
-package imports). ``auto`` (:func:`resolve_backend_name`) picks one for the device.
+The backends by name, and the choice of one for a device, are in
+:mod:`engine.layers.attention.registry`.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import logging
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from engine.common.forward_batch import ForwardBatch
 from engine.kvcache.pool import KVPool
-
-log = logging.getLogger("headroom.engine")
-
-BACKEND_CHOICES: tuple[str, ...] = ("auto", "triton", "flashinfer", "torch")
 
 
 class AttentionBackend(ABC):
@@ -114,88 +106,3 @@ class AttentionBackend(ABC):
         """Attention of ``q`` (``[T, num_heads, head_dim]``) over the pool, whose layer
         ``layer`` already holds the step's keys and values; ``[T, num_heads * head_dim]``
         (see :meth:`forward`)."""
-
-
-_BACKENDS: dict[str, Callable[..., AttentionBackend]] = {}
-
-
-def register_backend(name: str) -> Callable[[type[AttentionBackend]], type[AttentionBackend]]:
-    def deco(cls: type[AttentionBackend]) -> type[AttentionBackend]:
-        _BACKENDS[name] = cls
-        return cls
-
-    return deco
-
-
-def backend_class(name: str) -> type[AttentionBackend]:
-    """The class registered under ``name`` (its :meth:`AttentionBackend.workspace_size`
-    is what the plan charges before anything is allocated).
-
-    Raises:
-        ValueError: no backend of that name; the message lists the known ones.
-    """
-    # Importing these registers the built-in backends; none imports Triton or FlashInfer
-    # until a backend is built.
-    import engine.layers.attention.flashinfer_backend  # noqa: F401
-    import engine.layers.attention.torch_backend  # noqa: F401
-    import engine.layers.attention.triton_backend  # noqa: F401
-
-    if name not in _BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; known: {', '.join(sorted(_BACKENDS))}")
-    return _BACKENDS[name]
-
-
-def create_attention_backend(name: str, pool: KVPool, **kwargs) -> AttentionBackend:
-    """Build the backend registered under ``name``.
-
-    Raises:
-        ValueError: no backend of that name; the message lists the known ones.
-    """
-    return backend_class(name)(pool, **kwargs)
-
-
-def _importable(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
-
-
-def resolve_backend_name(name: str, device_type: str) -> str:
-    """The backend ``name`` stands for on a device of ``device_type`` (``"cuda"``,
-    ``"cpu"``). ``auto`` is ``triton`` on CUDA when Triton is installed, else ``torch``;
-    FlashInfer is picked only when asked for: it compiles its kernels on first use with
-    the CUDA toolkit (measured on an H200: about 10 s for the decode module and 68 s for
-    the prefill one, per cold cache), where Triton needs no toolkit. The choice is
-    logged with its reason.
-
-    Raises:
-        ValueError: an unknown name, or a backend that cannot run here (``triton`` or
-            ``flashinfer`` without CUDA or without the package); the message names the fix.
-    """
-    if name not in BACKEND_CHOICES:
-        try:
-            backend_class(name)  # another registered backend (tests register their own)
-        except ValueError:
-            raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKEND_CHOICES)}") from None
-        return name
-    if name == "auto":
-        if device_type != "cuda":
-            log.info("attention backend: torch (auto: the device is %s; the GPU kernels need CUDA)", device_type)
-            return "torch"
-        if not _importable("triton"):
-            log.info("attention backend: torch (auto: Triton is not installed; pip install triton for the GPU kernels)")
-            return "torch"
-        log.info("attention backend: triton (auto: CUDA device, Triton installed; "
-                 "--attention-backend flashinfer uses FlashInfer when it is installed)")
-        return "triton"
-    if name in ("triton", "flashinfer"):
-        if device_type != "cuda":
-            raise ValueError(f"--attention-backend {name} needs a CUDA device; use torch or auto on {device_type}")
-        package = "triton" if name == "triton" else "flashinfer"
-        if not _importable(package):
-            pip_name = "triton" if name == "triton" else "flashinfer-python"
-            raise ValueError(f"--attention-backend {name} needs the {package} package: pip install {pip_name}, "
-                             "or use --attention-backend auto")
-    log.info("attention backend: %s (asked for)", name)
-    return name

@@ -30,8 +30,8 @@ import time
 import numpy as np
 import torch
 
-from engine.layers.attention.base import AttentionBackend, register_backend
 from engine.common.forward_batch import ForwardBatch
+from engine.layers.attention.base import AttentionBackend
 
 log = logging.getLogger("headroom.engine")
 
@@ -70,7 +70,6 @@ def paged_kv_csr(seq_lens: np.ndarray, page_table: np.ndarray, page_size: int):
     return indptr, indices, last
 
 
-@register_backend("flashinfer")
 class FlashInferAttentionBackend(AttentionBackend):
     """See the module docstring. Needs a CUDA device and ``import flashinfer``."""
 

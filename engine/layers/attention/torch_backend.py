@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.layers.attention.base import AttentionBackend, register_backend
 from engine.common.forward_batch import ForwardBatch
+from engine.layers.attention.base import AttentionBackend
 from kernels.attention.kv_store import gather_kv
 
 # Padded decode gathers stay under this many context tokens per group.
@@ -42,7 +42,6 @@ class _PrefillSeq:
     heads: torch.Tensor | None  # [H * S] pool rows per query head (with mask), as _DecodeGroup's
 
 
-@register_backend("torch")
 class TorchAttentionBackend(AttentionBackend):
     """See the module docstring. Its transients scale with the step; they belong to the
     plan's measured activation peak, so ``workspace_bytes`` is 0."""

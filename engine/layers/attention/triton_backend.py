@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import torch
 
-from engine.layers.attention.base import AttentionBackend, register_backend
 from engine.common.forward_batch import ForwardBatch
+from engine.layers.attention.base import AttentionBackend
 
 
-@register_backend("triton")
 class TritonAttentionBackend(AttentionBackend):
     """See the module docstring. Needs a CUDA device (or Triton's interpreter on CPU
     tensors, for tests)."""

@@ -16,6 +16,7 @@ from collections import Counter
 import torch
 from torch import nn
 
+from engine.layers.linear.cpu_int4 import CpuInt4Linear
 from kernels.cpu.block_gemv import TYPE_IDS, block_gemv, dequantize_rows
 
 # Rows of activations from which a product dequantizes its weights, a chunk of rows at a
@@ -85,8 +86,6 @@ class CpuBlockLinear(nn.Module):
         """``module`` (a loaded QuantLinear on the CPU that :func:`takes`) with adjacent
         parts of one C-read type concatenated, and runs of other parts repacked as
         :class:`CpuInt4Linear` (model dtype ``dtype``)."""
-        from engine.layers.linear.cpu_int4 import CpuInt4Linear
-
         runs: list[tuple[str | None, list]] = []
         for spec, w in module.part_views():
             kind = spec.type_name if spec.type_name in TYPE_IDS else None

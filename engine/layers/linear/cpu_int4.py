@@ -308,36 +308,3 @@ class RescoredHead(nn.Module):
         rows = self.embeddings(cand.reshape(-1)).float().view(*cand.shape, h.shape[-1])  # [B, top, K]
         exact = torch.einsum("bk,btk->bt", h.float(), rows)
         return logits.scatter_(-1, cand, exact)
-
-
-def pack_model_for_cpu(model: nn.Module, dtype: torch.dtype, lib=None) -> nn.Module:
-    """Replace every QuantLinear of ``model`` (on the CPU) by a CPU kernel's module: with
-    ``lib`` (the C kernels, :func:`engine.layers.linear.cpu_kernels.cpu_kernels`) those whose
-    blocks the C GEMV reads become :class:`~engine.layers.linear.cpu_blocks.CpuBlockLinear`
-    (the blocks as they are), the others a :class:`CpuInt4Linear`; a head tied to
-    embeddings in blocks becomes a :class:`RescoredHead`. With ``lib``, a model whose
-    every layer the C decode layer runs gets it too
-    (:mod:`engine.layers.cpu_decode`)."""
-    from engine.layers.linear.cpu_blocks import CpuBlockLinear, takes
-    from engine.layers.linear.gguf_blocks import QuantLinear
-
-    names = [n for n, m in model.named_modules() if isinstance(m, QuantLinear)]
-    for name in names:
-        parent, _, leaf = name.rpartition(".")
-        owner = model.get_submodule(parent) if parent else model
-        module = owner.get_submodule(leaf)
-        if lib is not None and takes(module):
-            setattr(owner, leaf, CpuBlockLinear.from_quant_linear(lib, module, dtype))
-        else:
-            setattr(owner, leaf, CpuInt4Linear.from_quant_linear(module, dtype))
-    embeddings = model.model.embed_tokens
-    if model.config.tie_word_embeddings and isinstance(embeddings, QuantEmbedding) and isinstance(
-            model.lm_head, CpuInt4Linear | CpuBlockLinear):
-        # (The loader's tied head holds the embeddings' blocks themselves: a CpuBlockLinear
-        # of it shares them.)
-        model.lm_head = RescoredHead(model.lm_head, embeddings)
-    if lib is not None:
-        from engine.layers.cpu_decode import CpuDecode
-
-        model.cpu_decode = CpuDecode.build(model, lib)
-    return model

@@ -15,7 +15,7 @@ log = logging.getLogger("headroom.engine")
 @functools.cache
 def cpu_kernels() -> ctypes.CDLL | None:
     """The loaded library, or None (:func:`kernels.cpu.build.why_not` says why)."""
-    from engine.loader.default_model import cache_root
+    from engine.common.cache_dir import cache_root
     from kernels.cpu import build
 
     lib = build.load(str(cache_root() / "kernels"))

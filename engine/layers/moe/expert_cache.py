@@ -11,7 +11,7 @@ a third of the dense bytes) and a cached expert runs through the quantized kerne
 Each step, for every expert the router picked:
 
 - in the cache: a hit; it runs on the device from its slot;
-- missing: :class:`CostModel` decides, for the number of tokens routed to it, whether
+- missing: :class:`~engine.layers.moe.expert_costs.CostModel` decides, for the number of tokens routed to it, whether
   copying it in (host -> device, ``non_blocking`` from pinned memory) or running it on
   the CPU (the activations copied over and back; blocks dequantized first) is cheaper; a copy is credited with
   the later steps it is expected to serve from the cache (the expert's recent share of
@@ -43,16 +43,14 @@ so a layer with offloaded experts is not captured in a CUDA graph.
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from engine.layers.moe.expert_stacks import DenseStack, ExpertStack, stack_of
-from kernels.activation.reference import silu_and_mul
+from engine.layers.moe.expert_costs import CostModel, expert_mlp, measure_stack_costs
+from engine.layers.moe.expert_stacks import ExpertStack, stack_of
 
 
 @dataclass
@@ -76,90 +74,9 @@ class ExpertCounters:
         return self.hits / seen if seen else 0.0
 
 
-@dataclass(frozen=True)
-class CostModel:
-    """Seconds to bring one expert in versus to run it on the CPU.
-
-    ``copy_bytes_per_s``: host -> device bandwidth; ``expert_bytes``: one expert's
-    bytes as the tiers hold it (``[2I, H] + [H, I]`` dense, or its blocks); ``cpu_s_base`` and ``cpu_s_per_token``: a CPU run of one
-    expert on ``n`` tokens takes ``cpu_s_base + n * cpu_s_per_token`` (measured by
-    :func:`measure_costs` on 1 and 256 tokens; linear between). A run of a few
-    tokens reads the weights and barely computes, so a slope taken below a few dozen
-    tokens says nothing of a prefill chunk's hundreds, which are compute-bound.
-    """
-
-    copy_bytes_per_s: float
-    expert_bytes: int
-    cpu_s_base: float
-    cpu_s_per_token: float
-
-    def copy_s(self) -> float:
-        return self.expert_bytes / self.copy_bytes_per_s
-
-    def cpu_s(self, tokens: int) -> float:
-        return self.cpu_s_base + tokens * self.cpu_s_per_token
-
-    def prefers_copy(self, tokens: int, reuse: float = 0.0) -> bool:
-        """Copy the expert in (True) or run it on the CPU (False) for ``tokens`` tokens,
-        crediting the copy with ``reuse`` later one-token steps it is expected to serve
-        from the cache (each saving a CPU run)."""
-        return self.copy_s() <= self.cpu_s(tokens) + reuse * self.cpu_s(1)
-
-
 # Per-step decay of an expert's heat: an average over about the last 1 / (1 - 0.95) = 20
 # steps.
 HEAT_DECAY = 0.95
-
-ALWAYS_COPY = CostModel(copy_bytes_per_s=float("inf"), expert_bytes=0, cpu_s_base=1.0, cpu_s_per_token=0.0)
-ALWAYS_CPU = CostModel(copy_bytes_per_s=1.0, expert_bytes=1, cpu_s_base=0.0, cpu_s_per_token=0.0)
-
-
-def _expert_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
-    return F.linear(silu_and_mul(F.linear(x, w_gate_up)), w_down)
-
-
-def measure_costs(host_gate_up: torch.Tensor, host_down: torch.Tensor, device: torch.device, repeats: int = 3) -> CostModel:
-    """:func:`measure_stack_costs` of dense experts ``host_gate_up`` ``[E, 2I, H]``,
-    ``host_down`` ``[E, H, I]``."""
-    return measure_stack_costs(DenseStack(host_gate_up, host_down), device, repeats)
-
-
-def measure_stack_costs(host: ExpertStack, device: torch.device, repeats: int = 3) -> CostModel:
-    """Time expert copies of ``host`` (a host tier) to ``device`` and one expert's CPU
-    run on 1 and 256 tokens (best of ``repeats``), as :class:`OffloadedExperts` makes
-    them: the copy moves the stack's own bytes (a GGUF's blocks), the CPU run
-    dequantizes first.
-
-    The copy is timed from pinned memory (on CUDA), up to 4 experts back to back, so
-    the figure is the bus's rate rather than one copy's launch and wait (a single
-    pageable copy measured 10-15 GB/s on a link that streams 46).
-    """
-    n = min(4, host.num_experts)
-    src = host.head(n).on_host(pin=device.type == "cuda")
-    dst = src.empty(n, device)
-    nbytes = src.expert_bytes
-
-    def best(fn) -> float:
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return min(times)
-
-    def copy() -> None:
-        for i in range(n):
-            dst.copy_in(i, src, i, non_blocking=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    copy()  # first touch
-    copy_s = max(best(copy) / n, 1e-9)
-    hidden = src.weights_of(0, src.cpu_dtype)[0].shape[1]
-    xs = {t: torch.randn(t, hidden, dtype=src.cpu_dtype) for t in (1, 256)}
-    cpu = {t: best(lambda t=t: _expert_mlp(xs[t], *src.weights_of(0, xs[t].dtype))) for t in xs}
-    per_token = max((cpu[256] - cpu[1]) / 255, 0.0)
-    return CostModel(nbytes / copy_s, nbytes, max(cpu[1] - per_token, 0.0), per_token)
 
 
 class OffloadedExperts(nn.Module):
@@ -300,7 +217,7 @@ class OffloadedExperts(nn.Module):
 
     def _run_cpu(self, x: torch.Tensor, tokens: torch.Tensor, expert: int) -> torch.Tensor:
         xh = x[tokens].to("cpu", self.host.cpu_dtype)
-        y = _expert_mlp(xh, *self.host.weights_of(expert, xh.dtype))
+        y = expert_mlp(xh, *self.host.weights_of(expert, xh.dtype))
         return y.to(x.device, x.dtype, non_blocking=True)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
@@ -325,7 +242,7 @@ class OffloadedExperts(nn.Module):
             if slot is None:
                 y = self._run_cpu(x, tokens, e)
             else:
-                y = _expert_mlp(x[tokens], *self.cache.weights_of(slot, x.dtype))
+                y = expert_mlp(x[tokens], *self.cache.weights_of(slot, x.dtype))
             ys[e] = (y * topk_weights[tokens, ks, None]).to(x.dtype)
 
         for e in experts.tolist():

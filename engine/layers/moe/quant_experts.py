@@ -37,7 +37,7 @@ class QuantExperts(nn.Module):
 
     Buffers ``gate`` ``[E, I, H / block_elements * block_bytes]``, ``up`` (same rows),
     ``down`` ``[E, H, I / ...]``, uint8. Build under ``torch.device("meta")`` and
-    materialize (:func:`engine.loader.load.materialize`) like the rest of the model.
+    materialize (:func:`engine.loader.meta_build.materialize`) like the rest of the model.
 
     Raises:
         ValueError: a type the kernels do not read, or sizes that are not whole blocks.

@@ -1,0 +1,200 @@
+"""The engine's memory-planning stages: whether a plan is made, the plan fitted to the
+device (the prefill chunk lowered only when the floor context does not fit), the
+profile run that measures a worst-case step, the decode graphs' capture and the CUDA
+context's growth on a small pool, and the KV pool's size in pages from the plan.
+
+:class:`PlanStages` is a part of :class:`engine.core.engine.Engine` (it uses the
+engine's ``config``, ``model_config``, ``model``, ``device``, ``dtype``, ``kv_dtype``,
+``knobs``, ``plan``, ``device_memory``, ``weight_size``, ``attention_backend``,
+``expert_stores``, ``tp`` and ``vocab_size``), as the constructor calls them in order.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from engine.common.config import ModelConfig
+from engine.common.errors import PlanDoesNotFit
+from engine.core.cuda_graphs import DecodeGraphs
+from engine.core.footprint import kv_bytes_per_token, make_footprint
+from engine.core.profile import measure_step_peak, profile_pool_pages
+from engine.core.startup import attention_workspaces
+from engine.kvcache.pool import KVPool
+from engine.layers.attention.registry import backend_class, create_attention_backend
+from engine.memory.fixed_pool import unplanned_pages
+from engine.memory.ledger import fit_plan, make_plan
+from engine.memory.plan import MemoryPlan, PlanKnobs
+
+log = logging.getLogger("headroom.engine")
+
+
+class PlanStages:
+    """The engine's planning stages (see the module docstring)."""
+
+    @property
+    def _planned(self) -> bool:
+        c = self.config
+        return c.num_pages is None and c.kv_cache is None and (
+            c.device_total is not None or self.device.type == "cuda"
+        )
+
+
+    def _workspaces(self) -> tuple[tuple[str, int], ...]:
+        """Fixed workspaces declared by the components, charged before the pool is sized."""
+        return attention_workspaces(self.attention_backend, self.model_config, self.config.max_running_requests)
+
+
+    def _kv_pool(self, num_pages: int) -> KVPool:
+        """A KV pool of ``num_pages`` pages (the null page included) for this model, in
+        the engine's KV dtype on its device: the profile run's small one or the real one."""
+        mc = self.model_config
+        return KVPool(num_layers=mc.num_kv_layers, num_pages=num_pages, page_size=self.config.page_size,
+                      num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, dtype=self.kv_dtype, device=self.device,
+                      compute_dtype=self.dtype)
+
+    def _attention(self, pool: KVPool):
+        mc = self.model_config
+        return create_attention_backend(self.attention_backend, pool, num_heads=mc.num_heads, head_dim=mc.head_dim,
+                                        scale=mc.head_dim**-0.5, max_batch=self.config.max_running_requests)
+
+
+    _graph_bytes_measured: int | None = None
+
+
+    @property
+    def _use_cuda_graphs(self) -> bool:
+        """Decode steps replay CUDA graphs: asked for (the default), on CUDA, and the
+        backend's decode path can be captured (the torch backend's cannot: it builds its
+        metadata on the host per step)."""
+        # Not for hybrid linear-attention models yet (their state slots are read on the
+        # host), nor where a layer's experts live in host memory (the routed ids are read
+        # back each step). Under tensor parallelism every rank can capture its graphs, the
+        # all-reduces inside (engine.core.tp_graphs), but that path has not yet run on
+        # two GPUs: it stays opt-in (HEADROOM_TP_CUDA_GRAPHS=1) until it has, and the
+        # group decodes eagerly as measured.
+        tp_ok = self.tp is None or os.environ.get("HEADROOM_TP_CUDA_GRAPHS") == "1"
+        return (self.config.cuda_graphs and self.device.type == "cuda" and self._cuda_graph_max_batch >= 1
+                and not self.model_config.is_hybrid and not self.expert_stores and tp_ok
+                and backend_class(self.attention_backend).supports_cuda_graphs)
+
+
+    @property
+    def _cuda_graph_max_batch(self) -> int:
+        return min(self.config.cuda_graph_max_batch, self.config.max_running_requests)
+
+
+    def _measure_cuda_graphs(self, model_ctx: int, probe_pool: KVPool) -> int:
+        """Capture the decode graphs over the profile run's small pool and return what
+        they took, then drop them: the plan charges it before the real pool is sized
+        (the real capture, over the real pool, takes the same: same shapes, same
+        kernels)."""
+        graphs = DecodeGraphs(self.model, self._attention(probe_pool), self.device, page_size=self.config.page_size,
+                              max_batch=self._cuda_graph_max_batch, max_context_tokens=model_ctx)
+        try:
+            return graphs.capture_all()
+        finally:
+            del graphs
+            torch.cuda.empty_cache()
+
+
+    def _fit_chunk(self, planner) -> MemoryPlan:
+        """Plan with ``self.knobs`` as :func:`engine.memory.ledger.fit_plan` does: the
+        context lowered to what the pool holds, down to ``--min-context``, and the
+        prefill chunk halved only when even that floor does not fit; sets ``self.knobs``
+        to what fits.
+
+        Raises:
+            PlanDoesNotFit: with the plan at the configured chunk, whose message names
+                what to change.
+        """
+        plan, knobs = fit_plan(planner, self.knobs)
+        if not plan.fits:
+            raise PlanDoesNotFit(plan)
+        self.knobs = knobs
+        return plan
+
+
+    def _measured_plan(self, knobs: PlanKnobs) -> MemoryPlan:
+        """Run one worst-case step at ``knobs`` on a small pool and plan with what it
+        measured."""
+        assert self.device_memory is not None
+        mc = self.model_config
+        torch.cuda.empty_cache()
+        probe_pool = self._kv_pool(profile_pool_pages(knobs))
+        # Where the context grows (logged): after the weights, the profile step, the capture.
+        growth = [self._outside_allocator_growth()]
+        try:
+            peak = measure_step_peak(
+                self.model, self._attention(probe_pool), probe_pool, knobs, mc.max_position_embeddings,
+                vocab_size=self.vocab_size,
+            )
+        except torch.OutOfMemoryError:
+            # The step does not fit at all: charge everything that was free.
+            peak = None
+        growth.append(self._outside_allocator_growth())
+        graph_bytes = 0
+        if peak is not None and self._use_cuda_graphs:
+            # The graphs' memory does not depend on the prefill chunk: measured once,
+            # however many chunks the plan tries.
+            if self._graph_bytes_measured is None:
+                model_ctx = min(mc.max_position_embeddings, self.config.max_model_len or mc.max_position_embeddings)
+                self._graph_bytes_measured = self._measure_cuda_graphs(model_ctx, probe_pool)
+            graph_bytes = self._graph_bytes_measured
+        del probe_pool
+        # Nothing of the profile stays cached: the pool is sized against a clean device.
+        torch.cuda.empty_cache()
+        growth.append(self._outside_allocator_growth())
+        log.info("CUDA context growth outside the allocator since the plan's probe: %.0f MiB after the weights, "
+                 "%.0f MiB after the profile step, %.0f MiB after the decode graphs' capture (if any)",
+                 *(g / 2**20 for g in growth))
+        runtime = self._runtime_bytes()
+        if peak is None:
+            activation, sampler = self.device_memory.total_bytes, None
+        else:
+            activation, sampler = peak.forward_bytes, peak.sampler_bytes
+        fp = make_footprint(
+            mc, self.dtype, knobs, workspaces=self._workspaces(), measured_activation_bytes=activation,
+            measured_sampler_bytes=sampler, runtime_bytes=runtime, cuda_graph_bytes=graph_bytes,
+            weights=self.weight_size,
+        )
+        return make_plan(self.device_memory, knobs, fp)
+
+
+    def _runtime_bytes(self) -> int:
+        """The plan's "CUDA context and runtime" line: this process's device memory
+        outside the caching allocator (CUDA context, kernel modules, library handles).
+
+        Two parts: what NVML already attributed to this process at start (its context,
+        when NVML lists processes; inside a container it lists none and the plan counted
+        that memory as other processes'), and what the process took since, less the
+        growth of the allocator's reservations (charged on their own lines). The growth
+        is measured from the allocator's reservation at start, not from zero, so memory
+        the allocator held before the engine (an earlier engine in the same process)
+        does not hide the context's growth.
+        """
+        dm = self.device_memory
+        assert dm is not None
+        own_at_start = 0 if dm.simulated else max(dm.total_bytes - dm.free_bytes - dm.others_bytes, 0)
+        return own_at_start + max(self._outside_allocator_growth(), 0)
+
+
+    def _outside_allocator_growth(self) -> int:
+        """Bytes the device lost since the plan's probe that the caching allocator does not
+        hold (context growth: kernel modules, library handles, graph executables)."""
+        assert self.device_memory is not None
+        free_now, _ = torch.cuda.mem_get_info(self.device)
+        grown = self.device_memory.free_bytes - free_now
+        return grown - (torch.cuda.memory_reserved(self.device) - self._reserved_at_start)
+
+
+    def _num_pages(self, mc: ModelConfig) -> int:
+        """Pool size in pages, the null page included (see EngineConfig for the order)."""
+        cfg = self.config
+        if cfg.num_pages is not None:
+            return cfg.num_pages
+        if self.plan is not None:
+            return self.plan.num_pages + 1
+        return unplanned_pages(cfg, mc, kv_bytes_per_token(mc, self.kv_dtype) * cfg.page_size)

@@ -1,0 +1,102 @@
+"""The attention backends by name, and the choice of one for a device.
+
+Built-in backends: ``torch`` (plain torch, any device; the reference), ``triton``
+(Triton kernels on CUDA), ``flashinfer`` (FlashInfer's paged wrappers, when the
+package imports). Each is imported on first use (:class:`~engine.common.lazy_registry.LazyRegistry`),
+so this module and :mod:`engine.layers.attention.base` never import the backends.
+``auto`` (:func:`resolve_backend_name`) picks one for the device.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from collections.abc import Callable
+
+from engine.common.config import ATTENTION_BACKENDS as BACKEND_CHOICES
+from engine.common.lazy_registry import LazyRegistry
+from engine.kvcache.pool import KVPool
+from engine.layers.attention.base import AttentionBackend
+
+log = logging.getLogger("headroom.engine")
+
+_BACKENDS = LazyRegistry("attention backend", {
+    "triton": "engine.layers.attention.triton_backend:TritonAttentionBackend",
+    "flashinfer": "engine.layers.attention.flashinfer_backend:FlashInferAttentionBackend",
+    "torch": "engine.layers.attention.torch_backend:TorchAttentionBackend",
+})
+
+
+def register_backend(name: str) -> Callable[[type[AttentionBackend]], type[AttentionBackend]]:
+    """A class decorator that registers a backend under ``name`` (tests register their own)."""
+    return _BACKENDS.register(name)
+
+
+def backend_class(name: str) -> type[AttentionBackend]:
+    """The class registered under ``name`` (its :meth:`AttentionBackend.workspace_size`
+    is what the plan charges before anything is allocated). Importing a built-in
+    backend's module imports neither Triton nor FlashInfer: they load when it is built.
+
+    Raises:
+        ValueError: no backend of that name; the message lists the known ones.
+    """
+    try:
+        return _BACKENDS.get(name)
+    except KeyError as e:
+        raise ValueError(e.args[0]) from None
+
+
+def create_attention_backend(name: str, pool: KVPool, **kwargs) -> AttentionBackend:
+    """Build the backend registered under ``name``.
+
+    Raises:
+        ValueError: no backend of that name; the message lists the known ones.
+    """
+    return backend_class(name)(pool, **kwargs)
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def resolve_backend_name(name: str, device_type: str) -> str:
+    """The backend ``name`` stands for on a device of ``device_type`` (``"cuda"``,
+    ``"cpu"``). ``auto`` is ``triton`` on CUDA when Triton is installed, else ``torch``;
+    FlashInfer is picked only when asked for: it compiles its kernels on first use with
+    the CUDA toolkit (measured on an H200: about 10 s for the decode module and 68 s for
+    the prefill one, per cold cache), where Triton needs no toolkit. The choice is
+    logged with its reason.
+
+    Raises:
+        ValueError: an unknown name, or a backend that cannot run here (``triton`` or
+            ``flashinfer`` without CUDA or without the package); the message names the fix.
+    """
+    if name not in BACKEND_CHOICES:
+        try:
+            backend_class(name)  # another registered backend (tests register their own)
+        except ValueError:
+            raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKEND_CHOICES)}") from None
+        return name
+    if name == "auto":
+        if device_type != "cuda":
+            log.info("attention backend: torch (auto: the device is %s; the GPU kernels need CUDA)", device_type)
+            return "torch"
+        if not _importable("triton"):
+            log.info("attention backend: torch (auto: Triton is not installed; pip install triton for the GPU kernels)")
+            return "torch"
+        log.info("attention backend: triton (auto: CUDA device, Triton installed; "
+                 "--attention-backend flashinfer uses FlashInfer when it is installed)")
+        return "triton"
+    if name in ("triton", "flashinfer"):
+        if device_type != "cuda":
+            raise ValueError(f"--attention-backend {name} needs a CUDA device; use torch or auto on {device_type}")
+        package = "triton" if name == "triton" else "flashinfer"
+        if not _importable(package):
+            pip_name = "triton" if name == "triton" else "flashinfer-python"
+            raise ValueError(f"--attention-backend {name} needs the {package} package: pip install {pip_name}, "
+                             "or use --attention-backend auto")
+    log.info("attention backend: %s (asked for)", name)
+    return name

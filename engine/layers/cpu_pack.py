@@ -1,0 +1,44 @@
+"""A loaded GGUF model made ready for the CPU: every block-format projection replaced by
+the CPU kernel's module that serves it (the C block GEMV's
+:class:`~engine.layers.linear.cpu_blocks.CpuBlockLinear`, else torch's int4 matmul's
+:class:`~engine.layers.linear.cpu_int4.CpuInt4Linear`), a tied head rescored in
+float32, and the C decode layer (:mod:`engine.layers.cpu_decode`) where it runs every
+layer."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.layers.cpu_decode import CpuDecode
+from engine.layers.linear.cpu_blocks import CpuBlockLinear, takes
+from engine.layers.linear.cpu_int4 import CpuInt4Linear, QuantEmbedding, RescoredHead
+from engine.layers.linear.gguf_blocks import QuantLinear
+
+
+def pack_model_for_cpu(model: nn.Module, dtype: torch.dtype, lib=None) -> nn.Module:
+    """Replace every QuantLinear of ``model`` (on the CPU) by a CPU kernel's module: with
+    ``lib`` (the C kernels, :func:`engine.layers.linear.cpu_kernels.cpu_kernels`) those whose
+    blocks the C GEMV reads become :class:`~engine.layers.linear.cpu_blocks.CpuBlockLinear`
+    (the blocks as they are), the others a :class:`CpuInt4Linear`; a head tied to
+    embeddings in blocks becomes a :class:`RescoredHead`. With ``lib``, a model whose
+    every layer the C decode layer runs gets it too
+    (:mod:`engine.layers.cpu_decode`)."""
+    names = [n for n, m in model.named_modules() if isinstance(m, QuantLinear)]
+    for name in names:
+        parent, _, leaf = name.rpartition(".")
+        owner = model.get_submodule(parent) if parent else model
+        module = owner.get_submodule(leaf)
+        if lib is not None and takes(module):
+            setattr(owner, leaf, CpuBlockLinear.from_quant_linear(lib, module, dtype))
+        else:
+            setattr(owner, leaf, CpuInt4Linear.from_quant_linear(module, dtype))
+    embeddings = model.model.embed_tokens
+    if model.config.tie_word_embeddings and isinstance(embeddings, QuantEmbedding) and isinstance(
+            model.lm_head, CpuInt4Linear | CpuBlockLinear):
+        # (The loader's tied head holds the embeddings' blocks themselves: a CpuBlockLinear
+        # of it shares them.)
+        model.lm_head = RescoredHead(model.lm_head, embeddings)
+    if lib is not None:
+        model.cpu_decode = CpuDecode.build(model, lib)
+    return model

@@ -1,0 +1,236 @@
+"""A GGUF file's metadata as a Hugging Face model's: ``config.json``'s fields (following
+transformers' ``integrations/ggml.py`` mapping), RoPE scaling recovered from llama.cpp's
+factors, and the recommended sampling as ``generation_config.json`` fields; with the
+checks a conversion makes before it writes anything (architecture, tensor types)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from engine.common.load_errors import (
+    CorruptWeights,
+    ModelLoadError,
+    UnsupportedArchitecture,
+    UnsupportedConfig,
+    UnsupportedGGUFType,
+)
+from engine.loader.gguf_tensors import open_tensors
+
+# GGUF ``general.architecture`` -> (Hugging Face architecture, model_type).
+GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+}
+
+
+# llama.cpp files Mixtral under "llama", with experts (``llama.expert_count``).
+LLAMA_WITH_EXPERTS = ("MixtralForCausalLM", "mixtral")
+
+
+ROPE_FREQS = "rope_freqs.weight"  # llama3 RoPE factors; folded into config.json
+
+
+def read_checked(gguf_path: Path) -> tuple[Any, str, dict]:
+    """``(reader, GGUF architecture, Hugging Face config)`` of ``gguf_path``, with every
+    refusal of :func:`convert_gguf` made before anything is written."""
+    reader = open_reader(gguf_path)
+    gguf_arch = field(reader, "general.architecture")
+    if gguf_arch not in GGUF_ARCHITECTURES:
+        raise UnsupportedArchitecture(
+            f"{gguf_path}: GGUF architecture {gguf_arch!r} is not supported; headroom "
+            f"converts {', '.join(GGUF_ARCHITECTURES)}"
+        )
+    _check_types(reader, gguf_path)
+    return reader, gguf_arch, _hf_config(reader, gguf_path, gguf_arch)
+
+
+def open_reader(gguf_path: Path) -> Any:
+    from gguf import GGUFReader
+
+    if not gguf_path.is_file():
+        raise ModelLoadError(f"{gguf_path} is not a file")
+    try:
+        return GGUFReader(gguf_path)
+    except (ValueError, OSError, IndexError, KeyError, TypeError) as e:
+        # gguf's reader fails on a numpy reshape where the file is truncated: the tensor
+        # table's own check names that (open_tensors raises CorruptWeights saying so).
+        open_tensors(gguf_path).release()
+        raise CorruptWeights(
+            f"{gguf_path} is not a readable GGUF file ({e}); download it again"
+        ) from e
+
+
+def field(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _check_types(reader: Any, gguf_path: Path) -> None:
+    from gguf import dequantize
+
+    for t in reader.tensors:
+        try:
+            dequantize(t.data[:1], t.tensor_type)  # one row: cheap, and hits the same dispatch
+        except NotImplementedError:
+            raise UnsupportedGGUFType(
+                f"{gguf_path}: tensor {t.name} is stored as {t.tensor_type.name}, which "
+                "headroom cannot dequantize; use a GGUF with F32/F16/BF16, Q4_0..Q8_0, "
+                "K-quants or IQ-quants, or the original Hugging Face checkpoint"
+            ) from None
+
+
+def _hf_config(reader: Any, gguf_path: Path, gguf_arch: str) -> dict[str, Any]:
+    """config.json fields, following transformers' ``integrations/ggml.py`` mapping."""
+    architecture, model_type = GGUF_ARCHITECTURES[gguf_arch]
+    experts = int(field(reader, f"{gguf_arch}.expert_count", 0) or 0)
+    if gguf_arch == "llama" and experts:
+        architecture, model_type = LLAMA_WITH_EXPERTS
+
+    def get(key: str, default: Any = None) -> Any:
+        value = field(reader, f"{gguf_arch}.{key}", default)
+        if value is None:
+            raise ModelLoadError(f"{gguf_path} lacks the metadata key {gguf_arch}.{key}")
+        return value
+
+    names = {t.name for t in reader.tensors}
+    hidden = int(get("embedding_length"))
+    heads = int(get("attention.head_count"))
+    vocab = field(reader, f"{gguf_arch}.vocab_size")
+    if vocab is None:  # older files: the vocabulary length is the truth
+        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    head_dim = field(reader, f"{gguf_arch}.attention.key_length") or (hidden // heads)
+    config: dict[str, Any] = {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": int(get("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "head_dim": int(head_dim),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")),
+        "max_position_embeddings": int(get("context_length")),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "tie_word_embeddings": "output.weight" not in names,
+        "bos_token_id": field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": field(reader, "tokenizer.ggml.eos_token_id"),
+    }
+    if gguf_arch == "qwen2moe":
+        config["qkv_bias"] = "blk.0.attn_q.bias" in names
+    elif gguf_arch != "qwen2":  # Qwen2's q/k/v bias is implied by its architecture
+        config["attention_bias"] = "blk.0.attn_q.bias" in names
+    if experts:
+        config.update(_moe_config(reader, gguf_arch, experts, names, config["num_hidden_layers"], get))
+    scaling = _rope_scaling(reader, gguf_path, gguf_arch, config)
+    if scaling is not None:
+        config["rope_scaling"] = scaling
+    return config
+
+
+def _moe_config(reader: Any, gguf_arch: str, experts: int, names: set[str], layers: int, get) -> dict[str, Any]:
+    """The mixture-of-experts fields of config.json. GGUF has no ``mlp_only_layers``:
+    a layer without a router (``ffn_gate_inp``) is dense. Whether the top-k weights are
+    renormalized is ``expert_weights_norm`` where the file says, else the family's rule
+    as llama.cpp builds it (Qwen3-MoE and Mixtral yes, Qwen2-MoE no)."""
+    used = int(get("expert_used_count"))
+    if gguf_arch == "llama":
+        return {"num_local_experts": experts, "num_experts_per_tok": used}
+    moe: dict[str, Any] = {
+        "num_experts": experts,
+        "num_experts_per_tok": used,
+        "moe_intermediate_size": int(get("expert_feed_forward_length")),
+        "norm_topk_prob": bool(field(reader, f"{gguf_arch}.expert_weights_norm", gguf_arch == "qwen3moe")),
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in names],
+    }
+    if gguf_arch == "qwen2moe":
+        moe["shared_expert_intermediate_size"] = int(get("expert_shared_feed_forward_length"))
+    return moe
+
+
+def _rope_scaling(
+    reader: Any, gguf_path: Path, gguf_arch: str, config: dict[str, Any]
+) -> dict[str, Any] | None:
+    scaling_type = field(reader, f"{gguf_arch}.rope.scaling.type")
+    if scaling_type in (None, "none"):
+        pass
+    elif scaling_type == "linear":
+        return {
+            "rope_type": "linear",
+            "factor": float(field(reader, f"{gguf_arch}.rope.scaling.factor")),
+        }
+    else:
+        raise UnsupportedConfig(f"{gguf_path}: RoPE scaling {scaling_type!r} is not supported")
+    rope_freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    if rope_freqs is None:
+        return None
+    return _llama3_from_factors(np.asarray(rope_freqs.data, dtype=np.float32), gguf_path, config)
+
+
+def _llama3_from_factors(
+    factors: np.ndarray, gguf_path: Path, config: dict[str, Any]
+) -> dict[str, Any]:
+    """Recover Llama 3 RoPE parameters from llama.cpp's per-frequency divisors.
+
+    llama.cpp's converter (``LlamaModel.generate_extra_tensors``) stores
+    ``inv_freq / inv_freq_llama3`` instead of the parameters; Meta's Llama 3.1+ releases
+    all use ``low_freq_factor=1, high_freq_factor=4, original_max_position_embeddings=8192``
+    and the largest divisor is ``factor``. We rebuild the divisors from those values and
+    accept them only if they match the file.
+    """
+    from engine.common.config import RopeConfig
+    from engine.layers.rope import inv_freq
+
+    rope = RopeConfig(
+        theta=config["rope_theta"],
+        rope_type="llama3",
+        factor=float(factors.max()),
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=8192,
+    )
+    base = inv_freq(RopeConfig(theta=rope.theta), config["head_dim"])
+    rebuilt = (base / inv_freq(rope, config["head_dim"])).numpy()
+    if rebuilt.shape != factors.shape or not np.allclose(rebuilt, factors, rtol=1e-4):
+        raise UnsupportedConfig(
+            f"{gguf_path}: its rope_freqs tensor is not Llama 3 RoPE scaling; convert the "
+            "original Hugging Face checkpoint instead"
+        )
+    return {
+        "rope_type": "llama3",
+        "factor": rope.factor,
+        "low_freq_factor": rope.low_freq_factor,
+        "high_freq_factor": rope.high_freq_factor,
+        "original_max_position_embeddings": rope.original_max_position_embeddings,
+    }
+
+
+# llama.cpp's recommended-sampling metadata (gguf-py ``Keys.General.SAMPLING_*``) ->
+# generation_config.json fields; the service takes them as the defaults of unset
+# request fields (service.api.sampling_defaults).
+_GGUF_SAMPLING = {
+    "general.sampling.temp": "temperature",
+    "general.sampling.top_p": "top_p",
+    "general.sampling.top_k": "top_k",
+    "general.sampling.min_p": "min_p",
+    "general.sampling.penalty_repeat": "repetition_penalty",
+}
+
+
+def sampling_fields(reader: Any) -> dict[str, Any]:
+    fields: dict[str, Any] = {}
+    for key, name in _GGUF_SAMPLING.items():
+        value = field(reader, key)
+        if value is not None:
+            # GGUF stores float32: 0.2 reads back as 0.20000000298...
+            fields[name] = int(value) if name == "top_k" else round(float(value), 6)
+    if fields:
+        fields["do_sample"] = True  # transformers' GenerationConfig wants it with them
+    return fields

@@ -25,8 +25,8 @@ SOURCES: dict[str, tuple[str, tuple[str, ...]]] = {
     "dashboard": ("ui-bridge/dashboard", ("*.html", "*.js", "*.css", "*.map", "*.svg")),
     "templates": ("installers/templates", ("*",)),
 }
-PACKAGED_DIR = Path(__file__).resolve().parent / "_data"
-SOURCE_ROOT = Path(__file__).resolve().parents[1]
+PACKAGED_DIR = Path(__file__).resolve().parents[1] / "_data"
+SOURCE_ROOT = Path(__file__).resolve().parents[2]
 # The dashboard's built script, in the dashboard's folder, and how to build it.
 DASHBOARD_BUNDLE = "app.js"
 DASHBOARD_BUILD = "`make dashboard` (or `cd ui-bridge && npm ci && npm run build:dashboard`)"

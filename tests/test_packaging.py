@@ -193,7 +193,8 @@ def test_the_build_without_node_names_the_fix(tmp_path):
         "README.md",
         "MANIFEST.in",
         "service/__init__.py",
-        "service/resources.py",
+        "service/common/__init__.py",
+        "service/common/resources.py",
         "ui-bridge/dashboard/index.html",
     ):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)

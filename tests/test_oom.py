@@ -104,7 +104,7 @@ def check_pages(engine: Engine, committed: list[list[int]]) -> None:
     tree = radix.all_pages()
     own: list[int] = []
     for req in sched.running:
-        cached = req.cached_len // engine.common.config.page_size
+        cached = req.cached_len // engine.config.page_size
         assert set(req.pages[:cached]) <= tree, req.request_id
         own.extend(req.pages[cached:])
     assert len(own) == len(set(own)), "a page held twice"
@@ -251,7 +251,7 @@ def test_transient_oom_is_retried_and_changes_no_output(tiny_dir, reference, sit
     assert all(o.finish_reason == "length" for o in run.final.values())
     assert run.out == {rid: reference[rid] for rid in REQUESTS}
     assert engine.stats().failed == 0
-    assert engine.scheduler.max_prefill_tokens < engine.common.config.max_prefill_tokens
+    assert engine.scheduler.max_prefill_tokens < engine.config.max_prefill_tokens
     assert run.replans[-1].new_max_prefill_tokens == engine.scheduler.max_prefill_tokens
     assert_all_pages_back(engine)
 

@@ -47,10 +47,10 @@ def worst_step_workload(engine: Engine) -> None:
     Raises:
         RuntimeError: the engine ran out of work before the ``B - 1`` requests decoded.
     """
-    b = engine.common.config.max_running_requests
+    b = engine.config.max_running_requests
     ctx = engine.max_context_tokens
     chunk = engine.knobs.max_prefill_tokens
-    per_req = min(ctx, (engine.allocator.num_usable * engine.common.config.page_size) // b) - 64
+    per_req = min(ctx, (engine.allocator.num_usable * engine.config.page_size) // b) - 64
     # Steps until the long prompt's last chunk: all prompts, chunk by chunk, each step's
     # token budget shared with the decode rows.
     prefill_steps = -(-b * per_req // max(chunk - b, 1))

@@ -195,7 +195,7 @@ def run_bench_engine(
     on_cuda = engine.device.type == "cuda"
     # On the CPU the engine side fits its threads to the free cores between steps, as the
     # worker does (a busy core otherwise stalls every step); transformers gets what is set.
-    between_steps = fit_between_steps(engine.common.config.cpu_threads) if engine.device.type == "cpu" else lambda: None
+    between_steps = fit_between_steps(engine.config.cpu_threads) if engine.device.type == "cpu" else lambda: None
     roof = None
     kv_per_token = kv_bytes_per_token(engine.model_config, engine.kv_dtype)
     if on_cuda:

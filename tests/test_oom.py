@@ -232,7 +232,7 @@ def test_injector_fires_per_step_and_counts_down():
 def test_no_injector_unless_asked(tiny_dir, monkeypatch):
     monkeypatch.delenv(ENV_VAR, raising=False)
     engine = make_engine(tiny_dir)
-    assert engine.core.runner.faults is None  # the step pays one `is None` test
+    assert engine.runner.faults is None  # the step pays one `is None` test
     assert engine.drain_events() == []
 
 
@@ -244,9 +244,9 @@ def test_no_injector_unless_asked(tiny_dir, monkeypatch):
 @pytest.mark.parametrize("site", SITES)
 def test_transient_oom_is_retried_and_changes_no_output(tiny_dir, reference, site, victim, times):
     engine = make_engine(tiny_dir)
-    engine.common.faults.add(site, victim, times)
+    engine.faults.add(site, victim, times)
     run = drive(engine, REQUESTS)
-    assert engine.common.faults.pending == 0, "the fault never fired"
+    assert engine.faults.pending == 0, "the fault never fired"
     assert len(run.ooms) == times
     assert all(o.finish_reason == "length" for o in run.final.values())
     assert run.out == {rid: reference[rid] for rid in REQUESTS}
@@ -263,7 +263,7 @@ def test_transient_oom_is_retried_and_changes_no_output(tiny_dir, reference, sit
 @pytest.mark.parametrize("site", SITES)
 def test_persistent_oom_fails_the_victim_alone(tiny_dir, reference, site, victim):
     engine = make_engine(tiny_dir)
-    engine.common.faults.add(site, victim, times=1000)
+    engine.faults.add(site, victim, times=1000)
     history: list[list[int]] = []
     run = drive(engine, REQUESTS, history=history)
 
@@ -341,10 +341,10 @@ def test_oom_raised_inside_the_forward_is_rolled_back(tiny_dir, reference):
 def test_faults_from_the_environment(tiny_dir, reference, monkeypatch):
     monkeypatch.setenv(ENV_VAR, "prefill:r1:1,sample:*:1,decode:r2:1")
     engine = make_engine(tiny_dir)
-    assert engine.common.faults.pending == 3
+    assert engine.faults.pending == 3
     run = drive(engine, REQUESTS)
-    assert engine.common.faults.pending == 0
-    assert [site for site, _ in engine.common.faults.fired] == ["prefill", "sample", "decode"]
+    assert engine.faults.pending == 0
+    assert [site for site, _ in engine.faults.fired] == ["prefill", "sample", "decode"]
     assert run.out == {rid: reference[rid] for rid in REQUESTS}
 
     monkeypatch.setenv(ENV_VAR, "explode:r1:1")
@@ -362,7 +362,7 @@ def test_c01_default_model_first_request_ooms_next_one_answers(default_model_dir
     history: list[list[int]] = []
     before = drive(engine, {"hello": (short_ids, sp)}, history=history)
     engine.radix.clear()
-    engine.common.faults.add("prefill", "first", times=1000)
+    engine.faults.add("prefill", "first", times=1000)
     run = drive(engine, {"first": (long_ids, sp)}, history=history)
     assert run.final["first"].error_code == "out_of_memory"
     assert run.steps <= 16, "fails fast"

@@ -50,7 +50,7 @@ def _free() -> None:
 
 
 def _label(tp: int, engine: Engine) -> str:
-    graphs = engine.core.runner.graphs is not None and engine.core.runner.graphs.replays > 0
+    graphs = engine.runner.graphs is not None and engine.runner.graphs.replays > 0
     return f"TP={tp} ({'CUDA graphs' if graphs else 'eager'})"
 
 

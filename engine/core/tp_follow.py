@@ -97,14 +97,14 @@ def lead(engine: Any, tp: TensorParallel) -> None:
 
     # Instance attributes shadow the methods: the engine's replan code stays the same.
     pool.copy_pages, pool.resize = leading_copy_pages, leading_resize
-    engine.core.runner.model = _LeadingModel(engine.core.runner.model, tp)
+    engine.runner.model = _LeadingModel(engine.runner.model, tp)
     _sync_graphs(engine, tp)
 
 
 def _sync_graphs(engine: Any, tp: TensorParallel) -> None:
     """Keep this rank's decode graphs (if it captured any) in step with the others'."""
-    if engine.core.runner.graphs is not None:
-        engine.core.runner.graphs.sync = GraphSync(tp)
+    if engine.runner.graphs is not None:
+        engine.runner.graphs.sync = GraphSync(tp)
 
 
 def stop_followers(tp: TensorParallel) -> None:
@@ -144,7 +144,7 @@ def follow(engine: Any, tp: TensorParallel) -> None:
                 engine.model(_unpack(header, payload, engine.device), engine.attn)
         elif op == OP_REPLAY:
             with torch.inference_mode():
-                engine.core.runner.graphs.replay_shared(values[1], values[2])
+                engine.runner.graphs.replay_shared(values[1], values[2])
         elif op == OP_COPY_PAGES:
             n = values[1]
             payload = torch.empty(2 * n, dtype=torch.int64, device=tp.device)
@@ -152,7 +152,7 @@ def follow(engine: Any, tp: TensorParallel) -> None:
             moves = payload.tolist()
             engine.pool.copy_pages(moves[:n], moves[n:])
         elif op == OP_RESIZE:
-            engine.core.runner.pool_will_move()
+            engine.runner.pool_will_move()
             try:
                 engine.pool.resize(values[6])
             finally:

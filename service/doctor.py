@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
-import os
 import shutil
 import stat
 import sys
@@ -59,9 +58,10 @@ def _check_headroom(ctx: Context) -> Check:
 
 
 def _check_config(ctx: Context) -> Check:
-    from service.cli.settings import ENV_PREFIX, SettingsError, default_config_path, resolve
+    from engine.common.environment import CONFIG
+    from service.cli.settings import SettingsError, default_config_path, resolve
 
-    path = Path(os.environ.get(ENV_PREFIX + "CONFIG") or default_config_path())
+    path = Path(CONFIG.get() or default_config_path())
     try:
         ctx.settings = resolve({})
     except SettingsError as exc:

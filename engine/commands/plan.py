@@ -25,6 +25,7 @@ from engine.core.startup import (
     quantized_gguf,
     resolve_device,
     resolve_dtype,
+    use_kernel_switches,
 )
 
 
@@ -77,6 +78,7 @@ def build_plan(config: EngineConfig) -> MemoryPlan:
         engine.common.errors.SettingRefused: a setting the model cannot honour
             (:func:`engine.core.settings_fit.check_for_model`).
     """
+    use_kernel_switches(config)
     device, dtype = planned_setup(config)
     whole = load_model_config(resolve_model(config.model))
     check_for_model(config, whole)
@@ -148,6 +150,8 @@ def cpu_holdings(config: EngineConfig) -> CpuHoldings:
     from engine.kvcache.pool import kv_storage_dtype
     from engine.loader.default_model import model_display_name
     from engine.loader.load import weight_bytes
+
+    use_kernel_switches(config)
     from engine.memory.fixed_pool import unplanned_pages
     from engine.core.footprint import kv_bytes_per_token
     from engine.memory.host import host_memory

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import os
 import time
 from concurrent import futures
 from pathlib import Path
@@ -75,6 +74,7 @@ from engine.core.startup import (
     quantized_gguf,
     resolve_device,
     resolve_dtype,
+    use_kernel_switches,
 )
 
 log = logging.getLogger("headroom.engine")
@@ -103,6 +103,9 @@ class Engine(LiveReplan):
                 "or use --tensor-parallel-size 1"
             )
         self.config = config
+        # The kernel switches (--quant-int8, --pdl, ...) before any weight is loaded or
+        # kernel launched: the loader's repacking and the kernels read them.
+        use_kernel_switches(config)
         # A rank of a tensor-parallel group (engine.parallel): this engine holds its
         # shard; rank 0's schedules and broadcasts, the others follow.
         self.tp = tp
@@ -313,9 +316,9 @@ class Engine(LiveReplan):
         # host), nor where a layer's experts live in host memory (the routed ids are read
         # back each step). Under tensor parallelism every rank can capture its graphs, the
         # all-reduces inside (engine.core.tp_graphs), but that path has not yet run on
-        # two GPUs: it stays opt-in (HEADROOM_TP_CUDA_GRAPHS=1) until it has, and the
-        # group decodes eagerly as measured.
-        tp_ok = self.tp is None or os.environ.get("HEADROOM_TP_CUDA_GRAPHS") == "1"
+        # two GPUs: it stays opt-in (--tp-cuda-graphs) until it has, and the group
+        # decodes eagerly as measured.
+        tp_ok = self.tp is None or self.config.tp_cuda_graphs
         return (self.config.cuda_graphs and self.device.type == "cuda" and self._cuda_graph_max_batch >= 1
                 and not self.model_config.is_hybrid and not self.expert_stores and tp_ok
                 and backend_class(self.attention_backend).supports_cuda_graphs)
@@ -612,7 +615,7 @@ class Engine(LiveReplan):
     @property
     def faults(self):
         """The test-only fault injector (``engine.common.faults.FaultInjector``), the one
-        ``HEADROOM_FAULTS`` configured or a new, empty one: ``engine.common.faults.add(site,
+        ``HEADROOM_FAULTS`` configured or a new, empty one: ``engine.faults.add(site,
         request_id, times)``."""
         if self.runner.faults is None:
             from engine.common.faults import FaultInjector

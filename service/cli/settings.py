@@ -27,6 +27,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
+from engine.common import environment
 from engine.common.config import EngineConfig
 from engine.wire.ipc import ENGINE_FACTORY, WorkerConfig
 from engine.common.options import (
@@ -422,16 +423,17 @@ def resolve(
     Args:
         flags: option name -> value from the command line; None (or an empty tuple
             for repeatable options) means "not given".
-        env: the environment (``os.environ`` when None).
+        env: the environment (the process's ``HEADROOM_*`` variables when None,
+            :func:`engine.common.environment.variables`).
         config_path: the TOML file; None means ``HEADROOM_CONFIG`` or the default
             path. A missing default file is fine; a missing explicit one is an error.
 
     Raises:
         SettingsError: a bad value, naming where it came from.
     """
-    env = os.environ if env is None else env
-    explicit = config_path is not None or bool(env.get(ENV_PREFIX + "CONFIG"))
-    path = config_path or Path(env.get(ENV_PREFIX + "CONFIG") or default_config_path())
+    env = environment.variables() if env is None else env
+    explicit = config_path is not None or bool(environment.CONFIG.get(env))
+    path = config_path or Path(environment.CONFIG.get(env) or default_config_path())
     file_values: dict[str, Any] = {}
     if path.exists():
         file_values = read_config_file(path)
@@ -460,7 +462,7 @@ def resolve(
             value = _convert_kind(opt, value, "default")
         values[opt.name] = value
         sources[opt.name] = source
-    factory = env.get(ENV_PREFIX + "ENGINE_FACTORY")
+    factory = environment.ENGINE_FACTORY.get(env)
     if factory:
         values["engine_factory"] = factory
     settings = ServeSettings(**values, sources=sources)

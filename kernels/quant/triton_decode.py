@@ -309,6 +309,20 @@ def layout_constexprs(fmt) -> dict:
                 ZERO=_ZERO[fmt.code], HAS_MIN=_HAS_MIN[fmt.code])
 
 
+def split_k_ranges(nblocks: int, blocks_per_step: int, programs: int, device: torch.device,
+                   split_k: int | None = None) -> tuple[int, int]:
+    """How a GEMV of ``programs`` (activation rows x weight tiles) splits K, shared by the
+    float and the int8 GEMV: ``(blocks per range, ranges)``. ``split_k`` forces the number
+    of ranges; by default enough for four programs per SM (one range off CUDA), never
+    more than the steps K holds. Above one range the partial sums are added atomically
+    into a float32 output."""
+    if split_k is None:
+        want = 4 * sm_count(device.index or 0) if device.type == "cuda" else 1
+        split_k = max(1, min(nblocks // blocks_per_step or 1, -(-want // programs)))
+    per_split = triton.cdiv(nblocks, split_k)
+    return per_split, triton.cdiv(nblocks, per_split)
+
+
 @functools.cache
 def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count

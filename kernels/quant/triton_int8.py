@@ -82,7 +82,13 @@ from kernels import pdl
 from kernels.quant.formats import block_format
 from kernels.quant.int8_choice import INT8_TYPES
 from kernels.quant.triton_activations import Q8Activations
-from kernels.quant.triton_decode import INTERPRETING, output_for, ptx_enabled, sm_count
+from kernels.quant.triton_decode import (
+    INTERPRETING,
+    output_for,
+    ptx_enabled,
+    sm_count,
+    split_k_ranges,
+)
 from kernels.quant.triton_int8_dot import rows_dot
 
 
@@ -318,11 +324,7 @@ def int8_gemv_parts(
         return result
     block_n = block_n or 4
     kb = blocks_per_step or 2
-    if split_k is None:
-        want = 4 * sm_count(device.index or 0) if device.type == "cuda" else 1
-        split_k = max(1, min(nblocks // kb or 1, -(-want // (m * tiles(block_n)))))
-    per_split = triton.cdiv(nblocks, split_k)
-    split = triton.cdiv(nblocks, per_split)
+    per_split, split = split_k_ranges(nblocks, kb, m * tiles(block_n), device, split_k)
     atomic = split > 1
     dest = torch.zeros((m, n), device=device, dtype=torch.float32) if atomic else result
     launch(_int8_gemv_kernel, (m * tiles(block_n), split), dest, per_split, BLOCK_N=block_n, KB=kb, ATOMIC=atomic,

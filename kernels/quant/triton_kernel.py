@@ -38,6 +38,7 @@ from kernels.quant.triton_decode import (
     output_for,
     ptx_enabled,
     sm_count,
+    split_k_ranges,
 )
 
 # Rows of activations up to which the GEMV runs (decode batches); the GEMM above.
@@ -185,11 +186,7 @@ def quant_gemv(
         return result
     block_n = block_n or 4
     kb = blocks_per_step or (2 if fmt.block_elements > 32 else 16)
-    if split_k is None:
-        want = 4 * sm_count(x.device.index or 0) if x.is_cuda else 1
-        split_k = max(1, min(nblocks // kb or 1, -(-want // (m * triton.cdiv(n, block_n)))))
-    per_split = triton.cdiv(nblocks, split_k)
-    split = triton.cdiv(nblocks, per_split)
+    per_split, split = split_k_ranges(nblocks, kb, m * triton.cdiv(n, block_n), x.device, split_k)
     atomic = split > 1
     dest = torch.zeros((m, n), device=x.device, dtype=torch.float32) if atomic else result
     _gemv_kernel[(m * triton.cdiv(n, block_n), split)](

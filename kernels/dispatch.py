@@ -7,8 +7,9 @@ calling a :class:`Kernel` picks the Triton version when its first tensor argumen
 CUDA and ``triton`` imports, and the reference otherwise, so the CPU path never imports
 Triton and stays exactly what the references compute.
 
-``HEADROOM_KERNELS=torch`` in the environment forces the references everywhere (for
-bisecting a numerical difference on the GPU).
+The ``kernels`` switch (:mod:`kernels.switches`; ``--kernels torch``,
+``HEADROOM_KERNELS=torch``) forces the references everywhere (for bisecting a numerical
+difference on the GPU); it is read at each call.
 
 The Triton modules are imported on first CUDA use, not at import time: their
 ``@triton.jit`` functions are built when the module loads, and the interpreter
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,19 +28,22 @@ import torch
 from kernels.activation.reference import silu_and_mul as _silu_and_mul_ref
 from kernels.gemv.reference import gate_up_silu as _gate_up_silu_ref
 from kernels.gemv.reference import linear as _linear_ref
-from kernels.moe.reference import fused_moe as _fused_moe_ref
 from kernels.moe.quant_reference import fused_moe_quant as _fused_moe_quant_ref
+from kernels.moe.reference import fused_moe as _fused_moe_ref
 from kernels.norm.reference import fused_add_rms_norm as _fused_add_rms_norm_ref
 from kernels.norm.reference import rms_norm as _rms_norm_ref
 from kernels.rotary.reference import rotary_and_store as _rotary_and_store_ref
+from kernels.switches import current
+
+
+def triton_available() -> bool:
+    """Whether the Triton versions may run: ``triton`` imports and the ``kernels``
+    switch is not ``torch``."""
+    return current().kernels != "torch" and _triton_imports()
 
 
 @functools.cache
-def triton_available() -> bool:
-    """Whether the Triton versions may run: ``triton`` imports and
-    ``HEADROOM_KERNELS`` is not ``torch``."""
-    if os.environ.get("HEADROOM_KERNELS", "").lower() == "torch":
-        return False
+def _triton_imports() -> bool:
     try:
         import triton  # noqa: F401
     except ImportError:

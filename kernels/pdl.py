@@ -20,8 +20,9 @@ stream still holds:
   a kernel after this one that waits for it also waits, transitively, for all before.
 
 Stream capture records a PDL launch as a programmatic edge of the CUDA graph (CUDA 12.3
-and later), so the replayed step keeps the overlap. ``HEADROOM_PDL=0`` launches every
-kernel as before (to time the difference); Triton's interpreter and GPUs before sm_90
+and later), so the replayed step keeps the overlap. The ``pdl`` switch off
+(:mod:`kernels.switches`; ``--no-pdl``, ``HEADROOM_PDL=0``) launches every kernel as
+before (to time the difference); Triton's interpreter and GPUs before sm_90
 never use it. Sources: the PTX ISA, "griddepcontrol"; the CUDA programming guide,
 "Programmatic Dependent Launch and Synchronization".
 """
@@ -35,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.env import env_flag
+from kernels.switches import current
 
 try:  # Triton 3.3 and later
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -43,7 +44,6 @@ except ImportError:  # pragma: no cover - older Triton: the kernels never take P
     gdc_launch_dependents = gdc_wait = None
 
 _INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-PDL = env_flag("HEADROOM_PDL", True)
 
 
 @functools.cache
@@ -58,9 +58,9 @@ def _supported(index: int) -> bool:
 
 
 def enabled(device: torch.device) -> bool:
-    """Whether kernels on ``device`` are launched with PDL (module docstring; :data:`PDL`
+    """Whether kernels on ``device`` are launched with PDL (module docstring; the switch
     is read at each call, so a benchmark can turn it off before capturing a graph)."""
-    return PDL and device.type == "cuda" and _supported(device.index if device.index is not None else
+    return current().pdl and device.type == "cuda" and _supported(device.index if device.index is not None else
                                                         torch.cuda.current_device())
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
-import os
 import shutil
 import stat
 import sys
@@ -60,10 +59,11 @@ def _check_headroom(ctx: Context) -> Check:
 
 
 def _check_config(ctx: Context) -> Check:
-    from service.common.settings import ENV_PREFIX, SettingsError
+    from engine.common.environment import CONFIG
+    from service.common.settings import SettingsError
     from service.common.settings_sources import default_config_path, resolve
 
-    path = Path(os.environ.get(ENV_PREFIX + "CONFIG") or default_config_path())
+    path = Path(CONFIG.get() or default_config_path())
     try:
         ctx.settings = resolve({})
     except SettingsError as exc:

@@ -78,7 +78,7 @@ def test_decode_merge_quantizes_its_output_as_the_quantizing_launch(dtype, heads
     for the o projection's int8 GEMV equal ``quantize_activations`` of that output bit
     for bit (a padded empty row included); one split (no merge) and a head dim that is
     not a power of two of whole groups hand back None, for the GEMV to quantize."""
-    from kernels.quant.triton_int8 import quantize_activations
+    from kernels.quant.triton_activations import quantize_activations
 
     g = torch.Generator().manual_seed(heads * 7 + head_dim)
     page_size, num_pages, lens = 16, 24, [37, 0, 5]

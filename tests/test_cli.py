@@ -402,3 +402,30 @@ def test_bench_engine_refuses_a_bad_batch_list(batches):
     result = invoke(["bench", "engine", "--device", "cpu", "--batches", batches])
     assert result.exit_code == 2
     assert "give positive integers separated by commas, e.g. 1,16" in result.output
+
+
+# -- kernel switches ---------------------------------------------------------------------------
+
+
+def test_generate_hands_its_kernel_switches_to_the_in_process_engine(monkeypatch):
+    """``headroom generate --no-quant-int8 --kernels torch`` (and a ``HEADROOM_*``
+    variable) reach the engine config the in-process engine starts from."""
+    from engine.commands import generate as generate_command
+
+    seen = {}
+    monkeypatch.setattr(generate_command, "run_generate", lambda **kw: seen.update(kw))
+    result = CliRunner().invoke(main, ["generate", "--no-quant-int8", "--kernels", "torch", "hi"],
+                                env={"HEADROOM_CONFIG": os.devnull, "HEADROOM_PDL": "off"})
+    assert result.exit_code == 0, result.output
+    config = seen["config"]
+    assert (config.quant_int8, config.kernels, config.pdl, config.quant_int8_fuse) == (False, "torch", False, False)
+
+
+@pytest.mark.parametrize("command", ["generate", "plan"])
+def test_a_bad_kernel_switch_is_refused_naming_its_flag_or_variable(command):
+    args = [command] + (["hi"] if command == "generate" else [])
+    by_flag = CliRunner().invoke(main, [command, "--kernels", "tritn", *args[1:]], env={"HEADROOM_CONFIG": os.devnull})
+    assert by_flag.exit_code == 2 and "--kernels: 'tritn' is not one of auto, torch" in by_flag.output
+    by_env = CliRunner().invoke(main, args, env={"HEADROOM_CONFIG": os.devnull, "HEADROOM_QUANT_INT8": "maybe"})
+    assert by_env.exit_code == 2
+    assert "environment HEADROOM_QUANT_INT8: quant_int8 = 'maybe' is not a valid bool" in by_env.output

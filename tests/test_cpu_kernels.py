@@ -241,9 +241,14 @@ def test_a_compiler_without_openmp_builds_once_and_a_killed_build_s_file_goes(tm
 
 
 def test_the_switch_turns_them_off(tmp_path, monkeypatch):
-    monkeypatch.setenv("HEADROOM_CPU_KERNELS", "off")
-    assert build.load.__wrapped__(str(tmp_path)) is None
-    assert build.why_not() == "HEADROOM_CPU_KERNELS=off"
+    """``--no-cpu-kernels`` (``HEADROOM_CPU_KERNELS=0``), read at each call: no library,
+    and why; the engine's loader and plan see none either."""
+    from kernels.switches import using
+
+    with using(cpu_kernels=False):
+        assert build.load(str(tmp_path)) is None
+        assert build.why_not() == build.SWITCHED_OFF and "HEADROOM_CPU_KERNELS=0" in build.why_not()
+        assert cpu_kernels() is None
 
 
 def test_a_build_is_reused_and_named_by_its_sources(tmp_path):

@@ -229,7 +229,7 @@ def test_norms_quantizing_for_the_int8_gemv_give_the_same_logits(tmp_path, paged
     """The decoder's norms and SiLU-and-mul (and, at a decode step on the Triton
     attention backend, the attention's split merge) writing their outputs quantized for
     the int8 GEMV (the default on CUDA) against the projections quantizing them in
-    launches of their own (``HEADROOM_QUANT_INT8_PRODUCER=0``): the same logits at rows
+    launches of their own (``--no-quant-int8-producer``): the same logits at rows
     of 3 and 1 tokens, with only the o projection's rows left to a quantizing launch
     where the attention cannot write them (torch's backend; the 3-token extend).
     Triton's interpreter on the CPU, bfloat16; bit for bit there (on CUDA the small
@@ -243,14 +243,13 @@ def test_norms_quantizing_for_the_int8_gemv_give_the_same_logits(tmp_path, paged
     from engine.loader.gguf_quant import load_gguf_quantized
     from engine.loader.hf_config import load_model_config
     from kernels import dispatch
-    from kernels.quant import triton_int8
-    from kernels.quant import triton_kernel as triton_quant
+    from kernels.quant import triton_activations, triton_int8
+    from kernels.switches import using
 
     dev = kernel_device()
     if dev == "cpu":  # the Triton paths, interpreted, on CPU tensors
         monkeypatch.setattr(dispatch, "use_triton", lambda t: True)
         monkeypatch.setattr(quant_linear, "use_triton", lambda t: True)
-    monkeypatch.setattr(triton_quant, "_INT8_FUSE", False)
     folder = write_shape("llama-3.1-8b", tmp_path / "cfg", hidden_size=256, intermediate_size=256,
                          num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
                          max_position_embeddings=64, rope_scaling=None)
@@ -260,23 +259,23 @@ def test_norms_quantizing_for_the_int8_gemv_give_the_same_logits(tmp_path, paged
     model = load_gguf_quantized(config, path, dev, torch.bfloat16)
     assert isinstance(model.lm_head, QuantLinear)
     launches = []
-    quantize = triton_int8.quantize_activations
+    quantize = triton_activations.quantize_activations
 
     def counted(x):
         launches.append(x.shape)
         return quantize(x)
 
-    monkeypatch.setattr(triton_int8, "quantize_activations", counted)
+    monkeypatch.setattr(triton_activations, "quantize_activations", counted)
     if dev == "cpu":  # 64 weight rows a program: few programs for the interpreter, either way
         gemv_parts = triton_int8.int8_gemv_parts
         monkeypatch.setattr(triton_int8, "int8_gemv_parts",
                             lambda x, parts, block_n=None, **kw: gemv_parts(x, parts, block_n=block_n or 64, **kw))
     logits = {}
     for producer in (True, False):
-        monkeypatch.setattr(triton_quant, "_INT8_PRODUCER", producer)
         launches.clear()
-        runner = paged_runner(model, config, device=dev, attention=attention)
-        logits[producer] = [runner.step({0: [3, 1, 4]}), runner.step({0: [1]})]
+        with using(quant_int8_fuse=False, quant_int8_producer=producer):
+            runner = paged_runner(model, config, device=dev, attention=attention)
+            logits[producer] = [runner.step({0: [3, 1, 4]}), runner.step({0: [1]})]
         # Per step: o's rows alone (not at Triton's decode step), or q/k/v's, o's,
         # gate/up's, down's and the LM head's.
         own = 2 if attention == "torch" else 1

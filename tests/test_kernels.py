@@ -17,6 +17,7 @@ from kernels import dispatch
 from kernels.activation import reference as activation
 from kernels.norm import reference as rms_norm
 from kernels.rotary import reference as rotary
+from kernels.switches import using
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -159,26 +160,24 @@ def test_gemv_matches_its_reference(dev, dtype, rows, k, n, monkeypatch):
     from kernels.gemv import reference as gemv
     from kernels.gemv import triton_kernel as triton_gemv
 
-    monkeypatch.setenv("HEADROOM_GEMV", "1")
-
     g = torch.Generator().manual_seed(rows * k + n)
     x = torch.randn(rows, k, generator=g).to(dev, dtype)
     w = (torch.randn(2 * n, k, generator=g) / k**0.5).to(dev, dtype)
-    assert_close(triton_gemv.linear(x, w), gemv.linear(x, w))
-    assert_close(triton_gemv.gate_up_silu(x, w), gemv.gate_up_silu(x, w))
+    with using(gemv=True):  # --gemv
+        assert_close(triton_gemv.linear(x, w), gemv.linear(x, w))
+        assert_close(triton_gemv.gate_up_silu(x, w), gemv.gate_up_silu(x, w))
 
 
 def test_gemv_leaves_larger_steps_and_float32_to_the_reference(dev, monkeypatch):
     from kernels.gemv import reference as gemv
     from kernels.gemv import triton_kernel as triton_gemv
 
-    monkeypatch.setenv("HEADROOM_GEMV", "1")
-
     x, w = torch.randn(17, 32, device=dev), torch.randn(24, 32, device=dev)
-    assert torch.equal(triton_gemv.linear(x, w), gemv.linear(x, w))
-    xb, wb = x.to(torch.bfloat16), w.to(torch.bfloat16)
-    assert torch.equal(triton_gemv.linear(xb, wb), gemv.linear(xb, wb))  # 17 rows: cuBLAS's
-    assert triton_gemv.gate_up_silu(x[:4], w).shape == (4, 12)
+    with using(gemv=True):  # --gemv
+        assert torch.equal(triton_gemv.linear(x, w), gemv.linear(x, w))
+        xb, wb = x.to(torch.bfloat16), w.to(torch.bfloat16)
+        assert torch.equal(triton_gemv.linear(xb, wb), gemv.linear(xb, wb))  # 17 rows: cuBLAS's
+        assert triton_gemv.gate_up_silu(x[:4], w).shape == (4, 12)
 
 
 def test_dispatch_uses_the_reference_on_cpu(monkeypatch):
@@ -197,13 +196,12 @@ def test_dispatch_uses_the_reference_on_cpu(monkeypatch):
 
 
 def test_headroom_kernels_torch_forces_the_references(monkeypatch):
-    monkeypatch.setenv("HEADROOM_KERNELS", "torch")
-    dispatch.triton_available.cache_clear()
-    try:
+    """``--kernels torch`` (``HEADROOM_KERNELS=torch``): the references everywhere, read at
+    each call, CUDA tensors included."""
+    monkeypatch.setattr(dispatch, "_triton_imports", lambda: True)
+    with using(kernels="torch"):
         assert not dispatch.triton_available()
-    finally:
-        monkeypatch.delenv("HEADROOM_KERNELS")
-        dispatch.triton_available.cache_clear()
+    assert dispatch.triton_available()
 
 
 def test_kernels_compile_for_hopper_without_a_gpu():
@@ -214,17 +212,26 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     assert "sampling ok" in done.stdout
 
 
-def test_kernel_switches_take_the_usual_words_and_refuse_others(monkeypatch):
-    """``HEADROOM_QUANT_INT8`` and the other kernel switches: unset means the default,
-    1/true/yes/on and 0/false/no/off (any case) are read, anything else is refused with
-    the variable and the accepted words named (a typo must not silently mean on)."""
-    from kernels.env import env_flag
+def test_kernel_switches_take_the_usual_words_and_refuse_others():
+    """``HEADROOM_QUANT_INT8`` and the other kernel switches: unset (or empty) means the
+    default, 1/true/yes/on and 0/false/no/off (any case) are read, anything else is
+    refused with the variable and the accepted words named (a typo must not silently
+    mean on); the same words through serve's settings, whose message names the
+    variable too."""
+    from engine.common.environment import kernel_switches
+    from kernels.switches import KernelSwitches
+    from service.cli.settings import SettingsError, resolve
 
-    monkeypatch.delenv("HEADROOM_TEST_SWITCH", raising=False)
-    assert env_flag("HEADROOM_TEST_SWITCH", True) and not env_flag("HEADROOM_TEST_SWITCH", False)
-    for word, value in (("1", True), ("On", True), ("yes", True), ("FALSE", False), ("off", False), ("0", False)):
-        monkeypatch.setenv("HEADROOM_TEST_SWITCH", word)
-        assert env_flag("HEADROOM_TEST_SWITCH", not value) is value
-    monkeypatch.setenv("HEADROOM_TEST_SWITCH", "abc")
-    with pytest.raises(ValueError, match=r"HEADROOM_TEST_SWITCH='abc' is not a switch: use 1/0, true/false"):
-        env_flag("HEADROOM_TEST_SWITCH", True)
+    assert kernel_switches({}) == KernelSwitches() == kernel_switches({"HEADROOM_QUANT_INT8": ""})
+    for default in (True, False):
+        for word, value in (("1", True), ("On", True), ("yes", True), ("FALSE", False), ("off", False), ("0", False)):
+            name = "quant_int8" if default else "quant_int8_fuse"
+            assert getattr(kernel_switches({f"HEADROOM_{name.upper()}": word}), name) is value
+    assert kernel_switches({"HEADROOM_KERNELS": "Torch"}).kernels == "torch"
+    with pytest.raises(ValueError, match=r"HEADROOM_QUANT_INT8='abc' is not a value of --quant-int8: use 1/0, true/false"):
+        kernel_switches({"HEADROOM_QUANT_INT8": "abc"})
+    with pytest.raises(ValueError, match=r"HEADROOM_KERNELS='tritn' is not a value of --kernels: use auto, torch"):
+        kernel_switches({"HEADROOM_KERNELS": "tritn"})
+    with pytest.raises(SettingsError, match=r"environment HEADROOM_QUANT_INT8: quant_int8 = 'abc' is not a valid bool "
+                                            r"\(use true/false, on/off, yes/no or 1/0\)"):
+        resolve({}, env={"HEADROOM_CONFIG": "/dev/null", "HEADROOM_QUANT_INT8": "abc"})

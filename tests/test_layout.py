@@ -158,3 +158,95 @@ def test_no_benchmark_at_the_engine_root_or_in_its_commands():
     core = _graph("engine")
     assert not [(m, d) for m, deps in core.items() if not m.startswith(("engine.bench", "engine.commands"))
                 for d in deps if d.startswith("engine.bench")]
+
+
+# The one module that reads headroom's environment variables (HEADROOM_*): options and
+# env-only settings alike go through it (engine.common.environment's docstring).
+ENVIRONMENT_READER = "engine/common/environment.py"
+# What a module may do with os.environ without reading a variable: copy it whole for a
+# child process, or set and drop variables.
+_ENVIRON_WRITES = ("copy", "update", "pop", "setdefault")
+
+
+def _parents(tree: ast.AST) -> dict[ast.AST, ast.AST]:
+    return {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+
+
+def _is_os_environ(node: ast.AST) -> bool:
+    return (isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv")
+            and isinstance(node.value, ast.Name) and node.value.id == "os")
+
+
+def _variable_read(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> str | None:
+    """What a use of ``os.environ``/``os.getenv`` reads: ``""`` for nothing (a copy for a
+    child, a write), the variable's name where it is written out, ``"?"`` where it is
+    not (a name computed at run time, or the environment handed on as a mapping)."""
+    up = parents.get(node)
+    if (isinstance(up, ast.Call) and isinstance(up.func, ast.Name) and up.func.id == "dict" and up.args == [node]) \
+            or (isinstance(up, ast.Dict) and node in up.values) \
+            or (isinstance(up, ast.Attribute) and up.attr in _ENVIRON_WRITES) \
+            or (isinstance(up, ast.Subscript) and isinstance(up.ctx, (ast.Store, ast.Del))):
+        return ""
+    while isinstance(up, ast.IfExp):  # (os.environ if env is None else env).get(...)
+        node, up = up, parents.get(up)
+    key = None
+    if isinstance(up, ast.Call) and up.func is node:  # os.getenv(NAME)
+        key = up.args[0] if up.args else None
+    elif isinstance(up, ast.Attribute) and up.attr == "get" and isinstance(parents.get(up), ast.Call):
+        call = parents[up]
+        key = call.args[0] if call.args else None
+    elif isinstance(up, ast.Subscript):
+        key = up.slice
+    elif isinstance(up, ast.Compare) and node in up.comparators:  # NAME in os.environ
+        key = up.left
+    if isinstance(key, ast.Constant) and isinstance(key.value, str):
+        return key.value
+    return "?"
+
+
+def _headroom_reads(tree: ast.AST) -> list[str]:
+    """``line: variable`` of each read of a ``HEADROOM_*`` variable, or of a variable whose
+    name is not written out (which could be one)."""
+    parents = _parents(tree)
+    found = []
+    for node in ast.walk(tree):
+        if _is_os_environ(node):
+            name = _variable_read(node, parents)
+            if name == "?" or name.startswith("HEADROOM_"):
+                found.append(f"{node.lineno}: {name}")
+    return found
+
+
+def test_only_the_environment_module_reads_headroom_variables():
+    """No module of engine/, service/ or kernels/ but :data:`ENVIRONMENT_READER` reads a
+    ``HEADROOM_*`` variable, or a variable whose name it does not write out: an option
+    is read by the option system, an env-only setting through its declaration there.
+    Other programs' variables (``CUDA_VISIBLE_DEVICES``, ``TRITON_INTERPRET``, ``CC``)
+    are read where they are used, by name."""
+    offenders = []
+    for top in ("engine", "service", "kernels"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            where = str(path.relative_to(ROOT))
+            if where != ENVIRONMENT_READER:
+                offenders += [f"{where}:{read}" for read in _headroom_reads(ast.parse(path.read_text(), where))]
+    assert not offenders, "reads of the environment outside " + ENVIRONMENT_READER + ":\n" + "\n".join(offenders)
+
+
+def test_the_environment_check_sees_a_read():
+    """The check above catches the ways a module reads a variable, and lets another
+    program's variable, a copy for a child or a write pass."""
+    def flagged(code: str) -> bool:
+        return bool(_headroom_reads(ast.parse(code)))
+
+    assert flagged('import os\nx = os.environ.get("HEADROOM_PDL")')
+    assert flagged('import os\nx = os.getenv("HEADROOM_PDL")')
+    assert flagged('import os\nx = "HEADROOM_PDL" in os.environ')
+    assert flagged('import os\nx = os.environ["HEADROOM_PORT"]')
+    assert flagged('import os\nfrom p import ENV_PREFIX\nx = os.environ[ENV_PREFIX + "PORT"]')
+    assert flagged('import os\ndef flag(name):\n    return os.environ.get(name)')
+    assert flagged('import os\ndef f(env=None):\n    env = os.environ if env is None else env\n'
+                   '    return env.get("HEADROOM_CONFIG")')
+    assert not flagged('"""HEADROOM_PDL=0 turns it off."""\nimport os\nx = os.environ.get("CC")')
+    assert not flagged('import os\nx = (os.environ if e is None else e).get("CUDA_VISIBLE_DEVICES", "")')
+    assert not flagged('import os\nenv = dict(os.environ)\nenv["HEADROOM_CONFIG"] = "x"')
+    assert not flagged('import os\nos.environ.update(NCCL_ENV)\nos.environ["HEADROOM_X"] = "1"')

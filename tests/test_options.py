@@ -217,3 +217,57 @@ def test_a_missing_config_file_is_named_by_its_absolute_path(tmp_path, monkeypat
     with pytest.raises(SettingsError) as info:
         resolve({}, env={}, config_path=Path("c1.toml"))
     assert str(info.value) == f"config file {tmp_path / 'c1.toml'} does not exist"
+
+
+# -- the kernel switches (kernels.switches) as options ---------------------------------------
+
+
+def test_kernel_switches_are_options_of_the_engine():
+    """Each field of :class:`kernels.switches.KernelSwitches` is an option of the engine
+    (so of serve, generate, plan and bench engine): its name, type, default, help and
+    values, the flag and variable from the name; ``HEADROOM_KERNELS`` and
+    ``HEADROOM_TP_CUDA_GRAPHS`` keep their names."""
+    from kernels.switches import KernelSwitches
+
+    by_name = {o.name: o for o in options_of(EngineConfig)}
+    for f in dataclasses.fields(KernelSwitches):
+        opt = by_name[f.name]
+        assert (opt.default, opt.help, opt.choices) == (f.default, f.metadata["help"], f.metadata["choices"])
+        assert opt.type is (bool if isinstance(f.default, bool) else str)
+    assert (by_name["quant_int8"].flag, by_name["quant_int8"].env) == ("--quant-int8", "HEADROOM_QUANT_INT8")
+    assert by_name["kernels"].env == "HEADROOM_KERNELS" and by_name["kernels"].choices == ("auto", "torch")
+    assert by_name["tp_cuda_graphs"].env == "HEADROOM_TP_CUDA_GRAPHS" and not by_name["tp_cuda_graphs"].default
+
+
+def test_kernel_switch_flags_and_variables_reach_the_worker(tmp_path):
+    """A flag, a variable and a config key of a kernel switch land in the worker's engine
+    config as the spawned worker receives it (pickled), and from there in the switches
+    the engine hands the kernels."""
+    import pickle
+
+    from kernels.switches import KernelSwitches
+    from service.cli.settings import resolve
+
+    config = tmp_path / "config.toml"
+    config.write_text("quant_int8_parts = false\n")
+    settings = resolve({"quant_int8": False, "pdl": False},
+                       env={"HEADROOM_KERNELS": "torch", "HEADROOM_GEMV": "on"}, config_path=config)
+    worker = pickle.loads(pickle.dumps(settings.worker_config()))
+    assert pick(worker.engine, KernelSwitches) == KernelSwitches(kernels="torch", pdl=False, gemv=True,
+                                                                 quant_int8=False, quant_int8_parts=False)
+    assert [settings.sources[n] for n in ("quant_int8", "kernels", "quant_int8_parts", "quant_ptx")] == \
+        ["--quant-int8", "HEADROOM_KERNELS", str(config), "default"]
+
+
+def test_the_engine_hands_its_kernel_switches_to_the_kernels(tmp_path, make_tiny_hf_model):
+    """The engine's constructor configures the kernels from its config before it loads
+    anything (the worker's and ``headroom generate``'s engine alike)."""
+    from engine.core.engine import Engine
+    from kernels.switches import KernelSwitches, current, using
+
+    make_tiny_hf_model("qwen3", tmp_path, vocab_size=256)
+    wanted = KernelSwitches(kernels="torch", pdl=False, cpu_kernels=False, quant_int8=False)
+    with using():  # the process's switches as they were afterwards
+        Engine(EngineConfig(model=str(tmp_path), device="cpu", dtype="float32", num_pages=64,
+                            **dataclasses.asdict(wanted)))
+        assert current() == wanted

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kernels import pdl
+from kernels.switches import using
 
 
 def test_no_pdl_on_the_cpu():
@@ -19,13 +20,13 @@ def test_no_pdl_on_the_cpu():
 def test_the_switch_and_the_device_decide(monkeypatch):
     monkeypatch.setattr(pdl, "_supported", lambda index: True)
     cuda = torch.device("cuda", 0)
-    monkeypatch.setattr(pdl, "PDL", True)
-    assert pdl.launch_args(cuda) == {"PDL": 1, "launch_pdl": True}
-    monkeypatch.setattr(pdl, "PDL", False)  # HEADROOM_PDL=0
-    assert pdl.launch_args(cuda) == {"PDL": 0}
-    monkeypatch.setattr(pdl, "PDL", True)
-    monkeypatch.setattr(pdl, "_supported", lambda index: False)  # before sm_90, or an old Triton
-    assert pdl.launch_args(cuda) == {"PDL": 0}
+    with using(pdl=True):
+        assert pdl.launch_args(cuda) == {"PDL": 1, "launch_pdl": True}
+    with using(pdl=False):  # --no-pdl, HEADROOM_PDL=0
+        assert pdl.launch_args(cuda) == {"PDL": 0}
+    with using(pdl=True):
+        monkeypatch.setattr(pdl, "_supported", lambda index: False)  # before sm_90, or an old Triton
+        assert pdl.launch_args(cuda) == {"PDL": 0}
 
 
 def test_the_interpreter_never_takes_it(monkeypatch):
@@ -37,9 +38,11 @@ def test_the_interpreter_never_takes_it(monkeypatch):
         pdl._supported.cache_clear()
 
 
-def test_a_typo_in_the_switch_is_refused(monkeypatch):
-    from kernels.env import env_flag
+def test_a_typo_in_the_switch_is_refused():
+    from engine.common.environment import kernel_switches
+    from service.cli.settings import SettingsError, resolve
 
-    monkeypatch.setenv("HEADROOM_PDL", "onn")
-    with pytest.raises(ValueError, match="HEADROOM_PDL='onn' is not a switch"):
-        env_flag("HEADROOM_PDL", True)
+    with pytest.raises(ValueError, match="HEADROOM_PDL='onn' is not a value of --pdl"):
+        kernel_switches({"HEADROOM_PDL": "onn"})
+    with pytest.raises(SettingsError, match="environment HEADROOM_PDL: pdl = 'onn' is not a valid bool"):
+        resolve({}, env={"HEADROOM_CONFIG": "/dev/null", "HEADROOM_PDL": "onn"})

@@ -21,8 +21,9 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kernels.quant import triton_int8
-from kernels.quant import triton_kernel as triton_quant
+from kernels.quant import triton_activations, triton_int8  # noqa: E402
+from kernels.quant import triton_kernel as triton_quant  # noqa: E402
+from kernels.quant.triton_decode import layout_constexprs  # noqa: E402
 from kernels.quant.formats import FORMATS, REPACKED, block_format  # noqa: E402
 
 # Every GGUF type kept quantized and every layout the loader repacks into.
@@ -117,7 +118,7 @@ def _int8_variants(type_names: list[str]) -> int:
                       f"{' x-quant' if quant_x else ''}: {regs} registers, {frame} B stack")
                 failures += frame > 0 and not quant_x
     if type_names:
-        regs, frame, _ = _compile(triton_int8._quantize_kernel, {
+        regs, frame, _ = _compile(triton_activations._quantize_kernel, {
             "x_ptr": "*bf16", "q_ptr": "*i8", "d_ptr": "*fp32", "s_ptr": "*i32", "groups": "i32",
             "stride_xm": "i32", "stride_qm": "i32", "stride_dm": "i32", "stride_sm": "i32"}, {"G": 32, "PDL": 1}, 4)
         print(f"quantize int8: {regs} registers, {frame} B stack")
@@ -133,7 +134,7 @@ def main(type_names: list[str]) -> int:
     failures = 0
     common = {"M": "i32", "N": "i32", "K": "i32", "row_bytes": "i32"}
     for fmt in (LAYOUTS[name] for name in type_names or LAYOUTS):
-        layout = triton_quant._layout(fmt)
+        layout = layout_constexprs(fmt)
         for atomic, block_n, kb, warps in ((False, 4, 2, 4), (False, 1, 4, 2), (True, 4, 2, 4)):
             kb = kb if fmt.block_elements > 32 else kb * 8
             out = "*fp32" if atomic else "*bf16"

@@ -172,7 +172,7 @@ def model_rows(iters: int) -> list[str]:
     from engine.kvcache.pool import KVPool
     from engine.layers.attention.torch_backend import TorchAttentionBackend
     from engine.loader.load import load_model
-    from kernels import dispatch
+    from kernels.switches import using
 
     with tempfile.TemporaryDirectory() as tmp:
         model, cfg = load_model(write_shape("qwen3-0.6b", tmp), "cuda", torch.bfloat16, load_format="dummy")
@@ -188,10 +188,8 @@ def model_rows(iters: int) -> list[str]:
         attn.prepare(batch)
         attn.prepare = lambda b: None  # metadata once; the step is what is timed
         cells = {}
-        original = dispatch.use_triton
         for kind in ("torch", "triton"):
-            dispatch.use_triton = original if kind == "triton" else (lambda t: False)
-            try:
+            with using(kernels="auto" if kind == "triton" else "torch"):  # --kernels torch: the references
                 step = functools.partial(model, batch, attn)
                 cells[f"{kind} eager"] = _eager_us(step, max(iters // 10, 10)) / 1000
                 try:
@@ -199,8 +197,6 @@ def model_rows(iters: int) -> list[str]:
                 except RuntimeError as e:  # a backend op that cannot be captured
                     cells[f"{kind} graph"] = float("nan")
                     print(f"graph capture failed ({kind}): {str(e).splitlines()[0]}")
-            finally:
-                dispatch.use_triton = original
         order = ("torch eager", "triton eager", "torch graph", "triton graph")
         lines.append(f"| batch {batch_size} | " + " | ".join(f"{cells[k]:.3f}" for k in order) + " |")
     return lines
@@ -210,6 +206,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=200)
     args = parser.parse_args()
+    from engine.common import environment
+    from kernels.switches import configure
+
+    try:  # the kernel switches as serve reads them (HEADROOM_PDL=0 ...)
+        configure(environment.kernel_switches())
+    except ValueError as e:
+        parser.error(str(e))
     if not torch.cuda.is_available():
         raise SystemExit("engine.bench.kernels needs a CUDA device")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")

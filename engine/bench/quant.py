@@ -15,7 +15,9 @@ unless ``HEADROOM_QUANT_INT8=0``; ``--float-gemv`` then times the float GEMV too
 their own first, or by the norm or SiLU-and-mul kernel that writes them where one does,
 the default, ``HEADROOM_QUANT_INT8_PRODUCER=0`` to turn off; or inside the GEMV,
 ``HEADROOM_QUANT_INT8_FUSE=1``; q/k/v's Q4_K and Q6_K parts in one launch, the default,
-or one each, ``HEADROOM_QUANT_INT8_PARTS=0``).
+or one each, ``HEADROOM_QUANT_INT8_PARTS=0``). The kernel switches (:mod:`kernels.switches`)
+are read from their ``HEADROOM_*`` variables as serve reads them
+(:func:`engine.common.environment.kernel_switches`); the variants set them in turn.
 
 Per row: weights' VRAM, step time, tokens/s, and the share of the HBM roofline: the
 bytes one step must read (every weight but the embedding table, which a step only
@@ -47,6 +49,8 @@ from engine.bench.quant_gemv import (
 )
 from engine.bench.random_gguf import write_random_gguf, write_shape_gguf
 from engine.common.units import GiB
+from engine.common import environment
+from kernels.switches import configure, current, using
 
 
 def step_bytes(model: torch.nn.Module, config, batch: int, context: int, kv_bytes_per_token: int) -> int:
@@ -125,21 +129,10 @@ _GEMV_VARIANTS = (("float GEMV", False, False, False, False),
 
 
 def _gemv_switches() -> tuple[bool, bool, bool, bool]:
-    """The GEMV switches of :mod:`kernels.quant.triton_kernel` as they are now (read from
-    ``HEADROOM_QUANT_INT8``, ``_INT8_FUSE``, ``_INT8_PARTS`` and ``_INT8_PRODUCER`` at
-    import): ``(int8, fuse, parts, producer)``."""
-    from kernels.quant import triton_kernel as triton_quant
-
-    return triton_quant._INT8, triton_quant._INT8_FUSE, triton_quant._INT8_PARTS, triton_quant._INT8_PRODUCER
-
-
-def _set_gemv_switches(int8: bool, fuse: bool, parts: bool, producer: bool) -> None:
-    """Set the switches :func:`_gemv_switches` reads (they are read at each call, so a
-    graph captured after this takes them)."""
-    from kernels.quant import triton_kernel as triton_quant
-
-    triton_quant._INT8, triton_quant._INT8_FUSE = int8, fuse
-    triton_quant._INT8_PARTS, triton_quant._INT8_PRODUCER = parts, producer
+    """The GEMV switches of :mod:`kernels.switches` in force: ``(quant_int8,
+    quant_int8_fuse, quant_int8_parts, quant_int8_producer)``."""
+    s = current()
+    return s.quant_int8, s.quant_int8_fuse, s.quant_int8_parts, s.quant_int8_producer
 
 
 def variant_rows(model, config, batches: list[int], context: int, bandwidth: float) -> list[str]:
@@ -149,11 +142,10 @@ def variant_rows(model, config, batches: list[int], context: int, bandwidth: flo
     them, or inside the GEMV; a projection of Q4_K and Q6_K parts in a launch a part,
     or in one); then the batches above one with
     every multi-row step on the GEMM (tensor cores, the weights read once) instead of
-    the GEMV (the weights read once per row). Leaves the model repacked, the module
-    defaults restored."""
+    the GEMV (the weights read once per row). Each variant runs under its switches
+    (:func:`kernels.switches.using`); leaves the model repacked, the switches as they were."""
     from kernels.quant import triton_kernel as triton_quant
 
-    saved = _gemv_switches()
     gemv_rows_max = triton_quant.GEMV_MAX_ROWS
     rows = []
     try:
@@ -161,10 +153,10 @@ def variant_rows(model, config, batches: list[int], context: int, bandwidth: flo
             set_q6k_layout(model, repacked)
             layout = "Q6_K planes" if repacked else "Q6_K blocks"
             for name, use_int8, apart, one_launch, producer in _GEMV_VARIANTS:
-                _set_gemv_switches(use_int8, not apart, one_launch, producer)
-                rows += decode_rows(model, config, batches, context, bandwidth, f"GGUF Q4_K/{layout}, {name}")
+                with using(quant_int8=use_int8, quant_int8_fuse=not apart, quant_int8_parts=one_launch,
+                           quant_int8_producer=producer):
+                    rows += decode_rows(model, config, batches, context, bandwidth, f"GGUF Q4_K/{layout}, {name}")
                 print("\n".join(rows[-len(batches):]), flush=True)
-            _set_gemv_switches(*saved)
             triton_quant.GEMV_MAX_ROWS = 1
             many = [b for b in batches if b > 1]
             if many:
@@ -172,7 +164,6 @@ def variant_rows(model, config, batches: list[int], context: int, bandwidth: flo
                 print("\n".join(rows[-len(many):]), flush=True)
             triton_quant.GEMV_MAX_ROWS = gemv_rows_max
     finally:
-        _set_gemv_switches(*saved)
         triton_quant.GEMV_MAX_ROWS = gemv_rows_max
         set_q6k_layout(model, True)
     return rows
@@ -304,6 +295,10 @@ def main(argv: list[str] | None = None) -> None:
                         "model's tokenizer")
     args = p.parse_args(argv)
     _check_args(p, args)
+    try:
+        configure(environment.kernel_switches())
+    except ValueError as e:
+        p.error(str(e))
     if args.write_gguf is not None:
         write_shape_gguf(Path(args.write_gguf).expanduser(), args.shape, args.layers)
         return
@@ -328,17 +323,13 @@ def main(argv: list[str] | None = None) -> None:
             print("\n".join(decode_rows(model, config, batches, args.context, bandwidth, "GGUF Q4_K/Q6_K")),
                   flush=True)
         if pdl.enabled(torch.device("cuda")):  # the same step launched in stream order
-            pdl.PDL = False
-            print("\n".join(decode_rows(model, config, batches, args.context, bandwidth,
-                                         "GGUF Q4_K/Q6_K, PDL off")), flush=True)
-            pdl.PDL = True
+            with using(pdl=False):
+                print("\n".join(decode_rows(model, config, batches, args.context, bandwidth,
+                                             "GGUF Q4_K/Q6_K, PDL off")), flush=True)
         if args.float_gemv:
-            from kernels.quant import triton_kernel as triton_quant
-
-            int8, triton_quant._INT8 = triton_quant._INT8, False
-            print("\n".join(decode_rows(model, config, batches, args.context, bandwidth,
-                                         "GGUF Q4_K/Q6_K, float GEMV")), flush=True)
-            triton_quant._INT8 = int8
+            with using(quant_int8=False):
+                print("\n".join(decode_rows(model, config, batches, args.context, bandwidth,
+                                             "GGUF Q4_K/Q6_K, float GEMV")), flush=True)
         gemv = gemv_rows(model, bandwidth) + gemv_rows(model, bandwidth, m=16)
         if args.profile:
             print("\n| kernel (GGUF, eager batch 1) | calls/step | us/step | share |\n|---|---|---|---|")

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from engine.common.units import GiB
+from kernels.switches import using
 
 GRAPH_REPLAYS = 50
 
@@ -55,9 +56,10 @@ def _gemv_seconds(x: torch.Tensor, w: torch.Tensor, kind: str, replays: int = GR
 def _int8_seconds(x: torch.Tensor, w: torch.Tensor, kind: str, variant: dict, replays: int = 5, **tiling) -> float:
     """As :func:`_gemv_seconds` for the int8 GEMV at a forced tiling and variant, the
     activations' quantization included (inside the GEMV, or in a launch of its own
-    first with ``HEADROOM_QUANT_INT8_FUSE=0``)."""
-    from kernels.quant.triton_int8 import int8_gemv, quantize_activations
-    from kernels.quant.triton_kernel import int8_quantize_apart
+    first unless the ``quant_int8_fuse`` switch is on)."""
+    from kernels.quant.int8_choice import int8_quantize_apart
+    from kernels.quant.triton_activations import quantize_activations
+    from kernels.quant.triton_int8 import int8_gemv
 
     turn = itertools.cycle(_rotating(w))
     if int8_quantize_apart():
@@ -95,6 +97,8 @@ def sweep_rows(bandwidth: float, shapes: list[tuple[str, int, int]]) -> list[str
 
     from kernels.quant import triton_int8
     from kernels.quant import triton_kernel as triton_quant
+    from kernels.quant.formats import block_format
+    from kernels.quant.int8_choice import int8_quantize_apart, uses_int8_dot
     from kernels.quant.synthetic import random_blocks
 
     rows = []
@@ -102,14 +106,14 @@ def sweep_rows(bandwidth: float, shapes: list[tuple[str, int, int]]) -> list[str
     for kind, n, k in shapes:
         w = torch.from_numpy(random_blocks(kind, n, k, rng, scale=1e-4)).cuda()
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        int8 = triton_quant.uses_int8_dot(kind)
+        int8 = uses_int8_dot(kind)
         results = []
         if int8:
-            configs = triton_int8._prune(triton_int8._configs(), {"QT": triton_quant.block_format(kind).code,
-                                                                  "QUANT_X": not triton_quant.int8_quantize_apart()})
+            configs = triton_int8._prune(triton_int8._configs(), {"QT": block_format(kind).code,
+                                                                  "QUANT_X": not int8_quantize_apart()})
         else:
             configs = triton_quant._prune(triton_quant._gemv_configs(),
-                                          {"QK": triton_quant.block_format(kind).block_elements})
+                                          {"QK": block_format(kind).block_elements})
         for c in configs:
             tiling = dict(block_n=c.kwargs["BLOCK_N"], blocks_per_step=c.kwargs["KB"], num_warps=c.num_warps, split_k=1)
             split = c.kwargs.get("SPLIT", 0)
@@ -140,10 +144,9 @@ def sweep_rows(bandwidth: float, shapes: list[tuple[str, int, int]]) -> list[str
         else:
             label = results[0][1]
             tiling = dict(item.split(" ") for item in label.split(", ")[:3])
-            triton_quant._ASM = False
-            other = _gemv_seconds(x, w, kind, replays=5, block_n=int(tiling["block_n"]),
-                                  blocks_per_step=int(tiling["kb"]), num_warps=int(tiling["warps"]), split_k=1)
-            triton_quant._ASM = True
+            with using(quant_ptx=False):
+                other = _gemv_seconds(x, w, kind, replays=5, block_n=int(tiling["block_n"]),
+                                      blocks_per_step=int(tiling["kb"]), num_warps=int(tiling["warps"]), split_k=1)
             results.append((other, label.replace("ptx True", "ptx False")))
         default = _gemv_seconds(x, w, kind, replays=5)
         tuned = triton_int8._tuned if int8 else triton_quant._gemv_tuned

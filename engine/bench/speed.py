@@ -17,6 +17,7 @@ the step loop runs.
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 import time
 from collections.abc import Callable
@@ -30,6 +31,7 @@ from engine.core.engine import Engine
 from engine.core.footprint import kv_bytes_per_token
 from engine.wire.messages import GenerateRequest, SamplingParams
 from engine.worker.cpu_threads import fit_between_steps
+from kernels.switches import KernelSwitches
 
 LONG_PREFILL_TOKENS = 8192
 
@@ -165,6 +167,7 @@ def run_bench_engine(
     shape: str | None = None, attention_backend: str = "auto", cuda_graphs: bool = True,
     long_prefill_tokens: int = LONG_PREFILL_TOKENS, transformers_side: bool = True, profile: bool = False,
     profile_batches: tuple[int, ...] = (1,), gguf_quantized: bool | None = None,
+    kernel_switches: KernelSwitches | None = None,
 ) -> list[dict]:
     """Measure both sides at each batch size and on one long prompt; returns one row per
     (case, side) and prints a table. Each side runs once untimed first (warm-up).
@@ -179,6 +182,8 @@ def run_bench_engine(
             ``profile_batches`` (:func:`profile_decode`).
         gguf_quantized: the engine keeps a GGUF ``model``'s projections quantized
             (``--gguf-quantized``).
+        kernel_switches: the engine's kernel switches (``--quant-int8``, ...; the
+            defaults when None).
 
     The engine runs every case before transformers is loaded, so the table ends with the
     engine's own peak resident memory (``peak_rss_mib`` in its rows: the process's peak
@@ -191,6 +196,7 @@ def run_bench_engine(
         model=model, device=device, load_format="dummy" if shape is not None else "auto",
         attention_backend=attention_backend, cuda_graphs=cuda_graphs,
         max_running_requests=max(64, *batches), gguf_quantized=gguf_quantized,
+        **dataclasses.asdict(kernel_switches or KernelSwitches()),
     ))
     on_cuda = engine.device.type == "cuda"
     # On the CPU the engine side fits its threads to the free cores between steps, as the

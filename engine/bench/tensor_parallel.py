@@ -68,7 +68,8 @@ def main(argv: list[str] | None = None) -> None:
     folder = tempfile.mkdtemp(prefix=f"headroom-bench-tp-{args.shape}-")
     write_shape(args.shape, folder)
     config = EngineConfig(model=folder, device=args.device, load_format="dummy",
-                          max_model_len=LONG_PREFILL_TOKENS + 256, cuda_graphs=args.cuda_graphs)
+                          max_model_len=LONG_PREFILL_TOKENS + 256, cuda_graphs=args.cuda_graphs,
+                          tp_cuda_graphs=args.cuda_graphs)
     measure_args = dict(prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens)
     rows: dict[str, dict[str, float]] = {}
     engine = Engine(config)

@@ -18,6 +18,7 @@ from engine.core.startup import (
     quantized_gguf,
     resolve_device,
     resolve_dtype,
+    use_kernel_switches,
 )
 from engine.loader.fp8 import resolve_quantization
 from engine.loader.gguf_quant import gguf_weight_size
@@ -78,6 +79,7 @@ def build_plan(config: EngineConfig) -> MemoryPlan:
         engine.common.errors.SettingRefused: a setting the model cannot honour
             (:func:`engine.core.settings_fit.check_for_model`).
     """
+    use_kernel_switches(config)
     device, dtype = planned_setup(config)
     whole = load_model_config(resolve_model(config.model))
     check_for_model(config, whole)
@@ -150,6 +152,8 @@ def cpu_holdings(config: EngineConfig) -> CpuHoldings:
     from engine.kvcache.pool import kv_storage_dtype
     from engine.loader.default_model import model_display_name
     from engine.loader.weight_size import weight_bytes
+
+    use_kernel_switches(config)
     from engine.memory.fixed_pool import unplanned_pages
     from engine.memory.host import host_memory
 

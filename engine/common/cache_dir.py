@@ -3,16 +3,17 @@ the built C kernels live. Torch-free: every floor may ask for it."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-CACHE_ENV = "HEADROOM_CACHE_DIR"
+from engine.common.environment import CACHE_DIR
+
+CACHE_ENV = CACHE_DIR.name
 
 
 def cache_root() -> Path:
     """headroom's cache folder: ``$HEADROOM_CACHE_DIR`` if set, else the platform's user
     cache dir (``~/.cache/headroom`` on Linux)."""
-    env = os.environ.get(CACHE_ENV)
+    env = CACHE_DIR.get()
     if env:
         return Path(env).expanduser()
     import platformdirs

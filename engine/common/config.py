@@ -11,7 +11,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from engine.common.options import at_least, device_spec, nonzero_size, option
+from engine.common.options import at_least, device_spec, nonzero_size, option, options_from
+from kernels.switches import KernelSwitches
 
 # The --attention-backend choices; engine.layers.attention.registry maps each built-in
 # name to its class.
@@ -155,11 +156,19 @@ def _auto_or_thread_count(value: str) -> str | None:
     return None
 
 
+# The kernel switches as options (--quant-int8/--no-quant-int8, HEADROOM_QUANT_INT8,
+# quant_int8 = ...): declared once, with their defaults and help, in kernels.switches.
+KernelOptions = options_from(KernelSwitches, "KernelOptions", __name__)
+
+
 @dataclass(frozen=True)
-class EngineConfig:
+class EngineConfig(KernelOptions):
     """Knobs of one engine instance; each option is declared here once
     (:func:`engine.common.options.option`), and ``headroom serve``, ``generate`` and ``plan``
-    build their flags, ``HEADROOM_*`` variables and config keys from these fields.
+    build their flags, ``HEADROOM_*`` variables and config keys from these fields. The
+    kernel switches come first, inherited from :data:`KernelOptions` (derived from
+    :class:`kernels.switches.KernelSwitches`); the engine hands them to the kernels when
+    it starts (:func:`kernels.switches.configure`).
 
     ``model`` is a path to a Hugging Face folder or a ``.gguf`` file, or ``None`` for the
     embedded default model. ``device`` is ``"auto"`` (CUDA when present), ``"cpu"`` or
@@ -324,6 +333,11 @@ class EngineConfig:
         "Split the model across this many GPUs of this machine (tensor parallel; one "
         "rank process per GPU, NCCL; gloo with --device cpu). The heads must divide by it.",
         checks=(at_least(1),),
+    )
+    tp_cuda_graphs: bool = option(
+        False,
+        "With --tensor-parallel-size above 1, capture the decode step in CUDA graphs too "
+        "(experimental: off, tensor-parallel ranks decode eagerly).",
     )
     # Not options (tests and benchmarks set them).
     load_format: str = "auto"  # "dummy": random weights of the config's shapes (benchmarks)

@@ -30,7 +30,7 @@ Configured by the ``HEADROOM_FAULTS`` environment variable, read once when the e
 (its :class:`engine.core.runner.ModelRunner`) is built, e.g.
 ``HEADROOM_FAULTS="prefill:req-1:2,sample:*:1"`` (``site:request[:times]``, rules
 separated by ``,``; times defaults to 1), or in-process through ``Engine.faults``
-(``engine.common.faults.add("decode", "req-1", times=3)``). With neither, the runner holds no
+(``engine.faults.add("decode", "req-1", times=3)``). With neither, the runner holds no
 injector and pays one ``is None`` test per step.
 
 Faults can also be armed while a worker runs (the chaos run, :mod:`service.bench.chaos`):
@@ -52,11 +52,13 @@ from pathlib import Path
 
 import torch
 
-ENV_VAR = "HEADROOM_FAULTS"
+from engine.common import environment
+
+ENV_VAR = environment.FAULTS.name
 SITES: tuple[str, ...] = ("prefill", "decode", "sample", "cuda_init")
 CUDA_INIT = "cuda_init"
 ANY_REQUEST = "*"
-SPOOL_ENV_VAR = "HEADROOM_FAULTS_DIR"
+SPOOL_ENV_VAR = environment.FAULTS_DIR.name
 SPOOL_POLL_S = 0.05
 
 
@@ -120,7 +122,7 @@ class FaultInjector:
         Raises:
             ValueError: a malformed rule (see :meth:`parse`).
         """
-        env = os.environ if environ is None else environ
+        env = environment.variables() if environ is None else environ
         spec = env.get(ENV_VAR, "").strip()
         spool = env.get(SPOOL_ENV_VAR, "").strip()
         if not spec and not spool:
@@ -238,7 +240,7 @@ def check_cuda_init(environ: Mapping[str, str] | None = None) -> None:
     """
     from engine.common.errors import CUDA_HINTS, CudaUnavailable
 
-    env = os.environ if environ is None else environ
+    env = environment.variables() if environ is None else environ
     failure = CudaUnavailable(
         "CUDA failed to initialise: CUDA unknown error (error 999, injected at site "
         f"cuda_init); {CUDA_HINTS}"

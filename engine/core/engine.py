@@ -33,6 +33,7 @@ from engine.core.startup import (
     quantized_gguf,
     resolve_device,
     resolve_dtype,
+    use_kernel_switches,
 )
 from engine.core.tp_follow import lead
 from engine.kvcache.allocator import PageAllocator
@@ -98,6 +99,9 @@ class Engine(PlanStages, GrammarWaits, LiveReplan):
                 "or use --tensor-parallel-size 1"
             )
         self.config = config
+        # The kernel switches (--quant-int8, --pdl, ...) before any weight is loaded or
+        # kernel launched: the loader's repacking and the kernels read them.
+        use_kernel_switches(config)
         # A rank of a tensor-parallel group (engine.parallel): this engine holds its
         # shard; rank 0's schedules and broadcasts, the others follow.
         self.tp = tp
@@ -392,7 +396,7 @@ class Engine(PlanStages, GrammarWaits, LiveReplan):
     @property
     def faults(self):
         """The test-only fault injector (``engine.common.faults.FaultInjector``), the one
-        ``HEADROOM_FAULTS`` configured or a new, empty one: ``engine.common.faults.add(site,
+        ``HEADROOM_FAULTS`` configured or a new, empty one: ``engine.faults.add(site,
         request_id, times)``."""
         if self.runner.faults is None:
             from engine.common.faults import FaultInjector

@@ -12,7 +12,6 @@ engine's ``config``, ``model_config``, ``model``, ``device``, ``dtype``, ``kv_dt
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
@@ -73,9 +72,9 @@ class PlanStages:
         # host), nor where a layer's experts live in host memory (the routed ids are read
         # back each step). Under tensor parallelism every rank can capture its graphs, the
         # all-reduces inside (engine.core.tp_graphs), but that path has not yet run on
-        # two GPUs: it stays opt-in (HEADROOM_TP_CUDA_GRAPHS=1) until it has, and the
+        # two GPUs: it stays opt-in (--tp-cuda-graphs) until it has, and the
         # group decodes eagerly as measured.
-        tp_ok = self.tp is None or os.environ.get("HEADROOM_TP_CUDA_GRAPHS") == "1"
+        tp_ok = self.tp is None or self.config.tp_cuda_graphs
         return (self.config.cuda_graphs and self.device.type == "cuda" and self._cuda_graph_max_batch >= 1
                 and not self.model_config.is_hybrid and not self.expert_stores and tp_ok
                 and backend_class(self.attention_backend).supports_cuda_graphs)

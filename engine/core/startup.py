@@ -3,7 +3,8 @@ device's memory as the plan sees it and the attention workspaces it charges (the
 knobs: ``PlanKnobs.of``).
 
 Shared by the engine's constructor and ``headroom plan`` (which plans without loading
-weights), so both plan the same dtype, backend and runtime on the same device.
+weights), so both plan the same dtype, backend and runtime on the same device, with the
+same kernel switches (:func:`use_kernel_switches`).
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ import torch
 from engine.common.config import EngineConfig, ModelConfig
 from engine.common.errors import CUDA_HINTS, CudaUnavailable, TorchWithoutCuda
 from engine.common.faults import check_cuda_init
+from engine.common.options import pick
 from engine.core.footprint import CUDA_RUNTIME_ESTIMATE_BYTES, make_footprint
 from engine.layers.attention.registry import backend_class, resolve_backend_name
 from engine.loader.resolve import gguf_file
 from engine.memory.device import nvml_index, probe_nvml, simulated_device
 from engine.memory.ledger import make_plan
 from engine.memory.plan import DeviceMemory, MemoryPlan, PlanKnobs
+from kernels.switches import KernelSwitches, configure
 
 if TYPE_CHECKING:
     from engine.loader.weight_size import WeightSize
@@ -31,6 +34,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def use_kernel_switches(config: EngineConfig) -> None:
+    """Hand ``config``'s kernel switches (``--quant-int8``, ``--pdl``, ...: the fields of
+    :data:`engine.common.config.KernelOptions`) to the kernels
+    (:func:`kernels.switches.configure`), before anything is planned, loaded or launched:
+    the plan prices the CPU kernels' layout, the loader repacks by them."""
+    configure(pick(config, KernelSwitches))
 
 
 def resolve_device(name: str) -> torch.device:

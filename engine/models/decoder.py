@@ -17,11 +17,11 @@ at load time.
 The elementwise work goes through :mod:`kernels.dispatch` (Triton on CUDA, the torch
 references elsewhere) in fused form: the residual add with the next RMSNorm, Qwen3's
 q/k norm with rotary and the KV-cache store (the model writes the pool, then calls the
-attention backend with ``kv_stored=True``), SiLU with the gate multiply, and, with ``HEADROOM_GEMV=1``, the projections of decode
+attention backend with ``kv_stored=True``), SiLU with the gate multiply, and, with the ``gemv`` switch on (``--gemv``), the projections of decode
 steps of a few tokens (matrix-vector kernels; the gate/up one applies SiLU-and-mul as it
 writes; :mod:`kernels.gemv.triton_kernel`). Before GGUF-block projections whose decode GEMV
 reads int8 activations, the norm or SiLU-and-mul that writes their input quantizes it
-in the same launch (:func:`wants_int8`; ``HEADROOM_QUANT_INT8_PRODUCER=0``: a launch of
+in the same launch (:func:`wants_int8`; ``--no-quant-int8-producer``: a launch of
 the projection's own). The forward
 reads no value back to the host, so a decode step can be captured in a CUDA graph.
 

@@ -5,7 +5,7 @@ input dtype, then multiplied by ``up`` and rounded again.
 
 With ``quantize=True`` the kernel also writes its output rows quantized for the int8
 GEMV of the down projection, as :mod:`kernels.norm.triton_kernel` does (the same codes as
-:func:`kernels.quant.triton_int8.quantize_activations` of the output, bit for bit).
+:func:`kernels.quant.triton_activations.quantize_activations` of the output, bit for bit).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
-from kernels.quant.triton_int8 import _q8_groups, producer_activations, producer_args
+from kernels.quant.triton_activations import producer_activations, producer_args, q8_groups
 from kernels.triton_round import round_to
 
 _BLOCK = 1024
@@ -41,7 +41,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, q_ptr, d_ptr, s_ptr, stride_x, stride_o
     if QUANT:
         # As the quantizing launch would load the stored value; the padding past inter
         # is zeros, in groups that are not stored.
-        _q8_groups(tl.reshape(y, (BLOCK // 32, 32)), q_ptr + row * stride_q, d_ptr + row * stride_d,
+        q8_groups(tl.reshape(y, (BLOCK // 32, 32)), q_ptr + row * stride_q, d_ptr + row * stride_d,
                    s_ptr + row * stride_s, tl.program_id(1) * (BLOCK // 32) + tl.arange(0, BLOCK // 32), inter // 32)
 
 

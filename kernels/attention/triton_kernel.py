@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
-from kernels.quant.triton_int8 import GROUP, _q8_groups, producer_activations, producer_args
+from kernels.quant.triton_activations import GROUP, producer_activations, producer_args, q8_groups
 
 _LOG2E = 1.4426950408889634
 
@@ -181,7 +181,7 @@ def _merge_kernel(
     if QUANT:
         # From the value as stored, as the quantizing launch would load it.
         groups: tl.constexpr = HEAD_DIM // 32
-        _q8_groups(tl.reshape(stored.to(tl.float32), (groups, 32)), Codes + b * stride_q, Scales + b * stride_d,
+        q8_groups(tl.reshape(stored.to(tl.float32), (groups, 32)), Codes + b * stride_q, Scales + b * stride_d,
                    Sums + b * stride_s, h * groups + tl.arange(0, groups), NUM_HEADS * groups)
 
 
@@ -205,7 +205,7 @@ def paged_decode(
 
     With ``quantize``: ``(out, q8)``, ``q8`` the rows ``out.view(B, H * D)`` quantized for
     the int8 GEMV of the o projection by the split merge as it writes them
-    (:class:`kernels.quant.triton_int8.Q8Activations`, equal to
+    (:class:`kernels.quant.triton_activations.Q8Activations`, equal to
     ``quantize_activations`` of those rows bit for bit), or None where the launch cannot
     (one split, so no merge; ``D`` not a power of two of whole groups of 32): the
     caller then quantizes them apart.

@@ -11,8 +11,9 @@ torch's own copy, so the kernels' threads are torch's intra-op pool, not a secon
 competing for the same cores.
 
 Where no compiler is found or the build fails, :func:`load` returns None and says why
-(:func:`why_not`); callers keep torch's kernels then. ``HEADROOM_CPU_KERNELS=0`` turns
-the C kernels off (to compare, or where a build misbehaves).
+(:func:`why_not`); callers keep torch's kernels then. The ``cpu_kernels`` switch
+(:mod:`kernels.switches`; ``--no-cpu-kernels``, ``HEADROOM_CPU_KERNELS=0``) turns the C
+kernels off (to compare, or where a build misbehaves).
 """
 
 from __future__ import annotations
@@ -29,13 +30,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from kernels.env import env_flag
+from kernels.switches import current
 
 log = logging.getLogger("headroom.kernels")
 
 SOURCES = ("block_gemv.c", "decode_layer.c")
 _HERE = Path(__file__).resolve().parent
 _why_not: list[str] = []
+# What :func:`why_not` says when the ``cpu_kernels`` switch is off.
+SWITCHED_OFF = "switched off (cpu_kernels: --no-cpu-kernels, HEADROOM_CPU_KERNELS=0)"
 
 
 def _flags(openmp: bool) -> list[str]:
@@ -137,18 +140,24 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
-@functools.cache
 def load(cache_dir: str) -> ctypes.CDLL | None:
-    """The built library (cached per process), or None where the kernels cannot run:
-    switched off, no compiler, a failed build, or a CPU without AVX2 (the plain C build
-    is slower than torch's own kernels; it is kept for tests, :func:`load_any`).
+    """The built library (built once per process), or None where the kernels cannot
+    run: switched off (read at each call, :data:`SWITCHED_OFF`), no compiler, a failed
+    build, or a CPU without AVX2 (the plain C build is slower than torch's own kernels;
+    it is kept for tests, :func:`load_any`).
 
     Args:
         cache_dir: the folder the library is built into (headroom's cache).
     """
-    if not env_flag("HEADROOM_CPU_KERNELS", True):
-        _why_not.append(f"HEADROOM_CPU_KERNELS={os.environ['HEADROOM_CPU_KERNELS']}")
+    if not current().cpu_kernels:
+        _why_not.append(SWITCHED_OFF)
         return None
+    return _load_fast(cache_dir)
+
+
+@functools.cache
+def _load_fast(cache_dir: str) -> ctypes.CDLL | None:
+    """:func:`load` past the switch: the library where the CPU has AVX2."""
     lib = load_any(cache_dir)
     if lib is not None and lib.hr_simd_level() < 1:
         _why_not.append("this CPU has no AVX2: torch's kernels are faster than the plain C build")

@@ -23,20 +23,21 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.gemv import reference as ref
-from kernels.env import env_flag
 from kernels.activation.triton_kernel import silu_and_mul
+from kernels.gemv import reference as ref
+from kernels.switches import current
 from kernels.triton_round import round_to
 
 MAX_ROWS = 16
 # Triton's interpreter multiplies bfloat16 tiles wrongly in ``tl.dot``; there the tiles
 # are widened to float32 first (exact: a product of two bfloat16 values fits float32).
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-# Opt-in (``HEADROOM_GEMV=1``): on an H200 these kernels were no faster than cuBLAS at
-# batch 1 (Qwen3-0.6B shape: 555 against 553 decode tok/s) and add compile time at start,
-# so the projections stay with cuBLAS unless asked. Read at each call, so a test can set it.
+# Opt-in (the ``gemv`` switch, kernels.switches; ``--gemv``, ``HEADROOM_GEMV=1``): on an
+# H200 these kernels were no faster than cuBLAS at batch 1 (Qwen3-0.6B shape: 555 against
+# 553 decode tok/s) and add compile time at start, so the projections stay with cuBLAS
+# unless asked. Read at each call, so a test can set it.
 def _enabled() -> bool:
-    return env_flag("HEADROOM_GEMV", False)
+    return current().gemv
 # The reduction width is a compile-time constant (a model has three: hidden size,
 # attention width, MLP width), so the loop over it is fully known to the compiler.
 _BLOCK_K = 128

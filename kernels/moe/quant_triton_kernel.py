@@ -11,7 +11,7 @@ passes run over the routed rows (token ``t``'s ``k``-th choice is row ``t * K + 
 2. down: ``act @ down_e.T`` -> ``[R, H]``, each row times its router weight;
 
 then the ``K`` rows of a token are summed in torch. Blocks are dequantized inside the
-K loop by the dense kernels' decoders (:mod:`kernels.quant.triton_kernel`), never to
+K loop by the dense kernels' decoders (:mod:`kernels.quant.triton_decode`), never to
 memory. Two shapes of program:
 
 - decode (up to :data:`GEMV_MAX_TOKENS` tokens): a **grouped GEMV**, one program per
@@ -35,18 +35,18 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.moe.reference import align_to_blocks
-from kernels.quant.formats import block_format
 from kernels.moe.quant_reference import check_expert_blocks
-from kernels.quant.triton_kernel import (
-    _ASM,
-    _INTERPRETING,
-    GEMV_MAX_ROWS,
-    _gemm_dot,
-    _gemv_dot,
-    _layout,
-)
+from kernels.moe.reference import align_to_blocks
 from kernels.moe.triton_kernel import _block_m, moe_epilogue
+from kernels.quant.formats import block_format
+from kernels.quant.triton_decode import (
+    INTERPRETING,
+    gemm_dot,
+    gemv_dot,
+    layout_constexprs,
+    ptx_enabled,
+)
+from kernels.quant.triton_kernel import GEMV_MAX_ROWS
 
 # Tokens up to which the grouped GEMV runs (decode batches); the sorted GEMM above.
 GEMV_MAX_TOKENS = GEMV_MAX_ROWS
@@ -71,11 +71,11 @@ def _moe_gemv_kernel(
     expert = tl.load(TopkIds + r).to(tl.int64)
     x_row = X + (r // top_k if GATED else r).to(tl.int64) * stride_xm
     rows = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N)[None, None, :], N - 1).to(tl.int64)
-    acc = _gemv_dot(x_row, Wa + expert * a_expert_bytes + rows * a_row_bytes, 0, K // A_QK, K // A_QK,
+    acc = gemv_dot(x_row, Wa + expert * a_expert_bytes + rows * a_row_bytes, 0, K // A_QK, K // A_QK,
                     A_QT, A_QK, A_BB, A_L, A_NSUB, A_ZERO, A_HAS_MIN, BLOCK_N, A_KB, ASM)
     acc_up = acc
     if GATED:
-        acc_up = _gemv_dot(x_row, Wb + expert * b_expert_bytes + rows * b_row_bytes, 0, K // B_QK, K // B_QK,
+        acc_up = gemv_dot(x_row, Wb + expert * b_expert_bytes + rows * b_row_bytes, 0, K // B_QK, K // B_QK,
                            B_QT, B_QK, B_BB, B_L, B_NSUB, B_ZERO, B_HAS_MIN, BLOCK_N, B_KB, ASM)
     dt = Out.dtype.element_ty
     res = moe_epilogue(acc, acc_up, dt, GATED)
@@ -106,11 +106,11 @@ def _moe_gemm_kernel(
     x_row = X + (routed // top_k if GATED else routed)[:, None] * stride_xm
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(cols, N - 1).to(tl.int64)
-    acc = _gemm_dot(x_row, live, Wa + expert * a_expert_bytes + rows * a_row_bytes, K // A_QK,
+    acc = gemm_dot(x_row, live, Wa + expert * a_expert_bytes + rows * a_row_bytes, K // A_QK,
                     A_QT, A_QK, A_BB, A_L, A_NSUB, A_ZERO, A_HAS_MIN, BLOCK_M, BLOCK_N, IEEE)
     acc_up = acc
     if GATED:
-        acc_up = _gemm_dot(x_row, live, Wb + expert * b_expert_bytes + rows * b_row_bytes, K // B_QK,
+        acc_up = gemm_dot(x_row, live, Wb + expert * b_expert_bytes + rows * b_row_bytes, K // B_QK,
                            B_QT, B_QK, B_BB, B_L, B_NSUB, B_ZERO, B_HAS_MIN, BLOCK_M, BLOCK_N, IEEE)
     dt = Out.dtype.element_ty
     res = moe_epilogue(acc, acc_up, dt, GATED)
@@ -124,7 +124,7 @@ def _prefixed(prefix: str, type_name: str) -> dict:
     """The kernels' layout constants of ``type_name`` under ``prefix`` (``A_QT`` ...), with
     its GEMV blocks per step (2 of 256 weights, 16 of 32: 512 weights a step either way)."""
     fmt = block_format(type_name)
-    layout = {**_layout(fmt), "KB": 2 if fmt.block_elements > 32 else 16}
+    layout = {**layout_constexprs(fmt), "KB": 2 if fmt.block_elements > 32 else 16}
     return {f"{prefix}_{k}": v for k, v in layout.items()}
 
 
@@ -139,12 +139,12 @@ def _launch(x, wa, wb, out, route_weights, types, *, top_k, gemv, sort, block_n,
               "GATED": gated, "WEIGHTED": route_weights is not None}
     if gemv is not None:
         _moe_gemv_kernel[(r * triton.cdiv(n, block_n),)](*args, gemv, *shape, **consts, BLOCK_N=block_n,
-                                                          ASM=_ASM and x.is_cuda, num_warps=num_warps)
+                                                          ASM=ptx_enabled(x.device), num_warps=num_warps)
         return
     sorted_rows, block_experts, num_padded, block_m = sort
     grid = (sorted_rows.numel() // block_m, triton.cdiv(n, block_n))
     _moe_gemm_kernel[grid](*args, sorted_rows, block_experts, num_padded, *shape, **consts, BLOCK_M=block_m,
-                           BLOCK_N=block_n, IEEE=x.dtype == torch.float32 or _INTERPRETING, num_warps=num_warps)
+                           BLOCK_N=block_n, IEEE=x.dtype == torch.float32 or INTERPRETING, num_warps=num_warps)
 
 
 def fused_moe_quant(

@@ -8,10 +8,10 @@ mean-square sum differs, so low-precision outputs agree to the last bit almost a
 and otherwise by one unit in the last place.
 
 With ``quantize=True`` the kernel also writes its output rows quantized for the int8
-GEMV (:class:`kernels.quant.triton_int8.Q8Activations`), from the output values as
+GEMV (:class:`kernels.quant.triton_activations.Q8Activations`), from the output values as
 stored (rounded to the output dtype), with the quantizing launch's own code
-(:func:`kernels.quant.triton_int8._q8_groups`): the same codes, scales and sums bit for
-bit as :func:`kernels.quant.triton_int8.quantize_activations` of the output, without
+(:func:`kernels.quant.triton_activations.q8_groups`): the same codes, scales and sums bit for
+bit as :func:`kernels.quant.triton_activations.quantize_activations` of the output, without
 that launch. The output itself is the same either way.
 """
 
@@ -22,7 +22,12 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
-from kernels.quant.triton_int8 import Q8Activations, _q8_groups, producer_activations, producer_args
+from kernels.quant.triton_activations import (
+    Q8Activations,
+    producer_activations,
+    producer_args,
+    q8_groups,
+)
 from kernels.triton_round import round_to
 
 
@@ -58,7 +63,7 @@ def _rms_norm_kernel(
     if QUANT:
         # The float32 of the stored value, as the quantizing launch would load it; the
         # padding past H is zeros, in groups that are not stored.
-        _q8_groups(tl.reshape(y, (BLOCK // 32, 32)), q_ptr + row * stride_q, d_ptr + row * stride_d,
+        q8_groups(tl.reshape(y, (BLOCK // 32, 32)), q_ptr + row * stride_q, d_ptr + row * stride_d,
                    s_ptr + row * stride_s, tl.arange(0, BLOCK // 32), H // 32)
 
 

@@ -24,11 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.env import env_flag
 from kernels.quant.formats import REPACKED_FROM
 
-# The loader repacks on CUDA unless HEADROOM_QUANT_REPACK=0 (to time the GGUF layout).
-REPACK = env_flag("HEADROOM_QUANT_REPACK", True)
 # Q6_K's fields: (offset in the block, bytes), in block order.
 _Q6K_FIELDS = ((0, 128), (128, 64), (192, 16), (208, 2))
 _Q6K_BYTES = 210

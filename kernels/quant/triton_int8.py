@@ -28,14 +28,16 @@ of each group of 32), so results differ from the float GEMV by that rounding;
 arithmetic. Block layouts as ggml-common.h's ``block_q4_K``/``block_q6_K``; the scheme
 as llama.cpp's ``quantize_q8_1`` and ``vec_dot_q4_K_q8_1``/``vec_dot_q6_K_q8_1``.
 
-Where the rows are quantized: llama.cpp quantizes them in a launch of their own
-(:func:`quantize_activations`), and so does :func:`int8_gemv` by default (given its
-codes), unless the kernel that wrote the rows quantized them as it did (the decoder's
-norms and SiLU-and-mul, ``quantize=True``, through :func:`_q8_groups`, the same code). Given the float rows it quantizes them itself (``QUANT_X``; one launch less per
-projection, each 2-4 us in a CUDA graph, but measured slower, so off by default,
-``HEADROOM_QUANT_INT8_FUSE=1``): each program, at each step, loads the float activations of its
-``KB`` blocks once, quantizes every group of 32 with :func:`_quantize_kernel`'s own
-arithmetic (:func:`_q8_inv`, :func:`_q8_round`, :func:`_q8_scale`: the same codes and
+Where the rows are quantized (:mod:`kernels.quant.triton_activations`): llama.cpp
+quantizes them in a launch of their own (``quantize_activations``), and so does
+:func:`int8_gemv` by default (given its codes), unless the kernel that wrote the rows
+quantized them as it did (the decoder's norms and SiLU-and-mul, ``quantize=True``,
+through ``q8_groups``, the same code). Given the float rows it quantizes them itself
+(``QUANT_X``; one launch less per projection, each 2-4 us in a CUDA graph, but measured
+slower, so off by default: the ``quant_int8_fuse`` switch of :mod:`kernels.switches`):
+each program, at each step, loads the float activations of its ``KB`` blocks once,
+quantizes every group of 32 with the quantizing launch's own arithmetic (``q8_inv``,
+``q8_round``, ``q8_scale``: the same codes and
 scales bit for bit, so the same results at the same tiling) in a tile of its own whose
 activations are spread over the program's threads (each rounded once), and the codes
 go to the weight tile's layout through shared memory for all ``BLOCK_N`` rows; the
@@ -62,9 +64,10 @@ the final sums, the same in both modes).
 
 Q6_K rows are read from their repacked planes (``Q6_K_P``, :mod:`kernels.quant.repack`)
 as whole, aligned words; each step can load the next step's words before its own
-arithmetic (``PREFETCH``, a tuned choice). On the H200 this is the default decode
-GEMV for Q4_K/Q6_K (README, "GGUF weights kept quantized";
-``HEADROOM_QUANT_INT8=0`` turns it off).
+arithmetic (``PREFETCH``, a tuned choice). The step itself (the words, the dot
+products, the K loop) is :mod:`kernels.quant.triton_int8_dot`. On the H200 this is the
+default decode GEMV for Q4_K/Q6_K (README, "GGUF weights kept quantized"; the
+``quant_int8`` switch off, ``--no-quant-int8``, turns it off).
 """
 
 from __future__ import annotations
@@ -77,490 +80,16 @@ import triton.language as tl
 
 from kernels import pdl
 from kernels.quant.formats import block_format
-from kernels.quant.triton_kernel import _ASM, _INTERPRETING, _f16, _output, _sm_count
-
-# The block types with an integer-dot GEMV (Q6_K_P: Q6_K repacked, kernels.quant.repack).
-INT8_TYPES = ("Q4_K", "Q6_K", "Q6_K_P")
-# Activations per int8 scale (llama.cpp's block_q8_1), and per code sum.
-GROUP = 32
-SUM_GROUP = 16
-
-
-class Q8Activations(NamedTuple):
-    """Activation rows quantized for :func:`int8_gemv` (:func:`quantize_activations`).
-
-    Attributes:
-        codes: int8 ``[M, K]``; ``x ~= codes * scale`` of their group of 32.
-        scales: float32 ``[M, K / 32]``.
-        sums: int32 ``[M, K / 16]``, the codes' sum per 16.
-        dtype: the activations' dtype (the GEMV's output dtype).
-    """
-
-    codes: torch.Tensor
-    scales: torch.Tensor
-    sums: torch.Tensor
-    dtype: torch.dtype
-
-
-@triton.jit
-def _q8_inv(amax):
-    """``127 / amax`` per group (0 for a group of zeros), float32 of ``amax``'s shape.
-    Shared by :func:`_quantize_kernel` and the GEMV's ``QUANT_X`` mode, so both round
-    the same way; correctly rounded (Triton's ``/`` is approximate), so the codes equal
-    the torch reference's bit for bit."""
-    return tl.where(amax > 0, tl.div_rn(tl.full(amax.shape, 127.0, tl.float32), tl.maximum(amax, 1e-30)), 0.0)
-
-
-@triton.jit
-def _q8_scale(amax):
-    """The float32 scale ``amax / 127`` of a group (correctly rounded, as :func:`_q8_inv`)."""
-    return tl.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32))
-
-
-@triton.jit
-def _q8_round(v):
-    """int32 codes of ``v = x * 127 / amax``, rounded half away from zero (``quantize_q8_1``'s
-    ``roundf``)."""
-    return tl.where(v >= 0, tl.floor(v + 0.5), -tl.floor(0.5 - v)).to(tl.int32)
-
-
-@triton.jit
-def _q8_groups(x, q_row, d_row, s_row, g1, groups):
-    """Quantize groups of 32 activations of one row and store them as
-    :class:`Q8Activations` hold them: ``x`` float32 ``[G, 32]`` (row ``i`` is group
-    ``g1[i]``, ``g1`` int32 ``[G]``), ``q_row``/``d_row``/``s_row`` that row's codes (int8),
-    scales (float32) and sums (int32); groups ``>= groups`` are not stored. The one place
-    the codes are made: :func:`_quantize_kernel` and the kernels that write a row and
-    quantize it as they do (:mod:`kernels.norm.triton_kernel`, :mod:`kernels.activation.triton_kernel`)
-    call it, so they give the same codes, scales and sums bit for bit from the same
-    float32 values."""
-    g = g1[:, None]
-    t = tl.arange(0, 32)[None, :]
-    amax = tl.max(tl.abs(x), axis=1)
-    q = _q8_round(x * _q8_inv(amax)[:, None])
-    tl.store(q_row + g * 32 + t, q.to(tl.int8), mask=g < groups)
-    live = g1 < groups
-    tl.store(d_row + g1, _q8_scale(amax), mask=live)
-    tl.store(s_row + 2 * g1, tl.sum(tl.where(t < 16, q, 0), axis=1), mask=live)
-    tl.store(s_row + 2 * g1 + 1, tl.sum(tl.where(t >= 16, q, 0), axis=1), mask=live)
-
-
-@triton.jit
-def _quantize_kernel(x_ptr, q_ptr, d_ptr, s_ptr, groups, stride_xm, stride_qm, stride_dm, stride_sm, G: tl.constexpr,
-                     PDL: tl.constexpr = 0):
-    pdl.begin(PDL)  # the GEMV after it may load its first weights meanwhile
-    m = tl.program_id(0).to(tl.int64)
-    g1 = tl.program_id(1) * G + tl.arange(0, G)
-    t = tl.arange(0, 32)[None, :]
-    x = tl.load(x_ptr + m * stride_xm + g1[:, None] * 32 + t, mask=g1[:, None] < groups, other=0.0).to(tl.float32)
-    _q8_groups(x, q_ptr + m * stride_qm, d_ptr + m * stride_dm, s_ptr + m * stride_sm, g1, groups)
-
-
-def empty_activations(m: int, k: int, device: torch.device, dtype: torch.dtype) -> Q8Activations:
-    """Uninitialized :class:`Q8Activations` for ``m`` rows of ``k`` activations of
-    ``dtype`` (a kernel writes them: :func:`quantize_activations`, or the norm or
-    activation kernel that makes the rows, ``quantize=True``).
-
-    Raises:
-        ValueError: ``k`` not a multiple of 32 (a scale's group).
-    """
-    if k % GROUP:
-        raise ValueError(f"int8 activations come in groups of {GROUP}: a row of {k} is not whole groups")
-    groups = k // GROUP
-    return Q8Activations(torch.empty((m, k), device=device, dtype=torch.int8),
-                         torch.empty((m, groups), device=device, dtype=torch.float32),
-                         torch.empty((m, 2 * groups), device=device, dtype=torch.int32), dtype)
-
-
-def producer_activations(out: torch.Tensor, quantize: bool) -> Q8Activations | None:
-    """For a kernel that writes the rows ``out [rows, K]`` and, asked to (``quantize``),
-    quantizes them as it does (:mod:`kernels.norm.triton_kernel`,
-    :mod:`kernels.activation.triton_kernel`): the buffers it fills, else None.
-
-    Raises:
-        ValueError: ``quantize`` and ``K`` not a multiple of 32.
-    """
-    if not quantize:
-        return None
-    if out.shape[1] % GROUP:
-        raise ValueError(f"quantize=True needs rows of whole groups of {GROUP} activations, got {out.shape[1]}")
-    return empty_activations(*out.shape, out.device, out.dtype)
-
-
-def producer_args(q8: Q8Activations | None, stand_in: torch.Tensor) -> tuple[tuple, tuple]:
-    """Such a kernel's codes, scales and sums arguments and their row strides; without
-    ``q8`` it leaves them unused (its ``QUANT`` off) and ``stand_in`` fills them."""
-    if q8 is None:
-        return (stand_in, stand_in, stand_in), (0, 0, 0)
-    quant = (q8.codes, q8.scales, q8.sums)
-    return quant, tuple(t.stride(0) for t in quant)
-
-
-def quantize_activations(x: torch.Tensor) -> Q8Activations:
-    """``x [M, K]`` (float32/bfloat16/float16, unit column stride, ``K % 32 == 0``) to
-    int8 codes with a float32 scale per 32 values (:class:`Q8Activations`); the torch
-    twin is :func:`kernels.quant.reference.quantize_activations`.
-
-    Raises:
-        ValueError: ``x`` not 2-D with whole groups of 32 and a unit column stride.
-    """
-    if x.dim() != 2 or x.shape[1] % GROUP or x.stride(1) != 1:
-        raise ValueError(f"want x [M, K] with K a multiple of {GROUP} and unit column stride, got {tuple(x.shape)}")
-    m, k = x.shape
-    groups = k // GROUP
-    q8 = empty_activations(m, k, x.device, x.dtype)
-    g = 32
-    _quantize_kernel[(m, triton.cdiv(groups, g))](x, q8.codes, q8.scales, q8.sums, groups, x.stride(0),
-                                                  q8.codes.stride(0), q8.scales.stride(0), q8.sums.stride(0), G=g,
-                                                  num_warps=4, **pdl.launch_args(x.device))
-    return q8
-
-
-@triton.jit
-def _dp4a(a, b, ASM: tl.constexpr):
-    """Per element, the sum of the four products of the signed bytes of int32 ``a`` and
-    ``b`` (PTX ``dp4a``; shifts in the interpreter)."""
-    if ASM:
-        r = tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, 0;", "=r,r,r", [a, b], dtype=tl.int32,
-                                      is_pure=True, pack=1)
-    else:
-        r = ((a << 24) >> 24) * ((b << 24) >> 24) + ((a << 16) >> 24) * ((b << 16) >> 24)
-        r += ((a << 8) >> 24) * ((b << 8) >> 24) + (a >> 24) * (b >> 24)
-    return r
-
-
-@triton.jit
-def _dot_sum(w, x, ASM: tl.constexpr, SUMS: tl.constexpr):
-    """``(dot, sums)``: the :func:`_dp4a` of weight words ``w`` and activation words ``x``
-    summed over the last axis, and with ``SUMS`` the sum of ``x``'s codes (its signed
-    bytes) over it, else 0. ``QUANT_X`` counts the sums here, in one instruction with
-    the products (``dp4a`` with ``0x01010101``), so they are computed in the weight
-    tile's layout, where the scales use them, rather than moved there."""
-    if SUMS:
-        if ASM:
-            ones = tl.full(w.shape, 0x01010101, tl.int32)
-            d, c = tl.inline_asm_elementwise("dp4a.s32.s32 $0, $2, $3, 0; dp4a.s32.s32 $1, $4, $3, 0;",
-                                             "=r,=r,r,r,r", [w, x, ones], dtype=(tl.int32, tl.int32), is_pure=True,
-                                             pack=1)
-        else:
-            d = _dp4a(w, x, ASM)
-            c = ((x << 24) >> 24) + ((x << 16) >> 24) + ((x << 8) >> 24) + (x >> 24)
-        dot = tl.sum(d, axis=3)
-        sums = tl.sum(c, axis=3)
-    else:
-        dot = tl.sum(_dp4a(w, x, ASM), axis=3)
-        sums = 0
-    return dot, sums
-
-
-@triton.jit
-def _word16(p):
-    """The int32 of two little-endian 16-bit halves at ``p`` (int16 pointers)."""
-    return (tl.load(p).to(tl.int32) & 0xFFFF) | (tl.load(p + 1).to(tl.int32) << 16)
-
-
-@triton.jit
-def _k_scales_words(w1, w2, w3, S):
-    """Q4_K's 6-bit scale and min of sub-block ``S`` (a tensor) as float32, from the 12
-    scale bytes read as three int32 words (``get_scale_min_k4``: sub-blocks 4-7 take
-    their high bits from the top two bits of sub-blocks 0-3's bytes)."""
-    sh = 8 * (S % 4)
-    b1 = w1 >> sh
-    b2 = w2 >> sh
-    b3 = w3 >> sh
-    sc = tl.where(S < 4, b1 & 63, (b3 & 15) | (((b1 >> 6) & 3) << 4))
-    mn = tl.where(S < 4, b2 & 63, ((b3 >> 4) & 15) | (((b2 >> 6) & 3) << 4))
-    return sc.to(tl.float32), mn.to(tl.float32)
-
-
-@triton.jit
-def _q4k_words(w32, w32_3, kb, kb3, SPLIT: tl.constexpr):
-    """The weight words of Q4_K blocks ``kb`` of the rows at ``w32`` (``[BLOCK_N, 1, 1, 1]``
-    int32 row pointers; ``w32_3`` the same ``[BLOCK_N, 1, 1]``): ``(wa, wb, h0, h1, h2,
-    h3)``, run ``r`` of each block's ``qs`` (sub-blocks ``2r`` and ``2r + 1``; with
-    ``SPLIT`` its 8 words as two 4-word tiles, else ``wa`` holds all 8 and ``wb`` is
-    ``wa``) and the 16-byte header as four words (d and dmin, 12 scale bytes: four loads
-    per (row, block) instead of a byte load per scale, measured 36 against 53 us on the
-    gate/up shape). Loads only, so a step can issue the next blocks' before it multiplies."""
-    r = tl.arange(0, 4)[None, None, :, None]
-    if SPLIT:
-        # A thread holds a run's 8 words (two 16-byte loads), so its sums and scales are
-        # neither shuffled nor computed again by a second thread.
-        wp = w32 + kb * 36 + 4 + 8 * r + tl.arange(0, 4)[None, None, None, :]
-        wa = tl.load(wp)
-        wb = tl.load(wp + 4)
-    else:
-        wa = tl.load(w32 + kb * 36 + 4 + 8 * r + tl.arange(0, 8)[None, None, None, :])  # 36 words, qs from word 4
-        wb = wa
-    hdr = w32_3 + kb3 * 36  # [BLOCK_N, KB, 1] word pointers
-    return wa, wb, tl.load(hdr), tl.load(hdr + 1), tl.load(hdr + 2), tl.load(hdr + 3)
-
-
-@triton.jit
-def _x_load(x, e, live):
-    """``QUANT_X``: activations of the float row at ``x`` as float32, at element offsets
-    ``e`` (``[1, KB, A, words, 4]``, four consecutive elements a word; zero in blocks not
-    ``live``, ``[1, KB, 1, 1]``), and their largest magnitude per ``[1, KB, A]``."""
-    v = tl.load(x + e, mask=live[:, :, :, :, None], other=0.0).to(tl.float32)
-    return v, tl.max(tl.max(tl.abs(v), axis=4), axis=3)
-
-
-@triton.jit
-def _x_pack(v, amax):
-    """``QUANT_X``: the activations ``v`` of :func:`_x_load` quantized with their group's
-    ``amax`` (``[1, KB, A]``) as :func:`_quantize_kernel` quantizes them, as the int32
-    words of four codes :func:`int8_gemv` would read from its codes (``[1, KB, A, words]``)."""
-    q = _q8_round(v * _q8_inv(amax)[:, :, :, None, None])
-    byte = tl.arange(0, 4)[None, None, None, None, :]
-    # Little-endian bytes, disjoint: their sum is the word (the top byte's sign bits
-    # fall off it).
-    return tl.sum((q & 0xFF) << (8 * byte), axis=4)
-
-
-@triton.jit
-def _q4k_act(x32, xd, xs, kb, kb3, live, live3, HALF: tl.constexpr, SPLIT: tl.constexpr, QUANT_X: tl.constexpr):
-    """The activations of sub-blocks ``2r + HALF`` (a group of 32) of blocks ``kb``, for
-    :func:`_q4k_dot`: ``(xa, xb, dx, sums)``, the group's code words (with ``SPLIT`` its
-    8 words as two ``[1, KB, 4, 4]`` tiles, else ``xa`` ``[1, KB, 4, 8]`` holds them and
-    ``xb`` is ``xa``), its scale and its codes' sum (``[1, KB, 4]``). Read from the
-    quantized row, or with ``QUANT_X`` quantized here from the float row at ``x32`` (the
-    sums then 0: the dot counts them); dead blocks give zeros (scale 0)."""
-    r = tl.arange(0, 4)[None, None, :, None]
-    if QUANT_X:
-        w = tl.arange(0, 4 if SPLIT else 8)[None, None, None, :, None]
-        e = (kb * 256 + 64 * r + 32 * HALF)[:, :, :, :, None] + 4 * w + tl.arange(0, 4)[None, None, None, None, :]
-        if SPLIT:
-            va, ma = _x_load(x32, e, live)
-            vb, mb = _x_load(x32, e + 16, live)
-            amax = tl.maximum(ma, mb)
-            xa = _x_pack(va, amax)
-            xb = _x_pack(vb, amax)
-        else:
-            v, amax = _x_load(x32, e, live)
-            xa = _x_pack(v, amax)
-            xb = xa
-        dx = _q8_scale(amax)
-        sums = 0  # counted with the products (_dot_sum)
-    else:
-        r3 = tl.arange(0, 4)[None, None, :]
-        g = kb3 * 8 + 2 * r3 + HALF  # [1, KB, 4]
-        if SPLIT:
-            xw = x32 + kb * 64 + 16 * r + 8 * HALF + tl.arange(0, 4)[None, None, None, :]
-            xa = tl.load(xw, mask=live, other=0)
-            xb = tl.load(xw + 4, mask=live, other=0)
-        else:
-            xa = tl.load(x32 + kb * 64 + 16 * r + 8 * HALF + tl.arange(0, 8)[None, None, None, :], mask=live, other=0)
-            xb = xa
-        dx = tl.load(xd + g, mask=live3, other=0.0)
-        sums = tl.load(xs + 2 * g) + tl.load(xs + 2 * g + 1)
-    return xa, xb, dx, sums
-
-
-@triton.jit
-def _q4k_dot(wa, wb, w0, w1, w2, w3, xa_lo, xb_lo, dx_lo, s_lo, xa_hi, xb_hi, dx_hi, s_hi, ASM: tl.constexpr,
-             ABL: tl.constexpr, SPLIT: tl.constexpr, QUANT_X: tl.constexpr):
-    """``[BLOCK_N, KB, 4]`` float32: the words of :func:`_q4k_words` times the
-    activations of :func:`_q4k_act` (``_lo``: sub-blocks ``2r``, ``_hi``: ``2r + 1``), run
-    ``r`` of each block summed (with ``QUANT_X`` the codes' sums counted here)."""
-    m4 = 0x0F0F0F0F
-    if SPLIT:
-        if ABL == 2:
-            return tl.sum(wa + wb, axis=3).to(tl.float32)
-        da, ca = _dot_sum(wa & m4, xa_lo, ASM, QUANT_X)
-        db, cb = _dot_sum(wb & m4, xb_lo, ASM, QUANT_X)
-        dot_lo = (da + db).to(tl.float32)
-        if QUANT_X:
-            s_lo = ca + cb
-        da, ca = _dot_sum((wa >> 4) & m4, xa_hi, ASM, QUANT_X)
-        db, cb = _dot_sum((wb >> 4) & m4, xb_hi, ASM, QUANT_X)
-        dot_hi = (da + db).to(tl.float32)
-        if QUANT_X:
-            s_hi = ca + cb
-    else:
-        if ABL == 2:
-            return tl.sum(wa, axis=3).to(tl.float32)
-        da, ca = _dot_sum(wa & m4, xa_lo, ASM, QUANT_X)
-        dot_lo = da.to(tl.float32)
-        db, cb = _dot_sum((wa >> 4) & m4, xa_hi, ASM, QUANT_X)
-        dot_hi = db.to(tl.float32)
-        if QUANT_X:
-            s_lo = ca
-            s_hi = cb
-    r3 = tl.arange(0, 4)[None, None, :]
-    sc_lo, mn_lo = _k_scales_words(w1, w2, w3, 2 * r3)
-    sc_hi, mn_hi = _k_scales_words(w1, w2, w3, 2 * r3 + 1)
-    if ABL == 1:
-        return dot_lo * dx_lo + dot_hi * dx_hi
-    sum_lo = s_lo.to(tl.float32) * dx_lo
-    sum_hi = s_hi.to(tl.float32) * dx_hi
-    d = w0.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    dmin = (w0 >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    return d * (dot_lo * sc_lo * dx_lo + dot_hi * sc_hi * dx_hi) - dmin * (mn_lo * sum_lo + mn_hi * sum_hi)
-
-
-@triton.jit
-def _q6k_words(w16, w32, w8, kb, kb3, NB, PLANES: tl.constexpr):
-    """The weight words of Q6_K blocks ``kb`` of the rows at ``w16``/``w32``/``w8``
-    (int16/int32/uint8 row pointers of rows of ``NB`` blocks), for index ``a`` = (half,
-    word run) of each block: ``(lo_a, lo_b, qh, d)``, 16 of its words and its float32
-    ``d``. ``PLANES``: the rows are in the ``Q6_K_P`` layout (:mod:`kernels.quant.repack`),
-    read as whole words; GGUF's 210-byte blocks are read as 16-bit halves. Loads only,
-    as :func:`_q4k_words`."""
-    a = tl.arange(0, 4)[None, None, :, None]
-    u = tl.arange(0, 4)[None, None, None, :]
-    # ql word (h, l4 = 4q + u) at byte 64h + 4 l4 of the block's ql, qh's at 32h + 4 l4 of its qh.
-    if PLANES:
-        ql32 = w32 + kb * 32 + 16 * (a // 2) + 4 * (a % 2) + u
-        lo_a = tl.load(ql32)
-        lo_b = tl.load(ql32 + 8)
-        qh = tl.load(w32 + NB * 32 + kb * 16 + 8 * (a // 2) + 4 * (a % 2) + u)
-        d = _f16(w8 + NB * 208 + kb3 * 2)
-    else:  # 105 halves a block
-        base = w16 + kb * 105 + 2 * u
-        ql = base + 32 * (a // 2) + 8 * (a % 2)
-        lo_a = _word16(ql)
-        lo_b = _word16(ql + 16)
-        qh = _word16(base + 64 + 16 * (a // 2) + 8 * (a % 2))
-        d = _f16(w8 + kb3 * 210 + 208)
-    return lo_a, lo_b, qh, d
-
-
-@triton.jit
-def _q6k_act(x32, xd, xs, kb, kb3, live, live3, SUB: tl.constexpr, QUANT_X: tl.constexpr):
-    """The activations :func:`_q6k_dot`'s ``d_SUB`` multiplies, for index ``a`` = (half
-    ``h``, word run ``j``) of blocks ``kb``: ``(words, dx, sums)``, the codes of the 16
-    elements from ``128h + 32 SUB + 16j`` as ``[1, KB, 4, 4]`` words, their group's scale
-    and their sum (``[1, KB, 4]``). Read from the quantized row, or with ``QUANT_X``
-    quantized here from the float row at ``x32`` (the sums then 0: the dot counts
-    them); dead blocks give zeros (scale 0)."""
-    if QUANT_X:
-        a = tl.arange(0, 4)[None, None, :, None]
-        e = ((kb * 256 + 128 * (a // 2) + 32 * SUB + 16 * (a % 2))[:, :, :, :, None]
-             + 4 * tl.arange(0, 4)[None, None, None, :, None] + tl.arange(0, 4)[None, None, None, None, :])
-        v, m16 = _x_load(x32, e, live)
-        # A group of 32 is the runs a = 2h and 2h + 1 of a half: their larger magnitude,
-        # for both (the compiled code is shorter than with the other run loaded again).
-        kbs: tl.constexpr = m16.shape[1]
-        pair = tl.max(tl.reshape(m16, (1, kbs, 2, 2)), axis=3)
-        amax = tl.reshape(tl.join(pair, pair), (1, kbs, 4))
-        words = _x_pack(v, amax)
-        dx = _q8_scale(amax)
-        sums = 0  # counted with the products (_dot_sum)
-    else:
-        a = tl.arange(0, 4)[None, None, :, None]
-        u = tl.arange(0, 4)[None, None, None, :]
-        words = tl.load(x32 + kb * 64 + 32 * (a // 2) + 4 * (a % 2) + u + 8 * SUB, mask=live, other=0)
-        a3 = tl.arange(0, 4)[None, None, :]
-        dx = tl.load(xd + kb3 * 8 + 4 * (a3 // 2) + SUB, mask=live3, other=0.0)
-        sums = tl.load(xs + kb3 * 16 + 8 * (a3 // 2) + (a3 % 2) + 2 * SUB)
-    return words, dx, sums
-
-
-@triton.jit
-def _q6k_dot(lo_a, lo_b, qh, d, w8, kb3, NB, x0, dx0, s0, x1, dx1, s1, x2, dx2, s2, x3, dx3, s3, ASM: tl.constexpr,
-             ABL: tl.constexpr, PLANES: tl.constexpr, QUANT_X: tl.constexpr):
-    """``[BLOCK_N, KB, 4]`` float32: the words of :func:`_q6k_words` times the activations
-    of :func:`_q6k_act` (``x_i, dx_i, s_i`` for ``d_i``; with ``QUANT_X`` the sums counted
-    here)."""
-    if ABL == 2:
-        return tl.sum(lo_a + lo_b + qh, axis=3).to(tl.float32)
-    m4 = 0x0F0F0F0F
-    m2 = 0x30303030
-    d0, c0 = _dot_sum((lo_a & m4) | ((qh << 4) & m2), x0, ASM, QUANT_X)
-    d1, c1 = _dot_sum((lo_b & m4) | ((qh << 2) & m2), x1, ASM, QUANT_X)
-    d2, c2 = _dot_sum(((lo_a >> 4) & m4) | (qh & m2), x2, ASM, QUANT_X)
-    d3, c3 = _dot_sum(((lo_b >> 4) & m4) | ((qh >> 2) & m2), x3, ASM, QUANT_X)
-    if QUANT_X:
-        s0, s1, s2, s3 = c0, c1, c2, c3
-    if ABL == 1:
-        return (d0 + d1 + d2 + d3).to(tl.float32)
-    a3 = tl.arange(0, 4)[None, None, :]
-    sc = w8 + NB * 192 + kb3 * 16 if PLANES else w8 + kb3 * 210 + 192  # the block's int8 scales
-    sub = 8 * (a3 // 2) + (a3 % 2)  # sub-block of d0; d_i's is sub + 2i
-    acc = _q6k_sub(d0, sc + sub, s0, dx0)
-    acc += _q6k_sub(d1, sc + sub + 2, s1, dx1)
-    acc += _q6k_sub(d2, sc + sub + 4, s2, dx2)
-    acc += _q6k_sub(d3, sc + sub + 6, s3, dx3)
-    return d * acc
-
-
-@triton.jit
-def _q6k_sub(dot, sc_ptr, sums, dx):
-    """One Q6_K sub-block's ``sc * (dot - 32 * sum(codes)) * dx`` (zero point 32; ``sc_ptr``
-    points at its int8 scale)."""
-    sc = tl.load(sc_ptr).to(tl.int8, bitcast=True).to(tl.float32)
-    return (dot - 32 * sums).to(tl.float32) * sc * dx
-
-
-@triton.jit
-def _step_blocks(kb0, step, step3, kb_end):
-    """The blocks of the step from ``kb0``: ``(live, kb, live3, kb3)``, which of
-    ``kb0 + step`` are before ``kb_end`` and the blocks themselves clamped to it (a dead
-    block is read from the range's last one, in bounds), in the 4-D and 3-D tile shapes."""
-    return kb0 + step < kb_end, tl.minimum(kb0 + step, kb_end - 1), kb0 + step3 < kb_end, tl.minimum(kb0 + step3, kb_end - 1)
-
-
-@triton.jit
-def _rows_dot(QT: tl.constexpr, w32_ptr, w16_ptr, w8_ptr, row0, N, K, row_bytes, row_words, row_halves, x32, xd, xs,
-              kb_begin, kb_end, BLOCK_N: tl.constexpr, KB: tl.constexpr, ASM: tl.constexpr, ABL: tl.constexpr,
-              SPLIT: tl.constexpr, PREFETCH: tl.constexpr, QUANT_X: tl.constexpr, PDL: tl.constexpr):
-    """``[BLOCK_N]`` float32: weight rows ``row0 ...`` (of ``N``, type ``QT``) times the
-    activation row at ``x32`` (with ``xd``, ``xs``) over blocks ``kb_begin`` to
-    ``kb_end``; rows past ``N`` are read as row ``N - 1``. ``PDL``: the first step's
-    weight words are loaded (with ``PREFETCH``) before the wait for the kernel that
-    wrote the activations (:mod:`kernels.pdl`), and the next kernel may launch once
-    the loop is done."""
-    rows = tl.minimum(row0 + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
-    w8 = w8_ptr + (rows * row_bytes)[:, None, None]  # [BLOCK_N, 1, 1]
-    w32_3 = w32_ptr + (rows * row_words)[:, None, None]
-    w32 = w32_3[:, :, :, None]
-    w16 = w16_ptr + (rows * row_halves)[:, None, None, None]
-    acc = tl.zeros([BLOCK_N, KB, 4], tl.float32)
-    step = tl.arange(0, KB)[None, :, None, None]
-    step3 = tl.arange(0, KB)[None, :, None]
-    NB = K // 256
-    # PREFETCH: the next step's weight words are loaded before this step's arithmetic,
-    # so their latency overlaps it (Triton pipelines no loads in a loop without a dot).
-    # Blocks past the range are read from its last block (in bounds) and multiplied
-    # by zeroed activations and scales. Each step takes its activations before its
-    # weight words (both modes): Triton lays a step out as the tile whose loads come
-    # last (module docstring), the weights'.
-    if QT == 5:
-        na, nb, n0, n1, n2, n3 = _q4k_words(w32, w32_3, tl.minimum(kb_begin + step, kb_end - 1),
-                                            tl.minimum(kb_begin + step3, kb_end - 1), SPLIT)
-        pdl.wait(PDL)
-        for kb0 in range(kb_begin, kb_end, KB):
-            live, kb, live3, kb3 = _step_blocks(kb0, step, step3, kb_end)
-            xa_lo, xb_lo, dx_lo, s_lo = _q4k_act(x32, xd, xs, kb, kb3, live, live3, 0, SPLIT, QUANT_X)
-            xa_hi, xb_hi, dx_hi, s_hi = _q4k_act(x32, xd, xs, kb, kb3, live, live3, 1, SPLIT, QUANT_X)
-            if PREFETCH:
-                wa, wb, h0, h1, h2, h3 = na, nb, n0, n1, n2, n3
-                na, nb, n0, n1, n2, n3 = _q4k_words(w32, w32_3, tl.minimum(kb0 + KB + step, kb_end - 1),
-                                                    tl.minimum(kb0 + KB + step3, kb_end - 1), SPLIT)
-            else:
-                wa, wb, h0, h1, h2, h3 = _q4k_words(w32, w32_3, kb, kb3, SPLIT)
-            acc += _q4k_dot(wa, wb, h0, h1, h2, h3, xa_lo, xb_lo, dx_lo, s_lo, xa_hi, xb_hi, dx_hi, s_hi, ASM, ABL,
-                            SPLIT, QUANT_X)
-    else:
-        na, nb, nh, nd = _q6k_words(w16, w32, w8, tl.minimum(kb_begin + step, kb_end - 1),
-                                    tl.minimum(kb_begin + step3, kb_end - 1), NB, QT == 8)
-        pdl.wait(PDL)
-        for kb0 in range(kb_begin, kb_end, KB):
-            live, kb, live3, kb3 = _step_blocks(kb0, step, step3, kb_end)
-            x0, dx0, s0 = _q6k_act(x32, xd, xs, kb, kb3, live, live3, 0, QUANT_X)
-            x1, dx1, s1 = _q6k_act(x32, xd, xs, kb, kb3, live, live3, 1, QUANT_X)
-            x2, dx2, s2 = _q6k_act(x32, xd, xs, kb, kb3, live, live3, 2, QUANT_X)
-            x3, dx3, s3 = _q6k_act(x32, xd, xs, kb, kb3, live, live3, 3, QUANT_X)
-            if PREFETCH:
-                lo_a, lo_b, qh, d = na, nb, nh, nd
-                na, nb, nh, nd = _q6k_words(w16, w32, w8, tl.minimum(kb0 + KB + step, kb_end - 1),
-                                            tl.minimum(kb0 + KB + step3, kb_end - 1), NB, QT == 8)
-            else:
-                lo_a, lo_b, qh, d = _q6k_words(w16, w32, w8, kb, kb3, NB, QT == 8)
-            acc += _q6k_dot(lo_a, lo_b, qh, d, w8, kb3, NB, x0, dx0, s0, x1, dx1, s1, x2, dx2, s2, x3, dx3, s3, ASM,
-                            ABL, QT == 8, QUANT_X)
-    pdl.launch_dependents(PDL)
-    return tl.sum(tl.sum(acc, axis=2), axis=1)
+from kernels.quant.int8_choice import INT8_TYPES
+from kernels.quant.triton_activations import Q8Activations
+from kernels.quant.triton_decode import (
+    INTERPRETING,
+    output_for,
+    ptx_enabled,
+    sm_count,
+    split_k_ranges,
+)
+from kernels.quant.triton_int8_dot import rows_dot
 
 
 @triton.jit
@@ -582,7 +111,7 @@ def _int8_gemv_kernel(
     # first, written to output columns N ... N + N1 - 1 by the programs after the first
     # part's tiles; 0: one part (the second's arguments unused).
     # PDL: launched before the kernel that wrote the activations ends (kernels.pdl);
-    # _rows_dot waits for it after loading its first weight words.
+    # rows_dot waits for it after loading its first weight words.
     # Grid as the float GEMV's: axis 0 = activation rows x weight tiles (the rows of
     # one tile launched together, so all but the first read it from L2), axis 1 = K ranges.
     pid_m = tl.program_id(0) % M
@@ -594,7 +123,7 @@ def _int8_gemv_kernel(
     kb_begin = pid_k * blocks_per_split
     kb_end = tl.minimum(kb_begin + blocks_per_split, K // 256)
     if QT1 == 0:
-        total = _rows_dot(QT, w32_ptr, w16_ptr, w8_ptr, pid_n * BLOCK_N, N, K, row_bytes, row_words, row_halves, x32,
+        total = rows_dot(QT, w32_ptr, w16_ptr, w8_ptr, pid_n * BLOCK_N, N, K, row_bytes, row_words, row_halves, x32,
                           xd, xs, kb_begin, kb_end, BLOCK_N, KB, ASM, ABL, SPLIT, PREFETCH, QUANT_X, PDL)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         end = N
@@ -602,10 +131,10 @@ def _int8_gemv_kernel(
         # A tile is one part's rows: the first part's last tile is partial, not shared.
         tiles0 = tl.cdiv(N, BLOCK_N)
         if pid_n < tiles0:
-            total = _rows_dot(QT, w32_ptr, w16_ptr, w8_ptr, pid_n * BLOCK_N, N, K, row_bytes, row_words, row_halves,
+            total = rows_dot(QT, w32_ptr, w16_ptr, w8_ptr, pid_n * BLOCK_N, N, K, row_bytes, row_words, row_halves,
                               x32, xd, xs, kb_begin, kb_end, BLOCK_N, KB, ASM, ABL, SPLIT, PREFETCH, QUANT_X, PDL)
         else:
-            total = _rows_dot(QT1, w32b_ptr, w16b_ptr, w8b_ptr, (pid_n - tiles0) * BLOCK_N, N1, K, row_bytes1,
+            total = rows_dot(QT1, w32b_ptr, w16b_ptr, w8b_ptr, (pid_n - tiles0) * BLOCK_N, N1, K, row_bytes1,
                               row_words1, row_halves1, x32, xd, xs, kb_begin, kb_end, BLOCK_N, KB, ASM, ABL, SPLIT,
                               PREFETCH, QUANT_X, PDL)
         second = pid_n >= tiles0
@@ -676,9 +205,10 @@ def int8_gemv(
 
     Args:
         x: the float activations ``[M, K]`` (float32/bfloat16/float16, unit column
-            stride), quantized inside the GEMV as :func:`quantize_activations` would
-            (one launch; the same result bit for bit at the same tiling); or
-            :func:`quantize_activations` of them, read as they are (a second launch,
+            stride), quantized inside the GEMV as
+            :func:`kernels.quant.triton_activations.quantize_activations` would (one
+            launch; the same result bit for bit at the same tiling); or that function's
+            :class:`Q8Activations` of them, read as they are (a second launch,
             the codes shared by several calls).
         blocks: uint8 ``[N, K / 256 * block_bytes]``, GGUF blocks row by row.
         type_name: ``"Q4_K"``, ``"Q6_K"`` or ``"Q6_K_P"`` (then the rows are whole 32-bit
@@ -772,7 +302,7 @@ def int8_gemv_parts(
     n = first.rows + second.rows
     nblocks = k // 256
     device = first.words[2].device
-    result = _output(first.words[2].new_empty((m, 0), dtype=x.dtype), n, out)
+    result = output_for(first.words[2].new_empty((m, 0), dtype=x.dtype), n, out)
     if quant_x:  # the scales' and sums' pointers are unused: x stands in for them
         acts = (x, x, x)
         strides = (x.stride(0), 0, 0)
@@ -786,19 +316,15 @@ def int8_gemv_parts(
     def launch(kernel, grid, dest, per_split, **constexprs):
         kernel[grid](*acts, *first.words, dest, m, first.rows, k, *first.strides, per_split, *strides, dest.stride(0),
                      *second.words, second.rows, *second.strides, QT=first.code, QT1=second.code, QUANT_X=quant_x,
-                     ASM=_ASM and device.type == "cuda", **pdl.launch_args(device), **constexprs)
+                     ASM=ptx_enabled(device), **pdl.launch_args(device), **constexprs)
 
-    if (device.type == "cuda" and not _INTERPRETING and split_k is None and block_n is None
-            and blocks_per_step is None and n >= 2 * _sm_count(device.index or 0)):
+    if (device.type == "cuda" and not INTERPRETING and split_k is None and block_n is None
+            and blocks_per_step is None and n >= 2 * sm_count(device.index or 0)):
         launch(_tuned, lambda meta: (m * tiles(meta["BLOCK_N"]), 1), result, nblocks, ATOMIC=False)
         return result
     block_n = block_n or 4
     kb = blocks_per_step or 2
-    if split_k is None:
-        want = 4 * _sm_count(device.index or 0) if device.type == "cuda" else 1
-        split_k = max(1, min(nblocks // kb or 1, -(-want // (m * tiles(block_n)))))
-    per_split = triton.cdiv(nblocks, split_k)
-    split = triton.cdiv(nblocks, per_split)
+    per_split, split = split_k_ranges(nblocks, kb, m * tiles(block_n), device, split_k)
     atomic = split > 1
     dest = torch.zeros((m, n), device=device, dtype=torch.float32) if atomic else result
     launch(_int8_gemv_kernel, (m * tiles(block_n), split), dest, per_split, BLOCK_N=block_n, KB=kb, ATOMIC=atomic,

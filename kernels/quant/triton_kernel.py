@@ -1,7 +1,6 @@
 """Triton kernels over GGUF blocks: dequantize inside the matmul, never to memory.
 
-Two kernels share one block decoder (:func:`_codes` for the codes, :func:`_scales` for
-each sub-block's scale and offset):
+Two kernels share one block decoder (:mod:`kernels.quant.triton_decode`):
 
 - :func:`quant_gemv`, for decode rows (``M <= GEMV_MAX_ROWS``): one program per
   (activation row, ``BLOCK_N`` weight rows, range of K); it walks its range ``KB``
@@ -19,286 +18,31 @@ Q4_K and Q6_K decode rows go to the int8-activation GEMV of
 :mod:`kernels.quant.triton_int8` instead (integer dot products on activations rounded
 to int8 per 32 values, as llama.cpp's CUDA kernels do; with Q6_K repacked into aligned
 planes it decoded the 8B shape at batch 1 in 3.68 ms a step against the float GEMV's
-4.47 on the H200); ``HEADROOM_QUANT_INT8=0`` (or ``int8_dot=False``) keeps them on the
-float GEMV. The activations are rounded to int8 by a launch of their own, which the
-parts of a projection share (``HEADROOM_QUANT_INT8_FUSE=1``: by the GEMV itself, as it
-reads them; slower on the H200), or, where an RMSNorm or SiLU-and-mul kernel writes
-the rows, by that kernel as it writes them (``HEADROOM_QUANT_INT8_PRODUCER=0``: by their
-own launch there too); and a projection of a Q4_K part and a Q6_K part is one GEMV
-launch (``HEADROOM_QUANT_INT8_PARTS=0``: one each).
-
-No weight is rounded to 16 bits. Codes become floats without an int-to-float
-instruction: ORed into the mantissa of 2**23 (:func:`_codes_f32`; for Q4_K and Q8_0
-four codes at a time in PTX, :func:`_codes_fast`); each format's zero point (Q4_0's 8,
-Q6_K's 32, ...) is subtracted there, so only formats with a min pay ``offset * sum(x)``.
-
-A sub-block is ``L`` consecutive weights of one row that share a scale and an offset
-(:mod:`kernels.quant.formats`): the decoder gives its codes, scale and offset with
-``w = scale * (code - zero) + offset``, read straight from
-the block bytes as ggml lays them out (ggml-common.h; decoded as ``gguf.quants``
-does). Out-of-range rows are clamped to the last row (their loads stay in bounds, their
-stores are masked); blocks past a program's range are loaded from its last block and
-multiplied by zeroed activations.
+4.47 on the H200). Which GEMV runs and where its activations are quantized are the
+``quant_int8*`` switches (:mod:`kernels.quant.int8_choice`, :mod:`kernels.switches`).
 """
 
 from __future__ import annotations
-
-import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.env import env_flag
-from kernels.quant.formats import block_format
+from kernels.quant.int8_choice import int8_quantize_apart, uses_int8_dot
+from kernels.quant.triton_decode import (
+    INTERPRETING,
+    check_blocks,
+    gemm_dot,
+    gemv_dot,
+    layout_constexprs,
+    output_for,
+    ptx_enabled,
+    sm_count,
+    split_k_ranges,
+)
 
 # Rows of activations up to which the GEMV runs (decode batches); the GEMM above.
 GEMV_MAX_ROWS = 16
-
-# Triton's interpreter mis-converts a float32 tile to bfloat16 before ``tl.dot`` (the
-# product comes out as garbage), so there the kernels multiply in float32 whatever the
-# activations' dtype.
-_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-# The GEMV converts codes to floats with inline PTX (:func:`_codes_fast`); the
-# interpreter runs none, and HEADROOM_QUANT_PTX=0 turns it off (to compare).
-_ASM = not _INTERPRETING and env_flag("HEADROOM_QUANT_PTX", True)
-# Q4_K/Q6_K decode rows on the int8-activation GEMV (:mod:`kernels.quant.triton_int8`)
-# unless HEADROOM_QUANT_INT8=0 (README, "GGUF weights kept quantized").
-_INT8 = env_flag("HEADROOM_QUANT_INT8", True)
-# The int8 GEMV's activation rows are quantized by a launch of their own, whose codes
-# the parts of a fused projection share, unless HEADROOM_QUANT_INT8_FUSE=1: then the
-# GEMV quantizes them as it reads them (one launch less, the same results at the same
-# tiling, but every program rounds its slice again: a batch-1 step of the 8B Q4_K_M
-# shape took 4.36 ms against 3.21 on the H200, README "GGUF weights kept quantized").
-_INT8_FUSE = env_flag("HEADROOM_QUANT_INT8_FUSE", False)
-# Decode rows of a projection of two parts on the int8 GEMV in different types (a
-# Q4_K_M file's q/k in Q4_K over v in Q6_K) take one launch for both unless
-# HEADROOM_QUANT_INT8_PARTS=0 (a launch a part).
-_INT8_PARTS = env_flag("HEADROOM_QUANT_INT8_PARTS", True)
-# Rows that a decoder's RMSNorm or SiLU-and-mul kernel writes for a projection on the
-# int8 GEMV are quantized by that kernel as it writes them (kernels.norm.triton_kernel,
-# kernels.activation.triton_kernel with quantize=True: the quantizing launch left out) unless
-# HEADROOM_QUANT_INT8_PRODUCER=0; only where they are quantized apart at all (not with
-# HEADROOM_QUANT_INT8_FUSE=1).
-_INT8_PRODUCER = env_flag("HEADROOM_QUANT_INT8_PRODUCER", True)
-
-
-@triton.jit
-def _f16(ptr):
-    """float32 of the little-endian float16 at ``ptr`` (uint8 pointers of any shape; every
-    block keeps its float16 fields at even offsets of an even-sized block, so the cast
-    pointer is aligned)."""
-    return tl.load(ptr.to(tl.pointer_type(tl.float16))).to(tl.float32)
-
-
-@triton.jit
-def _k_scale_min(blk, S):
-    """Q4_K/Q5_K: the 6-bit scale and min of sub-block ``S`` (constexpr or a tensor) from
-    the 12 packed bytes at ``blk + 4`` (ggml's ``get_scale_min_k4``). Both halves'
-    formulas are evaluated (their loads stay inside the block) and one is selected, so a
-    runtime ``S`` needs no branch."""
-    low = tl.load(blk + 4 + S).to(tl.int32)
-    packed = tl.load(blk + 8 + S).to(tl.int32)
-    sc = tl.where(S < 4, low & 63, (packed & 15) | ((tl.load(blk + S).to(tl.int32) >> 6) << 4))
-    mn = tl.where(S < 4, packed & 63, (packed >> 4) | ((low >> 6) << 4))
-    return sc.to(tl.float32), mn.to(tl.float32)
-
-
-@triton.jit
-def _codes(b, tt, QT: tl.constexpr, S):
-    """int32 codes in ``[0, 256)`` of element ``tt`` of sub-block ``S`` of the blocks at
-    ``b`` (uint8 pointers; the three broadcast together, e.g. ``b`` ``[R, 1, 1]``,
-    ``S`` ``[1, NSUB, 1]``, ``tt`` ``[1, 1, L]``). The weight is
-    ``scale * (code - _ZERO[QT]) + offset`` (:func:`_scales`). Layouts as ggml's
-    ``block_q4_0`` ... ``block_q6_K``."""
-    if QT == 0:  # Q4_0: d, 16 bytes of nibbles (low: weights 0-15, high: 16-31)
-        u = (tl.load(b + 2 + tt).to(tl.int32) >> (4 * S)) & 15
-    elif QT == 1:  # Q4_1: d, m, nibbles
-        u = (tl.load(b + 4 + tt).to(tl.int32) >> (4 * S)) & 15
-    elif QT == 2:  # Q5_0: d, 32 high bits, nibbles
-        hb = (tl.load(b + 2 + 2 * S + tt // 8).to(tl.int32) >> (tt % 8)) & 1
-        u = ((tl.load(b + 6 + tt).to(tl.int32) >> (4 * S)) & 15) | (hb << 4)
-    elif QT == 3:  # Q5_1: d, m, 32 high bits, nibbles
-        hb = (tl.load(b + 4 + 2 * S + tt // 8).to(tl.int32) >> (tt % 8)) & 1
-        u = ((tl.load(b + 8 + tt).to(tl.int32) >> (4 * S)) & 15) | (hb << 4)
-    elif QT == 4:  # Q8_0: d, 32 int8 (sign bit flipped: offset binary)
-        u = tl.load(b + 2 + tt).to(tl.int32) ^ 128
-    elif QT == 5:  # Q4_K: d, dmin, 12 scale bytes, 128 bytes of nibbles in 4 runs of 32
-        u = (tl.load(b + 16 + (S // 2) * 32 + tt).to(tl.int32) >> (4 * (S % 2))) & 15
-    elif QT == 6:  # Q5_K: as Q4_K, plus 32 bytes of high bits (bit S of byte t)
-        hb = (tl.load(b + 16 + tt).to(tl.int32) >> S) & 1
-        u = ((tl.load(b + 48 + (S // 2) * 32 + tt).to(tl.int32) >> (4 * (S % 2))) & 15) | (hb << 4)
-    else:  # Q6_K: 128 bytes low nibbles, 64 bytes 2-bit highs, 16 int8 scales, d
-        lo = (tl.load(b + (S // 8) * 64 + 16 * (S % 4) + tt).to(tl.int32) >> (4 * ((S // 4) % 2))) & 15
-        hi = (tl.load(b + 128 + (S // 8) * 32 + 16 * (S % 2) + tt).to(tl.int32) >> (2 * ((S // 2) % 4))) & 3
-        u = lo | (hi << 4)
-    return u
-
-
-@triton.jit
-def _scales(b, QT: tl.constexpr, S):
-    """``(scale, offset)`` float32 of sub-block ``S`` of the blocks at ``b`` (broadcast
-    together, e.g. ``[R, 1]`` and ``[1, NSUB]``; kept apart from :func:`_codes` so the
-    scales live once per thread, not once per weight). ``offset`` is the min's share,
-    zero for the formats without one (Q4_0, Q5_0, Q8_0, Q6_K: their offset is a whole
-    number of scales, folded into the codes' zero point)."""
-    if QT == 1 or QT == 3:  # Q4_1, Q5_1: d, m
-        scale = _f16(b) + 0.0 * S
-        offset = _f16(b + 2) + 0.0 * S
-    elif QT == 5 or QT == 6:  # Q4_K, Q5_K: d, dmin, 6-bit scales and mins
-        sc, mn = _k_scale_min(b, S)
-        scale = _f16(b) * sc
-        offset = -_f16(b + 2) * mn
-    elif QT == 7:  # Q6_K: int8 scales at 192, d at 208
-        scale = _f16(b + 208) * tl.load(b + 192 + S).to(tl.int8, bitcast=True).to(tl.float32)
-        offset = scale * 0.0
-    else:  # Q4_0, Q5_0, Q8_0: d
-        scale = _f16(b) + 0.0 * S
-        offset = scale * 0.0
-    return scale, offset
-
-
-@triton.jit
-def _codes_f32(u, ZERO: tl.constexpr):
-    """``u - ZERO`` as float32 for codes ``0 <= u < 2**23``, without an int-to-float
-    conversion (a quarter-rate instruction on Hopper): ``u`` ORed into the mantissa of
-    2**23 is the float ``2**23 + u`` exactly, and the subtraction is exact too."""
-    return (u | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + ZERO)
-
-
-@triton.jit
-def _q6p_fields(row, kb, NB):
-    """Q6_K_P (:mod:`kernels.quant.repack`): pointers to block ``kb``'s ``ql``, ``qh``,
-    scales and ``d`` in the row at ``row`` of ``NB`` blocks (uint8 pointers; broadcast)."""
-    return row + kb * 128, row + NB * 128 + kb * 64, row + NB * 192 + kb * 16, row + NB * 208 + kb * 2
-
-
-@triton.jit
-def _q6p_codes(ql, qh, tt, S):
-    """Q6_K_P codes in ``[0, 64)`` of element ``tt`` of sub-block ``S``: Q6_K's decoding
-    (:func:`_codes`) over the block's ``ql`` and ``qh`` planes."""
-    lo = (tl.load(ql + (S // 8) * 64 + 16 * (S % 4) + tt).to(tl.int32) >> (4 * ((S // 4) % 2))) & 15
-    hi = (tl.load(qh + (S // 8) * 32 + 16 * (S % 2) + tt).to(tl.int32) >> (2 * ((S // 2) % 4))) & 3
-    return lo | (hi << 4)
-
-
-@triton.jit
-def _q6p_scale(sc, dp, S):
-    """Q6_K_P: the float32 scale of sub-block ``S`` (``d`` times its int8 scale)."""
-    return _f16(dp) * tl.load(sc + S).to(tl.int8, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def _block_sub(row, kb, NB, t, QT: tl.constexpr, BB: tl.constexpr, S, ZERO: tl.constexpr):
-    """``(q, scale, offset)`` of sub-block ``S`` of block ``kb`` of the rows at ``row``
-    (``[R]`` pointers, ``NB`` blocks a row; ``t`` the sub-block's element range): as
-    :func:`_sub_block`, for GGUF blocks and repacked layouts alike."""
-    if QT == 8:
-        ql, qh, sc, dp = _q6p_fields(row, kb, NB)
-        scale = _q6p_scale(sc, dp, S)
-        q = _codes_f32(_q6p_codes(ql[:, None], qh[:, None], t[None, :], S), ZERO)
-        return q, scale, scale * 0.0
-    return _sub_block(row + kb * BB, t, QT, S, ZERO)
-
-
-# Four codes of one 32-bit register to four float32 ``2**23 + code`` (PTX): ``prmt``
-# puts code byte i under the exponent bytes of 2**23 (0x4B000000), one instruction a
-# weight; the masks and shifts before it work on all four bytes at once. Operands with
-# pack=4: $0-$3 the floats, then each argument (8-bit: one register of four bytes,
-# 32-bit: four registers).
-_PRMT4 = """
-    mov.b32 %m, 0x4B000000;
-    prmt.b32 $0, %t, %m, 0x7650;
-    prmt.b32 $1, %t, %m, 0x7651;
-    prmt.b32 $2, %t, %m, 0x7652;
-    prmt.b32 $3, %t, %m, 0x7653;
-"""
-_NIBBLES_ASM = tl.constexpr("{ .reg .b32 %t, %m; shr.u32 %t, $4, $5; and.b32 %t, %t, 0x0F0F0F0F;" + _PRMT4 + "}")
-_SIGNED_ASM = tl.constexpr("{ .reg .b32 %t, %m; xor.b32 %t, $4, 0x80808080;" + _PRMT4 + "}")
-
-
-@triton.jit
-def _codes_fast(b, tt, QT: tl.constexpr, S, ZERO: tl.constexpr, ASM: tl.constexpr):
-    """``code - ZERO`` as float32, as :func:`_codes_f32` of :func:`_codes`, through PTX
-    that converts four codes of one register at a time for Q4_K and Q8_0 (``ASM``:
-    compiled for CUDA; the interpreter runs no PTX). Only there: the nibble shift is
-    taken once per four codes, right where a thread's runs of codes stay inside one
-    sub-block (Q4_K's 32, its 16-byte aligned blocks); the 16-weight sub-blocks'
-    layouts pack codes of two sub-blocks into one register (measured wrong on the
-    H200), and for Q6_K the conversion measured no faster."""
-    if ASM and QT == 5:
-        raw = tl.load(b + 16 + (S // 2) * 32 + tt)
-        f = tl.inline_asm_elementwise(_NIBBLES_ASM, "=r,=r,=r,=r,r,r,r,r,r", [raw, (4 * (S % 2) + 0 * tt).to(tl.int32)],
-                                      dtype=tl.float32, is_pure=True, pack=4) - 8388608.0
-    elif ASM and QT == 4:
-        f = tl.inline_asm_elementwise(_SIGNED_ASM, "=r,=r,=r,=r,r", [tl.load(b + 2 + tt)],
-                                      dtype=tl.float32, is_pure=True, pack=4) - (8388608.0 + ZERO)
-    else:
-        f = _codes_f32(_codes(b, tt, QT, S), ZERO)
-    return f
-
-
-@triton.jit
-def _sub_block(blk, t, QT: tl.constexpr, S, ZERO: tl.constexpr):
-    """Sub-block ``S`` (constexpr or runtime) of the blocks at ``blk`` (``[BLOCK_N]``
-    pointers, one per row): ``(q [BLOCK_N, L] float32, scale [BLOCK_N], offset [BLOCK_N])``,
-    weights ``scale * q + offset``, the codes ``q`` small integers (exact in bfloat16);
-    ``t`` is ``tl.arange(0, L)``."""
-    scale, offset = _scales(blk, QT, S)
-    return _codes_f32(_codes(blk[:, None], t[None, :], QT, S), ZERO), scale, offset
-
-
-@triton.jit
-def _codes_dot(xv, q, IEEE: tl.constexpr):
-    """``xv [BLOCK_M, L] @ q.T`` -> ``[BLOCK_M, BLOCK_N]`` float32 on tensor cores: the
-    integer codes are exact in the activations' 16-bit type (or in float32 with
-    ``IEEE``)."""
-    if IEEE:
-        return tl.dot(xv.to(tl.float32), tl.trans(q), input_precision="ieee")
-    return tl.dot(xv, tl.trans(q.to(xv.dtype)))
-
-
-@triton.jit
-def _gemv_dot(
-    x_row, row_ptr, kb_begin, kb_end, NB,
-    QT: tl.constexpr, QK: tl.constexpr, BB: tl.constexpr, L: tl.constexpr, NSUB: tl.constexpr,
-    ZERO: tl.constexpr, HAS_MIN: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr, ASM: tl.constexpr,
-):
-    """``[BLOCK_N]`` float32: the activation row at ``x_row`` times the weight rows at
-    ``row_ptr`` (``[1, 1, BLOCK_N]`` pointers to each row's first block; ``NB`` blocks a
-    row) over blocks ``kb_begin .. kb_end - 1``.
-
-    The tile is [KB, NSUB, BLOCK_N, L]: KB blocks of K x each block's NSUB sub-blocks x
-    rows x the sub-block's L weights. Threads spread over blocks and sub-blocks first
-    (the rows' dimension comes last in the layout's order), so a thread holds the same L
-    weights of several rows and the activations, one [KB, NSUB, 1, L] tile, are loaded,
-    converted and summed once for all of them. Each sub-block's codes times the
-    activations are summed in registers and scaled once."""
-    kbi = tl.arange(0, KB)[:, None, None]
-    S = tl.arange(0, NSUB)[None, :, None]  # [1, NSUB, 1]
-    # Runs of 8 for the code bytes as for the bfloat16 activations (16-byte loads):
-    # both loads then take one layout, with no shuffle of the codes between them.
-    t = tl.max_contiguous(tl.arange(0, L), 8)[None, None, None, :]
-    acc = tl.zeros([KB, NSUB, BLOCK_N], tl.float32)
-    for kb0 in range(kb_begin, kb_end, KB):
-        kb = kb0 + kbi  # [KB, 1, 1]
-        live = (kb < kb_end)[:, :, :, None]
-        kb = tl.minimum(kb, kb_end - 1)
-        if QT == 8:
-            ql, qh, sc, dp = _q6p_fields(row_ptr, kb, NB)  # [KB, 1, BLOCK_N]
-            scale = _q6p_scale(sc, dp, S)  # [KB, NSUB, BLOCK_N]
-            offset = scale * 0.0
-            q = _codes_f32(_q6p_codes(ql[:, :, :, None], qh[:, :, :, None], t, S[:, :, :, None]), ZERO)
-        else:
-            blk = row_ptr + kb * BB  # [KB, 1, BLOCK_N]
-            scale, offset = _scales(blk, QT, S)  # [KB, NSUB, BLOCK_N]
-            q = _codes_fast(blk[:, :, :, None], t, QT, S[:, :, :, None], ZERO, ASM)  # [KB, NSUB, BLOCK_N, L]
-        xv = tl.load(x_row + (kb * QK + S * L)[:, :, :, None] + t, mask=live, other=0.0).to(tl.float32)
-        acc += tl.sum(q * xv, axis=3) * scale
-        if HAS_MIN:
-            acc += tl.sum(xv, axis=3) * offset
-    return tl.sum(tl.sum(acc, axis=1), axis=0)
 
 
 @triton.jit
@@ -319,36 +63,13 @@ def _gemv_kernel(
     x_row = x_ptr + pid_m.to(tl.int64) * stride_xm
     kb_begin = pid_k * blocks_per_split
     kb_end = tl.minimum(kb_begin + blocks_per_split, K // QK)
-    total = _gemv_dot(x_row, row_ptr, kb_begin, kb_end, K // QK, QT, QK, BB, L, NSUB, ZERO, HAS_MIN, BLOCK_N, KB, ASM)
+    total = gemv_dot(x_row, row_ptr, kb_begin, kb_end, K // QK, QT, QK, BB, L, NSUB, ZERO, HAS_MIN, BLOCK_N, KB, ASM)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     out = out_ptr + pid_m * stride_om + cols
     if ATOMIC:
         tl.atomic_add(out, total, mask=cols < N)
     else:
         tl.store(out, total.to(out_ptr.dtype.element_ty), mask=cols < N)
-
-
-@triton.jit
-def _gemm_dot(
-    x_row, m_mask, row_ptr, nblocks,
-    QT: tl.constexpr, QK: tl.constexpr, BB: tl.constexpr, L: tl.constexpr, NSUB: tl.constexpr,
-    ZERO: tl.constexpr, HAS_MIN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-):
-    """``[BLOCK_M, BLOCK_N]`` float32: the activation rows at ``x_row`` (``[BLOCK_M, 1]``
-    pointers, ``m_mask`` the live ones) times the weight rows at ``row_ptr``
-    (``[BLOCK_N]`` pointers) over all ``nblocks`` blocks."""
-    t = tl.arange(0, L)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    # One runtime loop over sub-blocks (not unrolled): one tile's registers live at a time.
-    for sb in range(0, nblocks * NSUB):
-        kb = sb // NSUB
-        s = sb % NSUB
-        q, scale, offset = _block_sub(row_ptr, kb, nblocks, t, QT, BB, s, ZERO)
-        xv = tl.load(x_row + (kb * QK + s * L + t)[None, :], mask=m_mask[:, None], other=0.0)
-        acc += _codes_dot(xv, q, IEEE) * scale[None, :]
-        if HAS_MIN:
-            acc += tl.sum(xv.to(tl.float32), axis=1)[:, None] * offset[None, :]
-    return acc
 
 
 @triton.jit
@@ -364,37 +85,9 @@ def _gemm_kernel(
     ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = ms < M
     x_row = x_ptr + ms.to(tl.int64)[:, None] * stride_xm
-    acc = _gemm_dot(x_row, m_mask, row_ptr, K // QK, QT, QK, BB, L, NSUB, ZERO, HAS_MIN, BLOCK_M, BLOCK_N, IEEE)
+    acc = gemm_dot(x_row, m_mask, row_ptr, K // QK, QT, QK, BB, L, NSUB, ZERO, HAS_MIN, BLOCK_M, BLOCK_N, IEEE)
     out = out_ptr + ms[:, None] * stride_om + rows[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & (rows[None, :] < N))
-
-
-def _check(x: torch.Tensor, blocks: torch.Tensor, type_name: str):
-    fmt = block_format(type_name)
-    if x.dim() != 2 or blocks.dim() != 2 or blocks.dtype != torch.uint8:
-        raise ValueError(f"want x [M, K] and uint8 blocks [N, bytes], got {tuple(x.shape)} and {blocks.dtype} {tuple(blocks.shape)}")
-    k = x.shape[1]
-    if k % fmt.block_elements or blocks.shape[1] != k // fmt.block_elements * fmt.block_bytes:
-        raise ValueError(f"{type_name} blocks {tuple(blocks.shape)} do not hold rows of K={k} weights")
-    if x.stride(1) != 1 or blocks.stride(1) != 1:
-        raise ValueError("x and blocks need a contiguous last dimension")
-    return fmt, k
-
-
-# Per format code: the zero point folded into the codes (Q4_0's -8, Q5_0's -16, Q8_0's
-# sign flip, Q6_K's -32) and whether the weight has a min (an offset per sub-block).
-_ZERO = {0: 8, 1: 0, 2: 16, 3: 0, 4: 128, 5: 0, 6: 0, 7: 32, 8: 32}
-_HAS_MIN = {0: False, 1: True, 2: False, 3: True, 4: False, 5: True, 6: True, 7: False, 8: False}
-
-
-def _layout(fmt) -> dict:
-    return dict(QT=fmt.code, QK=fmt.block_elements, BB=fmt.block_bytes, L=fmt.sub_elements, NSUB=fmt.subs_per_block,
-                ZERO=_ZERO[fmt.code], HAS_MIN=_HAS_MIN[fmt.code])
-
-
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def _gemv_configs() -> list[triton.Config]:
@@ -422,8 +115,8 @@ _gemv_tuned = triton.autotune(
 def _tuned_shape(x: torch.Tensor, n: int, split_k, block_n, blocks_per_step) -> bool:
     """The tuned kernel when no tiling is forced and the rows alone fill the SMs twice
     over (below that, split-K with a fixed tiling)."""
-    return (x.is_cuda and not _INTERPRETING and split_k is None and block_n is None and blocks_per_step is None
-            and n >= 2 * _sm_count(x.device.index or 0))
+    return (x.is_cuda and not INTERPRETING and split_k is None and block_n is None and blocks_per_step is None
+            and n >= 2 * sm_count(x.device.index or 0))
 
 
 def quant_gemv(
@@ -460,9 +153,9 @@ def quant_gemv(
             slice of a wider tensor), else a new tensor.
         int8_dot: Q4_K/Q6_K through the int8-activation GEMV
             (:mod:`kernels.quant.triton_int8`: activations rounded to int8 per 32
-            values, integer dot products); default on unless
-            ``HEADROOM_QUANT_INT8=0``. Other types ignore it.
-        q8: ``x`` already quantized (:func:`kernels.quant.triton_int8.quantize_activations`),
+            values, integer dot products); default: the ``quant_int8`` switch
+            (:mod:`kernels.switches`). Other types ignore it.
+        q8: ``x`` already quantized (:func:`kernels.quant.triton_activations.quantize_activations`),
             shared by the parts of a fused projection; else the int8 GEMV quantizes
             ``x`` itself (:func:`int8_quantize_apart` false: one launch) or after a
             quantizing launch.
@@ -473,35 +166,32 @@ def quant_gemv(
     Raises:
         ValueError: shapes or dtypes that do not match the format.
     """
-    fmt, k = _check(x, blocks, type_name)
+    fmt, k = check_blocks(x, blocks, type_name)
     m, n = x.shape[0], blocks.shape[0]
     nblocks = k // fmt.block_elements
     if uses_int8_dot(type_name, int8_dot):
-        from kernels.quant.triton_int8 import int8_gemv, quantize_activations
+        from kernels.quant.triton_activations import quantize_activations
+        from kernels.quant.triton_int8 import int8_gemv
 
         if q8 is None:
             q8 = quantize_activations(x) if int8_quantize_apart() else x
         return int8_gemv(q8, blocks, type_name, block_n=block_n, split_k=split_k, blocks_per_step=blocks_per_step,
                          num_warps=num_warps, out=out)
-    result = _output(x, n, out)
+    result = output_for(x, n, out)
     if _tuned_shape(x, n, split_k, block_n, blocks_per_step):
         _gemv_tuned[lambda meta: (m * triton.cdiv(n, meta["BLOCK_N"]), 1)](
             x, blocks, result, m, n, k, blocks.stride(0), nblocks, x.stride(0), result.stride(0),
-            **_layout(fmt), ATOMIC=False, ASM=_ASM,
+            **layout_constexprs(fmt), ATOMIC=False, ASM=ptx_enabled(x.device),
         )
         return result
     block_n = block_n or 4
     kb = blocks_per_step or (2 if fmt.block_elements > 32 else 16)
-    if split_k is None:
-        want = 4 * _sm_count(x.device.index or 0) if x.is_cuda else 1
-        split_k = max(1, min(nblocks // kb or 1, -(-want // (m * triton.cdiv(n, block_n)))))
-    per_split = triton.cdiv(nblocks, split_k)
-    split = triton.cdiv(nblocks, per_split)
+    per_split, split = split_k_ranges(nblocks, kb, m * triton.cdiv(n, block_n), x.device, split_k)
     atomic = split > 1
     dest = torch.zeros((m, n), device=x.device, dtype=torch.float32) if atomic else result
     _gemv_kernel[(m * triton.cdiv(n, block_n), split)](
         x, blocks, dest, m, n, k, blocks.stride(0), per_split, x.stride(0), dest.stride(0),
-        **_layout(fmt), BLOCK_N=block_n, KB=kb, ATOMIC=atomic, ASM=_ASM and x.is_cuda, num_warps=num_warps,
+        **layout_constexprs(fmt), BLOCK_N=block_n, KB=kb, ATOMIC=atomic, ASM=ptx_enabled(x.device), num_warps=num_warps,
     )
     if atomic:
         result.copy_(dest)
@@ -524,13 +214,13 @@ def quant_gemm(
     Args (``out`` too) and return as :func:`quant_gemv`; float32 inputs multiply in IEEE float32
     (no TF32), 16-bit ones with the weight tile rounded to their dtype.
     """
-    fmt, k = _check(x, blocks, type_name)
+    fmt, k = check_blocks(x, blocks, type_name)
     m, n = x.shape[0], blocks.shape[0]
-    out = _output(x, n, out)
+    out = output_for(x, n, out)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _gemm_kernel[grid](
         x, blocks, out, m, n, k, blocks.stride(0), x.stride(0), out.stride(0),
-        **_layout(fmt), BLOCK_M=block_m, BLOCK_N=block_n, IEEE=x.dtype == torch.float32 or _INTERPRETING, num_warps=num_warps,
+        **layout_constexprs(fmt), BLOCK_M=block_m, BLOCK_N=block_n, IEEE=x.dtype == torch.float32 or INTERPRETING, num_warps=num_warps,
     )
     return out
 
@@ -542,40 +232,3 @@ def quant_matmul(x: torch.Tensor, blocks: torch.Tensor, type_name: str, out: tor
     if x.shape[0] <= GEMV_MAX_ROWS:
         return quant_gemv(x, blocks, type_name, out=out, q8=q8)
     return quant_gemm(x, blocks, type_name, out=out)
-
-
-def uses_int8_dot(type_name: str, int8_dot: bool | None = None) -> bool:
-    """Whether the GEMV of ``type_name`` runs on int8 activations (see :func:`quant_gemv`)."""
-    from kernels.quant.triton_int8 import INT8_TYPES
-
-    return type_name in INT8_TYPES and (_INT8 if int8_dot is None else int8_dot)
-
-
-def int8_parts_in_one_launch(type_names: list[str | None]) -> bool:
-    """Whether the decode GEMVs of a projection whose parts (top to bottom) are of
-    ``type_names`` (None: dense) run as one launch
-    (:func:`kernels.quant.triton_int8.int8_gemv_parts`): two parts, both on the int8
-    GEMV, unless ``HEADROOM_QUANT_INT8_PARTS=0``."""
-    return _INT8_PARTS and len(type_names) == 2 and all(t is not None and uses_int8_dot(t) for t in type_names)
-
-
-def int8_quantize_apart() -> bool:
-    """Whether int8-GEMV activations are quantized by a launch of their own before the
-    GEMV (the default) rather than inside it (``HEADROOM_QUANT_INT8_FUSE=1``)."""
-    return not _INT8_FUSE
-
-
-def int8_from_producer() -> bool:
-    """Whether int8-GEMV activations quantized apart are quantized by the kernel that
-    writes them where it can (an RMSNorm, SiLU-and-mul: ``quantize=True``) rather than by
-    a launch of their own; see :data:`_INT8_PRODUCER`."""
-    return _INT8_PRODUCER and int8_quantize_apart()
-
-
-def _output(x: torch.Tensor, n: int, out: torch.Tensor | None) -> torch.Tensor:
-    if out is None:
-        return torch.empty((x.shape[0], n), device=x.device, dtype=x.dtype)
-    if out.shape != (x.shape[0], n) or out.dtype != x.dtype or out.stride(1) != 1:
-        raise ValueError(f"out must be [{x.shape[0]}, {n}] {x.dtype} with unit column stride, got "
-                         f"{tuple(out.shape)} {out.dtype} stride {out.stride()}")
-    return out

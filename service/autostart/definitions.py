@@ -12,14 +12,15 @@ entities), so a path with spaces, quotes or ``%`` survives.
 
 from __future__ import annotations
 
-import os
 import string
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from xml.sax.saxutils import escape
 
-from service.common.paths import LOG_DIR_ENV, RUNTIME_DIR_ENV, log_dir
+from engine.common.environment import CONFIG
+from engine.common.environment import variables as headroom_variables
+from service.common.paths import CONFIG_DIR_ENV, LOG_DIR_ENV, RUNTIME_DIR_ENV, log_dir
 from service.common.resources import data_dir
 
 SERVICE_NAME = "headroom"
@@ -29,7 +30,7 @@ TASK_NAME = "headroom"
 TEMPLATES = {"linux": "headroom.service", "darwin": "headroom.plist", "win32": "headroom-task.xml"}
 # Settings the installing shell moved elsewhere, passed on to the service so that it
 # uses the same config, token and folders (Linux and macOS; a task has no environment).
-PASSED_ENV = ("HEADROOM_CONFIG", "HEADROOM_CONFIG_DIR", LOG_DIR_ENV, RUNTIME_DIR_ENV)
+PASSED_ENV = (CONFIG.name, CONFIG_DIR_ENV, LOG_DIR_ENV, RUNTIME_DIR_ENV)
 
 
 def platform_key(platform: str | None = None) -> str:
@@ -80,7 +81,8 @@ def default_spec(platform: str | None = None) -> ServiceSpec:
     command = headroom_command(key)
     if key != "linux":
         command = (*command, "--log-file", "auto")
-    environment = tuple((k, os.environ[k]) for k in PASSED_ENV if os.environ.get(k))
+    ours = headroom_variables()
+    environment = tuple((k, ours[k]) for k in PASSED_ENV if ours.get(k))
     return ServiceSpec(command=command, environment=environment, log_dir=log_dir())
 
 

@@ -15,13 +15,16 @@ import click
 
 from service.cli.exits import EXIT_FAILED, EXIT_USAGE, check_model_path, fail
 from service.cli.options import (
+    KERNEL_SWITCHES,
     count_option,
     device_option,
     max_tokens_option,
     model_option,
     requests_option,
+    resolve_or_fail,
     seed_option,
     url_option,
+    with_settings,
 )
 from service.common.settings import DEFAULT_PORT, parse_size
 
@@ -272,6 +275,7 @@ def _int_list(ctx: Any, param: Any, value: str) -> tuple[int, ...]:
     default=32,
     help_text="Tokens generated per request (greedy, EOS ignored).",
 )
+@with_settings(*KERNEL_SWITCHES)
 def bench_engine(**options: Any) -> None:
     """Prefill and decode tokens/s of the engine against transformers' generate on the
     same model, device and dtype, at each batch size and on one long prompt; on CUDA
@@ -281,6 +285,12 @@ def bench_engine(**options: Any) -> None:
     from engine.bench.model_shapes import SHAPES
     from engine.common.errors import CudaUnavailable
     from engine.common.load_errors import ModelLoadError
+    from engine.common.options import pick
+    from kernels.switches import KernelSwitches
+
+    # The kernel switches as serve takes them: flags, HEADROOM_* variables, config file.
+    settings = resolve_or_fail({name: options.pop(name) for name in KERNEL_SWITCHES}, None)
+    options["kernel_switches"] = pick(settings, KernelSwitches)
 
     shape = options["shape"]
     if shape is not None and shape not in SHAPES:

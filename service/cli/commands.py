@@ -27,6 +27,7 @@ from service.cli.doctor import doctor
 from service.cli.exits import EXIT_FAILED, EXIT_USAGE, check_model_path, fail
 from service.cli.models import models, pull
 from service.cli.options import (
+    KERNEL_SWITCHES,
     config_option,
     max_tokens_option,
     resolve_or_fail,
@@ -187,6 +188,7 @@ _PLAN_KNOBS = (
     "reserve",
     "device_limit",
     "min_context",
+    *KERNEL_SWITCHES,
 )
 @click.argument("prompt")
 def generate(
@@ -264,6 +266,7 @@ def generate(
     "device_display",
     *_PLAN_KNOBS,
     "page_size",
+    *KERNEL_SWITCHES,
     renamed={"device_display": "--display"},
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")

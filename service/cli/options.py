@@ -21,6 +21,8 @@ import click
 
 from service.common.ranges import SEED_MAX, SEED_MIN
 from service.cli.exits import EXIT_USAGE, fail
+from engine.common.config import KernelOptions
+from engine.common.options import options_of
 from service.common.settings import OPTIONS, OPTIONS_BY_NAME, Option, SettingsError
 from service.common.settings_sources import resolve
 
@@ -64,10 +66,16 @@ def with_settings(*names: str, renamed: dict[str, str] | None = None) -> Decorat
     return wrap
 
 
+# The kernel switches (kernels.switches, as options: engine.common.config.KernelOptions):
+# serve, generate, plan and bench engine take them all.
+KERNEL_SWITCHES: tuple[str, ...] = tuple(opt.name for opt in options_of(KernelOptions))
+
+
 def with_serve_options(func: Any) -> Any:
-    """Every setting of service.common.settings.OPTIONS, in their order, so --help lists each
-    one with its environment variable and default."""
-    return with_settings(*(opt.name for opt in OPTIONS))(func)
+    """Every setting of service.cli.settings.OPTIONS, in their order with the kernel
+    switches last, so --help lists each one with its environment variable and default."""
+    names = [opt.name for opt in OPTIONS if opt.name not in KERNEL_SWITCHES]
+    return with_settings(*names, *KERNEL_SWITCHES)(func)
 
 
 config_option = click.option(

@@ -20,27 +20,29 @@ from pathlib import Path
 
 import platformdirs
 
+from engine.common import environment
+
 APP_NAME = "headroom"
-CONFIG_DIR_ENV = "HEADROOM_CONFIG_DIR"
-LOG_DIR_ENV = "HEADROOM_LOG_DIR"
-RUNTIME_DIR_ENV = "HEADROOM_RUNTIME_DIR"
+CONFIG_DIR_ENV = environment.CONFIG_DIR.name
+LOG_DIR_ENV = environment.LOG_DIR.name
+RUNTIME_DIR_ENV = environment.RUNTIME_DIR.name
 
 
-def _override(env: str) -> Path | None:
-    value = os.environ.get(env)
+def _override(setting: environment.EnvSetting) -> Path | None:
+    value = setting.get()
     return Path(value).expanduser() if value else None
 
 
 def config_dir() -> Path:
     """The user's headroom config folder (``HEADROOM_CONFIG_DIR`` wins)."""
-    return _override(CONFIG_DIR_ENV) or Path(
+    return _override(environment.CONFIG_DIR) or Path(
         platformdirs.user_config_dir(APP_NAME, appauthor=False)
     )
 
 
 def log_dir() -> Path:
     """The user's headroom log folder (``HEADROOM_LOG_DIR`` wins); not created here."""
-    return _override(LOG_DIR_ENV) or Path(platformdirs.user_log_dir(APP_NAME, appauthor=False))
+    return _override(environment.LOG_DIR) or Path(platformdirs.user_log_dir(APP_NAME, appauthor=False))
 
 
 def runtime_dir() -> Path:
@@ -52,7 +54,7 @@ def runtime_dir() -> Path:
     dir and warns on every call; that fallback is right for us, so the warning is not
     shown, and systemd's ``/run/user/<uid>`` is taken first when it exists.
     """
-    override = _override(RUNTIME_DIR_ENV)
+    override = _override(environment.RUNTIME_DIR)
     if override is not None:
         return override
     if sys.platform.startswith("linux") and not os.environ.get("XDG_RUNTIME_DIR"):

@@ -12,7 +12,6 @@ options themselves are declared in :mod:`service.common.settings`.
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -23,7 +22,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-from engine.common.options import ENV_PREFIX, Option
+from engine.common import environment
+from engine.common.options import Option
 from engine.common.units import parse_size
 from service.common.settings import OPTIONS, OPTIONS_BY_NAME, ServeSettings, SettingsError, parse_duration
 
@@ -160,16 +160,17 @@ def resolve(
     Args:
         flags: option name -> value from the command line; None (or an empty tuple
             for repeatable options) means "not given".
-        env: the environment (``os.environ`` when None).
+        env: the environment (the process's ``HEADROOM_*`` variables when None,
+            :func:`engine.common.environment.variables`).
         config_path: the TOML file; None means ``HEADROOM_CONFIG`` or the default
             path. A missing default file is fine; a missing explicit one is an error.
 
     Raises:
         SettingsError: a bad value, naming where it came from.
     """
-    env = os.environ if env is None else env
-    explicit = config_path is not None or bool(env.get(ENV_PREFIX + "CONFIG"))
-    path = config_path or Path(env.get(ENV_PREFIX + "CONFIG") or default_config_path())
+    env = environment.variables() if env is None else env
+    explicit = config_path is not None or bool(environment.CONFIG.get(env))
+    path = config_path or Path(environment.CONFIG.get(env) or default_config_path())
     file_values: dict[str, Any] = {}
     if path.exists():
         file_values = read_config_file(path)
@@ -198,7 +199,7 @@ def resolve(
             value = _convert_kind(opt, value, "default")
         values[opt.name] = value
         sources[opt.name] = source
-    factory = env.get(ENV_PREFIX + "ENGINE_FACTORY")
+    factory = environment.ENGINE_FACTORY.get(env)
     if factory:
         values["engine_factory"] = factory
     settings = ServeSettings(**values, sources=sources)

@@ -37,7 +37,6 @@ log = logging.getLogger("headroom.stale")
 
 APP_NAME = "headroom"
 PIDFILE_NAME = "workers.json"
-RUNTIME_DIR_ENV = "HEADROOM_RUNTIME_DIR"
 # A worker is started by multiprocessing's *spawn* method (service.supervision.worker_process):
 # ``<python> -c "from multiprocessing.spawn import spawn_main; spawn_main(...)"
 # --multiprocessing-fork``. A worker run as ``python -m engine.worker.process`` also counts.
@@ -60,7 +59,9 @@ def default_pidfile() -> Path:
 
     from service.common.paths import runtime_dir
 
-    override = os.environ.get(RUNTIME_DIR_ENV)
+    from engine.common.environment import RUNTIME_DIR
+
+    override = RUNTIME_DIR.get()
     if override:
         folder = Path(override).expanduser()
         folder.mkdir(parents=True, exist_ok=True, mode=0o700)

@@ -64,12 +64,14 @@ def test_gemv_at_model_widths(rows, k, n, monkeypatch):
     from kernels.gemv import reference as gemv
     from kernels.gemv import triton_kernel as triton_gemv
 
-    monkeypatch.setenv("HEADROOM_GEMV", "1")
+    from kernels.switches import using
 
     x = torch.randn(rows, k, device=DEV, dtype=BF16)
     w = torch.randn(2 * n, k, device=DEV, dtype=BF16) / k**0.5
-    _close_and_mostly_equal(triton_gemv.linear(x, w[:n]), gemv.linear(x, w[:n]), f"linear {rows}x{k}->{n}")
-    _close_and_mostly_equal(triton_gemv.gate_up_silu(x, w), gemv.gate_up_silu(x, w), f"gate/up + SiLU {rows}x{k}->{n}")
+    with using(gemv=True):  # --gemv
+        _close_and_mostly_equal(triton_gemv.linear(x, w[:n]), gemv.linear(x, w[:n]), f"linear {rows}x{k}->{n}")
+        _close_and_mostly_equal(triton_gemv.gate_up_silu(x, w), gemv.gate_up_silu(x, w),
+                                f"gate/up + SiLU {rows}x{k}->{n}")
 
 
 @pytest.mark.parametrize("qk_norm", [False, True])

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 from test_fast_path_gpu import _chat_prompts, run_greedy
-from test_quant_kernels import INT8_ROUNDING_TOL
+from test_int8_kernels import INT8_ROUNDING_TOL
 from triton_interpret import run_compiler_script, skip_without_ptxas
 
 from engine.common.config import EngineConfig
@@ -86,6 +86,7 @@ def test_kernels_at_real_shapes_match_gguf_dequantize(type_name, n, k):
     and the exact product within the activations' int8 rounding; their float GEMV too."""
     from kernels.quant import reference
     from kernels.quant import triton_kernel as triton_quant
+    from kernels.quant.int8_choice import uses_int8_dot
     from kernels.quant.synthetic import random_blocks
 
     rng = np.random.default_rng(n + k)
@@ -94,7 +95,7 @@ def test_kernels_at_real_shapes_match_gguf_dequantize(type_name, n, k):
     for m in (1, 16, 80):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         exact = x.float() @ weight.T
-        int8 = m <= triton_quant.GEMV_MAX_ROWS and triton_quant.uses_int8_dot(type_name)
+        int8 = m <= triton_quant.GEMV_MAX_ROWS and uses_int8_dot(type_name)
         out = triton_quant.quant_matmul(x, w, type_name).float()
         # bfloat16 output rounding (2^-8 relative) with room for the summation order.
         tol = INT8_ROUNDING_TOL if int8 else 2**-6
@@ -121,19 +122,19 @@ def test_int8_gemv_quantizing_its_rows_equals_quantizing_apart_at_real_shapes(ty
     their codes from ``quantize_activations`` at the same tiling, to summation order
     (bit for bit in Triton's interpreter, tests/test_quant_kernels.py): the autotuner's
     pick for the one-launch kernel, and split-K (256 rows) at a forced two-way split."""
-    from kernels.quant import triton_int8
+    from kernels.quant import triton_activations, triton_int8
     from kernels.quant.formats import block_format
     from kernels.quant.synthetic import random_blocks
-    from kernels.quant.triton_kernel import _sm_count
+    from kernels.quant.triton_decode import sm_count
 
     rng = np.random.default_rng(n + k + 1)
     w = torch.from_numpy(random_blocks(type_name, n, k, rng, scale=1e-3)).cuda()
-    tuned = n >= 2 * _sm_count(0)
+    tuned = n >= 2 * sm_count(0)
     for m in (1, 16):
         for dtype in (torch.bfloat16, torch.float32):
             x = torch.randn(m, k, device="cuda", dtype=dtype)
             x[0, :32] = 0  # a group of zeros: scale 0
-            q8 = triton_int8.quantize_activations(x)
+            q8 = triton_activations.quantize_activations(x)
             if tuned:
                 fused = triton_int8.int8_gemv(x, w, type_name)
                 code = block_format(type_name).code
@@ -160,7 +161,7 @@ def test_int8_gemv_of_two_parts_in_one_launch_equals_a_launch_each(first, second
     GGUF's Q6_K blocks too), 1 and 16 bfloat16 rows, float rows and their codes: the
     one launch for both parts (autotuned) equals each part's own launch at the tiling
     it picked, bit for bit."""
-    from kernels.quant import triton_int8
+    from kernels.quant import triton_activations, triton_int8
     from kernels.quant.formats import block_format
     from kernels.quant.synthetic import random_blocks
 
@@ -170,7 +171,7 @@ def test_int8_gemv_of_two_parts_in_one_launch_equals_a_launch_each(first, second
     key = (first[1], k, block_format(first[0]).code, True, second[1], block_format(second[0]).code)
     for m in (1, 16):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        for rows in (x, triton_int8.quantize_activations(x)):
+        for rows in (x, triton_activations.quantize_activations(x)):
             one = triton_int8.int8_gemv_parts(rows, parts)
             quant_x = rows is x
             picked = [c for cache_key, c in triton_int8._tuned.cache.items()
@@ -190,10 +191,10 @@ def test_producers_quantize_as_the_quantizing_launch_at_real_shapes(dtype, m):
     outputs from them may differ in summation order between launches on sm_90)."""
     from kernels.activation import triton_kernel as triton_activation
     from kernels.norm import triton_kernel as triton_norm
-    from kernels.quant import triton_int8
+    from kernels.quant import triton_activations
 
     def same_codes(q8, out):
-        want = triton_int8.quantize_activations(out.reshape(-1, out.shape[-1]))
+        want = triton_activations.quantize_activations(out.reshape(-1, out.shape[-1]))
         return all(torch.equal(getattr(q8, f), getattr(want, f)) for f in ("codes", "scales", "sums"))
 
     g = torch.Generator(device="cuda").manual_seed(m)
@@ -220,14 +221,14 @@ def test_decode_hands_the_norms_codes_to_the_int8_gemv(tmp_path, paged_runner, m
     and 1 tokens: every int8 row a producer hands a projection (q/k/v, gate/up and down a
     layer, the LM head; o's too from the Triton attention's split merge at the 1-token
     step) equals ``quantize_activations`` of the rows it wrote, bit for bit, and the
-    logits equal those with ``HEADROOM_QUANT_INT8_PRODUCER=0`` to the GEMVs' summation
+    logits equal those with ``--no-quant-int8-producer`` to the GEMVs' summation
     order."""
     from engine.bench.model_shapes import write_shape
     from engine.bench.random_gguf import write_random_gguf
     from engine.loader.gguf_quant import load_gguf_quantized
     from engine.loader.hf_config import load_model_config
-    from kernels.quant import triton_int8
-    from kernels.quant import triton_kernel as triton_quant
+    from kernels.quant import triton_activations
+    from kernels.switches import using
 
     config = load_model_config(write_shape("llama-3.1-8b", tmp_path / "cfg", num_hidden_layers=2, vocab_size=16384))
     path = tmp_path / "k.gguf"
@@ -238,18 +239,17 @@ def test_decode_hands_the_norms_codes_to_the_int8_gemv(tmp_path, paged_runner, m
 
     def checked(self, x, q8=None):
         if q8 is not None:
-            want = triton_int8.quantize_activations(x.reshape(-1, self.in_features))
+            want = triton_activations.quantize_activations(x.reshape(-1, self.in_features))
             handed.append(all(torch.equal(getattr(q8, f), getattr(want, f)) for f in ("codes", "scales", "sums")))
         return forward(self, x, q8)
 
     monkeypatch.setattr(QuantLinear, "forward", checked)
-    monkeypatch.setattr(triton_quant, "_INT8_FUSE", False)
     logits = {}
     for producer in (True, False):
-        monkeypatch.setattr(triton_quant, "_INT8_PRODUCER", producer)
         handed.clear()
-        runner = paged_runner(model, config, device="cuda", num_pages=32, page_size=16, attention=attention)
-        logits[producer] = [runner.step({0: list(range(1, 17))}), runner.step({0: [5]})]
+        with using(quant_int8_fuse=False, quant_int8_producer=producer):
+            runner = paged_runner(model, config, device="cuda", num_pages=32, page_size=16, attention=attention)
+            logits[producer] = [runner.step({0: list(range(1, 17))}), runner.step({0: [5]})]
         handed_o = config.num_layers if attention == "triton" else 0
         assert handed == ([True] * (2 * (3 * config.num_layers + 1) + handed_o) if producer else []), handed
     for on, off in zip(logits[True], logits[False], strict=True):

@@ -10,7 +10,6 @@ The speed comparison is a command: ``python -m engine.bench.tensor_parallel --sh
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 import torch
@@ -21,9 +20,6 @@ from engine.common.config import EngineConfig
 from engine.core.engine import Engine
 from engine.wire.messages import SamplingParams
 from engine.worker.tp_launch import parallel_engine
-
-# The graphs under tensor parallel are opt-in until this file has passed on two GPUs.
-os.environ.setdefault("HEADROOM_TP_CUDA_GRAPHS", "1")
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 
@@ -47,7 +43,8 @@ def _save_qwen3_8b_four_layers(path) -> None:
 def test_tp2_greedy_equals_tp1_on_qwen3_8b_shape(tmp_path, graphs):
     _save_qwen3_8b_four_layers(tmp_path)
     config = EngineConfig(model=str(tmp_path), device="cuda", dtype="float32", kv_cache=2 << 30,
-                          max_model_len=4096, cuda_graphs=graphs)
+                          max_model_len=4096, cuda_graphs=graphs,
+                          tp_cuda_graphs=True)  # the graphs under TP are opt-in (--tp-cuda-graphs)
     g = torch.Generator().manual_seed(0)
     sp = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)
     requests = {str(i): (torch.randint(10, 151000, (n,), generator=g).tolist(), sp) for i, n in enumerate((7, 33, 130))}
@@ -73,7 +70,8 @@ def test_tp2_with_graphs_recaptures_in_step_after_a_live_shrink(tmp_path, make_t
     from test_tensor_parallel import _shrunk_mid_decode
 
     make_tiny_hf_model("qwen3", tmp_path)
-    config = EngineConfig(model=str(tmp_path), device="cuda", dtype="float32", page_size=4, num_pages=128)
+    config = EngineConfig(model=str(tmp_path), device="cuda", dtype="float32", page_size=4, num_pages=128,
+                          tp_cuda_graphs=True)
     one = Engine(config)
     alone, _ = _shrunk_mid_decode(one)
     assert one.runner.graphs is not None

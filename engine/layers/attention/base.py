@@ -97,7 +97,7 @@ class AttentionBackend(ABC):
 
     def attend_quantized(self, q: torch.Tensor, layer: int, batch: ForwardBatch) -> tuple[torch.Tensor, object]:
         """:meth:`attend`, and its output's rows quantized for the int8 GEMV by the
-        launch that writes them (:class:`kernels.quant.triton_int8.Q8Activations`) where
+        launch that writes them (:class:`kernels.quant.triton_activations.Q8Activations`) where
         the backend can, else None (the default: the GEMV then quantizes them itself)."""
         return self.attend(q, layer, batch), None
 

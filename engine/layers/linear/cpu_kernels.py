@@ -12,16 +12,25 @@ import logging
 log = logging.getLogger("headroom.engine")
 
 
-@functools.cache
 def cpu_kernels() -> ctypes.CDLL | None:
-    """The loaded library, or None (:func:`kernels.cpu.build.why_not` says why)."""
+    """The loaded library, or None (:func:`kernels.cpu.build.why_not` says why); None
+    while the ``cpu_kernels`` switch (:mod:`kernels.switches`) is off."""
+    from kernels.cpu.build import SWITCHED_OFF
+    from kernels.switches import current
+
+    if not current().cpu_kernels:
+        log.info("CPU: torch's kernels serve (the C kernels are %s)", SWITCHED_OFF)
+        return None
+    return _built()
+
+
+@functools.cache
+def _built() -> ctypes.CDLL | None:
     from engine.common.cache_dir import cache_root
     from kernels.cpu import build
 
     lib = build.load(str(cache_root() / "kernels"))
     if lib is None:
-        why = build.why_not()
-        # Asked for: said in passing; otherwise a user loses the fast path without knowing.
-        level = logging.INFO if why and why.startswith("HEADROOM_CPU_KERNELS=") else logging.WARNING
-        log.log(level, "CPU: torch's kernels serve, slower (the C kernels are off: %s)", why)
+        # A user would otherwise lose the fast path without knowing.
+        log.warning("CPU: torch's kernels serve, slower (the C kernels are off: %s)", build.why_not())
     return lib

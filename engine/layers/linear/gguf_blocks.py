@@ -33,7 +33,8 @@ from torch import nn
 from kernels.dispatch import use_triton
 from kernels.quant import reference
 from kernels.quant.formats import FORMATS, tensor_bytes
-from kernels.quant.repack import REPACK, q6k_to_planes, repackable, repacked_type
+from kernels.quant.repack import q6k_to_planes, repackable, repacked_type
+from kernels.switches import current
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,7 @@ class QuantLinear(nn.Module):
         Args:
             x: ``[..., in_features]`` in the model dtype.
             q8: ``x``'s rows ``[rows, in_features]`` already quantized for the int8 GEMV
-                (:class:`kernels.quant.triton_int8.Q8Activations`), by the kernel that
+                (:class:`kernels.quant.triton_activations.Q8Activations`), by the kernel that
                 wrote ``x`` when :meth:`wants_int8` asked it to: used instead of a
                 quantizing launch here. None: quantized here if the GEMV needs it.
 
@@ -136,8 +137,8 @@ class QuantLinear(nn.Module):
         """Whether the kernel that writes this projection's input ``x`` should also write
         it quantized for the int8 GEMV (``quantize=True`` of the RMSNorm and SiLU-and-mul
         kernels) and hand it to :meth:`forward` as ``q8``: the rows :meth:`forward` would
-        otherwise quantize in a launch of their own, unless
-        ``HEADROOM_QUANT_INT8_PRODUCER=0``. Shapes only, no host sync: safe while a CUDA
+        otherwise quantize in a launch of their own, unless the ``quant_int8_producer``
+        switch is off (:mod:`kernels.switches`). Shapes only, no host sync: safe while a CUDA
         graph is captured.
 
         Args:
@@ -146,7 +147,7 @@ class QuantLinear(nn.Module):
         """
         if not self._quantizes_apart(x):
             return False
-        from kernels.quant.triton_kernel import int8_from_producer
+        from kernels.quant.int8_choice import int8_from_producer
 
         return int8_from_producer()
 
@@ -155,7 +156,8 @@ class QuantLinear(nn.Module):
         codes quantized apart (by a launch of their own, shared by the parts)."""
         if not use_triton(x):
             return False
-        from kernels.quant.triton_kernel import GEMV_MAX_ROWS, int8_quantize_apart, uses_int8_dot
+        from kernels.quant.int8_choice import int8_quantize_apart, uses_int8_dot
+        from kernels.quant.triton_kernel import GEMV_MAX_ROWS
 
         return (math.prod(x.shape[:-1]) <= GEMV_MAX_ROWS and int8_quantize_apart()
                 and any(p.type_name and uses_int8_dot(p.type_name) for p in self.parts))
@@ -163,20 +165,21 @@ class QuantLinear(nn.Module):
     def _int8_activations(self, x: torch.Tensor):
         """Decode rows ``x [rows, in_features]`` quantized to int8 once for every part
         whose GEMV takes them (:mod:`kernels.quant.triton_int8`) when that GEMV reads
-        them quantized apart (the default), else None (``HEADROOM_QUANT_INT8_FUSE=1``:
+        them quantized apart (the default), else None (the ``quant_int8_fuse`` switch:
         each GEMV quantizes the rows as it reads them, no launch of its own)."""
         if not self._quantizes_apart(x):
             return None
-        from kernels.quant.triton_int8 import quantize_activations
+        from kernels.quant.triton_activations import quantize_activations
 
         return quantize_activations(x.contiguous())
 
     def _int8_one_launch(self, x: torch.Tensor) -> bool:
         """Whether ``x``'s rows are decode rows for a GEMV over all the parts in one launch
-        (:func:`kernels.quant.triton_kernel.int8_parts_in_one_launch`)."""
+        (:func:`kernels.quant.int8_choice.int8_parts_in_one_launch`)."""
         if not use_triton(x):
             return False
-        from kernels.quant.triton_kernel import GEMV_MAX_ROWS, int8_parts_in_one_launch
+        from kernels.quant.int8_choice import int8_parts_in_one_launch
+        from kernels.quant.triton_kernel import GEMV_MAX_ROWS
 
         return x.shape[0] <= GEMV_MAX_ROWS and int8_parts_in_one_launch([p.type_name for p in self.parts])
 
@@ -203,8 +206,9 @@ class QuantLinear(nn.Module):
 def repack_model_for_kernels(model: nn.Module) -> None:
     """:meth:`QuantLinear.repack_for_kernels` on every quantized projection of ``model``,
     once its blocks are on a CUDA device (the loader's and the hybrid load's last step);
-    ``HEADROOM_QUANT_REPACK=0`` keeps GGUF's layout (to time it)."""
-    if not REPACK:
+    the ``quant_repack`` switch off (:mod:`kernels.switches`) keeps GGUF's layout (to
+    time it)."""
+    if not current().quant_repack:
         return
     for module in model.modules():
         if isinstance(module, QuantLinear):

@@ -1,0 +1,121 @@
+"""The kernel switches: which kernel runs where more than one could, declared once.
+
+:class:`KernelSwitches` lists every switch with its default and its help (plain field
+metadata, so :mod:`kernels` stays free of the engine). The engine's option system
+derives a real option from each field (:class:`engine.common.config.EngineConfig`): the
+flag ``--NAME``/``--no-NAME`` (dashes), the environment variable ``HEADROOM_NAME``
+(capitals) and the config file key ``NAME``, e.g. ``quant_int8``: ``--no-quant-int8``,
+``HEADROOM_QUANT_INT8=0``, ``quant_int8 = false``. The engine hands the resolved values
+to :func:`configure` when it starts; the kernels read :func:`current` when they are
+called or launched, never at import, so a benchmark or a test can switch between
+captures (:func:`using`). Nothing here reads the environment.
+
+One process holds one set of switches: two engines in one process share them (the last
+one started sets them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _switch(default: Any, help: str, choices: tuple[str, ...] = ()) -> Any:
+    """A field of :class:`KernelSwitches`: its default, its ``--help`` text, and for a
+    text switch the values it takes."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass(frozen=True)
+class KernelSwitches:
+    """Every kernel choice (module docstring). Bool switches are on/off; ``kernels`` is
+    ``auto`` or ``torch``."""
+
+    kernels: str = _switch(
+        "auto",
+        "Kernels: auto (Triton on CUDA tensors, the torch references elsewhere) or torch "
+        "(the torch references everywhere, to bisect a numerical difference on the GPU).",
+        choices=("auto", "torch"),
+    )
+    pdl: bool = _switch(
+        True,
+        "Launch the decode step's Triton kernels with programmatic dependent launch "
+        "(Hopper and later: a kernel starts while the one before it drains; "
+        "kernels.pdl). Off: stream order, to time the difference.",
+    )
+    gemv: bool = _switch(
+        False,
+        "Decode projections of a few rows on headroom's Triton GEMV instead of cuBLAS "
+        "(no faster on an H200; kernels.gemv).",
+    )
+    cpu_kernels: bool = _switch(
+        True,
+        "On the CPU, GGUF blocks and decode layers on headroom's C kernels (built at first "
+        "use; kernels.cpu). Off: torch's kernels, to compare or where a build misbehaves.",
+    )
+    quant_repack: bool = _switch(
+        True,
+        "On CUDA, repack Q6_K blocks into aligned planes at load (kernels.quant.repack). "
+        "Off: GGUF's layout, to time it.",
+    )
+    quant_ptx: bool = _switch(
+        True,
+        "GGUF block GEMVs convert codes with inline PTX (kernels.quant). Off: Triton's "
+        "own conversions, to compare.",
+    )
+    quant_int8: bool = _switch(
+        True,
+        "Q4_K/Q6_K decode rows on the int8-activation GEMV (kernels.quant.triton_int8). "
+        "Off: the float GEMV.",
+    )
+    quant_int8_fuse: bool = _switch(
+        False,
+        "The int8 GEMV quantizes its float activations itself as it reads them, instead "
+        "of a launch of their own first (one launch less, slower on an H200).",
+    )
+    quant_int8_parts: bool = _switch(
+        True,
+        "A projection of a Q4_K and a Q6_K part (q/k/v of a Q4_K_M file) is one int8 "
+        "GEMV launch. Off: a launch a part.",
+    )
+    quant_int8_producer: bool = _switch(
+        True,
+        "Activations for the int8 GEMV are quantized by the RMSNorm or SiLU-and-mul "
+        "kernel that writes them, where there is one. Off: by a launch of their own.",
+    )
+
+
+_current = KernelSwitches()
+
+
+def configure(switches: KernelSwitches) -> None:
+    """Make ``switches`` the ones every kernel reads from now on (the engine calls this
+    at start, with the values of its options)."""
+    global _current
+    if not isinstance(switches, KernelSwitches):
+        raise TypeError(f"want KernelSwitches, got {type(switches).__name__}")
+    _current = switches
+
+
+def current() -> KernelSwitches:
+    """The switches in force (the defaults until :func:`configure`)."""
+    return _current
+
+
+@contextlib.contextmanager
+def using(**changes: Any) -> Iterator[KernelSwitches]:
+    """The switches in force with ``changes`` (field names) while the block runs, then
+    as they were: for benchmarks that time the variants and tests that flip a switch.
+
+    Raises:
+        TypeError: a name that is not a switch.
+    """
+    before = _current
+    configure(dataclasses.replace(before, **changes))
+    try:
+        yield _current
+    finally:
+        configure(before)

@@ -220,7 +220,8 @@ def test_kernel_switches_take_the_usual_words_and_refuse_others():
     variable too."""
     from engine.common.environment import kernel_switches
     from kernels.switches import KernelSwitches
-    from service.cli.settings import SettingsError, resolve
+    from service.common.settings import SettingsError
+    from service.common.settings_sources import resolve
 
     assert kernel_switches({}) == KernelSwitches() == kernel_switches({"HEADROOM_QUANT_INT8": ""})
     for default in (True, False):

@@ -246,7 +246,7 @@ def test_kernel_switch_flags_and_variables_reach_the_worker(tmp_path):
     import pickle
 
     from kernels.switches import KernelSwitches
-    from service.cli.settings import resolve
+    from service.common.settings_sources import resolve
 
     config = tmp_path / "config.toml"
     config.write_text("quant_int8_parts = false\n")

@@ -40,7 +40,8 @@ def test_the_interpreter_never_takes_it(monkeypatch):
 
 def test_a_typo_in_the_switch_is_refused():
     from engine.common.environment import kernel_switches
-    from service.cli.settings import SettingsError, resolve
+    from service.common.settings import SettingsError
+    from service.common.settings_sources import resolve
 
     with pytest.raises(ValueError, match="HEADROOM_PDL='onn' is not a value of --pdl"):
         kernel_switches({"HEADROOM_PDL": "onn"})

@@ -3,7 +3,7 @@
 Two kinds:
 
 - options (:mod:`engine.common.options`): ``HEADROOM_`` + an option's name in capitals.
-  :func:`variables` hands them to the service's settings (``service.cli.settings.resolve``
+  :func:`variables` hands them to the service's settings (``service.common.settings_sources.resolve``
   merges them with the config file and the flags); :func:`kernel_switches` reads the
   kernel switches alone, for the benchmark scripts run without the ``headroom`` CLI.
 - settings that are only ever variables, declared below with their help

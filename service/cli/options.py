@@ -72,7 +72,7 @@ KERNEL_SWITCHES: tuple[str, ...] = tuple(opt.name for opt in options_of(KernelOp
 
 
 def with_serve_options(func: Any) -> Any:
-    """Every setting of service.cli.settings.OPTIONS, in their order with the kernel
+    """Every setting of service.common.settings.OPTIONS, in their order with the kernel
     switches last, so --help lists each one with its environment variable and default."""
     names = [opt.name for opt in OPTIONS if opt.name not in KERNEL_SWITCHES]
     return with_settings(*names, *KERNEL_SWITCHES)(func)

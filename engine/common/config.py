@@ -314,7 +314,7 @@ class EngineConfig(KernelOptions):
         checks=(at_least(1, "turn graphs off with --no-cuda-graphs"),),
     )
     # Auto (None): on the CPU, where the blocks (or their int4 repacking) decode the
-    # default model faster in a fifth of float32's memory (README, "The CPU path"); off on CUDA, where the block
+    # default model faster in a fifth of float32's memory (docs/cpu.md); off on CUDA, where the block
     # GEMV reads the weights once per decode row (measured on an H200, 8B Q4_K/Q6_K shape:
     # 327 tok/s from blocks against bfloat16's 216 at batch 1, 519 against 3,204 at 16).
     gguf_quantized: bool | None = option(

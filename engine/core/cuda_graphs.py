@@ -2,7 +2,7 @@
 
 A decode step of a small model is hundreds of small kernels; launched one by one each
 costs about 22 us of CPU and driver time on an H200, inside a graph under 1 us
-(measured; the README's GPU section has the figures). So the decode forward is captured once
+(measured; docs/gpu.md and docs/benchmarks.md have the figures). So the decode forward is captured once
 per batch size of a ladder (1, 2, 4, 8, then every 8 up to ``--cuda-graph-max-batch``)
 and replayed: a batch of ``B`` runs the graph of the next size up, its extra rows padded
 (token 0 at position 0, KV written to the null page, context length 0 so attention
@@ -20,8 +20,8 @@ buffers (:meth:`engine.kvcache.pool.KVPool.resize`), so the engine calls
 it runs after that. Why re-capture rather than stable addresses (CUDA virtual memory):
 the resize itself then stays a layer-by-layer copy with no new dependency, and a
 re-capture costs one warm-up forward and one capture of a single batch size, paid by
-the first decode step after the resize, not by the resize (measured figures in the
-README's GPU section).
+the first decode step after the resize, not by the resize (measured figures in
+docs/gpu.md, "Attention backends and CUDA graphs").
 
 A backend whose kernels read a schedule planned on the host (FlashInfer) plans it in
 :meth:`engine.layers.attention.base.AttentionBackend.graph_plan`, which runs after the inputs

@@ -66,7 +66,7 @@ Q6_K rows are read from their repacked planes (``Q6_K_P``, :mod:`kernels.quant.r
 as whole, aligned words; each step can load the next step's words before its own
 arithmetic (``PREFETCH``, a tuned choice). The step itself (the words, the dot
 products, the K loop) is :mod:`kernels.quant.triton_int8_dot`. On the H200 this is the
-default decode GEMV for Q4_K/Q6_K (README, "GGUF weights kept quantized"; the
+default decode GEMV for Q4_K/Q6_K (docs/gpu.md, "The int8 decode path"; the
 ``quant_int8`` switch off, ``--no-quant-int8``, turns it off).
 """
 
@@ -103,7 +103,7 @@ def _int8_gemv_kernel(
 ):
     # ABL (timing only; wrong results): 1 leaves out the scales (the dot products times
     # the activation scales), 2 also the dot products (the weight words summed), so
-    # differences of times place the kernel's time by stage (README).
+    # differences of times place the kernel's time by stage (docs/benchmarks.md).
     # QUANT_X: xq_ptr is the float activation row itself (stride_xq in elements; xd_ptr
     # and xs_ptr unused), quantized step by step in registers once for the BLOCK_N rows
     # (_q4k_act, _q6k_act): no launch and no round trip through memory for the codes.

@@ -7,14 +7,14 @@ seed; and clients that vanish mid-answer (a stream closed after its first text).
 is streamed or not at random. :func:`run_one` sends one and classifies the ending:
 
 - ``ok``: 200, every choice has a ``finish_reason``, a stream ended with ``[DONE]``;
-- ``failed``: an OpenAI-shaped error whose code the README documents
+- ``failed``: an OpenAI-shaped error whose code docs/api.md and docs/serving.md document
   (:data:`DOCUMENTED_CODES`), as a response or as a stream's error event + ``[DONE]``;
 - ``undocumented``: anything else (another code, a malformed body, a stream cut short,
   a refused connection);
 - ``hung``: no ending within the hang limit;
 - ``vanished``: the client left on purpose.
 
-A client does what the README asks of one: a 503 that refused the request before it ran
+A client does what docs/serving.md asks of one: a 503 that refused the request before it ran
 (``engine_restarting``, ``engine_starting``) is sent again after its ``Retry-After``
 (at most :data:`MAX_RETRIES` times); only the last attempt counts.
 """
@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 
 # The errors a client may get while workers are killed, memory runs out and the pool
-# shrinks (README, "Serving"): each says what happened and when to retry.
+# shrinks (docs/serving.md): each says what happened and when to retry.
 DOCUMENTED_CODES = frozenset(
     {
         "engine_restarted",

@@ -1,4 +1,4 @@
-"""``headroom bench``: the benchmarks (not tests) that print the README's figures.
+"""``headroom bench``: the benchmarks (not tests) that print the figures of docs/benchmarks.md.
 
 ``bench serve`` and ``bench chaos`` drive a running (or started) ``headroom serve``
 over HTTP (:mod:`service.bench`); ``bench engine`` and ``bench memory`` run the engine
@@ -31,7 +31,7 @@ from service.common.settings import DEFAULT_PORT, parse_size
 
 @click.group()
 def bench() -> None:
-    """Benchmarks (not tests): print figures for the README."""
+    """Benchmarks (not tests): print the figures of docs/benchmarks.md."""
 
 
 @bench.command("serve")

@@ -2,7 +2,7 @@
 
 Fed a :class:`service.vram.sources.VramSample` and the engine's :class:`PoolState` a few times a
 second, :meth:`ReplanController.decide` returns what the worker should do (the watcher carries it out; see
-``docs/architecture.md``, "The VRAM watcher"). ``headroom = free - reserve``.
+``docs/memory-plan.md``, "The watcher and the controller"). ``headroom = free - reserve``.
 
 Below the low water mark, memory is given back cheapest first, until the headroom is
 expected back at the middle of the band:

@@ -174,7 +174,7 @@ def _random_prompts(n: int, lengths=(40, 77, 130, 200)) -> list[list[int]]:
 def test_live_shrink_and_grow_with_graphs_keeps_outputs(tmp_path):
     """Shrink the pool by 1 GiB and grow it back while 8 requests decode under CUDA
     graphs: every output equals the run without resizes. The figures (resize time,
-    re-capture time) are printed for the README."""
+    re-capture time) are printed for docs/gpu.md."""
     engine = _shape_engine(tmp_path, kv_cache=3 << 30, max_running_requests=8)
     graphs = engine.runner.graphs
     assert graphs is not None

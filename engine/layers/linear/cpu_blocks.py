@@ -22,7 +22,7 @@ from kernels.cpu.block_gemv import TYPE_IDS, block_gemv, dequantize_rows
 # Rows of activations from which a product dequantizes its weights, a chunk of rows at a
 # time, and multiplies them in float32 by torch's GEMM instead of the block GEMV, whose
 # per-block scaling costs more than dequantizing once when many rows share the weights
-# (measured on 2 AVX-512 cores, README "The CPU path"); prefill chunks take this path.
+# (measured on 2 AVX-512 cores, docs/cpu.md); prefill chunks take this path.
 GEMM_ROWS = 64
 _CHUNK_FLOATS = 1 << 18  # a dequantized chunk of weight rows: 1 MiB, stays in L2
 

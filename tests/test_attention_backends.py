@@ -94,6 +94,18 @@ def test_auto_resolves_per_device_and_bad_names_say_the_fix():
     assert set(BACKEND_CHOICES) == {"auto", "triton", "flashinfer", "torch"}
 
 
+def test_auto_is_the_torch_backend_under_the_torch_kernels_switch():
+    """``--kernels torch`` means the torch references everywhere: attention's ``auto``
+    too, on CUDA with Triton installed."""
+    from kernels.switches import using
+
+    pytest.importorskip("triton")
+    assert resolve_backend_name("auto", "cuda") == "triton"
+    with using(kernels="torch"):
+        assert resolve_backend_name("auto", "cuda") == "torch"
+        assert resolve_backend_name("triton", "cuda") == "triton"  # asked for by name
+
+
 def test_backends_declare_their_workspace():
     pytest.importorskip("triton")
     torch_ws = backend_class("torch").workspace_size(num_heads=16, num_kv_heads=8, head_dim=128, max_batch=64)

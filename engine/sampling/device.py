@@ -39,6 +39,7 @@ from collections.abc import Sequence
 import torch
 
 from engine.wire.messages import SamplingParams
+from kernels.dispatch import triton_available
 from kernels.sampling import reference as ref
 from kernels.sampling.reference import NUM_FPARAMS, NUM_IPARAMS
 
@@ -72,7 +73,7 @@ class DeviceSampler:
         capacity: rows held before the first growth.
         kernels: the module with ``penalize_and_scale``, ``top_k_top_p`` and ``draw``
             (:mod:`kernels.sampling.triton_kernel` by default on CUDA, :mod:`kernels.sampling.reference`
-            elsewhere).
+            elsewhere and under ``--kernels torch``).
 
     Attributes:
         fparams, iparams: the persistent parameter tensors (``capacity`` rows).
@@ -82,7 +83,7 @@ class DeviceSampler:
     def __init__(self, device: torch.device | str, capacity: int = 64, kernels=None) -> None:
         self.device = torch.device(device)
         if kernels is None:
-            if self.device.type == "cuda":
+            if self.device.type == "cuda" and triton_available():
                 from kernels.sampling import triton_kernel as kernels
             else:
                 kernels = ref

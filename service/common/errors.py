@@ -137,7 +137,10 @@ def decode_body(raw: bytes, type_: type[T]) -> T:
             param = f"{param}.{missing.group('field')}" if param else missing.group("field")
         if text.startswith("Expected `object`") and param is None:
             text = f"the request body must be a JSON object: {text}"
-        raise invalid(f"invalid request: {text}", param) from None
+        # The field in the message too: clients show the message, not always ``param``
+        # (and Ollama's error shape has no ``param``).
+        where = f" {param}:" if param else ""
+        raise invalid(f"invalid request:{where} {text}", param) from None
     except msgspec.DecodeError as exc:
         raise invalid(f"the request body is not valid JSON: {_where(str(exc), raw)}") from None
     except (ValueError, MemoryError, OverflowError) as exc:

@@ -17,11 +17,12 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from litestar import Litestar
+from litestar import Litestar, Request, Response
+from litestar.exceptions import HTTPException
 from litestar.di import Provide
 
 from service.common.errors import EXCEPTION_HANDLERS
-from service.api.ollama.routes import OllamaController
+from service.api.ollama.routes import OLLAMA_EXCEPTION_HANDLERS, OllamaController, speaks_ollama
 from service.api.openapi import openapi_route
 from service.api.openai.routes import OpenAIController
 from service.common.settings import ServeSettings
@@ -72,6 +73,13 @@ def _bind_hosts(settings: ServeSettings) -> list[str]:
     except ValueError:
         pass
     return [settings.host]
+
+
+def _http_error_by_surface(request: Request, exc: HTTPException) -> Response[Any]:
+    """An HTTP error no route's own handlers saw (an unknown path, a wrong method) in the
+    shape of the API the path belongs to: Ollama's under its ``/api`` routes, else OpenAI's."""
+    surface = OLLAMA_EXCEPTION_HANDLERS if speaks_ollama(request.url.path, exc.status_code) else EXCEPTION_HANDLERS
+    return surface[HTTPException](request, exc)
 
 
 def create_app(
@@ -180,7 +188,7 @@ def create_app(
             openapi_route,
         ],
         dependencies={"svc": Provide(lambda: services, sync_to_thread=False)},
-        exception_handlers=EXCEPTION_HANDLERS,
+        exception_handlers={**EXCEPTION_HANDLERS, HTTPException: _http_error_by_surface},
         on_startup=[start],
         on_shutdown=[stop],
         openapi_config=None,

@@ -17,6 +17,7 @@ from engine.common.config import ATTENTION_BACKENDS as BACKEND_CHOICES
 from engine.common.lazy_registry import LazyRegistry
 from engine.kvcache.pool import KVPool
 from engine.layers.attention.base import AttentionBackend
+from kernels.switches import current
 
 log = logging.getLogger("headroom.engine")
 
@@ -64,7 +65,8 @@ def _importable(module: str) -> bool:
 
 def resolve_backend_name(name: str, device_type: str) -> str:
     """The backend ``name`` stands for on a device of ``device_type`` (``"cuda"``,
-    ``"cpu"``). ``auto`` is ``triton`` on CUDA when Triton is installed, else ``torch``;
+    ``"cpu"``). ``auto`` is ``triton`` on CUDA when Triton is installed and the ``kernels``
+    switch is not ``torch`` (:mod:`kernels.switches`), else ``torch``;
     FlashInfer is picked only when asked for: it compiles its kernels on first use with
     the CUDA toolkit (measured on an H200: about 10 s for the decode module and 68 s for
     the prefill one, per cold cache), where Triton needs no toolkit. The choice is
@@ -81,6 +83,9 @@ def resolve_backend_name(name: str, device_type: str) -> str:
             raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKEND_CHOICES)}") from None
         return name
     if name == "auto":
+        if current().kernels == "torch":
+            log.info("attention backend: torch (auto: --kernels torch asks for the torch references everywhere)")
+            return "torch"
         if device_type != "cuda":
             log.info("attention backend: torch (auto: the device is %s; the GPU kernels need CUDA)", device_type)
             return "torch"

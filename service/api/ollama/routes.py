@@ -73,6 +73,19 @@ def _ollama_error(handler: Callable[[Request, Any], Response[Any]]) -> Callable[
 
 OLLAMA_EXCEPTION_HANDLERS = {kind: _ollama_error(h) for kind, h in EXCEPTION_HANDLERS.items()}
 
+# The first path segment under /api of each of Ollama's routes served here.
+OLLAMA_ROUTES = frozenset({"chat", "generate", "tags", "ps", "show", "version"})
+
+
+def speaks_ollama(path: str, status: int) -> bool:
+    """Whether an HTTP error raised before any handler ran (no route: 404; a route
+    without that method: 405) answers in Ollama's shape: any 404 under ``/api/`` (an
+    Ollama client asking for a route this server lacks, ``/api/pull``), and a 405 on
+    one of :data:`OLLAMA_ROUTES`. headroom's own ``/api`` routes keep the OpenAI shape."""
+    if not path.startswith("/api/"):
+        return False
+    return status == 404 or path.removeprefix("/api/").split("/", 1)[0] in OLLAMA_ROUTES
+
 
 class OllamaController(Controller):
     """Ollama's API under ``/api`` (see the module docstring)."""

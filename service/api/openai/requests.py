@@ -48,9 +48,12 @@ def chat_request(
         _check_logprobs_count(body.top_logprobs, "top_logprobs")
         if body.top_logprobs > 0 and not body.logprobs:
             raise invalid("top_logprobs needs logprobs set to true", "top_logprobs")
-    if body.functions or body.function_call not in (None, "none", "auto"):
-        # The deprecated form of tools; tools themselves: service.api.tools.
+    # The deprecated form of tools (tools themselves: service.api.tools); their neutral
+    # values (no functions, function_call "none" or "auto") ask for nothing.
+    if body.functions:
         raise invalid("functions are not supported; send tools instead", "functions")
+    if body.function_call not in (None, "none", "auto"):
+        raise invalid("function_call is not supported; send tools and tool_choice instead", "function_call")
     json_schema = response_schema(body.response_format)
     if body.max_completion_tokens is not None:
         max_tokens, param = body.max_completion_tokens, "max_completion_tokens"

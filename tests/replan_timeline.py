@@ -18,11 +18,7 @@ from service.vram.replan import (
     ReplanController,
     default_water_marks,
 )
-from service.vram.sources import (
-    CardOfLimit,
-    SimulatedSource,
-    resolve_reserve,
-)
+from service.vram.sources import CardOfLimit, SimulatedSource, resolve_reserve
 
 TOTAL = 16 * GiB
 PAGE = 2 * MiB

@@ -42,11 +42,7 @@ from service.vram.replan import (
     Squeeze,
     default_water_marks,
 )
-from service.vram.sources import (
-    SimulatedSource,
-    VramSample,
-    cpu_mode_sample,
-)
+from service.vram.sources import SimulatedSource, VramSample, cpu_mode_sample
 
 
 def test_water_marks_leave_the_plan_alone():

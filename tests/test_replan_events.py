@@ -30,6 +30,7 @@ from engine.wire.messages import (
 from service.events.hub import EventHub
 from service.http.state import CONTROL_REASON, Services, bytes_asked
 
+
 @dataclass
 class StubLink:
     stats: EngineStats | None = STATS

@@ -31,11 +31,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import uvicorn  # noqa: E402
 from litestar import Litestar  # noqa: E402
-from service_harness import engine_info  # noqa: E402
+from service_harness import engine_info, memory_plan  # noqa: E402
 
+from engine.common.units import GiB, MiB  # noqa: E402
 from engine.memory.plan import LedgerEntry, MemoryPlan  # noqa: E402
 from engine.wire.messages import EngineStats  # noqa: E402
-from engine.common.units import GiB, MiB  # noqa: E402
 from service.events.hub import EventHub  # noqa: E402
 from service.events.routes import events_router  # noqa: E402
 from service.events.schemas import (  # noqa: E402
@@ -88,22 +88,15 @@ def demo_plan(kv_bytes: int) -> MemoryPlan:
         ("CUDA graph pool", 180 * MiB, "-", "measured at capture"),
         ("KV cache pool", kv_bytes, "=", f"{kv_bytes // (2 * MiB)} pages of 2 MiB"),
     ]
-    return MemoryPlan(
+    return memory_plan(
         device="simulated device (16.00 GiB)",
-        simulated=True,
         ledger=[LedgerEntry(*e) for e in entries],
         budget_bytes=12 * GiB + 426 * MiB,
         fixed_bytes=4 * GiB + 318 * MiB,
         kv_pool_bytes=kv_bytes,
         num_pages=kv_bytes // (2 * MiB),
-        page_size=16,
         max_context_tokens=32768,
         min_context_tokens=4096,
-        fits=True,
-        shortfall_bytes=0,
-        suggestions=[],
-        max_prefill_tokens=2048,
-        max_running_requests=64,
     )
 
 

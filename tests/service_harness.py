@@ -28,8 +28,9 @@ from typing import Any
 import httpx
 import pytest
 
+from engine.common.units import GiB, MiB
+from engine.memory.plan import LedgerEntry, MemoryPlan
 from engine.wire.messages import EngineInfo
-from engine.common.units import MiB
 
 TESTS_DIR = Path(__file__).parent
 READY_TIMEOUT_S = 300.0
@@ -72,6 +73,30 @@ def engine_info(**overrides: Any) -> EngineInfo:
     fields.update(overrides)
     return EngineInfo(**fields)
 
+
+def memory_plan(**overrides: Any) -> MemoryPlan:
+    """A memory plan for tests that need one but no engine: a simulated 16 GiB card,
+    1,000 pages of 16 tokens in a 10 GiB pool, an 8,192-token context, 64 running
+    requests; ``overrides`` replace fields."""
+    fields: dict[str, Any] = dict(
+        device="sim",
+        simulated=True,
+        ledger=[LedgerEntry("device total", 16 * GiB, "+", "simulated")],
+        budget_bytes=12 * GiB,
+        fixed_bytes=2 * GiB,
+        kv_pool_bytes=10 * GiB,
+        num_pages=1000,
+        page_size=16,
+        max_context_tokens=8192,
+        min_context_tokens=8192,
+        fits=True,
+        shortfall_bytes=0,
+        suggestions=[],
+        max_prefill_tokens=2048,
+        max_running_requests=64,
+    )
+    fields.update(overrides)
+    return MemoryPlan(**fields)
 
 def simulated_vram_args(timeline: Path) -> list[str]:
     """``headroom serve`` flags for a 4 GiB card whose other users follow ``timeline``

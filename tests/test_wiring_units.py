@@ -11,9 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 from pool_fakes import STATS, pool_stats
+from service_harness import memory_plan
 
 from engine.common.units import GiB, MiB
-from engine.memory.plan import LedgerEntry, MemoryPlan
+from engine.memory.plan import LedgerEntry
 from engine.wire import ipc
 from engine.wire.messages import (
     BY_CONTROL,
@@ -168,21 +169,14 @@ def test_planned_page_bytes_come_from_the_plan():
     from engine.worker.process import pool_stats
 
     engine = ResizableEngine()
-    engine.plan = MemoryPlan(
-        device="sim",
-        simulated=True,
+    engine.plan = memory_plan(
         ledger=[LedgerEntry("prefill activation peak", 2048 * 1000, "-", "est")],
         budget_bytes=3 * GiB,
         fixed_bytes=GiB,
         kv_pool_bytes=100 * 512 * 1024,
         num_pages=100,
-        page_size=16,
         max_context_tokens=1600,
         min_context_tokens=512,
-        fits=True,
-        shortfall_bytes=0,
-        suggestions=[],
-        max_prefill_tokens=2048,
         max_running_requests=8,
     )
     pool = pool_stats(engine, STATS, 101)

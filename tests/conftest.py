@@ -10,6 +10,7 @@ import shutil
 import tempfile
 
 import pytest
+from keyed_server import keyed_server  # noqa: F401
 from service_harness import real_server, start_server  # noqa: F401
 
 SMOLLM_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -62,6 +63,15 @@ def _cpu_threads_fit_the_free_cores():
     if n is not None:
         torch.set_num_threads(n)
     yield
+
+
+@pytest.fixture(scope="session")
+def dev() -> str:
+    """Where the kernel tests run their kernels: ``"cuda"`` with a GPU, else ``"cpu"``
+    (Triton's interpreter)."""
+    from triton_interpret import kernel_device
+
+    return kernel_device()
 
 
 def smollm_dir() -> str:
@@ -119,8 +129,8 @@ class PagedRunner:
 
     def __init__(self, model, config, *, page_size: int = 4, num_pages: int = 64, device: str = "cpu",
                  kv_dtype=None, attention: str = "torch"):
-        from engine.layers.attention.base import create_attention_backend
         from engine.kvcache.pool import KVPool
+        from engine.layers.attention.base import create_attention_backend
 
         dtype = next(model.parameters()).dtype
         self.model, self.page_size = model, page_size

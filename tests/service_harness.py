@@ -7,6 +7,7 @@ failed, shows its log. Fixtures (registered in conftest.py):
 - ``real_server`` (session): the default model, shared by tests that do not break it.
   It depends on conftest's ``default_model_dir``, which converts the model once into
   a session cache that every server started here inherits through the environment.
+- ``keyed_server`` (session, in keyed_server.py): the default model behind ``--api-key``.
 - ``start_server`` (function): a factory for servers a test may kill or misconfigure,
   with the real engine or the fake one of ``fake_engine.py``.
 """
@@ -263,15 +264,22 @@ class ServerProcess:
         self._log.close()
 
 
-@pytest.fixture(scope="session")
-def real_server(tmp_path_factory, default_model_dir) -> Iterator[ServerProcess]:
-    """The default model, 256 KV pages (about 4k tokens) so a prompt larger than the pool is cheap to reach."""
-    server = ServerProcess(tmp_path_factory.mktemp("real"), ["--num-pages", "256"])
+def serving(server: ServerProcess) -> Iterator[ServerProcess]:
+    """For a fixture, ``yield from serving(ServerProcess(...))``: waits until ``server``
+    is ready, yields it, then stops it and prints its log (pytest shows it when a test
+    failed)."""
     try:
         server.wait_ready()
         yield server
     finally:
         server.stop()
+        print(f"--- log of {' '.join(server.command)} ---\n{server.log()}")
+
+
+@pytest.fixture(scope="session")
+def real_server(tmp_path_factory, default_model_dir) -> Iterator[ServerProcess]:
+    """The default model, 256 KV pages (about 4k tokens) so a prompt larger than the pool is cheap to reach."""
+    yield from serving(ServerProcess(tmp_path_factory.mktemp("real"), ["--num-pages", "256"]))
 
 
 @pytest.fixture

@@ -323,6 +323,15 @@ def make_tiny_hf_model():
     return _make_tiny_hf_model
 
 
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> str:
+    """A tiny random Qwen3 (:func:`_make_tiny_hf_model`'s defaults) saved once per session
+    (a str path); tests only read it."""
+    path = tmp_path_factory.mktemp("tiny-qwen3")
+    _make_tiny_hf_model("qwen3", path)
+    return str(path)
+
+
 @pytest.fixture
 def tiny_gguf(tmp_path, monkeypatch, make_tiny_hf_model):
     """A tiny random Qwen3 written as a GGUF file (a Path), with ``HEADROOM_CACHE_DIR``

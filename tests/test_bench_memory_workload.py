@@ -17,7 +17,7 @@ def test_worst_step_workload_reaches_the_worst_step_and_ends(tmp_path, make_tiny
                                  max_model_len=2048, max_running_requests=b, max_prefill_tokens=chunk))
     # 15 prompts of ~900 tokens at 256 per step: about 55 prefill steps, more than 32.
     seen = []
-    run = engine.core.runner.run
+    run = engine.runner.run
 
     def recording(plan):
         decoding = sum(1 for it in plan.items if it.num_tokens == 1 and it.req.request_id.startswith("long-"))
@@ -25,7 +25,7 @@ def test_worst_step_workload_reaches_the_worst_step_and_ends(tmp_path, make_tiny
         seen.append((decoding, chunked[0] if chunked else 0))
         return run(plan)
 
-    engine.core.runner.run = recording
+    engine.runner.run = recording
     worst_step_workload(engine)
     assert not engine.has_work()
     # The worst step: all B - 1 long requests decode next to a full chunk of the long prompt.

@@ -21,14 +21,14 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from tiny_engine import PAGE_SIZE, tiny_engine
 
 from engine.common.config import EngineConfig
+from engine.common.faults import ENV_VAR
 from engine.core.engine import Engine
-from engine.common.faults import ENV_VAR, FaultInjector
 from engine.wire.messages import GenerateRequest, OomEvent, ReplanWanted, SamplingParams
 
 SITES = ("prefill", "decode", "sample")
-PAGE_SIZE = 4
 SHARED = 8  # tokens of prompt prefix r0, r1 and r3 share: two whole pages
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
@@ -54,17 +54,8 @@ REQUESTS = _prompts()
 NEXT = ([7, 8, 9, 10, 11] * 5, GREEDY)  # the request that comes after the trouble
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, make_tiny_hf_model) -> str:
-    path = tmp_path_factory.mktemp("tiny-qwen3")
-    make_tiny_hf_model("qwen3", path)
-    return str(path)
-
-
 def make_engine(model: str, **overrides) -> Engine:
-    cfg = dict(model=model, device="cpu", page_size=PAGE_SIZE, num_pages=96)
-    cfg.update(overrides)
-    return Engine(EngineConfig(**cfg))
+    return tiny_engine(model, **{"num_pages": 96, **overrides})
 
 
 @dataclass
@@ -104,7 +95,7 @@ def check_pages(engine: Engine, committed: list[list[int]]) -> None:
     tree = radix.all_pages()
     own: list[int] = []
     for req in sched.running:
-        cached = req.cached_len // engine.common.config.page_size
+        cached = req.cached_len // engine.config.page_size
         assert set(req.pages[:cached]) <= tree, req.request_id
         own.extend(req.pages[cached:])
     assert len(own) == len(set(own)), "a page held twice"
@@ -188,54 +179,6 @@ def deepest_cached(radix, tokens: list[int]) -> int:
         node = child
 
 
-# -- the fault hook ------------------------------------------------------------------------
-
-
-def test_fault_spec_parses_rules_and_refuses_bad_ones():
-    inj = FaultInjector.parse("prefill:req-1:2, decode:*:1,sample:a:b:3,prefill:solo")
-    assert [(r.site, r.request_id, r.remaining) for r in inj.rules] == [
-        ("prefill", "req-1", 2),
-        ("decode", "*", 1),
-        ("sample", "a:b", 3),
-        ("prefill", "solo", 1),
-    ]
-    assert FaultInjector.from_env({}) is None
-    assert FaultInjector.from_env({ENV_VAR: "  "}) is None
-    for bad, words in [
-        ("boom:x:1", "unknown fault site"),
-        ("prefill", "expected site:request"),
-        ("prefill:x:0", "times must be >= 1"),
-        ("decode::2", "empty request id"),
-    ]:
-        with pytest.raises(ValueError, match=words) as err:
-            FaultInjector.parse(bad)
-        assert ENV_VAR in str(err.value)
-
-
-def test_injector_fires_per_step_and_counts_down():
-    inj = FaultInjector()
-    inj.add("decode", "b", times=2)
-    inj.add("sample", "*", times=1)
-    inj.check("decode", ["a"])  # not the target
-    inj.check("prefill", ["b"])  # not the site
-    for _ in range(2):
-        with pytest.raises(torch.OutOfMemoryError, match="injected at site decode for request b"):
-            inj.check("decode", ["a", "b"])
-    inj.check("decode", ["b"])  # used up
-    inj.check("sample", [])  # nothing samples: no match for "*"
-    with pytest.raises(torch.OutOfMemoryError, match="CUDA out of memory"):
-        inj.check("sample", ["z"])
-    assert inj.pending == 0
-    assert inj.fired == [("decode", "b"), ("decode", "b"), ("sample", "z")]
-
-
-def test_no_injector_unless_asked(tiny_dir, monkeypatch):
-    monkeypatch.delenv(ENV_VAR, raising=False)
-    engine = make_engine(tiny_dir)
-    assert engine.core.runner.faults is None  # the step pays one `is None` test
-    assert engine.drain_events() == []
-
-
 # -- transient faults: the victim succeeds -------------------------------------------------
 
 
@@ -244,14 +187,14 @@ def test_no_injector_unless_asked(tiny_dir, monkeypatch):
 @pytest.mark.parametrize("site", SITES)
 def test_transient_oom_is_retried_and_changes_no_output(tiny_dir, reference, site, victim, times):
     engine = make_engine(tiny_dir)
-    engine.common.faults.add(site, victim, times)
+    engine.faults.add(site, victim, times)
     run = drive(engine, REQUESTS)
-    assert engine.common.faults.pending == 0, "the fault never fired"
+    assert engine.faults.pending == 0, "the fault never fired"
     assert len(run.ooms) == times
     assert all(o.finish_reason == "length" for o in run.final.values())
     assert run.out == {rid: reference[rid] for rid in REQUESTS}
     assert engine.stats().failed == 0
-    assert engine.scheduler.max_prefill_tokens < engine.common.config.max_prefill_tokens
+    assert engine.scheduler.max_prefill_tokens < engine.config.max_prefill_tokens
     assert run.replans[-1].new_max_prefill_tokens == engine.scheduler.max_prefill_tokens
     assert_all_pages_back(engine)
 
@@ -263,7 +206,7 @@ def test_transient_oom_is_retried_and_changes_no_output(tiny_dir, reference, sit
 @pytest.mark.parametrize("site", SITES)
 def test_persistent_oom_fails_the_victim_alone(tiny_dir, reference, site, victim):
     engine = make_engine(tiny_dir)
-    engine.common.faults.add(site, victim, times=1000)
+    engine.faults.add(site, victim, times=1000)
     history: list[list[int]] = []
     run = drive(engine, REQUESTS, history=history)
 
@@ -341,10 +284,10 @@ def test_oom_raised_inside_the_forward_is_rolled_back(tiny_dir, reference):
 def test_faults_from_the_environment(tiny_dir, reference, monkeypatch):
     monkeypatch.setenv(ENV_VAR, "prefill:r1:1,sample:*:1,decode:r2:1")
     engine = make_engine(tiny_dir)
-    assert engine.common.faults.pending == 3
+    assert engine.faults.pending == 3
     run = drive(engine, REQUESTS)
-    assert engine.common.faults.pending == 0
-    assert [site for site, _ in engine.common.faults.fired] == ["prefill", "sample", "decode"]
+    assert engine.faults.pending == 0
+    assert [site for site, _ in engine.faults.fired] == ["prefill", "sample", "decode"]
     assert run.out == {rid: reference[rid] for rid in REQUESTS}
 
     monkeypatch.setenv(ENV_VAR, "explode:r1:1")
@@ -362,7 +305,7 @@ def test_c01_default_model_first_request_ooms_next_one_answers(default_model_dir
     history: list[list[int]] = []
     before = drive(engine, {"hello": (short_ids, sp)}, history=history)
     engine.radix.clear()
-    engine.common.faults.add("prefill", "first", times=1000)
+    engine.faults.add("prefill", "first", times=1000)
     run = drive(engine, {"first": (long_ids, sp)}, history=history)
     assert run.final["first"].error_code == "out_of_memory"
     assert run.steps <= 16, "fails fast"

@@ -100,7 +100,7 @@ def test_greedy_matches_transformers(shape_model, backend, graphs, caplog):
     engine = Engine(EngineConfig(model=path, device="cuda", dtype="bfloat16", kv_cache=1 << 30,
                                  attention_backend=backend, cuda_graphs=graphs, max_running_requests=8))
     assert engine.attention_backend == backend
-    assert (engine.core.runner.graphs is not None) == graphs
+    assert (engine.runner.graphs is not None) == graphs
     replayed = []
     ours = run_greedy(engine, prompts, on_step=lambda e, _: replayed.append(e.runner.replayed))
     for got, (ref, logits) in zip(ours, refs, strict=True):
@@ -109,7 +109,7 @@ def test_greedy_matches_transformers(shape_model, backend, graphs, caplog):
     # With graphs the decode steps replayed them (all but the prefill steps).
     assert (sum(replayed) >= NEW_TOKENS - 1) == graphs
     if graphs:
-        assert engine.core.runner.graphs.captures >= len(engine.core.runner.graphs.sizes)
+        assert engine.runner.graphs.captures >= len(engine.runner.graphs.sizes)
     if backend == "flashinfer":
         # The first step of each kind says how long FlashInfer's JIT build took.
         firsts = [r.getMessage() for r in caplog.records if r.getMessage().startswith("flashinfer: first")]
@@ -176,7 +176,7 @@ def test_live_shrink_and_grow_with_graphs_keeps_outputs(tmp_path):
     graphs: every output equals the run without resizes. The figures (resize time,
     re-capture time) are printed for the README."""
     engine = _shape_engine(tmp_path, kv_cache=3 << 30, max_running_requests=8)
-    graphs = engine.core.runner.graphs
+    graphs = engine.runner.graphs
     assert graphs is not None
     prompts = _random_prompts(8)
     baseline = run_greedy(engine, prompts, new_tokens=96)
@@ -211,8 +211,8 @@ def test_injected_oom_under_graphs_rolls_back(tmp_path):
     prompts = _random_prompts(3)
     clean = run_greedy(engine, prompts, new_tokens=24)
     engine.radix.clear()
-    engine.common.faults.add("decode", "r1", times=2)
-    engine.common.faults.add("sample", "r0", times=1)
+    engine.faults.add("decode", "r1", times=2)
+    engine.faults.add("sample", "r0", times=1)
     faulty = run_greedy(engine, prompts, new_tokens=24)
     assert faulty == clean
-    assert engine.core.runner.graphs is not None
+    assert engine.runner.graphs is not None

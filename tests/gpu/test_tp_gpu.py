@@ -60,9 +60,9 @@ def test_tp2_greedy_equals_tp1_on_qwen3_8b_shape(tmp_path, graphs):
         assert engine.device == torch.device("cuda:0")
         split = run_all(engine, requests)
         if graphs:
-            assert engine.core.runner.graphs is not None and engine.core.runner.graphs.replays > 0
+            assert engine.runner.graphs is not None and engine.runner.graphs.replays > 0
         else:
-            assert engine.core.runner.graphs is None
+            assert engine.runner.graphs is None
     assert split == alone
 
 
@@ -80,10 +80,10 @@ def test_tp2_with_graphs_recaptures_in_step_after_a_live_shrink(tmp_path, make_t
     del one
     torch.cuda.empty_cache()
     with parallel_engine(dataclasses.replace(config, tensor_parallel_size=2)) as engine:
-        captured = engine.core.runner.graphs.captures
+        captured = engine.runner.graphs.captures
         split, _ = _shrunk_mid_decode(engine)
         assert engine.rank_pool_pages == [16, 16]
-        assert engine.core.runner.graphs.captures > captured and engine.core.runner.graphs.replays > 0
+        assert engine.runner.graphs.captures > captured and engine.runner.graphs.replays > 0
     assert split == alone
 
 

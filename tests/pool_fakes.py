@@ -5,22 +5,12 @@ that need no engine (``test_wiring_units.py``, ``test_vram_watcher.py``,
 
 from __future__ import annotations
 
+from service_harness import engine_stats
+
 from engine.common.units import GiB, MiB
 from engine.wire import ipc
-from engine.wire.messages import EngineStats
 
-STATS = EngineStats(
-    running=0,
-    waiting=0,
-    free_pages=100,
-    total_pages=100,
-    cached_pages=7,
-    prefix_hit_tokens=0,
-    prefix_lookup_tokens=0,
-    finished=0,
-    aborted=0,
-    failed=0,
-)
+STATS = engine_stats(free_pages=100, total_pages=100, cached_pages=7)
 
 
 def pool_stats(

@@ -1,5 +1,5 @@
 """Random GGUF blocks and activations for the quantized kernels' tests
-(``test_quant_kernels.py``, ``test_int8_gemv_kernels.py``).
+(``test_quant_kernels.py``, ``test_int8_gemv_kernels.py``, ``gpu/test_quant_gpu.py``).
 """
 
 from __future__ import annotations
@@ -9,6 +9,12 @@ import torch
 
 from kernels.quant.formats import block_format
 from kernels.quant.synthetic import random_blocks
+
+# How far the int8 GEMV may land from the exact product, as a share of the largest
+# output: the activations are rounded to int8 per 32 values (error up to amax / 254 of
+# each group); measured up to 1.8% on these random blocks, whose mins make every
+# weight of a sub-block share a large offset.
+INT8_ROUNDING_TOL = 0.05
 
 
 def quant_case(type_name: str, m: int, n: int, blocks_k: int, dev: str, dtype=torch.float32, seed: int = 0):

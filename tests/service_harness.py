@@ -31,7 +31,7 @@ import pytest
 
 from engine.common.units import GiB, MiB
 from engine.memory.plan import LedgerEntry, MemoryPlan
-from engine.wire.messages import EngineInfo
+from engine.wire.messages import EngineInfo, EngineStats
 
 TESTS_DIR = Path(__file__).parent
 READY_TIMEOUT_S = 300.0
@@ -74,6 +74,13 @@ def engine_info(**overrides: Any) -> EngineInfo:
     fields.update(overrides)
     return EngineInfo(**fields)
 
+
+def engine_stats(**counts: int) -> EngineStats:
+    """An engine's counters for tests that need them but no engine: each 0 unless
+    ``counts`` gives it."""
+    names = ("running", "waiting", "free_pages", "total_pages", "cached_pages", "prefix_hit_tokens",
+             "prefix_lookup_tokens", "finished", "aborted", "failed")
+    return EngineStats(**{**dict.fromkeys(names, 0), **counts})
 
 def memory_plan(**overrides: Any) -> MemoryPlan:
     """A memory plan for tests that need one but no engine: a simulated 16 GiB card,

@@ -10,10 +10,10 @@ import json
 
 import pytest
 from event_samples import health, vram
-from service_harness import engine_info, memory_plan
+from service_harness import engine_info, engine_stats, memory_plan
 
 from engine.common.units import GiB, MiB
-from engine.wire.messages import EngineStats, OomEvent
+from engine.wire.messages import OomEvent
 from service.events import hub as ev
 from service.events import schemas
 from service.events.hub import EventHub, SubscriptionClosed, VramThrottle
@@ -102,18 +102,7 @@ def test_events_from_engine_and_supervisor_shapes():
     }
     h = HealthEvent.from_report(report)
     assert (h.status, h.restarts, h.retry_after_s, h.model) == ("restarting", 2, 3, "m")
-    stats = EngineStats(
-        running=1,
-        waiting=0,
-        free_pages=1,
-        total_pages=2,
-        cached_pages=0,
-        prefix_hit_tokens=0,
-        prefix_lookup_tokens=0,
-        finished=5,
-        aborted=0,
-        failed=0,
-    )
+    stats = engine_stats(running=1, free_pages=1, total_pages=2, finished=5)
     c = CountersEvent(engine=stats)
     assert schemas.message_decoder.decode(schemas.encode(c)) == c
 
@@ -138,14 +127,8 @@ def test_vram_event_from_a_watcher_sample():
         "game",
         None,
     )
-    cpu = NS(
-        gpu=False,
-        total_bytes=0,
-        free_bytes=0,
-        ours_bytes=0,
-        others_bytes=0,
-        reason="no NVIDIA driver",
-    )
+    nothing = dict.fromkeys(("total_bytes", "free_bytes", "ours_bytes", "others_bytes"), 0)
+    cpu = NS(gpu=False, reason="no NVIDIA driver", **nothing)
     e = VramEvent.from_sample(cpu, 0, source="simulated")
     assert (e.source, e.device, e.reason) == ("none", "no GPU", "no NVIDIA driver")
 

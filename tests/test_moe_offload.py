@@ -11,9 +11,8 @@ import logging
 
 import pytest
 import torch
-from model_checks import engine_greedy, halved_cache_run, paged_greedy
+from model_checks import engine_greedy, halved_cache_run, paged_greedy, two_prompts
 
-from engine.loader.load import load_model
 from engine.layers.moe.expert_cache import (
     ALWAYS_COPY,
     ALWAYS_CPU,
@@ -24,6 +23,7 @@ from engine.layers.moe.expert_cache import (
     offload_experts,
 )
 from engine.layers.moe.expert_stacks import DenseStack
+from engine.loader.load import load_model
 
 VOCAB = 256
 STEPS = 32
@@ -38,9 +38,7 @@ def tiny(request, tmp_path_factory, make_tiny_hf_model):
 
 
 def _prompts() -> dict[str, list[int]]:
-    gen = torch.Generator().manual_seed(5)
-    return {"a": torch.randint(0, VOCAB, (9,), generator=gen).tolist(),
-            "b": torch.randint(0, VOCAB, (5,), generator=gen).tolist()}
+    return two_prompts(VOCAB, 0)
 
 
 @pytest.fixture(scope="module")

@@ -21,13 +21,10 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from model_checks import engine_greedy, halved_cache_run, paged_greedy  # noqa: E402
+from model_checks import engine_greedy, halved_cache_run, paged_greedy, two_prompts  # noqa: E402
 from test_gguf_convert import VOCAB, write_gguf  # noqa: E402
 from test_gguf_moe_quant import EXPERT_TYPES, write_tiny_moe_gguf  # noqa: E402
 
-from engine.loader.gguf_convert import convert_gguf  # noqa: E402
-from engine.loader.gguf_quant import gguf_weight_size, load_gguf_quantized  # noqa: E402
-from engine.loader.hf_config import load_model_config  # noqa: E402
 from engine.layers.moe.expert_cache import (  # noqa: E402
     ALWAYS_COPY,
     ALWAYS_CPU,
@@ -39,6 +36,9 @@ from engine.layers.moe.expert_cache import (  # noqa: E402
 )
 from engine.layers.moe.expert_stacks import BlockStack, stack_of  # noqa: E402
 from engine.layers.moe.quant_experts import QuantExperts  # noqa: E402
+from engine.loader.gguf_convert import convert_gguf  # noqa: E402
+from engine.loader.gguf_quant import gguf_weight_size, load_gguf_quantized  # noqa: E402
+from engine.loader.hf_config import load_model_config  # noqa: E402
 from kernels.moe.quant_reference import fused_moe_quant  # noqa: E402
 
 STEPS = 32
@@ -62,9 +62,7 @@ def tiny(request, tmp_path_factory, make_tiny_hf_model):
 
 
 def _prompts() -> dict[str, list[int]]:
-    gen = torch.Generator().manual_seed(5)
-    return {"a": torch.randint(3, VOCAB, (9,), generator=gen).tolist(),
-            "b": torch.randint(3, VOCAB, (5,), generator=gen).tolist()}
+    return two_prompts(VOCAB, 3)
 
 
 @pytest.fixture(scope="module")
@@ -179,8 +177,8 @@ def test_the_plan_prices_the_host_tier_and_the_expert_cache_in_block_bytes(tiny)
     MoE layer's blocks, a slot one expert's blocks (the largest expert of the host
     layers), all as the loader allocates them; the dense plan of the same model charges
     more for each."""
-    from engine.memory.device import simulated_device
     from engine.core.footprint import make_footprint
+    from engine.memory.device import simulated_device
     from engine.memory.plan import PlanKnobs, make_plan
 
     path, config, model = tiny

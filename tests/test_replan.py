@@ -156,17 +156,17 @@ def test_prefix_cache_is_evicted_before_a_shrink_that_needs_its_pages():
     assert "below the low water mark" in actions[-1].reason
 
 
+def pool_of_1000_pages(prefill_chunk: int) -> PoolState:
+    """A pool at its plan of 1,000 pages (100 at the least), the prefill chunk at
+    ``prefill_chunk`` of the plan's 2,048 tokens, no activation price known."""
+    return PoolState(pages=1000, planned_pages=1000, min_pages=100, page_bytes=PAGE,
+                     prefill_chunk=prefill_chunk, planned_prefill_chunk=2048)
+
+
 def test_unknown_activation_price_halves_the_chunk_and_counts_nothing():
     low, high = default_water_marks(TOTAL)
     ctl = ReplanController(low, high, reserve=0)
-    state = PoolState(
-        pages=1000,
-        planned_pages=1000,
-        min_pages=100,
-        page_bytes=PAGE,
-        prefill_chunk=2048,
-        planned_prefill_chunk=2048,
-    )
+    state = pool_of_1000_pages(prefill_chunk=2048)
     sample = VramSample(timestamp=0.0, gpu=True, total_bytes=TOTAL, free_bytes=low - 10 * PAGE)
     actions = ctl.decide(sample, state)
     assert actions[0] == NewChunkCap(1024, 2048, actions[0].reason)
@@ -177,14 +177,7 @@ def test_unknown_activation_price_halves_the_chunk_and_counts_nothing():
 def test_settle_time_after_a_resize_and_cpu_mode():
     low, high = default_water_marks(TOTAL)
     ctl = ReplanController(low, high, reserve=GiB, settle_s=1.0)
-    state = PoolState(
-        pages=1000,
-        planned_pages=1000,
-        min_pages=100,
-        page_bytes=PAGE,
-        prefill_chunk=256,
-        planned_prefill_chunk=2048,
-    )
+    state = pool_of_1000_pages(prefill_chunk=256)
 
     def at(t, free):
         return VramSample(timestamp=t, gpu=True, total_bytes=TOTAL, free_bytes=free)

@@ -99,22 +99,9 @@ def test_the_watcher_follows_a_simulated_timeline_with_commands():
 
 
 def test_the_watcher_leaves_a_cpu_engine_alone_on_a_real_gpu():
-    sup = FakeSupervisor(
-        ipc.PoolStats(
-            pages=200,
-            planned_pages=200,
-            min_pages=10,
-            page_bytes=MiB,
-            pool_bytes=200 * MiB,
-            prefill_chunk=2048,
-            planned_prefill_chunk=2048,
-            min_prefill_chunk=256,
-            activation_bytes_per_token=0,
-            free_pages=199,
-            cached_pages=0,
-            max_context_tokens=2048,
-        )
-    )
+    # A CPU engine has no plan: nothing besides the pool.
+    pool = pool_stats(200, min_pages=10, activation_bytes_per_token=0, max_context_tokens=2048)
+    sup = FakeSupervisor(msgspec.structs.replace(pool, fixed_bytes=0))
     sup.info = info(device="cpu")
     full = SimulatedSource(GiB, [(0.0, GiB)], clock=lambda: 0.0)  # nothing free at all
     watcher = VramWatcher(sup, None, full, kind="nvml")  # type: ignore[arg-type]

@@ -17,13 +17,13 @@ import os
 import numpy as np
 import pytest
 import torch
+from quant_cases import INT8_ROUNDING_TOL
 from test_fast_path_gpu import _chat_prompts, run_greedy
-from test_quant_kernels import INT8_ROUNDING_TOL
 from triton_interpret import run_compiler_script, skip_without_ptxas
 
 from engine.common.config import EngineConfig
-from engine.core.engine import Engine
 from engine.common.load_errors import ModelNotFound
+from engine.core.engine import Engine
 from engine.layers.linear.gguf_blocks import QuantLinear
 
 NEW_TOKENS = 48
@@ -223,9 +223,9 @@ def test_decode_hands_the_norms_codes_to_the_int8_gemv(tmp_path, paged_runner, m
     logits equal those with ``HEADROOM_QUANT_INT8_PRODUCER=0`` to the GEMVs' summation
     order."""
     from engine.bench.model_shapes import write_shape
+    from engine.bench.quant import write_random_gguf
     from engine.loader.gguf_quant import load_gguf_quantized
     from engine.loader.hf_config import load_model_config
-    from engine.bench.quant import write_random_gguf
     from kernels.quant import triton_int8
     from kernels.quant import triton_kernel as triton_quant
 
@@ -263,10 +263,10 @@ def test_benchmark_weights_take_their_block_bytes(tmp_path):
     the file's blocks (Q4_K 4.5 and Q6_K 6.56 bits a weight against bfloat16's 16; the
     Q6_K LM head weighs most in two layers), and the plan's price equals it."""
     from engine.bench.model_shapes import write_shape
+    from engine.bench.quant import write_random_gguf
+    from engine.layers.linear.gguf_blocks import model_weight_bytes
     from engine.loader.gguf_quant import gguf_weight_size, load_gguf_quantized
     from engine.loader.hf_config import load_model_config
-    from engine.layers.linear.gguf_blocks import model_weight_bytes
-    from engine.bench.quant import write_random_gguf
 
     config = load_model_config(write_shape("llama-3.1-8b", tmp_path / "cfg", num_hidden_layers=2))
     path = tmp_path / "k.gguf"

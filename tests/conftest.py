@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from keyed_server import keyed_server  # noqa: F401
 from service_harness import real_server, start_server  # noqa: F401
 
 SMOLLM_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -78,6 +79,14 @@ def built_dashboard() -> Path:
         build_dashboard(root)
     return bundle
 
+
+@pytest.fixture(scope="session")
+def dev() -> str:
+    """Where the kernel tests run their kernels: ``"cuda"`` with a GPU, else ``"cpu"``
+    (Triton's interpreter)."""
+    from triton_interpret import kernel_device
+
+    return kernel_device()
 
 def smollm_dir() -> str:
     """Folder of the embedded default model's GGUF.
@@ -326,6 +335,15 @@ def _make_tiny_hf_model(kind: str, path, *, vocab_size: int = 256, **overrides):
 def make_tiny_hf_model():
     """``make_tiny_hf_model(kind, path, vocab_size=256, **config) -> transformers model``."""
     return _make_tiny_hf_model
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> str:
+    """A tiny random Qwen3 (:func:`_make_tiny_hf_model`'s defaults) saved once per session
+    (a str path); tests only read it."""
+    path = tmp_path_factory.mktemp("tiny-qwen3")
+    _make_tiny_hf_model("qwen3", path)
+    return str(path)
 
 
 @pytest.fixture

@@ -31,24 +31,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import uvicorn  # noqa: E402
 from litestar import Litestar  # noqa: E402
-from service_harness import engine_info  # noqa: E402
+from service_harness import engine_info, engine_stats, memory_plan  # noqa: E402
 
-from engine.memory.plan import LedgerEntry, MemoryPlan  # noqa: E402
-from engine.wire.messages import EngineStats  # noqa: E402
 from engine.common.units import GiB, MiB  # noqa: E402
+from engine.memory.plan import LedgerEntry, MemoryPlan  # noqa: E402
+from service.events import schemas as ev  # noqa: E402
 from service.events.hub import EventHub  # noqa: E402
 from service.control.routes import events_router  # noqa: E402
-from service.events.schemas import (  # noqa: E402
-    CountersEvent,
-    EngineInfoEvent,
-    HealthEvent,
-    PlanEvent,
-    PlanPoint,
-    ReplanEvent,
-    RequestErrorEvent,
-    VramEvent,
-    WorkerEvent,
-)
 from service.common.token import new_token  # noqa: E402
 from service.http.dashboard import dashboard_router  # noqa: E402
 from service.http.security import SecurityMiddleware  # noqa: E402
@@ -88,22 +77,15 @@ def demo_plan(kv_bytes: int) -> MemoryPlan:
         ("CUDA graph pool", 180 * MiB, "-", "measured at capture"),
         ("KV cache pool", kv_bytes, "=", f"{kv_bytes // (2 * MiB)} pages of 2 MiB"),
     ]
-    return MemoryPlan(
+    return memory_plan(
         device="simulated device (16.00 GiB)",
-        simulated=True,
         ledger=[LedgerEntry(*e) for e in entries],
         budget_bytes=12 * GiB + 426 * MiB,
         fixed_bytes=4 * GiB + 318 * MiB,
         kv_pool_bytes=kv_bytes,
         num_pages=kv_bytes // (2 * MiB),
-        page_size=16,
         max_context_tokens=32768,
         min_context_tokens=4096,
-        fits=True,
-        shortfall_bytes=0,
-        suggestions=[],
-        max_prefill_tokens=2048,
-        max_running_requests=64,
     )
 
 
@@ -124,7 +106,7 @@ class DemoWorker:
         self.state = status
         pid = self.proc.pid if self.proc and self.proc.poll() is None else None
         self.hub.publish(
-            HealthEvent(
+            ev.HealthEvent(
                 status=status, model="demo-model", worker_pid=pid, restarts=self.restarts, **kw
             )  # type: ignore[arg-type]
         )
@@ -135,11 +117,11 @@ class DemoWorker:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        self.hub.publish(WorkerEvent(phase="started", pid=self.proc.pid, restarts=self.restarts))
+        self.hub.publish(ev.WorkerEvent(phase="started", pid=self.proc.pid, restarts=self.restarts))
         self.health("starting" if self.restarts == 0 else "restarting", retry_after_s=1)
         await asyncio.sleep(0.8)  # "loading"
         self.hub.publish(
-            EngineInfoEvent(
+            ev.EngineInfoEvent(
                 info=engine_info(
                     **DEMO_MODEL,
                     num_pages=self.kv_bytes // (2 * MiB),
@@ -147,7 +129,7 @@ class DemoWorker:
                 )
             )
         )
-        self.hub.publish(PlanEvent(plan=demo_plan(self.kv_bytes)))
+        self.hub.publish(ev.PlanEvent(plan=demo_plan(self.kv_bytes)))
         self.health("ready")
         self._task = asyncio.create_task(self._watch(self.proc))
 
@@ -159,7 +141,7 @@ class DemoWorker:
         code = proc.returncode
         sig = -code if code < 0 else None
         self.hub.publish(
-            WorkerEvent(
+            ev.WorkerEvent(
                 phase="exited",
                 pid=proc.pid,
                 exit_code=None if sig else code,
@@ -172,7 +154,7 @@ class DemoWorker:
             )
         )
         self.restarts += 1
-        self.hub.publish(WorkerEvent(phase="restarting", delay_s=0.5, restarts=self.restarts))
+        self.hub.publish(ev.WorkerEvent(phase="restarting", delay_s=0.5, restarts=self.restarts))
         self.health("restarting", retry_after_s=2)
         await asyncio.sleep(0.5)
         await self.spawn()
@@ -188,19 +170,19 @@ class DemoWorker:
         return f"reserve is now {self.reserve // MiB} MiB"
 
     def set_kv_cache(self, size: int | None) -> str:
-        before = PlanPoint(
+        before = ev.PlanPoint(
             kv_pool_bytes=self.kv_bytes,
             num_pages=self.kv_bytes // (2 * MiB),
             max_prefill_tokens=2048,
         )
         self.kv_bytes = 8 * GiB if size is None else size
-        after = PlanPoint(
+        after = ev.PlanPoint(
             kv_pool_bytes=self.kv_bytes,
             num_pages=self.kv_bytes // (2 * MiB),
             max_prefill_tokens=2048,
         )
         self.hub.publish(
-            ReplanEvent(
+            ev.ReplanEvent(
                 action="set_kv_cache",
                 reason="asked for",
                 before=before,
@@ -233,7 +215,7 @@ async def vram_timeline(hub: EventHub, worker: DemoWorker) -> None:
         free = max(0, TOTAL - ours - others)
         top = [("firefox", browser)] + ([("game", game)] if game else [])
         hub.publish(
-            VramEvent(
+            ev.VramEvent(
                 device="simulated device (16.00 GiB)",
                 source="simulated",
                 total_bytes=TOTAL,
@@ -252,18 +234,10 @@ async def vram_timeline(hub: EventHub, worker: DemoWorker) -> None:
         if n % 10 == 0:
             worker.finished += 3
             hub.publish(
-                CountersEvent(
-                    engine=EngineStats(
-                        running=2,
-                        waiting=0,
-                        free_pages=3000,
-                        total_pages=4096,
-                        cached_pages=512,
-                        prefix_hit_tokens=1000,
-                        prefix_lookup_tokens=4000,
-                        finished=worker.finished,
-                        aborted=0,
-                        failed=0,
+                ev.CountersEvent(
+                    engine=engine_stats(
+                        running=2, free_pages=3000, total_pages=4096, cached_pages=512,
+                        prefix_hit_tokens=1000, prefix_lookup_tokens=4000, finished=worker.finished,
                     ),
                     in_flight=2,
                     oom_steps=n // 100,
@@ -272,7 +246,7 @@ async def vram_timeline(hub: EventHub, worker: DemoWorker) -> None:
             )
         if n % 100 == 50:
             hub.publish(
-                RequestErrorEvent(
+                ev.RequestErrorEvent(
                     request_id=f"chatcmpl-demo{n}-0",
                     code="out_of_memory",
                     phase="prefill",
@@ -304,7 +278,7 @@ def main() -> None:
 
     async def start() -> None:
         hub.attach_loop()
-        hub.publish(HealthEvent(status="starting"))
+        hub.publish(ev.HealthEvent(status="starting"))
         tasks.append(asyncio.create_task(worker.spawn()))
         tasks.append(asyncio.create_task(vram_timeline(hub, worker)))
 

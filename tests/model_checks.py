@@ -1,9 +1,27 @@
-"""Checks shared by the dense and mixture-of-experts model tests: our decoder over the
-paged KV cache against transformers' logits for the same token ids."""
+"""Checks shared by the dense, mixture-of-experts and hybrid model tests: our decoder
+over the paged KV cache against transformers' logits for the same token ids, and greedy
+runs through a paged runner or the engine."""
 
 from __future__ import annotations
 
 import torch
+
+
+def tiny_pair(kind: str, path, make_tiny_hf_model, vocab: int):
+    """A tiny random transformers model of ``kind`` saved to ``path`` and ours loaded from
+    it (float32, CPU): ``(kind, hf, ours, config, path)``."""
+    from engine.loader.load import load_model
+
+    hf = make_tiny_hf_model(kind, path, vocab_size=vocab)
+    ours, config = load_model(path, "cpu", torch.float32)
+    return kind, hf, ours, config, path
+
+
+def two_prompts(vocab: int, low: int) -> dict[str, list[int]]:
+    """Prompts ``"a"`` (9 ids) and ``"b"`` (5 ids) drawn from ``[low, vocab)``, seed 5."""
+    gen = torch.Generator().manual_seed(5)
+    return {"a": torch.randint(low, vocab, (9,), generator=gen).tolist(),
+            "b": torch.randint(low, vocab, (5,), generator=gen).tolist()}
 
 
 def hf_logits(hf, ids: list[int]) -> torch.Tensor:
@@ -117,3 +135,21 @@ def engine_greedy(config, prompts: dict, max_new_tokens: int, on_step=None):
         for o in engine.step():
             out[o.request_id].extend(o.token_ids)
     return engine, out
+
+
+def cuda_engine_agreement(folder, hf, steps: int) -> list[tuple[list[int], list[int], int]]:
+    """The engine on CUDA (float32, 256 MiB of KV cache) over ``folder`` decodes three
+    prompts of 5, 21 and 70 random ids below 512 together, ``steps`` greedy ids each;
+    returns per prompt (its ids, ours, how many leading ids equal ``hf``'s greedy ones)."""
+    from test_engine import run_all
+
+    from engine.common.config import EngineConfig
+    from engine.core.engine import Engine
+    from engine.wire.messages import SamplingParams
+
+    engine = Engine(EngineConfig(model=str(folder), device="cuda", dtype="float32", kv_cache=256 << 20))
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (5, 21, 70)]
+    sp = SamplingParams(max_new_tokens=steps, temperature=0.0, ignore_eos=True)
+    out = run_all(engine, {str(i): (ids, sp) for i, ids in enumerate(prompts)})
+    return [(ids, out[str(i)], agreeing_prefix(out[str(i)], hf_greedy(hf, ids, steps))) for i, ids in enumerate(prompts)]

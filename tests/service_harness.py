@@ -7,6 +7,7 @@ failed, shows its log. Fixtures (registered in conftest.py):
 - ``real_server`` (session): the default model, shared by tests that do not break it.
   It depends on conftest's ``default_model_dir``, which converts the model once into
   a session cache that every server started here inherits through the environment.
+- ``keyed_server`` (session, in keyed_server.py): the default model behind ``--api-key``.
 - ``start_server`` (function): a factory for servers a test may kill or misconfigure,
   with the real engine or the fake one of ``fake_engine.py``.
 """
@@ -28,8 +29,9 @@ from typing import Any
 import httpx
 import pytest
 
-from engine.wire.messages import EngineInfo
-from engine.common.units import MiB
+from engine.common.units import GiB, MiB
+from engine.memory.plan import LedgerEntry, MemoryPlan
+from engine.wire.messages import EngineInfo, EngineStats
 
 TESTS_DIR = Path(__file__).parent
 READY_TIMEOUT_S = 300.0
@@ -72,6 +74,37 @@ def engine_info(**overrides: Any) -> EngineInfo:
     fields.update(overrides)
     return EngineInfo(**fields)
 
+
+def engine_stats(**counts: int) -> EngineStats:
+    """An engine's counters for tests that need them but no engine: each 0 unless
+    ``counts`` gives it."""
+    names = ("running", "waiting", "free_pages", "total_pages", "cached_pages", "prefix_hit_tokens",
+             "prefix_lookup_tokens", "finished", "aborted", "failed")
+    return EngineStats(**{**dict.fromkeys(names, 0), **counts})
+
+def memory_plan(**overrides: Any) -> MemoryPlan:
+    """A memory plan for tests that need one but no engine: a simulated 16 GiB card,
+    1,000 pages of 16 tokens in a 10 GiB pool, an 8,192-token context, 64 running
+    requests; ``overrides`` replace fields."""
+    fields: dict[str, Any] = dict(
+        device="sim",
+        simulated=True,
+        ledger=[LedgerEntry("device total", 16 * GiB, "+", "simulated")],
+        budget_bytes=12 * GiB,
+        fixed_bytes=2 * GiB,
+        kv_pool_bytes=10 * GiB,
+        num_pages=1000,
+        page_size=16,
+        max_context_tokens=8192,
+        min_context_tokens=8192,
+        fits=True,
+        shortfall_bytes=0,
+        suggestions=[],
+        max_prefill_tokens=2048,
+        max_running_requests=64,
+    )
+    fields.update(overrides)
+    return MemoryPlan(**fields)
 
 def simulated_vram_args(timeline: Path) -> list[str]:
     """``headroom serve`` flags for a 4 GiB card whose other users follow ``timeline``
@@ -238,15 +271,22 @@ class ServerProcess:
         self._log.close()
 
 
-@pytest.fixture(scope="session")
-def real_server(tmp_path_factory, default_model_dir) -> Iterator[ServerProcess]:
-    """The default model, 256 KV pages (about 4k tokens) so a prompt larger than the pool is cheap to reach."""
-    server = ServerProcess(tmp_path_factory.mktemp("real"), ["--num-pages", "256"])
+def serving(server: ServerProcess) -> Iterator[ServerProcess]:
+    """For a fixture, ``yield from serving(ServerProcess(...))``: waits until ``server``
+    is ready, yields it, then stops it and prints its log (pytest shows it when a test
+    failed)."""
     try:
         server.wait_ready()
         yield server
     finally:
         server.stop()
+        print(f"--- log of {' '.join(server.command)} ---\n{server.log()}")
+
+
+@pytest.fixture(scope="session")
+def real_server(tmp_path_factory, default_model_dir) -> Iterator[ServerProcess]:
+    """The default model, 256 KV pages (about 4k tokens) so a prompt larger than the pool is cheap to reach."""
+    yield from serving(ServerProcess(tmp_path_factory.mktemp("real"), ["--num-pages", "256"]))
 
 
 @pytest.fixture

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import json
 
+import msgspec
 import pytest
 
 from engine.text.chat import ChatTemplateError, render_chat, template_has_tools
 from service.api.chat_output import ChatOutput
+from service.api.openai.schemas import ChatCompletionRequest
 from service.common.errors import APIError
 from service.api.reasoning import ReasoningSplitter, split_reasoning
 from service.api.tools import (
@@ -257,3 +259,19 @@ def test_odd_tool_choice_and_template_kwargs_are_400s(smollm_tokenizer):
                 smollm_tokenizer, [{"role": "user", "content": "hi"}], template_kwargs=kwargs
             )
         assert err.value.param == "chat_template_kwargs"
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [({"functions": [{"name": "f"}]}, "functions"), ({"function_call": {"name": "f"}}, "function_call")],
+)
+def test_deprecated_functions_are_refused_naming_their_field(fields, param):
+    from service.api.openai.requests import chat_request
+
+    body = msgspec.convert({"messages": [{"role": "user", "content": "hi"}], **fields}, ChatCompletionRequest)
+    with pytest.raises(APIError) as info:
+        chat_request(body, "r", 0.0, 0)
+    assert info.value.param == param and "tools" in info.value.message
+    neutral = msgspec.convert({"messages": [{"role": "user", "content": "hi"}], "function_call": "auto",
+                               "functions": []}, ChatCompletionRequest)
+    assert chat_request(neutral, "r", 0.0, 0).max_tokens is None

@@ -138,6 +138,16 @@ def reference_engine():
                                gguf_quantized=False))
 
 
+@pytest.fixture(scope="module")
+def reference_answers(reference_engine, default_model_dir):
+    """The 5 greedy chat prompts (tokenizer, prompt ids, requests) and the float32
+    reference's answers, run once for both layouts."""
+    tokenizer = load_tokenizer(default_model_dir)
+    prompts = [encode_chat(tokenizer, [{"role": "user", "content": p}]) for p in PROMPTS]
+    requests = {f"p{i}": (ids, GREEDY) for i, ids in enumerate(prompts)}
+    return tokenizer, prompts, requests, run_all(reference_engine, requests)
+
+
 # How far below the float32 reference's best token a quantized path's greedy choice may
 # score, in the reference's own log-probabilities (= logits). Measured on the 5 prompts:
 # where the paths part, the reference's top two were at most 0.1 apart.
@@ -146,7 +156,7 @@ NEAR_TIE = 0.25
 
 @pytest.mark.parametrize("layout", ["int4", "blocks"])
 def test_default_model_greedy_with_quantized_weights_follows_float32(layout, request, reference_engine,
-                                                                     default_model_dir):
+                                                                     reference_answers):
     """The 5 greedy prompts, 32 tokens each, against the float32 reference (weights
     dequantized at load), in both CPU layouts: torch's int4 matmul (bfloat16
     activations) and the C kernels (blocks as stored, int8 activations, the C decode
@@ -170,11 +180,8 @@ def test_default_model_greedy_with_quantized_weights_follows_float32(layout, req
         assert engine.model.lm_head.head.part(0).data_ptr() == engine.model.model.embed_tokens.blocks.data_ptr()
     assert isinstance(engine.model.model.embed_tokens, QuantEmbedding)
     assert not any(isinstance(m, QuantLinear) for m in engine.model.modules())
-    tokenizer = load_tokenizer(default_model_dir)
-    prompts = [encode_chat(tokenizer, [{"role": "user", "content": p}]) for p in PROMPTS]
-    requests = {f"p{i}": (ids, GREEDY) for i, ids in enumerate(prompts)}
+    tokenizer, prompts, requests, theirs = reference_answers
     ours = run_all(engine, requests)
-    theirs = run_all(reference_engine, requests)
     equal = sum(ours[k] == theirs[k] for k in requests)
     assert equal >= 3, {k: tokenizer.decode(ours[k]) for k in requests}
     scoring = SamplingParams(max_new_tokens=1, temperature=0.0, prompt_logprobs=1)

@@ -1,21 +1,19 @@
-"""The event hub (pure asyncio), the VRAM throttle, the token file and the schema's
-drift guard. The routes over the hub are tested in test_events_api.py."""
+"""The event hub (pure asyncio): publishing and the snapshot, the events' shapes,
+subscribers and resuming, slow subscribers, and the VRAM throttle. The routes over the
+hub are tested in test_events_api.py, the schema's drift guard in test_event_schema.py,
+the token file in test_token_file.py."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
-import stat
-import sys
-from pathlib import Path
 
-import msgspec
 import pytest
-from service_harness import engine_info
+from event_samples import health, vram
+from service_harness import engine_info, engine_stats, memory_plan
 
-from engine.memory.plan import LedgerEntry, MemoryPlan
-from engine.wire.messages import EngineStats, OomEvent
+from engine.common.units import GiB, MiB
+from engine.wire.messages import OomEvent
 from service.events import schemas
 from service.events.hub import EventHub, VramThrottle
 from service.events.subscription import SubscriptionClosed
@@ -33,49 +31,9 @@ from service.events.schemas import (
     WorkerEvent,
 )
 
-MiB = 1 << 20
-GiB = 1 << 30
-
 
 def run(coro):
     return asyncio.run(coro)
-
-
-def vram(free: int, *, ours: int = 2 * GiB, reserve: int = GiB, total: int = 16 * GiB) -> VramEvent:
-    return VramEvent(
-        device="sim",
-        source="simulated",
-        total_bytes=total,
-        free_bytes=free,
-        ours_bytes=ours,
-        others_bytes=total - free - ours,
-        reserve_bytes=reserve,
-        headroom_bytes=free - reserve,
-    )
-
-
-def health(status: str = "ready") -> HealthEvent:
-    return HealthEvent(status=status, model="m")  # type: ignore[arg-type]
-
-
-def sample_plan() -> MemoryPlan:
-    return MemoryPlan(
-        device="sim",
-        simulated=True,
-        ledger=[LedgerEntry("device total", 16 * GiB, "+", "simulated")],
-        budget_bytes=12 * GiB,
-        fixed_bytes=2 * GiB,
-        kv_pool_bytes=10 * GiB,
-        num_pages=1000,
-        page_size=16,
-        max_context_tokens=8192,
-        min_context_tokens=8192,
-        fits=True,
-        shortfall_bytes=0,
-        suggestions=[],
-        max_prefill_tokens=2048,
-        max_running_requests=64,
-    )
 
 
 # -- publishing, snapshot ------------------------------------------------------------------------
@@ -92,7 +50,7 @@ def test_publish_stamps_seq_and_ts_and_snapshot_holds_latest():
         WorkerEvent(phase="exited", pid=41, signal="SIGKILL", reason="was killed by SIGKILL")
     )
     hub.publish(WorkerEvent(phase="started", pid=42))
-    hub.publish(PlanEvent(plan=sample_plan()))
+    hub.publish(PlanEvent(plan=memory_plan()))
     hub.publish(EngineInfoEvent(info=engine_info()))
     hub.publish(CountersEvent(engine=None, in_flight=3))
     for i in range(60):
@@ -112,7 +70,7 @@ def test_publish_stamps_seq_and_ts_and_snapshot_holds_latest():
         41,
         "SIGKILL",
     )
-    assert snap.plan is not None and snap.plan.plan == sample_plan()
+    assert snap.plan is not None and snap.plan.plan == memory_plan()
     assert snap.engine is not None and snap.engine.info.model_name == "m"
     assert snap.counters is not None and snap.counters.in_flight == 3
     assert [e.request_id for e in snap.request_errors] == [f"r{i}" for i in range(10, 60)]
@@ -144,18 +102,7 @@ def test_events_from_engine_and_supervisor_shapes():
     }
     h = HealthEvent.from_report(report)
     assert (h.status, h.restarts, h.retry_after_s, h.model) == ("restarting", 2, 3, "m")
-    stats = EngineStats(
-        running=1,
-        waiting=0,
-        free_pages=1,
-        total_pages=2,
-        cached_pages=0,
-        prefix_hit_tokens=0,
-        prefix_lookup_tokens=0,
-        finished=5,
-        aborted=0,
-        failed=0,
-    )
+    stats = engine_stats(running=1, free_pages=1, total_pages=2, finished=5)
     c = CountersEvent(engine=stats)
     assert schemas.message_decoder.decode(schemas.encode(c)) == c
 
@@ -180,14 +127,8 @@ def test_vram_event_from_a_watcher_sample():
         "game",
         None,
     )
-    cpu = NS(
-        gpu=False,
-        total_bytes=0,
-        free_bytes=0,
-        ours_bytes=0,
-        others_bytes=0,
-        reason="no NVIDIA driver",
-    )
+    nothing = dict.fromkeys(("total_bytes", "free_bytes", "ours_bytes", "others_bytes"), 0)
+    cpu = NS(gpu=False, reason="no NVIDIA driver", **nothing)
     e = VramEvent.from_sample(cpu, 0, source="simulated")
     assert (e.source, e.device, e.reason) == ("none", "no GPU", "no NVIDIA driver")
 
@@ -403,118 +344,3 @@ def test_publish_threadsafe():
         assert got.event.seq == 1
 
     run(go())
-
-
-# -- the token file -----------------------------------------------------------------------------
-
-
-def test_token_created_private_and_reused(tmp_path, monkeypatch):
-    from service.common import token as tk
-
-    monkeypatch.setenv(tk.CONFIG_DIR_ENV, str(tmp_path / "cfg"))
-    path = tk.token_path()
-    assert path == tmp_path / "cfg" / "token"
-    first = tk.load_or_create_token()
-    assert len(first) >= 40 and tk.read_token() == first
-    assert tk.load_or_create_token() == first  # reused
-    assert not [p for p in path.parent.iterdir() if p.name != "token"]  # no temp left
-    if sys.platform != "win32":
-        assert stat.S_IMODE(path.stat().st_mode) == 0o600
-        assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
-        os.chmod(path, 0o644)  # someone widened it: narrowed again, token kept
-        assert tk.load_or_create_token() == first
-        assert stat.S_IMODE(path.stat().st_mode) == 0o600
-
-
-def test_token_invalid_file_replaced(tmp_path):
-    from service.common import token as tk
-
-    path = tmp_path / "token"
-    path.write_text("\n")
-    fresh = tk.load_or_create_token(path)
-    assert tk.read_token(path) == fresh
-    path.write_text("not a token!\n")
-    assert tk.read_token(path) is None
-    assert tk.load_or_create_token(path) != fresh
-
-
-def test_token_concurrent_creators_agree(tmp_path):
-    import concurrent.futures
-
-    from service.common import token as tk
-
-    path = tmp_path / "t" / "token"
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        tokens = set(pool.map(lambda _: tk.load_or_create_token(path), range(32)))
-    assert len(tokens) == 1
-
-
-# -- the schema ---------------------------------------------------------------------------------
-
-
-def test_schema_file_matches_python_types():
-    from service.events.export_schema import SCHEMA_PATH, render
-
-    assert SCHEMA_PATH.read_text(encoding="utf-8") == render(), (
-        "ui-bridge/schema/events.schema.json is out of date: run "
-        "`python -m service.events.export_schema` (then `npm run gen` in ui-bridge)"
-    )
-
-
-def test_encoded_frames_carry_exactly_the_schema_properties():
-    """Every property the schema lists is sent (the TS types mark them required), and
-    nothing else is."""
-    from service.events.export_schema import build_schema
-
-    defs = build_schema()["$defs"]
-    hub = EventHub()
-    point = PlanPoint(kv_pool_bytes=1, num_pages=1, max_prefill_tokens=1)
-    for event in (
-        health(),
-        WorkerEvent(phase="exited", exit_code=None, signal="SIGKILL", reason="killed"),
-        vram(GiB),
-        PlanEvent(plan=sample_plan()),
-        EngineInfoEvent(info=engine_info()),
-        ReplanEvent(action="grow_kv", reason="r", before=point, after=point),
-        RequestErrorEvent(request_id="r", code="out_of_memory", message="m", action="failed"),
-        CountersEvent(),
-    ):
-        hub.publish(event, coalesce=False)
-    snapshot = hub.snapshot()
-    seen: set[str] = set()
-
-    def check(value, name):
-        seen.add(name)
-        component = defs[name]
-        assert set(value) == set(component["properties"]), name
-        for key, prop in component["properties"].items():
-            refs = [p["$ref"] for p in prop.get("anyOf", [prop]) if "$ref" in p]
-            items = prop.get("items", {})
-            if refs and isinstance(value[key], dict):
-                check(value[key], refs[0].rsplit("/", 1)[1])
-            elif "$ref" in items:
-                for item in value[key]:
-                    check(item, items["$ref"].rsplit("/", 1)[1])
-
-    check(msgspec.to_builtins(snapshot), "Snapshot")
-    assert {
-        "HealthEvent",
-        "WorkerEvent",
-        "VramEvent",
-        "PlanEvent",
-        "EngineInfoEvent",
-        "EngineInfo",
-        "MemoryPlan",
-        "ReplanEvent",
-        "PlanPoint",
-    } <= seen
-
-
-def test_export_schema_check_flag(tmp_path):
-    from service.events.export_schema import main
-
-    out = tmp_path / "s.json"
-    assert main(["--check", "--out", str(out)]) == 1
-    assert main(["--out", str(out)]) == 0
-    assert main(["--check", "--out", str(out)]) == 0
-    assert Path(out).read_text().endswith("\n")

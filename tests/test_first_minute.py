@@ -15,7 +15,7 @@ import sys
 
 import httpx
 import pytest
-from service_harness import ServerProcess, wait_for
+from service_harness import ServerProcess, serving, wait_for
 from websockets.sync.client import connect
 
 from service.control.actions import RESTART_REASON
@@ -30,12 +30,7 @@ def server(tmp_path_factory, default_model_dir):
     proc = ServerProcess(
         tmp_path_factory.mktemp("first-minute"), fake=True, fake_model_dir=default_model_dir
     )
-    try:
-        proc.wait_ready()
-        yield proc
-    finally:
-        proc.stop()
-        print(f"--- log of {' '.join(proc.command)} ---\n{proc.log()}")
+    yield from serving(proc)
 
 
 def auth(server) -> dict[str, str]:

@@ -27,7 +27,7 @@ from schemathesis.specs.openapi.checks import (
     response_schema_conformance,
     status_code_conformance,
 )
-from service_harness import ServerProcess
+from service_harness import ServerProcess, serving
 
 pytestmark = pytest.mark.slow
 
@@ -52,11 +52,7 @@ def server(tmp_path_factory, default_model_dir):
         tmp_path_factory.mktemp("fuzz"),
         ["--num-pages", "256", "--api-key", KEY, "--request-timeout", "120"],
     )
-    try:
-        proc.wait_ready()
-        yield proc
-    finally:
-        proc.stop()
+    yield from serving(proc)
 
 
 def _shorten(body: object) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_checks import check_extend_and_decode, check_ragged_batch, hf_greedy
+from model_checks import check_extend_and_decode, check_ragged_batch, hf_greedy, tiny_pair
 from test_engine import run_all
 
 from engine.bench.model_shapes import write_shape
@@ -21,7 +21,6 @@ from engine.core.footprint import (
 )
 from engine.kvcache.state_pool import StatePool, state_bytes_per_request
 from engine.loader.hf_config import load_model_config
-from engine.loader.load import load_model
 from engine.loader.weight_size import weight_bytes
 from engine.memory.device import simulated_device
 from engine.memory.ledger import make_plan
@@ -36,10 +35,7 @@ GREEDY = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module", params=["qwen3_next_dense", "qwen3_next"])
 def pair(request, tmp_path_factory, make_tiny_hf_model):
-    path = tmp_path_factory.mktemp(request.param)
-    hf = make_tiny_hf_model(request.param, path, vocab_size=VOCAB)
-    ours, config = load_model(path, "cpu", torch.float32)
-    return request.param, hf, ours, config, path
+    return tiny_pair(request.param, tmp_path_factory.mktemp(request.param), make_tiny_hf_model, VOCAB)
 
 
 def test_layer_layout_follows_the_config(pair):

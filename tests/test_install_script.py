@@ -30,6 +30,11 @@ pytestmark = [
     pytest.mark.skipif(sys.platform != "linux", reason="the Linux install script"),
 ]
 
+def run(args: list[str], env: dict[str, str], cwd: Path, **kwargs) -> subprocess.CompletedProcess:
+    """``args`` run in ``cwd`` with ``env``, their output captured as text."""
+    return subprocess.run(args, capture_output=True, text=True, env=env, cwd=cwd, **kwargs)
+
+
 FAKE_SYSTEMCTL = """#!/bin/sh
 echo "$*" >> "{log}"
 exit 0
@@ -58,7 +63,7 @@ def test_install_script_in_a_fresh_home_gives_a_working_headroom(tmp_path, defau
         PATH=f"{fake_bin}{os.pathsep}{env['PATH']}",
     )
     script = source / "installers" / "install.sh"
-    result = subprocess.run(
+    result = run(
         [
             "bash",
             str(script),
@@ -73,10 +78,8 @@ def test_install_script_in_a_fresh_home_gives_a_working_headroom(tmp_path, defau
             "--pip-arg",
             "--no-build-isolation",
         ],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
+        env,
+        tmp_path,
         timeout=600,
     )
     assert result.returncode == 0, result.stdout + result.stderr
@@ -92,34 +95,15 @@ def test_install_script_in_a_fresh_home_gives_a_working_headroom(tmp_path, defau
     assert "--user restart headroom.service" in recorded
 
     # Its own code, not this checkout's, and the default model answers.
-    where = subprocess.run(
-        [str(venv / "bin" / "python"), "-c", "import service; print(service.__file__)"],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        check=True,
-    )
+    where = run([str(venv / "bin" / "python"), "-c", "import service; print(service.__file__)"], env, tmp_path,
+                check=True)
     assert Path(where.stdout.strip()).is_relative_to(venv)
-    answer = subprocess.run(
-        [str(link), "generate", "--max-tokens", "4", "--temperature", "0", "Say hi."],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        timeout=600,
-    )
+    answer = run([str(link), "generate", "--max-tokens", "4", "--temperature", "0", "Say hi."], env, tmp_path,
+                 timeout=600)
     assert answer.returncode == 0, answer.stderr
     assert answer.stdout.strip(), answer.stderr
 
-    removed = subprocess.run(
-        [str(link), "service", "uninstall"],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        timeout=60,
-    )
+    removed = run([str(link), "service", "uninstall"], env, tmp_path, timeout=60)
     assert removed.returncode == 0, removed.stderr
     assert not unit.exists()
     assert "--user disable --now headroom.service" in calls.read_text().splitlines()

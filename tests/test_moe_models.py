@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_checks import check_extend_and_decode, check_ragged_batch
+from model_checks import check_extend_and_decode, check_ragged_batch, tiny_pair
 
 from engine.common.load_errors import WeightMismatch
 from engine.layers.moe.sparse_moe import SparseMoeBlock
@@ -25,10 +25,7 @@ KINDS = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
 
 @pytest.fixture(scope="module", params=KINDS)
 def pair(request, tmp_path_factory, make_tiny_hf_model):
-    path = tmp_path_factory.mktemp(request.param)
-    hf = make_tiny_hf_model(request.param, path, vocab_size=VOCAB)
-    ours, config = load_model(path, "cpu", torch.float32)
-    return request.param, hf, ours, config, path
+    return tiny_pair(request.param, tmp_path_factory.mktemp(request.param), make_tiny_hf_model, VOCAB)
 
 
 def test_config_and_layer_layout_follow_transformers(pair):
@@ -62,18 +59,18 @@ def test_prefill_extend_and_decode_match_transformers(pair, paged_runner):
     check_extend_and_decode(hf, paged_runner(ours, config), VOCAB)
 
 
-def test_ragged_batch_matches_transformers(pair, paged_runner):
-    """Two sequences share each step, so a step routes tokens of both to the experts."""
-    _, hf, ours, config, _ = pair
-    check_ragged_batch(hf, paged_runner(ours, config), VOCAB)
-
-
 def test_weight_bytes_counts_every_expert(pair):
     _, hf, ours, config, _ = pair
     held = sum(p.nbytes for p in ours.parameters()) + ours.cos_sin_cache.nbytes
     assert weight_bytes(config, torch.float32) == held
     # transformers' parameters() lists a tied head once, as ours has none.
     assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in hf.parameters())
+
+
+def test_ragged_batch_matches_transformers(pair, paged_runner):
+    """Two sequences share each step, so a step routes tokens of both to the experts."""
+    _, hf, ours, config, _ = pair
+    check_ragged_batch(hf, paged_runner(ours, config), VOCAB)
 
 
 def test_stacked_checkpoint_names_load_too(pair):

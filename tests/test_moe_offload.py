@@ -11,7 +11,7 @@ import logging
 
 import pytest
 import torch
-from model_checks import engine_greedy, halved_cache_run, paged_greedy
+from model_checks import engine_greedy, halved_cache_run, paged_greedy, two_prompts
 
 from engine.layers.moe.expert_cache import ExpertCounters, OffloadedExperts, offload_experts
 from engine.layers.moe.expert_costs import ALWAYS_COPY, ALWAYS_CPU, CostModel, measure_costs
@@ -31,9 +31,7 @@ def tiny(request, tmp_path_factory, make_tiny_hf_model):
 
 
 def _prompts() -> dict[str, list[int]]:
-    gen = torch.Generator().manual_seed(5)
-    return {"a": torch.randint(0, VOCAB, (9,), generator=gen).tolist(),
-            "b": torch.randint(0, VOCAB, (5,), generator=gen).tolist()}
+    return two_prompts(VOCAB, 0)
 
 
 @pytest.fixture(scope="module")

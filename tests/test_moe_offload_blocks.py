@@ -21,7 +21,7 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from model_checks import engine_greedy, halved_cache_run, paged_greedy  # noqa: E402
+from model_checks import engine_greedy, halved_cache_run, paged_greedy, two_prompts  # noqa: E402
 from test_gguf_convert import VOCAB, write_gguf  # noqa: E402
 from test_gguf_moe_quant import EXPERT_TYPES, write_tiny_moe_gguf  # noqa: E402
 
@@ -55,9 +55,7 @@ def tiny(request, tmp_path_factory, make_tiny_hf_model):
 
 
 def _prompts() -> dict[str, list[int]]:
-    gen = torch.Generator().manual_seed(5)
-    return {"a": torch.randint(3, VOCAB, (9,), generator=gen).tolist(),
-            "b": torch.randint(3, VOCAB, (5,), generator=gen).tolist()}
+    return two_prompts(VOCAB, 3)
 
 
 @pytest.fixture(scope="module")

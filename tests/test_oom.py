@@ -21,14 +21,14 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from tiny_engine import PAGE_SIZE, tiny_engine
 
 from engine.common.config import EngineConfig
-from engine.common.faults import ENV_VAR, FaultInjector
+from engine.common.faults import ENV_VAR
 from engine.core.engine import Engine
 from engine.wire.messages import GenerateRequest, OomEvent, ReplanWanted, SamplingParams
 
 SITES = ("prefill", "decode", "sample")
-PAGE_SIZE = 4
 SHARED = 8  # tokens of prompt prefix r0, r1 and r3 share: two whole pages
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
@@ -54,17 +54,8 @@ REQUESTS = _prompts()
 NEXT = ([7, 8, 9, 10, 11] * 5, GREEDY)  # the request that comes after the trouble
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, make_tiny_hf_model) -> str:
-    path = tmp_path_factory.mktemp("tiny-qwen3")
-    make_tiny_hf_model("qwen3", path)
-    return str(path)
-
-
 def make_engine(model: str, **overrides) -> Engine:
-    cfg = dict(model=model, device="cpu", page_size=PAGE_SIZE, num_pages=96)
-    cfg.update(overrides)
-    return Engine(EngineConfig(**cfg))
+    return tiny_engine(model, **{"num_pages": 96, **overrides})
 
 
 @dataclass
@@ -186,54 +177,6 @@ def deepest_cached(radix, tokens: list[int]) -> int:
         if n < len(child.key):
             return pos
         node = child
-
-
-# -- the fault hook ------------------------------------------------------------------------
-
-
-def test_fault_spec_parses_rules_and_refuses_bad_ones():
-    inj = FaultInjector.parse("prefill:req-1:2, decode:*:1,sample:a:b:3,prefill:solo")
-    assert [(r.site, r.request_id, r.remaining) for r in inj.rules] == [
-        ("prefill", "req-1", 2),
-        ("decode", "*", 1),
-        ("sample", "a:b", 3),
-        ("prefill", "solo", 1),
-    ]
-    assert FaultInjector.from_env({}) is None
-    assert FaultInjector.from_env({ENV_VAR: "  "}) is None
-    for bad, words in [
-        ("boom:x:1", "unknown fault site"),
-        ("prefill", "expected site:request"),
-        ("prefill:x:0", "times must be >= 1"),
-        ("decode::2", "empty request id"),
-    ]:
-        with pytest.raises(ValueError, match=words) as err:
-            FaultInjector.parse(bad)
-        assert ENV_VAR in str(err.value)
-
-
-def test_injector_fires_per_step_and_counts_down():
-    inj = FaultInjector()
-    inj.add("decode", "b", times=2)
-    inj.add("sample", "*", times=1)
-    inj.check("decode", ["a"])  # not the target
-    inj.check("prefill", ["b"])  # not the site
-    for _ in range(2):
-        with pytest.raises(torch.OutOfMemoryError, match="injected at site decode for request b"):
-            inj.check("decode", ["a", "b"])
-    inj.check("decode", ["b"])  # used up
-    inj.check("sample", [])  # nothing samples: no match for "*"
-    with pytest.raises(torch.OutOfMemoryError, match="CUDA out of memory"):
-        inj.check("sample", ["z"])
-    assert inj.pending == 0
-    assert inj.fired == [("decode", "b"), ("decode", "b"), ("sample", "z")]
-
-
-def test_no_injector_unless_asked(tiny_dir, monkeypatch):
-    monkeypatch.delenv(ENV_VAR, raising=False)
-    engine = make_engine(tiny_dir)
-    assert engine.runner.faults is None  # the step pays one `is None` test
-    assert engine.drain_events() == []
 
 
 # -- transient faults: the victim succeeds -------------------------------------------------

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from service_harness import ServerProcess, wait_for
+from service_harness import ServerProcess, serving, wait_for
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
@@ -48,12 +48,7 @@ def server(tmp_path_factory, default_model_dir) -> Iterator[ServerProcess]:
             "10",
         ],
     )
-    try:
-        proc.wait_ready()
-        yield proc
-    finally:
-        proc.stop()
-        print(f"--- log of {' '.join(proc.command)} ---\n{proc.log()}")
+    yield from serving(proc)
 
 
 def auth(server: ServerProcess) -> dict[str, str]:

@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import httpx
-import msgspec
 import pytest
 
 from service.common.errors import APIError, decode_body
@@ -194,7 +193,9 @@ def test_serve_help_documents_every_option():
         (b'{"messages": [{"role": "user"', None, "the body ends before the JSON does"),
         (b"[]", None, "JSON object"),
         (b"{}", "messages", "messages"),
-        (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": "x"}', "max_tokens", "max_tokens: Expected `int"),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": "x"}', "max_tokens", "int"),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}', "temperature",
+         "temperature: Expected `float"),
         (b'{"messages": [1]}', "messages[0]", "object"),
         (
             b'{"messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": 3}}',
@@ -209,22 +210,6 @@ def test_decode_body_errors(raw, param, needle):
     assert info.value.status == 400
     assert info.value.param == param
     assert needle in info.value.message
-
-
-@pytest.mark.parametrize(
-    ("fields", "param"),
-    [({"functions": [{"name": "f"}]}, "functions"), ({"function_call": {"name": "f"}}, "function_call")],
-)
-def test_deprecated_functions_are_refused_naming_their_field(fields, param):
-    from service.api.openai.requests import chat_request
-
-    body = msgspec.convert({"messages": [{"role": "user", "content": "hi"}], **fields}, ChatCompletionRequest)
-    with pytest.raises(APIError) as info:
-        chat_request(body, "r", 0.0, 0)
-    assert info.value.param == param and "tools" in info.value.message
-    neutral = msgspec.convert({"messages": [{"role": "user", "content": "hi"}], "function_call": "auto",
-                               "functions": []}, ChatCompletionRequest)
-    assert chat_request(neutral, "r", 0.0, 0).max_tokens is None
 
 
 def test_resolve_max_tokens():

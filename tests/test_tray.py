@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from service_harness import ServerProcess
+from service_harness import ServerProcess, serving
 
 from service.tray.state import TOOLTIP_MAX, IconState, TrayModel, TrayView
 
@@ -171,12 +171,7 @@ def server(tmp_path_factory, default_model_dir):
     """One service (the fake engine) for the menu and the Xvfb tests: each leaves it
     ready."""
     proc = ServerProcess(tmp_path_factory.mktemp("tray"), fake=True, fake_model_dir=default_model_dir)
-    try:
-        proc.wait_ready()
-        yield proc
-    finally:
-        proc.stop()
-        print(f"--- log of {' '.join(proc.command)} ---\n{proc.log()}")
+    yield from serving(proc)
 
 
 def _tray_app(server, monkeypatch, **kwargs):

@@ -9,7 +9,8 @@ import asyncio
 import json
 
 import pytest
-from test_wiring_units import FakeSupervisor, pool_stats
+from pool_fakes import pool_stats
+from test_vram_watcher import FakeSupervisor
 
 from engine.common.units import GiB, MiB
 from service.common.settings_sources import resolve

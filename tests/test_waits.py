@@ -14,14 +14,7 @@ from engine.common.faults import FaultInjector, check_cuda_init
 from engine.wire.ipc import Misfit, WorkerError
 from service.common.settings import SettingsError, parse_duration
 from service.common.settings_sources import resolve
-from service.supervision.waits import (
-    GpuBackoff,
-    MemoryWait,
-    cuda_fault,
-    misfit_to_wait_for,
-    sleep_or_gpu_appears,
-    wait_for_memory,
-)
+from service.supervision import waits
 from service.vram.simulated import SimulatedSource, load_timeline
 
 GiB = 1 << 30
@@ -34,26 +27,26 @@ def _misfit(others: int, shortfall: int, simulated: bool = True) -> WorkerError:
 
 def test_only_a_misfit_the_other_processes_cause_is_waited_for():
     card = SimulatedSource(8 * GiB)
-    waitable = misfit_to_wait_for(_misfit(6 * GiB, 2 * GiB), card)
+    waitable = waits.misfit_to_wait_for(_misfit(6 * GiB, 2 * GiB), card)
     assert waitable is not None
     # Free 2 GiB now (8 - 6), 2 GiB short: 4 GiB must be free.
     assert waitable.needed_free_bytes == 4 * GiB
     # Larger than the card: no wait fixes it.
-    assert misfit_to_wait_for(_misfit(1 * GiB, 3 * GiB), card) is None
-    assert misfit_to_wait_for(_misfit(0, 1), card) is None
+    assert waits.misfit_to_wait_for(_misfit(1 * GiB, 3 * GiB), card) is None
+    assert waits.misfit_to_wait_for(_misfit(0, 1), card) is None
     # Planned on a simulated card, watched on a real one: its numbers never move.
     class RealCard(SimulatedSource):
         simulated = False
 
-    assert misfit_to_wait_for(_misfit(6 * GiB, 2 * GiB), RealCard(8 * GiB)) is None
-    assert misfit_to_wait_for(_misfit(6 * GiB, 2 * GiB), None) is None
+    assert waits.misfit_to_wait_for(_misfit(6 * GiB, 2 * GiB), RealCard(8 * GiB)) is None
+    assert waits.misfit_to_wait_for(_misfit(6 * GiB, 2 * GiB), None) is None
 
 
 def test_the_wait_ends_once_the_memory_stayed_free_for_the_settle_time():
     now = {"t": 0.0}
     # Another app holds 6 GiB, drops to 5 GiB (not enough), then leaves.
     card = SimulatedSource(8 * GiB, [(0, 6 * GiB), (1, 5 * GiB), (2, 0)], clock=lambda: now["t"])
-    wait = MemoryWait(_misfit(6 * GiB, 2 * GiB).misfit, "does not fit")
+    wait = waits.MemoryWait(_misfit(6 * GiB, 2 * GiB).misfit, "does not fit")
     changes: list[int] = []
 
     async def run():
@@ -65,7 +58,7 @@ def test_the_wait_ends_once_the_memory_stayed_free_for_the_settle_time():
         ticker = asyncio.create_task(tick())
         try:
             return await asyncio.wait_for(
-                wait_for_memory(card, wait, 1.0, period_s=0.01, on_change=lambda: changes.append(wait.free_bytes)),
+                waits.wait_for_memory(card, wait, 1.0, period_s=0.01, on_change=lambda: changes.append(wait.free_bytes)),
                 60,
             )
         finally:
@@ -93,11 +86,11 @@ def test_the_wait_ends_once_the_memory_stayed_free_for_the_settle_time():
     ],
 )
 def test_which_worker_errors_wait_for_the_gpu(kind, message, wait):
-    assert cuda_fault(WorkerError(message=message, kind=kind, during_load=False)) is wait
+    assert waits.cuda_fault(WorkerError(message=message, kind=kind, during_load=False)) is wait
 
 
 def test_gpu_retries_back_off_to_a_cap_and_start_over_once_ready():
-    backoff = GpuBackoff(1.0, 8.0)
+    backoff = waits.GpuBackoff(1.0, 8.0)
     assert [backoff.next_delay_s() for _ in range(5)] == [1.0, 2.0, 4.0, 8.0, 8.0]
     backoff.clear()
     assert backoff.next_delay_s() == 1.0
@@ -112,7 +105,7 @@ def test_a_gpu_that_appears_ends_the_backoff_sleep_early(tmp_path):
     assert not card.sample(at=0.1).gpu and "no GPU yet" in card.sample(at=0.1).reason
     assert card.sample(at=0.6).gpu
     # A 10-minute backoff, cut short when the GPU shows up.
-    asyncio.run(asyncio.wait_for(sleep_or_gpu_appears(card, 600.0, period_s=0.02), 60))
+    asyncio.run(asyncio.wait_for(waits.sleep_or_gpu_appears(card, 600.0, period_s=0.02), 60))
 
 
 def test_the_cuda_init_fault_counts_across_engine_starts(tmp_path):

@@ -11,13 +11,7 @@ weights is allowed after 16 steps.
 from __future__ import annotations
 
 import pytest
-import torch
-from model_checks import agreeing_prefix, hf_greedy
-from test_engine import run_all
-
-from engine.common.config import EngineConfig
-from engine.core.engine import Engine
-from engine.wire.messages import SamplingParams
+from model_checks import cuda_engine_agreement
 
 pytest.importorskip("fla")
 STEPS = 32
@@ -36,26 +30,21 @@ def test_hybrid_engine_on_cuda_uses_fla_and_matches_transformers(kind, tmp_path,
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(gdn.GatedDeltaNet, "_fla", counting)
-    engine = Engine(EngineConfig(model=str(tmp_path), device="cuda", dtype="float32", kv_cache=256 << 20))
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (5, 21, 70)]
-    sp = SamplingParams(max_new_tokens=STEPS, temperature=0.0, ignore_eos=True)
-    out = run_all(engine, {str(i): (ids, sp) for i, ids in enumerate(prompts)})
+    runs = cuda_engine_agreement(tmp_path, hf, STEPS)
     assert calls["fla"] > 0, "the fla kernels were not used on CUDA"
-    for i, ids in enumerate(prompts):
-        agree = agreeing_prefix(out[str(i)], hf_greedy(hf, ids, STEPS))
+    for i, (ids, ours, agree) in enumerate(runs):
         print(f"{kind} prompt {len(ids)}: {agree}/{STEPS} greedy ids equal")
-        assert agree >= 16, (kind, i, out[str(i)])
+        assert agree >= 16, (kind, i, ours)
 
 
 @pytest.mark.parametrize("chunk", [2048, 8192])
 def test_plan_prices_the_linear_attention_transient_within_3_percent(chunk, tmp_path):
     """One Gated DeltaNet layer of Qwen3-Next-80B-A3B's dimensions, bfloat16, in fla's
     chunked kernel: the plan's estimate against the allocator's measured peak."""
-    from engine.bench.model_shapes import write_shape
     from engine.bench.hybrid import layer_transient
-    from engine.loader.hf_config import load_model_config
+    from engine.bench.model_shapes import write_shape
     from engine.core.footprint import linear_attention_activation_bytes
+    from engine.loader.hf_config import load_model_config
 
     mc = load_model_config(write_shape("qwen3-next-80b-a3b", tmp_path, num_hidden_layers=4, num_experts=8))
     measured = layer_transient(mc, chunk)

@@ -19,13 +19,20 @@ REPLAYS = 20
 
 def _step_logits(model, config, batch_size: int, monkeypatch, on: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """An eager decode step's logits and ``REPLAYS`` replays of its CUDA graph, with PDL
-    ``on`` or off, over a KV pool of fixed random values (context 256)."""
+    ``on`` or off (the ``pdl`` kernel switch), over a KV pool of fixed random values
+    (context 256)."""
+    from kernels.switches import using
+
+    with using(pdl=on):
+        assert pdl.enabled(torch.device("cuda")) is on
+        return _step_logits_now(model, config, batch_size)
+
+
+def _step_logits_now(model, config, batch_size: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
     from engine.bench.kernels import _decode_batch
     from engine.kvcache.pool import KVPool
     from engine.layers.attention.registry import create_attention_backend
 
-    monkeypatch.setattr(pdl, "PDL", on)
-    assert pdl.enabled(torch.device("cuda")) is on
     context, page = 256, 16
     dtype = model.model.embed_tokens.weight.dtype
     pool = KVPool(num_layers=config.num_layers, num_pages=batch_size * (context // page + 1) + 2, page_size=page,

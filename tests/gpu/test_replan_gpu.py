@@ -20,6 +20,7 @@ import time
 import msgspec
 import pytest
 import torch
+from resize_runs import carry_out, pool_state
 
 from engine.common.config import EngineConfig
 from engine.common.units import GiB
@@ -101,10 +102,6 @@ def test_pool_follows_a_second_process_and_no_request_fails(capped):
         pytest.skip("HEADROOM_TEST_GGUF (the SmolLM2 GGUF) is not set")
     from engine.text.tokenizer import load_tokenizer
     from service.vram.replan import (
-        EmptyPrefixCache,
-        NewChunkCap,
-        NewPoolSize,
-        PoolState,
         ReplanController,
         default_water_marks,
     )
@@ -138,19 +135,7 @@ def test_pool_follows_a_second_process_and_no_request_fails(capped):
         s = source.sample()
         used = s.ours_bytes + s.others_bytes if s.pids_visible else s.total_bytes - s.free_bytes
         s = msgspec.structs.replace(s, total_bytes=LIMIT, free_bytes=max(LIMIT - used, 0))
-        state = PoolState(
-            pages=e.pool.num_pages, planned_pages=planned, min_pages=e.min_kv_pool_pages(),
-            page_bytes=e.kv_page_bytes, prefill_chunk=e.scheduler.max_prefill_tokens,
-            planned_prefill_chunk=e.knobs.max_prefill_tokens, free_pages=e.allocator.num_free,
-            cached_pages=e.radix.evictable_pages(),
-        )
-        for a in ctl.decide(s, state):
-            if isinstance(a, NewChunkCap):
-                e.set_prefill_chunk(a.tokens, reason=a.reason)
-            elif isinstance(a, EmptyPrefixCache):
-                e.evict_prefix_cache(reason=a.reason)
-            elif isinstance(a, NewPoolSize):
-                e.resize_kv_pool(a.num_pages, reason=a.reason)
+        carry_out(e, ctl.decide(s, pool_state(e, planned)))
         pages_seen.append(e.pool.num_pages)
         # The pool's share of what it could hold now: pool / (pool + unused budget).
         shares.append(e.pool.nbytes / max(e.pool.nbytes + s.free_bytes, 1))

@@ -189,8 +189,8 @@ def _check_model(ctx: Context) -> Check:
                 f"`headroom pull {model}` or correct model in the config",
             )
         return Check("model", OK, f"{model} (the store: {found})")
-    from engine.loader.default_model import DEFAULT_INSTALL, default_gguf_path
     from engine.common.load_errors import ModelNotFound
+    from engine.loader.default_model import DEFAULT_INSTALL, default_gguf_path
 
     try:
         path = default_gguf_path()

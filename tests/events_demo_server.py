@@ -35,10 +35,10 @@ from service_harness import engine_info, engine_stats, memory_plan  # noqa: E402
 
 from engine.common.units import GiB, MiB  # noqa: E402
 from engine.memory.plan import LedgerEntry, MemoryPlan  # noqa: E402
+from service.common.token import new_token  # noqa: E402
+from service.control.routes import events_router  # noqa: E402
 from service.events import schemas as ev  # noqa: E402
 from service.events.hub import EventHub  # noqa: E402
-from service.control.routes import events_router  # noqa: E402
-from service.common.token import new_token  # noqa: E402
 from service.http.dashboard import dashboard_router  # noqa: E402
 from service.http.security import SecurityMiddleware  # noqa: E402
 

@@ -14,6 +14,7 @@ from transformers import GenerationConfig
 from engine.loader.default_model import DEFAULT_MODEL_SAMPLING, add_default_sampling
 from engine.loader.gguf_config import open_reader
 from engine.loader.gguf_convert import _write_generation_config
+from service.api.openai.schemas import ChatCompletionRequest
 from service.api.request import resolve_max_tokens
 from service.api.sampling import sampling_params
 from service.api.sampling_defaults import (
@@ -21,10 +22,9 @@ from service.api.sampling_defaults import (
     from_generation_config,
     load_sampling_defaults,
 )
-from service.api.openai.schemas import ChatCompletionRequest
+from service.api.services import Services
 from service.common.settings import DEFAULT_MAX_TOKENS, OPTIONS_BY_NAME
 from service.common.settings_sources import resolve
-from service.api.services import Services
 
 
 def _chat(**fields) -> ChatCompletionRequest:

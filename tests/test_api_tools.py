@@ -13,7 +13,6 @@ import pytest
 from engine.text.chat import ChatTemplateError, render_chat, template_has_tools
 from service.api.chat_output import ChatOutput
 from service.api.openai.schemas import ChatCompletionRequest
-from service.common.errors import APIError
 from service.api.reasoning import ReasoningSplitter, split_reasoning
 from service.api.tools import (
     HERMES,
@@ -24,6 +23,7 @@ from service.api.tools import (
     parser_for_template,
     plan_tools,
 )
+from service.common.errors import APIError
 
 WEATHER = {
     "type": "function",

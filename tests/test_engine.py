@@ -10,11 +10,11 @@ import torch
 from model_checks import hf_greedy
 
 from engine.common.config import EngineConfig
-from engine.core.engine import Engine
 from engine.common.errors import RequestRejected
-from engine.wire.messages import GenerateRequest, SamplingParams
+from engine.core.engine import Engine
 from engine.text.chat import encode_chat
 from engine.text.tokenizer import load_tokenizer
+from engine.wire.messages import GenerateRequest, SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)
 

@@ -16,7 +16,6 @@ from engine.common.units import GiB, MiB
 from engine.wire.messages import OomEvent
 from service.events import schemas
 from service.events.hub import EventHub, VramThrottle
-from service.events.subscription import SubscriptionClosed
 from service.events.schemas import (
     CLOSE_GOING_AWAY,
     CLOSE_TOO_SLOW,
@@ -30,6 +29,7 @@ from service.events.schemas import (
     VramEvent,
     WorkerEvent,
 )
+from service.events.subscription import SubscriptionClosed
 
 
 def run(coro):

@@ -15,8 +15,8 @@ from litestar.exceptions import WebSocketDisconnect
 from litestar.testing import TestClient
 
 from service.common.errors import APIError
-from service.events.hub import EventHub
 from service.control.routes import events_router
+from service.events.hub import EventHub
 from service.events.schemas import (
     CLOSE_ORIGIN_REFUSED,
     CLOSE_TOO_SLOW,

@@ -18,8 +18,8 @@ import pytest
 from service_harness import ServerProcess, serving, wait_for
 from websockets.sync.client import connect
 
-from service.control.actions import RESTART_REASON
 from service.common.token import dashboard_url
+from service.control.actions import RESTART_REASON
 from service.vram.host import host_memory
 
 pytestmark = pytest.mark.slow

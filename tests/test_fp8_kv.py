@@ -11,8 +11,8 @@ from triton_interpret import DEVICE, INTERPRETING
 
 from engine.common.config import EngineConfig
 from engine.core.engine import Engine
-from engine.loader.load import load_model
 from engine.core.footprint import make_footprint
+from engine.loader.load import load_model
 from engine.memory.plan import PlanKnobs
 from kernels.attention.kv_store import FP8_MAX, gather_kv, scatter_kv
 

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
+from engine.core.cuda_graphs import DecodeGraphs
 from engine.layers.attention.base import AttentionBackend
 from engine.layers.attention.flashinfer_backend import paged_kv_csr
-from engine.core.cuda_graphs import DecodeGraphs
-from engine.wire.messages import SamplingParams
 from engine.scheduler.request import Request
 from engine.scheduler.scheduler import StepItem
+from engine.wire.messages import SamplingParams
 
 
 def reference_csr(seq_lens, table, ps):

@@ -150,8 +150,8 @@ def test_the_api_answers_to_the_store_name_the_model_was_served_by(tmp_path):
 
     from service_harness import engine_info
 
-    from service.common.settings import ServeSettings
     from service.api.services import Services
+    from service.common.settings import ServeSettings
 
     info = engine_info(model_name="tiny-q8_0")
     by_name = Services(settings=replace(ServeSettings(), model=f"{GGUF_REPO}:{GGUF_FILE}"), supervisor=None)

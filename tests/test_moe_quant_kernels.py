@@ -17,8 +17,8 @@ import pytest
 import torch
 from triton_interpret import kernel_device, run_compiler_script, skip_without_ptxas
 
-from kernels.moe.reference import route
 from kernels.moe import quant_reference as moe_reference
+from kernels.moe.reference import route
 from kernels.quant.formats import FORMATS, block_format
 from kernels.quant.synthetic import random_blocks
 

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import pytest
 
 from engine.common.config import EngineConfig
-from engine.memory.plan import PlanKnobs
 from engine.common.options import at_least, option, option_named, options_of, pick
+from engine.memory.plan import PlanKnobs
 from engine.scheduler.scheduler import SchedulerConfig
 
 
@@ -210,7 +210,6 @@ def test_a_missing_config_file_is_named_by_its_absolute_path(tmp_path, monkeypat
     from pathlib import Path
 
     from service.common.settings import SettingsError
-
     from service.common.settings_sources import resolve
 
     monkeypatch.chdir(tmp_path)

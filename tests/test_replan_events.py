@@ -27,8 +27,8 @@ from engine.wire.messages import (
     Replanned,
     ReplanWanted,
 )
-from service.events.hub import EventHub
 from service.control.actions import CONTROL_REASON
+from service.events.hub import EventHub
 from service.supervision.engine_events_to_ui import EngineEventsToUI, bytes_asked
 
 

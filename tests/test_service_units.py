@@ -11,9 +11,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from service.common.errors import APIError, decode_body
-from service.api.request import resolve_max_tokens, stop_strings
 from service.api.openai.schemas import ChatCompletionRequest
+from service.api.request import resolve_max_tokens, stop_strings
+from service.common.errors import APIError, decode_body
 from service.common.origins import host_name, is_loopback_host
 from service.common.settings import DEFAULT_PORT, SettingsError, parse_size
 from service.common.settings_sources import resolve

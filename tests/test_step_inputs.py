@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from engine.wire.messages import SamplingParams
+from engine.core.step_inputs import StepInputs, token_at
 from engine.scheduler.request import Request
 from engine.scheduler.scheduler import StepItem
-from engine.core.step_inputs import StepInputs, token_at
+from engine.wire.messages import SamplingParams
 
 
 def _req(rid: str, prompt: list[int], output: list[int], pages: list[int]) -> Request:

@@ -10,11 +10,11 @@ import jsonschema_rs
 import pytest
 
 from engine.common.config import EngineConfig
-from engine.core.engine import Engine
 from engine.common.errors import RequestRejected
-from engine.wire.messages import ERROR_INVALID_SCHEMA, GenerateRequest, SamplingParams
+from engine.core.engine import Engine
 from engine.sampling.grammar import xgrammar_reason
 from engine.text.tokenizer import load_tokenizer
+from engine.wire.messages import ERROR_INVALID_SCHEMA, GenerateRequest, SamplingParams
 
 SCHEMAS = [
     {

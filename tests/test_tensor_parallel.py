@@ -13,9 +13,9 @@ from test_engine import GREEDY, run_all
 
 from engine.common.config import EngineConfig, ModelConfig
 from engine.core.engine import Engine
+from engine.parallel.shard import check_shardable
 from engine.wire.messages import GenerateRequest
 from engine.worker.tp_launch import parallel_engine
-from engine.parallel.shard import check_shardable
 
 pytestmark = pytest.mark.slow
 

@@ -16,7 +16,12 @@ from engine.common.units import GiB, MiB
 from service.common.settings_sources import resolve
 from service.events.hub import VramThrottle
 from service.vram.gpus import GpuGroup, tightest
-from service.vram.simulated import SimulatedSource, TimelineError, load_timeline, simulated_ours_bytes
+from service.vram.simulated import (
+    SimulatedSource,
+    TimelineError,
+    load_timeline,
+    simulated_ours_bytes,
+)
 from service.vram.sources import cpu_mode_sample
 from service.vram.watcher import VramWatcher, make_watcher
 

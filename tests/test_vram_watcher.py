@@ -20,7 +20,12 @@ from engine.common.units import GiB, MiB
 from engine.wire import ipc
 from engine.wire.messages import BY_CONTROL, BY_WATCHER
 from service.common.engine_states import State
-from service.vram.simulated import SimulatedSource, TimelineError, load_timeline, simulated_ours_bytes
+from service.vram.simulated import (
+    SimulatedSource,
+    TimelineError,
+    load_timeline,
+    simulated_ours_bytes,
+)
 from service.vram.watcher import VramWatcher
 
 

@@ -23,8 +23,8 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from kernels.quant import triton_activations, triton_int8  # noqa: E402
 from kernels.quant import triton_kernel as triton_quant  # noqa: E402
-from kernels.quant.triton_decode import layout_constexprs  # noqa: E402
 from kernels.quant.formats import FORMATS, REPACKED, block_format  # noqa: E402
+from kernels.quant.triton_decode import layout_constexprs  # noqa: E402
 
 # Every GGUF type kept quantized and every layout the loader repacks into.
 LAYOUTS = {**FORMATS, **REPACKED}

@@ -19,9 +19,9 @@ import time
 
 from engine.common.config import EngineConfig
 from engine.core.engine import Engine
-from engine.wire.messages import GenerateRequest, SamplingParams
 from engine.text.chat import encode_chat
 from engine.text.tokenizer import load_tokenizer
+from engine.wire.messages import GenerateRequest, SamplingParams
 
 SCHEMA = {
     "type": "object",

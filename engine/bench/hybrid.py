@@ -21,14 +21,14 @@ import torch
 
 from engine.bench.model_shapes import write_shape
 from engine.common.config import EngineConfig
-from engine.core.engine import Engine
 from engine.common.forward_batch import ForwardBatch
-from engine.kvcache.state_pool import StatePool
-from engine.loader.hf_config import load_model_config
-from engine.core.footprint import linear_attention_activation_bytes
-from engine.wire.messages import GenerateRequest, SamplingParams
-from engine.layers.gated_deltanet import GatedDeltaNet
 from engine.common.units import parse_size
+from engine.core.engine import Engine
+from engine.core.footprint import linear_attention_activation_bytes
+from engine.kvcache.state_pool import StatePool
+from engine.layers.gated_deltanet import GatedDeltaNet
+from engine.loader.hf_config import load_model_config
+from engine.wire.messages import GenerateRequest, SamplingParams
 
 MiB = 1 << 20
 

@@ -48,8 +48,8 @@ from engine.bench.quant_gemv import (
     sweep_rows,
 )
 from engine.bench.random_gguf import write_random_gguf, write_shape_gguf
-from engine.common.units import GiB
 from engine.common import environment
+from engine.common.units import GiB
 from kernels.switches import configure, current, using
 
 

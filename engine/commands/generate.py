@@ -11,10 +11,10 @@ from typing import TextIO
 
 from engine.common.config import EngineConfig
 from engine.core.engine import Engine
-from engine.wire.messages import FINISH_ERROR, GenerateRequest, SamplingParams
 from engine.text.chat import encode_chat
 from engine.text.detokenizer import IncrementalDetokenizer
 from engine.text.tokenizer import load_tokenizer
+from engine.wire.messages import FINISH_ERROR, GenerateRequest, SamplingParams
 
 
 class GenerationFailed(Exception):

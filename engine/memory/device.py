@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import os
 
-from engine.memory.plan import DeviceMemory
 from engine.common.units import GiB
+from engine.memory.plan import DeviceMemory
 
 
 def simulated_device(total_bytes: int, free_bytes: int | None = None, *, display_attached: bool = False) -> DeviceMemory:

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING
 
 from engine.kvcache.allocator import OutOfPages, PageAllocator
 from engine.kvcache.radix import RadixCache
-from engine.wire.messages import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, SCORED_CHUNK_TOKENS
 from engine.scheduler.request import Phase, Request
+from engine.wire.messages import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, SCORED_CHUNK_TOKENS
 
 if TYPE_CHECKING:
     from engine.kvcache.state_pool import StatePool

@@ -29,8 +29,8 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from engine.parallel.group import NCCL_ENV, TensorParallel, init_group, leave_group, rank_device
 from engine.common.parent_death import die_with_parent
+from engine.parallel.group import NCCL_ENV, TensorParallel, init_group, leave_group, rank_device
 
 log = logging.getLogger("headroom.parallel")
 
@@ -111,10 +111,10 @@ def start_group(config: Any) -> Group:
 def _check_before_start(config: Any) -> None:
     import torch
 
+    from engine.core.settings_fit import check_for_model
     from engine.loader.hf_config import load_model_config
     from engine.loader.resolve import resolve_model
     from engine.parallel.split import check_gpu_count
-    from engine.core.settings_fit import check_for_model
 
     world = config.tensor_parallel_size
     if rank_device(config.device, 0) != "cpu":

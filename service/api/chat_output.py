@@ -20,8 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from service.api.reasoning import ReasoningSplitter, split_reasoning
 from service.api.openai.schemas import ChatChunkChoice, ChatMessageOut, Delta
+from service.api.reasoning import ReasoningSplitter, split_reasoning
 from service.api.tools import ToolPlan, call_start, parse_tool_calls
 
 FINISH_TOOL_CALLS = "tool_calls"

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from engine.wire.ipc import Rejected
 from engine.wire.messages import ERROR_INVALID_SCHEMA
+from service.common.engine_states import ENGINE_RESTARTED
 from service.common.errors import SERVER_ERROR, APIError, invalid
 from service.supervision.inflight import EngineFailure
-from service.common.engine_states import ENGINE_RESTARTED
 
 # Seconds a client should wait before retrying a request that ran out of device
 # memory: the engine has rolled back and shrunk its steps by then, and memory another

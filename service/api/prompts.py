@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.wire.messages import EngineInfo
-from service.common.errors import invalid
 from service.api.text import TextSide
+from service.common.errors import invalid
 
 
 def message_texts(messages: list[dict[str, Any]]) -> list[str]:

@@ -20,9 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from service.common.errors import invalid
 from service.api.prompts import Prompt
 from service.api.sampling import Sampling
+from service.common.errors import invalid
 
 # OpenAI takes up to 4 stop strings; we take more, within bounds that keep the stop
 # matcher's per-token work small.

@@ -24,8 +24,8 @@ import msgspec
 from litestar import Request, Response
 from litestar.response import Stream
 
-from service.common.errors import SERVER_ERROR, APIError
 from service.api.generation import Generation, Piece
+from service.common.errors import SERVER_ERROR, APIError
 
 log = logging.getLogger("headroom.api")
 

@@ -17,9 +17,9 @@ import msgspec
 from msgspec import Meta
 
 from engine.wire.messages import SamplingParams
+from service.api.sampling_defaults import SamplingDefaults
 from service.common.errors import invalid
 from service.common.ranges import SEED_MAX, SEED_MIN, TEMPERATURE_MAX, TEMPERATURE_MIN
-from service.api.sampling_defaults import SamplingDefaults
 
 TOP_K_MAX = (1 << 31) - 1
 

@@ -16,9 +16,9 @@ from pathlib import Path
 
 from engine.wire.messages import EngineInfo
 from service.api.admission import Admission
-from service.common.errors import APIError
 from service.api.sampling_defaults import SamplingDefaults, load_sampling_defaults
 from service.api.text import TextSide
+from service.common.errors import APIError
 from service.common.settings import ServeSettings
 from service.supervision.supervisor import Supervisor
 

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
 import httpx
 
 from service.bench.chaos_options import ChaosOptions

@@ -155,8 +155,8 @@ def run_engine_alone(opts: BenchOptions, prompts: list[str], engine_info: dict[s
     server's model folder and sizes. Imports torch (lazily, here)."""
     from engine.common.config import EngineConfig
     from engine.core.engine import Engine
-    from engine.wire.messages import GenerateRequest, SamplingParams
     from engine.text.chat import encode_chat
+    from engine.wire.messages import GenerateRequest, SamplingParams
     from service.api.text import load_tokenizer
 
     model_dir = engine_info["model_dir"]

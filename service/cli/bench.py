@@ -281,8 +281,8 @@ def bench_engine(**options: Any) -> None:
     same model, device and dtype, at each batch size and on one long prompt; on CUDA
     each figure also as a share of the HBM roofline."""
     check_model_path(options["model"])
-    from engine.bench.speed import run_bench_engine
     from engine.bench.model_shapes import SHAPES
+    from engine.bench.speed import run_bench_engine
     from engine.common.errors import CudaUnavailable
     from engine.common.load_errors import ModelLoadError
     from engine.common.options import pick

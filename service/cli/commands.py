@@ -20,7 +20,6 @@ from typing import Any
 
 import click
 
-from service.common.ranges import MAX_TOKENS_MIN, TEMPERATURE_MAX, TEMPERATURE_MIN
 from service.cli.autostart import service as service_group
 from service.cli.bench import bench
 from service.cli.doctor import doctor
@@ -35,6 +34,7 @@ from service.cli.options import (
     with_settings,
 )
 from service.cli.serve import serve
+from service.common.ranges import MAX_TOKENS_MIN, TEMPERATURE_MAX, TEMPERATURE_MIN
 from service.common.version import headroom_version
 
 

@@ -15,8 +15,8 @@ from service.cli.exits import EXIT_FAILED, EXIT_USAGE, fail
 def models(as_json: bool) -> None:
     """List the models in the local store (fetched with `headroom pull`): name,
     architecture, quantization, size on disk and context. Pass a name to --model."""
-    from engine.loader.store import list_store, store_dir
     from engine.common.units import fmt_bytes
+    from engine.loader.store import list_store, store_dir
 
     found = list_store()
     if as_json:

@@ -19,10 +19,10 @@ from typing import Any
 
 import click
 
-from service.common.ranges import SEED_MAX, SEED_MIN
-from service.cli.exits import EXIT_USAGE, fail
 from engine.common.config import KernelOptions
 from engine.common.options import options_of
+from service.cli.exits import EXIT_USAGE, fail
+from service.common.ranges import SEED_MAX, SEED_MIN
 from service.common.settings import OPTIONS, OPTIONS_BY_NAME, Option, SettingsError
 from service.common.settings_sources import resolve
 

@@ -22,8 +22,8 @@ def model_config_if_readable(model: str | None) -> Any:
     (a Hugging Face folder, a GGUF already converted), else None: converting a GGUF
     needs torch and is the worker's job. A config the loader refuses is None too (the
     worker says why)."""
-    from engine.loader.default_model import converted_dir
     from engine.common.load_errors import ModelLoadError
+    from engine.loader.default_model import converted_dir
     from engine.loader.hf_config import load_model_config
     from engine.loader.resolve import gguf_file, resolve_model
 
@@ -98,8 +98,8 @@ def check_before_serving(settings: Any) -> None:
     wants_layers = settings.cpu_experts.isdecimal() and int(settings.cpu_experts) > 0
     if world == 1 and not wants_layers:
         return
-    from engine.parallel.split import check_gpu_count
     from engine.core.settings_fit import check_for_model
+    from engine.parallel.split import check_gpu_count
 
     try:
         if world > 1 and settings.device != "cpu":

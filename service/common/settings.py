@@ -21,7 +21,6 @@ import os
 from dataclasses import dataclass, field
 
 from engine.common.config import EngineConfig
-from engine.wire.ipc import ENGINE_FACTORY, WorkerConfig
 from engine.common.options import (
     ENV_PREFIX as ENV_PREFIX,
 )
@@ -41,6 +40,7 @@ from engine.common.units import KiB, MiB
 from engine.common.units import (
     parse_size as parse_size,  # one table of units for the engine and the service
 )
+from engine.wire.ipc import ENGINE_FACTORY, WorkerConfig
 
 DEFAULT_PORT = 8427
 # An unset max_tokens: long enough for a full answer (a reasoning model's thinking

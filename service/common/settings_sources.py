@@ -25,7 +25,13 @@ else:  # pragma: no cover - Python 3.10
 from engine.common import environment
 from engine.common.options import Option
 from engine.common.units import parse_size
-from service.common.settings import OPTIONS, OPTIONS_BY_NAME, ServeSettings, SettingsError, parse_duration
+from service.common.settings import (
+    OPTIONS,
+    OPTIONS_BY_NAME,
+    ServeSettings,
+    SettingsError,
+    parse_duration,
+)
 
 
 def default_config_path() -> Path:

@@ -14,11 +14,11 @@ from __future__ import annotations
 import logging
 from typing import Literal
 
-from engine.wire import ipc
 from engine.memory.plan import fmt_bytes
+from engine.wire import ipc
 from engine.wire.messages import BY_CONTROL
-from service.common.errors import APIError
 from service.common.engine_states import State
+from service.common.errors import APIError
 from service.supervision.supervisor import Supervisor
 from service.vram.host import host_memory
 from service.vram.watcher import VramWatcher

@@ -15,8 +15,8 @@ from typing import Any
 from litestar import Controller, Response, get
 
 from service.api.services import Services
-from service.supervision.report import health_report
 from service.common.engine_states import State
+from service.supervision.report import health_report
 
 
 class HealthController(Controller):

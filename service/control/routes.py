@@ -53,7 +53,6 @@ from service.events.control_schemas import CacheRequest, ControlResponse, Reserv
 from service.events.hub import EventHub
 from service.events.schemas import Snapshot
 
-
 # -- control: the target --------------------------------------------------------------------------
 
 

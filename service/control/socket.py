@@ -45,13 +45,13 @@ from service.common.errors import PERMISSION, APIError
 from service.common.origins import same_origin
 from service.events.control_schemas import SUBPROTOCOL_PREFIX
 from service.events.hub import EventHub
-from service.events.subscription import Subscription, SubscriptionClosed
 from service.events.schemas import (
     CLOSE_GOING_AWAY,
     CLOSE_ORIGIN_REFUSED,
     CLOSE_UNAUTHORIZED,
     encode,
 )
+from service.events.subscription import Subscription, SubscriptionClosed
 
 log = logging.getLogger("headroom.events")
 

@@ -15,9 +15,9 @@ from typing import Any, Literal
 
 import msgspec
 
+from engine.common.units import fmt_bytes
 from engine.memory.plan import MemoryPlan
 from engine.wire.messages import EngineInfo, EngineStats, OomEvent
-from engine.common.units import fmt_bytes
 
 log = logging.getLogger("headroom.events")
 

@@ -18,28 +18,28 @@ from collections.abc import Callable
 from typing import Any
 
 from litestar import Litestar, Request, Response
-from litestar.exceptions import HTTPException
 from litestar.di import Provide
+from litestar.exceptions import HTTPException
 
-from service.common.errors import EXCEPTION_HANDLERS
 from service.api.ollama.routes import OLLAMA_EXCEPTION_HANDLERS, OllamaController, speaks_ollama
-from service.api.openapi import openapi_route
 from service.api.openai.routes import OpenAIController
-from service.common.settings import ServeSettings
-from service.control.actions import SupervisorControl
-from service.events.hub import EventHub
-from service.control.routes import events_router
-from service.events.schemas import HealthEvent
-from service.common.token import load_or_create_token, token_path
-from service.common.auth import api_key_guard
-from service.http.dashboard import dashboard_router, root_redirect
-from service.control.health import HealthController
-from service.http.security import SecurityMiddleware, install_redaction
+from service.api.openapi import openapi_route
 from service.api.services import Services
+from service.common.auth import api_key_guard
+from service.common.engine_states import State
+from service.common.errors import EXCEPTION_HANDLERS
+from service.common.settings import ServeSettings
+from service.common.token import load_or_create_token, token_path
+from service.control.actions import SupervisorControl
+from service.control.health import HealthController
+from service.control.routes import events_router
+from service.events.hub import EventHub
+from service.events.schemas import HealthEvent
+from service.http.dashboard import dashboard_router, root_redirect
+from service.http.security import SecurityMiddleware, install_redaction
 from service.supervision.config import SupervisorConfig
 from service.supervision.engine_events_to_ui import EngineEventsToUI
 from service.supervision.report import health_report
-from service.common.engine_states import State
 from service.supervision.supervisor import Supervisor
 from service.vram.simulated import TimelineError
 from service.vram.watcher import make_watcher

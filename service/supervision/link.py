@@ -35,9 +35,9 @@ from engine.wire.ipc import (
     StatsRequest,
 )
 from engine.wire.messages import EngineStats
+from service.common.engine_states import NotReady
 from service.supervision.inflight import InFlight
 from service.supervision.rpc import Calls
-from service.common.engine_states import NotReady
 from service.supervision.worker_process import WorkerProcess
 
 log = logging.getLogger("headroom.supervisor")

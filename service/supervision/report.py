@@ -11,9 +11,9 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
+from service.common.engine_states import UNLOADED, State
 from service.events.schemas import WorkerEvent
 from service.supervision.release import ReleaseResult
-from service.common.engine_states import UNLOADED, State
 from service.supervision.worker_process import ExitStatus
 
 if TYPE_CHECKING:

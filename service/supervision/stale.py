@@ -57,9 +57,8 @@ def default_pidfile() -> Path:
     ``HEADROOM_RUNTIME_DIR`` names the folder instead (tests, several installs)."""
     import platformdirs
 
-    from service.common.paths import runtime_dir
-
     from engine.common.environment import RUNTIME_DIR
+    from service.common.paths import runtime_dir
 
     override = RUNTIME_DIR.get()
     if override:

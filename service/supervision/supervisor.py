@@ -43,6 +43,15 @@ import msgspec
 
 from engine.wire.ipc import EngineEvents, FromWorker, Ready, WorkerError
 from engine.wire.messages import EngineEvent, EngineInfo, EngineStats
+from service.common.engine_states import (
+    ENGINE_FAILED,
+    ENGINE_RESTARTED,
+    SHUTDOWN_MESSAGE,
+    SHUTTING_DOWN,
+    UNLOADED,
+    State,
+    first_line,
+)
 from service.events.hub import EventHub
 from service.events.schemas import EngineInfoEvent, HealthEvent, PlanEvent, WorkerEvent
 from service.supervision.config import SupervisorConfig
@@ -55,15 +64,6 @@ from service.supervision.release import ReleaseResult
 from service.supervision.report import exited_event, health_report, memory_wait_event, publish
 from service.supervision.restarts import RestartPolicy
 from service.supervision.unloading import Unloading
-from service.common.engine_states import (
-    ENGINE_FAILED,
-    ENGINE_RESTARTED,
-    SHUTDOWN_MESSAGE,
-    SHUTTING_DOWN,
-    UNLOADED,
-    State,
-    first_line,
-)
 from service.supervision.waits import GpuBackoff, MemoryWait, cuda_fault, misfit_to_wait_for
 from service.supervision.watchdog import watch
 from service.supervision.worker_process import ExitStatus, WorkerProcess

@@ -15,8 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.wire.ipc import Misfit, WorkerError
 from engine.memory.plan import fmt_bytes
+from engine.wire.ipc import Misfit, WorkerError
 
 # Default seconds the free memory must stay sufficient before the worker starts: a
 # game that is closing frees its memory in steps over a second or two, and one that is

@@ -31,7 +31,14 @@ from multiprocessing.connection import Connection, wait
 
 import msgspec
 
-from engine.wire.ipc import FromWorker, Shutdown, ToWorker, WorkerConfig, encode, from_worker_decoder
+from engine.wire.ipc import (
+    FromWorker,
+    Shutdown,
+    ToWorker,
+    WorkerConfig,
+    encode,
+    from_worker_decoder,
+)
 
 log = logging.getLogger("headroom.supervisor")
 worker_log = logging.getLogger("headroom.worker")

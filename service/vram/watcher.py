@@ -36,13 +36,13 @@ import logging
 import os
 from typing import Any, Literal
 
-from engine.wire import ipc
 from engine.memory.plan import fmt_bytes
+from engine.wire import ipc
 from engine.wire.messages import BY_WATCHER
+from service.common.engine_states import State
 from service.common.settings import ServeSettings
 from service.events.hub import EventHub
 from service.events.schemas import GpuMemory, VramEvent
-from service.common.engine_states import State
 from service.supervision.supervisor import Supervisor
 from service.vram.gpus import GpuGroup
 from service.vram.host import HOST_SAMPLE_S, host_memory
@@ -57,6 +57,7 @@ from service.vram.replan import (
     Squeeze,
     default_water_marks,
 )
+from service.vram.simulated import simulated_sources
 from service.vram.sources import (
     DEFAULT_SAMPLE_HZ,
     CardOfLimit,
@@ -65,7 +66,6 @@ from service.vram.sources import (
     nvml_index,
 )
 from service.vram.sources import resolve_reserve as _resolve_reserve
-from service.vram.simulated import simulated_sources
 
 log = logging.getLogger("headroom.vram")
 

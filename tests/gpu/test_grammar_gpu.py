@@ -10,10 +10,10 @@ import torch
 
 from engine.common.config import EngineConfig
 from engine.core.engine import Engine
-from engine.wire.messages import GenerateRequest, SamplingParams
 from engine.sampling.grammar import apply_grammars
 from engine.text.chat import encode_chat
 from engine.text.tokenizer import load_tokenizer
+from engine.wire.messages import GenerateRequest, SamplingParams
 
 # Every value bounded (an enum, a boolean), so each answer closes within the tokens given.
 SCHEMA = {"type": "object", "properties": {"city": {"enum": ["Paris", "Lyon", "Nice"]}, "capital": {"type": "boolean"}},

@@ -63,7 +63,6 @@ def test_gemv_at_model_widths(rows, k, n, monkeypatch):
     gate/up) against cuBLAS: both accumulate in float32 and round once."""
     from kernels.gemv import reference as gemv
     from kernels.gemv import triton_kernel as triton_gemv
-
     from kernels.switches import using
 
     x = torch.randn(rows, k, device=DEV, dtype=BF16)

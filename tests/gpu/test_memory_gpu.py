@@ -15,10 +15,10 @@ import torch
 from engine.bench.memory import predicted_allocator_bytes, worst_step_workload
 from engine.bench.model_shapes import write_shape
 from engine.common.config import EngineConfig
-from engine.core.engine import Engine
 from engine.common.errors import PlanDoesNotFit
-from engine.wire.messages import GenerateRequest, SamplingParams
 from engine.common.units import GiB
+from engine.core.engine import Engine
+from engine.wire.messages import GenerateRequest, SamplingParams
 
 
 def qwen3(tmp_path) -> str:

@@ -72,8 +72,8 @@ def test_tiny_qwen3_moe_gguf_in_blocks_gives_the_dequantized_greedy_ids(tmp_path
     experts dequantized at load through the dense Triton MoE; 16 greedy steps."""
     from test_gguf_moe_quant import STEPS, write_tiny_moe_gguf
 
-    from engine.loader.gguf_quant import load_gguf_quantized
     from engine.layers.moe.quant_experts import QuantExperts
+    from engine.loader.gguf_quant import load_gguf_quantized
 
     path, config = write_tiny_moe_gguf(tmp_path, make_tiny_hf_model)
     blocks = load_gguf_quantized(config, path, "cuda", torch.float32)

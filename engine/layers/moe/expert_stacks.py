@@ -148,8 +148,8 @@ def stack_of(experts: nn.Module) -> ExpertStack:
         ValueError: ``experts`` is neither :class:`~engine.layers.moe.sparse_moe.Experts` nor
             :class:`~engine.layers.moe.quant_experts.QuantExperts` (already offloaded, say).
     """
-    from engine.layers.moe.sparse_moe import Experts
     from engine.layers.moe.quant_experts import QuantExperts
+    from engine.layers.moe.sparse_moe import Experts
 
     if isinstance(experts, Experts):
         return DenseStack(experts.gate_up_proj.detach(), experts.down_proj.detach())

@@ -22,11 +22,11 @@ import msgspec
 from litestar import Request, Response
 
 from service.api.chat_output import FINISH_TOOL_CALLS, ChatOutput
-from service.common.errors import APIError
 from service.api.generation import Generation
 from service.api.ollama.models import rfc3339
 from service.api.ollama.schemas import OllamaChatChunk, OllamaGenerateChunk, OllamaMessage
 from service.api.responses import gone, json_response, run_to_end, stream_answer
+from service.common.errors import APIError
 
 _encoder = msgspec.json.Encoder()
 _NDJSON = "application/x-ndjson"

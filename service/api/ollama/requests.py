@@ -22,12 +22,12 @@ from typing import Any
 
 import msgspec
 
-from service.common.errors import APIError, invalid
 from service.api.ollama.schemas import OllamaChatRequest, OllamaGenerateRequest, OllamaOptions
 from service.api.prompts import Prompt, chat_prompt
 from service.api.request import GenerationRequest, stop_strings
 from service.api.sampling import Sampling
 from service.api.structured import ollama_format
+from service.common.errors import APIError, invalid
 
 # Ollama's option names of the sampling fields whose names differ.
 _OPTION_OF_FIELD = {"repetition_penalty": "repeat_penalty"}

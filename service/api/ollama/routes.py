@@ -29,7 +29,6 @@ import msgspec
 from litestar import Controller, Request, Response, get, post
 
 from engine.text.chat import template_has_tools
-from service.common.errors import EXCEPTION_HANDLERS, decode_body
 from service.api.generation import start_generation
 from service.api.ollama.answers import chat_answer, generate_answer
 from service.api.ollama.models import details, models, modified_at, rfc3339
@@ -47,6 +46,7 @@ from service.api.reasoning import template_thinks
 from service.api.responses import json_response
 from service.api.services import Services
 from service.common.engine_states import NotReady
+from service.common.errors import EXCEPTION_HANDLERS, decode_body
 from service.common.version import headroom_version
 
 # Ollama unloads an idle model after keep_alive; this server keeps it while it runs.

@@ -24,7 +24,6 @@ from litestar import Request, Response
 from litestar.response import Stream
 
 from service.api.chat_output import ChatOutput
-from service.common.errors import APIError
 from service.api.generation import Generation, Piece
 from service.api.logprobs import TokenTexts
 from service.api.openai.schemas import (
@@ -40,6 +39,7 @@ from service.api.openai.schemas import (
     Usage,
 )
 from service.api.responses import first_piece_held, gone, json_response, run_to_end, stream_answer
+from service.common.errors import APIError
 
 _encoder = msgspec.json.Encoder()
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -13,12 +13,12 @@ from __future__ import annotations
 from typing import Any
 
 from engine.wire.messages import MAX_LOGPROBS
-from service.common.errors import invalid
 from service.api.openai.schemas import ChatCompletionRequest, CompletionRequest
 from service.api.prompts import chat_prompt, completion_prompts_of
 from service.api.request import GenerationRequest, stop_strings
 from service.api.sampling import Sampling, logit_bias_pairs
 from service.api.structured import response_schema
+from service.common.errors import invalid
 
 # An unset max_tokens is OpenAI's 16 for text completions.
 COMPLETION_MAX_TOKENS = 16

@@ -28,13 +28,18 @@ from typing import Any
 from litestar import Controller, Request, Response, get, post
 
 from engine.wire.messages import EngineInfo
-from service.common.errors import decode_body
 from service.api.generation import start_generation
 from service.api.openai.answers import chat_answer, completion_answer
 from service.api.openai.requests import chat_request, completion_request
-from service.api.openai.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from service.api.openai.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
 from service.api.responses import json_response
 from service.api.services import Services
+from service.common.errors import decode_body
 
 
 def _card(svc: Services, info: EngineInfo, name: str) -> ModelCard:

@@ -27,8 +27,8 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
-from service.common.ranges import MAX_TOKENS_MIN
 from service.api.sampling import Sampling
+from service.common.ranges import MAX_TOKENS_MIN
 
 MAX_N = 128
 

@@ -11,6 +11,20 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+# What the Qwen3 family's published configs share (dense and MoE alike).
+_QWEN3: dict = {
+    "vocab_size": 151936,
+    "head_dim": 128,
+    "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "torch_dtype": "bfloat16",
+}
+
 SHAPES: dict[str, dict] = {
     # The embedded default model's shape (its GGUF's metadata agrees).
     "smollm2-135m": {
@@ -34,45 +48,27 @@ SHAPES: dict[str, dict] = {
         "torch_dtype": "bfloat16",
     },
     "qwen3-0.6b": {
+        **_QWEN3,
         "architectures": ["Qwen3ForCausalLM"],
         "model_type": "qwen3",
-        "vocab_size": 151936,
         "hidden_size": 1024,
         "intermediate_size": 3072,
         "num_hidden_layers": 28,
         "num_attention_heads": 16,
         "num_key_value_heads": 8,
-        "head_dim": 128,
-        "max_position_embeddings": 40960,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0,
         "tie_word_embeddings": True,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "bos_token_id": 151643,
-        "eos_token_id": 151645,
-        "torch_dtype": "bfloat16",
     },
     # Qwen/Qwen3-8B's config.json (the shape of the tensor-parallel GPU test and bench).
     "qwen3-8b": {
+        **_QWEN3,
         "architectures": ["Qwen3ForCausalLM"],
         "model_type": "qwen3",
-        "vocab_size": 151936,
         "hidden_size": 4096,
         "intermediate_size": 12288,
         "num_hidden_layers": 36,
         "num_attention_heads": 32,
         "num_key_value_heads": 8,
-        "head_dim": 128,
-        "max_position_embeddings": 40960,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0,
         "tie_word_embeddings": False,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "bos_token_id": 151643,
-        "eos_token_id": 151645,
-        "torch_dtype": "bfloat16",
     },
     "llama-3.1-8b": {
         "architectures": ["LlamaForCausalLM"],
@@ -104,32 +100,23 @@ SHAPES: dict[str, dict] = {
     # A mixture of experts: 48 layers of 128 experts (8 routed per token), 30.5B
     # parameters of which 3.3B active; the experts are 29.0B of them.
     "qwen3-30b-a3b": {
+        **_QWEN3,
         "architectures": ["Qwen3MoeForCausalLM"],
         "model_type": "qwen3_moe",
-        "vocab_size": 151936,
         "hidden_size": 2048,
         "intermediate_size": 6144,
         "moe_intermediate_size": 768,
         "num_hidden_layers": 48,
         "num_attention_heads": 32,
         "num_key_value_heads": 4,
-        "head_dim": 128,
         "num_experts": 128,
         "num_experts_per_tok": 8,
         "norm_topk_prob": True,
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
-        "max_position_embeddings": 40960,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0,
         "tie_word_embeddings": False,
-        "hidden_act": "silu",
-        "attention_bias": False,
         "use_sliding_window": False,
         "sliding_window": None,
-        "bos_token_id": 151643,
-        "eos_token_id": 151645,
-        "torch_dtype": "bfloat16",
     },
     # A hybrid: 36 Gated DeltaNet layers and 12 gated full-attention layers (one in four),
     # 512 experts (10 routed per token) plus a shared expert in every layer; 80B

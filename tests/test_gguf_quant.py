@@ -298,7 +298,7 @@ def test_the_quant_benchmark_variants_set_each_switch_and_restore_them(monkeypat
     seen = []
 
     def timed(model, config, batches, context, bandwidth, label):
-        seen.append((label, quant_bench._gemv_switches(), triton_quant.GEMV_MAX_ROWS))
+        seen.append((label, quant_bench._gemv_switches(), triton_quant.gemv_max_rows()))
         return [label] * len(batches)
 
     monkeypatch.setattr(quant_bench, "decode_rows", timed)
@@ -310,3 +310,35 @@ def test_the_quant_benchmark_variants_set_each_switch_and_restore_them(monkeypat
     for (label, switches, _), (name, int8, apart, parts, producer) in zip(seen, variants * 2, strict=True):
         assert label.endswith(name) and switches == (int8, not apart, parts, producer)
     assert sum(producer for *_, producer in variants) == 1
+
+
+def test_a_gguf_keeps_its_blocks_on_cuda_by_default_unless_it_is_small(default_model_dir, caplog):
+    """Unset ``--gguf-quantized`` on CUDA: blocks for a model of 1 GiB or more dequantized
+    (an 8B shape: 15 GiB in bfloat16, so `serve --model x.gguf` fits a 12 GiB card), the
+    bfloat16 weights for a smaller one (the 135M default model), each choice logged with
+    its reason; asked for or refused, the flag wins; tensor parallel and ``--quantization
+    fp8`` keep the dense load; the CPU keeps blocks."""
+    import dataclasses
+    import logging
+
+    from engine.core.startup import SMALL_DENSE_BYTES, quantized_gguf
+    from engine.loader.hf_config import load_model_config
+    from engine.loader.weight_size import weight_bytes
+
+    path = default_gguf_path()
+    small = load_model_config(default_model_dir)  # the default GGUF, converted once per session
+    assert weight_bytes(small, torch.bfloat16) < SMALL_DENSE_BYTES
+    large = dataclasses.replace(small, num_layers=400, intermediate_size=16384)
+    assert weight_bytes(large, torch.bfloat16) >= SMALL_DENSE_BYTES
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    unset = EngineConfig(model=str(path))
+    with caplog.at_level(logging.INFO, logger="engine.core.startup"):
+        assert quantized_gguf(unset, cuda, large) == path
+        assert "kept in their blocks on CUDA" in caplog.text and "--no-gguf-quantized" in caplog.text
+        assert quantized_gguf(unset, cuda, small) is None
+        assert "dequantized to bfloat16" in caplog.text and "bound by kernel launches" in caplog.text
+    assert quantized_gguf(dataclasses.replace(unset, gguf_quantized=True), cuda, small) == path
+    assert quantized_gguf(dataclasses.replace(unset, gguf_quantized=False), cuda, large) is None
+    assert quantized_gguf(dataclasses.replace(unset, tensor_parallel_size=2), cuda, large) is None
+    assert quantized_gguf(dataclasses.replace(unset, quantization="fp8"), cuda, large) is None
+    assert quantized_gguf(unset, cpu, small) == path

@@ -66,7 +66,7 @@ def test_int8_gemv_matches_its_reference(dev, type_name, m, n, blocks_k, split_k
 
 # (m, n, blocks_k, split_k, block_n, kb, dtype): N odd and not a multiple of the row
 # tile, K ranges of unequal length (split-K) and whole rows (no split), dead blocks in a
-# step, 1 to GEMV_MAX_ROWS activation rows, bfloat16 and float32 rows.
+# step, 1 to gemv_max_rows() activation rows, bfloat16 and float32 rows.
 QUANT_X_CASES = [(1, 7, 3, 1, 4, 2, torch.float32), (3, 5, 5, 2, 4, 2, torch.bfloat16),
                  (16, 3, 2, None, 4, 4, torch.bfloat16), (2, 9, 2, 3, 8, 4, torch.float32),
                  (1, 5, 4, 1, 1, 16, torch.bfloat16)]
@@ -197,7 +197,7 @@ def test_quant_linear_output_is_the_same_whichever_launches_it_takes(dev, monkey
 def test_quant_linear_takes_its_rows_quantized_by_their_producer(dev, monkeypatch):
     """:meth:`QuantLinear.wants_int8` asks for decode rows quantized by the kernel that
     writes them exactly where ``forward`` would quantize them in a launch of its own
-    (int8 parts, up to GEMV_MAX_ROWS rows, quantized apart) and the switch is on; given
+    (int8 parts, up to gemv_max_rows() rows, quantized apart) and the switch is on; given
     them as ``q8``, ``forward`` launches no quantizing kernel and its output is the same
     bit for bit."""
     from engine.layers.linear import gguf_blocks as quant_linear
@@ -216,7 +216,7 @@ def test_quant_linear_takes_its_rows_quantized_by_their_producer(dev, monkeypatc
     x = torch.randn(2, k, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16).to(dev)
     with using(quant_int8_fuse=False, quant_int8_producer=True):
         assert layer.wants_int8(x) and layer.wants_int8(x[:1, None, :])
-        assert not layer.wants_int8(x.new_empty(triton_quant.GEMV_MAX_ROWS + 1, k))  # prefill: the GEMM
+        assert not layer.wants_int8(x.new_empty(triton_quant.gemv_max_rows() + 1, k))  # prefill: the GEMM
         assert not dense.wants_int8(x)
         launches = []
         quantize = triton_activations.quantize_activations

@@ -232,10 +232,12 @@ def test_kernel_switches_are_options_of_the_engine():
     for f in dataclasses.fields(KernelSwitches):
         opt = by_name[f.name]
         assert (opt.default, opt.help, opt.choices) == (f.default, f.metadata["help"], f.metadata["choices"])
-        assert opt.type is (bool if isinstance(f.default, bool) else str)
+        assert opt.type is type(f.default)  # bool, str, or int (a row count)
     assert (by_name["quant_int8"].flag, by_name["quant_int8"].env) == ("--quant-int8", "HEADROOM_QUANT_INT8")
     assert by_name["kernels"].env == "HEADROOM_KERNELS" and by_name["kernels"].choices == ("auto", "torch")
     assert by_name["tp_cuda_graphs"].env == "HEADROOM_TP_CUDA_GRAPHS" and not by_name["tp_cuda_graphs"].default
+    rows = by_name["quant_dequant_rows"]
+    assert rows.flag == "--quant-dequant-rows" and [check(-1) for check in rows.checks] == ["must be at least 0"]
 
 
 def test_kernel_switch_flags_and_variables_reach_the_worker(tmp_path):

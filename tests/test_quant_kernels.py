@@ -89,7 +89,7 @@ def test_bfloat16_activations(dev, type_name):
 def test_matmul_dispatches_by_rows(dev):
     from kernels.quant import triton_kernel as triton_quant
 
-    for m in (triton_quant.GEMV_MAX_ROWS, triton_quant.GEMV_MAX_ROWS + 1):
+    for m in (triton_quant.gemv_max_rows(), triton_quant.gemv_max_rows() + 1):
         x, w = _case("Q8_0", m, 3, 1, dev, seed=m)
         assert_matches(triton_quant.quant_matmul(x, w, "Q8_0"), x, w, "Q8_0")
 
@@ -119,7 +119,7 @@ def test_output_into_a_column_slice(dev, m, split_k):
 
     x, w = _case("Q5_1", m, 6, 3, dev, seed=4)
     wide = torch.full((m, 10), 7.0, device=dev)
-    if m <= triton_quant.GEMV_MAX_ROWS:
+    if m <= triton_quant.gemv_max_rows():
         got = triton_quant.quant_gemv(x, w, "Q5_1", block_n=4, split_k=split_k, out=wide[:, 2:8])
     else:
         got = triton_quant.quant_gemm(x, w, "Q5_1", block_m=16, block_n=16, out=wide[:, 2:8])

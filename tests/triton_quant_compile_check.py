@@ -21,7 +21,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kernels.quant import triton_activations, triton_int8  # noqa: E402
+from kernels.quant import triton_activations, triton_dequant, triton_int8  # noqa: E402
 from kernels.quant import triton_kernel as triton_quant  # noqa: E402
 from kernels.quant.formats import FORMATS, REPACKED, block_format  # noqa: E402
 from kernels.quant.triton_decode import layout_constexprs  # noqa: E402
@@ -146,13 +146,20 @@ def main(type_names: list[str]) -> int:
             print(f"gemv {fmt.name} {block_n}x{kb}{' atomic' if atomic else ''}: {regs} registers, {frame} B stack; "
                   f"loads {_loads(ptx)}")
             failures += frame > 0
-        for dtype, ieee in (("bf16", False), ("fp32", True)):
-            args = {"x_ptr": f"*{dtype}", "w_ptr": "*u8", "out_ptr": f"*{dtype}", **common,
+        for dtype, ieee, atomic, block_m in (("bf16", False, False, 64), ("fp32", True, False, 64),
+                                             ("bf16", False, True, 16)):
+            out = "*fp32" if atomic else f"*{dtype}"
+            args = {"x_ptr": f"*{dtype}", "w_ptr": "*u8", "out_ptr": out, **common, "blocks_per_split": "i32",
                     "stride_xm": "i32", "stride_om": "i32"}
             regs, frame, _ = _compile(triton_quant._gemm_kernel, args,
-                                      {**layout, "BLOCK_M": 64, "BLOCK_N": 64, "IEEE": ieee}, 8)
-            print(f"gemm {fmt.name} {dtype}: {regs} registers, {frame} B stack")
+                                      {**layout, "BLOCK_M": block_m, "BLOCK_N": 64, "IEEE": ieee, "ATOMIC": atomic},
+                                      8 if block_m >= 64 else 4)
+            print(f"gemm {fmt.name} {dtype} {block_m}x64{' atomic' if atomic else ''}: {regs} registers, {frame} B stack")
             failures += frame > 0
+        args = {"w_ptr": "*u8", "out_ptr": "*bf16", "N": "i32", "row_bytes": "i32", "nblocks": "i32", "stride_on": "i32"}
+        regs, frame, _ = _compile(triton_dequant._dequantize_kernel, args, {**layout, "BLOCK_N": 32}, 4)
+        print(f"dequantize {fmt.name}: {regs} registers, {frame} B stack")
+        failures += frame > 0
     failures += _int8_variants([name for name in type_names or LAYOUTS if name in triton_int8.INT8_TYPES])
     print("quant kernels ok" if not failures else f"{failures} variants spill registers")
     return 1 if failures else 0

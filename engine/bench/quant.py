@@ -144,9 +144,6 @@ def variant_rows(model, config, batches: list[int], context: int, bandwidth: flo
     every multi-row step on the GEMM (tensor cores, the weights read once) instead of
     the GEMV (the weights read once per row). Each variant runs under its switches
     (:func:`kernels.switches.using`); leaves the model repacked, the switches as they were."""
-    from kernels.quant import triton_kernel as triton_quant
-
-    gemv_rows_max = triton_quant.GEMV_MAX_ROWS
     rows = []
     try:
         for repacked in (False, True):
@@ -157,14 +154,12 @@ def variant_rows(model, config, batches: list[int], context: int, bandwidth: flo
                            quant_int8_producer=producer):
                     rows += decode_rows(model, config, batches, context, bandwidth, f"GGUF Q4_K/{layout}, {name}")
                 print("\n".join(rows[-len(batches):]), flush=True)
-            triton_quant.GEMV_MAX_ROWS = 1
             many = [b for b in batches if b > 1]
             if many:
-                rows += decode_rows(model, config, many, context, bandwidth, f"GGUF Q4_K/{layout}, GEMM")
+                with using(quant_gemv_rows=1):
+                    rows += decode_rows(model, config, many, context, bandwidth, f"GGUF Q4_K/{layout}, GEMM")
                 print("\n".join(rows[-len(many):]), flush=True)
-            triton_quant.GEMV_MAX_ROWS = gemv_rows_max
     finally:
-        triton_quant.GEMV_MAX_ROWS = gemv_rows_max
         set_q6k_layout(model, True)
     return rows
 

@@ -323,9 +323,9 @@ class EngineConfig(KernelOptions):
         "Q4_0/Q4_1/Q8_0 projections stay in their blocks for headroom's C kernels (built "
         "at first use with the machine's C compiler; without one, and for Q5_0/Q5_1, "
         "repacked into torch's int4 layout), the token embeddings stay in blocks. On CUDA "
-        "(off by default), Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K projections stay in their "
-        "block format: weights at about 37% of bfloat16's for Q4_K_M, decode faster at one "
-        "request and far slower at many (the weights are read again for each). "
+        "(default unless the model dequantized is under 1 GiB, where launches bound a step), "
+        "Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K projections stay in their block format: "
+        "weights at about 37% of bfloat16's for Q4_K_M. "
         "Off: every weight dequantized at load.",
     )
     tensor_parallel_size: int = option(

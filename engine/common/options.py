@@ -160,8 +160,8 @@ def options_of(cls: type) -> tuple[Option, ...]:
 def options_from(plain: type, name: str, module: str) -> type:
     """A frozen dataclass ``name`` (of ``module``, for pickling and docs) with one option
     per field of the plain dataclass ``plain``: same name, type and default, the
-    ``--help`` text and allowed values from the field's metadata (``"help"``,
-    ``"choices"``). This is how a package that may not import the engine (the kernels'
+    ``--help`` text, allowed values and least value from the field's metadata (``"help"``,
+    ``"choices"``, ``"minimum"``). This is how a package that may not import the engine (the kernels'
     :class:`kernels.switches.KernelSwitches`) declares options: a config inherits the
     result, and :func:`pick` takes the values back into ``plain``.
 
@@ -169,8 +169,13 @@ def options_from(plain: type, name: str, module: str) -> type:
         KeyError: a field without ``"help"`` in its metadata.
     """
     hints = typing.get_type_hints(plain)
-    fields = [(f.name, hints[f.name], option(f.default, f.metadata["help"], choices=tuple(f.metadata.get("choices", ()))))
-              for f in dataclasses.fields(plain)]
+
+    def made_option(f: dataclasses.Field) -> Option:
+        low = f.metadata.get("minimum")
+        return option(f.default, f.metadata["help"], choices=tuple(f.metadata.get("choices", ())),
+                      checks=() if low is None else (at_least(low),))
+
+    fields = [(f.name, hints[f.name], made_option(f)) for f in dataclasses.fields(plain)]
     made = dataclasses.make_dataclass(name, fields, frozen=True)
     made.__module__ = module
     made.__doc__ = f"The options of :class:`{plain.__module__}.{plain.__qualname__}` (one per field)."

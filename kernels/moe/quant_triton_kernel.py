@@ -37,7 +37,7 @@ import triton.language as tl
 
 from kernels.moe.quant_reference import check_expert_blocks
 from kernels.moe.reference import align_to_blocks
-from kernels.moe.triton_kernel import _block_m, moe_epilogue
+from kernels.moe.triton_kernel import _block_m, moe_epilogue, sorted_block
 from kernels.quant.formats import block_format
 from kernels.quant.triton_decode import (
     INTERPRETING,
@@ -46,10 +46,9 @@ from kernels.quant.triton_decode import (
     layout_constexprs,
     ptx_enabled,
 )
-from kernels.quant.triton_kernel import GEMV_MAX_ROWS
 
 # Tokens up to which the grouped GEMV runs (decode batches); the sorted GEMM above.
-GEMV_MAX_TOKENS = GEMV_MAX_ROWS
+GEMV_MAX_TOKENS = 16
 
 
 @triton.jit
@@ -100,10 +99,8 @@ def _moe_gemm_kernel(
     pid_m = tl.program_id(0)
     if pid_m * BLOCK_M >= tl.load(NumPadded):
         return
-    expert = tl.load(BlockExperts + pid_m).to(tl.int64)
-    routed = tl.load(SortedRows + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    live = routed < num_rows
-    x_row = X + (routed // top_k if GATED else routed)[:, None] * stride_xm
+    expert, routed, live, x_rows = sorted_block(SortedRows, BlockExperts, pid_m, num_rows, top_k, GATED, BLOCK_M)
+    x_row = X + x_rows[:, None] * stride_xm
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(cols, N - 1).to(tl.int64)
     acc = gemm_dot(x_row, live, Wa + expert * a_expert_bytes + rows * a_row_bytes, K // A_QK,

@@ -45,6 +45,17 @@ def _load_tiles(A, W, a_rows, row_mask, w_cols, col_mask, kk, kmask, stride_am, 
 
 
 @triton.jit
+def sorted_block(SortedRows, BlockExperts, pid_m, num_rows, top_k, GATED: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Block ``pid_m`` of the rows sorted by expert (:func:`kernels.moe.reference.align_to_blocks`):
+    ``(expert, rows, live, x_rows)``, its expert, its ``BLOCK_M`` routed rows ``r`` (int64;
+    padding ``>= num_rows``), which are real, and the hidden state each reads (``r //
+    top_k`` with ``GATED``, the first projection's input; else ``r``)."""
+    expert = tl.load(BlockExperts + pid_m).to(tl.int64)
+    rows = tl.load(SortedRows + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    return expert, rows, rows < num_rows, rows // top_k if GATED else rows
+
+
+@triton.jit
 def moe_epilogue(acc, acc_up, dt: tl.constexpr, GATED: tl.constexpr):
     """The float32 sums rounded to ``dt`` as the reference's eager ops round them: the
     product alone, or with ``GATED`` ``silu(gate) * up`` (``acc`` the gate's sums,
@@ -71,10 +82,7 @@ def _grouped_gemm_kernel(
     pid_m = tl.program_id(0)
     if pid_m * BLOCK_M >= tl.load(NumPadded):
         return
-    expert = tl.load(BlockExperts + pid_m).to(tl.int64)
-    rows = tl.load(SortedRows + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    row_mask = rows < num_rows
-    a_rows = rows // top_k if GATED else rows
+    expert, rows, row_mask, a_rows = sorted_block(SortedRows, BlockExperts, pid_m, num_rows, top_k, GATED, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     Wexp = W + expert * stride_we

@@ -7,7 +7,8 @@ dense kernels (:mod:`kernels.quant.triton_kernel`), the fused MoE over blocks
 (:mod:`kernels.quant.triton_int8`) call them; the host-side checks and launch
 arguments they share are here too.
 
-No weight is rounded to 16 bits. Codes become floats without an int-to-float
+The GEMV rounds no weight to 16 bits; the GEMM's tiles round the decoded weights to the
+activations' dtype before the tensor cores (:func:`gemm_dot_range`). Codes become floats without an int-to-float
 instruction: ORed into the mantissa of 2**23 (:func:`_codes_f32`; for Q4_K and Q8_0
 four codes at a time in PTX, :func:`_codes_fast`, unless the ``quant_ptx`` switch of
 :mod:`kernels.switches` is off); each format's zero point (Q4_0's 8, Q6_K's 32, ...) is
@@ -152,7 +153,7 @@ def _q6p_scale(sc, dp, S):
 
 
 @triton.jit
-def _block_sub(row, kb, NB, t, QT: tl.constexpr, BB: tl.constexpr, S, ZERO: tl.constexpr):
+def block_sub(row, kb, NB, t, QT: tl.constexpr, BB: tl.constexpr, S, ZERO: tl.constexpr):
     """``(q, scale, offset)`` of sub-block ``S`` of block ``kb`` of the rows at ``row``
     (``[R]`` pointers, ``NB`` blocks a row; ``t`` the sub-block's element range): as
     :func:`_sub_block`, for GGUF blocks and repacked layouts alike."""
@@ -212,16 +213,6 @@ def _sub_block(blk, t, QT: tl.constexpr, S, ZERO: tl.constexpr):
 
 
 @triton.jit
-def _codes_dot(xv, q, IEEE: tl.constexpr):
-    """``xv [BLOCK_M, L] @ q.T`` -> ``[BLOCK_M, BLOCK_N]`` float32 on tensor cores: the
-    integer codes are exact in the activations' 16-bit type (or in float32 with
-    ``IEEE``)."""
-    if IEEE:
-        return tl.dot(xv.to(tl.float32), tl.trans(q), input_precision="ieee")
-    return tl.dot(xv, tl.trans(q.to(xv.dtype)))
-
-
-@triton.jit
 def gemv_dot(
     x_row, row_ptr, kb_begin, kb_end, NB,
     QT: tl.constexpr, QK: tl.constexpr, BB: tl.constexpr, L: tl.constexpr, NSUB: tl.constexpr,
@@ -271,19 +262,49 @@ def gemm_dot(
 ):
     """``[BLOCK_M, BLOCK_N]`` float32: the activation rows at ``x_row`` (``[BLOCK_M, 1]``
     pointers, ``m_mask`` the live ones) times the weight rows at ``row_ptr``
-    (``[BLOCK_N]`` pointers) over all ``nblocks`` blocks."""
+    (``[BLOCK_N]`` pointers) over all ``nblocks`` blocks (:func:`gemm_dot_range`)."""
+    return gemm_dot_range(x_row, m_mask, row_ptr, 0, nblocks, nblocks, QT, QK, BB, L, NSUB, ZERO, HAS_MIN,
+                          BLOCK_M, BLOCK_N, IEEE)
+
+
+@triton.jit
+def gemm_dot_range(
+    x_row, m_mask, row_ptr, kb_begin, kb_end, nblocks,
+    QT: tl.constexpr, QK: tl.constexpr, BB: tl.constexpr, L: tl.constexpr, NSUB: tl.constexpr,
+    ZERO: tl.constexpr, HAS_MIN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+):
+    """``[BLOCK_M, BLOCK_N]`` float32: as :func:`gemm_dot` over blocks ``kb_begin ..
+    kb_end - 1`` of the ``nblocks`` a row holds (a split-K program's range).
+
+    Each sub-block's weights are decoded into registers, ``w = scale * q + offset``
+    ([BLOCK_N, L], float32, then the activations' dtype: a weight is rounded to bfloat16
+    as a dequantized bfloat16 model's is) and multiplied on tensor cores into the
+    accumulator: the decode costs the same whatever ``BLOCK_M``, so the weights are read
+    and decoded once for all the tile's rows. (Scaling the codes' product instead, which
+    keeps codes exact, costs a ``[BLOCK_M, BLOCK_N]`` multiply-add per sub-block on the
+    CUDA cores, more than the tensor cores' product itself at 16-32 weights a sub-block.)"""
     t = tl.arange(0, L)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     # One runtime loop over sub-blocks (not unrolled): one tile's registers live at a time.
-    for sb in range(0, nblocks * NSUB):
+    for sb in range(kb_begin * NSUB, kb_end * NSUB):
         kb = sb // NSUB
         s = sb % NSUB
-        q, scale, offset = _block_sub(row_ptr, kb, nblocks, t, QT, BB, s, ZERO)
-        xv = tl.load(x_row + (kb * QK + s * L + t)[None, :], mask=m_mask[:, None], other=0.0)
-        acc += _codes_dot(xv, q, IEEE) * scale[None, :]
+        q, scale, offset = block_sub(row_ptr, kb, nblocks, t, QT, BB, s, ZERO)
+        w = q * scale[:, None]
         if HAS_MIN:
-            acc += tl.sum(xv.to(tl.float32), axis=1)[:, None] * offset[None, :]
+            w += offset[:, None]
+        xv = tl.load(x_row + (kb * QK + s * L + t)[None, :], mask=m_mask[:, None], other=0.0)
+        acc = _weights_dot(xv, w, acc, IEEE)
     return acc
+
+
+@triton.jit
+def _weights_dot(xv, w, acc, IEEE: tl.constexpr):
+    """``acc + xv [BLOCK_M, L] @ w.T`` ([BLOCK_N, L] float32 weights) on tensor cores, in
+    the activations' 16-bit type (float32 with ``IEEE``)."""
+    if IEEE:
+        return tl.dot(xv.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
+    return tl.dot(xv, tl.trans(w.to(xv.dtype)), acc)
 
 
 def check_blocks(x: torch.Tensor, blocks: torch.Tensor, type_name: str):

@@ -2,17 +2,22 @@
 
 Two kernels share one block decoder (:mod:`kernels.quant.triton_decode`):
 
-- :func:`quant_gemv`, for decode rows (``M <= GEMV_MAX_ROWS``): one program per
+- :func:`quant_gemv`, for decode rows (``M <= gemv_max_rows()``): one program per
   (activation row, ``BLOCK_N`` weight rows, range of K); it walks its range ``KB``
   blocks at a time in a ``[KB, NSUB, BLOCK_N, L]`` tile whose rows stay in each
   thread's registers, so the activations are loaded and converted once for them. Each
   sub-block's codes times the activations are summed in registers and scaled once,
   ``y += scale * sum(q * x) + offset * sum(x)``. Tiling autotuned per (N, K, type);
   split-K (partial sums added atomically into float32) only when N is small.
-- :func:`quant_gemm`, for prefill: each program owns a ``BLOCK_M x BLOCK_N`` output
-  tile and walks the sub-blocks in one runtime loop (bounded registers), multiplying
-  the activations by the raw codes on tensor cores (``tl.dot``; the codes are exact in
-  bfloat16) and scaling the sums the same way.
+- :func:`quant_gemm`, for batched decode and short prefills: each program owns a
+  ``BLOCK_M x BLOCK_N`` output tile and walks its range of K's sub-blocks in one runtime
+  loop (bounded registers), decoding each into weights in registers and multiplying
+  them with the activations on tensor cores (``tl.dot``), so the weights are read once
+  for the tile's rows; K split where the tiles do not fill the SMs.
+
+Long prefill chunks (from the ``quant_dequant_rows`` switch's rows) dequantize the
+weight whole into the activations' dtype and multiply with cuBLAS
+(:mod:`kernels.quant.triton_dequant`).
 
 Q4_K and Q6_K decode rows go to the int8-activation GEMV of
 :mod:`kernels.quant.triton_int8` instead (integer dot products on activations rounded
@@ -32,7 +37,7 @@ from kernels.quant.int8_choice import int8_quantize_apart, uses_int8_dot
 from kernels.quant.triton_decode import (
     INTERPRETING,
     check_blocks,
-    gemm_dot,
+    gemm_dot_range,
     gemv_dot,
     layout_constexprs,
     output_for,
@@ -40,9 +45,7 @@ from kernels.quant.triton_decode import (
     sm_count,
     split_k_ranges,
 )
-
-# Rows of activations up to which the GEMV runs (decode batches); the GEMM above.
-GEMV_MAX_ROWS = 16
+from kernels.switches import current
 
 
 @triton.jit
@@ -74,20 +77,29 @@ def _gemv_kernel(
 
 @triton.jit
 def _gemm_kernel(
-    x_ptr, w_ptr, out_ptr, M, N, K, row_bytes, stride_xm, stride_om,
+    x_ptr, w_ptr, out_ptr, M, N, K, row_bytes, blocks_per_split, stride_xm, stride_om,
     QT: tl.constexpr, QK: tl.constexpr, BB: tl.constexpr, L: tl.constexpr, NSUB: tl.constexpr,
     ZERO: tl.constexpr, HAS_MIN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    ATOMIC: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ptr = w_ptr + tl.minimum(rows, N - 1).to(tl.int64) * row_bytes
     ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = ms < M
     x_row = x_ptr + ms.to(tl.int64)[:, None] * stride_xm
-    acc = gemm_dot(x_row, m_mask, row_ptr, K // QK, QT, QK, BB, L, NSUB, ZERO, HAS_MIN, BLOCK_M, BLOCK_N, IEEE)
+    kb_begin = pid_k * blocks_per_split
+    kb_end = tl.minimum(kb_begin + blocks_per_split, K // QK)
+    acc = gemm_dot_range(x_row, m_mask, row_ptr, kb_begin, kb_end, K // QK, QT, QK, BB, L, NSUB, ZERO, HAS_MIN,
+                         BLOCK_M, BLOCK_N, IEEE)
     out = out_ptr + ms[:, None] * stride_om + rows[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & (rows[None, :] < N))
+    mask = m_mask[:, None] & (rows[None, :] < N)
+    if ATOMIC:
+        tl.atomic_add(out, acc, mask=mask)
+    else:
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _gemv_configs() -> list[triton.Config]:
@@ -203,32 +215,70 @@ def quant_gemm(
     blocks: torch.Tensor,
     type_name: str,
     *,
-    block_m: int = 64,
+    block_m: int | None = None,
     block_n: int = 64,
-    num_warps: int = 8,
+    split_k: int | None = None,
+    num_warps: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``x @ W.T`` for many rows of ``x`` (prefill): ``W`` dequantized tile by tile into
-    registers and multiplied with ``tl.dot``.
+    """``x @ W.T`` for more rows of ``x`` than the GEMV takes (batched decode, prefill):
+    each program decodes a ``block_n``-row tile of ``W`` sub-block by sub-block into
+    registers and multiplies it with ``block_m`` rows of ``x`` on tensor cores
+    (:func:`kernels.quant.triton_decode.gemm_dot_range`), so the weights are read and
+    decoded once per ``block_m`` rows. Where the tiles do not fill the SMs (few rows,
+    few columns), K is split so the grid holds four programs per SM, partial sums added
+    atomically in float32 (as :func:`quant_gemv`).
 
-    Args (``out`` too) and return as :func:`quant_gemv`; float32 inputs multiply in IEEE float32
-    (no TF32), 16-bit ones with the weight tile rounded to their dtype.
+    Args:
+        x, blocks, type_name, out: as :func:`quant_gemv`.
+        block_m: rows per tile (default: the rows rounded up to 16, 32 or 64).
+        block_n, split_k, num_warps: a forced tiling (tests, sweeps); ``split_k`` None
+            fills the SMs; ``num_warps`` None: 8 for 64-row tiles (a float32 tile spills
+            registers at 4), else 4.
+
+    Returns:
+        ``[M, N]`` in ``x.dtype``; float32 inputs multiply in IEEE float32 (no TF32),
+        16-bit ones with the decoded weight tile rounded to their dtype.
+
+    Raises:
+        ValueError: shapes or dtypes that do not match the format.
     """
     fmt, k = check_blocks(x, blocks, type_name)
     m, n = x.shape[0], blocks.shape[0]
-    out = output_for(x, n, out)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-    _gemm_kernel[grid](
-        x, blocks, out, m, n, k, blocks.stride(0), x.stride(0), out.stride(0),
-        **layout_constexprs(fmt), BLOCK_M=block_m, BLOCK_N=block_n, IEEE=x.dtype == torch.float32 or INTERPRETING, num_warps=num_warps,
+    nblocks = k // fmt.block_elements
+    result = output_for(x, n, out)
+    block_m = block_m or (16 if m <= 16 else 32 if m <= 32 else 64)
+    num_warps = num_warps or (8 if block_m >= 64 else 4)
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    per_split, split = split_k_ranges(nblocks, 1, tiles, x.device, split_k)
+    atomic = split > 1
+    dest = torch.zeros((m, n), device=x.device, dtype=torch.float32) if atomic else result
+    _gemm_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n), split)](
+        x, blocks, dest, m, n, k, blocks.stride(0), per_split, x.stride(0), dest.stride(0),
+        **layout_constexprs(fmt), BLOCK_M=block_m, BLOCK_N=block_n, IEEE=x.dtype == torch.float32 or INTERPRETING,
+        ATOMIC=atomic, num_warps=num_warps,
     )
-    return out
+    if atomic:
+        result.copy_(dest)
+    return result
+
+
+def gemv_max_rows() -> int:
+    """Rows of activations up to which a projection runs the GEMV (decode batches); the
+    GEMM above: the ``quant_gemv_rows`` switch (:mod:`kernels.switches`), read at each call."""
+    return current().quant_gemv_rows
 
 
 def quant_matmul(x: torch.Tensor, blocks: torch.Tensor, type_name: str, out: torch.Tensor | None = None,
                  q8=None) -> torch.Tensor:
-    """``x @ W.T``: the GEMV for up to :data:`GEMV_MAX_ROWS` rows, the GEMM above
-    (``out`` and ``q8`` as in :func:`quant_gemv`)."""
-    if x.shape[0] <= GEMV_MAX_ROWS:
+    """``x @ W.T``: the GEMV for up to :func:`gemv_max_rows` rows, from
+    :func:`kernels.quant.triton_dequant.dequantize_rows` rows ``W`` dequantized whole and
+    multiplied by cuBLAS, the GEMM between (``out`` and ``q8`` as in :func:`quant_gemv`)."""
+    from kernels.quant.triton_dequant import dequant_matmul, dequantize_rows
+
+    m = x.shape[0]
+    if m <= gemv_max_rows():
         return quant_gemv(x, blocks, type_name, out=out, q8=q8)
+    if 0 < dequantize_rows() <= m:
+        return dequant_matmul(x, blocks, type_name, out=out)
     return quant_gemm(x, blocks, type_name, out=out)

@@ -81,7 +81,8 @@ def test_default_model_from_q4_1_blocks_gives_the_dequantized_greedy_text(dtype,
                                            ("Q6_K_P", 1024, 4096), ("Q6_K_P", 4096, 14336), ("Q4_K", 14336, 4096),
                                            ("Q4_1", 1536, 576), ("Q8_0", 576, 1536)])
 def test_kernels_at_real_shapes_match_gguf_dequantize(type_name, n, k):
-    """The default tilings (split-K or tuned GEMV, GEMM) at 1, 16 and 80 rows. Q4_K/Q6_K
+    """The default tilings (split-K or tuned GEMV; the tile GEMM, split-K at 40 rows; the
+    weight dequantized for cuBLAS at 300) at 1, 16, 40, 80 and 300 rows. Q4_K/Q6_K
     decode rows take the int8 GEMV by default: against the reference of its rounding,
     and the exact product within the activations' int8 rounding; their float GEMV too."""
     from kernels.quant import reference
@@ -92,10 +93,10 @@ def test_kernels_at_real_shapes_match_gguf_dequantize(type_name, n, k):
     rng = np.random.default_rng(n + k)
     w = torch.from_numpy(random_blocks(type_name, n, k, rng, scale=1e-3)).cuda()
     weight = reference.dequantize(w, type_name, k)
-    for m in (1, 16, 80):
+    for m in (1, 16, 40, 80, 300):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         exact = x.float() @ weight.T
-        int8 = m <= triton_quant.GEMV_MAX_ROWS and uses_int8_dot(type_name)
+        int8 = m <= triton_quant.gemv_max_rows() and uses_int8_dot(type_name)
         out = triton_quant.quant_matmul(x, w, type_name).float()
         # bfloat16 output rounding (2^-8 relative) with room for the summation order.
         tol = INT8_ROUNDING_TOL if int8 else 2**-6

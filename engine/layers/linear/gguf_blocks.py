@@ -10,7 +10,8 @@ common case) is one kernel launch; so are decode rows of two parts that the int8
 reads (a Q4_K_M file's q/k in Q4_K over v in Q6_K).
 
 On CUDA the product is :func:`kernels.quant.triton_kernel.quant_matmul` (the GEMV for
-decode rows, the GEMM for prefill), over Q6_K parts repacked at load into aligned planes
+a few decode rows, the tile GEMM for more, cuBLAS on the weight dequantized whole for a
+long prefill chunk: one transient weight for all the parts), over Q6_K parts repacked at load into aligned planes
 (:meth:`QuantLinear.repack_for_kernels`); elsewhere the reference, which dequantizes through
 ``gguf`` on every call (correct, slow: the CPU path dequantizes at load instead).
 Decode rows for the int8 GEMV are quantized once for all parts, by a launch of their
@@ -119,6 +120,8 @@ class QuantLinear(nn.Module):
             q8 = self._int8_activations(x2)
         if len(views) == 1:
             y = self._part(x2, *views[0], q8=q8)
+        elif self._dequantizes_whole(x2):  # a long prefill chunk: one weight, one cuBLAS product
+            y = x2 @ self._dequantized(views, x2.dtype).T
         elif self._int8_one_launch(x2):  # decode rows, both parts on the int8 GEMV
             from kernels.quant.triton_int8 import int8_gemv_parts
 
@@ -157,9 +160,9 @@ class QuantLinear(nn.Module):
         if not use_triton(x):
             return False
         from kernels.quant.int8_choice import int8_quantize_apart, uses_int8_dot
-        from kernels.quant.triton_kernel import GEMV_MAX_ROWS
+        from kernels.quant.triton_kernel import gemv_max_rows
 
-        return (math.prod(x.shape[:-1]) <= GEMV_MAX_ROWS and int8_quantize_apart()
+        return (math.prod(x.shape[:-1]) <= gemv_max_rows() and int8_quantize_apart()
                 and any(p.type_name and uses_int8_dot(p.type_name) for p in self.parts))
 
     def _int8_activations(self, x: torch.Tensor):
@@ -179,9 +182,34 @@ class QuantLinear(nn.Module):
         if not use_triton(x):
             return False
         from kernels.quant.int8_choice import int8_parts_in_one_launch
-        from kernels.quant.triton_kernel import GEMV_MAX_ROWS
+        from kernels.quant.triton_kernel import gemv_max_rows
 
-        return x.shape[0] <= GEMV_MAX_ROWS and int8_parts_in_one_launch([p.type_name for p in self.parts])
+        return x.shape[0] <= gemv_max_rows() and int8_parts_in_one_launch([p.type_name for p in self.parts])
+
+    @staticmethod
+    def _dequantizes_whole(x: torch.Tensor) -> bool:
+        """Whether ``x``'s rows are a prefill chunk long enough for the weight to be
+        dequantized whole and multiplied by cuBLAS (the ``quant_dequant_rows`` switch)."""
+        if not use_triton(x):
+            return False
+        from kernels.quant.triton_dequant import dequantize_rows
+
+        return 0 < dequantize_rows() <= x.shape[0]
+
+    def _dequantized(self, views: list[tuple[PartSpec, torch.Tensor]], dtype: torch.dtype) -> torch.Tensor:
+        """The whole weight ``[out_features, in_features]`` in ``dtype``, each part's rows
+        decoded (or copied, a dense part) into one transient tensor."""
+        from kernels.quant.triton_dequant import dequantize
+
+        w = torch.empty(self.out_features, self.in_features, device=views[0][1].device, dtype=dtype)
+        row = 0
+        for spec, part in views:
+            if spec.type_name is None:
+                w[row : row + spec.rows].copy_(part)
+            else:
+                dequantize(part, spec.type_name, self.in_features, dtype, out=w[row : row + spec.rows])
+            row += spec.rows
+        return w
 
     @staticmethod
     def _part(x: torch.Tensor, spec: PartSpec, w: torch.Tensor, out: torch.Tensor | None = None,

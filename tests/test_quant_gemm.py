@@ -1,0 +1,119 @@
+"""The GGUF-block products above the GEMV's rows, in Triton's interpreter on the CPU (or
+compiled on a GPU) against ``gguf``'s dequantizer: the tile GEMM with K split across
+programs (batched decode), the weight dequantized whole (:mod:`kernels.quant.triton_dequant`)
+and multiplied by torch (long prefill chunks), the dispatch between them by rows, and a
+fused projection of mixed types taking one dequantized weight."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_quant_kernels import TYPES, _case, assert_matches
+from triton_interpret import kernel_device
+
+from kernels.quant import reference
+from kernels.quant.formats import block_format
+from kernels.quant.synthetic import random_blocks
+from kernels.switches import using
+
+
+@pytest.fixture(scope="module")
+def dev() -> str:
+    return kernel_device()
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K_P", "Q8_0", "Q4_1"])
+@pytest.mark.parametrize("m,split_k", [(5, 2), (33, 3)])
+def test_gemm_with_k_split_matches_gguf_dequantize(dev, type_name, m, split_k):
+    """Partial sums of K ranges added atomically (float32), then written in the rows'
+    dtype; 33 rows take a 64-row tile, most of it masked."""
+    from kernels.quant import triton_kernel as triton_quant
+
+    x, w = _case(type_name, m, 19, 3, dev, seed=m)
+    assert_matches(triton_quant.quant_gemm(x, w, type_name, block_n=16, split_k=split_k), x, w, type_name)
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_dequantize_equals_gguf(dev, type_name):
+    """Every weight of every type, in float32 as ``gguf`` gives it (float32 arithmetic on
+    the same fields), in bfloat16 rounded once (on a GPU; Triton's interpreter truncates);
+    written into a row range of a larger tensor, the rows around it untouched."""
+    from kernels.quant.triton_dequant import dequantize
+
+    k = 2 * block_format(type_name).block_elements
+    w = torch.from_numpy(random_blocks(type_name, 19, k, np.random.default_rng(5))).to(dev)
+    want = reference.dequantize(w, type_name, k)
+    got = dequantize(w, type_name, k, torch.float32)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * float(want.abs().max()))
+    whole = torch.full((23, k), 7.0, dtype=torch.bfloat16, device=dev)
+    dequantize(w, type_name, k, torch.bfloat16, out=whole[2:21])
+    if dev == "cuda":
+        assert torch.equal(whole[2:21], want.to(torch.bfloat16))
+    else:  # the interpreter truncates float32 to bfloat16 where the GPU rounds: within one ulp
+        torch.testing.assert_close(whole[2:21].float(), want, rtol=2**-7, atol=0)
+    assert bool((whole[:2] == 7).all() and (whole[21:] == 7).all())
+
+
+def test_dequantize_refuses_a_wrong_output(dev):
+    from kernels.quant.triton_dequant import dequantize
+
+    x, w = _case("Q8_0", 1, 3, 2, dev)
+    with pytest.raises(ValueError, match="out must be"):
+        dequantize(w, "Q8_0", 64, torch.float32, out=torch.empty(3, 32, device=dev))
+    with pytest.raises(ValueError, match="do not hold rows"):
+        dequantize(w, "Q8_0", 96, torch.float32)
+
+
+def test_matmul_takes_the_dequantized_weight_from_the_switchs_rows(dev, monkeypatch):
+    """Up to ``quant_gemv_rows`` rows the GEMV, then the tile GEMM, from
+    ``quant_dequant_rows`` the weight dequantized whole (0: never); each equals the
+    reference (Q5_K: the float GEMV, not the int8 one), into a column slice too."""
+    from kernels.quant import triton_dequant
+    from kernels.quant import triton_kernel as triton_quant
+
+    taken = []
+    for name in ("quant_gemv", "quant_gemm"):
+        monkeypatch.setattr(triton_quant, name, lambda *a, _f=getattr(triton_quant, name), _n=name, **k:
+                            taken.append(_n) or _f(*a, **k))
+    whole = triton_dequant.dequant_matmul
+    monkeypatch.setattr(triton_dequant, "dequant_matmul", lambda *a, **k: taken.append("dequant") or whole(*a, **k))
+    with using(quant_gemv_rows=2, quant_dequant_rows=6):
+        for m, path in ((2, "quant_gemv"), (3, "quant_gemm"), (6, "dequant"), (9, "dequant")):
+            x, w = _case("Q5_K", m, 5, 1, dev, seed=m)
+            wide = torch.full((m, 9), 7.0, device=dev)
+            triton_quant.quant_matmul(x, w, "Q5_K", out=wide[:, 1:6])
+            assert taken.pop() == path and not taken
+            assert_matches(wide[:, 1:6], x, w, "Q5_K")
+            assert bool((wide[:, :1] == 7).all() and (wide[:, 6:] == 7).all())
+    with using(quant_gemv_rows=2, quant_dequant_rows=0):
+        x, w = _case("Q5_K", 9, 5, 1, dev)
+        assert_matches(triton_quant.quant_matmul(x, w, "Q5_K"), x, w, "Q5_K")
+        assert taken == ["quant_gemm"]
+
+
+def test_a_fused_projection_of_mixed_types_dequantizes_one_weight_for_a_long_chunk(dev, monkeypatch):
+    """q/k in Q4_K over v in Q6_K over a dense part: from ``quant_dequant_rows`` rows the
+    layer decodes every part into one weight and multiplies once; it equals the parts
+    multiplied apart by the reference."""
+    from engine.layers.linear import gguf_blocks as quant_linear
+    from engine.layers.linear.gguf_blocks import PartSpec, QuantLinear
+
+    if dev == "cpu":  # the Triton path, interpreted, on CPU tensors
+        monkeypatch.setattr(quant_linear, "use_triton", lambda t: True)
+    k = 256
+    specs = [PartSpec(4, "Q4_K"), PartSpec(3, "Q6_K"), PartSpec(2, None)]
+    layer = QuantLinear(k, specs, bias=False, dtype=torch.float32).to_empty(device=dev)
+    rng = np.random.default_rng(0)
+    for spec, buf in layer.part_views():
+        if spec.type_name is None:
+            buf.copy_(torch.from_numpy(rng.standard_normal(tuple(buf.shape), dtype=np.float32)))
+        else:
+            buf.copy_(torch.from_numpy(random_blocks(spec.type_name, spec.rows, k, rng)))
+    x = torch.from_numpy(rng.standard_normal((7, k), dtype=np.float32)).to(dev)
+    want = torch.cat([x @ buf.T if spec.type_name is None else reference.quant_matmul(x, buf, spec.type_name)
+                      for spec, buf in layer.part_views()], dim=1)
+    with using(quant_gemv_rows=2, quant_dequant_rows=7):
+        assert layer._dequantizes_whole(x) and not layer._dequantizes_whole(x[:6])
+        torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(layer(x[:6]), want[:6], rtol=1e-5, atol=1e-4)  # the GEMM, a part at a time

@@ -22,6 +22,7 @@ SMOLLM_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # with a GPU the same tests run the compiled kernels on CUDA.
 if not os.path.exists("/dev/nvidia0") and not os.path.exists("/dev/nvidiactl"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
+import triton_interpret  # noqa: E402,F401 (the interpreter's fixes and speed-ups, before any kernel runs)
 
 # The services the tests start keep their pid, lock and runtime.json in a folder of the
 # session's own: a headroom the developer runs under the same account (one per user)
@@ -220,6 +221,18 @@ class PagedRunner:
             batch.state_slots = torch.tensor([self.state_slot[s] for s in new_tokens])
         self.last_batch = batch
         return self.model(batch, self.attn)
+
+
+@pytest.fixture(scope="module")
+def lib():
+    """The C CPU kernels (kernels/cpu) as the engine builds them, or a skip saying why not."""
+    from engine.layers.linear.cpu_kernels import cpu_kernels
+    from kernels.cpu import build
+
+    got = cpu_kernels()
+    if got is None:
+        pytest.skip(f"the C CPU kernels do not build here: {build.why_not()}")
+    return got
 
 
 @pytest.fixture(scope="session")

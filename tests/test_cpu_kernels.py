@@ -24,14 +24,6 @@ from kernels.quant import reference  # noqa: E402
 from kernels.quant.synthetic import random_blocks  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def lib():
-    got = cpu_kernels()
-    if got is None:
-        pytest.skip(f"the C CPU kernels do not build here: {build.why_not()}")
-    return got
-
-
 def _tolerance(x: torch.Tensor, blocks: torch.Tensor, type_name: str) -> float:
     """float32 summation order over ``K`` products: a few ulps of ``|x| @ |w|.T``."""
     w = reference.dequantize(blocks, type_name, x.shape[1])
@@ -88,8 +80,8 @@ def test_block_gemv_writes_into_a_wider_output_and_refuses_what_it_cannot_take(l
     block_gemv(lib, x, blocks, "Q4_1", out=y[:, 4:12])
     assert float((y[:, 4:12] - block_gemv_ref(x, blocks, "Q4_1")).abs().max()) <= _tolerance(x, blocks, "Q4_1")
     assert torch.equal(y[:, :4], torch.zeros(2, 4)) and torch.equal(y[:, 12:], torch.zeros(2, 8))
-    with pytest.raises(ValueError, match="Q6_K has no CPU block kernel"):
-        block_gemv(lib, x, blocks, "Q6_K")
+    with pytest.raises(ValueError, match="Q5_0 has no CPU block kernel"):
+        block_gemv(lib, x, blocks, "Q5_0")
     with pytest.raises(ValueError, match="do not match"):
         block_gemv(lib, torch.randn(2, 96), blocks, "Q4_1")  # rows of K=96 take more bytes
     assert block_gemv(lib, torch.empty(0, 64), blocks, "Q4_1").shape == (0, 8)

@@ -2,9 +2,11 @@
 (engine.layers.moe.expert_cache over a BlockStack), checked on the CPU: the host tier and
 the cache tier are uint8 CPU tensors of the file's blocks, a copy moves blocks, a cached
 expert runs the quantized product's reference over slot ids, a CPU run dequantizes the
-host tier's blocks. Greedy decoding through a paged KV pool must give the all-resident
-quantized model's ids and logits (QuantExperts, the same reference), whatever the cache
-holds; the memory plan prices the host tier and the cache in block bytes.
+host tier's blocks (torch) or runs them in their blocks (the C kernels). Greedy decoding
+through a paged KV pool must give the all-resident quantized model's ids and logits
+(QuantExperts, the same reference; the C kernels' logits within their activation
+rounding), whatever the cache holds; the memory plan prices the host tier and the cache
+in block bytes.
 
 Two files: a Qwen3-MoE with its experts as a Q4_K_M file holds them (gate and up Q4_K,
 down Q6_K; one sparse layer of 8 experts, top-2) and a Mixtral in Q8_0 (two sparse
@@ -75,7 +77,8 @@ def _same_logits(got: torch.Tensor, want: torch.Tensor) -> None:
 def test_greedy_ids_equal_the_all_resident_quantized_model(tiny, paged_runner, reference, costs, slots):
     _, config, model = tiny
     hybrid = copy.deepcopy(model)
-    stores, counters = offload_experts(hybrid, config.moe_layers, slots, costs)
+    # CPU runs through torch here: the C kernels' are checked below.
+    stores, counters = offload_experts(hybrid, config.moe_layers, slots, costs, cpu_kernels=False)
     got, logits = paged_greedy(paged_runner(hybrid, config), _prompts(), STEPS)
     assert got == reference[0]
     # The same reference ops on the same dequantized values, expert by expert in order.
@@ -100,6 +103,26 @@ def test_greedy_ids_equal_the_all_resident_quantized_model(tiny, paged_runner, r
         assert all(t.dtype == torch.uint8 for t in (*s.host.tensors, *s.cache.tensors))
         for e, slot in s.slot_of.items():
             assert all(torch.equal(c[slot], h[e]) for c, h in zip(s.cache.tensors, s.host.tensors, strict=True))
+
+
+@pytest.mark.parametrize(("costs", "slots"), [(ALWAYS_CPU, 2), (MIXED, 2)], ids=["cpu", "mixed"])
+def test_experts_run_by_the_c_kernels_give_the_all_resident_greedy_ids(tiny, paged_runner, reference, costs, slots):
+    """The host tier's CPU runs in their blocks by the C kernels (Q4_K/Q6_K, Q8_0): the
+    same greedy ids; logits within the kernels' rounding of the activations to 16-bit
+    codes (about 2**-15 of a block's largest value, at gate/up and again at down)."""
+    from engine.layers.linear.cpu_kernels import cpu_kernels
+    from kernels.cpu import build
+
+    if cpu_kernels() is None:
+        pytest.skip(f"the C CPU kernels do not build here: {build.why_not()}")
+    _, config, model = tiny
+    hybrid = copy.deepcopy(model)
+    stores, counters = offload_experts(hybrid, config.moe_layers, slots, costs)
+    assert all(s.cpu_kernels is not None for s in stores)
+    got, logits = paged_greedy(paged_runner(hybrid, config), _prompts(), STEPS)
+    assert got == reference[0]
+    assert float((logits - reference[1]).abs().max()) <= 1e-3 * float(reference[1].abs().max())
+    assert counters.cpu_runs > 0 and counters.misses == counters.copies + counters.cpu_runs
 
 
 def test_a_cache_halved_mid_run_and_grown_back_keeps_outputs_equal(tiny, paged_runner, reference):

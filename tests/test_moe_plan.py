@@ -106,3 +106,48 @@ def test_a_card_that_holds_every_expert_offloads_none(tmp_path):
     plan = make_plan(simulated_device(80 * GiB), knobs, make_footprint(mc, torch.bfloat16, knobs))
     assert plan.fits and plan.cpu_expert_layers == 0 and plan.expert_cache_slots == 0
 
+
+
+def test_paged_attention_leaves_the_context_out_of_the_estimate_and_a_small_card_keeps_more_experts(tmp_path):
+    """The paged kernels (Triton, FlashInfer) read a chunk's context in place; only the
+    torch backend copies it out. Charging that copy at the model's 40,960-token context
+    priced about 1.1 GiB that the Triton backend never allocates, and the placement, made
+    from the estimate before the weights load, kept fewer layers' experts on the device
+    for it (on a 6 GiB card and the Q4_K file: 8 layers of 48 where 11 fit)."""
+    mc = _config(tmp_path)
+    knobs = PlanKnobs(cpu_experts="auto")
+    t, it, s = knobs.max_prefill_tokens, 2, mc.max_position_embeddings
+    gathered = estimate_activation_bytes(mc, torch.bfloat16, knobs)
+    paged = estimate_activation_bytes(mc, torch.bfloat16, knobs, gathers_context=False)
+    # The chunk's context, gathered and expanded to all heads, is the difference at least.
+    assert gathered - paged >= 2 * s * (mc.kv_size + mc.q_size) * it
+    assert paged >= moe_activation_bytes(mc, t, it)  # the routed copies are still charged
+
+    def on_device(gathers: bool) -> int:
+        fp = make_footprint(mc, torch.bfloat16, knobs, gathers_context=gathers)
+        plan = make_plan(simulated_device(8 * GiB), knobs, fp)  # bfloat16 experts: 1.1 GiB a layer
+        assert plan.fits
+        return 48 - plan.cpu_expert_layers
+
+    assert on_device(False) > on_device(True)
+
+
+def test_the_auto_placement_keeps_a_margin_for_what_a_profile_may_measure_more(tmp_path):
+    """From estimates, the fewest host layers that leave PLACEMENT_MARGIN_BYTES beyond one
+    --min-context request (the expert cache and the KV pages past it, which a measured
+    plan can give back); a measured footprint plans with no margin. On an H200 as a 6 GiB
+    card, the measured plan of the placement made with no margin came 113 MiB short and
+    the engine could not start."""
+    from engine.memory.ledger import PLACEMENT_MARGIN_BYTES, _ledger_at, _spare
+
+    mc = _config(tmp_path)
+    knobs = PlanKnobs(cpu_experts="auto")
+    fp = make_footprint(mc, torch.bfloat16, knobs, gathers_context=False)
+    device = simulated_device(12 * GiB)  # bfloat16 experts, 1.1 GiB a layer
+    plan = make_plan(device, knobs, fp)
+    host = plan.cpu_expert_layers
+    assert plan.fits and _spare(plan) >= PLACEMENT_MARGIN_BYTES
+    fewer = _ledger_at(device, knobs, fp, host - 1)  # one layer more on the device: fits, but tight
+    assert fewer.fits and _spare(fewer) < PLACEMENT_MARGIN_BYTES
+    measured = dataclasses.replace(fp, activation_source="measured")
+    assert make_plan(device, knobs, measured).cpu_expert_layers == host - 1

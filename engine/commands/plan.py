@@ -19,12 +19,11 @@ from engine.core.startup import (
     resolve_device,
     resolve_dtype,
     use_kernel_switches,
+    weight_format,
 )
-from engine.loader.fp8 import resolve_quantization
 from engine.loader.gguf_quant import gguf_weight_size
 from engine.loader.hf_config import load_model_config
 from engine.loader.resolve import resolve_model
-from engine.loader.weight_size import fp8_weight_size
 from engine.memory.ledger import fit_plan
 from engine.memory.plan import MemoryPlan, PlanKnobs
 from engine.parallel.split import rank_model_config
@@ -88,10 +87,7 @@ def build_plan(config: EngineConfig) -> MemoryPlan:
     mc = rank_model_config(whole, config.tensor_parallel_size)
     # Priced as the engine will load it: dense (dequantized) unless --gguf-quantized
     # keeps a GGUF's blocks on a CUDA device.
-    gguf = quantized_gguf(config, device, mc)
-    weights = None if gguf is None else gguf_weight_size(gguf, mc, dtype, device.type)
-    if gguf is None and resolve_quantization(config.quantization, resolve_model(config.model)) == "fp8":
-        weights = fp8_weight_size(mc, dtype)
+    weights = weight_format(config, device, dtype, mc, resolve_model(config.model)).size
     memory = device_memory(config, device)
     assert memory is not None
     plan, _ = fit_plan(estimated_planner(config, mc, device, dtype, memory, weights=weights), PlanKnobs.of(config))

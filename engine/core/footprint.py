@@ -43,11 +43,15 @@ def model_context(mc: ModelConfig, knobs: PlanKnobs) -> int:
     return mc.max_position_embeddings if knobs.max_model_len is None else min(mc.max_position_embeddings, knobs.max_model_len)
 
 
-def estimate_activation_bytes(mc: ModelConfig, dtype: torch.dtype, knobs: PlanKnobs) -> int:
-    """Upper estimate of one step's transient peak, in bytes, for the torch attention
-    backend on a GPU: ``T = max_prefill_tokens`` new tokens, of which ``B - 1`` decode
-    rows (``B = max_running_requests``) and one prefill chunk, all at the longest context
-    ``S``. A profile run replaces it on a real GPU.
+def estimate_activation_bytes(mc: ModelConfig, dtype: torch.dtype, knobs: PlanKnobs, *,
+                              gathers_context: bool = True) -> int:
+    """Upper estimate of one step's transient peak, in bytes, on a GPU:
+    ``T = max_prefill_tokens`` new tokens, of which ``B - 1`` decode rows
+    (``B = max_running_requests``) and one prefill chunk, all at the longest context
+    ``S``. ``gathers_context``: the attention backend copies a chunk's context out of
+    the pool (the torch backend, the default); the paged kernels (Triton, FlashInfer)
+    read it in place, so the context terms below are 0. A profile run replaces the
+    estimate on a real GPU; the placement of a mixture's experts is made from it first.
 
     Terms (``it`` = itemsize): the residual stream and its norm ``3*T*H*it``; the larger
     of the attention block and the MLP (``3*T*I*it``, or for a mixture of experts the
@@ -70,7 +74,7 @@ def estimate_activation_bytes(mc: ModelConfig, dtype: torch.dtype, knobs: PlanKn
     chunk = 2 * s * (kv + q) * it + t * s * (1 + it)
     gathered = min((b - 1) * s, DEFAULT_GATHER_BUDGET_TOKENS)
     decode = 2 * gathered * (kv + q) * it
-    attn = t * (q + 2 * kv) * it + t * (q + kv) * it + t * q * it + max(chunk, decode)
+    attn = t * (q + 2 * kv) * it + t * (q + kv) * it + t * q * it + (max(chunk, decode) if gathers_context else 0)
     mlp = 3 * t * i * it if len(mc.moe_layers) < mc.num_layers else 0
     if mc.is_moe:
         mlp = max(mlp, moe_activation_bytes(mc, t, it))
@@ -153,6 +157,7 @@ def make_footprint(
     runtime_bytes: int = 0,
     cuda_graph_bytes: int = 0,
     weights: WeightSize | None = None,
+    gathers_context: bool = True,
 ) -> Footprint:
     """Footprint of ``mc`` in ``dtype`` under ``knobs``.
 
@@ -167,22 +172,23 @@ def make_footprint(
     ``weights`` replaces the dense size of ``mc`` in ``dtype`` with what a GGUF loaded
     with its projections in block format takes (:func:`engine.loader.gguf_quant.gguf_weight_size`),
     its routed experts priced per layer as stored (blocks, for the host tier and the
-    expert cache too).
+    expert cache too). ``gathers_context`` as in :func:`estimate_activation_bytes`.
     """
     kv_dtype = kv_storage_dtype(knobs.kv_cache_dtype, dtype)
-    est_here = estimate_activation_bytes(mc, dtype, knobs)
+    est_here = estimate_activation_bytes(mc, dtype, knobs, gathers_context=gathers_context)
     if measured_activation_bytes is None:
         peak, source = est_here, "estimated"
 
         def at(k: PlanKnobs) -> int:
-            return estimate_activation_bytes(mc, dtype, k)
+            return estimate_activation_bytes(mc, dtype, k, gathers_context=gathers_context)
     else:
         peak, source = measured_activation_bytes, "measured"
 
         def at(k: PlanKnobs) -> int:
             if k == knobs:
                 return peak
-            return int(peak * estimate_activation_bytes(mc, dtype, k) / max(est_here, 1))
+            return int(peak * estimate_activation_bytes(mc, dtype, k, gathers_context=gathers_context)
+                       / max(est_here, 1))
 
     # The routed experts apart, for the ledger and the hybrid placement: dense shapes,
     # or a GGUF's bytes per layer as stored (blocks stay blocks in the host tier and

@@ -157,7 +157,7 @@ class PlanStages:
         fp = make_footprint(
             mc, self.dtype, knobs, workspaces=self._workspaces(), measured_activation_bytes=activation,
             measured_sampler_bytes=sampler, runtime_bytes=runtime, cuda_graph_bytes=graph_bytes,
-            weights=self.weight_size,
+            weights=self.weight_size, gathers_context=backend_class(self.attention_backend).gathers_context,
         )
         return make_plan(self.device_memory, knobs, fp)
 

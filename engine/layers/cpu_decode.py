@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from engine.common import progress
 from engine.layers.linear.cpu_blocks import CpuBlockLinear
 from kernels.cpu import decode_layer
 
@@ -124,4 +125,5 @@ class CpuDecode:
         for i, spec in enumerate(self.specs):
             decode_layer.run(self.lib, spec, st, h, residual, pool.k_buffers[i], pool.v_buffers[i], self.scratch,
                              max_len, first=i == 0)
+            progress.advance()
         return h, residual

@@ -71,16 +71,39 @@ def host_expert_layers(knobs: PlanKnobs, fp: Footprint) -> int | None:
     return min(int(knobs.cpu_experts), fp.expert_layers)
 
 
+# Before a profile, the auto placement of a mixture's experts keeps this much beyond one
+# --min-context request (the expert cache and the KV pages past it, which a measured plan
+# can give back): the experts placed on the device from estimates stay there, so a
+# measured plan short of the estimate must not leave too little. Seen on an H200 as a
+# 6 GiB card (a Qwen3-30B-A3B Q4_K file): the CUDA context measured 794 MiB against the
+# 512 MiB estimate, and with no margin the measured plan came 113 MiB short.
+PLACEMENT_MARGIN_BYTES = 512 << 20
+
+
 def _ledger(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint) -> MemoryPlan:
     host = host_expert_layers(knobs, fp)
     if host is not None:
         return _ledger_at(device, knobs, fp, host)
-    # auto: the fewest offloaded layers that fit; all of them when none does.
-    for layers in range(fp.expert_layers + 1):
-        plan = _ledger_at(device, knobs, fp, layers)
-        if plan.fits:
-            return plan
-    return plan
+    # auto: none when everything fits; else the fewest offloaded layers that fit (from
+    # estimates: with the margin to spare, else without); all of them when none does.
+    whole = _ledger_at(device, knobs, fp, 0)
+    if whole.fits:
+        return whole  # the common case: one plan, not one per layer count
+    plans = [_ledger_at(device, knobs, fp, layers) for layers in range(1, fp.expert_layers + 1)]
+    margin = PLACEMENT_MARGIN_BYTES if fp.activation_source == "estimated" else 0
+    for wanted in (margin, 0):
+        for plan in plans:
+            if plan.fits and _spare(plan) >= wanted:
+                return plan
+    return plans[-1] if plans else whole
+
+
+def _spare(plan: MemoryPlan) -> int:
+    """What a plan holds beyond one request of its minimum context: the expert cache and
+    the KV pages past those that request needs, in bytes."""
+    page = plan.kv_bytes_per_token * plan.page_size
+    need = math.ceil(plan.min_context_tokens / plan.page_size) * page
+    return plan.kv_pool_bytes + plan.expert_cache_slots * plan.expert_slot_bytes - need
 
 
 def _ledger_at(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint, host_layers: int) -> MemoryPlan:

@@ -33,41 +33,9 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define HR_AVX2 1
-#endif
+#include "blocks.h"
 
-enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  /* ggml's type ids */
-
-static inline float f16_to_f32(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-#ifdef HR_AVX2
-    return _cvtsh_ss(h);
-#else
-    /* IEEE half to float by hand (normal, subnormal, inf/nan). */
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
-    if (exp == 0) {
-        if (man == 0) {
-            bits = sign;
-        } else {
-            int e = -1;
-            do { man <<= 1; e++; } while (!(man & 0x400));
-            bits = sign | (uint32_t)(127 - 15 - e) << 23 | (man & 0x3ff) << 13;
-        }
-    } else if (exp == 31) {
-        bits = sign | 0x7f800000u | man << 13;
-    } else {
-        bits = sign | (exp + 127 - 15) << 23 | man << 13;
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-#endif
-}
-
-static int block_bytes(int type) { return type == Q4_0 ? 18 : type == Q4_1 ? 20 : 34; }
+static int block_bytes(int type) { return hr_block_bytes(type); }
 
 int hr_simd_level(void) {
 #if defined(HR_AVX2)
@@ -209,24 +177,59 @@ static inline __attribute__((always_inline)) void tile_avx2(
 }
 #endif
 
+/* Serial row products of Q4_0/Q4_1/Q8_0 (blocks.h): tiles of 4 weight rows times up to
+ * 4 activation rows, the vector tile where it fits, plain C elsewhere. */
+void hr_legacy_rows(int type, const uint8_t *w, int64_t K, const int16_t *codes, const float *scales,
+                    const int32_t *sums, const float *scaled_sums, int64_t M, int64_t n0, int64_t n1, float *y,
+                    int64_t ldy, int scalar) {
+    const int64_t nb = K / 32, row_bytes = nb * block_bytes(type);
+    for (int64_t t0 = n0; t0 < n1; t0 += 4) {
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+            const int mt = M - m0 < 4 ? (int)(M - m0) : 4;
+            const int16_t *c = codes + m0 * K;
+            const float *dx = scales + m0 * nb, *dxs = scaled_sums + m0 * nb;
+            float *yt = y + m0 * ldy + t0;
+#ifdef HR_AVX2
+            if (!scalar && t0 + 4 <= n1) {
+                const uint8_t *wt = w + t0 * row_bytes;
+                switch (mt) {  /* constant MT per call: the accumulators stay in registers */
+                    case 4: tile_avx2(type, wt, row_bytes, nb, c, K, dx, dxs, 4, yt, ldy); break;
+                    case 3: tile_avx2(type, wt, row_bytes, nb, c, K, dx, dxs, 3, yt, ldy); break;
+                    case 2: tile_avx2(type, wt, row_bytes, nb, c, K, dx, dxs, 2, yt, ldy); break;
+                    default: tile_avx2(type, wt, row_bytes, nb, c, K, dx, dxs, 1, yt, ldy); break;
+                }
+                continue;
+            }
+#endif
+            (void)scalar, (void)yt, (void)dxs;
+            for (int i = 0; i < mt; i++)
+                for (int64_t n = t0; n < n1 && n < t0 + 4; n++)
+                    y[(m0 + i) * ldy + n] = dot_scalar(type, w + n * row_bytes, c + i * K, dx + i * nb,
+                                                       sums + (m0 + i) * nb, nb);
+        }
+    }
+}
+
 /* y[m * ldy + n] = x[m] . W[n] for m < M, n < N.
  *
- * x: float32 [M, K] (rows K apart); w: N rows of K / 32 blocks of `type`; y: float32,
- * rows ldy apart; work: at least hr_work_bytes(M, K) bytes, for the quantized rows.
- * threads: OpenMP threads over N (the caller's torch.get_num_threads(); torch's libgomp
- * is the one loaded, so they are torch's own pool); scalar: the plain C product.
+ * x: float32 [M, K] (rows K apart); w: N rows of K weights in blocks of `type` (any type
+ * of blocks.h: K a multiple of 32, of 256 for the K-quants); y: float32, rows ldy apart;
+ * work: at least hr_work_bytes(M, K) bytes, for the quantized rows. threads: OpenMP
+ * threads over N (the caller's count; torch's libgomp is the one loaded, so they are
+ * torch's own pool); scalar: the plain C product.
  * Returns 0, or -1 for a type or a K it does not take.
  */
 int64_t hr_work_bytes(int64_t M, int64_t K) { return M * (2 * K + K / 32 * 12); }
 
 int hr_block_gemv(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, float *y,
                   int64_t ldy, void *work, int threads, int scalar) {
-    if ((type != Q4_0 && type != Q4_1 && type != Q8_0) || K % 32 != 0 || M < 0 || N < 0) return -1;
+    const int be = hr_block_elements(type);
+    if (be == 0 || K % be != 0 || M < 0 || N < 0) return -1;
     if (K == 0) {  /* an empty sum */
         for (int64_t m = 0; m < M; m++) memset(y + m * ldy, 0, N * sizeof(float));
         return 0;
     }
-    const int64_t nb = K / 32, row_bytes = nb * block_bytes(type);
+    const int64_t nb = K / 32;
     int16_t *codes = (int16_t *)work;
     float *scales = (float *)(codes + M * K);
     int32_t *sums = (int32_t *)(scales + M * nb);
@@ -240,29 +243,8 @@ int hr_block_gemv(int type, const float *x, int64_t M, int64_t K, const uint8_t 
     if (tiles < 16 * threads) threads = tiles >= 16 ? (int)(tiles / 16) : 1;  /* a few tiles a thread */
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t t = 0; t < tiles; t++) {
-        const int64_t n0 = t * 4;
-        for (int64_t m0 = 0; m0 < M; m0 += 4) {
-            const int mt = M - m0 < 4 ? (int)(M - m0) : 4;
-            const int16_t *c = codes + m0 * K;
-            const float *dx = scales + m0 * nb, *dxs = scaled_sums + m0 * nb;
-            float *yt = y + m0 * ldy + n0;
-#ifdef HR_AVX2
-            if (!scalar && n0 + 4 <= N) {
-                const uint8_t *wt = w + n0 * row_bytes;
-                switch (mt) {  /* constant MT per call: the accumulators stay in registers */
-                    case 4: tile_avx2(type, wt, row_bytes, nb, c, K, dx, dxs, 4, yt, ldy); break;
-                    case 3: tile_avx2(type, wt, row_bytes, nb, c, K, dx, dxs, 3, yt, ldy); break;
-                    case 2: tile_avx2(type, wt, row_bytes, nb, c, K, dx, dxs, 2, yt, ldy); break;
-                    default: tile_avx2(type, wt, row_bytes, nb, c, K, dx, dxs, 1, yt, ldy); break;
-                }
-                continue;
-            }
-#endif
-            for (int i = 0; i < mt; i++)
-                for (int64_t n = n0; n < N && n < n0 + 4; n++)
-                    y[(m0 + i) * ldy + n] = dot_scalar(type, w + n * row_bytes, c + i * K, dx + i * nb,
-                                                       sums + (m0 + i) * nb, nb);
-        }
+        const int64_t n0 = t * 4, n1 = n0 + 4 < N ? n0 + 4 : N;
+        hr_rows(type, w, K, codes, scales, sums, scaled_sums, M, n0, n1, y, ldy, scalar);
     }
     return 0;
 }

@@ -1,5 +1,5 @@
-"""``x @ W.T`` on the CPU with ``W`` in GGUF blocks (Q4_0, Q4_1, Q8_0): the C kernel
-(``block_gemv.c``) and its torch reference.
+"""``x @ W.T`` on the CPU with ``W`` in GGUF blocks (Q4_0, Q4_1, Q8_0 in ``block_gemv.c``;
+Q4_K, Q5_K, Q6_K in ``kquant.c``): the C kernel and its torch reference.
 
 The kernel quantizes each activation row per block of 32 to int16 codes with a float32
 scale (``max|x| / 32767``), multiplies codes by the weights' integer codes exactly and
@@ -20,8 +20,11 @@ from kernels.quant import reference
 from kernels.quant.formats import block_format
 
 GROUP = 32
-# ggml's type ids, as block_gemv.c reads them.
+# ggml's type ids, as block_gemv.c reads them: the types CPU linear layers keep in blocks.
 TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
+# Every type the C row products read (blocks.h): the K-quants too (kquant.c), whose
+# blocks of 256 need K a multiple of 256.
+GEMV_TYPE_IDS = {**TYPE_IDS, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 
 
 def quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,8 +44,8 @@ def block_gemv_ref(x: torch.Tensor, blocks: torch.Tensor, type_name: str) -> tor
 
     Args:
         x: float32 ``[M, K]``.
-        blocks: uint8 ``[N, K / 32 * block_bytes]`` of ``type_name``.
-        type_name: a key of :data:`TYPE_IDS`.
+        blocks: uint8 ``[N, K / block_elements * block_bytes]`` of ``type_name``.
+        type_name: a key of :data:`GEMV_TYPE_IDS`.
     """
     m, k = x.shape
     codes, d = quantize_rows_ref(x)
@@ -57,8 +60,9 @@ def block_gemv(lib: ctypes.CDLL, x: torch.Tensor, blocks: torch.Tensor, type_nam
 
     Args:
         lib: the library of :func:`kernels.cpu.build.load`.
-        x: float32 ``[M, K]``, ``K`` a multiple of 32 (made contiguous if it is not).
-        blocks: uint8 ``[N, K / 32 * block_bytes]``, contiguous.
+        x: float32 ``[M, K]``, ``K`` a multiple of the type's block (32; 256 for the
+            K-quants), made contiguous if it is not.
+        blocks: uint8 ``[N, K / block_elements * block_bytes]``, contiguous.
         out: float32 ``[M, N]`` view to write (its rows may be wider: ``out.stride(0)``),
             else a new tensor.
         threads: OpenMP threads, default ``torch.get_num_threads()``.
@@ -70,20 +74,21 @@ def block_gemv(lib: ctypes.CDLL, x: torch.Tensor, blocks: torch.Tensor, type_nam
     Raises:
         ValueError: a type without the kernel, or shapes that do not match.
     """
-    if type_name not in TYPE_IDS:
-        raise ValueError(f"{type_name} has no CPU block kernel; expected one of {', '.join(TYPE_IDS)}")
+    if type_name not in GEMV_TYPE_IDS:
+        raise ValueError(f"{type_name} has no CPU block kernel; expected one of {', '.join(GEMV_TYPE_IDS)}")
     x = x.contiguous().float()
     m, k = x.shape
     n = blocks.shape[0]
     if out is None:
         out = torch.empty(m, n, dtype=torch.float32)
-    row_bytes = k // GROUP * block_format(type_name).block_bytes
-    if (k % GROUP or blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != row_bytes
+    fmt = block_format(type_name)
+    row_bytes = k // fmt.block_elements * fmt.block_bytes
+    if (k % fmt.block_elements or blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != row_bytes
             or not blocks.is_contiguous() or out.shape != (m, n) or out.stride(1) != 1 or out.dtype != torch.float32):
         raise ValueError(f"block_gemv: {type_name} blocks {blocks.dtype} {tuple(blocks.shape)}, x {tuple(x.shape)} "
                          f"and out {tuple(out.shape)} do not match (rows of K={k} take {row_bytes} bytes)")
     work = torch.empty(lib.hr_work_bytes(m, k), dtype=torch.uint8)
-    done = lib.hr_block_gemv(TYPE_IDS[type_name], x.data_ptr(), m, k, blocks.data_ptr(), n, out.data_ptr(),
+    done = lib.hr_block_gemv(GEMV_TYPE_IDS[type_name], x.data_ptr(), m, k, blocks.data_ptr(), n, out.data_ptr(),
                              out.stride(0), work.data_ptr(), threads or torch.get_num_threads(), int(scalar))
     if done != 0:
         raise ValueError(f"block_gemv refused {type_name} blocks of K={k}")

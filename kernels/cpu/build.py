@@ -1,9 +1,11 @@
-"""Build the CPU kernels (``block_gemv.c``, ``decode_layer.c``) at first use and load them.
+"""Build the CPU kernels (``block_gemv.c``, ``kquant.c``, ``moe_experts.c``, ``decode_layer.c``,
+sharing ``blocks.h``) at first use and load them.
 
 The C sources are compiled by the machine's C compiler (``$CC``, else ``cc``, ``gcc`` or
 ``clang`` on the PATH) for the machine itself (``-march=native``: AVX2 or AVX-512 where
 the CPU has them) with OpenMP, into ``<cache>/kernels/``, named by a hash of the sources,
-the flags, the compiler and the CPU's features, so a change to any of them builds anew and an unchanged one
+the flags, the compiler and the CPU's features (``-march=native`` picks the vector build: AVX2,
+with AVX512-VNNI's vpdpwssd where the CPU has it, or plain C), so a change to any of them builds anew and an unchanged one
 loads in milliseconds. A build writes a temporary file and renames it: a build stopped
 half-way or two processes building at once never leave a broken library under the final
 name. The library links ``libgomp.so.1``; loaded after torch, the dynamic linker hands it
@@ -34,7 +36,8 @@ from kernels.switches import current
 
 log = logging.getLogger("headroom.kernels")
 
-SOURCES = ("block_gemv.c", "decode_layer.c")
+SOURCES = ("block_gemv.c", "kquant.c", "moe_experts.c", "decode_layer.c")
+HEADERS = ("blocks.h",)
 _HERE = Path(__file__).resolve().parent
 _why_not: list[str] = []
 # What :func:`why_not` says when the ``cpu_kernels`` switch is off.
@@ -76,7 +79,7 @@ def _cpu_features() -> bytes:
 def _targets(cc: str, folder: Path) -> list[tuple[bool, Path]]:
     """``(openmp, library path)`` of each build, OpenMP first: named by a hash of the
     sources, the flags, the compiler and the CPU."""
-    text = b"".join((_HERE / name).read_bytes() for name in SOURCES) + _cpu_features()
+    text = b"".join((_HERE / name).read_bytes() for name in (*SOURCES, *HEADERS)) + _cpu_features()
     return [(openmp, folder / f"headroom_cpu_{hashlib.sha256(text + ' '.join([cc, *_flags(openmp)]).encode()).hexdigest()[:16]}.so")
             for openmp in (True, False)]
 
@@ -133,6 +136,11 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.hr_block_gemv.argtypes = [c_int, ptr, c_i64, c_i64, ptr, c_i64, ptr, c_i64, ptr, c_int, c_int]
     lib.hr_dequantize_rows.restype = c_int
     lib.hr_dequantize_rows.argtypes = [c_int, ptr, c_i64, c_i64, c_i64, ptr, c_int]
+    lib.hr_moe_work_bytes.restype = c_i64
+    lib.hr_moe_work_bytes.argtypes = [c_i64, c_i64, c_i64, c_i64]
+    lib.hr_moe_experts.restype = c_int
+    lib.hr_moe_experts.argtypes = [ptr, c_i64, c_i64, c_i64, ptr, ptr, c_i64, ptr, ptr, c_i64, ptr, ptr, ptr,
+                                   c_int, c_int, c_int, ptr, ptr, c_int, c_int]
     lib.hr_decode_scratch_bytes.restype = c_i64
     lib.hr_decode_scratch_bytes.argtypes = [ptr, c_i64, c_i64]
     lib.hr_decode_layer.restype = c_int

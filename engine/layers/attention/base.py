@@ -29,10 +29,15 @@ class AttentionBackend(ABC):
             device tensors the runner filled issue no host sync and no host-to-device
             copy while a CUDA graph is being captured, so a decode step can be captured
             and replayed; host work the kernels need per step goes in :meth:`graph_plan`.
+        gathers_context: a prefill chunk or decode group copies its context's keys and
+            values out of the pool (a transient that grows with the context, which the
+            plan's activation estimate charges); False for kernels that read the pages
+            in place.
     """
 
     workspace_bytes: int = 0
     supports_cuda_graphs: bool = False
+    gathers_context: bool = False
 
     def __init__(self, pool: KVPool, *, num_heads: int, head_dim: int, scale: float, max_batch: int = 64) -> None:
         self.pool = pool

@@ -46,6 +46,8 @@ class TorchAttentionBackend(AttentionBackend):
     """See the module docstring. Its transients scale with the step; they belong to the
     plan's measured activation peak, so ``workspace_bytes`` is 0."""
 
+    gathers_context = True
+
     workspace_bytes = 0
 
     def __init__(self, pool, *, num_heads: int, head_dim: int, scale: float, max_batch: int = 64,

@@ -13,7 +13,7 @@ Each step, for every expert the router picked:
 - in the cache: a hit; it runs on the device from its slot;
 - missing: :class:`~engine.layers.moe.expert_costs.CostModel` decides, for the number of tokens routed to it, whether
   copying it in (host -> device, ``non_blocking`` from pinned memory) or running it on
-  the CPU (the activations copied over and back; blocks dequantized first) is cheaper; a copy is credited with
+  the CPU (the activations copied over and back) is cheaper; a copy is credited with
   the later steps it is expected to serve from the cache (the expert's recent share of
   steps, a decayed average, times the cache's slots: about how many steps a slot stays
   before LRU evicts it). A copy evicts the least recently used slot that this step does
@@ -29,7 +29,12 @@ Each step, for every expert the router picked:
 
 Nothing here assumes CUDA: with the device being the CPU, the host tier is one CPU
 tensor and the cache tier another, and the same choices, copies and evictions happen,
-so the logic is checked without a GPU. On CPU the experts run one by one in expert
+so the logic is checked without a GPU.
+
+A host tier of GGUF blocks runs its CPU experts by the C kernels where they build
+(:mod:`engine.layers.moe.cpu_runs`: all of a step's CPU experts in one call over the
+cores, in their blocks); otherwise, and for dense stacks, one expert at a time through
+torch (blocks dequantized on each run). On CPU, without the C kernels, the experts run one by one in expert
 order, exactly as the references of :func:`kernels.moe.reference.fused_moe` and
 :func:`kernels.moe.quant_reference.fused_moe_quant` do, so outputs are equal to the
 all-resident model's; on CUDA the cached experts run through the fused kernel (dense or
@@ -43,12 +48,14 @@ so a layer with offloaded experts is not captured in a CUDA graph.
 
 from __future__ import annotations
 
+import ctypes
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from engine.layers.moe.cpu_runs import CpuRun, block_kernels_for, compute_cpu_run, gather_cpu_run
 from engine.layers.moe.expert_costs import CostModel, expert_mlp, measure_stack_costs
 from engine.layers.moe.expert_stacks import ExpertStack, stack_of
 
@@ -91,6 +98,8 @@ class OffloadedExperts(nn.Module):
         num_slots: cache slots, ``0 <= num_slots <= E``.
         counters: shared totals (one object for all layers).
         costs: the copy-or-CPU rule.
+        cpu_kernels: the C kernels that run missing experts in their blocks
+            (:func:`~engine.layers.moe.cpu_runs.block_kernels_for`), or None: torch.
 
     Attributes:
         host: the host tier, every expert. cache: the cache tier, ``num_slots`` on
@@ -101,8 +110,9 @@ class OffloadedExperts(nn.Module):
     """
 
     def __init__(self, experts: ExpertStack, device: torch.device, num_slots: int,
-                 counters: ExpertCounters, costs: CostModel) -> None:
+                 counters: ExpertCounters, costs: CostModel, cpu_kernels: ctypes.CDLL | None = None) -> None:
         super().__init__()
+        self.cpu_kernels = cpu_kernels
         self.device = torch.device(device)
         self.host = experts.on_host(pin=self.device.type == "cuda")
         self.num_experts = self.host.num_experts
@@ -234,8 +244,12 @@ class OffloadedExperts(nn.Module):
                                               on_cpu, streamed)
             return self._forward_fused(x, topk_weights, topk_ids, on_cpu, len(experts))
         # Every expert's output first, then added in expert order with the reference's
-        # ops: equal to the all-resident model whatever ran where.
+        # ops: equal to the all-resident model whatever ran where (the C kernels' CPU
+        # runs apart: one sum of theirs, within float32 rounding of it).
         ys: dict[int, torch.Tensor] = {}
+        by_kernels = on_cpu if self.cpu_kernels is not None else set()
+        if by_kernels:
+            self._add_cpu_runs(out, x, topk_weights, topk_ids, by_kernels)
 
         def run(e: int, slot: int | None) -> None:
             tokens, ks = torch.where(topk_ids == e)
@@ -246,14 +260,15 @@ class OffloadedExperts(nn.Module):
             ys[e] = (y * topk_weights[tokens, ks, None]).to(x.dtype)
 
         for e in experts.tolist():
-            if e not in streamed:
+            if e not in streamed and e not in by_kernels:
                 run(e, None if e in on_cpu else self.slot_of[e])
         for wave in self._waves(streamed):
             self._fill(wave)
             for e, slot in wave:
                 run(e, slot)
         for e in experts.tolist():
-            out.index_add_(0, torch.where(topk_ids == e)[0], ys[e])
+            if e in ys:
+                    out.index_add_(0, torch.where(topk_ids == e)[0], ys[e])
         return out
 
     def _forward_fused(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
@@ -269,15 +284,33 @@ class OffloadedExperts(nn.Module):
             cpu_mask = torch.zeros(self.num_experts, dtype=torch.bool)
             cpu_mask[list(on_cpu)] = True
             weights = topk_weights.masked_fill(cpu_mask.to(x.device)[topk_ids], 0)
+        # The CPU's pairs read back first (the GPU is idle: nothing waits), so that the
+        # C kernels run while the GPU computes the cached experts.
+        begun = self._begin_cpu_runs(x, topk_weights, topk_ids, on_cpu)
         if self.num_slots > 0 and len(on_cpu) < num_active:
             out = self.cache.moe(x, weights, slot_ids)
         else:
             out = torch.zeros_like(x)
-        self._add_cpu_runs(out, x, topk_weights, topk_ids, on_cpu)
+        self._add_cpu_runs(out, x, topk_weights, topk_ids, on_cpu, begun)
         return out
 
+    def _begin_cpu_runs(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                        on_cpu: set[int]) -> CpuRun | None:
+        """The CPU-run pairs read back for the C kernels, or None (none, or no kernels)."""
+        if self.cpu_kernels is None or not on_cpu:
+            return None
+        return gather_cpu_run(self.num_experts, x, topk_weights, topk_ids, on_cpu)
+
     def _add_cpu_runs(self, out: torch.Tensor, x: torch.Tensor, topk_weights: torch.Tensor,
-                      topk_ids: torch.Tensor, on_cpu: set[int]) -> None:
+                      topk_ids: torch.Tensor, on_cpu: set[int], begun: CpuRun | None = None) -> None:
+        """Add the CPU-run experts' sums into ``out``: by the C kernels (from ``begun``'s
+        pairs when :meth:`_begin_cpu_runs` read them back already), else one expert at a
+        time through torch."""
+        if self.cpu_kernels is not None and on_cpu:
+            run = begun or gather_cpu_run(self.num_experts, x, topk_weights, topk_ids, on_cpu)
+            sums = compute_cpu_run(self.host, self.cpu_kernels, run)
+            out.index_add_(0, run.rows, sums.to(x.device, x.dtype, non_blocking=True))
+            return
         for e in sorted(on_cpu):
             tokens, ks = torch.where(topk_ids == e)
             y = self._run_cpu(x, tokens, e)
@@ -305,6 +338,7 @@ class OffloadedExperts(nn.Module):
                 table[g, e] = slot
         table = table.to(x.device, non_blocking=True)
         out = torch.zeros_like(x)
+        begun = self._begin_cpu_runs(x, topk_weights, topk_ids, on_cpu)  # before any GPU work: see _forward_fused
 
         def compute(g: int) -> None:
             rows = torch.cat([order[start[e]:start[e] + size[e]] for e, _ in groups[g]])
@@ -330,18 +364,21 @@ class OffloadedExperts(nn.Module):
             main.wait_event(filled)
             compute(g)
             freed[half] = main.record_event()
-        self._add_cpu_runs(out, x, topk_weights, topk_ids, on_cpu)
+        self._add_cpu_runs(out, x, topk_weights, topk_ids, on_cpu, begun)
         return out
 
 
 def offload_experts(model: nn.Module, layers: tuple[int, ...], slots_per_layer: int,
-                    costs: CostModel | None = None,
-                    device: torch.device | None = None) -> tuple[list[OffloadedExperts], ExpertCounters]:
+                    costs: CostModel | None = None, device: torch.device | None = None,
+                    cpu_kernels: bool = True) -> tuple[list[OffloadedExperts], ExpertCounters]:
     """Move the routed experts of decoder ``layers`` of ``model`` (a
     :class:`engine.models.decoder.CausalLM`) to the host tier, each with a cache of
     ``slots_per_layer`` slots on ``device`` (None: where the experts are now); ``costs``
     None measures them on the first such layer. Dense experts stay dense, a GGUF's
-    experts in blocks stay in blocks (:func:`engine.layers.moe.expert_stacks.stack_of`). A
+    experts in blocks stay in blocks (:func:`engine.layers.moe.expert_stacks.stack_of`),
+    their CPU runs by the C kernels where ``cpu_kernels`` and they build
+    (:func:`~engine.layers.moe.cpu_runs.block_kernels_for`; the cost model then times
+    those). A
     model read into host memory and then moved to the device keeps the stores' tensors
     where they are (plain attributes).
 
@@ -360,10 +397,11 @@ def offload_experts(model: nn.Module, layers: tuple[int, ...], slots_per_layer: 
             raise ValueError(f"layer {i} has no routed experts to offload")
         experts = stack_of(mlp.experts)
         dev = experts.device if device is None else torch.device(device)
+        lib = block_kernels_for(experts) if cpu_kernels else None
         if costs is None:
-            costs = measure_stack_costs(experts, dev)
+            costs = measure_stack_costs(experts, dev, cpu_kernels=lib)
         slots = min(slots_per_layer, experts.num_experts)
-        mlp.experts = OffloadedExperts(experts, dev, slots, counters, costs)
+        mlp.experts = OffloadedExperts(experts, dev, slots, counters, costs, lib)
         del experts
         stores.append(mlp.experts)
     if stores and stores[0].device.type == "cuda":

@@ -5,6 +5,7 @@ and one expert's MLP as both tiers run it."""
 
 from __future__ import annotations
 
+import ctypes
 import time
 from dataclasses import dataclass
 
@@ -57,17 +58,29 @@ def expert_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -
     return F.linear(silu_and_mul(F.linear(x, w_gate_up)), w_down)
 
 
+def best_time(fn, repeats: int) -> float:
+    """The shortest of ``repeats`` calls of ``fn``, in seconds."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
 def measure_costs(host_gate_up: torch.Tensor, host_down: torch.Tensor, device: torch.device, repeats: int = 3) -> CostModel:
     """:func:`measure_stack_costs` of dense experts ``host_gate_up`` ``[E, 2I, H]``,
     ``host_down`` ``[E, H, I]``."""
     return measure_stack_costs(DenseStack(host_gate_up, host_down), device, repeats)
 
 
-def measure_stack_costs(host: ExpertStack, device: torch.device, repeats: int = 3) -> CostModel:
+def measure_stack_costs(host: ExpertStack, device: torch.device, repeats: int = 3,
+                        cpu_kernels: ctypes.CDLL | None = None) -> CostModel:
     """Time expert copies of ``host`` (a host tier) to ``device`` and one expert's CPU
     run on 1 and 256 tokens (best of ``repeats``), as :class:`OffloadedExperts` makes
-    them: the copy moves the stack's own bytes (a GGUF's blocks), the CPU run
-    dequantizes first.
+    them: the copy moves the stack's own bytes (a GGUF's blocks); the CPU run is the C
+    kernels' over the blocks (:mod:`kernels.cpu.moe_experts`) where ``cpu_kernels`` is
+    given, else torch's on the dequantized weights (dequantizing included).
 
     The copy is timed from pinned memory (on CUDA), up to 4 experts back to back, so
     the figure is the bus's rate rather than one copy's launch and wait (a single
@@ -79,12 +92,7 @@ def measure_stack_costs(host: ExpertStack, device: torch.device, repeats: int = 
     nbytes = src.expert_bytes
 
     def best(fn) -> float:
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return min(times)
+        return best_time(fn, repeats)
 
     def copy() -> None:
         for i in range(n):
@@ -96,6 +104,17 @@ def measure_stack_costs(host: ExpertStack, device: torch.device, repeats: int = 
     copy_s = max(best(copy) / n, 1e-9)
     hidden = src.weights_of(0, src.cpu_dtype)[0].shape[1]
     xs = {t: torch.randn(t, hidden, dtype=src.cpu_dtype) for t in (1, 256)}
-    cpu = {t: best(lambda t=t: expert_mlp(xs[t], *src.weights_of(0, xs[t].dtype))) for t in xs}
+    if cpu_kernels is not None:
+        from kernels.cpu.moe_experts import moe_experts
+
+        def run(t: int) -> None:
+            pairs = torch.arange(t)
+            moe_experts(cpu_kernels, xs[t], pairs, torch.zeros(t, dtype=torch.int64), torch.ones(t),
+                        src.gate, src.up, src.down, src.types)
+
+        run(1)  # first touch: the threads start, the blocks come into the caches' reach
+        cpu = {t: best(lambda t=t: run(t)) for t in xs}
+    else:
+        cpu = {t: best(lambda t=t: expert_mlp(xs[t], *src.weights_of(0, xs[t].dtype))) for t in xs}
     per_token = max((cpu[256] - cpu[1]) / 255, 0.0)
     return CostModel(nbytes / copy_s, nbytes, max(cpu[1] - per_token, 0.0), per_token)

@@ -1,0 +1,100 @@
+"""Time one MoE layer's CPU experts for a step: the C kernels over the GGUF blocks
+(:mod:`kernels.cpu.moe_experts`, all routed experts in one call) against the torch path
+they replace (each expert's blocks dequantized by ``gguf``, then two float32 GEMMs).
+
+    python -m engine.bench.cpu_experts --tokens 1 4 --threads 2
+
+Random blocks of Qwen3-30B-A3B's shape by default (H=2048, I=768, 128 experts, top-8,
+Q4_K gate/up, Q6_K down: a Q4_K_M file's types); each token routes to ``--top-k``
+distinct random experts. Prints per step the seconds (best of ``--repeats``), the
+layer's tokens/s (tokens / step time) and GB/s of expert blocks read (the distinct
+routed experts' bytes / step time; each is read once a step).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import torch
+
+from engine.layers.moe.expert_costs import best_time
+from kernels.quant.formats import tensor_bytes
+from kernels.quant.synthetic import random_blocks
+
+
+def random_experts(types: tuple[str, str, str], num: int, hidden: int, inter: int,
+                   seed: int = 0) -> list[torch.Tensor]:
+    """Random ``gate``/``up`` ``[E, I, bytes]`` and ``down`` ``[E, H, bytes]`` uint8 blocks."""
+    rng = np.random.default_rng(seed)
+    return [torch.from_numpy(random_blocks(t, num * rows, cols, rng, scale=1e-3).reshape(num, rows, -1))
+            for t, rows, cols in ((types[0], inter, hidden), (types[1], inter, hidden), (types[2], hidden, inter))]
+
+
+def _c_step(lib, threads: int, x, tokens, ids, weights, gate, up, down, types) -> None:
+    from kernels.cpu.moe_experts import moe_experts
+
+    moe_experts(lib, x, tokens, ids.flatten(), weights.flatten(), gate, up, down, types, threads=threads)
+
+
+def _torch_step(x, tokens, ids, weights, gate, up, down, types) -> None:
+    """The path the C kernels replace: each routed expert dequantized, then its MLP."""
+    from engine.layers.moe.expert_costs import expert_mlp
+    from kernels.moe.quant_reference import expert_weights
+
+    out = torch.zeros_like(x)
+    for e in torch.unique(ids).tolist():
+        sel, ks = torch.where(ids == e)
+        y = expert_mlp(x[sel], *expert_weights(gate, up, down, types, e, torch.float32))
+        out.index_add_(0, sel, y * weights[sel, ks, None])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--intermediate", type=int, default=768)
+    parser.add_argument("--experts", type=int, default=128)
+    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--types", default="Q4_K,Q4_K,Q6_K", help="gate,up,down GGML types")
+    parser.add_argument("--threads", type=int, default=None, help="default: the cores this process may use")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--no-torch", action="store_true", help="skip the torch dequantizing path")
+    args = parser.parse_args()
+
+    from engine.layers.linear.cpu_kernels import cpu_kernels
+    from kernels.cpu import build
+    from kernels.cpu.moe_experts import default_threads
+
+    lib = cpu_kernels()
+    if lib is None:
+        raise SystemExit(f"the C CPU kernels do not build here: {build.why_not()}")
+    types = tuple(args.types.split(","))
+    h, i = args.hidden, args.intermediate
+    threads = args.threads or default_threads()
+    torch.set_num_threads(threads)
+    gate, up, down = random_experts(types, args.experts, h, i)
+    expert_bytes = sum(tensor_bytes(t, shape, 0) for t, shape in zip(types, ((i, h), (i, h), (h, i)), strict=True))
+    simd = "AVX2" if lib.hr_simd_level() else "plain C"
+    print(f"H={h} I={i} E={args.experts} top-{args.top_k} {'/'.join(types)}: {expert_bytes / 1e6:.2f} MB an expert; "
+          f"{threads} threads, {simd} build")
+    gen = torch.Generator().manual_seed(0)
+    for t in args.tokens:
+        ids = torch.stack([torch.randperm(args.experts, generator=gen)[: args.top_k] for _ in range(t)])
+        weights = torch.rand(t, args.top_k, generator=gen)
+        x = torch.randn(t, h, generator=gen)
+        tokens = torch.arange(t).repeat_interleave(args.top_k)
+        read = len(torch.unique(ids)) * expert_bytes
+        step = (x, tokens, ids, weights, gate, up, down, types)
+        rows = {"C kernels": lambda step=step: _c_step(lib, threads, *step)}
+        if not args.no_torch:
+            rows["torch dequantize"] = lambda step=step: _torch_step(*step)
+        for name, fn in rows.items():
+            fn()  # first touch
+            s = best_time(fn, args.repeats)
+            print(f"  {t} token(s), {name:16s}: {s * 1e3:8.2f} ms a step, {t / s:8.1f} tokens/s, "
+                  f"{read / s / 1e9:6.2f} GB/s of blocks")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+/* What the CPU block kernels share: ggml's type ids, float16 to float32, the vector build
+ * chosen by the compiler's target, and the serial row products each block family
+ * provides (block_gemv.c: Q4_0/Q4_1/Q8_0; kquant.c: Q4_K/Q5_K/Q6_K).
+ *
+ * A row product takes activation rows already quantized by hr_quantize_row (block_gemv.c):
+ * per block of 32, int16 codes c, a float32 scale dx, the codes' sum s and dx * s (dxs).
+ */
+#ifndef HR_BLOCKS_H
+#define HR_BLOCKS_H
+
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define HR_AVX2 1
+#endif
+
+enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };  /* ggml's type ids */
+
+static inline float f16_to_f32(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#ifdef HR_AVX2
+    return _cvtsh_ss(h);
+#else
+    /* IEEE half to float by hand (normal, subnormal, inf/nan). */
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else {
+            int e = -1;
+            do { man <<= 1; e++; } while (!(man & 0x400));
+            bits = sign | (uint32_t)(127 - 15 - e) << 23 | (man & 0x3ff) << 13;
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | man << 13;
+    } else {
+        bits = sign | (exp + 127 - 15) << 23 | man << 13;
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+static inline int hr_is_kquant(int type) { return type == Q4_K || type == Q5_K || type == Q6_K; }
+
+/* Weights per block and bytes per block of a type; 0 for a type without a kernel. */
+static inline int hr_block_elements(int type) {
+    return type == Q4_0 || type == Q4_1 || type == Q8_0 ? 32 : hr_is_kquant(type) ? 256 : 0;
+}
+static inline int hr_block_bytes(int type) {
+    switch (type) {
+        case Q4_0: return 18;
+        case Q4_1: return 20;
+        case Q8_0: return 34;
+        case Q4_K: return 144;
+        case Q5_K: return 176;
+        case Q6_K: return 210;
+        default: return 0;
+    }
+}
+
+/* Per activation row: K int16 codes, then K / 32 scales dx, sums s (int32) and dx * s. */
+void hr_quantize_row(const float *x, int64_t K, int16_t *codes, float *scales, int32_t *sums);
+
+/* y[i * ldy + n] = x_i . W[n] for i < M and n0 <= n < n1, one thread. W: rows of
+ * row_bytes bytes of `type`, K weights each; codes: M rows K apart; dx, sums, dxs: M rows
+ * K / 32 apart. scalar: the plain C product. */
+void hr_legacy_rows(int type, const uint8_t *w, int64_t K, const int16_t *codes, const float *dx,
+                    const int32_t *sums, const float *dxs, int64_t M, int64_t n0, int64_t n1, float *y,
+                    int64_t ldy, int scalar);
+void hr_kquant_rows(int type, const uint8_t *w, int64_t K, const int16_t *codes, const float *dx,
+                    const float *dxs, int64_t M, int64_t n0, int64_t n1, float *y, int64_t ldy, int scalar);
+
+/* Either of the two by type; -1 for a type or a K it does not take. */
+static inline int hr_rows(int type, const uint8_t *w, int64_t K, const int16_t *codes, const float *dx,
+                          const int32_t *sums, const float *dxs, int64_t M, int64_t n0, int64_t n1, float *y,
+                          int64_t ldy, int scalar) {
+    const int be = hr_block_elements(type);
+    if (be == 0 || K % be != 0) return -1;
+    if (hr_is_kquant(type))
+        hr_kquant_rows(type, w, K, codes, dx, dxs, M, n0, n1, y, ldy, scalar);
+    else
+        hr_legacy_rows(type, w, K, codes, dx, sums, dxs, M, n0, n1, y, ldy, scalar);
+    return 0;
+}
+
+#endif

@@ -1,0 +1,136 @@
+/* A mixture-of-experts layer's CPU experts for one step, in one call: every routed
+ * (token, expert, router weight) pair given, each expert's gate/up, SiLU-and-mul and
+ * down over its GGUF blocks, the outputs summed into out with the router weights.
+ *
+ * Called through ctypes by kernels/cpu/moe_experts.py (which holds the torch reference).
+ * One OpenMP parallel region (num_threads: the caller's count, from the cores the
+ * process may use) runs the phases, each a worksharing loop ended by its barrier:
+ *
+ *   1. each token's hidden state quantized once (hr_quantize_row: int16 codes per
+ *      block of 32), then copied to its pairs' rows;
+ *   2. gate and up: work items of ROWS weight rows of one expert's projection, for all
+ *      of that expert's pairs at once (the weights are read once per step);
+ *   3. h = silu(gate) * up per pair (float32), quantized the same way;
+ *   4. down: work items of ROWS rows of one expert's down projection;
+ *   5. out[token] += weight * y[pair], over column chunks, pairs in the given order (so
+ *      the sums are the same at any thread count).
+ *
+ * Pairs arrive grouped by expert: group g is pairs [start[g], start[g + 1]) of expert
+ * expert[g]. Weights: gate and up [E, I, H / be * bb] and down [E, H, I / be * bb]
+ * bytes, each of its own type (blocks.h).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "blocks.h"
+
+enum { ROWS = 32, COLS = 256 };  /* rows of a product work item; output columns of a sum item */
+
+/* Quantized rows: codes [n, K], then scales, sums and dx * sums [n, K / 32] each. */
+typedef struct {
+    int16_t *codes;
+    float *dx;
+    int32_t *sums;
+    float *dxs;
+} quantized;
+
+static int64_t quantized_bytes(int64_t n, int64_t K) { return n * (2 * K + K / 32 * 12); }
+
+static quantized quantized_at(void *at, int64_t n, int64_t K) {
+    quantized q;
+    q.codes = (int16_t *)at;
+    q.dx = (float *)(q.codes + n * K);
+    q.sums = (int32_t *)(q.dx + n * (K / 32));
+    q.dxs = (float *)(q.sums + n * (K / 32));
+    return q;
+}
+
+static void quantize_one(const float *x, int64_t K, quantized q, int64_t r) {
+    const int64_t nb = K / 32;
+    hr_quantize_row(x, K, q.codes + r * K, q.dx + r * nb, q.sums + r * nb);
+    for (int64_t b = 0; b < nb; b++) q.dxs[r * nb + b] = q.dx[r * nb + b] * (float)q.sums[r * nb + b];
+}
+
+/* Work bytes hr_moe_experts takes for T tokens and P pairs. */
+int64_t hr_moe_work_bytes(int64_t T, int64_t H, int64_t I, int64_t P) {
+    return quantized_bytes(T, H) + quantized_bytes(P, H) + quantized_bytes(P, I) + 4 * P * (2 * I + H) + 64;
+}
+
+/* out[token[p]] += weight[p] * down_e(silu(gate_e(x)) * up_e(x)) for every pair p.
+ *
+ * x: float32 [T, H]; token, weight: [P] (tokens below T); expert, start: [G] and [G + 1]
+ * (start[0] = 0, start[G] = P, experts below the stacks' E); gate, up, down: the stacks'
+ * first bytes; tg, tu, td: their types; out: float32 [T, H], added to; work:
+ * hr_moe_work_bytes(T, H, I, P) bytes. Returns 0, or -1 for a type or a size it does not
+ * take (H a multiple of the gate's and up's block, I of the down's).
+ */
+int hr_moe_experts(const float *x, int64_t T, int64_t H, int64_t I, const int32_t *token, const float *weight,
+                   int64_t P, const int32_t *expert, const int32_t *start, int64_t G, const uint8_t *gate,
+                   const uint8_t *up, const uint8_t *down, int tg, int tu, int td, float *out, void *work,
+                   int threads, int scalar) {
+    const int bg = hr_block_elements(tg), bu = hr_block_elements(tu), bd = hr_block_elements(td);
+    if (!bg || !bu || !bd || H <= 0 || I <= 0 || H % bg || H % bu || I % bd || T < 0 || P < 0 || G < 0) return -1;
+    if (P == 0) return 0;
+    const int64_t gate_bytes = I * (H / bg) * hr_block_bytes(tg), up_bytes = I * (H / bu) * hr_block_bytes(tu);
+    const int64_t down_bytes = H * (I / bd) * hr_block_bytes(td);
+    char *at = (char *)work;
+    const quantized xq = quantized_at(at, T, H);
+    at += quantized_bytes(T, H);
+    const quantized pq = quantized_at(at, P, H);
+    at += quantized_bytes(P, H);
+    const quantized hq = quantized_at(at, P, I);
+    at += quantized_bytes(P, I);
+    float *g = (float *)at, *u = g + P * I, *y = u + P * I;
+    const int64_t nbh = H / 32, nbi = I / 32;
+    const int64_t tiles_i = (I + ROWS - 1) / ROWS, tiles_h = (H + ROWS - 1) / ROWS, chunks = (H + COLS - 1) / COLS;
+    if (threads < 1) threads = 1;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) quantize_one(x + t * H, H, xq, t);
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < P; p++) {
+            const int64_t t = token[p];
+            memcpy(pq.codes + p * H, xq.codes + t * H, H * sizeof(int16_t));
+            memcpy(pq.dx + p * nbh, xq.dx + t * nbh, nbh * sizeof(float));
+            memcpy(pq.sums + p * nbh, xq.sums + t * nbh, nbh * sizeof(int32_t));
+            memcpy(pq.dxs + p * nbh, xq.dxs + t * nbh, nbh * sizeof(float));
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < G * 2 * tiles_i; item++) {
+            const int64_t grp = item / (2 * tiles_i), r = item % (2 * tiles_i), is_up = r / tiles_i;
+            const int64_t n0 = (r % tiles_i) * ROWS, n1 = n0 + ROWS < I ? n0 + ROWS : I, p0 = start[grp];
+            const int64_t m = start[grp + 1] - p0;
+            const uint8_t *w = is_up ? up + expert[grp] * up_bytes : gate + expert[grp] * gate_bytes;
+            hr_rows(is_up ? tu : tg, w, H, pq.codes + p0 * H, pq.dx + p0 * nbh, pq.sums + p0 * nbh, pq.dxs + p0 * nbh,
+                    m, n0, n1, (is_up ? u : g) + p0 * I, I, scalar);
+        }
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < P; p++) {
+            float *h = g + p * I;  /* silu(gate) * up, in place of the gate's row */
+            for (int64_t i = 0; i < I; i++) h[i] = h[i] / (1.0f + expf(-h[i])) * u[p * I + i];
+            quantize_one(h, I, hq, p);
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < G * tiles_h; item++) {
+            const int64_t grp = item / tiles_h, n0 = (item % tiles_h) * ROWS, n1 = n0 + ROWS < H ? n0 + ROWS : H;
+            const int64_t p0 = start[grp], m = start[grp + 1] - p0;
+            hr_rows(td, down + expert[grp] * down_bytes, I, hq.codes + p0 * I, hq.dx + p0 * nbi, hq.sums + p0 * nbi,
+                    hq.dxs + p0 * nbi, m, n0, n1, y + p0 * H, H, scalar);
+        }
+#pragma omp for schedule(static)
+        for (int64_t c = 0; c < chunks; c++) {
+            const int64_t c0 = c * COLS, c1 = c0 + COLS < H ? c0 + COLS : H;
+            for (int64_t p = 0; p < P; p++) {
+                float *o = out + (int64_t)token[p] * H;
+                const float *yp = y + p * H, wp = weight[p];
+                for (int64_t k = c0; k < c1; k++) o[k] += wp * yp[k];
+            }
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,115 @@
+"""The C CPU kernels over K-quant blocks (kernels/cpu/kquant.c) and a MoE layer's CPU
+experts in one call (kernels/cpu/moe_experts.c): each against its torch reference built
+on gguf's dequantizer, on odd shapes, in the vector build and the plain C one; and the
+expert cost model timing the C run."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("gguf")
+
+from kernels.cpu.block_gemv import block_gemv, block_gemv_ref  # noqa: E402
+from kernels.cpu.moe_experts import moe_experts, moe_experts_ref  # noqa: E402
+from kernels.quant import reference  # noqa: E402
+from kernels.quant.synthetic import random_blocks  # noqa: E402
+
+KQUANTS = ("Q4_K", "Q5_K", "Q6_K")
+
+
+def _blocks(type_name: str, rows: int, cols: int, seed: int) -> torch.Tensor:
+    return torch.from_numpy(random_blocks(type_name, rows, cols, np.random.default_rng(seed)))
+
+
+@pytest.mark.parametrize("type_name", KQUANTS)
+@pytest.mark.parametrize(("rows", "cols", "m"), [(37, 768, 1), (13, 256, 3), (5, 512, 17)])
+def test_kquant_gemv_equals_gguf_s_dequantizer_times_the_activations(lib, type_name, rows, cols, m):
+    """Rows not a multiple of anything, 1-3 blocks a row, 1, 3 and 17 activation rows (the
+    kernel's tile of 4 and its remainders); the vector and plain C builds both within
+    float32 summation order of the reference (a few ulps of ``|x| @ |w|.T``), and of each
+    other."""
+    blocks = _blocks(type_name, rows, cols, rows * cols + m)
+    x = torch.randn(m, cols, generator=torch.Generator().manual_seed(rows))
+    x[0, 3] = 40.0  # an outlier, as real activations have
+    w = reference.dequantize(blocks, type_name, cols)
+    tol = float((x.abs() @ w.abs().T).max()) * 2e-6
+    want = block_gemv_ref(x, blocks, type_name)
+    vector = block_gemv(lib, x, blocks, type_name)
+    plain = block_gemv(lib, x, blocks, type_name, scalar=True)
+    assert vector.shape == (m, rows) and vector.dtype == torch.float32
+    assert float((vector - want).abs().max()) <= tol
+    assert float((plain - want).abs().max()) <= tol
+    assert float((vector - plain).abs().max()) <= tol
+    # Against unrounded activations: within a 16-bit code's rounding, half a step of
+    # each block's largest value, times the weights.
+    exact = (x.double() @ w.double().T).float()
+    step = x.view(m, -1, 32).abs().amax(-1, keepdim=True).expand(-1, -1, 32).reshape(m, cols) / 65534
+    assert bool(((vector - exact).abs() <= step @ w.abs().T * 1.01 + tol).all())
+
+
+def test_kquant_gemv_refuses_rows_that_are_not_whole_blocks(lib):
+    blocks = _blocks("Q4_K", 4, 256, 0)
+    with pytest.raises(ValueError, match="do not match"):
+        block_gemv(lib, torch.randn(1, 288), blocks, "Q4_K")  # K = 288 is not whole blocks of 256
+
+
+def _experts(types: tuple[str, str, str], num: int, hidden: int, inter: int, seed: int):
+    rng = np.random.default_rng(seed)
+    stacks = [np.stack([random_blocks(t, rows, cols, rng, scale=1e-3) for _ in range(num)])
+              for t, rows, cols in ((types[0], inter, hidden), (types[1], inter, hidden), (types[2], hidden, inter))]
+    return [torch.from_numpy(s) for s in stacks]
+
+
+@pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q6_K"), ("Q5_K", "Q8_0", "Q4_1"), ("Q4_0", "Q6_K", "Q5_K")],
+                         ids=["q4_k_m", "mixed", "legacy-gate"])
+def test_a_layer_s_cpu_experts_in_one_call_equal_their_reference(lib, types):
+    """Pairs of 5 tokens over 6 experts (one expert with 3 tokens, one unused, a token
+    twice at different experts): gate/up, SiLU-and-mul and down per expert, summed into
+    out with the router weights; the vector and plain C builds agree, at 1 and 2
+    threads, and the call adds to what ``out`` held."""
+    hidden, inter = 512, 256
+    gate, up, down = _experts(types, 6, hidden, inter, seed=len(types[0]))
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(5, hidden, generator=gen)
+    tokens = torch.tensor([0, 1, 2, 3, 4, 0, 2, 4])
+    experts = torch.tensor([3, 3, 3, 0, 5, 1, 4, 1])
+    weights = torch.rand(8, generator=gen)
+    want = moe_experts_ref(x, tokens, experts, weights, gate, up, down, types)
+    scale = float(want.abs().max())
+    for scalar in (False, True):
+        for threads in (1, 2):
+            got = moe_experts(lib, x, tokens, experts, weights, gate, up, down, types, threads=threads, scalar=scalar)
+            assert got.shape == (5, hidden) and got.dtype == torch.float32
+            assert float((got - want).abs().max()) <= 1e-5 * scale, (scalar, threads)
+    base = torch.ones(5, hidden)
+    moe_experts(lib, x, tokens, experts, weights, gate, up, down, types, out=base)
+    assert float((base - 1 - want).abs().max()) <= 1e-5 * scale
+
+
+def test_the_one_call_refuses_what_it_cannot_take(lib):
+    gate, up, down = _experts(("Q4_K", "Q4_K", "Q6_K"), 2, 256, 256, seed=1)
+    x = torch.randn(2, 256)
+    one = torch.tensor([0])
+    with pytest.raises(ValueError, match="the C kernels read"):
+        moe_experts(lib, x, one, one, torch.ones(1), gate, up, down, ("Q5_0", "Q4_K", "Q6_K"))
+    with pytest.raises(ValueError, match="an expert outside 0..1"):
+        moe_experts(lib, x, one, torch.tensor([2]), torch.ones(1), gate, up, down, ("Q4_K", "Q4_K", "Q6_K"))
+    with pytest.raises(ValueError, match="gate experts"):
+        moe_experts(lib, torch.randn(2, 512), one, one, torch.ones(1), gate, up, down, ("Q4_K", "Q4_K", "Q6_K"))
+    empty = moe_experts(lib, x, one[:0], one[:0], torch.ones(0), gate, up, down, ("Q4_K", "Q4_K", "Q6_K"))
+    assert torch.equal(empty, torch.zeros(2, 256))
+
+
+def test_the_cost_model_times_the_c_run(lib):
+    """With the kernels, the measured CPU run is theirs over the blocks (positive, more
+    tokens no cheaper)."""
+    from engine.layers.moe.expert_costs import measure_stack_costs
+    from engine.layers.moe.expert_stacks import BlockStack
+
+    gate, up, down = _experts(("Q4_K", "Q4_K", "Q6_K"), 2, 256, 256, seed=2)
+    stack = BlockStack(gate, up, down, ("Q4_K", "Q4_K", "Q6_K"))
+    costs = measure_stack_costs(stack, torch.device("cpu"), repeats=1, cpu_kernels=lib)
+    assert costs.expert_bytes == sum(t[0].nbytes for t in (gate, up, down))
+    assert costs.cpu_s(256) >= costs.cpu_s(1) > 0

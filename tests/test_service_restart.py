@@ -1,7 +1,8 @@
 """The worker's life and death, and clean start-up failures, with real server processes:
 the worker killed (stream error, 503 + Retry-After, back to 200), the service killed
-(no worker left), hung worker, crash loop, retry of requests that had no token yet,
-the port taken, missing model, API key, custom CORS schemes in the config."""
+(no worker left), hung worker (a stuck step, a stopped process; a long step is none),
+crash loop, retry of requests that had no token yet, the port taken, missing model, API
+key, custom CORS schemes in the config."""
 
 from __future__ import annotations
 
@@ -132,7 +133,8 @@ def test_hung_worker_is_killed_and_requests_without_tokens_retried_once(tmp_path
     for name in ("hangs once", "normal"):
         assert results[name].status_code == 200, results[name].text
         assert results[name].json()["usage"]["completion_tokens"] == 3
-    assert "sent no heartbeat" in server.log()
+    # The step hung; the worker's heartbeat thread beat on with a counter that stood still.
+    assert "made no progress" in server.log()
     assert server.health().json()["restarts"] == 1
 
     # Retried once only: one that hangs every worker fails after the second.
@@ -140,6 +142,35 @@ def test_hung_worker_is_killed_and_requests_without_tokens_retried_once(tmp_path
     assert_openai_error(results["hangs always"], 503, code="engine_restarted")
     wait_for(lambda: server.health().status_code == 200, 30, "ready again")
     assert server.health().json()["restarts"] == 3
+
+
+def test_a_stopped_worker_is_killed_and_restarted(start_server):
+    """SIGSTOP: no thread of the worker runs, no heartbeat comes; killed after the stall
+    timeout and restarted."""
+    server = start_server(["--stall-timeout-s", "3", "--heartbeat-interval-s", "0.1"], fake=True)
+    worker = server.worker_pid()
+    os.kill(worker, signal.SIGSTOP)
+    wait_for(lambda: process_gone(worker), 60, "the stopped worker to be killed")
+    assert "sent no heartbeat" in server.log()
+    wait_for(lambda: (r := server.health()).status_code == 200 and r.json()["worker_pid"] != worker, 60, "a new worker")
+    assert server.health().json()["restarts"] == 1
+    r = httpx.post(server.base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+def test_a_long_step_is_not_a_stall(start_server):
+    """A 25 s step (the ``slow`` fault) under a 10 s stall timeout: its counter moves on
+    as it computes and the heartbeat thread carries it, so the same worker answers."""
+    server = start_server(["--stall-timeout-s", "10"], {"HEADROOM_FAULTS": "slow:*:1:25"})
+    worker = server.worker_pid()
+    with server.client(timeout=300) as http:
+        r = http.post("/v1/chat/completions", json={"messages": QUESTION, "max_tokens": 4, "temperature": 0})
+    assert r.status_code == 200, r.text
+    log = server.log()
+    assert "the slow step of 25.0 s is over" in log  # the step did take 25 s
+    assert "killing it" not in log
+    assert server.worker_pid() == worker
+    assert server.health().json()["restarts"] == 0
 
 
 def test_crash_loop_goes_to_failed_and_says_why(start_server):

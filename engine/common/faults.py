@@ -1,5 +1,5 @@
 """Test-only fault injection: raise ``torch.OutOfMemoryError`` at a named site of a step,
-or fail CUDA's initialisation when an engine starts.
+make a step slow, or fail CUDA's initialisation when an engine starts.
 
 The OOM handling of :meth:`engine.core.engine.Engine.step` must be exercised on machines
 without a GPU, where a real out-of-memory never happens at a chosen moment. A rule
@@ -15,6 +15,14 @@ names a site, a request and a count:
     sampling of a step in which the request samples, after the sampler has drawn
     (its random generator has advanced: rollback must restore it).
 
+``slow``
+    a step that runs the request (prefill or decode) computes ``seconds`` longer, after
+    its forward: it sleeps in slices of :data:`SLOW_SLICE_S`, advancing the work counter
+    (:mod:`engine.common.progress`) after each, as a long step's layers do. A slow
+    step, not a hang: the service's watchdog must leave it alone. Written
+    ``slow:request:times:seconds`` (times and seconds both required), e.g.
+    ``slow:*:1:25``.
+
 ``cuda_init``
     the start of an engine on any device but ``cpu``
     (:func:`engine.core.startup.resolve_device`): CUDA's initialisation fails with
@@ -24,14 +32,14 @@ names a site, a request and a count:
     writes the file back with one less, until none is left.
 
 ``request_id`` ``"*"`` matches any request. Each firing uses up one of ``times``;
-a step fires at most once.
+a step fires at most once per site.
 
 Configured by the ``HEADROOM_FAULTS`` environment variable, read once when the engine
 (its :class:`engine.core.runner.ModelRunner`) is built, e.g.
-``HEADROOM_FAULTS="prefill:req-1:2,sample:*:1"`` (``site:request[:times]``, rules
-separated by ``,``; times defaults to 1), or in-process through ``Engine.faults``
-(``engine.faults.add("decode", "req-1", times=3)``). With neither, the runner holds no
-injector and pays one ``is None`` test per step.
+``HEADROOM_FAULTS="prefill:req-1:2,sample:*:1,slow:*:1:25"`` (``site:request[:times]``
+and ``slow:request:times:seconds``, rules separated by ``,``; times defaults to 1), or
+in-process through ``Engine.faults`` (``engine.faults.add("decode", "req-1", times=3)``).
+With neither, the runner holds no injector and pays one ``is None`` test per step.
 
 Faults can also be armed while a worker runs (the chaos run, :mod:`service.bench.chaos`):
 ``HEADROOM_FAULTS_DIR`` names a folder where a test drops files ``NAME.fault``, each
@@ -44,6 +52,7 @@ rules have fired. Off unless the variable is set.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 from collections.abc import Iterable, Mapping
@@ -52,11 +61,15 @@ from pathlib import Path
 
 import torch
 
-from engine.common import environment
+from engine.common import environment, progress
+
+log = logging.getLogger("headroom.faults")
 
 ENV_VAR = environment.FAULTS.name
-SITES: tuple[str, ...] = ("prefill", "decode", "sample", "cuda_init")
+SITES: tuple[str, ...] = ("prefill", "decode", "sample", "slow", "cuda_init")
 CUDA_INIT = "cuda_init"
+SLOW = "slow"
+SLOW_SLICE_S = 0.1  # a slow step advances the work counter this often (seconds)
 ANY_REQUEST = "*"
 SPOOL_ENV_VAR = environment.FAULTS_DIR.name
 SPOOL_POLL_S = 0.05
@@ -64,12 +77,14 @@ SPOOL_POLL_S = 0.05
 
 @dataclass
 class FaultRule:
-    """Raise at ``site`` for ``request_id`` (or any, ``"*"``) ``remaining`` more times."""
+    """Raise at ``site`` for ``request_id`` (or any, ``"*"``) ``remaining`` more times
+    (at ``slow``: take ``seconds`` longer)."""
 
     site: str
     request_id: str
     remaining: int
     source: Path | None = None  # the claimed spool file it came from, if any
+    seconds: float = 0.0
 
 
 class FaultInjector:
@@ -88,11 +103,13 @@ class FaultInjector:
 
     @classmethod
     def parse(cls, spec: str) -> FaultInjector:
-        """Build an injector from ``site:request[:times]`` rules separated by ``,``.
+        """Build an injector from ``site:request[:times]`` rules (``slow:request:times:seconds``)
+        separated by ``,``.
 
         Raises:
-            ValueError: a rule without a request, an unknown site, or a count that is
-                not a positive integer; the message quotes the rule.
+            ValueError: a rule without a request, an unknown site, a count that is not
+                a positive integer, a ``slow`` rule without its times and seconds; the
+                message quotes the rule.
         """
         injector = cls()
         for raw in spec.split(","):
@@ -101,16 +118,20 @@ class FaultInjector:
                 continue
             site, sep, rest = rule.partition(":")
             if not sep or not rest:
-                raise ValueError(
-                    f"{ENV_VAR} rule {rule!r}: expected site:request[:times], e.g. prefill:req-1:2"
-                )
+                form = SLOW_FORM if site.strip() == SLOW else "site:request[:times], e.g. prefill:req-1:2"
+                raise ValueError(f"{ENV_VAR} rule {rule!r}: expected {form}")
+            seconds = 0.0
+            if site.strip() == SLOW:
+                rest, seconds = _slow_seconds(rule, rest)
             request_id, times = rest, 1
             head, sep, tail = rest.rpartition(":")
             # A trailing ":N" is the count; request ids may contain ':' themselves.
             if sep and tail.strip().lstrip("-").isdigit():
                 request_id, times = head, int(tail)
+            elif seconds:
+                raise ValueError(f"{ENV_VAR} rule {rule!r}: expected {SLOW_FORM}")
             try:
-                injector.add(site.strip(), request_id.strip(), times)
+                injector.add(site.strip(), request_id.strip(), times, seconds=seconds)
             except ValueError as exc:
                 raise ValueError(f"{ENV_VAR} rule {rule!r}: {exc}") from None
         return injector
@@ -160,12 +181,14 @@ class FaultInjector:
                 rule.source = taken
                 self.rules.append(rule)
 
-    def add(self, site: str, request_id: str = ANY_REQUEST, times: int = 1) -> None:
-        """Raise ``torch.OutOfMemoryError`` at ``site`` for ``request_id`` ``times`` times.
+    def add(self, site: str, request_id: str = ANY_REQUEST, times: int = 1, *, seconds: float = 0.0) -> None:
+        """Raise ``torch.OutOfMemoryError`` at ``site`` for ``request_id`` ``times`` times
+        (at ``slow``: make ``times`` steps take ``seconds`` longer).
 
         Raises:
-            ValueError: ``site`` not one of ``prefill``, ``decode``, ``sample``; an empty
-                request id; ``times < 1``.
+            ValueError: ``site`` not one of :data:`SITES`; an empty request id;
+                ``times < 1``; a ``slow`` fault without ``seconds > 0``, or ``seconds``
+                at another site.
         """
         if site not in SITES:
             raise ValueError(f"unknown fault site {site!r}; choose one of {', '.join(SITES)}")
@@ -173,7 +196,9 @@ class FaultInjector:
             raise ValueError(f"empty request id (use {ANY_REQUEST!r} for any request)")
         if times < 1:
             raise ValueError(f"times must be >= 1, got {times}")
-        self.rules.append(FaultRule(site, request_id, times))
+        if (site == SLOW) != (seconds > 0):
+            raise ValueError(f"seconds > 0 go with the {SLOW!r} site only, got {seconds} at {site!r}")
+        self.rules.append(FaultRule(site, request_id, times, seconds=seconds))
 
     def clear(self) -> None:
         self.rules.clear()
@@ -185,7 +210,8 @@ class FaultInjector:
 
     def check(self, site: str, request_ids: Iterable[str]) -> None:
         """Raise if a live rule for ``site`` matches one of ``request_ids`` (the requests
-        the step runs at that site); uses up one count of the first such rule.
+        the step runs at that site); uses up one count of the first such rule. At
+        ``slow``, take the rule's seconds instead (:func:`compute_slowly`) and return.
 
         Raises:
             torch.OutOfMemoryError: the injected fault, with a CUDA-like message.
@@ -208,6 +234,11 @@ class FaultInjector:
             self.fired.append((site, hit))
             if rule.source is not None and rule.remaining == 0:
                 self._mark_fired(rule.source)
+            if site == SLOW:
+                log.warning("injected fault: a slow step of %.1f s (request %s)", rule.seconds, hit)
+                compute_slowly(rule.seconds)
+                log.warning("injected fault: the slow step of %.1f s is over", rule.seconds)
+                return
             raise torch.OutOfMemoryError(
                 "CUDA out of memory. Tried to allocate (an injected amount) "
                 f"(injected at site {site} for request {hit})"
@@ -219,6 +250,35 @@ class FaultInjector:
             return
         with contextlib.suppress(OSError):
             os.rename(source, source.with_suffix(".fired"))
+
+
+SLOW_FORM = "slow:request:times:seconds, e.g. slow:*:1:25"
+
+
+def _slow_seconds(rule: str, rest: str) -> tuple[str, float]:
+    """Split a ``slow`` rule's ``request:times:seconds`` into ``request:times`` and the
+    seconds (a positive number).
+
+    Raises:
+        ValueError: no seconds, or not a positive number; the message quotes the rule.
+    """
+    head, sep, tail = rest.rpartition(":")
+    try:
+        seconds = float(tail)
+    except ValueError:
+        seconds = 0.0
+    if not sep or not seconds > 0 or seconds == float("inf"):
+        raise ValueError(f"{ENV_VAR} rule {rule!r}: expected {SLOW_FORM}")
+    return head, seconds
+
+
+def compute_slowly(seconds: float) -> None:
+    """Take ``seconds`` as a long step would: sleep in slices of :data:`SLOW_SLICE_S`,
+    advancing the work counter (:mod:`engine.common.progress`) after each."""
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        time.sleep(min(SLOW_SLICE_S, left))
+        progress.advance()
 
 
 def _only_cuda_init(path: Path) -> bool:

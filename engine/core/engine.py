@@ -30,10 +30,10 @@ from engine.core.settings_fit import check_for_model
 from engine.core.startup import (
     device_memory,
     estimated_planner,
-    quantized_gguf,
     resolve_device,
     resolve_dtype,
     use_kernel_switches,
+    weight_format,
 )
 from engine.core.tp_follow import lead
 from engine.kvcache.allocator import PageAllocator
@@ -52,12 +52,10 @@ from engine.layers.moe.expert_cache import (
 )
 from engine.layers.weight_census import model_weight_bytes, quantized_format
 from engine.loader.default_model import model_display_name
-from engine.loader.fp8 import resolve_quantization
-from engine.loader.gguf_quant import gguf_weight_size
 from engine.loader.hf_config import load_model_config
 from engine.loader.load import load_model
 from engine.loader.resolve import resolve_model
-from engine.loader.weight_size import fp8_weight_size, parameter_count
+from engine.loader.weight_size import parameter_count
 from engine.memory.host import trim_host_heap
 from engine.memory.plan import MemoryPlan, PlanKnobs
 from engine.parallel.group import TensorParallel
@@ -131,16 +129,11 @@ class Engine(PlanStages, GrammarWaits, LiveReplan):
             mc = shard_rank_config(mc, tp)
         self.model_config = mc
         # A GGUF asked to keep its projections in block format (--gguf-quantized; on the
-        # CPU its 4-bit blocks repacked into torch's int4 layout): planned and loaded so;
-        # otherwise dequantized at load and priced dense.
-        self.quantized_gguf = quantized_gguf(config, self.device, mc)
-        self.weight_size = None if self.quantized_gguf is None else gguf_weight_size(
-            self.quantized_gguf, mc, self.dtype, self.device.type)
-        # FP8 projections (--quantization fp8, or an FP8 checkpoint), priced at their bytes.
-        self.quantization = None if self.quantized_gguf is not None else resolve_quantization(
-            config.quantization, self.model_dir)
-        if self.quantization == "fp8":
-            self.weight_size = fp8_weight_size(mc, self.dtype)
+        # CPU its 4-bit blocks repacked into torch's int4 layout), else FP8 projections
+        # (--quantization fp8, or an FP8 checkpoint): planned and loaded so, priced at
+        # their bytes; otherwise dense in the model dtype.
+        self.quantized_gguf, self.quantization, self.weight_size = weight_format(
+            config, self.device, self.dtype, mc, self.model_dir)
         # The attention backend's name (auto resolved) and whether decode steps run as
         # CUDA graphs; both decide workspaces the plan charges.
         self.attention_backend = resolve_backend_name(config.attention_backend, self.device.type)

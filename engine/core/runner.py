@@ -186,6 +186,7 @@ class ModelRunner:
 
     @staticmethod
     def _inject_forward(faults: FaultInjector, plan: StepPlan) -> None:
-        """The ``prefill`` and ``decode`` sites: after the forward wrote the step's KV."""
+        """The ``slow``, ``prefill`` and ``decode`` sites: after the forward wrote the step's KV."""
+        faults.check("slow", [it.req.request_id for it in plan.items])
         faults.check("prefill", [it.req.request_id for it in plan.items if it.req.phase is Phase.PREFILL])
         faults.check("decode", [it.req.request_id for it in plan.items if it.req.phase is Phase.DECODE])

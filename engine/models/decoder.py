@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.common import progress
 from engine.common.config import ModelConfig
 from engine.common.forward_batch import ForwardBatch
 from engine.layers.attention.base import AttentionBackend
@@ -330,6 +331,7 @@ class CausalLM(HFWeightLoading, nn.Module):
             attn.prepare(batch)
             for layer in self.model.layers:
                 h, residual = layer(h, residual, batch, attn, self.cos_sin_cache)
+                progress.advance()  # a plain int: no launch, no sync (engine.common.progress)
         # RMSNorm is per row, so normalizing only the rows that need logits is exact.
         rows = batch.logits_indices
         if residual is None:  # no layers

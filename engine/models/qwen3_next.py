@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.common import progress
 from engine.common.config import ModelConfig
 from engine.common.forward_batch import ForwardBatch
 from engine.layers.attention.base import AttentionBackend
@@ -165,6 +166,7 @@ class HybridCausalLM(CausalLM):
         residual = None
         for layer in self.model.layers:
             h, residual = layer(h, residual, batch, attn, self.cos_sin_cache, self.states)
+            progress.advance()
         rows = batch.logits_indices
         h, _ = self.model.norm.add_forward(h[rows], residual[rows])
         if self.lm_head is None:

@@ -168,14 +168,24 @@ class PoolStats(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Heartbeat(msgspec.Struct, frozen=True, tag=True, kw_only=True):
-    """Sent from the worker's main loop every ``heartbeat_interval_s`` (and in answer
-    to a :class:`StatsRequest`, with its ``seq``). It comes from the same thread that
-    runs engine steps, so its absence means the loop is stuck, not merely busy with
-    a thread of its own. ``pool`` is None for an engine that cannot resize its pool."""
+    """Sent by the worker's heartbeat thread every ``heartbeat_interval_s``, also in the
+    middle of a long step (and by its main loop in answer to a :class:`StatsRequest`,
+    with its ``seq``). Its absence means the process is stopped or gone; a stuck step
+    shows as ``progress`` that stops moving (the watchdog reads both,
+    :mod:`service.supervision.liveness`).
+
+    ``stats`` and ``pool`` are the main loop's last reading between two steps (a step
+    is not interrupted to read them); ``pool`` is None for an engine that cannot resize
+    its pool. ``progress`` is the worker's work counter
+    (:mod:`engine.common.progress`: layers run, loop passes), which only grows;
+    ``waiting`` says the main loop waits for messages, with no work to make progress
+    on."""
 
     stats: EngineStats
     seq: int | None = None
     pool: PoolStats | None = None
+    progress: int = 0
+    waiting: bool = False
 
 
 class EngineEvents(msgspec.Struct, frozen=True, tag=True):

@@ -2,8 +2,8 @@
 
 Started by the service's supervisor with multiprocessing's *spawn* start method (a
 fresh interpreter: no CUDA state, no event loop, no Litestar inherited from the
-service). :func:`worker_main` is the process target. The loop is single-threaded, as
-the engine requires: drain the pipe, run one engine step, send its outputs, beat. The
+service). :func:`worker_main` is the process target. The engine is driven by one
+thread, as it requires: drain the pipe, run one engine step, send its outputs. The
 service's replan commands (:class:`engine.wire.ipc.ResizePool` and the others) arrive on the
 same pipe and are carried out there, between two steps: the engine is never resized
 mid-step.
@@ -12,6 +12,11 @@ With ``--tensor-parallel-size N`` this process is rank 0 of a group of N
 (:mod:`engine.worker.tp_launch`): it spawns the other ranks as its children and the
 service still sees one worker; a lost rank ends the group (exit code 5) and the
 supervisor restarts it as after any worker death.
+
+Heartbeats come from a thread of their own (:mod:`engine.worker.heartbeat`), so a long
+step still beats; they carry the work counter (:mod:`engine.common.progress`) that the
+layers of a step and each pass of the loop advance, so the service's watchdog kills a
+worker whose step is stuck, not one whose step is long.
 
 The worker dies with its parent three ways, so no orphan keeps holding the GPU:
 Linux's parent-death signal (SIGKILL, set with ``prctl``), the pipe closing (EOF on
@@ -31,6 +36,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
+from engine.common import progress
 from engine.common.errors import CudaUnavailable, PlanDoesNotFit, RequestRejected, SettingRefused
 from engine.common.load_errors import ModelLoadError
 from engine.common.parent_death import die_with_parent
@@ -41,7 +47,6 @@ from engine.wire.ipc import (
     ControlDone,
     EngineEvents,
     EvictPrefixCache,
-    Heartbeat,
     Misfit,
     Outputs,
     PoolStats,
@@ -54,10 +59,10 @@ from engine.wire.ipc import (
     StatsRequest,
     WorkerConfig,
     WorkerError,
-    encode,
     to_worker_decoder,
 )
 from engine.wire.messages import AbortRequest, GenerateRequest, ResizeResult
+from engine.worker.heartbeat import HeartbeatThread, SharedPipe
 
 log = logging.getLogger("headroom.worker")
 
@@ -104,7 +109,7 @@ def worker_main(conn: Connection, config: WorkerConfig, log_conn: Connection | N
             traceback.print_exc()
         misfit = _misfit(exc.plan) if isinstance(exc, PlanDoesNotFit) else None
         _send_quietly(
-            conn,
+            SharedPipe(conn),
             WorkerError(message=str(exc), kind=type(exc).__name__, during_load=True, misfit=misfit),
         )
         sys.stdout.flush()
@@ -113,13 +118,14 @@ def worker_main(conn: Connection, config: WorkerConfig, log_conn: Connection | N
     load_s = time.monotonic() - started
     group = getattr(engine, "tp_group", None)
     rank_pids = group.pids[1:] if group is not None else []
-    conn.send_bytes(encode(Ready(info=engine.info, pid=os.getpid(), load_s=load_s, rank_pids=rank_pids)))
+    pipe = SharedPipe(conn)
+    pipe.send(Ready(info=engine.info, pid=os.getpid(), load_s=load_s, rank_pids=rank_pids))
     log.info("engine ready in %.1f s: %s", load_s, engine.info.model_name)
     try:
-        code = _serve(conn, engine, config)
+        code = _serve(pipe, engine, config)
     except Exception as exc:
         _send_quietly(
-            conn, WorkerError(message=str(exc), kind=type(exc).__name__, during_load=False)
+            pipe, WorkerError(message=str(exc), kind=type(exc).__name__, during_load=False)
         )
         raise
     group = getattr(engine, "tp_group", None)
@@ -130,9 +136,9 @@ def worker_main(conn: Connection, config: WorkerConfig, log_conn: Connection | N
     sys.exit(code)
 
 
-def _serve(conn: Connection, engine: Any, config: WorkerConfig) -> int:
-    """The loop: receive -> step -> send outputs (and the step's engine events) ->
-    heartbeat. Returns an exit code."""
+def _serve(pipe: SharedPipe, engine: Any, config: WorkerConfig) -> int:
+    """The loop: receive -> step -> send outputs (and the step's engine events), with
+    the heartbeat thread beside it. Returns an exit code."""
     interval_s = config.heartbeat_interval_s
     # Engines without events (tests' fakes) are served as well.
     drain_events = getattr(engine, "drain_events", None)
@@ -142,32 +148,43 @@ def _serve(conn: Connection, engine: Any, config: WorkerConfig) -> int:
     if hasattr(engine, "resize_kv_pool"):
         planned_pages = getattr(engine, "kv_pool_ceiling_pages", engine.pool.num_pages)
     threads = _cpu_threads(config)
-    next_beat = 0.0
-    while True:
-        now = time.monotonic()
-        if now >= next_beat:
-            conn.send_bytes(encode(_heartbeat(engine, planned_pages)))
-            next_beat = now + interval_s
-            if os.getppid() != config.parent_pid:
-                return EXIT_PARENT_GONE
-        # Block only when idle: with work queued, poll and go straight to the step.
-        timeout = 0.0 if engine.has_work() else max(0.0, next_beat - time.monotonic())
-        try:
-            if conn.poll(timeout):
-                code = _receive(conn, engine, planned_pages)
-                if code is not None:
-                    return code
-        except (EOFError, OSError):
-            return EXIT_OK  # the service closed the pipe: it is gone or wants us gone
-        if engine.has_work():
-            threads()
-            outputs = engine.step()
-            if outputs:
-                conn.send_bytes(encode(Outputs(outputs)))
-            if drain_events is not None:
-                events = drain_events()
-                if events:
-                    conn.send_bytes(encode(EngineEvents(list(events))))
+    stats = engine.stats()
+    beats = HeartbeatThread(pipe, interval_s, stats, pool_stats(engine, stats, planned_pages))
+    beats.start()
+    next_reading = time.monotonic() + interval_s
+    try:
+        while True:
+            progress.advance()  # a pass of the loop is progress (a replayed graph runs no layer loop)
+            now = time.monotonic()
+            if now >= next_reading:  # the engine's figures, for the next beats
+                stats = engine.stats()
+                beats.update(stats, pool_stats(engine, stats, planned_pages))
+                next_reading = now + interval_s
+                if os.getppid() != config.parent_pid:
+                    return EXIT_PARENT_GONE
+            # Block only when idle: with work queued, poll and go straight to the step.
+            timeout = 0.0 if engine.has_work() else max(0.0, next_reading - time.monotonic())
+            try:
+                beats.waiting = timeout > 0
+                ready = pipe.poll(timeout)
+                beats.waiting = False
+                if ready:
+                    code = _receive(pipe, engine, beats, planned_pages)
+                    if code is not None:
+                        return code
+            except (EOFError, OSError):
+                return EXIT_OK  # the service closed the pipe: it is gone or wants us gone
+            if engine.has_work():
+                threads()
+                outputs = engine.step()
+                if outputs:
+                    pipe.send(Outputs(outputs))
+                if drain_events is not None:
+                    events = drain_events()
+                    if events:
+                        pipe.send(EngineEvents(list(events)))
+    finally:
+        beats.stop()
 
 
 def _cpu_threads(config: WorkerConfig) -> Callable[[], None]:
@@ -180,39 +197,29 @@ def _cpu_threads(config: WorkerConfig) -> Callable[[], None]:
     return fit_between_steps(getattr(config.engine, "cpu_threads", "auto"))
 
 
-def _receive(conn: Connection, engine: Any, planned_pages: int) -> int | None:
+def _receive(pipe: SharedPipe, engine: Any, beats: HeartbeatThread, planned_pages: int) -> int | None:
     """Handle every message waiting on the pipe; an exit code means stop."""
     while True:
-        message = to_worker_decoder.decode(conn.recv_bytes())
+        message = to_worker_decoder.decode(pipe.recv_bytes())
         if isinstance(message, GenerateRequest):
             try:
                 engine.add_request(message)
             except RequestRejected as exc:
-                conn.send_bytes(
-                    encode(
-                        Rejected(
-                            request_id=message.request_id,
-                            message=exc.message,
-                            code=exc.code,
-                            param=exc.param,
-                        )
-                    )
+                pipe.send(
+                    Rejected(request_id=message.request_id, message=exc.message, code=exc.code, param=exc.param)
                 )
         elif isinstance(message, AbortRequest):
             engine.abort(message.request_id)
         elif isinstance(message, StatsRequest):
-            conn.send_bytes(encode(_heartbeat(engine, planned_pages, message.seq)))
+            stats = engine.stats()  # read now, and kept for the next beats
+            beats.update(stats, pool_stats(engine, stats, planned_pages))
+            pipe.send(beats.beat(message.seq))
         elif isinstance(message, (SetPrefillChunk, EvictPrefixCache, ResizePool, ResizeExpertCache)):
-            _replan(conn, engine, message, planned_pages)
+            _replan(pipe, engine, message, planned_pages)
         elif isinstance(message, Shutdown):
             return EXIT_OK
-        if not conn.poll(0):
+        if not pipe.poll(0):
             return None
-
-
-def _heartbeat(engine: Any, planned_pages: int, seq: int | None = None) -> Heartbeat:
-    stats = engine.stats()
-    return Heartbeat(stats=stats, seq=seq, pool=pool_stats(engine, stats, planned_pages))
 
 
 def pool_stats(engine: Any, stats: Any, planned_pages: int) -> PoolStats | None:
@@ -262,7 +269,7 @@ def pool_stats(engine: Any, stats: Any, planned_pages: int) -> PoolStats | None:
     )
 
 
-def _replan(conn: Connection, engine: Any, command: Any, planned_pages: int) -> None:
+def _replan(pipe: SharedPipe, engine: Any, command: Any, planned_pages: int) -> None:
     """Carry out one replan command between steps; send the engine's events (the
     ``Replanned``), then a :class:`ControlDone`. A command the engine cannot take (a
     fake engine, a size below 2 pages, a grow that ran out of device memory: the pool
@@ -301,20 +308,10 @@ def _replan(conn: Connection, engine: Any, command: Any, planned_pages: int) -> 
     drain = getattr(engine, "drain_events", None)
     events = drain() if drain is not None else []
     if events:
-        conn.send_bytes(encode(EngineEvents(list(events))))
+        pipe.send(EngineEvents(list(events)))
     stats = engine.stats()
-    conn.send_bytes(
-        encode(
-            ControlDone(
-                seq=command.seq,
-                ok=ok,
-                message=text,
-                stats=stats,
-                pool=pool_stats(engine, stats, planned_pages),
-                result=result,
-            )
-        )
-    )
+    pool = pool_stats(engine, stats, planned_pages)
+    pipe.send(ControlDone(seq=command.seq, ok=ok, message=text, stats=stats, pool=pool, result=result))
 
 
 def _describe_resize(r: ResizeResult) -> str:
@@ -394,8 +391,8 @@ def _die_with_parent() -> None:
         log.warning("prctl(PR_SET_PDEATHSIG) unavailable; relying on the pipe closing")
 
 
-def _send_quietly(conn: Connection, message: WorkerError) -> None:
+def _send_quietly(pipe: SharedPipe, message: WorkerError) -> None:
     try:
-        conn.send_bytes(encode(message))
+        pipe.send(message)
     except (OSError, ValueError):
         pass

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.wire.ipc import WorkerConfig
+from service.supervision.restarts import RestartLimits
 from service.supervision.waits import (
     DEFAULT_MEMORY_SETTLE_S,
     GPU_RETRY_INITIAL_S,
@@ -17,10 +18,11 @@ from service.supervision.waits import (
 class SupervisorConfig:
     """Knobs of the supervisor; times in seconds.
 
-    ``stall_timeout_s``: a ready worker silent this long (no heartbeat) is killed and
+    ``stall_timeout_s``: a ready worker silent this long (no heartbeat), or whose step
+    made no progress this long (:mod:`service.supervision.liveness`), is killed and
     restarted. ``start_timeout_s``: a worker not ready this long after spawning is
-    killed. ``backoff_initial_s`` doubles per consecutive exit up to ``backoff_max_s``;
-    ``max_exits`` exits within ``exit_window_s`` mean a crash loop -> ``failed``.
+    killed. ``restart_limits``: the backoff between restarts and how many exits in
+    how long are a crash loop (-> ``failed``).
     ``pidfile``: the stale-worker list (None: :func:`service.supervision.stale.default_pidfile`);
     ``guard_workers`` False skips it (no reaping, no recording). ``release_timeout_s``:
     the longest wait for a dead worker's memory before a new one plans.
@@ -34,10 +36,7 @@ class SupervisorConfig:
     worker: WorkerConfig
     stall_timeout_s: float = 30.0
     start_timeout_s: float = 900.0
-    backoff_initial_s: float = 0.5
-    backoff_max_s: float = 10.0
-    max_exits: int = 5
-    exit_window_s: float = 60.0
+    restart_limits: RestartLimits = RestartLimits()
     pidfile: Path | None = None
     guard_workers: bool = True
     release_timeout_s: float = 10.0

@@ -1,10 +1,15 @@
-"""The supervisor's watchdog: kill a worker that stopped beating (hung) or never got
-ready; the supervisor's exit handling then restarts it. It also unloads a ready worker
-left without requests for ``keep_alive_s`` (the ``idle`` state).
+"""The supervisor's watchdog: kill a worker that hung or never got ready; the
+supervisor's exit handling then restarts it. It also unloads a ready worker left
+without requests for ``keep_alive_s`` (the ``idle`` state).
 
-A ready worker silent for ``stall_timeout_s`` seconds (no heartbeat, no other message)
-is killed, as is one not ready ``start_timeout_s`` seconds after it was spawned. The
-check runs every heartbeat interval (at most once a second, at least every 50 ms).
+A ready worker is killed when, for ``stall_timeout_s`` seconds, it sent nothing (a
+stopped or frozen process) or made no progress: its heartbeats, sent from a thread
+also during a step, carry a work counter the step's layers advance, and a counter that
+stops moving with work to do means a stuck step, while a long step that moves on is
+left alone (:mod:`service.supervision.liveness`). A worker not ready
+``start_timeout_s`` seconds after it was spawned is killed too: loading, CUDA-graph
+capture and the warm-up step come before ready. The check runs every heartbeat
+interval (at most once a second, at least every 50 ms).
 """
 
 from __future__ import annotations
@@ -54,14 +59,10 @@ async def watch(supervisor: Watched) -> None:
             continue
         now = time.monotonic()
         if supervisor.state is State.READY:
-            silent_s = now - supervisor.link.last_message_at
-            if silent_s > config.stall_timeout_s:
-                log.error(
-                    "worker %s sent no heartbeat for %.1f s (stall timeout %.1f s); killing it",
-                    worker.pid,
-                    silent_s,
-                    config.stall_timeout_s,
-                )
+            stalled = supervisor.link.liveness.stall(now, config.stall_timeout_s)
+            if stalled is not None:
+                log.error("worker %s %s, past the stall timeout of %.1f s; killing it", worker.pid, stalled,
+                          config.stall_timeout_s)
                 worker.kill()
                 killed = worker
         elif supervisor.state in (State.STARTING, State.RESTARTING):

@@ -44,14 +44,13 @@ def _ours_bytes(server: ServerProcess) -> int | None:
 
 
 def test_waits_for_memory_other_processes_hold_then_serves(start_server, tmp_path):
-    # A 4 GiB card of which another app holds 3 GiB from the service's start for 30 s: the
-    # plan cannot fit beside it (1 GiB desktop reserve), and would without it. The hold is
-    # long enough that the first plan falls inside it even on a crowded machine (the plan
-    # comes a few seconds after the start; 10 s was once not enough with two suites on 2 cores).
-    timeline = tmp_path / "timeline.json"
-    timeline.write_text(
-        json.dumps({"start": "service", "baseline": "replaced", "steps": [[0, "3GiB"], [30, 0]]})
-    )
+    # A 4 GiB card of which another app holds 3 GiB (--device-free 1GiB) until the test
+    # lets it go (the timeline starts when the file "leave" appears): the plan cannot fit
+    # beside it (1 GiB desktop reserve), and would without it. Let go only once the
+    # waiting was seen, however slow the machine (a fixed 10 s hold was once too short
+    # with two suites on 2 cores, and 30 s cost every run 30 s).
+    timeline, leave = tmp_path / "timeline.json", tmp_path / "leave"
+    timeline.write_text(json.dumps({"start": f"file:{leave}", "baseline": "replaced", "steps": [[0, 0]]}))
     flags = "--device-total 4GiB --device-free 1GiB --reserve 1GiB --vram-source simulated"
     server = start_server(
         [*flags.split(), "--vram-timeline", str(timeline), "--memory-settle", "1"], wait=False
@@ -75,6 +74,7 @@ def test_waits_for_memory_other_processes_hold_then_serves(start_server, tmp_pat
     assert snapshot["health"]["status"] in ("waiting_for_memory", "ready")
 
     # The other app leaves: the worker starts on the freed memory, and a request is served.
+    leave.touch()
     server.wait_ready(LOAD_S)
     answer = httpx.post(f"{server.base_url}/v1/completions", json=ASK, timeout=120)
     assert answer.status_code == 200, answer.text

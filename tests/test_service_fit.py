@@ -15,16 +15,14 @@ from service_harness import wait_for
 pytestmark = pytest.mark.slow
 
 GiB = 1 << 30
-# The other app leaves this long after the engine is ready: long enough for the few
-# requests that look at the lowered context first, even on a busy machine.
-LEAVES_AT_S = 40
 
 
 def test_a_tight_card_starts_with_a_lowered_context_that_grows_back(start_server, tmp_path):
-    timeline = tmp_path / "timeline.json"
+    timeline, leave = tmp_path / "timeline.json", tmp_path / "leave"
     # The steps are all of the other processes: the 1 GiB --device-free left out at start
-    # is theirs, and they let go of it at LEAVES_AT_S.
-    timeline.write_text(json.dumps({"baseline": "replaced", "steps": [[0, "1GiB"], [LEAVES_AT_S, 0]]}))
+    # is theirs, and they let go of it when the test makes the file "leave" (after the
+    # lowered context was checked, however slow the machine).
+    timeline.write_text(json.dumps({"start": f"file:{leave}", "baseline": "replaced", "steps": [[0, 0]]}))
     # A 1 GiB desktop reserve: with the default model's weights in float32 on the CPU
     # (--no-gguf-quantized: the int4 repacking would leave room for it all), the 4 GiB
     # card's budget then holds a little less than the model's 8192-token context.
@@ -59,6 +57,7 @@ def test_a_tight_card_starts_with_a_lowered_context_that_grows_back(start_server
     assert others >= GiB - (1 << 20), "the other app left before the lowered context was checked"
 
     # The other app leaves: the pool grows, and the context with it, to the model's.
+    leave.touch()
     grown = wait_for(
         lambda: (m := http.get("/v1/models").json()["data"][0])["context_length"] == 8192 and m,
         180,

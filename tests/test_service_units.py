@@ -156,7 +156,7 @@ def test_settings_errors_name_their_source(tmp_path, file_text, env, needle):
 
 @pytest.mark.parametrize(("text", "value"), [("auto", None), ("on", True), ("0", False)])
 def test_gguf_quantized_takes_auto_as_unset(tmp_path, text, value):
-    """Unset means by device (on for the CPU, off on CUDA); "auto" says so explicitly."""
+    """Unset means by device and size (on for the CPU; on CUDA from 1 GiB dequantized); "auto" says so explicitly."""
     settings = resolve({}, env={"HEADROOM_GGUF_QUANTIZED": text}, config_path=_empty(tmp_path))
     assert settings.gguf_quantized is value
 
@@ -405,6 +405,7 @@ def test_watchdog_kills_a_stalled_worker_once_until_it_is_reaped():
     from types import SimpleNamespace
 
     from service.common.engine_states import State
+    from service.supervision.liveness import Liveness
     from service.supervision.watchdog import watch
 
     kills = []
@@ -418,7 +419,7 @@ def test_watchdog_kills_a_stalled_worker_once_until_it_is_reaped():
         ),
         worker=worker,
         state=State.READY,
-        link=SimpleNamespace(last_message_at=time.monotonic() - 10.0),
+        link=SimpleNamespace(liveness=Liveness(time.monotonic() - 10.0)),
         idle_due=lambda now: False,  # no --keep-alive
     )
 

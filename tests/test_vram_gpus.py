@@ -130,6 +130,27 @@ def test_timeline_steps_per_gpu(tmp_path):
             load_timeline(path)
 
 
+def test_a_timeline_started_by_a_file_holds_its_baseline_until_the_file_appears(tmp_path):
+    """``"start": "file:PATH"``: the other processes hold what --device-free left out
+    (baseline "replaced") until the first sample that finds PATH; the steps play from
+    then. A "file:" with no path is refused."""
+    config, timeline, leave = tmp_path / "c.toml", tmp_path / "t.json", tmp_path / "leave"
+    config.touch()
+    timeline.write_text(json.dumps({"start": f"file:{leave}", "baseline": "replaced", "steps": [[0, 0]]}))
+    flags = {"vram_source": "simulated", "device_total": "4GiB", "device_free": "1GiB", "device": "cpu",
+             "vram_timeline": str(timeline)}
+    sup = _worker()
+    sup.on_first_ready = None
+    source = make_watcher(resolve(flags, env={}, config_path=config), sup, None).source  # type: ignore[arg-type]
+    held = [source.sample() for _ in range(3)]  # 3 GiB, as much of it as the worker leaves
+    assert all(h.others_bytes == min(3 * GiB, h.total_bytes - h.ours_bytes) > 0 for h in held)
+    leave.touch()
+    assert source.sample().others_bytes == 0
+    timeline.write_text(json.dumps({"start": "file:", "steps": [[0, 0]]}))
+    with pytest.raises(TimelineError, match='"ready", "service" or "file:PATH"'):
+        load_timeline(timeline)
+
+
 def test_make_watcher_watches_one_simulated_card_per_rank(tmp_path):
     config = tmp_path / "c.toml"
     config.touch()

@@ -133,10 +133,12 @@ class ResizableEngine:
 
 
 def test_the_worker_carries_out_replan_commands_and_answers_after_the_events():
+    from engine.worker.heartbeat import SharedPipe
     from engine.worker.process import _replan
 
     engine, conn = ResizableEngine(), FakeConn()
-    _replan(conn, engine, ipc.ResizePool(seq=7, num_pages=60, reason="game"), 101)
+    pipe = SharedPipe(conn)
+    _replan(pipe, engine, ipc.ResizePool(seq=7, num_pages=60, reason="game"), 101)
     events, done = conn.sent
     assert isinstance(events, ipc.EngineEvents) and events.events[0].after_pages == 60
     assert events.events[0].origin == BY_WATCHER
@@ -146,21 +148,21 @@ def test_the_worker_carries_out_replan_commands_and_answers_after_the_events():
     assert "100 -> 59 pages" in done.message
 
     conn.sent.clear()
-    _replan(conn, engine, ipc.ResizePool(seq=11, num_pages=50, origin=BY_CONTROL), 101)
+    _replan(pipe, engine, ipc.ResizePool(seq=11, num_pages=50, origin=BY_CONTROL), 101)
     assert conn.sent[0].events[0].origin == BY_CONTROL  # who asked comes back typed
 
     conn.sent.clear()
-    _replan(conn, engine, ipc.ResizePool(seq=8, num_pages=1), 101)
+    _replan(pipe, engine, ipc.ResizePool(seq=8, num_pages=1), 101)
     (refused,) = conn.sent  # nothing changed: no events
     assert not refused.ok and "at least 2 pages" in refused.message
 
     conn.sent.clear()
-    _replan(conn, engine, ipc.SetPrefillChunk(seq=9, tokens=512), 101)
+    _replan(pipe, engine, ipc.SetPrefillChunk(seq=9, tokens=512), 101)
     assert conn.sent[-1].ok and conn.sent[-1].pool.prefill_chunk == 512
 
     conn.sent.clear()
     plain = type("PlainEngine", (), {"stats": lambda self: STATS})()  # cannot resize
-    _replan(conn, plain, ipc.EvictPrefixCache(seq=10, origin=BY_CONTROL), 0)
+    _replan(pipe, plain, ipc.EvictPrefixCache(seq=10, origin=BY_CONTROL), 0)
     (answer,) = conn.sent
     assert not answer.ok and answer.pool is None
 

@@ -16,26 +16,26 @@ import torch
 
 from engine.common.load_errors import WeightMismatch
 
+# The MLP's gate and up projections -> (our fused parameter, shard), dense or expert.
+_GATE_UP = {
+    "gate_proj": ("gate_up_proj", "gate"),
+    "up_proj": ("gate_up_proj", "up"),
+}
+
 # Hugging Face tensor -> (our fused parameter, shard). Shards are laid out in this order.
 _FUSED = {
     "q_proj": ("qkv_proj", "q"),
     "k_proj": ("qkv_proj", "k"),
     "v_proj": ("qkv_proj", "v"),
-    "gate_proj": ("gate_up_proj", "gate"),
-    "up_proj": ("gate_up_proj", "up"),
+    **_GATE_UP,
 }
 
+# Mixtral's names of an expert's projections: w1 (gate), w3 (up), w2 (down).
+_MIXTRAL_EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
-# One expert's projection in a checkpoint -> (our stacked parameter, shard kind). Mixtral
-# names them w1 (gate), w3 (up), w2 (down).
-_EXPERT_PROJ = {
-    "gate_proj": ("gate_up_proj", "gate"),
-    "up_proj": ("gate_up_proj", "up"),
-    "down_proj": ("down_proj", "down"),
-    "w1": ("gate_up_proj", "gate"),
-    "w3": ("gate_up_proj", "up"),
-    "w2": ("down_proj", "down"),
-}
+# One expert's projection in a checkpoint -> (our stacked parameter, shard kind).
+_EXPERT_PROJ = {**_GATE_UP, "down_proj": ("down_proj", "down")}
+_EXPERT_PROJ.update({alias: _EXPERT_PROJ[name] for alias, name in _MIXTRAL_EXPERT_NAMES.items()})
 
 
 # Mixtral's checkpoints call the sparse MLP ``block_sparse_moe``; transformers 5 and we ``mlp``.

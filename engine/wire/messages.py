@@ -238,15 +238,16 @@ REPLAN_EVICT_PREFIX_CACHE = "evict_prefix_cache"  # unreferenced prefix-cache pa
 REPLAN_RESIZE_EXPERT_CACHE = "resize_expert_cache"  # the GPU expert cache was shrunk or grown
 
 
-class ResizeResult(msgspec.Struct, frozen=True, kw_only=True):
-    """What one live KV pool resize did (``Engine.resize_kv_pool``).
+class PoolChange(msgspec.Struct, frozen=True, kw_only=True):
+    """The KV pool's figures around one live change of the engine's memory use.
 
     Pages count the whole pool, the null page included (as ``EngineInfo.num_pages``);
     bytes are the pool's buffers. ``evicted_pages`` left the prefix cache,
     ``relocated_pages`` had their keys and values moved below the cut; ``preempted``
     requests were sent back to wait and be recomputed (youngest first), ``ended`` ones
     no longer fit in the new context limit and ended (see ``Engine.resize_kv_pool``).
-    ``max_context_tokens`` is the new per-request limit.
+    ``max_context_tokens`` is the per-request limit after the change, ``duration_ms``
+    how long the change took.
     """
 
     before_pages: int
@@ -261,17 +262,19 @@ class ResizeResult(msgspec.Struct, frozen=True, kw_only=True):
     duration_ms: float = 0.0
 
 
-class Replanned(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+class ResizeResult(PoolChange, frozen=True, kw_only=True):
+    """What one live KV pool resize did (``Engine.resize_kv_pool``): the
+    :class:`PoolChange` fields."""
+
+
+class Replanned(PoolChange, frozen=True, tag=True, kw_only=True):
     """The engine changed its memory use while running (another process took or freed
     device memory, or a person asked): ``action`` is one of the ``REPLAN_*`` values, asked
     for by ``origin`` (:data:`ReplanOrigin`) with ``reason`` (for people).
 
-    ``before_pages`` / ``after_pages`` and ``before_bytes`` / ``after_bytes`` are the KV
-    pool's size (pages with the null page, bytes of its buffers; equal unless the pool
-    was resized); ``max_prefill_tokens`` and ``max_context_tokens`` the limits after the
-    change; ``duration_ms`` how long the change took. For a resize, ``evicted_pages``,
-    ``relocated_pages``, ``preempted`` and ``ended`` are as in :class:`ResizeResult`; for
-    an eviction, ``evicted_pages`` is what was freed.
+    The KV pool's figures are :class:`PoolChange`'s (sizes equal unless the pool was
+    resized; for an eviction, ``evicted_pages`` is what was freed); ``max_prefill_tokens``
+    and ``max_context_tokens`` are the limits after the change, both always set.
 
     ``before_expert_slots`` / ``after_expert_slots`` and ``before_expert_bytes`` /
     ``after_expert_bytes``: the GPU expert cache of the routed experts in host memory
@@ -282,17 +285,9 @@ class Replanned(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     action: str
     reason: str
     origin: ReplanOrigin = BY_WATCHER
-    before_pages: int
-    after_pages: int
-    before_bytes: int
-    after_bytes: int
-    duration_ms: float
     max_prefill_tokens: int
     max_context_tokens: int
-    evicted_pages: int = 0
-    relocated_pages: int = 0
-    preempted: list[str] = msgspec.field(default_factory=list)
-    ended: list[str] = msgspec.field(default_factory=list)
+    duration_ms: float
     before_expert_slots: int = 0
     after_expert_slots: int = 0
     before_expert_bytes: int = 0

@@ -10,7 +10,8 @@ and builds its engine. The group lives and dies as one:
   the worker, as after any worker death, and the in-flight requests fail as then;
 - rank 0 dies (killed by the supervisor's watchdog after a hang included): Linux's
   parent-death signal (SIGKILL) ends every follower, so no rank keeps holding memory;
-- a follower hangs: rank 0 waits in the next collective, stops beating, and the
+- a follower hangs: rank 0 waits in the next collective, its work counter
+  (:mod:`engine.common.progress`, sent with its heartbeats) stops moving, and the
   supervisor's watchdog ends it, hence the followers.
 """
 

@@ -17,12 +17,20 @@ it into the engine's ``SamplingParams.max_new_tokens``.
 
 from __future__ import annotations
 
+import time
+import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from service.api.prompts import Prompt
 from service.api.sampling import Sampling
-from service.common.errors import invalid
+from service.common.errors import decode_body, invalid
+
+if TYPE_CHECKING:
+    from litestar import Request
+
+Body = TypeVar("Body")
 
 # OpenAI takes up to 4 stop strings; we take more, within bounds that keep the stop
 # matcher's per-token work small.
@@ -79,6 +87,26 @@ class GenerationRequest:
     tool_choice: Any = None
     context_tokens: int | None = None
     stream: bool = False
+
+
+async def read_call(
+    request: Request,
+    schema: type[Body],
+    build: Callable[[Body, str, float], GenerationRequest],
+    id_prefix: str,
+) -> tuple[Body, GenerationRequest]:
+    """An API call's body decoded as ``schema`` and built into its one request by
+    ``build(body, request_id, started)``: the id is ``{id_prefix}-`` and 32 hex digits,
+    ``started`` the ``time.perf_counter()`` of the call's arrival (before its body was
+    read).
+
+    Raises:
+        APIError: 400 for a body that does not decode
+            (:func:`service.common.errors.decode_body`), or from ``build``.
+    """
+    started = time.perf_counter()
+    body = decode_body(await request.body(), schema)
+    return body, build(body, f"{id_prefix}-{uuid.uuid4().hex}", started)
 
 
 def stop_strings(stop: str | list[str] | None) -> list[str]:

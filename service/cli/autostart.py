@@ -55,25 +55,18 @@ def install(start: bool) -> None:
     _run(lambda: manager.install(start=start))
 
 
-@service.command()
-def uninstall() -> None:
-    """Stop the service and remove everything install made (logs are kept)."""
-    manager = _manager()
-    _run(manager.uninstall)
+def _manager_command(name: str, help_text: str) -> None:
+    """Add ``headroom service NAME``: the OS manager's method of that name, its lines
+    printed."""
+
+    @service.command(name, help=help_text)
+    def command() -> None:
+        _run(getattr(_manager(), name))
 
 
-@service.command()
-def start() -> None:
-    """Start the installed service now."""
-    manager = _manager()
-    _run(manager.start)
-
-
-@service.command()
-def stop() -> None:
-    """Stop the service (it starts again at the next login)."""
-    manager = _manager()
-    _run(manager.stop)
+_manager_command("uninstall", "Stop the service and remove everything install made (logs are kept).")
+_manager_command("start", "Start the installed service now.")
+_manager_command("stop", "Stop the service (it starts again at the next login).")
 
 
 @service.command()

@@ -84,7 +84,6 @@ def check_before_serving(settings: Any) -> None:
     """Refuse (exit 2, one line naming the fix) settings the model or the machine cannot
     honour; settings that need no model facts cost nothing here."""
     from engine.common.errors import SettingRefused
-
     if settings.device.startswith("cuda"):
         # Waiting for a GPU (the worker's answer to a CUDA that fails to start) cannot
         # help a torch built without one.

@@ -216,7 +216,8 @@ class ServeSettings(EngineConfig):
     )
     stall_timeout_s: float = option(
         30.0,
-        "Seconds without a heartbeat after which a worker counts as hung and is restarted.",
+        "Seconds without a heartbeat, or without progress in a step (a long step that "
+        "moves on is fine), after which a worker counts as hung and is restarted.",
         checks=(positive,),
     )
     start_timeout_s: float = option(

@@ -11,7 +11,7 @@ WebSocket close codes and the hub's default sizes.
 from __future__ import annotations
 
 import logging
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import msgspec
 
@@ -170,18 +170,24 @@ class GpuMemory(msgspec.Struct, frozen=True, kw_only=True):
     @classmethod
     def from_sample(cls, sample: Any, reserve_bytes: int, rank: int = 0) -> GpuMemory:
         """From one GPU's sample (``service.vram.sources.VramSample``)."""
-        free = int(sample.free_bytes)
-        return cls(
-            rank=rank,
-            device=str(getattr(sample, "device", "") or "GPU"),
-            total_bytes=int(sample.total_bytes),
-            free_bytes=free,
-            ours_bytes=int(sample.ours_bytes),
-            others_bytes=int(sample.others_bytes),
-            reserve_bytes=int(reserve_bytes),
-            headroom_bytes=free - int(reserve_bytes),
-            device_limit_bytes=getattr(sample, "device_limit_bytes", None),
-        )
+        device = str(getattr(sample, "device", "") or "GPU")
+        return cls(rank=rank, device=device, **card_figures(sample, reserve_bytes))
+
+
+def card_figures(sample: Any, reserve_bytes: int) -> dict[str, Any]:
+    """The byte figures :class:`GpuMemory` and :class:`VramEvent` both carry, from a
+    sample: its total, free, ours, others' and ``--device-limit`` bytes as they are,
+    ``reserve_bytes``, and ``headroom_bytes = free - reserve``."""
+    free, reserve = int(sample.free_bytes), int(reserve_bytes)
+    return {
+        "total_bytes": int(sample.total_bytes),
+        "free_bytes": free,
+        "ours_bytes": int(sample.ours_bytes),
+        "others_bytes": int(sample.others_bytes),
+        "reserve_bytes": reserve,
+        "headroom_bytes": free - reserve,
+        "device_limit_bytes": getattr(sample, "device_limit_bytes", None),
+    }
 
 
 class VramEvent(EventBase, frozen=True, kw_only=True, tag="vram"):
@@ -239,22 +245,15 @@ class VramEvent(EventBase, frozen=True, kw_only=True, tag="vram"):
         gpu = bool(getattr(sample, "gpu", True))
         if gpus is None:
             gpus = [GpuMemory.from_sample(sample, reserve_bytes)] if gpu else []
-        free = int(sample.free_bytes)
         return cls(
             device=str(getattr(sample, "device", "") or ("no GPU" if not gpu else "GPU")),
             source=source if gpu else "none",
-            total_bytes=int(sample.total_bytes),
-            free_bytes=free,
-            ours_bytes=int(sample.ours_bytes),
-            others_bytes=int(sample.others_bytes),
-            reserve_bytes=int(reserve_bytes),
-            headroom_bytes=free - int(reserve_bytes),
+            **card_figures(sample, reserve_bytes),
             top_consumers=[
                 Consumer(int(p.pid), str(p.name), int(p.bytes))
                 for p in getattr(sample, "top_consumers", ())
             ],
             reason=getattr(sample, "reason", None) or None,
-            device_limit_bytes=getattr(sample, "device_limit_bytes", None),
             memory_rule=memory_rule(getattr(sample, "device_limit_bytes", None)) if gpu else None,
             host=host,
             gpus=gpus,
@@ -365,16 +364,7 @@ Event = (
     | RequestErrorEvent
     | CountersEvent
 )
-EVENT_TYPES: tuple[type[EventBase], ...] = (
-    HealthEvent,
-    WorkerEvent,
-    EngineInfoEvent,
-    VramEvent,
-    PlanEvent,
-    ReplanEvent,
-    RequestErrorEvent,
-    CountersEvent,
-)
+EVENT_TYPES: tuple[type[EventBase], ...] = get_args(Event)
 
 
 class Snapshot(EventBase, frozen=True, kw_only=True, tag="snapshot"):

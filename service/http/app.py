@@ -40,6 +40,7 @@ from service.http.security import SecurityMiddleware, install_redaction
 from service.supervision.config import SupervisorConfig
 from service.supervision.engine_events_to_ui import EngineEventsToUI
 from service.supervision.report import health_report
+from service.supervision.restarts import RestartLimits
 from service.supervision.supervisor import Supervisor
 from service.vram.simulated import TimelineError
 from service.vram.watcher import make_watcher
@@ -57,8 +58,9 @@ def supervisor_config(settings: ServeSettings) -> SupervisorConfig:
         worker=settings.worker_config(),
         stall_timeout_s=settings.stall_timeout_s,
         start_timeout_s=settings.start_timeout_s,
-        max_exits=settings.max_restarts,
-        exit_window_s=settings.restart_window_s,
+        restart_limits=RestartLimits(
+            max_exits=settings.max_restarts, exit_window_s=settings.restart_window_s
+        ),
         memory_settle_s=settings.memory_settle,
         keep_alive_s=settings.keep_alive_s,
         load_on_request=settings.load_on_request,

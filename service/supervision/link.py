@@ -10,7 +10,8 @@ it sends arrives here first, and what is sent to it leaves from here.
 - the figures each heartbeat and command answer carries: the engine's counters
   (:attr:`WorkerLink.stats`) and the KV pool's (``engine.wire.ipc.PoolStats``,
   :attr:`WorkerLink.pool`);
-- the worker's liveness: when it last sent anything (the watchdog reads it).
+- the worker's liveness: when it last sent anything and last moved on
+  (:class:`~service.supervision.liveness.Liveness`; the watchdog reads it).
 
 The lifecycle's own messages (``Ready``, ``WorkerError``, ``EngineEvents``) are handed
 to the supervisor (:mod:`service.supervision.supervisor`), which attaches each new
@@ -37,6 +38,7 @@ from engine.wire.ipc import (
 from engine.wire.messages import EngineStats
 from service.common.engine_states import NotReady
 from service.supervision.inflight import InFlight
+from service.supervision.liveness import Liveness
 from service.supervision.rpc import Calls
 from service.supervision.worker_process import WorkerProcess
 
@@ -60,8 +62,8 @@ class WorkerLink:
         stats: the engine's counters from the last heartbeat or answer (None: none yet).
         pool: the KV pool's figures from the last heartbeat or answer (None: no
             worker, or an engine that cannot resize its pool).
-        last_message_at: ``time.monotonic()`` of the current worker's last message
-            (or of its spawn, or of its becoming ready).
+        liveness: the current worker's last message and last progress
+            (``time.monotonic()``; reset at its spawn and when it becomes ready).
     """
 
     def __init__(
@@ -77,7 +79,7 @@ class WorkerLink:
         self.requests = InFlight(self.send, check_ready)
         self.stats: EngineStats | None = None
         self.pool: PoolStats | None = None
-        self.last_message_at = 0.0
+        self.liveness = Liveness()
         self._stats_calls: Calls[EngineStats] = Calls()
         self._commands: Calls[ControlDone] = Calls()
 
@@ -85,7 +87,7 @@ class WorkerLink:
         """Send to ``worker`` from now on (a new incarnation: no pool figures yet)."""
         self._worker = worker
         self.pool = None
-        self.last_message_at = time.monotonic()
+        self.liveness.reset(time.monotonic())
 
     def detach(self) -> None:
         """The worker is gone: drop what is sent from now on and end the open calls."""
@@ -110,7 +112,7 @@ class WorkerLink:
         hand the rest to the lifecycle."""
         if worker is not self._worker:
             return  # a message from a previous incarnation
-        self.last_message_at = time.monotonic()
+        self.liveness.heard(message, time.monotonic())
         if isinstance(message, Outputs):
             for output in message.outputs:
                 self.requests.deliver(output)

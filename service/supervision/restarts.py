@@ -9,21 +9,28 @@ moves to ``failed``.
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 # A worker ready this long (seconds) before it ended ran well: the backoff starts over.
 RAN_WELL_S = 60.0
 
 
-class RestartPolicy:
-    """The exit history of one supervisor; times are ``time.monotonic()`` seconds."""
+@dataclass(frozen=True)
+class RestartLimits:
+    """The backoff and the crash loop's bounds (see the module docstring); seconds."""
 
-    def __init__(
-        self, backoff_initial_s: float, backoff_max_s: float, max_exits: int, exit_window_s: float
-    ) -> None:
-        self.backoff_initial_s = backoff_initial_s
-        self.backoff_max_s = backoff_max_s
-        self.max_exits = max_exits
-        self.exit_window_s = exit_window_s
+    backoff_initial_s: float = 0.5
+    backoff_max_s: float = 10.0
+    max_exits: int = 5
+    exit_window_s: float = 60.0
+
+
+class RestartPolicy:
+    """The exit history of one supervisor under ``limits``; times are
+    ``time.monotonic()`` seconds."""
+
+    def __init__(self, limits: RestartLimits) -> None:
+        self.limits = limits
         self._exits: deque[float] = deque()
         self._consecutive = 0
 
@@ -36,7 +43,7 @@ class RestartPolicy:
         """One worker ended at ``now``; ``ready_for_s``: how long it had been ready
         (None: it never was)."""
         self._exits.append(now)
-        while self._exits and now - self._exits[0] > self.exit_window_s:
+        while self._exits and now - self._exits[0] > self.limits.exit_window_s:
             self._exits.popleft()
         if ready_for_s is not None and ready_for_s > RAN_WELL_S:
             self._consecutive = 0
@@ -50,8 +57,9 @@ class RestartPolicy:
     @property
     def crash_loop(self) -> bool:
         """Whether the exits within the window reach ``max_exits``."""
-        return len(self._exits) >= self.max_exits
+        return len(self._exits) >= self.limits.max_exits
 
     def delay_s(self) -> float:
         """Seconds to wait before the next worker."""
-        return min(self.backoff_max_s, self.backoff_initial_s * 2 ** (self._consecutive - 1))
+        limits = self.limits
+        return min(limits.backoff_max_s, limits.backoff_initial_s * 2 ** (self._consecutive - 1))

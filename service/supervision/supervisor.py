@@ -128,9 +128,7 @@ class Supervisor(Readiness, Unloading, Draining):
         # go through it, which checks readiness here first.
         self.link = WorkerLink(self.check_ready, lambda: self.on_stats, self._on_message)
         self._inflight = self.link.requests
-        self._restarts = RestartPolicy(
-            config.backoff_initial_s, config.backoff_max_s, config.max_exits, config.exit_window_s
-        )
+        self._restarts = RestartPolicy(config.restart_limits)
         self._last_load_s = 5.0
         self._restart_at: float | None = None
         self._tasks: set[asyncio.Task] = set()
@@ -261,7 +259,7 @@ class Supervisor(Readiness, Unloading, Draining):
         self._last_load_s = ready.load_s
         self.state = State.READY
         self.ready_since = time.monotonic()
-        self.link.last_message_at = time.monotonic()
+        self.link.liveness.reset(time.monotonic())
         first = self._first_start
         self._first_start = False
         self.failure_reason = None
@@ -329,7 +327,7 @@ class Supervisor(Readiness, Unloading, Draining):
         if self._restarts.crash_loop:
             self._fail(
                 f"crash loop: the worker exited {self._restarts.recent_exits} times in "
-                f"{self.config.exit_window_s:.0f} s; last: {what}"
+                f"{self.config.restart_limits.exit_window_s:.0f} s; last: {what}"
             )
             return
         self._inflight.fail_all(

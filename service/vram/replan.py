@@ -48,10 +48,14 @@ scripted timeline (``service.vram.simulated.SimulatedSource``).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
 
 from engine.memory.plan import MIN_PREFILL_TOKENS, MiB, fmt_bytes, safety_margin_for
 from service.vram.sources import VramSample, resolve_reserve
+
+if TYPE_CHECKING:
+    from engine.wire.ipc import PoolStats
 
 DEFAULT_HOLD_S = 10.0
 DEFAULT_SETTLE_S = 0.5
@@ -110,6 +114,14 @@ class PoolState:
     @property
     def pool_bytes(self) -> int:
         return self.pages * self.page_bytes
+
+    @classmethod
+    def from_stats(cls, stats: PoolStats, *, planned_pages: int, planned_expert_slots: int) -> PoolState:
+        """The worker's ``stats`` (each field of this class is one of theirs, same name and
+        unit) with the ceilings to grow back to in place of the plan's."""
+        ceilings = {"planned_pages": planned_pages, "planned_expert_slots": planned_expert_slots}
+        read = {f.name: getattr(stats, f.name) for f in fields(cls) if f.name not in ceilings}
+        return cls(**read, **ceilings)
 
 
 @dataclass(frozen=True)

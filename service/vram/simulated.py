@@ -43,7 +43,9 @@ class TimelineError(ValueError):
 class Timeline:
     """A parsed ``--vram-timeline`` file: ``steps`` of ``(seconds, others' bytes)``,
     the card's ``total_bytes`` and ``display`` when the file sets them, and the moment
-    ``t = 0``: ``"ready"`` (the first worker is ready) or ``"service"`` (start).
+    ``t = 0``: ``"ready"`` (the first worker is ready), ``"service"`` (start) or
+    ``"file:PATH"`` (the first sample that finds PATH: a test or a demo script moves the
+    other processes when it chooses, not after a guessed wait).
     ``baseline``: what becomes of the other processes' memory ``--device-free`` gave
     the plan at start: ``"kept"`` (it stays taken; the steps come on top) or
     ``"replaced"`` (the steps are all the other processes: they hold that memory until
@@ -55,7 +57,7 @@ class Timeline:
     steps: tuple[tuple[float, int], ...]
     total_bytes: int | None = None
     display: bool | None = None
-    start: Literal["ready", "service"] = "ready"
+    start: str = "ready"
     baseline: Literal["kept", "replaced"] = "kept"
     gpu_at: float | None = None
     gpus: dict[int, tuple[tuple[float, int], ...]] = field(default_factory=dict)
@@ -83,7 +85,8 @@ def load_timeline(path: str | Path, default_total: int | None = None) -> Timelin
          "gpu_at": 0, "steps": [[0, 0], [2, "40%"], [6, "1.6GiB"], [10, "40%"], [14, 0]]}
 
     Each step holds from its time (seconds) to the next; sizes are bytes, text sizes
-    (``service.common.settings.parse_size``) or a share of the card (``"40%"``). With
+    (``service.common.settings.parse_size``) or a share of the card (``"40%"``);
+    ``"start"`` is ``"ready"`` (default), ``"service"`` or ``"file:PATH"``. With
     ``--tensor-parallel-size N`` every rank's GPU follows ``steps`` unless ``"gpus"``
     gives it steps of its own, by rank: ``"gpus": {"1": [[0, 0], [3, "40%"]]}``.
 
@@ -110,8 +113,9 @@ def load_timeline(path: str | Path, default_total: int | None = None) -> Timelin
             raise TimelineError(f'{path}: "gpus" names GPUs by rank (0, 1, ...), not {rank!r}')
         gpus[int(rank)] = _steps(gpu_steps, total, f"{path}: GPU {rank}'s step")
     start = data.get("start", "ready")
-    if start not in ("ready", "service"):
-        raise TimelineError(f'{path}: "start" must be "ready" or "service", not {start!r}')
+    if start not in ("ready", "service") and not (isinstance(start, str) and start.startswith("file:")
+                                                    and len(start) > len("file:")):
+        raise TimelineError(f'{path}: "start" must be "ready", "service" or "file:PATH", not {start!r}')
     baseline = data.get("baseline", "kept")
     if baseline not in ("kept", "replaced"):
         raise TimelineError(f'{path}: "baseline" must be "kept" or "replaced", not {baseline!r}')
@@ -298,8 +302,15 @@ def simulated_sources(settings: ServeSettings, supervisor: Supervisor, ranks: in
 
         supervisor.on_first_ready = on_first_ready
 
+    if timeline.start.startswith("file:"):
+        anchor["t0"] = None
+        trigger = Path(timeline.start.removeprefix("file:"))
+
     def clock() -> float:
         t0 = anchor["t0"]
+        if t0 is None and timeline.start.startswith("file:") and trigger.exists():
+            t0 = anchor["t0"] = time.monotonic()
+            log.info("the simulated VRAM timeline starts now (%s exists)", trigger)
         return -1.0 if t0 is None else time.monotonic() - t0
 
     def ours() -> int:

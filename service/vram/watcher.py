@@ -243,20 +243,10 @@ class VramWatcher:
         sizes asked for through the control API, if any."""
         ceiling = pool.planned_pages if self.kv_ceiling_pages is None else self.kv_ceiling_pages
         slots = pool.planned_expert_slots if self.expert_ceiling_slots is None else self.expert_ceiling_slots
-        return PoolState(
-            pages=pool.pages,
+        return PoolState.from_stats(
+            pool,
             planned_pages=max(ceiling, pool.min_pages),
-            min_pages=pool.min_pages,
-            page_bytes=pool.page_bytes,
-            prefill_chunk=pool.prefill_chunk,
-            planned_prefill_chunk=pool.planned_prefill_chunk,
-            min_prefill_chunk=pool.min_prefill_chunk,
-            activation_bytes_per_token=pool.activation_bytes_per_token,
-            free_pages=pool.free_pages,
-            cached_pages=pool.cached_pages,
-            expert_slots=pool.expert_slots,
             planned_expert_slots=min(slots, pool.max_expert_slots),
-            expert_slot_bytes=pool.expert_slot_bytes,
         )
 
     async def step(self, sample: VramSample) -> list[Any]:

@@ -19,10 +19,9 @@ added where the app is built, :func:`service.http.app.create_app`).
 
 from __future__ import annotations
 
-import time
-import uuid
 from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
+from functools import partial
 from typing import Any
 
 import msgspec
@@ -43,6 +42,7 @@ from service.api.ollama.schemas import (
     OllamaVersion,
 )
 from service.api.reasoning import template_thinks
+from service.api.request import read_call
 from service.api.responses import json_response
 from service.api.services import Services
 from service.common.engine_states import NotReady
@@ -96,11 +96,8 @@ class OllamaController(Controller):
     @post("/chat", status_code=200)
     async def chat(self, request: Request, svc: Services) -> Response[Any]:
         """A chat answer, streamed as NDJSON unless ``"stream": false``."""
-        started = time.perf_counter()
-        body = decode_body(await request.body(), OllamaChatRequest)
-        call = chat_request(
-            body, f"ollama-{uuid.uuid4().hex}", started, svc.settings.default_max_tokens
-        )
+        build = partial(chat_request, default_max_tokens=svc.settings.default_max_tokens)
+        body, call = await read_call(request, OllamaChatRequest, build, "ollama")
         gen, model = await start_generation(svc, model_name(body.model), call)
         return await chat_answer(gen, request, model)
 
@@ -109,11 +106,8 @@ class OllamaController(Controller):
         """A completion of ``prompt`` (through the chat template unless ``raw``),
         streamed as NDJSON unless ``"stream": false``; an empty prompt answers at once
         with ``done_reason: "load"`` once the model is ready."""
-        started = time.perf_counter()
-        body = decode_body(await request.body(), OllamaGenerateRequest)
-        call = generate_request(
-            body, f"ollama-{uuid.uuid4().hex}", started, svc.settings.default_max_tokens
-        )
+        build = partial(generate_request, default_max_tokens=svc.settings.default_max_tokens)
+        body, call = await read_call(request, OllamaGenerateRequest, build, "ollama")
         if not body.prompt:
             info = svc.supervisor.check_ready()
             model = svc.check_model(model_name(body.model), info)

@@ -21,8 +21,7 @@ routes are mounted on (:class:`service.common.auth.BearerGuard`).
 
 from __future__ import annotations
 
-import time
-import uuid
+from functools import partial
 from typing import Any
 
 from litestar import Controller, Request, Response, get, post
@@ -37,9 +36,9 @@ from service.api.openai.schemas import (
     ModelCard,
     ModelList,
 )
+from service.api.request import read_call
 from service.api.responses import json_response
 from service.api.services import Services
-from service.common.errors import decode_body
 
 
 def _card(svc: Services, info: EngineInfo, name: str) -> ModelCard:
@@ -85,19 +84,14 @@ class OpenAIController(Controller):
     @post("/chat/completions", status_code=200)
     async def chat_completions(self, request: Request, svc: Services) -> Response[Any]:
         """Chat completion, streaming (SSE) or not. Errors: see the module docstring."""
-        started = time.perf_counter()
-        body = decode_body(await request.body(), ChatCompletionRequest)
-        call = chat_request(
-            body, f"chatcmpl-{uuid.uuid4().hex}", started, svc.settings.default_max_tokens
-        )
+        build = partial(chat_request, default_max_tokens=svc.settings.default_max_tokens)
+        body, call = await read_call(request, ChatCompletionRequest, build, "chatcmpl")
         gen, model = await start_generation(svc, body.model, call)
         return await chat_answer(gen, request, model, body.stream_options)
 
     @post("/completions", status_code=200)
     async def completions(self, request: Request, svc: Services) -> Response[Any]:
         """Text completion of a raw prompt (no chat template), streaming or not."""
-        started = time.perf_counter()
-        body = decode_body(await request.body(), CompletionRequest)
-        call = completion_request(body, f"cmpl-{uuid.uuid4().hex}", started)
+        body, call = await read_call(request, CompletionRequest, completion_request, "cmpl")
         gen, model = await start_generation(svc, body.model, call)
         return await completion_answer(gen, request, model, body.stream_options)

@@ -271,6 +271,17 @@ def test_serve_on_cuda_with_a_cpu_build_of_torch_names_the_fix():
     assert "is built without CUDA" in result.stderr and "--device cpu" in result.stderr
 
 
+@pytest.mark.parametrize("rule", ["prefill", "slow:*:1", "nowhere:*:1", "decode:req:0"])
+def test_serve_refuses_a_malformed_fault_rule_before_the_model_loads(rule):
+    """The test hook's rules are read at serve time (torch-free), not by the worker after a
+    model load that ends in a traceback."""
+    result = CliRunner().invoke(main, ["serve", "--port", "0"],
+                                env={"HEADROOM_CONFIG": os.devnull, "HEADROOM_FAULTS": rule})
+    assert result.exit_code == 2, result.output
+    assert f"HEADROOM_FAULTS rule {rule!r}" in result.stderr and "fix or unset it" in result.stderr
+    assert "Traceback" not in result.output
+
+
 def test_the_torch_build_is_read_without_importing_torch(tmp_path, monkeypatch):
     import importlib.util
 

@@ -59,8 +59,6 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from engine.common import environment, progress
 
 log = logging.getLogger("headroom.faults")
@@ -239,6 +237,8 @@ class FaultInjector:
                 compute_slowly(rule.seconds)
                 log.warning("injected fault: the slow step of %.1f s is over", rule.seconds)
                 return
+            import torch  # here, not at import: the service reads the rules torch-free
+
             raise torch.OutOfMemoryError(
                 "CUDA out of memory. Tried to allocate (an injected amount) "
                 f"(injected at site {site} for request {hit})"

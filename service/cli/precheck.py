@@ -84,6 +84,12 @@ def check_before_serving(settings: Any) -> None:
     """Refuse (exit 2, one line naming the fix) settings the model or the machine cannot
     honour; settings that need no model facts cost nothing here."""
     from engine.common.errors import SettingRefused
+    from engine.common.faults import FaultInjector
+
+    try:
+        FaultInjector.from_env()  # a malformed test hook refused now, not after the model loads
+    except ValueError as exc:
+        fail(f"{exc}; fix or unset it", EXIT_USAGE)
     if settings.device.startswith("cuda"):
         # Waiting for a GPU (the worker's answer to a CUDA that fails to start) cannot
         # help a torch built without one.

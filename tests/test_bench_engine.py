@@ -25,3 +25,37 @@ def test_bench_engine_runs_both_sides_on_the_cpu(default_model_dir, capsys, tran
     assert "on cpu (float32)" in out
     assert "peak RSS of the engine alone" in out
     assert ("peak RSS with transformers' model too" in out) == transformers_side
+
+
+def test_against_llama_cpp_without_its_tools_names_the_fix(tmp_path):
+    """The comparison refuses at once (exit 2, before any model loads), naming where it
+    looked and how to build the tools."""
+    import os
+
+    from click.testing import CliRunner
+
+    from service.cli import main
+
+    result = CliRunner().invoke(main, ["bench", "engine", "--device", "cpu", "--against-llama-cpp", str(tmp_path)],
+                                env={"HEADROOM_CONFIG": os.devnull})
+    assert result.exit_code == 2, result.output
+    assert f"no executable llama-bench in {tmp_path}, {tmp_path / 'bin'}, {tmp_path / 'build' / 'bin'}" in result.stderr
+    assert "cmake --build build --target llama-bench llama-batched-bench" in result.stderr
+    result = CliRunner().invoke(main, ["bench", "engine", "--shape", "smollm2-135m", "--against-llama-cpp",
+                                       str(tmp_path)], env={"HEADROOM_CONFIG": os.devnull})
+    assert result.exit_code == 2 and "give --model FILE.gguf, not --shape" in result.stderr, result.output
+
+
+@pytest.mark.parametrize("layout", [".", "bin", "build/bin"])
+def test_llama_cpp_tools_are_found_where_a_build_puts_them(tmp_path, layout):
+    from engine.bench.llama_cpp import LlamaCppTools
+
+    folder = tmp_path / layout
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in ("llama-bench", "llama-batched-bench"):
+        (folder / name).write_text("#!/bin/sh\n")
+        (folder / name).chmod(0o755)
+    tools = LlamaCppTools.find(tmp_path)
+    assert tools.bench == folder / "llama-bench" and tools.batched == folder / "llama-batched-bench"
+    assert LlamaCppTools.find(folder / "llama-bench") == tools  # the file itself
+    assert tools.threads >= 1

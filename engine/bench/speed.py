@@ -1,5 +1,6 @@
 """``headroom bench engine``: prefill and decode speed of the engine against
-transformers' ``generate`` on the same model, device and dtype, in one run.
+transformers' ``generate`` on the same model, device and dtype, in one run (or against
+llama.cpp's benchmarks on the same GGUF file and cores: :mod:`engine.bench.llama_cpp`).
 
 Prompts are random token ids of one length (no padding on either side), outputs are
 greedy with EOS ignored, so both sides do exactly the same work. Besides the batch
@@ -167,7 +168,7 @@ def run_bench_engine(
     shape: str | None = None, attention_backend: str = "auto", cuda_graphs: bool = True,
     long_prefill_tokens: int = LONG_PREFILL_TOKENS, transformers_side: bool = True, profile: bool = False,
     profile_batches: tuple[int, ...] = (1,), gguf_quantized: bool | None = None,
-    kernel_switches: KernelSwitches | None = None,
+    kernel_switches: KernelSwitches | None = None, against_llama_cpp: str | None = None,
 ) -> list[dict]:
     """Measure both sides at each batch size and on one long prompt; returns one row per
     (case, side) and prints a table. Each side runs once untimed first (warm-up).
@@ -184,12 +185,23 @@ def run_bench_engine(
             (``--gguf-quantized``).
         kernel_switches: the engine's kernel switches (``--quant-int8``, ...; the
             defaults when None).
+        against_llama_cpp: the folder of llama.cpp's ``llama-bench`` and
+            ``llama-batched-bench``: they are the comparison instead of transformers, on
+            the same GGUF file (``model``, or the embedded model's), threads and cores
+            (:mod:`engine.bench.llama_cpp`).
+
+    Raises:
+        ValueError: ``against_llama_cpp`` without its tools, or with a model that is not
+            a GGUF file.
 
     The engine runs every case before transformers is loaded, so the table ends with the
     engine's own peak resident memory (``peak_rss_mib`` in its rows: the process's peak
     after that case, load included; the KV cache a case fills is ``kv_mib``), then the
     process's peak with transformers' model too.
     """
+    llama_cpp = None if against_llama_cpp is None else _llama_cpp_side(against_llama_cpp, model, shape)
+    if llama_cpp is not None:
+        model = str(llama_cpp[1])  # the very file llama.cpp reads
     if shape is not None:
         model = _shape_folder(shape)
     engine = Engine(EngineConfig(
@@ -224,7 +236,13 @@ def run_bench_engine(
         ours[case] = engine_speed(engine, prompts[case], ntok, between_steps), peak_rss_bytes()
     engine_peak = peak_rss_bytes()
     theirs: dict[tuple, Speed] = {}
-    if transformers_side:
+    their_side = "transformers" if llama_cpp is None else "llama.cpp"
+    if llama_cpp is not None:
+        tools, gguf = llama_cpp
+        for b, plen, ntok in cases:
+            prefill, decode = tools.speed(gguf, b, plen, ntok)
+            theirs[(b, plen, ntok)] = Speed(prefill, float("nan") if decode is None else decode)
+    elif transformers_side:
         hf = _hf_model(engine, shape)
         for case in cases:
             _, _, ntok = case
@@ -240,7 +258,7 @@ def run_bench_engine(
                "peak_rss_mib": peak / 2**20, "kv_mib": b * (plen + ntok) * kv_per_token / 2**20}
         sides = [(row, speed)]
         if case in theirs:
-            sides.append(({"case": label, "batch": b, "prompt_tokens": plen, "side": "transformers",
+            sides.append(({"case": label, "batch": b, "prompt_tokens": plen, "side": their_side,
                            "prefill_tok_s": theirs[case].prefill_tok_s, "decode_tok_s": theirs[case].decode_tok_s},
                           theirs[case]))
         for r, sp in sides:
@@ -255,12 +273,28 @@ def run_bench_engine(
     _print_table(engine, rows, prompt_tokens, new_tokens, roof)
     print(f"peak RSS of the engine alone: {engine_peak / 2**20:.0f} MiB (load and every case, before "
           f"transformers is loaded; each case's KV cache in its row)")
-    if transformers_side:
+    if transformers_side and llama_cpp is None:
         print(f"peak RSS with transformers' model too: {peak_rss_bytes() / 2**20:.0f} MiB (the same process)")
     if profile and on_cuda:
         for b in profile_batches:
             profile_decode(engine, batch=b)
     return rows
+
+
+def _llama_cpp_side(path: str, model: str | None, shape: str | None):
+    """llama.cpp's tools at ``path`` and the GGUF file both sides run (``model``, or the
+    embedded model's file)."""
+    from pathlib import Path
+
+    from engine.bench.llama_cpp import LlamaCppTools
+    from engine.loader.default_model import default_gguf_path
+
+    if shape is not None:
+        raise ValueError("--against-llama-cpp runs llama.cpp on a GGUF file: give --model FILE.gguf, not --shape")
+    gguf = default_gguf_path() if model is None else Path(model)
+    if gguf.suffix != ".gguf" or not gguf.is_file():
+        raise ValueError(f"--against-llama-cpp runs llama.cpp on the same GGUF file: {model} is not one")
+    return LlamaCppTools.find(path), gguf
 
 
 def peak_rss_bytes() -> int:

@@ -239,11 +239,19 @@ def _int_list(ctx: Any, param: Any, value: str) -> tuple[int, ...]:
     help="Also run transformers' generate, the comparison.",
 )
 @click.option(
+    "--against-llama-cpp",
+    metavar="PATH",
+    default=None,
+    help="Compare with llama.cpp instead of transformers: PATH holds its llama-bench and "
+    "llama-batched-bench (built from its source, see docs/benchmarks.md); both run the same "
+    "GGUF file (--model, or the embedded model's) on the same cores and threads.",
+)
+@click.option(
     "--gguf-quantized/--no-gguf-quantized",
     default=None,
     help="Engine side: keep a GGUF's quantized weights quantized (block kernels on CUDA, "
     "the C kernels' blocks or torch's int4 layout on the CPU) instead of dequantizing them at load.  [default: on "
-    "the CPU, off on CUDA]",
+    "the CPU; on CUDA when the model dequantized takes 1 GiB or more]",
 )
 @click.option(
     "--profile",
@@ -277,10 +285,12 @@ def _int_list(ctx: Any, param: Any, value: str) -> tuple[int, ...]:
 )
 @with_settings(*KERNEL_SWITCHES)
 def bench_engine(**options: Any) -> None:
-    """Prefill and decode tokens/s of the engine against transformers' generate on the
-    same model, device and dtype, at each batch size and on one long prompt; on CUDA
-    each figure also as a share of the HBM roofline."""
+    """Prefill and decode tokens/s of the engine against transformers' generate (or
+    llama.cpp's benchmarks on the same GGUF file) on the same model, device and dtype, at
+    each batch size and on one long prompt; on CUDA each figure also as a share of the
+    HBM roofline."""
     check_model_path(options["model"])
+    from engine.bench.llama_cpp import LlamaCppFailed
     from engine.bench.model_shapes import SHAPES
     from engine.bench.speed import run_bench_engine
     from engine.common.errors import CudaUnavailable
@@ -304,6 +314,8 @@ def bench_engine(**options: Any) -> None:
         fail(str(exc), EXIT_USAGE)
     except ValueError as exc:
         fail(str(exc), EXIT_USAGE)
+    except LlamaCppFailed as exc:
+        fail(f"llama.cpp's side failed: {exc}", EXIT_FAILED)
 
 
 # (shape, device limit): random-weight shapes of engine.bench.model_shapes on a capped card.

@@ -1,0 +1,105 @@
+"""llama.cpp's own benchmarks on the same GGUF file, threads and cores: the comparison
+side of ``headroom bench engine --against-llama-cpp PATH``.
+
+``llama-bench`` measures prefill of one prompt (``-p P -n 0``, tokens/s) and decode of
+one sequence after a prompt of the same length (``-p 0 -n N -d P``: ``N`` tokens at a
+context that starts ``P`` deep); ``llama-batched-bench`` measures decode of ``B``
+sequences at once (``-npl B``; its ``speed_tg`` is every sequence's generated tokens
+over the decode time, as :class:`engine.bench.speed.Speed` counts them). Both run as
+children of this process, so they inherit its CPU affinity (``taskset -c ...`` on the
+outer command pins both sides to the same cores), with ``-t`` the number of those cores.
+
+Neither tool ships with headroom; build them from llama.cpp's source (docs/benchmarks.md
+gives the recipe). ``PATH`` is the folder that holds them (or its ``build/bin``), or the
+``llama-bench`` file itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+BENCH = "llama-bench"
+BATCHED = "llama-batched-bench"
+REPETITIONS = 3  # llama-bench's -r: its figure is the mean of these
+
+
+class LlamaCppFailed(RuntimeError):
+    """A llama.cpp tool exited with an error or printed no result."""
+
+
+@dataclass(frozen=True)
+class LlamaCppTools:
+    """The two llama.cpp programs, and the threads they run with (the cores this process
+    may use)."""
+
+    bench: Path
+    batched: Path | None
+    threads: int
+
+    @classmethod
+    def find(cls, path: str | os.PathLike) -> LlamaCppTools:
+        """The tools at ``path``: a folder holding ``llama-bench`` (directly, in ``bin/``
+        or in ``build/bin/``), or the ``llama-bench`` file.
+
+        Raises:
+            ValueError: no executable ``llama-bench`` there; the message names the places
+                looked at and how to build it.
+        """
+        given = Path(path).expanduser()
+        folders = [given.parent] if given.is_file() else [given, given / "bin", given / "build" / "bin"]
+        for folder in folders:
+            bench = folder / BENCH
+            if bench.is_file() and os.access(bench, os.X_OK):
+                batched = folder / BATCHED
+                return cls(bench, batched if batched.is_file() else None, len(os.sched_getaffinity(0)))
+        raise ValueError(
+            f"--against-llama-cpp {path}: no executable {BENCH} in {', '.join(map(str, folders))}; build it "
+            f"with `cmake -B build -DGGML_NATIVE=ON && cmake --build build --target {BENCH} {BATCHED}` in "
+            "llama.cpp's source (docs/benchmarks.md) and give that folder"
+        )
+
+    def _run(self, argv: list[str]) -> str:
+        """Run one tool; its stdout. Raises LlamaCppFailed with its stderr's tail when it fails."""
+        done = subprocess.run(argv, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise LlamaCppFailed(f"{' '.join(argv)} exited {done.returncode}: {done.stderr[-2000:]}")
+        return done.stdout
+
+    def _bench(self, model: Path, *args: str) -> float:
+        """``llama-bench``'s mean tokens/s (``avg_ts``) of one test."""
+        out = self._run([str(self.bench), "-m", str(model), "-t", str(self.threads), "-r", str(REPETITIONS),
+                         "-o", "json", *args])
+        tests = json.loads(out)
+        if len(tests) != 1:
+            raise LlamaCppFailed(f"{BENCH} {' '.join(args)}: expected one test, got {len(tests)}")
+        return float(tests[0]["avg_ts"])
+
+    def speed(self, model: Path, batch: int, prompt_tokens: int, new_tokens: int) -> tuple[float, float | None]:
+        """(prefill, decode) tokens/s of ``batch`` prompts of ``prompt_tokens`` each, then
+        ``new_tokens`` each decoded together; decode None for ``batch`` > 1 without
+        ``llama-batched-bench``.
+
+        One prompt: ``llama-bench -p P -n 0``, then ``-p 0 -n N -d P`` (decode at a
+        context that starts ``P`` deep). More: ``llama-batched-bench -npp P -ntg N -npl B``
+        (its ``speed_pp`` and ``speed_tg``).
+
+        Raises:
+            LlamaCppFailed: a tool failed (its stderr's tail) or printed no result.
+        """
+        if batch == 1:
+            return (self._bench(model, "-p", str(prompt_tokens), "-n", "0"),
+                    self._bench(model, "-p", "0", "-n", str(new_tokens), "-d", str(prompt_tokens)))
+        if self.batched is None:
+            return float("nan"), None
+        ctx = batch * (prompt_tokens + new_tokens) + 16
+        out = self._run([str(self.batched), "-m", str(model), "-t", str(self.threads), "-tb", str(self.threads),
+                         "-c", str(ctx), "-b", "2048", "-ub", "512", "-npp", str(prompt_tokens),
+                         "-ntg", str(new_tokens), "-npl", str(batch), "--output-format", "jsonl"])
+        rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        if not rows:
+            raise LlamaCppFailed(f"{BATCHED}: no result line in its output")
+        return float(rows[-1]["speed_pp"]), float(rows[-1]["speed_tg"])

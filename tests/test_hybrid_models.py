@@ -87,8 +87,8 @@ def test_state_slots_come_back_after_finish_and_abort(pair):
     engine = Engine(EngineConfig(model=str(path), device="cpu", page_size=4, num_pages=64, max_running_requests=2))
     states = engine.states
     assert states.max_requests == 2 and states.num_free == 2
-    # No prefix reuse for hybrid models: the linear layers' states after a prefix are not kept.
-    assert engine.radix is None
+    # The prefix cache keeps checkpoints of states (tests/test_hybrid_prefix_cache.py).
+    assert engine.radix is not None and states.checkpoints == 2
     sp = SamplingParams(max_new_tokens=50, temperature=0.0, ignore_eos=True)
     for rid in ("a", "b", "c"):
         engine.add_request(GenerateRequest(request_id=rid, prompt_token_ids=[5, 6, 7, 8], sampling=sp))
@@ -131,8 +131,9 @@ def test_plan_charges_the_state_pool_on_its_own_line(tmp_path):
     per_request = state_bytes_per_request(mc, torch.bfloat16)
     # 36 layers x (32 x 128 x 128 x 4 recurrent + 8192 x 3 x 2 conv) = 75.2 MiB per request.
     assert per_request == 36 * (32 * 128 * 128 * 4 + 8192 * 3 * 2)
-    assert ledger["linear-attention state pool"].bytes == (8 + 1) * per_request  # the null slot too
-    assert "8 requests" in ledger["linear-attention state pool"].source
+    # The null slot and the prefix cache's checkpoints too.
+    assert ledger["linear-attention state pool"].bytes == (8 + 1 + 8) * per_request
+    assert "8 requests + 1 null slot + 8 prefix-cache checkpoints" in ledger["linear-attention state pool"].source
     assert plan.table().count("linear-attention state pool") == 1
     # A KV page holds the 12 full-attention layers only.
     assert ledger["KV cache pool"].bytes == plan.num_pages * 2 * 12 * 2 * 256 * 2 * knobs.page_size

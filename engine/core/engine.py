@@ -214,15 +214,17 @@ class Engine(PlanStages, GrammarWaits, LiveReplan):
         self.kv_pool_ceiling_pages = num_pages
         if self.plan is not None and self.plan.context_lowered:
             self.kv_pool_ceiling_pages = max(num_pages, self.min_kv_pool_pages(self.plan.wanted_context_tokens))
-        # Hybrid linear-attention models: no prefix reuse (a shared prefix's KV pages are
-        # kept, but not the linear layers' states after it), and a state pool of one slot
-        # per running request (engine.kvcache.state_pool).
-        self.radix = (RadixCache(self.allocator, config.page_size)
-                      if config.prefix_cache and not mc.is_hybrid else None)
+        # Hybrid linear-attention models: a state pool of one slot per running request and
+        # the prefix cache's checkpoints of states at page boundaries
+        # (engine.kvcache.state_pool, engine.scheduler.prefix_states).
         self.states = None
         if mc.is_hybrid:
-            self.states = StatePool(mc, self.knobs.max_running_requests, self.dtype, self.device)
+            self.states = StatePool(mc, self.knobs.max_running_requests, self.dtype, self.device,
+                                    checkpoints=self.knobs.state_checkpoints)
             self.model.bind_states(self.states)
+        self.radix = (RadixCache(self.allocator, config.page_size,
+                                 release_state=None if self.states is None else self.states.free_checkpoint)
+                      if config.prefix_cache else None)
         # Scheduler and runner.
         model_ctx = mc.max_position_embeddings
         if config.max_model_len is not None:

@@ -9,13 +9,20 @@ when the pool runs short.
 The idea is SGLang's RadixAttention (Zheng et al., 2023, "Efficiently Programming Large
 Language Models using SGLang"); this version works at page granularity so it shares the
 page allocator with everything else.
+
+A hybrid linear-attention model also needs its linear layers' states after a prefix,
+which its pages cannot give back: a node may hold a ``state`` (a checkpoint slot of
+:class:`engine.kvcache.state_pool.StatePool`, the states after the node's last token),
+and with ``release_state`` set a match stops at the deepest node on its path that holds
+one. Checkpoints go back through ``release_state`` when their node is evicted, or the
+least recently used one when the pool wants a slot (:meth:`RadixCache.drop_lru_state`).
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from engine.kvcache.allocator import PageAllocator
 
@@ -23,9 +30,10 @@ _clock = itertools.count()
 
 
 class RadixNode:
-    __slots__ = ("key", "pages", "children", "parent", "lock_ref", "last_access")
+    __slots__ = ("key", "pages", "children", "parent", "lock_ref", "last_access", "state")
 
     def __init__(self, key: tuple[int, ...], pages: list[int], parent: RadixNode | None) -> None:
+        self.state: int | None = None  # a checkpoint of the states after this node's tokens
         self.key = key
         self.pages = pages
         self.children: dict[tuple[int, ...], RadixNode] = {}
@@ -40,11 +48,15 @@ class RadixCache:
     Args:
         allocator: the page allocator; evicted pages go back to it.
         page_size: tokens per page.
+        release_state: for a hybrid model, the call that gives a node's state
+            checkpoint back (matches then end at nodes holding one); None otherwise.
 
     Counters: ``hit_tokens`` / ``lookup_tokens`` over all :meth:`match_prefix` calls.
     """
 
-    def __init__(self, allocator: PageAllocator, page_size: int) -> None:
+    def __init__(self, allocator: PageAllocator, page_size: int,
+                 release_state: Callable[[int], None] | None = None) -> None:
+        self.release_state = release_state
         self.allocator = allocator
         self.page_size = page_size
         self.root = RadixNode((), [], None)
@@ -61,6 +73,9 @@ class RadixCache:
     def match_prefix(self, tokens: Sequence[int]) -> tuple[list[int], RadixNode]:
         """Longest cached prefix of ``tokens`` in whole pages.
 
+        With ``release_state`` set, the prefix ends at the deepest node on the path that
+        holds a state checkpoint (the root, holding none, stands for the empty prefix).
+
         Returns:
             ``(pages, node)``: the pages holding the prefix (``len(pages) * page_size``
             tokens) and the deepest node covering it, to :meth:`lock` while in use.
@@ -69,6 +84,7 @@ class RadixCache:
         usable = len(tokens) - len(tokens) % ps
         node, pages, pos = self.root, [], 0
         node.last_access = next(_clock)
+        best = (0, node)  # (pages, node) of the deepest usable end so far
         while pos < usable:
             child = node.children.get(self._page_key(tokens, pos))
             if child is None:
@@ -78,9 +94,12 @@ class RadixCache:
             pos += len(child.key)
             node = child
             node.last_access = next(_clock)
+            if self.release_state is None or node.state is not None:
+                best = (len(pages), node)
+        del pages[best[0]:]
         self.lookup_tokens += len(tokens)
-        self.hit_tokens += pos
-        return pages, node
+        self.hit_tokens += len(pages) * ps
+        return pages, best[1]
 
     def _shared_part(self, child: RadixNode, tokens: Sequence[int], pos: int) -> RadixNode:
         """``child``, whose first page matches ``tokens[pos:]``, cut to the whole pages
@@ -173,6 +192,7 @@ class RadixCache:
         freed = 0
         while freed < num_pages and leaves:
             _, _, leaf = heapq.heappop(leaves)
+            self._release(leaf)
             self.allocator.free(leaf.pages)
             freed += len(leaf.pages)
             self.num_cached_pages -= len(leaf.pages)
@@ -201,6 +221,7 @@ class RadixCache:
         pages, stack = [], [node]
         while stack:
             n = stack.pop()
+            self._release(n)
             pages.extend(n.pages)
             stack.extend(n.children.values())
         assert node.parent is not None
@@ -209,6 +230,40 @@ class RadixCache:
         self.allocator.free(pages)
         self.num_cached_pages -= len(pages)
         return len(pages)
+
+    # -- state checkpoints (hybrid models) ------------------------------------------------
+
+    def attach_state(self, node: RadixNode, checkpoint: int) -> bool:
+        """Keep ``checkpoint`` (the states after ``node``'s last token) at ``node``; False,
+        keeping nothing, when ``node`` is the root or already holds one (the caller gives
+        ``checkpoint`` back)."""
+        if node is self.root or node.state is not None:
+            return False
+        node.state = checkpoint
+        return True
+
+    def drop_state(self, node: RadixNode) -> None:
+        """Give back ``node``'s checkpoint, if it holds one (its pages stay cached)."""
+        self._release(node)
+
+    def drop_lru_state(self) -> bool:
+        """Give back the checkpoint of the least recently used node holding one (its pages
+        stay cached); False when no node holds one."""
+        held, stack = [], [self.root]
+        while stack:
+            n = stack.pop()
+            if n.state is not None:
+                held.append(n)
+            stack.extend(n.children.values())
+        if not held:
+            return False
+        self._release(min(held, key=lambda n: n.last_access))
+        return True
+
+    def _release(self, node: RadixNode) -> None:
+        if node.state is not None and self.release_state is not None:
+            self.release_state(node.state)
+        node.state = None
 
     def remap(self, moved: dict[int, int]) -> None:
         """Rename pages after their contents were copied elsewhere: every node's page

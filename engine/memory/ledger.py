@@ -138,11 +138,14 @@ def _ledger_at(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint, host_layer
         LedgerEntry("CUDA graph pool", fp.cuda_graph_bytes, "-", "measured at capture" if fp.cuda_graph_bytes else "none captured"),
         LedgerEntry("model scratch", fp.scratch_bytes, "-", "measured" if fp.scratch_bytes else "none"),
     ]
-    # One slot per running request, plus the null slot (engine.kvcache.state_pool).
-    states = fp.state_bytes_per_request * (knobs.max_running_requests + 1)
+    # One slot per running request, the null slot, and the prefix cache's checkpoints
+    # (engine.kvcache.state_pool).
+    slots = knobs.max_running_requests + 1 + knobs.state_checkpoints
+    states = fp.state_bytes_per_request * slots
     if fp.state_bytes_per_request:
         ledger.append(LedgerEntry("linear-attention state pool", states, "-",
-                                  f"exact, {knobs.max_running_requests} requests + 1 null slot x "
+                                  f"exact, {knobs.max_running_requests} requests + 1 null slot + "
+                                  f"{knobs.state_checkpoints} prefix-cache checkpoints x "
                                   f"{fmt_bytes(fp.state_bytes_per_request)}"))
     fixed = (fp.weight_bytes + fp.runtime_bytes + sum(b for _, b in fp.workspace_bytes) + sampler + activation
              + fp.cuda_graph_bytes + fp.scratch_bytes + states)

@@ -97,6 +97,12 @@ class DeviceMemory:
     top_consumers: tuple[tuple[int, str, int], ...] = ()  # (pid, name, bytes)
 
 
+# A hybrid model's prefix cache keeps the linear layers' states after a cached prefix in
+# checkpoint slots beside the running requests' (each as large as one request's states:
+# tens of MiB for a 30B-class model); this many at most, reused least recently used first.
+MAX_STATE_CHECKPOINTS = 8
+
+
 @dataclass(frozen=True)
 class PlanKnobs:
     """Settings that move the plan: the options of :class:`EngineConfig` of the same
@@ -120,6 +126,14 @@ class PlanKnobs:
     kv_cache_dtype: str = EngineConfig.kv_cache_dtype
     cpu_experts: str = EngineConfig.cpu_experts
     tensor_parallel_size: int = EngineConfig.tensor_parallel_size
+    prefix_cache: bool = EngineConfig.prefix_cache
+
+    @property
+    def state_checkpoints(self) -> int:
+        """Slots a hybrid model's state pool keeps for the prefix cache's checkpoints
+        (:mod:`engine.kvcache.state_pool`): one per running request up to
+        :data:`MAX_STATE_CHECKPOINTS`, none without the prefix cache."""
+        return min(self.max_running_requests, MAX_STATE_CHECKPOINTS) if self.prefix_cache else 0
 
     @classmethod
     def of(cls, config: EngineConfig) -> PlanKnobs:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from engine.kvcache.allocator import OutOfPages, PageAllocator
 from engine.kvcache.radix import RadixCache
+from engine.scheduler.prefix_states import PrefixStates
 from engine.scheduler.request import Phase, Request
 from engine.wire.messages import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, SCORED_CHUNK_TOKENS
 
@@ -104,6 +105,9 @@ class Scheduler:
         self.max_context_tokens = config.max_context_tokens
         self.allocator = allocator
         self.radix = radix
+        # A hybrid model's prefix cache keeps its states at page boundaries too.
+        self.prefix_states = (PrefixStates(states, radix, config.page_size)
+                              if states is not None and radix is not None else None)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # prefill and decode, in arrival order
         self.requests: dict[str, Request] = {}
@@ -203,6 +207,8 @@ class Scheduler:
         n = min(req.pending_len, budget)
         if req.chunk_cap is not None:
             n = min(n, req.chunk_cap)
+        if self.prefix_states is not None:
+            n = self.prefix_states.chunk_tokens(req, n)
         if req.sampling.prompt_logprobs is not None and req.kv_len < len(req.prompt_ids):
             n = min(n, SCORED_CHUNK_TOKENS)  # each scored token makes a row of logits
         try:
@@ -230,6 +236,8 @@ class Scheduler:
             req.kv_len = req.cached_len = len(pages) * self.config.page_size
             if not req.output_ids:
                 req.prompt_cached_tokens = req.cached_len
+            if self.prefix_states is not None:
+                self.prefix_states.restore(req, node)
         req.phase = Phase.PREFILL
         item = self._plan_chunk(req, budget, admitted=True)
         if item is None:
@@ -251,6 +259,8 @@ class Scheduler:
             req.kv_len = it.start + it.num_tokens
             if req.phase is Phase.PREFILL:
                 self._cache_prefix(req)
+            if self.prefix_states is not None:
+                self.prefix_states.keep(req, self._cache_prefix, decoding=req.phase is Phase.DECODE)
             token = sampled.get(req.request_id)
             if token is None:
                 continue
@@ -360,6 +370,8 @@ class Scheduler:
             self.radix.unlock(req.last_node)
         if req.state_slot is not None:
             # Its states describe the tokens of its pages: they go together.
+            if self.prefix_states is not None:
+                self.prefix_states.forget(req)
             self.states.free(req.state_slot)
             req.state_slot = None
         req.pages, req.last_node, req.kv_len, req.cached_len = [], None, 0, 0

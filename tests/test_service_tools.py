@@ -135,6 +135,17 @@ def test_tools_and_tool_messages_reach_the_template(qwen3_server):
     assert exc.value.body["param"] == "tool_choice"
 
 
+def test_a_forced_call_whose_parameters_the_grammar_cannot_enforce_is_a_400(qwen3_server):
+    """Fail closed for a forced call too: its function's ``parameters`` are the schema,
+    so the 400 names ``tools``."""
+    tool = {"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"ids": {"type": "array", "uniqueItems": True}}}}}
+    with pytest.raises(openai.BadRequestError) as exc:
+        _client(qwen3_server).chat.completions.create(
+            model="default", messages=HI, tools=[tool], tool_choice="required", max_tokens=8)
+    assert exc.value.body["param"] == "tools" and "uniqueItems" in exc.value.body["message"]
+
+
 def test_template_without_tools_is_a_400(real_server):
     client = _client(real_server)
     with pytest.raises(openai.BadRequestError) as exc:

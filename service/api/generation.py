@@ -293,7 +293,7 @@ class Generation:
             if not event.finished:
                 continue
             if event.finish_reason == FINISH_ERROR:
-                raise engine_error(event.error_code, event.error_message)
+                raise engine_error(event.error_code, event.error_message, self._schema_param)
             pending -= 1
             for i in choices:
                 self._seqs[i].finished = True
@@ -320,13 +320,19 @@ class Generation:
             self.ticket.release()
         return event
 
+    @property
+    def _schema_param(self) -> str:
+        """The field a refused schema came from: a forced call's is its tool's."""
+        forced = self.chat is not None and self.chat.tools.schema is not None
+        return "tools" if forced else self.request.schema_param
+
     def _raise_failed(self, event: object) -> None:
         """Raise the API error of a sequence the worker's death ended or the engine
         refused."""
         if isinstance(event, EngineFailure):
             raise failure(event, self.supervisor.retry_after_s())
         if isinstance(event, Rejected):
-            raise rejected(event)
+            raise rejected(event, self._schema_param)
 
     def take_logprobs(self, index: int) -> list[TokenLogprobs]:
         """Sequence ``index``'s token logprobs that arrived since the last take (the
@@ -354,7 +360,7 @@ class Generation:
             text = seq.detokenizer.add(output.token_ids)
         if output.finished:
             if output.finish_reason == FINISH_ERROR:
-                raise engine_error(output.error_code, output.error_message)
+                raise engine_error(output.error_code, output.error_message, self._schema_param)
             # A character cut by max_tokens stays incomplete forever: drop it rather
             # than show U+FFFD.
             text += seq.detokenizer.flush().rstrip(_REPLACEMENT)

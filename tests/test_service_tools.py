@@ -135,6 +135,25 @@ def test_tools_and_tool_messages_reach_the_template(qwen3_server):
     assert exc.value.body["param"] == "tool_choice"
 
 
+def test_a_forced_call_cut_by_max_tokens_answers_alike_streamed_or_not(qwen3_server):
+    """A forced call cut before its JSON closes: the same content (the model's text, no
+    ``<tool_call>`` it never wrote), no tool_calls and ``length``, streamed or not."""
+    client = _client(qwen3_server)
+    for choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
+        ask = {"model": "default", "messages": HI, "tools": [WEATHER], "tool_choice": choice,
+               "max_tokens": 3, "temperature": 0}
+        whole = client.chat.completions.create(**ask).choices[0]
+        assert whole.finish_reason == "length" and not whole.message.tool_calls, whole
+        assert whole.message.content and "<tool_call>" not in whole.message.content
+        content, finishes, calls = "", [], []
+        for chunk in client.chat.completions.create(stream=True, **ask):
+            for c in chunk.choices:
+                content += c.delta.content or ""
+                calls += c.delta.tool_calls or []
+                finishes += [c.finish_reason] if c.finish_reason else []
+        assert (content, finishes, calls) == (whole.message.content, ["length"], [])
+
+
 def test_a_forced_call_whose_parameters_the_grammar_cannot_enforce_is_a_400(qwen3_server):
     """Fail closed for a forced call too: its function's ``parameters`` are the schema,
     so the 400 names ``tools``."""

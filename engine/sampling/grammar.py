@@ -27,8 +27,7 @@ refuses keywords it does not implement (``uniqueItems``, ``not``, ``if``/``then`
 it is never asked to be lenient or to coerce ``oneOf``, and a grammar it compiles with
 any warning is refused too. Such a schema is a :class:`GrammarError` whose message is
 llguidance's reason on one line. What it does narrow (properties in the schema's
-order, a ``pattern`` always anchored, the fixed separators) only ever makes answers
-that still validate.
+order, the fixed separators) only ever makes answers that still validate.
 """
 
 from __future__ import annotations

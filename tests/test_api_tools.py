@@ -182,6 +182,24 @@ def test_forced_calls_parse_what_the_grammar_lets_through(fmt):
     ]
 
 
+@pytest.mark.parametrize("fmt", [HERMES, LLAMA3_JSON, MISTRAL])
+@pytest.mark.parametrize("choice", ["named", "required"])
+def test_a_forced_call_cut_by_max_tokens_answers_the_same_streamed_or_not(fmt, choice):
+    """Cut before its JSON closes, a forced call is no call: the answer is the model's
+    text (no opening or closing the model never wrote), ``finish_reason`` "length"."""
+    template = {HERMES: "<tool_call>", LLAMA3_JSON: "<|python_tag|>", MISTRAL: "[TOOL_CALLS]"}
+    tool_choice = {"type": "function", "function": {"name": "get_weather"}} if choice == "named" else choice
+    plan = plan_tools([WEATHER], tool_choice, "{{ tools }}" + template[fmt], True)
+    key = "parameters" if fmt == LLAMA3_JSON else "arguments"
+    cut = '{"city": "Par' if choice == "named" else '{"name": "get_weather", "' + key + '": {"ci'
+    message, reason = ChatOutput(n=1, tools=plan).message(cut, "length")
+    assert message.content == cut and not message.tool_calls and reason == "length"
+    for size in (1, 4, 100):
+        streamed = _replay(ChatOutput(n=1, tools=plan), cut, size, "length")
+        assert streamed["content"] == cut and not streamed["tool_calls"], streamed
+        assert streamed["finish"] == ["length"]
+
+
 def test_tool_choice_checks():
     template = "{{ tools }}<tool_call>"
     assert plan_tools(None, None, template, True) == ToolPlan()

@@ -116,6 +116,79 @@ def test_completion_logprobs_with_echo(client, hf, default_model_dir):
     assert "".join(tokens) == whole.choices[0].text
 
 
+def _chat_tokens(client, stream: bool, **ask) -> tuple[list, str, str]:
+    """(logprobs entries, content, finish_reason) of a greedy chat answer."""
+    if not stream:
+        choice = client.chat.completions.create(**ask).choices[0]
+        return choice.logprobs.content, choice.message.content, choice.finish_reason
+    entries, content, finish = [], "", None
+    for chunk in client.chat.completions.create(stream=True, **ask):
+        for c in chunk.choices:
+            entries += c.logprobs.content if c.logprobs else []
+            content += c.delta.content or ""
+            finish = c.finish_reason or finish
+    return entries, content, finish
+
+
+def _text_tokens(client, stream: bool, **ask) -> tuple[list[str], str, str]:
+    """(logprobs tokens, text, finish_reason) of a greedy text completion."""
+    if not stream:
+        choice = client.completions.create(**ask).choices[0]
+        return choice.logprobs.tokens, choice.text, choice.finish_reason
+    tokens, text, finish = [], "", None
+    for chunk in client.completions.create(stream=True, **ask):
+        for c in chunk.choices:
+            tokens += c.logprobs.tokens if c.logprobs else []
+            text += c.text
+            finish = c.finish_reason or finish
+    return tokens, text, finish
+
+
+def _stops(tokens: list[str], text: str) -> dict[str, tuple[str, str]]:
+    """Stop strings cut into a greedy answer's tokens: ``boundary`` begins exactly where
+    a token begins, ``mid_token`` one character into a token of three or more; each
+    with the content it leaves (the text before its first occurrence) and the text of
+    the token the content ends with."""
+    starts = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    found = {}
+    for i in range(2, len(tokens) - 1):
+        if not text.startswith("".join(tokens[: i + 2])):
+            break  # past the text the tokens spell (an end token's text)
+        for kind, skip in (("boundary", 0), ("mid_token", 1)):
+            if kind in found or (skip and len(tokens[i].strip()) < 3):
+                continue
+            stop = (tokens[i] + tokens[i + 1])[skip:]
+            at = text.find(stop)
+            if at == starts[i] + skip:  # its first occurrence is the one chosen
+                found[kind] = (stop, text[:at], tokens[i][:skip] or tokens[i - 1])
+    assert set(found) == {"boundary", "mid_token"}, (tokens, found)
+    return found
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_logprobs_spell_the_content_cut_by_a_stop_string(client, stream):
+    """With a stop string the logprobs' tokens spell the returned text exactly: none
+    of the stop's tokens, and a token the stop begins inside keeps its part before it
+    (its logprob the whole token's), chat and text completions alike."""
+    chat = {"model": "default", "messages": QUESTION, "max_tokens": 16, "temperature": 0,
+            "logprobs": True}
+    entries, content, _ = _chat_tokens(client, False, **chat)
+    for kind, (stop, before, last) in _stops([e.token for e in entries], content).items():
+        got, text, finish = _chat_tokens(client, stream, stop=[stop], **chat)
+        assert (text, finish) == (before, "stop"), kind
+        assert "".join(e.token for e in got) == text, (kind, [e.token for e in got])
+        assert got[-1].token == last and bytes(got[-1].bytes).decode() == last, kind
+        assert got[-1].logprob == pytest.approx(entries[len(got) - 1].logprob, abs=1e-5), kind
+    prompt = "The capital of France is"
+    legacy = {"model": "default", "prompt": prompt, "max_tokens": 16, "temperature": 0,
+              "logprobs": 1}
+    tokens, full, _ = _text_tokens(client, False, **legacy)
+    for kind, (stop, before, last) in _stops(tokens, full).items():
+        got, text, finish = _text_tokens(client, stream, stop=[stop], **legacy)
+        assert (text, finish) == (before, "stop"), kind
+        assert "".join(got) == text and got[-1] == last, (kind, got)
+
+
 def test_prompt_scoring_with_max_tokens_0(client):
     """``echo`` + ``logprobs`` + ``max_tokens: 0`` scores the prompt (as lm-eval style
     clients do): the prompt's tokens and logprobs, as with ``max_tokens: 1`` less the

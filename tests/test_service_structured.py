@@ -59,12 +59,50 @@ def test_a_schema_the_engine_refuses_is_a_400_streamed_or_not(real_server):
         assert r.status_code == 400, (stream, r.status_code, r.text[:300])
         assert r.headers["content-type"].startswith("application/json")
         assert r.json()["error"]["param"] == "response_format"
-        assert "Unclosed" in r.json()["error"]["message"]
+        assert "unclosed" in r.json()["error"]["message"]
     client = openai.OpenAI(base_url=real_server.base_url + "/v1", api_key="unused", timeout=600)
     fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY, "strict": True}}
     text = "".join(chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(
         model="default", messages=ASK, response_format=fmt, seed=0, max_tokens=160, stream=True) if chunk.choices)
     jsonschema_rs.validate(CITY, json.loads(text))
+
+
+# Schemas whose every answer the grammar could not hold to: a lookahead pattern (the
+# grammar would drop it and answer text the pattern refuses), keywords it does not
+# implement, a back-reference.
+UNENFORCEABLE = [
+    {"type": "object", "properties": {"password": {"type": "string", "pattern": "^(?=.*\\d).+$"}},
+     "required": ["password"], "additionalProperties": False},
+    {"type": "array", "items": {"type": "integer"}, "uniqueItems": True},
+    {"type": "object", "properties": {"a": {"type": "string"}}, "not": {"required": ["a"]}},
+    {"type": "string", "pattern": "(ab)\\1"},
+]
+
+
+@pytest.mark.parametrize("schema", UNENFORCEABLE, ids=["lookahead", "uniqueItems", "not", "backreference"])
+def test_a_schema_the_grammar_cannot_enforce_is_a_400_not_an_answer(real_server, schema):
+    """Fail closed, ``strict`` or not, streamed or not: nothing is generated, and the
+    400 names the field in each API's shape (OpenAI's ``param``; Ollama's message)."""
+    for strict in (True, False):
+        fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": strict}}
+        for stream in (False, True):
+            with real_server.client() as http:
+                r = http.post("/v1/chat/completions", json={
+                    "messages": ASK, "response_format": fmt, "stream": stream, "max_tokens": 8})
+            assert r.status_code == 400, (stream, r.text[:300])
+            error = r.json()["error"]
+            assert error["param"] == "response_format" and error["type"] == "invalid_request_error"
+            assert error["message"].startswith("response_format: the JSON schema cannot be used: ")
+    for route, ask in (("/api/chat", {"messages": ASK}), ("/api/generate", {"prompt": "Hi"})):
+        for stream in (False, True):
+            with real_server.client() as http:
+                r = http.post(route, json={"model": "default", "format": schema, "stream": stream, **ask})
+            assert r.status_code == 400, (route, stream, r.text[:300])
+            assert r.headers["content-type"].startswith("application/json")
+            assert r.json()["error"].startswith("format: the JSON schema cannot be used: ")
+    with pytest.raises(ollama.ResponseError) as exc:
+        ollama.Client(host=real_server.base_url, timeout=600).chat(model="default", messages=ASK, format=schema)
+    assert exc.value.status_code == 400 and "format" in exc.value.error
 
 
 def test_ollama_format(real_server):

@@ -135,6 +135,36 @@ def test_tools_and_tool_messages_reach_the_template(qwen3_server):
     assert exc.value.body["param"] == "tool_choice"
 
 
+def test_a_forced_call_cut_by_max_tokens_answers_alike_streamed_or_not(qwen3_server):
+    """A forced call cut before its JSON closes: the same content (the model's text, no
+    ``<tool_call>`` it never wrote), no tool_calls and ``length``, streamed or not."""
+    client = _client(qwen3_server)
+    for choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
+        ask = {"model": "default", "messages": HI, "tools": [WEATHER], "tool_choice": choice,
+               "max_tokens": 3, "temperature": 0}
+        whole = client.chat.completions.create(**ask).choices[0]
+        assert whole.finish_reason == "length" and not whole.message.tool_calls, whole
+        assert whole.message.content and "<tool_call>" not in whole.message.content
+        content, finishes, calls = "", [], []
+        for chunk in client.chat.completions.create(stream=True, **ask):
+            for c in chunk.choices:
+                content += c.delta.content or ""
+                calls += c.delta.tool_calls or []
+                finishes += [c.finish_reason] if c.finish_reason else []
+        assert (content, finishes, calls) == (whole.message.content, ["length"], [])
+
+
+def test_a_forced_call_whose_parameters_the_grammar_cannot_enforce_is_a_400(qwen3_server):
+    """Fail closed for a forced call too: its function's ``parameters`` are the schema,
+    so the 400 names ``tools``."""
+    tool = {"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"ids": {"type": "array", "uniqueItems": True}}}}}
+    with pytest.raises(openai.BadRequestError) as exc:
+        _client(qwen3_server).chat.completions.create(
+            model="default", messages=HI, tools=[tool], tool_choice="required", max_tokens=8)
+    assert exc.value.body["param"] == "tools" and "uniqueItems" in exc.value.body["message"]
+
+
 def test_template_without_tools_is_a_400(real_server):
     client = _client(real_server)
     with pytest.raises(openai.BadRequestError) as exc:

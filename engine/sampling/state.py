@@ -109,7 +109,7 @@ class SamplingState:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(self.seed & _SEED_MASK)
         self.num_generated = 0
-        # xgrammar's GrammarMatcher for a json_schema request (set by the engine).
+        # llguidance's LLMatcher for a json_schema request (set by the engine).
         self.matcher = None
 
         self.counts: torch.Tensor | None = None
@@ -137,5 +137,7 @@ class SamplingState:
         self.num_generated += 1
         if self.counts is not None:
             self.counts[token_id] += 1
-        if self.matcher is not None and not self.matcher.is_terminated():
-            self.matcher.accept_token(token_id)
+        if self.matcher is not None and not self.matcher.is_error():
+            # A token the mask forbade puts the matcher in error: only the end tokens
+            # are allowed after it (see engine.sampling.grammar.apply_grammars).
+            self.matcher.consume_token(token_id)

@@ -13,6 +13,12 @@ Streams: reasoning goes out as ``delta.reasoning_content`` as it comes; content 
 out as it comes until a tool call may have begun, then is held; at the end the held
 text is parsed, and each call goes out as OpenAI sends it (a delta with its index, id
 and name and empty arguments, then one with the arguments), followed by the finish.
+
+Text that does not parse as calls is content, streamed or not, and is what the model
+wrote: a forced call cut by ``max_tokens`` (its JSON unfinished) answers the model's
+text (the cut arguments, without the call's opening the server started the answer
+with or the closing it would have added), no ``tool_calls``, and ``finish_reason``
+``"length"``.
 """
 
 from __future__ import annotations
@@ -120,10 +126,11 @@ class ChatOutput:
             seq.held = seq.held[len(safe) :]
             seq.sent += len(safe)
             return [ChatChunkChoice(index=index, delta=Delta(content=safe))] if safe else []
-        seq.held += self.tools.suffix
-        rest, calls = parse_tool_calls(self.tools.parse, seq.held)
+        rest, calls = parse_tool_calls(self.tools.parse, seq.held + self.tools.suffix)
         if not calls:
-            rest = seq.held
+            # What the model wrote, as in a whole answer: a forced call's opening (never
+            # sent: a call starts in it) and closing are the server's, not the model's.
+            rest = seq.held.removeprefix(self.tools.prefix)
         out = []
         if rest:
             out.append(ChatChunkChoice(index=index, delta=Delta(content=rest)))

@@ -24,16 +24,26 @@ OUT_OF_MEMORY = "out_of_memory"
 REQUEST_TIMEOUT = "request_timeout"
 
 
-def engine_error(code: str | None, message: str | None) -> APIError:
+def schema_refused(message: str | None, param: str) -> APIError:
+    """400 for a JSON schema the engine's grammar refused (a keyword or pattern it
+    cannot enforce, or a compile past its time): the request's fault. The message
+    starts with the field the schema came from (``response_format``, Ollama's
+    ``format``, ``tools`` for a forced call's parameters), as Ollama's errors carry
+    no ``param``."""
+    return invalid(f"{param}: {message or 'the JSON schema cannot be used'}", param)
+
+
+def engine_error(code: str | None, message: str | None, schema_param: str = "response_format") -> APIError:
     """The API error for a sequence the engine ended with ``finish_reason="error"``.
+
+    ``invalid_schema`` is :func:`schema_refused` blaming ``schema_param``.
 
     ``out_of_memory`` (the request did not fit in device memory even alone; the engine
     stayed up) is a 503 with Retry-After: the same request may well run later. Any
     other code is a 500 carrying the engine's code (``engine_error`` when it gave none).
     """
     if code == ERROR_INVALID_SCHEMA:
-        # The schema did not compile (unsupported, or not in time): the request's fault.
-        return invalid(message or "the JSON schema cannot be used", "response_format")
+        return schema_refused(message, schema_param)
     if code == OUT_OF_MEMORY:
         return APIError(
             503,
@@ -50,8 +60,11 @@ def engine_error(code: str | None, message: str | None) -> APIError:
     )
 
 
-def rejected(event: Rejected) -> APIError:
-    """A sequence the engine refused to queue: 400 naming the field it names."""
+def rejected(event: Rejected, schema_param: str = "response_format") -> APIError:
+    """A sequence the engine refused to queue: 400 naming the field it names (a
+    refused schema as :func:`schema_refused` blaming ``schema_param``)."""
+    if event.param == "response_format":
+        return schema_refused(event.message, schema_param)
     return APIError(400, event.message, param=event.param, code=event.code)
 
 

@@ -37,6 +37,7 @@ from engine.wire.messages import (
 from service.api.admission import Ticket
 from service.api.chat_plan import ChatPlan, continue_prompt, plan_chat
 from service.api.engine_errors import engine_error, failure, rejected, timed_out
+from service.api.logprobs import ShownLogprobs
 from service.api.prompts import encode_prompts
 from service.api.request import GenerationRequest, resolve_max_tokens
 from service.api.sampling import check_vocabulary, sampling_params
@@ -61,9 +62,9 @@ class Piece:
 class _SeqText:
     matcher: StopStringMatcher
     detokenizer: object
+    logprobs: ShownLogprobs  # given out as their text is
     completion_tokens: int = 0
     finished: bool = False
-    logprobs: list[TokenLogprobs] = field(default_factory=list)  # not yet taken
     prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
@@ -197,8 +198,13 @@ class Generation:
 
     def _submit(self) -> None:
         prompt_of = [self.prompts[i // self.request.n] for i in range(len(self.sampling))]
+        stop = list(self.request.stop)
         self._seqs = [
-            _SeqText(StopStringMatcher(list(self.request.stop)), self.text.detokenizer(ids))
+            _SeqText(
+                StopStringMatcher(stop),
+                self.text.detokenizer(ids),
+                ShownLogprobs(self.text.token_texts, hold=bool(stop)),
+            )
             for ids in prompt_of
         ]
         if self.sampling and self.sampling[0].max_new_tokens == 0:
@@ -293,7 +299,7 @@ class Generation:
             if not event.finished:
                 continue
             if event.finish_reason == FINISH_ERROR:
-                raise engine_error(event.error_code, event.error_message)
+                raise engine_error(event.error_code, event.error_message, self._schema_param)
             pending -= 1
             for i in choices:
                 self._seqs[i].finished = True
@@ -320,20 +326,25 @@ class Generation:
             self.ticket.release()
         return event
 
+    @property
+    def _schema_param(self) -> str:
+        """The field a refused schema came from: a forced call's is its tool's."""
+        forced = self.chat is not None and self.chat.tools.schema is not None
+        return "tools" if forced else self.request.schema_param
+
     def _raise_failed(self, event: object) -> None:
         """Raise the API error of a sequence the worker's death ended or the engine
         refused."""
         if isinstance(event, EngineFailure):
             raise failure(event, self.supervisor.retry_after_s())
         if isinstance(event, Rejected):
-            raise rejected(event)
+            raise rejected(event, self._schema_param)
 
     def take_logprobs(self, index: int) -> list[TokenLogprobs]:
-        """Sequence ``index``'s token logprobs that arrived since the last take (the
-        request asked for them; else always empty)."""
-        seq = self._seqs[index]
-        taken, seq.logprobs = seq.logprobs, []
-        return taken
+        """Sequence ``index``'s token logprobs whose text came out since the last take
+        (the request asked for them; else always empty): the tokens spell the text,
+        none past a stop string (:class:`~service.api.logprobs.ShownLogprobs`)."""
+        return self._seqs[index].logprobs.take()
 
     def prompt_logprobs(self, index: int) -> list[TokenLogprobs | None] | None:
         """The logprobs of sequence ``index``'s prompt tokens (``echo`` with
@@ -343,7 +354,7 @@ class Generation:
     def _on_output(self, index: int, seq: _SeqText, output) -> Piece | None:
         self._raise_failed(output)
         if output.logprobs:
-            seq.logprobs += output.logprobs
+            seq.logprobs.add(output.logprobs)
         if output.prompt_logprobs is not None:
             seq.prompt_logprobs = output.prompt_logprobs
         text = ""
@@ -354,21 +365,24 @@ class Generation:
             text = seq.detokenizer.add(output.token_ids)
         if output.finished:
             if output.finish_reason == FINISH_ERROR:
-                raise engine_error(output.error_code, output.error_message)
+                raise engine_error(output.error_code, output.error_message, self._schema_param)
             # A character cut by max_tokens stays incomplete forever: drop it rather
             # than show U+FFFD.
             text += seq.detokenizer.flush().rstrip(_REPLACEMENT)
         safe, stopped = seq.matcher.feed(text) if text else ("", seq.matcher.stopped)
         if stopped:
             seq.finished = True
+            seq.logprobs.show(safe, stopped=True)
             # The stop string ended it here: free the engine's pages now.
             self.supervisor.link.requests.abort_one(f"{self.request_id}-{index}")
             return Piece(index, safe, "stop")
         if output.finished:
             seq.finished = True
             safe += seq.matcher.flush()
+            seq.logprobs.show(safe, finished=True)
             reason = FINISH_LENGTH if output.finish_reason == FINISH_LENGTH else "stop"
             return Piece(index, safe, reason)
+        seq.logprobs.show(safe)
         return Piece(index, safe) if safe else None
 
 

@@ -13,12 +13,21 @@ tokenizer's decoding of it alone; ``bytes`` are its raw bytes (for byte-level BP
 vocabularies a piece of a UTF-8 character is given exactly, while its text shows
 U+FFFD). A ``-inf`` (a token the grammar or a bias of -100 forbids) is sent as
 -9999.0, as JSON has no infinity.
+
+The tokens spell the answer's text (:class:`ShownLogprobs`): with stop strings a
+token's logprobs go out once its text has (the text a stop string might start is
+held back), and when a stop string ends the answer the tokens past it are dropped; a
+token that straddles the stop (text before it, then the stop's first characters) is
+kept, cut: its ``token`` and ``bytes`` are its part before the stop, its
+``logprob`` and ``top_logprobs`` the whole token's (it was sampled whole).
 """
 
 from __future__ import annotations
 
 import math
 from typing import Any
+
+import msgspec
 
 from engine.wire.messages import TokenLogprobs
 
@@ -69,6 +78,15 @@ class TokenTexts:
             hit = self._cache[token_id] = (text, raw)
         return hit
 
+    def shown(self, record: TokenLogprobs) -> tuple[str, list[int]]:
+        """``(text, bytes)`` of a generated token as the answer shows it: the whole
+        token, or the part of it before a stop string (:class:`ClippedLogprobs`)."""
+        text, raw = self.of(record.token_id)
+        if isinstance(record, ClippedLogprobs):
+            raw = raw[: record.shown]
+            text = bytes(raw).decode("utf-8", "replace")
+        return text, raw
+
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         text, raw = self.of(token_id)
         return {"token": text, "logprob": _finite(logprob), "bytes": raw}
@@ -77,7 +95,8 @@ class TokenTexts:
         """OpenAI's chat ``logprobs`` object for ``records`` (one per token)."""
         content = []
         for r in records:
-            entry = self._entry(r.token_id, r.logprob)
+            text, raw = self.shown(r)
+            entry = {"token": text, "logprob": _finite(r.logprob), "bytes": raw}
             entry["top_logprobs"] = [
                 self._entry(t, lp) for t, lp in zip(r.top_ids, r.top_logprobs, strict=True)
             ]
@@ -96,7 +115,7 @@ class TokenTexts:
         tops: list[dict[str, float] | None] = []
         offsets: list[int] = []
         for token_id, r in tokens:
-            text, _ = self.of(token_id)
+            text = self.of(token_id)[0] if r is None else self.shown(r)[0]
             texts.append(text)
             offsets.append(offset)
             offset += len(text)
@@ -111,3 +130,63 @@ class TokenTexts:
             tops.append(top)
         body = {"tokens": texts, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
         return body, offset
+
+
+class ClippedLogprobs(TokenLogprobs, frozen=True, array_like=True):
+    """A generated token a stop string cut: only its first ``shown`` bytes are in the
+    answer's text."""
+
+    shown: int = 0
+
+
+class ShownLogprobs:
+    """One sequence's token logprobs, given out as the answer's text is (see the
+    module docstring).
+
+    Args:
+        texts: the tokenizer's token texts (a token's bytes measure its text).
+        hold: the request has stop strings: a token's logprobs wait for its text.
+    """
+
+    def __init__(self, texts: TokenTexts, hold: bool) -> None:
+        self._texts = texts
+        self._hold = hold
+        self._pending: list[TokenLogprobs] = []
+        self._shown = 0  # UTF-8 bytes of the answer's text so far
+        self._given = 0  # bytes of the tokens given out so far
+        self._stopped = False  # a stop string ended the answer
+        self._finished = False
+
+    def add(self, records: list[TokenLogprobs]) -> None:
+        """Records of newly generated tokens, in order."""
+        self._pending += records
+
+    def show(self, text: str, *, finished: bool = False, stopped: bool = False) -> None:
+        """The answer's next ``text``; ``finished`` on its last, ``stopped`` when a
+        stop string ended it there."""
+        self._shown += len(text.encode("utf-8"))
+        self._finished = self._finished or finished or stopped
+        self._stopped = self._stopped or stopped
+
+    def take(self) -> list[TokenLogprobs]:
+        """The records whose text has been shown since the last take (all of them once
+        the answer ended, but those past a stop string)."""
+        if not self._hold or (self._finished and not self._stopped):
+            taken, self._pending = self._pending, []
+            return taken
+        taken = []
+        while self._pending:
+            record = self._pending[0]
+            end = self._given + len(self._texts.of(record.token_id)[1])
+            if end > self._shown:
+                if not self._stopped:
+                    break  # its text may still be held back
+                if self._given < self._shown:  # it straddles the stop: its part before
+                    fields = msgspec.structs.astuple(record)
+                    taken.append(ClippedLogprobs(*fields, shown=self._shown - self._given))
+                self._pending = []
+                break
+            taken.append(record)
+            self._given = end
+            self._pending.pop(0)
+        return taken

@@ -61,6 +61,8 @@ class GenerationRequest:
         echo: the prompt's tokens are scored too (text completions' ``echo`` with
             ``logprobs``).
         json_schema: the JSON schema (as text) answers are constrained to, or None.
+        schema_param: the field a schema the engine refuses is blamed on
+            (``response_format``; Ollama's ``format``).
         chat: answers are shaped as chat messages (a reasoning split, tool calls).
         tools: tool definitions for the template (chat only), or None.
         tool_choice: OpenAI's ``tool_choice`` (chat only).
@@ -82,6 +84,7 @@ class GenerationRequest:
     logprobs: int | None = None
     echo: bool = False
     json_schema: str | None = None
+    schema_param: str = "response_format"
     chat: bool = False
     tools: list[Any] | None = None
     tool_choice: Any = None

@@ -22,10 +22,10 @@ import msgspec
 from litestar import Request, Response
 
 from service.api.chat_output import FINISH_TOOL_CALLS, ChatOutput
-from service.api.generation import Generation
+from service.api.generation import Generation, Piece
 from service.api.ollama.models import rfc3339
 from service.api.ollama.schemas import OllamaChatChunk, OllamaGenerateChunk, OllamaMessage
-from service.api.responses import gone, json_response, run_to_end, stream_answer
+from service.api.responses import first_piece_held, gone, json_response, run_to_end, stream_answer
 from service.common.errors import APIError
 
 _encoder = msgspec.json.Encoder()
@@ -110,11 +110,11 @@ _Line = Callable[[str, _Part, bool, dict[str, Any]], Any]
 
 
 async def _lines(
-    gen: Generation, output: ChatOutput, model: str, line: _Line
+    gen: Generation, output: ChatOutput, model: str, line: _Line, pieces: AsyncIterator[Piece]
 ) -> AsyncIterator[Any]:
     reason: str | None = None
     names: dict[int, str] = {}
-    async for piece in gen.pieces():
+    async for piece in pieces:
         reason = piece.finish_reason or reason
         for choice in output.deltas(0, piece.text, piece.finish_reason, None):
             delta = choice.delta
@@ -132,13 +132,15 @@ async def _lines(
 
 async def _answer(gen: Generation, request: Request, model: str, line: _Line) -> Response[Any]:
     """NDJSON lines as the text comes, or one object (the done line, with the whole
-    answer) when it is complete."""
+    answer) when it is complete. A stream constrained by ``format`` waits for the
+    engine's first piece, so a schema it refuses is a 400 as without stream."""
     assert gen.chat is not None
     output = ChatOutput(n=gen.request.n, thinking=gen.chat.thinking, tools=gen.chat.tools)
     if gen.request.stream:
+        pieces = await first_piece_held(gen) if gen.chat.json_schema is not None else gen.pieces()
         return stream_answer(
             gen,
-            _lines(gen, output, model, line),
+            _lines(gen, output, model, line, pieces),
             frame=_line,
             error_payload=_error_line,
             media_type=_NDJSON,

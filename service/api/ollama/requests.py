@@ -136,6 +136,7 @@ def _request(
         default_max_tokens=default_max_tokens or None,
         stop=tuple(stop),
         json_schema=json_schema,
+        schema_param="format",
         chat=True,
         tools=tools,
         context_tokens=o.num_ctx,

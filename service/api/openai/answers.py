@@ -123,7 +123,7 @@ async def chat_answer(
     tokens = gen.text.token_texts if gen.request.logprobs is not None else None
     created = int(time.time())
     if gen.request.stream:
-        held = await first_piece_held(gen) if gen.request.json_schema is not None else None
+        held = await first_piece_held(gen) if gen.chat.json_schema is not None else None
         include_usage = bool(stream_options and stream_options.include_usage)
         chunks = _Chunks(ChatCompletionChunk, gen, created, model, include_usage)
         return _sse_answer(gen, _chat_events(gen, output, tokens, chunks, held or gen.pieces()))

@@ -1,0 +1,133 @@
+"""Gemma 3's text model against transformers' (eager attention) on tiny random configs
+whose window (8 tokens) is shorter than the prompts: logits over the paged KV cache
+through prefill, extend and decode; greedy ids through the engine alone, batched, with
+chunked prefill and with the prefix cache; the language model of a multimodal
+checkpoint; and the plan's price of the sliding layers' KV."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from model_checks import check_extend_and_decode, check_ragged_batch, hf_greedy, tiny_pair
+from test_engine import run_all
+
+from engine.common.config import EngineConfig
+from engine.core.engine import Engine
+from engine.core.footprint import kv_bytes_per_token, make_footprint, windowed_kv_bytes
+from engine.layers.cpu_decode import CpuDecode
+from engine.loader.load import load_model
+from engine.loader.weight_size import weight_bytes
+from engine.memory.plan import PlanKnobs
+from engine.wire.messages import SamplingParams
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 256
+STEPS = 16
+GREEDY = SamplingParams(max_new_tokens=STEPS, temperature=0.0, ignore_eos=True)
+
+
+def prompts(*lengths: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module", params=["gemma3", "gemma3_capped"])
+def pair(request, tmp_path_factory, make_tiny_hf_model):
+    return tiny_pair(request.param, tmp_path_factory.mktemp(request.param), make_tiny_hf_model, VOCAB)
+
+
+def engine_of(path, **knobs) -> Engine:
+    return Engine(EngineConfig(model=str(path), device="cpu", page_size=4, num_pages=128, **knobs))
+
+
+def test_config_follows_transformers(pair):
+    kind, hf, ours, config, _ = pair
+    assert config.layer_types == tuple(hf.config.layer_types)
+    assert config.kv_windows == (8, 8, 0, 8, 8, 0)
+    assert config.attention_scale == 32**-0.5
+    assert (config.rope.theta, config.rope.rope_type, config.rope.factor) == (1e6, "linear", 8.0)
+    assert (config.rope_local.theta, config.rope_local.rope_type) == (1e4, "default")
+    assert config.final_logit_softcapping == (3.0 if kind == "gemma3_capped" else 0.0)
+    assert config.hidden_act == "gelu_pytorch_tanh"
+    assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in hf.parameters())
+    held = sum(p.nbytes for p in ours.parameters()) + ours.cos_sin_cache.nbytes + ours.cos_sin_local.nbytes
+    assert weight_bytes(config, torch.float32) == held
+
+
+def test_paged_logits_match_transformers(pair, paged_runner):
+    """One sequence: 7 tokens, 5 more, then 3 decode steps, past the window of 8 on the
+    way; then two ragged sequences sharing each step."""
+    _, hf, ours, config, _ = pair
+    check_extend_and_decode(hf, paged_runner(ours, config), VOCAB)
+    check_ragged_batch(hf, paged_runner(ours, config), VOCAB)
+
+
+def test_greedy_ids_equal_transformers_alone_and_batched(pair):
+    _, hf, _, _, path = pair
+    asked = prompts(24, 5, 37)
+    want = [hf_greedy(hf, ids, STEPS) for ids in asked]
+    alone = run_all(engine_of(path), {"r0": (asked[0], GREEDY)})
+    assert alone["r0"] == want[0]
+    together = run_all(engine_of(path), {f"r{i}": (ids, GREEDY) for i, ids in enumerate(asked)})
+    assert [together[f"r{i}"] for i in range(len(asked))] == want
+
+
+def test_chunked_prefill_equals_transformers(pair):
+    """Chunks of 8 and of 5 tokens: each chunk's window reaches back into the last."""
+    _, hf, _, _, path = pair
+    (ids,) = prompts(30)
+    want = hf_greedy(hf, ids, STEPS)
+    for chunk in (8, 5):
+        assert run_all(engine_of(path, max_prefill_tokens=chunk), {"c": (ids, GREEDY)})["c"] == want
+
+
+def test_prefix_cache_hit_equals_transformers(pair):
+    """A second prompt sharing a 20-token prefix reuses its pages and still decodes as
+    transformers does from scratch."""
+    _, hf, _, _, path = pair
+    first, tail = prompts(26, 6)
+    second = first[:20] + tail
+    engine = engine_of(path)
+    assert engine.radix is not None
+    assert run_all(engine, {"a": (first, GREEDY)})["a"] == hf_greedy(hf, first, STEPS)
+    hits = engine.radix.hit_tokens
+    assert run_all(engine, {"b": (second, GREEDY)})["b"] == hf_greedy(hf, second, STEPS)
+    assert engine.radix.hit_tokens - hits >= 16  # whole pages of the shared 20 tokens
+
+
+def test_the_c_decode_layer_declines_gemma(pair):
+    _, _, ours, _, _ = pair
+    assert CpuDecode.build(ours, lib=None) is None
+
+
+def test_multimodal_checkpoint_loads_its_language_model(tmp_path, make_tiny_hf_model, caplog):
+    """``Gemma3ForConditionalGeneration``: the text config nested, the language model's
+    tensors under ``model.language_model``, the vision tower skipped."""
+    text = make_tiny_hf_model("gemma3", None, vocab_size=VOCAB)
+    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+                  image_size=28, patch_size=14)
+    full = transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
+        text_config=text.config.to_dict(), vision_config=vision, mm_tokens_per_image=4)).eval()
+    full.model.language_model.load_state_dict(text.model.state_dict())
+    full.save_pretrained(tmp_path)
+    with caplog.at_level("INFO", logger="headroom.engine"):
+        _, config = load_model(tmp_path, "cpu", torch.float32)
+    assert config.architecture == "Gemma3ForConditionalGeneration" and config.kv_windows == (8, 8, 0, 8, 8, 0)
+    assert "vision tensors of the checkpoint skipped" in caplog.text
+    (ids,) = prompts(22)
+    assert run_all(engine_of(tmp_path), {"m": (ids, GREEDY)})["m"] == hf_greedy(text, ids, STEPS)
+
+
+def test_sliding_layers_kv_is_priced_at_their_window(pair):
+    """The pool keeps every layer's tokens today (a page holds all layers), so the
+    per-token price is all six layers'; what the sliding layers need is their window."""
+    _, _, _, config, _ = pair
+    per_layer = 2 * config.num_kv_heads * config.head_dim * 4  # float32 keys and values
+    assert kv_bytes_per_token(config, torch.float32) == 6 * per_layer
+    # 100 tokens: the 2 global layers hold 100, the 4 sliding ones their window of 8.
+    assert windowed_kv_bytes(config, torch.float32, 100) == (2 * 100 + 4 * 8) * per_layer
+    assert windowed_kv_bytes(config, torch.float32, 5) == 6 * 5 * per_layer
+    fp = make_footprint(config, torch.float32, PlanKnobs())
+    assert fp.kv_bytes_per_token == 6 * per_layer
+    assert fp.kv_window_note.startswith("4 of 6 layers slide over 8 tokens")

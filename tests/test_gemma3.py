@@ -131,3 +131,52 @@ def test_sliding_layers_kv_is_priced_at_their_window(pair):
     fp = make_footprint(config, torch.float32, PlanKnobs())
     assert fp.kv_bytes_per_token == 6 * per_layer
     assert fp.kv_window_note.startswith("4 of 6 layers slide over 8 tokens")
+
+
+def test_torch_backend_window_and_softcap_equal_eager_attention():
+    """The backend's sliding window and score cap against transformers' eager attention
+    (the function Gemma's layers call) on one step: a 4-token chunk over a 13-token cached
+    prefix beside a decode row at position 9, a layer of window 5 and a global one."""
+    from transformers.models.gemma3.modeling_gemma3 import eager_attention_forward
+
+    from engine.common.forward_batch import ForwardBatch
+    from engine.kvcache.pool import KVPool
+    from engine.layers.attention.registry import create_attention_backend
+
+    heads, kv_heads, dim, ps, scale, cap = 4, 2, 8, 4, 0.3, 1.5
+    pool = KVPool(num_layers=2, num_pages=16, page_size=ps, num_kv_heads=kv_heads, head_dim=dim,
+                  dtype=torch.float32, device="cpu")
+    attn = create_attention_backend("torch", pool, num_heads=heads, head_dim=dim, scale=scale)
+    attn.use_windows((5, 0), cap)
+    g = torch.Generator().manual_seed(0)
+    lens, prefix = {"a": 17, "b": 10}, {"a": 13, "b": 9}
+    pages = {"a": [1, 2, 3, 4, 5], "b": [7, 8, 9]}
+    kv = {s: [torch.randn(n, kv_heads, dim, generator=g) for _ in range(4)] for s, n in lens.items()}  # k, v per layer
+    q = {s: torch.randn(lens[s] - prefix[s], heads, dim, generator=g) for s in lens}
+
+    def slots(s: str, pos) -> torch.Tensor:
+        return torch.tensor([pages[s][p // ps] * ps + p % ps for p in pos])
+
+    for s in lens:  # the cached prefix, and this step's tokens too (kv_stored)
+        for layer in (0, 1):
+            pool.store(layer, slots(s, range(lens[s])), kv[s][2 * layer], kv[s][2 * layer + 1])
+    new = {s: range(prefix[s], lens[s]) for s in lens}
+    batch = ForwardBatch(
+        is_decode=False, input_ids=torch.zeros(5, dtype=torch.int64),
+        positions=torch.tensor([*new["a"], *new["b"]]), out_slots=torch.cat([slots("a", new["a"]), slots("b", new["b"])]),
+        page_table=torch.tensor([pages["a"], pages["b"] + [0, 0]]), prefix_lens=torch.tensor([13, 9]),
+        extend_lens=torch.tensor([4, 1]), logits_indices=torch.tensor([3, 4]))
+    attn.prepare(batch)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.head_dim = heads // kv_heads, dim
+    for layer, window in ((0, 5), (1, 0)):
+        got = attn.forward(torch.cat([q["a"], q["b"]]), None, None, layer, batch, kv_stored=True)
+        want = []
+        for s in lens:
+            q_pos, k_pos = torch.tensor(new[s])[:, None], torch.arange(lens[s])[None, :]
+            seen = (k_pos <= q_pos) & ((q_pos - k_pos < window) if window else True)
+            mask = torch.zeros(seen.shape).masked_fill(~seen, float("-inf"))[None, None]
+            k, v = (t.transpose(0, 1)[None] for t in kv[s][2 * layer : 2 * layer + 2])
+            out, _ = eager_attention_forward(module, q[s].transpose(0, 1)[None], k, v, mask, scaling=scale, softcap=cap)
+            want.append(out[0].reshape(len(new[s]), heads * dim))
+        torch.testing.assert_close(got, torch.cat(want), rtol=1e-5, atol=1e-5)

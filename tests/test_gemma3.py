@@ -180,3 +180,43 @@ def test_torch_backend_window_and_softcap_equal_eager_attention():
             out, _ = eager_attention_forward(module, q[s].transpose(0, 1)[None], k, v, mask, scaling=scale, softcap=cap)
             want.append(out[0].reshape(len(new[s]), heads * dim))
         torch.testing.assert_close(got, torch.cat(want), rtol=1e-5, atol=1e-5)
+
+
+# google/gemma-3-4b-it's published config.json (its text_config as sparse as it is there:
+# transformers fills the rest with Gemma 3's defaults).
+GEMMA3_4B = {
+    "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "eos_token_id": [1, 106],
+    "boi_token_index": 255999, "eoi_token_index": 256000, "image_token_index": 262144, "mm_tokens_per_image": 256,
+    "initializer_range": 0.02, "torch_dtype": "bfloat16",
+    "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                    "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                    "sliding_window": 1024},
+    "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                      "model_type": "siglip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 27,
+                      "patch_size": 14, "vision_use_head": False},
+}
+
+
+def test_gemma3_4b_config_and_its_plan_line(tmp_path):
+    """The 4B's 34 layers, 29 sliding over 1,024 tokens, read from its published config;
+    the plan prices every layer per token and says what the window alone takes."""
+    import json
+
+    from engine.loader.hf_config import load_model_config
+    from engine.memory.device import simulated_device
+    from engine.memory.ledger import make_plan
+    from engine.memory.plan import GiB
+
+    (tmp_path / "config.json").write_text(json.dumps(GEMMA3_4B))
+    mc = load_model_config(tmp_path)
+    assert (mc.num_layers, mc.num_heads, mc.num_kv_heads, mc.head_dim, mc.vocab_size) == (34, 8, 4, 256, 262208)
+    assert [i for i, w in enumerate(mc.kv_windows) if not w] == [5, 11, 17, 23, 29]
+    assert mc.attention_scale == 256**-0.5 and mc.rope.factor == 8.0 and mc.rope_local.theta == 10_000.0
+    assert mc.eos_token_ids[:2] == (1, 106) and mc.tie_word_embeddings
+    knobs = PlanKnobs(max_running_requests=4)
+    plan = make_plan(simulated_device(24 * GiB), knobs, make_footprint(mc, torch.bfloat16, knobs))
+    line = {e.name: e for e in plan.ledger}["KV cache pool"]
+    per_layer = 2 * 4 * 256 * 2  # bfloat16 keys and values of one token
+    assert line.bytes == plan.num_pages * knobs.page_size * 34 * per_layer
+    assert f"29 of 34 layers slide over 1,024 tokens and are priced per token like the others " \
+           f"(their window alone: {1024 * 29 * per_layer:,} bytes per request)" in line.source

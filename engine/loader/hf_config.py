@@ -87,7 +87,7 @@ def _derive(model_dir: Path, config_path: Path) -> ModelConfig:
     except (ValueError, KeyError, TypeError, OSError) as e:
         raise ModelLoadError(f"transformers cannot read {config_path}: {e}") from e
 
-    hf = hf.get_text_config()  # the language model's (itself for a text-only model)
+    outer, hf = hf, hf.get_text_config()  # the language model's (itself for a text-only model)
     _check_variant(hf, config_path)
     num_heads = hf.num_attention_heads
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
@@ -96,7 +96,8 @@ def _derive(model_dir: Path, config_path: Path) -> ModelConfig:
         getattr(hf, "qkv_bias", False) or getattr(hf, "attention_bias", False)
     )
     generation = _read_json(model_dir / "generation_config.json", required=False)
-    eos = _token_ids(getattr(hf, "eos_token_id", None)) + _token_ids(generation.get("eos_token_id"))
+    eos = (_token_ids(getattr(hf, "eos_token_id", None)) + _token_ids(getattr(outer, "eos_token_id", None))
+           + _token_ids(generation.get("eos_token_id")))
     return ModelConfig(
         architecture=architecture,
         vocab_size=hf.vocab_size,

@@ -220,3 +220,18 @@ def test_gemma3_4b_config_and_its_plan_line(tmp_path):
     assert line.bytes == plan.num_pages * knobs.page_size * 34 * per_layer
     assert f"29 of 34 layers slide over 1,024 tokens and are priced per token like the others " \
            f"(their window alone: {1024 * 29 * per_layer:,} bytes per request)" in line.source
+
+
+def test_windowed_models_get_the_torch_backend():
+    """The GPU kernels have no window: auto picks torch on CUDA, triton is refused, and a
+    backend without windows refuses them."""
+    from engine.layers.attention.registry import backend_class, resolve_backend_name
+
+    assert resolve_backend_name("auto", "cuda", windowed=True) == "torch"
+    with pytest.raises(ValueError, match="sliding-window"):
+        resolve_backend_name("triton", "cuda", windowed=True)
+    windowless = backend_class("triton").__new__(backend_class("triton"))  # no CUDA needed to ask
+    with pytest.raises(ValueError, match="--attention-backend torch"):
+        windowless.use_windows((8,))
+    windowless.use_windows((0,))  # no window: nothing to refuse
+    assert windowless.windows == () and windowless.softcap == 0.0

@@ -109,7 +109,8 @@ def _derive(model_dir: Path, config_path: Path) -> ModelConfig:
         head_dim=head_dim,
         rms_norm_eps=float(hf.rms_norm_eps),
         max_position_embeddings=_context(hf),
-        rope=_rope(hf, config_path) if not _is_gemma3(hf) else _rope_of(hf.rope_parameters["full_attention"], hf, config_path),
+        rope=_rope_of(hf.rope_parameters["full_attention"], hf, config_path) if _is_gemma3(hf)
+        else _rope(hf, config_path),  # Gemma 3: its global layers' (rope_local: the sliding ones')
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
         attention_bias=attention_bias,
         qk_norm=facts.qk_norm,

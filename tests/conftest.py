@@ -145,7 +145,7 @@ class PagedRunner:
     def __init__(self, model, config, *, page_size: int = 4, num_pages: int = 64, device: str = "cpu",
                  kv_dtype=None, attention: str = "torch"):
         from engine.kvcache.pool import KVPool
-        from engine.layers.attention.registry import create_attention_backend
+        from engine.layers.attention.registry import model_attention
 
         dtype = next(model.parameters()).dtype
         self.model, self.page_size = model, page_size
@@ -160,13 +160,7 @@ class PagedRunner:
             compute_dtype=dtype,
         )
         self.device = device
-        self.attn = create_attention_backend(
-            attention,
-            self.pool,
-            num_heads=config.num_heads,
-            head_dim=config.head_dim,
-            scale=config.head_dim**-0.5,
-        )
+        self.attn = model_attention(attention, self.pool, config)
         self.states = None
         if config.is_hybrid:  # linear-attention layers keep a state slot per sequence
             from engine.kvcache.state_pool import StatePool
@@ -314,6 +308,20 @@ def _tiny_hf_config(kind: str, vocab_size: int, overrides: dict):
             linear_key_head_dim=16, linear_value_head_dim=24, linear_conv_kernel_dim=4,
             partial_rotary_factor=0.5,
         )
+    if kind in ("gemma3", "gemma3_capped"):
+        # Gemma 3: layers local, local, global, local, local, global over a window of 8;
+        # the global RoPE scaled (linear, 8), the local one its own base; the attention
+        # scale from query_pre_attn_scalar (32, not head_dim 16). The capped one
+        # soft-caps the logits low enough to bite on these random weights, and sets the
+        # attention cap that Gemma 3's attention ignores.
+        caps = dict(attn_logit_softcapping=2.0, final_logit_softcapping=3.0) if kind == "gemma3_capped" else {}
+        local, glob = "sliding_attention", "full_attention"
+        return transformers.Gemma3TextConfig(**{
+            **common, "num_hidden_layers": 6, "head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 32,
+            "layer_types": [local, local, glob, local, local, glob], "rope_theta": 1_000_000.0,
+            "rope_local_base_freq": 10_000.0, "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+            "pad_token_id": 0, **caps, **overrides,
+        })
     if kind == "mixtral":  # Mixtral's w1/w2/w3 expert names, always renormalized
         return transformers.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
     if kind == "olmoe":  # q/k norm over the whole projection, q/k/v clamped
@@ -324,7 +332,8 @@ def _tiny_hf_config(kind: str, vocab_size: int, overrides: dict):
 
 def _make_tiny_hf_model(kind: str, path, *, vocab_size: int = 256, **overrides):
     """A random transformers model (``"llama"``, ``"mistral"``, ``"qwen2"``, ``"qwen3"``, or the
-    mixtures of experts ``"qwen3_moe"``, ``"qwen2_moe"``, ``"mixtral"``, ``"olmoe"``), float32, saved
+    mixtures of experts ``"qwen3_moe"``, ``"qwen2_moe"``, ``"mixtral"``, ``"olmoe"``, or Gemma 3's
+    ``"gemma3"``, ``"gemma3_capped"``, eager attention), float32, saved
     as safetensors to ``path`` (skipped when ``path`` is None); ``overrides`` go to its
     config. Norm weights and biases are perturbed too, so loading one into the wrong place
     shows in the logits."""
@@ -332,8 +341,9 @@ def _make_tiny_hf_model(kind: str, path, *, vocab_size: int = 256, **overrides):
     import transformers
 
     torch.manual_seed(0)
+    eager = {"attn_implementation": "eager"} if kind.startswith("gemma3") else {}  # the reference Gemma runs
     model = transformers.AutoModelForCausalLM.from_config(
-        _tiny_hf_config(kind, vocab_size, overrides), dtype=torch.float32
+        _tiny_hf_config(kind, vocab_size, overrides), dtype=torch.float32, **eager
     ).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -126,6 +126,32 @@ def _gguf_name(hf_name: str) -> str:
     return f"blk.{layer}.{_HF_TO_GGUF[rest]}.{suffix}"
 
 
+def add_shape_keys(writer, cfg, rope_theta: float) -> None:
+    """The model's sizes, norm epsilon, RoPE base and vocabulary size, from transformers' ``cfg``."""
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(rope_theta)
+    writer.add_vocab_size(cfg.vocab_size)
+
+
+def add_byte_bpe_tokenizer(writer) -> None:
+    """A byte-level BPE tokenizer of :func:`_tokens` (BOS 1, EOS 2) and a plain chat template."""
+    tokens = _tokens()
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3] * 3 + [1] * (len(tokens) - 3))
+    writer.add_token_merges([f"{a} {b}" for a, b in MERGES])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+
+
 def write_gguf(path, arch: str, hf, *, override: dict[str, np.ndarray] | None = None,
                tokenizer=None, eot_token_id: int | None = None) -> None:
     """Write ``hf`` (a transformers model) as a GGUF. 2-D weights are stored Q8_0 and the
@@ -135,15 +161,7 @@ def write_gguf(path, arch: str, hf, *, override: dict[str, np.ndarray] | None = 
     byte-level BPE one (tokens of :func:`_tokens`) and the chat template."""
     cfg = hf.config
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    writer.add_vocab_size(cfg.vocab_size)
+    add_shape_keys(writer, cfg, cfg.rope_parameters["rope_theta"])
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     if arch == "qwen3" or head_dim != cfg.hidden_size // cfg.num_attention_heads:
         writer.add_key_length(head_dim)
@@ -151,15 +169,7 @@ def write_gguf(path, arch: str, hf, *, override: dict[str, np.ndarray] | None = 
     if tokenizer is not None:
         tokenizer(writer)
     else:
-        tokens = _tokens()
-        writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre("qwen2")
-        writer.add_token_list(tokens)
-        writer.add_token_types([3] * 3 + [1] * (len(tokens) - 3))
-        writer.add_token_merges([f"{a} {b}" for a, b in MERGES])
-        writer.add_bos_token_id(1)
-        writer.add_eos_token_id(2)
-        writer.add_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+        add_byte_bpe_tokenizer(writer)
     if eot_token_id is not None:
         writer.add_eot_token_id(eot_token_id)
     _add_moe_metadata(writer, cfg)

@@ -66,6 +66,15 @@ class ModelConfig:
     ``partial_rotary_factor``); ``attn_output_gate`` multiplies the attention output by
     ``sigmoid`` of a second half of ``q_proj``. ``zero_centered_norms``: RMSNorm weights
     are stored as ``w - 1`` (``Qwen3NextRMSNorm`` scales by ``1 + w``).
+
+    Sliding-window attention (Gemma 3): a ``"sliding_attention"`` layer of
+    ``layer_types`` attends to the last ``sliding_window`` tokens only (the query's own
+    included), rotating with ``rope_local``; the ``"full_attention"`` ones see the whole
+    context with ``rope``. ``query_pre_attn_scalar`` (0: ``head_dim``) sets the attention
+    scale to its inverse square root; ``attn_logit_softcapping`` and
+    ``final_logit_softcapping`` (0: none) cap the attention scores and the logits at
+    ``±c`` by ``c * tanh(x / c)``; ``hidden_act`` is the MLP's gate activation
+    (``"silu"``, or ``"gelu_pytorch_tanh"``).
     """
 
     architecture: str
@@ -101,6 +110,12 @@ class ModelConfig:
     rotary_dim: int = 0
     attn_output_gate: bool = False
     zero_centered_norms: bool = False
+    sliding_window: int = 0
+    rope_local: RopeConfig | None = None
+    query_pre_attn_scalar: float = 0.0
+    attn_logit_softcapping: float = 0.0
+    final_logit_softcapping: float = 0.0
+    hidden_act: str = "silu"
 
     @property
     def is_hybrid(self) -> bool:
@@ -121,6 +136,26 @@ class ModelConfig:
     @property
     def num_kv_layers(self) -> int:
         return len(self.kv_layers)
+
+    @property
+    def kv_windows(self) -> tuple[int, ...]:
+        """Per KV pool layer (``kv_layers`` order), the tokens it attends to: the
+        ``sliding_window`` for a ``"sliding_attention"`` layer, 0 (the whole context) for
+        the others; empty when no layer slides."""
+        if not self.sliding_window or "sliding_attention" not in self.layer_types:
+            return ()
+        return tuple(self.sliding_window if self.layer_types[i] == "sliding_attention" else 0 for i in self.kv_layers)
+
+    @property
+    def windowed_attention(self) -> bool:
+        """Some layers slide or the scores are soft-capped: the attention backend must
+        implement :meth:`~engine.layers.attention.base.AttentionBackend.use_windows`."""
+        return bool(self.kv_windows or self.attn_logit_softcapping)
+
+    @property
+    def attention_scale(self) -> float:
+        """The factor of ``q . k``: ``query_pre_attn_scalar ** -0.5`` (``head_dim`` when unset)."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def is_moe(self) -> bool:

@@ -35,8 +35,32 @@ def itemsize(dtype: torch.dtype) -> int:
 
 
 def kv_bytes_per_token(mc: ModelConfig, dtype: torch.dtype) -> int:
-    """Keys and values of one token over the layers with a KV cache, in bytes."""
+    """Keys and values of one token over the layers with a KV cache, in bytes: what a
+    page of the KV pool holds per token, sliding-window layers included (a page holds
+    every layer; see :func:`windowed_kv_bytes` for what those need)."""
     return 2 * mc.num_kv_layers * mc.num_kv_heads * mc.head_dim * itemsize(dtype)
+
+
+def windowed_kv_bytes(mc: ModelConfig, dtype: torch.dtype, tokens: int) -> int:
+    """Keys and values one sequence of ``tokens`` tokens needs when each sliding-window
+    layer keeps only its window, in bytes: ``2 * Hkv * D * it`` per layer and token,
+    times ``tokens`` for a global layer and ``min(window, tokens)`` for a sliding one.
+    Equal to ``tokens * kv_bytes_per_token`` for a model without sliding layers."""
+    per_layer = 2 * mc.num_kv_heads * mc.head_dim * itemsize(dtype)
+    windows = mc.kv_windows or (0,) * mc.num_kv_layers
+    return per_layer * sum(min(w, tokens) if w else tokens for w in windows)
+
+
+def kv_window_note(mc: ModelConfig, dtype: torch.dtype) -> str:
+    """The plan's words on sliding-window layers' KV (empty without them): how many
+    layers slide over how many tokens, and that the pool prices them per token."""
+    sliding = [w for w in mc.kv_windows if w]
+    if not sliding:
+        return ""
+    window = max(sliding)
+    per_layer = 2 * mc.num_kv_heads * mc.head_dim * itemsize(dtype)
+    return (f"{len(sliding)} of {mc.num_kv_layers} layers slide over {window:,} tokens and are priced per token "
+            f"like the others (their window alone: {window * len(sliding) * per_layer:,} bytes per request)")
 
 
 def model_context(mc: ModelConfig, knobs: PlanKnobs) -> int:
@@ -204,6 +228,7 @@ def make_footprint(
         num_experts=mc.num_experts,
         weight_source="exact, from tensor shapes" if weights is None else f"exact, {weights.source}: {weights.mix}",
         kv_bytes_per_token=kv_bytes_per_token(mc, kv_dtype),
+        kv_window_note=kv_window_note(mc, kv_dtype),
         kv_heads=mc.num_kv_heads,
         kv_cache_dtype=str(kv_dtype).removeprefix("torch."),
         vocab_size=mc.vocab_size,

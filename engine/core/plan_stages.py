@@ -22,7 +22,7 @@ from engine.core.footprint import kv_bytes_per_token, make_footprint
 from engine.core.profile import measure_step_peak, profile_pool_pages
 from engine.core.startup import attention_workspaces
 from engine.kvcache.pool import KVPool
-from engine.layers.attention.registry import backend_class, create_attention_backend
+from engine.layers.attention.registry import backend_class, model_attention
 from engine.memory.fixed_pool import unplanned_pages
 from engine.memory.ledger import fit_plan, make_plan
 from engine.memory.plan import MemoryPlan, PlanKnobs
@@ -56,8 +56,7 @@ class PlanStages:
 
     def _attention(self, pool: KVPool):
         mc = self.model_config
-        return create_attention_backend(self.attention_backend, pool, num_heads=mc.num_heads, head_dim=mc.head_dim,
-                                        scale=mc.head_dim**-0.5, max_batch=self.config.max_running_requests)
+        return model_attention(self.attention_backend, pool, mc, self.config.max_running_requests)
 
 
     _graph_bytes_measured: int | None = None

@@ -6,7 +6,8 @@ row) of a float32 model whose every layer it can run: a dense Llama/Qwen2/Qwen3-
 layer (no mixture of experts, no whole-projection q/k norm, no q/k/v clipping, no o
 bias) whose four projections are each one run of GGUF blocks the C GEMV reads
 (:class:`~engine.layers.linear.cpu_blocks.CpuBlockLinear`), over a float32 KV pool.
-Prefill and extend steps, and every other model, keep the torch layers.
+Prefill and extend steps, and every other model (Gemma 3's sliding-window, GELU and
+four-norm layers among them), keep the torch layers.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ class CpuDecode:
         layer is not one it runs (module docstring)."""
         config = model.config
         if config.moe_layers or config.qk_norm_whole or config.clip_qkv is not None or config.head_dim % 2:
+            return None
+        if config.windowed_attention or config.hidden_act != "silu":  # Gemma 3's layers are not the C layer's
             return None
         if getattr(model, "tp", None) is not None or model.model.norm.weight.dtype != torch.float32:
             return None

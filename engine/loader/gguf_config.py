@@ -26,6 +26,7 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
 }
 
 
@@ -128,6 +129,8 @@ def _hf_config(reader: Any, gguf_path: Path, gguf_arch: str) -> dict[str, Any]:
         config["attention_bias"] = "blk.0.attn_q.bias" in names
     if experts:
         config.update(_moe_config(reader, gguf_arch, experts, names, config["num_hidden_layers"], get))
+    if gguf_arch == "gemma3":
+        config.update(_gemma3_config(reader, config))
     scaling = _rope_scaling(reader, gguf_path, gguf_arch, config)
     if scaling is not None:
         config["rope_scaling"] = scaling
@@ -153,6 +156,34 @@ def _moe_config(reader: Any, gguf_arch: str, experts: int, names: set[str], laye
     if gguf_arch == "qwen2moe":
         moe["shared_expert_intermediate_size"] = int(get("expert_shared_feed_forward_length"))
     return moe
+
+
+# llama.cpp's Gemma 3 (``llama-model.cpp``): five sliding layers to one global unless the
+# file says otherwise, the sliding layers' RoPE base 10,000, and Gemma 3 27B (62 blocks)
+# the one size whose attention scale is ``(hidden / heads) ** -0.5``, not ``head_dim``'s.
+_GEMMA3_PATTERN = 6
+_GEMMA3_LOCAL_BASE = 10_000.0
+_GEMMA3_27B_BLOCKS = 62
+
+
+def _gemma3_config(reader: Any, config: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's config.json fields from a ``gemma3`` GGUF, as llama.cpp reads the file:
+    the window, the layer kinds, the local RoPE base, the attention scale and the
+    logits' soft-cap (GGUF's RoPE scaling, read as for the other families, is the
+    global layers')."""
+    layers = config["num_hidden_layers"]
+    pattern = int(field(reader, "gemma3.attention.sliding_window_pattern", _GEMMA3_PATTERN) or _GEMMA3_PATTERN)
+    scalar = config["hidden_size"] // config["num_attention_heads"] if layers == _GEMMA3_27B_BLOCKS \
+        else config["head_dim"]
+    cap = field(reader, "gemma3.final_logit_softcapping")
+    return {
+        "sliding_window": int(field(reader, "gemma3.attention.sliding_window")),
+        "layer_types": ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)],
+        "rope_local_base_freq": float(field(reader, "gemma3.rope.freq_base_swa", _GEMMA3_LOCAL_BASE)),
+        "query_pre_attn_scalar": scalar,
+        "final_logit_softcapping": float(cap) if cap is not None else None,
+        "hidden_activation": "gelu_pytorch_tanh",
+    }
 
 
 def _rope_scaling(

@@ -51,13 +51,23 @@ _STACKED_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn
 _MIXTRAL_EXPERT_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
 
-def _hf_name(gguf_name: str) -> str | None:
+# Gemma 3's four norms a layer: llama.cpp's ``ffn_norm`` is the one before the MLP there.
+_GEMMA3_PER_LAYER = {
+    **_PER_LAYER,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+
+
+def _hf_name(gguf_name: str, gguf_arch: str = "") -> str | None:
     stem, _, suffix = gguf_name.rpartition(".")  # suffix: weight | bias
     if stem in _TOP_LEVEL:
         return f"{_TOP_LEVEL[stem]}.{suffix}"
     parts = stem.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _PER_LAYER:
-        return f"model.layers.{parts[1]}.{_PER_LAYER[parts[2]]}.{suffix}"
+    per_layer = _GEMMA3_PER_LAYER if gguf_arch == "gemma3" else _PER_LAYER
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in per_layer:
+        return f"model.layers.{parts[1]}.{per_layer[parts[2]]}.{suffix}"
     return None
 
 
@@ -103,7 +113,7 @@ def hf_tensors(
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in _STACKED_EXPERTS:
         yield from _expert_tensors(t, parts[1], _STACKED_EXPERTS[parts[2]], config, dtype)
         return
-    name = _hf_name(t.name)
+    name = _hf_name(t.name, gguf_arch)
     if name is None:
         raise ModelLoadError(
             f"{gguf_path}: tensor {t.name} has no Hugging Face counterpart for a "
@@ -114,6 +124,8 @@ def hf_tensors(
         w = w.reshape(1, -1)
     if config["architectures"] == [LLAMA_WITH_EXPERTS[0]] and ".mlp.gate." in name:
         name = name.replace(".mlp.gate.", ".block_sparse_moe.gate.")
+    if gguf_arch == "gemma3" and name.endswith("norm.weight"):
+        w = w - 1.0  # llama.cpp stores Gemma's norms as the 1 + w they scale by
     if gguf_arch == "llama" and (".q_proj." in name or ".k_proj." in name):
         heads = config["num_attention_heads" if ".q_proj." in name else "num_key_value_heads"]
         w = reverse_llama_permute(w, heads)

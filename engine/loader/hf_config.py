@@ -70,7 +70,10 @@ def _derive(model_dir: Path, config_path: Path) -> ModelConfig:
     """:func:`load_model_config` without the cache."""
     raw = _read_json(config_path, required=True)
     architecture = _architecture(raw, config_path)
-    for name in REQUIRED_FIELDS:
+    # A multimodal config nests its language model's (Gemma 3), which its checkpoints
+    # write sparsely: transformers' text config class fills the rest with the family's own
+    # defaults, not another model's, so the fields are not required there.
+    for name in REQUIRED_FIELDS if "text_config" not in raw else ():
         if raw.get(name) is None:
             raise ConfigFieldMissing(
                 f"{config_path} has no {name!r}; it is required to build the model. "
@@ -84,6 +87,7 @@ def _derive(model_dir: Path, config_path: Path) -> ModelConfig:
     except (ValueError, KeyError, TypeError, OSError) as e:
         raise ModelLoadError(f"transformers cannot read {config_path}: {e}") from e
 
+    outer, hf = hf, hf.get_text_config()  # the language model's (itself for a text-only model)
     _check_variant(hf, config_path)
     num_heads = hf.num_attention_heads
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
@@ -92,7 +96,8 @@ def _derive(model_dir: Path, config_path: Path) -> ModelConfig:
         getattr(hf, "qkv_bias", False) or getattr(hf, "attention_bias", False)
     )
     generation = _read_json(model_dir / "generation_config.json", required=False)
-    eos = _token_ids(getattr(hf, "eos_token_id", None)) + _token_ids(generation.get("eos_token_id"))
+    eos = (_token_ids(getattr(hf, "eos_token_id", None)) + _token_ids(getattr(outer, "eos_token_id", None))
+           + _token_ids(generation.get("eos_token_id")))
     return ModelConfig(
         architecture=architecture,
         vocab_size=hf.vocab_size,
@@ -104,7 +109,8 @@ def _derive(model_dir: Path, config_path: Path) -> ModelConfig:
         head_dim=head_dim,
         rms_norm_eps=float(hf.rms_norm_eps),
         max_position_embeddings=_context(hf),
-        rope=_rope(hf, config_path),
+        rope=_rope_of(hf.rope_parameters["full_attention"], hf, config_path) if _is_gemma3(hf)
+        else _rope(hf, config_path),  # Gemma 3: its global layers' (rope_local: the sliding ones')
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
         attention_bias=attention_bias,
         qk_norm=facts.qk_norm,
@@ -114,7 +120,32 @@ def _derive(model_dir: Path, config_path: Path) -> ModelConfig:
         clip_qkv=getattr(hf, "clip_qkv", None),
         **_moe_fields(hf, facts),
         **_hybrid_fields(hf, facts, head_dim),
+        **_gemma3_fields(hf, config_path),
     )
+
+
+def _is_gemma3(hf: Any) -> bool:
+    return getattr(hf, "model_type", "") == "gemma3_text"
+
+
+def _gemma3_fields(hf: Any, config_path: Path) -> dict[str, Any]:
+    """Gemma 3's fields of :class:`ModelConfig` (``{}`` for other models): its layer
+    kinds and window, the local layers' RoPE, the attention scale and the logits' soft-cap
+    (``Gemma3TextConfig``; transformers derives ``layer_types`` from the older
+    ``sliding_window_pattern`` where a config has that instead). Gemma 3 keeps Gemma 2's
+    ``attn_logit_softcapping`` field, but its attention never applies it (transformers'
+    ``Gemma3Attention`` does not pass it on; the q/k norms took its place), so neither
+    do we."""
+    if not _is_gemma3(hf):
+        return {}
+    return {
+        "layer_types": tuple(hf.layer_types),
+        "sliding_window": int(hf.sliding_window or 0),
+        "rope_local": _rope_of(hf.rope_parameters["sliding_attention"], hf, config_path),
+        "query_pre_attn_scalar": float(hf.query_pre_attn_scalar or 0),
+        "final_logit_softcapping": float(hf.final_logit_softcapping or 0),
+        "hidden_act": hf.hidden_activation,
+    }
 
 
 def _hybrid_fields(hf: Any, facts: Family, head_dim: int) -> dict[str, Any]:
@@ -219,13 +250,16 @@ def _context(hf: Any) -> int:
 
 
 def _check_variant(hf: Any, config_path: Path) -> None:
-    act = getattr(hf, "hidden_act", "silu")
-    if act != "silu":
-        raise UnsupportedConfig(f"{config_path}: hidden_act {act!r} is not supported (only 'silu')")
+    act = getattr(hf, "hidden_activation", "gelu_pytorch_tanh") if _is_gemma3(hf) else getattr(hf, "hidden_act", "silu")
+    if act != ("gelu_pytorch_tanh" if _is_gemma3(hf) else "silu"):
+        raise UnsupportedConfig(f"{config_path}: hidden activation {act!r} is not supported")
     if getattr(hf, "mlp_bias", False):
         raise UnsupportedConfig(f"{config_path}: mlp_bias=true is not supported")
+    if getattr(hf, "use_bidirectional_attention", False):
+        raise UnsupportedConfig(f"{config_path}: bidirectional attention (an encoder) is not supported")
     layer_types = getattr(hf, "layer_types", None) or ()
-    known = ("full_attention", "linear_attention") if getattr(hf, "model_type", "") == "qwen3_next" else ("full_attention",)
+    known = {"qwen3_next": ("full_attention", "linear_attention"), "gemma3_text": ("full_attention", "sliding_attention")}
+    known = known.get(getattr(hf, "model_type", ""), ("full_attention",))
     if getattr(hf, "use_sliding_window", False) or any(t not in known for t in layer_types):
         raise UnsupportedConfig(
             f"{config_path}: sliding-window attention is not supported; "
@@ -236,7 +270,12 @@ def _check_variant(hf: Any, config_path: Path) -> None:
 def _rope(hf: Any, config_path: Path) -> RopeConfig:
     # transformers >= 5 keeps everything in ``rope_parameters``; older versions use
     # ``rope_theta`` plus an optional ``rope_scaling`` dict (whose type key was once "type").
-    params = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
+    return _rope_of(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None), hf, config_path)
+
+
+def _rope_of(params: dict | None, hf: Any, config_path: Path) -> RopeConfig:
+    """The :class:`RopeConfig` of one ``rope_parameters`` dict (Gemma 3 has one per layer kind)."""
+    params = dict(params or {})
     theta = params.get("rope_theta", getattr(hf, "rope_theta", None))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:

@@ -48,7 +48,7 @@ def weight_bytes(config: ModelConfig, dtype: torch.dtype, quantization: str | No
     model = build_on_meta(config, dtype, quantization)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     rope_cache = config.max_position_embeddings * (config.rotary_dim or config.head_dim) * 4  # float32
-    return params + rope_cache
+    return params + rope_cache * (2 if config.rope_local is not None else 1)  # Gemma 3: local layers' own
 
 
 def parameter_count(config: ModelConfig) -> int:

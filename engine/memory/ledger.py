@@ -168,7 +168,8 @@ def _ledger_at(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint, host_layer
     pages = max(kv_room // page_bytes, 0) if page_bytes > 0 else 0
     kv_bytes = pages * page_bytes
     ledger.append(LedgerEntry("KV cache pool", kv_bytes, "=", f"{pages} pages of {fmt_bytes(page_bytes)}"
-                                                     + (f", {fp.kv_cache_dtype}" if fp.kv_cache_dtype else "")))
+                                                     + (f", {fp.kv_cache_dtype}" if fp.kv_cache_dtype else "")
+                                                     + (f"; {fp.kv_window_note}" if fp.kv_window_note else "")))
     fits = pages >= need_pages
     max_ctx = int(min(model_ctx, pages * knobs.page_size))
     note = ""

@@ -191,6 +191,8 @@ class Footprint:
     # model dtype ("GGUF blocks"), which the host tier and the expert cache keep.
     expert_layer_bytes: tuple[int, ...] = ()
     expert_form: str = ""
+    # Sliding-window layers' KV, in words for the ledger's KV line (empty without them).
+    kv_window_note: str = ""
 
     @property
     def expert_slot_bytes(self) -> int:

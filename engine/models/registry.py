@@ -62,6 +62,8 @@ FAMILIES: dict[str, Family] = {
     # layers, MoE or dense MLPs, over a state pool.
     "Qwen3NextForCausalLM": Family(model=_HYBRID, qk_norm=True, moe="sparse_step", shared_expert=True,
                                    hybrid=True),
+    # Sliding-window and global layers, scaled embeddings, soft-capping; a vision checkpoint's text part only.
+    **dict.fromkeys(("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"), Family(model="engine.models.gemma3:Gemma3CausalLM")),
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(FAMILIES)

@@ -33,11 +33,20 @@ class AttentionBackend(ABC):
             values out of the pool (a transient that grows with the context, which the
             plan's activation estimate charges); False for kernels that read the pages
             in place.
+        supports_windows: :meth:`use_windows` may limit layers to a sliding window and
+            soft-cap the scores.
+        windows: per pool layer, the tokens it attends to (0: the whole context); empty
+            while every layer sees the whole context.
+        softcap: scores capped at ``±softcap`` by ``softcap * tanh(s / softcap)`` before
+            the mask and softmax (0: none).
     """
 
     workspace_bytes: int = 0
     supports_cuda_graphs: bool = False
     gathers_context: bool = False
+    supports_windows: bool = False
+    windows: tuple[int, ...] = ()
+    softcap: float = 0.0
 
     def __init__(self, pool: KVPool, *, num_heads: int, head_dim: int, scale: float, max_batch: int = 64) -> None:
         self.pool = pool
@@ -45,6 +54,18 @@ class AttentionBackend(ABC):
         self.head_dim = head_dim
         self.scale = scale
         self.max_batch = max_batch
+
+    def use_windows(self, windows: tuple[int, ...], softcap: float = 0.0) -> None:
+        """Limit pool layer ``i`` to the last ``windows[i]`` tokens (the query's own
+        included; 0: the whole context) and soft-cap the scores at ``softcap`` (0: none).
+
+        Raises:
+            ValueError: a window or a cap this backend does not implement.
+        """
+        if (any(windows) or softcap) and not self.supports_windows:
+            raise ValueError(f"the {type(self).__name__} has no sliding-window or soft-capped attention; "
+                             "use --attention-backend torch")
+        self.windows, self.softcap = tuple(windows) if any(windows) else (), float(softcap)
 
     @classmethod
     def workspace_size(cls, *, num_heads: int, num_kv_heads: int, head_dim: int, max_batch: int) -> int:

@@ -14,6 +14,7 @@ import logging
 from collections.abc import Callable
 
 from engine.common.config import ATTENTION_BACKENDS as BACKEND_CHOICES
+from engine.common.config import ModelConfig
 from engine.common.lazy_registry import LazyRegistry
 from engine.kvcache.pool import KVPool
 from engine.layers.attention.base import AttentionBackend
@@ -56,6 +57,20 @@ def create_attention_backend(name: str, pool: KVPool, **kwargs) -> AttentionBack
     return backend_class(name)(pool, **kwargs)
 
 
+def model_attention(name: str, pool: KVPool, mc: ModelConfig, max_batch: int = 64) -> AttentionBackend:
+    """The backend registered under ``name`` for the model ``mc`` over ``pool``: its
+    attention scale (:attr:`ModelConfig.attention_scale`), its sliding windows and score
+    cap (:meth:`AttentionBackend.use_windows`).
+
+    Raises:
+        ValueError: no backend of that name, or one without the model's windows or cap.
+    """
+    attn = create_attention_backend(name, pool, num_heads=mc.num_heads, head_dim=mc.head_dim,
+                                    scale=mc.attention_scale, max_batch=max_batch)
+    attn.use_windows(mc.kv_windows, mc.attn_logit_softcapping)
+    return attn
+
+
 def _importable(module: str) -> bool:
     try:
         return importlib.util.find_spec(module) is not None
@@ -63,14 +78,15 @@ def _importable(module: str) -> bool:
         return False
 
 
-def resolve_backend_name(name: str, device_type: str) -> str:
+def resolve_backend_name(name: str, device_type: str, windowed: bool = False) -> str:
     """The backend ``name`` stands for on a device of ``device_type`` (``"cuda"``,
     ``"cpu"``). ``auto`` is ``triton`` on CUDA when Triton is installed and the ``kernels``
     switch is not ``torch`` (:mod:`kernels.switches`), else ``torch``;
     FlashInfer is picked only when asked for: it compiles its kernels on first use with
     the CUDA toolkit (measured on an H200: about 10 s for the decode module and 68 s for
-    the prefill one, per cold cache), where Triton needs no toolkit. The choice is
-    logged with its reason.
+    the prefill one, per cold cache), where Triton needs no toolkit. A ``windowed``
+    model (sliding-window layers or soft-capped scores, Gemma 3) gets ``torch``: the GPU
+    kernels have neither yet. The choice is logged with its reason.
 
     Raises:
         ValueError: an unknown name, or a backend that cannot run here (``triton`` or
@@ -89,6 +105,10 @@ def resolve_backend_name(name: str, device_type: str) -> str:
         if device_type != "cuda":
             log.info("attention backend: torch (auto: the device is %s; the GPU kernels need CUDA)", device_type)
             return "torch"
+        if windowed:
+            log.info("attention backend: torch (auto: the model's sliding-window or soft-capped layers "
+                     "are not in the GPU kernels yet)")
+            return "torch"
         if not _importable("triton"):
             log.info("attention backend: torch (auto: Triton is not installed; pip install triton for the GPU kernels)")
             return "torch"
@@ -96,6 +116,9 @@ def resolve_backend_name(name: str, device_type: str) -> str:
                  "--attention-backend flashinfer uses FlashInfer when it is installed)")
         return "triton"
     if name in ("triton", "flashinfer"):
+        if windowed:
+            raise ValueError(f"--attention-backend {name} has no sliding-window or soft-capped attention, "
+                             "which this model needs; use torch or auto")
         if device_type != "cuda":
             raise ValueError(f"--attention-backend {name} needs a CUDA device; use torch or auto on {device_type}")
         package = "triton" if name == "triton" else "flashinfer"

@@ -9,11 +9,18 @@ pool rows per step, shared by the layers), so grouped-query attention costs one
 batch-1 decode step spent about a fifth of its time repeating K/V heads. Prefill chunks run one sequence at a time over exactly their
 context, with a causal mask offset by the cached prefix: query ``i`` sees context
 positions ``j <= prefix + i``.
+
+Sliding-window layers (:meth:`~engine.layers.attention.base.AttentionBackend.use_windows`)
+gather only their window: a decode row of length ``L`` reads positions
+``[max(0, L - W), L)``, a prefill chunk from ``max(0, prefix + 1 - W)``, masked so that
+query ``i`` sees ``prefix + i - W < j <= prefix + i``; the pages before a window are
+never read. Soft-capped scores (``softcap``) go through the plain matmul-softmax path
+(sdpa has no cap), capped before the mask as transformers' eager attention does.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +38,7 @@ class _DecodeGroup:
     rows: torch.Tensor  # [b] rows of T
     heads: torch.Tensor  # [b * H * S] rows of the pool seen as [slots * H_kv, D], padded with slot 0's
     mask: torch.Tensor  # [b, 1, 1, S] bool, True where a key is real
+    windowed: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # window -> (heads, mask)
 
 
 @dataclass
@@ -40,6 +48,7 @@ class _PrefillSeq:
     slots: torch.Tensor  # [S] context slots
     mask: torch.Tensor | None  # [E, S] bool, None when the chunk starts the sequence (plain causal)
     heads: torch.Tensor | None  # [H * S] pool rows per query head (with mask), as _DecodeGroup's
+    windowed: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # window -> (heads, mask)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -47,6 +56,7 @@ class TorchAttentionBackend(AttentionBackend):
     plan's measured activation peak, so ``workspace_bytes`` is 0."""
 
     gathers_context = True
+    supports_windows = True
 
     workspace_bytes = 0
 
@@ -65,10 +75,14 @@ class TorchAttentionBackend(AttentionBackend):
         for e in ext[:-1]:
             starts.append(starts[-1] + e)
 
-        def slots_of(b: int, length: int) -> torch.Tensor:
-            pos = torch.arange(length, device=device)
+        def slots_at(b, pos: torch.Tensor) -> torch.Tensor:
+            """Pool slots of positions ``pos`` of row(s) ``b`` (an int, or ``[b, 1]`` rows)."""
             return batch.page_table[b, pos // ps] * ps + pos % ps
 
+        def slots_of(b: int, length: int) -> torch.Tensor:
+            return slots_at(b, torch.arange(length, device=device))
+
+        self._slots_at = slots_at
         self._decode: list[_DecodeGroup] = []
         self._prefill: list[_PrefillSeq] = []
         decode_rows = [b for b in range(len(ext)) if ext[b] == 1]
@@ -87,11 +101,17 @@ class TorchAttentionBackend(AttentionBackend):
             s = seq_lens[b]
             mask = heads = None
             slots = slots_of(b, s)
-            if prefix[b] > 0:
-                q_pos = prefix[b] + torch.arange(ext[b], device=device)
+            q_pos = prefix[b] + torch.arange(ext[b], device=device)
+            if prefix[b] > 0 or self.softcap:
                 mask = torch.arange(s, device=device)[None, :] <= q_pos[:, None]
                 heads = self._head_rows(slots)
-            self._prefill.append(_PrefillSeq(starts[b], ext[b], slots, mask, heads))
+            seq = _PrefillSeq(starts[b], ext[b], slots, mask, heads)
+            for w in set(self.windows) - {0}:
+                lo = max(0, prefix[b] + 1 - w)
+                k_pos = torch.arange(lo, s, device=device)
+                d = q_pos[:, None] - k_pos[None, :]  # [E, S - lo]
+                seq.windowed[w] = (self._head_rows(slots_at(b, k_pos)), (d >= 0) & (d < w))
+            self._prefill.append(seq)
 
     def _head_rows(self, slots: torch.Tensor) -> torch.Tensor:
         """Rows of a layer's pool seen as ``[slots * H_kv, D]`` for ``slots [..., S]``, in
@@ -113,33 +133,53 @@ class TorchAttentionBackend(AttentionBackend):
         # unmasked kernel rounds differently and flipped near-ties between the two).
         lens = torch.tensor([seq_lens[g] for g in group], device=device)
         mask = (torch.arange(longest, device=device)[None, :] < lens[:, None])[:, None, None, :]
-        return _DecodeGroup(torch.tensor(rows, device=device), self._head_rows(slots), mask)
+        out = _DecodeGroup(torch.tensor(rows, device=device), self._head_rows(slots), mask)
+        for w in set(self.windows) - {0}:
+            # Each row's last min(w, longest) positions from max(0, L - w): within its
+            # length but for a row shorter than the window (masked).
+            pos = (lens - w).clamp(min=0)[:, None] + torch.arange(min(w, longest), device=device)[None, :]
+            idx = torch.tensor(group, device=device)[:, None]
+            out.windowed[w] = (self._head_rows(self._slots_at(idx, pos)), (pos < lens[:, None])[:, None, None, :])
+        return out
+
+    def _sdpa(self, q, k, v, mask, **kwargs) -> torch.Tensor:
+        """sdpa of ``[.., H, E, D]`` queries; with ``softcap``, the matmul-softmax path
+        that caps the scores before ``mask`` (always given then)."""
+        if not self.softcap:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, **kwargs)
+        scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale
+        scores = torch.tanh(scores / self.softcap) * self.softcap
+        scores = scores.masked_fill(~mask, float("-inf"))
+        return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
     def attend(self, q: torch.Tensor, layer: int, batch: ForwardBatch) -> torch.Tensor:
         k_buf, v_buf = self.pool.k_buffers[layer], self.pool.v_buffers[layer]
+        window = self.windows[layer] if self.windows else 0
         out = torch.empty_like(q)  # [T, H, D]
         for g in self._decode:
             b = g.rows.shape[0]
             whole = b == q.shape[0]  # the step is this one group of decode rows, in order
             qd = (q if whole else q.index_select(0, g.rows))[:, :, None, :]  # [b, H, 1, D]
+            heads, mask = g.windowed[window] if window else (g.heads, g.mask)
             # Query heads' keys and values gathered as such: with a mask only sdpa's math
             # kernel takes ``enable_gqa`` (an H x E x S score matrix); whole heads keep the
             # fused kernel.
-            kd = self._gather_heads(k_buf, g.heads, q.dtype, b)  # [b, H, S, D]
-            vd = self._gather_heads(v_buf, g.heads, q.dtype, b)
-            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=self.scale)
+            kd = self._gather_heads(k_buf, heads, q.dtype, b)  # [b, H, S, D]
+            vd = self._gather_heads(v_buf, heads, q.dtype, b)
+            o = self._sdpa(qd, kd, vd, mask)
             if whole:
                 return o.reshape(q.shape[0], self.num_heads * self.head_dim)
             out.index_copy_(0, g.rows, o[:, :, 0, :])
         for p in self._prefill:
             qp = q[p.start : p.start + p.length].transpose(0, 1)[None]  # [1, H, E, D]
-            if p.mask is None:
+            heads, mask = p.windowed[window] if window else (p.heads, p.mask)
+            if mask is None:
                 kp = gather_kv(k_buf, p.slots, q.dtype).transpose(0, 1)[None]  # [1, H_kv, S, D]
                 vp = gather_kv(v_buf, p.slots, q.dtype).transpose(0, 1)[None]
-                o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=self.scale, enable_gqa=True)
+                o = self._sdpa(qp, kp, vp, None, is_causal=True, enable_gqa=True)
             else:
-                kp = self._gather_heads(k_buf, p.heads, q.dtype, 1)  # [1, H, S, D]
-                vp = self._gather_heads(v_buf, p.heads, q.dtype, 1)
-                o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, scale=self.scale)
+                kp = self._gather_heads(k_buf, heads, q.dtype, 1)  # [1, H, S, D]
+                vp = self._gather_heads(v_buf, heads, q.dtype, 1)
+                o = self._sdpa(qp, kp, vp, mask)
             out[p.start : p.start + p.length] = o[0].transpose(0, 1)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

@@ -1,0 +1,237 @@
+"""Gemma 3's text model against transformers' (eager attention) on tiny random configs
+whose window (8 tokens) is shorter than the prompts: logits over the paged KV cache
+through prefill, extend and decode; greedy ids through the engine alone, batched, with
+chunked prefill and with the prefix cache; the language model of a multimodal
+checkpoint; and the plan's price of the sliding layers' KV."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from model_checks import check_extend_and_decode, check_ragged_batch, hf_greedy, tiny_pair
+from test_engine import run_all
+
+from engine.common.config import EngineConfig
+from engine.core.engine import Engine
+from engine.core.footprint import kv_bytes_per_token, make_footprint, windowed_kv_bytes
+from engine.layers.cpu_decode import CpuDecode
+from engine.loader.load import load_model
+from engine.loader.weight_size import weight_bytes
+from engine.memory.plan import PlanKnobs
+from engine.wire.messages import SamplingParams
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 256
+STEPS = 16
+GREEDY = SamplingParams(max_new_tokens=STEPS, temperature=0.0, ignore_eos=True)
+
+
+def prompts(*lengths: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module", params=["gemma3", "gemma3_capped"])
+def pair(request, tmp_path_factory, make_tiny_hf_model):
+    return tiny_pair(request.param, tmp_path_factory.mktemp(request.param), make_tiny_hf_model, VOCAB)
+
+
+def engine_of(path, **knobs) -> Engine:
+    return Engine(EngineConfig(model=str(path), device="cpu", page_size=4, num_pages=128, **knobs))
+
+
+def test_config_follows_transformers(pair):
+    kind, hf, ours, config, _ = pair
+    assert config.layer_types == tuple(hf.config.layer_types)
+    assert config.kv_windows == (8, 8, 0, 8, 8, 0)
+    assert config.attention_scale == 32**-0.5
+    assert (config.rope.theta, config.rope.rope_type, config.rope.factor) == (1e6, "linear", 8.0)
+    assert (config.rope_local.theta, config.rope_local.rope_type) == (1e4, "default")
+    assert config.final_logit_softcapping == (3.0 if kind == "gemma3_capped" else 0.0)
+    assert config.hidden_act == "gelu_pytorch_tanh"
+    assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in hf.parameters())
+    held = sum(p.nbytes for p in ours.parameters()) + ours.cos_sin_cache.nbytes + ours.cos_sin_local.nbytes
+    assert weight_bytes(config, torch.float32) == held
+
+
+def test_paged_logits_match_transformers(pair, paged_runner):
+    """One sequence: 7 tokens, 5 more, then 3 decode steps, past the window of 8 on the
+    way; then two ragged sequences sharing each step."""
+    _, hf, ours, config, _ = pair
+    check_extend_and_decode(hf, paged_runner(ours, config), VOCAB)
+    check_ragged_batch(hf, paged_runner(ours, config), VOCAB)
+
+
+def test_greedy_ids_equal_transformers_alone_and_batched(pair):
+    _, hf, _, _, path = pair
+    asked = prompts(24, 5, 37)
+    want = [hf_greedy(hf, ids, STEPS) for ids in asked]
+    alone = run_all(engine_of(path), {"r0": (asked[0], GREEDY)})
+    assert alone["r0"] == want[0]
+    together = run_all(engine_of(path), {f"r{i}": (ids, GREEDY) for i, ids in enumerate(asked)})
+    assert [together[f"r{i}"] for i in range(len(asked))] == want
+
+
+def test_chunked_prefill_equals_transformers(pair):
+    """Chunks of 8 and of 5 tokens: each chunk's window reaches back into the last."""
+    _, hf, _, _, path = pair
+    (ids,) = prompts(30)
+    want = hf_greedy(hf, ids, STEPS)
+    for chunk in (8, 5):
+        assert run_all(engine_of(path, max_prefill_tokens=chunk), {"c": (ids, GREEDY)})["c"] == want
+
+
+def test_prefix_cache_hit_equals_transformers(pair):
+    """A second prompt sharing a 20-token prefix reuses its pages and still decodes as
+    transformers does from scratch."""
+    _, hf, _, _, path = pair
+    first, tail = prompts(26, 6)
+    second = first[:20] + tail
+    engine = engine_of(path)
+    assert engine.radix is not None
+    assert run_all(engine, {"a": (first, GREEDY)})["a"] == hf_greedy(hf, first, STEPS)
+    hits = engine.radix.hit_tokens
+    assert run_all(engine, {"b": (second, GREEDY)})["b"] == hf_greedy(hf, second, STEPS)
+    assert engine.radix.hit_tokens - hits >= 16  # whole pages of the shared 20 tokens
+
+
+def test_the_c_decode_layer_declines_gemma(pair):
+    _, _, ours, _, _ = pair
+    assert CpuDecode.build(ours, lib=None) is None
+
+
+def test_multimodal_checkpoint_loads_its_language_model(tmp_path, make_tiny_hf_model, caplog):
+    """``Gemma3ForConditionalGeneration``: the text config nested, the language model's
+    tensors under ``model.language_model``, the vision tower skipped."""
+    text = make_tiny_hf_model("gemma3", None, vocab_size=VOCAB)
+    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+                  image_size=28, patch_size=14)
+    full = transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
+        text_config=text.config.to_dict(), vision_config=vision, mm_tokens_per_image=4)).eval()
+    full.model.language_model.load_state_dict(text.model.state_dict())
+    full.save_pretrained(tmp_path)
+    with caplog.at_level("INFO", logger="headroom.engine"):
+        _, config = load_model(tmp_path, "cpu", torch.float32)
+    assert config.architecture == "Gemma3ForConditionalGeneration" and config.kv_windows == (8, 8, 0, 8, 8, 0)
+    assert "vision tensors of the checkpoint skipped" in caplog.text
+    (ids,) = prompts(22)
+    assert run_all(engine_of(tmp_path), {"m": (ids, GREEDY)})["m"] == hf_greedy(text, ids, STEPS)
+
+
+def test_sliding_layers_kv_is_priced_at_their_window(pair):
+    """The pool keeps every layer's tokens today (a page holds all layers), so the
+    per-token price is all six layers'; what the sliding layers need is their window."""
+    _, _, _, config, _ = pair
+    per_layer = 2 * config.num_kv_heads * config.head_dim * 4  # float32 keys and values
+    assert kv_bytes_per_token(config, torch.float32) == 6 * per_layer
+    # 100 tokens: the 2 global layers hold 100, the 4 sliding ones their window of 8.
+    assert windowed_kv_bytes(config, torch.float32, 100) == (2 * 100 + 4 * 8) * per_layer
+    assert windowed_kv_bytes(config, torch.float32, 5) == 6 * 5 * per_layer
+    fp = make_footprint(config, torch.float32, PlanKnobs())
+    assert fp.kv_bytes_per_token == 6 * per_layer
+    assert fp.kv_window_note.startswith("4 of 6 layers slide over 8 tokens")
+
+
+def test_torch_backend_window_and_softcap_equal_eager_attention():
+    """The backend's sliding window and score cap against transformers' eager attention
+    (the function Gemma's layers call) on one step: a 4-token chunk over a 13-token cached
+    prefix beside a decode row at position 9, a layer of window 5 and a global one."""
+    from transformers.models.gemma3.modeling_gemma3 import eager_attention_forward
+
+    from engine.common.forward_batch import ForwardBatch
+    from engine.kvcache.pool import KVPool
+    from engine.layers.attention.registry import create_attention_backend
+
+    heads, kv_heads, dim, ps, scale, cap = 4, 2, 8, 4, 0.3, 1.5
+    pool = KVPool(num_layers=2, num_pages=16, page_size=ps, num_kv_heads=kv_heads, head_dim=dim,
+                  dtype=torch.float32, device="cpu")
+    attn = create_attention_backend("torch", pool, num_heads=heads, head_dim=dim, scale=scale)
+    attn.use_windows((5, 0), cap)
+    g = torch.Generator().manual_seed(0)
+    lens, prefix = {"a": 17, "b": 10}, {"a": 13, "b": 9}
+    pages = {"a": [1, 2, 3, 4, 5], "b": [7, 8, 9]}
+    kv = {s: [torch.randn(n, kv_heads, dim, generator=g) for _ in range(4)] for s, n in lens.items()}  # k, v per layer
+    q = {s: torch.randn(lens[s] - prefix[s], heads, dim, generator=g) for s in lens}
+
+    def slots(s: str, pos) -> torch.Tensor:
+        return torch.tensor([pages[s][p // ps] * ps + p % ps for p in pos])
+
+    for s in lens:  # the cached prefix, and this step's tokens too (kv_stored)
+        for layer in (0, 1):
+            pool.store(layer, slots(s, range(lens[s])), kv[s][2 * layer], kv[s][2 * layer + 1])
+    new = {s: range(prefix[s], lens[s]) for s in lens}
+    batch = ForwardBatch(
+        is_decode=False, input_ids=torch.zeros(5, dtype=torch.int64),
+        positions=torch.tensor([*new["a"], *new["b"]]), out_slots=torch.cat([slots("a", new["a"]), slots("b", new["b"])]),
+        page_table=torch.tensor([pages["a"], pages["b"] + [0, 0]]), prefix_lens=torch.tensor([13, 9]),
+        extend_lens=torch.tensor([4, 1]), logits_indices=torch.tensor([3, 4]))
+    attn.prepare(batch)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.head_dim = heads // kv_heads, dim
+    for layer, window in ((0, 5), (1, 0)):
+        got = attn.forward(torch.cat([q["a"], q["b"]]), None, None, layer, batch, kv_stored=True)
+        want = []
+        for s in lens:
+            q_pos, k_pos = torch.tensor(new[s])[:, None], torch.arange(lens[s])[None, :]
+            seen = (k_pos <= q_pos) & ((q_pos - k_pos < window) if window else True)
+            mask = torch.zeros(seen.shape).masked_fill(~seen, float("-inf"))[None, None]
+            k, v = (t.transpose(0, 1)[None] for t in kv[s][2 * layer : 2 * layer + 2])
+            out, _ = eager_attention_forward(module, q[s].transpose(0, 1)[None], k, v, mask, scaling=scale, softcap=cap)
+            want.append(out[0].reshape(len(new[s]), heads * dim))
+        torch.testing.assert_close(got, torch.cat(want), rtol=1e-5, atol=1e-5)
+
+
+# google/gemma-3-4b-it's published config.json (its text_config as sparse as it is there:
+# transformers fills the rest with Gemma 3's defaults).
+GEMMA3_4B = {
+    "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "eos_token_id": [1, 106],
+    "boi_token_index": 255999, "eoi_token_index": 256000, "image_token_index": 262144, "mm_tokens_per_image": 256,
+    "initializer_range": 0.02, "torch_dtype": "bfloat16",
+    "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                    "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                    "sliding_window": 1024},
+    "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                      "model_type": "siglip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 27,
+                      "patch_size": 14, "vision_use_head": False},
+}
+
+
+def test_gemma3_4b_config_and_its_plan_line(tmp_path):
+    """The 4B's 34 layers, 29 sliding over 1,024 tokens, read from its published config;
+    the plan prices every layer per token and says what the window alone takes."""
+    import json
+
+    from engine.loader.hf_config import load_model_config
+    from engine.memory.device import simulated_device
+    from engine.memory.ledger import make_plan
+    from engine.memory.plan import GiB
+
+    (tmp_path / "config.json").write_text(json.dumps(GEMMA3_4B))
+    mc = load_model_config(tmp_path)
+    assert (mc.num_layers, mc.num_heads, mc.num_kv_heads, mc.head_dim, mc.vocab_size) == (34, 8, 4, 256, 262208)
+    assert [i for i, w in enumerate(mc.kv_windows) if not w] == [5, 11, 17, 23, 29]
+    assert mc.attention_scale == 256**-0.5 and mc.rope.factor == 8.0 and mc.rope_local.theta == 10_000.0
+    assert mc.eos_token_ids[:2] == (1, 106) and mc.tie_word_embeddings
+    knobs = PlanKnobs(max_running_requests=4)
+    plan = make_plan(simulated_device(24 * GiB), knobs, make_footprint(mc, torch.bfloat16, knobs))
+    line = {e.name: e for e in plan.ledger}["KV cache pool"]
+    per_layer = 2 * 4 * 256 * 2  # bfloat16 keys and values of one token
+    assert line.bytes == plan.num_pages * knobs.page_size * 34 * per_layer
+    assert f"29 of 34 layers slide over 1,024 tokens and are priced per token like the others " \
+           f"(their window alone: {1024 * 29 * per_layer:,} bytes per request)" in line.source
+
+
+def test_windowed_models_get_the_torch_backend():
+    """The GPU kernels have no window: auto picks torch on CUDA, triton is refused, and a
+    backend without windows refuses them."""
+    from engine.layers.attention.registry import backend_class, resolve_backend_name
+
+    assert resolve_backend_name("auto", "cuda", windowed=True) == "torch"
+    with pytest.raises(ValueError, match="sliding-window"):
+        resolve_backend_name("triton", "cuda", windowed=True)
+    windowless = backend_class("triton").__new__(backend_class("triton"))  # no CUDA needed to ask
+    with pytest.raises(ValueError, match="--attention-backend torch"):
+        windowless.use_windows((8,))
+    windowless.use_windows((0,))  # no window: nothing to refuse
+    assert windowless.windows == () and windowless.softcap == 0.0

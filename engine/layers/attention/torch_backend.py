@@ -57,6 +57,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     gathers_context = True
     supports_windows = True
+    supports_softcap = True
 
     workspace_bytes = 0
 

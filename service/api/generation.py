@@ -43,6 +43,7 @@ from service.api.request import GenerationRequest, resolve_max_tokens
 from service.api.sampling import check_vocabulary, sampling_params
 from service.api.services import Services
 from service.api.text import TextSide
+from service.events.metrics import ServiceMetrics
 from service.supervision.inflight import EngineFailure, Submission
 from service.supervision.supervisor import Supervisor
 
@@ -65,6 +66,7 @@ class _SeqText:
     logprobs: ShownLogprobs  # given out as their text is
     completion_tokens: int = 0
     finished: bool = False
+    last_token_at: float | None = None  # time.perf_counter() of its latest tokens
     prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
@@ -79,6 +81,7 @@ class Generation:
         text: the tokenizer side.
         deadline: ``time.perf_counter()`` past which :meth:`pieces` gives up (504
             ``request_timeout``; :meth:`close` aborts the sequences), or None.
+        metrics: the app's metrics (the time between tokens is observed here), or None.
 
     Attributes (set by :meth:`start`):
         prompts: prompt token ids, one list per prompt.
@@ -92,6 +95,7 @@ class Generation:
     supervisor: Supervisor
     text: TextSide
     deadline: float | None = None
+    metrics: ServiceMetrics | None = None
     prompts: list[list[int]] = field(default_factory=list)
     sampling: list[SamplingParams] = field(default_factory=list)
     chat: ChatPlan | None = None
@@ -142,6 +146,7 @@ class Generation:
             supervisor=svc.supervisor,
             text=svc.text,
             deadline=request.started + timeout if timeout > 0 else None,
+            metrics=svc.metrics,
         )
         gen.ticket = svc.admission.enter()
         try:
@@ -359,8 +364,12 @@ class Generation:
             seq.prompt_logprobs = output.prompt_logprobs
         text = ""
         if output.token_ids:
+            now = time.perf_counter()
             if self.first_token_at is None:
-                self.first_token_at = time.perf_counter()
+                self.first_token_at = now
+            if seq.last_token_at is not None and self.metrics is not None:
+                self.metrics.tokens_arrived(now - seq.last_token_at, len(output.token_ids))
+            seq.last_token_at = now
             seq.completion_tokens += len(output.token_ids)
             text = seq.detokenizer.add(output.token_ids)
         if output.finished:

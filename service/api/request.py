@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from service.api.prompts import Prompt
@@ -69,6 +69,8 @@ class GenerationRequest:
         context_tokens: a smaller context than the engine's for this call (Ollama's
             ``num_ctx``), or None.
         stream: the answer streams.
+        route: the API route's path (``/v1/chat/completions``), set by
+            :func:`read_call`; the metrics' label.
     """
 
     request_id: str
@@ -90,6 +92,7 @@ class GenerationRequest:
     tool_choice: Any = None
     context_tokens: int | None = None
     stream: bool = False
+    route: str = ""
 
 
 async def read_call(
@@ -98,18 +101,49 @@ async def read_call(
     build: Callable[[Body, str, float], GenerationRequest],
     id_prefix: str,
 ) -> tuple[Body, GenerationRequest]:
-    """An API call's body decoded as ``schema`` and built into its one request by
-    ``build(body, request_id, started)``: the id is ``{id_prefix}-`` and 32 hex digits,
-    ``started`` the ``time.perf_counter()`` of the call's arrival (before its body was
-    read).
+    """An API call's body decoded as ``schema`` (:func:`read_body`) and built into its
+    one request (:func:`build_call`).
 
     Raises:
         APIError: 400 for a body that does not decode
             (:func:`service.common.errors.decode_body`), or from ``build``.
     """
+    body, started = await read_body(request, schema)
+    return body, build_call(request, body, build, id_prefix, started)
+
+
+async def read_body(request: Request, schema: type[Body]) -> tuple[Body, float]:
+    """The call's body decoded as ``schema``, and the ``time.perf_counter()`` of the
+    call's arrival (before its body was read).
+
+    Raises:
+        APIError: 400 for a body that does not decode.
+    """
     started = time.perf_counter()
-    body = decode_body(await request.body(), schema)
-    return body, build(body, f"{id_prefix}-{uuid.uuid4().hex}", started)
+    return decode_body(await request.body(), schema), started
+
+
+def build_call(
+    request: Request,
+    body: Body,
+    build: Callable[[Body, str, float], GenerationRequest],
+    id_prefix: str,
+    started: float,
+) -> GenerationRequest:
+    """``build(body, request_id, started)``: the id is ``{id_prefix}-`` and 32 hex
+    digits; the request's ``route`` is the route's path (:func:`route_of`).
+
+    Raises:
+        APIError: what ``build`` raises.
+    """
+    call = build(body, f"{id_prefix}-{uuid.uuid4().hex}", started)
+    return replace(call, route=route_of(request))
+
+
+def route_of(request: Request) -> str:
+    """The path of the route ``request`` reached (``/api/chat``), not the path as the
+    client spelled it; the path itself before routing."""
+    return request.scope.get("path_template") or request.url.path
 
 
 def stop_strings(stop: str | list[str] | None) -> list[str]:

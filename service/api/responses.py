@@ -39,19 +39,35 @@ def json_response(payload: Any, status: int = 200) -> Response[bytes]:
     )
 
 
-def log_request(gen: Generation, status: int) -> None:
-    """The one log line of a call: id, status, tokens, TTFT, total time."""
-    total_ms = (time.perf_counter() - gen.request.started) * 1000.0
+def log_request(gen: Generation, status: int, error: APIError | None = None) -> None:
+    """The one log line of a call (id, status, tokens, TTFT, total time, and for a
+    failed call its error's code and message) and its figures in the app's metrics. The
+    ``error`` is marked as logged, so the exception handler that answers it writes no
+    second line (:func:`service.common.errors.log_refusal`)."""
+    total_s = time.perf_counter() - gen.request.started
     ttft = gen.ttft_ms
     log.info(
-        "%s status=%d prompt_tokens=%d completion_tokens=%d ttft_ms=%s total_ms=%.1f",
+        "%s %s status=%d prompt_tokens=%d completion_tokens=%d ttft_ms=%s total_ms=%.1f%s",
         gen.request_id,
+        gen.request.route or "-",
         status,
         gen.prompt_tokens,
         gen.completion_tokens,
         "-" if ttft is None else f"{ttft:.1f}",
-        total_ms,
+        total_s * 1000.0,
+        "" if error is None else f" error={error.code or error.type}: {error.message}",
     )
+    if error is not None:
+        error.logged = True
+    if gen.metrics is not None:
+        gen.metrics.call_ended(
+            gen.request.route,
+            status,
+            prompt_tokens=gen.prompt_tokens,
+            generated_tokens=gen.completion_tokens,
+            ttft_s=None if ttft is None else ttft / 1000.0,
+            total_s=total_s,
+        )
 
 
 async def _wait_disconnect(receive: Callable[[], Awaitable[dict[str, Any]]]) -> None:
@@ -99,20 +115,21 @@ async def run_to_end(
         APIError: what :meth:`Generation.pieces` raises.
     """
     status = 200
+    error: APIError | None = None
     try:
         result = await _collect(gen, request)
         if result is None:
             status = CLIENT_GONE
         return result
     except APIError as exc:
-        status = exc.status
+        status, error = exc.status, exc
         raise
     except Exception:
         status = 500  # answered by the catch-all handler in service.common.errors
         raise
     finally:
         gen.close()
-        log_request(gen, status)
+        log_request(gen, status, error)
 
 
 def gone() -> Response[bytes]:
@@ -128,17 +145,19 @@ async def _framed(
     end: bytes,
 ) -> AsyncIterator[bytes]:
     status = 200
+    error: APIError | None = None
     try:
         try:
             async for payload in payloads:
                 yield frame(payload)
         except APIError as exc:
-            status = exc.status
+            status, error = exc.status, exc
             yield frame(error_payload(exc))
         except Exception as exc:  # a bug: still end the stream in the API's shape
             log.exception("%s failed", gen.request_id)
             status = 500
-            yield frame(error_payload(APIError(500, f"internal error: {exc}", type=SERVER_ERROR)))
+            error = APIError(500, f"internal error: {exc}", type=SERVER_ERROR)
+            yield frame(error_payload(error))
         if end:
             yield end
     except (asyncio.CancelledError, GeneratorExit):
@@ -146,7 +165,7 @@ async def _framed(
         raise
     finally:
         gen.close()
-        log_request(gen, status)
+        log_request(gen, status, error)
 
 
 def stream_answer(
@@ -184,7 +203,7 @@ async def first_piece_held(gen: Generation) -> AsyncIterator[Piece]:
         head = None
     except APIError as exc:
         gen.close()
-        log_request(gen, exc.status)
+        log_request(gen, exc.status, exc)
         raise
 
     async def chained() -> AsyncIterator[Piece]:

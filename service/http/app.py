@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from litestar import Litestar, Request, Response
+from litestar.datastructures import State as AppState
 from litestar.di import Provide
 from litestar.exceptions import HTTPException
 
@@ -32,10 +33,13 @@ from service.common.settings import ServeSettings
 from service.common.token import load_or_create_token, token_path
 from service.control.actions import SupervisorControl
 from service.control.health import HealthController
+from service.control.metrics import metrics_route, reading_of
 from service.control.routes import events_router
 from service.events.hub import EventHub
+from service.events.metrics import ServiceMetrics
 from service.events.schemas import HealthEvent
 from service.http.dashboard import dashboard_router, root_redirect
+from service.http.head import HeadAsGet
 from service.http.security import SecurityMiddleware, install_redaction
 from service.supervision.config import SupervisorConfig
 from service.supervision.engine_events_to_ui import EngineEventsToUI
@@ -116,6 +120,7 @@ def create_app(
     supervisor.events = hub
     services = Services(settings=settings, supervisor=supervisor)
     to_ui = EngineEventsToUI(hub, supervisor)
+    services.metrics = ServiceMetrics(lambda: reading_of(services, to_ui.counts))
     supervisor.on_ready = services.prepare
     supervisor.on_engine_event = to_ui.record_engine_event
     supervisor.on_stats = to_ui.publish_counters
@@ -188,6 +193,7 @@ def create_app(
             dashboard_router(),
             root_redirect,
             openapi_route,
+            metrics_route,
         ],
         dependencies={"svc": Provide(lambda: services, sync_to_thread=False)},
         exception_handlers={**EXCEPTION_HANDLERS, HTTPException: _http_error_by_surface},
@@ -196,9 +202,10 @@ def create_app(
         openapi_config=None,
         logging_config=None,
         request_max_body_size=settings.max_body_size,
+        state=AppState({"metrics": services.metrics}),
     )
     secured = SecurityMiddleware(
-        app,
+        HeadAsGet(app),
         allowed_origins=settings.cors_origin,
         allowed_hosts=[*_bind_hosts(settings), *settings.allowed_host],
     )

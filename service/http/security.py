@@ -39,7 +39,7 @@ from typing import Any
 from service.common.errors import PERMISSION, error_body
 from service.common.origins import OriginPolicy, same_origin
 
-_ALLOW_METHODS = "GET, POST, OPTIONS"
+_ALLOW_METHODS = "GET, HEAD, POST, OPTIONS"
 _DEFAULT_ALLOW_HEADERS = "authorization, content-type"
 _PREFLIGHT_MAX_AGE_S = "600"
 

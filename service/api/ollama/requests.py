@@ -7,9 +7,9 @@ engine's), ``num_predict`` (``max_tokens``; -1 and -2: the rest of the context; 
 (negative: none), ``stop``, ``repeat_penalty`` (``repetition_penalty``),
 ``presence_penalty``, ``frequency_penalty``; their ranges are the OpenAI fields' (one
 declaration, :class:`service.api.sampling.Sampling`), and a value outside them is a
-400 naming the option. Other options (``num_gpu``, ``num_thread``, ``mirostat``...) and
-``keep_alive`` (the model stays loaded while the server runs) are accepted and
-ignored. ``think`` is the template's ``enable_thinking``; ``tools`` work as on ``/v1``
+400 naming the option. Other options (``num_gpu``, ``num_thread``, ``mirostat``...) are
+accepted and ignored; ``keep_alive`` is checked as Ollama reads it, and 0 on a call
+without messages or prompt unloads the model (:mod:`service.api.ollama.loading`). ``think`` is the template's ``enable_thinking``; ``tools`` work as on ``/v1``
 (``tool_choice`` auto); ``format`` (``"json"`` or a JSON schema) is structured output
 (:mod:`service.api.structured`). Refused with a 400 rather than dropped: ``images``,
 and ``/api/generate``'s ``suffix``, ``template`` and ``context``.
@@ -156,8 +156,6 @@ def chat_request(
         APIError: 400 naming the field (``options.temperature``, ``format``...).
     """
     _refuse_unsupported(body)
-    if not body.messages:
-        raise invalid("messages must not be empty", "messages")
     tools = body.tools or None
     (prompt,) = chat_prompt(_messages(body), tools, _thinking(body))
     return _request(body, request_id, started, default_max_tokens, prompt, tools)

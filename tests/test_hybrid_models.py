@@ -1,8 +1,9 @@
-"""Hybrid linear-attention models (Qwen3-Next: Gated DeltaNet layers between gated
-full-attention layers) against transformers on tiny random configs, one dense and one
-with MoE layers: logits over the paged KV cache and the state pool, greedy decoding
-through the engine, chunked prefill, state slots given back, and the plan's state-pool
-line (Qwen3-Next-80B-A3B's published shape, no weights read)."""
+"""Hybrid linear-attention models (Qwen3-Next, Qwen3.5: Gated DeltaNet layers between
+gated full-attention layers) against transformers on tiny random configs, dense and with
+MoE layers (Qwen3.5-MoE as the vision-language checkpoint it is published in, of which
+the language model runs): logits over the paged KV cache and the state pool, greedy
+decoding through the engine, chunked prefill, state slots given back, and the plan's
+state-pool line (Qwen3-Next-80B-A3B's published shape, no weights read)."""
 
 from __future__ import annotations
 
@@ -33,19 +34,28 @@ VOCAB = 256
 GREEDY = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", params=["qwen3_next_dense", "qwen3_next"])
+# Each kind's routed layers: Qwen3-Next's layer 1 is dense (mlp_only_layers); Qwen3.5-MoE
+# routes every layer.
+MOE_LAYERS = {"qwen3_next_dense": (), "qwen3_next": (0, 2, 3), "qwen3_5": (), "qwen3_5_moe_vl": (0, 1, 2, 3)}
+
+
+@pytest.fixture(scope="module", params=list(MOE_LAYERS))
 def pair(request, tmp_path_factory, make_tiny_hf_model):
     return tiny_pair(request.param, tmp_path_factory.mktemp(request.param), make_tiny_hf_model, VOCAB)
 
 
 def test_layer_layout_follows_the_config(pair):
     kind, hf, ours, config, _ = pair
-    assert config.layer_types == tuple(hf.config.layer_types)
+    text = hf.config.get_text_config()
+    assert config.layer_types == tuple(text.layer_types)
     assert config.linear_layers == (0, 2) and config.kv_layers == (1, 3)
     assert config.rotary_dim == 8  # head_dim 16, partial_rotary_factor 0.5
-    hf_sparse = tuple(i for i, layer in enumerate(hf.model.layers) if hasattr(layer.mlp, "experts"))
-    assert config.moe_layers == hf_sparse == ((0, 2, 3) if kind == "qwen3_next" else ())
-    assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in hf.parameters())
+    layers = hf.model.language_model.layers if hasattr(hf.model, "language_model") else hf.model.layers
+    hf_sparse = tuple(i for i, layer in enumerate(layers) if hasattr(layer.mlp, "experts"))
+    assert config.moe_layers == hf_sparse == MOE_LAYERS[kind]
+    # A vision-language checkpoint: the language model's parameters, not the vision tower's.
+    language_model = [p for n, p in hf.named_parameters() if not n.startswith("model.visual.")]
+    assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in language_model)
     held = sum(p.nbytes for p in ours.parameters()) + ours.cos_sin_cache.nbytes
     assert weight_bytes(config, torch.float32) == held
 

@@ -1,0 +1,74 @@
+"""Qwen3.5 / Qwen3.6 against transformers on tiny random configs: the dense and the MoE
+text models (``Qwen3_5ForCausalLM``, ``Qwen3_5MoeForCausalLM``) and the vision-language
+checkpoints Qwen publishes, of which the language model runs (the vision tower left out,
+as the log says). Greedy ids through the engine, with a prompt longer than one 64-token
+chunk of transformers' chunked delta rule, prefilled in chunks of 16, and the same
+greedy ids from ``headroom serve``. Logits, ragged batches, chunked prefill and the state
+slots: tests/test_hybrid_models.py, which runs Qwen3.5 beside Qwen3-Next."""
+
+from __future__ import annotations
+
+import logging
+
+import httpx
+import pytest
+import torch
+from model_checks import hf_greedy
+from service_harness import ServerProcess
+from test_engine import run_all
+
+from engine.common.config import EngineConfig
+from engine.core.engine import Engine
+from engine.loader.load import load_model
+from engine.wire.messages import SamplingParams
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 256
+STEPS = 16
+KINDS = ["qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen3_5_moe_vl"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_greedy_ids_equal_transformers(kind, tmp_path, make_tiny_hf_model):
+    """Three prompts batched through the engine, the longest (80 ids) past one chunk of
+    transformers' chunked delta rule and prefilled here in chunks of 16."""
+    hf, path = make_tiny_hf_model(kind, tmp_path, vocab_size=VOCAB), tmp_path
+    engine = Engine(EngineConfig(model=str(path), device="cpu", page_size=4, num_pages=128, max_prefill_tokens=16))
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (5, 23, 80)]
+    sp = SamplingParams(max_new_tokens=STEPS, temperature=0.0, ignore_eos=True)
+    ours = run_all(engine, {f"r{i}": (ids, sp) for i, ids in enumerate(prompts)})
+    for i, ids in enumerate(prompts):
+        assert ours[f"r{i}"] == hf_greedy(hf, ids, STEPS)
+
+
+def test_a_vision_language_checkpoint_loads_its_language_model_and_says_so(tmp_path, make_tiny_hf_model, caplog):
+    make_tiny_hf_model("qwen3_5_moe_vl", tmp_path, vocab_size=VOCAB)
+    with caplog.at_level(logging.INFO, logger="headroom.engine"):
+        _, config = load_model(tmp_path, "cpu", torch.float32)
+    assert config.architecture == "Qwen3_5MoeForConditionalGeneration" and config.is_hybrid and config.is_moe
+    assert any("vision tower not loaded" in r.getMessage() and "model.visual." in r.getMessage()
+               for r in caplog.records), caplog.text
+
+
+@pytest.mark.slow
+def test_headroom_serve_answers_transformers_greedy_ids(tmp_path_factory, make_tiny_hf_model, smollm_tokenizer):
+    """The MoE vision-language checkpoint (the shape Qwen3.6-35B-A3B is published in),
+    served on the CPU: a prompt of token ids answers transformers' greedy ids."""
+    folder = tmp_path_factory.mktemp("tiny-qwen3.6")
+    hf = make_tiny_hf_model("qwen3_5_moe_vl", folder, vocab_size=len(smollm_tokenizer), max_position_embeddings=512)
+    smollm_tokenizer.save_pretrained(folder)
+    ids = smollm_tokenizer("The capital of France is a city where")["input_ids"]
+    want = smollm_tokenizer.decode(hf_greedy(hf, ids, STEPS))
+    server = ServerProcess(tmp_path_factory.mktemp("serve"), ["--model", str(folder), "--device", "cpu"])
+    try:
+        server.wait_ready()
+        body = {"prompt": ids, "max_tokens": STEPS, "temperature": 0, "ignore_eos": True}
+        r = httpx.post(server.base_url + "/v1/completions", json=body, timeout=300)
+    finally:
+        server.stop()
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["text"] == want and choice["finish_reason"] == "length"
+    assert r.json()["usage"]["completion_tokens"] == STEPS

@@ -1,0 +1,160 @@
+"""Qwen3.5 / Qwen3.6 GGUF files as llama.cpp writes them (``qwen35``, ``qwen35moe``:
+``convert_hf_to_gguf.py``'s names, ``1 + w`` norms, ``-exp(A_log)``, the conv kernel
+squeezed, value heads reordered from grouped to tiled), written here from tiny random
+transformers models: the conversion reads the config back, and the engine on the GGUF
+answers transformers' greedy ids."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from model_checks import hf_greedy
+from test_engine import run_all
+from test_gguf_convert import VOCAB, add_byte_level_tokenizer, add_moe_metadata, add_trunk_metadata
+
+from engine.common.config import EngineConfig
+from engine.core.engine import Engine
+from engine.loader.hf_config import load_model_config
+from engine.loader.resolve import resolve_model
+from engine.wire.messages import SamplingParams
+
+gguf = pytest.importorskip("gguf")
+
+STEPS = 12
+
+# transformers' names -> llama.cpp's (gguf-py's tensor map for QWEN35 / QWEN35MOE).
+_TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+_LAYER = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "linear_attn.in_proj_qkv": "attn_qkv", "linear_attn.in_proj_z": "attn_gate",
+    "linear_attn.in_proj_b": "ssm_beta", "linear_attn.in_proj_a": "ssm_alpha", "linear_attn.conv1d": "ssm_conv1d",
+    "linear_attn.norm": "ssm_norm", "linear_attn.out_proj": "ssm_out",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+}
+
+
+def _tiled(w: np.ndarray, dim: int, hk: int, per: int, head: int) -> np.ndarray:
+    """llama.cpp's ``_reorder_v_heads``: value heads grouped by key head -> tiled."""
+    shape = list(w.shape)
+    grouped = w.reshape(*shape[:dim], hk, per, head, *shape[dim + 1:])
+    return np.ascontiguousarray(np.swapaxes(grouped, dim, dim + 1)).reshape(shape)
+
+
+def _linear_tensor(rest: str, w: np.ndarray, cfg) -> np.ndarray:
+    """A linear-attention tensor as llama.cpp stores it."""
+    hk, hv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                      cfg.linear_value_head_dim)
+    per, qk = hv // hk, 2 * hk * dk
+    if rest in ("linear_attn.in_proj_qkv.weight", "linear_attn.conv1d.weight"):
+        w = w.reshape(w.shape[0], -1) if rest.endswith("conv1d.weight") else w
+        return np.concatenate([w[:qk], _tiled(w[qk:], 0, hk, per, dv)])
+    if rest == "linear_attn.in_proj_z.weight":
+        return _tiled(w, 0, hk, per, dv)
+    if rest in ("linear_attn.in_proj_b.weight", "linear_attn.in_proj_a.weight", "linear_attn.dt_bias"):
+        return _tiled(w, 0, hk, per, 1)
+    if rest == "linear_attn.A_log":
+        return -np.exp(_tiled(w, 0, hk, per, 1))
+    if rest == "linear_attn.out_proj.weight":
+        return _tiled(w, 1, hk, per, dv)
+    return w
+
+
+def _gguf_tensors(name: str, w: np.ndarray, cfg) -> list[tuple[str, np.ndarray]]:
+    """GGUF names and arrays of one transformers tensor, transformed as llama.cpp does;
+    zero-centred norms (not the linear layers' gated one) stored as ``1 + w``."""
+    stem, _, suffix = name.rpartition(".")
+    if stem in _TOP:
+        w = w + 1.0 if stem == "model.norm" else w
+        return [(f"{_TOP[stem]}.{suffix}", w)]
+    _, _, layer, rest = name.split(".", 3)
+    if rest.endswith(("layernorm.weight", "q_norm.weight", "k_norm.weight")):
+        w = w + 1.0
+    if rest.startswith("linear_attn."):
+        w = _linear_tensor(rest, w, cfg)
+    if rest == "linear_attn.A_log":
+        return [(f"blk.{layer}.ssm_a", w)]
+    if rest == "linear_attn.dt_bias":
+        return [(f"blk.{layer}.ssm_dt.bias", w)]
+    if rest == "mlp.experts.gate_up_proj":
+        if layer == "0":  # llama.cpp's fused layout, as it may write it
+            return [(f"blk.{layer}.ffn_gate_up_exps.weight", w)]
+        half = w.shape[1] // 2
+        return [(f"blk.{layer}.ffn_gate_exps.weight", w[:, :half]), (f"blk.{layer}.ffn_up_exps.weight", w[:, half:])]
+    if rest == "mlp.experts.down_proj":
+        return [(f"blk.{layer}.ffn_down_exps.weight", w)]
+    module, _, suffix = rest.rpartition(".")
+    return [(f"blk.{layer}.{_LAYER[module]}.{suffix}", w)]
+
+
+def write_qwen35_gguf(path, hf) -> str:
+    """``hf`` (a tiny ``Qwen3_5ForCausalLM`` or ``Qwen3_5MoeForCausalLM``) as llama.cpp's
+    ``qwen35`` / ``qwen35moe`` GGUF, float32 tensors; returns the architecture."""
+    cfg = hf.config
+    moe = bool(getattr(cfg, "num_experts", 0))
+    arch = "qwen35moe" if moe else "qwen35"
+    w = gguf.GGUFWriter(str(path), arch)
+    add_trunk_metadata(w, cfg)
+    if not moe:
+        w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    rope = cfg.rope_parameters
+    w.add_rope_dimension_count(int(cfg.head_dim * rope["partial_rotary_factor"]))
+    w.add_rope_dimension_sections([*rope["mrope_section"], 0])
+    w.add_ssm_conv_kernel(cfg.linear_conv_kernel_dim)
+    w.add_ssm_state_size(cfg.linear_key_head_dim)
+    w.add_ssm_group_count(cfg.linear_num_key_heads)
+    w.add_ssm_time_step_rank(cfg.linear_num_value_heads)
+    w.add_ssm_inner_size(cfg.linear_value_head_dim * cfg.linear_num_value_heads)
+    w.add_full_attention_interval(2)
+    add_moe_metadata(w, cfg)
+    add_byte_level_tokenizer(w)
+    for name, tensor in hf.state_dict().items():
+        for gname, part in _gguf_tensors(name, tensor.detach().float().numpy(), cfg):
+            w.add_tensor(gname, np.ascontiguousarray(part, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return arch
+
+
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe"])
+def written(request, tmp_path_factory, make_tiny_hf_model):
+    hf = make_tiny_hf_model(request.param, None, vocab_size=VOCAB)
+    folder = tmp_path_factory.mktemp(request.param)
+    path = folder / f"tiny-{request.param}.gguf"
+    arch = write_qwen35_gguf(path, hf)
+    return hf, path, arch, folder
+
+
+def test_the_config_reads_back(written, monkeypatch):
+    hf, path, arch, folder = written
+    monkeypatch.setenv("HEADROOM_CACHE_DIR", str(folder / "cache"))
+    mc = load_model_config(resolve_model(str(path)))
+    cfg = hf.config
+    assert mc.architecture == type(hf).__name__ and mc.is_hybrid
+    assert mc.layer_types == tuple(cfg.layer_types) and mc.rotary_dim == 8
+    assert (mc.linear_num_key_heads, mc.linear_num_value_heads) == (2, 4)
+    assert (mc.linear_key_head_dim, mc.linear_value_head_dim, mc.linear_conv_kernel_dim) == (16, 24, 4)
+    if arch == "qwen35moe":
+        assert mc.moe_layers == (0, 1, 2, 3) and mc.norm_topk_prob and mc.shared_expert_intermediate_size == 48
+    else:
+        assert mc.intermediate_size == cfg.intermediate_size and not mc.is_moe
+
+
+def test_greedy_ids_from_the_gguf_equal_transformers(written, monkeypatch):
+    hf, path, _, folder = written
+    monkeypatch.setenv("HEADROOM_CACHE_DIR", str(folder / "cache"))
+    engine = Engine(EngineConfig(model=str(path), device="cpu", page_size=4, num_pages=64, max_prefill_tokens=16))
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (6, 40)]
+    sp = SamplingParams(max_new_tokens=STEPS, temperature=0.0, ignore_eos=True)
+    ours = run_all(engine, {str(i): (ids, sp) for i, ids in enumerate(prompts)})
+    for i, ids in enumerate(prompts):
+        assert ours[str(i)] == hf_greedy(hf, ids, STEPS)

@@ -99,8 +99,8 @@ class Qwen35CausalLM(HybridCausalLM):
 
     def _shard_view(self, param: torch.Tensor, shard: Shard) -> torch.Tensor:
         cfg = self.config
-        conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim
         hv = cfg.linear_num_value_heads
+        conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + hv * cfg.linear_value_head_dim
         flat = {"qkv": (0, conv_dim), "z": (conv_dim, param.shape[0] - conv_dim), "b": (0, hv), "a": (hv, hv)}
         if isinstance(shard, str) and shard in flat:
             return param.narrow(0, *flat[shard])

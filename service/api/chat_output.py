@@ -71,7 +71,7 @@ class ChatOutput:
             message.reasoning_content = reasoning
         if self.tools.parse is not None:
             whole = self.tools.prefix + text + self.tools.suffix
-            content, calls = parse_tool_calls(self.tools.parse, whole)
+            content, calls = parse_tool_calls(self.tools.parse, whole, self.tools.tools)
             if calls:
                 message.content = content or None
                 message.tool_calls = [c.as_openai() for c in calls]
@@ -121,7 +121,7 @@ class ChatOutput:
             seq.sent += len(safe)
             return [ChatChunkChoice(index=index, delta=Delta(content=safe))] if safe else []
         seq.held += self.tools.suffix
-        rest, calls = parse_tool_calls(self.tools.parse, seq.held)
+        rest, calls = parse_tool_calls(self.tools.parse, seq.held, self.tools.tools)
         if not calls:
             rest = seq.held
         out = []

@@ -3,7 +3,7 @@ text models (``Qwen3_5ForCausalLM``, ``Qwen3_5MoeForCausalLM``) and the vision-l
 checkpoints Qwen publishes, of which the language model runs (the vision tower left out,
 as the log says). Greedy ids through the engine, with a prompt longer than one 64-token
 chunk of transformers' chunked delta rule, prefilled in chunks of 16, and the same
-greedy ids from ``headroom serve``. Logits, ragged batches, chunked prefill and the state
+greedy ids from ``headroom serve``; the MoE's routed experts in host memory. Logits, ragged batches, chunked prefill and the state
 slots: tests/test_hybrid_models.py, which runs Qwen3.5 beside Qwen3-Next."""
 
 from __future__ import annotations
@@ -41,6 +41,18 @@ def test_greedy_ids_equal_transformers(kind, tmp_path, make_tiny_hf_model):
     ours = run_all(engine, {f"r{i}": (ids, sp) for i, ids in enumerate(prompts)})
     for i, ids in enumerate(prompts):
         assert ours[f"r{i}"] == hf_greedy(hf, ids, STEPS)
+
+
+def test_routed_experts_in_host_memory_answer_the_same(tmp_path, make_tiny_hf_model):
+    """The hybrid placement: two MoE layers' routed experts kept in host memory behind
+    the expert cache (``--cpu-experts 2`` on a simulated 4 GiB card)."""
+    hf = make_tiny_hf_model("qwen3_5_moe_vl", tmp_path, vocab_size=VOCAB)
+    engine = Engine(EngineConfig(model=str(tmp_path), device="cpu", page_size=4, cpu_experts="2",
+                                 device_total=4 << 30, max_prefill_tokens=16))
+    assert engine.plan.cpu_expert_layers == 2 and len(engine.expert_stores) == 2
+    ids = torch.randint(3, VOCAB, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+    sp = SamplingParams(max_new_tokens=STEPS, temperature=0.0, ignore_eos=True)
+    assert run_all(engine, {"r": (ids, sp)})["r"] == hf_greedy(hf, ids, STEPS)
 
 
 def test_a_vision_language_checkpoint_loads_its_language_model_and_says_so(tmp_path, make_tiny_hf_model, caplog):

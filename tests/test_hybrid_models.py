@@ -22,7 +22,7 @@ from engine.core.footprint import (
 )
 from engine.kvcache.state_pool import StatePool, state_bytes_per_request
 from engine.loader.hf_config import load_model_config
-from engine.loader.weight_size import weight_bytes
+from engine.loader.weight_size import parameter_count, weight_bytes
 from engine.memory.device import simulated_device
 from engine.memory.ledger import make_plan
 from engine.memory.plan import GiB, PlanKnobs
@@ -132,21 +132,31 @@ def test_a_preempted_request_gives_its_slot_back_and_recomputes(pair):
     assert out == alone
 
 
-def test_plan_charges_the_state_pool_on_its_own_line(tmp_path):
-    mc = load_model_config(write_shape("qwen3-next-80b-a3b", tmp_path))
-    assert mc.is_hybrid and len(mc.linear_layers) == 36 and mc.num_kv_layers == 12
+# Published shapes: (linear layers, full-attention layers, parameters in billions).
+PUBLISHED = {"qwen3-next-80b-a3b": (36, 12, 79.7), "qwen3.6-35b-a3b": (30, 10, 34.7)}
+
+
+@pytest.mark.parametrize("shape", list(PUBLISHED))
+def test_plan_charges_the_state_pool_on_its_own_line(shape, tmp_path):
+    mc = load_model_config(write_shape(shape, tmp_path))
+    linear, full, billions = PUBLISHED[shape]
+    assert mc.is_hybrid and len(mc.linear_layers) == linear and mc.num_kv_layers == full
+    assert round(parameter_count(mc) / 1e9, 1) == billions  # Qwen3.6: the language model
     knobs = PlanKnobs(max_running_requests=8)
     plan = make_plan(simulated_device(80 * GiB), knobs, make_footprint(mc, torch.bfloat16, knobs))
     ledger = {e.name: e for e in plan.ledger}
     per_request = state_bytes_per_request(mc, torch.bfloat16)
-    # 36 layers x (32 x 128 x 128 x 4 recurrent + 8192 x 3 x 2 conv) = 75.2 MiB per request.
-    assert per_request == 36 * (32 * 128 * 128 * 4 + 8192 * 3 * 2)
+    # Per linear layer 32 x 128 x 128 x 4 recurrent + 8192 x 3 x 2 conv: 75.2 MiB per
+    # request for Qwen3-Next-80B-A3B's 36 layers.
+    assert per_request == linear * (32 * 128 * 128 * 4 + 8192 * 3 * 2)
     assert ledger["linear-attention state pool"].bytes == (8 + 1) * per_request  # the null slot too
     assert "8 requests" in ledger["linear-attention state pool"].source
     assert plan.table().count("linear-attention state pool") == 1
-    # A KV page holds the 12 full-attention layers only.
-    assert ledger["KV cache pool"].bytes == plan.num_pages * 2 * 12 * 2 * 256 * 2 * knobs.page_size
-    # And the pool made by the engine is the size the plan charged.
+    # A KV page holds the full-attention layers only.
+    assert ledger["KV cache pool"].bytes == plan.num_pages * 2 * full * 2 * 256 * 2 * knobs.page_size
+
+
+def test_the_state_pool_is_the_size_the_plan_charges(tmp_path):
     tiny = load_model_config(write_shape("qwen3-next-80b-a3b", tmp_path / "tiny", num_hidden_layers=4))
     assert StatePool(tiny, 3, torch.bfloat16, "meta").nbytes == (3 + 1) * state_bytes_per_request(tiny, torch.bfloat16)
 

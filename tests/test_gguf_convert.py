@@ -126,10 +126,11 @@ def _gguf_name(hf_name: str) -> str:
     return f"blk.{layer}.{_HF_TO_GGUF[rest]}.{suffix}"
 
 
-def add_trunk_metadata(writer, cfg) -> None:
-    """The keys every architecture's GGUF has, from a transformers config: layers,
-    context, widths, heads, the RMSNorm epsilon, the RoPE base, the vocabulary size."""
-    writer.add_block_count(cfg.num_hidden_layers)
+def add_trunk_metadata(writer, cfg, extra_blocks: int = 0) -> None:
+    """The keys every architecture's GGUF has, from a transformers config: layers (and
+    ``extra_blocks`` after them), context, widths, heads, the RMSNorm epsilon, the RoPE
+    base, the vocabulary size."""
+    writer.add_block_count(cfg.num_hidden_layers + extra_blocks)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_head_count(cfg.num_attention_heads)

@@ -93,12 +93,15 @@ def _gguf_tensors(name: str, w: np.ndarray, cfg) -> list[tuple[str, np.ndarray]]
 
 def write_qwen35_gguf(path, hf) -> str:
     """``hf`` (a tiny ``Qwen3_5ForCausalLM`` or ``Qwen3_5MoeForCausalLM``) as llama.cpp's
-    ``qwen35`` / ``qwen35moe`` GGUF, float32 tensors; returns the architecture."""
+    ``qwen35`` / ``qwen35moe`` GGUF, float32 tensors, with a multi-token-prediction
+    block after the model's (as llama.cpp writes it unless told not to, here with a few
+    placeholder tensors); returns the architecture."""
     cfg = hf.config
     moe = bool(getattr(cfg, "num_experts", 0))
     arch = "qwen35moe" if moe else "qwen35"
     w = gguf.GGUFWriter(str(path), arch)
-    add_trunk_metadata(w, cfg)
+    add_trunk_metadata(w, cfg, extra_blocks=1)  # llama.cpp's multi-token-prediction layer
+    w.add_nextn_predict_layers(1)
     if not moe:
         w.add_feed_forward_length(cfg.intermediate_size)
     w.add_key_length(cfg.head_dim)
@@ -117,6 +120,9 @@ def write_qwen35_gguf(path, hf) -> str:
     for name, tensor in hf.state_dict().items():
         for gname, part in _gguf_tensors(name, tensor.detach().float().numpy(), cfg):
             w.add_tensor(gname, np.ascontiguousarray(part, dtype=np.float32))
+    mtp, h = cfg.num_hidden_layers, cfg.hidden_size
+    for stem, shape in (("nextn.eh_proj", (h, 2 * h)), ("nextn.enorm", (h,)), ("attn_norm", (h,))):
+        w.add_tensor(f"blk.{mtp}.{stem}.weight", np.ones(shape, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -139,6 +145,7 @@ def test_the_config_reads_back(written, monkeypatch):
     mc = load_model_config(resolve_model(str(path)))
     cfg = hf.config
     assert mc.architecture == type(hf).__name__ and mc.is_hybrid
+    assert mc.num_layers == cfg.num_hidden_layers  # the prediction block is not the model's
     assert mc.layer_types == tuple(cfg.layer_types) and mc.rotary_dim == 8
     assert (mc.linear_num_key_heads, mc.linear_num_value_heads) == (2, 4)
     assert (mc.linear_key_head_dim, mc.linear_value_head_dim, mc.linear_conv_kernel_dim) == (16, 24, 4)

@@ -14,7 +14,7 @@ import torch
 from engine.common.load_errors import ModelLoadError
 from engine.loader.gguf_config import LLAMA_WITH_EXPERTS
 from engine.loader.gguf_qwen35 import ARCHITECTURES as QWEN35_ARCHITECTURES
-from engine.loader.gguf_qwen35 import hybrid_tensor
+from engine.loader.gguf_qwen35 import hybrid_tensor, prediction_layer_tensor
 
 # llama.cpp tensor names (gguf-py ``tensor_mapping``) -> Hugging Face names.
 _TOP_LEVEL = {
@@ -92,7 +92,8 @@ def hf_tensors(
     t: Any, gguf_path: Path, gguf_arch: str, config: dict[str, Any], dtype: torch.dtype
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """One GGUF tensor, dequantized, as the Hugging Face tensors it stands for (one per
-    expert for a stacked expert tensor), under their names.
+    expert for a stacked expert tensor), under their names; none for a Qwen3.5 file's
+    multi-token-prediction layer.
 
     Args:
         config: config.json's fields (``architectures``, ``num_attention_heads``,
@@ -101,6 +102,8 @@ def hf_tensors(
     Raises:
         ModelLoadError: the tensor has no Hugging Face counterpart.
     """
+    if gguf_arch in QWEN35_ARCHITECTURES and prediction_layer_tensor(t.name, config):
+        return  # the multi-token-prediction layer: not run
     stem, _, _ = t.name.rpartition(".")
     parts = stem.split(".")
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in _STACKED_EXPERTS:

@@ -11,7 +11,9 @@ to ``[C, K]``), ``ssm_norm`` and ``ssm_out``; where a key head serves several va
 it reorders the value heads from grouped by key head (``k0v0, k0v1, k1v0, k1v1``) to
 tiled (``k0v0, k1v0, k0v1, k1v1``) in every tensor indexed by them. Its zero-centred
 RMSNorm weights (``attn_norm``, ``post_attention_norm``, ``attn_q_norm``, ``attn_k_norm``,
-``output_norm``; not ``ssm_norm``) are stored as the scale ``1 + w``.
+``output_norm``; not ``ssm_norm``) are stored as the scale ``1 + w``. Its files may carry
+the multi-token-prediction layers after the model's own (``nextn_predict_layers`` of the
+``block_count``); they are not read.
 """
 
 from __future__ import annotations
@@ -50,13 +52,15 @@ def hybrid_config(get, field, names: set[str], config: dict[str, Any]) -> dict[s
         get: ``get(key, default=None)`` reads ``<arch>.<key>``, raising where it is absent
             and has no default. field: ``field(key)`` reads a whole key, None if absent.
         names: the file's tensor names: a layer with ``attn_q`` is full attention.
-        config: the fields read so far (``head_dim``, ``rope_theta``, ``num_hidden_layers``).
+        config: the fields read so far (``head_dim``, ``rope_theta``, ``num_hidden_layers``:
+            the block count, multi-token-prediction layers included).
     """
     value_heads = int(get("ssm.time_step_rank"))
-    layers = config["num_hidden_layers"]
+    layers = config["num_hidden_layers"] - int(get("nextn_predict_layers", 0))
     rotary = int(get("rope.dimension_count", config["head_dim"]))
     sections = list(get("rope.dimension_sections", [])) or [11, 11, 10]
     return {
+        "num_hidden_layers": layers,
         "layer_types": ["full_attention" if f"blk.{i}.attn_q.weight" in names else "linear_attention"
                         for i in range(layers)],
         "linear_conv_kernel_dim": int(get("ssm.conv_kernel")),
@@ -68,6 +72,13 @@ def hybrid_config(get, field, names: set[str], config: dict[str, Any]) -> dict[s
                             "partial_rotary_factor": rotary / config["head_dim"],
                             "mrope_section": [int(s) for s in sections[:3]], "mrope_interleaved": True},
     }
+
+
+def prediction_layer_tensor(gguf_name: str, config: dict[str, Any]) -> bool:
+    """Whether ``gguf_name`` belongs to a multi-token-prediction layer (a block past the
+    model's ``num_hidden_layers``), which the model does not read."""
+    parts = gguf_name.split(".")
+    return parts[0] == "blk" and parts[1].isdigit() and int(parts[1]) >= config["num_hidden_layers"]
 
 
 def hybrid_tensor(gguf_name: str, hf_name: str | None, w: torch.Tensor,

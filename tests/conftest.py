@@ -327,15 +327,16 @@ def _tiny_hf_config(kind: str, vocab_size: int, overrides: dict):
 def _tiny_qwen3_5_config(kind: str, common: dict, moe: dict):
     """Qwen3.5 (``"qwen3_5"``), its MoE (``"qwen3_5_moe"``, every layer routed, a shared
     expert) and their vision-language checkpoints (``..._vl``, a one-block vision tower):
-    layers linear, full, linear, full; 2 key heads serving 4 value heads; multimodal RoPE
-    sections over a partial rotary of 8 of 16 dims."""
+    layers linear, full, linear, full; 2 key heads serving 4 value heads of 32 (a Q8_0
+    block: reordering value heads moves whole blocks); multimodal RoPE sections over a
+    partial rotary of 8 of 16 dims."""
     import transformers
 
     rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
             "mrope_section": [2, 1, 1], "mrope_interleaved": True}
     text = dict(**common, head_dim=16, rope_parameters=rope,
                 layer_types=["linear_attention", "full_attention"] * 2, linear_num_key_heads=2,
-                linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=24,
+                linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=32,
                 linear_conv_kernel_dim=4)
     is_moe = kind.startswith("qwen3_5_moe")
     if is_moe:

@@ -1,20 +1,24 @@
 """Qwen3.5 / Qwen3.6 GGUF files as llama.cpp writes them (``qwen35``, ``qwen35moe``:
 ``convert_hf_to_gguf.py``'s names, ``1 + w`` norms, ``-exp(A_log)``, the conv kernel
-squeezed, value heads reordered from grouped to tiled), written here from tiny random
-transformers models: the conversion reads the config back, and the engine on the GGUF
-answers transformers' greedy ids."""
+squeezed, value heads reordered from grouped to tiled, a multi-token-prediction block
+after the model's; Q8_0 matrices), written here from tiny random transformers models:
+the conversion reads the config back, the projections kept in their blocks give
+transformers' logits, and the engine on the GGUF answers transformers' greedy ids,
+dequantized or in blocks."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-from model_checks import hf_greedy
+from model_checks import check_extend_and_decode, hf_greedy
 from test_engine import run_all
 from test_gguf_convert import VOCAB, add_byte_level_tokenizer, add_moe_metadata, add_trunk_metadata
 
 from engine.common.config import EngineConfig
 from engine.core.engine import Engine
+from engine.layers.linear.gguf_blocks import QuantLinear
+from engine.loader.gguf_quant import load_gguf_quantized
 from engine.loader.hf_config import load_model_config
 from engine.loader.resolve import resolve_model
 from engine.wire.messages import SamplingParams
@@ -93,9 +97,11 @@ def _gguf_tensors(name: str, w: np.ndarray, cfg) -> list[tuple[str, np.ndarray]]
 
 def write_qwen35_gguf(path, hf) -> str:
     """``hf`` (a tiny ``Qwen3_5ForCausalLM`` or ``Qwen3_5MoeForCausalLM``) as llama.cpp's
-    ``qwen35`` / ``qwen35moe`` GGUF, float32 tensors, with a multi-token-prediction
-    block after the model's (as llama.cpp writes it unless told not to, here with a few
-    placeholder tensors); returns the architecture."""
+    ``qwen35`` / ``qwen35moe`` GGUF, with a multi-token-prediction block after the
+    model's (as llama.cpp writes it unless told not to, here with a few placeholder
+    tensors); returns the architecture. Matrices whose rows are whole Q8_0 blocks are
+    stored Q8_0 and ``hf`` is updated to their dequantized values (the reorders move
+    whole rows or whole blocks, so both sides hold the same numbers); the rest float32."""
     cfg = hf.config
     moe = bool(getattr(cfg, "num_experts", 0))
     arch = "qwen35moe" if moe else "qwen35"
@@ -117,9 +123,19 @@ def write_qwen35_gguf(path, hf) -> str:
     w.add_full_attention_interval(2)
     add_moe_metadata(w, cfg)
     add_byte_level_tokenizer(w)
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    with torch.no_grad():
+        for param in hf.parameters():
+            if param.ndim >= 2 and param.shape[-1] % 32 == 0:
+                blocks = gguf.quantize(param.numpy(), q8)
+                param.copy_(torch.from_numpy(gguf.dequantize(blocks, q8).reshape(param.shape)))
     for name, tensor in hf.state_dict().items():
         for gname, part in _gguf_tensors(name, tensor.detach().float().numpy(), cfg):
-            w.add_tensor(gname, np.ascontiguousarray(part, dtype=np.float32))
+            part = np.ascontiguousarray(part, dtype=np.float32)
+            if part.ndim >= 2 and part.shape[-1] % 32 == 0:
+                w.add_tensor(gname, gguf.quantize(part, q8), raw_dtype=q8)
+            else:
+                w.add_tensor(gname, part)
     mtp, h = cfg.num_hidden_layers, cfg.hidden_size
     for stem, shape in (("nextn.eh_proj", (h, 2 * h)), ("nextn.enorm", (h,)), ("attn_norm", (h,))):
         w.add_tensor(f"blk.{mtp}.{stem}.weight", np.ones(shape, dtype=np.float32))
@@ -148,17 +164,33 @@ def test_the_config_reads_back(written, monkeypatch):
     assert mc.num_layers == cfg.num_hidden_layers  # the prediction block is not the model's
     assert mc.layer_types == tuple(cfg.layer_types) and mc.rotary_dim == 8
     assert (mc.linear_num_key_heads, mc.linear_num_value_heads) == (2, 4)
-    assert (mc.linear_key_head_dim, mc.linear_value_head_dim, mc.linear_conv_kernel_dim) == (16, 24, 4)
+    assert (mc.linear_key_head_dim, mc.linear_value_head_dim, mc.linear_conv_kernel_dim) == (16, 32, 4)
     if arch == "qwen35moe":
         assert mc.moe_layers == (0, 1, 2, 3) and mc.norm_topk_prob and mc.shared_expert_intermediate_size == 48
     else:
         assert mc.intermediate_size == cfg.intermediate_size and not mc.is_moe
 
 
-def test_greedy_ids_from_the_gguf_equal_transformers(written, monkeypatch):
+def test_blocks_kept_as_on_cuda_give_transformers_logits(written, monkeypatch, paged_runner):
+    """The CUDA layout (projections and routed experts in their Q8_0 blocks, value heads
+    reordered on the blocks' rows, ssm_out's input tiled), run by the torch reference."""
     hf, path, _, folder = written
     monkeypatch.setenv("HEADROOM_CACHE_DIR", str(folder / "cache"))
-    engine = Engine(EngineConfig(model=str(path), device="cpu", page_size=4, num_pages=64, max_prefill_tokens=16))
+    mc = load_model_config(resolve_model(str(path)))
+    model = load_gguf_quantized(mc, path, "cpu", torch.float32, experts_in_blocks=True)
+    assert isinstance(model.model.layers[0].linear_attn.in_proj_qkvz, QuantLinear)
+    assert model.model.layers[0].linear_attn.out_proj_tiled
+    check_extend_and_decode(hf, paged_runner(model, mc), VOCAB)
+
+
+@pytest.mark.parametrize("blocks", [None, False], ids=["cpu-blocks", "dequantized"])
+def test_greedy_ids_from_the_gguf_equal_transformers(written, monkeypatch, blocks):
+    """The CPU's default load (projections in blocks, for its kernels) and the
+    dequantized one."""
+    hf, path, _, folder = written
+    monkeypatch.setenv("HEADROOM_CACHE_DIR", str(folder / "cache"))
+    engine = Engine(EngineConfig(model=str(path), device="cpu", page_size=4, num_pages=64, max_prefill_tokens=16,
+                                 gguf_quantized=blocks))
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (6, 40)]
     sp = SamplingParams(max_new_tokens=STEPS, temperature=0.0, ignore_eos=True)

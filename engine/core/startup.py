@@ -157,10 +157,6 @@ def quantized_gguf(config: EngineConfig, device: torch.device, mc: ModelConfig |
             device.type == "cpu" or _blocks_by_default_on_cuda(config, mc))
     if not wanted:
         return None
-    if mc is not None and mc.is_hybrid:
-        log.info("GGUF weights dequantized at load: a hybrid linear-attention model's layers are not read "
-                 "from blocks")
-        return None
     if mc is not None and mc.is_moe and device.type == "cpu":
         log.info("--gguf-quantized on the CPU: the routed experts are dequantized at load")
     return gguf_file(config.model)

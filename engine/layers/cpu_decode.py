@@ -45,7 +45,8 @@ class CpuDecode:
         :func:`~engine.layers.cpu_pack.pack_model_for_cpu`), or None where a
         layer is not one it runs (module docstring)."""
         config = model.config
-        if config.moe_layers or config.qk_norm_whole or config.clip_qkv is not None or config.head_dim % 2:
+        if (config.is_hybrid or config.moe_layers or config.qk_norm_whole or config.clip_qkv is not None
+                or config.head_dim % 2):
             return None
         if getattr(model, "tp", None) is not None or model.model.norm.weight.dtype != torch.float32:
             return None

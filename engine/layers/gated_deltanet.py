@@ -119,6 +119,10 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.hv))
         self.norm = GatedRMSNorm(self.dv, config.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, config.hidden_size, bias=False)
+        # out_proj's input columns hold the value heads tiled (``k0v0, k1v0, k0v1, ...``,
+        # llama.cpp's order, whose blocks cannot be reordered by column) instead of
+        # grouped per key head: the output is tiled before it (set by the GGUF loader).
+        self.out_proj_tiled = False
 
     def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``[T, hidden]`` -> ``mixed [T, conv_dim]`` (q|k|v, flat), ``z [T, Hv, Dv]``,
@@ -181,6 +185,8 @@ class GatedDeltaNet(nn.Module):
                 at += n
             o = torch.cat(outs)
         o = self.norm(o.to(x.dtype), z)
+        if self.out_proj_tiled:
+            o = o.view(t, self.hk, per, self.dv).transpose(1, 2)
         return self.out_proj(o.reshape(t, self.value_dim))
 
     def _fla(self, q, k, v, g, beta, ssm_pool, slots, fresh, lens, is_decode) -> torch.Tensor:

@@ -74,6 +74,29 @@ def hybrid_config(get, field, names: set[str], config: dict[str, Any]) -> dict[s
     }
 
 
+# A linear-attention layer's fused modules (under model.layers.N) -> the GGUF tensors
+# stacked in each, in order, for a load that keeps the file's blocks.
+LINEAR_TARGETS = {
+    "linear_attn.in_proj_qkvz": ("attn_qkv", "attn_gate"),
+    "linear_attn.in_proj_ba": ("ssm_beta", "ssm_alpha"),
+    "linear_attn.out_proj": ("ssm_out",),
+}
+
+
+def grouped_rows(data: torch.Tensor, stem: str, config: Any) -> torch.Tensor:
+    """A linear-attention projection's rows (of weights, or of blocks: a row of blocks is
+    a row of weights) with the value heads back in grouped order; other tensors, and
+    ``ssm_out`` (whose value heads are its columns: the layer tiles its input instead,
+    ``GatedDeltaNet.out_proj_tiled``), as they are. ``config``: a
+    :class:`~engine.common.config.ModelConfig`."""
+    kind = stem.rpartition(".")[2]
+    if kind not in ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha"):
+        return data
+    dims = {"linear_num_key_heads": config.linear_num_key_heads, "linear_num_value_heads": config.linear_num_value_heads,
+            "linear_key_head_dim": config.linear_key_head_dim, "linear_value_head_dim": config.linear_value_head_dim}
+    return _untiled(kind, data, dims)
+
+
 def prediction_layer_tensor(gguf_name: str, config: dict[str, Any]) -> bool:
     """Whether ``gguf_name`` belongs to a multi-token-prediction layer (a block past the
     model's ``num_hidden_layers``), which the model does not read."""

@@ -148,7 +148,7 @@ class HybridCausalLM(CausalLM):
 
     def init_rope_cache(self) -> None:
         """``[max_position_embeddings, rotary_dim]`` float32 cos/sin (partial rotary)."""
-        device = self.model.embed_tokens.weight.device
+        device = self.model.norm.weight.device  # the embeddings may be blocks (CPU GGUF)
         self.cos_sin_cache = build_cos_sin_cache(
             self.config.rope, self.config.rotary_dim or self.config.head_dim,
             self.config.max_position_embeddings, device,

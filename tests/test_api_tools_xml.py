@@ -42,16 +42,16 @@ FORECAST = {
 # A template in Qwen3.5's shape: tools listed as JSON, the XML call format taught, the
 # generation prompt opening a thinking block unless enable_thinking is false.
 QWEN35_LIKE = (
-    "{%- if tools %}<|im_start|>system\n<tools>{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n</tools>\n"
-    "Call one as <tool_call>\n<function=NAME>\n<parameter=NAME>\nvalue\n</parameter>\n</function>\n"
-    "</tool_call><|im_end|>\n{%- endif %}"
-    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content or '' }}"
-    "{%- for c in m.tool_calls or [] %}<tool_call>\n<function={{ c.function.name }}>\n"
-    "{%- for k, v in c.function.arguments | items %}<parameter={{ k }}>\n{{ v }}\n</parameter>\n{%- endfor %}"
-    "</function>\n</tool_call>{%- endfor %}<|im_end|>\n{%- endfor %}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
-    "{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
-    "{%- else %}<think>\n{%- endif %}{%- endif %}"
+    "{%- if tools %}{{- '<|im_start|>system\\n<tools>' }}{%- for t in tools %}{{- '\\n' + (t | tojson) }}"
+    "{%- endfor %}{{- '\\n</tools>\\nCall one as <tool_call>\\n<function=NAME>\\n<parameter=NAME>\\nvalue\\n"
+    "</parameter>\\n</function>\\n</tool_call><|im_end|>\\n' }}{%- endif %}"
+    "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + (m.content or '') }}"
+    "{%- for c in m.tool_calls or [] %}{{- '<tool_call>\\n<function=' + c.function.name + '>\\n' }}"
+    "{%- for k, v in c.function.arguments | items %}{{- '<parameter=' + k + '>\\n' + (v | string) + '\\n</parameter>\\n' }}"
+    "{%- endfor %}{{- '</function>\\n</tool_call>' }}{%- endfor %}{{- '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- else %}{{- '<think>\\n' }}{%- endif %}{%- endif %}"
 )
 
 # An answer as Qwen3.5 writes it after the prompt opened <think>: reasoning, words, two calls.

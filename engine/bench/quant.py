@@ -227,7 +227,7 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     from engine.bench.model_shapes import SHAPES
 
     shape = SHAPES[args.shape]
-    if "linear_num_value_heads" in shape:
+    if "linear_num_value_heads" in shape.get("text_config", shape):  # a vision-language one nests it
         p.error(f"--shape {args.shape}: hybrid (linear-attention) models have no random GGUF writer here; "
                 "choose a dense or mixture-of-experts shape")
     if args.layers is not None and args.layers > shape["num_hidden_layers"]:

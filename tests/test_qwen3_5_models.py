@@ -3,11 +3,13 @@ text models (``Qwen3_5ForCausalLM``, ``Qwen3_5MoeForCausalLM``) and the vision-l
 checkpoints Qwen publishes, of which the language model runs (the vision tower left out,
 as the log says). Greedy ids through the engine, with a prompt longer than one 64-token
 chunk of transformers' chunked delta rule, prefilled in chunks of 16, and the same
-greedy ids from ``headroom serve``; the MoE's routed experts in host memory. Logits, ragged batches, chunked prefill and the state
+greedy ids from ``headroom serve``, which also splits the template's thinking from the
+answer and returns its tool calls; the MoE's routed experts in host memory. Logits, ragged batches, chunked prefill and the state
 slots: tests/test_hybrid_models.py, which runs Qwen3.5 beside Qwen3-Next."""
 
 from __future__ import annotations
 
+import json
 import logging
 
 import httpx
@@ -15,6 +17,8 @@ import pytest
 import torch
 from model_checks import hf_greedy
 from service_harness import ServerProcess
+from test_api_tools import WEATHER, chat_template
+from test_api_tools_xml import QWEN35_LIKE
 from test_engine import run_all
 
 from engine.common.config import EngineConfig
@@ -64,24 +68,53 @@ def test_a_vision_language_checkpoint_loads_its_language_model_and_says_so(tmp_p
                for r in caplog.records), caplog.text
 
 
-@pytest.mark.slow
-def test_headroom_serve_answers_transformers_greedy_ids(tmp_path_factory, make_tiny_hf_model, smollm_tokenizer):
-    """The MoE vision-language checkpoint (the shape Qwen3.6-35B-A3B is published in),
-    served on the CPU: a prompt of token ids answers transformers' greedy ids."""
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, make_tiny_hf_model, smollm_tokenizer):
+    """The MoE vision-language checkpoint (the shape Qwen3.6-35B-A3B is published in)
+    with a Qwen3.5-like chat template (thinking, XML tool calls), served on the CPU:
+    ``(transformers model, server)``."""
     folder = tmp_path_factory.mktemp("tiny-qwen3.6")
     hf = make_tiny_hf_model("qwen3_5_moe_vl", folder, vocab_size=len(smollm_tokenizer), max_position_embeddings=512)
-    smollm_tokenizer.save_pretrained(folder)
-    ids = smollm_tokenizer("The capital of France is a city where")["input_ids"]
-    want = smollm_tokenizer.decode(hf_greedy(hf, ids, STEPS), skip_special_tokens=True,
-                                   clean_up_tokenization_spaces=False)
+    with chat_template(smollm_tokenizer, QWEN35_LIKE):
+        smollm_tokenizer.save_pretrained(folder)
     server = ServerProcess(tmp_path_factory.mktemp("serve"), ["--model", str(folder), "--device", "cpu"])
     try:
         server.wait_ready()
-        body = {"prompt": ids, "max_tokens": STEPS, "temperature": 0, "ignore_eos": True}
-        r = httpx.post(server.base_url + "/v1/completions", json=body, timeout=300)
+        yield hf, server
     finally:
         server.stop()
+
+
+@pytest.mark.slow
+def test_headroom_serve_answers_transformers_greedy_ids(served, smollm_tokenizer):
+    """A prompt of token ids answers transformers' greedy ids."""
+    hf, server = served
+    ids = smollm_tokenizer("The capital of France is a city where")["input_ids"]
+    want = smollm_tokenizer.decode(hf_greedy(hf, ids, STEPS), skip_special_tokens=True,
+                                   clean_up_tokenization_spaces=False)
+    body = {"prompt": ids, "max_tokens": STEPS, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(server.base_url + "/v1/completions", json=body, timeout=300)
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     assert want and choice["text"] == want and choice["finish_reason"] == "length"
     assert r.json()["usage"]["completion_tokens"] == STEPS
+
+
+@pytest.mark.slow
+def test_headroom_serve_thinks_and_calls_tools_in_its_format(served):
+    """The template opens a thinking block, so a plain answer is reasoning; a forced call
+    comes back as ``tool_calls`` with arguments of the function's schema."""
+    _, server = served
+    hi = [{"role": "user", "content": "Weather in Paris?"}]
+    greedy = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(server.base_url + "/v1/chat/completions", json={"messages": hi, **greedy}, timeout=300)
+    assert r.status_code == 200, r.text
+    message = r.json()["choices"][0]["message"]
+    assert message["reasoning_content"] and not message["content"]
+    body = {"messages": hi, "tools": [WEATHER], "tool_choice": "required", "max_tokens": 40, "temperature": 0}
+    r = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    call = choice["message"]["tool_calls"][0]["function"]
+    assert call["name"] == "get_weather" and isinstance(json.loads(call["arguments"])["city"], str)

@@ -1,4 +1,5 @@
-"""The Gated DeltaNet layer of hybrid linear-attention models (Qwen3-Next).
+"""The Gated DeltaNet layer of hybrid linear-attention models (Qwen3-Next; Qwen3.5/3.6
+with flat projections, :mod:`engine.models.qwen3_5`).
 
 Per token, as ``Qwen3NextGatedDeltaNet`` in transformers computes it:
 

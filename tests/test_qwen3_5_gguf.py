@@ -197,3 +197,33 @@ def test_greedy_ids_from_the_gguf_equal_transformers(written, monkeypatch, block
     ours = run_all(engine, {str(i): (ids, sp) for i, ids in enumerate(prompts)})
     for i, ids in enumerate(prompts):
         assert ours[str(i)] == hf_greedy(hf, ids, STEPS)
+
+
+def test_the_random_qwen36_gguf_converts_and_loads_in_blocks(tmp_path, paged_runner):
+    """The random ``qwen35moe`` file the GPU runs serve (K-quant blocks built directly,
+    the default model's tokenizer), at a small Qwen3.6-35B-A3B-like shape: it converts,
+    its projections and experts load in their blocks, priced exactly, and a step gives
+    finite logits."""
+    from engine.bench.model_shapes import write_shape
+    from engine.bench.random_gguf import MOE_EXPERT_TYPES, write_random_moe_gguf
+    from engine.layers.weight_census import model_weight_bytes
+    from engine.loader.gguf_convert import convert_gguf
+    from engine.loader.gguf_quant import gguf_weight_size
+
+    shape = load_model_config(write_shape(
+        "qwen3.6-35b-a3b", tmp_path / "cfg", hidden_size=256, moe_intermediate_size=256,
+        shared_expert_intermediate_size=256, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
+        num_experts=4, num_experts_per_tok=2, max_position_embeddings=64))
+    path = tmp_path / "qwen36.gguf"
+    write_random_moe_gguf(path, shape, np.random.default_rng(0))
+    config = load_model_config(convert_gguf(path, tmp_path / "hf"))
+    assert (config.architecture, config.layer_types, config.moe_layers) == (
+        "Qwen3_5MoeForCausalLM", shape.layer_types, (0, 1, 2, 3))
+    model = load_gguf_quantized(config, path, "cpu", torch.float32, experts_in_blocks=True)
+    assert all(layer.mlp.experts.types == MOE_EXPERT_TYPES for layer in model.model.layers)
+    assert isinstance(model.model.layers[0].linear_attn.out_proj, QuantLinear)
+    size = gguf_weight_size(path, config, torch.float32)
+    assert size.bytes == model_weight_bytes(model) + config.max_position_embeddings * config.rotary_dim * 4
+    logits = paged_runner(model, config).step({0: [1, 2, 3]})
+    assert logits.shape == (1, config.vocab_size) and bool(torch.isfinite(logits).all())

@@ -186,7 +186,8 @@ SHAPES: dict[str, dict] = {
 
 
 def write_shape(name: str, folder: str | Path, **overrides) -> Path:
-    """Write ``config.json`` of shape ``name`` (with ``overrides``) into ``folder``.
+    """Write ``config.json`` of shape ``name`` (with ``overrides``; a vision-language
+    shape's go into its ``text_config``) into ``folder``.
 
     Raises:
         KeyError: an unknown shape; the message lists the known ones.
@@ -195,5 +196,10 @@ def write_shape(name: str, folder: str | Path, **overrides) -> Path:
         raise KeyError(f"unknown shape {name!r}; known: {', '.join(SHAPES)}")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps({**SHAPES[name], **overrides}, indent=2))
+    shape = SHAPES[name]
+    if "text_config" in shape:
+        shape = {**shape, "text_config": {**shape["text_config"], **overrides}}
+    else:
+        shape = {**shape, **overrides}
+    (folder / "config.json").write_text(json.dumps(shape, indent=2))
     return folder

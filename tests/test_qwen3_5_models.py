@@ -2,7 +2,7 @@
 text models (``Qwen3_5ForCausalLM``, ``Qwen3_5MoeForCausalLM``) and the vision-language
 checkpoints Qwen publishes, of which the language model runs (the vision tower left out,
 as the log says). Greedy ids through the engine, with a prompt longer than one 64-token
-chunk of transformers' chunked delta rule, prefilled in chunks of 16, and the same
+chunk of the chunked delta rule, and the same
 greedy ids from ``headroom serve``, which also splits the template's thinking from the
 answer and returns its tool calls; the MoE's routed experts in host memory. Logits, ragged batches, chunked prefill and the state
 slots: tests/test_hybrid_models.py, which runs Qwen3.5 beside Qwen3-Next."""
@@ -35,10 +35,11 @@ KINDS = ["qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen3_5_moe_vl"]
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_greedy_ids_equal_transformers(kind, tmp_path, make_tiny_hf_model):
-    """Three prompts batched through the engine, the longest (80 ids) past one chunk of
-    transformers' chunked delta rule and prefilled here in chunks of 16."""
+    """Three prompts batched through the engine, the longest (80 ids) prefilled in one
+    step: past one 64-token chunk of the chunked delta rule (ours on the CPU, and
+    transformers')."""
     hf, path = make_tiny_hf_model(kind, tmp_path, vocab_size=VOCAB), tmp_path
-    engine = Engine(EngineConfig(model=str(path), device="cpu", page_size=4, num_pages=128, max_prefill_tokens=16))
+    engine = Engine(EngineConfig(model=str(path), device="cpu", page_size=4, num_pages=128, max_prefill_tokens=128))
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (5, 23, 80)]
     sp = SamplingParams(max_new_tokens=STEPS, temperature=0.0, ignore_eos=True)

@@ -164,7 +164,7 @@ def test_streamed_answer_equals_whole_answer(size):
 
 @pytest.mark.parametrize("fmt", [HERMES, QWEN_XML, LLAMA3_JSON, MISTRAL])
 def test_forced_calls_parse_what_the_grammar_lets_through(fmt):
-    template = {HERMES: "<tool_call>", QWEN_XML: "<tool_call><function=", LLAMA3_JSON: "<|python_tag|>",
+    template = {HERMES: "<tool_call>", QWEN_XML: "<tool_call><function=<parameter=", LLAMA3_JSON: "<|python_tag|>",
                 MISTRAL: "[TOOL_CALLS]"}
     named = {"type": "function", "function": {"name": "get_weather"}}
     # Named: the prefix holds the name, the grammar is the function's parameters.

@@ -68,6 +68,8 @@ ROME = {"city": "Rome", "days": 3, "note": "bring\nan umbrella"}
 
 def test_the_template_chooses_the_xml_format():
     assert parser_for_template(QWEN35_LIKE) == QWEN_XML
+    # Llama 3.1's custom-tool example writes <function=...> with JSON, no parameters.
+    assert parser_for_template("<|start_header_id|> {{ tools }} <function=f>{...}</function> parameters") != QWEN_XML
     assert plan_tools([FORECAST], None, QWEN35_LIKE, True).parse == QWEN_XML
 
 

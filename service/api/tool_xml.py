@@ -26,6 +26,7 @@ import re
 from typing import Any
 
 FUNCTION_OPEN = "<function="
+PARAMETER_OPEN = "<parameter="
 _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.S)
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
 

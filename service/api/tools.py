@@ -32,7 +32,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from service.api.tool_xml import FUNCTION_OPEN, parse_function
+from service.api.tool_xml import FUNCTION_OPEN, PARAMETER_OPEN, parse_function
 from service.common.errors import invalid
 
 HERMES = "hermes"
@@ -72,7 +72,7 @@ def parser_for_template(chat_template: str | None) -> str | None:
     none this server parses."""
     if not chat_template:
         return None
-    if FUNCTION_OPEN in chat_template:  # before Hermes: its calls sit in <tool_call> too
+    if FUNCTION_OPEN in chat_template and PARAMETER_OPEN in chat_template:  # before Hermes: in <tool_call> too
         return QWEN_XML
     if _HERMES_OPEN in chat_template:
         return HERMES

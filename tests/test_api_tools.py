@@ -5,6 +5,7 @@ tools and chat_template_kwargs reaching a template."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import msgspec
@@ -18,6 +19,7 @@ from service.api.tools import (
     HERMES,
     LLAMA3_JSON,
     MISTRAL,
+    QWEN_XML,
     ToolPlan,
     parse_tool_calls,
     parser_for_template,
@@ -160,9 +162,10 @@ def test_streamed_answer_equals_whole_answer(size):
     assert plain["content"] == "It is 3 < 4 <tool" and plain["finish"] == ["stop"]
 
 
-@pytest.mark.parametrize("fmt", [HERMES, LLAMA3_JSON, MISTRAL])
+@pytest.mark.parametrize("fmt", [HERMES, QWEN_XML, LLAMA3_JSON, MISTRAL])
 def test_forced_calls_parse_what_the_grammar_lets_through(fmt):
-    template = {HERMES: "<tool_call>", LLAMA3_JSON: "<|python_tag|>", MISTRAL: "[TOOL_CALLS]"}
+    template = {HERMES: "<tool_call>", QWEN_XML: "<tool_call><function=<parameter=", LLAMA3_JSON: "<|python_tag|>",
+                MISTRAL: "[TOOL_CALLS]"}
     named = {"type": "function", "function": {"name": "get_weather"}}
     # Named: the prefix holds the name, the grammar is the function's parameters.
     plan = plan_tools([WEATHER], named, "{{ tools }}" + template[fmt], True)
@@ -231,11 +234,19 @@ QWEN_LIKE = (
 )
 
 
-def test_template_gets_tools_tool_messages_and_kwargs(smollm_tokenizer):
-    tokenizer = smollm_tokenizer
+@contextlib.contextmanager
+def chat_template(tokenizer, template: str):
+    """``tokenizer`` with ``template`` as its chat template inside the block."""
     original = tokenizer.chat_template
+    tokenizer.chat_template = template
     try:
-        tokenizer.chat_template = QWEN_LIKE
+        yield tokenizer
+    finally:
+        tokenizer.chat_template = original
+
+
+def test_template_gets_tools_tool_messages_and_kwargs(smollm_tokenizer):
+    with chat_template(smollm_tokenizer, QWEN_LIKE) as tokenizer:
         assert template_has_tools(tokenizer)
         call = {
             "id": "c1",
@@ -258,8 +269,6 @@ def test_template_gets_tools_tool_messages_and_kwargs(smollm_tokenizer):
         with pytest.raises(ChatTemplateError) as exc:
             render_chat(tokenizer, messages[:1], template_kwargs={"tools": []})
         assert exc.value.param == "chat_template_kwargs"
-    finally:
-        tokenizer.chat_template = original
     # The default model's template renders no tools: a tool role is refused, naming why.
     with pytest.raises(ChatTemplateError, match="no tool support") as exc:
         render_chat(tokenizer, messages)

@@ -297,11 +297,13 @@ def _check_variant(hf: Any, config_path: Path, facts: Family) -> None:
 def _rope(hf: Any, config_path: Path, facts: Family) -> RopeConfig:
     # transformers >= 5 keeps everything in ``rope_parameters``; older versions use
     # ``rope_theta`` plus an optional ``rope_scaling`` dict (whose type key was once "type").
-    return _rope_of(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None), hf, config_path)
+    return _rope_of(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None), hf, config_path,
+                    hybrid=facts.hybrid)
 
 
-def _rope_of(params: dict | None, hf: Any, config_path: Path) -> RopeConfig:
-    """The :class:`RopeConfig` of one ``rope_parameters`` dict (Gemma 3 has one per layer kind)."""
+def _rope_of(params: dict | None, hf: Any, config_path: Path, hybrid: bool = False) -> RopeConfig:
+    """The :class:`RopeConfig` of one ``rope_parameters`` dict (Gemma 3 has one per layer
+    kind); a ``hybrid`` model's partial rotary is taken (its layers rotate part of a head)."""
     params = dict(params or {})
     theta = params.get("rope_theta", getattr(hf, "rope_theta", None))
     rope_type = params.get("rope_type", params.get("type", "default"))
@@ -313,7 +315,7 @@ def _rope_of(params: dict | None, hf: Any, config_path: Path) -> RopeConfig:
     partial = params.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", None))
     # The hybrids' partial rotary is ModelConfig.rotary_dim (engine.models.qwen3_next).
     # Qwen3.5's multimodal RoPE sections turn text as plain RoPE (engine.models.qwen3_5).
-    if partial not in (None, 1, 1.0) and not facts.hybrid:
+    if partial not in (None, 1, 1.0) and not hybrid:
         raise UnsupportedConfig(f"{config_path}: partial_rotary_factor {partial} is not supported")
     defaults = RopeConfig()
     return RopeConfig(

@@ -67,6 +67,13 @@ class GenerationRequest:
         context_tokens: a smaller context than the engine's for this call (Ollama's
             ``num_ctx``), or None.
         stream: the answer streams.
+        thinking: whether a thinking model thinks (the template's
+            ``enable_thinking``; False also closes any block at once); None: the
+            template's default (chat only, :mod:`service.api.thinking`).
+        thinking_budget: most tokens of reasoning before the thinking block is closed;
+            None: no limit.
+        thinking_param: the field a thinking error names (``reasoning_effort``,
+            ``think``...).
     """
 
     request_id: str
@@ -87,6 +94,9 @@ class GenerationRequest:
     tool_choice: Any = None
     context_tokens: int | None = None
     stream: bool = False
+    thinking: bool | None = None
+    thinking_budget: int | None = None
+    thinking_param: str = "reasoning_effort"
 
 
 async def read_call(
@@ -94,9 +104,11 @@ async def read_call(
     schema: type[Body],
     build: Callable[[Body, str, float], GenerationRequest],
     id_prefix: str,
+    separator: str = "-",
 ) -> tuple[Body, GenerationRequest]:
     """An API call's body decoded as ``schema`` and built into its one request by
-    ``build(body, request_id, started)``: the id is ``{id_prefix}-`` and 32 hex digits,
+    ``build(body, request_id, started)``: the id is ``id_prefix``, ``separator`` and
+    32 hex digits (``chatcmpl-...``, ``resp_...``),
     ``started`` the ``time.perf_counter()`` of the call's arrival (before its body was
     read).
 
@@ -106,7 +118,7 @@ async def read_call(
     """
     started = time.perf_counter()
     body = decode_body(await request.body(), schema)
-    return body, build(body, f"{id_prefix}-{uuid.uuid4().hex}", started)
+    return body, build(body, f"{id_prefix}{separator}{uuid.uuid4().hex}", started)
 
 
 def stop_strings(stop: str | list[str] | None) -> list[str]:

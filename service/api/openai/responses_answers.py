@@ -178,6 +178,8 @@ class _Events:
     reasoning: str = ""
 
     def event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        """The next event (an item in an ``added`` event is a copy: it changes later,
+        and a delta may close it before the event is sent)."""
         out = {"type": kind, "sequence_number": self.seq, **fields}
         self.seq += 1
         return out
@@ -248,7 +250,9 @@ class _Events:
             )
             self.items.append(item)
             self.open = item
-            events.append(self.event("response.output_item.added", output_index=len(self.items) - 1, item=item))
+            events.append(self.event(
+                "response.output_item.added", output_index=len(self.items) - 1, item=msgspec.structs.replace(item)
+            ))
         elif isinstance(self.open, FunctionCallItem) and arguments:
             self.open.arguments += arguments
             events.append(self.event(
@@ -265,7 +269,7 @@ class _Events:
         part = ReasoningText(text="") if isinstance(item, ReasoningItem) else OutputText(text="")
         return [
             *events,
-            self.event("response.output_item.added", output_index=index, item=item),
+            self.event("response.output_item.added", output_index=index, item=msgspec.structs.replace(item)),
             self.event("response.content_part.added", item_id=item.id, output_index=index, content_index=0, part=part),
         ]
 

@@ -396,7 +396,7 @@ async def start_generation(
             request.thinking,
             request.thinking_budget,
             chat_template(svc.text),
-            name,
+            model or name,  # the name the client used, as Ollama's message has it
             request.thinking_param,
         )
     return await Generation.start(svc, info, request), name

@@ -19,7 +19,14 @@ from msgspec import Meta
 from engine.wire.messages import SamplingParams, ThinkingBudget
 from service.api.sampling_defaults import SamplingDefaults
 from service.common.errors import invalid
-from service.common.ranges import SEED_MAX, SEED_MIN, TEMPERATURE_MAX, TEMPERATURE_MIN
+from service.common.ranges import (
+    REPETITION_PENALTY_MAX,
+    REPETITION_PENALTY_MIN,
+    SEED_MAX,
+    SEED_MIN,
+    TEMPERATURE_MAX,
+    TEMPERATURE_MIN,
+)
 
 TOP_K_MAX = (1 << 31) - 1
 
@@ -33,7 +40,7 @@ Temperature = Annotated[float, Meta(ge=TEMPERATURE_MIN, le=TEMPERATURE_MAX)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
 Probability = Annotated[float, Meta(ge=0.0, le=1.0)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
-RepetitionPenalty = Annotated[float, Meta(gt=0.0, le=10.0)]
+RepetitionPenalty = Annotated[float, Meta(ge=REPETITION_PENALTY_MIN, le=REPETITION_PENALTY_MAX)]
 
 # OpenAI's bounds of a logit_bias value; -100 and 100 ban or force a token in practice.
 LOGIT_BIAS_MAX = 100.0
@@ -42,7 +49,7 @@ LOGIT_BIAS_MAX = 100.0
 class Sampling(msgspec.Struct, kw_only=True):
     """How the next token is picked; None: the model's default
     (:mod:`service.api.sampling_defaults`). ``top_k`` -1 and 0 are off; ``top_p`` is in
-    (0, 1]; ``repetition_penalty`` in (0, 10]; penalties in [-2, 2]."""
+    (0, 1]; ``repetition_penalty`` in [0.01, 10]; penalties in [-2, 2]."""
 
     temperature: Temperature | None = None
     top_p: TopP | None = None

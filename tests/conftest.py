@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from keyed_server import keyed_server  # noqa: F401
 from service_harness import real_server, start_server  # noqa: F401
+from thinking_server import qwen3_server  # noqa: F401
 
 SMOLLM_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

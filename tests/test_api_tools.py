@@ -10,6 +10,7 @@ import json
 
 import msgspec
 import pytest
+from thinking_server import QWEN_LIKE
 
 from engine.text.chat import ChatTemplateError, render_chat, template_has_tools
 from service.api.chat_output import ChatOutput
@@ -223,15 +224,6 @@ def test_tool_choice_checks():
     assert exc.value.param == "tools"
 
 
-QWEN_LIKE = (
-    "{% if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t.function.name }}"
-    "{% endfor %}<|im_end|>\n{% endif %}"
-    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
-    "{% if m.tool_calls %}{% for c in m.tool_calls %}<tool_call>{{ c.function | tojson }}"
-    "</tool_call>{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
-    "<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}"
-    "<think>\n\n</think>\n\n{% endif %}"
-)
 
 
 @contextlib.contextmanager

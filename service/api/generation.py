@@ -35,7 +35,7 @@ from engine.wire.messages import (
     TokenLogprobs,
 )
 from service.api.admission import Ticket
-from service.api.chat_plan import ChatPlan, continue_prompt, plan_chat
+from service.api.chat_plan import ChatPlan, chat_template, continue_prompt, plan_chat
 from service.api.engine_errors import engine_error, failure, rejected, timed_out
 from service.api.logprobs import ShownLogprobs
 from service.api.prompts import encode_prompts
@@ -43,6 +43,7 @@ from service.api.request import GenerationRequest, resolve_max_tokens
 from service.api.sampling import check_vocabulary, sampling_params
 from service.api.services import Services
 from service.api.text import TextSide
+from service.api.thinking import check_thinking
 from service.events.metrics import ServiceMetrics
 from service.supervision.inflight import EngineFailure, Submission
 from service.supervision.supervisor import Supervisor
@@ -173,6 +174,7 @@ class Generation:
         resolved against the context, the seed offset by the sequence's place."""
         r = self.request
         schema = self.chat.json_schema if self.chat is not None else r.json_schema
+        thinking = self.chat.thinking_budget if self.chat is not None else None
         # A prompt too long for its completion is blamed on the prompts' field as a
         # whole (``prompt``, not ``prompt[1]``).
         prompt_param = r.prompts[0].param.partition("[")[0]
@@ -196,6 +198,7 @@ class Generation:
                     logit_bias=r.logit_bias,
                     logprobs=r.logprobs,
                     prompt_logprobs=r.logprobs if r.echo else None,
+                    thinking=thinking,
                 )
                 for j in range(r.n)
             ]
@@ -401,9 +404,22 @@ async def start_generation(
     """What every route does once its request is built: a ready worker (503; an idle
     one is loaded first), the model it names (404), then :meth:`Generation.start`.
 
+    Raises:
+        APIError: 400 naming ``request.thinking_param`` when thinking is asked of a
+            model whose template cannot think
+            (:func:`service.api.thinking.check_thinking`); as :meth:`Generation.start`.
+
     Returns:
         The started generation and the model name to answer with.
     """
     info = await svc.supervisor.ready()
     name = svc.check_model(model, info)
+    if request.chat and svc.text is not None:
+        check_thinking(
+            request.thinking,
+            request.thinking_budget,
+            chat_template(svc.text),
+            model or name,  # the name the client used, as Ollama's message has it
+            request.thinking_param,
+        )
     return await Generation.start(svc, info, request), name

@@ -24,6 +24,7 @@ from litestar import Response, get
 
 from service.api.ollama import schemas as ollama
 from service.api.openai import schemas as openai
+from service.api.openai.responses_schemas import ResponseObject, ResponsesRequest
 from service.events.control_schemas import CacheRequest, ControlResponse, ReserveRequest
 from service.events.schemas import Snapshot
 
@@ -163,6 +164,8 @@ def openapi_document() -> dict[str, Any]:
             openai.ModelList,
             openai.ModelCard,
             openai.ErrorResponse,
+            ResponsesRequest,
+            ResponseObject,
             Snapshot,
             ControlResponse,
             ReserveRequest,
@@ -210,6 +213,12 @@ def openapi_document() -> dict[str, Any]:
             "ChatCompletionRequest", "ChatCompletion", "Chat completion."
         ),
         "/v1/completions": _generation("CompletionRequest", "Completion", "Text completion."),
+        "/v1/responses": _generation(
+            "ResponsesRequest",
+            "ResponseObject",
+            "OpenAI's Responses API (stateless); with `stream: true`, `event:`/`data:` "
+            "Server-Sent Events ending with `response.completed`.",
+        ),
         "/api/health": {
             "get": {
                 "summary": "Is the engine serving.",

@@ -71,6 +71,13 @@ class GenerationRequest:
         stream: the answer streams.
         route: the API route's path (``/v1/chat/completions``), set by
             :func:`read_call`; the metrics' label.
+        thinking: whether a thinking model thinks (the template's
+            ``enable_thinking``; False also closes any block at once); None: the
+            template's default (chat only, :mod:`service.api.thinking`).
+        thinking_budget: most tokens of reasoning before the thinking block is closed;
+            None: no limit.
+        thinking_param: the field a thinking error names (``reasoning_effort``,
+            ``think``...).
     """
 
     request_id: str
@@ -93,6 +100,9 @@ class GenerationRequest:
     context_tokens: int | None = None
     stream: bool = False
     route: str = ""
+    thinking: bool | None = None
+    thinking_budget: int | None = None
+    thinking_param: str = "reasoning_effort"
 
 
 async def read_call(
@@ -100,16 +110,18 @@ async def read_call(
     schema: type[Body],
     build: Callable[[Body, str, float], GenerationRequest],
     id_prefix: str,
+    separator: str = "-",
 ) -> tuple[Body, GenerationRequest]:
     """An API call's body decoded as ``schema`` (:func:`read_body`) and built into its
-    one request (:func:`build_call`).
+    one request (:func:`build_call`); the id is ``id_prefix``, ``separator`` and 32 hex
+    digits (``chatcmpl-...``, ``resp_...``).
 
     Raises:
         APIError: 400 for a body that does not decode
             (:func:`service.common.errors.decode_body`), or from ``build``.
     """
     body, started = await read_body(request, schema)
-    return body, build_call(request, body, build, id_prefix, started)
+    return body, build_call(request, body, build, id_prefix, started, separator)
 
 
 async def read_body(request: Request, schema: type[Body]) -> tuple[Body, float]:
@@ -129,14 +141,15 @@ def build_call(
     build: Callable[[Body, str, float], GenerationRequest],
     id_prefix: str,
     started: float,
+    separator: str = "-",
 ) -> GenerationRequest:
-    """``build(body, request_id, started)``: the id is ``{id_prefix}-`` and 32 hex
-    digits; the request's ``route`` is the route's path (:func:`route_of`).
+    """``build(body, request_id, started)``: the id is ``id_prefix``, ``separator`` and
+    32 hex digits; the request's ``route`` is the route's path (:func:`route_of`).
 
     Raises:
         APIError: what ``build`` raises.
     """
-    call = build(body, f"{id_prefix}-{uuid.uuid4().hex}", started)
+    call = build(body, f"{id_prefix}{separator}{uuid.uuid4().hex}", started)
     return replace(call, route=route_of(request))
 
 

@@ -30,6 +30,8 @@ from service.common.errors import SERVER_ERROR, APIError
 log = logging.getLogger("headroom.api")
 
 _encoder = msgspec.json.Encoder()
+# Server-Sent Events are not to be cached or buffered by a proxy on the way.
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 CLIENT_GONE = 499  # nginx's code for "client closed request", used in our logs only
 
 
@@ -183,6 +185,26 @@ def stream_answer(
     (OpenAI's ``data: [DONE]``)."""
     return Stream(
         _framed(gen, payloads, frame, error_payload, end), media_type=media_type, headers=headers
+    )
+
+
+def sse_answer(
+    gen: Generation,
+    payloads: AsyncIterator[Any],
+    frame: Callable[[Any], bytes],
+    error_payload: Callable[[APIError], Any],
+    end: bytes = b"",
+) -> Stream:
+    """:func:`stream_answer` as Server-Sent Events (OpenAI's streams), not cached or
+    buffered on the way."""
+    return stream_answer(
+        gen,
+        payloads,
+        frame=frame,
+        error_payload=error_payload,
+        end=end,
+        media_type="text/event-stream",
+        headers=SSE_HEADERS,
     )
 
 

@@ -67,6 +67,8 @@ class GenerationRequest:
         context_tokens: a smaller context than the engine's for this call (Ollama's
             ``num_ctx``), or None.
         stream: the answer streams.
+        thinking_budget: most tokens of reasoning before the thinking block is
+            closed; None: no limit.
     """
 
     request_id: str
@@ -87,6 +89,7 @@ class GenerationRequest:
     tool_choice: Any = None
     context_tokens: int | None = None
     stream: bool = False
+    thinking_budget: int | None = None
 
 
 async def read_call(

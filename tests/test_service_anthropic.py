@@ -38,7 +38,8 @@ _TOKENIZER_FILES = ("tokenizer", "special_tokens_map", "chat_template", "added_t
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, default_model_dir):
     """The embedded model with :data:`THINKING_TEMPLATE` (a copy of its folder: the
-    weights linked, the tokenizer saved with that template), behind :data:`KEY`."""
+    weights linked, the tokenizer saved with that template), behind :data:`KEY`, with 48
+    KV pages (a context of about 750 tokens, cheap to fill)."""
     from transformers import PreTrainedTokenizerFast
 
     folder = tmp_path_factory.mktemp("smollm-tools")
@@ -50,7 +51,7 @@ def server(tmp_path_factory, default_model_dir):
             (folder / entry.name).symlink_to(entry)
     proc = ServerProcess(
         tmp_path_factory.mktemp("anthropic"),
-        ["--model", str(folder), "--num-pages", "256", "--api-key", KEY],
+        ["--model", str(folder), "--num-pages", "48", "--api-key", KEY],
     )
     yield from serving(proc)
 
@@ -173,7 +174,7 @@ def test_forced_tool_use_and_the_turn_after(client):
 
 
 def test_max_tokens_beyond_the_context_is_cut_to_it(client, server):
-    models = httpx.get(server.base_url + "/v1/models", headers={"x-api-key": KEY}).json()
+    models = httpx.get(server.base_url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()
     context = models["data"][0]["context_length"]
 
     def hi(n: int) -> list[dict]:

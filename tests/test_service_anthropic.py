@@ -10,6 +10,8 @@ and the bearer form, and errors in Anthropic's shape, each as the client raises 
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
 
 import anthropic
@@ -271,3 +273,18 @@ def test_thinking_asked_of_a_model_that_cannot_think(real_server):
     with pytest.raises(anthropic.BadRequestError) as exc:
         client.messages.create(messages=QUESTION, tools=[TOOL], **GREEDY)
     assert "no tool support" in exc.value.body["error"]["message"]
+
+
+def test_an_error_mid_stream_is_an_error_event(start_server):
+    # The fake engine, slow enough that the worker dies under the stream.
+    server = start_server(["--api-key", KEY], {"HEADROOM_FAKE_STEP_S": "0.2"}, fake=True)
+    client = anthropic.Anthropic(base_url=server.base_url, api_key=KEY, max_retries=0, timeout=120)
+    texts = []
+    with pytest.raises(anthropic.APIStatusError) as exc:  # noqa: PT012 - the kill is mid-stream
+        with client.messages.stream(messages=QUESTION, **{**GREEDY, "max_tokens": 500}) as stream:
+            for text in stream.text_stream:
+                if not texts:
+                    os.kill(server.worker_pid(), signal.SIGKILL)
+                texts.append(text)
+    assert texts and exc.value.body["type"] == "error"
+    assert exc.value.body["error"]["type"] == "overloaded_error", exc.value.body

@@ -131,6 +131,12 @@ def _anthropic_paths() -> dict[str, Any]:
             "200": operation["responses"]["200"],
             **_errors(*_ANTHROPIC_ERRORS, schema="AnthropicError"),
         }
+        operation["responses"]["400"]["description"] = (
+            "The request cannot be served as sent; the message names the field."
+        )
+        operation["responses"]["401"]["description"] = (
+            "The API key is required as `x-api-key: <key>` or `Authorization: Bearer <key>`."
+        )
     return {"/v1/messages": messages, "/v1/messages/count_tokens": count}
 
 

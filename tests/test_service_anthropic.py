@@ -202,6 +202,13 @@ def test_count_tokens_is_the_prompt_of_a_message(client):
         counted = client.messages.count_tokens(model="default", messages=QUESTION, **extra)
         message = client.messages.create(messages=QUESTION, **extra, **{**GREEDY, "max_tokens": 1})
         assert counted.input_tokens == message.usage.input_tokens > 0
+    # Consecutive turns of a role are one turn, as Anthropic combines them.
+    two = [{"role": "user", "content": "Hi."}, {"role": "user", "content": [{"type": "text", "text": "Bye."}]}]
+    one = [{"role": "user", "content": "Hi.\n\nBye."}]
+    assert (
+        client.messages.count_tokens(model="default", messages=two).input_tokens
+        == client.messages.count_tokens(model="default", messages=one).input_tokens
+    )
 
 
 def test_thinking_blocks(client):

@@ -6,16 +6,17 @@ The conversation becomes the chat messages the model's template renders: ``syste
 ``tool`` message each (in their order, before the turn's text; ``is_error`` puts
 ``Error: `` before the result), its text blocks the user message; an assistant turn's
 text its content and its ``tool_use`` blocks its tool calls (earlier ``thinking`` is not
-sent back to the model, as Anthropic does). ``tools`` become function tools
-(``input_schema`` their parameters) and ``tool_choice`` their choice (``auto``,
-``any``: a call is required, ``tool``: that one, ``none``), through the tools
-machinery of :mod:`service.api.tools`. ``thinking`` is the template's
-``enable_thinking``: ``enabled``, ``adaptive`` and ``between_tools`` true, ``disabled`` and none false (no
-thinking unless asked, as Anthropic does); ``budget_tokens`` (at least 1024, below
-``max_tokens``, as Anthropic requires) becomes ``thinking_budget``. ``max_tokens`` larger
-than what the context leaves after the prompt is cut to it, as Anthropic's recent models
-do (the answer then ends with ``model_context_window_exceeded``): Claude Code asks for
-more than a local model's context holds.
+sent back to the model, as Anthropic does); consecutive turns of one role are one.
+``tools`` become function tools (``input_schema`` their parameters) and ``tool_choice``
+their choice (``auto``, ``any``: a call is required, ``tool``: that one, ``none``),
+through the tools machinery of :mod:`service.api.tools`. ``thinking`` is the template's
+``enable_thinking``: ``enabled``, ``adaptive`` and ``between_tools`` true, ``disabled``
+and none false (no thinking unless asked, as Anthropic does); ``budget_tokens`` (at
+least 1024, below ``max_tokens``, as Anthropic requires) becomes ``thinking_budget``.
+``max_tokens`` larger than what the context leaves after the prompt is cut to it, as
+Anthropic's recent models do (the answer then ends with
+``model_context_window_exceeded``): Claude Code asks for more than a local model's
+context holds. ``output_config.format`` is the answer's JSON schema.
 
 Refused with a 400 rather than dropped: image and document blocks (this server serves
 text models), Anthropic's server tools, a last turn that is the assistant's (an
@@ -133,6 +134,27 @@ def chat_messages(body: CountTokensRequest) -> list[dict[str, Any]]:
             out.append({"role": "user", "content": turn.content})
         else:
             out += _user_turn(turn.content, i, names)
+    return _joined(out)
+
+
+def _joined(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Consecutive user (or assistant) messages as one, their texts apart by a blank
+    line, as Anthropic combines consecutive turns of a role (templates that require
+    turns to alternate take them); an assistant message is not continued after its
+    tool calls."""
+    out: list[dict[str, Any]] = []
+    for message in messages:
+        last = out[-1] if out else None
+        if (
+            last is not None
+            and last["role"] == message["role"] in ("user", "assistant")
+            and not last.get("tool_calls")
+        ):
+            last["content"] = "\n\n".join(t for t in (last["content"], message["content"]) if t)
+            if message.get("tool_calls"):
+                last["tool_calls"] = message["tool_calls"]
+            continue
+        out.append(message)
     return out
 
 

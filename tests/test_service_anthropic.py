@@ -110,8 +110,13 @@ def test_message_text_usage_and_stop_reasons(client):
     )
     jsonschema_rs.validate(schema, json.loads(shaped.content[0].text))
     # A system prompt reaches the template: more prompt tokens.
+    # (cache_control, metadata and the beta header are accepted, and change nothing.)
     system = client.messages.create(
-        messages=QUESTION, system=[{"type": "text", "text": "Answer in French."}], **GREEDY
+        messages=QUESTION,
+        system=[{"type": "text", "text": "Answer in French.", "cache_control": {"type": "ephemeral"}}],
+        metadata={"user_id": "u-1"},
+        extra_headers={"anthropic-beta": "prompt-caching-2024-07-31"},
+        **GREEDY,
     )
     assert system.usage.input_tokens > message.usage.input_tokens
 

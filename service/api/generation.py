@@ -152,16 +152,10 @@ class Generation:
         gen.ticket = svc.admission.enter()
         try:
             check_vocabulary(request.logit_bias, info.vocab_size)
-            if request.chat:
-                gen.chat = plan_chat(request, gen.text)
             context = info.max_context_tokens
             if request.context_tokens is not None:
                 context = min(context, request.context_tokens)
-            encoded = await encode_prompts(gen.text, request.prompts, info, context)
-            for ids in encoded:
-                if gen.chat is not None:
-                    ids = await continue_prompt(gen.chat, gen.text, ids)
-                gen.prompts.append(ids)
+            gen.chat, gen.prompts = await prompt_ids(gen.text, info, request, context)
             gen.sampling = gen._sampling(context, svc)
             gen._submit()
         except BaseException:
@@ -354,6 +348,11 @@ class Generation:
         none past a stop string (:class:`~service.api.logprobs.ShownLogprobs`)."""
         return self._seqs[index].logprobs.take()
 
+    def stop_string(self, index: int) -> str | None:
+        """The stop string that ended sequence ``index`` (its finish reason is then
+        ``"stop"``), or None: it ended otherwise, or has not ended."""
+        return self._seqs[index].matcher.matched
+
     def prompt_logprobs(self, index: int) -> list[TokenLogprobs | None] | None:
         """The logprobs of sequence ``index``'s prompt tokens (``echo`` with
         ``logprobs``; the first is None), once they arrived, else None."""
@@ -396,6 +395,29 @@ class Generation:
             return Piece(index, safe, reason)
         seq.logprobs.show(safe)
         return Piece(index, safe) if safe else None
+
+
+async def prompt_ids(
+    text: TextSide, info: EngineInfo, request: GenerationRequest, context: int
+) -> tuple[ChatPlan | None, list[list[int]]]:
+    """A call's prompts as the engine gets them: a chat's plan (its tools against the
+    template), then each prompt's token ids (bounded by ``context`` tokens before any
+    tokenizing), continued as the plan says (a forced tool call's opening).
+
+    Returns:
+        ``(plan, ids)``: the :class:`~service.api.chat_plan.ChatPlan` (None unless
+        ``request.chat``) and one id list per prompt.
+
+    Raises:
+        APIError: 400 ``tools``/``tool_choice``; 400 as
+            :func:`~service.api.prompts.encode_prompts` raises.
+        engine.text.chat.ChatTemplateError: messages the template cannot render.
+    """
+    plan = plan_chat(request, text) if request.chat else None
+    encoded = await encode_prompts(text, request.prompts, info, context)
+    if plan is not None:
+        encoded = [await continue_prompt(plan, text, ids) for ids in encoded]
+    return plan, encoded
 
 
 async def start_generation(

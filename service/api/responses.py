@@ -24,15 +24,17 @@ import msgspec
 from litestar import Request, Response
 from litestar.response import Stream
 
+from service.api.chat_output import ChatOutput
 from service.api.generation import Generation, Piece
+from service.api.openai.schemas import ChatMessageOut
 from service.common.errors import SERVER_ERROR, APIError
 
 log = logging.getLogger("headroom.api")
 
 _encoder = msgspec.json.Encoder()
-# Server-Sent Events are not to be cached or buffered by a proxy on the way.
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 CLIENT_GONE = 499  # nginx's code for "client closed request", used in our logs only
+# A Server-Sent Events answer is never cached, nor buffered by a proxy.
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def json_response(payload: Any, status: int = 200) -> Response[bytes]:
@@ -235,3 +237,39 @@ async def first_piece_held(gen: Generation) -> AsyncIterator[Piece]:
             yield piece
 
     return chained()
+
+
+async def one_chat_answer(
+    gen: Generation,
+    request: Request,
+    *,
+    events: Callable[[ChatOutput, AsyncIterator[Piece]], AsyncIterator[Any]],
+    whole: Callable[[ChatMessageOut, str | None], Response[Any]],
+    frame: Callable[[Any], bytes],
+    error_payload: Callable[[APIError], Any],
+    media_type: str,
+    headers: dict[str, str] | None = None,
+) -> Response[Any]:
+    """The answer of a chat call with one choice (Ollama's, Anthropic's), shaped by one
+    :class:`~service.api.chat_output.ChatOutput`: when the call streams, the payloads
+    of ``events(output, pieces)`` framed as :func:`stream_answer` frames them; else
+    ``whole(message, finish_reason)`` of the whole answer (or :func:`gone`). A stream
+    constrained by a schema waits for the engine's first piece, so a schema the grammar
+    refuses is a 400 as without stream (:func:`first_piece_held`)."""
+    assert gen.chat is not None
+    output = ChatOutput(n=gen.request.n, thinking=gen.chat.thinking, tools=gen.chat.tools)
+    if gen.request.stream:
+        pieces = await first_piece_held(gen) if gen.chat.json_schema is not None else gen.pieces()
+        return stream_answer(
+            gen,
+            events(output, pieces),
+            frame=frame,
+            error_payload=error_payload,
+            media_type=media_type,
+            headers=headers,
+        )
+    result = await run_to_end(gen, request)
+    if result is None:
+        return gone()
+    texts, reasons = result
+    return whole(*output.message(texts[0], reasons[0]))

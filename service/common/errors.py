@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import msgspec
@@ -260,3 +261,27 @@ EXCEPTION_HANDLERS: dict[type[Exception], Any] = {
     HTTPException: _http_error,
     Exception: _unexpected,
 }
+
+
+def reshaped_handlers(
+    shape: Callable[[int, dict[str, Any]], tuple[int, Any]],
+) -> dict[type[Exception], Any]:
+    """:data:`EXCEPTION_HANDLERS` for an API with its own error shape (Ollama's,
+    Anthropic's): each answers as its OpenAI-shaped twin would, then ``shape(status,
+    error)`` (``error``: OpenAI's error object, ``message``, ``type``, ``param``,
+    ``code``) gives the status and body sent instead; the headers (Retry-After,
+    WWW-Authenticate) are kept."""
+
+    def wrap(handler: Callable[[Request, Any], Response[Any]]) -> Callable[..., Response[Any]]:
+        def handle(request: Request, exc: Exception) -> Response[Any]:
+            response = handler(request, exc)
+            body = response.content
+            error = body.get("error") if isinstance(body, dict) else None
+            if not isinstance(error, dict):
+                error = error_body(str(exc), SERVER_ERROR)["error"]
+            status, content = shape(response.status_code, error)
+            return Response(content=content, status_code=status, headers=dict(response.headers))
+
+        return handle
+
+    return {kind: wrap(handler) for kind, handler in EXCEPTION_HANDLERS.items()}

@@ -22,6 +22,8 @@ from litestar.datastructures import State as AppState
 from litestar.di import Provide
 from litestar.exceptions import HTTPException
 
+from service.api.anthropic.errors import ANTHROPIC_EXCEPTION_HANDLERS, speaks_anthropic
+from service.api.anthropic.routes import AnthropicController
 from service.api.ollama.routes import OLLAMA_EXCEPTION_HANDLERS, OllamaController, speaks_ollama
 from service.api.openai.routes import OpenAIController
 from service.api.openapi import openapi_route
@@ -83,8 +85,14 @@ def _bind_hosts(settings: ServeSettings) -> list[str]:
 
 def _http_error_by_surface(request: Request, exc: HTTPException) -> Response[Any]:
     """An HTTP error no route's own handlers saw (an unknown path, a wrong method) in the
-    shape of the API the path belongs to: Ollama's under its ``/api`` routes, else OpenAI's."""
-    surface = OLLAMA_EXCEPTION_HANDLERS if speaks_ollama(request.url.path, exc.status_code) else EXCEPTION_HANDLERS
+    shape of the API the path belongs to: Ollama's under its ``/api`` routes, Anthropic's
+    under ``/v1/messages``, else OpenAI's."""
+    path = request.url.path
+    surface = EXCEPTION_HANDLERS
+    if speaks_ollama(path, exc.status_code):
+        surface = OLLAMA_EXCEPTION_HANDLERS
+    elif speaks_anthropic(path):
+        surface = ANTHROPIC_EXCEPTION_HANDLERS
     return surface[HTTPException](request, exc)
 
 
@@ -169,6 +177,11 @@ def create_app(
         (OpenAIController,),
         {"guards": [api_key_guard(settings.api_key)] if settings.api_key else []},
     )
+    anthropic_routes = type(
+        "GuardedAnthropicController",
+        (AnthropicController,),
+        {"guards": [api_key_guard(settings.api_key, "x-api-key")] if settings.api_key else []},
+    )
     ollama_routes = type(
         "GuardedOllamaController",
         (OllamaController,),
@@ -178,6 +191,7 @@ def create_app(
     app = Litestar(
         route_handlers=[
             openai_routes,
+            anthropic_routes,
             ollama_routes,
             HealthController,
             # /api/status stays open (as /api/health) for curl and scripts; the control

@@ -19,7 +19,6 @@ added where the app is built, :func:`service.http.app.create_app`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from functools import partial
 from typing import Any
@@ -46,32 +45,17 @@ from service.api.request import build_call, read_body
 from service.api.responses import json_response
 from service.api.services import Services
 from service.common.engine_states import NotReady
-from service.common.errors import EXCEPTION_HANDLERS, decode_body
+from service.common.errors import decode_body, reshaped_handlers
 from service.common.version import headroom_version
 
 # Ollama unloads an idle model after keep_alive; this server keeps it while it runs.
 _KEPT_FOR = timedelta(days=365)
 
 
-def _ollama_error(handler: Callable[[Request, Any], Response[Any]]) -> Callable[..., Response[Any]]:
-    """``handler`` (one of the OpenAI-shaped handlers) with Ollama's body: the same
-    status and headers, ``{"error": message}``."""
-
-    def handle(request: Request, exc: Exception) -> Response[Any]:
-        response = handler(request, exc)
-        body = response.content
-        error = body.get("error") if isinstance(body, dict) else None
-        message = error.get("message") if isinstance(error, dict) else str(exc)
-        return Response(
-            content={"error": message},
-            status_code=response.status_code,
-            headers=dict(response.headers),
-        )
-
-    return handle
-
-
-OLLAMA_EXCEPTION_HANDLERS = {kind: _ollama_error(h) for kind, h in EXCEPTION_HANDLERS.items()}
+# Ollama's error body, ``{"error": message}``, with the status the other APIs answer.
+OLLAMA_EXCEPTION_HANDLERS = reshaped_handlers(
+    lambda status, error: (status, {"error": error["message"]})
+)
 
 # The first path segment under /api of each of Ollama's routes served here.
 OLLAMA_ROUTES = frozenset({"chat", "generate", "tags", "ps", "show", "version"})

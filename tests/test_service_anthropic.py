@@ -20,7 +20,7 @@ import jsonschema_rs
 import pytest
 from service_harness import ServerProcess, serving
 from test_api_tools import WEATHER
-from test_service_tools import THINKING_TEMPLATE
+from thinking_server import THINKING_TEMPLATE
 
 pytestmark = pytest.mark.slow
 

@@ -211,3 +211,24 @@ def test_stop_token_ids_and_eos_end_requests(default_engine, chat_prompts):
     assert out == free[: free.index(stop_at) + 1]
     eos = run_all(default_engine, {"z": (ids, SamplingParams(max_new_tokens=64, temperature=0.0))})["z"]
     assert eos[-1] in default_engine.info.eos_token_ids
+
+
+def test_a_request_whose_logits_cannot_be_sampled_fails_alone(default_engine):
+    """A repetition penalty so small it turns logits into +inf: that request ends with
+    ``invalid_logits``, the one stepping beside it answers as it does alone, and the
+    engine keeps serving."""
+    greedy = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    broken = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True, repetition_penalty=5e-324)
+    ids = [1, 504, 3458, 314, 260, 1345]
+    alone = run_all(default_engine, {"alone": (ids, greedy)})["alone"]
+    default_engine.add_request(GenerateRequest(request_id="bad", prompt_token_ids=ids, sampling=broken))
+    default_engine.add_request(GenerateRequest(request_id="good", prompt_token_ids=ids, sampling=greedy))
+    out, ended = {"good": []}, {}
+    while default_engine.has_work():
+        for o in default_engine.step():
+            if o.request_id == "good":
+                out["good"] += o.token_ids
+            if o.finished:
+                ended[o.request_id] = o
+    assert ended["bad"].finish_reason == "error" and ended["bad"].error_code == "invalid_logits"
+    assert ended["good"].finish_reason == "length" and out["good"] == alone

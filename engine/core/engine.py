@@ -65,6 +65,7 @@ from engine.sampling.state import SamplingState
 from engine.scheduler.request import Request
 from engine.scheduler.scheduler import Scheduler, SchedulerConfig
 from engine.wire.messages import (
+    ERROR_INVALID_LOGITS,
     EngineInfo,
     EngineStats,
     GenerateRequest,
@@ -366,6 +367,10 @@ class Engine(PlanStages, GrammarWaits, LiveReplan):
                 oom_text = str(exc)
             else:
                 self.scheduler.commit(plan, sampled)
+                # A request whose logits could not be sampled from fails alone (the model
+                # produced NaN or +inf for it); the others' tokens stand.
+                for rid, message in self.runner.unusable.items():
+                    self.scheduler.fail(self.scheduler.requests[rid], ERROR_INVALID_LOGITS, message)
                 touched = [it.req for it in plan.items if it.req.request_id in sampled]
                 keep_logprobs(self.runner, plan)
                 if self._oom is not None:

@@ -19,7 +19,7 @@ from engine.core.step_inputs import StepInputs
 from engine.kvcache.pool import KVPool
 from engine.layers.attention.base import AttentionBackend
 from engine.sampling.logprobs import token_logprobs
-from engine.sampling.sampler import Sampler
+from engine.sampling.sampler import InvalidLogitsError, Sampler
 from engine.sampling.state import all_plain_greedy
 from engine.scheduler.request import Phase
 from engine.scheduler.scheduler import StepPlan
@@ -151,7 +151,7 @@ class ModelRunner:
                 real, or injected by ``faults``.
         """
         faults = self.faults
-        self.logprobs, self.prompt_logprobs = {}, {}
+        self.logprobs, self.prompt_logprobs, self.unusable = {}, {}, {}
         self.stage = "forward"
         logits = self.forward(plan)  # [S, V] float32
         if faults is not None:
@@ -173,7 +173,7 @@ class ModelRunner:
                 # Every row of a decode step takes its argmax, which the graph computed.
                 tokens = self.sampler.read_tokens(self.graphs.greedy_tokens(len(sampling)))
             else:
-                tokens = self.sampler.sample(logits, states, params, records)
+                tokens = self._sample_usable(logits, sampling, states, params, records)
             if faults is not None:
                 faults.check("sample", [r.request_id for r in sampling])
             picked = tokens.tolist()
@@ -181,9 +181,31 @@ class ModelRunner:
             for gen, state in saved:
                 gen.set_state(state)
             raise
+        usable = [r for r in sampling if r.request_id not in self.unusable]
         if records is not None:
-            self.logprobs = {r.request_id: rec for r, rec in zip(sampling, records, strict=True) if rec is not None}
-        return {r.request_id: int(t) for r, t in zip(sampling, picked, strict=True)}
+            self.logprobs = {r.request_id: rec for r, rec in zip(usable, records, strict=True) if rec is not None}
+        return {r.request_id: int(t) for r, t in zip(usable, picked, strict=True)}
+
+    def _sample_usable(self, logits: torch.Tensor, sampling: list, states: list, params: list,
+                       records: list | None) -> torch.Tensor:
+        """One token per row of ``sampling``; rows whose logits cannot be sampled from
+        (NaN, +inf, all -inf after penalties: :class:`InvalidLogitsError`) are left out
+        and named in ``self.unusable`` (the engine fails those requests), the others
+        sampled again: ``[rows of sampling not in unusable]``."""
+        self.unusable = {}
+        try:
+            return self.sampler.sample(logits, states, params, records)
+        except InvalidLogitsError as exc:
+            bad = set(exc.rows)
+            self.unusable = {sampling[i].request_id: str(exc) for i in bad}
+            keep = [i for i in range(len(sampling)) if i not in bad]
+            if records is not None:
+                records.clear()
+            if not keep:
+                return torch.empty(0, dtype=torch.long)
+            index = torch.tensor(keep, device=logits.device)
+            return self.sampler.sample(logits.index_select(0, index), [states[i] for i in keep],
+                                       [params[i] for i in keep], records)
 
     @staticmethod
     def _inject_forward(faults: FaultInjector, plan: StepPlan) -> None:

@@ -121,6 +121,9 @@ FINISH_ERROR = "error"  # failed; ``error_code`` says why
 # error_code of a request whose JSON schema did not compile (unsupported, or not within
 # engine.sampling.grammar.COMPILE_TIMEOUT_S): the caller's fault, not the engine's.
 ERROR_INVALID_SCHEMA = "invalid_schema"
+# error_code of a request whose logits could not be sampled from (NaN, +inf, every token
+# -inf after penalties): it fails alone, the step's other requests go on.
+ERROR_INVALID_LOGITS = "invalid_logits"
 
 
 class TokenOutput(msgspec.Struct, frozen=True, tag=True, kw_only=True):

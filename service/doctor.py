@@ -313,6 +313,8 @@ def _check_service(ctx: Context) -> Check:
     # Checked first: `headroom service install` cannot work without it either.
     problem = manager.user_manager_problem()
     if problem is not None:
+        if installed:  # a file the manager cannot confirm is no installed service
+            where = f"a unit file at {manager.path} that no service manager confirms"
         return Check("service", WARN, f"{where}, and {problem.what}", problem.fix)
     if not installed:
         return Check(
@@ -321,6 +323,13 @@ def _check_service(ctx: Context) -> Check:
             f"{where}; `headroom service install` starts headroom at login",
         )
     if isinstance(manager, SystemdManager):
+        if manager.is_enabled() is False:
+            return Check(
+                "service",
+                WARN,
+                f"a unit file at {manager.path}, but the user manager does not start it at login (not enabled)",
+                "`headroom service install` enables it (or `headroom service uninstall` removes the file)",
+            )
         state = manager.active_state()
         if state == "failed":
             return Check(

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from keyed_server import keyed_server  # noqa: F401
 from service_harness import real_server, start_server  # noqa: F401
+from thinking_server import qwen3_server  # noqa: F401
 
 SMOLLM_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -335,6 +336,8 @@ def _tiny_hf_config(kind: str, vocab_size: int, overrides: dict):
             "num_experts_per_tok": 2, "sliding_window": 8, "swiglu_limit": 0.5, "rope_parameters": rope,
             "pad_token_id": 0, **overrides,
         })
+    if kind.startswith("qwen3_5"):
+        return _tiny_qwen3_5_config(kind, {**common, "num_hidden_layers": 4}, moe)
     if kind == "mixtral":  # Mixtral's w1/w2/w3 expert names, always renormalized
         return transformers.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
     if kind == "olmoe":  # q/k norm over the whole projection, q/k/v clamped
@@ -343,10 +346,37 @@ def _tiny_hf_config(kind: str, vocab_size: int, overrides: dict):
     raise ValueError(kind)
 
 
+def _tiny_qwen3_5_config(kind: str, common: dict, moe: dict):
+    """Qwen3.5 (``"qwen3_5"``), its MoE (``"qwen3_5_moe"``, every layer routed, a shared
+    expert) and their vision-language checkpoints (``..._vl``, a one-block vision tower):
+    layers linear, full, linear, full; 2 key heads serving 4 value heads of 32 (a Q8_0
+    block: reordering value heads moves whole blocks); multimodal RoPE sections over a
+    partial rotary of 8 of 16 dims."""
+    import transformers
+
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+            "mrope_section": [2, 1, 1], "mrope_interleaved": True}
+    text = dict(**common, head_dim=16, rope_parameters=rope,
+                layer_types=["linear_attention", "full_attention"] * 2, linear_num_key_heads=2,
+                linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=32,
+                linear_conv_kernel_dim=4)
+    is_moe = kind.startswith("qwen3_5_moe")
+    if is_moe:
+        del text["intermediate_size"]
+        text.update(moe, num_experts=6, shared_expert_intermediate_size=48)
+    if not kind.endswith("_vl"):
+        return (transformers.Qwen3_5MoeTextConfig if is_moe else transformers.Qwen3_5TextConfig)(**text)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4,
+                  out_hidden_size=common["hidden_size"], num_position_embeddings=16)
+    outer = transformers.Qwen3_5MoeConfig if is_moe else transformers.Qwen3_5Config
+    return outer(text_config=text, vision_config=vision, tie_word_embeddings=False)
+
+
 def _make_tiny_hf_model(kind: str, path, *, vocab_size: int = 256, **overrides):
-    """A random transformers model (``"llama"``, ``"mistral"``, ``"qwen2"``, ``"qwen3"``, or the
-    mixtures of experts ``"qwen3_moe"``, ``"qwen2_moe"``, ``"mixtral"``, ``"olmoe"``, or Gemma 3's
-    ``"gemma3"``, ``"gemma3_capped"``, or ``"gpt_oss"``, those two eager attention), float32, saved
+    """A random transformers model (``"llama"``, ``"mistral"``, ``"qwen2"``, ``"qwen3"``, the
+    mixtures of experts ``"qwen3_moe"``, ``"qwen2_moe"``, ``"mixtral"``, ``"olmoe"``, Gemma 3's
+    ``"gemma3"``, ``"gemma3_capped"`` and ``"gpt_oss"`` (eager attention), or the hybrids of
+    :func:`_tiny_hf_config`), float32, saved
     as safetensors to ``path`` (skipped when ``path`` is None); ``overrides`` go to its
     config. Norm weights and biases are perturbed too, so loading one into the wrong place
     shows in the logits."""
@@ -355,9 +385,8 @@ def _make_tiny_hf_model(kind: str, path, *, vocab_size: int = 256, **overrides):
 
     torch.manual_seed(0)
     eager = {"attn_implementation": "eager"} if kind.startswith(("gemma3", "gpt_oss")) else {}  # their references
-    model = transformers.AutoModelForCausalLM.from_config(
-        _tiny_hf_config(kind, vocab_size, overrides), dtype=torch.float32, **eager
-    ).eval()
+    auto = transformers.AutoModelForImageTextToText if kind.endswith("_vl") else transformers.AutoModelForCausalLM
+    model = auto.from_config(_tiny_hf_config(kind, vocab_size, overrides), dtype=torch.float32, **eager).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith(".bias") or (kind == "gpt_oss" and name.endswith("_bias")):

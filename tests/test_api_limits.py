@@ -97,6 +97,8 @@ def test_deep_nesting_leaves_one_log_line_and_no_traceback(keyed_server):
         ("top_k", 2**70, "top_k", ...),
         ("top_k", -2, "top_k", ...),
         ("temperature", 1e308, "temperature", ...),
+        # A divisor that overflows a logit to +inf left the row unsampleable.
+        ("repetition_penalty", 5e-324, "repetition_penalty", ...),
         ("stop", ["x"] * 10_000, "stop", ...),
         ("stop", "s" * 100_000, "stop", ...),
         ("logprobs", "yes", "logprobs", ...),

@@ -5,10 +5,12 @@ tools and chat_template_kwargs reaching a template."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import msgspec
 import pytest
+from thinking_server import QWEN_LIKE
 
 from engine.text.chat import ChatTemplateError, render_chat, template_has_tools
 from service.api.chat_output import ChatOutput
@@ -18,6 +20,7 @@ from service.api.tools import (
     HERMES,
     LLAMA3_JSON,
     MISTRAL,
+    QWEN_XML,
     ToolPlan,
     parse_tool_calls,
     parser_for_template,
@@ -160,9 +163,10 @@ def test_streamed_answer_equals_whole_answer(size):
     assert plain["content"] == "It is 3 < 4 <tool" and plain["finish"] == ["stop"]
 
 
-@pytest.mark.parametrize("fmt", [HERMES, LLAMA3_JSON, MISTRAL])
+@pytest.mark.parametrize("fmt", [HERMES, QWEN_XML, LLAMA3_JSON, MISTRAL])
 def test_forced_calls_parse_what_the_grammar_lets_through(fmt):
-    template = {HERMES: "<tool_call>", LLAMA3_JSON: "<|python_tag|>", MISTRAL: "[TOOL_CALLS]"}
+    template = {HERMES: "<tool_call>", QWEN_XML: "<tool_call><function=<parameter=", LLAMA3_JSON: "<|python_tag|>",
+                MISTRAL: "[TOOL_CALLS]"}
     named = {"type": "function", "function": {"name": "get_weather"}}
     # Named: the prefix holds the name, the grammar is the function's parameters.
     plan = plan_tools([WEATHER], named, "{{ tools }}" + template[fmt], True)
@@ -220,22 +224,21 @@ def test_tool_choice_checks():
     assert exc.value.param == "tools"
 
 
-QWEN_LIKE = (
-    "{% if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t.function.name }}"
-    "{% endfor %}<|im_end|>\n{% endif %}"
-    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
-    "{% if m.tool_calls %}{% for c in m.tool_calls %}<tool_call>{{ c.function | tojson }}"
-    "</tool_call>{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
-    "<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}"
-    "<think>\n\n</think>\n\n{% endif %}"
-)
+
+
+@contextlib.contextmanager
+def chat_template(tokenizer, template: str):
+    """``tokenizer`` with ``template`` as its chat template inside the block."""
+    original = tokenizer.chat_template
+    tokenizer.chat_template = template
+    try:
+        yield tokenizer
+    finally:
+        tokenizer.chat_template = original
 
 
 def test_template_gets_tools_tool_messages_and_kwargs(smollm_tokenizer):
-    tokenizer = smollm_tokenizer
-    original = tokenizer.chat_template
-    try:
-        tokenizer.chat_template = QWEN_LIKE
+    with chat_template(smollm_tokenizer, QWEN_LIKE) as tokenizer:
         assert template_has_tools(tokenizer)
         call = {
             "id": "c1",
@@ -258,8 +261,6 @@ def test_template_gets_tools_tool_messages_and_kwargs(smollm_tokenizer):
         with pytest.raises(ChatTemplateError) as exc:
             render_chat(tokenizer, messages[:1], template_kwargs={"tools": []})
         assert exc.value.param == "chat_template_kwargs"
-    finally:
-        tokenizer.chat_template = original
     # The default model's template renders no tools: a tool role is refused, naming why.
     with pytest.raises(ChatTemplateError, match="no tool support") as exc:
         render_chat(tokenizer, messages)

@@ -14,7 +14,7 @@ from engine.loader.load import load_model
 pytest.importorskip("transformers")
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "qwen3", "gemma3"])  # gemma3: sliding windows of 8
 def tiny(request, tmp_path_factory, make_tiny_hf_model):
     path = tmp_path_factory.mktemp(request.param)
     make_tiny_hf_model(request.param, path, vocab_size=128)
@@ -24,8 +24,9 @@ def tiny(request, tmp_path_factory, make_tiny_hf_model):
 
 def _with_backend(runner, name: str, config):
     runner.attn = backend_class(name)(
-        runner.pool, num_heads=config.num_heads, head_dim=config.head_dim, scale=config.head_dim**-0.5, max_batch=4
+        runner.pool, num_heads=config.num_heads, head_dim=config.head_dim, scale=config.attention_scale, max_batch=4
     )
+    runner.attn.use_windows(config.kv_windows, config.attn_logit_softcapping)
     return runner
 
 
@@ -49,6 +50,7 @@ def test_triton_backend_matches_torch_through_the_model(tiny, paged_runner):
         {"a": ids(6), "b": ids(1)},  # extend over a cached prefix next to a decode row
         {"a": ids(1), "b": ids(1)},  # decode
         {"a": ids(1), "b": ids(1)},
+        {"a": ids(9), "b": ids(1)},  # a chunk longer than a window of 8 over a prefix past it
     ]
     for step in steps:
         want = ref.step(step)

@@ -166,3 +166,39 @@ def test_decode_and_extend_agree_on_a_one_token_extend():
     ext = paged_extend(q, k_buf, v_buf, table, torch.arange(2, device=DEVICE), seq_lens - 1, one, page_size, 0.125,
                        max_extend=1, block_m=16, block_n=16)
     torch.testing.assert_close(dec, ext, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window,splits", [(8, 3), (20, None), (1, 2)])
+def test_sliding_window_decode_matches_reference(window, splits):
+    """A sliding-window layer reads its last ``window`` keys: the ranges split the window
+    (empty ranges where a row is shorter), rows shorter than it read all."""
+    g = torch.Generator().manual_seed(window)
+    page_size, num_pages, lens = 16, 24, [1, 5, 30, 47]
+    k_buf, v_buf = _pool(2, 64, num_pages, page_size, torch.float32, g)
+    table = _page_table(lens, page_size, num_pages, g)
+    q = torch.randn(len(lens), 6, 64, generator=g).to(DEVICE)
+    seq_lens = torch.tensor(lens, dtype=torch.int64, device=DEVICE)
+    ref = paged_decode_ref(q, k_buf, v_buf, table, seq_lens, page_size, 0.125, window=window)
+    assert not torch.allclose(ref, paged_decode_ref(q, k_buf, v_buf, table, seq_lens, page_size, 0.125))
+    got = paged_decode(q, k_buf, v_buf, table, seq_lens, page_size, 0.125, num_splits=splits, block_n=16,
+                       window=window)
+    torch.testing.assert_close(got, ref, **_tol(torch.float32))
+
+
+@pytest.mark.parametrize("window", [6, 17])
+def test_sliding_window_extend_matches_reference(window):
+    """Rows of one query block whose windows start past the block's first keys see none
+    of them (no NaN from an all-masked block), a prefix longer than the window is skipped."""
+    g = torch.Generator().manual_seed(window + 100)
+    page_size, num_pages = 16, 24
+    prefix, extend = [0, 20, 5], [21, 9, 1]
+    lens = [p + e for p, e in zip(prefix, extend, strict=True)]
+    k_buf, v_buf = _pool(2, 64, num_pages, page_size, torch.float32, g)
+    table = _page_table(lens, page_size, num_pages, g)
+    q = torch.randn(sum(extend), 4, 64, generator=g).to(DEVICE)
+    starts = torch.tensor([0, *torch.tensor(extend).cumsum(0)[:-1].tolist()], device=DEVICE)
+    prefix_t, extend_t = torch.tensor(prefix, device=DEVICE), torch.tensor(extend, device=DEVICE)
+    ref = paged_extend_ref(q, k_buf, v_buf, table, starts, prefix_t, extend_t, page_size, 0.125, window=window)
+    got = paged_extend(q, k_buf, v_buf, table, starts, prefix_t, extend_t, page_size, 0.125,
+                       max_extend=max(extend), block_m=16, block_n=16, window=window)
+    torch.testing.assert_close(got, ref, **_tol(torch.float32))

@@ -439,4 +439,4 @@ def test_a_bad_kernel_switch_is_refused_naming_its_flag_or_variable(command):
     assert by_flag.exit_code == 2 and "--kernels: 'tritn' is not one of auto, torch" in by_flag.output
     by_env = CliRunner().invoke(main, args, env={"HEADROOM_CONFIG": os.devnull, "HEADROOM_QUANT_INT8": "maybe"})
     assert by_env.exit_code == 2
-    assert "environment HEADROOM_QUANT_INT8: quant_int8 = 'maybe' is not a valid bool" in by_env.output
+    assert 'environment HEADROOM_QUANT_INT8: quant_int8 = "maybe" is not a valid boolean' in by_env.output

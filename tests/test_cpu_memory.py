@@ -39,7 +39,7 @@ from engine.core.engine import Engine
 from engine.loader.convert_child import convert_ahead
 convert_ahead(None)  # as the worker does: the config's facts cached by a child
 base = vm("VmRSS:")
-engine = Engine(EngineConfig(device="cpu", kv_cache=64 << 20))
+engine = Engine(EngineConfig(device="cpu", kv_cache=64 << 20, min_context=256))
 print(base, vm("VmHWM:"), engine.info.weight_bytes, "sympy" in sys.modules,
       "transformers.models.auto.configuration_auto" in sys.modules)
 """

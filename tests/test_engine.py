@@ -127,7 +127,8 @@ def test_shared_system_prompt_hits_radix_cache(default_engine, tokenizer):
 
 
 def test_chunked_prefill_16_tokens_equals_one_chunk(default_model_dir, default_engine, tokenizer):
-    chunked = Engine(EngineConfig(model=default_model_dir, device="cpu", max_prefill_tokens=16, kv_cache=64 << 20))
+    chunked = Engine(EngineConfig(model=default_model_dir, device="cpu", max_prefill_tokens=16, kv_cache=64 << 20,
+                                  min_context=256))
     text = "Summarize: " + "The quick brown fox jumps over the lazy dog. " * 6
     ids = encode_chat(tokenizer, [{"role": "user", "content": text}])
     assert len(ids) > 4 * 16
@@ -139,7 +140,7 @@ def test_chunked_prefill_16_tokens_equals_one_chunk(default_model_dir, default_e
 @pytest.mark.parametrize("prefix_cache", [False, True])
 def test_abort_mid_prefill_and_mid_decode_returns_pages(default_model_dir, tokenizer, prefix_cache):
     engine = Engine(EngineConfig(
-        model=default_model_dir, device="cpu", max_prefill_tokens=16, kv_cache=32 << 20,
+        model=default_model_dir, device="cpu", max_prefill_tokens=16, kv_cache=32 << 20, min_context=256,
         prefix_cache=prefix_cache,
     ))
     start = engine.allocator.num_free

@@ -82,10 +82,14 @@ def test_ready_line_on_a_terminal_carries_the_token_link(monkeypatch, capsys, tm
 
 @pytest.mark.usefixtures("built_dashboard")
 def test_root_sends_a_person_to_the_dashboard(server):
-    r = httpx.get(server.base_url + "/", follow_redirects=False)
+    browser = {"Accept": "text/html,application/xhtml+xml,*/*;q=0.8"}
+    r = httpx.get(server.base_url + "/", headers=browser, follow_redirects=False)
     assert r.status_code in (301, 302, 307, 308) and r.headers["location"] == "/ui/"
-    r = httpx.get(server.base_url + "/", follow_redirects=True)
+    r = httpx.get(server.base_url + "/", headers=browser, follow_redirects=True)
     assert r.status_code == 200 and "app.js" in r.text
+    # Any other client (Ollama's ping) learns that the server runs.
+    r = httpx.get(server.base_url + "/", follow_redirects=False)
+    assert r.status_code == 200 and r.text == "headroom is running"
     # Not part of the API's document.
     assert "/" not in httpx.get(server.base_url + "/schema/openapi.json").json()["paths"]
 

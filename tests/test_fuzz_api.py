@@ -4,8 +4,8 @@ against a real ``headroom serve`` with the default model.
 Every operation of ``/v1`` and ``/api`` (but ``/api/control/restart``, which would
 reload the model each time) gets :data:`CASES_PER_OPERATION` generated requests
 valid against the schema and as many invalid ones, with the secrets they need.
-Completions are kept short: ``max_tokens``/``max_completion_tokens`` at most 4 and
-``n`` at most 2 (the engine runs on the CPU). Each answer must be one the document
+Completions are kept short: ``max_tokens``/``max_completion_tokens``/``max_output_tokens``
+at most 4 and ``n`` at most 2 (the engine runs on the CPU). Each answer must be one the document
 declares, in the declared shape, and no 5xx but the documented 503s; the server must
 be healthy after. The test prints the case count (``-s`` shows it).
 """
@@ -59,7 +59,7 @@ def _shorten(body: object) -> None:
     """Keep a generated completion cheap to run."""
     if not isinstance(body, dict):
         return
-    for field in ("max_tokens", "max_completion_tokens"):
+    for field in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         value = body.get(field)
         if value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 4):
             body[field] = 4

@@ -176,15 +176,19 @@ def test_gemma3_4b_config_and_its_plan_line(tmp_path):
            f"(their window alone: {1024 * 29 * per_layer:,} bytes per request)" in line.source
 
 
-def test_windowed_models_get_the_torch_backend():
-    """The GPU kernels have no window: auto picks torch on CUDA, triton is refused, and a
-    backend without windows refuses them."""
+def test_windowed_models_get_a_backend_with_windows():
+    """Sliding windows are in the torch and Triton backends (auto picks Triton on CUDA),
+    not FlashInfer's; soft-capped scores only in torch's; a backend without windows
+    refuses them."""
     from engine.layers.attention.registry import backend_class, resolve_backend_name
 
-    assert resolve_backend_name("auto", "cuda", windowed=True) == "torch"
-    with pytest.raises(ValueError, match="sliding-window"):
-        resolve_backend_name("triton", "cuda", windowed=True)
-    windowless = backend_class("triton").__new__(backend_class("triton"))  # no CUDA needed to ask
+    assert resolve_backend_name("auto", "cuda", windows=True) == "triton"
+    assert resolve_backend_name("auto", "cuda", windows=True, softcap=True) == "torch"
+    with pytest.raises(ValueError, match="has no soft-capped attention"):
+        resolve_backend_name("triton", "cuda", softcap=True)
+    with pytest.raises(ValueError, match="has no sliding-window attention"):
+        resolve_backend_name("flashinfer", "cuda", windows=True)
+    windowless = backend_class("flashinfer").__new__(backend_class("flashinfer"))  # no CUDA needed to ask
     with pytest.raises(ValueError, match="--attention-backend torch"):
         windowless.use_windows((8,))
     windowless.use_windows((0,))  # no window: nothing to refuse

@@ -105,7 +105,7 @@ def _gguf_tensors(hf_name: str, w: np.ndarray) -> list[tuple[str, np.ndarray]]:
     return [(_gguf_name(hf_name), w)]
 
 
-def _add_moe_metadata(writer, cfg) -> None:
+def add_moe_metadata(writer, cfg) -> None:
     """llama.cpp's expert keys (``convert_hf_to_gguf.py``'s Qwen2MoeModel, Mixtral)."""
     experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
     if not experts:
@@ -126,21 +126,23 @@ def _gguf_name(hf_name: str) -> str:
     return f"blk.{layer}.{_HF_TO_GGUF[rest]}.{suffix}"
 
 
-def add_shape_keys(writer, cfg, rope_theta: float) -> None:
-    """The model's sizes, norm epsilon, RoPE base and vocabulary size, from transformers' ``cfg``."""
-    writer.add_block_count(cfg.num_hidden_layers)
+def add_trunk_metadata(writer, cfg, extra_blocks: int = 0, rope_theta: float | None = None) -> None:
+    """The keys every architecture's GGUF has, from a transformers config: layers (and
+    ``extra_blocks`` after them), context, widths, heads, the RMSNorm epsilon, the RoPE
+    base (``rope_theta``, else the config's), the vocabulary size."""
+    writer.add_block_count(cfg.num_hidden_layers + extra_blocks)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_freq_base(rope_theta)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"] if rope_theta is None else rope_theta)
     writer.add_vocab_size(cfg.vocab_size)
 
 
-def add_byte_bpe_tokenizer(writer) -> None:
-    """A byte-level BPE tokenizer of :func:`_tokens` (BOS 1, EOS 2) and a plain chat template."""
+def add_byte_level_tokenizer(writer) -> None:
+    """The tokenizer keys of a byte-level BPE of :data:`VOCAB` tokens (those of
+    :func:`_tokens`, ids 0-2 special, BOS 1, EOS 2) and a plain chat template."""
     tokens = _tokens()
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("qwen2")
@@ -161,18 +163,16 @@ def write_gguf(path, arch: str, hf, *, override: dict[str, np.ndarray] | None = 
     byte-level BPE one (tokens of :func:`_tokens`) and the chat template."""
     cfg = hf.config
     writer = gguf.GGUFWriter(str(path), arch)
-    add_shape_keys(writer, cfg, cfg.rope_parameters["rope_theta"])
+    add_trunk_metadata(writer, cfg)
+    writer.add_feed_forward_length(cfg.intermediate_size)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     if arch == "qwen3" or head_dim != cfg.hidden_size // cfg.num_attention_heads:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
-    if tokenizer is not None:
-        tokenizer(writer)
-    else:
-        add_byte_bpe_tokenizer(writer)
+    (tokenizer or add_byte_level_tokenizer)(writer)
     if eot_token_id is not None:
         writer.add_eot_token_id(eot_token_id)
-    _add_moe_metadata(writer, cfg)
+    add_moe_metadata(writer, cfg)
     rope = cfg.rope_parameters
     if rope["rope_type"] == "llama3":
         factors = llama_cpp_rope_factors(rope["rope_theta"], cfg.head_dim, rope)

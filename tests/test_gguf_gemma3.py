@@ -13,7 +13,7 @@ from model_checks import agreeing_prefix, hf_greedy, hf_logits
 gguf = pytest.importorskip("gguf")
 
 from test_engine import run_all  # noqa: E402
-from test_gguf_convert import VOCAB, add_byte_bpe_tokenizer, add_shape_keys  # noqa: E402
+from test_gguf_convert import VOCAB, add_byte_level_tokenizer, add_trunk_metadata  # noqa: E402
 
 from engine.common.config import EngineConfig  # noqa: E402
 from engine.core.engine import Engine  # noqa: E402
@@ -48,13 +48,14 @@ def write_gemma3_gguf(path, hf) -> None:
     to the values the file holds, so both sides hold the same numbers."""
     cfg = hf.config
     writer = gguf.GGUFWriter(str(path), "gemma3")
-    add_shape_keys(writer, cfg, cfg.rope_parameters[GLOBAL]["rope_theta"])
+    add_trunk_metadata(writer, cfg, rope_theta=cfg.rope_parameters[GLOBAL]["rope_theta"])
+    writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_key_length(cfg.head_dim)
     writer.add_value_length(cfg.head_dim)
     writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
     writer.add_rope_scaling_factor(cfg.rope_parameters[GLOBAL]["factor"])
     writer.add_sliding_window(cfg.sliding_window)
-    add_byte_bpe_tokenizer(writer)
+    add_byte_level_tokenizer(writer)
     with torch.no_grad():
         for name, param in hf.named_parameters():  # a tied head once, as the embeddings
             w = param.detach().numpy().astype(np.float32)

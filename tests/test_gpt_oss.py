@@ -130,10 +130,16 @@ def test_torch_backend_sinks_and_window_equal_eager_attention():
     check_attention_step((5, 0), eager, sinks=module.sinks)
 
 
-def test_a_backend_without_sinks_refuses_them():
+def test_sinks_get_the_torch_backend_and_the_others_refuse_them():
+    """auto picks torch on CUDA for a model with sinks; Triton and FlashInfer asked for by
+    name are refused, and a backend without sinks refuses them in a call."""
     from engine.layers.attention.registry import backend_class, resolve_backend_name
 
-    assert resolve_backend_name("auto", "cuda", windowed=True) == "torch"
+    assert resolve_backend_name("auto", "cuda", windows=True, sinks=True) == "torch"
+    with pytest.raises(ValueError, match="--attention-backend triton has no sink attention"):
+        resolve_backend_name("triton", "cuda", windows=True, sinks=True)
+    with pytest.raises(ValueError, match="--attention-backend flashinfer has no sliding-window or sink attention"):
+        resolve_backend_name("flashinfer", "cuda", windows=True, sinks=True)
     sinkless = backend_class("triton").__new__(backend_class("triton"))  # no CUDA needed to ask
     sinkless.pool = None
     with pytest.raises(ValueError, match="no attention sinks; use --attention-backend torch"):

@@ -1,8 +1,9 @@
-"""Hybrid linear-attention models (Qwen3-Next: Gated DeltaNet layers between gated
-full-attention layers) against transformers on tiny random configs, one dense and one
-with MoE layers: logits over the paged KV cache and the state pool, greedy decoding
-through the engine, chunked prefill, state slots given back, and the plan's state-pool
-line (Qwen3-Next-80B-A3B's published shape, no weights read)."""
+"""Hybrid linear-attention models (Qwen3-Next, Qwen3.5: Gated DeltaNet layers between
+gated full-attention layers) against transformers on tiny random configs, dense and with
+MoE layers (Qwen3.5-MoE as the vision-language checkpoint it is published in, of which
+the language model runs): logits over the paged KV cache and the state pool, greedy
+decoding through the engine, chunked prefill, state slots given back, and the plan's
+state-pool line (Qwen3-Next-80B-A3B's published shape, no weights read)."""
 
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ from engine.core.footprint import (
     make_footprint,
 )
 from engine.kvcache.state_pool import StatePool, state_bytes_per_request
+from engine.layers.gated_deltanet import gated_delta_rule_chunked, gated_delta_rule_ref
 from engine.loader.hf_config import load_model_config
-from engine.loader.weight_size import weight_bytes
+from engine.loader.weight_size import parameter_count, weight_bytes
 from engine.memory.device import simulated_device
 from engine.memory.ledger import make_plan
 from engine.memory.plan import GiB, PlanKnobs
@@ -33,19 +35,28 @@ VOCAB = 256
 GREEDY = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", params=["qwen3_next_dense", "qwen3_next"])
+# Each kind's routed layers: Qwen3-Next's layer 1 is dense (mlp_only_layers); Qwen3.5-MoE
+# routes every layer.
+MOE_LAYERS = {"qwen3_next_dense": (), "qwen3_next": (0, 2, 3), "qwen3_5": (), "qwen3_5_moe_vl": (0, 1, 2, 3)}
+
+
+@pytest.fixture(scope="module", params=list(MOE_LAYERS))
 def pair(request, tmp_path_factory, make_tiny_hf_model):
     return tiny_pair(request.param, tmp_path_factory.mktemp(request.param), make_tiny_hf_model, VOCAB)
 
 
 def test_layer_layout_follows_the_config(pair):
     kind, hf, ours, config, _ = pair
-    assert config.layer_types == tuple(hf.config.layer_types)
+    text = hf.config.get_text_config()
+    assert config.layer_types == tuple(text.layer_types)
     assert config.linear_layers == (0, 2) and config.kv_layers == (1, 3)
     assert config.rotary_dim == 8  # head_dim 16, partial_rotary_factor 0.5
-    hf_sparse = tuple(i for i, layer in enumerate(hf.model.layers) if hasattr(layer.mlp, "experts"))
-    assert config.moe_layers == hf_sparse == ((0, 2, 3) if kind == "qwen3_next" else ())
-    assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in hf.parameters())
+    layers = hf.model.language_model.layers if hasattr(hf.model, "language_model") else hf.model.layers
+    hf_sparse = tuple(i for i, layer in enumerate(layers) if hasattr(layer.mlp, "experts"))
+    assert config.moe_layers == hf_sparse == MOE_LAYERS[kind]
+    # A vision-language checkpoint: the language model's parameters, not the vision tower's.
+    language_model = [p for n, p in hf.named_parameters() if not n.startswith("model.visual.")]
+    assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in language_model)
     held = sum(p.nbytes for p in ours.parameters()) + ours.cos_sin_cache.nbytes
     assert weight_bytes(config, torch.float32) == held
 
@@ -80,6 +91,20 @@ def test_chunked_prefill_16_tokens_equals_one_chunk(pair):
     chunked = Engine(EngineConfig(model=str(path), device="cpu", page_size=4, num_pages=64, max_prefill_tokens=16))
     whole = Engine(EngineConfig(model=str(path), device="cpu", page_size=4, num_pages=64, max_prefill_tokens=128))
     assert run_all(chunked, {"c": (ids, sp)}) == run_all(whole, {"c": (ids, sp)})
+
+
+def test_the_chunked_delta_rule_equals_the_token_by_token_one():
+    """Three chunks of 64, the last padded, from a nonzero state: outputs and the state
+    after them."""
+    g = torch.Generator().manual_seed(6)
+    t, h, dk, dv = 150, 3, 16, 24
+    q, k = torch.randn(t, h, dk, generator=g), torch.randn(t, h, dk, generator=g)
+    v, state = torch.randn(t, h, dv, generator=g), torch.randn(h, dk, dv, generator=g)
+    decay, beta = -torch.rand(t, h, generator=g), torch.rand(t, h, generator=g)
+    ref_out, ref_state = gated_delta_rule_ref(q, k, v, decay, beta, state)
+    out, after = gated_delta_rule_chunked(q, k, v, decay, beta, state)
+    assert out.shape == ref_out.shape and after.shape == ref_state.shape
+    assert float((out - ref_out).abs().max()) < 1e-5 and float((after - ref_state).abs().max()) < 1e-5
 
 
 def test_state_slots_come_back_after_finish_and_abort(pair):
@@ -122,22 +147,32 @@ def test_a_preempted_request_gives_its_slot_back_and_recomputes(pair):
     assert out == alone
 
 
-def test_plan_charges_the_state_pool_on_its_own_line(tmp_path):
-    mc = load_model_config(write_shape("qwen3-next-80b-a3b", tmp_path))
-    assert mc.is_hybrid and len(mc.linear_layers) == 36 and mc.num_kv_layers == 12
+# Published shapes: (linear layers, full-attention layers, parameters in billions).
+PUBLISHED = {"qwen3-next-80b-a3b": (36, 12, 79.7), "qwen3.6-35b-a3b": (30, 10, 34.7)}
+
+
+@pytest.mark.parametrize("shape", list(PUBLISHED))
+def test_plan_charges_the_state_pool_on_its_own_line(shape, tmp_path):
+    mc = load_model_config(write_shape(shape, tmp_path))
+    linear, full, billions = PUBLISHED[shape]
+    assert mc.is_hybrid and len(mc.linear_layers) == linear and mc.num_kv_layers == full
+    assert round(parameter_count(mc) / 1e9, 1) == billions  # Qwen3.6: the language model
     knobs = PlanKnobs(max_running_requests=8)
     plan = make_plan(simulated_device(80 * GiB), knobs, make_footprint(mc, torch.bfloat16, knobs))
     ledger = {e.name: e for e in plan.ledger}
     per_request = state_bytes_per_request(mc, torch.bfloat16)
-    # 36 layers x (32 x 128 x 128 x 4 recurrent + 8192 x 3 x 2 conv) = 75.2 MiB per request.
-    assert per_request == 36 * (32 * 128 * 128 * 4 + 8192 * 3 * 2)
+    # Per linear layer 32 x 128 x 128 x 4 recurrent + 8192 x 3 x 2 conv: 75.2 MiB per
+    # request for Qwen3-Next-80B-A3B's 36 layers.
+    assert per_request == linear * (32 * 128 * 128 * 4 + 8192 * 3 * 2)
     # The null slot and the prefix cache's checkpoints too.
     assert ledger["linear-attention state pool"].bytes == (8 + 1 + 8) * per_request
     assert "8 requests + 1 null slot + 8 prefix-cache checkpoints" in ledger["linear-attention state pool"].source
     assert plan.table().count("linear-attention state pool") == 1
-    # A KV page holds the 12 full-attention layers only.
-    assert ledger["KV cache pool"].bytes == plan.num_pages * 2 * 12 * 2 * 256 * 2 * knobs.page_size
-    # And the pool made by the engine is the size the plan charged.
+    # A KV page holds the full-attention layers only.
+    assert ledger["KV cache pool"].bytes == plan.num_pages * 2 * full * 2 * 256 * 2 * knobs.page_size
+
+
+def test_the_state_pool_is_the_size_the_plan_charges(tmp_path):
     tiny = load_model_config(write_shape("qwen3-next-80b-a3b", tmp_path / "tiny", num_hidden_layers=4))
     assert StatePool(tiny, 3, torch.bfloat16, "meta").nbytes == (3 + 1) * state_bytes_per_request(tiny, torch.bfloat16)
 

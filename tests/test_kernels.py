@@ -233,6 +233,6 @@ def test_kernel_switches_take_the_usual_words_and_refuse_others():
         kernel_switches({"HEADROOM_QUANT_INT8": "abc"})
     with pytest.raises(ValueError, match=r"HEADROOM_KERNELS='tritn' is not a value of --kernels: use auto, torch"):
         kernel_switches({"HEADROOM_KERNELS": "tritn"})
-    with pytest.raises(SettingsError, match=r"environment HEADROOM_QUANT_INT8: quant_int8 = 'abc' is not a valid bool "
+    with pytest.raises(SettingsError, match=r'environment HEADROOM_QUANT_INT8: quant_int8 = "abc" is not a valid boolean '
                                             r"\(use true/false, on/off, yes/no or 1/0\)"):
         resolve({}, env={"HEADROOM_CONFIG": "/dev/null", "HEADROOM_QUANT_INT8": "abc"})

@@ -82,7 +82,7 @@ def test_pull_lists_the_store_and_serves_by_name(tiny_files, tmp_path):
 
     listing = headroom(["models", "--json"], cache)
     assert listing.returncode == 0, listing.stderr
-    by_name = {m["name"]: m for m in json.loads(listing.stdout)}
+    by_name = {m["name"]: m for m in json.loads(listing.stdout) if not m["embedded"]}
     assert set(by_name) == {FOLDER_REPO, f"{GGUF_REPO}:{GGUF_FILE}"}
     gguf_model, folder_model = by_name[f"{GGUF_REPO}:{GGUF_FILE}"], by_name[FOLDER_REPO]
     assert (gguf_model["architecture"], gguf_model["quantization"]) == ("qwen2", "Q8_0")

@@ -301,7 +301,7 @@ def test_c01_default_model_first_request_ooms_next_one_answers(default_model_dir
     before the trouble."""
     long_ids, short_ids = tokenizer_ids
     sp = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
-    engine = Engine(EngineConfig(model=default_model_dir, device="cpu", kv_cache=64 << 20))
+    engine = Engine(EngineConfig(model=default_model_dir, device="cpu", kv_cache=64 << 20, min_context=256))
     history: list[list[int]] = []
     before = drive(engine, {"hello": (short_ids, sp)}, history=history)
     engine.radix.clear()

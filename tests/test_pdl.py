@@ -45,5 +45,5 @@ def test_a_typo_in_the_switch_is_refused():
 
     with pytest.raises(ValueError, match="HEADROOM_PDL='onn' is not a value of --pdl"):
         kernel_switches({"HEADROOM_PDL": "onn"})
-    with pytest.raises(SettingsError, match="environment HEADROOM_PDL: pdl = 'onn' is not a valid bool"):
+    with pytest.raises(SettingsError, match="environment HEADROOM_PDL: pdl = \"onn\" is not a valid boolean"):
         resolve({}, env={"HEADROOM_CONFIG": "/dev/null", "HEADROOM_PDL": "onn"})

@@ -10,6 +10,7 @@ commands, which the tests check.
 
 from __future__ import annotations
 
+import os
 import plistlib
 import shlex
 import shutil
@@ -247,7 +248,9 @@ def test_without_user_systemd_the_error_names_the_fix(home, returncode, stderr, 
     assert isinstance(manager, SystemdManager)
     with pytest.raises(ServiceError, match=expected) as info:
         manager.install()
-    assert str(manager.path) in str(info.value)  # written; uninstall removes it
+    # Refused before anything is written: no unit file for doctor to take as installed.
+    assert str(manager.path) in str(info.value) and "nothing was written" in str(info.value)
+    assert not manager.path.exists() and tree(home) == set()
     for action in (manager.start, manager.stop, manager.status, lambda: manager.logs(5, False)):
         with pytest.raises(ServiceError, match=expected):
             action()
@@ -273,7 +276,8 @@ def test_status_and_doctor_without_user_systemd_say_so_and_name_the_fix(home, mo
 
     manager_for("linux", RecordingRunner()).install(start=False)  # installed, no instance
     check = _check_service(Context())
-    assert check.status == WARN and "installed at" in check.detail and bus in check.detail
+    assert check.status == WARN and bus in check.detail
+    assert "no service manager confirms" in check.detail and "installed at" not in check.detail
 
     monkeypatch.setenv("PATH", fake_systemctl(tmp_path / "bin", 0))  # an instance answers
     assert _check_service(Context()).status == "OK"
@@ -310,3 +314,50 @@ def test_logs_show_the_tail_of_the_rotated_file_on_macos_and_windows(home, capsy
     assert manager.logs(2, False) == 0
     assert capsys.readouterr().out == "two\nthree\n"
     assert manager.log_file().parent == manager.spec.log_dir
+
+
+@pytest.mark.parametrize("failing", ["daemon-reload", "enable", "restart"])
+def test_a_failed_install_leaves_nothing_half_done(home, failing):
+    """A step of the manager's that fails puts everything back: no unit file for doctor
+    to take as installed, no folder made for it, the enablement undone."""
+    before = tree(home)
+    runner = RecordingRunner()
+    real_run = runner.run
+
+    def run(argv):
+        result = real_run(argv)
+        return subprocess.CompletedProcess(argv, 1, "", "boom") if failing in argv else result
+
+    runner.run = run
+    manager = manager_for("linux", runner)
+    with pytest.raises(ServiceError, match="boom") as info:
+        manager.install()
+    assert "as it was before" in str(info.value)
+    assert tree(home) == before
+    if failing != "daemon-reload":
+        assert ["systemctl", "--user", "disable", "--now", manager.path.name] in runner.calls
+
+    # An install over an older unit puts the older text back.
+    manager.runner = RecordingRunner()
+    manager.install()
+    manager.path.write_bytes(b"[Unit]\nDescription=older\n")
+    manager.runner = runner
+    with pytest.raises(ServiceError):
+        manager.install()
+    assert manager.path.read_bytes() == b"[Unit]\nDescription=older\n"
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the systemd user unit is Linux's")
+def test_doctor_asks_the_user_manager_whether_the_unit_is_enabled(home, monkeypatch, tmp_path):
+    from service.doctor import WARN, Context, _check_service
+
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    script = folder / "systemctl"
+    # An instance answers, and the unit is not enabled (the file alone was left).
+    script.write_text('#!/bin/sh\nfor a in "$@"; do [ "$a" = is-enabled ] && exit 1; done\nexit 0\n')
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{folder}{os.pathsep}{os.environ['PATH']}")
+    manager_for("linux", RecordingRunner()).install(start=False)
+    check = _check_service(Context())
+    assert check.status == WARN and "not enabled" in check.detail and "service install" in check.fix

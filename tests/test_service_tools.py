@@ -1,8 +1,7 @@
 """Reasoning, chat_template_kwargs and tools through a real ``headroom serve``, with the
 official openai client: a tiny random-weight Qwen3 whose template has tools and
-thinking (its generation prompt opens a thinking block unless ``enable_thinking`` is
-false, so every word it says is reasoning), and the default model, whose template has
-no tool support."""
+thinking (``qwen3_server``, :mod:`thinking_server`), and the default model, whose
+template has no tool support."""
 
 from __future__ import annotations
 
@@ -12,37 +11,12 @@ import jsonschema_rs
 import openai
 import pytest
 from service_harness import ServerProcess
-from test_api_tools import QWEN_LIKE, WEATHER
+from test_api_tools import WEATHER
 
 pytestmark = pytest.mark.slow
 
-THINKING_TEMPLATE = QWEN_LIKE.replace(
-    "<think>\n\n</think>\n\n{% endif %}", "<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}"
-)
 HI = [{"role": "user", "content": "Hi"}]
 GREEDY = {"max_tokens": 6, "temperature": 0, "extra_body": {"ignore_eos": True}}
-
-
-@pytest.fixture(scope="module")
-def qwen3_server(tmp_path_factory, make_tiny_hf_model, smollm_tokenizer, default_model_dir):
-    folder = tmp_path_factory.mktemp("tiny-qwen3")
-    make_tiny_hf_model(
-        "qwen3", folder, vocab_size=len(smollm_tokenizer), max_position_embeddings=512
-    )
-    original = smollm_tokenizer.chat_template
-    smollm_tokenizer.chat_template = THINKING_TEMPLATE
-    try:
-        smollm_tokenizer.save_pretrained(folder)
-    finally:
-        smollm_tokenizer.chat_template = original
-    server = ServerProcess(
-        tmp_path_factory.mktemp("qwen3-serve"), ["--model", str(folder), "--device", "cpu"]
-    )
-    try:
-        server.wait_ready()
-        yield server
-    finally:
-        server.stop()
 
 
 def _client(server: ServerProcess) -> openai.OpenAI:

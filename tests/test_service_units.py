@@ -136,14 +136,15 @@ def _empty(tmp_path: Path) -> Path:
     ("file_text", "env", "needle"),
     [
         ("prot = 1\n", {}, "unknown setting 'prot'"),
-        ("port = 'x'\n", {}, "port = 'x' is not a valid int"),
+        ("port = 'x'\n", {}, 'port = "x" is not a valid integer'),
+        ("device = true\n", {}, "device = true is not a valid string"),
         ("port = [\n", {}, "not valid TOML"),
         ("", {"HEADROOM_PORT": "eighty"}, "HEADROOM_PORT"),
         ("", {"HEADROOM_PORT": "70000"}, "not a TCP port"),
         ("", {"HEADROOM_STALL_TIMEOUT_S": "0.1"}, "longer than"),
-        ("gguf_quantized = 3\n", {}, "gguf_quantized = 3 is not a valid bool (use true/false, on/off, yes/no or 1/0 or auto)"),
+        ("gguf_quantized = 3\n", {}, "gguf_quantized = 3 is not a valid boolean (use true/false, on/off, yes/no or 1/0 or auto)"),
         ("", {"HEADROOM_GGUF_QUANTIZED": "maybe"}, "(use true/false, on/off, yes/no or 1/0 or auto)"),
-        ("", {"HEADROOM_PREFIX_CACHE": "maybe"}, "is not a valid bool (use true/false, on/off, yes/no or 1/0)"),
+        ("", {"HEADROOM_PREFIX_CACHE": "maybe"}, "is not a valid boolean (use true/false, on/off, yes/no or 1/0)"),
     ],
 )
 def test_settings_errors_name_their_source(tmp_path, file_text, env, needle):

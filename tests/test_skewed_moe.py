@@ -25,7 +25,7 @@ def test_written_checkpoint_loads_and_answers(tmp_path, default_model_dir):
     from engine.wire.messages import GenerateRequest, SamplingParams
 
     write_skewed_moe(tmp_path, "qwen3-30b-a3b", 2, Path(default_model_dir), 1.0, **SMALL)
-    engine = Engine(EngineConfig(model=str(tmp_path), device="cpu", kv_cache=16 << 20))
+    engine = Engine(EngineConfig(model=str(tmp_path), device="cpu", kv_cache=16 << 20, min_context=256))
     sp = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
     engine.add_request(GenerateRequest(request_id="a", prompt_token_ids=[1, 2, 3, 4], sampling=sp))
     got = []

@@ -301,7 +301,9 @@ def test_stop_split_across_feeds():
 
 def test_stop_inside_one_feed():
     m = StopStringMatcher(["\n\n", "###"])
+    assert m.matched is None
     assert m.feed("answer: 4###junk\n\n") == ("answer: 4", True)
+    assert m.matched == "###"  # the one that ended the text (Anthropic's stop_sequence)
 
 
 def test_held_text_released_when_it_diverges():

@@ -369,3 +369,25 @@ def test_the_tray_command_names_its_extra_when_pystray_is_missing(monkeypatch, t
     result = CliRunner().invoke(main, ["tray"], env=env)
     assert result.exit_code != 0
     assert "the tray needs pystray and Pillow: pip install 'headroom[tray]'" in result.output
+
+
+@needs_pystray
+@pytest.mark.skipif(shutil.which("Xvfb") is None, reason="no Xvfb (apt-get install xvfb)")
+def test_the_tray_without_a_tray_host_says_so_in_one_line_and_exits(tmp_path):
+    """A display without a system tray: one line naming the fix and exit 1, not an
+    invisible icon and a traceback for each update."""
+    pytest.importorskip("Xlib", reason="python-xlib is missing (pystray brings it on Linux)")
+    from service_harness import headroom_command
+
+    xvfb, name = _start_xvfb()
+    try:
+        env = {**os.environ, "DISPLAY": name, "PYSTRAY_BACKEND": "xorg", "HEADROOM_CONFIG": os.devnull,
+               "HEADROOM_CONFIG_DIR": str(tmp_path)}
+        result = subprocess.run([*headroom_command(), "tray"], env=env, capture_output=True, text=True, timeout=120)
+    finally:
+        xvfb.terminate()
+        xvfb.wait(15)
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert f"the X display {name} has no system tray" in line and "AppIndicator" in line

@@ -226,10 +226,14 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     output path, or timing without a GPU."""
     from engine.bench.model_shapes import SHAPES
 
-    shape = SHAPES[args.shape]
+    shape = SHAPES[args.shape].get("text_config", SHAPES[args.shape])  # a vision-language shape nests it
     if "linear_num_value_heads" in shape:
-        p.error(f"--shape {args.shape}: hybrid (linear-attention) models have no random GGUF writer here; "
-                "choose a dense or mixture-of-experts shape")
+        if not SHAPES[args.shape]["architectures"][0].startswith("Qwen3_5"):
+            p.error(f"--shape {args.shape}: hybrid (linear-attention) models other than Qwen3.5/3.6 have no "
+                    "random GGUF writer here; choose another shape")
+        if args.write_gguf is None:
+            p.error(f"--shape {args.shape}: a hybrid (linear-attention) model is not timed here; --write-gguf PATH "
+                    "writes its random GGUF (qwen35moe)")
     if args.layers is not None and args.layers > shape["num_hidden_layers"]:
         p.error(f"--layers {args.layers}: {args.shape} has {shape['num_hidden_layers']} layers; use that many or fewer")
     sizes = {"hidden size": shape["hidden_size"],

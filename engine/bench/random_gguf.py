@@ -1,8 +1,8 @@
 """Random-weight GGUF files of a model's shape, laid out as llama.cpp's quantized files
 are: a dense model's projections in Q4_K/Q6_K (:func:`write_random_gguf`), a mixture
 of experts' routed experts in the types of :data:`MOE_EXPERT_TYPES`
-(:func:`write_random_moe_gguf`). The quantization benchmarks load them, and the tests
-use them as fixtures of real layout and small size."""
+(:func:`write_random_moe_gguf`, Qwen3-MoE or the Qwen3.5/3.6 hybrid). The quantization
+benchmarks load them, and the tests use them as fixtures of real layout and small size."""
 
 from __future__ import annotations
 
@@ -70,8 +70,15 @@ def write_random_moe_gguf(path: Path, config, rng: np.random.Generator, *, token
     ``headroom serve --model`` convert and serve it. One random stack of expert blocks
     per (type, shape) is shared by all layers (the file still holds each layer's copy).
 
+    A hybrid ``config`` (Qwen3.5/3.6-MoE) is written as a ``qwen35moe`` file: its
+    linear-attention layers' ``attn_qkv``/``attn_gate``/``ssm_out`` in Q4_K, the rest of
+    them F32 (``ssm_a`` negative, norms as llama.cpp stores them, ``1 + w``), its
+    full-attention layers' ``attn_q`` holding the output gate too, a shared expert in
+    Q4_K (down Q6_K) behind its F32 gate.
+
     Raises:
-        ValueError: the hidden or expert size is not whole blocks of the types.
+        ValueError: the hidden or expert size is not whole blocks of the types; a hybrid
+            other than Qwen3.5/3.6.
     """
     import gguf
 
@@ -82,11 +89,15 @@ def write_random_moe_gguf(path: Path, config, rng: np.random.Generator, *, token
     tokens = len(source.fields["tokenizer.ggml.tokens"].data)
     h, i, e = config.hidden_size, config.moe_intermediate_size, config.num_experts
     q, kv, hd = config.q_size, config.kv_size, config.head_dim
-    writer = gguf.GGUFWriter(str(path), "qwen3moe")
+    hybrid = config.is_hybrid
+    if hybrid and not config.architecture.startswith("Qwen3_5Moe"):
+        raise ValueError(f"{config.architecture}: the hybrid files written here are Qwen3.5/3.6-MoE's (qwen35moe)")
+    writer = gguf.GGUFWriter(str(path), "qwen35moe" if hybrid else "qwen3moe")
     writer.add_block_count(config.num_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(h)
-    writer.add_feed_forward_length(config.intermediate_size)
+    if not hybrid:
+        writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_heads)
     writer.add_head_count_kv(config.num_kv_heads)
     writer.add_key_length(hd)
@@ -97,6 +108,8 @@ def write_random_moe_gguf(path: Path, config, rng: np.random.Generator, *, token
     writer.add_expert_count(e)
     writer.add_expert_used_count(config.num_experts_per_tok)
     writer.add_expert_feed_forward_length(i)
+    if hybrid:
+        _add_hybrid_metadata(writer, config)
     for key, field in source.fields.items():
         if key.startswith("tokenizer."):
             sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
@@ -116,12 +129,25 @@ def write_random_moe_gguf(path: Path, config, rng: np.random.Generator, *, token
     writer.add_tensor("token_embd.weight", (rng.standard_normal((tokens, h), dtype=np.float32) * 0.02).astype(np.float16))
     for layer in range(config.num_layers):
         p = f"blk.{layer}."
-        for name, size in (("attn_norm", h), ("ffn_norm", h), ("attn_q_norm", hd), ("attn_k_norm", hd)):
+        linear = hybrid and config.layer_types[layer] == "linear_attention"
+        norms = (("attn_norm", h), ("post_attention_norm" if hybrid else "ffn_norm", h))
+        if not linear:
+            norms += (("attn_q_norm", hd), ("attn_k_norm", hd))
+        for name, size in norms:
             writer.add_tensor(p + name + ".weight", np.ones(size, dtype=np.float32))
-        for name, kind, rows, cols in (("attn_q", "Q4_K", q, h), ("attn_k", "Q4_K", kv, h),
-                                       ("attn_v", "Q6_K", kv, h), ("attn_output", "Q4_K", h, q)):
-            add(p + name + ".weight", kind, rows, cols)
+        if linear:
+            _add_linear_attention(writer, add, p, config, rng)
+        else:
+            for name, kind, rows, cols in (("attn_q", "Q4_K", 2 * q if hybrid else q, h), ("attn_k", "Q4_K", kv, h),
+                                           ("attn_v", "Q6_K", kv, h), ("attn_output", "Q4_K", h, q)):
+                add(p + name + ".weight", kind, rows, cols)
         writer.add_tensor(p + "ffn_gate_inp.weight", rng.standard_normal((e, h), dtype=np.float32) * 0.02)
+        if config.shared_expert_intermediate_size:
+            s = config.shared_expert_intermediate_size
+            for name, kind, rows, cols in (("ffn_gate_shexp", "Q4_K", s, h), ("ffn_up_shexp", "Q4_K", s, h),
+                                           ("ffn_down_shexp", "Q6_K", h, s)):
+                add(p + name + ".weight", kind, rows, cols)
+            writer.add_tensor(p + "ffn_gate_inp_shexp.weight", rng.standard_normal(h, dtype=np.float32) * 0.02)
         for stem, kind, rows, cols in zip(("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"), expert_types,
                                           (i, i, h), (h, h, i), strict=True):
             add(p + stem + ".weight", kind, e, rows, cols)
@@ -132,6 +158,39 @@ def write_random_moe_gguf(path: Path, config, rng: np.random.Generator, *, token
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def _add_hybrid_metadata(writer, config) -> None:
+    """llama.cpp's ``qwen35moe`` keys beyond a Qwen3-MoE file's: the Gated DeltaNet's
+    (``ssm.*``), the partial rotary and its multimodal sections, the shared expert's
+    width."""
+    writer.add_ssm_conv_kernel(config.linear_conv_kernel_dim)
+    writer.add_ssm_state_size(config.linear_key_head_dim)
+    writer.add_ssm_group_count(config.linear_num_key_heads)
+    writer.add_ssm_time_step_rank(config.linear_num_value_heads)
+    writer.add_ssm_inner_size(config.linear_value_head_dim * config.linear_num_value_heads)
+    writer.add_full_attention_interval(config.layer_types.index("full_attention") + 1)
+    writer.add_rope_dimension_count(config.rotary_dim or config.head_dim)
+    writer.add_rope_dimension_sections([11, 11, 10, 0])
+    writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+
+
+def _add_linear_attention(writer, add, prefix: str, config, rng: np.random.Generator) -> None:
+    """One Gated DeltaNet layer's tensors, under llama.cpp's names (``add(name, kind,
+    rows, cols)`` writes random blocks)."""
+    h, hv = config.hidden_size, config.linear_num_value_heads
+    value = hv * config.linear_value_head_dim
+    conv = 2 * config.linear_num_key_heads * config.linear_key_head_dim + value
+    add(prefix + "attn_qkv.weight", "Q4_K", conv, h)
+    add(prefix + "attn_gate.weight", "Q4_K", value, h)
+    add(prefix + "ssm_out.weight", "Q4_K", h, value)
+    for name in ("ssm_beta", "ssm_alpha"):
+        writer.add_tensor(prefix + name + ".weight", rng.standard_normal((hv, h), dtype=np.float32) * 0.02)
+    writer.add_tensor(prefix + "ssm_conv1d.weight",
+                      rng.standard_normal((conv, config.linear_conv_kernel_dim), dtype=np.float32) * 0.1)
+    writer.add_tensor(prefix + "ssm_a", -np.ones(hv, dtype=np.float32))
+    writer.add_tensor(prefix + "ssm_dt.bias", np.ones(hv, dtype=np.float32))
+    writer.add_tensor(prefix + "ssm_norm.weight", np.ones(config.linear_value_head_dim, dtype=np.float32))
 
 
 def write_shape_gguf(path: Path, shape: str, layers: int | None) -> None:

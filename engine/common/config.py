@@ -64,7 +64,7 @@ class ModelConfig:
     0`` adds Qwen2-MoE's always-on expert, scaled by ``sigmoid(shared_expert_gate(x))``.
     The other layers keep the dense MLP of ``intermediate_size``.
 
-    Hybrid linear attention (``layer_types`` non-empty, Qwen3-Next): layer ``i`` is
+    Hybrid linear attention (``layer_types`` non-empty, Qwen3-Next, Qwen3.5/3.6): layer ``i`` is
     ``"linear_attention"`` (a Gated DeltaNet: ``linear_num_key_heads`` query/key heads of
     ``linear_key_head_dim``, ``linear_num_value_heads`` value heads of
     ``linear_value_head_dim``, a causal depthwise conv of ``linear_conv_kernel_dim`` taps)

@@ -4,7 +4,8 @@ The step loop on a GPU: the step's integers go to the device in one copy from pi
 memory (:class:`engine.core.step_inputs.StepInputs`), a decode step replays a CUDA graph when
 one is captured for its (padded) batch size (:class:`engine.core.cuda_graphs.DecodeGraphs`),
 and the only host sync is reading the sampled ids back. A replayed step whose requests
-are all greedy and unpenalized takes the ids the graph picked (no sampling launch).
+are all greedy, unpenalized and unmasked (no grammar, no forced token) takes the ids
+the graph picked (no sampling launch).
 """
 
 from __future__ import annotations
@@ -168,7 +169,7 @@ class ModelRunner:
         records: list[TokenLogprobs | None] | None = [] if any(wanted) else None
         try:
             if (self.replayed and len(sampling) == len(plan.items) and all_plain_greedy(params)
-                    and records is None):
+                    and records is None and not any(s.constrained for s in states)):
                 # Every row of a decode step takes its argmax, which the graph computed.
                 tokens = self.sampler.read_tokens(self.graphs.greedy_tokens(len(sampling)))
             else:

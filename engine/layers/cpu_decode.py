@@ -46,7 +46,8 @@ class CpuDecode:
         :func:`~engine.layers.cpu_pack.pack_model_for_cpu`), or None where a
         layer is not one it runs (module docstring)."""
         config = model.config
-        if config.moe_layers or config.qk_norm_whole or config.clip_qkv is not None or config.head_dim % 2:
+        if (config.is_hybrid or config.moe_layers or config.qk_norm_whole or config.clip_qkv is not None
+                or config.head_dim % 2):
             return None
         if config.windowed_attention or config.hidden_act != "silu":  # Gemma 3's layers are not the C layer's
             return None

@@ -1,4 +1,5 @@
-"""The Gated DeltaNet layer of hybrid linear-attention models (Qwen3-Next).
+"""The Gated DeltaNet layer of hybrid linear-attention models (Qwen3-Next; Qwen3.5/3.6
+with flat projections, :mod:`engine.models.qwen3_5`).
 
 Per token, as ``Qwen3NextGatedDeltaNet`` in transformers computes it:
 
@@ -27,7 +28,10 @@ a chunked prefill carries the states from chunk to chunk.
 
 On CUDA with ``fla-core`` installed, the recurrence runs in flash-linear-attention's
 Triton kernels (``chunk_gated_delta_rule`` for prefill, ``fused_recurrent_gated_delta_rule``
-for decode); elsewhere :func:`gated_delta_rule_ref`, the recurrence written token by token.
+for decode); elsewhere :func:`gated_delta_rule_ref`, the recurrence written token by token,
+for steps of up to :data:`CHUNK` tokens, and :func:`gated_delta_rule_chunked`, the same
+in chunks of :data:`CHUNK` (matrix products within a chunk, the state read and written
+once per chunk instead of once per token), for longer ones.
 """
 
 from __future__ import annotations
@@ -85,6 +89,66 @@ def gated_delta_rule_ref(
     return out, state
 
 
+# Tokens per chunk of :func:`gated_delta_rule_chunked` (flash-linear-attention's too).
+CHUNK = 64
+
+
+def gated_delta_rule_chunked(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`gated_delta_rule_ref` (same arguments and results) in chunks of
+    :data:`CHUNK` tokens.
+
+    Within a chunk starting from state ``S0``, with ``G_t`` the decay from the chunk's
+    start through token ``t`` (``exp`` of the cumulative ``g``), the values the rule
+    writes are ``U = (I + M)^-1 (beta V) - (I + M)^-1 (beta G K) S0``, ``M[t, j] =
+    beta_t (G_t / G_j) k_t.k_j`` for ``j < t`` (one unit lower-triangular solve per
+    chunk); the outputs ``O = (G q) S0 + (Q K^T * G_t / G_j, j <= t) U``, and the state
+    after it ``G_C S0 + (K G_C / G)^T U``. The chunks run in order, each a few batched
+    matrix products over the heads.
+    """
+    t, hv, dk = q.shape
+    pad = -t % CHUNK
+    q = _l2norm(q.float()) * dk ** -0.5
+    k, v, beta, g = _l2norm(k.float()), v.float(), beta.float(), g.float()
+    if pad:  # padded tokens write nothing (beta 0) and decay nothing (g 0)
+        q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
+        beta, g = F.pad(beta, (0, 0, 0, pad)), F.pad(g, (0, 0, 0, pad))
+    n = (t + pad) // CHUNK
+
+    def chunks(x: torch.Tensor) -> torch.Tensor:  # [T, H, ...] -> [H, n, C, ...]
+        return x.reshape(n, CHUNK, hv, *x.shape[2:]).movedim(2, 0)
+
+    q, k, v, beta, gc = chunks(q), chunks(k), chunks(v), chunks(beta), chunks(g).cumsum(2)
+    lower = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).tril()
+    diff = gc[..., :, None] - gc[..., None, :]  # log(G_t / G_j)
+    decay = torch.where(lower, diff, float("-inf")).exp()  # [H, n, C, C], j <= t
+    eye = torch.eye(CHUNK, device=q.device)
+    system = eye + beta[..., None] * (k @ k.transpose(-1, -2)) * (decay * (1 - eye))  # I + M
+    kb = k * (beta * gc.exp())[..., None]
+    solved = torch.linalg.solve_triangular(system, torch.cat([v * beta[..., None], kb], -1),
+                                           upper=False, unitriangular=True)
+    u_v, w = solved[..., : v.shape[-1]], solved[..., v.shape[-1]:]
+    attn = (q @ k.transpose(-1, -2)) * decay
+    qg = q * gc.exp()[..., None]
+    kd = k * (gc[..., -1:] - gc).exp()[..., None]  # k_j G_C / G_j
+    out = torch.empty_like(v)
+    for c in range(n):
+        u = u_v[:, c] - w[:, c] @ state  # [H, C, Dv]
+        out[:, c] = qg[:, c] @ state + attn[:, c] @ u
+        state = state * gc[:, c, -1].exp()[:, None, None] + kd[:, c].transpose(-1, -2) @ u
+    return out.movedim(0, 2).reshape(n * CHUNK, hv, -1)[:t], state
+
+
+def gated_delta_rule_cpu(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule where flash-linear-attention does not run: token by token for up to
+    :data:`CHUNK` tokens (decode, short extends), in chunks beyond."""
+    rule = gated_delta_rule_chunked if q.shape[0] > CHUNK else gated_delta_rule_ref
+    return rule(q, k, v, g, beta, state)
+
+
 class GatedRMSNorm(nn.Module):
     """RMSNorm over the last dim, then times ``silu(gate)`` (``Qwen3NextRMSNormGated``)."""
 
@@ -119,6 +183,10 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.hv))
         self.norm = GatedRMSNorm(self.dv, config.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, config.hidden_size, bias=False)
+        # out_proj's input columns hold the value heads tiled (``k0v0, k1v0, k0v1, ...``,
+        # llama.cpp's order, whose blocks cannot be reordered by column) instead of
+        # grouped per key head: the output is tiled before it (set by the GGUF loader).
+        self.out_proj_tiled = False
 
     def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``[T, hidden]`` -> ``mixed [T, conv_dim]`` (q|k|v, flat), ``z [T, Hv, Dv]``,
@@ -176,11 +244,13 @@ class GatedDeltaNet(nn.Module):
             for slot, n, new in zip(slots, lens, fresh, strict=True):
                 s = slice(at, at + n)
                 state = torch.zeros_like(ssm_pool[slot]) if new else ssm_pool[slot]
-                out, ssm_pool[slot] = gated_delta_rule_ref(q[s], k[s], v[s], g[s], beta[s], state)
+                out, ssm_pool[slot] = gated_delta_rule_cpu(q[s], k[s], v[s], g[s], beta[s], state)
                 outs.append(out)
                 at += n
             o = torch.cat(outs)
         o = self.norm(o.to(x.dtype), z)
+        if self.out_proj_tiled:
+            o = o.view(t, self.hk, per, self.dv).transpose(1, 2)
         return self.out_proj(o.reshape(t, self.value_dim))
 
     def _fla(self, q, k, v, g, beta, ssm_pool, slots, fresh, lens, is_decode) -> torch.Tensor:

@@ -17,6 +17,8 @@ from engine.common.load_errors import (
     UnsupportedConfig,
     UnsupportedGGUFType,
 )
+from engine.loader.gguf_qwen35 import ARCHITECTURES as QWEN35_ARCHITECTURES
+from engine.loader.gguf_qwen35 import hybrid_config
 from engine.loader.gguf_tensors import open_tensors
 
 # GGUF ``general.architecture`` -> (Hugging Face architecture, model_type).
@@ -27,6 +29,7 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
+    **QWEN35_ARCHITECTURES,
 }
 
 
@@ -111,7 +114,8 @@ def _hf_config(reader: Any, gguf_path: Path, gguf_arch: str) -> dict[str, Any]:
         "model_type": model_type,
         "vocab_size": int(vocab),
         "hidden_size": hidden,
-        "intermediate_size": int(get("feed_forward_length")),
+        # Qwen3.5-MoE routes every layer: no dense MLP width.
+        "intermediate_size": int(get("feed_forward_length", 0 if gguf_arch == "qwen35moe" else None)),
         "num_hidden_layers": int(get("block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(get("attention.head_count_kv", heads)),
@@ -134,6 +138,11 @@ def _hf_config(reader: Any, gguf_path: Path, gguf_arch: str) -> dict[str, Any]:
     scaling = _rope_scaling(reader, gguf_path, gguf_arch, config)
     if scaling is not None:
         config["rope_scaling"] = scaling
+    if gguf_arch in QWEN35_ARCHITECTURES:
+        config.update(hybrid_config(get, lambda key: field(reader, key), names, config))
+        del config["rope_theta"]  # in rope_parameters, with the partial rotary
+        if gguf_arch == "qwen35moe":
+            del config["intermediate_size"]
     return config
 
 
@@ -145,6 +154,10 @@ def _moe_config(reader: Any, gguf_arch: str, experts: int, names: set[str], laye
     used = int(get("expert_used_count"))
     if gguf_arch == "llama":
         return {"num_local_experts": experts, "num_experts_per_tok": used}
+    if gguf_arch == "qwen35moe":  # every layer routed, top-k renormalized, a shared expert
+        return {"num_experts": experts, "num_experts_per_tok": used,
+                "moe_intermediate_size": int(get("expert_feed_forward_length")),
+                "shared_expert_intermediate_size": int(get("expert_shared_feed_forward_length"))}
     moe: dict[str, Any] = {
         "num_experts": experts,
         "num_experts_per_tok": used,

@@ -57,8 +57,9 @@ def convert_gguf(
 
     Args:
         gguf_path: a GGUF file of a llama (Mixtral when it has experts), qwen2, qwen3,
-            qwen2moe or qwen3moe model; stacked expert tensors (``ffn_*_exps``) are
-            dequantized and written one tensor per expert.
+            qwen2moe, qwen3moe, qwen35 or qwen35moe model; stacked expert tensors
+            (``ffn_*_exps``) are dequantized and written one tensor per expert
+            (:mod:`engine.loader.gguf_qwen35` for Qwen3.5's layout).
         out_dir: destination folder; must not exist yet (an existing complete folder,
             e.g. from a concurrent conversion, is kept and returned).
         dtype: dtype of the stored weights (now, or later by :func:`ensure_gguf_weights`).

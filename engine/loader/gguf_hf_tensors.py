@@ -13,6 +13,8 @@ import torch
 
 from engine.common.load_errors import ModelLoadError
 from engine.loader.gguf_config import LLAMA_WITH_EXPERTS
+from engine.loader.gguf_qwen35 import ARCHITECTURES as QWEN35_ARCHITECTURES
+from engine.loader.gguf_qwen35 import hybrid_tensor, prediction_layer_tensor
 
 # llama.cpp tensor names (gguf-py ``tensor_mapping``) -> Hugging Face names.
 _TOP_LEVEL = {
@@ -45,7 +47,8 @@ _PER_LAYER = {
 
 # A layer's experts stacked in one GGUF tensor ``[E, rows, cols]`` -> one Hugging Face
 # tensor per expert, ``mlp.experts.E.<proj>`` (Mixtral: ``block_sparse_moe.experts.E.w1``).
-_STACKED_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+_STACKED_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj",
+                    "ffn_gate_up_exps": "gate_up_proj"}  # gate and up in one [E, 2I, H] (Qwen3.5-MoE)
 
 
 _MIXTRAL_EXPERT_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
@@ -99,7 +102,8 @@ def hf_tensors(
     t: Any, gguf_path: Path, gguf_arch: str, config: dict[str, Any], dtype: torch.dtype
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """One GGUF tensor, dequantized, as the Hugging Face tensors it stands for (one per
-    expert for a stacked expert tensor), under their names.
+    expert for a stacked expert tensor), under their names; none for a Qwen3.5 file's
+    multi-token-prediction layer.
 
     Args:
         config: config.json's fields (``architectures``, ``num_attention_heads``,
@@ -108,18 +112,24 @@ def hf_tensors(
     Raises:
         ModelLoadError: the tensor has no Hugging Face counterpart.
     """
+    if gguf_arch in QWEN35_ARCHITECTURES and prediction_layer_tensor(t.name, config):
+        return  # the multi-token-prediction layer: not run
     stem, _, _ = t.name.rpartition(".")
     parts = stem.split(".")
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in _STACKED_EXPERTS:
         yield from _expert_tensors(t, parts[1], _STACKED_EXPERTS[parts[2]], config, dtype)
         return
-    name = _hf_name(t.name, gguf_arch)
+    name, w = _hf_name(t.name, gguf_arch), None
+    if gguf_arch in QWEN35_ARCHITECTURES:  # linear-attention layers, norms stored as 1 + w
+        name, w = hybrid_tensor(t.name, name, torch.from_numpy(np.array(dequantize_tensor(t), dtype=np.float32)),
+                                config)
     if name is None:
         raise ModelLoadError(
             f"{gguf_path}: tensor {t.name} has no Hugging Face counterpart for a "
             f"{gguf_arch} model; the file is not a plain {gguf_arch} checkpoint"
         )
-    w = torch.from_numpy(np.array(dequantize_tensor(t), dtype=np.float32))
+    if w is None:
+        w = torch.from_numpy(np.array(dequantize_tensor(t), dtype=np.float32))
     if name.endswith("shared_expert_gate.weight"):  # llama.cpp may store it as [H]
         w = w.reshape(1, -1)
     if config["architectures"] == [LLAMA_WITH_EXPERTS[0]] and ".mlp.gate." in name:
@@ -141,6 +151,9 @@ def _expert_tensors(
     if config["architectures"] == [LLAMA_WITH_EXPERTS[0]]:
         prefix, proj = f"model.layers.{layer}.block_sparse_moe.experts", _MIXTRAL_EXPERT_NAMES[proj]
         names = [f"{prefix}.{e}.{proj}.weight" for e in range(w.shape[0])]
+    elif proj == "gate_up_proj":  # one [E, 2I, H] tensor: gate rows, then up rows
+        yield f"model.layers.{layer}.mlp.experts.gate_up_proj", w.contiguous()
+        return
     else:
         names = [f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight" for e in range(w.shape[0])]
     for name, expert in zip(names, w, strict=True):

@@ -5,8 +5,10 @@ tensors are of a type :mod:`kernels.quant` reads become
 :class:`~engine.layers.linear.gguf_blocks.QuantLinear` modules holding the file's blocks as
 they are; every other tensor (embeddings, norms, routers, biases, projections of other
 types) is dequantized into the model dtype, as the converted Hugging Face folder holds
-it. llama.cpp's q/k row permutation is undone on the blocks' rows (a row of blocks is a
-row of weights).
+it. llama.cpp's q/k row permutation, and its tiling of Qwen3.5's value heads, are undone
+on the blocks' rows (a row of blocks is a row of weights); Qwen3.5's ``ssm_out``, whose
+value heads are its columns, stays tiled and its layer tiles its input
+(:mod:`engine.loader.gguf_qwen35`).
 
 A mixture of experts' stacked experts (``ffn_gate_exps``/``ffn_up_exps``/``ffn_down_exps``
 of qwen3moe, qwen2moe and llama files with experts) become a
@@ -37,6 +39,8 @@ from engine.layers.linear.gguf_blocks import PartSpec, QuantLinear, repack_model
 from engine.layers.moe.quant_experts import QuantExperts
 from engine.loader.gguf_config import ROPE_FREQS
 from engine.loader.gguf_hf_tensors import dequantize_tensor, hf_tensors, reverse_llama_permute
+from engine.loader.gguf_qwen35 import ARCHITECTURES as QWEN35_ARCHITECTURES
+from engine.loader.gguf_qwen35 import LINEAR_TARGETS, grouped_rows
 from engine.loader.gguf_tensors import open_tensors
 from engine.loader.meta_build import build_on_meta, materialize
 from engine.loader.weight_size import WeightSize
@@ -64,13 +68,15 @@ _EXPERT_STEMS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 
 def _targets(config: ModelConfig) -> dict[str, tuple[str, ...]]:
     """Module name -> GGUF tensor stems, for every projection of ``config`` (a mixture of
-    experts' layers: their shared expert's, when they have one)."""
+    experts' layers: their shared expert's, when they have one; a hybrid's
+    linear-attention layers: their in- and out-projections)."""
     out = {}
     for i in range(config.num_layers):
         mlp = _LAYER_TARGETS
         if config.is_moe and i in config.moe_layers:
             mlp = _SHARED_EXPERT_TARGETS if config.shared_expert_intermediate_size else {}
-        for module, stems in {**_ATTENTION_TARGETS, **mlp}.items():
+        linear = config.is_hybrid and config.layer_types[i] == "linear_attention"
+        for module, stems in {**(LINEAR_TARGETS if linear else _ATTENTION_TARGETS), **mlp}.items():
             out[f"model.layers.{i}.{module}"] = tuple(f"blk.{i}.{stem}" for stem in stems)
     if not config.tie_word_embeddings:
         out["lm_head"] = ("output",)
@@ -102,13 +108,16 @@ def _expert_targets(config: ModelConfig) -> dict[str, tuple[str, str, str]]:
 def _experts_in_blocks(by_name: dict[str, Any], config: ModelConfig, gguf_path: Path,
                        experts_in_blocks: bool) -> dict[str, tuple[str, str, str]]:
     """The expert modules kept in blocks -> their (gate, up, down) types: every layer
-    whose three tensors are of types the kernels read, when ``experts_in_blocks``.
+    whose three tensors are of types the kernels read, when ``experts_in_blocks``. A
+    layer whose gate and up are one tensor (``ffn_gate_up_exps``) is dequantized.
 
     Raises:
         WeightMismatch: an expert tensor is missing.
     """
     kept = {}
     for module, names in _expert_targets(config).items():
+        if names[0].replace("ffn_gate_exps", "ffn_gate_up_exps") in by_name:
+            continue
         missing = [n for n in names if n not in by_name]
         if missing:
             raise WeightMismatch(f"{gguf_path}: tensor {missing[0]} is missing")
@@ -192,7 +201,7 @@ def gguf_weight_size(gguf_path: str | Path, config: ModelConfig, dtype: torch.dt
         else:
             dense_types[t.tensor_type.name] += 1
             dense_bytes += nbytes
-    rope_cache = config.max_position_embeddings * config.head_dim * 4  # float32
+    rope_cache = config.max_position_embeddings * (config.rotary_dim or config.head_dim) * 4  # float32
     parts = [f"{quant_count[k]} {k} blocks {quant_bytes[k] / MiB:.1f} MiB" for k in sorted(quant_count)]
     if expert_blocks:
         expert_bytes = sum(tensor_bytes(by_name[n].tensor_type.name, _hf_shape(by_name[n]), itemsize) for n in expert_blocks)
@@ -242,6 +251,10 @@ def load_gguf_quantized(
         experts_in_blocks = device.type != "cpu"
     expert_modules = _experts_in_blocks(by_name, config, gguf_path, experts_in_blocks)
     model = build_on_meta(config)
+    if arch in QWEN35_ARCHITECTURES:  # ssm_out's columns keep llama.cpp's tiled value heads
+        for layer in model.model.layers:
+            if layer.linear_attn is not None:
+                layer.linear_attn.out_proj_tiled = True
     for module_name, stems in targets.items():
         old = model.get_submodule(module_name)
         specs = []
@@ -322,7 +335,10 @@ def _fill_experts(module: QuantExperts, tensors: list[Any], gguf_path: Path) -> 
 
 
 def _rows_in_hf_order(data: torch.Tensor, stem: str, arch: str, config: ModelConfig) -> torch.Tensor:
-    """llama.cpp permutes llama's q/k rows; undo it (rows of weights or of blocks)."""
+    """llama.cpp permutes llama's q/k rows and tiles Qwen3.5's value heads; undo it (rows
+    of weights or of blocks)."""
+    if arch in QWEN35_ARCHITECTURES:
+        return grouped_rows(data, stem, config)
     if arch == "llama" and stem.endswith(("attn_q", "attn_k")):
         heads = config.num_heads if stem.endswith("attn_q") else config.num_kv_heads
         return reverse_llama_permute(data, heads)
@@ -388,7 +404,11 @@ def _rest(reader: Any, skip: set[str], gguf_path: Path, arch: str,
     """Every tensor not in a quantized module, dequantized, under its Hugging Face name
     (stacked experts not kept in blocks: one tensor per expert)."""
     names = {"architectures": [config.architecture], "num_attention_heads": config.num_heads,
-             "num_key_value_heads": config.num_kv_heads}
+             "num_key_value_heads": config.num_kv_heads, "num_hidden_layers": config.num_layers,
+             "linear_num_key_heads": config.linear_num_key_heads,
+             "linear_num_value_heads": config.linear_num_value_heads,
+             "linear_key_head_dim": config.linear_key_head_dim,
+             "linear_value_head_dim": config.linear_value_head_dim}
     for t in reader.tensors:
         if t.name in skip:
             continue

@@ -71,13 +71,15 @@ def _derive(model_dir: Path, config_path: Path) -> ModelConfig:
     """:func:`load_model_config` without the cache."""
     raw = _read_json(config_path, required=True)
     architecture = _architecture(raw, config_path)
-    # A multimodal config nests its language model's (Gemma 3), which its checkpoints
-    # write sparsely: transformers' text config class fills the rest with the family's own
-    # defaults, not another model's, so the fields are not required there.
-    for name in REQUIRED_FIELDS if "text_config" not in raw else ():
-        if raw.get(name) is None:
+    facts = family(architecture)
+    text_raw, where = _text_part(raw, facts, config_path)
+    # Gemma 3's multimodal checkpoints write their text config sparsely: transformers' text
+    # config class fills the rest with the family's own defaults, so nothing is required.
+    sparse = "text_config" in raw and not facts.text_config
+    for name in REQUIRED_FIELDS if not sparse else ():
+        if text_raw.get(name) is None and not (name == "intermediate_size" and facts.moe == "all_routed"):
             raise ConfigFieldMissing(
-                f"{config_path} has no {name!r}; it is required to build the model. "
+                f"{config_path} has no {where}{name!r}; it is required to build the model. "
                 "Restore the file from the model's original repository."
             )
 
@@ -87,12 +89,15 @@ def _derive(model_dir: Path, config_path: Path) -> ModelConfig:
         hf = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
     except (ValueError, KeyError, TypeError, OSError) as e:
         raise ModelLoadError(f"transformers cannot read {config_path}: {e}") from e
-
+    # A vision-language checkpoint: the language model's config, its head tied as the
+    # outer config says (transformers ties by the outer one).
+    tied = raw.get("tie_word_embeddings") if facts.text_config else None
     outer, hf = hf, hf.get_text_config()  # the language model's (itself for a text-only model)
-    _check_variant(hf, config_path)
+    if tied is None:
+        tied = getattr(hf, "tie_word_embeddings", False)
+    _check_variant(hf, config_path, facts)
     num_heads = hf.num_attention_heads
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
-    facts = family(architecture)
     attention_bias = facts.qkv_bias or bool(
         getattr(hf, "qkv_bias", False) or getattr(hf, "attention_bias", False)
     )
@@ -103,7 +108,7 @@ def _derive(model_dir: Path, config_path: Path) -> ModelConfig:
         architecture=architecture,
         vocab_size=hf.vocab_size,
         hidden_size=hf.hidden_size,
-        intermediate_size=hf.intermediate_size,
+        intermediate_size=int(getattr(hf, "intermediate_size", None) or 0),  # none: every MLP routed
         num_layers=hf.num_hidden_layers,
         num_heads=num_heads,
         num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
@@ -111,8 +116,8 @@ def _derive(model_dir: Path, config_path: Path) -> ModelConfig:
         rms_norm_eps=float(hf.rms_norm_eps),
         max_position_embeddings=_context(hf),
         rope=_rope_of(hf.rope_parameters["full_attention"], hf, config_path) if _is_gemma3(hf)
-        else _rope(hf, config_path),  # Gemma 3: its global layers' (rope_local: the sliding ones')
-        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        else _rope(hf, config_path, facts),  # Gemma 3: its global layers' (rope_local: the sliding ones')
+        tie_word_embeddings=bool(tied),
         attention_bias=attention_bias,
         qk_norm=facts.qk_norm,
         bos_token_id=getattr(hf, "bos_token_id", None),
@@ -178,8 +183,26 @@ def _gemma3_fields(hf: Any, config_path: Path) -> dict[str, Any]:
     }
 
 
+def _text_part(raw: dict[str, Any], facts: Family, config_path: Path) -> tuple[dict[str, Any], str]:
+    """The part of ``config.json`` that describes the language model, and how a message
+    names its place: the whole file, or a vision-language checkpoint's ``text_config``.
+
+    Raises:
+        ConfigFieldMissing: the family nests its config and the file has no ``text_config``.
+    """
+    if not facts.text_config:
+        return raw, ""
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        raise ConfigFieldMissing(
+            f"{config_path} has no 'text_config', where a {raw['architectures'][0]} checkpoint keeps its "
+            "language model's config. Restore the file from the model's original repository."
+        )
+    return text, "text_config."
+
+
 def _hybrid_fields(hf: Any, facts: Family, head_dim: int) -> dict[str, Any]:
-    """Qwen3-Next's linear-attention fields of :class:`ModelConfig` (``{}`` for the
+    """Qwen3-Next's (and Qwen3.5's) linear-attention fields of :class:`ModelConfig` (``{}`` for the
     others). ``layer_types`` is transformers' own list (its default puts a full-attention
     layer every ``full_attention_interval``); the rotary part of a head is
     ``int(head_dim * partial_rotary_factor)`` (``Qwen3NextRotaryEmbedding``)."""
@@ -207,8 +230,10 @@ def _moe_fields(hf: Any, facts: Family) -> dict[str, Any]:
     Mixtral and OLMoE route in every layer and size experts by ``intermediate_size``;
     Qwen2-MoE and Qwen3-MoE size them by ``moe_intermediate_size`` and keep a dense MLP
     in ``mlp_only_layers`` and in layers ``i`` with ``(i + 1) % decoder_sparse_step != 0``
-    (``Qwen3MoeDecoderLayer``). Mixtral always renormalizes the top-k weights
-    (``MixtralTopKRouter``); the others do when ``norm_topk_prob``.
+    (``Qwen3MoeDecoderLayer``); Qwen3.5-MoE routes in every layer with experts of
+    ``moe_intermediate_size``. Mixtral and Qwen3.5-MoE always renormalize the top-k
+    weights (``MixtralTopKRouter``, ``Qwen3_5MoeTopKRouter``); the others do when
+    ``norm_topk_prob``.
     """
     num_experts = getattr(hf, "num_local_experts", None) or getattr(hf, "num_experts", None) or 0
     if not facts.moe:
@@ -217,13 +242,15 @@ def _moe_fields(hf: Any, facts: Family) -> dict[str, Any]:
     if facts.moe == "every_layer":
         moe_layers = tuple(layers) if num_experts > 0 else ()
         expert_size = hf.intermediate_size
-        norm_topk = facts.renormalize_top_k or bool(getattr(hf, "norm_topk_prob", False))
+    elif facts.moe == "all_routed":
+        moe_layers = tuple(layers) if num_experts > 0 else ()
+        expert_size = hf.moe_intermediate_size
     else:
         step = int(getattr(hf, "decoder_sparse_step", 1) or 1)
         dense = set(getattr(hf, "mlp_only_layers", None) or ())
         moe_layers = tuple(i for i in layers if num_experts > 0 and i not in dense and (i + 1) % step == 0)
         expert_size = hf.moe_intermediate_size
-        norm_topk = bool(getattr(hf, "norm_topk_prob", False))
+    norm_topk = facts.renormalize_top_k or bool(getattr(hf, "norm_topk_prob", False))
     return {
         "num_experts": int(num_experts),
         "num_experts_per_tok": int(hf.num_experts_per_tok),
@@ -279,7 +306,7 @@ def _context(hf: Any) -> int:
     return hf.max_position_embeddings
 
 
-def _check_variant(hf: Any, config_path: Path) -> None:
+def _check_variant(hf: Any, config_path: Path, facts: Family) -> None:
     act = getattr(hf, "hidden_activation", "gelu_pytorch_tanh") if _is_gemma3(hf) else getattr(hf, "hidden_act", "silu")
     if act != ("gelu_pytorch_tanh" if _is_gemma3(hf) else "silu"):
         raise UnsupportedConfig(f"{config_path}: hidden activation {act!r} is not supported")
@@ -288,9 +315,9 @@ def _check_variant(hf: Any, config_path: Path) -> None:
     if getattr(hf, "use_bidirectional_attention", False):
         raise UnsupportedConfig(f"{config_path}: bidirectional attention (an encoder) is not supported")
     layer_types = getattr(hf, "layer_types", None) or ()
-    windowed = ("full_attention", "sliding_attention")
-    known = {"qwen3_next": ("full_attention", "linear_attention"), "gemma3_text": windowed, "gpt_oss": windowed}
-    known = known.get(getattr(hf, "model_type", ""), ("full_attention",))
+    windowed = _is_gemma3(hf) or getattr(hf, "model_type", "") == "gpt_oss"
+    known = (("full_attention", "linear_attention") if facts.hybrid
+             else ("full_attention", "sliding_attention") if windowed else ("full_attention",))
     if getattr(hf, "use_sliding_window", False) or any(t not in known for t in layer_types):
         raise UnsupportedConfig(
             f"{config_path}: sliding-window attention is not supported; "
@@ -298,14 +325,16 @@ def _check_variant(hf: Any, config_path: Path) -> None:
         )
 
 
-def _rope(hf: Any, config_path: Path) -> RopeConfig:
+def _rope(hf: Any, config_path: Path, facts: Family) -> RopeConfig:
     # transformers >= 5 keeps everything in ``rope_parameters``; older versions use
     # ``rope_theta`` plus an optional ``rope_scaling`` dict (whose type key was once "type").
-    return _rope_of(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None), hf, config_path)
+    return _rope_of(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None), hf, config_path,
+                    hybrid=facts.hybrid)
 
 
-def _rope_of(params: dict | None, hf: Any, config_path: Path) -> RopeConfig:
-    """The :class:`RopeConfig` of one ``rope_parameters`` dict (Gemma 3 has one per layer kind)."""
+def _rope_of(params: dict | None, hf: Any, config_path: Path, hybrid: bool = False) -> RopeConfig:
+    """The :class:`RopeConfig` of one ``rope_parameters`` dict (Gemma 3 has one per layer
+    kind); a ``hybrid`` model's partial rotary is taken (its layers rotate part of a head)."""
     params = dict(params or {})
     theta = params.get("rope_theta", getattr(hf, "rope_theta", None))
     rope_type = params.get("rope_type", params.get("type", "default"))
@@ -315,8 +344,9 @@ def _rope_of(params: dict | None, hf: Any, config_path: Path) -> RopeConfig:
             f"{', '.join(SUPPORTED_ROPE_TYPES)}"
         )
     partial = params.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", None))
-    # Qwen3-Next's partial rotary is ModelConfig.rotary_dim (engine.models.qwen3_next).
-    if partial not in (None, 1, 1.0) and getattr(hf, "model_type", "") != "qwen3_next":
+    # The hybrids' partial rotary is ModelConfig.rotary_dim (engine.models.qwen3_next).
+    # Qwen3.5's multimodal RoPE sections turn text as plain RoPE (engine.models.qwen3_5).
+    if partial not in (None, 1, 1.0) and not hybrid:
         raise UnsupportedConfig(f"{config_path}: partial_rotary_factor {partial} is not supported")
     defaults = RopeConfig()
     fields = {

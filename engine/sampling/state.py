@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
+from engine.sampling.thinking import ThinkingTracker
 from engine.wire.messages import MAX_LOGPROBS, SamplingParams
 
 _SEED_MASK = (1 << 64) - 1  # torch.Generator.manual_seed takes 64 bits
@@ -83,6 +84,8 @@ class SamplingState:
         prompt_mask: ``bool [V]``, True for tokens in the prompt, or ``None`` when the
             request has no repetition penalty.
         num_generated: tokens appended so far.
+        thinking: the :class:`~engine.sampling.thinking.ThinkingTracker` of a request
+            with a thinking budget, else None.
 
     Raises:
         ValueError: bad ``params`` (see :func:`check_params`), ``vocab_size < 1``, or a
@@ -111,6 +114,7 @@ class SamplingState:
         self.num_generated = 0
         # llguidance's LLMatcher for a json_schema request (set by the engine).
         self.matcher = None
+        self.thinking = None if params.thinking is None else ThinkingTracker(params.thinking)
 
         self.counts: torch.Tensor | None = None
         self.prompt_mask: torch.Tensor | None = None
@@ -125,6 +129,13 @@ class SamplingState:
                 )
             self.prompt_mask = torch.zeros(vocab_size, dtype=torch.bool, device=self.device)
             self.prompt_mask[ids.to(self.device)] = True
+
+    @property
+    def constrained(self) -> bool:
+        """Whether this step's logits are masked for the request (a grammar still
+        running, or a forced token): its token is not its plain argmax."""
+        live_grammar = self.matcher is not None and not self.matcher.is_terminated()
+        return live_grammar or (self.thinking is not None and self.thinking.forced() is not None)
 
     def append(self, token_id: int) -> None:
         """Record a generated token (one device write when the request has a penalty).
@@ -141,3 +152,5 @@ class SamplingState:
             # A token the mask forbade puts the matcher in error: only the end tokens
             # are allowed after it (see engine.sampling.grammar.apply_grammars).
             self.matcher.consume_token(token_id)
+        if self.thinking is not None:
+            self.thinking.append(token_id)

@@ -29,10 +29,11 @@ class StopStringMatcher:
         self._max_hold = max((len(s) for s in self._stops), default=1) - 1
         self._held = ""
         self._stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
 
     @property
     def stopped(self) -> bool:
-        """Whether a stop string has completed."""
+        """Whether a stop string has completed (:attr:`matched` names it)."""
         return self._stopped
 
     def feed(self, text: str) -> tuple[str, bool]:
@@ -61,15 +62,19 @@ class StopStringMatcher:
         return held
 
     def _first_stop(self, buf: str) -> int | None:
-        """Start index of the stop string that completes first in ``buf``, or None."""
-        best: tuple[int, int] | None = None  # (end, start)
+        """Start index of the stop string that completes first in ``buf`` (kept in
+        :attr:`matched`), or None."""
+        best: tuple[int, int, str] | None = None  # (end, start, stop)
         for stop in self._stops:
             start = buf.find(stop)
             if start >= 0:
-                candidate = (start + len(stop), start)
-                if best is None or candidate < best:
+                candidate = (start + len(stop), start, stop)
+                if best is None or candidate[:2] < best[:2]:
                     best = candidate
-        return None if best is None else best[1]
+        if best is None:
+            return None
+        self.matched = best[2]
+        return best[1]
 
     def _hold_length(self, buf: str) -> int:
         """Length of the longest tail of ``buf`` that some stop string starts with."""

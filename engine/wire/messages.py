@@ -14,6 +14,21 @@ import msgspec
 from engine.memory.plan import MemoryPlan
 
 
+class ThinkingBudget(msgspec.Struct, frozen=True, kw_only=True):
+    """A cap on a reasoning model's thinking block (:mod:`engine.sampling.thinking`).
+
+    ``tokens``: the most tokens the sequence may write inside its block; once it has
+    written that many without closing it, ``close_ids`` (the template's ``</think>``)
+    are forced as its next tokens and the answer goes on after them. ``open_ids``: the
+    tokens that open the block; empty when the prompt opened it (the answer starts
+    inside). Only the sequence's first block counts.
+    """
+
+    tokens: int
+    close_ids: tuple[int, ...]
+    open_ids: tuple[int, ...] = ()
+
+
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     """How to pick the next token and when to stop.
 
@@ -35,6 +50,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     tokens' (:class:`TokenLogprobs`). ``prompt_logprobs``: the same for every prompt
     token after the first (OpenAI's ``echo``); such a request skips the prefix cache
     and prefills in chunks of at most :data:`SCORED_CHUNK_TOKENS` tokens.
+    ``thinking``: a :class:`ThinkingBudget`, or None for no cap on reasoning.
     """
 
     max_new_tokens: int = 128
@@ -52,6 +68,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     json_schema: str | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    thinking: ThinkingBudget | None = None
 
     @property
     def greedy(self) -> bool:

@@ -23,14 +23,19 @@ def context_slots(page_table_row: torch.Tensor, length: int, page_size: int) -> 
     return page_table_row[pos // page_size].long() * page_size + pos % page_size
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float) -> torch.Tensor:
-    """``q [E, H, D]`` over ``k, v [S, H_kv, D]``; query ``i`` sees keys ``j <= q_pos[i]``.
-    Computed in float32; returns ``[E, H, D]`` in ``q``'s dtype."""
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float,
+            window: int = 0) -> torch.Tensor:
+    """``q [E, H, D]`` over ``k, v [S, H_kv, D]``; query ``i`` sees keys ``j <= q_pos[i]``
+    (and ``j > q_pos[i] - window`` when ``window`` is not 0). Computed in float32; returns
+    ``[E, H, D]`` in ``q``'s dtype."""
     groups = q.shape[1] // k.shape[1]
     kf = k.float().repeat_interleave(groups, dim=1)  # [S, H, D]
     vf = v.float().repeat_interleave(groups, dim=1)
     scores = torch.einsum("ehd,shd->hes", q.float(), kf) * scale  # [H, E, S]
-    visible = torch.arange(k.shape[0], device=q.device)[None, :] <= q_pos[:, None]  # [E, S]
+    j = torch.arange(k.shape[0], device=q.device)[None, :]
+    visible = j <= q_pos[:, None]  # [E, S]
+    if window:
+        visible &= j > q_pos[:, None] - window
     scores = scores.masked_fill(~visible[None], float("-inf"))
     out = torch.einsum("hes,shd->ehd", scores.softmax(-1), vf)
     return out.to(q.dtype)
@@ -44,8 +49,10 @@ def paged_decode_ref(
     seq_lens: torch.Tensor,
     page_size: int,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
-    """One new token per sequence attends over its whole context (itself included).
+    """One new token per sequence attends over its whole context (itself included), or
+    over its last ``window`` tokens when ``window`` is not 0 (a sliding-window layer).
 
     Args:
         q: ``[B, H, D]``, the new tokens' queries.
@@ -66,7 +73,8 @@ def paged_decode_ref(
             continue
         slots = context_slots(page_table[b], n, page_size)
         q_pos = torch.tensor([n - 1], device=q.device)
-        out[b] = _attend(q[b : b + 1], gather_kv(k_buf, slots, q.dtype), gather_kv(v_buf, slots, q.dtype), q_pos, scale)[0]
+        out[b] = _attend(q[b : b + 1], gather_kv(k_buf, slots, q.dtype), gather_kv(v_buf, slots, q.dtype), q_pos, scale,
+                         window)[0]
     return out
 
 
@@ -80,10 +88,12 @@ def paged_extend_ref(
     extend_lens: torch.Tensor,
     page_size: int,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """Ragged prefill/extend: sequence ``b`` adds ``extend_lens[b]`` tokens after a cached
     prefix of ``prefix_lens[b]``; new token ``i`` sees context positions
-    ``j <= prefix_lens[b] + i`` (causal, prefix included).
+    ``j <= prefix_lens[b] + i`` (causal, prefix included), and only
+    ``j > prefix_lens[b] + i - window`` when ``window`` is not 0.
 
     Args:
         q: ``[T, H, D]``, the new tokens of all sequences, concatenated; sequence ``b``
@@ -103,5 +113,6 @@ def paged_extend_ref(
             continue
         slots = context_slots(page_table[b], prefix + ext, page_size)
         q_pos = prefix + torch.arange(ext, device=q.device)
-        out[start : start + ext] = _attend(q[start : start + ext], gather_kv(k_buf, slots, q.dtype), gather_kv(v_buf, slots, q.dtype), q_pos, scale)
+        out[start : start + ext] = _attend(q[start : start + ext], gather_kv(k_buf, slots, q.dtype),
+                                           gather_kv(v_buf, slots, q.dtype), q_pos, scale, window)
     return out

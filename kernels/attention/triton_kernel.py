@@ -97,8 +97,11 @@ def _attend_block(
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    # A row that has seen no visible key yet (a sliding window starting past this block)
+    # keeps max -inf: exponents taken against 0 then, so they give 0, not NaN.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(V + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
@@ -109,7 +112,7 @@ def _attend_block(
 def _decode_kernel(
     Q, K, V, PageTable, SeqLens, Out, PartO, PartLse,
     stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_pt, stride_ob, stride_oh,
-    scale_log2,
+    scale_log2, window,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = 0,
@@ -120,8 +123,10 @@ def _decode_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(SeqLens + b).to(tl.int32)
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * split_len
+    # A sliding-window layer (window > 0) reads its last `window` keys only.
+    lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    split_len = tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = lo + split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
     g = tl.arange(0, BLOCK_G)
@@ -199,6 +204,7 @@ def paged_decode(
     num_splits: int | None = None,
     block_n: int | None = None,
     quantize: bool = False,
+    window: int = 0,
 ):
     """Triton version of :func:`kernels.attention.reference.paged_decode_ref` (same arguments and
     result; ``seq_lens`` and ``page_table`` on the device).
@@ -216,6 +222,8 @@ def paged_decode(
             allocated when split-K needs it). Pass a persistent one under CUDA graphs.
         num_splits: context ranges per sequence (default :func:`decode_num_splits`).
         block_n: keys per loop iteration (default: :func:`decode_config`).
+        window: a sliding-window layer's window (the reference's ``window``; 0: the
+            whole context); the ranges split the window only.
 
     Raises:
         ValueError: ``H`` is not a multiple of ``H_kv``, or the workspace is too small.
@@ -248,7 +256,7 @@ def paged_decode(
         q, k_buf, v_buf, page_table, seq_lens, out, part_o, part_lse,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         page_table.stride(0), out.stride(0), out.stride(1),
-        scale * _LOG2E,
+        scale * _LOG2E, window,
         NUM_HEADS=num_heads, GROUP=group, BLOCK_G=_group_block(group), HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE_SIZE=page_size, BLOCK_N=block_n, NUM_SPLITS=splits, PRECISION=_dot_precision(q.dtype),
         num_warps=warps, **pdl.launch_args(q.device),
@@ -267,7 +275,7 @@ def paged_decode(
 def _extend_kernel(
     Q, K, V, PageTable, QStarts, PrefixLens, ExtendLens, Out,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_pt, stride_ot, stride_oh,
-    scale_log2,
+    scale_log2, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -291,14 +299,18 @@ def _extend_kernel(
     hi = tl.minimum(seq_len, prefix + (mblk + 1) * BLOCK_M)
     hi = tl.where(mblk * BLOCK_M < ext, hi, 0)
 
+    # A sliding-window layer (window > 0): row q_pos sees keys q_pos - window < j <= q_pos;
+    # the block's keys start at its first row's first visible one.
+    lo = tl.where(window > 0, tl.maximum(prefix + mblk * BLOCK_M - window + 1, 0), 0)
+
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    # Key 0 is visible to every row, so after the first block no row's max is -inf.
-    for n0 in range(0, hi, BLOCK_N):
+    for n0 in range(lo, hi, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         nmask = pos < hi
         visible = (pos[None, :] <= q_pos[:, None]) & nmask[None, :]
+        visible = visible & ((window == 0) | (pos[None, :] > q_pos[:, None] - window))
         m_i, l_i, acc = _attend_block(
             q, K, V, PageTable, b * stride_pt, pos, nmask, visible, kvh, d, dmask, m_i, l_i, acc,
             stride_ks, stride_kh, stride_vs, stride_vh, scale_log2, PAGE_SIZE, PRECISION,
@@ -324,6 +336,7 @@ def paged_extend(
     out: torch.Tensor | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """Triton version of :func:`kernels.attention.reference.paged_extend_ref` (same arguments and
     result; the index tensors on the device).
@@ -332,6 +345,7 @@ def paged_extend(
         max_extend: the largest ``extend_lens`` entry (known on the host; sizes the grid).
         out: ``[T, H, D]`` to write into (else allocated).
         block_m, block_n: query rows and keys per tile (default: :func:`extend_config`).
+        window: a sliding-window layer's window (the reference's ``window``; 0: none).
 
     Raises:
         ValueError: ``H`` is not a multiple of ``H_kv``.
@@ -353,7 +367,7 @@ def paged_extend(
         q, k_buf, v_buf, page_table, q_starts, prefix_lens, extend_lens, out,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         page_table.stride(0), out.stride(0), out.stride(1),
-        scale * _LOG2E,
+        scale * _LOG2E, window,
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_dot_precision(q.dtype),
         num_warps=warps,

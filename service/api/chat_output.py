@@ -77,7 +77,7 @@ class ChatOutput:
             message.reasoning_content = reasoning
         if self.tools.parse is not None:
             whole = self.tools.prefix + text + self.tools.suffix
-            content, calls = parse_tool_calls(self.tools.parse, whole)
+            content, calls = parse_tool_calls(self.tools.parse, whole, self.tools.tools)
             if calls:
                 message.content = content or None
                 message.tool_calls = [c.as_openai() for c in calls]
@@ -126,7 +126,7 @@ class ChatOutput:
             seq.held = seq.held[len(safe) :]
             seq.sent += len(safe)
             return [ChatChunkChoice(index=index, delta=Delta(content=safe))] if safe else []
-        rest, calls = parse_tool_calls(self.tools.parse, seq.held + self.tools.suffix)
+        rest, calls = parse_tool_calls(self.tools.parse, seq.held + self.tools.suffix, self.tools.tools)
         if not calls:
             # What the model wrote, as in a whole answer: a forced call's opening (never
             # sent: a call starts in it) and closing are the server's, not the model's.

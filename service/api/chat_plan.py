@@ -14,10 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.text.chat import template_has_tools
+from engine.wire.messages import ThinkingBudget
 from service.api.reasoning import CLOSE as CLOSE_THINKING
+from service.api.reasoning import OPEN as OPEN_THINKING
 from service.api.reasoning import reasoning_start
 from service.api.request import GenerationRequest
 from service.api.text import TextSide
+from service.api.thinking import budget_tokens
 from service.api.tools import ToolPlan, plan_tools
 
 # Prompt tokens decoded to see how the prompt ends (an open ``<think>``): a few tokens
@@ -35,11 +38,17 @@ class ChatPlan:
             or a forced call's arguments), or None.
         thinking: None (no reasoning split), or whether answers start inside a
             thinking block (known once :func:`continue_prompt` ran).
+        budget_tokens: the most reasoning tokens asked for (0: thinking off), or None.
+        thinking_budget: the engine's cap on the thinking block
+            (:mod:`engine.sampling.thinking`), set by :func:`continue_prompt` for a
+            template that thinks and a call with a budget, else None.
     """
 
     tools: ToolPlan = field(default_factory=ToolPlan)
     json_schema: str | None = None
     thinking: bool | None = None
+    budget_tokens: int | None = None
+    thinking_budget: ThinkingBudget | None = None
 
 
 def chat_template(text: TextSide) -> str | None:
@@ -59,12 +68,13 @@ def plan_chat(request: GenerationRequest, text: TextSide) -> ChatPlan:
     )
     # A forced call: its arguments are the answer.
     schema = tools.schema if tools.schema is not None else request.json_schema
-    return ChatPlan(tools=tools, json_schema=schema)
+    budget = budget_tokens(request.thinking, request.thinking_budget)
+    return ChatPlan(tools=tools, json_schema=schema, budget_tokens=budget)
 
 
 async def continue_prompt(plan: ChatPlan, text: TextSide, prompt_ids: list[int]) -> list[int]:
     """A chat prompt's token ids as the engine gets them; sets ``plan.thinking`` from
-    how the prompt ends (an open thinking block)."""
+    how the prompt ends (an open thinking block), and ``plan.thinking_budget``."""
     tail = text.tokenizer.decode(prompt_ids[-_TAIL_TOKENS:])
     thinking = reasoning_start(chat_template(text), tail)
     if plan.tools.prefix:
@@ -74,4 +84,12 @@ async def continue_prompt(plan: ChatPlan, text: TextSide, prompt_ids: list[int])
         prompt_ids = prompt_ids + await text.encode_text(opened + plan.tools.prefix)
         thinking = None if thinking is None else False
     plan.thinking = thinking
+    # A grammar-constrained answer (a schema, a forced call) has no free block to cap.
+    constrained = plan.tools.prefix or plan.json_schema is not None
+    if thinking is not None and not constrained and plan.budget_tokens is not None:
+        plan.thinking_budget = ThinkingBudget(
+            tokens=plan.budget_tokens,
+            close_ids=tuple(await text.encode_text(CLOSE_THINKING)),
+            open_ids=() if thinking else tuple(await text.encode_text(OPEN_THINKING)),
+        )
     return prompt_ids

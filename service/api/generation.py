@@ -35,7 +35,7 @@ from engine.wire.messages import (
     TokenLogprobs,
 )
 from service.api.admission import Ticket
-from service.api.chat_plan import ChatPlan, continue_prompt, plan_chat
+from service.api.chat_plan import ChatPlan, chat_template, continue_prompt, plan_chat
 from service.api.engine_errors import engine_error, failure, rejected, timed_out
 from service.api.logprobs import ShownLogprobs
 from service.api.prompts import encode_prompts
@@ -43,6 +43,8 @@ from service.api.request import GenerationRequest, resolve_max_tokens
 from service.api.sampling import check_vocabulary, sampling_params
 from service.api.services import Services
 from service.api.text import TextSide
+from service.api.thinking import check_thinking
+from service.events.metrics import ServiceMetrics
 from service.supervision.inflight import EngineFailure, Submission
 from service.supervision.supervisor import Supervisor
 
@@ -65,6 +67,7 @@ class _SeqText:
     logprobs: ShownLogprobs  # given out as their text is
     completion_tokens: int = 0
     finished: bool = False
+    last_token_at: float | None = None  # time.perf_counter() of its latest tokens
     prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
@@ -79,6 +82,7 @@ class Generation:
         text: the tokenizer side.
         deadline: ``time.perf_counter()`` past which :meth:`pieces` gives up (504
             ``request_timeout``; :meth:`close` aborts the sequences), or None.
+        metrics: the app's metrics (the time between tokens is observed here), or None.
 
     Attributes (set by :meth:`start`):
         prompts: prompt token ids, one list per prompt.
@@ -92,6 +96,7 @@ class Generation:
     supervisor: Supervisor
     text: TextSide
     deadline: float | None = None
+    metrics: ServiceMetrics | None = None
     prompts: list[list[int]] = field(default_factory=list)
     sampling: list[SamplingParams] = field(default_factory=list)
     chat: ChatPlan | None = None
@@ -142,20 +147,15 @@ class Generation:
             supervisor=svc.supervisor,
             text=svc.text,
             deadline=request.started + timeout if timeout > 0 else None,
+            metrics=svc.metrics,
         )
         gen.ticket = svc.admission.enter()
         try:
             check_vocabulary(request.logit_bias, info.vocab_size)
-            if request.chat:
-                gen.chat = plan_chat(request, gen.text)
             context = info.max_context_tokens
             if request.context_tokens is not None:
                 context = min(context, request.context_tokens)
-            encoded = await encode_prompts(gen.text, request.prompts, info, context)
-            for ids in encoded:
-                if gen.chat is not None:
-                    ids = await continue_prompt(gen.chat, gen.text, ids)
-                gen.prompts.append(ids)
+            gen.chat, gen.prompts = await prompt_ids(gen.text, info, request, context)
             gen.sampling = gen._sampling(context, svc)
             gen._submit()
         except BaseException:
@@ -168,6 +168,7 @@ class Generation:
         resolved against the context, the seed offset by the sequence's place."""
         r = self.request
         schema = self.chat.json_schema if self.chat is not None else r.json_schema
+        thinking = self.chat.thinking_budget if self.chat is not None else None
         # A prompt too long for its completion is blamed on the prompts' field as a
         # whole (``prompt``, not ``prompt[1]``).
         prompt_param = r.prompts[0].param.partition("[")[0]
@@ -191,6 +192,7 @@ class Generation:
                     logit_bias=r.logit_bias,
                     logprobs=r.logprobs,
                     prompt_logprobs=r.logprobs if r.echo else None,
+                    thinking=thinking,
                 )
                 for j in range(r.n)
             ]
@@ -346,6 +348,11 @@ class Generation:
         none past a stop string (:class:`~service.api.logprobs.ShownLogprobs`)."""
         return self._seqs[index].logprobs.take()
 
+    def stop_string(self, index: int) -> str | None:
+        """The stop string that ended sequence ``index`` (its finish reason is then
+        ``"stop"``), or None: it ended otherwise, or has not ended."""
+        return self._seqs[index].matcher.matched
+
     def prompt_logprobs(self, index: int) -> list[TokenLogprobs | None] | None:
         """The logprobs of sequence ``index``'s prompt tokens (``echo`` with
         ``logprobs``; the first is None), once they arrived, else None."""
@@ -359,8 +366,12 @@ class Generation:
             seq.prompt_logprobs = output.prompt_logprobs
         text = ""
         if output.token_ids:
+            now = time.perf_counter()
             if self.first_token_at is None:
-                self.first_token_at = time.perf_counter()
+                self.first_token_at = now
+            if seq.last_token_at is not None and self.metrics is not None:
+                self.metrics.tokens_arrived(now - seq.last_token_at, len(output.token_ids))
+            seq.last_token_at = now
             seq.completion_tokens += len(output.token_ids)
             text = seq.detokenizer.add(output.token_ids)
         if output.finished:
@@ -386,15 +397,51 @@ class Generation:
         return Piece(index, safe) if safe else None
 
 
+async def prompt_ids(
+    text: TextSide, info: EngineInfo, request: GenerationRequest, context: int
+) -> tuple[ChatPlan | None, list[list[int]]]:
+    """A call's prompts as the engine gets them: a chat's plan (its tools against the
+    template), then each prompt's token ids (bounded by ``context`` tokens before any
+    tokenizing), continued as the plan says (a forced tool call's opening).
+
+    Returns:
+        ``(plan, ids)``: the :class:`~service.api.chat_plan.ChatPlan` (None unless
+        ``request.chat``) and one id list per prompt.
+
+    Raises:
+        APIError: 400 ``tools``/``tool_choice``; 400 as
+            :func:`~service.api.prompts.encode_prompts` raises.
+        engine.text.chat.ChatTemplateError: messages the template cannot render.
+    """
+    plan = plan_chat(request, text) if request.chat else None
+    encoded = await encode_prompts(text, request.prompts, info, context)
+    if plan is not None:
+        encoded = [await continue_prompt(plan, text, ids) for ids in encoded]
+    return plan, encoded
+
+
 async def start_generation(
     svc: Services, model: str | None, request: GenerationRequest
 ) -> tuple[Generation, str]:
     """What every route does once its request is built: a ready worker (503; an idle
     one is loaded first), the model it names (404), then :meth:`Generation.start`.
 
+    Raises:
+        APIError: 400 naming ``request.thinking_param`` when thinking is asked of a
+            model whose template cannot think
+            (:func:`service.api.thinking.check_thinking`); as :meth:`Generation.start`.
+
     Returns:
         The started generation and the model name to answer with.
     """
     info = await svc.supervisor.ready()
     name = svc.check_model(model, info)
+    if request.chat and svc.text is not None:
+        check_thinking(
+            request.thinking,
+            request.thinking_budget,
+            chat_template(svc.text),
+            model or name,  # the name the client used, as Ollama's message has it
+            request.thinking_param,
+        )
     return await Generation.start(svc, info, request), name

@@ -11,7 +11,9 @@ token), 403 (a refused Origin), 404 (a model or route), 413 (``--max-body-size``
 (``"stream": true``) are ``text/event-stream``: ``data: <chunk JSON>`` events, then
 ``data: [DONE]``. Ollama's routes (``/api/chat``, ``/api/generate``, ``/api/tags``,
 ``/api/ps``, ``/api/show``, ``/api/version``) are listed too, with Ollama's error body
-``{"error": message}`` and NDJSON streams.
+``{"error": message}`` and NDJSON streams, and Anthropic's (``/v1/messages``,
+``/v1/messages/count_tokens``) with Anthropic's error body and status codes (529
+where the others answer 503) and its named events.
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ from typing import Any
 import msgspec
 from litestar import Response, get
 
+from service.api.anthropic import schemas as anthropic
 from service.api.ollama import schemas as ollama
 from service.api.openai import schemas as openai
+from service.api.openai.responses_schemas import ResponseObject, ResponsesRequest
 from service.events.control_schemas import CacheRequest, ControlResponse, ReserveRequest
 from service.events.schemas import Snapshot
 
@@ -43,6 +47,8 @@ _ERROR_TEXT = {
     503: "The engine is not ready, too many requests wait for it (queue_full), or the "
     "device ran out of memory for this request; see Retry-After.",
     504: "The request ran past --request-timeout.",
+    529: "Anthropic's routes: what the others answer 503 (engine not ready, queue_full, "
+    "out of memory); see Retry-After.",
 }
 
 
@@ -97,6 +103,42 @@ def _generation(
             },
         }
     }
+
+
+_ANTHROPIC_SSE = (
+    "text/event-stream",
+    "The message; with `stream: true`, Anthropic's events (`event: message_start`, "
+    "`ping`, `content_block_start`, `content_block_delta`, `content_block_stop`, "
+    "`message_delta`, `message_stop`; an `error` event for an error after the stream "
+    "began).",
+)
+_ANTHROPIC_ERRORS = (400, 401, 403, 404, 405, 413, 500, 504, 529)
+
+
+def _anthropic_paths() -> dict[str, Any]:
+    """Anthropic's Messages API (:mod:`service.api.anthropic.routes`); the key goes as
+    ``x-api-key`` or a bearer token."""
+    count = _generation("CountTokensRequest", "TokenCount", "Count a message's prompt tokens.")
+    count["post"]["responses"]["200"] = {
+        "description": "The prompt's tokens.",
+        "content": _json("TokenCount"),
+    }
+    messages = _generation(
+        "MessagesRequest", "Message", "Anthropic Messages.", _ANTHROPIC_SSE, "AnthropicError"
+    )
+    for operation in (messages["post"], count["post"]):
+        operation["security"] = [*_BEARER, {"x-api-key": []}]
+        operation["responses"] = {
+            "200": operation["responses"]["200"],
+            **_errors(*_ANTHROPIC_ERRORS, schema="AnthropicError"),
+        }
+        operation["responses"]["400"]["description"] = (
+            "The request cannot be served as sent; the message names the field."
+        )
+        operation["responses"]["401"]["description"] = (
+            "The API key is required as `x-api-key: <key>` or `Authorization: Bearer <key>`."
+        )
+    return {"/v1/messages": messages, "/v1/messages/count_tokens": count}
 
 
 def _control(request: str | None, summary: str) -> dict[str, Any]:
@@ -163,6 +205,8 @@ def openapi_document() -> dict[str, Any]:
             openai.ModelList,
             openai.ModelCard,
             openai.ErrorResponse,
+            ResponsesRequest,
+            ResponseObject,
             Snapshot,
             ControlResponse,
             ReserveRequest,
@@ -176,6 +220,11 @@ def openapi_document() -> dict[str, Any]:
             ollama.OllamaShow,
             ollama.OllamaVersion,
             ollama.OllamaError,
+            anthropic.MessagesRequest,
+            anthropic.CountTokensRequest,
+            anthropic.Message,
+            anthropic.TokenCount,
+            anthropic.AnthropicError,
         ],
         ref_template=_REF,
     )
@@ -210,6 +259,12 @@ def openapi_document() -> dict[str, Any]:
             "ChatCompletionRequest", "ChatCompletion", "Chat completion."
         ),
         "/v1/completions": _generation("CompletionRequest", "Completion", "Text completion."),
+        "/v1/responses": _generation(
+            "ResponsesRequest",
+            "ResponseObject",
+            "OpenAI's Responses API (stateless); with `stream: true`, `event:`/`data:` "
+            "Server-Sent Events ending with `response.completed`.",
+        ),
         "/api/health": {
             "get": {
                 "summary": "Is the engine serving.",
@@ -229,6 +284,7 @@ def openapi_document() -> dict[str, Any]:
         "/api/control/reserve": _control("ReserveRequest", "Set the memory reserve."),
         "/api/control/cache": _control("CacheRequest", "Resize the KV pool / clear the cache."),
         **_ollama_paths(),
+        **_anthropic_paths(),
     }
     return {
         "openapi": "3.1.0",
@@ -236,7 +292,10 @@ def openapi_document() -> dict[str, Any]:
         "paths": paths,
         "components": {
             "schemas": components,
-            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+            "securitySchemes": {
+                "bearer": {"type": "http", "scheme": "bearer"},
+                "x-api-key": {"type": "apiKey", "in": "header", "name": "x-api-key"},
+            },
         },
     }
 

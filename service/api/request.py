@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from service.api.prompts import Prompt
@@ -69,6 +69,15 @@ class GenerationRequest:
         context_tokens: a smaller context than the engine's for this call (Ollama's
             ``num_ctx``), or None.
         stream: the answer streams.
+        route: the API route's path (``/v1/chat/completions``), set by
+            :func:`read_call`; the metrics' label.
+        thinking: whether a thinking model thinks (the template's
+            ``enable_thinking``; False also closes any block at once); None: the
+            template's default (chat only, :mod:`service.api.thinking`).
+        thinking_budget: most tokens of reasoning before the thinking block is closed;
+            None: no limit.
+        thinking_param: the field a thinking error names (``reasoning_effort``,
+            ``think``...).
     """
 
     request_id: str
@@ -90,6 +99,10 @@ class GenerationRequest:
     tool_choice: Any = None
     context_tokens: int | None = None
     stream: bool = False
+    route: str = ""
+    thinking: bool | None = None
+    thinking_budget: int | None = None
+    thinking_param: str = "reasoning_effort"
 
 
 async def read_call(
@@ -97,19 +110,53 @@ async def read_call(
     schema: type[Body],
     build: Callable[[Body, str, float], GenerationRequest],
     id_prefix: str,
+    separator: str = "-",
 ) -> tuple[Body, GenerationRequest]:
-    """An API call's body decoded as ``schema`` and built into its one request by
-    ``build(body, request_id, started)``: the id is ``{id_prefix}-`` and 32 hex digits,
-    ``started`` the ``time.perf_counter()`` of the call's arrival (before its body was
-    read).
+    """An API call's body decoded as ``schema`` (:func:`read_body`) and built into its
+    one request (:func:`build_call`); the id is ``id_prefix``, ``separator`` and 32 hex
+    digits (``chatcmpl-...``, ``resp_...``).
 
     Raises:
         APIError: 400 for a body that does not decode
             (:func:`service.common.errors.decode_body`), or from ``build``.
     """
+    body, started = await read_body(request, schema)
+    return body, build_call(request, body, build, id_prefix, started, separator)
+
+
+async def read_body(request: Request, schema: type[Body]) -> tuple[Body, float]:
+    """The call's body decoded as ``schema``, and the ``time.perf_counter()`` of the
+    call's arrival (before its body was read).
+
+    Raises:
+        APIError: 400 for a body that does not decode.
+    """
     started = time.perf_counter()
-    body = decode_body(await request.body(), schema)
-    return body, build(body, f"{id_prefix}-{uuid.uuid4().hex}", started)
+    return decode_body(await request.body(), schema), started
+
+
+def build_call(
+    request: Request,
+    body: Body,
+    build: Callable[[Body, str, float], GenerationRequest],
+    id_prefix: str,
+    started: float,
+    separator: str = "-",
+) -> GenerationRequest:
+    """``build(body, request_id, started)``: the id is ``id_prefix``, ``separator`` and
+    32 hex digits; the request's ``route`` is the route's path (:func:`route_of`).
+
+    Raises:
+        APIError: what ``build`` raises.
+    """
+    call = build(body, f"{id_prefix}{separator}{uuid.uuid4().hex}", started)
+    return replace(call, route=route_of(request))
+
+
+def route_of(request: Request) -> str:
+    """The path of the route ``request`` reached (``/api/chat``), not the path as the
+    client spelled it; the path itself before routing."""
+    return request.scope.get("path_template") or request.url.path
 
 
 def stop_strings(stop: str | list[str] | None) -> list[str]:

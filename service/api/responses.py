@@ -24,13 +24,17 @@ import msgspec
 from litestar import Request, Response
 from litestar.response import Stream
 
+from service.api.chat_output import ChatOutput
 from service.api.generation import Generation, Piece
+from service.api.openai.schemas import ChatMessageOut
 from service.common.errors import SERVER_ERROR, APIError
 
 log = logging.getLogger("headroom.api")
 
 _encoder = msgspec.json.Encoder()
 CLIENT_GONE = 499  # nginx's code for "client closed request", used in our logs only
+# A Server-Sent Events answer is never cached, nor buffered by a proxy.
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def json_response(payload: Any, status: int = 200) -> Response[bytes]:
@@ -39,19 +43,35 @@ def json_response(payload: Any, status: int = 200) -> Response[bytes]:
     )
 
 
-def log_request(gen: Generation, status: int) -> None:
-    """The one log line of a call: id, status, tokens, TTFT, total time."""
-    total_ms = (time.perf_counter() - gen.request.started) * 1000.0
+def log_request(gen: Generation, status: int, error: APIError | None = None) -> None:
+    """The one log line of a call (id, status, tokens, TTFT, total time, and for a
+    failed call its error's code and message) and its figures in the app's metrics. The
+    ``error`` is marked as logged, so the exception handler that answers it writes no
+    second line (:func:`service.common.errors.log_refusal`)."""
+    total_s = time.perf_counter() - gen.request.started
     ttft = gen.ttft_ms
     log.info(
-        "%s status=%d prompt_tokens=%d completion_tokens=%d ttft_ms=%s total_ms=%.1f",
+        "%s %s status=%d prompt_tokens=%d completion_tokens=%d ttft_ms=%s total_ms=%.1f%s",
         gen.request_id,
+        gen.request.route or "-",
         status,
         gen.prompt_tokens,
         gen.completion_tokens,
         "-" if ttft is None else f"{ttft:.1f}",
-        total_ms,
+        total_s * 1000.0,
+        "" if error is None else f" error={error.code or error.type}: {error.message}",
     )
+    if error is not None:
+        error.logged = True
+    if gen.metrics is not None:
+        gen.metrics.call_ended(
+            gen.request.route,
+            status,
+            prompt_tokens=gen.prompt_tokens,
+            generated_tokens=gen.completion_tokens,
+            ttft_s=None if ttft is None else ttft / 1000.0,
+            total_s=total_s,
+        )
 
 
 async def _wait_disconnect(receive: Callable[[], Awaitable[dict[str, Any]]]) -> None:
@@ -99,20 +119,21 @@ async def run_to_end(
         APIError: what :meth:`Generation.pieces` raises.
     """
     status = 200
+    error: APIError | None = None
     try:
         result = await _collect(gen, request)
         if result is None:
             status = CLIENT_GONE
         return result
     except APIError as exc:
-        status = exc.status
+        status, error = exc.status, exc
         raise
     except Exception:
         status = 500  # answered by the catch-all handler in service.common.errors
         raise
     finally:
         gen.close()
-        log_request(gen, status)
+        log_request(gen, status, error)
 
 
 def gone() -> Response[bytes]:
@@ -128,17 +149,19 @@ async def _framed(
     end: bytes,
 ) -> AsyncIterator[bytes]:
     status = 200
+    error: APIError | None = None
     try:
         try:
             async for payload in payloads:
                 yield frame(payload)
         except APIError as exc:
-            status = exc.status
+            status, error = exc.status, exc
             yield frame(error_payload(exc))
         except Exception as exc:  # a bug: still end the stream in the API's shape
             log.exception("%s failed", gen.request_id)
             status = 500
-            yield frame(error_payload(APIError(500, f"internal error: {exc}", type=SERVER_ERROR)))
+            error = APIError(500, f"internal error: {exc}", type=SERVER_ERROR)
+            yield frame(error_payload(error))
         if end:
             yield end
     except (asyncio.CancelledError, GeneratorExit):
@@ -146,7 +169,7 @@ async def _framed(
         raise
     finally:
         gen.close()
-        log_request(gen, status)
+        log_request(gen, status, error)
 
 
 def stream_answer(
@@ -167,6 +190,26 @@ def stream_answer(
     )
 
 
+def sse_answer(
+    gen: Generation,
+    payloads: AsyncIterator[Any],
+    frame: Callable[[Any], bytes],
+    error_payload: Callable[[APIError], Any],
+    end: bytes = b"",
+) -> Stream:
+    """:func:`stream_answer` as Server-Sent Events (OpenAI's streams), not cached or
+    buffered on the way."""
+    return stream_answer(
+        gen,
+        payloads,
+        frame=frame,
+        error_payload=error_payload,
+        end=end,
+        media_type="text/event-stream",
+        headers=SSE_HEADERS,
+    )
+
+
 async def first_piece_held(gen: Generation) -> AsyncIterator[Piece]:
     """``gen.pieces()`` with its first piece already awaited, for a stream whose first
     bytes should wait for the engine: an error the engine finds before any token (a
@@ -184,7 +227,7 @@ async def first_piece_held(gen: Generation) -> AsyncIterator[Piece]:
         head = None
     except APIError as exc:
         gen.close()
-        log_request(gen, exc.status)
+        log_request(gen, exc.status, exc)
         raise
 
     async def chained() -> AsyncIterator[Piece]:
@@ -194,3 +237,39 @@ async def first_piece_held(gen: Generation) -> AsyncIterator[Piece]:
             yield piece
 
     return chained()
+
+
+async def one_chat_answer(
+    gen: Generation,
+    request: Request,
+    *,
+    events: Callable[[ChatOutput, AsyncIterator[Piece]], AsyncIterator[Any]],
+    whole: Callable[[ChatMessageOut, str | None], Response[Any]],
+    frame: Callable[[Any], bytes],
+    error_payload: Callable[[APIError], Any],
+    media_type: str,
+    headers: dict[str, str] | None = None,
+) -> Response[Any]:
+    """The answer of a chat call with one choice (Ollama's, Anthropic's), shaped by one
+    :class:`~service.api.chat_output.ChatOutput`: when the call streams, the payloads
+    of ``events(output, pieces)`` framed as :func:`stream_answer` frames them; else
+    ``whole(message, finish_reason)`` of the whole answer (or :func:`gone`). A stream
+    constrained by a schema waits for the engine's first piece, so a schema the grammar
+    refuses is a 400 as without stream (:func:`first_piece_held`)."""
+    assert gen.chat is not None
+    output = ChatOutput(n=gen.request.n, thinking=gen.chat.thinking, tools=gen.chat.tools)
+    if gen.request.stream:
+        pieces = await first_piece_held(gen) if gen.chat.json_schema is not None else gen.pieces()
+        return stream_answer(
+            gen,
+            events(output, pieces),
+            frame=frame,
+            error_payload=error_payload,
+            media_type=media_type,
+            headers=headers,
+        )
+    result = await run_to_end(gen, request)
+    if result is None:
+        return gone()
+    texts, reasons = result
+    return whole(*output.message(texts[0], reasons[0]))

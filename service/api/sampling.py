@@ -16,10 +16,17 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta
 
-from engine.wire.messages import SamplingParams
+from engine.wire.messages import SamplingParams, ThinkingBudget
 from service.api.sampling_defaults import SamplingDefaults
 from service.common.errors import invalid
-from service.common.ranges import SEED_MAX, SEED_MIN, TEMPERATURE_MAX, TEMPERATURE_MIN
+from service.common.ranges import (
+    REPETITION_PENALTY_MAX,
+    REPETITION_PENALTY_MIN,
+    SEED_MAX,
+    SEED_MIN,
+    TEMPERATURE_MAX,
+    TEMPERATURE_MIN,
+)
 
 TOP_K_MAX = (1 << 31) - 1
 
@@ -33,7 +40,7 @@ Temperature = Annotated[float, Meta(ge=TEMPERATURE_MIN, le=TEMPERATURE_MAX)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
 Probability = Annotated[float, Meta(ge=0.0, le=1.0)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
-RepetitionPenalty = Annotated[float, Meta(gt=0.0, le=10.0)]
+RepetitionPenalty = Annotated[float, Meta(ge=REPETITION_PENALTY_MIN, le=REPETITION_PENALTY_MAX)]
 
 # OpenAI's bounds of a logit_bias value; -100 and 100 ban or force a token in practice.
 LOGIT_BIAS_MAX = 100.0
@@ -42,7 +49,7 @@ LOGIT_BIAS_MAX = 100.0
 class Sampling(msgspec.Struct, kw_only=True):
     """How the next token is picked; None: the model's default
     (:mod:`service.api.sampling_defaults`). ``top_k`` -1 and 0 are off; ``top_p`` is in
-    (0, 1]; ``repetition_penalty`` in (0, 10]; penalties in [-2, 2]."""
+    (0, 1]; ``repetition_penalty`` in [0.01, 10]; penalties in [-2, 2]."""
 
     temperature: Temperature | None = None
     top_p: TopP | None = None
@@ -58,6 +65,12 @@ class Sampling(msgspec.Struct, kw_only=True):
 _OPENAI_DEFAULTS = SamplingDefaults()
 
 
+def sampling_of(body: Sampling) -> Sampling:
+    """The sampling fields of a body that inherits :class:`Sampling` (a copy: the
+    body is not kept)."""
+    return Sampling(**{name: getattr(body, name) for name in Sampling.__struct_fields__})
+
+
 def sampling_params(
     fields: Sampling,
     max_new_tokens: int,
@@ -68,6 +81,7 @@ def sampling_params(
     logit_bias: tuple[tuple[int, float], ...] = (),
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
+    thinking: ThinkingBudget | None = None,
 ) -> SamplingParams:
     """The engine's sampling of one sequence. An unset field takes its value from
     ``defaults`` (the model's generation config; OpenAI's: temperature 1, top_p 1).
@@ -75,7 +89,8 @@ def sampling_params(
     repeat run to run. ``json_schema``: the JSON schema (as text) the answer is
     constrained to (:mod:`service.api.structured`), or None; ``logit_bias``: checked
     pairs (:func:`logit_bias_pairs`); ``logprobs`` / ``prompt_logprobs``: alternatives
-    per generated / prompt token, or None. The ranges were checked where ``fields``
+    per generated / prompt token, or None; ``thinking``: the cap on a thinking block,
+    or None. The ranges were checked where ``fields``
     was decoded."""
     seed = None if fields.seed is None else (fields.seed + seed_offset) % (SEED_MAX + 1)
     return SamplingParams(
@@ -97,6 +112,7 @@ def sampling_params(
         json_schema=json_schema,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
+        thinking=thinking,
     )
 
 

@@ -20,6 +20,7 @@ from service.api.sampling_defaults import SamplingDefaults, load_sampling_defaul
 from service.api.text import TextSide
 from service.common.errors import APIError
 from service.common.settings import ServeSettings
+from service.events.metrics import ServiceMetrics
 from service.supervision.supervisor import Supervisor
 
 DEFAULT_MODEL_ALIAS = "default"
@@ -31,7 +32,8 @@ class Services:
     only when a restarted worker serves another model folder. ``started_at`` is the
     service's start, in Unix seconds (the ``created`` of ``/v1/models``).
     ``admission`` counts the requests waiting for the engine
-    (``--max-queued-requests``, :mod:`service.api.admission`)."""
+    (``--max-queued-requests``, :mod:`service.api.admission`). ``metrics`` is the app's
+    Prometheus registry (:mod:`service.events.metrics`), which each call's end feeds."""
 
     settings: ServeSettings
     supervisor: Supervisor
@@ -39,6 +41,7 @@ class Services:
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     started_at: int = field(default_factory=lambda: int(time.time()))
     admission: Admission = field(init=False)
+    metrics: ServiceMetrics = field(default_factory=ServiceMetrics)
 
     def __post_init__(self) -> None:
         limit = self.settings.max_queued_requests if self.settings is not None else 0

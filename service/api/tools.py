@@ -5,6 +5,10 @@ model writes back is parsed by the parser of its family, chosen from the templat
 
 - ``hermes`` (Qwen2.5/3, Hermes, and most tool-tuned open models): each call is
   ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, after optional text;
+- ``qwen3_xml`` (Qwen3-Coder, Qwen3.5 / Qwen3.6): each call is
+  ``<tool_call><function=NAME><parameter=P>value</parameter>...</function></tool_call>``
+  after optional text (the wrapper may be missing), values typed by the tool's schema
+  (:mod:`service.api.tool_xml`); a Hermes JSON body inside ``<tool_call>`` parses too;
 - ``llama3_json`` (Llama 3.1+): the whole answer is ``{"name": ..., "parameters":
   {...}}`` (optionally after ``<|python_tag|>``; several joined by ``;``);
 - ``mistral``: ``[TOOL_CALLS]`` then a JSON list of ``{"name", "arguments"}`` (or, in
@@ -15,8 +19,9 @@ model writes back is parsed by the parser of its family, chosen from the templat
 but parses nothing; ``required`` and a named function start the answer with the
 format's call opening (the named function's name included) and constrain the rest to
 the call's JSON schema (:func:`forced_call`, through the engine's structured output),
-so the call parses and its arguments match the function's ``parameters``. Answers with
-calls end with ``finish_reason: "tool_calls"``.
+so the call parses and its arguments match the function's ``parameters`` (``qwen3_xml``
+forces the Hermes JSON body, which its parser reads as well: the grammar is a JSON
+schema's). Answers with calls end with ``finish_reason: "tool_calls"``.
 """
 
 from __future__ import annotations
@@ -27,9 +32,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from service.api.tool_xml import FUNCTION_OPEN, PARAMETER_OPEN, parse_function
 from service.common.errors import invalid
 
 HERMES = "hermes"
+QWEN_XML = "qwen3_xml"
 LLAMA3_JSON = "llama3_json"
 MISTRAL = "mistral"
 
@@ -65,6 +72,8 @@ def parser_for_template(chat_template: str | None) -> str | None:
     none this server parses."""
     if not chat_template:
         return None
+    if FUNCTION_OPEN in chat_template and PARAMETER_OPEN in chat_template:  # before Hermes: in <tool_call> too
+        return QWEN_XML
     if _HERMES_OPEN in chat_template:
         return HERMES
     if _MISTRAL_TAG in chat_template:
@@ -94,14 +103,20 @@ def _json_prefix(text: str) -> tuple[Any, int] | None:
     return value, len(text) - len(stripped) + end
 
 
-def parse_tool_calls(fmt: str, text: str) -> tuple[str, list[ToolCall]]:
+def parse_tool_calls(
+    fmt: str, text: str, tools: list[dict[str, Any]] | None = None
+) -> tuple[str, list[ToolCall]]:
     """A whole answer as ``(content, calls)``. Text that does not parse as calls
     stays content: a model that meant to answer in words is never turned into a call.
 
     Args:
-        fmt: :data:`HERMES`, :data:`LLAMA3_JSON` or :data:`MISTRAL`.
+        fmt: :data:`HERMES`, :data:`QWEN_XML`, :data:`LLAMA3_JSON` or :data:`MISTRAL`.
         text: the model's answer (special tokens left out, as the API shows it).
+        tools: the request's tool definitions: :data:`QWEN_XML` types its parameter
+            values by their schemas.
     """
+    if fmt == QWEN_XML:
+        return _parse_xml(text, tools)
     if fmt == HERMES:
         start = text.find(_HERMES_OPEN)
         if start < 0:
@@ -155,6 +170,44 @@ def parse_tool_calls(fmt: str, text: str) -> tuple[str, list[ToolCall]]:
     raise ValueError(f"unknown tool-call format {fmt!r}")
 
 
+def _parse_xml(text: str, tools: list[dict[str, Any]] | None) -> tuple[str, list[ToolCall]]:
+    """:func:`parse_tool_calls` for :data:`QWEN_XML`: the calls from the first
+    ``<tool_call>`` or ``<function=`` on; text after the last call is left out, as
+    :data:`HERMES` does."""
+    starts = [at for at in (text.find(_HERMES_OPEN), text.find(FUNCTION_OPEN)) if at >= 0]
+    if not starts:
+        return text, []
+    start = min(starts)
+    calls = []
+    for block in _xml_blocks(text[start:]):
+        parsed = _json_prefix(block) if block.lstrip().startswith("{") else None
+        call = _call(parsed[0], "arguments") if parsed and not block[parsed[1] :].strip() else None
+        if call is None:
+            function = parse_function(block, tools)
+            if function is None:
+                return text, []
+            call = ToolCall(*function)
+        calls.append(call)
+    return text[:start].rstrip(), calls
+
+
+def _xml_blocks(text: str) -> list[str]:
+    """The call bodies of ``text`` (which starts at a call): each ``<tool_call>``'s
+    (an unclosed last one to the end), or a bare ``<function=...>...</function>``."""
+    blocks, close = [], "</function>"
+    rest = text.lstrip()
+    while rest.startswith((_HERMES_OPEN, FUNCTION_OPEN)):
+        if rest.startswith(_HERMES_OPEN):
+            body, _, rest = rest[len(_HERMES_OPEN) :].partition(_HERMES_CLOSE)
+        else:
+            end = rest.find(close)
+            end = len(rest) if end < 0 else end + len(close)
+            body, rest = rest[:end], rest[end:]
+        blocks.append(body)
+        rest = rest.lstrip()
+    return blocks
+
+
 def _split_top_level(text: str, sep: str) -> list[str]:
     """``text`` split at ``sep`` outside JSON strings and brackets."""
     parts, depth, start, in_string, escaped = [], 0, 0, False, False
@@ -181,12 +234,13 @@ def call_start(fmt: str, text: str) -> int | None:
     """Where a tool-call section may begin in a streamed answer so far, or None when
     none can have begun: the text before it is safe to send as content. A marker cut
     at the end of ``text`` counts as begun (it is held back)."""
-    if fmt == HERMES:
-        at = text.find(_HERMES_OPEN)
-        if at >= 0:
-            return at
-        for n in range(min(len(_HERMES_OPEN) - 1, len(text)), 0, -1):
-            if _HERMES_OPEN.startswith(text[-n:]):
+    if fmt in (HERMES, QWEN_XML):
+        openings = (_HERMES_OPEN,) if fmt == HERMES else (_HERMES_OPEN, FUNCTION_OPEN)
+        found = [at for at in (text.find(o) for o in openings) if at >= 0]
+        if found:
+            return min(found)
+        for n in range(min(max(len(o) for o in openings) - 1, len(text)), 0, -1):
+            if any(o.startswith(text[-n:]) for o in openings):
                 return len(text) - n
         return None
     # Llama 3 and Mistral answer with the call alone: decided by the answer's start.
@@ -205,6 +259,7 @@ def call_start(fmt: str, text: str) -> int | None:
 # Per format: (opening of a call before its name, the arguments' key, closing).
 _CALL_SHAPE = {
     HERMES: (_HERMES_OPEN + "\n", "arguments", "\n" + _HERMES_CLOSE),
+    QWEN_XML: (_HERMES_OPEN + "\n", "arguments", "\n" + _HERMES_CLOSE),  # the JSON body, which it parses
     LLAMA3_JSON: ("", "parameters", ""),
     MISTRAL: (_MISTRAL_TAG + "[", "arguments", "]"),
 }
@@ -297,7 +352,8 @@ def plan_tools(
     if fmt is None:
         raise invalid(
             "this model's chat template uses a tool-call format this server does not parse "
-            "(it parses Hermes/Qwen <tool_call>, Llama 3 JSON and Mistral [TOOL_CALLS])",
+            "(it parses Hermes/Qwen <tool_call>, Qwen3.5's <function=...> XML, Llama 3 JSON and "
+            "Mistral [TOOL_CALLS])",
             "tools",
         )
     choice = "auto" if tool_choice is None else tool_choice

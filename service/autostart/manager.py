@@ -37,6 +37,7 @@ from service.autostart.definitions import (
     render_systemd,
     render_task,
 )
+from service.autostart.files import first_missing, remove_empty_dirs, restore, write_if_changed
 from service.common.paths import APP_NAME
 
 LOG_FILE_NAME = "headroom.log"
@@ -79,43 +80,6 @@ class Runner:
             return subprocess.call(list(argv))
         except FileNotFoundError:
             raise ServiceError(f"{argv[0]} not found") from None
-
-
-def _first_missing(folder: Path) -> Path | None:
-    """The highest ancestor of ``folder`` (itself included) that does not exist."""
-    missing = None
-    for candidate in (folder, *folder.parents):
-        if candidate.exists():
-            break
-        missing = candidate
-    return missing
-
-
-def _write_if_changed(path: Path, data: bytes) -> bool:
-    """Write ``data`` atomically unless the file already holds it; True when written."""
-    try:
-        if path.read_bytes() == data:
-            return False
-    except FileNotFoundError:
-        pass
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-    return True
-
-
-def _remove_empty_dirs(folder: Path, stop: Path) -> None:
-    """Remove ``folder`` and its parents while they are empty, never ``stop`` or above."""
-    stop = stop.resolve()
-    folder = folder.resolve()
-    while folder != stop and stop in folder.parents:
-        try:
-            folder.rmdir()
-        except OSError:  # not empty, or gone
-            if folder.exists():
-                return
-        folder = folder.parent
 
 
 @dataclass
@@ -168,14 +132,33 @@ class Manager:
         ``start`` is False); returns what was done, one line each.
 
         Raises:
-            ServiceError: the OS tool failed or is missing (the definition stays
-                written: ``uninstall`` removes it).
+            ServiceError: the OS's service manager cannot be reached, or its tool
+                failed or is missing; nothing is left half-done: the definition is put
+                back as it was (removed when it was new, with the folders made for it)
+                and a new one unregistered.
         """
+        problem = self.user_manager_problem()
+        if problem is not None:
+            raise ServiceError(f"cannot install {self.path}: {problem}; nothing was written")
+        before = self.path.read_bytes() if self.path.exists() else None
+        made = first_missing(self.path.parent)
+        log_made = first_missing(self.spec.log_dir) if self.logs_to_file else None
         if self.logs_to_file:
             self.spec.log_dir.mkdir(parents=True, exist_ok=True)
-        changed = _write_if_changed(self.path, self.render())
+        changed = write_if_changed(self.path, self.render())
         lines = [f"{'wrote' if changed else 'unchanged'}: {self.path}"]
-        return lines + self._register(changed, start)
+        try:
+            return lines + self._register(changed, start)
+        except ServiceError as exc:
+            if before is None:
+                try:
+                    self._unregister()
+                except (ServiceError, OSError):
+                    pass  # undone as far as the manager lets it
+            restore(self.path, before, made)
+            if log_made is not None:
+                remove_empty_dirs(self.spec.log_dir, log_made.parent)
+            raise ServiceError(f"{exc} ({self.path} is as it was before)") from None
 
     def uninstall(self) -> list[str]:
         """Stop and unregister the service, remove its definition and the folders
@@ -185,9 +168,9 @@ class Manager:
             self.path.unlink()
             lines.append(f"removed: {self.path}")
         self._forget()
-        _remove_empty_dirs(self.path.parent, Path.home())
+        remove_empty_dirs(self.path.parent, Path.home())
         if self.logs_to_file:
-            _remove_empty_dirs(self.spec.log_dir, Path.home())
+            remove_empty_dirs(self.spec.log_dir, Path.home())
         if not lines:
             lines.append("not installed: nothing to remove")
         return lines
@@ -294,7 +277,7 @@ class SystemdManager(Manager):
         if link.is_symlink() or link.exists():
             link.unlink()
             lines.append(f"removed: {link}")
-        _remove_empty_dirs(link.parent, self.path.parent)
+        remove_empty_dirs(link.parent, self.path.parent)
         return lines
 
     def _forget(self) -> None:
@@ -315,6 +298,13 @@ class SystemdManager(Manager):
     def status(self) -> int:
         self._require_manager("ask for the service's status")
         return self.runner.attach(self._systemctl("status", "--no-pager", SYSTEMD_UNIT))
+
+    def is_enabled(self) -> bool | None:
+        """Whether the user manager starts the unit at login (``is-enabled``); None
+        without a user manager to ask."""
+        if self.user_manager_problem() is not None:
+            return None
+        return self.runner.run(self._systemctl("is-enabled", SYSTEMD_UNIT)).returncode == 0
 
     def active_state(self) -> str | None:
         """``active``, ``inactive``, ``failed``...; None without a user manager."""

@@ -98,6 +98,13 @@ def tray(config_path: Path | None, **flags: Any) -> None:
         fail(f"the tray needs pystray and Pillow: pip install 'headroom[tray]' ({exc})")
     except Exception as exc:  # pystray picks its backend at import: no display is an error there
         fail(f"no desktop tray to show the icon in: {exc}")
+    import pystray
+
+    from service.tray.host import tray_host_problem
+
+    problem = tray_host_problem(pystray.Icon.__module__)
+    if problem is not None:
+        fail(problem)
     from service.common.token import dashboard_url, load_or_create_token, token_path
 
     try:
@@ -180,6 +187,12 @@ _PLAN_KNOBS = (
     show_default=True,
     help="Wrap the prompt in the model's chat template as a user message, or send it as is.",
 )
+@click.option(
+    "--local",
+    is_flag=True,
+    help="Load the engine in this process even when a headroom serve runs (by default "
+    "the running service answers, with its own model and settings).",
+)
 @config_option
 @with_settings(
     *_MODEL_OPTIONS,
@@ -197,11 +210,23 @@ def generate(
     temperature: float,
     seed: int | None,
     chat: bool,
+    local: bool,
     config_path: Path | None,
     **flags: Any,
 ) -> None:
-    """Stream one reply to PROMPT to stdout, with the engine in this process."""
+    """Stream one reply to PROMPT to stdout: from the running headroom serve when one
+    answers (its model and settings), else with the engine in this process."""
     settings = resolve_or_fail(flags, config_path)
+    if not local:
+        from service.cli.instance import running
+        from service.cli.via_service import generate_on_service
+
+        info = running()
+        if info is not None and generate_on_service(
+            info, prompt=prompt, chat=chat, model=settings.model, max_tokens=max_tokens,
+            temperature=temperature, seed=seed, api_key=settings.api_key,
+        ):
+            return
     check_model_path(settings.model)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 

@@ -14,27 +14,30 @@ from service.cli.exits import EXIT_FAILED, EXIT_USAGE, fail
 @click.option("--json", "as_json", is_flag=True, help="Print the list as JSON.")
 def models(as_json: bool) -> None:
     """List the models in the local store (fetched with `headroom pull`): name,
-    architecture, quantization, size on disk and context. Pass a name to --model."""
+    architecture, quantization, size on disk and context, and the embedded default
+    model served without --model. Pass a store name to --model."""
     from engine.common.units import fmt_bytes
-    from engine.loader.store import list_store, store_dir
+    from engine.loader.store import embedded_default, list_store, store_dir
 
-    found = list_store()
+    stored = list_store()
+    default = embedded_default()
+    found = ([default] if default is not None else []) + stored
     if as_json:
         click.echo(json.dumps([
             {"name": m.name, "path": str(m.path), "architecture": m.architecture, "quantization": m.quantization,
-             "size_bytes": m.size_bytes, "context_tokens": m.context_tokens}
+             "size_bytes": m.size_bytes, "context_tokens": m.context_tokens, "embedded": m.embedded}
             for m in found
         ]))
         return
-    if not found:
-        click.echo(f"no models in {store_dir()} yet: fetch one with `headroom pull REPO[:FILE.gguf]`")
-        return
     rows = [("NAME", "ARCHITECTURE", "QUANTIZATION", "SIZE", "CONTEXT")]
-    rows += [(m.name, m.architecture, m.quantization, fmt_bytes(m.size_bytes),
-              f"{m.context_tokens:,}" if m.context_tokens else "?") for m in found]
+    rows += [(m.name + (" (embedded default, served without --model)" if m.embedded else ""), m.architecture,
+              m.quantization, fmt_bytes(m.size_bytes), f"{m.context_tokens:,}" if m.context_tokens else "?")
+             for m in found]
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
-    for r in rows:
+    for r in rows if found else []:
         click.echo("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
+    if not stored:
+        click.echo(f"no models in the store ({store_dir()}) yet: fetch one with `headroom pull REPO[:FILE.gguf]`")
 
 
 @click.command()

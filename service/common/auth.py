@@ -8,7 +8,8 @@ runs after routing, so whatever spelling of a path the router accepts (``//v1/mo
 ``/v1//models``, ``/%761/models``, ``/v1/./models``, a trailing slash...) reaches a
 protected handler only through its guard. :func:`bearer_token` is the one parser of
 ``Authorization: Bearer <secret>`` (the event socket uses it too, next to its
-subprotocol and query forms).
+subprotocol and query forms). Anthropic's clients send the API key as ``x-api-key: <key>``:
+the guard of Anthropic's routes takes that header as well (``key_header``).
 """
 
 from __future__ import annotations
@@ -51,21 +52,33 @@ class BearerGuard:
             request passes.
         message: the 401 message (what to send, where the secret is).
         code: the error's ``code`` (``"invalid_api_key"``, ``"invalid_token"``).
+        key_header: a header that may carry the secret as it is instead
+            (``"x-api-key"``), or None.
 
     Raises (when called):
         APIError: 401 ``authentication_error`` with ``WWW-Authenticate: Bearer``.
     """
 
-    def __init__(self, secret: Callable[[], str | None], *, message: str, code: str) -> None:
+    def __init__(
+        self,
+        secret: Callable[[], str | None],
+        *,
+        message: str,
+        code: str,
+        key_header: str | None = None,
+    ) -> None:
         self._secret = secret
         self._message = message
         self._code = code
+        self._key_header = key_header
 
     def __call__(self, connection: Any, _handler: Any = None) -> None:
         expected = self._secret()
         if not expected:
             return
         presented = bearer_token(connection.headers.get("authorization"))
+        if self._key_header is not None and not secret_equal(presented, expected):
+            presented = (connection.headers.get(self._key_header) or "").strip()
         if not secret_equal(presented, expected):
             raise APIError(
                 401,
@@ -76,12 +89,15 @@ class BearerGuard:
             )
 
 
-def api_key_guard(api_key: str | None) -> BearerGuard:
-    """The ``/v1`` guard: ``--api-key``, when set."""
+def api_key_guard(api_key: str | None, key_header: str | None = None) -> BearerGuard:
+    """The ``/v1`` guard: ``--api-key``, when set; ``key_header`` (Anthropic's
+    ``x-api-key``) may carry it too."""
+    also = f"'{key_header}: <key>' or " if key_header else ""
     return BearerGuard(
         lambda: api_key,
-        message="a valid API key is required: send 'Authorization: Bearer <key>'",
+        message=f"a valid API key is required: send {also}'Authorization: Bearer <key>'",
         code="invalid_api_key",
+        key_header=key_header,
     )
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import msgspec
@@ -43,6 +44,11 @@ class APIError(Exception):
         param: the request field at fault (``"messages[0].role"``), or None.
         code: a machine-readable code (``"context_length_exceeded"``), or None.
         headers: extra response headers (``Retry-After``).
+
+    Attributes:
+        logged: the call's own log line already names this error (the generation
+            runner's, :func:`service.api.responses.log_request`), and its metrics took
+            it: the handler that answers it adds neither.
     """
 
     def __init__(
@@ -62,6 +68,7 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.headers = headers or {}
+        self.logged = False
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
@@ -170,18 +177,34 @@ def _where(message: str, raw: bytes) -> str:
 # -- exception handlers ---------------------------------------------------------------------
 
 
+def log_refusal(request: Request, error: APIError) -> None:
+    """The one line a refused request leaves (no traceback; the path without its query,
+    where a token could be) with its reason, and its count in the app's metrics (the
+    app's ``state.metrics``, :class:`service.events.metrics.ServiceMetrics`, by the
+    route's path; a path no route has is not counted). Nothing for an error the
+    generation runner already logged (:attr:`APIError.logged`)."""
+    if error.logged:
+        return
+    error.logged = True
+    log.info(
+        "%s %s -> %d %s%s%s: %s",
+        request.method,
+        request.url.path,
+        error.status,
+        error.type,
+        f" ({error.code})" if error.code else "",
+        f" param={error.param}" if error.param else "",
+        error.message,
+    )
+    route = request.scope.get("path_template")
+    metrics = getattr(request.app.state, "metrics", None)
+    if route and metrics is not None:
+        metrics.call_refused(route, error.status)
+
+
 def _response(error: APIError, request: Request | None = None) -> Response[Any]:
     if request is not None:
-        # The one line a refused request leaves: no traceback, the path without its
-        # query (where a token could be).
-        log.info(
-            "%s %s -> %d %s%s",
-            request.method,
-            request.url.path,
-            error.status,
-            error.type,
-            f" ({error.code})" if error.code else "",
-        )
+        log_refusal(request, error)
     return Response(content=error.body(), status_code=error.status, headers=error.headers)
 
 
@@ -189,16 +212,16 @@ def _api_error(request: Request, exc: APIError) -> Response[Any]:
     return _response(exc, request)
 
 
-def _not_ready(_: Request, exc: NotReady) -> Response[Any]:
-    return _response(from_not_ready(exc))
+def _not_ready(request: Request, exc: NotReady) -> Response[Any]:
+    return _response(from_not_ready(exc), request)
 
 
-def _template_error(_: Request, exc: ChatTemplateError) -> Response[Any]:
-    return _response(invalid(exc.message, exc.param))
+def _template_error(request: Request, exc: ChatTemplateError) -> Response[Any]:
+    return _response(invalid(exc.message, exc.param), request)
 
 
-def _rejected(_: Request, exc: RequestRejected) -> Response[Any]:
-    return _response(from_rejected(exc))
+def _rejected(request: Request, exc: RequestRejected) -> Response[Any]:
+    return _response(from_rejected(exc), request)
 
 
 def _http_error(request: Request, exc: HTTPException) -> Response[Any]:
@@ -226,7 +249,7 @@ def _http_error(request: Request, exc: HTTPException) -> Response[Any]:
 def _unexpected(request: Request, exc: Exception) -> Response[Any]:
     log.exception("unexpected error in %s %s", request.method, request.url.path)
     return _response(
-        APIError(500, f"internal error: {type(exc).__name__}: {exc}", type=SERVER_ERROR)
+        APIError(500, f"internal error: {type(exc).__name__}: {exc}", type=SERVER_ERROR), request
     )
 
 
@@ -238,3 +261,27 @@ EXCEPTION_HANDLERS: dict[type[Exception], Any] = {
     HTTPException: _http_error,
     Exception: _unexpected,
 }
+
+
+def reshaped_handlers(
+    shape: Callable[[int, dict[str, Any]], tuple[int, Any]],
+) -> dict[type[Exception], Any]:
+    """:data:`EXCEPTION_HANDLERS` for an API with its own error shape (Ollama's,
+    Anthropic's): each answers as its OpenAI-shaped twin would, then ``shape(status,
+    error)`` (``error``: OpenAI's error object, ``message``, ``type``, ``param``,
+    ``code``) gives the status and body sent instead; the headers (Retry-After,
+    WWW-Authenticate) are kept."""
+
+    def wrap(handler: Callable[[Request, Any], Response[Any]]) -> Callable[..., Response[Any]]:
+        def handle(request: Request, exc: Exception) -> Response[Any]:
+            response = handler(request, exc)
+            body = response.content
+            error = body.get("error") if isinstance(body, dict) else None
+            if not isinstance(error, dict):
+                error = error_body(str(exc), SERVER_ERROR)["error"]
+            status, content = shape(response.status_code, error)
+            return Response(content=content, status_code=status, headers=dict(response.headers))
+
+        return handle
+
+    return {kind: wrap(handler) for kind, handler in EXCEPTION_HANDLERS.items()}

@@ -12,6 +12,7 @@ options themselves are declared in :mod:`service.common.settings`.
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -126,8 +127,22 @@ def _convert_one(option: Option, value: Any, source: str) -> Any:
         if kind is bool:
             accepted = " (use true/false, on/off, yes/no or 1/0" + (" or auto" if option.default is None else "") + ")"
         raise SettingsError(
-            f"{source}: {option.name} = {value!r} is not a valid {kind.__name__}{accepted}"
+            f"{source}: {option.name} = {_as_written(value)} is not a valid {_KIND_NAMES.get(kind, kind.__name__)}{accepted}"
         ) from None
+
+
+# The kinds of values as a config file's reader knows them (TOML's names).
+_KIND_NAMES = {str: "string", int: "integer", float: "number", bool: "boolean"}
+
+
+def _as_written(value: Any) -> str:
+    """``value`` as TOML writes it (``true``, ``"text"``, ``3``), the way the user wrote it
+    in a config file (flags and environment variables give text, shown quoted)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)
+    return str(value)
 
 
 def read_config_file(path: Path) -> dict[str, Any]:

@@ -18,9 +18,12 @@ from collections.abc import Callable
 from typing import Any
 
 from litestar import Litestar, Request, Response
+from litestar.datastructures import State as AppState
 from litestar.di import Provide
 from litestar.exceptions import HTTPException
 
+from service.api.anthropic.errors import ANTHROPIC_EXCEPTION_HANDLERS, speaks_anthropic
+from service.api.anthropic.routes import AnthropicController
 from service.api.ollama.routes import OLLAMA_EXCEPTION_HANDLERS, OllamaController, speaks_ollama
 from service.api.openai.routes import OpenAIController
 from service.api.openapi import openapi_route
@@ -32,10 +35,13 @@ from service.common.settings import ServeSettings
 from service.common.token import load_or_create_token, token_path
 from service.control.actions import SupervisorControl
 from service.control.health import HealthController
+from service.control.metrics import metrics_route, reading_of
 from service.control.routes import events_router
 from service.events.hub import EventHub
+from service.events.metrics import ServiceMetrics
 from service.events.schemas import HealthEvent
 from service.http.dashboard import dashboard_router, root_redirect
+from service.http.head import HeadAsGet
 from service.http.security import SecurityMiddleware, install_redaction
 from service.supervision.config import SupervisorConfig
 from service.supervision.engine_events_to_ui import EngineEventsToUI
@@ -79,8 +85,14 @@ def _bind_hosts(settings: ServeSettings) -> list[str]:
 
 def _http_error_by_surface(request: Request, exc: HTTPException) -> Response[Any]:
     """An HTTP error no route's own handlers saw (an unknown path, a wrong method) in the
-    shape of the API the path belongs to: Ollama's under its ``/api`` routes, else OpenAI's."""
-    surface = OLLAMA_EXCEPTION_HANDLERS if speaks_ollama(request.url.path, exc.status_code) else EXCEPTION_HANDLERS
+    shape of the API the path belongs to: Ollama's under its ``/api`` routes, Anthropic's
+    under ``/v1/messages``, else OpenAI's."""
+    path = request.url.path
+    surface = EXCEPTION_HANDLERS
+    if speaks_ollama(path, exc.status_code):
+        surface = OLLAMA_EXCEPTION_HANDLERS
+    elif speaks_anthropic(path):
+        surface = ANTHROPIC_EXCEPTION_HANDLERS
     return surface[HTTPException](request, exc)
 
 
@@ -116,6 +128,7 @@ def create_app(
     supervisor.events = hub
     services = Services(settings=settings, supervisor=supervisor)
     to_ui = EngineEventsToUI(hub, supervisor)
+    services.metrics = ServiceMetrics(lambda: reading_of(services, to_ui.counts))
     supervisor.on_ready = services.prepare
     supervisor.on_engine_event = to_ui.record_engine_event
     supervisor.on_stats = to_ui.publish_counters
@@ -164,6 +177,11 @@ def create_app(
         (OpenAIController,),
         {"guards": [api_key_guard(settings.api_key)] if settings.api_key else []},
     )
+    anthropic_routes = type(
+        "GuardedAnthropicController",
+        (AnthropicController,),
+        {"guards": [api_key_guard(settings.api_key, "x-api-key")] if settings.api_key else []},
+    )
     ollama_routes = type(
         "GuardedOllamaController",
         (OllamaController,),
@@ -173,6 +191,7 @@ def create_app(
     app = Litestar(
         route_handlers=[
             openai_routes,
+            anthropic_routes,
             ollama_routes,
             HealthController,
             # /api/status stays open (as /api/health) for curl and scripts; the control
@@ -188,6 +207,7 @@ def create_app(
             dashboard_router(),
             root_redirect,
             openapi_route,
+            metrics_route,
         ],
         dependencies={"svc": Provide(lambda: services, sync_to_thread=False)},
         exception_handlers={**EXCEPTION_HANDLERS, HTTPException: _http_error_by_surface},
@@ -196,9 +216,10 @@ def create_app(
         openapi_config=None,
         logging_config=None,
         request_max_body_size=settings.max_body_size,
+        state=AppState({"metrics": services.metrics}),
     )
     secured = SecurityMiddleware(
-        app,
+        HeadAsGet(app),
         allowed_origins=settings.cors_origin,
         allowed_hosts=[*_bind_hosts(settings), *settings.allowed_host],
     )

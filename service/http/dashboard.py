@@ -3,7 +3,9 @@ of them in an installed package, :mod:`service.common.resources`), served by Lit
 files.
 
 ``/ui`` redirects to ``/ui/`` (keeping the query: the page uses relative URLs), and so
-does ``/`` (:data:`root_redirect`), where a person typing the address lands. Only the
+does ``/`` for a browser (:data:`root_redirect`), where a person typing the address
+lands; any other client asking ``/`` (``GET`` or ``HEAD``) learns that the server runs,
+200 ``headroom is running``, as Ollama answers its clients there. Only the
 plain files directly inside the directory with a known extension when the router is
 made (and the page and its script, built or not: see below) are served, each with ``Cache-Control: no-cache`` and a Content-Security-Policy
 that lets the page talk only to its own origin and run only its own script; any other
@@ -102,7 +104,15 @@ def dashboard_router(directory: Path | None = None, *, path: str = "/ui") -> Rou
     )
 
 
+RUNNING = "headroom is running"
+
+
 @get("/", include_in_schema=False, name="root")
-async def root_redirect() -> Redirect:
-    """``/``: the dashboard (a person who types the service's address lands there)."""
-    return Redirect("/ui/")
+async def root_redirect(request: Request[Any, Any, Any]) -> Response[str] | Redirect:
+    """``/``: a browser (it accepts ``text/html``) is sent to the dashboard, where a
+    person who types the service's address lands; any other client gets 200
+    :data:`RUNNING` (Ollama's clients ping ``HEAD /`` and read a status from 400 on as
+    "not running")."""
+    if "text/html" in request.headers.get("accept", ""):
+        return Redirect("/ui/")
+    return Response(RUNNING, media_type=MediaType.TEXT)

@@ -17,7 +17,7 @@ routing or body parsing:
 3. **Preflight** (``OPTIONS`` with ``Access-Control-Request-Method``) is answered 204
    here and never reaches a handler; ``Access-Control-Allow-Private-Network: true``
    is added when the browser asks for it.
-Every refusal is OpenAI's error JSON. The rules on names (which origins and hosts pass)
+Every refusal is OpenAI's error JSON (Anthropic's under ``/v1/messages``). The rules on names (which origins and hosts pass)
 are :mod:`service.common.origins`, shared with the control plane's socket.
 
 **Secrets** are not checked here, on a path prefix, but by the guards of
@@ -36,10 +36,13 @@ import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import msgspec
+
+from service.api.anthropic.errors import anthropic_error, speaks_anthropic
 from service.common.errors import PERMISSION, error_body
 from service.common.origins import OriginPolicy, same_origin
 
-_ALLOW_METHODS = "GET, POST, OPTIONS"
+_ALLOW_METHODS = "GET, HEAD, POST, OPTIONS"
 _DEFAULT_ALLOW_HEADERS = "authorization, content-type"
 _PREFLIGHT_MAX_AGE_S = "600"
 
@@ -142,7 +145,11 @@ async def _refuse(
         await receive()  # the websocket.connect message
         await send({"type": "websocket.close", "code": 1008, "reason": message[:120]})
         return
-    body = json.dumps(error_body(message, type_, None, code)).encode()
+    if speaks_anthropic(scope.get("path", "")):
+        status, answer = anthropic_error(status, message)
+        body = msgspec.json.encode(answer)
+    else:
+        body = json.dumps(error_body(message, type_, None, code)).encode()
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),

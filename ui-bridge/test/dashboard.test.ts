@@ -4,7 +4,7 @@ import { bundleDashboard } from "../scripts/build-dashboard.mjs";
 import { bands } from "../dashboard/src/chart.js";
 import { planSummary } from "../src/format.js";
 import { type ChatChunk, parseSse, streamChat } from "../dashboard/src/chat.js";
-import { exitText, healthView, memoryView } from "../dashboard/src/view.js";
+import { exitText, healthView, memoryView, noPlanText, usablePages, workerPhaseText } from "../dashboard/src/view.js";
 import type { MemoryPlan, VramEvent, WorkerEvent } from "../src/types.js";
 
 const GiB = 1 << 30;
@@ -83,7 +83,9 @@ describe("dashboard: states", () => {
     expect(waiting.tone).toBe("wait");
     expect(waiting.detail).toBe("needs 2.1 GiB, 0.9 GiB free; firefox holds 3 GiB; retry in ~5 s");
     expect(h("waiting_for_gpu", "CUDA failed to initialise (error 999)")).toMatchObject({ label: "waiting for the GPU", tone: "wait" });
-    expect(h("paused", "paused through the control API")).toMatchObject({ label: "paused", tone: "paused", detail: "paused through the control API" });
+    expect(h("paused", "paused through the control API")).toMatchObject({
+      label: "paused", tone: "paused", detail: "paused through the control API; Resume loads it again",
+    });
     expect(h("idle")).toMatchObject({ label: "idle (model unloaded)", tone: "paused" });
     expect(h("failed", "crash loop")).toMatchObject({ tone: "bad", detail: "crash loop" });
     expect(h("defragmenting_moon")).toEqual({ label: "defragmenting moon", tone: "unknown", detail: "" });
@@ -101,6 +103,38 @@ describe("dashboard: states", () => {
     );
     expect(exitText(exit(null), t)).toBe("pid 42 at 12:00; killed by SIGKILL");
     expect(exitText(null, t)).toBe("none");
+  });
+});
+
+describe("dashboard: what a new user read wrong", () => {
+  it("says ready, not started, once the worker serves", () => {
+    expect(workerPhaseText("started", "ready")).toBe("ready");
+    expect(workerPhaseText("started", "starting")).toBe("loading the model");
+    expect(workerPhaseText("started", "restarting")).toBe("loading the model");
+    expect(workerPhaseText("exited", "restarting")).toBe("exited");
+    expect(workerPhaseText(null, "ready")).toBe("–");
+  });
+
+  it("names the Resume button, not the control route, beside it", () => {
+    const paused = healthView({
+      status: "paused", reason: "paused through the control API; POST /api/control/resume resumes it", retry_after_s: 60,
+    });
+    expect(paused.detail).toBe("paused through the control API; Resume loads it again");
+    expect(paused.detail).not.toContain("/api/control");
+    // Other states keep every word of their reason.
+    expect(healthView({ status: "failed", reason: "see POST /api/control/resume; x", retry_after_s: null }).detail)
+      .toBe("see POST /api/control/resume; x");
+  });
+
+  it("counts the KV pool's pages one way, and does not call the CPU's pool fixed", () => {
+    const info = { device: "cpu", num_pages: 1456, page_size: 16, kv_cache_bytes: GiB };
+    expect(usablePages(info)).toBe(1455); // as the counters' total_pages: no null page
+    const cpu = noPlanText(info);
+    expect(cpu).toContain("1455 pages × 16 tokens");
+    expect(cpu).toContain("CPU");
+    expect(cpu).not.toMatch(/fixed/);
+    expect(noPlanText({ ...info, device: "cuda:0" })).toContain("--kv-cache or --num-pages");
+    expect(noPlanText(null)).not.toMatch(/fixed/);
   });
 });
 

@@ -33,8 +33,8 @@ class AttentionBackend(ABC):
             values out of the pool (a transient that grows with the context, which the
             plan's activation estimate charges); False for kernels that read the pages
             in place.
-        supports_windows: :meth:`use_windows` may limit layers to a sliding window and
-            soft-cap the scores.
+        supports_windows: :meth:`use_windows` may limit layers to a sliding window.
+        supports_softcap: :meth:`use_windows` may soft-cap the scores.
         windows: per pool layer, the tokens it attends to (0: the whole context); empty
             while every layer sees the whole context.
         softcap: scores capped at ``±softcap`` by ``softcap * tanh(s / softcap)`` before
@@ -47,6 +47,7 @@ class AttentionBackend(ABC):
     supports_cuda_graphs: bool = False
     gathers_context: bool = False
     supports_windows: bool = False
+    supports_softcap: bool = False
     supports_sinks: bool = False
     windows: tuple[int, ...] = ()
     softcap: float = 0.0
@@ -65,9 +66,9 @@ class AttentionBackend(ABC):
         Raises:
             ValueError: a window or a cap this backend does not implement.
         """
-        if (any(windows) or softcap) and not self.supports_windows:
-            raise ValueError(f"the {type(self).__name__} has no sliding-window or soft-capped attention; "
-                             "use --attention-backend torch")
+        if any(windows) and not self.supports_windows or softcap and not self.supports_softcap:
+            what = "sliding-window" if any(windows) and not self.supports_windows else "soft-capped"
+            raise ValueError(f"the {type(self).__name__} has no {what} attention; use --attention-backend torch")
         self.windows, self.softcap = tuple(windows) if any(windows) else (), float(softcap)
 
     @classmethod

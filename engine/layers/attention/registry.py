@@ -78,15 +78,18 @@ def _importable(module: str) -> bool:
         return False
 
 
-def resolve_backend_name(name: str, device_type: str, windowed: bool = False) -> str:
+def resolve_backend_name(name: str, device_type: str, *, windows: bool = False, softcap: bool = False,
+                         sinks: bool = False) -> str:
     """The backend ``name`` stands for on a device of ``device_type`` (``"cuda"``,
     ``"cpu"``). ``auto`` is ``triton`` on CUDA when Triton is installed and the ``kernels``
     switch is not ``torch`` (:mod:`kernels.switches`), else ``torch``;
     FlashInfer is picked only when asked for: it compiles its kernels on first use with
     the CUDA toolkit (measured on an H200: about 10 s for the decode module and 68 s for
-    the prefill one, per cold cache), where Triton needs no toolkit. A ``windowed``
-    model (sliding-window layers or soft-capped scores, Gemma 3) gets ``torch``: the GPU
-    kernels have neither yet. The choice is logged with its reason.
+    the prefill one, per cold cache), where Triton needs no toolkit. A model whose layers
+    slide (``windows``: Gemma 3) needs a backend that has windows (torch, Triton); one
+    whose scores are soft-capped (``softcap``) or whose softmax has sinks (``sinks``:
+    gpt-oss) gets ``torch``, the only one with the cap and the sinks.
+    The choice is logged with its reason.
 
     Raises:
         ValueError: an unknown name, or a backend that cannot run here (``triton`` or
@@ -105,9 +108,9 @@ def resolve_backend_name(name: str, device_type: str, windowed: bool = False) ->
         if device_type != "cuda":
             log.info("attention backend: torch (auto: the device is %s; the GPU kernels need CUDA)", device_type)
             return "torch"
-        if windowed:
-            log.info("attention backend: torch (auto: the model's sliding-window or soft-capped layers "
-                     "are not in the GPU kernels yet)")
+        if softcap or sinks:
+            log.info("attention backend: torch (auto: the model's %s not in the GPU kernels yet)",
+                     "soft-capped scores are" if softcap else "attention sinks are")
             return "torch"
         if not _importable("triton"):
             log.info("attention backend: torch (auto: Triton is not installed; pip install triton for the GPU kernels)")
@@ -116,8 +119,12 @@ def resolve_backend_name(name: str, device_type: str, windowed: bool = False) ->
                  "--attention-backend flashinfer uses FlashInfer when it is installed)")
         return "triton"
     if name in ("triton", "flashinfer"):
-        if windowed:
-            raise ValueError(f"--attention-backend {name} has no sliding-window or soft-capped attention, "
+        cls = backend_class(name)
+        lacks = [what for what, needed, has in (("sliding-window", windows, cls.supports_windows),
+                                                 ("soft-capped", softcap, cls.supports_softcap),
+                                                 ("sink", sinks, cls.supports_sinks)) if needed and not has]
+        if lacks:
+            raise ValueError(f"--attention-backend {name} has no {' or '.join(lacks)} attention, "
                              "which this model needs; use torch or auto")
         if device_type != "cuda":
             raise ValueError(f"--attention-backend {name} needs a CUDA device; use torch or auto on {device_type}")

@@ -59,6 +59,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     gathers_context = True
     supports_windows = True
+    supports_softcap = True
     supports_sinks = True
 
     workspace_bytes = 0

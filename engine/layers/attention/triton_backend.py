@@ -22,6 +22,7 @@ class TritonAttentionBackend(AttentionBackend):
     tensors, for tests)."""
 
     supports_cuda_graphs = True
+    supports_windows = True  # sliding-window layers read their window only (the kernels' ``window``)
 
     @classmethod
     def workspace_size(cls, *, num_heads: int, num_kv_heads: int, head_dim: int, max_batch: int) -> int:
@@ -60,13 +61,14 @@ class TritonAttentionBackend(AttentionBackend):
         k_buf, v_buf = self.pool.k_buffers[layer], self.pool.v_buffers[layer]
         seq_lens, prefix_lens, extend_lens, starts = batch.device_meta()
         ps = self.pool.page_size
+        window = self.windows[layer] if self.windows else 0
         q8 = None
         if self._decode:
             out = self._kernels.paged_decode(q, k_buf, v_buf, batch.page_table, seq_lens, ps, self.scale,
-                                             workspace=self._workspace, quantize=quantize)
+                                             workspace=self._workspace, quantize=quantize, window=window)
             if quantize:
                 out, q8 = out
         else:
             out = self._kernels.paged_extend(q, k_buf, v_buf, batch.page_table, starts, prefix_lens, extend_lens,
-                                             ps, self.scale, max_extend=self._max_extend)
+                                             ps, self.scale, max_extend=self._max_extend, window=window)
         return out.view(q.shape[0], self.num_heads * self.head_dim), q8

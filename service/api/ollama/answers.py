@@ -25,7 +25,8 @@ from service.api.chat_output import FINISH_TOOL_CALLS, ChatOutput
 from service.api.generation import Generation, Piece
 from service.api.ollama.models import rfc3339
 from service.api.ollama.schemas import OllamaChatChunk, OllamaGenerateChunk, OllamaMessage
-from service.api.responses import first_piece_held, gone, json_response, run_to_end, stream_answer
+from service.api.openai.schemas import ChatMessageOut
+from service.api.responses import json_response, one_chat_answer
 from service.common.errors import APIError
 
 _encoder = msgspec.json.Encoder()
@@ -132,30 +133,26 @@ async def _lines(
 
 async def _answer(gen: Generation, request: Request, model: str, line: _Line) -> Response[Any]:
     """NDJSON lines as the text comes, or one object (the done line, with the whole
-    answer) when it is complete. A stream constrained by ``format`` waits for the
+    answer) when it is complete; a stream constrained by ``format`` waits for the
     engine's first piece, so a schema it refuses is a 400 as without stream."""
-    assert gen.chat is not None
-    output = ChatOutput(n=gen.request.n, thinking=gen.chat.thinking, tools=gen.chat.tools)
-    if gen.request.stream:
-        pieces = await first_piece_held(gen) if gen.chat.json_schema is not None else gen.pieces()
-        return stream_answer(
-            gen,
-            _lines(gen, output, model, line, pieces),
-            frame=_line,
-            error_payload=_error_line,
-            media_type=_NDJSON,
-        )
-    result = await run_to_end(gen, request)
-    if result is None:
-        return gone()
-    texts, reasons = result
-    message, reason = output.message(texts[0], reasons[0])
-    calls = [
-        _ollama_call(c["function"]["name"], c["function"]["arguments"])
-        for c in (message.tool_calls or [])
-    ]
-    part = _Part(message.content or "", message.reasoning_content or "", calls)
-    return json_response(line(model, part, True, _timings(gen, _done_reason(reason))))
+
+    def whole(message: ChatMessageOut, reason: str | None) -> Response[Any]:
+        calls = [
+            _ollama_call(c["function"]["name"], c["function"]["arguments"])
+            for c in (message.tool_calls or [])
+        ]
+        part = _Part(message.content or "", message.reasoning_content or "", calls)
+        return json_response(line(model, part, True, _timings(gen, _done_reason(reason))))
+
+    return await one_chat_answer(
+        gen,
+        request,
+        events=lambda output, pieces: _lines(gen, output, model, line, pieces),
+        whole=whole,
+        frame=_line,
+        error_payload=_error_line,
+        media_type=_NDJSON,
+    )
 
 
 async def chat_answer(gen: Generation, request: Request, model: str) -> Response[Any]:

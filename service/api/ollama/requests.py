@@ -7,9 +7,12 @@ engine's), ``num_predict`` (``max_tokens``; -1 and -2: the rest of the context; 
 (negative: none), ``stop``, ``repeat_penalty`` (``repetition_penalty``),
 ``presence_penalty``, ``frequency_penalty``; their ranges are the OpenAI fields' (one
 declaration, :class:`service.api.sampling.Sampling`), and a value outside them is a
-400 naming the option. Other options (``num_gpu``, ``num_thread``, ``mirostat``...) and
-``keep_alive`` (the model stays loaded while the server runs) are accepted and
-ignored. ``think`` is the template's ``enable_thinking``; ``tools`` work as on ``/v1``
+400 naming the option. Other options (``num_gpu``, ``num_thread``, ``mirostat``...) are
+accepted and ignored; ``keep_alive`` is checked as Ollama reads it, and 0 on a call
+without messages or prompt unloads the model (:mod:`service.api.ollama.loading`).
+``think`` (true, false, "low", "medium", "high") turns thinking on or off, with a budget
+(:mod:`service.api.thinking`; a model that cannot think answers 400 to all but false);
+``tools`` work as on ``/v1``
 (``tool_choice`` auto); ``format`` (``"json"`` or a JSON schema) is structured output
 (:mod:`service.api.structured`). Refused with a 400 rather than dropped: ``images``,
 and ``/api/generate``'s ``suffix``, ``template`` and ``context``.
@@ -27,6 +30,7 @@ from service.api.prompts import Prompt, chat_prompt
 from service.api.request import GenerationRequest, stop_strings
 from service.api.sampling import Sampling
 from service.api.structured import ollama_format
+from service.api.thinking import ollama_thinking, with_thinking
 from service.common.errors import APIError, invalid
 
 # Ollama's option names of the sampling fields whose names differ.
@@ -71,12 +75,6 @@ def _messages(body: OllamaChatRequest) -> list[dict[str, Any]]:
     return out
 
 
-def _thinking(body: OllamaChatRequest | OllamaGenerateRequest) -> dict[str, Any] | None:
-    """Ollama's ``think`` as the template's ``enable_thinking`` (``"high"``... count as
-    on)."""
-    return None if body.think is None else {"enable_thinking": bool(body.think)}
-
-
 def _sampling(o: OllamaOptions) -> Sampling:
     """The sampling fields of ``options``, in their declared ranges.
 
@@ -110,8 +108,10 @@ def _request(
     default_max_tokens: int,
     prompt: Prompt,
     tools: list[Any] | None = None,
+    thinking: tuple[bool | None, int | None] = (None, None),
 ) -> GenerationRequest:
-    """What both calls map alike: ``options``, ``format``, ``stream``."""
+    """What both calls map alike: ``options``, ``format``, ``stream``; ``thinking``:
+    ``think`` as :func:`service.api.thinking.ollama_thinking` reads it."""
     o = body.options or OllamaOptions()
     if o.num_ctx is not None and o.num_ctx < 1:
         raise invalid(f"num_ctx must be at least 1, got {o.num_ctx}", "options.num_ctx")
@@ -141,6 +141,9 @@ def _request(
         tools=tools,
         context_tokens=o.num_ctx,
         stream=body.stream,
+        thinking=thinking[0],
+        thinking_budget=thinking[1],
+        thinking_param="think",
     )
 
 
@@ -156,11 +159,10 @@ def chat_request(
         APIError: 400 naming the field (``options.temperature``, ``format``...).
     """
     _refuse_unsupported(body)
-    if not body.messages:
-        raise invalid("messages must not be empty", "messages")
     tools = body.tools or None
-    (prompt,) = chat_prompt(_messages(body), tools, _thinking(body))
-    return _request(body, request_id, started, default_max_tokens, prompt, tools)
+    thinking = ollama_thinking(body.think)
+    (prompt,) = chat_prompt(_messages(body), tools, with_thinking(None, thinking[0]))
+    return _request(body, request_id, started, default_max_tokens, prompt, tools, thinking)
 
 
 def generate_request(
@@ -173,10 +175,11 @@ def generate_request(
         APIError: 400 naming the field.
     """
     _refuse_unsupported(body)
+    thinking = ollama_thinking(body.think)
     if body.raw:
         prompt = Prompt("prompt", text=body.prompt)
     else:
         messages = [{"role": "system", "content": body.system}] if body.system else []
         messages.append({"role": "user", "content": body.prompt})
-        (prompt,) = chat_prompt(messages, None, _thinking(body))
-    return _request(body, request_id, started, default_max_tokens, prompt)
+        (prompt,) = chat_prompt(messages, None, with_thinking(None, thinking[0]))
+    return _request(body, request_id, started, default_max_tokens, prompt, None, thinking)

@@ -19,7 +19,6 @@ added where the app is built, :func:`service.http.app.create_app`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from functools import partial
 from typing import Any
@@ -30,11 +29,11 @@ from litestar import Controller, Request, Response, get, post
 from engine.text.chat import template_has_tools
 from service.api.generation import start_generation
 from service.api.ollama.answers import chat_answer, generate_answer
+from service.api.ollama.loading import keep_alive_s, load_or_unload
 from service.api.ollama.models import details, models, modified_at, rfc3339
 from service.api.ollama.requests import chat_request, generate_request, model_name
 from service.api.ollama.schemas import (
     OllamaChatRequest,
-    OllamaGenerateChunk,
     OllamaGenerateRequest,
     OllamaModelList,
     OllamaShow,
@@ -42,36 +41,21 @@ from service.api.ollama.schemas import (
     OllamaVersion,
 )
 from service.api.reasoning import template_thinks
-from service.api.request import read_call
+from service.api.request import build_call, read_body
 from service.api.responses import json_response
 from service.api.services import Services
 from service.common.engine_states import NotReady
-from service.common.errors import EXCEPTION_HANDLERS, decode_body
+from service.common.errors import decode_body, reshaped_handlers
 from service.common.version import headroom_version
 
 # Ollama unloads an idle model after keep_alive; this server keeps it while it runs.
 _KEPT_FOR = timedelta(days=365)
 
 
-def _ollama_error(handler: Callable[[Request, Any], Response[Any]]) -> Callable[..., Response[Any]]:
-    """``handler`` (one of the OpenAI-shaped handlers) with Ollama's body: the same
-    status and headers, ``{"error": message}``."""
-
-    def handle(request: Request, exc: Exception) -> Response[Any]:
-        response = handler(request, exc)
-        body = response.content
-        error = body.get("error") if isinstance(body, dict) else None
-        message = error.get("message") if isinstance(error, dict) else str(exc)
-        return Response(
-            content={"error": message},
-            status_code=response.status_code,
-            headers=dict(response.headers),
-        )
-
-    return handle
-
-
-OLLAMA_EXCEPTION_HANDLERS = {kind: _ollama_error(h) for kind, h in EXCEPTION_HANDLERS.items()}
+# Ollama's error body, ``{"error": message}``, with the status the other APIs answer.
+OLLAMA_EXCEPTION_HANDLERS = reshaped_handlers(
+    lambda status, error: (status, {"error": error["message"]})
+)
 
 # The first path segment under /api of each of Ollama's routes served here.
 OLLAMA_ROUTES = frozenset({"chat", "generate", "tags", "ps", "show", "version"})
@@ -95,28 +79,29 @@ class OllamaController(Controller):
 
     @post("/chat", status_code=200)
     async def chat(self, request: Request, svc: Services) -> Response[Any]:
-        """A chat answer, streamed as NDJSON unless ``"stream": false``."""
+        """A chat answer, streamed as NDJSON unless ``"stream": false``; without
+        messages, the model loaded (or unloaded, ``keep_alive`` 0) and an answer at
+        once (:mod:`service.api.ollama.loading`)."""
+        body, started = await read_body(request, OllamaChatRequest)
+        keep_alive_s(body.keep_alive)
+        if not body.messages:
+            return await load_or_unload(svc, body)
         build = partial(chat_request, default_max_tokens=svc.settings.default_max_tokens)
-        body, call = await read_call(request, OllamaChatRequest, build, "ollama")
+        call = build_call(request, body, build, "ollama", started)
         gen, model = await start_generation(svc, model_name(body.model), call)
         return await chat_answer(gen, request, model)
 
     @post("/generate", status_code=200)
     async def generate(self, request: Request, svc: Services) -> Response[Any]:
         """A completion of ``prompt`` (through the chat template unless ``raw``),
-        streamed as NDJSON unless ``"stream": false``; an empty prompt answers at once
-        with ``done_reason: "load"`` once the model is ready."""
-        build = partial(generate_request, default_max_tokens=svc.settings.default_max_tokens)
-        body, call = await read_call(request, OllamaGenerateRequest, build, "ollama")
+        streamed as NDJSON unless ``"stream": false``; an empty prompt loads (or
+        unloads) the model as an empty chat does."""
+        body, started = await read_body(request, OllamaGenerateRequest)
+        keep_alive_s(body.keep_alive)
         if not body.prompt:
-            info = svc.supervisor.check_ready()
-            model = svc.check_model(model_name(body.model), info)
-            reason = "unload" if body.keep_alive in (0, "0", "0s") else "load"
-            created = rfc3339(datetime.now(timezone.utc))
-            chunk = OllamaGenerateChunk(
-                model=model, created_at=created, response="", done=True, done_reason=reason
-            )
-            return json_response(chunk)
+            return await load_or_unload(svc, body)
+        build = partial(generate_request, default_max_tokens=svc.settings.default_max_tokens)
+        call = build_call(request, body, build, "ollama", started)
         gen, model = await start_generation(svc, model_name(body.model), call)
         return await generate_answer(gen, request, model)
 

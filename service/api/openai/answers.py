@@ -38,11 +38,10 @@ from service.api.openai.schemas import (
     TextChoice,
     Usage,
 )
-from service.api.responses import first_piece_held, gone, json_response, run_to_end, stream_answer
+from service.api.responses import first_piece_held, gone, json_response, run_to_end, sse_answer
 from service.common.errors import APIError
 
 _encoder = msgspec.json.Encoder()
-_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _DONE = b"data: [DONE]\n\n"
 
 
@@ -94,15 +93,7 @@ class _Chunks:
 
 
 def _sse_answer(gen: Generation, chunks: AsyncIterator[Any]) -> Stream:
-    return stream_answer(
-        gen,
-        chunks,
-        frame=_sse,
-        error_payload=_error_event,
-        end=_DONE,
-        media_type="text/event-stream",
-        headers=_SSE_HEADERS,
-    )
+    return sse_answer(gen, chunks, _sse, _error_event, _DONE)
 
 
 # -- chat ----------------------------------------------------------------------------

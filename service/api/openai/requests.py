@@ -16,17 +16,13 @@ from engine.wire.messages import MAX_LOGPROBS
 from service.api.openai.schemas import ChatCompletionRequest, CompletionRequest
 from service.api.prompts import chat_prompt, completion_prompts_of
 from service.api.request import GenerationRequest, stop_strings
-from service.api.sampling import Sampling, logit_bias_pairs
+from service.api.sampling import logit_bias_pairs, sampling_of
 from service.api.structured import response_schema
+from service.api.thinking import effort_thinking, with_thinking
 from service.common.errors import invalid
 
 # An unset max_tokens is OpenAI's 16 for text completions.
 COMPLETION_MAX_TOKENS = 16
-
-
-def _sampling(body: Sampling) -> Sampling:
-    """The sampling fields of a body (a copy: the body is not kept)."""
-    return Sampling(**{name: getattr(body, name) for name in Sampling.__struct_fields__})
 
 
 def chat_request(
@@ -41,7 +37,7 @@ def chat_request(
 
     Raises:
         APIError: 400 naming the field (``top_logprobs``, ``functions``,
-            ``response_format``, ``stop``, ``logit_bias``).
+            ``response_format``, ``stop``, ``logit_bias``, ``reasoning_effort``).
     """
     logit_bias, stop = logit_bias_pairs(body.logit_bias), stop_strings(body.stop)
     if body.top_logprobs is not None:
@@ -55,6 +51,9 @@ def chat_request(
     if body.function_call not in (None, "none", "auto"):
         raise invalid("function_call is not supported; send tools and tool_choice instead", "function_call")
     json_schema = response_schema(body.response_format)
+    thinking, budget = effort_thinking(body.reasoning_effort, "reasoning_effort")
+    if body.thinking_budget is not None:
+        budget = body.thinking_budget
     if body.max_completion_tokens is not None:
         max_tokens, param = body.max_completion_tokens, "max_completion_tokens"
     else:
@@ -62,8 +61,12 @@ def chat_request(
     return GenerationRequest(
         request_id=request_id,
         started=started,
-        prompts=tuple(chat_prompt(body.messages, body.tools or None, body.chat_template_kwargs)),
-        sampling=_sampling(body),
+        prompts=tuple(
+            chat_prompt(
+                body.messages, body.tools or None, with_thinking(body.chat_template_kwargs, thinking)
+            )
+        ),
+        sampling=sampling_of(body),
         n=body.n,
         max_tokens=max_tokens,
         max_tokens_param=param,
@@ -76,6 +79,9 @@ def chat_request(
         tools=body.tools,
         tool_choice=body.tool_choice,
         stream=body.stream,
+        thinking=thinking,
+        thinking_budget=budget,
+        thinking_param="thinking_budget" if body.reasoning_effort is None else "reasoning_effort",
     )
 
 
@@ -101,7 +107,7 @@ def completion_request(
         request_id=request_id,
         started=started,
         prompts=tuple(completion_prompts_of(items)),
-        sampling=_sampling(body),
+        sampling=sampling_of(body),
         n=body.n,
         max_tokens=body.max_tokens,
         default_max_tokens=COMPLETION_MAX_TOKENS,

@@ -1,5 +1,5 @@
 """The OpenAI-compatible routes: ``/v1/chat/completions``, ``/v1/completions``,
-``/v1/models``.
+``/v1/responses`` (stateless: :mod:`service.api.openai.responses_input`), ``/v1/models``.
 
 One path per call, each step once: the body is decoded here (not by Litestar's
 signature model) so that every defect in it, empty, not JSON, not an object, a wrong
@@ -30,6 +30,9 @@ from engine.wire.messages import EngineInfo
 from service.api.generation import start_generation
 from service.api.openai.answers import chat_answer, completion_answer
 from service.api.openai.requests import chat_request, completion_request
+from service.api.openai.responses_answers import responses_answer
+from service.api.openai.responses_input import responses_request
+from service.api.openai.responses_schemas import ResponsesRequest
 from service.api.openai.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -95,3 +98,13 @@ class OpenAIController(Controller):
         body, call = await read_call(request, CompletionRequest, completion_request, "cmpl")
         gen, model = await start_generation(svc, body.model, call)
         return await completion_answer(gen, request, model, body.stream_options)
+
+    @post("/responses", status_code=200)
+    async def responses(self, request: Request, svc: Services) -> Response[Any]:
+        """OpenAI's Responses API, stateless: one response object, or its events
+        (SSE) with ``stream``. Errors: see the module docstring and
+        :mod:`service.api.openai.responses_input`."""
+        build = partial(responses_request, default_max_tokens=svc.settings.default_max_tokens)
+        body, call = await read_call(request, ResponsesRequest, build, "resp", "_")
+        gen, model = await start_generation(svc, body.model, call)
+        return await responses_answer(gen, request, model, body)

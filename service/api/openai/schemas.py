@@ -59,7 +59,10 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     objects; content is a string or a list of ``{"type": "text", "text"}`` parts.
     ``max_completion_tokens`` wins over ``max_tokens``; both absent (or null) mean
     ``--default-max-tokens``. ``chat_template_kwargs`` (e.g. ``{"enable_thinking":
-    false}``) are passed to the chat template."""
+    false}``) are passed to the chat template. ``reasoning_effort`` (none, minimal,
+    low, medium, high) turns a thinking model's thinking off or on with a budget;
+    ``thinking_budget`` (an extension) sets that budget in tokens
+    (:mod:`service.api.thinking`)."""
 
     messages: Annotated[list[dict[str, Any]], Meta(min_length=1)]
     max_completion_tokens: TokenCount | None = None
@@ -72,6 +75,8 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     parallel_tool_calls: bool = True
+    reasoning_effort: str | None = None
+    thinking_budget: Annotated[int, Meta(ge=0)] | None = None
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):

@@ -6,7 +6,7 @@ import type { HeadroomState } from "../../src/state.js";
 import type { ServerMessage } from "../../src/types.js";
 import { bands, SERIES, VramChart } from "./chart.js";
 import { type ChatMessage, streamChat } from "./chat.js";
-import { exitText, healthView, memoryView } from "./view.js";
+import { exitText, healthView, memoryView, noPlanText, usablePages, workerPhaseText } from "./view.js";
 
 const TOKEN_KEY = "headroom.token";
 
@@ -96,7 +96,7 @@ function renderHealth(s: HeadroomState): void {
 function renderWorker(s: HeadroomState): void {
   const w = s.worker;
   document.body.dataset.worker = w?.phase ?? "unknown";
-  $("worker-phase").textContent = w?.phase ?? "–";
+  $("worker-phase").textContent = workerPhaseText(w?.phase, s.health?.status);
   $("worker-pid").textContent = w?.pid != null ? String(w.pid) : s.health?.worker_pid != null ? String(s.health.worker_pid) : "–";
   $("worker-restarts").textContent = String(s.health?.restarts ?? w?.restarts ?? 0);
   const parts: string[] = [];
@@ -110,7 +110,7 @@ function renderWorker(s: HeadroomState): void {
   const info = s.engine?.info;
   $("engine").textContent = info
     ? `${info.architecture} on ${info.device} (${info.dtype}); context ${info.max_context_tokens} tokens ` +
-      `(model ${info.model_context_tokens}); KV ${info.num_pages} pages × ${info.page_size} = ${formatBytes(info.kv_cache_bytes)}; ` +
+      `(model ${info.model_context_tokens}); KV ${usablePages(info)} pages × ${info.page_size} = ${formatBytes(info.kv_cache_bytes)}; ` +
       `weights ${formatBytes(info.weight_bytes)}`
     : "–";
 }
@@ -157,7 +157,7 @@ function renderPlan(s: HeadroomState): void {
   $("plan-summary").textContent = !s.plan
     ? "no plan yet"
     : !plan
-      ? "the KV cache size is fixed (no plan made)"
+      ? noPlanText(s.engine?.info ?? null)
       : planSummary(plan);
   if (!plan) return;
   for (const e of plan.ledger) {
@@ -347,8 +347,11 @@ function start(token: string): void {
         renderWorker(s);
         break;
       case "worker":
+        renderWorker(s);
+        break;
       case "engine":
         renderWorker(s);
+        renderPlan(s); // without a plan, its line reads the engine's pool
         break;
       case "plan":
         renderPlan(s);

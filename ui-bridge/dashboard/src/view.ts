@@ -1,6 +1,7 @@
 // What the dashboard says about the service's state and its memory: pure functions of
 // the events, so they are tested without a browser (test/dashboard.test.ts).
-import type { HealthEvent, VramEvent, WorkerEvent } from "../../src/types.js";
+import { formatBytes } from "../../src/format.js";
+import type { EngineInfo, HealthEvent, VramEvent, WorkerEvent } from "../../src/types.js";
 import type { VramSample } from "./chart.js";
 
 /** How a state looks: `tone` picks the badge's colour (a CSS class). */
@@ -36,9 +37,40 @@ export function healthView(health: Pick<HealthEvent, "reason" | "retry_after_s">
   const label = known?.label ?? health.status.replace(/_/g, " ");
   const tone = known?.tone ?? "unknown";
   const parts: string[] = [];
-  if (health.reason) parts.push(health.reason);
-  if (health.retry_after_s != null && health.status !== "ready") parts.push(`retry in ~${health.retry_after_s} s`);
+  if (health.reason) parts.push(...health.reason.split("; ").filter((p) => !(health.status === "paused" && RESUME_ROUTE.test(p))));
+  if (health.status === "paused") parts.push("Resume loads it again");
+  else if (health.retry_after_s != null && health.status !== "ready") parts.push(`retry in ~${health.retry_after_s} s`);
   return { label, tone, detail: parts.join("; ") };
+}
+
+// A paused service's reason names the control route that resumes it (for curl); the page
+// has the Resume button beside it instead.
+const RESUME_ROUTE = /\/api\/control\/resume/;
+
+/** The worker's phase for people: its last event's, read with the service's state (a
+ * worker whose last event is `started` is ready once the service is, and loading before). */
+export function workerPhaseText(phase: string | null | undefined, status: string | null | undefined): string {
+  if (!phase) return "–";
+  if (phase === "started" && status === "ready") return "ready";
+  if (phase === "started" && (status === "starting" || status === "restarting")) return "loading the model";
+  return phase;
+}
+
+/** Pages of the KV pool a request can use: the engine's pool less its null page, as the
+ * engine's counters (`total_pages`) and the plan (`num_pages`) count them. */
+export function usablePages(info: Pick<EngineInfo, "num_pages">): number {
+  return Math.max(info.num_pages - 1, 0);
+}
+
+/** The plan panel's line when the engine made no memory plan: on the CPU the pool has
+ * its default size (or --kv-cache's), on a GPU --kv-cache or --num-pages fixed it. */
+export function noPlanText(info: Pick<EngineInfo, "device" | "num_pages" | "page_size" | "kv_cache_bytes"> | null): string {
+  if (!info) return "no memory plan: the KV cache has a set size";
+  const pool = `${usablePages(info)} pages × ${info.page_size} tokens (${formatBytes(info.kv_cache_bytes)})`;
+  if (info.device === "cpu") {
+    return `no memory plan on the CPU: the KV pool is ${pool} of the host's RAM, used as it fills (--kv-cache sets its size)`;
+  }
+  return `no memory plan: the KV pool is set to ${pool} (--kv-cache or --num-pages)`;
 }
 
 /** The worker's last exit for people: pid, time, code or signal and why (a restart

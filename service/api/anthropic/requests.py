@@ -1,0 +1,289 @@
+"""Anthropic's bodies as the one :class:`~service.api.request.GenerationRequest` a call
+runs as, on the path of the other APIs.
+
+The conversation becomes the chat messages the model's template renders: ``system``
+(text or text blocks) a system message first; a user turn's ``tool_result`` blocks one
+``tool`` message each (in their order, before the turn's text; ``is_error`` puts
+``Error: `` before the result), its text blocks the user message; an assistant turn's
+text its content and its ``tool_use`` blocks its tool calls (earlier ``thinking`` is not
+sent back to the model, as Anthropic does); consecutive turns of one role are one.
+``tools`` become function tools (``input_schema`` their parameters) and ``tool_choice``
+their choice (``auto``, ``any``: a call is required, ``tool``: that one, ``none``),
+through the tools machinery of :mod:`service.api.tools`. ``thinking`` is the template's
+``enable_thinking``: ``enabled``, ``adaptive`` and ``between_tools`` true, ``disabled``
+and none false (no thinking unless asked, as Anthropic does); ``budget_tokens`` (at
+least 1024, below ``max_tokens``, as Anthropic requires) becomes ``thinking_budget``.
+``max_tokens`` larger than what the context leaves after the prompt is cut to it, as
+Anthropic's recent models do (the answer then ends with
+``model_context_window_exceeded``): Claude Code asks for more than a local model's
+context holds. ``output_config.format`` is the answer's JSON schema.
+
+Refused with a 400 rather than dropped: image and document blocks (this server serves
+text models), Anthropic's server tools, a last turn that is the assistant's (an
+answer's prefill), blocks in a turn of the other role.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from service.api.anthropic.schemas import (
+    CountTokensRequest,
+    DocumentBlock,
+    ImageBlock,
+    MessagesRequest,
+    TextBlock,
+    ThinkingDisabled,
+    ThinkingEnabled,
+    ToolChoiceAny,
+    ToolChoiceAuto,
+    ToolChoiceNone,
+    ToolResultBlock,
+    ToolUseBlock,
+)
+from service.api.prompts import Prompt, chat_prompt
+from service.api.request import GenerationRequest, stop_strings
+from service.api.sampling import Sampling
+from service.common.errors import APIError, invalid
+
+# Anthropic's least thinking budget.
+MIN_THINKING_BUDGET = 1024
+_NO_VISION = "this model has no vision: image blocks are not supported by this server"
+
+
+def _text(blocks: str | list[Any], param: str) -> str:
+    """Text, or text blocks joined by newlines; any other block is a 400."""
+    if isinstance(blocks, str):
+        return blocks
+    texts = []
+    for j, block in enumerate(blocks):
+        if isinstance(block, TextBlock):
+            texts.append(block.text)
+        elif isinstance(block, ImageBlock):
+            raise invalid(_NO_VISION, f"{param}[{j}]")
+        else:
+            raise invalid(f"{param}[{j}]: only text blocks are supported here", f"{param}[{j}]")
+    return "\n".join(texts)
+
+
+def _user_turn(content: list[Any], i: int, names: dict[str, str]) -> list[dict[str, Any]]:
+    """A user turn's blocks as chat messages: its tool results, then its text."""
+    out: list[dict[str, Any]] = []
+    texts = []
+    for j, block in enumerate(content):
+        param = f"messages[{i}].content[{j}]"
+        if isinstance(block, ToolResultBlock):
+            result = _text(block.content, f"{param}.content")
+            message = {
+                "role": "tool",
+                "tool_call_id": block.tool_use_id,
+                "content": "Error: " + result if block.is_error else result,
+            }
+            if block.tool_use_id in names:
+                message["name"] = names[block.tool_use_id]
+            out.append(message)
+        elif isinstance(block, TextBlock):
+            texts.append(block.text)
+        elif isinstance(block, ImageBlock):
+            raise invalid(_NO_VISION, param)
+        elif isinstance(block, DocumentBlock):
+            raise invalid("document blocks are not supported by this server", param)
+        else:
+            raise invalid(f"{param}: a {block.__struct_config__.tag} block belongs in an assistant turn", param)
+    if texts or not out:
+        out.append({"role": "user", "content": "\n".join(texts)})
+    return out
+
+
+def _assistant_turn(content: list[Any], i: int, names: dict[str, str]) -> dict[str, Any]:
+    """An assistant turn's blocks as one message: text and tool calls (thinking
+    dropped)."""
+    texts, calls = [], []
+    for j, block in enumerate(content):
+        if isinstance(block, TextBlock):
+            texts.append(block.text)
+        elif isinstance(block, ToolUseBlock):
+            names[block.id] = block.name
+            arguments = json.dumps(block.input, ensure_ascii=False)
+            calls.append({"id": block.id, "type": "function", "function": {"name": block.name, "arguments": arguments}})
+        elif isinstance(block, (ImageBlock, DocumentBlock, ToolResultBlock)):
+            param = f"messages[{i}].content[{j}]"
+            raise invalid(f"{param}: a {block.__struct_config__.tag} block belongs in a user turn", param)
+    message: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts)}
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def chat_messages(body: CountTokensRequest) -> list[dict[str, Any]]:
+    """The conversation as the chat messages the template renders (module docstring).
+
+    Raises:
+        APIError: 400 naming the block or turn at fault.
+    """
+    out: list[dict[str, Any]] = []
+    if body.system:
+        out.append({"role": "system", "content": _text(body.system, "system")})
+    names: dict[str, str] = {}  # tool_use id -> the tool's name, for its result
+    for i, turn in enumerate(body.messages):
+        if turn.role == "assistant":
+            blocks = [TextBlock(text=turn.content)] if isinstance(turn.content, str) else turn.content
+            out.append(_assistant_turn(blocks, i, names))
+        elif isinstance(turn.content, str):
+            out.append({"role": "user", "content": turn.content})
+        else:
+            out += _user_turn(turn.content, i, names)
+    return _joined(out)
+
+
+def _joined(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Consecutive user (or assistant) messages as one, their texts apart by a blank
+    line, as Anthropic combines consecutive turns of a role (templates that require
+    turns to alternate take them); an assistant message is not continued after its
+    tool calls."""
+    out: list[dict[str, Any]] = []
+    for message in messages:
+        last = out[-1] if out else None
+        if (
+            last is not None
+            and last["role"] == message["role"] in ("user", "assistant")
+            and not last.get("tool_calls")
+        ):
+            last["content"] = "\n\n".join(t for t in (last["content"], message["content"]) if t)
+            if message.get("tool_calls"):
+                last["tool_calls"] = message["tool_calls"]
+            continue
+        out.append(message)
+    return out
+
+
+def _tools(body: CountTokensRequest) -> list[dict[str, Any]] | None:
+    """``tools`` as function tools.
+
+    Raises:
+        APIError: 400 ``tools[i]`` for a server tool or a tool without ``input_schema``.
+    """
+    if not body.tools:
+        return None
+    out = []
+    for i, tool in enumerate(body.tools):
+        if tool.type not in (None, "custom"):
+            raise invalid(
+                f"tools[{i}]: server tools ({tool.type}) are not supported by this server; "
+                "send client tools with an input_schema",
+                f"tools[{i}]",
+            )
+        if tool.input_schema is None:
+            raise invalid(f"tools[{i}].input_schema is required", f"tools[{i}].input_schema")
+        function = {"name": tool.name, "description": tool.description, "parameters": tool.input_schema}
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def _tool_choice(body: CountTokensRequest) -> Any:
+    """``tool_choice`` as the tools machinery takes it (OpenAI's values)."""
+    choice = body.tool_choice
+    if choice is None or isinstance(choice, ToolChoiceAuto):
+        return None if choice is None else "auto"
+    if isinstance(choice, ToolChoiceNone):
+        return "none"
+    if isinstance(choice, ToolChoiceAny):
+        return "required"
+    return {"type": "function", "function": {"name": choice.name}}
+
+
+def _prompt(body: CountTokensRequest, tools: list[dict[str, Any]] | None) -> Prompt:
+    thinking = body.thinking is not None and not isinstance(body.thinking, ThinkingDisabled)
+    if body.messages[-1].role == "assistant":
+        raise invalid(
+            "the last turn is the assistant's: continuing (prefilling) an answer is not "
+            "supported by this server; end with a user turn",
+            f"messages[{len(body.messages) - 1}]",
+        )
+    (prompt,) = chat_prompt(chat_messages(body), tools, {"enable_thinking": thinking})
+    return prompt
+
+
+def _thinking_budget(body: MessagesRequest) -> int | None:
+    """``thinking.budget_tokens``, checked as Anthropic checks it."""
+    if not isinstance(body.thinking, ThinkingEnabled):
+        return None
+    budget = body.thinking.budget_tokens
+    if budget < MIN_THINKING_BUDGET or budget >= body.max_tokens:
+        raise invalid(
+            f"thinking.budget_tokens must be at least {MIN_THINKING_BUDGET} and less than "
+            f"max_tokens ({body.max_tokens}), got {budget}",
+            "thinking.budget_tokens",
+        )
+    return budget
+
+
+def _output_schema(body: MessagesRequest) -> str | None:
+    """``output_config.format``'s schema as JSON text, or None."""
+    config = body.output_config
+    if config is None or config.format is None:
+        return None
+    return json.dumps(config.format.schema)
+
+
+def messages_request(body: MessagesRequest, request_id: str, started: float) -> GenerationRequest:
+    """``/v1/messages``'s body as the request it runs as.
+
+    Raises:
+        APIError: 400 naming the field (``stop_sequences``, ``tools[i]``,
+            ``thinking.budget_tokens``, a block of ``messages``...).
+    """
+    budget = _thinking_budget(body)
+    try:
+        stop = stop_strings(body.stop_sequences)
+    except APIError as exc:
+        exc.param = "stop_sequences"
+        raise
+    tools = _tools(body)
+    return GenerationRequest(
+        request_id=request_id,
+        started=started,
+        prompts=(_prompt(body, tools),),
+        sampling=Sampling(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k),
+        # Up to max_tokens, as much as the context leaves (stop reason
+        # model_context_window_exceeded when that was less).
+        default_max_tokens=body.max_tokens,
+        stop=tuple(stop),
+        chat=True,
+        tools=tools,
+        tool_choice=_tool_choice(body),
+        json_schema=_output_schema(body),
+        stream=body.stream,
+        # enabled: think (within the budget); disabled or absent: no thinking, a block the
+        # model opens anyway closed at once; adaptive: as the template decides.
+        thinking=(True if isinstance(body.thinking, ThinkingEnabled)
+                  else False if body.thinking is None or isinstance(body.thinking, ThinkingDisabled) else None),
+        thinking_budget=budget,
+        thinking_param="thinking",
+    )
+
+
+def count_request(body: CountTokensRequest, request_id: str, started: float) -> GenerationRequest:
+    """``/v1/messages/count_tokens``'s body as a request whose prompt is counted (never
+    run).
+
+    Raises:
+        APIError: 400 naming the field, as :func:`messages_request`.
+    """
+    tools = _tools(body)
+    return GenerationRequest(
+        request_id=request_id,
+        started=started,
+        prompts=(_prompt(body, tools),),
+        sampling=Sampling(),
+        chat=True,
+        tools=tools,
+        tool_choice=_tool_choice(body),
+    )
+
+
+def thinking_asked(body: CountTokensRequest) -> bool:
+    """Whether the body asks for thinking as a must (``enabled``): a model whose template
+    cannot think answers it 400 (``adaptive`` leaves it to the model)."""
+    return isinstance(body.thinking, ThinkingEnabled)

@@ -1,0 +1,142 @@
+"""Ollama's load and unload calls, as Ollama answers them.
+
+A ``/api/chat`` without messages, or a ``/api/generate`` without a prompt, loads the
+model and answers at once (not streamed, whatever ``stream`` says)::
+
+    {"model", "created_at", "message": {"role": "assistant", "content": ""},
+     "done_reason": "load", "done": true}
+
+(``/api/generate``'s with ``"response": ""`` in place of ``message``). With
+``keep_alive`` 0 the same call unloads it instead (``done_reason: "unload"``): the
+worker stops and gives its memory back, the supervisor is ``idle``, and the next
+request loads it again (:mod:`service.supervision.unloading`). A paused engine stays
+paused; one already without a worker answers at once.
+
+``keep_alive`` is read as Ollama reads it (:func:`keep_alive_s`): a number of seconds
+(also as text, ``"0"``, ``"-1"``), or Go's duration text (``"0s"``, ``"5m"``,
+``"1h30m"``, ``"250ms"``); negative means forever. Anything else is a 400, as in Ollama. A nonzero value is accepted and
+changes nothing: the model stays loaded while the server runs (or ``--keep-alive``).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from datetime import datetime, timezone
+from typing import Any
+
+from litestar import Response
+
+from service.api.ollama.models import rfc3339
+from service.api.ollama.requests import model_name
+from service.api.ollama.schemas import (
+    OllamaChatChunk,
+    OllamaChatRequest,
+    OllamaGenerateChunk,
+    OllamaGenerateRequest,
+    OllamaMessage,
+)
+from service.api.responses import json_response
+from service.api.services import Services
+from service.common.engine_states import State
+from service.common.errors import invalid
+
+log = logging.getLogger("headroom.api")
+
+# Go's time.ParseDuration units, in seconds.
+_UNIT_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)")
+_PART = re.compile(r"(\d+\.?\d*|\.\d+)([a-zµμ]*)")
+
+# The states an unload stops a worker in (loaded, or loading).
+_UNLOADABLE = (State.READY, State.STARTING, State.RESTARTING)
+
+
+def _go_duration_s(text: str) -> float:
+    """Seconds of Go's duration text (``"1h30m"``, ``"-5m"``, ``"0"``).
+
+    Raises:
+        ValueError: with Go's words (``invalid duration "abc"``, ``missing unit in
+            duration "5"``, ``unknown unit "d" in duration "1d"``).
+    """
+    body = text.lstrip("+-")
+    sign = -1.0 if text.startswith("-") else 1.0
+    total, at = 0.0, 0
+    if not body:
+        raise ValueError(f'invalid duration "{text}"')
+    while at < len(body):
+        match = _PART.match(body, at)
+        if match is None:
+            raise ValueError(f'invalid duration "{text}"')
+        number, unit = match.groups()
+        if not unit:
+            raise ValueError(f'missing unit in duration "{text}"')
+        if unit not in _UNIT_S:
+            raise ValueError(f'unknown unit "{unit}" in duration "{text}"')
+        total += float(number) * _UNIT_S[unit]
+        at = match.end()
+    return sign * total
+
+
+def keep_alive_s(value: Any) -> float | None:
+    """Ollama's ``keep_alive`` in seconds: None when absent, ``inf`` when negative.
+
+    Raises:
+        APIError: 400 ``keep_alive`` for text that is no Go duration or a value of
+            another type (Ollama refuses them when it reads the body).
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise invalid(f"keep_alive: unsupported type: '{type(value).__name__}'", "keep_alive")
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            # A number of seconds as text ("0", "-1", "300"), else Go's duration text.
+            seconds = float(text) if _NUMBER.fullmatch(text) else _go_duration_s(text)
+        except ValueError as exc:
+            raise invalid(f"keep_alive: time: {exc}", "keep_alive") from None
+    else:
+        seconds = float(value)
+    return float("inf") if seconds < 0 else seconds
+
+
+def wants_unload(keep_alive: Any) -> bool:
+    """Whether ``keep_alive`` (checked by :func:`keep_alive_s`) asks for an unload:
+    zero, in any spelling."""
+    return keep_alive_s(keep_alive) == 0
+
+
+async def load_or_unload(svc: Services, body: OllamaChatRequest | OllamaGenerateRequest) -> Response[bytes]:
+    """Answer a call without messages (chat) or prompt (generate): unload the model
+    for ``keep_alive`` 0, else load it and wait until it serves (see the module
+    docstring).
+
+    Raises:
+        APIError: 400 for a bad ``keep_alive``; 404 for a model this server does not
+            serve.
+        NotReady: the model could not be loaded (503 with Retry-After).
+    """
+    supervisor = svc.supervisor
+    name = model_name(body.model)
+    # The name is checked first, as Ollama does (404 before any loading), against the
+    # last worker's facts while none is loaded.
+    model = svc.check_model(name, supervisor.info) if supervisor.info is not None else name
+    if wants_unload(body.keep_alive):
+        if supervisor.state in _UNLOADABLE:
+            await supervisor.unload(
+                State.IDLE, "unloaded by a keep_alive 0 request (Ollama's API); the next request loads it again"
+            )
+        reason = "unload"
+    else:
+        model = svc.check_model(name, await supervisor.ready())
+        reason = "load"
+    created = rfc3339(datetime.now(timezone.utc))
+    if isinstance(body, OllamaChatRequest):
+        return json_response(OllamaChatChunk(
+            model=model, created_at=created, message=OllamaMessage(role="assistant", content=""),
+            done=True, done_reason=reason,
+        ))
+    return json_response(OllamaGenerateChunk(
+        model=model, created_at=created, response="", done=True, done_reason=reason
+    ))

@@ -1,0 +1,252 @@
+"""A Responses API body as the one :class:`~service.api.request.GenerationRequest` a
+call runs as: its input items as chat messages, its flat tools as chat tools, its
+``text.format`` as a response format, its ``reasoning.effort`` as thinking.
+
+Input items, in order, become the messages the model's chat template renders:
+
+- ``message`` (or an item with a ``role`` and no ``type``): its role (``developer`` is
+  ``system``), its text (a string, or ``input_text``/``output_text`` parts joined);
+  an ``input_image`` or ``input_file`` part is a 400 (this server serves text
+  models);
+- ``function_call``: a tool call of the assistant turn (joined to the assistant
+  message just before it, if any), with ``call_id`` as its id;
+- ``function_call_output``: a ``tool`` message answering ``call_id``;
+- ``reasoning``: its ``reasoning_text`` goes with the next assistant turn as
+  ``reasoning_content``, which the template renders or leaves out as it chooses.
+
+Refused with a 400 naming the field: ``previous_response_id`` and ``conversation``
+(the server is stateless: send the whole input), ``background``, ``prompt``,
+``top_logprobs``, an ``item_reference`` or unknown item, a tool other than
+``function`` (``web_search``, ``file_search``...), and an unknown ``tool_choice``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from service.api.openai.responses_schemas import ResponsesRequest
+from service.api.prompts import chat_prompt
+from service.api.request import GenerationRequest
+from service.api.sampling import sampling_of
+from service.api.structured import response_schema
+from service.api.thinking import effort_thinking, with_thinking
+from service.common.errors import APIError, invalid
+
+_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+_TEXT_PARTS = ("input_text", "output_text", "text")
+_STATELESS = (
+    "this server is stateless and stores no responses: send the whole conversation as "
+    "input instead"
+)
+
+
+def _refuse_stateful(body: ResponsesRequest) -> None:
+    if body.previous_response_id is not None:
+        raise invalid(f"previous_response_id is not supported: {_STATELESS}", "previous_response_id")
+    if body.conversation is not None:
+        raise invalid(f"conversation is not supported: {_STATELESS}", "conversation")
+    if body.background:
+        raise invalid("background responses are not supported by this server", "background")
+    if body.prompt is not None:
+        raise invalid("stored prompts are not supported by this server; send input", "prompt")
+    if body.top_logprobs:
+        raise invalid("top_logprobs is not supported on /v1/responses", "top_logprobs")
+
+
+def _text(content: Any, param: str) -> str:
+    """A message's content as text: a string, or its text parts joined."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise invalid("content must be a string or a list of content parts", param)
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in _TEXT_PARTS and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif kind in ("input_image", "input_file", "input_audio"):
+            raise invalid(
+                f"{kind} is not supported: this model has no vision or file input (text only)",
+                f"{param}[{j}]",
+            )
+        else:
+            raise invalid(
+                "each content part must be {'type': 'input_text' or 'output_text', 'text': ...}",
+                f"{param}[{j}]",
+            )
+    return "".join(texts)
+
+
+def _reasoning_text(item: dict[str, Any]) -> str:
+    parts = item.get("content") or []
+    return "".join(
+        p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)
+    )
+
+
+def input_messages(input: str | list[Any], instructions: str | None) -> list[dict[str, Any]]:
+    """The chat messages of a Responses ``input`` (see the module docstring).
+
+    Raises:
+        APIError: 400 naming ``input[i]`` (or a part of it) for an item this server
+            cannot take.
+    """
+    messages: list[dict[str, Any]] = []
+    if instructions:
+        messages.append({"role": "system", "content": instructions})
+    if isinstance(input, str):
+        return [*messages, {"role": "user", "content": input}]
+    if not input:
+        raise invalid("input must not be empty", "input")
+    reasoning = ""
+    for i, item in enumerate(input):
+        param = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise invalid("each input item must be an object", param)
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "message":
+            role = _ROLES.get(item.get("role"))  # type: ignore[arg-type]
+            if role is None:
+                raise invalid("role must be user, assistant, system or developer", f"{param}.role")
+            message: dict[str, Any] = {"role": role, "content": _text(item.get("content"), f"{param}.content")}
+            if role == "assistant" and reasoning:
+                message["reasoning_content"], reasoning = reasoning, ""
+            messages.append(message)
+        elif kind == "function_call":
+            arguments = item.get("arguments") or "{}"
+            if not all(isinstance(v, str) for v in (item.get("name"), item.get("call_id"), arguments)):
+                raise invalid("a function_call needs call_id, name and arguments", param)
+            call = {
+                "id": item["call_id"],
+                "type": "function",
+                "function": {"name": item["name"], "arguments": arguments},
+            }
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and not reasoning:
+                last.setdefault("tool_calls", []).append(call)
+                continue
+            message = {"role": "assistant", "content": "", "tool_calls": [call]}
+            if reasoning:
+                message["reasoning_content"], reasoning = reasoning, ""
+            messages.append(message)
+        elif kind == "function_call_output":
+            if not isinstance(item.get("call_id"), str):
+                raise invalid("a function_call_output needs call_id and output", param)
+            output = item.get("output", "")
+            messages.append(
+                {"role": "tool", "tool_call_id": item["call_id"], "content": _text(output, f"{param}.output")}
+            )
+        elif kind == "reasoning":
+            reasoning += _reasoning_text(item)
+        elif kind == "item_reference":
+            raise invalid(f"item_reference is not supported: {_STATELESS}", param)
+        else:
+            raise invalid(
+                f"input item type {kind!r} is not supported; send message, function_call, "
+                "function_call_output or reasoning items",
+                param,
+            )
+    return messages
+
+
+def chat_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
+    """Responses' flat function tools in the chat shape (``{"type": "function",
+    "function": {...}}``).
+
+    Raises:
+        APIError: 400 ``tools[i]`` for a built-in tool type or a function without a
+            name.
+    """
+    if not tools:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind != "function":
+            raise invalid(
+                f"tool type {kind!r} is not supported: this server runs function tools only "
+                "(no web_search, file_search, code_interpreter...)",
+                f"tools[{i}]",
+            )
+        if not isinstance(tool.get("name"), str):
+            raise invalid("a function tool needs a name", f"tools[{i}].name")
+        function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def chat_tool_choice(tool_choice: Any) -> Any:
+    """Responses' ``tool_choice`` in the chat shape (``{"type": "function", "name"}``
+    becomes ``{"type": "function", "function": {"name"}}``).
+
+    Raises:
+        APIError: 400 ``tool_choice`` for a built-in tool or an unknown form.
+    """
+    if tool_choice is None or tool_choice in ("auto", "none", "required"):
+        return tool_choice
+    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
+        if isinstance(tool_choice.get("name"), str):
+            return {"type": "function", "function": {"name": tool_choice["name"]}}
+    raise invalid(
+        "tool_choice must be 'auto', 'none', 'required' or {'type': 'function', 'name': ...}",
+        "tool_choice",
+    )
+
+
+def text_schema(text: dict[str, Any] | None) -> str | None:
+    """The JSON schema ``text.format`` constrains the answer to, or None.
+
+    Raises:
+        APIError: 400 ``text.format`` for an unknown type or a json_schema without a
+            ``schema`` object.
+    """
+    fmt = (text or {}).get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise invalid("text.format must be an object", "text.format")
+    response_format = dict(fmt)
+    if fmt.get("type") == "json_schema":
+        response_format = {"type": "json_schema", "json_schema": {"schema": fmt.get("schema")}}
+    try:
+        return response_schema(response_format)
+    except APIError as exc:
+        exc.param = "text.format"
+        raise
+
+
+def responses_request(
+    body: ResponsesRequest, request_id: str, started: float, default_max_tokens: int
+) -> GenerationRequest:
+    """A Responses body as the request it runs as (one answer).
+
+    Args:
+        default_max_tokens: ``--default-max-tokens``, the length when
+            ``max_output_tokens`` is absent (0: the rest of the context).
+
+    Raises:
+        APIError: 400 naming the field (see the module docstring; ``text.format``,
+            ``reasoning.effort``).
+    """
+    _refuse_stateful(body)
+    effort = (body.reasoning or {}).get("effort")
+    thinking, budget = effort_thinking(effort, "reasoning.effort")
+    tools = chat_tools(body.tools)
+    messages = input_messages(body.input, body.instructions)
+    return GenerationRequest(
+        request_id=request_id,
+        started=started,
+        prompts=tuple(chat_prompt(messages, tools, with_thinking(None, thinking))),
+        sampling=sampling_of(body),
+        max_tokens=body.max_output_tokens,
+        max_tokens_param="max_output_tokens",
+        default_max_tokens=default_max_tokens or None,
+        json_schema=text_schema(body.text),
+        chat=True,
+        tools=tools,
+        tool_choice=chat_tool_choice(body.tool_choice),
+        stream=body.stream,
+        thinking=thinking,
+        thinking_budget=budget,
+        thinking_param="reasoning.effort",
+    )

@@ -1,0 +1,93 @@
+"""Reasoning control: whether a thinking model thinks, and for how many tokens.
+
+Each API says it its own way, and each becomes the same two facts of the one
+:class:`~service.api.request.GenerationRequest`: ``thinking`` (on, off, or None: the
+template's default) and ``thinking_budget`` (the most reasoning tokens, None: no
+limit):
+
+- OpenAI's ``reasoning_effort`` (chat completions) and ``reasoning.effort``
+  (Responses): ``none`` and ``minimal`` turn thinking off; ``low``, ``medium`` and
+  ``high`` turn it on with the budgets of :data:`EFFORT_BUDGETS`.
+- Ollama's ``think``: ``false`` off, ``true`` on (no limit), ``"low"``, ``"medium"``,
+  ``"high"`` as OpenAI's efforts.
+
+Thinking off is the template's ``enable_thinking: false`` (the template closes an
+empty block in the prompt), backed by a budget of 0: a model that opens a block anyway
+has it closed at once. A budget is enforced in the engine
+(:mod:`engine.sampling.thinking`). Asking a model whose template cannot think to
+think is a 400 (:func:`check_thinking`); asking it not to is always accepted.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from service.api.reasoning import template_thinks
+from service.common.errors import invalid
+
+# Reasoning tokens per effort: enough for a short check (low), a worked problem
+# (medium), and no cap (high).
+EFFORT_BUDGETS: dict[str, int | None] = {"low": 1024, "medium": 4096, "high": None}
+EFFORTS_OFF = ("none", "minimal")
+
+
+def effort_thinking(effort: str | None, param: str) -> tuple[bool | None, int | None]:
+    """``(thinking, thinking_budget)`` of OpenAI's reasoning effort (None: not set).
+
+    Raises:
+        APIError: 400 naming ``param`` for an effort that is none of
+            none/minimal/low/medium/high.
+    """
+    if effort is None:
+        return None, None
+    if not isinstance(effort, str):
+        raise invalid(f"{param} must be a string", param)
+    if effort in EFFORTS_OFF:
+        return False, None
+    if effort in EFFORT_BUDGETS:
+        return True, EFFORT_BUDGETS[effort]
+    raise invalid(
+        f"{param} must be one of none, minimal, low, medium, high; got {effort!r}", param
+    )
+
+
+def ollama_thinking(think: Any) -> tuple[bool | None, int | None]:
+    """``(thinking, thinking_budget)`` of Ollama's ``think`` (None: not set).
+
+    Raises:
+        APIError: 400 ``think`` for anything but a boolean or low/medium/high.
+    """
+    if think is None or isinstance(think, bool):
+        return think, None
+    if isinstance(think, str) and think in EFFORT_BUDGETS:
+        return True, EFFORT_BUDGETS[think]
+    raise invalid('think must be true, false, "low", "medium" or "high"', "think")
+
+
+def with_thinking(template_kwargs: dict[str, Any] | None, thinking: bool | None) -> dict[str, Any] | None:
+    """The template variables with ``enable_thinking`` set from ``thinking`` (the
+    client's own ``enable_thinking`` wins; None: unchanged)."""
+    if thinking is None:
+        return template_kwargs
+    return {"enable_thinking": thinking, **(template_kwargs or {})}
+
+
+def thinking_asked(thinking: bool | None, budget: int | None) -> bool:
+    """Whether a call asks the model to think (on, or a budget without saying on)."""
+    return thinking if thinking is not None else budget is not None
+
+
+def check_thinking(thinking: bool | None, budget: int | None, chat_template: str | None, model: str, param: str) -> None:
+    """Refuse thinking asked of a model whose template writes no thinking block.
+
+    Raises:
+        APIError: 400 naming ``param``: ``"<model>" does not support thinking``.
+    """
+    if thinking_asked(thinking, budget) and not template_thinks(chat_template):
+        raise invalid(f'"{model}" does not support thinking', param)
+
+
+def budget_tokens(thinking: bool | None, budget: int | None) -> int | None:
+    """The reasoning tokens a sequence may write: 0 when thinking is off, else
+    ``budget`` (None: no limit)."""
+    return 0 if thinking is False else budget

@@ -1,0 +1,107 @@
+"""``headroom generate`` through the running ``headroom serve``: when one runs
+(:func:`service.cli.instance.running`) and answers, the reply streams from it in
+moments instead of a second engine loading (and holding a second copy of the model).
+
+The prompt goes to ``/v1/chat/completions`` (``--chat``, the default) or
+``/v1/completions`` (``--raw``) with generate's ``--max-tokens``, ``--temperature``
+and ``--seed``, streamed; the text is written as it comes, as the in-process engine
+writes it. The service's own settings apply (its model, context, device): a
+``--model`` it does not serve, a service that does not answer or is not ready (a
+paused one stays paused) leaves the work to the in-process engine, saying why on
+stderr. Any other refusal (a prompt too long for its context) is the command's error.
+
+Light at import (httpx only when called), like the whole of :mod:`service.cli`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any, TextIO
+
+from service.cli.exits import fail
+
+# Seconds to connect and to wait for the answer's head (a worker that is loading
+# answers 503 at once, so this bounds only a service that hangs).
+CONNECT_TIMEOUT_S = 5.0
+HEAD_TIMEOUT_S = 30.0
+
+
+def _request(prompt: str, chat: bool, model: str | None, max_tokens: int, temperature: float,
+             seed: int | None) -> tuple[str, dict[str, Any]]:
+    body: dict[str, Any] = {"model": model or "default", "max_tokens": max_tokens,
+                            "temperature": temperature, "stream": True}
+    if seed is not None:
+        body["seed"] = seed
+    if chat:
+        return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": prompt}]}
+    return "/v1/completions", {**body, "prompt": prompt}
+
+
+def _text_of(event: dict[str, Any], chat: bool) -> str:
+    choices = event.get("choices") or []
+    if not choices:
+        return ""
+    if chat:
+        return (choices[0].get("delta") or {}).get("content") or ""
+    return choices[0].get("text") or ""
+
+
+def generate_on_service(
+    info: dict[str, Any],
+    *,
+    prompt: str,
+    chat: bool,
+    model: str | None,
+    max_tokens: int,
+    temperature: float,
+    seed: int | None,
+    api_key: str | None,
+    out: TextIO = sys.stdout,
+) -> bool:
+    """Stream the reply from the service ``info`` (its ``runtime.json``) to ``out``.
+
+    Returns:
+        True when the service answered (the reply is written, with its final newline);
+        False when the work is the in-process engine's (why is on stderr).
+
+    Raises:
+        SystemExit: the service refused the request for a reason a second engine would
+            not cure (the message, as the command's error).
+    """
+    import httpx
+
+    url = str(info.get("url") or "")
+    path, body = _request(prompt, chat, model, max_tokens, temperature, seed)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    timeout = httpx.Timeout(CONNECT_TIMEOUT_S, read=HEAD_TIMEOUT_S)
+    try:
+        with httpx.stream("POST", url + path, json=body, headers=headers, timeout=timeout) as r:
+            if r.status_code != 200:
+                r.read()
+                try:
+                    error = r.json()["error"]
+                    message, code = error.get("message", r.text), error.get("code")
+                except (ValueError, KeyError, TypeError, AttributeError):
+                    message, code = r.text, None
+                if r.status_code in (404, 503) or code == "model_not_found":
+                    print(f"headroom: the service on {url} cannot take it ({message}); loading the engine here",
+                          file=sys.stderr)
+                    return False
+                fail(f"the service on {url} refused the prompt: {message}")
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[len("data: "):])
+                if "error" in event:
+                    out.write("\n")
+                    fail(f"the service on {url} failed the reply: {event['error'].get('message')}")
+                text = _text_of(event, chat)
+                if text:
+                    out.write(text)
+                    out.flush()
+    except httpx.TransportError as exc:
+        print(f"headroom: the service on {url} does not answer ({exc}); loading the engine here", file=sys.stderr)
+        return False
+    out.write("\n")
+    return True

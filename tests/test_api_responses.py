@@ -1,0 +1,126 @@
+"""The Responses API's input and reasoning control, without a server: input items as
+chat messages, flat tools, ``text.format``, the refusals, and the efforts."""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+import pytest
+
+from service.api.openai.responses_answers import output_items
+from service.api.openai.responses_input import (
+    chat_tool_choice,
+    chat_tools,
+    input_messages,
+    responses_request,
+    text_schema,
+)
+from service.api.openai.responses_schemas import ResponsesRequest
+from service.api.openai.schemas import ChatMessageOut
+from service.api.thinking import EFFORT_BUDGETS, check_thinking, effort_thinking, ollama_thinking
+from service.common.errors import APIError
+
+
+def _request(**body) -> object:
+    decoded = msgspec.convert({"input": "Hi", **body}, ResponsesRequest)
+    return responses_request(decoded, "resp_x", 0.0, 0)
+
+
+def _refused(param: str, **body) -> str:
+    with pytest.raises(APIError) as exc:
+        _request(**body)
+    assert exc.value.status == 400 and exc.value.param == param
+    return exc.value.message
+
+
+def test_input_items_become_chat_turns():
+    items = [
+        {"role": "developer", "content": "Be brief."},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather?"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "hm"}]},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call", "call_id": "c2", "name": "get_weather", "arguments": '{"city": "Rome"}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Sunny."}]},
+    ]
+    messages = input_messages(items, "You are helpful.")
+    assert [m["role"] for m in messages] == ["system", "system", "user", "assistant", "tool", "assistant"]
+    assert messages[2]["content"] == "Weather?"
+    call_turn = messages[3]
+    assert call_turn["reasoning_content"] == "hm"
+    assert [c["id"] for c in call_turn["tool_calls"]] == ["c1", "c2"]
+    assert call_turn["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert messages[4] == {"role": "tool", "tool_call_id": "c1", "content": "sunny"}
+    assert input_messages("Hi", None) == [{"role": "user", "content": "Hi"}]
+
+
+def test_flat_tools_choice_and_text_format():
+    tool = {"type": "function", "name": "f", "description": "d", "parameters": {"type": "object"}, "strict": True}
+    assert chat_tools([tool]) == [
+        {"type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object"}, "strict": True}}
+    ]
+    assert chat_tool_choice({"type": "function", "name": "f"}) == {"type": "function", "function": {"name": "f"}}
+    assert chat_tool_choice("required") == "required"
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fmt = {"format": {"type": "json_schema", "name": "x", "schema": schema, "strict": True}}
+    assert json.loads(text_schema(fmt)) == schema
+    assert text_schema({"format": {"type": "text"}}) is None
+    assert json.loads(text_schema({"format": {"type": "json_object"}})) == {"type": "object"}
+    call = _request(max_output_tokens=5, tools=[tool], tool_choice="auto", reasoning={"effort": "low"})
+    assert call.max_tokens == 5 and call.max_tokens_param == "max_output_tokens"
+    assert call.tools[0]["function"]["name"] == "f" and call.chat
+    assert (call.thinking, call.thinking_budget) == (True, EFFORT_BUDGETS["low"])
+    assert call.prompts[0].template_kwargs == {"enable_thinking": True}
+    assert call.request_id.startswith("resp_")
+
+
+def test_what_a_stateless_text_server_refuses():
+    assert "stateless" in _refused("previous_response_id", previous_response_id="resp_1")
+    assert "web_search" in _refused("tools[0]", tools=[{"type": "web_search"}])
+    assert "vision" in _refused(
+        "input[0].content[0]",
+        input=[{"role": "user", "content": [{"type": "input_image", "image_url": "data:"}]}],
+    )
+    _refused("input[0]", input=[{"type": "item_reference", "id": "msg_1"}])
+    _refused("input[0].role", input=[{"role": "tool", "content": "x"}])
+    _refused("input", input=[])
+    _refused("tool_choice", tool_choice={"type": "web_search"})
+    _refused("text.format", text={"format": {"type": "xml"}})
+    _refused("text.format", text={"format": {"type": "json_schema", "name": "x"}})
+    _refused("reasoning.effort", reasoning={"effort": "extreme"})
+    _refused("conversation", conversation="conv_1")
+    # Accepted: store (nothing is stored), metadata, an effort of none.
+    call = _request(store=True, metadata={"k": "v"}, reasoning={"effort": "none"})
+    assert call.thinking is False and call.prompts[0].template_kwargs == {"enable_thinking": False}
+
+
+def test_efforts_and_think_levels():
+    assert effort_thinking(None, "reasoning_effort") == (None, None)
+    assert effort_thinking("none", "x") == effort_thinking("minimal", "x") == (False, None)
+    assert effort_thinking("medium", "x") == (True, 4096)
+    assert effort_thinking("high", "x") == (True, None)
+    assert ollama_thinking(True) == (True, None) and ollama_thinking(False) == (False, None)
+    assert ollama_thinking("low") == (True, 1024)
+    with pytest.raises(APIError) as exc:
+        ollama_thinking("max")
+    assert exc.value.param == "think"
+    # Thinking asked of a template that cannot think is refused; off is always fine.
+    with pytest.raises(APIError) as exc:
+        check_thinking(True, None, "{{ messages }}", "m", "think")
+    assert exc.value.message == '"m" does not support thinking'
+    check_thinking(False, None, "{{ messages }}", "m", "think")
+    check_thinking(True, 5, "<think>{{ messages }}", "m", "think")
+    with pytest.raises(APIError):
+        check_thinking(None, 5, None, "m", "thinking_budget")
+
+
+def test_output_items_of_an_answer():
+    message = ChatMessageOut(role="assistant", content="Hi", reasoning_content="hm")
+    message.tool_calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    items = output_items(message, "stop")
+    assert [i.type for i in items] == ["reasoning", "message", "function_call"]
+    assert items[2].call_id == "c1" and items[1].content[0].text == "Hi"
+    assert output_items(ChatMessageOut(role="assistant", content="cut"), "length")[0].status == "incomplete"
+    # No text and no calls: still one (empty) message.
+    assert [i.type for i in output_items(ChatMessageOut(role="assistant", content=""), "stop")] == ["message"]

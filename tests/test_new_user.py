@@ -1,0 +1,96 @@
+"""What a new user hit, each as it was met: a KV cache too small for one request
+accepted, the embedded model missing from ``headroom models``, ``headroom generate``
+loading a second engine beside a running server, and a refused request's log line
+without its reason."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import httpx
+import pytest
+from click.testing import CliRunner
+from service_harness import headroom_command, wait_for
+
+from engine.common.config import EngineConfig
+from engine.common.errors import SettingRefused
+from engine.memory.fixed_pool import unplanned_pages
+from service.cli.commands import main
+
+QUESTION = "What is the capital of France?"
+
+
+class _Model:
+    max_position_embeddings = 8192
+
+
+def test_a_kv_cache_below_one_min_context_is_refused_with_the_size_that_fits():
+    page_bytes = 46080 * 16  # SmolLM2-135M's float32 keys and values of 16 tokens
+    with pytest.raises(SettingRefused, match=r"--kv-cache 1 KiB holds 0 tokens") as info:
+        unplanned_pages(EngineConfig(kv_cache=1024), _Model, page_bytes)
+    assert "one --min-context of 2048 tokens" in str(info.value)
+    assert "give at least --kv-cache 91MiB" in str(info.value)
+    # 91 MiB holds it, and so does a smaller --min-context (or --max-model-len) on less.
+    assert unplanned_pages(EngineConfig(kv_cache=91 << 20), _Model, page_bytes) >= 2048 // 16 + 1
+    assert unplanned_pages(EngineConfig(kv_cache=8 << 20, min_context=128), _Model, page_bytes) == 11
+    assert unplanned_pages(EngineConfig(kv_cache=8 << 20, max_model_len=160), _Model, page_bytes) == 11
+
+
+@pytest.mark.slow
+def test_serve_with_a_tiny_kv_cache_exits_naming_the_fix(start_server):
+    server = start_server(["--kv-cache", "1KiB"], wait=False)
+    code = server.proc.wait(timeout=300)
+    assert code != 0
+    log = server.log()
+    assert "--kv-cache 1 KiB holds 0 tokens" in log and "--min-context" in log, log
+    assert "Traceback" not in log
+
+
+def test_models_lists_the_embedded_default_model(tmp_path, default_model_dir):
+    result = CliRunner().invoke(main, ["models"], env={"HEADROOM_CACHE_DIR": str(tmp_path), "HEADROOM_CONFIG": os.devnull})
+    assert result.exit_code == 0, result.output
+    header, default, *rest = result.output.splitlines()
+    assert default.startswith("SmolLM2-135M-Instruct.Q4_1 (embedded default, served without --model)")
+    assert "Q4_1" in default and "8,192" in default
+    assert "no models in the store" in rest[-1] and "headroom pull" in rest[-1]
+
+
+@pytest.mark.slow
+def test_generate_answers_from_the_running_server(real_server):
+    env = {**os.environ, "HEADROOM_CONFIG": os.devnull, "HEADROOM_RUNTIME_DIR": real_server.env["HEADROOM_RUNTIME_DIR"]}
+    result = subprocess.run(
+        [*headroom_command(), "generate", "--max-tokens", "8", "--temperature", "0", QUESTION],
+        capture_output=True, text=True, timeout=120, env=env,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout and result.stdout.endswith("\n")
+    # The server answered it (its call's log line), and no engine loaded here.
+    wait_for(lambda: "/v1/chat/completions status=200 prompt_tokens=" in real_server.log(), 30, "the call's log line")
+    assert "loading the engine here" not in result.stderr
+    raw = subprocess.run(
+        [*headroom_command(), "generate", "--max-tokens", "4", "--temperature", "0", "--raw", "The capital of France is"],
+        capture_output=True, text=True, timeout=120, env=env,
+    )
+    assert raw.returncode == 0 and raw.stdout.strip(), raw.stderr
+    assert "/v1/completions status=200" in real_server.log()
+
+
+@pytest.mark.slow
+def test_a_refused_request_logs_its_reason(real_server):
+    r = httpx.post(real_server.base_url + "/v1/chat/completions",
+                   json={"model": "default", "messages": [{"role": "user", "content": "hi"}], "temperature": 9},
+                   timeout=30)
+    assert r.status_code == 400
+    message = r.json()["error"]["message"]
+    line = wait_for(
+        lambda: next((x for x in real_server.log().splitlines() if "POST /v1/chat/completions -> 400" in x
+                      and "temperature" in x), None),
+        30, "the refusal's log line",
+    )
+    assert "param=temperature" in line and message in line
+    r = httpx.post(real_server.base_url + "/api/chat", json={"model": "nope", "messages": [{"role": "user", "content": "hi"}]},
+                   timeout=30)
+    assert r.status_code == 404
+    wait_for(lambda: any("POST /api/chat -> 404" in x and "nope" in x for x in real_server.log().splitlines()),
+             30, "the unknown model's log line")

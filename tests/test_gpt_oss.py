@@ -18,8 +18,10 @@ from model_checks import (
     check_greedy_engine_runs,
     check_prefix_cache_hit,
     check_ragged_batch,
+    hf_greedy,
     tiny_pair,
 )
+from test_engine import run_all
 
 from engine.common.config import EngineConfig
 from engine.common.load_errors import UnsupportedConfig
@@ -148,10 +150,8 @@ def test_sinks_get_the_torch_backend_and_the_others_refuse_them():
 
 def test_kernel_paths_decline_gpt_oss(pair, caplog):
     """The C decode layer and the Triton MoE decline it (the latter to the torch reference,
-    saying why); expert offload and tensor parallelism refuse it; MXFP4 blocks are refused
-    with the way out."""
+    saying why); expert offload and tensor parallelism refuse it."""
     from engine.layers.moe.expert_cache import offload_experts
-    from engine.models.gpt_oss import hf_to_ours
     from kernels.moe import reference
 
     _, _, ours, config, _ = pair
@@ -172,8 +172,6 @@ def test_kernel_paths_decline_gpt_oss(pair, caplog):
         offload_experts(ours, (0,), 4)
     with pytest.raises(ValueError, match="tensor-parallel"):
         ours.use_parallel(None, VOCAB)
-    with pytest.raises(UnsupportedConfig, match="MXFP4"):
-        hf_to_ours("model.layers.0.mlp.experts.gate_up_proj_blocks", torch.zeros(1, dtype=torch.uint8))
 
 
 # The fields of openai/gpt-oss-20b's config.json (its experts in MXFP4).
@@ -192,18 +190,15 @@ GPT_OSS_20B = {
 }
 
 
-def test_gpt_oss_20b_config_reads_and_its_mxfp4_experts_are_refused(tmp_path):
-    """The 20B's config as published (MXFP4 experts) is refused with the way out; its
-    bfloat16 copy (no quantization_config) reads as the model it is."""
+def test_gpt_oss_20b_config_reads_as_published(tmp_path):
+    """The 20B's config as published (its experts in MXFP4) reads as the model it is; a
+    quantization other than MXFP4 is refused."""
     import json
 
     from engine.layers.rope import attention_factor
     from engine.loader.hf_config import load_model_config
 
     (tmp_path / "config.json").write_text(json.dumps(GPT_OSS_20B))
-    with pytest.raises(UnsupportedConfig, match="mxfp4 experts is not supported yet; use a bfloat16 copy"):
-        load_model_config(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in GPT_OSS_20B.items() if k != "quantization_config"}))
     mc = load_model_config(tmp_path)
     assert (mc.num_layers, mc.num_heads, mc.num_kv_heads, mc.head_dim, mc.vocab_size) == (24, 64, 8, 64, 201088)
     assert (mc.num_experts, mc.num_experts_per_tok, mc.moe_intermediate_size) == (32, 4, 2880)
@@ -211,3 +206,56 @@ def test_gpt_oss_20b_config_reads_and_its_mxfp4_experts_are_refused(tmp_path):
     assert (mc.rope.rope_type, mc.rope.factor, mc.rope.original_max_position_embeddings) == ("yarn", 32.0, 4096)
     assert not mc.rope.truncate and attention_factor(mc.rope) == pytest.approx(0.1 * math.log(32) + 1)
     assert mc.eos_token_ids == (200002,) and not mc.tie_word_embeddings
+    (tmp_path / "config.json").write_text(json.dumps({**GPT_OSS_20B, "quantization_config": {"quant_method": "awq"}}))
+    with pytest.raises(UnsupportedConfig, match="gpt-oss with awq weights is not supported"):
+        load_model_config(tmp_path)
+
+
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def to_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[E, R, K]`` to MXFP4 as OpenAI's checkpoints store it: codes ``[E, R, K / 32, 16]``
+    (two a byte, low nibble first) and scales ``[E, R, K / 32]`` (the power of two biased
+    by 127), each block's largest value mapped near 6."""
+    e, r, k = w.shape
+    x = w.reshape(e, r, k // 32, 32)
+    exponent = torch.ceil(torch.log2(x.abs().amax(-1).clamp(min=1e-12) / 6.0))
+    codes = (x / torch.exp2(exponent)[..., None])[..., None].sub(E2M1).abs().argmin(-1)
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8), (exponent + 127).to(torch.uint8)
+
+
+def test_mxfp4_experts_load_dequantized_as_transformers_dequantizes_them(tmp_path, make_tiny_hf_model, caplog):
+    """A checkpoint whose experts are MXFP4 blocks (``quantization_config`` mxfp4, the
+    tensors ``*_blocks``/``*_scales``) loads with its experts equal to transformers'
+    dequantization of the same blocks, and decodes as that model does."""
+    import json
+
+    from safetensors.torch import save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from engine.loader.load import load_model
+
+    hf = make_tiny_hf_model("gpt_oss", None, vocab_size=VOCAB)
+    tensors = {}
+    with torch.no_grad():
+        for i, layer in enumerate(hf.model.layers):
+            experts, prefix = layer.mlp.experts, f"model.layers.{i}.mlp.experts."
+            for proj in ("gate_up_proj", "down_proj"):
+                blocks, scales = to_mxfp4(getattr(experts, proj).transpose(1, 2))
+                tensors[prefix + proj + "_blocks"], tensors[prefix + proj + "_scales"] = blocks, scales
+                getattr(experts, proj).copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+    tensors.update({k: v for k, v in hf.state_dict().items() if not k.endswith(("experts.gate_up_proj", "experts.down_proj"))})
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp_path / "model.safetensors"))
+    config = hf.config.to_dict()
+    config["architectures"] = ["GptOssForCausalLM"]
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with caplog.at_level(logging.INFO, logger="headroom.engine"):
+        ours, _ = load_model(tmp_path, "cpu", torch.float32)
+    assert "MXFP4 blocks are dequantized to float32 at load" in caplog.text
+    want = hf.model.layers[2].mlp.experts.gate_up_proj[3].T  # [2I, H], gate and up rows interleaved
+    got = ours.model.layers[2].mlp.experts.gate_up_proj[3]
+    assert torch.equal(got, torch.cat((want[0::2], want[1::2])))
+    (ids,) = prompts(20)
+    assert run_all(engine_of(tmp_path), {"q": (ids, greedy())})["q"] == hf_greedy(hf, ids, STEPS)

@@ -138,17 +138,16 @@ def _gpt_oss_fields(hf: Any, config_path: Path) -> dict[str, Any]:
     router logits softmaxed alone).
 
     Raises:
-        UnsupportedConfig: the experts are quantized (OpenAI's checkpoints keep them in
-            MXFP4 blocks); the message names the way out."""
+        UnsupportedConfig: the experts are quantized otherwise than in MXFP4 blocks (as
+            OpenAI's checkpoints keep them: :mod:`engine.models.gpt_oss` dequantizes those
+            at load)."""
     if getattr(hf, "model_type", "") != "gpt_oss":
         return {}
     quant = getattr(hf, "quantization_config", None) or {}
     method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
-    if method:
-        raise UnsupportedConfig(
-            f"{config_path}: gpt-oss with {method} experts is not supported yet; use a bfloat16 copy "
-            "(transformers: from_pretrained(..., quantization_config=Mxfp4Config(dequantize=True)), then "
-            "save_pretrained)")
+    if method not in (None, "mxfp4"):
+        raise UnsupportedConfig(f"{config_path}: gpt-oss with {method} weights is not supported; "
+                                "headroom reads its bfloat16 or MXFP4 checkpoints")
     return {
         "layer_types": tuple(hf.layer_types),
         "sliding_window": int(hf.sliding_window or 0),

@@ -153,8 +153,8 @@ def _gpt_oss_fields(hf: Any, config_path: Path) -> dict[str, Any]:
         "sliding_window": int(hf.sliding_window or 0),
         "attention_sinks": True,
         "expert_bias": True,
-        "swiglu_alpha": float(hf.swiglu_alpha),
-        "swiglu_limit": float(hf.swiglu_limit),
+        "swiglu_alpha": float(getattr(hf, "swiglu_alpha", 1.702)),  # older transformers fix it at 1.702
+        "swiglu_limit": float(getattr(hf, "swiglu_limit", 7.0)),
     }
 
 

@@ -259,3 +259,30 @@ def test_mxfp4_experts_load_dequantized_as_transformers_dequantizes_them(tmp_pat
     assert torch.equal(got, torch.cat((want[0::2], want[1::2])))
     (ids,) = prompts(20)
     assert run_all(engine_of(tmp_path), {"q": (ids, greedy())})["q"] == hf_greedy(hf, ids, STEPS)
+
+
+def test_plan_keeps_the_experts_on_the_device(tmp_path):
+    """gpt-oss-20b (bfloat16 once dequantized) on a simulated 24 GiB card: its experts
+    cannot move to host memory, so the plan keeps them all on the device and suggests no
+    --cpu-experts; asking for host layers is refused before anything loads."""
+    import json
+
+    from engine.common.errors import SettingRefused
+    from engine.core.footprint import make_footprint
+    from engine.core.settings_fit import check_for_model
+    from engine.loader.hf_config import load_model_config
+    from engine.memory.device import simulated_device
+    from engine.memory.ledger import make_plan
+    from engine.memory.plan import GiB, PlanKnobs
+
+    (tmp_path / "config.json").write_text(json.dumps(GPT_OSS_20B))
+    mc = load_model_config(tmp_path)
+    assert mc.is_moe and not mc.experts_offload
+    knobs = PlanKnobs(max_running_requests=4)
+    plan = make_plan(simulated_device(24 * GiB), knobs, make_footprint(mc, torch.bfloat16, knobs))
+    experts = {e.name: e for e in plan.ledger}["routed expert weights"]
+    assert experts.bytes == 24 * 32 * 3 * 2880 * 2880 * 2 + 24 * 32 * (2 * 2880 + 2880) * 2  # weights and biases
+    assert "all on the device" in experts.source and plan.cpu_expert_layers == 0
+    assert not plan.fits and "--cpu-experts" not in [s.flag for s in plan.suggestions]
+    with pytest.raises(SettingRefused, match="--cpu-experts 2: GptOssForCausalLM's experts .* stay on the device"):
+        check_for_model(EngineConfig(model=str(tmp_path), cpu_experts="2"), mc)

@@ -182,6 +182,13 @@ class ModelConfig:
         return self.num_experts > 0 and bool(self.moe_layers)
 
     @property
+    def experts_offload(self) -> bool:
+        """The routed experts may live in host memory behind the expert cache
+        (``--cpu-experts``); not gpt-oss's, whose biases and clamped SwiGLU the cache's
+        CPU runs do not compute."""
+        return self.is_moe and not (self.expert_bias or self.swiglu_limit)
+
+    @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
 

@@ -2,8 +2,9 @@
 (8 tokens) is shorter than the prompts: logits over the paged KV cache through prefill,
 extend and decode; greedy ids through the engine alone, batched, with chunked prefill
 and with the prefix cache; the attention sinks, YaRN and the clamped SwiGLU each against
-transformers' own functions; and the paths that decline it (the C decode layer, the
-Triton MoE, expert offload, tensor parallelism, MXFP4 blocks)."""
+transformers' own functions; MXFP4 experts dequantized as transformers does; the
+published 20B config and its plan; and the paths that decline it (the C decode layer,
+the Triton MoE, the GPU attention backends, expert offload, tensor parallelism)."""
 
 from __future__ import annotations
 

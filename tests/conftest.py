@@ -323,6 +323,19 @@ def _tiny_hf_config(kind: str, vocab_size: int, overrides: dict):
             "rope_local_base_freq": 10_000.0, "rope_scaling": {"rope_type": "linear", "factor": 8.0},
             "pad_token_id": 0, **caps, **overrides,
         })
+    if kind == "gpt_oss":
+        # gpt-oss: layers sliding, full, sliding, full over a window of 8; 8 experts, top-2,
+        # of 32; YaRN RoPE (its published parameters over an original context of 16, the
+        # context 32 times that); the SwiGLU's clamp low enough (0.5) to bite on these
+        # random weights.
+        rope = {"rope_type": "yarn", "rope_theta": 150_000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": False, "original_max_position_embeddings": 16}
+        return transformers.GptOssConfig(**{
+            **common, "num_hidden_layers": 4, "max_position_embeddings": 512, "head_dim": 16, "intermediate_size": 32,
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2, "sliding_window": 8, "swiglu_limit": 0.5, "rope_parameters": rope,
+            "pad_token_id": 0, **overrides,
+        })
     if kind.startswith("qwen3_5"):
         return _tiny_qwen3_5_config(kind, {**common, "num_hidden_layers": 4}, moe)
     if kind == "mixtral":  # Mixtral's w1/w2/w3 expert names, always renormalized
@@ -362,7 +375,7 @@ def _tiny_qwen3_5_config(kind: str, common: dict, moe: dict):
 def _make_tiny_hf_model(kind: str, path, *, vocab_size: int = 256, **overrides):
     """A random transformers model (``"llama"``, ``"mistral"``, ``"qwen2"``, ``"qwen3"``, the
     mixtures of experts ``"qwen3_moe"``, ``"qwen2_moe"``, ``"mixtral"``, ``"olmoe"``, Gemma 3's
-    ``"gemma3"``, ``"gemma3_capped"`` (eager attention), or the hybrids of
+    ``"gemma3"``, ``"gemma3_capped"`` and ``"gpt_oss"`` (eager attention), or the hybrids of
     :func:`_tiny_hf_config`), float32, saved
     as safetensors to ``path`` (skipped when ``path`` is None); ``overrides`` go to its
     config. Norm weights and biases are perturbed too, so loading one into the wrong place
@@ -371,12 +384,12 @@ def _make_tiny_hf_model(kind: str, path, *, vocab_size: int = 256, **overrides):
     import transformers
 
     torch.manual_seed(0)
-    eager = {"attn_implementation": "eager"} if kind.startswith("gemma3") else {}  # the reference Gemma runs
+    eager = {"attn_implementation": "eager"} if kind.startswith(("gemma3", "gpt_oss")) else {}  # their references
     auto = transformers.AutoModelForImageTextToText if kind.endswith("_vl") else transformers.AutoModelForCausalLM
     model = auto.from_config(_tiny_hf_config(kind, vocab_size, overrides), dtype=torch.float32, **eager).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name or name.endswith(".bias"):
+            if "norm" in name or name.endswith(".bias") or (kind == "gpt_oss" and name.endswith("_bias")):
                 p.add_(torch.randn_like(p) * 0.2)
     if path is not None:
         model.save_pretrained(path)

@@ -153,3 +153,81 @@ def cuda_engine_agreement(folder, hf, steps: int) -> list[tuple[list[int], list[
     sp = SamplingParams(max_new_tokens=steps, temperature=0.0, ignore_eos=True)
     out = run_all(engine, {str(i): (ids, sp) for i, ids in enumerate(prompts)})
     return [(ids, out[str(i)], agreeing_prefix(out[str(i)], hf_greedy(hf, ids, steps))) for i, ids in enumerate(prompts)]
+
+
+def check_greedy_engine_runs(hf, engine_of, path, prompts: list[list[int]], sampling, steps: int) -> None:
+    """Greedy ids through an engine of ``path`` (``engine_of(path, **knobs)``) equal
+    transformers' for ``prompts[0]`` alone, for all of ``prompts`` batched, and for
+    ``prompts[-1]`` in prefill chunks of 8 and of 5 tokens (each chunk's sliding window
+    reaching back into the last)."""
+    from test_engine import run_all
+
+    want = [hf_greedy(hf, ids, steps) for ids in prompts]
+    assert run_all(engine_of(path), {"r0": (prompts[0], sampling)})["r0"] == want[0]
+    together = run_all(engine_of(path), {f"r{i}": (ids, sampling) for i, ids in enumerate(prompts)})
+    assert [together[f"r{i}"] for i in range(len(prompts))] == want
+    for chunk in (8, 5):
+        assert run_all(engine_of(path, max_prefill_tokens=chunk), {"c": (prompts[-1], sampling)})["c"] == want[-1]
+
+
+def check_prefix_cache_hit(hf, engine, first: list[int], second: list[int], sampling, steps: int, shared: int) -> None:
+    """``second`` (its first ``shared`` ids ``first``'s) after ``first`` through one
+    ``engine``: it reuses whole pages of the shared prefix and both decode as transformers
+    does from scratch."""
+    from test_engine import run_all
+
+    assert engine.radix is not None
+    assert run_all(engine, {"a": (first, sampling)})["a"] == hf_greedy(hf, first, steps)
+    hits = engine.radix.hit_tokens
+    assert run_all(engine, {"b": (second, sampling)})["b"] == hf_greedy(hf, second, steps)
+    page = engine.config.page_size
+    assert engine.radix.hit_tokens - hits >= shared // page * page
+
+
+def check_attention_step(windows: tuple[int, int], eager, *, softcap: float = 0.0, sinks=None) -> None:
+    """The torch backend (two pool layers of ``windows``, 0: the whole context; scores
+    capped at ``softcap``; ``sinks`` per head or None) against ``eager(q, k, v, mask)``
+    (transformers' eager attention of one sequence, ``[1, H, E, D]`` queries, ``[1, H_kv,
+    S, D]`` keys and values, an additive ``[1, 1, E, S]`` mask; ``[1, E, H, D]`` back) on
+    one step: a 4-token chunk over a 13-token cached prefix, a decode row at position 9
+    and a first chunk of 6 tokens."""
+    from engine.common.forward_batch import ForwardBatch
+    from engine.kvcache.pool import KVPool
+    from engine.layers.attention.registry import create_attention_backend
+
+    heads, kv_heads, dim, ps, scale = 4, 2, 8, 4, 0.3
+    pool = KVPool(num_layers=2, num_pages=16, page_size=ps, num_kv_heads=kv_heads, head_dim=dim,
+                  dtype=torch.float32, device="cpu")
+    attn = create_attention_backend("torch", pool, num_heads=heads, head_dim=dim, scale=scale)
+    attn.use_windows(windows, softcap)
+    g = torch.Generator().manual_seed(0)
+    lens, prefix = {"a": 17, "b": 10, "c": 6}, {"a": 13, "b": 9, "c": 0}
+    pages = {"a": [1, 2, 3, 4, 5], "b": [7, 8, 9], "c": [10, 11]}
+    kv = {s: [torch.randn(n, kv_heads, dim, generator=g) for _ in range(4)] for s, n in lens.items()}  # k, v per layer
+    q = {s: torch.randn(lens[s] - prefix[s], heads, dim, generator=g) for s in lens}
+
+    def slots(s: str, pos) -> torch.Tensor:
+        return torch.tensor([pages[s][p // ps] * ps + p % ps for p in pos])
+
+    for s in lens:  # the cached prefix, and this step's tokens too (kv_stored)
+        for layer in (0, 1):
+            pool.store(layer, slots(s, range(lens[s])), kv[s][2 * layer], kv[s][2 * layer + 1])
+    new = {s: range(prefix[s], lens[s]) for s in lens}
+    batch = ForwardBatch(
+        is_decode=False, input_ids=torch.zeros(11, dtype=torch.int64),
+        positions=torch.tensor([p for s in lens for p in new[s]]),
+        out_slots=torch.cat([slots(s, new[s]) for s in lens]),
+        page_table=torch.tensor([p + [0] * (5 - len(p)) for p in pages.values()]),
+        prefix_lens=torch.tensor(list(prefix.values())), extend_lens=torch.tensor([4, 1, 6]),
+        logits_indices=torch.tensor([3, 4, 10]))
+    attn.prepare(batch)
+    for layer, window in enumerate(windows):
+        got = attn.forward(torch.cat(list(q.values())), None, None, layer, batch, kv_stored=True, sinks=sinks)
+        want = []
+        for s in lens:
+            q_pos, k_pos = torch.tensor(new[s])[:, None], torch.arange(lens[s])[None, :]
+            seen = (k_pos <= q_pos) & ((q_pos - k_pos < window) if window else True)
+            mask = torch.zeros(seen.shape).masked_fill(~seen, float("-inf"))[None, None]
+            k, v = (t.transpose(0, 1)[None] for t in kv[s][2 * layer : 2 * layer + 2])
+            want.append(eager(q[s].transpose(0, 1)[None], k, v, mask, scale)[0].reshape(len(new[s]), heads * dim))
+        torch.testing.assert_close(got, torch.cat(want), rtol=1e-5, atol=1e-5)

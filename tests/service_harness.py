@@ -14,6 +14,7 @@ failed, shows its log. Fixtures (registered in conftest.py):
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import shutil
@@ -315,3 +316,29 @@ def start_server(tmp_path, default_model_dir) -> Iterator:
         server.stop()
         # Captured: pytest shows it only when the test failed.
         print(f"--- log of {' '.join(server.command)} ---\n{server.log()}")
+
+
+def served_greedy_tokens(server: ServerProcess, prompt, steps: int) -> list[str]:
+    """The ``steps`` greedy tokens ``server`` completes ``prompt`` (ids or text) with,
+    each as the tokenizer decodes it alone (``/v1/completions``' logprobs tokens)."""
+    with httpx.Client(base_url=server.base_url, timeout=300) as http:
+        r = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": steps, "temperature": 0,
+                                                "ignore_eos": True, "logprobs": 0})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["logprobs"]["tokens"]
+
+
+@contextlib.contextmanager
+def tiny_model_server(tmp_path_factory, make_tiny_hf_model, tokenizer, kind: str, **config) -> Iterator[tuple]:
+    """A tiny random transformers model of ``kind`` (``make_tiny_hf_model``'s, its config
+    with ``config``) saved with ``tokenizer`` and served by ``headroom serve`` on the CPU:
+    ``(the transformers model, the server)`` while the context lasts."""
+    folder = tmp_path_factory.mktemp(f"tiny-{kind}")
+    hf = make_tiny_hf_model(kind, folder, vocab_size=len(tokenizer), **config)
+    tokenizer.save_pretrained(folder)
+    server = ServerProcess(tmp_path_factory.mktemp(f"{kind}-serve"), ["--model", str(folder), "--device", "cpu"])
+    try:
+        server.wait_ready()
+        yield hf, server
+    finally:
+        server.stop()

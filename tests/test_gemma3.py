@@ -8,7 +8,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_checks import check_extend_and_decode, check_ragged_batch, hf_greedy, tiny_pair
+from model_checks import (
+    check_attention_step,
+    check_extend_and_decode,
+    check_greedy_engine_runs,
+    check_prefix_cache_hit,
+    check_ragged_batch,
+    hf_greedy,
+    tiny_pair,
+)
 from test_engine import run_all
 
 from engine.common.config import EngineConfig
@@ -63,23 +71,10 @@ def test_paged_logits_match_transformers(pair, paged_runner):
     check_ragged_batch(hf, paged_runner(ours, config), VOCAB)
 
 
-def test_greedy_ids_equal_transformers_alone_and_batched(pair):
+def test_greedy_ids_equal_transformers_alone_batched_and_chunked(pair):
+    """Alone, three prompts batched, and the longest in chunks of 8 and of 5 tokens."""
     _, hf, _, _, path = pair
-    asked = prompts(24, 5, 37)
-    want = [hf_greedy(hf, ids, STEPS) for ids in asked]
-    alone = run_all(engine_of(path), {"r0": (asked[0], GREEDY)})
-    assert alone["r0"] == want[0]
-    together = run_all(engine_of(path), {f"r{i}": (ids, GREEDY) for i, ids in enumerate(asked)})
-    assert [together[f"r{i}"] for i in range(len(asked))] == want
-
-
-def test_chunked_prefill_equals_transformers(pair):
-    """Chunks of 8 and of 5 tokens: each chunk's window reaches back into the last."""
-    _, hf, _, _, path = pair
-    (ids,) = prompts(30)
-    want = hf_greedy(hf, ids, STEPS)
-    for chunk in (8, 5):
-        assert run_all(engine_of(path, max_prefill_tokens=chunk), {"c": (ids, GREEDY)})["c"] == want
+    check_greedy_engine_runs(hf, engine_of, path, prompts(24, 5, 37), GREEDY, STEPS)
 
 
 def test_prefix_cache_hit_equals_transformers(pair):
@@ -87,13 +82,7 @@ def test_prefix_cache_hit_equals_transformers(pair):
     transformers does from scratch."""
     _, hf, _, _, path = pair
     first, tail = prompts(26, 6)
-    second = first[:20] + tail
-    engine = engine_of(path)
-    assert engine.radix is not None
-    assert run_all(engine, {"a": (first, GREEDY)})["a"] == hf_greedy(hf, first, STEPS)
-    hits = engine.radix.hit_tokens
-    assert run_all(engine, {"b": (second, GREEDY)})["b"] == hf_greedy(hf, second, STEPS)
-    assert engine.radix.hit_tokens - hits >= 16  # whole pages of the shared 20 tokens
+    check_prefix_cache_hit(hf, engine_of(path), first, first[:20] + tail, GREEDY, STEPS, 20)
 
 
 def test_the_c_decode_layer_declines_gemma(pair):
@@ -135,51 +124,16 @@ def test_sliding_layers_kv_is_priced_at_their_window(pair):
 
 def test_torch_backend_window_and_softcap_equal_eager_attention():
     """The backend's sliding window and score cap against transformers' eager attention
-    (the function Gemma's layers call) on one step: a 4-token chunk over a 13-token cached
-    prefix beside a decode row at position 9, a layer of window 5 and a global one."""
+    (the function Gemma's layers call), a layer of window 5 and a global one."""
     from transformers.models.gemma3.modeling_gemma3 import eager_attention_forward
 
-    from engine.common.forward_batch import ForwardBatch
-    from engine.kvcache.pool import KVPool
-    from engine.layers.attention.registry import create_attention_backend
-
-    heads, kv_heads, dim, ps, scale, cap = 4, 2, 8, 4, 0.3, 1.5
-    pool = KVPool(num_layers=2, num_pages=16, page_size=ps, num_kv_heads=kv_heads, head_dim=dim,
-                  dtype=torch.float32, device="cpu")
-    attn = create_attention_backend("torch", pool, num_heads=heads, head_dim=dim, scale=scale)
-    attn.use_windows((5, 0), cap)
-    g = torch.Generator().manual_seed(0)
-    lens, prefix = {"a": 17, "b": 10}, {"a": 13, "b": 9}
-    pages = {"a": [1, 2, 3, 4, 5], "b": [7, 8, 9]}
-    kv = {s: [torch.randn(n, kv_heads, dim, generator=g) for _ in range(4)] for s, n in lens.items()}  # k, v per layer
-    q = {s: torch.randn(lens[s] - prefix[s], heads, dim, generator=g) for s in lens}
-
-    def slots(s: str, pos) -> torch.Tensor:
-        return torch.tensor([pages[s][p // ps] * ps + p % ps for p in pos])
-
-    for s in lens:  # the cached prefix, and this step's tokens too (kv_stored)
-        for layer in (0, 1):
-            pool.store(layer, slots(s, range(lens[s])), kv[s][2 * layer], kv[s][2 * layer + 1])
-    new = {s: range(prefix[s], lens[s]) for s in lens}
-    batch = ForwardBatch(
-        is_decode=False, input_ids=torch.zeros(5, dtype=torch.int64),
-        positions=torch.tensor([*new["a"], *new["b"]]), out_slots=torch.cat([slots("a", new["a"]), slots("b", new["b"])]),
-        page_table=torch.tensor([pages["a"], pages["b"] + [0, 0]]), prefix_lens=torch.tensor([13, 9]),
-        extend_lens=torch.tensor([4, 1]), logits_indices=torch.tensor([3, 4]))
-    attn.prepare(batch)
     module = torch.nn.Module()
-    module.num_key_value_groups, module.head_dim = heads // kv_heads, dim
-    for layer, window in ((0, 5), (1, 0)):
-        got = attn.forward(torch.cat([q["a"], q["b"]]), None, None, layer, batch, kv_stored=True)
-        want = []
-        for s in lens:
-            q_pos, k_pos = torch.tensor(new[s])[:, None], torch.arange(lens[s])[None, :]
-            seen = (k_pos <= q_pos) & ((q_pos - k_pos < window) if window else True)
-            mask = torch.zeros(seen.shape).masked_fill(~seen, float("-inf"))[None, None]
-            k, v = (t.transpose(0, 1)[None] for t in kv[s][2 * layer : 2 * layer + 2])
-            out, _ = eager_attention_forward(module, q[s].transpose(0, 1)[None], k, v, mask, scaling=scale, softcap=cap)
-            want.append(out[0].reshape(len(new[s]), heads * dim))
-        torch.testing.assert_close(got, torch.cat(want), rtol=1e-5, atol=1e-5)
+    module.num_key_value_groups, module.head_dim = 2, 8
+
+    def eager(q, k, v, mask, scale):
+        return eager_attention_forward(module, q, k, v, mask, scaling=scale, softcap=1.5)[0]
+
+    check_attention_step((5, 0), eager, softcap=1.5)
 
 
 # google/gemma-3-4b-it's published config.json (its text_config as sparse as it is there:

@@ -127,8 +127,8 @@ def test_defaults_eos_merge_and_old_rope_style(tmp_path):
 
 
 def test_unsupported_variants(tmp_path):
-    write_config(tmp_path, rope_scaling={"rope_type": "yarn", "factor": 4.0})
-    with pytest.raises(UnsupportedConfig, match="yarn"):
+    write_config(tmp_path, rope_scaling={"rope_type": "dynamic", "factor": 4.0})
+    with pytest.raises(UnsupportedConfig, match="dynamic"):
         load_model_config(tmp_path)
     write_config(tmp_path, hidden_act="gelu")
     with pytest.raises(UnsupportedConfig, match="gelu"):

@@ -139,9 +139,20 @@ def test_rope_cache_matches_transformers_bitwise(rope):
     assert torch.equal(cache[:, 64:], sin[0, :, :64])
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_yarn_rope_matches_transformers(kind, tmp_path, paged_runner, make_tiny_hf_model):
+    """YaRN (as Qwen3's long-context configs set it; ramp ends truncated, the attention
+    factor derived from ``factor``) in the Llama layout, through prefill, extend and decode."""
+    rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": 10000.0}
+    hf = make_tiny_hf_model(kind, tmp_path, vocab_size=VOCAB, rope_scaling=rope, rope_parameters=rope)
+    model, config = load_model(tmp_path, "cpu", torch.float32)
+    assert (config.rope.rope_type, config.rope.factor, config.rope.truncate) == ("yarn", 4.0, True)
+    check_extend_and_decode(hf, paged_runner(model, config), VOCAB)
+
+
 def test_unknown_rope_type_is_refused():
-    with pytest.raises(UnsupportedConfig, match="yarn"):
-        build_cos_sin_cache(RopeConfig(rope_type="yarn"), 64, 8)
+    with pytest.raises(UnsupportedConfig, match="longrope"):
+        build_cos_sin_cache(RopeConfig(rope_type="longrope"), 64, 8)
 
 
 def test_apply_rotary_matches_transformers():

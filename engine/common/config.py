@@ -19,17 +19,20 @@ from kernels.switches import KernelSwitches
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "triton", "flashinfer", "torch")
 
 # RoPE variants engine.layers.rope implements (transformers' ``rope_type`` names).
-SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3", "yarn")
 
 
 @dataclass(frozen=True)
 class RopeConfig:
     """Rotary position embedding parameters.
 
-    ``rope_type`` is one of ``"default"``, ``"linear"``, ``"llama3"`` (the names used by
-    transformers' ``rope_parameters`` / ``rope_scaling``). ``theta`` is the base.
-    ``factor``, ``low_freq_factor``, ``high_freq_factor`` and
-    ``original_max_position_embeddings`` are read only by the scaled types.
+    ``rope_type`` is one of ``"default"``, ``"linear"``, ``"llama3"``, ``"yarn"`` (the
+    names used by transformers' ``rope_parameters`` / ``rope_scaling``). ``theta`` is the
+    base. ``factor``, ``low_freq_factor``, ``high_freq_factor`` and
+    ``original_max_position_embeddings`` are read only by the scaled types; YaRN reads
+    ``factor``, ``beta_fast``, ``beta_slow`` (the rotations bounding its ramp),
+    ``truncate`` (round the ramp's ends to whole dimensions) and ``attention_factor``
+    (cos and sin scaled by it; 0: ``0.1 * ln(factor) + 1``).
     """
 
     theta: float = 10000.0
@@ -38,6 +41,10 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -75,6 +82,13 @@ class ModelConfig:
     ``final_logit_softcapping`` (0: none) cap the attention scores and the logits at
     ``±c`` by ``c * tanh(x / c)``; ``hidden_act`` is the MLP's gate activation
     (``"silu"``, or ``"gelu_pytorch_tanh"``).
+
+    gpt-oss: ``attention_sinks``, a learned logit per layer and head that joins each
+    softmax's denominator (no value); ``expert_bias``, biases on the router and on each
+    expert's gate/up and down; ``swiglu_limit`` > 0 makes the experts' activation
+    the clamped SwiGLU (gate clamped above at the limit, up at ``±limit``, output
+    ``(up + 1) * gate * sigmoid(swiglu_alpha * gate)``); the router then takes the
+    top-k logits before a softmax over those alone.
     """
 
     architecture: str
@@ -116,6 +130,10 @@ class ModelConfig:
     attn_logit_softcapping: float = 0.0
     final_logit_softcapping: float = 0.0
     hidden_act: str = "silu"
+    attention_sinks: bool = False
+    expert_bias: bool = False
+    swiglu_alpha: float = 0.0
+    swiglu_limit: float = 0.0
 
     @property
     def is_hybrid(self) -> bool:
@@ -148,9 +166,11 @@ class ModelConfig:
 
     @property
     def windowed_attention(self) -> bool:
-        """Some layers slide or the scores are soft-capped: the attention backend must
-        implement :meth:`~engine.layers.attention.base.AttentionBackend.use_windows`."""
-        return bool(self.kv_windows or self.attn_logit_softcapping)
+        """Some layers slide, the scores are soft-capped or the softmax has sinks: the
+        attention backend must implement
+        :meth:`~engine.layers.attention.base.AttentionBackend.use_windows` (and take
+        ``sinks``)."""
+        return bool(self.kv_windows or self.attn_logit_softcapping or self.attention_sinks)
 
     @property
     def attention_scale(self) -> float:
@@ -160,6 +180,13 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0 and bool(self.moe_layers)
+
+    @property
+    def experts_offload(self) -> bool:
+        """The routed experts may live in host memory behind the expert cache
+        (``--cpu-experts``); not gpt-oss's, whose biases and clamped SwiGLU the cache's
+        CPU runs do not compute."""
+        return self.is_moe and not (self.expert_bias or self.swiglu_limit)
 
     @property
     def q_size(self) -> int:

@@ -139,7 +139,7 @@ class Engine(PlanStages, GrammarWaits, LiveReplan):
         # CUDA graphs; both decide workspaces the plan charges.
         self.attention_backend = resolve_backend_name(config.attention_backend, self.device.type,
                                                      windows=bool(mc.kv_windows),
-                                                     softcap=bool(mc.attn_logit_softcapping))
+                                                     softcap=bool(mc.attn_logit_softcapping), sinks=mc.attention_sinks)
         self.cuda_graph_bytes = 0
         # Memory plan from estimates: a plan that cannot fit fails here, weights unread.
         # An oversized prefill chunk is the one knob lowered automatically (a chunk too

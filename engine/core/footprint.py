@@ -222,7 +222,8 @@ def make_footprint(
     return Footprint(
         weight_bytes=weight_bytes(mc, dtype) if weights is None else weights.bytes,
         expert_weight_bytes=expert_weight_bytes(mc, dtype) if dense_experts else sum(layer_bytes),
-        expert_layers=len(mc.moe_layers) if dense_experts else len(layer_bytes),
+        # Experts that cannot move to host memory (gpt-oss's) offer the plan no layers to move.
+        expert_layers=(len(mc.moe_layers) if mc.experts_offload else 0) if dense_experts else len(layer_bytes),
         expert_layer_bytes=layer_bytes,
         expert_form="GGUF blocks" if weights is not None and weights.experts_in_blocks else "",
         num_experts=mc.num_experts,

@@ -14,14 +14,18 @@ from engine.parallel.split import check_shardable
 
 
 def check_cpu_experts(config: EngineConfig, mc: ModelConfig) -> None:
-    """Refuse ``--cpu-experts N`` above the model's MoE layers.
+    """Refuse ``--cpu-experts N`` above the model's MoE layers, or above 0 for experts
+    that stay on the device (:attr:`ModelConfig.experts_offload`).
 
     Raises:
-        SettingRefused: naming the largest N (or ``none`` for a dense model).
+        SettingRefused: naming the largest N (or ``none``).
     """
     if not config.cpu_experts.isdecimal():
         return
     asked, layers = int(config.cpu_experts), len(mc.moe_layers) if mc.is_moe else 0
+    if asked > 0 and mc.is_moe and not mc.experts_offload:
+        raise SettingRefused(f"--cpu-experts {asked}: {mc.architecture}'s experts (biases, clamped SwiGLU) "
+                             "stay on the device; use --cpu-experts none (or auto)")
     if asked <= layers:
         return
     if layers == 0:

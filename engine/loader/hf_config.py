@@ -11,6 +11,7 @@ silently fill ``hidden_size=4096``, so required fields are checked in the JSON f
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -126,7 +127,35 @@ def _derive(model_dir: Path, config_path: Path) -> ModelConfig:
         **_moe_fields(hf, facts),
         **_hybrid_fields(hf, facts, head_dim),
         **_gemma3_fields(hf, config_path),
+        **_gpt_oss_fields(hf, config_path),
     )
+
+
+def _gpt_oss_fields(hf: Any, config_path: Path) -> dict[str, Any]:
+    """gpt-oss's fields of :class:`ModelConfig` (``{}`` for other models): its alternating
+    sliding and full layers, the attention sinks, and its experts' biases and clamped
+    SwiGLU (``GptOssConfig``: experts of ``intermediate_size`` in every layer, the top-k
+    router logits softmaxed alone).
+
+    Raises:
+        UnsupportedConfig: the experts are quantized otherwise than in MXFP4 blocks (as
+            OpenAI's checkpoints keep them: :mod:`engine.models.gpt_oss` dequantizes those
+            at load)."""
+    if getattr(hf, "model_type", "") != "gpt_oss":
+        return {}
+    quant = getattr(hf, "quantization_config", None) or {}
+    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+    if method not in (None, "mxfp4"):
+        raise UnsupportedConfig(f"{config_path}: gpt-oss with {method} weights is not supported; "
+                                "headroom reads its bfloat16 or MXFP4 checkpoints")
+    return {
+        "layer_types": tuple(hf.layer_types),
+        "sliding_window": int(hf.sliding_window or 0),
+        "attention_sinks": True,
+        "expert_bias": True,
+        "swiglu_alpha": float(getattr(hf, "swiglu_alpha", 1.702)),  # older transformers fix it at 1.702
+        "swiglu_limit": float(getattr(hf, "swiglu_limit", 7.0)),
+    }
 
 
 def _is_gemma3(hf: Any) -> bool:
@@ -285,8 +314,9 @@ def _check_variant(hf: Any, config_path: Path, facts: Family) -> None:
     if getattr(hf, "use_bidirectional_attention", False):
         raise UnsupportedConfig(f"{config_path}: bidirectional attention (an encoder) is not supported")
     layer_types = getattr(hf, "layer_types", None) or ()
+    windowed = _is_gemma3(hf) or getattr(hf, "model_type", "") == "gpt_oss"
     known = (("full_attention", "linear_attention") if facts.hybrid
-             else ("full_attention", "sliding_attention") if _is_gemma3(hf) else ("full_attention",))
+             else ("full_attention", "sliding_attention") if windowed else ("full_attention",))
     if getattr(hf, "use_sliding_window", False) or any(t not in known for t in layer_types):
         raise UnsupportedConfig(
             f"{config_path}: sliding-window attention is not supported; "
@@ -318,16 +348,36 @@ def _rope_of(params: dict | None, hf: Any, config_path: Path, hybrid: bool = Fal
     if partial not in (None, 1, 1.0) and not hybrid:
         raise UnsupportedConfig(f"{config_path}: partial_rotary_factor {partial} is not supported")
     defaults = RopeConfig()
-    return RopeConfig(
-        theta=float(theta if theta is not None else defaults.theta),
-        rope_type=rope_type,
-        factor=float(params.get("factor", defaults.factor)),
-        low_freq_factor=float(params.get("low_freq_factor", defaults.low_freq_factor)),
-        high_freq_factor=float(params.get("high_freq_factor", defaults.high_freq_factor)),
-        original_max_position_embeddings=int(
+    fields = {
+        "theta": float(theta if theta is not None else defaults.theta),
+        "rope_type": rope_type,
+        "factor": float(params.get("factor", defaults.factor)),
+        "low_freq_factor": float(params.get("low_freq_factor", defaults.low_freq_factor)),
+        "high_freq_factor": float(params.get("high_freq_factor", defaults.high_freq_factor)),
+        "original_max_position_embeddings": int(
             params.get("original_max_position_embeddings") or hf.max_position_embeddings
         ),
-    )
+    }
+    return RopeConfig(**{**fields, **(_yarn_fields(params, hf) if rope_type == "yarn" else {})})
+
+
+def _yarn_fields(params: dict, hf: Any) -> dict[str, Any]:
+    """YaRN's parameters of :class:`RopeConfig`, as transformers' ``_compute_yarn_parameters``
+    reads them: ``factor`` None is the context over the original one; ``attention_factor``
+    unset is derived from ``mscale``/``mscale_all_dim`` where both are given (else left 0:
+    :func:`engine.layers.rope.attention_factor` derives it from ``factor``)."""
+    original = int(params.get("original_max_position_embeddings") or hf.max_position_embeddings)
+    factor = float(params.get("factor") or hf.max_position_embeddings / original)
+
+    def mscale(m: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    attention = params.get("attention_factor")
+    if attention is None and params.get("mscale") and params.get("mscale_all_dim"):
+        attention = mscale(params["mscale"]) / mscale(params["mscale_all_dim"])
+    return {"factor": factor, "beta_fast": float(params.get("beta_fast") or 32),
+            "beta_slow": float(params.get("beta_slow") or 1), "truncate": bool(params.get("truncate", True)),
+            "attention_factor": float(attention or 0.0)}
 
 
 def _token_ids(value: Any) -> list[int]:

@@ -131,6 +131,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(q_width, config.rms_norm_eps) if has_norm else None
         self.k_norm = RMSNorm(k_width, config.rms_norm_eps) if has_norm else None
         self.clip_qkv = config.clip_qkv
+        # gpt-oss: a logit per head in each softmax's denominator (the backend's ``sinks``).
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if config.attention_sinks else None
 
     def forward(
         self,
@@ -162,6 +164,8 @@ class Attention(nn.Module):
             self.k_norm.weight if head_norm else None,
             self.q_norm.eps if head_norm else 0.0,
         )
+        if self.sinks is not None:
+            return project(self.o_proj, attn.forward(q, k, v, self.layer, batch, kv_stored=True, sinks=self.sinks))
         if wants_int8(self.o_proj, x):  # the attention kernel may write o's int8 rows too
             out, o_q8 = attn.forward(q, k, v, self.layer, batch, kv_stored=True, quantize=True)
             return project(self.o_proj, out, o_q8)

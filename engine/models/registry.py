@@ -74,6 +74,8 @@ FAMILIES: dict[str, Family] = {
     "Qwen3NextForCausalLM": Family(model=_HYBRID, qk_norm=True, moe="sparse_step", shared_expert=True,
                                    hybrid=True),
     # Sliding-window and global layers, scaled embeddings, soft-capping; a vision checkpoint's text part only.
+    # Attention sinks, alternating sliding and full layers, YaRN; experts with biases and a clamped SwiGLU.
+    "GptOssForCausalLM": Family(model="engine.models.gpt_oss:GptOssCausalLM", moe="every_layer", renormalize_top_k=True),
     **dict.fromkeys(("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"), Family(model="engine.models.gemma3:Gemma3CausalLM")),
     # Qwen3.5 / Qwen3.6: Qwen3-Next's hybrid with flat linear-attention projections; the
     # published checkpoints are vision-language ones, of which the language model runs.

@@ -9,17 +9,40 @@ Triton grouped GEMM (:mod:`kernels.moe.triton_kernel`) runs over; it is plain to
 no host synchronisation, so it can run inside a captured CUDA graph.
 
 Expert weights are stacked: ``w_gate_up`` ``[E, 2 * I, H]`` (gate rows first, then up),
-``w_down`` ``[E, H, I]``, the layout transformers 5 keeps them in.
+``w_down`` ``[E, H, I]``, the layout transformers 5 keeps them in. gpt-oss's experts add
+biases (:class:`ExpertBiases`) and their own activation
+(:class:`kernels.activation.reference.ClampedSwiGLU`); the other families' have neither
+(SiLU-and-mul).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from kernels.activation.reference import silu_and_mul
+from kernels.activation.reference import ClampedSwiGLU, silu_and_mul
+
+
+@dataclass(frozen=True)
+class ExpertBiases:
+    """Biases of stacked experts: ``gate_up`` ``[E, 2 * I]`` (gate half first, as the
+    weights' rows) and ``down`` ``[E, H]``, in the weights' dtype."""
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+def expert_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, biases: ExpertBiases | None = None,
+               expert: int = 0, activation: ClampedSwiGLU | None = None) -> torch.Tensor:
+    """One expert on ``x`` ``[T, H]``: ``down(act(gate_up(x)))`` with ``w_gate_up``
+    ``[2I, H]``, ``w_down`` ``[H, I]``, row ``expert`` of ``biases`` (None: none) and
+    ``activation`` (None: SiLU-and-mul). ``[T, H]`` in ``x``'s dtype."""
+    gate_up = F.linear(x, w_gate_up, None if biases is None else biases.gate_up[expert])
+    h = silu_and_mul(gate_up) if activation is None else activation(gate_up)
+    return F.linear(h, w_down, None if biases is None else biases.down[expert])
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,9 +73,13 @@ def fused_moe(
     w_down: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    *,
+    biases: ExpertBiases | None = None,
+    activation: ClampedSwiGLU | None = None,
 ) -> torch.Tensor:
     """``sum_k topk_weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t))`` with
-    ``e = topk_ids[t, k]``.
+    ``e = topk_ids[t, k]`` (with ``biases``, each projection's added; with
+    ``activation``, it in place of SiLU-and-mul: :func:`expert_mlp`).
 
     Args:
         x: ``[T, H]`` hidden states.
@@ -75,10 +102,10 @@ def fused_moe(
         # runs on every token and a token's weight for an expert it did not pick is 0.
         for e in range(w_gate_up.shape[0]):
             weight = (topk_weights * (topk_ids == e)).sum(dim=-1, keepdim=True)
-            y = F.linear(silu_and_mul(F.linear(x, w_gate_up[e])), w_down[e]) * weight
+            y = expert_mlp(x, w_gate_up[e], w_down[e], biases, e, activation) * weight
             out += y.to(x.dtype)
         return out
-    return moe_by_expert(x, topk_weights, topk_ids, lambda e: (w_gate_up[e], w_down[e]))
+    return moe_by_expert(x, topk_weights, topk_ids, lambda e: (w_gate_up[e], w_down[e]), biases, activation)
 
 
 def moe_by_expert(
@@ -86,17 +113,18 @@ def moe_by_expert(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     weights_of: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+    biases: ExpertBiases | None = None,
+    activation: ClampedSwiGLU | None = None,
 ) -> torch.Tensor:
     """:func:`fused_moe`'s loop over the experts that received tokens, expert ``e``'s
     ``([2I, H], [H, I])`` weights given by ``weights_of(e)`` (a stacked tensor's row, or
-    GGUF blocks dequantized on demand: :mod:`kernels.moe.quant_reference`). Reads the
-    routed experts back to the host: the CPU path."""
+    GGUF blocks dequantized on demand: :mod:`kernels.moe.quant_reference`), its biases
+    row ``e`` of ``biases``. Reads the routed experts back to the host: the CPU path."""
     out = torch.zeros_like(x)
     for e in torch.unique(topk_ids).tolist():
         tokens, slots = torch.where(topk_ids == e)
         w_gate_up, w_down = weights_of(e)
-        h = silu_and_mul(F.linear(x[tokens], w_gate_up))
-        y = F.linear(h, w_down) * topk_weights[tokens, slots, None]
+        y = expert_mlp(x[tokens], w_gate_up, w_down, biases, e, activation) * topk_weights[tokens, slots, None]
         out.index_add_(0, tokens, y.to(x.dtype))
     return out
 

@@ -20,14 +20,20 @@ choices of a token add in rank order.
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.moe.reference import align_to_blocks
+from kernels.activation.reference import ClampedSwiGLU
+from kernels.moe import reference
+from kernels.moe.reference import ExpertBiases, align_to_blocks
 from kernels.triton_round import round_to
+
+log = logging.getLogger("headroom.engine")
 
 # Triton's interpreter multiplies bfloat16 tiles wrongly in ``tl.dot``; there the tiles
 # are widened to float32 first (exact: a product of two bfloat16 values fits float32).
@@ -130,6 +136,12 @@ def _launch(a, w, out, route_weights, sorted_rows, block_experts, num_padded, *,
     )
 
 
+@functools.cache
+def _decline_once() -> None:
+    log.warning("Triton MoE: expert biases and the clamped SwiGLU (gpt-oss) are not in the grouped GEMM; "
+                "those experts run through the torch reference, one expert at a time")
+
+
 def fused_moe(
     x: torch.Tensor,
     w_gate_up: torch.Tensor,
@@ -137,15 +149,22 @@ def fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     *,
+    biases: ExpertBiases | None = None,
+    activation: ClampedSwiGLU | None = None,
     block_m: int | None = None,
 ) -> torch.Tensor:
     """Same contract as :func:`kernels.moe.reference.fused_moe` (``block_m`` forces the rows per
-    block, for tests; default 16 for up to 64 routed rows, else 64).
+    block, for tests; default 16 for up to 64 routed rows, else 64). Experts with
+    ``biases`` or another ``activation`` (gpt-oss's) are not this kernel's: it declines
+    them to the reference, saying so once in the log.
 
     Transient memory: the sort (``4 * (C + C / block_m)`` bytes, ``C`` =
     :func:`kernels.moe.reference.padded_capacity`), the activations ``[R, I]`` and the weighted
     down products ``[R, H]``, ``R = T * K``, in ``x``'s dtype.
     """
+    if biases is not None or activation is not None:
+        _decline_once()
+        return reference.fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, biases=biases, activation=activation)
     tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     rows = tokens * top_k

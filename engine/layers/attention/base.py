@@ -39,6 +39,8 @@ class AttentionBackend(ABC):
             while every layer sees the whole context.
         softcap: scores capped at ``±softcap`` by ``softcap * tanh(s / softcap)`` before
             the mask and softmax (0: none).
+        supports_sinks: :meth:`forward` takes ``sinks``, a logit per head that joins the
+            softmax's denominator (gpt-oss).
     """
 
     workspace_bytes: int = 0
@@ -46,6 +48,7 @@ class AttentionBackend(ABC):
     gathers_context: bool = False
     supports_windows: bool = False
     supports_softcap: bool = False
+    supports_sinks: bool = False
     windows: tuple[int, ...] = ()
     softcap: float = 0.0
 
@@ -100,6 +103,7 @@ class AttentionBackend(ABC):
         batch: ForwardBatch,
         kv_stored: bool = False,
         quantize: bool = False,
+        sinks: torch.Tensor | None = None,
     ):
         """Store the new keys/values and attend.
 
@@ -113,6 +117,9 @@ class AttentionBackend(ABC):
             quantize: the output feeds an int8 GEMV (the o projection in GGUF blocks,
                 :meth:`~engine.layers.linear.gguf_blocks.QuantLinear.wants_int8`): return
                 ``(out, q8)`` (:meth:`attend_quantized`).
+            sinks: ``[num_heads]`` logits, one per head, each a column of its own in the
+                softmax over the keys with no value (a head may so attend to nothing);
+                None: none. Only a backend that ``supports_sinks`` takes them.
 
         Returns:
             ``[T, num_heads * head_dim]`` in ``q``'s dtype: causal attention of each new
@@ -120,6 +127,10 @@ class AttentionBackend(ABC):
         """
         if not kv_stored:
             self.pool.store(layer, batch.out_slots, k, v)
+        if sinks is not None:
+            if not self.supports_sinks:
+                raise ValueError(f"the {type(self).__name__} has no attention sinks; use --attention-backend torch")
+            return self.attend(q, layer, batch, sinks=sinks)
         return self.attend_quantized(q, layer, batch) if quantize else self.attend(q, layer, batch)
 
     def attend_quantized(self, q: torch.Tensor, layer: int, batch: ForwardBatch) -> tuple[torch.Tensor, object]:

@@ -78,7 +78,8 @@ def _importable(module: str) -> bool:
         return False
 
 
-def resolve_backend_name(name: str, device_type: str, *, windows: bool = False, softcap: bool = False) -> str:
+def resolve_backend_name(name: str, device_type: str, *, windows: bool = False, softcap: bool = False,
+                         sinks: bool = False) -> str:
     """The backend ``name`` stands for on a device of ``device_type`` (``"cuda"``,
     ``"cpu"``). ``auto`` is ``triton`` on CUDA when Triton is installed and the ``kernels``
     switch is not ``torch`` (:mod:`kernels.switches`), else ``torch``;
@@ -86,7 +87,8 @@ def resolve_backend_name(name: str, device_type: str, *, windows: bool = False, 
     the CUDA toolkit (measured on an H200: about 10 s for the decode module and 68 s for
     the prefill one, per cold cache), where Triton needs no toolkit. A model whose layers
     slide (``windows``: Gemma 3) needs a backend that has windows (torch, Triton); one
-    whose scores are soft-capped (``softcap``) gets ``torch``, the only one with the cap.
+    whose scores are soft-capped (``softcap``) or whose softmax has sinks (``sinks``:
+    gpt-oss) gets ``torch``, the only one with the cap and the sinks.
     The choice is logged with its reason.
 
     Raises:
@@ -106,8 +108,9 @@ def resolve_backend_name(name: str, device_type: str, *, windows: bool = False, 
         if device_type != "cuda":
             log.info("attention backend: torch (auto: the device is %s; the GPU kernels need CUDA)", device_type)
             return "torch"
-        if softcap:
-            log.info("attention backend: torch (auto: the model's soft-capped scores are not in the GPU kernels yet)")
+        if softcap or sinks:
+            log.info("attention backend: torch (auto: the model's %s not in the GPU kernels yet)",
+                     "soft-capped scores are" if softcap else "attention sinks are")
             return "torch"
         if not _importable("triton"):
             log.info("attention backend: torch (auto: Triton is not installed; pip install triton for the GPU kernels)")
@@ -118,7 +121,8 @@ def resolve_backend_name(name: str, device_type: str, *, windows: bool = False, 
     if name in ("triton", "flashinfer"):
         cls = backend_class(name)
         lacks = [what for what, needed, has in (("sliding-window", windows, cls.supports_windows),
-                                                 ("soft-capped", softcap, cls.supports_softcap)) if needed and not has]
+                                                 ("soft-capped", softcap, cls.supports_softcap),
+                                                 ("sink", sinks, cls.supports_sinks)) if needed and not has]
         if lacks:
             raise ValueError(f"--attention-backend {name} has no {' or '.join(lacks)} attention, "
                              "which this model needs; use torch or auto")

@@ -15,7 +15,9 @@ gather only their window: a decode row of length ``L`` reads positions
 ``[max(0, L - W), L)``, a prefill chunk from ``max(0, prefix + 1 - W)``, masked so that
 query ``i`` sees ``prefix + i - W < j <= prefix + i``; the pages before a window are
 never read. Soft-capped scores (``softcap``) go through the plain matmul-softmax path
-(sdpa has no cap), capped before the mask as transformers' eager attention does.
+(sdpa has no cap), capped before the mask as transformers' eager attention does; so do
+attention sinks (``sinks``: gpt-oss's logit per head, a last column of the softmax
+dropped before the values, as its eager attention computes it).
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ class TorchAttentionBackend(AttentionBackend):
     gathers_context = True
     supports_windows = True
     supports_softcap = True
+    supports_sinks = True
 
     workspace_bytes = 0
 
@@ -143,17 +146,30 @@ class TorchAttentionBackend(AttentionBackend):
             out.windowed[w] = (self._head_rows(self._slots_at(idx, pos)), (pos < lens[:, None])[:, None, None, :])
         return out
 
-    def _sdpa(self, q, k, v, mask, **kwargs) -> torch.Tensor:
-        """sdpa of ``[.., H, E, D]`` queries; with ``softcap``, the matmul-softmax path
-        that caps the scores before ``mask`` (always given then)."""
-        if not self.softcap:
+    def _sdpa(self, q, k, v, mask, sinks=None, **kwargs) -> torch.Tensor:
+        """sdpa of ``[.., H, E, D]`` queries; with ``softcap`` or ``sinks`` (``[H]``), the
+        matmul-softmax path that caps the scores before ``mask`` (None: causal, keys of
+        ``q``'s heads or of fewer that each serve a group of them) and puts each head's
+        sink in the softmax's denominator."""
+        if not self.softcap and sinks is None:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, **kwargs)
+        if k.shape[-3] != q.shape[-3]:  # grouped-query keys and values, each serving q.shape[-3] / k.shape[-3] heads
+            k, v = (t.repeat_interleave(q.shape[-3] // t.shape[-3], dim=-3) for t in (k, v))
+        if mask is None:
+            mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
         scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale
-        scores = torch.tanh(scores / self.softcap) * self.softcap
+        if self.softcap:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
         scores = scores.masked_fill(~mask, float("-inf"))
-        return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+        if sinks is None:
+            return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+        sink = sinks.to(scores.dtype).view(-1, 1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=torch.float32)[..., :-1]
+        return torch.matmul(probs.to(q.dtype), v)
 
-    def attend(self, q: torch.Tensor, layer: int, batch: ForwardBatch) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, layer: int, batch: ForwardBatch, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`AttentionBackend.attend`, with ``sinks`` (``[H]`` logits, or None) as
+        :meth:`AttentionBackend.forward` takes them."""
         k_buf, v_buf = self.pool.k_buffers[layer], self.pool.v_buffers[layer]
         window = self.windows[layer] if self.windows else 0
         out = torch.empty_like(q)  # [T, H, D]
@@ -167,7 +183,7 @@ class TorchAttentionBackend(AttentionBackend):
             # fused kernel.
             kd = self._gather_heads(k_buf, heads, q.dtype, b)  # [b, H, S, D]
             vd = self._gather_heads(v_buf, heads, q.dtype, b)
-            o = self._sdpa(qd, kd, vd, mask)
+            o = self._sdpa(qd, kd, vd, mask, sinks)
             if whole:
                 return o.reshape(q.shape[0], self.num_heads * self.head_dim)
             out.index_copy_(0, g.rows, o[:, :, 0, :])
@@ -177,10 +193,10 @@ class TorchAttentionBackend(AttentionBackend):
             if mask is None:
                 kp = gather_kv(k_buf, p.slots, q.dtype).transpose(0, 1)[None]  # [1, H_kv, S, D]
                 vp = gather_kv(v_buf, p.slots, q.dtype).transpose(0, 1)[None]
-                o = self._sdpa(qp, kp, vp, None, is_causal=True, enable_gqa=True)
+                o = self._sdpa(qp, kp, vp, None, sinks, is_causal=True, enable_gqa=True)
             else:
                 kp = self._gather_heads(k_buf, heads, q.dtype, 1)  # [1, H, S, D]
                 vp = self._gather_heads(v_buf, heads, q.dtype, 1)
-                o = self._sdpa(qp, kp, vp, mask)
+                o = self._sdpa(qp, kp, vp, mask, sinks)
             out[p.start : p.start + p.length] = o[0].transpose(0, 1)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

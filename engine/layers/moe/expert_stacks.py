@@ -146,12 +146,16 @@ def stack_of(experts: nn.Module) -> ExpertStack:
 
     Raises:
         ValueError: ``experts`` is neither :class:`~engine.layers.moe.sparse_moe.Experts` nor
-            :class:`~engine.layers.moe.quant_experts.QuantExperts` (already offloaded, say).
+            :class:`~engine.layers.moe.quant_experts.QuantExperts` (already offloaded, say),
+            or has biases or an activation other than SiLU-and-mul (gpt-oss's).
     """
     from engine.layers.moe.quant_experts import QuantExperts
     from engine.layers.moe.sparse_moe import Experts
 
     if isinstance(experts, Experts):
+        if experts.biases is not None or experts.activation is not None:
+            raise ValueError("gpt-oss's routed experts (biases, clamped SwiGLU) cannot be offloaded yet; "
+                             "they stay on the device: give the model room for all of them")
         return DenseStack(experts.gate_up_proj.detach(), experts.down_proj.detach())
     if isinstance(experts, QuantExperts):
         return BlockStack(experts.gate, experts.up, experts.down, experts.types)

@@ -111,3 +111,24 @@ def test_ollama_format(real_server):
         model="default", messages=ASK, format=CITY, options={"seed": 1, "num_predict": 160}
     )
     jsonschema_rs.validate(CITY, json.loads(reply.message.content))
+
+
+def test_a_schema_whose_parse_outgrows_the_grammar_fails_instead_of_a_cut_answer(real_server):
+    """1,000 optional properties: after the first value the parser's row passes its limit
+    of 2,000 items. The answer then could not go on within the schema; it fails naming
+    response_format (Ollama: format) instead of ending there as a complete answer (the
+    default model writes ``{"p0": "Hello, World!"`` and stopped with finish_reason stop)."""
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(1000)},
+              "required": ["p0"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
+    with real_server.client() as http:
+        r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hello"}],
+                                                    "response_format": fmt, "max_tokens": 40, "temperature": 0})
+        assert r.status_code == 400, r.text[:300]
+        error = r.json()["error"]
+        assert error["param"] == "response_format", error
+        assert "the JSON schema cannot be enforced" in error["message"] and "2000" in error["message"], error
+        r = http.post("/api/chat", json={"model": "default", "messages": [{"role": "user", "content": "Hello"}],
+                                         "format": schema, "stream": False, "options": {"temperature": 0}})
+        assert r.status_code == 400 and r.json()["error"].startswith("format: "), r.text[:300]
+        assert http.get("/api/health").status_code == 200  # and the server goes on

@@ -149,8 +149,19 @@ class SamplingState:
         if self.counts is not None:
             self.counts[token_id] += 1
         if self.matcher is not None and not self.matcher.is_error():
-            # A token the mask forbade puts the matcher in error: only the end tokens
-            # are allowed after it (see engine.sampling.grammar.apply_grammars).
+            # A token the grammar cannot take (or a limit of its parser reached) puts the
+            # matcher in error: :meth:`grammar_error` says so and the request fails.
             self.matcher.consume_token(token_id)
         if self.thinking is not None:
             self.thinking.append(token_id)
+
+    def grammar_error(self) -> str | None:
+        """Why the answer can no longer follow its JSON schema (the grammar library's
+        reason on one line: a parser limit such as a row of more than 2,000 items for an
+        object of 1,000 optional properties), or None while it can. Ending the answer
+        there would return text that violates the schema as if it were complete."""
+        if self.matcher is None or not self.matcher.is_error():
+            return None
+        from engine.sampling.grammar import grammar_reason
+
+        return grammar_reason(self.matcher.get_error())

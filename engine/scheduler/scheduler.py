@@ -25,7 +25,13 @@ from engine.kvcache.allocator import OutOfPages, PageAllocator
 from engine.kvcache.radix import RadixCache
 from engine.scheduler.prefix_states import PrefixStates
 from engine.scheduler.request import Phase, Request
-from engine.wire.messages import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, SCORED_CHUNK_TOKENS
+from engine.wire.messages import (
+    ERROR_INVALID_SCHEMA,
+    FINISH_ABORT,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    SCORED_CHUNK_TOKENS,
+)
 
 if TYPE_CHECKING:
     from engine.kvcache.state_pool import StatePool
@@ -267,6 +273,9 @@ class Scheduler:
             req.output_ids.append(token)
             req.state.append(token)
             req.phase = Phase.DECODE
+            if (broken := req.state.grammar_error()) is not None:  # fail closed, not a cut answer
+                self.fail(req, ERROR_INVALID_SCHEMA, f"the JSON schema cannot be enforced: {broken}")
+                continue
             reason = self._stop_reason(req, token)
             if reason is not None:
                 self._finish(req, reason)

@@ -221,6 +221,8 @@ def test_plan_json_parses(default_model_dir):
         (["--device-total", "6GiB", "--device-limit", "big"], "--device-limit"),
         (["--device-free", "1GiB"], "needs --device-total"),
         (["--device-total", "1GiB", "--device-free", "2GiB"], "must not exceed --device-total"),
+        (["--device-total", "99999999999999999999TiB"], "--device-total: '99999999999999999999TiB' is more than 1 PiB"),
+        (["--device-total", "6GiB", "--reserve", "2000TiB"], "--reserve: '2000TiB' is more than 1 PiB"),
     ],
 )
 def test_plan_bad_sizes_name_the_flag(args, needle):

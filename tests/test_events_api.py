@@ -253,6 +253,17 @@ def test_the_services_own_origin_is_allowed_on_a_loopback_host(env, origin, host
         assert info.value.code == CLOSE_ORIGIN_REFUSED
 
 
+def test_a_plain_get_on_the_socket_is_426_upgrade_required(env):
+    """A browser tab or curl on the WebSocket route learns what it is (not a 405), and
+    the socket itself still opens."""
+    _, _, client = env
+    answer = client.get("/api/events")
+    assert answer.status_code == 426 and answer.headers["upgrade"] == "websocket"
+    assert answer.json()["error"]["code"] == "upgrade_required"
+    with client.websocket_connect("/api/events", params={"token": TOKEN}) as ws:
+        assert ws.receive_json()["type"] == "snapshot"
+
+
 @pytest.mark.parametrize("how", ["none", "wrong_subprotocol", "wrong_query", "wrong_bearer"])
 def test_socket_without_a_valid_token_is_closed_4001(env, how):
     hub, _, client = env

@@ -13,12 +13,13 @@ from engine.common.faults import ENV_VAR, FaultInjector
 
 
 def test_fault_spec_parses_rules_and_refuses_bad_ones():
-    inj = FaultInjector.parse("prefill:req-1:2, decode:*:1,sample:a:b:3,prefill:solo")
+    inj = FaultInjector.parse("prefill:req-1:2, decode:*:1,sample:a:b:3,prefill:solo,decode:a:b")
     assert [(r.site, r.request_id, r.remaining) for r in inj.rules] == [
         ("prefill", "req-1", 2),
         ("decode", "*", 1),
         ("sample", "a:b", 3),
         ("prefill", "solo", 1),
+        ("decode", "a:b", 1),  # a request id may hold ':'
     ]
     assert FaultInjector.from_env({}) is None
     assert FaultInjector.from_env({ENV_VAR: "  "}) is None
@@ -27,6 +28,9 @@ def test_fault_spec_parses_rules_and_refuses_bad_ones():
         ("prefill", "expected site:request"),
         ("prefill:x:0", "times must be >= 1"),
         ("decode::2", "empty request id"),
+        ("prefill:*:abc", "the count 'abc' is not a positive integer"),
+        ("decode:req-1:1.5", "the count '1.5' is not a positive integer"),
+        ("sample:*:", "the count '' is not a positive integer"),
     ]:
         with pytest.raises(ValueError, match=words) as err:
             FaultInjector.parse(bad)

@@ -267,3 +267,14 @@ def test_a_device_limit_names_the_smaller_card_it_plans_for():
     assert plan.device == "simulated device (24.00 GiB) as a 4.00 GiB card (--device-limit)"
     assert plan.ledger[0].bytes == 4 * GiB
     assert make_plan(dev, PlanKnobs(), _footprint()).device == "simulated device (24.00 GiB)"
+
+
+def test_reserves_beyond_the_device_read_as_short_never_as_a_negative_budget():
+    dev = simulated_device(100 * MiB, 100 * MiB, display_attached=True)
+    plan = make_plan(dev, PlanKnobs(page_size=16, safety_margin_bytes=100 * MiB), _footprint())
+    short = reserve_for(100 * MiB, True) + 100 * MiB - 100 * MiB
+    assert not plan.fits and plan.budget_bytes == -short
+    line = next(e for e in plan.ledger if e.name == "budget")
+    assert line.bytes == 0 and line.source == f"does not fit: {short // MiB} MiB short"
+    message = plan.message()
+    assert f"its budget does not fit, {short // MiB} MiB short" in message and "-" not in message.split("\n")[0]

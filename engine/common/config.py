@@ -156,6 +156,11 @@ class ModelConfig:
         return len(self.kv_layers)
 
     @property
+    def kv_elements_per_token(self) -> int:
+        """Keys and values of one token over the layers with a KV cache, in elements."""
+        return 2 * self.num_kv_layers * self.num_kv_heads * self.head_dim
+
+    @property
     def kv_windows(self) -> tuple[int, ...]:
         """Per KV pool layer (``kv_layers`` order), the tokens it attends to: the
         ``sliding_window`` for a ``"sliding_attention"`` layer, 0 (the whole context) for
@@ -260,9 +265,13 @@ class EngineConfig(KernelOptions):
         None,
         "Hugging Face model folder or .gguf file; unset serves the "
         "embedded default model (SmolLM2-135M-Instruct).",
+        # An empty path would be read as the current folder.
+        checks=(lambda m: None if m.strip() else "is empty; leave --model out for the default model, or pass "
+                "a model folder, a .gguf file or a store name",),
     )
     device: str = option("auto", "auto (CUDA when present), cpu, or cuda[:N].", checks=(device_spec,))
-    dtype: str = option("auto", "auto, float32, bfloat16 or float16.")
+    dtype: str = option("auto", "The weights' and activations' dtype: auto is bfloat16 on CUDA, float32 on the CPU.",
+                        choices=("auto", "float32", "bfloat16", "float16"))
     max_model_len: int | None = option(
         None,
         "Cap on tokens per request (prompt + completion); "

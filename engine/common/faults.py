@@ -54,6 +54,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -106,8 +107,9 @@ class FaultInjector:
 
         Raises:
             ValueError: a rule without a request, an unknown site, a count that is not
-                a positive integer, a ``slow`` rule without its times and seconds; the
-                message quotes the rule.
+                a positive integer (the part after ``*:``, or a trailing part written as
+                a number: ``prefill:*:abc``, ``decode:r:1.5``), a ``slow`` rule without
+                its times and seconds; the message quotes the rule.
         """
         injector = cls()
         for raw in spec.split(","):
@@ -124,8 +126,11 @@ class FaultInjector:
             request_id, times = rest, 1
             head, sep, tail = rest.rpartition(":")
             # A trailing ":N" is the count; request ids may contain ':' themselves.
-            if sep and tail.strip().lstrip("-").isdigit():
-                request_id, times = head, int(tail)
+            counted = sep and _is_count_place(head, tail)
+            if counted and seconds and not _is_count(tail):
+                raise ValueError(f"{ENV_VAR} rule {rule!r}: expected {SLOW_FORM}")
+            if counted:
+                request_id, times = head, _count(rule, tail)
             elif seconds:
                 raise ValueError(f"{ENV_VAR} rule {rule!r}: expected {SLOW_FORM}")
             try:
@@ -253,6 +258,30 @@ class FaultInjector:
 
 
 SLOW_FORM = "slow:request:times:seconds, e.g. slow:*:1:25"
+
+
+def _is_count_place(head: str, tail: str) -> bool:
+    """Whether ``tail``, after a rule's last ``:``, is meant as its count: it follows the
+    wildcard ``*`` (which holds no ``:``), or it starts as a number does (a digit, a
+    sign, a point). Anything else is part of a request id that holds a ``:``."""
+    text = tail.strip()
+    return head.strip() == ANY_REQUEST or (text[:1].isdigit() or text[:1] in "+-.")
+
+
+def _is_count(tail: str) -> bool:
+    """Whether ``tail`` is written as an integer (its sign is checked by ``add``)."""
+    return re.fullmatch(r"-?[0-9]+", tail.strip()) is not None
+
+
+def _count(rule: str, tail: str) -> int:
+    """A rule's count, written as an integer.
+
+    Raises:
+        ValueError: not an integer; the message quotes the rule.
+    """
+    if not _is_count(tail):
+        raise ValueError(f"{ENV_VAR} rule {rule!r}: the count {tail.strip()!r} is not a positive integer")
+    return int(tail)
 
 
 def _slow_seconds(rule: str, rest: str) -> tuple[str, float]:

@@ -32,7 +32,11 @@ SIZE_UNITS: dict[str, int] = {
     "tib": TiB,
     "tb": 10**12,
 }
+PiB = 1 << 50
 SIZE_EXAMPLES = "e.g. 6GiB, 5.5GiB, 512MiB, 6GB (decimal) or a number of bytes"
+# The largest size a person may write: far beyond any device or host memory, so a
+# larger one is a typo (not a plan that "fits" on a card of 10^20 TiB).
+MAX_SIZE = PiB
 
 _SIZE = re.compile(r"^\s*(?P<number>\d+(?:\.\d*)?|\.\d+)\s*(?P<unit>[a-zA-Z]*)\s*$")
 
@@ -46,19 +50,28 @@ def parse_size(text: str | int) -> int:
     to whole bytes.
 
     Raises:
-        ValueError: not a size, or a negative one; the message gives examples.
+        ValueError: not a size, a negative one, or one above :data:`MAX_SIZE` (1 PiB);
+            the message gives examples.
     """
     if isinstance(text, bool):
         raise ValueError(f"{text!r} is not a size; write {SIZE_EXAMPLES}")
     if isinstance(text, int):
         if text < 0:
             raise ValueError(f"{text} is negative; a size is at least 0 bytes")
-        return text
-    match = _SIZE.match(str(text))
-    unit = match.group("unit").lower() if match else None
-    if match is None or unit not in SIZE_UNITS:
-        raise ValueError(f"{str(text)!r} is not a size; write {SIZE_EXAMPLES}")
-    return int(float(match.group("number")) * SIZE_UNITS[unit])
+        size = text
+    else:
+        match = _SIZE.match(str(text))
+        unit = match.group("unit").lower() if match else None
+        if match is None or unit not in SIZE_UNITS:
+            raise ValueError(f"{str(text)!r} is not a size; write {SIZE_EXAMPLES}")
+        # Whole digits and the unit in integers: a float would be inf past ~1e308.
+        whole, _, fraction = match.group("number").partition(".")
+        whole = whole.lstrip("0")
+        size = MAX_SIZE + 1 if len(whole) > 20 else int(whole or 0) * SIZE_UNITS[unit]
+        size += int(float(f"0.{fraction or 0}") * SIZE_UNITS[unit])
+    if size > MAX_SIZE:
+        raise ValueError(f"{text!r} is more than 1 PiB, beyond any machine's memory; write a size, {SIZE_EXAMPLES}")
+    return size
 
 
 def fmt_bytes(n: int) -> str:

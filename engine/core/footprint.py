@@ -38,7 +38,7 @@ def kv_bytes_per_token(mc: ModelConfig, dtype: torch.dtype) -> int:
     """Keys and values of one token over the layers with a KV cache, in bytes: what a
     page of the KV pool holds per token, sliding-window layers included (a page holds
     every layer; see :func:`windowed_kv_bytes` for what those need)."""
-    return 2 * mc.num_kv_layers * mc.num_kv_heads * mc.head_dim * itemsize(dtype)
+    return mc.kv_elements_per_token * itemsize(dtype)
 
 
 def windowed_kv_bytes(mc: ModelConfig, dtype: torch.dtype, tokens: int) -> int:

@@ -10,7 +10,11 @@ from __future__ import annotations
 
 from engine.common.config import EngineConfig, ModelConfig
 from engine.common.errors import SettingRefused
+from engine.memory.fixed_pool import unplanned_pages
 from engine.parallel.split import check_shardable
+
+# Bytes per element of a --dtype (engine.core.startup resolves the names to torch's).
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def check_cpu_experts(config: EngineConfig, mc: ModelConfig) -> None:
@@ -35,6 +39,27 @@ def check_cpu_experts(config: EngineConfig, mc: ModelConfig) -> None:
                          f"use --cpu-experts {layers} or fewer (or auto)")
 
 
+def check_kv_cache(config: EngineConfig, mc: ModelConfig) -> None:
+    """Refuse a fixed ``--kv-cache`` that holds less than one ``--min-context`` of this
+    model, as the engine would once loaded (:func:`engine.memory.fixed_pool.unplanned_pages`).
+    The KV dtype of ``--dtype auto`` is taken as bfloat16 unless ``--device cpu`` (the
+    device ``auto`` picks is not known here): a lower bound, never a wrong refusal. Under
+    tensor parallel (a rank's share) the engine checks it at load.
+
+    Raises:
+        SettingRefused: naming the size that holds one ``--min-context``.
+    """
+    if config.kv_cache is None or config.num_pages is not None or config.tensor_parallel_size > 1:
+        return
+    if config.kv_cache_dtype == "fp8":
+        item = 1
+    elif config.dtype == "auto":
+        item = _DTYPE_BYTES["float32" if config.device == "cpu" else "bfloat16"]
+    else:
+        item = _DTYPE_BYTES.get(config.dtype, min(_DTYPE_BYTES.values()))
+    unplanned_pages(config, mc, mc.kv_elements_per_token * item * config.page_size)
+
+
 def check_for_model(config: EngineConfig, mc: ModelConfig) -> None:
     """Every check of ``config`` against ``mc`` (the whole model's config, not a rank's).
 
@@ -43,3 +68,4 @@ def check_for_model(config: EngineConfig, mc: ModelConfig) -> None:
     """
     check_shardable(mc, config.tensor_parallel_size)
     check_cpu_experts(config, mc)
+    check_kv_cache(config, mc)

@@ -46,6 +46,21 @@ def resolve_model(path: str | Path | None) -> Path:
         model_dir = _converted(default_gguf_path())
         add_default_sampling(model_dir)
         return model_dir
+    found = locate_model(path)
+    return _converted(found) if found.is_file() else found
+
+
+def locate_model(path: str | Path) -> Path:
+    """What ``--model`` names on disk, torch-free and without converting anything: a
+    folder with ``config.json`` (resolved), or a ``.gguf`` file (given itself, or as the
+    one such file of a folder without ``config.json``, or a store name's).
+
+    Raises:
+        ModelNotFound: empty, missing and no store name, a file that is not a .gguf, a
+            folder without a model; the message names the path and what to pass.
+    """
+    if not str(path).strip():
+        raise ModelNotFound(f"the path is empty; {_WHAT_TO_PASS}")
     p = Path(path).expanduser()
     if not p.exists():
         from engine.loader.store import find_model
@@ -56,13 +71,13 @@ def resolve_model(path: str | Path | None) -> Path:
         p = stored
     if p.is_file():
         if p.suffix.lower() == ".gguf":
-            return _converted(p)
+            return p
         raise ModelNotFound(f"{p} is a file but not a .gguf; {_WHAT_TO_PASS}")
     if (p / "config.json").is_file():
         return p.resolve()
     ggufs = sorted(p.glob("*.gguf"))
     if len(ggufs) == 1:
-        return _converted(ggufs[0])
+        return ggufs[0]
     if ggufs:
         names = ", ".join(g.name for g in ggufs)
         raise ModelNotFound(f"{p} holds several GGUF files ({names}); pass one of them")
@@ -75,21 +90,11 @@ def gguf_file(path: str | Path | None) -> Path | None:
     or nothing that exists (:func:`resolve_model` says why)."""
     if path is None:
         return default_gguf_path()
-    p = Path(path).expanduser()
-    if not p.exists():
-        from engine.loader.store import find_model
-
-        stored = find_model(str(path))
-        if stored is None:
-            return None
-        p = stored
-    if p.is_file() and p.suffix.lower() == ".gguf":
-        return p
-    if p.is_dir() and not (p / "config.json").is_file():
-        ggufs = sorted(p.glob("*.gguf"))
-        if len(ggufs) == 1:
-            return ggufs[0]
-    return None
+    try:
+        found = locate_model(path)
+    except ModelNotFound:
+        return None
+    return found if found.is_file() else None
 
 
 def _converted(gguf_path: Path) -> Path:

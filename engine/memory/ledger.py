@@ -126,7 +126,8 @@ def _ledger_at(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint, host_layer
         LedgerEntry("used by other processes", device.others_bytes, "-", src + ", now"),
         LedgerEntry("desktop reserve", reserve, "-", reserve_src),
         LedgerEntry("safety margin", margin, "-", "auto" if knobs.safety_margin_bytes is None else "flag"),
-        LedgerEntry("budget", budget, "=", ""),
+        # Never a negative line: what the reserves take beyond the device is said in words.
+        LedgerEntry("budget", max(budget, 0), "=", f"does not fit: {fmt_bytes(-budget)} short" if budget < 0 else ""),
         *_weight_lines(fp, host_layers),
         LedgerEntry("CUDA context and runtime", fp.runtime_bytes, "-", fp.runtime_source if fp.runtime_bytes else "none"),
     ]

@@ -302,11 +302,18 @@ class MemoryPlan(msgspec.Struct, frozen=True, kw_only=True):
         """What does not fit, by how much, and what fixes it (empty when it fits)."""
         if self.fits:
             return ""
-        lines = [
-            f"the memory plan does not fit on {self.device}: one request of "
-            f"{self.min_context_tokens} tokens needs {fmt_bytes(self.shortfall_bytes)} more "
-            f"than the budget of {fmt_bytes(self.budget_bytes)} leaves for the KV cache."
-        ]
+        if self.budget_bytes < 0:
+            # No budget at all: other processes, the reserve and the margin take more
+            # than the device has (a negative budget reads as nonsense).
+            first = (f"the memory plan does not fit on {self.device}: its budget does not fit, "
+                     f"{fmt_bytes(-self.budget_bytes)} short (other processes, the desktop reserve and the "
+                     f"safety margin take more than the device has); one request of {self.min_context_tokens} "
+                     f"tokens needs {fmt_bytes(self.shortfall_bytes)} more than the device has left.")
+        else:
+            first = (f"the memory plan does not fit on {self.device}: one request of "
+                     f"{self.min_context_tokens} tokens needs {fmt_bytes(self.shortfall_bytes)} more "
+                     f"than the budget of {fmt_bytes(self.budget_bytes)} leaves for the KV cache.")
+        lines = [first]
         enough = [s for s in self.suggestions if s.saves_bytes >= self.shortfall_bytes]
         if enough:
             lines.append("Any one of these settings fixes it:")

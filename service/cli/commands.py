@@ -217,6 +217,9 @@ def generate(
     """Stream one reply to PROMPT to stdout: from the running headroom serve when one
     answers (its model and settings), else with the engine in this process."""
     settings = resolve_or_fail(flags, config_path)
+    if not chat and not prompt:
+        fail("the prompt is empty; pass the text to complete (or leave out --raw to send it as a chat message)",
+             EXIT_USAGE)
     if not local:
         from service.cli.instance import running
         from service.cli.via_service import generate_on_service
@@ -257,6 +260,8 @@ def generate(
     except ChatTemplateError as exc:
         fail(f"{exc.message}; pass --raw to send the prompt without the chat template")
     except RequestRejected as exc:
+        if exc.code != "context_length_exceeded":
+            fail(f"the prompt cannot run: {exc.message}", EXIT_USAGE)
         fix = "shorten the prompt"
         if settings.max_model_len is not None:
             fix += f" or raise --max-model-len (now {settings.max_model_len})"

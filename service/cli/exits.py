@@ -23,13 +23,21 @@ def fail(message: str, code: int = EXIT_FAILED) -> NoReturn:
 
 
 def check_model_path(model: str | None) -> None:
-    """Fail fast, before torch is imported, for a model that is neither a path nor a
-    name in the store."""
-    if model is None or Path(model).expanduser().exists():
+    """Fail fast (exit 2), before torch is imported, for a model that is neither a path
+    nor a name in the store, or a path that holds no model (empty, a file that is not a
+    .gguf, a folder without config.json or one .gguf file)."""
+    if model is None:
         return
     from engine.common.load_errors import ModelNotFound
+    from engine.loader.resolve import locate_model
     from engine.loader.store import find_model
 
+    if not model.strip() or Path(model).expanduser().exists():
+        try:
+            locate_model(model)
+        except ModelNotFound as exc:
+            fail(f"--model: {exc}", EXIT_USAGE)
+        return
     try:
         found = find_model(model)
     except ModelNotFound as exc:

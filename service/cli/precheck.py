@@ -1,6 +1,7 @@
 """Settings checked against the model and the machine before ``headroom serve`` opens
 its port (torch-free): a tensor-parallel size that does not split the model or asks for
-more GPUs than there are, ``--cpu-experts`` above the model's MoE layers. Each is
+more GPUs than there are, ``--cpu-experts`` above the model's MoE layers, a
+``--kv-cache`` below one ``--min-context``. Each is
 refused with exit code 2 and the fix, like any bad option; what cannot be read here (a
 GGUF not converted yet, a machine without NVML) is left to the worker, which refuses it
 in one log line.
@@ -10,6 +11,7 @@ Light at import, like the whole of :mod:`service.cli`.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -101,7 +103,7 @@ def check_before_serving(settings: Any) -> None:
 
     world = settings.tensor_parallel_size
     wants_layers = settings.cpu_experts.isdecimal() and int(settings.cpu_experts) > 0
-    if world == 1 and not wants_layers:
+    if world == 1 and not wants_layers and settings.kv_cache is None:
         return
     from engine.core.settings_fit import check_for_model
     from engine.parallel.split import check_gpu_count
@@ -114,6 +116,8 @@ def check_before_serving(settings: Any) -> None:
                 check_gpu_count(world, gpus)
         mc = model_config_if_readable(settings.model)
         if mc is not None:
+            if settings.device == "auto" and torch_without_gpu_support() is not None:
+                settings = dataclasses.replace(settings, device="cpu")  # all that auto can pick here
             check_for_model(settings, mc)
     except SettingRefused as exc:
         fail(str(exc), EXIT_USAGE)

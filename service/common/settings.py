@@ -138,7 +138,10 @@ class ServeSettings(EngineConfig):
         checks=(at_least(0),),
     )
     served_model_name: tuple[str, ...] = option(
-        (), "Another name the model answers to in the API (repeatable)."
+        (), "Another name the model answers to in the API (repeatable).",
+        # An empty name would be listed by /v1/models as a model called "".
+        checks=(lambda names: "is empty; give a name, or leave the flag out"
+                if any(not n.strip() for n in names) else None,),
     )
     api_key: str | None = option(
         None,

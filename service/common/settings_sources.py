@@ -34,6 +34,9 @@ from service.common.settings import (
     parse_duration,
 )
 
+# The tables a config file may hold; its keys sit at the top level or in one of these.
+CONFIG_TABLES: tuple[str, ...] = ("serve",)
+
 
 def default_config_path() -> Path:
     """``<user config dir>/headroom/config.toml`` (platformdirs)."""
@@ -149,16 +152,28 @@ def read_config_file(path: Path) -> dict[str, Any]:
     """The settings in a TOML file (top level merged with ``[serve]``).
 
     Raises:
-        SettingsError: unreadable or invalid TOML, or an unknown key.
+        SettingsError: unreadable, not UTF-8 or invalid TOML, an unknown table or an
+            unknown key; one line naming the file.
     """
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except OSError as exc:
         raise SettingsError(f"cannot read config file {path}: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise SettingsError(
+            f"config file {path} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset "
+            f"{exc.start}); save it as UTF-8"
+        ) from None
     except tomllib.TOMLDecodeError as exc:
         raise SettingsError(f"config file {path} is not valid TOML: {exc}") from None
+    for name, value in data.items():
+        if isinstance(value, dict) and name not in CONFIG_TABLES:
+            raise SettingsError(
+                f"config file {path}: unknown table [{name}]; known: "
+                + ", ".join(f"[{t}]" for t in CONFIG_TABLES)
+                + " (or the keys at the top level)"
+            )
     serve = data.get("serve", {})
-    # Other commands may keep their own tables; scalars at the top level are ours.
     merged = {k: v for k, v in data.items() if not isinstance(v, dict)}
     if isinstance(serve, dict):
         merged.update(serve)

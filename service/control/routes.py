@@ -18,7 +18,8 @@ Routes (under ``path``, default ``/api``):
 - ``POST /control/cache``: ``{"kv_cache": bytes | "6GiB" | null, "expert_cache":
   bytes | "1GiB" | null, "clear_prefix_cache": bool}``; a null size means "back to the
   plan's size"; at least one of the three. 202.
-- ``WS /events``: see below.
+- ``WS /events``: see below; a plain ``GET /events`` (no WebSocket upgrade) is 426
+  Upgrade Required with ``Upgrade: websocket``.
 
 Every control route answers :class:`ControlResponse`, or the service's error shape
 (``{"error": {...}}``): 401 without the token, 403 for an Origin not on the list, 400
@@ -162,6 +163,12 @@ def events_router(
     async def events_socket(socket: WebSocket) -> None:
         await serve_events(socket, hub, gate)
 
+    @get("/events", include_in_schema=False)
+    async def events_without_upgrade() -> None:
+        # A plain GET (a browser tab, curl) learns the route is a WebSocket, not a 405.
+        raise APIError(426, "/api/events is a WebSocket: connect with a WebSocket client (Upgrade: websocket)",
+                       code="upgrade_required", headers={"Upgrade": "websocket"})
+
     async def status() -> Snapshot:
         if before_status is not None:
             with contextlib.suppress(Exception):
@@ -224,6 +231,7 @@ def events_router(
 
     handlers: list[Any] = [
         events_socket,
+        events_without_upgrade,
         control_restart,
         control_pause,
         control_resume,

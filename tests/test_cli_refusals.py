@@ -1,0 +1,57 @@
+"""``headroom serve``, ``plan`` and ``generate`` refusing what cannot work at once, with
+exit 2 and one line naming the fix, before a port is bound or a model loads: a dtype
+that is none, a ``--model`` that names no model, a ``--kv-cache`` below one
+``--min-context``, an empty served name, an empty raw prompt."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from click.testing import CliRunner
+
+from service.cli.commands import main
+
+
+def invoke(args: list[str]):
+    return CliRunner().invoke(main, args, env={"HEADROOM_CONFIG": os.devnull})
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--dtype", "int3"], "--dtype: 'int3' is not one of auto, float32, bfloat16, float16"),
+        (["--model", "/etc/passwd"], "--model: /etc/passwd is a file but not a .gguf; pass a Hugging Face model folder"),
+        (["--model", ""], "--model: is empty; leave --model out for the default model"),
+        (["--served-model-name", ""], "--served-model-name: is empty; give a name"),
+    ],
+)
+def test_serve_refuses_at_once_what_names_nothing(args, needle):
+    result = invoke(["serve", "--port", "0", *args])
+    assert result.exit_code == 2, result.output
+    assert f"headroom: error: {needle}" in result.stderr
+    assert "listening" not in result.output and "Traceback" not in result.output
+
+
+def test_serve_refuses_a_folder_that_holds_no_model(tmp_path):
+    result = invoke(["serve", "--port", "0", "--model", str(tmp_path)])
+    assert result.exit_code == 2, result.output
+    assert f"--model: {tmp_path} holds no config.json and no .gguf file" in result.stderr
+
+
+@pytest.mark.parametrize(("args", "page"), [(["--device", "cpu"], "720 KiB"), (["--kv-cache-dtype", "fp8"], "180 KiB")])
+def test_serve_refuses_a_kv_cache_below_one_min_context_before_the_port_opens(default_model_dir, args, page):
+    """The model's config is on disk: its KV bytes per token are known without loading it
+    (float32 on the CPU, one byte in FP8)."""
+    result = invoke(["serve", "--port", "0", "--model", default_model_dir, "--kv-cache", "1KiB", *args])
+    assert result.exit_code == 2, result.output
+    assert f"--kv-cache 1 KiB holds 0 tokens of this model ({page} a page of 16 tokens)" in result.stderr
+    assert "less than one --min-context of 2048 tokens: give at least --kv-cache" in result.stderr
+    assert "listening" not in result.output
+
+
+def test_generate_says_an_empty_raw_prompt_is_empty():
+    result = invoke(["generate", "--local", "--raw", ""])
+    assert result.exit_code == 2, result.output
+    assert "the prompt is empty; pass the text to complete" in result.stderr
+    assert "shorten" not in result.stderr

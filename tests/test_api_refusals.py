@@ -1,14 +1,20 @@
 """What a real ``headroom serve`` (the default model) answers to calls it refuses: the
-cap on sequences per call, the words and codes of its 400s, and Ollama's own refusals
-in Ollama's shape."""
+cap on sequences per call, the words and codes of its 400s, Ollama's own refusals in
+Ollama's shape, and bodies that never arrive whole (408, or 499 for a client gone)."""
 
 from __future__ import annotations
 
+import json
 import re
+import socket
 
 import httpx
 import pytest
+from service_harness import wait_for
+from test_api_metrics import scrape, value
 from test_service_cases import assert_openai_error
+
+from service.api.request import BODY_READ_TIMEOUT_S
 
 pytestmark = pytest.mark.slow
 
@@ -92,3 +98,57 @@ def test_a_refused_host_answers_ollama_routes_in_ollamas_shape(real_server):
     # headroom's own /api routes keep OpenAI's shape.
     r = httpx.get(real_server.base_url + "/api/status", headers={"Host": "evil.example"}, timeout=30)
     assert r.status_code == 403 and r.json()["error"]["code"] == "host", r.text
+
+
+# -- bodies that do not arrive ------------------------------------------------------------
+
+
+def _send_short_body(server, path: str) -> socket.socket:
+    """A POST whose Content-Length promises 100 bytes and whose body has 12."""
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=BODY_READ_TIMEOUT_S * 4)
+    sock.sendall(
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\n"
+        "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n".encode()
+        + b'{"model": "d'
+    )
+    return sock
+
+
+def _answer(sock: socket.socket) -> tuple[int, dict]:
+    data = b""
+    while b"\r\n\r\n" not in data or len(data.partition(b"\r\n\r\n")[2]) < _length(data):
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    sock.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)
+
+
+def _length(data: bytes) -> int:
+    for line in data.partition(b"\r\n\r\n")[0].split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return int(value)
+    return 1 << 30
+
+
+def test_a_body_shorter_than_its_content_length_is_408_in_the_apis_shape(real_server):
+    ollama_call = _send_short_body(real_server, "/api/chat")
+    openai_call = _send_short_body(real_server, "/v1/chat/completions")
+    status, body = _answer(ollama_call)
+    assert status == 408 and set(body) == {"error"} and "Content-Length" in body["error"], body
+    status, body = _answer(openai_call)
+    assert status == 408 and body["error"]["code"] == "body_timeout", body
+
+
+def test_a_client_gone_before_its_body_is_counted_499(real_server):
+    def gone() -> float:
+        return value(scrape(real_server), "headroom_requests_total", route="/v1/chat/completions", outcome="499")
+
+    before = gone()
+    _send_short_body(real_server, "/v1/chat/completions").close()
+    wait_for(lambda: gone() > before, 60, "a 499 counted")
+    assert "POST /v1/chat/completions -> 499" in real_server.log()
+    assert "-> 500" not in real_server.log()

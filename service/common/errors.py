@@ -33,6 +33,8 @@ PERMISSION = "permission_error"
 NOT_FOUND = "not_found_error"
 SERVER_ERROR = "server_error"
 
+CLIENT_GONE = 499  # nginx's code for "client closed request", used in our logs only
+
 
 class APIError(Exception):
     """An error answered as OpenAI's error object.

@@ -45,7 +45,7 @@ from service.api.request import build_call, read_body
 from service.api.responses import json_response
 from service.api.services import Services
 from service.common.engine_states import NotReady
-from service.common.errors import MISSING_FIELD, decode_body, invalid, reshaped_handlers
+from service.common.errors import MISSING_FIELD, invalid, reshaped_handlers
 from service.common.version import headroom_version
 
 # Ollama unloads an idle model after keep_alive; this server keeps it while it runs.
@@ -149,7 +149,7 @@ class OllamaController(Controller):
     @post("/show", status_code=200)
     async def show_model(self, request: Request, svc: Services) -> Response[bytes]:
         """The model's details, sampling defaults, chat template and capabilities."""
-        body = decode_body(await request.body(), OllamaShowRequest)
+        body, _ = await read_body(request, OllamaShowRequest)
         info = svc.supervisor.info or svc.supervisor.check_ready()
         svc.check_model(model_name(body.model or body.name), info)
         template = getattr(svc.text.tokenizer, "chat_template", None) if svc.text else None

@@ -1,6 +1,7 @@
 """Ollama's unload (``keep_alive`` 0) beside other clients' generations, on a real
-``headroom serve`` with the default model: the unload waits for what runs, and a
-generation an unload ends carries Retry-After."""
+``headroom serve`` with the default model: the unload waits for what runs, the load
+after it is reported as ``load_duration``, and a generation an unload ends carries
+Retry-After."""
 
 from __future__ import annotations
 
@@ -70,6 +71,20 @@ def test_an_unload_waits_for_the_generations_in_flight(server):
     last = json.loads(generate.lines[-1])
     assert generate.status == 200 and last.get("done") is True and "error" not in last, last
     wait_for(lambda: _status(server) == "idle", 60, "unloaded once the generations finished")
+
+
+@pytest.mark.slow
+def test_load_duration_is_the_wait_for_the_model(server):
+    r = httpx.post(server.base_url + "/api/chat", json=UNLOAD, timeout=600)
+    assert r.status_code == 200 and r.json()["done_reason"] == "unload", r.text
+    wait_for(lambda: _status(server) == "idle", 60, "unloaded")
+    ask = {"model": "default", "messages": HI, "stream": False, "options": {"num_predict": 2}}
+    loading = httpx.post(server.base_url + "/api/chat", json=ask, timeout=600).json()
+    loaded = httpx.post(server.base_url + "/api/chat", json=ask, timeout=600).json()
+    assert loading["load_duration"] > loaded["load_duration"] >= 0, (loading, loaded)
+    for answer in (loading, loaded):
+        parts = answer["load_duration"] + answer["prompt_eval_duration"] + answer["eval_duration"]
+        assert parts <= answer["total_duration"], answer
 
 
 def test_a_generation_an_unload_ends_carries_retry_after():

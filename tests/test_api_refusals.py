@@ -141,6 +141,9 @@ def test_a_body_shorter_than_its_content_length_is_408_in_the_apis_shape(real_se
     assert status == 408 and set(body) == {"error"} and "Content-Length" in body["error"], body
     status, body = _answer(openai_call)
     assert status == 408 and body["error"]["code"] == "body_timeout", body
+    paths = httpx.get(real_server.base_url + "/schema/openapi.json", timeout=30).json()["paths"]
+    for path in ("/v1/chat/completions", "/api/chat", "/v1/messages"):
+        assert "408" in paths[path]["post"]["responses"], path
 
 
 def test_a_client_gone_before_its_body_is_counted_499(real_server):

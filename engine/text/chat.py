@@ -260,7 +260,13 @@ def _content_text(content: Any, i: int, role: str) -> str:
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, Mapping) else None
         text = part.get("text") if isinstance(part, Mapping) else None
-        if kind != "text" or not isinstance(text, str):
+        if kind == "text" and not isinstance(text, str):
+            raise ChatTemplateError(
+                f"{param}[{j}] is a text part without a string \"text\"; send "
+                '{"type": "text", "text": "..."}',
+                f"{param}[{j}].text",
+            )
+        if kind != "text":
             what = f"of type {kind!r}" if kind is not None else "without a type (a part is an object)"
             raise ChatTemplateError(f"{param}[{j}] {what} is not supported; only text parts are", f"{param}[{j}]")
         texts.append(text)

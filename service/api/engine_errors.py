@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from engine.wire.ipc import Rejected
 from engine.wire.messages import ERROR_INVALID_SCHEMA
-from service.common.engine_states import ENGINE_RESTARTED
+from service.common.engine_states import ENGINE_PAUSED, ENGINE_RESTARTED
 from service.common.errors import SERVER_ERROR, APIError, invalid
 from service.supervision.inflight import EngineFailure
 
@@ -69,10 +69,11 @@ def rejected(event: Rejected, schema_param: str = "response_format") -> APIError
 
 
 def failure(event: EngineFailure, retry_after_s: int | None) -> APIError:
-    """503 for a sequence the worker's death ended (``engine_restarted`` carries
-    Retry-After, the supervisor's ``retry_after_s``, when it is known)."""
+    """503 for a sequence the worker's death ended (``engine_restarted``, and
+    ``engine_paused`` for one an unload ended, carry Retry-After, the supervisor's
+    ``retry_after_s``, when it is known)."""
     headers = {}
-    if event.code == ENGINE_RESTARTED and retry_after_s is not None:
+    if event.code in (ENGINE_RESTARTED, ENGINE_PAUSED) and retry_after_s is not None:
         headers["Retry-After"] = str(retry_after_s)
     return APIError(503, event.message, type=SERVER_ERROR, code=event.code, headers=headers)
 

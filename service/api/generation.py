@@ -90,6 +90,7 @@ class Generation:
         chat: a chat's :class:`~service.api.chat_plan.ChatPlan`, or None.
         ticket: the call's place among those waiting for the engine, released at its
             first output or at :meth:`close`.
+        load_s: seconds the call waited for the model to load (about 0 if loaded).
     """
 
     request: GenerationRequest
@@ -103,6 +104,7 @@ class Generation:
     ticket: Ticket | None = None
     first_token_at: float | None = None
     submission: Submission | None = None
+    load_s: float = 0.0
     _seqs: list[_SeqText] = field(default_factory=list)
 
     @property
@@ -424,7 +426,8 @@ async def start_generation(
     svc: Services, model: str | None, request: GenerationRequest
 ) -> tuple[Generation, str]:
     """What every route does once its request is built: a ready worker (503; an idle
-    one is loaded first), the model it names (404), then :meth:`Generation.start`.
+    one is loaded first, the wait kept as :attr:`Generation.load_s`), the model it
+    names (404), then :meth:`Generation.start`.
 
     Raises:
         APIError: 400 naming ``request.thinking_param`` when thinking is asked of a
@@ -434,14 +437,14 @@ async def start_generation(
     Returns:
         The started generation and the model name to answer with.
     """
+    waited_from = time.perf_counter()
     info = await svc.supervisor.ready()
+    load_s = time.perf_counter() - waited_from
     name = svc.check_model(model, info)
     if request.chat and svc.text is not None:
-        check_thinking(
-            request.thinking,
-            request.thinking_budget,
-            chat_template(svc.text),
-            model or name,  # the name the client used, as Ollama's message has it
-            request.thinking_param,
-        )
-    return await Generation.start(svc, info, request), name
+        # ``model or name``: the name the client used, as Ollama's message has it.
+        check_thinking(request.thinking, request.thinking_budget, chat_template(svc.text),
+                       model or name, request.thinking_param)
+    gen = await Generation.start(svc, info, request)
+    gen.load_s = load_s
+    return gen, name

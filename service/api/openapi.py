@@ -40,6 +40,7 @@ _ERROR_TEXT = {
     403: "The Origin or Host is not allowed.",
     404: "No such model (or route).",
     405: "Method not allowed.",
+    408: "The body did not arrive whole within 30 s (a Content-Length larger than the body).",
     409: "The action conflicts with the engine's state (e.g. while it restarts).",
     413: "The body is larger than --max-body-size.",
     500: "A bug in the server.",
@@ -63,7 +64,7 @@ def _errors(*statuses: int, schema: str = "ErrorResponse") -> dict[str, Any]:
 
 
 _BEARER = [{"bearer": []}]
-_GENERATION_ERRORS = (400, 401, 403, 404, 405, 413, 500, 503, 504)
+_GENERATION_ERRORS = (400, 401, 403, 404, 405, 408, 413, 500, 503, 504)
 _CONTROL_ERRORS = (400, 401, 403, 405, 409, 413, 500, 501, 503)
 
 
@@ -112,7 +113,7 @@ _ANTHROPIC_SSE = (
     "`message_delta`, `message_stop`; an `error` event for an error after the stream "
     "began).",
 )
-_ANTHROPIC_ERRORS = (400, 401, 403, 404, 405, 413, 500, 504, 529)
+_ANTHROPIC_ERRORS = (400, 401, 403, 404, 405, 408, 413, 500, 504, 529)
 
 
 def _anthropic_paths() -> dict[str, Any]:
@@ -187,7 +188,7 @@ def _ollama_paths() -> dict[str, Any]:
                 "requestBody": {"required": True, "content": _json("OllamaShowRequest")},
                 "responses": {
                     "200": {"description": "The model.", "content": _json("OllamaShow")},
-                    **_errors(400, 401, 403, 404, 405, 413, 500, 503, schema="OllamaError"),
+                    **_errors(400, 401, 403, 404, 405, 408, 413, 500, 503, schema="OllamaError"),
                 },
             }
         },

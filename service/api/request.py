@@ -17,15 +17,18 @@ it into the engine's ``SamplingParams.max_new_tokens``.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from litestar.exceptions import InternalServerException
+
 from service.api.prompts import Prompt
 from service.api.sampling import Sampling
-from service.common.errors import decode_body, invalid
+from service.common.errors import CLIENT_GONE, APIError, decode_body, invalid
 
 if TYPE_CHECKING:
     from litestar import Request
@@ -36,6 +39,10 @@ Body = TypeVar("Body")
 # matcher's per-token work small.
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1024
+
+# How long a call's body may take to arrive whole once its headers have: a client that
+# promised more bytes than it sends is answered 408 rather than held open forever.
+BODY_READ_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -129,10 +136,39 @@ async def read_body(request: Request, schema: type[Body]) -> tuple[Body, float]:
     call's arrival (before its body was read).
 
     Raises:
-        APIError: 400 for a body that does not decode.
+        APIError: 400 for a body that does not decode; 408 or 499 from
+            :func:`body_bytes`.
     """
     started = time.perf_counter()
-    return decode_body(await request.body(), schema), started
+    return decode_body(await body_bytes(request), schema), started
+
+
+async def body_bytes(request: Request) -> bytes:
+    """The call's body as sent, read within :data:`BODY_READ_TIMEOUT_S`.
+
+    Raises:
+        APIError: 408 ``body_timeout`` when the body does not arrive whole in time (a
+            ``Content-Length`` larger than what was sent); 499 ``client_disconnected``
+            when the client went away before sending it all (logged and counted as
+            such; the answer reaches no one).
+    """
+    try:
+        return await asyncio.wait_for(request.body(), BODY_READ_TIMEOUT_S)
+    except TimeoutError:
+        raise APIError(
+            408,
+            f"the request body did not arrive whole within {BODY_READ_TIMEOUT_S:g} s (is "
+            "Content-Length larger than the body sent?); send the whole body",
+            code="body_timeout",
+        ) from None
+    except InternalServerException as exc:
+        # Litestar's word for an http.disconnect while the body is read.
+        if "disconnected" not in str(exc.detail):
+            raise
+        raise APIError(
+            CLIENT_GONE, "the client disconnected before sending its whole body",
+            code="client_disconnected",
+        ) from None
 
 
 def build_call(

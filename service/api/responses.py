@@ -27,12 +27,11 @@ from litestar.response import Stream
 from service.api.chat_output import ChatOutput
 from service.api.generation import Generation, Piece
 from service.api.openai.schemas import ChatMessageOut
-from service.common.errors import SERVER_ERROR, APIError
+from service.common.errors import CLIENT_GONE, SERVER_ERROR, APIError
 
 log = logging.getLogger("headroom.api")
 
 _encoder = msgspec.json.Encoder()
-CLIENT_GONE = 499  # nginx's code for "client closed request", used in our logs only
 # A Server-Sent Events answer is never cached, nor buffered by a proxy.
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 

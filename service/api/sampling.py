@@ -122,8 +122,9 @@ def logit_bias_pairs(logit_bias: dict[str, float] | None) -> tuple[tuple[int, fl
     :meth:`service.api.generation.Generation.start`).
 
     Raises:
-        APIError: 400 ``logit_bias`` for a key that is not a token id, a negative one or
-            a bias outside [-100, 100].
+        APIError: 400 ``logit_bias`` for a key that is not a token id or a bias outside
+            [-100, 100] (a negative id is refused with the vocabulary's range by
+            :func:`check_vocabulary`).
     """
     pairs = []
     for key, bias in (logit_bias or {}).items():
@@ -131,8 +132,6 @@ def logit_bias_pairs(logit_bias: dict[str, float] | None) -> tuple[tuple[int, fl
             token = int(key)
         except ValueError:
             raise invalid(f"logit_bias keys are token ids, got {key!r}", "logit_bias") from None
-        if token < 0:
-            raise invalid(f"logit_bias token id {token} is outside the vocabulary (0)", "logit_bias")
         if not -LOGIT_BIAS_MAX <= bias <= LOGIT_BIAS_MAX:
             raise invalid(
                 f"logit_bias values must be in [-100, 100], got {bias} for {key}", "logit_bias"
@@ -145,10 +144,10 @@ def check_vocabulary(pairs: tuple[tuple[int, float], ...], vocab_size: int) -> N
     """``logit_bias`` ids against the served vocabulary.
 
     Raises:
-        APIError: 400 ``logit_bias`` for an id at or past ``vocab_size``.
+        APIError: 400 ``logit_bias`` for an id below 0 or at or past ``vocab_size``.
     """
     for token, _ in pairs:
-        if token >= vocab_size:
+        if not 0 <= token < vocab_size:
             raise invalid(
                 f"logit_bias token id {token} is outside the vocabulary (0..{vocab_size - 1})",
                 "logit_bias",

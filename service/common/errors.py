@@ -33,6 +33,8 @@ PERMISSION = "permission_error"
 NOT_FOUND = "not_found_error"
 SERVER_ERROR = "server_error"
 
+CLIENT_GONE = 499  # nginx's code for "client closed request", used in our logs only
+
 
 class APIError(Exception):
     """An error answered as OpenAI's error object.
@@ -81,8 +83,16 @@ def error_body(
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:
-    """A 400 for a request that cannot be served as sent."""
+# The kinds of 400 (``code``) a request at fault gets when no more particular code names it.
+INVALID_VALUE = "invalid_value"  # a field's value is out of range or not one served
+INVALID_TYPE = "invalid_type"  # a field (or the body) is of the wrong JSON type
+MISSING_FIELD = "missing_field"  # a required field is absent
+INVALID_JSON = "invalid_json"  # the body is empty or not JSON
+
+
+def invalid(message: str, param: str | None = None, code: str = INVALID_VALUE) -> APIError:
+    """A 400 for a request that cannot be served as sent; ``code`` names the kind
+    (:data:`INVALID_VALUE` unless a more particular one is given)."""
     return APIError(400, message, param=param, code=code)
 
 
@@ -104,7 +114,7 @@ def from_not_ready(exc: NotReady) -> APIError:
 
 def from_rejected(exc: RequestRejected) -> APIError:
     """A request the engine refuses to queue (e.g. longer than its KV pool)."""
-    return APIError(400, exc.message, param=exc.param, code=exc.code)
+    return invalid(exc.message, exc.param, exc.code)
 
 
 # -- request bodies -----------------------------------------------------------------------
@@ -125,7 +135,7 @@ def decode_body(raw: bytes, type_: type[T]) -> T:
             is the client's to fix, never a 500.
     """
     if not raw.strip():
-        raise invalid("the request body is empty; send a JSON object")
+        raise invalid("the request body is empty; send a JSON object", code=INVALID_JSON)
     try:
         return msgspec.json.decode(raw, type=type_)
     except RecursionError:
@@ -144,14 +154,26 @@ def decode_body(raw: bytes, type_: type[T]) -> T:
             param = f"{param}.{missing.group('field')}" if param else missing.group("field")
         if text.startswith("Expected `object`") and param is None:
             text = f"the request body must be a JSON object: {text}"
+        code = MISSING_FIELD if missing else _validation_kind(text)
         # The field in the message too: clients show the message, not always ``param``
         # (and Ollama's error shape has no ``param``).
         where = f" {param}:" if param else ""
-        raise invalid(f"invalid request:{where} {text}", param) from None
+        raise invalid(f"invalid request:{where} {text}", param, code) from None
     except msgspec.DecodeError as exc:
-        raise invalid(f"the request body is not valid JSON: {_where(str(exc), raw)}") from None
+        raise invalid(
+            f"the request body is not valid JSON: {_where(str(exc), raw)}", code=INVALID_JSON
+        ) from None
     except (ValueError, MemoryError, OverflowError) as exc:
         raise invalid(f"the request body cannot be decoded: {type(exc).__name__}") from None
+
+
+# msgspec's "Expected `int`, got `str`" (a type) against "Expected `int` >= 1" (a range).
+_WRONG_TYPE = re.compile(r"Expected `[^`]+`, got `[^`]+`")
+
+
+def _validation_kind(text: str) -> str:
+    """:data:`INVALID_TYPE` for msgspec's wrong-type message, else :data:`INVALID_VALUE`."""
+    return INVALID_TYPE if _WRONG_TYPE.search(text) else INVALID_VALUE
 
 
 _AT_BYTE = re.compile(r"\s*\(byte (?P<at>\d+)\)$")
@@ -240,6 +262,8 @@ def _http_error(request: Request, exc: HTTPException) -> Response[Any]:
         error = APIError(405, f"method not allowed: {exc.detail}", code="method_not_allowed")
     elif status >= 500:
         error = APIError(status, str(exc.detail), type=SERVER_ERROR)
+    elif status == 400:
+        error = invalid(str(exc.detail))
     else:
         error = APIError(status, str(exc.detail))
     error.headers.update(exc.headers or {})

@@ -39,6 +39,7 @@ from typing import Any
 import msgspec
 
 from service.api.anthropic.errors import anthropic_error, speaks_anthropic
+from service.api.ollama.routes import speaks_ollama
 from service.common.errors import PERMISSION, error_body
 from service.common.origins import OriginPolicy, same_origin
 
@@ -145,9 +146,12 @@ async def _refuse(
         await receive()  # the websocket.connect message
         await send({"type": "websocket.close", "code": 1008, "reason": message[:120]})
         return
-    if speaks_anthropic(scope.get("path", "")):
+    path = scope.get("path", "")
+    if speaks_anthropic(path):
         status, answer = anthropic_error(status, message)
         body = msgspec.json.encode(answer)
+    elif speaks_ollama(path, status):
+        body = msgspec.json.encode({"error": message})
     else:
         body = json.dumps(error_body(message, type_, None, code)).encode()
     headers = [

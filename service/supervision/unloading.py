@@ -39,6 +39,13 @@ log = logging.getLogger("headroom.supervisor")
 # Seconds a worker being unloaded (paused, idle) may take to exit before it is killed.
 UNLOAD_TIMEOUT_S = 15.0
 
+# Seconds an unload asked for by a client (Ollama's keep_alive 0) waits for the
+# sequences in flight to finish before it stops the worker under them.
+UNLOAD_DRAIN_TIMEOUT_S = 120.0
+
+# The states an unload stops a worker in (loaded, or loading).
+UNLOADABLE = (State.READY, State.STARTING, State.RESTARTING)
+
 
 class Unloading:
     """Waiting for memory or the GPU, pausing and idling, for the supervisor; each
@@ -170,6 +177,26 @@ class Unloading:
             # Longer than a shutdown's wait: nothing hurries, and a worker that exits by
             # itself frees its memory as cleanly as a killed one but logs no kill.
             await worker.stop(timeout_s=UNLOAD_TIMEOUT_S)
+
+    async def unload_when_done(
+        self, reason: str, timeout_s: float = UNLOAD_DRAIN_TIMEOUT_S, poll_s: float = 0.05
+    ) -> bool:
+        """Enter ``idle`` as :meth:`unload` does, once the sequences in flight have
+        finished (as Ollama's unload waits for the generations running), or after
+        ``timeout_s`` seconds (those still running then end with 503 ``engine_paused``).
+        Returns False, unloading nothing, when the worker was no longer loaded or loading
+        by then (another unload, a pause, a failure)."""
+        deadline = time.monotonic() + timeout_s
+        while (
+            self._inflight.busy
+            and self.state in UNLOADABLE
+            and time.monotonic() < deadline
+        ):
+            await asyncio.sleep(poll_s)
+        if self.state not in UNLOADABLE:
+            return False
+        await self.unload(State.IDLE, reason)
+        return True
 
     async def pause(self) -> str:
         """Game mode: stop the worker and give all its memory back until :meth:`resume`

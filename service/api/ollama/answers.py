@@ -46,16 +46,17 @@ def _now() -> str:
 
 
 def _timings(gen: Generation, done_reason: str | None) -> dict[str, Any]:
-    """The last line's fields: done_reason, counts, durations (ns). The prompt's time
-    is the time to the first token; the answer's is the rest."""
+    """The last line's fields: done_reason, counts, durations (ns). The load's time is
+    the wait for the model to load; the prompt's, the rest of the time to the first
+    token; the answer's, the rest."""
     total_s = time.perf_counter() - gen.request.started
     ttft_s = (gen.ttft_ms or 0.0) / 1000.0
     return {
         "done_reason": done_reason or "stop",
         "total_duration": int(total_s * 1e9),
-        "load_duration": 0,
+        "load_duration": int(gen.load_s * 1e9),
         "prompt_eval_count": gen.prompt_tokens,
-        "prompt_eval_duration": int(ttft_s * 1e9),
+        "prompt_eval_duration": int(max(ttft_s - gen.load_s, 0.0) * 1e9),
         "eval_count": gen.completion_tokens,
         "eval_duration": int(max(total_s - ttft_s, 0.0) * 1e9),
     }

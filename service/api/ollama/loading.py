@@ -7,8 +7,10 @@ model and answers at once (not streamed, whatever ``stream`` says)::
      "done_reason": "load", "done": true}
 
 (``/api/generate``'s with ``"response": ""`` in place of ``message``). With
-``keep_alive`` 0 the same call unloads it instead (``done_reason: "unload"``): the
-worker stops and gives its memory back, the supervisor is ``idle``, and the next
+``keep_alive`` 0 the same call unloads it instead (``done_reason: "unload"``): once
+the generations in flight have finished (at most
+:data:`~service.supervision.unloading.UNLOAD_DRAIN_TIMEOUT_S`), the worker stops and
+gives its memory back, the supervisor is ``idle``, and the next
 request loads it again (:mod:`service.supervision.unloading`). A paused engine stays
 paused; one already without a worker answers at once.
 
@@ -38,8 +40,8 @@ from service.api.ollama.schemas import (
 )
 from service.api.responses import json_response
 from service.api.services import Services
-from service.common.engine_states import State
 from service.common.errors import invalid
+from service.supervision.unloading import UNLOADABLE
 
 log = logging.getLogger("headroom.api")
 
@@ -47,9 +49,6 @@ log = logging.getLogger("headroom.api")
 _UNIT_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 _NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)")
 _PART = re.compile(r"(\d+\.?\d*|\.\d+)([a-zµμ]*)")
-
-# The states an unload stops a worker in (loaded, or loading).
-_UNLOADABLE = (State.READY, State.STARTING, State.RESTARTING)
 
 
 def _go_duration_s(text: str) -> float:
@@ -123,9 +122,9 @@ async def load_or_unload(svc: Services, body: OllamaChatRequest | OllamaGenerate
     # last worker's facts while none is loaded.
     model = svc.check_model(name, supervisor.info) if supervisor.info is not None else name
     if wants_unload(body.keep_alive):
-        if supervisor.state in _UNLOADABLE:
-            await supervisor.unload(
-                State.IDLE, "unloaded by a keep_alive 0 request (Ollama's API); the next request loads it again"
+        if supervisor.state in UNLOADABLE:
+            await supervisor.unload_when_done(
+                "unloaded by a keep_alive 0 request (Ollama's API); the next request loads it again"
             )
         reason = "unload"
     else:

@@ -66,7 +66,9 @@ def _messages(body: OllamaChatRequest) -> list[dict[str, Any]]:
         if not isinstance(message, dict):
             out.append(message)  # the template check names it
             continue
-        entry = {"role": message.get("role"), "content": message.get("content", "")}
+        # A message without content is refused as one with ``"content": null`` is
+        # (the template check names it), but an assistant turn that only called tools.
+        entry = {"role": message.get("role"), "content": message.get("content")}
         if message.get("tool_calls"):
             entry["tool_calls"] = message["tool_calls"]
         if isinstance(message.get("tool_name"), str):
@@ -133,6 +135,7 @@ def _request(
         prompts=(prompt,),
         sampling=_sampling(o),
         max_tokens=max_tokens,
+        max_tokens_param="num_predict",
         default_max_tokens=default_max_tokens or None,
         stop=tuple(stop),
         json_schema=json_schema,

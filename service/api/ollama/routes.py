@@ -45,7 +45,7 @@ from service.api.request import build_call, read_body
 from service.api.responses import json_response
 from service.api.services import Services
 from service.common.engine_states import NotReady
-from service.common.errors import decode_body, reshaped_handlers
+from service.common.errors import MISSING_FIELD, invalid, reshaped_handlers
 from service.common.version import headroom_version
 
 # Ollama unloads an idle model after keep_alive; this server keeps it while it runs.
@@ -71,6 +71,16 @@ def speaks_ollama(path: str, status: int) -> bool:
     return status == 404 or path.removeprefix("/api/").split("/", 1)[0] in OLLAMA_ROUTES
 
 
+def _check_model_given(body: OllamaChatRequest | OllamaGenerateRequest) -> None:
+    """Ollama's chat and generate calls name their model, a load or unload too.
+
+    Raises:
+        APIError: 400 ``model`` (Ollama's words: ``model is required``).
+    """
+    if not body.model:
+        raise invalid("model is required", "model", MISSING_FIELD)
+
+
 class OllamaController(Controller):
     """Ollama's API under ``/api`` (see the module docstring)."""
 
@@ -83,6 +93,7 @@ class OllamaController(Controller):
         messages, the model loaded (or unloaded, ``keep_alive`` 0) and an answer at
         once (:mod:`service.api.ollama.loading`)."""
         body, started = await read_body(request, OllamaChatRequest)
+        _check_model_given(body)
         keep_alive_s(body.keep_alive)
         if not body.messages:
             return await load_or_unload(svc, body)
@@ -97,6 +108,7 @@ class OllamaController(Controller):
         streamed as NDJSON unless ``"stream": false``; an empty prompt loads (or
         unloads) the model as an empty chat does."""
         body, started = await read_body(request, OllamaGenerateRequest)
+        _check_model_given(body)
         keep_alive_s(body.keep_alive)
         if not body.prompt:
             return await load_or_unload(svc, body)
@@ -137,7 +149,7 @@ class OllamaController(Controller):
     @post("/show", status_code=200)
     async def show_model(self, request: Request, svc: Services) -> Response[bytes]:
         """The model's details, sampling defaults, chat template and capabilities."""
-        body = decode_body(await request.body(), OllamaShowRequest)
+        body, _ = await read_body(request, OllamaShowRequest)
         info = svc.supervisor.info or svc.supervisor.check_ready()
         svc.check_model(model_name(body.model or body.name), info)
         template = getattr(svc.text.tokenizer, "chat_template", None) if svc.text else None

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.wire.messages import MAX_LOGPROBS
-from service.api.openai.schemas import ChatCompletionRequest, CompletionRequest
+from service.api.openai.schemas import MAX_SEQUENCES, ChatCompletionRequest, CompletionRequest
 from service.api.prompts import chat_prompt, completion_prompts_of
 from service.api.request import GenerationRequest, stop_strings
 from service.api.sampling import logit_bias_pairs, sampling_of
@@ -93,7 +93,8 @@ def completion_request(
 
     Raises:
         APIError: 400 naming the field (``logprobs``, ``suffix``, ``best_of``,
-            ``prompt``, ``stop``, ``logit_bias``).
+            ``prompt``, ``stop``, ``logit_bias``); 400 ``too_many_sequences`` for more
+            than :data:`MAX_SEQUENCES` prompts times ``n`` (:func:`check_sequences`).
     """
     logit_bias, stop = logit_bias_pairs(body.logit_bias), stop_strings(body.stop)
     if body.logprobs is not None:
@@ -103,6 +104,7 @@ def completion_request(
     if body.best_of is not None and body.best_of != body.n:
         raise invalid("best_of other than n is not supported by this server", "best_of")
     items = prompt_items(body.prompt)
+    check_sequences(len(items), body.n)
     return GenerationRequest(
         request_id=request_id,
         started=started,
@@ -117,6 +119,23 @@ def completion_request(
         echo=body.echo,
         stream=body.stream,
     )
+
+
+def check_sequences(prompts: int, n: int) -> None:
+    """One call runs ``prompts * n`` sequences; more than :data:`MAX_SEQUENCES` would
+    hold the engine's batch from every other client for the call's whole length.
+
+    Raises:
+        APIError: 400 ``too_many_sequences`` naming ``n`` (when above 1, else
+            ``prompt``) with the limit.
+    """
+    if prompts * n > MAX_SEQUENCES:
+        raise invalid(
+            f"this call asks for {prompts} prompts x n={n} = {prompts * n} sequences; at most "
+            f"{MAX_SEQUENCES} are served per call: send fewer prompts or a smaller n",
+            "n" if n > 1 else "prompt",
+            "too_many_sequences",
+        )
 
 
 def _check_logprobs_count(k: int, param: str) -> None:

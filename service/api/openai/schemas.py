@@ -31,6 +31,8 @@ from service.api.sampling import Sampling
 from service.common.ranges import MAX_TOKENS_MIN
 
 MAX_N = 128
+# Sequences one call runs (a text completion's prompts times n): OpenAI's bound on n.
+MAX_SEQUENCES = MAX_N
 
 TokenCount = Annotated[int, Meta(ge=MAX_TOKENS_MIN)]
 N = Annotated[int, Meta(ge=1, le=MAX_N)]

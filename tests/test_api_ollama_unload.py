@@ -1,0 +1,93 @@
+"""Ollama's unload (``keep_alive`` 0) beside other clients' generations, on a real
+``headroom serve`` with the default model: the unload waits for what runs, the load
+after it is reported as ``load_duration``, and a generation an unload ends carries
+Retry-After."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import pytest
+from service_harness import ServerProcess, serving, wait_for
+
+from service.api.engine_errors import failure
+from service.common.engine_states import ENGINE_PAUSED
+from service.supervision.inflight import EngineFailure
+
+UNLOAD = {"model": "default", "messages": [], "keep_alive": "0s"}
+HI = [{"role": "user", "content": "Count from one to three hundred in words."}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, default_model_dir):
+    yield from serving(ServerProcess(tmp_path_factory.mktemp("unload")))
+
+
+def _status(server) -> str:
+    return server.health().json()["status"]
+
+
+class _Stream(threading.Thread):
+    """One streamed call read to its end: its lines, and an event at its first one."""
+
+    def __init__(self, server, path: str, body: dict) -> None:
+        super().__init__(daemon=True)
+        self.server, self.path, self.body = server, path, body
+        self.started = threading.Event()
+        self.status: int | None = None
+        self.lines: list[str] = []
+
+    def run(self) -> None:
+        with httpx.stream("POST", self.server.base_url + self.path, json=self.body, timeout=600) as r:
+            self.status = r.status_code
+            for line in r.iter_lines():
+                if line.strip():
+                    self.lines.append(line)
+                    self.started.set()
+        self.started.set()
+
+
+@pytest.mark.slow
+def test_an_unload_waits_for_the_generations_in_flight(server):
+    chat = _Stream(server, "/v1/chat/completions", {
+        "messages": HI, "max_tokens": 300, "ignore_eos": True, "temperature": 0, "stream": True,
+    })
+    generate = _Stream(server, "/api/generate", {
+        "model": "default", "prompt": HI[0]["content"], "options": {"num_predict": 300, "temperature": 0},
+    })
+    for stream in (chat, generate):
+        stream.start()
+        assert stream.started.wait(300), stream.path
+    r = httpx.post(server.base_url + "/api/chat", json=UNLOAD, timeout=600)
+    assert r.status_code == 200 and r.json()["done_reason"] == "unload", r.text
+    chat.join(600)
+    generate.join(600)
+    assert chat.status == 200 and chat.lines[-1] == "data: [DONE]", chat.lines[-3:]
+    finished = [json.loads(x[len("data: "):]) for x in chat.lines[:-1]]
+    assert not any("error" in x for x in finished), finished[-2:]
+    assert finished[-1]["choices"][0]["finish_reason"] == "length", finished[-1]
+    last = json.loads(generate.lines[-1])
+    assert generate.status == 200 and last.get("done") is True and "error" not in last, last
+    wait_for(lambda: _status(server) == "idle", 60, "unloaded once the generations finished")
+
+
+@pytest.mark.slow
+def test_load_duration_is_the_wait_for_the_model(server):
+    r = httpx.post(server.base_url + "/api/chat", json=UNLOAD, timeout=600)
+    assert r.status_code == 200 and r.json()["done_reason"] == "unload", r.text
+    wait_for(lambda: _status(server) == "idle", 60, "unloaded")
+    ask = {"model": "default", "messages": HI, "stream": False, "options": {"num_predict": 2}}
+    loading = httpx.post(server.base_url + "/api/chat", json=ask, timeout=600).json()
+    loaded = httpx.post(server.base_url + "/api/chat", json=ask, timeout=600).json()
+    assert loading["load_duration"] > loaded["load_duration"] >= 0, (loading, loaded)
+    for answer in (loading, loaded):
+        parts = answer["load_duration"] + answer["prompt_eval_duration"] + answer["eval_duration"]
+        assert parts <= answer["total_duration"], answer
+
+
+def test_a_generation_an_unload_ends_carries_retry_after():
+    error = failure(EngineFailure(ENGINE_PAUSED, "the engine was unloaded (idle); retry"), 7)
+    assert error.status == 503 and error.code == ENGINE_PAUSED
+    assert error.headers == {"Retry-After": "7"}

@@ -1,0 +1,157 @@
+"""What a real ``headroom serve`` (the default model) answers to calls it refuses: the
+cap on sequences per call, the words and codes of its 400s, Ollama's own refusals in
+Ollama's shape, and bodies that never arrive whole (408, or 499 for a client gone)."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+
+import httpx
+import pytest
+from service_harness import wait_for
+from test_api_metrics import scrape, value
+from test_service_cases import assert_openai_error
+
+from service.api.request import BODY_READ_TIMEOUT_S
+
+pytestmark = pytest.mark.slow
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+def _post(server, path: str, **kwargs) -> httpx.Response:
+    return httpx.post(server.base_url + path, timeout=120, **kwargs)
+
+
+def test_more_sequences_than_the_cap_are_refused_at_once(real_server):
+    prompts = [f"hi {i}" for i in range(128)]
+    r = _post(real_server, "/v1/completions", json={"prompt": prompts, "n": 128, "max_tokens": 1})
+    error = assert_openai_error(r, 400, param="n", code="too_many_sequences")
+    assert "16384" in error["message"] and "128" in error["message"], error
+    r = _post(real_server, "/v1/completions", json={"prompt": [*prompts, "one more"], "max_tokens": 1})
+    assert_openai_error(r, 400, param="prompt", code="too_many_sequences")
+    # At the cap, the call is served.
+    r = _post(real_server, "/v1/completions", json={"prompt": prompts[:2], "n": 64, "max_tokens": 1})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 128, r.text[:300]
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "code"),
+    [
+        ({}, "messages", "missing_field"),
+        ({"messages": HI, "temperature": "hot"}, "temperature", "invalid_type"),
+        ({"messages": HI, "temperature": 5}, "temperature", "invalid_value"),
+        ({"messages": HI, "n": 0}, "n", "invalid_value"),
+        ({"messages": [{"role": "nobody", "content": "hi"}]}, "messages[0].role", "invalid_value"),
+        ({"messages": HI, "stop": ["x"] * 65}, "stop", "invalid_value"),
+    ],
+)
+def test_every_400_has_a_code_naming_its_kind(real_server, body, param, code):
+    r = _post(real_server, "/v1/chat/completions", json=body)
+    assert_openai_error(r, 400, param=param, code=code)
+
+
+def test_a_body_that_is_not_json_is_invalid_json(real_server):
+    for raw in (b"", b"{not json"):
+        r = _post(real_server, "/v1/chat/completions", content=raw)
+        assert_openai_error(r, 400, code="invalid_json")
+
+
+def test_a_negative_logit_bias_id_names_the_vocabulary_range(real_server):
+    r = _post(real_server, "/v1/chat/completions", json={"messages": HI, "logit_bias": {"-1": 1}})
+    error = assert_openai_error(r, 400, param="logit_bias", code="invalid_value")
+    assert re.search(r"\(0\.\.[1-9]\d*\)", error["message"]), error
+
+
+def test_a_text_part_without_text_says_so(real_server):
+    content = [{"type": "text"}]
+    r = _post(real_server, "/v1/chat/completions", json={"messages": [{"role": "user", "content": content}]})
+    error = assert_openai_error(r, 400, param="messages[0].content[0].text", code="invalid_value")
+    assert "not supported" not in error["message"] and "text" in error["message"], error
+
+
+def test_ollama_context_errors_name_num_predict(real_server):
+    r = _post(real_server, "/api/generate",
+              json={"model": "default", "prompt": "hi", "stream": False, "options": {"num_predict": 10**6}})
+    assert r.status_code == 400 and set(r.json()) == {"error"}, r.text
+    assert "num_predict" in r.json()["error"] and "max_tokens" not in r.json()["error"], r.text
+
+
+def test_ollama_refuses_a_message_without_content_as_one_with_null(real_server):
+    for message in ({"role": "user"}, {"role": "user", "content": None}):
+        r = _post(real_server, "/api/chat", json={"model": "default", "messages": [message], "stream": False})
+        assert r.status_code == 400 and "content" in r.json()["error"], (message, r.text)
+
+
+@pytest.mark.parametrize("path", ["/api/chat", "/api/generate"])
+def test_ollama_calls_without_a_model_are_400(real_server, path):
+    for body in ({}, {"prompt": "hi", "messages": HI}):
+        r = _post(real_server, path, json=body)
+        assert r.status_code == 400 and r.json() == {"error": "model is required"}, (body, r.text)
+
+
+def test_a_refused_host_answers_ollama_routes_in_ollamas_shape(real_server):
+    r = httpx.get(real_server.base_url + "/api/tags", headers={"Host": "evil.example"}, timeout=30)
+    assert r.status_code == 403 and set(r.json()) == {"error"} and "evil.example" in r.json()["error"], r.text
+    # headroom's own /api routes keep OpenAI's shape.
+    r = httpx.get(real_server.base_url + "/api/status", headers={"Host": "evil.example"}, timeout=30)
+    assert r.status_code == 403 and r.json()["error"]["code"] == "host", r.text
+
+
+# -- bodies that do not arrive ------------------------------------------------------------
+
+
+def _send_short_body(server, path: str) -> socket.socket:
+    """A POST whose Content-Length promises 100 bytes and whose body has 12."""
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=BODY_READ_TIMEOUT_S * 4)
+    sock.sendall(
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\n"
+        "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n".encode()
+        + b'{"model": "d'
+    )
+    return sock
+
+
+def _answer(sock: socket.socket) -> tuple[int, dict]:
+    data = b""
+    while b"\r\n\r\n" not in data or len(data.partition(b"\r\n\r\n")[2]) < _length(data):
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    sock.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)
+
+
+def _length(data: bytes) -> int:
+    for line in data.partition(b"\r\n\r\n")[0].split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return int(value)
+    return 1 << 30
+
+
+def test_a_body_shorter_than_its_content_length_is_408_in_the_apis_shape(real_server):
+    ollama_call = _send_short_body(real_server, "/api/chat")
+    openai_call = _send_short_body(real_server, "/v1/chat/completions")
+    status, body = _answer(ollama_call)
+    assert status == 408 and set(body) == {"error"} and "Content-Length" in body["error"], body
+    status, body = _answer(openai_call)
+    assert status == 408 and body["error"]["code"] == "body_timeout", body
+    paths = httpx.get(real_server.base_url + "/schema/openapi.json", timeout=30).json()["paths"]
+    for path in ("/v1/chat/completions", "/api/chat", "/v1/messages"):
+        assert "408" in paths[path]["post"]["responses"], path
+
+
+def test_a_client_gone_before_its_body_is_counted_499(real_server):
+    def gone() -> float:
+        return value(scrape(real_server), "headroom_requests_total", route="/v1/chat/completions", outcome="499")
+
+    before = gone()
+    _send_short_body(real_server, "/v1/chat/completions").close()
+    wait_for(lambda: gone() > before, 60, "a 499 counted")
+    assert "POST /v1/chat/completions -> 499" in real_server.log()
+    assert "-> 500" not in real_server.log()

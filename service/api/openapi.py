@@ -80,6 +80,11 @@ _NDJSON = (
 )
 
 
+# One item of a streamed answer as a client reads it: an NDJSON line's or an SSE event's
+# text, or an SSE event with its fields (``event:`` and ``data:``) apart.
+_STREAM_ITEM = {"type": ["string", "object"], "properties": {"event": {"type": "string"}, "data": {"type": "string"}}}
+
+
 def _generation(
     request: str,
     answer: str,
@@ -98,7 +103,7 @@ def _generation(
             "responses": {
                 "200": {
                     "description": description,
-                    "content": {**_json(answer), media_type: {"schema": {"type": "string"}}},
+                    "content": {**_json(answer), media_type: {"schema": _STREAM_ITEM}},
                 },
                 **_errors(*_GENERATION_ERRORS, schema=error_schema),
             },

@@ -55,7 +55,7 @@ for dtype, dt in names.items():
                "Out": f"*{dt}", "PartO": "*fp32", "PartLse": "*fp32"}
         sig.update({n: "i32" for n in ("stride_qb", "stride_qh", "stride_ks", "stride_kh", "stride_vs",
                                          "stride_vh", "stride_pt", "stride_ob", "stride_oh")})
-        sig["scale_log2"] = "fp32"
+        sig["scale_log2"], sig["window"] = "fp32", "i32"
         out[f"decode {dt} D={d}"] = frame(K._decode_kernel, sig, dict(
             NUM_HEADS=8, GROUP=8, BLOCK_G=16, HEAD_DIM=d, BLOCK_D=d, PAGE_SIZE=16, BLOCK_N=bn,
             NUM_SPLITS=4, PRECISION=prec, PDL=1), w)
@@ -70,7 +70,7 @@ for dtype, dt in names.items():
                "PrefixLens": "*i64", "ExtendLens": "*i64", "Out": f"*{dt}"}
         sig.update({n: "i32" for n in ("stride_qt", "stride_qh", "stride_ks", "stride_kh", "stride_vs",
                                          "stride_vh", "stride_pt", "stride_ot", "stride_oh")})
-        sig["scale_log2"] = "fp32"
+        sig["scale_log2"], sig["window"] = "fp32", "i32"
         out[f"extend {dt} D={d}"] = frame(K._extend_kernel, sig, dict(
             GROUP=4, HEAD_DIM=d, BLOCK_D=d, PAGE_SIZE=16, BLOCK_M=bm, BLOCK_N=bn, PRECISION=prec), w)
 print(json.dumps(out))

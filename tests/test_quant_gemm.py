@@ -14,6 +14,7 @@ from triton_interpret import kernel_device
 
 from kernels.quant import reference
 from kernels.quant.formats import block_format
+from kernels.quant.gemm_tuning import GemmTiling
 from kernels.quant.synthetic import random_blocks
 from kernels.switches import using
 
@@ -31,7 +32,23 @@ def test_gemm_with_k_split_matches_gguf_dequantize(dev, type_name, m, split_k):
     from kernels.quant import triton_kernel as triton_quant
 
     x, w = _case(type_name, m, 19, 3, dev, seed=m)
-    assert_matches(triton_quant.quant_gemm(x, w, type_name, block_n=16, split_k=split_k), x, w, type_name)
+    got = triton_quant.quant_gemm(x, w, type_name, tiling=GemmTiling(block_n=16), split_k=split_k)
+    assert_matches(got, x, w, type_name)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q6_K_P", "Q4_0", "Q5_1"])
+@pytest.mark.parametrize("k_step", [32, 128, 512])
+def test_gemm_k_steps_cross_blocks_and_ranges(dev, type_name, k_step):
+    """A K step of a few sub-blocks, of part of a block, or of several blocks (32-weight
+    formats take 16 blocks a step at 512, K split in ranges of 2 blocks): the step's
+    weights laid flat in K's order, the sub-blocks past a range's end meeting zeroed
+    activations."""
+    from kernels.quant import triton_kernel as triton_quant
+
+    x, w = _case(type_name, 18, 9, 5, dev, seed=k_step)
+    tiling = GemmTiling(block_n=16, k_step=k_step)
+    for split_k in (1, 3):
+        assert_matches(triton_quant.quant_gemm(x, w, type_name, tiling=tiling, split_k=split_k), x, w, type_name)
 
 
 @pytest.mark.parametrize("type_name", TYPES)

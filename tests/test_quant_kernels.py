@@ -21,6 +21,7 @@ from triton_interpret import kernel_device, run_compiler_script, skip_without_pt
 
 from kernels.quant import reference
 from kernels.quant.formats import FORMATS, REPACKED, block_format, tensor_bytes
+from kernels.quant.gemm_tuning import GemmTiling
 from kernels.quant.synthetic import random_blocks
 
 # Every GGUF type kept quantized, and the layouts the loader repacks some into on CUDA.
@@ -72,7 +73,7 @@ def test_gemm_matches_gguf_dequantize(dev, type_name, m, n, blocks_k):
     from kernels.quant import triton_kernel as triton_quant
 
     x, w = _case(type_name, m, n, blocks_k, dev, seed=1)
-    out = triton_quant.quant_gemm(x, w, type_name, block_m=16, block_n=16)
+    out = triton_quant.quant_gemm(x, w, type_name, block_m=16, tiling=GemmTiling(block_n=16))
     assert_matches(out, x, w, type_name)
 
 
@@ -83,7 +84,7 @@ def test_bfloat16_activations(dev, type_name):
     x, w = _case(type_name, 2, 9, 2, dev, dtype=torch.bfloat16, seed=2)
     assert_matches(triton_quant.quant_gemv(x, w, type_name, block_n=4, int8_dot=False), x, w, type_name)
     x, w = _case(type_name, 18, 9, 2, dev, dtype=torch.bfloat16, seed=3)
-    assert_matches(triton_quant.quant_gemm(x, w, type_name, block_m=16, block_n=16), x, w, type_name)
+    assert_matches(triton_quant.quant_gemm(x, w, type_name, block_m=16, tiling=GemmTiling(block_n=16)), x, w, type_name)
 
 
 def test_matmul_dispatches_by_rows(dev):
@@ -122,7 +123,7 @@ def test_output_into_a_column_slice(dev, m, split_k):
     if m <= triton_quant.gemv_max_rows():
         got = triton_quant.quant_gemv(x, w, "Q5_1", block_n=4, split_k=split_k, out=wide[:, 2:8])
     else:
-        got = triton_quant.quant_gemm(x, w, "Q5_1", block_m=16, block_n=16, out=wide[:, 2:8])
+        got = triton_quant.quant_gemm(x, w, "Q5_1", block_m=16, tiling=GemmTiling(block_n=16), out=wide[:, 2:8])
     assert got.data_ptr() == wide[:, 2:8].data_ptr()
     assert_matches(wide[:, 2:8], x, w, "Q5_1")
     assert bool((wide[:, :2] == 7).all() and (wide[:, 8:] == 7).all())

@@ -24,7 +24,8 @@ from triton.compiler import ASTSource  # noqa: E402
 from kernels.quant import triton_activations, triton_dequant, triton_int8  # noqa: E402
 from kernels.quant import triton_kernel as triton_quant  # noqa: E402
 from kernels.quant.formats import FORMATS, REPACKED, block_format  # noqa: E402
-from kernels.quant.triton_decode import layout_constexprs  # noqa: E402
+from kernels.quant.gemm_tuning import DEFAULT_TILING, GEMM_TILINGS, IEEE_TILING  # noqa: E402
+from kernels.quant.triton_decode import gemm_subs, layout_constexprs  # noqa: E402
 
 # Every GGUF type kept quantized and every layout the loader repacks into.
 LAYOUTS = {**FORMATS, **REPACKED}
@@ -32,7 +33,7 @@ LAYOUTS = {**FORMATS, **REPACKED}
 TARGET = GPUTarget("cuda", 90, 32)
 
 
-def _compile(fn, args: dict[str, str], constexprs: dict, num_warps: int) -> tuple[int, int, str]:
+def _compile(fn, args: dict[str, str], constexprs: dict, num_warps: int, num_stages: int = 3) -> tuple[int, int, str]:
     """``(registers, stack frame bytes, ptx)`` of one variant, from the ptxas Triton
     uses for sm_90, run with ``-v``."""
     from triton.backends.nvidia.compiler import get_ptxas
@@ -44,7 +45,7 @@ def _compile(fn, args: dict[str, str], constexprs: dict, num_warps: int) -> tupl
                if args[a].startswith("*") or a in ("row_bytes", "row_words", "row_halves", "stride_xm", "stride_xq", "K",
                                                    "row_bytes1", "row_words1", "row_halves1")}
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=aligned)
-    ptx = triton.compile(src, target=TARGET, options={"num_warps": num_warps}).asm["ptx"]
+    ptx = triton.compile(src, target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages}).asm["ptx"]
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(ptx)
     try:
@@ -146,15 +147,20 @@ def main(type_names: list[str]) -> int:
             print(f"gemv {fmt.name} {block_n}x{kb}{' atomic' if atomic else ''}: {regs} registers, {frame} B stack; "
                   f"loads {_loads(ptx)}")
             failures += frame > 0
-        for dtype, ieee, atomic, block_m in (("bf16", False, False, 64), ("fp32", True, False, 64),
-                                             ("bf16", False, True, 16)):
+        # Every tiling the tuner may pick, at the rows per tile it may pick it for; float32
+        # rows (IEEE) and split-K (atomic) at the untimed default.
+        variants = [("bf16", False, False, block_m, tiling) for block_m in (16, 32, 64) for tiling in GEMM_TILINGS]
+        variants += [("fp32", True, False, 64, IEEE_TILING), ("bf16", False, True, 16, DEFAULT_TILING)]
+        for dtype, ieee, atomic, block_m, tiling in variants:
             out = "*fp32" if atomic else f"*{dtype}"
             args = {"x_ptr": f"*{dtype}", "w_ptr": "*u8", "out_ptr": out, **common, "blocks_per_split": "i32",
                     "stride_xm": "i32", "stride_om": "i32"}
             regs, frame, _ = _compile(triton_quant._gemm_kernel, args,
-                                      {**layout, "BLOCK_M": block_m, "BLOCK_N": 64, "IEEE": ieee, "ATOMIC": atomic},
-                                      8 if block_m >= 64 else 4)
-            print(f"gemm {fmt.name} {dtype} {block_m}x64{' atomic' if atomic else ''}: {regs} registers, {frame} B stack")
+                                      {**layout, "BLOCK_M": block_m, "BLOCK_N": tiling.block_n, "IEEE": ieee,
+                                       "ATOMIC": atomic, "SUBS": gemm_subs(fmt, tiling.k_step)},
+                                      tiling.num_warps, tiling.num_stages)
+            print(f"gemm {fmt.name} {dtype} {block_m}x{tiling.block_n} k{tiling.k_step} w{tiling.num_warps} "
+                  f"s{tiling.num_stages}{' atomic' if atomic else ''}: {regs} registers, {frame} B stack")
             failures += frame > 0
         args = {"w_ptr": "*u8", "out_ptr": "*bf16", "N": "i32", "row_bytes": "i32", "nblocks": "i32", "stride_on": "i32"}
         regs, frame, _ = _compile(triton_dequant._dequantize_kernel, args, {**layout, "BLOCK_N": 32}, 4)

@@ -42,6 +42,7 @@ from kernels.quant.formats import block_format
 from kernels.quant.triton_decode import (
     INTERPRETING,
     gemm_dot,
+    gemm_subs,
     gemv_dot,
     layout_constexprs,
     ptx_enabled,
@@ -56,9 +57,9 @@ def _moe_gemv_kernel(
     X, Wa, Wb, Out, RouteWeights, TopkIds,
     num_rows, top_k, N, K, a_expert_bytes, b_expert_bytes, a_row_bytes, b_row_bytes, stride_xm, stride_om,
     A_QT: tl.constexpr, A_QK: tl.constexpr, A_BB: tl.constexpr, A_L: tl.constexpr, A_NSUB: tl.constexpr,
-    A_ZERO: tl.constexpr, A_HAS_MIN: tl.constexpr, A_KB: tl.constexpr,
+    A_ZERO: tl.constexpr, A_HAS_MIN: tl.constexpr, A_KB: tl.constexpr, A_SUBS: tl.constexpr,
     B_QT: tl.constexpr, B_QK: tl.constexpr, B_BB: tl.constexpr, B_L: tl.constexpr, B_NSUB: tl.constexpr,
-    B_ZERO: tl.constexpr, B_HAS_MIN: tl.constexpr, B_KB: tl.constexpr,
+    B_ZERO: tl.constexpr, B_HAS_MIN: tl.constexpr, B_KB: tl.constexpr, B_SUBS: tl.constexpr,
     GATED: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_N: tl.constexpr, ASM: tl.constexpr,
 ):
     """GATED: ``X`` ``[T, K]`` read at row ``r // top_k``, ``Wa`` the gate and ``Wb`` the
@@ -89,9 +90,9 @@ def _moe_gemm_kernel(
     X, Wa, Wb, Out, RouteWeights, SortedRows, BlockExperts, NumPadded,
     num_rows, top_k, N, K, a_expert_bytes, b_expert_bytes, a_row_bytes, b_row_bytes, stride_xm, stride_om,
     A_QT: tl.constexpr, A_QK: tl.constexpr, A_BB: tl.constexpr, A_L: tl.constexpr, A_NSUB: tl.constexpr,
-    A_ZERO: tl.constexpr, A_HAS_MIN: tl.constexpr, A_KB: tl.constexpr,
+    A_ZERO: tl.constexpr, A_HAS_MIN: tl.constexpr, A_KB: tl.constexpr, A_SUBS: tl.constexpr,
     B_QT: tl.constexpr, B_QK: tl.constexpr, B_BB: tl.constexpr, B_L: tl.constexpr, B_NSUB: tl.constexpr,
-    B_ZERO: tl.constexpr, B_HAS_MIN: tl.constexpr, B_KB: tl.constexpr,
+    B_ZERO: tl.constexpr, B_HAS_MIN: tl.constexpr, B_KB: tl.constexpr, B_SUBS: tl.constexpr,
     GATED: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
 ):
     """As :func:`_moe_gemv_kernel`, one program per block of ``BLOCK_M`` sorted rows of one
@@ -104,11 +105,11 @@ def _moe_gemm_kernel(
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(cols, N - 1).to(tl.int64)
     acc = gemm_dot(x_row, live, Wa + expert * a_expert_bytes + rows * a_row_bytes, K // A_QK,
-                    A_QT, A_QK, A_BB, A_L, A_NSUB, A_ZERO, A_HAS_MIN, BLOCK_M, BLOCK_N, IEEE)
+                    A_QT, A_QK, A_BB, A_L, A_NSUB, A_ZERO, A_HAS_MIN, BLOCK_M, BLOCK_N, IEEE, A_SUBS)
     acc_up = acc
     if GATED:
         acc_up = gemm_dot(x_row, live, Wb + expert * b_expert_bytes + rows * b_row_bytes, K // B_QK,
-                           B_QT, B_QK, B_BB, B_L, B_NSUB, B_ZERO, B_HAS_MIN, BLOCK_M, BLOCK_N, IEEE)
+                           B_QT, B_QK, B_BB, B_L, B_NSUB, B_ZERO, B_HAS_MIN, BLOCK_M, BLOCK_N, IEEE, B_SUBS)
     dt = Out.dtype.element_ty
     res = moe_epilogue(acc, acc_up, dt, GATED)
     if WEIGHTED:
@@ -119,9 +120,10 @@ def _moe_gemm_kernel(
 
 def _prefixed(prefix: str, type_name: str) -> dict:
     """The kernels' layout constants of ``type_name`` under ``prefix`` (``A_QT`` ...), with
-    its GEMV blocks per step (2 of 256 weights, 16 of 32: 512 weights a step either way)."""
+    its GEMV blocks per step (2 of 256 weights, 16 of 32: 512 weights a step either way)
+    and its GEMM sub-blocks per step (256 weights)."""
     fmt = block_format(type_name)
-    layout = {**layout_constexprs(fmt), "KB": 2 if fmt.block_elements > 32 else 16}
+    layout = {**layout_constexprs(fmt), "KB": 2 if fmt.block_elements > 32 else 16, "SUBS": gemm_subs(fmt, 256)}
     return {f"{prefix}_{k}": v for k, v in layout.items()}
 
 

@@ -259,12 +259,13 @@ def gemm_dot(
     x_row, m_mask, row_ptr, nblocks,
     QT: tl.constexpr, QK: tl.constexpr, BB: tl.constexpr, L: tl.constexpr, NSUB: tl.constexpr,
     ZERO: tl.constexpr, HAS_MIN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    SUBS: tl.constexpr,
 ):
     """``[BLOCK_M, BLOCK_N]`` float32: the activation rows at ``x_row`` (``[BLOCK_M, 1]``
     pointers, ``m_mask`` the live ones) times the weight rows at ``row_ptr``
     (``[BLOCK_N]`` pointers) over all ``nblocks`` blocks (:func:`gemm_dot_range`)."""
     return gemm_dot_range(x_row, m_mask, row_ptr, 0, nblocks, nblocks, QT, QK, BB, L, NSUB, ZERO, HAS_MIN,
-                          BLOCK_M, BLOCK_N, IEEE)
+                          BLOCK_M, BLOCK_N, IEEE, SUBS)
 
 
 @triton.jit
@@ -272,28 +273,45 @@ def gemm_dot_range(
     x_row, m_mask, row_ptr, kb_begin, kb_end, nblocks,
     QT: tl.constexpr, QK: tl.constexpr, BB: tl.constexpr, L: tl.constexpr, NSUB: tl.constexpr,
     ZERO: tl.constexpr, HAS_MIN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    SUBS: tl.constexpr,
 ):
     """``[BLOCK_M, BLOCK_N]`` float32: as :func:`gemm_dot` over blocks ``kb_begin ..
     kb_end - 1`` of the ``nblocks`` a row holds (a split-K program's range).
 
-    Each sub-block's weights are decoded into registers, ``w = scale * q + offset``
-    ([BLOCK_N, L], float32, then the activations' dtype: a weight is rounded to bfloat16
-    as a dequantized bfloat16 model's is) and multiplied on tensor cores into the
-    accumulator: the decode costs the same whatever ``BLOCK_M``, so the weights are read
-    and decoded once for all the tile's rows. (Scaling the codes' product instead, which
-    keeps codes exact, costs a ``[BLOCK_M, BLOCK_N]`` multiply-add per sub-block on the
-    CUDA cores, more than the tensor cores' product itself at 16-32 weights a sub-block.)"""
-    t = tl.arange(0, L)
+    The K loop takes ``SUBS`` sub-blocks a step (a Q4_K block's 8 sub-blocks are 256
+    weights; 8 Q4_0 blocks alike): their weights are decoded into registers, ``w =
+    scale * q + offset`` ([BLOCK_N, SUBS, L] float32, then the activations' dtype: a
+    weight is rounded to bfloat16 as a dequantized bfloat16 model's is), laid flat as
+    ``[BLOCK_N, SUBS * L]`` in K's own order and multiplied on tensor cores into the
+    accumulator, one ``tl.dot`` of depth ``SUBS * L``. The decode costs the same whatever
+    ``BLOCK_M``, so the weights are read and decoded once for all the tile's rows.
+    (Scaling the codes' product instead, which keeps codes exact, costs a ``[BLOCK_M,
+    BLOCK_N]`` multiply-add per sub-block on the CUDA cores, more than the tensor cores'
+    product itself at 16-32 weights a sub-block.) Sub-blocks past ``kb_end`` are loaded
+    from the last one and meet zeroed activations."""
+    sub = tl.arange(0, SUBS)[None, :]  # [1, SUBS]
+    t = tl.arange(0, L)[None, None, :]  # [1, 1, L]
+    k = tl.arange(0, SUBS * L)[None, :]
+    rows = row_ptr[:, None]  # [BLOCK_N, 1]
+    last = kb_end * NSUB - 1
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    # One runtime loop over sub-blocks (not unrolled): one tile's registers live at a time.
-    for sb in range(kb_begin * NSUB, kb_end * NSUB):
+    for sb0 in range(kb_begin * NSUB, kb_end * NSUB, SUBS):
+        sb = tl.minimum(sb0 + sub, last)
         kb = sb // NSUB
         s = sb % NSUB
-        q, scale, offset = block_sub(row_ptr, kb, nblocks, t, QT, BB, s, ZERO)
-        w = q * scale[:, None]
-        if HAS_MIN:
-            w += offset[:, None]
-        xv = tl.load(x_row + (kb * QK + s * L + t)[None, :], mask=m_mask[:, None], other=0.0)
+        if QT == 8:
+            ql, qh, sc, dp = _q6p_fields(rows, kb, nblocks)  # [BLOCK_N, SUBS]
+            scale = _q6p_scale(sc, dp, s)
+            q = _codes_f32(_q6p_codes(ql[:, :, None], qh[:, :, None], t, s[:, :, None]), ZERO)
+            w = q * scale[:, :, None]
+        else:
+            blk = rows + kb * BB  # [BLOCK_N, SUBS]
+            scale, offset = _scales(blk, QT, s)
+            w = _codes_f32(_codes(blk[:, :, None], t, QT, s[:, :, None]), ZERO) * scale[:, :, None]
+            if HAS_MIN:
+                w += offset[:, :, None]
+        w = tl.reshape(w, [BLOCK_N, SUBS * L])
+        xv = tl.load(x_row + sb0 * L + k, mask=m_mask[:, None] & (sb0 * L + k < kb_end * QK), other=0.0)
         acc = _weights_dot(xv, w, acc, IEEE)
     return acc
 
@@ -328,6 +346,12 @@ _HAS_MIN = {0: False, 1: True, 2: False, 3: True, 4: False, 5: True, 6: True, 7:
 def layout_constexprs(fmt) -> dict:
     return dict(QT=fmt.code, QK=fmt.block_elements, BB=fmt.block_bytes, L=fmt.sub_elements, NSUB=fmt.subs_per_block,
                 ZERO=_ZERO[fmt.code], HAS_MIN=_HAS_MIN[fmt.code])
+
+
+def gemm_subs(fmt, weights: int) -> int:
+    """Sub-blocks of ``fmt`` a GEMM's K step decodes to take ``weights`` weights of K
+    (a power of two, at least one sub-block; :func:`gemm_dot_range`'s ``SUBS``)."""
+    return max(1, weights // fmt.sub_elements)
 
 
 def split_k_ranges(nblocks: int, blocks_per_step: int, programs: int, device: torch.device,

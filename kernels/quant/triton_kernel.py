@@ -33,11 +33,13 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.quant.gemm_tuning import IEEE_TILING, GemmTiling, tuned
 from kernels.quant.int8_choice import int8_quantize_apart, uses_int8_dot
 from kernels.quant.triton_decode import (
     INTERPRETING,
     check_blocks,
     gemm_dot_range,
+    gemm_subs,
     gemv_dot,
     layout_constexprs,
     output_for,
@@ -80,7 +82,7 @@ def _gemm_kernel(
     x_ptr, w_ptr, out_ptr, M, N, K, row_bytes, blocks_per_split, stride_xm, stride_om,
     QT: tl.constexpr, QK: tl.constexpr, BB: tl.constexpr, L: tl.constexpr, NSUB: tl.constexpr,
     ZERO: tl.constexpr, HAS_MIN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-    ATOMIC: tl.constexpr,
+    ATOMIC: tl.constexpr, SUBS: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -93,7 +95,7 @@ def _gemm_kernel(
     kb_begin = pid_k * blocks_per_split
     kb_end = tl.minimum(kb_begin + blocks_per_split, K // QK)
     acc = gemm_dot_range(x_row, m_mask, row_ptr, kb_begin, kb_end, K // QK, QT, QK, BB, L, NSUB, ZERO, HAS_MIN,
-                         BLOCK_M, BLOCK_N, IEEE)
+                         BLOCK_M, BLOCK_N, IEEE, SUBS)
     out = out_ptr + ms[:, None] * stride_om + rows[None, :]
     mask = m_mask[:, None] & (rows[None, :] < N)
     if ATOMIC:
@@ -216,25 +218,27 @@ def quant_gemm(
     type_name: str,
     *,
     block_m: int | None = None,
-    block_n: int = 64,
+    tiling: GemmTiling | None = None,
     split_k: int | None = None,
-    num_warps: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x @ W.T`` for more rows of ``x`` than the GEMV takes (batched decode, prefill):
-    each program decodes a ``block_n``-row tile of ``W`` sub-block by sub-block into
-    registers and multiplies it with ``block_m`` rows of ``x`` on tensor cores
-    (:func:`kernels.quant.triton_decode.gemm_dot_range`), so the weights are read and
-    decoded once per ``block_m`` rows. Where the tiles do not fill the SMs (few rows,
-    few columns), K is split so the grid holds four programs per SM, partial sums added
-    atomically in float32 (as :func:`quant_gemv`).
+    each program decodes a ``tiling.block_n``-row tile of ``W``, ``tiling.k_step``
+    weights of K at a time, into registers and multiplies it with ``block_m`` rows of
+    ``x`` on tensor cores (:func:`kernels.quant.triton_decode.gemm_dot_range`), so the
+    weights are read and decoded once per ``block_m`` rows. Where the tiles do not fill
+    the SMs (few rows, few columns), K is split so the grid holds four programs per SM,
+    partial sums added atomically in float32 (as :func:`quant_gemv`).
 
     Args:
         x, blocks, type_name, out: as :func:`quant_gemv`.
         block_m: rows per tile (default: the rows rounded up to 16, 32 or 64).
-        block_n, split_k, num_warps: a forced tiling (tests, sweeps); ``split_k`` None
-            fills the SMs; ``num_warps`` None: 8 for 64-row tiles (a float32 tile spills
-            registers at 4), else 4.
+        tiling: a forced tiling (tests, sweeps); default: float32 rows
+            :data:`~kernels.quant.gemm_tuning.IEEE_TILING`, 16-bit ones on CUDA the
+            fastest of :data:`~kernels.quant.gemm_tuning.GEMM_TILINGS` for this
+            (``block_m``, N, K, type), timed at its first call outside a CUDA graph
+            capture (:func:`~kernels.quant.gemm_tuning.tuned`).
+        split_k: K ranges (default: fill the SMs).
 
     Returns:
         ``[M, N]`` in ``x.dtype``; float32 inputs multiply in IEEE float32 (no TF32),
@@ -245,18 +249,24 @@ def quant_gemm(
     """
     fmt, k = check_blocks(x, blocks, type_name)
     m, n = x.shape[0], blocks.shape[0]
+    block_m = block_m or (16 if m <= 16 else 32 if m <= 32 else 64)
+    ieee = x.dtype == torch.float32 or INTERPRETING
+    if tiling is None and x.dtype == torch.float32:
+        tiling = IEEE_TILING
+    elif tiling is None:
+        tiling = tuned(block_m, n, k, type_name, x.device,
+                       lambda t: quant_gemm(x, blocks, type_name, block_m=block_m, tiling=t, split_k=split_k))
     nblocks = k // fmt.block_elements
     result = output_for(x, n, out)
-    block_m = block_m or (16 if m <= 16 else 32 if m <= 32 else 64)
-    num_warps = num_warps or (8 if block_m >= 64 else 4)
-    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, tiling.block_n)
     per_split, split = split_k_ranges(nblocks, 1, tiles, x.device, split_k)
     atomic = split > 1
     dest = torch.zeros((m, n), device=x.device, dtype=torch.float32) if atomic else result
-    _gemm_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n), split)](
+    _gemm_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, tiling.block_n), split)](
         x, blocks, dest, m, n, k, blocks.stride(0), per_split, x.stride(0), dest.stride(0),
-        **layout_constexprs(fmt), BLOCK_M=block_m, BLOCK_N=block_n, IEEE=x.dtype == torch.float32 or INTERPRETING,
-        ATOMIC=atomic, num_warps=num_warps,
+        **layout_constexprs(fmt), BLOCK_M=block_m, BLOCK_N=tiling.block_n,
+        IEEE=ieee, ATOMIC=atomic, SUBS=gemm_subs(fmt, tiling.k_step),
+        num_warps=tiling.num_warps, num_stages=tiling.num_stages,
     )
     if atomic:
         result.copy_(dest)

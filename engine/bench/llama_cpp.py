@@ -25,6 +25,7 @@ from pathlib import Path
 BENCH = "llama-bench"
 BATCHED = "llama-batched-bench"
 REPETITIONS = 3  # llama-bench's -r: its figure is the mean of these
+ALL_LAYERS = 999  # -ngl for every layer of any model
 
 
 class LlamaCppFailed(RuntimeError):
@@ -33,12 +34,14 @@ class LlamaCppFailed(RuntimeError):
 
 @dataclass(frozen=True)
 class LlamaCppTools:
-    """The two llama.cpp programs, and the threads they run with (the cores this process
-    may use)."""
+    """The two llama.cpp programs, the threads they run with (the cores this process
+    may use) and the layers they offload to the GPU (``-ngl``; 0 on the CPU, all of them
+    when the engine side runs on CUDA)."""
 
     bench: Path
     batched: Path | None
     threads: int
+    gpu_layers: int = 0
 
     @classmethod
     def find(cls, path: str | os.PathLike) -> LlamaCppTools:
@@ -71,8 +74,8 @@ class LlamaCppTools:
 
     def _bench(self, model: Path, *args: str) -> float:
         """``llama-bench``'s mean tokens/s (``avg_ts``) of one test."""
-        out = self._run([str(self.bench), "-m", str(model), "-t", str(self.threads), "-r", str(REPETITIONS),
-                         "-o", "json", *args])
+        out = self._run([str(self.bench), "-m", str(model), "-t", str(self.threads), "-ngl", str(self.gpu_layers),
+                         "-r", str(REPETITIONS), "-o", "json", *args])
         tests = json.loads(out)
         if len(tests) != 1:
             raise LlamaCppFailed(f"{BENCH} {' '.join(args)}: expected one test, got {len(tests)}")
@@ -97,7 +100,7 @@ class LlamaCppTools:
             return float("nan"), None
         ctx = batch * (prompt_tokens + new_tokens) + 16
         out = self._run([str(self.batched), "-m", str(model), "-t", str(self.threads), "-tb", str(self.threads),
-                         "-c", str(ctx), "-b", "2048", "-ub", "512", "-npp", str(prompt_tokens),
+                         "-ngl", str(self.gpu_layers), "-c", str(ctx), "-b", "2048", "-ub", "512", "-npp", str(prompt_tokens),
                          "-ntg", str(new_tokens), "-npl", str(batch), "--output-format", "jsonl"])
         rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
         if not rows:

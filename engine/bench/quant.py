@@ -43,6 +43,7 @@ from engine.bench.quant_gemv import (
     GRAPH_REPLAYS,
     copy_bandwidth,
     gemm_rows,
+    gemm_sweep_rows,
     gemv_rows,
     graph_seconds,
     sweep_rows,
@@ -278,6 +279,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dir", default=None, help="where to write the GGUF (default: a temp dir)")
     p.add_argument("--no-bf16", action="store_true", help="skip the bfloat16 comparison")
     p.add_argument("--sweep", action="store_true", help="then the GEMV's tilings on the gate/up, down and o shapes")
+    p.add_argument("--gemm-sweep", action="store_true",
+                   help="first the block GEMM's tilings at 16, 64 and 128 rows on the gate/up, down and o shapes")
     p.add_argument("--profile", action="store_true", help="per-kernel times of eager batch-1 decode steps")
     p.add_argument("--variants", action="store_true",
                    help="the GGUF rows for each kernel choice instead: Q6_K blocks or repacked planes, float or "
@@ -312,6 +315,10 @@ def main(argv: list[str] | None = None) -> None:
         bandwidth = copy_bandwidth()
         print(f"{args.shape}, {config.num_layers} layers, context {args.context}; GGUF {path.stat().st_size / GiB:.2f} GiB; "
               f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")
+        if args.gemm_sweep:
+            h, i = config.hidden_size, config.intermediate_size
+            print("\n| GEMM shape | rows | kernel | us | roofline share |\n|---|---|---|---|---|", flush=True)
+            gemm_sweep_rows(bandwidth, [("Q4_K", 2 * i, h), ("Q6_K_P", h, i), ("Q4_K", h, h)])
         print(f"plan: {gguf_weight_size(path, config, torch.bfloat16).mix}")
         model = load_gguf_quantized(config, path, "cuda", torch.bfloat16)
         print("| weights | batch | VRAM GiB | step ms | tok/s | GiB read/step | roofline share |\n"

@@ -239,6 +239,10 @@ def run_bench_engine(
     their_side = "transformers" if llama_cpp is None else "llama.cpp"
     if llama_cpp is not None:
         tools, gguf = llama_cpp
+        if on_cuda:  # every layer on the GPU, as the engine side runs
+            from engine.bench.llama_cpp import ALL_LAYERS
+
+            tools = dataclasses.replace(tools, gpu_layers=ALL_LAYERS)
         for b, plen, ntok in cases:
             prefill, decode = tools.speed(gguf, b, plen, ntok)
             theirs[(b, plen, ntok)] = Speed(prefill, float("nan") if decode is None else decode)

@@ -218,8 +218,9 @@ def test_producers_quantize_as_the_quantizing_launch_at_real_shapes(dtype, m):
 
 @pytest.mark.parametrize("attention", ["torch", "triton"])
 def test_decode_hands_the_norms_codes_to_the_int8_gemv(tmp_path, paged_runner, monkeypatch, attention):
-    """Two layers of the benchmark's 8B Q4_K_M-like file, bfloat16, decode rows of 16
-    and 1 tokens: every int8 row a producer hands a projection (q/k/v, gate/up and down a
+    """Two layers of the benchmark's 8B Q4_K_M-like file, bfloat16, a prefill of as many
+    tokens as the GEMV takes (rows above it run the block GEMM, which takes no int8
+    rows), then 1 token: every int8 row a producer hands a projection (q/k/v, gate/up and down a
     layer, the LM head; o's too from the Triton attention's split merge at the 1-token
     step) equals ``quantize_activations`` of the rows it wrote, bit for bit, and the
     logits equal those with ``--no-quant-int8-producer`` to the GEMVs' summation
@@ -229,6 +230,7 @@ def test_decode_hands_the_norms_codes_to_the_int8_gemv(tmp_path, paged_runner, m
     from engine.loader.gguf_quant import load_gguf_quantized
     from engine.loader.hf_config import load_model_config
     from kernels.quant import triton_activations
+    from kernels.quant.triton_kernel import gemv_max_rows
     from kernels.switches import using
 
     config = load_model_config(write_shape("llama-3.1-8b", tmp_path / "cfg", num_hidden_layers=2, vocab_size=16384))
@@ -250,7 +252,7 @@ def test_decode_hands_the_norms_codes_to_the_int8_gemv(tmp_path, paged_runner, m
         handed.clear()
         with using(quant_int8_fuse=False, quant_int8_producer=producer):
             runner = paged_runner(model, config, device="cuda", num_pages=32, page_size=16, attention=attention)
-            logits[producer] = [runner.step({0: list(range(1, 17))}), runner.step({0: [5]})]
+            logits[producer] = [runner.step({0: list(range(1, gemv_max_rows() + 1))}), runner.step({0: [5]})]
         handed_o = config.num_layers if attention == "triton" else 0
         assert handed == ([True] * (2 * (3 * config.num_layers + 1) + handed_o) if producer else []), handed
     for on, off in zip(logits[True], logits[False], strict=True):

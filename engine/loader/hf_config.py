@@ -96,11 +96,10 @@ def _derive(model_dir: Path, config_path: Path) -> ModelConfig:
     outer, hf = hf, hf.get_text_config()  # the language model's (itself for a text-only model)
     if tied is None:
         tied = getattr(hf, "tie_word_embeddings", False)
-    if is_gemma4(hf):  # its per-kind heads are read by gemma4_fields; the rest reads the global values
-        hf.allow_global_per_layer_attribute_access = True
     _check_variant(hf, config_path, facts)
     num_heads = hf.num_attention_heads
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
+    heads = hf.per_layer_config[0] if is_gemma4(hf) else hf  # Gemma 4's differ by layer (gemma4_fields)
+    head_dim = getattr(heads, "head_dim", None) or hf.hidden_size // num_heads
     attention_bias = facts.qkv_bias or bool(
         getattr(hf, "qkv_bias", False) or getattr(hf, "attention_bias", False)
     )
@@ -114,7 +113,7 @@ def _derive(model_dir: Path, config_path: Path) -> ModelConfig:
         intermediate_size=int(getattr(hf, "intermediate_size", None) or 0),  # none: every MLP routed
         num_layers=hf.num_hidden_layers,
         num_heads=num_heads,
-        num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
+        num_kv_heads=getattr(heads, "num_key_value_heads", None) or num_heads,
         head_dim=head_dim,
         rms_norm_eps=float(hf.rms_norm_eps),
         max_position_embeddings=_context(hf),

@@ -140,3 +140,14 @@ def test_an_earlier_turns_reasoning_reaches_the_prompt(gpt_oss):
     analysis = gpt_oss[1].encode("<|start|>assistant<|channel|>analysis<|message|>Paris needs a call.<|end|>",
                                  add_special_tokens=False)
     assert prompt_tokens(reasoning_content="Paris needs a call.") == prompt_tokens() + len(analysis)
+
+
+def test_a_schema_answer_is_the_final_message(gpt_oss):
+    """response_format: the server opens the final message after the analysis the prompt
+    opened, and the grammar makes its body the JSON, which is the content."""
+    server = gpt_oss[2]
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
+    message = _openai(server).chat.completions.create(model="default", messages=HI, max_tokens=30, temperature=0,
+                                                       response_format=fmt).choices[0].message
+    assert isinstance(json.loads(message.content)["n"], int) and not message.model_extra.get("reasoning_content")

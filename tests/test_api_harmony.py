@@ -84,6 +84,10 @@ def test_channels_become_reasoning_content_and_calls():
     assert split_harmony(PREAMBLE_THEN_CALL) == (
         None, "Checking the forecast.", [HarmonyCall("get_weather", '{"city": "Oslo"}')]
     )
+    # The recipient right after the generation prompt's role.
+    assert split_harmony(' to=functions.get_weather<|channel|>commentary json<|message|>{}<|call|>')[2] == [
+        HarmonyCall("get_weather", "{}")
+    ]
     # The generation prompt's header, read first, shows nothing.
     assert split_harmony(THINK_THEN_ANSWER, "<|start|>assistant")[1] == "Hello! How can I help?"
     # No reasoning at all: None, as other formats answer.
@@ -115,6 +119,10 @@ def test_malformed_answers_are_plain_content_and_never_raise():
     assert split_harmony("<|channel|>final<|return|>oops") == (None, "finaloops", [])
     # Text after a message that does not open another: content.
     assert split_harmony("<|channel|>analysis<|message|>hm<|end|>stray<|return|>") == ("hm", "stray", [])
+    # Whitespace between messages is no text of either.
+    assert split_harmony("<|channel|>analysis<|message|>a<|end|>\n<|start|>assistant<|channel|>final<|message|>b") == (
+        "a", "b", []
+    )
     # A header that never ends.
     long = "<|channel|>" + "x" * 300
     assert split_harmony(long) == (None, "x" * 300, [])

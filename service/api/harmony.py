@@ -47,7 +47,7 @@ _TOKENS = (*_HEADER_MARKERS, MESSAGE, *_ENDS, "<|endoftext|>")
 _TOKEN = re.compile("|".join(re.escape(t) for t in _TOKENS))
 # A header is a few words: a longer run without <|message|> is not one.
 _MAX_HEADER = 256
-_HEADER_STARTS = (*_HEADER_MARKERS, " to=")
+_HEADER_STARTS = (*_HEADER_MARKERS, "to=")
 _RECIPIENT = re.compile(r"\bto=([^\s<]+)")
 _FUNCTIONS = "functions."
 
@@ -98,7 +98,8 @@ def _header_possible(header: str) -> bool:
     with a header's token (or the recipient the role may carry) and holds no other."""
     if len(header) > _MAX_HEADER:
         return False
-    if not any(m.startswith(header) or header.startswith(m) for m in _HEADER_STARTS):
+    start = header.lstrip()  # whitespace between messages is let through
+    if not any(m.startswith(start) or start.startswith(m) for m in _HEADER_STARTS):
         return False
     rest = header
     for marker in _HEADER_MARKERS:

@@ -323,6 +323,19 @@ def _tiny_hf_config(kind: str, vocab_size: int, overrides: dict):
             "rope_local_base_freq": 10_000.0, "rope_scaling": {"rope_type": "linear", "factor": 8.0},
             "pad_token_id": 0, **caps, **overrides,
         })
+    if kind == "gemma4":
+        # Gemma 4: layers local, local, global, local, local, global over a window of 8;
+        # local heads of 16 (2 KV heads), global ones of 32 (1 KV head, its values its
+        # keys) turning a quarter of their frequencies; the last two layers share the KV
+        # of layers 2 and 3 and have a double-wide MLP; per-layer embeddings of 8.
+        local, glob = "sliding_attention", "full_attention"
+        return transformers.Gemma4TextConfig(**{
+            **common, "num_hidden_layers": 6, "head_dim": 16, "global_head_dim": 32, "num_global_key_value_heads": 1,
+            "attention_k_eq_v": True, "sliding_window": 8, "layer_types": [local, local, glob, local, local, glob],
+            "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": vocab_size, "num_kv_shared_layers": 2,
+            "use_double_wide_mlp": True, "final_logit_softcapping": 30.0, "max_position_embeddings": 512,
+            "pad_token_id": 0, **overrides,
+        })
     if kind == "gpt_oss":
         # gpt-oss: layers sliding, full, sliding, full over a window of 8; 8 experts, top-2,
         # of 32; YaRN RoPE (its published parameters over an original context of 16, the
@@ -375,7 +388,7 @@ def _tiny_qwen3_5_config(kind: str, common: dict, moe: dict):
 def _make_tiny_hf_model(kind: str, path, *, vocab_size: int = 256, **overrides):
     """A random transformers model (``"llama"``, ``"mistral"``, ``"qwen2"``, ``"qwen3"``, the
     mixtures of experts ``"qwen3_moe"``, ``"qwen2_moe"``, ``"mixtral"``, ``"olmoe"``, Gemma 3's
-    ``"gemma3"``, ``"gemma3_capped"`` and ``"gpt_oss"`` (eager attention), or the hybrids of
+    ``"gemma3"``, ``"gemma3_capped"``, ``"gemma4"`` and ``"gpt_oss"`` (eager attention), or the hybrids of
     :func:`_tiny_hf_config`), float32, saved
     as safetensors to ``path`` (skipped when ``path`` is None); ``overrides`` go to its
     config. Norm weights and biases are perturbed too, so loading one into the wrong place
@@ -384,13 +397,16 @@ def _make_tiny_hf_model(kind: str, path, *, vocab_size: int = 256, **overrides):
     import transformers
 
     torch.manual_seed(0)
-    eager = {"attn_implementation": "eager"} if kind.startswith(("gemma3", "gpt_oss")) else {}  # their references
+    eager = {"attn_implementation": "eager"} if kind.startswith(("gemma", "gpt_oss")) else {}  # their references
     auto = transformers.AutoModelForImageTextToText if kind.endswith("_vl") else transformers.AutoModelForCausalLM
     model = auto.from_config(_tiny_hf_config(kind, vocab_size, overrides), dtype=torch.float32, **eager).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith(".bias") or (kind == "gpt_oss" and name.endswith("_bias")):
                 p.add_(torch.randn_like(p) * 0.2)
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):  # Gemma 4's, saved with the weights
+                b.add_(torch.randn_like(b) * 0.2)
     if path is not None:
         model.save_pretrained(path)
     return model

@@ -71,7 +71,7 @@ def test_flat_tools_choice_and_text_format():
     assert call.max_tokens == 5 and call.max_tokens_param == "max_output_tokens"
     assert call.tools[0]["function"]["name"] == "f" and call.chat
     assert (call.thinking, call.thinking_budget) == (True, EFFORT_BUDGETS["low"])
-    assert call.prompts[0].template_kwargs == {"enable_thinking": True}
+    assert call.prompts[0].template_kwargs == {"enable_thinking": True, "reasoning_effort": "low"}  # gpt-oss reads it
     assert call.request_id.startswith("resp_")
 
 

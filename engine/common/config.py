@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from engine.common.gemma4_layout import Gemma4Layout
 from engine.common.options import at_least, device_spec, nonzero_size, option, options_from
 from kernels.switches import KernelSwitches
 
@@ -89,6 +90,9 @@ class ModelConfig:
     the clamped SwiGLU (gate clamped above at the limit, up at ``±limit``, output
     ``(up + 1) * gate * sigmoid(swiglu_alpha * gate)``); the router then takes the
     top-k logits before a softmax over those alone.
+
+    Gemma 4: ``gemma4`` (:class:`~engine.common.gemma4_layout.Gemma4Layout`); its layers
+    that share another's keys and values have no place in the KV pool.
     """
 
     architecture: str
@@ -134,6 +138,7 @@ class ModelConfig:
     expert_bias: bool = False
     swiglu_alpha: float = 0.0
     swiglu_limit: float = 0.0
+    gemma4: Gemma4Layout | None = None
 
     @property
     def is_hybrid(self) -> bool:
@@ -147,9 +152,10 @@ class ModelConfig:
     @property
     def kv_layers(self) -> tuple[int, ...]:
         """The layers with a KV cache, in order; their position is their KV pool index."""
+        own = self.num_layers - (self.gemma4.kv_shared_layers if self.gemma4 else 0)
         if not self.layer_types:
-            return tuple(range(self.num_layers))
-        return tuple(i for i, t in enumerate(self.layer_types) if t != "linear_attention")
+            return tuple(range(own))
+        return tuple(i for i, t in enumerate(self.layer_types[:own]) if t != "linear_attention")
 
     @property
     def num_kv_layers(self) -> int:

@@ -23,6 +23,7 @@ from engine.common.load_errors import (
     UnsupportedArchitecture,
     UnsupportedConfig,
 )
+from engine.loader.gemma4_config import gemma4_fields, is_gemma4
 from engine.models.registry import SUPPORTED_ARCHITECTURES, Family, family
 
 REQUIRED_FIELDS: tuple[str, ...] = (
@@ -97,21 +98,22 @@ def _derive(model_dir: Path, config_path: Path) -> ModelConfig:
         tied = getattr(hf, "tie_word_embeddings", False)
     _check_variant(hf, config_path, facts)
     num_heads = hf.num_attention_heads
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
+    heads = hf.per_layer_config[0] if is_gemma4(hf) else hf  # Gemma 4's differ by layer (gemma4_fields)
+    head_dim = getattr(heads, "head_dim", None) or hf.hidden_size // num_heads
     attention_bias = facts.qkv_bias or bool(
         getattr(hf, "qkv_bias", False) or getattr(hf, "attention_bias", False)
     )
     generation = _read_json(model_dir / "generation_config.json", required=False)
     eos = (_token_ids(getattr(hf, "eos_token_id", None)) + _token_ids(getattr(outer, "eos_token_id", None))
            + _token_ids(generation.get("eos_token_id")))
-    return ModelConfig(
+    fields = dict(
         architecture=architecture,
         vocab_size=hf.vocab_size,
         hidden_size=hf.hidden_size,
         intermediate_size=int(getattr(hf, "intermediate_size", None) or 0),  # none: every MLP routed
         num_layers=hf.num_hidden_layers,
         num_heads=num_heads,
-        num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
+        num_kv_heads=getattr(heads, "num_key_value_heads", None) or num_heads,
         head_dim=head_dim,
         rms_norm_eps=float(hf.rms_norm_eps),
         max_position_embeddings=_context(hf),
@@ -129,6 +131,7 @@ def _derive(model_dir: Path, config_path: Path) -> ModelConfig:
         **_gemma3_fields(hf, config_path),
         **_gpt_oss_fields(hf, config_path),
     )
+    return ModelConfig(**{**fields, **gemma4_fields(hf, config_path)})  # Gemma 4: its pool's heads, its RoPEs
 
 
 def _gpt_oss_fields(hf: Any, config_path: Path) -> dict[str, Any]:
@@ -306,15 +309,17 @@ def _context(hf: Any) -> int:
 
 
 def _check_variant(hf: Any, config_path: Path, facts: Family) -> None:
-    act = getattr(hf, "hidden_activation", "gelu_pytorch_tanh") if _is_gemma3(hf) else getattr(hf, "hidden_act", "silu")
-    if act != ("gelu_pytorch_tanh" if _is_gemma3(hf) else "silu"):
+    gemma = _is_gemma3(hf) or is_gemma4(hf)
+    act = getattr(hf, "hidden_activation", "gelu_pytorch_tanh") if gemma else getattr(hf, "hidden_act", "silu")
+    if act != ("gelu_pytorch_tanh" if gemma else "silu"):
         raise UnsupportedConfig(f"{config_path}: hidden activation {act!r} is not supported")
     if getattr(hf, "mlp_bias", False):
         raise UnsupportedConfig(f"{config_path}: mlp_bias=true is not supported")
-    if getattr(hf, "use_bidirectional_attention", False):
+    # Gemma 4's "vision": image tokens see each other both ways, text stays causal.
+    if getattr(hf, "use_bidirectional_attention", False) not in (False, None, "vision"):
         raise UnsupportedConfig(f"{config_path}: bidirectional attention (an encoder) is not supported")
     layer_types = getattr(hf, "layer_types", None) or ()
-    windowed = _is_gemma3(hf) or getattr(hf, "model_type", "") == "gpt_oss"
+    windowed = gemma or getattr(hf, "model_type", "") == "gpt_oss"
     known = (("full_attention", "linear_attention") if facts.hybrid
              else ("full_attention", "sliding_attention") if windowed else ("full_attention",))
     if getattr(hf, "use_sliding_window", False) or any(t not in known for t in layer_types):

@@ -48,6 +48,8 @@ def weight_bytes(config: ModelConfig, dtype: torch.dtype, quantization: str | No
     model = build_on_meta(config, dtype, quantization)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     rope_cache = config.max_position_embeddings * (config.rotary_dim or config.head_dim) * 4  # float32
+    if config.gemma4 is not None:  # a cache per layer kind, each at its heads' size
+        return params + config.max_position_embeddings * (config.gemma4.global_head_dim + config.gemma4.sliding_head_dim) * 4
     return params + rope_cache * (2 if config.rope_local is not None else 1)  # Gemma 3: local layers' own
 
 

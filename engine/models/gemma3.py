@@ -125,17 +125,23 @@ class Gemma3CausalLM(CausalLM):
             :meth:`init_rope_cache`.
     """
 
+    family_name = "Gemma 3"
+    model_class: type[nn.Module] = GemmaModel
+    # A multimodal checkpoint's tensors that are not its language model's, and what they are.
+    skipped_prefixes: tuple[str, ...] = _VISION_PREFIXES
+    skipped_kind = "vision"
+
     def __init__(self, config: ModelConfig) -> None:
         nn.Module.__init__(self)
         self.config = config
-        self.model = GemmaModel(config)
+        self.model = self.model_class(config)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.register_buffer("cos_sin_cache", None, persistent=False)
         self.register_buffer("cos_sin_local", None, persistent=False)
         self.tp, self.full_vocab_size, self.cpu_decode = None, config.vocab_size, None
 
     def use_parallel(self, tp, full_vocab_size: int) -> None:
-        raise ValueError("Gemma 3 does not run tensor-parallel yet; use --tensor-parallel-size 1")
+        raise ValueError(f"{self.family_name} does not run tensor-parallel yet; use --tensor-parallel-size 1")
 
     def init_rope_cache(self) -> None:
         """Both cos/sin caches, float32, on the model's device."""
@@ -154,13 +160,18 @@ class Gemma3CausalLM(CausalLM):
         embed = self.model.embed_tokens
         h = embed(batch.input_ids)  # [T, hidden]; embeddings in GGUF blocks (CPU) give the model dtype
         h = h * torch.tensor(self.config.hidden_size**0.5).to(h.dtype)  # rounded to it, as transformers does
-        for layer in self.model.layers:
-            h = layer(h, batch, attn, self.cos_sin_local if layer.self_attn.sliding else self.cos_sin_cache)
-            progress.advance()
+        h = self.run_layers(h, batch, attn)
         h = self.model.norm(h[batch.logits_indices])
         logits = (F.linear(h, embed.weight) if self.lm_head is None else self.lm_head(h)).float()
         cap = self.config.final_logit_softcapping
         return torch.tanh(logits / cap) * cap if cap else logits
+
+    def run_layers(self, h: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
+        """The embeddings ``h [T, hidden]`` through every layer, each with its kind's RoPE."""
+        for layer in self.model.layers:
+            h = layer(h, batch, attn, self.cos_sin_local if layer.self_attn.sliding else self.cos_sin_cache)
+            progress.advance()
+        return h
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """:meth:`CausalLM.load_weights` of the language model: a multimodal checkpoint's
@@ -169,7 +180,7 @@ class Gemma3CausalLM(CausalLM):
 
         def text_only() -> Iterator[tuple[str, torch.Tensor]]:
             for name, tensor in weights:
-                if name.startswith(_VISION_PREFIXES):
+                if name.startswith(self.skipped_prefixes):
                     skipped[0] += 1
                     continue
                 for prefix, ours in _TEXT_PREFIXES:
@@ -180,4 +191,5 @@ class Gemma3CausalLM(CausalLM):
 
         super().load_weights(text_only())
         if skipped[0]:
-            log.info("Gemma 3: text only; %d vision tensors of the checkpoint skipped", skipped[0])
+            log.info("%s: text only; %d %s tensors of the checkpoint skipped", self.family_name, skipped[0],
+                     self.skipped_kind)

@@ -77,6 +77,8 @@ FAMILIES: dict[str, Family] = {
     # Attention sinks, alternating sliding and full layers, YaRN; experts with biases and a clamped SwiGLU.
     "GptOssForCausalLM": Family(model="engine.models.gpt_oss:GptOssCausalLM", moe="every_layer", renormalize_top_k=True),
     **dict.fromkeys(("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"), Family(model="engine.models.gemma3:Gemma3CausalLM")),
+    # Gemma 3's layout with per-kind head sizes, shared KV, per-layer embeddings (engine.models.gemma4).
+    **dict.fromkeys(("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"), Family(model="engine.models.gemma4:Gemma4CausalLM")),
     # Qwen3.5 / Qwen3.6: Qwen3-Next's hybrid with flat linear-attention projections; the
     # published checkpoints are vision-language ones, of which the language model runs.
     "Qwen3_5ForCausalLM": _QWEN35_DENSE,

@@ -3,6 +3,12 @@
 Torch-free: takes any Hugging Face tokenizer object and imports only jinja2 for its
 error type. Messages follow OpenAI's shape: ``{"role": ..., "content": ...}`` where
 content is a string or a list of text parts ``[{"type": "text", "text": ...}]``.
+
+An assistant message's reasoning (``thinking``, or ``reasoning_content`` and
+``reasoning`` as OpenAI-compatible servers return it) reaches the template as
+``thinking``, the name gpt-oss's template reads: that template writes it back only
+before a tool call the conversation has not yet answered in words, as the model needs
+its reasoning there; templates that do not read it leave it out.
 """
 
 from __future__ import annotations
@@ -43,6 +49,8 @@ _RESERVED_KWARGS = frozenset(
 )
 # A template with tool support reads a ``tools`` variable ("tools", "tools is defined"...).
 _TOOLS_VARIABLE = re.compile(r"\btools\b")
+# Where an assistant message carries its reasoning, by API: ours, then OpenAI-compatible.
+_REASONING_KEYS = ("thinking", "reasoning_content", "reasoning")
 # Text parts are joined with a newline, as vLLM does, so "a" + "b" never fuse into "ab".
 _PART_SEPARATOR = "\n"
 
@@ -169,7 +177,8 @@ def _normalize(
     messages: Sequence[Mapping[str, Any]], *, tools_allowed: bool = False
 ) -> list[dict[str, Any]]:
     """Check roles and content; return plain ``{"role", "content": str}`` dicts (with
-    ``tool_calls`` on assistant messages and ``tool_call_id``/``name`` on tool ones)."""
+    ``tool_calls`` and ``thinking`` on assistant messages and ``tool_call_id``/``name``
+    on tool ones)."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise ChatTemplateError("messages must be a list of {role, content} objects")
     if not messages:
@@ -206,6 +215,9 @@ def _normalize(
         }
         if calls:
             entry["tool_calls"] = _tool_calls(calls, i)
+        reasoning = next((message.get(k) for k in _REASONING_KEYS if message.get(k)), None)
+        if role == "assistant" and isinstance(reasoning, str):
+            entry["thinking"] = reasoning
         if role == "tool":
             for key in ("tool_call_id", "name"):
                 if isinstance(message.get(key), str):

@@ -206,7 +206,7 @@ class Generation:
         self._seqs = [
             _SeqText(
                 StopStringMatcher(stop),
-                self.text.detokenizer(ids),
+                self.text.detokenizer(ids, keep_special=self.chat is not None and self.chat.harmony),
                 ShownLogprobs(self.text.token_texts, hold=bool(stop)),
             )
             for ids in prompt_of

@@ -16,13 +16,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from service.api.harmony import template_is_harmony
+
 OPEN = "<think>"
 CLOSE = "</think>"
 
 
 def template_thinks(chat_template: str | None) -> bool:
-    """Whether a chat template writes thinking blocks (mentions ``<think>``)."""
-    return bool(chat_template) and OPEN in chat_template  # type: ignore[operator]
+    """Whether a chat template writes thinking blocks (mentions ``<think>``) or
+    harmony's analysis messages."""
+    return bool(chat_template) and (OPEN in chat_template or template_is_harmony(chat_template))  # type: ignore[operator]
 
 
 def prompt_opens_thinking(prompt_tail: str) -> bool:

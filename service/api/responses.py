@@ -256,7 +256,7 @@ async def one_chat_answer(
     constrained by a schema waits for the engine's first piece, so a schema the grammar
     refuses is a 400 as without stream (:func:`first_piece_held`)."""
     assert gen.chat is not None
-    output = ChatOutput(n=gen.request.n, thinking=gen.chat.thinking, tools=gen.chat.tools)
+    output = ChatOutput.planned(gen.chat, gen.request.n)
     if gen.request.stream:
         pieces = await first_piece_held(gen) if gen.chat.json_schema is not None else gen.pieces()
         return stream_answer(

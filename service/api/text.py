@@ -120,9 +120,10 @@ class TextSide:
         work = functools.partial(self.tokenizer.encode, text, add_special_tokens=False)
         return list(await loop.run_in_executor(self._pool, work))
 
-    def detokenizer(self, prompt_ids: list[int]) -> IncrementalDetokenizer:
-        """A fresh incremental detokenizer for one sequence that follows ``prompt_ids``."""
-        return IncrementalDetokenizer(self.tokenizer, prompt_ids)
+    def detokenizer(self, prompt_ids: list[int], keep_special: bool = False) -> IncrementalDetokenizer:
+        """A fresh incremental detokenizer for one sequence that follows ``prompt_ids``;
+        ``keep_special``: special tokens stay in the text (a harmony answer's format)."""
+        return IncrementalDetokenizer(self.tokenizer, prompt_ids, skip_special_tokens=not keep_special)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

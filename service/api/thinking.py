@@ -11,6 +11,9 @@ limit):
 - Ollama's ``think``: ``false`` off, ``true`` on (no limit), ``"low"``, ``"medium"``,
   ``"high"`` as OpenAI's efforts.
 
+An effort of low, medium or high also reaches the template as ``reasoning_effort``
+(gpt-oss's template writes it into its system message).
+
 Thinking off is the template's ``enable_thinking: false`` (the template closes an
 empty block in the prompt), backed by a budget of 0: a model that opens a block anyway
 has it closed at once. A budget is enforced in the engine
@@ -64,12 +67,18 @@ def ollama_thinking(think: Any) -> tuple[bool | None, int | None]:
     raise invalid('think must be true, false, "low", "medium" or "high"', "think")
 
 
-def with_thinking(template_kwargs: dict[str, Any] | None, thinking: bool | None) -> dict[str, Any] | None:
-    """The template variables with ``enable_thinking`` set from ``thinking`` (the
-    client's own ``enable_thinking`` wins; None: unchanged)."""
-    if thinking is None:
+def with_thinking(
+    template_kwargs: dict[str, Any] | None, thinking: bool | None, effort: Any = None
+) -> dict[str, Any] | None:
+    """The template variables with ``enable_thinking`` set from ``thinking``, and
+    ``reasoning_effort`` from an ``effort`` of low, medium or high (the client's own
+    variables win; None and no effort: unchanged)."""
+    ours: dict[str, Any] = {} if thinking is None else {"enable_thinking": thinking}
+    if isinstance(effort, str) and effort in EFFORT_BUDGETS:
+        ours["reasoning_effort"] = effort
+    if not ours:
         return template_kwargs
-    return {"enable_thinking": thinking, **(template_kwargs or {})}
+    return {**ours, **(template_kwargs or {})}
 
 
 def thinking_asked(thinking: bool | None, budget: int | None) -> bool:

@@ -13,7 +13,10 @@ model writes back is parsed by the parser of its family, chosen from the templat
   {...}}`` (optionally after ``<|python_tag|>``; several joined by ``;``);
 - ``mistral``: ``[TOOL_CALLS]`` then a JSON list of ``{"name", "arguments"}`` (or, in
   newer templates, ``name[ARGS]{...}``); ``[TOOL_CALLS]`` is a special token, so the
-  text may start at the list itself.
+  text may start at the list itself;
+- ``harmony`` (gpt-oss): each call is a message of its own,
+  ``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>``,
+  read with the answer's channels by :mod:`service.api.harmony`.
 
 ``tool_choice``: ``auto`` (default with tools) parses calls; ``none`` renders the tools
 but parses nothing; ``required`` and a named function start the answer with the
@@ -21,7 +24,8 @@ format's call opening (the named function's name included) and constrain the res
 the call's JSON schema (:func:`forced_call`, through the engine's structured output),
 so the call parses and its arguments match the function's ``parameters`` (``qwen3_xml``
 forces the Hermes JSON body, which its parser reads as well: the grammar is a JSON
-schema's). Answers with calls end with ``finish_reason: "tool_calls"``.
+schema's; ``harmony`` names the function in the call's header, outside the grammar, so
+``required`` takes one tool only). Answers with calls end with ``finish_reason: "tool_calls"``.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from service.api.harmony import CALL, call_opening, split_harmony, template_is_harmony
 from service.api.tool_xml import FUNCTION_OPEN, PARAMETER_OPEN, parse_function
 from service.common.errors import invalid
 
@@ -39,6 +44,7 @@ HERMES = "hermes"
 QWEN_XML = "qwen3_xml"
 LLAMA3_JSON = "llama3_json"
 MISTRAL = "mistral"
+HARMONY = "harmony"
 
 _HERMES_OPEN = "<tool_call>"
 _HERMES_CLOSE = "</tool_call>"
@@ -72,6 +78,8 @@ def parser_for_template(chat_template: str | None) -> str | None:
     none this server parses."""
     if not chat_template:
         return None
+    if template_is_harmony(chat_template):
+        return HARMONY
     if FUNCTION_OPEN in chat_template and PARAMETER_OPEN in chat_template:  # before Hermes: in <tool_call> too
         return QWEN_XML
     if _HERMES_OPEN in chat_template:
@@ -110,13 +118,17 @@ def parse_tool_calls(
     stays content: a model that meant to answer in words is never turned into a call.
 
     Args:
-        fmt: :data:`HERMES`, :data:`QWEN_XML`, :data:`LLAMA3_JSON` or :data:`MISTRAL`.
+        fmt: :data:`HERMES`, :data:`QWEN_XML`, :data:`LLAMA3_JSON`, :data:`MISTRAL` or
+            :data:`HARMONY`.
         text: the model's answer (special tokens left out, as the API shows it).
         tools: the request's tool definitions: :data:`QWEN_XML` types its parameter
             values by their schemas.
     """
     if fmt == QWEN_XML:
         return _parse_xml(text, tools)
+    if fmt == HARMONY:  # the reasoning left out: service.api.chat_output keeps it
+        _, content, found = split_harmony(text)
+        return content, [ToolCall(c.name, c.arguments) for c in found]
     if fmt == HERMES:
         start = text.find(_HERMES_OPEN)
         if start < 0:
@@ -277,6 +289,10 @@ def forced_call(fmt: str, tools: list[dict[str, Any]], name: str | None) -> tupl
     for the parser. Named: the prefix holds the name, the schema is the function's
     ``parameters``. ``required``: the schema is any one of the tools' calls (its name
     and its arguments)."""
+    if fmt == HARMONY:
+        name = name or tools[0]["function"]["name"]  # required: one tool (plan_tools)
+        tool = next(t for t in tools if t["function"]["name"] == name)
+        return call_opening(name), json.dumps(_parameters(tool)), CALL
     opening, key, closing = _CALL_SHAPE[fmt]
     if name is not None:
         tool = next(t for t in tools if t["function"]["name"] == name)
@@ -352,8 +368,8 @@ def plan_tools(
     if fmt is None:
         raise invalid(
             "this model's chat template uses a tool-call format this server does not parse "
-            "(it parses Hermes/Qwen <tool_call>, Qwen3.5's <function=...> XML, Llama 3 JSON and "
-            "Mistral [TOOL_CALLS])",
+            "(it parses Hermes/Qwen <tool_call>, Qwen3.5's <function=...> XML, Llama 3 JSON, "
+            "Mistral [TOOL_CALLS] and gpt-oss's harmony)",
             "tools",
         )
     choice = "auto" if tool_choice is None else tool_choice
@@ -362,6 +378,13 @@ def plan_tools(
     if choice == "auto":
         return ToolPlan(tools=tools, parse=fmt)
     if choice == "required":
+        if fmt == HARMONY and len(tools) > 1:
+            raise invalid(
+                "tool_choice 'required' with several tools is not supported for this model "
+                "(its call names the function outside the JSON the grammar constrains); name "
+                "one function in tool_choice",
+                "tool_choice",
+            )
         prefix, schema, suffix = forced_call(fmt, tools, None)
         return ToolPlan(tools=tools, parse=fmt, prefix=prefix, schema=schema, suffix=suffix)
     if isinstance(choice, dict):

@@ -5,8 +5,10 @@ The conversation becomes the chat messages the model's template renders: ``syste
 (text or text blocks) a system message first; a user turn's ``tool_result`` blocks one
 ``tool`` message each (in their order, before the turn's text; ``is_error`` puts
 ``Error: `` before the result), its text blocks the user message; an assistant turn's
-text its content and its ``tool_use`` blocks its tool calls (earlier ``thinking`` is not
-sent back to the model, as Anthropic does); consecutive turns of one role are one.
+text its content, its ``tool_use`` blocks its tool calls and its ``thinking`` blocks its
+``thinking`` (the template decides whether earlier reasoning is shown again, as
+:mod:`engine.text.chat` says: gpt-oss's before a call not yet answered in words, as
+Anthropic keeps a tool-use turn's thinking); consecutive turns of one role are one.
 ``tools`` become function tools (``input_schema`` their parameters) and ``tool_choice``
 their choice (``auto``, ``any``: a call is required, ``tool``: that one, ``none``),
 through the tools machinery of :mod:`service.api.tools`. ``thinking`` is the template's
@@ -34,6 +36,7 @@ from service.api.anthropic.schemas import (
     ImageBlock,
     MessagesRequest,
     TextBlock,
+    ThinkingBlock,
     ThinkingDisabled,
     ThinkingEnabled,
     ToolChoiceAny,
@@ -97,12 +100,13 @@ def _user_turn(content: list[Any], i: int, names: dict[str, str]) -> list[dict[s
 
 
 def _assistant_turn(content: list[Any], i: int, names: dict[str, str]) -> dict[str, Any]:
-    """An assistant turn's blocks as one message: text and tool calls (thinking
-    dropped)."""
-    texts, calls = [], []
+    """An assistant turn's blocks as one message: text, tool calls and thinking."""
+    texts, calls, thoughts = [], [], []
     for j, block in enumerate(content):
         if isinstance(block, TextBlock):
             texts.append(block.text)
+        elif isinstance(block, ThinkingBlock):
+            thoughts.append(block.thinking)
         elif isinstance(block, ToolUseBlock):
             names[block.id] = block.name
             arguments = json.dumps(block.input, ensure_ascii=False)
@@ -113,6 +117,8 @@ def _assistant_turn(content: list[Any], i: int, names: dict[str, str]) -> dict[s
     message: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts)}
     if calls:
         message["tool_calls"] = calls
+    if thoughts:
+        message["thinking"] = "\n".join(thoughts)
     return message
 
 
@@ -151,8 +157,9 @@ def _joined(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             and not last.get("tool_calls")
         ):
             last["content"] = "\n\n".join(t for t in (last["content"], message["content"]) if t)
-            if message.get("tool_calls"):
-                last["tool_calls"] = message["tool_calls"]
+            for key in ("tool_calls", "thinking"):
+                if message.get(key):
+                    last[key] = message[key]
             continue
         out.append(message)
     return out

@@ -59,8 +59,9 @@ def _refuse_unsupported(body: OllamaChatRequest | OllamaGenerateRequest) -> None
 
 
 def _messages(body: OllamaChatRequest) -> list[dict[str, Any]]:
-    """Ollama's messages as the template takes them: role and content (Ollama's
-    ``thinking`` of earlier answers is not sent back to the model, as Ollama does)."""
+    """Ollama's messages as the template takes them: role, content, tool calls and
+    ``thinking`` (the template decides whether earlier reasoning is shown again:
+    :mod:`engine.text.chat`)."""
     out = []
     for message in body.messages:
         if not isinstance(message, dict):
@@ -71,6 +72,8 @@ def _messages(body: OllamaChatRequest) -> list[dict[str, Any]]:
         entry = {"role": message.get("role"), "content": message.get("content")}
         if message.get("tool_calls"):
             entry["tool_calls"] = message["tool_calls"]
+        if message.get("thinking"):
+            entry["thinking"] = message["thinking"]
         if isinstance(message.get("tool_name"), str):
             entry["name"] = message["tool_name"]
         out.append(entry)
@@ -164,7 +167,7 @@ def chat_request(
     _refuse_unsupported(body)
     tools = body.tools or None
     thinking = ollama_thinking(body.think)
-    (prompt,) = chat_prompt(_messages(body), tools, with_thinking(None, thinking[0]))
+    (prompt,) = chat_prompt(_messages(body), tools, with_thinking(None, thinking[0], body.think))
     return _request(body, request_id, started, default_max_tokens, prompt, tools, thinking)
 
 
@@ -184,5 +187,5 @@ def generate_request(
     else:
         messages = [{"role": "system", "content": body.system}] if body.system else []
         messages.append({"role": "user", "content": body.prompt})
-        (prompt,) = chat_prompt(messages, None, with_thinking(None, thinking[0]))
+        (prompt,) = chat_prompt(messages, None, with_thinking(None, thinking[0], body.think))
     return _request(body, request_id, started, default_max_tokens, prompt, None, thinking)

@@ -110,7 +110,7 @@ async def chat_answer(
     call streams (a stream constrained by ``response_format`` waits for the engine's
     first piece, so a schema it refuses is a 400 as without stream)."""
     assert gen.chat is not None
-    output = ChatOutput(n=gen.request.n, thinking=gen.chat.thinking, tools=gen.chat.tools)
+    output = ChatOutput.planned(gen.chat, gen.request.n)
     tokens = gen.text.token_texts if gen.request.logprobs is not None else None
     created = int(time.time())
     if gen.request.stream:

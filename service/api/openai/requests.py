@@ -63,7 +63,7 @@ def chat_request(
         started=started,
         prompts=tuple(
             chat_prompt(
-                body.messages, body.tools or None, with_thinking(body.chat_template_kwargs, thinking)
+                body.messages, body.tools or None, with_thinking(body.chat_template_kwargs, thinking, body.reasoning_effort)
             )
         ),
         sampling=sampling_of(body),

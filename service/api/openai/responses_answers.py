@@ -139,7 +139,7 @@ def _named(exc: APIError) -> APIError:
 
 async def _answer(gen: Generation, request: Request, model: str, body: ResponsesRequest) -> Response[Any]:
     assert gen.chat is not None
-    output = ChatOutput(n=1, thinking=gen.chat.thinking, tools=gen.chat.tools)
+    output = ChatOutput.planned(gen.chat, 1)
     resp = _head(body, gen, model, int(time.time()))
     if gen.request.stream:
         held = await first_piece_held(gen) if gen.request.json_schema is not None else None

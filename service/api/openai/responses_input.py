@@ -236,7 +236,7 @@ def responses_request(
     return GenerationRequest(
         request_id=request_id,
         started=started,
-        prompts=tuple(chat_prompt(messages, tools, with_thinking(None, thinking))),
+        prompts=tuple(chat_prompt(messages, tools, with_thinking(None, thinking, effort))),
         sampling=sampling_of(body),
         max_tokens=body.max_output_tokens,
         max_tokens_param="max_output_tokens",

@@ -1,7 +1,8 @@
 """The FP8 KV cache (``--kv-cache-dtype fp8``): pages stored as float8_e4m3fn with scale
 1.0, written by every store path and upcast by every attention backend, and charged at
 one byte per element by the plan. On the CPU: torch's reference paths, and the Triton
-kernels under the interpreter."""
+kernels under the interpreter (the attention kernels over an FP8 pool beside the block
+pools, in ``test_block_kv.py``)."""
 
 from __future__ import annotations
 
@@ -101,35 +102,6 @@ def test_headroom_plan_shows_the_kv_dtype_and_its_bytes_per_token(tmp_path, make
     assert fp8.num_pages >= 2 * auto.num_pages - 1
     text = render(fp8, as_json=False)
     assert "float8_e4m3fn" in text and f"{fp8.kv_bytes_per_token:,} bytes per token" in text
-
-
-@pytest.mark.parametrize("kernel", ["decode", "extend"])
-def test_triton_attention_reads_an_fp8_pool(kernel):
-    """The Triton kernels upcast an FP8 pool as they load it: equal to the torch
-    reference over the same FP8 pool."""
-    pytest.importorskip("triton")
-    from kernels.attention.reference import paged_decode_ref, paged_extend_ref
-    from kernels.attention.triton_kernel import paged_decode, paged_extend
-
-    g = torch.Generator().manual_seed(0)
-    ps, hk, h, d, pages = 4, 2, 4, 32, 12
-    k = (torch.randn(pages * ps, hk, d, generator=g)).to(FP8).to(DEVICE)
-    v = (torch.randn(pages * ps, hk, d, generator=g)).to(FP8).to(DEVICE)
-    table = torch.tensor([[3, 7, 1, 0], [5, 2, 9, 11]], device=DEVICE)
-    dtype = torch.float32 if INTERPRETING else torch.bfloat16
-    if kernel == "decode":
-        q = torch.randn(2, h, d, generator=g).to(dtype).to(DEVICE)
-        lens = torch.tensor([9, 14], device=DEVICE)
-        want = paged_decode_ref(q, k, v, table, lens, ps, d**-0.5)
-        have = paged_decode(q, k, v, table, lens, ps, d**-0.5)
-    else:
-        ext = [3, 5]
-        q = torch.randn(sum(ext), h, d, generator=g).to(dtype).to(DEVICE)
-        starts, prefix, extend = (torch.tensor(x, device=DEVICE) for x in ([0, 3], [6, 9], ext))
-        want = paged_extend_ref(q, k, v, table, starts, prefix, extend, ps, d**-0.5)
-        have = paged_extend(q, k, v, table, starts, prefix, extend, ps, d**-0.5, max_extend=5)
-    tol = 1e-4 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(have.float(), want.float(), atol=tol, rtol=tol)
 
 
 def test_triton_rotary_store_writes_an_fp8_pool_like_the_reference():

@@ -6,6 +6,7 @@ against the float cache's."""
 
 from __future__ import annotations
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -197,3 +198,32 @@ def test_a_backend_without_blocks_is_refused_before_the_weights_load(default_mod
                                              "--kv-cache-dtype q8_0; use --attention-backend triton or torch"):
         Engine(EngineConfig(model=default_model_dir, device="cpu", kv_cache_dtype="q8_0",
                             attention_backend="flashinfer"))
+
+
+def test_headroom_serve_answers_a_chat_over_a_q8_0_cache(start_server):
+    """``headroom serve --kv-cache-dtype q8_0``: the worker's pool is in blocks
+    (``/api/status`` says so, with its bytes per token) and a chat is answered."""
+    server = start_server(["--kv-cache-dtype", "q8_0", "--num-pages", "256"])
+    with httpx.Client(base_url=server.base_url, timeout=300) as http:
+        engine = http.get("/api/status").json()["engine"]["info"]
+        assert engine["kv_cache_dtype"] == "q8_0"
+        assert engine["kv_bytes_per_token"] % 34 == 0 and engine["kv_bytes_per_token"] > 0
+        r = http.post("/v1/chat/completions", json={
+            "model": engine["model_name"], "messages": [{"role": "user", "content": PROMPTS[0]}],
+            "max_tokens": 12, "temperature": 0})
+    assert r.status_code == 200, r.text
+    answer = r.json()["choices"][0]
+    assert answer["message"]["content"].strip() and r.json()["usage"]["completion_tokens"] <= 12
+
+
+def test_heads_that_are_not_whole_blocks_are_refused_before_anything_loads(tmp_path, make_tiny_hf_model):
+    """The tiny Llama's heads of 16 values are not a block of 32: refused by the checks
+    ``headroom serve`` runs before its port opens (and the engine at load)."""
+    from engine.core.settings_fit import check_for_model
+
+    make_tiny_hf_model("llama", tmp_path)
+    mc = load_model_config(tmp_path)
+    check_for_model(EngineConfig(model=str(tmp_path), kv_cache_dtype="fp8"), mc)
+    with pytest.raises(SettingRefused, match="--kv-cache-dtype q4_0 stores each head in blocks of 32 values; this "
+                                             "model's head dim 16 is not a multiple of 32: use --kv-cache-dtype auto"):
+        check_for_model(EngineConfig(model=str(tmp_path), kv_cache_dtype="q4_0"), mc)

@@ -14,14 +14,23 @@
  *     q, k = rotary(q, k, position) (GPT-NeoX halves); K/V pool[slot] = k, v
  *     a = softmax(q K^T * scale) V over the row's pages (GQA: Hq / Hk query heads a KV head)
  *     r += a @ Wo.T; x = rms_norm(r) * w_post; h = down(silu(gate(x)) * up(x))
+ *
+ * The KV pool is float32, or llama.cpp's q8_0 blocks (--kv-cache-dtype q8_0; kv_type
+ * Q8_0): each head's row is D / 32 blocks of a float16 scale d = amax / 127 and 32 int8
+ * codes round(x / d), written here as kernels/attention/kv_store.py writes them, and
+ * the attention reads the codes in place (a block's dot product times its scale).
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "blocks.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+#ifndef HR_AVX2
 #define HR_AVX2 1
+#endif
 #endif
 
 int hr_block_gemv(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, float *y,
@@ -44,7 +53,9 @@ typedef struct {
     const float *q_norm, *k_norm;              /* [head_dim] each, or NULL (no per-head norm) */
     const float *qkv_bias;                     /* [(Hq + 2 Hk) D] or NULL */
     hr_proj qkv, o, gate_up, down;
-    float *k_cache, *v_cache;                  /* [slots, Hk, D] float32 */
+    void *k_cache, *v_cache;                   /* [slots, Hk, D] float32, or [slots, Hk, D / 32 * 34] q8_0 */
+    int32_t kv_type;                           /* 0: float32; Q8_0: blocks */
+    int32_t pad;
 } hr_layer;
 
 /* The step: B rows of one token each. */
@@ -82,6 +93,64 @@ static inline float dot(const float *a, const float *b, int64_t n) {
     return s;
 }
 
+/* float to IEEE half, rounding to nearest even (torch's .to(torch.float16)). */
+static inline uint16_t f32_to_f16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint32_t sign = (x >> 16) & 0x8000, ax = x & 0x7fffffff;
+    if (ax >= 0x7f800000) return (uint16_t)(sign | 0x7c00 | (ax > 0x7f800000 ? 0x200 : 0));
+    if (ax >= 0x477ff000) return (uint16_t)(sign | 0x7c00);  /* 65520 and above round to inf */
+    if (ax < 0x38800000) {                                      /* below 2^-14: a subnormal half */
+        float a;
+        memcpy(&a, &ax, 4);
+        return (uint16_t)(sign | (uint32_t)lrintf(a * 16777216.0f));  /* exact scaling, then RNE */
+    }
+    uint32_t h = ((ax >> 23) - 112) << 10 | (ax & 0x7fffff) >> 13;
+    const uint32_t rest = ax & 0x1fff;
+    if (rest > 0x1000 || (rest == 0x1000 && (h & 1))) h++;
+    return (uint16_t)(sign | h);
+}
+
+/* n values (n % 32 == 0) as q8_0 blocks, as llama.cpp's quantize_row_q8_0_ref. */
+static void quantize_q8_0(const float *x, int64_t n, uint8_t *out) {
+    for (int64_t b = 0; b < n / 32; b++) {
+        const float *xb = x + b * 32;
+        uint8_t *blk = out + b * 34;
+        float amax = 0.0f;
+        for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(xb[j]));
+        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        const uint16_t h = f32_to_f16(d);
+        memcpy(blk, &h, 2);
+        for (int j = 0; j < 32; j++) ((int8_t *)(blk + 2))[j] = (int8_t)roundf(xb[j] * id);
+    }
+}
+
+/* a . the q8_0 row's values (n of them). */
+static inline float dot_q8_0(const float *a, const uint8_t *row, int64_t n) {
+    float s = 0.0f;
+    for (int64_t b = 0; b < n / 32; b++) {
+        const uint8_t *blk = row + b * 34;
+        const int8_t *q = (const int8_t *)(blk + 2);
+        const float *ab = a + b * 32;
+#ifdef HR_AVX2
+        __m256 acc = _mm256_setzero_ps();
+        for (int j = 0; j < 32; j += 8) {
+            const __m256 qf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + j))));
+            acc = _mm256_fmadd_ps(_mm256_loadu_ps(ab + j), qf, acc);
+        }
+        __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_add_ss(h, _mm_movehdup_ps(h));
+        s += f16_to_f32(blk) * _mm_cvtss_f32(h);
+#else
+        float t = 0.0f;
+        for (int j = 0; j < 32; j++) t += ab[j] * (float)q[j];
+        s += f16_to_f32(blk) * t;
+#endif
+    }
+    return s;
+}
+
 static void rms_norm_row(const float *x, const float *w, float *out, int64_t n, float eps) {
     /* As torch's F.rms_norm in float32: x * rsqrt(mean(x^2) + eps) * w. */
     const float ss = dot(x, x, n);
@@ -113,12 +182,16 @@ int64_t hr_decode_scratch_bytes(const hr_layer *L, int64_t rows, int64_t max_len
 }
 
 /* h: [B, hidden] the previous MLP output, replaced by this layer's; residual: [B, hidden],
- * updated. Returns 0, or the gemv's -1 (a block type it does not take). */
+ * updated. Returns 0, or -1: the gemv's (a block type it does not take), or a q8_0 pool
+ * whose head dim is not whole blocks. */
 int hr_decode_layer(const hr_layer *L, const hr_step *S, float *h, float *residual, void *scratch,
                     int64_t max_len) {
     const int64_t B = S->rows, H = L->hidden, D = L->head_dim, Hq = L->num_heads, Hk = L->num_kv_heads;
     const int64_t I = L->intermediate, qsize = Hq * D, kvsize = Hk * D, qkv_n = qsize + 2 * kvsize;
     const int threads = S->threads;
+    const int blocks = L->kv_type == Q8_0;
+    const int64_t head_bytes = blocks ? D / 32 * 34 : D * 4, kv_row_bytes = Hk * head_bytes;  /* a slot's bytes */
+    if (blocks && D % 32) return -1;
     float *x = (float *)scratch;                /* [B, H] normed rows */
     float *qkv = x + B * H;                     /* [B, qkv_n] */
     float *attn = qkv + B * qkv_n;              /* [B, Hq * D] */
@@ -147,8 +220,13 @@ int hr_decode_layer(const hr_layer *L, const hr_step *S, float *h, float *residu
             rotate(head, cs, D);
         }
         const int64_t slot = S->out_slots[b];
-        memcpy(L->k_cache + slot * kvsize, row + qsize, kvsize * 4);
-        memcpy(L->v_cache + slot * kvsize, row + qsize + kvsize, kvsize * 4);
+        if (L->kv_type == Q8_0) {
+            quantize_q8_0(row + qsize, kvsize, (uint8_t *)L->k_cache + slot * kv_row_bytes);
+            quantize_q8_0(row + qsize + kvsize, kvsize, (uint8_t *)L->v_cache + slot * kv_row_bytes);
+        } else {
+            memcpy((float *)L->k_cache + slot * kvsize, row + qsize, kvsize * 4);
+            memcpy((float *)L->v_cache + slot * kvsize, row + qsize + kvsize, kvsize * 4);
+        }
     }
 
     /* Attention, a (row, query head) a task. */
@@ -163,7 +241,8 @@ int hr_decode_layer(const hr_layer *L, const hr_step *S, float *h, float *residu
         float top = -INFINITY;
         for (int64_t t = 0; t < len; t++) {
             const int64_t slot = pages[t / S->page_size] * S->page_size + t % S->page_size;
-            sc[t] = dot(q, L->k_cache + (slot * Hk + kvh) * D, D) * L->scale;
+            const uint8_t *k = (const uint8_t *)L->k_cache + (slot * Hk + kvh) * head_bytes;
+            sc[t] = (blocks ? dot_q8_0(q, k, D) : dot(q, (const float *)k, D)) * L->scale;
             if (sc[t] > top) top = sc[t];
         }
         float total = 0.0f;
@@ -172,8 +251,17 @@ int hr_decode_layer(const hr_layer *L, const hr_step *S, float *h, float *residu
         for (int64_t i = 0; i < D; i++) out[i] = 0.0f;
         for (int64_t t = 0; t < len; t++) {
             const int64_t slot = pages[t / S->page_size] * S->page_size + t % S->page_size;
-            const float *v = L->v_cache + (slot * Hk + kvh) * D, p = sc[t] * inv;
-            for (int64_t i = 0; i < D; i++) out[i] += p * v[i];
+            const uint8_t *v = (const uint8_t *)L->v_cache + (slot * Hk + kvh) * head_bytes;
+            const float p = sc[t] * inv;
+            if (blocks) {
+                for (int64_t c = 0; c < D / 32; c++) {  /* out += p * d * codes, a block at a time */
+                    const float pd = p * f16_to_f32(v + c * 34);
+                    const int8_t *codes = (const int8_t *)(v + c * 34 + 2);
+                    for (int j = 0; j < 32; j++) out[c * 32 + j] += pd * (float)codes[j];
+                }
+            } else {
+                for (int64_t i = 0; i < D; i++) out[i] += p * ((const float *)v)[i];
+            }
         }
     }
 

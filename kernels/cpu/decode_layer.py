@@ -13,6 +13,7 @@ import ctypes
 
 import torch
 
+from kernels.attention.kv_store import block_format
 from kernels.cpu.block_gemv import TYPE_IDS
 
 _F = ctypes.POINTER(ctypes.c_float)
@@ -34,7 +35,8 @@ class Layer(ctypes.Structure):
                 ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
                 ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p), ("qkv_bias", ctypes.c_void_p),
                 ("qkv", Proj), ("o", Proj), ("gate_up", Proj), ("down", Proj),
-                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]
+                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
+                ("kv_type", ctypes.c_int32), ("pad", ctypes.c_int32)]
 
 
 class Step(ctypes.Structure):
@@ -84,13 +86,16 @@ def run(lib: ctypes.CDLL, spec: Layer, st: Step, h: torch.Tensor, residual: torc
     """One layer: ``h`` (float32 ``[B, hidden]``, the previous layer's MLP output) becomes
     this layer's MLP output and ``residual`` (same shape; written from ``h`` when
     ``first``) is updated, both in place; the new keys and values go to ``k_cache`` /
-    ``v_cache`` (float32 ``[slots, Hk, D]``) at the step's slots.
+    ``v_cache`` (float32 ``[slots, Hk, D]``, or a q8_0 pool's int8 ``[slots, Hk, D / 32 *
+    34]``, :mod:`kernels.attention.kv_store`) at the step's slots.
 
     Raises:
-        RuntimeError: the kernel refused a projection's block type.
+        RuntimeError: the kernel refused a projection's block type, or a q8_0 pool of
+            heads that are not whole blocks.
     """
     spec.k_cache, spec.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+    spec.kv_type = TYPE_IDS["Q8_0"] if block_format(k_cache.dtype) == "q8_0" else 0
     st.first = int(first)
     if lib.hr_decode_layer(ctypes.byref(spec), ctypes.byref(st), h.data_ptr(), residual.data_ptr(),
                            scratch.data_ptr(), max_len) != 0:
-        raise RuntimeError("the CPU decode layer refused a projection's block type")
+        raise RuntimeError("the CPU decode layer refused a projection's block type or the KV pool's head dim")

@@ -123,6 +123,26 @@ def test_triton_rotary_store_writes_a_block_pool_like_the_reference(fmt):
     assert (a - b).abs().max() <= step * 1.01 and a.abs().max() > 0
 
 
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_block_pool_copies_and_resizes_its_pages_as_any_other(fmt):
+    """A slot is one row of bytes: the pool's page copies (a live shrink's moves) and
+    resizes keep a page's blocks, and the pool's size is its blocks' bytes."""
+    pool = KVPool(num_layers=2, num_pages=6, page_size=4, num_kv_heads=2, head_dim=64,
+                  dtype=BLOCK_KV_DTYPES[fmt], device="cpu", compute_dtype=torch.float32)
+    assert pool.nbytes == 6 * KVPool.bytes_per_page(num_layers=2, page_size=4, num_kv_heads=2, head_dim=64,
+                                                    dtype=BLOCK_KV_DTYPES[fmt])
+    x = torch.randn(4, 2, 64, generator=torch.Generator().manual_seed(2))
+    pool.store(1, torch.arange(20, 24), x, -x)  # page 5
+    want = gather_kv(pool.k_buffers[1], torch.arange(20, 24), torch.float32)
+    assert float((want - x).abs().max()) <= float(x.abs().max()) / (7 if fmt == "q4_0" else 127)
+    pool.copy_pages([5], [2])
+    pool.resize(3)
+    pool.resize(8)
+    assert torch.equal(gather_kv(pool.k_buffers[1], torch.arange(8, 12), torch.float32), want)
+    assert torch.equal(gather_kv(pool.v_buffers[1], torch.arange(8, 12), torch.float32), -want)
+    assert gather_kv(pool.k_buffers[1], torch.arange(20, 32), torch.float32).abs().sum() == 0  # grown pages are zero
+
 # -- the default model and the plan -------------------------------------------------------------------
 
 

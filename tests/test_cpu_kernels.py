@@ -162,7 +162,7 @@ def tiny_blocks(request, tmp_path_factory, make_tiny_hf_model):
     return pack_model_for_cpu(model, torch.float32, cpu_kernels()), config
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "q8_0"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "q8_0", "q4_0"])
 def test_the_c_decode_layer_gives_the_torch_layers_logits(lib, tiny_blocks, paged_runner, kv_cache_dtype):
     """A prefill of 5 tokens and a second sequence of 3 (torch layers), then decode
     steps of both sequences together and of one alone, through the C decode layer and
@@ -170,11 +170,11 @@ def test_the_c_decode_layer_gives_the_torch_layers_logits(lib, tiny_blocks, page
     (measured: 3e-5 to 1.3e-4; the norms, rotary and attention sum in another order, and
     a last-bit change of an activation can move its 16-bit code by one), and the KV pool
     the same. A query head reading the wrong KV head moves them by about 1. Over a pool
-    of q8_0 blocks (Qwen3's heads of 32 are one block) the C layer writes the blocks the
-    torch store writes, but where a key's last bit moves a code by one."""
+    of q8_0 or q4_0 blocks (Qwen3's heads of 32 are one block) the C layer writes the
+    blocks the torch store writes, but where a key's last bit moves a code by one."""
     model, config = tiny_blocks
-    if kv_cache_dtype == "q8_0" and config.head_dim % 32:
-        pytest.skip(f"heads of {config.head_dim} are not whole q8_0 blocks")
+    if kv_cache_dtype != "auto" and config.head_dim % 32:
+        pytest.skip(f"heads of {config.head_dim} are not whole {kv_cache_dtype} blocks")
     kv_dtype = kv_storage_dtype(kv_cache_dtype, torch.float32)
     assert model.cpu_decode is not None and len(model.cpu_decode.specs) == config.num_layers
     assert all(isinstance(m, CpuBlockLinear) for m in (model.model.layers[0].self_attn.qkv_proj,
@@ -197,7 +197,8 @@ def test_the_c_decode_layer_gives_the_torch_layers_logits(lib, tiny_blocks, page
         assert bool(torch.isfinite(got).all())
         assert float((got - want).abs().max()) <= 1e-3 * max(1.0, float(want.abs().max()))
     for got, want in zip(runs[True][1], runs[False][1], strict=True):
-        code = float(want.abs().max()) / 127 if kv_cache_dtype == "q8_0" else 0.0  # one code of the largest block
+        # One code of the largest block: a key's last bit may move a code.
+        code = float(want.abs().max()) / {"auto": float("inf"), "q8_0": 127, "q4_0": 7}[kv_cache_dtype]
         assert float((got - want).abs().max()) <= 1e-4 * max(1.0, float(want.abs().max())) + code
 
 

@@ -15,10 +15,10 @@
  *     a = softmax(q K^T * scale) V over the row's pages (GQA: Hq / Hk query heads a KV head)
  *     r += a @ Wo.T; x = rms_norm(r) * w_post; h = down(silu(gate(x)) * up(x))
  *
- * The KV pool is float32, or llama.cpp's q8_0 blocks (--kv-cache-dtype q8_0; kv_type
- * Q8_0): each head's row is D / 32 blocks of a float16 scale d = amax / 127 and 32 int8
- * codes round(x / d), written here as kernels/attention/kv_store.py writes them, and
- * the attention reads the codes in place (a block's dot product times its scale).
+ * The KV pool is float32, or llama.cpp's q8_0 or q4_0 blocks (--kv-cache-dtype; kv_type
+ * Q8_0 or Q4_0): each head's row is D / 32 blocks of a float16 scale and 32 codes,
+ * written here as kernels/attention/kv_store.py writes them, and the attention reads the
+ * codes in place (a block's dot product times its scale).
  */
 #include <math.h>
 #include <stdint.h>
@@ -53,8 +53,8 @@ typedef struct {
     const float *q_norm, *k_norm;              /* [head_dim] each, or NULL (no per-head norm) */
     const float *qkv_bias;                     /* [(Hq + 2 Hk) D] or NULL */
     hr_proj qkv, o, gate_up, down;
-    void *k_cache, *v_cache;                   /* [slots, Hk, D] float32, or [slots, Hk, D / 32 * 34] q8_0 */
-    int32_t kv_type;                           /* 0: float32; Q8_0: blocks */
+    void *k_cache, *v_cache;                   /* [slots, Hk, D] float32, or [slots, Hk, D / 32 * 34 (18)] */
+    int32_t kv_type;                           /* 0: float32; Q8_0 or Q4_0: blocks */
     int32_t pad;
 } hr_layer;
 
@@ -111,44 +111,70 @@ static inline uint16_t f32_to_f16(float f) {
     return (uint16_t)(sign | h);
 }
 
-/* n values (n % 32 == 0) as q8_0 blocks, as llama.cpp's quantize_row_q8_0_ref. */
-static void quantize_q8_0(const float *x, int64_t n, uint8_t *out) {
+/* n values (n % 32 == 0) as q8_0 or q4_0 blocks, as llama.cpp's quantize_row_q8_0_ref
+ * and quantize_row_q4_0_ref write them (kernels/attention/kv_store.py: the same bytes). */
+static void quantize_kv(int type, const float *x, int64_t n, uint8_t *out) {
     for (int64_t b = 0; b < n / 32; b++) {
         const float *xb = x + b * 32;
-        uint8_t *blk = out + b * 34;
-        float amax = 0.0f;
-        for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(xb[j]));
-        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        uint8_t *blk = out + b * (type == Q8_0 ? 34 : 18);
+        float amax = 0.0f, max = 0.0f;  /* the largest magnitude, and that value (the first) */
+        for (int j = 0; j < 32; j++)
+            if (amax < fabsf(xb[j])) amax = fabsf(xb[j]), max = xb[j];
+        const float d = type == Q8_0 ? amax / 127.0f : max / -8.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
         const uint16_t h = f32_to_f16(d);
         memcpy(blk, &h, 2);
-        for (int j = 0; j < 32; j++) ((int8_t *)(blk + 2))[j] = (int8_t)roundf(xb[j] * id);
+        if (type == Q8_0) {
+            for (int j = 0; j < 32; j++) ((int8_t *)(blk + 2))[j] = (int8_t)roundf(xb[j] * id);
+        } else {
+            for (int j = 0; j < 16; j++) {
+                /* Products and sums apart (no contraction into an FMA), as torch rounds them. */
+                const float x0 = xb[j] * id, x1 = xb[16 + j] * id;
+                const float lo = fminf(fmaxf(floorf(x0 + 8.5f), 0.0f), 15.0f);
+                const float hi = fminf(fmaxf(floorf(x1 + 8.5f), 0.0f), 15.0f);
+                blk[2 + j] = (uint8_t)((uint8_t)lo | (uint8_t)hi << 4);
+            }
+        }
     }
 }
 
-/* a . the q8_0 row's values (n of them). */
-static inline float dot_q8_0(const float *a, const uint8_t *row, int64_t n) {
-    float s = 0.0f;
-    for (int64_t b = 0; b < n / 32; b++) {
-        const uint8_t *blk = row + b * 34;
-        const int8_t *q = (const int8_t *)(blk + 2);
-        const float *ab = a + b * 32;
-#ifdef HR_AVX2
-        __m256 acc = _mm256_setzero_ps();
-        for (int j = 0; j < 32; j += 8) {
-            const __m256 qf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + j))));
-            acc = _mm256_fmadd_ps(_mm256_loadu_ps(ab + j), qf, acc);
+/* One block's 32 codes as floats, unscaled (q4_0's less 8). */
+static inline void block_codes(int type, const uint8_t *blk, float *out) {
+    if (type == Q8_0) {
+        for (int j = 0; j < 32; j++) out[j] = (float)((const int8_t *)(blk + 2))[j];
+    } else {
+        for (int j = 0; j < 16; j++) {
+            out[j] = (float)((blk[2 + j] & 15) - 8);
+            out[16 + j] = (float)((blk[2 + j] >> 4) - 8);
         }
-        __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-        h = _mm_add_ss(h, _mm_movehdup_ps(h));
-        s += f16_to_f32(blk) * _mm_cvtss_f32(h);
-#else
-        float t = 0.0f;
-        for (int j = 0; j < 32; j++) t += ab[j] * (float)q[j];
-        s += f16_to_f32(blk) * t;
-#endif
+    }
+}
+
+/* a . a pool row of n values: float32 (type 0), or q8_0/q4_0 blocks, each block's product
+ * with its codes times its scale. */
+static inline float kv_dot(int type, const float *a, const uint8_t *row, int64_t n) {
+    if (type == 0) return dot(a, (const float *)row, n);
+    const int bb = type == Q8_0 ? 34 : 18;
+    float s = 0.0f, codes[32];
+    for (int64_t b = 0; b < n / 32; b++) {
+        block_codes(type, row + b * bb, codes);
+        s += f16_to_f32(row + b * bb) * dot(a + b * 32, codes, 32);
     }
     return s;
+}
+
+/* out += p * a pool row of n values. */
+static inline void kv_axpy(int type, float *out, float p, const uint8_t *row, int64_t n) {
+    if (type == 0) {
+        for (int64_t i = 0; i < n; i++) out[i] += p * ((const float *)row)[i];
+        return;
+    }
+    const int bb = type == Q8_0 ? 34 : 18;
+    float codes[32];
+    for (int64_t b = 0; b < n / 32; b++) {
+        block_codes(type, row + b * bb, codes);
+        const float pd = p * f16_to_f32(row + b * bb);
+        for (int j = 0; j < 32; j++) out[b * 32 + j] += pd * codes[j];
+    }
 }
 
 static void rms_norm_row(const float *x, const float *w, float *out, int64_t n, float eps) {
@@ -189,9 +215,9 @@ int hr_decode_layer(const hr_layer *L, const hr_step *S, float *h, float *residu
     const int64_t B = S->rows, H = L->hidden, D = L->head_dim, Hq = L->num_heads, Hk = L->num_kv_heads;
     const int64_t I = L->intermediate, qsize = Hq * D, kvsize = Hk * D, qkv_n = qsize + 2 * kvsize;
     const int threads = S->threads;
-    const int blocks = L->kv_type == Q8_0;
-    const int64_t head_bytes = blocks ? D / 32 * 34 : D * 4, kv_row_bytes = Hk * head_bytes;  /* a slot's bytes */
-    if (blocks && D % 32) return -1;
+    const int kv = L->kv_type;
+    const int64_t head_bytes = kv ? D / 32 * (kv == Q8_0 ? 34 : 18) : D * 4, kv_row_bytes = Hk * head_bytes;
+    if ((kv && D % 32) || (kv && kv != Q8_0 && kv != Q4_0)) return -1;
     float *x = (float *)scratch;                /* [B, H] normed rows */
     float *qkv = x + B * H;                     /* [B, qkv_n] */
     float *attn = qkv + B * qkv_n;              /* [B, Hq * D] */
@@ -220,9 +246,9 @@ int hr_decode_layer(const hr_layer *L, const hr_step *S, float *h, float *residu
             rotate(head, cs, D);
         }
         const int64_t slot = S->out_slots[b];
-        if (L->kv_type == Q8_0) {
-            quantize_q8_0(row + qsize, kvsize, (uint8_t *)L->k_cache + slot * kv_row_bytes);
-            quantize_q8_0(row + qsize + kvsize, kvsize, (uint8_t *)L->v_cache + slot * kv_row_bytes);
+        if (kv) {
+            quantize_kv(kv, row + qsize, kvsize, (uint8_t *)L->k_cache + slot * kv_row_bytes);
+            quantize_kv(kv, row + qsize + kvsize, kvsize, (uint8_t *)L->v_cache + slot * kv_row_bytes);
         } else {
             memcpy((float *)L->k_cache + slot * kvsize, row + qsize, kvsize * 4);
             memcpy((float *)L->v_cache + slot * kvsize, row + qsize + kvsize, kvsize * 4);
@@ -242,7 +268,7 @@ int hr_decode_layer(const hr_layer *L, const hr_step *S, float *h, float *residu
         for (int64_t t = 0; t < len; t++) {
             const int64_t slot = pages[t / S->page_size] * S->page_size + t % S->page_size;
             const uint8_t *k = (const uint8_t *)L->k_cache + (slot * Hk + kvh) * head_bytes;
-            sc[t] = (blocks ? dot_q8_0(q, k, D) : dot(q, (const float *)k, D)) * L->scale;
+            sc[t] = kv_dot(kv, q, k, D) * L->scale;
             if (sc[t] > top) top = sc[t];
         }
         float total = 0.0f;
@@ -252,16 +278,7 @@ int hr_decode_layer(const hr_layer *L, const hr_step *S, float *h, float *residu
         for (int64_t t = 0; t < len; t++) {
             const int64_t slot = pages[t / S->page_size] * S->page_size + t % S->page_size;
             const uint8_t *v = (const uint8_t *)L->v_cache + (slot * Hk + kvh) * head_bytes;
-            const float p = sc[t] * inv;
-            if (blocks) {
-                for (int64_t c = 0; c < D / 32; c++) {  /* out += p * d * codes, a block at a time */
-                    const float pd = p * f16_to_f32(v + c * 34);
-                    const int8_t *codes = (const int8_t *)(v + c * 34 + 2);
-                    for (int j = 0; j < 32; j++) out[c * 32 + j] += pd * (float)codes[j];
-                }
-            } else {
-                for (int64_t i = 0; i < D; i++) out[i] += p * ((const float *)v)[i];
-            }
+            kv_axpy(kv, out, sc[t] * inv, v, D);
         }
     }
 

@@ -86,15 +86,16 @@ def run(lib: ctypes.CDLL, spec: Layer, st: Step, h: torch.Tensor, residual: torc
     """One layer: ``h`` (float32 ``[B, hidden]``, the previous layer's MLP output) becomes
     this layer's MLP output and ``residual`` (same shape; written from ``h`` when
     ``first``) is updated, both in place; the new keys and values go to ``k_cache`` /
-    ``v_cache`` (float32 ``[slots, Hk, D]``, or a q8_0 pool's int8 ``[slots, Hk, D / 32 *
-    34]``, :mod:`kernels.attention.kv_store`) at the step's slots.
+    ``v_cache`` (float32 ``[slots, Hk, D]``, or a q8_0/q4_0 pool's bytes ``[slots, Hk,
+    D / 32 * 34 (18)]``, :mod:`kernels.attention.kv_store`) at the step's slots.
 
     Raises:
-        RuntimeError: the kernel refused a projection's block type, or a q8_0 pool of
+        RuntimeError: the kernel refused a projection's block type, or a block pool of
             heads that are not whole blocks.
     """
     spec.k_cache, spec.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
-    spec.kv_type = TYPE_IDS["Q8_0"] if block_format(k_cache.dtype) == "q8_0" else 0
+    fmt = block_format(k_cache.dtype)
+    spec.kv_type = TYPE_IDS[fmt.upper()] if fmt else 0
     st.first = int(first)
     if lib.hr_decode_layer(ctypes.byref(spec), ctypes.byref(st), h.data_ptr(), residual.data_ptr(),
                            scratch.data_ptr(), max_len) != 0:

@@ -19,8 +19,8 @@ from engine.layers.linear.cpu_blocks import CpuBlockLinear  # noqa: E402
 from engine.layers.linear.cpu_kernels import cpu_kernels  # noqa: E402
 from engine.loader.gguf_convert import convert_gguf  # noqa: E402
 from engine.loader.load import load_model  # noqa: E402
-from kernels.attention.kv_store import gather_kv  # noqa: E402
-from kernels.cpu import build  # noqa: E402
+from kernels.attention.kv_store import gather_kv, quantize_blocks  # noqa: E402
+from kernels.cpu import build, decode_layer  # noqa: E402
 from kernels.cpu.block_gemv import TYPE_IDS, block_gemv, block_gemv_ref, quantize_rows_ref  # noqa: E402
 from kernels.quant import reference  # noqa: E402
 from kernels.quant.synthetic import random_blocks  # noqa: E402
@@ -198,8 +198,19 @@ def test_the_c_decode_layer_gives_the_torch_layers_logits(lib, tiny_blocks, page
         assert float((got - want).abs().max()) <= 1e-3 * max(1.0, float(want.abs().max()))
     for got, want in zip(runs[True][1], runs[False][1], strict=True):
         # One code of the largest block: a key's last bit may move a code.
-        code = float(want.abs().max()) / {"auto": float("inf"), "q8_0": 127, "q4_0": 7}[kv_cache_dtype]
+        code = float(want.abs().max()) / {"q8_0": 127, "q4_0": 7}.get(kv_cache_dtype, float("inf"))
         assert float((got - want).abs().max()) <= 1e-4 * max(1.0, float(want.abs().max())) + code
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+def test_the_c_kv_store_writes_the_torch_store_s_blocks(lib, fmt):
+    """The C decode layer's quantizer and the torch store's (llama.cpp's reference, byte
+    for byte) give the same bytes for the same values, an all-zero block and a block
+    whose largest magnitude is negative among them."""
+    x = torch.randn(500, 64, generator=torch.Generator().manual_seed(3)) * torch.logspace(-6, 3, 64)
+    x[0], x[1, :32], x[2, 3] = 0.0, 0.5, -1e4
+    assert torch.equal(decode_layer.quantize_kv(lib, x, fmt).view(torch.uint8),
+                       quantize_blocks(x, fmt).view(torch.uint8))
 
 
 def test_without_a_compiler_torch_s_kernels_serve(tmp_path, monkeypatch):

@@ -137,6 +137,11 @@ static void quantize_kv(int type, const float *x, int64_t n, uint8_t *out) {
     }
 }
 
+/* quantize_kv for the tests: x [rows, n] float32 into out [rows, n / 32 * block bytes]. */
+void hr_quantize_kv(int type, const float *x, int64_t rows, int64_t n, uint8_t *out) {
+    for (int64_t r = 0; r < rows; r++) quantize_kv(type, x + r * n, n, out + r * (n / 32) * (type == Q8_0 ? 34 : 18));
+}
+
 /* One block's 32 codes as floats, unscaled (q4_0's less 8). */
 static inline void block_codes(int type, const uint8_t *blk, float *out) {
     if (type == Q8_0) {

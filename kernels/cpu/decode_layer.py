@@ -13,7 +13,7 @@ import ctypes
 
 import torch
 
-from kernels.attention.kv_store import block_format
+from kernels.attention.kv_store import BLOCK_KV_DTYPES, block_format, kv_row_width
 from kernels.cpu.block_gemv import TYPE_IDS
 
 _F = ctypes.POINTER(ctypes.c_float)
@@ -74,6 +74,16 @@ def step(*, positions: torch.Tensor, out_slots: torch.Tensor, seq_lens: torch.Te
     ``[max_pos, D]``."""
     return Step(positions.shape[0], page_size, page_table.shape[1], positions.data_ptr(), out_slots.data_ptr(),
                 seq_lens.data_ptr(), page_table.data_ptr(), cos_sin.data_ptr(), threads, 0)
+
+
+def quantize_kv(lib: ctypes.CDLL, x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """The layer's KV store alone: float32 ``x [rows, n]`` (``n % 32 == 0``) as ``fmt``'s
+    blocks (``"q8_0"``, ``"q4_0"``), ``[rows, n / 32 * block bytes]`` in the format's
+    storage dtype; :func:`kernels.attention.kv_store.quantize_blocks` is its reference."""
+    x = x.float().contiguous()
+    out = torch.empty(x.shape[0], kv_row_width(BLOCK_KV_DTYPES[fmt], x.shape[1]), dtype=BLOCK_KV_DTYPES[fmt])
+    lib.hr_quantize_kv(TYPE_IDS[fmt.upper()], x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
+    return out
 
 
 def scratch_bytes(lib: ctypes.CDLL, spec: Layer, rows: int, max_len: int) -> int:

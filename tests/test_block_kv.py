@@ -247,3 +247,27 @@ def test_heads_that_are_not_whole_blocks_are_refused_before_anything_loads(tmp_p
     with pytest.raises(SettingRefused, match="--kv-cache-dtype q4_0 stores each head in blocks of 32 values; this "
                                              "model's head dim 16 is not a multiple of 32: use --kv-cache-dtype auto"):
         check_for_model(EngineConfig(model=str(tmp_path), kv_cache_dtype="q4_0"), mc)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize(("hk", "d"), [(2, 64), (3, 96)])
+def test_triton_store_writes_the_torch_store_s_bytes(fmt, hk, d):
+    """The Triton store of a block pool writes the bytes of the torch store (llama.cpp's
+    quantizer): an all-zero block, a block whose largest magnitude is negative and one
+    where two values tie for it; 3 blocks a row (not a power of two) and bfloat16 rows."""
+    pytest.importorskip("triton")
+    from kernels.attention import triton_kv_store
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(5, hk, d, generator=g) * torch.logspace(-4, 2, d)
+    x[0, 0, :32] = 0
+    x[1, 0, 5] = -1e3
+    x[2, 1, 3], x[2, 1, 20] = 50.0, -50.0
+    slots = torch.tensor([7, 1, 4, 9, 2])
+    for rows in (x, x.to(torch.bfloat16)):
+        want, have = (torch.zeros(12, hk, d // 32 * (34 if fmt == "q8_0" else 18), dtype=BLOCK_KV_DTYPES[fmt])
+                      for _ in range(2))
+        scatter_kv(want, slots, rows)
+        have = have.to(DEVICE)
+        triton_kv_store.scatter_kv(have, slots.to(DEVICE), rows.to(DEVICE))
+        assert torch.equal(have.cpu(), want)

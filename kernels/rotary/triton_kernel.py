@@ -12,8 +12,8 @@ do one at a time.
 
 A pool of llama.cpp's blocks (``--kv-cache-dtype q8_0``/``q4_0``) takes the step's rows
 through the same launch into a scratch ``[T, Hk, D]`` of the model's dtype, then the
-quantizing store of :mod:`kernels.attention.kv_store` (device ops, so a decode step is
-still captured in a CUDA graph).
+quantizing store of :mod:`kernels.attention.triton_kv_store` (one launch for the keys,
+one for the values; a decode step is still captured in a CUDA graph).
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
-from kernels.attention.kv_store import FP8_MAX, block_format, is_fp8, scatter_kv
+from kernels.attention import triton_kv_store
+from kernels.attention.kv_store import FP8_MAX, block_format, is_fp8
 from kernels.triton_round import round_to
 
 
@@ -128,8 +129,8 @@ def rotary_and_store(
         rows = [torch.empty((T, HK, D), dtype=q.dtype, device=q.device) for _ in range(2)]
         q_out = rotary_and_store(q, k, v, positions, cos_sin_cache, *rows, torch.arange(T, device=q.device),
                                  q_norm_weight, k_norm_weight, norm_eps)
-        scatter_kv(k_cache, out_slots, rows[0])
-        scatter_kv(v_cache, out_slots, rows[1])
+        triton_kv_store.scatter_kv(k_cache, out_slots, rows[0])
+        triton_kv_store.scatter_kv(v_cache, out_slots, rows[1])
         return q_out
     if D % 2:
         raise ValueError(f"rotary needs an even head dim, got {D}")

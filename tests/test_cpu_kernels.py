@@ -13,12 +13,14 @@ pytest.importorskip("gguf")
 
 from test_gguf_convert import VOCAB, write_gguf  # noqa: E402
 
+from engine.kvcache.pool import kv_storage_dtype  # noqa: E402
 from engine.layers.cpu_pack import pack_model_for_cpu  # noqa: E402
 from engine.layers.linear.cpu_blocks import CpuBlockLinear  # noqa: E402
 from engine.layers.linear.cpu_kernels import cpu_kernels  # noqa: E402
 from engine.loader.gguf_convert import convert_gguf  # noqa: E402
 from engine.loader.load import load_model  # noqa: E402
-from kernels.cpu import build  # noqa: E402
+from kernels.attention.kv_store import gather_kv, quantize_blocks  # noqa: E402
+from kernels.cpu import build, decode_layer  # noqa: E402
 from kernels.cpu.block_gemv import TYPE_IDS, block_gemv, block_gemv_ref, quantize_rows_ref  # noqa: E402
 from kernels.quant import reference  # noqa: E402
 from kernels.quant.synthetic import random_blocks  # noqa: E402
@@ -160,14 +162,20 @@ def tiny_blocks(request, tmp_path_factory, make_tiny_hf_model):
     return pack_model_for_cpu(model, torch.float32, cpu_kernels()), config
 
 
-def test_the_c_decode_layer_gives_the_torch_layers_logits(lib, tiny_blocks, paged_runner):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "q8_0", "q4_0"])
+def test_the_c_decode_layer_gives_the_torch_layers_logits(lib, tiny_blocks, paged_runner, kv_cache_dtype):
     """A prefill of 5 tokens and a second sequence of 3 (torch layers), then decode
     steps of both sequences together and of one alone, through the C decode layer and
     through the torch layers over the same C GEMV: logits within 1e-3 of the largest
     (measured: 3e-5 to 1.3e-4; the norms, rotary and attention sum in another order, and
     a last-bit change of an activation can move its 16-bit code by one), and the KV pool
-    the same. A query head reading the wrong KV head moves them by about 1."""
+    the same. A query head reading the wrong KV head moves them by about 1. Over a pool
+    of q8_0 or q4_0 blocks (Qwen3's heads of 32 are one block) the C layer writes the
+    blocks the torch store writes, but where a key's last bit moves a code by one."""
     model, config = tiny_blocks
+    if kv_cache_dtype != "auto" and config.head_dim % 32:
+        pytest.skip(f"heads of {config.head_dim} are not whole {kv_cache_dtype} blocks")
+    kv_dtype = kv_storage_dtype(kv_cache_dtype, torch.float32)
     assert model.cpu_decode is not None and len(model.cpu_decode.specs) == config.num_layers
     assert all(isinstance(m, CpuBlockLinear) for m in (model.model.layers[0].self_attn.qkv_proj,
                                                           model.model.layers[0].mlp.down_proj))
@@ -175,20 +183,34 @@ def test_the_c_decode_layer_gives_the_torch_layers_logits(lib, tiny_blocks, page
     runs = {}
     for use in (True, False):
         model.cpu_decode = fast if use else None
-        runner = paged_runner(model, config, page_size=4, num_pages=32)
+        runner = paged_runner(model, config, page_size=4, num_pages=32, kv_dtype=kv_dtype)
         logits = [runner.step({0: [5, 70, 3, 20, 42], 1: [9, 8, 7]})]
         assert not runner.last_batch.is_decode
         for tokens in ([11, 12], [13, 14], [15, 16], [17, 18]):
             logits.append(runner.step({0: [tokens[0]], 1: [tokens[1]]}))
-            assert runner.last_batch.is_decode
+            assert runner.last_batch.is_decode and fast.takes(runner.last_batch, logits[-1], runner.pool)
         logits.append(runner.step({1: [19]}))
-        runs[use] = (logits, [b.clone() for b in runner.pool.k_buffers + runner.pool.v_buffers])
+        runs[use] = (logits, [gather_kv(b, torch.arange(b.shape[0]), torch.float32)
+                              for b in runner.pool.k_buffers + runner.pool.v_buffers])
     model.cpu_decode = fast
     for got, want in zip(runs[True][0], runs[False][0], strict=True):
         assert bool(torch.isfinite(got).all())
         assert float((got - want).abs().max()) <= 1e-3 * max(1.0, float(want.abs().max()))
     for got, want in zip(runs[True][1], runs[False][1], strict=True):
-        assert float((got - want).abs().max()) <= 1e-4 * max(1.0, float(want.abs().max()))
+        # One code of the largest block: a key's last bit may move a code.
+        code = float(want.abs().max()) / {"q8_0": 127, "q4_0": 7}.get(kv_cache_dtype, float("inf"))
+        assert float((got - want).abs().max()) <= 1e-4 * max(1.0, float(want.abs().max())) + code
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+def test_the_c_kv_store_writes_the_torch_store_s_blocks(lib, fmt):
+    """The C decode layer's quantizer and the torch store's (llama.cpp's reference, byte
+    for byte) give the same bytes for the same values, an all-zero block and a block
+    whose largest magnitude is negative among them."""
+    x = torch.randn(500, 64, generator=torch.Generator().manual_seed(3)) * torch.logspace(-6, 3, 64)
+    x[0], x[1, :32], x[2, 3] = 0.0, 0.5, -1e4
+    assert torch.equal(decode_layer.quantize_kv(lib, x, fmt).view(torch.uint8),
+                       quantize_blocks(x, fmt).view(torch.uint8))
 
 
 def test_without_a_compiler_torch_s_kernels_serve(tmp_path, monkeypatch):

@@ -20,6 +20,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from kernels.activation import triton_kernel as triton_activation
+from kernels.attention import triton_kv_store
 from kernels.gemv import triton_kernel as triton_gemv
 from kernels.moe import triton_kernel as triton_moe
 from kernels.norm import triton_kernel as triton_norm
@@ -101,6 +102,20 @@ def main() -> int:
             print("rotary: the compiler fused bfloat16 products into FMAs (rounds unlike eager torch)")
             return 1
     print("rotary_and_store ok")
+    # The store into llama.cpp's blocks (q8_0 into int8, q4_0 into uint8), launched with
+    # enable_fp_fusion=False: no product and sum contracted (its codes are the torch store's).
+    for fmt, buf, block_bytes in ((1, "i8", 34), (2, "u8", 18)):
+        signature = {"X": _p(bf), "Slots": _p("i64"), "Buf": _p(buf), "stride_xt": "i32", "stride_xh": "i32",
+                     "stride_bs": "i32", "stride_bh": "i32", "HK": "i32"}
+        consts = {"HK_BLOCK": 8, "NB": 4, "NB_BLOCK": 4, "BLOCK_BYTES": block_bytes, "FMT": fmt}
+        ptx = triton.compile(ASTSource(fn=triton_kv_store._store_blocks_kernel,
+                                       signature=signature | {name: "constexpr" for name in consts},
+                                       constexprs=consts), target=TARGET,
+                             options={"enable_fp_fusion": False}).asm["ptx"]
+        if "fma.rn.f32" in ptx:
+            print("kv block store: a product and a sum were fused into an FMA (rounds unlike the torch store)")
+            return 1
+    print("kv block store ok")
     V, C = 151936, 38
     f32 = _p("fp32")
     _compile(triton_sampling._penalize_kernel,

@@ -148,6 +148,7 @@ def cpu_holdings(config: EngineConfig) -> CpuHoldings:
     from engine.kvcache.pool import kv_storage_dtype
     from engine.loader.default_model import model_display_name
     from engine.loader.weight_size import weight_bytes
+    from kernels.attention.kv_store import kv_dtype_name
 
     use_kernel_switches(config)
     from engine.memory.fixed_pool import unplanned_pages
@@ -172,7 +173,7 @@ def cpu_holdings(config: EngineConfig) -> CpuHoldings:
     return CpuHoldings(
         model=model_display_name(model_dir), dtype=str(dtype).removeprefix("torch."), weight_bytes=weights,
         weight_source=source, kv_pool_bytes=pages * per_token * config.page_size, kv_pages=pages,
-        page_size=config.page_size, kv_bytes_per_token=per_token, kv_cache_dtype=str(kv_dtype).removeprefix("torch."),
+        page_size=config.page_size, kv_bytes_per_token=per_token, kv_cache_dtype=kv_dtype_name(kv_dtype),
         max_context_tokens=context, host_total_bytes=total, host_available_bytes=available)
 
 

@@ -71,6 +71,7 @@ from engine.wire.messages import (
     GenerateRequest,
     TokenOutput,
 )
+from kernels.attention.kv_store import kv_dtype_name
 
 log = logging.getLogger("headroom.engine")
 
@@ -139,7 +140,8 @@ class Engine(PlanStages, GrammarWaits, LiveReplan):
         # CUDA graphs; both decide workspaces the plan charges.
         self.attention_backend = resolve_backend_name(config.attention_backend, self.device.type,
                                                      windows=bool(mc.kv_windows),
-                                                     softcap=bool(mc.attn_logit_softcapping), sinks=mc.attention_sinks)
+                                                     softcap=bool(mc.attn_logit_softcapping), sinks=mc.attention_sinks,
+                                                     kv_cache_dtype=config.kv_cache_dtype)
         self.cuda_graph_bytes = 0
         # Memory plan from estimates: a plan that cannot fit fails here, weights unread.
         # An oversized prefill chunk is the one knob lowered automatically (a chunk too
@@ -267,7 +269,7 @@ class Engine(PlanStages, GrammarWaits, LiveReplan):
             max_prefill_tokens=self.knobs.max_prefill_tokens,
             max_running_requests=config.max_running_requests,
             plan=self.plan,
-            kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
+            kv_cache_dtype=kv_dtype_name(self.kv_dtype),
             kv_bytes_per_token=kv_bytes_per_token(mc, self.kv_dtype),
         )
 

@@ -15,6 +15,7 @@ from engine.kvcache.pool import kv_storage_dtype
 from engine.kvcache.state_pool import state_bytes_per_request
 from engine.loader.weight_size import expert_weight_bytes, weight_bytes
 from engine.memory.plan import Footprint, PlanKnobs
+from kernels.attention.kv_store import kv_bytes, kv_dtype_name
 
 if TYPE_CHECKING:
     from engine.loader.weight_size import WeightSize
@@ -37,8 +38,9 @@ def itemsize(dtype: torch.dtype) -> int:
 def kv_bytes_per_token(mc: ModelConfig, dtype: torch.dtype) -> int:
     """Keys and values of one token over the layers with a KV cache, in bytes: what a
     page of the KV pool holds per token, sliding-window layers included (a page holds
-    every layer; see :func:`windowed_kv_bytes` for what those need)."""
-    return mc.kv_elements_per_token * itemsize(dtype)
+    every layer; see :func:`windowed_kv_bytes` for what those need). A block format
+    (``q8_0``, ``q4_0``) costs its blocks' bytes: 34 or 18 for each 32 values."""
+    return kv_bytes(dtype, mc.kv_elements_per_token)
 
 
 def windowed_kv_bytes(mc: ModelConfig, dtype: torch.dtype, tokens: int) -> int:
@@ -46,7 +48,7 @@ def windowed_kv_bytes(mc: ModelConfig, dtype: torch.dtype, tokens: int) -> int:
     layer keeps only its window, in bytes: ``2 * Hkv * D * it`` per layer and token,
     times ``tokens`` for a global layer and ``min(window, tokens)`` for a sliding one.
     Equal to ``tokens * kv_bytes_per_token`` for a model without sliding layers."""
-    per_layer = 2 * mc.num_kv_heads * mc.head_dim * itemsize(dtype)
+    per_layer = 2 * mc.num_kv_heads * kv_bytes(dtype, mc.head_dim)
     windows = mc.kv_windows or (0,) * mc.num_kv_layers
     return per_layer * sum(min(w, tokens) if w else tokens for w in windows)
 
@@ -58,7 +60,7 @@ def kv_window_note(mc: ModelConfig, dtype: torch.dtype) -> str:
     if not sliding:
         return ""
     window = max(sliding)
-    per_layer = 2 * mc.num_kv_heads * mc.head_dim * itemsize(dtype)
+    per_layer = 2 * mc.num_kv_heads * kv_bytes(dtype, mc.head_dim)
     return (f"{len(sliding)} of {mc.num_kv_layers} layers slide over {window:,} tokens and are priced per token "
             f"like the others (their window alone: {window * len(sliding) * per_layer:,} bytes per request)")
 
@@ -231,7 +233,7 @@ def make_footprint(
         kv_bytes_per_token=kv_bytes_per_token(mc, kv_dtype),
         kv_window_note=kv_window_note(mc, kv_dtype),
         kv_heads=mc.num_kv_heads,
-        kv_cache_dtype=str(kv_dtype).removeprefix("torch."),
+        kv_cache_dtype=kv_dtype_name(kv_dtype),
         vocab_size=mc.vocab_size,
         model_context_tokens=model_context(mc, PlanKnobs()),
         workspace_bytes=workspaces,

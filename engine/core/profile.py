@@ -97,7 +97,7 @@ def measure_step_peak(
         from engine.kvcache.state_pool import StatePool
 
         bound = model.states
-        model.bind_states(StatePool(model.config, seqs, pool.dtype, device))
+        model.bind_states(StatePool(model.config, seqs, pool.compute_dtype, device))
         batch.state_slots = torch.arange(1, seqs + 1)
     sp = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.01, frequency_penalty=0.1, seed=0)
 

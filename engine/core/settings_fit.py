@@ -12,6 +12,7 @@ from engine.common.config import EngineConfig, ModelConfig
 from engine.common.errors import SettingRefused
 from engine.memory.fixed_pool import unplanned_pages
 from engine.parallel.split import check_shardable
+from kernels.attention.kv_formats import check_head_dim, kv_values_bytes
 
 # Bytes per element of a --dtype (engine.core.startup resolves the names to torch's).
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -51,13 +52,26 @@ def check_kv_cache(config: EngineConfig, mc: ModelConfig) -> None:
     """
     if config.kv_cache is None or config.num_pages is not None or config.tensor_parallel_size > 1:
         return
-    if config.kv_cache_dtype == "fp8":
-        item = 1
+    if config.kv_cache_dtype != "auto":
+        item = 1  # fp8; a block format prices its blocks
     elif config.dtype == "auto":
         item = _DTYPE_BYTES["float32" if config.device == "cpu" else "bfloat16"]
     else:
         item = _DTYPE_BYTES.get(config.dtype, min(_DTYPE_BYTES.values()))
-    unplanned_pages(config, mc, mc.kv_elements_per_token * item * config.page_size)
+    unplanned_pages(config, mc, kv_values_bytes(config.kv_cache_dtype, mc.kv_elements_per_token, item) * config.page_size)
+
+
+def check_kv_cache_dtype(config: EngineConfig, mc: ModelConfig) -> None:
+    """Refuse a block format of ``--kv-cache-dtype`` (``q8_0``, ``q4_0``) for heads
+    that are not whole blocks of 32 values.
+
+    Raises:
+        SettingRefused: naming the option and the model's head dim.
+    """
+    try:
+        check_head_dim(config.kv_cache_dtype, mc.head_dim)
+    except ValueError as e:
+        raise SettingRefused(str(e)) from None
 
 
 def check_for_model(config: EngineConfig, mc: ModelConfig) -> None:
@@ -68,4 +82,5 @@ def check_for_model(config: EngineConfig, mc: ModelConfig) -> None:
     """
     check_shardable(mc, config.tensor_parallel_size)
     check_cpu_experts(config, mc)
+    check_kv_cache_dtype(config, mc)
     check_kv_cache(config, mc)

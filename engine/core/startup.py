@@ -222,7 +222,8 @@ def estimated_planner(
     or a simulated one). ``weights`` prices a GGUF loaded in block format
     (:func:`engine.loader.gguf_quant.gguf_weight_size`); None prices the dense tensors."""
     backend = resolve_backend_name(config.attention_backend, device.type, windows=bool(mc.kv_windows),
-                                   softcap=bool(mc.attn_logit_softcapping), sinks=mc.attention_sinks)
+                                   softcap=bool(mc.attn_logit_softcapping), sinks=mc.attention_sinks,
+                                   kv_cache_dtype=config.kv_cache_dtype)
     workspaces = attention_workspaces(backend, mc, config.max_running_requests)
     gathers = backend_class(backend).gathers_context
 

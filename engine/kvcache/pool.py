@@ -2,7 +2,11 @@
 
 Layout per layer: ``[num_slots, num_kv_heads, head_dim]`` with
 ``num_slots = num_pages * page_size``; a token's K/V live at slot
-``page * page_size + offset``. Keeping one buffer per layer (not one tensor for all
+``page * page_size + offset``. A pool of llama.cpp's blocks (``--kv-cache-dtype q8_0``
+or ``q4_0``) holds each head's row as its blocks' bytes instead (``head_dim / 32 * 34``
+or ``* 18``; :mod:`kernels.attention.kv_store`), quantized when stored and dequantized
+row by row when read: no scale tensor beside the buffer, so everything below works on
+slots alike. Keeping one buffer per layer (not one tensor for all
 layers) lets a resize proceed layer by layer without ever holding two whole pools.
 
 Page 0 is the null page: it is never handed out, so padded page tables (0) and padded
@@ -53,15 +57,23 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.attention.kv_store import FP8_KV_DTYPE, is_fp8, scatter_kv
-
-KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8")
+from kernels.attention.kv_formats import KV_CACHE_DTYPES
+from kernels.attention.kv_store import (
+    BLOCK_KV_DTYPES,
+    FP8_KV_DTYPE,
+    is_fp8,
+    kv_bytes,
+    kv_row_width,
+    scatter_kv,
+)
 
 
 def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     """The pool's storage dtype for ``--kv-cache-dtype``: ``auto`` is the model's
-    dtype, ``fp8`` is ``float8_e4m3fn`` with a per-tensor scale of 1.0
-    (:mod:`kernels.attention.kv_store`), one byte per element.
+    dtype, ``fp8`` is ``float8_e4m3fn`` with a per-tensor scale of 1.0, one byte per
+    element; ``q8_0`` and ``q4_0`` are llama.cpp's blocks of 32 values with a float16
+    scale, stored as bytes whose dtype names the format (``int8``, ``uint8``;
+    :mod:`kernels.attention.kv_store`).
 
     Raises:
         ValueError: an unknown name (the message lists the choices).
@@ -70,6 +82,8 @@ def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dty
         return model_dtype
     if kv_cache_dtype == "fp8":
         return FP8_KV_DTYPE
+    if kv_cache_dtype in BLOCK_KV_DTYPES:
+        return BLOCK_KV_DTYPES[kv_cache_dtype]
     raise ValueError(f"unknown --kv-cache-dtype {kv_cache_dtype!r}; choose one of {', '.join(KV_CACHE_DTYPES)}")
 
 
@@ -91,8 +105,9 @@ class KVPool:
             usable). Must be at least 2.
         page_size: tokens per page.
         num_kv_heads, head_dim: per-token K/V shape.
-        dtype, device: of the buffers (the storage dtype: the model's, or
-            ``float8_e4m3fn`` for an FP8 KV cache, see :func:`kv_storage_dtype`).
+        dtype, device: of the buffers (the storage dtype: the model's,
+            ``float8_e4m3fn`` for an FP8 KV cache, or a block format's, see
+            :func:`kv_storage_dtype`).
         compute_dtype: what keys and values are written as and read back as (the
             model's dtype); defaults to ``dtype``.
 
@@ -121,6 +136,7 @@ class KVPool:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
+        self.row_width = kv_row_width(dtype, head_dim)  # a buffer's last dimension
         self.compute_dtype = dtype if compute_dtype is None else compute_dtype
         self.device = torch.device(device)
         self.k_buffers = [self._new_buffer(num_pages, zero_from=0) for _ in range(num_layers)]
@@ -135,11 +151,11 @@ class KVPool:
         requests have written (a 1 GiB default pool under a short chat is a few MiB of
         RSS, where writing zeros would make all of it resident at start)."""
         if self.device.type == "cpu":
-            shape = (num_pages * self.page_size, self.num_kv_heads, self.head_dim)
+            shape = (num_pages * self.page_size, self.num_kv_heads, self.row_width)
             nbytes = math.prod(shape) * torch.empty((), dtype=self.dtype).element_size()
             raw = torch.frombuffer(_anonymous_map(max(nbytes, 1)), dtype=torch.uint8)[:nbytes]
             return raw.view(self.dtype).view(shape)
-        buf = torch.empty((num_pages * self.page_size, self.num_kv_heads, self.head_dim), dtype=self.dtype, device=self.device)
+        buf = torch.empty((num_pages * self.page_size, self.num_kv_heads, self.row_width), dtype=self.dtype, device=self.device)
         if zero_from < num_pages:
             buf[zero_from * self.page_size :].zero_()
         return buf
@@ -176,8 +192,7 @@ class KVPool:
         *, num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
     ) -> int:
         """Bytes one page costs over all layers, keys and values."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * num_layers * page_size * num_kv_heads * head_dim * itemsize
+        return 2 * num_layers * page_size * num_kv_heads * kv_bytes(dtype, head_dim)
 
     @property
     def num_pages(self) -> int:
@@ -194,7 +209,8 @@ class KVPool:
         Args:
             slots: ``[T]`` int64 flat slots.
             k, v: ``[T, num_kv_heads, head_dim]`` in ``compute_dtype`` (cast to the
-                storage dtype here: FP8 pages clamp and round, :mod:`kernels.attention.kv_store`).
+                storage dtype here: FP8 pages clamp and round, block pages quantize,
+                :mod:`kernels.attention.kv_store`).
         """
         scatter_kv(self.k_buffers[layer], slots, k)
         scatter_kv(self.v_buffers[layer], slots, v)

@@ -5,7 +5,8 @@ Taken by :meth:`engine.models.decoder.CausalLM.forward` for decode steps (one ne
 row) of a float32 model whose every layer it can run: a dense Llama/Qwen2/Qwen3-family
 layer (no mixture of experts, no whole-projection q/k norm, no q/k/v clipping, no o
 bias) whose four projections are each one run of GGUF blocks the C GEMV reads
-(:class:`~engine.layers.linear.cpu_blocks.CpuBlockLinear`), over a float32 KV pool.
+(:class:`~engine.layers.linear.cpu_blocks.CpuBlockLinear`), over a float32 KV pool or
+one of llama.cpp's q8_0/q4_0 blocks (``--kv-cache-dtype q8_0``, ``q4_0``).
 Prefill and extend steps, and every other model (Gemma 3's sliding-window, GELU and
 four-norm layers among them), keep the torch layers.
 """
@@ -20,6 +21,7 @@ from torch import nn
 
 from engine.common import progress
 from engine.layers.linear.cpu_blocks import CpuBlockLinear
+from kernels.attention.kv_store import block_format
 from kernels.cpu import decode_layer
 
 
@@ -96,10 +98,11 @@ class CpuDecode:
         return cls(lib, specs, keep, torch.empty(0, dtype=torch.uint8))
 
     def takes(self, batch, h: torch.Tensor, pool) -> bool:
-        """Whether this step runs here: a decode step of float32 rows over a float32 pool,
-        its index tensors int64 (what the C layer reads)."""
+        """Whether this step runs here: a decode step of float32 rows over a float32 pool
+        or one of q8_0/q4_0 blocks, its index tensors int64 (what the C layer reads)."""
         indices = (batch.positions, batch.out_slots, batch.page_table, batch.prefix_lens, batch.extend_lens)
-        return (batch.is_decode and h.dtype == torch.float32 and pool.dtype == torch.float32
+        kv_ok = pool.dtype == torch.float32 or block_format(pool.dtype) is not None
+        return (batch.is_decode and h.dtype == torch.float32 and kv_ok
                 and all(t.dtype == torch.int64 and t.device.type == "cpu" for t in indices))
 
     def run(self, h: torch.Tensor, batch, pool, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,6 +18,13 @@ exit. Rows with ``seq_len == 0`` (graph padding) give zeros.
 Extend. One program per (block of a sequence's new tokens, query head, sequence);
 blocks beyond a sequence's extend do no work. A block loops over the keys up to its
 last row's position only (the causal bound), prefix included.
+
+The pool. An FP8 pool (scale 1.0) is upcast as each tile is loaded. A pool of
+llama.cpp's blocks (``--kv-cache-dtype q8_0``/``q4_0``, :mod:`kernels.attention.kv_store`)
+is dequantized the same way, tile by tile inside the kernel: each value's code and its
+block's float16 scale (two bytes, put together as little-endian) are loaded from the
+row's bytes and multiplied in float32, as the reference's gather does, so only the keys
+and values a program reads are ever turned into floats.
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
+from kernels.attention.kv_formats import KV_BLOCK, KV_BLOCK_BYTES
+from kernels.attention.kv_store import block_format
 from kernels.quant.triton_activations import GROUP, producer_activations, producer_args, q8_groups
 
 _LOG2E = 1.4426950408889634
@@ -51,14 +60,18 @@ def decode_workspace_bytes(max_batch: int, num_heads: int, num_kv_heads: int, he
     return most * num_heads * (head_dim + 1) * 4
 
 
-def decode_config(dtype: torch.dtype, head_dim: int) -> tuple[int, int]:
-    """``(BLOCK_N, num_warps)`` of the decode kernel.
+def decode_config(dtype: torch.dtype, head_dim: int, kv_blocks: bool = False) -> tuple[int, int]:
+    """``(BLOCK_N, num_warps)`` of the decode kernel; ``kv_blocks``: over a pool of
+    q8_0/q4_0 blocks, whose tiles hold each value's byte offsets and scale as well.
 
     Chosen so that no configuration spills registers on sm_90 (``ptxas -v``; checked by
     the tests): a kernel with a stack frame makes the driver reserve that frame for
     every thread the GPU can hold (on an H200, 132 SMs x 2048 threads), for the rest of
     the process. A 10 KB frame cost 2.6 GiB of device memory that no allocator sees.
+    Over blocks, (64, 4) spilled 32 bytes at D=64 and (64, 8) 40 at D=128 (q8_0).
     """
+    if kv_blocks:
+        return (32, 8)
     return (64, 4) if head_dim <= 64 and dtype != torch.float32 else (64, 8)
 
 
@@ -81,19 +94,52 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+# The kernels' KV_FMT: how a pool buffer's rows hold their values.
+_KV_FMTS = {None: 0, "q8_0": 1, "q4_0": 2}
+_BLOCK = tl.constexpr(KV_BLOCK)
+_Q8_0_BYTES = tl.constexpr(KV_BLOCK_BYTES["q8_0"])
+_Q4_0_BYTES = tl.constexpr(KV_BLOCK_BYTES["q4_0"])
+
+
+def _kv_fmt(buf: torch.Tensor) -> int:
+    return _KV_FMTS[block_format(buf.dtype)]
+
+
+@triton.jit
+def _load_kv(Buf, row, d, mask, KV_FMT: tl.constexpr):
+    """The ``[N, BLOCK_D]`` values at element ``d`` of the head rows starting at
+    ``row`` (``[N]`` offsets into ``Buf``): as stored (KV_FMT 0), or dequantized from
+    q8_0 (1) or q4_0 (2) blocks in float32."""
+    if KV_FMT == 0:
+        x = tl.load(Buf + row[:, None] + d[None, :], mask=mask, other=0.0)
+    else:
+        # Each value's block starts with its scale; the codes follow it.
+        if KV_FMT == 1:
+            first = row[:, None] + (d // _BLOCK * _Q8_0_BYTES)[None, :]
+            codes = tl.load(Buf + first + 2 + (d % _BLOCK)[None, :], mask=mask, other=0).to(tl.float32)
+        else:
+            first = row[:, None] + (d // _BLOCK * _Q4_0_BYTES)[None, :]
+            byte = tl.load(Buf + first + 2 + (d % (_BLOCK // 2))[None, :], mask=mask, other=0)
+            codes = tl.where((d % _BLOCK < _BLOCK // 2)[None, :], byte & 15, byte >> 4).to(tl.float32) - 8.0
+        lo = tl.load(Buf + first, mask=mask, other=0).to(tl.uint8, bitcast=True).to(tl.uint16)
+        hi = tl.load(Buf + first + 1, mask=mask, other=0).to(tl.uint8, bitcast=True).to(tl.uint16)
+        x = codes * (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+    return x
+
+
 @triton.jit
 def _attend_block(
     q, K, V, PageTable, pt_row, pos, nmask, visible, kvh, d, dmask, m_i, l_i, acc,
     stride_ks, stride_kh, stride_vs, stride_vh, scale_log2,
-    PAGE_SIZE: tl.constexpr, PRECISION: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, PRECISION: tl.constexpr, KV_FMT: tl.constexpr,
 ):
     """One online-softmax step over the keys at positions ``pos`` of one sequence;
     ``visible`` ([rows, N]) masks the scores. Returns the updated (max, sum, acc)."""
     page = tl.load(PageTable + pt_row + pos // PAGE_SIZE, mask=nmask, other=0)
     slot = page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
     kv_mask = nmask[:, None] & dmask[None, :]
-    # An FP8 pool (scale 1.0) is upcast to the queries' dtype as it is loaded.
-    k = tl.load(K + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+    # An FP8 pool (scale 1.0) is upcast to the queries' dtype as it is loaded, a block pool dequantized.
+    k = _load_kv(K, slot * stride_ks + kvh * stride_kh, d, kv_mask, KV_FMT).to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -103,7 +149,7 @@ def _attend_block(
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(V + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+    v = _load_kv(V, slot * stride_vs + kvh * stride_vh, d, kv_mask, KV_FMT).to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m_new, l_i, acc
 
@@ -116,6 +162,7 @@ def _decode_kernel(
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = 0,
+    KV_FMT: tl.constexpr = 0,
 ):
     # PDL (kernels.pdl): launched while the kernel that stored this step's K/V ends.
     pdl.begin(PDL)
@@ -144,7 +191,7 @@ def _decode_kernel(
         nmask = pos < end
         m_i, l_i, acc = _attend_block(
             q, K, V, PageTable, b * stride_pt, pos, nmask, nmask[None, :], kvh, d, dmask, m_i, l_i, acc,
-            stride_ks, stride_kh, stride_vs, stride_vh, scale_log2, PAGE_SIZE, PRECISION,
+            stride_ks, stride_kh, stride_vs, stride_vh, scale_log2, PAGE_SIZE, PRECISION, KV_FMT,
         )
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -250,7 +297,7 @@ def paged_decode(
             raise ValueError(f"decode workspace holds {workspace.numel()} floats, {need} needed")
         part_o = workspace[: batch * num_heads * splits * head_dim]
         part_lse = workspace[batch * num_heads * splits * head_dim : need]
-    default_n, warps = decode_config(q.dtype, head_dim)
+    default_n, warps = decode_config(q.dtype, head_dim, kv_blocks=_kv_fmt(k_buf) > 0)
     block_n = block_n or default_n
     _decode_kernel[(batch, num_kv_heads, splits)](
         q, k_buf, v_buf, page_table, seq_lens, out, part_o, part_lse,
@@ -259,7 +306,7 @@ def paged_decode(
         scale * _LOG2E, window,
         NUM_HEADS=num_heads, GROUP=group, BLOCK_G=_group_block(group), HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE_SIZE=page_size, BLOCK_N=block_n, NUM_SPLITS=splits, PRECISION=_dot_precision(q.dtype),
-        num_warps=warps, **pdl.launch_args(q.device),
+        KV_FMT=_kv_fmt(k_buf), num_warps=warps, **pdl.launch_args(q.device),
     )
     if splits > 1:
         quant, quant_strides = producer_args(q8, out)
@@ -277,7 +324,7 @@ def _extend_kernel(
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_pt, stride_ot, stride_oh,
     scale_log2, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, KV_FMT: tl.constexpr = 0,
 ):
     mblk = tl.program_id(0)
     h = tl.program_id(1)
@@ -313,7 +360,7 @@ def _extend_kernel(
         visible = visible & ((window == 0) | (pos[None, :] > q_pos[:, None] - window))
         m_i, l_i, acc = _attend_block(
             q, K, V, PageTable, b * stride_pt, pos, nmask, visible, kvh, d, dmask, m_i, l_i, acc,
-            stride_ks, stride_kh, stride_vs, stride_vh, scale_log2, PAGE_SIZE, PRECISION,
+            stride_ks, stride_kh, stride_vs, stride_vh, scale_log2, PAGE_SIZE, PRECISION, KV_FMT,
         )
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -370,6 +417,6 @@ def paged_extend(
         scale * _LOG2E, window,
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_dot_precision(q.dtype),
-        num_warps=warps,
+        KV_FMT=_kv_fmt(k_buf), num_warps=warps,
     )
     return out

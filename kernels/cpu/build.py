@@ -145,6 +145,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.hr_decode_scratch_bytes.argtypes = [ptr, c_i64, c_i64]
     lib.hr_decode_layer.restype = c_int
     lib.hr_decode_layer.argtypes = [ptr, ptr, ptr, ptr, ptr, c_i64]
+    lib.hr_quantize_kv.restype = None
+    lib.hr_quantize_kv.argtypes = [c_int, ptr, c_i64, c_i64, ptr]
     return lib
 
 

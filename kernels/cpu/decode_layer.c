@@ -14,14 +14,23 @@
  *     q, k = rotary(q, k, position) (GPT-NeoX halves); K/V pool[slot] = k, v
  *     a = softmax(q K^T * scale) V over the row's pages (GQA: Hq / Hk query heads a KV head)
  *     r += a @ Wo.T; x = rms_norm(r) * w_post; h = down(silu(gate(x)) * up(x))
+ *
+ * The KV pool is float32, or llama.cpp's q8_0 or q4_0 blocks (--kv-cache-dtype; kv_type
+ * Q8_0 or Q4_0): each head's row is D / 32 blocks of a float16 scale and 32 codes,
+ * written here as kernels/attention/kv_store.py writes them, and the attention reads the
+ * codes in place (a block's dot product times its scale).
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "blocks.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+#ifndef HR_AVX2
 #define HR_AVX2 1
+#endif
 #endif
 
 int hr_block_gemv(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, float *y,
@@ -44,7 +53,9 @@ typedef struct {
     const float *q_norm, *k_norm;              /* [head_dim] each, or NULL (no per-head norm) */
     const float *qkv_bias;                     /* [(Hq + 2 Hk) D] or NULL */
     hr_proj qkv, o, gate_up, down;
-    float *k_cache, *v_cache;                  /* [slots, Hk, D] float32 */
+    void *k_cache, *v_cache;                   /* [slots, Hk, D] float32, or [slots, Hk, D / 32 * 34 (18)] */
+    int32_t kv_type;                           /* 0: float32; Q8_0 or Q4_0: blocks */
+    int32_t pad;
 } hr_layer;
 
 /* The step: B rows of one token each. */
@@ -82,6 +93,95 @@ static inline float dot(const float *a, const float *b, int64_t n) {
     return s;
 }
 
+/* float to IEEE half, rounding to nearest even (torch's .to(torch.float16)). */
+static inline uint16_t f32_to_f16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint32_t sign = (x >> 16) & 0x8000, ax = x & 0x7fffffff;
+    if (ax >= 0x7f800000) return (uint16_t)(sign | 0x7c00 | (ax > 0x7f800000 ? 0x200 : 0));
+    if (ax >= 0x477ff000) return (uint16_t)(sign | 0x7c00);  /* 65520 and above round to inf */
+    if (ax < 0x38800000) {                                      /* below 2^-14: a subnormal half */
+        float a;
+        memcpy(&a, &ax, 4);
+        return (uint16_t)(sign | (uint32_t)lrintf(a * 16777216.0f));  /* exact scaling, then RNE */
+    }
+    uint32_t h = ((ax >> 23) - 112) << 10 | (ax & 0x7fffff) >> 13;
+    const uint32_t rest = ax & 0x1fff;
+    if (rest > 0x1000 || (rest == 0x1000 && (h & 1))) h++;
+    return (uint16_t)(sign | h);
+}
+
+/* n values (n % 32 == 0) as q8_0 or q4_0 blocks, as llama.cpp's quantize_row_q8_0_ref
+ * and quantize_row_q4_0_ref write them (kernels/attention/kv_store.py: the same bytes). */
+static void quantize_kv(int type, const float *x, int64_t n, uint8_t *out) {
+    for (int64_t b = 0; b < n / 32; b++) {
+        const float *xb = x + b * 32;
+        uint8_t *blk = out + b * (type == Q8_0 ? 34 : 18);
+        float amax = 0.0f, max = 0.0f;  /* the largest magnitude, and that value (the first) */
+        for (int j = 0; j < 32; j++)
+            if (amax < fabsf(xb[j])) amax = fabsf(xb[j]), max = xb[j];
+        const float d = type == Q8_0 ? amax / 127.0f : max / -8.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        const uint16_t h = f32_to_f16(d);
+        memcpy(blk, &h, 2);
+        if (type == Q8_0) {
+            for (int j = 0; j < 32; j++) ((int8_t *)(blk + 2))[j] = (int8_t)roundf(xb[j] * id);
+        } else {
+            for (int j = 0; j < 16; j++) {
+                /* Products and sums apart (no contraction into an FMA), as torch rounds them. */
+                const float x0 = xb[j] * id, x1 = xb[16 + j] * id;
+                const float lo = fminf(fmaxf(floorf(x0 + 8.5f), 0.0f), 15.0f);
+                const float hi = fminf(fmaxf(floorf(x1 + 8.5f), 0.0f), 15.0f);
+                blk[2 + j] = (uint8_t)((uint8_t)lo | (uint8_t)hi << 4);
+            }
+        }
+    }
+}
+
+/* quantize_kv for the tests: x [rows, n] float32 into out [rows, n / 32 * block bytes]. */
+void hr_quantize_kv(int type, const float *x, int64_t rows, int64_t n, uint8_t *out) {
+    for (int64_t r = 0; r < rows; r++) quantize_kv(type, x + r * n, n, out + r * (n / 32) * (type == Q8_0 ? 34 : 18));
+}
+
+/* One block's 32 codes as floats, unscaled (q4_0's less 8). */
+static inline void block_codes(int type, const uint8_t *blk, float *out) {
+    if (type == Q8_0) {
+        for (int j = 0; j < 32; j++) out[j] = (float)((const int8_t *)(blk + 2))[j];
+    } else {
+        for (int j = 0; j < 16; j++) {
+            out[j] = (float)((blk[2 + j] & 15) - 8);
+            out[16 + j] = (float)((blk[2 + j] >> 4) - 8);
+        }
+    }
+}
+
+/* a . a pool row of n values: float32 (type 0), or q8_0/q4_0 blocks, each block's product
+ * with its codes times its scale. */
+static inline float kv_dot(int type, const float *a, const uint8_t *row, int64_t n) {
+    if (type == 0) return dot(a, (const float *)row, n);
+    const int bb = type == Q8_0 ? 34 : 18;
+    float s = 0.0f, codes[32];
+    for (int64_t b = 0; b < n / 32; b++) {
+        block_codes(type, row + b * bb, codes);
+        s += f16_to_f32(row + b * bb) * dot(a + b * 32, codes, 32);
+    }
+    return s;
+}
+
+/* out += p * a pool row of n values. */
+static inline void kv_axpy(int type, float *out, float p, const uint8_t *row, int64_t n) {
+    if (type == 0) {
+        for (int64_t i = 0; i < n; i++) out[i] += p * ((const float *)row)[i];
+        return;
+    }
+    const int bb = type == Q8_0 ? 34 : 18;
+    float codes[32];
+    for (int64_t b = 0; b < n / 32; b++) {
+        block_codes(type, row + b * bb, codes);
+        const float pd = p * f16_to_f32(row + b * bb);
+        for (int j = 0; j < 32; j++) out[b * 32 + j] += pd * codes[j];
+    }
+}
+
 static void rms_norm_row(const float *x, const float *w, float *out, int64_t n, float eps) {
     /* As torch's F.rms_norm in float32: x * rsqrt(mean(x^2) + eps) * w. */
     const float ss = dot(x, x, n);
@@ -113,12 +213,16 @@ int64_t hr_decode_scratch_bytes(const hr_layer *L, int64_t rows, int64_t max_len
 }
 
 /* h: [B, hidden] the previous MLP output, replaced by this layer's; residual: [B, hidden],
- * updated. Returns 0, or the gemv's -1 (a block type it does not take). */
+ * updated. Returns 0, or -1: the gemv's (a block type it does not take), or a q8_0 pool
+ * whose head dim is not whole blocks. */
 int hr_decode_layer(const hr_layer *L, const hr_step *S, float *h, float *residual, void *scratch,
                     int64_t max_len) {
     const int64_t B = S->rows, H = L->hidden, D = L->head_dim, Hq = L->num_heads, Hk = L->num_kv_heads;
     const int64_t I = L->intermediate, qsize = Hq * D, kvsize = Hk * D, qkv_n = qsize + 2 * kvsize;
     const int threads = S->threads;
+    const int kv = L->kv_type;
+    const int64_t head_bytes = kv ? D / 32 * (kv == Q8_0 ? 34 : 18) : D * 4, kv_row_bytes = Hk * head_bytes;
+    if ((kv && D % 32) || (kv && kv != Q8_0 && kv != Q4_0)) return -1;
     float *x = (float *)scratch;                /* [B, H] normed rows */
     float *qkv = x + B * H;                     /* [B, qkv_n] */
     float *attn = qkv + B * qkv_n;              /* [B, Hq * D] */
@@ -147,8 +251,13 @@ int hr_decode_layer(const hr_layer *L, const hr_step *S, float *h, float *residu
             rotate(head, cs, D);
         }
         const int64_t slot = S->out_slots[b];
-        memcpy(L->k_cache + slot * kvsize, row + qsize, kvsize * 4);
-        memcpy(L->v_cache + slot * kvsize, row + qsize + kvsize, kvsize * 4);
+        if (kv) {
+            quantize_kv(kv, row + qsize, kvsize, (uint8_t *)L->k_cache + slot * kv_row_bytes);
+            quantize_kv(kv, row + qsize + kvsize, kvsize, (uint8_t *)L->v_cache + slot * kv_row_bytes);
+        } else {
+            memcpy((float *)L->k_cache + slot * kvsize, row + qsize, kvsize * 4);
+            memcpy((float *)L->v_cache + slot * kvsize, row + qsize + kvsize, kvsize * 4);
+        }
     }
 
     /* Attention, a (row, query head) a task. */
@@ -163,7 +272,8 @@ int hr_decode_layer(const hr_layer *L, const hr_step *S, float *h, float *residu
         float top = -INFINITY;
         for (int64_t t = 0; t < len; t++) {
             const int64_t slot = pages[t / S->page_size] * S->page_size + t % S->page_size;
-            sc[t] = dot(q, L->k_cache + (slot * Hk + kvh) * D, D) * L->scale;
+            const uint8_t *k = (const uint8_t *)L->k_cache + (slot * Hk + kvh) * head_bytes;
+            sc[t] = kv_dot(kv, q, k, D) * L->scale;
             if (sc[t] > top) top = sc[t];
         }
         float total = 0.0f;
@@ -172,8 +282,8 @@ int hr_decode_layer(const hr_layer *L, const hr_step *S, float *h, float *residu
         for (int64_t i = 0; i < D; i++) out[i] = 0.0f;
         for (int64_t t = 0; t < len; t++) {
             const int64_t slot = pages[t / S->page_size] * S->page_size + t % S->page_size;
-            const float *v = L->v_cache + (slot * Hk + kvh) * D, p = sc[t] * inv;
-            for (int64_t i = 0; i < D; i++) out[i] += p * v[i];
+            const uint8_t *v = (const uint8_t *)L->v_cache + (slot * Hk + kvh) * head_bytes;
+            kv_axpy(kv, out, sc[t] * inv, v, D);
         }
     }
 

@@ -13,6 +13,7 @@ import ctypes
 
 import torch
 
+from kernels.attention.kv_store import BLOCK_KV_DTYPES, block_format, kv_row_width
 from kernels.cpu.block_gemv import TYPE_IDS
 
 _F = ctypes.POINTER(ctypes.c_float)
@@ -34,7 +35,8 @@ class Layer(ctypes.Structure):
                 ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
                 ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p), ("qkv_bias", ctypes.c_void_p),
                 ("qkv", Proj), ("o", Proj), ("gate_up", Proj), ("down", Proj),
-                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]
+                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
+                ("kv_type", ctypes.c_int32), ("pad", ctypes.c_int32)]
 
 
 class Step(ctypes.Structure):
@@ -74,6 +76,16 @@ def step(*, positions: torch.Tensor, out_slots: torch.Tensor, seq_lens: torch.Te
                 seq_lens.data_ptr(), page_table.data_ptr(), cos_sin.data_ptr(), threads, 0)
 
 
+def quantize_kv(lib: ctypes.CDLL, x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """The layer's KV store alone: float32 ``x [rows, n]`` (``n % 32 == 0``) as ``fmt``'s
+    blocks (``"q8_0"``, ``"q4_0"``), ``[rows, n / 32 * block bytes]`` in the format's
+    storage dtype; :func:`kernels.attention.kv_store.quantize_blocks` is its reference."""
+    x = x.float().contiguous()
+    out = torch.empty(x.shape[0], kv_row_width(BLOCK_KV_DTYPES[fmt], x.shape[1]), dtype=BLOCK_KV_DTYPES[fmt])
+    lib.hr_quantize_kv(TYPE_IDS[fmt.upper()], x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
+    return out
+
+
 def scratch_bytes(lib: ctypes.CDLL, spec: Layer, rows: int, max_len: int) -> int:
     """Bytes of scratch :func:`run` needs for ``rows`` rows over ``max_len`` tokens."""
     return lib.hr_decode_scratch_bytes(ctypes.byref(spec), rows, max_len)
@@ -84,13 +96,17 @@ def run(lib: ctypes.CDLL, spec: Layer, st: Step, h: torch.Tensor, residual: torc
     """One layer: ``h`` (float32 ``[B, hidden]``, the previous layer's MLP output) becomes
     this layer's MLP output and ``residual`` (same shape; written from ``h`` when
     ``first``) is updated, both in place; the new keys and values go to ``k_cache`` /
-    ``v_cache`` (float32 ``[slots, Hk, D]``) at the step's slots.
+    ``v_cache`` (float32 ``[slots, Hk, D]``, or a q8_0/q4_0 pool's bytes ``[slots, Hk,
+    D / 32 * 34 (18)]``, :mod:`kernels.attention.kv_store`) at the step's slots.
 
     Raises:
-        RuntimeError: the kernel refused a projection's block type.
+        RuntimeError: the kernel refused a projection's block type, or a block pool of
+            heads that are not whole blocks.
     """
     spec.k_cache, spec.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+    fmt = block_format(k_cache.dtype)
+    spec.kv_type = TYPE_IDS[fmt.upper()] if fmt else 0
     st.first = int(first)
     if lib.hr_decode_layer(ctypes.byref(spec), ctypes.byref(st), h.data_ptr(), residual.data_ptr(),
                            scratch.data_ptr(), max_len) != 0:
-        raise RuntimeError("the CPU decode layer refused a projection's block type")
+        raise RuntimeError("the CPU decode layer refused a projection's block type or the KV pool's head dim")

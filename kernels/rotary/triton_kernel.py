@@ -9,6 +9,11 @@ rotated ``k`` and ``v`` straight into the layer's pool buffers at the token's sl
 Rounding follows the reference for low-precision inputs: ``cos``/``sin`` are cast to
 the input dtype, and each product and each sum is rounded to it, as the eager torch ops
 do one at a time.
+
+A pool of llama.cpp's blocks (``--kv-cache-dtype q8_0``/``q4_0``) takes the step's rows
+through the same launch into a scratch ``[T, Hk, D]`` of the model's dtype, then the
+quantizing store of :mod:`kernels.attention.triton_kv_store` (one launch for the keys,
+one for the values; a decode step is still captured in a CUDA graph).
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
-from kernels.attention.kv_store import FP8_MAX, is_fp8
+from kernels.attention import triton_kv_store
+from kernels.attention.kv_store import FP8_MAX, block_format, is_fp8
 from kernels.triton_round import round_to
 
 
@@ -119,6 +125,13 @@ def rotary_and_store(
     """
     T, HQ, D = q.shape
     HK = k.shape[1]
+    if block_format(k_cache.dtype) is not None:
+        rows = [torch.empty((T, HK, D), dtype=q.dtype, device=q.device) for _ in range(2)]
+        q_out = rotary_and_store(q, k, v, positions, cos_sin_cache, *rows, torch.arange(T, device=q.device),
+                                 q_norm_weight, k_norm_weight, norm_eps)
+        triton_kv_store.scatter_kv(k_cache, out_slots, rows[0])
+        triton_kv_store.scatter_kv(v_cache, out_slots, rows[1])
+        return q_out
     if D % 2:
         raise ValueError(f"rotary needs an even head dim, got {D}")
     if any(x.stride(-1) != 1 for x in (q, k, v)) or cos_sin_cache.stride(-1) != 1:

@@ -41,6 +41,10 @@ class AttentionBackend(ABC):
             the mask and softmax (0: none).
         supports_sinks: :meth:`forward` takes ``sinks``, a logit per head that joins the
             softmax's denominator (gpt-oss).
+        kv_block_formats: the block formats of ``--kv-cache-dtype`` (``q8_0``, ``q4_0``)
+            whose pages the backend reads (:mod:`kernels.attention.kv_store`); another
+            is refused before anything loads
+            (:func:`engine.layers.attention.registry.resolve_backend_name`).
     """
 
     workspace_bytes: int = 0
@@ -49,6 +53,7 @@ class AttentionBackend(ABC):
     supports_windows: bool = False
     supports_softcap: bool = False
     supports_sinks: bool = False
+    kv_block_formats: tuple[str, ...] = ()
     windows: tuple[int, ...] = ()
     softcap: float = 0.0
 

@@ -15,9 +15,11 @@ from collections.abc import Callable
 
 from engine.common.config import ATTENTION_BACKENDS as BACKEND_CHOICES
 from engine.common.config import ModelConfig
+from engine.common.errors import SettingRefused
 from engine.common.lazy_registry import LazyRegistry
 from engine.kvcache.pool import KVPool
 from engine.layers.attention.base import AttentionBackend
+from kernels.attention.kv_formats import is_block_format
 from kernels.switches import current
 
 log = logging.getLogger("headroom.engine")
@@ -79,7 +81,33 @@ def _importable(module: str) -> bool:
 
 
 def resolve_backend_name(name: str, device_type: str, *, windows: bool = False, softcap: bool = False,
-                         sinks: bool = False) -> str:
+                         sinks: bool = False, kv_cache_dtype: str = "auto") -> str:
+    """The backend ``name`` stands for (:func:`_resolve`), refused when it cannot read
+    the KV cache's format (``kv_cache_dtype``, a ``--kv-cache-dtype`` name: a block format
+    needs a backend whose :attr:`~AttentionBackend.kv_block_formats` hold it).
+
+    Raises:
+        ValueError: as :func:`_resolve`.
+        SettingRefused: a backend without the KV cache's block format, naming the
+            options that fix it.
+    """
+    if name != "auto" and name in BACKEND_CHOICES:
+        _check_kv_format(name, kv_cache_dtype)  # before the device and the package: the first thing to change
+    resolved = _resolve(name, device_type, windows=windows, softcap=softcap, sinks=sinks)
+    _check_kv_format(resolved, kv_cache_dtype)
+    return resolved
+
+
+def _check_kv_format(name: str, kv_cache_dtype: str) -> None:
+    if not is_block_format(kv_cache_dtype) or kv_cache_dtype in backend_class(name).kv_block_formats:
+        return
+    readers = [n for n in BACKEND_CHOICES if n != "auto" and kv_cache_dtype in backend_class(n).kv_block_formats]
+    raise SettingRefused(f"--attention-backend {name} cannot read a KV cache of --kv-cache-dtype "
+                         f"{kv_cache_dtype}; use --attention-backend {' or '.join(readers)}, "
+                         "or --kv-cache-dtype auto or fp8")
+
+
+def _resolve(name: str, device_type: str, *, windows: bool, softcap: bool, sinks: bool) -> str:
     """The backend ``name`` stands for on a device of ``device_type`` (``"cuda"``,
     ``"cpu"``). ``auto`` is ``triton`` on CUDA when Triton is installed and the ``kernels``
     switch is not ``torch`` (:mod:`kernels.switches`), else ``torch``;

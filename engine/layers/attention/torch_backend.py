@@ -18,6 +18,11 @@ never read. Soft-capped scores (``softcap``) go through the plain matmul-softmax
 (sdpa has no cap), capped before the mask as transformers' eager attention does; so do
 attention sinks (``sinks``: gpt-oss's logit per head, a last column of the softmax
 dropped before the values, as its eager attention computes it).
+
+A pool of llama.cpp's blocks (``--kv-cache-dtype q8_0``/``q4_0``) is read through the
+same gathers: each gathered row is dequantized on its way out
+(:func:`kernels.attention.kv_store.gather_kv`), so a step turns into floats only the
+rows it attends over, never a page it does not read.
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ class TorchAttentionBackend(AttentionBackend):
     supports_windows = True
     supports_softcap = True
     supports_sinks = True
+    kv_block_formats = ("q8_0", "q4_0")
 
     workspace_bytes = 0
 
@@ -125,9 +131,10 @@ class TorchAttentionBackend(AttentionBackend):
         return (slots.unsqueeze(-2) * kv_heads + head[:, None]).reshape(-1)
 
     def _gather_heads(self, buf: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype, *shape: int) -> torch.Tensor:
-        """``[*shape, H, S, D]`` keys or values of ``buf [slots, H_kv, D]`` at ``rows``
-        (:meth:`_head_rows`), contiguous, in ``dtype``."""
-        return gather_kv(buf.view(-1, buf.shape[-1]), rows, dtype).view(*shape, self.num_heads, -1, buf.shape[-1])
+        """``[*shape, H, S, D]`` keys or values of ``buf [slots, H_kv, W]`` at ``rows``
+        (:meth:`_head_rows`), contiguous, in ``dtype``; a block pool's rows are
+        dequantized as they are read, and only those."""
+        return gather_kv(buf.view(-1, buf.shape[-1]), rows, dtype).view(*shape, self.num_heads, -1, self.head_dim)
 
     def _decode_group(self, batch, group, rows, seq_lens, slots_of, device) -> _DecodeGroup:
         longest = max(seq_lens[g] for g in group)

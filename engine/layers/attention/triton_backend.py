@@ -23,6 +23,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     supports_cuda_graphs = True
     supports_windows = True  # sliding-window layers read their window only (the kernels' ``window``)
+    kv_block_formats = ("q8_0", "q4_0")  # the kernels dequantize each tile of blocks as they load it
 
     @classmethod
     def workspace_size(cls, *, num_heads: int, num_kv_heads: int, head_dim: int, max_batch: int) -> int:

@@ -86,6 +86,13 @@ class KernelSwitches:
         "Q4_K/Q6_K decode rows on the int8-activation GEMV (kernels.quant.triton_int8). "
         "Off: the float GEMV.",
     )
+    quant_gemm_int8: bool = _switch(
+        False,
+        "GGUF block projections between the GEMV's rows and the dequantize rows: the int8 "
+        "tensor-core GEMM (activations rounded to int8 per 32, as the int8 GEMV does; "
+        "kernels.quant.triton_int8_gemm) instead of the float tile GEMM. Each times its "
+        "own tilings per shape.",
+    )
     quant_int8_fuse: bool = _switch(
         False,
         "The int8 GEMV quantizes its float activations itself as it reads them, instead "

@@ -134,3 +134,31 @@ def test_a_fused_projection_of_mixed_types_dequantizes_one_weight_for_a_long_chu
         assert layer._dequantizes_whole(x) and not layer._dequantizes_whole(x[:6])
         torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-4)
         torch.testing.assert_close(layer(x[:6]), want[:6], rtol=1e-5, atol=1e-4)  # the GEMM, a part at a time
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q6_K_P", "Q4_1", "Q5_0", "Q8_0"])
+@pytest.mark.parametrize("groups,split_k", [(1, 1), (4, 3)])
+def test_int8_gemm_equals_the_product_of_its_int8_activations(dev, type_name, groups, split_k):
+    """The int8 tensor-core GEMM multiplies the activations as rounded to int8 per 32 by
+    the weights as stored: it equals that product in float64 to float32 order, with K
+    split in ranges and the loop's last step past a range's end; and it is what the
+    block GEMM runs for 16-bit rows with the ``quant_gemm_int8`` switch on."""
+    from kernels.quant import triton_kernel as triton_quant
+    from kernels.quant.triton_activations import quantize_activations
+    from kernels.quant.triton_int8_gemm import int8_gemm
+
+    x, w = _case(type_name, 18, 9, 3, dev, seed=groups)
+    q8 = quantize_activations(x)
+    k = x.shape[1]
+    rounded = (q8.codes.double().view(18, -1, 32) * q8.scales.double()[:, :, None]).view(18, k)
+    want = rounded @ reference.dequantize(w, type_name, k).double().T
+    got = int8_gemm(q8, w, type_name, block_m=16, block_n=16, groups=groups, split_k=split_k)
+    assert float((got.double() - want).abs().max()) <= 1e-5 * float(want.abs().max())
+    tiling = GemmTiling(block_n=16, k_step=32 * groups, int8=True)
+    from_x = triton_quant.quant_gemm(x, w, type_name, block_m=16, tiling=tiling, split_k=split_k)
+    torch.testing.assert_close(from_x, got)
+    x16 = x.to(torch.bfloat16)  # float32 rows keep the exact float GEMM
+    with using(quant_gemm_int8=True):
+        assert torch.equal(triton_quant.quant_gemm(x16, w, type_name, block_m=16, split_k=split_k),
+                           int8_gemm(quantize_activations(x16), w, type_name, block_m=16, block_n=64, groups=4,
+                                     split_k=split_k))

@@ -21,11 +21,12 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kernels.quant import triton_activations, triton_dequant, triton_int8  # noqa: E402
+from kernels.quant import triton_activations, triton_dequant, triton_int8, triton_int8_gemm  # noqa: E402
 from kernels.quant import triton_kernel as triton_quant  # noqa: E402
 from kernels.quant.formats import FORMATS, REPACKED, block_format  # noqa: E402
-from kernels.quant.gemm_tuning import DEFAULT_TILING, GEMM_TILINGS, IEEE_TILING  # noqa: E402
+from kernels.quant.gemm_tuning import DEFAULT_TILING, GEMM_TILINGS, IEEE_TILING, INT8_TILINGS  # noqa: E402
 from kernels.quant.triton_decode import gemm_subs, layout_constexprs  # noqa: E402
+from kernels.quant.triton_int8_gemm import INT8_GEMM_TYPES  # noqa: E402
 
 # Every GGUF type kept quantized and every layout the loader repacks into.
 LAYOUTS = {**FORMATS, **REPACKED}
@@ -162,6 +163,19 @@ def main(type_names: list[str]) -> int:
             print(f"gemm {fmt.name} {dtype} {block_m}x{tiling.block_n} k{tiling.k_step} w{tiling.num_warps} "
                   f"s{tiling.num_stages}{' atomic' if atomic else ''}: {regs} registers, {frame} B stack")
             failures += frame > 0
+        if fmt.name in INT8_GEMM_TYPES:  # the int8 tensor-core GEMM at each of its tilings
+            for block_m, tiling in ((b, t) for b in (16, 32, 64) for t in INT8_TILINGS):
+                args = {"xq_ptr": "*i8", "xd_ptr": "*fp32", "xs_ptr": "*i32", "w_ptr": "*u8", "out_ptr": "*bf16",
+                        **common, "blocks_per_split": "i32", "stride_xq": "i32", "stride_xd": "i32",
+                        "stride_xs": "i32", "stride_om": "i32"}
+                regs, frame, ptx = _compile(triton_int8_gemm._int8_gemm_kernel, args,
+                                            {**layout, "BLOCK_M": block_m, "BLOCK_N": tiling.block_n,
+                                             "GROUPS": tiling.k_step // 32, "ATOMIC": False},
+                                            tiling.num_warps, tiling.num_stages)
+                mma = "wgmma" if "wgmma" in ptx else "mma" if "mma.sync" in ptx else "no mma"
+                print(f"gemm int8 {fmt.name} {block_m}x{tiling.block_n} k{tiling.k_step} w{tiling.num_warps} "
+                      f"s{tiling.num_stages}: {regs} registers, {frame} B stack; {mma}")
+                failures += frame > 0 or mma == "no mma"
         args = {"w_ptr": "*u8", "out_ptr": "*bf16", "N": "i32", "row_bytes": "i32", "nblocks": "i32", "stride_on": "i32"}
         regs, frame, _ = _compile(triton_dequant._dequantize_kernel, args, {**layout, "BLOCK_N": 32}, 4)
         print(f"dequantize {fmt.name}: {regs} registers, {frame} B stack")

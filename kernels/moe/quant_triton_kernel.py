@@ -118,12 +118,17 @@ def _moe_gemm_kernel(
     tl.store(Out + routed[:, None] * stride_om + cols[None, :], res.to(dt), mask=live[:, None] & (cols[None, :] < N))
 
 
+# Weights of K the sorted GEMM decodes a step: gate and up live in registers together,
+# and at 256 they spilled on sm_90.
+MOE_GEMM_K_STEP = 128
+
+
 def _prefixed(prefix: str, type_name: str) -> dict:
     """The kernels' layout constants of ``type_name`` under ``prefix`` (``A_QT`` ...), with
     its GEMV blocks per step (2 of 256 weights, 16 of 32: 512 weights a step either way)
-    and its GEMM sub-blocks per step (256 weights)."""
+    and its GEMM sub-blocks per step (:data:`MOE_GEMM_K_STEP` weights)."""
     fmt = block_format(type_name)
-    layout = {**layout_constexprs(fmt), "KB": 2 if fmt.block_elements > 32 else 16, "SUBS": gemm_subs(fmt, 256)}
+    layout = {**layout_constexprs(fmt), "KB": 2 if fmt.block_elements > 32 else 16, "SUBS": gemm_subs(fmt, MOE_GEMM_K_STEP)}
     return {f"{prefix}_{k}": v for k, v in layout.items()}
 
 

@@ -26,13 +26,16 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class GemmTiling:
     """One tiling of the block GEMM: ``block_n`` weight rows a program, ``k_step``
-    weights of K decoded and multiplied a step (a power of two >= 16), and Triton's
-    ``num_warps`` and ``num_stages``."""
+    weights of K decoded and multiplied a step (a power of two >= 16; the int8 GEMM
+    takes them in groups of 32), Triton's ``num_warps`` and ``num_stages``, and
+    ``int8``: the int8 tensor-core GEMM (:mod:`kernels.quant.triton_int8_gemm`) rather
+    than the float one."""
 
     block_n: int = 64
     k_step: int = 256
     num_warps: int = 4
     num_stages: int = 2
+    int8: bool = False
 
 
 DEFAULT_TILING = GemmTiling(64, 128, 4, 3)
@@ -46,6 +49,14 @@ GEMM_TILINGS: tuple[GemmTiling, ...] = (
     GemmTiling(128, 128, 8, 3),
     GemmTiling(32, 128, 4, 3),
 )
+# The int8 GEMM's (``quant_gemm_int8``): one or two groups of 32 a step (each group an
+# int32 product and a float32 rescale of the tile; more unrolled groups, or 128-row
+# tiles of Q6_K planes, spilled on sm_90).
+INT8_TILINGS: tuple[GemmTiling, ...] = (
+    GemmTiling(64, 32, 4, 3, True),
+    GemmTiling(32, 32, 4, 3, True),
+    GemmTiling(64, 64, 8, 3, True),
+)
 # Float32 rows multiply in IEEE float32 (tests, exact references): a float32 operand tile
 # takes twice a bfloat16 one's registers, so one sub-block a step.
 IEEE_TILING = GemmTiling(64, 32, 8, 2)
@@ -54,21 +65,23 @@ _best: dict[tuple, GemmTiling] = {}
 
 
 def tuned(block_m: int, n: int, k: int, type_name: str, device: torch.device,
-          run: Callable[[GemmTiling], object]) -> GemmTiling:
+          run: Callable[[GemmTiling], object], int8: bool = False) -> GemmTiling:
     """The tiling for a ``block_m``-row tile of an ``[N, K]`` weight in ``type_name``
-    blocks on ``device``: the fastest of :data:`GEMM_TILINGS` as ``run(tiling)`` (one
-    GEMM) timed at the first call outside a capture, :data:`DEFAULT_TILING` before that
-    and off CUDA. A tiling that does not fit the SM (shared memory) is skipped."""
+    blocks on ``device``: the fastest of :data:`GEMM_TILINGS` (``int8``:
+    :data:`INT8_TILINGS`) as ``run(tiling)`` (one GEMM) timed at the first call outside
+    a capture, the first of them before that and off CUDA. A tiling that does not fit
+    the SM (shared memory) is skipped."""
+    candidates = INT8_TILINGS if int8 else GEMM_TILINGS
     if device.type != "cuda" or INTERPRETING:
-        return DEFAULT_TILING
-    key = (block_m, n, k, type_name, device.index)
+        return candidates[0]
+    key = (block_m, n, k, type_name, device.index, int8)
     best = _best.get(key)
     if best is not None:
         return best
     if torch.cuda.is_current_stream_capturing():
-        return DEFAULT_TILING
+        return candidates[0]
     times = {}
-    for tiling in GEMM_TILINGS:
+    for tiling in candidates:
         try:
             run(tiling)  # compile and warm
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -80,7 +93,7 @@ def tuned(block_m: int, n: int, k: int, type_name: str, device: torch.device,
             times[tiling] = start.elapsed_time(end) / _TIMED_RUNS
         except OutOfResources:
             continue
-    best = min(times, key=times.get) if times else DEFAULT_TILING
+    best = min(times, key=times.get) if times else candidates[0]
     log.debug("block GEMM %s [%d, %d] x %d rows: %s (%.1f us)", type_name, n, k, block_m, best,
               1000 * times.get(best, float("nan")))
     _best[key] = best

@@ -317,6 +317,31 @@ def gemm_dot_range(
 
 
 @triton.jit
+def gemm_tile(w_ptr, M, N, row_bytes, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The output tile of a GEMM program on grid ``(M tiles, N tiles, K ranges)``:
+    ``(rows [BLOCK_N], row_ptr [BLOCK_N], ms [BLOCK_M], m_mask, pid_k)``, the weight
+    rows (pointers clamped to the last row) and activation rows it owns and its K
+    range."""
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ptr = w_ptr + tl.minimum(rows, N - 1).to(tl.int64) * row_bytes
+    ms = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    return rows, row_ptr, ms, ms < M, tl.program_id(2)
+
+
+@triton.jit
+def store_tile(out_ptr, acc, rows, ms, m_mask, N, stride_om, ATOMIC: tl.constexpr):
+    """Write a GEMM program's float32 ``acc`` ``[BLOCK_M, BLOCK_N]`` at (``ms``, ``rows``)
+    of ``out_ptr``: added atomically (a float32 output of split-K partial sums) or
+    stored in the output's dtype."""
+    out = out_ptr + ms[:, None] * stride_om + rows[None, :]
+    mask = m_mask[:, None] & (rows[None, :] < N)
+    if ATOMIC:
+        tl.atomic_add(out, acc, mask=mask)
+    else:
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _weights_dot(xv, w, acc, IEEE: tl.constexpr):
     """``acc + xv [BLOCK_M, L] @ w.T`` ([BLOCK_N, L] float32 weights) on tensor cores, in
     the activations' 16-bit type (float32 with ``IEEE``)."""
@@ -350,7 +375,11 @@ def layout_constexprs(fmt) -> dict:
 
 def gemm_subs(fmt, weights: int) -> int:
     """Sub-blocks of ``fmt`` a GEMM's K step decodes to take ``weights`` weights of K
-    (a power of two, at least one sub-block; :func:`gemm_dot_range`'s ``SUBS``)."""
+    (a power of two, at least one sub-block; :func:`gemm_dot_range`'s ``SUBS``); for
+    formats of 32-weight blocks at most 128 weights, four blocks' scales (eight spilled
+    registers for Q5_0 on sm_90)."""
+    if fmt.block_elements == 32:
+        weights = min(weights, 128)
     return max(1, weights // fmt.sub_elements)
 
 

@@ -40,13 +40,16 @@ from kernels.quant.triton_decode import (
     check_blocks,
     gemm_dot_range,
     gemm_subs,
+    gemm_tile,
     gemv_dot,
     layout_constexprs,
     output_for,
     ptx_enabled,
     sm_count,
     split_k_ranges,
+    store_tile,
 )
+from kernels.quant.triton_int8_gemm import INT8_GEMM_TYPES, int8_gemm
 from kernels.switches import current
 
 
@@ -84,24 +87,13 @@ def _gemm_kernel(
     ZERO: tl.constexpr, HAS_MIN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
     ATOMIC: tl.constexpr, SUBS: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ptr = w_ptr + tl.minimum(rows, N - 1).to(tl.int64) * row_bytes
-    ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_mask = ms < M
+    rows, row_ptr, ms, m_mask, pid_k = gemm_tile(w_ptr, M, N, row_bytes, BLOCK_M, BLOCK_N)
     x_row = x_ptr + ms.to(tl.int64)[:, None] * stride_xm
     kb_begin = pid_k * blocks_per_split
     kb_end = tl.minimum(kb_begin + blocks_per_split, K // QK)
     acc = gemm_dot_range(x_row, m_mask, row_ptr, kb_begin, kb_end, K // QK, QT, QK, BB, L, NSUB, ZERO, HAS_MIN,
                          BLOCK_M, BLOCK_N, IEEE, SUBS)
-    out = out_ptr + ms[:, None] * stride_om + rows[None, :]
-    mask = m_mask[:, None] & (rows[None, :] < N)
-    if ATOMIC:
-        tl.atomic_add(out, acc, mask=mask)
-    else:
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    store_tile(out_ptr, acc, rows, ms, m_mask, N, stride_om, ATOMIC)
 
 
 def _gemv_configs() -> list[triton.Config]:
@@ -235,9 +227,12 @@ def quant_gemm(
         block_m: rows per tile (default: the rows rounded up to 16, 32 or 64).
         tiling: a forced tiling (tests, sweeps); default: float32 rows
             :data:`~kernels.quant.gemm_tuning.IEEE_TILING`, 16-bit ones on CUDA the
-            fastest of :data:`~kernels.quant.gemm_tuning.GEMM_TILINGS` for this
-            (``block_m``, N, K, type), timed at its first call outside a CUDA graph
-            capture (:func:`~kernels.quant.gemm_tuning.tuned`).
+            fastest of :data:`~kernels.quant.gemm_tuning.GEMM_TILINGS` (with the
+            ``quant_gemm_int8`` switch on, of the int8 GEMM's
+            :data:`~kernels.quant.gemm_tuning.INT8_TILINGS`) for this (``block_m``, N,
+            K, type), timed at its first call outside a CUDA graph capture
+            (:func:`~kernels.quant.gemm_tuning.tuned`). A tiling with ``int8`` runs
+            :func:`kernels.quant.triton_int8_gemm.int8_gemm`.
         split_k: K ranges (default: fill the SMs).
 
     Returns:
@@ -254,8 +249,12 @@ def quant_gemm(
     if tiling is None and x.dtype == torch.float32:
         tiling = IEEE_TILING
     elif tiling is None:
+        int8 = current().quant_gemm_int8 and type_name in INT8_GEMM_TYPES
         tiling = tuned(block_m, n, k, type_name, x.device,
-                       lambda t: quant_gemm(x, blocks, type_name, block_m=block_m, tiling=t, split_k=split_k))
+                       lambda t: quant_gemm(x, blocks, type_name, block_m=block_m, tiling=t, split_k=split_k), int8)
+    if tiling.int8:
+        return int8_gemm(x, blocks, type_name, block_m=block_m, block_n=tiling.block_n, groups=tiling.k_step // 32,
+                         num_warps=tiling.num_warps, num_stages=tiling.num_stages, split_k=split_k, out=out)
     nblocks = k // fmt.block_elements
     result = output_for(x, n, out)
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, tiling.block_n)

@@ -159,15 +159,16 @@ def test_a_stopped_worker_is_killed_and_restarted(start_server):
 
 
 def test_a_long_step_is_not_a_stall(start_server):
-    """A 25 s step (the ``slow`` fault) under a 10 s stall timeout: its counter moves on
-    as it computes and the heartbeat thread carries it, so the same worker answers."""
-    server = start_server(["--stall-timeout-s", "10"], {"HEADROOM_FAULTS": "slow:*:1:25"})
+    """A 10 s step (the ``slow`` fault) under a 4 s stall timeout, two and a half times
+    as long: its counter moves on as it computes and the heartbeat thread carries it, so
+    the same worker answers."""
+    server = start_server(["--stall-timeout-s", "4"], {"HEADROOM_FAULTS": "slow:*:1:10"})
     worker = server.worker_pid()
     with server.client(timeout=300) as http:
         r = http.post("/v1/chat/completions", json={"messages": QUESTION, "max_tokens": 4, "temperature": 0})
     assert r.status_code == 200, r.text
     log = server.log()
-    assert "the slow step of 25.0 s is over" in log  # the step did take 25 s
+    assert "the slow step of 10.0 s is over" in log  # the step did take 10 s
     assert "killing it" not in log
     assert server.worker_pid() == worker
     assert server.health().json()["restarts"] == 0

@@ -122,6 +122,7 @@ def default_model_dir(tmp_path_factory) -> str:
     smollm_dir()  # skips when the package is missing
     from engine.common.cache_dir import CACHE_ENV
     from engine.loader.gguf_convert import ensure_gguf_weights
+    from engine.loader.hf_config import load_model_config
     from engine.loader.resolve import resolve_model
 
     previous = os.environ.get(CACHE_ENV)
@@ -129,6 +130,9 @@ def default_model_dir(tmp_path_factory) -> str:
     try:
         folder = resolve_model(None)
         ensure_gguf_weights(folder)  # tests load it with transformers too, which reads the folder's tensors
+        # Its config's facts cached too (this process has transformers loaded already): the
+        # first `headroom serve` worker of the session then starts no conversion child.
+        load_model_config(folder)
         yield str(folder)
     finally:
         if previous is None:

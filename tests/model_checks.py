@@ -155,27 +155,64 @@ def cuda_engine_agreement(folder, hf, steps: int) -> list[tuple[list[int], list[
     return [(ids, out[str(i)], agreeing_prefix(out[str(i)], hf_greedy(hf, ids, steps))) for i, ids in enumerate(prompts)]
 
 
-def check_greedy_engine_runs(hf, engine_of, path, prompts: list[list[int]], sampling, steps: int) -> None:
-    """Greedy ids through an engine of ``path`` (``engine_of(path, **knobs)``) equal
-    transformers' for ``prompts[0]`` alone, for all of ``prompts`` batched, and for
-    ``prompts[-1]`` in prefill chunks of 8 and of 5 tokens (each chunk's sliding window
-    reaching back into the last)."""
+def seeded_prompts(vocab: int, *lengths: int) -> list[list[int]]:
+    """Prompts of ``lengths`` random ids in ``[3, vocab)``, seed 1: the same ones on
+    every call."""
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def greedy_params(steps: int):
+    """``SamplingParams`` of ``steps`` greedy ids, EOS ignored."""
+    from engine.wire.messages import SamplingParams
+
+    return SamplingParams(max_new_tokens=steps, temperature=0.0, ignore_eos=True)
+
+
+def cpu_engine(path, **knobs):
+    """An ``Engine`` of the model at ``path`` on the CPU, 128 pages of 4 tokens;
+    ``knobs``: more ``EngineConfig`` fields."""
+    from engine.common.config import EngineConfig
+    from engine.core.engine import Engine
+
+    return Engine(EngineConfig(model=str(path), device="cpu", page_size=4, num_pages=128, **knobs))
+
+
+def check_engine_greedy(hf, path, vocab: int, steps: int, length: int) -> None:
+    """A prompt of ``length`` seeded ids (:func:`seeded_prompts`) through
+    :func:`cpu_engine` of ``path`` decodes the ``steps`` greedy ids transformers' ``hf``
+    does."""
     from test_engine import run_all
 
+    (ids,) = seeded_prompts(vocab, length)
+    assert run_all(cpu_engine(path), {"q": (ids, greedy_params(steps))})["q"] == hf_greedy(hf, ids, steps)
+
+
+def check_greedy_engine_runs(hf, path, vocab: int, steps: int) -> None:
+    """``steps`` greedy ids through :func:`cpu_engine` engines of ``path`` equal
+    transformers' (``hf``) for seeded prompts of 24, 5 and 37 ids: the first alone, all
+    three batched, and the last in prefill chunks of 8 and of 5 tokens (each chunk's
+    sliding window reaching back into the last)."""
+    from test_engine import run_all
+
+    prompts, sampling = seeded_prompts(vocab, 24, 5, 37), greedy_params(steps)
     want = [hf_greedy(hf, ids, steps) for ids in prompts]
-    assert run_all(engine_of(path), {"r0": (prompts[0], sampling)})["r0"] == want[0]
-    together = run_all(engine_of(path), {f"r{i}": (ids, sampling) for i, ids in enumerate(prompts)})
+    assert run_all(cpu_engine(path), {"r0": (prompts[0], sampling)})["r0"] == want[0]
+    together = run_all(cpu_engine(path), {f"r{i}": (ids, sampling) for i, ids in enumerate(prompts)})
     assert [together[f"r{i}"] for i in range(len(prompts))] == want
     for chunk in (8, 5):
-        assert run_all(engine_of(path, max_prefill_tokens=chunk), {"c": (prompts[-1], sampling)})["c"] == want[-1]
+        assert run_all(cpu_engine(path, max_prefill_tokens=chunk), {"c": (prompts[-1], sampling)})["c"] == want[-1]
 
 
-def check_prefix_cache_hit(hf, engine, first: list[int], second: list[int], sampling, steps: int, shared: int) -> None:
-    """``second`` (its first ``shared`` ids ``first``'s) after ``first`` through one
-    ``engine``: it reuses whole pages of the shared prefix and both decode as transformers
-    does from scratch."""
+def check_prefix_cache_hit(hf, path, vocab: int, steps: int) -> None:
+    """A seeded prompt of 26 ids, then one of its first 20 ids and 6 others, through one
+    :func:`cpu_engine` of ``path``: the second reuses whole pages of the shared prefix
+    and both decode ``steps`` greedy ids as transformers (``hf``) does from scratch."""
     from test_engine import run_all
 
+    engine, sampling, shared = cpu_engine(path), greedy_params(steps), 20
+    first, tail = seeded_prompts(vocab, 26, 6)
+    second = first[:shared] + tail
     assert engine.radix is not None
     assert run_all(engine, {"a": (first, sampling)})["a"] == hf_greedy(hf, first, steps)
     hits = engine.radix.hit_tokens

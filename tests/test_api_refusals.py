@@ -134,14 +134,18 @@ def _length(data: bytes) -> int:
     return 1 << 30
 
 
-def test_a_body_shorter_than_its_content_length_is_408_in_the_apis_shape(real_server):
-    ollama_call = _send_short_body(real_server, "/api/chat")
-    openai_call = _send_short_body(real_server, "/v1/chat/completions")
+def test_a_body_shorter_than_its_content_length_is_408_in_the_apis_shape(start_server):
+    # The body never reaches an engine: the fake one serves, with a short --body-timeout
+    # instead of the default 30 s to wait out.
+    server = start_server(["--body-timeout", "2"], fake=True)
+    ollama_call = _send_short_body(server, "/api/chat")
+    openai_call = _send_short_body(server, "/v1/chat/completions")
     status, body = _answer(ollama_call)
     assert status == 408 and set(body) == {"error"} and "Content-Length" in body["error"], body
+    assert "within 2 s" in body["error"], body
     status, body = _answer(openai_call)
     assert status == 408 and body["error"]["code"] == "body_timeout", body
-    paths = httpx.get(real_server.base_url + "/schema/openapi.json", timeout=30).json()["paths"]
+    paths = httpx.get(server.base_url + "/schema/openapi.json", timeout=30).json()["paths"]
     for path in ("/v1/chat/completions", "/api/chat", "/v1/messages"):
         assert "408" in paths[path]["post"]["responses"], path
 

@@ -10,43 +10,29 @@ import pytest
 import torch
 from model_checks import (
     check_attention_step,
+    check_engine_greedy,
     check_extend_and_decode,
     check_greedy_engine_runs,
     check_prefix_cache_hit,
     check_ragged_batch,
-    hf_greedy,
     tiny_pair,
 )
-from test_engine import run_all
 
-from engine.common.config import EngineConfig
-from engine.core.engine import Engine
 from engine.core.footprint import kv_bytes_per_token, make_footprint, windowed_kv_bytes
 from engine.layers.cpu_decode import CpuDecode
 from engine.loader.load import load_model
 from engine.loader.weight_size import weight_bytes
 from engine.memory.plan import PlanKnobs
-from engine.wire.messages import SamplingParams
 
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 256
 STEPS = 16
-GREEDY = SamplingParams(max_new_tokens=STEPS, temperature=0.0, ignore_eos=True)
-
-
-def prompts(*lengths: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
 
 
 @pytest.fixture(scope="module", params=["gemma3", "gemma3_capped"])
 def pair(request, tmp_path_factory, make_tiny_hf_model):
     return tiny_pair(request.param, tmp_path_factory.mktemp(request.param), make_tiny_hf_model, VOCAB)
-
-
-def engine_of(path, **knobs) -> Engine:
-    return Engine(EngineConfig(model=str(path), device="cpu", page_size=4, num_pages=128, **knobs))
 
 
 def test_config_follows_transformers(pair):
@@ -74,15 +60,14 @@ def test_paged_logits_match_transformers(pair, paged_runner):
 def test_greedy_ids_equal_transformers_alone_batched_and_chunked(pair):
     """Alone, three prompts batched, and the longest in chunks of 8 and of 5 tokens."""
     _, hf, _, _, path = pair
-    check_greedy_engine_runs(hf, engine_of, path, prompts(24, 5, 37), GREEDY, STEPS)
+    check_greedy_engine_runs(hf, path, VOCAB, STEPS)
 
 
 def test_prefix_cache_hit_equals_transformers(pair):
     """A second prompt sharing a 20-token prefix reuses its pages and still decodes as
     transformers does from scratch."""
     _, hf, _, _, path = pair
-    first, tail = prompts(26, 6)
-    check_prefix_cache_hit(hf, engine_of(path), first, first[:20] + tail, GREEDY, STEPS, 20)
+    check_prefix_cache_hit(hf, path, VOCAB, STEPS)
 
 
 def test_the_c_decode_layer_declines_gemma(pair):
@@ -104,8 +89,7 @@ def test_multimodal_checkpoint_loads_its_language_model(tmp_path, make_tiny_hf_m
         _, config = load_model(tmp_path, "cpu", torch.float32)
     assert config.architecture == "Gemma3ForConditionalGeneration" and config.kv_windows == (8, 8, 0, 8, 8, 0)
     assert "vision tensors of the checkpoint skipped" in caplog.text
-    (ids,) = prompts(22)
-    assert run_all(engine_of(tmp_path), {"m": (ids, GREEDY)})["m"] == hf_greedy(text, ids, STEPS)
+    check_engine_greedy(text, tmp_path, VOCAB, STEPS, 22)
 
 
 def test_sliding_layers_kv_is_priced_at_their_window(pair):

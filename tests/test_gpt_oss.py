@@ -15,18 +15,16 @@ import pytest
 import torch
 from model_checks import (
     check_attention_step,
+    check_engine_greedy,
     check_extend_and_decode,
     check_greedy_engine_runs,
     check_prefix_cache_hit,
     check_ragged_batch,
-    hf_greedy,
     tiny_pair,
 )
-from test_engine import run_all
 
 from engine.common.config import EngineConfig
 from engine.common.load_errors import UnsupportedConfig
-from engine.core.engine import Engine
 from engine.layers.cpu_decode import CpuDecode
 from engine.loader.weight_size import weight_bytes
 
@@ -36,24 +34,9 @@ VOCAB = 256
 STEPS = 16
 
 
-def greedy(steps: int = STEPS):
-    from engine.wire.messages import SamplingParams
-
-    return SamplingParams(max_new_tokens=steps, temperature=0.0, ignore_eos=True)
-
-
-def prompts(*lengths: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
-
-
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory, make_tiny_hf_model):
     return tiny_pair("gpt_oss", tmp_path_factory.mktemp("gpt_oss"), make_tiny_hf_model, VOCAB)
-
-
-def engine_of(path, **knobs) -> Engine:
-    return Engine(EngineConfig(model=str(path), device="cpu", page_size=4, num_pages=128, **knobs))
 
 
 def test_config_follows_transformers(pair):
@@ -113,9 +96,8 @@ def test_engine_greedy_ids_equal_transformers(pair):
     tokens; then a prompt sharing a 20-token prefix with an earlier one reuses its pages
     (the prefix cache) and still decodes as transformers does from scratch."""
     _, hf, _, _, path = pair
-    check_greedy_engine_runs(hf, engine_of, path, prompts(24, 5, 37), greedy(), STEPS)
-    first, tail = prompts(26, 6)
-    check_prefix_cache_hit(hf, engine_of(path), first, first[:20] + tail, greedy(), STEPS, 20)
+    check_greedy_engine_runs(hf, path, VOCAB, STEPS)
+    check_prefix_cache_hit(hf, path, VOCAB, STEPS)
 
 
 def test_torch_backend_sinks_and_window_equal_eager_attention():
@@ -258,8 +240,7 @@ def test_mxfp4_experts_load_dequantized_as_transformers_dequantizes_them(tmp_pat
     want = hf.model.layers[2].mlp.experts.gate_up_proj[3].T  # [2I, H], gate and up rows interleaved
     got = ours.model.layers[2].mlp.experts.gate_up_proj[3]
     assert torch.equal(got, torch.cat((want[0::2], want[1::2])))
-    (ids,) = prompts(20)
-    assert run_all(engine_of(tmp_path), {"q": (ids, greedy())})["q"] == hf_greedy(hf, ids, STEPS)
+    check_engine_greedy(hf, tmp_path, VOCAB, STEPS, 20)
 
 
 def test_plan_keeps_the_experts_on_the_device(tmp_path):

@@ -22,7 +22,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-from test_packaging import copy_source
+from test_packaging import buildable_source
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [
@@ -42,7 +42,7 @@ exit 0
 
 
 def test_install_script_in_a_fresh_home_gives_a_working_headroom(tmp_path, default_model_dir):
-    source = copy_source(tmp_path / "src")
+    source = buildable_source(tmp_path / "src")
     home = tmp_path / "home"
     home.mkdir()
     fake_bin = tmp_path / "fake-bin"

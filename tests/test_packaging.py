@@ -44,11 +44,19 @@ def copy_source(dest: Path) -> Path:
     return dest
 
 
-def build_wheel(tmp: Path) -> Path:
-    source = copy_source(tmp / "src")
+def buildable_source(dest: Path) -> Path:
+    """:func:`copy_source` with this checkout's ``ui-bridge/node_modules`` linked in where
+    it has them (else a build of the copy runs ``npm ci``, fetching them again): a build
+    of the copy still bundles the dashboard, whose script is not among the copied files."""
+    source = copy_source(dest)
     assert not (source / "ui-bridge" / "dashboard" / "app.js").exists()
-    if (ROOT / "ui-bridge" / "node_modules").is_dir():  # else the build runs `npm ci`
+    if (ROOT / "ui-bridge" / "node_modules").is_dir():
         (source / "ui-bridge" / "node_modules").symlink_to(ROOT / "ui-bridge" / "node_modules")
+    return source
+
+
+def build_wheel(tmp: Path) -> Path:
+    source = buildable_source(tmp / "src")
     subprocess.run(
         [
             sys.executable,

@@ -147,7 +147,7 @@ def test_32_concurrent_streams_match_greedy_alone(start_server):
     # sequence alone and flips near-tied tokens now and then; float32 keeps the check
     # exact, and it is the batching (no answer mixed with another) that is under test.
     real_server = start_server(["--num-pages", "256", "--no-gguf-quantized"])
-    max_tokens = 24
+    max_tokens = 16  # enough for a mixed-up answer to show; each is decoded twice
 
     def body(prompt: str, stream: bool) -> dict:
         return {

@@ -70,7 +70,7 @@ def test_a_hung_rank_restarts_the_whole_group(start_server, tiny_qwen3):
     """Rank 1 stopped (SIGSTOP): rank 0 waits in the step's collective, its heartbeat
     thread beats on with a work counter that stands still, the watchdog ends it and the
     parent-death signal ends rank 1."""
-    server, leader, rank1 = _serving_group(start_server, tiny_qwen3, "--stall-timeout-s", "10")
+    server, leader, rank1 = _serving_group(start_server, tiny_qwen3, "--stall-timeout-s", "5")
     os.kill(rank1, signal.SIGSTOP)
     with server.client() as http:
         r = http.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 4, "temperature": 0}, timeout=300)

@@ -38,7 +38,7 @@ from engine.layers.attention.base import AttentionBackend
 from engine.layers.rope import build_cos_sin_cache
 from engine.models.decoder import CausalLM, project
 from engine.models.qwen3_next import ZeroCenteredRMSNorm as GemmaRMSNorm
-from engine.models.qwen3_next import _rotate
+from engine.models.qwen3_next import rotate_and_store
 
 log = logging.getLogger("headroom.engine")
 
@@ -69,11 +69,7 @@ class GemmaAttention(nn.Module):
         q = self.q_norm(q.view(t, self.num_heads, self.head_dim))
         k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        cs = cos_sin[batch.positions]
-        cos, sin = cs[:, : self.head_dim // 2], cs[:, self.head_dim // 2 :]
-        q = _rotate(q, cos, sin, self.head_dim).contiguous()
-        k = _rotate(k, cos, sin, self.head_dim).contiguous()
-        attn.pool.store(self.layer, batch.out_slots, k, v)
+        q, k = rotate_and_store(q, k, v, cos_sin, self.head_dim, batch, attn, self.layer)
         return project(self.o_proj, attn.forward(q, k, v, self.layer, batch, kv_stored=True))
 
 

@@ -60,6 +60,22 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: i
     return torch.cat([turned, rest], dim=-1)
 
 
+def rotate_and_store(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin: torch.Tensor, rotary_dim: int,
+    batch: ForwardBatch, attn: AttentionBackend, layer: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE on ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` at ``batch.positions`` (the first
+    ``rotary_dim`` dims of each head; ``cos_sin`` the ``[positions, rotary_dim]``
+    cache), then ``k`` and ``v [T, Hkv, D]`` stored in ``attn``'s pool at its layer
+    ``layer``. Returns the rotated ``q`` and ``k``, contiguous."""
+    cs = cos_sin[batch.positions]
+    cos, sin = cs[:, : rotary_dim // 2], cs[:, rotary_dim // 2 :]
+    q = _rotate(q, cos, sin, rotary_dim).contiguous()
+    k = _rotate(k, cos, sin, rotary_dim).contiguous()
+    attn.pool.store(layer, batch.out_slots, k, v)
+    return q, k
+
+
 class GatedAttention(nn.Module):
     def __init__(self, config: ModelConfig, kv_index: int) -> None:
         super().__init__()
@@ -79,11 +95,7 @@ class GatedAttention(nn.Module):
         q = self.q_norm(q)
         k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        cs = cos_sin[batch.positions]
-        cos, sin = cs[:, : self.rotary_dim // 2], cs[:, self.rotary_dim // 2 :]
-        q = _rotate(q, cos, sin, self.rotary_dim).contiguous()
-        k = _rotate(k, cos, sin, self.rotary_dim).contiguous()
-        attn.pool.store(self.kv_index, batch.out_slots, k, v)
+        q, k = rotate_and_store(q, k, v, cos_sin, self.rotary_dim, batch, attn, self.kv_index)
         out = attn.forward(q, k, v, self.kv_index, batch, kv_stored=True)  # [T, Hq * D]
         return project(self.o_proj, out * torch.sigmoid(gate.reshape(t, self.q_size)))
 

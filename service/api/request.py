@@ -40,7 +40,8 @@ Body = TypeVar("Body")
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1024
 
-# How long a call's body may take to arrive whole once its headers have: a client that
+# How long a call's body may take to arrive whole once its headers have, unless the app
+# states another (``--body-timeout``, the app state's ``body_timeout_s``): a client that
 # promised more bytes than it sends is answered 408 rather than held open forever.
 BODY_READ_TIMEOUT_S = 30.0
 
@@ -144,7 +145,8 @@ async def read_body(request: Request, schema: type[Body]) -> tuple[Body, float]:
 
 
 async def body_bytes(request: Request) -> bytes:
-    """The call's body as sent, read within :data:`BODY_READ_TIMEOUT_S`.
+    """The call's body as sent, read within the app's ``--body-timeout`` (its state's
+    ``body_timeout_s``; :data:`BODY_READ_TIMEOUT_S` where it states none).
 
     Raises:
         APIError: 408 ``body_timeout`` when the body does not arrive whole in time (a
@@ -152,12 +154,13 @@ async def body_bytes(request: Request) -> bytes:
             when the client went away before sending it all (logged and counted as
             such; the answer reaches no one).
     """
+    timeout_s = getattr(request.app.state, "body_timeout_s", BODY_READ_TIMEOUT_S)
     try:
-        return await asyncio.wait_for(request.body(), BODY_READ_TIMEOUT_S)
+        return await asyncio.wait_for(request.body(), timeout_s)
     except TimeoutError:
         raise APIError(
             408,
-            f"the request body did not arrive whole within {BODY_READ_TIMEOUT_S:g} s (is "
+            f"the request body did not arrive whole within {timeout_s:g} s (is "
             "Content-Length larger than the body sent?); send the whole body",
             code="body_timeout",
         ) from None

@@ -166,6 +166,13 @@ class ServeSettings(EngineConfig):
         shown_default="32MiB",
         checks=(at_least(KiB, shown="1KiB"),),
     )
+    body_timeout: float = option(  # seconds
+        30.0,
+        "Seconds a request body may take to arrive whole once its headers have; past it "
+        "the call is answered 408 body_timeout (a Content-Length larger than the body "
+        "sent).",
+        checks=(positive,),
+    )
     max_header_size: int = option(  # bytes
         64 * KiB,
         "Largest request line plus headers; a larger request is refused with 400 "

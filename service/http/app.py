@@ -216,7 +216,7 @@ def create_app(
         openapi_config=None,
         logging_config=None,
         request_max_body_size=settings.max_body_size,
-        state=AppState({"metrics": services.metrics}),
+        state=AppState({"metrics": services.metrics, "body_timeout_s": settings.body_timeout}),
     )
     secured = SecurityMiddleware(
         HeadAsGet(app),

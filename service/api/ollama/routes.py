@@ -19,6 +19,7 @@ added where the app is built, :func:`service.http.app.create_app`).
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta, timezone
 from functools import partial
 from typing import Any
@@ -27,7 +28,7 @@ import msgspec
 from litestar import Controller, Request, Response, get, post
 
 from engine.text.chat import template_has_tools
-from service.api.generation import start_generation
+from service.api.generation import Generation, start_generation
 from service.api.ollama.answers import chat_answer, generate_answer
 from service.api.ollama.loading import keep_alive_s, load_or_unload
 from service.api.ollama.models import details, models, modified_at, rfc3339
@@ -41,7 +42,7 @@ from service.api.ollama.schemas import (
     OllamaVersion,
 )
 from service.api.reasoning import template_thinks
-from service.api.request import build_call, read_body
+from service.api.request import GenerationRequest, build_call, read_body
 from service.api.responses import json_response
 from service.api.services import Services
 from service.common.engine_states import NotReady
@@ -71,14 +72,36 @@ def speaks_ollama(path: str, status: int) -> bool:
     return status == 404 or path.removeprefix("/api/").split("/", 1)[0] in OLLAMA_ROUTES
 
 
-def _check_model_given(body: OllamaChatRequest | OllamaGenerateRequest) -> None:
-    """Ollama's chat and generate calls name their model, a load or unload too.
+def _loads_only(body: OllamaChatRequest | OllamaGenerateRequest, given: object) -> bool:
+    """Whether a chat or generate call only loads or unloads the model: ``given`` (its
+    messages or prompt) is empty. Either way the call names its model (Ollama's chat
+    and generate calls do, a load or unload too) and a valid ``keep_alive``.
 
     Raises:
-        APIError: 400 ``model`` (Ollama's words: ``model is required``).
+        APIError: 400 ``model`` (Ollama's words: ``model is required``), or 400
+            ``keep_alive`` for a value that is no duration.
     """
     if not body.model:
         raise invalid("model is required", "model", MISSING_FIELD)
+    keep_alive_s(body.keep_alive)
+    return not given
+
+
+async def _generate(
+    request: Request,
+    svc: Services,
+    body: OllamaChatRequest | OllamaGenerateRequest,
+    started: float,
+    request_of: Callable[..., GenerationRequest],
+    answer: Callable[[Generation, Request, str], Awaitable[Response[Any]]],
+) -> Response[Any]:
+    """One chat or generate call on the shared runner: the generation request
+    ``request_of(body, default_max_tokens=...)`` builds, started on the served model,
+    answered by ``answer`` (a stream unless the body says ``"stream": false``)."""
+    build = partial(request_of, default_max_tokens=svc.settings.default_max_tokens)
+    call = build_call(request, body, build, "ollama", started)
+    gen, model = await start_generation(svc, model_name(body.model), call)
+    return await answer(gen, request, model)
 
 
 class OllamaController(Controller):
@@ -93,14 +116,9 @@ class OllamaController(Controller):
         messages, the model loaded (or unloaded, ``keep_alive`` 0) and an answer at
         once (:mod:`service.api.ollama.loading`)."""
         body, started = await read_body(request, OllamaChatRequest)
-        _check_model_given(body)
-        keep_alive_s(body.keep_alive)
-        if not body.messages:
+        if _loads_only(body, body.messages):
             return await load_or_unload(svc, body)
-        build = partial(chat_request, default_max_tokens=svc.settings.default_max_tokens)
-        call = build_call(request, body, build, "ollama", started)
-        gen, model = await start_generation(svc, model_name(body.model), call)
-        return await chat_answer(gen, request, model)
+        return await _generate(request, svc, body, started, chat_request, chat_answer)
 
     @post("/generate", status_code=200)
     async def generate(self, request: Request, svc: Services) -> Response[Any]:
@@ -108,14 +126,9 @@ class OllamaController(Controller):
         streamed as NDJSON unless ``"stream": false``; an empty prompt loads (or
         unloads) the model as an empty chat does."""
         body, started = await read_body(request, OllamaGenerateRequest)
-        _check_model_given(body)
-        keep_alive_s(body.keep_alive)
-        if not body.prompt:
+        if _loads_only(body, body.prompt):
             return await load_or_unload(svc, body)
-        build = partial(generate_request, default_max_tokens=svc.settings.default_max_tokens)
-        call = build_call(request, body, build, "ollama", started)
-        gen, model = await start_generation(svc, model_name(body.model), call)
-        return await generate_answer(gen, request, model)
+        return await _generate(request, svc, body, started, generate_request, generate_answer)
 
     @get("/tags")
     async def list_tags(self, svc: Services) -> Response[bytes]:

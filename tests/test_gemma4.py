@@ -12,17 +12,13 @@ import json
 
 import pytest
 import torch
-from model_checks import hf_greedy, tiny_pair
+from model_checks import check_engine_greedy, tiny_pair
 
 # Gemma 3's checks, run here on this module's pair: logits over the paged KV cache
 # (extend, decode, a ragged batch), greedy ids alone, batched and chunked, after a
 # prefix-cache hit, and the C decode layer declining the model.
-from test_engine import run_all
 from test_gemma3 import (  # noqa: F401 - collected here
-    GREEDY,
     STEPS,
-    engine_of,
-    prompts,
     test_greedy_ids_equal_transformers_alone_batched_and_chunked,
     test_paged_logits_match_transformers,
     test_prefix_cache_hit_equals_transformers,
@@ -76,8 +72,7 @@ def test_multimodal_checkpoint_loads_its_language_model(tmp_path, make_tiny_hf_m
         _, config = load_model(tmp_path, "cpu", torch.float32)
     assert config.architecture == "Gemma4ForConditionalGeneration" and config.gemma4.kv_shared_layers == 2
     assert "vision and audio tensors of the checkpoint skipped" in caplog.text
-    (ids,) = prompts(22)
-    assert run_all(engine_of(tmp_path), {"m": (ids, GREEDY)})["m"] == hf_greedy(text, ids, STEPS)
+    check_engine_greedy(text, tmp_path, VOCAB, STEPS, 22)
 
 
 @pytest.mark.parametrize(("field", "value", "named"), [

@@ -17,6 +17,8 @@ from engine.common.load_errors import (
     UnsupportedConfig,
     UnsupportedGGUFType,
 )
+from engine.loader.gguf_gpt_oss import ARCHITECTURES as GPT_OSS_ARCHITECTURES
+from engine.loader.gguf_gpt_oss import gpt_oss_config
 from engine.loader.gguf_qwen35 import ARCHITECTURES as QWEN35_ARCHITECTURES
 from engine.loader.gguf_qwen35 import hybrid_config
 from engine.loader.gguf_tensors import open_tensors
@@ -30,6 +32,7 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
     **QWEN35_ARCHITECTURES,
+    **GPT_OSS_ARCHITECTURES,
 }
 
 
@@ -143,6 +146,10 @@ def _hf_config(reader: Any, gguf_path: Path, gguf_arch: str) -> dict[str, Any]:
         del config["rope_theta"]  # in rope_parameters, with the partial rotary
         if gguf_arch == "qwen35moe":
             del config["intermediate_size"]
+    if gguf_arch in GPT_OSS_ARCHITECTURES:
+        config.update(gpt_oss_config(get, config["num_hidden_layers"]))
+        if "rope_scaling" in config:  # gpt-oss's YaRN does not truncate its correction range
+            config["rope_scaling"]["truncate"] = False
     return config
 
 
@@ -152,7 +159,7 @@ def _moe_config(reader: Any, gguf_arch: str, experts: int, names: set[str], laye
     renormalized is ``expert_weights_norm`` where the file says, else the family's rule
     as llama.cpp builds it (Qwen3-MoE and Mixtral yes, Qwen2-MoE no)."""
     used = int(get("expert_used_count"))
-    if gguf_arch == "llama":
+    if gguf_arch in ("llama", *GPT_OSS_ARCHITECTURES):  # every layer routed
         return {"num_local_experts": experts, "num_experts_per_tok": used}
     if gguf_arch == "qwen35moe":  # every layer routed, top-k renormalized, a shared expert
         return {"num_experts": experts, "num_experts_per_tok": used,
@@ -210,12 +217,34 @@ def _rope_scaling(
             "rope_type": "linear",
             "factor": float(field(reader, f"{gguf_arch}.rope.scaling.factor")),
         }
+    elif scaling_type == "yarn":
+        return _yarn(reader, gguf_path, gguf_arch)
     else:
         raise UnsupportedConfig(f"{gguf_path}: RoPE scaling {scaling_type!r} is not supported")
     rope_freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
     if rope_freqs is None:
         return None
     return _llama3_from_factors(np.asarray(rope_freqs.data, dtype=np.float32), gguf_path, config)
+
+
+# llama.cpp's YaRN keys (under ``<arch>.rope.scaling.``) -> transformers' rope_scaling fields.
+_YARN_KEYS = {"yarn_beta_fast": "beta_fast", "yarn_beta_slow": "beta_slow", "yarn_attn_factor": "attention_factor"}
+
+
+def _yarn(reader: Any, gguf_path: Path, gguf_arch: str) -> dict[str, Any]:
+    """transformers' YaRN ``rope_scaling`` from llama.cpp's keys (those it leaves out take
+    transformers' defaults)."""
+    scaling: dict[str, Any] = {"rope_type": "yarn"}
+    for key, name in (("factor", "factor"), ("original_context_length", "original_max_position_embeddings")):
+        value = field(reader, f"{gguf_arch}.rope.scaling.{key}")
+        if value is None:
+            raise ModelLoadError(f"{gguf_path}: YaRN RoPE scaling without {gguf_arch}.rope.scaling.{key}")
+        scaling[name] = float(value) if key == "factor" else int(value)
+    for key, name in _YARN_KEYS.items():
+        value = field(reader, f"{gguf_arch}.rope.scaling.{key}")
+        if value is not None:
+            scaling[name] = float(value)
+    return scaling
 
 
 def _llama3_from_factors(

@@ -40,7 +40,8 @@ from tqdm import tqdm
 from engine.common.load_errors import ModelLoadError, ModelNotFound
 from engine.loader.default_model import read_gguf_source, record_gguf_source
 from engine.loader.gguf_config import ROPE_FREQS, field, read_checked, sampling_fields
-from engine.loader.gguf_hf_tensors import hf_tensors
+from engine.loader.gguf_gpt_oss import ARCHITECTURES as GPT_OSS_ARCHITECTURES
+from engine.loader.gguf_hf_tensors import converted_tensors
 from engine.loader.weights import INDEX_FILE, SINGLE_FILE
 
 log = logging.getLogger(__name__)
@@ -57,7 +58,7 @@ def convert_gguf(
 
     Args:
         gguf_path: a GGUF file of a llama (Mixtral when it has experts), qwen2, qwen3,
-            qwen2moe, qwen3moe, qwen35 or qwen35moe model; stacked expert tensors
+            qwen2moe, qwen3moe, qwen35, qwen35moe or gpt-oss model; stacked expert tensors
             (``ffn_*_exps``) are dequantized and written one tensor per expert
             (:mod:`engine.loader.gguf_qwen35` for Qwen3.5's layout).
         out_dir: destination folder; must not exist yet (an existing complete folder,
@@ -94,7 +95,7 @@ def convert_gguf(
         if weights:
             _write_weights(reader, gguf_path, gguf_arch, hf_config, tmp, dtype)
         _write_config(hf_config, tmp)
-        _write_tokenizer(gguf_path, tmp)
+        _write_tokenizer(gguf_path, tmp, gguf_arch)
         _write_generation_config(reader, tmp)
         record_gguf_source(tmp, gguf_path, str(dtype).removeprefix("torch."))
         _publish(tmp, out_dir)
@@ -204,10 +205,8 @@ def _write_weights_into(gguf_path: Path, model_dir: Path, dtype: torch.dtype) ->
 def _converted(
     reader: Any, gguf_path: Path, gguf_arch: str, config: dict[str, Any], dtype: torch.dtype
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    for t in tqdm(reader.tensors, desc=f"converting {gguf_path.name}", unit="tensor", disable=None):
-        if t.name == ROPE_FREQS:
-            continue
-        yield from hf_tensors(t, gguf_path, gguf_arch, config, dtype)
+    tensors = tqdm(reader.tensors, desc=f"converting {gguf_path.name}", unit="tensor", disable=None)
+    yield from converted_tensors((t for t in tensors if t.name != ROPE_FREQS), gguf_path, gguf_arch, config, dtype)
 
 
 def _write_weights(
@@ -258,11 +257,14 @@ def _write_config(config: dict[str, Any], out: Path) -> None:
     AutoConfig.for_model(**config).save_pretrained(str(out))
 
 
-def _write_tokenizer(gguf_path: Path, out: Path) -> None:
-    from transformers import AutoTokenizer
+def _write_tokenizer(gguf_path: Path, out: Path, gguf_arch: str) -> None:
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+    # AutoTokenizer reads the file's config first, and transformers' reading of a
+    # gpt-oss file's rope.scaling keys fails; the tokenizer itself needs none of it.
+    tokenizer_class = PreTrainedTokenizerFast if gguf_arch in GPT_OSS_ARCHITECTURES else AutoTokenizer
     try:
-        tokenizer = AutoTokenizer.from_pretrained(
+        tokenizer = tokenizer_class.from_pretrained(
             str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True
         )
     except Exception as e:  # transformers raises many types here; all mean the same to the user

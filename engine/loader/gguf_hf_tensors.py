@@ -4,7 +4,7 @@ permutation undone, values dequantized to float32 through gguf-py."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +13,8 @@ import torch
 
 from engine.common.load_errors import ModelLoadError
 from engine.loader.gguf_config import LLAMA_WITH_EXPERTS
+from engine.loader.gguf_gpt_oss import ARCHITECTURES as GPT_OSS_ARCHITECTURES
+from engine.loader.gguf_gpt_oss import checkpoint_tensors
 from engine.loader.gguf_qwen35 import ARCHITECTURES as QWEN35_ARCHITECTURES
 from engine.loader.gguf_qwen35 import hybrid_tensor, prediction_layer_tensor
 
@@ -96,6 +98,28 @@ def dequantize_tensor(tensor: Any) -> np.ndarray:
 
     shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims innermost first
     return dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+
+
+def converted_tensors(
+    tensors: Iterable[Any], gguf_path: Path, gguf_arch: str, config: dict[str, Any], dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A GGUF's tensors, in the file's order, as the Hugging Face checkpoint's
+    (:func:`hf_tensors` one by one; a gpt-oss file's as a whole, its gate and up experts
+    paired: :func:`engine.loader.gguf_gpt_oss.checkpoint_tensors`), in ``dtype``.
+
+    Raises:
+        ModelLoadError: a tensor without a Hugging Face counterpart.
+    """
+    if gguf_arch not in GPT_OSS_ARCHITECTURES:
+        for t in tensors:
+            yield from hf_tensors(t, gguf_path, gguf_arch, config, dtype)
+        return
+    dense = ((t.name, torch.from_numpy(np.array(dequantize_tensor(t), dtype=np.float32))) for t in tensors)
+    try:
+        for name, w in checkpoint_tensors(dense):
+            yield name, w.to(dtype).contiguous()
+    except ModelLoadError as e:
+        raise ModelLoadError(f"{gguf_path}: {e}") from None
 
 
 def hf_tensors(

@@ -3,7 +3,8 @@ tensor names, the experts' gate and up split apart and transposed, the sinks as
 ``attn_sinks.weight``, window, expert counts and YaRN in the metadata; experts in F16,
 or in MXFP4 blocks) loads as the same model: the conversion's tensors are the Hugging Face
 checkpoint's, and the engine's greedy ids over the file equal those over the safetensors
-folder and transformers'."""
+folder and transformers'. OpenAI's MXFP4 blocks as llama.cpp repacks them read as
+transformers dequantizes them; an expert half without its pair is refused."""
 
 from __future__ import annotations
 
@@ -142,3 +143,32 @@ def test_gguf_greedy_equals_safetensors_and_transformers(gpt_oss_gguf):
 
     assert greedy(str(safetensors)) == want
     assert greedy(str(gguf_path)) == want
+
+
+def test_openai_mxfp4_blocks_repacked_as_llama_cpp_does_read_as_transformers_dequantizes_them():
+    """OpenAI's MXFP4 blocks (two codes a byte, the even element low; a scale a block of 32)
+    moved bit for bit into GGML's ``block_mxfp4`` (the scale byte, then byte j holding
+    element j low and j + 16 high), as llama.cpp's converter writes gpt-oss's experts, read
+    through gguf-py as transformers' dequantization reads the originals."""
+    from test_gpt_oss import to_mxfp4
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    w = torch.randn(3, 8, 64, generator=torch.Generator().manual_seed(2))
+    blocks, scales = to_mxfp4(w)  # [E, R, G, 16], [E, R, G]
+    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).flatten(-2)  # [E, R, G, 32]
+    packed = torch.cat((scales[..., None], codes[..., :16] | (codes[..., 16:] << 4)), dim=-1)
+    got = gguf.dequantize(packed.flatten(-2).numpy(), MXFP4).reshape(w.shape)
+    want = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, G * 32, R]: transposed
+    assert torch.equal(torch.from_numpy(got), want.transpose(1, 2))
+
+
+def test_an_expert_half_without_its_pair_is_refused():
+    """A gate expert tensor whose up half never comes names the layer."""
+    from engine.common.load_errors import ModelLoadError
+    from engine.loader.gguf_gpt_oss import checkpoint_tensors
+
+    tensors = [("blk.0.ffn_gate_exps.weight", torch.zeros(2, 4, 8)), ("blk.0.attn_sinks.weight", torch.zeros(4))]
+    with pytest.raises(ModelLoadError, match="gate or up half missing: blk.0.ffn_gate_exps/ffn_up_exps.weight"):
+        list(checkpoint_tensors(tensors))
+    with pytest.raises(ModelLoadError, match="blk.0.ffn_norm.weight has no counterpart in a gpt-oss checkpoint"):
+        list(checkpoint_tensors([("blk.0.ffn_norm.weight", torch.zeros(4))]))

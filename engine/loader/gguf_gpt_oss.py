@@ -99,16 +99,16 @@ def checkpoint_tensors(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[
             yield prefix + ("mlp.experts.down_proj_bias" if bias else "mlp.experts.down_proj"), \
                 w if bias else w.transpose(1, 2).contiguous()
         elif kind in (_GATE, _UP):
-            pair = halves.setdefault((prefix, suffix), {})
+            pair = halves.setdefault((parts[1], suffix), {})
             pair[kind] = w
             if len(pair) == 2:
-                del halves[(prefix, suffix)]
+                del halves[(parts[1], suffix)]
                 yield prefix + ("mlp.experts.gate_up_proj_bias" if bias else "mlp.experts.gate_up_proj"), \
                     _interleaved(pair[_GATE], pair[_UP], bias)
         else:
             raise ModelLoadError(f"tensor {gguf_name} has no counterpart in a gpt-oss checkpoint")
     if halves:
-        left = ", ".join(f"{prefix}{suffix}" for prefix, suffix in sorted(halves))
+        left = ", ".join(f"blk.{layer}.{'/'.join((_GATE, _UP))}.{suffix}" for layer, suffix in sorted(halves))
         raise ModelLoadError(f"gpt-oss experts with their gate or up half missing: {left}")
 
 

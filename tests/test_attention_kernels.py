@@ -202,3 +202,52 @@ def test_sliding_window_extend_matches_reference(window):
     got = paged_extend(q, k_buf, v_buf, table, starts, prefix_t, extend_t, page_size, 0.125,
                        max_extend=max(extend), block_m=16, block_n=16, window=window)
     torch.testing.assert_close(got, ref, **_tol(torch.float32))
+
+
+# (softcap, sinks, window): a cap below the scores' spread, sinks that take a sizeable share.
+FEATURES = [(1.5, False, 0), (0.0, True, 0), (1.5, True, 0), (1.5, True, 7)]
+
+
+def _features(softcap, sinks, heads, g):
+    return dict(softcap=softcap, sinks=(torch.randn(heads, generator=g) * 2).to(DEVICE) if sinks else None)
+
+
+@pytest.mark.parametrize("softcap,sinks,window", FEATURES)
+@pytest.mark.parametrize("splits", [1, 3, 16])
+def test_softcap_and_sinks_decode_match_reference(softcap, sinks, window, splits):
+    """Capped scores and sinks, with and without a window, over one range or several (the
+    merge adds each sink once; 16 ranges leave some empty); a padded row stays zeros."""
+    g = torch.Generator().manual_seed(splits * 7 + window + int(sinks))
+    page_size, num_pages, lens = 16, 24, [0, 5, 30, 47]
+    k_buf, v_buf = _pool(2, 64, num_pages, page_size, torch.float32, g)
+    table = _page_table(lens, page_size, num_pages, g)
+    q = torch.randn(len(lens), 6, 64, generator=g).to(DEVICE) * 3
+    seq_lens = torch.tensor(lens, dtype=torch.int64, device=DEVICE)
+    extra = _features(softcap, sinks, 6, g)
+    ref = paged_decode_ref(q, k_buf, v_buf, table, seq_lens, page_size, 0.125, window=window, **extra)
+    plain = paged_decode_ref(q, k_buf, v_buf, table, seq_lens, page_size, 0.125, window=window)
+    assert not torch.allclose(ref, plain, atol=1e-2)
+    got = paged_decode(q, k_buf, v_buf, table, seq_lens, page_size, 0.125, num_splits=splits, block_n=16,
+                       window=window, **extra)
+    torch.testing.assert_close(got, ref, **_tol(torch.float32))
+    assert not got[0].any()
+
+
+@pytest.mark.parametrize("softcap,sinks,window", FEATURES)
+def test_softcap_and_sinks_extend_match_reference(softcap, sinks, window):
+    """Prefill and extend over a cached prefix, several query blocks per sequence."""
+    g = torch.Generator().manual_seed(window + 200 + int(sinks))
+    page_size, num_pages = 16, 24
+    prefix, extend = [0, 20, 5], [21, 9, 1]
+    lens = [p + e for p, e in zip(prefix, extend, strict=True)]
+    k_buf, v_buf = _pool(2, 64, num_pages, page_size, torch.float32, g)
+    table = _page_table(lens, page_size, num_pages, g)
+    q = torch.randn(sum(extend), 4, 64, generator=g).to(DEVICE) * 3
+    starts = torch.tensor([0, *torch.tensor(extend).cumsum(0)[:-1].tolist()], device=DEVICE)
+    prefix_t, extend_t = torch.tensor(prefix, device=DEVICE), torch.tensor(extend, device=DEVICE)
+    extra = _features(softcap, sinks, 4, g)
+    args = (q, k_buf, v_buf, table, starts, prefix_t, extend_t, page_size, 0.125)
+    ref = paged_extend_ref(*args, window=window, **extra)
+    assert not torch.allclose(ref, paged_extend_ref(*args, window=window), atol=1e-2)
+    got = paged_extend(*args, max_extend=max(extend), block_m=16, block_n=16, window=window, **extra)
+    torch.testing.assert_close(got, ref, **_tol(torch.float32))

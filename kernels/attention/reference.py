@@ -24,20 +24,29 @@ def context_slots(page_table_row: torch.Tensor, length: int, page_size: int) -> 
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float,
-            window: int = 0) -> torch.Tensor:
+            window: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """``q [E, H, D]`` over ``k, v [S, H_kv, D]``; query ``i`` sees keys ``j <= q_pos[i]``
-    (and ``j > q_pos[i] - window`` when ``window`` is not 0). Computed in float32; returns
-    ``[E, H, D]`` in ``q``'s dtype."""
+    (and ``j > q_pos[i] - window`` when ``window`` is not 0). Scores capped at
+    ``softcap * tanh(s / softcap)`` before the mask (0: none); ``sinks`` (``[H]`` logits)
+    each a last softmax column of its head, dropped before the values. Computed in
+    float32; returns ``[E, H, D]`` in ``q``'s dtype."""
     groups = q.shape[1] // k.shape[1]
     kf = k.float().repeat_interleave(groups, dim=1)  # [S, H, D]
     vf = v.float().repeat_interleave(groups, dim=1)
     scores = torch.einsum("ehd,shd->hes", q.float(), kf) * scale  # [H, E, S]
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     j = torch.arange(k.shape[0], device=q.device)[None, :]
     visible = j <= q_pos[:, None]  # [E, S]
     if window:
         visible &= j > q_pos[:, None] - window
     scores = scores.masked_fill(~visible[None], float("-inf"))
-    out = torch.einsum("hes,shd->ehd", scores.softmax(-1), vf)
+    if sinks is None:
+        probs = scores.softmax(-1)
+    else:
+        sink = sinks.float().view(-1, 1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+    out = torch.einsum("hes,shd->ehd", probs, vf)
     return out.to(q.dtype)
 
 
@@ -50,6 +59,8 @@ def paged_decode_ref(
     page_size: int,
     scale: float,
     window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One new token per sequence attends over its whole context (itself included), or
     over its last ``window`` tokens when ``window`` is not 0 (a sliding-window layer).
@@ -63,6 +74,10 @@ def paged_decode_ref(
             a row of length 0 (CUDA-graph padding) gives zeros.
         page_size: tokens per page.
         scale: softmax scale, usually ``D ** -0.5``.
+        softcap: scores capped at ``softcap * tanh(s / softcap)`` before the mask (Gemma's
+            ``attn_logit_softcapping``; 0: none).
+        sinks: ``[H]`` logits, each a softmax column of its head with no value (gpt-oss's
+            attention sinks); None: none.
 
     Returns:
         ``[B, H, D]`` in ``q``'s dtype.
@@ -74,7 +89,7 @@ def paged_decode_ref(
         slots = context_slots(page_table[b], n, page_size)
         q_pos = torch.tensor([n - 1], device=q.device)
         out[b] = _attend(q[b : b + 1], gather_kv(k_buf, slots, q.dtype), gather_kv(v_buf, slots, q.dtype), q_pos, scale,
-                         window)[0]
+                         window, softcap, sinks)[0]
     return out
 
 
@@ -89,6 +104,8 @@ def paged_extend_ref(
     page_size: int,
     scale: float,
     window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Ragged prefill/extend: sequence ``b`` adds ``extend_lens[b]`` tokens after a cached
     prefix of ``prefix_lens[b]``; new token ``i`` sees context positions
@@ -102,7 +119,7 @@ def paged_extend_ref(
             already stored.
         page_table: ``[B, max_pages]`` page ids.
         q_starts, prefix_lens, extend_lens: ``[B]`` int.
-        page_size, scale: as in :func:`paged_decode_ref`.
+        page_size, scale, softcap, sinks: as in :func:`paged_decode_ref`.
 
     Returns:
         ``[T, H, D]`` in ``q``'s dtype.
@@ -114,5 +131,5 @@ def paged_extend_ref(
         slots = context_slots(page_table[b], prefix + ext, page_size)
         q_pos = prefix + torch.arange(ext, device=q.device)
         out[start : start + ext] = _attend(q[start : start + ext], gather_kv(k_buf, slots, q.dtype),
-                                           gather_kv(v_buf, slots, q.dtype), q_pos, scale, window)
+                                           gather_kv(v_buf, slots, q.dtype), q_pos, scale, window, softcap, sinks)
     return out

@@ -25,6 +25,10 @@ is dequantized the same way, tile by tile inside the kernel: each value's code a
 block's float16 scale (two bytes, put together as little-endian) are loaded from the
 row's bytes and multiplied in float32, as the reference's gather does, so only the keys
 and values a program reads are ever turned into floats.
+
+Scores are soft-capped (``softcap``) as each tile is scored, before the mask. A head's
+sink (``sinks``) joins a row's softmax once: the running max and sum start from it, or
+with split-K the merge adds it to the ranges' sum (never a range).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from kernels.attention.kv_store import block_format
 from kernels.quant.triton_activations import GROUP, producer_activations, producer_args, q8_groups
 
 _LOG2E = 1.4426950408889634
+_L2E = tl.constexpr(_LOG2E)
 
 # Split-K aims for about this many programs per decode launch (an H200 has 132 SMs);
 # more splits than this cost merge work for nothing.
@@ -130,17 +135,21 @@ def _load_kv(Buf, row, d, mask, KV_FMT: tl.constexpr):
 @triton.jit
 def _attend_block(
     q, K, V, PageTable, pt_row, pos, nmask, visible, kvh, d, dmask, m_i, l_i, acc,
-    stride_ks, stride_kh, stride_vs, stride_vh, scale_log2,
-    PAGE_SIZE: tl.constexpr, PRECISION: tl.constexpr, KV_FMT: tl.constexpr,
+    stride_ks, stride_kh, stride_vs, stride_vh, scale_log2, cap_log2,
+    PAGE_SIZE: tl.constexpr, PRECISION: tl.constexpr, KV_FMT: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """One online-softmax step over the keys at positions ``pos`` of one sequence;
-    ``visible`` ([rows, N]) masks the scores. Returns the updated (max, sum, acc)."""
+    ``visible`` ([rows, N]) masks the scores, capped at ``cap_log2`` (base 2) with
+    ``SOFTCAP``. Returns the updated (max, sum, acc)."""
     page = tl.load(PageTable + pt_row + pos // PAGE_SIZE, mask=nmask, other=0)
     slot = page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
     kv_mask = nmask[:, None] & dmask[None, :]
     # An FP8 pool (scale 1.0) is upcast to the queries' dtype as it is loaded, a block pool dequantized.
     k = _load_kv(K, slot * stride_ks + kvh * stride_kh, d, kv_mask, KV_FMT).to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+    if SOFTCAP:
+        # cap * tanh(s / cap), tanh(x) = 1 - 2 / (e^2x + 1): exact at both ends of the range.
+        s = cap_log2 * (1.0 - 2.0 / (tl.exp2(s / cap_log2 * (2.0 * _L2E)) + 1.0))
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # A row that has seen no visible key yet (a sliding window starting past this block)
@@ -156,13 +165,13 @@ def _attend_block(
 
 @triton.jit
 def _decode_kernel(
-    Q, K, V, PageTable, SeqLens, Out, PartO, PartLse,
+    Q, K, V, PageTable, SeqLens, Out, PartO, PartLse, Sinks,
     stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_pt, stride_ob, stride_oh,
-    scale_log2, window,
+    scale_log2, window, cap_log2,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = 0,
-    KV_FMT: tl.constexpr = 0,
+    KV_FMT: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0, SINKS: tl.constexpr = 0,
 ):
     # PDL (kernels.pdl): launched while the kernel that stored this step's K/V ends.
     pdl.begin(PDL)
@@ -185,13 +194,15 @@ def _decode_kernel(
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
+    if SINKS and NUM_SPLITS == 1:  # with splits, the merge adds the sinks
+        m_i, l_i = tl.load(Sinks + heads, mask=gmask, other=0.0).to(tl.float32) * _L2E, l_i + 1.0
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         nmask = pos < end
         m_i, l_i, acc = _attend_block(
             q, K, V, PageTable, b * stride_pt, pos, nmask, nmask[None, :], kvh, d, dmask, m_i, l_i, acc,
-            stride_ks, stride_kh, stride_vs, stride_vh, scale_log2, PAGE_SIZE, PRECISION, KV_FMT,
+            stride_ks, stride_kh, stride_vs, stride_vh, scale_log2, cap_log2, PAGE_SIZE, PRECISION, KV_FMT, SOFTCAP,
         )
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -207,9 +218,10 @@ def _decode_kernel(
 
 @triton.jit
 def _merge_kernel(
-    PartO, PartLse, Out, Codes, Scales, Sums, stride_ob, stride_oh, stride_q, stride_d, stride_s,
+    PartO, PartLse, Out, Codes, Scales, Sums, Sinks, stride_ob, stride_oh, stride_q, stride_d, stride_s,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, QUANT: tl.constexpr = 0, PDL: tl.constexpr = 0,
+    SINKS: tl.constexpr = 0,
 ):
     # QUANT: the output row also quantized for the o projection's int8 GEMV into
     # Codes/Scales/Sums; a head's HEAD_DIM values (== BLOCK_D, whole groups of 32) are
@@ -223,10 +235,15 @@ def _merge_kernel(
     smask = s < NUM_SPLITS
     lse = tl.load(PartLse + row, mask=smask, other=float("-inf"))
     m = tl.max(lse, 0)
+    if SINKS:  # the head's sink: once in the sum of the ranges' softmax sums
+        sink = tl.load(Sinks + h).to(tl.float32) * _L2E
+        m = tl.maximum(m, sink)
     m = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp2(lse - m)  # 0 for empty ranges
     o = tl.load(PartO + row[:, None] * HEAD_DIM + d[None, :], mask=smask[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
     total = tl.sum(w, 0)
+    if SINKS:
+        total += tl.exp2(sink - m)
     out = tl.sum(w[:, None] * o, 0) / tl.where(total > 0, total, 1.0)
     stored = out.to(Out.dtype.element_ty)
     tl.store(Out + b * stride_ob + h * stride_oh + d, stored, mask=d < HEAD_DIM)
@@ -252,6 +269,8 @@ def paged_decode(
     block_n: int | None = None,
     quantize: bool = False,
     window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ):
     """Triton version of :func:`kernels.attention.reference.paged_decode_ref` (same arguments and
     result; ``seq_lens`` and ``page_table`` on the device).
@@ -271,6 +290,7 @@ def paged_decode(
         block_n: keys per loop iteration (default: :func:`decode_config`).
         window: a sliding-window layer's window (the reference's ``window``; 0: the
             whole context); the ranges split the window only.
+        softcap, sinks: the reference's (0, None: none); ``sinks`` ``[H]`` on the device.
 
     Raises:
         ValueError: ``H`` is not a multiple of ``H_kv``, or the workspace is too small.
@@ -299,32 +319,35 @@ def paged_decode(
         part_lse = workspace[batch * num_heads * splits * head_dim : need]
     default_n, warps = decode_config(q.dtype, head_dim, kv_blocks=_kv_fmt(k_buf) > 0)
     block_n = block_n or default_n
+    sink_arg = out if sinks is None else sinks.contiguous()  # unused without sinks
     _decode_kernel[(batch, num_kv_heads, splits)](
-        q, k_buf, v_buf, page_table, seq_lens, out, part_o, part_lse,
+        q, k_buf, v_buf, page_table, seq_lens, out, part_o, part_lse, sink_arg,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
-        page_table.stride(0), out.stride(0), out.stride(1),
-        scale * _LOG2E, window,
+        page_table.stride(0), out.stride(0), out.stride(1), scale * _LOG2E, window, softcap * _LOG2E,
         NUM_HEADS=num_heads, GROUP=group, BLOCK_G=_group_block(group), HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE_SIZE=page_size, BLOCK_N=block_n, NUM_SPLITS=splits, PRECISION=_dot_precision(q.dtype),
-        KV_FMT=_kv_fmt(k_buf), num_warps=warps, **pdl.launch_args(q.device),
+        KV_FMT=_kv_fmt(k_buf), SOFTCAP=softcap > 0, SINKS=sinks is not None, num_warps=warps,
+        **pdl.launch_args(q.device),
     )
     if splits > 1:
         quant, quant_strides = producer_args(q8, out)
         _merge_kernel[(batch, num_heads)](
-            part_o, part_lse, out, *quant, out.stride(0), out.stride(1), *quant_strides,
+            part_o, part_lse, out, *quant, sink_arg, out.stride(0), out.stride(1), *quant_strides,
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits,
-            BLOCK_S=triton.next_power_of_2(splits), QUANT=q8 is not None, num_warps=2, **pdl.launch_args(q.device),
+            BLOCK_S=triton.next_power_of_2(splits), QUANT=q8 is not None, SINKS=sinks is not None,
+            num_warps=2, **pdl.launch_args(q.device),
         )
     return (out, q8) if quantize else out
 
 
 @triton.jit
 def _extend_kernel(
-    Q, K, V, PageTable, QStarts, PrefixLens, ExtendLens, Out,
+    Q, K, V, PageTable, QStarts, PrefixLens, ExtendLens, Out, Sinks,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_pt, stride_ot, stride_oh,
-    scale_log2, window,
+    scale_log2, window, cap_log2,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, KV_FMT: tl.constexpr = 0,
+    SOFTCAP: tl.constexpr = 0, SINKS: tl.constexpr = 0,
 ):
     mblk = tl.program_id(0)
     h = tl.program_id(1)
@@ -352,6 +375,8 @@ def _extend_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    if SINKS:  # the head's sink: a first column that adds no value
+        m_i, l_i = tl.zeros([BLOCK_M], tl.float32) + tl.load(Sinks + h).to(tl.float32) * _L2E, l_i + 1.0
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for n0 in range(lo, hi, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
@@ -360,7 +385,7 @@ def _extend_kernel(
         visible = visible & ((window == 0) | (pos[None, :] > q_pos[:, None] - window))
         m_i, l_i, acc = _attend_block(
             q, K, V, PageTable, b * stride_pt, pos, nmask, visible, kvh, d, dmask, m_i, l_i, acc,
-            stride_ks, stride_kh, stride_vs, stride_vh, scale_log2, PAGE_SIZE, PRECISION, KV_FMT,
+            stride_ks, stride_kh, stride_vs, stride_vh, scale_log2, cap_log2, PAGE_SIZE, PRECISION, KV_FMT, SOFTCAP,
         )
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -384,6 +409,8 @@ def paged_extend(
     block_m: int | None = None,
     block_n: int | None = None,
     window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`kernels.attention.reference.paged_extend_ref` (same arguments and
     result; the index tensors on the device).
@@ -393,6 +420,7 @@ def paged_extend(
         out: ``[T, H, D]`` to write into (else allocated).
         block_m, block_n: query rows and keys per tile (default: :func:`extend_config`).
         window: a sliding-window layer's window (the reference's ``window``; 0: none).
+        softcap, sinks: the reference's (0, None: none); ``sinks`` ``[H]`` on the device.
 
     Raises:
         ValueError: ``H`` is not a multiple of ``H_kv``.
@@ -412,11 +440,11 @@ def paged_extend(
     grid = (math.ceil(max_extend / block_m), num_heads, batch)
     _extend_kernel[grid](
         q, k_buf, v_buf, page_table, q_starts, prefix_lens, extend_lens, out,
+        out if sinks is None else sinks.contiguous(),  # unused without sinks
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
-        page_table.stride(0), out.stride(0), out.stride(1),
-        scale * _LOG2E, window,
+        page_table.stride(0), out.stride(0), out.stride(1), scale * _LOG2E, window, softcap * _LOG2E,
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_dot_precision(q.dtype),
-        KV_FMT=_kv_fmt(k_buf), num_warps=warps,
+        KV_FMT=_kv_fmt(k_buf), SOFTCAP=softcap > 0, SINKS=sinks is not None, num_warps=warps,
     )
     return out

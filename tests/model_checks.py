@@ -4,7 +4,9 @@ runs through a paged runner or the engine."""
 
 from __future__ import annotations
 
+import pytest
 import torch
+from triton_interpret import INTERPRETING
 
 
 def tiny_pair(kind: str, path, make_tiny_hf_model, vocab: int):
@@ -221,9 +223,11 @@ def check_prefix_cache_hit(hf, path, vocab: int, steps: int) -> None:
     assert engine.radix.hit_tokens - hits >= shared // page * page
 
 
-def check_attention_step(windows: tuple[int, int], eager, *, softcap: float = 0.0, sinks=None) -> None:
-    """The torch backend (two pool layers of ``windows``, 0: the whole context; scores
-    capped at ``softcap``; ``sinks`` per head or None) against ``eager(q, k, v, mask)``
+def check_attention_step(windows: tuple[int, int], eager, *, softcap: float = 0.0, sinks=None,
+                         backend: str = "torch") -> None:
+    """The attention ``backend`` (``triton``: on CPU tensors, under Triton's interpreter)
+    with two pool layers of ``windows`` (0: the whole context), scores capped at
+    ``softcap``, ``sinks`` per head or None, against ``eager(q, k, v, mask)``
     (transformers' eager attention of one sequence, ``[1, H, E, D]`` queries, ``[1, H_kv,
     S, D]`` keys and values, an additive ``[1, 1, E, S]`` mask; ``[1, E, H, D]`` back) on
     one step: a 4-token chunk over a 13-token cached prefix, a decode row at position 9
@@ -232,10 +236,14 @@ def check_attention_step(windows: tuple[int, int], eager, *, softcap: float = 0.
     from engine.kvcache.pool import KVPool
     from engine.layers.attention.registry import create_attention_backend
 
+    if backend == "triton":
+        pytest.importorskip("triton")
+        if not INTERPRETING:
+            pytest.skip("the step's tensors are on the CPU: Triton runs them interpreted only")
     heads, kv_heads, dim, ps, scale = 4, 2, 8, 4, 0.3
     pool = KVPool(num_layers=2, num_pages=16, page_size=ps, num_kv_heads=kv_heads, head_dim=dim,
                   dtype=torch.float32, device="cpu")
-    attn = create_attention_backend("torch", pool, num_heads=heads, head_dim=dim, scale=scale)
+    attn = create_attention_backend(backend, pool, num_heads=heads, head_dim=dim, scale=scale)
     attn.use_windows(windows, softcap)
     g = torch.Generator().manual_seed(0)
     lens, prefix = {"a": 17, "b": 10, "c": 6}, {"a": 13, "b": 9, "c": 0}

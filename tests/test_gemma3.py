@@ -106,9 +106,11 @@ def test_sliding_layers_kv_is_priced_at_their_window(pair):
     assert fp.kv_window_note.startswith("4 of 6 layers slide over 8 tokens")
 
 
-def test_torch_backend_window_and_softcap_equal_eager_attention():
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_backend_window_and_softcap_equal_eager_attention(backend):
     """The backend's sliding window and score cap against transformers' eager attention
-    (the function Gemma's layers call), a layer of window 5 and a global one."""
+    (the function Gemma's layers call), a layer of window 5 and a global one (Triton's
+    kernels under its interpreter)."""
     from transformers.models.gemma3.modeling_gemma3 import eager_attention_forward
 
     module = torch.nn.Module()
@@ -117,7 +119,7 @@ def test_torch_backend_window_and_softcap_equal_eager_attention():
     def eager(q, k, v, mask, scale):
         return eager_attention_forward(module, q, k, v, mask, scaling=scale, softcap=1.5)[0]
 
-    check_attention_step((5, 0), eager, softcap=1.5)
+    check_attention_step((5, 0), eager, softcap=1.5, backend=backend)
 
 
 # google/gemma-3-4b-it's published config.json (its text_config as sparse as it is there:
@@ -161,15 +163,15 @@ def test_gemma3_4b_config_and_its_plan_line(tmp_path):
 
 
 def test_windowed_models_get_a_backend_with_windows():
-    """Sliding windows are in the torch and Triton backends (auto picks Triton on CUDA),
-    not FlashInfer's; soft-capped scores only in torch's; a backend without windows
-    refuses them."""
+    """Sliding windows and soft-capped scores are in the torch and Triton backends (auto
+    picks Triton on CUDA), not FlashInfer's; a backend without windows refuses them."""
     from engine.layers.attention.registry import backend_class, resolve_backend_name
 
     assert resolve_backend_name("auto", "cuda", windows=True) == "triton"
-    assert resolve_backend_name("auto", "cuda", windows=True, softcap=True) == "torch"
+    assert resolve_backend_name("auto", "cuda", windows=True, softcap=True) == "triton"
+    assert resolve_backend_name("triton", "cuda", softcap=True) == "triton"
     with pytest.raises(ValueError, match="has no soft-capped attention"):
-        resolve_backend_name("triton", "cuda", softcap=True)
+        resolve_backend_name("flashinfer", "cuda", softcap=True)
     with pytest.raises(ValueError, match="has no sliding-window attention"):
         resolve_backend_name("flashinfer", "cuda", windows=True)
     windowless = backend_class("flashinfer").__new__(backend_class("flashinfer"))  # no CUDA needed to ask

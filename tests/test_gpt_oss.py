@@ -100,9 +100,10 @@ def test_engine_greedy_ids_equal_transformers(pair):
     check_prefix_cache_hit(hf, path, VOCAB, STEPS)
 
 
-def test_torch_backend_sinks_and_window_equal_eager_attention():
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_backend_sinks_and_window_equal_eager_attention(backend):
     """The backend's sinks, in a layer of window 5 and a global one, against transformers'
-    gpt-oss eager attention."""
+    gpt-oss eager attention (Triton's kernels under its interpreter)."""
     from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
 
     module = torch.nn.Module()
@@ -112,20 +113,21 @@ def test_torch_backend_sinks_and_window_equal_eager_attention():
     def eager(q, k, v, mask, scale):
         return eager_attention_forward(module, q, k, v, mask, scaling=scale)[0]
 
-    check_attention_step((5, 0), eager, sinks=module.sinks)
+    check_attention_step((5, 0), eager, sinks=module.sinks, backend=backend)
 
 
-def test_sinks_get_the_torch_backend_and_the_others_refuse_them():
-    """auto picks torch on CUDA for a model with sinks; Triton and FlashInfer asked for by
-    name are refused, and a backend without sinks refuses them in a call."""
+def test_sinks_get_triton_on_cuda_and_flashinfer_refuses_them():
+    """auto picks Triton on CUDA (torch on the CPU) for a model with sinks; FlashInfer asked
+    for by name is refused, and a backend without sinks refuses them in a call."""
+    pytest.importorskip("triton")
     from engine.layers.attention.registry import backend_class, resolve_backend_name
 
-    assert resolve_backend_name("auto", "cuda", windows=True, sinks=True) == "torch"
-    with pytest.raises(ValueError, match="--attention-backend triton has no sink attention"):
-        resolve_backend_name("triton", "cuda", windows=True, sinks=True)
+    assert resolve_backend_name("auto", "cuda", windows=True, sinks=True) == "triton"
+    assert resolve_backend_name("auto", "cpu", windows=True, sinks=True) == "torch"
+    assert resolve_backend_name("triton", "cuda", windows=True, sinks=True) == "triton"
     with pytest.raises(ValueError, match="--attention-backend flashinfer has no sliding-window or sink attention"):
         resolve_backend_name("flashinfer", "cuda", windows=True, sinks=True)
-    sinkless = backend_class("triton").__new__(backend_class("triton"))  # no CUDA needed to ask
+    sinkless = backend_class("flashinfer").__new__(backend_class("flashinfer"))  # no CUDA needed to ask
     sinkless.pool = None
     with pytest.raises(ValueError, match="no attention sinks; use --attention-backend torch"):
         sinkless.forward(torch.zeros(1, 4, 8), None, None, 0, None, kv_stored=True, sinks=torch.zeros(4))
@@ -155,6 +157,23 @@ def test_kernel_paths_decline_gpt_oss(pair, caplog):
         offload_experts(ours, (0,), 4)
     with pytest.raises(ValueError, match="tensor-parallel"):
         ours.use_parallel(None, VOCAB)
+
+
+def test_decode_is_not_captured_over_the_reference_experts(pair):
+    """On CUDA with the Triton attention, a gpt-oss engine still decodes eagerly: captured,
+    its experts' torch reference would run every expert on every token."""
+    from dataclasses import replace
+
+    from engine.core.plan_stages import PlanStages
+
+    config = pair[3]
+    stages = PlanStages.__new__(PlanStages)
+    stages.config, stages.device, stages.tp, stages.expert_stores = EngineConfig(), torch.device("cuda"), None, {}
+    stages.attention_backend = "triton"
+    stages.model_config = replace(config, expert_bias=False, swiglu_limit=0.0)
+    assert stages._use_cuda_graphs  # the same model with the kernels' experts: captured
+    stages.model_config = config
+    assert not stages._use_cuda_graphs
 
 
 # The fields of openai/gpt-oss-20b's config.json (its experts in MXFP4).

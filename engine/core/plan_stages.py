@@ -72,10 +72,14 @@ class PlanStages:
         # back each step). Under tensor parallelism every rank can capture its graphs, the
         # all-reduces inside (engine.core.tp_graphs), but that path has not yet run on
         # two GPUs: it stays opt-in (--tp-cuda-graphs) until it has, and the
-        # group decodes eagerly as measured.
+        # group decodes eagerly as measured. Nor gpt-oss's experts (biases, the clamped
+        # SwiGLU): the Triton MoE declines them, and their torch reference, captured, runs
+        # every expert on every token.
         tp_ok = self.tp is None or self.config.tp_cuda_graphs
+        mc = self.model_config
+        reference_experts = mc.is_moe and bool(mc.expert_bias or mc.swiglu_limit)
         return (self.config.cuda_graphs and self.device.type == "cuda" and self._cuda_graph_max_batch >= 1
-                and not self.model_config.is_hybrid and not self.expert_stores and tp_ok
+                and not mc.is_hybrid and not self.expert_stores and tp_ok and not reference_experts
                 and backend_class(self.attention_backend).supports_cuda_graphs)
 
 

@@ -114,9 +114,9 @@ def _resolve(name: str, device_type: str, *, windows: bool, softcap: bool, sinks
     FlashInfer is picked only when asked for: it compiles its kernels on first use with
     the CUDA toolkit (measured on an H200: about 10 s for the decode module and 68 s for
     the prefill one, per cold cache), where Triton needs no toolkit. A model whose layers
-    slide (``windows``: Gemma 3) needs a backend that has windows (torch, Triton); one
-    whose scores are soft-capped (``softcap``) or whose softmax has sinks (``sinks``:
-    gpt-oss) gets ``torch``, the only one with the cap and the sinks.
+    slide (``windows``: Gemma 3), whose scores are soft-capped (``softcap``: Gemma 2) or
+    whose softmax has sinks (``sinks``: gpt-oss) needs a backend that has them (torch,
+    Triton; FlashInfer has none), so ``auto`` serves it as any other.
     The choice is logged with its reason.
 
     Raises:
@@ -135,10 +135,6 @@ def _resolve(name: str, device_type: str, *, windows: bool, softcap: bool, sinks
             return "torch"
         if device_type != "cuda":
             log.info("attention backend: torch (auto: the device is %s; the GPU kernels need CUDA)", device_type)
-            return "torch"
-        if softcap or sinks:
-            log.info("attention backend: torch (auto: the model's %s not in the GPU kernels yet)",
-                     "soft-capped scores are" if softcap else "attention sinks are")
             return "torch"
         if not _importable("triton"):
             log.info("attention backend: torch (auto: Triton is not installed; pip install triton for the GPU kernels)")

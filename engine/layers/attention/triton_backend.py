@@ -23,6 +23,8 @@ class TritonAttentionBackend(AttentionBackend):
 
     supports_cuda_graphs = True
     supports_windows = True  # sliding-window layers read their window only (the kernels' ``window``)
+    supports_softcap = True  # scores capped as each tile is scored (the kernels' ``softcap``)
+    supports_sinks = True  # a logit per head in each row's softmax (the kernels' ``sinks``)
     kv_block_formats = ("q8_0", "q4_0")  # the kernels dequantize each tile of blocks as they load it
 
     @classmethod
@@ -48,15 +50,18 @@ class TritonAttentionBackend(AttentionBackend):
         self._decode = self._max_extend == 1 and batch.batch_size <= self.max_batch
         batch.device_meta()
 
-    def attend(self, q: torch.Tensor, layer: int, batch: ForwardBatch) -> torch.Tensor:
-        return self._attend(q, layer, batch, False)[0]
+    def attend(self, q: torch.Tensor, layer: int, batch: ForwardBatch, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`AttentionBackend.attend`, with ``sinks`` (``[H]`` logits on the device, or
+        None) as :meth:`AttentionBackend.forward` takes them."""
+        return self._attend(q, layer, batch, False, sinks)[0]
 
     def attend_quantized(self, q: torch.Tensor, layer: int, batch: ForwardBatch) -> tuple[torch.Tensor, object]:
         """Decode: the split merge quantizes the rows it writes (:func:`kernels.
         attention_triton.paged_decode`'s ``quantize``) where the launch has one."""
         return self._attend(q, layer, batch, True)
 
-    def _attend(self, q: torch.Tensor, layer: int, batch: ForwardBatch, quantize: bool) -> tuple[torch.Tensor, object]:
+    def _attend(self, q: torch.Tensor, layer: int, batch: ForwardBatch, quantize: bool,
+                sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, object]:
         if q.stride(-1) != 1:
             q = q.contiguous()
         k_buf, v_buf = self.pool.k_buffers[layer], self.pool.v_buffers[layer]
@@ -66,10 +71,12 @@ class TritonAttentionBackend(AttentionBackend):
         q8 = None
         if self._decode:
             out = self._kernels.paged_decode(q, k_buf, v_buf, batch.page_table, seq_lens, ps, self.scale,
-                                             workspace=self._workspace, quantize=quantize, window=window)
+                                             workspace=self._workspace, quantize=quantize, window=window,
+                                             softcap=self.softcap, sinks=sinks)
             if quantize:
                 out, q8 = out
         else:
             out = self._kernels.paged_extend(q, k_buf, v_buf, batch.page_table, starts, prefix_lens, extend_lens,
-                                             ps, self.scale, max_extend=self._max_extend, window=window)
+                                             ps, self.scale, max_extend=self._max_extend, window=window,
+                                             softcap=self.softcap, sinks=sinks)
         return out.view(q.shape[0], self.num_heads * self.head_dim), q8

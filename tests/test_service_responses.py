@@ -93,6 +93,22 @@ def test_json_schema_answer_validates(real_server):
         jsonschema_rs.validate(YES_NO, json.loads(reply.output_text))
 
 
+def test_text_format_errors_speak_of_text_format(real_server):
+    """A refused ``text.format`` names Responses' own shape and field in its message, not
+    chat completions' ``response_format`` (whose shape nests the schema differently)."""
+    client = _client(real_server)
+
+    def refused(fmt: dict) -> str:
+        return _bad_request(lambda: client.responses.create(
+            model="default", input="Hi", text={"format": fmt}, max_output_tokens=4), "text.format")
+
+    no_schema = refused({"type": "json_schema", "name": "x"})
+    assert "response_format" not in no_schema and '"type": "json_schema", "name": ..., "schema": {...}' in no_schema
+    assert "response_format" not in refused({"type": "yaml"})
+    unenforceable = refused({"type": "json_schema", "name": "x", "schema": {"type": "array", "uniqueItems": True}})
+    assert unenforceable.startswith("text.format: ") and "uniqueItems" in unenforceable
+
+
 def test_refusals_in_openai_error_shape(real_server):
     client = _client(real_server)
     message = _bad_request(

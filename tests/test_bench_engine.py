@@ -46,6 +46,26 @@ def test_against_llama_cpp_without_its_tools_names_the_fix(tmp_path):
     assert result.exit_code == 2 and "give --model FILE.gguf, not --shape" in result.stderr, result.output
 
 
+def test_bench_engine_takes_the_kv_cache_dtype_as_serve_does(default_model_dir, tmp_path):
+    """``--kv-cache-dtype`` reaches the engine side (the table names the cache it ran);
+    against llama.cpp, whose side runs its own cache, anything but auto is refused at once."""
+    import os
+
+    from click.testing import CliRunner
+
+    from service.cli import main
+
+    small = ["bench", "engine", "--device", "cpu", "--batches", "1", "--prompt-tokens", "4", "--new-tokens", "2",
+             "--long-prefill-tokens", "0", "--no-transformers"]
+    env = {"HEADROOM_CONFIG": os.devnull}
+    result = CliRunner().invoke(main, [*small, "--kv-cache-dtype", "q8_0"], env=env)
+    assert result.exit_code == 0, result.output
+    assert "KV cache q8_0" in result.stdout
+    result = CliRunner().invoke(main, [*small, "--kv-cache-dtype", "q4_0", "--against-llama-cpp", str(tmp_path)],
+                                env=env)
+    assert result.exit_code == 2 and "--kv-cache-dtype auto" in result.stderr, result.output
+
+
 @pytest.mark.parametrize("layout", [".", "bin", "build/bin"])
 def test_llama_cpp_tools_are_found_where_a_build_puts_them(tmp_path, layout):
     from engine.bench.llama_cpp import LlamaCppTools

@@ -249,6 +249,22 @@ def test_heads_that_are_not_whole_blocks_are_refused_before_anything_loads(tmp_p
         check_for_model(EngineConfig(model=str(tmp_path), kv_cache_dtype="q4_0"), mc)
 
 
+@pytest.mark.parametrize("budget", [[], ["--device-total", "4GiB"]])
+def test_headroom_plan_refuses_heads_that_are_not_whole_blocks_with_or_without_a_budget(
+        tmp_path, make_tiny_hf_model, budget):
+    """``headroom plan`` on the CPU without ``--device-total`` (the host memory the engine
+    would hold) refuses what ``serve`` refuses, rather than pricing blocks it cannot store."""
+    from click.testing import CliRunner
+
+    from service.cli.commands import main
+
+    make_tiny_hf_model("llama", tmp_path)
+    result = CliRunner().invoke(main, ["plan", "--model", str(tmp_path), "--device", "cpu",
+                                       "--kv-cache-dtype", "q8_0", *budget])
+    assert result.exit_code == 2, result.output
+    assert "head dim 16 is not a multiple of 32: use --kv-cache-dtype auto or fp8" in result.output
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize(("hk", "d"), [(2, 64), (3, 96)])
 def test_triton_store_writes_the_torch_store_s_bytes(fmt, hk, d):

@@ -1,7 +1,7 @@
 """``headroom serve``, ``plan`` and ``generate`` refusing what cannot work at once, with
 exit 2 and one line naming the fix, before a port is bound or a model loads: a dtype
 that is none, a ``--model`` that names no model, a ``--kv-cache`` below one
-``--min-context``, an empty served name, an empty raw prompt."""
+``--min-context``, an empty served name, an empty raw prompt, a count past any machine."""
 
 from __future__ import annotations
 
@@ -55,3 +55,14 @@ def test_generate_says_an_empty_raw_prompt_is_empty():
     assert result.exit_code == 2, result.output
     assert "the prompt is empty; pass the text to complete" in result.stderr
     assert "shorten" not in result.stderr
+
+
+@pytest.mark.parametrize("flag", ["--page-size", "--max-running-requests", "--max-prefill-tokens"])
+def test_plan_refuses_a_count_beyond_any_machine_naming_the_flag(flag):
+    """A count of 10^20 (pages, requests, tokens) is a typo: refused with exit 2 naming
+    the flag, as serve refuses it before its worker starts (which it crashed: no C or
+    wire integer holds it), not planned as a pool of 4 * 10^18 MiB."""
+    result = invoke(["plan", flag, str(10**20)])
+    assert result.exit_code == 2, result.output
+    assert f"{flag}: {10**20} is more than 2,147,483,647" in result.stderr
+    assert "Traceback" not in result.output

@@ -109,6 +109,10 @@ def test_ollama_errors(real_server):
     # No messages is Ollama's load call, not an error (tests/test_api_ollama_loading.py).
     r = httpx.post(real_server.base_url + "/api/chat", json={"model": "default", "messages": []})
     assert r.status_code == 200 and r.json()["done_reason"] == "load"
+    # /api/show names its model too, as Ollama requires (not the served one by default).
+    for body in ({}, {"model": ""}, {"name": ""}):
+        r = httpx.post(real_server.base_url + "/api/show", json=body)
+        assert (r.status_code, r.json()) == (400, {"error": "model is required"}), body
 
 
 def test_ollama_api_key_and_worker_killed_mid_stream(start_server):

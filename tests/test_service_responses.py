@@ -93,6 +93,22 @@ def test_json_schema_answer_validates(real_server):
         jsonschema_rs.validate(YES_NO, json.loads(reply.output_text))
 
 
+def test_text_format_errors_speak_of_text_format(real_server):
+    """A refused ``text.format`` names Responses' own shape and field in its message, not
+    chat completions' ``response_format`` (whose shape nests the schema differently)."""
+    client = _client(real_server)
+
+    def refused(fmt: dict) -> str:
+        return _bad_request(lambda: client.responses.create(
+            model="default", input="Hi", text={"format": fmt}, max_output_tokens=4), "text.format")
+
+    no_schema = refused({"type": "json_schema", "name": "x"})
+    assert "response_format" not in no_schema and '"type": "json_schema", "name": ..., "schema": {...}' in no_schema
+    assert "response_format" not in refused({"type": "yaml"})
+    unenforceable = refused({"type": "json_schema", "name": "x", "schema": {"type": "array", "uniqueItems": True}})
+    assert unenforceable.startswith("text.format: ") and "uniqueItems" in unenforceable
+
+
 def test_refusals_in_openai_error_shape(real_server):
     client = _client(real_server)
     message = _bad_request(
@@ -211,3 +227,20 @@ def test_thinking_budget_closes_the_block(qwen3_server):
     with httpx.Client(base_url=qwen3_server.base_url, timeout=60) as http:
         bad = http.post("/api/chat", json={"model": "default", "messages": hi, "think": "max"})
     assert bad.status_code == 400 and "think" in bad.json()["error"]
+
+
+def test_a_budget_beyond_any_context_is_no_limit(qwen3_server):
+    """A thinking budget larger than a 64-bit integer is a budget no sequence reaches:
+    answered as no limit, never a 500 from passing it to the worker."""
+    hi = [{"role": "user", "content": "Hi"}]
+    huge = 2**70
+    with httpx.Client(base_url=qwen3_server.base_url, timeout=300) as http:
+        chat = http.post("/v1/chat/completions", json={
+            "model": "default", "messages": hi, "max_tokens": 6, "temperature": 0, "thinking_budget": huge})
+        messages = http.post("/v1/messages", json={
+            "model": "default", "messages": hi, "max_tokens": huge + 1, "temperature": 0,
+            "thinking": {"type": "enabled", "budget_tokens": huge}})
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["choices"][0]["message"]["reasoning_content"]
+    assert messages.status_code == 200, messages.text
+    assert messages.json()["content"][0]["type"] == "thinking"

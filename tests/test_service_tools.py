@@ -139,6 +139,36 @@ def test_a_forced_call_whose_parameters_the_grammar_cannot_enforce_is_a_400(qwen
     assert exc.value.body["param"] == "tools" and "uniqueItems" in exc.value.body["message"]
 
 
+def test_parameters_that_are_not_a_schema_object_are_a_400(qwen3_server):
+    """A function's ``parameters`` must be a JSON schema object: a string is refused
+    naming the tool, not replaced by ``{"type": "object"}`` behind the client's back."""
+    tool = {"type": "function", "function": {"name": "pick", "parameters": "not a schema"}}
+    for choice in ("auto", "required"):
+        with pytest.raises(openai.BadRequestError) as exc:
+            _client(qwen3_server).chat.completions.create(
+                model="default", messages=HI, tools=[tool], tool_choice=choice, max_tokens=4)
+        assert exc.value.body["param"] == "tools[0]" and "parameters" in exc.value.body["message"]
+
+
+def test_two_tools_of_one_name_are_a_400_on_every_api(qwen3_server):
+    """A call names its function, so two tools of one name could never be told apart:
+    refused naming the second, as OpenAI and Anthropic refuse them."""
+    import httpx
+
+    schema = {"type": "object"}
+    openai_tool = {"type": "function", "function": {"name": "pick", "parameters": schema}}
+    with httpx.Client(base_url=qwen3_server.base_url, timeout=300) as http:
+        chat = http.post("/v1/chat/completions", json={
+            "messages": HI, "tools": [openai_tool, openai_tool], "tool_choice": "required", "max_tokens": 4})
+        messages = http.post("/v1/messages", json={
+            "model": "default", "messages": HI, "max_tokens": 4, "tool_choice": {"type": "any"},
+            "tools": [{"name": "pick", "input_schema": schema}] * 2})
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "tools[1]", chat.text
+    assert "pick" in chat.json()["error"]["message"]
+    assert messages.status_code == 400 and messages.json()["error"]["type"] == "invalid_request_error", messages.text
+    assert "pick" in messages.json()["error"]["message"]
+
+
 def test_template_without_tools_is_a_400(real_server):
     client = _client(real_server)
     with pytest.raises(openai.BadRequestError) as exc:

@@ -169,6 +169,7 @@ def run_bench_engine(
     long_prefill_tokens: int = LONG_PREFILL_TOKENS, transformers_side: bool = True, profile: bool = False,
     profile_batches: tuple[int, ...] = (1,), gguf_quantized: bool | None = None,
     kernel_switches: KernelSwitches | None = None, against_llama_cpp: str | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> list[dict]:
     """Measure both sides at each batch size and on one long prompt; returns one row per
     (case, side) and prints a table. Each side runs once untimed first (warm-up).
@@ -189,16 +190,21 @@ def run_bench_engine(
             ``llama-batched-bench``: they are the comparison instead of transformers, on
             the same GGUF file (``model``, or the embedded model's), threads and cores
             (:mod:`engine.bench.llama_cpp`).
+        kv_cache_dtype: the engine's ``--kv-cache-dtype`` (``auto`` only against llama.cpp,
+            whose side runs its default cache).
 
     Raises:
-        ValueError: ``against_llama_cpp`` without its tools, or with a model that is not
-            a GGUF file.
+        ValueError: ``against_llama_cpp`` without its tools, with a model that is not
+            a GGUF file, or with a ``kv_cache_dtype`` other than ``auto``.
 
     The engine runs every case before transformers is loaded, so the table ends with the
     engine's own peak resident memory (``peak_rss_mib`` in its rows: the process's peak
     after that case, load included; the KV cache a case fills is ``kv_mib``), then the
     process's peak with transformers' model too.
     """
+    if against_llama_cpp is not None and kv_cache_dtype != "auto":
+        raise ValueError(f"--against-llama-cpp compares llama.cpp's default KV cache: run it with --kv-cache-dtype "
+                         f"auto, not {kv_cache_dtype}")
     llama_cpp = None if against_llama_cpp is None else _llama_cpp_side(against_llama_cpp, model, shape)
     if llama_cpp is not None:
         model = str(llama_cpp[1])  # the very file llama.cpp reads
@@ -207,7 +213,7 @@ def run_bench_engine(
     engine = Engine(EngineConfig(
         model=model, device=device, load_format="dummy" if shape is not None else "auto",
         attention_backend=attention_backend, cuda_graphs=cuda_graphs,
-        max_running_requests=max(64, *batches), gguf_quantized=gguf_quantized,
+        max_running_requests=max(64, *batches), gguf_quantized=gguf_quantized, kv_cache_dtype=kv_cache_dtype,
         **dataclasses.asdict(kernel_switches or KernelSwitches()),
     ))
     on_cuda = engine.device.type == "cuda"
@@ -312,6 +318,7 @@ def peak_rss_bytes() -> int:
 def _print_table(engine: Engine, rows: list[dict], prompt_tokens: int, new_tokens: int, roof: Roofline | None) -> None:
     info = engine.info
     print(f"model {info.model_name} on {info.device} ({info.dtype}), attention {engine.attention_backend}, "
+          f"KV cache {info.kv_cache_dtype}, "
           f"CUDA graphs {'on' if engine.runner.graphs is not None else 'off'}; "
           f"prompt {prompt_tokens} tokens, {new_tokens} new tokens, greedy")
     if roof is not None:

@@ -143,6 +143,8 @@ def cpu_holdings(config: EngineConfig) -> CpuHoldings:
     Raises:
         engine.common.load_errors.ModelLoadError: the model is missing or its config broken.
         ValueError: an unknown dtype or KV cache dtype.
+        engine.common.errors.SettingRefused: a setting the model cannot honour
+            (:func:`engine.core.settings_fit.check_for_model`).
     """
     from engine.core.footprint import kv_bytes_per_token
     from engine.kvcache.pool import kv_storage_dtype
@@ -158,6 +160,7 @@ def cpu_holdings(config: EngineConfig) -> CpuHoldings:
     dtype = resolve_dtype(config.dtype, device)
     model_dir = resolve_model(config.model)
     mc = load_model_config(model_dir)
+    check_for_model(config, mc)  # what serve refuses before it loads, as build_plan does
     gguf = quantized_gguf(config, device, mc)
     if gguf is not None:
         size = gguf_weight_size(gguf, mc, dtype, device.type)

@@ -28,6 +28,11 @@ from typing import Any
 
 ENV_PREFIX = "HEADROOM_"
 
+# The largest count (tokens, pages, requests, rows) an option takes; past it a value is a
+# typo that no C integer of the engine, nor the worker's wire, holds. Sizes have theirs
+# (engine.common.units.MAX_SIZE).
+MAX_COUNT = 2**31 - 1
+
 # A check returns None for a good value, else why it is not (e.g. "must be at least 1").
 Check = Callable[[Any], "str | None"]
 
@@ -82,6 +87,8 @@ class Option:
             return None
         if isinstance(value, float) and not math.isfinite(value):
             return f"{value} is not a finite number"
+        if type(value) is int and not self.is_size and abs(value) > MAX_COUNT:
+            return f"{value} is more than {MAX_COUNT:,}, beyond any machine; give a smaller number"
         for check in self.checks:
             why = check(value)
             if why is not None:

@@ -17,12 +17,22 @@ from service.common.errors import invalid
 ANY_OBJECT = '{"type": "object"}'
 
 
-def response_schema(response_format: dict[str, Any] | None) -> str | None:
+# Where a ``json_schema`` format holds its schema, by the field that carries it.
+_SCHEMA_SHAPES = {
+    "response_format": '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}',
+    "text.format": '{"type": "json_schema", "name": ..., "schema": {...}}',
+}
+
+
+def response_schema(response_format: dict[str, Any] | None, param: str = "response_format") -> str | None:
     """The JSON text of the schema an answer must match, or None for free text.
+    ``param`` is the field the format came from: chat completions' ``response_format``
+    (the schema under ``json_schema``) or Responses' ``text.format`` (the schema beside
+    its ``type``).
 
     Raises:
-        APIError: 400 ``response_format`` for an unknown type or a ``json_schema``
-            without a ``schema`` object.
+        APIError: 400 ``param`` for an unknown type or a ``json_schema`` without a
+            ``schema`` object, naming the shape that field takes.
     """
     if not response_format:
         return None
@@ -32,18 +42,12 @@ def response_schema(response_format: dict[str, Any] | None) -> str | None:
     if kind == "json_object":
         return ANY_OBJECT
     if kind == "json_schema":
-        spec = response_format.get("json_schema")
-        schema = spec.get("schema") if isinstance(spec, dict) else None
+        holder = response_format.get("json_schema") if param == "response_format" else response_format
+        schema = holder.get("schema") if isinstance(holder, dict) else None
         if not isinstance(schema, dict):
-            raise invalid(
-                'response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}',
-                "response_format",
-            )
+            raise invalid(f"{param} json_schema needs {_SCHEMA_SHAPES[param]}", param)
         return json.dumps(schema)
-    raise invalid(
-        f"response_format type {kind!r} is not supported; use text, json_object or json_schema",
-        "response_format",
-    )
+    raise invalid(f"{param} type {kind!r} is not supported; use text, json_object or json_schema", param)
 
 
 def ollama_format(fmt: Any) -> str | None:

@@ -32,6 +32,8 @@ from service.common.errors import invalid
 # (medium), and no cap (high).
 EFFORT_BUDGETS: dict[str, int | None] = {"low": 1024, "medium": 4096, "high": None}
 EFFORTS_OFF = ("none", "minimal")
+# Budgets above this (the wire's largest integer) no context reaches: no limit.
+MAX_BUDGET = 2**63 - 1
 
 
 def effort_thinking(effort: str | None, param: str) -> tuple[bool | None, int | None]:
@@ -98,5 +100,7 @@ def check_thinking(thinking: bool | None, budget: int | None, chat_template: str
 
 def budget_tokens(thinking: bool | None, budget: int | None) -> int | None:
     """The reasoning tokens a sequence may write: 0 when thinking is off, else
-    ``budget`` (None: no limit)."""
-    return 0 if thinking is False else budget
+    ``budget`` (None: no limit, as is a budget above :data:`MAX_BUDGET`)."""
+    if thinking is False:
+        return 0
+    return None if budget is not None and budget > MAX_BUDGET else budget

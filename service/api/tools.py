@@ -335,7 +335,8 @@ def plan_tools(
     """Check ``tools`` and ``tool_choice`` against each other and the template.
 
     Raises:
-        APIError: 400 ``tools`` for a malformed definition or a template with no tool
+        APIError: 400 ``tools`` (``tools[i]``) for a malformed definition (``parameters``
+            that are not an object, a name given twice) or a template with no tool
             support (or a format this server does not parse); 400 ``tool_choice`` for
             an unknown value or a function not among ``tools``.
     """
@@ -357,6 +358,10 @@ def plan_tools(
                 "'parameters'}}",
                 f"tools[{i}]",
             )
+        if not isinstance(function.get("parameters", {}), dict | None):
+            raise invalid("a function's parameters must be a JSON schema object", f"tools[{i}]")
+        if function["name"] in names:  # a call could not say which one it calls
+            raise invalid(f"tool names must be unique: {function['name']!r} is given twice", f"tools[{i}]")
         names.append(function["name"])
     if not has_tools:
         raise invalid(

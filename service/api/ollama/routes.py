@@ -161,8 +161,11 @@ class OllamaController(Controller):
 
     @post("/show", status_code=200)
     async def show_model(self, request: Request, svc: Services) -> Response[bytes]:
-        """The model's details, sampling defaults, chat template and capabilities."""
+        """The model's details, sampling defaults, chat template and capabilities;
+        400 ``model is required`` without ``model`` (or ``name``), as Ollama answers."""
         body, _ = await read_body(request, OllamaShowRequest)
+        if not (body.model or body.name):
+            raise invalid("model is required", "model", MISSING_FIELD)
         info = svc.supervisor.info or svc.supervisor.check_ready()
         svc.check_model(model_name(body.model or body.name), info)
         template = getattr(svc.text.tokenizer, "chat_template", None) if svc.text else None

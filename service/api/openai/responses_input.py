@@ -30,7 +30,7 @@ from service.api.request import GenerationRequest
 from service.api.sampling import sampling_of
 from service.api.structured import response_schema
 from service.api.thinking import effort_thinking, with_thinking
-from service.common.errors import APIError, invalid
+from service.common.errors import invalid
 
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -205,14 +205,7 @@ def text_schema(text: dict[str, Any] | None) -> str | None:
         return None
     if not isinstance(fmt, dict):
         raise invalid("text.format must be an object", "text.format")
-    response_format = dict(fmt)
-    if fmt.get("type") == "json_schema":
-        response_format = {"type": "json_schema", "json_schema": {"schema": fmt.get("schema")}}
-    try:
-        return response_schema(response_format)
-    except APIError as exc:
-        exc.param = "text.format"
-        raise
+    return response_schema(fmt, "text.format")
 
 
 def responses_request(
@@ -242,6 +235,7 @@ def responses_request(
         max_tokens_param="max_output_tokens",
         default_max_tokens=default_max_tokens or None,
         json_schema=text_schema(body.text),
+        schema_param="text.format",
         chat=True,
         tools=tools,
         tool_choice=chat_tool_choice(body.tool_choice),

@@ -61,6 +61,8 @@ def test_settings_defaults_and_lists_from_env(tmp_path):
         ("64KiB", 64 << 10),
         ("2G", 2 << 30),
         ("1048576", 1 << 20),
+        ("1PiB", 1 << 50),  # the largest size, in the unit the refusal names
+        ("0.5 pib", 1 << 49),
         ("0", 0),
         (4096, 4096),
     ],
@@ -69,7 +71,7 @@ def test_parse_size(text, expected):
     assert parse_size(text) == expected
 
 
-@pytest.mark.parametrize("text", ["", "GiB", "6 gibs", "-1GiB", "1.2.3GB", "six", True, -5, "1025TiB", 1 << 51, "9" * 5000])
+@pytest.mark.parametrize("text", ["", "GiB", "6 gibs", "-1GiB", "1.2.3GB", "six", True, -5, "1025TiB", "2PiB", "1.1PiB", 1 << 51, "9" * 5000])
 def test_parse_size_refuses_non_sizes(text):
     with pytest.raises(ValueError, match="size"):
         parse_size(text)

@@ -31,8 +31,11 @@ SIZE_UNITS: dict[str, int] = {
     "t": TiB,
     "tib": TiB,
     "tb": 10**12,
+    "p": 1 << 50,
+    "pib": 1 << 50,
+    "pb": 10**15,
 }
-PiB = 1 << 50
+PiB = SIZE_UNITS["pib"]
 SIZE_EXAMPLES = "e.g. 6GiB, 5.5GiB, 512MiB, 6GB (decimal) or a number of bytes"
 # The largest size a person may write: far beyond any device or host memory, so a
 # larger one is a typo (not a plan that "fits" on a card of 10^20 TiB).
@@ -45,7 +48,7 @@ def parse_size(text: str | int) -> int:
     """A memory size in bytes from what a person writes.
 
     ``"6GiB"``, ``"5.5GiB"``, ``"512MiB"``, ``"64KiB"`` are binary (so are the bare
-    ``K``/``M``/``G``/``T``); ``"6GB"``, ``"512MB"`` are decimal; ``"1048576"`` (or an
+    ``K``/``M``/``G``/``T``/``P``); ``"6GB"``, ``"512MB"`` are decimal; ``"1048576"`` (or an
     int) is bytes. Case and a space before the unit do not matter. Fractions round down
     to whole bytes.
 

@@ -33,24 +33,27 @@ MiB = 1 << 20
 
 # Seconds from the moment the engine is first ready. The game's share wobbles by a few
 # tens of MiB while it plays (inside the replan band: no replan may follow it); the
-# wobble starts well after the game's arrival, so the replans that arrival causes are
-# done even on a busy machine, and each wobble step lasts a second so the sampler sees
-# it even when its loop stalls for a moment.
+# wobble starts well after the game's arrival (7 s), so the replans that arrival causes
+# are done even on a busy machine (the watcher samples nothing while it awaits one), and
+# it lasts 6 s in steps of a second, so the sampler sees it even when its loop stalls
+# for a few seconds.
 TIMELINE = {
     "steps": [
         [0, 0],
         [3, "40%"],
-        [8, "39%"],
-        [9, "41%"],
-        [10, "39.5%"],
-        [11, "40.5%"],
-        [12, "40%"],
-        [13, "47%"],  # a browser tab decodes a video on top of the game
+        [10, "39%"],
+        [11, "41%"],
+        [12, "39.5%"],
+        [13, "40.5%"],
+        [14, "39%"],
+        [15, "41%"],
         [16, "40%"],
-        [20, 0],  # both leave
+        [17, "47%"],  # a browser tab decodes a video on top of the game
+        [20, "40%"],
+        [24, 0],  # both leave
     ]
 }
-TIMELINE_END_S = 20
+TIMELINE_END_S = 24
 MIN_RESULTS = 8
 HOLD_S = 1.0
 

@@ -152,7 +152,8 @@ def test_parameters_that_are_not_a_schema_object_are_a_400(qwen3_server):
 
 def test_two_tools_of_one_name_are_a_400_on_every_api(qwen3_server):
     """A call names its function, so two tools of one name could never be told apart:
-    refused naming the second, as OpenAI and Anthropic refuse them."""
+    refused naming the second, as OpenAI and Anthropic refuse them; and a tool of no
+    name could never be called: refused naming it."""
     import httpx
 
     schema = {"type": "object"}
@@ -167,6 +168,12 @@ def test_two_tools_of_one_name_are_a_400_on_every_api(qwen3_server):
     assert "pick" in chat.json()["error"]["message"]
     assert messages.status_code == 400 and messages.json()["error"]["type"] == "invalid_request_error", messages.text
     assert "pick" in messages.json()["error"]["message"]
+    with httpx.Client(base_url=qwen3_server.base_url, timeout=300) as http:  # nor can a tool of no name
+        nameless = http.post("/v1/chat/completions", json={
+            "messages": HI, "tools": [{"type": "function", "function": {"name": " ", "parameters": schema}}],
+            "tool_choice": "required", "max_tokens": 4})
+    assert nameless.status_code == 400 and nameless.json()["error"]["param"] == "tools[0]", nameless.text
+    assert "needs a name" in nameless.json()["error"]["message"]
 
 
 def test_template_without_tools_is_a_400(real_server):

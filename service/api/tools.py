@@ -336,7 +336,7 @@ def plan_tools(
 
     Raises:
         APIError: 400 ``tools`` (``tools[i]``) for a malformed definition (``parameters``
-            that are not an object, a name given twice) or a template with no tool
+            that are not an object, an empty name, a name given twice) or a template with no tool
             support (or a format this server does not parse); 400 ``tool_choice`` for
             an unknown value or a function not among ``tools``.
     """
@@ -360,6 +360,8 @@ def plan_tools(
             )
         if not isinstance(function.get("parameters", {}), dict | None):
             raise invalid("a function's parameters must be a JSON schema object", f"tools[{i}]")
+        if not function["name"].strip():  # a call could not name it
+            raise invalid("a function needs a name", f"tools[{i}]")
         if function["name"] in names:  # a call could not say which one it calls
             raise invalid(f"tool names must be unique: {function['name']!r} is given twice", f"tools[{i}]")
         names.append(function["name"])

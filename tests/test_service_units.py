@@ -61,10 +61,8 @@ def test_settings_defaults_and_lists_from_env(tmp_path):
         ("64KiB", 64 << 10),
         ("2G", 2 << 30),
         ("1048576", 1 << 20),
-        ("1PiB", 1 << 50),  # the largest size, in the unit the refusal names
-        ("0.5 pib", 1 << 49),
-        ("0", 0),
-        (4096, 4096),
+        ("1PiB", 1 << 50), ("0.5 pib", 1 << 49),  # the largest size, in the unit its refusal names
+        ("0", 0), (4096, 4096),
     ],
 )
 def test_parse_size(text, expected):

@@ -93,6 +93,14 @@ class KernelSwitches:
         "kernels.quant.triton_int8_gemm) instead of the float tile GEMM. Each times its "
         "own tilings per shape.",
     )
+    expert_bus_reads: bool = _switch(
+        True,
+        "Decode steps of mixture-of-experts layers whose experts live in host memory: "
+        "the fused kernel reads each missing expert from pinned host memory over the bus "
+        "and the cached ones from the device, with no copy and no host round trip "
+        "(engine.layers.moe.bus_reads). Off: each step copies the missing experts into "
+        "the cache or runs them on the CPU, as prefill does.",
+    )
     quant_int8_fuse: bool = _switch(
         False,
         "The int8 GEMV quantizes its float activations itself as it reads them, instead "

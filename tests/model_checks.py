@@ -96,8 +96,8 @@ def halved_cache_run(runner, prompts: dict, steps: int, model, config) -> tuple[
     layers' experts are offloaded first with every expert cached, copies always
     preferred), the expert cache halved by a live replan before decode step 10 and grown
     back before step 20. Returns (ids, last logits, the cache's slots at each step)."""
-    from engine.layers.moe.expert_cache import offload_experts, resize_cache
     from engine.layers.moe.expert_costs import ALWAYS_COPY
+    from engine.layers.moe.offload import offload_experts, resize_cache
 
     full = config.num_experts * len(config.moe_layers)
     stores, _ = offload_experts(model, config.moe_layers, config.num_experts, ALWAYS_COPY)

@@ -136,7 +136,7 @@ def test_sinks_get_triton_on_cuda_and_flashinfer_refuses_them():
 def test_kernel_paths_decline_gpt_oss(pair, caplog):
     """The C decode layer and the Triton MoE decline it (the latter to the torch reference,
     saying why); expert offload and tensor parallelism refuse it."""
-    from engine.layers.moe.expert_cache import offload_experts
+    from engine.layers.moe.offload import offload_experts
     from kernels.moe import reference
 
     _, _, ours, config, _ = pair

@@ -13,9 +13,10 @@ import pytest
 import torch
 from model_checks import engine_greedy, halved_cache_run, paged_greedy, two_prompts
 
-from engine.layers.moe.expert_cache import ExpertCounters, OffloadedExperts, offload_experts
+from engine.layers.moe.expert_cache import ExpertCounters, OffloadedExperts
 from engine.layers.moe.expert_costs import ALWAYS_COPY, ALWAYS_CPU, CostModel, measure_costs
 from engine.layers.moe.expert_stacks import DenseStack
+from engine.layers.moe.offload import offload_experts
 from engine.loader.load import load_model
 
 VOCAB = 256
@@ -208,8 +209,24 @@ def test_the_engine_loads_a_hybrid_plan_and_decodes_the_same_ids(tiny, tmp_path_
     stats = hybrid.stats()
     assert stats.expert_cache_hits + stats.expert_cache_misses > 0
     assert stats.expert_cache_slots == sum(s.num_slots for s in hybrid.expert_stores)
-    assert stats.expert_cache_misses == stats.expert_copies + stats.expert_cpu_runs
+    assert stats.expert_cache_misses == stats.expert_copies + stats.expert_cpu_runs + stats.expert_bus_reads
     assert whole.stats().expert_cache_slots == 0
     with pytest.raises(ValueError, match="no routed experts live in host memory"):
         whole.resize_expert_cache(4)
     assert whole.plan.cpu_expert_layers == 0 and not whole.expert_stores
+
+
+def test_hot_swaps_bring_in_clearly_hotter_experts_only():
+    """The bus-read cache's refresh (engine.layers.moe.bus_reads.hot_swaps): free slots
+    take the hottest uncached experts; a full cache swaps only for an expert hotter than
+    its coldest by the margin, at most SWAPS_PER_REFRESH a refresh; even heat swaps none."""
+    from engine.layers.moe.bus_reads import SWAP_MARGIN, SWAPS_PER_REFRESH, hot_swaps
+
+    heat = torch.tensor([0.1, 0.5, 0.0, 0.35, 0.2], dtype=torch.float64)
+    assert hot_swaps(heat, {}, 2) == [(1, None), (3, None)]
+    assert hot_swaps(heat, {0: 0, 4: 1}, 2) == [(1, 0), (3, 4)]  # 0.5 > 1.5 * 0.1, 0.35 > 1.5 * 0.2
+    even = torch.full((8,), 0.25, dtype=torch.float64)
+    assert hot_swaps(even, {0: 0, 1: 1}, 2) == []
+    assert hot_swaps(torch.tensor([0.1, 0.1 * SWAP_MARGIN], dtype=torch.float64), {0: 0}, 1) == []
+    many = torch.arange(32, dtype=torch.float64)
+    assert len(hot_swaps(many, {}, 32)) == SWAPS_PER_REFRESH

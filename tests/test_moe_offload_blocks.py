@@ -27,9 +27,10 @@ from model_checks import engine_greedy, halved_cache_run, paged_greedy, two_prom
 from test_gguf_convert import VOCAB, write_gguf  # noqa: E402
 from test_gguf_moe_quant import EXPERT_TYPES, write_tiny_moe_gguf  # noqa: E402
 
-from engine.layers.moe.expert_cache import ExpertCounters, OffloadedExperts, offload_experts  # noqa: E402
+from engine.layers.moe.expert_cache import ExpertCounters, OffloadedExperts  # noqa: E402
 from engine.layers.moe.expert_costs import ALWAYS_COPY, ALWAYS_CPU, CostModel, measure_stack_costs  # noqa: E402
 from engine.layers.moe.expert_stacks import BlockStack, stack_of  # noqa: E402
+from engine.layers.moe.offload import offload_experts  # noqa: E402
 from engine.layers.moe.quant_experts import QuantExperts  # noqa: E402
 from engine.loader.gguf_convert import convert_gguf  # noqa: E402
 from engine.loader.gguf_quant import gguf_weight_size, load_gguf_quantized  # noqa: E402
@@ -123,6 +124,32 @@ def test_experts_run_by_the_c_kernels_give_the_all_resident_greedy_ids(tiny, pag
     assert got == reference[0]
     assert float((logits - reference[1]).abs().max()) <= 1e-3 * float(reference[1].abs().max())
     assert counters.cpu_runs > 0 and counters.misses == counters.copies + counters.cpu_runs
+
+
+@pytest.mark.parametrize("slots", [0, 2])
+def test_decode_reading_experts_over_the_bus_gives_the_all_resident_greedy_ids(tiny, paged_runner, reference, slots,
+                                                                               monkeypatch):
+    """Decode steps that read the missing experts from the host tier in place and the
+    cached ones from their slots (engine.layers.moe.bus_reads; on CUDA the host tier is
+    pinned memory the kernel reads over the bus): the reference kernel reads the same two
+    tiers here, so ids and logits are the all-resident model's, while the hot-set
+    refresh (every 4 steps here) fills the cache by routing heat."""
+    from engine.layers.moe import expert_cache
+
+    monkeypatch.setattr(OffloadedExperts, "_reads_over_bus", lambda self, x: x.shape[0] > 0)
+    monkeypatch.setattr(expert_cache, "REFRESH_STEPS", 4)
+    _, config, model = tiny
+    hybrid = copy.deepcopy(model)
+    stores, counters = offload_experts(hybrid, config.moe_layers, slots, ALWAYS_COPY, cpu_kernels=False)
+    got, logits = paged_greedy(paged_runner(hybrid, config), _prompts(), STEPS)
+    assert got == reference[0]
+    _same_logits(logits, reference[1])
+    assert counters.bus_reads > 0 and counters.copies == 0 and counters.cpu_runs == 0
+    assert counters.misses == counters.bus_reads
+    if slots:
+        assert counters.swaps > 0 and counters.hits > 0
+    for s in stores:
+        assert torch.equal(s._bus.lut.cpu(), torch.tensor([s.slot_of.get(e, -1) for e in range(s.num_experts)]))
 
 
 def test_a_cache_halved_mid_run_and_grown_back_keeps_outputs_equal(tiny, paged_runner, reference):

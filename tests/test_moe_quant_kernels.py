@@ -133,3 +133,28 @@ def test_kernels_compile_for_hopper_without_register_spills():
     assert done.returncode == 0, done.stdout + done.stderr
     assert "moe quant kernels ok" in done.stdout
     assert "moe gemv Q4_K/Q4_K gate/up" in done.stdout and "moe gemm Q6_K/Q6_K down" in done.stdout
+
+
+@pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q6_K"), ("Q8_0", "Q8_0", "Q4_0")], ids="-".join)
+@pytest.mark.parametrize("tokens,method", [(3, "gemv"), (37, "gemm")])
+def test_cached_experts_are_read_from_their_slots(dev, types, tokens, method):
+    """With an expert cache, an expert with a slot is read from the cache's stacks, the
+    others from the layer's: the cache below holds *other* experts' weights in its slots,
+    so a kernel reading the wrong source gives another answer. On a GPU the layer's
+    stacks may be pinned host memory read over the bus (tests/gpu); the arithmetic is this."""
+    from kernels.moe import quant_triton_kernel as triton_moe_quant
+
+    x, (wg, wu, wd), weights, ids = _case(types, tokens, 8, dev, seed=7)
+    _, cache, _, _ = _case(types, 1, 3, dev, seed=8)  # 3 slots of unrelated experts
+    slot_of = torch.full((8,), -1, dtype=torch.int64, device=ids.device)
+    slot_of[int(ids[0, 0])], slot_of[int(ids[1, 1])] = 2, 0
+    ref = moe_reference.fused_moe_quant(x, wg, wu, wd, types, weights, ids, cache=cache, slot_of=slot_of)
+    out = triton_moe_quant.fused_moe_quant(x, wg, wu, wd, types, weights, ids, cache=cache, slot_of=slot_of,
+                                           method=method, block_n=BLOCK_N, block_m=16)
+    assert_matches(out, ref, 1e-5)
+    plain = moe_reference.fused_moe_quant(x, wg, wu, wd, types, weights, ids)
+    assert float((plain - ref).abs().max()) > 1e-3 * float(ref.abs().max())  # the slots did change the answer
+    with pytest.raises(ValueError, match="needs slot_of"):
+        moe_reference.fused_moe_quant(x, wg, wu, wd, types, weights, ids, cache=cache)
+    with pytest.raises(ValueError, match="is not int64"):
+        triton_moe_quant.fused_moe_quant(x, wg, wu, wd, types, weights, ids, cache=cache, slot_of=slot_of[:4])

@@ -1,7 +1,8 @@
 """Compile the fused MoE over GGUF blocks (``kernels/moe/quant_triton_kernel.py``) for a
 Hopper GPU (sm_90) without one, and report register spills: the grouped GEMV (gated
 gate/up, weighted down) and the sorted GEMM (bfloat16) for a Q4_K_M file's types (Q4_K
-gate and up, Q6_K down) and one legacy type (Q8_0).
+gate and up, Q6_K down) and one legacy type (Q8_0), each alone and over an expert
+cache's slots.
 
 Run as a script in its own process, as ``triton_quant_compile_check.py`` (whose compile
 helper it uses): the interpreter accepts code the compiler refuses. Prints one line per
@@ -29,10 +30,15 @@ def main() -> int:
             pointers = {"X": "*bf16", "Wa": "*u8", "Wb": "*u8", "Out": "*bf16", "RouteWeights": "*bf16"}
             scalars = dict.fromkeys(_SCALARS, "i32")
             sort = {"SortedRows": "*i32", "BlockExperts": "*i32", "NumPadded": "*i32"}
-            variants = (("gemv", triton_moe_quant._moe_gemv_kernel, {**pointers, "TopkIds": "*i64", **scalars},
-                         {"BLOCK_N": 4, "ASM": True}, 4),
-                        ("gemm", triton_moe_quant._moe_gemm_kernel, {**pointers, **sort, **scalars},
-                         {"BLOCK_M": 64, "BLOCK_N": 64, "IEEE": False}, 8))
+            tiers = {"SlotOf": "*i64", "a_cache_delta": "i64", "b_cache_delta": "i64"}
+            gemv = {**pointers, "TopkIds": "*i64", **tiers, **scalars}
+            gemm = {**pointers, **sort, **tiers, **scalars}
+            variants = [(f"{name}{' over a cache' if cached else ''}", fn, args, {"CACHED": cached, **tiling}, warps)
+                        for cached in (False, True)
+                        for name, fn, args, tiling, warps in (
+                            ("gemv", triton_moe_quant._moe_gemv_kernel, gemv, {"BLOCK_N": 4, "ASM": True}, 4),
+                            ("gemm", triton_moe_quant._moe_gemm_kernel, gemm,
+                             {"BLOCK_M": 64, "BLOCK_N": 64, "IEEE": False}, 8))]
             for name, fn, args, tiling, warps in variants:
                 regs, frame, _ = _compile(fn, args, {**consts, **tiling}, warps)
                 print(f"moe {name} {'/'.join(types)} {'gate/up' if gated else 'down'}: {regs} registers, "

@@ -287,6 +287,9 @@ def main(argv: list[str] | None = None) -> None:
                         "int8 GEMV (activations quantized apart, by the norm or SiLU-and-mul that writes them, or "
                         "inside the GEMV; q/k/v's parts in one launch or one each), and the GEMM for multi-row "
                         "steps")
+    p.add_argument("--int8-gemm", action="store_true",
+                   help="then the GGUF rows again with multi-row steps on the int8 tensor-core GEMM "
+                        "(--quant-gemm-int8)")
     p.add_argument("--float-gemv", action="store_true",
                    help="then the GGUF rows again with Q4_K/Q6_K on the float GEMV")
     p.add_argument("--fp8", action="store_true",
@@ -332,6 +335,10 @@ def main(argv: list[str] | None = None) -> None:
             with using(pdl=False):
                 print("\n".join(decode_rows(model, config, batches, args.context, bandwidth,
                                              "GGUF Q4_K/Q6_K, PDL off")), flush=True)
+        if args.int8_gemm:
+            with using(quant_gemm_int8=True):
+                print("\n".join(decode_rows(model, config, batches, args.context, bandwidth,
+                                             "GGUF Q4_K/Q6_K, int8 GEMM")), flush=True)
         if args.float_gemv:
             with using(quant_int8=False):
                 print("\n".join(decode_rows(model, config, batches, args.context, bandwidth,

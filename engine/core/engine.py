@@ -44,12 +44,8 @@ from engine.layers.attention.registry import resolve_backend_name
 from engine.layers.cpu_pack import pack_model_for_cpu
 from engine.layers.linear.cpu_kernels import cpu_kernels
 from engine.layers.linear.gguf_blocks import repack_model_for_kernels
-from engine.layers.moe.expert_cache import (
-    ExpertCounters,
-    OffloadedExperts,
-    offload_experts,
-    resize_cache,
-)
+from engine.layers.moe.expert_cache import ExpertCounters, OffloadedExperts
+from engine.layers.moe.offload import offload_experts, resize_cache
 from engine.layers.weight_census import model_weight_bytes, quantized_format
 from engine.loader.default_model import model_display_name
 from engine.loader.hf_config import load_model_config
@@ -441,5 +437,5 @@ class Engine(PlanStages, GrammarWaits, LiveReplan):
         if c is None:
             return {}
         return dict(expert_cache_hits=c.hits, expert_cache_misses=c.misses, expert_copies=c.copies,
-                    expert_cpu_runs=c.cpu_runs, expert_cache_slots=sum(s.num_slots for s in self.expert_stores))
+                    expert_cpu_runs=c.cpu_runs, expert_bus_reads=c.bus_reads, expert_cache_slots=sum(s.num_slots for s in self.expert_stores))
 

@@ -26,7 +26,7 @@ import msgspec
 import torch
 
 from engine.common.units import fmt_bytes
-from engine.layers.moe.expert_cache import resize_cache
+from engine.layers.moe.offload import resize_cache
 from engine.scheduler.resize import Vacated
 from engine.wire.messages import (
     BY_WATCHER,

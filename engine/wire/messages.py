@@ -201,11 +201,13 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     failed: int
     # Routed experts in host memory (--cpu-experts), totals since start: expert-steps
     # served from the GPU expert cache, missing from it, experts copied in, expert-steps
-    # run on the CPU; and the cache's slots now. All 0 when every expert is on the device.
+    # run on the CPU, expert-steps a decode step read from host memory over the bus; and
+    # the cache's slots now. All 0 when every expert is on the device.
     expert_cache_hits: int = 0
     expert_cache_misses: int = 0
     expert_copies: int = 0
     expert_cpu_runs: int = 0
+    expert_bus_reads: int = 0
     expert_cache_slots: int = 0
 
 

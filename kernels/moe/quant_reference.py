@@ -41,6 +41,9 @@ def fused_moe_quant(
     types: tuple[str, str, str],
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    *,
+    cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    slot_of: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``sum_k topk_weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t))``, ``e =
     topk_ids[t, k]``, the experts' weights in GGUF blocks.
@@ -52,19 +55,52 @@ def fused_moe_quant(
         w_down: ``[E, H, I / block_elements * block_bytes]`` uint8 (``ffn_down_exps``).
         types: the GGML type names of gate, up and down (``("Q4_K", "Q4_K", "Q6_K")``).
         topk_weights, topk_ids: ``[T, K]``, as :func:`kernels.moe.reference.fused_moe` takes them.
+        cache: an expert cache's ``(gate, up, down)`` stacks of ``S`` slots, laid out as
+            the ``w_*`` stacks; with ``slot_of`` (int64 ``[E]`` on ``x``'s device: each
+            expert's slot, or -1), an expert with a slot is read from the cache instead.
 
     Returns:
         ``[T, H]`` in ``x``'s dtype.
 
     Raises:
-        ValueError: blocks that do not match ``types`` and ``x``'s width.
+        ValueError: blocks that do not match ``types`` and ``x``'s width; a ``cache``
+            without ``slot_of`` (or the reverse), or of another layout.
     """
     hidden, inter = x.shape[1], w_gate.shape[1]
     check_expert_blocks(w_gate, w_up, w_down, types, hidden, inter)
+    check_cache(cache, slot_of, w_gate, w_up, w_down)
     if x.shape[0] == 0:
         return torch.zeros_like(x)
-    return moe_by_expert(x, topk_weights, topk_ids,
-                         lambda e: expert_weights(w_gate, w_up, w_down, types, e, x.dtype))
+    if cache is None:
+        return moe_by_expert(x, topk_weights, topk_ids,
+                             lambda e: expert_weights(w_gate, w_up, w_down, types, e, x.dtype))
+    # Slots numbered after the stacks' experts: one loop over both sources.
+    num_experts = w_gate.shape[0]
+    slots = slot_of[topk_ids]
+    keys = torch.where(slots >= 0, slots.to(topk_ids.dtype) + num_experts, topk_ids)
+    return moe_by_expert(x, topk_weights, keys, lambda k: (
+        expert_weights(w_gate, w_up, w_down, types, k, x.dtype) if k < num_experts
+        else expert_weights(*cache, types, k - num_experts, x.dtype)))
+
+
+def check_cache(cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, slot_of: torch.Tensor | None,
+                w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> None:
+    """Check :func:`fused_moe_quant`'s ``cache`` and ``slot_of`` against its stacks.
+
+    Raises:
+        ValueError: one given without the other, a cache stack whose expert layout or
+            dtype differs from its ``w_*`` stack, or ``slot_of`` not int64 ``[E]``.
+    """
+    if (cache is None) != (slot_of is None):
+        raise ValueError("an expert cache needs slot_of, and slot_of a cache")
+    if cache is None:
+        return
+    for name, c, w in zip(("gate", "up", "down"), cache, (w_gate, w_up, w_down), strict=True):
+        if c.shape[1:] != w.shape[1:] or c.dtype != w.dtype or c.stride() != w.stride():
+            raise ValueError(f"the cache's {name} {c.dtype} {tuple(c.shape)} does not hold experts laid out as the "
+                             f"stack's {w.dtype} {tuple(w.shape)}")
+    if slot_of.shape != (w_gate.shape[0],) or slot_of.dtype != torch.int64:
+        raise ValueError(f"slot_of {slot_of.dtype} {tuple(slot_of.shape)} is not int64 [{w_gate.shape[0]}]")
 
 
 def expert_weights(w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, types: tuple[str, str, str],

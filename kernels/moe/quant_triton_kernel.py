@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.moe.quant_reference import check_expert_blocks
+from kernels.moe.quant_reference import check_cache, check_expert_blocks
 from kernels.moe.reference import align_to_blocks
 from kernels.moe.triton_kernel import _block_m, moe_epilogue, sorted_block
 from kernels.quant.formats import block_format
@@ -53,29 +53,47 @@ GEMV_MAX_TOKENS = 16
 
 
 @triton.jit
+def expert_at(expert, SlotOf, a_cache_delta, b_cache_delta, a_expert_bytes, b_expert_bytes, CACHED: tl.constexpr):
+    """Byte offsets of ``expert``'s a and b blocks from ``Wa``/``Wb``: its row of the
+    stacks, or with CACHED and a slot in ``SlotOf[expert]`` (not -1) that slot's row of
+    the cache's stacks, ``*_cache_delta`` bytes away (one address space: the stacks may
+    be pinned host memory, read over the bus, and the cache device memory)."""
+    a_at = expert * a_expert_bytes
+    b_at = expert * b_expert_bytes
+    if CACHED:
+        slot = tl.load(SlotOf + expert).to(tl.int64)
+        a_at = tl.where(slot >= 0, a_cache_delta + slot * a_expert_bytes, a_at)
+        b_at = tl.where(slot >= 0, b_cache_delta + slot * b_expert_bytes, b_at)
+    return a_at, b_at
+
+
+@triton.jit
 def _moe_gemv_kernel(
-    X, Wa, Wb, Out, RouteWeights, TopkIds,
+    X, Wa, Wb, Out, RouteWeights, TopkIds, SlotOf, a_cache_delta, b_cache_delta,
     num_rows, top_k, N, K, a_expert_bytes, b_expert_bytes, a_row_bytes, b_row_bytes, stride_xm, stride_om,
     A_QT: tl.constexpr, A_QK: tl.constexpr, A_BB: tl.constexpr, A_L: tl.constexpr, A_NSUB: tl.constexpr,
     A_ZERO: tl.constexpr, A_HAS_MIN: tl.constexpr, A_KB: tl.constexpr, A_SUBS: tl.constexpr,
     B_QT: tl.constexpr, B_QK: tl.constexpr, B_BB: tl.constexpr, B_L: tl.constexpr, B_NSUB: tl.constexpr,
     B_ZERO: tl.constexpr, B_HAS_MIN: tl.constexpr, B_KB: tl.constexpr, B_SUBS: tl.constexpr,
-    GATED: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_N: tl.constexpr, ASM: tl.constexpr,
+    GATED: tl.constexpr, WEIGHTED: tl.constexpr, CACHED: tl.constexpr, BLOCK_N: tl.constexpr,
+    ASM: tl.constexpr,
 ):
     """GATED: ``X`` ``[T, K]`` read at row ``r // top_k``, ``Wa`` the gate and ``Wb`` the
     up blocks; out ``[R, N]`` = silu(gate) * up. Else ``X`` ``[R, K]`` read at row ``r``,
     ``Wa`` the down blocks; out ``[R, N]``, times ``RouteWeights[r]`` when WEIGHTED. The
-    routed rows of one weight tile run one after another (they share experts' rows in L2)."""
+    routed rows of one weight tile run one after another (they share experts' rows in L2).
+    CACHED: an expert with a cache slot is read there (:func:`expert_at`)."""
     r = tl.program_id(0) % num_rows
     pid_n = tl.program_id(0) // num_rows
     expert = tl.load(TopkIds + r).to(tl.int64)
+    a_at, b_at = expert_at(expert, SlotOf, a_cache_delta, b_cache_delta, a_expert_bytes, b_expert_bytes, CACHED)
     x_row = X + (r // top_k if GATED else r).to(tl.int64) * stride_xm
     rows = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N)[None, None, :], N - 1).to(tl.int64)
-    acc = gemv_dot(x_row, Wa + expert * a_expert_bytes + rows * a_row_bytes, 0, K // A_QK, K // A_QK,
+    acc = gemv_dot(x_row, Wa + a_at + rows * a_row_bytes, 0, K // A_QK, K // A_QK,
                     A_QT, A_QK, A_BB, A_L, A_NSUB, A_ZERO, A_HAS_MIN, BLOCK_N, A_KB, ASM)
     acc_up = acc
     if GATED:
-        acc_up = gemv_dot(x_row, Wb + expert * b_expert_bytes + rows * b_row_bytes, 0, K // B_QK, K // B_QK,
+        acc_up = gemv_dot(x_row, Wb + b_at + rows * b_row_bytes, 0, K // B_QK, K // B_QK,
                            B_QT, B_QK, B_BB, B_L, B_NSUB, B_ZERO, B_HAS_MIN, BLOCK_N, B_KB, ASM)
     dt = Out.dtype.element_ty
     res = moe_epilogue(acc, acc_up, dt, GATED)
@@ -87,28 +105,31 @@ def _moe_gemv_kernel(
 
 @triton.jit
 def _moe_gemm_kernel(
-    X, Wa, Wb, Out, RouteWeights, SortedRows, BlockExperts, NumPadded,
+    X, Wa, Wb, Out, RouteWeights, SortedRows, BlockExperts, NumPadded, SlotOf, a_cache_delta, b_cache_delta,
     num_rows, top_k, N, K, a_expert_bytes, b_expert_bytes, a_row_bytes, b_row_bytes, stride_xm, stride_om,
     A_QT: tl.constexpr, A_QK: tl.constexpr, A_BB: tl.constexpr, A_L: tl.constexpr, A_NSUB: tl.constexpr,
     A_ZERO: tl.constexpr, A_HAS_MIN: tl.constexpr, A_KB: tl.constexpr, A_SUBS: tl.constexpr,
     B_QT: tl.constexpr, B_QK: tl.constexpr, B_BB: tl.constexpr, B_L: tl.constexpr, B_NSUB: tl.constexpr,
     B_ZERO: tl.constexpr, B_HAS_MIN: tl.constexpr, B_KB: tl.constexpr, B_SUBS: tl.constexpr,
-    GATED: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    GATED: tl.constexpr, WEIGHTED: tl.constexpr, CACHED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     """As :func:`_moe_gemv_kernel`, one program per block of ``BLOCK_M`` sorted rows of one
-    expert (:func:`kernels.moe.reference.align_to_blocks`) and ``BLOCK_N`` columns."""
+    expert (:func:`kernels.moe.reference.align_to_blocks`) and ``BLOCK_N`` columns: each
+    weight row is read once per block of rows (from the host over the bus too)."""
     pid_m = tl.program_id(0)
     if pid_m * BLOCK_M >= tl.load(NumPadded):
         return
     expert, routed, live, x_rows = sorted_block(SortedRows, BlockExperts, pid_m, num_rows, top_k, GATED, BLOCK_M)
+    a_at, b_at = expert_at(expert, SlotOf, a_cache_delta, b_cache_delta, a_expert_bytes, b_expert_bytes, CACHED)
     x_row = X + x_rows[:, None] * stride_xm
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(cols, N - 1).to(tl.int64)
-    acc = gemm_dot(x_row, live, Wa + expert * a_expert_bytes + rows * a_row_bytes, K // A_QK,
+    acc = gemm_dot(x_row, live, Wa + a_at + rows * a_row_bytes, K // A_QK,
                     A_QT, A_QK, A_BB, A_L, A_NSUB, A_ZERO, A_HAS_MIN, BLOCK_M, BLOCK_N, IEEE, A_SUBS)
     acc_up = acc
     if GATED:
-        acc_up = gemm_dot(x_row, live, Wb + expert * b_expert_bytes + rows * b_row_bytes, K // B_QK,
+        acc_up = gemm_dot(x_row, live, Wb + b_at + rows * b_row_bytes, K // B_QK,
                            B_QT, B_QK, B_BB, B_L, B_NSUB, B_ZERO, B_HAS_MIN, BLOCK_M, BLOCK_N, IEEE, B_SUBS)
     dt = Out.dtype.element_ty
     res = moe_epilogue(acc, acc_up, dt, GATED)
@@ -132,22 +153,26 @@ def _prefixed(prefix: str, type_name: str) -> dict:
     return {f"{prefix}_{k}": v for k, v in layout.items()}
 
 
-def _launch(x, wa, wb, out, route_weights, types, *, top_k, gemv, sort, block_n, num_warps):
-    """One pass: ``types`` ``(a, b)`` (``b`` None: not gated)."""
+def _launch(x, wa, wb, out, route_weights, types, *, top_k, gemv, sort, block_n, num_warps, cached=None):
+    """One pass: ``types`` ``(a, b)`` (``b`` None: not gated); ``cached``: ``(slot of each
+    expert [E], cache's a, cache's b)``, an expert with a slot read there instead."""
     gated = wb is not None
     wb = wa if wb is None else wb
     n, k, r = wa.shape[1], x.shape[1], out.shape[0]
     args = (x, wa, wb, out, out if route_weights is None else route_weights)
+    slot_of, ca, cb = cached if cached is not None else (out, wa, wb)
+    cb = ca if cb is None else cb
+    tiers = (slot_of, ca.data_ptr() - wa.data_ptr(), cb.data_ptr() - wb.data_ptr())
     shape = (r, top_k, n, k, wa.stride(0), wb.stride(0), wa.stride(1), wb.stride(1), x.stride(0), out.stride(0))
     consts = {**_prefixed("A", types[0]), **_prefixed("B", types[1] or types[0]),
-              "GATED": gated, "WEIGHTED": route_weights is not None}
+              "GATED": gated, "WEIGHTED": route_weights is not None, "CACHED": cached is not None}
     if gemv is not None:
-        _moe_gemv_kernel[(r * triton.cdiv(n, block_n),)](*args, gemv, *shape, **consts, BLOCK_N=block_n,
+        _moe_gemv_kernel[(r * triton.cdiv(n, block_n),)](*args, gemv, *tiers, *shape, **consts, BLOCK_N=block_n,
                                                           ASM=ptx_enabled(x.device), num_warps=num_warps)
         return
     sorted_rows, block_experts, num_padded, block_m = sort
     grid = (sorted_rows.numel() // block_m, triton.cdiv(n, block_n))
-    _moe_gemm_kernel[grid](*args, sorted_rows, block_experts, num_padded, *shape, **consts, BLOCK_M=block_m,
+    _moe_gemm_kernel[grid](*args, sorted_rows, block_experts, num_padded, *tiers, *shape, **consts, BLOCK_M=block_m,
                            BLOCK_N=block_n, IEEE=x.dtype == torch.float32 or INTERPRETING, num_warps=num_warps)
 
 
@@ -160,12 +185,17 @@ def fused_moe_quant(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     *,
+    cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    slot_of: torch.Tensor | None = None,
     method: str | None = None,
     block_n: int | None = None,
     block_m: int | None = None,
     num_warps: int | None = None,
 ) -> torch.Tensor:
-    """Same contract as :func:`kernels.moe.quant_reference.fused_moe_quant`.
+    """Same contract as :func:`kernels.moe.quant_reference.fused_moe_quant`. With
+    ``cache``, the stacks may be in pinned host memory while ``x`` is on the device: both
+    kernels read an expert over the bus (one address space), or from its cache slot;
+    nothing is copied and nothing read back (the GEMV's call can be captured).
 
     Args (beyond it, for tests and sweeps):
         method: ``"gemv"`` or ``"gemm"``; default the GEMV for up to
@@ -187,6 +217,7 @@ def fused_moe_quant(
     rows = tokens * top_k
     inter = w_gate.shape[1]
     check_expert_blocks(w_gate, w_up, w_down, types, hidden, inter)
+    check_cache(cache, slot_of, w_gate, w_up, w_down)
     if rows == 0:
         return torch.zeros_like(x)
     method = method or ("gemv" if tokens <= GEMV_MAX_TOKENS else "gemm")
@@ -204,7 +235,9 @@ def fused_moe_quant(
     common = dict(top_k=top_k, gemv=gemv, sort=sort, block_n=block_n or (4 if gemv is not None else 64),
                   num_warps=num_warps or (4 if gemv is not None else 8))
     act = torch.empty((rows, inter), dtype=x.dtype, device=x.device)
-    _launch(x, w_gate, w_up, act, None, types[:2], **common)
+    _launch(x, w_gate, w_up, act, None, types[:2], **common,
+            cached=None if cache is None else (slot_of, cache[0], cache[1]))
     down = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
-    _launch(act, w_down, None, down, topk_weights.reshape(-1).contiguous(), (types[2], None), **common)
+    _launch(act, w_down, None, down, topk_weights.reshape(-1).contiguous(), (types[2], None), **common,
+            cached=None if cache is None else (slot_of, cache[2], None))
     return down.view(tokens, top_k, hidden).sum(dim=1)

@@ -133,6 +133,9 @@ def _engine_figures(s: EngineStats) -> Iterator[Metric]:
              s.expert_cache_hits),
             (_COUNTER, "headroom_expert_cache_misses", "Expert-steps missing from the GPU expert cache.",
              s.expert_cache_misses),
+            (_COUNTER, "headroom_expert_bus_reads",
+             "Expert-steps of decode read from host memory over the bus (missing from the cache).",
+             s.expert_bus_reads),
             (_GAUGE, "headroom_expert_cache_slots", "Slots of the GPU expert cache now.", s.expert_cache_slots),
         ))
 

@@ -9,7 +9,8 @@ blocks on slot ids, a CPU run dequantizes the host tier's blocks.
    them, offloaded, moved to CUDA; 32 greedy steps for two prompts against the same file
    all resident in blocks on CUDA, with placements that copy (3 slots: hits and
    evictions), stream (1 slot, fewer than top-2), run on the CPU, or follow the
-   measured costs; and a cache halved mid-run. float32: the greedy ids are equal and
+   measured costs (decode's bus reads switched off for these), or read the host blocks
+   in place over the bus (engine.layers.moe.bus_reads); and a cache halved mid-run. float32: the greedy ids are equal and
    every step's logits within 1e-3 of the largest (summation order: a streamed wave
    adds its rows one expert at a time, a CPU run is a float32 CPU matmul where the
    kernel rounds nothing either). bfloat16: the hybrid model is fed the resident
@@ -33,14 +34,16 @@ import pytest
 import torch
 from model_checks import engine_greedy, halved_cache_run, paged_greedy
 
+from kernels.switches import using
+
 gguf = pytest.importorskip("gguf")
 
 from test_gguf_convert import VOCAB, write_gguf  # noqa: E402
 from test_gguf_moe_quant import write_tiny_moe_gguf  # noqa: E402
 
-from engine.layers.moe.expert_cache import offload_experts  # noqa: E402
 from engine.layers.moe.expert_costs import ALWAYS_COPY, ALWAYS_CPU  # noqa: E402
 from engine.layers.moe.expert_stacks import BlockStack  # noqa: E402
+from engine.layers.moe.offload import offload_experts  # noqa: E402
 from engine.loader.gguf_convert import convert_gguf  # noqa: E402
 from engine.loader.gguf_quant import load_gguf_quantized  # noqa: E402
 from engine.loader.hf_config import load_model_config  # noqa: E402
@@ -86,7 +89,8 @@ def _decode(runner, forced: dict[str, list[int]] | None = None) -> tuple[dict[st
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-@pytest.mark.parametrize(("placement", "slots"), [("copy", 3), ("stream", 1), ("cpu", 2), ("measured", 2)])
+@pytest.mark.parametrize(("placement", "slots"), [("copy", 3), ("stream", 1), ("cpu", 2), ("measured", 2), ("bus", 2),
+                                                  ("bus", 0)])
 @pytest.mark.parametrize("kind", FILES)
 def test_experts_in_host_blocks_give_the_all_resident_greedy_ids(kind, placement, slots, dtype, tmp_path,
                                                                  make_tiny_hf_model, paged_runner):
@@ -97,10 +101,13 @@ def test_experts_in_host_blocks_give_the_all_resident_greedy_ids(kind, placement
     # As the engine loads a hybrid plan: the CUDA layout read into host memory, the
     # last MoE layer's experts offloaded to pinned blocks, the rest moved to the card.
     hybrid = load_gguf_quantized(config, path, "cpu", dtype, experts_in_blocks=True)
-    costs = {"copy": ALWAYS_COPY, "stream": ALWAYS_COPY, "cpu": ALWAYS_CPU, "measured": None}[placement]
+    costs = {"copy": ALWAYS_COPY, "stream": ALWAYS_COPY, "cpu": ALWAYS_CPU, "measured": None, "bus": None}[placement]
     stores, counters = offload_experts(hybrid, config.moe_layers[-1:], slots, costs, device=torch.device("cuda"))
     hybrid.to("cuda")
-    got, logits = _decode(paged_runner(hybrid, config, device="cuda"), None if dtype == torch.float32 else ref)
+    # Decode steps read missing experts over the bus unless switched off (the step-time
+    # placements above are the prefill path's, checked here on decode steps).
+    with using(expert_bus_reads=placement == "bus"):
+        got, logits = _decode(paged_runner(hybrid, config, device="cuda"), None if dtype == torch.float32 else ref)
     print(f"\n{kind} {placement} {slots} slots {dtype}: {counters}; costs {stores[0].costs}; max |diff| "
           f"{float((logits - ref_logits).abs().max()):.2e} of {float(ref_logits.abs().max()):.2e}")
     assert got == ref
@@ -112,7 +119,10 @@ def test_experts_in_host_blocks_give_the_all_resident_greedy_ids(kind, placement
     assert store.slot_bytes == sum(t[0].nbytes for t in store.host.tensors)
     # The measured copy is of the blocks.
     assert placement != "measured" or store.costs.expert_bytes == store.slot_bytes
-    assert counters.hits + counters.misses > 0 and counters.misses == counters.copies + counters.cpu_runs
+    assert counters.hits + counters.misses > 0
+    assert counters.misses == counters.copies + counters.cpu_runs + counters.bus_reads
+    if placement == "bus":  # pinned host blocks read by the kernel in place
+        assert counters.bus_reads > 0 and counters.copies == counters.cpu_runs == 0
     if placement == "copy":
         assert counters.hits > 0 and counters.cpu_runs == 0
         assert (counters.evictions > 0) == (slots < config.num_experts)
@@ -168,7 +178,7 @@ def test_the_engine_keeps_a_gguf_in_blocks_with_cpu_experts(tmp_path, make_tiny_
     assert lines["expert cache"].bytes == hybrid.plan.expert_cache_slots * store.slot_bytes
     stats = hybrid.stats()
     assert stats.expert_cache_hits + stats.expert_cache_misses > 0
-    assert stats.expert_cache_misses == stats.expert_copies + stats.expert_cpu_runs
+    assert stats.expert_cache_misses == stats.expert_copies + stats.expert_cpu_runs + stats.expert_bus_reads
 
 
 @pytest.mark.timeout(600)

@@ -109,6 +109,7 @@ export interface EngineStats {
   expert_cache_misses: number;
   expert_copies: number;
   expert_cpu_runs: number;
+  expert_bus_reads: number;
   expert_cache_slots: number;
 }
 

@@ -31,6 +31,11 @@ Nothing here assumes CUDA: with the device being the CPU, the host tier is one C
 tensor and the cache tier another, and the same choices, copies and evictions happen,
 so the logic is checked without a GPU.
 
+Steps on CUDA of a host tier of GGUF blocks take another way, with no host round trip
+(:mod:`engine.layers.moe.bus_reads`, the ``expert_bus_reads`` switch): the fused kernels
+read the missing experts from the pinned host tier over the bus and the cached ones
+from their slots, and the cache holds the hottest experts by measured routing.
+
 A host tier of GGUF blocks runs its CPU experts by the C kernels where they build
 (:mod:`engine.layers.moe.cpu_runs`: all of a step's CPU experts in one call over the
 cores, in their blocks); otherwise, and for dense stacks, one expert at a time through
@@ -43,7 +48,8 @@ over blocks) over slot indices.
 :meth:`OffloadedExperts.resize` grows or shrinks the cache between steps (a live
 replan), evicting least recently used slots; the host tier always has every expert,
 so no request can fail for it. The decode path reads the routed ids back to the host,
-so a layer with offloaded experts is not captured in a CUDA graph.
+so a layer with offloaded experts is not captured in a CUDA graph (bus reads would
+allow it; not done yet).
 """
 
 from __future__ import annotations
@@ -55,24 +61,31 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.layers.moe.cpu_runs import CpuRun, block_kernels_for, compute_cpu_run, gather_cpu_run
-from engine.layers.moe.expert_costs import CostModel, expert_mlp, measure_stack_costs
-from engine.layers.moe.expert_stacks import ExpertStack, stack_of
+from engine.layers.moe.bus_reads import BUS_COUNTED_TOKENS, REFRESH_STEPS, BusReads, hot_swaps
+from engine.layers.moe.cpu_runs import CpuRun, compute_cpu_run, gather_cpu_run
+from engine.layers.moe.expert_costs import CostModel, expert_mlp
+from engine.layers.moe.expert_stacks import BlockStack, ExpertStack
+from kernels.switches import current
 
 
 @dataclass
 class ExpertCounters:
     """Per-engine totals since start: ``hits`` (expert-steps served from the cache),
-    ``misses`` (expert-steps not in it), ``copies`` (experts copied in, streamed ones
-    included), ``streamed`` (copies into a slot already used in the same step: the
-    waves of a step that routes to more experts than the cache holds), ``cpu_runs``
-    (expert-steps run on the CPU), ``evictions``. ``misses == copies + cpu_runs``."""
+    ``misses`` (expert-steps not in it), ``copies`` (experts copied in for a step,
+    streamed ones included), ``streamed`` (copies into a slot already used in the same
+    step: the waves of a step that routes to more experts than the cache holds),
+    ``cpu_runs`` (expert-steps run on the CPU), ``bus_reads`` (expert-steps read from host
+    memory over the bus by a decode step), ``swaps`` (experts copied in by the hot-set
+    refresh), ``evictions``. ``misses == copies + cpu_runs + bus_reads``; the bus-read
+    steps' hits and misses are counted at each refresh."""
 
     hits: int = 0
     misses: int = 0
     copies: int = 0
     streamed: int = 0
     cpu_runs: int = 0
+    bus_reads: int = 0
+    swaps: int = 0
     evictions: int = 0
 
     @property
@@ -123,6 +136,7 @@ class OffloadedExperts(nn.Module):
         self.heat = torch.zeros(self.num_experts, dtype=torch.float64)
         self.cache = self.host.empty(0, self.device)
         self._copy_stream: torch.cuda.Stream | None = None  # created on the first streamed step
+        self._bus: BusReads | None = None  # created on the first bus-read decode step
         self.resize(num_slots)
 
     @property
@@ -150,6 +164,8 @@ class OffloadedExperts(nn.Module):
             self.slot_of[expert] = new
         # Free the old cache before the caller plans with the new size.
         self.cache = cache
+        if self._bus is not None:
+            self._bus.stale = True
 
     def _free_slot(self, pinned: set[int]) -> int | None:
         """A slot to fill: an empty one, else the least recently used expert's that
@@ -233,6 +249,10 @@ class OffloadedExperts(nn.Module):
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """As :func:`kernels.moe.reference.fused_moe` with this layer's experts: ``x`` ``[T, H]``,
         ``topk_weights``/``topk_ids`` ``[T, K]`` -> ``[T, H]`` in ``x``'s dtype."""
+        if self._reads_over_bus(x):
+            return self._forward_bus(x, topk_weights, topk_ids)
+        if self._bus is not None:
+            self._bus.stale = True  # this step may change what the slots hold
         out = torch.zeros_like(x)
         if x.shape[0] == 0:
             return out
@@ -270,6 +290,43 @@ class OffloadedExperts(nn.Module):
             if e in ys:
                     out.index_add_(0, torch.where(topk_ids == e)[0], ys[e])
         return out
+
+    def _reads_over_bus(self, x: torch.Tensor) -> bool:
+        """A step on CUDA over blocks, with the ``expert_bus_reads`` switch on."""
+        return x.is_cuda and x.shape[0] > 0 and isinstance(self.host, BlockStack) and current().expert_bus_reads
+
+    def _forward_bus(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """The fused GEMV over the host tier and the cache at once (:mod:`~engine.layers.moe.bus_reads`)."""
+        bus = self._bus = self._bus or BusReads(self.num_experts, self.device)
+        if bus.steps >= REFRESH_STEPS:
+            self._refresh_hot(bus)
+        if bus.stale:
+            bus.sync_lut(self.slot_of)
+        if x.shape[0] <= BUS_COUNTED_TOKENS:  # decode steps make the heat; a prefill would swamp it
+            bus.count(topk_ids)
+        return self.host.moe(x, topk_weights, topk_ids, cache=self.cache, slot_of=bus.lut)
+
+    def _refresh_hot(self, bus: BusReads) -> None:
+        """Fold the routing counts into the heat, count the hits and bus reads they were,
+        and copy in the experts that became hotter than cached ones."""
+        counts, steps = bus.take_counts()
+        hit = float(counts[list(self.slot_of)].sum()) if self.slot_of else 0.0
+        missed = int(round(float(counts.sum()) - hit))
+        self.counters.hits += int(round(hit))
+        self.counters.misses += missed
+        self.counters.bus_reads += missed
+        decay = HEAT_DECAY ** steps
+        self.heat = self.heat * decay + (1 - decay) * counts / max(steps, 1)
+        for expert, old in hot_swaps(self.heat, self.slot_of, self.num_slots):
+            if old is None:
+                slot = self._free_slot(set())
+            else:
+                slot = self.slot_of.pop(old)
+                self.counters.evictions += 1
+            self._fill([(expert, slot)])
+            self.slot_of[expert] = slot
+            self.counters.swaps += 1
+            bus.stale = True
 
     def _forward_fused(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                        on_cpu: set[int], num_active: int) -> torch.Tensor:
@@ -366,54 +423,3 @@ class OffloadedExperts(nn.Module):
             freed[half] = main.record_event()
         self._add_cpu_runs(out, x, topk_weights, topk_ids, on_cpu, begun)
         return out
-
-
-def offload_experts(model: nn.Module, layers: tuple[int, ...], slots_per_layer: int,
-                    costs: CostModel | None = None, device: torch.device | None = None,
-                    cpu_kernels: bool = True) -> tuple[list[OffloadedExperts], ExpertCounters]:
-    """Move the routed experts of decoder ``layers`` of ``model`` (a
-    :class:`engine.models.decoder.CausalLM`) to the host tier, each with a cache of
-    ``slots_per_layer`` slots on ``device`` (None: where the experts are now); ``costs``
-    None measures them on the first such layer. Dense experts stay dense, a GGUF's
-    experts in blocks stay in blocks (:func:`engine.layers.moe.expert_stacks.stack_of`),
-    their CPU runs by the C kernels where ``cpu_kernels`` and they build
-    (:func:`~engine.layers.moe.cpu_runs.block_kernels_for`; the cost model then times
-    those). A
-    model read into host memory and then moved to the device keeps the stores' tensors
-    where they are (plain attributes).
-
-    Returns:
-        (the offloaded layers' stores, their shared counters).
-
-    Raises:
-        ValueError: a layer in ``layers`` is not a mixture-of-experts layer, or its
-            experts are already offloaded.
-    """
-    counters = ExpertCounters()
-    stores = []
-    for i in layers:
-        mlp = model.model.layers[i].mlp
-        if not hasattr(mlp, "experts"):
-            raise ValueError(f"layer {i} has no routed experts to offload")
-        experts = stack_of(mlp.experts)
-        dev = experts.device if device is None else torch.device(device)
-        lib = block_kernels_for(experts) if cpu_kernels else None
-        if costs is None:
-            costs = measure_stack_costs(experts, dev, cpu_kernels=lib)
-        slots = min(slots_per_layer, experts.num_experts)
-        mlp.experts = OffloadedExperts(experts, dev, slots, counters, costs, lib)
-        del experts
-        stores.append(mlp.experts)
-    if stores and stores[0].device.type == "cuda":
-        torch.cuda.empty_cache()
-    return stores, counters
-
-
-def resize_cache(stores: list[OffloadedExperts], total_slots: int) -> None:
-    """Spread ``total_slots`` over ``stores`` evenly (the first layers get the
-    remainder) and resize each: the live replan's handle on the expert cache."""
-    if not stores:
-        return
-    each, extra = divmod(total_slots, len(stores))
-    for i, s in enumerate(stores):
-        s.resize(min(each + (i < extra), s.num_experts))

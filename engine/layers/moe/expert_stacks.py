@@ -137,8 +137,13 @@ class BlockStack(ExpertStack):
     def weights_of(self, expert: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return expert_weights(self.gate, self.up, self.down, self.types, expert, dtype)
 
-    def moe(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        return fused_moe_quant(x, self.gate, self.up, self.down, self.types, topk_weights, topk_ids)
+    def moe(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+            cache: BlockStack | None = None, slot_of: torch.Tensor | None = None) -> torch.Tensor:
+        """As :meth:`ExpertStack.moe`; with ``cache`` (a stack of slots, same form) and
+        ``slot_of`` (int64 ``[E]``, each expert's slot or -1), an expert with a slot is
+        read there (:func:`kernels.moe.quant_reference.fused_moe_quant`)."""
+        tiers = {} if cache is None else {"cache": (cache.gate, cache.up, cache.down), "slot_of": slot_of}
+        return fused_moe_quant(x, self.gate, self.up, self.down, self.types, topk_weights, topk_ids, **tiers)
 
 
 def stack_of(experts: nn.Module) -> ExpertStack:

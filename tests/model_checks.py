@@ -8,6 +8,11 @@ import pytest
 import torch
 from triton_interpret import INTERPRETING
 
+# The tiny models' vocabulary (``make_tiny_hf_model``'s default) and the greedy ids of a
+# run, for the modules that compare whole families with transformers.
+VOCAB = 256
+STEPS = 16
+
 
 def tiny_pair(kind: str, path, make_tiny_hf_model, vocab: int):
     """A tiny random transformers model of ``kind`` saved to ``path`` and ours loaded from
@@ -17,6 +22,17 @@ def tiny_pair(kind: str, path, make_tiny_hf_model, vocab: int):
     hf = make_tiny_hf_model(kind, path, vocab_size=vocab)
     ours, config = load_model(path, "cpu", torch.float32)
     return kind, hf, ours, config, path
+
+
+def pair_fixture(kinds: list[str], vocab: int):
+    """A module-scoped fixture of :func:`tiny_pair`, one parameter per kind of ``kinds``
+    (in a temporary folder of its name); assign it to the module's ``pair``."""
+
+    @pytest.fixture(scope="module", params=kinds)
+    def pair(request, tmp_path_factory, make_tiny_hf_model):
+        return tiny_pair(request.param, tmp_path_factory.mktemp(request.param), make_tiny_hf_model, vocab)
+
+    return pair
 
 
 def two_prompts(vocab: int, low: int) -> dict[str, list[int]]:
@@ -276,3 +292,4 @@ def check_attention_step(windows: tuple[int, int], eager, *, softcap: float = 0.
             k, v = (t.transpose(0, 1)[None] for t in kv[s][2 * layer : 2 * layer + 2])
             want.append(eager(q[s].transpose(0, 1)[None], k, v, mask, scale)[0].reshape(len(new[s]), heads * dim))
         torch.testing.assert_close(got, torch.cat(want), rtol=1e-5, atol=1e-5)
+

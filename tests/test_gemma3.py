@@ -1,38 +1,23 @@
 """Gemma 3's text model against transformers' (eager attention) on tiny random configs
-whose window (8 tokens) is shorter than the prompts: logits over the paged KV cache
-through prefill, extend and decode; greedy ids through the engine alone, batched, with
-chunked prefill and with the prefix cache; the language model of a multimodal
-checkpoint; and the plan's price of the sliding layers' KV."""
+whose window (8 tokens) is shorter than the prompts: its config, the backends' window
+and score cap, the language model of a multimodal checkpoint, and the plan's price of
+the sliding layers' KV. The logits and greedy ids every windowed model checks are in
+``test_windowed_models.py``."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from model_checks import (
-    check_attention_step,
-    check_engine_greedy,
-    check_extend_and_decode,
-    check_greedy_engine_runs,
-    check_prefix_cache_hit,
-    check_ragged_batch,
-    tiny_pair,
-)
+from model_checks import STEPS, VOCAB, check_attention_step, check_engine_greedy, pair_fixture
 
 from engine.core.footprint import kv_bytes_per_token, make_footprint, windowed_kv_bytes
-from engine.layers.cpu_decode import CpuDecode
 from engine.loader.load import load_model
 from engine.loader.weight_size import weight_bytes
 from engine.memory.plan import PlanKnobs
 
 transformers = pytest.importorskip("transformers")
 
-VOCAB = 256
-STEPS = 16
-
-
-@pytest.fixture(scope="module", params=["gemma3", "gemma3_capped"])
-def pair(request, tmp_path_factory, make_tiny_hf_model):
-    return tiny_pair(request.param, tmp_path_factory.mktemp(request.param), make_tiny_hf_model, VOCAB)
+pair = pair_fixture(["gemma3", "gemma3_capped"], VOCAB)
 
 
 def test_config_follows_transformers(pair):
@@ -47,32 +32,6 @@ def test_config_follows_transformers(pair):
     assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in hf.parameters())
     held = sum(p.nbytes for p in ours.parameters()) + ours.cos_sin_cache.nbytes + ours.cos_sin_local.nbytes
     assert weight_bytes(config, torch.float32) == held
-
-
-def test_paged_logits_match_transformers(pair, paged_runner):
-    """One sequence: 7 tokens, 5 more, then 3 decode steps, past the window of 8 on the
-    way; then two ragged sequences sharing each step."""
-    _, hf, ours, config, _ = pair
-    check_extend_and_decode(hf, paged_runner(ours, config), VOCAB)
-    check_ragged_batch(hf, paged_runner(ours, config), VOCAB)
-
-
-def test_greedy_ids_equal_transformers_alone_batched_and_chunked(pair):
-    """Alone, three prompts batched, and the longest in chunks of 8 and of 5 tokens."""
-    _, hf, _, _, path = pair
-    check_greedy_engine_runs(hf, path, VOCAB, STEPS)
-
-
-def test_prefix_cache_hit_equals_transformers(pair):
-    """A second prompt sharing a 20-token prefix reuses its pages and still decodes as
-    transformers does from scratch."""
-    _, hf, _, _, path = pair
-    check_prefix_cache_hit(hf, path, VOCAB, STEPS)
-
-
-def test_the_c_decode_layer_declines_gemma(pair):
-    _, _, ours, _, _ = pair
-    assert CpuDecode.build(ours, lib=None) is None
 
 
 def test_multimodal_checkpoint_loads_its_language_model(tmp_path, make_tiny_hf_model, caplog):

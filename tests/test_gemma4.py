@@ -2,9 +2,8 @@
 whose window (8 tokens) is shorter than the prompts, with what Gemma 4 adds to Gemma 3:
 global heads twice the sliding ones' (one KV head whose values are its keys,
 proportional RoPE over a quarter of them), two last layers sharing earlier layers' KV
-with double-wide MLPs, per-layer embeddings, layer scalars. Logits over the paged KV
-cache through prefill, extend and decode; greedy ids through the engine alone, batched,
-with chunked prefill and with the prefix cache; what is refused at load."""
+with double-wide MLPs, per-layer embeddings, layer scalars; what is refused at load.
+Its logits and greedy ids, as every windowed model's, are in ``test_windowed_models.py``."""
 
 from __future__ import annotations
 
@@ -12,18 +11,7 @@ import json
 
 import pytest
 import torch
-from model_checks import check_engine_greedy, tiny_pair
-
-# Gemma 3's checks, run here on this module's pair: logits over the paged KV cache
-# (extend, decode, a ragged batch), greedy ids alone, batched and chunked, after a
-# prefix-cache hit, and the C decode layer declining the model.
-from test_gemma3 import (  # noqa: F401 - collected here
-    STEPS,
-    test_greedy_ids_equal_transformers_alone_batched_and_chunked,
-    test_paged_logits_match_transformers,
-    test_prefix_cache_hit_equals_transformers,
-    test_the_c_decode_layer_declines_gemma,
-)
+from model_checks import STEPS, VOCAB, check_engine_greedy, pair_fixture
 
 from engine.common.load_errors import UnsupportedConfig
 from engine.loader.load import load_model
@@ -31,12 +19,7 @@ from engine.loader.weight_size import weight_bytes
 
 transformers = pytest.importorskip("transformers")
 
-VOCAB = 256
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory, make_tiny_hf_model):
-    return tiny_pair("gemma4", tmp_path_factory.mktemp("gemma4"), make_tiny_hf_model, VOCAB)
+pair = pair_fixture(["gemma4"], VOCAB)
 
 
 def test_config_follows_transformers(pair):

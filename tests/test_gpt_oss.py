@@ -1,7 +1,6 @@
 """gpt-oss against transformers' (eager attention) on a tiny random config whose window
-(8 tokens) is shorter than the prompts: logits over the paged KV cache through prefill,
-extend and decode; greedy ids through the engine alone, batched, with chunked prefill
-and with the prefix cache; the attention sinks, YaRN and the clamped SwiGLU each against
+(8 tokens) is shorter than the prompts (its logits and greedy ids, as every windowed
+model's, in ``test_windowed_models.py``): the attention sinks, YaRN and the clamped SwiGLU each against
 transformers' own functions; MXFP4 experts dequantized as transformers does; the
 published 20B config and its plan; and the paths that decline it (the C decode layer,
 the Triton MoE, the GPU attention backends, expert offload, tensor parallelism)."""
@@ -13,15 +12,7 @@ import math
 
 import pytest
 import torch
-from model_checks import (
-    check_attention_step,
-    check_engine_greedy,
-    check_extend_and_decode,
-    check_greedy_engine_runs,
-    check_prefix_cache_hit,
-    check_ragged_batch,
-    tiny_pair,
-)
+from model_checks import STEPS, VOCAB, check_attention_step, check_engine_greedy, pair_fixture
 
 from engine.common.config import EngineConfig
 from engine.common.load_errors import UnsupportedConfig
@@ -30,13 +21,7 @@ from engine.loader.weight_size import weight_bytes
 
 transformers = pytest.importorskip("transformers")
 
-VOCAB = 256
-STEPS = 16
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory, make_tiny_hf_model):
-    return tiny_pair("gpt_oss", tmp_path_factory.mktemp("gpt_oss"), make_tiny_hf_model, VOCAB)
+pair = pair_fixture(["gpt_oss"], VOCAB)
 
 
 def test_config_follows_transformers(pair):
@@ -79,25 +64,6 @@ def test_clamped_swiglu_experts_equal_transformers(pair):
         gate_up = x @ hf.model.layers[1].mlp.experts.gate_up_proj[0]
     assert bool((gate_up.abs() > 0.5).any())  # the clamp bites on these weights
     torch.testing.assert_close(got, want[0], rtol=1e-5, atol=1e-5)
-
-
-def test_paged_logits_match_transformers_through_prefill_extend_and_decode(pair, paged_runner):
-    """One sequence: 7 tokens, 5 more, then 3 decode steps, past the window of 8 on the way."""
-    check_extend_and_decode(pair[1], paged_runner(pair[2], pair[3]), VOCAB)
-
-
-def test_paged_logits_match_transformers_in_a_ragged_batch(pair, paged_runner):
-    """Two sequences of different lengths share each step."""
-    check_ragged_batch(pair[1], paged_runner(pair[2], pair[3]), VOCAB)
-
-
-def test_engine_greedy_ids_equal_transformers(pair):
-    """16 greedy ids alone, three prompts batched, the longest in chunks of 8 and of 5
-    tokens; then a prompt sharing a 20-token prefix with an earlier one reuses its pages
-    (the prefix cache) and still decodes as transformers does from scratch."""
-    _, hf, _, _, path = pair
-    check_greedy_engine_runs(hf, path, VOCAB, STEPS)
-    check_prefix_cache_hit(hf, path, VOCAB, STEPS)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_checks import check_extend_and_decode, check_ragged_batch, hf_greedy, tiny_pair
+from model_checks import check_extend_and_decode, check_ragged_batch, hf_greedy, pair_fixture
 from test_engine import run_all
 
 from engine.bench.model_shapes import write_shape
@@ -39,10 +39,7 @@ GREEDY = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)
 # routes every layer.
 MOE_LAYERS = {"qwen3_next_dense": (), "qwen3_next": (0, 2, 3), "qwen3_5": (), "qwen3_5_moe_vl": (0, 1, 2, 3)}
 
-
-@pytest.fixture(scope="module", params=list(MOE_LAYERS))
-def pair(request, tmp_path_factory, make_tiny_hf_model):
-    return tiny_pair(request.param, tmp_path_factory.mktemp(request.param), make_tiny_hf_model, VOCAB)
+pair = pair_fixture(list(MOE_LAYERS), VOCAB)
 
 
 def test_layer_layout_follows_the_config(pair):

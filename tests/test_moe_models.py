@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_checks import check_extend_and_decode, check_ragged_batch, tiny_pair
+from model_checks import check_extend_and_decode, check_ragged_batch, pair_fixture
 
 from engine.common.load_errors import WeightMismatch
 from engine.layers.moe.sparse_moe import SparseMoeBlock
@@ -22,10 +22,7 @@ transformers = pytest.importorskip("transformers")
 VOCAB = 256
 KINDS = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
 
-
-@pytest.fixture(scope="module", params=KINDS)
-def pair(request, tmp_path_factory, make_tiny_hf_model):
-    return tiny_pair(request.param, tmp_path_factory.mktemp(request.param), make_tiny_hf_model, VOCAB)
+pair = pair_fixture(KINDS, VOCAB)
 
 
 def test_config_and_layer_layout_follow_transformers(pair):

@@ -103,6 +103,8 @@ def test_blocks_of_the_wrong_width_are_refused(dev):
         triton_quant.quant_gemv(x[:, :32], w, "Q4_0")
     with pytest.raises(ValueError, match="not kept quantized"):
         triton_quant.quant_gemv(x, w, "IQ2_XXS")
+    with pytest.raises(TypeError, match="unexpected GEMV tiling arguments: block_m"):
+        triton_quant.quant_gemv(x, w, "Q4_0", block_m=4)
 
 
 @pytest.mark.parametrize("type_name", TYPES)

@@ -72,9 +72,13 @@ def test_plain_and_streamed_answers_agree(real_server):
 
 
 def test_stream_events_are_named_server_sent_events(real_server):
+    """Named events, sent as Server-Sent Events that no cache or proxy holds back."""
     body = {"input": "Hi", "stream": True, **GREEDY}
     with real_server.client(timeout=300) as http:
-        text = http.post("/v1/responses", json=body).text
+        resp = http.post("/v1/responses", json=body)
+    text = resp.text
+    assert resp.headers["content-type"].startswith("text/event-stream")
+    assert (resp.headers["cache-control"], resp.headers["x-accel-buffering"]) == ("no-cache", "no")
     frames = [f for f in text.split("\n\n") if f.strip()]
     for frame in frames:
         event, data = frame.split("\n")

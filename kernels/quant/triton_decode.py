@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import TypedDict
 
 import torch
 import triton
@@ -395,6 +396,38 @@ def split_k_ranges(nblocks: int, blocks_per_step: int, programs: int, device: to
         split_k = max(1, min(nblocks // blocks_per_step or 1, -(-want // programs)))
     per_split = triton.cdiv(nblocks, split_k)
     return per_split, triton.cdiv(nblocks, per_split)
+
+
+class GemvTiling(TypedDict, total=False):
+    """A forced tiling of the block GEMVs (tests, sweeps), given as keyword arguments:
+    ``block_n`` weight rows per program (default 4), ``split_k`` K ranges (default:
+    :func:`split_k_ranges`), ``blocks_per_step`` blocks of K per step (default 2, or 16 of
+    32 weights), ``num_warps`` (default 4). None is the default; with none of the first
+    three given, the rows on CUDA filling the SMs twice over, the kernel is autotuned
+    instead (:func:`gemv_tiling`)."""
+
+    block_n: int | None
+    split_k: int | None
+    blocks_per_step: int | None
+    num_warps: int
+
+
+def gemv_tiling(tiling: GemvTiling, device: torch.device, rows: int,
+                block_elements: int = 256) -> tuple[int, int, int | None, int] | None:
+    """``(block_n, blocks_per_step, split_k, num_warps)`` of a GEMV over ``rows`` weight
+    rows of blocks of ``block_elements`` weights, ``tiling``'s with the defaults filled
+    in; None where the autotuned kernel runs instead.
+
+    Raises:
+        TypeError: a key that is not :class:`GemvTiling`'s.
+    """
+    if unknown := set(tiling) - set(GemvTiling.__annotations__):
+        raise TypeError(f"unexpected GEMV tiling arguments: {', '.join(sorted(unknown))}")
+    block_n, split_k, kb = tiling.get("block_n"), tiling.get("split_k"), tiling.get("blocks_per_step")
+    if (device.type == "cuda" and not INTERPRETING and block_n is None and split_k is None and kb is None
+            and rows >= 2 * sm_count(device.index or 0)):
+        return None
+    return block_n or 4, kb or (2 if block_elements > 32 else 16), split_k, tiling.get("num_warps") or 4
 
 
 @functools.cache

@@ -72,7 +72,7 @@ default decode GEMV for Q4_K/Q6_K (docs/gpu.md, "The int8 decode path"; the
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import triton
@@ -83,13 +83,16 @@ from kernels.quant.formats import block_format
 from kernels.quant.int8_choice import INT8_TYPES
 from kernels.quant.triton_activations import Q8Activations
 from kernels.quant.triton_decode import (
-    INTERPRETING,
+    GemvTiling,
+    gemv_tiling,
     output_for,
     ptx_enabled,
-    sm_count,
     split_k_ranges,
 )
 from kernels.quant.triton_int8_dot import rows_dot
+
+if TYPE_CHECKING:  # typing.Unpack is Python 3.11's
+    from typing_extensions import Unpack
 
 
 @triton.jit
@@ -193,12 +196,9 @@ def int8_gemv(
     blocks: torch.Tensor,
     type_name: str,
     *,
-    block_n: int | None = None,
-    split_k: int | None = None,
-    blocks_per_step: int | None = None,
-    num_warps: int = 4,
     out: torch.Tensor | None = None,
     variant: dict | None = None,
+    **tiling: Unpack[GemvTiling],
 ) -> torch.Tensor:
     """``x @ W.T`` for ``x``'s activations rounded to int8 and ``W`` in Q4_K or Q6_K
     ``blocks`` (or Q6_K repacked as ``Q6_K_P``, :mod:`kernels.quant.repack`).
@@ -213,12 +213,12 @@ def int8_gemv(
         blocks: uint8 ``[N, K / 256 * block_bytes]``, GGUF blocks row by row.
         type_name: ``"Q4_K"``, ``"Q6_K"`` or ``"Q6_K_P"`` (then the rows are whole 32-bit
             words: an even number of blocks).
-        block_n, split_k, blocks_per_step, num_warps: a forced tiling (tests, sweeps),
-            as :func:`kernels.quant.triton_kernel.quant_gemv`'s; by default autotuned on
-            CUDA when the rows fill the SMs twice over, else K is split.
         out: where to write ``[M, N]`` (``x``'s dtype, unit column stride), else a new tensor.
         variant: constexprs of a forced tiling: ``SPLIT`` (Q4_K: a thread holds whole
             runs), ``PREFETCH`` (the next step's weight words loaded ahead), ``ABL`` (timing a stage left out; the result is then wrong).
+        tiling: ``block_n``, ``split_k``, ``blocks_per_step``, ``num_warps``, a forced
+            tiling (tests, sweeps; :class:`~kernels.quant.triton_decode.GemvTiling`); by
+            default autotuned on CUDA when the rows fill the SMs twice over, else K is split.
 
     Returns:
         ``[M, N]`` in ``x``'s dtype (float32 accumulation).
@@ -227,8 +227,7 @@ def int8_gemv(
         ValueError: another type, blocks that do not hold rows of ``K`` weights, or float
             activations that are not 2-D with a unit column stride.
     """
-    return int8_gemv_parts(x, [(blocks, type_name)], block_n=block_n, split_k=split_k,
-                           blocks_per_step=blocks_per_step, num_warps=num_warps, out=out, variant=variant)
+    return int8_gemv_parts(x, [(blocks, type_name)], out=out, variant=variant, **tiling)
 
 
 class _Part(NamedTuple):
@@ -263,12 +262,9 @@ def int8_gemv_parts(
     x: torch.Tensor | Q8Activations,
     parts: list[tuple[torch.Tensor, str]],
     *,
-    block_n: int | None = None,
-    split_k: int | None = None,
-    blocks_per_step: int | None = None,
-    num_warps: int = 4,
     out: torch.Tensor | None = None,
     variant: dict | None = None,
+    **tiling: Unpack[GemvTiling],
 ) -> torch.Tensor:
     """:func:`int8_gemv` of a weight stacked from one or two parts of (possibly)
     different types, in one launch: a fused projection whose shards differ in type (a
@@ -276,7 +272,7 @@ def int8_gemv_parts(
     part; the first part's columns come first in the output.
 
     Args:
-        x, block_n, split_k, blocks_per_step, num_warps, variant: as :func:`int8_gemv`'s
+        x, variant, tiling: as :func:`int8_gemv`'s
             (one tiling for both parts; ``SPLIT`` acts on a Q4_K part only).
         parts: ``[(blocks, type_name)]``, one or two, top to bottom, each as
             :func:`int8_gemv`'s ``blocks`` and ``type_name`` (the same ``K``).
@@ -318,12 +314,11 @@ def int8_gemv_parts(
                      *second.words, second.rows, *second.strides, QT=first.code, QT1=second.code, QUANT_X=quant_x,
                      ASM=ptx_enabled(device), **pdl.launch_args(device), **constexprs)
 
-    if (device.type == "cuda" and not INTERPRETING and split_k is None and block_n is None
-            and blocks_per_step is None and n >= 2 * sm_count(device.index or 0)):
+    forced = gemv_tiling(tiling, device, n)
+    if forced is None:
         launch(_tuned, lambda meta: (m * tiles(meta["BLOCK_N"]), 1), result, nblocks, ATOMIC=False)
         return result
-    block_n = block_n or 4
-    kb = blocks_per_step or 2
+    block_n, kb, split_k, num_warps = forced
     per_split, split = split_k_ranges(nblocks, kb, m * tiles(block_n), device, split_k)
     atomic = split > 1
     dest = torch.zeros((m, n), device=device, dtype=torch.float32) if atomic else result

@@ -29,6 +29,8 @@ planes it decoded the 8B shape at batch 1 in 3.68 ms a step against the float GE
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
@@ -37,20 +39,24 @@ from kernels.quant.gemm_tuning import IEEE_TILING, GemmTiling, tuned
 from kernels.quant.int8_choice import int8_quantize_apart, uses_int8_dot
 from kernels.quant.triton_decode import (
     INTERPRETING,
+    GemvTiling,
     check_blocks,
     gemm_dot_range,
     gemm_subs,
     gemm_tile,
     gemv_dot,
+    gemv_tiling,
     layout_constexprs,
     output_for,
     ptx_enabled,
-    sm_count,
     split_k_ranges,
     store_tile,
 )
 from kernels.quant.triton_int8_gemm import INT8_GEMM_TYPES, int8_gemm
 from kernels.switches import current
+
+if TYPE_CHECKING:  # typing.Unpack is Python 3.11's
+    from typing_extensions import Unpack
 
 
 @triton.jit
@@ -118,25 +124,15 @@ _gemv_tuned = triton.autotune(
 )(_gemv_kernel)
 
 
-def _tuned_shape(x: torch.Tensor, n: int, split_k, block_n, blocks_per_step) -> bool:
-    """The tuned kernel when no tiling is forced and the rows alone fill the SMs twice
-    over (below that, split-K with a fixed tiling)."""
-    return (x.is_cuda and not INTERPRETING and split_k is None and block_n is None and blocks_per_step is None
-            and n >= 2 * sm_count(x.device.index or 0))
-
-
 def quant_gemv(
     x: torch.Tensor,
     blocks: torch.Tensor,
     type_name: str,
     *,
-    block_n: int | None = None,
-    split_k: int | None = None,
-    blocks_per_step: int | None = None,
-    num_warps: int = 4,
     out: torch.Tensor | None = None,
     int8_dot: bool | None = None,
     q8=None,
+    **tiling: Unpack[GemvTiling],
 ) -> torch.Tensor:
     """``x @ W.T`` for few rows of ``x``, ``W`` dequantized on the fly from ``blocks``.
 
@@ -152,9 +148,6 @@ def quant_gemv(
             weights are read from HBM once and from L2 ``M - 1`` more times.
         blocks: ``[N, K / block_elements * block_bytes]`` uint8, GGUF blocks row by row.
         type_name: the GGML type (``"Q4_K"`` ...).
-        block_n, split_k, blocks_per_step, num_warps: a forced tiling (tests, sweeps):
-            rows per program (default 4), K ranges (default: fill the SMs), blocks per
-            step (default 2, or 16 of 32 weights), warps.
         out: where to write ``[M, N]`` (``x.dtype``, unit column stride; may be a column
             slice of a wider tensor), else a new tensor.
         int8_dot: Q4_K/Q6_K through the int8-activation GEMV
@@ -165,6 +158,8 @@ def quant_gemv(
             shared by the parts of a fused projection; else the int8 GEMV quantizes
             ``x`` itself (:func:`int8_quantize_apart` false: one launch) or after a
             quantizing launch.
+        tiling: ``block_n``, ``split_k``, ``blocks_per_step``, ``num_warps``, a forced
+            tiling (:class:`~kernels.quant.triton_decode.GemvTiling`).
 
     Returns:
         ``[M, N]`` in ``x.dtype`` (float32 accumulation): ``out`` when given.
@@ -181,17 +176,16 @@ def quant_gemv(
 
         if q8 is None:
             q8 = quantize_activations(x) if int8_quantize_apart() else x
-        return int8_gemv(q8, blocks, type_name, block_n=block_n, split_k=split_k, blocks_per_step=blocks_per_step,
-                         num_warps=num_warps, out=out)
+        return int8_gemv(q8, blocks, type_name, out=out, **tiling)
     result = output_for(x, n, out)
-    if _tuned_shape(x, n, split_k, block_n, blocks_per_step):
+    forced = gemv_tiling(tiling, x.device, n, fmt.block_elements)
+    if forced is None:
         _gemv_tuned[lambda meta: (m * triton.cdiv(n, meta["BLOCK_N"]), 1)](
             x, blocks, result, m, n, k, blocks.stride(0), nblocks, x.stride(0), result.stride(0),
             **layout_constexprs(fmt), ATOMIC=False, ASM=ptx_enabled(x.device),
         )
         return result
-    block_n = block_n or 4
-    kb = blocks_per_step or (2 if fmt.block_elements > 32 else 16)
+    block_n, kb, split_k, num_warps = forced
     per_split, split = split_k_ranges(nblocks, kb, m * triton.cdiv(n, block_n), x.device, split_k)
     atomic = split > 1
     dest = torch.zeros((m, n), device=x.device, dtype=torch.float32) if atomic else result

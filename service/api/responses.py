@@ -178,34 +178,15 @@ def stream_answer(
     frame: Callable[[Any], bytes],
     error_payload: Callable[[APIError], Any],
     end: bytes = b"",
-    media_type: str,
-    headers: dict[str, str] | None = None,
+    media_type: str = "text/event-stream",
+    headers: dict[str, str] | None = SSE_HEADERS,
 ) -> Stream:
     """A streamed answer: each payload ``frame``-d; an error raised while they are
     produced becomes ``error_payload(error)``'s frame (a bug's as a 500), then ``end``
-    (OpenAI's ``data: [DONE]``)."""
+    (OpenAI's ``data: [DONE]``). By default Server-Sent Events (OpenAI's streams), not
+    cached or buffered on the way; Ollama's NDJSON names its ``media_type``."""
     return Stream(
         _framed(gen, payloads, frame, error_payload, end), media_type=media_type, headers=headers
-    )
-
-
-def sse_answer(
-    gen: Generation,
-    payloads: AsyncIterator[Any],
-    frame: Callable[[Any], bytes],
-    error_payload: Callable[[APIError], Any],
-    end: bytes = b"",
-) -> Stream:
-    """:func:`stream_answer` as Server-Sent Events (OpenAI's streams), not cached or
-    buffered on the way."""
-    return stream_answer(
-        gen,
-        payloads,
-        frame=frame,
-        error_payload=error_payload,
-        end=end,
-        media_type="text/event-stream",
-        headers=SSE_HEADERS,
     )
 
 

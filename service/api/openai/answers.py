@@ -38,7 +38,7 @@ from service.api.openai.schemas import (
     TextChoice,
     Usage,
 )
-from service.api.responses import first_piece_held, gone, json_response, run_to_end, sse_answer
+from service.api.responses import first_piece_held, gone, json_response, run_to_end, stream_answer
 from service.common.errors import APIError
 
 _encoder = msgspec.json.Encoder()
@@ -93,7 +93,7 @@ class _Chunks:
 
 
 def _sse_answer(gen: Generation, chunks: AsyncIterator[Any]) -> Stream:
-    return sse_answer(gen, chunks, _sse, _error_event, _DONE)
+    return stream_answer(gen, chunks, frame=_sse, error_payload=_error_event, end=_DONE)
 
 
 # -- chat ----------------------------------------------------------------------------

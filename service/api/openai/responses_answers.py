@@ -47,7 +47,7 @@ from service.api.openai.responses_schemas import (
     ResponseUsage,
 )
 from service.api.openai.schemas import ChatMessageOut, Delta
-from service.api.responses import first_piece_held, gone, json_response, run_to_end, sse_answer
+from service.api.responses import first_piece_held, gone, json_response, run_to_end, stream_answer
 from service.common.errors import APIError
 
 _encoder = msgspec.json.Encoder()
@@ -144,7 +144,7 @@ async def _answer(gen: Generation, request: Request, model: str, body: Responses
     if gen.request.stream:
         held = await first_piece_held(gen) if gen.request.json_schema is not None else None
         events = _Events(gen, resp, output)
-        return sse_answer(gen, events.run(held or gen.pieces()), _sse, events.failed)
+        return stream_answer(gen, events.run(held or gen.pieces()), frame=_sse, error_payload=events.failed)
     result = await run_to_end(gen, request)
     if result is None:
         return gone()

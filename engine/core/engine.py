@@ -436,6 +436,9 @@ class Engine(PlanStages, GrammarWaits, LiveReplan):
         c = self.expert_counters
         if c is None:
             return {}
+        for store in self.expert_stores:
+            store.count_bus_reads()
         return dict(expert_cache_hits=c.hits, expert_cache_misses=c.misses, expert_copies=c.copies,
-                    expert_cpu_runs=c.cpu_runs, expert_bus_reads=c.bus_reads, expert_cache_slots=sum(s.num_slots for s in self.expert_stores))
+                    expert_cpu_runs=c.cpu_runs, expert_bus_reads=c.bus_reads,
+                    expert_cache_slots=sum(s.num_slots for s in self.expert_stores))
 

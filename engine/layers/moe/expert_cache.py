@@ -306,17 +306,16 @@ class OffloadedExperts(nn.Module):
             bus.count(topk_ids)
         return self.host.moe(x, topk_weights, topk_ids, cache=self.cache, slot_of=bus.lut)
 
+    def count_bus_reads(self) -> None:
+        """Bring the counters and the heat up to date with the bus-read steps since the
+        last refresh (one read-back; nothing when there were none): for stats readers."""
+        if self._bus is not None and self._bus.steps:
+            self._fold_counts(self._bus)
+
     def _refresh_hot(self, bus: BusReads) -> None:
-        """Fold the routing counts into the heat, count the hits and bus reads they were,
-        and copy in the experts that became hotter than cached ones."""
-        counts, steps = bus.take_counts()
-        hit = float(counts[list(self.slot_of)].sum()) if self.slot_of else 0.0
-        missed = int(round(float(counts.sum()) - hit))
-        self.counters.hits += int(round(hit))
-        self.counters.misses += missed
-        self.counters.bus_reads += missed
-        decay = HEAT_DECAY ** steps
-        self.heat = self.heat * decay + (1 - decay) * counts / max(steps, 1)
+        """Fold the routing counts in, then copy in the experts that became hotter than
+        cached ones."""
+        self._fold_counts(bus)
         for expert, old in hot_swaps(self.heat, self.slot_of, self.num_slots):
             if old is None:
                 slot = self._free_slot(set())
@@ -327,6 +326,18 @@ class OffloadedExperts(nn.Module):
             self.slot_of[expert] = slot
             self.counters.swaps += 1
             bus.stale = True
+
+    def _fold_counts(self, bus: BusReads) -> None:
+        """The routing counts since the last fold into the heat, and into the hits and
+        bus reads they were."""
+        counts, steps = bus.take_counts()
+        hit = float(counts[list(self.slot_of)].sum()) if self.slot_of else 0.0
+        missed = int(round(float(counts.sum()) - hit))
+        self.counters.hits += int(round(hit))
+        self.counters.misses += missed
+        self.counters.bus_reads += missed
+        decay = HEAT_DECAY ** steps
+        self.heat = self.heat * decay + (1 - decay) * counts / max(steps, 1)
 
     def _forward_fused(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                        on_cpu: set[int], num_active: int) -> torch.Tensor:

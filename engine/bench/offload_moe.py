@@ -1,0 +1,88 @@
+"""A mixture-of-experts GGUF larger than the card, experts in host memory: prefill and
+decode tokens/s of the engine as the memory plan places it under ``--device-limit``.
+
+    python -m engine.bench.offload_moe MODEL.gguf --device-limit 6GiB
+
+The file is what ``python -m engine.bench.quant --shape qwen3-30b-a3b --write-gguf
+PATH`` writes (or a real one). Each prompt length is run once untimed first (the
+kernels' first-call compiles), then timed alone; each decode batch decodes a few steps
+untimed, then ``--steps`` timed steps. Compare with llama.cpp's ``llama-bench -ngl 99
+-ncmoe N -p 128,2048 -n 64`` and ``llama-batched-bench ... -npl 1,4`` on the same file,
+the same GPU memory in use (the figure printed last, as NVML reads it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import time
+
+import torch
+
+from engine.common.config import EngineConfig
+from engine.common.units import parse_size
+from engine.core.engine import Engine
+from engine.wire.messages import GenerateRequest, SamplingParams
+
+
+def _ids(n: int, seed: int, vocab: int) -> list[int]:
+    return [(seed * 7919 + 31 * j) % (vocab - 10) + 10 for j in range(n)]
+
+
+def _run(engine: Engine, requests: list[GenerateRequest]) -> float:
+    """Seconds to run ``requests`` to completion."""
+    t0 = time.perf_counter()
+    for r in requests:
+        engine.add_request(r)
+    while engine.has_work():
+        engine.step()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model", help="a mixture-of-experts .gguf file")
+    ap.add_argument("--device-limit", default="6GiB", help="plan as if the card were this big (default 6GiB)")
+    ap.add_argument("--prefill", default="128,2048", help="prompt lengths, comma-separated")
+    ap.add_argument("--batches", default="1,4", help="decode batch sizes, comma-separated")
+    ap.add_argument("--steps", type=int, default=64, help="timed decode steps per batch size")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA device")
+    engine = Engine(EngineConfig(model=args.model, device="cuda", device_limit=parse_size(args.device_limit)))
+    stores = engine.expert_stores
+    print(f"plan: routed experts of {len(stores)} layers in host memory, {sum(s.num_slots for s in stores)} "
+          f"cache slots", flush=True)
+    vocab = engine.vocab_size
+    for n in (int(v) for v in args.prefill.split(",")):
+        once = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+        _run(engine, [GenerateRequest(request_id=f"warm-{n}", prompt_token_ids=_ids(n, n, vocab), sampling=once)])
+        dt = _run(engine, [GenerateRequest(request_id=f"prefill-{n}", prompt_token_ids=_ids(n, n + 1, vocab),
+                                           sampling=once)])
+        print(f"prefill {n} tokens: {n / dt:.1f} tok/s ({dt:.2f} s)", flush=True)
+    for b in (int(v) for v in args.batches.split(",")):
+        long = SamplingParams(max_new_tokens=args.steps + 16, temperature=0.0, ignore_eos=True)
+        for i in range(b):
+            engine.add_request(GenerateRequest(request_id=f"decode-{b}-{i}", prompt_token_ids=_ids(32, 100 + i, vocab),
+                                               sampling=long))
+        for _ in range(8):  # the prefill and a few decode steps, untimed
+            engine.step()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            engine.step()
+        torch.cuda.synchronize()
+        dt = (time.perf_counter() - t0) / args.steps
+        print(f"decode batch {b}: {b / dt:.1f} tok/s ({dt * 1e3:.1f} ms a step)", flush=True)
+        for i in range(b):
+            engine.abort(f"decode-{b}-{i}")
+        engine.step()
+    print(f"expert counters: {engine.expert_counters}")
+    smi = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader"], capture_output=True,
+                         text=True, check=False)
+    print(f"GPU memory in use (NVML): {smi.stdout.strip() or 'nvidia-smi not found'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -73,17 +73,25 @@ def _same_logits(got: torch.Tensor, want: torch.Tensor) -> None:
     assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max())
 
 
-@pytest.mark.parametrize(("costs", "slots"), [(ALWAYS_COPY, 3), (ALWAYS_CPU, 2), (MIXED, 2), (ALWAYS_COPY, 1)],
-                         ids=["copy-lru", "cpu", "mixed", "one-slot"])
-def test_greedy_ids_equal_the_all_resident_quantized_model(tiny, paged_runner, reference, costs, slots):
+def _offloaded_run(tiny, paged_runner, reference, costs, slots):
+    """The model with every MoE layer's experts offloaded (``slots`` a layer, CPU runs
+    through torch: the C kernels' are checked below), decoded: its greedy ids and logits
+    equal the all-resident model's (the same reference ops on the same dequantized
+    values). Returns (stores, counters)."""
     _, config, model = tiny
     hybrid = copy.deepcopy(model)
-    # CPU runs through torch here: the C kernels' are checked below.
     stores, counters = offload_experts(hybrid, config.moe_layers, slots, costs, cpu_kernels=False)
     got, logits = paged_greedy(paged_runner(hybrid, config), _prompts(), STEPS)
     assert got == reference[0]
-    # The same reference ops on the same dequantized values, expert by expert in order.
     _same_logits(logits, reference[1])
+    return stores, counters
+
+
+@pytest.mark.parametrize(("costs", "slots"), [(ALWAYS_COPY, 3), (ALWAYS_CPU, 2), (MIXED, 2), (ALWAYS_COPY, 1)],
+                         ids=["copy-lru", "cpu", "mixed", "one-slot"])
+def test_greedy_ids_equal_the_all_resident_quantized_model(tiny, paged_runner, reference, costs, slots):
+    _, config, _ = tiny
+    stores, counters = _offloaded_run(tiny, paged_runner, reference, costs, slots)
     assert counters.hits + counters.misses > 0
     assert counters.misses == counters.copies + counters.cpu_runs
     if costs is ALWAYS_CPU:
@@ -139,12 +147,7 @@ def test_decode_reading_experts_over_the_bus_gives_the_all_resident_greedy_ids(t
     monkeypatch.setattr(OffloadedExperts, "_reads_over_bus", lambda self, x: x.shape[0] > 0)
     # With no slots, no refresh at all: the counts reach the counters when stats read them.
     monkeypatch.setattr(expert_cache, "REFRESH_STEPS", 4 if slots else 10**9)
-    _, config, model = tiny
-    hybrid = copy.deepcopy(model)
-    stores, counters = offload_experts(hybrid, config.moe_layers, slots, ALWAYS_COPY, cpu_kernels=False)
-    got, logits = paged_greedy(paged_runner(hybrid, config), _prompts(), STEPS)
-    assert got == reference[0]
-    _same_logits(logits, reference[1])
+    stores, counters = _offloaded_run(tiny, paged_runner, reference, ALWAYS_COPY, slots)
     for s in stores:
         s.count_bus_reads()  # as Engine.stats does
     assert counters.bus_reads > 0 and counters.copies == 0 and counters.cpu_runs == 0

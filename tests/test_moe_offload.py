@@ -230,3 +230,18 @@ def test_hot_swaps_bring_in_clearly_hotter_experts_only():
     assert hot_swaps(torch.tensor([0.1, 0.1 * SWAP_MARGIN], dtype=torch.float64), {0: 0}, 1) == []
     many = torch.arange(32, dtype=torch.float64)
     assert len(hot_swaps(many, {}, 32)) == SWAPS_PER_REFRESH
+
+
+def test_bus_read_counts_are_read_outside_the_step_that_made_them():
+    """The first step (in inference mode) creates the device counts; stats read and zero
+    them between steps, outside it: that must work (on the H200 it raised "Inplace update
+    to inference tensor outside InferenceMode")."""
+    from engine.layers.moe.bus_reads import BusReads
+
+    with torch.inference_mode():
+        bus = BusReads(4, torch.device("cpu"))
+        bus.count(torch.tensor([[0, 2], [2, 3]]))
+    counts, steps = bus.take_counts()
+    assert counts.tolist() == [1.0, 0.0, 2.0, 1.0] and steps == 1
+    bus.sync_lut({2: 0})
+    assert bus.lut.tolist() == [-1, -1, 0, -1] and not bus.stale

@@ -52,6 +52,9 @@ class BusReads:
         self.routed.index_add_(0, flat, torch.ones(flat.shape, dtype=torch.float32, device=flat.device))
         self.steps += 1
 
+    # Both run between steps too (stats, a refresh), outside the step's inference mode,
+    # on tensors the first step may have made inside it.
+    @torch.inference_mode()
     def sync_lut(self, slot_of: dict[int, int]) -> None:
         """Write ``slot_of`` (expert -> slot) into the device lut, in stream order."""
         lut = torch.full(self.lut.shape, -1, dtype=torch.int64)
@@ -60,6 +63,7 @@ class BusReads:
         self.lut.copy_(lut)
         self.stale = False
 
+    @torch.inference_mode()
     def take_counts(self) -> tuple[torch.Tensor, int]:
         """The routings per expert since the last call (float64 ``[E]``, on the host: one
         read-back) and the steps they span; both reset."""

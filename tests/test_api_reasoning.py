@@ -1,11 +1,15 @@
 """Reasoning settings each API refuses or accepts, without a server: a thinking budget
-of 0 (no thinking), an effort and a budget that contradict each other."""
+of 0 (no thinking), an effort and a budget that contradict each other, and Anthropic's
+thinking beside a forced tool call."""
 
 from __future__ import annotations
 
 import msgspec
 import pytest
 
+from service.api.anthropic.errors import anthropic_error
+from service.api.anthropic.requests import messages_request
+from service.api.anthropic.schemas import MessagesRequest
 from service.api.openai.requests import chat_request
 from service.api.openai.schemas import ChatCompletionRequest
 from service.api.thinking import check_thinking
@@ -52,3 +56,31 @@ def test_a_budget_with_an_effort_that_thinks_sets_that_effort_s_budget():
     assert call.thinking_param == "reasoning_effort"
     call = _chat(thinking_budget=300)
     assert (call.thinking, call.thinking_budget) == (None, 300)
+
+
+def _messages(**body) -> object:
+    decoded = msgspec.convert(
+        {"model": "m", "max_tokens": 4096, "messages": HI, "tools": [{"name": "f", "input_schema": {"type": "object"}}], **body},
+        MessagesRequest,
+    )
+    return messages_request(decoded, "msg_x", 0.0)
+
+
+@pytest.mark.parametrize("choice", [{"type": "any"}, {"type": "tool", "name": "f"}])
+def test_anthropic_refuses_thinking_with_a_forced_tool_call(choice):
+    with pytest.raises(APIError) as exc:
+        _messages(thinking={"type": "enabled", "budget_tokens": 1024}, tool_choice=choice)
+    status, body = anthropic_error(exc.value.status, exc.value.message, exc.value.code, exc.value.param)
+    assert status == 400 and body.error.type == "invalid_request_error"
+    assert body.error.message == "Thinking may not be enabled when tool_choice forces tool use."
+
+
+def test_anthropic_takes_thinking_with_a_free_tool_choice_and_a_forced_call_without_thinking():
+    for choice in ({"type": "auto"}, {"type": "none"}, None):
+        extra = {} if choice is None else {"tool_choice": choice}
+        call = _messages(thinking={"type": "enabled", "budget_tokens": 1024}, **extra)
+        assert call.thinking is True
+    for thinking in ({"type": "disabled"}, None):
+        extra = {} if thinking is None else {"thinking": thinking}
+        call = _messages(tool_choice={"type": "any"}, **extra)
+        assert call.tool_choice == "required" and call.thinking is False

@@ -17,6 +17,7 @@ from service.api.chat_output import ChatOutput
 from service.api.openai.schemas import ChatCompletionRequest
 from service.api.reasoning import ReasoningSplitter, split_reasoning
 from service.api.tools import (
+    HARMONY,
     HERMES,
     LLAMA3_JSON,
     MISTRAL,
@@ -294,3 +295,26 @@ def test_deprecated_functions_are_refused_naming_their_field(fields, param):
     neutral = msgspec.convert({"messages": [{"role": "user", "content": "hi"}], "function_call": "auto",
                                "functions": []}, ChatCompletionRequest)
     assert chat_request(neutral, "r", 0.0, 0).max_tokens is None
+
+
+def test_json_nested_past_the_parser_s_depth_is_content_not_an_error():
+    """A degenerate model can nest brackets deeper than Python's JSON reader goes (a
+    RecursionError, not a ValueError): each format answers that text as content."""
+    deep = "[" * 3000
+    nested_object = '{"a": ' * 1500
+    answers = {
+        HERMES: "<tool_call>\n" + deep,
+        LLAMA3_JSON: nested_object,
+        MISTRAL: "[TOOL_CALLS]" + deep,
+        QWEN_XML: "<tool_call>\n<function=get_weather>\n<parameter=city>\n" + deep + "\n</parameter>\n</function>\n</tool_call>",
+        HARMONY: "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>" + deep + "<|call|>",
+    }
+    tools = [{"type": "function", "function": {**WEATHER["function"], "parameters": {
+        "type": "object", "properties": {"city": {"type": "array"}}}}}]
+    for fmt, text in answers.items():
+        content, calls = parse_tool_calls(fmt, text, tools)
+        if fmt == QWEN_XML:  # the value stays the text the model wrote
+            assert json.loads(calls[0].arguments) == {"city": deep}
+        else:
+            assert deep in content or nested_object in content, fmt
+            assert calls == [], fmt

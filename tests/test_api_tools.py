@@ -268,6 +268,18 @@ def test_template_gets_tools_tool_messages_and_kwargs(smollm_tokenizer):
     assert exc.value.param == "messages[2].role"
 
 
+def test_past_call_arguments_nested_past_the_json_reader_s_depth_stay_text(smollm_tokenizer):
+    """A client's earlier call whose arguments nest deeper than Python's JSON reader goes
+    reaches the template as the text it sent, as arguments that are no JSON do (never
+    an error of the server's)."""
+    deep = "[" * 3000
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": deep}}
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    with chat_template(smollm_tokenizer, QWEN_LIKE) as tokenizer:
+        prompt = render_chat(tokenizer, [*messages, {"role": "user", "content": "Bye"}], tools=[WEATHER])
+    assert f'"arguments": "{deep}"' in prompt
+
+
 def test_odd_tool_choice_and_template_kwargs_are_400s(smollm_tokenizer):
     for choice in ({"type": "function", "function": "get_weather"}, {"type": "x"}, ["auto"]):
         with pytest.raises(APIError) as exc:

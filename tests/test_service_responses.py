@@ -145,6 +145,11 @@ def test_a_model_that_cannot_think_refuses_thinking_but_not_its_absence(real_ser
         model="default", messages=[{"role": "user", "content": "Hi"}], reasoning_effort="none", max_tokens=4
     )
     assert chat_off.choices[0].message.content is not None
+    # A budget of 0 asks for no thinking: taken as none is.
+    zero = client.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": "Hi"}], max_tokens=4, extra_body={"thinking_budget": 0}
+    )
+    assert zero.choices[0].message.content is not None
     local = ollama.Client(host=real_server.base_url, timeout=300)
     for think in (True, "high"):
         with pytest.raises(ollama.ResponseError) as exc:

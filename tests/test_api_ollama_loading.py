@@ -52,7 +52,7 @@ def test_load_and_unload_as_ollama_does(start_server):
 def test_ollama_refuses_what_it_refuses(start_server):
     server = start_server(fake=True)
     with server.client() as http:
-        for bad in ["abc", "1d", "", True, [1]]:
+        for bad in ["abc", "1d", "", True, [1], 10**400]:
             r = http.post("/api/chat", json={"model": "default", "messages": [], "keep_alive": bad})
             assert r.status_code == 400 and set(r.json()) == {"error"}, (bad, r.text)
             assert "keep_alive" in r.json()["error"]

@@ -3,12 +3,16 @@ chat messages, flat tools, ``text.format``, the refusals, and the efforts."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+from types import SimpleNamespace
 
 import msgspec
 import pytest
 
-from service.api.openai.responses_answers import output_items
+from service.api.chat_output import ChatOutput
+from service.api.generation import Piece
+from service.api.openai.responses_answers import _Events, _head, output_items
 from service.api.openai.responses_input import (
     chat_tool_choice,
     chat_tools,
@@ -124,3 +128,45 @@ def test_output_items_of_an_answer():
     assert output_items(ChatMessageOut(role="assistant", content="cut"), "length")[0].status == "incomplete"
     # No text and no calls: still one (empty) message.
     assert [i.type for i in output_items(ChatMessageOut(role="assistant", content=""), "stop")] == ["message"]
+
+
+def test_a_cut_in_the_reasoning_leaves_the_reasoning_item_incomplete():
+    """``max_output_tokens`` reached inside the thinking block: the reasoning item is
+    ``incomplete``, as the response is (``incomplete_details.reason``
+    ``max_output_tokens``); reasoning the answer went on from is ``completed``."""
+    items = output_items(ChatMessageOut(role="assistant", content="", reasoning_content="hm"), "length")
+    assert [(i.type, i.status) for i in items] == [("reasoning", "incomplete")]
+    items = output_items(ChatMessageOut(role="assistant", content="Hi", reasoning_content="hm"), "length")
+    assert [(i.type, i.status) for i in items] == [("reasoning", "completed"), ("message", "incomplete")]
+    items = output_items(ChatMessageOut(role="assistant", content="", reasoning_content="hm"), "stop")
+    assert [(i.type, i.status) for i in items] == [("reasoning", "completed")]
+    events = asyncio.run(_streamed(["hm, ", "let me"], "length"))
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert [(i.type, i.status) for i in done] == [("reasoning", "incomplete")]
+    last = events[-1]
+    assert last["type"] == "response.incomplete" and last["response"].status == "incomplete"
+    assert last["response"].incomplete_details.reason == "max_output_tokens"
+    assert [(i.type, i.status) for i in last["response"].output] == [("reasoning", "incomplete")]
+    events = asyncio.run(_streamed(["hm", "</think>\n\nHi"], "length"))
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert [(i.type, i.status) for i in done] == [("reasoning", "completed"), ("message", "incomplete")]
+
+
+async def _streamed(texts: list[str], finish_reason: str) -> list[dict]:
+    """The events of a streamed answer of ``texts`` that started inside a thinking
+    block and ended with ``finish_reason``."""
+
+    async def encode_text(text: str) -> list[int]:
+        return list(range(len(text.split())))
+
+    async def pieces():
+        for j, text in enumerate(texts):
+            yield Piece(0, text, finish_reason if j == len(texts) - 1 else None)
+
+    gen = SimpleNamespace(
+        request_id="resp_x", prompt_tokens=3, completion_tokens=len(texts),
+        text=SimpleNamespace(encode_text=encode_text),
+    )
+    body = msgspec.convert({"input": "Hi", "max_output_tokens": len(texts)}, ResponsesRequest)
+    events = _Events(gen, _head(body, gen, "m", 0), ChatOutput(n=1, thinking=True))
+    return [e async for e in events.run(pieces())]

@@ -17,6 +17,7 @@ from service.api.chat_output import ChatOutput
 from service.api.openai.schemas import ChatCompletionRequest
 from service.api.reasoning import ReasoningSplitter, split_reasoning
 from service.api.tools import (
+    HARMONY,
     HERMES,
     LLAMA3_JSON,
     MISTRAL,
@@ -267,6 +268,18 @@ def test_template_gets_tools_tool_messages_and_kwargs(smollm_tokenizer):
     assert exc.value.param == "messages[2].role"
 
 
+def test_past_call_arguments_nested_past_the_json_reader_s_depth_stay_text(smollm_tokenizer):
+    """A client's earlier call whose arguments nest deeper than Python's JSON reader goes
+    reaches the template as the text it sent, as arguments that are no JSON do (never
+    an error of the server's)."""
+    deep = "[" * 3000
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": deep}}
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    with chat_template(smollm_tokenizer, QWEN_LIKE) as tokenizer:
+        prompt = render_chat(tokenizer, [*messages, {"role": "user", "content": "Bye"}], tools=[WEATHER])
+    assert f'"arguments": "{deep}"' in prompt
+
+
 def test_odd_tool_choice_and_template_kwargs_are_400s(smollm_tokenizer):
     for choice in ({"type": "function", "function": "get_weather"}, {"type": "x"}, ["auto"]):
         with pytest.raises(APIError) as exc:
@@ -294,3 +307,26 @@ def test_deprecated_functions_are_refused_naming_their_field(fields, param):
     neutral = msgspec.convert({"messages": [{"role": "user", "content": "hi"}], "function_call": "auto",
                                "functions": []}, ChatCompletionRequest)
     assert chat_request(neutral, "r", 0.0, 0).max_tokens is None
+
+
+def test_json_nested_past_the_parser_s_depth_is_content_not_an_error():
+    """A degenerate model can nest brackets deeper than Python's JSON reader goes (a
+    RecursionError, not a ValueError): each format answers that text as content."""
+    deep = "[" * 3000
+    nested_object = '{"a": ' * 1500
+    answers = {
+        HERMES: "<tool_call>\n" + deep,
+        LLAMA3_JSON: nested_object,
+        MISTRAL: "[TOOL_CALLS]" + deep,
+        QWEN_XML: "<tool_call>\n<function=get_weather>\n<parameter=city>\n" + deep + "\n</parameter>\n</function>\n</tool_call>",
+        HARMONY: "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>" + deep + "<|call|>",
+    }
+    tools = [{"type": "function", "function": {**WEATHER["function"], "parameters": {
+        "type": "object", "properties": {"city": {"type": "array"}}}}}]
+    for fmt, text in answers.items():
+        content, calls = parse_tool_calls(fmt, text, tools)
+        if fmt == QWEN_XML:  # the value stays the text the model wrote
+            assert json.loads(calls[0].arguments) == {"city": deep}
+        else:
+            assert deep in content or nested_object in content, fmt
+            assert calls == [], fmt

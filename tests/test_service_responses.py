@@ -149,6 +149,11 @@ def test_a_model_that_cannot_think_refuses_thinking_but_not_its_absence(real_ser
         model="default", messages=[{"role": "user", "content": "Hi"}], reasoning_effort="none", max_tokens=4
     )
     assert chat_off.choices[0].message.content is not None
+    # A budget of 0 asks for no thinking: taken as none is.
+    zero = client.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": "Hi"}], max_tokens=4, extra_body={"thinking_budget": 0}
+    )
+    assert zero.choices[0].message.content is not None
     local = ollama.Client(host=real_server.base_url, timeout=300)
     for think in (True, "high"):
         with pytest.raises(ollama.ResponseError) as exc:
@@ -184,13 +189,19 @@ def test_function_call_and_its_output(qwen3_server):
 
 def test_reasoning_items_and_effort(qwen3_server):
     client = _client(qwen3_server)
-    thought = client.responses.create(model="default", input="Hi", reasoning={"effort": "high"}, **GREEDY)
+    # ignore_eos: the answer runs to max_output_tokens, all of it reasoning.
+    high = {"reasoning": {"effort": "high"}, "extra_body": {"ignore_eos": True}, **GREEDY}
+    thought = client.responses.create(model="default", input="Hi", **high)
     (reasoning,) = thought.output  # the prompt opened <think>: every token is reasoning
     assert reasoning.type == "reasoning" and reasoning.content[0].type == "reasoning_text"
     assert reasoning.content[0].text and thought.usage.output_tokens_details.reasoning_tokens > 0
-    events = list(client.responses.create(model="default", input="Hi", reasoning={"effort": "high"}, stream=True, **GREEDY))
+    # Cut inside the reasoning: the reasoning, like the response, is incomplete.
+    assert (reasoning.status, thought.status, thought.incomplete_details.reason) == (
+        "incomplete", "incomplete", "max_output_tokens")
+    events = list(client.responses.create(model="default", input="Hi", stream=True, **high))
     deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
     assert deltas.strip() == reasoning.content[0].text
+    assert events[-1].type == "response.incomplete" and events[-1].response.output[0].status == "incomplete"
     off = client.responses.create(model="default", input="Hi", reasoning={"effort": "none"}, **GREEDY)
     assert [i.type for i in off.output] == ["message"] and off.usage.input_tokens > thought.usage.input_tokens
     # A reasoning item sent back is accepted (its text is the template's to use).

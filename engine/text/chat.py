@@ -245,7 +245,7 @@ def _tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
         if isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments) if arguments.strip() else {}
-            except ValueError:
+            except (ValueError, RecursionError):  # RecursionError: nested past the reader's depth
                 pass
         out.append(
             {

@@ -89,10 +89,10 @@ def plan_chat(request: GenerationRequest, text: TextSide) -> ChatPlan:
 async def continue_prompt(plan: ChatPlan, text: TextSide, prompt_ids: list[int]) -> list[int]:
     """A chat prompt's token ids as the engine gets them; sets ``plan.thinking`` from
     how the prompt ends (an open thinking block), and ``plan.thinking_budget``."""
-    tail = text.tokenizer.decode(prompt_ids[-_TAIL_TOKENS:])
-    thinking = reasoning_start(chat_template(text), tail)
     if plan.harmony:
         return await _continue_harmony(plan, text, prompt_ids)
+    tail = text.tokenizer.decode(prompt_ids[-_TAIL_TOKENS:])
+    thinking = reasoning_start(chat_template(text), tail)
     if plan.tools.prefix:
         # A forced call is the answer itself: a thinking block the prompt opened is
         # closed before it (empty), and the answer has no reasoning to split.

@@ -208,7 +208,7 @@ class HarmonyParser:
         arguments = self._arguments.strip()
         try:
             json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested past the reader's depth
             content.append(self._arguments)  # not a call: what the model wrote
             return
         self.calls.append(HarmonyCall(self._recipient.removeprefix(_FUNCTIONS), arguments))

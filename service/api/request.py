@@ -29,6 +29,7 @@ from litestar.exceptions import InternalServerException
 from service.api.prompts import Prompt
 from service.api.sampling import Sampling
 from service.common.errors import CLIENT_GONE, APIError, decode_body, invalid
+from service.common.settings import BODY_READ_TIMEOUT_S
 
 if TYPE_CHECKING:
     from litestar import Request
@@ -39,11 +40,6 @@ Body = TypeVar("Body")
 # matcher's per-token work small.
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1024
-
-# How long a call's body may take to arrive whole once its headers have, unless the app
-# states another (``--body-timeout``, the app state's ``body_timeout_s``): a client that
-# promised more bytes than it sends is answered 408 rather than held open forever.
-BODY_READ_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -146,7 +142,8 @@ async def read_body(request: Request, schema: type[Body]) -> tuple[Body, float]:
 
 async def body_bytes(request: Request) -> bytes:
     """The call's body as sent, read within the app's ``--body-timeout`` (its state's
-    ``body_timeout_s``; :data:`BODY_READ_TIMEOUT_S` where it states none).
+    ``body_timeout_s``; :data:`service.common.settings.BODY_READ_TIMEOUT_S` where it
+    states none).
 
     Raises:
         APIError: 408 ``body_timeout`` when the body does not arrive whole in time (a

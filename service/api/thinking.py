@@ -18,7 +18,10 @@ Thinking off is the template's ``enable_thinking: false`` (the template closes a
 empty block in the prompt), backed by a budget of 0: a model that opens a block anyway
 has it closed at once. A budget is enforced in the engine
 (:mod:`engine.sampling.thinking`). Asking a model whose template cannot think to
-think is a 400 (:func:`check_thinking`); asking it not to is always accepted.
+think is a 400 (:func:`check_thinking`); asking it not to (an effort that is off, a
+budget of 0) is always accepted. A budget sent beside an effort replaces the effort's
+own, and one that contradicts it (off with a budget above 0, on with a budget of 0) is
+a 400 naming both (:func:`budget_thinking`).
 """
 
 from __future__ import annotations
@@ -83,9 +86,31 @@ def with_thinking(
     return {**ours, **(template_kwargs or {})}
 
 
+def budget_thinking(
+    thinking: bool | None, budget: int, effort_param: str, budget_param: str
+) -> tuple[bool | None, int]:
+    """``(thinking, thinking_budget)`` of an effort's ``thinking`` (None: no effort
+    set) and an explicit ``budget`` in tokens, which replaces the effort's own: a
+    budget of 0 is thinking off.
+
+    Raises:
+        APIError: 400 naming ``budget_param`` (its message names both fields) when
+            they contradict each other: an effort that turns thinking off with a
+            budget above 0, or one that turns it on with a budget of 0.
+    """
+    if thinking is False and budget > 0:
+        raise invalid(f"{effort_param} turns thinking off, but {budget_param} asks for {budget} tokens of it; "
+                      "send one of them", budget_param)
+    if thinking is True and budget == 0:
+        raise invalid(f"{effort_param} turns thinking on, but {budget_param} 0 turns it off; "
+                      "send one of them", budget_param)
+    return (False if budget == 0 else thinking), budget
+
+
 def thinking_asked(thinking: bool | None, budget: int | None) -> bool:
-    """Whether a call asks the model to think (on, or a budget without saying on)."""
-    return thinking if thinking is not None else budget is not None
+    """Whether a call asks the model to think: on, or a budget above 0 without saying
+    on (a budget of 0 asks for no thinking)."""
+    return thinking if thinking is not None else bool(budget)
 
 
 def check_thinking(thinking: bool | None, budget: int | None, chat_template: str | None, model: str, param: str) -> None:

@@ -39,7 +39,7 @@ def _value(text: str, schema: dict[str, Any] | None) -> Any:
         return text
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # nested past the reader's depth: the text
         return text
 
 

@@ -106,7 +106,7 @@ def _json_prefix(text: str) -> tuple[Any, int] | None:
     stripped = text.lstrip()
     try:
         value, end = json.JSONDecoder().raw_decode(stripped)
-    except ValueError:
+    except (ValueError, RecursionError):  # nested past the reader's depth: not a call
         return None
     return value, len(text) - len(stripped) + end
 

@@ -47,6 +47,9 @@ DEFAULT_PORT = 8427
 # included), short enough that a model which never says its end token stops within
 # minutes on a laptop CPU instead of running to the end of its context.
 DEFAULT_MAX_TOKENS = 2048
+# How long a call's body may take to arrive whole once its headers have (--body-timeout):
+# a client that promised more bytes than it sends is answered 408 rather than held open.
+BODY_READ_TIMEOUT_S = 30.0
 
 
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -167,7 +170,7 @@ class ServeSettings(EngineConfig):
         checks=(at_least(KiB, shown="1KiB"),),
     )
     body_timeout: float = option(  # seconds
-        30.0,
+        BODY_READ_TIMEOUT_S,
         "Seconds a request body may take to arrive whole once its headers have; past it "
         "the call is answered 408 body_timeout (a Content-Length larger than the body "
         "sent).",

@@ -21,8 +21,9 @@ Anthropic's recent models do (the answer then ends with
 context holds. ``output_config.format`` is the answer's JSON schema.
 
 Refused with a 400 rather than dropped: image and document blocks (this server serves
-text models), Anthropic's server tools, a last turn that is the assistant's (an
-answer's prefill), blocks in a turn of the other role.
+text models), Anthropic's server tools, ``thinking`` enabled beside a ``tool_choice``
+that forces a call (``any``, ``tool``: as Anthropic refuses it), a last turn that is
+the assistant's (an answer's prefill), blocks in a turn of the other role.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from service.api.anthropic.schemas import (
     ToolChoiceAny,
     ToolChoiceAuto,
     ToolChoiceNone,
+    ToolChoiceTool,
     ToolResultBlock,
     ToolUseBlock,
 )
@@ -213,9 +215,13 @@ def _prompt(body: CountTokensRequest, tools: list[dict[str, Any]] | None) -> Pro
 
 
 def _thinking_budget(body: MessagesRequest) -> int | None:
-    """``thinking.budget_tokens``, checked as Anthropic checks it."""
+    """``thinking.budget_tokens``, checked as Anthropic checks it; thinking beside a
+    forced tool call (``tool_choice`` ``any`` or ``tool``) is refused as Anthropic
+    refuses it."""
     if not isinstance(body.thinking, ThinkingEnabled):
         return None
+    if isinstance(body.tool_choice, (ToolChoiceAny, ToolChoiceTool)):
+        raise invalid("Thinking may not be enabled when tool_choice forces tool use.", "tool_choice")
     budget = body.thinking.budget_tokens
     if budget < MIN_THINKING_BUDGET or budget >= body.max_tokens:
         raise invalid(
@@ -239,7 +245,8 @@ def messages_request(body: MessagesRequest, request_id: str, started: float) -> 
 
     Raises:
         APIError: 400 naming the field (``stop_sequences``, ``tools[i]``,
-            ``thinking.budget_tokens``, a block of ``messages``...).
+            ``thinking.budget_tokens``, ``tool_choice`` forcing a call beside enabled
+            thinking, a block of ``messages``...).
     """
     budget = _thinking_budget(body)
     try:

@@ -81,8 +81,9 @@ def keep_alive_s(value: Any) -> float | None:
     """Ollama's ``keep_alive`` in seconds: None when absent, ``inf`` when negative.
 
     Raises:
-        APIError: 400 ``keep_alive`` for text that is no Go duration or a value of
-            another type (Ollama refuses them when it reads the body).
+        APIError: 400 ``keep_alive`` for text that is no Go duration, a number past
+            any float or a value of another type (Ollama refuses them when it reads the
+            body).
     """
     if value is None:
         return None
@@ -96,7 +97,10 @@ def keep_alive_s(value: Any) -> float | None:
         except ValueError as exc:
             raise invalid(f"keep_alive: time: {exc}", "keep_alive") from None
     else:
-        seconds = float(value)
+        try:
+            seconds = float(value)
+        except OverflowError:  # an integer past any float, which Ollama cannot read either
+            raise invalid("keep_alive: the number is out of range", "keep_alive") from None
     return float("inf") if seconds < 0 else seconds
 
 

@@ -18,7 +18,7 @@ from service.api.prompts import chat_prompt, completion_prompts_of
 from service.api.request import GenerationRequest, stop_strings
 from service.api.sampling import logit_bias_pairs, sampling_of
 from service.api.structured import response_schema
-from service.api.thinking import effort_thinking, with_thinking
+from service.api.thinking import budget_thinking, effort_thinking, with_thinking
 from service.common.errors import invalid
 
 # An unset max_tokens is OpenAI's 16 for text completions.
@@ -37,7 +37,8 @@ def chat_request(
 
     Raises:
         APIError: 400 naming the field (``top_logprobs``, ``functions``,
-            ``response_format``, ``stop``, ``logit_bias``, ``reasoning_effort``).
+            ``response_format``, ``stop``, ``logit_bias``, ``reasoning_effort``;
+            ``thinking_budget`` when it contradicts ``reasoning_effort``).
     """
     logit_bias, stop = logit_bias_pairs(body.logit_bias), stop_strings(body.stop)
     if body.top_logprobs is not None:
@@ -53,7 +54,7 @@ def chat_request(
     json_schema = response_schema(body.response_format)
     thinking, budget = effort_thinking(body.reasoning_effort, "reasoning_effort")
     if body.thinking_budget is not None:
-        budget = body.thinking_budget
+        thinking, budget = budget_thinking(thinking, body.thinking_budget, "reasoning_effort", "thinking_budget")
     if body.max_completion_tokens is not None:
         max_tokens, param = body.max_completion_tokens, "max_completion_tokens"
     else:

@@ -6,7 +6,8 @@ reasoning split, tool calls parsed), then laid out as Responses' output items: a
 ``reasoning`` item, a ``message`` item, one ``function_call`` item per call, each only
 when the answer has it (an answer with none of them has an empty message). A finish
 by ``max_output_tokens`` is ``status: "incomplete"`` with
-``incomplete_details.reason: "max_output_tokens"``.
+``incomplete_details.reason: "max_output_tokens"``, and so is the text item the cut
+fell in: the message, or the reasoning when nothing came after it.
 
 Streams are Server-Sent Events, each ``event: <type>`` and ``data: <JSON>`` whose
 ``type`` repeats it and whose ``sequence_number`` counts from 0, as OpenAI sends
@@ -100,14 +101,16 @@ async def _finish(resp: ResponseObject, gen: Generation, finish_reason: str | No
 def output_items(message: ChatMessageOut, finish_reason: str | None) -> list[_Item]:
     """A chat answer's message as Responses' output items (see the module docstring)."""
     items: list[_Item] = []
+    cut = "incomplete" if finish_reason == FINISH_LENGTH else "completed"
     reasoning = message.reasoning_content
-    if isinstance(reasoning, str) and reasoning:
-        items.append(ReasoningItem(id=_item_id("rs"), content=[ReasoningText(text=reasoning)]))
     calls = message.tool_calls if isinstance(message.tool_calls, list) else []
+    if isinstance(reasoning, str) and reasoning:
+        # Cut with nothing after it: the cut fell in the reasoning.
+        status = cut if not (message.content or calls) else "completed"
+        items.append(ReasoningItem(id=_item_id("rs"), content=[ReasoningText(text=reasoning)], status=status))
     if message.content or not (items or calls):
-        status = "incomplete" if finish_reason == FINISH_LENGTH else "completed"
         text = [OutputText(text=message.content or "")]
-        items.append(MessageItem(id=_item_id("msg"), status=status, content=text))
+        items.append(MessageItem(id=_item_id("msg"), status=cut, content=text))
     for call in calls:
         function = call["function"]
         items.append(
@@ -274,8 +277,8 @@ class _Events:
         ]
 
     def _close(self, finish_reason: str | None) -> list[dict[str, Any]]:
-        """The open item's ``.done`` events (a message cut by the length limit is
-        ``incomplete``)."""
+        """The open item's ``.done`` events (a message or reasoning cut by the length
+        limit is ``incomplete``)."""
         item, self.open = self.open, None
         if item is None:
             return []
@@ -292,7 +295,7 @@ class _Events:
             if isinstance(item, ReasoningItem):
                 part: Any = ReasoningText(text=self.text)
                 item.content = [part]
-                item.status = "completed"
+                item.status = "incomplete" if finish_reason == FINISH_LENGTH else "completed"
                 events.append(self.event("response.reasoning_text.done", **where, text=self.text))
             else:
                 part = OutputText(text=self.text)

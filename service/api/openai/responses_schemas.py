@@ -79,7 +79,8 @@ class MessageItem(msgspec.Struct, kw_only=True):
 
 
 class ReasoningItem(msgspec.Struct, kw_only=True):
-    """A thinking model's reasoning, as text (no summary is made)."""
+    """A thinking model's reasoning, as text (no summary is made); ``status``
+    ``incomplete`` when ``max_output_tokens`` cut it."""
 
     id: str
     content: list[ReasoningText]

@@ -26,14 +26,10 @@ import pytest
 import torch
 from model_checks import paged_greedy
 
-from engine.layers.moe.expert_cache import (
-    ExpertCounters,
-    OffloadedExperts,
-    offload_experts,
-    resize_cache,
-)
+from engine.layers.moe.expert_cache import ExpertCounters, OffloadedExperts
 from engine.layers.moe.expert_costs import ALWAYS_COPY, ALWAYS_CPU, measure_costs
 from engine.layers.moe.expert_stacks import DenseStack
+from engine.layers.moe.offload import offload_experts, resize_cache
 from engine.loader.load import load_model
 from kernels.dispatch import fused_moe
 

@@ -43,13 +43,16 @@ class BusReads:
     def __init__(self, num_experts: int, device: torch.device) -> None:
         self.lut = torch.full((num_experts,), -1, dtype=torch.int64, device=device)
         self.routed = torch.zeros(num_experts, dtype=torch.float32, device=device)
+        self._ones = torch.ones(0, dtype=torch.float32, device=device)
         self.stale = True  # the lut no longer says what slot_of says
         self.steps = 0
 
     def count(self, topk_ids: torch.Tensor) -> None:
         """Add a step's routed pairs (``[T, K]``) to the counts, on the device."""
         flat = topk_ids.reshape(-1)
-        self.routed.index_add_(0, flat, torch.ones(flat.shape, dtype=torch.float32, device=flat.device))
+        if self._ones.numel() < flat.numel():  # grown once to the largest step's pairs
+            self._ones = torch.ones(flat.numel(), dtype=torch.float32, device=flat.device)
+        self.routed.index_add_(0, flat, self._ones[:flat.numel()])
         self.steps += 1
 
     # Both run between steps too (stats, a refresh), outside the step's inference mode,

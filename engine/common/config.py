@@ -26,26 +26,23 @@ SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3", "yarn")
 
 @dataclass(frozen=True)
 class RopeConfig:
-    """Rotary position embedding parameters.
+    """Rotary position embedding parameters (the names of transformers'
+    ``rope_parameters`` / ``rope_scaling``). The scaled types read only the fields their
+    comment names."""
 
-    ``rope_type`` is one of ``"default"``, ``"linear"``, ``"llama3"``, ``"yarn"`` (the
-    names used by transformers' ``rope_parameters`` / ``rope_scaling``). ``theta`` is the
-    base. ``factor``, ``low_freq_factor``, ``high_freq_factor`` and
-    ``original_max_position_embeddings`` are read only by the scaled types; YaRN reads
-    ``factor``, ``beta_fast``, ``beta_slow`` (the rotations bounding its ramp),
-    ``truncate`` (round the ramp's ends to whole dimensions) and ``attention_factor``
-    (cos and sin scaled by it; 0: ``0.1 * ln(factor) + 1``).
-    """
-
-    theta: float = 10000.0
+    theta: float = 10000.0  # the base
+    # "default", "linear", "llama3" or "yarn" (SUPPORTED_ROPE_TYPES)
     rope_type: str = "default"
-    factor: float = 1.0
+    factor: float = 1.0  # linear, llama3, yarn: the context stretch
+    # llama3: the wavelengths between which the scaling ramps
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
+    original_max_position_embeddings: int = 8192  # llama3, yarn: the trained context
+    # yarn: the rotations bounding its ramp
     beta_fast: float = 32.0
     beta_slow: float = 1.0
-    truncate: bool = True
+    truncate: bool = True  # yarn: round the ramp's ends to whole dimensions
+    # yarn: cos and sin scaled by it; 0: 0.1 * ln(factor) + 1
     attention_factor: float = 0.0
 
 

@@ -70,23 +70,20 @@ from kernels.switches import current
 
 @dataclass
 class ExpertCounters:
-    """Per-engine totals since start: ``hits`` (expert-steps served from the cache),
-    ``misses`` (expert-steps not in it), ``copies`` (experts copied in for a step,
-    streamed ones included), ``streamed`` (copies into a slot already used in the same
-    step: the waves of a step that routes to more experts than the cache holds),
-    ``cpu_runs`` (expert-steps run on the CPU), ``bus_reads`` (expert-steps read from host
-    memory over the bus by a decode step), ``swaps`` (experts copied in by the hot-set
-    refresh), ``evictions``. ``misses == copies + cpu_runs + bus_reads``; the bus-read
-    steps' hits and misses are counted at each refresh."""
+    """Per-engine totals since start, in expert-steps unless said (one expert used by one
+    step). ``misses == copies + cpu_runs + bus_reads``; the bus-read steps' hits and
+    misses are counted at each refresh."""
 
-    hits: int = 0
-    misses: int = 0
-    copies: int = 0
+    hits: int = 0  # served from the cache
+    misses: int = 0  # not in it
+    copies: int = 0  # experts copied in for a step, streamed ones included
+    # copies into a slot already used in the same step: the waves of a step that routes
+    # to more experts than the cache holds
     streamed: int = 0
-    cpu_runs: int = 0
-    bus_reads: int = 0
-    swaps: int = 0
-    evictions: int = 0
+    cpu_runs: int = 0  # run on the CPU
+    bus_reads: int = 0  # read from host memory over the bus by a decode step
+    swaps: int = 0  # experts copied in by the hot-set refresh
+    evictions: int = 0  # experts dropped from the cache
 
     @property
     def hit_rate(self) -> float:

@@ -219,7 +219,13 @@ class PagedRunner:
                     self.state_slot[seq] = self.states.alloc()
             batch.state_slots = torch.tensor([self.state_slot[s] for s in new_tokens])
         self.last_batch = batch
-        return self.model(batch, self.attn)
+        from engine.layers.moe.offload import after_forward, before_forward, stores_in
+
+        stores = stores_in(self.model)  # the engine's hooks around a forward, as its runner calls them
+        before_forward(stores, len(ids))
+        logits = self.model(batch, self.attn)
+        after_forward(stores, len(ids))
+        return logits
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,9 @@ import pytest
 import torch
 from model_checks import engine_greedy, halved_cache_run, paged_greedy, two_prompts
 
-from engine.layers.moe.expert_cache import ExpertCounters, OffloadedExperts
+from engine.layers.moe.expert_cache import OffloadedExperts
 from engine.layers.moe.expert_costs import ALWAYS_COPY, ALWAYS_CPU, CostModel, measure_costs
+from engine.layers.moe.expert_counters import ExpertCounters
 from engine.layers.moe.expert_stacks import DenseStack
 from engine.layers.moe.offload import offload_experts
 from engine.loader.load import load_model
@@ -236,12 +237,32 @@ def test_bus_read_counts_are_read_outside_the_step_that_made_them():
     """The first step (in inference mode) creates the device counts; stats read and zero
     them between steps, outside it: that must work (on the H200 it raised "Inplace update
     to inference tensor outside InferenceMode")."""
-    from engine.layers.moe.bus_reads import BusReads
+    from engine.layers.moe.bus_reads import BusReads, LiveRows
 
+    rows = LiveRows(torch.device("cpu"))
     with torch.inference_mode():
         bus = BusReads(4, torch.device("cpu"))
-        bus.count(torch.tensor([[0, 2], [2, 3]]))
+        bus.count(torch.tensor([[0, 2], [2, 3]]), rows)
+        bus.steps += 1  # as OffloadedExperts.after_forward counts a step
     counts, steps = bus.take_counts()
     assert counts.tolist() == [1.0, 0.0, 2.0, 1.0] and steps == 1
     bus.sync_lut({2: 0})
     assert bus.lut.tolist() == [-1, -1, 0, -1] and not bus.stale
+
+
+def test_a_graphs_padding_rows_heat_no_expert():
+    """A CUDA graph replays a batch of 3 at its captured size 4: the padding row (token
+    0, always the same experts) is marked dead and adds nothing to the routing counts;
+    marking 2 live rows again makes the counts follow."""
+    from engine.layers.moe.bus_reads import BusReads, LiveRows
+
+    rows, bus = LiveRows(torch.device("cpu")), BusReads(4, torch.device("cpu"))
+    ids = torch.tensor([[0, 1], [0, 2], [0, 3], [1, 3]])  # the last row is the padding
+    rows.mark(3)
+    bus.count(ids, rows)
+    assert bus.routed.tolist() == [3.0, 1.0, 1.0, 1.0]
+    rows.mark(2)
+    bus.count(ids, rows)
+    assert bus.routed.tolist() == [5.0, 2.0, 2.0, 1.0]
+    rows.mark(100)  # an eager step: every row it has is live
+    assert rows.weights.tolist() == [1.0] * len(rows.weights)

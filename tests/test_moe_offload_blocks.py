@@ -27,8 +27,9 @@ from model_checks import engine_greedy, halved_cache_run, paged_greedy, two_prom
 from test_gguf_convert import VOCAB, write_gguf  # noqa: E402
 from test_gguf_moe_quant import EXPERT_TYPES, write_tiny_moe_gguf  # noqa: E402
 
-from engine.layers.moe.expert_cache import ExpertCounters, OffloadedExperts  # noqa: E402
+from engine.layers.moe.expert_cache import OffloadedExperts  # noqa: E402
 from engine.layers.moe.expert_costs import ALWAYS_COPY, ALWAYS_CPU, CostModel, measure_stack_costs  # noqa: E402
+from engine.layers.moe.expert_counters import ExpertCounters  # noqa: E402
 from engine.layers.moe.expert_stacks import BlockStack, stack_of  # noqa: E402
 from engine.layers.moe.offload import offload_experts  # noqa: E402
 from engine.layers.moe.quant_experts import QuantExperts  # noqa: E402

@@ -44,7 +44,8 @@ from engine.layers.attention.registry import resolve_backend_name
 from engine.layers.cpu_pack import pack_model_for_cpu
 from engine.layers.linear.cpu_kernels import cpu_kernels
 from engine.layers.linear.gguf_blocks import repack_model_for_kernels
-from engine.layers.moe.expert_cache import ExpertCounters, OffloadedExperts
+from engine.layers.moe.expert_cache import OffloadedExperts
+from engine.layers.moe.expert_counters import ExpertCounters
 from engine.layers.moe.offload import offload_experts, resize_cache
 from engine.layers.weight_census import model_weight_bytes, quantized_format
 from engine.loader.default_model import model_display_name
@@ -239,7 +240,7 @@ class Engine(PlanStages, GrammarWaits, LiveReplan):
             self.radix,
             self.states,
         )
-        self.runner = ModelRunner(self.model, self.pool, self.attn, self.device)
+        self.runner = ModelRunner(self.model, self.pool, self.attn, self.device, self.expert_stores)
         if self._use_cuda_graphs:
             self.cuda_graph_bytes = self.runner.enable_cuda_graphs(
                 max_batch=self._cuda_graph_max_batch, max_context_tokens=model_ctx)

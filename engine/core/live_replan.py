@@ -100,6 +100,7 @@ class LiveReplan:
             raise ValueError(f"num_slots {num_slots} must be >= 0")
         started = time.perf_counter()
         before_slots, before = self.expert_cache_slots, self.expert_cache_bytes
+        self.runner.pool_will_move()  # the decode graphs read the caches' buffers
         try:
             resize_cache(stores, num_slots)
         finally:

@@ -23,6 +23,7 @@ from engine.core.profile import measure_step_peak, profile_pool_pages
 from engine.core.startup import attention_workspaces
 from engine.kvcache.pool import KVPool
 from engine.layers.attention.registry import backend_class, model_attention
+from engine.layers.moe.offload import before_forward, can_capture_decode
 from engine.memory.fixed_pool import unplanned_pages
 from engine.memory.ledger import fit_plan, make_plan
 from engine.memory.plan import MemoryPlan, PlanKnobs
@@ -68,9 +69,9 @@ class PlanStages:
         backend's decode path can be captured (the torch backend's cannot: it builds its
         metadata on the host per step)."""
         # Not for hybrid linear-attention models yet (their state slots are read on the
-        # host), nor where a layer's experts live in host memory (the routed ids are read
-        # back each step). Under tensor parallelism every rank can capture its graphs, the
-        # all-reduces inside (engine.core.tp_graphs), but that path has not yet run on
+        # host), nor where a layer's experts in host memory are placed on the host each
+        # step (the routed ids read back): only where they are read over the bus. Under
+        # tensor parallelism every rank can capture its graphs, the all-reduces inside (engine.core.tp_graphs), but that path has not yet run on
         # two GPUs: it stays opt-in (--tp-cuda-graphs) until it has, and the
         # group decodes eagerly as measured. Nor gpt-oss's experts (biases, the clamped
         # SwiGLU): the Triton MoE declines them, and their torch reference, captured, runs
@@ -79,7 +80,7 @@ class PlanStages:
         mc = self.model_config
         reference_experts = mc.is_moe and bool(mc.expert_bias or mc.swiglu_limit)
         return (self.config.cuda_graphs and self.device.type == "cuda" and self._cuda_graph_max_batch >= 1
-                and not mc.is_hybrid and not self.expert_stores and tp_ok and not reference_experts
+                and not mc.is_hybrid and can_capture_decode(self.expert_stores) and tp_ok and not reference_experts
                 and backend_class(self.attention_backend).supports_cuda_graphs)
 
 
@@ -93,6 +94,7 @@ class PlanStages:
         they took, then drop them: the plan charges it before the real pool is sized
         (the real capture, over the real pool, takes the same: same shapes, same
         kernels)."""
+        before_forward(self.expert_stores, 0)  # the warm-ups heat no offloaded expert
         graphs = DecodeGraphs(self.model, self._attention(probe_pool), self.device, page_size=self.config.page_size,
                               max_batch=self._cuda_graph_max_batch, max_context_tokens=model_ctx)
         try:

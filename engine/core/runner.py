@@ -18,6 +18,7 @@ from engine.core.cuda_graphs import DecodeGraphs
 from engine.core.step_inputs import StepInputs
 from engine.kvcache.pool import KVPool
 from engine.layers.attention.base import AttentionBackend
+from engine.layers.moe.offload import after_forward, before_forward
 from engine.sampling.logprobs import token_logprobs
 from engine.sampling.sampler import InvalidLogitsError, Sampler
 from engine.sampling.state import all_plain_greedy
@@ -32,6 +33,8 @@ class ModelRunner:
     Args:
         model: a ``CausalLM`` (``forward(batch, attn) -> [S, V]`` float32 logits).
         pool, attn: the KV pool and the attention backend over it.
+        expert_stores: the model's layers whose routed experts live in host memory
+            (their bookkeeping runs around each forward, outside any graph).
 
     Attributes:
         stage: ``"forward"`` or ``"sample"``, the part of the last :meth:`run` that ran
@@ -49,8 +52,10 @@ class ModelRunner:
         ValueError: a malformed ``HEADROOM_FAULTS``.
     """
 
-    def __init__(self, model: torch.nn.Module, pool: KVPool, attn: AttentionBackend, device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, pool: KVPool, attn: AttentionBackend, device: torch.device,
+                 expert_stores: list | None = None) -> None:
         self.model = model
+        self.expert_stores = expert_stores or []
         self.pool = pool
         self.attn = attn
         self.device = device
@@ -76,11 +81,13 @@ class ModelRunner:
                              f"(device {self.device}, backend {type(self.attn).__name__})")
         self.graphs = DecodeGraphs(self.model, self.attn, self.device, page_size=self.pool.page_size,
                                    max_batch=max_batch, max_context_tokens=max_context_tokens)
+        before_forward(self.expert_stores, 0)  # the warm-ups' dummy rows heat no expert
         return self.graphs.capture_all()
 
     def pool_will_move(self) -> None:
-        """The KV pool's buffers are about to be replaced (a resize): captured graphs
-        hold their addresses, so drop them; they are captured again on next use."""
+        """The KV pool's buffers (or the expert caches') are about to be replaced (a
+        resize): captured graphs hold their addresses, so drop them; they are captured
+        again on next use."""
         if self.graphs is not None:
             self.graphs.invalidate()
 
@@ -97,12 +104,16 @@ class ModelRunner:
         which."""
         self.replayed = False
         if self.graphs is not None and plan.is_decode:
+            before_forward(self.expert_stores, len(plan.items))
             logits = self.graphs.run(plan.items)
             if logits is not None:
                 self.replayed = True
+                after_forward(self.expert_stores, self.graphs.size_for(len(plan.items)))
                 return logits
         batch = self.build_batch(plan)
+        before_forward(self.expert_stores, len(batch.input_ids))
         logits = self.model(batch, self.attn)
+        after_forward(self.expert_stores, len(batch.input_ids))
         if batch.sample_rows is None:
             return logits
         self.prompt_logprobs = self._score_prompts(plan, logits)

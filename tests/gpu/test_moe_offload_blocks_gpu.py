@@ -149,16 +149,18 @@ def test_a_cache_of_blocks_halved_mid_run_keeps_the_greedy_ids(kind, tmp_path, m
 def test_the_engine_keeps_a_gguf_in_blocks_with_cpu_experts(tmp_path, make_tiny_hf_model, monkeypatch):
     """--gguf-quantized --cpu-experts 1 on CUDA: no dequantizing fallback; the plan
     prices the host tier and the slots in block bytes, the engine holds pinned blocks,
-    and greedy ids equal --cpu-experts none's."""
+    and greedy ids equal --cpu-experts none's. Decode reads the missing experts over the
+    bus inside the CUDA graphs (replayed), and a cache resized mid-run (the graphs
+    captured again over the new slots) changes no id."""
     from engine.common.config import EngineConfig
 
     path, config = _write("mixtral-q8_0", tmp_path, make_tiny_hf_model)
     monkeypatch.setenv("HEADROOM_CACHE_DIR", str(tmp_path / "cache"))  # the file's conversion goes there
 
-    def greedy(cpu_experts: str):
+    def greedy(cpu_experts: str, on_step=None):
         return engine_greedy(EngineConfig(model=str(path), device="cuda", dtype="float32", gguf_quantized=True,
                                           cpu_experts=cpu_experts, max_running_requests=4, device_limit=8 << 30),
-                             _prompts(), 16)
+                             _prompts(), 16, on_step)
 
     whole, ref = greedy("none")
     layer_bytes = sum(b.nbytes for b in whole.model.model.layers[config.moe_layers[-1]].mlp.experts.buffers())
@@ -166,8 +168,11 @@ def test_the_engine_keeps_a_gguf_in_blocks_with_cpu_experts(tmp_path, make_tiny_
     del whole  # its pool and weights back to the card before the next engine plans
     gc.collect()
     torch.cuda.empty_cache()
-    hybrid, got = greedy("1")
+    hybrid, got = greedy("1", lambda engine, i: i == 8 and engine.resize_expert_cache(1))
     assert got == ref
+    graphs = hybrid.runner.graphs
+    assert graphs is not None and graphs.replays > 0 and graphs.captures > len(graphs.sizes)  # captured again
+    assert hybrid.expert_cache_slots == 1
     assert hybrid.quantized_gguf == path
     store = hybrid.expert_stores[0]
     assert isinstance(store.host, BlockStack) and all(t.is_pinned() for t in store.host.tensors)
@@ -179,6 +184,7 @@ def test_the_engine_keeps_a_gguf_in_blocks_with_cpu_experts(tmp_path, make_tiny_
     stats = hybrid.stats()
     assert stats.expert_cache_hits + stats.expert_cache_misses > 0
     assert stats.expert_cache_misses == stats.expert_copies + stats.expert_cpu_runs + stats.expert_bus_reads
+    assert stats.expert_bus_reads > 0 and stats.expert_copies == stats.expert_cpu_runs == 0
 
 
 @pytest.mark.timeout(600)

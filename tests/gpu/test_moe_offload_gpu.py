@@ -26,8 +26,9 @@ import pytest
 import torch
 from model_checks import paged_greedy
 
-from engine.layers.moe.expert_cache import ExpertCounters, OffloadedExperts
+from engine.layers.moe.expert_cache import OffloadedExperts
 from engine.layers.moe.expert_costs import ALWAYS_COPY, ALWAYS_CPU, measure_costs
+from engine.layers.moe.expert_counters import ExpertCounters
 from engine.layers.moe.expert_stacks import DenseStack
 from engine.layers.moe.offload import offload_experts, resize_cache
 from engine.loader.load import load_model

@@ -35,25 +35,45 @@ SWAPS_PER_REFRESH = 4
 SWAP_MARGIN = 1.5
 
 
+class LiveRows:
+    """Which rows of a step's forward are requests, shared by a model's offloaded layers:
+    ``weights`` (float32 ``[BUS_COUNTED_TOKENS]``), 1.0 for a request's row and 0.0 for a
+    CUDA graph's padding row, so that padding (token 0 at position 0, the same experts
+    every step) never heats an expert. All rows are live unless :meth:`mark` says less."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.weights = torch.ones(BUS_COUNTED_TOKENS, dtype=torch.float32, device=device)
+        self.live = BUS_COUNTED_TOKENS
+
+    @torch.inference_mode()
+    def mark(self, live: int) -> None:
+        """Rows ``[0, live)`` are requests, the rest padding (stream-ordered; nothing
+        launched when it did not change)."""
+        live = min(max(live, 0), BUS_COUNTED_TOKENS)
+        if live != self.live:
+            self.weights[:live].fill_(1.0)
+            self.weights[live:].fill_(0.0)
+            self.live = live
+
+
 class BusReads:
     """One offloaded layer's decode state on the device: ``lut`` (int64 ``[E]``, the slot
     of each cached expert, -1 for the others) and ``routed`` (float32 ``[E]``, routings
-    per expert since the last refresh)."""
+    per expert since the last refresh). Its forward part (:meth:`count`) launches only
+    device work, so a CUDA graph can hold it; ``steps`` is kept by the caller between
+    steps."""
 
     def __init__(self, num_experts: int, device: torch.device) -> None:
         self.lut = torch.full((num_experts,), -1, dtype=torch.int64, device=device)
         self.routed = torch.zeros(num_experts, dtype=torch.float32, device=device)
-        self._ones = torch.ones(0, dtype=torch.float32, device=device)
         self.stale = True  # the lut no longer says what slot_of says
         self.steps = 0
 
-    def count(self, topk_ids: torch.Tensor) -> None:
-        """Add a step's routed pairs (``[T, K]``) to the counts, on the device."""
-        flat = topk_ids.reshape(-1)
-        if self._ones.numel() < flat.numel():  # grown once to the largest step's pairs
-            self._ones = torch.ones(flat.numel(), dtype=torch.float32, device=flat.device)
-        self.routed.index_add_(0, flat, self._ones[:flat.numel()])
-        self.steps += 1
+    def count(self, topk_ids: torch.Tensor, rows: LiveRows) -> None:
+        """Add a step's routed pairs (``[T, K]``, ``T <= BUS_COUNTED_TOKENS``) of its live
+        rows to the counts, on the device."""
+        t, k = topk_ids.shape
+        self.routed.index_add_(0, topk_ids.reshape(-1), rows.weights[:t, None].expand(t, k).reshape(-1))
 
     # Both run between steps too (stats, a refresh), outside the step's inference mode,
     # on tensors the first step may have made inside it.

@@ -56,40 +56,22 @@ from __future__ import annotations
 
 import ctypes
 from collections import OrderedDict
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from engine.layers.moe.bus_reads import BUS_COUNTED_TOKENS, REFRESH_STEPS, BusReads, hot_swaps
+from engine.layers.moe.bus_reads import (
+    BUS_COUNTED_TOKENS,
+    REFRESH_STEPS,
+    BusReads,
+    LiveRows,
+    hot_swaps,
+)
 from engine.layers.moe.cpu_runs import CpuRun, compute_cpu_run, gather_cpu_run
 from engine.layers.moe.expert_costs import CostModel, expert_mlp
+from engine.layers.moe.expert_counters import ExpertCounters
 from engine.layers.moe.expert_stacks import BlockStack, ExpertStack
 from kernels.switches import current
-
-
-@dataclass
-class ExpertCounters:
-    """Per-engine totals since start, in expert-steps unless said (one expert used by one
-    step). ``misses == copies + cpu_runs + bus_reads``; the bus-read steps' hits and
-    misses are counted at each refresh."""
-
-    hits: int = 0  # served from the cache
-    misses: int = 0  # not in it
-    copies: int = 0  # experts copied in for a step, streamed ones included
-    # copies into a slot already used in the same step: the waves of a step that routes
-    # to more experts than the cache holds
-    streamed: int = 0
-    cpu_runs: int = 0  # run on the CPU
-    bus_reads: int = 0  # read from host memory over the bus by a decode step
-    swaps: int = 0  # experts copied in by the hot-set refresh
-    evictions: int = 0  # experts dropped from the cache
-
-    @property
-    def hit_rate(self) -> float:
-        seen = self.hits + self.misses
-        return self.hits / seen if seen else 0.0
-
 
 # Per-step decay of an expert's heat: an average over about the last 1 / (1 - 0.95) = 20
 # steps.
@@ -110,6 +92,8 @@ class OffloadedExperts(nn.Module):
         costs: the copy-or-CPU rule.
         cpu_kernels: the C kernels that run missing experts in their blocks
             (:func:`~engine.layers.moe.cpu_runs.block_kernels_for`), or None: torch.
+        live_rows: which rows of a step count towards the heat, shared by the model's
+            offloaded layers (None: a fresh one, every row).
 
     Attributes:
         host: the host tier, every expert. cache: the cache tier, ``num_slots`` on
@@ -120,8 +104,10 @@ class OffloadedExperts(nn.Module):
     """
 
     def __init__(self, experts: ExpertStack, device: torch.device, num_slots: int,
-                 counters: ExpertCounters, costs: CostModel, cpu_kernels: ctypes.CDLL | None = None) -> None:
+                 counters: ExpertCounters, costs: CostModel, cpu_kernels: ctypes.CDLL | None = None,
+                 live_rows: LiveRows | None = None) -> None:
         super().__init__()
+        self.live_rows = live_rows or LiveRows(torch.device(device))
         self.cpu_kernels = cpu_kernels
         self.device = torch.device(device)
         self.host = experts.on_host(pin=self.device.type == "cuda")
@@ -162,7 +148,7 @@ class OffloadedExperts(nn.Module):
         # Free the old cache before the caller plans with the new size.
         self.cache = cache
         if self._bus is not None:
-            self._bus.stale = True
+            self._bus.sync_lut(self.slot_of)
 
     def _free_slot(self, pinned: set[int]) -> int | None:
         """A slot to fill: an empty one, else the least recently used expert's that
@@ -288,20 +274,39 @@ class OffloadedExperts(nn.Module):
                     out.index_add_(0, torch.where(topk_ids == e)[0], ys[e])
         return out
 
+    @property
+    def decodes_over_bus(self) -> bool:
+        """Its CUDA steps read over the bus (blocks, ``expert_bus_reads`` on): a step
+        then issues no host sync, and a decode step can be captured in a CUDA graph."""
+        return self.device.type == "cuda" and isinstance(self.host, BlockStack) and current().expert_bus_reads
+
     def _reads_over_bus(self, x: torch.Tensor) -> bool:
-        """A step on CUDA over blocks, with the ``expert_bus_reads`` switch on."""
-        return x.is_cuda and x.shape[0] > 0 and isinstance(self.host, BlockStack) and current().expert_bus_reads
+        return x.is_cuda and x.shape[0] > 0 and self.decodes_over_bus
 
     def _forward_bus(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        """The fused GEMV over the host tier and the cache at once (:mod:`~engine.layers.moe.bus_reads`)."""
+        """The fused GEMV over the host tier and the cache at once
+        (:mod:`~engine.layers.moe.bus_reads`): device work only, the bookkeeping in
+        :meth:`after_forward`."""
         bus = self._bus = self._bus or BusReads(self.num_experts, self.device)
+        if bus.stale:  # never inside a capture: after_forward and resize leave it synced
+            bus.sync_lut(self.slot_of)
+        if x.shape[0] <= BUS_COUNTED_TOKENS:  # decode steps make the heat; a prefill would swamp it
+            bus.count(topk_ids, self.live_rows)
+        return self.host.moe(x, topk_weights, topk_ids, cache=self.cache, slot_of=bus.lut)
+
+    def after_forward(self, tokens: int) -> None:
+        """Between steps, after a forward of ``tokens`` rows (a replayed graph's padded
+        size): count a bus-read step, refresh the hot set every :data:`REFRESH_STEPS`,
+        and leave the device lut saying what ``slot_of`` says."""
+        bus = self._bus
+        if bus is None:
+            return
+        if tokens <= BUS_COUNTED_TOKENS:
+            bus.steps += 1
         if bus.steps >= REFRESH_STEPS:
             self._refresh_hot(bus)
         if bus.stale:
             bus.sync_lut(self.slot_of)
-        if x.shape[0] <= BUS_COUNTED_TOKENS:  # decode steps make the heat; a prefill would swamp it
-            bus.count(topk_ids)
-        return self.host.moe(x, topk_weights, topk_ids, cache=self.cache, slot_of=bus.lut)
 
     def count_bus_reads(self) -> None:
         """Bring the counters and the heat up to date with the bus-read steps since the

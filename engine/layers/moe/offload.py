@@ -1,15 +1,20 @@
 """Putting a model's routed experts behind expert caches: :func:`offload_experts` moves
 chosen layers' experts to the host tier (:class:`~engine.layers.moe.expert_cache.OffloadedExperts`),
-:func:`resize_cache` spreads a slot budget over them (the live replan's handle)."""
+:func:`resize_cache` spreads a slot budget over them (the live replan's handle), and
+the step's hooks around a forward (:func:`before_forward`, :func:`after_forward`) keep
+their bookkeeping outside it, so that a decode step over them can be captured in a CUDA
+graph (:func:`can_capture_decode`)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from engine.layers.moe.bus_reads import LiveRows
 from engine.layers.moe.cpu_runs import block_kernels_for
-from engine.layers.moe.expert_cache import ExpertCounters, OffloadedExperts
+from engine.layers.moe.expert_cache import OffloadedExperts
 from engine.layers.moe.expert_costs import CostModel, measure_stack_costs
+from engine.layers.moe.expert_counters import ExpertCounters
 from engine.layers.moe.expert_stacks import stack_of
 
 
@@ -36,6 +41,7 @@ def offload_experts(model: nn.Module, layers: tuple[int, ...], slots_per_layer: 
     """
     counters = ExpertCounters()
     stores = []
+    live_rows = None
     for i in layers:
         mlp = model.model.layers[i].mlp
         if not hasattr(mlp, "experts"):
@@ -46,7 +52,8 @@ def offload_experts(model: nn.Module, layers: tuple[int, ...], slots_per_layer: 
         if costs is None:
             costs = measure_stack_costs(experts, dev, cpu_kernels=lib)
         slots = min(slots_per_layer, experts.num_experts)
-        mlp.experts = OffloadedExperts(experts, dev, slots, counters, costs, lib)
+        live_rows = live_rows or LiveRows(dev)
+        mlp.experts = OffloadedExperts(experts, dev, slots, counters, costs, lib, live_rows)
         del experts
         stores.append(mlp.experts)
     if stores and stores[0].device.type == "cuda":
@@ -62,3 +69,30 @@ def resize_cache(stores: list[OffloadedExperts], total_slots: int) -> None:
     each, extra = divmod(total_slots, len(stores))
     for i, s in enumerate(stores):
         s.resize(min(each + (i < extra), s.num_experts))
+
+
+def stores_in(model: nn.Module) -> list[OffloadedExperts]:
+    """The offloaded layers of ``model``, in module order."""
+    return [m for m in model.modules() if isinstance(m, OffloadedExperts)]
+
+
+def can_capture_decode(stores: list[OffloadedExperts]) -> bool:
+    """Whether a decode step over ``stores`` issues no host sync (every layer reads its
+    missing experts over the bus): it can then be captured in a CUDA graph."""
+    return all(s.decodes_over_bus for s in stores)
+
+
+def before_forward(stores: list[OffloadedExperts], live: int) -> None:
+    """Before a forward: its first ``live`` rows are requests, the others a CUDA graph's
+    padding (:class:`~engine.layers.moe.bus_reads.LiveRows`); ``live`` 0 while a graph is
+    captured."""
+    if stores:
+        stores[0].live_rows.mark(live)
+
+
+def after_forward(stores: list[OffloadedExperts], tokens: int) -> None:
+    """After a forward of ``tokens`` rows (a replayed graph's padded size), between
+    steps: each layer's bus-read bookkeeping
+    (:meth:`~engine.layers.moe.expert_cache.OffloadedExperts.after_forward`)."""
+    for s in stores:
+        s.after_forward(tokens)

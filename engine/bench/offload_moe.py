@@ -47,13 +47,15 @@ def main() -> None:
     ap.add_argument("--prefill", default="128,2048", help="prompt lengths, comma-separated")
     ap.add_argument("--batches", default="1,4", help="decode batch sizes, comma-separated")
     ap.add_argument("--steps", type=int, default=64, help="timed decode steps per batch size")
+    ap.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly (the graphs' gain, side by side)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device")
-    engine = Engine(EngineConfig(model=args.model, device="cuda", device_limit=parse_size(args.device_limit)))
+    engine = Engine(EngineConfig(model=args.model, device="cuda", device_limit=parse_size(args.device_limit),
+                                 cuda_graphs=not args.no_cuda_graphs))
     stores = engine.expert_stores
     print(f"plan: routed experts of {len(stores)} layers in host memory, {sum(s.num_slots for s in stores)} "
-          f"cache slots", flush=True)
+          f"cache slots; decode {'in CUDA graphs' if engine.runner.graphs is not None else 'eager'}", flush=True)
     vocab = engine.vocab_size
     for n in (int(v) for v in args.prefill.split(",")):
         once = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)

@@ -92,7 +92,7 @@ def _int8_variants(type_names: list[str]) -> int:
             products = None
             for quant_x in (0, 1):
                 regs, frame, ptx = _compile(triton_int8._int8_gemv_kernel, args_x if quant_x else args, {
-                    "QT": block_format(name).code, "BLOCK_N": block_n, "KB": kb, "ATOMIC": False, "ASM": True,
+                    "QT": block_format(name).code, "BLOCK_N": block_n, "KB": kb, "PARTIALS": False, "ASM": True,
                     "ABL": 0, "SPLIT": split, "PREFETCH": prefetch, "QUANT_X": quant_x, "QT1": 0, "PDL": 1}, warps)
                 # A line per dp4a on codes; with QUANT_X each line also counts the codes' sum.
                 lines = len(re.findall(r"^\s*dp4a.*$", ptx, re.M))
@@ -114,7 +114,7 @@ def _int8_variants(type_names: list[str]) -> int:
         for block_n, kb, warps, prefetch in ((8, 2, 4, 0), (32, 4, 8, 1)):
             for quant_x in (0, 1):
                 regs, frame, _ = _compile(triton_int8._int8_gemv_kernel, args_x if quant_x else args, {
-                    "QT": 5, "BLOCK_N": block_n, "KB": kb, "ATOMIC": False, "ASM": True, "ABL": 0, "SPLIT": 0,
+                    "QT": 5, "BLOCK_N": block_n, "KB": kb, "PARTIALS": False, "ASM": True, "ABL": 0, "SPLIT": 0,
                     "PREFETCH": prefetch, "QUANT_X": quant_x, "QT1": 8, "PDL": 1}, warps)
                 print(f"gemv int8 Q4_K over Q6_K_P {block_n}x{kb}{' prefetch' if prefetch else ''}"
                       f"{' x-quant' if quant_x else ''}: {regs} registers, {frame} B stack")
@@ -143,13 +143,13 @@ def main(type_names: list[str]) -> int:
             args = {"x_ptr": "*bf16", "w_ptr": "*u8", "out_ptr": out, **common, "blocks_per_split": "i32",
                     "stride_xm": "i32", "stride_om": "i32"}
             regs, frame, ptx = _compile(triton_quant._gemv_kernel, args, {
-                **layout, "BLOCK_N": block_n, "KB": kb, "ATOMIC": atomic, "ASM": True,
+                **layout, "BLOCK_N": block_n, "KB": kb, "PARTIALS": atomic, "ASM": True,
             }, warps)
-            print(f"gemv {fmt.name} {block_n}x{kb}{' atomic' if atomic else ''}: {regs} registers, {frame} B stack; "
+            print(f"gemv {fmt.name} {block_n}x{kb}{' partials' if atomic else ''}: {regs} registers, {frame} B stack; "
                   f"loads {_loads(ptx)}")
             failures += frame > 0
         # Every tiling the tuner may pick, at the rows per tile it may pick it for; float32
-        # rows (IEEE) and split-K (atomic) at the untimed default.
+        # rows (IEEE) and split-K (float32 partials) at the untimed default.
         variants = [("bf16", False, False, block_m, tiling) for block_m in (16, 32, 64) for tiling in GEMM_TILINGS]
         variants += [("fp32", True, False, 64, IEEE_TILING), ("bf16", False, True, 16, DEFAULT_TILING)]
         for dtype, ieee, atomic, block_m, tiling in variants:
@@ -158,10 +158,10 @@ def main(type_names: list[str]) -> int:
                     "stride_xm": "i32", "stride_om": "i32"}
             regs, frame, _ = _compile(triton_quant._gemm_kernel, args,
                                       {**layout, "BLOCK_M": block_m, "BLOCK_N": tiling.block_n, "IEEE": ieee,
-                                       "ATOMIC": atomic, "SUBS": gemm_subs(fmt, tiling.k_step)},
+                                       "PARTIALS": atomic, "SUBS": gemm_subs(fmt, tiling.k_step)},
                                       tiling.num_warps, tiling.num_stages)
             print(f"gemm {fmt.name} {dtype} {block_m}x{tiling.block_n} k{tiling.k_step} w{tiling.num_warps} "
-                  f"s{tiling.num_stages}{' atomic' if atomic else ''}: {regs} registers, {frame} B stack")
+                  f"s{tiling.num_stages}{' partials' if atomic else ''}: {regs} registers, {frame} B stack")
             failures += frame > 0
         if fmt.name in INT8_GEMM_TYPES:  # the int8 tensor-core GEMM at each of its tilings
             for block_m, tiling in ((b, t) for b in (16, 32, 64) for t in INT8_TILINGS):
@@ -170,7 +170,7 @@ def main(type_names: list[str]) -> int:
                         "stride_xs": "i32", "stride_om": "i32"}
                 regs, frame, ptx = _compile(triton_int8_gemm._int8_gemm_kernel, args,
                                             {**layout, "BLOCK_M": block_m, "BLOCK_N": tiling.block_n,
-                                             "GROUPS": tiling.k_step // 32, "ATOMIC": False},
+                                             "GROUPS": tiling.k_step // 32, "PARTIALS": False},
                                             tiling.num_warps, tiling.num_stages)
                 mma = "wgmma" if "wgmma" in ptx else "mma" if "mma.sync" in ptx else "no mma"
                 print(f"gemm int8 {fmt.name} {block_m}x{tiling.block_n} k{tiling.k_step} w{tiling.num_warps} "

@@ -330,16 +330,40 @@ def gemm_tile(w_ptr, M, N, row_bytes, BLOCK_M: tl.constexpr, BLOCK_N: tl.constex
 
 
 @triton.jit
-def store_tile(out_ptr, acc, rows, ms, m_mask, N, stride_om, ATOMIC: tl.constexpr):
+def partials_at(out_ptr, pid_k, M, stride_om, PARTIALS: tl.constexpr):
+    """Where K range ``pid_k`` of a launch writes: with PARTIALS (split-K), its own
+    float32 ``[M, N]`` plane of a ``[ranges, M, N]`` output (:func:`split_output`), else
+    ``out_ptr`` itself."""
+    if PARTIALS:
+        out_ptr += pid_k.to(tl.int64) * M * stride_om
+    return out_ptr
+
+
+@triton.jit
+def store_tile(out_ptr, acc, rows, ms, m_mask, N, stride_om):
     """Write a GEMM program's float32 ``acc`` ``[BLOCK_M, BLOCK_N]`` at (``ms``, ``rows``)
-    of ``out_ptr``: added atomically (a float32 output of split-K partial sums) or
-    stored in the output's dtype."""
+    of ``out_ptr`` in its dtype (a K range's plane: :func:`partials_at`)."""
     out = out_ptr + ms[:, None] * stride_om + rows[None, :]
-    mask = m_mask[:, None] & (rows[None, :] < N)
-    if ATOMIC:
-        tl.atomic_add(out, acc, mask=mask)
-    else:
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & (rows[None, :] < N))
+
+
+def split_output(result: torch.Tensor, ranges: int) -> torch.Tensor:
+    """The output a launch over ``ranges`` K ranges writes: ``result`` itself for one,
+    else float32 ``[ranges, M, N]`` partial sums, one plane a range, which
+    :func:`sum_partials` adds in a fixed order. Not atomics: their order changes from
+    run to run (and with launch overlap, :mod:`kernels.pdl`), so would the rounding of
+    a step's output; this way a step gives the same bits every time."""
+    if ranges == 1:
+        return result
+    return torch.empty((ranges, *result.shape), device=result.device, dtype=torch.float32)
+
+
+def sum_partials(result: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
+    """``result`` with :func:`split_output`'s planes summed into it (nothing to do for
+    one range)."""
+    if dest is not result:
+        result.copy_(dest.sum(0))
+    return result
 
 
 @triton.jit
@@ -389,8 +413,8 @@ def split_k_ranges(nblocks: int, blocks_per_step: int, programs: int, device: to
     """How a GEMV of ``programs`` (activation rows x weight tiles) splits K, shared by the
     float and the int8 GEMV: ``(blocks per range, ranges)``. ``split_k`` forces the number
     of ranges; by default enough for four programs per SM (one range off CUDA), never
-    more than the steps K holds. Above one range the partial sums are added atomically
-    into a float32 output."""
+    more than the steps K holds. Above one range each writes its float32 partial sums
+    (:func:`split_output`)."""
     if split_k is None:
         want = 4 * sm_count(device.index or 0) if device.type == "cuda" else 1
         split_k = max(1, min(nblocks // blocks_per_step or 1, -(-want // programs)))

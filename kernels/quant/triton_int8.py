@@ -86,8 +86,11 @@ from kernels.quant.triton_decode import (
     GemvTiling,
     gemv_tiling,
     output_for,
+    partials_at,
     ptx_enabled,
     split_k_ranges,
+    split_output,
+    sum_partials,
 )
 from kernels.quant.triton_int8_dot import rows_dot
 
@@ -100,7 +103,7 @@ def _int8_gemv_kernel(
     xq_ptr, xd_ptr, xs_ptr, w32_ptr, w16_ptr, w8_ptr, out_ptr, M, N, K, row_bytes, row_words, row_halves,
     blocks_per_split, stride_xq, stride_xd, stride_xs, stride_om,
     w32b_ptr, w16b_ptr, w8b_ptr, N1, row_bytes1, row_words1, row_halves1,
-    QT: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr, ATOMIC: tl.constexpr, ASM: tl.constexpr,
+    QT: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr, PARTIALS: tl.constexpr, ASM: tl.constexpr,
     ABL: tl.constexpr = 0, SPLIT: tl.constexpr = 0, PREFETCH: tl.constexpr = 0, QUANT_X: tl.constexpr = 0,
     QT1: tl.constexpr = 0, PDL: tl.constexpr = 0,
 ):
@@ -143,11 +146,8 @@ def _int8_gemv_kernel(
         second = pid_n >= tiles0
         cols = tl.where(second, N + (pid_n - tiles0) * BLOCK_N, pid_n * BLOCK_N) + tl.arange(0, BLOCK_N)
         end = tl.where(second, N + N1, N)
-    out = out_ptr + pid_m * stride_om + cols
-    if ATOMIC:
-        tl.atomic_add(out, total, mask=cols < end)
-    else:
-        tl.store(out, total.to(out_ptr.dtype.element_ty), mask=cols < end)
+    out = partials_at(out_ptr, pid_k, M, stride_om, PARTIALS) + pid_m * stride_om + cols
+    tl.store(out, total.to(out_ptr.dtype.element_ty), mask=cols < end)
 
 
 def _configs() -> list[triton.Config]:
@@ -310,20 +310,17 @@ def int8_gemv_parts(
         return triton.cdiv(first.rows, rows_per_program) + triton.cdiv(second.rows, rows_per_program)
 
     def launch(kernel, grid, dest, per_split, **constexprs):
-        kernel[grid](*acts, *first.words, dest, m, first.rows, k, *first.strides, per_split, *strides, dest.stride(0),
+        kernel[grid](*acts, *first.words, dest, m, first.rows, k, *first.strides, per_split, *strides, dest.stride(-2),
                      *second.words, second.rows, *second.strides, QT=first.code, QT1=second.code, QUANT_X=quant_x,
                      ASM=ptx_enabled(device), **pdl.launch_args(device), **constexprs)
 
     forced = gemv_tiling(tiling, device, n)
     if forced is None:
-        launch(_tuned, lambda meta: (m * tiles(meta["BLOCK_N"]), 1), result, nblocks, ATOMIC=False)
+        launch(_tuned, lambda meta: (m * tiles(meta["BLOCK_N"]), 1), result, nblocks, PARTIALS=False)
         return result
     block_n, kb, split_k, num_warps = forced
     per_split, split = split_k_ranges(nblocks, kb, m * tiles(block_n), device, split_k)
-    atomic = split > 1
-    dest = torch.zeros((m, n), device=device, dtype=torch.float32) if atomic else result
-    launch(_int8_gemv_kernel, (m * tiles(block_n), split), dest, per_split, BLOCK_N=block_n, KB=kb, ATOMIC=atomic,
+    dest = split_output(result, split)
+    launch(_int8_gemv_kernel, (m * tiles(block_n), split), dest, per_split, BLOCK_N=block_n, KB=kb, PARTIALS=split > 1,
            num_warps=num_warps, **(variant or {}))
-    if atomic:
-        result.copy_(dest)
-    return result
+    return sum_partials(result, dest)

@@ -37,8 +37,11 @@ from kernels.quant.triton_decode import (
     gemm_tile,
     layout_constexprs,
     output_for,
+    partials_at,
     split_k_ranges,
+    split_output,
     store_tile,
+    sum_partials,
 )
 
 
@@ -79,7 +82,7 @@ def _int8_gemm_kernel(
     stride_xq, stride_xd, stride_xs, stride_om,
     QT: tl.constexpr, QK: tl.constexpr, BB: tl.constexpr, L: tl.constexpr, NSUB: tl.constexpr,
     ZERO: tl.constexpr, HAS_MIN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
-    ATOMIC: tl.constexpr,
+    PARTIALS: tl.constexpr,
 ):
     rows, row_ptr, ms, m_mask, pid_k = gemm_tile(w_ptr, M, N, row_bytes, BLOCK_M, BLOCK_N)
     ms64 = tl.minimum(ms, M - 1).to(tl.int64)
@@ -117,7 +120,7 @@ def _int8_gemm_kernel(
                     sx1 = tl.load(xs_ptr + ms64 * stride_xs + 2 * g + 1, mask=live, other=0).to(tl.float32)
                     part += sx0[:, None] * offset0[None, :] + sx1[:, None] * offset1[None, :]
             acc += dx[:, None] * part
-    store_tile(out_ptr, acc, rows, ms, m_mask, N, stride_om, ATOMIC)
+    store_tile(partials_at(out_ptr, pid_k, M, stride_om, PARTIALS), acc, rows, ms, m_mask, N, stride_om)
 
 
 # The block types whose codes the kernel reads: GGUF's, and Q6_K repacked into planes.
@@ -135,7 +138,8 @@ def int8_gemm(x: torch.Tensor | Q8Activations, blocks: torch.Tensor, type_name: 
         block_m, block_n: rows of ``x`` and of ``W`` a program (``block_m`` >= 16).
         groups: activation groups of 32 a loop step (unrolled).
         num_warps, num_stages: Triton's launch options.
-        split_k: K ranges (default: four programs per SM), partial sums added atomically.
+        split_k: K ranges (default: four programs per SM), their partial sums added in a
+            fixed order (:func:`~kernels.quant.triton_decode.split_output`).
         out: where to write ``[M, N]`` (``x``'s dtype), else a new tensor.
 
     Returns:
@@ -153,14 +157,11 @@ def int8_gemm(x: torch.Tensor | Q8Activations, blocks: torch.Tensor, type_name: 
     result = output_for(q8.codes.new_empty((m, 0), dtype=q8.dtype), n, out)
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     per_split, split = split_k_ranges(nblocks, 1, tiles, blocks.device, split_k)
-    atomic = split > 1
-    dest = torch.zeros((m, n), device=blocks.device, dtype=torch.float32) if atomic else result
+    dest = split_output(result, split)
     _int8_gemm_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n), split)](
         q8.codes, q8.scales, q8.sums, blocks, dest, m, n, k, blocks.stride(0), per_split,
-        q8.codes.stride(0), q8.scales.stride(0), q8.sums.stride(0), dest.stride(0),
-        **layout_constexprs(fmt), BLOCK_M=block_m, BLOCK_N=block_n, GROUPS=groups, ATOMIC=atomic,
+        q8.codes.stride(0), q8.scales.stride(0), q8.sums.stride(0), dest.stride(-2),
+        **layout_constexprs(fmt), BLOCK_M=block_m, BLOCK_N=block_n, GROUPS=groups, PARTIALS=split > 1,
         num_warps=num_warps, num_stages=num_stages,
     )
-    if atomic:
-        result.copy_(dest)
-    return result
+    return sum_partials(result, dest)

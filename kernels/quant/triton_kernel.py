@@ -8,7 +8,7 @@ Two kernels share one block decoder (:mod:`kernels.quant.triton_decode`):
   thread's registers, so the activations are loaded and converted once for them. Each
   sub-block's codes times the activations are summed in registers and scaled once,
   ``y += scale * sum(q * x) + offset * sum(x)``. Tiling autotuned per (N, K, type);
-  split-K (partial sums added atomically into float32) only when N is small.
+  split-K (float32 partial sums, added in a fixed order) only when N is small.
 - :func:`quant_gemm`, for batched decode and short prefills: each program owns a
   ``BLOCK_M x BLOCK_N`` output tile and walks its range of K's sub-blocks in one runtime
   loop (bounded registers), decoding each into weights in registers and multiplying
@@ -48,9 +48,12 @@ from kernels.quant.triton_decode import (
     gemv_tiling,
     layout_constexprs,
     output_for,
+    partials_at,
     ptx_enabled,
     split_k_ranges,
+    split_output,
     store_tile,
+    sum_partials,
 )
 from kernels.quant.triton_int8_gemm import INT8_GEMM_TYPES, int8_gemm
 from kernels.switches import current
@@ -64,7 +67,7 @@ def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, M, N, K, row_bytes, blocks_per_split, stride_xm, stride_om,
     QT: tl.constexpr, QK: tl.constexpr, BB: tl.constexpr, L: tl.constexpr, NSUB: tl.constexpr,
     ZERO: tl.constexpr, HAS_MIN: tl.constexpr,
-    BLOCK_N: tl.constexpr, KB: tl.constexpr, ATOMIC: tl.constexpr, ASM: tl.constexpr,
+    BLOCK_N: tl.constexpr, KB: tl.constexpr, PARTIALS: tl.constexpr, ASM: tl.constexpr,
 ):
     # One activation row per program, the rows of one weight tile launched one after
     # another (so the rows after the first read the tile from L2); axis 0 for the
@@ -79,11 +82,8 @@ def _gemv_kernel(
     kb_end = tl.minimum(kb_begin + blocks_per_split, K // QK)
     total = gemv_dot(x_row, row_ptr, kb_begin, kb_end, K // QK, QT, QK, BB, L, NSUB, ZERO, HAS_MIN, BLOCK_N, KB, ASM)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    out = out_ptr + pid_m * stride_om + cols
-    if ATOMIC:
-        tl.atomic_add(out, total, mask=cols < N)
-    else:
-        tl.store(out, total.to(out_ptr.dtype.element_ty), mask=cols < N)
+    out = partials_at(out_ptr, pid_k, M, stride_om, PARTIALS) + pid_m * stride_om + cols
+    tl.store(out, total.to(out_ptr.dtype.element_ty), mask=cols < N)
 
 
 @triton.jit
@@ -91,7 +91,7 @@ def _gemm_kernel(
     x_ptr, w_ptr, out_ptr, M, N, K, row_bytes, blocks_per_split, stride_xm, stride_om,
     QT: tl.constexpr, QK: tl.constexpr, BB: tl.constexpr, L: tl.constexpr, NSUB: tl.constexpr,
     ZERO: tl.constexpr, HAS_MIN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-    ATOMIC: tl.constexpr, SUBS: tl.constexpr,
+    PARTIALS: tl.constexpr, SUBS: tl.constexpr,
 ):
     rows, row_ptr, ms, m_mask, pid_k = gemm_tile(w_ptr, M, N, row_bytes, BLOCK_M, BLOCK_N)
     x_row = x_ptr + ms.to(tl.int64)[:, None] * stride_xm
@@ -99,7 +99,7 @@ def _gemm_kernel(
     kb_end = tl.minimum(kb_begin + blocks_per_split, K // QK)
     acc = gemm_dot_range(x_row, m_mask, row_ptr, kb_begin, kb_end, K // QK, QT, QK, BB, L, NSUB, ZERO, HAS_MIN,
                          BLOCK_M, BLOCK_N, IEEE, SUBS)
-    store_tile(out_ptr, acc, rows, ms, m_mask, N, stride_om, ATOMIC)
+    store_tile(partials_at(out_ptr, pid_k, M, stride_om, PARTIALS), acc, rows, ms, m_mask, N, stride_om)
 
 
 def _gemv_configs() -> list[triton.Config]:
@@ -141,7 +141,7 @@ def quant_gemv(
     activations in registers and scales the sum once (the min's share as ``min * sum(x)``).
     On CUDA with no tiling given, the tiling is autotuned per (N, K, type) when the
     weight rows fill the SMs (:func:`_gemv_configs`); for fewer rows K is split so the
-    grid holds four programs per SM, partial sums added atomically in float32.
+    grid holds four programs per SM, float32 partial sums added in a fixed order.
 
     Args:
         x: ``[M, K]`` float32/bfloat16/float16; each row is one program column, so the
@@ -182,20 +182,18 @@ def quant_gemv(
     if forced is None:
         _gemv_tuned[lambda meta: (m * triton.cdiv(n, meta["BLOCK_N"]), 1)](
             x, blocks, result, m, n, k, blocks.stride(0), nblocks, x.stride(0), result.stride(0),
-            **layout_constexprs(fmt), ATOMIC=False, ASM=ptx_enabled(x.device),
+            **layout_constexprs(fmt), PARTIALS=False, ASM=ptx_enabled(x.device),
         )
         return result
     block_n, kb, split_k, num_warps = forced
     per_split, split = split_k_ranges(nblocks, kb, m * triton.cdiv(n, block_n), x.device, split_k)
-    atomic = split > 1
-    dest = torch.zeros((m, n), device=x.device, dtype=torch.float32) if atomic else result
+    dest = split_output(result, split)
     _gemv_kernel[(m * triton.cdiv(n, block_n), split)](
-        x, blocks, dest, m, n, k, blocks.stride(0), per_split, x.stride(0), dest.stride(0),
-        **layout_constexprs(fmt), BLOCK_N=block_n, KB=kb, ATOMIC=atomic, ASM=ptx_enabled(x.device), num_warps=num_warps,
+        x, blocks, dest, m, n, k, blocks.stride(0), per_split, x.stride(0), dest.stride(-2),
+        **layout_constexprs(fmt), BLOCK_N=block_n, KB=kb, PARTIALS=split > 1, ASM=ptx_enabled(x.device),
+        num_warps=num_warps,
     )
-    if atomic:
-        result.copy_(dest)
-    return result
+    return sum_partials(result, dest)
 
 
 def quant_gemm(
@@ -214,7 +212,7 @@ def quant_gemm(
     ``x`` on tensor cores (:func:`kernels.quant.triton_decode.gemm_dot_range`), so the
     weights are read and decoded once per ``block_m`` rows. Where the tiles do not fill
     the SMs (few rows, few columns), K is split so the grid holds four programs per SM,
-    partial sums added atomically in float32 (as :func:`quant_gemv`).
+    float32 partial sums added in a fixed order (as :func:`quant_gemv`).
 
     Args:
         x, blocks, type_name, out: as :func:`quant_gemv`.
@@ -253,17 +251,14 @@ def quant_gemm(
     result = output_for(x, n, out)
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, tiling.block_n)
     per_split, split = split_k_ranges(nblocks, 1, tiles, x.device, split_k)
-    atomic = split > 1
-    dest = torch.zeros((m, n), device=x.device, dtype=torch.float32) if atomic else result
+    dest = split_output(result, split)
     _gemm_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, tiling.block_n), split)](
-        x, blocks, dest, m, n, k, blocks.stride(0), per_split, x.stride(0), dest.stride(0),
+        x, blocks, dest, m, n, k, blocks.stride(0), per_split, x.stride(0), dest.stride(-2),
         **layout_constexprs(fmt), BLOCK_M=block_m, BLOCK_N=tiling.block_n,
-        IEEE=ieee, ATOMIC=atomic, SUBS=gemm_subs(fmt, tiling.k_step),
+        IEEE=ieee, PARTIALS=split > 1, SUBS=gemm_subs(fmt, tiling.k_step),
         num_warps=tiling.num_warps, num_stages=tiling.num_stages,
     )
-    if atomic:
-        result.copy_(dest)
-    return result
+    return sum_partials(result, dest)
 
 
 def gemv_max_rows() -> int:

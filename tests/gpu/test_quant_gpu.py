@@ -108,6 +108,26 @@ def test_kernels_at_real_shapes_match_gguf_dequantize(type_name, n, k):
             assert float((out - exact).abs().max()) <= 2**-6 * float(exact.abs().max()), f"float GEMV, {m} rows"
 
 
+def test_split_k_gives_the_same_bits_every_run():
+    """K split into 8 ranges, the GEMM at 16 rows and the float and int8 GEMVs at one:
+    the partial sums are added in a fixed order, so 20 runs give one result, bit for bit
+    (atomic adds did not: their order, hence the rounding, changed from run to run)."""
+    from kernels.quant import triton_kernel as triton_quant
+    from kernels.quant.gemm_tuning import GemmTiling
+    from kernels.quant.synthetic import random_blocks
+
+    w = torch.from_numpy(random_blocks("Q4_K", 2048, 14336, np.random.default_rng(3), scale=1e-3)).cuda()
+    x16, x1 = (torch.randn(m, 14336, device="cuda", dtype=torch.bfloat16) for m in (16, 1))
+    runs = {
+        "gemm": lambda: triton_quant.quant_gemm(x16, w, "Q4_K", tiling=GemmTiling(), split_k=8),
+        "gemv": lambda: triton_quant.quant_gemv(x1, w, "Q4_K", int8_dot=False, block_n=4, split_k=8),
+        "int8 gemv": lambda: triton_quant.quant_gemv(x1, w, "Q4_K", int8_dot=True, block_n=4, split_k=8),
+    }
+    for name, run in runs.items():
+        first = run()
+        assert all(torch.equal(run(), first) for _ in range(20)), name
+
+
 def _tiling(config) -> dict:
     """A tuned config as :func:`kernels.quant.triton_int8.int8_gemv`'s forced tiling."""
     return dict(block_n=config.kwargs["BLOCK_N"], blocks_per_step=config.kwargs["KB"], num_warps=config.num_warps,

@@ -18,6 +18,12 @@ read back once, folded into the layer's decayed heat, and at most
 :data:`SWAPS_PER_REFRESH` experts hotter than a cached one by :data:`SWAP_MARGIN` are
 copied in (stream-ordered: kernels already queued still read the slot's old expert).
 An even routing, where no expert is hotter than another for long, hardly swaps at all.
+
+The forward's part (the kernel and :meth:`BusReads.count`) is device work only, so the
+decode CUDA graphs hold it; the host's part (counting steps, the refresh, the slot
+table's upload) runs between steps
+(:meth:`~engine.layers.moe.expert_cache.OffloadedExperts.after_forward`), and
+:class:`LiveRows` keeps a graph's padding rows out of the counts.
 """
 
 from __future__ import annotations

@@ -24,7 +24,6 @@ and multiplied by zeroed activations.
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import TypedDict
 
@@ -33,6 +32,7 @@ import triton
 import triton.language as tl
 
 from kernels.quant.formats import block_format
+from kernels.quant.split_k import sm_count
 from kernels.switches import current
 
 # Triton's interpreter mis-converts a float32 tile to bfloat16 before ``tl.dot`` (the
@@ -330,40 +330,11 @@ def gemm_tile(w_ptr, M, N, row_bytes, BLOCK_M: tl.constexpr, BLOCK_N: tl.constex
 
 
 @triton.jit
-def partials_at(out_ptr, pid_k, M, stride_om, PARTIALS: tl.constexpr):
-    """Where K range ``pid_k`` of a launch writes: with PARTIALS (split-K), its own
-    float32 ``[M, N]`` plane of a ``[ranges, M, N]`` output (:func:`split_output`), else
-    ``out_ptr`` itself."""
-    if PARTIALS:
-        out_ptr += pid_k.to(tl.int64) * M * stride_om
-    return out_ptr
-
-
-@triton.jit
 def store_tile(out_ptr, acc, rows, ms, m_mask, N, stride_om):
     """Write a GEMM program's float32 ``acc`` ``[BLOCK_M, BLOCK_N]`` at (``ms``, ``rows``)
-    of ``out_ptr`` in its dtype (a K range's plane: :func:`partials_at`)."""
+    of ``out_ptr`` in its dtype (a K range's plane: :func:`~kernels.quant.split_k.partials_at`)."""
     out = out_ptr + ms[:, None] * stride_om + rows[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & (rows[None, :] < N))
-
-
-def split_output(result: torch.Tensor, ranges: int) -> torch.Tensor:
-    """The output a launch over ``ranges`` K ranges writes: ``result`` itself for one,
-    else float32 ``[ranges, M, N]`` partial sums, one plane a range, which
-    :func:`sum_partials` adds in a fixed order. Not atomics: their order changes from
-    run to run (and with launch overlap, :mod:`kernels.pdl`), so would the rounding of
-    a step's output; this way a step gives the same bits every time."""
-    if ranges == 1:
-        return result
-    return torch.empty((ranges, *result.shape), device=result.device, dtype=torch.float32)
-
-
-def sum_partials(result: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
-    """``result`` with :func:`split_output`'s planes summed into it (nothing to do for
-    one range)."""
-    if dest is not result:
-        result.copy_(dest.sum(0))
-    return result
 
 
 @triton.jit
@@ -408,20 +379,6 @@ def gemm_subs(fmt, weights: int) -> int:
     return max(1, weights // fmt.sub_elements)
 
 
-def split_k_ranges(nblocks: int, blocks_per_step: int, programs: int, device: torch.device,
-                   split_k: int | None = None) -> tuple[int, int]:
-    """How a GEMV of ``programs`` (activation rows x weight tiles) splits K, shared by the
-    float and the int8 GEMV: ``(blocks per range, ranges)``. ``split_k`` forces the number
-    of ranges; by default enough for four programs per SM (one range off CUDA), never
-    more than the steps K holds. Above one range each writes its float32 partial sums
-    (:func:`split_output`)."""
-    if split_k is None:
-        want = 4 * sm_count(device.index or 0) if device.type == "cuda" else 1
-        split_k = max(1, min(nblocks // blocks_per_step or 1, -(-want // programs)))
-    per_split = triton.cdiv(nblocks, split_k)
-    return per_split, triton.cdiv(nblocks, per_split)
-
-
 class GemvTiling(TypedDict, total=False):
     """A forced tiling of the block GEMVs (tests, sweeps), given as keyword arguments:
     ``block_n`` weight rows per program (default 4), ``split_k`` K ranges (default:
@@ -452,11 +409,6 @@ def gemv_tiling(tiling: GemvTiling, device: torch.device, rows: int,
             and rows >= 2 * sm_count(device.index or 0)):
         return None
     return block_n or 4, kb or (2 if block_elements > 32 else 16), split_k, tiling.get("num_warps") or 4
-
-
-@functools.cache
-def sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def output_for(x: torch.Tensor, n: int, out: torch.Tensor | None) -> torch.Tensor:

@@ -81,16 +81,13 @@ import triton.language as tl
 from kernels import pdl
 from kernels.quant.formats import block_format
 from kernels.quant.int8_choice import INT8_TYPES
+from kernels.quant.split_k import partials_at, split_k_ranges, split_output, sum_partials
 from kernels.quant.triton_activations import Q8Activations
 from kernels.quant.triton_decode import (
     GemvTiling,
     gemv_tiling,
     output_for,
-    partials_at,
     ptx_enabled,
-    split_k_ranges,
-    split_output,
-    sum_partials,
 )
 from kernels.quant.triton_int8_dot import rows_dot
 

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.quant.split_k import partials_at, split_k_ranges, split_output, sum_partials
 from kernels.quant.triton_activations import Q8Activations, quantize_activations
 from kernels.quant.triton_decode import (
     _codes,
@@ -37,11 +38,7 @@ from kernels.quant.triton_decode import (
     gemm_tile,
     layout_constexprs,
     output_for,
-    partials_at,
-    split_k_ranges,
-    split_output,
     store_tile,
-    sum_partials,
 )
 
 
@@ -139,7 +136,7 @@ def int8_gemm(x: torch.Tensor | Q8Activations, blocks: torch.Tensor, type_name: 
         groups: activation groups of 32 a loop step (unrolled).
         num_warps, num_stages: Triton's launch options.
         split_k: K ranges (default: four programs per SM), their partial sums added in a
-            fixed order (:func:`~kernels.quant.triton_decode.split_output`).
+            fixed order (:func:`~kernels.quant.split_k.split_output`).
         out: where to write ``[M, N]`` (``x``'s dtype), else a new tensor.
 
     Returns:

@@ -37,6 +37,7 @@ import triton.language as tl
 
 from kernels.quant.gemm_tuning import IEEE_TILING, GemmTiling, tuned
 from kernels.quant.int8_choice import int8_quantize_apart, uses_int8_dot
+from kernels.quant.split_k import partials_at, split_k_ranges, split_output, sum_partials
 from kernels.quant.triton_decode import (
     INTERPRETING,
     GemvTiling,
@@ -48,12 +49,8 @@ from kernels.quant.triton_decode import (
     gemv_tiling,
     layout_constexprs,
     output_for,
-    partials_at,
     ptx_enabled,
-    split_k_ranges,
-    split_output,
     store_tile,
-    sum_partials,
 )
 from kernels.quant.triton_int8_gemm import INT8_GEMM_TYPES, int8_gemm
 from kernels.switches import current

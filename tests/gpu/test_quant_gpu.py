@@ -145,8 +145,8 @@ def test_int8_gemv_quantizing_its_rows_equals_quantizing_apart_at_real_shapes(ty
     pick for the one-launch kernel, and split-K (256 rows) at a forced two-way split."""
     from kernels.quant import triton_activations, triton_int8
     from kernels.quant.formats import block_format
+    from kernels.quant.split_k import sm_count
     from kernels.quant.synthetic import random_blocks
-    from kernels.quant.triton_decode import sm_count
 
     rng = np.random.default_rng(n + k + 1)
     w = torch.from_numpy(random_blocks(type_name, n, k, rng, scale=1e-3)).cuda()

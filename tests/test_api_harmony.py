@@ -1,8 +1,8 @@
 """gpt-oss's harmony answers on recorded model outputs (no server): the channels as
 reasoning, content and tool calls, whole and streamed in pieces of any size (the stream,
 put back together as the openai client does, equals the whole answer), malformed text
-as plain content, forced calls, the prompt's continuation, and an earlier turn's
-reasoning and call rendered back through a harmony template."""
+and a marker's cut start as plain content, forced calls, the prompt's continuation, and
+an earlier turn's reasoning and call rendered back through a harmony template."""
 
 from __future__ import annotations
 
@@ -136,6 +136,36 @@ def test_malformed_answers_are_plain_content_and_never_raise():
         text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 12)))
         reasoning, content, calls = split_harmony(text)
         assert isinstance(content, str) and all(json.loads(c.arguments) is not None for c in calls)
+
+
+# Answers cut by max_tokens after the generation prompt: (answer, its content). A
+# marker's cut start is text the model wrote, no token: content; a header's whole
+# tokens and words are not text.
+CUT_ANSWERS = [
+    ("<|", "<|"),
+    ("<", "<"),
+    ("<|channel", "<|channel"),
+    ("<|channel|>final<|mess", "<|mess"),
+    ("<|channel|>final<|message|>Hi<|", "Hi<|"),
+    ("<|channel|>final<|message|>Hi<|end|><|start|>assistant", "Hi"),
+    ("<|channel|>final<|message|>Hi<|end|><|start|>assistant<|chan", "Hi<|chan"),
+    ("<|channel|>final", ""),
+]
+
+
+@pytest.mark.parametrize(("text", "content"), CUT_ANSWERS)
+def test_a_cut_marker_reaches_the_user_as_content(text, content):
+    for primer in ("", "<|start|>assistant"):
+        assert split_harmony(text, primer) == (None, content, [])
+    # Streamed in pieces of any size, through the chat output as the server sends it.
+    for size in (1, 2, 5):
+        parser = HarmonyParser()
+        parts = [parser.feed(text[i : i + size]) for i in range(0, len(text), size)]
+        assert "".join(c for _, c in [*parts, parser.flush()]) == content
+        streamed = _replay(ChatOutput(n=1, harmony=True, primer="<|start|>assistant"), text, size, "length")
+        assert (streamed["content"], streamed["finish"]) == (content, ["length"])
+    message, _ = ChatOutput(n=1, harmony=True, primer="<|start|>assistant").message(text, "length")
+    assert message.content == content
 
 
 def test_template_and_parser_are_recognized():

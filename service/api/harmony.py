@@ -20,7 +20,8 @@ tool call, its body the arguments (``functions.`` left off the name). A header t
 not one (too long, or holding other special tokens) turns the rest of the answer into
 plain content, with the harmony tokens left out, as a model that ignored the format
 would have been shown; a call whose arguments are not JSON (cut by ``max_tokens``) is
-content too. Nothing here raises on what a model writes.
+content too, and so is a marker's cut start ending the answer (``<|``, ``<|channel``:
+text, no token). Nothing here raises on what a model writes.
 
 :class:`HarmonyParser` works on streamed text: reasoning and content go out as they
 come, a marker cut between two pieces is held back until it is whole, and a call's
@@ -108,6 +109,17 @@ def _header_possible(header: str) -> bool:
     return "<|" not in rest
 
 
+def _unfinished_header(header: str) -> str:
+    """What of ``header``, cut before its ``<|message|>``, the model wrote as text: a
+    marker's cut start (``<|``, ``<|channel``) is no token; the whole text when no
+    header began before it. A header's tokens, role, channel and recipient are not text."""
+    cut = _held(header, (MESSAGE, *_HEADER_MARKERS))
+    began = header[: len(header) - cut]
+    if began.strip():
+        return header[len(began) :]
+    return header if cut else ""
+
+
 @dataclass(frozen=True)
 class HarmonyCall:
     """A call the answer made: ``arguments`` is JSON text, as OpenAI sends it."""
@@ -174,7 +186,9 @@ class HarmonyParser:
 
     def flush(self) -> tuple[str, str]:
         """What is held back, at the end of the sequence: an unclosed body's text (a
-        call's arguments as a call when they are whole JSON, else as content)."""
+        call's arguments as a call when they are whole JSON, else as content); an
+        unfinished header's text that is no token (``<|chan`` cut by ``max_tokens``) as
+        content."""
         reasoning: list[str] = []
         content: list[str] = []
         text, self._pending = self._pending, ""
@@ -183,6 +197,8 @@ class HarmonyParser:
         elif self._state == "body":
             self._body(text, reasoning, content)
             self._close(content)
+        else:
+            content.append(_unfinished_header(text))
         return "".join(reasoning), "".join(content)
 
     def _open(self, header: str) -> None:

@@ -225,6 +225,26 @@ def test_forced_calls():
     assert refused.value.param == "tool_choice"
 
 
+@pytest.mark.parametrize("name", ["get weather", "get_weather\n", "a<b"])
+def test_a_tool_name_the_call_header_cannot_carry_is_refused(name):
+    """Any tool_choice: forced, the call's header holds the name; auto, the model's call
+    would be read back as another function."""
+    tool = {"type": "function", "function": {**WEATHER["function"], "name": name}}
+    named = {"type": "function", "function": {"name": name}}
+    for choice in (named, "required", "auto", None, "none"):
+        with pytest.raises(APIError) as refused:
+            plan_tools([tool] if choice == "required" else [tool, WEATHER], choice, HARMONY_LIKE, True)
+        error = refused.value
+        assert (error.status, error.type, error.param) == (400, "invalid_request_error", "tools[0].function.name")
+        assert repr(name) in error.message and "to=functions.NAME" in error.message
+    # Names the header carries: dots and colons (MCP's) as well as OpenAI's own.
+    for fine in ("server.get_weather", "mcp:get-weather"):
+        tool = {"type": "function", "function": {**WEATHER["function"], "name": fine}}
+        plan = plan_tools([tool], {"type": "function", "function": {"name": fine}}, HARMONY_LIKE, True)
+        message, _ = ChatOutput(n=1, tools=plan, harmony=True).message('{"city": "Rome"}', "stop")
+        assert message.tool_calls[0]["function"]["name"] == fine
+
+
 def test_prompt_continuations():
     """What the server writes after the prompt: nothing more in a header; a body the
     prompt opened is closed first. The budget's close leads into the final message."""

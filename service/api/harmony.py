@@ -69,6 +69,18 @@ def template_is_harmony(chat_template: str | None) -> bool:
     return bool(chat_template) and CHANNEL in chat_template and MESSAGE in chat_template  # type: ignore[operator]
 
 
+def recipient_fault(name: str) -> str | None:
+    """Why a call to function ``name`` cannot be written in a header, or None when it
+    can: the recipient ``to=functions.NAME`` ends at whitespace or a token's ``<``."""
+    if _RECIPIENT.fullmatch(f"to={_FUNCTIONS}{name}") is None:
+        return (
+            f"tool name {name!r} cannot be called by this model: its calls name the function "
+            "in the message header as to=functions.NAME, which ends at whitespace or '<'; "
+            "rename it without them (letters, digits, '_' and '-', as OpenAI requires, always work)"
+        )
+    return None
+
+
 def call_opening(name: str) -> str:
     """The header of a call to function ``name``, up to its JSON body: the answer a
     forced call starts with."""

@@ -1,8 +1,8 @@
 """gpt-oss's harmony answers on recorded model outputs (no server): the channels as
 reasoning, content and tool calls, whole and streamed in pieces of any size (the stream,
 put back together as the openai client does, equals the whole answer), malformed text
-as plain content, forced calls, the prompt's continuation, and an earlier turn's
-reasoning and call rendered back through a harmony template."""
+and a marker's cut start as plain content, forced calls, the prompt's continuation, and
+an earlier turn's reasoning and call rendered back through a harmony template."""
 
 from __future__ import annotations
 
@@ -138,6 +138,36 @@ def test_malformed_answers_are_plain_content_and_never_raise():
         assert isinstance(content, str) and all(json.loads(c.arguments) is not None for c in calls)
 
 
+# Answers cut by max_tokens after the generation prompt: (answer, its content). A
+# marker's cut start is text the model wrote, no token: content; a header's whole
+# tokens and words are not text.
+CUT_ANSWERS = [
+    ("<|", "<|"),
+    ("<", "<"),
+    ("<|channel", "<|channel"),
+    ("<|channel|>final<|mess", "<|mess"),
+    ("<|channel|>final<|message|>Hi<|", "Hi<|"),
+    ("<|channel|>final<|message|>Hi<|end|><|start|>assistant", "Hi"),
+    ("<|channel|>final<|message|>Hi<|end|><|start|>assistant<|chan", "Hi<|chan"),
+    ("<|channel|>final", ""),
+]
+
+
+@pytest.mark.parametrize(("text", "content"), CUT_ANSWERS)
+def test_a_cut_marker_reaches_the_user_as_content(text, content):
+    for primer in ("", "<|start|>assistant"):
+        assert split_harmony(text, primer) == (None, content, [])
+    # Streamed in pieces of any size, through the chat output as the server sends it.
+    for size in (1, 2, 5):
+        parser = HarmonyParser()
+        parts = [parser.feed(text[i : i + size]) for i in range(0, len(text), size)]
+        assert "".join(c for _, c in [*parts, parser.flush()]) == content
+        streamed = _replay(ChatOutput(n=1, harmony=True, primer="<|start|>assistant"), text, size, "length")
+        assert (streamed["content"], streamed["finish"]) == (content, ["length"])
+    message, _ = ChatOutput(n=1, harmony=True, primer="<|start|>assistant").message(text, "length")
+    assert message.content == content
+
+
 def test_template_and_parser_are_recognized():
     assert template_is_harmony(HARMONY_LIKE) and not template_is_harmony("<|im_start|>{{ tools }}")
     assert parser_for_template(HARMONY_LIKE) == HARMONY
@@ -193,6 +223,26 @@ def test_forced_calls():
     with pytest.raises(APIError) as refused:
         plan_tools([WEATHER, other], "required", HARMONY_LIKE, True)
     assert refused.value.param == "tool_choice"
+
+
+@pytest.mark.parametrize("name", ["get weather", "get_weather\n", "a<b"])
+def test_a_tool_name_the_call_header_cannot_carry_is_refused(name):
+    """Any tool_choice: forced, the call's header holds the name; auto, the model's call
+    would be read back as another function."""
+    tool = {"type": "function", "function": {**WEATHER["function"], "name": name}}
+    named = {"type": "function", "function": {"name": name}}
+    for choice in (named, "required", "auto", None, "none"):
+        with pytest.raises(APIError) as refused:
+            plan_tools([tool] if choice == "required" else [tool, WEATHER], choice, HARMONY_LIKE, True)
+        error = refused.value
+        assert (error.status, error.type, error.param) == (400, "invalid_request_error", "tools[0].function.name")
+        assert repr(name) in error.message and "to=functions.NAME" in error.message
+    # Names the header carries: dots and colons (MCP's) as well as OpenAI's own.
+    for fine in ("server.get_weather", "mcp:get-weather"):
+        tool = {"type": "function", "function": {**WEATHER["function"], "name": fine}}
+        plan = plan_tools([tool], {"type": "function", "function": {"name": fine}}, HARMONY_LIKE, True)
+        message, _ = ChatOutput(n=1, tools=plan, harmony=True).message('{"city": "Rome"}', "stop")
+        assert message.tool_calls[0]["function"]["name"] == fine
 
 
 def test_prompt_continuations():

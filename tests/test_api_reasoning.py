@@ -1,6 +1,6 @@
 """Reasoning settings each API refuses or accepts, without a server: a thinking budget
 of 0 (no thinking), an effort and a budget that contradict each other, and Anthropic's
-thinking beside a forced tool call."""
+thinking beside a forced tool call (on /v1/messages and its count_tokens)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import msgspec
 import pytest
 
 from service.api.anthropic.errors import anthropic_error
-from service.api.anthropic.requests import messages_request
-from service.api.anthropic.schemas import MessagesRequest
+from service.api.anthropic.requests import count_request, messages_request
+from service.api.anthropic.schemas import CountTokensRequest, MessagesRequest
 from service.api.openai.requests import chat_request
 from service.api.openai.schemas import ChatCompletionRequest
 from service.api.thinking import check_thinking
@@ -66,10 +66,20 @@ def _messages(**body) -> object:
     return messages_request(decoded, "msg_x", 0.0)
 
 
+def _count(**body) -> object:
+    """``/v1/messages/count_tokens``'s reading of the body :func:`_messages` reads."""
+    decoded = msgspec.convert(
+        {"model": "m", "messages": HI, "tools": [{"name": "f", "input_schema": {"type": "object"}}], **body},
+        CountTokensRequest,
+    )
+    return count_request(decoded, "msg_x", 0.0)
+
+
 @pytest.mark.parametrize("choice", [{"type": "any"}, {"type": "tool", "name": "f"}])
-def test_anthropic_refuses_thinking_with_a_forced_tool_call(choice):
+@pytest.mark.parametrize("read", [_messages, _count], ids=["messages", "count_tokens"])
+def test_anthropic_refuses_thinking_with_a_forced_tool_call(choice, read):
     with pytest.raises(APIError) as exc:
-        _messages(thinking={"type": "enabled", "budget_tokens": 1024}, tool_choice=choice)
+        read(thinking={"type": "enabled", "budget_tokens": 1024}, tool_choice=choice)
     status, body = anthropic_error(exc.value.status, exc.value.message, exc.value.code, exc.value.param)
     assert status == 400 and body.error.type == "invalid_request_error"
     assert body.error.message == "Thinking may not be enabled when tool_choice forces tool use."
@@ -84,3 +94,4 @@ def test_anthropic_takes_thinking_with_a_free_tool_choice_and_a_forced_call_with
         extra = {} if thinking is None else {"thinking": thinking}
         call = _messages(tool_choice={"type": "any"}, **extra)
         assert call.tool_choice == "required" and call.thinking is False
+        assert _count(tool_choice={"type": "any"}, **extra).tool_choice == "required"

@@ -4,7 +4,8 @@ template, :data:`test_api_harmony.HARMONY_LIKE`, whose generation prompt opens t
 analysis message) through a real ``headroom serve`` on the CPU: the greedy tokens of a
 prompt sent as ids and of one sent as text equal transformers' (eager attention); the
 answer's channels reach every API (reasoning and content, split where the thinking
-budget closes the analysis message; a forced tool call), whole and streamed; an
+budget closes the analysis message; a forced tool call; a tool name its call cannot
+carry refused), whole and streamed; an
 earlier turn's reasoning reaches the prompt."""
 
 from __future__ import annotations
@@ -122,6 +123,20 @@ def test_forced_tool_call_on_every_api(gpt_oss):
     assert answer["stop_reason"] == "tool_use"
     (use,) = [b for b in answer["content"] if b["type"] == "tool_use"]
     assert use["name"] == "get_weather" and use["input"] == json.loads(call.function.arguments)
+
+    # A name the call's header cannot carry: a 400 in each API's shape, naming the tool.
+    spaced = {"type": "function", "function": {**WEATHER["function"], "name": "get weather"}}
+    refused = httpx.post(server.base_url + "/v1/chat/completions", timeout=300, json={
+        **args, "tools": [spaced], "tool_choice": {"type": "function", "function": {"name": "get weather"}}})
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert refused.status_code == 400 and error["param"] == "tools[0].function.name"
+    assert error["type"] == "invalid_request_error" and "'get weather'" in error["message"]
+    refused = httpx.post(server.base_url + "/v1/messages", timeout=300, headers={"anthropic-version": "2023-06-01"},
+                         json={"model": "default", "messages": HI, "max_tokens": 40,
+                               "tools": [{**tool, "name": "get weather"}]})
+    assert refused.status_code == 400 and refused.json()["type"] == "error"
+    assert "'get weather'" in refused.json()["error"]["message"]
 
 
 def test_an_earlier_turns_reasoning_reaches_the_prompt(gpt_oss):

@@ -20,7 +20,8 @@ tool call, its body the arguments (``functions.`` left off the name). A header t
 not one (too long, or holding other special tokens) turns the rest of the answer into
 plain content, with the harmony tokens left out, as a model that ignored the format
 would have been shown; a call whose arguments are not JSON (cut by ``max_tokens``) is
-content too. Nothing here raises on what a model writes.
+content too, and so is a marker's cut start ending the answer (``<|``, ``<|channel``:
+text, no token). Nothing here raises on what a model writes.
 
 :class:`HarmonyParser` works on streamed text: reasoning and content go out as they
 come, a marker cut between two pieces is held back until it is whole, and a call's
@@ -68,6 +69,18 @@ def template_is_harmony(chat_template: str | None) -> bool:
     return bool(chat_template) and CHANNEL in chat_template and MESSAGE in chat_template  # type: ignore[operator]
 
 
+def recipient_fault(name: str) -> str | None:
+    """Why a call to function ``name`` cannot be written in a header, or None when it
+    can: the recipient ``to=functions.NAME`` ends at whitespace or a token's ``<``."""
+    if _RECIPIENT.fullmatch(f"to={_FUNCTIONS}{name}") is None:
+        return (
+            f"tool name {name!r} cannot be called by this model: its calls name the function "
+            "in the message header as to=functions.NAME, which ends at whitespace or '<'; "
+            "rename it without them (letters, digits, '_' and '-', as OpenAI requires, always work)"
+        )
+    return None
+
+
 def call_opening(name: str) -> str:
     """The header of a call to function ``name``, up to its JSON body: the answer a
     forced call starts with."""
@@ -106,6 +119,17 @@ def _header_possible(header: str) -> bool:
         rest = rest.replace(marker, "")
     rest = rest[: len(rest) - _held(rest, (MESSAGE, *_HEADER_MARKERS))]
     return "<|" not in rest
+
+
+def _unfinished_header(header: str) -> str:
+    """What of ``header``, cut before its ``<|message|>``, the model wrote as text: a
+    marker's cut start (``<|``, ``<|channel``) is no token; the whole text when no
+    header began before it. A header's tokens, role, channel and recipient are not text."""
+    cut = _held(header, (MESSAGE, *_HEADER_MARKERS))
+    began = header[: len(header) - cut]
+    if began.strip():
+        return header[len(began) :]
+    return header if cut else ""
 
 
 @dataclass(frozen=True)
@@ -174,7 +198,9 @@ class HarmonyParser:
 
     def flush(self) -> tuple[str, str]:
         """What is held back, at the end of the sequence: an unclosed body's text (a
-        call's arguments as a call when they are whole JSON, else as content)."""
+        call's arguments as a call when they are whole JSON, else as content); an
+        unfinished header's text that is no token (``<|chan`` cut by ``max_tokens``) as
+        content."""
         reasoning: list[str] = []
         content: list[str] = []
         text, self._pending = self._pending, ""
@@ -183,6 +209,8 @@ class HarmonyParser:
         elif self._state == "body":
             self._body(text, reasoning, content)
             self._close(content)
+        else:
+            content.append(_unfinished_header(text))
         return "".join(reasoning), "".join(content)
 
     def _open(self, header: str) -> None:

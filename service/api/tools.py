@@ -25,7 +25,8 @@ the call's JSON schema (:func:`forced_call`, through the engine's structured out
 so the call parses and its arguments match the function's ``parameters`` (``qwen3_xml``
 forces the Hermes JSON body, which its parser reads as well: the grammar is a JSON
 schema's; ``harmony`` names the function in the call's header, outside the grammar, so
-``required`` takes one tool only). Answers with calls end with ``finish_reason: "tool_calls"``.
+``required`` takes one tool only, and a tool's name must fit that header: no whitespace
+or ``<``, whatever ``tool_choice``). Answers with calls end with ``finish_reason: "tool_calls"``.
 """
 
 from __future__ import annotations
@@ -36,7 +37,13 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from service.api.harmony import CALL, call_opening, split_harmony, template_is_harmony
+from service.api.harmony import (
+    CALL,
+    call_opening,
+    recipient_fault,
+    split_harmony,
+    template_is_harmony,
+)
 from service.api.tool_xml import FUNCTION_OPEN, PARAMETER_OPEN, parse_function
 from service.common.errors import invalid
 
@@ -337,7 +344,8 @@ def plan_tools(
     Raises:
         APIError: 400 ``tools`` (``tools[i]``) for a malformed definition (``parameters``
             that are not an object, an empty name, a name given twice) or a template with no tool
-            support (or a format this server does not parse); 400 ``tool_choice`` for
+            support (or a format this server does not parse); 400 ``tools[i].function.name``
+            for a name harmony's call header cannot carry; 400 ``tool_choice`` for
             an unknown value or a function not among ``tools``.
     """
     if not tools:
@@ -379,6 +387,10 @@ def plan_tools(
             "Mistral [TOOL_CALLS] and gpt-oss's harmony)",
             "tools",
         )
+    if fmt == HARMONY:  # every call, forced or the model's own, names its function in its header
+        for i, name in enumerate(names):
+            if (fault := recipient_fault(name)) is not None:
+                raise invalid(fault, f"tools[{i}].function.name")
     choice = "auto" if tool_choice is None else tool_choice
     if choice == "none":
         return ToolPlan(tools=tools)

@@ -214,14 +214,23 @@ def _prompt(body: CountTokensRequest, tools: list[dict[str, Any]] | None) -> Pro
     return prompt
 
 
+def _check_forced_tool(body: CountTokensRequest) -> None:
+    """Thinking enabled beside a forced tool call (``tool_choice`` ``any`` or ``tool``)
+    is refused, as Anthropic refuses it on ``/v1/messages`` and its ``count_tokens``.
+
+    Raises:
+        APIError: 400 ``tool_choice``.
+    """
+    if isinstance(body.thinking, ThinkingEnabled) and isinstance(body.tool_choice, (ToolChoiceAny, ToolChoiceTool)):
+        raise invalid("Thinking may not be enabled when tool_choice forces tool use.", "tool_choice")
+
+
 def _thinking_budget(body: MessagesRequest) -> int | None:
-    """``thinking.budget_tokens``, checked as Anthropic checks it; thinking beside a
-    forced tool call (``tool_choice`` ``any`` or ``tool``) is refused as Anthropic
-    refuses it."""
+    """``thinking.budget_tokens``, checked as Anthropic checks it (thinking beside a
+    forced tool call refused first: :func:`_check_forced_tool`)."""
+    _check_forced_tool(body)
     if not isinstance(body.thinking, ThinkingEnabled):
         return None
-    if isinstance(body.tool_choice, (ToolChoiceAny, ToolChoiceTool)):
-        raise invalid("Thinking may not be enabled when tool_choice forces tool use.", "tool_choice")
     budget = body.thinking.budget_tokens
     if budget < MIN_THINKING_BUDGET or budget >= body.max_tokens:
         raise invalid(
@@ -283,8 +292,10 @@ def count_request(body: CountTokensRequest, request_id: str, started: float) -> 
     run).
 
     Raises:
-        APIError: 400 naming the field, as :func:`messages_request`.
+        APIError: 400 naming the field, as :func:`messages_request` (thinking beside a
+            forced tool call included).
     """
+    _check_forced_tool(body)
     tools = _tools(body)
     return GenerationRequest(
         request_id=request_id,

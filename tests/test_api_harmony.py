@@ -168,6 +168,22 @@ def test_a_cut_marker_reaches_the_user_as_content(text, content):
     assert message.content == content
 
 
+@pytest.mark.parametrize("text", ["Hello there", "Sure." * 60, "assistant says hi"])
+def test_an_answer_with_no_harmony_header_is_content(text):
+    """A model that ignores the format after the prompt's ``<|start|>assistant`` (short,
+    or past the longest header) gives its text as content, none of the prompt's role
+    glued to it, whole and streamed; a short one streams from its first piece instead
+    of waiting for a header that never comes."""
+    primer = "<|start|>assistant"
+    assert split_harmony(text, primer) == (None, text, [])
+    for size in (1, 3, 1000):
+        streamed = _replay(ChatOutput(n=1, harmony=True, primer=primer), text, size, "stop")
+        assert streamed["content"] == text
+    parser = HarmonyParser()
+    parser.prime(primer)
+    assert parser.feed(text[:5]) == ("", text[:5])
+
+
 def test_template_and_parser_are_recognized():
     assert template_is_harmony(HARMONY_LIKE) and not template_is_harmony("<|im_start|>{{ tools }}")
     assert parser_for_template(HARMONY_LIKE) == HARMONY

@@ -80,7 +80,7 @@ class ChatOutput:
         ]
         for seq in self._seqs:
             if seq.harmony is not None:
-                seq.harmony.feed(self.primer + self.tools.prefix)  # the prompt's: not shown
+                seq.harmony.prime(self.primer + self.tools.prefix)  # the prompt's: not shown
 
     @classmethod
     def planned(cls, plan: ChatPlan, n: int) -> ChatOutput:

@@ -119,7 +119,7 @@ async def _continue_harmony(plan: ChatPlan, text: TextSide, prompt_ids: list[int
     tail = text.tokenizer.decode(prompt_ids[-_TAIL_TOKENS:])
     plan.primer = tail[tail.rfind(HARMONY_START) :] if HARMONY_START in tail else ""
     opened = HarmonyParser()
-    opened.feed(plan.primer)
+    opened.prime(plan.primer)
     if plan.tools.prefix or plan.json_schema is not None:
         lead = harmony_lead(opened) + ("" if plan.tools.prefix else FINAL_OPENING)
         plan.primer += lead

@@ -50,6 +50,8 @@ _TOKEN = re.compile("|".join(re.escape(t) for t in _TOKENS))
 _MAX_HEADER = 256
 _HEADER_STARTS = (*_HEADER_MARKERS, "to=")
 _RECIPIENT = re.compile(r"\bto=([^\s<]+)")
+# The role a model's own messages carry after <|start|>.
+_ROLE = "assistant"
 _FUNCTIONS = "functions."
 
 REASONING = "analysis"
@@ -106,10 +108,25 @@ def _held(text: str, markers: tuple[str, ...]) -> int:
     return 0
 
 
+def _role_possible(header: str) -> bool:
+    """Whether each ``<|start|>`` of ``header`` is followed by what can still become the
+    model's role and its recipient (``assistant``, ``assistant to=...``), up to the next
+    marker."""
+    for after in header.split(START)[1:]:
+        after = after.split("<", 1)[0]
+        if _ROLE.startswith(after):
+            continue
+        rest = after[len(_ROLE):] if after.startswith(_ROLE) else ""
+        if not rest[:1].isspace() or not ("to=".startswith(rest.lstrip()) or rest.lstrip().startswith("to=")):
+            return False
+    return True
+
+
 def _header_possible(header: str) -> bool:
     """Whether ``header`` (no ``<|message|>`` yet) can still become a header: it starts
-    with a header's token (or the recipient the role may carry) and holds no other."""
-    if len(header) > _MAX_HEADER:
+    with a header's token (or the recipient the role may carry), a ``<|start|>`` is
+    followed by the model's role, and it holds no other token."""
+    if len(header) > _MAX_HEADER or not _role_possible(header):
         return False
     start = header.lstrip()  # whitespace between messages is let through
     if not any(m.startswith(start) or start.startswith(m) for m in _HEADER_STARTS):
@@ -121,15 +138,16 @@ def _header_possible(header: str) -> bool:
     return "<|" not in rest
 
 
-def _unfinished_header(header: str) -> str:
-    """What of ``header``, cut before its ``<|message|>``, the model wrote as text: a
-    marker's cut start (``<|``, ``<|channel``) is no token; the whole text when no
-    header began before it. A header's tokens, role, channel and recipient are not text."""
+def _unfinished_header(header: str, prompt: int = 0) -> str:
+    """What of ``header``, cut before its ``<|message|>``, the model wrote as text (its
+    first ``prompt`` characters are the prompt's): a marker's cut start (``<|``,
+    ``<|channel``) is no token; the model's whole text when it began no header. A
+    header's tokens, role, channel and recipient are not text."""
     cut = _held(header, (MESSAGE, *_HEADER_MARKERS))
-    began = header[: len(header) - cut]
-    if began.strip():
-        return header[len(began) :]
-    return header if cut else ""
+    began = header[prompt : len(header) - cut]
+    if any(m in began for m in _HEADER_MARKERS) or began.lstrip().startswith("to="):
+        return header[len(header) - cut :]
+    return header[prompt:] if began.strip() or cut else ""
 
 
 @dataclass(frozen=True)
@@ -151,6 +169,7 @@ class HarmonyParser:
     _channel: str = ""
     _recipient: str | None = None
     _arguments: str = ""  # a call's body so far
+    _prompt: int = 0  # leading characters of the held header that the prompt wrote (prime)
 
     @property
     def in_header(self) -> bool:
@@ -161,6 +180,12 @@ class HarmonyParser:
     def in_reasoning(self) -> bool:
         """Whether the text so far ends inside an analysis message's body."""
         return self._state == "body" and self._recipient is None and self._channel == REASONING
+
+    def prime(self, prompt: str) -> None:
+        """Read the prompt's text the answer continues (its open header, say
+        ``<|start|>assistant``): it shapes what follows but is never the model's text."""
+        self.feed(prompt)
+        self._prompt = len(self._pending) if self._state == "header" else 0
 
     def feed(self, text: str) -> tuple[str, str]:
         """The ``(reasoning, content)`` that ``text`` completes."""
@@ -177,6 +202,7 @@ class HarmonyParser:
                 header = text if at < 0 else text[:at]
                 if not _header_possible(header):
                     self._state = "plain"
+                    text, self._prompt = text[self._prompt :], 0  # the prompt's part is not shown
                     continue
                 if at < 0:
                     self._pending = text
@@ -210,7 +236,8 @@ class HarmonyParser:
             self._body(text, reasoning, content)
             self._close(content)
         else:
-            content.append(_unfinished_header(text))
+            content.append(_unfinished_header(text, self._prompt))
+        self._prompt = 0
         return "".join(reasoning), "".join(content)
 
     def _open(self, header: str) -> None:
@@ -220,6 +247,7 @@ class HarmonyParser:
         self._recipient = recipient.group(1) if recipient else None
         self._arguments = ""
         self._state = "body"
+        self._prompt = 0
 
     def _body(self, text: str, reasoning: list[str], content: list[str]) -> None:
         if self._recipient is not None:
@@ -246,7 +274,7 @@ def split_harmony(text: str, primer: str = "") -> tuple[str | None, str, list[Ha
     """A whole answer as ``(reasoning or None, content, calls)``; ``primer``: the
     prompt's text the answer continues (its open header), read but not returned."""
     parser = HarmonyParser()
-    parser.feed(primer)
+    parser.prime(primer)
     reasoning, content = parser.feed(text)
     tail_reasoning, tail_content = parser.flush()
     return (reasoning + tail_reasoning) or None, content + tail_content, parser.calls

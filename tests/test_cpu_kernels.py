@@ -164,7 +164,7 @@ def tiny_blocks(request, tmp_path_factory, make_tiny_hf_model):
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "q8_0", "q4_0"])
 def test_the_c_decode_layer_gives_the_torch_layers_logits(lib, tiny_blocks, paged_runner, kv_cache_dtype):
-    """A prefill of 5 tokens and a second sequence of 3 (torch layers), then decode
+    """A prefill of 37 tokens and a second sequence of 3 (torch layers), then decode
     steps of both sequences together and of one alone, through the C decode layer and
     through the torch layers over the same C GEMV: logits within 1e-3 of the largest
     (measured: 3e-5 to 1.3e-4; the norms, rotary and attention sum in another order, and
@@ -184,7 +184,8 @@ def test_the_c_decode_layer_gives_the_torch_layers_logits(lib, tiny_blocks, page
     for use in (True, False):
         model.cpu_decode = fast if use else None
         runner = paged_runner(model, config, page_size=4, num_pages=32, kv_dtype=kv_dtype)
-        logits = [runner.step({0: [5, 70, 3, 20, 42], 1: [9, 8, 7]})]
+        # 37 + 4 tokens: the float32 scores' blocks of 8 tokens and a tail.
+        logits = [runner.step({0: [5, 70, 3, 20, 42] * 7 + [1, 2], 1: [9, 8, 7]})]
         assert not runner.last_batch.is_decode
         for tokens in ([11, 12], [13, 14], [15, 16], [17, 18]):
             logits.append(runner.step({0: [tokens[0]], 1: [tokens[1]]}))

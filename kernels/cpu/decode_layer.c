@@ -182,6 +182,119 @@ static inline void kv_axpy(int type, float *out, float p, const uint8_t *row, in
     }
 }
 
+/* KV head kvh's row (head_bytes) of token t of a sequence's context, through its pages. */
+static inline const uint8_t *pool_row(const void *cache, const int64_t *pages, int64_t page_size, int64_t t,
+                                      int64_t Hk, int64_t kvh, int64_t head_bytes) {
+    const int64_t slot = pages[t / page_size] * page_size + t % page_size;
+    return (const uint8_t *)cache + (slot * Hk + kvh) * head_bytes;
+}
+
+#ifdef HR_AVX2
+/* e^x for x <= 0, 8 lanes (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, e^r by its degree-6
+ * polynomial, 2^n into the exponent), within 2 ulp of expf; below -87 (2^-126) it gives
+ * about 1e-38 instead of a subnormal or 0, which a softmax's sum does not see. */
+static inline __m256 exp_nonpositive(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+#endif
+
+/* sc[t] = scale * q . K[t] over a float32 pool's context of len tokens: eight tokens at a
+ * time, their eight sums reduced together (one transpose of horizontal adds), not one
+ * horizontal reduction a token. */
+static void scores_f32(const float *q, const void *k_cache, const int64_t *pages, int64_t page_size, int64_t len,
+                       int64_t Hk, int64_t kvh, int64_t D, float scale, float *sc) {
+    int64_t t = 0;
+#ifdef HR_AVX2
+    if (D % 8 == 0) {
+        const __m256 vscale = _mm256_set1_ps(scale);
+        for (; t + 8 <= len; t += 8) {
+            const float *k[8];
+            __m256 a[8];
+            for (int j = 0; j < 8; j++) {
+                k[j] = (const float *)pool_row(k_cache, pages, page_size, t + j, Hk, kvh, D * 4);
+                a[j] = _mm256_setzero_ps();
+            }
+            for (int64_t i = 0; i < D; i += 8) {
+                const __m256 qv = _mm256_loadu_ps(q + i);
+                for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[j] + i), a[j]);
+            }
+            const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+            const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+            const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31));
+            _mm256_storeu_ps(sc + t, _mm256_mul_ps(sums, vscale));
+        }
+    }
+#endif
+    for (; t < len; t++)
+        sc[t] = dot(q, (const float *)pool_row(k_cache, pages, page_size, t, Hk, kvh, D * 4), D) * scale;
+}
+
+/* out[0..D) = sum over t of p[t] * V[t] over a float32 pool's context: the sums kept in
+ * registers across the tokens (heads of up to 128 values) rather than read and written
+ * back a token. */
+static void weighted_sum_f32(const float *p, const void *v_cache, const int64_t *pages, int64_t page_size,
+                             int64_t len, int64_t Hk, int64_t kvh, int64_t D, float *out) {
+#ifdef HR_AVX2
+    if (D % 8 == 0 && D <= 128) {
+        __m256 acc[16];
+        const int64_t n = D / 8;
+        for (int64_t i = 0; i < n; i++) acc[i] = _mm256_setzero_ps();
+        for (int64_t t = 0; t < len; t++) {
+            const float *v = (const float *)pool_row(v_cache, pages, page_size, t, Hk, kvh, D * 4);
+            const __m256 pv = _mm256_set1_ps(p[t]);
+            for (int64_t i = 0; i < n; i++) acc[i] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + 8 * i), acc[i]);
+        }
+        for (int64_t i = 0; i < n; i++) _mm256_storeu_ps(out + 8 * i, acc[i]);
+        return;
+    }
+#endif
+    memset(out, 0, D * 4);
+    for (int64_t t = 0; t < len; t++)
+        kv_axpy(0, out, p[t], pool_row(v_cache, pages, page_size, t, Hk, kvh, D * 4), D);
+}
+
+/* sc[0..len) = softmax(sc[0..len)) in place. */
+static void softmax_in_place(float *sc, int64_t len) {
+    float top = -INFINITY, total = 0.0f;
+    int64_t t = 0;
+#ifdef HR_AVX2
+    __m256 vtop = _mm256_set1_ps(-INFINITY);
+    for (; t + 8 <= len; t += 8) vtop = _mm256_max_ps(vtop, _mm256_loadu_ps(sc + t));
+    float lanes[8];
+    _mm256_storeu_ps(lanes, vtop);
+    for (int j = 0; j < 8; j++) top = lanes[j] > top ? lanes[j] : top;
+#endif
+    for (; t < len; t++) top = sc[t] > top ? sc[t] : top;
+    t = 0;
+#ifdef HR_AVX2
+    const __m256 vmax = _mm256_set1_ps(top);
+    __m256 vsum = _mm256_setzero_ps();
+    for (; t + 8 <= len; t += 8) {
+        const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(sc + t), vmax));
+        _mm256_storeu_ps(sc + t, e);
+        vsum = _mm256_add_ps(vsum, e);
+    }
+    _mm256_storeu_ps(lanes, vsum);
+    for (int j = 0; j < 8; j++) total += lanes[j];
+#endif
+    for (; t < len; t++) total += (sc[t] = expf(sc[t] - top));
+    const float inv = 1.0f / total;
+    for (t = 0; t < len; t++) sc[t] *= inv;
+}
+
 static void rms_norm_row(const float *x, const float *w, float *out, int64_t n, float eps) {
     /* As torch's F.rms_norm in float32: x * rsqrt(mean(x^2) + eps) * w. */
     const float ss = dot(x, x, n);
@@ -269,22 +382,20 @@ int hr_decode_layer(const hr_layer *L, const hr_step *S, float *h, float *residu
         const float *q = qkv + b * qkv_n + hq * D;
         float *sc = scores + task * max_len, *out = attn + b * qsize + hq * D;
         const int64_t *pages = S->page_table + b * S->max_pages;
-        float top = -INFINITY;
-        for (int64_t t = 0; t < len; t++) {
-            const int64_t slot = pages[t / S->page_size] * S->page_size + t % S->page_size;
-            const uint8_t *k = (const uint8_t *)L->k_cache + (slot * Hk + kvh) * head_bytes;
-            sc[t] = kv_dot(kv, q, k, D) * L->scale;
-            if (sc[t] > top) top = sc[t];
+        if (kv == 0) {
+            scores_f32(q, L->k_cache, pages, S->page_size, len, Hk, kvh, D, L->scale, sc);
+        } else {
+            for (int64_t t = 0; t < len; t++)
+                sc[t] = kv_dot(kv, q, pool_row(L->k_cache, pages, S->page_size, t, Hk, kvh, head_bytes), D) * L->scale;
         }
-        float total = 0.0f;
-        for (int64_t t = 0; t < len; t++) total += (sc[t] = expf(sc[t] - top));
-        const float inv = 1.0f / total;
+        softmax_in_place(sc, len);
+        if (kv == 0) {
+            weighted_sum_f32(sc, L->v_cache, pages, S->page_size, len, Hk, kvh, D, out);
+            continue;
+        }
         for (int64_t i = 0; i < D; i++) out[i] = 0.0f;
-        for (int64_t t = 0; t < len; t++) {
-            const int64_t slot = pages[t / S->page_size] * S->page_size + t % S->page_size;
-            const uint8_t *v = (const uint8_t *)L->v_cache + (slot * Hk + kvh) * head_bytes;
-            kv_axpy(kv, out, sc[t] * inv, v, D);
-        }
+        for (int64_t t = 0; t < len; t++)
+            kv_axpy(kv, out, sc[t], pool_row(L->v_cache, pages, S->page_size, t, Hk, kvh, head_bytes), D);
     }
 
     if ((err = proj(&L->o, attn, B, qsize, o, work, threads))) return err;

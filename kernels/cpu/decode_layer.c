@@ -182,11 +182,27 @@ static inline void kv_axpy(int type, float *out, float p, const uint8_t *row, in
     }
 }
 
-/* KV head kvh's row (head_bytes) of token t of a sequence's context, through its pages. */
-static inline const uint8_t *pool_row(const void *cache, const int64_t *pages, int64_t page_size, int64_t t,
-                                      int64_t Hk, int64_t kvh, int64_t head_bytes) {
-    const int64_t slot = pages[t / page_size] * page_size + t % page_size;
-    return (const uint8_t *)cache + (slot * Hk + kvh) * head_bytes;
+/* KV head kvh's rows (head_bytes) of a sequence's context, token after token through its
+ * pages: no division a token (a page's index and offset are carried instead). */
+typedef struct {
+    const uint8_t *cache;
+    const int64_t *pages;
+    int64_t page_size, page, offset, Hk, kvh, head_bytes;
+} context_rows;
+
+static inline context_rows rows_of(const void *cache, const int64_t *pages, int64_t page_size, int64_t Hk,
+                                   int64_t kvh, int64_t head_bytes) {
+    context_rows it = {(const uint8_t *)cache, pages, page_size, 0, 0, Hk, kvh, head_bytes};
+    return it;
+}
+
+static inline const uint8_t *next_row(context_rows *it) {
+    const int64_t slot = it->pages[it->page] * it->page_size + it->offset;
+    if (++it->offset == it->page_size) {
+        it->offset = 0;
+        it->page++;
+    }
+    return it->cache + (slot * it->Hk + it->kvh) * it->head_bytes;
 }
 
 #ifdef HR_AVX2
@@ -214,8 +230,7 @@ static inline __m256 exp_nonpositive(__m256 x) {
 /* sc[t] = scale * q . K[t] over a float32 pool's context of len tokens: eight tokens at a
  * time, their eight sums reduced together (one transpose of horizontal adds), not one
  * horizontal reduction a token. */
-static void scores_f32(const float *q, const void *k_cache, const int64_t *pages, int64_t page_size, int64_t len,
-                       int64_t Hk, int64_t kvh, int64_t D, float scale, float *sc) {
+static void scores_f32(const float *q, context_rows rows, int64_t len, int64_t D, float scale, float *sc) {
     int64_t t = 0;
 #ifdef HR_AVX2
     if (D % 8 == 0) {
@@ -224,7 +239,7 @@ static void scores_f32(const float *q, const void *k_cache, const int64_t *pages
             const float *k[8];
             __m256 a[8];
             for (int j = 0; j < 8; j++) {
-                k[j] = (const float *)pool_row(k_cache, pages, page_size, t + j, Hk, kvh, D * 4);
+                k[j] = (const float *)next_row(&rows);
                 a[j] = _mm256_setzero_ps();
             }
             for (int64_t i = 0; i < D; i += 8) {
@@ -238,22 +253,20 @@ static void scores_f32(const float *q, const void *k_cache, const int64_t *pages
         }
     }
 #endif
-    for (; t < len; t++)
-        sc[t] = dot(q, (const float *)pool_row(k_cache, pages, page_size, t, Hk, kvh, D * 4), D) * scale;
+    for (; t < len; t++) sc[t] = dot(q, (const float *)next_row(&rows), D) * scale;
 }
 
 /* out[0..D) = sum over t of p[t] * V[t] over a float32 pool's context: the sums kept in
  * registers across the tokens (heads of up to 128 values) rather than read and written
  * back a token. */
-static void weighted_sum_f32(const float *p, const void *v_cache, const int64_t *pages, int64_t page_size,
-                             int64_t len, int64_t Hk, int64_t kvh, int64_t D, float *out) {
+static void weighted_sum_f32(const float *p, context_rows rows, int64_t len, int64_t D, float *out) {
 #ifdef HR_AVX2
     if (D % 8 == 0 && D <= 128) {
         __m256 acc[16];
         const int64_t n = D / 8;
         for (int64_t i = 0; i < n; i++) acc[i] = _mm256_setzero_ps();
         for (int64_t t = 0; t < len; t++) {
-            const float *v = (const float *)pool_row(v_cache, pages, page_size, t, Hk, kvh, D * 4);
+            const float *v = (const float *)next_row(&rows);
             const __m256 pv = _mm256_set1_ps(p[t]);
             for (int64_t i = 0; i < n; i++) acc[i] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + 8 * i), acc[i]);
         }
@@ -262,8 +275,7 @@ static void weighted_sum_f32(const float *p, const void *v_cache, const int64_t 
     }
 #endif
     memset(out, 0, D * 4);
-    for (int64_t t = 0; t < len; t++)
-        kv_axpy(0, out, p[t], pool_row(v_cache, pages, page_size, t, Hk, kvh, D * 4), D);
+    for (int64_t t = 0; t < len; t++) kv_axpy(0, out, p[t], next_row(&rows), D);
 }
 
 /* sc[0..len) = softmax(sc[0..len)) in place. */
@@ -382,20 +394,22 @@ int hr_decode_layer(const hr_layer *L, const hr_step *S, float *h, float *residu
         const float *q = qkv + b * qkv_n + hq * D;
         float *sc = scores + task * max_len, *out = attn + b * qsize + hq * D;
         const int64_t *pages = S->page_table + b * S->max_pages;
+        const context_rows keys = rows_of(L->k_cache, pages, S->page_size, Hk, kvh, head_bytes);
+        const context_rows values = rows_of(L->v_cache, pages, S->page_size, Hk, kvh, head_bytes);
         if (kv == 0) {
-            scores_f32(q, L->k_cache, pages, S->page_size, len, Hk, kvh, D, L->scale, sc);
+            scores_f32(q, keys, len, D, L->scale, sc);
         } else {
-            for (int64_t t = 0; t < len; t++)
-                sc[t] = kv_dot(kv, q, pool_row(L->k_cache, pages, S->page_size, t, Hk, kvh, head_bytes), D) * L->scale;
+            context_rows it = keys;
+            for (int64_t t = 0; t < len; t++) sc[t] = kv_dot(kv, q, next_row(&it), D) * L->scale;
         }
         softmax_in_place(sc, len);
         if (kv == 0) {
-            weighted_sum_f32(sc, L->v_cache, pages, S->page_size, len, Hk, kvh, D, out);
+            weighted_sum_f32(sc, values, len, D, out);
             continue;
         }
+        context_rows it = values;
         for (int64_t i = 0; i < D; i++) out[i] = 0.0f;
-        for (int64_t t = 0; t < len; t++)
-            kv_axpy(kv, out, sc[t], pool_row(L->v_cache, pages, S->page_size, t, Hk, kvh, head_bytes), D);
+        for (int64_t t = 0; t < len; t++) kv_axpy(kv, out, sc[t], next_row(&it), D);
     }
 
     if ((err = proj(&L->o, attn, B, qsize, o, work, threads))) return err;

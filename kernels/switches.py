@@ -86,6 +86,13 @@ class KernelSwitches:
         "Q4_K/Q6_K decode rows on the int8-activation GEMV (kernels.quant.triton_int8). "
         "Off: the float GEMV.",
     )
+    quant_gemm_packed: bool = _switch(
+        True,
+        "GGUF Q4_K and Q6_K blocks between the GEMV's rows and the dequantize rows, bfloat16 "
+        "activations on CUDA: the packed GEMM, which decodes four codes a register into "
+        "bfloat16 pairs with the scale applied in PTX (kernels.quant.triton_packed_gemm), "
+        "instead of the float tile GEMM. Off: the tile GEMM, to compare.",
+    )
     quant_gemm_int8: bool = _switch(
         False,
         "GGUF block projections between the GEMV's rows and the dequantize rows: the int8 "

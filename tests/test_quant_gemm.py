@@ -36,6 +36,46 @@ def test_gemm_with_k_split_matches_gguf_dequantize(dev, type_name, m, split_k):
     assert_matches(got, x, w, type_name)
 
 
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K_P"])
+@pytest.mark.parametrize("m,n,split_k", [(5, 19, 2), (33, 70, 3), (16, 64, 1)])
+def test_packed_gemm_matches_gguf_dequantize(dev, type_name, m, n, split_k, monkeypatch):
+    """The packed GEMM (codes decoded four a register; in the interpreter its float32
+    twin, on a GPU the PTX on bfloat16 rows) equals the reference: rows and weight rows
+    that do not fill a tile, K split in ranges added in a fixed order; and it is what the
+    block GEMM runs for bfloat16 rows on CUDA, or when its tiling is asked for."""
+    from kernels.quant import triton_kernel as triton_quant
+    from kernels.quant.triton_packed_gemm import packed_gemm
+
+    x, w = _case(type_name, m, n, 3, dev, seed=m)
+    if dev == "cuda":
+        x = x.to(torch.bfloat16)
+    got = packed_gemm(x, w, type_name, block_m=16, block_n=16, split_k=split_k)
+    assert_matches(got, x, w, type_name)
+    tiling = GemmTiling(block_n=16, packed=True)
+    assert torch.equal(triton_quant.quant_gemm(x, w, type_name, block_m=16, tiling=tiling, split_k=split_k), got)
+    if dev == "cuda":
+        calls = []
+        monkeypatch.setattr(triton_quant, "packed_gemm", lambda *a, **kw: calls.append(kw) or packed_gemm(*a, **kw))
+        assert_matches(triton_quant.quant_gemm(x, w, type_name, split_k=split_k), x, w, type_name)
+        assert calls, "bfloat16 rows on CUDA take the packed GEMM"
+        calls.clear()
+        with using(quant_gemm_packed=False):
+            triton_quant.quant_gemm(x, w, type_name, split_k=split_k)
+        assert not calls
+
+
+def test_packed_gemm_refuses_other_types_and_rows(dev):
+    from kernels.quant.triton_packed_gemm import packed_gemm
+
+    x, w = _case("Q5_K", 16, 16, 1, dev)
+    with pytest.raises(ValueError, match="reads Q4_K, Q6_K_P, not Q5_K"):
+        packed_gemm(x, w, "Q5_K")
+    if dev == "cuda":
+        x, w = _case("Q4_K", 16, 16, 1, dev)
+        with pytest.raises(ValueError, match="bfloat16 rows"):
+            packed_gemm(x.half(), w, "Q4_K")
+
+
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q6_K_P", "Q4_0", "Q5_1"])
 @pytest.mark.parametrize("k_step", [32, 128, 512])
 def test_gemm_k_steps_cross_blocks_and_ranges(dev, type_name, k_step):

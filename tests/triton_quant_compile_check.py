@@ -21,10 +21,10 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kernels.quant import triton_activations, triton_dequant, triton_int8, triton_int8_gemm  # noqa: E402
+from kernels.quant import triton_activations, triton_dequant, triton_int8, triton_int8_gemm, triton_packed_gemm  # noqa: E402
 from kernels.quant import triton_kernel as triton_quant  # noqa: E402
 from kernels.quant.formats import FORMATS, REPACKED, block_format  # noqa: E402
-from kernels.quant.gemm_tuning import DEFAULT_TILING, GEMM_TILINGS, IEEE_TILING, INT8_TILINGS  # noqa: E402
+from kernels.quant.gemm_tuning import DEFAULT_TILING, GEMM_TILINGS, IEEE_TILING, INT8_TILINGS, PACKED_TILINGS  # noqa: E402
 from kernels.quant.triton_decode import gemm_subs, layout_constexprs  # noqa: E402
 from kernels.quant.triton_int8_gemm import INT8_GEMM_TYPES  # noqa: E402
 
@@ -176,6 +176,18 @@ def main(type_names: list[str]) -> int:
                 print(f"gemm int8 {fmt.name} {block_m}x{tiling.block_n} k{tiling.k_step} w{tiling.num_warps} "
                       f"s{tiling.num_stages}: {regs} registers, {frame} B stack; {mma}")
                 failures += frame > 0 or mma == "no mma"
+        if fmt.name in triton_packed_gemm.PACKED_TYPES:  # the packed GEMM at each tiling and rows a tile
+            for block_m, tiling in ((b, t) for b in (16, 32, 64) for t in PACKED_TILINGS):
+                args = {"x_ptr": "*bf16", "w_ptr": "*u8", "out_ptr": "*bf16", **common, "blocks_per_split": "i32",
+                        "stride_xm": "i32", "stride_om": "i32"}
+                regs, frame, ptx = _compile(triton_packed_gemm._packed_gemm_kernel, args,
+                                            {"QT": triton_packed_gemm.PACKED_TYPES[fmt.name], "BLOCK_M": block_m,
+                                             "BLOCK_N": tiling.block_n, "PARTIALS": False, "ASM": True},
+                                            tiling.num_warps, tiling.num_stages)
+                decodes = ptx.count("fma.rn.bf16x2")
+                print(f"gemm packed {fmt.name} {block_m}x{tiling.block_n} w{tiling.num_warps} s{tiling.num_stages}: "
+                      f"{regs} registers, {frame} B stack; bf16x2 fma x{decodes}")
+                failures += frame > 0 or decodes == 0
         args = {"w_ptr": "*u8", "out_ptr": "*bf16", "N": "i32", "row_bytes": "i32", "nblocks": "i32", "stride_on": "i32"}
         regs, frame, _ = _compile(triton_dequant._dequantize_kernel, args, {**layout, "BLOCK_N": 32}, 4)
         print(f"dequantize {fmt.name}: {regs} registers, {frame} B stack")

@@ -184,21 +184,25 @@ def gemm_rows(bandwidth: float, shapes: list[tuple[str, int, int]], m: int = 512
 def _gemm_variants(x: torch.Tensor, turn, dense_turn, kind: str) -> list[tuple[float, str]]:
     """(seconds, label) of ``x`` times the rotated block weights at each GEMM tiling,
     dequantized whole then cuBLAS, and times the rotated bfloat16 weights."""
-    from kernels.quant.gemm_tuning import GEMM_TILINGS, INT8_TILINGS
+    from kernels.quant.gemm_tuning import GEMM_TILINGS, INT8_TILINGS, PACKED_TILINGS
     from kernels.quant.triton_dequant import dequant_matmul
     from kernels.quant.triton_kernel import quant_gemm
+    from kernels.quant.triton_packed_gemm import PACKED_TYPES
 
+    tilings = GEMM_TILINGS + INT8_TILINGS + (PACKED_TILINGS if kind in PACKED_TYPES else ())
     timed = [(graph_seconds(lambda t=t: quant_gemm(x, next(turn), kind, tiling=t), 5),
-              f"{'int8' if t.int8 else 'tile'} GEMM {t.block_n}x{t.k_step} w{t.num_warps} s{t.num_stages}")
-             for t in GEMM_TILINGS + INT8_TILINGS]
+              f"{'int8' if t.int8 else 'packed' if t.packed else 'tile'} GEMM {t.block_n}x{t.k_step} "
+              f"w{t.num_warps} s{t.num_stages}")
+             for t in tilings]
     timed.append((graph_seconds(lambda: dequant_matmul(x, next(turn), kind), 5), "dequantize + cuBLAS"))
     timed.append((graph_seconds(lambda: x @ next(dense_turn).T, 5), "bfloat16 weight, cuBLAS"))
     return timed
 
 
 def gemm_sweep_rows(bandwidth: float, shapes: list[tuple[str, int, int]], ms: tuple[int, ...] = (16, 64, 128)) -> list[str]:
-    """The block GEMM at each of :data:`kernels.quant.gemm_tuning.GEMM_TILINGS` (and the
-    int8 GEMM at each of its ``INT8_TILINGS``) per projection shape and row count, beside the same product with the weight dequantized
+    """The block GEMM at each of :data:`kernels.quant.gemm_tuning.GEMM_TILINGS` (the
+    int8 GEMM at each of its ``INT8_TILINGS``, the packed GEMM at its ``PACKED_TILINGS``
+    for its types) per projection shape and row count, beside the same product with the weight dequantized
     whole first (:func:`kernels.quant.triton_dequant.dequant_matmul`) and a bfloat16
     weight's cuBLAS GEMM (weights rotated through copies): us per product and the
     roofline share of reading the blocks once."""

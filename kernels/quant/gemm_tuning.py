@@ -36,6 +36,7 @@ class GemmTiling:
     num_warps: int = 4
     num_stages: int = 2
     int8: bool = False
+    packed: bool = False
 
 
 DEFAULT_TILING = GemmTiling(64, 128, 4, 3)
@@ -57,6 +58,16 @@ INT8_TILINGS: tuple[GemmTiling, ...] = (
     GemmTiling(32, 32, 4, 3, True),
     GemmTiling(64, 64, 8, 3, True),
 )
+# The packed GEMM's (``quant_gemm_packed``, Q4_K and Q6_K_P: kernels.quant.triton_packed_gemm):
+# a block of K a step; on an H200 the 64-row tiles of 16 rows and the 128-row tiles of 64
+# were the fastest (engine.bench.quant --gemm-sweep).
+PACKED_TILINGS: tuple[GemmTiling, ...] = (
+    GemmTiling(64, 256, 4, 2, packed=True),
+    GemmTiling(64, 256, 4, 3, packed=True),
+    GemmTiling(128, 256, 4, 2, packed=True),
+    GemmTiling(128, 256, 8, 2, packed=True),
+)
+_FAMILIES = {"float": GEMM_TILINGS, "int8": INT8_TILINGS, "packed": PACKED_TILINGS}
 # Float32 rows multiply in IEEE float32 (tests, exact references): a float32 operand tile
 # takes twice a bfloat16 one's registers, so one sub-block a step.
 IEEE_TILING = GemmTiling(64, 32, 8, 2)
@@ -65,16 +76,17 @@ _best: dict[tuple, GemmTiling] = {}
 
 
 def tuned(block_m: int, n: int, k: int, type_name: str, device: torch.device,
-          run: Callable[[GemmTiling], object], int8: bool = False) -> GemmTiling:
+          run: Callable[[GemmTiling], object], family: str = "float") -> GemmTiling:
     """The tiling for a ``block_m``-row tile of an ``[N, K]`` weight in ``type_name``
-    blocks on ``device``: the fastest of :data:`GEMM_TILINGS` (``int8``:
-    :data:`INT8_TILINGS`) as ``run(tiling)`` (one GEMM) timed at the first call outside
+    blocks on ``device``: the fastest of ``family``'s tilings (``"float"``:
+    :data:`GEMM_TILINGS`, ``"int8"``: :data:`INT8_TILINGS`, ``"packed"``:
+    :data:`PACKED_TILINGS`) as ``run(tiling)`` (one GEMM) timed at the first call outside
     a capture, the first of them before that and off CUDA. A tiling that does not fit
     the SM (shared memory) is skipped."""
-    candidates = INT8_TILINGS if int8 else GEMM_TILINGS
+    candidates = _FAMILIES[family]
     if device.type != "cuda" or INTERPRETING:
         return candidates[0]
-    key = (block_m, n, k, type_name, device.index, int8)
+    key = (block_m, n, k, type_name, device.index, family)
     best = _best.get(key)
     if best is not None:
         return best

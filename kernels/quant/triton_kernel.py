@@ -13,7 +13,9 @@ Two kernels share one block decoder (:mod:`kernels.quant.triton_decode`):
   ``BLOCK_M x BLOCK_N`` output tile and walks its range of K's sub-blocks in one runtime
   loop (bounded registers), decoding each into weights in registers and multiplying
   them with the activations on tensor cores (``tl.dot``), so the weights are read once
-  for the tile's rows; K split where the tiles do not fill the SMs.
+  for the tile's rows; K split where the tiles do not fill the SMs. Bfloat16 rows of
+  Q4_K and Q6_K blocks take the packed GEMM instead (:mod:`kernels.quant.triton_packed_gemm`:
+  four codes a register decoded to bfloat16 pairs in PTX, 2-3.5x faster on an H200).
 
 Long prefill chunks (from the ``quant_dequant_rows`` switch's rows) dequantize the
 weight whole into the activations' dtype and multiply with cuBLAS
@@ -53,6 +55,7 @@ from kernels.quant.triton_decode import (
     store_tile,
 )
 from kernels.quant.triton_int8_gemm import INT8_GEMM_TYPES, int8_gemm
+from kernels.quant.triton_packed_gemm import PACKED_TYPES, packed_gemm
 from kernels.switches import current
 
 if TYPE_CHECKING:  # typing.Unpack is Python 3.11's
@@ -218,10 +221,13 @@ def quant_gemm(
             :data:`~kernels.quant.gemm_tuning.IEEE_TILING`, 16-bit ones on CUDA the
             fastest of :data:`~kernels.quant.gemm_tuning.GEMM_TILINGS` (with the
             ``quant_gemm_int8`` switch on, of the int8 GEMM's
-            :data:`~kernels.quant.gemm_tuning.INT8_TILINGS`) for this (``block_m``, N,
-            K, type), timed at its first call outside a CUDA graph capture
-            (:func:`~kernels.quant.gemm_tuning.tuned`). A tiling with ``int8`` runs
-            :func:`kernels.quant.triton_int8_gemm.int8_gemm`.
+            :data:`~kernels.quant.gemm_tuning.INT8_TILINGS`; bfloat16 rows of Q4_K and
+            Q6_K_P blocks with PTX and the ``quant_gemm_packed`` switch on, of the packed
+            GEMM's :data:`~kernels.quant.gemm_tuning.PACKED_TILINGS`) for this
+            (``block_m``, N, K, type), timed at its first call outside a CUDA graph
+            capture (:func:`~kernels.quant.gemm_tuning.tuned`). A tiling with ``int8``
+            runs :func:`kernels.quant.triton_int8_gemm.int8_gemm`, one with ``packed``
+            :func:`kernels.quant.triton_packed_gemm.packed_gemm`.
         split_k: K ranges (default: fill the SMs).
 
     Returns:
@@ -238,9 +244,12 @@ def quant_gemm(
     if tiling is None and x.dtype == torch.float32:
         tiling = IEEE_TILING
     elif tiling is None:
-        int8 = current().quant_gemm_int8 and type_name in INT8_GEMM_TYPES
         tiling = tuned(block_m, n, k, type_name, x.device,
-                       lambda t: quant_gemm(x, blocks, type_name, block_m=block_m, tiling=t, split_k=split_k), int8)
+                       lambda t: quant_gemm(x, blocks, type_name, block_m=block_m, tiling=t, split_k=split_k),
+                       _family(x, type_name))
+    if tiling.packed:
+        return packed_gemm(x, blocks, type_name, block_m=block_m, block_n=tiling.block_n, num_warps=tiling.num_warps,
+                           num_stages=tiling.num_stages, split_k=split_k, out=out)
     if tiling.int8:
         return int8_gemm(x, blocks, type_name, block_m=block_m, block_n=tiling.block_n, groups=tiling.k_step // 32,
                          num_warps=tiling.num_warps, num_stages=tiling.num_stages, split_k=split_k, out=out)
@@ -256,6 +265,19 @@ def quant_gemm(
         num_warps=tiling.num_warps, num_stages=tiling.num_stages,
     )
     return sum_partials(result, dest)
+
+
+def _family(x: torch.Tensor, type_name: str) -> str:
+    """Which GEMM family 16-bit rows of ``x`` take over ``type_name`` blocks: the packed
+    GEMM (bfloat16 rows, its types, PTX on, the ``quant_gemm_packed`` switch on), the
+    int8 GEMM (the ``quant_gemm_int8`` switch on), else the float tile GEMM."""
+    switches = current()
+    if (switches.quant_gemm_packed and type_name in PACKED_TYPES and x.dtype == torch.bfloat16
+            and ptx_enabled(x.device)):
+        return "packed"
+    if switches.quant_gemm_int8 and type_name in INT8_GEMM_TYPES:
+        return "int8"
+    return "float"
 
 
 def gemv_max_rows() -> int:

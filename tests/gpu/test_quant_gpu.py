@@ -109,7 +109,7 @@ def test_kernels_at_real_shapes_match_gguf_dequantize(type_name, n, k):
 
 
 def test_split_k_gives_the_same_bits_every_run():
-    """K split into 8 ranges, the GEMM at 16 rows and the float and int8 GEMVs at one:
+    """K split into 8 ranges, the float and packed GEMMs at 16 rows and the float and int8 GEMVs at one:
     the partial sums are added in a fixed order, so 20 runs give one result, bit for bit
     (atomic adds did not: their order, hence the rounding, changed from run to run)."""
     from kernels.quant import triton_kernel as triton_quant
@@ -120,6 +120,7 @@ def test_split_k_gives_the_same_bits_every_run():
     x16, x1 = (torch.randn(m, 14336, device="cuda", dtype=torch.bfloat16) for m in (16, 1))
     runs = {
         "gemm": lambda: triton_quant.quant_gemm(x16, w, "Q4_K", tiling=GemmTiling(), split_k=8),
+        "packed gemm": lambda: triton_quant.quant_gemm(x16, w, "Q4_K", tiling=GemmTiling(packed=True), split_k=8),
         "gemv": lambda: triton_quant.quant_gemv(x1, w, "Q4_K", int8_dot=False, block_n=4, split_k=8),
         "int8 gemv": lambda: triton_quant.quant_gemv(x1, w, "Q4_K", int8_dot=True, block_n=4, split_k=8),
     }

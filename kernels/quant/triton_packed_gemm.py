@@ -1,0 +1,248 @@
+"""The block GEMM for a Q4_K_M file's two types (Q4_K, and Q6_K as its planes,
+``Q6_K_P``) with bfloat16 rows: each weight decoded in about two instructions, in the
+registers the tensor cores read.
+
+Per group of 32 weights of K (one Q4_K sub-block; two Q6_K ones of 16), a row's codes
+are 32 consecutive bytes: a Q4_K group's the low or high nibbles of one run of 32, a
+Q6_K_P group's the nibbles of 32 bytes of ``ql`` ORed with two bits of 32 bytes of ``qh``
+(ggml-common.h's layouts; :mod:`kernels.quant.repack` for the planes). One PTX sequence
+(:func:`_q4_weights`, :func:`_q6_weights`) takes four codes of one 32-bit register:
+masks the nibbles of all four at once, puts each code under the exponent byte of 128.0
+(``prmt``: two bfloat16 ``128 + code`` a register, exact for codes below 128), subtracts
+128 (exact) and multiplies by the group's scale plus its offset in one ``fma.rn.bf16x2``
+(one rounding). So the weight is ``scale * code + offset`` with the scale and offset
+rounded to bfloat16 (Q4_K: ``d * sc`` and ``-dmin * m``, ggml's ``get_scale_min_k4``;
+Q6_K: ``d * sc`` and ``-32 d * sc``, exact given the scale), then rounded once more.
+Triton keeps the decode after the shared-memory load, in the layout of ``tl.dot``'s
+operand (checked in the sm_90 SASS: no store of the decoded tile), so the tile costs
+its bytes' loads, about two instructions a weight and the tensor cores' product.
+
+The scales come from one 12-byte read per row and block: the 6-bit scales and mins of
+four sub-blocks sit one a byte in a 32-bit word (``0x3F3F3F3F`` masks, the high halves'
+top bits ORed in), so a group's are one byte shift away.
+
+Against the float tile GEMM (:func:`kernels.quant.triton_kernel.quant_gemm`, about
+eleven instructions a weight, one at a time in float32) it took 51.8 against 179.6 us for
+the 8B shape's 28672 x 4096 Q4_K gate/up at 16 rows and 179.9 against 387.5 at 128 on an
+H200 (docs/benchmarks.md). Triton's interpreter runs no PTX: there the same decode runs in
+float32 (and the product in IEEE float32), the tests' reference path.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.quant.split_k import partials_at, split_k_ranges, split_output, sum_partials
+from kernels.quant.triton_decode import check_blocks, f16, gemm_tile, output_for, ptx_enabled, store_tile
+
+# The layouts it reads, with their format codes (kernels.quant.formats).
+PACKED_TYPES = {"Q4_K": 5, "Q6_K_P": 8}
+
+
+# Operands with pack=4: $0, $1 the four bfloat16 weights (two a register), then each
+# argument: uint8 codes one register of four bytes, bfloat16 scales and offsets two
+# registers (a pair each).
+
+
+def _bf16_tail(src: str) -> str:
+    """After ``src`` leaves four codes in ``[0, 128)`` in ``%q``, one a byte: bfloat16
+    pairs ``128 + code`` (the code under 128.0's exponent byte, 0x43) in ``%a`` (codes
+    0-1) and ``%b`` (2-3), minus 128."""
+    return (src + " prmt.b32 %a, %q, 0x43434343, 0x4140; prmt.b32 %b, %q, 0x43434343, 0x4342;"
+            " mov.b32 %c, 0x43004300; sub.rn.bf16x2 %a, %a, %c; sub.rn.bf16x2 %b, %b, %c;")
+
+
+_Q4_LO = tl.constexpr("{ .reg .b32 %q, %a, %b, %c; " + _bf16_tail("and.b32 %q, $2, 0x0F0F0F0F;")
+                      + " fma.rn.bf16x2 $0, %a, $3, $5; fma.rn.bf16x2 $1, %b, $4, $6; }")
+_Q4_HI = tl.constexpr("{ .reg .b32 %q, %a, %b, %c; " + _bf16_tail("shr.u32 %q, $2, 4; and.b32 %q, %q, 0x0F0F0F0F;")
+                      + " fma.rn.bf16x2 $0, %a, $3, $5; fma.rn.bf16x2 $1, %b, $4, $6; }")
+
+
+def _q6(low_shift: int, high_shift: int) -> tl.constexpr:
+    """PTX for four Q6_K weights: the nibbles of ``ql`` ($2) at ``low_shift`` ORed with
+    the two bits of ``qh`` ($3) at ``high_shift`` moved to bits 4-5 of each byte."""
+    move = f"shl.b32 %h, $3, {4 - high_shift};" if high_shift <= 4 else f"shr.u32 %h, $3, {high_shift - 4};"
+    codes = (f"shr.u32 %q, $2, {low_shift}; and.b32 %q, %q, 0x0F0F0F0F; {move} and.b32 %h, %h, 0x30303030;"
+             " or.b32 %q, %q, %h;")
+    return tl.constexpr("{ .reg .b32 %q, %h, %a, %b, %c; " + _bf16_tail(codes)
+                        + " fma.rn.bf16x2 $0, %a, $4, $6; fma.rn.bf16x2 $1, %b, $5, $7; }")
+
+
+_Q6_0, _Q6_1, _Q6_2, _Q6_3 = _q6(0, 0), _q6(0, 2), _q6(4, 4), _q6(4, 6)
+
+
+@triton.jit
+def _q4_weights(raw, scale, offset, HIGH: tl.constexpr, ASM: tl.constexpr):
+    """Weights ``[R, 32]``: ``scale * nibble + offset`` of the bytes ``raw`` (uint8
+    ``[R, 32]``; low or high nibbles), ``scale``/``offset`` float32 ``[R, 1]``; bfloat16
+    decoded in PTX with ``ASM``, else float32."""
+    s = tl.broadcast_to(scale, raw.shape)
+    o = tl.broadcast_to(offset, raw.shape)
+    if ASM:
+        s = s.to(tl.bfloat16)
+        o = o.to(tl.bfloat16)
+        if HIGH:
+            w = tl.inline_asm_elementwise(_Q4_HI, "=r,=r,r,r,r,r,r", [raw, s, o], dtype=tl.bfloat16, is_pure=True,
+                                          pack=4)
+        else:
+            w = tl.inline_asm_elementwise(_Q4_LO, "=r,=r,r,r,r,r,r", [raw, s, o], dtype=tl.bfloat16, is_pure=True,
+                                          pack=4)
+    else:
+        q = ((raw.to(tl.int32) >> (4 * HIGH)) & 15).to(tl.float32)
+        w = q * s + o
+    return w
+
+
+@triton.jit
+def _q6_weights(ql, qh, scale, offset, I: tl.constexpr, ASM: tl.constexpr):
+    """Weights ``[R, 32]`` of group ``I`` (0-3) of a Q6_K_P half-block: ``scale * code +
+    offset``, the codes the nibbles of ``ql`` (low for ``I < 2``) under the bits ``2 I,
+    2 I + 1`` of ``qh`` (uint8 ``[R, 32]`` each); bfloat16 with ``ASM``, else float32."""
+    s = tl.broadcast_to(scale, ql.shape)
+    o = tl.broadcast_to(offset, ql.shape)
+    if ASM:
+        s = s.to(tl.bfloat16)
+        o = o.to(tl.bfloat16)
+        if I == 0:
+            w = tl.inline_asm_elementwise(_Q6_0, "=r,=r,r,r,r,r,r,r", [ql, qh, s, o], dtype=tl.bfloat16,
+                                          is_pure=True, pack=4)
+        elif I == 1:
+            w = tl.inline_asm_elementwise(_Q6_1, "=r,=r,r,r,r,r,r,r", [ql, qh, s, o], dtype=tl.bfloat16,
+                                          is_pure=True, pack=4)
+        elif I == 2:
+            w = tl.inline_asm_elementwise(_Q6_2, "=r,=r,r,r,r,r,r,r", [ql, qh, s, o], dtype=tl.bfloat16,
+                                          is_pure=True, pack=4)
+        else:
+            w = tl.inline_asm_elementwise(_Q6_3, "=r,=r,r,r,r,r,r,r", [ql, qh, s, o], dtype=tl.bfloat16,
+                                          is_pure=True, pack=4)
+    else:
+        q = (((ql.to(tl.int32) >> (4 * (I // 2))) & 15) | (((qh.to(tl.int32) >> (2 * I)) & 3) << 4)).to(tl.float32)
+        w = q * s + o
+    return w
+
+
+@triton.jit
+def _byte_f32(word, I: tl.constexpr):
+    """Byte ``I`` of int32 ``word`` as float32."""
+    return ((word >> (8 * I)) & 0xFF).to(tl.float32)
+
+
+@triton.jit
+def _packed_gemm_kernel(
+    x_ptr, w_ptr, out_ptr, M, N, K, row_bytes, blocks_per_split, stride_xm, stride_om,
+    QT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PARTIALS: tl.constexpr, ASM: tl.constexpr,
+):
+    rows, row_ptr, ms, m_mask, pid_k = gemm_tile(w_ptr, M, N, row_bytes, BLOCK_M, BLOCK_N)
+    x_row = x_ptr + tl.minimum(ms, M - 1).to(tl.int64)[:, None] * stride_xm
+    rp = row_ptr[:, None]
+    e = tl.max_contiguous(tl.arange(0, 32), 32)[None, :]
+    NB = K // 256
+    kb_begin = pid_k * blocks_per_split
+    kb_end = tl.minimum(kb_begin + blocks_per_split, NB)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if QT == 5:
+        blk = rp + kb_begin * 144
+    else:
+        ql = rp + kb_begin * 128
+        qh = rp + NB * 128 + kb_begin * 64
+        scp = rp + NB * 192 + kb_begin * 16
+        dp = rp + NB * 208 + kb_begin * 2
+    xp = x_row + kb_begin * 256 + e
+    for kb in range(kb_begin, kb_end):
+        if QT == 5:
+            words = (blk + 4).to(tl.pointer_type(tl.int32))
+            w1 = tl.load(words)
+            w2 = tl.load(words + 1)
+            w3 = tl.load(words + 2)
+            d = f16(blk)
+            dmin = -f16(blk + 2)
+        else:
+            sc_words = scp.to(tl.pointer_type(tl.int32))
+            d = f16(dp)
+        for h in tl.static_range(2):
+            if QT == 5:
+                if h == 0:
+                    sc4 = w1 & 0x3F3F3F3F
+                    mn4 = w2 & 0x3F3F3F3F
+                else:
+                    sc4 = (w3 & 0x0F0F0F0F) | ((w1 >> 2) & 0x30303030)
+                    mn4 = ((w3 >> 4) & 0x0F0F0F0F) | ((w2 >> 2) & 0x30303030)
+            else:
+                qhh = tl.load(qh + h * 32 + e)
+                s_a = tl.load(sc_words + 2 * h)
+                s_b = tl.load(sc_words + 2 * h + 1)
+            for i in tl.static_range(4):
+                x = tl.load(xp + (h * 128 + i * 32), mask=m_mask[:, None], other=0.0)  # [BLOCK_M, 32]
+                if QT == 5:
+                    if i % 2 == 0:
+                        raw = tl.load(blk + 16 + h * 64 + (i // 2) * 32 + e)
+                    w = _q4_weights(raw, d * _byte_f32(sc4, i), dmin * _byte_f32(mn4, i), i % 2, ASM)
+                else:
+                    if i < 2:
+                        raw = tl.load(ql + h * 64 + 32 * i + e)
+                        if i == 0:
+                            raw0 = raw
+                        else:
+                            raw1 = raw
+                    word = s_a if i < 2 else s_b
+                    sc0 = ((word << (24 - 16 * (i % 2))) >> 24).to(tl.float32)
+                    sc1 = ((word << (16 - 16 * (i % 2))) >> 24).to(tl.float32)
+                    scale = d * tl.where(e < 16, sc0, sc1)
+                    w = _q6_weights(raw0 if i % 2 == 0 else raw1, qhh, scale, scale * -32.0, i, ASM)
+                if ASM:
+                    acc = tl.dot(x, tl.trans(w), acc)
+                else:  # the interpreter (float32: it mis-converts tiles to bfloat16 before a dot)
+                    acc = tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
+        xp += 256
+        if QT == 5:
+            blk += 144
+        else:
+            ql += 128
+            qh += 64
+            scp += 16
+            dp += 2
+    store_tile(partials_at(out_ptr, pid_k, M, stride_om, PARTIALS), acc, rows, ms, m_mask, N, stride_om)
+
+
+def packed_gemm(x: torch.Tensor, blocks: torch.Tensor, type_name: str, *, block_m: int = 16, block_n: int = 64,
+                num_warps: int = 4, num_stages: int = 2, split_k: int | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T`` for ``W`` in Q4_K or Q6_K_P blocks (module docstring).
+
+    Args:
+        x: ``[M, K]`` bfloat16 on CUDA (float32 in Triton's interpreter), unit column
+            stride, ``K`` a multiple of 256.
+        blocks: uint8 ``[N, K / 256 * bytes]``, the weight in ``type_name``'s layout.
+        type_name: ``"Q4_K"`` or ``"Q6_K_P"``.
+        block_m, block_n: rows of ``x`` (>= 16) and of ``W`` a program.
+        num_warps, num_stages: Triton's launch options.
+        split_k: K ranges (default: four programs per SM), their float32 partial sums
+            added in a fixed order (:mod:`kernels.quant.split_k`).
+        out: where to write ``[M, N]`` (``x.dtype``), else a new tensor.
+
+    Returns:
+        ``[M, N]`` in ``x.dtype``, accumulated in float32.
+
+    Raises:
+        ValueError: a type not in :data:`PACKED_TYPES`, or shapes that do not match.
+    """
+    if type_name not in PACKED_TYPES:
+        raise ValueError(f"the packed GEMM reads {', '.join(PACKED_TYPES)}, not {type_name}")
+    fmt, k = check_blocks(x, blocks, type_name)
+    asm = ptx_enabled(x.device)
+    if asm and x.dtype != torch.bfloat16:
+        raise ValueError(f"the packed GEMM multiplies bfloat16 rows on CUDA, got {x.dtype}")
+    m, n = x.shape[0], blocks.shape[0]
+    nblocks = k // fmt.block_elements
+    result = output_for(x, n, out)
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    per_split, split = split_k_ranges(nblocks, 1, tiles, x.device, split_k)
+    dest = split_output(result, split)
+    _packed_gemm_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n), split)](
+        x, blocks, dest, m, n, k, blocks.stride(0), per_split, x.stride(0), dest.stride(-2),
+        QT=PACKED_TYPES[type_name], BLOCK_M=block_m, BLOCK_N=block_n, PARTIALS=split > 1,
+        ASM=asm, num_warps=num_warps, num_stages=num_stages,
+    )
+    return sum_partials(result, dest)

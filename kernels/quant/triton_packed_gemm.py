@@ -1,17 +1,18 @@
-"""The block GEMM for a Q4_K_M file's two types (Q4_K, and Q6_K as its planes,
+"""The block GEMM for the K-quant files' types (Q4_K, Q5_K, and Q6_K as its planes,
 ``Q6_K_P``) with bfloat16 rows: each weight decoded in about two instructions, in the
 registers the tensor cores read.
 
-Per group of 32 weights of K (one Q4_K sub-block; two Q6_K ones of 16), a row's codes
-are 32 consecutive bytes: a Q4_K group's the low or high nibbles of one run of 32, a
-Q6_K_P group's the nibbles of 32 bytes of ``ql`` ORed with two bits of 32 bytes of ``qh``
+Per group of 32 weights of K (one Q4_K or Q5_K sub-block; two Q6_K ones of 16), a row's
+codes are 32 consecutive bytes: a Q4_K group's the low or high nibbles of one run of 32,
+a Q5_K group's the same under one bit of each of the block's 32 ``qh`` bytes, a Q6_K_P
+group's the nibbles of 32 bytes of ``ql`` ORed with two bits of 32 bytes of ``qh``
 (ggml-common.h's layouts; :mod:`kernels.quant.repack` for the planes). One PTX sequence
 (:func:`_q4_weights`, :func:`_q6_weights`) takes four codes of one 32-bit register:
 masks the nibbles of all four at once, puts each code under the exponent byte of 128.0
 (``prmt``: two bfloat16 ``128 + code`` a register, exact for codes below 128), subtracts
 128 (exact) and multiplies by the group's scale plus its offset in one ``fma.rn.bf16x2``
 (one rounding). So the weight is ``scale * code + offset`` with the scale and offset
-rounded to bfloat16 (Q4_K: ``d * sc`` and ``-dmin * m``, ggml's ``get_scale_min_k4``;
+rounded to bfloat16 (Q4_K, Q5_K: ``d * sc`` and ``-dmin * m``, ggml's ``get_scale_min_k4``;
 Q6_K: ``d * sc`` and ``-32 d * sc``, exact given the scale), then rounded once more.
 Triton keeps the decode after the shared-memory load, in the layout of ``tl.dot``'s
 operand (checked in the sm_90 SASS: no store of the decoded tile), so the tile costs
@@ -38,7 +39,7 @@ from kernels.quant.split_k import partials_at, split_k_ranges, split_output, sum
 from kernels.quant.triton_decode import check_blocks, f16, gemm_tile, output_for, ptx_enabled, store_tile
 
 # The layouts it reads, with their format codes (kernels.quant.formats).
-PACKED_TYPES = {"Q4_K": 5, "Q6_K_P": 8}
+PACKED_TYPES = {"Q4_K": 5, "Q5_K": 6, "Q6_K_P": 8}
 
 
 # Operands with pack=4: $0, $1 the four bfloat16 weights (two a register), then each
@@ -71,6 +72,19 @@ def _q6(low_shift: int, high_shift: int) -> tl.constexpr:
 
 
 _Q6_0, _Q6_1, _Q6_2, _Q6_3 = _q6(0, 0), _q6(0, 2), _q6(4, 4), _q6(4, 6)
+
+
+def _q5(sub: int) -> tl.constexpr:
+    """PTX for four Q5_K weights of sub-block ``sub`` (0-7): the nibbles of ``qs`` ($2),
+    low for an even ``sub``, under bit ``sub`` of each byte of ``qh`` ($3) moved to bit 4."""
+    move = f"shl.b32 %h, $3, {4 - sub};" if sub <= 4 else f"shr.u32 %h, $3, {sub - 4};"
+    codes = (f"shr.u32 %q, $2, {4 * (sub % 2)}; and.b32 %q, %q, 0x0F0F0F0F; {move} and.b32 %h, %h, 0x10101010;"
+             " or.b32 %q, %q, %h;")
+    return tl.constexpr("{ .reg .b32 %q, %h, %a, %b, %c; " + _bf16_tail(codes)
+                        + " fma.rn.bf16x2 $0, %a, $4, $6; fma.rn.bf16x2 $1, %b, $5, $7; }")
+
+
+_Q5_0, _Q5_1, _Q5_2, _Q5_3, _Q5_4, _Q5_5, _Q5_6, _Q5_7 = (_q5(sub) for sub in range(8))
 
 
 @triton.jit
@@ -124,6 +138,42 @@ def _q6_weights(ql, qh, scale, offset, I: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
+def _q5_asm(qs, qh, s, o, S: tl.constexpr):
+    if S == 0:
+        w = tl.inline_asm_elementwise(_Q5_0, "=r,=r,r,r,r,r,r,r", [qs, qh, s, o], dtype=tl.bfloat16, is_pure=True, pack=4)
+    elif S == 1:
+        w = tl.inline_asm_elementwise(_Q5_1, "=r,=r,r,r,r,r,r,r", [qs, qh, s, o], dtype=tl.bfloat16, is_pure=True, pack=4)
+    elif S == 2:
+        w = tl.inline_asm_elementwise(_Q5_2, "=r,=r,r,r,r,r,r,r", [qs, qh, s, o], dtype=tl.bfloat16, is_pure=True, pack=4)
+    elif S == 3:
+        w = tl.inline_asm_elementwise(_Q5_3, "=r,=r,r,r,r,r,r,r", [qs, qh, s, o], dtype=tl.bfloat16, is_pure=True, pack=4)
+    elif S == 4:
+        w = tl.inline_asm_elementwise(_Q5_4, "=r,=r,r,r,r,r,r,r", [qs, qh, s, o], dtype=tl.bfloat16, is_pure=True, pack=4)
+    elif S == 5:
+        w = tl.inline_asm_elementwise(_Q5_5, "=r,=r,r,r,r,r,r,r", [qs, qh, s, o], dtype=tl.bfloat16, is_pure=True, pack=4)
+    elif S == 6:
+        w = tl.inline_asm_elementwise(_Q5_6, "=r,=r,r,r,r,r,r,r", [qs, qh, s, o], dtype=tl.bfloat16, is_pure=True, pack=4)
+    else:
+        w = tl.inline_asm_elementwise(_Q5_7, "=r,=r,r,r,r,r,r,r", [qs, qh, s, o], dtype=tl.bfloat16, is_pure=True, pack=4)
+    return w
+
+
+@triton.jit
+def _q5_weights(qs, qh, scale, offset, S: tl.constexpr, ASM: tl.constexpr):
+    """Weights ``[R, 32]`` of Q5_K sub-block ``S`` (0-7): ``scale * code + offset``, the
+    codes the nibbles of ``qs`` (low for an even ``S``) under bit ``S`` of ``qh`` (uint8
+    ``[R, 32]`` each); bfloat16 with ``ASM``, else float32."""
+    s = tl.broadcast_to(scale, qs.shape)
+    o = tl.broadcast_to(offset, qs.shape)
+    if ASM:
+        w = _q5_asm(qs, qh, s.to(tl.bfloat16), o.to(tl.bfloat16), S)
+    else:
+        q = (((qs.to(tl.int32) >> (4 * (S % 2))) & 15) | (((qh.to(tl.int32) >> S) & 1) << 4)).to(tl.float32)
+        w = q * s + o
+    return w
+
+
+@triton.jit
 def _byte_f32(word, I: tl.constexpr):
     """Byte ``I`` of int32 ``word`` as float32."""
     return ((word >> (8 * I)) & 0xFF).to(tl.float32)
@@ -144,6 +194,8 @@ def _packed_gemm_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if QT == 5:
         blk = rp + kb_begin * 144
+    elif QT == 6:
+        blk = rp + kb_begin * 176
     else:
         ql = rp + kb_begin * 128
         qh = rp + NB * 128 + kb_begin * 64
@@ -151,7 +203,9 @@ def _packed_gemm_kernel(
         dp = rp + NB * 208 + kb_begin * 2
     xp = x_row + kb_begin * 256 + e
     for kb in range(kb_begin, kb_end):
-        if QT == 5:
+        if QT == 6:
+            qh5 = tl.load(blk + 16 + e)  # the high bits of every sub-block: bit S of byte t
+        if QT == 5 or QT == 6:
             words = (blk + 4).to(tl.pointer_type(tl.int32))
             w1 = tl.load(words)
             w2 = tl.load(words + 1)
@@ -162,7 +216,7 @@ def _packed_gemm_kernel(
             sc_words = scp.to(tl.pointer_type(tl.int32))
             d = f16(dp)
         for h in tl.static_range(2):
-            if QT == 5:
+            if QT == 5 or QT == 6:
                 if h == 0:
                     sc4 = w1 & 0x3F3F3F3F
                     mn4 = w2 & 0x3F3F3F3F
@@ -179,6 +233,10 @@ def _packed_gemm_kernel(
                     if i % 2 == 0:
                         raw = tl.load(blk + 16 + h * 64 + (i // 2) * 32 + e)
                     w = _q4_weights(raw, d * _byte_f32(sc4, i), dmin * _byte_f32(mn4, i), i % 2, ASM)
+                elif QT == 6:
+                    if i % 2 == 0:
+                        raw = tl.load(blk + 48 + h * 64 + (i // 2) * 32 + e)
+                    w = _q5_weights(raw, qh5, d * _byte_f32(sc4, i), dmin * _byte_f32(mn4, i), 4 * h + i, ASM)
                 else:
                     if i < 2:
                         raw = tl.load(ql + h * 64 + 32 * i + e)
@@ -198,6 +256,8 @@ def _packed_gemm_kernel(
         xp += 256
         if QT == 5:
             blk += 144
+        elif QT == 6:
+            blk += 176
         else:
             ql += 128
             qh += 64
@@ -209,13 +269,13 @@ def _packed_gemm_kernel(
 def packed_gemm(x: torch.Tensor, blocks: torch.Tensor, type_name: str, *, block_m: int = 16, block_n: int = 64,
                 num_warps: int = 4, num_stages: int = 2, split_k: int | None = None,
                 out: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ W.T`` for ``W`` in Q4_K or Q6_K_P blocks (module docstring).
+    """``x @ W.T`` for ``W`` in Q4_K, Q5_K or Q6_K_P blocks (module docstring).
 
     Args:
         x: ``[M, K]`` bfloat16 on CUDA (float32 in Triton's interpreter), unit column
             stride, ``K`` a multiple of 256.
         blocks: uint8 ``[N, K / 256 * bytes]``, the weight in ``type_name``'s layout.
-        type_name: ``"Q4_K"`` or ``"Q6_K_P"``.
+        type_name: a key of :data:`PACKED_TYPES`.
         block_m, block_n: rows of ``x`` (>= 16) and of ``W`` a program.
         num_warps, num_stages: Triton's launch options.
         split_k: K ranges (default: four programs per SM), their float32 partial sums

@@ -64,6 +64,22 @@ def test_packed_gemm_matches_gguf_dequantize(dev, type_name, m, n, split_k, monk
         assert not calls
 
 
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_packed_gemm_writes_a_column_slice(dev, split_k):
+    """A fused projection's part writes its columns of a wider output: the packed GEMM
+    fills exactly that slice (the columns around it untouched), K split or not."""
+    from kernels.quant.triton_packed_gemm import packed_gemm
+
+    x, w = _case("Q4_K", 20, 24, 2, dev, seed=split_k)
+    if dev == "cuda":
+        x = x.to(torch.bfloat16)
+    wide = torch.full((20, 40), 7.0, device=dev, dtype=x.dtype)
+    got = packed_gemm(x, w, "Q4_K", block_m=16, block_n=16, split_k=split_k, out=wide[:, 10:34])
+    assert got.data_ptr() == wide[:, 10:34].data_ptr()
+    assert_matches(wide[:, 10:34], x, w, "Q4_K")
+    assert bool((wide[:, :10] == 7).all()) and bool((wide[:, 34:] == 7).all())
+
+
 def test_packed_gemm_refuses_other_types_and_rows(dev):
     from kernels.quant.triton_packed_gemm import packed_gemm
 

@@ -202,6 +202,7 @@ def test_q6k_projections_repacked_for_the_kernels_keep_their_bytes_and_logits(tm
     (["--shape", "qwen3-next-80b-a3b", "--write-gguf", "x.gguf"], "hybrid (linear-attention) models"),
     (["--write-gguf", "missing/x.gguf"], "is not an existing folder"),
     (["--write-gguf", "."], "is a directory"),
+    (["--profile-prefill", "-3"], "a prompt of 1 or more tokens"),
 ])
 def test_the_quant_benchmark_refuses_bad_arguments_before_any_work(argv, message, tmp_path, monkeypatch, capsys):
     """One argparse line (exit 2) naming the fix, before a weight is generated."""

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -196,6 +197,48 @@ def profile_rows(model, config, context: int, steps: int = 5) -> list[str]:
     return rows
 
 
+def prefill_profile_rows(model, config, tokens: int, steps: int = 3) -> list[str]:
+    """Where one prompt's prefill of ``tokens`` tokens goes (torch.profiler): wall ms a
+    prefill against the GPU's busy ms (kernel time summed) and the kernels launched; a
+    wall far above the busy time is the host's (launches, Python), else the kernels',
+    the largest listed with their share."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from engine.core.profile import profile_batch
+    from engine.kvcache.pool import KVPool
+    from engine.layers.attention.registry import create_attention_backend
+
+    dtype = model.model.embed_tokens.weight.dtype
+    pages = tokens // 16 + 4
+    pool = KVPool(num_layers=config.num_layers, num_pages=pages, page_size=16, num_kv_heads=config.num_kv_heads,
+                  head_dim=config.head_dim, dtype=dtype, device="cuda")
+    attn = create_attention_backend("triton", pool, num_heads=config.num_heads, head_dim=config.head_dim,
+                                    scale=config.head_dim**-0.5, max_batch=1)
+    batch = profile_batch(tokens, 1, tokens, 16, pages, "cuda")
+    attn.prepare(batch)
+    for _ in range(2):
+        model(batch, attn)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        model(batch, attn)
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - start) / steps
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            model(batch, attn)
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    busy = sum(e.device_time_total for e in events) / steps
+    launches = sum(e.count for e in events) // steps
+    events.sort(key=lambda e: -e.device_time_total)
+    rows = [f"prefill of {tokens} tokens: {wall * 1e3:.2f} ms wall, GPU busy {busy / 1e3:.2f} ms, {launches} kernels",
+            "| kernel | calls/prefill | us/prefill | share of busy |", "|---|---|---|---|"]
+    rows += [f"| {e.key[:70]} | {e.count // steps} | {e.device_time_total / steps:.1f} | "
+             f"{e.device_time_total / steps / busy:.0%} |" for e in events[:12]]
+    return rows
+
+
 def _batches(text: str) -> list[int]:
     """``--batches``: comma-separated positive batch sizes."""
     try:
@@ -235,6 +278,8 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         if args.write_gguf is None:
             p.error(f"--shape {args.shape}: a hybrid (linear-attention) model is not timed here; --write-gguf PATH "
                     "writes its random GGUF (qwen35moe)")
+    if args.profile_prefill < 0:
+        p.error(f"--profile-prefill {args.profile_prefill}: a prompt of 1 or more tokens, or 0 for none")
     if args.layers is not None and args.layers > shape["num_hidden_layers"]:
         p.error(f"--layers {args.layers}: {args.shape} has {shape['num_hidden_layers']} layers; use that many or fewer")
     sizes = {"hidden size": shape["hidden_size"],
@@ -282,6 +327,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--gemm-sweep", action="store_true",
                    help="first the block GEMM's tilings at 16, 64 and 128 rows on the gate/up, down and o shapes")
     p.add_argument("--profile", action="store_true", help="per-kernel times of eager batch-1 decode steps")
+    p.add_argument("--profile-prefill", type=int, default=0, metavar="TOKENS",
+                   help="then one prompt's prefill of TOKENS tokens: wall time against the GPU's busy time, and "
+                        "its kernels")
     p.add_argument("--variants", action="store_true",
                    help="the GGUF rows for each kernel choice instead: Q6_K blocks or repacked planes, float or "
                         "int8 GEMV (activations quantized apart, by the norm or SiLU-and-mul that writes them, or "
@@ -347,6 +395,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.profile:
             print("\n| kernel (GGUF, eager batch 1) | calls/step | us/step | share |\n|---|---|---|---|")
             print("\n".join(profile_rows(model, config, args.context)), flush=True)
+        if args.profile_prefill:
+            print("\n" + "\n".join(prefill_profile_rows(model, config, args.profile_prefill)), flush=True)
         del model
         torch.cuda.empty_cache()
         if not args.no_bf16:

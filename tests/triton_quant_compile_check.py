@@ -21,10 +21,22 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kernels.quant import triton_activations, triton_dequant, triton_int8, triton_int8_gemm, triton_packed_gemm  # noqa: E402
+from kernels.quant import (  # noqa: E402
+    triton_activations,
+    triton_dequant,
+    triton_int8,
+    triton_int8_gemm,
+    triton_packed_gemm,
+)
 from kernels.quant import triton_kernel as triton_quant  # noqa: E402
 from kernels.quant.formats import FORMATS, REPACKED, block_format  # noqa: E402
-from kernels.quant.gemm_tuning import DEFAULT_TILING, GEMM_TILINGS, IEEE_TILING, INT8_TILINGS, PACKED_TILINGS  # noqa: E402
+from kernels.quant.gemm_tuning import (  # noqa: E402
+    DEFAULT_TILING,
+    GEMM_TILINGS,
+    IEEE_TILING,
+    INT8_TILINGS,
+    PACKED_TILINGS,
+)
 from kernels.quant.triton_decode import gemm_subs, layout_constexprs  # noqa: E402
 from kernels.quant.triton_int8_gemm import INT8_GEMM_TYPES  # noqa: E402
 

@@ -36,7 +36,14 @@ import triton
 import triton.language as tl
 
 from kernels.quant.split_k import partials_at, split_k_ranges, split_output, sum_partials
-from kernels.quant.triton_decode import check_blocks, f16, gemm_tile, output_for, ptx_enabled, store_tile
+from kernels.quant.triton_decode import (
+    check_blocks,
+    f16,
+    gemm_tile,
+    output_for,
+    ptx_enabled,
+    store_tile,
+)
 
 # The layouts it reads, with their format codes (kernels.quant.formats).
 PACKED_TYPES = {"Q4_K": 5, "Q5_K": 6, "Q6_K_P": 8}
@@ -110,29 +117,29 @@ def _q4_weights(raw, scale, offset, HIGH: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _q6_weights(ql, qh, scale, offset, I: tl.constexpr, ASM: tl.constexpr):
-    """Weights ``[R, 32]`` of group ``I`` (0-3) of a Q6_K_P half-block: ``scale * code +
-    offset``, the codes the nibbles of ``ql`` (low for ``I < 2``) under the bits ``2 I,
-    2 I + 1`` of ``qh`` (uint8 ``[R, 32]`` each); bfloat16 with ``ASM``, else float32."""
+def _q6_weights(ql, qh, scale, offset, G: tl.constexpr, ASM: tl.constexpr):
+    """Weights ``[R, 32]`` of group ``G`` (0-3) of a Q6_K_P half-block: ``scale * code +
+    offset``, the codes the nibbles of ``ql`` (low for ``G < 2``) under the bits ``2 G,
+    2 G + 1`` of ``qh`` (uint8 ``[R, 32]`` each); bfloat16 with ``ASM``, else float32."""
     s = tl.broadcast_to(scale, ql.shape)
     o = tl.broadcast_to(offset, ql.shape)
     if ASM:
         s = s.to(tl.bfloat16)
         o = o.to(tl.bfloat16)
-        if I == 0:
+        if G == 0:
             w = tl.inline_asm_elementwise(_Q6_0, "=r,=r,r,r,r,r,r,r", [ql, qh, s, o], dtype=tl.bfloat16,
                                           is_pure=True, pack=4)
-        elif I == 1:
+        elif G == 1:
             w = tl.inline_asm_elementwise(_Q6_1, "=r,=r,r,r,r,r,r,r", [ql, qh, s, o], dtype=tl.bfloat16,
                                           is_pure=True, pack=4)
-        elif I == 2:
+        elif G == 2:
             w = tl.inline_asm_elementwise(_Q6_2, "=r,=r,r,r,r,r,r,r", [ql, qh, s, o], dtype=tl.bfloat16,
                                           is_pure=True, pack=4)
         else:
             w = tl.inline_asm_elementwise(_Q6_3, "=r,=r,r,r,r,r,r,r", [ql, qh, s, o], dtype=tl.bfloat16,
                                           is_pure=True, pack=4)
     else:
-        q = (((ql.to(tl.int32) >> (4 * (I // 2))) & 15) | (((qh.to(tl.int32) >> (2 * I)) & 3) << 4)).to(tl.float32)
+        q = (((ql.to(tl.int32) >> (4 * (G // 2))) & 15) | (((qh.to(tl.int32) >> (2 * G)) & 3) << 4)).to(tl.float32)
         w = q * s + o
     return w
 
@@ -174,9 +181,9 @@ def _q5_weights(qs, qh, scale, offset, S: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _byte_f32(word, I: tl.constexpr):
-    """Byte ``I`` of int32 ``word`` as float32."""
-    return ((word >> (8 * I)) & 0xFF).to(tl.float32)
+def _byte_f32(word, B: tl.constexpr):
+    """Byte ``B`` of int32 ``word`` as float32."""
+    return ((word >> (8 * B)) & 0xFF).to(tl.float32)
 
 
 @triton.jit
@@ -202,7 +209,7 @@ def _packed_gemm_kernel(
         scp = rp + NB * 192 + kb_begin * 16
         dp = rp + NB * 208 + kb_begin * 2
     xp = x_row + kb_begin * 256 + e
-    for kb in range(kb_begin, kb_end):
+    for _ in range(kb_begin, kb_end):  # the pointers advance a block a step
         if QT == 6:
             qh5 = tl.load(blk + 16 + e)  # the high bits of every sub-block: bit S of byte t
         if QT == 5 or QT == 6:

@@ -87,6 +87,20 @@ def test_a_type_per_projection_matches_the_reference(dev, types, tokens, method)
     _run(types, tokens, 8, dev, method, seed=1)
 
 
+@pytest.mark.parametrize("packed", [True, False])
+def test_the_sorted_gemm_decodes_k_quants_as_the_packed_gemm(dev, packed):
+    """The sorted GEMM's Q4_K and Q5_K experts go through the packed GEMM's decode
+    (:func:`kernels.quant.triton_packed_gemm.packed_dot`; its float32 twin in the
+    interpreter, the PTX on bfloat16 rows on a GPU) with the ``quant_gemm_packed`` switch
+    on, the float tile decode with it off; both equal the reference, and a layer mixing
+    them with a Q6_K down (which the float decode keeps) too."""
+    from kernels.switches import using
+
+    with using(quant_gemm_packed=packed):
+        _run(("Q4_K", "Q5_K", "Q6_K"), 37, 8, dev, "gemm", seed=2)
+        _run(("Q5_K", "Q5_K", "Q5_K"), 21, 4, dev, "gemm", seed=3)
+
+
 def test_default_method_by_tokens(dev):
     """The GEMV up to GEMV_MAX_TOKENS tokens and the GEMM above agree with the reference
     without a forced tiling."""

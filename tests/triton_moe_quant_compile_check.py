@@ -1,7 +1,7 @@
 """Compile the fused MoE over GGUF blocks (``kernels/moe/quant_triton_kernel.py``) for a
 Hopper GPU (sm_90) without one, and report register spills: the grouped GEMV (gated
-gate/up, weighted down) and the sorted GEMM (bfloat16) for a Q4_K_M file's types (Q4_K
-gate and up, Q6_K down) and one legacy type (Q8_0), each alone and over an expert
+gate/up, weighted down) and the sorted GEMM (bfloat16; Q4_K decoded as the packed GEMM
+decodes it) for a Q4_K_M file's types (Q4_K gate and up, Q6_K down) and one legacy type (Q8_0), each alone and over an expert
 cache's slots.
 
 Run as a script in its own process, as ``triton_quant_compile_check.py`` (whose compile
@@ -16,6 +16,7 @@ import sys
 from triton_quant_compile_check import _compile  # noqa: I001 - drops TRITON_INTERPRET before triton loads
 
 from kernels.moe import quant_triton_kernel as triton_moe_quant
+from kernels.quant.triton_packed_gemm import PACKED_TYPES
 
 _SCALARS = ("num_rows", "top_k", "N", "K", "a_expert_bytes", "b_expert_bytes", "a_row_bytes", "b_row_bytes",
             "stride_xm", "stride_om")
@@ -38,7 +39,9 @@ def main() -> int:
                         for name, fn, args, tiling, warps in (
                             ("gemv", triton_moe_quant._moe_gemv_kernel, gemv, {"BLOCK_N": 4, "ASM": True}, 4),
                             ("gemm", triton_moe_quant._moe_gemm_kernel, gemm,
-                             {"BLOCK_M": 64, "BLOCK_N": 64, "IEEE": False}, 8))]
+                             {"BLOCK_M": 64, "BLOCK_N": 64, "IEEE": False, "ASM": True,
+                              "A_PACKED": types[0] in PACKED_TYPES, "B_PACKED": gated and types[1] in PACKED_TYPES},
+                             8))]
             for name, fn, args, tiling, warps in variants:
                 regs, frame, _ = _compile(fn, args, {**consts, **tiling}, warps)
                 print(f"moe {name} {'/'.join(types)} {'gate/up' if gated else 'down'}: {regs} registers, "

@@ -47,6 +47,8 @@ from kernels.quant.triton_decode import (
     layout_constexprs,
     ptx_enabled,
 )
+from kernels.quant.triton_packed_gemm import PACKED_TYPES, packed_dot
+from kernels.switches import current
 
 # Tokens up to which the grouped GEMV runs (decode batches); the sorted GEMM above.
 GEMV_MAX_TOKENS = 16
@@ -112,11 +114,13 @@ def _moe_gemm_kernel(
     B_QT: tl.constexpr, B_QK: tl.constexpr, B_BB: tl.constexpr, B_L: tl.constexpr, B_NSUB: tl.constexpr,
     B_ZERO: tl.constexpr, B_HAS_MIN: tl.constexpr, B_KB: tl.constexpr, B_SUBS: tl.constexpr,
     GATED: tl.constexpr, WEIGHTED: tl.constexpr, CACHED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, A_PACKED: tl.constexpr, B_PACKED: tl.constexpr, ASM: tl.constexpr,
 ):
     """As :func:`_moe_gemv_kernel`, one program per block of ``BLOCK_M`` sorted rows of one
     expert (:func:`kernels.moe.reference.align_to_blocks`) and ``BLOCK_N`` columns: each
-    weight row is read once per block of rows (from the host over the bus too)."""
+    weight row is read once per block of rows (from the host over the bus too). A matrix
+    whose type the packed GEMM reads (``A_PACKED``, ``B_PACKED``) is decoded by its
+    :func:`~kernels.quant.triton_packed_gemm.packed_dot`, the others by :func:`gemm_dot`."""
     pid_m = tl.program_id(0)
     if pid_m * BLOCK_M >= tl.load(NumPadded):
         return
@@ -125,12 +129,20 @@ def _moe_gemm_kernel(
     x_row = X + x_rows[:, None] * stride_xm
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(cols, N - 1).to(tl.int64)
-    acc = gemm_dot(x_row, live, Wa + a_at + rows * a_row_bytes, K // A_QK,
-                    A_QT, A_QK, A_BB, A_L, A_NSUB, A_ZERO, A_HAS_MIN, BLOCK_M, BLOCK_N, IEEE, A_SUBS)
+    if A_PACKED:
+        acc = packed_dot(x_row, live, (Wa + a_at + rows * a_row_bytes)[:, None], 0, K // A_QK, K // A_QK, A_QT,
+                         BLOCK_M, BLOCK_N, ASM)
+    else:
+        acc = gemm_dot(x_row, live, Wa + a_at + rows * a_row_bytes, K // A_QK,
+                       A_QT, A_QK, A_BB, A_L, A_NSUB, A_ZERO, A_HAS_MIN, BLOCK_M, BLOCK_N, IEEE, A_SUBS)
     acc_up = acc
     if GATED:
-        acc_up = gemm_dot(x_row, live, Wb + b_at + rows * b_row_bytes, K // B_QK,
-                           B_QT, B_QK, B_BB, B_L, B_NSUB, B_ZERO, B_HAS_MIN, BLOCK_M, BLOCK_N, IEEE, B_SUBS)
+        if B_PACKED:
+            acc_up = packed_dot(x_row, live, (Wb + b_at + rows * b_row_bytes)[:, None], 0, K // B_QK, K // B_QK,
+                                B_QT, BLOCK_M, BLOCK_N, ASM)
+        else:
+            acc_up = gemm_dot(x_row, live, Wb + b_at + rows * b_row_bytes, K // B_QK,
+                              B_QT, B_QK, B_BB, B_L, B_NSUB, B_ZERO, B_HAS_MIN, BLOCK_M, BLOCK_N, IEEE, B_SUBS)
     dt = Out.dtype.element_ty
     res = moe_epilogue(acc, acc_up, dt, GATED)
     if WEIGHTED:
@@ -172,8 +184,20 @@ def _launch(x, wa, wb, out, route_weights, types, *, top_k, gemv, sort, block_n,
         return
     sorted_rows, block_experts, num_padded, block_m = sort
     grid = (sorted_rows.numel() // block_m, triton.cdiv(n, block_n))
+    asm = ptx_enabled(x.device)
     _moe_gemm_kernel[grid](*args, sorted_rows, block_experts, num_padded, *tiers, *shape, **consts, BLOCK_M=block_m,
-                           BLOCK_N=block_n, IEEE=x.dtype == torch.float32 or INTERPRETING, num_warps=num_warps)
+                           BLOCK_N=block_n, IEEE=x.dtype == torch.float32 or INTERPRETING,
+                           A_PACKED=_packed(types[0], x, asm), B_PACKED=gated and _packed(types[1], x, asm), ASM=asm,
+                           num_warps=num_warps)
+
+
+def _packed(type_name: str, x: torch.Tensor, asm: bool) -> bool:
+    """Whether the sorted GEMM decodes ``type_name``'s experts with the packed GEMM's
+    decode (:mod:`kernels.quant.triton_packed_gemm`): one of its types, the
+    ``quant_gemm_packed`` switch on, and bfloat16 rows where the PTX runs (its float32
+    twin in Triton's interpreter takes any rows)."""
+    return (type_name in PACKED_TYPES and current().quant_gemm_packed
+            and (x.dtype == torch.bfloat16 or not asm))
 
 
 def fused_moe_quant(

@@ -187,17 +187,16 @@ def _byte_f32(word, B: tl.constexpr):
 
 
 @triton.jit
-def _packed_gemm_kernel(
-    x_ptr, w_ptr, out_ptr, M, N, K, row_bytes, blocks_per_split, stride_xm, stride_om,
-    QT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PARTIALS: tl.constexpr, ASM: tl.constexpr,
-):
-    rows, row_ptr, ms, m_mask, pid_k = gemm_tile(w_ptr, M, N, row_bytes, BLOCK_M, BLOCK_N)
-    x_row = x_ptr + tl.minimum(ms, M - 1).to(tl.int64)[:, None] * stride_xm
-    rp = row_ptr[:, None]
+def packed_dot(x_row, live, rp, kb_begin, kb_end, NB, QT: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, ASM: tl.constexpr):
+    """``[BLOCK_M, BLOCK_N]`` float32: the activation rows at ``x_row`` (``[BLOCK_M, 1]``
+    pointers, ``live`` the rows that exist) times the weight rows at ``rp`` (``[BLOCK_N,
+    1]`` uint8 pointers to each row's first block, ``NB`` blocks a row, laid out as
+    ``QT``'s) over blocks ``kb_begin .. kb_end - 1``: each group of 32 weights decoded
+    (:func:`_q4_weights`, :func:`_q5_weights`, :func:`_q6_weights`) and multiplied on
+    tensor cores. Shared by :func:`packed_gemm` and the fused MoE's sorted GEMM
+    (:mod:`kernels.moe.quant_triton_kernel`)."""
     e = tl.max_contiguous(tl.arange(0, 32), 32)[None, :]
-    NB = K // 256
-    kb_begin = pid_k * blocks_per_split
-    kb_end = tl.minimum(kb_begin + blocks_per_split, NB)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if QT == 5:
         blk = rp + kb_begin * 144
@@ -235,7 +234,7 @@ def _packed_gemm_kernel(
                 s_a = tl.load(sc_words + 2 * h)
                 s_b = tl.load(sc_words + 2 * h + 1)
             for i in tl.static_range(4):
-                x = tl.load(xp + (h * 128 + i * 32), mask=m_mask[:, None], other=0.0)  # [BLOCK_M, 32]
+                x = tl.load(xp + (h * 128 + i * 32), mask=live[:, None], other=0.0)  # [BLOCK_M, 32]
                 if QT == 5:
                     if i % 2 == 0:
                         raw = tl.load(blk + 16 + h * 64 + (i // 2) * 32 + e)
@@ -270,6 +269,21 @@ def _packed_gemm_kernel(
             qh += 64
             scp += 16
             dp += 2
+    return acc
+
+
+@triton.jit
+def _packed_gemm_kernel(
+    x_ptr, w_ptr, out_ptr, M, N, K, row_bytes, blocks_per_split, stride_xm, stride_om,
+    QT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PARTIALS: tl.constexpr, ASM: tl.constexpr,
+):
+    rows, row_ptr, ms, m_mask, pid_k = gemm_tile(w_ptr, M, N, row_bytes, BLOCK_M, BLOCK_N)
+    x_row = x_ptr + tl.minimum(ms, M - 1).to(tl.int64)[:, None] * stride_xm
+    rp = row_ptr[:, None]
+    NB = K // 256
+    kb_begin = pid_k * blocks_per_split
+    kb_end = tl.minimum(kb_begin + blocks_per_split, NB)
+    acc = packed_dot(x_row, m_mask, rp, kb_begin, kb_end, NB, QT, BLOCK_M, BLOCK_N, ASM)
     store_tile(partials_at(out_ptr, pid_k, M, stride_om, PARTIALS), acc, rows, ms, m_mask, N, stride_om)
 
 

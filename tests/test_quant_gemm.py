@@ -36,7 +36,7 @@ def test_gemm_with_k_split_matches_gguf_dequantize(dev, type_name, m, split_k):
     assert_matches(got, x, w, type_name)
 
 
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K_P"])
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K_P", "Q4_0", "Q8_0"])
 @pytest.mark.parametrize("m,n,split_k", [(5, 19, 2), (33, 70, 3), (16, 64, 1)])
 def test_packed_gemm_matches_gguf_dequantize(dev, type_name, m, n, split_k, monkeypatch):
     """The packed GEMM (codes decoded four a register; in the interpreter its float32
@@ -83,9 +83,9 @@ def test_packed_gemm_writes_a_column_slice(dev, split_k):
 def test_packed_gemm_refuses_other_types_and_rows(dev):
     from kernels.quant.triton_packed_gemm import packed_gemm
 
-    x, w = _case("Q8_0", 16, 16, 8, dev)
-    with pytest.raises(ValueError, match="reads Q4_K, Q5_K, Q6_K_P, not Q8_0"):
-        packed_gemm(x, w, "Q8_0")
+    x, w = _case("Q5_0", 16, 16, 8, dev)
+    with pytest.raises(ValueError, match="reads Q4_0, Q8_0, Q4_K, Q5_K, Q6_K_P, not Q5_0"):
+        packed_gemm(x, w, "Q5_0")
     if dev == "cuda":
         x, w = _case("Q4_K", 16, 16, 1, dev)
         with pytest.raises(ValueError, match="bfloat16 rows"):

@@ -196,9 +196,9 @@ def main(type_names: list[str]) -> int:
                                             {"QT": triton_packed_gemm.PACKED_TYPES[fmt.name], "BLOCK_M": block_m,
                                              "BLOCK_N": tiling.block_n, "PARTIALS": False, "ASM": True},
                                             tiling.num_warps, tiling.num_stages)
-                decodes = ptx.count("fma.rn.bf16x2")
+                decodes = ptx.count("fma.rn.bf16x2") + ptx.count("cvt.rn.bf16x2.f32")
                 print(f"gemm packed {fmt.name} {block_m}x{tiling.block_n} w{tiling.num_warps} s{tiling.num_stages}: "
-                      f"{regs} registers, {frame} B stack; bf16x2 fma x{decodes}")
+                      f"{regs} registers, {frame} B stack; bf16x2 decodes x{decodes}")
                 failures += frame > 0 or decodes == 0
         args = {"w_ptr": "*u8", "out_ptr": "*bf16", "N": "i32", "row_bytes": "i32", "nblocks": "i32", "stride_on": "i32"}
         regs, frame, _ = _compile(triton_dequant._dequantize_kernel, args, {**layout, "BLOCK_N": 32}, 4)

@@ -58,7 +58,7 @@ INT8_TILINGS: tuple[GemmTiling, ...] = (
     GemmTiling(32, 32, 4, 3, True),
     GemmTiling(64, 64, 8, 3, True),
 )
-# The packed GEMM's (``quant_gemm_packed``, Q4_K, Q5_K and Q6_K_P: kernels.quant.triton_packed_gemm):
+# The packed GEMM's (``quant_gemm_packed``, its PACKED_TYPES: kernels.quant.triton_packed_gemm):
 # a block of K a step; on an H200 the 64-row tiles of 16 rows and the 128-row tiles of 64
 # were the fastest (engine.bench.quant --gemm-sweep).
 PACKED_TILINGS: tuple[GemmTiling, ...] = (

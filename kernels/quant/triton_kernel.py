@@ -14,7 +14,7 @@ Two kernels share one block decoder (:mod:`kernels.quant.triton_decode`):
   loop (bounded registers), decoding each into weights in registers and multiplying
   them with the activations on tensor cores (``tl.dot``), so the weights are read once
   for the tile's rows; K split where the tiles do not fill the SMs. Bfloat16 rows of
-  Q4_K, Q5_K and Q6_K blocks take the packed GEMM instead (:mod:`kernels.quant.triton_packed_gemm`:
+  Q4_0, Q8_0, Q4_K, Q5_K and Q6_K blocks take the packed GEMM instead (:mod:`kernels.quant.triton_packed_gemm`:
   four codes a register decoded to bfloat16 pairs in PTX, 2-3.5x faster on an H200).
 
 Long prefill chunks (from the ``quant_dequant_rows`` switch's rows) dequantize the
@@ -221,8 +221,8 @@ def quant_gemm(
             :data:`~kernels.quant.gemm_tuning.IEEE_TILING`, 16-bit ones on CUDA the
             fastest of :data:`~kernels.quant.gemm_tuning.GEMM_TILINGS` (with the
             ``quant_gemm_int8`` switch on, of the int8 GEMM's
-            :data:`~kernels.quant.gemm_tuning.INT8_TILINGS`; bfloat16 rows of Q4_K, Q5_K
-            and Q6_K_P blocks with PTX and the ``quant_gemm_packed`` switch on, of the packed
+            :data:`~kernels.quant.gemm_tuning.INT8_TILINGS`; bfloat16 rows of the packed
+            GEMM's types with PTX and the ``quant_gemm_packed`` switch on, of the packed
             GEMM's :data:`~kernels.quant.gemm_tuning.PACKED_TILINGS`) for this
             (``block_m``, N, K, type), timed at its first call outside a CUDA graph
             capture (:func:`~kernels.quant.gemm_tuning.tuned`). A tiling with ``int8``

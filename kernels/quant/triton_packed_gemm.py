@@ -1,5 +1,5 @@
-"""The block GEMM for the K-quant files' types (Q4_K, Q5_K, and Q6_K as its planes,
-``Q6_K_P``) with bfloat16 rows: each weight decoded in about two instructions, in the
+"""The block GEMM for the common GGUF types (Q4_K, Q5_K, Q6_K as its planes ``Q6_K_P``,
+Q4_0, Q8_0) with bfloat16 rows: each weight decoded in a few instructions, in the
 registers the tensor cores read.
 
 Per group of 32 weights of K (one Q4_K or Q5_K sub-block; two Q6_K ones of 16), a row's
@@ -18,14 +18,18 @@ Triton keeps the decode after the shared-memory load, in the layout of ``tl.dot`
 operand (checked in the sm_90 SASS: no store of the decoded tile), so the tile costs
 its bytes' loads, about two instructions a weight and the tensor cores' product.
 
-The scales come from one 12-byte read per row and block: the 6-bit scales and mins of
-four sub-blocks sit one a byte in a 32-bit word (``0x3F3F3F3F`` masks, the high halves'
-top bits ORed in), so a group's are one byte shift away.
+Q4_0's 32 codes are the low and high nibbles of 16 bytes (two products of depth 16);
+Q8_0's signed bytes take float16 instead (``1024 + 128 + code`` under 1024's exponent,
+exact, times the block's float16 scale, then to bfloat16: about three instructions a
+weight). The K-quants' scales come from one 12-byte read per row and block: the 6-bit
+scales and mins of four sub-blocks sit one a byte in a 32-bit word (``0x3F3F3F3F``
+masks, the high halves' top bits ORed in), so a group's are one byte shift away.
 
 Against the float tile GEMM (:func:`kernels.quant.triton_kernel.quant_gemm`, about
 eleven instructions a weight, one at a time in float32) it took 51.8 against 179.6 us for
 the 8B shape's 28672 x 4096 Q4_K gate/up at 16 rows and 179.9 against 387.5 at 128 on an
-H200 (docs/benchmarks.md). Triton's interpreter runs no PTX: there the same decode runs in
+H200 (docs/benchmarks.md); Q5_K, Q4_0 and Q8_0 are checked against gguf's dequantizer in
+the interpreter and compile for sm_90, not yet timed. Triton's interpreter runs no PTX: there the same decode runs in
 float32 (and the product in IEEE float32), the tests' reference path.
 """
 
@@ -46,7 +50,7 @@ from kernels.quant.triton_decode import (
 )
 
 # The layouts it reads, with their format codes (kernels.quant.formats).
-PACKED_TYPES = {"Q4_K": 5, "Q5_K": 6, "Q6_K_P": 8}
+PACKED_TYPES = {"Q4_0": 0, "Q8_0": 4, "Q4_K": 5, "Q5_K": 6, "Q6_K_P": 8}
 
 
 # Operands with pack=4: $0, $1 the four bfloat16 weights (two a register), then each
@@ -180,6 +184,73 @@ def _q5_weights(qs, qh, scale, offset, S: tl.constexpr, ASM: tl.constexpr):
     return w
 
 
+# Q8_0: four signed codes a register, in float16 (exact to 2047): each code + 128 put
+# under float16 1024's exponent (``1024 + 128 + code``), 1152 subtracted (exact), times
+# the block's float16 scale (one rounding), then to bfloat16 pairs (a second rounding).
+_Q8 = tl.constexpr(
+    "{ .reg .b32 %q, %a, %b, %c; .reg .b16 %h<4>; .reg .f32 %f<4>;"
+    " xor.b32 %q, $2, 0x80808080; prmt.b32 %a, %q, 0x64646464, 0x4140; prmt.b32 %b, %q, 0x64646464, 0x4342;"
+    " mov.b32 %c, 0x64806480; sub.rn.f16x2 %a, %a, %c; sub.rn.f16x2 %b, %b, %c;"
+    " mul.rn.f16x2 %a, %a, $3; mul.rn.f16x2 %b, %b, $4;"
+    " mov.b32 {%h0, %h1}, %a; mov.b32 {%h2, %h3}, %b;"
+    " cvt.f32.f16 %f0, %h0; cvt.f32.f16 %f1, %h1; cvt.f32.f16 %f2, %h2; cvt.f32.f16 %f3, %h3;"
+    " cvt.rn.bf16x2.f32 $0, %f1, %f0; cvt.rn.bf16x2.f32 $1, %f3, %f2; }")
+
+
+@triton.jit
+def _q8_weights(raw, d, ASM: tl.constexpr):
+    """Weights ``[R, 32]``: ``d * code`` of the int8 codes ``raw`` (uint8 ``[R, 32]``),
+    ``d`` float16 ``[R, 1]`` (Q8_0's scale as stored); bfloat16 decoded in PTX with
+    ``ASM``, else float32."""
+    s = tl.broadcast_to(d, raw.shape)
+    if ASM:
+        w = tl.inline_asm_elementwise(_Q8, "=r,=r,r,r,r", [raw, s], dtype=tl.bfloat16, is_pure=True, pack=4)
+    else:
+        w = raw.to(tl.int8, bitcast=True).to(tl.float32) * s.to(tl.float32)
+    return w
+
+
+@triton.jit
+def _dot(x, w, acc, ASM: tl.constexpr):
+    """``acc + x @ w.T`` on tensor cores: bfloat16 with ``ASM``, else (the interpreter,
+    which mis-converts tiles to bfloat16 before a dot) float32."""
+    if ASM:
+        acc = tl.dot(x, tl.trans(w), acc)
+    else:
+        acc = tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
+    return acc
+
+
+@triton.jit
+def _packed_dot32(x_row, live, rp, kb_begin, kb_end, QT: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, ASM: tl.constexpr):
+    """:func:`packed_dot` for the 32-weight formats (Q4_0 18 bytes a block: ``d``, 16
+    bytes of nibbles, low ones the weights 0-15; Q8_0 34 bytes: ``d``, 32 int8 codes),
+    four Q8_0 or two Q4_0 blocks a step (four Q4_0 ones spilled registers on sm_90 at 32 x
+    128), the blocks past ``kb_end`` read from the last one and meeting zeroed activations."""
+    BB: tl.constexpr = 18 if QT == 0 else 34
+    STEP: tl.constexpr = 2 if QT == 0 else 4
+    e = tl.max_contiguous(tl.arange(0, 32), 32)[None, :]
+    e16 = tl.max_contiguous(tl.arange(0, 16), 16)[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for kb0 in range(kb_begin, kb_end, STEP):
+        for j in tl.static_range(STEP):
+            kb = tl.minimum(kb0 + j, kb_end - 1)
+            on = live[:, None] & ((kb0 + j + tl.zeros([1, 1], tl.int32)) < kb_end)
+            blk = rp + kb * BB
+            xp = x_row + kb * 32
+            if QT == 0:
+                raw = tl.load(blk + 2 + e16)  # [BLOCK_N, 16]
+                d = f16(blk)
+                acc = _dot(tl.load(xp + e16, mask=on, other=0.0), _q4_weights(raw, d, -8.0 * d, 0, ASM), acc, ASM)
+                acc = _dot(tl.load(xp + 16 + e16, mask=on, other=0.0), _q4_weights(raw, d, -8.0 * d, 1, ASM), acc,
+                           ASM)
+            else:
+                d = tl.load((blk).to(tl.pointer_type(tl.float16)))
+                acc = _dot(tl.load(xp + e, mask=on, other=0.0), _q8_weights(tl.load(blk + 2 + e), d, ASM), acc, ASM)
+    return acc
+
+
 @triton.jit
 def _byte_f32(word, B: tl.constexpr):
     """Byte ``B`` of int32 ``word`` as float32."""
@@ -196,6 +267,8 @@ def packed_dot(x_row, live, rp, kb_begin, kb_end, NB, QT: tl.constexpr, BLOCK_M:
     (:func:`_q4_weights`, :func:`_q5_weights`, :func:`_q6_weights`) and multiplied on
     tensor cores. Shared by :func:`packed_gemm` and the fused MoE's sorted GEMM
     (:mod:`kernels.moe.quant_triton_kernel`)."""
+    if QT == 0 or QT == 4:
+        return _packed_dot32(x_row, live, rp, kb_begin, kb_end, QT, BLOCK_M, BLOCK_N, ASM)
     e = tl.max_contiguous(tl.arange(0, 32), 32)[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if QT == 5:
@@ -255,10 +328,7 @@ def packed_dot(x_row, live, rp, kb_begin, kb_end, NB, QT: tl.constexpr, BLOCK_M:
                     sc1 = ((word << (16 - 16 * (i % 2))) >> 24).to(tl.float32)
                     scale = d * tl.where(e < 16, sc0, sc1)
                     w = _q6_weights(raw0 if i % 2 == 0 else raw1, qhh, scale, scale * -32.0, i, ASM)
-                if ASM:
-                    acc = tl.dot(x, tl.trans(w), acc)
-                else:  # the interpreter (float32: it mis-converts tiles to bfloat16 before a dot)
-                    acc = tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
+                acc = _dot(x, w, acc, ASM)
         xp += 256
         if QT == 5:
             blk += 144
@@ -280,7 +350,7 @@ def _packed_gemm_kernel(
     rows, row_ptr, ms, m_mask, pid_k = gemm_tile(w_ptr, M, N, row_bytes, BLOCK_M, BLOCK_N)
     x_row = x_ptr + tl.minimum(ms, M - 1).to(tl.int64)[:, None] * stride_xm
     rp = row_ptr[:, None]
-    NB = K // 256
+    NB = K // (32 if QT == 0 or QT == 4 else 256)
     kb_begin = pid_k * blocks_per_split
     kb_end = tl.minimum(kb_begin + blocks_per_split, NB)
     acc = packed_dot(x_row, m_mask, rp, kb_begin, kb_end, NB, QT, BLOCK_M, BLOCK_N, ASM)
@@ -294,8 +364,9 @@ def packed_gemm(x: torch.Tensor, blocks: torch.Tensor, type_name: str, *, block_
 
     Args:
         x: ``[M, K]`` bfloat16 on CUDA (float32 in Triton's interpreter), unit column
-            stride, ``K`` a multiple of 256.
-        blocks: uint8 ``[N, K / 256 * bytes]``, the weight in ``type_name``'s layout.
+            stride, ``K`` a multiple of the format's block (32 or 256 weights).
+        blocks: uint8 ``[N, K / block_elements * block_bytes]``, the weight in
+            ``type_name``'s layout.
         type_name: a key of :data:`PACKED_TYPES`.
         block_m, block_n: rows of ``x`` (>= 16) and of ``W`` a program.
         num_warps, num_stages: Triton's launch options.

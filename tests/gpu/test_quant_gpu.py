@@ -79,7 +79,8 @@ def test_default_model_from_q4_1_blocks_gives_the_dequantized_greedy_text(dtype,
 
 @pytest.mark.parametrize("type_name,n,k", [("Q4_K", 4096, 4096), ("Q6_K", 1024, 4096), ("Q6_K", 4096, 14336),
                                            ("Q6_K_P", 1024, 4096), ("Q6_K_P", 4096, 14336), ("Q4_K", 14336, 4096),
-                                           ("Q5_K", 2048, 4096), ("Q4_1", 1536, 576), ("Q8_0", 576, 1536)])
+                                           ("Q5_K", 2048, 4096), ("Q4_0", 2048, 4096), ("Q4_1", 1536, 576),
+                                           ("Q8_0", 576, 1536), ("Q8_0", 4096, 4096)])
 def test_kernels_at_real_shapes_match_gguf_dequantize(type_name, n, k):
     """The default tilings (split-K or tuned GEMV; the tile GEMM, split-K at 40 rows; the
     weight dequantized for cuBLAS at 300) at 1, 16, 40, 80 and 300 rows. Q4_K/Q6_K

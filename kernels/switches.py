@@ -88,8 +88,8 @@ class KernelSwitches:
     )
     quant_gemm_packed: bool = _switch(
         True,
-        "GGUF Q4_0, Q8_0, Q4_K, Q5_K and Q6_K blocks between the GEMV's rows and the dequantize rows, bfloat16 "
-        "activations on CUDA: the packed GEMM, which decodes four codes a register into "
+        "GGUF Q4_0, Q8_0, Q4_K, Q5_K and Q6_K (repacked into planes) blocks between the "
+        "GEMV's rows and the dequantize rows, bfloat16 activations on CUDA: the packed GEMM, which decodes four codes a register into "
         "bfloat16 pairs with the scale applied in PTX (kernels.quant.triton_packed_gemm), "
         "instead of the float tile GEMM. Off: the tile GEMM, to compare.",
     )

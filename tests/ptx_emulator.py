@@ -1,10 +1,12 @@
 """A PTX emulator for the few 32-bit instructions the packed GEMM's decode strings use
 (``kernels/quant/triton_packed_gemm.py``), so the CPU tests check what only a GPU runs:
 integer ``and``/``or``/``xor``/shifts, ``prmt`` (PTX ISA: byte ``i`` of the result is
-byte ``c[4i+2:4i]`` of ``{b, a}``), ``mov`` (with a ``{lo, hi}`` unpack), bfloat16x2
-``sub``/``fma`` and float16x2 ``sub``/``mul`` rounded to nearest even, and the
-conversions ``cvt.f32.f16`` and ``cvt.rn.bf16x2.f32`` (``a`` to the upper half, ``b`` the
-lower). Any other instruction raises."""
+byte ``c[4i+2:4i]`` of ``{b, a}``; the sign-replicate bit and the mode suffixes are
+refused), ``mov`` (with a ``{lo, hi}`` unpack), bfloat16x2 ``sub``/``fma`` and float16x2
+``sub``/``mul`` rounded to nearest even (computed in float64, then rounded through
+float32: exact for the tests' operands, whose results float32 holds), float32 ``mul``,
+and the conversions ``cvt.f32.f16`` and ``cvt.rn.bf16x2.f32`` (``a`` to the upper half,
+``b`` the lower). Any other instruction raises."""
 
 from __future__ import annotations
 
@@ -78,12 +80,16 @@ def run(asm: str, inputs: dict[int, int]) -> tuple[int, ...]:
         elif op == "shl.b32":
             r = (v[0] << v[1]) & 0xFFFFFFFF
         elif op == "prmt.b32":
+            if v[2] & 0x8888:
+                raise ValueError("the emulator takes prmt's byte selection only (no sign-replicate bit)")
             src = [(v[0] >> (8 * i)) & 0xFF for i in range(4)] + [(v[1] >> (8 * i)) & 0xFF for i in range(4)]
             r = sum(src[(v[2] >> (4 * i)) & 7] << (8 * i) for i in range(4))
         elif op in ("sub.rn.bf16x2", "fma.rn.bf16x2"):
             r = _halves(op.split(".")[0], v, "bf16")
         elif op in ("sub.rn.f16x2", "mul.rn.f16x2"):
             r = _halves(op.split(".")[0], v, "f16")
+        elif op == "mul.rn.f32":
+            r = float(np.float32(v[0]) * np.float32(v[1]))
         elif op == "cvt.f32.f16":
             r = f16_value(v[0])
         elif op == "cvt.rn.bf16x2.f32":

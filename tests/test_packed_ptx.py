@@ -12,11 +12,13 @@ from ptx_emulator import bf16_bits, bf16_value, f16_bits, f16_value, run
 
 from kernels.quant import triton_packed_gemm as packed
 
-SCALE, OFFSET = 0.031, -0.2
+# A scale and an offset of their own for each of the four weights of a register (the
+# pack's registers hold them in pairs), so a swapped half or register shows.
+SCALES, OFFSETS = (0.031, 0.0517, 0.0022, 1.75), (-0.2, 0.61, -0.0093, 3.5)
 
 
-def _pair(bits: int) -> int:
-    return bits | (bits << 16)
+def _pair(lo: float, hi: float) -> int:
+    return bf16_bits(lo) | (bf16_bits(hi) << 16)
 
 
 def _weights(out: tuple[int, int]) -> list[float]:
@@ -24,15 +26,15 @@ def _weights(out: tuple[int, int]) -> list[float]:
 
 
 def _want(codes: list[int]) -> list[float]:
-    s, o = bf16_value(bf16_bits(SCALE)), bf16_value(bf16_bits(OFFSET))
-    return [bf16_value(bf16_bits(c * s + o)) for c in codes]
+    return [bf16_value(bf16_bits(c * bf16_value(bf16_bits(s)) + bf16_value(bf16_bits(o))))
+            for c, s, o in zip(codes, SCALES, OFFSETS, strict=True)]
 
 
 def _bytes(word: int, shift: int = 0, mask: int = 0xFF) -> list[int]:
     return [((word >> (8 * i)) >> shift) & mask for i in range(4)]
 
 
-ST = {3: _pair(bf16_bits(SCALE)), 4: _pair(bf16_bits(SCALE)), 5: _pair(bf16_bits(OFFSET)), 6: _pair(bf16_bits(OFFSET))}
+ST = {3: _pair(*SCALES[:2]), 4: _pair(*SCALES[2:]), 5: _pair(*OFFSETS[:2]), 6: _pair(*OFFSETS[2:])}
 WORDS = [int(w) for w in np.random.default_rng(0).integers(0, 2**32, 300)] + [0, 0xFFFFFFFF, 0x80808080, 0x0F1E2D3C]
 
 
@@ -62,9 +64,12 @@ def test_q6_k_codes(group):
         assert _weights(run(asm, {2: ql, 3: qh, **st})) == _want(codes), (hex(ql), hex(qh))
 
 
-def test_q8_0_codes():
-    d = f16_bits(0.0123)
+@pytest.mark.parametrize("scale", [0.0123, 3.1e-7, 6.1e-5, 900.0, 65504.0])
+def test_q8_0_codes(scale):
+    """The code times the float16 scale rounded once to bfloat16, whatever the scale
+    (a float16 subnormal, or one whose product float16 could not hold)."""
+    d = f16_bits(scale)
     for w in WORDS:
         codes = [b - 256 if b > 127 else b for b in _bytes(w)]
-        want = [bf16_value(bf16_bits(f16_value(f16_bits(c * f16_value(d))))) for c in codes]
-        assert _weights(run(packed._Q8.value, {2: w, 3: _pair(d), 4: _pair(d)})) == want, hex(w)
+        want = [bf16_value(bf16_bits(c * f16_value(d))) for c in codes]
+        assert _weights(run(packed._Q8.value, {2: w, 3: d | (d << 16), 4: d | (d << 16)})) == want, hex(w)

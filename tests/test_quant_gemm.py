@@ -27,7 +27,7 @@ def dev() -> str:
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K_P", "Q8_0", "Q4_1"])
 @pytest.mark.parametrize("m,split_k", [(5, 2), (33, 3)])
 def test_gemm_with_k_split_matches_gguf_dequantize(dev, type_name, m, split_k):
-    """Partial sums of K ranges added atomically (float32), then written in the rows'
+    """Partial sums of K ranges (float32) added in a fixed order, then written in the rows'
     dtype; 33 rows take a 64-row tile, most of it masked."""
     from kernels.quant import triton_kernel as triton_quant
 
@@ -46,7 +46,8 @@ def test_packed_gemm_matches_gguf_dequantize(dev, type_name, m, n, split_k, monk
     from kernels.quant import triton_kernel as triton_quant
     from kernels.quant.triton_packed_gemm import packed_gemm
 
-    x, w = _case(type_name, m, n, 3, dev, seed=m)
+    # Q6_K_P rows of an even number of blocks (4-byte aligned: what the loader repacks)
+    x, w = _case(type_name, m, n, 4 if type_name == "Q6_K_P" else 3, dev, seed=m)
     if dev == "cuda":
         x = x.to(torch.bfloat16)
     got = packed_gemm(x, w, type_name, block_m=16, block_n=16, split_k=split_k)
@@ -86,8 +87,13 @@ def test_packed_gemm_refuses_other_types_and_rows(dev):
     x, w = _case("Q5_0", 16, 16, 8, dev)
     with pytest.raises(ValueError, match="reads Q4_0, Q8_0, Q4_K, Q5_K, Q6_K_P, not Q5_0"):
         packed_gemm(x, w, "Q5_0")
+    x, w = _case("Q6_K_P", 16, 16, 3, dev)  # 630-byte rows: scales not 4-byte aligned
+    with pytest.raises(ValueError, match="4-byte aligned"):
+        packed_gemm(x.to(torch.bfloat16) if dev == "cuda" else x, w, "Q6_K_P")
+    x, w = _case("Q4_K", 16, 16, 1, dev)
+    with pytest.raises(ValueError, match="powers of two"):
+        packed_gemm(x.to(torch.bfloat16) if dev == "cuda" else x, w, "Q4_K", block_n=24)
     if dev == "cuda":
-        x, w = _case("Q4_K", 16, 16, 1, dev)
         with pytest.raises(ValueError, match="bfloat16 rows"):
             packed_gemm(x.half(), w, "Q4_K")
 

@@ -16,17 +16,19 @@ memory. Two shapes of program:
 
 - decode (up to :data:`GEMV_MAX_TOKENS` tokens): a **grouped GEMV**, one program per
   (routed row, ``BLOCK_N`` weight rows), reading its expert from ``topk_ids``
-  (:func:`kernels.quant.triton_kernel._gemv_dot`): no sort, every weight row an expert's
+  (:func:`kernels.quant.triton_decode.gemv_dot`): no sort, every weight row an expert's
   routed tokens need read once per row;
 - prefill: the routed rows sorted by expert and padded to blocks of ``BLOCK_M``
   (:func:`kernels.moe.reference.align_to_blocks`), one program per (block, ``BLOCK_N`` columns)
-  multiplying the activations by each sub-block's codes on tensor cores
-  (:func:`kernels.quant.triton_kernel._gemm_dot`).
+  multiplying the activations by the weights decoded into registers on tensor cores
+  (:func:`kernels.quant.triton_decode.gemm_dot`; for the packed GEMM's types and bfloat16
+  rows its decode, :func:`kernels.quant.triton_packed_gemm.packed_dot`).
 
 Nothing is read back to the host, so a decode step with it can be captured in a CUDA
 graph. Rounding follows :mod:`kernels.moe.triton_kernel` (each product and the SiLU rounded to
-the activation dtype); the weights themselves are not rounded (the reference rounds the
-dequantized weights to the activation dtype, so bfloat16 results differ by that).
+the activation dtype); the GEMV does not round the weights, the sorted GEMM rounds each
+decoded weight to the activations' dtype (the packed decode with its scale and offset
+rounded to bfloat16 first), as the reference rounds the dequantized weights.
 """
 
 from __future__ import annotations
@@ -194,10 +196,10 @@ def _launch(x, wa, wb, out, route_weights, types, *, top_k, gemv, sort, block_n,
 def _packed(type_name: str, x: torch.Tensor, asm: bool) -> bool:
     """Whether the sorted GEMM decodes ``type_name``'s experts with the packed GEMM's
     decode (:mod:`kernels.quant.triton_packed_gemm`): one of its types, the
-    ``quant_gemm_packed`` switch on, and bfloat16 rows where the PTX runs (its float32
-    twin in Triton's interpreter takes any rows)."""
+    ``quant_gemm_packed`` switch on, and bfloat16 rows with the PTX on (as the dense
+    block GEMM chooses it); in Triton's interpreter its float32 twin, any rows."""
     return (type_name in PACKED_TYPES and current().quant_gemm_packed
-            and (x.dtype == torch.bfloat16 or not asm))
+            and (INTERPRETING or (asm and x.dtype == torch.bfloat16)))
 
 
 def fused_moe_quant(

@@ -29,7 +29,8 @@ class GemmTiling:
     weights of K decoded and multiplied a step (a power of two >= 16; the int8 GEMM
     takes them in groups of 32), Triton's ``num_warps`` and ``num_stages``, and
     ``int8``: the int8 tensor-core GEMM (:mod:`kernels.quant.triton_int8_gemm`) rather
-    than the float one."""
+    than the float one; ``packed``: the packed GEMM
+    (:mod:`kernels.quant.triton_packed_gemm`, which takes its format's K step)."""
 
     block_n: int = 64
     k_step: int = 256
@@ -58,9 +59,9 @@ INT8_TILINGS: tuple[GemmTiling, ...] = (
     GemmTiling(32, 32, 4, 3, True),
     GemmTiling(64, 64, 8, 3, True),
 )
-# The packed GEMM's (``quant_gemm_packed``, its PACKED_TYPES: kernels.quant.triton_packed_gemm):
-# a block of K a step; on an H200 the 64-row tiles of 16 rows and the 128-row tiles of 64
-# were the fastest (engine.bench.quant --gemm-sweep).
+# The packed GEMM's (``quant_gemm_packed``, its PACKED_TYPES: kernels.quant.triton_packed_gemm),
+# whose K step is its format's (``k_step`` unused); on an H200 the 64-row tiles of 16 rows
+# and the 128-row tiles of 64 were the fastest (engine.bench.quant --gemm-sweep).
 PACKED_TILINGS: tuple[GemmTiling, ...] = (
     GemmTiling(64, 256, 4, 2, packed=True),
     GemmTiling(64, 256, 4, 3, packed=True),

@@ -14,7 +14,7 @@ Two kernels share one block decoder (:mod:`kernels.quant.triton_decode`):
   loop (bounded registers), decoding each into weights in registers and multiplying
   them with the activations on tensor cores (``tl.dot``), so the weights are read once
   for the tile's rows; K split where the tiles do not fill the SMs. Bfloat16 rows of
-  Q4_0, Q8_0, Q4_K, Q5_K and Q6_K blocks take the packed GEMM instead (:mod:`kernels.quant.triton_packed_gemm`:
+  Q4_0, Q8_0, Q4_K, Q5_K and Q6_K (repacked: Q6_K_P) blocks take the packed GEMM instead (:mod:`kernels.quant.triton_packed_gemm`:
   four codes a register decoded to bfloat16 pairs in PTX, 2-3.5x faster on an H200).
 
 Long prefill chunks (from the ``quant_dequant_rows`` switch's rows) dequantize the

@@ -7,7 +7,8 @@ codes are 32 consecutive bytes: a Q4_K group's the low or high nibbles of one ru
 a Q5_K group's the same under one bit of each of the block's 32 ``qh`` bytes, a Q6_K_P
 group's the nibbles of 32 bytes of ``ql`` ORed with two bits of 32 bytes of ``qh``
 (ggml-common.h's layouts; :mod:`kernels.quant.repack` for the planes). One PTX sequence
-(:func:`_q4_weights`, :func:`_q6_weights`) takes four codes of one 32-bit register:
+(:func:`_q4_weights`, :func:`_q5_weights`, :func:`_q6_weights`) takes four codes of one
+32-bit register:
 masks the nibbles of all four at once, puts each code under the exponent byte of 128.0
 (``prmt``: two bfloat16 ``128 + code`` a register, exact for codes below 128), subtracts
 128 (exact) and multiplies by the group's scale plus its offset in one ``fma.rn.bf16x2``
@@ -19,9 +20,9 @@ operand (checked in the sm_90 SASS: no store of the decoded tile), so the tile c
 its bytes' loads, about two instructions a weight and the tensor cores' product.
 
 Q4_0's 32 codes are the low and high nibbles of 16 bytes (two products of depth 16);
-Q8_0's signed bytes take float16 instead (``1024 + 128 + code`` under 1024's exponent,
-exact, times the block's float16 scale, then to bfloat16: about three instructions a
-weight). The K-quants' scales come from one 12-byte read per row and block: the 6-bit
+Q8_0's signed bytes go through float16 exactly (``1024 + 128 + code`` under 1024's
+exponent) and float32, where the block's float16 scale multiplies them exactly, then are
+rounded once to bfloat16 (:func:`_q8_weights`: about four instructions a weight). The K-quants' scales come from one 12-byte read per row and block: the 6-bit
 scales and mins of four sub-blocks sit one a byte in a 32-bit word (``0x3F3F3F3F``
 masks, the high halves' top bits ORed in), so a group's are one byte shift away.
 
@@ -184,24 +185,25 @@ def _q5_weights(qs, qh, scale, offset, S: tl.constexpr, ASM: tl.constexpr):
     return w
 
 
-# Q8_0: four signed codes a register, in float16 (exact to 2047): each code + 128 put
-# under float16 1024's exponent (``1024 + 128 + code``), 1152 subtracted (exact), times
-# the block's float16 scale (one rounding), then to bfloat16 pairs (a second rounding).
+# Q8_0: four signed codes a register, each + 128 put under float16 1024's exponent
+# (``1024 + 128 + code``), 1152 subtracted (exact), widened to float32 and multiplied by
+# the block's float16 scale there (exact: 8 by 11 bits), then rounded once to bfloat16.
 _Q8 = tl.constexpr(
-    "{ .reg .b32 %q, %a, %b, %c; .reg .b16 %h<4>; .reg .f32 %f<4>;"
+    "{ .reg .b32 %q, %a, %b, %c; .reg .b16 %h<6>; .reg .f32 %f<5>;"
     " xor.b32 %q, $2, 0x80808080; prmt.b32 %a, %q, 0x64646464, 0x4140; prmt.b32 %b, %q, 0x64646464, 0x4342;"
     " mov.b32 %c, 0x64806480; sub.rn.f16x2 %a, %a, %c; sub.rn.f16x2 %b, %b, %c;"
-    " mul.rn.f16x2 %a, %a, $3; mul.rn.f16x2 %b, %b, $4;"
-    " mov.b32 {%h0, %h1}, %a; mov.b32 {%h2, %h3}, %b;"
+    " mov.b32 {%h0, %h1}, %a; mov.b32 {%h2, %h3}, %b; mov.b32 {%h4, %h5}, $3;"
     " cvt.f32.f16 %f0, %h0; cvt.f32.f16 %f1, %h1; cvt.f32.f16 %f2, %h2; cvt.f32.f16 %f3, %h3;"
-    " cvt.rn.bf16x2.f32 $0, %f1, %f0; cvt.rn.bf16x2.f32 $1, %f3, %f2; }")
+    " cvt.f32.f16 %f4, %h4; mul.rn.f32 %f0, %f0, %f4; mul.rn.f32 %f1, %f1, %f4; mul.rn.f32 %f2, %f2, %f4;"
+    " mul.rn.f32 %f3, %f3, %f4; cvt.rn.bf16x2.f32 $0, %f1, %f0; cvt.rn.bf16x2.f32 $1, %f3, %f2; }")
 
 
 @triton.jit
 def _q8_weights(raw, d, ASM: tl.constexpr):
     """Weights ``[R, 32]``: ``d * code`` of the int8 codes ``raw`` (uint8 ``[R, 32]``),
     ``d`` float16 ``[R, 1]`` (Q8_0's scale as stored); bfloat16 decoded in PTX with
-    ``ASM``, else float32."""
+    ``ASM`` (the product rounded once, as the float tile GEMM rounds it), else float32.
+    (Each 4-code pack reads the scale from its first register, ``$3``.)"""
     s = tl.broadcast_to(d, raw.shape)
     if ASM:
         w = tl.inline_asm_elementwise(_Q8, "=r,=r,r,r,r", [raw, s], dtype=tl.bfloat16, is_pure=True, pack=4)
@@ -221,15 +223,21 @@ def _dot(x, w, acc, ASM: tl.constexpr):
     return acc
 
 
+# Blocks of the 32-weight formats a loop step (four Q4_0 ones spilled registers on sm_90
+# at 32 x 128); K ranges of a split are whole steps (:func:`packed_gemm`).
+Q4_0_STEP = tl.constexpr(2)
+Q8_0_STEP = tl.constexpr(4)
+
+
 @triton.jit
 def _packed_dot32(x_row, live, rp, kb_begin, kb_end, QT: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, ASM: tl.constexpr):
     """:func:`packed_dot` for the 32-weight formats (Q4_0 18 bytes a block: ``d``, 16
     bytes of nibbles, low ones the weights 0-15; Q8_0 34 bytes: ``d``, 32 int8 codes),
-    four Q8_0 or two Q4_0 blocks a step (four Q4_0 ones spilled registers on sm_90 at 32 x
-    128), the blocks past ``kb_end`` read from the last one and meeting zeroed activations."""
+    :data:`Q8_0_STEP` or :data:`Q4_0_STEP` blocks a step, the blocks past ``kb_end`` read
+    from the last one and meeting zeroed activations."""
     BB: tl.constexpr = 18 if QT == 0 else 34
-    STEP: tl.constexpr = 2 if QT == 0 else 4
+    STEP: tl.constexpr = Q4_0_STEP if QT == 0 else Q8_0_STEP
     e = tl.max_contiguous(tl.arange(0, 32), 32)[None, :]
     e16 = tl.max_contiguous(tl.arange(0, 16), 16)[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -360,15 +368,15 @@ def _packed_gemm_kernel(
 def packed_gemm(x: torch.Tensor, blocks: torch.Tensor, type_name: str, *, block_m: int = 16, block_n: int = 64,
                 num_warps: int = 4, num_stages: int = 2, split_k: int | None = None,
                 out: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ W.T`` for ``W`` in Q4_K, Q5_K or Q6_K_P blocks (module docstring).
+    """``x @ W.T`` for ``W`` in blocks of one of :data:`PACKED_TYPES` (module docstring).
 
     Args:
-        x: ``[M, K]`` bfloat16 on CUDA (float32 in Triton's interpreter), unit column
-            stride, ``K`` a multiple of the format's block (32 or 256 weights).
+        x: ``[M, K]`` bfloat16 on CUDA (any float dtype in Triton's interpreter), unit
+            column stride, ``K`` a multiple of the format's block (32 or 256 weights).
         blocks: uint8 ``[N, K / block_elements * block_bytes]``, the weight in
             ``type_name``'s layout.
         type_name: a key of :data:`PACKED_TYPES`.
-        block_m, block_n: rows of ``x`` (>= 16) and of ``W`` a program.
+        block_m, block_n: rows of ``x`` and of ``W`` a program, powers of two >= 16.
         num_warps, num_stages: Triton's launch options.
         split_k: K ranges (default: four programs per SM), their float32 partial sums
             added in a fixed order (:mod:`kernels.quant.split_k`).
@@ -378,7 +386,9 @@ def packed_gemm(x: torch.Tensor, blocks: torch.Tensor, type_name: str, *, block_
         ``[M, N]`` in ``x.dtype``, accumulated in float32.
 
     Raises:
-        ValueError: a type not in :data:`PACKED_TYPES`, or shapes that do not match.
+        ValueError: a type not in :data:`PACKED_TYPES`; shapes that do not match; K-quant
+            rows not 4-byte aligned (the scales are read as 32-bit words: a Q6_K_P row of
+            an odd number of blocks); tile sizes that are not powers of two >= 16.
     """
     if type_name not in PACKED_TYPES:
         raise ValueError(f"the packed GEMM reads {', '.join(PACKED_TYPES)}, not {type_name}")
@@ -386,11 +396,19 @@ def packed_gemm(x: torch.Tensor, blocks: torch.Tensor, type_name: str, *, block_
     asm = ptx_enabled(x.device)
     if asm and x.dtype != torch.bfloat16:
         raise ValueError(f"the packed GEMM multiplies bfloat16 rows on CUDA, got {x.dtype}")
+    if fmt.block_elements == 256 and (blocks.stride(0) % 4 or blocks.data_ptr() % 4):
+        raise ValueError(f"the packed GEMM reads {type_name} rows 4-byte aligned: row stride {blocks.stride(0)} bytes")
+    if min(block_m, block_n) < 16 or block_m & (block_m - 1) or block_n & (block_n - 1):
+        raise ValueError(f"block_m and block_n must be powers of two >= 16, got {block_m} and {block_n}")
     m, n = x.shape[0], blocks.shape[0]
     nblocks = k // fmt.block_elements
     result = output_for(x, n, out)
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    per_split, split = split_k_ranges(nblocks, 1, tiles, x.device, split_k)
+    # K ranges of whole loop steps (the 32-weight formats take 2 or 4 blocks a step).
+    step = {"Q4_0": Q4_0_STEP.value, "Q8_0": Q8_0_STEP.value}.get(type_name, 1)
+    per_split, split = split_k_ranges(nblocks, step, tiles, x.device, split_k)
+    per_split = triton.cdiv(per_split, step) * step
+    split = triton.cdiv(nblocks, per_split)
     dest = split_output(result, split)
     _packed_gemm_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n), split)](
         x, blocks, dest, m, n, k, blocks.stride(0), per_split, x.stride(0), dest.stride(-2),

@@ -246,7 +246,7 @@ def quant_gemm(
     elif tiling is None:
         tiling = tuned(block_m, n, k, type_name, x.device,
                        lambda t: quant_gemm(x, blocks, type_name, block_m=block_m, tiling=t, split_k=split_k),
-                       _family(x, type_name))
+                       _family(x, blocks, type_name))
     if tiling.packed:
         return packed_gemm(x, blocks, type_name, block_m=block_m, block_n=tiling.block_n, num_warps=tiling.num_warps,
                            num_stages=tiling.num_stages, split_k=split_k, out=out)
@@ -267,13 +267,16 @@ def quant_gemm(
     return sum_partials(result, dest)
 
 
-def _family(x: torch.Tensor, type_name: str) -> str:
-    """Which GEMM family 16-bit rows of ``x`` take over ``type_name`` blocks: the packed
-    GEMM (bfloat16 rows, its types, PTX on, the ``quant_gemm_packed`` switch on), the
-    int8 GEMM (the ``quant_gemm_int8`` switch on), else the float tile GEMM."""
+def _family(x: torch.Tensor, blocks: torch.Tensor, type_name: str) -> str:
+    """Which GEMM family 16-bit rows of ``x`` take over ``type_name`` ``blocks``: the
+    packed GEMM (bfloat16 rows, its types, PTX on, the ``quant_gemm_packed`` switch on,
+    and for the K-quants rows the 32-bit reads of their scales can take: a fused
+    projection's part after a part of 32-weight blocks may start 2 bytes off), the int8
+    GEMM (the ``quant_gemm_int8`` switch on), else the float tile GEMM."""
     switches = current()
     if (switches.quant_gemm_packed and type_name in PACKED_TYPES and x.dtype == torch.bfloat16
-            and ptx_enabled(x.device)):
+            and ptx_enabled(x.device) and (type_name in ("Q4_0", "Q8_0")
+                                           or (blocks.data_ptr() % 4 == 0 and blocks.stride(0) % 4 == 0))):
         return "packed"
     if switches.quant_gemm_int8 and type_name in INT8_GEMM_TYPES:
         return "int8"

@@ -81,6 +81,26 @@ def test_packed_gemm_writes_a_column_slice(dev, split_k):
     assert bool((wide[:, :10] == 7).all()) and bool((wide[:, 34:] == 7).all())
 
 
+def test_the_packed_family_needs_aligned_k_quant_rows(monkeypatch):
+    """Bfloat16 rows with the PTX on take the packed GEMM; a K-quant part whose rows start
+    2 bytes off a 4-byte boundary (after a fused projection's part of 32-weight blocks)
+    keeps the float tile GEMM, the 32-weight formats do not mind; the switch off, none."""
+    from kernels.quant import triton_kernel as triton_quant
+    from kernels.switches import using
+
+    monkeypatch.setattr(triton_quant, "ptx_enabled", lambda device: True)
+    x = torch.zeros(16, 256, dtype=torch.bfloat16)
+    flat = torch.zeros(2 + 4 * 144, dtype=torch.uint8)
+    aligned, off = flat[:4 * 144].view(4, 144), flat[2:].view(4, 144)
+    assert off.data_ptr() % 4 == 2
+    assert triton_quant._family(x, aligned, "Q4_K") == "packed"
+    assert triton_quant._family(x, off, "Q4_K") == "float"
+    assert triton_quant._family(x, flat[2:2 + 4 * 34].view(4, 34), "Q8_0") == "packed"
+    assert triton_quant._family(x.half(), aligned, "Q4_K") == "float"
+    with using(quant_gemm_packed=False):
+        assert triton_quant._family(x, aligned, "Q4_K") == "float"
+
+
 def test_packed_gemm_refuses_other_types_and_rows(dev):
     from kernels.quant.triton_packed_gemm import packed_gemm
 

@@ -40,14 +40,14 @@ WORDS = [int(w) for w in np.random.default_rng(0).integers(0, 2**32, 300)] + [0,
 
 @pytest.mark.parametrize("high", [0, 1])
 def test_nibbles(high):
-    asm = (packed._Q4_HI if high else packed._Q4_LO).value
+    asm = packed._Q4.value[high]
     for w in WORDS:
         assert _weights(run(asm, {2: w, **ST})) == _want(_bytes(w, 4 * high, 15)), hex(w)
 
 
 @pytest.mark.parametrize("sub", range(8))
 def test_q5_k_codes(sub):
-    asm = getattr(packed, f"_Q5_{sub}").value
+    asm = packed._Q5.value[sub]
     st = {k + 1: v for k, v in ST.items()}  # qh is $3: the scale pairs from $4
     for qs, qh in zip(WORDS, reversed(WORDS), strict=True):
         codes = [lo | (hi << 4) for lo, hi in zip(_bytes(qs, 4 * (sub % 2), 15), _bytes(qh, sub, 1), strict=True)]
@@ -56,7 +56,7 @@ def test_q5_k_codes(sub):
 
 @pytest.mark.parametrize("group", range(4))
 def test_q6_k_codes(group):
-    asm = getattr(packed, f"_Q6_{group}").value
+    asm = packed._Q6.value[group]
     st = {k + 1: v for k, v in ST.items()}
     for ql, qh in zip(WORDS, reversed(WORDS), strict=True):
         codes = [lo | (hi << 4) for lo, hi in zip(_bytes(ql, 4 * (group // 2), 15), _bytes(qh, 2 * group, 3),

@@ -67,36 +67,39 @@ def _bf16_tail(src: str) -> str:
             " mov.b32 %c, 0x43004300; sub.rn.bf16x2 %a, %a, %c; sub.rn.bf16x2 %b, %b, %c;")
 
 
-_Q4_LO = tl.constexpr("{ .reg .b32 %q, %a, %b, %c; " + _bf16_tail("and.b32 %q, $2, 0x0F0F0F0F;")
-                      + " fma.rn.bf16x2 $0, %a, $3, $5; fma.rn.bf16x2 $1, %b, $4, $6; }")
-_Q4_HI = tl.constexpr("{ .reg .b32 %q, %a, %b, %c; " + _bf16_tail("shr.u32 %q, $2, 4; and.b32 %q, %q, 0x0F0F0F0F;")
-                      + " fma.rn.bf16x2 $0, %a, $3, $5; fma.rn.bf16x2 $1, %b, $4, $6; }")
+def _nibbles(high: int) -> str:
+    """PTX for four Q4 weights: the low (``high`` 0) or high nibbles of the bytes of $2."""
+    codes = "shr.u32 %q, $2, 4; and.b32 %q, %q, 0x0F0F0F0F;" if high else "and.b32 %q, $2, 0x0F0F0F0F;"
+    return ("{ .reg .b32 %q, %a, %b, %c; " + _bf16_tail(codes)
+            + " fma.rn.bf16x2 $0, %a, $3, $5; fma.rn.bf16x2 $1, %b, $4, $6; }")
 
 
-def _q6(low_shift: int, high_shift: int) -> tl.constexpr:
+def _q6(low_shift: int, high_shift: int) -> str:
     """PTX for four Q6_K weights: the nibbles of ``ql`` ($2) at ``low_shift`` ORed with
     the two bits of ``qh`` ($3) at ``high_shift`` moved to bits 4-5 of each byte."""
     move = f"shl.b32 %h, $3, {4 - high_shift};" if high_shift <= 4 else f"shr.u32 %h, $3, {high_shift - 4};"
     codes = (f"shr.u32 %q, $2, {low_shift}; and.b32 %q, %q, 0x0F0F0F0F; {move} and.b32 %h, %h, 0x30303030;"
              " or.b32 %q, %q, %h;")
-    return tl.constexpr("{ .reg .b32 %q, %h, %a, %b, %c; " + _bf16_tail(codes)
-                        + " fma.rn.bf16x2 $0, %a, $4, $6; fma.rn.bf16x2 $1, %b, $5, $7; }")
+    return ("{ .reg .b32 %q, %h, %a, %b, %c; " + _bf16_tail(codes)
+            + " fma.rn.bf16x2 $0, %a, $4, $6; fma.rn.bf16x2 $1, %b, $5, $7; }")
 
 
-_Q6_0, _Q6_1, _Q6_2, _Q6_3 = _q6(0, 0), _q6(0, 2), _q6(4, 4), _q6(4, 6)
-
-
-def _q5(sub: int) -> tl.constexpr:
+def _q5(sub: int) -> str:
     """PTX for four Q5_K weights of sub-block ``sub`` (0-7): the nibbles of ``qs`` ($2),
     low for an even ``sub``, under bit ``sub`` of each byte of ``qh`` ($3) moved to bit 4."""
     move = f"shl.b32 %h, $3, {4 - sub};" if sub <= 4 else f"shr.u32 %h, $3, {sub - 4};"
     codes = (f"shr.u32 %q, $2, {4 * (sub % 2)}; and.b32 %q, %q, 0x0F0F0F0F; {move} and.b32 %h, %h, 0x10101010;"
              " or.b32 %q, %q, %h;")
-    return tl.constexpr("{ .reg .b32 %q, %h, %a, %b, %c; " + _bf16_tail(codes)
-                        + " fma.rn.bf16x2 $0, %a, $4, $6; fma.rn.bf16x2 $1, %b, $5, $7; }")
+    return ("{ .reg .b32 %q, %h, %a, %b, %c; " + _bf16_tail(codes)
+            + " fma.rn.bf16x2 $0, %a, $4, $6; fma.rn.bf16x2 $1, %b, $5, $7; }")
 
 
-_Q5_0, _Q5_1, _Q5_2, _Q5_3, _Q5_4, _Q5_5, _Q5_6, _Q5_7 = (_q5(sub) for sub in range(8))
+# The decode strings, indexed inside the kernels by a compile-time constant: Q4 by the
+# nibble (low, high), Q5_K by the sub-block of its block, Q6_K_P by the group of its
+# half-block (0-1 the low nibbles of ql, 2-3 the high; bits 2g, 2g + 1 of qh).
+_Q4 = tl.constexpr(tuple(_nibbles(high) for high in (0, 1)))
+_Q5 = tl.constexpr(tuple(_q5(sub) for sub in range(8)))
+_Q6 = tl.constexpr(tuple(_q6(4 * (g // 2), 2 * g) for g in range(4)))
 
 
 @triton.jit
@@ -107,14 +110,8 @@ def _q4_weights(raw, scale, offset, HIGH: tl.constexpr, ASM: tl.constexpr):
     s = tl.broadcast_to(scale, raw.shape)
     o = tl.broadcast_to(offset, raw.shape)
     if ASM:
-        s = s.to(tl.bfloat16)
-        o = o.to(tl.bfloat16)
-        if HIGH:
-            w = tl.inline_asm_elementwise(_Q4_HI, "=r,=r,r,r,r,r,r", [raw, s, o], dtype=tl.bfloat16, is_pure=True,
-                                          pack=4)
-        else:
-            w = tl.inline_asm_elementwise(_Q4_LO, "=r,=r,r,r,r,r,r", [raw, s, o], dtype=tl.bfloat16, is_pure=True,
-                                          pack=4)
+        w = tl.inline_asm_elementwise(_Q4[HIGH], "=r,=r,r,r,r,r,r", [raw, s.to(tl.bfloat16), o.to(tl.bfloat16)],
+                                      dtype=tl.bfloat16, is_pure=True, pack=4)
     else:
         q = ((raw.to(tl.int32) >> (4 * HIGH)) & 15).to(tl.float32)
         w = q * s + o
@@ -129,44 +126,11 @@ def _q6_weights(ql, qh, scale, offset, G: tl.constexpr, ASM: tl.constexpr):
     s = tl.broadcast_to(scale, ql.shape)
     o = tl.broadcast_to(offset, ql.shape)
     if ASM:
-        s = s.to(tl.bfloat16)
-        o = o.to(tl.bfloat16)
-        if G == 0:
-            w = tl.inline_asm_elementwise(_Q6_0, "=r,=r,r,r,r,r,r,r", [ql, qh, s, o], dtype=tl.bfloat16,
-                                          is_pure=True, pack=4)
-        elif G == 1:
-            w = tl.inline_asm_elementwise(_Q6_1, "=r,=r,r,r,r,r,r,r", [ql, qh, s, o], dtype=tl.bfloat16,
-                                          is_pure=True, pack=4)
-        elif G == 2:
-            w = tl.inline_asm_elementwise(_Q6_2, "=r,=r,r,r,r,r,r,r", [ql, qh, s, o], dtype=tl.bfloat16,
-                                          is_pure=True, pack=4)
-        else:
-            w = tl.inline_asm_elementwise(_Q6_3, "=r,=r,r,r,r,r,r,r", [ql, qh, s, o], dtype=tl.bfloat16,
-                                          is_pure=True, pack=4)
+        w = tl.inline_asm_elementwise(_Q6[G], "=r,=r,r,r,r,r,r,r", [ql, qh, s.to(tl.bfloat16), o.to(tl.bfloat16)],
+                                      dtype=tl.bfloat16, is_pure=True, pack=4)
     else:
         q = (((ql.to(tl.int32) >> (4 * (G // 2))) & 15) | (((qh.to(tl.int32) >> (2 * G)) & 3) << 4)).to(tl.float32)
         w = q * s + o
-    return w
-
-
-@triton.jit
-def _q5_asm(qs, qh, s, o, S: tl.constexpr):
-    if S == 0:
-        w = tl.inline_asm_elementwise(_Q5_0, "=r,=r,r,r,r,r,r,r", [qs, qh, s, o], dtype=tl.bfloat16, is_pure=True, pack=4)
-    elif S == 1:
-        w = tl.inline_asm_elementwise(_Q5_1, "=r,=r,r,r,r,r,r,r", [qs, qh, s, o], dtype=tl.bfloat16, is_pure=True, pack=4)
-    elif S == 2:
-        w = tl.inline_asm_elementwise(_Q5_2, "=r,=r,r,r,r,r,r,r", [qs, qh, s, o], dtype=tl.bfloat16, is_pure=True, pack=4)
-    elif S == 3:
-        w = tl.inline_asm_elementwise(_Q5_3, "=r,=r,r,r,r,r,r,r", [qs, qh, s, o], dtype=tl.bfloat16, is_pure=True, pack=4)
-    elif S == 4:
-        w = tl.inline_asm_elementwise(_Q5_4, "=r,=r,r,r,r,r,r,r", [qs, qh, s, o], dtype=tl.bfloat16, is_pure=True, pack=4)
-    elif S == 5:
-        w = tl.inline_asm_elementwise(_Q5_5, "=r,=r,r,r,r,r,r,r", [qs, qh, s, o], dtype=tl.bfloat16, is_pure=True, pack=4)
-    elif S == 6:
-        w = tl.inline_asm_elementwise(_Q5_6, "=r,=r,r,r,r,r,r,r", [qs, qh, s, o], dtype=tl.bfloat16, is_pure=True, pack=4)
-    else:
-        w = tl.inline_asm_elementwise(_Q5_7, "=r,=r,r,r,r,r,r,r", [qs, qh, s, o], dtype=tl.bfloat16, is_pure=True, pack=4)
     return w
 
 
@@ -178,7 +142,8 @@ def _q5_weights(qs, qh, scale, offset, S: tl.constexpr, ASM: tl.constexpr):
     s = tl.broadcast_to(scale, qs.shape)
     o = tl.broadcast_to(offset, qs.shape)
     if ASM:
-        w = _q5_asm(qs, qh, s.to(tl.bfloat16), o.to(tl.bfloat16), S)
+        w = tl.inline_asm_elementwise(_Q5[S], "=r,=r,r,r,r,r,r,r", [qs, qh, s.to(tl.bfloat16), o.to(tl.bfloat16)],
+                                      dtype=tl.bfloat16, is_pure=True, pack=4)
     else:
         q = (((qs.to(tl.int32) >> (4 * (S % 2))) & 15) | (((qh.to(tl.int32) >> S) & 1) << 4)).to(tl.float32)
         w = q * s + o

@@ -166,20 +166,26 @@ def variant_rows(model, config, batches: list[int], context: int, bandwidth: flo
     return rows
 
 
+def _one_sequence_backend(model, config, pages: int):
+    """The Triton attention backend over a CUDA KV pool of ``pages`` 16-token pages in the
+    model's dtype, for one sequence (the profiles below)."""
+    from engine.kvcache.pool import KVPool
+    from engine.layers.attention.registry import create_attention_backend
+
+    pool = KVPool(num_layers=config.num_layers, num_pages=pages, page_size=16, num_kv_heads=config.num_kv_heads,
+                  head_dim=config.head_dim, dtype=model.model.embed_tokens.weight.dtype, device="cuda")
+    return create_attention_backend("triton", pool, num_heads=config.num_heads, head_dim=config.head_dim,
+                                    scale=config.head_dim**-0.5, max_batch=1)
+
+
 def profile_rows(model, config, context: int, steps: int = 5) -> list[str]:
     """Per-kernel GPU time of ``steps`` eager decode steps at batch 1 (torch.profiler),
     the largest first, with each kernel's share of the total."""
     from torch.profiler import ProfilerActivity, profile
 
     from engine.bench.kernels import _decode_batch
-    from engine.kvcache.pool import KVPool
-    from engine.layers.attention.registry import create_attention_backend
 
-    dtype = model.model.embed_tokens.weight.dtype
-    pool = KVPool(num_layers=config.num_layers, num_pages=context // 16 + 4, page_size=16,
-                  num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, dtype=dtype, device="cuda")
-    attn = create_attention_backend("triton", pool, num_heads=config.num_heads, head_dim=config.head_dim,
-                                    scale=config.head_dim**-0.5, max_batch=1)
+    attn = _one_sequence_backend(model, config, context // 16 + 4)
     batch = _decode_batch(1, context, 16, "cuda")
     attn.prepare(batch)
     for _ in range(2):
@@ -205,15 +211,9 @@ def prefill_profile_rows(model, config, tokens: int, steps: int = 3) -> list[str
     from torch.profiler import ProfilerActivity, profile
 
     from engine.core.profile import profile_batch
-    from engine.kvcache.pool import KVPool
-    from engine.layers.attention.registry import create_attention_backend
 
-    dtype = model.model.embed_tokens.weight.dtype
     pages = tokens // 16 + 4
-    pool = KVPool(num_layers=config.num_layers, num_pages=pages, page_size=16, num_kv_heads=config.num_kv_heads,
-                  head_dim=config.head_dim, dtype=dtype, device="cuda")
-    attn = create_attention_backend("triton", pool, num_heads=config.num_heads, head_dim=config.head_dim,
-                                    scale=config.head_dim**-0.5, max_batch=1)
+    attn = _one_sequence_backend(model, config, pages)
     batch = profile_batch(tokens, 1, tokens, 16, pages, "cuda")
     attn.prepare(batch)
     for _ in range(2):

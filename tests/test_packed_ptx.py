@@ -66,10 +66,13 @@ def test_q6_k_codes(group):
 
 @pytest.mark.parametrize("scale", [0.0123, 3.1e-7, 6.1e-5, 900.0, 65504.0])
 def test_q8_0_codes(scale):
-    """The code times the float16 scale rounded once to bfloat16, whatever the scale
-    (a float16 subnormal, or one whose product float16 could not hold)."""
-    d = f16_bits(scale)
+    """The code times its own weight's float16 scale rounded once to bfloat16, whatever
+    the scale (a float16 subnormal, or one whose product float16 could not hold). The
+    four weights of a register take four different scales: a pack's elements can come
+    from different weight rows, each with its block's scale."""
+    ds = [f16_bits(scale * f) for f in (1.0, 0.5, 0.75, 0.25)]
     for w in WORDS:
         codes = [b - 256 if b > 127 else b for b in _bytes(w)]
-        want = [bf16_value(bf16_bits(c * f16_value(d))) for c in codes]
-        assert _weights(run(packed._Q8.value, {2: w, 3: d | (d << 16), 4: d | (d << 16)})) == want, hex(w)
+        want = [bf16_value(bf16_bits(c * f16_value(d))) for c, d in zip(codes, ds, strict=True)]
+        regs = {2: w, 3: ds[0] | (ds[1] << 16), 4: ds[2] | (ds[3] << 16)}
+        assert _weights(run(packed._Q8.value, regs)) == want, hex(w)

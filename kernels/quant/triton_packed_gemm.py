@@ -152,23 +152,26 @@ def _q5_weights(qs, qh, scale, offset, S: tl.constexpr, ASM: tl.constexpr):
 
 # Q8_0: four signed codes a register, each + 128 put under float16 1024's exponent
 # (``1024 + 128 + code``), 1152 subtracted (exact), widened to float32 and multiplied by
-# the block's float16 scale there (exact: 8 by 11 bits), then rounded once to bfloat16.
+# its own weight's float16 scale there (exact: 8 by 11 bits), then rounded once to
+# bfloat16. Each weight takes its own scale ($3 holds weights 0-1's, $4 weights 2-3's):
+# the four elements of a pack can lie in different weight rows (Triton may pack along N
+# in the layout it picks for the dot operand), so one scale for the pack is wrong.
 _Q8 = tl.constexpr(
-    "{ .reg .b32 %q, %a, %b, %c; .reg .b16 %h<6>; .reg .f32 %f<5>;"
+    "{ .reg .b32 %q, %a, %b, %c; .reg .b16 %h<8>; .reg .f32 %f<8>;"
     " xor.b32 %q, $2, 0x80808080; prmt.b32 %a, %q, 0x64646464, 0x4140; prmt.b32 %b, %q, 0x64646464, 0x4342;"
     " mov.b32 %c, 0x64806480; sub.rn.f16x2 %a, %a, %c; sub.rn.f16x2 %b, %b, %c;"
-    " mov.b32 {%h0, %h1}, %a; mov.b32 {%h2, %h3}, %b; mov.b32 {%h4, %h5}, $3;"
+    " mov.b32 {%h0, %h1}, %a; mov.b32 {%h2, %h3}, %b; mov.b32 {%h4, %h5}, $3; mov.b32 {%h6, %h7}, $4;"
     " cvt.f32.f16 %f0, %h0; cvt.f32.f16 %f1, %h1; cvt.f32.f16 %f2, %h2; cvt.f32.f16 %f3, %h3;"
-    " cvt.f32.f16 %f4, %h4; mul.rn.f32 %f0, %f0, %f4; mul.rn.f32 %f1, %f1, %f4; mul.rn.f32 %f2, %f2, %f4;"
-    " mul.rn.f32 %f3, %f3, %f4; cvt.rn.bf16x2.f32 $0, %f1, %f0; cvt.rn.bf16x2.f32 $1, %f3, %f2; }")
+    " cvt.f32.f16 %f4, %h4; cvt.f32.f16 %f5, %h5; cvt.f32.f16 %f6, %h6; cvt.f32.f16 %f7, %h7;"
+    " mul.rn.f32 %f0, %f0, %f4; mul.rn.f32 %f1, %f1, %f5; mul.rn.f32 %f2, %f2, %f6; mul.rn.f32 %f3, %f3, %f7;"
+    " cvt.rn.bf16x2.f32 $0, %f1, %f0; cvt.rn.bf16x2.f32 $1, %f3, %f2; }")
 
 
 @triton.jit
 def _q8_weights(raw, d, ASM: tl.constexpr):
     """Weights ``[R, 32]``: ``d * code`` of the int8 codes ``raw`` (uint8 ``[R, 32]``),
     ``d`` float16 ``[R, 1]`` (Q8_0's scale as stored); bfloat16 decoded in PTX with
-    ``ASM`` (the product rounded once, as the float tile GEMM rounds it), else float32.
-    (Each 4-code pack reads the scale from its first register, ``$3``.)"""
+    ``ASM`` (the product rounded once, as the float tile GEMM rounds it), else float32."""
     s = tl.broadcast_to(d, raw.shape)
     if ASM:
         w = tl.inline_asm_elementwise(_Q8, "=r,=r,r,r,r", [raw, s], dtype=tl.bfloat16, is_pure=True, pack=4)

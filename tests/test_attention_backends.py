@@ -133,6 +133,22 @@ def test_fast_path_options_reach_the_engine_config(tmp_path):
         resolve({"attention_backend": "xformers"}, env={}, config_path=empty)
     with pytest.raises(SettingsError, match="--cuda-graph-max-batch: .*--no-cuda-graphs"):
         resolve({"cuda_graph_max_batch": 0}, env={}, config_path=empty)
+    # One sequence's prefill graphs: 512 tokens by default, 0 turns them off, no fewer.
+    assert default.prefill_graph_tokens == 512
+    off = resolve({}, env={"HEADROOM_PREFILL_GRAPH_TOKENS": "0"}, config_path=empty).engine_config()
+    assert off.prefill_graph_tokens == 0
+    with pytest.raises(SettingsError, match="--prefill-graph-tokens"):
+        resolve({"prefill_graph_tokens": -1}, env={}, config_path=empty)
+
+
+def test_prefill_graphs_skip_backends_that_plan_on_the_host():
+    """FlashInfer plans each step on the host (its replays would need the plan for an
+    extend too): its prefill runs eagerly; Triton's and torch's plan nothing there."""
+    from engine.core.prefill_graphs import backend_plans_on_host
+
+    assert backend_plans_on_host(backend_class("flashinfer"))
+    assert not backend_plans_on_host(backend_class("triton"))
+    assert not backend_plans_on_host(backend_class("torch"))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

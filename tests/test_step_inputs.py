@@ -61,3 +61,54 @@ def test_graph_batch_sizes_ladder():
     assert graph_batch_sizes(20) == [1, 2, 4, 8, 16, 20]  # the largest is always captured
     assert graph_batch_sizes(3) == [1, 2, 3]
     assert graph_batch_sizes(1) == [1]
+
+
+def test_prefill_graph_sizes_ladder():
+    from engine.core.prefill_graphs import prefill_graph_sizes
+
+    assert prefill_graph_sizes(512) == [16, 32, 64, 128, 256, 512]
+    assert prefill_graph_sizes(300) == [16, 32, 64, 128, 256, 300]  # the largest is always captured
+    assert prefill_graph_sizes(16) == [16]
+    assert prefill_graph_sizes(5) == [5]
+    assert prefill_graph_sizes(0) == []
+
+
+def test_a_prefill_graph_takes_one_unscored_sequence_that_fits():
+    from engine.core.prefill_graphs import graph_size_for
+
+    sizes = [16, 32, 64, 128]
+    a = _req("a", list(range(100, 140)), [], [1, 2, 3])
+    b = _req("b", [1, 2, 3], [], [4])
+    assert graph_size_for([StepItem(a, 0, 40, [], True)], sizes) == 64
+    assert graph_size_for([StepItem(a, 32, 8, [], False)], sizes) == 16
+    assert graph_size_for([StepItem(b, 0, 3, [], True), StepItem(a, 0, 40, [], True)], sizes) is None
+    assert graph_size_for([StepItem(a, 0, 40, [], True)], [16, 32]) is None  # longer than the largest
+    scored = _req("s", list(range(100, 140)), [], [1, 2, 3])
+    scored.sampling = SamplingParams(prompt_logprobs=2)
+    assert graph_size_for([StepItem(scored, 0, 40, [], True)], sizes) is None
+
+
+def test_prefill_graph_inputs_follow_the_step_inputs():
+    """The replay's buffer for a chunk after a cached prefix: the same ids, positions,
+    slots, lengths, logits row and page table as the eager step's batch, then padding
+    rows of token 0 at position 0 written to the null page."""
+    import numpy as np
+
+    from engine.core.prefill_graphs import write_inputs
+
+    ps, t, padded, width = 4, 32, 16, 5
+    a = _req("a", list(range(100, 115)), [], [7, 3, 9, 6])
+    item = StepItem(a, 4, 11, [], False)
+    batch = StepInputs(torch.device("cpu"), ps).build([item], is_decode=False)
+    h = np.full(3 * t + 5 + width, -1, dtype=np.int64)
+    write_inputs(h, item, padded, t, ps)
+    k = item.num_tokens
+    assert h[:k].tolist() == batch.input_ids.tolist()
+    assert h[t : t + k].tolist() == batch.positions.tolist()
+    assert h[2 * t : 2 * t + k].tolist() == batch.out_slots.tolist()
+    for section in (0, t, 2 * t):
+        assert h[section + k : section + padded].tolist() == [0] * (padded - k)
+    meta = [batch.seq_lens_device, batch.prefix_lens_device, batch.extend_lens_device, batch.extend_starts_device]
+    assert h[3 * t : 3 * t + 4].tolist() == [int(m[0]) for m in meta]
+    assert int(h[3 * t + 4]) == k - 1  # the last token's row
+    assert h[3 * t + 5 :].tolist() == [7, 3, 9, 6, 0]

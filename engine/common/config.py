@@ -262,7 +262,9 @@ class EngineConfig(KernelOptions):
 
     ``attention_backend``: ``auto`` (Triton on CUDA, torch elsewhere), ``triton``,
     ``flashinfer`` or ``torch``. ``cuda_graphs`` captures the decode step at batch sizes
-    up to ``cuda_graph_max_batch`` (capped by ``max_running_requests``).
+    up to ``cuda_graph_max_batch`` (capped by ``max_running_requests``), and one
+    sequence's prefill chunk of up to ``prefill_graph_tokens`` tokens (dense models;
+    capped by ``max_prefill_tokens``).
     """
 
     model: str | None = option(
@@ -389,6 +391,13 @@ class EngineConfig(KernelOptions):
         64,
         "Largest decode batch captured in a CUDA graph; larger batches run eagerly.",
         checks=(at_least(1, "turn graphs off with --no-cuda-graphs"),),
+    )
+    prefill_graph_tokens: int = option(
+        512,
+        "Largest one-sequence prefill chunk replayed from a CUDA graph (dense models, with "
+        "CUDA graphs on); longer chunks, and steps of several sequences, run eagerly. 0: "
+        "every prefill runs eagerly.",
+        checks=(at_least(0),),
     )
     # Auto (None): on the CPU, where the blocks (or their int4 repacking) decode the
     # default model faster in a fifth of float32's memory (docs/cpu.md); off on CUDA, where the block

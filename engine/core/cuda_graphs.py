@@ -65,7 +65,7 @@ log = logging.getLogger("headroom.engine")
 _CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
-def _capture_stream(device: torch.device) -> torch.cuda.Stream:
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _CAPTURE_STREAMS:
         _CAPTURE_STREAMS[index] = torch.cuda.Stream(device)
@@ -226,14 +226,12 @@ class DecodeGraphs:
     def _capture(self, b: int, *, warm: bool = True) -> None:
         started = time.perf_counter()
         batch = self._batches[b]
-        stream = _capture_stream(self.device)
+        stream = capture_stream(self.device)
         if warm:
             self._warm_up(b, stream)
         self._fill_dummy(b)
         graph = torch.cuda.CUDAGraph()
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=self.memory_pool(), stream=stream, capture_error_mode="thread_local"):
             logits = self.model(batch, self.attn)
             if self._logits is None:
                 # Allocated inside the first (largest) capture, from the graphs' pool.
@@ -249,12 +247,19 @@ class DecodeGraphs:
         self.captures += 1
         self.capture_seconds += time.perf_counter() - started
 
+    def memory_pool(self):
+        """The graphs' private memory pool (made at its first use, again after
+        :meth:`invalidate`); the prefill graphs (:mod:`engine.core.prefill_graphs`) share it."""
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        return self._pool
+
     @torch.inference_mode()
     def capture_all(self) -> int:
         """Capture every size (largest first, so smaller ones reuse its pool blocks);
         returns the device bytes the graphs hold (see :meth:`_held_bytes`)."""
         started = time.perf_counter()
-        stream = _capture_stream(self.device)
+        stream = capture_stream(self.device)
         torch.cuda.synchronize(self.device)
         allocated0 = torch.cuda.memory_allocated(self.device)
         for b in reversed(self.sizes):

@@ -244,6 +244,9 @@ class Engine(PlanStages, GrammarWaits, LiveReplan):
         if self._use_cuda_graphs:
             self.cuda_graph_bytes = self.runner.enable_cuda_graphs(
                 max_batch=self._cuda_graph_max_batch, max_context_tokens=model_ctx)
+            if self._prefill_graph_tokens:
+                self.cuda_graph_bytes += self.runner.enable_prefill_graphs(
+                    max_tokens=self._prefill_graph_tokens, max_context_tokens=model_ctx)
         if tp is not None and tp.is_leader:
             lead(self, tp)
         self._arrivals = itertools.count()

@@ -19,6 +19,7 @@ from engine.common.config import ModelConfig
 from engine.common.errors import PlanDoesNotFit
 from engine.core.cuda_graphs import DecodeGraphs
 from engine.core.footprint import kv_bytes_per_token, make_footprint
+from engine.core.prefill_graphs import PrefillGraphs, backend_plans_on_host
 from engine.core.profile import measure_step_peak, profile_pool_pages
 from engine.core.startup import attention_workspaces
 from engine.kvcache.pool import KVPool
@@ -85,22 +86,42 @@ class PlanStages:
 
 
     @property
+    def _prefill_graph_tokens(self) -> int:
+        """Largest one-sequence prefill chunk replayed from a CUDA graph, 0 for none
+        (:mod:`engine.core.prefill_graphs`): with the decode graphs, for dense models on
+        one GPU over a backend that plans nothing on the host; never above the chunk."""
+        mc = self.model_config
+        if (not self._use_cuda_graphs or mc.is_moe or self.expert_stores or self.tp is not None
+                or backend_plans_on_host(backend_class(self.attention_backend))):
+            return 0
+        return min(self.config.prefill_graph_tokens, self.config.max_prefill_tokens)
+
+
+    @property
     def _cuda_graph_max_batch(self) -> int:
         return min(self.config.cuda_graph_max_batch, self.config.max_running_requests)
 
 
     def _measure_cuda_graphs(self, model_ctx: int, probe_pool: KVPool) -> int:
-        """Capture the decode graphs over the profile run's small pool and return what
-        they took, then drop them: the plan charges it before the real pool is sized
+        """Capture the decode graphs (and the prefill graphs, into their pool) over the
+        profile run's small pool and return what they took, then drop them: the plan charges it before the real pool is sized
         (the real capture, over the real pool, takes the same: same shapes, same
         kernels)."""
         before_forward(self.expert_stores, 0)  # the warm-ups heat no offloaded expert
-        graphs = DecodeGraphs(self.model, self._attention(probe_pool), self.device, page_size=self.config.page_size,
+        attn = self._attention(probe_pool)
+        graphs = DecodeGraphs(self.model, attn, self.device, page_size=self.config.page_size,
                               max_batch=self._cuda_graph_max_batch, max_context_tokens=model_ctx)
+        prefill = None
         try:
-            return graphs.capture_all()
+            taken = graphs.capture_all()
+            if self._prefill_graph_tokens:
+                prefill = PrefillGraphs(self.model, attn, self.device, page_size=self.config.page_size,
+                                        max_tokens=self._prefill_graph_tokens, max_context_tokens=model_ctx,
+                                        shared_pool=graphs.memory_pool)
+                taken += prefill.capture_all()
+            return taken
         finally:
-            del graphs
+            del graphs, prefill
             torch.cuda.empty_cache()
 
 

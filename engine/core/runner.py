@@ -15,6 +15,7 @@ import torch
 from engine.common.faults import FaultInjector
 from engine.common.forward_batch import ForwardBatch
 from engine.core.cuda_graphs import DecodeGraphs
+from engine.core.prefill_graphs import PrefillGraphs
 from engine.core.step_inputs import StepInputs
 from engine.kvcache.pool import KVPool
 from engine.layers.attention.base import AttentionBackend
@@ -42,7 +43,9 @@ class ModelRunner:
         faults: the test-only :class:`engine.common.faults.FaultInjector`, from
             ``HEADROOM_FAULTS`` at construction, else None (see ``Engine.faults``).
         graphs: the decode step's CUDA graphs (:meth:`enable_cuda_graphs`), else None.
-        replayed: whether the last :meth:`forward` replayed a graph.
+        prefill_graphs: one sequence's prefill chunk's CUDA graphs
+            (:meth:`enable_prefill_graphs`), else None.
+        replayed: whether the last :meth:`forward` replayed a decode graph.
         logprobs: ``{request_id: TokenLogprobs}`` of the last :meth:`run`'s sampled
             tokens, for the requests that asked (``SamplingParams.logprobs``).
         prompt_logprobs: ``{request_id: [(prompt position, TokenLogprobs)]}`` of the
@@ -64,6 +67,7 @@ class ModelRunner:
         self.faults: FaultInjector | None = FaultInjector.from_env()
         self.inputs = StepInputs(device, pool.page_size)
         self.graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
         self.replayed = False
         self.logprobs: dict[str, TokenLogprobs] = {}
         self.prompt_logprobs: dict[str, list[tuple[int, TokenLogprobs]]] = {}
@@ -84,12 +88,30 @@ class ModelRunner:
         before_forward(self.expert_stores, 0)  # the warm-ups' dummy rows heat no expert
         return self.graphs.capture_all()
 
+    def enable_prefill_graphs(self, *, max_tokens: int, max_context_tokens: int) -> int:
+        """Capture one sequence's prefill chunk at every size up to ``max_tokens``
+        (:mod:`engine.core.prefill_graphs`: dense models, after :meth:`enable_cuda_graphs`,
+        whose memory pool they share); returns the device bytes the capture took.
+
+        Raises:
+            ValueError: the backend plans on the host, or no decode graphs.
+            torch.OutOfMemoryError: the capture did not fit.
+        """
+        if self.graphs is None:
+            raise ValueError("prefill graphs come after the decode graphs (enable_cuda_graphs)")
+        self.prefill_graphs = PrefillGraphs(self.model, self.attn, self.device, page_size=self.pool.page_size,
+                                            max_tokens=max_tokens, max_context_tokens=max_context_tokens,
+                                            shared_pool=self.graphs.memory_pool)
+        return self.prefill_graphs.capture_all()
+
     def pool_will_move(self) -> None:
         """The KV pool's buffers (or the expert caches') are about to be replaced (a
         resize): captured graphs hold their addresses, so drop them; they are captured
         again on next use."""
         if self.graphs is not None:
             self.graphs.invalidate()
+        if self.prefill_graphs is not None:
+            self.prefill_graphs.invalidate()
 
     def build_batch(self, plan: StepPlan) -> ForwardBatch:
         """Flatten the plan's chunks into one ragged batch (see :class:`ForwardBatch`)."""
@@ -109,6 +131,10 @@ class ModelRunner:
             if logits is not None:
                 self.replayed = True
                 after_forward(self.expert_stores, self.graphs.size_for(len(plan.items)))
+                return logits
+        if self.prefill_graphs is not None and not plan.is_decode:
+            logits = self.prefill_graphs.run(plan.items)
+            if logits is not None:
                 return logits
         batch = self.build_batch(plan)
         before_forward(self.expert_stores, len(batch.input_ids))

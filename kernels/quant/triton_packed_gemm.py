@@ -29,8 +29,8 @@ masks, the high halves' top bits ORed in), so a group's are one byte shift away.
 Against the float tile GEMM (:func:`kernels.quant.triton_kernel.quant_gemm`, about
 eleven instructions a weight, one at a time in float32) it took 51.8 against 179.6 us for
 the 8B shape's 28672 x 4096 Q4_K gate/up at 16 rows and 179.9 against 387.5 at 128 on an
-H200 (docs/benchmarks.md); Q5_K, Q4_0 and Q8_0 are checked against gguf's dequantizer in
-the interpreter and compile for sm_90, not yet timed. Triton's interpreter runs no PTX: there the same decode runs in
+H200 (docs/benchmarks.md); Q5_K, Q4_0 and Q8_0 equal gguf's dequantizer compiled on the
+H200 too (tests/test_quant_gemm.py, tests/gpu/test_quant_gpu.py), not yet timed. Triton's interpreter runs no PTX: there the same decode runs in
 float32 (and the product in IEEE float32), the tests' reference path.
 """
 

@@ -19,7 +19,7 @@ from engine.common.config import ModelConfig
 from engine.common.errors import PlanDoesNotFit
 from engine.core.cuda_graphs import DecodeGraphs
 from engine.core.footprint import kv_bytes_per_token, make_footprint
-from engine.core.prefill_graphs import PrefillGraphs, backend_plans_on_host
+from engine.core.prefill_graphs import PrefillGraphs, backend_plans_on_host, capture_failure
 from engine.core.profile import measure_step_peak, profile_pool_pages
 from engine.core.startup import attention_workspaces
 from engine.kvcache.pool import KVPool
@@ -62,6 +62,7 @@ class PlanStages:
 
 
     _graph_bytes_measured: int | None = None
+    _prefill_capture_failed = False  # the plan's capture found the model's extend uncapturable
 
 
     @property
@@ -92,6 +93,7 @@ class PlanStages:
         one GPU over a backend that plans nothing on the host; never above the chunk."""
         mc = self.model_config
         if (not self._use_cuda_graphs or mc.is_moe or self.expert_stores or self.tp is not None
+                or self._prefill_capture_failed
                 or backend_plans_on_host(backend_class(self.attention_backend))):
             return 0
         return min(self.config.prefill_graph_tokens, self.config.max_prefill_tokens)
@@ -118,7 +120,10 @@ class PlanStages:
                 prefill = PrefillGraphs(self.model, attn, self.device, page_size=self.config.page_size,
                                         max_tokens=self._prefill_graph_tokens, max_context_tokens=model_ctx,
                                         shared_pool=graphs.memory_pool)
-                taken += prefill.capture_all()
+                prefill_bytes = capture_failure(prefill.capture_all)
+                if prefill_bytes is None:
+                    self._prefill_capture_failed = True
+                taken += prefill_bytes or 0
             return taken
         finally:
             del graphs, prefill

@@ -103,6 +103,26 @@ def write_inputs(h: np.ndarray, item, padded: int, max_tokens: int, page_size: i
     h[meta : meta + 5] = (start + k, start, k, 0, k - 1)
 
 
+def capture_failure(capture: Callable[[], int]) -> int | None:
+    """``capture()`` (a :meth:`PrefillGraphs.capture_all`), or None where the model's
+    extend cannot be captured (a ``RuntimeError`` other than running out of memory: a
+    host sync, or a tensor built on the host, inside its forward), logged: its prefill
+    then runs eagerly rather than the engine failing to start.
+
+    Raises:
+        torch.OutOfMemoryError: the capture did not fit (the plan decides what follows).
+    """
+    try:
+        return capture()
+    except torch.OutOfMemoryError:
+        raise
+    except RuntimeError as exc:
+        log.warning("CUDA graphs: this model's prefill cannot be captured (%s); one sequence's prefill runs eagerly",
+                    str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        torch.cuda.synchronize()
+        return None
+
+
 class PrefillGraphs:
     """The one-sequence prefill's CUDA graphs for one model, backend and KV pool.
 

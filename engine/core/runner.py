@@ -15,7 +15,7 @@ import torch
 from engine.common.faults import FaultInjector
 from engine.common.forward_batch import ForwardBatch
 from engine.core.cuda_graphs import DecodeGraphs
-from engine.core.prefill_graphs import PrefillGraphs
+from engine.core.prefill_graphs import PrefillGraphs, capture_failure
 from engine.core.step_inputs import StepInputs
 from engine.kvcache.pool import KVPool
 from engine.layers.attention.base import AttentionBackend
@@ -93,16 +93,24 @@ class ModelRunner:
         (:mod:`engine.core.prefill_graphs`: dense models, after :meth:`enable_cuda_graphs`,
         whose memory pool they share); returns the device bytes the capture took.
 
+        A model whose extend cannot be captured (a host sync or a host-built tensor in
+        its forward: :func:`engine.core.prefill_graphs.capture_failure`) keeps prefilling
+        eagerly, logged, and this returns 0.
+
         Raises:
             ValueError: the backend plans on the host, or no decode graphs.
             torch.OutOfMemoryError: the capture did not fit.
         """
         if self.graphs is None:
             raise ValueError("prefill graphs come after the decode graphs (enable_cuda_graphs)")
-        self.prefill_graphs = PrefillGraphs(self.model, self.attn, self.device, page_size=self.pool.page_size,
-                                            max_tokens=max_tokens, max_context_tokens=max_context_tokens,
-                                            shared_pool=self.graphs.memory_pool)
-        return self.prefill_graphs.capture_all()
+        graphs = PrefillGraphs(self.model, self.attn, self.device, page_size=self.pool.page_size,
+                               max_tokens=max_tokens, max_context_tokens=max_context_tokens,
+                               shared_pool=self.graphs.memory_pool)
+        taken = capture_failure(graphs.capture_all)
+        if taken is None:
+            return 0
+        self.prefill_graphs = graphs
+        return taken
 
     def pool_will_move(self) -> None:
         """The KV pool's buffers (or the expert caches') are about to be replaced (a

@@ -95,3 +95,32 @@ def test_prefill_graph_of_gguf_blocks_equals_eager(tmp_path):
     assert float((got - eager).abs().max()) <= 2**-6 * scale
     for have, want in zip(kv_rows(), want_kv, strict=True):
         assert float((have - want).abs().max()) <= 2**-6 * float(want.abs().max()) + 1e-6
+
+
+def test_a_model_whose_prefill_cannot_be_captured_prefills_eagerly(tmp_path, monkeypatch, caplog):
+    """A capture that fails for a reason other than memory (here a host sync inside the
+    captured forward, as a model's extend path could hold): the engine starts anyway,
+    logs it, and prefills eagerly with the same greedy ids."""
+    import logging
+
+    from engine.core import prefill_graphs
+
+    prompts = _random_prompts(2, lengths=(40, 77))
+    eager = _shape_engine(tmp_path / "eager", kv_cache=1 << 30, max_running_requests=4, prefill_graph_tokens=0)
+    want = _one_by_one(eager, prompts + prompts[:1])
+    del eager
+    forward = prefill_graphs.PrefillGraphs._capture
+
+    def syncing_capture(self, size):
+        self.model.forward = lambda batch, attn: batch.input_ids.sum().item()  # an instance attribute
+        try:
+            forward(self, size)
+        finally:
+            del self.model.forward
+
+    monkeypatch.setattr(prefill_graphs.PrefillGraphs, "_capture", syncing_capture)
+    caplog.set_level(logging.WARNING, logger="headroom.engine")
+    engine = _shape_engine(tmp_path / "graphs", kv_cache=1 << 30, max_running_requests=4)
+    assert engine.runner.prefill_graphs is None and engine.runner.graphs is not None
+    assert any("prefill cannot be captured" in r.getMessage() for r in caplog.records)
+    assert _one_by_one(engine, prompts + prompts[:1]) == want

@@ -142,13 +142,14 @@ def test_fast_path_options_reach_the_engine_config(tmp_path):
 
 
 def test_prefill_graphs_skip_backends_that_plan_on_the_host():
-    """FlashInfer plans each step on the host (its replays would need the plan for an
-    extend too): its prefill runs eagerly; Triton's and torch's plan nothing there."""
+    """FlashInfer's graphs need a plan made on the host before each replay
+    (``graph_plan``), which the prefill graphs do not make: its prefill runs eagerly.
+    Triton's need none; torch's backend is never captured (``supports_cuda_graphs``)."""
     from engine.core.prefill_graphs import backend_plans_on_host
 
     assert backend_plans_on_host(backend_class("flashinfer"))
     assert not backend_plans_on_host(backend_class("triton"))
-    assert not backend_plans_on_host(backend_class("torch"))
+    assert not backend_plans_on_host(backend_class("torch")) and not backend_class("torch").supports_cuda_graphs
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -244,9 +244,11 @@ class Engine(PlanStages, GrammarWaits, LiveReplan):
         if self._use_cuda_graphs:
             self.cuda_graph_bytes = self.runner.enable_cuda_graphs(
                 max_batch=self._cuda_graph_max_batch, max_context_tokens=model_ctx)
-            if self._prefill_graph_tokens:
+            # Up to the chunk the plan fitted (it may have halved --max-prefill-tokens).
+            prefill_graph_tokens = min(self._prefill_graph_tokens, self.knobs.max_prefill_tokens)
+            if prefill_graph_tokens:
                 self.cuda_graph_bytes += self.runner.enable_prefill_graphs(
-                    max_tokens=self._prefill_graph_tokens, max_context_tokens=model_ctx)
+                    max_tokens=prefill_graph_tokens, max_context_tokens=model_ctx)
         if tp is not None and tp.is_leader:
             lead(self, tp)
         self._arrivals = itertools.count()

@@ -19,7 +19,7 @@ from engine.common.config import ModelConfig
 from engine.common.errors import PlanDoesNotFit
 from engine.core.cuda_graphs import DecodeGraphs
 from engine.core.footprint import kv_bytes_per_token, make_footprint
-from engine.core.prefill_graphs import PrefillGraphs, backend_plans_on_host, capture_failure
+from engine.core.prefill_graphs import PrefillGraphs, backend_plans_on_host
 from engine.core.profile import measure_step_peak, profile_pool_pages
 from engine.core.startup import attention_workspaces
 from engine.kvcache.pool import KVPool
@@ -62,7 +62,7 @@ class PlanStages:
 
 
     _graph_bytes_measured: int | None = None
-    _prefill_capture_failed = False  # the plan's capture found the model's extend uncapturable
+    _prefill_capture_failed = False  # the plan's probe could not capture the prefill graphs
 
 
     @property
@@ -90,7 +90,8 @@ class PlanStages:
     def _prefill_graph_tokens(self) -> int:
         """Largest one-sequence prefill chunk replayed from a CUDA graph, 0 for none
         (:mod:`engine.core.prefill_graphs`): with the decode graphs, for dense models on
-        one GPU over a backend that plans nothing on the host; never above the chunk."""
+        one GPU over a backend that plans nothing on the host; never above the configured
+        chunk (the engine caps it again at the chunk the plan fitted)."""
         mc = self.model_config
         if (not self._use_cuda_graphs or mc.is_moe or self.expert_stores or self.tp is not None
                 or self._prefill_capture_failed
@@ -106,9 +107,10 @@ class PlanStages:
 
     def _measure_cuda_graphs(self, model_ctx: int, probe_pool: KVPool) -> int:
         """Capture the decode graphs (and the prefill graphs, into their pool) over the
-        profile run's small pool and return what they took, then drop them: the plan charges it before the real pool is sized
-        (the real capture, over the real pool, takes the same: same shapes, same
-        kernels)."""
+        profile run's small pool and return what they took, then drop them: the plan
+        charges it before the real pool is sized (the real capture, over the real pool,
+        takes the same or less: same shapes and kernels, the prefill graphs up to the
+        configured chunk here, up to the fitted one there)."""
         before_forward(self.expert_stores, 0)  # the warm-ups heat no offloaded expert
         attn = self._attention(probe_pool)
         graphs = DecodeGraphs(self.model, attn, self.device, page_size=self.config.page_size,
@@ -120,7 +122,13 @@ class PlanStages:
                 prefill = PrefillGraphs(self.model, attn, self.device, page_size=self.config.page_size,
                                         max_tokens=self._prefill_graph_tokens, max_context_tokens=model_ctx,
                                         shared_pool=graphs.memory_pool)
-                prefill_bytes = capture_failure(prefill.capture_all)
+                try:
+                    prefill_bytes = prefill.capture_all()
+                except torch.OutOfMemoryError:
+                    # Not worth failing a start that fits without them: prefill runs eagerly.
+                    log.warning("CUDA graphs: no memory for the one-sequence prefill graphs in the plan's probe; "
+                                "prefill runs eagerly")
+                    prefill_bytes = None
                 if prefill_bytes is None:
                     self._prefill_capture_failed = True
                 taken += prefill_bytes or 0
@@ -178,7 +186,7 @@ class PlanStages:
         torch.cuda.empty_cache()
         growth.append(self._outside_allocator_growth())
         log.info("CUDA context growth outside the allocator since the plan's probe: %.0f MiB after the weights, "
-                 "%.0f MiB after the profile step, %.0f MiB after the decode graphs' capture (if any)",
+                 "%.0f MiB after the profile step, %.0f MiB after the CUDA graphs' capture (if any)",
                  *(g / 2**20 for g in growth))
         runtime = self._runtime_bytes()
         if peak is None:

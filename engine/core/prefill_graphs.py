@@ -1,9 +1,10 @@
 """CUDA graphs of a one-sequence prefill chunk.
 
 A short prompt's prefill is as many kernels as a decode step, each launched from Python:
-on an H200, one prompt of 128 tokens through an 8B-shape Q4_K_M model took 19.0 ms of
-wall time for 3.7 ms of kernels on its first 8 layers (``python -m engine.bench.quant
---layers 8 --profile-prefill 128``): the host's launches, not the GPU, bound it. So,
+on an H200, one prompt of 128 tokens through an 8B-shape Q4_K_M model took 9.3 ms of
+wall time for 3.4 ms of kernels on its first 8 layers (``python -m engine.bench.quant
+--layers 8 --profile-prefill 128``; replayed, 3.55 ms): the host's launches, not the
+GPU, bound it. So,
 as the decode step (:mod:`engine.core.cuda_graphs`), the forward of one sequence's
 extend of up to ``--prefill-graph-tokens`` tokens is captured once per size of a ladder
 (16, 32, 64, ... tokens) and replayed: a chunk of ``T`` tokens runs the graph of the
@@ -20,9 +21,11 @@ router would route padding rows too, and a hybrid model's state kernels read the
 lengths on the host).
 
 What takes a graph: one sequence, no scored prompt (prompt logprobs want every row's
-logits), at most the largest size, on a backend whose kernels plan nothing on the host
-(:meth:`engine.layers.attention.base.AttentionBackend.graph_plan` not overridden). Any
-other step runs eagerly. Inputs live in one persistent device buffer laid out as ``[ids
+logits), at most the largest size, on a backend with ``supports_cuda_graphs`` whose
+graphs need no plan made on the host before each replay
+(:meth:`engine.layers.attention.base.AttentionBackend.graph_plan` not overridden, as
+FlashInfer's is), and a model whose forward reads nothing back from the device
+(:meth:`PrefillGraphs.capturable`). Any other step runs eagerly. Inputs live in one persistent device buffer laid out as ``[ids
 | positions | slots | seq_len, prefix_len, extend_len, extend_start, logits row | page
 table row]`` for the largest size.
 
@@ -75,9 +78,10 @@ def graph_size_for(items: Sequence, sizes: Sequence[int]) -> int | None:
 
 
 def backend_plans_on_host(backend: AttentionBackend | type[AttentionBackend]) -> bool:
-    """Whether ``backend`` (an attention backend or its class) plans each step on the host
-    (its graph replays would need that plan for an extend too): such a backend's prefill
-    runs eagerly."""
+    """Whether ``backend`` (an attention backend or its class) overrides
+    :meth:`~engine.layers.attention.base.AttentionBackend.graph_plan`: its decode graphs
+    need a plan made on the host before each replay, which the prefill graphs do not
+    make, so its prefill runs eagerly (FlashInfer's)."""
     cls = backend if isinstance(backend, type) else type(backend)
     return cls.graph_plan is not AttentionBackend.graph_plan
 
@@ -101,26 +105,6 @@ def write_inputs(h: np.ndarray, item, padded: int, max_tokens: int, page_size: i
     slots[:k] = table[pos[:k] // ps] * ps + pos[:k] % ps
     ids[k:] = pos[k:] = slots[k:] = 0
     h[meta : meta + 5] = (start + k, start, k, 0, k - 1)
-
-
-def capture_failure(capture: Callable[[], int]) -> int | None:
-    """``capture()`` (a :meth:`PrefillGraphs.capture_all`), or None where the model's
-    extend cannot be captured (a ``RuntimeError`` other than running out of memory: a
-    host sync, or a tensor built on the host, inside its forward), logged: its prefill
-    then runs eagerly rather than the engine failing to start.
-
-    Raises:
-        torch.OutOfMemoryError: the capture did not fit (the plan decides what follows).
-    """
-    try:
-        return capture()
-    except torch.OutOfMemoryError:
-        raise
-    except RuntimeError as exc:
-        log.warning("CUDA graphs: this model's prefill cannot be captured (%s); one sequence's prefill runs eagerly",
-                    str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-        torch.cuda.synchronize()
-        return None
 
 
 class PrefillGraphs:
@@ -218,16 +202,39 @@ class PrefillGraphs:
 
     # -- capture and replay --------------------------------------------------------------
 
-    def _capture(self, size: int) -> None:
-        batch = self._batches[size]
+    def _warm_up(self, size: int) -> None:
+        """One eager forward at ``size`` on the capture stream (torch's recipe): Triton
+        compiles, the block GEMMs time their tilings at this size, the allocator settles."""
         stream = capture_stream(self.device)
-        # One eager run on the capture stream first (torch's recipe): Triton compiles, the
-        # block GEMMs time their tilings at this size, the allocator settles.
         self._fill_dummy(size)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            self.model(batch, self.attn)
+            self.model(self._batches[size], self.attn)
         torch.cuda.current_stream(self.device).wait_stream(stream)
+
+    def capturable(self) -> bool:
+        """Whether the model's extend can be captured: one more eager forward at the
+        largest size (after the warm-ups, so nothing in it times or compiles) with torch
+        failing any host sync (``torch.cuda.set_sync_debug_mode``). A forward that syncs
+        (a ``.item()``, a tensor read back) is found here, before any capture: a capture
+        that fails half-way leaves its stream and memory pool in use. Logs why not."""
+        before = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            self._warm_up(self.max_tokens)
+        except RuntimeError as exc:
+            if "synchronizing" not in str(exc):
+                raise
+            log.warning("CUDA graphs: this model's prefill reads back from the device (%s); one sequence's "
+                        "prefill runs eagerly", str(exc).splitlines()[0])
+            return False
+        finally:
+            torch.cuda.set_sync_debug_mode(before)
+        return True
+
+    def _capture(self, size: int) -> None:
+        """Record the graph of ``size`` (warmed up before)."""
+        stream = capture_stream(self.device)
         self._fill_dummy(size)
         graph = torch.cuda.CUDAGraph()
         if self._shared_pool is not None:
@@ -236,7 +243,7 @@ class PrefillGraphs:
             self._pool = self._pool or torch.cuda.graph_pool_handle()
             pool = self._pool
         with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-            logits = self.model(batch, self.attn)
+            logits = self.model(self._batches[size], self.attn)
             if self._logits is None:
                 self._logits = torch.empty((1, logits.shape[1]), dtype=logits.dtype, device=self.device)
             self._logits.copy_(logits)
@@ -244,15 +251,30 @@ class PrefillGraphs:
         self._graphs[size] = graph
         self.captures += 1
 
+    def _capture_sizes(self) -> None:
+        """Warm every size up, then capture them largest first (so the smaller ones reuse
+        the largest one's pool blocks)."""
+        for size in reversed(self.sizes):
+            self._warm_up(size)
+        for size in reversed(self.sizes):
+            self._capture(size)
+
     @torch.inference_mode()
-    def capture_all(self) -> int:
-        """Capture every size, largest first; returns the device bytes the capture took
-        (the pool's growth, graph executables, the input buffer).
+    def capture_all(self) -> int | None:
+        """Warm every size up, check the forward syncs nothing (:meth:`capturable`), then
+        capture every size, largest first. Returns the device bytes the capture took (the
+        pool's growth and the graph executables, measured after the warm-ups so their
+        kernel modules are not counted here, plus the input buffer), or None where the
+        model cannot be captured (nothing was captured; its prefill runs eagerly).
 
         Raises:
-            torch.OutOfMemoryError: a capture did not fit.
+            torch.OutOfMemoryError: a warm-up or capture did not fit.
         """
         started = time.perf_counter()
+        for size in reversed(self.sizes):
+            self._warm_up(size)
+        if not self.capturable():
+            return None
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         free0, _ = torch.cuda.mem_get_info(self.device)
@@ -269,26 +291,24 @@ class PrefillGraphs:
     def run(self, items: Sequence) -> torch.Tensor | None:
         """Replay the prefill of ``items`` (one ``StepItem``); returns ``[1, V]`` float32
         logits of its last token (a view of the graph's output, valid until the next
-        replay), or None when this step runs eagerly (:meth:`size_for`).
-
-        Raises:
-            torch.OutOfMemoryError: never from the replay; a capture that runs out of
-                memory is logged and that size runs eagerly until the next
-                :meth:`invalidate`.
+        replay), or None when this step runs eagerly (:meth:`size_for`). The first replay
+        after :meth:`invalidate` captures every size again, largest first; if that runs
+        out of memory (logged), prefills run eagerly until the next :meth:`invalidate`.
         """
         padded = self.size_for(items)
         if padded is None:
             return None
-        if padded not in self._graphs:
+        if not self._graphs:
             try:
                 with torch.inference_mode():
-                    self._capture(padded)
+                    self._capture_sizes()
             except torch.OutOfMemoryError:
-                self._failed.add(padded)
-                self._graphs.pop(padded, None)
-                log.warning("CUDA graphs: no memory to capture a prefill of %d tokens; it runs eagerly until "
-                            "the next KV pool resize", padded)
+                self._failed.update(self.sizes)
+                self._graphs.clear()
+                log.warning("CUDA graphs: no memory to capture the prefill graphs again; one sequence's "
+                            "prefill runs eagerly until the next KV pool resize")
                 return None
+            log.info("CUDA graphs: re-captured one-sequence prefill at %s tokens", ",".join(map(str, self.sizes)))
         self._fill(items[0], padded)
         self._graphs[padded].replay()
         self.replays += 1

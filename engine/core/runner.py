@@ -3,6 +3,8 @@
 The step loop on a GPU: the step's integers go to the device in one copy from pinned
 memory (:class:`engine.core.step_inputs.StepInputs`), a decode step replays a CUDA graph when
 one is captured for its (padded) batch size (:class:`engine.core.cuda_graphs.DecodeGraphs`),
+one sequence's prefill chunk one captured for its padded length
+(:class:`engine.core.prefill_graphs.PrefillGraphs`),
 and the only host sync is reading the sampled ids back. A replayed step whose requests
 are all greedy, unpenalized and unmasked (no grammar, no forced token) takes the ids
 the graph picked (no sampling launch).
@@ -15,7 +17,7 @@ import torch
 from engine.common.faults import FaultInjector
 from engine.common.forward_batch import ForwardBatch
 from engine.core.cuda_graphs import DecodeGraphs
-from engine.core.prefill_graphs import PrefillGraphs, capture_failure
+from engine.core.prefill_graphs import PrefillGraphs
 from engine.core.step_inputs import StepInputs
 from engine.kvcache.pool import KVPool
 from engine.layers.attention.base import AttentionBackend
@@ -93,8 +95,8 @@ class ModelRunner:
         (:mod:`engine.core.prefill_graphs`: dense models, after :meth:`enable_cuda_graphs`,
         whose memory pool they share); returns the device bytes the capture took.
 
-        A model whose extend cannot be captured (a host sync or a host-built tensor in
-        its forward: :func:`engine.core.prefill_graphs.capture_failure`) keeps prefilling
+        A model whose extend cannot be captured (its forward reads back from the device:
+        :meth:`engine.core.prefill_graphs.PrefillGraphs.capturable`) keeps prefilling
         eagerly, logged, and this returns 0.
 
         Raises:
@@ -106,7 +108,7 @@ class ModelRunner:
         graphs = PrefillGraphs(self.model, self.attn, self.device, page_size=self.pool.page_size,
                                max_tokens=max_tokens, max_context_tokens=max_context_tokens,
                                shared_pool=self.graphs.memory_pool)
-        taken = capture_failure(graphs.capture_all)
+        taken = graphs.capture_all()
         if taken is None:
             return 0
         self.prefill_graphs = graphs
@@ -130,8 +132,8 @@ class ModelRunner:
 
     def forward(self, plan: StepPlan) -> torch.Tensor:
         """``[S, V]`` float32 logits of the plan's sampling rows: a graph replay for a
-        decode step of a captured size, else the model run eagerly. ``replayed`` says
-        which."""
+        decode step of a captured size (``replayed`` then True) or for one sequence's
+        prefill chunk that fits a prefill graph, else the model run eagerly."""
         self.replayed = False
         if self.graphs is not None and plan.is_decode:
             before_forward(self.expert_stores, len(plan.items))

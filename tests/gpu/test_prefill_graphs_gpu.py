@@ -98,29 +98,28 @@ def test_prefill_graph_of_gguf_blocks_equals_eager(tmp_path):
 
 
 def test_a_model_whose_prefill_cannot_be_captured_prefills_eagerly(tmp_path, monkeypatch, caplog):
-    """A capture that fails for a reason other than memory (here a host sync inside the
-    captured forward, as a model's extend path could hold): the engine starts anyway,
-    logs it, and prefills eagerly with the same greedy ids."""
+    """A model whose extend forward reads back from the device (here a ``.item()``, as
+    a model's prefill path could hold): the check before any capture finds it, nothing
+    is captured, the engine starts and logs it, and prefills eagerly with the same
+    greedy ids; its decode graphs are untouched."""
     import logging
 
-    from engine.core import prefill_graphs
+    from engine.models.decoder import CausalLM
 
-    prompts = _random_prompts(2, lengths=(40, 77))
+    prompts = _random_prompts(3, lengths=(40, 77, 130))
     eager = _shape_engine(tmp_path / "eager", kv_cache=1 << 30, max_running_requests=4, prefill_graph_tokens=0)
-    want = _one_by_one(eager, prompts + prompts[:1])
+    want = _one_by_one(eager, prompts)
     del eager
-    forward = prefill_graphs.PrefillGraphs._capture
+    forward = CausalLM.forward
 
-    def syncing_capture(self, size):
-        self.model.forward = lambda batch, attn: batch.input_ids.sum().item()  # an instance attribute
-        try:
-            forward(self, size)
-        finally:
-            del self.model.forward
+    def syncing(self, batch, attn):
+        if not batch.is_decode:
+            batch.input_ids.sum().item()
+        return forward(self, batch, attn)
 
-    monkeypatch.setattr(prefill_graphs.PrefillGraphs, "_capture", syncing_capture)
+    monkeypatch.setattr(CausalLM, "forward", syncing)
     caplog.set_level(logging.WARNING, logger="headroom.engine")
     engine = _shape_engine(tmp_path / "graphs", kv_cache=1 << 30, max_running_requests=4)
     assert engine.runner.prefill_graphs is None and engine.runner.graphs is not None
-    assert any("prefill cannot be captured" in r.getMessage() for r in caplog.records)
-    assert _one_by_one(engine, prompts + prompts[:1]) == want
+    assert any("prefill reads back from the device" in r.getMessage() for r in caplog.records)
+    assert _one_by_one(engine, prompts) == want

@@ -164,7 +164,10 @@ class Scheduler:
     # -- planning -----------------------------------------------------------------------
 
     def schedule(self) -> StepPlan | None:
-        """Plan the next step: all decodes, then prefill chunks within the token budget.
+        """Plan the next step: all decodes, then prefill chunks within the token budget:
+        first the waiting requests at the head of the queue whose whole prompt fits in a
+        quarter of the budget (:meth:`_admit_short`), then the running prefills, then
+        further waiting requests.
 
         Returns None when nothing can run.
         """
@@ -177,6 +180,7 @@ class Scheduler:
             if item is not None:
                 plan.items.append(item)
                 budget -= 1
+        budget -= self._admit_short(plan, budget)
         for req in list(self.running):
             if req.phase is Phase.PREFILL and budget > 0 and req in self.running:
                 item = self._plan_chunk(req, budget, admitted=False)
@@ -194,6 +198,29 @@ class Scheduler:
             plan.items.append(item)
             budget -= item.num_tokens
         return plan if plan.items else None
+
+    def _admit_short(self, plan: StepPlan, budget: int) -> int:
+        """While a long prompt is prefilling, admit the short prompts waiting at the head
+        of the queue into this step (whole prompts, a quarter of ``budget`` in all), so
+        a short chat's first token does not wait for every chunk of a long prompt that
+        came before it; the long prompt keeps at least three quarters of each step.
+        Returns the tokens planned."""
+        if not any(r.phase is Phase.PREFILL for r in self.running):
+            return 0
+        share = budget // 4
+        planned = 0
+        while self.waiting and len(self.running) < self.max_running_requests:
+            req = self.waiting[0]
+            if req.pending_len > share - planned:
+                break
+            item = self._admit(req, share - planned)
+            if item is None:
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+            plan.items.append(item)
+            planned += item.num_tokens
+        return planned
 
     def _plan_decode(self, req: Request, plan: StepPlan) -> StepItem | None:
         while True:

@@ -1,0 +1,85 @@
+"""Chunked prefill and a short prompt behind a long one: the scheduler's plans, step by
+step (no model): a short chat that arrives while a long prompt is prefilling gets its
+whole prompt into the next step, beside the long prompt's chunk and every decode,
+instead of waiting for all of the long prompt's chunks."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.kvcache.allocator import PageAllocator
+from engine.sampling.state import SamplingState
+from engine.scheduler.request import Phase, Request
+from engine.scheduler.scheduler import Scheduler, SchedulerConfig
+from engine.wire.messages import SamplingParams
+
+CHUNK = 512
+
+
+def _scheduler(radix=None) -> Scheduler:
+    config = SchedulerConfig(page_size=16, max_running_requests=8, max_prefill_tokens=CHUNK,
+                             max_context_tokens=16384)
+    return Scheduler(config, PageAllocator(2048), radix)
+
+
+def _req(rid: str, n: int, arrival: int) -> Request:
+    sampling = SamplingParams(max_new_tokens=4)
+    prompt = list(range(1, n + 1))
+    return Request(request_id=rid, prompt_ids=prompt, sampling=sampling,
+                   state=SamplingState(sampling, prompt, 8192, torch.device("cpu")), arrival=arrival)
+
+
+def _run(sched: Scheduler, plan) -> None:
+    sched.commit(plan, {it.req.request_id: 7 for it in plan.items if it.samples})
+
+
+def test_a_short_prompt_is_admitted_beside_a_long_prefill():
+    sched = _scheduler()
+    sched.add(_req("long", 4000, 0))
+    _run(sched, sched.schedule())  # the long prompt's first chunk
+    sched.add(_req("short", 40, 1))
+    sched.add(_req("short2", 80, 2))
+    plan = sched.schedule()
+    by_id = {it.req.request_id: it for it in plan.items}
+    # Both short prompts whole (120 tokens, within a quarter of the chunk), the long
+    # prompt's chunk the rest of the budget.
+    assert by_id["short"].num_tokens == 40 and by_id["short"].samples
+    assert by_id["short2"].num_tokens == 80 and by_id["short2"].samples
+    assert by_id["long"].num_tokens == CHUNK - 120
+    assert sum(it.num_tokens for it in plan.items) == CHUNK
+    _run(sched, plan)
+    # Next step: the short ones decode, the long one keeps prefilling.
+    plan = sched.schedule()
+    by_id = {it.req.request_id: it for it in plan.items}
+    assert by_id["short"].num_tokens == by_id["short2"].num_tokens == 1
+    assert by_id["long"].num_tokens == CHUNK - 2
+
+
+def test_a_long_prompt_behind_a_long_prefill_waits_and_the_long_one_keeps_most_of_a_step():
+    sched = _scheduler()
+    sched.add(_req("first", 4000, 0))
+    _run(sched, sched.schedule())
+    sched.add(_req("second", 3000, 1))  # longer than a quarter chunk: waits its turn
+    sched.add(_req("short", 20, 2))  # behind it in the queue: arrival order is kept
+    plan = sched.schedule()
+    assert [it.req.request_id for it in plan.items] == ["first"]
+    assert plan.items[0].num_tokens == CHUNK
+    # Short prompts never take more than a quarter of a step from a running prefill.
+    sched = _scheduler()
+    sched.add(_req("long", 4000, 0))
+    _run(sched, sched.schedule())
+    for i in range(6):
+        sched.add(_req(f"s{i}", 60, 1 + i))
+    plan = sched.schedule()
+    shorts = [it for it in plan.items if it.req.request_id.startswith("s")]
+    assert len(shorts) == 2 and sum(it.num_tokens for it in shorts) <= CHUNK // 4
+    assert next(it for it in plan.items if it.req.request_id == "long").num_tokens == CHUNK - 120
+
+
+def test_without_a_running_prefill_the_queue_is_served_in_order():
+    sched = _scheduler()
+    sched.add(_req("a", 300, 0))
+    sched.add(_req("b", 50, 1))
+    plan = sched.schedule()
+    assert [(it.req.request_id, it.num_tokens) for it in plan.items] == [("a", 300), ("b", 50)]
+    assert all(it.req.phase is Phase.PREFILL for it in plan.items)

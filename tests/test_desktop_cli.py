@@ -133,6 +133,33 @@ def test_log_file_rotates_at_the_documented_size(tmp_path):
         root.setLevel(saved[1])
 
 
+def test_a_logged_request_path_cannot_forge_a_log_line(tmp_path):
+    """What a request sends reaches the log (a refused path, a model name): its control
+    characters are escaped, so one record stays one line and the file stays text."""
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        path = setup_logging("info", str(tmp_path / "h.log"))
+        forged = "/v1/models/x\n2026-12-04 17:00:00,000 ERROR   headroom.supervisor: FAKE worker crashed\x00\u2028"
+        logging.getLogger("headroom.api").info("GET %s -> 404 not_found", forged)
+        try:
+            raise ValueError("a traceback keeps its lines")
+        except ValueError:
+            logging.getLogger("headroom.api").exception("unexpected error in GET /x")
+        root.handlers[0].flush()
+        lines = path.read_text(encoding="utf-8").splitlines()
+        assert "\x00" not in path.read_text(encoding="utf-8")
+        assert lines[0].endswith("GET /v1/models/x\\n2026-12-04 17:00:00,000 ERROR   headroom.supervisor: FAKE "
+                                 "worker crashed\\x00\\u2028 -> 404 not_found")
+        assert not any(line.startswith("2026-12-04 17:00:00,000 ERROR") for line in lines)
+        assert lines[1].endswith("unexpected error in GET /x") and lines[2] == "Traceback (most recent call last):"
+    finally:
+        for h in root.handlers:
+            h.close()
+        root.handlers[:] = saved[0]
+        root.setLevel(saved[1])
+
+
 def test_serve_logs_to_the_user_log_dir_with_log_file_auto(start_server, tmp_path):
     log_dir = tmp_path / "user-logs"
     server = start_server(["--log-file", "auto"], {"HEADROOM_LOG_DIR": str(log_dir)}, fake=True)

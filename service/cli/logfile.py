@@ -21,6 +21,21 @@ MAX_BYTES = 10 * MiB
 BACKUP_COUNT = 5
 LOG_FILE_NAME = "headroom.log"
 FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
+# Control characters (C0, DEL, C1, the Unicode line and paragraph separators) as Python
+# writes them in a string's repr: ``\n``, ``\x00``, ``\u2028``.
+_ESCAPES = {c: repr(chr(c))[1:-1] for c in (*range(0x20), *range(0x7F, 0xA0), 0x2028, 0x2029)}
+
+
+class OneLineFormatter(logging.Formatter):
+    """:class:`logging.Formatter` with every control character of a record's message
+    escaped (``\n`` -> ``\\n``): a message carries what requests sent (a path, a model
+    name), and a newline there would start a line that reads as a record of its own (a
+    forged ``ERROR ... worker crashed``), a NUL would make the file binary to ``grep``.
+    One record is one line; a traceback (``exc_info``) is appended as it is."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = record.message.translate(_ESCAPES)
+        return super().formatMessage(record)
 
 
 def resolve_log_file(value: str | None) -> Path | None:
@@ -49,6 +64,6 @@ def setup_logging(level: str, log_file: str | None = None) -> Path | None:
         handler = logging.handlers.RotatingFileHandler(
             path, maxBytes=MAX_BYTES, backupCount=BACKUP_COUNT, encoding="utf-8"
         )
-    handler.setFormatter(logging.Formatter(FORMAT))
+    handler.setFormatter(OneLineFormatter(FORMAT))
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
     return path

@@ -72,11 +72,25 @@ def test_a_text_part_without_text_says_so(real_server):
     assert "not supported" not in error["message"] and "text" in error["message"], error
 
 
-def test_ollama_context_errors_name_num_predict(real_server):
-    r = _post(real_server, "/api/generate",
-              json={"model": "default", "prompt": "hi", "stream": False, "options": {"num_predict": 10**6}})
+def test_ollama_num_predict_beyond_the_context_generates_to_its_end(real_server):
+    """As Ollama: ``num_predict`` is a limit, so more than the context holds generates up
+    to its end (here a 40-token context) instead of a 400; integer options take
+    whole-number floats, and a fraction is a 400 naming the option."""
+    r = _post(real_server, "/api/generate", json={
+        "model": "default", "prompt": "hi", "stream": False,
+        "options": {"num_predict": 10**6, "num_ctx": 40.0, "temperature": 0, "seed": 3.0}})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["done"] and body["prompt_eval_count"] + body["eval_count"] <= 40, body
+    assert body["done_reason"] in ("length", "stop"), body
+    r = _post(real_server, "/api/chat", json={"model": "default", "messages": HI, "stream": False,
+                                              "options": {"num_predict": 5.5}})
     assert r.status_code == 400 and set(r.json()) == {"error"}, r.text
-    assert "num_predict" in r.json()["error"] and "max_tokens" not in r.json()["error"], r.text
+    assert r.json()["error"] == "options.num_predict must be a whole number, got 5.5", r.text
+    # A prompt longer than the context is still refused, naming what to shorten.
+    r = _post(real_server, "/api/generate", json={"model": "default", "prompt": "hi " * 200, "stream": False,
+                                                  "options": {"num_ctx": 16}})
+    assert r.status_code == 400 and "prompt" in r.json()["error"], r.text
 
 
 def test_ollama_refuses_a_message_without_content_as_one_with_null(real_server):

@@ -2,8 +2,8 @@
 runs as, on the same path as OpenAI's.
 
 Mapped ``options``: ``num_ctx`` (the request's context: prompt plus answer, at most the
-engine's), ``num_predict`` (``max_tokens``; -1 and -2: the rest of the context; unset:
-``--default-max-tokens``), ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``
+engine's), ``num_predict`` (``max_tokens``; -1 and -2: the rest of the context; more than the
+context holds: up to its end, as Ollama; unset: ``--default-max-tokens``), ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``
 (negative: none), ``stop``, ``repeat_penalty`` (``repetition_penalty``),
 ``presence_penalty``, ``frequency_penalty``; their ranges are the OpenAI fields' (one
 declaration, :class:`service.api.sampling.Sampling`), and a value outside them is a
@@ -20,6 +20,7 @@ and ``/api/generate``'s ``suffix``, ``template`` and ``context``.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -80,6 +81,20 @@ def _messages(body: OllamaChatRequest) -> list[dict[str, Any]]:
     return out
 
 
+def whole(value: int | float | None, option: str) -> int | None:
+    """An integer option as Ollama's JSON gives it: an int, or a float with no fraction
+    (``5.0``).
+
+    Raises:
+        APIError: 400 ``options.<option>`` for a fraction, NaN or an infinity.
+    """
+    if value is None or isinstance(value, int):
+        return value
+    if not math.isfinite(value) or value != int(value):
+        raise invalid(f"options.{option} must be a whole number, got {value}", f"options.{option}")
+    return int(value)
+
+
 def _sampling(o: OllamaOptions) -> Sampling:
     """The sampling fields of ``options``, in their declared ranges.
 
@@ -89,9 +104,9 @@ def _sampling(o: OllamaOptions) -> Sampling:
     fields: dict[str, Any] = {
         "temperature": o.temperature,
         "top_p": o.top_p,
-        "top_k": o.top_k,
+        "top_k": whole(o.top_k, "top_k"),
         "min_p": o.min_p,
-        "seed": o.seed if o.seed is not None and o.seed >= 0 else None,
+        "seed": seed if (seed := whole(o.seed, "seed")) is not None and seed >= 0 else None,
         "repetition_penalty": o.repeat_penalty,
         "presence_penalty": o.presence_penalty,
         "frequency_penalty": o.frequency_penalty,
@@ -118,14 +133,19 @@ def _request(
     """What both calls map alike: ``options``, ``format``, ``stream``; ``thinking``:
     ``think`` as :func:`service.api.thinking.ollama_thinking` reads it."""
     o = body.options or OllamaOptions()
-    if o.num_ctx is not None and o.num_ctx < 1:
-        raise invalid(f"num_ctx must be at least 1, got {o.num_ctx}", "options.num_ctx")
+    num_ctx, num_predict = whole(o.num_ctx, "num_ctx"), whole(o.num_predict, "num_predict")
+    if num_ctx is not None and num_ctx < 1:
+        raise invalid(f"num_ctx must be at least 1, got {num_ctx}", "options.num_ctx")
     max_tokens = None
-    if o.num_predict is not None:
-        if o.num_predict < 0:
+    if num_predict is not None:
+        if num_predict < 0:
             default_max_tokens = 0  # -1 (no limit) and -2 (fill the context)
+        elif num_predict == 0:
+            max_tokens = 0
         else:
-            max_tokens = o.num_predict
+            # A limit, not a demand: as Ollama, more than the context holds generates up
+            # to its end (done_reason "length") rather than refusing the call.
+            default_max_tokens = num_predict
     json_schema = ollama_format(body.format)
     try:
         stop = stop_strings(o.stop)
@@ -145,7 +165,7 @@ def _request(
         schema_param="format",
         chat=True,
         tools=tools,
-        context_tokens=o.num_ctx,
+        context_tokens=num_ctx,
         stream=body.stream,
         thinking=thinking[0],
         thinking_budget=thinking[1],

@@ -17,16 +17,19 @@ from msgspec import UNSET, UnsetType
 class OllamaOptions(msgspec.Struct, kw_only=True):
     """The ``options`` this server maps onto its own sampling (the rest are accepted and
     ignored): ``num_ctx`` caps the request's context (prompt plus answer), ``num_predict``
-    its answer (-1 and -2: the rest of the context), ``repeat_penalty`` is
-    ``repetition_penalty``; a negative ``seed`` means none."""
+    its answer (-1 and -2: the rest of the context; more than the context holds: up to
+    its end), ``repeat_penalty`` is ``repetition_penalty``; a negative ``seed`` means
+    none."""
 
-    num_ctx: int | None = None
-    num_predict: int | None = None
+    # The integer options take whole-number floats too (``5.0``), as Ollama's JSON does;
+    # service.api.ollama.requests.whole checks them.
+    num_ctx: int | float | None = None
+    num_predict: int | float | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: int | float | None = None
     min_p: float | None = None
-    seed: int | None = None
+    seed: int | float | None = None
     stop: list[str] | str | None = None
     repeat_penalty: float | None = None
     presence_penalty: float | None = None

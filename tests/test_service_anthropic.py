@@ -258,6 +258,17 @@ def test_keys_and_error_shapes(client, server):
     with pytest.raises(anthropic.BadRequestError) as exc:
         client.messages.create(messages=QUESTION, tools=[{"type": "web_search_20250305", "name": "web_search"}], **GREEDY)
     assert "server tools" in exc.value.body["error"]["message"]
+    # A schema the grammar cannot use names the field Anthropic's clients send.
+    with pytest.raises(anthropic.BadRequestError) as exc:
+        client.messages.create(messages=QUESTION, output_config={"format": {"type": "json_schema",
+                                                                            "schema": {"type": "nonsense"}}}, **GREEDY)
+    assert exc.value.body["error"]["message"].startswith("output_config.format"), exc.value.body
+    assert "response_format" not in exc.value.body["error"]["message"]
+    # An empty turn is refused as Anthropic refuses it.
+    for empty in ([], ""):
+        with pytest.raises(anthropic.BadRequestError) as exc:
+            client.messages.create(messages=[{"role": "user", "content": empty}], **GREEDY)
+        assert "non-empty content" in exc.value.body["error"]["message"], exc.value.body
     # What the client cannot send: bad JSON, a missing field, a wrong type, other methods
     # and paths, all in Anthropic's shape.
     _error(_raw(server, "POST", "/v1/messages", content=b"{not json"), 400, "invalid_request_error")

@@ -135,6 +135,10 @@ def chat_messages(body: CountTokensRequest) -> list[dict[str, Any]]:
         out.append({"role": "system", "content": _text(body.system, "system")})
     names: dict[str, str] = {}  # tool_use id -> the tool's name, for its result
     for i, turn in enumerate(body.messages):
+        if not turn.content and not (turn.role == "assistant" and i == len(body.messages) - 1):
+            # As Anthropic answers: only a last assistant turn (a prefill) may be empty.
+            raise invalid(f"messages[{i}]: all messages must have non-empty content except for the optional "
+                          "final assistant message", f"messages[{i}].content")
         if turn.role == "assistant":
             blocks = [TextBlock(text=turn.content)] if isinstance(turn.content, str) else turn.content
             out.append(_assistant_turn(blocks, i, names))
@@ -277,6 +281,7 @@ def messages_request(body: MessagesRequest, request_id: str, started: float) -> 
         tools=tools,
         tool_choice=_tool_choice(body),
         json_schema=_output_schema(body),
+        schema_param="output_config.format",
         stream=body.stream,
         # enabled: think (within the budget); disabled or absent: no thinking, a block the
         # model opens anyway closed at once; adaptive: as the template decides.

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from engine.kvcache.allocator import OutOfPages, PageAllocator
 from engine.kvcache.radix import RadixCache
+from engine.scheduler.prefix_pages import cache_full_pages
 from engine.scheduler.prefix_states import PrefixStates
 from engine.scheduler.request import Phase, Request
 from engine.wire.messages import (
@@ -379,23 +380,8 @@ class Scheduler:
     def _cache_prefix(self, req: Request) -> None:
         """Hand the request's full, computed pages to the radix cache so that requests
         arriving later (or this one, after preemption) reuse them."""
-        if self.radix is None:
-            return
-        ps = self.config.page_size
-        full_pages = req.kv_len // ps
-        if full_pages * ps <= req.cached_len:
-            return
-        tokens = req.all_ids[: full_pages * ps]
-        tree_pages, node = self.radix.insert(tokens, req.pages[:full_pages])
-        start = req.cached_len // ps
-        duplicates = [p for p, t in zip(req.pages[start:full_pages], tree_pages[start:], strict=True) if p != t]
-        if duplicates:
-            self.allocator.free(duplicates)
-        req.pages[start:full_pages] = tree_pages[start:]
-        self.radix.lock(node)
-        if req.last_node is not None:
-            self.radix.unlock(req.last_node)
-        req.last_node, req.cached_len = node, full_pages * ps
+        if self.radix is not None:
+            cache_full_pages(self.radix, self.allocator, req, self.config.page_size)
 
     def _release(self, req: Request) -> None:
         """Give back the request's own pages and its pin on the prefix cache."""

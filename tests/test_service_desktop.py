@@ -145,6 +145,8 @@ def test_a_request_after_keep_alive_expiry_loads_the_engine_and_is_answered(star
         lambda: (h := _health(server)).get("status") == "idle" and h, 120, "the idle unload"
     )
     assert "--keep-alive" in idle["reason"]
+    # Unloaded is not down: the next request loads the model, so health stays 200.
+    assert server.health().status_code == 200
     wait_for(lambda: process_gone(pid), 60, "the idle worker to exit")
     # The dashboard's snapshot says so too.
     snapshot = httpx.get(

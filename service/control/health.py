@@ -1,8 +1,11 @@
 """``GET /api/health``: is the engine serving.
 
-Health answers 200 ``{"status": "ready", ...}`` only while a worker is ready;
-otherwise 503 with ``status`` ``starting``, ``restarting`` (with Retry-After) or
-``failed`` (with ``reason`` and the last exit's code, signal and output lines).
+Health answers 200 ``{"status": "ready", ...}`` while a worker is ready, and 200
+``{"status": "idle", ...}`` while the model is unloaded after ``--keep-alive`` or an
+Ollama unload (the service serves: the next request loads it, as Ollama's does);
+otherwise 503 with ``status`` ``starting``, ``restarting`` (with Retry-After),
+``paused``, ``waiting_for_memory`` or ``failed`` (with ``reason`` and the last exit's
+code, signal and output lines).
 
 ``GET /api/status`` (the plan, VRAM, counters, worker and the last errors) is the
 event hub's snapshot, served by :func:`service.control.routes.events_router`.
@@ -24,9 +27,10 @@ class HealthController(Controller):
 
     @get("/health")
     async def health(self, svc: Services) -> Response[dict[str, Any]]:
-        """200 when ready, else 503; the body says which state and why."""
+        """200 when ready or idle (unloaded, loaded by the next request), else 503; the
+        body says which state and why."""
         report = health_report(svc.supervisor)
-        if svc.supervisor.state is State.READY:
+        if svc.supervisor.state in (State.READY, State.IDLE):
             return Response(report, status_code=200)
         headers = {}
         if report.get("retry_after_s") is not None:

@@ -178,8 +178,8 @@ class ServeSettings(EngineConfig):
     )
     max_header_size: int = option(  # bytes
         64 * KiB,
-        "Largest request line plus headers; a larger request is refused with 400 "
-        "before it reaches the app.",
+        "Largest request line plus headers; a larger request is refused with 431 "
+        "before any route runs.",
         kind="size",
         shown_default="64KiB",
         checks=(at_least(4 * KiB, shown="4KiB"),),

@@ -222,5 +222,6 @@ def create_app(
         HeadAsGet(app),
         allowed_origins=settings.cors_origin,
         allowed_hosts=[*_bind_hosts(settings), *settings.allowed_host],
+        max_header_bytes=settings.max_header_size,
     )
     return secured, services

@@ -21,15 +21,19 @@ GREEDY = {"temperature": 0, "num_predict": 16}
 
 def test_ollama_client_chat_and_stream(real_server):
     client = ollama.Client(host=real_server.base_url, timeout=600)
-    names = [m.model for m in client.list().models]
-    assert "default" in names
+    # One entry for the one model (tagged as Ollama tags it), though "default" and its
+    # other names answer too.
+    (listed,) = client.list().models
+    assert listed.model.endswith(":latest") and listed.model != "default:latest", listed
+    assert [m.model for m in client.ps().models] == [listed.model]
+    assert client.chat(model=listed.model, messages=QUESTION, options=GREEDY, stream=False).done
     reply = client.chat(model="default", messages=QUESTION, options=GREEDY, stream=False)
     assert "Paris" in reply.message.content
     assert reply.message.role == "assistant"
     assert reply.done and reply.done_reason in ("stop", "length")
     assert reply.eval_count > 0 and reply.prompt_eval_count > 0
     assert reply.total_duration >= reply.eval_duration > 0
-    assert reply.model == names[0]  # the name every alias answers with
+    assert reply.model == listed.model  # the name every alias answers with, as /api/tags lists it
 
     parts = list(
         client.chat(model="default:latest", messages=QUESTION, options=GREEDY, stream=True)

@@ -29,7 +29,7 @@ from typing import Any
 
 from litestar import Response
 
-from service.api.ollama.models import rfc3339
+from service.api.ollama.models import ollama_name, rfc3339
 from service.api.ollama.requests import model_name
 from service.api.ollama.schemas import (
     OllamaChatChunk,
@@ -124,7 +124,9 @@ async def load_or_unload(svc: Services, body: OllamaChatRequest | OllamaGenerate
     name = model_name(body.model)
     # The name is checked first, as Ollama does (404 before any loading), against the
     # last worker's facts while none is loaded.
-    model = svc.check_model(name, supervisor.info) if supervisor.info is not None else name
+    model = ollama_name(svc, supervisor.info) if supervisor.info is not None else name
+    if supervisor.info is not None:
+        svc.check_model(name, supervisor.info)
     if wants_unload(body.keep_alive):
         if supervisor.state in UNLOADABLE:
             await supervisor.unload_when_done(
@@ -132,7 +134,9 @@ async def load_or_unload(svc: Services, body: OllamaChatRequest | OllamaGenerate
             )
         reason = "unload"
     else:
-        model = svc.check_model(name, await supervisor.ready())
+        info = await supervisor.ready()
+        svc.check_model(name, info)
+        model = ollama_name(svc, info)
         reason = "load"
     created = rfc3339(datetime.now(timezone.utc))
     if isinstance(body, OllamaChatRequest):

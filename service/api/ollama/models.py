@@ -49,10 +49,20 @@ def modified_at(svc: Services) -> str:
     return rfc3339(datetime.fromtimestamp(svc.started_at, timezone.utc))
 
 
+def ollama_name(svc: Services, info: EngineInfo) -> str:
+    """The one name Ollama's listings give the served model: the first
+    ``--served-model-name`` if any, else the engine's, tagged ``:latest`` as Ollama tags
+    a model pulled without one. Every other name it answers to (``default``, the store
+    name) still works in a request."""
+    name = svc.settings.served_model_name[0] if svc.settings.served_model_name else info.model_name
+    return name if ":" in name else name + ":latest"
+
+
 def models(svc: Services, info: EngineInfo) -> list[OllamaModel]:
-    """One entry per name the served model answers to."""
+    """The served model's entry, once (Ollama lists each model once; a model picker
+    would show an alias as a second model)."""
     digest = hashlib.sha256(info.model_dir.encode("utf-8")).hexdigest()
-    d = details(info)
+    name = ollama_name(svc, info)
     return [
         OllamaModel(
             name=name,
@@ -60,7 +70,6 @@ def models(svc: Services, info: EngineInfo) -> list[OllamaModel]:
             modified_at=modified_at(svc),
             size=info.weight_bytes,
             digest=digest,
-            details=d,
+            details=details(info),
         )
-        for name in svc.model_names(info)
     ]

@@ -31,7 +31,7 @@ from engine.text.chat import template_has_tools
 from service.api.generation import Generation, start_generation
 from service.api.ollama.answers import chat_answer, generate_answer
 from service.api.ollama.loading import keep_alive_s, load_or_unload
-from service.api.ollama.models import details, models, modified_at, rfc3339
+from service.api.ollama.models import details, models, modified_at, ollama_name, rfc3339
 from service.api.ollama.requests import chat_request, generate_request, model_name
 from service.api.ollama.schemas import (
     OllamaChatRequest,
@@ -100,8 +100,9 @@ async def _generate(
     answered by ``answer`` (a stream unless the body says ``"stream": false``)."""
     build = partial(request_of, default_max_tokens=svc.settings.default_max_tokens)
     call = build_call(request, body, build, "ollama", started)
-    gen, model = await start_generation(svc, model_name(body.model), call)
-    return await answer(gen, request, model)
+    gen, _ = await start_generation(svc, model_name(body.model), call)
+    # Answers name the model as /api/tags lists it, whichever alias asked.
+    return await answer(gen, request, ollama_name(svc, svc.supervisor.info or svc.supervisor.check_ready()))
 
 
 class OllamaController(Controller):
@@ -132,7 +133,8 @@ class OllamaController(Controller):
 
     @get("/tags")
     async def list_tags(self, svc: Services) -> Response[bytes]:
-        """Every name the served model answers to, as ``/v1/models`` lists them."""
+        """The served model, once, under the name :func:`~service.api.ollama.models.ollama_name`
+        gives it (``/v1/models`` lists every name it answers to)."""
         info = svc.supervisor.info or svc.supervisor.check_ready()
         return json_response(OllamaModelList(models=models(svc, info)))
 

@@ -223,6 +223,11 @@ def test_tool_choice_checks():
     with pytest.raises(APIError, match="no tool support") as exc:
         plan_tools([WEATHER], None, "{{ messages }}", False)
     assert exc.value.param == "tools"
+    # A value no call could take says so, tools or not; a forced call without tools needs them.
+    with pytest.raises(APIError, match="tool_choice must be 'none', 'auto', 'required'"):
+        plan_tools(None, "sometimes", template, True)
+    with pytest.raises(APIError, match="tool_choice needs tools"):
+        plan_tools(None, "required", template, True)
 
 
 

@@ -336,6 +336,9 @@ class ToolPlan:
     suffix: str = ""
 
 
+_CHOICES = "tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}"
+
+
 def plan_tools(
     tools: list[Any] | None, tool_choice: Any, chat_template: str | None, has_tools: bool
 ) -> ToolPlan:
@@ -350,6 +353,8 @@ def plan_tools(
     """
     if not tools:
         if tool_choice not in (None, "none", "auto"):
+            if tool_choice != "required" and not isinstance(tool_choice, dict):
+                raise invalid(_CHOICES, "tool_choice")  # a value no call could take, tools or not
             raise invalid("tool_choice needs tools", "tool_choice")
         return ToolPlan()
     names = []
@@ -416,8 +421,4 @@ def plan_tools(
             )
         prefix, schema, suffix = forced_call(fmt, tools, name)
         return ToolPlan(tools=tools, parse=fmt, prefix=prefix, schema=schema, suffix=suffix)
-    raise invalid(
-        "tool_choice must be 'none', 'auto', 'required' or "
-        "{'type': 'function', 'function': {'name': ...}}",
-        "tool_choice",
-    )
+    raise invalid(_CHOICES, "tool_choice")

@@ -55,6 +55,20 @@ def test_a_short_prompt_is_admitted_beside_a_long_prefill():
     assert by_id["long"].num_tokens == CHUNK - 2
 
 
+def test_a_short_prompt_admitted_beside_the_end_of_a_long_prefill_is_planned_once():
+    """The long prompt's last chunk leaves budget over: the short prompt, admitted whole
+    before it, must not be planned a second time as a running prefill (its first token
+    would be sampled twice)."""
+    sched = _scheduler()
+    sched.add(_req("long", CHUNK + 88, 0))
+    _run(sched, sched.schedule())
+    sched.add(_req("short", 40, 1))
+    plan = sched.schedule()
+    assert sorted((it.req.request_id, it.num_tokens) for it in plan.items) == [("long", 88), ("short", 40)]
+    _run(sched, plan)
+    assert [r.output_ids for r in sched.running] == [[7], [7]]
+
+
 def test_a_long_prompt_behind_a_long_prefill_waits_and_the_long_one_keeps_most_of_a_step():
     sched = _scheduler()
     sched.add(_req("first", 4000, 0))

@@ -182,8 +182,9 @@ class Scheduler:
                 plan.items.append(item)
                 budget -= 1
         budget -= self._admit_short(plan, budget)
+        admitted = {id(it.req) for it in plan.items if it.admitted}  # their whole prompt is planned
         for req in list(self.running):
-            if req.phase is Phase.PREFILL and budget > 0 and req in self.running:
+            if req.phase is Phase.PREFILL and budget > 0 and req in self.running and id(req) not in admitted:
                 item = self._plan_chunk(req, budget, admitted=False)
                 if item is None:
                     break

@@ -4,11 +4,10 @@ A short prompt's prefill is as many kernels as a decode step, each launched from
 on an H200, one prompt of 128 tokens through an 8B-shape Q4_K_M model took 9.3 ms of
 wall time for 3.4 ms of kernels on its first 8 layers (``python -m engine.bench.quant
 --layers 8 --profile-prefill 128``; replayed, 3.55 ms): the host's launches, not the
-GPU, bound it. So,
-as the decode step (:mod:`engine.core.cuda_graphs`), the forward of one sequence's
-extend of up to ``--prefill-graph-tokens`` tokens is captured once per size of a ladder
-(16, 32, 64, ... tokens) and replayed: a chunk of ``T`` tokens runs the graph of the
-next size up.
+GPU, bound it. So, as the decode step (:mod:`engine.core.cuda_graphs`), the forward of
+one sequence's extend of up to ``--prefill-graph-tokens`` tokens is captured once per
+size of a ladder (16, 32, 64, ... tokens) and replayed: a chunk of ``T`` tokens runs the
+graph of the next size up.
 
 Padding: the chunk's real tokens come first; the padding rows after them take token 0 at
 position 0 and write their key and value to the null page. The attention kernel's grid
@@ -25,9 +24,9 @@ logits), at most the largest size, on a backend with ``supports_cuda_graphs`` wh
 graphs need no plan made on the host before each replay
 (:meth:`engine.layers.attention.base.AttentionBackend.graph_plan` not overridden, as
 FlashInfer's is), and a model whose forward reads nothing back from the device
-(:meth:`PrefillGraphs.capturable`). Any other step runs eagerly. Inputs live in one persistent device buffer laid out as ``[ids
-| positions | slots | seq_len, prefix_len, extend_len, extend_start, logits row | page
-table row]`` for the largest size.
+(:meth:`PrefillGraphs.capturable`). Any other step runs eagerly. Inputs live in one
+persistent device buffer laid out as ``[ids | positions | slots | seq_len, prefix_len,
+extend_len, extend_start, logits row | page table row]`` for the largest size.
 
 Memory: the graphs share the decode graphs' private pool when given it (one forward's
 activations at a time, reused across sizes: captured largest first), and
@@ -143,7 +142,7 @@ class PrefillGraphs:
         self._logits: torch.Tensor | None = None  # float32 [1, V]: every graph writes its row here
         self._shared_pool = shared_pool
         self._pool = None  # a pool of their own, where none is shared
-        self._failed: set[int] = set()
+        self._failed = False  # the re-capture after a resize ran out of memory (eager until invalidate)
         self.captures = 0
         self.replays = 0
 
@@ -167,16 +166,15 @@ class PrefillGraphs:
 
     def size_for(self, items: Sequence) -> int | None:
         """The captured size ``items`` replay, or None (eager): see :func:`graph_size_for`,
-        and a size whose capture ran out of memory."""
-        size = graph_size_for(items, self.sizes)
-        return None if size is None or size in self._failed else size
+        and none while the re-capture after a resize has run out of memory."""
+        return None if self._failed else graph_size_for(items, self.sizes)
 
     def invalidate(self) -> None:
         """Drop every graph (the KV pool's buffers are about to move); sizes are captured
         again on their next use."""
         self._graphs.clear()
         self._logits = None
-        self._failed.clear()
+        self._failed = False
         self._pool = None
 
     # -- filling -------------------------------------------------------------------------
@@ -303,7 +301,7 @@ class PrefillGraphs:
                 with torch.inference_mode():
                     self._capture_sizes()
             except torch.OutOfMemoryError:
-                self._failed.update(self.sizes)
+                self._failed = True
                 self._graphs.clear()
                 log.warning("CUDA graphs: no memory to capture the prefill graphs again; one sequence's "
                             "prefill runs eagerly until the next KV pool resize")

@@ -182,9 +182,9 @@ class Scheduler:
                 plan.items.append(item)
                 budget -= 1
         budget -= self._admit_short(plan, budget)
-        admitted = {id(it.req) for it in plan.items if it.admitted}  # their whole prompt is planned
+        planned = {id(it.req) for it in plan.items}  # a request takes at most one item a step
         for req in list(self.running):
-            if req.phase is Phase.PREFILL and budget > 0 and req in self.running and id(req) not in admitted:
+            if req.phase is Phase.PREFILL and budget > 0 and req in self.running and id(req) not in planned:
                 item = self._plan_chunk(req, budget, admitted=False)
                 if item is None:
                     break

@@ -8,11 +8,18 @@ holds the knobs of one engine instance.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 from engine.common.gemma4_layout import Gemma4Layout
-from engine.common.options import at_least, device_spec, nonzero_size, option, options_from
+from engine.common.options import (
+    at_least,
+    auto_or_count,
+    device_spec,
+    nonzero_size,
+    option,
+    options_from,
+    thread_count,
+)
 from kernels.attention.kv_formats import KV_CACHE_DTYPES
 from kernels.switches import KernelSwitches
 
@@ -206,27 +213,6 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
 
-def _auto_none_or_count(value: str) -> str | None:
-    """``auto``, ``none`` or a whole number of at least 0 (``--cpu-experts``)."""
-    if value in ("auto", "none") or value.isdecimal():
-        return None
-    return f"{value!r} is not auto, none or a number of layers"
-
-
-def _auto_or_thread_count(value: str) -> str | None:
-    """``auto`` or a whole number from 1 to the cores this process may use
-    (``--cpu-threads``): more threads than cores make every op wait for a time slice,
-    and with hundreds of them a step outlasts the watchdog."""
-    if value == "auto":
-        return None
-    if not (value.isdecimal() and int(value) >= 1):
-        return f"{value!r} is not auto or a number of threads (1 or more)"
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    if int(value) > cores:
-        return f"{value} is more than the {cores} cores this process may use; use auto or 1-{cores}"
-    return None
-
-
 # The kernel switches as options (--quant-int8/--no-quant-int8, HEADROOM_QUANT_INT8,
 # quant_int8 = ...): declared once, with their defaults and help, in kernels.switches.
 KernelOptions = options_from(KernelSwitches, "KernelOptions", __name__)
@@ -326,7 +312,18 @@ class EngineConfig(KernelOptions):
         "or run on the CPU.",
         kind="word_or_number",
         metavar="auto|none|N",
-        checks=(_auto_none_or_count,),
+        checks=(auto_or_count("none"),),
+    )
+    cpu_layers: str = option(
+        "auto",
+        "Decoder layers of a dense model kept on the CPU, the last ones: their weights and "
+        "KV cache in host memory, run by the CPU each step (as llama.cpp's -ngl keeps the "
+        "rest on the GPU): auto (0 when the model fits the device; else the fewest layers "
+        "that make the plan fit) or a number. Layers on the CPU decode much slower than on "
+        "the GPU, and decode then runs without CUDA graphs.",
+        kind="word_or_number",
+        metavar="auto|N",
+        checks=(auto_or_count(what="decoder layers (0 or more)"),),
     )
     cpu_threads: str = option(
         "auto",
@@ -336,7 +333,7 @@ class EngineConfig(KernelOptions):
         "step) or a fixed number.",
         kind="word_or_number",
         metavar="auto|N",
-        checks=(_auto_or_thread_count,),
+        checks=(thread_count,),
     )
     min_context: int | None = option(  # tokens
         2048,
@@ -438,6 +435,8 @@ class EngineConfig(KernelOptions):
                 "fp8 does not go with --gguf-quantized (which keeps a GGUF's own blocks): "
                 "drop one of the two"
             )
+        if self.cpu_layers not in ("auto", "0") and self.tensor_parallel_size > 1:
+            return "cpu_layers", "does not go with --tensor-parallel-size above 1: use one of the two"
         if self.device_free is not None:
             if self.device_total is None:
                 return "device_free", "needs --device-total (the size of the simulated GPU)"

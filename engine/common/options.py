@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -267,3 +268,31 @@ def one_of(*choices: str, ignore_case: bool = False) -> Check:
         return f"{value!r} is not one of {', '.join(choices)}"
 
     return check
+
+
+def auto_or_count(*words: str, what: str = "layers") -> Check:
+    """A check for ``auto``, any of ``words`` or a whole number of at least 0
+    (``--cpu-experts``: ``auto|none|N``, ``--cpu-layers``: ``auto|N``); ``what`` names the
+    number's unit in the refusal."""
+    allowed = ("auto", *words)
+
+    def check(value: str) -> str | None:
+        if value in allowed or value.isdecimal():
+            return None
+        return f"{value!r} is not {', '.join(allowed)} or a number of {what}"
+
+    return check
+
+
+def thread_count(value: str) -> str | None:
+    """``auto`` or a whole number from 1 to the cores this process may use
+    (``--cpu-threads``): more threads than cores make every op wait for a time slice,
+    and with hundreds of them a step outlasts the watchdog."""
+    if value == "auto":
+        return None
+    if not (value.isdecimal() and int(value) >= 1):
+        return f"{value!r} is not auto or a number of threads (1 or more)"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if int(value) > cores:
+        return f"{value} is more than the {cores} cores this process may use; use auto or 1-{cores}"
+    return None

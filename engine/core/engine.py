@@ -8,7 +8,6 @@ cache, scheduler. A step is schedule -> forward -> commit.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import time
@@ -36,24 +35,18 @@ from engine.core.startup import (
     weight_format,
 )
 from engine.core.tp_follow import lead
+from engine.core.weights_stage import WeightsStage
 from engine.kvcache.allocator import PageAllocator
 from engine.kvcache.pool import kv_storage_dtype
 from engine.kvcache.radix import RadixCache
 from engine.kvcache.state_pool import StatePool
 from engine.layers.attention.registry import resolve_backend_name
-from engine.layers.cpu_pack import pack_model_for_cpu
-from engine.layers.linear.cpu_kernels import cpu_kernels
-from engine.layers.linear.gguf_blocks import repack_model_for_kernels
-from engine.layers.moe.expert_cache import OffloadedExperts
-from engine.layers.moe.expert_counters import ExpertCounters
-from engine.layers.moe.offload import offload_experts, resize_cache
+from engine.layers.moe.offload import resize_cache
 from engine.layers.weight_census import model_weight_bytes, quantized_format
 from engine.loader.default_model import model_display_name
 from engine.loader.hf_config import load_model_config
-from engine.loader.load import load_model
 from engine.loader.resolve import resolve_model
 from engine.loader.weight_size import parameter_count
-from engine.memory.host import trim_host_heap
 from engine.memory.plan import MemoryPlan, PlanKnobs
 from engine.parallel.group import TensorParallel
 from engine.parallel.shard import rank_config as shard_rank_config
@@ -73,7 +66,7 @@ from kernels.attention.kv_store import kv_dtype_name
 log = logging.getLogger("headroom.engine")
 
 
-class Engine(PlanStages, GrammarWaits, LiveReplan):
+class Engine(PlanStages, WeightsStage, GrammarWaits, LiveReplan):
     """One model on one device, serving many requests by continuous batching.
 
     Single-threaded: call every method from one thread. The live replans (resize the KV
@@ -154,40 +147,9 @@ class Engine(PlanStages, GrammarWaits, LiveReplan):
         if self.device_memory is not None:
             self.plan = self._fit_chunk(estimated_planner(config, mc, self.device, self.dtype, self.device_memory,
                                                           weights=self.weight_size))
-        # Weights. With a hybrid plan (--cpu-experts) the model is read into host memory,
-        # the chosen layers' routed experts stay there behind a device expert cache, and
-        # the rest moves to the device. A GGUF read in blocks is read in the device's
-        # layout (experts in blocks on CUDA), so the host tier holds the blocks.
-        self.expert_stores: list[OffloadedExperts] = []
-        self.expert_counters: ExpertCounters | None = None
-        host_layers = self.plan.cpu_expert_layers if self.plan is not None else 0
-        if self.plan is None and mc.is_moe and config.cpu_experts not in ("auto", "none"):
-            # No device to plan for (the CPU without a simulated --device-total): nothing to split.
-            log.warning("--cpu-experts %s has no effect on %s without a planned device (--device-total): every "
-                        "weight is in host memory already", config.cpu_experts, self.device)
-        if host_layers:
-            # The measured plan keeps the split the weights were loaded with.
-            self.knobs = dataclasses.replace(self.knobs, cpu_experts=str(host_layers))
-            self.model, _ = load_model(self.model_dir, "cpu", self.dtype, load_format=config.load_format,
-                                       quantized_gguf=self.quantized_gguf, quantization=self.quantization,
-                                       embeddings_in_blocks=self.device.type == "cpu",
-                                       experts_in_blocks=self.device.type != "cpu")
-            layers = mc.moe_layers[-host_layers:]
-            self.expert_stores, self.expert_counters = offload_experts(
-                self.model, layers, 0, device=self.device)
-            self.model.to(self.device)
-            if self.device.type == "cuda":
-                repack_model_for_kernels(self.model)  # read on the host: repacked once on the device
-            resize_cache(self.expert_stores, self.plan.expert_cache_slots)
-            log.info("routed experts of %d of %d MoE layers in host memory; expert cache of %d slots",
-                     host_layers, len(mc.moe_layers), self.plan.expert_cache_slots)
-        else:
-            self.model, _ = load_model(self.model_dir, self.device, self.dtype, load_format=config.load_format,
-                                       quantized_gguf=self.quantized_gguf, quantization=self.quantization, tp=tp,
-                                       embeddings_in_blocks=self.device.type == "cpu")
-        if self.quantized_gguf is not None and self.device.type == "cpu":
-            pack_model_for_cpu(self.model, self.dtype, cpu_kernels())  # the block kernels are GPU kernels
-            trim_host_heap()  # the freed blocks and file tables would stay resident
+        # Weights: on the device, or split with host memory (the routed experts of
+        # --cpu-experts, the last decoder layers of --cpu-layers): engine.core.weights_stage.
+        self._load_weights(mc, tp)
         # Profile run on a GPU: the measured step peak and the CUDA context replace the
         # estimates, and the plan is made again.
         if self.device_memory is not None and self.device.type == "cuda":

@@ -155,6 +155,9 @@ class LiveReplan:
         if num_pages < before_pages:
             shrunk = self.scheduler.shrink_pages(num_pages, self._context_limit(num_pages))
             self.pool.copy_pages(list(shrunk.moves), list(shrunk.moves.values()))
+            host = self.model.host_layers if hasattr(self.model, "host_layers") else None
+            if host is not None:  # --cpu-layers: the same pages of the host pool move too
+                host.copy_pages(list(shrunk.moves), list(shrunk.moves.values()))
             self.runner.pool_will_move()
             try:
                 self.pool.resize(num_pages)

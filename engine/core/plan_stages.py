@@ -52,7 +52,8 @@ class PlanStages:
         """A KV pool of ``num_pages`` pages (the null page included) for this model, in
         the engine's KV dtype on its device: the profile run's small one or the real one."""
         mc = self.model_config
-        return KVPool(num_layers=mc.num_kv_layers, num_pages=num_pages, page_size=self.config.page_size,
+        # --cpu-layers: the last layers' KV is in their host pool (engine.layers.host_layers).
+        return KVPool(num_layers=mc.num_kv_layers - self.cpu_layers, num_pages=num_pages, page_size=self.config.page_size,
                       num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, dtype=self.kv_dtype, device=self.device,
                       compute_dtype=self.dtype)
 
@@ -81,7 +82,10 @@ class PlanStages:
         tp_ok = self.tp is None or self.config.tp_cuda_graphs
         mc = self.model_config
         reference_experts = mc.is_moe and bool(mc.expert_bias or mc.swiglu_limit)
+        # Nor with decoder layers on the CPU (--cpu-layers): a step reads the device's rows
+        # back to the host mid-forward, so it decodes eagerly (logged at the split).
         return (self.config.cuda_graphs and self.device.type == "cuda" and self._cuda_graph_max_batch >= 1
+                and not self.cpu_layers
                 and not mc.is_hybrid and can_capture_decode(self.expert_stores) and tp_ok and not reference_experts
                 and backend_class(self.attention_backend).supports_cuda_graphs)
 

@@ -40,6 +40,34 @@ def check_cpu_experts(config: EngineConfig, mc: ModelConfig) -> None:
                          f"use --cpu-experts {layers} or fewer (or auto)")
 
 
+def splittable(mc: ModelConfig) -> bool:
+    """Whether ``--cpu-layers`` can keep some of ``mc``'s decoder layers on the CPU: a dense
+    Llama/Qwen2/Qwen3-family decoder (no mixture of experts, linear attention, sliding
+    windows or attention sinks)."""
+    return not (mc.is_moe or mc.is_hybrid or mc.windowed_attention or mc.gemma4 is not None
+                or mc.hidden_act != "silu" or mc.num_kv_layers != mc.num_layers)
+
+
+def check_cpu_layers(config: EngineConfig, mc: ModelConfig) -> None:
+    """Refuse ``--cpu-layers N`` above the model's decoder layers, or above 0 for a model
+    it cannot split (:func:`splittable`).
+
+    Raises:
+        SettingRefused: naming the largest N, or the option that fits the model.
+    """
+    if not config.cpu_layers.isdecimal() or int(config.cpu_layers) == 0:
+        return
+    asked = int(config.cpu_layers)
+    if not splittable(mc):
+        other = " (its experts: --cpu-experts)" if mc.is_moe else ""
+        raise SettingRefused(f"--cpu-layers {asked}: only dense Llama/Qwen2/Qwen3-family models split their layers "
+                             f"between the device and the CPU, not {mc.architecture}{other}; use --cpu-layers 0 "
+                             "(or auto)")
+    if asked > mc.num_layers:
+        raise SettingRefused(f"--cpu-layers {asked}: {mc.architecture} has {mc.num_layers} decoder layers; "
+                             f"use --cpu-layers {mc.num_layers} or fewer (or auto)")
+
+
 def check_kv_cache(config: EngineConfig, mc: ModelConfig) -> None:
     """Refuse a fixed ``--kv-cache`` that holds less than one ``--min-context`` of this
     model, as the engine would once loaded (:func:`engine.memory.fixed_pool.unplanned_pages`).
@@ -82,5 +110,6 @@ def check_for_model(config: EngineConfig, mc: ModelConfig) -> None:
     """
     check_shardable(mc, config.tensor_parallel_size)
     check_cpu_experts(config, mc)
+    check_cpu_layers(config, mc)
     check_kv_cache_dtype(config, mc)
     check_kv_cache(config, mc)

@@ -43,17 +43,20 @@ class CpuDecode:
     scratch: torch.Tensor
 
     @classmethod
-    def build(cls, model: nn.Module, lib: ctypes.CDLL) -> CpuDecode | None:
-        """The decode path for ``model`` (a CPU CausalLM after
-        :func:`~engine.layers.cpu_pack.pack_model_for_cpu`), or None where a
+    def build(cls, model: nn.Module, lib: ctypes.CDLL, layers=None) -> CpuDecode | None:
+        """The decode path for ``model``'s ``layers`` (all of them by default; with a
+        split, :mod:`engine.layers.host_layers`, those on the CPU) once packed for the CPU
+        (:func:`~engine.layers.cpu_pack.pack_model_for_cpu`), or None where a
         layer is not one it runs (module docstring)."""
         config = model.config
+        layers = model.model.layers if layers is None else layers
         if (config.is_hybrid or config.moe_layers or config.qk_norm_whole or config.clip_qkv is not None
                 or config.head_dim % 2):
             return None
         if config.windowed_attention or config.hidden_act != "silu":  # Gemma 3's layers are not the C layer's
             return None
-        if getattr(model, "tp", None) is not None or model.model.norm.weight.dtype != torch.float32:
+        if getattr(model, "tp", None) is not None or not len(layers) \
+                or layers[0].input_layernorm.weight.dtype != torch.float32:
             return None
         specs, keep = [], []
 
@@ -64,7 +67,7 @@ class CpuDecode:
             keep.append(t)
             return t
 
-        for layer in model.model.layers:
+        for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
             if not hasattr(mlp, "gate_up_proj") or not hasattr(attn, "qkv_proj"):
                 return None
@@ -105,12 +108,15 @@ class CpuDecode:
         return (batch.is_decode and h.dtype == torch.float32 and kv_ok
                 and all(t.dtype == torch.int64 and t.device.type == "cpu" for t in indices))
 
-    def run(self, h: torch.Tensor, batch, pool, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layers of a decode step: ``h`` the embeddings ``[B, hidden]`` float32 to
-        ``(mlp_output, residual)`` as the torch layers return them (the final norm adds
-        the two)."""
+    def run(self, h: torch.Tensor, batch, pool, cos_sin: torch.Tensor,
+            residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layers of a decode step: ``h`` the embeddings ``[B, hidden]`` float32 (or,
+        with ``residual``, an earlier layer's MLP output and the residual stream before
+        it, as the torch layers pass them on) to ``(mlp_output, residual)`` as the torch
+        layers return them (the final norm adds the two)."""
         h = h.contiguous().clone()
-        residual = torch.empty_like(h)
+        first = residual is None
+        residual = torch.empty_like(h) if first else residual.contiguous().clone()
         seq_lens = batch.seq_lens.contiguous()
         max_len = int(seq_lens.max()) if seq_lens.numel() else 0
         need = decode_layer.scratch_bytes(self.lib, self.specs[0], h.shape[0], max_len)
@@ -131,6 +137,6 @@ class CpuDecode:
                                page_size=pool.page_size, cos_sin=cos_sin, threads=torch.get_num_threads())
         for i, spec in enumerate(self.specs):
             decode_layer.run(self.lib, spec, st, h, residual, pool.k_buffers[i], pool.v_buffers[i], self.scratch,
-                             max_len, first=i == 0)
+                             max_len, first=first and i == 0)
             progress.advance()
         return h, residual

@@ -16,23 +16,29 @@ from engine.layers.linear.cpu_int4 import CpuInt4Linear, QuantEmbedding, Rescore
 from engine.layers.linear.gguf_blocks import QuantLinear
 
 
-def pack_model_for_cpu(model: nn.Module, dtype: torch.dtype, lib=None) -> nn.Module:
-    """Replace every QuantLinear of ``model`` (on the CPU) by a CPU kernel's module: with
-    ``lib`` (the C kernels, :func:`engine.layers.linear.cpu_kernels.cpu_kernels`) those whose
-    blocks the C GEMV reads become :class:`~engine.layers.linear.cpu_blocks.CpuBlockLinear`
-    (the blocks as they are), the others a :class:`CpuInt4Linear`; a head tied to
-    embeddings in blocks becomes a :class:`RescoredHead`. With ``lib``, a model whose
-    every layer the C decode layer runs gets it too
-    (:mod:`engine.layers.cpu_decode`)."""
-    names = [n for n, m in model.named_modules() if isinstance(m, QuantLinear)]
+def pack_linears(module: nn.Module, dtype: torch.dtype, lib=None) -> None:
+    """Replace every QuantLinear inside ``module`` (on the CPU) by a CPU kernel's module:
+    with ``lib`` (the C kernels, :func:`engine.layers.linear.cpu_kernels.cpu_kernels`) those
+    whose blocks the C GEMV reads become
+    :class:`~engine.layers.linear.cpu_blocks.CpuBlockLinear` (the blocks as they are), the
+    others a :class:`CpuInt4Linear` (model dtype ``dtype``)."""
+    names = [n for n, m in module.named_modules() if isinstance(m, QuantLinear)]
     for name in names:
         parent, _, leaf = name.rpartition(".")
-        owner = model.get_submodule(parent) if parent else model
-        module = owner.get_submodule(leaf)
-        if lib is not None and takes(module):
-            setattr(owner, leaf, CpuBlockLinear.from_quant_linear(lib, module, dtype))
+        owner = module.get_submodule(parent) if parent else module
+        linear = owner.get_submodule(leaf)
+        if lib is not None and takes(linear):
+            setattr(owner, leaf, CpuBlockLinear.from_quant_linear(lib, linear, dtype))
         else:
-            setattr(owner, leaf, CpuInt4Linear.from_quant_linear(module, dtype))
+            setattr(owner, leaf, CpuInt4Linear.from_quant_linear(linear, dtype))
+
+
+def pack_model_for_cpu(model: nn.Module, dtype: torch.dtype, lib=None, decode_layers=None) -> nn.Module:
+    """Replace every QuantLinear of ``model`` (on the CPU) as :func:`pack_linears` does; a
+    head tied to embeddings in blocks becomes a :class:`RescoredHead`. With ``lib``, a
+    model whose every layer (of ``decode_layers``, the model's own by default) the C
+    decode layer runs gets it too (:mod:`engine.layers.cpu_decode`)."""
+    pack_linears(model, dtype, lib)
     embeddings = model.model.embed_tokens
     if model.config.tie_word_embeddings and isinstance(embeddings, QuantEmbedding) and isinstance(
             model.lm_head, CpuInt4Linear | CpuBlockLinear):
@@ -40,5 +46,5 @@ def pack_model_for_cpu(model: nn.Module, dtype: torch.dtype, lib=None) -> nn.Mod
         # of it shares them.)
         model.lm_head = RescoredHead(model.lm_head, embeddings)
     if lib is not None:
-        model.cpu_decode = CpuDecode.build(model, lib)
+        model.cpu_decode = CpuDecode.build(model, lib, decode_layers)
     return model

@@ -125,6 +125,7 @@ class PlanKnobs:
     device_limit: int | None = EngineConfig.device_limit
     kv_cache_dtype: str = EngineConfig.kv_cache_dtype
     cpu_experts: str = EngineConfig.cpu_experts
+    cpu_layers: str = EngineConfig.cpu_layers
     tensor_parallel_size: int = EngineConfig.tensor_parallel_size
     prefix_cache: bool = EngineConfig.prefix_cache
 
@@ -281,6 +282,10 @@ class MemoryPlan(msgspec.Struct, frozen=True, kw_only=True):
     # the cache holds (a rank's), 0 where not known.
     tensor_parallel_size: int = 1
     kv_heads: int = 0
+    # A dense model's last decoder layers run by the CPU (--cpu-layers), their weights
+    # and KV in host memory; split_note prices it in words ("" without a split).
+    cpu_layers: int = 0
+    split_note: str = ""
 
     def after_resize(self, num_pages: int, kv_pool_bytes: int, max_context_tokens: int, reason: str) -> MemoryPlan:
         """This plan once the KV pool was resized while serving to ``num_pages`` usable

@@ -285,6 +285,8 @@ class CausalLM(HFWeightLoading, nn.Module):
         # A CPU model's decode steps through the C decode layer, where it runs every layer
         # (engine.layers.cpu_decode; set by pack_model_for_cpu).
         self.cpu_decode = None
+        # The last layers kept on the CPU (--cpu-layers; engine.layers.host_layers.split_model).
+        self.host_layers = None
 
     def use_parallel(self, tp: TensorParallel, full_vocab_size: int) -> None:
         """Run as one rank of ``tp``: the model was built at the shard's shapes
@@ -315,7 +317,8 @@ class CausalLM(HFWeightLoading, nn.Module):
             batch: the step; its tensors live on the model's device.
             attn: the attention backend over the KV pool; ``attn.prepare(batch)`` is
                 called here (not for a step the C decode layer runs: it reads the pool
-                itself).
+                itself). With :attr:`host_layers` (``--cpu-layers``) the pool holds the
+                device's layers, and the last layers run on the CPU over their own.
 
         Returns:
             ``[B, vocab_size]`` float32 logits, one row per sequence, at
@@ -328,14 +331,17 @@ class CausalLM(HFWeightLoading, nn.Module):
         else:
             h = self.tp.embed(self.model.embed_tokens.weight, batch.input_ids, self.full_vocab_size)
         residual = None
-        fast = self.cpu_decode
+        fast, host = self.cpu_decode, self.host_layers
+        layers = self.model.layers if host is None else self.model.layers[:host.start]
         if fast is not None and fast.takes(batch, h, attn.pool):  # the C decode layer (CPU)
             h, residual = fast.run(h, batch, attn.pool, self.cos_sin_cache)  # reads the pool itself
-        else:
+        elif len(layers):
             attn.prepare(batch)
-            for layer in self.model.layers:
+            for layer in layers:
                 h, residual = layer(h, residual, batch, attn, self.cos_sin_cache)
                 progress.advance()  # a plain int: no launch, no sync (engine.common.progress)
+        if host is not None:  # the last layers on the CPU, over their own pool
+            h, residual = host.run(h, residual, batch, attn.pool.num_pages)
         # RMSNorm is per row, so normalizing only the rows that need logits is exact.
         rows = batch.logits_indices
         if residual is None:  # no layers

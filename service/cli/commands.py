@@ -152,7 +152,7 @@ def status() -> None:
 
 # Engine options (declared on engine.common.config.EngineConfig) that generate and plan share
 # with serve: same flags, variables and config keys.
-_MODEL_OPTIONS = ("model", "device", "dtype", "gguf_quantized", "quantization", "kv_cache_dtype")
+_MODEL_OPTIONS = ("model", "device", "dtype", "gguf_quantized", "quantization", "kv_cache_dtype", "cpu_layers")
 _PLAN_KNOBS = (
     "reserve",
     "device_limit",

@@ -102,7 +102,7 @@ def check_before_serving(settings: Any) -> None:
                  "https://download.pytorch.org/whl/cu128`) or use --device cpu", EXIT_USAGE)
 
     world = settings.tensor_parallel_size
-    wants_layers = settings.cpu_experts.isdecimal() and int(settings.cpu_experts) > 0
+    wants_layers = any(n.isdecimal() and int(n) > 0 for n in (settings.cpu_experts, settings.cpu_layers))
     if world == 1 and not wants_layers and settings.kv_cache is None:
         return
     from engine.core.settings_fit import check_for_model

@@ -1,0 +1,96 @@
+"""A dense model's last decoder layers on the CPU (``--cpu-layers``,
+:mod:`engine.layers.host_layers`): here the "device" is the CPU too, but the split's
+layers go through the split path (their own host pool, the CPU path's layers and C
+decode layer), so the greedy ids must be the unsplit model's, and transformers'.
+"""
+
+from __future__ import annotations
+
+import pytest
+from model_checks import hf_greedy
+from test_engine import run_all
+from tiny_engine import tiny_engine
+
+from engine.common.config import EngineConfig
+from engine.common.errors import SettingRefused
+from engine.core.engine import Engine
+from engine.wire.messages import SamplingParams
+
+STEPS = 12
+GREEDY = SamplingParams(max_new_tokens=STEPS, temperature=0.0, ignore_eos=True)
+LAYERS = 4
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory, make_tiny_hf_model):
+    """A tiny random Llama of :data:`LAYERS` layers: ``(folder, transformers model)``."""
+    path = tmp_path_factory.mktemp("tiny-llama-split")
+    hf = make_tiny_hf_model("llama", path, num_hidden_layers=LAYERS)
+    return str(path), hf
+
+
+def _prompts() -> dict[str, list[int]]:
+    shared = [11, 40, 7, 93, 120, 5, 61, 200, 17, 3]  # 10 tokens: two pages of 4 and part of a third
+    return {"a": shared + [44, 9], "b": [150, 31, 77, 8, 2, 190, 66], "c": shared + [101]}
+
+
+@pytest.mark.parametrize("cpu_layers", [1, LAYERS - 1])
+def test_split_llama_decodes_transformers_greedy_ids(llama, cpu_layers):
+    """Prefill, decode and several requests at once, then a prompt sharing a cached
+    prefix: the split engine's ids are transformers'."""
+    path, hf = llama
+    engine = tiny_engine(path, 64, cpu_layers=str(cpu_layers))
+    host = engine.model.host_layers
+    assert host is not None and host.start == LAYERS - cpu_layers and host.pool.num_layers == cpu_layers
+    assert engine.pool.num_layers == LAYERS - cpu_layers
+    prompts = _prompts()
+    first = run_all(engine, {rid: (ids, GREEDY) for rid, ids in prompts.items() if rid != "c"})
+    hits = engine.stats().prefix_hit_tokens
+    second = run_all(engine, {"c": (prompts["c"], GREEDY)})
+    assert engine.stats().prefix_hit_tokens > hits  # "c" reused "a"'s cached pages
+    assert host.pool.num_pages == engine.pool.num_pages  # one page count, one allocator
+    for rid, out in {**first, **second}.items():
+        assert out == hf_greedy(hf, prompts[rid], STEPS), rid
+
+
+def test_auto_and_zero_keep_every_layer_on_the_device(llama):
+    path, _ = llama
+    for asked in ("auto", "0"):
+        engine = tiny_engine(path, 16, cpu_layers=asked)
+        assert engine.model.host_layers is None and engine.pool.num_layers == LAYERS
+
+
+def test_cpu_layers_above_the_layer_count_is_refused_naming_the_largest(llama):
+    path, _ = llama
+    with pytest.raises(SettingRefused, match=f"has {LAYERS} decoder layers; use --cpu-layers {LAYERS} or fewer"):
+        tiny_engine(path, 16, cpu_layers=str(LAYERS + 1))
+
+
+def test_a_negative_count_is_refused_naming_the_choices():
+    from engine.common.options import option_named
+
+    problems = [check("-1") for check in option_named(EngineConfig, "cpu_layers").checks]
+    assert any(p and "not auto or a number of decoder layers" in p for p in problems)
+
+
+def test_default_gguf_split_at_10_equals_unsplit():
+    """The default model (SmolLM2-135M, Q4_1 blocks, 30 layers) with its last 10 layers
+    through the split path: the same greedy ids as unsplit, by the C decode layer."""
+    pytest.importorskip("gguf")
+    from engine.loader.default_model import default_gguf_path
+
+    def engine(**kw) -> Engine:
+        return Engine(EngineConfig(model=str(default_gguf_path()), device="cpu", kv_cache=128 << 20, **kw))
+
+    prompts = {"a": [1, 504, 3458, 282, 260, 2682, 30, 216], "b": [1, 12268, 253, 1109, 1352, 1]}
+    sampling = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    split = engine(cpu_layers="10")
+    from engine.layers.linear.cpu_kernels import cpu_kernels
+
+    assert split.model.host_layers.start == 20
+    if cpu_kernels() is not None:  # the C decode layer runs both parts' decode steps
+        assert split.model.host_layers.cpu_decode is not None and len(split.model.cpu_decode.specs) == 20
+    ours = run_all(split, {rid: (ids, sampling) for rid, ids in prompts.items()})
+    del split
+    whole = run_all(engine(), {rid: (ids, sampling) for rid, ids in prompts.items()})
+    assert ours == whole

@@ -68,7 +68,8 @@ PACKED_TILINGS: tuple[GemmTiling, ...] = (
     GemmTiling(128, 256, 4, 2, packed=True),
     GemmTiling(128, 256, 8, 2, packed=True),
 )
-_FAMILIES = {"float": GEMM_TILINGS, "int8": INT8_TILINGS, "packed": PACKED_TILINGS}
+# The tilings each GEMM family times, by the name `tuned` takes.
+FAMILIES = {"float": GEMM_TILINGS, "int8": INT8_TILINGS, "packed": PACKED_TILINGS}
 # Float32 rows multiply in IEEE float32 (tests, exact references): a float32 operand tile
 # takes twice a bfloat16 one's registers, so one sub-block a step.
 IEEE_TILING = GemmTiling(64, 32, 8, 2)
@@ -84,7 +85,7 @@ def tuned(block_m: int, n: int, k: int, type_name: str, device: torch.device,
     :data:`PACKED_TILINGS`) as ``run(tiling)`` (one GEMM) timed at the first call outside
     a capture, the first of them before that and off CUDA. A tiling that does not fit
     the SM (shared memory) is skipped."""
-    candidates = _FAMILIES[family]
+    candidates = FAMILIES[family]
     if device.type != "cuda" or INTERPRETING:
         return candidates[0]
     key = (block_m, n, k, type_name, device.index, family)

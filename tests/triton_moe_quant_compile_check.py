@@ -2,7 +2,7 @@
 Hopper GPU (sm_90) without one, and report register spills: the grouped GEMV (gated
 gate/up, weighted down) and the sorted GEMM (bfloat16; Q4_K decoded as the packed GEMM
 decodes it) for a Q4_K_M file's types (Q4_K gate and up, Q6_K down) and one legacy type (Q8_0), each alone and over an expert
-cache's slots.
+cache's slots, and gpt-oss's MXFP4 experts with their biases and clamped SwiGLU.
 
 Run as a script in its own process, as ``triton_quant_compile_check.py`` (whose compile
 helper it uses): the interpreter accepts code the compiler refuses. Prints one line per
@@ -24,18 +24,20 @@ _SCALARS = ("num_rows", "top_k", "N", "K", "a_expert_bytes", "b_expert_bytes", "
 
 def main() -> int:
     failures = 0
-    for gate_up, down in ((("Q4_K", "Q4_K"), "Q6_K"), (("Q8_0", "Q8_0"), "Q8_0")):
+    for gate_up, down, gpt_oss in ((("Q4_K", "Q4_K"), "Q6_K", False), (("Q8_0", "Q8_0"), "Q8_0", False),
+                                   (("MXFP4", "MXFP4"), "MXFP4", True)):
         for gated, types in ((True, gate_up), (False, (down, down))):
             consts = {**triton_moe_quant._prefixed("A", types[0]), **triton_moe_quant._prefixed("B", types[1]),
-                      "GATED": gated, "WEIGHTED": not gated}
+                      "GATED": gated, "WEIGHTED": not gated, "BIASED": gpt_oss, "CLAMPED": gpt_oss and gated}
             pointers = {"X": "*bf16", "Wa": "*u8", "Wb": "*u8", "Out": "*bf16", "RouteWeights": "*bf16"}
             scalars = dict.fromkeys(_SCALARS, "i32")
             sort = {"SortedRows": "*i32", "BlockExperts": "*i32", "NumPadded": "*i32"}
-            tiers = {"SlotOf": "*i64", "a_cache_delta": "i64", "b_cache_delta": "i64"}
+            tiers = {"SlotOf": "*i64", "a_cache_delta": "i64", "b_cache_delta": "i64", "Bias": "*bf16",
+                     "bias_stride": "i64", "bias_up": "i64", "alpha": "fp32", "limit": "fp32"}
             gemv = {**pointers, "TopkIds": "*i64", **tiers, **scalars}
             gemm = {**pointers, **sort, **tiers, **scalars}
             variants = [(f"{name}{' over a cache' if cached else ''}", fn, args, {"CACHED": cached, **tiling}, warps)
-                        for cached in (False, True)
+                        for cached in ((False,) if gpt_oss else (False, True))  # biased experts are never cached
                         for name, fn, args, tiling, warps in (
                             ("gemv", triton_moe_quant._moe_gemv_kernel, gemv, {"BLOCK_N": 4, "ASM": True}, 4),
                             ("gemm", triton_moe_quant._moe_gemm_kernel, gemm,

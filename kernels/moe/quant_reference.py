@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.moe.reference import moe_by_expert
+from kernels.activation.reference import ClampedSwiGLU
+from kernels.moe.reference import ExpertBiases, moe_by_expert
 from kernels.quant.reference import dequantize
 
 
@@ -44,9 +45,13 @@ def fused_moe_quant(
     *,
     cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     slot_of: torch.Tensor | None = None,
+    biases: ExpertBiases | None = None,
+    activation: ClampedSwiGLU | None = None,
 ) -> torch.Tensor:
     """``sum_k topk_weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t))``, ``e =
-    topk_ids[t, k]``, the experts' weights in GGUF blocks.
+    topk_ids[t, k]``, the experts' weights in GGUF blocks (with ``biases``, each
+    projection's added; with ``activation``, it in place of SiLU-and-mul, as
+    :func:`kernels.moe.reference.expert_mlp`: gpt-oss's experts).
 
     Args:
         x: ``[T, H]`` hidden states (float32, bfloat16 or float16).
@@ -58,6 +63,9 @@ def fused_moe_quant(
         cache: an expert cache's ``(gate, up, down)`` stacks of ``S`` slots, laid out as
             the ``w_*`` stacks; with ``slot_of`` (int64 ``[E]`` on ``x``'s device: each
             expert's slot, or -1), an expert with a slot is read from the cache instead.
+        biases: ``gate_up`` ``[E, 2I]`` (gate half first) and ``down`` ``[E, H]``, in
+            ``x``'s dtype on its device (not with ``cache``: such experts stay on the device).
+        activation: gpt-oss's clamped SwiGLU, or None for SiLU-and-mul.
 
     Returns:
         ``[T, H]`` in ``x``'s dtype.
@@ -68,12 +76,12 @@ def fused_moe_quant(
     """
     hidden, inter = x.shape[1], w_gate.shape[1]
     check_expert_blocks(w_gate, w_up, w_down, types, hidden, inter)
-    check_cache(cache, slot_of, w_gate, w_up, w_down)
+    check_cache(cache, slot_of, w_gate, w_up, w_down, biases)
     if x.shape[0] == 0:
         return torch.zeros_like(x)
     if cache is None:
         return moe_by_expert(x, topk_weights, topk_ids,
-                             lambda e: expert_weights(w_gate, w_up, w_down, types, e, x.dtype))
+                             lambda e: expert_weights(w_gate, w_up, w_down, types, e, x.dtype), biases, activation)
     # Slots numbered after the stacks' experts: one loop over both sources.
     num_experts = w_gate.shape[0]
     slots = slot_of[topk_ids]
@@ -84,15 +92,26 @@ def fused_moe_quant(
 
 
 def check_cache(cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, slot_of: torch.Tensor | None,
-                w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> None:
-    """Check :func:`fused_moe_quant`'s ``cache`` and ``slot_of`` against its stacks.
+                w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+                biases: ExpertBiases | None = None) -> None:
+    """Check :func:`fused_moe_quant`'s ``cache`` and ``slot_of`` against its stacks (and
+    ``biases``, which must be ``[E, 2I]`` and ``[E, H]``).
 
     Raises:
         ValueError: one given without the other, a cache stack whose expert layout or
-            dtype differs from its ``w_*`` stack, or ``slot_of`` not int64 ``[E]``.
+            dtype differs from its ``w_*`` stack, ``slot_of`` not int64 ``[E]``, a cache
+            with biases (experts with biases are not offloaded), or biases of another
+            shape.
     """
     if (cache is None) != (slot_of is None):
         raise ValueError("an expert cache needs slot_of, and slot_of a cache")
+    if biases is not None:
+        want = ((w_gate.shape[0], 2 * w_gate.shape[1]), (w_gate.shape[0], w_down.shape[1]))
+        if (tuple(biases.gate_up.shape), tuple(biases.down.shape)) != want:
+            raise ValueError(f"expert biases {tuple(biases.gate_up.shape)} and {tuple(biases.down.shape)} are not "
+                             f"gate_up {want[0]} and down {want[1]}")
+        if cache is not None:
+            raise ValueError("experts with biases are not read from an expert cache; keep them all on the device")
     if cache is None:
         return
     for name, c, w in zip(("gate", "up", "down"), cache, (w_gate, w_up, w_down), strict=True):

@@ -10,7 +10,9 @@ passes run over the routed rows (token ``t``'s ``k``-th choice is row ``t * K + 
    the same columns are kept side by side, so the ``[R, 2I]`` product never exists;
 2. down: ``act @ down_e.T`` -> ``[R, H]``, each row times its router weight;
 
-then the ``K`` rows of a token are summed in torch. Blocks are dequantized inside the
+then the ``K`` rows of a token are summed in torch. gpt-oss's experts add their biases
+to each pass's sums and take the clamped SwiGLU in place of ``silu(gate) * up`` in the
+same epilogue (:func:`biased_epilogue`), so they need no pass of their own. Blocks are dequantized inside the
 K loop by the dense kernels' decoders (:mod:`kernels.quant.triton_decode`), never to
 memory. Two shapes of program:
 
@@ -37,8 +39,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.activation.reference import ClampedSwiGLU
 from kernels.moe.quant_reference import check_cache, check_expert_blocks
-from kernels.moe.reference import align_to_blocks
+from kernels.moe.reference import ExpertBiases, align_to_blocks
 from kernels.moe.triton_kernel import _block_m, moe_epilogue, sorted_block
 from kernels.quant.formats import block_format
 from kernels.quant.triton_decode import (
@@ -51,6 +54,7 @@ from kernels.quant.triton_decode import (
 )
 from kernels.quant.triton_packed_gemm import PACKED_TYPES, packed_dot
 from kernels.switches import current
+from kernels.triton_round import round_to
 
 # Tokens up to which the grouped GEMV runs (decode batches); the sorted GEMM above.
 GEMV_MAX_TOKENS = 16
@@ -72,21 +76,50 @@ def expert_at(expert, SlotOf, a_cache_delta, b_cache_delta, a_expert_bytes, b_ex
 
 
 @triton.jit
+def biased_epilogue(acc, acc_up, Bias, bias_up, cols, n, alpha, limit, dt: tl.constexpr, GATED: tl.constexpr,
+                    BIASED: tl.constexpr, CLAMPED: tl.constexpr):
+    """:func:`~kernels.moe.triton_kernel.moe_epilogue` with gpt-oss's experts' parts:
+    with BIASED, ``Bias[cols]`` added to the sums (and ``Bias[bias_up + cols]`` to the
+    up's; ``Bias`` the expert's row, columns from ``n`` on masked), each rounded to ``dt``
+    as the reference's biased product; with CLAMPED, ``(clamp(up, ±limit) + 1) *
+    g * sigmoid(alpha * g)``, ``g = min(gate, limit)``, each op rounded as the
+    reference's eager ops (:class:`~kernels.activation.reference.ClampedSwiGLU`)."""
+    if not BIASED and not CLAMPED:
+        return moe_epilogue(acc, acc_up, dt, GATED)
+    if BIASED:
+        acc += tl.load(Bias + cols, mask=cols < n, other=0.0).to(tl.float32)
+    res = round_to(acc, dt)
+    if GATED:
+        if BIASED:
+            acc_up += tl.load(Bias + bias_up + cols, mask=cols < n, other=0.0).to(tl.float32)
+        up = round_to(acc_up, dt)
+        if CLAMPED:
+            gate = tl.minimum(res, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+            glu = round_to(gate * round_to(tl.sigmoid(round_to(gate * alpha, dt)), dt), dt)
+            res = round_to(round_to(up + 1.0, dt) * glu, dt)
+        else:
+            res = round_to(round_to(res / (1.0 + tl.exp(-res)), dt) * up, dt)
+    return res
+
+
+@triton.jit
 def _moe_gemv_kernel(
-    X, Wa, Wb, Out, RouteWeights, TopkIds, SlotOf, a_cache_delta, b_cache_delta,
-    num_rows, top_k, N, K, a_expert_bytes, b_expert_bytes, a_row_bytes, b_row_bytes, stride_xm, stride_om,
+    X, Wa, Wb, Out, RouteWeights, TopkIds, SlotOf, a_cache_delta, b_cache_delta, Bias, bias_stride, bias_up,
+    alpha, limit, num_rows, top_k, N, K, a_expert_bytes, b_expert_bytes, a_row_bytes, b_row_bytes, stride_xm, stride_om,
     A_QT: tl.constexpr, A_QK: tl.constexpr, A_BB: tl.constexpr, A_L: tl.constexpr, A_NSUB: tl.constexpr,
     A_ZERO: tl.constexpr, A_HAS_MIN: tl.constexpr, A_KB: tl.constexpr, A_SUBS: tl.constexpr,
     B_QT: tl.constexpr, B_QK: tl.constexpr, B_BB: tl.constexpr, B_L: tl.constexpr, B_NSUB: tl.constexpr,
     B_ZERO: tl.constexpr, B_HAS_MIN: tl.constexpr, B_KB: tl.constexpr, B_SUBS: tl.constexpr,
     GATED: tl.constexpr, WEIGHTED: tl.constexpr, CACHED: tl.constexpr, BLOCK_N: tl.constexpr,
-    ASM: tl.constexpr,
+    ASM: tl.constexpr, BIASED: tl.constexpr, CLAMPED: tl.constexpr,
 ):
     """GATED: ``X`` ``[T, K]`` read at row ``r // top_k``, ``Wa`` the gate and ``Wb`` the
     up blocks; out ``[R, N]`` = silu(gate) * up. Else ``X`` ``[R, K]`` read at row ``r``,
     ``Wa`` the down blocks; out ``[R, N]``, times ``RouteWeights[r]`` when WEIGHTED. The
     routed rows of one weight tile run one after another (they share experts' rows in L2).
-    CACHED: an expert with a cache slot is read there (:func:`expert_at`)."""
+    CACHED: an expert with a cache slot is read there (:func:`expert_at`). BIASED,
+    CLAMPED: gpt-oss's parts (:func:`biased_epilogue`; ``Bias`` ``[E, bias_stride]``)."""
     r = tl.program_id(0) % num_rows
     pid_n = tl.program_id(0) // num_rows
     expert = tl.load(TopkIds + r).to(tl.int64)
@@ -100,16 +133,18 @@ def _moe_gemv_kernel(
         acc_up = gemv_dot(x_row, Wb + b_at + rows * b_row_bytes, 0, K // B_QK, K // B_QK,
                            B_QT, B_QK, B_BB, B_L, B_NSUB, B_ZERO, B_HAS_MIN, BLOCK_N, B_KB, ASM)
     dt = Out.dtype.element_ty
-    res = moe_epilogue(acc, acc_up, dt, GATED)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    res = biased_epilogue(acc, acc_up, Bias + expert * bias_stride, bias_up, cols, N, alpha, limit, dt, GATED,
+                          BIASED, CLAMPED)
     if WEIGHTED:
         res = moe_epilogue(res * tl.load(RouteWeights + r).to(tl.float32), res, dt, False)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     tl.store(Out + r.to(tl.int64) * stride_om + cols, res.to(dt), mask=cols < N)
 
 
 @triton.jit
 def _moe_gemm_kernel(
     X, Wa, Wb, Out, RouteWeights, SortedRows, BlockExperts, NumPadded, SlotOf, a_cache_delta, b_cache_delta,
+    Bias, bias_stride, bias_up, alpha, limit,
     num_rows, top_k, N, K, a_expert_bytes, b_expert_bytes, a_row_bytes, b_row_bytes, stride_xm, stride_om,
     A_QT: tl.constexpr, A_QK: tl.constexpr, A_BB: tl.constexpr, A_L: tl.constexpr, A_NSUB: tl.constexpr,
     A_ZERO: tl.constexpr, A_HAS_MIN: tl.constexpr, A_KB: tl.constexpr, A_SUBS: tl.constexpr,
@@ -117,6 +152,7 @@ def _moe_gemm_kernel(
     B_ZERO: tl.constexpr, B_HAS_MIN: tl.constexpr, B_KB: tl.constexpr, B_SUBS: tl.constexpr,
     GATED: tl.constexpr, WEIGHTED: tl.constexpr, CACHED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IEEE: tl.constexpr, A_PACKED: tl.constexpr, B_PACKED: tl.constexpr, ASM: tl.constexpr,
+    BIASED: tl.constexpr, CLAMPED: tl.constexpr,
 ):
     """As :func:`_moe_gemv_kernel`, one program per block of ``BLOCK_M`` sorted rows of one
     expert (:func:`kernels.moe.reference.align_to_blocks`) and ``BLOCK_N`` columns: each
@@ -146,7 +182,8 @@ def _moe_gemm_kernel(
             acc_up = gemm_dot(x_row, live, Wb + b_at + rows * b_row_bytes, K // B_QK,
                               B_QT, B_QK, B_BB, B_L, B_NSUB, B_ZERO, B_HAS_MIN, BLOCK_M, BLOCK_N, IEEE, B_SUBS)
     dt = Out.dtype.element_ty
-    res = moe_epilogue(acc, acc_up, dt, GATED)
+    res = biased_epilogue(acc, acc_up, Bias + expert.to(tl.int64) * bias_stride, bias_up, cols[None, :], N, alpha,
+                          limit, dt, GATED, BIASED, CLAMPED)
     if WEIGHTED:
         rw = tl.load(RouteWeights + routed, mask=live, other=0.0).to(tl.float32)
         res = moe_epilogue(res * rw[:, None], res, dt, False)
@@ -167,19 +204,25 @@ def _prefixed(prefix: str, type_name: str) -> dict:
     return {f"{prefix}_{k}": v for k, v in layout.items()}
 
 
-def _launch(x, wa, wb, out, route_weights, types, *, top_k, gemv, sort, block_n, num_warps, cached=None):
+def _launch(x, wa, wb, out, route_weights, types, *, top_k, gemv, sort, block_n, num_warps, cached=None,
+            bias=None, activation=None):
     """One pass: ``types`` ``(a, b)`` (``b`` None: not gated); ``cached``: ``(slot of each
-    expert [E], cache's a, cache's b)``, an expert with a slot read there instead."""
+    expert [E], cache's a, cache's b)``, an expert with a slot read there instead;
+    ``bias``: ``[E, n]`` (gated: ``[E, 2n]``, the up's half second) added to the sums;
+    ``activation``: the clamped SwiGLU of a gated pass."""
     gated = wb is not None
     wb = wa if wb is None else wb
     n, k, r = wa.shape[1], x.shape[1], out.shape[0]
     args = (x, wa, wb, out, out if route_weights is None else route_weights)
     slot_of, ca, cb = cached if cached is not None else (out, wa, wb)
     cb = ca if cb is None else cb
-    tiers = (slot_of, ca.data_ptr() - wa.data_ptr(), cb.data_ptr() - wb.data_ptr())
+    tiers = (slot_of, ca.data_ptr() - wa.data_ptr(), cb.data_ptr() - wb.data_ptr(),
+             out if bias is None else bias.contiguous(), 0 if bias is None else bias.shape[1], wa.shape[1],
+             0.0 if activation is None else activation.alpha, 0.0 if activation is None else activation.limit)
     shape = (r, top_k, n, k, wa.stride(0), wb.stride(0), wa.stride(1), wb.stride(1), x.stride(0), out.stride(0))
     consts = {**_prefixed("A", types[0]), **_prefixed("B", types[1] or types[0]),
-              "GATED": gated, "WEIGHTED": route_weights is not None, "CACHED": cached is not None}
+              "GATED": gated, "WEIGHTED": route_weights is not None, "CACHED": cached is not None,
+              "BIASED": bias is not None, "CLAMPED": activation is not None}
     if gemv is not None:
         _moe_gemv_kernel[(r * triton.cdiv(n, block_n),)](*args, gemv, *tiers, *shape, **consts, BLOCK_N=block_n,
                                                           ASM=ptx_enabled(x.device), num_warps=num_warps)
@@ -217,8 +260,11 @@ def fused_moe_quant(
     block_n: int | None = None,
     block_m: int | None = None,
     num_warps: int | None = None,
+    biases: ExpertBiases | None = None,
+    activation: ClampedSwiGLU | None = None,
 ) -> torch.Tensor:
-    """Same contract as :func:`kernels.moe.quant_reference.fused_moe_quant`. With
+    """Same contract as :func:`kernels.moe.quant_reference.fused_moe_quant` (``biases``
+    and ``activation`` included: added and applied in the kernels' epilogues). With
     ``cache``, the stacks may be in pinned host memory while ``x`` is on the device: both
     kernels read an expert over the bus (one address space), or from its cache slot;
     nothing is copied and nothing read back (the GEMV's call can be captured).
@@ -243,7 +289,7 @@ def fused_moe_quant(
     rows = tokens * top_k
     inter = w_gate.shape[1]
     check_expert_blocks(w_gate, w_up, w_down, types, hidden, inter)
-    check_cache(cache, slot_of, w_gate, w_up, w_down)
+    check_cache(cache, slot_of, w_gate, w_up, w_down, biases)
     if rows == 0:
         return torch.zeros_like(x)
     method = method or ("gemv" if tokens <= GEMV_MAX_TOKENS else "gemm")
@@ -262,8 +308,9 @@ def fused_moe_quant(
                   num_warps=num_warps or (4 if gemv is not None else 8))
     act = torch.empty((rows, inter), dtype=x.dtype, device=x.device)
     _launch(x, w_gate, w_up, act, None, types[:2], **common,
-            cached=None if cache is None else (slot_of, cache[0], cache[1]))
+            cached=None if cache is None else (slot_of, cache[0], cache[1]),
+            bias=None if biases is None else biases.gate_up, activation=activation)
     down = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
     _launch(act, w_down, None, down, topk_weights.reshape(-1).contiguous(), (types[2], None), **common,
-            cached=None if cache is None else (slot_of, cache[2], None))
+            cached=None if cache is None else (slot_of, cache[2], None), bias=None if biases is None else biases.down)
     return down.view(tokens, top_k, hidden).sum(dim=1)

@@ -4,8 +4,8 @@ A quantized weight ``[N, K]`` is stored as ``N`` rows of ``K / block_elements`` 
 each ``block_bytes`` long (the GGUF tensor's own bytes, unchanged). Every supported
 block splits into sub-blocks of ``sub_elements`` consecutive elements that share one
 scale and one offset; the kernels work sub-block by sub-block. Layouts follow
-ggml's ``block_q4_0`` ... ``block_q6_K`` (ggml-common.h), as decoded by
-``gguf.quants``.
+ggml's ``block_q4_0`` ... ``block_q6_K`` and ``block_mxfp4`` (ggml-common.h), as decoded
+by ``gguf.quants``.
 
 Sizes come from ``gguf.GGML_QUANT_SIZES`` (elements per block, bytes per block), so
 the loader and the memory plan charge exactly what the file holds.
@@ -53,7 +53,8 @@ def _fmt(name: str, code: int, sub: int) -> BlockFormat:
 
 # Sub-block lengths: Q4_0/Q4_1/Q5_0/Q5_1 split their 32 weights into the low and high
 # nibbles of 16 bytes; Q8_0 is one run of 32; Q4_K/Q5_K have 8 scales of 32 weights,
-# Q6_K 16 scales of 16.
+# Q6_K 16 scales of 16; MXFP4 (one E8M0 scale byte, then 16 bytes of E2M1 codes: low
+# nibbles weights 0-15, high 16-31) splits as Q4_0 does.
 FORMATS: dict[str, BlockFormat] = {
     f.name: f
     for f in (
@@ -65,6 +66,7 @@ FORMATS: dict[str, BlockFormat] = {
         _fmt("Q4_K", 5, 32),
         _fmt("Q5_K", 6, 32),
         _fmt("Q6_K", 7, 16),
+        _fmt("MXFP4", 9, 16),
     )
 }
 

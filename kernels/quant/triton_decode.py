@@ -75,7 +75,7 @@ def _codes(b, tt, QT: tl.constexpr, S):
     ``b`` (uint8 pointers; the three broadcast together, e.g. ``b`` ``[R, 1, 1]``,
     ``S`` ``[1, NSUB, 1]``, ``tt`` ``[1, 1, L]``). The weight is
     ``scale * (code - _ZERO[QT]) + offset`` (:func:`_scales`). Layouts as ggml's
-    ``block_q4_0`` ... ``block_q6_K``."""
+    ``block_q4_0`` ... ``block_q6_K`` and ``block_mxfp4``."""
     if QT == 0:  # Q4_0: d, 16 bytes of nibbles (low: weights 0-15, high: 16-31)
         u = (tl.load(b + 2 + tt).to(tl.int32) >> (4 * S)) & 15
     elif QT == 1:  # Q4_1: d, m, nibbles
@@ -93,11 +93,30 @@ def _codes(b, tt, QT: tl.constexpr, S):
     elif QT == 6:  # Q5_K: as Q4_K, plus 32 bytes of high bits (bit S of byte t)
         hb = (tl.load(b + 16 + tt).to(tl.int32) >> S) & 1
         u = ((tl.load(b + 48 + (S // 2) * 32 + tt).to(tl.int32) >> (4 * (S % 2))) & 15) | (hb << 4)
+    elif QT == 9:  # MXFP4: E8M0 scale byte, 16 bytes of E2M1 nibbles (low: weights 0-15, high: 16-31)
+        u = _e2m1_doubled(tl.load(b + 1 + tt).to(tl.int32) >> (4 * S)) + 16
     else:  # Q6_K: 128 bytes low nibbles, 64 bytes 2-bit highs, 16 int8 scales, d
         lo = (tl.load(b + (S // 8) * 64 + 16 * (S % 4) + tt).to(tl.int32) >> (4 * ((S // 4) % 2))) & 15
         hi = (tl.load(b + 128 + (S // 8) * 32 + 16 * (S % 2) + tt).to(tl.int32) >> (2 * ((S // 2) % 4))) & 3
         u = lo | (hi << 4)
     return u
+
+
+@triton.jit
+def _e2m1_doubled(nibble):
+    """Twice the E2M1 value of the low 4 bits of ``nibble`` (int32; sign bit highest), an
+    integer in ``[-12, 12]``: gguf's ``MXFP4.kvalues`` (0, 1, 2, 3, 4, 6, 8, 12 and their
+    negatives), computed rather than looked up (magnitudes 4-7 are ``(2 + m % 2) << (m // 2 - 1)``)."""
+    m = nibble & 7
+    mag = tl.where(m < 4, m, (2 + (m & 1)) << (tl.maximum(m >> 1, 1) - 1))
+    return tl.where((nibble & 8) != 0, -mag, mag)
+
+
+@triton.jit
+def _e8m0_half(e):
+    """float32 ``2 ** (e - 128)`` of E8M0 exponents ``e`` (int32 in ``[0, 256)``), built from
+    its bits as ggml's ``ggml_e8m0_to_fp32_half`` (the two smallest subnormal)."""
+    return tl.where(e < 2, (e * 0 + 0x00200000) << e, (e - 1) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -114,6 +133,9 @@ def _scales(b, QT: tl.constexpr, S):
         sc, mn = _k_scale_min(b, S)
         scale = f16(b) * sc
         offset = -f16(b + 2) * mn
+    elif QT == 9:  # MXFP4: the E8M0 byte e, halved (the codes are doubled E2M1 values)
+        scale = _e8m0_half(tl.load(b).to(tl.int32)) + 0.0 * S
+        offset = scale * 0.0
     elif QT == 7:  # Q6_K: int8 scales at 192, d at 208
         scale = f16(b + 208) * tl.load(b + 192 + S).to(tl.int8, bitcast=True).to(tl.float32)
         offset = scale * 0.0
@@ -359,9 +381,10 @@ def check_blocks(x: torch.Tensor, blocks: torch.Tensor, type_name: str):
 
 
 # Per format code: the zero point folded into the codes (Q4_0's -8, Q5_0's -16, Q8_0's
-# sign flip, Q6_K's -32) and whether the weight has a min (an offset per sub-block).
-_ZERO = {0: 8, 1: 0, 2: 16, 3: 0, 4: 128, 5: 0, 6: 0, 7: 32, 8: 32}
-_HAS_MIN = {0: False, 1: True, 2: False, 3: True, 4: False, 5: True, 6: True, 7: False, 8: False}
+# sign flip, Q6_K's -32; MXFP4's doubled E2M1 values, offset by 16 to stay non-negative)
+# and whether the weight has a min (an offset per sub-block).
+_ZERO = {0: 8, 1: 0, 2: 16, 3: 0, 4: 128, 5: 0, 6: 0, 7: 32, 8: 32, 9: 16}
+_HAS_MIN = {0: False, 1: True, 2: False, 3: True, 4: False, 5: True, 6: True, 7: False, 8: False, 9: False}
 
 
 def layout_constexprs(fmt) -> dict:

@@ -195,14 +195,22 @@ def to_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_mxfp4_experts_load_dequantized_as_transformers_dequantizes_them(tmp_path, make_tiny_hf_model, caplog):
     """A checkpoint whose experts are MXFP4 blocks (``quantization_config`` mxfp4, the
-    tensors ``*_blocks``/``*_scales``) loads with its experts equal to transformers'
-    dequantization of the same blocks, and decodes as that model does."""
+    tensors ``*_blocks``/``*_scales``) keeps them in GGML's MXFP4 blocks, which
+    dequantize to transformers' dequantization of the same blocks, and decodes as that
+    model does; a model built with dense experts gets them dequantized at load."""
     import json
 
     from safetensors.torch import save_file
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
+    from dataclasses import replace
+
+    from engine.layers.moe.quant_experts import QuantExperts
+    from engine.loader.hf_config import load_model_config
     from engine.loader.load import load_model
+    from engine.loader.meta_build import build_on_meta, materialize
+    from engine.loader.weights import iter_weights
+    from kernels.quant.reference import dequantize
 
     hf = make_tiny_hf_model("gpt_oss", None, vocab_size=VOCAB)
     tensors = {}
@@ -219,19 +227,26 @@ def test_mxfp4_experts_load_dequantized_as_transformers_dequantizes_them(tmp_pat
     config["architectures"] = ["GptOssForCausalLM"]
     config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with caplog.at_level(logging.INFO, logger="headroom.engine"):
-        ours, _ = load_model(tmp_path, "cpu", torch.float32)
-    assert "MXFP4 blocks are dequantized to float32 at load" in caplog.text
+    ours, config = load_model(tmp_path, "cpu", torch.float32)
     want = hf.model.layers[2].mlp.experts.gate_up_proj[3].T  # [2I, H], gate and up rows interleaved
-    got = ours.model.layers[2].mlp.experts.gate_up_proj[3]
+    experts = ours.model.layers[2].mlp.experts
+    assert isinstance(experts, QuantExperts) and experts.types == ("MXFP4",) * 3
+    got = torch.cat([dequantize(b[3], "MXFP4", config.hidden_size) for b in (experts.gate, experts.up)])
     assert torch.equal(got, torch.cat((want[0::2], want[1::2])))
     check_engine_greedy(hf, tmp_path, VOCAB, STEPS, 20)
+    dense = build_on_meta(replace(load_model_config(tmp_path), expert_block_type=""), torch.float32)
+    materialize(dense, "cpu")
+    with caplog.at_level(logging.INFO, logger="headroom.engine"):
+        dense.load_weights(iter_weights(tmp_path))
+    assert "MXFP4 blocks are dequantized to float32 at load" in caplog.text
+    assert torch.equal(dense.model.layers[2].mlp.experts.gate_up_proj[3], got)
 
 
 def test_plan_keeps_the_experts_on_the_device(tmp_path):
-    """gpt-oss-20b (bfloat16 once dequantized) on a simulated 24 GiB card: its experts
-    cannot move to host memory, so the plan keeps them all on the device and suggests no
-    --cpu-experts; asking for host layers is refused before anything loads."""
+    """gpt-oss-20b (its experts kept in MXFP4 blocks) on a simulated 12 GiB card: its experts
+    cannot move to host memory, so the plan keeps them all on the device, priced at 17
+    bytes a block of 32 weights, and suggests no --cpu-experts; asking for host layers is
+    refused before anything loads."""
     import json
 
     from engine.common.errors import SettingRefused
@@ -246,9 +261,9 @@ def test_plan_keeps_the_experts_on_the_device(tmp_path):
     mc = load_model_config(tmp_path)
     assert mc.is_moe and not mc.experts_offload
     knobs = PlanKnobs(max_running_requests=4)
-    plan = make_plan(simulated_device(24 * GiB), knobs, make_footprint(mc, torch.bfloat16, knobs))
+    plan = make_plan(simulated_device(12 * GiB), knobs, make_footprint(mc, torch.bfloat16, knobs))
     experts = {e.name: e for e in plan.ledger}["routed expert weights"]
-    assert experts.bytes == 24 * 32 * 3 * 2880 * 2880 * 2 + 24 * 32 * (2 * 2880 + 2880) * 2  # weights and biases
+    assert experts.bytes == 24 * 32 * 3 * 2880 * 2880 // 32 * 17 + 24 * 32 * (2 * 2880 + 2880) * 2  # blocks, biases
     assert "all on the device" in experts.source and plan.cpu_expert_layers == 0
     assert not plan.fits and "--cpu-experts" not in [s.flag for s in plan.suggestions]
     with pytest.raises(SettingRefused, match="--cpu-experts 2: GptOssForCausalLM's experts .* stay on the device"):

@@ -148,16 +148,17 @@ def test_gguf_greedy_equals_safetensors_and_transformers(gpt_oss_gguf):
 def test_openai_mxfp4_blocks_repacked_as_llama_cpp_does_read_as_transformers_dequantizes_them():
     """OpenAI's MXFP4 blocks (two codes a byte, the even element low; a scale a block of 32)
     moved bit for bit into GGML's ``block_mxfp4`` (the scale byte, then byte j holding
-    element j low and j + 16 high), as llama.cpp's converter writes gpt-oss's experts, read
-    through gguf-py as transformers' dequantization reads the originals."""
+    element j low and j + 16 high) by the loader's repacking (``mxfp4_to_ggml``), as
+    llama.cpp's converter writes gpt-oss's experts, read through gguf-py as transformers'
+    dequantization reads the originals."""
     from test_gpt_oss import to_mxfp4
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
+    from engine.models.gpt_oss import mxfp4_to_ggml
+
     w = torch.randn(3, 8, 64, generator=torch.Generator().manual_seed(2))
     blocks, scales = to_mxfp4(w)  # [E, R, G, 16], [E, R, G]
-    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).flatten(-2)  # [E, R, G, 32]
-    packed = torch.cat((scales[..., None], codes[..., :16] | (codes[..., 16:] << 4)), dim=-1)
-    got = gguf.dequantize(packed.flatten(-2).numpy(), MXFP4).reshape(w.shape)
+    got = gguf.dequantize(mxfp4_to_ggml(blocks, scales).numpy(), MXFP4).reshape(w.shape)
     want = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, G * 32, R]: transposed
     assert torch.equal(torch.from_numpy(got), want.transpose(1, 2))
 

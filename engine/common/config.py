@@ -94,7 +94,9 @@ class ModelConfig:
     expert's gate/up and down; ``swiglu_limit`` > 0 makes the experts' activation
     the clamped SwiGLU (gate clamped above at the limit, up at ``±limit``, output
     ``(up + 1) * gate * sigmoid(swiglu_alpha * gate)``); the router then takes the
-    top-k logits before a softmax over those alone.
+    top-k logits before a softmax over those alone. ``expert_block_type``: the GGML block
+    type the routed experts are kept in as the checkpoint stores them (``"MXFP4"`` for
+    OpenAI's gpt-oss checkpoints; ``""``: dense in the model dtype).
 
     Gemma 4: ``gemma4`` (:class:`~engine.common.gemma4_layout.Gemma4Layout`); its layers
     that share another's keys and values have no place in the KV pool.
@@ -143,6 +145,7 @@ class ModelConfig:
     expert_bias: bool = False
     swiglu_alpha: float = 0.0
     swiglu_limit: float = 0.0
+    expert_block_type: str = ""
     gemma4: Gemma4Layout | None = None
 
     @property

@@ -147,8 +147,8 @@ def quantized_gguf(config: EngineConfig, device: torch.device, mc: ModelConfig |
     experts (``mc``) keeps its routed experts in blocks too on CUDA (the fused MoE over
     blocks), also those that ``--cpu-experts`` puts in host memory (the host tier and the
     expert cache hold the blocks: :mod:`engine.layers.moe.expert_cache`); on the CPU they
-    are dequantized at load (the int4 repacking covers linear layers only). gpt-oss
-    (attention sinks) is dequantized whole.
+    are dequantized at load (the int4 repacking covers linear layers only), but for
+    gpt-oss's MXFP4 experts, which the C kernels read in their blocks.
     """
     wanted = config.gguf_quantized
     if device.type not in ("cuda", "cpu"):
@@ -157,9 +157,6 @@ def quantized_gguf(config: EngineConfig, device: torch.device, mc: ModelConfig |
         wanted = config.quantization == "auto" and config.tensor_parallel_size == 1 and (
             device.type == "cpu" or _blocks_by_default_on_cuda(config, mc))
     if not wanted:
-        return None
-    if mc is not None and mc.attention_sinks:  # gpt-oss: its experts' biases and clamped SwiGLU
-        log.info("GGUF weights dequantized at load: gpt-oss is not read from blocks")
         return None
     if mc is not None and mc.is_moe and device.type == "cpu":
         log.info("--gguf-quantized on the CPU: the routed experts are dequantized at load")

@@ -14,7 +14,10 @@ A mixture of experts' stacked experts (``ffn_gate_exps``/``ffn_up_exps``/``ffn_d
 of qwen3moe, qwen2moe and llama files with experts) become a
 :class:`~engine.layers.moe.quant_experts.QuantExperts` per layer, each projection in its own
 block type, when all three are types the kernels read; on the CPU (whose int4 repacking
-covers linear layers only) and for other types they are dequantized at load.
+covers linear layers only) and for other types they are dequantized at load. gpt-oss's
+MXFP4 experts (with their biases and clamped SwiGLU) stay in blocks on the CPU too, where
+the C kernels read them (:mod:`kernels.cpu.moe_experts`); the file's other tensors are read
+back as its checkpoint's (:func:`engine.loader.gguf_hf_tensors.converted_tensors`).
 
 :func:`gguf_weight_size` prices the same choice, tensor by tensor, with the same
 function (:func:`kernels.quant.formats.tensor_bytes`), so the memory plan charges what
@@ -36,9 +39,10 @@ from engine.common.load_errors import ModelLoadError, WeightMismatch
 from engine.common.units import MiB
 from engine.layers.linear.cpu_int4 import CODE_BITS, QuantEmbedding, packable, packed_bytes
 from engine.layers.linear.gguf_blocks import PartSpec, QuantLinear, repack_model_for_kernels
-from engine.layers.moe.quant_experts import QuantExperts
+from engine.layers.moe.quant_experts import QuantExperts, quant_experts_for
 from engine.loader.gguf_config import ROPE_FREQS
-from engine.loader.gguf_hf_tensors import dequantize_tensor, hf_tensors, reverse_llama_permute
+from engine.loader.gguf_gpt_oss import ARCHITECTURES as GPT_OSS_ARCHITECTURES
+from engine.loader.gguf_hf_tensors import converted_tensors, dequantize_tensor, hf_tensors, reverse_llama_permute
 from engine.loader.gguf_qwen35 import ARCHITECTURES as QWEN35_ARCHITECTURES
 from engine.loader.gguf_qwen35 import LINEAR_TARGETS, grouped_rows
 from engine.loader.gguf_tensors import open_tensors
@@ -108,8 +112,10 @@ def _expert_targets(config: ModelConfig) -> dict[str, tuple[str, str, str]]:
 def _experts_in_blocks(by_name: dict[str, Any], config: ModelConfig, gguf_path: Path,
                        experts_in_blocks: bool) -> dict[str, tuple[str, str, str]]:
     """The expert modules kept in blocks -> their (gate, up, down) types: every layer
-    whose three tensors are of types the kernels read, when ``experts_in_blocks``. A
-    layer whose gate and up are one tensor (``ffn_gate_up_exps``) is dequantized.
+    whose three tensors are of types the kernels read, when ``experts_in_blocks``, and
+    every layer of MXFP4 experts (a quarter of bfloat16's bytes, read by the C kernels
+    on the CPU as well). A layer whose gate and up are one tensor (``ffn_gate_up_exps``)
+    is dequantized.
 
     Raises:
         WeightMismatch: an expert tensor is missing.
@@ -122,9 +128,12 @@ def _experts_in_blocks(by_name: dict[str, Any], config: ModelConfig, gguf_path: 
         if missing:
             raise WeightMismatch(f"{gguf_path}: tensor {missing[0]} is missing")
         types = tuple(by_name[n].tensor_type.name for n in names)
-        if experts_in_blocks and all(t in FORMATS for t in types):
+        if all(t in FORMATS for t in types) and (experts_in_blocks or set(types) == {_MXFP4}):
             kept[module] = types
     return kept
+
+
+_MXFP4 = "MXFP4"
 
 
 def _kept_quantized(tensor: Any, projection_weights: set[str]) -> str | None:
@@ -178,7 +187,8 @@ def gguf_weight_size(gguf_path: str | Path, config: ModelConfig, dtype: torch.dt
             continue
         kept = _kept_quantized(t, projection_weights | expert_blocks)
         shape = _hf_shape(t)
-        if device_type == "cpu" and kept is not None and not (cpu_blocks and kept in CPU_BLOCK_TYPES):
+        if (device_type == "cpu" and kept is not None and t.name not in expert_blocks
+                and not (cpu_blocks and kept in CPU_BLOCK_TYPES)):
             kept = "int4" if packable(kept, shape[0]) else None  # else the C GEMV reads the blocks as stored
         if t.name == _EMBEDDINGS and embed_type is not None:
             kept = embed_type
@@ -282,7 +292,7 @@ def load_gguf_quantized(
             # A tied head is made after the blocks are filled, reading the same tensor.
     for module_name, types in expert_modules.items():
         with torch.device("meta"):
-            new = QuantExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size, types)
+            new = quant_experts_for(config, types)
         _swap(model, module_name, new)
     model = model.to(dtype=dtype)  # floating tensors only: the uint8 blocks keep their type
     materialize(model, device)
@@ -402,13 +412,23 @@ def _mapped(data: np.ndarray) -> torch.Tensor:
 def _rest(reader: Any, skip: set[str], gguf_path: Path, arch: str,
           config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor not in a quantized module, dequantized, under its Hugging Face name
-    (stacked experts not kept in blocks: one tensor per expert)."""
+    (stacked experts not kept in blocks: one tensor per expert; a gpt-oss file's as its
+    checkpoint's, the experts' gate and up biases paired)."""
     names = {"architectures": [config.architecture], "num_attention_heads": config.num_heads,
              "num_key_value_heads": config.num_kv_heads, "num_hidden_layers": config.num_layers,
              "linear_num_key_heads": config.linear_num_key_heads,
              "linear_num_value_heads": config.linear_num_value_heads,
              "linear_key_head_dim": config.linear_key_head_dim,
              "linear_value_head_dim": config.linear_value_head_dim}
+    if arch in GPT_OSS_ARCHITECTURES:
+        try:
+            for item in converted_tensors((t for t in reader.tensors if t.name not in skip), gguf_path, arch, names,
+                                          torch.float32):
+                yield item
+                reader.release()
+        except ModelLoadError as e:
+            raise WeightMismatch(str(e)) from None
+        return
     for t in reader.tensors:
         if t.name in skip:
             continue

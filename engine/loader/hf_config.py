@@ -142,8 +142,8 @@ def _gpt_oss_fields(hf: Any, config_path: Path) -> dict[str, Any]:
 
     Raises:
         UnsupportedConfig: the experts are quantized otherwise than in MXFP4 blocks (as
-            OpenAI's checkpoints keep them: :mod:`engine.models.gpt_oss` dequantizes those
-            at load)."""
+            OpenAI's checkpoints keep them, and the model keeps them so:
+            :attr:`ModelConfig.expert_block_type`)."""
     if getattr(hf, "model_type", "") != "gpt_oss":
         return {}
     quant = getattr(hf, "quantization_config", None) or {}
@@ -158,6 +158,7 @@ def _gpt_oss_fields(hf: Any, config_path: Path) -> dict[str, Any]:
         "expert_bias": True,
         "swiglu_alpha": float(getattr(hf, "swiglu_alpha", 1.702)),  # older transformers fix it at 1.702
         "swiglu_limit": float(getattr(hf, "swiglu_limit", 7.0)),
+        "expert_block_type": "MXFP4" if method == "mxfp4" else "",
     }
 
 

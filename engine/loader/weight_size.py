@@ -43,10 +43,12 @@ class WeightSize:
 def weight_bytes(config: ModelConfig, dtype: torch.dtype, quantization: str | None = None) -> int:
     """Device bytes :func:`~engine.loader.load.load_model` will allocate for ``config`` in ``dtype`` (and
     ``quantization``: FP8 projections take one byte per weight plus a float32 scale per
-    row): every parameter, plus the float32 RoPE cos/sin cache. Computed from the
+    row): every parameter, the blocks of routed experts kept as the checkpoint stores them
+    (gpt-oss's MXFP4: ``ModelConfig.expert_block_type``), plus the float32 RoPE cos/sin
+    cache. Computed from the
     shapes of a model built on the meta device, so it is exact and allocates nothing."""
     model = build_on_meta(config, dtype, quantization)
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    params = sum(p.numel() * p.element_size() for p in model.parameters()) + _expert_block_bytes(model)
     rope_cache = config.max_position_embeddings * (config.rotary_dim or config.head_dim) * 4  # float32
     if config.gemma4 is not None:  # a cache per layer kind, each at its heads' size
         return params + config.max_position_embeddings * (config.gemma4.global_head_dim + config.gemma4.sliding_head_dim) * 4
@@ -76,8 +78,16 @@ def fp8_weight_size(config: ModelConfig, dtype: torch.dtype) -> WeightSize:
 
 def expert_weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
     """The part of :func:`weight_bytes` that the routed experts of a mixture of experts
-    take (``mlp.experts.*``; not the router or a shared expert); 0 for a dense model."""
+    take (``mlp.experts.*``, their blocks where kept so; not the router or a shared
+    expert); 0 for a dense model."""
     if not config.is_moe:
         return 0
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return sum(p.numel() for n, p in build_on_meta(config).named_parameters() if ".experts." in n) * itemsize
+    model = build_on_meta(config)
+    return sum(p.numel() for n, p in model.named_parameters() if ".experts." in n) * itemsize + _expert_block_bytes(model)
+
+
+def _expert_block_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the routed experts' blocks a model built on the meta device holds (uint8
+    buffers of ``mlp.experts``; none where the experts are dense)."""
+    return sum(b.numel() for n, b in model.named_buffers() if ".experts." in n and b.dtype == torch.uint8)

@@ -21,8 +21,13 @@ them into the stacked layout of :class:`~engine.layers.moe.sparse_moe.Experts`
 publishes them (``gate_up_proj_blocks`` ``[E, 2I, H / 32, 16]`` uint8, two 4-bit E2M1
 values a byte, low nibble first, with ``gate_up_proj_scales`` ``[E, 2I, H / 32]``, one
 power of two a block of 32, biased by 127; ``down_proj_*`` the same over ``[E, H, I]``),
-are dequantized at load into the model dtype (:func:`mxfp4_to_dense`; exact: every
-MXFP4 value is a bfloat16 one), so they take the dense experts' memory.
+stay in their blocks: the model's experts are then
+:class:`~engine.layers.moe.quant_experts.QuantExperts` (``ModelConfig.expert_block_type``),
+whose kernels read GGML's ``block_mxfp4``, and the blocks are repacked into it at load
+(:func:`mxfp4_to_ggml`: the same codes and scales, bit for bit; gate and up rows
+de-interleaved). A model built with dense experts from such a checkpoint gets them
+dequantized into its dtype (:func:`mxfp4_to_dense`; exact: every MXFP4 value is a
+bfloat16 one).
 """
 
 from __future__ import annotations
@@ -32,7 +37,8 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from engine.common.load_errors import UnsupportedConfig
+from engine.common.load_errors import UnsupportedConfig, WeightMismatch
+from engine.layers.moe.quant_experts import QuantExperts
 from engine.models.decoder import CausalLM
 
 log = logging.getLogger("headroom.engine")
@@ -64,11 +70,56 @@ def mxfp4_to_dense(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtyp
     return out
 
 
-def _dequantized(weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """``weights`` with each pair of MXFP4 ``*_blocks``/``*_scales`` tensors replaced by
-    the dense tensor under the checkpoint's bfloat16 name and layout (``gate_up_proj``
-    ``[E, H, 2I]``, ``down_proj`` ``[E, I, H]``: views, transposed)."""
+def mxfp4_to_ggml(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """OpenAI's MXFP4 rows as GGML's ``block_mxfp4`` rows (what llama.cpp's converter writes
+    and :mod:`kernels.quant.formats` reads as ``"MXFP4"``): ``blocks`` ``[..., G, 16]``
+    uint8 (byte j: element 2j low, 2j + 1 high) and ``scales`` ``[..., G]`` uint8 ->
+    ``[..., G * 17]`` uint8, each block its scale byte then 16 bytes, byte j holding
+    element j low and j + 16 high. The same codes and exponents: lossless.
+
+    Raises:
+        ValueError: the shapes do not pair.
+    """
+    if blocks.shape[-1] != 16 or tuple(blocks.shape[:-1]) != tuple(scales.shape) or blocks.dtype != torch.uint8:
+        raise ValueError(f"MXFP4 blocks {blocks.dtype} {tuple(blocks.shape)} and scales {tuple(scales.shape)} "
+                         "do not pair")
+    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).flatten(-2)  # [..., G, 32], element order
+    packed = torch.cat((scales[..., None], codes[..., :16] | (codes[..., 16:] << 4)), dim=-1)
+    return packed.flatten(-2)
+
+
+def _fill_blocks(experts: QuantExperts, base: str, blocks: torch.Tensor, scales: torch.Tensor) -> None:
+    """``experts``' buffers from a checkpoint's MXFP4 pair named ``base`` (``...gate_up_proj``:
+    rows ``[E, 2I]`` with gate and up interleaved, gate the even ones; ``...down_proj``:
+    ``[E, H]``), repacked (:func:`mxfp4_to_ggml`).
+
+    Raises:
+        WeightMismatch: the blocks' shape is not the layer's.
+    """
+    ggml = mxfp4_to_ggml(blocks, scales)
+    parts = ((experts.gate, ggml[:, 0::2]), (experts.up, ggml[:, 1::2])) if base.endswith("gate_up_proj") \
+        else ((experts.down, ggml),)
+    for buf, src in parts:
+        if tuple(src.shape) != tuple(buf.shape):
+            raise WeightMismatch(f"tensor {base}_blocks holds MXFP4 rows {tuple(src.shape)}, the config expects "
+                                 f"{tuple(buf.shape)}; config.json and the weights disagree")
+        buf.copy_(src)
+
+
+def _dequantized(weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,
+                 kept: dict[str, QuantExperts]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``weights`` with each pair of MXFP4 ``*_blocks``/``*_scales`` tensors either copied
+    into the blocks of its layer in ``kept`` (``model.layers.N.mlp.experts`` -> the
+    layer), or replaced by the dense tensor under the checkpoint's bfloat16 name and
+    layout (``gate_up_proj`` ``[E, H, 2I]``, ``down_proj`` ``[E, I, H]``: views,
+    transposed).
+
+    Raises:
+        UnsupportedConfig: a tensor without its pair, or a layer in ``kept`` whose
+            blocks some of the checkpoint's pairs filled and others did not.
+    """
     pending: dict[str, dict[str, torch.Tensor]] = {}
+    filled: set[str] = set()
     logged = False
     for name, tensor in weights:
         suffix = next((s for s in _MXFP4_SUFFIXES if name.endswith(s)), None)
@@ -80,6 +131,12 @@ def _dequantized(weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype
         parts[suffix] = tensor
         if len(parts) == 2:
             del pending[base]
+            layer = kept.get(base.rpartition(".")[0])
+            if layer is not None:
+                with torch.no_grad():
+                    _fill_blocks(layer, base, parts["_blocks"], parts["_scales"])
+                filled.add(base)
+                continue
             if not logged:
                 log.info("gpt-oss: the experts' MXFP4 blocks are dequantized to %s at load "
                          "(they take the dense experts' memory)", str(dtype).removeprefix("torch."))
@@ -87,6 +144,9 @@ def _dequantized(weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype
             yield base, mxfp4_to_dense(parts["_blocks"], parts["_scales"], dtype).transpose(1, 2)
     if pending:
         raise UnsupportedConfig(f"MXFP4 tensors without their pair: {', '.join(sorted(pending))}")
+    unfilled = sorted(f"{m}.{p}" for m in kept for p in ("gate_up_proj", "down_proj") if f"{m}.{p}" not in filled)
+    if filled and unfilled:
+        raise UnsupportedConfig(f"MXFP4 experts missing from the checkpoint: {', '.join(unfilled)}")
 
 
 def _deinterleave(t: torch.Tensor) -> torch.Tensor:
@@ -116,18 +176,21 @@ class GptOssCausalLM(CausalLM):
         raise ValueError("gpt-oss does not run tensor-parallel yet; use --tensor-parallel-size 1")
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """:meth:`CausalLM.load_weights` of a gpt-oss checkpoint: MXFP4 experts
-        dequantized, the router renamed, the experts transposed and de-interleaved
-        (:func:`hf_to_ours`).
+        """:meth:`CausalLM.load_weights` of a gpt-oss checkpoint: MXFP4 experts copied
+        into the layers' blocks where the model keeps them so (else dequantized), the
+        router renamed, the dense experts transposed and de-interleaved
+        (:func:`hf_to_ours`). A layer in blocks that the weights hold none of (a GGUF's,
+        filled beforehand) is left as it is.
 
         Raises:
-            UnsupportedConfig: an MXFP4 tensor without its pair.
-            WeightMismatch: as :meth:`CausalLM.load_weights`.
+            UnsupportedConfig: an MXFP4 tensor without its pair, or only some layers'.
+            WeightMismatch: as :meth:`CausalLM.load_weights`; MXFP4 blocks of another shape.
         """
         dtype = self.model.norm.weight.dtype
+        kept = {name: m for name, m in self.named_modules() if isinstance(m, QuantExperts) and m.types == ("MXFP4",) * 3}
 
         def ours() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, tensor in _dequantized(weights, dtype):
+            for name, tensor in _dequantized(weights, dtype, kept):
                 yield hf_to_ours(name, tensor)
 
         super().load_weights(ours())

@@ -157,10 +157,11 @@ def stack_of(experts: nn.Module) -> ExpertStack:
     from engine.layers.moe.quant_experts import QuantExperts
     from engine.layers.moe.sparse_moe import Experts
 
-    if isinstance(experts, Experts):
+    if isinstance(experts, Experts | QuantExperts):
         if experts.biases is not None or experts.activation is not None:
             raise ValueError("gpt-oss's routed experts (biases, clamped SwiGLU) cannot be offloaded yet; "
                              "they stay on the device: give the model room for all of them")
+    if isinstance(experts, Experts):
         return DenseStack(experts.gate_up_proj.detach(), experts.down_proj.detach())
     if isinstance(experts, QuantExperts):
         return BlockStack(experts.gate, experts.up, experts.down, experts.types)

@@ -13,8 +13,13 @@ The product is :data:`kernels.dispatch.fused_moe_quant`: the Triton grouped GEMV
 dequantizes each routed expert through ``gguf`` on every call (correct, slow: a CPU
 engine dequantizes the experts at load instead, :mod:`engine.loader.gguf_quant`).
 
+gpt-oss's experts (MXFP4 blocks, from its GGUF or OpenAI's safetensors) carry biases on
+gate/up and down and take the clamped SwiGLU; both are applied inside the kernels'
+epilogues (:func:`quant_experts_for` builds such a layer from the model's config).
+
 The blocks are buffers, not parameters, as :class:`~engine.layers.linear.gguf_blocks.QuantLinear`'s:
-:mod:`engine.loader.gguf_quant` fills them.
+:mod:`engine.loader.gguf_quant` (or :meth:`engine.models.gpt_oss.GptOssCausalLM.load_weights`)
+fills them; the biases are parameters, loaded as the dense experts' are.
 """
 
 from __future__ import annotations
@@ -22,8 +27,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.common.config import ModelConfig
+from kernels.activation.reference import ClampedSwiGLU
 from kernels.dispatch import fused_moe_quant
+from kernels.moe.reference import ExpertBiases
 from kernels.quant.formats import block_format, tensor_bytes
+
+
+def experts_activation(config: ModelConfig) -> ClampedSwiGLU | None:
+    """The routed experts' activation: gpt-oss's clamped SwiGLU where the config has a
+    limit, else None (SiLU-and-mul)."""
+    return ClampedSwiGLU(config.swiglu_alpha, config.swiglu_limit) if config.swiglu_limit else None
 
 
 class QuantExperts(nn.Module):
@@ -34,6 +48,9 @@ class QuantExperts(nn.Module):
         types: GGML type names of gate, up and down (each one
             :mod:`kernels.quant.formats` reads); ``H`` must be whole blocks of the gate's
             and up's types, ``I`` of the down's.
+        bias: parameters ``gate_up_proj_bias`` ``[E, 2I]`` (gate half first) and
+            ``down_proj_bias`` ``[E, H]``, as :class:`~engine.layers.moe.sparse_moe.Experts`'.
+        activation: None for SiLU-and-mul, else gpt-oss's clamped SwiGLU.
 
     Buffers ``gate`` ``[E, I, H / block_elements * block_bytes]``, ``up`` (same rows),
     ``down`` ``[E, H, I / ...]``, uint8. Build under ``torch.device("meta")`` and
@@ -44,7 +61,7 @@ class QuantExperts(nn.Module):
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
-                 types: tuple[str, str, str]) -> None:
+                 types: tuple[str, str, str], bias: bool = False, activation: ClampedSwiGLU | None = None) -> None:
         super().__init__()
         for t in types:
             block_format(t)
@@ -56,16 +73,39 @@ class QuantExperts(nn.Module):
                                             ("down", types[2], hidden_size, intermediate_size)):
             self.register_buffer(name, torch.empty(num_experts, rows, tensor_bytes(type_name, (1, cols), 0),
                                                    dtype=torch.uint8))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size)) if bias else None
+        self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden_size)) if bias else None
+        self.activation = activation
 
     @property
     def num_experts(self) -> int:
         return self.gate.shape[0]
 
+    @property
+    def biases(self) -> ExpertBiases | None:
+        if self.gate_up_proj_bias is None:
+            return None
+        return ExpertBiases(self.gate_up_proj_bias, self.down_proj_bias)
+
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """As :func:`kernels.moe.reference.fused_moe` with this layer's experts: ``x`` ``[T, H]``,
         ``topk_weights``/``topk_ids`` ``[T, K]`` -> ``[T, H]`` in ``x``'s dtype."""
-        return fused_moe_quant(x, self.gate, self.up, self.down, self.types, topk_weights, topk_ids)
+        if self.biases is None and self.activation is None:  # every family's but gpt-oss's
+            return fused_moe_quant(x, self.gate, self.up, self.down, self.types, topk_weights, topk_ids)
+        return fused_moe_quant(x, self.gate, self.up, self.down, self.types, topk_weights, topk_ids,
+                               biases=self.biases, activation=self.activation)
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}, "
                 f"types={'/'.join(self.types)}")
+
+
+def quant_experts_for(config: ModelConfig, types: tuple[str, str, str]) -> QuantExperts:
+    """A layer of ``config``'s routed experts in blocks of ``types`` (gate, up, down), with
+    its biases and activation (gpt-oss's) where the config has them.
+
+    Raises:
+        ValueError: as :class:`QuantExperts`.
+    """
+    return QuantExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size, types,
+                        config.expert_bias, experts_activation(config))

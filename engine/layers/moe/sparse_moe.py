@@ -8,7 +8,7 @@ experts elsewhere). Qwen2-MoE adds a shared expert every token goes through, sca
 ``sigmoid(shared_expert_gate(x))`` (``Qwen2MoeSparseMoeBlock`` in transformers).
 gpt-oss's router and experts carry biases (:attr:`ModelConfig.expert_bias`) and its
 experts apply the clamped SwiGLU (:attr:`ModelConfig.swiglu_limit`,
-:class:`kernels.activation.reference.ClampedSwiGLU`); those experts stay dense and on
+:class:`kernels.activation.reference.ClampedSwiGLU`); those experts stay on
 the device (:func:`engine.layers.moe.expert_stacks.stack_of` refuses to offload them).
 
 Parameter names follow transformers 5 (``mlp.gate.weight``, ``mlp.experts.gate_up_proj``
@@ -20,7 +20,9 @@ stacks them into these at load.
 By default all experts live on the model's device. A layer whose routed experts live in
 host memory has :class:`engine.layers.moe.expert_cache.OffloadedExperts` in place of
 :class:`Experts` (a device expert cache in front of the host copy); a GGUF's experts kept
-in their blocks (``--gguf-quantized``) have :class:`engine.layers.moe.quant_experts.QuantExperts`.
+in their blocks (``--gguf-quantized``), and a checkpoint's experts stored in blocks
+(:attr:`ModelConfig.expert_block_type`: gpt-oss's MXFP4), have
+:class:`engine.layers.moe.quant_experts.QuantExperts`.
 Both are called as ``experts(x, weights, ids)``; the router and the shared expert stay
 here, on the device.
 """
@@ -31,6 +33,7 @@ import torch
 from torch import nn
 
 from engine.common.config import ModelConfig
+from engine.layers.moe.quant_experts import experts_activation, quant_experts_for
 from kernels.activation.reference import ClampedSwiGLU
 from kernels.dispatch import fused_moe
 from kernels.moe.reference import ExpertBiases, route
@@ -78,9 +81,11 @@ class SparseMoeBlock(nn.Module):
         self.renormalize = config.norm_topk_prob
         self.float32_weights = config.architecture in _WEIGHTS_IN_FLOAT32
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=config.expert_bias)
-        swiglu = ClampedSwiGLU(config.swiglu_alpha, config.swiglu_limit) if config.swiglu_limit else None
-        self.experts = Experts(config.num_experts, config.hidden_size, config.moe_intermediate_size,
-                               config.expert_bias, swiglu)
+        if config.expert_block_type:  # kept in the checkpoint's blocks (gpt-oss's MXFP4)
+            self.experts = quant_experts_for(config, (config.expert_block_type,) * 3)
+        else:
+            self.experts = Experts(config.num_experts, config.hidden_size, config.moe_intermediate_size,
+                                   config.expert_bias, experts_activation(config))
         shared = config.shared_expert_intermediate_size
         self.shared_expert = dense_mlp(config.hidden_size, shared) if shared else None
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False) if shared else None

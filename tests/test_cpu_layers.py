@@ -94,3 +94,50 @@ def test_default_gguf_split_at_10_equals_unsplit():
     del split
     whole = run_all(engine(), {rid: (ids, sampling) for rid, ids in prompts.items()})
     assert ours == whole
+
+
+# The default model's plan on a small simulated card (no display): at 1100 MiB it fits
+# whole; at 900 MiB only with its last layers on the CPU; at 400 MiB not even so.
+_SMALL = dict(device="cpu", device_display=False, max_running_requests=4, min_context=512)
+
+
+def _default_gguf() -> str:
+    pytest.importorskip("gguf")
+    from engine.loader.default_model import default_gguf_path
+
+    return str(default_gguf_path())
+
+
+def test_auto_plans_no_split_when_the_model_fits():
+    from engine.commands.plan import build_plan, render
+
+    plan = build_plan(EngineConfig(model=_default_gguf(), device_total=1100 << 20, **_SMALL))
+    assert plan.fits and plan.cpu_layers == 0 and not plan.split_note
+    assert "on the CPU" not in render(plan, as_json=False)
+
+
+def test_a_small_device_limit_plans_a_split_and_the_engine_runs_it():
+    """The plan picks the fewest layers that fit and prints the split with its price; an
+    engine on that card starts split so and answers."""
+    from engine.commands.plan import build_plan, render
+
+    config = EngineConfig(model=_default_gguf(), device_total=8 << 30, device_limit=900 << 20, **_SMALL)
+    plan = build_plan(config)
+    assert plan.fits and 0 < plan.cpu_layers < 30
+    unsplit = build_plan(EngineConfig(**{**config.__dict__, "cpu_layers": "0"}))
+    assert not unsplit.fits  # not even with the prefill chunk lowered to its floor
+    text = render(plan, as_json=False)
+    assert f"({plan.cpu_layers} of 30) run on the CPU (--cpu-layers {plan.cpu_layers})" in text
+    assert "moved off the device" in text and "of host memory" in text and "fits: yes" in text
+    engine = Engine(config)
+    assert engine.model.host_layers.start == 30 - plan.cpu_layers
+    out = run_all(engine, {"a": ([1, 504, 3458, 282, 260], SamplingParams(max_new_tokens=4, temperature=0.0))})
+    assert len(out["a"]) == 4
+
+
+def test_a_misfit_no_split_solves_is_refused_naming_cpu_layers():
+    from engine.commands.plan import build_plan
+
+    plan = build_plan(EngineConfig(model=_default_gguf(), device_total=600 << 20, **_SMALL))
+    assert not plan.fits and plan.cpu_layers == 0
+    assert "--cpu-layers auto → 30 frees about" in plan.message()

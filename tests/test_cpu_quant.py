@@ -110,7 +110,7 @@ def test_quant_embedding_looks_up_gguf_s_rows():
 def _engine_with_cpu_kernels(on: bool) -> Engine:
     """The default model on the CPU: with the C kernels (blocks as stored, the C decode
     layer) or with torch's int4 layout (what runs where no C compiler is found)."""
-    from engine.core import engine as engine_module
+    from engine.core import weights_stage as engine_module
     from engine.layers.linear import cpu_kernels
 
     with pytest.MonkeyPatch.context() as mp:

@@ -125,7 +125,9 @@ def test_a_card_that_cannot_hold_the_weights_fails_before_they_load(default_mode
     def no_load(*a, **k):
         raise AssertionError("weights were loaded for a plan that cannot fit")
 
-    monkeypatch.setattr(engine_mod, "load_model", no_load)
+    import engine.core.weights_stage as weights_stage
+
+    monkeypatch.setattr(weights_stage, "load_model", no_load)
     with pytest.raises(PlanDoesNotFit) as err:
         engine_mod.Engine(EngineConfig(model=default_model_dir, device_total=1 * GiB,
                                        device_display=True))

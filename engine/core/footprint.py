@@ -13,7 +13,7 @@ import torch
 from engine.common.config import ModelConfig
 from engine.kvcache.pool import kv_storage_dtype
 from engine.kvcache.state_pool import state_bytes_per_request
-from engine.loader.weight_size import expert_weight_bytes, weight_bytes
+from engine.loader.weight_size import expert_weight_bytes, layer_weight_bytes, weight_bytes
 from engine.memory.plan import Footprint, PlanKnobs
 from kernels.attention.kv_store import kv_bytes, kv_dtype_name
 
@@ -220,6 +220,7 @@ def make_footprint(
     # or a GGUF's bytes per layer as stored (blocks stay blocks in the host tier and
     # the expert cache alike).
     layer_bytes = () if weights is None else weights.expert_layer_bytes
+    split = _split_prices(mc, dtype, weights, knobs)
     dense_experts = mc.is_moe and not layer_bytes and (weights is None or weights.source == "FP8")
     return Footprint(
         weight_bytes=weight_bytes(mc, dtype) if weights is None else weights.bytes,
@@ -250,4 +251,24 @@ def make_footprint(
         activation_source=source,
         activation_at=at,
         state_bytes_per_request=state_bytes_per_request(mc, dtype),
+        **split,
     )
+
+
+def _split_prices(mc: ModelConfig, dtype: torch.dtype, weights: WeightSize | None, knobs: PlanKnobs) -> dict:
+    """The :class:`Footprint` fields of ``--cpu-layers`` (none for a model that cannot
+    split, or FP8 projections): each decoder layer's weights on the device and in host
+    memory (a GGUF's blocks as counted per layer; dense weights in float32 on the host),
+    and one layer's KV per token in the host pool (float32, or the KV dtype's blocks)."""
+    from engine.core.settings_fit import splittable
+
+    if not splittable(mc) or (weights is not None and weights.source == "FP8"):
+        return {}
+    if weights is None:
+        device, host = layer_weight_bytes(mc, dtype), layer_weight_bytes(mc, torch.float32)
+    elif weights.decoder_layer_bytes and weights.host_layer_bytes:
+        device, host = weights.decoder_layer_bytes, weights.host_layer_bytes
+    else:
+        return {}
+    kv = kv_bytes(kv_storage_dtype(knobs.kv_cache_dtype, torch.float32), 2 * mc.num_kv_heads * mc.head_dim)
+    return dict(layer_bytes=tuple(device), host_layer_bytes=tuple(host), host_kv_bytes_per_token_layer=kv)

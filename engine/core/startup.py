@@ -9,6 +9,7 @@ same kernel switches (:func:`use_kernel_switches`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -27,6 +28,7 @@ from engine.loader.gguf_quant import gguf_weight_size
 from engine.loader.resolve import gguf_file
 from engine.loader.weight_size import WeightSize, fp8_weight_size, weight_bytes
 from engine.memory.device import nvml_index, probe_nvml, simulated_device
+from engine.memory.host import host_memory
 from engine.memory.ledger import make_plan
 from engine.memory.plan import DeviceMemory, MemoryPlan, PlanKnobs
 from kernels.switches import KernelSwitches, configure
@@ -102,21 +104,24 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 def device_memory(config: EngineConfig, device: torch.device) -> DeviceMemory | None:
     """The device as the plan sees it now: simulated when asked, NVML (or the CUDA
     driver's free/total) on a GPU, None for a plain CPU run (no plan)."""
+    try:
+        _, host_available = host_memory()
+    except OSError:  # no page count on this platform: the split is not checked against it
+        host_available = None
     if config.device_total is not None:
-        return simulated_device(
-            config.device_total,
-            config.device_free,
-            display_attached=config.device_display,
-        )
+        return dataclasses.replace(simulated_device(config.device_total, config.device_free,
+                                                    display_attached=config.device_display),
+                                   host_available_bytes=host_available)
     if device.type != "cuda":
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
     snap = probe_nvml(nvml_index(index))
     if snap is not None:
-        return snap
+        return dataclasses.replace(snap, host_available_bytes=host_available)
     free, total = torch.cuda.mem_get_info(device)
     name = torch.cuda.get_device_name(device)
-    return DeviceMemory(name=name, total_bytes=total, free_bytes=free, others_bytes=total - free)
+    return DeviceMemory(name=name, total_bytes=total, free_bytes=free, others_bytes=total - free,
+                        host_available_bytes=host_available)
 
 
 def attention_workspaces(backend: str, mc: ModelConfig, max_running_requests: int) -> tuple[tuple[str, int], ...]:
@@ -204,7 +209,10 @@ def weight_format(
     """
     gguf = quantized_gguf(config, device, mc)
     if gguf is not None:
-        return WeightFormat(gguf, None, gguf_weight_size(gguf, mc, dtype, device.type))
+        size = gguf_weight_size(gguf, mc, dtype, device.type)
+        # --cpu-layers keeps layers in the CPU path's layout: priced per layer as such.
+        host = size if device.type == "cpu" else gguf_weight_size(gguf, mc, torch.float32, "cpu")
+        return WeightFormat(gguf, None, dataclasses.replace(size, host_layer_bytes=host.decoder_layer_bytes))
     quantization = resolve_quantization(config.quantization, model_dir)
     return WeightFormat(None, quantization, fp8_weight_size(mc, dtype) if quantization == "fp8" else None)
 

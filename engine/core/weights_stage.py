@@ -61,6 +61,8 @@ class WeightsStage:
                         "weight is in host memory already", config.cpu_experts, self.device)
         on_host = dict(load_format=config.load_format, quantized_gguf=self.quantized_gguf,
                        quantization=self.quantization, embeddings_in_blocks=self.device.type == "cpu")
+        # The measured plan keeps the layers where they were loaded.
+        self.knobs = dataclasses.replace(self.knobs, cpu_layers=str(self.cpu_layers))
         if host_layers:
             # The measured plan keeps the split the weights were loaded with.
             self.knobs = dataclasses.replace(self.knobs, cpu_experts=str(host_layers))
@@ -76,7 +78,9 @@ class WeightsStage:
             log.info("routed experts of %d of %d MoE layers in host memory; expert cache of %d slots",
                      host_layers, len(mc.moe_layers), self.plan.expert_cache_slots)
         elif self.cpu_layers:
-            self.knobs = dataclasses.replace(self.knobs, cpu_layers=str(self.cpu_layers))
+            if self.quantization == "fp8":
+                raise ValueError(f"--cpu-layers {self.cpu_layers} does not go with FP8 weights (the CPU runs no FP8 "
+                                 "projections): use --cpu-layers 0, or a bfloat16 checkpoint or GGUF")
             self.model, _ = load_model(self.model_dir, "cpu", self.dtype, **on_host)
             lib = cpu_kernels() if self.quantized_gguf is not None else None  # the GGUF blocks' C kernels
             split_model(self.model, self.cpu_layers, self.device, lib, kv_cache_dtype=config.kv_cache_dtype,

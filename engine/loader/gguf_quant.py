@@ -172,6 +172,7 @@ def gguf_weight_size(gguf_path: str | Path, config: ModelConfig, dtype: torch.dt
                      for n in _expert_targets(config)[m]}
     layer_of = {n: i for i, names in enumerate(_expert_targets(config).values()) for n in names}
     expert_layer_bytes = [0] * len(layer_of and config.moe_layers)
+    decoder_layer_bytes = [0] * config.num_layers
     itemsize = torch.empty((), dtype=dtype).element_size()
     embed_type = _embeddings_in_blocks(by_name, device_type == "cpu")
     quant_count: Counter[str] = Counter()
@@ -205,6 +206,9 @@ def gguf_weight_size(gguf_path: str | Path, config: ModelConfig, dtype: torch.dt
             quant_bytes[head_kind] += head
         if t.name in layer_of:
             expert_layer_bytes[layer_of[t.name]] += nbytes
+        block = t.name.split(".")
+        if block[0] == "blk" and block[1].isdecimal() and int(block[1]) < config.num_layers:
+            decoder_layer_bytes[int(block[1])] += nbytes
         if kept:
             quant_count[kept] += 1
             quant_bytes[kept] += nbytes
@@ -223,6 +227,7 @@ def gguf_weight_size(gguf_path: str | Path, config: ModelConfig, dtype: torch.dt
     parts.append(f"RoPE cache {rope_cache / MiB:.1f} MiB")  # so the parts add up to the total
     return WeightSize(sum(quant_bytes.values()) + dense_bytes + rope_cache, "; ".join(parts),
                       expert_layer_bytes=tuple(expert_layer_bytes),
+                      decoder_layer_bytes=tuple(decoder_layer_bytes),
                       experts_in_blocks=bool(layer_of) and expert_blocks == set(layer_of))
 
 

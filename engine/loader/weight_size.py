@@ -30,6 +30,10 @@ class WeightSize:
             prices the experts from the dense shapes).
         experts_in_blocks: whether every layer's routed experts are GGUF blocks (and so
             are the host tier and the expert cache of ``--cpu-experts``).
+        decoder_layer_bytes: bytes per decoder layer as stored (a GGUF's ``blk.N``
+            tensors); empty where not counted.
+        host_layer_bytes: the same layers in the CPU path's layout, what
+            ``--cpu-layers`` holds in host memory; empty where not counted.
     """
 
     bytes: int
@@ -37,6 +41,8 @@ class WeightSize:
     source: str = "GGUF"
     expert_layer_bytes: tuple[int, ...] = ()
     experts_in_blocks: bool = False
+    decoder_layer_bytes: tuple[int, ...] = ()
+    host_layer_bytes: tuple[int, ...] = ()
 
 
 
@@ -53,6 +59,13 @@ def weight_bytes(config: ModelConfig, dtype: torch.dtype, quantization: str | No
     if config.gemma4 is not None:  # a cache per layer kind, each at its heads' size
         return params + config.max_position_embeddings * (config.gemma4.global_head_dim + config.gemma4.sliding_head_dim) * 4
     return params + rope_cache * (2 if config.rope_local is not None else 1)  # Gemma 3: local layers' own
+
+
+def layer_weight_bytes(config: ModelConfig, dtype: torch.dtype) -> tuple[int, ...]:
+    """Bytes of each decoder layer's dense weights in ``dtype``, from the shapes of a model
+    built on the meta device (exact, nothing allocated)."""
+    model = build_on_meta(config, dtype)
+    return tuple(sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in model.model.layers)
 
 
 def parameter_count(config: ModelConfig) -> int:

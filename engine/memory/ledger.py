@@ -42,10 +42,16 @@ def make_plan(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint) -> MemoryPl
     return msgspec.structs.replace(plan, suggestions=_suggest(device, knobs, fp, plan))
 
 
-def _weight_lines(fp: Footprint, host_layers: int) -> list[LedgerEntry]:
+def _weight_lines(fp: Footprint, host_layers: int, cpu_layers: int = 0) -> list[LedgerEntry]:
     """``weights``, and for a mixture of experts the routed experts apart from the rest
     (attention, router, shared experts, embeddings); the routed experts of
-    ``host_layers`` layers live in host memory, not here."""
+    ``host_layers`` layers, and the last ``cpu_layers`` decoder layers, live in host
+    memory, not here."""
+    if cpu_layers:
+        moved, host = fp.moved_bytes(cpu_layers)
+        return [LedgerEntry("weights", fp.weight_bytes - moved, "-",
+                            f"{fp.weight_source}; the last {cpu_layers} of {len(fp.layer_bytes)} decoder layers "
+                            f"({fmt_bytes(moved)}) in host memory as {fmt_bytes(host)}")]
     if fp.expert_weight_bytes <= 0:
         return [LedgerEntry("weights", fp.weight_bytes, "-", fp.weight_source)]
     host_bytes = fp.host_expert_bytes(host_layers)
@@ -80,16 +86,73 @@ def host_expert_layers(knobs: PlanKnobs, fp: Footprint) -> int | None:
 PLACEMENT_MARGIN_BYTES = 512 << 20
 
 
+def cpu_decoder_layers(knobs: PlanKnobs, fp: Footprint) -> int | None:
+    """The last decoder layers ``--cpu-layers`` runs on the CPU: a number (capped by the
+    model's layers; 0 for a model that cannot split), None for auto (the plan decides)."""
+    if not fp.layer_bytes:
+        return 0
+    if knobs.cpu_layers == "auto":
+        return None
+    return min(int(knobs.cpu_layers), len(fp.layer_bytes))
+
+
 def _ledger(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint) -> MemoryPlan:
+    cpu = cpu_decoder_layers(knobs, fp)
+    if cpu is not None:
+        return _placed(device, knobs, fp, cpu)
+    # auto: none when the model fits; else the fewest layers on the CPU that make it fit
+    # within the host's available memory; none (the refusal) when no split does.
+    whole = _placed(device, knobs, fp, 0)
+    if whole.fits:
+        return whole
+    for layers in range(1, len(fp.layer_bytes) + 1):
+        plan = _placed(device, knobs, fp, layers)
+        if plan.fits and _host_need(plan, fp) <= (device.host_available_bytes or _UNKNOWN):
+            return plan
+    return whole
+
+
+_UNKNOWN = 1 << 62  # the host's available memory where the OS does not say
+
+
+def _host_need(plan: MemoryPlan, fp: Footprint) -> int:
+    """Host bytes a plan's split takes: its layers' weights and their KV pool (as many
+    pages as the device's)."""
+    pages = plan.num_pages + 1  # and the null page
+    return fp.moved_bytes(plan.cpu_layers)[1] + pages * plan.page_size * plan.cpu_layers * fp.host_kv_bytes_per_token_layer
+
+
+def _placed(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint, cpu_layers: int) -> MemoryPlan:
+    """The plan with the last ``cpu_layers`` decoder layers on the CPU and the routed
+    experts placed as ``--cpu-experts`` says (auto: the fewest layers that fit)."""
+    plan = _placed_experts(device, knobs, fp, cpu_layers)
+    if not cpu_layers:
+        return plan
+    plan = msgspec.structs.replace(plan, cpu_layers=cpu_layers)
+    layers = len(fp.layer_bytes)
+    moved, host = fp.moved_bytes(cpu_layers)
+    need = _host_need(plan, fp)
+    available = device.host_available_bytes
+    note = (f"decoder layers {layers - cpu_layers}-{layers - 1} ({cpu_layers} of {layers}) run on the CPU "
+            f"(--cpu-layers {cpu_layers}): {fmt_bytes(moved)} of weights moved off the device ({fmt_bytes(host)} in "
+            f"host memory) and their KV in a host pool ({fmt_bytes(need - host)}); each step runs them on the CPU, "
+            f"so decode is slower and runs without CUDA graphs; {fmt_bytes(need)} of host memory"
+            + (f" of {fmt_bytes(available)} available" if available is not None else ""))
+    if available is not None and need > available:
+        note += " (more than is available: the host would swap)"
+    return msgspec.structs.replace(plan, split_note=note)
+
+
+def _placed_experts(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint, cpu_layers: int) -> MemoryPlan:
     host = host_expert_layers(knobs, fp)
     if host is not None:
-        return _ledger_at(device, knobs, fp, host)
+        return _ledger_at(device, knobs, fp, host, cpu_layers)
     # auto: none when everything fits; else the fewest offloaded layers that fit (from
     # estimates: with the margin to spare, else without); all of them when none does.
-    whole = _ledger_at(device, knobs, fp, 0)
+    whole = _ledger_at(device, knobs, fp, 0, cpu_layers)
     if whole.fits:
         return whole  # the common case: one plan, not one per layer count
-    plans = [_ledger_at(device, knobs, fp, layers) for layers in range(1, fp.expert_layers + 1)]
+    plans = [_ledger_at(device, knobs, fp, layers, cpu_layers) for layers in range(1, fp.expert_layers + 1)]
     margin = PLACEMENT_MARGIN_BYTES if fp.activation_source == "estimated" else 0
     for wanted in (margin, 0):
         for plan in plans:
@@ -106,7 +169,8 @@ def _spare(plan: MemoryPlan) -> int:
     return plan.kv_pool_bytes + plan.expert_cache_slots * plan.expert_slot_bytes - need
 
 
-def _ledger_at(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint, host_layers: int) -> MemoryPlan:
+def _ledger_at(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint, host_layers: int,
+               cpu_layers: int = 0) -> MemoryPlan:
     if min(device.total_bytes, device.free_bytes, device.others_bytes, fp.weight_bytes) < 0:
         raise ValueError("memory sizes must be >= 0")
     total = device.total_bytes
@@ -128,7 +192,7 @@ def _ledger_at(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint, host_layer
         LedgerEntry("safety margin", margin, "-", "auto" if knobs.safety_margin_bytes is None else "flag"),
         # Never a negative line: what the reserves take beyond the device is said in words.
         LedgerEntry("budget", max(budget, 0), "=", f"does not fit: {fmt_bytes(-budget)} short" if budget < 0 else ""),
-        *_weight_lines(fp, host_layers),
+        *_weight_lines(fp, host_layers, cpu_layers),
         LedgerEntry("CUDA context and runtime", fp.runtime_bytes, "-", fp.runtime_source if fp.runtime_bytes else "none"),
     ]
     ledger += [LedgerEntry(f"workspace: {name}", b, "-", "declared") for name, b in fp.workspace_bytes]
@@ -148,9 +212,13 @@ def _ledger_at(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint, host_layer
                                   f"exact, {knobs.max_running_requests} requests + 1 null slot + "
                                   f"{knobs.state_checkpoints} prefix-cache checkpoints x "
                                   f"{fmt_bytes(fp.state_bytes_per_request)}"))
-    fixed = (fp.weight_bytes + fp.runtime_bytes + sum(b for _, b in fp.workspace_bytes) + sampler + activation
+    moved, _ = fp.moved_bytes(cpu_layers)
+    fixed = (fp.weight_bytes - moved + fp.runtime_bytes + sum(b for _, b in fp.workspace_bytes) + sampler + activation
              + fp.cuda_graph_bytes + fp.scratch_bytes + states)
-    page_bytes = fp.kv_bytes_per_token * knobs.page_size
+    # The layers on the CPU keep their KV in the host pool: a device page holds the rest.
+    kv_per_token = fp.kv_bytes_per_token * (len(fp.layer_bytes) - cpu_layers) // len(fp.layer_bytes) \
+        if cpu_layers else fp.kv_bytes_per_token
+    page_bytes = kv_per_token * knobs.page_size
     model_ctx = fp.model_context_tokens if knobs.max_model_len is None else min(fp.model_context_tokens, knobs.max_model_len)
     min_ctx = min(knobs.min_context or model_ctx, model_ctx)
     need_pages = math.ceil(min_ctx / knobs.page_size)
@@ -189,7 +257,7 @@ def _ledger_at(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint, host_layer
         fixed_bytes=fixed,
         kv_pool_bytes=kv_bytes,
         kv_cache_dtype=fp.kv_cache_dtype,
-        kv_bytes_per_token=fp.kv_bytes_per_token,
+        kv_bytes_per_token=kv_per_token,
         num_pages=int(pages),
         page_size=knobs.page_size,
         max_context_tokens=max_ctx,
@@ -221,6 +289,11 @@ def fit_plan(planner: Callable[[PlanKnobs], MemoryPlan], knobs: PlanKnobs) -> tu
         (the plan, the knobs it was made with). When nothing fits, the plan at the
         configured knobs (``fits`` False: its message prices the fixes) and ``knobs``.
     """
+    if knobs.cpu_layers == "auto":
+        # A smaller prefill chunk costs less than layers on the CPU: tried first, unsplit.
+        plan, tried = fit_plan(planner, replace(knobs, cpu_layers="0"))
+        if plan.fits:
+            return plan, tried
     first = plan = planner(knobs)
     tried = knobs
     while not plan.fits and tried.max_prefill_tokens > MIN_PREFILL_TOKENS:
@@ -265,6 +338,11 @@ def _suggest(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint, plan: Memory
     if host is not None and host < fp.expert_layers:
         for more in sorted({min(max(host * 2, 1), fp.expert_layers), fp.expert_layers}):
             candidates.append((_flag("cpu_experts"), knobs.cpu_experts, str(more), replace(knobs, cpu_experts=str(more))))
+    cpu = cpu_decoder_layers(knobs, fp)
+    layers = len(fp.layer_bytes)
+    if layers and (cpu or 0) < layers:
+        for more in sorted({max(layers // 4, 1), max(layers // 2, 1), layers} - set(range((cpu or 0) + 1))):
+            candidates.append((_flag("cpu_layers"), knobs.cpu_layers, str(more), replace(knobs, cpu_layers=str(more))))
     # Per flag: the gentlest move that makes the plan fit, else the one that frees most.
     best: dict[str, tuple[bool, Suggestion]] = {}
     for flag, cur, new, k in candidates:
@@ -279,12 +357,19 @@ def _suggest(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint, plan: Memory
         price = ""
         if flag == _flag("cpu_experts"):
             price = f"decode slows: an expert missing from the GPU cache is copied over PCIe or run on the CPU; needs {fmt_bytes(fp.host_expert_bytes(int(new)))} of host memory"
+        if flag == _flag("cpu_layers"):
+            price = (f"the last {new} of {layers} decoder layers run on the CPU each step, decode slows; needs "
+                     f"{fmt_bytes(_host_need(other, fp))} of host memory")
         s = Suggestion(flag, cur, new, int(saved), price)
         held = best.get(flag)
         if held is None or _better((other.fits, s), held):
             best[flag] = (other.fits, s)
+    # A split that does not fit alone costs speed on every step: named after the others.
+    split = best.pop(_flag("cpu_layers"), None)
+    if split is not None and split[0]:
+        best[_flag("cpu_layers")], split = split, None
     ranked = sorted(best.values(), key=lambda fs: (not fs[0], -fs[1].saves_bytes))
-    suggestions = [s for _, s in ranked][:3]
+    suggestions = [s for _, s in ranked][:3] + ([split[1]] if split is not None else [])
     if device.others_bytes > 0:
         suggestions.append(Suggestion("close other GPU applications", fmt_bytes(device.others_bytes), "0", device.others_bytes))
     return suggestions

@@ -94,6 +94,9 @@ class DeviceMemory:
     others_bytes: int
     display_attached: bool = False
     simulated: bool = False
+    # The host's available memory (Linux's MemAvailable), which --cpu-layers draws on;
+    # None where not known.
+    host_available_bytes: int | None = None
     top_consumers: tuple[tuple[int, str, int], ...] = ()  # (pid, name, bytes)
 
 
@@ -194,6 +197,20 @@ class Footprint:
     expert_form: str = ""
     # Sliding-window layers' KV, in words for the ledger's KV line (empty without them).
     kv_window_note: str = ""
+    # A dense model whose last decoder layers may run on the CPU (--cpu-layers): each
+    # layer's weights on the device and in host memory (the CPU path's layout), and one
+    # token's keys and values of one layer in the host pool; empty for a model that
+    # cannot split (engine.core.settings_fit.splittable).
+    layer_bytes: tuple[int, ...] = ()
+    host_layer_bytes: tuple[int, ...] = ()
+    host_kv_bytes_per_token_layer: int = 0
+
+    def moved_bytes(self, cpu_layers: int) -> tuple[int, int]:
+        """``(device, host)``: the weight bytes the last ``cpu_layers`` decoder layers take
+        on the device, and in host memory once moved there."""
+        if cpu_layers <= 0:
+            return 0, 0
+        return sum(self.layer_bytes[-cpu_layers:]), sum(self.host_layer_bytes[-cpu_layers:])
 
     @property
     def expert_slot_bytes(self) -> int:
@@ -344,6 +361,8 @@ class MemoryPlan(msgspec.Struct, frozen=True, kw_only=True):
         )
         if self.context_note:
             out.append(f"  {self.context_note}")
+        if self.split_note:
+            out.append(f"  {self.split_note}")
         return "\n".join(out)
 
 

@@ -23,8 +23,8 @@ GROUP = 32
 # ggml's type ids, as block_gemv.c reads them: the types CPU linear layers keep in blocks.
 TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
 # Every type the C row products read (blocks.h): the K-quants too (kquant.c), whose
-# blocks of 256 need K a multiple of 256.
-GEMV_TYPE_IDS = {**TYPE_IDS, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+# blocks of 256 need K a multiple of 256, and MXFP4 (mxfp4.c; gpt-oss's experts).
+GEMV_TYPE_IDS = {**TYPE_IDS, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "MXFP4": 39}
 
 
 def quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

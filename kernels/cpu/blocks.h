@@ -1,6 +1,6 @@
 /* What the CPU block kernels share: ggml's type ids, float16 to float32, the vector build
  * chosen by the compiler's target, and the serial row products each block family
- * provides (block_gemv.c: Q4_0/Q4_1/Q8_0; kquant.c: Q4_K/Q5_K/Q6_K).
+ * provides (block_gemv.c: Q4_0/Q4_1/Q8_0; kquant.c: Q4_K/Q5_K/Q6_K; mxfp4.c: MXFP4).
  *
  * A row product takes activation rows already quantized by hr_quantize_row (block_gemv.c):
  * per block of 32, int16 codes c, a float32 scale dx, the codes' sum s and dx * s (dxs).
@@ -15,7 +15,7 @@
 #define HR_AVX2 1
 #endif
 
-enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };  /* ggml's type ids */
+enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, MXFP4 = 39 };  /* ggml's type ids */
 
 static inline float f16_to_f32(const uint8_t *p) {
     uint16_t h;
@@ -48,7 +48,7 @@ static inline int hr_is_kquant(int type) { return type == Q4_K || type == Q5_K |
 
 /* Weights per block and bytes per block of a type; 0 for a type without a kernel. */
 static inline int hr_block_elements(int type) {
-    return type == Q4_0 || type == Q4_1 || type == Q8_0 ? 32 : hr_is_kquant(type) ? 256 : 0;
+    return type == Q4_0 || type == Q4_1 || type == Q8_0 || type == MXFP4 ? 32 : hr_is_kquant(type) ? 256 : 0;
 }
 static inline int hr_block_bytes(int type) {
     switch (type) {
@@ -58,6 +58,7 @@ static inline int hr_block_bytes(int type) {
         case Q4_K: return 144;
         case Q5_K: return 176;
         case Q6_K: return 210;
+        case MXFP4: return 17;
         default: return 0;
     }
 }
@@ -73,6 +74,8 @@ void hr_legacy_rows(int type, const uint8_t *w, int64_t K, const int16_t *codes,
                     int64_t ldy, int scalar);
 void hr_kquant_rows(int type, const uint8_t *w, int64_t K, const int16_t *codes, const float *dx,
                     const float *dxs, int64_t M, int64_t n0, int64_t n1, float *y, int64_t ldy, int scalar);
+void hr_mxfp4_rows(const uint8_t *w, int64_t K, const int16_t *codes, const float *dx, int64_t M, int64_t n0,
+                   int64_t n1, float *y, int64_t ldy);
 
 /* Either of the two by type; -1 for a type or a K it does not take. */
 static inline int hr_rows(int type, const uint8_t *w, int64_t K, const int16_t *codes, const float *dx,
@@ -80,7 +83,9 @@ static inline int hr_rows(int type, const uint8_t *w, int64_t K, const int16_t *
                           int64_t ldy, int scalar) {
     const int be = hr_block_elements(type);
     if (be == 0 || K % be != 0) return -1;
-    if (hr_is_kquant(type))
+    if (type == MXFP4)
+        hr_mxfp4_rows(w, K, codes, dx, M, n0, n1, y, ldy);
+    else if (hr_is_kquant(type))
         hr_kquant_rows(type, w, K, codes, dx, dxs, M, n0, n1, y, ldy, scalar);
     else
         hr_legacy_rows(type, w, K, codes, dx, sums, dxs, M, n0, n1, y, ldy, scalar);

@@ -1,5 +1,5 @@
-"""Build the CPU kernels (``block_gemv.c``, ``kquant.c``, ``moe_experts.c``, ``decode_layer.c``,
-sharing ``blocks.h``) at first use and load them.
+"""Build the CPU kernels (``block_gemv.c``, ``kquant.c``, ``mxfp4.c``, ``moe_experts.c``,
+``decode_layer.c``, sharing ``blocks.h``) at first use and load them.
 
 The C sources are compiled by the machine's C compiler (``$CC``, else ``cc``, ``gcc`` or
 ``clang`` on the PATH) for the machine itself (``-march=native``: AVX2 or AVX-512 where
@@ -36,7 +36,7 @@ from kernels.switches import current
 
 log = logging.getLogger("headroom.kernels")
 
-SOURCES = ("block_gemv.c", "kquant.c", "moe_experts.c", "decode_layer.c")
+SOURCES = ("block_gemv.c", "kquant.c", "mxfp4.c", "moe_experts.c", "decode_layer.c")
 HEADERS = ("blocks.h",)
 _HERE = Path(__file__).resolve().parent
 _why_not: list[str] = []
@@ -140,7 +140,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.hr_moe_work_bytes.argtypes = [c_i64, c_i64, c_i64, c_i64]
     lib.hr_moe_experts.restype = c_int
     lib.hr_moe_experts.argtypes = [ptr, c_i64, c_i64, c_i64, ptr, ptr, c_i64, ptr, ptr, c_i64, ptr, ptr, ptr,
-                                   c_int, c_int, c_int, ptr, ptr, c_int, c_int]
+                                   c_int, c_int, c_int, ptr, ptr, ctypes.c_float, ctypes.c_float, ptr, ptr, c_int,
+                                   c_int]
     lib.hr_decode_scratch_bytes.restype = c_i64
     lib.hr_decode_scratch_bytes.argtypes = [ptr, c_i64, c_i64]
     lib.hr_decode_layer.restype = c_int

@@ -1,6 +1,9 @@
 /* A mixture-of-experts layer's CPU experts for one step, in one call: every routed
  * (token, expert, router weight) pair given, each expert's gate/up, SiLU-and-mul and
  * down over its GGUF blocks, the outputs summed into out with the router weights.
+ * gpt-oss's experts add their biases to gate/up and down and take the clamped SwiGLU
+ * (limit > 0: gate clamped above at limit, up at +-limit, (up + 1) * gate *
+ * sigmoid(alpha * gate)) in place of SiLU-and-mul.
  *
  * Called through ctypes by kernels/cpu/moe_experts.py (which holds the torch reference).
  * One OpenMP parallel region (num_threads: the caller's count, from the cores the
@@ -10,8 +13,9 @@
  *      block of 32), then copied to its pairs' rows;
  *   2. gate and up: work items of ROWS weight rows of one expert's projection, for all
  *      of that expert's pairs at once (the weights are read once per step);
- *   3. h = silu(gate) * up per pair (float32), quantized the same way;
- *   4. down: work items of ROWS rows of one expert's down projection;
+ *   3. h = silu(gate) * up per pair (float32; biases added first, the clamped SwiGLU
+ *      where asked), quantized the same way;
+ *   4. down: work items of ROWS rows of one expert's down projection (its bias added);
  *   5. out[token] += weight * y[pair], over column chunks, pairs in the given order (so
  *      the sums are the same at any thread count).
  *
@@ -64,14 +68,17 @@ int64_t hr_moe_work_bytes(int64_t T, int64_t H, int64_t I, int64_t P) {
  *
  * x: float32 [T, H]; token, weight: [P] (tokens below T); expert, start: [G] and [G + 1]
  * (start[0] = 0, start[G] = P, experts below the stacks' E); gate, up, down: the stacks'
- * first bytes; tg, tu, td: their types; out: float32 [T, H], added to; work:
- * hr_moe_work_bytes(T, H, I, P) bytes. Returns 0, or -1 for a type or a size it does not
- * take (H a multiple of the gate's and up's block, I of the down's).
+ * first bytes; tg, tu, td: their types; bias_gate_up: float32 [E, 2I] (gate half first)
+ * and bias_down [E, H], or both NULL; limit > 0: the clamped SwiGLU with alpha; out:
+ * float32 [T, H], added to; work: hr_moe_work_bytes(T, H, I, P) bytes. Returns 0, or -1
+ * for a type or a size it does not take (H a multiple of the gate's and up's block, I of
+ * the down's).
  */
 int hr_moe_experts(const float *x, int64_t T, int64_t H, int64_t I, const int32_t *token, const float *weight,
                    int64_t P, const int32_t *expert, const int32_t *start, int64_t G, const uint8_t *gate,
-                   const uint8_t *up, const uint8_t *down, int tg, int tu, int td, float *out, void *work,
-                   int threads, int scalar) {
+                   const uint8_t *up, const uint8_t *down, int tg, int tu, int td, const float *bias_gate_up,
+                   const float *bias_down, float alpha, float limit, float *out, void *work, int threads,
+                   int scalar) {
     const int bg = hr_block_elements(tg), bu = hr_block_elements(tu), bd = hr_block_elements(td);
     if (!bg || !bu || !bd || H <= 0 || I <= 0 || H % bg || H % bu || I % bd || T < 0 || P < 0 || G < 0) return -1;
     if (P == 0) return 0;
@@ -109,11 +116,24 @@ int hr_moe_experts(const float *x, int64_t T, int64_t H, int64_t I, const int32_
             hr_rows(is_up ? tu : tg, w, H, pq.codes + p0 * H, pq.dx + p0 * nbh, pq.sums + p0 * nbh, pq.dxs + p0 * nbh,
                     m, n0, n1, (is_up ? u : g) + p0 * I, I, scalar);
         }
-#pragma omp for schedule(static)
-        for (int64_t p = 0; p < P; p++) {
-            float *h = g + p * I;  /* silu(gate) * up, in place of the gate's row */
-            for (int64_t i = 0; i < I; i++) h[i] = h[i] / (1.0f + expf(-h[i])) * u[p * I + i];
-            quantize_one(h, I, hq, p);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t grp = 0; grp < G; grp++) {
+            const float *bg = bias_gate_up ? bias_gate_up + expert[grp] * 2 * I : NULL;
+            for (int64_t p = start[grp]; p < start[grp + 1]; p++) {
+                float *h = g + p * I;  /* act(gate, up), in place of the gate's row */
+                for (int64_t i = 0; i < I; i++) {
+                    float gi = h[i], ui = u[p * I + i];
+                    if (bg) gi += bg[i], ui += bg[I + i];
+                    if (limit > 0.0f) {
+                        gi = gi < limit ? gi : limit;
+                        ui = ui < -limit ? -limit : ui > limit ? limit : ui;
+                        h[i] = (ui + 1.0f) * gi / (1.0f + expf(-alpha * gi));
+                    } else {
+                        h[i] = gi / (1.0f + expf(-gi)) * ui;
+                    }
+                }
+                quantize_one(h, I, hq, p);
+            }
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < G * tiles_h; item++) {
@@ -121,6 +141,9 @@ int hr_moe_experts(const float *x, int64_t T, int64_t H, int64_t I, const int32_
             const int64_t p0 = start[grp], m = start[grp + 1] - p0;
             hr_rows(td, down + expert[grp] * down_bytes, I, hq.codes + p0 * I, hq.dx + p0 * nbi, hq.sums + p0 * nbi,
                     hq.dxs + p0 * nbi, m, n0, n1, y + p0 * H, H, scalar);
+            if (bias_down)
+                for (int64_t p = p0; p < p0 + m; p++)
+                    for (int64_t n = n0; n < n1; n++) y[p * H + n] += bias_down[expert[grp] * H + n];
         }
 #pragma omp for schedule(static)
         for (int64_t c = 0; c < chunks; c++) {

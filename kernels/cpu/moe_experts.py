@@ -7,7 +7,9 @@ the kernel quantizes each token's hidden state once (int16 codes per block of 32
 its pairs at once, ``silu(gate) * up`` in float32, quantizes that the same way, runs down,
 and adds ``weight * y`` into the token's output row. The product of one block moves by at
 most ``max|x_block| / 65534 * sum|w_block|`` against float32 activations
-(``kquant.c``), at gate/up and again at down.
+(``kquant.c``), at gate/up and again at down. gpt-oss's experts (MXFP4 blocks) add their
+biases to gate/up and down and take the clamped SwiGLU in place of SiLU-and-mul, in the
+same call (``biases``, ``activation``).
 
 :func:`moe_experts_ref` computes the same arithmetic in torch: activations quantized by
 :func:`~kernels.cpu.block_gemv.quantize_rows_ref`, products in float64 from ``gguf``'s
@@ -23,7 +25,9 @@ import os
 
 import torch
 
+from kernels.activation.reference import ClampedSwiGLU
 from kernels.cpu.block_gemv import GEMV_TYPE_IDS, quantize_rows_ref
+from kernels.moe.reference import ExpertBiases
 from kernels.quant import reference
 
 
@@ -57,8 +61,11 @@ def group_pairs(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
 
 def moe_experts(lib: ctypes.CDLL, x: torch.Tensor, tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
                 gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, types: tuple[str, str, str],
-                out: torch.Tensor | None = None, threads: int | None = None, scalar: bool = False) -> torch.Tensor:
-    """``out[t] += w * down_e(silu(gate_e(x_t)) * up_e(x_t))`` for every pair ``(t, e, w)``.
+                out: torch.Tensor | None = None, threads: int | None = None, scalar: bool = False,
+                biases: ExpertBiases | None = None, activation: ClampedSwiGLU | None = None) -> torch.Tensor:
+    """``out[t] += w * down_e(silu(gate_e(x_t)) * up_e(x_t))`` for every pair ``(t, e, w)``
+    (with ``biases`` each projection's added, with ``activation`` it in place of
+    SiLU-and-mul: gpt-oss's experts).
 
     Args:
         lib: the library of :func:`kernels.cpu.build.load`.
@@ -72,6 +79,9 @@ def moe_experts(lib: ctypes.CDLL, x: torch.Tensor, tokens: torch.Tensor, experts
         out: float32 ``[T, H]`` contiguous to add into, else a new zeroed one.
         threads: OpenMP threads, default :func:`default_threads`.
         scalar: the plain C products instead of the vector ones (tests).
+        biases: ``gate_up`` ``[E, 2I]`` (gate half first) and ``down`` ``[E, H]``, any
+            float dtype (read as float32).
+        activation: gpt-oss's clamped SwiGLU, or None for SiLU-and-mul.
 
     Returns:
         ``out``, float32 ``[T, H]``.
@@ -80,7 +90,7 @@ def moe_experts(lib: ctypes.CDLL, x: torch.Tensor, tokens: torch.Tensor, experts
         ValueError: a type without a kernel, blocks that do not hold ``[E, I, H]`` weights,
             or pairs naming a token or an expert outside ``x`` or the stacks.
     """
-    from kernels.moe.quant_reference import check_expert_blocks
+    from kernels.moe.quant_reference import check_cache, check_expert_blocks
 
     if not takes(types):
         raise ValueError(f"CPU experts of types {'/'.join(types)}: the C kernels read {', '.join(GEMV_TYPE_IDS)}")
@@ -88,6 +98,7 @@ def moe_experts(lib: ctypes.CDLL, x: torch.Tensor, tokens: torch.Tensor, experts
     t_count, hidden = x.shape
     inter = gate.shape[1]
     check_expert_blocks(gate, up, down, types, hidden, inter)
+    check_cache(None, None, gate, up, down, biases)
     if out is None:
         out = torch.zeros(t_count, hidden, dtype=torch.float32)
     if out.shape != (t_count, hidden) or out.dtype != torch.float32 or not out.is_contiguous():
@@ -99,9 +110,12 @@ def moe_experts(lib: ctypes.CDLL, x: torch.Tensor, tokens: torch.Tensor, experts
     tok, w, ids, start = group_pairs(tokens, experts, weights)
     blocks = [b.contiguous() for b in (gate, up, down)]
     work = torch.empty(lib.hr_moe_work_bytes(t_count, hidden, inter, len(tok)), dtype=torch.uint8)
+    bias = [] if biases is None else [b.detach().float().contiguous() for b in (biases.gate_up, biases.down)]
     done = lib.hr_moe_experts(x.data_ptr(), t_count, hidden, inter, tok.data_ptr(), w.data_ptr(), len(tok),
                               ids.data_ptr(), start.data_ptr(), len(ids), *(b.data_ptr() for b in blocks),
-                              *(GEMV_TYPE_IDS[t] for t in types), out.data_ptr(), work.data_ptr(),
+                              *(GEMV_TYPE_IDS[t] for t in types), *([b.data_ptr() for b in bias] or [None, None]),
+                              0.0 if activation is None else activation.alpha,
+                              0.0 if activation is None else activation.limit, out.data_ptr(), work.data_ptr(),
                               threads or default_threads(), int(scalar))
     if done != 0:
         raise ValueError(f"moe_experts refused {'/'.join(types)} experts of H={hidden}, I={inter}")
@@ -115,8 +129,8 @@ def _quantized(x: torch.Tensor) -> torch.Tensor:
 
 
 def moe_experts_ref(x: torch.Tensor, tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
-                    gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
-                    types: tuple[str, str, str]) -> torch.Tensor:
+                    gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, types: tuple[str, str, str],
+                    biases: ExpertBiases | None = None, activation: ClampedSwiGLU | None = None) -> torch.Tensor:
     """Reference of :func:`moe_experts` (arguments as there): float32 ``[T, H]``."""
     t_count, hidden = x.shape
     inter = gate.shape[1]
@@ -127,7 +141,11 @@ def moe_experts_ref(x: torch.Tensor, tokens: torch.Tensor, experts: torch.Tensor
         rows = xq[tokens[sel].long()]
         g = rows @ reference.dequantize(gate[e], types[0], hidden).double().T
         u = rows @ reference.dequantize(up[e], types[1], hidden).double().T
-        h = _quantized((g * torch.sigmoid(g) * u).float())
+        if biases is not None:
+            g, u = g + biases.gate_up[e, :inter].double(), u + biases.gate_up[e, inter:].double()
+        h = _quantized((g * torch.sigmoid(g) * u if activation is None else activation(torch.cat((g, u), -1))).float())
         y = h @ reference.dequantize(down[e], types[2], inter).double().T
+        if biases is not None:
+            y = y + biases.down[e].double()
         out.index_add_(0, tokens[sel].long(), y * weights[sel].double()[:, None])
     return out.float()

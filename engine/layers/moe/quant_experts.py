@@ -11,7 +11,10 @@ experts: ``experts(x, weights, ids)``).
 The product is :data:`kernels.dispatch.fused_moe_quant`: the Triton grouped GEMV
 (decode) or GEMM (prefill) over the blocks on CUDA; elsewhere the reference, which
 dequantizes each routed expert through ``gguf`` on every call (correct, slow: a CPU
-engine dequantizes the experts at load instead, :mod:`engine.loader.gguf_quant`).
+engine dequantizes the experts at load instead, :mod:`engine.loader.gguf_quant`). MXFP4
+experts, which a CPU engine keeps in their blocks, run on the CPU through the C kernels
+(:func:`kernels.cpu.moe_experts.moe_experts`, all routed pairs in one call) where they
+build.
 
 gpt-oss's experts (MXFP4 blocks, from its GGUF or OpenAI's safetensors) carry biases on
 gate/up and down and take the clamped SwiGLU; both are applied inside the kernels'
@@ -90,10 +93,27 @@ class QuantExperts(nn.Module):
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """As :func:`kernels.moe.reference.fused_moe` with this layer's experts: ``x`` ``[T, H]``,
         ``topk_weights``/``topk_ids`` ``[T, K]`` -> ``[T, H]`` in ``x``'s dtype."""
+        if x.device.type == "cpu" and set(self.types) == {"MXFP4"} and self._cpu_kernels() is not None:
+            from kernels.cpu.moe_experts import moe_experts
+
+            top_k = topk_ids.shape[1]
+            tokens = torch.arange(x.shape[0]).repeat_interleave(top_k)
+            out = moe_experts(self._cpu_lib, x, tokens, topk_ids.reshape(-1), topk_weights.reshape(-1), self.gate,
+                              self.up, self.down, self.types, biases=self.biases, activation=self.activation)
+            return out.to(x.dtype)
         if self.biases is None and self.activation is None:  # every family's but gpt-oss's
             return fused_moe_quant(x, self.gate, self.up, self.down, self.types, topk_weights, topk_ids)
         return fused_moe_quant(x, self.gate, self.up, self.down, self.types, topk_weights, topk_ids,
                                biases=self.biases, activation=self.activation)
+
+    def _cpu_kernels(self):
+        """The C CPU kernels (built once; None where they cannot run), asked at the first
+        call on the CPU."""
+        if not hasattr(self, "_cpu_lib"):
+            from engine.layers.linear.cpu_kernels import cpu_kernels
+
+            self._cpu_lib = cpu_kernels()
+        return self._cpu_lib
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}, "

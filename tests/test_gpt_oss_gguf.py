@@ -131,8 +131,8 @@ def test_gguf_config_and_tensors_are_the_checkpoints(gpt_oss_gguf):
 
 
 def test_gguf_greedy_equals_safetensors_and_transformers(gpt_oss_gguf):
-    """14 greedy ids over the GGUF (the CPU's default, which loads gpt-oss dequantized)
-    equal those over the safetensors folder and transformers'."""
+    """14 greedy ids over the GGUF (the CPU's default: MXFP4 experts kept in their blocks,
+    F16 ones dequantized) equal those over the safetensors folder and transformers'."""
     hf, safetensors, gguf_path, _ = gpt_oss_gguf
     ids = torch.randint(3, VOCAB, (22,), generator=torch.Generator().manual_seed(4)).tolist()
     want = hf_greedy(hf, ids, STEPS)

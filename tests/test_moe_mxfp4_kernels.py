@@ -48,15 +48,19 @@ def test_biases_and_clamped_swiglu_match_the_reference(tokens, method):
     assert float((unclamped - ref).abs().max()) > 1e-2 * float(ref.abs().max())
 
 
-def test_biases_with_silu_match_the_reference():
-    """Biases without the clamp (SiLU-and-mul): each epilogue part on its own."""
+@pytest.mark.parametrize("biased", [True, False], ids=["biases", "plain"])
+def test_silu_experts_with_and_without_biases_match_the_reference(biased):
+    """SiLU-and-mul over MXFP4 blocks, with biases and without (each epilogue part on its
+    own), the grouped GEMV and the sorted GEMM."""
     from kernels.moe import quant_triton_kernel
 
     dev = kernel_device()
-    x, w, weights, ids, biases = gpt_oss_case(3, dev, seed=9)
-    ref = quant_reference.fused_moe_quant(x, *w, TYPES, weights, ids, biases=biases)
-    out = quant_triton_kernel.fused_moe_quant(x, *w, TYPES, weights, ids, biases=biases)
-    assert_matches(out, ref, 1e-5)
+    for tokens in (3, 21):
+        x, w, weights, ids, biases = gpt_oss_case(tokens, dev, seed=9)
+        biases = biases if biased else None
+        ref = quant_reference.fused_moe_quant(x, *w, TYPES, weights, ids, biases=biases)
+        out = quant_triton_kernel.fused_moe_quant(x, *w, TYPES, weights, ids, biases=biases, block_m=16)
+        assert_matches(out, ref, 1e-5)
 
 
 def test_biases_of_another_shape_or_with_a_cache_are_refused():

@@ -15,9 +15,7 @@ of qwen3moe, qwen2moe and llama files with experts) become a
 :class:`~engine.layers.moe.quant_experts.QuantExperts` per layer, each projection in its own
 block type, when all three are types the kernels read; on the CPU (whose int4 repacking
 covers linear layers only) and for other types they are dequantized at load. gpt-oss's
-MXFP4 experts (with their biases and clamped SwiGLU) stay in blocks on the CPU too, where
-the C kernels read them (:mod:`kernels.cpu.moe_experts`); the file's other tensors are read
-back as its checkpoint's (:func:`engine.loader.gguf_hf_tensors.converted_tensors`).
+MXFP4 experts stay in blocks on the CPU too (:mod:`kernels.cpu.moe_experts` reads them).
 
 :func:`gguf_weight_size` prices the same choice, tensor by tensor, with the same
 function (:func:`kernels.quant.formats.tensor_bytes`), so the memory plan charges what
@@ -42,7 +40,12 @@ from engine.layers.linear.gguf_blocks import PartSpec, QuantLinear, repack_model
 from engine.layers.moe.quant_experts import QuantExperts, quant_experts_for
 from engine.loader.gguf_config import ROPE_FREQS
 from engine.loader.gguf_gpt_oss import ARCHITECTURES as GPT_OSS_ARCHITECTURES
-from engine.loader.gguf_hf_tensors import converted_tensors, dequantize_tensor, hf_tensors, reverse_llama_permute
+from engine.loader.gguf_hf_tensors import (
+    converted_tensors,
+    dequantize_tensor,
+    hf_tensors,
+    reverse_llama_permute,
+)
 from engine.loader.gguf_qwen35 import ARCHITECTURES as QWEN35_ARCHITECTURES
 from engine.loader.gguf_qwen35 import LINEAR_TARGETS, grouped_rows
 from engine.loader.gguf_tensors import open_tensors
@@ -51,7 +54,7 @@ from engine.loader.weight_size import WeightSize
 from kernels.cpu.block_gemv import (
     TYPE_IDS as CPU_BLOCK_TYPES,  # what the C CPU GEMV reads as stored
 )
-from kernels.quant.formats import FORMATS, tensor_bytes
+from kernels.quant.formats import EXPERT_FORMATS, FORMATS, tensor_bytes
 
 # Our fused module (under model.layers.N) -> the GGUF tensors stacked in it, in order.
 _ATTENTION_TARGETS = {
@@ -128,18 +131,18 @@ def _experts_in_blocks(by_name: dict[str, Any], config: ModelConfig, gguf_path: 
         if missing:
             raise WeightMismatch(f"{gguf_path}: tensor {missing[0]} is missing")
         types = tuple(by_name[n].tensor_type.name for n in names)
-        if all(t in FORMATS for t in types) and (experts_in_blocks or set(types) == {_MXFP4}):
+        readable = all(t in FORMATS or t in EXPERT_FORMATS for t in types)
+        if (experts_in_blocks and readable) or set(types) == {"MXFP4"}:
             kept[module] = types
     return kept
 
 
-_MXFP4 = "MXFP4"
-
-
-def _kept_quantized(tensor: Any, projection_weights: set[str]) -> str | None:
-    """The block type ``tensor`` stays in on the device, or None (dequantized)."""
+def _kept_quantized(tensor: Any, projection_weights: set[str], expert_blocks: set[str] = frozenset()) -> str | None:
+    """The block type ``tensor`` stays in on the device, or None (dequantized); experts in
+    ``expert_blocks`` (:func:`_experts_in_blocks`) stay in theirs."""
     name = tensor.tensor_type.name
-    return name if tensor.name in projection_weights and name in FORMATS else None
+    kept = tensor.name in expert_blocks or (tensor.name in projection_weights and name in FORMATS)
+    return name if kept else None
 
 
 def _hf_shape(tensor: Any) -> tuple[int, ...]:
@@ -186,7 +189,7 @@ def gguf_weight_size(gguf_path: str | Path, config: ModelConfig, dtype: torch.dt
     for t in reader.tensors:
         if t.name == ROPE_FREQS:
             continue
-        kept = _kept_quantized(t, projection_weights | expert_blocks)
+        kept = _kept_quantized(t, projection_weights, expert_blocks)
         shape = _hf_shape(t)
         if (device_type == "cpu" and kept is not None and t.name not in expert_blocks
                 and not (cpu_blocks and kept in CPU_BLOCK_TYPES)):
@@ -417,8 +420,7 @@ def _mapped(data: np.ndarray) -> torch.Tensor:
 def _rest(reader: Any, skip: set[str], gguf_path: Path, arch: str,
           config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor not in a quantized module, dequantized, under its Hugging Face name
-    (stacked experts not kept in blocks: one tensor per expert; a gpt-oss file's as its
-    checkpoint's, the experts' gate and up biases paired)."""
+    (stacked experts not kept in blocks: one tensor per expert; gpt-oss's paired)."""
     names = {"architectures": [config.architecture], "num_attention_heads": config.num_heads,
              "num_key_value_heads": config.num_kv_heads, "num_hidden_layers": config.num_layers,
              "linear_num_key_heads": config.linear_num_key_heads,

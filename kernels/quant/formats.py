@@ -53,8 +53,7 @@ def _fmt(name: str, code: int, sub: int) -> BlockFormat:
 
 # Sub-block lengths: Q4_0/Q4_1/Q5_0/Q5_1 split their 32 weights into the low and high
 # nibbles of 16 bytes; Q8_0 is one run of 32; Q4_K/Q5_K have 8 scales of 32 weights,
-# Q6_K 16 scales of 16; MXFP4 (one E8M0 scale byte, then 16 bytes of E2M1 codes: low
-# nibbles weights 0-15, high 16-31) splits as Q4_0 does.
+# Q6_K 16 scales of 16.
 FORMATS: dict[str, BlockFormat] = {
     f.name: f
     for f in (
@@ -66,9 +65,14 @@ FORMATS: dict[str, BlockFormat] = {
         _fmt("Q4_K", 5, 32),
         _fmt("Q5_K", 6, 32),
         _fmt("Q6_K", 7, 16),
-        _fmt("MXFP4", 9, 16),
     )
 }
+
+# Block types only the routed experts are kept in (the fused MoE over blocks,
+# :mod:`kernels.moe.quant_triton_kernel`, and the C kernels on the CPU read them; a
+# projection of one is dequantized at load): MXFP4, gpt-oss's experts, one E8M0 scale
+# byte and 16 bytes of E2M1 codes (low nibbles weights 0-15, high 16-31), split as Q4_0's.
+EXPERT_FORMATS: dict[str, BlockFormat] = {f.name: f for f in (_fmt("MXFP4", 9, 16),)}
 
 
 # Layouts the loader repacks a GGML type into on CUDA: the same bytes in another order
@@ -79,17 +83,16 @@ REPACKED_FROM: dict[str, str] = {"Q6_K_P": "Q6_K"}
 
 
 def block_format(name: str) -> BlockFormat:
-    """The format of GGML type ``name``, or of a repacked layout (:data:`REPACKED`).
+    """The format of GGML type ``name`` (:data:`FORMATS` or the experts' :data:`EXPERT_FORMATS`),
+    or of a repacked layout (:data:`REPACKED`).
 
     Raises:
         ValueError: the type is not one the kernels read (the message lists those).
     """
-    try:
-        return FORMATS[name] if name in FORMATS else REPACKED[name]
-    except KeyError:
-        raise ValueError(
-            f"GGUF type {name} is not kept quantized; supported: {', '.join(FORMATS)}"
-        ) from None
+    for formats in (FORMATS, REPACKED, EXPERT_FORMATS):
+        if name in formats:
+            return formats[name]
+    raise ValueError(f"GGUF type {name} is not kept quantized; supported: {', '.join({**FORMATS, **EXPERT_FORMATS})}")
 
 
 def tensor_bytes(type_name: str, shape: tuple[int, ...], dense_itemsize: int) -> int:
@@ -111,7 +114,7 @@ def tensor_bytes(type_name: str, shape: tuple[int, ...], dense_itemsize: int) ->
     numel = 1
     for d in shape:
         numel *= int(d)
-    fmt = FORMATS.get(type_name) or REPACKED.get(type_name)
+    fmt = FORMATS.get(type_name) or REPACKED.get(type_name) or EXPERT_FORMATS.get(type_name)
     if fmt is None:
         return numel * dense_itemsize
     if int(shape[-1]) % fmt.block_elements:

@@ -135,7 +135,7 @@ def test_decode_is_not_captured_over_the_reference_experts(pair):
     config = pair[3]
     stages = PlanStages.__new__(PlanStages)
     stages.config, stages.device, stages.tp, stages.expert_stores = EngineConfig(), torch.device("cuda"), None, {}
-    stages.attention_backend = "triton"
+    stages.attention_backend, stages.cpu_layers = "triton", 0
     stages.model_config = replace(config, expert_bias=False, swiglu_limit=0.0)
     assert stages._use_cuda_graphs  # the same model with the kernels' experts: captured
     stages.model_config = config

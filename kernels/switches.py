@@ -56,6 +56,13 @@ class KernelSwitches:
         "On the CPU, GGUF blocks and decode layers on headroom's C kernels (built at first "
         "use; kernels.cpu). Off: torch's kernels, to compare or where a build misbehaves.",
     )
+    cpu_block_gemm: bool = _switch(
+        True,
+        "On a CPU with AVX-512, GGUF Q4_0/Q4_1/Q8_0 products of any number of rows on the "
+        "C block GEMM (kernels/cpu/block_gemm.c), prefill included. Off: the AVX2 tile, and "
+        "from 64 rows the weights dequantized to float32 for torch's GEMM (as on a CPU "
+        "without AVX-512), to compare.",
+    )
     quant_repack: bool = _switch(
         True,
         "On CUDA, repack Q6_K blocks into aligned planes at load (kernels.quant.repack). "

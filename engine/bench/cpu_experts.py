@@ -75,7 +75,7 @@ def main() -> None:
     torch.set_num_threads(threads)
     gate, up, down = random_experts(types, args.experts, h, i)
     expert_bytes = sum(tensor_bytes(t, shape, 0) for t, shape in zip(types, ((i, h), (i, h), (h, i)), strict=True))
-    simd = "AVX2" if lib.hr_simd_level() else "plain C"
+    simd = build.simd_name(lib)
     print(f"H={h} I={i} E={args.experts} top-{args.top_k} {'/'.join(types)}: {expert_bytes / 1e6:.2f} MB an expert; "
           f"{threads} threads, {simd} build")
     gen = torch.Generator().manual_seed(0)

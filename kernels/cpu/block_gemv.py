@@ -18,6 +18,7 @@ import torch
 
 from kernels.quant import reference
 from kernels.quant.formats import block_format
+from kernels.switches import current
 
 GROUP = 32
 # ggml's type ids, as block_gemv.c reads them: the types CPU linear layers keep in blocks.
@@ -25,6 +26,27 @@ TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
 # Every type the C row products read (blocks.h): the K-quants too (kquant.c), whose
 # blocks of 256 need K a multiple of 256, and MXFP4 (mxfp4.c; gpt-oss's experts).
 GEMV_TYPE_IDS = {**TYPE_IDS, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "MXFP4": 39}
+# The products the C kernels take (blocks.h's HR_PATH_*): the fastest the build has (the
+# AVX-512 block GEMM of block_gemm.c where the CPU has AVX-512 BW), the plain C one, the
+# AVX2 tile.
+PATH_BEST, PATH_C, PATH_AVX2 = 0, 1, 2
+
+
+def gemv_path(scalar: bool = False) -> int:
+    """The ``PATH_*`` a C product takes now: plain C where asked (tests), the AVX2 tile
+    while the ``cpu_block_gemm`` switch (:mod:`kernels.switches`) is off, else the
+    fastest."""
+    if scalar:
+        return PATH_C
+    return PATH_BEST if current().cpu_block_gemm else PATH_AVX2
+
+
+def gemm_on_blocks(lib: ctypes.CDLL) -> bool:
+    """Whether many activation rows (prefill) take the C kernel on the blocks rather than
+    weights dequantized to float32 for torch's GEMM: where the build has the AVX-512
+    block GEMM (``hr_simd_level() >= 2``; 1.5-3x torch's float32 GEMM at 64-512 rows on
+    2 Zen 4 cores, docs/cpu.md) and the ``cpu_block_gemm`` switch is on."""
+    return current().cpu_block_gemm and lib.hr_simd_level() >= 2
 
 
 def quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,6 +59,26 @@ def quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     inv = torch.where(d != 0, 1.0 / torch.where(d != 0, d, 1.0), 0.0)
     codes = torch.round(blocks * inv[..., None]).to(torch.int16)
     return codes.view(m, k), d
+
+
+def quantize_rows(lib: ctypes.CDLL, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The C kernel's activation codes (``hr_quantize_row``, a row at a time): float32
+    ``[M, K]`` (``K`` a multiple of 32) to int16 codes ``[M, K]``, float32 scales and
+    int32 code sums ``[M, K / 32]``; :func:`quantize_rows_ref` is its reference.
+
+    Raises:
+        ValueError: ``K`` not a multiple of 32.
+    """
+    x = x.contiguous().float()
+    m, k = x.shape
+    if k % GROUP:
+        raise ValueError(f"quantize_rows: K={k} is not a multiple of {GROUP}")
+    codes = torch.empty(m, k, dtype=torch.int16)
+    scales = torch.empty(m, k // GROUP, dtype=torch.float32)
+    sums = torch.empty(m, k // GROUP, dtype=torch.int32)
+    for r in range(m):
+        lib.hr_quantize_row(x[r].data_ptr(), k, codes[r].data_ptr(), scales[r].data_ptr(), sums[r].data_ptr())
+    return codes, scales, sums
 
 
 def block_gemv_ref(x: torch.Tensor, blocks: torch.Tensor, type_name: str) -> torch.Tensor:
@@ -66,7 +108,8 @@ def block_gemv(lib: ctypes.CDLL, x: torch.Tensor, blocks: torch.Tensor, type_nam
         out: float32 ``[M, N]`` view to write (its rows may be wider: ``out.stride(0)``),
             else a new tensor.
         threads: OpenMP threads, default ``torch.get_num_threads()``.
-        scalar: the plain C product instead of the vector one (tests).
+        scalar: the plain C product instead of the vector one (tests); else the product
+            :func:`gemv_path` picks.
 
     Returns:
         ``out``, float32 ``[M, N]``.
@@ -89,7 +132,7 @@ def block_gemv(lib: ctypes.CDLL, x: torch.Tensor, blocks: torch.Tensor, type_nam
                          f"and out {tuple(out.shape)} do not match (rows of K={k} take {row_bytes} bytes)")
     work = torch.empty(lib.hr_work_bytes(m, k), dtype=torch.uint8)
     done = lib.hr_block_gemv(GEMV_TYPE_IDS[type_name], x.data_ptr(), m, k, blocks.data_ptr(), n, out.data_ptr(),
-                             out.stride(0), work.data_ptr(), threads or torch.get_num_threads(), int(scalar))
+                             out.stride(0), work.data_ptr(), threads or torch.get_num_threads(), gemv_path(scalar))
     if done != 0:
         raise ValueError(f"block_gemv refused {type_name} blocks of K={k}")
     return out

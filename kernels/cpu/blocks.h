@@ -13,6 +13,9 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define HR_AVX2 1
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define HR_AVX512 1  /* block_gemm.c's tile */
+#endif
 #endif
 
 enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, MXFP4 = 39 };  /* ggml's type ids */
@@ -66,12 +69,20 @@ static inline int hr_block_bytes(int type) {
 /* Per activation row: K int16 codes, then K / 32 scales dx, sums s (int32) and dx * s. */
 void hr_quantize_row(const float *x, int64_t K, int16_t *codes, float *scales, int32_t *sums);
 
+/* Which product the row products take (their `scalar` argument): the fastest the build
+ * has; the plain C one; the AVX2 tile where the build has AVX-512 too (tests, A/B). */
+enum { HR_PATH_BEST = 0, HR_PATH_C = 1, HR_PATH_AVX2 = 2 };
+
 /* y[i * ldy + n] = x_i . W[n] for i < M and n0 <= n < n1, one thread. W: rows of
  * row_bytes bytes of `type`, K weights each; codes: M rows K apart; dx, sums, dxs: M rows
- * K / 32 apart. scalar: the plain C product. */
+ * K / 32 apart. scalar: an HR_PATH_* (HR_PATH_C: the plain C product). */
 void hr_legacy_rows(int type, const uint8_t *w, int64_t K, const int16_t *codes, const float *dx,
                     const int32_t *sums, const float *dxs, int64_t M, int64_t n0, int64_t n1, float *y,
                     int64_t ldy, int scalar);
+/* hr_legacy_rows' AVX-512 tile (block_gemm.c): rows n0 up to the returned row (n0 plus
+ * a multiple of 4, at most n1) done, the rest left to the caller. */
+int64_t hr_legacy_rows512(int type, const uint8_t *w, int64_t K, const int16_t *codes, const float *dx,
+                          const float *dxs, int64_t M, int64_t n0, int64_t n1, float *y, int64_t ldy);
 void hr_kquant_rows(int type, const uint8_t *w, int64_t K, const int16_t *codes, const float *dx,
                     const float *dxs, int64_t M, int64_t n0, int64_t n1, float *y, int64_t ldy, int scalar);
 void hr_mxfp4_rows(const uint8_t *w, int64_t K, const int16_t *codes, const float *dx, int64_t M, int64_t n0,

@@ -1,11 +1,11 @@
-"""Build the CPU kernels (``block_gemv.c``, ``kquant.c``, ``mxfp4.c``, ``moe_experts.c``,
+"""Build the CPU kernels (``block_gemv.c``, ``block_gemm.c``, ``kquant.c``, ``mxfp4.c``, ``moe_experts.c``,
 ``decode_layer.c``, sharing ``blocks.h``) at first use and load them.
 
 The C sources are compiled by the machine's C compiler (``$CC``, else ``cc``, ``gcc`` or
 ``clang`` on the PATH) for the machine itself (``-march=native``: AVX2 or AVX-512 where
 the CPU has them) with OpenMP, into ``<cache>/kernels/``, named by a hash of the sources,
-the flags, the compiler and the CPU's features (``-march=native`` picks the vector build: AVX2,
-with AVX512-VNNI's vpdpwssd where the CPU has it, or plain C), so a change to any of them builds anew and an unchanged one
+the flags, the compiler and the CPU's features (``-march=native`` picks the vector build:
+AVX-512 BW (block_gemm.c's tile, with VNNI's vpdpwssd where the CPU has it), AVX2, or plain C), so a change to any of them builds anew and an unchanged one
 loads in milliseconds. A build writes a temporary file and renames it: a build stopped
 half-way or two processes building at once never leave a broken library under the final
 name. The library links ``libgomp.so.1``; loaded after torch, the dynamic linker hands it
@@ -36,7 +36,7 @@ from kernels.switches import current
 
 log = logging.getLogger("headroom.kernels")
 
-SOURCES = ("block_gemv.c", "kquant.c", "mxfp4.c", "moe_experts.c", "decode_layer.c")
+SOURCES = ("block_gemv.c", "block_gemm.c", "kquant.c", "mxfp4.c", "moe_experts.c", "decode_layer.c")
 HEADERS = ("blocks.h",)
 _HERE = Path(__file__).resolve().parent
 _why_not: list[str] = []
@@ -134,6 +134,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.hr_work_bytes.argtypes = [c_i64, c_i64]
     lib.hr_block_gemv.restype = c_int
     lib.hr_block_gemv.argtypes = [c_int, ptr, c_i64, c_i64, ptr, c_i64, ptr, c_i64, ptr, c_int, c_int]
+    lib.hr_quantize_row.restype = None
+    lib.hr_quantize_row.argtypes = [ptr, c_i64, ptr, ptr, ptr]
     lib.hr_dequantize_rows.restype = c_int
     lib.hr_dequantize_rows.argtypes = [c_int, ptr, c_i64, c_i64, c_i64, ptr, c_int]
     lib.hr_moe_work_bytes.restype = c_i64
@@ -192,9 +194,15 @@ def load_any(cache_dir: str) -> ctypes.CDLL | None:
     except (RuntimeError, OSError) as exc:
         _why_not.append(str(exc))
         return None
-    log.info("CPU kernels: %s (%s, %s)", path, "AVX2" if lib.hr_simd_level() else "plain C",
+    log.info("CPU kernels: %s (%s, %s)", path, simd_name(lib),
              "OpenMP threads" if openmp else f"one thread: {cc} takes no -fopenmp")
     return lib
+
+
+def simd_name(lib: ctypes.CDLL) -> str:
+    """The vector build of a loaded library, in words (``hr_simd_level``: 0 plain C, 1
+    AVX2, 2 AVX-512 with block_gemm.c's tile)."""
+    return ("plain C", "AVX2", "AVX-512")[lib.hr_simd_level()]
 
 
 def why_not() -> str | None:

@@ -65,6 +65,7 @@ typedef struct {
     const int64_t *page_table;                         /* [B, max_pages] */
     const float *cos_sin;                              /* [max_pos, D]: cos | sin halves */
     int32_t threads, first;                            /* first: residual = h */
+    int32_t path, pad;                                 /* the projections' HR_PATH_* (blocks.h) */
 } hr_step;
 
 /* a . b over n floats. A plain C sum is one chain of dependent adds (the compiler may not
@@ -323,8 +324,9 @@ static void rotate(float *x, const float *cs, int64_t d) {
     }
 }
 
-static int proj(const hr_proj *p, const float *x, int64_t m, int64_t k, float *y, void *work, int threads) {
-    return hr_block_gemv(p->type, x, m, k, p->blocks, p->rows, y, p->rows, work, threads, 0);
+static int proj(const hr_proj *p, const float *x, int64_t m, int64_t k, float *y, void *work, int threads,
+                int path) {
+    return hr_block_gemv(p->type, x, m, k, p->blocks, p->rows, y, p->rows, work, threads, path);
 }
 
 /* Bytes of scratch hr_decode_layer needs for `rows` rows and `max_len` tokens of context. */
@@ -364,7 +366,7 @@ int hr_decode_layer(const hr_layer *L, const hr_step *S, float *h, float *residu
         else for (int64_t i = 0; i < H; i++) r[i] += hb[i];
         rms_norm_row(r, L->input_norm, x + b * H, H, L->eps);
     }
-    if ((err = proj(&L->qkv, x, B, H, qkv, work, threads))) return err;
+    if ((err = proj(&L->qkv, x, B, H, qkv, work, threads, S->path))) return err;
 
     for (int64_t b = 0; b < B; b++) {
         float *row = qkv + b * qkv_n;
@@ -412,18 +414,18 @@ int hr_decode_layer(const hr_layer *L, const hr_step *S, float *h, float *residu
         for (int64_t t = 0; t < len; t++) kv_axpy(kv, out, sc[t], next_row(&it), D);
     }
 
-    if ((err = proj(&L->o, attn, B, qsize, o, work, threads))) return err;
+    if ((err = proj(&L->o, attn, B, qsize, o, work, threads, S->path))) return err;
     for (int64_t b = 0; b < B; b++) {
         float *r = residual + b * H;
         for (int64_t i = 0; i < H; i++) r[i] += o[b * H + i];
         rms_norm_row(r, L->post_norm, x + b * H, H, L->eps);
     }
-    if ((err = proj(&L->gate_up, x, B, H, gate_up, work, threads))) return err;
+    if ((err = proj(&L->gate_up, x, B, H, gate_up, work, threads, S->path))) return err;
     for (int64_t b = 0; b < B; b++) {  /* SiLU(gate) * up, into the gate half */
         float *g = gate_up + b * 2 * I;
         for (int64_t i = 0; i < I; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * g[I + i];
     }
     /* The down projection reads rows 2 I apart: compact them first. */
     for (int64_t b = 1; b < B; b++) memmove(gate_up + b * I, gate_up + b * 2 * I, I * 4);
-    return proj(&L->down, gate_up, B, I, h, work, threads);
+    return proj(&L->down, gate_up, B, I, h, work, threads, S->path);
 }

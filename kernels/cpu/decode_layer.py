@@ -14,7 +14,7 @@ import ctypes
 import torch
 
 from kernels.attention.kv_store import BLOCK_KV_DTYPES, block_format, kv_row_width
-from kernels.cpu.block_gemv import TYPE_IDS
+from kernels.cpu.block_gemv import TYPE_IDS, gemv_path
 
 _F = ctypes.POINTER(ctypes.c_float)
 
@@ -45,7 +45,8 @@ class Step(ctypes.Structure):
     _fields_ = [("rows", ctypes.c_int64), ("page_size", ctypes.c_int64), ("max_pages", ctypes.c_int64),
                 ("positions", ctypes.c_void_p), ("out_slots", ctypes.c_void_p), ("seq_lens", ctypes.c_void_p),
                 ("page_table", ctypes.c_void_p), ("cos_sin", ctypes.c_void_p),
-                ("threads", ctypes.c_int32), ("first", ctypes.c_int32)]
+                ("threads", ctypes.c_int32), ("first", ctypes.c_int32), ("path", ctypes.c_int32),
+                ("pad", ctypes.c_int32)]
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -107,6 +108,7 @@ def run(lib: ctypes.CDLL, spec: Layer, st: Step, h: torch.Tensor, residual: torc
     fmt = block_format(k_cache.dtype)
     spec.kv_type = TYPE_IDS[fmt.upper()] if fmt else 0
     st.first = int(first)
+    st.path = gemv_path()
     if lib.hr_decode_layer(ctypes.byref(spec), ctypes.byref(st), h.data_ptr(), residual.data_ptr(),
                            scratch.data_ptr(), max_len) != 0:
         raise RuntimeError("the CPU decode layer refused a projection's block type or the KV pool's head dim")

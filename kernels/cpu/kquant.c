@@ -193,7 +193,7 @@ static inline __attribute__((always_inline)) void row_avx2_types(int type, const
 void hr_kquant_rows(int type, const uint8_t *w, int64_t K, const int16_t *codes, const float *dx,
                     const float *dxs, int64_t M, int64_t n0, int64_t n1, float *y, int64_t ldy, int scalar) {
 #ifdef HR_AVX2
-    if (!scalar) {
+    if (scalar != HR_PATH_C) {
         const int64_t nsb = K / 256, nb = K / 32, row_bytes = nsb * hr_block_bytes(type);
         for (int64_t n = n0; n < n1; n++) {
             const uint8_t *row = w + n * row_bytes;

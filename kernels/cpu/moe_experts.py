@@ -26,7 +26,7 @@ import os
 import torch
 
 from kernels.activation.reference import ClampedSwiGLU
-from kernels.cpu.block_gemv import GEMV_TYPE_IDS, quantize_rows_ref
+from kernels.cpu.block_gemv import GEMV_TYPE_IDS, gemv_path, quantize_rows_ref
 from kernels.moe.reference import ExpertBiases
 from kernels.quant import reference
 
@@ -116,7 +116,7 @@ def moe_experts(lib: ctypes.CDLL, x: torch.Tensor, tokens: torch.Tensor, experts
                               *(GEMV_TYPE_IDS[t] for t in types), *([b.data_ptr() for b in bias] or [None, None]),
                               0.0 if activation is None else activation.alpha,
                               0.0 if activation is None else activation.limit, out.data_ptr(), work.data_ptr(),
-                              threads or default_threads(), int(scalar))
+                              threads or default_threads(), gemv_path(scalar))
     if done != 0:
         raise ValueError(f"moe_experts refused {'/'.join(types)} experts of H={hidden}, I={inter}")
     return out

@@ -17,12 +17,13 @@ import torch
 from torch import nn
 
 from engine.layers.linear.cpu_int4 import CpuInt4Linear
-from kernels.cpu.block_gemv import TYPE_IDS, block_gemv, dequantize_rows
+from kernels.cpu.block_gemv import TYPE_IDS, block_gemv, dequantize_rows, gemm_on_blocks
 
-# Rows of activations from which a product dequantizes its weights, a chunk of rows at a
-# time, and multiplies them in float32 by torch's GEMM instead of the block GEMV, whose
-# per-block scaling costs more than dequantizing once when many rows share the weights
-# (measured on 2 AVX-512 cores, docs/cpu.md); prefill chunks take this path.
+# Where the C kernels have no AVX-512 block GEMM (gemm_on_blocks), the rows of activations
+# from which a product dequantizes its weights, a chunk of rows at a time, and multiplies
+# them in float32 by torch's GEMM instead of the AVX2 tile, whose per-block scaling costs
+# more than dequantizing once when many rows share the weights (docs/cpu.md); prefill
+# chunks take this path there.
 GEMM_ROWS = 64
 _CHUNK_FLOATS = 1 << 18  # a dequantized chunk of weight rows: 1 MiB, stays in L2
 
@@ -112,7 +113,7 @@ class CpuBlockLinear(nn.Module):
         y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
         at, other = 0, 0
         for i, (type_name, rows) in enumerate(zip(self.types, self.rows, strict=True)):
-            if type_name is not None and x2.shape[0] >= GEMM_ROWS:
+            if type_name is not None and x2.shape[0] >= GEMM_ROWS and not gemm_on_blocks(self.lib):
                 self._gemm(x2, self.part(i), type_name, y[:, at:at + rows])
             elif type_name is not None:
                 block_gemv(self.lib, x2, self.part(i), type_name, out=y[:, at:at + rows])

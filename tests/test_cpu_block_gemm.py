@@ -1,0 +1,98 @@
+"""The AVX-512 block GEMM of the C CPU kernels (kernels/cpu/block_gemm.c) against its
+reference (gguf's dequantizer times the 16-bit activation codes, kernels/cpu/block_gemv.py)
+on odd shapes, beside the AVX2 tile it replaces (the ``cpu_block_gemm`` switch off) and an
+AVX2 build of the same sources; the activation codes against theirs."""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("gguf")
+
+from test_cpu_kernels import _tolerance  # noqa: E402
+
+from engine.layers.linear.cpu_blocks import GEMM_ROWS, CpuBlockLinear  # noqa: E402
+from kernels.cpu import build  # noqa: E402
+from kernels.cpu.block_gemv import (  # noqa: E402
+    TYPE_IDS,
+    block_gemv,
+    block_gemv_ref,
+    gemm_on_blocks,
+    quantize_rows,
+    quantize_rows_ref,
+)
+from kernels.quant.synthetic import random_blocks  # noqa: E402
+from kernels.switches import using  # noqa: E402
+
+# (weight rows, K, activation rows): rows not a multiple of the tiles (8 and 4 weight
+# rows, 6 activation rows), K of one block, prefill's many rows.
+SHAPES = [(13, 32, 7), (21, 96, 13), (5, 64, 1), (130, 576, 70), (8, 1536, 6), (3, 64, 2)]
+
+
+def _check(lib: ctypes.CDLL, type_name: str, rows: int, cols: int, m: int) -> None:
+    blocks = torch.from_numpy(random_blocks(type_name, rows, cols, np.random.default_rng(rows * cols + m)))
+    x = torch.randn(m, cols, generator=torch.Generator().manual_seed(rows + m))
+    x[0, 3] = 40.0  # a block with an outlier, as real activations have
+    got = block_gemv(lib, x, blocks, type_name)
+    assert got.shape == (m, rows)
+    assert float((got - block_gemv_ref(x, blocks, type_name)).abs().max()) <= _tolerance(x, blocks, type_name)
+
+
+@pytest.mark.parametrize("type_name", list(TYPE_IDS))
+@pytest.mark.parametrize(("rows", "cols", "m"), SHAPES)
+@pytest.mark.parametrize("block_gemm", [True, False])
+def test_the_block_gemm_and_the_avx2_tile_equal_their_reference(lib, type_name, rows, cols, m, block_gemm):
+    with using(cpu_block_gemm=block_gemm):
+        _check(lib, type_name, rows, cols, m)
+
+
+def test_the_activation_codes_are_the_reference_s(lib):
+    """The vector quantizer's codes, scales and sums are the reference's exactly: ties
+    (x / dx a half) rounded to even, an outlier block, an all-zero block, a tiny one."""
+    x = torch.randn(6, 256, generator=torch.Generator().manual_seed(2)) * torch.logspace(-3, 2, 256)
+    x[0, :32] = torch.arange(32) - 15.5  # halves: ties once the scale is 1
+    x[0, 0] = 32767.0
+    x[1, 40] = 1e4
+    x[2, 64:96] = 0.0
+    x[3, 96:128] = 1e-20
+    codes, scales, sums = quantize_rows(lib, x)
+    want_codes, want_scales = quantize_rows_ref(x)
+    assert torch.equal(codes, want_codes) and torch.equal(scales, want_scales)
+    assert torch.equal(sums, want_codes.view(6, 8, 32).sum(-1, dtype=torch.int32))
+
+
+def test_many_rows_take_the_block_gemm_where_the_build_has_it(lib):
+    """With AVX-512, a prefill's rows are multiplied on the blocks (the reference's
+    products, not the float32 GEMM's); the switch off, by the float32 GEMM."""
+    if lib.hr_simd_level() < 2:
+        pytest.skip("this build has no AVX-512 block GEMM")
+    assert gemm_on_blocks(lib)
+    blocks = torch.from_numpy(random_blocks("Q4_1", 40, 96, np.random.default_rng(4)))
+    linear = CpuBlockLinear(lib, 96, [("Q4_1", blocks)], None)
+    x = torch.randn(GEMM_ROWS + 5, 96)
+    assert torch.equal(linear(x), block_gemv(lib, x, blocks, "Q4_1"))
+    with using(cpu_block_gemm=False):
+        assert not gemm_on_blocks(lib)
+        assert not torch.equal(linear(x), block_gemv(lib, x, blocks, "Q4_1"))
+
+
+def test_an_avx2_build_of_the_same_sources_is_correct(lib, tmp_path):
+    """Where the CPU has AVX2 and no AVX-512 (built here with -mno-avx512f): the AVX2
+    tile and the plain C quantizer, against the reference."""
+    cc = build.compiler()
+    if lib.hr_simd_level() < 2:
+        pytest.skip("the engine's own build is this CPU's AVX2 one (test_cpu_kernels.py)")
+    out = tmp_path / "avx2.so"
+    sources = [str(build._HERE / name) for name in build.SOURCES]
+    done = subprocess.run([cc, *build._flags(True), "-mno-avx512f", *sources, "-o", str(out), "-lm"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-600:]
+    avx2 = build._declare(ctypes.CDLL(str(out)))
+    assert avx2.hr_simd_level() == 1
+    for type_name in TYPE_IDS:
+        _check(avx2, type_name, 21, 96, 13)

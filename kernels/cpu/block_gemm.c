@@ -19,6 +19,7 @@
  * of float32's 24 bits for Q8_0), then the 4 lanes of a row.
  */
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "blocks.h"
 
@@ -93,30 +94,48 @@ static inline __attribute__((always_inline)) void scales4(int type, const uint8_
     *m = _mm512_setzero_ps();
 }
 
+/* A block of 4 weight rows as the tile reads it: widen4's registers and scales4's. */
+typedef struct {
+    __m512i q[4];
+    __m512 d, m;
+} widened;
+
+/* The next tile's bytes fetched ahead by hand, a few lines a block: the tile reads its
+ * rows block by block, an order the hardware prefetcher does not follow. */
+static inline __attribute__((always_inline)) void prefetch_next(const uint8_t *next, int64_t bytes, int64_t nb,
+                                                                int64_t b) {
+    const int64_t lines = (bytes + 63) / 64, per_block = (lines + nb - 1) / nb;
+    for (int64_t l = b * per_block; l < (b + 1) * per_block && l < lines; l++)
+        _mm_prefetch((const char *)next + l * 64, _MM_HINT_T0);
+}
+
 /* y[i * ldy + r] for G * 4 weight rows r (w, row_bytes apart) and MT activation rows i
  * (codes K apart; dx, dxs nb apart). G and MT are constants at each call (always
- * inlined), so the G * MT accumulators stay in registers. */
+ * inlined), so the G * MT accumulators stay in registers. pre: the rows' blocks already
+ * widened ([nb][G]), else NULL (they are widened here, for these MT rows alone). */
 static inline __attribute__((always_inline)) void tile512(int type, const uint8_t *w, int64_t row_bytes, int64_t nb,
                                                           const int16_t *codes, int64_t K, const float *dx,
                                                           const float *dxs, const int G, const int MT, float *y,
-                                                          int64_t ldy) {
+                                                          int64_t ldy, const widened *pre) {
     const int bb = hr_block_bytes(type);
     __m512 acc[2][HR_MT];
     for (int g = 0; g < G; g++)
         for (int i = 0; i < MT; i++) acc[g][i] = _mm512_setzero_ps();
-    /* The next tile's bytes fetched ahead by hand, a few lines a block (block_gemv.c). */
-    const char *next = (const char *)(w + 4 * G * row_bytes);
-    const int64_t lines = (4 * G * row_bytes + 63) / 64, per_block = (lines + nb - 1) / nb;
     for (int64_t b = 0; b < nb; b++) {
-        for (int64_t l = b * per_block; l < (b + 1) * per_block && l < lines; l++)
-            _mm_prefetch(next + l * 64, _MM_HINT_T0);
         __m512i q[2][4];
         __m512 d[2], m[2];
         for (int g = 0; g < G; g++) {
-            const uint8_t *blk = w + 4 * g * row_bytes + b * bb;
-            widen4(type, blk, row_bytes, q[g]);
-            scales4(type, blk, row_bytes, &d[g], &m[g]);
+            if (pre) {
+                const widened *p = pre + b * G + g;
+                for (int k = 0; k < 4; k++) q[g][k] = p->q[k];
+                d[g] = p->d, m[g] = p->m;
+            } else {
+                const uint8_t *blk = w + 4 * g * row_bytes + b * bb;
+                widen4(type, blk, row_bytes, q[g]);
+                scales4(type, blk, row_bytes, &d[g], &m[g]);
+            }
         }
+        if (!pre) prefetch_next(w + 4 * G * row_bytes, 4 * G * row_bytes, nb, b);
         for (int i = 0; i < MT; i++) {
             const int16_t *c = codes + i * K + b * 32;
             __m512i a[4];
@@ -142,18 +161,33 @@ static inline __attribute__((always_inline)) void tile512(int type, const uint8_
         }
 }
 
-/* MT = 1 to 4 activation rows at a constant G. */
+/* MT = 1 to HR_MT activation rows at a constant G. */
 static inline __attribute__((always_inline)) void tiles_mt(int type, const uint8_t *w, int64_t row_bytes, int64_t nb,
                                                            const int16_t *c, int64_t K, const float *dx,
                                                            const float *dxs, const int G, int mt, float *y,
-                                                           int64_t ldy) {
+                                                           int64_t ldy, const widened *pre) {
     switch (mt) {
-        case 6: tile512(type, w, row_bytes, nb, c, K, dx, dxs, G, 6, y, ldy); break;
-        case 5: tile512(type, w, row_bytes, nb, c, K, dx, dxs, G, 5, y, ldy); break;
-        case 4: tile512(type, w, row_bytes, nb, c, K, dx, dxs, G, 4, y, ldy); break;
-        case 3: tile512(type, w, row_bytes, nb, c, K, dx, dxs, G, 3, y, ldy); break;
-        case 2: tile512(type, w, row_bytes, nb, c, K, dx, dxs, G, 2, y, ldy); break;
-        default: tile512(type, w, row_bytes, nb, c, K, dx, dxs, G, 1, y, ldy); break;
+        case 6: tile512(type, w, row_bytes, nb, c, K, dx, dxs, G, 6, y, ldy, pre); break;
+        case 5: tile512(type, w, row_bytes, nb, c, K, dx, dxs, G, 5, y, ldy, pre); break;
+        case 4: tile512(type, w, row_bytes, nb, c, K, dx, dxs, G, 4, y, ldy, pre); break;
+        case 3: tile512(type, w, row_bytes, nb, c, K, dx, dxs, G, 3, y, ldy, pre); break;
+        case 2: tile512(type, w, row_bytes, nb, c, K, dx, dxs, G, 2, y, ldy, pre); break;
+        default: tile512(type, w, row_bytes, nb, c, K, dx, dxs, G, 1, y, ldy, pre); break;
+    }
+}
+
+/* G groups of 4 rows' blocks widened once into pre ([nb][G]), for a tile of more
+ * activation rows than one pass takes: each pass then loads them. */
+static inline __attribute__((always_inline)) void widen_tile(int type, const uint8_t *w, int64_t row_bytes, int64_t nb,
+                                                             int G, widened *pre) {
+    const int bb = hr_block_bytes(type);
+    for (int64_t b = 0; b < nb; b++) {
+        for (int g = 0; g < G; g++) {
+            const uint8_t *blk = w + 4 * g * row_bytes + b * bb;
+            widen4(type, blk, row_bytes, pre[b * G + g].q);
+            scales4(type, blk, row_bytes, &pre[b * G + g].d, &pre[b * G + g].m);
+        }
+        prefetch_next(w + 4 * G * row_bytes, 4 * G * row_bytes, nb, b);
     }
 }
 
@@ -163,21 +197,39 @@ static inline __attribute__((always_inline)) int64_t rows512_of(int type, const 
                                                                 const float *dxs, int64_t M, int64_t n0, int64_t n1,
                                                                 float *y, int64_t ldy) {
     const int64_t nb = K / 32, row_bytes = nb * hr_block_bytes(type);
+    /* Several passes over the activation rows: the tile's blocks widened once (a tile of
+     * K = 1536 takes 36 KiB); NULL where that memory is not to be had. */
+    widened *pre = M > HR_MT ? aligned_alloc(64, (size_t)nb * HR_G * sizeof(widened)) : NULL;
     int64_t t0 = n0;
     for (; t0 + 4 <= n1; t0 += 4 * HR_G) {
         const int G = t0 + 4 * HR_G <= n1 ? HR_G : 1;
+        const uint8_t *wt = w + t0 * row_bytes;
+        if (pre) {
+            if (G == 2)
+                widen_tile(type, wt, row_bytes, nb, 2, pre);
+            else
+                widen_tile(type, wt, row_bytes, nb, 1, pre);
+        }
         for (int64_t m0 = 0; m0 < M; m0 += HR_MT) {
             const int mt = M - m0 < HR_MT ? (int)(M - m0) : HR_MT;
             const int16_t *c = codes + m0 * K;
             const float *x = dx + m0 * nb, *xs = dxs + m0 * nb;
             float *yt = y + m0 * ldy + t0;
-            if (G == 2)
-                tiles_mt(type, w + t0 * row_bytes, row_bytes, nb, c, K, x, xs, 2, mt, yt, ldy);
+            if (G == 2 && pre)
+                tiles_mt(type, wt, row_bytes, nb, c, K, x, xs, 2, mt, yt, ldy, pre);
+            else if (G == 2)
+                tiles_mt(type, wt, row_bytes, nb, c, K, x, xs, 2, mt, yt, ldy, NULL);
+            else if (pre)
+                tiles_mt(type, wt, row_bytes, nb, c, K, x, xs, 1, mt, yt, ldy, pre);
             else
-                tiles_mt(type, w + t0 * row_bytes, row_bytes, nb, c, K, x, xs, 1, mt, yt, ldy);
+                tiles_mt(type, wt, row_bytes, nb, c, K, x, xs, 1, mt, yt, ldy, NULL);
         }
-        if (G == 1) return t0 + 4;
+        if (G == 1) {
+            t0 += 4;
+            break;
+        }
     }
+    free(pre);
     return t0;
 }
 

@@ -37,3 +37,14 @@ def test_the_serve_table_and_top_level_keys_are_read(tmp_path):
     config.write_text("port = 9001\n[serve]\nlog_level = 'debug'\n")
     settings = resolve({}, env={}, config_path=config)
     assert (settings.port, settings.log_level) == (9001, "debug")
+
+
+def test_config_dir_moves_the_config_file(tmp_path):
+    """``HEADROOM_CONFIG_DIR`` moves ``config.toml`` with the token, as docs/configuration.md
+    says; ``HEADROOM_CONFIG`` still names another file."""
+    (tmp_path / "config.toml").write_text("port = 9002\n")
+    assert resolve({}, env={"HEADROOM_CONFIG_DIR": str(tmp_path)}).port == 9002
+    other = tmp_path / "other.toml"
+    other.write_text("port = 9003\n")
+    env = {"HEADROOM_CONFIG_DIR": str(tmp_path), "HEADROOM_CONFIG": str(other)}
+    assert resolve({}, env=env).port == 9003

@@ -60,17 +60,22 @@ def test_auto_and_zero_keep_every_layer_on_the_device(llama):
         assert engine.model.host_layers is None and engine.pool.num_layers == LAYERS
 
 
-def test_cpu_layers_above_the_layer_count_is_refused_naming_the_largest(llama):
+@pytest.mark.parametrize("extra", [0, 1])
+def test_every_layer_or_more_on_the_cpu_is_refused_naming_the_largest(llama, extra):
+    """One layer at least stays on the device (all of them crashed the worker once):
+    every layer on the CPU is ``--device cpu``."""
     path, _ = llama
-    with pytest.raises(SettingRefused, match=f"has {LAYERS} decoder layers; use --cpu-layers {LAYERS} or fewer"):
-        tiny_engine(path, 16, cpu_layers=str(LAYERS + 1))
+    with pytest.raises(SettingRefused, match=f"has {LAYERS} decoder layers and one at least stays on the device; "
+                       f"use --cpu-layers {LAYERS - 1} or fewer .* or --device cpu"):
+        tiny_engine(path, 16, cpu_layers=str(LAYERS + extra))
 
 
 def test_a_negative_count_is_refused_naming_the_choices():
     from engine.common.options import option_named
 
-    problems = [check("-1") for check in option_named(EngineConfig, "cpu_layers").checks]
-    assert any(p and "not auto or a number of decoder layers" in p for p in problems)
+    for bad in ("-1", "\uff10", "\u0661"):  # a full-width and an Arabic-Indic digit are not numbers here
+        problems = [check(bad) for check in option_named(EngineConfig, "cpu_layers").checks]
+        assert any(p and "not auto or a number of decoder layers" in p for p in problems), bad
 
 
 def test_default_gguf_split_at_10_equals_unsplit():
@@ -140,4 +145,4 @@ def test_a_misfit_no_split_solves_is_refused_naming_cpu_layers():
 
     plan = build_plan(EngineConfig(model=_default_gguf(), device_total=600 << 20, **_SMALL))
     assert not plan.fits and plan.cpu_layers == 0
-    assert "--cpu-layers auto → 30 frees about" in plan.message()
+    assert "--cpu-layers auto → 29 frees about" in plan.message()

@@ -242,6 +242,20 @@ def test_mxfp4_experts_load_dequantized_as_transformers_dequantizes_them(tmp_pat
     assert torch.equal(dense.model.layers[2].mlp.experts.gate_up_proj[3], got)
 
 
+def test_an_mxfp4_pair_that_does_not_go_together_is_refused_naming_both():
+    """A damaged checkpoint (scales cut short) is a load error naming both tensors and the
+    fix, not a bare ValueError from the repacking."""
+    from engine.common.load_errors import WeightMismatch
+    from engine.models.gpt_oss import _dequantized
+
+    base = "model.layers.1.mlp.experts.gate_up_proj"
+    weights = [(base + "_blocks", torch.zeros(8, 64, 2, 16, dtype=torch.uint8)),
+               (base + "_scales", torch.zeros(8, 64, 1, dtype=torch.uint8))]
+    with pytest.raises(WeightMismatch, match=f"{base}_blocks uint8 \\(8, 64, 2, 16\\) and {base}_scales uint8 "
+                       "\\(8, 64, 1\\) are not an MXFP4 pair.*download them again"):
+        list(_dequantized(weights, torch.float32, {}))
+
+
 def test_plan_keeps_the_experts_on_the_device(tmp_path):
     """gpt-oss-20b (its experts kept in MXFP4 blocks) on a simulated 12 GiB card: its experts
     cannot move to host memory, so the plan keeps them all on the device, priced at 17

@@ -277,9 +277,9 @@ def auto_or_count(*words: str, what: str = "layers") -> Check:
     allowed = ("auto", *words)
 
     def check(value: str) -> str | None:
-        if value in allowed or value.isdecimal():
+        if value in allowed or (value.isascii() and value.isdecimal()):  # not "０" or "١"
             return None
-        return f"{value!r} is not {', '.join(allowed)} or a number of {what}"
+        return f"{value!r} is not {', '.join(allowed)} or a number of {what} (0-9 digits)"
 
     return check
 
@@ -290,7 +290,7 @@ def thread_count(value: str) -> str | None:
     and with hundreds of them a step outlasts the watchdog."""
     if value == "auto":
         return None
-    if not (value.isdecimal() and int(value) >= 1):
+    if not (value.isascii() and value.isdecimal() and int(value) >= 1):
         return f"{value!r} is not auto or a number of threads (1 or more)"
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if int(value) > cores:

@@ -49,8 +49,8 @@ def splittable(mc: ModelConfig) -> bool:
 
 
 def check_cpu_layers(config: EngineConfig, mc: ModelConfig) -> None:
-    """Refuse ``--cpu-layers N`` above the model's decoder layers, or above 0 for a model
-    it cannot split (:func:`splittable`).
+    """Refuse ``--cpu-layers N`` of all the model's decoder layers or more (one stays on
+    the device), or above 0 for a model it cannot split (:func:`splittable`).
 
     Raises:
         SettingRefused: naming the largest N, or the option that fits the model.
@@ -63,9 +63,12 @@ def check_cpu_layers(config: EngineConfig, mc: ModelConfig) -> None:
         raise SettingRefused(f"--cpu-layers {asked}: only dense Llama/Qwen2/Qwen3-family models split their layers "
                              f"between the device and the CPU, not {mc.architecture}{other}; use --cpu-layers 0 "
                              "(or auto)")
-    if asked > mc.num_layers:
-        raise SettingRefused(f"--cpu-layers {asked}: {mc.architecture} has {mc.num_layers} decoder layers; "
-                             f"use --cpu-layers {mc.num_layers} or fewer (or auto)")
+    if asked >= mc.num_layers:
+        # One layer at least stays on the device (its KV pool is the step's page space):
+        # every layer on the CPU is --device cpu.
+        raise SettingRefused(f"--cpu-layers {asked}: {mc.architecture} has {mc.num_layers} decoder layers and one "
+                             f"at least stays on the device; use --cpu-layers {mc.num_layers - 1} or fewer (or "
+                             "auto), or --device cpu to run every layer on the CPU")
 
 
 def check_kv_cache(config: EngineConfig, mc: ModelConfig) -> None:

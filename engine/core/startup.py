@@ -163,9 +163,11 @@ def quantized_gguf(config: EngineConfig, device: torch.device, mc: ModelConfig |
             device.type == "cpu" or _blocks_by_default_on_cuda(config, mc))
     if not wanted:
         return None
-    if mc is not None and mc.is_moe and device.type == "cpu":
+    path = gguf_file(config.model)
+    if path is not None and mc is not None and mc.is_moe and device.type == "cpu" \
+            and mc.architecture != "GptOssForCausalLM":  # its MXFP4 experts stay in blocks
         log.info("--gguf-quantized on the CPU: the routed experts are dequantized at load")
-    return gguf_file(config.model)
+    return path
 
 
 def _blocks_by_default_on_cuda(config: EngineConfig, mc: ModelConfig | None) -> bool:

@@ -93,7 +93,7 @@ def cpu_decoder_layers(knobs: PlanKnobs, fp: Footprint) -> int | None:
         return 0
     if knobs.cpu_layers == "auto":
         return None
-    return min(int(knobs.cpu_layers), len(fp.layer_bytes))
+    return min(int(knobs.cpu_layers), len(fp.layer_bytes) - 1)  # one layer stays on the device
 
 
 def _ledger(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint) -> MemoryPlan:
@@ -105,7 +105,7 @@ def _ledger(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint) -> MemoryPlan
     whole = _placed(device, knobs, fp, 0)
     if whole.fits:
         return whole
-    for layers in range(1, len(fp.layer_bytes) + 1):
+    for layers in range(1, len(fp.layer_bytes)):  # one layer stays on the device
         plan = _placed(device, knobs, fp, layers)
         if plan.fits and _host_need(plan, fp) <= (device.host_available_bytes or _UNKNOWN):
             return plan
@@ -340,8 +340,8 @@ def _suggest(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint, plan: Memory
             candidates.append((_flag("cpu_experts"), knobs.cpu_experts, str(more), replace(knobs, cpu_experts=str(more))))
     cpu = cpu_decoder_layers(knobs, fp)
     layers = len(fp.layer_bytes)
-    if layers and (cpu or 0) < layers:
-        for more in sorted({max(layers // 4, 1), max(layers // 2, 1), layers} - set(range((cpu or 0) + 1))):
+    if layers > 1 and (cpu or 0) < layers - 1:
+        for more in sorted({max(layers // 4, 1), max(layers // 2, 1), layers - 1} - set(range((cpu or 0) + 1))):
             candidates.append((_flag("cpu_layers"), knobs.cpu_layers, str(more), replace(knobs, cpu_layers=str(more))))
     # Per flag: the gentlest move that makes the plan fit, else the one that frees most.
     best: dict[str, tuple[bool, Suggestion]] = {}

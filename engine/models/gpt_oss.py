@@ -88,6 +88,22 @@ def mxfp4_to_ggml(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return packed.flatten(-2)
 
 
+def _check_pair(base: str, blocks: torch.Tensor, scales: torch.Tensor) -> None:
+    """Refuse an MXFP4 pair whose tensors do not go together (``blocks`` ``[..., G, 16]``
+    uint8 over ``scales`` ``[..., G]`` uint8), naming both tensors.
+
+    Raises:
+        WeightMismatch: the pair's shapes or dtypes disagree.
+    """
+    if (blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.dim() < 2 or blocks.shape[-1] != 16
+            or tuple(blocks.shape[:-1]) != tuple(scales.shape)):
+        raise WeightMismatch(
+            f"tensors {base}_blocks {str(blocks.dtype).removeprefix('torch.')} {tuple(blocks.shape)} and "
+            f"{base}_scales {str(scales.dtype).removeprefix('torch.')} {tuple(scales.shape)} are not an MXFP4 pair "
+            "(uint8 [..., G, 16] blocks over uint8 [..., G] scales); the checkpoint's files are damaged or not "
+            "gpt-oss's MXFP4 layout: download them again")
+
+
 def _fill_blocks(experts: QuantExperts, base: str, blocks: torch.Tensor, scales: torch.Tensor) -> None:
     """``experts``' buffers from a checkpoint's MXFP4 pair named ``base`` (``...gate_up_proj``:
     rows ``[E, 2I]`` with gate and up interleaved, gate the even ones; ``...down_proj``:
@@ -131,6 +147,7 @@ def _dequantized(weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype
         parts[suffix] = tensor
         if len(parts) == 2:
             del pending[base]
+            _check_pair(base, parts["_blocks"], parts["_scales"])
             layer = kept.get(base.rpartition(".")[0])
             if layer is not None:
                 with torch.no_grad():

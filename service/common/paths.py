@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 
 import platformdirs
@@ -28,14 +29,15 @@ LOG_DIR_ENV = environment.LOG_DIR.name
 RUNTIME_DIR_ENV = environment.RUNTIME_DIR.name
 
 
-def _override(setting: environment.EnvSetting) -> Path | None:
-    value = setting.get()
+def _override(setting: environment.EnvSetting, env: Mapping[str, str] | None = None) -> Path | None:
+    value = setting.get(env)
     return Path(value).expanduser() if value else None
 
 
-def config_dir() -> Path:
-    """The user's headroom config folder (``HEADROOM_CONFIG_DIR`` wins)."""
-    return _override(environment.CONFIG_DIR) or Path(
+def config_dir(env: Mapping[str, str] | None = None) -> Path:
+    """The user's headroom config folder (``HEADROOM_CONFIG_DIR`` in ``env``, the
+    process's environment when None, wins)."""
+    return _override(environment.CONFIG_DIR, env) or Path(
         platformdirs.user_config_dir(APP_NAME, appauthor=False)
     )
 

@@ -38,11 +38,13 @@ from service.common.settings import (
 CONFIG_TABLES: tuple[str, ...] = ("serve",)
 
 
-def default_config_path() -> Path:
-    """``<user config dir>/headroom/config.toml`` (platformdirs)."""
-    from platformdirs import user_config_dir
+def default_config_path(env: Mapping[str, str] | None = None) -> Path:
+    """``config.toml`` in the user's headroom config folder (``HEADROOM_CONFIG_DIR`` in
+    ``env``, the process's environment when None; else platformdirs' ``<user config
+    dir>/headroom``), where the local token lives too."""
+    from service.common.paths import config_dir
 
-    return Path(user_config_dir("headroom")) / "config.toml"
+    return config_dir(env) / "config.toml"
 
 
 def _convert(option: Option, value: Any, source: str) -> Any:
@@ -206,7 +208,7 @@ def resolve(
     """
     env = environment.variables() if env is None else env
     explicit = config_path is not None or bool(environment.CONFIG.get(env))
-    path = config_path or Path(environment.CONFIG.get(env) or default_config_path())
+    path = config_path or Path(environment.CONFIG.get(env) or default_config_path(env))
     file_values: dict[str, Any] = {}
     if path.exists():
         file_values = read_config_file(path)

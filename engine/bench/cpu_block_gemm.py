@@ -1,0 +1,115 @@
+"""A/B of the CPU's AVX-512 block GEMM (``kernels/cpu/block_gemm.c``) against the path the
+``cpu_block_gemm`` switch keeps (the AVX2 tile, and from 64 rows weights dequantized to
+float32 for torch's GEMM), in one process, the two alternating, medians:
+
+    python -m engine.bench.cpu_block_gemm --rows 1 16 128 512 --engine
+
+The kernel alone at the default model's shapes (SmolLM2-135M: q/k/v, o, gate/up, down of
+Q4_1 blocks, the tied head's Q8_0), through ``CpuBlockLinear`` as the engine calls it;
+with ``--engine``, the default model's prefill and decode tokens/s (``engine_speed``) at
+each ``--cases`` entry ``BATCHxPROMPTxNEW``. A shared machine moves absolute figures;
+the ratios of alternating runs are what to read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from kernels.quant.synthetic import random_blocks
+from kernels.switches import using
+
+# The default model's projections: (name, type, N, K).
+SHAPES = (("qkv", "Q4_1", 960, 576), ("o", "Q4_1", 576, 576), ("gate_up", "Q4_1", 3072, 576),
+          ("down", "Q4_1", 576, 1536), ("head", "Q8_0", 49152, 576))
+
+
+def alternate(run: Callable[[], object], rounds: int) -> dict[bool, list]:
+    """``run()``'s results with the switch off and on, ``rounds`` times each, the order
+    flipped every round (so a drift of the machine falls on both)."""
+    got: dict[bool, list] = {False: [], True: []}
+    for r in range(rounds):
+        for on in ((False, True) if r % 2 == 0 else (True, False)):
+            with using(cpu_block_gemm=on):
+                got[on].append(run())
+    return got
+
+
+def _timed(f: Callable[[], object], reps: int) -> Callable[[], float]:
+    def run() -> float:
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            f()
+        return (time.perf_counter() - t0) / reps
+    return run
+
+
+def kernel_rows(lib, rows: list[int], rounds: int) -> None:
+    """Print microseconds a product, off and on, at each shape and row count."""
+    from engine.layers.linear.cpu_blocks import CpuBlockLinear
+
+    rng = np.random.default_rng(0)
+    for name, type_name, n, k in SHAPES:
+        linear = CpuBlockLinear(lib, k, [(type_name, torch.from_numpy(random_blocks(type_name, n, k, rng)))], None)
+        for m in rows:
+            x = torch.randn(m, k)
+            linear(x)  # warm
+            got = alternate(_timed(lambda: linear(x), max(2, 2_000_000 // (n * m))), rounds)
+            off, on = (statistics.median(got[s]) * 1e6 for s in (False, True))
+            print(f"{name:8s} {type_name} {n:5d} x {k:4d}, {m:3d} rows: {off:9.1f} us -> {on:9.1f} us "
+                  f"({off / on:.2f}x)", flush=True)
+
+
+def engine_cases(cases: list[tuple[int, int, int]], rounds: int) -> None:
+    """Print the default model's prefill and decode tokens/s, off and on, at each case."""
+    from engine.bench.speed import engine_speed
+    from engine.common.config import EngineConfig
+    from engine.core.engine import Engine
+    from engine.loader.default_model import default_gguf_path
+    from engine.worker.cpu_threads import fit_between_steps
+
+    engine = Engine(EngineConfig(model=str(default_gguf_path()), device="cpu",
+                                 max_running_requests=max(64, *(b for b, _, _ in cases))))
+    between = fit_between_steps(engine.config.cpu_threads)
+    g = torch.Generator().manual_seed(0)
+    for batch, prompt, new in cases:
+        prompts = [torch.randint(10, engine.vocab_size, (prompt,), generator=g).tolist() for _ in range(batch)]
+        alternate(lambda: engine_speed(engine, prompts, 4), 1)  # warm both
+        got = alternate(lambda: engine_speed(engine, prompts, new, between), rounds)
+        pre = [statistics.median(s.prefill_tok_s for s in got[on]) for on in (False, True)]
+        dec = [statistics.median(s.decode_tok_s for s in got[on]) for on in (False, True)]
+        print(f"{batch:2d} x {prompt} tokens, {new} new: prefill {pre[0]:7.1f} -> {pre[1]:7.1f} tok/s "
+              f"({pre[1] / pre[0]:.2f}x); decode {dec[0]:6.1f} -> {dec[1]:6.1f} tok/s ({dec[1] / dec[0]:.2f}x)",
+              flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, nargs="*", default=[1, 16, 128, 512], help="activation rows")
+    parser.add_argument("--rounds", type=int, default=5, help="runs of each side, alternating")
+    parser.add_argument("--engine", action="store_true", help="also the default model's tokens/s")
+    parser.add_argument("--cases", default="1x128x64,16x128x32,1x512x16", help="BATCHxPROMPTxNEW, comma-separated")
+    args = parser.parse_args()
+
+    from engine.layers.linear.cpu_kernels import cpu_kernels
+    from kernels.cpu import build
+
+    lib = cpu_kernels()
+    if lib is None:
+        raise SystemExit(f"the C CPU kernels do not build here: {build.why_not()}")
+    if lib.hr_simd_level() < 2:
+        raise SystemExit(f"this build is {build.simd_name(lib)}: no AVX-512 block GEMM to compare")
+    print(f"{torch.get_num_threads()} threads; off: the AVX2 tile (float32 GEMM from 64 rows), on: the block GEMM")
+    if args.rows:
+        kernel_rows(lib, args.rows, args.rounds)
+    if args.engine:
+        engine_cases([tuple(int(v) for v in c.split("x")) for c in args.cases.split(",")], args.rounds)
+
+
+if __name__ == "__main__":
+    main()

@@ -269,11 +269,14 @@ int hr_block_gemv(int type, const float *x, int64_t M, int64_t K, const uint8_t 
         hr_quantize_row(x + m * K, K, codes + m * K, scales + m * nb, sums + m * nb);
         for (int64_t b = 0; b < nb; b++) scaled_sums[m * nb + b] = scales[m * nb + b] * (float)sums[m * nb + b];
     }
-    const int64_t tiles = (N + 7) / 8;  /* work items of 8 weight rows: the AVX-512 tile's */
+    /* Work items of 8 weight rows, the AVX-512 tile's; 4 for one row of Q8_0 (a tied LM
+     * head's decode), which read the default model's head (28 MiB, streamed from memory,
+     * 2 Zen 4 cores) in 0.84-0.93 ms so against 1.27-1.45 ms in items of 8. */
+    const int64_t item = type == Q8_0 && M == 1 ? 4 : 8, tiles = (N + item - 1) / item;
     if (tiles < 8 * threads) threads = tiles >= 8 ? (int)(tiles / 8) : 1;  /* a few tiles a thread */
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t t = 0; t < tiles; t++) {
-        const int64_t n0 = t * 8, n1 = n0 + 8 < N ? n0 + 8 : N;
+        const int64_t n0 = t * item, n1 = n0 + item < N ? n0 + item : N;
         hr_rows(type, w, K, codes, scales, sums, scaled_sums, M, n0, n1, y, ldy, scalar);
     }
     return 0;

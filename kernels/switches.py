@@ -59,9 +59,10 @@ class KernelSwitches:
     cpu_block_gemm: bool = _switch(
         True,
         "On a CPU with AVX-512, GGUF Q4_0/Q4_1/Q8_0 products of any number of rows on the "
-        "C block GEMM (kernels/cpu/block_gemm.c), prefill included. Off: the AVX2 tile, and "
-        "from 64 rows the weights dequantized to float32 for torch's GEMM (as on a CPU "
-        "without AVX-512), to compare.",
+        "C block GEMM (kernels/cpu/block_gemm.c), prefill included, and Q4_K/Q5_K/Q6_K ones "
+        "(CPU experts too) on its K-quant tile (kernels/cpu/kquant_gemm.c). Off: the AVX2 "
+        "tile, from 64 rows the weights dequantized to float32 for torch's GEMM (as on a CPU "
+        "without AVX-512), and the K-quants' AVX2 row product, to compare.",
     )
     quant_repack: bool = _switch(
         True,

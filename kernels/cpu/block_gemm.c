@@ -22,20 +22,12 @@
 #include <stdlib.h>
 
 #include "blocks.h"
+#include "tile512.h"
 
 #ifdef HR_AVX512
 /* A tile: HR_G groups of 4 weight rows times up to HR_MT activation rows (2 x 6 was the
  * fastest of 2 x 4, 2 x 6, 1 x 8 and 1 x 12 on 2 Zen 4 cores, by 4-8% at 16-512 rows). */
 enum { HR_G = 2, HR_MT = 6 };
-
-/* acc + the pairwise products of a and b (int16 lanes), in int32 lanes. */
-static inline __m512i dot_acc(__m512i acc, __m512i a, __m512i b) {
-#ifdef __AVX512VNNI__
-    return _mm512_dpwssd_epi32(acc, a, b);
-#else
-    return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
-#endif
-}
 
 /* Block b of 4 weight rows (row_bytes apart) as 4 registers: q[c] holds weights 8c to
  * 8c + 7 of row r in 128-bit lane r, int16 (Q4_0's codes less 8). */
@@ -100,15 +92,6 @@ typedef struct {
     __m512 d, m;
 } widened;
 
-/* The next tile's bytes fetched ahead by hand, a few lines a block: the tile reads its
- * rows block by block, an order the hardware prefetcher does not follow. */
-static inline __attribute__((always_inline)) void prefetch_next(const uint8_t *next, int64_t bytes, int64_t nb,
-                                                                int64_t b) {
-    const int64_t lines = (bytes + 63) / 64, per_block = (lines + nb - 1) / nb;
-    for (int64_t l = b * per_block; l < (b + 1) * per_block && l < lines; l++)
-        _mm_prefetch((const char *)next + l * 64, _MM_HINT_T0);
-}
-
 /* y[i * ldy + r] for G * 4 weight rows r (w, row_bytes apart) and MT activation rows i
  * (codes K apart; dx, dxs nb apart). G and MT are constants at each call (always
  * inlined), so the G * MT accumulators stay in registers. pre: the rows' blocks already
@@ -137,28 +120,19 @@ static inline __attribute__((always_inline)) void tile512(int type, const uint8_
         }
         if (!pre) prefetch_next(w + 4 * G * row_bytes, 4 * G * row_bytes, nb, b);
         for (int i = 0; i < MT; i++) {
-            const int16_t *c = codes + i * K + b * 32;
             __m512i a[4];
-            for (int k = 0; k < 4; k++) a[k] = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(c + 8 * k)));
+            broadcast32(codes + i * K + b * 32, a);
             const __m512 sx = _mm512_set1_ps(dx[i * nb + b]);
             for (int g = 0; g < G; g++) {
-                __m512i p = _mm512_madd_epi16(q[g][0], a[0]);
-                p = dot_acc(p, q[g][1], a[1]);
-                p = dot_acc(p, q[g][2], a[2]);
-                p = dot_acc(p, q[g][3], a[3]);
+                const __m512i p = dot32(q[g], a);
                 acc[g][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(d[g], sx), acc[g][i]);
                 if (type == Q4_1) acc[g][i] = _mm512_fmadd_ps(m[g], _mm512_set1_ps(dxs[i * nb + b]), acc[g][i]);
             }
         }
     }
     /* Each row's 4 lanes summed: lane 4r then holds row r's output. */
-    const __m512i firsts = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0);
     for (int g = 0; g < G; g++)
-        for (int i = 0; i < MT; i++) {
-            __m512 s = _mm512_add_ps(acc[g][i], _mm512_permute_ps(acc[g][i], 0xB1));
-            s = _mm512_add_ps(s, _mm512_permute_ps(s, 0x4E));
-            _mm_storeu_ps(y + i * ldy + 4 * g, _mm512_castps512_ps128(_mm512_permutexvar_ps(firsts, s)));
-        }
+        for (int i = 0; i < MT; i++) store_rows4(acc[g][i], y + i * ldy + 4 * g);
 }
 
 /* MT = 1 to HR_MT activation rows at a constant G. */

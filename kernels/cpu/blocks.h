@@ -14,7 +14,7 @@
 #include <immintrin.h>
 #define HR_AVX2 1
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-#define HR_AVX512 1  /* block_gemm.c's tile */
+#define HR_AVX512 1  /* the tiles of block_gemm.c and kquant_gemm.c */
 #endif
 #endif
 
@@ -82,6 +82,9 @@ void hr_legacy_rows(int type, const uint8_t *w, int64_t K, const int16_t *codes,
 /* hr_legacy_rows' AVX-512 tile (block_gemm.c): rows n0 up to the returned row (n0 plus
  * a multiple of 4, at most n1) done, the rest left to the caller. */
 int64_t hr_legacy_rows512(int type, const uint8_t *w, int64_t K, const int16_t *codes, const float *dx,
+                          const float *dxs, int64_t M, int64_t n0, int64_t n1, float *y, int64_t ldy);
+/* hr_kquant_rows' AVX-512 tile (kquant_gemm.c), as hr_legacy_rows512 for Q4_K/Q5_K/Q6_K. */
+int64_t hr_kquant_rows512(int type, const uint8_t *w, int64_t K, const int16_t *codes, const float *dx,
                           const float *dxs, int64_t M, int64_t n0, int64_t n1, float *y, int64_t ldy);
 void hr_kquant_rows(int type, const uint8_t *w, int64_t K, const int16_t *codes, const float *dx,
                     const float *dxs, int64_t M, int64_t n0, int64_t n1, float *y, int64_t ldy, int scalar);

@@ -1,5 +1,6 @@
-"""Build the CPU kernels (``block_gemv.c``, ``block_gemm.c``, ``kquant.c``, ``mxfp4.c``, ``moe_experts.c``,
-``decode_layer.c``, sharing ``blocks.h``) at first use and load them.
+"""Build the CPU kernels (``block_gemv.c``, ``block_gemm.c``, ``kquant.c``, ``kquant_gemm.c``,
+``mxfp4.c``, ``moe_experts.c``, ``decode_layer.c``, sharing ``blocks.h`` and ``tile512.h``)
+at first use and load them.
 
 The C sources are compiled by the machine's C compiler (``$CC``, else ``cc``, ``gcc`` or
 ``clang`` on the PATH) for the machine itself (``-march=native``: AVX2 or AVX-512 where
@@ -36,8 +37,8 @@ from kernels.switches import current
 
 log = logging.getLogger("headroom.kernels")
 
-SOURCES = ("block_gemv.c", "block_gemm.c", "kquant.c", "mxfp4.c", "moe_experts.c", "decode_layer.c")
-HEADERS = ("blocks.h",)
+SOURCES = ("block_gemv.c", "block_gemm.c", "kquant.c", "kquant_gemm.c", "mxfp4.c", "moe_experts.c", "decode_layer.c")
+HEADERS = ("blocks.h", "tile512.h")
 _HERE = Path(__file__).resolve().parent
 _why_not: list[str] = []
 # What :func:`why_not` says when the ``cpu_kernels`` switch is off.

@@ -22,10 +22,12 @@
  *     dx_b * d * (u . c_b) - dmin * m_j * dx_b * s_b,   u = sc_j q  (Q6_K: sc_k (q - 32))
  *
  * with u . c_b exact in int32 (|u| <= 4096, |c| <= 32767, 32 terms: below 2**31), and the
- * sum over sub-blocks accumulated in float32. Plain C and AVX2 builds of the same
- * arithmetic (vpdpwssd on 256-bit lanes where AVX512-VNNI has it), chosen by the
- * compiler's target; the plain C one is also called on any machine (scalar = 1) so the
- * tests check the vector one against it.
+ * sum over sub-blocks accumulated in float32. Three builds of the same arithmetic, chosen
+ * by the compiler's target: AVX-512 BW (the register-blocked tile of kquant_gemm.c over
+ * whole groups of 4 weight rows; the AVX2 loop below takes the rest), AVX2 (one weight
+ * row at a time, vpdpwssd on 256-bit lanes where AVX512-VNNI has it; an AVX-512 build
+ * keeps it for HR_PATH_AVX2) and plain C, also called on any machine (scalar = HR_PATH_C)
+ * so the tests check the vector ones against it.
  */
 #include <stdint.h>
 #include <string.h>
@@ -192,6 +194,9 @@ static inline __attribute__((always_inline)) void row_avx2_types(int type, const
 
 void hr_kquant_rows(int type, const uint8_t *w, int64_t K, const int16_t *codes, const float *dx,
                     const float *dxs, int64_t M, int64_t n0, int64_t n1, float *y, int64_t ldy, int scalar) {
+#ifdef HR_AVX512
+    if (scalar == HR_PATH_BEST) n0 = hr_kquant_rows512(type, w, K, codes, dx, dxs, M, n0, n1, y, ldy);
+#endif
 #ifdef HR_AVX2
     if (scalar != HR_PATH_C) {
         const int64_t nsb = K / 256, nb = K / 32, row_bytes = nsb * hr_block_bytes(type);

@@ -3,11 +3,14 @@
 float32 for torch's GEMM), in one process, the two alternating, medians:
 
     python -m engine.bench.cpu_block_gemm --rows 1 16 128 512 --engine
+    python -m engine.bench.cpu_block_gemm --rows --kquant-rows 1 4 16
 
 The kernel alone at the default model's shapes (SmolLM2-135M: q/k/v, o, gate/up, down of
 Q4_1 blocks, the tied head's Q8_0), through ``CpuBlockLinear`` as the engine calls it;
 with ``--engine``, the default model's prefill and decode tokens/s (``engine_speed``) at
-each ``--cases`` entry ``BATCHxPROMPTxNEW``. A shared machine moves absolute figures;
+each ``--cases`` entry ``BATCHxPROMPTxNEW``; with ``--kquant-rows``, the K-quant tile
+(``kernels/cpu/kquant_gemm.c``) against the AVX2 row product at a 30B-A3B's expert
+shapes and two 8B projections, with GB/s of blocks read. A shared machine moves absolute figures;
 the ratios of alternating runs are what to read.
 """
 
@@ -65,6 +68,34 @@ def kernel_rows(lib, rows: list[int], rounds: int) -> None:
                   f"({off / on:.2f}x)", flush=True)
 
 
+# K-quant projections: a 30B-A3B's experts (Qwen3-30B-A3B: hidden 2048, width 768; a
+# Q4_K_M file's Q4_K gate/up and Q6_K or Q4_K down) and an 8B's attention and MLP.
+KQUANT_SHAPES = (("expert gate/up", "Q4_K", 768, 2048), ("expert down", "Q6_K", 2048, 768),
+                 ("expert down", "Q4_K", 2048, 768), ("proj", "Q4_K", 4096, 4096), ("mlp", "Q4_K", 14336, 4096))
+
+
+def kquant_rows(lib, rows: list[int], rounds: int, experts: int) -> None:
+    """Print microseconds and GB/s of blocks read, off (the AVX2 row product) and on
+    (kquant_gemm.c's tile), at each K-quant shape and row count; the expert shapes as
+    ``experts`` distinct matrices one after another, as a MoE step reads them."""
+    from kernels.cpu.block_gemv import block_gemv
+
+    rng = np.random.default_rng(0)
+    for name, type_name, n, k in KQUANT_SHAPES:
+        count = experts if name.startswith("expert") else 1
+        mats = [torch.from_numpy(random_blocks(type_name, n, k, rng)) for _ in range(count)]
+        nbytes = sum(w.numel() for w in mats)
+        for m in rows:
+            x = torch.randn(m, k)
+            run = _timed(lambda: [block_gemv(lib, x, w, type_name) for w in mats], max(2, 200_000_000 // (nbytes * m)))
+            run()  # warm
+            got = alternate(run, rounds)
+            off, on = (statistics.median(got[s]) for s in (False, True))
+            print(f"{name:15s} {count} x {type_name} {n:5d} x {k:4d}, {m:2d} rows: {off * 1e6:8.1f} us -> "
+                  f"{on * 1e6:8.1f} us ({off / on:.2f}x); {nbytes / off / 1e9:5.1f} -> {nbytes / on / 1e9:5.1f} GB/s",
+                  flush=True)
+
+
 def engine_cases(cases: list[tuple[int, int, int]], rounds: int) -> None:
     """Print the default model's prefill and decode tokens/s, off and on, at each case."""
     from engine.bench.speed import engine_speed
@@ -93,6 +124,9 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="*", default=[1, 16, 128, 512], help="activation rows")
     parser.add_argument("--rounds", type=int, default=5, help="runs of each side, alternating")
     parser.add_argument("--engine", action="store_true", help="also the default model's tokens/s")
+    parser.add_argument("--kquant-rows", type=int, nargs="*", default=[],
+                        help="activation rows at the K-quant shapes (30B-A3B experts, 4096 x 4096, 14336 x 4096)")
+    parser.add_argument("--experts", type=int, default=8, help="distinct experts a K-quant expert shape reads")
     parser.add_argument("--cases", default="1x128x64,16x128x32,1x512x16", help="BATCHxPROMPTxNEW, comma-separated")
     args = parser.parse_args()
 
@@ -107,6 +141,8 @@ def main() -> None:
     print(f"{torch.get_num_threads()} threads; off: the AVX2 tile (float32 GEMM from 64 rows), on: the block GEMM")
     if args.rows:
         kernel_rows(lib, args.rows, args.rounds)
+    if args.kquant_rows:
+        kquant_rows(lib, args.kquant_rows, args.rounds, args.experts)
     if args.engine:
         engine_cases([tuple(int(v) for v in c.split("x")) for c in args.cases.split(",")], args.rounds)
 

@@ -3,6 +3,7 @@
 they replace (each expert's blocks dequantized by ``gguf``, then two float32 GEMMs).
 
     python -m engine.bench.cpu_experts --tokens 1 4 --threads 2
+    python -m engine.bench.cpu_experts --tokens 1 4 --no-torch --ab 15
 
 Random blocks of Qwen3-30B-A3B's shape by default (H=2048, I=768, 128 experts, top-8,
 Q4_K gate/up, Q6_K down: a Q4_K_M file's types); each token routes to ``--top-k``
@@ -49,6 +50,25 @@ def _torch_step(x, tokens, ids, weights, gate, up, down, types) -> None:
         out.index_add_(0, sel, y * weights[sel, ks, None])
 
 
+def _ab(step, rounds: int, t: int, read: int) -> None:
+    """Print the step's median ms and GB/s with the ``cpu_block_gemm`` switch off and on."""
+    import statistics
+    import time
+
+    from engine.bench.cpu_block_gemm import alternate
+
+    def timed() -> float:
+        t0 = time.perf_counter()
+        step()
+        return time.perf_counter() - t0
+
+    step()
+    got = alternate(timed, rounds)
+    off, on = (statistics.median(got[s]) for s in (False, True))
+    print(f"  {t} token(s), C kernels off -> on: {off * 1e3:8.2f} -> {on * 1e3:8.2f} ms a step ({off / on:.2f}x), "
+          f"{read / off / 1e9:6.2f} -> {read / on / 1e9:6.2f} GB/s of blocks")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4])
@@ -60,6 +80,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="default: the cores this process may use")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-torch", action="store_true", help="skip the torch dequantizing path")
+    parser.add_argument("--ab", type=int, default=0, metavar="ROUNDS",
+                        help="also the C kernels with the cpu_block_gemm switch off and on, alternating, "
+                             "ROUNDS each, medians (the K-quant AVX-512 tile against the AVX2 row product)")
     args = parser.parse_args()
 
     from engine.layers.linear.cpu_kernels import cpu_kernels
@@ -89,6 +112,8 @@ def main() -> None:
         rows = {"C kernels": lambda step=step: _c_step(lib, threads, *step)}
         if not args.no_torch:
             rows["torch dequantize"] = lambda step=step: _torch_step(*step)
+        if args.ab:
+            _ab(rows["C kernels"], args.ab, t, read)
         for name, fn in rows.items():
             fn()  # first touch
             s = best_time(fn, args.repeats)

@@ -221,6 +221,8 @@ export interface MemoryPlan {
   expert_slot_bytes: number;
   tensor_parallel_size: number;
   kv_heads: number;
+  cpu_layers: number;
+  split_note: string;
 }
 
 /**

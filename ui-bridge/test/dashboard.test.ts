@@ -42,6 +42,8 @@ describe("dashboard", () => {
       expert_slot_bytes: 0,
       tensor_parallel_size: 1,
       kv_heads: 3,
+      cpu_layers: 0,
+      split_note: "",
     };
     expect(planSummary(plan)).toBe(
       "NVIDIA RTX 4060: 216 pages × 16 tokens, max context 3456 tokens — context 8,192 -> 3,456 tokens: 1.10 GiB held by other processes",

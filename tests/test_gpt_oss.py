@@ -199,11 +199,10 @@ def test_mxfp4_experts_load_dequantized_as_transformers_dequantizes_them(tmp_pat
     dequantize to transformers' dequantization of the same blocks, and decodes as that
     model does; a model built with dense experts gets them dequantized at load."""
     import json
+    from dataclasses import replace
 
     from safetensors.torch import save_file
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
-
-    from dataclasses import replace
 
     from engine.layers.moe.quant_experts import QuantExperts
     from engine.loader.hf_config import load_model_config

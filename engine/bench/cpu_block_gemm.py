@@ -62,7 +62,7 @@ def kernel_rows(lib, rows: list[int], rounds: int) -> None:
         for m in rows:
             x = torch.randn(m, k)
             linear(x)  # warm
-            got = alternate(_timed(lambda: linear(x), max(2, 2_000_000 // (n * m))), rounds)
+            got = alternate(_timed(lambda linear=linear, x=x: linear(x), max(2, 2_000_000 // (n * m))), rounds)
             off, on = (statistics.median(got[s]) * 1e6 for s in (False, True))
             print(f"{name:8s} {type_name} {n:5d} x {k:4d}, {m:3d} rows: {off:9.1f} us -> {on:9.1f} us "
                   f"({off / on:.2f}x)", flush=True)
@@ -87,7 +87,7 @@ def kquant_rows(lib, rows: list[int], rounds: int, experts: int) -> None:
         nbytes = sum(w.numel() for w in mats)
         for m in rows:
             x = torch.randn(m, k)
-            run = _timed(lambda: [block_gemv(lib, x, w, type_name) for w in mats], max(2, 200_000_000 // (nbytes * m)))
+            run = _timed(lambda x=x, t=type_name, mats=mats: [block_gemv(lib, x, w, t) for w in mats], max(2, 200_000_000 // (nbytes * m)))
             run()  # warm
             got = alternate(run, rounds)
             off, on = (statistics.median(got[s]) for s in (False, True))
@@ -110,8 +110,8 @@ def engine_cases(cases: list[tuple[int, int, int]], rounds: int) -> None:
     g = torch.Generator().manual_seed(0)
     for batch, prompt, new in cases:
         prompts = [torch.randint(10, engine.vocab_size, (prompt,), generator=g).tolist() for _ in range(batch)]
-        alternate(lambda: engine_speed(engine, prompts, 4), 1)  # warm both
-        got = alternate(lambda: engine_speed(engine, prompts, new, between), rounds)
+        alternate(lambda prompts=prompts: engine_speed(engine, prompts, 4), 1)  # warm both
+        got = alternate(lambda prompts=prompts, new=new: engine_speed(engine, prompts, new, between), rounds)
         pre = [statistics.median(s.prefill_tok_s for s in got[on]) for on in (False, True)]
         dec = [statistics.median(s.decode_tok_s for s in got[on]) for on in (False, True)]
         print(f"{batch:2d} x {prompt} tokens, {new} new: prefill {pre[0]:7.1f} -> {pre[1]:7.1f} tok/s "

@@ -125,7 +125,7 @@ def _compile_and_link(cc: str, openmp: bool, tmp: Path) -> str | None:
     None, or what the compiler said when a step failed."""
     flags = [f for f in _flags(openmp) if f != "-shared"]
     objects = [tmp / (name.removesuffix(".c") + ".o") for name in SOURCES]
-    commands = [[cc, *flags, "-c", str(_HERE / name), "-o", str(obj)] for name, obj in zip(SOURCES, objects)]
+    commands = [[cc, *flags, "-c", str(_HERE / name), "-o", str(obj)] for name, obj in zip(SOURCES, objects, strict=True)]
     with ThreadPoolExecutor(max_workers=max(1, min(len(commands), os.cpu_count() or 1))) as pool:
         results = list(pool.map(_run, commands))
     failed = next((said for said in results if said is not None), None)

@@ -93,8 +93,8 @@ class HostLayers:
 
     def run(self, h: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch,
             num_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layers over one step: ``h`` (the last device layer's MLP output, or the
-        embeddings when every layer is here, then ``residual`` None) and ``residual``, both
+        """The layers over one step: ``h`` (the last device layer's MLP output) and
+        ``residual``, both
         ``[T, hidden]`` on the device in the model's dtype, to the last layer's
         ``(mlp_output, residual)`` in the same place and dtype. ``num_pages``: the device
         pool's pages (the host pool follows it)."""
@@ -136,11 +136,13 @@ def split_model(model: nn.Module, cpu_layers: int, device: torch.device, lib: ct
     sets ``model.host_layers``. ``lib``: the C CPU kernels, or None (torch's).
 
     Raises:
-        ValueError: ``cpu_layers`` outside ``1..num_layers``.
+        ValueError: ``cpu_layers`` outside ``1..num_layers - 1`` (one layer stays on the
+            device, as :func:`engine.core.settings_fit.check_cpu_layers` refuses).
     """
     layers = model.model.layers
-    if not 1 <= cpu_layers <= len(layers):
-        raise ValueError(f"--cpu-layers {cpu_layers}: the model has {len(layers)} decoder layers; use 0-{len(layers)}")
+    if not 1 <= cpu_layers < len(layers):
+        raise ValueError(f"--cpu-layers {cpu_layers}: the model has {len(layers)} decoder layers; "
+                         f"use 0-{len(layers) - 1}")
     start = len(layers) - cpu_layers
     host = list(layers[start:])
     for layer in host:

@@ -147,6 +147,19 @@ def test_plan_on_the_cpu_shows_what_the_engine_holds(default_model_dir):
     table = invoke(["plan", "--device", "cpu"]).stdout
     assert "no plan is fitted on the CPU" in table and "resident only where written" in table
     assert "--device-total SIZE plans the pool for a budget" in table
+    assert "no effect on the CPU" not in table
+
+
+def test_plan_on_the_cpu_says_what_gpu_only_settings_do_there(default_model_dir):
+    """``--cpu-layers`` and ``--device-limit`` shape a GPU's plan only: on the CPU the
+    table says they change nothing there and how to plan for a card instead."""
+    result = invoke(["plan", "--device", "cpu", "--cpu-layers", "3", "--device-limit", "2GiB"])
+    assert result.exit_code == 0, result.output
+    note = result.stdout.splitlines()[-1]
+    assert note.startswith("--cpu-layers 3 and --device-limit 2.00 GiB: no effect on the CPU"), note
+    assert "--device cuda --device-total SIZE" in note
+    got = json.loads(invoke(["plan", "--device", "cpu", "--cpu-layers", "auto", "--json"]).stdout)
+    assert got["gpu_only"] == []
 
 
 def test_plan_that_does_not_fit_exits_1_naming_the_knobs(default_model_dir):
@@ -191,7 +204,7 @@ def test_plan_knobs_move_the_plan(default_model_dir):
     assert base["fits"] and plan["fits"]
     # No display: no automatic reserve.
     no_display = json.loads(
-        invoke(["plan", "--device-total", "6GiB", "--no-display", "--json"]).stdout
+        invoke(["plan", "--device-total", "6GiB", "--no-device-display", "--json"]).stdout
     )
     assert {e["name"]: e["bytes"] for e in no_display["ledger"]}["desktop reserve"] == 0
     short = json.loads(

@@ -134,6 +134,22 @@ class CpuHoldings(msgspec.Struct, frozen=True):
     max_context_tokens: int
     host_total_bytes: int
     host_available_bytes: int | None
+    # Settings given that only shape a GPU's plan, in words (empty when none was).
+    gpu_only: tuple[str, ...] = ()
+
+
+def gpu_only_settings(config: EngineConfig) -> tuple[str, ...]:
+    """The settings in ``config`` that only a GPU's plan uses, as the user gave them
+    (``--cpu-layers N``, ``--device-limit SIZE``): on the CPU every layer already runs on
+    the CPU and host memory has no limit to plan within."""
+    from engine.common.units import fmt_bytes
+
+    given = []
+    if config.cpu_layers not in ("auto", "0"):
+        given.append(f"--cpu-layers {config.cpu_layers}")
+    if config.device_limit is not None:
+        given.append(f"--device-limit {fmt_bytes(config.device_limit)}")
+    return tuple(given)
 
 
 def cpu_holdings(config: EngineConfig) -> CpuHoldings:
@@ -177,7 +193,8 @@ def cpu_holdings(config: EngineConfig) -> CpuHoldings:
         model=model_display_name(model_dir), dtype=str(dtype).removeprefix("torch."), weight_bytes=weights,
         weight_source=source, kv_pool_bytes=pages * per_token * config.page_size, kv_pages=pages,
         page_size=config.page_size, kv_bytes_per_token=per_token, kv_cache_dtype=kv_dtype_name(kv_dtype),
-        max_context_tokens=context, host_total_bytes=total, host_available_bytes=available)
+        max_context_tokens=context, host_total_bytes=total, host_available_bytes=available,
+        gpu_only=gpu_only_settings(config))
 
 
 def render_cpu(h: CpuHoldings, as_json: bool) -> str:
@@ -200,4 +217,7 @@ def render_cpu(h: CpuHoldings, as_json: bool) -> str:
         "plus a step's activations and the runtime (torch); --device-total SIZE plans the pool for a budget "
         "instead",
     ]
+    if h.gpu_only:
+        rows.append(f"{' and '.join(h.gpu_only)}: no effect on the CPU (every layer runs there already; they split or "
+                    "limit a GPU's plan): plan for a card with --device cuda --device-total SIZE")
     return "\n".join(rows)

@@ -297,7 +297,6 @@ def generate(
     *_PLAN_KNOBS,
     "page_size",
     *KERNEL_SWITCHES,
-    renamed={"device_display": "--display"},
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 def plan(config_path: Path | None, as_json: bool, **flags: Any) -> None:

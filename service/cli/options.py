@@ -29,17 +29,16 @@ from service.common.settings_sources import resolve
 Decorator = Callable[[Any], Any]
 
 
-def settings_option(opt: Option, flag: str | None = None, *, show_env: bool = True) -> Decorator:
-    """A click option for one setting of service.common.settings.OPTIONS (``flag`` renames it
-    on the command line; the value still lands under the setting's name), with its
-    environment variable and default in the help."""
+def settings_option(opt: Option, *, show_env: bool = True) -> Decorator:
+    """A click option for one setting of service.common.settings.OPTIONS, under its own flag
+    on every command, with its environment variable and default in the help."""
     default = ", ".join(opt.default) if opt.multiple else opt.default
     shown = "unset" if default in (None, "") else default
     if opt.type is bool:  # unset (None) means the option decides by device: "auto"
         shown = "auto" if default is None else "on" if default else "off"
     env = f"env: {opt.env}; " if show_env else ""
     help_text = f"{opt.help} [{env}default: {shown}]"
-    name = (flag or opt.flag)[2:]
+    name = opt.flag[2:]
     if opt.type is bool:
         return click.option(f"--{name}/--no-{name}", opt.name, default=None, help=help_text)
     return click.option(
@@ -53,14 +52,13 @@ def settings_option(opt: Option, flag: str | None = None, *, show_env: bool = Tr
     )
 
 
-def with_settings(*names: str, renamed: dict[str, str] | None = None) -> Decorator:
-    """Decorate a command with the settings ``names`` (serve's options, same help,
-    environment variables and config keys); ``renamed`` maps a setting to another flag."""
-    renamed = renamed or {}
+def with_settings(*names: str) -> Decorator:
+    """Decorate a command with the settings ``names`` (serve's options: the same flags,
+    help, environment variables and config keys on every command)."""
 
     def wrap(func: Any) -> Any:
         for name in reversed(names):
-            func = settings_option(OPTIONS_BY_NAME[name], renamed.get(name))(func)
+            func = settings_option(OPTIONS_BY_NAME[name])(func)
         return func
 
     return wrap

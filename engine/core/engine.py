@@ -26,6 +26,7 @@ from engine.core.plan_stages import PlanStages
 from engine.core.profile import measure_step_peak
 from engine.core.runner import ModelRunner
 from engine.core.settings_fit import check_for_model
+from engine.core.split_replan import SplitReplan
 from engine.core.startup import (
     device_memory,
     estimated_planner,
@@ -66,12 +67,13 @@ from kernels.attention.kv_store import kv_dtype_name
 log = logging.getLogger("headroom.engine")
 
 
-class Engine(PlanStages, WeightsStage, GrammarWaits, LiveReplan):
+class Engine(PlanStages, WeightsStage, GrammarWaits, LiveReplan, SplitReplan):
     """One model on one device, serving many requests by continuous batching.
 
     Single-threaded: call every method from one thread. The live replans (resize the KV
     pool, set the prefill chunk cap, evict the prefix cache) are
-    :class:`engine.core.live_replan.LiveReplan`'s.
+    :class:`engine.core.live_replan.LiveReplan`'s; moving a split model's boundary
+    (``--cpu-layers auto``) is :class:`engine.core.split_replan.SplitReplan`'s.
 
     Raises (constructor): the loader's ``ModelLoadError`` subclasses for a missing or
     broken model; :class:`PlanDoesNotFit` when the memory plan cannot hold one request

@@ -266,8 +266,10 @@ class LiveReplan:
             before_bytes=before_bytes, after_bytes=self.pool.nbytes, duration_ms=duration_ms,
             max_prefill_tokens=self.scheduler.max_prefill_tokens,
             max_context_tokens=self.max_context_tokens,
-            **{"before_expert_slots": self.expert_cache_slots, "before_expert_bytes": self.expert_cache_bytes, **extra},
+            **{"before_expert_slots": self.expert_cache_slots, "before_expert_bytes": self.expert_cache_bytes,
+               "before_cpu_layers": self.cpu_layers, **extra},
             after_expert_slots=self.expert_cache_slots, after_expert_bytes=self.expert_cache_bytes,
+            after_cpu_layers=self.cpu_layers,
         ))
 
     def _context_limit(self, num_pages: int) -> int:
@@ -275,6 +277,9 @@ class LiveReplan:
         return min(self.info.model_context_tokens, (num_pages - 1) * self.config.page_size)
 
     def _pool_resized(self) -> None:
+        host = getattr(self.model, "host_layers", None)
+        if host is not None:  # --cpu-layers: the host pool's pages follow at once, not at the next step
+            host.follow(self.pool.num_pages)
         self.info = msgspec.structs.replace(
             self.info, num_pages=self.pool.num_pages, kv_cache_bytes=self.pool.nbytes,
             max_context_tokens=self.max_context_tokens,

@@ -37,6 +37,7 @@ from engine.layers.cpu_decode import CpuDecode
 from engine.layers.cpu_pack import pack_linears, pack_model_for_cpu
 from engine.layers.linear.cpu_blocks import CpuBlockLinear
 from engine.layers.linear.cpu_int4 import CpuInt4Linear
+from engine.layers.linear.gguf_blocks import QuantLinear
 
 log = logging.getLogger("headroom.engine")
 
@@ -79,6 +80,10 @@ class HostLayers:
                            num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, dtype=dtype,
                            device="cpu", compute_dtype=torch.float32)
         self.attn = model_attention("torch", self.pool, config, max_batch)
+        # The GGUF projections of these layers as the file holds them, by the layer's
+        # index in the model (file_form), kept where the boundary may move back up
+        # (--cpu-layers auto, engine.layers.split_move); empty otherwise.
+        self.file_forms: dict[int, dict[str, nn.Module]] = {}
 
     def follow(self, num_pages: int) -> None:
         """Make the host pool ``num_pages`` pages (the device pool's count), keeping the
@@ -114,26 +119,38 @@ class HostLayers:
         return hb.to(device, dtype), rb.to(device, dtype)
 
 
-def _dense_to_float32(layer: nn.Module) -> None:
-    """The dense weights of ``layer`` (norms, nn.Linear projections, biases) in float32, as
-    the CPU path holds them; the packed projections keep their layouts (torch's int4
-    layout wants its scales in bfloat16)."""
+def dense_to(layer: nn.Module, dtype: torch.dtype) -> None:
+    """The dense weights of ``layer`` (norms, nn.Linear projections, biases) in ``dtype``
+    (float32 as the CPU path holds them, the model's dtype back on the device); the
+    packed projections keep their layouts (torch's int4 layout wants its scales in
+    bfloat16) and so do the GGUF blocks (uint8)."""
     packed = {id(m) for top in layer.modules() if isinstance(top, CpuBlockLinear | CpuInt4Linear)
               for m in top.modules()}
     for module in layer.modules():
         if id(module) in packed:
             continue
         for name, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
-            if t is not None and t.is_floating_point() and t.dtype != torch.float32:
-                setattr(module, name, nn.Parameter(t.float(), requires_grad=False) if isinstance(t, nn.Parameter)
-                        else t.float())
+            if t is not None and t.is_floating_point() and t.dtype != dtype:
+                setattr(module, name, nn.Parameter(t.to(dtype), requires_grad=False) if isinstance(t, nn.Parameter)
+                        else t.to(dtype))
+
+
+def file_form(layer: nn.Module) -> dict[str, nn.Module]:
+    """The GGUF projections (QuantLinear, in the file's layout, on the CPU) of ``layer``
+    by module name, taken before :func:`~engine.layers.cpu_pack.pack_linears` replaces
+    them: what a layer moved back to the device is made of
+    (:mod:`engine.layers.split_move`). Blocks the C GEMV reads are shared with the packed
+    module (no second copy); other types cost their file bytes again."""
+    return {name: m for name, m in layer.named_modules() if isinstance(m, QuantLinear)}
 
 
 def split_model(model: nn.Module, cpu_layers: int, device: torch.device, lib: ctypes.CDLL | None, *,
-                kv_cache_dtype: str, page_size: int, max_batch: int) -> nn.Module:
+                kv_cache_dtype: str, page_size: int, max_batch: int, keep_file_form: bool = False) -> nn.Module:
     """Keep the last ``cpu_layers`` decoder layers of ``model`` (a dense CausalLM loaded
     into host memory) on the CPU and move the rest to ``device`` (module docstring);
     sets ``model.host_layers``. ``lib``: the C CPU kernels, or None (torch's).
+    ``keep_file_form``: keep the host layers' GGUF projections as the file holds them
+    (:attr:`HostLayers.file_forms`), for a boundary that may move back up.
 
     Raises:
         ValueError: ``cpu_layers`` outside ``1..num_layers - 1`` (one layer stays on the
@@ -145,9 +162,12 @@ def split_model(model: nn.Module, cpu_layers: int, device: torch.device, lib: ct
                          f"use 0-{len(layers) - 1}")
     start = len(layers) - cpu_layers
     host = list(layers[start:])
-    for layer in host:
+    forms = {}
+    for i, layer in enumerate(host, start):
+        if keep_file_form:
+            forms[i] = file_form(layer)
         pack_linears(layer, torch.float32, lib)
-        _dense_to_float32(layer)
+        dense_to(layer, torch.float32)
         layer.self_attn.layer -= start  # its index in the host pool
     cos_sin = model.cos_sin_cache.float().cpu() if model.cos_sin_cache is not None else None
     if device.type == "cpu":
@@ -163,6 +183,7 @@ def split_model(model: nn.Module, cpu_layers: int, device: torch.device, lib: ct
     decode = CpuDecode.build(model, lib, host) if lib is not None else None
     model.host_layers = HostLayers(model.config, host, start, kv_cache_dtype=kv_cache_dtype, page_size=page_size,
                                    cos_sin=cos_sin.contiguous(), cpu_decode=decode, max_batch=max_batch)
+    model.host_layers.file_forms = forms
     log.info("decoder layers %d-%d of %d on the CPU (%s), the rest on %s; decode runs eagerly (no CUDA graphs)",
              start, len(layers) - 1, len(layers), "C decode layer" if decode is not None else "torch layers", device)
     return model

@@ -258,6 +258,7 @@ REPLAN_RESIZE_POOL = "resize_pool"  # the KV pool was shrunk or grown
 REPLAN_PREFILL_CHUNK = "prefill_chunk"  # the engine-wide prefill chunk cap was set
 REPLAN_EVICT_PREFIX_CACHE = "evict_prefix_cache"  # unreferenced prefix-cache pages were freed
 REPLAN_RESIZE_EXPERT_CACHE = "resize_expert_cache"  # the GPU expert cache was shrunk or grown
+REPLAN_MOVE_LAYERS = "move_layers"  # --cpu-layers auto: decoder layers moved between the device and the CPU
 
 
 class PoolChange(msgspec.Struct, frozen=True, kw_only=True):
@@ -302,6 +303,12 @@ class Replanned(PoolChange, frozen=True, tag=True, kw_only=True):
     ``after_expert_bytes``: the GPU expert cache of the routed experts in host memory
     (``--cpu-experts``), slots over all such layers and their device bytes; equal unless
     it was resized (``REPLAN_RESIZE_EXPERT_CACHE``), all 0 without one.
+
+    ``before_cpu_layers`` / ``after_cpu_layers``: the last decoder layers the CPU runs
+    (``--cpu-layers``), equal unless the split moved (``REPLAN_MOVE_LAYERS``);
+    ``moved_bytes`` the device bytes that move gave back (negative: took), weights and
+    KV together; ``plan`` the memory plan after it (the split, its note, the device's
+    fixed and KV bytes now), None for the other actions and an engine without a plan.
     """
 
     action: str
@@ -314,6 +321,10 @@ class Replanned(PoolChange, frozen=True, tag=True, kw_only=True):
     after_expert_slots: int = 0
     before_expert_bytes: int = 0
     after_expert_bytes: int = 0
+    before_cpu_layers: int = 0
+    after_cpu_layers: int = 0
+    moved_bytes: int = 0
+    plan: MemoryPlan | None = None
 
 
 EngineEvent = OomEvent | ReplanWanted | Replanned

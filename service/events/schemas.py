@@ -281,7 +281,8 @@ class PlanPoint(msgspec.Struct, frozen=True, kw_only=True):
     """The sizes a replan moves: the KV pool (bytes and usable pages), the prefill
     chunk cap (tokens), the prefix cache's pages (None when unknown) and the GPU expert
     cache in front of routed experts in host memory (slots over all its layers and
-    their bytes; None when every expert is on the device)."""
+    their bytes; None when every expert is on the device); the last decoder layers the
+    CPU runs (``--cpu-layers``; None when every layer stays on the device)."""
 
     kv_pool_bytes: int
     num_pages: int
@@ -289,13 +290,15 @@ class PlanPoint(msgspec.Struct, frozen=True, kw_only=True):
     prefix_cache_pages: int | None = None
     expert_cache_slots: int | None = None
     expert_cache_bytes: int | None = None
+    cpu_layers: int | None = None
 
 
 class ReplanEvent(EventBase, frozen=True, kw_only=True, tag="replan"):
     """The plan changed while serving. ``action`` names the step (e.g.
     ``lower_chunk_cap``, ``evict_prefix_cache``, ``shrink_expert_cache``,
     ``grow_expert_cache``, ``shrink_kv``, ``grow_kv``, ``set_kv_cache``,
-    ``set_expert_cache``); ``reason`` says why for people; ``duration_s`` how long it took.
+    ``set_expert_cache``, ``move_layers_to_cpu``, ``move_layers_to_device``); ``reason``
+    says why for people; ``duration_s`` how long it took.
     """
 
     action: str

@@ -26,11 +26,12 @@ from typing import Any
 
 import msgspec
 
-from engine.common.units import SIZE_UNITS
+from engine.common.units import SIZE_UNITS, fmt_bytes
 from engine.wire.messages import (
     BY_CONTROL,
     OOM_FAILED,
     REPLAN_EVICT_PREFIX_CACHE,
+    REPLAN_MOVE_LAYERS,
     REPLAN_PREFILL_CHUNK,
     REPLAN_RESIZE_EXPERT_CACHE,
     REPLAN_RESIZE_POOL,
@@ -86,7 +87,7 @@ def info_after(info: EngineInfo, event: EngineEvent) -> EngineInfo:
     """``info`` with the limits ``event`` changed; ``info`` itself (the same object)
     when it changed none."""
     if isinstance(event, Replanned):
-        plan = info.plan
+        plan = info.plan if event.plan is None else event.plan  # a split's move carries the plan after it
         if plan is not None and event.max_context_tokens != info.max_context_tokens:
             plan = plan.after_resize(max(event.after_pages - 1, 0), event.after_bytes, event.max_context_tokens,
                                      event.reason)
@@ -232,6 +233,8 @@ class EngineEventsToUI:
         grew back after fit-the-card lowered it, or shrank below it): the plan with the
         new pool and context, its note saying so."""
         info = self.supervisor.info if self.supervisor is not None else None
+        if event.plan is not None:  # a split's move: the plan with the split now
+            return PlanEvent(plan=event.plan)
         if info is None or info.plan is None or event.max_context_tokens == info.max_context_tokens:
             return None
         plan = info.plan.after_resize(max(event.after_pages - 1, 0), event.after_bytes, event.max_context_tokens,
@@ -264,6 +267,10 @@ class EngineEventsToUI:
             else:
                 action = "shrink_expert_cache" if event.after_expert_slots < event.before_expert_slots else "grow_expert_cache"
             cached_after = cached
+        elif event.action == REPLAN_MOVE_LAYERS:
+            down = event.after_cpu_layers > event.before_cpu_layers
+            action = "move_layers_to_cpu" if down else "move_layers_to_device"
+            cached_after = cached
         else:
             action = event.action
         before = PlanPoint(
@@ -272,6 +279,7 @@ class EngineEventsToUI:
             max_prefill_tokens=chunk_before,
             prefix_cache_pages=cached,
             **_expert_cache(event.before_expert_slots, event.before_expert_bytes, event),
+            **_split(event.before_cpu_layers, event),
         )
         after = PlanPoint(
             kv_pool_bytes=event.after_bytes,
@@ -279,10 +287,15 @@ class EngineEventsToUI:
             max_prefill_tokens=event.max_prefill_tokens,
             prefix_cache_pages=cached_after,
             **_expert_cache(event.after_expert_slots, event.after_expert_bytes, event),
+            **_split(event.after_cpu_layers, event),
         )
         details = []
         if event.evicted_pages and event.action != REPLAN_EVICT_PREFIX_CACHE:
             details.append(f"{event.evicted_pages} prefix-cache pages evicted")
+        if event.action == REPLAN_MOVE_LAYERS:
+            details.append(f"{abs(event.after_cpu_layers - event.before_cpu_layers)} decoder layers moved, "
+                           f"{fmt_bytes(abs(event.moved_bytes))} of device memory "
+                           + ("given back" if event.moved_bytes >= 0 else "taken"))
         if event.relocated_pages:
             details.append(f"{event.relocated_pages} pages moved")
         if event.preempted:
@@ -305,3 +318,9 @@ def _expert_cache(slots: int, nbytes: int, event: Replanned) -> dict[str, int]:
     has_cache = (event.before_expert_slots or event.after_expert_slots
                  or event.before_expert_bytes or event.after_expert_bytes)
     return {"expert_cache_slots": slots, "expert_cache_bytes": nbytes} if has_cache else {}
+
+
+def _split(cpu_layers: int, event: Replanned) -> dict[str, int]:
+    """A :class:`PlanPoint`'s ``cpu_layers`` from a ``Replanned``'s figures; none (left
+    null) for an engine that runs every layer on the device throughout."""
+    return {"cpu_layers": cpu_layers} if event.before_cpu_layers or event.after_cpu_layers else {}

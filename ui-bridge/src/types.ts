@@ -240,7 +240,8 @@ export interface PlanEvent {
  * The sizes a replan moves: the KV pool (bytes and usable pages), the prefill
  * chunk cap (tokens), the prefix cache's pages (None when unknown) and the GPU expert
  * cache in front of routed experts in host memory (slots over all its layers and
- * their bytes; None when every expert is on the device).
+ * their bytes; None when every expert is on the device); the last decoder layers the
+ * CPU runs (`--cpu-layers`; None when every layer stays on the device).
  */
 export interface PlanPoint {
   kv_pool_bytes: number;
@@ -249,13 +250,15 @@ export interface PlanPoint {
   prefix_cache_pages: number | null;
   expert_cache_slots: number | null;
   expert_cache_bytes: number | null;
+  cpu_layers: number | null;
 }
 
 /**
  * The plan changed while serving. `action` names the step (e.g.
  * `lower_chunk_cap`, `evict_prefix_cache`, `shrink_expert_cache`,
  * `grow_expert_cache`, `shrink_kv`, `grow_kv`, `set_kv_cache`,
- * `set_expert_cache`); `reason` says why for people; `duration_s` how long it took.
+ * `set_expert_cache`, `move_layers_to_cpu`, `move_layers_to_device`); `reason`
+ * says why for people; `duration_s` how long it took.
  */
 export interface ReplanEvent {
   type: "replan";

@@ -43,6 +43,11 @@ class ForwardBatch:
             backends that plan on the host), else None.
         state_slots: ``[B]`` int64 on the CPU, each sequence's slot in the state pool of
             a hybrid linear-attention model; None for other models.
+        ring_page_table, ring_out_slots: the sliding-window layers' page table
+            (``[B, max_pages]`` int64, each logical page's ring page) and write slots
+            (``[T]`` int64) when those layers keep only their window
+            (:mod:`engine.kvcache.ring`); None otherwise. Read them through
+            :meth:`page_table_for` and :meth:`out_slots_for`.
     """
 
     is_decode: bool
@@ -60,6 +65,35 @@ class ForwardBatch:
     page_table_cpu: torch.Tensor | None = None
     sample_rows: torch.Tensor | None = None
     state_slots: torch.Tensor | None = None
+    ring_page_table: torch.Tensor | None = None
+    ring_out_slots: torch.Tensor | None = None
+
+    def page_table_for(self, ring: bool) -> torch.Tensor:
+        """The page table a layer reads: the ring's for a ring layer (``ring``), else
+        :attr:`page_table`.
+
+        Raises:
+            ValueError: a ring layer, but the batch carries no ring page table (it was
+                built without the requests' rings).
+        """
+        if not ring:
+            return self.page_table
+        if self.ring_page_table is None:
+            raise ValueError("a sliding-window layer keeps only its window, but this batch has no ring page table; "
+                             "build it from the scheduler's requests (engine.core.step_inputs)")
+        return self.ring_page_table
+
+    def out_slots_for(self, ring: bool) -> torch.Tensor:
+        """The slots a layer writes the step's keys and values to: the ring's for a ring
+        layer (``ring``), else :attr:`out_slots`.
+
+        Raises:
+            ValueError: as :meth:`page_table_for`.
+        """
+        if not ring:
+            return self.out_slots
+        self.page_table_for(True)
+        return self.ring_out_slots
 
     def device_meta(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(seq_lens, prefix_lens, extend_lens, extend_starts)`` on the model's device,

@@ -40,6 +40,7 @@ from engine.core.weights_stage import WeightsStage
 from engine.kvcache.allocator import PageAllocator
 from engine.kvcache.pool import kv_storage_dtype
 from engine.kvcache.radix import RadixCache
+from engine.kvcache.ring import RingPages
 from engine.kvcache.state_pool import StatePool
 from engine.layers.attention.registry import resolve_backend_name
 from engine.layers.moe.offload import resize_cache
@@ -188,9 +189,17 @@ class Engine(PlanStages, WeightsStage, GrammarWaits, LiveReplan, SplitReplan):
             self.states = StatePool(mc, self.knobs.max_running_requests, self.dtype, self.device,
                                     checkpoints=self.knobs.state_checkpoints)
             self.model.bind_states(self.states)
+        # Sliding-window layers that keep only their window: one ring of pages per running
+        # request (engine.kvcache.ring), and no prefix cache: a cached prefix would need
+        # those layers' keys of the window before its end, which no ring keeps.
+        ring = self._kv_ring
+        self.ring = None if ring is None else RingPages(ring, self.pool.ring_pages)
+        if ring is not None and config.prefix_cache:
+            log.info("prefix cache off: %d sliding-window layers keep only their window of %d tokens "
+                     "(--no-sliding-kv-ring keeps every token and the prefix cache)", len(ring.layers), ring.window)
         self.radix = (RadixCache(self.allocator, config.page_size,
                                  release_state=None if self.states is None else self.states.free_checkpoint)
-                      if config.prefix_cache else None)
+                      if config.prefix_cache and ring is None else None)
         # Scheduler and runner.
         model_ctx = mc.max_position_embeddings
         if config.max_model_len is not None:
@@ -203,6 +212,7 @@ class Engine(PlanStages, WeightsStage, GrammarWaits, LiveReplan, SplitReplan):
             self.allocator,
             self.radix,
             self.states,
+            self.ring,
         )
         self.runner = ModelRunner(self.model, self.pool, self.attn, self.device, self.expert_stores)
         if self._use_cuda_graphs:
@@ -236,7 +246,7 @@ class Engine(PlanStages, WeightsStage, GrammarWaits, LiveReplan, SplitReplan):
             max_running_requests=config.max_running_requests,
             plan=self.plan,
             kv_cache_dtype=kv_dtype_name(self.kv_dtype),
-            kv_bytes_per_token=kv_bytes_per_token(mc, self.kv_dtype),
+            kv_bytes_per_token=kv_bytes_per_token(mc, self.kv_dtype, ring),
         )
 
 

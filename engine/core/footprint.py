@@ -12,6 +12,7 @@ import torch
 
 from engine.common.config import ModelConfig
 from engine.kvcache.pool import kv_storage_dtype
+from engine.kvcache.ring import SlidingRing, sliding_ring
 from engine.kvcache.state_pool import state_bytes_per_request
 from engine.loader.weight_size import expert_weight_bytes, layer_weight_bytes, weight_bytes
 from engine.memory.plan import Footprint, PlanKnobs
@@ -35,12 +36,36 @@ def itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def kv_bytes_per_token(mc: ModelConfig, dtype: torch.dtype) -> int:
+def kv_bytes_per_token(mc: ModelConfig, dtype: torch.dtype, ring: SlidingRing | None = None) -> int:
     """Keys and values of one token over the layers with a KV cache, in bytes: what a
     page of the KV pool holds per token, sliding-window layers included (a page holds
-    every layer; see :func:`windowed_kv_bytes` for what those need). A block format
-    (``q8_0``, ``q4_0``) costs its blocks' bytes: 34 or 18 for each 32 values."""
-    return kv_bytes(dtype, mc.kv_elements_per_token)
+    every layer; see :func:`windowed_kv_bytes` for what those need) unless they keep
+    only their window in ``ring`` (:func:`kv_ring`): then the other layers only. A block
+    format (``q8_0``, ``q4_0``) costs its blocks' bytes: 34 or 18 for each 32 values."""
+    if ring is None:
+        return kv_bytes(dtype, mc.kv_elements_per_token)
+    return (mc.num_kv_layers - len(ring.layers)) * _layer_kv_bytes(mc, dtype)
+
+
+def _layer_kv_bytes(mc: ModelConfig, dtype: torch.dtype) -> int:
+    """One token's keys and values in one layer, in bytes: ``2 * Hkv * D * it``."""
+    return 2 * mc.num_kv_heads * kv_bytes(dtype, mc.head_dim)
+
+
+def kv_ring(mc: ModelConfig, knobs: PlanKnobs) -> SlidingRing | None:
+    """The ring in which ``mc``'s sliding-window layers keep only their window
+    (:mod:`engine.kvcache.ring`), sized for ``knobs``' prefill chunk and page; None when
+    they keep every token: no sliding layer, only sliding layers,
+    ``--no-sliding-kv-ring``, or tensor parallelism (whose ranks are sent the global
+    page table only)."""
+    if not knobs.sliding_kv_ring or knobs.tensor_parallel_size > 1:
+        return None
+    return sliding_ring(mc.kv_windows, max_chunk=knobs.max_prefill_tokens, page_size=knobs.page_size)
+
+
+def kv_ring_page_bytes(mc: ModelConfig, dtype: torch.dtype, ring: SlidingRing) -> int:
+    """One page of the ring pool over the sliding layers, keys and values, in bytes."""
+    return len(ring.layers) * ring.page_size * _layer_kv_bytes(mc, dtype)
 
 
 def windowed_kv_bytes(mc: ModelConfig, dtype: torch.dtype, tokens: int) -> int:
@@ -48,19 +73,25 @@ def windowed_kv_bytes(mc: ModelConfig, dtype: torch.dtype, tokens: int) -> int:
     layer keeps only its window, in bytes: ``2 * Hkv * D * it`` per layer and token,
     times ``tokens`` for a global layer and ``min(window, tokens)`` for a sliding one.
     Equal to ``tokens * kv_bytes_per_token`` for a model without sliding layers."""
-    per_layer = 2 * mc.num_kv_heads * kv_bytes(dtype, mc.head_dim)
+    per_layer = _layer_kv_bytes(mc, dtype)
     windows = mc.kv_windows or (0,) * mc.num_kv_layers
     return per_layer * sum(min(w, tokens) if w else tokens for w in windows)
 
 
-def kv_window_note(mc: ModelConfig, dtype: torch.dtype) -> str:
+def kv_window_note(mc: ModelConfig, dtype: torch.dtype, ring: SlidingRing | None = None) -> str:
     """The plan's words on sliding-window layers' KV (empty without them): how many
-    layers slide over how many tokens, and that the pool prices them per token."""
+    layers slide over how many tokens, and how they are priced: in a ring of pages per
+    running request (``ring``, the ledger's line of its own), else per token like the
+    others."""
     sliding = [w for w in mc.kv_windows if w]
     if not sliding:
         return ""
     window = max(sliding)
-    per_layer = 2 * mc.num_kv_heads * kv_bytes(dtype, mc.head_dim)
+    per_layer = _layer_kv_bytes(mc, dtype)
+    if ring is not None:
+        return (f"{mc.num_kv_layers - len(sliding)} of {mc.num_kv_layers} layers per token; the {len(sliding)} that "
+                f"slide over {window:,} tokens keep a ring of {ring.pages} pages per running request "
+                f"({ring.pages * kv_ring_page_bytes(mc, dtype, ring):,} bytes)")
     return (f"{len(sliding)} of {mc.num_kv_layers} layers slide over {window:,} tokens and are priced per token "
             f"like the others (their window alone: {window * len(sliding) * per_layer:,} bytes per request)")
 
@@ -194,13 +225,19 @@ def make_footprint(
     activation, else estimated). ``cuda_graph_bytes`` is what capturing the decode
     step's CUDA graphs took (measured by :meth:`engine.core.cuda_graphs.DecodeGraphs.capture_all`).
     The KV cache is charged in ``knobs.kv_cache_dtype``'s storage dtype
-    (:func:`engine.kvcache.pool.kv_storage_dtype`).
+    (:func:`engine.kvcache.pool.kv_storage_dtype`); sliding-window layers that keep only
+    their window (:func:`kv_ring`) as a ring per running request, the others per token.
     ``weights`` replaces the dense size of ``mc`` in ``dtype`` with what a GGUF loaded
     with its projections in block format takes (:func:`engine.loader.gguf_quant.gguf_weight_size`),
     its routed experts priced per layer as stored (blocks, for the host tier and the
     expert cache too). ``gathers_context`` as in :func:`estimate_activation_bytes`.
     """
     kv_dtype = kv_storage_dtype(knobs.kv_cache_dtype, dtype)
+    ring = kv_ring(mc, knobs)
+
+    def ring_at(k: PlanKnobs) -> SlidingRing:
+        return kv_ring(mc, k) or ring
+
     est_here = estimate_activation_bytes(mc, dtype, knobs, gathers_context=gathers_context)
     if measured_activation_bytes is None:
         peak, source = est_here, "estimated"
@@ -231,8 +268,10 @@ def make_footprint(
         expert_form="GGUF blocks" if weights is not None and weights.experts_in_blocks else "",
         num_experts=mc.num_experts,
         weight_source="exact, from tensor shapes" if weights is None else f"exact, {weights.source}: {weights.mix}",
-        kv_bytes_per_token=kv_bytes_per_token(mc, kv_dtype),
-        kv_window_note=kv_window_note(mc, kv_dtype),
+        kv_bytes_per_token=kv_bytes_per_token(mc, kv_dtype, ring),
+        kv_window_note=kv_window_note(mc, kv_dtype, ring),
+        kv_ring_page_bytes=kv_ring_page_bytes(mc, kv_dtype, ring) if ring is not None else 0,
+        kv_ring_pages=(lambda k: ring_at(k).pool_pages(k.max_running_requests)) if ring is not None else None,
         kv_heads=mc.num_kv_heads,
         kv_cache_dtype=kv_dtype_name(kv_dtype),
         vocab_size=mc.vocab_size,

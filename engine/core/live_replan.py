@@ -51,8 +51,9 @@ class LiveReplan:
 
     @property
     def kv_page_bytes(self) -> int:
-        """Device bytes one KV page costs over all layers, keys and values."""
-        return self.pool.nbytes // self.pool.num_pages
+        """Device bytes one KV page costs over all layers (but a sliding-window ring's,
+        which resizes leave alone), keys and values."""
+        return self.pool.page_bytes
 
     def min_kv_pool_pages(self, context_tokens: int | None = None) -> int:
         """The smallest pool (pages, null page included) that holds one request of

@@ -18,11 +18,12 @@ import torch
 from engine.common.config import ModelConfig
 from engine.common.errors import PlanDoesNotFit
 from engine.core.cuda_graphs import DecodeGraphs
-from engine.core.footprint import kv_bytes_per_token, make_footprint
+from engine.core.footprint import kv_bytes_per_token, kv_ring, make_footprint
 from engine.core.prefill_graphs import PrefillGraphs, backend_plans_on_host
 from engine.core.profile import measure_step_peak, profile_pool_pages
 from engine.core.startup import attention_workspaces
 from engine.kvcache.pool import KVPool
+from engine.kvcache.ring import SlidingRing
 from engine.layers.attention.registry import backend_class, model_attention
 from engine.layers.moe.offload import before_forward, can_capture_decode
 from engine.memory.fixed_pool import unplanned_pages
@@ -52,10 +53,18 @@ class PlanStages:
         """A KV pool of ``num_pages`` pages (the null page included) for this model, in
         the engine's KV dtype on its device: the profile run's small one or the real one."""
         mc = self.model_config
+        ring = self._kv_ring
         # --cpu-layers: the last layers' KV is in their host pool (engine.layers.host_layers).
         return KVPool(num_layers=mc.num_kv_layers - self.cpu_layers, num_pages=num_pages, page_size=self.config.page_size,
                       num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, dtype=self.kv_dtype, device=self.device,
-                      compute_dtype=self.dtype)
+                      compute_dtype=self.dtype, ring_layers=ring.layers if ring else (),
+                      ring_pages=ring.pool_pages(self.knobs.max_running_requests) if ring else 0)
+
+    @property
+    def _kv_ring(self) -> SlidingRing | None:
+        """The ring in which the sliding-window layers keep only their window, at the
+        knobs the plan fitted (:func:`engine.core.footprint.kv_ring`), else None."""
+        return kv_ring(self.model_config, self.knobs)
 
     def _attention(self, pool: KVPool):
         mc = self.model_config
@@ -84,8 +93,10 @@ class PlanStages:
         reference_experts = mc.is_moe and bool(mc.expert_bias or mc.swiglu_limit)
         # Nor with decoder layers on the CPU (--cpu-layers): a step reads the device's rows
         # back to the host mid-forward, so it decodes eagerly (logged at the split).
+        # Nor where sliding-window layers keep only their window: the graphs' static
+        # inputs do not carry the ring's page table yet (engine.kvcache.ring).
         return (self.config.cuda_graphs and self.device.type == "cuda" and self._cuda_graph_max_batch >= 1
-                and not self.cpu_layers
+                and not self.cpu_layers and self._kv_ring is None
                 and not mc.is_hybrid and can_capture_decode(self.expert_stores) and tp_ok and not reference_experts
                 and backend_class(self.attention_backend).supports_cuda_graphs)
 
@@ -239,4 +250,4 @@ class PlanStages:
             return cfg.num_pages
         if self.plan is not None:
             return self.plan.num_pages + 1
-        return unplanned_pages(cfg, mc, kv_bytes_per_token(mc, self.kv_dtype) * cfg.page_size)
+        return unplanned_pages(cfg, mc, kv_bytes_per_token(mc, self.kv_dtype, self._kv_ring) * cfg.page_size)

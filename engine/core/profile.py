@@ -24,11 +24,13 @@ from engine.sampling.state import SamplingState
 from engine.wire.messages import SamplingParams
 
 
-def profile_batch(num_tokens: int, num_seqs: int, context: int, page_size: int, num_pages: int, device) -> ForwardBatch:
+def profile_batch(num_tokens: int, num_seqs: int, context: int, page_size: int, num_pages: int, device,
+                  ring_pages: int = 0) -> ForwardBatch:
     """A worst-case step: ``num_seqs - 1`` decode rows and one prefill chunk of the
     remaining tokens, every sequence ``context`` tokens long after the step. Page tables
     cycle through the ``num_pages - 1`` pages of a small pool: the keys read are
-    garbage, the shapes are real."""
+    garbage, the shapes are real. ``ring_pages``: the sliding layers' ring pool, whose
+    page table cycles through its pages alike (0: no ring)."""
     chunk = num_tokens - (num_seqs - 1)
     extend = [1] * (num_seqs - 1) + [chunk]
     prefix = [context - e for e in extend]
@@ -36,6 +38,8 @@ def profile_batch(num_tokens: int, num_seqs: int, context: int, page_size: int, 
     table = (torch.arange(max_pages) % (num_pages - 1) + 1).repeat(num_seqs, 1)
     positions = torch.cat([torch.arange(p, p + e) for p, e in zip(prefix, extend, strict=True)])
     slots = table[0][positions // page_size] * page_size + positions % page_size
+    ring = (torch.arange(max_pages) % max(ring_pages - 1, 1) + 1).repeat(num_seqs, 1)
+    ring_slots = ring[0][positions // page_size] * page_size + positions % page_size
     return ForwardBatch(
         is_decode=False,
         input_ids=torch.zeros(num_tokens, dtype=torch.int64, device=device),
@@ -45,6 +49,8 @@ def profile_batch(num_tokens: int, num_seqs: int, context: int, page_size: int, 
         prefix_lens=torch.tensor(prefix, dtype=torch.int64),
         extend_lens=torch.tensor(extend, dtype=torch.int64),
         logits_indices=(torch.cumsum(torch.tensor(extend), 0) - 1).to(device),
+        ring_page_table=ring.to(device) if ring_pages else None,
+        ring_out_slots=ring_slots.to(device) if ring_pages else None,
     )
 
 
@@ -88,7 +94,7 @@ def measure_step_peak(
     ctx = min(max_position_embeddings, knobs.max_model_len or max_position_embeddings)
     tokens = min(knobs.max_prefill_tokens, ctx)
     seqs = max(min(knobs.max_running_requests, tokens), 1)
-    batch = profile_batch(tokens, seqs, ctx, pool.page_size, pool.num_pages, device)
+    batch = profile_batch(tokens, seqs, ctx, pool.page_size, pool.num_pages, device, pool.ring_pages)
     vocab = vocab_size or model.config.vocab_size
     bound = None
     if model.config.is_hybrid:

@@ -1,7 +1,8 @@
 """A step's inputs, from the scheduler's plan to device tensors with one copy.
 
 Every integer a step needs (token ids, positions, KV slots, the logits rows, the
-per-sequence lengths and the page table) is written with NumPy into one pinned host
+per-sequence lengths and the page table; the sliding layers' ring table and slots where
+they keep only their window) is written with NumPy into one pinned host
 buffer and copied to one persistent device buffer in a single asynchronous transfer;
 the :class:`ForwardBatch` fields are views into it. No tensor is built from a Python
 list on this path, and nothing waits for the device: the step's one host sync is the
@@ -105,8 +106,12 @@ class StepInputs:
         # rows; the others at their last row when they sample.
         per_item = np.where(scores, ext, samples.astype(np.int64))
         ns = int(per_item.sum())
+        # Sliding-window layers that keep only their window (engine.kvcache.ring): their
+        # page table and slots follow the global ones in the same upload.
+        ring = bool(items[0].req.ring)
         n = 3 * t + ns + 4 * nb + nb * width
-        h = self.staging.host(n)
+        end = n + (t + nb * width if ring else 0)
+        h = self.staging.host(end)
         ids, pos, slots = h[:t], h[t : 2 * t], h[2 * t : 3 * t]
         logits_rows = h[3 * t : 3 * t + ns]
         meta = h[3 * t + ns : 3 * t + ns + 4 * nb].reshape(4, nb)
@@ -136,9 +141,16 @@ class StepInputs:
         else:
             logits_rows[:] = (starts + ext - 1)[samples]
         meta[0], meta[1], meta[2], meta[3] = prefix + ext, prefix, ext, starts
+        if ring:
+            ring_slots, ring_table = h[n : n + t], h[n + t : end].reshape(nb, width)
+            ring_table.fill(0)
+            for b, it in enumerate(items):
+                r = it.req.ring
+                ring_table[b, : len(it.req.pages)] = np.asarray(r)[np.arange(len(it.req.pages)) % len(r)]
+            ring_slots[:] = ring_table[seq, pos // ps] * ps + pos % ps
         table_cpu = torch.from_numpy(table.copy())
-        if self._dev is not None and n > self._dev.numel():
-            self._dev = torch.empty(max(n, 2 * self._dev.numel()), dtype=torch.int64, device=self.device)
+        if self._dev is not None and end > self._dev.numel():
+            self._dev = torch.empty(max(end, 2 * self._dev.numel()), dtype=torch.int64, device=self.device)
         d = self.staging.upload(h, self._dev)
         dmeta = d[3 * t + ns : 3 * t + ns + 4 * nb].view(4, nb)
         return ForwardBatch(
@@ -156,4 +168,6 @@ class StepInputs:
             extend_starts_device=dmeta[3],
             page_table_cpu=table_cpu,
             sample_rows=sample_rows,
+            ring_out_slots=d[n : n + t] if ring else None,
+            ring_page_table=d[n + t : end].view(nb, width) if ring else None,
         )

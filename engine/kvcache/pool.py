@@ -110,9 +110,13 @@ class KVPool:
             :func:`kv_storage_dtype`).
         compute_dtype: what keys and values are written as and read back as (the
             model's dtype); defaults to ``dtype``.
+        ring_layers: layers whose buffers hold ``ring_pages`` pages of the sliding
+            layers' ring pool instead (:mod:`engine.kvcache.ring`); empty: none.
+        ring_pages: the ring pool's pages, the null page included.
 
     Raises:
-        ValueError: ``num_pages < 2`` or ``page_size < 1``.
+        ValueError: ``num_pages < 2`` or ``page_size < 1``; ring layers with
+            ``ring_pages < 2``, out of range, or every layer a ring layer.
     """
 
     def __init__(
@@ -126,7 +130,13 @@ class KVPool:
         dtype: torch.dtype,
         device: torch.device | str,
         compute_dtype: torch.dtype | None = None,
+        ring_layers: Sequence[int] = (),
+        ring_pages: int = 0,
     ) -> None:
+        ring = frozenset(ring_layers)
+        if ring and (ring_pages < 2 or not ring <= set(range(num_layers)) or len(ring) == num_layers):
+            raise ValueError(f"ring layers {sorted(ring)} of {num_layers} with {ring_pages} ring pages: they must be "
+                             f"some of the layers, not all, and the ring pool needs at least 2 pages")
         if num_pages < 2:
             raise ValueError(f"the KV pool needs at least 2 pages (one is the null page), got {num_pages}")
         if page_size < 1:
@@ -139,8 +149,20 @@ class KVPool:
         self.row_width = kv_row_width(dtype, head_dim)  # a buffer's last dimension
         self.compute_dtype = dtype if compute_dtype is None else compute_dtype
         self.device = torch.device(device)
-        self.k_buffers = [self._new_buffer(num_pages, zero_from=0) for _ in range(num_layers)]
-        self.v_buffers = [self._new_buffer(num_pages, zero_from=0) for _ in range(num_layers)]
+        self.ring_layers = ring
+        self.ring_pages = ring_pages if ring else 0
+        sizes = [ring_pages if i in ring else num_pages for i in range(num_layers)]
+        self.k_buffers = [self._new_buffer(n, zero_from=0) for n in sizes]
+        self.v_buffers = [self._new_buffer(n, zero_from=0) for n in sizes]
+
+    @property
+    def _paged(self) -> list[int]:
+        """The layers that are not ring layers: those whose pages resize."""
+        return [i for i in range(len(self.k_buffers)) if i not in self.ring_layers]
+
+    def _paged_buffers(self) -> list[torch.Tensor]:
+        """The keys' and values' buffers of the layers that are not ring layers."""
+        return [b for i in self._paged for b in (self.k_buffers[i], self.v_buffers[i])]
 
     def _new_buffer(self, num_pages: int, *, zero_from: int) -> torch.Tensor:
         """One layer's buffer of ``num_pages`` pages; pages from ``zero_from`` on are zeroed
@@ -172,12 +194,12 @@ class KVPool:
 
         madvise = ctypes.CDLL(None, use_errno=True).madvise
         madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        row = self.k_buffers[0][: self.page_size].nbytes  # one page of one layer's buffer
+        row = self.k_buffers[self._paged[0]][: self.page_size].nbytes  # one page of one layer's buffer
         # Runs of consecutive pages: a page minus its index is constant along a run.
         runs = [(run[0][1], run[-1][1] + 1) for _, group in itertools.groupby(
             enumerate(sorted(set(pages))), key=lambda ip: ip[1] - ip[0]) for run in [list(group)]]
         given = 0
-        for buf in (*self.k_buffers, *self.v_buffers):
+        for buf in self._paged_buffers():
             base, end_of = buf.data_ptr(), buf.data_ptr() + buf.nbytes
             for lo, hi in runs:
                 a = base + lo * row
@@ -196,12 +218,20 @@ class KVPool:
 
     @property
     def num_pages(self) -> int:
-        """Pages in the pool now, the null page included. A runtime property: resizes change it."""
-        return self.k_buffers[0].shape[0] // self.page_size
+        """Pages in the pool now, the null page included (the ring layers' pool apart). A
+        runtime property: resizes change it."""
+        return self.k_buffers[self._paged[0] if self.ring_layers else 0].shape[0] // self.page_size
 
     @property
     def nbytes(self) -> int:
+        """Bytes of every buffer, the ring layers' included."""
         return sum(b.nbytes for b in self.k_buffers) + sum(b.nbytes for b in self.v_buffers)
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes one page costs over the layers that are not ring layers, keys and
+        values: what a resize of one page adds or gives back."""
+        return sum(b.nbytes for b in self._paged_buffers()) // self.num_pages
 
     def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write new tokens' keys and values.
@@ -227,7 +257,7 @@ class KVPool:
         offsets = torch.arange(ps)
         src_slots = (torch.tensor(list(src), dtype=torch.int64)[:, None] * ps + offsets).reshape(-1).to(self.device)
         dst_slots = (torch.tensor(list(dst), dtype=torch.int64)[:, None] * ps + offsets).reshape(-1).to(self.device)
-        for buf in (*self.k_buffers, *self.v_buffers):
+        for buf in self._paged_buffers():
             raw = buf.view(torch.uint8) if is_fp8(buf.dtype) else buf  # no fp8 index ops on the CPU
             raw.index_copy_(0, dst_slots, raw.index_select(0, src_slots))
 
@@ -256,7 +286,7 @@ class KVPool:
         on_cuda = self.device.type == "cuda"
         try:
             for buffers in (self.k_buffers, self.v_buffers):
-                for i in range(len(buffers)):
+                for i in self._paged:
                     new = self._new_buffer(num_pages, zero_from=min(old, num_pages))
                     new[:keep].copy_(buffers[i][:keep])
                     buffers[i] = new  # the old buffer's last reference goes here
@@ -265,6 +295,6 @@ class KVPool:
                         torch.cuda.empty_cache()
         except torch.OutOfMemoryError:
             for buffers in (self.k_buffers, self.v_buffers):
-                for i in range(len(buffers)):
+                for i in self._paged:
                     buffers[i] = buffers[i][:keep]
             raise

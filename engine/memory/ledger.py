@@ -212,9 +212,17 @@ def _ledger_at(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint, host_layer
                                   f"exact, {knobs.max_running_requests} requests + 1 null slot + "
                                   f"{knobs.state_checkpoints} prefix-cache checkpoints x "
                                   f"{fmt_bytes(fp.state_bytes_per_request)}"))
+    # Sliding-window layers that keep only their window: a ring of pages per running
+    # request and the null page (engine.kvcache.ring), whatever the context.
+    ring = fp.kv_ring_page_bytes * fp.kv_ring_pages(knobs) if fp.kv_ring_pages is not None else 0
+    if ring:
+        per_request = (fp.kv_ring_pages(knobs) - 1) // max(knobs.max_running_requests, 1)
+        ledger.append(LedgerEntry("sliding-window KV rings", ring, "-",
+                                  f"exact, {knobs.max_running_requests} requests x {per_request} pages + 1 null page "
+                                  f"of {fmt_bytes(fp.kv_ring_page_bytes)}: each window and a prefill chunk"))
     moved, _ = fp.moved_bytes(cpu_layers)
     fixed = (fp.weight_bytes - moved + fp.runtime_bytes + sum(b for _, b in fp.workspace_bytes) + sampler + activation
-             + fp.cuda_graph_bytes + fp.scratch_bytes + states)
+             + fp.cuda_graph_bytes + fp.scratch_bytes + states + ring)
     # The layers on the CPU keep their KV in the host pool: a device page holds the rest.
     kv_per_token = fp.kv_bytes_per_token * (len(fp.layer_bytes) - cpu_layers) // len(fp.layer_bytes) \
         if cpu_layers else fp.kv_bytes_per_token

@@ -131,6 +131,7 @@ class PlanKnobs:
     cpu_layers: str = EngineConfig.cpu_layers
     tensor_parallel_size: int = EngineConfig.tensor_parallel_size
     prefix_cache: bool = EngineConfig.prefix_cache
+    sliding_kv_ring: bool = EngineConfig.sliding_kv_ring
 
     @property
     def state_checkpoints(self) -> int:
@@ -149,7 +150,8 @@ class PlanKnobs:
 class Footprint:
     """What the model and its components need, in bytes.
 
-    ``kv_bytes_per_token`` covers all layers, keys and values, in the KV cache's
+    ``kv_bytes_per_token`` covers all layers (but those of a sliding-window ring,
+    ``kv_ring_pages``), keys and values, in the KV cache's
     storage dtype ``kv_cache_dtype`` (``--kv-cache-dtype fp8``: one byte per element). ``workspace_bytes`` maps a
     component to fixed memory it declared. ``activation_peak_bytes`` is the transient
     peak of one step at the knobs' maximum chunk and batch; ``activation_source`` says
@@ -197,6 +199,12 @@ class Footprint:
     expert_form: str = ""
     # Sliding-window layers' KV, in words for the ledger's KV line (empty without them).
     kv_window_note: str = ""
+    # Sliding-window layers that keep only their window (engine.kvcache.ring): one ring
+    # page's bytes over those layers, and the ring pool's pages at given knobs (one ring
+    # per running request and the null page); kv_bytes_per_token then covers the other
+    # layers only. 0 and None without a ring.
+    kv_ring_page_bytes: int = 0
+    kv_ring_pages: Callable[[PlanKnobs], int] | None = None
     # A dense model whose last decoder layers may run on the CPU (--cpu-layers): each
     # layer's weights on the device and in host memory (the CPU path's layout), and one
     # token's keys and values of one layer in the host pool; empty for a model that

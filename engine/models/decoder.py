@@ -159,7 +159,7 @@ class Attention(nn.Module):
         head_norm = self.q_norm is not None and not self.qk_norm_whole
         q = rotary_and_store(
             q, k, v, batch.positions, cos_sin_cache,
-            pool.k_buffers[self.layer], pool.v_buffers[self.layer], batch.out_slots,
+            pool.k_buffers[self.layer], pool.v_buffers[self.layer], batch.out_slots_for(self.layer in pool.ring_layers),
             self.q_norm.weight if head_norm else None,
             self.k_norm.weight if head_norm else None,
             self.q_norm.eps if head_norm else 0.0,

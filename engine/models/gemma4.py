@@ -109,7 +109,8 @@ class Gemma4Attention(nn.Module):
             keys = self.k_proj(x).view(t, self.num_kv_heads, d)
             v = self.v_norm(keys if self.v_proj is None else self.v_proj(x).view(t, self.num_kv_heads, d))
             k = _rotate(self.k_norm(keys), cos, sin, d)
-            attn.pool.store(self.kv_index, batch.out_slots, self._pooled(k, True), self._pooled(v, True))
+            slots = batch.out_slots_for(self.kv_index in attn.pool.ring_layers)
+            attn.pool.store(self.kv_index, slots, self._pooled(k, True), self._pooled(v, True))
         out = attn.attend(self._pooled(q, False), self.kv_index, batch)  # [T, H * pool_dim]
         return self.o_proj(out.view(t, self.num_heads, self.pool_dim)[..., :d].reshape(t, -1))
 

@@ -72,7 +72,7 @@ def rotate_and_store(
     cos, sin = cs[:, : rotary_dim // 2], cs[:, rotary_dim // 2 :]
     q = _rotate(q, cos, sin, rotary_dim).contiguous()
     k = _rotate(k, cos, sin, rotary_dim).contiguous()
-    attn.pool.store(layer, batch.out_slots, k, v)
+    attn.pool.store(layer, batch.out_slots_for(layer in attn.pool.ring_layers), k, v)
     return q, k
 
 

@@ -53,6 +53,9 @@ class Request:
     chunk_cap: int | None = None
     # Slot in a hybrid model's state pool while admitted (engine.kvcache.state_pool), else None.
     state_slot: int | None = None
+    # Ring pages of the sliding-window layers while admitted, when they keep only their
+    # window (engine.kvcache.ring): logical page j lives in ring[j % len(ring)]; else empty.
+    ring: list[int] = field(default_factory=list)
     oom_retries: int = 0  # same-size retries after an OOM it faced alone, since its last good step
 
     @property

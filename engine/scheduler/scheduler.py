@@ -18,14 +18,16 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from engine.kvcache.allocator import OutOfPages, PageAllocator
 from engine.kvcache.radix import RadixCache
+from engine.kvcache.ring import RingPages
 from engine.scheduler.prefix_pages import cache_full_pages
 from engine.scheduler.prefix_states import PrefixStates
 from engine.scheduler.request import Phase, Request
+from engine.scheduler.step import StepItem, StepPlan
 from engine.wire.messages import (
     ERROR_INVALID_SCHEMA,
     FINISH_ABORT,
@@ -56,42 +58,6 @@ class SchedulerConfig:
     eos_token_ids: tuple[int, ...] = ()
 
 
-@dataclass
-class StepItem:
-    """One request's share of a step: feed ``all_ids[start:start + num_tokens]``."""
-
-    req: Request
-    start: int
-    num_tokens: int
-    new_pages: list[int]
-    admitted: bool  # went from waiting to running in this step
-
-    @property
-    def samples(self) -> bool:
-        """Whether this chunk reaches the request's last token, so the step samples for it."""
-        return self.start + self.num_tokens == self.req.total_len
-
-    @property
-    def scores(self) -> bool:
-        """Whether this chunk's prompt tokens are scored (the request wants its prompt's
-        logprobs): the step returns logits at all its rows."""
-        return self.req.sampling.prompt_logprobs is not None and self.start < len(self.req.prompt_ids)
-
-
-@dataclass
-class StepPlan:
-    items: list[StepItem] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def is_decode(self) -> bool:
-        return all(it.num_tokens == 1 and not it.admitted and not it.scores for it in self.items)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(it.num_tokens for it in self.items)
-
-
 class Scheduler:
     """Admission, batching, page accounting and prefix caching for one engine.
 
@@ -102,9 +68,18 @@ class Scheduler:
     """
 
     def __init__(self, config: SchedulerConfig, allocator: PageAllocator, radix: RadixCache | None,
-                 states: StatePool | None = None) -> None:
-        """``states``: a hybrid model's state pool; a request holds one of its slots
-        from admission for as long as it holds pages (``Request.state_slot``)."""
+                 states: StatePool | None = None, ring: RingPages | None = None) -> None:
+        """``states``, ``ring``: a hybrid model's state pool, the ring pool of sliding
+        layers that keep only their window (:mod:`engine.kvcache.ring`; no chunk is longer
+        than it was sized for); a request holds a slot, a ring, from admission for as long
+        as it holds pages (``Request.state_slot``, ``Request.ring``).
+
+        Raises:
+            ValueError: a ring with a prefix cache (no ring keeps the keys a cached prefix needs).
+        """
+        if ring is not None and radix is not None:
+            raise ValueError("sliding layers that keep only their window take no prefix cache (radix=None)")
+        self.ring = ring
         self.config = config
         self.states = states
         self.max_prefill_tokens = config.max_prefill_tokens
@@ -246,6 +221,8 @@ class Scheduler:
             n = self.prefix_states.chunk_tokens(req, n)
         if req.sampling.prompt_logprobs is not None and req.kv_len < len(req.prompt_ids):
             n = min(n, SCORED_CHUNK_TOKENS)  # each scored token makes a row of logits
+        if self.ring is not None:
+            n = min(n, self.ring.ring.max_chunk)  # the ring holds the window and one such chunk
         try:
             pages = self._alloc_for(req, req.kv_len + n)
         except OutOfPages:
@@ -258,8 +235,13 @@ class Scheduler:
         return StepItem(req, req.kv_len, n, pages, admitted=admitted)
 
     def _admit(self, req: Request, budget: int) -> StepItem | None:
+        if self.ring is not None:
+            if self.ring.free_rings == 0:
+                return None
+            req.ring = self.ring.take()
         if self.states is not None:
             if self.states.num_free == 0:
+                self._release(req)
                 return None
             req.state_slot = self.states.alloc()
         if self.radix is not None and req.sampling.prompt_logprobs is None:
@@ -391,6 +373,9 @@ class Scheduler:
             self.allocator.free(own)
         if self.radix is not None and req.last_node is not None:
             self.radix.unlock(req.last_node)
+        if req.ring:
+            self.ring.give(req.ring)
+            req.ring = []
         if req.state_slot is not None:
             # Its states describe the tokens of its pages: they go together.
             if self.prefix_states is not None:

@@ -114,7 +114,8 @@ class AttentionBackend(ABC):
 
         Args:
             q: ``[T, num_heads, head_dim]``.
-            k, v: ``[T, num_kv_heads, head_dim]``, written to ``batch.out_slots``.
+            k, v: ``[T, num_kv_heads, head_dim]``, written to ``batch.out_slots`` (a ring
+                layer's to ``batch.ring_out_slots``: :meth:`ForwardBatch.out_slots_for`).
             layer: layer index into the pool.
             kv_stored: the caller already wrote ``k``/``v`` (rotated) into the pool at
                 ``batch.out_slots`` (the model's fused rotary + store kernel); the
@@ -131,7 +132,7 @@ class AttentionBackend(ABC):
             token over its sequence's cached prefix and the new tokens up to itself.
         """
         if not kv_stored:
-            self.pool.store(layer, batch.out_slots, k, v)
+            self.pool.store(layer, batch.out_slots_for(layer in self.pool.ring_layers), k, v)
         if sinks is not None:
             if not self.supports_sinks:
                 raise ValueError(f"the {type(self).__name__} has no attention sinks; use --attention-backend torch")

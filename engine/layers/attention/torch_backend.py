@@ -14,7 +14,9 @@ Sliding-window layers (:meth:`~engine.layers.attention.base.AttentionBackend.use
 gather only their window: a decode row of length ``L`` reads positions
 ``[max(0, L - W), L)``, a prefill chunk from ``max(0, prefix + 1 - W)``, masked so that
 query ``i`` sees ``prefix + i - W < j <= prefix + i``; the pages before a window are
-never read. Soft-capped scores (``softcap``) go through the plain matmul-softmax path
+never read; where the sliding layers keep only their window, those gathers read the
+ring's page table (:meth:`~engine.common.forward_batch.ForwardBatch.page_table_for`).
+Soft-capped scores (``softcap``) go through the plain matmul-softmax path
 (sdpa has no cap), capped before the mask as transformers' eager attention does; so do
 attention sinks (``sinks``: gpt-oss's logit per head, a last column of the softmax
 dropped before the values, as its eager attention computes it).
@@ -85,14 +87,18 @@ class TorchAttentionBackend(AttentionBackend):
         for e in ext[:-1]:
             starts.append(starts[-1] + e)
 
-        def slots_at(b, pos: torch.Tensor) -> torch.Tensor:
+        # The windowed gathers read the sliding layers' ring when they keep only their
+        # window (every windowed layer is then a ring layer, engine.kvcache.ring).
+        window_table = batch.page_table_for(bool(self.pool.ring_layers))
+
+        def slots_at(b, pos: torch.Tensor, table: torch.Tensor = batch.page_table) -> torch.Tensor:
             """Pool slots of positions ``pos`` of row(s) ``b`` (an int, or ``[b, 1]`` rows)."""
-            return batch.page_table[b, pos // ps] * ps + pos % ps
+            return table[b, pos // ps] * ps + pos % ps
 
         def slots_of(b: int, length: int) -> torch.Tensor:
             return slots_at(b, torch.arange(length, device=device))
 
-        self._slots_at = slots_at
+        self._window_slots_at = lambda b, pos: slots_at(b, pos, window_table)
         self._decode: list[_DecodeGroup] = []
         self._prefill: list[_PrefillSeq] = []
         decode_rows = [b for b in range(len(ext)) if ext[b] == 1]
@@ -120,7 +126,7 @@ class TorchAttentionBackend(AttentionBackend):
                 lo = max(0, prefix[b] + 1 - w)
                 k_pos = torch.arange(lo, s, device=device)
                 d = q_pos[:, None] - k_pos[None, :]  # [E, S - lo]
-                seq.windowed[w] = (self._head_rows(slots_at(b, k_pos)), (d >= 0) & (d < w))
+                seq.windowed[w] = (self._head_rows(slots_at(b, k_pos, window_table)), (d >= 0) & (d < w))
             self._prefill.append(seq)
 
     def _head_rows(self, slots: torch.Tensor) -> torch.Tensor:
@@ -150,7 +156,7 @@ class TorchAttentionBackend(AttentionBackend):
             # length but for a row shorter than the window (masked).
             pos = (lens - w).clamp(min=0)[:, None] + torch.arange(min(w, longest), device=device)[None, :]
             idx = torch.tensor(group, device=device)[:, None]
-            out.windowed[w] = (self._head_rows(self._slots_at(idx, pos)), (pos < lens[:, None])[:, None, None, :])
+            out.windowed[w] = (self._head_rows(self._window_slots_at(idx, pos)), (pos < lens[:, None])[:, None, None, :])
         return out
 
     def _sdpa(self, q, k, v, mask, sinks=None, **kwargs) -> torch.Tensor:

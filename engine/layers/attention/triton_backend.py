@@ -68,15 +68,16 @@ class TritonAttentionBackend(AttentionBackend):
         seq_lens, prefix_lens, extend_lens, starts = batch.device_meta()
         ps = self.pool.page_size
         window = self.windows[layer] if self.windows else 0
+        page_table = batch.page_table_for(layer in self.pool.ring_layers)
         q8 = None
         if self._decode:
-            out = self._kernels.paged_decode(q, k_buf, v_buf, batch.page_table, seq_lens, ps, self.scale,
+            out = self._kernels.paged_decode(q, k_buf, v_buf, page_table, seq_lens, ps, self.scale,
                                              workspace=self._workspace, quantize=quantize, window=window,
                                              softcap=self.softcap, sinks=sinks)
             if quantize:
                 out, q8 = out
         else:
-            out = self._kernels.paged_extend(q, k_buf, v_buf, batch.page_table, starts, prefix_lens, extend_lens,
+            out = self._kernels.paged_extend(q, k_buf, v_buf, page_table, starts, prefix_lens, extend_lens,
                                              ps, self.scale, max_extend=self._max_extend, window=window,
                                              softcap=self.softcap, sinks=sinks)
         return out.view(q.shape[0], self.num_heads * self.head_dim), q8

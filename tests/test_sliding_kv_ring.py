@@ -185,3 +185,20 @@ def test_plan_prices_global_layers_per_token_and_sliding_layers_at_their_rings(p
                                                                      max_running_requests=4)))
     assert full.kv_bytes_per_token == 6 * per_layer
     assert tokens > 2.9 * full.num_pages * 4
+
+
+def test_cpu_plan_shows_the_rings(pair):
+    """``headroom plan`` on the CPU: the rings on a row of their own, the KV per token
+    over the global layers."""
+    from engine.commands.plan import cpu_holdings, render_cpu
+    from engine.common.config import EngineConfig
+
+    kind, _, _, config, path = pair
+    if kind != "gemma3":
+        pytest.skip("the prices are checked on Gemma 3's layer mix")
+    per_layer = 2 * config.num_kv_heads * config.head_dim * 4
+    h = cpu_holdings(EngineConfig(model=str(path), device="cpu", page_size=4, max_prefill_tokens=64,
+                                  max_running_requests=4, sliding_kv_ring=True))
+    assert h.kv_ring_pages == 19 and h.kv_ring_bytes == (1 + 4 * 19) * 4 * 4 * per_layer
+    assert h.kv_bytes_per_token == 2 * per_layer
+    assert "sliding-window KV rings" in render_cpu(h, as_json=False)

@@ -136,6 +136,10 @@ class CpuHoldings(msgspec.Struct, frozen=True):
     host_available_bytes: int | None
     # Settings given that only shape a GPU's plan, in words (empty when none was).
     gpu_only: tuple[str, ...] = ()
+    # Sliding-window layers that keep only their window (--sliding-kv-ring): the ring
+    # pool's bytes (a ring per running request and the null page) and one ring's pages.
+    kv_ring_bytes: int = 0
+    kv_ring_pages: int = 0
 
 
 def gpu_only_settings(config: EngineConfig) -> tuple[str, ...]:
@@ -162,10 +166,11 @@ def cpu_holdings(config: EngineConfig) -> CpuHoldings:
         engine.common.errors.SettingRefused: a setting the model cannot honour
             (:func:`engine.core.settings_fit.check_for_model`).
     """
-    from engine.core.footprint import kv_bytes_per_token
+    from engine.core.footprint import kv_bytes_per_token, kv_ring, kv_ring_page_bytes
     from engine.kvcache.pool import kv_storage_dtype
     from engine.loader.default_model import model_display_name
     from engine.loader.weight_size import weight_bytes
+    from engine.memory.plan import PlanKnobs
     from kernels.attention.kv_store import kv_dtype_name
 
     use_kernel_switches(config)
@@ -184,7 +189,9 @@ def cpu_holdings(config: EngineConfig) -> CpuHoldings:
     else:
         weights, source = weight_bytes(mc, dtype), f"exact, {str(dtype).removeprefix('torch.')} tensors"
     kv_dtype = kv_storage_dtype(config.kv_cache_dtype, dtype)
-    per_token = kv_bytes_per_token(mc, kv_dtype)
+    ring = kv_ring(mc, PlanKnobs.of(config))
+    per_token = kv_bytes_per_token(mc, kv_dtype, ring)
+    ring_bytes = kv_ring_page_bytes(mc, kv_dtype, ring) * ring.pool_pages(config.max_running_requests) if ring else 0
     pages = unplanned_pages(config, mc, per_token * config.page_size) - 1  # less the null page
     context = min(mc.max_position_embeddings, config.max_model_len or mc.max_position_embeddings,
                   pages * config.page_size)
@@ -194,7 +201,7 @@ def cpu_holdings(config: EngineConfig) -> CpuHoldings:
         weight_source=source, kv_pool_bytes=pages * per_token * config.page_size, kv_pages=pages,
         page_size=config.page_size, kv_bytes_per_token=per_token, kv_cache_dtype=kv_dtype_name(kv_dtype),
         max_context_tokens=context, host_total_bytes=total, host_available_bytes=available,
-        gpu_only=gpu_only_settings(config))
+        gpu_only=gpu_only_settings(config), kv_ring_bytes=ring_bytes, kv_ring_pages=ring.pages if ring else 0)
 
 
 def render_cpu(h: CpuHoldings, as_json: bool) -> str:
@@ -212,7 +219,9 @@ def render_cpu(h: CpuHoldings, as_json: bool) -> str:
         row("weights", h.weight_bytes, h.weight_source),
         row("KV cache pool", h.kv_pool_bytes, f"{h.kv_pages} pages x {h.page_size} tokens, {h.kv_cache_dtype}, "
             f"resident only where written (headroom serve --kv-cache sets its size)"),
-        row("at most", h.weight_bytes + h.kv_pool_bytes, f"of {fmt_bytes(h.host_total_bytes)}{available}"),
+        *([row("sliding-window KV rings", h.kv_ring_bytes, f"a ring of {h.kv_ring_pages} pages per running request "
+               "and the null page, for the layers that keep only their window")] if h.kv_ring_bytes else []),
+        row("at most", h.weight_bytes + h.kv_pool_bytes + h.kv_ring_bytes, f"of {fmt_bytes(h.host_total_bytes)}{available}"),
         f"KV cache: {h.kv_bytes_per_token:,} bytes per token; max context {h.max_context_tokens:,} tokens",
         "plus a step's activations and the runtime (torch); --device-total SIZE plans the pool for a budget "
         "instead",

@@ -162,6 +162,7 @@ _PLAN_KNOBS = (
     "min_context",
     "cpu_experts",
     "tensor_parallel_size",
+    "sliding_kv_ring",
 )
 
 

@@ -202,3 +202,61 @@ def test_cpu_plan_shows_the_rings(pair):
     assert h.kv_ring_pages == 19 and h.kv_ring_bytes == (1 + 4 * 19) * 4 * 4 * per_layer
     assert h.kv_bytes_per_token == 2 * per_layer
     assert "sliding-window KV rings" in render_cpu(h, as_json=False)
+
+
+@pytest.mark.parametrize("decode", [False, True])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_backend_reads_the_ring_as_the_whole_context(backend, decode):
+    """One step of a 4-token chunk over a 19-token prefix, a decode row at position 13
+    and a first chunk of 4, or (``decode``) a decode row of each of the three (window
+    5, chunks up to 4: rings of 4 pages of 4 tokens),
+    every position written into the ring in order as the engine would (older ones
+    overwritten): the sliding layer's output equals that of a pool that keeps every
+    token, and so does the global layer's (Triton's kernels under its interpreter)."""
+    from triton_interpret import INTERPRETING
+
+    from engine.common.forward_batch import ForwardBatch
+    from engine.layers.attention.registry import create_attention_backend
+
+    if backend == "triton":
+        pytest.importorskip("triton")
+        if not INTERPRETING:
+            pytest.skip("the step's tensors are on the CPU: Triton runs them interpreted only")
+    heads, kv_heads, dim, ps, windows = 4, 2, 8, 4, (5, 0)
+    ring = sliding_ring(windows, max_chunk=4, page_size=ps)
+    assert ring is not None and ring.pages == 4
+    lens, prefix = [23, 14, 4], [22, 13, 3] if decode else [19, 13, 0]
+    pages = [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10], [11]]
+    rings = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]]
+    g = torch.Generator().manual_seed(0)
+    kv = [[torch.randn(n, kv_heads, dim, generator=g) for _ in range(4)] for n in lens]  # k, v per layer
+    q = torch.randn(sum(n - p for n, p in zip(lens, prefix, strict=True)), heads, dim, generator=g)
+    new = [range(p, n) for n, p in zip(lens, prefix, strict=True)]
+
+    def slots(table: list[int], pos) -> torch.Tensor:
+        return torch.tensor([table[p // ps] * ps + p % ps for p in pos])
+
+    tables = [ring_table(r, len(p)) for r, p in zip(rings, pages, strict=True)]
+    out = {}
+    for kind in ("full", "ring"):
+        pool = KVPool(num_layers=2, num_pages=16, page_size=ps, num_kv_heads=kv_heads, head_dim=dim,
+                      dtype=torch.float32, device="cpu",
+                      **(dict(ring_layers=ring.layers, ring_pages=ring.pool_pages(3)) if kind == "ring" else {}))
+        attn = create_attention_backend(backend, pool, num_heads=heads, head_dim=dim, scale=0.3)
+        attn.use_windows(windows)
+        for s in range(3):  # in position order, so a ring keeps the last writes
+            pool.store(0, slots(tables[s] if kind == "ring" else pages[s], range(lens[s])), kv[s][0], kv[s][1])
+            pool.store(1, slots(pages[s], range(lens[s])), kv[s][2], kv[s][3])
+        ring_fields = dict(ring_page_table=torch.tensor([t + [0] * (6 - len(t)) for t in tables]),
+                           ring_out_slots=torch.cat([slots(tables[s], new[s]) for s in range(3)]))
+        batch = ForwardBatch(
+            is_decode=decode, input_ids=torch.zeros(len(q), dtype=torch.int64),
+            positions=torch.tensor([p for r in new for p in r]),
+            out_slots=torch.cat([slots(pages[s], new[s]) for s in range(3)]),
+            page_table=torch.tensor([p + [0] * (6 - len(p)) for p in pages]),
+            prefix_lens=torch.tensor(prefix), extend_lens=torch.tensor([n - p for n, p in zip(lens, prefix, strict=True)]),
+            logits_indices=torch.tensor([0, 1, 2] if decode else [3, 4, 8]), **(ring_fields if kind == "ring" else {}))
+        attn.prepare(batch)
+        out[kind] = [attn.forward(q, None, None, layer, batch, kv_stored=True) for layer in (0, 1)]
+    for layer in (0, 1):
+        torch.testing.assert_close(out["ring"][layer], out["full"][layer], rtol=1e-5, atol=1e-5)

@@ -96,7 +96,7 @@ class PlanStages:
         # Nor where sliding-window layers keep only their window: the graphs' static
         # inputs do not carry the ring's page table yet (engine.kvcache.ring).
         return (self.config.cuda_graphs and self.device.type == "cuda" and self._cuda_graph_max_batch >= 1
-                and not self.cpu_layers and self._kv_ring is None
+                and not self.cpu_layers and not (self.config.sliding_kv_ring and self._kv_ring)
                 and not mc.is_hybrid and can_capture_decode(self.expert_stores) and tp_ok and not reference_experts
                 and backend_class(self.attention_backend).supports_cuda_graphs)
 

@@ -67,7 +67,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.stage = "forward"
         self.faults: FaultInjector | None = FaultInjector.from_env()
-        self.inputs = StepInputs(device, pool.page_size)
+        self.inputs = StepInputs(device, pool.page_size, ring=bool(pool.ring_layers))
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
         self.replayed = False

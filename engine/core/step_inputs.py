@@ -85,9 +85,12 @@ class PinnedStaging:
 class StepInputs:
     """Builds the :class:`ForwardBatch` of any step (prefill, extend, mixed, decode)."""
 
-    def __init__(self, device: torch.device, page_size: int) -> None:
+    def __init__(self, device: torch.device, page_size: int, ring: bool = False) -> None:
+        """``ring``: the pool's sliding-window layers keep only their window, so each
+        batch carries their page table and slots, built from ``Request.ring``."""
         self.device = device
         self.page_size = page_size
+        self.ring = ring
         self.staging = PinnedStaging(device)
         self._dev = torch.empty(1 << 16, dtype=torch.int64, device=device) if device.type == "cuda" else None
 
@@ -108,7 +111,7 @@ class StepInputs:
         ns = int(per_item.sum())
         # Sliding-window layers that keep only their window (engine.kvcache.ring): their
         # page table and slots follow the global ones in the same upload.
-        ring = bool(items[0].req.ring)
+        ring = self.ring
         n = 3 * t + ns + 4 * nb + nb * width
         end = n + (t + nb * width if ring else 0)
         h = self.staging.host(end)

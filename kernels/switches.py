@@ -64,6 +64,13 @@ class KernelSwitches:
         "tile, from 64 rows the weights dequantized to float32 for torch's GEMM (as on a CPU "
         "without AVX-512), and the K-quants' AVX2 row product, to compare.",
     )
+    cpu_rows16: bool = _switch(
+        True,
+        "On a CPU with AVX-512, a CPU model's layer projections of Q4_0/Q4_1/Q8_0 blocks "
+        "interleaved by 16 weight rows at load (kernels/cpu/rows16.c: a register's lanes are "
+        "16 rows, a block's scales one load), the same bytes and products. Off: the GGUF "
+        "layout on the block GEMM, to compare.",
+    )
     quant_repack: bool = _switch(
         True,
         "On CUDA, repack Q6_K blocks into aligned planes at load (kernels.quant.repack). "

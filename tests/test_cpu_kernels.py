@@ -20,7 +20,7 @@ from engine.layers.linear.cpu_kernels import cpu_kernels  # noqa: E402
 from engine.loader.gguf_convert import convert_gguf  # noqa: E402
 from engine.loader.load import load_model  # noqa: E402
 from kernels.attention.kv_store import gather_kv, quantize_blocks  # noqa: E402
-from kernels.cpu import build, decode_layer  # noqa: E402
+from kernels.cpu import build, decode_layer, rows16  # noqa: E402
 from kernels.cpu.block_gemv import TYPE_IDS, block_gemv, block_gemv_ref, quantize_rows_ref  # noqa: E402
 from kernels.quant import reference  # noqa: E402
 from kernels.quant.synthetic import random_blocks  # noqa: E402
@@ -182,6 +182,9 @@ def test_the_c_decode_layer_gives_the_torch_layers_logits(lib, tiny_blocks, page
     assert model.cpu_decode is not None and len(model.cpu_decode.specs) == config.num_layers
     assert all(isinstance(m, CpuBlockLinear) for m in (model.model.layers[0].self_attn.qkv_proj,
                                                           model.model.layers[0].mlp.down_proj))
+    # Every projection's rows are a multiple of 16: interleaved where the build has AVX-512.
+    interleaved = model.model.layers[0].self_attn.qkv_proj.types[0].endswith(rows16.SUFFIX)
+    assert interleaved == rows16.available(lib)
     fast = model.cpu_decode
     runs = {}
     for use in (True, False):

@@ -39,6 +39,7 @@ from engine.loader.gguf_quant import gguf_weight_size  # noqa: E402
 from engine.loader.weight_size import weight_bytes  # noqa: E402
 from engine.text.chat import encode_chat  # noqa: E402
 from engine.text.tokenizer import load_tokenizer  # noqa: E402
+from kernels.cpu import rows16  # noqa: E402
 from kernels.quant import reference  # noqa: E402
 from kernels.quant.synthetic import random_blocks  # noqa: E402
 
@@ -168,8 +169,12 @@ def test_default_model_greedy_with_quantized_weights_follows_float32(layout, req
         assert len([m for m in engine.model.modules() if isinstance(m, CpuBlockLinear)]) == layers
         assert not any(isinstance(m, CpuInt4Linear) for m in engine.model.modules())
         assert engine.model.cpu_decode is not None and len(engine.model.cpu_decode.specs) == 30
-        # The tied head reads the embeddings' own blocks.
+        # The tied head reads the embeddings' own blocks; the layers' projections are
+        # interleaved by 16 rows where the build has AVX-512 (kernels/cpu/rows16.c).
         assert engine.model.lm_head.head.part(0).data_ptr() == engine.model.model.embed_tokens.blocks.data_ptr()
+        layer = engine.model.model.layers[0]
+        want = "Q4_1x16" if rows16.available(engine.model.cpu_decode.lib) else "Q4_1"
+        assert layer.self_attn.qkv_proj.types == layer.mlp.down_proj.types == [want]
     assert isinstance(engine.model.model.embed_tokens, QuantEmbedding)
     assert not any(isinstance(m, QuantLinear) for m in engine.model.modules())
     tokenizer, prompts, requests, theirs = reference_answers

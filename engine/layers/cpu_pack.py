@@ -14,21 +14,23 @@ from engine.layers.cpu_decode import CpuDecode
 from engine.layers.linear.cpu_blocks import CpuBlockLinear, takes
 from engine.layers.linear.cpu_int4 import CpuInt4Linear, QuantEmbedding, RescoredHead
 from engine.layers.linear.gguf_blocks import QuantLinear
+from kernels.switches import current
 
 
-def pack_linears(module: nn.Module, dtype: torch.dtype, lib=None) -> None:
+def pack_linears(module: nn.Module, dtype: torch.dtype, lib=None, interleave: bool = False) -> None:
     """Replace every QuantLinear inside ``module`` (on the CPU) by a CPU kernel's module:
     with ``lib`` (the C kernels, :func:`engine.layers.linear.cpu_kernels.cpu_kernels`) those
     whose blocks the C GEMV reads become
-    :class:`~engine.layers.linear.cpu_blocks.CpuBlockLinear` (the blocks as they are), the
-    others a :class:`CpuInt4Linear` (model dtype ``dtype``)."""
+    :class:`~engine.layers.linear.cpu_blocks.CpuBlockLinear` (the blocks as they are, or
+    with ``interleave`` copied interleaved by 16 rows where that build multiplies them:
+    :mod:`kernels.cpu.rows16`), the others a :class:`CpuInt4Linear` (model dtype ``dtype``)."""
     names = [n for n, m in module.named_modules() if isinstance(m, QuantLinear)]
     for name in names:
         parent, _, leaf = name.rpartition(".")
         owner = module.get_submodule(parent) if parent else module
         linear = owner.get_submodule(leaf)
         if lib is not None and takes(linear):
-            setattr(owner, leaf, CpuBlockLinear.from_quant_linear(lib, linear, dtype))
+            setattr(owner, leaf, CpuBlockLinear.from_quant_linear(lib, linear, dtype, interleave))
         else:
             setattr(owner, leaf, CpuInt4Linear.from_quant_linear(linear, dtype))
 
@@ -37,7 +39,12 @@ def pack_model_for_cpu(model: nn.Module, dtype: torch.dtype, lib=None, decode_la
     """Replace every QuantLinear of ``model`` (on the CPU) as :func:`pack_linears` does; a
     head tied to embeddings in blocks becomes a :class:`RescoredHead`. With ``lib``, a
     model whose every layer (of ``decode_layers``, the model's own by default) the C
-    decode layer runs gets it too (:mod:`engine.layers.cpu_decode`)."""
+    decode layer runs gets it too (:mod:`engine.layers.cpu_decode`). With the ``cpu_rows16``
+    switch on, those layers' projections are interleaved by 16 rows (the head is not: a
+    tied one shares the embeddings' blocks)."""
+    if current().cpu_rows16:
+        for layer in model.model.layers if decode_layers is None else decode_layers:
+            pack_linears(layer, dtype, lib, interleave=True)
     pack_linears(model, dtype, lib)
     embeddings = model.model.embed_tokens
     if model.config.tie_word_embeddings and isinstance(embeddings, QuantEmbedding) and isinstance(

@@ -242,7 +242,8 @@ void hr_legacy_rows(int type, const uint8_t *w, int64_t K, const int16_t *codes,
 /* y[m * ldy + n] = x[m] . W[n] for m < M, n < N.
  *
  * x: float32 [M, K] (rows K apart); w: N rows of K weights in blocks of `type` (any type
- * of blocks.h: K a multiple of 32, of 256 for the K-quants); y: float32, rows ldy apart;
+ * of blocks.h: K a multiple of 32, of 256 for the K-quants; Q4_0/Q4_1/Q8_0 | HR_ROWS16:
+ * interleaved by 16 rows, rows16.c, N a multiple of 16); y: float32, rows ldy apart;
  * work: at least hr_work_bytes(M, K) bytes, for the quantized rows. threads: OpenMP
  * threads over N (the caller's count; torch's libgomp is the one loaded, so they are
  * torch's own pool); scalar: the plain C product.
@@ -252,6 +253,11 @@ int64_t hr_work_bytes(int64_t M, int64_t K) { return M * (2 * K + K / 32 * 12); 
 
 int hr_block_gemv(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, float *y,
                   int64_t ldy, void *work, int threads, int scalar) {
+    const int rows16 = (type & HR_ROWS16) != 0;  /* interleaved blocks (rows16.c) */
+    if (rows16) {
+        type &= ~HR_ROWS16;
+        if ((type != Q4_0 && type != Q4_1 && type != Q8_0) || N % 16 || !hr_rows16_available()) return -1;
+    }
     const int be = hr_block_elements(type);
     if (be == 0 || K % be != 0 || M < 0 || N < 0) return -1;
     if (K == 0) {  /* an empty sum */
@@ -272,12 +278,15 @@ int hr_block_gemv(int type, const float *x, int64_t M, int64_t K, const uint8_t 
     /* Work items of 8 weight rows, the AVX-512 tile's; 4 for one row of Q8_0 (a tied LM
      * head's decode), which read the default model's head (28 MiB, streamed from memory,
      * 2 Zen 4 cores) in 0.84-0.93 ms so against 1.27-1.45 ms in items of 8. */
-    const int64_t item = type == Q8_0 && M == 1 ? 4 : 8, tiles = (N + item - 1) / item;
+    const int64_t item = rows16 ? 16 : type == Q8_0 && M == 1 ? 4 : 8, tiles = (N + item - 1) / item;
     if (tiles < 8 * threads) threads = tiles >= 8 ? (int)(tiles / 8) : 1;  /* a few tiles a thread */
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t t = 0; t < tiles; t++) {
         const int64_t n0 = t * item, n1 = n0 + item < N ? n0 + item : N;
-        hr_rows(type, w, K, codes, scales, sums, scaled_sums, M, n0, n1, y, ldy, scalar);
+        if (rows16)
+            hr_rows16(type, w, K, codes, scales, sums, scaled_sums, M, n0, n1, y, ldy);
+        else
+            hr_rows(type, w, K, codes, scales, sums, scaled_sums, M, n0, n1, y, ldy, scalar);
     }
     return 0;
 }

@@ -16,6 +16,7 @@ import ctypes
 
 import torch
 
+from kernels.cpu import rows16
 from kernels.quant import reference
 from kernels.quant.formats import block_format
 from kernels.switches import current
@@ -26,6 +27,9 @@ TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
 # Every type the C row products read (blocks.h): the K-quants too (kquant.c), whose
 # blocks of 256 need K a multiple of 256, and MXFP4 (mxfp4.c; gpt-oss's experts).
 GEMV_TYPE_IDS = {**TYPE_IDS, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "MXFP4": 39}
+# Q4_0/Q4_1/Q8_0 blocks interleaved by 16 rows (:mod:`kernels.cpu.rows16`), where the
+# build has AVX-512.
+ROWS16_IDS = {name: TYPE_IDS[t] | rows16.FLAG for name, t in rows16.NAMES.items()}
 # The products the C kernels take (blocks.h's HR_PATH_*): the fastest the build has (the
 # AVX-512 block GEMM of block_gemm.c where the CPU has AVX-512 BW), the plain C one, the
 # AVX2 tile.
@@ -104,7 +108,8 @@ def block_gemv(lib: ctypes.CDLL, x: torch.Tensor, blocks: torch.Tensor, type_nam
         lib: the library of :func:`kernels.cpu.build.load`.
         x: float32 ``[M, K]``, ``K`` a multiple of the type's block (32; 256 for the
             K-quants), made contiguous if it is not.
-        blocks: uint8 ``[N, K / block_elements * block_bytes]``, contiguous.
+        blocks: uint8 ``[N, K / block_elements * block_bytes]``, contiguous (for a
+            ``*x16`` type of :data:`ROWS16_IDS`, interleaved by :mod:`kernels.cpu.rows16`).
         out: float32 ``[M, N]`` view to write (its rows may be wider: ``out.stride(0)``),
             else a new tensor.
         threads: OpenMP threads, default ``torch.get_num_threads()``.
@@ -117,24 +122,26 @@ def block_gemv(lib: ctypes.CDLL, x: torch.Tensor, blocks: torch.Tensor, type_nam
     Raises:
         ValueError: a type without the kernel, or shapes that do not match.
     """
-    if type_name not in GEMV_TYPE_IDS:
-        raise ValueError(f"{type_name} has no CPU block kernel; expected one of {', '.join(GEMV_TYPE_IDS)}")
+    ids = GEMV_TYPE_IDS | ROWS16_IDS
+    if type_name not in ids:
+        raise ValueError(f"{type_name} has no CPU block kernel; expected one of {', '.join(ids)}")
     x = x.contiguous().float()
     m, k = x.shape
     n = blocks.shape[0]
     if out is None:
         out = torch.empty(m, n, dtype=torch.float32)
-    fmt = block_format(type_name)
+    fmt = block_format(rows16.NAMES.get(type_name, type_name))
     row_bytes = k // fmt.block_elements * fmt.block_bytes
     if (k % fmt.block_elements or blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != row_bytes
             or not blocks.is_contiguous() or out.shape != (m, n) or out.stride(1) != 1 or out.dtype != torch.float32):
         raise ValueError(f"block_gemv: {type_name} blocks {blocks.dtype} {tuple(blocks.shape)}, x {tuple(x.shape)} "
                          f"and out {tuple(out.shape)} do not match (rows of K={k} take {row_bytes} bytes)")
     work = torch.empty(lib.hr_work_bytes(m, k), dtype=torch.uint8)
-    done = lib.hr_block_gemv(GEMV_TYPE_IDS[type_name], x.data_ptr(), m, k, blocks.data_ptr(), n, out.data_ptr(),
+    done = lib.hr_block_gemv(ids[type_name], x.data_ptr(), m, k, blocks.data_ptr(), n, out.data_ptr(),
                              out.stride(0), work.data_ptr(), threads or torch.get_num_threads(), gemv_path(scalar))
     if done != 0:
-        raise ValueError(f"block_gemv refused {type_name} blocks of K={k}")
+        raise ValueError(f"block_gemv refused {type_name} blocks of K={k} and N={n} (interleaved blocks take N a "
+                         "multiple of 16 and a build with AVX-512: kernels.cpu.rows16.available)")
     return out
 
 

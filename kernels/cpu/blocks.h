@@ -91,6 +91,16 @@ void hr_kquant_rows(int type, const uint8_t *w, int64_t K, const int16_t *codes,
 void hr_mxfp4_rows(const uint8_t *w, int64_t K, const int16_t *codes, const float *dx, int64_t M, int64_t n0,
                    int64_t n1, float *y, int64_t ldy);
 
+/* A type id with this flag: blocks of 16 weight rows interleaved (rows16.c), N a multiple
+ * of 16; only where hr_rows16_available(). */
+enum { HR_ROWS16 = 0x100 };
+int hr_rows16_available(void);
+/* y[i * ldy + n] = x_i . W[n] for i < M and n0 <= n < n1 (multiples of 16) of interleaved
+ * blocks of a Q4_0/Q4_1/Q8_0 type (rows16.c), one thread. Returns 0, or -1 for a type,
+ * rows or a build it does not take. */
+int hr_rows16(int type, const uint8_t *w, int64_t K, const int16_t *codes, const float *dx, const int32_t *sums,
+              const float *dxs, int64_t M, int64_t n0, int64_t n1, float *y, int64_t ldy);
+
 /* Either of the two by type; -1 for a type or a K it does not take. */
 static inline int hr_rows(int type, const uint8_t *w, int64_t K, const int16_t *codes, const float *dx,
                           const int32_t *sums, const float *dxs, int64_t M, int64_t n0, int64_t n1, float *y,

@@ -39,7 +39,8 @@ from kernels.switches import current
 
 log = logging.getLogger("headroom.kernels")
 
-SOURCES = ("block_gemv.c", "block_gemm.c", "kquant.c", "kquant_gemm.c", "mxfp4.c", "moe_experts.c", "decode_layer.c")
+SOURCES = ("block_gemv.c", "block_gemm.c", "kquant.c", "kquant_gemm.c", "mxfp4.c", "moe_experts.c", "decode_layer.c",
+           "rows16.c")
 HEADERS = ("blocks.h", "tile512.h")
 _HERE = Path(__file__).resolve().parent
 _why_not: list[str] = []
@@ -154,6 +155,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.hr_work_bytes.argtypes = [c_i64, c_i64]
     lib.hr_block_gemv.restype = c_int
     lib.hr_block_gemv.argtypes = [c_int, ptr, c_i64, c_i64, ptr, c_i64, ptr, c_i64, ptr, c_int, c_int]
+    lib.hr_rows16_available.restype = c_int
+    lib.hr_rows16_available.argtypes = []
     lib.hr_quantize_row.restype = None
     lib.hr_quantize_row.argtypes = [ptr, c_i64, ptr, ptr, ptr]
     lib.hr_dequantize_rows.restype = c_int

@@ -14,7 +14,7 @@ import ctypes
 import torch
 
 from kernels.attention.kv_store import BLOCK_KV_DTYPES, block_format, kv_row_width
-from kernels.cpu.block_gemv import TYPE_IDS, gemv_path
+from kernels.cpu.block_gemv import ROWS16_IDS, TYPE_IDS, gemv_path
 
 _F = ctypes.POINTER(ctypes.c_float)
 
@@ -54,8 +54,9 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 def proj(blocks: torch.Tensor, type_name: str) -> Proj:
-    """The ``hr_proj`` of uint8 ``blocks`` ``[N, K / 32 * block_bytes]`` of ``type_name``."""
-    return Proj(blocks.data_ptr(), TYPE_IDS[type_name], 0, blocks.shape[0])
+    """The ``hr_proj`` of uint8 ``blocks`` ``[N, K / 32 * block_bytes]`` of ``type_name`` (a
+    key of ``TYPE_IDS`` or, interleaved, of ``ROWS16_IDS``)."""
+    return Proj(blocks.data_ptr(), (TYPE_IDS | ROWS16_IDS)[type_name], 0, blocks.shape[0])
 
 
 def layer(*, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, intermediate: int, eps: float,

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from engine.layers.linear.cpu_int4 import CpuInt4Linear
+from kernels.cpu import rows16
 from kernels.cpu.block_gemv import TYPE_IDS, block_gemv, dequantize_rows, gemm_on_blocks
 
 # Where the C kernels have no AVX-512 block GEMM (gemm_on_blocks), the rows of activations
@@ -77,16 +78,20 @@ class CpuBlockLinear(nn.Module):
         source: Counter[str] = Counter()  # GGUF block type -> weights
         for type_name, rows in zip(self.types, self.rows, strict=True):
             if type_name is not None:
-                source[type_name] += rows * in_features
+                source[rows16.NAMES.get(type_name, type_name)] += rows * in_features
         for other in self.others:
             source.update(other.source_types)
         self.source_types = dict(source)
 
     @classmethod
-    def from_quant_linear(cls, lib: ctypes.CDLL, module: nn.Module, dtype: torch.dtype) -> CpuBlockLinear:
+    def from_quant_linear(cls, lib: ctypes.CDLL, module: nn.Module, dtype: torch.dtype,
+                          interleave: bool = False) -> CpuBlockLinear:
         """``module`` (a loaded QuantLinear on the CPU that :func:`takes`) with adjacent
         parts of one C-read type concatenated, and runs of other parts repacked as
-        :class:`CpuInt4Linear` (model dtype ``dtype``)."""
+        :class:`CpuInt4Linear` (model dtype ``dtype``). ``interleave``: runs of Q4_0/Q4_1/
+        Q8_0 whose rows are a multiple of 16 are copied interleaved by 16 rows (type
+        ``<type>x16``, :mod:`kernels.cpu.rows16`) where ``lib`` multiplies that layout;
+        ``module``'s own blocks are left as they are (a kept file form shares them)."""
         runs: list[tuple[str | None, list]] = []
         for spec, w in module.part_views():
             kind = spec.type_name if spec.type_name in TYPE_IDS else None
@@ -100,7 +105,11 @@ class CpuBlockLinear(nn.Module):
                 parts.append((None, CpuInt4Linear.from_quant_linear(_Parts(module.in_features, views), dtype)))
             else:
                 ws = [w for _, w in views]
-                parts.append((kind, (ws[0] if len(ws) == 1 else torch.cat(ws)).contiguous()))
+                blocks = (ws[0] if len(ws) == 1 else torch.cat(ws)).contiguous()
+                if interleave and rows16.takes(kind, blocks.shape[0]) and rows16.available(lib):
+                    parts.append((kind + rows16.SUFFIX, rows16.interleave(blocks, kind)))
+                else:
+                    parts.append((kind, blocks))
         bias = module.bias.float() if module.bias is not None else None
         return cls(lib, module.in_features, parts, bias)
 
@@ -113,7 +122,7 @@ class CpuBlockLinear(nn.Module):
         y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
         at, other = 0, 0
         for i, (type_name, rows) in enumerate(zip(self.types, self.rows, strict=True)):
-            if type_name is not None and x2.shape[0] >= GEMM_ROWS and not gemm_on_blocks(self.lib):
+            if type_name in TYPE_IDS and x2.shape[0] >= GEMM_ROWS and not gemm_on_blocks(self.lib):
                 self._gemm(x2, self.part(i), type_name, y[:, at:at + rows])
             elif type_name is not None:
                 block_gemv(self.lib, x2, self.part(i), type_name, out=y[:, at:at + rows])

@@ -1,0 +1,91 @@
+"""Q4_0/Q4_1/Q8_0 blocks interleaved by 16 weight rows (``rows16.c``): the layout a CPU
+with AVX-512 gives a projection's blocks at load, so that one register's 16 lanes are 16
+weight rows and a block's scales one load. The same bytes as the GGUF blocks, reordered;
+:func:`interleave` writes it and :func:`deinterleave` undoes it (the tests' reference).
+
+A chunk holds block ``b`` of rows ``16g .. 16g + 15``, chunks in the order ``(g, b)``: the
+16 rows' float16 ``d`` (and for Q4_1 their ``m``), then their codes; Q4 code byte
+``32k + 2j + t`` holds weight ``2k + t`` of row ``j`` in its low nibble and ``2k + 16 + t``
+in its high one, Q8_0 code byte ``32k + 2j + t`` is weight ``2k + t`` of row ``j``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kernels.quant.formats import block_format
+
+ROWS = 16
+# The C kernels' type id of interleaved blocks: the GGUF type's ggml id | this flag (blocks.h).
+FLAG = 0x100
+SUFFIX = "x16"
+# The GGUF types that interleave, and the names their interleaved blocks go by.
+TYPES = ("Q4_0", "Q4_1", "Q8_0")
+NAMES = {f"{t}{SUFFIX}": t for t in TYPES}
+
+
+def available(lib: ctypes.CDLL) -> bool:
+    """Whether ``lib``'s build multiplies interleaved blocks (it has AVX-512 BW)."""
+    return bool(lib.hr_rows16_available())
+
+
+def takes(type_name: str, rows: int) -> bool:
+    """Whether ``rows`` rows of ``type_name`` blocks interleave: a type of :data:`TYPES`,
+    ``rows`` a multiple of 16."""
+    return type_name in TYPES and rows % ROWS == 0 and rows > 0
+
+
+def _split(type_name: str) -> tuple[int, int]:
+    """(bytes of scales, bytes of codes) of one block of ``type_name``."""
+    fmt = block_format(type_name)
+    scale_bytes = 4 if type_name == "Q4_1" else 2
+    return scale_bytes, fmt.block_bytes - scale_bytes
+
+
+def interleave(blocks: torch.Tensor, type_name: str) -> torch.Tensor:
+    """uint8 ``[N, K / 32 * block_bytes]`` GGUF blocks of ``type_name`` as interleaved blocks
+    of the same shape (a new tensor; ``blocks`` is left as it is).
+
+    Raises:
+        ValueError: a type not in :data:`TYPES`, or ``N`` not a multiple of 16.
+    """
+    n, row_bytes = blocks.shape
+    if not takes(type_name, n):
+        raise ValueError(f"interleave: {n} rows of {type_name} blocks; takes {', '.join(TYPES)} in multiples of {ROWS}")
+    scale_bytes, code_bytes = _split(type_name)
+    bb = scale_bytes + code_bytes
+    nb = row_bytes // bb
+    b = blocks.view(n // ROWS, ROWS, nb, bb).permute(0, 2, 1, 3)  # [g, b, row, byte]
+    scales = b[..., :scale_bytes].reshape(n // ROWS, nb, ROWS, scale_bytes // 2, 2)
+    scales = scales.permute(0, 1, 3, 2, 4).reshape(n // ROWS, nb, ROWS * scale_bytes)  # d[16] (then m[16])
+    qs = b[..., scale_bytes:]
+    if type_name == "Q8_0":
+        codes = qs.reshape(n // ROWS, nb, ROWS, 16, 2).permute(0, 1, 3, 2, 4)  # [g, b, k, row, t]
+    else:
+        weights = torch.cat([qs & 15, qs >> 4], dim=-1)  # [g, b, row, 32]: weights 0-15, 16-31
+        w = weights.reshape(n // ROWS, nb, ROWS, 2, 8, 2)  # [g, b, row, half, k, t]
+        codes = (w[:, :, :, 0] | (w[:, :, :, 1] << 4)).permute(0, 1, 3, 2, 4)  # [g, b, k, row, t]
+    out = torch.cat([scales, codes.reshape(n // ROWS, nb, ROWS * code_bytes)], dim=-1)
+    return out.contiguous().view(n, row_bytes)
+
+
+def deinterleave(blocks: torch.Tensor, type_name: str) -> torch.Tensor:
+    """:func:`interleave` undone: uint8 ``[N, K / 32 * block_bytes]`` GGUF blocks."""
+    n, row_bytes = blocks.shape
+    scale_bytes, code_bytes = _split(type_name)
+    bb = scale_bytes + code_bytes
+    nb = row_bytes // bb
+    c = blocks.reshape(n // ROWS, nb, ROWS * bb)
+    scales = c[..., : ROWS * scale_bytes].reshape(n // ROWS, nb, scale_bytes // 2, ROWS, 2).permute(0, 1, 3, 2, 4)
+    scales = scales.reshape(n // ROWS, nb, ROWS, scale_bytes)
+    codes = c[..., ROWS * scale_bytes:]
+    if type_name == "Q8_0":
+        qs = codes.reshape(n // ROWS, nb, 16, ROWS, 2).permute(0, 1, 3, 2, 4).reshape(n // ROWS, nb, ROWS, 32)
+    else:
+        packed = codes.reshape(n // ROWS, nb, 8, ROWS, 2).permute(0, 1, 3, 2, 4)  # [g, b, row, k, t]
+        weights = torch.stack([packed & 15, packed >> 4], dim=3).reshape(n // ROWS, nb, ROWS, 32)
+        qs = weights[..., :16] | (weights[..., 16:] << 4)
+    out = torch.cat([scales, qs], dim=-1).permute(0, 2, 1, 3)  # [g, row, b, byte]
+    return out.contiguous().view(n, row_bytes)

@@ -1,0 +1,131 @@
+"""Blocks interleaved by 16 weight rows (kernels/cpu/rows16.c, kernels/cpu/rows16.py):
+the layout's bytes undo to the GGUF blocks exactly, the product on it equals gguf's
+dequantizer times the 16-bit activation codes (kernels/cpu/block_gemv.py's reference) to
+float32 order on odd shapes, what it cannot take is refused, a build without AVX-512 keeps
+the GGUF layout, and a CPU model's layers take it under the ``cpu_rows16`` switch."""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("gguf")
+
+from test_cpu_kernels import _tolerance  # noqa: E402
+
+from engine.layers.linear.cpu_blocks import GEMM_ROWS, CpuBlockLinear  # noqa: E402
+from engine.layers.linear.gguf_blocks import PartSpec, QuantLinear  # noqa: E402
+from kernels.cpu import build, rows16  # noqa: E402
+from kernels.cpu.block_gemv import block_gemv, block_gemv_ref  # noqa: E402
+from kernels.quant.synthetic import random_blocks  # noqa: E402
+
+# (weight rows, K, activation rows): one group of 16 and several, K of one block and of
+# the default model's down projection, one activation row (decode), a pass of 8 and the
+# passes past it, a prefill's many rows.
+SHAPES = [(16, 32, 1), (48, 96, 3), (32, 1536, 1), (160, 576, 8), (64, 64, 9), (16, 96, 17), (96, 576, 70)]
+
+
+def _case(type_name: str, rows: int, cols: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random GGUF blocks ``[rows, bytes]`` and activations ``[m, cols]`` with an outlier."""
+    blocks = torch.from_numpy(random_blocks(type_name, rows, cols, np.random.default_rng(rows * cols + m)))
+    x = torch.randn(m, cols, generator=torch.Generator().manual_seed(rows + m))
+    x[0, 3] = 40.0  # a block with an outlier, as real activations have
+    return blocks, x
+
+
+def _needs(lib: ctypes.CDLL) -> None:
+    if not rows16.available(lib):
+        pytest.skip("this build has no AVX-512: it keeps the GGUF layout")
+
+
+@pytest.mark.parametrize("type_name", rows16.TYPES)
+def test_interleaving_moves_the_bytes_and_undoes_exactly(type_name):
+    blocks, _ = _case(type_name, 48, 96, 1)
+    inter = rows16.interleave(blocks, type_name)
+    assert inter.shape == blocks.shape and inter.dtype == torch.uint8
+    assert not torch.equal(inter, blocks)
+    assert torch.equal(rows16.deinterleave(inter, type_name), blocks)
+    # The first chunk starts with the 16 rows' float16 scales d, one after another.
+    d = blocks.view(48, -1)[:16, :2].reshape(-1)
+    assert torch.equal(inter.view(-1)[:32], d)
+
+
+@pytest.mark.parametrize("type_name", rows16.TYPES)
+@pytest.mark.parametrize(("rows", "cols", "m"), SHAPES)
+def test_the_interleaved_product_equals_gguf_s_dequantizer_times_the_codes(lib, type_name, rows, cols, m):
+    _needs(lib)
+    blocks, x = _case(type_name, rows, cols, m)
+    got = block_gemv(lib, x, rows16.interleave(blocks, type_name), type_name + rows16.SUFFIX)
+    assert got.shape == (m, rows) and got.dtype == torch.float32
+    want = block_gemv_ref(x, blocks, type_name)
+    assert float((got - want).abs().max()) <= _tolerance(x, blocks, type_name)
+    # One thread and two split the groups differently: the same outputs.
+    one = block_gemv(lib, x, rows16.interleave(blocks, type_name), type_name + rows16.SUFFIX, threads=1)
+    assert torch.equal(one, got)
+
+
+def test_what_the_layout_cannot_take_is_refused(lib):
+    blocks, x = _case("Q4_1", 24, 64, 2)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        rows16.interleave(blocks, "Q4_1")
+    with pytest.raises(ValueError, match="multiples of 16"):
+        rows16.interleave(torch.from_numpy(random_blocks("Q4_K", 16, 256, np.random.default_rng(0))), "Q4_K")
+    _needs(lib)
+    # Blocks called interleaved whose rows are no multiple of 16: the kernel refuses them.
+    with pytest.raises(ValueError, match="multiple of 16"):
+        block_gemv(lib, x, blocks, "Q4_1x16")
+
+
+def _quant_linear(specs: list[PartSpec], cols: int) -> QuantLinear:
+    q = QuantLinear(cols, specs, bias=False, dtype=torch.float32)
+    rng = np.random.default_rng(7)
+    for spec, buf in q.part_views():
+        buf.copy_(torch.from_numpy(random_blocks(spec.type_name, spec.rows, cols, rng)))
+    return q
+
+
+def test_a_projection_interleaves_its_runs_of_16_rows_and_keeps_the_file_s_blocks(lib):
+    """Runs whose rows are a multiple of 16 interleave (a copy: the QuantLinear's blocks, a
+    kept file form, stay as they are), others keep the GGUF layout; decode rows and a
+    prefill's many rows (past the float32 GEMM's threshold) give the GGUF layout's
+    products to float32 order."""
+    _needs(lib)
+    cols = 96
+    q = _quant_linear([PartSpec(32, "Q4_1"), PartSpec(40, "Q8_0"), PartSpec(48, "Q4_0")], cols)
+    before = [w.clone() for _, w in q.part_views()]
+    plain = CpuBlockLinear.from_quant_linear(lib, q, torch.float32)
+    inter = CpuBlockLinear.from_quant_linear(lib, q, torch.float32, interleave=True)
+    assert plain.types == ["Q4_1", "Q8_0", "Q4_0"]
+    assert inter.types == ["Q4_1x16", "Q8_0", "Q4_0x16"]
+    assert inter.source_types == plain.source_types == {"Q4_1": 32 * cols, "Q8_0": 40 * cols, "Q4_0": 48 * cols}
+    assert all(torch.equal(w, b) for (_, w), b in zip(q.part_views(), before, strict=True))
+    assert sum(inter.part(i).numel() for i in range(3)) == sum(b.numel() for b in before)
+    for m in (1, 5, GEMM_ROWS + 3):
+        x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m))
+        want = torch.cat([block_gemv_ref(x, b, s.type_name) for (s, _), b in zip(q.part_views(), before, strict=True)],
+                         dim=1)
+        tol = max(_tolerance(x, b, s.type_name) for (s, _), b in zip(q.part_views(), before, strict=True))
+        assert float((inter(x) - want).abs().max()) <= tol, m
+
+
+def test_a_build_without_avx512_keeps_the_gguf_layout(lib, tmp_path):
+    """Built with -mno-avx512f: the interleaved product is not there, a projection asked
+    to interleave keeps its GGUF blocks, and the kernel refuses interleaved ids."""
+    if lib.hr_simd_level() < 2:
+        pytest.skip("the engine's own build has no AVX-512 (the rest of this file skips)")
+    out = tmp_path / "avx2.so"
+    sources = [str(build._HERE / name) for name in build.SOURCES]
+    done = subprocess.run([build.compiler(), *build._flags(True), "-mno-avx512f", *sources, "-o", str(out), "-lm"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-600:]
+    avx2 = build._declare(ctypes.CDLL(str(out)))
+    assert avx2.hr_simd_level() == 1 and not rows16.available(avx2)
+    q = _quant_linear([PartSpec(32, "Q4_1")], 64)
+    assert CpuBlockLinear.from_quant_linear(avx2, q, torch.float32, interleave=True).types == ["Q4_1"]
+    blocks, x = _case("Q4_1", 16, 64, 1)
+    with pytest.raises(ValueError, match="AVX-512"):
+        block_gemv(avx2, x, rows16.interleave(blocks, "Q4_1"), "Q4_1x16")

@@ -40,6 +40,7 @@ class SplitReplan:
 
     _parked_graphs: tuple | None = None  # the runner's CUDA graphs while the model is split
     _layer_prices: tuple[int, ...] | None = None
+    _planned_split: int | None = None  # the start's split, once it moved
 
     @property
     def split_fixed_reason(self) -> str:
@@ -56,6 +57,12 @@ class SplitReplan:
         if self.device.type == "cpu" and self.dtype != torch.float32:
             return f"on the CPU the split moves with float32 weights only, not {self.dtype}"
         return ""
+
+    @property
+    def planned_cpu_layers(self) -> int:
+        """The layers the CPU ran at the start (the plan's split): moves back up stop
+        there."""
+        return self.cpu_layers if self._planned_split is None else self._planned_split
 
     @property
     def max_cpu_layers(self) -> int:
@@ -99,6 +106,8 @@ class SplitReplan:
         before = cpu_layer_count(self.model)
         if cpu_layers == before:
             return before
+        if self._planned_split is None:
+            self._planned_split = before
         started = time.perf_counter()
         before_pages, before_kv = self.pool.num_pages, self.pool.nbytes
         self._park_graphs()

@@ -9,7 +9,7 @@ Service -> worker: :class:`engine.wire.messages.GenerateRequest`,
 :class:`engine.wire.messages.AbortRequest`, :class:`StatsRequest`, :class:`Shutdown`, and
 the live replan commands (when another process takes or frees device memory, or a
 person asks): :class:`SetPrefillChunk`, :class:`EvictPrefixCache`, :class:`ResizePool`,
-:class:`ResizeExpertCache`,
+:class:`ResizeExpertCache`, :class:`MoveLayers`,
 each saying who asked (``origin``).
 
 Worker -> service: :class:`Ready` (once, after the model is loaded), :class:`Outputs`,
@@ -97,6 +97,17 @@ class ResizeExpertCache(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     origin: ReplanOrigin = BY_WATCHER
 
 
+class MoveLayers(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+    """Run the last ``cpu_layers`` decoder layers on the CPU (``Engine.move_split``: a
+    dense model of ``--cpu-layers auto`` moves its split between steps; running requests
+    keep going)."""
+
+    seq: int
+    cpu_layers: int
+    reason: str = ""
+    origin: ReplanOrigin = BY_WATCHER
+
+
 class Ready(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     """The engine is loaded and accepts requests.
 
@@ -146,6 +157,13 @@ class PoolStats(msgspec.Struct, frozen=True, kw_only=True):
     without one): ``expert_slots`` now, ``planned_expert_slots`` the plan's (the ceiling
     to grow back to), ``max_expert_slots`` every offloaded expert cached, and
     ``expert_slot_bytes`` one slot's device bytes as the plan counts them.
+
+    A dense model's split (``--cpu-layers``; all 0 where it cannot move): the last
+    ``cpu_layers`` decoder layers run on the CPU now, ``planned_cpu_layers`` at the
+    start (the floor moves back to), at most ``max_cpu_layers`` (0: the split is fixed
+    or the model does not split); ``layer_bytes`` is one decoder layer's weights on the
+    device as the plan counts them (the largest), ``device_layers`` the layers whose
+    keys and values ``page_bytes`` covers.
     """
 
     pages: int
@@ -165,6 +183,11 @@ class PoolStats(msgspec.Struct, frozen=True, kw_only=True):
     planned_expert_slots: int = 0
     max_expert_slots: int = 0
     expert_slot_bytes: int = 0
+    cpu_layers: int = 0
+    planned_cpu_layers: int = 0
+    max_cpu_layers: int = 0
+    layer_bytes: int = 0
+    device_layers: int = 0
 
 
 class Heartbeat(msgspec.Struct, frozen=True, tag=True, kw_only=True):
@@ -252,10 +275,10 @@ class WorkerError(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     misfit: Misfit | None = None
 
 
-ReplanCommand = SetPrefillChunk | EvictPrefixCache | ResizePool | ResizeExpertCache
+ReplanCommand = SetPrefillChunk | EvictPrefixCache | ResizePool | ResizeExpertCache | MoveLayers
 ToWorker = (
     GenerateRequest | AbortRequest | StatsRequest | Shutdown | SetPrefillChunk | EvictPrefixCache | ResizePool
-    | ResizeExpertCache
+    | ResizeExpertCache | MoveLayers
 )
 FromWorker = Ready | Outputs | Rejected | Heartbeat | EngineEvents | ControlDone | WorkerError
 

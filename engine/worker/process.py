@@ -48,6 +48,7 @@ from engine.wire.ipc import (
     EngineEvents,
     EvictPrefixCache,
     Misfit,
+    MoveLayers,
     Outputs,
     PoolStats,
     Ready,
@@ -214,7 +215,7 @@ def _receive(pipe: SharedPipe, engine: Any, beats: HeartbeatThread, planned_page
             stats = engine.stats()  # read now, and kept for the next beats
             beats.update(stats, pool_stats(engine, stats, planned_pages))
             pipe.send(beats.beat(message.seq))
-        elif isinstance(message, (SetPrefillChunk, EvictPrefixCache, ResizePool, ResizeExpertCache)):
+        elif isinstance(message, (SetPrefillChunk, EvictPrefixCache, ResizePool, ResizeExpertCache, MoveLayers)):
             _replan(pipe, engine, message, planned_pages)
         elif isinstance(message, Shutdown):
             return EXIT_OK
@@ -266,7 +267,18 @@ def pool_stats(engine: Any, stats: Any, planned_pages: int) -> PoolStats | None:
         planned_expert_slots=planned_slots,
         max_expert_slots=max_slots,
         expert_slot_bytes=slot_bytes,
+        **_split_stats(engine),
     )
+
+
+def _split_stats(engine: Any) -> dict[str, int]:
+    """:class:`PoolStats`' split fields (``Engine.move_split``); none for an engine
+    whose split cannot move."""
+    most = getattr(engine, "max_cpu_layers", 0)
+    if not most:
+        return {}
+    return dict(cpu_layers=engine.cpu_layers, planned_cpu_layers=engine.planned_cpu_layers, max_cpu_layers=most,
+                layer_bytes=max(engine.layer_device_bytes), device_layers=engine.pool.num_layers)
 
 
 def _replan(pipe: SharedPipe, engine: Any, command: Any, planned_pages: int) -> None:
@@ -286,6 +298,12 @@ def _replan(pipe: SharedPipe, engine: Any, command: Any, planned_pages: int) -> 
         elif isinstance(command, EvictPrefixCache):
             freed = engine.evict_prefix_cache(**why)
             text = f"{freed} prefix-cache pages freed"
+        elif isinstance(command, MoveLayers):
+            if not hasattr(engine, "move_split"):
+                raise ValueError("this engine cannot move its split between the device and the CPU")
+            before = engine.cpu_layers
+            after = engine.move_split(command.cpu_layers, **why)
+            text = f"decoder layers on the CPU {before} -> {after}"
         elif isinstance(command, ResizeExpertCache):
             if not hasattr(engine, "resize_expert_cache"):
                 raise ValueError("this engine has no expert cache to resize")

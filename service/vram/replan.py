@@ -17,12 +17,15 @@ expected back at the middle of the band:
    the device nothing: the pages stay in the pool until it shrinks);
 4. shrink the KV pool by whole pages (live: running requests keep going; the youngest
    are preempted and recomputed if pages run short), never below ``min_pages`` (one
-   request of the minimum context). When even that is not enough, a :class:`Squeeze`
-   is reported once per episode (the service logs it and shows who holds the memory)
-   instead of shrinking further.
+   request of the minimum context);
+5. move a dense model's split (``--cpu-layers auto``): the fewest of the device's last
+   decoder layers that free the rest go to the CPU (:mod:`service.vram.split_rung`).
+   When even that is not enough, a :class:`Squeeze` is reported once per episode (the
+   service logs it and shows who holds the memory) instead of shrinking further.
 
 Above the high water mark for ``hold_s`` seconds in a row, memory is taken back in the
-reverse order: the pool grows back toward the plan, then the expert cache, then the
+reverse order: the layers moved to the CPU come back (the pool grows only once they
+all have), the pool grows back toward the plan, then the expert cache, then the
 chunk cap, never so far that the headroom drops below ``low + (high - low) / 4``; each
 grow restarts the hold.
 
@@ -53,6 +56,7 @@ from typing import TYPE_CHECKING
 
 from engine.memory.plan import MIN_PREFILL_TOKENS, MiB, fmt_bytes, safety_margin_for
 from service.vram.sources import VramSample, resolve_reserve
+from service.vram.split_rung import NewSplit, give_back, take_back
 
 if TYPE_CHECKING:
     from engine.wire.ipc import PoolStats
@@ -94,7 +98,8 @@ class PoolState:
     ``expert_slots`` is the GPU expert cache now (slots over every layer whose routed
     experts live in host memory), ``planned_expert_slots`` the plan's (the ceiling to
     grow back to), ``expert_slot_bytes`` one slot's device memory; all 0 when every
-    expert is on the device (then the step is skipped).
+    expert is on the device (then the step is skipped). The split's fields are
+    ``engine.wire.ipc.PoolStats``' (all 0 where it cannot move).
     """
 
     pages: int
@@ -110,6 +115,11 @@ class PoolState:
     expert_slots: int = 0
     planned_expert_slots: int = 0
     expert_slot_bytes: int = 0
+    cpu_layers: int = 0
+    planned_cpu_layers: int = 0
+    max_cpu_layers: int = 0
+    layer_bytes: int = 0
+    device_layers: int = 0
 
     @property
     def pool_bytes(self) -> int:
@@ -178,7 +188,7 @@ class Squeeze:
     message: str
 
 
-Action = NewChunkCap | NewExpertCache | EmptyPrefixCache | NewPoolSize | Squeeze
+Action = NewChunkCap | NewExpertCache | EmptyPrefixCache | NewPoolSize | NewSplit | Squeeze
 
 
 @dataclass(frozen=True)
@@ -343,6 +353,7 @@ class ReplanController:
             actions.append(NewExpertCache(pool.expert_slots - give, pool.expert_slots, reason))
             self._last_resize_at = now
             freed += give * pool.expert_slot_bytes
+        pages = pool.pages
         if need > freed:
             give = min(
                 math.ceil((need - freed) / pool.page_bytes),
@@ -354,6 +365,12 @@ class ReplanController:
                 actions.append(NewPoolSize(pool.pages - give, pool.pages, reason))
                 self._last_resize_at = now
                 freed += give * pool.page_bytes
+                pages -= give
+        move, moved = give_back(pool, min(need, self.shrink_target_bytes - headroom) - freed, pages, reason)
+        if move is not None:
+            actions.append(move)
+            self._last_resize_at = now
+            freed += moved
         # A squeeze is judged on the headroom now plus what was freed, not on a doubled
         # probe (which is a guess at an unknown demand, not a shortfall).
         expected = headroom + freed
@@ -367,6 +384,7 @@ class ReplanController:
                     f"{max(pool.min_pages, 2) - 1} pages (one request of the minimum context), "
                     + ("the expert cache empty (every routed expert in host memory), "
                        if pool.planned_expert_slots > 0 else "")
+                    + (f"{pool.max_cpu_layers} decoder layers on the CPU, " if pool.max_cpu_layers else "")
                     + f"and the prefill chunk at {chunk} tokens, so the headroom stays about {fmt_bytes(short)} below low water. "
                     "Requests may fail with out_of_memory until the other processes let go.",
                 )
@@ -376,6 +394,7 @@ class ReplanController:
     def _take_back(self, now: float, headroom: int, pool: PoolState) -> list[Action]:
         if (
             pool.pages >= pool.planned_pages
+            and pool.cpu_layers <= pool.planned_cpu_layers
             and pool.expert_slots >= pool.planned_expert_slots
             and pool.prefill_chunk >= pool.planned_prefill_chunk
         ):
@@ -390,6 +409,12 @@ class ReplanController:
             f"headroom {fmt_bytes(headroom)} stayed above the high water mark of "
             f"{fmt_bytes(self.high_water_bytes)} for {now - self._above_since:.1f} s"
         )
+        if pool.cpu_layers > pool.planned_cpu_layers:  # the split's layers come back first
+            move, _ = take_back(pool, spare, reason)
+            if move is None:
+                return []
+            self._above_since = self._last_resize_at = now  # the next grow waits another hold
+            return [move]
         actions: list[Action] = []
         pages = pool.pages
         if pages < pool.planned_pages:

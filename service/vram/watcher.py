@@ -5,7 +5,7 @@ When memory moves: a few times a second (``--vram-hz``) the watcher takes a
 and hands it with the worker's pool (``engine.wire.ipc.PoolStats`` from its last heartbeat or
 command) to :class:`service.vram.replan.ReplanController`. Each action the controller picks
 goes to the worker as a typed command (``engine.wire.ipc.SetPrefillChunk``,
-``ResizeExpertCache``, ``EvictPrefixCache``, ``ResizePool``, each with ``origin="watcher"``) and is awaited before the next sample, so every
+``ResizeExpertCache``, ``EvictPrefixCache``, ``ResizePool``, ``MoveLayers``, each with ``origin="watcher"``) and is awaited before the next sample, so every
 decision sees the pool its predecessor left. The worker answers with the engine's
 ``Replanned`` events, which :mod:`service.supervision.engine_events_to_ui` turns into
 ``replan`` events.
@@ -66,6 +66,7 @@ from service.vram.sources import (
     nvml_index,
 )
 from service.vram.sources import resolve_reserve as _resolve_reserve
+from service.vram.split_rung import NewSplit
 
 log = logging.getLogger("headroom.vram")
 
@@ -276,6 +277,8 @@ class VramWatcher:
             kind, fields = ipc.EvictPrefixCache, {}
         elif isinstance(action, NewPoolSize):
             kind, fields = ipc.ResizePool, {"num_pages": action.num_pages}
+        elif isinstance(action, NewSplit):
+            kind, fields = ipc.MoveLayers, {"cpu_layers": action.cpu_layers}
         else:  # pragma: no cover - a new action kind
             log.error("unknown replan action %r", action)
             return False

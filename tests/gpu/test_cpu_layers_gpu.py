@@ -42,3 +42,36 @@ def test_split_across_cuda_and_cpu_equals_unsplit(tmp_path, make_tiny_hf_model, 
     ours = _greedy(split, prompts)
     del split
     assert ours == _greedy(engine(0), prompts)
+
+
+def test_a_live_move_down_and_back_up_keeps_the_unsplit_ids(tmp_path, make_tiny_hf_model):
+    """``--cpu-layers auto`` on CUDA: requests prefilled on the whole device decode across
+    a move of two layers to the CPU and back (``Engine.move_split``); the device pool
+    drops and regains their buffers, the CUDA graphs are set aside while split and used
+    again after, and the ids are the unsplit engine's."""
+    import torch
+
+    make_tiny_hf_model("llama", tmp_path, num_hidden_layers=LAYERS)
+    prompts = {"a": [11, 40, 7, 93, 120, 5, 61, 200, 17, 3, 44], "b": [150, 31, 77, 8, 2, 190, 66]}
+    config = dict(model=str(tmp_path), device="cuda", dtype="float32", kv_cache=64 << 20)
+    whole = _greedy(Engine(EngineConfig(**config, cpu_layers="0")), prompts)
+    engine = Engine(EngineConfig(**config, cpu_layers="auto"))
+    graphs = engine.runner.graphs
+    sampling = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    out: dict[str, list[int]] = {rid: [] for rid in prompts}
+    for rid, ids in prompts.items():
+        engine.add_request(GenerateRequest(request_id=rid, prompt_token_ids=ids, sampling=sampling))
+    kv = engine.pool.nbytes
+    for cpu in (2, 0):
+        for _ in range(3):
+            for o in engine.step():
+                out[o.request_id].extend(o.token_ids)
+        before = torch.cuda.memory_allocated()
+        engine.move_split(cpu)
+        assert engine.pool.nbytes == kv * (LAYERS - cpu) // LAYERS
+        assert (torch.cuda.memory_allocated() < before) == (cpu > 0)
+        assert engine.runner.graphs is (None if cpu else graphs)
+    while engine.has_work():
+        for o in engine.step():
+            out[o.request_id].extend(o.token_ids)
+    assert out == whole

@@ -260,3 +260,43 @@ def test_backend_reads_the_ring_as_the_whole_context(backend, decode):
         out[kind] = [attn.forward(q, None, None, layer, batch, kv_stored=True) for layer in (0, 1)]
     for layer in (0, 1):
         torch.testing.assert_close(out["ring"][layer], out["full"][layer], rtol=1e-5, atol=1e-5)
+
+
+def test_decode_graph_inputs_carry_the_ring(pair):
+    """The decode graphs' static batch (:class:`engine.core.cuda_graphs.DecodeGraphs`)
+    filled for three decoding requests, padded to 4 rows, gives the logits of the eager
+    batch: its ring slots and page table are the requests' (run eagerly here on the CPU
+    through the Triton backend, which the graphs capture, under Triton's interpreter; the
+    pinned buffers' constant sections written as the CUDA path keeps them)."""
+    from triton_interpret import INTERPRETING
+
+    from engine.core.cuda_graphs import DecodeGraphs
+    from engine.layers.attention.registry import model_attention
+
+    pytest.importorskip("triton")
+    if not INTERPRETING:
+        pytest.skip("the step's tensors are on the CPU: Triton runs them interpreted only")
+    _, _, _, config, path = pair
+    engine = ring_engine(path, max_prefill_tokens=8, max_running_requests=4)
+    attn = model_attention("triton", engine.pool, config, 4)
+    for i, ids in enumerate(seeded_prompts(VOCAB, 30, 21, 13)):
+        engine.add_request(GenerateRequest(request_id=f"g{i}", prompt_token_ids=ids, sampling=greedy_params(12)))
+    while engine.has_work():
+        engine.step()
+        plan = engine.scheduler.schedule()
+        if plan is None or not plan.is_decode or len(plan.items) < 3 or plan.items[0].req.kv_len < 30:
+            if plan is not None:
+                engine.scheduler.rollback(plan)
+            continue
+        graphs = DecodeGraphs(engine.model, attn, torch.device("cpu"), page_size=4, max_batch=4,
+                              max_context_tokens=64, ring=True)
+        assert graphs.ring and graphs.size_for(3) == 4
+        graphs._fill(plan.items, 4)
+        graphs._host_constants(graphs._dev.numpy())
+        with torch.inference_mode():
+            eager = engine.model(engine.runner.build_batch(plan), attn)
+            static = engine.model(graphs._batches[4], attn)[:3]
+        torch.testing.assert_close(static, eager)
+        engine.scheduler.rollback(plan)
+        return
+    pytest.fail("no decode step of three requests past 30 tokens")

@@ -13,6 +13,9 @@ seq_lens | prefix_lens | extend_lens | extend_starts | logits rows | page table]
 section sized for the largest graph; a step writes the host copy with NumPy and uploads
 it in one transfer (:class:`engine.core.step_inputs.PinnedStaging`), then replays. The page
 table has one row per sequence as wide as the model's context, so it never needs to grow.
+Where sliding-window layers keep only their window (:mod:`engine.kvcache.ring`), two
+more sections follow: those layers' slots and their page table, built from each
+request's ring alike.
 
 The graphs hold the KV pool's buffer addresses. A live resize gives the pool new
 buffers (:meth:`engine.kvcache.pool.KVPool.resize`), so the engine calls
@@ -92,17 +95,21 @@ class DecodeGraphs:
         page_size: the pool's.
         max_batch: largest captured batch.
         max_context_tokens: longest context a sequence can reach (the page table width).
+        ring: the pool's sliding-window layers keep only their window: the static inputs
+            carry their slots and page table too (:mod:`engine.kvcache.ring`).
     """
 
     def __init__(self, model: torch.nn.Module, attn: AttentionBackend, device: torch.device, *, page_size: int,
-                 max_batch: int, max_context_tokens: int) -> None:
+                 max_batch: int, max_context_tokens: int, ring: bool = False) -> None:
         self.model, self.attn, self.device = model, attn, device
         self.page_size = page_size
         self.sizes = graph_batch_sizes(max_batch)
         self.max_batch = self.sizes[-1]
         self.width = math.ceil(max_context_tokens / page_size)
         g = self.max_batch
-        self._size = 8 * g + g * self.width
+        self.ring = ring
+        self._ring_at = self._TABLE * g + g * self.width  # the ring's slots, then its page table
+        self._size = self._ring_at + (g + g * self.width if self.ring else 0)
         self._dev = torch.zeros(self._size, dtype=torch.int64, device=device)
         self.staging = PinnedStaging(device, self._size)
         for _ in range(2):  # both pinned buffers start with the constant sections
@@ -135,8 +142,14 @@ class DecodeGraphs:
         h[self._STARTS * g : (self._STARTS + 1) * g] = np.arange(g)
         h[self._LOGITS * g : (self._LOGITS + 1) * g] = np.arange(g)
 
+    def _ring_sections(self, buf, b: int):
+        """The ring's slots ``[b]`` and page table ``[b, width]`` of ``buf``."""
+        g, w, r = self.max_batch, self.width, self._ring_at
+        return buf[r : r + b], buf[r + g : r + g + b * w].reshape(b, w)
+
     def _static_batch(self, b: int) -> ForwardBatch:
         d, g = self._dev, self.max_batch
+        ring_slots, ring_table = self._ring_sections(d, b) if self.ring else (None, None)
         return ForwardBatch(
             is_decode=True,
             input_ids=self._section(d, self._IDS, b),
@@ -150,6 +163,8 @@ class DecodeGraphs:
             prefix_lens_device=self._section(d, self._PREFIX, b),
             extend_lens_device=self._section(d, self._EXT, b),
             extend_starts_device=self._section(d, self._STARTS, b),
+            ring_out_slots=ring_slots,
+            ring_page_table=ring_table,
         )
 
     def size_for(self, batch_size: int) -> int | None:
@@ -180,12 +195,11 @@ class DecodeGraphs:
         """Write the decode inputs of ``items`` into a host buffer and upload the part the
         graph of ``padded`` rows reads."""
         g, ps, w = self.max_batch, self.page_size, self.width
-        n = self._TABLE * g + padded * w
-        h = self.staging.host(n)
+        h = self.staging.host(self.input_words(padded))
         nb = len(items)
         ids, pos, slots = (self._section(h, k, padded) for k in (self._IDS, self._POS, self._SLOTS))
         seq, prefix = self._section(h, self._SEQ, padded), self._section(h, self._PREFIX, padded)
-        table = h[self._TABLE * g : n].reshape(padded, w)
+        table = h[self._TABLE * g : self._TABLE * g + padded * w].reshape(padded, w)
         for b, it in enumerate(items):
             req, p = it.req, it.start
             pages = req.pages
@@ -193,6 +207,13 @@ class DecodeGraphs:
             pos[b] = p
             slots[b] = pages[p // ps] * ps + p % ps
             table[b, : len(pages)] = pages
+        if self.ring:
+            ring_slots, ring_table = self._ring_sections(h, padded)
+            for b, it in enumerate(items):
+                ring, n, p = it.req.ring, len(it.req.pages), it.start
+                ring_table[b, :n] = np.asarray(ring)[np.arange(n) % len(ring)]
+                ring_slots[b] = ring_table[b, p // ps] * ps + p % ps
+            ring_slots[nb:] = 0  # padding rows write the ring's null page
         prefix[:nb] = pos[:nb]
         seq[:nb] = pos[:nb] + 1
         # Padding rows: token 0 at position 0, written to the null page, no context.
@@ -203,11 +224,14 @@ class DecodeGraphs:
     def _fill_dummy(self, padded: int) -> None:
         g = self.max_batch
         n = self._TABLE * g + padded * self.width
-        h = self.staging.host(n)
+        h = self.staging.host(self.input_words(padded))
         for k in (self._IDS, self._POS, self._SLOTS, self._PREFIX):
             self._section(h, k, padded)[:] = 0
         self._section(h, self._SEQ, padded)[:] = 1
         h[self._TABLE * g : n] = 0
+        if self.ring:
+            for part in self._ring_sections(h, padded):
+                part[:] = 0
         self.staging.upload(h, self._dev)
         self.attn.graph_plan(padded, self._section(h, self._SEQ, padded), h[self._TABLE * g : n].reshape(padded, -1))
 
@@ -325,7 +349,10 @@ class DecodeGraphs:
 
     def input_words(self, padded: int) -> int:
         """How many int64 words of the input buffer a replay of ``padded`` rows reads
-        (every section, the page table's first ``padded`` rows)."""
+        (every section, the page table's first ``padded`` rows; with a ring, up to its
+        page table's first ``padded`` rows)."""
+        if self.ring:
+            return self._ring_at + self.max_batch + padded * self.width
         return self._TABLE * self.max_batch + padded * self.width
 
     def _ensure(self, padded: int) -> bool:
@@ -366,7 +393,7 @@ class DecodeGraphs:
             h = inputs.cpu().numpy()
             g = self.max_batch
             self.attn.graph_plan(padded, self._section(h, self._SEQ, padded),
-                                 h[self._TABLE * g : words].reshape(padded, self.width))
+                                 h[self._TABLE * g : self._TABLE * g + padded * self.width].reshape(padded, self.width))
         self._graphs[padded].replay()
         self.replays += 1
 

@@ -93,10 +93,8 @@ class PlanStages:
         reference_experts = mc.is_moe and bool(mc.expert_bias or mc.swiglu_limit)
         # Nor with decoder layers on the CPU (--cpu-layers): a step reads the device's rows
         # back to the host mid-forward, so it decodes eagerly (logged at the split).
-        # Nor where sliding-window layers keep only their window: the graphs' static
-        # inputs do not carry the ring's page table yet (engine.kvcache.ring).
         return (self.config.cuda_graphs and self.device.type == "cuda" and self._cuda_graph_max_batch >= 1
-                and not self.cpu_layers and not (self.config.sliding_kv_ring and self._kv_ring)
+                and not self.cpu_layers
                 and not mc.is_hybrid and can_capture_decode(self.expert_stores) and tp_ok and not reference_experts
                 and backend_class(self.attention_backend).supports_cuda_graphs)
 
@@ -106,9 +104,12 @@ class PlanStages:
         """Largest one-sequence prefill chunk replayed from a CUDA graph, 0 for none
         (:mod:`engine.core.prefill_graphs`): with the decode graphs, for dense models on
         one GPU over a backend that plans nothing on the host; never above the configured
-        chunk (the engine caps it again at the chunk the plan fitted)."""
+        chunk (the engine caps it again at the chunk the plan fitted). Not where sliding
+        layers keep only their window (engine.kvcache.ring): the prefill graphs' static
+        inputs do not carry the ring's page table (the decode graphs' do)."""
         mc = self.model_config
         if (not self._use_cuda_graphs or mc.is_moe or self.expert_stores or self.tp is not None
+                or (self.config.sliding_kv_ring and self._kv_ring is not None)
                 or self._prefill_capture_failed
                 or backend_plans_on_host(backend_class(self.attention_backend))):
             return 0
@@ -129,7 +130,8 @@ class PlanStages:
         before_forward(self.expert_stores, 0)  # the warm-ups heat no offloaded expert
         attn = self._attention(probe_pool)
         graphs = DecodeGraphs(self.model, attn, self.device, page_size=self.config.page_size,
-                              max_batch=self._cuda_graph_max_batch, max_context_tokens=model_ctx)
+                              max_batch=self._cuda_graph_max_batch, max_context_tokens=model_ctx,
+                              ring=bool(probe_pool.ring_layers))
         prefill = None
         try:
             taken = graphs.capture_all()

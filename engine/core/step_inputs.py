@@ -69,10 +69,13 @@ class PinnedStaging:
     def upload(self, host: np.ndarray, dest: torch.Tensor | None = None) -> torch.Tensor:
         """Copy ``host`` (from :meth:`host`) to ``dest[:len(host)]`` (a device int64 tensor)
         asynchronously; returns that device slice. On the CPU path returns ``host`` as a
-        tensor."""
+        tensor, or, given a ``dest``, copies it there and returns that slice."""
         n = host.shape[0]
         if not self.on_cuda:
-            return torch.from_numpy(host)
+            if dest is None:
+                return torch.from_numpy(host)
+            dest[:n].copy_(torch.from_numpy(host))
+            return dest[:n]
         assert dest is not None
         out = dest[:n]
         out.copy_(self._host[self._flip][:n], non_blocking=True)

@@ -1,8 +1,8 @@
 """Sliding-window layers that keep only their window (``--sliding-kv-ring``,
 :mod:`engine.kvcache.ring`): greedy ids equal transformers' (eager attention) for prompts
 several windows long (window 8, pages of 4 tokens) alone, batched, in prefill chunks,
-after a preemption and where a prefix cache would have hit; the ring pool holds one ring
-per running request and no more; the pool's resize leaves the ring alone; the plan
+after a preemption and after a prefix-cache hit (the ring's last window restored from a
+checkpoint); the ring pool holds one ring per running request and no more; the pool's resize leaves the ring alone; the plan
 prices the sliding layers at their rings and the others per token."""
 
 from __future__ import annotations
@@ -52,7 +52,6 @@ def test_greedy_ids_equal_transformers_alone_batched_and_chunked(pair):
     want = [hf_greedy(hf, ids, STEPS) for ids in prompts]
     engine = ring_engine(path, max_prefill_tokens=16)  # rings of 7 pages: 28 tokens, so each wraps
     assert engine.pool.ring_layers == {i for i, w in enumerate(config.kv_windows) if w}
-    assert engine.radix is None
     assert run_all(engine, {"r0": (prompts[0], sampling)})["r0"] == want[0]
     together = run_all(ring_engine(path, max_prefill_tokens=16), {f"r{i}": (ids, sampling) for i, ids in enumerate(prompts)})
     assert [together[f"r{i}"] for i in range(len(prompts))] == want
@@ -64,8 +63,8 @@ def test_greedy_ids_equal_transformers_alone_batched_and_chunked(pair):
 
 def test_ring_pool_holds_one_ring_per_running_request(pair):
     """Three requests decoding 40 tokens past a 30-token prompt: at every step each
-    running request holds exactly R ring pages and the ring pool lends no others; all
-    come back at the end."""
+    running request holds exactly R ring pages and the ring pool lends no others (its
+    checkpoints apart); all come back at the end, the global pages to the prefix cache."""
     _, _, _, _, path = pair
     engine = ring_engine(path, max_prefill_tokens=8, max_running_requests=3)
     ring = engine.ring
@@ -84,7 +83,7 @@ def test_ring_pool_holds_one_ring_per_running_request(pair):
         most, steps = max(most, len(running)), steps + 1
     assert most == 3 and steps > 40
     assert ring.allocator.num_free == ring.allocator.num_usable
-    assert engine.allocator.num_free == engine.allocator.num_usable
+    assert engine.allocator.num_free + engine.radix.evictable_pages() == engine.allocator.num_usable
 
 
 def test_preempted_request_recomputes_its_ring(pair):
@@ -108,24 +107,35 @@ def test_preempted_request_recomputes_its_ring(pair):
     assert engine.ring.allocator.num_free == engine.ring.allocator.num_usable
 
 
-def test_shared_prefix_is_computed_again_and_equals_a_cold_run(pair):
-    """A second prompt sharing 24 ids with the first: no prefix cache with the ring (a
-    cached prefix would need the sliding layers' keys of the window before its end), so
-    it is computed whole and decodes as transformers does from scratch."""
+def test_prefix_cache_hit_restores_the_window_and_equals_a_cold_run(pair):
+    """A second prompt sharing 24 ids with the first, then a third continuing the first's
+    prompt and answer (an agent's next turn): each starts from a cached prefix whose
+    sliding layers' last window comes back from a ring checkpoint, and decodes as
+    transformers does from scratch."""
     _, hf, _, _, path = pair
     engine, sampling = ring_engine(path, max_prefill_tokens=16), greedy_params(STEPS)
-    first, tail = seeded_prompts(VOCAB, 34, 7)
+    first, tail, more = seeded_prompts(VOCAB, 34, 7, 5)
     second = first[:24] + tail
-    assert run_all(engine, {"a": (first, sampling)})["a"] == hf_greedy(hf, first, STEPS)
+    answer = run_all(engine, {"a": (first, sampling)})["a"]
+    assert answer == hf_greedy(hf, first, STEPS)
+    rings = engine.scheduler.prefix_states
+    assert rings.saved > 0
     assert run_all(engine, {"b": (second, sampling)})["b"] == hf_greedy(hf, second, STEPS)
-    assert engine.stats().prefix_hit_tokens == 0
+    assert rings.restored == 1 and engine.radix.hit_tokens >= 16
+    hits = engine.radix.hit_tokens
+    third = first + answer + more
+    assert run_all(engine, {"c": (third, sampling)})["c"] == hf_greedy(hf, third, STEPS)
+    assert rings.restored == 2 and engine.radix.hit_tokens - hits >= 44  # up to the first's last whole page
+    assert engine.ring.allocator.num_free == engine.ring.allocator.num_usable
 
 
 def test_without_the_option_nothing_changes(pair):
-    """The default: one pool of every layer, no ring, the prefix cache on."""
+    """The default: one pool of every layer, no ring, the prefix cache on without
+    checkpoints."""
     _, _, _, config, path = pair
     engine = cpu_engine(path)
-    assert engine.ring is None and not engine.pool.ring_layers and engine.radix is not None
+    assert engine.ring is None and not engine.pool.ring_layers and engine.radix.release_state is None
+    assert engine.scheduler.prefix_states is None
     assert engine.pool.nbytes == engine.pool.page_bytes * 128
     assert engine.info.kv_bytes_per_token == kv_bytes_per_token(config, torch.float32)
 
@@ -174,10 +184,11 @@ def test_plan_prices_global_layers_per_token_and_sliding_layers_at_their_rings(p
     fp = make_footprint(config, torch.float32, knobs)
     assert fp.kv_bytes_per_token == 2 * per_layer
     assert "keep a ring of 19 pages per running request" in fp.kv_window_note
+    assert ring.checkpoint_pages == 2 and knobs.state_checkpoints == 4
     device = DeviceMemory(name="sim", total_bytes=1 << 30, free_bytes=1 << 30, others_bytes=0, simulated=True)
     plan = make_plan(device, knobs, fp)
     rings = next(e for e in plan.ledger if e.name == "sliding-window KV rings")
-    assert rings.bytes == (1 + 4 * ring.pages) * 4 * 4 * per_layer
+    assert rings.bytes == (1 + 4 * ring.pages + 4 * 2) * 4 * 4 * per_layer
     tokens = plan.num_pages * knobs.page_size
     assert plan.kv_pool_bytes == tokens * 2 * per_layer
     full = make_plan(device, PlanKnobs(page_size=4, max_prefill_tokens=64, max_running_requests=4),
@@ -199,7 +210,7 @@ def test_cpu_plan_shows_the_rings(pair):
     per_layer = 2 * config.num_kv_heads * config.head_dim * 4
     h = cpu_holdings(EngineConfig(model=str(path), device="cpu", page_size=4, max_prefill_tokens=64,
                                   max_running_requests=4, sliding_kv_ring=True))
-    assert h.kv_ring_pages == 19 and h.kv_ring_bytes == (1 + 4 * 19) * 4 * 4 * per_layer
+    assert h.kv_ring_pages == 19 and h.kv_ring_bytes == (1 + 4 * 19 + 4 * 2) * 4 * 4 * per_layer
     assert h.kv_bytes_per_token == 2 * per_layer
     assert "sliding-window KV rings" in render_cpu(h, as_json=False)
 

@@ -379,7 +379,7 @@ class EngineConfig(KernelOptions):
     )
     prefix_cache: bool = option(True, "Share KV pages of common prompt prefixes.")
     sliding_kv_ring: bool = option(False, "Sliding-window layers keep only their window in the KV cache: a ring of "
-                                   "window + prefill chunk tokens per running request (no prefix cache then).")
+                                   "window + prefill chunk tokens reserved per running request (few requests, long contexts).")
     attention_backend: str = option(
         "auto",
         "Attention kernels: auto (Triton on CUDA, torch elsewhere), triton, flashinfer "

@@ -190,16 +190,13 @@ class Engine(PlanStages, WeightsStage, GrammarWaits, LiveReplan, SplitReplan):
                                     checkpoints=self.knobs.state_checkpoints)
             self.model.bind_states(self.states)
         # Sliding-window layers that keep only their window: one ring of pages per running
-        # request (engine.kvcache.ring), and no prefix cache: a cached prefix would need
-        # those layers' keys of the window before its end, which no ring keeps.
+        # request and the prefix cache's checkpoints of it (engine.kvcache.ring).
         ring = self._kv_ring
-        self.ring = None if ring is None else RingPages(ring, self.pool.ring_pages)
-        if ring is not None and config.prefix_cache:
-            log.info("prefix cache off: %d sliding-window layers keep only their window of %d tokens "
-                     "(--no-sliding-kv-ring keeps every token and the prefix cache)", len(ring.layers), ring.window)
-        self.radix = (RadixCache(self.allocator, config.page_size,
-                                 release_state=None if self.states is None else self.states.free_checkpoint)
-                      if config.prefix_cache and ring is None else None)
+        self.ring = None if ring is None else RingPages(ring, self.pool.ring_pages, self.pool,
+                                                        self.knobs.state_checkpoints)
+        release = self.states.free_checkpoint if self.states is not None else (
+            self.ring.free_checkpoint if self.ring is not None else None)
+        self.radix = RadixCache(self.allocator, config.page_size, release_state=release) if config.prefix_cache else None
         # Scheduler and runner.
         model_ctx = mc.max_position_embeddings
         if config.max_model_len is not None:

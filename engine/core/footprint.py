@@ -56,9 +56,9 @@ def kv_ring(mc: ModelConfig, knobs: PlanKnobs) -> SlidingRing | None:
     """The ring in which ``mc``'s sliding-window layers keep only their window
     (:mod:`engine.kvcache.ring`), sized for ``knobs``' prefill chunk and page; None when
     they keep every token: no sliding layer, only sliding layers,
-    ``--no-sliding-kv-ring``, or tensor parallelism (whose ranks are sent the global
-    page table only)."""
-    if not knobs.sliding_kv_ring or knobs.tensor_parallel_size > 1:
+    ``--no-sliding-kv-ring``, tensor parallelism (whose ranks are sent the global page
+    table only) or a hybrid model (whose prefix checkpoints are its states')."""
+    if not knobs.sliding_kv_ring or knobs.tensor_parallel_size > 1 or mc.is_hybrid:
         return None
     return sliding_ring(mc.kv_windows, max_chunk=knobs.max_prefill_tokens, page_size=knobs.page_size)
 
@@ -91,7 +91,8 @@ def kv_window_note(mc: ModelConfig, dtype: torch.dtype, ring: SlidingRing | None
     if ring is not None:
         return (f"{mc.num_kv_layers - len(sliding)} of {mc.num_kv_layers} layers per token; the {len(sliding)} that "
                 f"slide over {window:,} tokens keep a ring of {ring.pages} pages per running request "
-                f"({ring.pages * kv_ring_page_bytes(mc, dtype, ring):,} bytes)")
+                f"({ring.pages * kv_ring_page_bytes(mc, dtype, ring):,} bytes) and prefix-cache checkpoints of "
+                f"{ring.checkpoint_pages} pages")
     return (f"{len(sliding)} of {mc.num_kv_layers} layers slide over {window:,} tokens and are priced per token "
             f"like the others (their window alone: {window * len(sliding) * per_layer:,} bytes per request)")
 
@@ -271,7 +272,8 @@ def make_footprint(
         kv_bytes_per_token=kv_bytes_per_token(mc, kv_dtype, ring),
         kv_window_note=kv_window_note(mc, kv_dtype, ring),
         kv_ring_page_bytes=kv_ring_page_bytes(mc, kv_dtype, ring) if ring is not None else 0,
-        kv_ring_pages=(lambda k: ring_at(k).pool_pages(k.max_running_requests)) if ring is not None else None,
+        kv_ring_pages=((lambda k: ring_at(k).pool_pages(k.max_running_requests, k.state_checkpoints))
+                       if ring is not None else None),
         kv_heads=mc.num_kv_heads,
         kv_cache_dtype=kv_dtype_name(kv_dtype),
         vocab_size=mc.vocab_size,

@@ -245,9 +245,10 @@ class KVPool:
         scatter_kv(self.k_buffers[layer], slots, k)
         scatter_kv(self.v_buffers[layer], slots, v)
 
-    def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> None:
+    def copy_pages(self, src: Sequence[int], dst: Sequence[int], *, ring: bool = False) -> None:
         """Copy the keys and values of pages ``src[i]`` to pages ``dst[i]``, in every
-        layer. The two lists must not overlap (a page is read before any is written, per
+        layer but the ring layers (``ring``: in the ring layers only, pages of their
+        pool). The two lists must not overlap (a page is read before any is written, per
         buffer, so they could; the engine never asks for it)."""
         if len(src) != len(dst):
             raise ValueError(f"{len(src)} source pages but {len(dst)} destination pages")
@@ -257,7 +258,9 @@ class KVPool:
         offsets = torch.arange(ps)
         src_slots = (torch.tensor(list(src), dtype=torch.int64)[:, None] * ps + offsets).reshape(-1).to(self.device)
         dst_slots = (torch.tensor(list(dst), dtype=torch.int64)[:, None] * ps + offsets).reshape(-1).to(self.device)
-        for buf in self._paged_buffers():
+        buffers = [b for i in sorted(self.ring_layers) for b in (self.k_buffers[i], self.v_buffers[i])] if ring \
+            else self._paged_buffers()
+        for buf in buffers:
             raw = buf.view(torch.uint8) if is_fp8(buf.dtype) else buf  # no fp8 index ops on the CPU
             raw.index_copy_(0, dst_slots, raw.index_select(0, src_slots))
 

@@ -22,7 +22,19 @@ kernels read only live keys. No new attention kernel is needed.
 The global layers keep the page table and pool they always had. The scheduler caps a
 chunk at ``max_chunk`` and admits a request only when a whole ring is free; the ring
 goes back when the request is preempted, finishes or is aborted. The ring pool does not
-follow live resizes of the pool: it is sized once, for ``max_running_requests`` rings.
+follow live resizes of the pool: it is sized once, for ``max_running_requests`` rings
+and the prefix cache's checkpoints.
+
+Prefix cache: a cached prefix's pages hold the global layers only, and a prefix ending
+at position ``E`` is only usable with the sliding layers' keys of positions
+``E + 1 - window .. E - 1`` (what the next chunk's first token reads). Computing those
+again is no way out: their own first tokens would miss the window before them, and so
+on back to the start. So, as a hybrid model keeps its linear layers' states, a
+*checkpoint* copies the ring's last :attr:`SlidingRing.checkpoint_pages` logical pages
+before a page boundary aside (:meth:`RingPages.save`, into pages of the ring pool
+reserved for checkpoints), the radix node ending there holds it, a match stops at the
+deepest node holding one, and a request starting from it copies it into its own ring
+(:meth:`RingPages.restore`); :mod:`engine.scheduler.prefix_rings` takes them.
 
 Reference for the idea (read, not copied): SGLang's SWA token allocator and vLLM's
 hybrid KV cache manager, which keep sliding layers' KV apart from the full layers'.
@@ -34,6 +46,7 @@ import math
 from dataclasses import dataclass
 
 from engine.kvcache.allocator import PageAllocator
+from engine.kvcache.pool import KVPool
 
 
 @dataclass(frozen=True)
@@ -57,9 +70,16 @@ class SlidingRing:
         """``R``, the ring pages one running request holds (see the module docstring)."""
         return math.ceil((self.window + self.max_chunk) / self.page_size) + 1
 
-    def pool_pages(self, max_running_requests: int) -> int:
-        """Pages of the ring pool, the null page included: one ring per running request."""
-        return 1 + max_running_requests * self.pages
+    @property
+    def checkpoint_pages(self) -> int:
+        """Pages of one prefix-cache checkpoint: the logical pages before a page boundary
+        that a chunk starting there reads, ``ceil((window - 1) / page_size)`` (at least 1)."""
+        return max(math.ceil((self.window - 1) / self.page_size), 1)
+
+    def pool_pages(self, max_running_requests: int, checkpoints: int = 0) -> int:
+        """Pages of the ring pool, the null page included: one ring per running request
+        and ``checkpoints`` prefix-cache checkpoints."""
+        return 1 + max_running_requests * self.pages + checkpoints * self.checkpoint_pages
 
 
 def sliding_ring(windows: tuple[int, ...], *, max_chunk: int, page_size: int) -> SlidingRing | None:
@@ -86,17 +106,30 @@ def ring_table(ring: list[int], num_pages: int) -> list[int]:
 
 
 class RingPages:
-    """The ring pool's allocator, a whole ring at a time.
+    """The ring pool's allocator, a whole ring at a time, and its prefix-cache checkpoints.
 
     Args:
         ring: the geometry.
         num_pages: ring pool pages, the null page included
-            (:meth:`SlidingRing.pool_pages`).
+            (:meth:`SlidingRing.pool_pages`); the last ``checkpoints *
+            ring.checkpoint_pages`` of them hold checkpoints, the others rings.
+        pool: the KV pool whose ring layers' pages checkpoints copy (None: no checkpoints).
+        checkpoints: how many checkpoints the pool holds.
+
+    Raises:
+        ValueError: checkpoints without a pool, or more than the pages hold.
     """
 
-    def __init__(self, ring: SlidingRing, num_pages: int) -> None:
+    def __init__(self, ring: SlidingRing, num_pages: int, pool: KVPool | None = None, checkpoints: int = 0) -> None:
+        self._base = num_pages - checkpoints * ring.checkpoint_pages  # the first checkpoint page
+        if checkpoints and pool is None or self._base < 2:
+            raise ValueError(f"{checkpoints} checkpoints of {ring.checkpoint_pages} pages in a ring pool of "
+                             f"{num_pages} pages{' without a KV pool' if pool is None else ''}")
         self.ring = ring
-        self.allocator = PageAllocator(num_pages)
+        self.pool = pool
+        self.allocator = PageAllocator(self._base)
+        self._free_checkpoints = list(range(checkpoints))
+        self.checkpoints = checkpoints
 
     @property
     def free_rings(self) -> int:
@@ -114,3 +147,35 @@ class RingPages:
     def give(self, pages: list[int]) -> None:
         """Return a ring taken by :meth:`take`."""
         self.allocator.free(pages)
+
+    def _pages(self, checkpoint: int, ring: list[int], end: int) -> tuple[list[int], list[int]]:
+        """``(ring pages, checkpoint pages)`` of the logical pages a checkpoint at token
+        ``end`` (a page boundary) keeps: the last ``checkpoint_pages`` before it."""
+        c, ps = self.ring.checkpoint_pages, self.ring.page_size
+        last = end // ps
+        first = max(0, last - c)
+        return ([ring[j % len(ring)] for j in range(first, last)],
+                [self._base + checkpoint * c + i for i in range(last - first)])
+
+    def save(self, ring: list[int], end: int) -> int | None:
+        """Copy the sliding layers' keys and values before token ``end`` (a page
+        boundary) of the request holding ``ring`` into a free checkpoint; returns it, or
+        None when none is free (the caller frees one and asks again, or goes without)."""
+        if not self._free_checkpoints:
+            return None
+        checkpoint = self._free_checkpoints.pop()
+        src, dst = self._pages(checkpoint, ring, end)
+        self.pool.copy_pages(src, dst, ring=True)
+        return checkpoint
+
+    def restore(self, checkpoint: int, ring: list[int], end: int) -> None:
+        """Copy ``checkpoint`` (taken at token ``end``) into the ring ``ring`` of a request
+        whose cached prefix ends there (the checkpoint stays)."""
+        dst, src = self._pages(checkpoint, ring, end)
+        self.pool.copy_pages(src, dst, ring=True)
+
+    def free_checkpoint(self, checkpoint: int) -> None:
+        """Give a checkpoint back. Raises ValueError for one that is not held."""
+        if not 0 <= checkpoint < self.checkpoints or checkpoint in self._free_checkpoints:
+            raise ValueError(f"ring checkpoint {checkpoint} is not held")
+        self._free_checkpoints.append(checkpoint)

@@ -216,10 +216,10 @@ def _ledger_at(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint, host_layer
     # request and the null page (engine.kvcache.ring), whatever the context.
     ring = fp.kv_ring_page_bytes * fp.kv_ring_pages(knobs) if fp.kv_ring_pages is not None else 0
     if ring:
-        per_request = (fp.kv_ring_pages(knobs) - 1) // max(knobs.max_running_requests, 1)
         ledger.append(LedgerEntry("sliding-window KV rings", ring, "-",
-                                  f"exact, {knobs.max_running_requests} requests x {per_request} pages + 1 null page "
-                                  f"of {fmt_bytes(fp.kv_ring_page_bytes)}: each window and a prefill chunk"))
+                                  f"exact, {fp.kv_ring_pages(knobs)} pages of {fmt_bytes(fp.kv_ring_page_bytes)}: a ring "
+                                  f"per request ({knobs.max_running_requests}; its window and a prefill chunk), "
+                                  f"{knobs.state_checkpoints} prefix-cache checkpoints, the null page"))
     moved, _ = fp.moved_bytes(cpu_layers)
     fixed = (fp.weight_bytes - moved + fp.runtime_bytes + sum(b for _, b in fp.workspace_bytes) + sampler + activation
              + fp.cuda_graph_bytes + fp.scratch_bytes + states + ring)

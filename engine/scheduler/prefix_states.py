@@ -54,7 +54,7 @@ class PrefixStates:
         """Start ``req`` (holding its state slot) from the states at ``node``, the end of
         the prefix it matched (nothing to do for the empty prefix)."""
         if node.state is not None:
-            self.states.restore(node.state, req.state_slot)
+            self._restore(node.state, req)
             self.restored += 1
 
     def chunk_tokens(self, req: Request, n: int) -> int:
@@ -69,15 +69,15 @@ class PrefixStates:
         boundary, hand its pages to the prefix cache (``cache_prefix``) and keep a copy of
         its states at the node ending there. ``decoding``: the step was a decode step
         (its checkpoint replaces the request's previous decode checkpoint)."""
-        if req.kv_len == 0 or req.kv_len % self.page_size or req.state_slot is None:
+        if req.kv_len == 0 or req.kv_len % self.page_size or not self._holds(req):
             return
         cache_prefix(req)
         node = req.last_node
         if node is None or node.state is not None:
             return
-        checkpoint = self.states.save(req.state_slot)
+        checkpoint = self._save(req)
         if checkpoint is None and self.radix.drop_lru_state():
-            checkpoint = self.states.save(req.state_slot)
+            checkpoint = self._save(req)
         if checkpoint is None:
             return
         if not self.radix.attach_state(node, checkpoint):
@@ -89,6 +89,17 @@ class PrefixStates:
             if previous is not None and previous is not node:
                 self.radix.drop_state(previous)
             self._decode_nodes[req.request_id] = node
+
+    # What a checkpoint copies, for the state pool; engine.scheduler.prefix_rings
+    # copies a sliding-window ring instead.
+    def _holds(self, req: Request) -> bool:
+        return req.state_slot is not None
+
+    def _save(self, req: Request) -> int | None:
+        return self.states.save(req.state_slot)
+
+    def _restore(self, checkpoint: int, req: Request) -> None:
+        self.states.restore(checkpoint, req.state_slot)
 
     def forget(self, req: Request) -> None:
         """``req`` ended or left the running set: its last decode checkpoint stays cached,

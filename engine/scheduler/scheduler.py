@@ -25,6 +25,7 @@ from engine.kvcache.allocator import OutOfPages, PageAllocator
 from engine.kvcache.radix import RadixCache
 from engine.kvcache.ring import RingPages
 from engine.scheduler.prefix_pages import cache_full_pages
+from engine.scheduler.prefix_rings import PrefixRings
 from engine.scheduler.prefix_states import PrefixStates
 from engine.scheduler.request import Phase, Request
 from engine.scheduler.step import StepItem, StepPlan
@@ -74,11 +75,9 @@ class Scheduler:
         than it was sized for); a request holds a slot, a ring, from admission for as long
         as it holds pages (``Request.state_slot``, ``Request.ring``).
 
-        Raises:
-            ValueError: a ring with a prefix cache (no ring keeps the keys a cached prefix needs).
+        With a prefix cache, each keeps checkpoints at page boundaries beside the cached
+        pages (:mod:`engine.scheduler.prefix_states`, :mod:`engine.scheduler.prefix_rings`).
         """
-        if ring is not None and radix is not None:
-            raise ValueError("sliding layers that keep only their window take no prefix cache (radix=None)")
         self.ring = ring
         self.config = config
         self.states = states
@@ -87,9 +86,13 @@ class Scheduler:
         self.max_context_tokens = config.max_context_tokens
         self.allocator = allocator
         self.radix = radix
-        # A hybrid model's prefix cache keeps its states at page boundaries too.
-        self.prefix_states = (PrefixStates(states, radix, config.page_size)
-                              if states is not None and radix is not None else None)
+        # A hybrid model's prefix cache keeps its states at page boundaries too, and one
+        # of sliding layers that keep only their window their ring's last window.
+        self.prefix_states = None
+        if states is not None and radix is not None:
+            self.prefix_states = PrefixStates(states, radix, config.page_size)
+        elif ring is not None and radix is not None:
+            self.prefix_states = PrefixRings(ring, radix, config.page_size)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # prefill and decode, in arrival order
         self.requests: dict[str, Request] = {}
@@ -374,6 +377,8 @@ class Scheduler:
         if self.radix is not None and req.last_node is not None:
             self.radix.unlock(req.last_node)
         if req.ring:
+            if self.prefix_states is not None:
+                self.prefix_states.forget(req)
             self.ring.give(req.ring)
             req.ring = []
         if req.state_slot is not None:

@@ -18,6 +18,7 @@ from engine.memory.plan import MemoryPlan
 from engine.wire.messages import (
     BY_CONTROL,
     REPLAN_EVICT_PREFIX_CACHE,
+    REPLAN_MOVE_LAYERS,
     REPLAN_PREFILL_CHUNK,
     REPLAN_RESIZE_EXPERT_CACHE,
     REPLAN_RESIZE_POOL,
@@ -174,3 +175,39 @@ def test_expert_cache_resizes_become_replan_events_with_the_slots():
     assert shrink.before.num_pages == shrink.after.num_pages == 100, "the pool is untouched"
     assert by_hand.after.expert_cache_slots == 0
     assert pool.before.expert_cache_slots is None and pool.after.expert_cache_bytes is None
+
+
+def test_split_moves_become_replan_events_and_a_plan_with_the_split_now():
+    """A move of the split (``REPLAN_MOVE_LAYERS``) becomes ``move_layers_to_cpu`` /
+    ``_to_device`` with the layers before and after, and publishes the plan shown now
+    (its pool as live resizes left it) with the split, its note and fixed bytes."""
+    from service.supervision.engine_events_to_ui import info_after
+
+    shown = MemoryPlan(
+        device="sim", simulated=True, ledger=[], budget_bytes=3 * GiB, fixed_bytes=GiB, kv_pool_bytes=30 * MiB,
+        num_pages=30, page_size=16, max_context_tokens=2048, min_context_tokens=512, fits=True, shortfall_bytes=0,
+        suggestions=[], max_prefill_tokens=256, max_running_requests=8, wanted_context_tokens=2048,
+    )
+    engines = msgspec.structs.replace(shown, num_pages=300, kv_pool_bytes=200 * MiB, fixed_bytes=GiB - 40 * MiB,
+                                      cpu_layers=10, split_note="decoder layers 20-29 (10 of 30) run on the CPU")
+    svc, hub = services_with_hub()
+    svc.supervisor.info = info(num_pages=31, plan=shown)
+    down = replanned(REPLAN_MOVE_LAYERS, 31, 31, before_cpu_layers=0, after_cpu_layers=10,
+                     moved_bytes=50 * MiB, plan=engines)
+    down = msgspec.structs.replace(down, after_bytes=20 * MiB)
+    svc.record_engine_event(down)
+    published = hub.snapshot().plan.plan
+    assert (published.cpu_layers, published.split_note) == (10, engines.split_note)
+    assert (published.num_pages, published.kv_pool_bytes, published.fixed_bytes) == (30, 20 * MiB, GiB - 40 * MiB)
+    svc.supervisor.info = info_after(svc.supervisor.info, down)
+    assert svc.supervisor.info.plan == published
+    svc.record_engine_event(replanned(REPLAN_MOVE_LAYERS, 31, 31, before_cpu_layers=10, after_cpu_layers=0,
+                                      moved_bytes=-50 * MiB, plan=msgspec.structs.replace(shown)))
+    svc.record_engine_event(replanned(REPLAN_RESIZE_POOL, 31, 61))
+    moved, back, pool = hub.snapshot().replans
+    assert [r.action for r in (moved, back)] == ["move_layers_to_cpu", "move_layers_to_device"]
+    assert (moved.before.cpu_layers, moved.after.cpu_layers) == (0, 10)
+    assert "10 decoder layers moved, 50 MiB of device memory given back" in moved.reason
+    assert "of device memory taken" in back.reason and back.after.cpu_layers == 0
+    assert pool.before.cpu_layers is None, "an engine whose layers never moved shows none"
+    assert hub.snapshot().plan.plan.cpu_layers == 0 and hub.snapshot().plan.plan.split_note == ""

@@ -132,3 +132,41 @@ def test_layers_come_back_as_many_as_fit_never_past_the_start():
     move, _ = take_back(pool, 100 * share, "why")
     assert move.cpu_layers == 2, "back to the start's split, no further"
     assert take_back(dataclasses.replace(pool, cpu_layers=2), 100 * share, "why") == (None, 0)
+
+
+def test_the_control_api_sets_the_split_and_the_split_layers_come_back_to():
+    """A person asks for a split through the control API: the worker gets the command
+    (origin control), and the watcher moves layers back only down to it until asked
+    again (null: the start's split). A split that cannot move is a 501's error naming
+    --cpu-layers auto; a count out of range a 400's naming the range."""
+    import asyncio
+
+    import msgspec
+    import pytest
+    from pool_fakes import pool_stats
+    from test_vram_watcher import FakeSupervisor
+
+    from engine.wire.messages import BY_CONTROL
+    from service.control.actions import SupervisorControl
+    from service.vram.watcher import VramWatcher
+
+    pool = msgspec.structs.replace(
+        pool_stats(201, min_pages=33, activation_bytes_per_token=0, max_context_tokens=2048),
+        cpu_layers=0, planned_cpu_layers=0, max_cpu_layers=29, layer_bytes=3 * MiB, device_layers=30,
+    )
+    sup = FakeSupervisor(pool)
+    sup.check_ready = lambda: None  # type: ignore[attr-defined]
+    watcher = VramWatcher(sup, None, None, kind="simulated")  # type: ignore[arg-type]
+    control = SupervisorControl(sup, watcher)  # type: ignore[arg-type]
+    asyncio.run(control.set_cpu_layers(12))
+    kind, fields = sup.link.commands[-1]
+    assert kind == "MoveLayers" and fields["cpu_layers"] == 12 and fields["origin"] == BY_CONTROL
+    moved = msgspec.structs.replace(pool, cpu_layers=12, device_layers=18)
+    assert watcher.cpu_floor_layers == 12 and watcher.pool_state(moved).planned_cpu_layers == 12
+    asyncio.run(control.set_cpu_layers(None))  # the start's split again
+    assert sup.link.commands[-1][1]["cpu_layers"] == 0 and watcher.pool_state(moved).planned_cpu_layers == 0
+    with pytest.raises(ValueError, match="cpu_layers 30: choose 0 to 29"):
+        asyncio.run(control.set_cpu_layers(30))
+    sup.link.pool = msgspec.structs.replace(pool, max_cpu_layers=0)
+    with pytest.raises(NotImplementedError, match="--cpu-layers auto"):
+        asyncio.run(control.set_cpu_layers(3))

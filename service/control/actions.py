@@ -171,6 +171,39 @@ class SupervisorControl:
                 done = await self._command(ipc.ResizeExpertCache, fields)
         return self._answer(done)
 
+    async def set_cpu_layers(self, cpu_layers: int | None) -> str:
+        """Run the last ``cpu_layers`` decoder layers on the CPU (``--cpu-layers auto``: the
+        split moves live, ``Engine.move_split``); None goes back to the start's split. The
+        count is also the split the watcher moves layers back to until it is changed again.
+
+        Raises:
+            NotReady: no worker is ready (503).
+            NotImplementedError: the split cannot move (a fixed ``--cpu-layers N``, or a
+                model that does not split) (501).
+            ValueError: a count outside ``0..max`` (400).
+            APIError: as :meth:`set_kv_cache`.
+        """
+        sup = self.supervisor
+        sup.check_ready()
+        pool = sup.link.pool
+        if pool is None or pool.max_cpu_layers == 0:
+            raise NotImplementedError(
+                "this engine's split cannot move: it needs --cpu-layers auto (a number is fixed) and a dense "
+                "Llama/Qwen2/Qwen3-family model on one device"
+            )
+        layers = pool.planned_cpu_layers if cpu_layers is None else cpu_layers
+        if not 0 <= layers <= pool.max_cpu_layers:
+            raise ValueError(f"cpu_layers {layers}: choose 0 to {pool.max_cpu_layers} (one decoder layer stays "
+                             "on the device)")
+        fields = {"cpu_layers": layers, "reason": f"{CONTROL_REASON}: {layers} decoder layers on the CPU"}
+        if self.watcher is None:
+            done = await self._command(ipc.MoveLayers, fields)
+        else:
+            async with self.watcher.lock:
+                self.watcher.cpu_floor_layers = cpu_layers
+                done = await self._command(ipc.MoveLayers, fields)
+        return self._answer(done)
+
     async def _command(self, kind: type, fields: dict) -> ipc.ControlDone | None:
         return await self.supervisor.link.run_command(
             kind, origin=BY_CONTROL, timeout_s=self.command_timeout_s, **fields

@@ -16,8 +16,9 @@ Routes (under ``path``, default ``/api``):
 - ``POST /control/resume``: load the worker again after a pause. No body. 202.
 - ``POST /control/reserve``: ``{"reserve": "auto" | bytes | "1.5GiB"}``. 202.
 - ``POST /control/cache``: ``{"kv_cache": bytes | "6GiB" | null, "expert_cache":
-  bytes | "1GiB" | null, "clear_prefix_cache": bool}``; a null size means "back to the
-  plan's size"; at least one of the three. 202.
+  bytes | "1GiB" | null, "cpu_layers": int | null, "clear_prefix_cache": bool}``; a null
+  size means "back to the plan's size" (null layers: the start's split); at least one of
+  the four. 202.
 - ``WS /events``: see below; a plain ``GET /events`` (no WebSocket upgrade) is 426
   Upgrade Required with ``Upgrade: websocket``.
 
@@ -92,6 +93,10 @@ class ControlTarget(Protocol):
 
     def set_expert_cache(self, expert_cache_bytes: int | None) -> Awaitable[str | None] | str | None:
         """Resize the GPU expert cache to ``expert_cache_bytes`` (None: the plan's size)."""
+        ...
+
+    def set_cpu_layers(self, cpu_layers: int | None) -> Awaitable[str | None] | str | None:
+        """Run the last ``cpu_layers`` decoder layers on the CPU (None: the start's split)."""
         ...
 
 
@@ -212,12 +217,16 @@ def events_router(
     @post("/control/cache", status_code=202, guards=guards)
     async def control_cache(request: Request[Any, Any, State]) -> ControlResponse:
         body = decode_body(await request.body(), CacheRequest)
-        if body.kv_cache is msgspec.UNSET and body.expert_cache is msgspec.UNSET and not body.clear_prefix_cache:
+        if (body.kv_cache is msgspec.UNSET and body.expert_cache is msgspec.UNSET
+                and body.cpu_layers is msgspec.UNSET and not body.clear_prefix_cache):
             raise invalid(
                 "nothing to do: send 'kv_cache' or 'expert_cache' (bytes, a size such as "
-                "\"6GiB\", or null for the plan's size) and/or 'clear_prefix_cache': true"
+                "\"6GiB\", or null for the plan's size), 'cpu_layers' (a number of decoder layers, "
+                "or null for the start's split) and/or 'clear_prefix_cache': true"
             )
         messages = []
+        if body.cpu_layers is not msgspec.UNSET:
+            messages.append(await _call(control.set_cpu_layers, body.cpu_layers))
         if body.clear_prefix_cache:
             messages.append(await _call(control.clear_prefix_cache))
         if body.expert_cache is not msgspec.UNSET:

@@ -27,10 +27,13 @@ class CacheRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ``clear_prefix_cache``: evict the prefix cache's unused pages (done first).
     ``expert_cache``: the GPU expert cache's size, for routed experts in host memory
     (``--cpu-experts``; bytes or text, whole slots; null: the plan's size; absent:
-    unchanged); done before ``kv_cache``."""
+    unchanged); done before ``kv_cache``. ``cpu_layers``: the last decoder layers the
+    CPU runs (``--cpu-layers auto`` and a model that can split; null: the start's split;
+    absent: unchanged); done first."""
 
     kv_cache: int | str | None | msgspec.UnsetType = msgspec.UNSET
     expert_cache: int | str | None | msgspec.UnsetType = msgspec.UNSET
+    cpu_layers: int | None | msgspec.UnsetType = msgspec.UNSET
     clear_prefix_cache: bool = False
 
 

@@ -297,7 +297,8 @@ class ReplanEvent(EventBase, frozen=True, kw_only=True, tag="replan"):
     """The plan changed while serving. ``action`` names the step (e.g.
     ``lower_chunk_cap``, ``evict_prefix_cache``, ``shrink_expert_cache``,
     ``grow_expert_cache``, ``shrink_kv``, ``grow_kv``, ``set_kv_cache``,
-    ``set_expert_cache``, ``move_layers_to_cpu``, ``move_layers_to_device``); ``reason``
+    ``set_expert_cache``, ``move_layers_to_cpu``, ``move_layers_to_device``,
+    ``set_cpu_layers``); ``reason``
     says why for people; ``duration_s`` how long it took.
     """
 

@@ -27,6 +27,7 @@ from typing import Any
 import msgspec
 
 from engine.common.units import SIZE_UNITS, fmt_bytes
+from engine.memory.plan import MemoryPlan
 from engine.wire.messages import (
     BY_CONTROL,
     OOM_FAILED,
@@ -83,11 +84,23 @@ def log_engine_event(event: EngineEvent) -> None:
         )
 
 
+def split_moved(plan: MemoryPlan | None, event: Replanned) -> MemoryPlan:
+    """The plan shown after a split's move (``event.plan`` set): ``plan`` (the one shown
+    now, its pool as live resizes left it) with the split, its note, the fixed bytes the
+    engine's plan now charges and the pool's bytes now; the engine's plan where none
+    is shown."""
+    if plan is None:
+        return event.plan
+    moved = event.plan
+    return msgspec.structs.replace(plan, cpu_layers=moved.cpu_layers, split_note=moved.split_note,
+                                   fixed_bytes=moved.fixed_bytes, kv_pool_bytes=event.after_bytes)
+
+
 def info_after(info: EngineInfo, event: EngineEvent) -> EngineInfo:
     """``info`` with the limits ``event`` changed; ``info`` itself (the same object)
     when it changed none."""
     if isinstance(event, Replanned):
-        plan = info.plan if event.plan is None else event.plan  # a split's move carries the plan after it
+        plan = info.plan if event.plan is None else split_moved(info.plan, event)
         if plan is not None and event.max_context_tokens != info.max_context_tokens:
             plan = plan.after_resize(max(event.after_pages - 1, 0), event.after_bytes, event.max_context_tokens,
                                      event.reason)
@@ -234,7 +247,7 @@ class EngineEventsToUI:
         new pool and context, its note saying so."""
         info = self.supervisor.info if self.supervisor is not None else None
         if event.plan is not None:  # a split's move: the plan with the split now
-            return PlanEvent(plan=event.plan)
+            return PlanEvent(plan=split_moved(None if info is None else info.plan, event))
         if info is None or info.plan is None or event.max_context_tokens == info.max_context_tokens:
             return None
         plan = info.plan.after_resize(max(event.after_pages - 1, 0), event.after_bytes, event.max_context_tokens,
@@ -269,7 +282,7 @@ class EngineEventsToUI:
             cached_after = cached
         elif event.action == REPLAN_MOVE_LAYERS:
             down = event.after_cpu_layers > event.before_cpu_layers
-            action = "move_layers_to_cpu" if down else "move_layers_to_device"
+            action = "set_cpu_layers" if by_control else "move_layers_to_cpu" if down else "move_layers_to_device"
             cached_after = cached
         else:
             action = event.action

@@ -32,6 +32,7 @@ in use, other processes' memory included, counts against the limit.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 from typing import Any, Literal
@@ -118,6 +119,9 @@ class VramWatcher:
         self.kv_ceiling_pages: int | None = None
         # Likewise the expert cache's slots asked for through the control API.
         self.expert_ceiling_slots: int | None = None
+        # The decoder layers on the CPU asked for through the control API: the split the
+        # watcher moves layers back to instead of the start's. None: the start's.
+        self.cpu_floor_layers: int | None = None
         self.latest: VramSample | None = None
         self.commands = 0  # commands sent to workers
         self._said_no_replan = False
@@ -240,15 +244,19 @@ class VramWatcher:
         return self.controller
 
     def pool_state(self, pool: ipc.PoolStats) -> PoolState:
-        """The controller's view of the worker's pool and expert cache; grows stop at the
-        sizes asked for through the control API, if any."""
+        """The controller's view of the worker's pool, expert cache and split; grows stop
+        at the sizes asked for through the control API, if any (and layers come back to
+        the split asked for)."""
         ceiling = pool.planned_pages if self.kv_ceiling_pages is None else self.kv_ceiling_pages
         slots = pool.planned_expert_slots if self.expert_ceiling_slots is None else self.expert_ceiling_slots
-        return PoolState.from_stats(
+        state = PoolState.from_stats(
             pool,
             planned_pages=max(ceiling, pool.min_pages),
             planned_expert_slots=min(slots, pool.max_expert_slots),
         )
+        if self.cpu_floor_layers is None:
+            return state
+        return dataclasses.replace(state, planned_cpu_layers=min(self.cpu_floor_layers, pool.max_cpu_layers))
 
     async def step(self, sample: VramSample) -> list[Any]:
         """One decision on ``sample``, carried out; returns the actions taken."""

@@ -7,11 +7,14 @@
  * `clear_prefix_cache`: evict the prefix cache's unused pages (done first).
  * `expert_cache`: the GPU expert cache's size, for routed experts in host memory
  * (`--cpu-experts`; bytes or text, whole slots; null: the plan's size; absent:
- * unchanged); done before `kv_cache`.
+ * unchanged); done before `kv_cache`. `cpu_layers`: the last decoder layers the
+ * CPU runs (`--cpu-layers auto` and a model that can split; null: the start's split;
+ * absent: unchanged); done first.
  */
 export interface CacheRequest {
   kv_cache?: number | string | null;
   expert_cache?: number | string | null;
+  cpu_layers?: number | null;
   clear_prefix_cache?: boolean;
 }
 
@@ -257,7 +260,8 @@ export interface PlanPoint {
  * The plan changed while serving. `action` names the step (e.g.
  * `lower_chunk_cap`, `evict_prefix_cache`, `shrink_expert_cache`,
  * `grow_expert_cache`, `shrink_kv`, `grow_kv`, `set_kv_cache`,
- * `set_expert_cache`, `move_layers_to_cpu`, `move_layers_to_device`); `reason`
+ * `set_expert_cache`, `move_layers_to_cpu`, `move_layers_to_device`,
+ * `set_cpu_layers`); `reason`
  * says why for people; `duration_s` how long it took.
  */
 export interface ReplanEvent {

@@ -138,6 +138,7 @@ def test_out_of_range_is_refused_naming_the_range(llama):
     assert engine.move_split(0) == 0 and not _moves(engine)  # no change, no event
 
 
+@pytest.mark.slow
 def test_default_gguf_moves_from_its_planned_split_and_back():
     """The default model (Q4_1 blocks, 30 layers) on a small simulated card starts split
     (auto), its GGUF projections kept in the file's form; moved up to none and down to

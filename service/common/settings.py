@@ -125,14 +125,16 @@ class ServeSettings(EngineConfig):
     replan_low: int | None = option(  # bytes
         None,
         "Low water mark of headroom (free - reserve): below it the engine gives memory "
-        "back (prefill chunk, prefix cache, KV pool). Unset: a quarter of the plan's "
+        "back (prefill chunk, prefix cache, KV pool, then with --cpu-layers auto decoder "
+        "layers to the CPU). Unset: a quarter of the plan's "
         "safety margin (128 MiB + 1% of the card).",
         kind="size",
     )
     replan_high: int | None = option(  # bytes
         None,
-        "High water mark of headroom: above it for --replan-hold seconds, the KV pool grows "
-        "back toward the plan. Unset: the low mark + 256 MiB + 2% of the card.",
+        "High water mark of headroom: above it for --replan-hold seconds, layers moved to "
+        "the CPU come back, then the KV pool grows back toward the plan. Unset: the low "
+        "mark + 256 MiB + 2% of the card.",
         kind="size",
     )
     replan_hold: float = option(

@@ -311,3 +311,28 @@ def test_decode_graph_inputs_carry_the_ring(pair):
         engine.scheduler.rollback(plan)
         return
     pytest.fail("no decode step of three requests past 30 tokens")
+
+
+def test_live_pool_resize_keeps_the_rings(pair):
+    """Two requests decoding while the pool shrinks to 40 pages and grows back to 128:
+    the global layers' buffers move, the rings' do not, and both answers equal
+    transformers'."""
+    _, hf, _, _, path = pair
+    engine = ring_engine(path, max_prefill_tokens=16, max_running_requests=2)
+    prompts, sampling = seeded_prompts(VOCAB, 33, 27), greedy_params(20)
+    for i, ids in enumerate(prompts):
+        engine.add_request(GenerateRequest(request_id=f"z{i}", prompt_token_ids=ids, sampling=sampling))
+    ring_buffers = [engine.pool.k_buffers[i] for i in sorted(engine.pool.ring_layers)]
+    out, steps = {"z0": [], "z1": []}, 0
+    while engine.has_work():
+        for o in engine.step():
+            out[o.request_id].extend(o.token_ids)
+        steps += 1
+        if steps == 6:
+            assert engine.resize_kv_pool(40).after_pages == 40 == engine.pool.num_pages
+        if steps == 12:
+            engine.resize_kv_pool(128)
+    assert engine.pool.num_pages == 128
+    assert all(engine.pool.k_buffers[i] is b for i, b in zip(sorted(engine.pool.ring_layers), ring_buffers,
+                                                               strict=True))
+    assert [out["z0"], out["z1"]] == [hf_greedy(hf, ids, 20) for ids in prompts]

@@ -62,7 +62,8 @@ def test_greedy_ids_equal_transformers_alone_batched_and_chunked(pair):
 
 
 def test_ring_pool_holds_one_ring_per_running_request(pair):
-    """Three requests decoding 40 tokens past a 30-token prompt: at every step each
+    """Three requests decoding 40 tokens past a 30-token prompt, the third aborted on
+    the way: at every step each
     running request holds exactly R ring pages and the ring pool lends no others (its
     checkpoints apart); all come back at the end, the global pages to the prefix cache."""
     _, _, _, _, path = pair
@@ -76,12 +77,15 @@ def test_ring_pool_holds_one_ring_per_running_request(pair):
     steps, most = 0, 0
     while engine.has_work():
         engine.step()
+        if steps == 12:
+            engine.abort("q2")  # its ring goes back at once
+            assert not any(r.request_id == "q2" for r in engine.scheduler.running)
         running = engine.scheduler.running
         assert all(len(r.ring) == per_request for r in running)
         assert len({p for r in running for p in r.ring}) == len(running) * per_request
         assert ring.allocator.num_free == ring.allocator.num_usable - len(running) * per_request
         most, steps = max(most, len(running)), steps + 1
-    assert most == 3 and steps > 40
+    assert most == 3 and steps > 40 and engine.scheduler.aborted_count == 1
     assert ring.allocator.num_free == ring.allocator.num_usable
     assert engine.allocator.num_free + engine.radix.evictable_pages() == engine.allocator.num_usable
 

@@ -23,10 +23,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from service.vram.replan import PoolState
+
+class PoolState(Protocol):
+    """The figures of :class:`service.vram.replan.PoolState` this rung reads (the KV
+    pool's pages now and at its floor, one page's device bytes, and the split's)."""
+
+    pages: int
+    min_pages: int
+    page_bytes: int
+    cpu_layers: int
+    planned_cpu_layers: int
+    max_cpu_layers: int
+    layer_bytes: int
+    device_layers: int
 
 
 @dataclass(frozen=True)

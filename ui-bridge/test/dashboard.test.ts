@@ -4,7 +4,15 @@ import { bundleDashboard } from "../scripts/build-dashboard.mjs";
 import { bands } from "../dashboard/src/chart.js";
 import { planSummary } from "../src/format.js";
 import { type ChatChunk, parseSse, streamChat } from "../dashboard/src/chat.js";
-import { exitText, healthView, memoryView, noPlanText, usablePages, workerPhaseText } from "../dashboard/src/view.js";
+import {
+  exitText,
+  healthView,
+  memoryView,
+  noPlanText,
+  replanSizes,
+  usablePages,
+  workerPhaseText,
+} from "../dashboard/src/view.js";
 import type { MemoryPlan, VramEvent, WorkerEvent } from "../src/types.js";
 
 const GiB = 1 << 30;
@@ -126,6 +134,18 @@ describe("dashboard: what a new user read wrong", () => {
     // Other states keep every word of their reason.
     expect(healthView({ status: "failed", reason: "see POST /api/control/resume; x", retry_after_s: null }).detail)
       .toBe("see POST /api/control/resume; x");
+  });
+
+  it("says what a replan moved: the expert cache, the layers on the CPU, else the KV pool", () => {
+    const MiB = 1 << 20;
+    const point = { kv_pool_bytes: 512 * MiB, num_pages: 100, max_prefill_tokens: 256, prefix_cache_pages: null,
+      expert_cache_slots: null, expert_cache_bytes: null, cpu_layers: null };
+    const moved = { before: { ...point, cpu_layers: 0 }, after: { ...point, kv_pool_bytes: 384 * MiB, cpu_layers: 8 } };
+    expect(replanSizes(moved)).toBe("decoder layers on the CPU 0 → 8 (KV 512 MiB → 384 MiB)");
+    expect(replanSizes({ before: point, after: { ...point, kv_pool_bytes: 256 * MiB } })).toBe("512 MiB → 256 MiB");
+    const slots = { before: { ...point, expert_cache_slots: 48, expert_cache_bytes: 384 * MiB },
+      after: { ...point, expert_cache_slots: 10, expert_cache_bytes: 80 * MiB } };
+    expect(replanSizes(slots)).toBe("expert cache 48 → 10 slots (384 MiB → 80 MiB)");
   });
 
   it("counts the KV pool's pages one way, and does not call the CPU's pool fixed", () => {

@@ -6,7 +6,7 @@ import type { HeadroomState } from "../../src/state.js";
 import type { ServerMessage } from "../../src/types.js";
 import { bands, SERIES, VramChart } from "./chart.js";
 import { type ChatMessage, streamChat } from "./chat.js";
-import { exitText, healthView, memoryView, noPlanText, usablePages, workerPhaseText } from "./view.js";
+import { exitText, healthView, memoryView, noPlanText, replanSizes, usablePages, workerPhaseText } from "./view.js";
 
 const TOKEN_KEY = "headroom.token";
 
@@ -210,10 +210,7 @@ function renderErrors(s: HeadroomState): void {
     row([
       time(r.ts),
       r.action,
-      r.after.expert_cache_slots != null && r.before.expert_cache_slots !== r.after.expert_cache_slots
-        ? `expert cache ${r.before.expert_cache_slots} → ${r.after.expert_cache_slots} slots (` +
-          `${formatBytes(r.before.expert_cache_bytes ?? 0)} → ${formatBytes(r.after.expert_cache_bytes ?? 0)})`
-        : `${formatBytes(r.before.kv_pool_bytes)} → ${formatBytes(r.after.kv_pool_bytes)}`,
+      replanSizes(r),
       `${r.before.max_prefill_tokens} → ${r.after.max_prefill_tokens}`,
       r.duration_s != null ? `${(r.duration_s * 1000).toFixed(0)} ms` : null,
       r.reason,

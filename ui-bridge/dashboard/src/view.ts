@@ -1,7 +1,7 @@
 // What the dashboard says about the service's state and its memory: pure functions of
 // the events, so they are tested without a browser (test/dashboard.test.ts).
 import { formatBytes } from "../../src/format.js";
-import type { EngineInfo, HealthEvent, VramEvent, WorkerEvent } from "../../src/types.js";
+import type { EngineInfo, HealthEvent, ReplanEvent, VramEvent, WorkerEvent } from "../../src/types.js";
 import type { VramSample } from "./chart.js";
 
 /** How a state looks: `tone` picks the badge's colour (a CSS class). */
@@ -130,4 +130,21 @@ export function memoryView(v: VramEvent | null): MemoryView {
       reserve: 0,
     },
   };
+}
+
+/** What a replan row says moved: the GPU expert cache's slots, the decoder layers on the
+ * CPU (a split's move, with the KV pool it left), else the KV pool's bytes. */
+export function replanSizes(r: Pick<ReplanEvent, "before" | "after">): string {
+  const { before, after } = r;
+  const pool = `${formatBytes(before.kv_pool_bytes)} → ${formatBytes(after.kv_pool_bytes)}`;
+  if (after.expert_cache_slots != null && before.expert_cache_slots !== after.expert_cache_slots) {
+    return (
+      `expert cache ${before.expert_cache_slots} → ${after.expert_cache_slots} slots (` +
+      `${formatBytes(before.expert_cache_bytes ?? 0)} → ${formatBytes(after.expert_cache_bytes ?? 0)})`
+    );
+  }
+  if (after.cpu_layers != null && before.cpu_layers !== after.cpu_layers) {
+    return `decoder layers on the CPU ${before.cpu_layers ?? 0} → ${after.cpu_layers} (KV ${pool})`;
+  }
+  return pool;
 }

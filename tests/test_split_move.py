@@ -171,3 +171,32 @@ def test_default_gguf_moves_from_its_planned_split_and_back():
     whole = run_all(Engine(EngineConfig(kv_cache=128 << 20, **config)), {rid: (ids, sampling)
                                                                          for rid, ids in prompts.items()})
     assert outputs == whole
+
+
+def test_a_layer_repacked_for_the_gpu_goes_to_the_host_in_the_files_layout(tmp_path):
+    """What a move down from CUDA does to a layer's GGUF projections, on the CPU: a layer
+    whose Q6_K parts the loader repacked for the GPU kernels (``Q6_K_P``) goes to the
+    host packed for the CPU path, and the form kept to move it back up is the file's
+    blocks, byte for byte, Q6_K again."""
+    import torch
+    from test_gguf_quant import _small_k_quant_gguf
+
+    from engine.layers.linear.gguf_blocks import QuantLinear
+    from engine.layers.split_move import _to_host_form
+    from engine.loader.gguf_quant import load_gguf_quantized
+
+    config, path = _small_k_quant_gguf(tmp_path, 0)
+    layer = load_gguf_quantized(config, path, "cpu", torch.float32).model.layers[1]
+    stored = {n: [(p, w.clone()) for p, w in m.part_views()] for n, m in layer.named_modules()
+              if isinstance(m, QuantLinear)}
+    for m in layer.modules():
+        if isinstance(m, QuantLinear):
+            m.repack_for_kernels()  # the device's layout
+    assert any(p.type_name == "Q6_K_P" for m in layer.modules() if isinstance(m, QuantLinear) for p in m.parts)
+    forms = _to_host_form(layer, None)
+    assert not any(isinstance(m, QuantLinear) for m in layer.modules()), "packed for the CPU path"
+    assert set(forms) == set(stored)
+    for name, module in forms.items():
+        kept = module.part_views()
+        assert [p for p, _ in kept] == [p for p, _ in stored[name]], name
+        assert all(torch.equal(w, s) for (_, w), (_, s) in zip(kept, stored[name], strict=True)), name

@@ -340,3 +340,36 @@ def test_live_pool_resize_keeps_the_rings(pair):
     assert all(engine.pool.k_buffers[i] is b for i, b in zip(sorted(engine.pool.ring_layers), ring_buffers,
                                                                strict=True))
     assert [out["z0"], out["z1"]] == [hf_greedy(hf, ids, 20) for ids in prompts]
+
+
+def test_prefill_graph_inputs_carry_the_ring(pair):
+    """The prefill graphs' static batch (:class:`engine.core.prefill_graphs.PrefillGraphs`)
+    filled for the last chunk of a 44-token prompt (12 tokens padded to 16, the ring
+    wrapped) gives the eager chunk's logits (Triton's backend under its interpreter, as
+    the decode graphs' test)."""
+    from triton_interpret import INTERPRETING
+
+    from engine.core.prefill_graphs import PrefillGraphs, write_inputs
+    from engine.layers.attention.registry import model_attention
+
+    pytest.importorskip("triton")
+    if not INTERPRETING:
+        pytest.skip("the step's tensors are on the CPU: Triton runs them interpreted only")
+    kind, _, _, config, path = pair
+    engine = ring_engine(path, max_prefill_tokens=16, max_running_requests=1)
+    attn = model_attention("triton", engine.pool, config, 1)
+    (ids,) = seeded_prompts(VOCAB, 44)
+    engine.add_request(GenerateRequest(request_id="p", prompt_token_ids=ids, sampling=greedy_params(2)))
+    engine.step(), engine.step()
+    plan = engine.scheduler.schedule()
+    (item,) = plan.items
+    assert (item.start, item.num_tokens) == (32, 12) and item.samples
+    graphs = PrefillGraphs(engine.model, attn, torch.device("cpu"), page_size=4, max_tokens=16,
+                           max_context_tokens=64, ring=True)
+    assert graphs.size_for(plan.items) == 16
+    write_inputs(graphs._dev.numpy(), item, 16, graphs.max_tokens, 4, graphs.width)
+    with torch.inference_mode():
+        static = engine.model(graphs._batches[16], attn)
+        eager = engine.model(engine.runner.build_batch(plan), attn)
+    torch.testing.assert_close(static, eager, rtol=1e-5, atol=1e-5)
+    engine.scheduler.rollback(plan)

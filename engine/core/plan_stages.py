@@ -105,12 +105,9 @@ class PlanStages:
         """Largest one-sequence prefill chunk replayed from a CUDA graph, 0 for none
         (:mod:`engine.core.prefill_graphs`): with the decode graphs, for dense models on
         one GPU over a backend that plans nothing on the host; never above the configured
-        chunk (the engine caps it again at the chunk the plan fitted). Not where sliding
-        layers keep only their window (engine.kvcache.ring): the prefill graphs' static
-        inputs do not carry the ring's page table (the decode graphs' do)."""
+        chunk (the engine caps it again at the chunk the plan fitted)."""
         mc = self.model_config
         if (not self._use_cuda_graphs or mc.is_moe or self.expert_stores or self.tp is not None
-                or (self.config.sliding_kv_ring and self._kv_ring is not None)
                 or self._prefill_capture_failed
                 or backend_plans_on_host(backend_class(self.attention_backend))):
             return 0
@@ -139,7 +136,7 @@ class PlanStages:
             if self._prefill_graph_tokens:
                 prefill = PrefillGraphs(self.model, attn, self.device, page_size=self.config.page_size,
                                         max_tokens=self._prefill_graph_tokens, max_context_tokens=model_ctx,
-                                        shared_pool=graphs.memory_pool)
+                                        shared_pool=graphs.memory_pool, ring=bool(probe_pool.ring_layers))
                 try:
                     prefill_bytes = prefill.capture_all()
                 except torch.OutOfMemoryError:

@@ -26,7 +26,9 @@ graphs need no plan made on the host before each replay
 FlashInfer's is), and a model whose forward reads nothing back from the device
 (:meth:`PrefillGraphs.capturable`). Any other step runs eagerly. Inputs live in one
 persistent device buffer laid out as ``[ids | positions | slots | seq_len, prefix_len,
-extend_len, extend_start, logits row | page table row]`` for the largest size.
+extend_len, extend_start, logits row | page table row]`` for the largest size; where
+sliding-window layers keep only their window (:mod:`engine.kvcache.ring`), their slots
+and page table row follow.
 
 Memory: the graphs share the decode graphs' private pool when given it (one forward's
 activations at a time, reused across sizes: captured largest first), and
@@ -85,15 +87,27 @@ def backend_plans_on_host(backend: AttentionBackend | type[AttentionBackend]) ->
     return cls.graph_plan is not AttentionBackend.graph_plan
 
 
-def write_inputs(h: np.ndarray, item, padded: int, max_tokens: int, page_size: int) -> None:
+def write_inputs(h: np.ndarray, item, padded: int, max_tokens: int, page_size: int, ring_width: int = 0) -> None:
     """Fill ``h``, int64 laid out as :class:`PrefillGraphs`'s input buffer for chunks of up
     to ``max_tokens`` (``[ids | positions | slots]`` of ``max_tokens`` each, then
     ``seq_len, prefix_len, extend_len, extend_start, logits row``, then the page table
     row), with ``item``'s chunk (a ``StepItem``: ``req.all_ids[start:start +
     num_tokens]`` at positions ``start...``, each written at ``page * page_size +
-    offset``) padded to ``padded`` rows (token 0 at position 0, slot 0: the null page)."""
+    offset``) padded to ``padded`` rows (token 0 at position 0, slot 0: the null page).
+    ``ring_width``: the page table row is that wide, and the ring's slots
+    (``max_tokens``) and page table row (``ring_width``) follow it, from ``req.ring``
+    (:mod:`engine.kvcache.ring`); 0: no ring, the row takes the rest of ``h``."""
     t, ps, meta = max_tokens, page_size, 3 * max_tokens
     req, start, k = item.req, item.start, item.num_tokens
+    if ring_width:
+        r = meta + 5 + ring_width
+        ring_slots, ring_table = h[r : r + t], h[r + t : r + t + ring_width]
+        ring, n = req.ring, len(req.pages)
+        ring_table[:n] = np.asarray(ring)[np.arange(n) % len(ring)]
+        ring_table[n:] = 0
+        ring_slots[:k] = ring_table[np.arange(start, start + k) // ps] * ps + np.arange(start, start + k) % ps
+        ring_slots[k:] = 0  # padding rows write the ring's null page
+        h = h[:r]
     ids, pos, slots = h[:padded], h[t : t + padded], h[2 * t : 2 * t + padded]
     ids[:k] = req.all_ids[start : start + k]
     pos[:k] = np.arange(start, start + k)
@@ -123,7 +137,8 @@ class PrefillGraphs:
     """
 
     def __init__(self, model: torch.nn.Module, attn: AttentionBackend, device: torch.device, *, page_size: int,
-                 max_tokens: int, max_context_tokens: int, shared_pool: Callable[[], object] | None = None) -> None:
+                 max_tokens: int, max_context_tokens: int, shared_pool: Callable[[], object] | None = None,
+                 ring: bool = False) -> None:
         if backend_plans_on_host(attn) or not attn.supports_cuda_graphs:
             raise ValueError(f"{type(attn).__name__} cannot replay a captured prefill")
         self.model, self.attn, self.device = model, attn, device
@@ -134,7 +149,9 @@ class PrefillGraphs:
         t = self.max_tokens
         self._meta = 3 * t  # seq_len, prefix_len, extend_len, extend_start, logits row
         self._table = self._meta + 5
-        self._size = self._table + self.width
+        self.ring = ring
+        self._ring_at = self._table + self.width  # the ring's slots, then its page table row
+        self._size = self._ring_at + (t + self.width if ring else 0)
         self._dev = torch.zeros(self._size, dtype=torch.int64, device=device)
         self.staging = PinnedStaging(device, self._size)
         self._batches = {s: self._static_batch(s) for s in self.sizes}
@@ -147,13 +164,13 @@ class PrefillGraphs:
         self.replays = 0
 
     def _static_batch(self, size: int) -> ForwardBatch:
-        d, t, m = self._dev, self.max_tokens, self._meta
+        d, t, m, r = self._dev, self.max_tokens, self._meta, self._ring_at
         return ForwardBatch(
             is_decode=False,
             input_ids=d[:size],
             positions=d[t : t + size],
             out_slots=d[2 * t : 2 * t + size],
-            page_table=d[self._table : self._size].view(1, self.width),
+            page_table=d[self._table : r].view(1, self.width),
             prefix_lens=torch.zeros(1, dtype=torch.int64),
             # The padded size on the host: the attention kernel's grid covers it (prepare).
             extend_lens=torch.tensor([size], dtype=torch.int64),
@@ -162,6 +179,8 @@ class PrefillGraphs:
             prefix_lens_device=d[m + 1 : m + 2],
             extend_lens_device=d[m + 2 : m + 3],
             extend_starts_device=d[m + 3 : m + 4],
+            ring_out_slots=d[r : r + size] if self.ring else None,
+            ring_page_table=d[r + t : r + t + self.width].view(1, self.width) if self.ring else None,
         )
 
     def size_for(self, items: Sequence) -> int | None:
@@ -183,7 +202,7 @@ class PrefillGraphs:
         """Write one chunk's inputs (``item``: a ``StepItem``) for the graph of ``padded``
         tokens and upload them in one copy."""
         h = self.staging.host(self._size)
-        write_inputs(h, item, padded, self.max_tokens, self.page_size)
+        write_inputs(h, item, padded, self.max_tokens, self.page_size, self.width if self.ring else 0)
         self.staging.upload(h, self._dev)
 
     def _fill_dummy(self, padded: int) -> None:

@@ -108,7 +108,7 @@ class ModelRunner:
             raise ValueError("prefill graphs come after the decode graphs (enable_cuda_graphs)")
         graphs = PrefillGraphs(self.model, self.attn, self.device, page_size=self.pool.page_size,
                                max_tokens=max_tokens, max_context_tokens=max_context_tokens,
-                               shared_pool=self.graphs.memory_pool)
+                               shared_pool=self.graphs.memory_pool, ring=bool(self.pool.ring_layers))
         taken = graphs.capture_all()
         if taken is None:
             return 0

@@ -44,6 +44,19 @@ def ring_engine(path, **knobs):
     return cpu_engine(path, sliding_kv_ring=True, **knobs)
 
 
+def interpreted_triton(engine, config, max_batch: int):
+    """The Triton backend (which CUDA graphs capture) over ``engine``'s pool, for CPU
+    tensors under Triton's interpreter; skips the test where it does not interpret."""
+    from triton_interpret import INTERPRETING
+
+    from engine.layers.attention.registry import model_attention
+
+    pytest.importorskip("triton")
+    if not INTERPRETING:
+        pytest.skip("the step's tensors are on the CPU: Triton runs them interpreted only")
+    return model_attention("triton", engine.pool, config, max_batch)
+
+
 def test_greedy_ids_equal_transformers_alone_batched_and_chunked(pair):
     """A prompt of 45 ids (over five windows) alone; three prompts batched; the longest in
     chunks of 8 and of 5 tokens, each chunk's window reaching back into the ring."""
@@ -283,17 +296,11 @@ def test_decode_graph_inputs_carry_the_ring(pair):
     batch: its ring slots and page table are the requests' (run eagerly here on the CPU
     through the Triton backend, which the graphs capture, under Triton's interpreter; the
     pinned buffers' constant sections written as the CUDA path keeps them)."""
-    from triton_interpret import INTERPRETING
-
     from engine.core.cuda_graphs import DecodeGraphs
-    from engine.layers.attention.registry import model_attention
 
-    pytest.importorskip("triton")
-    if not INTERPRETING:
-        pytest.skip("the step's tensors are on the CPU: Triton runs them interpreted only")
     _, _, _, config, path = pair
     engine = ring_engine(path, max_prefill_tokens=8, max_running_requests=4)
-    attn = model_attention("triton", engine.pool, config, 4)
+    attn = interpreted_triton(engine, config, 4)
     for i, ids in enumerate(seeded_prompts(VOCAB, 30, 21, 13)):
         engine.add_request(GenerateRequest(request_id=f"g{i}", prompt_token_ids=ids, sampling=greedy_params(12)))
     while engine.has_work():
@@ -347,17 +354,11 @@ def test_prefill_graph_inputs_carry_the_ring(pair):
     filled for the last chunk of a 44-token prompt (12 tokens padded to 16, the ring
     wrapped) gives the eager chunk's logits (Triton's backend under its interpreter, as
     the decode graphs' test)."""
-    from triton_interpret import INTERPRETING
-
     from engine.core.prefill_graphs import PrefillGraphs, write_inputs
-    from engine.layers.attention.registry import model_attention
 
-    pytest.importorskip("triton")
-    if not INTERPRETING:
-        pytest.skip("the step's tensors are on the CPU: Triton runs them interpreted only")
-    kind, _, _, config, path = pair
+    _, _, _, config, path = pair
     engine = ring_engine(path, max_prefill_tokens=16, max_running_requests=1)
-    attn = model_attention("triton", engine.pool, config, 1)
+    attn = interpreted_triton(engine, config, 1)
     (ids,) = seeded_prompts(VOCAB, 44)
     engine.add_request(GenerateRequest(request_id="p", prompt_token_ids=ids, sampling=greedy_params(2)))
     engine.step(), engine.step()

@@ -129,6 +129,29 @@ def test_a_fixed_count_is_never_moved(llama):
     assert engine.cpu_layers == 3 and engine.model.host_layers.start == 1 and not _moves(engine)
 
 
+def test_a_move_down_stops_at_what_the_host_holds(llama):
+    """Each layer moved takes its float32 weights and its KV for every page in host
+    memory: a move asks for no more layers than fit in what is available, and refuses
+    when not one does."""
+    import torch
+
+    from engine.loader.weight_size import layer_weight_bytes
+
+    path, _ = llama
+    engine = tiny_engine(path, 16, cpu_layers="auto")
+    weights = layer_weight_bytes(engine.model_config, torch.float32)
+    kv = engine.pool.nbytes // LAYERS  # float32 on both sides
+    two = weights[-1] + weights[-2] + 2 * kv
+    assert engine.layers_host_holds(0, 3, available=two) == 2
+    assert engine.layers_host_holds(0, 3, available=two - 1) == 1
+    assert engine.layers_host_holds(1, 3, available=two) == 3  # from 1 on: layers 2 and 1 to move
+    assert engine.layers_host_holds(0, 3, available=None) == 3  # the OS does not say: no limit
+    with pytest.raises(ValueError, match=r"moving decoder layer 3 to the CPU needs .* of host memory and 0 KiB is "
+                       "available: free host memory first"):
+        engine.layers_host_holds(0, 3, available=1)
+    assert engine.move_split(2) == 2  # this machine holds two tiny layers
+
+
 def test_out_of_range_is_refused_naming_the_range(llama):
     path, _ = llama
     engine = tiny_engine(path, 16, cpu_layers="auto")

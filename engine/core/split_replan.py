@@ -26,10 +26,12 @@ import torch
 
 from engine.common.units import fmt_bytes
 from engine.core.settings_fit import splittable
+from engine.kvcache.pool import kv_storage_dtype
 from engine.layers.linear.cpu_kernels import cpu_kernels
 from engine.layers.split_move import cpu_layer_count, layers_to_device, layers_to_host
 from engine.layers.weight_census import model_weight_bytes
 from engine.loader.weight_size import layer_weight_bytes
+from engine.memory.host import host_memory
 from engine.wire.messages import BY_WATCHER, REPLAN_MOVE_LAYERS, ReplanOrigin
 
 log = logging.getLogger("headroom.engine")
@@ -93,9 +95,14 @@ class SplitReplan:
         docstring of :mod:`engine.layers.split_move`); on a GPU the weights' copy over
         the bus adds their bytes at its bandwidth.
 
+        A move down takes host memory (the layers' weights in the CPU path's form, their
+        KV for every page of the pool, as the plan prices a split): it stops at the most
+        layers that fit in what the host has available (:meth:`layers_host_holds`).
+
         Raises:
-            ValueError: a split that cannot move (:attr:`split_fixed_reason`), or
-                ``cpu_layers`` outside ``0..max_cpu_layers``.
+            ValueError: a split that cannot move (:attr:`split_fixed_reason`),
+                ``cpu_layers`` outside ``0..max_cpu_layers``, or a move down of which not
+                one layer fits in the host's available memory.
         """
         why_not = self.split_fixed_reason
         if why_not:
@@ -104,6 +111,8 @@ class SplitReplan:
             raise ValueError(f"cannot run {cpu_layers} decoder layers on the CPU: choose 0 to "
                              f"{self.max_cpu_layers} (one stays on the device)")
         before = cpu_layer_count(self.model)
+        if cpu_layers > before:
+            cpu_layers = self.layers_host_holds(before, cpu_layers)
         if cpu_layers == before:
             return before
         if self._planned_split is None:
@@ -137,6 +146,45 @@ class SplitReplan:
         self._replanned(REPLAN_MOVE_LAYERS, reason, origin, before_pages, before_kv, ms,
                         before_cpu_layers=before, moved_bytes=moved, plan=self.plan)
         return after
+
+    def layers_host_holds(self, before: int, wanted: int, available: int | None = -1) -> int:
+        """The most decoder layers, from ``before`` up to ``wanted``, that the CPU can run
+        with ``available`` bytes of host memory (default: the host's ``MemAvailable`` now;
+        None: unknown, every layer fits): each layer moved takes its weights in the CPU
+        path's form (the plan's host price) and its KV for the pool's pages in the host
+        pool's dtype.
+
+        Raises:
+            ValueError: not one more layer fits (naming the bytes needed and available).
+        """
+        if available == -1:
+            try:
+                available = host_memory()[1]
+            except OSError:  # no page count on this platform
+                available = None
+        if available is None:
+            return wanted
+        n = self.model_config.num_layers
+        ws = self.weight_size
+        host = (ws.host_layer_bytes if ws is not None and ws.host_layer_bytes
+                else layer_weight_bytes(self.model_config, torch.float32))
+        host_kv = kv_storage_dtype(self.config.kv_cache_dtype, torch.float32)
+        scale = torch.empty((), dtype=host_kv).element_size() / self.pool.k_buffers[0].element_size()
+        kv = int(self.pool.nbytes // self.pool.num_layers * scale)
+        need, fits = 0, before
+        for layer in range(before + 1, wanted + 1):
+            need += host[n - layer] + kv
+            if need > available:
+                break
+            fits = layer
+        if fits == before:
+            raise ValueError(f"moving decoder layer {n - before - 1} to the CPU needs "
+                             f"{fmt_bytes(host[n - before - 1] + kv)} of host memory and {fmt_bytes(available)} is "
+                             "available: free host memory first, or give the device memory back another way")
+        if fits < wanted:
+            log.warning("only %d of %d decoder layers fit in the host's %s available: moving those", fits - before,
+                        wanted - before, fmt_bytes(available))
+        return fits
 
     def _park_graphs(self) -> None:
         """Drop the CUDA graphs' captures and keep the runner from replaying them while

@@ -112,17 +112,32 @@ def test_a_projection_interleaves_its_runs_of_16_rows_and_keeps_the_file_s_block
         assert float((inter(x) - want).abs().max()) <= tol, m
 
 
+def _build_without(flag: str, out) -> ctypes.CDLL:
+    """The library's sources built with ``flag`` (a -mno-... of -march=native)."""
+    sources = [str(build._HERE / name) for name in build.SOURCES]
+    done = subprocess.run([build.compiler(), *build._flags(True), flag, *sources, "-o", str(out), "-lm"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-600:]
+    return build._declare(ctypes.CDLL(str(out)))
+
+
+def test_an_avx512_build_without_vnni_gives_the_reference_s_products(lib, tmp_path):
+    """Built with -mno-avx512vnni (AVX-512 BW without vpdpwssd: vpmaddwd and an add)."""
+    _needs(lib)
+    novnni = _build_without("-mno-avx512vnni", tmp_path / "novnni.so")
+    assert rows16.available(novnni)
+    for type_name in rows16.TYPES:
+        blocks, x = _case(type_name, 48, 96, 9)
+        got = block_gemv(novnni, x, rows16.interleave(blocks, type_name), type_name + rows16.SUFFIX)
+        assert float((got - block_gemv_ref(x, blocks, type_name)).abs().max()) <= _tolerance(x, blocks, type_name)
+
+
 def test_a_build_without_avx512_keeps_the_gguf_layout(lib, tmp_path):
     """Built with -mno-avx512f: the interleaved product is not there, a projection asked
     to interleave keeps its GGUF blocks, and the kernel refuses interleaved ids."""
     if lib.hr_simd_level() < 2:
         pytest.skip("the engine's own build has no AVX-512 (the rest of this file skips)")
-    out = tmp_path / "avx2.so"
-    sources = [str(build._HERE / name) for name in build.SOURCES]
-    done = subprocess.run([build.compiler(), *build._flags(True), "-mno-avx512f", *sources, "-o", str(out), "-lm"],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-600:]
-    avx2 = build._declare(ctypes.CDLL(str(out)))
+    avx2 = _build_without("-mno-avx512f", tmp_path / "avx2.so")
     assert avx2.hr_simd_level() == 1 and not rows16.available(avx2)
     q = _quant_linear([PartSpec(32, "Q4_1")], 64)
     assert CpuBlockLinear.from_quant_linear(avx2, q, torch.float32, interleave=True).types == ["Q4_1"]

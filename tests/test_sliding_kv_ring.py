@@ -24,7 +24,7 @@ from test_engine import run_all
 
 from engine.core.footprint import kv_bytes_per_token, kv_ring, make_footprint
 from engine.kvcache.pool import KVPool
-from engine.kvcache.ring import SlidingRing, ring_table, sliding_ring
+from engine.kvcache.ring import SlidingRing, ring_row, sliding_ring
 from engine.memory.ledger import make_plan
 from engine.memory.plan import DeviceMemory, PlanKnobs
 from engine.wire.messages import GenerateRequest
@@ -163,7 +163,7 @@ def test_ring_geometry_and_table():
     assert sliding_ring((0, 0), max_chunk=5, page_size=4) is None
     ring = SlidingRing((0,), 8, 5, 4)
     assert ring.pages == 5 and ring.pool_pages(3) == 16
-    assert ring_table([7, 3, 9], 7) == [7, 3, 9, 7, 3, 9, 7]
+    assert ring_row([7, 3, 9], 7).tolist() == [7, 3, 9, 7, 3, 9, 7]
     with pytest.raises(ValueError, match="max_chunk"):
         sliding_ring((8, 0), max_chunk=0, page_size=4)
 
@@ -264,7 +264,7 @@ def test_backend_reads_the_ring_as_the_whole_context(backend, decode):
     def slots(table: list[int], pos) -> torch.Tensor:
         return torch.tensor([table[p // ps] * ps + p % ps for p in pos])
 
-    tables = [ring_table(r, len(p)) for r, p in zip(rings, pages, strict=True)]
+    tables = [ring_row(r, len(p)).tolist() for r, p in zip(rings, pages, strict=True)]
     out = {}
     for kind in ("full", "ring"):
         pool = KVPool(num_layers=2, num_pages=16, page_size=ps, num_kv_heads=kv_heads, head_dim=dim,

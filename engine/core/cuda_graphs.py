@@ -55,6 +55,7 @@ import torch
 
 from engine.common.forward_batch import ForwardBatch
 from engine.core.step_inputs import PinnedStaging, token_at
+from engine.kvcache.ring import ring_row
 from engine.layers.attention.base import AttentionBackend
 from engine.sampling.device import greedy_tokens
 
@@ -211,7 +212,7 @@ class DecodeGraphs:
             ring_slots, ring_table = self._ring_sections(h, padded)
             for b, it in enumerate(items):
                 ring, n, p = it.req.ring, len(it.req.pages), it.start
-                ring_table[b, :n] = np.asarray(ring)[np.arange(n) % len(ring)]
+                ring_table[b, :n] = ring_row(ring, n)
                 ring_slots[b] = ring_table[b, p // ps] * ps + p % ps
             ring_slots[nb:] = 0  # padding rows write the ring's null page
         prefix[:nb] = pos[:nb]

@@ -49,6 +49,7 @@ import torch
 from engine.common.forward_batch import ForwardBatch
 from engine.core.cuda_graphs import capture_stream
 from engine.core.step_inputs import PinnedStaging
+from engine.kvcache.ring import ring_row
 from engine.layers.attention.base import AttentionBackend
 
 log = logging.getLogger("headroom.engine")
@@ -103,7 +104,7 @@ def write_inputs(h: np.ndarray, item, padded: int, max_tokens: int, page_size: i
         r = meta + 5 + ring_width
         ring_slots, ring_table = h[r : r + t], h[r + t : r + t + ring_width]
         ring, n = req.ring, len(req.pages)
-        ring_table[:n] = np.asarray(ring)[np.arange(n) % len(ring)]
+        ring_table[:n] = ring_row(ring, n)
         ring_table[n:] = 0
         ring_slots[:k] = ring_table[np.arange(start, start + k) // ps] * ps + np.arange(start, start + k) % ps
         ring_slots[k:] = 0  # padding rows write the ring's null page

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from engine.common.forward_batch import ForwardBatch
+from engine.kvcache.ring import ring_row
 from engine.scheduler.request import Request
 
 
@@ -151,8 +152,7 @@ class StepInputs:
             ring_slots, ring_table = h[n : n + t], h[n + t : end].reshape(nb, width)
             ring_table.fill(0)
             for b, it in enumerate(items):
-                r = it.req.ring
-                ring_table[b, : len(it.req.pages)] = np.asarray(r)[np.arange(len(it.req.pages)) % len(r)]
+                ring_table[b, : len(it.req.pages)] = ring_row(it.req.ring, len(it.req.pages))
             ring_slots[:] = ring_table[seq, pos // ps] * ps + pos % ps
         table_cpu = torch.from_numpy(table.copy())
         if self._dev is not None and end > self._dev.numel():

@@ -45,6 +45,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from engine.kvcache.allocator import PageAllocator
 from engine.kvcache.pool import KVPool
 
@@ -98,11 +100,11 @@ def sliding_ring(windows: tuple[int, ...], *, max_chunk: int, page_size: int) ->
     return SlidingRing(sliding, max(windows), max_chunk, page_size)
 
 
-def ring_table(ring: list[int], num_pages: int) -> list[int]:
+def ring_row(ring: list[int], num_pages: int) -> np.ndarray:
     """The sliding layers' page table row of a request holding ``ring`` with
-    ``num_pages`` logical pages: entry ``j`` is ``ring[j % len(ring)]``."""
-    r = len(ring)
-    return [ring[j % r] for j in range(num_pages)]
+    ``num_pages`` logical pages, ``[num_pages]`` int64: entry ``j`` is
+    ``ring[j % len(ring)]``."""
+    return np.asarray(ring, dtype=np.int64)[np.arange(num_pages) % len(ring)]
 
 
 class RingPages:

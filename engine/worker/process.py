@@ -41,6 +41,7 @@ from engine.common.errors import CudaUnavailable, PlanDoesNotFit, RequestRejecte
 from engine.common.load_errors import ModelLoadError
 from engine.common.parent_death import die_with_parent
 from engine.loader.convert_child import convert_ahead
+from engine.loader.resolve import resolve_model
 from engine.memory.plan import MIN_PREFILL_TOKENS, fmt_bytes
 from engine.wire.ipc import (
     ENGINE_FACTORY,
@@ -48,6 +49,7 @@ from engine.wire.ipc import (
     EngineEvents,
     EvictPrefixCache,
     Misfit,
+    ModelFolder,
     MoveLayers,
     Outputs,
     PoolStats,
@@ -99,8 +101,9 @@ def worker_main(conn: Connection, config: WorkerConfig, log_conn: Connection | N
         level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s"
     )
     started = time.monotonic()
+    pipe = SharedPipe(conn)
     try:
-        engine = _make_engine(config)
+        engine = _make_engine(config, pipe)
     except Exception as exc:  # every load failure is reported, then we exit
         if isinstance(exc, (PlanDoesNotFit, ModelLoadError, CudaUnavailable, SettingRefused)):
             # Expected, and their messages say what to do (the service shows them in
@@ -110,7 +113,7 @@ def worker_main(conn: Connection, config: WorkerConfig, log_conn: Connection | N
             traceback.print_exc()
         misfit = _misfit(exc.plan) if isinstance(exc, PlanDoesNotFit) else None
         _send_quietly(
-            SharedPipe(conn),
+            pipe,
             WorkerError(message=str(exc), kind=type(exc).__name__, during_load=True, misfit=misfit),
         )
         sys.stdout.flush()
@@ -119,7 +122,6 @@ def worker_main(conn: Connection, config: WorkerConfig, log_conn: Connection | N
     load_s = time.monotonic() - started
     group = getattr(engine, "tp_group", None)
     rank_pids = group.pids[1:] if group is not None else []
-    pipe = SharedPipe(conn)
     pipe.send(Ready(info=engine.info, pid=os.getpid(), load_s=load_s, rank_pids=rank_pids))
     log.info("engine ready in %.1f s: %s", load_s, engine.info.model_name)
     try:
@@ -358,13 +360,21 @@ def _misfit(plan: Any) -> Misfit:
     )
 
 
-def _make_engine(config: WorkerConfig) -> Any:
+def _make_engine(config: WorkerConfig, pipe: SharedPipe) -> Any:
     """Import and call ``config.engine_factory`` (``"module:callable"``) here, in the
-    worker, so torch is imported by this process only. A GGUF not converted yet is
-    converted first, in a child process (:func:`engine.loader.convert_child.convert_ahead`),
-    for the real engine (a stand-in factory of the tests loads no model)."""
+    worker, so torch is imported by this process only. For the real engine (a stand-in
+    factory of the tests loads no model) a GGUF not converted yet is converted first, in
+    a child process (:func:`engine.loader.convert_child.convert_ahead`), and the model's
+    folder is sent (:class:`ModelFolder`) before the weights load, so the service loads
+    the tokenizer meanwhile.
+
+    Raises:
+        Whatever the factory raises; the conversion's
+        :class:`~engine.common.load_errors.ModelLoadError`.
+    """
     if config.engine_factory == ENGINE_FACTORY:
         convert_ahead(config.engine.model)
+        pipe.send(ModelFolder(model_dir=str(resolve_model(config.engine.model))))
     module_name, _, attr = config.engine_factory.partition(":")
     factory = getattr(importlib.import_module(module_name), attr or "Engine")
     if config.engine.tensor_parallel_size == 1:

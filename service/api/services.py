@@ -42,6 +42,9 @@ class Services:
     started_at: int = field(default_factory=lambda: int(time.time()))
     admission: Admission = field(init=False)
     metrics: ServiceMetrics = field(default_factory=ServiceMetrics)
+    # A tokenizer load started before the worker was ready (:meth:`prefetch`): its
+    # folder and task.
+    _prefetch: tuple[str, asyncio.Task[TextSide]] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         limit = self.settings.max_queued_requests if self.settings is not None else 0
@@ -80,11 +83,36 @@ class Services:
             code="model_not_found",
         )
 
+    def prefetch(self, model_dir: str) -> None:
+        """Called by the supervisor when a loading worker names its model's folder
+        (before the weights load): start loading that tokenizer now, in a thread, so
+        :meth:`prepare` finds it loaded. Nothing when it is the one held already."""
+        if self.text is not None and self.text.model_dir == model_dir:
+            return
+        if self._prefetch is not None and self._prefetch[0] == model_dir:
+            return
+        task = asyncio.ensure_future(TextSide.load(model_dir))
+        # A load whose worker never becomes ready is never awaited: its error is read
+        # here so that it is not reported as never retrieved (prepare raises its own).
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        self._prefetch = (model_dir, task)
+
+    async def _load_text(self, model_dir: str) -> TextSide:
+        """``model_dir``'s tokenizer: the prefetched one when it was for this folder
+        (its error raised here, as a load's would be), else loaded now."""
+        prefetch, self._prefetch = self._prefetch, None
+        if prefetch is not None:
+            if prefetch[0] == model_dir:
+                return await prefetch[1]
+            prefetch[1].cancel()  # another folder's: the worker that asked is gone
+        return await TextSide.load(model_dir)
+
     async def prepare(self, info: EngineInfo) -> None:
-        """Called by the supervisor when a worker is ready: load its tokenizer and its
-        sampling defaults (:mod:`service.api.sampling_defaults`)."""
+        """Called by the supervisor when a worker is ready: load its tokenizer (or take
+        the one :meth:`prefetch` began) and its sampling defaults
+        (:mod:`service.api.sampling_defaults`)."""
         if self.text is None or self.text.model_dir != info.model_dir:
-            old, self.text = self.text, await TextSide.load(info.model_dir)
+            old, self.text = self.text, await self._load_text(info.model_dir)
             self.sampling_defaults = await asyncio.to_thread(
                 load_sampling_defaults, info.model_dir
             )

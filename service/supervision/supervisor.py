@@ -41,7 +41,7 @@ from typing import Any
 
 import msgspec
 
-from engine.wire.ipc import EngineEvents, FromWorker, Ready, WorkerError
+from engine.wire.ipc import EngineEvents, FromWorker, ModelFolder, Ready, WorkerError
 from engine.wire.messages import EngineEvent, EngineInfo, EngineStats
 from service.common.engine_states import (
     ENGINE_FAILED,
@@ -110,6 +110,8 @@ class Supervisor(Readiness, Unloading, Draining):
         self.events: EventHub | None = None
         self.vram_source: Any = None
         self.on_first_ready: Callable[[], None] | None = None
+        # Called with a loading worker's model folder (its ModelFolder), before Ready.
+        self.on_model_folder: Callable[[str], None] | None = None
         self.last_release: ReleaseResult | None = None
         self._last_worker_pid: int | None = None
         self._pids = StaleGuard(config.pidfile, config.guard_workers)
@@ -213,6 +215,9 @@ class Supervisor(Readiness, Unloading, Draining):
         if isinstance(message, EngineEvents):
             for event in message.events:
                 self._on_engine_event(event)
+        elif isinstance(message, ModelFolder):
+            if self.on_model_folder is not None:
+                self.on_model_folder(message.model_dir)
         elif isinstance(message, Ready):
             self._spawn_task(self._become_ready(worker, message))
         elif isinstance(message, WorkerError):

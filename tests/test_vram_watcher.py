@@ -23,6 +23,7 @@ from service.common.engine_states import State
 from service.vram.simulated import (
     SimulatedSource,
     TimelineError,
+    file_triggered,
     load_timeline,
     simulated_ours_bytes,
 )
@@ -137,6 +138,29 @@ def test_timeline_file(tmp_path):
             load_timeline(path)
     with pytest.raises(TimelineError, match="cannot read"):
         load_timeline(tmp_path / "missing.json")
+
+
+def test_a_timeline_step_can_wait_for_a_file(tmp_path):
+    """A step of ``"file:PATH"`` begins at the first sample that finds PATH, once the
+    steps before it began; a step of seconds after it never comes before it."""
+    leave = tmp_path / "leave"
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"steps": [[0, 0], [1, "700MiB"], [f"file:{leave}", "100MiB"], [5, 0]]}))
+    steps = load_timeline(path, default_total=4 * GiB).steps
+    assert steps == ((0.0, 0), (1.0, 700 * MiB), (f"file:{leave}", 100 * MiB), (5.0, 0))
+    others = file_triggered(steps)
+    assert [others(t) for t in (-1.0, 0.5, 2.0, 9.0)] == [0, 0, 700 * MiB, 700 * MiB]  # no file yet
+    leave.write_text("")
+    assert others(10.0) == 0  # found at t=10: its step began, and the 5 s step after it too
+    others = file_triggered(steps)
+    assert others(0.5) == 0  # the file exists, but the 1 s step before it has not begun
+    assert others(3.0) == 100 * MiB and others(4.0) == 100 * MiB and others(5.0) == 0
+    source = SimulatedSource(4 * GiB, file_triggered(steps[:3]))
+    assert source.sample(at=1.5).others_bytes == 100 * MiB
+    for bad in ([["file:", 0]], [["later", 0]], [[True, 0]]):
+        path.write_text(json.dumps({"steps": bad}))
+        with pytest.raises(TimelineError, match=r'\["file:PATH", size\]'):
+            load_timeline(path, default_total=GiB)
 
 
 # -- the GPU expert cache in the replan -------------------------------------------------------

@@ -33,6 +33,8 @@ log = logging.getLogger("headroom.vram")
 # Other processes' demand for memory over time: ``(t_seconds, others_bytes)`` steps, or
 # a function of ``t``.
 Demand = Sequence[tuple[float, int]] | Callable[[float], int]
+# A timeline step's start: seconds from ``t = 0``, or ``"file:PATH"`` (when PATH appears).
+StepStart = float | str
 
 
 class TimelineError(ValueError):
@@ -54,13 +56,13 @@ class Timeline:
     resume); None: always there. ``gpus``: steps of their own for some GPUs of a
     tensor-parallel worker (by rank); the others follow ``steps``."""
 
-    steps: tuple[tuple[float, int], ...]
+    steps: tuple[tuple[StepStart, int], ...]
     total_bytes: int | None = None
     display: bool | None = None
     start: str = "ready"
     baseline: Literal["kept", "replaced"] = "kept"
     gpu_at: float | None = None
-    gpus: dict[int, tuple[tuple[float, int], ...]] = field(default_factory=dict)
+    gpus: dict[int, tuple[tuple[StepStart, int], ...]] = field(default_factory=dict)
 
 
 def _size(value: Any, total: int | None, where: str) -> int:
@@ -84,7 +86,10 @@ def load_timeline(path: str | Path, default_total: int | None = None) -> Timelin
         {"total": "3GiB", "display": true, "start": "ready", "baseline": "kept",
          "gpu_at": 0, "steps": [[0, 0], [2, "40%"], [6, "1.6GiB"], [10, "40%"], [14, 0]]}
 
-    Each step holds from its time (seconds) to the next; sizes are bytes, text sizes
+    Each step holds from its time (seconds) to the next, or from the first sample that
+    finds a file when its time is ``"file:PATH"`` (and the steps before it have begun:
+    ``[[0, 0], [1, "700MiB"], ["file:/tmp/leave", 0]]`` holds 700 MiB until a test
+    writes /tmp/leave, not for a guessed time); sizes are bytes, text sizes
     (``service.common.settings.parse_size``) or a share of the card (``"40%"``);
     ``"start"`` is ``"ready"`` (default), ``"service"`` or ``"file:PATH"``. With
     ``--tensor-parallel-size N`` every rank's GPU follows ``steps`` unless ``"gpus"``
@@ -113,8 +118,7 @@ def load_timeline(path: str | Path, default_total: int | None = None) -> Timelin
             raise TimelineError(f'{path}: "gpus" names GPUs by rank (0, 1, ...), not {rank!r}')
         gpus[int(rank)] = _steps(gpu_steps, total, f"{path}: GPU {rank}'s step")
     start = data.get("start", "ready")
-    if start not in ("ready", "service") and not (isinstance(start, str) and start.startswith("file:")
-                                                    and len(start) > len("file:")):
+    if start not in ("ready", "service") and not _is_file_start(start):
         raise TimelineError(f'{path}: "start" must be "ready", "service" or "file:PATH", not {start!r}')
     baseline = data.get("baseline", "kept")
     if baseline not in ("kept", "replaced"):
@@ -134,13 +138,44 @@ def load_timeline(path: str | Path, default_total: int | None = None) -> Timelin
     )
 
 
-def _steps(raw: list[Any], total: int | None, where: str) -> tuple[tuple[float, int], ...]:
-    steps = []
+def _is_file_start(start: Any) -> bool:
+    return isinstance(start, str) and start.startswith("file:") and len(start) > len("file:")
+
+
+def _steps(raw: list[Any], total: int | None, where: str) -> tuple[tuple[StepStart, int], ...]:
+    steps: list[tuple[StepStart, int]] = []
     for i, step in enumerate(raw):
-        if not isinstance(step, list) or len(step) != 2 or not isinstance(step[0], (int, float)):
-            raise TimelineError(f"{where} {i} is not [seconds, size]: {step!r}")
-        steps.append((float(step[0]), _size(step[1], total, f"{where} {i}")))
+        if (not isinstance(step, list) or len(step) != 2 or isinstance(step[0], bool)
+                or not (isinstance(step[0], (int, float)) or _is_file_start(step[0]))):
+            raise TimelineError(f'{where} {i} is not [seconds, size] or ["file:PATH", size]: {step!r}')
+        start = step[0] if isinstance(step[0], str) else float(step[0])
+        steps.append((start, _size(step[1], total, f"{where} {i}")))
     return tuple(steps)
+
+
+def file_triggered(steps: Sequence[tuple[StepStart, int]]) -> Callable[[float], int]:
+    """Other processes' memory at ``t`` for steps in order, where a step whose start is
+    ``"file:PATH"`` begins at the first sample (``t >= 0``) that finds PATH once the steps
+    before it have begun, and a step of seconds at its time but never before the steps
+    listed ahead of it."""
+    found: dict[int, float] = {}
+
+    def others(t: float) -> int:
+        value = 0
+        for i, (start, size) in enumerate(steps):
+            if isinstance(start, str):
+                if i not in found:
+                    if t < 0 or not Path(start.removeprefix("file:")).exists():
+                        break
+                    found[i] = t
+                    log.info("the simulated VRAM timeline's step %d begins (%s exists)", i, start.removeprefix("file:"))
+                start = found[i]
+            if t < start:
+                break
+            value = size
+        return value
+
+    return others
 
 
 def simulated_ours_bytes(pool: ipc.PoolStats | None) -> int:
@@ -319,10 +354,11 @@ def simulated_sources(settings: ServeSettings, supervisor: Supervisor, ranks: in
     sources = []
     for rank in range(ranks):
         steps = [(-1e9, baseline), *((t, b + on_top) for t, b in timeline.gpus.get(rank, timeline.steps))]
+        demand: Demand = file_triggered(steps) if any(isinstance(t, str) for t, _ in steps) else steps
         sources.append(
             SimulatedSource(
                 total,
-                steps,
+                demand,
                 ours_bytes=ours,
                 display_attached=settings.device_display if timeline.display is None else timeline.display,
                 clock=clock,

@@ -132,12 +132,30 @@ def test_timeline_file(tmp_path):
     path.write_text(json.dumps({"steps": [[0, "40%"]]}))
     assert load_timeline(path, default_total=GiB).steps == ((0.0, int(0.4 * GiB)),)
     for bad in ('{"steps": [[0, "40%"]]}', '{"steps": [[0]]}', "not json", '{"start": "x"}',
-                '{"baseline": "gone"}'):
+                '{"baseline": "gone"}', '{"steps": [[0, 0]], "bogus": 1}', '{"steps": [[-5, 0]]}',
+                '{"steps": [[5, 0], [1, "1GiB"]]}'):
         path.write_text(bad)
         with pytest.raises(TimelineError, match=str(path.name)):
             load_timeline(path)
     with pytest.raises(TimelineError, match="cannot read"):
         load_timeline(tmp_path / "missing.json")
+
+
+def test_serve_refuses_a_bad_timeline_before_the_port_opens(tmp_path):
+    """A timeline the watcher could not play is a usage error at once (exit 2, one line
+    naming the file and the step), not a start that fails after the port is bound."""
+    import os
+
+    from click.testing import CliRunner
+
+    from service.cli.commands import main
+
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"steps": [[0, 0], [9, "1GiB"], [3, 0]]}))
+    args = ["serve", "--vram-source", "simulated", "--device-total", "2GiB", "--vram-timeline", str(path)]
+    result = CliRunner().invoke(main, args, env={"HEADROOM_CONFIG": os.devnull})
+    assert result.exit_code == 2, result.output
+    assert f"{path}: step 2 starts at 3 s: steps are in order of time" in result.stderr
 
 
 def test_a_timeline_step_can_wait_for_a_file(tmp_path):

@@ -92,6 +92,13 @@ def check_before_serving(settings: Any) -> None:
         FaultInjector.from_env()  # a malformed test hook refused now, not after the model loads
     except ValueError as exc:
         fail(f"{exc}; fix or unset it", EXIT_USAGE)
+    if settings.vram_timeline:
+        from service.vram.simulated import TimelineError, load_timeline
+
+        try:  # read again when the watcher starts; a bad file is refused before the port opens
+            load_timeline(settings.vram_timeline, settings.device_total)
+        except TimelineError as exc:
+            fail(str(exc), EXIT_USAGE)
     if settings.device.startswith("cuda"):
         # Waiting for a GPU (the worker's answer to a CUDA that fails to start) cannot
         # help a torch built without one.

@@ -112,9 +112,10 @@ class ServeSettings(EngineConfig):
         "JSON file scripting other processes' memory on the simulated card "
         '(--vram-source simulated): {"steps": [[seconds, size], ...]} with sizes such as '
         '"1.2GiB", bytes or "40%" of the card, seconds counted from when the engine is '
-        'first ready ("start": "service" counts from the service\'s start); optional '
-        '"total" (the card), "display" (bool) and "gpu_at" (seconds before which the '
-        "card is absent).",
+        'first ready ("start": "service" counts from the service\'s start, "file:PATH" from '
+        'when PATH appears), in order; a step ["file:PATH", size] begins when PATH appears; '
+        'optional "total" (the card), "display" (bool), "baseline", "gpus" and "gpu_at" '
+        "(seconds before which the card is absent).",
     )
     vram_hz: float = option(
         4.0,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import bisect
 import json
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -107,6 +108,9 @@ def load_timeline(path: str | Path, default_total: int | None = None) -> Timelin
         raise TimelineError(f"the VRAM timeline {path} is not valid JSON: {exc}") from None
     if not isinstance(data, dict) or not isinstance(data.get("steps", []), list):
         raise TimelineError(f'{path}: expected {{"steps": [[seconds, size], ...], ...}}')
+    unknown = sorted(set(data) - _TIMELINE_KEYS)
+    if unknown:
+        raise TimelineError(f"{path}: unknown key {unknown[0]!r}; a timeline has {', '.join(sorted(_TIMELINE_KEYS))}")
     total = _size(data["total"], None, f"{path}: total") if "total" in data else default_total
     steps = _steps(data.get("steps", []), total, f"{path}: step")
     per_gpu = data.get("gpus", {})
@@ -142,13 +146,24 @@ def _is_file_start(start: Any) -> bool:
     return isinstance(start, str) and start.startswith("file:") and len(start) > len("file:")
 
 
+_TIMELINE_KEYS = frozenset({"steps", "total", "display", "start", "baseline", "gpu_at", "gpus"})
+
+
 def _steps(raw: list[Any], total: int | None, where: str) -> tuple[tuple[StepStart, int], ...]:
+    """The steps of a timeline file, in order: a step of seconds at 0 or later and not
+    before the step of seconds ahead of it (steps are played in the order written)."""
     steps: list[tuple[StepStart, int]] = []
+    last = 0.0
     for i, step in enumerate(raw):
         if (not isinstance(step, list) or len(step) != 2 or isinstance(step[0], bool)
                 or not (isinstance(step[0], (int, float)) or _is_file_start(step[0]))):
             raise TimelineError(f'{where} {i} is not [seconds, size] or ["file:PATH", size]: {step!r}')
         start = step[0] if isinstance(step[0], str) else float(step[0])
+        if isinstance(start, float):
+            if not math.isfinite(start) or start < last:
+                raise TimelineError(f"{where} {i} starts at {step[0]!r} s: steps are in order of time, from 0 "
+                                    f"(the one before starts at {last:g} s)")
+            last = start
         steps.append((start, _size(step[1], total, f"{where} {i}")))
     return tuple(steps)
 

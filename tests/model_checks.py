@@ -222,13 +222,14 @@ def check_greedy_engine_runs(hf, path, vocab: int, steps: int) -> None:
         assert run_all(cpu_engine(path, max_prefill_tokens=chunk), {"c": (prompts[-1], sampling)})["c"] == want[-1]
 
 
-def check_prefix_cache_hit(hf, path, vocab: int, steps: int) -> None:
+def check_prefix_cache_hit(hf, path, vocab: int, steps: int, **knobs) -> None:
     """A seeded prompt of 26 ids, then one of its first 20 ids and 6 others, through one
-    :func:`cpu_engine` of ``path``: the second reuses whole pages of the shared prefix
-    and both decode ``steps`` greedy ids as transformers (``hf``) does from scratch."""
+    :func:`cpu_engine` of ``path`` (``knobs``: more ``EngineConfig`` fields): the second
+    reuses whole pages of the shared prefix and both decode ``steps`` greedy ids as
+    transformers (``hf``) does from scratch."""
     from test_engine import run_all
 
-    engine, sampling, shared = cpu_engine(path), greedy_params(steps), 20
+    engine, sampling, shared = cpu_engine(path, **knobs), greedy_params(steps), 20
     first, tail = seeded_prompts(vocab, 26, 6)
     second = first[:shared] + tail
     assert engine.radix is not None

@@ -52,15 +52,16 @@ def test_multimodal_checkpoint_loads_its_language_model(tmp_path, make_tiny_hf_m
 
 
 def test_sliding_layers_kv_is_priced_at_their_window(pair):
-    """The pool keeps every layer's tokens today (a page holds all layers), so the
-    per-token price is all six layers'; what the sliding layers need is their window."""
+    """With ``--sliding-kv-ring off`` the pool keeps every layer's tokens (a page holds
+    all layers), so the per-token price is all six layers'; what the sliding layers
+    need is their window (the default's rings: tests/test_sliding_kv_ring.py)."""
     _, _, _, config, _ = pair
     per_layer = 2 * config.num_kv_heads * config.head_dim * 4  # float32 keys and values
     assert kv_bytes_per_token(config, torch.float32) == 6 * per_layer
     # 100 tokens: the 2 global layers hold 100, the 4 sliding ones their window of 8.
     assert windowed_kv_bytes(config, torch.float32, 100) == (2 * 100 + 4 * 8) * per_layer
     assert windowed_kv_bytes(config, torch.float32, 5) == 6 * 5 * per_layer
-    fp = make_footprint(config, torch.float32, PlanKnobs())
+    fp = make_footprint(config, torch.float32, PlanKnobs(sliding_kv_ring="off"))
     assert fp.kv_bytes_per_token == 6 * per_layer
     assert fp.kv_window_note.startswith("4 of 6 layers slide over 8 tokens")
 
@@ -98,7 +99,8 @@ GEMMA3_4B = {
 
 def test_gemma3_4b_config_and_its_plan_line(tmp_path):
     """The 4B's 34 layers, 29 sliding over 1,024 tokens, read from its published config;
-    the plan prices every layer per token and says what the window alone takes."""
+    with ``--sliding-kv-ring off`` the plan prices every layer per token and says what the
+    window alone takes."""
     import json
 
     from engine.loader.hf_config import load_model_config
@@ -112,7 +114,7 @@ def test_gemma3_4b_config_and_its_plan_line(tmp_path):
     assert [i for i, w in enumerate(mc.kv_windows) if not w] == [5, 11, 17, 23, 29]
     assert mc.attention_scale == 256**-0.5 and mc.rope.factor == 8.0 and mc.rope_local.theta == 10_000.0
     assert mc.eos_token_ids[:2] == (1, 106) and mc.tie_word_embeddings
-    knobs = PlanKnobs(max_running_requests=4)
+    knobs = PlanKnobs(max_running_requests=4, sliding_kv_ring="off")
     plan = make_plan(simulated_device(24 * GiB), knobs, make_footprint(mc, torch.bfloat16, knobs))
     line = {e.name: e for e in plan.ledger}["KV cache pool"]
     per_layer = 2 * 4 * 256 * 2  # bfloat16 keys and values of one token

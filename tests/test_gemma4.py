@@ -106,8 +106,9 @@ def test_gemma4_e2b_config_and_its_kv_price(tmp_path):
     assert g.global_rotary_fraction == 0.25 and mc.rope.theta == 1e6 and mc.rope_local.theta == 1e4
     assert mc.eos_token_ids[:2] == (1, 106) and mc.tie_word_embeddings and not g.keys_as_values
     assert kv_bytes_per_token(mc, torch.bfloat16) == 15 * 2 * 512 * 2
-    # The plan: its weights (the per-layer embeddings' 2.3 billion among them) and its pool.
-    knobs = PlanKnobs(max_running_requests=4)
+    # The plan: its weights (the per-layer embeddings' 2.3 billion among them) and its pool
+    # of every layer (the sliding layers' rings: tests/test_sliding_kv_ring.py).
+    knobs = PlanKnobs(max_running_requests=4, sliding_kv_ring="off")
     footprint = make_footprint(mc, torch.bfloat16, knobs)
     plan = make_plan(simulated_device(24 * GiB), knobs, footprint)
     assert footprint.weight_bytes > 2 * (262144 * 35 * 256) and plan.num_pages > 1

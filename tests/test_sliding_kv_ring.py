@@ -2,8 +2,10 @@
 :mod:`engine.kvcache.ring`): greedy ids equal transformers' (eager attention) for prompts
 several windows long (window 8, pages of 4 tokens) alone, batched, in prefill chunks,
 after a preemption and after a prefix-cache hit (the ring's last window restored from a
-checkpoint); the ring pool holds one ring per running request and no more; the pool's resize leaves the ring alone; the plan
-prices the sliding layers at their rings and the others per token."""
+checkpoint); each running request holds min(its pages, R) ring pages and the ring pool
+lends no others; the pool's resize leaves the ring alone; the plan prices the sliding
+layers' ring pool at min(requests x R + checkpoints' pages, P) pages and the others per
+token (lazy growth itself: tests/test_sliding_kv_ring_growth.py)."""
 
 from __future__ import annotations
 
@@ -40,8 +42,8 @@ def ring_engine(path, **knobs):
         from engine.common.config import EngineConfig
         from engine.core.engine import Engine
 
-        return Engine(EngineConfig(model=str(path), device="cpu", page_size=4, sliding_kv_ring=True, **knobs))
-    return cpu_engine(path, sliding_kv_ring=True, **knobs)
+        return Engine(EngineConfig(model=str(path), device="cpu", page_size=4, sliding_kv_ring="on", **knobs))
+    return cpu_engine(path, sliding_kv_ring="on", **knobs)
 
 
 def interpreted_triton(engine, config, max_batch: int):
@@ -76,30 +78,32 @@ def test_greedy_ids_equal_transformers_alone_batched_and_chunked(pair):
 
 def test_ring_pool_holds_one_ring_per_running_request(pair):
     """Three requests decoding 40 tokens past a 30-token prompt, the third aborted on
-    the way: at every step each
-    running request holds exactly R ring pages and the ring pool lends no others (its
+    the way: at every step each running request holds min(its pages, R) ring pages (its
+    ring grew with its pages, then wrapped) and the ring pool lends no others (its
     checkpoints apart); all come back at the end, the global pages to the prefix cache."""
     _, _, _, _, path = pair
     engine = ring_engine(path, max_prefill_tokens=8, max_running_requests=3)
     ring = engine.ring
     per_request = ring.ring.pages
     assert per_request == math.ceil((8 + 8) / 4) + 1
-    assert ring.allocator.num_usable == 3 * per_request
+    assert ring.allocator.num_usable == 3 * per_request + 3 * ring.ring.checkpoint_pages  # and 3 checkpoints
     for i, ids in enumerate(seeded_prompts(VOCAB, 30, 30, 30)):
         engine.add_request(GenerateRequest(request_id=f"q{i}", prompt_token_ids=ids, sampling=greedy_params(40)))
-    steps, most = 0, 0
+    steps, most, short = 0, 0, 0
     while engine.has_work():
         engine.step()
         if steps == 12:
             engine.abort("q2")  # its ring goes back at once
             assert not any(r.request_id == "q2" for r in engine.scheduler.running)
         running = engine.scheduler.running
-        assert all(len(r.ring) == per_request for r in running)
-        assert len({p for r in running for p in r.ring}) == len(running) * per_request
-        assert ring.allocator.num_free == ring.allocator.num_usable - len(running) * per_request
+        assert all(len(r.ring) == min(len(r.pages), per_request) for r in running)
+        short += sum(len(r.ring) < per_request for r in running)
+        held = sum(len(r.ring) for r in running)
+        assert len({p for r in running for p in r.ring}) == held
+        assert ring.allocator.num_free == ring.allocator.num_usable - held - ring.checkpoint_pages_held
         most, steps = max(most, len(running)), steps + 1
-    assert most == 3 and steps > 40 and engine.scheduler.aborted_count == 1
-    assert ring.allocator.num_free == ring.allocator.num_usable
+    assert most == 3 and steps > 40 and engine.scheduler.aborted_count == 1 and short > 0
+    assert ring.allocator.num_free + ring.checkpoint_pages_held == ring.allocator.num_usable
     assert engine.allocator.num_free + engine.radix.evictable_pages() == engine.allocator.num_usable
 
 
@@ -121,7 +125,7 @@ def test_preempted_request_recomputes_its_ring(pair):
         assert all(not r.ring for r in engine.scheduler.waiting)
     assert preempted
     assert [out[f"p{i}"] for i in range(3)] == [hf_greedy(hf, ids, 20) for ids in prompts]
-    assert engine.ring.allocator.num_free == engine.ring.allocator.num_usable
+    assert engine.ring.allocator.num_free + engine.ring.checkpoint_pages_held == engine.ring.allocator.num_usable
 
 
 def test_prefix_cache_hit_restores_the_window_and_equals_a_cold_run(pair):
@@ -143,14 +147,14 @@ def test_prefix_cache_hit_restores_the_window_and_equals_a_cold_run(pair):
     third = first + answer + more
     assert run_all(engine, {"c": (third, sampling)})["c"] == hf_greedy(hf, third, STEPS)
     assert rings.restored == 2 and engine.radix.hit_tokens - hits >= 44  # up to the first's last whole page
-    assert engine.ring.allocator.num_free == engine.ring.allocator.num_usable
+    assert engine.ring.allocator.num_free + engine.ring.checkpoint_pages_held == engine.ring.allocator.num_usable
 
 
 def test_without_the_option_nothing_changes(pair):
-    """The default: one pool of every layer, no ring, the prefix cache on without
-    checkpoints."""
+    """``--sliding-kv-ring off``: one pool of every layer, no ring, the prefix cache on
+    without checkpoints."""
     _, _, _, config, path = pair
-    engine = cpu_engine(path)
+    engine = cpu_engine(path, sliding_kv_ring="off")
     assert engine.ring is None and not engine.pool.ring_layers and engine.radix.release_state is None
     assert engine.scheduler.prefix_states is None
     assert engine.pool.nbytes == engine.pool.page_bytes * 128
@@ -162,7 +166,9 @@ def test_ring_geometry_and_table():
     assert sliding_ring((8, 8), max_chunk=5, page_size=4) is None  # every layer slides: no ring
     assert sliding_ring((0, 0), max_chunk=5, page_size=4) is None
     ring = SlidingRing((0,), 8, 5, 4)
-    assert ring.pages == 5 and ring.pool_pages(3) == 16
+    assert ring.pages == 5 and ring.pool_pages(3) == 16 and ring.checkpoint_pages == 2
+    assert ring.pool_pages(3, 2) == 20 and ring.pool_pages(3, 2, global_pages=12) == 13  # at most the global pages
+    assert ring_row([7, 3], 2).tolist() == [7, 3]  # a ring still growing: page j is its j-th
     assert ring_row([7, 3, 9], 7).tolist() == [7, 3, 9, 7, 3, 9, 7]
     with pytest.raises(ValueError, match="max_chunk"):
         sliding_ring((8, 0), max_chunk=0, page_size=4)
@@ -186,33 +192,47 @@ def test_pool_resize_leaves_the_ring_buffers():
 
 
 def test_plan_prices_global_layers_per_token_and_sliding_layers_at_their_rings(pair):
-    """A tiny Gemma 3 (4 of 6 layers slide over 8 tokens) at a long context: the ledger's
-    rings are (1 + B x R) pages of the sliding layers, R = ceil((8 + chunk) / 4) + 1, and
-    the KV pool's pages hold the 2 global layers only, so the same budget holds 3x the
-    tokens of the pool that keeps every layer."""
+    """A tiny Gemma 3 (4 of 6 layers slide over 8 tokens): the KV pool's P pages hold the
+    2 global layers, and the ring pool min(B x R + checkpoints' pages, P) pages of the 4
+    sliding ones and its null page, R = ceil((8 + chunk) / 4) + 1. On a card whose P is
+    below that bound (a short context) the KV costs what ``--sliding-kv-ring off``
+    prices, every layer per token; on a large one (a long context) far less, so the same
+    budget holds 2.9x the tokens. For the same pages it is never above the off plan's
+    (its null page apart, which the off plan's pool holds too, unpriced)."""
     kind, _, _, config, _ = pair
     if kind != "gemma3":
         pytest.skip("the prices are checked on Gemma 3's layer mix")
     per_layer = 2 * config.num_kv_heads * config.head_dim * 4  # float32 keys and values
-    knobs = PlanKnobs(page_size=4, max_prefill_tokens=64, max_running_requests=4, max_model_len=None,
-                      sliding_kv_ring=True)
+    common = dict(page_size=4, max_prefill_tokens=64, max_running_requests=4, max_model_len=None, reserve=0,
+                  safety_margin_bytes=0)
+    knobs, off_knobs = PlanKnobs(**common, sliding_kv_ring="auto"), PlanKnobs(**common, sliding_kv_ring="off")
     ring = kv_ring(config, knobs)
-    assert ring is not None and ring.pages == math.ceil((8 + 64) / 4) + 1
-    fp = make_footprint(config, torch.float32, knobs)
-    assert fp.kv_bytes_per_token == 2 * per_layer
-    assert "keep a ring of 19 pages per running request" in fp.kv_window_note
+    assert ring is not None and ring.pages == math.ceil((8 + 64) / 4) + 1 and kv_ring(config, off_knobs) is None
+    fp, off_fp = make_footprint(config, torch.float32, knobs), make_footprint(config, torch.float32, off_knobs)
+    assert fp.kv_bytes_per_token == 2 * per_layer and off_fp.kv_bytes_per_token == 6 * per_layer
+    assert "grown with its pages up to 19 pages" in fp.kv_window_note
     assert ring.checkpoint_pages == 2 and knobs.state_checkpoints == 4
-    device = DeviceMemory(name="sim", total_bytes=1 << 30, free_bytes=1 << 30, others_bytes=0, simulated=True)
-    plan = make_plan(device, knobs, fp)
-    rings = next(e for e in plan.ledger if e.name == "sliding-window KV rings")
-    assert rings.bytes == (1 + 4 * ring.pages + 4 * 2) * 4 * 4 * per_layer
-    tokens = plan.num_pages * knobs.page_size
-    assert plan.kv_pool_bytes == tokens * 2 * per_layer
-    full = make_plan(device, PlanKnobs(page_size=4, max_prefill_tokens=64, max_running_requests=4),
-                     make_footprint(config, torch.float32, PlanKnobs(page_size=4, max_prefill_tokens=64,
-                                                                     max_running_requests=4)))
-    assert full.kv_bytes_per_token == 6 * per_layer
-    assert tokens > 2.9 * full.num_pages * 4
+    g, s, cap = 4 * 2 * per_layer, 4 * 4 * per_layer, 4 * 19 + 4 * 2
+
+    def card(total: int) -> DeviceMemory:
+        return DeviceMemory(name="sim", total_bytes=total, free_bytes=total, others_bytes=0, simulated=True)
+
+    def kv(plan) -> int:  # the KV pool's and the rings' lines
+        return plan.kv_pool_bytes + sum(e.bytes for e in plan.ledger if e.name == "sliding-window KV rings")
+
+    large = make_plan(card(1 << 30), knobs, fp)
+    assert large.num_pages > cap and kv(large) == large.num_pages * g + (cap + 1) * s
+    base = large.fixed_bytes - cap * s  # all but the rings, their null page in it
+    small = make_plan(card(base + 30 * (g + s)), knobs, fp)
+    assert small.num_pages == 30 and kv(small) == 30 * g + (30 + 1) * s
+    assert "the KV pool's 30 pages, below 4 requests x 19-page rings" in next(
+        e.source for e in small.ledger if e.name == "sliding-window KV rings")
+    for plan, total in ((small, base + 30 * (g + s)), (large, 1 << 30)):
+        off = make_plan(card(total), off_knobs, off_fp)
+        assert plan.num_pages >= off.num_pages
+        assert off.num_pages * g + (min(off.num_pages, cap) + 1) * s <= off.kv_pool_bytes + s
+    assert small.num_pages == make_plan(card(base + 30 * (g + s)), off_knobs, off_fp).num_pages
+    assert large.num_pages > 2.9 * make_plan(card(1 << 30), off_knobs, off_fp).num_pages
 
 
 def test_cpu_plan_shows_the_rings(pair):
@@ -226,7 +246,7 @@ def test_cpu_plan_shows_the_rings(pair):
         pytest.skip("the prices are checked on Gemma 3's layer mix")
     per_layer = 2 * config.num_kv_heads * config.head_dim * 4
     h = cpu_holdings(EngineConfig(model=str(path), device="cpu", page_size=4, max_prefill_tokens=64,
-                                  max_running_requests=4, sliding_kv_ring=True))
+                                  max_running_requests=4, sliding_kv_ring="on"))
     assert h.kv_ring_pages == 19 and h.kv_ring_bytes == (1 + 4 * 19 + 4 * 2) * 4 * 4 * per_layer
     assert h.kv_bytes_per_token == 2 * per_layer
     assert "sliding-window KV rings" in render_cpu(h, as_json=False)

@@ -192,9 +192,9 @@ def cpu_holdings(config: EngineConfig) -> CpuHoldings:
     knobs = PlanKnobs.of(config)
     ring = kv_ring(mc, knobs)
     per_token = kv_bytes_per_token(mc, kv_dtype, ring)
-    ring_bytes = (kv_ring_page_bytes(mc, kv_dtype, ring) * ring.pool_pages(knobs.max_running_requests,
-                                                                           knobs.state_checkpoints) if ring else 0)
     pages = unplanned_pages(config, mc, per_token * config.page_size) - 1  # less the null page
+    ring_bytes = (kv_ring_page_bytes(mc, kv_dtype, ring) * ring.pool_pages(
+        knobs.max_running_requests, knobs.state_checkpoints, global_pages=pages) if ring else 0)
     context = min(mc.max_position_embeddings, config.max_model_len or mc.max_position_embeddings,
                   pages * config.page_size)
     total, available = host_memory()
@@ -221,8 +221,9 @@ def render_cpu(h: CpuHoldings, as_json: bool) -> str:
         row("weights", h.weight_bytes, h.weight_source),
         row("KV cache pool", h.kv_pool_bytes, f"{h.kv_pages} pages x {h.page_size} tokens, {h.kv_cache_dtype}, "
             f"resident only where written (headroom serve --kv-cache sets its size)"),
-        *([row("sliding-window KV rings", h.kv_ring_bytes, f"a ring of {h.kv_ring_pages} pages per running request, "
-               "prefix-cache checkpoints and the null page, for the layers that keep only their window")] if h.kv_ring_bytes else []),
+        *([row("sliding-window KV rings", h.kv_ring_bytes, f"a ring of up to {h.kv_ring_pages} pages per running request "
+               "(no more than the KV pool's pages in all), prefix-cache checkpoints and the null page, for the layers "
+               "that keep only their window")] if h.kv_ring_bytes else []),
         row("at most", h.weight_bytes + h.kv_pool_bytes + h.kv_ring_bytes, f"of {fmt_bytes(h.host_total_bytes)}{available}"),
         f"KV cache: {h.kv_bytes_per_token:,} bytes per token; max context {h.max_context_tokens:,} tokens",
         "plus a step's activations and the runtime (torch); --device-total SIZE plans the pool for a budget "

@@ -18,7 +18,7 @@ import torch
 from engine.common.config import EngineConfig, ModelConfig
 from engine.common.errors import RequestRejected
 from engine.common.options import pick
-from engine.core.footprint import kv_bytes_per_token
+from engine.core.footprint import kv_bytes_per_token, kv_ring_excluded
 from engine.core.grammar_waits import GrammarWaits
 from engine.core.live_replan import LiveReplan
 from engine.core.outputs import keep_logprobs, token_output
@@ -194,6 +194,9 @@ class Engine(PlanStages, WeightsStage, GrammarWaits, LiveReplan, SplitReplan):
         ring = self._kv_ring
         self.ring = None if ring is None else RingPages(ring, self.pool.ring_pages, self.pool,
                                                         self.knobs.state_checkpoints)
+        if ring is None and config.sliding_kv_ring != "off" and any(mc.kv_windows) and (
+                why := kv_ring_excluded(mc, self.knobs)):
+            log.info("sliding-window layers keep every token in the KV cache: no ring with %s", why)
         release = self.states.free_checkpoint if self.states is not None else (
             self.ring.free_checkpoint if self.ring is not None else None)
         self.radix = RadixCache(self.allocator, config.page_size, release_state=release) if config.prefix_cache else None

@@ -55,12 +55,25 @@ def _layer_kv_bytes(mc: ModelConfig, dtype: torch.dtype) -> int:
 def kv_ring(mc: ModelConfig, knobs: PlanKnobs) -> SlidingRing | None:
     """The ring in which ``mc``'s sliding-window layers keep only their window
     (:mod:`engine.kvcache.ring`), sized for ``knobs``' prefill chunk and page; None when
-    they keep every token: no sliding layer, only sliding layers,
-    ``--no-sliding-kv-ring``, tensor parallelism (whose ranks are sent the global page
-    table only) or a hybrid model (whose prefix checkpoints are its states')."""
-    if not knobs.sliding_kv_ring or knobs.tensor_parallel_size > 1 or mc.is_hybrid:
+    they keep every token: no sliding layer, only sliding layers, ``--sliding-kv-ring
+    off``, or what :func:`kv_ring_excluded` names (``auto`` and ``on`` alike)."""
+    if knobs.sliding_kv_ring == "off" or kv_ring_excluded(mc, knobs):
         return None
     return sliding_ring(mc.kv_windows, max_chunk=knobs.max_prefill_tokens, page_size=knobs.page_size)
+
+
+def kv_ring_excluded(mc: ModelConfig, knobs: PlanKnobs) -> str:
+    """Why ``mc``'s sliding-window layers keep every token though ``--sliding-kv-ring``
+    asks for the ring ("" when nothing excludes it): tensor parallelism (its ranks are
+    sent the global page table only), FlashInfer (its plans read the global page table
+    only), a hybrid model (whose prefix checkpoints are its states')."""
+    if knobs.tensor_parallel_size > 1:
+        return "tensor parallelism"
+    if knobs.attention_backend == "flashinfer":
+        return "the FlashInfer attention backend"
+    if mc.is_hybrid:
+        return "a hybrid linear-attention model"
+    return ""
 
 
 def kv_ring_page_bytes(mc: ModelConfig, dtype: torch.dtype, ring: SlidingRing) -> int:
@@ -90,9 +103,9 @@ def kv_window_note(mc: ModelConfig, dtype: torch.dtype, ring: SlidingRing | None
     per_layer = _layer_kv_bytes(mc, dtype)
     if ring is not None:
         return (f"{mc.num_kv_layers - len(sliding)} of {mc.num_kv_layers} layers per token; the {len(sliding)} that "
-                f"slide over {window:,} tokens keep a ring of {ring.pages} pages per running request "
-                f"({ring.pages * kv_ring_page_bytes(mc, dtype, ring):,} bytes) and prefix-cache checkpoints of "
-                f"{ring.checkpoint_pages} pages")
+                f"slide over {window:,} tokens keep a ring per running request, grown with its pages up to "
+                f"{ring.pages} pages ({ring.pages * kv_ring_page_bytes(mc, dtype, ring):,} bytes), and prefix-cache "
+                f"checkpoints of {ring.checkpoint_pages} pages")
     return (f"{len(sliding)} of {mc.num_kv_layers} layers slide over {window:,} tokens and are priced per token "
             f"like the others (their window alone: {window * len(sliding) * per_layer:,} bytes per request)")
 
@@ -272,7 +285,7 @@ def make_footprint(
         kv_bytes_per_token=kv_bytes_per_token(mc, kv_dtype, ring),
         kv_window_note=kv_window_note(mc, kv_dtype, ring),
         kv_ring_page_bytes=kv_ring_page_bytes(mc, kv_dtype, ring) if ring is not None else 0,
-        kv_ring_pages=((lambda k: ring_at(k).pool_pages(k.max_running_requests, k.state_checkpoints))
+        kv_ring_pages=((lambda k: (ring_at(k).pages, k.state_checkpoints * ring_at(k).checkpoint_pages))
                        if ring is not None else None),
         kv_heads=mc.num_kv_heads,
         kv_cache_dtype=kv_dtype_name(kv_dtype),

@@ -58,8 +58,8 @@ class PlanStages:
         return KVPool(num_layers=mc.num_kv_layers - self.cpu_layers, num_pages=num_pages, page_size=self.config.page_size,
                       num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, dtype=self.kv_dtype, device=self.device,
                       compute_dtype=self.dtype, ring_layers=ring.layers if ring else (),
-                      ring_pages=ring.pool_pages(self.knobs.max_running_requests, self.knobs.state_checkpoints)
-                      if ring else 0)
+                      ring_pages=ring.pool_pages(self.knobs.max_running_requests, self.knobs.state_checkpoints,
+                                                 global_pages=num_pages - 1) if ring else 0)
 
     @property
     def _kv_ring(self) -> SlidingRing | None:

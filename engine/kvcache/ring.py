@@ -4,26 +4,44 @@ A ``"sliding_attention"`` layer (Gemma 3 / 4, gpt-oss) only ever reads the last
 ``window`` keys before each query, so it needs no slot for older tokens. Those layers
 get buffers of their own in the pool (:class:`engine.kvcache.pool.KVPool`'s
 ``ring_layers``), paged like the others but over a small pool of *ring pages* with its
-own allocator: each running request holds ``R`` of them (:attr:`SlidingRing.pages`),
+own allocator: each running request holds at most ``R`` of them (:attr:`SlidingRing.pages`),
 
     R = ceil((window + max_chunk) / page_size) + 1,
 
 and its logical page ``j`` (the ``j``-th page of its context, as in the global layers'
-page table) lives in ring page ``ring[j % R]``. Why that ``R``: while a prefill chunk of
-``n <= max_chunk`` tokens starting at position ``p`` is written and read, the keys any
-of its queries sees span positions ``p + 1 - window .. p + n - 1``, at most
+page table) lives in ring page ``ring[j % len(ring)]``. Why that ``R``: while a prefill
+chunk of ``n <= max_chunk`` tokens starting at position ``p`` is written and read, the
+keys any of its queries sees span positions ``p + 1 - window .. p + n - 1``, at most
 ``window + n - 1`` tokens, which touch at most ``ceil((window + n - 1) / page_size) + 1``
 consecutive logical pages; ``R`` consecutive logical pages map to distinct ring pages,
-so nothing live is overwritten. The ring's page table (:func:`ring_table`) names a ring
+so nothing live is overwritten. The ring's page table (:func:`ring_row`) names a ring
 page for every logical page the request has: older entries alias live ones, and the
 attention backends' window mask hides every position older than the window, so the
 kernels read only live keys. No new attention kernel is needed.
 
-The global layers keep the page table and pool they always had. The scheduler caps a
-chunk at ``max_chunk`` and admits a request only when a whole ring is free; the ring
-goes back when the request is preempted, finishes or is aborted. The ring pool does not
-follow live resizes of the pool: it is sized once, for ``max_running_requests`` rings
-and the prefix cache's checkpoints.
+A ring grows lazily, as the request's global pages do (:meth:`RingPages.grow`, at the
+same points of the scheduler): it holds ``min(pages of its context, R)`` ring pages, so
+while it is shorter than ``R`` its logical page ``j`` is its ``j``-th ring page, and once
+it reaches ``R`` the pages are reused in ring order. A short request holds no more ring
+pages than global pages. The ring pool holds
+
+    min(max_running_requests * R, global pool pages)
+
+ring pages and its null page (:meth:`SlidingRing.pool_pages`; the prefix cache's
+checkpoints take pages of the same pool, up to ``checkpoints x checkpoint_pages`` more
+where the global pool is larger). It cannot run out before the global pool does: the
+running requests (at most ``max_running_requests``) each hold ``min(own pages, R)`` ring
+pages, and without two of them sharing a cached prefix page their pages are distinct
+pages of the global pool, so together they hold at most ``min(running * R, global pages
+in use)``; a ring that needs pages drops checkpoints first, least recently used first,
+as the radix cache evicts pages. Two requests sharing a cached prefix each hold ring
+pages for it, so there the ring pool can be the short one; the scheduler then waits or
+preempts as for global pages (and checks that the ring ran short only so: anything else
+is a bug). So the sliding layers never hold more pages than the global layers, and at
+contexts past ``R`` pages far fewer. The ring pool does not follow live resizes of the
+global pool: a shrink leaves it larger than the bound needs (safe; its memory was
+planned at the start), and a grow past the start's pages leaves a pool that may run
+short first, where the scheduler waits as for global pages.
 
 Prefix cache: a cached prefix's pages hold the global layers only, and a prefix ending
 at position ``E`` is only usable with the sliding layers' keys of positions
@@ -31,8 +49,8 @@ at position ``E`` is only usable with the sliding layers' keys of positions
 again is no way out: their own first tokens would miss the window before them, and so
 on back to the start. So, as a hybrid model keeps its linear layers' states, a
 *checkpoint* copies the ring's last :attr:`SlidingRing.checkpoint_pages` logical pages
-before a page boundary aside (:meth:`RingPages.save`, into pages of the ring pool
-reserved for checkpoints), the radix node ending there holds it, a match stops at the
+before a page boundary aside (:meth:`RingPages.save`, into pages of the ring pool), the
+radix node ending there holds it, a match stops at the
 deepest node holding one, and a request starting from it copies it into its own ring
 (:meth:`RingPages.restore`); :mod:`engine.scheduler.prefix_rings` takes them.
 
@@ -78,10 +96,15 @@ class SlidingRing:
         that a chunk starting there reads, ``ceil((window - 1) / page_size)`` (at least 1)."""
         return max(math.ceil((self.window - 1) / self.page_size), 1)
 
-    def pool_pages(self, max_running_requests: int, checkpoints: int = 0) -> int:
-        """Pages of the ring pool, the null page included: one ring per running request
-        and ``checkpoints`` prefix-cache checkpoints."""
-        return 1 + max_running_requests * self.pages + checkpoints * self.checkpoint_pages
+    def pool_pages(self, max_running_requests: int, checkpoints: int = 0, global_pages: int | None = None) -> int:
+        """Pages of the ring pool, the null page included: one ring of ``R`` pages per
+        running request and ``checkpoints`` prefix-cache checkpoints, at most
+        ``global_pages`` (the global pool's pages but its null page; None: no such
+        bound). See the module docstring for why the rings never need more."""
+        pages = max_running_requests * self.pages + checkpoints * self.checkpoint_pages
+        if global_pages is not None:
+            pages = min(pages, max(global_pages, 1))
+        return 1 + pages
 
 
 def sliding_ring(windows: tuple[int, ...], *, max_chunk: int, page_size: int) -> SlidingRing | None:
@@ -108,76 +131,101 @@ def ring_row(ring: list[int], num_pages: int) -> np.ndarray:
 
 
 class RingPages:
-    """The ring pool's allocator, a whole ring at a time, and its prefix-cache checkpoints.
+    """The ring pool's allocator, growing each request's ring lazily, and its prefix-cache
+    checkpoints, which take their pages from the same allocator.
 
     Args:
         ring: the geometry.
         num_pages: ring pool pages, the null page included
-            (:meth:`SlidingRing.pool_pages`); the last ``checkpoints *
-            ring.checkpoint_pages`` of them hold checkpoints, the others rings.
+            (:meth:`SlidingRing.pool_pages`).
         pool: the KV pool whose ring layers' pages checkpoints copy (None: no checkpoints).
-        checkpoints: how many checkpoints the pool holds.
+        checkpoints: how many checkpoints the pool holds at most.
 
     Raises:
-        ValueError: checkpoints without a pool, or more than the pages hold.
+        ValueError: checkpoints without a pool, or fewer than 2 pages.
     """
 
     def __init__(self, ring: SlidingRing, num_pages: int, pool: KVPool | None = None, checkpoints: int = 0) -> None:
-        self._base = num_pages - checkpoints * ring.checkpoint_pages  # the first checkpoint page
-        if checkpoints and pool is None or self._base < 2:
-            raise ValueError(f"{checkpoints} checkpoints of {ring.checkpoint_pages} pages in a ring pool of "
-                             f"{num_pages} pages{' without a KV pool' if pool is None else ''}")
+        if checkpoints and pool is None or num_pages < 2:
+            raise ValueError(f"{checkpoints} checkpoints in a ring pool of {num_pages} pages"
+                             f"{' without a KV pool' if pool is None else ''}: it needs 2 pages or more")
         self.ring = ring
         self.pool = pool
-        self.allocator = PageAllocator(self._base)
+        self.allocator = PageAllocator(num_pages)
         self._free_checkpoints = list(range(checkpoints))
+        self._held: dict[int, list[int]] = {}  # a checkpoint's pages
         self.checkpoints = checkpoints
 
     @property
-    def free_rings(self) -> int:
-        """Rings that can be handed out now."""
-        return self.allocator.num_free // self.ring.pages
+    def checkpoint_pages_held(self) -> int:
+        """Ring pool pages the checkpoints hold now."""
+        return sum(len(p) for p in self._held.values())
 
-    def take(self) -> list[int]:
-        """One ring of :attr:`SlidingRing.pages` pages.
+    def wanted(self, ring: list[int], num_pages: int) -> int:
+        """Ring pages a request holding ``ring`` takes to cover ``num_pages`` logical
+        pages: ``min(num_pages, R) - len(ring)`` (0 when it holds them already)."""
+        return max(min(num_pages, self.ring.pages) - len(ring), 0)
+
+    def reach(self, ring: list[int]) -> int | None:
+        """The most logical pages a request holding ``ring`` can cover with the ring
+        pages free now or held by checkpoints; None: any number (it can reach ``R``)."""
+        most = len(ring) + self.allocator.num_free + self.checkpoint_pages_held
+        return None if most >= self.ring.pages else most
+
+    def grow(self, ring: list[int], num_pages: int) -> list[int]:
+        """Extend ``ring`` in place to cover ``num_pages`` logical pages (``min(num_pages,
+        R)`` ring pages); returns the pages added.
 
         Raises:
-            OutOfPages: no whole ring is free (nothing is taken then).
+            OutOfPages: too few ring pages are free (nothing is taken then).
         """
-        return self.allocator.alloc(self.ring.pages)
+        need = self.wanted(ring, num_pages)
+        if need == 0:
+            return []
+        pages = self.allocator.alloc(need)
+        ring.extend(pages)
+        return pages
+
+    def trim(self, ring: list[int], num_pages: int) -> None:
+        """Shrink ``ring`` in place to ``min(num_pages, R)`` pages, giving the last back
+        (a step's growth undone)."""
+        keep = min(num_pages, self.ring.pages)
+        if len(ring) > keep:
+            self.allocator.free(ring[keep:])
+            del ring[keep:]
 
     def give(self, pages: list[int]) -> None:
-        """Return a ring taken by :meth:`take`."""
+        """Return every page of a ring."""
         self.allocator.free(pages)
 
-    def _pages(self, checkpoint: int, ring: list[int], end: int) -> tuple[list[int], list[int]]:
-        """``(ring pages, checkpoint pages)`` of the logical pages a checkpoint at token
-        ``end`` (a page boundary) keeps: the last ``checkpoint_pages`` before it."""
-        c, ps = self.ring.checkpoint_pages, self.ring.page_size
-        last = end // ps
-        first = max(0, last - c)
-        return ([ring[j % len(ring)] for j in range(first, last)],
-                [self._base + checkpoint * c + i for i in range(last - first)])
+    def _logical(self, ring: list[int], end: int) -> list[int]:
+        """The ring pages of the logical pages a checkpoint at token ``end`` (a page
+        boundary) keeps: the last ``checkpoint_pages`` before it."""
+        last = end // self.ring.page_size
+        return [ring[j % len(ring)] for j in range(max(0, last - self.ring.checkpoint_pages), last)]
 
     def save(self, ring: list[int], end: int) -> int | None:
         """Copy the sliding layers' keys and values before token ``end`` (a page
-        boundary) of the request holding ``ring`` into a free checkpoint; returns it, or
-        None when none is free (the caller frees one and asks again, or goes without)."""
-        if not self._free_checkpoints:
+        boundary) of the request holding ``ring`` into a new checkpoint; returns it, or
+        None when none is free or the pool lacks its pages (the caller frees one and
+        asks again, or goes without). A ring that grows frees checkpoints first
+        (:func:`engine.scheduler.ring_growth.grow_ring`)."""
+        src = self._logical(ring, end)
+        if not self._free_checkpoints or self.allocator.num_free < len(src):
             return None
         checkpoint = self._free_checkpoints.pop()
-        src, dst = self._pages(checkpoint, ring, end)
+        self._held[checkpoint] = dst = self.allocator.alloc(len(src))
         self.pool.copy_pages(src, dst, ring=True)
         return checkpoint
 
     def restore(self, checkpoint: int, ring: list[int], end: int) -> None:
         """Copy ``checkpoint`` (taken at token ``end``) into the ring ``ring`` of a request
         whose cached prefix ends there (the checkpoint stays)."""
-        dst, src = self._pages(checkpoint, ring, end)
-        self.pool.copy_pages(src, dst, ring=True)
+        self.pool.copy_pages(self._held[checkpoint], self._logical(ring, end), ring=True)
 
     def free_checkpoint(self, checkpoint: int) -> None:
-        """Give a checkpoint back. Raises ValueError for one that is not held."""
-        if not 0 <= checkpoint < self.checkpoints or checkpoint in self._free_checkpoints:
+        """Give a checkpoint and its pages back. Raises ValueError for one that is not held."""
+        if checkpoint not in self._held:
             raise ValueError(f"ring checkpoint {checkpoint} is not held")
+        self.allocator.free(self._held.pop(checkpoint))
         self._free_checkpoints.append(checkpoint)

@@ -212,21 +212,28 @@ def _ledger_at(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint, host_layer
                                   f"exact, {knobs.max_running_requests} requests + 1 null slot + "
                                   f"{knobs.state_checkpoints} prefix-cache checkpoints x "
                                   f"{fmt_bytes(fp.state_bytes_per_request)}"))
-    # Sliding-window layers that keep only their window: a ring of pages per running
-    # request and the null page (engine.kvcache.ring), whatever the context.
-    ring = fp.kv_ring_page_bytes * fp.kv_ring_pages(knobs) if fp.kv_ring_pages is not None else 0
-    if ring:
-        ledger.append(LedgerEntry("sliding-window KV rings", ring, "-",
-                                  f"exact, {fp.kv_ring_pages(knobs)} pages of {fmt_bytes(fp.kv_ring_page_bytes)}: a ring "
-                                  f"per request ({knobs.max_running_requests}; its window and a prefill chunk), "
-                                  f"{knobs.state_checkpoints} prefix-cache checkpoints, the null page"))
+    # Sliding-window layers that keep only their window (engine.kvcache.ring): the ring
+    # pool follows the KV pool's pages P, min(requests x R + checkpoints' pages, P) and
+    # its null page, priced below once P is known.
+    ring_page = fp.kv_ring_page_bytes if fp.kv_ring_pages is not None else 0
+    ring_pages, checkpoint_pages = fp.kv_ring_pages(knobs) if ring_page else (0, 0)
+    ring_cap = knobs.max_running_requests * ring_pages + checkpoint_pages
+    ring_extra = 1 if ring_page else 0
+    ring_line = len(ledger)
     moved, _ = fp.moved_bytes(cpu_layers)
     fixed = (fp.weight_bytes - moved + fp.runtime_bytes + sum(b for _, b in fp.workspace_bytes) + sampler + activation
-             + fp.cuda_graph_bytes + fp.scratch_bytes + states + ring)
+             + fp.cuda_graph_bytes + fp.scratch_bytes + states + ring_extra * ring_page)
     # The layers on the CPU keep their KV in the host pool: a device page holds the rest.
     kv_per_token = fp.kv_bytes_per_token * (len(fp.layer_bytes) - cpu_layers) // len(fp.layer_bytes) \
         if cpu_layers else fp.kv_bytes_per_token
     page_bytes = kv_per_token * knobs.page_size
+
+    def kv_cost(p: int) -> int:
+        """Device bytes of a KV pool of ``p`` pages: each page over the global layers,
+        and ``min(requests x R + checkpoints' pages, p)`` ring pages over the sliding
+        ones (their null page is in ``fixed``)."""
+        return p * page_bytes + min(p, ring_cap) * ring_page
+
     model_ctx = fp.model_context_tokens if knobs.max_model_len is None else min(fp.model_context_tokens, knobs.max_model_len)
     min_ctx = min(knobs.min_context or model_ctx, model_ctx)
     need_pages = math.ceil(min_ctx / knobs.page_size)
@@ -234,7 +241,7 @@ def _ledger_at(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint, host_layer
     slot = fp.host_slot_bytes(host_layers)
     if host_layers > 0:
         fixed -= fp.host_expert_bytes(host_layers)
-        spare = budget - fixed - need_pages * page_bytes
+        spare = budget - fixed - kv_cost(need_pages)
         slots = int(min(max(spare // 2, 0) // slot, host_layers * fp.num_experts)) if slot > 0 else 0
         fixed += slots * slot
         form = f" ({fp.expert_form})" if fp.expert_form else ""
@@ -242,8 +249,18 @@ def _ledger_at(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint, host_layer
                                   f"{slots} slots of {fmt_bytes(slot)}{form} for {host_layers} layers x "
                                   f"{fp.num_experts} experts in host memory"))
     kv_room = budget - fixed
-    pages = max(kv_room // page_bytes, 0) if page_bytes > 0 else 0
+    pages = kv_pages(kv_room, page_bytes, ring_page, ring_cap)
     kv_bytes = pages * page_bytes
+    if ring_page:
+        rings = min(pages, ring_cap)
+        fixed += rings * ring_page
+        bound = (f"{knobs.max_running_requests} requests x {ring_pages}-page rings + {checkpoint_pages} for "
+                 f"{knobs.state_checkpoints} prefix-cache checkpoints")
+        bound = f"the KV pool's {pages} pages, below {bound}" if rings < ring_cap else bound
+        ledger.insert(ring_line, LedgerEntry(
+            "sliding-window KV rings", (rings + 1) * ring_page, "-",
+            f"exact, {rings} pages of {fmt_bytes(ring_page)} ({bound}; a request's ring grows with its pages up "
+            f"to its window and a prefill chunk) and the null page"))
     ledger.append(LedgerEntry("KV cache pool", kv_bytes, "=", f"{pages} pages of {fmt_bytes(page_bytes)}"
                                                      + (f", {fp.kv_cache_dtype}" if fp.kv_cache_dtype else "")
                                                      + (f"; {fp.kv_window_note}" if fp.kv_window_note else "")))
@@ -271,7 +288,7 @@ def _ledger_at(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint, host_layer
         max_context_tokens=max_ctx,
         min_context_tokens=min_ctx,
         fits=fits,
-        shortfall_bytes=0 if fits else int(need_pages * page_bytes - kv_room),
+        shortfall_bytes=0 if fits else int(kv_cost(need_pages) - kv_room),
         suggestions=[],
         max_prefill_tokens=knobs.max_prefill_tokens,
         max_running_requests=knobs.max_running_requests,
@@ -283,6 +300,19 @@ def _ledger_at(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint, host_layer
         tensor_parallel_size=knobs.tensor_parallel_size,
         kv_heads=fp.kv_heads,
     )
+
+
+def kv_pages(room: int, page_bytes: int, ring_page: int = 0, ring_cap: int = 0) -> int:
+    """The most KV pool pages ``P`` whose cost fits ``room`` bytes, the inverse of ``P x
+    page_bytes + min(ring_cap, P) x ring_page`` (pages of the global layers, and a
+    sliding-window ring pool of ``min(ring_cap, P)`` pages: :mod:`engine.kvcache.ring`);
+    0 when nothing fits or a page costs nothing."""
+    if room <= 0 or page_bytes <= 0:
+        return 0
+    both = page_bytes + ring_page
+    if room < ring_cap * both:
+        return room // both
+    return ring_cap + (room - ring_cap * both) // page_bytes
 
 
 def fit_plan(planner: Callable[[PlanKnobs], MemoryPlan], knobs: PlanKnobs) -> tuple[MemoryPlan, PlanKnobs]:

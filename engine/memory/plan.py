@@ -131,7 +131,8 @@ class PlanKnobs:
     cpu_layers: str = EngineConfig.cpu_layers
     tensor_parallel_size: int = EngineConfig.tensor_parallel_size
     prefix_cache: bool = EngineConfig.prefix_cache
-    sliding_kv_ring: bool = EngineConfig.sliding_kv_ring
+    sliding_kv_ring: str = EngineConfig.sliding_kv_ring
+    attention_backend: str = EngineConfig.attention_backend
 
     @property
     def state_checkpoints(self) -> int:
@@ -200,11 +201,12 @@ class Footprint:
     # Sliding-window layers' KV, in words for the ledger's KV line (empty without them).
     kv_window_note: str = ""
     # Sliding-window layers that keep only their window (engine.kvcache.ring): one ring
-    # page's bytes over those layers, and the ring pool's pages at given knobs (one ring
-    # per running request and the null page); kv_bytes_per_token then covers the other
-    # layers only. 0 and None without a ring.
+    # page's bytes over those layers, and at given knobs (R, the pages of the prefix
+    # cache's checkpoints); the ring pool holds min(running requests x R + those, KV pool
+    # pages) pages and its null page (engine.memory.ledger prices it). kv_bytes_per_token
+    # then covers the other layers only. 0 and None without a ring.
     kv_ring_page_bytes: int = 0
-    kv_ring_pages: Callable[[PlanKnobs], int] | None = None
+    kv_ring_pages: Callable[[PlanKnobs], tuple[int, int]] | None = None
     # A dense model whose last decoder layers may run on the CPU (--cpu-layers): each
     # layer's weights on the device and in host memory (the CPU path's layout), and one
     # token's keys and values of one layer in the host pool; empty for a model that

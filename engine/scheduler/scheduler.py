@@ -28,6 +28,7 @@ from engine.scheduler.prefix_pages import cache_full_pages
 from engine.scheduler.prefix_rings import PrefixRings
 from engine.scheduler.prefix_states import PrefixStates
 from engine.scheduler.request import Phase, Request
+from engine.scheduler.ring_growth import grow_ring, ring_tokens
 from engine.scheduler.step import StepItem, StepPlan
 from engine.wire.messages import (
     ERROR_INVALID_SCHEMA,
@@ -72,8 +73,9 @@ class Scheduler:
                  states: StatePool | None = None, ring: RingPages | None = None) -> None:
         """``states``, ``ring``: a hybrid model's state pool, the ring pool of sliding
         layers that keep only their window (:mod:`engine.kvcache.ring`; no chunk is longer
-        than it was sized for); a request holds a slot, a ring, from admission for as long
-        as it holds pages (``Request.state_slot``, ``Request.ring``).
+        than it was sized for); a request holds a slot from admission for as long as it
+        holds pages (``Request.state_slot``), and ring pages as its pages grow, at most a
+        ring's (``Request.ring``, :mod:`engine.scheduler.ring_growth`).
 
         With a prefix cache, each keeps checkpoints at page boundaries beside the cached
         pages (:mod:`engine.scheduler.prefix_states`, :mod:`engine.scheduler.prefix_rings`).
@@ -232,16 +234,14 @@ class Scheduler:
             # Take what fits: a smaller chunk still makes progress.
             can = (self.allocator.num_free + self._evictable()) * self.config.page_size
             n = min(n, len(req.pages) * self.config.page_size + can - req.kv_len)
+            if self.ring is not None and (reach := ring_tokens(self.ring, req, self.config.page_size)) is not None:
+                n = min(n, reach - req.kv_len)
             if n <= 0:
                 return None
             pages = self._alloc_for(req, req.kv_len + n)
         return StepItem(req, req.kv_len, n, pages, admitted=admitted)
 
     def _admit(self, req: Request, budget: int) -> StepItem | None:
-        if self.ring is not None:
-            if self.ring.free_rings == 0:
-                return None
-            req.ring = self.ring.take()
         if self.states is not None:
             if self.states.num_free == 0:
                 self._release(req)
@@ -256,6 +256,14 @@ class Scheduler:
             req.kv_len = req.cached_len = len(pages) * self.config.page_size
             if not req.output_ids:
                 req.prompt_cached_tokens = req.cached_len
+            if self.ring is not None:
+                try:  # the ring covers the cached prefix, which the checkpoint fills
+                    grow_ring(self.ring, req, [], self.allocator, self.running, self.radix)
+                except OutOfPages:
+                    node = None
+                if node is None or (req.cached_len and node.state is None):  # short, or its checkpoint dropped
+                    self._release(req)
+                    return None
             if self.prefix_states is not None:
                 self.prefix_states.restore(req, node)
         req.phase = Phase.PREFILL
@@ -304,6 +312,8 @@ class Scheduler:
             if it.new_pages:
                 self.allocator.free(it.new_pages)
                 del req.pages[len(req.pages) - len(it.new_pages) :]
+                if req.ring:
+                    self.ring.trim(req.ring, len(req.pages))
             if it.admitted:
                 self._release(req)
                 req.phase = Phase.WAITING
@@ -348,7 +358,8 @@ class Scheduler:
         """Grow ``req.pages`` to hold ``upto_len`` tokens; returns the new pages.
 
         Raises:
-            OutOfPages: not enough free pages even after evicting the prefix cache.
+            OutOfPages: not enough free pages even after evicting the prefix cache (or
+                ring pages, :func:`engine.scheduler.ring_growth.grow_ring`).
         """
         need = math.ceil(upto_len / self.config.page_size) - len(req.pages)
         if need <= 0:
@@ -358,6 +369,8 @@ class Scheduler:
             self.radix.evict(short)
         pages = self.allocator.alloc(need)
         req.pages.extend(pages)
+        if self.ring is not None:
+            grow_ring(self.ring, req, pages, self.allocator, self.running, self.radix)
         return pages
 
     def _evictable(self) -> int:

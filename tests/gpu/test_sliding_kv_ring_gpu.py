@@ -16,7 +16,7 @@ from engine.wire.messages import GenerateRequest
 def test_ring_decode_replays_graphs_and_equals_transformers(tmp_path, make_tiny_hf_model):
     hf = make_tiny_hf_model("gemma3", tmp_path, vocab_size=VOCAB).cuda()
     engine = Engine(EngineConfig(model=str(tmp_path), device="cuda", dtype="float32", page_size=4, num_pages=256,
-                                 sliding_kv_ring=True, max_prefill_tokens=16, max_running_requests=4,
+                                 sliding_kv_ring="on", max_prefill_tokens=16, max_running_requests=4,
                                  attention_backend="triton"))
     assert engine.runner.graphs is not None and engine.runner.graphs.ring
     assert engine.runner.prefill_graphs is not None and engine.runner.prefill_graphs.ring

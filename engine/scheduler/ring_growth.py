@@ -1,0 +1,67 @@
+"""A sliding-window ring's lazy growth in the scheduler (:mod:`engine.kvcache.ring`): a
+request's ring grows where its global pages do, to ``min(its pages, R)`` ring pages,
+taking the pages of prefix-cache checkpoints where too few are free, and a ring pool that runs short is waited on as the global pool is, after checking that
+it ran short the only way it can (two running requests sharing cached prefix pages, or a
+global pool grown past the ring pool's bound); any other shortage is a bug.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from engine.kvcache.allocator import OutOfPages
+
+if TYPE_CHECKING:
+    from engine.kvcache.allocator import PageAllocator
+    from engine.kvcache.radix import RadixCache
+    from engine.kvcache.ring import RingPages
+    from engine.scheduler.request import Request
+
+
+def grow_ring(rings: RingPages, req: Request, new_pages: list[int], allocator: PageAllocator,
+              running: list[Request], radix: RadixCache | None) -> None:
+    """Grow ``req.ring`` to cover ``req.pages``, whose last ``new_pages`` were just taken
+    from ``allocator`` (the global pool) for it, dropping the prefix cache's (``radix``)
+    ring checkpoints where the free pages are too few.
+
+    Raises:
+        OutOfPages: too few ring pages are free; ``new_pages`` went back to the global
+            pool and ``req`` is as before (the caller waits or preempts, as for global
+            pages).
+        RuntimeError: the ring pool ran short where its bound says it cannot (a bug).
+    """
+    # Prefix-cache checkpoints give their pages up first, least recently used first.
+    need = rings.wanted(req.ring, len(req.pages))
+    while rings.allocator.num_free < need and radix is not None and radix.drop_lru_state():
+        pass
+    try:
+        rings.grow(req.ring, len(req.pages))
+    except OutOfPages:
+        if not _may_run_short(rings, req, allocator, running):
+            raise RuntimeError(
+                f"the sliding-window ring pool ran out ({rings.allocator.num_usable} pages, "
+                f"{rings.allocator.num_free} free) before the global pool "
+                f"({allocator.num_free} free): a bug in the ring's accounting") from None
+        if new_pages:
+            allocator.free(new_pages)
+            del req.pages[len(req.pages) - len(new_pages):]
+        raise
+
+
+def ring_tokens(rings: RingPages, req: Request, page_size: int) -> int | None:
+    """The most tokens ``req``'s context can reach with the ring pages free now (None:
+    no bound from the ring)."""
+    most = rings.reach(req.ring)
+    return None if most is None else most * page_size
+
+
+def _may_run_short(rings: RingPages, req: Request, allocator: PageAllocator, running: list[Request]) -> bool:
+    """Whether the ring pool may be short now (its checkpoints dropped) without a bug:
+    running requests (``req`` among them) share a global page, or the ring pool holds
+    fewer than ``min(requests * R, global pages)`` pages (the global pool grew past the
+    start's)."""
+    holders = {id(r): r for r in (*running, req)}.values()
+    held = [p for r in holders for p in r.pages]
+    shared = len(held) != len(set(held))
+    bound = min(len(holders) * rings.ring.pages, allocator.num_usable)
+    return shared or rings.allocator.num_usable < bound

@@ -2,8 +2,9 @@
 :mod:`engine.scheduler.ring_growth`), on by default (``--sliding-kv-ring auto``): a
 short request holds only its pages in the ring and a long one at most ``R``; many short
 requests run at once where whole rings would not have fitted, with transformers'
-greedy ids; a ring pool short where its bound says it cannot be is a bug, named; what
-excludes the ring."""
+greedy ids; requests sharing a cached prefix, which can make the ring pool the short
+one, wait for ring pages; a ring pool short where its bound says it cannot be is a
+bug, named; what excludes the ring."""
 
 from __future__ import annotations
 
@@ -112,3 +113,37 @@ def test_what_excludes_the_ring(pair):
     assert kv_ring_excluded(config, PlanKnobs(tensor_parallel_size=2)) == "tensor parallelism"
     flashinfer = PlanKnobs(sliding_kv_ring="on", attention_backend="flashinfer")
     assert kv_ring(config, flashinfer) is None and "FlashInfer" in kv_ring_excluded(config, flashinfer)
+
+
+def test_requests_sharing_a_prefix_wait_for_ring_pages(pair):
+    """Four requests continuing one cached 24-token prefix (6 pages) over a global pool of
+    19 pages: each holds 2 global pages of its own but 7 ring pages (its prefix's among
+    them), so the ring pool of 19 is the short one: requests wait or are preempted for
+    ring pages, as for global pages, rather than fail, and each answers transformers'
+    greedy ids."""
+    from engine.common.config import EngineConfig
+    from engine.core.engine import Engine
+
+    _, hf, _, _, path = pair
+    engine = Engine(EngineConfig(model=str(path), device="cpu", page_size=4, num_pages=20, max_prefill_tokens=16,
+                                 max_running_requests=4))
+    assert engine.ring.allocator.num_usable == 19 and engine.ring.ring.pages == 7
+    (first,) = seeded_prompts(VOCAB, 26)
+    sampling = greedy_params(4)
+    engine.add_request(GenerateRequest(request_id="a", prompt_token_ids=first, sampling=sampling))
+    while engine.has_work():
+        engine.step()
+    prompts = [first[:24] + tail for tail in seeded_prompts(VOCAB, 2, 2, 2, 2)]
+    for i, ids in enumerate(prompts):
+        engine.add_request(GenerateRequest(request_id=f"w{i}", prompt_token_ids=ids, sampling=sampling))
+    out = {f"w{i}": [] for i in range(4)}
+    ring_bound = 0  # steps where a request waited with global pages to spare but no ring pages
+    while engine.has_work():
+        for o in engine.step():
+            out[o.request_id].extend(o.token_ids)
+        sched = engine.scheduler
+        if sched.waiting and engine.allocator.num_free >= 2 and engine.ring.allocator.num_free < 7:
+            ring_bound += 1
+    assert engine.scheduler.prefix_states.restored >= 2
+    assert ring_bound > 0
+    assert [out[f"w{i}"] for i in range(4)] == [hf_greedy(hf, ids, 4) for ids in prompts]

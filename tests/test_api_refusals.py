@@ -114,6 +114,26 @@ def test_a_refused_host_answers_ollama_routes_in_ollamas_shape(real_server):
     assert r.status_code == 403 and r.json()["error"]["code"] == "host", r.text
 
 
+def test_routes_other_servers_have_say_what_headroom_does_instead(real_server):
+    """``ollama pull`` and an embeddings call are what clients of Ollama and OpenAI try
+    first: a 501 in each API's shape naming the way (or that headroom does not), not a
+    bare "no route"."""
+    import ollama
+    import openai
+
+    with pytest.raises(ollama.ResponseError) as pulled:
+        ollama.Client(host=real_server.base_url).pull("smollm2")
+    assert pulled.value.status_code == 501 and "`headroom pull REPO[:FILE]`" in pulled.value.error, pulled.value
+    r = _post(real_server, "/api/embed", json={"model": "default", "input": "hi"})
+    assert r.status_code == 501 and set(r.json()) == {"error"} and "no embeddings" in r.json()["error"], r.text
+    client = openai.OpenAI(base_url=real_server.base_url + "/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.APIStatusError) as embedded:
+        client.embeddings.create(model="default", input="hi")
+    assert embedded.value.status_code == 501, embedded.value
+    assert_openai_error(embedded.value.response, 501, code="not_implemented")
+    assert _post(real_server, "/api/nothing-here", json={}).status_code == 404
+
+
 # -- bodies that do not arrive ------------------------------------------------------------
 
 

@@ -22,6 +22,7 @@ from litestar.exceptions import HTTPException
 from engine.common.errors import RequestRejected
 from engine.text.chat import ChatTemplateError
 from service.common.engine_states import NotReady, State
+from service.common.unserved_routes import unserved_route
 
 log = logging.getLogger("headroom.api")
 
@@ -256,6 +257,8 @@ def _http_error(request: Request, exc: HTTPException) -> Response[Any]:
             "send a smaller one or raise --max-body-size",
             code="request_too_large",
         )
+    elif status == 404 and (unserved := unserved_route(request.url.path)) is not None:
+        error = APIError(501, unserved, code="not_implemented")
     elif status == 404:
         error = APIError(404, f"no route for this path: {exc.detail}", type=NOT_FOUND)
     elif status == 405:

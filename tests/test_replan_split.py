@@ -147,6 +147,7 @@ def test_the_control_api_sets_the_split_and_the_split_layers_come_back_to():
     from test_vram_watcher import FakeSupervisor
 
     from engine.wire.messages import BY_CONTROL
+    from service.common.errors import APIError
     from service.control.actions import SupervisorControl
     from service.vram.watcher import VramWatcher
 
@@ -165,8 +166,9 @@ def test_the_control_api_sets_the_split_and_the_split_layers_come_back_to():
     assert watcher.cpu_floor_layers == 12 and watcher.pool_state(moved).planned_cpu_layers == 12
     asyncio.run(control.set_cpu_layers(None))  # the start's split again
     assert sup.link.commands[-1][1]["cpu_layers"] == 0 and watcher.pool_state(moved).planned_cpu_layers == 0
-    with pytest.raises(ValueError, match="cpu_layers 30: choose 0 to 29"):
+    with pytest.raises(APIError, match="cpu_layers 30: choose 0 to 29") as refused:
         asyncio.run(control.set_cpu_layers(30))
+    assert refused.value.status == 400 and refused.value.param == "cpu_layers"
     sup.link.pool = msgspec.structs.replace(pool, max_cpu_layers=0)
     with pytest.raises(NotImplementedError, match="--cpu-layers auto"):
         asyncio.run(control.set_cpu_layers(3))

@@ -172,7 +172,9 @@ class PoolStats(msgspec.Struct, frozen=True, kw_only=True):
     start (the floor moves back to), at most ``max_cpu_layers`` (0: the split is fixed
     or the model does not split); ``layer_bytes`` is one decoder layer's weights on the
     device as the plan counts them (the largest), ``device_layers`` the layers whose
-    keys and values ``page_bytes`` covers.
+    keys and values ``page_bytes`` covers. ``decoder_layers`` is the model's decoder
+    layers, whether its split moves or not (0: not known), so a count of layers asked
+    for can be checked against it.
     """
 
     pages: int
@@ -197,6 +199,7 @@ class PoolStats(msgspec.Struct, frozen=True, kw_only=True):
     max_cpu_layers: int = 0
     layer_bytes: int = 0
     device_layers: int = 0
+    decoder_layers: int = 0
 
 
 class Heartbeat(msgspec.Struct, frozen=True, tag=True, kw_only=True):

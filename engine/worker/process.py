@@ -274,12 +274,14 @@ def pool_stats(engine: Any, stats: Any, planned_pages: int) -> PoolStats | None:
 
 
 def _split_stats(engine: Any) -> dict[str, int]:
-    """:class:`PoolStats`' split fields (``Engine.move_split``); none for an engine
-    whose split cannot move."""
+    """:class:`PoolStats`' split fields (``Engine.move_split``); only the model's decoder
+    layers for an engine whose split cannot move."""
+    model = getattr(engine, "model_config", None)
+    layers = {"decoder_layers": getattr(model, "num_layers", 0)}
     most = getattr(engine, "max_cpu_layers", 0)
     if not most:
-        return {}
-    return dict(cpu_layers=engine.cpu_layers, planned_cpu_layers=engine.planned_cpu_layers, max_cpu_layers=most,
+        return layers
+    return dict(**layers, cpu_layers=engine.cpu_layers, planned_cpu_layers=engine.planned_cpu_layers, max_cpu_layers=most,
                 layer_bytes=max(engine.layer_device_bytes), device_layers=engine.pool.num_layers)
 
 

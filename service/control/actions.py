@@ -18,9 +18,10 @@ from engine.memory.plan import fmt_bytes
 from engine.wire import ipc
 from engine.wire.messages import BY_CONTROL
 from service.common.engine_states import State
-from service.common.errors import APIError
+from service.common.errors import APIError, invalid
 from service.supervision.supervisor import Supervisor
 from service.vram.host import host_memory
+from service.vram.room import card_room, check_pool_grow, check_split_move
 from service.vram.watcher import VramWatcher
 
 log = logging.getLogger("headroom.control")
@@ -103,12 +104,18 @@ class SupervisorControl:
         None goes back to the plan's size. The size is also the ceiling the watcher
         grows back to until it is changed again.
 
+        A grow (to a size or back to the plan's) must fit the card's room now
+        (:mod:`service.vram.room`) and the host's available memory; a shrink is always
+        taken.
+
         Raises:
             NotReady: no worker is ready (503).
-            ValueError: smaller than one request of the minimum context (400).
+            ValueError: smaller than one request of the minimum context, or a grow past
+                the host's available memory (400).
             NotImplementedError: the engine cannot resize its pool (501).
-            APIError: 409 when the worker refused (e.g. out of device memory growing),
-                503 when it did not answer.
+            APIError: 409 ``no_room`` for a grow past the card's room (naming the most
+                that fits), 409 when the worker refused (e.g. out of device memory
+                growing), 503 when it did not answer.
         """
         sup = self.supervisor
         sup.check_ready()
@@ -128,11 +135,12 @@ class SupervisorControl:
                     "the minimum context"
                 )
             what = f"{fmt_bytes(kv_cache_bytes)} ({pages - 1} pages)"
-            self._check_host_room(pages, pool.pages, pool.page_bytes)
+        self._check_host_room(pages, pool)
         if self.watcher is None:
             done = await self._resize(pages, what)
         else:
             async with self.watcher.lock:  # not in the middle of one of the watcher's
+                check_pool_grow(card_room(self.watcher), sup.link.pool or pool, pages)
                 self.watcher.kv_ceiling_pages = None if kv_cache_bytes is None else pages
                 done = await self._resize(pages, what)
         return self._answer(done)
@@ -175,59 +183,92 @@ class SupervisorControl:
         """Run the last ``cpu_layers`` decoder layers on the CPU (``--cpu-layers auto``: the
         split moves live, ``Engine.move_split``); None goes back to the start's split. The
         count is also the split the watcher moves layers back to until it is changed again.
+        A move back to the device must fit the card's room now (:mod:`service.vram.room`);
+        a move to the CPU is always taken.
+
+        The count is checked first (``0..layers - 1``), then whether the split can move:
+        with a fixed ``--cpu-layers N``, asking for the start's split (or None) changes
+        nothing and is answered so.
 
         Raises:
             NotReady: no worker is ready (503).
-            NotImplementedError: the split cannot move (a fixed ``--cpu-layers N``, or a
-                model that does not split) (501).
-            ValueError: a count outside ``0..max`` (400).
-            APIError: as :meth:`set_kv_cache`.
+            APIError: 400 (``param: "cpu_layers"``) for a count outside ``0..max``; 409
+                ``split_fixed`` for another count under a fixed ``--cpu-layers N``
+                (naming ``--cpu-layers auto``); 409 ``no_room`` for a move back past the
+                card's room; as :meth:`set_kv_cache` when the worker refuses.
+            NotImplementedError: a model (or setting) whose split cannot move (501).
         """
         sup = self.supervisor
         sup.check_ready()
         pool = sup.link.pool
+        started = self._started_split()
+        most = None if pool is None else pool.max_cpu_layers or (pool.decoder_layers - 1 if pool.decoder_layers else None)
+        if cpu_layers is not None and not 0 <= cpu_layers <= (most if most is not None else cpu_layers):
+            span = f"0 to {most} (one decoder layer stays on the device)" if most is not None else "0 or more"
+            raise invalid(f"cpu_layers {cpu_layers}: choose {span}", "cpu_layers")
         if pool is None or pool.max_cpu_layers == 0:
+            if started is not None and cpu_layers in (None, started):
+                return f"nothing to change: the split is the start's ({started} decoder layers on the CPU)"
+            if started is not None:
+                raise APIError(
+                    409,
+                    f"the split is fixed at {started} decoder layers on the CPU (--cpu-layers {started}): it moves "
+                    "live only when the server is started with --cpu-layers auto",
+                    code="split_fixed", param="cpu_layers",
+                )
             raise NotImplementedError(
-                "this engine's split cannot move: it needs --cpu-layers auto (a number is fixed) and a dense "
+                "this engine's split cannot move: it needs --cpu-layers auto and a dense "
                 "Llama/Qwen2/Qwen3-family model on one device"
             )
         layers = pool.planned_cpu_layers if cpu_layers is None else cpu_layers
-        if not 0 <= layers <= pool.max_cpu_layers:
-            raise ValueError(f"cpu_layers {layers}: choose 0 to {pool.max_cpu_layers} (one decoder layer stays "
-                             "on the device)")
         fields = {"cpu_layers": layers, "reason": f"{CONTROL_REASON}: {layers} decoder layers on the CPU"}
         if self.watcher is None:
             done = await self._command(ipc.MoveLayers, fields)
         else:
             async with self.watcher.lock:
+                check_split_move(card_room(self.watcher), sup.link.pool or pool, layers)
                 self.watcher.cpu_floor_layers = cpu_layers
                 done = await self._command(ipc.MoveLayers, fields)
         return self._answer(done)
+
+    def _started_split(self) -> int | None:
+        """The fixed ``--cpu-layers N`` the worker was started with; None for ``auto``."""
+        config = getattr(self.supervisor, "config", None)
+        text = config.worker.engine.cpu_layers if config is not None else "auto"
+        return int(text) if text.isdigit() else None
 
     async def _command(self, kind: type, fields: dict) -> ipc.ControlDone | None:
         return await self.supervisor.link.run_command(
             kind, origin=BY_CONTROL, timeout_s=self.command_timeout_s, **fields
         )
 
-    def _check_host_room(self, pages: int, now_pages: int, page_bytes: int) -> None:
-        """On the CPU a pool larger than the host's available memory does not fail: the
-        worker pages to swap or stalls until the watchdog kills it. Refuse it first (a
-        CUDA device refuses a grow that does not fit with an out-of-memory error, 409).
+    def _check_host_room(self, pages: int, pool: ipc.PoolStats) -> None:
+        """A pool larger than the host's available memory does not fail: the worker pages
+        to swap or stalls until the watchdog kills it. Refuse it first. The host holds
+        the pool's pages of the layers the CPU runs (a split model's host pool, priced
+        at the device's bytes a layer of a page), and on the CPU the device's part too
+        (a CUDA device refuses a grow that does not fit with an out-of-memory error).
 
         Raises:
             ValueError: the growth exceeds the host's available memory (400).
         """
         info = self.supervisor.info
-        if info is None or info.device.startswith("cuda") or pages <= now_pages:
+        if info is None or pages <= pool.pages:
             return
-        grow = (pages - now_pages) * page_bytes
+        host_page = pool.page_bytes // max(pool.device_layers, 1) * pool.cpu_layers
+        page_bytes = host_page + (0 if info.device.startswith("cuda") else pool.page_bytes)
+        if page_bytes <= 0:
+            return
+        grow = (pages - pool.pages) * page_bytes
         available = host_memory(()).available_bytes
         if grow > available:
-            most = now_pages - 1 + available // page_bytes
+            most = pool.pages - 1 + available // page_bytes
+            split = (f" ({fmt_bytes(page_bytes)} a page, the host pool of {pool.cpu_layers} layers on the CPU "
+                     "included)" if host_page else "")
             raise ValueError(
                 f"a KV cache of {pages - 1} pages needs {fmt_bytes(grow)} more host memory than it "
-                f"holds now, and {fmt_bytes(available)} is available; the most it can grow to now "
-                f"is {fmt_bytes(most * page_bytes)} ({most} pages)"
+                f"holds now{split}, and {fmt_bytes(available)} is available; the most it can grow to now "
+                f"is {fmt_bytes(most * pool.page_bytes)} ({most} pages)"
             )
 
     async def _resize(self, pages: int, what: str) -> ipc.ControlDone | None:

@@ -115,7 +115,7 @@ def _parse_size_field(value: int | str, param: str) -> int:
         raise invalid(str(exc), param) from None
 
 
-async def _call(fn: Callable[..., Any], *args: Any) -> str | None:
+async def _call(fn: Callable[..., Any], *args: Any, param: str | None = None) -> str | None:
     try:
         result = fn(*args)
         if inspect.isawaitable(result):
@@ -127,7 +127,7 @@ async def _call(fn: Callable[..., Any], *args: Any) -> str | None:
             501, str(exc) or "this action is not supported", code="not_implemented"
         ) from None
     except ValueError as exc:
-        raise invalid(str(exc)) from None
+        raise invalid(str(exc), param) from None
     return None if result is None else str(result)
 
 
@@ -211,7 +211,7 @@ def events_router(
             value = "auto"
         else:
             value = _parse_size_field(body.reserve, "reserve")
-        message = await _call(control.set_reserve, value)
+        message = await _call(control.set_reserve, value, param="reserve")
         return ControlResponse(ok=True, action="reserve", message=message)
 
     @post("/control/cache", status_code=202, guards=guards)
@@ -226,15 +226,15 @@ def events_router(
             )
         messages = []
         if body.cpu_layers is not msgspec.UNSET:
-            messages.append(await _call(control.set_cpu_layers, body.cpu_layers))
+            messages.append(await _call(control.set_cpu_layers, body.cpu_layers, param="cpu_layers"))
         if body.clear_prefix_cache:
             messages.append(await _call(control.clear_prefix_cache))
         if body.expert_cache is not msgspec.UNSET:
             size = None if body.expert_cache is None else _parse_size_field(body.expert_cache, "expert_cache")
-            messages.append(await _call(control.set_expert_cache, size))
+            messages.append(await _call(control.set_expert_cache, size, param="expert_cache"))
         if body.kv_cache is not msgspec.UNSET:
             size = None if body.kv_cache is None else _parse_size_field(body.kv_cache, "kv_cache")
-            messages.append(await _call(control.set_kv_cache, size))
+            messages.append(await _call(control.set_kv_cache, size, param="kv_cache"))
         text = "; ".join(m for m in messages if m) or None
         return ControlResponse(ok=True, action="cache", message=text)
 

@@ -141,7 +141,15 @@ class VramWatcher:
     def set_reserve(self, reserve: int | Literal["auto"]) -> str:
         """Keep ``reserve`` bytes free for the desktop from the next sample on
         (``"auto"``: 512 MiB + 5% of the card with a display, else 0). Kept in memory
-        until the service stops."""
+        until the service stops.
+
+        Raises:
+            ValueError: a reserve as large as the card (its size, from the last sample).
+        """
+        card = self.latest.total_bytes if self.latest is not None and self.latest.gpu else 0
+        if reserve != "auto" and card and int(reserve) >= card:
+            raise ValueError(f"a reserve of {fmt_bytes(int(reserve))} leaves nothing of the card: it has "
+                             f"{fmt_bytes(card)} in all; choose less than that (or \"auto\")")
         self.reserve = None if reserve == "auto" else int(reserve)
         if self.controller is not None:
             self.controller.reserve = self.reserve

@@ -54,6 +54,11 @@ class State(str, enum.Enum):
 UNLOADED = frozenset({State.WAITING_FOR_MEMORY, State.WAITING_FOR_GPU, State.PAUSED, State.IDLE})
 
 
+# How a paused engine is loaded again, said once in whatever names the pause.
+RESUME_ROUTE = "POST /api/control/resume"
+RESUME_HINT = f"{RESUME_ROUTE} resumes it"
+
+
 class NotReady(Exception):
     """No worker can take work now.
 
@@ -71,10 +76,16 @@ class NotReady(Exception):
             State.STOPPED: "the server is shutting down",
             State.WAITING_FOR_MEMORY: "the engine is waiting for GPU memory",
             State.WAITING_FOR_GPU: "the engine is waiting for the GPU",
-            State.PAUSED: "the engine is paused (POST /api/control/resume resumes it)",
+            State.PAUSED: "the engine is paused",
             State.IDLE: "the engine is unloaded",
         }.get(state, "the engine is not ready")
-        message = what + (f": {reason}" if reason else "")
+        head, word = what.rsplit(" ", 1)
+        if reason and reason.startswith(f"{word} "):  # "paused through ...": the state said once
+            message = f"{head} {reason}"
+        else:
+            message = what + (f": {reason}" if reason else "")
+        if state is State.PAUSED and RESUME_ROUTE not in message:
+            message += f" ({RESUME_HINT})"
         if retry_after_s is not None:
             message += f"; retry in {retry_after_s} s"
         super().__init__(message)

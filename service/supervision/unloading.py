@@ -24,7 +24,13 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from service.common.engine_states import ENGINE_PAUSED, ENGINE_RESTARTED, State, first_line
+from service.common.engine_states import (
+    ENGINE_PAUSED,
+    ENGINE_RESTARTED,
+    RESUME_HINT,
+    State,
+    first_line,
+)
 from service.supervision.report import exited_event
 from service.supervision.waits import GpuBackoff, MemoryWait, sleep_or_gpu_appears, wait_for_memory
 from service.supervision.worker_process import ExitStatus, WorkerProcess
@@ -35,6 +41,12 @@ if TYPE_CHECKING:
     from service.supervision.link import WorkerLink
 
 log = logging.getLogger("headroom.supervisor")
+
+def pause_reason(load_on_request: bool) -> str:
+    """Why the engine is paused, as ``health``, the log and a refused request say it
+    (:class:`service.common.engine_states.NotReady` names the state once with it)."""
+    return f"paused through the control API; {RESUME_HINT}" + ("; a request resumes it" if load_on_request else "")
+
 
 # Seconds a worker being unloaded (paused, idle) may take to exit before it is killed.
 UNLOAD_TIMEOUT_S = 15.0
@@ -206,8 +218,7 @@ class Unloading:
         pid = self.worker_pid if self.worker_alive else None
         await self.unload(
             State.PAUSED,
-            "paused through the control API; POST /api/control/resume resumes it"
-            + ("; a request resumes it" if self.config.load_on_request else ""),
+            pause_reason(self.config.load_on_request),
         )
         return f"paused: worker {pid} stopped, its memory given back" if pid else "paused"
 

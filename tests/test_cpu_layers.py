@@ -146,3 +146,21 @@ def test_a_misfit_no_split_solves_is_refused_naming_cpu_layers():
     plan = build_plan(EngineConfig(model=_default_gguf(), device_total=600 << 20, **_SMALL))
     assert not plan.fits and plan.cpu_layers == 0
     assert "--cpu-layers auto → 29 frees about" in plan.message()
+
+
+def test_a_split_on_a_roomy_card_sizes_its_pool_for_the_host_not_the_card():
+    """The host pool of the layers on the CPU holds as many pages as the device's: a card
+    with room to spare would make it larger than the host. The pool is capped at half of
+    the host's available memory beside the layers' weights, and the note says no swap."""
+    from engine.commands.plan import build_plan, render
+    from engine.memory.host import host_memory
+
+    config = EngineConfig(model=_default_gguf(), device_total=64 << 30, cpu_layers="29", **_SMALL)
+    plan = build_plan(config)
+    _, available = host_memory()
+    assert plan.fits and plan.cpu_layers == 29 and "would swap" not in plan.split_note, plan.split_note
+    host_pool = plan.num_pages * plan.page_size * plan.kv_bytes_per_token * 29  # one device layer's bytes a token
+    assert host_pool <= available, (host_pool, available)
+    assert "capped by the host pool of the CPU layers' KV" in render(plan, as_json=False)
+    uncapped = build_plan(EngineConfig(**{**config.__dict__, "cpu_layers": "0"}))
+    assert plan.num_pages < uncapped.num_pages

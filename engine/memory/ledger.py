@@ -122,12 +122,31 @@ def _host_need(plan: MemoryPlan, fp: Footprint) -> int:
     return fp.moved_bytes(plan.cpu_layers)[1] + pages * plan.page_size * plan.cpu_layers * fp.host_kv_bytes_per_token_layer
 
 
+def _host_page_cap(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint, cpu_layers: int) -> int | None:
+    """The most KV pages whose host pool (the split's layers' keys and values, the null
+    page included) takes at most half of the host's available memory left beside those
+    layers' weights (the desktop's other programs keep the rest); None where the OS does
+    not say. The device pool holds the same page count, so a device with room to spare
+    would otherwise size a host pool the host cannot hold."""
+    available = device.host_available_bytes
+    per_page = knobs.page_size * cpu_layers * fp.host_kv_bytes_per_token_layer
+    if available is None or per_page <= 0:
+        return None
+    return max((available - fp.moved_bytes(cpu_layers)[1]) // 2 // per_page - 1, 0)
+
+
 def _placed(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint, cpu_layers: int) -> MemoryPlan:
     """The plan with the last ``cpu_layers`` decoder layers on the CPU and the routed
-    experts placed as ``--cpu-experts`` says (auto: the fewest layers that fit)."""
+    experts placed as ``--cpu-experts`` says (auto: the fewest layers that fit). A split's
+    pool is capped at what the host holds (:func:`_host_page_cap`), never below one
+    request of the minimum context (the note then says the host would swap)."""
     plan = _placed_experts(device, knobs, fp, cpu_layers)
     if not cpu_layers:
         return plan
+    cap = _host_page_cap(device, knobs, fp, cpu_layers)
+    if cap is not None and plan.num_pages > cap:
+        need_pages = math.ceil(plan.min_context_tokens / knobs.page_size)
+        plan = _ledger_at(device, knobs, fp, 0, cpu_layers, max_pages=max(cap, need_pages))
     plan = msgspec.structs.replace(plan, cpu_layers=cpu_layers)
     layers = len(fp.layer_bytes)
     moved, host = fp.moved_bytes(cpu_layers)
@@ -170,7 +189,7 @@ def _spare(plan: MemoryPlan) -> int:
 
 
 def _ledger_at(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint, host_layers: int,
-               cpu_layers: int = 0) -> MemoryPlan:
+               cpu_layers: int = 0, max_pages: int | None = None) -> MemoryPlan:
     if min(device.total_bytes, device.free_bytes, device.others_bytes, fp.weight_bytes) < 0:
         raise ValueError("memory sizes must be >= 0")
     total = device.total_bytes
@@ -250,6 +269,9 @@ def _ledger_at(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint, host_layer
                                   f"{fp.num_experts} experts in host memory"))
     kv_room = budget - fixed
     pages = kv_pages(kv_room, page_bytes, ring_page, ring_cap)
+    host_capped = max_pages is not None and pages > max_pages
+    if host_capped:
+        pages = max_pages  # the host pool of a split follows the device's page count
     kv_bytes = pages * page_bytes
     if ring_page:
         rings = min(pages, ring_cap)
@@ -262,6 +284,8 @@ def _ledger_at(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint, host_layer
             f"exact, {rings} pages of {fmt_bytes(ring_page)} ({bound}; a request's ring grows with its pages up "
             f"to its window and a prefill chunk) and the null page"))
     ledger.append(LedgerEntry("KV cache pool", kv_bytes, "=", f"{pages} pages of {fmt_bytes(page_bytes)}"
+                                                     + (", capped by the host pool of the CPU layers' KV (half the host's available memory)"
+                                                        if host_capped else "")
                                                      + (f", {fp.kv_cache_dtype}" if fp.kv_cache_dtype else "")
                                                      + (f"; {fp.kv_window_note}" if fp.kv_window_note else "")))
     fits = pages >= need_pages

@@ -75,7 +75,9 @@ def test_a_negative_count_is_refused_naming_the_choices():
 
     for bad in ("-1", "\uff10", "\u0661"):  # a full-width and an Arabic-Indic digit are not numbers here
         problems = [check(bad) for check in option_named(EngineConfig, "cpu_layers").checks]
-        assert any(p and "not auto or a number of decoder layers" in p for p in problems), bad
+        assert any(p and "not auto or a whole number of decoder layers (0 or more)" in p for p in problems), bad
+    checks = option_named(EngineConfig, "cpu_layers").checks
+    assert [check("99999999999") for check in checks] == ["99999999999 is more decoder layers than any model has"]
 
 
 def test_default_gguf_split_at_10_equals_unsplit():

@@ -120,7 +120,7 @@ def test_a_word_or_number_option_refuses_other_toml_values(tmp_path):
 
     with pytest.raises(SettingsError, match="cpu_experts: True is neither text nor a number"):
         _resolve_with(tmp_path, "cpu_experts = true\n")
-    with pytest.raises(SettingsError, match="--cpu-experts: '-1' is not auto, none or a number"):
+    with pytest.raises(SettingsError, match="--cpu-experts: '-1' is not auto, none or a whole number"):
         _resolve_with(tmp_path, flags={"cpu_experts": "-1"})
 
 

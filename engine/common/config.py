@@ -326,7 +326,7 @@ class EngineConfig(KernelOptions):
         "the GPU, and decode then runs without CUDA graphs.",
         kind="word_or_number",
         metavar="auto|N",
-        checks=(auto_or_count(what="decoder layers (0 or more)"),),
+        checks=(auto_or_count(what="decoder layers"),),
     )
     cpu_threads: str = option(
         "auto",

@@ -277,9 +277,12 @@ def auto_or_count(*words: str, what: str = "layers") -> Check:
     allowed = ("auto", *words)
 
     def check(value: str) -> str | None:
-        if value in allowed or (value.isascii() and value.isdecimal()):  # not "０" or "١"
+        if value in allowed:
             return None
-        return f"{value!r} is not {', '.join(allowed)} or a number of {what} (0-9 digits)"
+        if value.isascii() and value.isdecimal():  # not "０" or "١"
+            # A model has at most thousands of layers; a longer number is a slip.
+            return None if len(value) <= 6 else f"{value} is more {what} than any model has"
+        return f"{value!r} is not {', '.join(allowed)} or a whole number of {what} (0 or more)"
 
     return check
 

@@ -211,3 +211,21 @@ def test_split_moves_become_replan_events_and_a_plan_with_the_split_now():
     assert "of device memory taken" in back.reason and back.after.cpu_layers == 0
     assert pool.before.cpu_layers is None, "an engine whose layers never moved shows none"
     assert hub.snapshot().plan.plan.cpu_layers == 0 and hub.snapshot().plan.plan.split_note == ""
+
+
+def test_every_event_of_an_engine_whose_split_moves_names_its_layers_on_the_cpu():
+    """After a move back to 0 layers on the CPU, a pool resize (which moves no layer)
+    still says 0 before and after, from the live state, not null."""
+    from pool_fakes import pool_stats
+
+    svc, hub = services_with_hub()
+    svc.supervisor.link.pool = msgspec.structs.replace(  # type: ignore[attr-defined]
+        pool_stats(31, min_pages=9, activation_bytes_per_token=0, max_context_tokens=2048), max_cpu_layers=29)
+    svc.record_engine_event(replanned(REPLAN_MOVE_LAYERS, 31, 31, before_cpu_layers=29, after_cpu_layers=0,
+                                      reason=CONTROL_REASON, origin=BY_CONTROL))
+    svc.record_engine_event(replanned(REPLAN_RESIZE_POOL, 31, 21))
+    svc.record_engine_event(ReplanWanted(new_max_prefill_tokens=128, reason="out of memory"))
+    moved, shrink, wanted = hub.snapshot().replans
+    assert moved.action == "set_cpu_layers" and (moved.before.cpu_layers, moved.after.cpu_layers) == (29, 0)
+    assert (shrink.before.cpu_layers, shrink.after.cpu_layers) == (0, 0)
+    assert (wanted.before.cpu_layers, wanted.after.cpu_layers) == (0, 0)

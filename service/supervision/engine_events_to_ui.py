@@ -235,6 +235,7 @@ class EngineEventsToUI:
             num_pages=max(info.num_pages - 1, 0),
             max_prefill_tokens=info.max_prefill_tokens,
             prefix_cache_pages=cached,
+            **self._split(0),
         )
         after = msgspec.structs.replace(before, max_prefill_tokens=event.new_max_prefill_tokens)
         return ReplanEvent(
@@ -253,6 +254,20 @@ class EngineEventsToUI:
         plan = info.plan.after_resize(max(event.after_pages - 1, 0), event.after_bytes, event.max_context_tokens,
                                       event.reason)
         return PlanEvent(plan=plan)
+
+    def _split(self, cpu_layers: int, event: Replanned | None = None) -> dict[str, int]:
+        """A :class:`PlanPoint`'s ``cpu_layers``: the live count (``event``'s, else the
+        worker's last pool stats) on every event of an engine whose split can move or
+        is split now; none (left null) for one that runs every layer on the device
+        throughout."""
+        link = self.supervisor.link if self.supervisor is not None else None
+        pool = getattr(link, "pool", None)
+        if event is None:
+            if pool is None or not (pool.max_cpu_layers or pool.cpu_layers):
+                return {}
+            return {"cpu_layers": pool.cpu_layers}
+        moves = pool is not None and pool.max_cpu_layers > 0
+        return {"cpu_layers": cpu_layers} if moves or event.before_cpu_layers or event.after_cpu_layers else {}
 
     def _replanned(self, event: Replanned) -> ReplanEvent | None:
         info = self.supervisor.info if self.supervisor is not None else None
@@ -292,7 +307,7 @@ class EngineEventsToUI:
             max_prefill_tokens=chunk_before,
             prefix_cache_pages=cached,
             **_expert_cache(event.before_expert_slots, event.before_expert_bytes, event),
-            **_split(event.before_cpu_layers, event),
+            **self._split(event.before_cpu_layers, event),
         )
         after = PlanPoint(
             kv_pool_bytes=event.after_bytes,
@@ -300,7 +315,7 @@ class EngineEventsToUI:
             max_prefill_tokens=event.max_prefill_tokens,
             prefix_cache_pages=cached_after,
             **_expert_cache(event.after_expert_slots, event.after_expert_bytes, event),
-            **_split(event.after_cpu_layers, event),
+            **self._split(event.after_cpu_layers, event),
         )
         details = []
         if event.evicted_pages and event.action != REPLAN_EVICT_PREFIX_CACHE:
@@ -331,9 +346,3 @@ def _expert_cache(slots: int, nbytes: int, event: Replanned) -> dict[str, int]:
     has_cache = (event.before_expert_slots or event.after_expert_slots
                  or event.before_expert_bytes or event.after_expert_bytes)
     return {"expert_cache_slots": slots, "expert_cache_bytes": nbytes} if has_cache else {}
-
-
-def _split(cpu_layers: int, event: Replanned) -> dict[str, int]:
-    """A :class:`PlanPoint`'s ``cpu_layers`` from a ``Replanned``'s figures; none (left
-    null) for an engine that runs every layer on the device throughout."""
-    return {"cpu_layers": cpu_layers} if event.before_cpu_layers or event.after_cpu_layers else {}

@@ -244,7 +244,8 @@ export interface PlanEvent {
  * chunk cap (tokens), the prefix cache's pages (None when unknown) and the GPU expert
  * cache in front of routed experts in host memory (slots over all its layers and
  * their bytes; None when every expert is on the device); the last decoder layers the
- * CPU runs (`--cpu-layers`; None when every layer stays on the device).
+ * CPU runs (`--cpu-layers`; on every event of an engine whose split can move or is
+ * split; None for one whose layers all stay on the device throughout).
  */
 export interface PlanPoint {
   kv_pool_bytes: number;

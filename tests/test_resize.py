@@ -293,3 +293,15 @@ def test_a_grow_that_runs_out_of_memory_leaves_the_engine_working(tiny_dir, refe
 
     out, _ = drive(engine, on_step=on_step)
     assert out == reference
+
+
+def test_the_log_counts_the_pages_the_control_api_and_the_events_count(tiny_dir, caplog):
+    """Usable pages, the null page left out, wherever people read a resize."""
+    from engine.worker.process import _describe_resize
+
+    engine = make_engine(tiny_dir)
+    with caplog.at_level("INFO", logger="headroom.engine"):
+        res = engine.resize_kv_pool(64, reason="test shrink")
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("KV pool shrunk")]
+    assert len(said) == 1 and f": {NUM_PAGES - 1} -> 63 pages (" in said[0], said
+    assert f"KV pool {NUM_PAGES - 1} -> 63 pages" in _describe_resize(res)

@@ -190,11 +190,13 @@ class LiveReplan:
             duration_ms=(time.perf_counter() - started) * 1000,
         )
         if result.after_pages != before_pages:
+            # Pages as people read them everywhere (the plan, the control API, replan
+            # events): usable ones, the null page left out.
             log.info(
                 "KV pool %s: %d -> %d pages (%.1f -> %.1f MiB) in %.1f ms; %d evicted, %d moved, "
                 "%d preempted, %d ended; context limit %d tokens%s",
-                "shrunk" if result.after_pages < before_pages else "grown", before_pages,
-                result.after_pages, before_bytes / 2**20, result.after_bytes / 2**20,
+                "shrunk" if result.after_pages < before_pages else "grown", before_pages - 1,
+                result.after_pages - 1, before_bytes / 2**20, result.after_bytes / 2**20,
                 result.duration_ms, evicted, relocated, len(preempted), len(ended),
                 self.max_context_tokens, f" ({reason})" if reason else "",
             )

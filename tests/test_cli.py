@@ -172,6 +172,9 @@ def test_plan_knobs_move_the_plan(default_model_dir):
         invoke(["plan", "--device-total", "6GiB", "--min-context", "1024", "--json"]).stdout
     )
     assert short["min_context_tokens"] == 1024
+    larger = json.loads(invoke(["plan", "--device-total", "6GiB", "--device-limit", "8GiB", "--json"]).stdout)
+    total = {e["name"]: e for e in larger["ledger"]}["device total"]
+    assert total["bytes"] == 6 << 30 and "--device-limit 8.00 GiB is larger: the card's size applies" in total["source"]
 
 
 def test_plan_json_parses(default_model_dir):

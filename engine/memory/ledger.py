@@ -205,7 +205,11 @@ def _ledger_at(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint, host_layer
     sampler = fp.sampler_bytes_per_request * knobs.max_running_requests
     activation = fp.activation_at(knobs) if fp.activation_at is not None else fp.activation_peak_bytes
     ledger = [
-        LedgerEntry("device total", total, "+", src + (" (a card of --device-limit)" if total < device.total_bytes else "")),
+        LedgerEntry("device total", total, "+", src + (" (a card of --device-limit)" if total < device.total_bytes else
+                                                       f" (--device-limit {fmt_bytes(knobs.device_limit)} is larger: "
+                                                       "the card's size applies)"
+                                                       if knobs.device_limit is not None and knobs.device_limit > total
+                                                       else "")),
         LedgerEntry("used by other processes", device.others_bytes, "-", src + ", now"),
         LedgerEntry("desktop reserve", reserve, "-", reserve_src),
         LedgerEntry("safety margin", margin, "-", "auto" if knobs.safety_margin_bytes is None else "flag"),

@@ -175,6 +175,9 @@ def test_default_model_greedy_with_quantized_weights_follows_float32(layout, req
         layer = engine.model.model.layers[0]
         want = "Q4_1x16" if rows16.available(engine.model.cpu_decode.lib) else "Q4_1"
         assert layer.self_attn.qkv_proj.types == layer.mlp.down_proj.types == [want]
+        if want.endswith(rows16.SUFFIX):  # one buffer, in the order a decode step reads them
+            qkv, o = layer.self_attn.qkv_proj.part(0), layer.self_attn.o_proj.part(0)
+            assert o.data_ptr() == qkv.data_ptr() + qkv.numel()
     assert isinstance(engine.model.model.embed_tokens, QuantEmbedding)
     assert not any(isinstance(m, QuantLinear) for m in engine.model.modules())
     tokenizer, prompts, requests, theirs = reference_answers

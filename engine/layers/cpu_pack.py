@@ -14,6 +14,7 @@ from engine.layers.cpu_decode import CpuDecode
 from engine.layers.linear.cpu_blocks import CpuBlockLinear, takes
 from engine.layers.linear.cpu_int4 import CpuInt4Linear, QuantEmbedding, RescoredHead
 from engine.layers.linear.gguf_blocks import QuantLinear
+from kernels.cpu import rows16
 from kernels.switches import current
 
 
@@ -35,6 +36,15 @@ def pack_linears(module: nn.Module, dtype: torch.dtype, lib=None, interleave: bo
             setattr(owner, leaf, CpuInt4Linear.from_quant_linear(linear, dtype))
 
 
+def _one_buffer(layers) -> None:
+    """The interleaved projections of ``layers`` moved into one buffer in the order a
+    decode step reads them (:func:`kernels.cpu.rows16.one_buffer`)."""
+    places = [(m, i) for layer in layers for m in layer.modules() if isinstance(m, CpuBlockLinear)
+              for i, t in enumerate(m.types) if t is not None and t.endswith(rows16.SUFFIX)]
+    for (m, i), view in zip(places, rows16.one_buffer([m.part(i) for m, i in places]), strict=True):
+        setattr(m, f"part{i}", view)
+
+
 def pack_model_for_cpu(model: nn.Module, dtype: torch.dtype, lib=None, decode_layers=None) -> nn.Module:
     """Replace every QuantLinear of ``model`` (on the CPU) as :func:`pack_linears` does; a
     head tied to embeddings in blocks becomes a :class:`RescoredHead`. With ``lib``, a
@@ -43,8 +53,10 @@ def pack_model_for_cpu(model: nn.Module, dtype: torch.dtype, lib=None, decode_la
     switch on, those layers' projections are interleaved by 16 rows (the head is not: a
     tied one shares the embeddings' blocks)."""
     if current().cpu_rows16:
-        for layer in model.model.layers if decode_layers is None else decode_layers:
+        layers = model.model.layers if decode_layers is None else decode_layers
+        for layer in layers:
             pack_linears(layer, dtype, lib, interleave=True)
+        _one_buffer(layers)
     pack_linears(model, dtype, lib)
     embeddings = model.model.embed_tokens
     if model.config.tie_word_embeddings and isinstance(embeddings, QuantEmbedding) and isinstance(

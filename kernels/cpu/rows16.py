@@ -12,6 +12,8 @@ in its high one, Q8_0 code byte ``32k + 2j + t`` is weight ``2k + t`` of row ``j
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
+import sys
 
 import torch
 
@@ -89,3 +91,35 @@ def deinterleave(blocks: torch.Tensor, type_name: str) -> torch.Tensor:
         qs = weights[..., :16] | (weights[..., 16:] << 4)
     out = torch.cat([scales, qs], dim=-1).permute(0, 2, 1, 3)  # [g, row, b, byte]
     return out.contiguous().view(n, row_bytes)
+
+
+_HUGE = 2 << 20  # an x86-64 huge page
+_MADV_HUGEPAGE = 14  # Linux's madvise advice
+
+
+def one_buffer(parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``parts`` (contiguous uint8 tensors) copied one after another into one buffer,
+    aligned to 2 MiB and, on Linux, advised to take huge pages: their views, in order.
+
+    A decode step reads its layers' projections one after another; as separate tensors
+    each starts a new stream at an unrelated address, and 66 MB of them in 4 KiB pages
+    cost a TLB miss every 4 KiB. Measured on 2 Zen 4 cores, one thread: the default
+    model's 120 projections 3.48 ms as separate tensors, 2.74 ms as consecutive slices of
+    one (docs/cpu.md). The copies' bytes are the parts' (the alignment's slack before the
+    first is never written, so never resident)."""
+    total = sum(p.numel() for p in parts)
+    if not parts or total == 0:
+        return list(parts)
+    raw = torch.empty(total + _HUGE, dtype=torch.uint8)
+    start = -raw.data_ptr() % _HUGE
+    buf = raw[start:start + total]
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        libc.madvise(ctypes.c_void_p(buf.data_ptr()), ctypes.c_size_t(total), _MADV_HUGEPAGE)  # advice only
+    views, at = [], 0
+    for p in parts:
+        view = buf[at:at + p.numel()].view(p.shape)
+        view.copy_(p)
+        views.append(view)
+        at += p.numel()
+    return views

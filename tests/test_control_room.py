@@ -71,14 +71,21 @@ def test_a_kv_grow_past_the_cards_headroom_is_refused_naming_the_most_that_fits(
     assert sup.link.commands[-1][1]["num_pages"] == 65
 
 
-def test_back_to_the_plans_pool_is_a_grow_checked_like_any_other():
+def test_back_to_the_plans_pool_grows_only_as_far_as_the_card_holds_now():
+    """Null is not a size asked for: where the plan's ceiling (here one request of the
+    wanted context, 513 pages, where the start's plan had 200) does not fit, the pool
+    grows as far as fits and the watcher grows the rest when memory returns."""
     pool = msgspec.structs.replace(
-        pool_stats(201, min_pages=33, activation_bytes_per_token=0, max_context_tokens=2048), pages=101)
-    sup, _, control = _control(pool, free=107 * MiB)  # below the watcher's grow floor
-    with pytest.raises(APIError) as refused:
-        asyncio.run(control.set_kv_cache(None))
-    assert refused.value.status == 409 and "no page more fits now: it stays at 100 pages" in refused.value.message
-    assert sup.link.commands == []
+        pool_stats(513, min_pages=33, activation_bytes_per_token=0, max_context_tokens=2048), pages=129)
+    sup, watcher, control = _control(pool, free=107 * MiB)  # below the watcher's grow floor
+    message = asyncio.run(control.set_kv_cache(None))
+    assert sup.link.commands[-1][1]["num_pages"] == 129, "no page more fits"
+    assert "of which 128 fit the card now" in sup.link.commands[-1][1]["reason"], message
+    assert watcher.kv_ceiling_pages is None  # the watcher grows the rest to the plan's ceiling
+    _, watcher, control = _control(pool, free=300 * MiB)
+    room = card_room(watcher)
+    asyncio.run(control.set_kv_cache(None))
+    assert control.supervisor.link.commands[-1][1]["num_pages"] == 129 + room.room_bytes // MiB < 513
 
 
 def _split_pool(cpu_layers: int) -> ipc.PoolStats:

@@ -143,11 +143,36 @@ def test_a_context_that_grows_back_with_the_pool_publishes_a_plan():
     svc.record_engine_event(shrink)
     after = hub.snapshot().plan.plan
     assert after.max_context_tokens == 768 and after.context_note == "context 2,048 -> 768 tokens: another app"
-    # A resize that leaves the context where it was publishes no plan.
-    seq = hub.seq
+    # A resize that leaves the context where it was publishes the plan with the pool now,
+    # its context and note as they were.
     svc.supervisor.info = info_after(svc.supervisor.info, shrink)
     svc.record_engine_event(msgspec.structs.replace(replanned(REPLAN_RESIZE_POOL, 49, 50), max_context_tokens=768))
-    assert hub.snapshot().plan.plan == after and hub.seq > seq
+    assert hub.snapshot().plan.plan == msgspec.structs.replace(after, num_pages=49, kv_pool_bytes=50 * MiB)
+
+
+def test_the_plan_shown_is_the_plan_in_force():
+    """The pool, the prefill chunk cap (the watcher's or the engine's own after an
+    out-of-memory step) and the context follow every replan, in the ``plan`` event and
+    in the supervisor's info alike; the ledger stays the start's."""
+    from service.supervision.engine_events_to_ui import info_after
+
+    plan = MemoryPlan(
+        device="sim", simulated=True, ledger=[], budget_bytes=2 * GiB, fixed_bytes=GiB, kv_pool_bytes=512 * MiB,
+        num_pages=512, page_size=16, max_context_tokens=2048, min_context_tokens=512, fits=True, shortfall_bytes=0,
+        suggestions=[], max_prefill_tokens=2048, max_running_requests=8, wanted_context_tokens=2048,
+    )
+    svc, hub = services_with_hub()
+    svc.supervisor.info = info(num_pages=513, plan=plan, max_prefill_tokens=2048)
+    for event in (replanned(REPLAN_PREFILL_CHUNK, 513, 513, chunk=818), replanned(REPLAN_RESIZE_POOL, 513, 201,
+                  chunk=818), ReplanWanted(reason="out of memory in a step", new_max_prefill_tokens=512)):
+        svc.record_engine_event(event)
+        svc.supervisor.info = info_after(svc.supervisor.info, event)
+        shown = hub.snapshot().plan.plan
+        assert shown == svc.supervisor.info.plan
+        assert shown.max_prefill_tokens == svc.supervisor.info.max_prefill_tokens
+        assert shown.kv_pool_bytes == svc.supervisor.info.kv_cache_bytes
+        assert shown.num_pages == svc.supervisor.info.num_pages - 1
+    assert (shown.num_pages, shown.max_prefill_tokens, shown.ledger) == (200, 512, plan.ledger)
 
 
 def test_bytes_asked_reads_torchs_message():
@@ -201,9 +226,11 @@ def test_split_moves_become_replan_events_and_a_plan_with_the_split_now():
     assert (published.num_pages, published.kv_pool_bytes, published.fixed_bytes) == (30, 20 * MiB, GiB - 40 * MiB)
     svc.supervisor.info = info_after(svc.supervisor.info, down)
     assert svc.supervisor.info.plan == published
-    svc.record_engine_event(replanned(REPLAN_MOVE_LAYERS, 31, 31, before_cpu_layers=10, after_cpu_layers=0,
-                                      moved_bytes=-50 * MiB, plan=msgspec.structs.replace(shown)))
-    svc.record_engine_event(replanned(REPLAN_RESIZE_POOL, 31, 61))
+    for event in (replanned(REPLAN_MOVE_LAYERS, 31, 31, before_cpu_layers=10, after_cpu_layers=0,
+                            moved_bytes=-50 * MiB, plan=msgspec.structs.replace(shown)),
+                  replanned(REPLAN_RESIZE_POOL, 31, 61)):
+        svc.record_engine_event(event)  # as the supervisor does: then its info takes the event
+        svc.supervisor.info = info_after(svc.supervisor.info, event)
     moved, back, pool = hub.snapshot().replans
     assert [r.action for r in (moved, back)] == ["move_layers_to_cpu", "move_layers_to_device"]
     assert (moved.before.cpu_layers, moved.after.cpu_layers) == (0, 10)

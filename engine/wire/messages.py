@@ -156,6 +156,8 @@ class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
 
     ``max_context_tokens`` is what one request can really use: the smaller of the model's
     context length and what the KV pool holds for one request. Sizes are in bytes.
+    ``num_pages`` is the KV pool's pages, its null page included: one more than the
+    usable pages the plan, replan events and the control API count.
     """
 
     model_name: str

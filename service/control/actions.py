@@ -21,7 +21,7 @@ from service.common.engine_states import State
 from service.common.errors import APIError, invalid
 from service.supervision.supervisor import Supervisor
 from service.vram.host import host_memory
-from service.vram.room import card_room, check_pool_grow, check_split_move
+from service.vram.room import card_room, check_pool_grow, check_split_move, fitting_pages
 from service.vram.watcher import VramWatcher
 
 log = logging.getLogger("headroom.control")
@@ -104,9 +104,11 @@ class SupervisorControl:
         None goes back to the plan's size. The size is also the ceiling the watcher
         grows back to until it is changed again.
 
-        A grow (to a size or back to the plan's) must fit the card's room now
-        (:mod:`service.vram.room`) and the host's available memory; a shrink is always
-        taken.
+        A grow to a size must fit the card's room now (:mod:`service.vram.room`) and
+        the host's available memory; back to the plan's size grows as far as fits now
+        (the watcher grows the rest when memory returns); a shrink is always taken.
+        "The plan's size" is the pool the worker may grow back to: the start's plan's
+        pool, or one request of the wanted context where the start's plan lowered it.
 
         Raises:
             NotReady: no worker is ready (503).
@@ -135,12 +137,20 @@ class SupervisorControl:
                     "the minimum context"
                 )
             what = f"{fmt_bytes(kv_cache_bytes)} ({pages - 1} pages)"
-        self._check_host_room(pages, pool)
         if self.watcher is None:
+            self._check_host_room(pages, pool)
             done = await self._resize(pages, what)
         else:
             async with self.watcher.lock:  # not in the middle of one of the watcher's
-                check_pool_grow(card_room(self.watcher), sup.link.pool or pool, pages)
+                now, room = sup.link.pool or pool, card_room(self.watcher)
+                if kv_cache_bytes is None:
+                    fits = fitting_pages(room, now, pages)
+                    if fits < pages:
+                        what += f", of which {fits - 1} fit the card now"
+                    pages = fits
+                else:
+                    check_pool_grow(room, now, pages)
+                self._check_host_room(pages, now)
                 self.watcher.kv_ceiling_pages = None if kv_cache_bytes is None else pages
                 done = await self._resize(pages, what)
         return self._answer(done)

@@ -11,8 +11,9 @@ prefill chunk, the prefix cache or the expert cache changed size). Here:
 - :class:`EngineEventsToUI` counts them (:class:`EngineEventCounts`) and publishes to the
   hub a ``request_error`` (each out-of-memory step, with the failed allocation's size and
   the headroom then), a ``replan`` (before and after, as :class:`PlanPoint`), a ``plan``
-  when a resize changed the per-request context, and the ``counters``;
-- :func:`info_after` gives the limits a replan changed (``/v1/models`` and the context
+  when a replan changed the plan in force, and the ``counters``;
+- :func:`info_after` gives the limits a replan changed, the plan in force among them
+  (:mod:`service.supervision.live_plan`) (``/v1/models`` and the context
   check read them), which the supervisor keeps;
 - :func:`take_engine_event` is the supervisor's one call doing the three.
 """
@@ -27,7 +28,6 @@ from typing import Any
 import msgspec
 
 from engine.common.units import SIZE_UNITS, fmt_bytes
-from engine.memory.plan import MemoryPlan
 from engine.wire.messages import (
     BY_CONTROL,
     OOM_FAILED,
@@ -51,6 +51,7 @@ from service.events.schemas import (
     ReplanEvent,
     RequestErrorEvent,
 )
+from service.supervision.live_plan import plan_now, split_moved
 
 log = logging.getLogger("headroom.supervisor")
 
@@ -84,36 +85,20 @@ def log_engine_event(event: EngineEvent) -> None:
         )
 
 
-def split_moved(plan: MemoryPlan | None, event: Replanned) -> MemoryPlan:
-    """The plan shown after a split's move (``event.plan`` set): ``plan`` (the one shown
-    now, its pool as live resizes left it) with the split, its note, the fixed bytes the
-    engine's plan now charges and the pool's bytes now; the engine's plan where none
-    is shown."""
-    if plan is None:
-        return event.plan
-    moved = event.plan
-    return msgspec.structs.replace(plan, cpu_layers=moved.cpu_layers, split_note=moved.split_note,
-                                   fixed_bytes=moved.fixed_bytes, kv_pool_bytes=event.after_bytes)
-
-
 def info_after(info: EngineInfo, event: EngineEvent) -> EngineInfo:
     """``info`` with the limits ``event`` changed; ``info`` itself (the same object)
     when it changed none."""
     if isinstance(event, Replanned):
-        plan = info.plan if event.plan is None else split_moved(info.plan, event)
-        if plan is not None and event.max_context_tokens != info.max_context_tokens:
-            plan = plan.after_resize(max(event.after_pages - 1, 0), event.after_bytes, event.max_context_tokens,
-                                     event.reason)
         return msgspec.structs.replace(
             info,
-            plan=plan,
+            plan=plan_now(info, event),
             num_pages=event.after_pages,
             kv_cache_bytes=event.after_bytes,
             max_context_tokens=event.max_context_tokens,
             max_prefill_tokens=event.max_prefill_tokens,
         )
     if isinstance(event, ReplanWanted):
-        return msgspec.structs.replace(info, max_prefill_tokens=event.new_max_prefill_tokens)
+        return msgspec.structs.replace(info, plan=plan_now(info, event), max_prefill_tokens=event.new_max_prefill_tokens)
     return info
 
 
@@ -178,6 +163,7 @@ class EngineEventsToUI:
         elif isinstance(event, ReplanWanted):
             counts.replans += 1
             self._publish(self._replan_wanted(event))
+            self._publish(self._plan_after(event))
         elif isinstance(event, Replanned):
             counts.replans += 1
             self._publish(self._replanned(event))
@@ -242,18 +228,17 @@ class EngineEventsToUI:
             action="lower_chunk_cap", reason=event.reason, before=before, after=after
         )
 
-    def _plan_after(self, event: Replanned) -> PlanEvent | None:
-        """A ``plan`` event when a resize changed the per-request context (the pool
-        grew back after fit-the-card lowered it, or shrank below it): the plan with the
-        new pool and context, its note saying so."""
+    def _plan_after(self, event: EngineEvent) -> PlanEvent | None:
+        """A ``plan`` event when ``event`` changed the plan in force
+        (:func:`service.supervision.live_plan.plan_now`: the pool, the prefill chunk, the
+        context, the split); the supervisor's ``info`` then carries the same plan."""
         info = self.supervisor.info if self.supervisor is not None else None
-        if event.plan is not None:  # a split's move: the plan with the split now
-            return PlanEvent(plan=split_moved(None if info is None else info.plan, event))
-        if info is None or info.plan is None or event.max_context_tokens == info.max_context_tokens:
+        if isinstance(event, Replanned) and event.plan is not None and (info is None or info.plan is None):
+            return PlanEvent(plan=split_moved(None, event))
+        if info is None or info.plan is None:
             return None
-        plan = info.plan.after_resize(max(event.after_pages - 1, 0), event.after_bytes, event.max_context_tokens,
-                                      event.reason)
-        return PlanEvent(plan=plan)
+        plan = plan_now(info, event)
+        return None if plan is info.plan else PlanEvent(plan=plan)
 
     def _split(self, cpu_layers: int, event: Replanned | None = None) -> dict[str, int]:
         """A :class:`PlanPoint`'s ``cpu_layers``: the live count (``event``'s, else the

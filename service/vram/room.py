@@ -10,9 +10,12 @@ grow by itself, and no further, so the watcher does not give it back at its next
 sample (and a real card does not fail it with out-of-memory). Shrinks, and moves of
 layers to the CPU, take nothing and are never checked.
 
-A grow that does not fit is refused (409, code ``no_room``) naming the shortfall and
-the largest value that fits now; it is not cut to that value, so what happens is what
-was asked for or nothing.
+A size asked for that does not fit is refused (409, code ``no_room``) naming the
+shortfall and the largest value that fits now; it is not cut to that value, so what
+happens is what was asked for or nothing. Back to the plan's pool (a null size) is not
+a size asked for: it grows as far toward the plan's ceiling as fits now
+(:func:`fitting_pages`), as the watcher's own grows do, and the watcher grows the rest
+when memory returns.
 
 Torch-free: the figures are the sample's and the worker's ``engine.wire.ipc.PoolStats``.
 """
@@ -71,6 +74,15 @@ def card_room(watcher: VramWatcher | None) -> Room | None:
         floor = low + (high - low) // 4
     headroom = sample.headroom(reserve)
     return Room(headroom - floor, headroom, floor, sample.free_bytes, reserve)
+
+
+def fitting_pages(room: Room | None, pool: PoolStats, pages: int) -> int:
+    """``pages`` (a KV pool, null page included), or where growing to it does not fit
+    ``room``, the largest pool between the pool now and it that does (the pool now when
+    not one page more fits)."""
+    if room is None or pages <= pool.pages:
+        return pages
+    return min(pages, pool.pages + max(room.room_bytes, 0) // pool.page_bytes)
 
 
 def check_pool_grow(room: Room | None, pool: PoolStats, pages: int) -> None:

@@ -58,6 +58,8 @@ export interface CountersEvent {
  *
  * `max_context_tokens` is what one request can really use: the smaller of the model's
  * context length and what the KV pool holds for one request. Sizes are in bytes.
+ * `num_pages` is the KV pool's pages, its null page included: one more than the
+ * usable pages the plan, replan events and the control API count.
  */
 export interface EngineInfo {
   model_name: string;

@@ -209,6 +209,10 @@ def test_control_target_errors_map_to_statuses(env):
     target.fail = ValueError("the KV pool cannot be smaller than one request")
     r = client.post("/api/control/cache", json={"kv_cache": 1}, headers=AUTH)
     assert r.status_code == 400 and "smaller" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "kv_cache"  # the body's field at fault
+    target.fail = ValueError("a reserve of 100 GiB leaves nothing of the card")
+    r = client.post("/api/control/reserve", json={"reserve": "100GiB"}, headers=AUTH)
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "reserve")
     target.fail = NotImplementedError("no live resize yet")
     r = client.post("/api/control/cache", json={"kv_cache": 1}, headers=AUTH)
     assert r.status_code == 501

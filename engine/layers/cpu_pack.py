@@ -50,8 +50,9 @@ def pack_model_for_cpu(model: nn.Module, dtype: torch.dtype, lib=None, decode_la
     head tied to embeddings in blocks becomes a :class:`RescoredHead`. With ``lib``, a
     model whose every layer (of ``decode_layers``, the model's own by default) the C
     decode layer runs gets it too (:mod:`engine.layers.cpu_decode`). With the ``cpu_rows16``
-    switch on, those layers' projections are interleaved by 16 rows (the head is not: a
-    tied one shares the embeddings' blocks)."""
+    switch on, those layers' projections are interleaved by 16 rows, in one buffer of
+    huge pages (the head is not interleaved: a tied one shares the embeddings' blocks,
+    which move to huge pages of their own)."""
     if current().cpu_rows16:
         layers = model.model.layers if decode_layers is None else decode_layers
         for layer in layers:
@@ -64,6 +65,12 @@ def pack_model_for_cpu(model: nn.Module, dtype: torch.dtype, lib=None, decode_la
         # (The loader's tied head holds the embeddings' blocks themselves: a CpuBlockLinear
         # of it shares them.)
         model.lm_head = RescoredHead(model.lm_head, embeddings)
+        head = model.lm_head.head
+        if current().cpu_rows16 and isinstance(head, CpuBlockLinear) and len(head.types) == 1 \
+                and head.part(0).data_ptr() == embeddings.blocks.data_ptr():
+            # The head's blocks (the embeddings' own) in huge pages too: the step reads
+            # them whole (the default model's 28 MB: 0.95 -> 0.79 ms on 2 Zen 4 cores).
+            embeddings.blocks = head.part0 = rows16.one_buffer([embeddings.blocks])[0]
     if lib is not None:
         model.cpu_decode = CpuDecode.build(model, lib, decode_layers)
     return model

@@ -55,7 +55,7 @@ def test_a_kv_grow_past_the_cards_headroom_is_refused_naming_the_most_that_fits(
     with pytest.raises(APIError) as refused:
         asyncio.run(control.set_kv_cache(5 * GiB))
     err = refused.value
-    assert err.status == 409 and err.code == "no_room"
+    assert err.status == 409 and err.code == "no_room" and err.param == "kv_cache"
     assert "short by" in err.message and "free 300 MiB" in err.message, err.message
     assert sup.link.commands == []  # the worker never saw it
     most = _most_pages(err.message)
@@ -104,7 +104,7 @@ def test_a_move_back_to_the_device_past_the_headroom_is_refused_and_a_move_down_
     with pytest.raises(APIError) as refused:
         asyncio.run(control.set_cpu_layers(0))
     err = refused.value
-    assert err.status == 409 and err.code == "no_room", err.message
+    assert err.status == 409 and err.code == "no_room" and err.param == "cpu_layers", err.message
     fewest = int(re.search(r"the fewest that fit now is cpu_layers (\d+)", err.message).group(1))
     assert 0 < fewest < 29 and sup.link.commands == []
     asyncio.run(control.set_cpu_layers(fewest))

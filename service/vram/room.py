@@ -106,6 +106,7 @@ def check_pool_grow(room: Room | None, pool: PoolStats, pages: int) -> None:
         f"{fmt_bytes(grow)} more of the card; {room.words()}: short by {fmt_bytes(grow - room.room_bytes)}; "
         f"{fits}",
         code=NO_ROOM,
+        param="kv_cache",
     )
 
 
@@ -134,4 +135,5 @@ def check_split_move(room: Room | None, pool: PoolStats, cpu_layers: int) -> Non
         f"{fmt_bytes(need)} of the card ({fmt_bytes(share)} a layer: its weights and its keys and values); "
         f"{room.words()}: short by {fmt_bytes(need - room.room_bytes)}; {fits}",
         code=NO_ROOM,
+        param="cpu_layers",
     )

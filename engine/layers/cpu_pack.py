@@ -18,31 +18,39 @@ from kernels.cpu import rows16
 from kernels.switches import current
 
 
-def pack_linears(module: nn.Module, dtype: torch.dtype, lib=None, interleave: bool = False) -> None:
+def pack_linears(module: nn.Module, dtype: torch.dtype, lib=None) -> None:
     """Replace every QuantLinear inside ``module`` (on the CPU) by a CPU kernel's module:
     with ``lib`` (the C kernels, :func:`engine.layers.linear.cpu_kernels.cpu_kernels`) those
     whose blocks the C GEMV reads become
-    :class:`~engine.layers.linear.cpu_blocks.CpuBlockLinear` (the blocks as they are, or
-    with ``interleave`` copied interleaved by 16 rows where that build multiplies them:
-    :mod:`kernels.cpu.rows16`), the others a :class:`CpuInt4Linear` (model dtype ``dtype``)."""
+    :class:`~engine.layers.linear.cpu_blocks.CpuBlockLinear` (the blocks as they are), the
+    others a :class:`CpuInt4Linear` (model dtype ``dtype``)."""
     names = [n for n, m in module.named_modules() if isinstance(m, QuantLinear)]
     for name in names:
         parent, _, leaf = name.rpartition(".")
         owner = module.get_submodule(parent) if parent else module
         linear = owner.get_submodule(leaf)
         if lib is not None and takes(linear):
-            setattr(owner, leaf, CpuBlockLinear.from_quant_linear(lib, linear, dtype, interleave))
+            setattr(owner, leaf, CpuBlockLinear.from_quant_linear(lib, linear, dtype))
         else:
             setattr(owner, leaf, CpuInt4Linear.from_quant_linear(linear, dtype))
 
 
-def _one_buffer(layers) -> None:
-    """The interleaved projections of ``layers`` moved into one buffer in the order a
-    decode step reads them (:func:`kernels.cpu.rows16.one_buffer`)."""
+def _interleave_layers(layers, lib) -> None:
+    """The C-read projections of ``layers`` interleaved by 16 rows (:mod:`kernels.cpu.rows16`)
+    straight into one buffer of huge pages, in the order a decode step reads them, each old
+    part dropped as its copy is written (the load's peak holds one part more, not the
+    layers twice); where ``lib``'s build multiplies that layout."""
+    if lib is None or not rows16.available(lib):
+        return
     places = [(m, i) for layer in layers for m in layer.modules() if isinstance(m, CpuBlockLinear)
-              for i, t in enumerate(m.types) if t is not None and t.endswith(rows16.SUFFIX)]
-    for (m, i), view in zip(places, rows16.one_buffer([m.part(i) for m, i in places]), strict=True):
+              for i, t in enumerate(m.types) if t is not None and rows16.takes(t, m.rows[i])]
+    views = rows16.huge_buffer([tuple(m.part(i).shape) for m, i in places])
+    for n, ((m, i), view) in enumerate(zip(places, views, strict=True)):
+        view.copy_(rows16.interleave(m.part(i), m.types[i]))
+        m.types[i] += rows16.SUFFIX
         setattr(m, f"part{i}", view)
+        if n % 8 == 7:
+            rows16.release_freed()  # the old parts' pages back to the system as the buffer fills
 
 
 def pack_model_for_cpu(model: nn.Module, dtype: torch.dtype, lib=None, decode_layers=None) -> nn.Module:
@@ -51,13 +59,12 @@ def pack_model_for_cpu(model: nn.Module, dtype: torch.dtype, lib=None, decode_la
     model whose every layer (of ``decode_layers``, the model's own by default) the C
     decode layer runs gets it too (:mod:`engine.layers.cpu_decode`). With the ``cpu_rows16``
     switch on, those layers' projections are interleaved by 16 rows, in one buffer of
-    huge pages (the head is not interleaved: a tied one shares the embeddings' blocks,
-    which move to huge pages of their own)."""
+    huge pages (the head is not: a tied one shares the embeddings' blocks)."""
     if current().cpu_rows16:
         layers = model.model.layers if decode_layers is None else decode_layers
         for layer in layers:
-            pack_linears(layer, dtype, lib, interleave=True)
-        _one_buffer(layers)
+            pack_linears(layer, dtype, lib)
+        _interleave_layers(layers, lib)
     pack_linears(model, dtype, lib)
     embeddings = model.model.embed_tokens
     if model.config.tie_word_embeddings and isinstance(embeddings, QuantEmbedding) and isinstance(
@@ -65,12 +72,6 @@ def pack_model_for_cpu(model: nn.Module, dtype: torch.dtype, lib=None, decode_la
         # (The loader's tied head holds the embeddings' blocks themselves: a CpuBlockLinear
         # of it shares them.)
         model.lm_head = RescoredHead(model.lm_head, embeddings)
-        head = model.lm_head.head
-        if current().cpu_rows16 and isinstance(head, CpuBlockLinear) and len(head.types) == 1 \
-                and head.part(0).data_ptr() == embeddings.blocks.data_ptr():
-            # The head's blocks (the embeddings' own) in huge pages too: the step reads
-            # them whole (the default model's 28 MB: 0.95 -> 0.79 ms on 2 Zen 4 cores).
-            embeddings.blocks = head.part0 = rows16.one_buffer([embeddings.blocks])[0]
     if lib is not None:
         model.cpu_decode = CpuDecode.build(model, lib, decode_layers)
     return model

@@ -97,29 +97,37 @@ _HUGE = 2 << 20  # an x86-64 huge page
 _MADV_HUGEPAGE = 14  # Linux's madvise advice
 
 
-def one_buffer(parts: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``parts`` (contiguous uint8 tensors) copied one after another into one buffer,
-    aligned to 2 MiB and, on Linux, advised to take huge pages: their views, in order.
+def huge_buffer(shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
+    """uint8 tensors of ``shapes``, one after another in one new buffer aligned to 2 MiB
+    and, on Linux, advised to take huge pages; not written (a page is resident once
+    written, so a caller that copies its parts in one at a time and drops each old one
+    holds one part more, not all of them twice).
 
     A decode step reads its layers' projections one after another; as separate tensors
     each starts a new stream at an unrelated address, and 66 MB of them in 4 KiB pages
     cost a TLB miss every 4 KiB. Measured on 2 Zen 4 cores, one thread: the default
     model's 120 projections 3.48 ms as separate tensors, 2.74 ms as consecutive slices of
-    one (docs/cpu.md). The copies' bytes are the parts' (the alignment's slack before the
-    first is never written, so never resident)."""
-    total = sum(p.numel() for p in parts)
-    if not parts or total == 0:
-        return list(parts)
+    one (docs/cpu.md)."""
+    sizes = [int(torch.Size(shape).numel()) for shape in shapes]
+    total = sum(sizes)
     raw = torch.empty(total + _HUGE, dtype=torch.uint8)
     start = -raw.data_ptr() % _HUGE
     buf = raw[start:start + total]
-    if sys.platform.startswith("linux"):
+    if total and sys.platform.startswith("linux"):
         libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
         libc.madvise(ctypes.c_void_p(buf.data_ptr()), ctypes.c_size_t(total), _MADV_HUGEPAGE)  # advice only
     views, at = [], 0
-    for p in parts:
-        view = buf[at:at + p.numel()].view(p.shape)
-        view.copy_(p)
-        views.append(view)
-        at += p.numel()
+    for shape, n in zip(shapes, sizes, strict=True):
+        views.append(buf[at:at + n].view(shape))
+        at += n
     return views
+
+
+def release_freed() -> None:
+    """Freed heap memory handed back to the system now (glibc's ``malloc_trim``; nothing
+    elsewhere), so that copying parts into :func:`huge_buffer` one at a time does not hold
+    the old ones' pages too."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        if hasattr(libc, "malloc_trim"):
+            libc.malloc_trim(0)

@@ -69,8 +69,8 @@ class KernelSwitches:
         "On a CPU with AVX-512, a CPU model's layer projections of Q4_0/Q4_1/Q8_0 blocks "
         "interleaved by 16 weight rows at load (kernels/cpu/rows16.c: a register's lanes are "
         "16 rows, a block's scales one load), the same bytes and products, in one buffer of "
-        "huge pages in the order a decode step reads them (a tied head's blocks in huge pages "
-        "too). Off: the GGUF layout on the block GEMM, to compare.",
+        "huge pages in the order a decode step reads them. Off: the GGUF layout on the block "
+        "GEMM, to compare.",
     )
     quant_repack: bool = _switch(
         True,

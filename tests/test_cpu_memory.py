@@ -138,8 +138,12 @@ def test_the_worker_converts_ahead_of_its_engine(tiny_gguf, monkeypatch):
 
     monkeypatch.setattr(worker.importlib, "import_module", lambda name: type("M", (), {"Engine": factory_probe}))
     config = worker.WorkerConfig(engine=EngineConfig(model=str(tiny_gguf), device="cpu"), parent_pid=os.getpid())
-    assert worker._make_engine(config) == "engine" and seen == [True]
+    sent = []
+    pipe = type("Pipe", (), {"send": lambda self, message: sent.append(message)})()
+    assert worker._make_engine(config, pipe) == "engine" and seen == [True]
     assert Path(converted_dir(tiny_gguf)).is_dir()
+    # The converted folder is named to the service before the engine loads.
+    assert sent == [worker.ModelFolder(model_dir=str(converted_dir(tiny_gguf)))]
 
 
 def _rss() -> int:

@@ -164,9 +164,11 @@ def test_cpu_mode_vram_events_carry_the_hosts_memory(server):
 
 def test_an_unknown_route_or_method_answers_in_the_shape_of_its_api(server):
     """Ollama's clients read ``{"error": "..."}``: a route this server lacks under
-    ``/api`` (``/api/pull``) and a wrong method on one of Ollama's routes answer so;
-    ``/v1`` and headroom's own ``/api`` routes keep OpenAI's shape."""
-    for method, path, status in (("POST", "/api/pull", 404), ("POST", "/api/embed", 404), ("GET", "/api/chat", 405)):
+    ``/api``, one of Ollama's it does not serve (``/api/pull``: 501 naming the way) and
+    a wrong method on one of Ollama's routes answer so; ``/v1`` and headroom's own
+    ``/api`` routes keep OpenAI's shape."""
+    for method, path, status in (("POST", "/api/pull", 501), ("POST", "/api/embed", 501), ("POST", "/api/nope", 404),
+                                 ("GET", "/api/chat", 405)):
         r = httpx.request(method, server.base_url + path)
         assert r.status_code == status and isinstance(r.json()["error"], str), (path, r.text)
     for method, path, status in (("GET", "/v1/nope", 404), ("GET", "/v1/chat/completions", 405),

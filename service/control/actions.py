@@ -149,6 +149,8 @@ class SupervisorControl:
                         what += f", of which {fits - 1} fit the card now"
                     pages = fits
                 else:
+                    # What the host cannot hold is refused first (400): no card helps it.
+                    self._check_host_room(pages, now)
                     check_pool_grow(room, now, pages)
                 self._check_host_room(pages, now)
                 self.watcher.kv_ceiling_pages = None if kv_cache_bytes is None else pages

@@ -112,11 +112,17 @@ def engine_cases(cases: list[tuple[int, int, int]], rounds: int) -> None:
         prompts = [torch.randint(10, engine.vocab_size, (prompt,), generator=g).tolist() for _ in range(batch)]
         alternate(lambda prompts=prompts: engine_speed(engine, prompts, 4), 1)  # warm both
         got = alternate(lambda prompts=prompts, new=new: engine_speed(engine, prompts, new, between), rounds)
-        pre = [statistics.median(s.prefill_tok_s for s in got[on]) for on in (False, True)]
-        dec = [statistics.median(s.decode_tok_s for s in got[on]) for on in (False, True)]
-        print(f"{batch:2d} x {prompt} tokens, {new} new: prefill {pre[0]:7.1f} -> {pre[1]:7.1f} tok/s "
-              f"({pre[1] / pre[0]:.2f}x); decode {dec[0]:6.1f} -> {dec[1]:6.1f} tok/s ({dec[1] / dec[0]:.2f}x)",
-              flush=True)
+        print_engine_ab(batch, prompt, new, got[False], got[True])
+
+
+def print_engine_ab(batch: int, prompt: int, new: int, before: list, after: list) -> None:
+    """One engine case's A/B line: the medians of the prefill and decode tokens/s of the
+    runs ``before`` and ``after`` a change (``engine_speed``'s results), and their ratios."""
+    pre = [statistics.median(s.prefill_tok_s for s in runs) for runs in (before, after)]
+    dec = [statistics.median(s.decode_tok_s for s in runs) for runs in (before, after)]
+    print(f"{batch:2d} x {prompt} tokens, {new} new: prefill {pre[0]:7.1f} -> {pre[1]:7.1f} tok/s "
+          f"({pre[1] / pre[0]:.2f}x); decode {dec[0]:6.1f} -> {dec[1]:6.1f} tok/s ({dec[1] / dec[0]:.2f}x)",
+          flush=True)
 
 
 def main() -> None:

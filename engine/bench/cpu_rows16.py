@@ -74,6 +74,7 @@ def kernel_rows(lib, rows: list[int], rounds: int, layers: int = 30) -> None:
 def engine_cases(cases: list[tuple[int, int, int]], rounds: int, threads: str) -> None:
     """Print the default model's prefill and decode tokens/s, GGUF layout and
     interleaved (two engines), at each case."""
+    from engine.bench.cpu_block_gemm import print_engine_ab
     from engine.bench.speed import engine_speed
     from engine.common.config import EngineConfig
     from engine.core.engine import Engine
@@ -91,11 +92,8 @@ def engine_cases(cases: list[tuple[int, int, int]], rounds: int, threads: str) -
             engine_speed(e, prompts, 4)  # warm
         got = _alternate({name: (lambda e=e, prompts=prompts, new=new: engine_speed(e, prompts, new, between))
                           for name, e in engines.items()}, rounds)
-        pre = [statistics.median(s.prefill_tok_s for s in got[n]) for n in engines]
-        dec = [statistics.median(s.decode_tok_s for s in got[n]) for n in engines]
-        print(f"{batch:2d} x {prompt} tokens, {new} new: prefill {pre[0]:7.1f} -> {pre[1]:7.1f} tok/s "
-              f"({pre[1] / pre[0]:.2f}x); decode {dec[0]:6.1f} -> {dec[1]:6.1f} tok/s ({dec[1] / dec[0]:.2f}x)",
-              flush=True)
+        before, after = (got[n] for n in engines)
+        print_engine_ab(batch, prompt, new, before, after)
 
 
 def main() -> None:

@@ -148,11 +148,10 @@ class SupervisorControl:
                     if fits < pages:
                         what += f", of which {fits - 1} fit the card now"
                     pages = fits
-                else:
-                    # What the host cannot hold is refused first (400): no card helps it.
-                    self._check_host_room(pages, now)
-                    check_pool_grow(room, now, pages)
+                # What the host cannot hold is refused first (400): no card helps it.
                 self._check_host_room(pages, now)
+                if kv_cache_bytes is not None:
+                    check_pool_grow(room, now, pages)
                 self.watcher.kv_ceiling_pages = None if kv_cache_bytes is None else pages
                 done = await self._resize(pages, what)
         return self._answer(done)

@@ -72,21 +72,23 @@ def test_greedy_ids_equal_transformers_alone_batched_and_chunked(pair):
     assert [together[f"r{i}"] for i in range(len(prompts))] == want
     for chunk in (8, 5):
         chunked = ring_engine(path, max_prefill_tokens=chunk)
-        assert chunked.ring.ring.pages == math.ceil((8 + chunk) / 4) + 1
+        assert chunked.ring.ring.pages == math.ceil((8 + chunk - 1) / 4) + 1
         assert run_all(chunked, {"c": (prompts[0], sampling)})["c"] == want[0]
 
 
 def test_ring_pool_holds_one_ring_per_running_request(pair):
     """Three requests decoding 40 tokens past a 30-token prompt, the third aborted on
-    the way: at every step each running request holds min(its pages, R) ring pages (its
-    ring grew with its pages, then wrapped) and the ring pool lends no others (its
-    checkpoints apart); all come back at the end, the global pages to the prefix cache."""
+    the way: between steps each running request holds min(its pages, D) ring pages (its
+    ring grew with its pages, then wrapped; a prefill step's larger ring went back to D)
+    and the ring pool lends no others (its checkpoints apart); all come back at the end,
+    the global pages to the prefix cache."""
     _, _, _, _, path = pair
     engine = ring_engine(path, max_prefill_tokens=8, max_running_requests=3)
     ring = engine.ring
-    per_request = ring.ring.pages
-    assert per_request == math.ceil((8 + 8) / 4) + 1
-    assert ring.allocator.num_usable == 3 * per_request + 3 * ring.ring.checkpoint_pages  # and 3 checkpoints
+    per_request = ring.ring.decode_pages
+    assert per_request == math.ceil(8 / 4) + 1 and ring.ring.pages == math.ceil((8 + 7) / 4) + 1
+    # 3 rings between steps, a chunk's 2 pages and one each for the items of a step, and 3 checkpoints
+    assert ring.allocator.num_usable == 3 * per_request + 2 + 3 + 3 * ring.ring.checkpoint_pages
     for i, ids in enumerate(seeded_prompts(VOCAB, 30, 30, 30)):
         engine.add_request(GenerateRequest(request_id=f"q{i}", prompt_token_ids=ids, sampling=greedy_params(40)))
     steps, most, short = 0, 0, 0
@@ -166,8 +168,10 @@ def test_ring_geometry_and_table():
     assert sliding_ring((8, 8), max_chunk=5, page_size=4) is None  # every layer slides: no ring
     assert sliding_ring((0, 0), max_chunk=5, page_size=4) is None
     ring = SlidingRing((0,), 8, 5, 4)
-    assert ring.pages == 5 and ring.pool_pages(3) == 16 and ring.checkpoint_pages == 2
-    assert ring.pool_pages(3, 2) == 20 and ring.pool_pages(3, 2, global_pages=12) == 13  # at most the global pages
+    assert ring.pages == 4 and ring.decode_pages == 3 and ring.checkpoint_pages == 2
+    assert ring.pages_for(1) == 3 and ring.pages_for(2) == 4 and ring.pages_for(0) == 3
+    assert ring.rings_bound(3) == 3 * 3 + 2 + 3 and ring.rings_bound(0) == 0 and ring.pool_pages(3) == 15
+    assert ring.pool_pages(3, 2) == 19 and ring.pool_pages(3, 2, global_pages=12) == 13  # at most the global pages
     assert ring_row([7, 3], 2).tolist() == [7, 3]  # a ring still growing: page j is its j-th
     assert ring_row([7, 3, 9], 7).tolist() == [7, 3, 9, 7, 3, 9, 7]
     with pytest.raises(ValueError, match="max_chunk"):
@@ -193,8 +197,9 @@ def test_pool_resize_leaves_the_ring_buffers():
 
 def test_plan_prices_global_layers_per_token_and_sliding_layers_at_their_rings(pair):
     """A tiny Gemma 3 (4 of 6 layers slide over 8 tokens): the KV pool's P pages hold the
-    2 global layers, and the ring pool min(B x R + checkpoints' pages, P) pages of the 4
-    sliding ones and its null page, R = ceil((8 + chunk) / 4) + 1. On a card whose P is
+    2 global layers, and the ring pool min(B x D + a chunk's pages + B + checkpoints'
+    pages, P) pages of the 4 sliding ones and its null page, D = ceil(8 / 4) + 1. On a
+    card whose P is
     below that bound (a short context) the KV costs what ``--sliding-kv-ring off``
     prices, every layer per token; on a large one (a long context) far less, so the same
     budget holds 2.9x the tokens. For the same pages it is never above the off plan's
@@ -207,12 +212,12 @@ def test_plan_prices_global_layers_per_token_and_sliding_layers_at_their_rings(p
                   safety_margin_bytes=0)
     knobs, off_knobs = PlanKnobs(**common, sliding_kv_ring="auto"), PlanKnobs(**common, sliding_kv_ring="off")
     ring = kv_ring(config, knobs)
-    assert ring is not None and ring.pages == math.ceil((8 + 64) / 4) + 1 and kv_ring(config, off_knobs) is None
+    assert ring is not None and ring.pages == math.ceil((8 + 63) / 4) + 1 and kv_ring(config, off_knobs) is None
     fp, off_fp = make_footprint(config, torch.float32, knobs), make_footprint(config, torch.float32, off_knobs)
     assert fp.kv_bytes_per_token == 2 * per_layer and off_fp.kv_bytes_per_token == 6 * per_layer
-    assert "grown with its pages up to 19 pages" in fp.kv_window_note
+    assert "of up to 3 pages" in fp.kv_window_note and "19 in a step of a whole prefill chunk" in fp.kv_window_note
     assert ring.checkpoint_pages == 2 and knobs.state_checkpoints == 4
-    g, s, cap = 4 * 2 * per_layer, 4 * 4 * per_layer, 4 * 19 + 4 * 2
+    g, s, cap = 4 * 2 * per_layer, 4 * 4 * per_layer, 4 * 3 + 64 // 4 + 4 + 4 * 2
 
     def card(total: int) -> DeviceMemory:
         return DeviceMemory(name="sim", total_bytes=total, free_bytes=total, others_bytes=0, simulated=True)
@@ -225,7 +230,7 @@ def test_plan_prices_global_layers_per_token_and_sliding_layers_at_their_rings(p
     base = large.fixed_bytes - cap * s  # all but the rings, their null page in it
     small = make_plan(card(base + 30 * (g + s)), knobs, fp)
     assert small.num_pages == 30 and kv(small) == 30 * g + (30 + 1) * s
-    assert "the KV pool's 30 pages, below 4 requests x 19-page rings" in next(
+    assert "the KV pool's 30 pages, below 32 for the rings of 4 requests" in next(
         e.source for e in small.ledger if e.name == "sliding-window KV rings")
     for plan, total in ((small, base + 30 * (g + s)), (large, 1 << 30)):
         off = make_plan(card(total), off_knobs, off_fp)
@@ -247,7 +252,7 @@ def test_cpu_plan_shows_the_rings(pair):
     per_layer = 2 * config.num_kv_heads * config.head_dim * 4
     h = cpu_holdings(EngineConfig(model=str(path), device="cpu", page_size=4, max_prefill_tokens=64,
                                   max_running_requests=4, sliding_kv_ring="on"))
-    assert h.kv_ring_pages == 19 and h.kv_ring_bytes == (1 + 4 * 19 + 4 * 2) * 4 * 4 * per_layer
+    assert h.kv_ring_pages == 3 and h.kv_ring_bytes == (1 + 4 * 3 + 16 + 4 + 4 * 2) * 4 * 4 * per_layer
     assert h.kv_bytes_per_token == 2 * per_layer
     assert "sliding-window KV rings" in render_cpu(h, as_json=False)
 
@@ -257,7 +262,7 @@ def test_cpu_plan_shows_the_rings(pair):
 def test_backend_reads_the_ring_as_the_whole_context(backend, decode):
     """One step of a 4-token chunk over a 19-token prefix, a decode row at position 13
     and a first chunk of 4, or (``decode``) a decode row of each of the three (window
-    5, chunks up to 4: rings of 4 pages of 4 tokens),
+    5, chunks up to 4: rings of 3 pages of 4 tokens),
     every position written into the ring in order as the engine would (older ones
     overwritten): the sliding layer's output equals that of a pool that keeps every
     token, and so does the global layer's (Triton's kernels under its interpreter)."""
@@ -272,10 +277,10 @@ def test_backend_reads_the_ring_as_the_whole_context(backend, decode):
             pytest.skip("the step's tensors are on the CPU: Triton runs them interpreted only")
     heads, kv_heads, dim, ps, windows = 4, 2, 8, 4, (5, 0)
     ring = sliding_ring(windows, max_chunk=4, page_size=ps)
-    assert ring is not None and ring.pages == 4
+    assert ring is not None and ring.pages == 3
     lens, prefix = [23, 14, 4], [22, 13, 3] if decode else [19, 13, 0]
     pages = [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10], [11]]
-    rings = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]]
+    rings = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
     g = torch.Generator().manual_seed(0)
     kv = [[torch.randn(n, kv_heads, dim, generator=g) for _ in range(4)] for n in lens]  # k, v per layer
     q = torch.randn(sum(n - p for n, p in zip(lens, prefix, strict=True)), heads, dim, generator=g)

@@ -1,6 +1,7 @@
 """Sliding-window rings that grow with their request (:mod:`engine.kvcache.ring`,
 :mod:`engine.scheduler.ring_growth`), on by default (``--sliding-kv-ring auto``): a
-short request holds only its pages in the ring and a long one at most ``R``; many short
+short request holds only its pages in the ring and a long one ``D`` between steps, a
+chunk's size in its step, each live page kept in place when the size changes; many short
 requests run at once where whole rings would not have fitted, with transformers'
 greedy ids; requests sharing a cached prefix, which can make the ring pool the short
 one, wait for ring pages; a ring pool short where its bound says it cannot be is a
@@ -23,33 +24,63 @@ pytest.importorskip("transformers")
 pair = pair_fixture(["gemma3", "gemma4", "gpt_oss"], VOCAB)
 
 
-def test_ring_holds_its_pages_then_at_most_r():
-    """The allocator alone: a ring grows to cover its logical pages, at most R, gives a
-    step's growth back, and counts what it can reach."""
-    rings = RingPages(SlidingRing((0,), 8, 4, 4), num_pages=12)  # R = 4
+def test_ring_fits_each_step_and_settles_between_steps():
+    """The allocator alone (window 8, chunks of 4, pages of 4: D = 3, a chunk's step 4):
+    a ring grows with its logical pages, takes a chunk's size for its step and gives it
+    back after, and counts the tokens it can reach."""
+    rings = RingPages(SlidingRing((0,), 8, 4, 4), num_pages=12)
+    assert rings.ring.decode_pages == 3 and rings.ring.pages == 4
     ring: list[int] = []
-    assert rings.grow(ring, 1) == ring and len(ring) == 1
-    rings.grow(ring, 3)
+    rings.fit(ring, 1, 0, 4)
+    assert len(ring) == 1 and rings.wanted(ring, 3, 4) == 2
+    rings.fit(ring, 3, 4, 4)
     assert len(ring) == 3 and rings.allocator.num_free == 11 - 3
-    rings.grow(ring, 9)
-    assert len(ring) == 4 and rings.wanted(ring, 50) == 0 and rings.grow(ring, 50) == []
-    rings.trim(ring, 2)
-    assert len(ring) == 2 and rings.allocator.num_free == 9 and rings.reach(ring) is None
+    rings.fit(ring, 9, 32, 4)  # a chunk far past the window: pages_for(4) = 4
+    assert len(ring) == 4 and rings.wanted(ring, 50, 4) == 0
+    rings.settle(ring, 9, 36)
+    assert len(ring) == 3 and rings.allocator.num_free == 8 and rings.reach(ring, 36) is None
+    rings.fit(ring, 10, 36, 1)  # a decode step: D pages, nothing taken
+    assert len(ring) == 3 and rings.allocator.num_free == 8
     other = rings.allocator.alloc(8)
-    assert rings.reach(ring) == 3  # one page free: three logical pages at most
+    assert rings.reach(ring, 36) == 37  # 3 pages: one token past the window (pages_for(1) = 3)
     rings.give(other + ring)
     assert rings.allocator.num_free == rings.allocator.num_usable
 
 
-def test_default_is_the_ring_and_it_grows_with_the_request(pair):
+@pytest.mark.parametrize("old,size", [(4, 3), (3, 4), (3, 6), (6, 3), (5, 5)])
+def test_a_resized_ring_keeps_each_live_page_where_it_was(old, size):
+    """A wrapped ring of ``old`` pages resized to ``size`` for a context of 41 tokens
+    (11 logical pages): every logical page the new ring keeps (the last ``min(old,
+    size)``) maps to the ring page that held it, so nothing is copied; pages it no longer
+    needs go back, and new slots take free pages."""
+    rings = RingPages(SlidingRing((0,), 8, 16, 4), num_pages=20)
+    ring = rings.allocator.alloc(old)
+    before = {j: ring[j % old] for j in range(11 - min(old, size), 11)}
+    free = rings.allocator.num_free
+    rings._resize(ring, size, 41)
+    assert len(ring) == size == len(set(ring))
+    assert {j: ring[j % size] for j in before} == before
+    assert rings.allocator.num_free == free - (size - old)
+
+
+def test_default_is_the_ring_and_it_grows_with_the_request(pair, monkeypatch):
     """The default takes the ring. A 6-token prompt decoding 4 tokens holds one ring page
-    per global page (growing, 3 at most) at every step; a 40-token prompt decoding 30 holds
-    min(pages, R), R at the end; the ring pool holds the global pool's pages at most."""
+    per global page (growing, D = 3 at most) at every step; a 40-token prompt decoding 30
+    holds min(pages, D) between steps and a chunk's pages_for(8) = 5 in its prefill steps;
+    the ring pool holds the global pool's pages at most."""
     _, _, _, _, path = pair
     engine = cpu_engine(path, max_prefill_tokens=8, max_running_requests=2)
     assert engine.ring is not None and engine.config.sliding_kv_ring == "auto"
-    r = engine.ring.ring.pages
-    assert r == math.ceil((8 + 8) / 4) + 1
+    d, r = engine.ring.ring.decode_pages, engine.ring.ring.pages
+    assert d == math.ceil(8 / 4) + 1 and r == math.ceil((8 + 7) / 4) + 1
+    in_step: list[int] = []
+    run = engine.runner.run
+
+    def run_and_see(plan):  # the rings as the step's forward reads them
+        in_step.extend(len(it.req.ring) for it in plan.items if it.num_tokens == 8 and it.start >= 16)
+        return run(plan)
+
+    monkeypatch.setattr(engine.runner, "run", run_and_see)
     short, long = seeded_prompts(VOCAB, 6, 40)
     engine.add_request(GenerateRequest(request_id="s", prompt_token_ids=short, sampling=greedy_params(4)))
     engine.add_request(GenerateRequest(request_id="l", prompt_token_ids=long, sampling=greedy_params(30)))
@@ -57,10 +88,11 @@ def test_default_is_the_ring_and_it_grows_with_the_request(pair):
     while engine.has_work():
         engine.step()
         for req in engine.scheduler.running:
-            assert len(req.ring) == min(len(req.pages), r)
+            assert len(req.ring) == min(len(req.pages), d)
             seen[req.request_id].append(len(req.ring))
-    assert seen["s"] == sorted(seen["s"]) and seen["s"][0] < max(seen["s"]) <= 3 < r
-    assert max(seen["l"]) == r and min(seen["l"]) < r
+    assert seen["s"] == sorted(seen["s"]) and seen["s"][0] < max(seen["s"]) <= d < r
+    assert max(seen["l"]) == d and min(seen["l"]) < d
+    assert in_step and set(in_step) == {r}
     assert engine.ring.allocator.num_free + engine.ring.checkpoint_pages_held == engine.ring.allocator.num_usable
 
 
@@ -116,34 +148,34 @@ def test_what_excludes_the_ring(pair):
 
 
 def test_requests_sharing_a_prefix_wait_for_ring_pages(pair):
-    """Four requests continuing one cached 24-token prefix (6 pages) over a global pool of
-    19 pages: each holds 2 global pages of its own but 7 ring pages (its prefix's among
-    them), so the ring pool of 19 is the short one: requests wait or are preempted for
-    ring pages, as for global pages, rather than fail, and each answers transformers'
+    """Eight requests continuing one cached 24-token prefix (6 pages) over a global pool of
+    23 pages: each holds 2 global pages of its own but 3 ring pages or more (its prefix's
+    among them), so the ring pool of 23 is the short one: requests wait or are preempted
+    for ring pages, as for global pages, rather than fail, and each answers transformers'
     greedy ids."""
     from engine.common.config import EngineConfig
     from engine.core.engine import Engine
 
     _, hf, _, _, path = pair
-    engine = Engine(EngineConfig(model=str(path), device="cpu", page_size=4, num_pages=20, max_prefill_tokens=16,
-                                 max_running_requests=4))
-    assert engine.ring.allocator.num_usable == 19 and engine.ring.ring.pages == 7
+    engine = Engine(EngineConfig(model=str(path), device="cpu", page_size=4, num_pages=24, max_prefill_tokens=16,
+                                 max_running_requests=8))
+    assert engine.ring.allocator.num_usable == 23 and engine.ring.ring.decode_pages == 3
     (first,) = seeded_prompts(VOCAB, 26)
     sampling = greedy_params(4)
     engine.add_request(GenerateRequest(request_id="a", prompt_token_ids=first, sampling=sampling))
     while engine.has_work():
         engine.step()
-    prompts = [first[:24] + tail for tail in seeded_prompts(VOCAB, 2, 2, 2, 2)]
+    prompts = [first[:24] + tail for tail in seeded_prompts(VOCAB, *[2] * 8)]
     for i, ids in enumerate(prompts):
         engine.add_request(GenerateRequest(request_id=f"w{i}", prompt_token_ids=ids, sampling=sampling))
-    out = {f"w{i}": [] for i in range(4)}
+    out = {f"w{i}": [] for i in range(8)}
     ring_bound = 0  # steps where a request waited with global pages to spare but no ring pages
     while engine.has_work():
         for o in engine.step():
             out[o.request_id].extend(o.token_ids)
         sched = engine.scheduler
-        if sched.waiting and engine.allocator.num_free >= 2 and engine.ring.allocator.num_free < 7:
+        if sched.waiting and engine.allocator.num_free >= 2 and engine.ring.allocator.num_free < 3:
             ring_bound += 1
     assert engine.scheduler.prefix_states.restored >= 2
     assert ring_bound > 0
-    assert [out[f"w{i}"] for i in range(4)] == [hf_greedy(hf, ids, 4) for ids in prompts]
+    assert [out[f"w{i}"] for i in range(8)] == [hf_greedy(hf, ids, 4) for ids in prompts]

@@ -203,7 +203,7 @@ def cpu_holdings(config: EngineConfig) -> CpuHoldings:
         weight_source=source, kv_pool_bytes=pages * per_token * config.page_size, kv_pages=pages,
         page_size=config.page_size, kv_bytes_per_token=per_token, kv_cache_dtype=kv_dtype_name(kv_dtype),
         max_context_tokens=context, host_total_bytes=total, host_available_bytes=available,
-        gpu_only=gpu_only_settings(config), kv_ring_bytes=ring_bytes, kv_ring_pages=ring.pages if ring else 0)
+        gpu_only=gpu_only_settings(config), kv_ring_bytes=ring_bytes, kv_ring_pages=ring.decode_pages if ring else 0)
 
 
 def render_cpu(h: CpuHoldings, as_json: bool) -> str:
@@ -221,8 +221,8 @@ def render_cpu(h: CpuHoldings, as_json: bool) -> str:
         row("weights", h.weight_bytes, h.weight_source),
         row("KV cache pool", h.kv_pool_bytes, f"{h.kv_pages} pages x {h.page_size} tokens, {h.kv_cache_dtype}, "
             f"resident only where written (headroom serve --kv-cache sets its size)"),
-        *([row("sliding-window KV rings", h.kv_ring_bytes, f"a ring of up to {h.kv_ring_pages} pages per running request "
-               "(no more than the KV pool's pages in all), prefix-cache checkpoints and the null page, for the layers "
+        *([row("sliding-window KV rings", h.kv_ring_bytes, f"a ring of {h.kv_ring_pages} pages per running request "
+               "between steps, a prefill chunk's more in its step (no more than the KV pool's pages in all), prefix-cache checkpoints and the null page, for the layers "
                "that keep only their window")] if h.kv_ring_bytes else []),
         row("at most", h.weight_bytes + h.kv_pool_bytes + h.kv_ring_bytes, f"of {fmt_bytes(h.host_total_bytes)}{available}"),
         f"KV cache: {h.kv_bytes_per_token:,} bytes per token; max context {h.max_context_tokens:,} tokens",

@@ -103,9 +103,9 @@ def kv_window_note(mc: ModelConfig, dtype: torch.dtype, ring: SlidingRing | None
     per_layer = _layer_kv_bytes(mc, dtype)
     if ring is not None:
         return (f"{mc.num_kv_layers - len(sliding)} of {mc.num_kv_layers} layers per token; the {len(sliding)} that "
-                f"slide over {window:,} tokens keep a ring per running request, grown with its pages up to "
-                f"{ring.pages} pages ({ring.pages * kv_ring_page_bytes(mc, dtype, ring):,} bytes), and prefix-cache "
-                f"checkpoints of {ring.checkpoint_pages} pages")
+                f"slide over {window:,} tokens keep a ring per running request of up to "
+                f"{ring.decode_pages} pages ({ring.decode_pages * kv_ring_page_bytes(mc, dtype, ring):,} bytes) between "
+                f"steps and {ring.pages} in a step of a whole prefill chunk, and prefix-cache checkpoints of {ring.checkpoint_pages} pages")
     return (f"{len(sliding)} of {mc.num_kv_layers} layers slide over {window:,} tokens and are priced per token "
             f"like the others (their window alone: {window * len(sliding) * per_layer:,} bytes per request)")
 
@@ -285,7 +285,8 @@ def make_footprint(
         kv_bytes_per_token=kv_bytes_per_token(mc, kv_dtype, ring),
         kv_window_note=kv_window_note(mc, kv_dtype, ring),
         kv_ring_page_bytes=kv_ring_page_bytes(mc, kv_dtype, ring) if ring is not None else 0,
-        kv_ring_pages=((lambda k: (ring_at(k).pages, k.state_checkpoints * ring_at(k).checkpoint_pages))
+        kv_ring_pages=((lambda k: (ring_at(k).rings_bound(k.max_running_requests),
+                                   k.state_checkpoints * ring_at(k).checkpoint_pages))
                        if ring is not None else None),
         kv_heads=mc.num_kv_heads,
         kv_cache_dtype=kv_dtype_name(kv_dtype),

@@ -4,44 +4,50 @@ A ``"sliding_attention"`` layer (Gemma 3 / 4, gpt-oss) only ever reads the last
 ``window`` keys before each query, so it needs no slot for older tokens. Those layers
 get buffers of their own in the pool (:class:`engine.kvcache.pool.KVPool`'s
 ``ring_layers``), paged like the others but over a small pool of *ring pages* with its
-own allocator: each running request holds at most ``R`` of them (:attr:`SlidingRing.pages`),
-
-    R = ceil((window + max_chunk) / page_size) + 1,
-
-and its logical page ``j`` (the ``j``-th page of its context, as in the global layers'
-page table) lives in ring page ``ring[j % len(ring)]``. Why that ``R``: while a prefill
-chunk of ``n <= max_chunk`` tokens starting at position ``p`` is written and read, the
-keys any of its queries sees span positions ``p + 1 - window .. p + n - 1``, at most
-``window + n - 1`` tokens, which touch at most ``ceil((window + n - 1) / page_size) + 1``
-consecutive logical pages; ``R`` consecutive logical pages map to distinct ring pages,
-so nothing live is overwritten. The ring's page table (:func:`ring_row`) names a ring
-page for every logical page the request has: older entries alias live ones, and the
+own allocator. A running request holds a ring of ``L`` of them, and its logical page
+``j`` (the ``j``-th page of its context, as in the global layers' page table) lives in
+ring page ``ring[j % L]``. The ring's page table (:func:`ring_row`) names a ring page
+for every logical page the request has: older entries alias live ones, and the
 attention backends' window mask hides every position older than the window, so the
 kernels read only live keys. No new attention kernel is needed.
 
-A ring grows lazily, as the request's global pages do (:meth:`RingPages.grow`, at the
-same points of the scheduler): it holds ``min(pages of its context, R)`` ring pages, so
-while it is shorter than ``R`` its logical page ``j`` is its ``j``-th ring page, and once
-it reaches ``R`` the pages are reused in ring order. A short request holds no more ring
-pages than global pages. The ring pool holds
+A ring's size follows its step (:meth:`RingPages.fit`): a step writing ``n`` tokens
+from position ``p`` reads keys of positions ``p + 1 - window .. p + n - 1``, at most
+``window + n - 1`` tokens, which touch at most
 
-    min(max_running_requests * R, global pool pages)
+    pages_for(n) = ceil((window + n - 1) / page_size) + 1
 
-ring pages and its null page (:meth:`SlidingRing.pool_pages`; the prefix cache's
-checkpoints take pages of the same pool, up to ``checkpoints x checkpoint_pages`` more
-where the global pool is larger). It cannot run out before the global pool does: the
-running requests (at most ``max_running_requests``) each hold ``min(own pages, R)`` ring
-pages, and without two of them sharing a cached prefix page their pages are distinct
-pages of the global pool, so together they hold at most ``min(running * R, global pages
-in use)``; a ring that needs pages drops checkpoints first, least recently used first,
-as the radix cache evicts pages. Two requests sharing a cached prefix each hold ring
-pages for it, so there the ring pool can be the short one; the scheduler then waits or
-preempts as for global pages (and checks that the ring ran short only so: anything else
-is a bug). So the sliding layers never hold more pages than the global layers, and at
-contexts past ``R`` pages far fewer. The ring pool does not follow live resizes of the
-global pool: a shrink leaves it larger than the bound needs (safe; its memory was
-planned at the start), and a grow past the start's pages leaves a pool that may run
-short first, where the scheduler waits as for global pages.
+consecutive logical pages (:meth:`SlidingRing.pages_for`); ``L`` consecutive logical
+pages map to distinct ring pages, so a ring of ``min(context pages, pages_for(n))``
+overwrites nothing live. So a prefill chunk of ``n`` tokens runs with a ring of
+``pages_for(n)`` pages, and once the step is done the ring goes back to the decode size
+``D = pages_for(1)`` (:meth:`RingPages.settle`). Changing ``L`` copies nothing: the live
+logical pages (the last ones before the next token, at most ``min(L, L')``) are
+consecutive, so their residues modulo the new size are distinct, and the new ring is
+the same physical pages in new places, plus fresh ones or minus spare ones. While a
+context is shorter than its ring, ``j % L = j`` and the ring grows by appending, as the
+global pages do.
+
+The ring pool (:meth:`SlidingRing.pool_pages`) holds what ``M`` running requests can
+hold at once: outside a step each holds at most ``D``, and in a step the items of a
+chunk budget of ``C`` tokens (``n_i`` each, ``sum n_i <= C``) hold ``pages_for(n_i) -
+D <= ceil((n_i - 1) / page_size)`` more, so
+
+    M x D + ceil(C / page_size) + min(M, C)
+
+pages cover every step (:meth:`SlidingRing.rings_bound`), and never more than the
+global pool's pages (each ring holds at most its own context's pages; the prefix
+cache's checkpoints take pages of the same pool, ``checkpoints x checkpoint_pages``
+more). It cannot run out before the global pool does except where two running requests
+share cached prefix pages (each holds ring pages for them): the scheduler then waits or
+preempts as for global pages, and checks that the ring ran short only so (anything
+else is a bug). So the sliding layers never hold more pages than the global layers,
+and at contexts past ``D`` pages far fewer: at Gemma 3's window of 1,024 tokens, pages
+of 16 and chunks of 2,048, ``D`` is 65 pages where a ring sized for the chunk too
+would be 193. The ring pool does not follow live resizes of the global pool: a shrink
+leaves it larger than the bound needs (safe; its memory was planned at the start), and
+a grow past the start's pages leaves a pool that may run short first, where the
+scheduler waits as for global pages.
 
 Prefix cache: a cached prefix's pages hold the global layers only, and a prefix ending
 at position ``E`` is only usable with the sliding layers' keys of positions
@@ -85,10 +91,31 @@ class SlidingRing:
     max_chunk: int
     page_size: int
 
+    def pages_for(self, tokens: int) -> int:
+        """Ring pages a step writing ``tokens`` tokens needs, ``ceil((window + tokens - 1)
+        / page_size) + 1`` (see the module docstring)."""
+        return math.ceil((self.window + max(tokens, 1) - 1) / self.page_size) + 1
+
+    @property
+    def decode_pages(self) -> int:
+        """``D``, the ring pages a request holds between steps and in decode
+        (``pages_for(1)``)."""
+        return self.pages_for(1)
+
     @property
     def pages(self) -> int:
-        """``R``, the ring pages one running request holds (see the module docstring)."""
-        return math.ceil((self.window + self.max_chunk) / self.page_size) + 1
+        """The most ring pages one request holds: a step with a whole chunk,
+        ``pages_for(max_chunk)``."""
+        return self.pages_for(self.max_chunk)
+
+    def rings_bound(self, requests: int) -> int:
+        """Ring pages ``requests`` running requests hold at most, at any point of a step:
+        ``requests x D + ceil(max_chunk / page_size) + min(requests, max_chunk)`` (see the
+        module docstring)."""
+        if requests <= 0:
+            return 0
+        return (requests * self.decode_pages + math.ceil(self.max_chunk / self.page_size)
+                + min(requests, self.max_chunk))
 
     @property
     def checkpoint_pages(self) -> int:
@@ -97,11 +124,12 @@ class SlidingRing:
         return max(math.ceil((self.window - 1) / self.page_size), 1)
 
     def pool_pages(self, max_running_requests: int, checkpoints: int = 0, global_pages: int | None = None) -> int:
-        """Pages of the ring pool, the null page included: one ring of ``R`` pages per
-        running request and ``checkpoints`` prefix-cache checkpoints, at most
-        ``global_pages`` (the global pool's pages but its null page; None: no such
-        bound). See the module docstring for why the rings never need more."""
-        pages = max_running_requests * self.pages + checkpoints * self.checkpoint_pages
+        """Pages of the ring pool, the null page included: the rings of
+        ``max_running_requests`` (:meth:`rings_bound`) and ``checkpoints`` prefix-cache
+        checkpoints, at most ``global_pages`` (the global pool's pages but its null page;
+        None: no such bound). See the module docstring for why the rings never need
+        more."""
+        pages = self.rings_bound(max_running_requests) + checkpoints * self.checkpoint_pages
         if global_pages is not None:
             pages = min(pages, max(global_pages, 1))
         return 1 + pages
@@ -161,38 +189,73 @@ class RingPages:
         """Ring pool pages the checkpoints hold now."""
         return sum(len(p) for p in self._held.values())
 
-    def wanted(self, ring: list[int], num_pages: int) -> int:
-        """Ring pages a request holding ``ring`` takes to cover ``num_pages`` logical
-        pages: ``min(num_pages, R) - len(ring)`` (0 when it holds them already)."""
-        return max(min(num_pages, self.ring.pages) - len(ring), 0)
+    def target(self, num_pages: int, tokens: int) -> int:
+        """The ring size of a request whose context covers ``num_pages`` logical pages
+        once a step writing ``tokens`` tokens is done: ``min(num_pages,
+        pages_for(tokens))``."""
+        return min(num_pages, self.ring.pages_for(tokens))
 
-    def reach(self, ring: list[int]) -> int | None:
-        """The most logical pages a request holding ``ring`` can cover with the ring
-        pages free now or held by checkpoints; None: any number (it can reach ``R``)."""
-        most = len(ring) + self.allocator.num_free + self.checkpoint_pages_held
-        return None if most >= self.ring.pages else most
+    def wanted(self, ring: list[int], num_pages: int, tokens: int) -> int:
+        """Ring pages :meth:`fit` takes from the pool for that step (0 when the ring is
+        large enough already)."""
+        return max(self.target(num_pages, tokens) - len(ring), 0)
 
-    def grow(self, ring: list[int], num_pages: int) -> list[int]:
-        """Extend ``ring`` in place to cover ``num_pages`` logical pages (``min(num_pages,
-        R)`` ring pages); returns the pages added.
+    def reach(self, ring: list[int], kv_len: int) -> int | None:
+        """The most tokens the context of a request holding ``ring`` (``kv_len`` tokens
+        computed) can reach in its next step with the ring pages free now or held by
+        checkpoints; None: any number (a whole chunk fits). A step of ``n`` tokens fits
+        in ``a`` pages while its context's pages or its ring, ``pages_for(n)``, do."""
+        a = len(ring) + self.allocator.num_free + self.checkpoint_pages_held
+        if a >= self.ring.pages:
+            return None
+        p = self.ring.page_size
+        by_ring = (a - 1) * p - self.ring.window + 1  # pages_for(n) <= a
+        return max(a * p, kv_len + by_ring)
+
+    def fit(self, ring: list[int], num_pages: int, kv_len: int, tokens: int) -> None:
+        """Resize ``ring`` in place for a step writing ``tokens`` tokens after the
+        ``kv_len`` computed ones, the context then covering ``num_pages`` logical pages
+        (:meth:`target` pages), keeping every live page where the new size maps it.
 
         Raises:
-            OutOfPages: too few ring pages are free (nothing is taken then).
+            OutOfPages: too few ring pages are free (the ring is as before then).
         """
-        need = self.wanted(ring, num_pages)
-        if need == 0:
-            return []
-        pages = self.allocator.alloc(need)
-        ring.extend(pages)
-        return pages
+        self._resize(ring, self.target(num_pages, tokens), kv_len)
 
-    def trim(self, ring: list[int], num_pages: int) -> None:
-        """Shrink ``ring`` in place to ``min(num_pages, R)`` pages, giving the last back
-        (a step's growth undone)."""
-        keep = min(num_pages, self.ring.pages)
-        if len(ring) > keep:
-            self.allocator.free(ring[keep:])
-            del ring[keep:]
+    def settle(self, ring: list[int], num_pages: int, kv_len: int) -> None:
+        """Resize ``ring`` in place to its size between steps, ``min(num_pages, D)``, after
+        a step (or one undone): it keeps the pages the next step's window reads and gives
+        the rest back. Never raises: it only shrinks."""
+        self._resize(ring, min(len(ring), self.target(num_pages, 1)), kv_len)
+
+    def _resize(self, ring: list[int], size: int, kv_len: int) -> None:
+        """Make ``ring`` ``size`` pages holding the last ``min(len(ring), size)`` logical
+        pages before token ``kv_len`` (those computed, the last one partly) where the new
+        size maps them. Copies nothing (see the module docstring); allocates before it
+        changes anything."""
+        old = len(ring)
+        if size == old:
+            return
+        before = -(-kv_len // self.ring.page_size)
+        if old >= before and size >= before:  # no page wrapped: grow or cut the tail
+            if size > old:
+                ring.extend(self.allocator.alloc(size - old))
+            else:
+                self.allocator.free(ring[size:])
+                del ring[size:]
+            return
+        keep = min(old, size, before)
+        placed: list[int | None] = [None] * size
+        for j in range(before - keep, before):
+            placed[j % size] = ring[j % old]
+        taken = set(p for p in placed if p is not None)
+        spare = [p for p in ring if p not in taken]
+        empty = size - keep
+        fresh = self.allocator.alloc(empty - len(spare)) if empty > len(spare) else []
+        fill = iter(spare[:empty] + fresh)
+        ring[:] = [p if p is not None else next(fill) for p in placed]
+        if len(spare) > empty:
+            self.allocator.free(spare[empty:])
 
     def give(self, pages: list[int]) -> None:
         """Return every page of a ring."""

@@ -236,11 +236,11 @@ def _ledger_at(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint, host_layer
                                   f"{knobs.state_checkpoints} prefix-cache checkpoints x "
                                   f"{fmt_bytes(fp.state_bytes_per_request)}"))
     # Sliding-window layers that keep only their window (engine.kvcache.ring): the ring
-    # pool follows the KV pool's pages P, min(requests x R + checkpoints' pages, P) and
-    # its null page, priced below once P is known.
+    # pool follows the KV pool's pages P, min(the running requests' rings + checkpoints'
+    # pages, P) and its null page, priced below once P is known.
     ring_page = fp.kv_ring_page_bytes if fp.kv_ring_pages is not None else 0
     ring_pages, checkpoint_pages = fp.kv_ring_pages(knobs) if ring_page else (0, 0)
-    ring_cap = knobs.max_running_requests * ring_pages + checkpoint_pages
+    ring_cap = ring_pages + checkpoint_pages
     ring_extra = 1 if ring_page else 0
     ring_line = len(ledger)
     moved, _ = fp.moved_bytes(cpu_layers)
@@ -253,7 +253,7 @@ def _ledger_at(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint, host_layer
 
     def kv_cost(p: int) -> int:
         """Device bytes of a KV pool of ``p`` pages: each page over the global layers,
-        and ``min(requests x R + checkpoints' pages, p)`` ring pages over the sliding
+        and ``min(the rings' bound + checkpoints' pages, p)`` ring pages over the sliding
         ones (their null page is in ``fixed``)."""
         return p * page_bytes + min(p, ring_cap) * ring_page
 
@@ -280,13 +280,13 @@ def _ledger_at(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint, host_layer
     if ring_page:
         rings = min(pages, ring_cap)
         fixed += rings * ring_page
-        bound = (f"{knobs.max_running_requests} requests x {ring_pages}-page rings + {checkpoint_pages} for "
+        bound = (f"{ring_pages} for the rings of {knobs.max_running_requests} requests + {checkpoint_pages} for "
                  f"{knobs.state_checkpoints} prefix-cache checkpoints")
         bound = f"the KV pool's {pages} pages, below {bound}" if rings < ring_cap else bound
         ledger.insert(ring_line, LedgerEntry(
             "sliding-window KV rings", (rings + 1) * ring_page, "-",
             f"exact, {rings} pages of {fmt_bytes(ring_page)} ({bound}; a request's ring grows with its pages up "
-            f"to its window and a prefill chunk) and the null page"))
+            f"to its window, and by a prefill chunk in a step) and the null page"))
     ledger.append(LedgerEntry("KV cache pool", kv_bytes, "=", f"{pages} pages of {fmt_bytes(page_bytes)}"
                                                      + (", capped by the host pool of the CPU layers' KV (half the host's available memory)"
                                                         if host_capped else "")

@@ -234,7 +234,7 @@ class Scheduler:
             # Take what fits: a smaller chunk still makes progress.
             can = (self.allocator.num_free + self._evictable()) * self.config.page_size
             n = min(n, len(req.pages) * self.config.page_size + can - req.kv_len)
-            if self.ring is not None and (reach := ring_tokens(self.ring, req, self.config.page_size)) is not None:
+            if self.ring is not None and (reach := ring_tokens(self.ring, req)) is not None:
                 n = min(n, reach - req.kv_len)
             if n <= 0:
                 return None
@@ -285,6 +285,8 @@ class Scheduler:
             if req.phase is Phase.FINISHED:
                 continue
             req.kv_len = it.start + it.num_tokens
+            if req.ring:  # back to its size between steps (engine.kvcache.ring)
+                self.ring.settle(req.ring, len(req.pages), req.kv_len)
             if req.phase is Phase.PREFILL:
                 self._cache_prefix(req)
             if self.prefix_states is not None:
@@ -312,8 +314,8 @@ class Scheduler:
             if it.new_pages:
                 self.allocator.free(it.new_pages)
                 del req.pages[len(req.pages) - len(it.new_pages) :]
-                if req.ring:
-                    self.ring.trim(req.ring, len(req.pages))
+            if req.ring:
+                self.ring.settle(req.ring, len(req.pages), req.kv_len)
             if it.admitted:
                 self._release(req)
                 req.phase = Phase.WAITING
@@ -362,15 +364,15 @@ class Scheduler:
                 ring pages, :func:`engine.scheduler.ring_growth.grow_ring`).
         """
         need = math.ceil(upto_len / self.config.page_size) - len(req.pages)
-        if need <= 0:
-            return []
-        short = need - self.allocator.num_free
-        if short > 0 and self.radix is not None:
-            self.radix.evict(short)
-        pages = self.allocator.alloc(need)
-        req.pages.extend(pages)
-        if self.ring is not None:
-            grow_ring(self.ring, req, pages, self.allocator, self.running, self.radix)
+        pages: list[int] = []
+        if need > 0:
+            short = need - self.allocator.num_free
+            if short > 0 and self.radix is not None:
+                self.radix.evict(short)
+            pages = self.allocator.alloc(need)
+            req.pages.extend(pages)
+        if self.ring is not None:  # the ring follows the step's size, even without a new page
+            grow_ring(self.ring, req, pages, self.allocator, self.running, self.radix, upto_len - req.kv_len)
         return pages
 
     def _evictable(self) -> int:

@@ -15,6 +15,7 @@ line.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -140,6 +141,11 @@ def gone() -> Response[bytes]:
     return Response(content=b"", status_code=CLIENT_GONE)
 
 
+async def _payload(payload: Any) -> Any:
+    """An error payload, awaited when its builder is a coroutine function."""
+    return await payload if inspect.isawaitable(payload) else payload
+
+
 async def _framed(
     gen: Generation,
     payloads: AsyncIterator[Any],
@@ -155,12 +161,12 @@ async def _framed(
                 yield frame(payload)
         except APIError as exc:
             status, error = exc.status, exc
-            yield frame(error_payload(exc))
+            yield frame(await _payload(error_payload(exc)))
         except Exception as exc:  # a bug: still end the stream in the API's shape
             log.exception("%s failed", gen.request_id)
             status = 500
             error = APIError(500, f"internal error: {exc}", type=SERVER_ERROR)
-            yield frame(error_payload(error))
+            yield frame(await _payload(error_payload(error)))
         if end:
             yield end
     except (asyncio.CancelledError, GeneratorExit):
@@ -182,7 +188,8 @@ def stream_answer(
     headers: dict[str, str] | None = SSE_HEADERS,
 ) -> Stream:
     """A streamed answer: each payload ``frame``-d; an error raised while they are
-    produced becomes ``error_payload(error)``'s frame (a bug's as a 500), then ``end``
+    produced becomes ``error_payload(error)``'s frame (awaited when it is a
+    coroutine; a bug's as a 500), then ``end``
     (OpenAI's ``data: [DONE]``). By default Server-Sent Events (OpenAI's streams), not
     cached or buffered on the way; Ollama's NDJSON names its ``media_type``."""
     return Stream(

@@ -17,8 +17,12 @@ deltas (``response.reasoning_text.delta`` or ``response.output_text.delta``), th
 ``.done``, ``response.content_part.done``, or for a call
 ``response.function_call_arguments.delta`` and ``.done``; then
 ``response.output_item.done``; last ``response.completed`` (or
-``response.incomplete``) with the whole response. An error after the stream began is
-an ``error`` event, then ``response.failed``. There is no ``[DONE]``.
+``response.incomplete``) with the whole response. A stream cut early closes the item
+it was writing with the text sent so far, ``status: "incomplete"`` (its ``.done``
+events, then ``response.output_item.done``): the length limit as above; the request
+timeout (``--request-timeout``), then ``response.incomplete`` with
+``incomplete_details.reason: "request_timeout"``; any other error after the stream
+began, then an ``error`` event and ``response.failed``. There is no ``[DONE]``.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from litestar import Request, Response
 
 from engine.wire.messages import FINISH_LENGTH
 from service.api.chat_output import ChatOutput
+from service.api.engine_errors import REQUEST_TIMEOUT
 from service.api.generation import Generation, Piece
 from service.api.openai.responses_schemas import (
     FunctionCallItem,
@@ -80,12 +85,15 @@ def _head(body: ResponsesRequest, gen: Generation, model: str, created: int) -> 
     )
 
 
-async def _finish(resp: ResponseObject, gen: Generation, finish_reason: str | None, reasoning: str) -> None:
+async def _finish(
+    resp: ResponseObject, gen: Generation, finish_reason: str | None, reasoning: str, cut_by: str | None = None
+) -> None:
     """Set the response's final status and usage (reasoning tokens: its reasoning
-    text tokenized again, at most the answer's tokens)."""
-    if finish_reason == FINISH_LENGTH:
+    text tokenized again, at most the answer's tokens). ``cut_by``: why the stream was
+    cut before the engine finished (``"request_timeout"``), or None."""
+    if cut_by is not None or finish_reason == FINISH_LENGTH:
         resp.status = "incomplete"
-        resp.incomplete_details = IncompleteDetails(reason="max_output_tokens")
+        resp.incomplete_details = IncompleteDetails(reason=cut_by or "max_output_tokens")
     else:
         resp.status = "completed"
     output = gen.completion_tokens
@@ -147,7 +155,7 @@ async def _answer(gen: Generation, request: Request, model: str, body: Responses
     if gen.request.stream:
         held = await first_piece_held(gen) if gen.request.json_schema is not None else None
         events = _Events(gen, resp, output)
-        return stream_answer(gen, events.run(held or gen.pieces()), frame=_sse, error_payload=events.failed)
+        return stream_answer(gen, events.run(held or gen.pieces()), frame=_sse, error_payload=events.cut)
     result = await run_to_end(gen, request)
     if result is None:
         return gone()
@@ -276,16 +284,18 @@ class _Events:
             self.event("response.content_part.added", item_id=item.id, output_index=index, content_index=0, part=part),
         ]
 
-    def _close(self, finish_reason: str | None) -> list[dict[str, Any]]:
-        """The open item's ``.done`` events (a message or reasoning cut by the length
-        limit is ``incomplete``)."""
+    def _close(self, finish_reason: str | None, *, cut: bool = False) -> list[dict[str, Any]]:
+        """The open item's ``.done`` events, its text (or arguments) those sent so far:
+        ``incomplete`` when ``cut`` (the stream ends early), and a message or reasoning
+        cut by the length limit; else ``completed``."""
         item, self.open = self.open, None
         if item is None:
             return []
         index = len(self.items) - 1
         events = []
+        status = "incomplete" if cut or finish_reason == FINISH_LENGTH else "completed"
         if isinstance(item, FunctionCallItem):
-            item.status = "completed"
+            item.status = "incomplete" if cut else "completed"
             events.append(self.event(
                 "response.function_call_arguments.done", item_id=item.id, output_index=index,
                 arguments=item.arguments,
@@ -295,26 +305,34 @@ class _Events:
             if isinstance(item, ReasoningItem):
                 part: Any = ReasoningText(text=self.text)
                 item.content = [part]
-                item.status = "incomplete" if finish_reason == FINISH_LENGTH else "completed"
+                item.status = status
                 events.append(self.event("response.reasoning_text.done", **where, text=self.text))
             else:
                 part = OutputText(text=self.text)
                 item.content = [part]
-                item.status = "incomplete" if finish_reason == FINISH_LENGTH else "completed"
+                item.status = status
                 events.append(self.event("response.output_text.done", **where, text=self.text, logprobs=[]))
             events.append(self.event("response.content_part.done", **where, part=part))
         events.append(self.event("response.output_item.done", output_index=index, item=item))
         return events
 
-    def failed(self, exc: APIError) -> list[dict[str, Any]]:
-        """An error after the stream began: an ``error`` event, then
-        ``response.failed`` with the output so far."""
+    async def cut(self, exc: APIError) -> list[dict[str, Any]]:
+        """The end of a stream cut by ``exc`` after it began: the open item closed as
+        ``incomplete`` with the text sent so far; then for the request timeout
+        ``response.incomplete`` (``incomplete_details.reason: "request_timeout"``),
+        for any other error an ``error`` event and ``response.failed``, each with the
+        output so far."""
+        events = self._close(None, cut=True)
+        self.resp.output = list(self.items)
+        if exc.code == REQUEST_TIMEOUT:
+            await _finish(self.resp, self.gen, None, self.reasoning, cut_by=REQUEST_TIMEOUT)
+            return [*events, self.event("response.incomplete", response=self.resp)]
         exc = _named(exc)
         code = exc.code or ("server_error" if exc.status >= 500 else exc.type)
-        failed = self._snapshot()
-        failed.status = "failed"
-        failed.error = ResponseError(code=code, message=exc.message)
+        self.resp.status = "failed"
+        self.resp.error = ResponseError(code=code, message=exc.message)
         return [
+            *events,
             self.event("error", code=code, message=exc.message, param=exc.param),
-            self.event("response.failed", response=failed),
+            self.event("response.failed", response=self.resp),
         ]

@@ -69,7 +69,8 @@ class ReasoningText(msgspec.Struct, kw_only=True):
 
 class MessageItem(msgspec.Struct, kw_only=True):
     """The answer's text (``status``: ``in_progress`` while it streams, then
-    ``completed``, or ``incomplete`` when ``max_output_tokens`` cut it)."""
+    ``completed``, or ``incomplete`` when ``max_output_tokens``, the request timeout or
+    an error cut it)."""
 
     id: str
     status: str
@@ -80,7 +81,7 @@ class MessageItem(msgspec.Struct, kw_only=True):
 
 class ReasoningItem(msgspec.Struct, kw_only=True):
     """A thinking model's reasoning, as text (no summary is made); ``status``
-    ``incomplete`` when ``max_output_tokens`` cut it."""
+    ``incomplete`` when ``max_output_tokens``, the request timeout or an error cut it."""
 
     id: str
     content: list[ReasoningText]
@@ -133,7 +134,8 @@ class ResponseObject(msgspec.Struct, kw_only=True):
     """One answer of ``POST /v1/responses`` (also inside the stream's
     ``response.*`` events). ``status``: ``in_progress`` (streams only),
     ``completed``, ``incomplete`` (``incomplete_details.reason``:
-    ``max_output_tokens``) or ``failed`` (``error``)."""
+    ``max_output_tokens``, or ``request_timeout`` for a stream cut by
+    ``--request-timeout``) or ``failed`` (``error``)."""
 
     id: str
     created_at: int

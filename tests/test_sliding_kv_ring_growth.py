@@ -179,3 +179,49 @@ def test_requests_sharing_a_prefix_wait_for_ring_pages(pair):
     assert engine.scheduler.prefix_states.restored >= 2
     assert ring_bound > 0
     assert [out[f"w{i}"] for i in range(8)] == [hf_greedy(hf, ids, 4) for ids in prompts]
+
+
+def test_a_planned_ring_pool_below_its_bound_keeps_the_context_and_requests_wait_for_it(tmp_path,
+                                                                                       make_tiny_hf_model):
+    """A tiny Gemma 3 of a 1,024-token context on a simulated card whose room holds that
+    context (256 pages) but not the rings of all 16 requests beside it: the plan gives the
+    ring pool what the context leaves (between its floor, 4 requests' rings, and its
+    bound), the engine's ring pool is that size, and 12 requests of 30-token contexts,
+    whose rings (3 pages each between steps) do not all fit, wait or are preempted for
+    ring pages and each answers transformers' greedy ids."""
+    from engine.commands.plan import build_plan
+    from engine.common.config import EngineConfig
+    from engine.core.engine import Engine
+
+    hf = make_tiny_hf_model("gemma3", tmp_path, vocab_size=VOCAB, max_position_embeddings=1024)
+    knobs = dict(model=str(tmp_path), device="cpu", page_size=4, max_prefill_tokens=16, max_running_requests=16)
+    ring = SlidingRing((0,), 8, 16, 4)
+    floor, bound = ring.rings_bound(4), ring.rings_bound(16)
+
+    def ring_pages(total: int) -> int:
+        plan = build_plan(EngineConfig(device_total=total, **knobs))
+        return plan.kv_ring_pages if plan.fits and plan.max_context_tokens == 1024 else 0
+
+    low, high = 1 << 20, 1 << 34  # the smallest card whose ring pool reaches 30 pages beside the context
+    while high - low > 1024:
+        mid = (low + high) // 2
+        low, high = (mid, high) if ring_pages(mid) < 30 else (low, mid)
+    config = EngineConfig(device_total=high, **knobs)
+    plan = build_plan(config)
+    assert floor <= 30 <= plan.kv_ring_pages < bound and plan.max_context_tokens == 1024
+    assert "so that the KV pool holds the context first" in next(
+        e.source for e in plan.ledger if e.name == "sliding-window KV rings")
+    engine = Engine(config)
+    assert engine.ring.allocator.num_usable == plan.kv_ring_pages and engine.allocator.num_usable >= 256
+    prompts, sampling = seeded_prompts(VOCAB, *[22 + i % 3 for i in range(12)]), greedy_params(6)
+    for i, ids in enumerate(prompts):
+        engine.add_request(GenerateRequest(request_id=f"p{i}", prompt_token_ids=ids, sampling=sampling))
+    out = {f"p{i}": [] for i in range(12)}
+    ring_bound = 0  # steps where a request waited with KV pages to spare but too few ring pages
+    while engine.has_work():
+        for o in engine.step():
+            out[o.request_id].extend(o.token_ids)
+        if engine.scheduler.waiting and engine.allocator.num_free >= 8 and engine.ring.allocator.num_free < 3:
+            ring_bound += 1
+    assert ring_bound > 0
+    assert [out[f"p{i}"] for i in range(12)] == [hf_greedy(hf, ids, 6) for ids in prompts]

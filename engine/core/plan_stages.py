@@ -59,7 +59,13 @@ class PlanStages:
                       num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, dtype=self.kv_dtype, device=self.device,
                       compute_dtype=self.dtype, ring_layers=ring.layers if ring else (),
                       ring_pages=ring.pool_pages(self.knobs.max_running_requests, self.knobs.state_checkpoints,
-                                                 global_pages=num_pages - 1) if ring else 0)
+                                                 global_pages=num_pages - 1, cap=self._ring_cap) if ring else 0)
+
+    @property
+    def _ring_cap(self) -> int | None:
+        """The ring pool's pages the memory plan chose (:mod:`engine.memory.kv_fit`), None
+        without a plan that sized one."""
+        return self.plan.kv_ring_pages if self.plan is not None and self.plan.kv_ring_pages else None
 
     @property
     def _kv_ring(self) -> SlidingRing | None:

@@ -39,9 +39,10 @@ pages cover every step (:meth:`SlidingRing.rings_bound`), and never more than th
 global pool's pages (each ring holds at most its own context's pages; the prefix
 cache's checkpoints take pages of the same pool, ``checkpoints x checkpoint_pages``
 more). It cannot run out before the global pool does except where two running requests
-share cached prefix pages (each holds ring pages for them): the scheduler then waits or
-preempts as for global pages, and checks that the ring ran short only so (anything
-else is a bug). So the sliding layers never hold more pages than the global layers,
+share cached prefix pages (each holds ring pages for them), or where the memory plan
+gave it fewer pages than the bound so that the global pool holds the wanted context
+(:mod:`engine.memory.kv_fit`): the scheduler then waits or preempts as for global
+pages, and checks that the ring ran short only so (anything else is a bug). So the sliding layers never hold more pages than the global layers,
 and at contexts past ``D`` pages far fewer: at Gemma 3's window of 1,024 tokens, pages
 of 16 and chunks of 2,048, ``D`` is 65 pages where a ring sized for the chunk too
 would be 193. The ring pool does not follow live resizes of the global pool: a shrink
@@ -123,15 +124,18 @@ class SlidingRing:
         that a chunk starting there reads, ``ceil((window - 1) / page_size)`` (at least 1)."""
         return max(math.ceil((self.window - 1) / self.page_size), 1)
 
-    def pool_pages(self, max_running_requests: int, checkpoints: int = 0, global_pages: int | None = None) -> int:
+    def pool_pages(self, max_running_requests: int, checkpoints: int = 0, global_pages: int | None = None,
+                   cap: int | None = None) -> int:
         """Pages of the ring pool, the null page included: the rings of
         ``max_running_requests`` (:meth:`rings_bound`) and ``checkpoints`` prefix-cache
-        checkpoints, at most ``global_pages`` (the global pool's pages but its null page;
-        None: no such bound). See the module docstring for why the rings never need
-        more."""
+        checkpoints, at most ``global_pages`` (the global pool's pages but its null page)
+        and at most ``cap`` (the memory plan's choice, :mod:`engine.memory.kv_fit`; None:
+        no such bound). See the module docstring for why the rings never need more,
+        and the scheduler waits for ring pages where the plan gave fewer."""
         pages = self.rings_bound(max_running_requests) + checkpoints * self.checkpoint_pages
-        if global_pages is not None:
-            pages = min(pages, max(global_pages, 1))
+        for most in (global_pages, cap):
+            if most is not None:
+                pages = min(pages, max(most, 1))
         return 1 + pages
 
 

@@ -16,6 +16,7 @@ import msgspec
 from engine.common.config import EngineConfig
 from engine.common.options import option_named
 from engine.common.units import fmt_bytes
+from engine.memory.kv_fit import RING_FLOOR_REQUESTS, kv_pages, ring_pool_cap
 from engine.memory.plan import (
     MIN_PREFILL_TOKENS,
     DeviceMemory,
@@ -240,7 +241,9 @@ def _ledger_at(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint, host_layer
     # pages, P) and its null page, priced below once P is known.
     ring_page = fp.kv_ring_page_bytes if fp.kv_ring_pages is not None else 0
     ring_pages, checkpoint_pages = fp.kv_ring_pages(knobs) if ring_page else (0, 0)
-    ring_cap = ring_pages + checkpoint_pages
+    ring_cap = full_cap = ring_pages + checkpoint_pages
+    floor_requests = min(knobs.max_running_requests, RING_FLOOR_REQUESTS)
+    floor_pages = fp.kv_ring_pages(replace(knobs, max_running_requests=floor_requests))[0] if ring_page else 0
     ring_extra = 1 if ring_page else 0
     ring_line = len(ledger)
     moved, _ = fp.moved_bytes(cpu_layers)
@@ -272,17 +275,25 @@ def _ledger_at(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint, host_layer
                                   f"{slots} slots of {fmt_bytes(slot)}{form} for {host_layers} layers x "
                                   f"{fp.num_experts} experts in host memory"))
     kv_room = budget - fixed
+    # The ring pool below its bound where that lets the KV pool hold the wanted context
+    # (engine.memory.kv_fit); kv_cost follows.
+    ring_cap = ring_pool_cap(kv_room, page_bytes, ring_page, full_cap, floor_pages,
+                             math.ceil(model_ctx / knobs.page_size))
     pages = kv_pages(kv_room, page_bytes, ring_page, ring_cap)
     host_capped = max_pages is not None and pages > max_pages
     if host_capped:
         pages = max_pages  # the host pool of a split follows the device's page count
     kv_bytes = pages * page_bytes
+    rings = min(pages, ring_cap)
     if ring_page:
-        rings = min(pages, ring_cap)
         fixed += rings * ring_page
         bound = (f"{ring_pages} for the rings of {knobs.max_running_requests} requests + {checkpoint_pages} for "
                  f"{knobs.state_checkpoints} prefix-cache checkpoints")
-        bound = f"the KV pool's {pages} pages, below {bound}" if rings < ring_cap else bound
+        if rings < ring_cap:
+            bound = f"the KV pool's {pages} pages, below {bound}"
+        elif ring_cap < full_cap:
+            bound = (f"below the {full_cap} of {bound}, so that the KV pool holds the context first, and at least the "
+                     f"rings of {floor_requests} requests; a request whose ring does not fit waits for ring pages")
         ledger.insert(ring_line, LedgerEntry(
             "sliding-window KV rings", (rings + 1) * ring_page, "-",
             f"exact, {rings} pages of {fmt_bytes(ring_page)} ({bound}; a request's ring grows with its pages up "
@@ -312,6 +323,7 @@ def _ledger_at(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint, host_layer
         kv_cache_dtype=fp.kv_cache_dtype,
         kv_bytes_per_token=kv_per_token,
         num_pages=int(pages),
+        kv_ring_pages=int(rings),
         page_size=knobs.page_size,
         max_context_tokens=max_ctx,
         min_context_tokens=min_ctx,
@@ -328,19 +340,6 @@ def _ledger_at(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint, host_layer
         tensor_parallel_size=knobs.tensor_parallel_size,
         kv_heads=fp.kv_heads,
     )
-
-
-def kv_pages(room: int, page_bytes: int, ring_page: int = 0, ring_cap: int = 0) -> int:
-    """The most KV pool pages ``P`` whose cost fits ``room`` bytes, the inverse of ``P x
-    page_bytes + min(ring_cap, P) x ring_page`` (pages of the global layers, and a
-    sliding-window ring pool of ``min(ring_cap, P)`` pages: :mod:`engine.kvcache.ring`);
-    0 when nothing fits or a page costs nothing."""
-    if room <= 0 or page_bytes <= 0:
-        return 0
-    both = page_bytes + ring_page
-    if room < ring_cap * both:
-        return room // both
-    return ring_cap + (room - ring_cap * both) // page_bytes
 
 
 def fit_plan(planner: Callable[[PlanKnobs], MemoryPlan], knobs: PlanKnobs) -> tuple[MemoryPlan, PlanKnobs]:

@@ -288,6 +288,9 @@ class MemoryPlan(msgspec.Struct, frozen=True, kw_only=True):
     fixed_bytes: int  # everything but the KV pool charged against the budget
     kv_pool_bytes: int
     num_pages: int  # usable pages (the pool allocates one more: the null page)
+    # Pages of the sliding-window ring pool (engine.kvcache.ring), its null page apart; 0
+    # without one. The engine's ring pool holds no more (engine.memory.kv_fit).
+    kv_ring_pages: int = 0
     page_size: int
     max_context_tokens: int
     min_context_tokens: int

@@ -1,0 +1,43 @@
+"""The KV cache's room split between the KV pool and a sliding-window ring pool
+(:mod:`engine.memory.kv_fit`): the ring pool keeps its bound where the room holds it
+beside the wanted context, else the wanted context comes first and the ring pool takes
+what is left, at least its floor; the pages beside it are the most that fit."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.memory.kv_fit import kv_pages, ring_pool_cap
+
+
+def test_kv_pages_inverts_the_cost():
+    # 10-byte pages, 3-byte ring pages, rings capped at 5 pages.
+    assert kv_pages(0, 10, 3, 5) == 0 and kv_pages(100, 0) == 0
+    assert kv_pages(64, 10, 3, 5) == 4  # below the cap: every page has its ring page (13 bytes)
+    assert kv_pages(65 + 25, 10, 3, 5) == 7  # 5 pages with rings (65), then 10 bytes each
+    for room in range(0, 300, 7):
+        p = kv_pages(room, 10, 3, 5)
+        assert p * 10 + min(p, 5) * 3 <= room < (p + 1) * 10 + min(p + 1, 5) * 3
+
+
+@pytest.mark.parametrize("room,want", [
+    (1000 * 10 + 100 * 3, 100),  # the bound beside the whole context: kept
+    (1000 * 10 + 60 * 3, 60),  # 60 ring pages left beside the context
+    (1000 * 10 + 10 * 3, 20),  # fewer than the floor left: the floor (the context is cut)
+    (5000, 20),  # not even the context: the floor
+])
+def test_ring_pool_keeps_its_bound_or_what_the_context_leaves(room, want):
+    # 10-byte pages, 3-byte ring pages; bound 100, floor 20, a wanted context of 1,000 pages.
+    cap = ring_pool_cap(room, 10, 3, full_cap=100, floor_cap=20, wanted_pages=1000)
+    assert cap == want
+    p = kv_pages(room, 10, 3, cap)
+    if want > 20 or room >= 1000 * 10 + 20 * 3:
+        assert p >= 1000  # the whole context
+    else:
+        assert p < 1000
+
+
+def test_ring_pool_cap_edges():
+    assert ring_pool_cap(10**9, 10, 0, 100, 20, 1000) == 0  # no ring
+    assert ring_pool_cap(50 * 10 + 50 * 3, 10, 3, 100, 20, 50) == 100  # a short context: its pages bound the rings
+    assert ring_pool_cap(0, 10, 3, 10, 20, 1000) == 10  # a floor above the bound: the bound

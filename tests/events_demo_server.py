@@ -6,7 +6,8 @@ the control routes and ``/ui`` exactly as the service does, so
 the dashboard and ``ui-bridge``'s browser test can run without a model. The worker is a
 sleeping child process: kill it (``kill -9 <worker_pid from /api/status>``) and the
 demo reports ``worker exited`` (with the signal), ``restarting``, then ``started`` and
-``ready`` again, as the supervisor will. ``POST /api/control/restart`` does the same.
+``ready`` again, as the supervisor will. ``POST /api/control/restart`` does the same,
+not counted in ``restarts`` (no crash), as the supervisor does not count it.
 
     python tests/events_demo_server.py --port 8765      # prints URL and token as JSON
 
@@ -101,6 +102,7 @@ class DemoWorker:
         self.kv_bytes = 8 * GiB
         self.finished = 0
         self._task: asyncio.Task | None = None
+        self._asked = False  # the next exit was asked for (control restart)
 
     def health(self, status: str, **kw) -> None:
         self.state = status
@@ -118,7 +120,7 @@ class DemoWorker:
             stderr=subprocess.DEVNULL,
         )
         self.hub.publish(ev.WorkerEvent(phase="started", pid=self.proc.pid, restarts=self.restarts))
-        self.health("starting" if self.restarts == 0 else "restarting", retry_after_s=1)
+        self.health("starting" if self.state == "starting" else "restarting", retry_after_s=1)
         await asyncio.sleep(0.8)  # "loading"
         self.hub.publish(
             ev.EngineInfoEvent(
@@ -153,7 +155,8 @@ class DemoWorker:
                 last_lines=["(demo worker: no output)"],
             )
         )
-        self.restarts += 1
+        asked, self._asked = self._asked, False
+        self.restarts += 0 if asked else 1
         self.hub.publish(ev.WorkerEvent(phase="restarting", delay_s=0.5, restarts=self.restarts))
         self.health("restarting", retry_after_s=2)
         await asyncio.sleep(0.5)
@@ -162,6 +165,7 @@ class DemoWorker:
     # ControlTarget
     def restart(self) -> str:
         if self.proc and self.proc.poll() is None:
+            self._asked = True
             self.proc.kill()
         return "the worker is restarting"
 

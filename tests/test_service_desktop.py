@@ -8,6 +8,8 @@ request, and one service per user, found through ``runtime.json``.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 from pathlib import Path
 
@@ -134,6 +136,39 @@ def test_pause_gives_the_memory_back_and_resume_serves_again(start_server):
     assert resumed.status_code == 202, resumed.text
     server.wait_ready(LOAD_S)
     assert httpx.post(f"{server.base_url}/v1/completions", json=ASK, timeout=120).status_code == 200
+
+
+def _snapshot_health(server: ServerProcess) -> dict:
+    """The health the dashboard reads (``/api/status``' snapshot)."""
+    headers = {"Authorization": f"Bearer {server.token}"}
+    return httpx.get(f"{server.base_url}/api/status", headers=headers, timeout=60).json()["health"]
+
+
+def test_a_resume_is_a_start_and_only_crashes_count_as_restarts(start_server):
+    """The load after a resume is no restart after a crash: ``starting``, then ``ready``
+    once the worker answers; a restart asked for through the control API is not counted
+    in ``restarts`` either; a killed worker's is."""
+    server = start_server(fake=True)
+    assert _control(server, "pause").status_code == 202
+    assert _control(server, "resume").status_code == 202
+    assert _health(server)["status"] in ("starting", "ready")
+    server.wait_ready(LOAD_S)
+    assert _health(server)["restarts"] == 0
+    assert _snapshot_health(server)["status"] == "ready"
+
+    pid = server.worker_pid()
+    assert _control(server, "restart").status_code == 202
+    wait_for(lambda: _health(server).get("worker_pid") not in (None, pid), LOAD_S, "the asked-for restart")
+    server.wait_ready(LOAD_S)
+    assert _health(server)["restarts"] == 0
+    assert _snapshot_health(server)["restarts"] == 0
+
+    pid = server.worker_pid()
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: _health(server).get("worker_pid") not in (None, pid), LOAD_S, "the restart after the crash")
+    server.wait_ready(LOAD_S)
+    assert _health(server)["restarts"] == 1
+    assert _snapshot_health(server)["restarts"] == 1
 
 
 def test_a_request_after_keep_alive_expiry_loads_the_engine_and_is_answered(start_server):

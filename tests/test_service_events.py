@@ -297,4 +297,4 @@ def test_control_restart_restarts_the_worker_and_the_socket_shows_it(server):
     assert "restarting" in health and health[-1] == "ready"
     new = server.worker_pid()
     assert new != old and ("started", new) in worker
-    assert server.health().json()["restarts"] == 1
+    assert server.health().json()["restarts"] == 0  # asked for: no crash to count

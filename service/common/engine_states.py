@@ -1,7 +1,8 @@
 """The supervisor's states, the refusal they cause, and the codes of ended sequences.
 
-``starting`` (first spawn) -> ``ready`` -> ``restarting`` (worker died or hung; back to
-``ready``) ... -> ``failed`` (a crash loop, or the first load failed), and ``stopped``
+``starting`` (first spawn, or a load after ``paused`` or ``idle``) -> ``ready`` ->
+``restarting`` (worker died or hung, or a restart was asked for; back to ``ready``) ...
+-> ``failed`` (a crash loop, or the first load failed), and ``stopped``
 at shutdown. Without a worker, and without failing:
 
 - ``waiting_for_memory``: the plan does not fit because other processes hold memory (it

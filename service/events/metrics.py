@@ -52,7 +52,8 @@ class Reading:
     Args:
         state: the supervisor's state (``ready``, ``idle``...).
         states: every state's name (each is a sample, 1 for ``state``, else 0).
-        restarts: workers restarted since the service started.
+        restarts: workers restarted after a crash or a hang since the service started
+            (not those asked for through the control API).
         calls_waiting: API calls admitted and waiting for their first token.
         sequences_in_flight: engine sequences sent to the worker and not finished.
         stats: the engine's last counters (None: no worker has reported yet).
@@ -90,7 +91,7 @@ class _ReadingCollector(Collector):
             state.add_metric([name], 1.0 if name == r.state else 0.0)
         yield state
         yield from _figures((
-            (_COUNTER, "headroom_worker_restarts", "Engine workers restarted since the service started.", r.restarts),
+            (_COUNTER, "headroom_worker_restarts", "Engine workers restarted after a crash or a hang since the service started.", r.restarts),
             (_GAUGE, "headroom_calls_waiting",
              "API calls admitted and waiting for their first token (--max-queued-requests counts them).",
              r.calls_waiting),

@@ -6,8 +6,9 @@ supervisor attaches to each new worker and detaches at its exit; every message o
 worker arrives there, and only the lifecycle's own (ready, an error, engine events) come
 on here. The health summary is :func:`service.supervision.report.health_report`.
 
-States: ``starting`` (first spawn) -> ``ready`` -> ``restarting`` (worker died or
-hung; back to ``ready``) ... -> ``failed`` (a crash loop, or the first load failed),
+States: ``starting`` (first spawn, or a load after ``paused`` or ``idle``) ->
+``ready`` -> ``restarting`` (worker died or hung, or a restart was asked for; back to
+``ready``) ... -> ``failed`` (a crash loop, or the first load failed),
 and ``stopped`` at shutdown. Without a worker, and without failing
 (:mod:`service.common.engine_states`): ``waiting_for_memory``, ``waiting_for_gpu``,
 ``paused`` and ``idle``, in :mod:`service.supervision.unloading`. Whether a request can
@@ -92,6 +93,8 @@ class Supervisor(Readiness, Unloading, Draining):
         vram_source: a ``sample()``-able VRAM source (:mod:`service.vram.sources`) to wait on
             for a dead worker's memory before a restart (None: no wait).
         on_first_ready: called once, when the first worker is ready.
+        restarts: workers started again after one died or hung, since the service
+            started (a restart asked for through the control API is not counted).
         link: the traffic with the current worker (requests in flight, commands,
             counters, pool figures, liveness).
     """
@@ -320,7 +323,8 @@ class Supervisor(Readiness, Unloading, Draining):
         self._publish(exited_event(worker.pid, status, self.restarts, reason=what))
         now = time.monotonic()
         ran = was_ready and self.ready_since is not None
-        self._restarts.record_exit(now, now - self.ready_since if ran else None)
+        if not asked:  # an exit asked for is no crash: neither a restart nor a loop
+            self._restarts.record_exit(now, now - self.ready_since if ran else None)
         self.ready_since = None
 
         if self.state is State.FAILED:
@@ -346,14 +350,17 @@ class Supervisor(Readiness, Unloading, Draining):
         log.info("restarting the worker in %.1f s", delay_s)
         self._publish(WorkerEvent(phase="restarting", delay_s=delay_s, restarts=self.restarts))
         self._publish_health()
-        self._spawn_task(self._restart_later(delay_s))
+        self._spawn_task(self._restart_later(delay_s, crashed=not asked))
 
-    async def _restart_later(self, delay_s: float) -> None:
+    async def _restart_later(self, delay_s: float, crashed: bool = True) -> None:
+        """Spawn the next worker after ``delay_s`` seconds (and the last one's memory
+        is released); counted in :attr:`restarts` when the last one ``crashed`` (or
+        hung), not when a restart was asked for."""
         await asyncio.sleep(delay_s)
         if self.state in (State.RESTARTING, State.STARTING) and self._worker is None:
             await self._wait_for_release()
         if self.state in (State.RESTARTING, State.STARTING) and self._worker is None:
-            self.restarts += 1
+            self.restarts += int(crashed)
             self._spawn_and_publish()
 
     async def _wait_for_release(self) -> None:

@@ -157,8 +157,10 @@ class Unloading:
             self._start_unloaded()
 
     def _start_unloaded(self, waking: bool = False) -> None:
-        """Spawn a worker from a waiting, paused or idle state."""
-        self.state = State.STARTING if self._first_start else State.RESTARTING
+        """Spawn a worker from a waiting, paused or idle state: ``starting`` when it is
+        the first or ``waking`` a paused or idle engine (a load, not a restart after a
+        crash), else ``restarting``."""
+        self.state = State.STARTING if self._first_start or waking else State.RESTARTING
         self.memory_wait = None
         self.wait_reason = None
         self._waking = waking

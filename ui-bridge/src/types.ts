@@ -391,7 +391,8 @@ export interface VramEvent {
  * killed by a signal), `signal` (its name, e.g. `"SIGKILL"`, or None), `reason`
  * (e.g. `"was killed by SIGKILL"`) and its `last_lines` of output. `restarting`: a new worker follows in `delay_s`
  * seconds. `failed`: no more restarts (`reason` says why) until one is asked for.
- * `restarts` counts restarts since the service started.
+ * `restarts` counts the restarts after a crash or a hang since the service started
+ * (a restart asked for through the control API is not counted).
  */
 export interface WorkerEvent {
   type: "worker";

@@ -16,6 +16,7 @@ from resize_runs import NUM_PAGES, PAGE_SIZE, check_pages, drive, make_engine
 
 from engine.common.errors import RequestRejected
 from engine.core.engine import Engine
+from engine.scheduler.resize import live_pages_at_or_above
 from engine.wire.messages import (
     REPLAN_EVICT_PREFIX_CACHE,
     REPLAN_PREFILL_CHUNK,
@@ -62,7 +63,7 @@ def test_shrink_moves_live_pages_and_changes_no_output(tiny_dir, reference):
         if n == 3:
             e.allocator.free(hog)
             e.test_held = []
-            live = e.scheduler.live_pages_at_or_above(64)
+            live = live_pages_at_or_above(e.scheduler, 64)
             assert live and len(e.scheduler.running) == 4
             contents = kv_contents(e)
             res = e.resize_kv_pool(64, reason="test shrink")
@@ -102,7 +103,7 @@ def test_shrink_below_what_runs_preempts_the_youngest_then_grows_back(tiny_dir, 
 
     def on_step(n, e):
         if n == 4:
-            held = len(e.scheduler.live_pages_at_or_above(1))
+            held = len(live_pages_at_or_above(e.scheduler, 1))
             results.append(e.resize_kv_pool(24, reason="squeeze"))
             assert held > 23
         if n == 12:
@@ -170,7 +171,7 @@ def test_shrink_evicts_lru_cache_below_the_cut_to_make_room(tiny_dir, reference)
             e.test_held = []
             assert min(p for r in e.scheduler.running for p in r.pages) > max(hog)
             for cut in range(NUM_PAGES, 2, -1):
-                live = len(e.scheduler.live_pages_at_or_above(cut))
+                live = len(live_pages_at_or_above(e.scheduler, cut))
                 free = e.allocator.free_below(cut)
                 if free < live <= free + len(cached):
                     break

@@ -97,3 +97,27 @@ def test_without_a_running_prefill_the_queue_is_served_in_order():
     plan = sched.schedule()
     assert [(it.req.request_id, it.num_tokens) for it in plan.items] == [("a", 300), ("b", 50)]
     assert all(it.req.phase is Phase.PREFILL for it in plan.items)
+
+
+def test_two_prefills_short_of_pages_do_not_stall_each_other():
+    """Two long prompts prefilling at once (the second admitted beside the first's chunk
+    that a chunk cap cut short) over a pool of 24 pages that holds neither whole: once
+    the free pages are gone neither can grow, so the youngest goes back to waiting and
+    the oldest finishes its prefill and decodes; later the youngest runs too. Every
+    step plans something."""
+    config = SchedulerConfig(page_size=16, max_running_requests=8, max_prefill_tokens=64, max_context_tokens=384)
+    sched = Scheduler(config, PageAllocator(25), None)
+    a, b = _req("a", 300, 0), _req("b", 300, 1)
+    a.chunk_cap = 32  # a's chunks leave half of each step's budget: b is admitted beside it
+    sched.add(a)
+    sched.add(b)
+    preempted, finished, steps = [], set(), 0
+    while sched.has_work() and steps < 200:
+        plan = sched.schedule()
+        assert plan is not None and plan.items, f"step {steps} planned nothing"
+        preempted += [r.request_id for r in plan.preempted]
+        _run(sched, plan)
+        finished |= {r.request_id for r in sched.drain_ended()}
+        steps += 1
+    assert "b" in preempted and finished == {"a", "b"}
+    assert sched.allocator.num_free == sched.allocator.num_usable

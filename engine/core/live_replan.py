@@ -11,7 +11,7 @@ steps (the engine is single-threaded).
 :class:`LiveReplan` is a part of :class:`engine.core.engine.Engine` (it uses the engine's
 ``pool``, ``runner``, ``scheduler``, ``radix``, ``plan``, ``knobs``, ``info``,
 ``config`` and ``device``); the page work of a shrink is the scheduler's
-(:meth:`engine.scheduler.scheduler.Scheduler.shrink_pages`). A resize gives the pool new
+(:func:`engine.scheduler.resize.shrink_pages`). A resize gives the pool new
 buffers, so the runner's decode CUDA graphs, which hold the old addresses, are dropped
 first (:meth:`engine.core.runner.ModelRunner.pool_will_move`) and captured again on next use.
 """
@@ -27,7 +27,7 @@ import torch
 
 from engine.common.units import fmt_bytes
 from engine.layers.moe.offload import resize_cache
-from engine.scheduler.resize import Vacated
+from engine.scheduler.resize import Vacated, grow_pages, shrink_pages
 from engine.wire.messages import (
     BY_WATCHER,
     REPLAN_EVICT_PREFIX_CACHE,
@@ -123,7 +123,7 @@ class LiveReplan:
         requests run, and give the memory back to the device.
 
         Shrinking keeps every running request whose context still fits. The scheduler
-        frees the pages at or above the cut (:meth:`Scheduler.shrink_pages`, described
+        frees the pages at or above the cut (:func:`engine.scheduler.resize.shrink_pages`, described
         step by step in :mod:`engine.scheduler.resize`):
 
         1. Requests that no longer fit in the new per-request context
@@ -154,7 +154,7 @@ class LiveReplan:
         before_pages, before_bytes = self.pool.num_pages, self.pool.nbytes
         shrunk = Vacated()
         if num_pages < before_pages:
-            shrunk = self.scheduler.shrink_pages(num_pages, self._context_limit(num_pages))
+            shrunk = shrink_pages(self.scheduler, num_pages, self._context_limit(num_pages))
             self.pool.copy_pages(list(shrunk.moves), list(shrunk.moves.values()))
             host = self.model.host_layers if hasattr(self.model, "host_layers") else None
             if host is not None:  # --cpu-layers: the same pages of the host pool move too
@@ -170,7 +170,7 @@ class LiveReplan:
                 self.pool.resize(num_pages)
             finally:
                 # After a failed grow the pool is consistent at its old size.
-                self.scheduler.grow_pages(self.pool.num_pages, self._context_limit(self.pool.num_pages))
+                grow_pages(self.scheduler, self.pool.num_pages, self._context_limit(self.pool.num_pages))
                 self._pool_resized()
         evicted, relocated, preempted, ended = (
             shrunk.evicted_pages, len(shrunk.moves), shrunk.preempted, shrunk.ended

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from engine.kvcache.allocator import PageAllocator
@@ -132,3 +132,23 @@ def vacate_above(sched: Scheduler, cut: int) -> Vacated:
     if preempted:
         log.info("KV pool shrink to %d pages: preempted %s (youngest first)", cut, ", ".join(preempted))
     return Vacated(evicted_pages=evicted, moves=moves, preempted=preempted)
+
+
+def shrink_pages(sched: Scheduler, num_pages: int, max_context_tokens: int) -> Vacated:
+    """Shrink ``sched``'s pages to ``num_pages`` (null page included) under a context limit
+    of ``max_context_tokens``: end what no longer fits, free every page at or above
+    ``num_pages`` (evicting, moving, preempting: the module docstring), then shrink the
+    allocator. The caller copies the returned ``moves`` in the KV pool before the next
+    step."""
+    sched.max_context_tokens = max_context_tokens
+    ended = end_beyond_context(sched)
+    vacated = vacate_above(sched, num_pages)
+    sched.allocator.resize(num_pages)
+    return replace(vacated, ended=ended)
+
+
+def grow_pages(sched: Scheduler, num_pages: int, max_context_tokens: int) -> None:
+    """Grow ``sched``'s pages to ``num_pages`` (null page included): the new ones are
+    free, and the context limit rises to ``max_context_tokens``."""
+    sched.allocator.resize(num_pages)
+    sched.max_context_tokens = max_context_tokens

@@ -6,9 +6,9 @@ waiting -> prefill (in chunks) -> decode -> finished; preemption sends a running
 request back to waiting, to be recomputed from its prompt and output so far.
 
 The scheduler owns pages and the prefix cache; it never touches tensors. A live resize
-of the KV pool goes through it too (:meth:`Scheduler.shrink_pages`, with the work in
-:mod:`engine.scheduler.resize`): it frees the pages above the cut and says which pages
-moved, and the engine copies their contents. A step is
+of the KV pool goes through it too (:func:`engine.scheduler.resize.shrink_pages`): it
+frees the pages above the cut and says which pages moved, and the engine copies their
+contents. A step is
 planned (:meth:`Scheduler.schedule`), run by the model runner, then either committed
 (:meth:`Scheduler.commit`) or rolled back (:meth:`Scheduler.rollback`), so a failed
 forward leaves every request exactly as it was before the step.
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from engine.kvcache.allocator import OutOfPages, PageAllocator
@@ -40,12 +40,6 @@ from engine.wire.messages import (
 
 if TYPE_CHECKING:
     from engine.kvcache.state_pool import StatePool
-from engine.scheduler.resize import (
-    Vacated,
-    end_beyond_context,
-    live_pages_at_or_above,
-    vacate_above,
-)
 
 
 @dataclass(frozen=True)
@@ -150,9 +144,22 @@ class Scheduler:
         quarter of the budget (:meth:`_admit_short`), then the running prefills, then
         further waiting requests.
 
+        Two or more running requests mid-prefill, none able to grow (each waiting for
+        pages the others hold), would plan nothing for ever: the youngest goes back to
+        waiting, as a decode short of pages preempts, and the step is planned again.
+
         Returns None when nothing can run.
         """
         plan = StepPlan()
+        self._fill(plan)
+        while not plan.items and len(self.running) > 1 and all(r.phase is Phase.PREFILL for r in self.running):
+            plan.preempted.append(victim := self.running[-1])
+            self._preempt(victim)
+            self._fill(plan)
+        return plan if plan.items else None
+
+    def _fill(self, plan: StepPlan) -> None:
+        """Plan the step into ``plan`` (see :meth:`schedule`)."""
         budget = self.max_prefill_tokens
         for req in list(self.running):
             if req.phase is not Phase.DECODE or req not in self.running:
@@ -179,7 +186,6 @@ class Scheduler:
             self.running.append(req)
             plan.items.append(item)
             budget -= item.num_tokens
-        return plan if plan.items else None
 
     def _admit_short(self, plan: StepPlan, budget: int) -> int:
         """While a long prompt is prefilling, admit the short prompts waiting at the head
@@ -321,30 +327,6 @@ class Scheduler:
                 req.phase = Phase.WAITING
                 self.running.remove(req)
                 self.waiting.appendleft(req)
-
-    # -- live resize of the KV pool ------------------------------------------------------
-
-    def shrink_pages(self, num_pages: int, max_context_tokens: int) -> Vacated:
-        """Shrink to ``num_pages`` pages (null page included) under a context limit of
-        ``max_context_tokens``: end what no longer fits, free every page at or above
-        ``num_pages`` (evicting, moving, preempting: :mod:`engine.scheduler.resize`), then
-        shrink the allocator. The caller copies the returned ``moves`` in the KV pool
-        before the next step."""
-        self.max_context_tokens = max_context_tokens
-        ended = end_beyond_context(self)
-        vacated = vacate_above(self, num_pages)
-        self.allocator.resize(num_pages)
-        return replace(vacated, ended=ended)
-
-    def grow_pages(self, num_pages: int, max_context_tokens: int) -> None:
-        """Grow to ``num_pages`` pages (null page included): the new ones are free, and the
-        context limit rises to ``max_context_tokens``."""
-        self.allocator.resize(num_pages)
-        self.max_context_tokens = max_context_tokens
-
-    def live_pages_at_or_above(self, cut: int) -> list[int]:
-        """Pages at or above ``cut`` that a running request or the prefix cache holds, sorted."""
-        return live_pages_at_or_above(self, cut)
 
     # -- internals ----------------------------------------------------------------------
 

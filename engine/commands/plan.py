@@ -10,6 +10,7 @@ from __future__ import annotations
 import msgspec
 import torch
 
+from engine.commands.plan_fixed_pool import FixedPool, fixed_setting, with_fixed_pool
 from engine.common.config import EngineConfig
 from engine.core.settings_fit import check_for_model
 from engine.core.startup import (
@@ -67,16 +68,30 @@ def build_plan(config: EngineConfig) -> MemoryPlan:
     """The plan the engine would start from for ``config``, with the same decisions: the
     prefill chunk lowered, then the context lowered down to ``--min-context``
     (:func:`engine.memory.ledger.fit_plan`); a plan that does not fit even so is returned
-    with ``fits`` False.
+    with ``fits`` False. A KV pool fixed by ``--num-pages`` or ``--kv-cache`` is priced
+    as the engine runs it (:func:`plan_with_pool`).
 
     With ``--tensor-parallel-size N`` it is one rank's plan: the weights split N ways,
     the KV heads divided by N (``plan.tensor_parallel_size`` says N).
 
     Raises:
+        as :func:`plan_with_pool`.
+    """
+    return plan_with_pool(config)[0]
+
+
+def plan_with_pool(config: EngineConfig) -> tuple[MemoryPlan, FixedPool | None]:
+    """:func:`build_plan`'s plan, and for a KV pool fixed by ``--num-pages`` or
+    ``--kv-cache`` (the engine then fits no plan) the ledger of that pool instead, with
+    the :class:`~engine.commands.plan_fixed_pool.FixedPool` that says what it replaced
+    (None when the plan sizes the pool).
+
+    Raises:
         NoDevice: see :func:`planned_setup`.
         engine.common.load_errors.ModelLoadError: the model is missing or its config broken.
         engine.common.errors.SettingRefused: a setting the model cannot honour
-            (:func:`engine.core.settings_fit.check_for_model`).
+            (:func:`engine.core.settings_fit.check_for_model`), a ``--kv-cache`` below
+            one ``--min-context``.
     """
     use_kernel_switches(config)
     device, dtype = planned_setup(config)
@@ -90,13 +105,17 @@ def build_plan(config: EngineConfig) -> MemoryPlan:
     weights = weight_format(config, device, dtype, mc, resolve_model(config.model)).size
     memory = device_memory(config, device)
     assert memory is not None
-    plan, _ = fit_plan(estimated_planner(config, mc, device, dtype, memory, weights=weights), PlanKnobs.of(config))
-    return plan
+    planner = estimated_planner(config, mc, device, dtype, memory, weights=weights)
+    plan, _ = fit_plan(planner, PlanKnobs.of(config))
+    if fixed_setting(config) is None:
+        return plan, None
+    return with_fixed_pool(planner, config, mc, dtype, plan)
 
 
-def render(plan: MemoryPlan, as_json: bool, setup: str = "") -> str:
+def render(plan: MemoryPlan, as_json: bool, setup: str = "", fixed: FixedPool | None = None) -> str:
     """The plan as a ledger table (with the fix when it does not fit), or as JSON;
-    ``setup`` (e.g. "float32 on cpu") follows the device in the table's head."""
+    ``setup`` (e.g. "float32 on cpu") follows the device in the table's head; ``fixed``:
+    the KV pool a setting fixed (its fixes, when it does not fit)."""
     if as_json:
         return msgspec.json.encode(plan).decode()
     head = f"memory plan for {plan.device}" + (f", {setup}" if setup else "") + "\n"
@@ -109,6 +128,8 @@ def render(plan: MemoryPlan, as_json: bool, setup: str = "") -> str:
     if plan.kv_bytes_per_token:
         per = " per rank" if plan.tensor_parallel_size > 1 else ""
         body += f"\nKV cache: {plan.kv_bytes_per_token:,} bytes per token{per} ({plan.kv_cache_dtype})"
+    if fixed is not None:
+        return f"{head}{body}\nfits: yes" if plan.fits else f"{head}{body}\nfits: no\n\n{fixed.message(plan)}"
     if plan.context_lowered:
         return f"{head}{body}\nfits: yes, with a lowered context (--min-context {plan.min_context_tokens})"
     if plan.fits:
@@ -192,7 +213,8 @@ def cpu_holdings(config: EngineConfig) -> CpuHoldings:
     knobs = PlanKnobs.of(config)
     ring = kv_ring(mc, knobs)
     per_token = kv_bytes_per_token(mc, kv_dtype, ring)
-    pages = unplanned_pages(config, mc, per_token * config.page_size) - 1  # less the null page
+    # Less the null page; --num-pages first, as the engine reads them.
+    pages = (config.num_pages or unplanned_pages(config, mc, per_token * config.page_size)) - 1
     ring_bytes = (kv_ring_page_bytes(mc, kv_dtype, ring) * ring.pool_pages(
         knobs.max_running_requests, knobs.state_checkpoints, global_pages=pages) if ring else 0)
     context = min(mc.max_position_embeddings, config.max_model_len or mc.max_position_embeddings,

@@ -297,6 +297,8 @@ def generate(
     "device_display",
     *_PLAN_KNOBS,
     "page_size",
+    "num_pages",
+    "kv_cache",
     *KERNEL_SWITCHES,
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
@@ -309,8 +311,8 @@ def plan(config_path: Path | None, as_json: bool, **flags: Any) -> None:
     from engine.commands.plan import (
         CpuWithoutPlan,
         NoDevice,
-        build_plan,
         cpu_holdings,
+        plan_with_pool,
         planned_setup,
         render,
         render_cpu,
@@ -325,14 +327,14 @@ def plan(config_path: Path | None, as_json: bool, **flags: Any) -> None:
         except CpuWithoutPlan:
             click.echo(render_cpu(cpu_holdings(config), as_json))
             return
-        memory_plan = build_plan(config)
+        memory_plan, fixed = plan_with_pool(config)
     except (NoDevice, CudaUnavailable) as exc:
         fail(str(exc), EXIT_USAGE)
     except ModelLoadError as exc:
         fail(f"cannot read the model: {exc}", EXIT_USAGE)
     except ValueError as exc:
         fail(str(exc), EXIT_USAGE)
-    click.echo(render(memory_plan, as_json, f"{str(dtype).removeprefix('torch.')} on {device}"))
+    click.echo(render(memory_plan, as_json, f"{str(dtype).removeprefix('torch.')} on {device}", fixed))
     if not memory_plan.fits:
         sys.exit(EXIT_FAILED)
 

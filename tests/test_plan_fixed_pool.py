@@ -1,0 +1,74 @@
+"""``headroom plan --kv-cache SIZE`` and ``--num-pages N``: the ledger of the KV pool a
+setting fixes, as ``headroom serve`` runs it with that setting (no plan fitted: the pool
+is the setting's). Every test depends on ``default_model_dir`` (the embedded default
+model converted once a session)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+from click.testing import CliRunner
+
+from service.cli.commands import main
+
+CARD = ["--device-total", "6GiB", "--device-free", "5.5GiB"]
+
+
+def invoke(args: list[str]):
+    return CliRunner().invoke(main, args, env={"HEADROOM_CONFIG": os.devnull})
+
+
+def _plan(*args: str) -> dict:
+    result = invoke(["plan", *CARD, *args, "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_plan_shows_the_pool_kv_cache_fixes_as_the_engine_sizes_it(default_model_dir):
+    from engine.common.config import EngineConfig
+    from engine.common.units import GiB, MiB
+    from engine.core.engine import Engine
+
+    planned, fixed = _plan(), _plan("--kv-cache", "512MiB")
+    engine = Engine(EngineConfig(device="cpu", device_total=6 * GiB, device_free=int(5.5 * GiB), kv_cache=512 * MiB))
+    assert engine.plan is None  # a fixed pool: serve fits no plan
+    assert fixed["num_pages"] == engine.pool.num_pages - 1 < planned["num_pages"]  # the null page apart
+    page_bytes = fixed["kv_bytes_per_token"] * fixed["page_size"]
+    pool = {e["name"]: e for e in fixed["ledger"]}["KV cache pool"]
+    assert pool["bytes"] == fixed["kv_pool_bytes"] == fixed["num_pages"] * page_bytes <= 512 * MiB
+    assert f"fixed by --kv-cache 512 MiB (the plan would give {planned['num_pages']})" in pool["source"]
+    assert fixed["fits"] and fixed["fixed_bytes"] == planned["fixed_bytes"]
+    assert fixed["budget_bytes"] == planned["budget_bytes"]
+    table = invoke(["plan", *CARD, "--kv-cache", "512MiB"])
+    assert table.exit_code == 0, table.output
+    assert f"{fixed['num_pages']} pages of 720 KiB, fixed by --kv-cache 512 MiB" in table.stdout
+    assert table.stdout.rstrip().endswith("fits: yes")
+
+
+def test_plan_shows_the_pool_num_pages_fixes_and_the_context_it_gives(default_model_dir):
+    fixed = _plan("--num-pages", "100")
+    assert fixed["num_pages"] == 99 and fixed["max_context_tokens"] == 99 * 16
+    assert fixed["context_note"] == "context 8,192 -> 1,584 tokens: the KV pool fixed by --num-pages 100"
+    assert fixed["fits"]
+    # On the CPU (no plan there either), the pool the engine holds is the same.
+    cpu = invoke(["plan", "--device", "cpu", "--num-pages", "100", "--json"])
+    assert cpu.exit_code == 0, cpu.output
+    assert json.loads(cpu.stdout)["kv_pages"] == 99
+
+
+def test_a_fixed_pool_larger_than_the_budget_leaves_fails_with_the_size_that_fits(default_model_dir):
+    result = invoke(["plan", *CARD, "--kv-cache", "5GiB"])
+    assert result.exit_code == 1, result.output
+    out = result.stdout
+    assert "fits: no" in out
+    assert "--kv-cache 5.00 GiB is a KV pool of 5.00 GiB" in out
+    assert "--kv-cache unset: the plan sizes the pool" in out
+    most = re.search(r"--kv-cache 5\.00 GiB → (\d+) MiB", out)
+    assert most, out
+    # The size it names fits, and more than a page (720 KiB) beyond it does not.
+    assert invoke(["plan", *CARD, "--kv-cache", f"{most[1]}MiB"]).exit_code == 0
+    assert invoke(["plan", *CARD, "--kv-cache", f"{int(most[1]) + 2}MiB"]).exit_code == 1
+    pages = invoke(["plan", *CARD, "--num-pages", "100000"])
+    assert pages.exit_code == 1 and "--num-pages 100000 → " in pages.stdout

@@ -231,3 +231,60 @@ def test_the_control_api_sizes_the_expert_cache_in_whole_slots_and_sets_the_ceil
     sup.link.pool = msgspec.structs.replace(pool, max_expert_slots=0, expert_slot_bytes=0)
     with pytest.raises(NotImplementedError, match="--cpu-experts"):
         asyncio.run(control.set_expert_cache(MiB))
+
+
+# -- grows judged within one sample --------------------------------------------------------------
+
+
+def _one_sample_card(free: int):
+    """A worker's pool of 1,001 pages of 1 MiB whose plan gave 4,001, on a simulated
+    4 GiB card with no reserve (no display) that has ``free`` bytes free; the clock
+    stands still, so every sample is read at the same instant."""
+    pool = msgspec.structs.replace(
+        pool_stats(1001, min_pages=129, activation_bytes_per_token=0, max_context_tokens=2048), planned_pages=4001
+    )
+    sup = FakeSupervisor(pool)
+    sup.check_ready = lambda: None  # type: ignore[attr-defined]
+    others = 4 * GiB - simulated_ours_bytes(pool) - free
+    source = SimulatedSource(4 * GiB, [(0.0, others)], ours_bytes=lambda: simulated_ours_bytes(sup.link.pool),
+                             clock=lambda: 0.0)
+    watcher = VramWatcher(sup, None, source, kind="simulated", hold_s=0.0)  # type: ignore[arg-type]
+    return sup, source, watcher
+
+
+def test_two_grows_decided_on_one_sample_take_its_free_memory_once():
+    """Two decisions on the same sample (no hold): the second sees the pages the first
+    took, so together they leave the grow floor free, as the next sample shows."""
+    sup, source, watcher = _one_sample_card(GiB)
+    sample = source.sample()
+    asyncio.run(watcher.step(sample))
+    first = sup.link.pool.pages
+    assert first > 1001  # it grew toward the plan
+    asyncio.run(watcher.step(sample))
+    floor = watcher.controller.grow_floor_bytes
+    assert (sup.link.pool.pages - 1001) * MiB <= GiB - floor, sup.link.commands
+    after = source.sample()
+    assert after.free_bytes >= floor
+    assert watcher.expected(sample).free_bytes == after.free_bytes  # what was expected is what the card shows
+    asyncio.run(watcher.step(after))  # the next sample shows the grow: nothing is counted twice
+    assert watcher.expected(after).free_bytes == after.free_bytes
+
+
+def test_control_grows_within_one_sample_are_judged_on_what_is_left():
+    """Two KV grows asked for through the control API before the next sample: the second
+    is judged on the room the first left (409 ``no_room``), and so is the watcher's."""
+    from service.common.errors import APIError
+    from service.control.actions import SupervisorControl
+
+    sup, source, watcher = _one_sample_card(GiB)
+    watcher.latest = source.sample()
+    control = SupervisorControl(sup, watcher)  # type: ignore[arg-type]
+    asyncio.run(control.set_kv_cache(1500 * MiB))  # 500 pages more of the ~900 MiB room
+    assert sup.link.pool.pages == 1501
+    with pytest.raises(APIError) as refused:
+        asyncio.run(control.set_kv_cache(2000 * MiB))  # 500 more: only ~400 MiB are left
+    assert refused.value.status == 409 and refused.value.code == "no_room"
+    assert sup.link.pool.pages == 1501
+    watcher.kv_ceiling_pages = None  # the watcher may grow to the plan: within what is left
+    asyncio.run(watcher.step(watcher.latest))
+    assert source.sample().free_bytes >= watcher.controller.grow_floor_bytes

@@ -21,7 +21,10 @@ from service.common.engine_states import State
 from service.common.errors import APIError, invalid
 from service.supervision.supervisor import Supervisor
 from service.vram.host import host_memory
+from service.vram.replan import NewExpertCache, NewPoolSize
 from service.vram.room import card_room, check_pool_grow, check_split_move, fitting_pages
+from service.vram.split_rung import NewSplit
+from service.vram.unseen import grown_bytes
 from service.vram.watcher import VramWatcher
 
 log = logging.getLogger("headroom.control")
@@ -154,6 +157,8 @@ class SupervisorControl:
                     check_pool_grow(room, now, pages)
                 self.watcher.kv_ceiling_pages = None if kv_cache_bytes is None else pages
                 done = await self._resize(pages, what)
+                if done is not None and done.ok:
+                    self.watcher.grew(grown_bytes(NewPoolSize(pages, now.pages, what), now))
         return self._answer(done)
 
     async def set_expert_cache(self, expert_cache_bytes: int | None) -> str:
@@ -186,8 +191,11 @@ class SupervisorControl:
             done = await self._command(ipc.ResizeExpertCache, fields)
         else:
             async with self.watcher.lock:
+                now = sup.link.pool or pool
                 self.watcher.expert_ceiling_slots = None if expert_cache_bytes is None else slots
                 done = await self._command(ipc.ResizeExpertCache, fields)
+                if done is not None and done.ok:
+                    self.watcher.grew(grown_bytes(NewExpertCache(slots, now.expert_slots, what), now))
         return self._answer(done)
 
     async def set_cpu_layers(self, cpu_layers: int | None) -> str:
@@ -237,9 +245,12 @@ class SupervisorControl:
             done = await self._command(ipc.MoveLayers, fields)
         else:
             async with self.watcher.lock:
-                check_split_move(card_room(self.watcher), sup.link.pool or pool, layers)
+                now = sup.link.pool or pool
+                check_split_move(card_room(self.watcher), now, layers)
                 self.watcher.cpu_floor_layers = cpu_layers
                 done = await self._command(ipc.MoveLayers, fields)
+                if done is not None and done.ok:
+                    self.watcher.grew(grown_bytes(NewSplit(layers, now.cpu_layers, fields["reason"]), now))
         return self._answer(done)
 
     def _started_split(self) -> int | None:

@@ -3,7 +3,9 @@ KV pool, or a move of decoder layers back to the device, against before the work
 gets it (:class:`service.control.actions.SupervisorControl`).
 
 The room is the headroom of the VRAM watcher's last sample (``free - reserve``,
-:meth:`service.vram.sources.VramSample.headroom`) less the floor the watcher's own
+:meth:`service.vram.sources.VramSample.headroom`), less the grows carried out that the
+sample cannot show yet (:meth:`service.vram.watcher.VramWatcher.expected`: a second grow
+before the next sample does not take the first one's memory again), less the floor the watcher's own
 grows keep (:attr:`service.vram.replan.ReplanController.grow_floor_bytes`, a quarter of
 the replan band above low water): a person's grow may go as far as the watcher would
 grow by itself, and no further, so the watcher does not give it back at its next
@@ -65,7 +67,8 @@ def card_room(watcher: VramWatcher | None) -> Room | None:
     info = watcher.supervisor.info
     if watcher.kind != "simulated" and (info is None or not info.device.startswith("cuda")):
         return None
-    sample = watcher.latest
+    sample = watcher.expected()
+    assert sample is not None
     reserve = watcher.reserve_bytes(sample)
     if watcher.controller is not None:
         floor = watcher.controller.grow_floor_bytes

@@ -6,7 +6,10 @@ and hands it with the worker's pool (``engine.wire.ipc.PoolStats`` from its last
 command) to :class:`service.vram.replan.ReplanController`. Each action the controller picks
 goes to the worker as a typed command (``engine.wire.ipc.SetPrefillChunk``,
 ``ResizeExpertCache``, ``EvictPrefixCache``, ``ResizePool``, ``MoveLayers``, each with ``origin="watcher"``) and is awaited before the next sample, so every
-decision sees the pool its predecessor left. The worker answers with the engine's
+decision sees the pool its predecessor left. Every grow carried out (the watcher's, and
+the control API's through :meth:`VramWatcher.grew`) is taken from the free memory of the
+samples that cannot show it yet (:mod:`service.vram.unseen`): a second grow judged
+before the next sample sees the memory the first took. The worker answers with the engine's
 ``Replanned`` events, which :mod:`service.supervision.engine_events_to_ui` turns into
 ``replan`` events.
 
@@ -68,6 +71,7 @@ from service.vram.sources import (
 )
 from service.vram.sources import resolve_reserve as _resolve_reserve
 from service.vram.split_rung import NewSplit
+from service.vram.unseen import UnseenGrows, grown_bytes
 
 log = logging.getLogger("headroom.vram")
 
@@ -128,6 +132,8 @@ class VramWatcher:
         # One change of the worker's memory at a time: a decision and its commands, or a
         # resize asked for through the control API.
         self.lock = asyncio.Lock()
+        # The grows carried out that the latest sample may not show yet.
+        self.unseen = UnseenGrows()
 
     # -- the reserve ------------------------------------------------------------------
 
@@ -162,6 +168,19 @@ class VramWatcher:
         how = "auto: " if self.reserve is None else ""
         return f"the desktop reserve is now {how}{fmt_bytes(now)}"
 
+    # -- grows not yet sampled ------------------------------------------------------------
+
+    def grew(self, nbytes: int) -> None:
+        """The worker's device memory grew by ``nbytes`` (a command carried out): the
+        samples read before it are judged without that memory."""
+        self.unseen.add(nbytes)
+
+    def expected(self, sample: VramSample | None = None) -> VramSample | None:
+        """``sample`` (default: the latest) less the grows it cannot show yet: what the
+        next decision, or a person's grow (:mod:`service.vram.room`), is judged on."""
+        sample = sample or self.latest
+        return None if sample is None else self.unseen.expected(sample)
+
     # -- the loop ---------------------------------------------------------------------
 
     async def run(self) -> None:
@@ -170,9 +189,11 @@ class VramWatcher:
         sample that says so)."""
         from service.vram.sources import watch
 
+        reader = _EpochReader(self)
         while True:
-            async for sample in watch(self.source, self.hz):
+            async for sample in watch(reader, self.hz):
                 self.latest = sample
+                self.unseen.note(sample, reader.epoch)
                 reserve = self.reserve_bytes(sample)
                 if not sample.gpu:  # CPU mode (watch logs why): nothing to replan
                     self._publish_cpu_mode(sample)
@@ -275,7 +296,7 @@ class VramWatcher:
             pool = sup.link.pool
             if pool is None:
                 return []
-            actions = self._controller(sample).decide(sample, self.pool_state(pool))
+            actions = self._controller(sample).decide(self.unseen.expected(sample), self.pool_state(pool))
             for action in actions:
                 if isinstance(action, Squeeze):
                     log.warning("%s", action.message)
@@ -299,6 +320,7 @@ class VramWatcher:
             log.error("unknown replan action %r", action)
             return False
         self.commands += 1
+        before = self.supervisor.link.pool
         done = await self.supervisor.link.run_command(
             kind, timeout_s=self.command_timeout_s, reason=action.reason, origin=BY_WATCHER, **fields
         )
@@ -308,7 +330,26 @@ class VramWatcher:
         if not done.ok:
             log.warning("the worker could not carry out %s: %s", kind.__name__, done.message)
             return False
+        if before is not None:
+            self.grew(grown_bytes(action, before))
         return True
+
+
+class _EpochReader:
+    """The watcher's source as :func:`service.vram.sources.watch` reads it, noting the
+    grow epoch at which each read begins (``epoch``: the last read's)."""
+
+    def __init__(self, watcher: VramWatcher) -> None:
+        self.watcher = watcher
+        self.epoch = 0
+
+    @property
+    def available(self) -> bool:
+        return getattr(self.watcher.source, "available", True)
+
+    def sample(self) -> VramSample:
+        self.epoch = self.watcher.unseen.epoch
+        return self.watcher.source.sample()
 
 
 def _cuda_index(device: str) -> int:

@@ -72,3 +72,28 @@ def test_a_fixed_pool_larger_than_the_budget_leaves_fails_with_the_size_that_fit
     assert invoke(["plan", *CARD, "--kv-cache", f"{int(most[1]) + 2}MiB"]).exit_code == 1
     pages = invoke(["plan", *CARD, "--num-pages", "100000"])
     assert pages.exit_code == 1 and "--num-pages 100000 → " in pages.stdout
+
+
+def test_a_fixed_pool_of_a_sliding_window_model_prices_the_rings_the_engine_holds(tmp_path, make_tiny_hf_model):
+    """A tiny Gemma 3 (sliding-window layers keep their window in a ring pool) with
+    ``--num-pages`` on a simulated card: the ring pool follows the fixed pool's pages,
+    with no plan's cap, and the ledger prices the pages the engine holds."""
+    from engine.commands.plan import plan_with_pool
+    from engine.common.config import EngineConfig
+    from engine.core.engine import Engine
+
+    make_tiny_hf_model("gemma3", tmp_path, vocab_size=128, max_position_embeddings=1024)
+    knobs = dict(model=str(tmp_path), device="cpu", page_size=4, max_prefill_tokens=16, max_running_requests=16,
+                 device_total=4 << 30)
+    for pages in (20, 400):  # below the rings' bound (68 pages and 16 of checkpoints), and above it
+        config = EngineConfig(num_pages=pages, **knobs)
+        plan, fixed = plan_with_pool(config)
+        assert fixed is not None and fixed.setting == f"--num-pages {pages}"
+        engine = Engine(config)
+        assert engine.plan is None
+        assert plan.num_pages == engine.allocator.num_usable == pages - 1
+        assert plan.kv_ring_pages == engine.ring.allocator.num_usable > 0
+        rings = next(e for e in plan.ledger if e.name == "sliding-window KV rings")
+        assert rings.bytes % (plan.kv_ring_pages + 1) == 0  # the null page among them
+        assert f"following the {pages - 1} pages of the fixed KV pool" in rings.source
+    assert plan.fits

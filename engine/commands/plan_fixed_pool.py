@@ -111,7 +111,7 @@ def with_fixed_pool(
     ledger = list(plan.ledger)
     fixed = plan.fixed_bytes
     rings = 0
-    if ring is not None and plan.kv_ring_pages:
+    if ring is not None:
         ring_page = kv_ring_page_bytes(mc, kv_dtype, ring)
         rings = ring.pool_pages(knobs.max_running_requests, knobs.state_checkpoints, global_pages=pages) - 1
         fixed += (rings - plan.kv_ring_pages) * ring_page

@@ -63,8 +63,10 @@ def test_a_cut_download_resumes_where_it_stopped(tmp_path):
     assert stored.read_bytes() == big
 
 
-def test_pull_lists_the_store_and_serves_by_name(tiny_files, tmp_path):
+def test_pull_lists_the_store_and_serves_by_name(tiny_files, tmp_path, built_cpu_kernels):
     cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "kernels").symlink_to(built_cpu_kernels, target_is_directory=True)  # built once per session
     with HubServer(tiny_files) as hub:
         got = headroom(["pull", f"{GGUF_REPO}:{GGUF_FILE}"], cache, HF_ENDPOINT=hub.url)
         assert got.returncode == 0, got.stderr

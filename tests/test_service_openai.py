@@ -146,8 +146,10 @@ def test_32_concurrent_streams_match_greedy_alone(start_server):
     # the attention's padded batch rounds a sequence's hidden state differently from the
     # sequence alone and flips near-tied tokens now and then; float32 keeps the check
     # exact, and it is the batching (no answer mixed with another) that is under test.
-    real_server = start_server(["--num-pages", "256", "--no-gguf-quantized"])
-    max_tokens = 16  # enough for a mixed-up answer to show; each is decoded twice
+    # Pages of 8 tokens: each answer's 8 tokens cross a page boundary while the 32 decode
+    # together (a page taken in a batch), where a mix-up of pages would show.
+    real_server = start_server(["--num-pages", "512", "--page-size", "8", "--no-gguf-quantized"])
+    max_tokens = 8  # enough for a mixed-up answer to show; each is decoded twice
 
     def body(prompt: str, stream: bool) -> dict:
         return {
@@ -181,6 +183,7 @@ def test_32_concurrent_streams_match_greedy_alone(start_server):
         ) as client:
             return await asyncio.gather(*(one(client, p) for p in PROMPTS))
 
+    assert len(set(alone)) >= 24, alone  # answers that differ, so a mix-up would show
     together = asyncio.run(all_at_once())
     assert len(together) == 32
     for prompt, a, b in zip(PROMPTS, alone, together, strict=True):

@@ -209,6 +209,7 @@ export interface MemoryPlan {
   fixed_bytes: number;
   kv_pool_bytes: number;
   num_pages: number;
+  kv_ring_pages: number;
   page_size: number;
   max_context_tokens: number;
   min_context_tokens: number;

@@ -43,7 +43,7 @@ describe("dashboard", () => {
   it("the plan's summary carries the note when fit-the-card lowered the context", () => {
     const plan: MemoryPlan = {
       device: "NVIDIA RTX 4060", simulated: false, ledger: [], budget_bytes: 7 * GiB, fixed_bytes: 5 * GiB,
-      kv_pool_bytes: GiB, num_pages: 216, page_size: 16, max_context_tokens: 3456, min_context_tokens: 2048,
+      kv_pool_bytes: GiB, num_pages: 216, kv_ring_pages: 0, page_size: 16, max_context_tokens: 3456, min_context_tokens: 2048,
       fits: true, shortfall_bytes: 0, suggestions: [], max_prefill_tokens: 2048, max_running_requests: 8,
       wanted_context_tokens: 8192, context_note: "context 8,192 -> 3,456 tokens: 1.10 GiB held by other processes",
       kv_cache_dtype: "bfloat16", kv_bytes_per_token: 114688, cpu_expert_layers: 0, expert_cache_slots: 0,

@@ -141,19 +141,6 @@ def default_model_dir(tmp_path_factory) -> str:
             os.environ[CACHE_ENV] = previous
 
 
-@pytest.fixture(scope="session")
-def built_cpu_kernels(default_model_dir) -> Path:
-    """The folder of this session's CPU kernel library (built here if no test built it
-    yet): a test that runs ``headroom`` in a cache folder of its own links its
-    ``kernels`` folder here rather than compile the kernels again."""
-    from engine.common.cache_dir import cache_root
-    from kernels.cpu.build import load_any
-
-    folder = cache_root() / "kernels"
-    load_any(str(folder))
-    return folder
-
-
 class PagedRunner:
     """Drives a ``CausalLM`` over a real ``KVPool`` + an attention backend (torch's unless
     ``attention`` names another), the way

@@ -22,6 +22,19 @@ FOLDER_REPO = "acme/tiny"
 
 
 @pytest.fixture(scope="module")
+def built_cpu_kernels(default_model_dir) -> Path:
+    """The folder of this session's CPU kernel library (built here if no test built it
+    yet), in the session's cache: a test that runs ``headroom`` in a cache folder of its
+    own links its ``kernels`` folder here rather than compile the kernels again."""
+    from engine.common.cache_dir import cache_root
+    from kernels.cpu.build import load_any
+
+    folder = cache_root() / "kernels"
+    load_any(str(folder))
+    return folder
+
+
+@pytest.fixture(scope="module")
 def tiny_files(tmp_path_factory, make_tiny_hf_model) -> dict[str, dict[str, bytes]]:
     """Two repositories: a tiny Qwen2 GGUF (Q8_0) with a README, and the same model as a
     Hugging Face folder (converted from it) with a pytorch ``.bin`` a pull must skip."""

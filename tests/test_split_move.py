@@ -223,3 +223,43 @@ def test_a_layer_repacked_for_the_gpu_goes_to_the_host_in_the_files_layout(tmp_p
         kept = module.part_views()
         assert [p for p, _ in kept] == [p for p, _ in stored[name]], name
         assert all(torch.equal(w, s) for (_, w), (_, s) in zip(kept, stored[name], strict=True)), name
+
+
+def test_a_split_that_may_move_prices_the_k_quant_file_form_it_keeps(tmp_path, monkeypatch, make_tiny_hf_model):
+    """A GGUF of Q4_K projections split on a GPU: the CPU path repacks a host layer's Q4_K
+    blocks (to int4), and a split that may move (``auto``) keeps the file's blocks beside
+    them to move the layer back up, so its host price per layer is the fixed split's
+    plus those blocks' bytes; a fixed count keeps none. (The weights' format is read from
+    the file's tensor table: no GPU is needed to price it.)"""
+    import gguf
+    import numpy as np
+    import torch
+    from test_gguf_convert import VOCAB, _gguf_name, write_gguf
+
+    from engine.core.startup import weight_format
+    from engine.loader.hf_config import load_model_config
+    from engine.loader.resolve import resolve_model
+    from kernels.quant.formats import tensor_bytes
+    from kernels.quant.synthetic import random_blocks
+
+    hf = make_tiny_hf_model("llama", None, vocab_size=VOCAB, hidden_size=256, intermediate_size=512,
+                            num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=LAYERS)
+    rng, override, file_bytes = np.random.default_rng(3), {}, [0] * LAYERS
+    for name, param in hf.named_parameters():
+        if name.endswith("proj.weight"):
+            rows, cols = param.shape
+            override[_gguf_name(name)] = (random_blocks("Q4_K", rows, cols, rng), gguf.GGMLQuantizationType.Q4_K)
+            file_bytes[int(name.split(".")[2])] += tensor_bytes("Q4_K", (rows, cols), 4)
+    path = tmp_path / "q4_k.gguf"
+    write_gguf(path, "llama", hf, override=override)
+    monkeypatch.setenv("HEADROOM_CACHE_DIR", str(tmp_path / "cache"))
+    folder = resolve_model(str(path))  # the GGUF's metadata as a config (no weight converted)
+    mc = load_model_config(folder)
+
+    def host_prices(cpu_layers: str) -> tuple[int, ...]:
+        config = EngineConfig(model=str(path), device="cuda", gguf_quantized=True, cpu_layers=cpu_layers)
+        return weight_format(config, torch.device("cuda"), torch.bfloat16, mc, folder).size.host_layer_bytes
+
+    fixed, movable = host_prices("2"), host_prices("auto")
+    assert all(f > 0 for f in file_bytes) and len(fixed) == LAYERS
+    assert [m - f for m, f in zip(movable, fixed, strict=True)] == file_bytes

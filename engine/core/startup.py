@@ -214,8 +214,12 @@ def weight_format(
         size = gguf_weight_size(gguf, mc, dtype, device.type)
         # --cpu-layers keeps layers in the CPU path's layout: priced per layer as such, in
         # the C kernels' blocks (asking whether they build would compile them on every
-        # GPU start, split or not; where they do not, the measured plan corrects it).
-        host = size if device.type == "cpu" else gguf_weight_size(gguf, mc, torch.float32, "cpu", cpu_blocks=True)
+        # GPU start, split or not; where they do not, the measured plan corrects it); a
+        # split that may move (auto) keeps the blocks the CPU path repacks in their file
+        # form too, to move them back up from the CPU to a GPU (engine.layers.split_move).
+        moves = config.cpu_layers == "auto" and device.type != "cpu"
+        host = size if device.type == "cpu" and not moves else gguf_weight_size(
+            gguf, mc, torch.float32, "cpu", cpu_blocks=True, file_forms=moves)
         return WeightFormat(gguf, None, dataclasses.replace(size, host_layer_bytes=host.decoder_layer_bytes))
     quantization = resolve_quantization(config.quantization, model_dir)
     return WeightFormat(None, quantization, fp8_weight_size(mc, dtype) if quantization == "fp8" else None)

@@ -17,8 +17,9 @@ page ids and slots, so a move carries only buffers, never a request's state:
   loader does); nothing is read from the model file again. The kept file form shares its
   blocks with the packed module where the C kernels read them as stored (Q4_0, Q4_1,
   Q8_0); blocks the CPU path repacks (the K-quants, into torch's int4 layout) cost their
-  file bytes a second time in host memory, which the plan's host price of a split does
-  not count yet. Keys and values computed in
+  file bytes a second time in host memory, which the plan's host price of a split that
+  may move counts (:func:`engine.loader.gguf_quant.gguf_weight_size`'s ``file_forms``).
+  Keys and values computed in
   float32 on the host are rounded to the device pool's dtype, as the device's own layers
   store them. A layer that does not fit (``torch.OutOfMemoryError``) goes back to the
   host with the ones after it: the split stays consistent where it stopped.

@@ -150,7 +150,8 @@ def _hf_shape(tensor: Any) -> tuple[int, ...]:
 
 
 def gguf_weight_size(gguf_path: str | Path, config: ModelConfig, dtype: torch.dtype,
-                     device_type: str = "cuda", cpu_blocks: bool | None = None) -> WeightSize:
+                     device_type: str = "cuda", cpu_blocks: bool | None = None,
+                     file_forms: bool = False) -> WeightSize:
     """What :func:`load_gguf_quantized` allocates for ``gguf_path`` on a ``device_type``
     device, from the file's tensor table (no tensor data is read). On the CPU the
     Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 projections take torch's int4 layout (one or two planes), the
@@ -161,7 +162,11 @@ def gguf_weight_size(gguf_path: str | Path, config: ModelConfig, dtype: torch.dt
     ``--cpu-experts`` at their stored size. Where the C CPU kernels run (``cpu_blocks``;
     None asks :func:`~engine.layers.linear.cpu_kernels.cpu_kernels`, as the engine's load does)
     Q4_0/Q4_1/Q8_0 projections stay in their blocks instead and a tied head shares the
-    embeddings' blocks (:mod:`engine.layers.linear.cpu_blocks`).
+    embeddings' blocks (:mod:`engine.layers.linear.cpu_blocks`). ``file_forms``: each
+    decoder layer also holds, beside what the CPU path repacks (to int4 or dense), the
+    projection's blocks as the file stores them, which a split that may move back up
+    keeps (:func:`engine.layers.host_layers.file_form`); those bytes count in
+    ``decoder_layer_bytes`` too (not in the total).
 
     Raises:
         CorruptWeights: the file is not a readable GGUF.
@@ -189,7 +194,7 @@ def gguf_weight_size(gguf_path: str | Path, config: ModelConfig, dtype: torch.dt
     for t in reader.tensors:
         if t.name == ROPE_FREQS:
             continue
-        kept = _kept_quantized(t, projection_weights, expert_blocks)
+        kept = stored = _kept_quantized(t, projection_weights, expert_blocks)
         shape = _hf_shape(t)
         if (device_type == "cpu" and kept is not None and t.name not in expert_blocks
                 and not (cpu_blocks and kept in CPU_BLOCK_TYPES)):
@@ -212,6 +217,8 @@ def gguf_weight_size(gguf_path: str | Path, config: ModelConfig, dtype: torch.dt
         block = t.name.split(".")
         if block[0] == "blk" and block[1].isdecimal() and int(block[1]) < config.num_layers:
             decoder_layer_bytes[int(block[1])] += nbytes
+            if file_forms and stored is not None and kept != stored and t.name not in expert_blocks:
+                decoder_layer_bytes[int(block[1])] += tensor_bytes(stored, shape, itemsize)  # the kept file form
         if kept:
             quant_count[kept] += 1
             quant_bytes[kept] += nbytes

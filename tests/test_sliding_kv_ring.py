@@ -230,7 +230,7 @@ def test_plan_prices_global_layers_per_token_and_sliding_layers_at_their_rings(p
     base = large.fixed_bytes - cap * s  # all but the rings, their null page in it
     small = make_plan(card(base + 30 * (g + s)), knobs, fp)
     assert small.num_pages == 30 and kv(small) == 30 * g + (30 + 1) * s
-    assert "the KV pool's 30 pages, below 32 for the rings of 4 requests" in next(
+    assert "as many as the KV pool's 30 pages, fewer than the 40 of the rings of 4 requests (32 pages)" in next(
         e.source for e in small.ledger if e.name == "sliding-window KV rings")
     for plan, total in ((small, base + 30 * (g + s)), (large, 1 << 30)):
         off = make_plan(card(total), off_knobs, off_fp)
@@ -252,7 +252,8 @@ def test_cpu_plan_shows_the_rings(pair):
     per_layer = 2 * config.num_kv_heads * config.head_dim * 4
     h = cpu_holdings(EngineConfig(model=str(path), device="cpu", page_size=4, max_prefill_tokens=64,
                                   max_running_requests=4, sliding_kv_ring="on"))
-    assert h.kv_ring_pages == 3 and h.kv_ring_bytes == (1 + 4 * 3 + 16 + 4 + 4 * 2) * 4 * 4 * per_layer
+    assert h.kv_ring_window_pages == 3 and h.kv_ring_pages == 4 * 3 + 16 + 4 + 4 * 2  # 4 rings, a chunk, checkpoints
+    assert h.kv_ring_bytes == (1 + h.kv_ring_pages) * 4 * 4 * per_layer
     assert h.kv_bytes_per_token == 2 * per_layer
     assert "sliding-window KV rings" in render_cpu(h, as_json=False)
 

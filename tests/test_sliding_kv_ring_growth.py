@@ -143,6 +143,13 @@ def test_what_excludes_the_ring(pair):
     assert kv_ring(config, PlanKnobs()) is not None and kv_ring(config, PlanKnobs(sliding_kv_ring="on")) is not None
     assert kv_ring(config, PlanKnobs(sliding_kv_ring="off")) is None
     assert kv_ring_excluded(config, PlanKnobs(tensor_parallel_size=2)) == "tensor parallelism"
+    import torch
+
+    from engine.core.footprint import make_footprint
+
+    tp_note = make_footprint(config, torch.float32, PlanKnobs(sliding_kv_ring="on", tensor_parallel_size=2)).kv_window_note
+    assert tp_note.endswith("; no ring with tensor parallelism)")  # the plan says why `on` was not taken
+    assert "no ring" not in make_footprint(config, torch.float32, PlanKnobs(sliding_kv_ring="off")).kv_window_note
     flashinfer = PlanKnobs(sliding_kv_ring="on", attention_backend="flashinfer")
     assert kv_ring(config, flashinfer) is None and "FlashInfer" in kv_ring_excluded(config, flashinfer)
 
@@ -209,7 +216,7 @@ def test_a_planned_ring_pool_below_its_bound_keeps_the_context_and_requests_wait
     config = EngineConfig(device_total=high, **knobs)
     plan = build_plan(config)
     assert floor <= 30 <= plan.kv_ring_pages < bound and plan.max_context_tokens == 1024
-    assert "so that the KV pool holds the context first" in next(
+    assert "so that the KV pool holds the context first; about" in next(
         e.source for e in plan.ledger if e.name == "sliding-window KV rings")
     engine = Engine(config)
     assert engine.ring.allocator.num_usable == plan.kv_ring_pages and engine.allocator.num_usable >= 256

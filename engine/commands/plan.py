@@ -158,9 +158,11 @@ class CpuHoldings(msgspec.Struct, frozen=True):
     # Settings given that only shape a GPU's plan, in words (empty when none was).
     gpu_only: tuple[str, ...] = ()
     # Sliding-window layers that keep only their window (--sliding-kv-ring): the ring
-    # pool's bytes (a ring per running request and the null page) and one ring's pages.
+    # pool's bytes (a ring per running request, checkpoints and the null page), its
+    # pages (the null page apart, as kv_pages), and one ring's pages between steps.
     kv_ring_bytes: int = 0
     kv_ring_pages: int = 0
+    kv_ring_window_pages: int = 0
 
 
 def gpu_only_settings(config: EngineConfig) -> tuple[str, ...]:
@@ -215,8 +217,8 @@ def cpu_holdings(config: EngineConfig) -> CpuHoldings:
     per_token = kv_bytes_per_token(mc, kv_dtype, ring)
     # Less the null page; --num-pages first, as the engine reads them.
     pages = (config.num_pages or unplanned_pages(config, mc, per_token * config.page_size)) - 1
-    ring_bytes = (kv_ring_page_bytes(mc, kv_dtype, ring) * ring.pool_pages(
-        knobs.max_running_requests, knobs.state_checkpoints, global_pages=pages) if ring else 0)
+    ring_pages = ring.pool_pages(knobs.max_running_requests, knobs.state_checkpoints, global_pages=pages) if ring else 0
+    ring_bytes = kv_ring_page_bytes(mc, kv_dtype, ring) * ring_pages if ring else 0
     context = min(mc.max_position_embeddings, config.max_model_len or mc.max_position_embeddings,
                   pages * config.page_size)
     total, available = host_memory()
@@ -225,7 +227,8 @@ def cpu_holdings(config: EngineConfig) -> CpuHoldings:
         weight_source=source, kv_pool_bytes=pages * per_token * config.page_size, kv_pages=pages,
         page_size=config.page_size, kv_bytes_per_token=per_token, kv_cache_dtype=kv_dtype_name(kv_dtype),
         max_context_tokens=context, host_total_bytes=total, host_available_bytes=available,
-        gpu_only=gpu_only_settings(config), kv_ring_bytes=ring_bytes, kv_ring_pages=ring.decode_pages if ring else 0)
+        gpu_only=gpu_only_settings(config), kv_ring_bytes=ring_bytes, kv_ring_pages=ring_pages - 1 if ring else 0,
+        kv_ring_window_pages=ring.decode_pages if ring else 0)
 
 
 def render_cpu(h: CpuHoldings, as_json: bool) -> str:
@@ -243,8 +246,9 @@ def render_cpu(h: CpuHoldings, as_json: bool) -> str:
         row("weights", h.weight_bytes, h.weight_source),
         row("KV cache pool", h.kv_pool_bytes, f"{h.kv_pages} pages x {h.page_size} tokens, {h.kv_cache_dtype}, "
             f"resident only where written (headroom serve --kv-cache sets its size)"),
-        *([row("sliding-window KV rings", h.kv_ring_bytes, f"a ring of {h.kv_ring_pages} pages per running request "
-               "between steps, a prefill chunk's more in its step (no more than the KV pool's pages in all), prefix-cache checkpoints and the null page, for the layers "
+        *([row("sliding-window KV rings", h.kv_ring_bytes, f"{h.kv_ring_pages} pages: a ring of up to "
+               f"{h.kv_ring_window_pages} pages per running request between steps, a prefill chunk's more in its "
+               "step (no more than the KV pool's pages in all), prefix-cache checkpoints and the null page, for the layers "
                "that keep only their window")] if h.kv_ring_bytes else []),
         row("at most", h.weight_bytes + h.kv_pool_bytes + h.kv_ring_bytes, f"of {fmt_bytes(h.host_total_bytes)}{available}"),
         f"KV cache: {h.kv_bytes_per_token:,} bytes per token; max context {h.max_context_tokens:,} tokens",

@@ -91,11 +91,12 @@ def windowed_kv_bytes(mc: ModelConfig, dtype: torch.dtype, tokens: int) -> int:
     return per_layer * sum(min(w, tokens) if w else tokens for w in windows)
 
 
-def kv_window_note(mc: ModelConfig, dtype: torch.dtype, ring: SlidingRing | None = None) -> str:
+def kv_window_note(mc: ModelConfig, dtype: torch.dtype, ring: SlidingRing | None = None, excluded: str = "") -> str:
     """The plan's words on sliding-window layers' KV (empty without them): how many
     layers slide over how many tokens, and how they are priced: in a ring of pages per
     running request (``ring``, the ledger's line of its own), else per token like the
-    others."""
+    others, and why where ``--sliding-kv-ring`` asked for the ring (``excluded``:
+    :func:`kv_ring_excluded`'s words)."""
     sliding = [w for w in mc.kv_windows if w]
     if not sliding:
         return ""
@@ -106,8 +107,9 @@ def kv_window_note(mc: ModelConfig, dtype: torch.dtype, ring: SlidingRing | None
                 f"slide over {window:,} tokens keep a ring per running request of up to "
                 f"{ring.decode_pages} pages ({ring.decode_pages * kv_ring_page_bytes(mc, dtype, ring):,} bytes) between "
                 f"steps and {ring.pages} in a step of a whole prefill chunk, and prefix-cache checkpoints of {ring.checkpoint_pages} pages")
+    why = f"; no ring with {excluded}" if excluded else ""
     return (f"{len(sliding)} of {mc.num_kv_layers} layers slide over {window:,} tokens and are priced per token "
-            f"like the others (their window alone: {window * len(sliding) * per_layer:,} bytes per request)")
+            f"like the others (their window alone: {window * len(sliding) * per_layer:,} bytes per request{why})")
 
 
 def model_context(mc: ModelConfig, knobs: PlanKnobs) -> int:
@@ -283,10 +285,11 @@ def make_footprint(
         num_experts=mc.num_experts,
         weight_source="exact, from tensor shapes" if weights is None else f"exact, {weights.source}: {weights.mix}",
         kv_bytes_per_token=kv_bytes_per_token(mc, kv_dtype, ring),
-        kv_window_note=kv_window_note(mc, kv_dtype, ring),
+        kv_window_note=kv_window_note(mc, kv_dtype, ring,
+                                      "" if knobs.sliding_kv_ring == "off" else kv_ring_excluded(mc, knobs)),
         kv_ring_page_bytes=kv_ring_page_bytes(mc, kv_dtype, ring) if ring is not None else 0,
         kv_ring_pages=((lambda k: (ring_at(k).rings_bound(k.max_running_requests),
-                                   k.state_checkpoints * ring_at(k).checkpoint_pages))
+                                   k.state_checkpoints * ring_at(k).checkpoint_pages, ring_at(k).decode_pages))
                        if ring is not None else None),
         kv_heads=mc.num_kv_heads,
         kv_cache_dtype=kv_dtype_name(kv_dtype),

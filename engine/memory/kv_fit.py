@@ -51,3 +51,27 @@ def ring_pool_cap(room: int, page_bytes: int, ring_page: int, full_cap: int, flo
         return full_cap
     spare = max(room - wanted_pages * page_bytes, 0) // ring_page
     return max(min(floor_cap, full_cap), min(full_cap, spare))
+
+
+def ring_line(rings: int, ring_page_text: str, *, cap: int, kv_pages: int, full_cap: int, ring_pages: int,
+              checkpoint_pages: int, requests: int, checkpoints: int, decode_pages: int,
+              floor_requests: int) -> str:
+    """The ledger's words on a ring pool of ``rings`` pages (of ``ring_page_text`` each),
+    at most ``cap`` (:func:`ring_pool_cap`'s) and the KV pool's ``kv_pages``: what bounds
+    it (the KV pool's pages; the room left beside the wanted context; or its bound
+    ``full_cap``, ``ring_pages`` for the rings of ``requests`` running requests and
+    ``checkpoint_pages`` for ``checkpoints`` prefix-cache checkpoints), and about how
+    many requests hold a whole window (``decode_pages`` each) at once."""
+    made_of = (f"the rings of {requests} requests ({ring_pages} pages) and {checkpoints} prefix-cache checkpoints "
+               f"({checkpoint_pages} pages)")
+    if rings < cap:
+        bound = f"as many as the KV pool's {kv_pages} pages, fewer than the {full_cap} of {made_of}"
+    elif cap < full_cap:
+        whole = min(max(rings // max(decode_pages, 1), 1), requests)
+        bound = (f"fewer than the {full_cap} of {made_of}, so that the KV pool holds the context first; about "
+                 f"{whole} requests at their whole window at once (never fewer than {floor_requests}); a request "
+                 f"whose ring does not fit waits for ring pages")
+    else:
+        bound = made_of
+    return (f"exact, {rings} pages of {ring_page_text}: {bound}. A request's ring holds its window ({decode_pages} "
+            f"pages) between steps and a prefill chunk's pages more in its step; and the null page")

@@ -17,6 +17,7 @@ from engine.common.config import EngineConfig
 from engine.common.options import option_named
 from engine.common.units import fmt_bytes
 from engine.memory.kv_fit import RING_FLOOR_REQUESTS, kv_pages, ring_pool_cap
+from engine.memory.kv_fit import ring_line as ring_words
 from engine.memory.plan import (
     MIN_PREFILL_TOKENS,
     DeviceMemory,
@@ -240,7 +241,7 @@ def _ledger_at(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint, host_layer
     # pool follows the KV pool's pages P, min(the running requests' rings + checkpoints'
     # pages, P) and its null page, priced below once P is known.
     ring_page = fp.kv_ring_page_bytes if fp.kv_ring_pages is not None else 0
-    ring_pages, checkpoint_pages = fp.kv_ring_pages(knobs) if ring_page else (0, 0)
+    ring_pages, checkpoint_pages, decode_pages = fp.kv_ring_pages(knobs) if ring_page else (0, 0, 0)
     ring_cap = full_cap = ring_pages + checkpoint_pages
     floor_requests = min(knobs.max_running_requests, RING_FLOOR_REQUESTS)
     floor_pages = fp.kv_ring_pages(replace(knobs, max_running_requests=floor_requests))[0] if ring_page else 0
@@ -287,17 +288,10 @@ def _ledger_at(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint, host_layer
     rings = min(pages, ring_cap)
     if ring_page:
         fixed += rings * ring_page
-        bound = (f"{ring_pages} for the rings of {knobs.max_running_requests} requests + {checkpoint_pages} for "
-                 f"{knobs.state_checkpoints} prefix-cache checkpoints")
-        if rings < ring_cap:
-            bound = f"the KV pool's {pages} pages, below {bound}"
-        elif ring_cap < full_cap:
-            bound = (f"below the {full_cap} of {bound}, so that the KV pool holds the context first, and at least the "
-                     f"rings of {floor_requests} requests; a request whose ring does not fit waits for ring pages")
-        ledger.insert(ring_line, LedgerEntry(
-            "sliding-window KV rings", (rings + 1) * ring_page, "-",
-            f"exact, {rings} pages of {fmt_bytes(ring_page)} ({bound}; a request's ring grows with its pages up "
-            f"to its window, and by a prefill chunk in a step) and the null page"))
+        ledger.insert(ring_line, LedgerEntry("sliding-window KV rings", (rings + 1) * ring_page, "-", ring_words(
+            rings, fmt_bytes(ring_page), cap=ring_cap, kv_pages=pages, full_cap=full_cap, ring_pages=ring_pages,
+            checkpoint_pages=checkpoint_pages, requests=knobs.max_running_requests,
+            checkpoints=knobs.state_checkpoints, decode_pages=decode_pages, floor_requests=floor_requests)))
     ledger.append(LedgerEntry("KV cache pool", kv_bytes, "=", f"{pages} pages of {fmt_bytes(page_bytes)}"
                                                      + (", capped by the host pool of the CPU layers' KV (half the host's available memory)"
                                                         if host_capped else "")

@@ -202,12 +202,13 @@ class Footprint:
     kv_window_note: str = ""
     # Sliding-window layers that keep only their window (engine.kvcache.ring): one ring
     # page's bytes over those layers, and at given knobs (the pages the rings of
-    # max_running_requests hold at most, the pages of the prefix cache's checkpoints);
+    # max_running_requests hold at most, the pages of the prefix cache's checkpoints,
+    # the pages of one ring between steps);
     # the ring pool holds min(the sum, KV pool pages) pages and its null page
     # (engine.memory.ledger prices it). kv_bytes_per_token then covers the other layers
     # only. 0 and None without a ring.
     kv_ring_page_bytes: int = 0
-    kv_ring_pages: Callable[[PlanKnobs], tuple[int, int]] | None = None
+    kv_ring_pages: Callable[[PlanKnobs], tuple[int, int, int]] | None = None
     # A dense model whose last decoder layers may run on the CPU (--cpu-layers): each
     # layer's weights on the device and in host memory (the CPU path's layout), and one
     # token's keys and values of one layer in the host pool; empty for a model that

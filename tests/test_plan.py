@@ -280,3 +280,19 @@ def test_reserves_beyond_the_device_read_as_short_never_as_a_negative_budget():
     assert line.bytes == 0 and line.source == f"does not fit: {short // MiB} MiB short"
     message = plan.message()
     assert f"its budget does not fit, {short // MiB} MiB short" in message and "-" not in message.split("\n")[0]
+
+
+def test_too_many_running_requests_are_answered_with_the_most_that_fit(default_model_dir):
+    """``--max-running-requests 100000`` on a 6 GiB card (the default model): the per-request
+    buffers do not fit, and the plan proposes the most requests that do (a plan with them
+    fits, one more does not), not only a quarter of the number asked for."""
+    config = EngineConfig(model=default_model_dir, device_total=6 * GiB, max_running_requests=100_000)
+    plan = build_plan(config)
+    assert not plan.fits
+    (most,) = [int(s.proposed) for s in plan.suggestions if s.flag == "--max-running-requests"]
+    assert 64 < most < 25_000
+    at_most = build_plan(dataclasses.replace(config, max_running_requests=most))
+    assert at_most.fits and at_most.max_prefill_tokens == 2048 and at_most.cpu_layers == 0
+    over = build_plan(dataclasses.replace(config, max_running_requests=most + 1))  # one more: something else must give
+    assert not over.fits or over.max_prefill_tokens < 2048 or over.cpu_layers > 0
+    assert f"--max-running-requests 100000 → {most}" in render(plan, as_json=False)

@@ -10,12 +10,14 @@ from types import SimpleNamespace
 import msgspec
 import pytest
 
+from engine.text.chat import ChatTemplateError
 from service.api.chat_output import ChatOutput
 from service.api.generation import Piece
 from service.api.openai.responses_answers import _Events, _head, output_items
 from service.api.openai.responses_input import (
     chat_tool_choice,
     chat_tools,
+    input_error,
     input_messages,
     responses_request,
     text_schema,
@@ -46,10 +48,11 @@ def test_input_items_become_chat_turns():
         {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
         {"type": "function_call", "call_id": "c2", "name": "get_weather", "arguments": '{"city": "Rome"}'},
         {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+        {"type": "function_call_output", "call_id": "c2", "output": "rainy"},
         {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Sunny."}]},
     ]
     messages = input_messages(items, "You are helpful.")
-    assert [m["role"] for m in messages] == ["system", "system", "user", "assistant", "tool", "assistant"]
+    assert [m["role"] for m in messages] == ["system", "system", "user", "assistant", "tool", "tool", "assistant"]
     assert messages[2]["content"] == "Weather?"
     call_turn = messages[3]
     assert call_turn["reasoning_content"] == "hm"
@@ -57,6 +60,36 @@ def test_input_items_become_chat_turns():
     assert call_turn["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
     assert messages[4] == {"role": "tool", "tool_call_id": "c1", "content": "sunny"}
     assert input_messages("Hi", None) == [{"role": "user", "content": "Hi"}]
+
+
+def test_an_unanswered_function_call_is_refused_not_dropped():
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+    message = _refused("input[1]", input=[{"role": "user", "content": "Hi"}, call])
+    assert "no tool output found for function call 'c1'" in message and "function_call_output" in message
+
+
+def test_template_errors_name_the_input_item():
+    """A chat template's refusal of a converted message names the Responses item it came
+    from, not the chat message (``messages[i]``) it became."""
+    items = [
+        {"role": "user", "content": "Weather?"},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call", "call_id": "c2", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+        {"type": "function_call_output", "call_id": "c2", "output": "rainy"},
+    ]
+    body = msgspec.convert({"input": items, "instructions": "Be brief."}, ResponsesRequest)
+    tool = input_error(ChatTemplateError("messages[4].role 'tool' is not supported", "messages[4].role"), body)
+    assert tool.status == 400 and tool.param == "input[4]"
+    assert tool.message.startswith("input[4] is a function_call_output item") and "messages" not in tool.message
+    call = input_error(ChatTemplateError("messages[2].tool_calls[1] is bad", "messages[2].tool_calls[1]"), body)
+    assert call.param == "input[2]" and call.message == "input[2] (a function_call item) is bad"
+    output = input_error(ChatTemplateError("messages[3].content is bad", "messages[3].content"), body)
+    assert output.param == "input[3].output"
+    system = input_error(ChatTemplateError("no", "messages[0]"), body)
+    assert system.param == "instructions" and system.message == "instructions: no"
+    whole = input_error(ChatTemplateError("cannot render these messages"), body)
+    assert whole.param == "input"
 
 
 def test_flat_tools_choice_and_text_format():

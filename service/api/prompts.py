@@ -83,10 +83,11 @@ def chat_prompt(
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None = None,
     template_kwargs: dict[str, Any] | None = None,
+    param: str = "messages",
 ) -> list[Prompt]:
-    """A chat call's one prompt (``tools`` and ``template_kwargs``: see
-    :class:`Prompt`)."""
-    return [Prompt("messages", messages=messages, tools=tools, template_kwargs=template_kwargs)]
+    """A chat call's one prompt (``tools``, ``template_kwargs`` and ``param``, the
+    field its errors name, ``input`` for a Responses call: see :class:`Prompt`)."""
+    return [Prompt(param, messages=messages, tools=tools, template_kwargs=template_kwargs)]
 
 
 def completion_prompts_of(items: Sequence[str | list[int]]) -> list[Prompt]:

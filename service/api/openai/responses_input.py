@@ -16,21 +16,28 @@ Input items, in order, become the messages the model's chat template renders:
 
 Refused with a 400 naming the field: ``previous_response_id`` and ``conversation``
 (the server is stateless: send the whole input), ``background``, ``prompt``,
-``top_logprobs``, an ``item_reference`` or unknown item, a tool other than
-``function`` (``web_search``, ``file_search``...), and an unknown ``tool_choice``.
+``top_logprobs``, an ``item_reference`` or unknown item, a ``function_call`` whose
+``call_id`` no ``function_call_output`` of the input answers (as OpenAI refuses it), a
+tool other than ``function`` (``web_search``, ``file_search``...), and an unknown
+``tool_choice``. What the model's chat template refuses (a ``function_call_output``
+where it has no tool support...) is answered in the same terms by :func:`input_error`:
+the input item and its type, never the chat message it became.
 """
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass, replace
 from typing import Any
 
+from engine.text.chat import ChatTemplateError
 from service.api.openai.responses_schemas import ResponsesRequest
 from service.api.prompts import chat_prompt
 from service.api.request import GenerationRequest
 from service.api.sampling import sampling_of
 from service.api.structured import response_schema
 from service.api.thinking import effort_thinking, with_thinking
-from service.common.errors import invalid
+from service.common.errors import APIError, invalid
 
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -84,20 +91,35 @@ def _reasoning_text(item: dict[str, Any]) -> str:
     )
 
 
-def input_messages(input: str | list[Any], instructions: str | None) -> list[dict[str, Any]]:
-    """The chat messages of a Responses ``input`` (see the module docstring).
+@dataclass(frozen=True)
+class _Origin:
+    """Where one chat message came from in the Responses body: ``path`` (``input[3]``,
+    ``input``, ``instructions``), the item's ``kind`` and, for an assistant turn of
+    tool calls, the path of each call's ``function_call`` item."""
 
-    Raises:
-        APIError: 400 naming ``input[i]`` (or a part of it) for an item this server
-            cannot take.
-    """
+    path: str
+    kind: str
+    calls: tuple[str, ...] = ()
+
+
+def _converted(
+    input: str | list[Any], instructions: str | None
+) -> tuple[list[dict[str, Any]], list[_Origin]]:
+    """:func:`input_messages` with the :class:`_Origin` of each message."""
     messages: list[dict[str, Any]] = []
+    origins: list[_Origin] = []
     if instructions:
         messages.append({"role": "system", "content": instructions})
+        origins.append(_Origin("instructions", "instructions"))
     if isinstance(input, str):
-        return [*messages, {"role": "user", "content": input}]
+        return [*messages, {"role": "user", "content": input}], [*origins, _Origin("input", "message")]
     if not input:
         raise invalid("input must not be empty", "input")
+    answered = {
+        item.get("call_id")
+        for item in input
+        if isinstance(item, dict) and item.get("type") == "function_call_output"
+    }
     reasoning = ""
     for i, item in enumerate(input):
         param = f"input[{i}]"
@@ -112,10 +134,18 @@ def input_messages(input: str | list[Any], instructions: str | None) -> list[dic
             if role == "assistant" and reasoning:
                 message["reasoning_content"], reasoning = reasoning, ""
             messages.append(message)
+            origins.append(_Origin(param, kind))
         elif kind == "function_call":
             arguments = item.get("arguments") or "{}"
             if not all(isinstance(v, str) for v in (item.get("name"), item.get("call_id"), arguments)):
                 raise invalid("a function_call needs call_id, name and arguments", param)
+            if item["call_id"] not in answered:
+                # As OpenAI: a call the input does not answer is refused, not dropped.
+                raise invalid(
+                    f"no tool output found for function call {item['call_id']!r}: send a "
+                    f"function_call_output item with call_id {item['call_id']!r} after it",
+                    param,
+                )
             call = {
                 "id": item["call_id"],
                 "type": "function",
@@ -124,11 +154,13 @@ def input_messages(input: str | list[Any], instructions: str | None) -> list[dic
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant" and not reasoning:
                 last.setdefault("tool_calls", []).append(call)
+                origins[-1] = replace(origins[-1], calls=(*origins[-1].calls, param))
                 continue
             message = {"role": "assistant", "content": "", "tool_calls": [call]}
             if reasoning:
                 message["reasoning_content"], reasoning = reasoning, ""
             messages.append(message)
+            origins.append(_Origin(param, kind, (param,)))
         elif kind == "function_call_output":
             if not isinstance(item.get("call_id"), str):
                 raise invalid("a function_call_output needs call_id and output", param)
@@ -136,6 +168,7 @@ def input_messages(input: str | list[Any], instructions: str | None) -> list[dic
             messages.append(
                 {"role": "tool", "tool_call_id": item["call_id"], "content": _text(output, f"{param}.output")}
             )
+            origins.append(_Origin(param, kind))
         elif kind == "reasoning":
             reasoning += _reasoning_text(item)
         elif kind == "item_reference":
@@ -146,7 +179,50 @@ def input_messages(input: str | list[Any], instructions: str | None) -> list[dic
                 "function_call_output or reasoning items",
                 param,
             )
-    return messages
+    return messages, origins
+
+
+def input_messages(input: str | list[Any], instructions: str | None) -> list[dict[str, Any]]:
+    """The chat messages of a Responses ``input`` (see the module docstring).
+
+    Raises:
+        APIError: 400 naming ``input[i]`` (or a part of it) for an item this server
+            cannot take, a ``function_call`` among them whose ``call_id`` no
+            ``function_call_output`` of the input answers (as OpenAI refuses it).
+    """
+    return _converted(input, instructions)[0]
+
+
+_MESSAGE_PATH = re.compile(r"^messages\[(\d+)\](?:\.tool_calls\[(\d+)\])?(.*)$")
+
+
+def input_error(error: ChatTemplateError, body: ResponsesRequest) -> APIError:
+    """A chat template's refusal of the messages :func:`input_messages` made, in the
+    Responses body's terms: 400 naming the input item (``input[2]``, its
+    ``.content`` or ``.output``) and its type, not the chat message it became."""
+    if error.param == "messages":
+        return invalid(error.message, "input")
+    match = _MESSAGE_PATH.match(error.param)
+    if match is None:
+        return invalid(error.message, error.param)
+    origin = _converted(body.input, body.instructions)[1][int(match[1])]
+    path, rest = origin.path, match[3]
+    if match[2] is not None and int(match[2]) < len(origin.calls):
+        path = origin.calls[int(match[2])]
+    elif rest == ".content" and origin.kind == "function_call_output":
+        rest = ".output"
+    if origin.kind == "function_call_output" and rest == ".role":
+        return invalid(
+            f"{path} is a function_call_output item, which this model cannot take: its chat "
+            "template has no tool support (it renders no tool results); send message items "
+            "only, or serve a model whose chat template renders tools",
+            path,
+        )
+    param = f"{path}{rest}"
+    named = param if origin.kind == "instructions" else f"{param} (a {origin.kind} item)"
+    if error.param in error.message:
+        return invalid(error.message.replace(error.param, named, 1), param)
+    return invalid(f"{named}: {error.message}", param)
 
 
 def chat_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
@@ -229,7 +305,7 @@ def responses_request(
     return GenerationRequest(
         request_id=request_id,
         started=started,
-        prompts=tuple(chat_prompt(messages, tools, with_thinking(None, thinking, effort))),
+        prompts=tuple(chat_prompt(messages, tools, with_thinking(None, thinking, effort), "input")),
         sampling=sampling_of(body),
         max_tokens=body.max_output_tokens,
         max_tokens_param="max_output_tokens",

@@ -26,12 +26,13 @@ from typing import Any
 
 from litestar import Controller, Request, Response, get, post
 
+from engine.text.chat import ChatTemplateError
 from engine.wire.messages import EngineInfo
 from service.api.generation import start_generation
 from service.api.openai.answers import chat_answer, completion_answer
 from service.api.openai.requests import chat_request, completion_request
 from service.api.openai.responses_answers import responses_answer
-from service.api.openai.responses_input import responses_request
+from service.api.openai.responses_input import input_error, responses_request
 from service.api.openai.responses_schemas import ResponsesRequest
 from service.api.openai.schemas import (
     ChatCompletionRequest,
@@ -106,5 +107,8 @@ class OpenAIController(Controller):
         :mod:`service.api.openai.responses_input`."""
         build = partial(responses_request, default_max_tokens=svc.settings.default_max_tokens)
         body, call = await read_call(request, ResponsesRequest, build, "resp", "_")
-        gen, model = await start_generation(svc, body.model, call)
+        try:
+            gen, model = await start_generation(svc, body.model, call)
+        except ChatTemplateError as exc:
+            raise input_error(exc, body) from exc
         return await responses_answer(gen, request, model, body)

@@ -213,8 +213,8 @@ class SupervisorControl:
             NotReady: no worker is ready (503).
             APIError: 400 (``param: "cpu_layers"``) for a count outside ``0..max``; 409
                 ``split_fixed`` for another count under a fixed ``--cpu-layers N``
-                (naming ``--cpu-layers auto``); 409 ``no_room`` for a move back past the
-                card's room; as :meth:`set_kv_cache` when the worker refuses.
+                (naming ``--cpu-layers auto``) or on a CPU engine with no simulated
+                card; 409 ``no_room`` for a move back past the card's room; as :meth:`set_kv_cache` when the worker refuses.
             NotImplementedError: a model (or setting) whose split cannot move (501).
         """
         sup = self.supervisor
@@ -239,6 +239,12 @@ class SupervisorControl:
                 "this engine's split cannot move: it needs --cpu-layers auto and a dense "
                 "Llama/Qwen2/Qwen3-family model on one device"
             )
+        if self._cpu_without_card():
+            raise APIError(
+                409, "the engine runs on the CPU: every decoder layer runs there already (a split moves layers "
+                "between a GPU and the CPU; --device-total simulates a card for tests)",
+                code="split_fixed", param="cpu_layers",
+            )
         layers = pool.planned_cpu_layers if cpu_layers is None else cpu_layers
         fields = {"cpu_layers": layers, "reason": f"{CONTROL_REASON}: {layers} decoder layers on the CPU"}
         if self.watcher is None:
@@ -252,6 +258,15 @@ class SupervisorControl:
                 if done is not None and done.ok:
                     self.watcher.grew(grown_bytes(NewSplit(layers, now.cpu_layers, fields["reason"]), now))
         return self._answer(done)
+
+    def _cpu_without_card(self) -> bool:
+        """Whether the engine runs on the CPU with no simulated card (``--device-total``),
+        where a split has nothing to move between."""
+        info, config = self.supervisor.info, getattr(self.supervisor, "config", None)
+        engine = config.worker.engine if config is not None else None
+        simulated = (getattr(engine, "device_total", None) is not None
+                     or getattr(self.watcher, "kind", None) == "simulated")
+        return info is not None and info.device == "cpu" and not simulated
 
     def _started_split(self) -> int | None:
         """The fixed ``--cpu-layers N`` the worker was started with; None for ``auto``."""

@@ -122,9 +122,10 @@ def test_the_host_check_of_a_kv_grow_counts_the_host_pool_of_a_split(monkeypatch
 
     _, _, control = _control(_split_pool(29), free=700 * MiB)
     monkeypatch.setattr(actions, "host_memory", lambda pids: SimpleNamespace(available_bytes=100 * MiB))
-    with pytest.raises(ValueError, match="host pool of 29 layers on the CPU") as refused:
+    with pytest.raises(APIError, match="host pool of 29 layers on the CPU") as refused:
         asyncio.run(control.set_kv_cache(210 * MiB))  # 10 pages more: 290 MiB of host memory
-    assert "the most it can grow to now is 203 MiB (203 pages)" in str(refused.value)
+    assert refused.value.status == 409 and refused.value.code == "no_room" and refused.value.param == "kv_cache"
+    assert "the most it can grow to now is 203 MiB (203 pages)" in refused.value.message
 
 
 def test_a_reserve_as_large_as_the_card_is_refused_naming_its_size():

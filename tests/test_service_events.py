@@ -232,9 +232,11 @@ def test_control_cache_clears_the_prefix_cache_and_resizes_the_pool_live(server)
     r = http.post("/api/control/cache", json={"kv_cache": 8 * page_bytes}, headers=headers)
     assert r.status_code == 400 and "smallest" in r.json()["error"]["message"]
     # Past the host's available memory (the engine runs on the CPU, where a pool that
-    # does not fit stalls the worker instead of failing): 400 before the worker tries.
+    # does not fit stalls the worker instead of failing): 409 no_room before the worker
+    # tries, as a grow past the card's room.
     r = http.post("/api/control/cache", json={"kv_cache": "1TiB"}, headers=headers)
-    assert r.status_code == 400 and "host memory" in r.json()["error"]["message"], r.text
+    assert r.status_code == 409 and r.json()["error"]["code"] == "no_room", r.text
+    assert "host memory" in r.json()["error"]["message"], r.text
     assert http.get("/api/status").json()["engine"]["info"]["num_pages"] == 41
 
     # Back to the plan.

@@ -57,9 +57,12 @@ class LiveReplan:
 
     def min_kv_pool_pages(self, context_tokens: int | None = None) -> int:
         """The smallest pool (pages, null page included) that holds one request of
-        ``context_tokens`` (default: the plan's minimum context, else the model's)."""
+        ``context_tokens`` (default: the plan's minimum context; without a plan
+        ``--min-context`` capped by the model's, the floor ``--kv-cache`` takes at start)."""
         if context_tokens is None:
-            context_tokens = self.plan.min_context_tokens if self.plan is not None else self.info.model_context_tokens
+            model = self.info.model_context_tokens
+            context_tokens = (self.plan.min_context_tokens if self.plan is not None
+                              else min(self.config.min_context or model, model))
         return math.ceil(context_tokens / self.config.page_size) + 1
 
     @property

@@ -287,7 +287,8 @@ class SupervisorControl:
         (a CUDA device refuses a grow that does not fit with an out-of-memory error).
 
         Raises:
-            ValueError: the growth exceeds the host's available memory (400).
+            APIError: 409 ``no_room`` (``param: "kv_cache"``): the growth exceeds the host's
+                available memory now, as a grow past the card's room is answered.
         """
         info = self.supervisor.info
         if info is None or pages <= pool.pages:
@@ -302,10 +303,11 @@ class SupervisorControl:
             most = pool.pages - 1 + available // page_bytes
             split = (f" ({fmt_bytes(page_bytes)} a page, the host pool of {pool.cpu_layers} layers on the CPU "
                      "included)" if host_page else "")
-            raise ValueError(
-                f"a KV cache of {pages - 1} pages needs {fmt_bytes(grow)} more host memory than it "
+            raise APIError(
+                409, f"a KV cache of {pages - 1} pages needs {fmt_bytes(grow)} more host memory than it "
                 f"holds now{split}, and {fmt_bytes(available)} is available; the most it can grow to now "
-                f"is {fmt_bytes(most * pool.page_bytes)} ({most} pages)"
+                f"is {fmt_bytes(most * pool.page_bytes)} ({most} pages)",
+                code="no_room", param="kv_cache",
             )
 
     async def _resize(self, pages: int, what: str) -> ipc.ControlDone | None:

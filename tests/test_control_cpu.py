@@ -1,6 +1,8 @@
-"""The control API's split on an engine that runs on the CPU with no card beside it (a
-new user's find): every decoder layer runs on the CPU already, so a move "to the CPU"
-is refused, naming why, where it was taken and logged as device memory given back."""
+"""The control API on an engine that runs on the CPU with no card beside it (a new
+user's finds): every decoder layer runs on the CPU already, so a split move is refused,
+naming why, where it was taken and logged as device memory given back; the smallest KV
+cache it takes is one request of ``--min-context`` (2,048 tokens), the floor
+``--kv-cache`` has at start, not the model's whole context."""
 
 from __future__ import annotations
 
@@ -19,3 +21,11 @@ def test_a_split_move_on_a_cpu_engine_is_refused_naming_why(real_server):
     after = httpx.get(f"{real_server.base_url}/api/status", timeout=30).json()
     assert after["engine"]["info"]["num_pages"] == before["engine"]["info"]["num_pages"]
     assert "moved to the CPU" not in real_server.log()
+
+
+def test_the_smallest_kv_cache_is_one_request_of_the_min_context(real_server):
+    headers = {"Authorization": f"Bearer {real_server.token}"}
+    r = httpx.post(f"{real_server.base_url}/api/control/cache", json={"kv_cache": "1MiB"}, headers=headers,
+                   timeout=60)
+    assert r.status_code == 400, r.text
+    assert "the smallest is 128 pages" in r.json()["error"]["message"], r.text  # 2,048 tokens of 16

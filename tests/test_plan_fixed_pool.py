@@ -97,3 +97,13 @@ def test_a_fixed_pool_of_a_sliding_window_model_prices_the_rings_the_engine_hold
         assert rings.bytes % (plan.kv_ring_pages + 1) == 0  # the null page among them
         assert f"following the {pages - 1} pages of the fixed KV pool" in rings.source
     assert plan.fits
+
+
+def test_both_fixed_sizes_at_once_are_refused_naming_the_choice():
+    """``--kv-cache`` and ``--num-pages`` both fix the pool: one silently won over the
+    other; now ``plan`` and ``serve`` refuse the pair (exit 2), naming both."""
+    for command in ("plan", "serve"):
+        result = CliRunner().invoke(main, [command, "--kv-cache", "2GiB", "--num-pages", "100"],
+                                    env={"HEADROOM_CONFIG": os.devnull})
+        assert result.exit_code == 2, result.output
+        assert "--num-pages: does not go with --kv-cache" in result.stderr and "give one of the two" in result.stderr

@@ -442,6 +442,9 @@ class EngineConfig(KernelOptions):
             )
         if self.cpu_layers not in ("auto", "0") and self.tensor_parallel_size > 1:
             return "cpu_layers", "does not go with --tensor-parallel-size above 1: use one of the two"
+        if self.num_pages is not None and self.kv_cache is not None:
+            # Both fix the KV pool's size; one would silently win over the other.
+            return "num_pages", "does not go with --kv-cache (both fix the KV cache's size): give one of the two"
         if self.device_free is not None:
             if self.device_total is None:
                 return "device_free", "needs --device-total (the size of the simulated GPU)"

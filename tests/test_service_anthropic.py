@@ -17,6 +17,7 @@ from pathlib import Path
 import anthropic
 import httpx
 import jsonschema_rs
+import openai
 import pytest
 from service_harness import ServerProcess, serving
 from test_api_tools import WEATHER
@@ -311,3 +312,31 @@ def test_an_error_mid_stream_is_an_error_event(start_server):
                 texts.append(text)
     assert texts and exc.value.body["type"] == "error"
     assert exc.value.body["error"]["type"] == "overloaded_error", exc.value.body
+
+
+def test_models_in_anthropic_shape_with_x_api_key(client, server):
+    """Anthropic's client lists and retrieves models in Anthropic's shape, its key sent as
+    x-api-key; OpenAI's client on the same paths keeps OpenAI's shape."""
+    page = client.models.list()
+    ids = [m.id for m in page.data]
+    assert "default" in ids and page.has_more is False
+    assert page.first_id == ids[0] and page.last_id == ids[-1]
+    for model in page.data:
+        assert model.type == "model" and model.display_name and model.created_at.tzinfo is not None
+    one = client.models.retrieve("default")
+    assert one.id == "default" and one.type == "model" and one.display_name == page.data[0].display_name
+    first = client.models.list(limit=1)
+    assert [m.id for m in first.data] == ids[:1] and first.has_more == (len(ids) > 1)
+    with pytest.raises(anthropic.NotFoundError) as exc:
+        client.models.retrieve("claude-nope")
+    assert exc.value.body["error"]["type"] == "not_found_error"
+    wrong = anthropic.Anthropic(base_url=server.base_url, api_key="sk-wrong", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError) as exc:
+        wrong.models.list()
+    assert "x-api-key" in exc.value.body["error"]["message"]
+    _error(_raw(server, "GET", "/v1/models", params={"limit": 0}), 400, "invalid_request_error")
+    listed = openai.OpenAI(base_url=server.base_url + "/v1", api_key=KEY, max_retries=0).models.list()
+    assert [m.id for m in listed.data] == ids and listed.data[0].object == "model"
+    # x-api-key alone (no anthropic-version) is the key too, in OpenAI's shape.
+    plain = httpx.get(server.base_url + "/v1/models", headers={"x-api-key": KEY}, timeout=60)
+    assert plain.status_code == 200 and plain.json()["object"] == "list"

@@ -242,8 +242,9 @@ def openapi_document() -> dict[str, Any]:
         "/v1/models": {
             "get": {
                 "summary": "The served model; `context_length` is the context one request "
-                "can use now (it follows the KV pool).",
-                "security": _BEARER,
+                "can use now (it follows the KV pool). With an `anthropic-version` header, "
+                "Anthropic's list (`data`, `has_more`, `first_id`, `last_id`).",
+                "security": [*_BEARER, {"x-api-key": []}],
                 "responses": {
                     "200": {"description": "The model list.", "content": _json("ModelList")},
                     **_errors(401, 403, 503),
@@ -252,8 +253,9 @@ def openapi_document() -> dict[str, Any]:
         },
         "/v1/models/{model}": {
             "get": {
-                "summary": "One served model by a name `/v1/models` lists (OpenAI's retrieve).",
-                "security": _BEARER,
+                "summary": "One served model by a name `/v1/models` lists (OpenAI's retrieve; "
+                "with an `anthropic-version` header, Anthropic's model object).",
+                "security": [*_BEARER, {"x-api-key": []}],
                 "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
                 "responses": {
                     "200": {"description": "The model.", "content": _json("ModelCard")},

@@ -9,7 +9,9 @@ runs after routing, so whatever spelling of a path the router accepts (``//v1/mo
 protected handler only through its guard. :func:`bearer_token` is the one parser of
 ``Authorization: Bearer <secret>`` (the event socket uses it too, next to its
 subprotocol and query forms). Anthropic's clients send the API key as ``x-api-key: <key>``:
-the guard of Anthropic's routes takes that header as well (``key_header``).
+the guard of Anthropic's routes takes that header as well (``key_header``), and so does
+any route whose handler names it in its ``opt`` (``{"key_header": "x-api-key"}``: the
+models routes, which Anthropic's clients call too).
 """
 
 from __future__ import annotations
@@ -50,10 +52,12 @@ class BearerGuard:
         secret: returns the expected secret (read per request, so a rotated token
             file takes effect); None or empty means no secret is configured and every
             request passes.
-        message: the 401 message (what to send, where the secret is).
+        message: the 401 message (what to send, where the secret is), or a function of
+            the key header the route takes (None for none) giving it.
         code: the error's ``code`` (``"invalid_api_key"``, ``"invalid_token"``).
         key_header: a header that may carry the secret as it is instead
-            (``"x-api-key"``), or None.
+            (``"x-api-key"``), or None; a handler's ``opt["key_header"]`` names one for
+            its route alone.
 
     Raises (when called):
         APIError: 401 ``authentication_error`` with ``WWW-Authenticate: Bearer``.
@@ -63,7 +67,7 @@ class BearerGuard:
         self,
         secret: Callable[[], str | None],
         *,
-        message: str,
+        message: str | Callable[[str | None], str],
         code: str,
         key_header: str | None = None,
     ) -> None:
@@ -72,17 +76,18 @@ class BearerGuard:
         self._code = code
         self._key_header = key_header
 
-    def __call__(self, connection: Any, _handler: Any = None) -> None:
+    def __call__(self, connection: Any, handler: Any = None) -> None:
         expected = self._secret()
         if not expected:
             return
+        key_header = self._key_header or (getattr(handler, "opt", None) or {}).get("key_header")
         presented = bearer_token(connection.headers.get("authorization"))
-        if self._key_header is not None and not secret_equal(presented, expected):
-            presented = (connection.headers.get(self._key_header) or "").strip()
+        if key_header is not None and not secret_equal(presented, expected):
+            presented = (connection.headers.get(key_header) or "").strip()
         if not secret_equal(presented, expected):
             raise APIError(
                 401,
-                self._message,
+                self._message if isinstance(self._message, str) else self._message(key_header),
                 type=AUTHENTICATION,
                 code=self._code,
                 headers={"WWW-Authenticate": "Bearer"},
@@ -92,10 +97,14 @@ class BearerGuard:
 def api_key_guard(api_key: str | None, key_header: str | None = None) -> BearerGuard:
     """The ``/v1`` guard: ``--api-key``, when set; ``key_header`` (Anthropic's
     ``x-api-key``) may carry it too."""
-    also = f"'{key_header}: <key>' or " if key_header else ""
+
+    def message(header: str | None) -> str:
+        also = f"'{header}: <key>' or " if header else ""
+        return f"a valid API key is required: send {also}'Authorization: Bearer <key>'"
+
     return BearerGuard(
         lambda: api_key,
-        message=f"a valid API key is required: send {also}'Authorization: Bearer <key>'",
+        message=message,
         code="invalid_api_key",
         key_header=key_header,
     )

@@ -28,6 +28,12 @@ from litestar import Controller, Request, Response, get, post
 
 from engine.text.chat import ChatTemplateError
 from engine.wire.messages import EngineInfo
+from service.api.anthropic.models import (
+    BY_CLIENT_HANDLERS,
+    anthropic_model,
+    anthropic_model_list,
+    asks_anthropic,
+)
 from service.api.generation import start_generation
 from service.api.openai.answers import chat_answer, completion_answer
 from service.api.openai.requests import chat_request, completion_request
@@ -43,6 +49,9 @@ from service.api.openai.schemas import (
 from service.api.request import read_call
 from service.api.responses import json_response
 from service.api.services import Services
+
+# Anthropic's clients list models too, with their key as x-api-key (see service.common.auth).
+_MODELS_OPT = {"key_header": "x-api-key"}
 
 
 def _card(svc: Services, info: EngineInfo, name: str) -> ModelCard:
@@ -61,28 +70,37 @@ class OpenAIController(Controller):
 
     path = "/v1"
 
-    @get("/models")
-    async def models(self, svc: Services) -> Response[bytes]:
+    @get("/models", opt=_MODELS_OPT, exception_handlers=BY_CLIENT_HANDLERS)
+    async def models(self, request: Request, svc: Services) -> Response[bytes]:
         """The served model. ``context_length`` (and ``max_model_len``) is the context
         one request can use *now*, prompt plus completion in tokens: the live limit,
         which follows the KV pool as it shrinks and grows (a request longer than it
         is refused with ``context_length_exceeded``). ``model_context_length`` is the
-        model's own. 503 before the first worker is ready."""
+        model's own. 503 before the first worker is ready. An Anthropic client gets
+        Anthropic's list (:mod:`service.api.anthropic.models`)."""
         # The last worker's facts stay valid while it restarts; before the first one
         # is ready, check_ready raises NotReady (503).
         info = svc.supervisor.info or svc.supervisor.check_ready()
-        return json_response(ModelList(data=[_card(svc, info, name) for name in svc.model_names(info)]))
+        names = svc.model_names(info)
+        if asks_anthropic(request):
+            return json_response(
+                anthropic_model_list(names, info.model_name, svc.started_at, request.query_params)
+            )
+        return json_response(ModelList(data=[_card(svc, info, name) for name in names]))
 
-    @get("/models/{model_id:path}")
-    async def model(self, model_id: str, svc: Services) -> Response[bytes]:
+    @get("/models/{model_id:path}", opt=_MODELS_OPT, exception_handlers=BY_CLIENT_HANDLERS)
+    async def model(self, request: Request, model_id: str, svc: Services) -> Response[bytes]:
         """One served model by a name :meth:`models` lists (OpenAI's retrieve; a name
         with slashes, as a Hugging Face id, included); 404 ``model_not_found`` for any
-        other name, 503 before the first worker is ready."""
+        other name, 503 before the first worker is ready. An Anthropic client gets
+        Anthropic's model object."""
         info = svc.supervisor.info or svc.supervisor.check_ready()
         name = model_id.lstrip("/")
         # check_model takes an empty name for the served model, a retrieve does not.
         if name not in svc.model_names(info):
             svc.check_model(name or " ", info)  # raises the 404 naming the served models
+        if asks_anthropic(request):
+            return json_response(anthropic_model(name, info.model_name, svc.started_at))
         return json_response(_card(svc, info, name))
 
     @post("/chat/completions", status_code=200)

@@ -6,6 +6,9 @@ PYTHONPATH). Behaviour comes from the environment, which the spawned worker inhe
 
 - ``HEADROOM_FAKE_MODEL_DIR``: a folder with a tokenizer (required).
 - ``HEADROOM_FAKE_STEP_S``: seconds per step (default 0.01).
+- ``HEADROOM_FAKE_LOAD_S``: seconds each load takes (default 0), as a large model's;
+  ``@PATH``: the seconds written in the file PATH, 0 while it does not exist (a test
+  slows the loads after the first).
 - ``HEADROOM_FAKE_LOAD_ERROR``: raise FileNotFoundError with this text at load.
 - ``HEADROOM_FAKE_CRASH_AT_LOAD``: exit with code 7 during load.
 - ``HEADROOM_FAKE_ORPHAN``: undo the parent-death signal and hang in the load forever,
@@ -32,6 +35,13 @@ HANG_ALWAYS_SEED = 778
 CONTEXT = 2048
 
 
+def _load_s(setting: str) -> float:
+    if not setting.startswith("@"):
+        return float(setting)
+    path = setting[1:]
+    return float(open(path).read()) if os.path.exists(path) else 0.0
+
+
 class FakeEngine:
     def __init__(self, config) -> None:
         if os.environ.get("HEADROOM_FAKE_ORPHAN"):
@@ -44,6 +54,7 @@ class FakeEngine:
         if os.environ.get("HEADROOM_FAKE_CRASH_AT_LOAD"):
             print("fake engine: crashing at load on purpose", file=sys.stderr, flush=True)
             os._exit(7)
+        time.sleep(_load_s(os.environ.get("HEADROOM_FAKE_LOAD_S", "0")))
         error = os.environ.get("HEADROOM_FAKE_LOAD_ERROR")
         if error:
             raise FileNotFoundError(error)

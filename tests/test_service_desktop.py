@@ -238,3 +238,41 @@ def test_one_service_per_user_found_through_runtime_json(start_server, tmp_path)
     gone = _status(first)
     assert gone.returncode == 1
     assert "no headroom service is running" in gone.stderr
+
+
+def test_the_load_a_request_wakes_is_not_its_request_timeout(start_server):
+    """``--request-timeout`` counts the time a worker is ready: a request that wakes an
+    unloaded model (its load longer than the timeout) is answered, streaming or not."""
+    server = start_server(["--request-timeout", "1", "--keep-alive", "1s"], fake=True,
+                          env={"HEADROOM_FAKE_LOAD_S": "3"})
+
+    def idle() -> None:
+        wait_for(lambda: _health(server).get("status") == "idle", 120, "the idle unload")
+
+    idle()
+    answer = httpx.post(f"{server.base_url}/v1/completions", json=ASK, timeout=LOAD_S)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["finish_reason"] == "length"
+
+    idle()
+    with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", timeout=LOAD_S, json={
+        "model": "default", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2,
+        "stream": True,
+    }) as stream:
+        assert stream.status_code == 200
+        lines = [line for line in stream.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[len("data: "):]) for line in lines[:-1]]
+    assert not [c for c in chunks if "error" in c], chunks
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_request_waiting_past_the_start_timeout_for_its_load_is_told_why(start_server, tmp_path):
+    load_s = tmp_path / "load_s"
+    server = start_server(["--keep-alive", "1s", "--start-timeout-s", "2"], fake=True,
+                          env={"HEADROOM_FAKE_LOAD_S": f"@{load_s}"})
+    wait_for(lambda: _health(server).get("status") == "idle", 120, "the idle unload")
+    load_s.write_text("60")  # the next load outlasts the start timeout
+    answer = httpx.post(f"{server.base_url}/v1/completions", json=ASK, timeout=LOAD_S)
+    assert answer.status_code == 503, answer.text
+    assert "the model did not load within --start-timeout-s (2 s)" in answer.json()["error"]["message"]

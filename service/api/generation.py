@@ -36,7 +36,8 @@ from engine.wire.messages import (
 )
 from service.api.admission import Ticket
 from service.api.chat_plan import ChatPlan, chat_template, continue_prompt, plan_chat
-from service.api.engine_errors import engine_error, failure, rejected, timed_out
+from service.api.deadline import get_before, request_deadline
+from service.api.engine_errors import engine_error, failure, rejected
 from service.api.logprobs import ShownLogprobs
 from service.api.prompts import encode_prompts
 from service.api.request import GenerationRequest, resolve_max_tokens
@@ -80,8 +81,9 @@ class Generation:
         supervisor: the worker's keeper; the engine requests go through its link's
             routing (``supervisor.link.requests``), its ``retry_after_s`` dates a 503.
         text: the tokenizer side.
-        deadline: ``time.perf_counter()`` past which :meth:`pieces` gives up (504
-            ``request_timeout``; :meth:`close` aborts the sequences), or None.
+        deadline: the ready clock's reading past which :meth:`pieces` gives up (504
+            ``request_timeout``; :meth:`close` aborts the sequences), or None
+            (:mod:`service.api.deadline`).
         metrics: the app's metrics (the time between tokens is observed here), or None.
 
     Attributes (set by :meth:`start`):
@@ -127,11 +129,13 @@ class Generation:
 
     @classmethod
     async def start(
-        cls, svc: Services, info: EngineInfo, request: GenerationRequest
+        cls, svc: Services, info: EngineInfo, request: GenerationRequest,
+        deadline: float | None = None,
     ) -> Generation:
         """Take ``request`` into the engine (see the module docstring for the order of
         its steps and errors). The place among the waiting requests is given back when
-        any step fails.
+        any step fails. ``deadline``: as the attribute (:func:`start_generation` sets
+        it from ``--request-timeout``).
 
         Raises:
             APIError: 503 ``queue_full``; 400 ``logit_bias``; 400
@@ -143,12 +147,11 @@ class Generation:
             NotReady: no worker ready; nothing submitted.
         """
         assert svc.text is not None
-        timeout = svc.settings.request_timeout
         gen = cls(
             request=request,
             supervisor=svc.supervisor,
             text=svc.text,
-            deadline=request.started + timeout if timeout > 0 else None,
+            deadline=deadline,
             metrics=svc.metrics,
         )
         gen.ticket = svc.admission.enter()
@@ -316,16 +319,7 @@ class Generation:
         Raises:
             APIError: 504 ``request_timeout`` past ``deadline``.
         """
-        if self.deadline is None:
-            event = await queue.get()
-        else:
-            left = self.deadline - time.perf_counter()
-            try:
-                if left <= 0:
-                    raise TimeoutError
-                event = await asyncio.wait_for(queue.get(), left)
-            except TimeoutError:
-                raise timed_out() from None
+        event = await get_before(queue, self.deadline, self.supervisor.ready_clock)
         if self.ticket is not None:
             self.ticket.release()
         return event
@@ -427,7 +421,8 @@ async def start_generation(
 ) -> tuple[Generation, str]:
     """What every route does once its request is built: a ready worker (503; an idle
     one is loaded first, the wait kept as :attr:`Generation.load_s`), the model it
-    names (404), then :meth:`Generation.start`.
+    names (404), then :meth:`Generation.start`. ``--request-timeout`` counts on the
+    ready clock (:mod:`service.api.deadline`): the load it waited for is not its time.
 
     Raises:
         APIError: 400 naming ``request.thinking_param`` when thinking is asked of a
@@ -438,6 +433,8 @@ async def start_generation(
         The started generation and the model name to answer with.
     """
     waited_from = time.perf_counter()
+    deadline = request_deadline(svc.supervisor.ready_clock, svc.settings.request_timeout,
+                                request.started)
     info = await svc.supervisor.ready()
     load_s = time.perf_counter() - waited_from
     name = svc.check_model(model, info)
@@ -445,6 +442,6 @@ async def start_generation(
         # ``model or name``: the name the client used, as Ollama's message has it.
         check_thinking(request.thinking, request.thinking_budget, chat_template(svc.text),
                        model or name, request.thinking_param)
-    gen = await Generation.start(svc, info, request)
+    gen = await Generation.start(svc, info, request, deadline)
     gen.load_s = load_s
     return gen, name

@@ -49,7 +49,7 @@ class GenerationRequest:
     Args:
         request_id: the API id (``chatcmpl-...``); engine ids are ``{request_id}-{i}``.
         started: ``time.perf_counter()`` when the HTTP request arrived
-            (``--request-timeout`` counts from it).
+            (``--request-timeout`` counts from it, while the engine is ready).
         prompts: the call's prompts (:class:`~service.api.prompts.Prompt`); sequence
             ``i`` answers ``prompts[i // n]``.
         sampling: the sampling fields (ranges checked at decode).

@@ -195,8 +195,10 @@ class ServeSettings(EngineConfig):
     )
     request_timeout: float = option(  # seconds; 0: none
         0.0,
-        "Seconds a completion request may take from arrival to its last token; past it "
-        "the engine drops it and the client gets a 504 request_timeout error (0: none).",
+        "Seconds a completion request may take from arrival to its last token, counting "
+        "only while the engine is ready (a model load the request waits for, or a "
+        "restart under it, is not its time); past it the engine drops it and the client "
+        "gets a 504 request_timeout error (0: none).",
         checks=(at_least(0, "0: none"),),
     )
     default_max_tokens: int = option(

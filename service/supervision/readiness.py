@@ -2,7 +2,9 @@
 :class:`service.supervision.supervisor.Supervisor`: the engine's facts while ``ready``,
 else :class:`service.common.engine_states.NotReady` (HTTP 503) with the seconds after
 which a retry makes sense; a request wakes an ``idle`` worker (and a ``paused`` one with
-``--load-on-request``) and waits for it.
+``--load-on-request``) and waits for it. :meth:`Readiness.ready_clock` counts only the seconds a worker was ready (a
+request's ``--request-timeout`` runs on it: a load or a restart is not the request's
+time).
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ class Readiness:
     goes through its ``resume``, :class:`service.supervision.unloading.Unloading`)."""
 
     config: SupervisorConfig
-    state: State
     info: EngineInfo | None
     failure_reason: str | None
     wait_reason: str | None
@@ -35,6 +36,36 @@ class Readiness:
     _restart_at: float | None
     _last_load_s: float
     _worker: WorkerProcess | None
+    _state: State = State.STOPPED
+    _unready_s: float = 0.0  # seconds not ``ready`` before ``_unready_since``
+    # time.monotonic() the last ``ready`` ended (0: the clock starts at the first ready)
+    _unready_since: float | None = 0.0
+
+    @property
+    def state(self) -> State:
+        """The lifecycle state (:class:`service.common.engine_states.State`)."""
+        return self._state
+
+    @state.setter
+    def state(self, value: State) -> None:
+        now = time.monotonic()
+        if value is State.READY and self._unready_since is not None:
+            self._unready_s += now - self._unready_since
+            self._unready_since = None
+        elif value is not State.READY and self._unready_since is None:
+            self._unready_since = now
+        self._state = value
+
+    def ready_clock(self) -> float:
+        """Seconds (``time.monotonic()``'s unit, arbitrary origin) that advance only
+        while a worker is ``ready``: the difference of two readings is the time a
+        worker could take work between them, without loads, restarts, pauses or
+        waits for memory."""
+        now = time.monotonic()
+        unready = self._unready_s
+        if self._unready_since is not None:
+            unready += now - self._unready_since
+        return now - unready
 
     def check_ready(self) -> EngineInfo:
         """The engine's facts if a worker is ready; raises :class:`NotReady` otherwise."""
@@ -49,7 +80,8 @@ class Readiness:
 
         Raises:
             NotReady: no worker is ready (also when the woken one could not load, or has
-                to wait for memory or the GPU).
+                to wait for memory or the GPU; a load still going after
+                ``--start-timeout-s`` says so).
         """
         # A generation request (not a poll of /v1/models or /api/ps): keeps it loaded.
         self.last_request_at = time.monotonic()
@@ -65,6 +97,10 @@ class Readiness:
                 and time.monotonic() < deadline
             ):
                 await asyncio.sleep(0.05)
+            if self.state in (State.STARTING, State.RESTARTING) and self._waking:
+                raise NotReady(self.state, self.retry_after_s(),
+                               f"the model did not load within --start-timeout-s "
+                               f"({self.config.start_timeout_s:g} s)")
         return self.check_ready()
 
     def retry_after_s(self) -> int | None:

@@ -12,6 +12,9 @@ from __future__ import annotations
 import json
 import time
 
+import anthropic
+import httpx
+import ollama
 import openai
 import pytest
 from keyed_server import CHAT, COMPLETION, KEY, Raw, auth
@@ -155,3 +158,34 @@ def test_a_request_past_the_timeout_is_aborted_and_answered(start_server):
         ):
             time.sleep(0.1)
         assert http.get("/api/status").json()["counters"]["in_flight"] == 0
+
+
+def test_a_refused_origin_names_the_option_and_ollamas_origins_pass_its_routes(start_server):
+    """A browser Origin not allowed is refused 403 in each API's shape, naming
+    --cors-origin; Ollama's routes take the origins Ollama allows by default (a page on
+    localhost), headroom's own routes and /v1 keep the strict list."""
+    server = start_server(fake=True)
+    local = {"Origin": "http://localhost:3000"}
+    tags = ollama.Client(host=server.base_url, headers=local).list()
+    assert [m.model for m in tags.models]
+    answer = httpx.get(server.base_url + "/api/tags", headers=local)
+    assert answer.headers["access-control-allow-origin"] == "http://localhost:3000"
+    with pytest.raises(openai.PermissionDeniedError) as exc:
+        openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", default_headers=local, max_retries=0).models.list()
+    assert "--cors-origin http://localhost:3000" in exc.value.body["message"]
+    assert exc.value.body["code"] == "origin"
+    with pytest.raises(anthropic.PermissionDeniedError) as exc:
+        anthropic.Anthropic(base_url=server.base_url, api_key="x", default_headers=local, max_retries=0).messages.create(
+            model="default", max_tokens=4, messages=[{"role": "user", "content": "Hi"}])
+    assert exc.value.body["error"]["type"] == "permission_error"
+    assert "--cors-origin http://localhost:3000" in exc.value.body["error"]["message"]
+    status = httpx.get(server.base_url + "/api/status", headers=local)
+    assert status.status_code == 403 and "--cors-origin" in status.json()["error"]["message"]
+    evil = {"Origin": "https://evil.example/"}
+    with pytest.raises(ollama.ResponseError) as exc:
+        ollama.Client(host=server.base_url, headers=evil).chat(model="default", messages=[{"role": "user", "content": "Hi"}])
+    assert exc.value.status_code == 403 and "--cors-origin https://evil.example " in exc.value.error
+    for origin in ("http://localhost.evil.example", "http://127.0.0.1.evil.example:80", "null"):
+        assert httpx.get(server.base_url + "/api/tags", headers={"Origin": origin}).status_code == 403, origin
+    for origin in ("http://127.0.0.1", "https://0.0.0.0:8080", "app://x", "vscode-webview://abc"):
+        assert httpx.get(server.base_url + "/api/tags", headers={"Origin": origin}).status_code == 200, origin

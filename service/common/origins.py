@@ -5,7 +5,10 @@ plane's socket (:mod:`service.control.socket`) both apply, so they can never dis
 A Host must be a loopback name or address, or one configured (``--allowed-host``, the
 bind address); an Origin must be a Tauri origin, the Tauri dev server, one configured
 (``--cors-origin``; ``*`` allows all), or the service's own on a loopback Host
-(:func:`same_origin`: the dashboard at ``/ui`` calling home).
+(:func:`same_origin`: the dashboard at ``/ui`` calling home). Ollama's own routes take
+Ollama's default origins as well (:func:`ollama_default_origin`), so a web app an Ollama
+user runs on localhost works here as it does there; a refusal names the option that
+allows the origin (:func:`refused_origin`).
 """
 
 from __future__ import annotations
@@ -62,6 +65,37 @@ def same_origin(origin: str, host: str | None) -> bool:
     if not sep or scheme not in ("http", "https"):
         return False
     return rest.rstrip("/") == host.strip().lower() and is_loopback_host(host_name(host))
+
+
+# Ollama's default origins (its OLLAMA_ORIGINS list before any is added): these hosts
+# over http or https on any port, and these schemes with anything after them.
+_OLLAMA_HOSTS = ("localhost", "127.0.0.1", "0.0.0.0")
+_OLLAMA_SCHEMES = ("app", "file", "tauri", "vscode-webview", "vscode-file")
+
+
+def ollama_default_origin(origin: str) -> bool:
+    """Whether ``origin`` is one Ollama allows by default: ``http(s)://localhost``,
+    ``127.0.0.1`` or ``0.0.0.0`` with any port or none, or an ``app://``, ``file://``,
+    ``tauri://``, ``vscode-webview://`` or ``vscode-file://`` one. A page elsewhere
+    cannot send such an Origin: the browser writes it."""
+    scheme, sep, rest = normalize_origin(origin).partition("://")
+    if not sep:
+        return False
+    if scheme in _OLLAMA_SCHEMES:
+        return True
+    name, _, port = rest.partition(":")
+    return scheme in ("http", "https") and name in _OLLAMA_HOSTS and (not port or port.isdigit())
+
+
+def refused_origin(origin: str) -> str:
+    """The 403 message for a browser ``origin`` that is not allowed, naming the option
+    that allows it."""
+    wanted = origin.strip().rstrip("/")
+    return (
+        f"origin {origin!r} is not allowed: start headroom serve with --cors-origin {wanted} "
+        "to allow it (HEADROOM_CORS_ORIGIN, or cors_origin in config.toml; '*' allows "
+        "every origin)"
+    )
 
 
 class OriginPolicy:

@@ -14,6 +14,10 @@ routing or body parsing:
    exactly in ``Access-Control-Allow-Origin``. The service's own origin on a loopback
    Host (:func:`service.common.origins.same_origin`) is allowed too: Chromium sends Origin with the module
    scripts, fetches and WebSocket of the dashboard the service serves at ``/ui``.
+   Ollama's routes (``/api/chat``, ``/api/generate``...) also take the origins Ollama
+   allows by default (:func:`service.common.origins.ollama_default_origin`: a page on
+   localhost, an app:// or file:// one...), as Ollama's web clients expect. The 403
+   names the fix, ``--cors-origin <origin>``.
 3. **Preflight** (``OPTIONS`` with ``Access-Control-Request-Method``) is answered 204
    here and never reaches a handler; ``Access-Control-Allow-Private-Network: true``
    is added when the browser asks for it.
@@ -39,9 +43,14 @@ from typing import Any
 import msgspec
 
 from service.api.anthropic.errors import anthropic_error, speaks_anthropic
-from service.api.ollama.routes import speaks_ollama
+from service.api.ollama.routes import OLLAMA_ROUTES, speaks_ollama
 from service.common.errors import INVALID_REQUEST, PERMISSION, error_body
-from service.common.origins import OriginPolicy, same_origin
+from service.common.origins import (
+    OriginPolicy,
+    ollama_default_origin,
+    refused_origin,
+    same_origin,
+)
 
 _ALLOW_METHODS = "GET, HEAD, POST, OPTIONS"
 _DEFAULT_ALLOW_HEADERS = "authorization, content-type"
@@ -96,10 +105,12 @@ class SecurityMiddleware(OriginPolicy):
             )
             return
         origin = headers.get("origin")
-        if origin is not None and not (self.origin_allowed(origin) or same_origin(origin, host)):
-            await _refuse(
-                scope, receive, send, 403, f"origin {origin!r} is not allowed", PERMISSION, "origin"
-            )
+        if origin is not None and not (
+            self.origin_allowed(origin)
+            or same_origin(origin, host)
+            or (_ollama_route(scope.get("path", "")) and ollama_default_origin(origin))
+        ):
+            await _refuse(scope, receive, send, 403, refused_origin(origin), PERMISSION, "origin")
             return
         cors = _cors_headers(origin) if origin is not None else []
         if (
@@ -120,6 +131,13 @@ class SecurityMiddleware(OriginPolicy):
             await send(message)
 
         await self.app(scope, receive, send_with_cors)
+
+
+def _ollama_route(path: str) -> bool:
+    """Whether ``path`` is one of Ollama's routes itself (``/api/chat``...), not a path
+    under one nor headroom's own ``/api`` routes."""
+    name = path.removeprefix("/api/").rstrip("/")
+    return path.startswith("/api/") and name in OLLAMA_ROUTES
 
 
 def header_bytes(scope: dict[str, Any]) -> int:

@@ -60,6 +60,18 @@ def test_openai_client_retrieves_a_model_by_any_name_it_lists(real_server):
     assert listed[0].id in raised.value.body["message"]
 
 
+def test_an_empty_content_array_is_refused_as_openai_refuses_it(real_server):
+    client = openai.OpenAI(base_url=real_server.base_url + "/v1", api_key="unused", max_retries=0)
+    turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": []}]
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model="default", messages=turns, max_tokens=2)
+    assert raised.value.body["param"] == "messages[1].content"
+    assert "empty array" in raised.value.body["message"]
+    # An empty string is a turn that says nothing: taken, as OpenAI takes it.
+    turns[1]["content"] = ""
+    assert client.chat.completions.create(model="default", messages=turns, max_tokens=2).choices
+
+
 def test_openai_client_completions(real_server):
     client = openai.OpenAI(base_url=real_server.base_url + "/v1", api_key="unused")
     reply = client.completions.create(

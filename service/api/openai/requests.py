@@ -38,7 +38,8 @@ def chat_request(
     Raises:
         APIError: 400 naming the field (``top_logprobs``, ``functions``,
             ``response_format``, ``stop``, ``logit_bias``, ``reasoning_effort``;
-            ``thinking_budget`` when it contradicts ``reasoning_effort``).
+            ``thinking_budget`` when it contradicts ``reasoning_effort``;
+            ``messages[i].content`` when it is an empty array, as OpenAI refuses it).
     """
     logit_bias, stop = logit_bias_pairs(body.logit_bias), stop_strings(body.stop)
     if body.top_logprobs is not None:
@@ -51,6 +52,7 @@ def chat_request(
         raise invalid("functions are not supported; send tools instead", "functions")
     if body.function_call not in (None, "none", "auto"):
         raise invalid("function_call is not supported; send tools and tool_choice instead", "function_call")
+    _check_contents(body.messages)
     json_schema = response_schema(body.response_format)
     thinking, budget = effort_thinking(body.reasoning_effort, "reasoning_effort")
     if body.thinking_budget is not None:
@@ -84,6 +86,22 @@ def chat_request(
         thinking_budget=budget,
         thinking_param="thinking_budget" if body.reasoning_effort is None else "reasoning_effort",
     )
+
+
+def _check_contents(messages: list[Any]) -> None:
+    """An empty content array is refused, as OpenAI refuses it (an empty string is a
+    turn that says nothing, and is taken).
+
+    Raises:
+        APIError: 400 ``messages[i].content``.
+    """
+    for i, message in enumerate(messages):
+        if isinstance(message, dict) and message.get("content") == []:
+            raise invalid(
+                f"messages[{i}].content is an empty array: send at least one content part, "
+                "or the content as a string",
+                f"messages[{i}].content",
+            )
 
 
 def completion_request(

@@ -119,6 +119,21 @@ def test_ollama_errors(real_server):
         assert (r.status_code, r.json()) == (400, {"error": "model is required"}), body
 
 
+def test_tool_call_arguments_as_text_are_refused_as_ollama_refuses_them(real_server):
+    """Ollama takes a tool call's arguments as an object; JSON text (OpenAI's form) is a
+    400 naming the field, where it was taken."""
+    call = {"function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    turns = [*QUESTION, {"role": "assistant", "content": "", "tool_calls": [call]}, *QUESTION]
+    r = httpx.post(real_server.base_url + "/api/chat", json={"model": "default", "messages": turns}, timeout=60)
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]
+    assert "messages[1].tool_calls[0].function.arguments must be an object" in message and "not str" in message
+    # The ollama client sends them as an object: taken.
+    call["function"]["arguments"] = {"city": "Paris"}
+    client = ollama.Client(host=real_server.base_url, timeout=300)
+    assert client.chat(model="default", messages=turns, options={"num_predict": 2}).done
+
+
 def test_ollama_api_key_and_worker_killed_mid_stream(start_server):
     server = start_server(["--api-key", "sekrit"], {"HEADROOM_FAKE_STEP_S": "0.2"}, fake=True)
     body = {"model": "default", "messages": QUESTION, "options": {"num_predict": 500}}

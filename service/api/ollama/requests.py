@@ -53,10 +53,34 @@ def _refuse_unsupported(body: OllamaChatRequest | OllamaGenerateRequest) -> None
                     "images are not supported: this server serves text models",
                     f"messages[{i}].images",
                 )
+            if isinstance(message, dict):
+                _check_arguments(message.get("tool_calls"), f"messages[{i}].tool_calls")
         return
     for name in ("suffix", "template", "context", "images"):
         if getattr(body, name):
             raise invalid(f"{name} is not supported by this server", name)
+
+
+def _check_arguments(calls: Any, param: str) -> None:
+    """A tool call's ``arguments`` is an object in Ollama's API (a JSON text is
+    OpenAI's form, which Ollama refuses too).
+
+    Raises:
+        APIError: 400 ``<param>[j].function.arguments`` for arguments that are not an
+            object.
+    """
+    if not isinstance(calls, list):
+        return  # the template check names a malformed list
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        arguments = function.get("arguments") if isinstance(function, dict) else None
+        if arguments is not None and not isinstance(arguments, dict):
+            raise invalid(
+                f"{param}[{j}].function.arguments must be an object, as Ollama takes it "
+                f"({{\"city\": \"Paris\"}}), not {type(arguments).__name__}; send the "
+                "arguments as a JSON object, not as JSON text",
+                f"{param}[{j}].function.arguments",
+            )
 
 
 def _messages(body: OllamaChatRequest) -> list[dict[str, Any]]:

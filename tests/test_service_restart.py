@@ -202,6 +202,15 @@ def test_crash_loop_goes_to_failed_and_says_why(start_server):
     assert report["status"] == "failed" and report["restarts"] == 2
     assert report["worker_pid"] is None and "retry_after_s" not in report
     assert server.proc.poll() is None  # the front end is up
+    # Every message of the failed state names the way out, and a resume is no way out.
+    restart = "POST /api/control/restart (or restarting the service) starts it again"
+    assert restart in report["reason"] and restart in error["message"]
+    control = {"Authorization": f"Bearer {server.token}"}
+    resumed = httpx.post(server.base_url + "/api/control/resume", headers=control, timeout=30)
+    assert restart in assert_openai_error(resumed, 409, code="engine_failed")["message"]
+    assert server.health().json()["status"] == "failed"
+    assert httpx.post(server.base_url + "/api/control/restart", headers=control, timeout=30).status_code == 202
+    server.wait_ready(60)
 
 
 def test_crash_loop_at_first_start_exits_with_the_reason(start_server):

@@ -58,6 +58,10 @@ UNLOADED = frozenset({State.WAITING_FOR_MEMORY, State.WAITING_FOR_GPU, State.PAU
 # How a paused engine is loaded again, said once in whatever names the pause.
 RESUME_ROUTE = "POST /api/control/resume"
 RESUME_HINT = f"{RESUME_ROUTE} resumes it"
+# How a failed engine (a crash loop after the first start) is started again: only a
+# restart does it (a resume answers 409 naming it).
+RESTART_ROUTE = "POST /api/control/restart"
+RESTART_HINT = f"{RESTART_ROUTE} (or restarting the service) starts it again"
 
 
 class NotReady(Exception):

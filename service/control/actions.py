@@ -17,7 +17,7 @@ from typing import Literal
 from engine.memory.plan import fmt_bytes
 from engine.wire import ipc
 from engine.wire.messages import BY_CONTROL
-from service.common.engine_states import State
+from service.common.engine_states import ENGINE_FAILED, RESTART_HINT, State
 from service.common.errors import APIError, invalid
 from service.supervision.supervisor import Supervisor
 from service.vram.host import host_memory
@@ -88,10 +88,16 @@ class SupervisorControl:
         """Load the worker again after a pause (or an idle unload).
 
         Raises:
-            APIError: 409 while the service is shutting down.
+            APIError: 409 while the service is shutting down; 409 ``engine_failed``
+                on a failed engine, naming the restart that starts it again (a
+                resume does not: a crash loop is for the user to look into first).
         """
-        if self.supervisor.state is State.STOPPED:
+        state = self.supervisor.state
+        if state is State.STOPPED:
             raise APIError(409, "the service is shutting down", code="stopping")
+        if state is State.FAILED:
+            raise APIError(409, f"the engine has failed, a resume does not start it: {RESTART_HINT}",
+                           code=ENGINE_FAILED)
         return self.supervisor.resume()
 
     def set_reserve(self, reserve: int | Literal["auto"]) -> str:

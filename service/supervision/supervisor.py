@@ -47,6 +47,7 @@ from engine.wire.messages import EngineEvent, EngineInfo, EngineStats
 from service.common.engine_states import (
     ENGINE_FAILED,
     ENGINE_RESTARTED,
+    RESTART_HINT,
     SHUTDOWN_MESSAGE,
     SHUTTING_DOWN,
     UNLOADED,
@@ -390,11 +391,15 @@ class Supervisor(Readiness, Unloading, Draining):
 
 
     def _fail(self, reason: str) -> None:
-        """Enter ``failed``: no more restarts until :meth:`restart`."""
+        """Enter ``failed``: no more restarts until :meth:`restart`. Once the service
+        has been up (a failure at the first start ends it), ``reason`` goes on with
+        how to start it again (:data:`RESTART_HINT`): health, ``headroom status`` and
+        every API error say it."""
         log.error("engine failed: %s", first_line(reason))
         self._waking = False
         self.state = State.FAILED
-        self.failure_reason = reason
+        self.failure_reason = reason if self._first_start else f"{reason}; {RESTART_HINT}"
+        reason = self.failure_reason
         self._restart_at = None
         self._inflight.fail_all(ENGINE_FAILED, reason, retry=False)
         self._publish(WorkerEvent(phase="failed", reason=reason, restarts=self.restarts))

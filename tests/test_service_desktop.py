@@ -276,3 +276,24 @@ def test_a_request_waiting_past_the_start_timeout_for_its_load_is_told_why(start
     answer = httpx.post(f"{server.base_url}/v1/completions", json=ASK, timeout=LOAD_S)
     assert answer.status_code == 503, answer.text
     assert "the model did not load within --start-timeout-s (2 s)" in answer.json()["error"]["message"]
+
+
+def test_count_tokens_answers_while_unloaded_without_loading(start_server):
+    """``/v1/messages/count_tokens`` runs nothing in the engine: unloaded (``idle``) or
+    ``paused``, it counts with the tokenizer the service holds, and nothing loads."""
+    server = start_server(["--keep-alive", "1s"], fake=True)
+    body = {"model": "default", "messages": [{"role": "user", "content": "What is the capital of France?"}]}
+
+    def count() -> int:
+        r = httpx.post(f"{server.base_url}/v1/messages/count_tokens", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["input_tokens"]
+
+    ready = count()
+    assert ready > 0
+    wait_for(lambda: _health(server).get("status") == "idle", 120, "the idle unload")
+    assert count() == ready
+    assert _health(server)["status"] == "idle"
+    assert _control(server, "pause").status_code == 202
+    assert count() == ready
+    assert _health(server)["status"] == "paused"

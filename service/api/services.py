@@ -18,6 +18,7 @@ from engine.wire.messages import EngineInfo
 from service.api.admission import Admission
 from service.api.sampling_defaults import SamplingDefaults, load_sampling_defaults
 from service.api.text import TextSide
+from service.common.engine_states import UNLOADED
 from service.common.errors import APIError
 from service.common.settings import ServeSettings
 from service.events.metrics import ServiceMetrics
@@ -96,6 +97,23 @@ class Services:
         # here so that it is not reported as never retrieved (prepare raises its own).
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
         self._prefetch = (model_dir, task)
+
+    async def tokenizer_info(self) -> EngineInfo:
+        """The engine's facts for work done by the tokenizer alone (counting a
+        prompt's tokens): a ready worker's; while no worker runs (``paused``, ``idle``,
+        waiting for memory or the GPU), the last worker's, its tokenizer still held,
+        so nothing loads and an idle model stays unloaded.
+
+        Raises:
+            NotReady: as :meth:`~service.supervision.readiness.Readiness.ready`, when
+                the state is another or no worker was ever ready (no tokenizer held:
+                it loads with the first worker).
+        """
+        sup = self.supervisor
+        held = sup.info is not None and self.text is not None and self.text.model_dir == sup.info.model_dir
+        if sup.state in UNLOADED and held:
+            return sup.info
+        return await sup.ready()
 
     async def _load_text(self, model_dir: str) -> TextSide:
         """``model_dir``'s tokenizer: the prefetched one when it was for this folder

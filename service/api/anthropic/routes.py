@@ -11,7 +11,9 @@ supervisor's restarts and retries, ``--request-timeout`` and client disconnects 
 on the other routes. ``thinking`` of type ``enabled`` on a model whose chat template
 writes no thinking blocks is a 400, after the model check. ``count_tokens`` renders the
 prompt as ``/v1/messages`` does (system, tools, messages, a forced call's opening) and
-counts its tokens, whatever the context holds; nothing runs in the engine.
+counts its tokens, whatever the context holds; nothing runs in the engine, so it
+answers while the engine is paused or unloaded too (the tokenizer stays in the
+service; :meth:`~service.api.services.Services.tokenizer_info`).
 
 Errors are Anthropic's (:mod:`service.api.anthropic.errors`). The ``anthropic-version``
 and ``anthropic-beta`` headers are accepted and not read. With ``--api-key`` these
@@ -80,7 +82,7 @@ class AnthropicController(Controller):
     async def count_tokens(self, request: Request, svc: Services) -> Response[bytes]:
         """The tokens of the prompt a messages request with these parts would have."""
         body, call = await read_call(request, CountTokensRequest, count_request, _ID_PREFIX)
-        info = await svc.supervisor.ready()
+        info = await svc.tokenizer_info()
         svc.check_model(body.model, info)
         assert svc.text is not None
         _, prompts = await prompt_ids(svc.text, info, call, sys.maxsize)

@@ -1,7 +1,8 @@
 """What a new user hit, each as it was met: a KV cache too small for one request
 accepted, the embedded model missing from ``headroom models``, ``headroom generate``
-loading a second engine beside a running server, and a refused request's log line
-without its reason."""
+loading a second engine beside a running server (and its error against a service with
+``--api-key`` naming no way to give the key), and a refused request's log line without
+its reason."""
 
 from __future__ import annotations
 
@@ -96,3 +97,25 @@ def test_a_refused_request_logs_its_reason(real_server):
     assert r.status_code == 404
     wait_for(lambda: any("POST /api/chat -> 404" in x and "nope" in x for x in real_server.log().splitlines()),
              30, "the unknown model's log line")
+
+
+@pytest.mark.slow
+def test_generate_against_a_service_with_an_api_key_names_how_to_give_it(start_server):
+    server = start_server(["--api-key", "sk-user-0123"], fake=True)
+    env = {**os.environ, "HEADROOM_CONFIG": os.devnull, "HEADROOM_RUNTIME_DIR": server.env["HEADROOM_RUNTIME_DIR"]}
+    env.pop("HEADROOM_API_KEY", None)
+
+    def generate(*args: str, env=env) -> subprocess.CompletedProcess:
+        return subprocess.run([*headroom_command(), "generate", "--max-tokens", "2", *args, "hi"],
+                              capture_output=True, text=True, timeout=120, env=env)
+
+    refused = generate()
+    assert refused.returncode == 1
+    assert "a valid API key is required" in refused.stderr
+    for fix in ("--api-key KEY", "HEADROOM_API_KEY=KEY", "--local"):
+        assert fix in refused.stderr, refused.stderr
+    wrong = generate("--api-key", "sk-not-it")
+    assert wrong.returncode == 1 and "the key given is not its key" in wrong.stderr
+    for answered in (generate("--api-key", "sk-user-0123"), generate(env={**env, "HEADROOM_API_KEY": "sk-user-0123"})):
+        assert answered.returncode == 0, answered.stderr
+        assert answered.stdout.strip() and "loading the engine here" not in answered.stderr

@@ -202,6 +202,7 @@ _PLAN_KNOBS = (
     "reserve",
     "device_limit",
     "min_context",
+    "api_key",
     *KERNEL_SWITCHES,
 )
 @click.argument("prompt")

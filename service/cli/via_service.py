@@ -8,7 +8,9 @@ and ``--seed``, streamed; the text is written as it comes, as the in-process eng
 writes it. The service's own settings apply (its model, context, device): a
 ``--model`` it does not serve, a service that does not answer or is not ready (a
 paused one stays paused) leaves the work to the in-process engine, saying why on
-stderr. Any other refusal (a prompt too long for its context) is the command's error.
+stderr. Any other refusal (a prompt too long for its context) is the command's error;
+a service started with ``--api-key`` takes generate's ``--api-key`` (or
+``HEADROOM_API_KEY``), and a refused key's error names both and ``--local``.
 
 Light at import (httpx only when called), like the whole of :mod:`service.cli`.
 """
@@ -84,6 +86,11 @@ def generate_on_service(
                     message, code = error.get("message", r.text), error.get("code")
                 except (ValueError, KeyError, TypeError, AttributeError):
                     message, code = r.text, None
+                if r.status_code == 401:
+                    fail(f"the service on {url} refused the prompt: {message}; "
+                         + ("the key given is not its key: " if api_key else "")
+                         + "pass its key with --api-key KEY (or HEADROOM_API_KEY=KEY), "
+                         "or --local to load the engine here")
                 if r.status_code in (404, 503) or code == "model_not_found":
                     print(f"headroom: the service on {url} cannot take it ({message}); loading the engine here",
                           file=sys.stderr)

@@ -151,7 +151,8 @@ class ServeSettings(EngineConfig):
     )
     api_key: str | None = option(
         None,
-        "Require 'Authorization: Bearer KEY' on /v1 (unset: no key).",
+        "Require 'Authorization: Bearer KEY' on /v1 (unset: no key); generate sends it "
+        "to the running service.",
         # An empty key (an empty HEADROOM_API_KEY) would turn authentication off unseen.
         checks=(lambda key: None if key.strip() else "is empty; unset it to serve without a key",),
     )

@@ -434,16 +434,11 @@ class EngineConfig(KernelOptions):
     def problem(self) -> tuple[str, str] | None:
         """The first (option name, why) of options that do not go together, or None."""
         if self.quantization == "fp8" and self.gguf_quantized is True:
-            # Both choose the weights' format; silently keeping one would price and load
-            # something other than what was asked.
-            return "quantization", (
-                "fp8 does not go with --gguf-quantized (which keeps a GGUF's own blocks): "
-                "drop one of the two"
-            )
+            # Both choose the weights' format: keeping one would price and load another.
+            return "quantization", "fp8 does not go with --gguf-quantized (which keeps a GGUF's own blocks): drop one of the two"
         if self.cpu_layers not in ("auto", "0") and self.tensor_parallel_size > 1:
             return "cpu_layers", "does not go with --tensor-parallel-size above 1: use one of the two"
-        if self.num_pages is not None and self.kv_cache is not None:
-            # Both fix the KV pool's size; one would silently win over the other.
+        if self.num_pages is not None and self.kv_cache is not None:  # else one would silently win
             return "num_pages", "does not go with --kv-cache (both fix the KV cache's size): give one of the two"
         if self.device_free is not None:
             if self.device_total is None:

@@ -149,24 +149,20 @@ def _hf_shape(tensor: Any) -> tuple[int, ...]:
     return tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims innermost first
 
 
-def gguf_weight_size(gguf_path: str | Path, config: ModelConfig, dtype: torch.dtype,
-                     device_type: str = "cuda", cpu_blocks: bool | None = None,
-                     file_forms: bool = False) -> WeightSize:
+def gguf_weight_size(gguf_path: str | Path, config: ModelConfig, dtype: torch.dtype, device_type: str = "cuda",
+                     cpu_blocks: bool | None = None, file_forms: bool = False) -> WeightSize:
     """What :func:`load_gguf_quantized` allocates for ``gguf_path`` on a ``device_type``
     device, from the file's tensor table (no tensor data is read). On the CPU the
     Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 projections take torch's int4 layout (one or two planes), the
     token embeddings of those types stay in blocks and a tied LM head is repacked from
     them; other block types, and a mixture of experts' routed experts, are dequantized
-    (:mod:`engine.layers.linear.cpu_int4`). The routed experts' bytes are also given
-    per layer, so that the plan can put the host tier and the expert cache of
-    ``--cpu-experts`` at their stored size. Where the C CPU kernels run (``cpu_blocks``;
-    None asks :func:`~engine.layers.linear.cpu_kernels.cpu_kernels`, as the engine's load does)
-    Q4_0/Q4_1/Q8_0 projections stay in their blocks instead and a tied head shares the
-    embeddings' blocks (:mod:`engine.layers.linear.cpu_blocks`). ``file_forms``: each
-    decoder layer also holds, beside what the CPU path repacks (to int4 or dense), the
-    projection's blocks as the file stores them, which a split that may move back up
-    keeps (:func:`engine.layers.host_layers.file_form`); those bytes count in
-    ``decoder_layer_bytes`` too (not in the total).
+    (:mod:`engine.layers.linear.cpu_int4`). The routed experts' bytes are also given per
+    layer, for the host tier and expert cache of ``--cpu-experts``. Where the C CPU
+    kernels run (``cpu_blocks``; None asks :func:`~engine.layers.linear.cpu_kernels.cpu_kernels`)
+    Q4_0/Q4_1/Q8_0 projections stay in their blocks and a tied head shares the
+    embeddings' (:mod:`engine.layers.linear.cpu_blocks`). ``file_forms``: a decoder
+    layer's ``decoder_layer_bytes`` also count the file's blocks of what the CPU path
+    repacks, which a split that may move keeps (:func:`engine.layers.host_layers.file_form`).
 
     Raises:
         CorruptWeights: the file is not a readable GGUF.
@@ -216,9 +212,8 @@ def gguf_weight_size(gguf_path: str | Path, config: ModelConfig, dtype: torch.dt
             expert_layer_bytes[layer_of[t.name]] += nbytes
         block = t.name.split(".")
         if block[0] == "blk" and block[1].isdecimal() and int(block[1]) < config.num_layers:
-            decoder_layer_bytes[int(block[1])] += nbytes
-            if file_forms and stored is not None and kept != stored and t.name not in expert_blocks:
-                decoder_layer_bytes[int(block[1])] += tensor_bytes(stored, shape, itemsize)  # the kept file form
+            file_form = file_forms and stored is not None and kept != stored and t.name not in expert_blocks
+            decoder_layer_bytes[int(block[1])] += nbytes + (tensor_bytes(stored, shape, itemsize) if file_form else 0)
         if kept:
             quant_count[kept] += 1
             quant_bytes[kept] += nbytes

@@ -110,8 +110,9 @@ def test_a_refused_host_answers_ollama_routes_in_ollamas_shape(real_server):
     r = httpx.get(real_server.base_url + "/api/tags", headers={"Host": "evil.example"}, timeout=30)
     assert r.status_code == 403 and set(r.json()) == {"error"} and "evil.example" in r.json()["error"], r.text
     # headroom's own /api routes keep OpenAI's shape.
-    r = httpx.get(real_server.base_url + "/api/status", headers={"Host": "evil.example"}, timeout=30)
+    r = httpx.get(real_server.base_url + "/api/status", headers={"Host": "evil.example:8080"}, timeout=30)
     assert r.status_code == 403 and r.json()["error"]["code"] == "host", r.text
+    assert "start headroom serve with --allowed-host evil.example " in r.json()["error"]["message"], r.text
 
 
 def test_routes_other_servers_have_say_what_headroom_does_instead(real_server):

@@ -125,3 +125,15 @@ class OriginPolicy:
             return True  # HTTP/1.0 without Host: not a browser, nothing to rebind
         name = host_name(host)
         return is_loopback_host(name) or name in self._hosts
+
+
+def refused_host(host: str | None) -> str:
+    """The 403 message for a ``Host`` header that is not allowed (DNS rebinding's guard),
+    naming the option that allows it."""
+    if not host:
+        return "a request without a Host header is not allowed: send Host (every HTTP/1.1 client does)"
+    name = host.strip().rsplit(":", 1)[0] if not host.strip().endswith("]") else host.strip()
+    return (
+        f"host {host!r} is not allowed: start headroom serve with --allowed-host {name} to serve "
+        "requests addressed to it (HEADROOM_ALLOWED_HOST, or allowed_host in config.toml)"
+    )

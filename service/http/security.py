@@ -48,6 +48,7 @@ from service.common.errors import INVALID_REQUEST, PERMISSION, error_body
 from service.common.origins import (
     OriginPolicy,
     ollama_default_origin,
+    refused_host,
     refused_origin,
     same_origin,
 )
@@ -101,7 +102,7 @@ class SecurityMiddleware(OriginPolicy):
         host = headers.get("host")
         if not self.host_allowed(host):
             await _refuse(
-                scope, receive, send, 403, f"host {host!r} is not allowed", PERMISSION, "host"
+                scope, receive, send, 403, refused_host(host), PERMISSION, "host"
             )
             return
         origin = headers.get("origin")

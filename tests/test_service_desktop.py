@@ -244,7 +244,7 @@ def test_the_load_a_request_wakes_is_not_its_request_timeout(start_server):
     """``--request-timeout`` counts the time a worker is ready: a request that wakes an
     unloaded model (its load longer than the timeout) is answered, streaming or not."""
     server = start_server(["--request-timeout", "1", "--keep-alive", "1s"], fake=True,
-                          env={"HEADROOM_FAKE_LOAD_S": "3"})
+                          env={"HEADROOM_FAKE_LOAD_S": "2"})  # a load twice the timeout
 
     def idle() -> None:
         wait_for(lambda: _health(server).get("status") == "idle", 120, "the idle unload")

@@ -241,13 +241,8 @@ class RingPages:
         if size == old:
             return
         before = -(-kv_len // self.ring.page_size)
-        if old >= before and size >= before:  # no page wrapped: grow or cut the tail
-            if size > old:
-                ring.extend(self.allocator.alloc(size - old))
-            else:
-                self.allocator.free(ring[size:])
-                del ring[size:]
-            return
+        # Where no page wrapped (old and size both cover ``before``) this keeps ring[:before]
+        # in place and appends or cuts the tail, as the global pages grow and shrink.
         keep = min(old, size, before)
         placed: list[int | None] = [None] * size
         for j in range(before - keep, before):

@@ -194,6 +194,8 @@ class Engine(PlanStages, WeightsStage, GrammarWaits, LiveReplan, SplitReplan):
         ring = self._kv_ring
         self.ring = None if ring is None else RingPages(ring, self.pool.ring_pages, self.pool,
                                                         self.knobs.state_checkpoints)
+        # What a live replan resizes the ring pool to beside the KV pool (engine.memory.kv_fit).
+        self.ring_rule = self._ring_rule(self.pool)
         if ring is None and config.sliding_kv_ring != "off" and any(mc.kv_windows) and (
                 why := kv_ring_excluded(mc, self.knobs)):
             log.info("sliding-window layers keep every token in the KV cache: no ring with %s", why)

@@ -14,6 +14,9 @@ steps (the engine is single-threaded).
 (:func:`engine.scheduler.resize.shrink_pages`). A resize gives the pool new
 buffers, so the runner's decode CUDA graphs, which hold the old addresses, are dropped
 first (:meth:`engine.core.runner.ModelRunner.pool_will_move`) and captured again on next use.
+A model whose sliding-window layers keep a ring has the ring pool resized with the KV
+pool, by the rule the plan sized it with at start (``Engine.ring_rule``,
+:class:`engine.memory.kv_fit.RingRule`).
 """
 
 from __future__ import annotations
@@ -22,12 +25,14 @@ import logging
 import math
 import time
 
+from dataclasses import replace
+
 import msgspec
 import torch
 
 from engine.common.units import fmt_bytes
 from engine.layers.moe.offload import resize_cache
-from engine.scheduler.resize import Vacated, grow_pages, shrink_pages
+from engine.scheduler.resize import Vacated, grow_pages, shrink_pages, shrink_rings
 from engine.wire.messages import (
     BY_WATCHER,
     REPLAN_EVICT_PREFIX_CACHE,
@@ -52,7 +57,7 @@ class LiveReplan:
     @property
     def kv_page_bytes(self) -> int:
         """Device bytes one KV page costs over all layers (but a sliding-window ring's,
-        which resizes leave alone), keys and values."""
+        whose pool follows the pages by ``ring_rule``), keys and values."""
         return self.pool.page_bytes
 
     def min_kv_pool_pages(self, context_tokens: int | None = None) -> int:
@@ -141,6 +146,11 @@ class LiveReplan:
 
         Growing adds free pages at the top and raises the context limit back.
 
+        A sliding-window ring pool follows, to ``ring_rule``'s pages beside the new pool:
+        a shrink frees its pages above the cut as step 3 does (ring pages moved, prefix-cache
+        checkpoints dropped, the youngest requests preempted where too few are free:
+        :func:`engine.scheduler.resize.shrink_rings`); a grow adds free ring pages.
+
         Returns:
             What was done; a :class:`engine.wire.messages.Replanned` event with the same
             figures is queued for :meth:`drain_events`.
@@ -154,10 +164,12 @@ class LiveReplan:
         if num_pages < 2:
             raise ValueError(f"the KV pool needs at least 2 pages (one is the null page), got {num_pages}")
         started = time.perf_counter()
-        before_pages, before_bytes = self.pool.num_pages, self.pool.nbytes
+        before_pages, before_bytes, before_rings = self.pool.num_pages, self.pool.nbytes, self.pool.ring_pages
         shrunk = Vacated()
         if num_pages < before_pages:
             shrunk = shrink_pages(self.scheduler, num_pages, self._context_limit(num_pages))
+            rings = self._vacate_rings(num_pages)
+            shrunk = replace(shrunk, preempted=shrunk.preempted + rings.preempted, ring_moves=rings.ring_moves)
             self.pool.copy_pages(list(shrunk.moves), list(shrunk.moves.values()))
             host = self.model.host_layers if hasattr(self.model, "host_layers") else None
             if host is not None:  # --cpu-layers: the same pages of the host pool move too
@@ -165,18 +177,20 @@ class LiveReplan:
             self.runner.pool_will_move()
             try:
                 self.pool.resize(num_pages)
+                self._rings_follow()
             finally:
                 self._pool_resized()
         elif num_pages > before_pages:
             self.runner.pool_will_move()
             try:
                 self.pool.resize(num_pages)
+                self._rings_follow()
             finally:
                 # After a failed grow the pool is consistent at its old size.
                 grow_pages(self.scheduler, self.pool.num_pages, self._context_limit(self.pool.num_pages))
                 self._pool_resized()
         evicted, relocated, preempted, ended = (
-            shrunk.evicted_pages, len(shrunk.moves), shrunk.preempted, shrunk.ended
+            shrunk.evicted_pages, len(shrunk.moves) + len(shrunk.ring_moves), shrunk.preempted, shrunk.ended
         )
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -185,6 +199,8 @@ class LiveReplan:
             after_pages=self.pool.num_pages,
             before_bytes=before_bytes,
             after_bytes=self.pool.nbytes,
+            before_ring_pages=before_rings,
+            after_ring_pages=self.pool.ring_pages,
             evicted_pages=evicted,
             relocated_pages=relocated,
             preempted=preempted,
@@ -196,16 +212,18 @@ class LiveReplan:
             # Pages as people read them everywhere (the plan, the control API, replan
             # events): usable ones, the null page left out.
             log.info(
-                "KV pool %s: %d -> %d pages (%.1f -> %.1f MiB) in %.1f ms; %d evicted, %d moved, "
+                "KV pool %s: %d -> %d pages%s (%.1f -> %.1f MiB) in %.1f ms; %d evicted, %d moved, "
                 "%d preempted, %d ended; context limit %d tokens%s",
                 "shrunk" if result.after_pages < before_pages else "grown", before_pages - 1,
-                result.after_pages - 1, before_bytes / 2**20, result.after_bytes / 2**20,
+                result.after_pages - 1, f", sliding-window rings {before_rings - 1} -> {result.after_ring_pages - 1}"
+                if before_rings else "", before_bytes / 2**20, result.after_bytes / 2**20,
                 result.duration_ms, evicted, relocated, len(preempted), len(ended),
                 self.max_context_tokens, f" ({reason})" if reason else "",
             )
             self._replanned(
                 REPLAN_RESIZE_POOL, reason, origin, before_pages, before_bytes, result.duration_ms,
                 evicted_pages=evicted, relocated_pages=relocated, preempted=preempted, ended=ended,
+                before_ring_pages=before_rings,
             )
         return result
 
@@ -273,10 +291,42 @@ class LiveReplan:
             max_prefill_tokens=self.scheduler.max_prefill_tokens,
             max_context_tokens=self.max_context_tokens,
             **{"before_expert_slots": self.expert_cache_slots, "before_expert_bytes": self.expert_cache_bytes,
-               "before_cpu_layers": self.cpu_layers, **extra},
+               "before_cpu_layers": self.cpu_layers, "before_ring_pages": self.pool.ring_pages, **extra},
             after_expert_slots=self.expert_cache_slots, after_expert_bytes=self.expert_cache_bytes,
-            after_cpu_layers=self.cpu_layers,
+            after_cpu_layers=self.cpu_layers, after_ring_pages=self.pool.ring_pages,
         ))
+
+    def _vacate_rings(self, num_pages: int) -> Vacated:
+        """Free the ring pages beyond ``ring_rule``'s ring pool beside a KV pool of
+        ``num_pages`` pages (null pages included), before the buffers shrink: the
+        scheduler's :func:`engine.scheduler.resize.shrink_rings`, then the moved pages'
+        keys and values copied in the ring layers. Nothing without a ring or a shrink."""
+        rule = self.ring_rule
+        target = rule.rings(num_pages - 1) + 1 if rule is not None else 0
+        if not target or target >= self.ring.allocator.num_pages:
+            return Vacated()
+        vacated = shrink_rings(self.scheduler, target)
+        self.pool.copy_pages(list(vacated.ring_moves), list(vacated.ring_moves.values()), ring=True)
+        return vacated
+
+    def _rings_follow(self) -> None:
+        """After the KV pool resized: the ring layers' buffers shrink to the pages
+        :meth:`_vacate_rings` left the ring allocator, or, where ``ring_rule`` gives more
+        beside the pool now, grow and the allocator with them (to the buffers' size after
+        a grow that ran out of memory)."""
+        rule = self.ring_rule
+        if rule is None:
+            return
+        have = self.ring.allocator.num_pages
+        if self.pool.ring_pages > have:
+            self.pool.resize_ring(have)
+            return
+        target = rule.rings(self.pool.num_pages - 1) + 1
+        if target > have:
+            try:
+                self.pool.resize_ring(target)
+            finally:
+                self.ring.allocator.resize(self.pool.ring_pages)
 
     def _context_limit(self, num_pages: int) -> int:
         """The per-request context limit for a pool of ``num_pages`` (null page included)."""

@@ -26,7 +26,8 @@ from engine.kvcache.pool import KVPool
 from engine.kvcache.ring import SlidingRing
 from engine.layers.attention.registry import backend_class, model_attention
 from engine.layers.moe.offload import before_forward, can_capture_decode
-from engine.memory.fixed_pool import unplanned_pages
+from engine.memory.fixed_pool import short_pool_warning, unplanned_pages
+from engine.memory.kv_fit import RING_FLOOR_REQUESTS, RingRule
 from engine.memory.ledger import fit_plan, make_plan
 from engine.memory.plan import MemoryPlan, PlanKnobs
 
@@ -66,6 +67,22 @@ class PlanStages:
         """The ring pool's pages the memory plan chose (:mod:`engine.memory.kv_fit`), None
         without a plan that sized one."""
         return self.plan.kv_ring_pages if self.plan is not None and self.plan.kv_ring_pages else None
+
+    def _ring_rule(self, pool: KVPool) -> RingRule | None:
+        """The ring pool's size beside the KV pool as live replans resize it
+        (:class:`engine.memory.kv_fit.RingRule`), from the start's ``pool``: the plan's
+        bound, floor and wanted context (without a plan, the rings' bound beside the
+        pages, as at start); None without a ring."""
+        ring = self._kv_ring
+        if ring is None or not pool.ring_layers:
+            return None
+        knobs, plan = self.knobs, self.plan
+        requests = knobs.max_running_requests
+        wanted = -(-plan.wanted_context_tokens // knobs.page_size) if plan is not None and plan.kv_ring_pages else 0
+        return RingRule(ring_page_bytes=pool.ring_page_bytes,
+                        full_cap=ring.rings_bound(requests) + knobs.state_checkpoints * ring.checkpoint_pages,
+                        floor_cap=ring.rings_bound(min(requests, RING_FLOOR_REQUESTS)), wanted_pages=wanted,
+                        planned_pages=pool.num_pages - 1, planned_rings=pool.ring_pages - 1)
 
     @property
     def _kv_ring(self) -> SlidingRing | None:
@@ -253,6 +270,8 @@ class PlanStages:
         """Pool size in pages, the null page included (see EngineConfig for the order)."""
         cfg = self.config
         if cfg.num_pages is not None:
+            if (short := short_pool_warning(cfg, mc)) is not None:
+                log.warning(short)
             return cfg.num_pages
         if self.plan is not None:
             return self.plan.num_pages + 1

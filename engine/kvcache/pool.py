@@ -233,6 +233,13 @@ class KVPool:
         values: what a resize of one page adds or gives back."""
         return sum(b.nbytes for b in self._paged_buffers()) // self.num_pages
 
+    @property
+    def ring_page_bytes(self) -> int:
+        """Bytes one ring pool page costs over the ring layers, keys and values (0 without
+        ring layers): what a resize of the ring pool by one page adds or gives back."""
+        ring = [b for i in self.ring_layers for b in (self.k_buffers[i], self.v_buffers[i])]
+        return sum(b.nbytes for b in ring) // self.ring_pages if ring else 0
+
     def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write new tokens' keys and values.
 
@@ -282,14 +289,35 @@ class KVPool:
         """
         if num_pages < 2:
             raise ValueError(f"the KV pool needs at least 2 pages (one is the null page), got {num_pages}")
-        old = self.num_pages
+        self._resize_layers(self._paged, self.num_pages, num_pages)
+
+    def resize_ring(self, ring_pages: int) -> None:
+        """Change the ring layers' pool to ``ring_pages`` pages (the null page included),
+        as :meth:`resize` does the others' (the caller guarantees that no ring page
+        ``>= ring_pages`` holds live keys and values when shrinking).
+
+        Raises:
+            ValueError: no ring layers, or ``ring_pages < 2``.
+            torch.OutOfMemoryError: as :meth:`resize`; ``ring_pages`` is then the smaller
+                of the two sizes.
+        """
+        if not self.ring_layers or ring_pages < 2:
+            raise ValueError(f"a ring pool of {ring_pages} pages: it needs ring layers and at least 2 pages "
+                             "(one is the null page)")
+        old, self.ring_pages = self.ring_pages, min(self.ring_pages, ring_pages)
+        self._resize_layers(sorted(self.ring_layers), old, ring_pages)
+        self.ring_pages = ring_pages
+
+    def _resize_layers(self, layers: list[int], old: int, num_pages: int) -> None:
+        """Resize the buffers of ``layers`` from ``old`` to ``num_pages`` pages, layer by
+        layer (:meth:`resize`)."""
         if num_pages == old:
             return
         keep = min(old, num_pages) * self.page_size
         on_cuda = self.device.type == "cuda"
         try:
             for buffers in (self.k_buffers, self.v_buffers):
-                for i in self._paged:
+                for i in layers:
                     new = self._new_buffer(num_pages, zero_from=min(old, num_pages))
                     new[:keep].copy_(buffers[i][:keep])
                     buffers[i] = new  # the old buffer's last reference goes here
@@ -298,6 +326,6 @@ class KVPool:
                         torch.cuda.empty_cache()
         except torch.OutOfMemoryError:
             for buffers in (self.k_buffers, self.v_buffers):
-                for i in self._paged:
+                for i in layers:
                     buffers[i] = buffers[i][:keep]
             raise

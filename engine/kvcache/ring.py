@@ -45,10 +45,10 @@ gave it fewer pages than the bound so that the global pool holds the wanted cont
 pages, and checks that the ring ran short only so (anything else is a bug). So the sliding layers never hold more pages than the global layers,
 and at contexts past ``D`` pages far fewer: at Gemma 3's window of 1,024 tokens, pages
 of 16 and chunks of 2,048, ``D`` is 65 pages where a ring sized for the chunk too
-would be 193. The ring pool does not follow live resizes of the global pool: a shrink
-leaves it larger than the bound needs (safe; its memory was planned at the start), and
-a grow past the start's pages leaves a pool that may run short first, where the
-scheduler waits as for global pages.
+would be 193. The ring pool follows live resizes of the global pool, by the plan's rule
+(:class:`engine.memory.kv_fit.RingRule`; :func:`engine.scheduler.resize.shrink_rings`
+frees its pages above a cut, moving live ones, dropping checkpoints, preempting); one
+left below its bound there waits as for global pages.
 
 Prefix cache: a cached prefix's pages hold the global layers only, and a prefix ending
 at position ``E`` is only usable with the sliding layers' keys of positions
@@ -259,6 +259,11 @@ class RingPages:
     def give(self, pages: list[int]) -> None:
         """Return every page of a ring."""
         self.allocator.free(pages)
+
+    def checkpoint_lists(self) -> list[list[int]]:
+        """The pages of each checkpoint held, as the lists this pool keeps (a live shrink
+        renames pages in them in place: :func:`engine.scheduler.resize.shrink_rings`)."""
+        return list(self._held.values())
 
     def _logical(self, ring: list[int], end: int) -> list[int]:
         """The ring pages of the logical pages a checkpoint at token ``end`` (a page

@@ -14,9 +14,14 @@ wanted context first and the ring pool what is left, at least the rings of
 default). Requests whose rings do not fit then wait or are preempted for ring pages, as
 for KV pages (:mod:`engine.scheduler.ring_growth`); a short request's ring holds only its
 own pages, so many short requests still run together.
+
+A live replan resizes the ring pool with the KV pool by the same rule
+(:class:`RingRule`), and prices a resize with both (:func:`pool_cost`).
 """
 
 from __future__ import annotations
+
+import msgspec
 
 # Requests at their whole window the ring pool holds at least when it is sized below its
 # bound (the parallel sequences llama.cpp's server plans for by default).
@@ -75,3 +80,81 @@ def ring_line(rings: int, ring_page_text: str, *, cap: int, kv_pages: int, full_
         bound = made_of
     return (f"exact, {rings} pages of {ring_page_text}: {bound}. A request's ring holds its window ({decode_pages} "
             f"pages) between steps and a prefill chunk's pages more in its step; and the null page")
+
+
+class RingRule(msgspec.Struct, frozen=True, kw_only=True):
+    """The ring pool beside a KV pool that a live replan resizes: the rule
+    :func:`ring_pool_cap` applies at start, over the least room that holds the KV pool's
+    pages. Pages are usable ones (null pages apart); bytes are as the plan counts them.
+
+    Beside ``P`` KV pool pages the ring pool holds ``min(P, floor_cap)`` pages while ``P``
+    is at most ``wanted_pages`` (the context first: a room that does not hold the wanted
+    context gives the rings their floor), ``min(P, full_cap)`` past it (the room holds
+    the context, and the least room for more pages holds the rings' bound too); at
+    ``planned_pages`` it holds ``planned_rings``, the start's (where the start's room held
+    the context and part of the bound beside it), and never fewer below or more above it.
+
+    Attributes:
+        ring_page_bytes: one ring pool page over the sliding layers, keys and values.
+        full_cap: the rings of every running request and the checkpoints' pages.
+        floor_cap: the rings of :data:`RING_FLOOR_REQUESTS` requests.
+        wanted_pages: KV pool pages of the wanted context (0 without a plan: the ring pool
+            is then ``min(P, full_cap)``, as at start).
+        planned_pages, planned_rings: the KV pool's and the ring pool's pages at start.
+    """
+
+    ring_page_bytes: int
+    full_cap: int
+    floor_cap: int
+    wanted_pages: int
+    planned_pages: int
+    planned_rings: int
+
+    def rings(self, pages: int) -> int:
+        """Ring pool pages beside ``pages`` KV pool pages, at least 1 (see the class
+        docstring)."""
+        least = min(pages, self.full_cap if pages > self.wanted_pages else min(self.floor_cap, self.full_cap))
+        if pages < self.planned_pages:
+            least = min(least, self.planned_rings)
+        elif pages == self.planned_pages:
+            least = self.planned_rings
+        else:
+            least = max(least, self.planned_rings)
+        return max(least, 1)
+
+    def bytes_past_start(self, pages: int) -> int:
+        """Bytes of the ring pool beside ``pages`` KV pool pages beyond the start's
+        (negative: fewer)."""
+        return (self.rings(pages) - self.planned_rings) * self.ring_page_bytes
+
+
+def pool_cost(pages: int, page_bytes: int, ring: RingRule | None) -> int:
+    """Bytes of a KV pool of ``pages`` pages (the null page included) of ``page_bytes``
+    each, with the ring pool ``ring`` sets beside it (its null page apart: a constant)."""
+    return pages * page_bytes + (ring.rings(pages - 1) * ring.ring_page_bytes if ring is not None else 0)
+
+
+def pages_freeing(pages: int, page_bytes: int, ring: RingRule | None, need: int, least: int) -> int:
+    """The largest KV pool (pages, null page included) between ``least`` and ``pages``
+    whose shrink from ``pages`` frees ``need`` bytes or more (:func:`pool_cost`), else
+    ``least``."""
+    cost = pool_cost(pages, page_bytes, ring)
+    lo, hi = least, pages  # the cost rises with the pages: the last pool that frees enough
+    if cost - pool_cost(lo, page_bytes, ring) < need:
+        return least
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if cost - pool_cost(mid, page_bytes, ring) >= need else (lo, mid - 1)
+    return lo
+
+
+def pages_within(pages: int, page_bytes: int, ring: RingRule | None, spare: int, most: int) -> int:
+    """The largest KV pool (pages, null page included) between ``pages`` and ``most``
+    whose grow from ``pages`` takes at most ``spare`` bytes (:func:`pool_cost`); ``pages``
+    when not one page more fits."""
+    cost = pool_cost(pages, page_bytes, ring)
+    lo, hi = pages, max(most, pages)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if pool_cost(mid, page_bytes, ring) - cost <= spare else (lo, mid - 1)
+    return lo

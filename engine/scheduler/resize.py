@@ -14,6 +14,13 @@ own prefix cache, in this order:
    running requests are preempted (their computed pages stay cached while room allows;
    they are recomputed later, so greedy outputs do not change).
 
+A model whose sliding-window layers keep a ring (:mod:`engine.kvcache.ring`) has a ring
+pool beside, which the resize follows (:class:`engine.memory.kv_fit.RingRule`); a ring
+pool that shrinks frees its pages at or above the cut the same way
+(:func:`shrink_rings`): live ring pages (a running request's ring, a prefix-cache
+checkpoint) get free ids below it, and where there are too few, the checkpoints are
+dropped, least recently used first, then the youngest running requests preempted.
+
 No tensor is touched here: :class:`Vacated` carries the page moves, which the engine
 copies in the KV pool before the next step.
 """
@@ -28,6 +35,7 @@ from typing import Protocol
 from engine.kvcache.allocator import PageAllocator
 from engine.kvcache.radix import RadixCache
 from engine.kvcache.relocate import relocate_below
+from engine.kvcache.ring import RingPages
 from engine.scheduler.request import Request
 from engine.wire.messages import FINISH_LENGTH
 
@@ -42,6 +50,7 @@ class Scheduler(Protocol):
     waiting: Iterable[Request]
     allocator: PageAllocator
     radix: RadixCache | None
+    ring: RingPages | None
     max_context_tokens: int
 
     def finish(self, req: Request, reason: str) -> None: ...
@@ -57,12 +66,14 @@ class Vacated:
     fit the context limit (:func:`end_beyond_context`), ``evicted_pages`` left the prefix
     cache, ``moves`` maps each live page that was at or above the cut to its new id below
     it (copy their keys and values in that direction), ``preempted`` are request ids sent
-    back to wait, youngest first."""
+    back to wait, youngest first; ``ring_moves`` are the ring pool's moves (its
+    :func:`shrink_rings`)."""
 
     ended: list[str] = field(default_factory=list)
     evicted_pages: int = 0
     moves: dict[int, int] = field(default_factory=dict)
     preempted: list[str] = field(default_factory=list)
+    ring_moves: dict[int, int] = field(default_factory=dict)
 
 
 def end_beyond_context(sched: Scheduler) -> list[str]:
@@ -120,11 +131,7 @@ def vacate_above(sched: Scheduler, cut: int) -> Vacated:
         evicted += got
         if got:
             continue
-        if not sched.running:
-            raise RuntimeError(f"pages at or above {cut} are held, but by no running request")
-        victim = max(sched.running, key=lambda r: r.arrival)
-        sched.preempt(victim)
-        preempted.append(victim.request_id)
+        preempted.append(_preempt_youngest(sched, f"pages at or above {cut} are held, but by no running request"))
         if radix is not None:
             # Its pages went to the prefix cache; those above the cut can go now.
             evicted += radix.evict_at_or_above(cut)
@@ -132,6 +139,49 @@ def vacate_above(sched: Scheduler, cut: int) -> Vacated:
     if preempted:
         log.info("KV pool shrink to %d pages: preempted %s (youngest first)", cut, ", ".join(preempted))
     return Vacated(evicted_pages=evicted, moves=moves, preempted=preempted)
+
+
+def _preempt_youngest(sched: Scheduler, bug: str) -> str:
+    """Preempt the youngest running request; returns its id.
+
+    Raises:
+        RuntimeError: ``bug``, when none runs.
+    """
+    if not sched.running:
+        raise RuntimeError(bug)
+    victim = max(sched.running, key=lambda r: r.arrival)
+    sched.preempt(victim)
+    return victim.request_id
+
+
+def shrink_rings(sched: Scheduler, ring_pages: int) -> Vacated:
+    """Shrink ``sched``'s ring pool to ``ring_pages`` pages (null page included): give each
+    live ring page at or above the cut a free id below it, dropping prefix-cache
+    checkpoints (least recently used first), then preempting the youngest running
+    requests where too few are free; then shrink its allocator. The caller copies the
+    returned ``ring_moves`` in the ring layers before the next step.
+
+    Raises:
+        RuntimeError: ring pages at or above the cut are held, but by no running request
+            and no checkpoint (a bookkeeping bug).
+    """
+    rings, radix = sched.ring, sched.radix
+    preempted: list[str] = []
+    while True:
+        high = sorted({p for req in sched.running for p in req.ring if p >= ring_pages}
+                      | {p for pages in rings.checkpoint_lists() for p in pages if p >= ring_pages})
+        if len(high) <= rings.allocator.free_below(ring_pages):
+            break
+        if radix is not None and radix.drop_lru_state():
+            continue
+        preempted.append(_preempt_youngest(sched, f"ring pages at or above {ring_pages} are held, but by no "
+                                                  "running request"))
+    lists = [*(req.ring for req in sched.running), *rings.checkpoint_lists()]
+    moves = relocate_below(high, ring_pages, rings.allocator, lists, None)
+    rings.allocator.resize(ring_pages)
+    if preempted:
+        log.info("ring pool shrink to %d pages: preempted %s (youngest first)", ring_pages, ", ".join(preempted))
+    return Vacated(ring_moves=moves, preempted=preempted)
 
 
 def shrink_pages(sched: Scheduler, num_pages: int, max_context_tokens: int) -> Vacated:

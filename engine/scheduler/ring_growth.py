@@ -3,7 +3,8 @@ fits a request's ring to the step where its global pages grow, to ``min(its page
 pages_for(step tokens))`` ring pages, taking the pages of prefix-cache checkpoints where
 too few are free, and a ring pool that runs short is waited on as the global pool is,
 after checking that it ran short the only way it can (two running requests sharing
-cached prefix pages, or a global pool grown past the ring pool's bound); any other
+cached prefix pages, or a ring pool below its bound beside the global pool's pages, as
+the plan or a live resize sizes it: :class:`engine.memory.kv_fit.RingRule`); any other
 shortage is a bug.
 """
 
@@ -60,8 +61,8 @@ def ring_tokens(rings: RingPages, req: Request) -> int | None:
 def _may_run_short(rings: RingPages, req: Request, allocator: PageAllocator, running: list[Request]) -> bool:
     """Whether the ring pool may be short now (its checkpoints dropped) without a bug:
     running requests (``req`` among them) share a global page, or the ring pool holds
-    fewer than ``min(rings_bound(requests), global pages)`` pages (the global pool grew
-    past the start's)."""
+    fewer than ``min(rings_bound(requests), global pages)`` pages (the plan or a live
+    resize sized it below its bound)."""
     holders = {id(r): r for r in (*running, req)}.values()
     held = [p for r in holders for p in r.pages]
     shared = len(held) != len(set(held))

@@ -25,6 +25,7 @@ from __future__ import annotations
 import msgspec
 
 from engine.common.config import EngineConfig
+from engine.memory.kv_fit import RingRule
 from engine.wire.messages import (
     BY_WATCHER,
     AbortRequest,
@@ -175,6 +176,10 @@ class PoolStats(msgspec.Struct, frozen=True, kw_only=True):
     keys and values ``page_bytes`` covers. ``decoder_layers`` is the model's decoder
     layers, whether its split moves or not (0: not known), so a count of layers asked
     for can be checked against it.
+
+    ``ring``: for a model whose sliding-window layers keep a ring, the ring pool a KV
+    pool resize sets beside each size (``Engine.ring_rule``), whose bytes the resize
+    frees or takes with the pages'; None without one.
     """
 
     pages: int
@@ -200,6 +205,7 @@ class PoolStats(msgspec.Struct, frozen=True, kw_only=True):
     layer_bytes: int = 0
     device_layers: int = 0
     decoder_layers: int = 0
+    ring: RingRule | None = None
 
 
 class Heartbeat(msgspec.Struct, frozen=True, tag=True, kw_only=True):

@@ -272,13 +272,18 @@ class PoolChange(msgspec.Struct, frozen=True, kw_only=True):
     requests were sent back to wait and be recomputed (youngest first), ``ended`` ones
     no longer fit in the new context limit and ended (see ``Engine.resize_kv_pool``).
     ``max_context_tokens`` is the per-request limit after the change, ``duration_ms``
-    how long the change took.
+    how long the change took. ``before_ring_pages``/``after_ring_pages`` are the
+    sliding-window ring pool's pages (null page included; 0 without one), which a KV pool
+    resize resizes too (:class:`engine.memory.kv_fit.RingRule`); the bytes count both
+    pools.
     """
 
     before_pages: int
     after_pages: int
     before_bytes: int
     after_bytes: int
+    before_ring_pages: int = 0
+    after_ring_pages: int = 0
     evicted_pages: int = 0
     relocated_pages: int = 0
     preempted: list[str] = msgspec.field(default_factory=list)

@@ -274,6 +274,7 @@ def pool_stats(engine: Any, stats: Any, planned_pages: int) -> PoolStats | None:
         planned_expert_slots=planned_slots,
         max_expert_slots=max_slots,
         expert_slot_bytes=slot_bytes,
+        ring=getattr(engine, "ring_rule", None),
         **_split_stats(engine),
     )
 

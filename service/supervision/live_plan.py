@@ -3,7 +3,9 @@
 
 One function, :func:`plan_now`, gives the plan after each engine event, for the
 supervisor's ``info`` and for the ``plan`` event alike, so the two never disagree. What
-follows the live changes: the KV pool (``num_pages``, usable pages; ``kv_pool_bytes``),
+follows the live changes: the KV pool (``num_pages``, usable pages; ``kv_pool_bytes``, the
+buffers of the KV pool and of a sliding-window ring pool beside it, whose usable pages
+are ``kv_ring_pages``),
 the prefill chunk cap (``max_prefill_tokens``), the per-request context
 (``max_context_tokens`` and ``context_note``, :meth:`MemoryPlan.after_resize`) and a
 split's move (``cpu_layers``, ``split_note``, ``fixed_bytes``). What stays the start's:
@@ -50,6 +52,8 @@ def plan_now(info: EngineInfo, event: EngineEvent) -> MemoryPlan | None:
     if event.max_context_tokens != info.max_context_tokens:
         plan = plan.after_resize(usable, event.after_bytes, event.max_context_tokens, event.reason)
     now = {"num_pages": usable, "kv_pool_bytes": event.after_bytes, "max_prefill_tokens": event.max_prefill_tokens}
+    if event.after_ring_pages:  # the sliding-window ring pool, resized with the KV pool
+        now["kv_ring_pages"] = event.after_ring_pages - 1
     if all(getattr(plan, k) == v for k, v in now.items()):
         return plan
     return msgspec.structs.replace(plan, **now)

@@ -54,6 +54,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
+from engine.memory.kv_fit import RingRule, pages_freeing, pages_within, pool_cost
 from engine.memory.plan import MIN_PREFILL_TOKENS, MiB, fmt_bytes, safety_margin_for
 from service.vram.sources import VramSample, resolve_reserve
 from service.vram.split_rung import NewSplit, give_back, take_back
@@ -89,7 +90,9 @@ class PoolState:
     ``pages`` is the KV pool now, ``planned_pages`` what the memory plan gave it (the
     ceiling to grow back to), ``min_pages`` the pool that holds one request of the
     minimum context (the floor; ``Engine.min_kv_pool_pages()``), all counting the null
-    page as ``Engine.resize_kv_pool`` does. ``page_bytes`` is one page's device memory.
+    page as ``Engine.resize_kv_pool`` does. ``page_bytes`` is one page's device memory;
+    ``ring``, for a model whose sliding-window layers keep a ring, sets the ring pool
+    beside each size, whose bytes a resize frees or takes too (:meth:`bytes_at`).
     ``free_pages`` are held by nobody, ``cached_pages`` only by the prefix cache.
     ``prefill_chunk`` is the chunk cap now, ``planned_prefill_chunk`` the plan's.
     ``activation_bytes_per_token`` prices the chunk cap (the plan's activation peak per
@@ -120,10 +123,12 @@ class PoolState:
     max_cpu_layers: int = 0
     layer_bytes: int = 0
     device_layers: int = 0
+    ring: RingRule | None = None
 
-    @property
-    def pool_bytes(self) -> int:
-        return self.pages * self.page_bytes
+    def bytes_at(self, pages: int) -> int:
+        """The device bytes of a KV pool of ``pages`` pages (null page included) and the
+        ring pool beside it (:func:`engine.memory.kv_fit.pool_cost`)."""
+        return pool_cost(pages, self.page_bytes, self.ring)
 
     @classmethod
     def from_stats(cls, stats: PoolStats, *, planned_pages: int, planned_expert_slots: int) -> PoolState:
@@ -355,17 +360,15 @@ class ReplanController:
             freed += give * pool.expert_slot_bytes
         pages = pool.pages
         if need > freed:
-            give = min(
-                math.ceil((need - freed) / pool.page_bytes),
-                max(pool.pages - max(pool.min_pages, 2), 0),
-            )
+            floor_pages = min(max(pool.min_pages, 2), pool.pages)
+            pages = pages_freeing(pool.pages, pool.page_bytes, pool.ring, need - freed, floor_pages)
+            give = pool.pages - pages
             if give > 0:
                 if pool.cached_pages > 0 and give > pool.free_pages:
                     actions.append(EmptyPrefixCache(reason))
-                actions.append(NewPoolSize(pool.pages - give, pool.pages, reason))
+                actions.append(NewPoolSize(pages, pool.pages, reason))
                 self._last_resize_at = now
-                freed += give * pool.page_bytes
-                pages -= give
+                freed += pool.bytes_at(pool.pages) - pool.bytes_at(pages)
         move, moved = give_back(pool, min(need, self.shrink_target_bytes - headroom) - freed, pages, reason)
         if move is not None:
             actions.append(move)
@@ -392,12 +395,8 @@ class ReplanController:
         return actions
 
     def _take_back(self, now: float, headroom: int, pool: PoolState) -> list[Action]:
-        if (
-            pool.pages >= pool.planned_pages
-            and pool.cpu_layers <= pool.planned_cpu_layers
-            and pool.expert_slots >= pool.planned_expert_slots
-            and pool.prefill_chunk >= pool.planned_prefill_chunk
-        ):
+        if (pool.pages >= pool.planned_pages and pool.cpu_layers <= pool.planned_cpu_layers
+                and pool.expert_slots >= pool.planned_expert_slots and pool.prefill_chunk >= pool.planned_prefill_chunk):
             self._above_since = None
             return []  # the plan is whole: nothing to take back
         if self._above_since is None:
@@ -418,12 +417,12 @@ class ReplanController:
         actions: list[Action] = []
         pages = pool.pages
         if pages < pool.planned_pages:
-            grow = min(spare // pool.page_bytes, pool.planned_pages - pages)
-            if grow > 0:
-                actions.append(NewPoolSize(pages + grow, pages, reason))
+            grown = pages_within(pages, pool.page_bytes, pool.ring, spare, pool.planned_pages)
+            if grown > pages:
+                actions.append(NewPoolSize(grown, pages, reason))
                 self._last_resize_at = now
-                pages += grow
-                spare -= grow * pool.page_bytes
+                spare -= pool.bytes_at(grown) - pool.bytes_at(pages)
+                pages = grown
         slots = pool.expert_slots
         if pages >= pool.planned_pages and slots < pool.planned_expert_slots and pool.expert_slot_bytes > 0:
             grow = min(max(spare, 0) // pool.expert_slot_bytes, pool.planned_expert_slots - slots)

@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from engine.memory.kv_fit import pages_within, pool_cost
 from engine.memory.plan import fmt_bytes
 from service.common.errors import APIError
 from service.vram.replan import default_water_marks
@@ -82,10 +83,11 @@ def card_room(watcher: VramWatcher | None) -> Room | None:
 def fitting_pages(room: Room | None, pool: PoolStats, pages: int) -> int:
     """``pages`` (a KV pool, null page included), or where growing to it does not fit
     ``room``, the largest pool between the pool now and it that does (the pool now when
-    not one page more fits)."""
+    not one page more fits; a sliding-window ring pool grows beside it:
+    :func:`engine.memory.kv_fit.pool_cost`)."""
     if room is None or pages <= pool.pages:
         return pages
-    return min(pages, pool.pages + max(room.room_bytes, 0) // pool.page_bytes)
+    return pages_within(pool.pages, pool.page_bytes, pool.ring, max(room.room_bytes, 0), pages)
 
 
 def check_pool_grow(room: Room | None, pool: PoolStats, pages: int) -> None:
@@ -97,10 +99,10 @@ def check_pool_grow(room: Room | None, pool: PoolStats, pages: int) -> None:
     """
     if room is None or pages <= pool.pages:
         return
-    grow = (pages - pool.pages) * pool.page_bytes
+    grow = pool_cost(pages, pool.page_bytes, pool.ring) - pool_cost(pool.pages, pool.page_bytes, pool.ring)
     if grow <= room.room_bytes:
         return
-    most = pool.pages - 1 + max(room.room_bytes, 0) // pool.page_bytes
+    most = pages_within(pool.pages, pool.page_bytes, pool.ring, max(room.room_bytes, 0), pages) - 1
     fits = (f"the most that fits now is {fmt_bytes(most * pool.page_bytes)} ({most} pages)"
             if most >= pool.pages else f"no page more fits now: it stays at {pool.pages - 1} pages")
     raise APIError(

@@ -196,13 +196,15 @@ def file_triggered(steps: Sequence[tuple[StepStart, int]]) -> Callable[[float], 
 def simulated_ours_bytes(pool: ipc.PoolStats | None) -> int:
     """What the worker holds on a simulated card, as its plan counts it: the fixed sizes
     (the planned expert cache among them), the KV pool now, less what a lowered prefill
-    chunk no longer needs, corrected by the expert cache's slots now."""
+    chunk no longer needs, corrected by the expert cache's slots and the sliding-window
+    ring pool's pages now (the fixed sizes hold the planned ones)."""
     if pool is None:
         return 0
     lowered = max(pool.planned_prefill_chunk - pool.prefill_chunk, 0)
     return max(
         pool.fixed_bytes
         + (pool.pages - 1) * pool.page_bytes
+        + (pool.ring.bytes_past_start(pool.pages - 1) if pool.ring is not None else 0)
         - lowered * pool.activation_bytes_per_token
         + (pool.expert_slots - pool.planned_expert_slots) * pool.expert_slot_bytes,
         0,

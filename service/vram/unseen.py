@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from engine.memory.kv_fit import pool_cost
 from service.vram.replan import NewChunkCap, NewExpertCache, NewPoolSize
 from service.vram.split_rung import NewSplit, layer_share
 
@@ -35,8 +36,9 @@ if TYPE_CHECKING:
 def grown_bytes(action: Any, pool: PoolStats) -> int:
     """Device bytes ``action`` takes on the worker's ``pool`` (as it was before it); 0
     for what gives memory back or takes none (a prefix-cache eviction)."""
-    if isinstance(action, NewPoolSize):
-        return max(action.num_pages - action.before, 0) * pool.page_bytes
+    if isinstance(action, NewPoolSize):  # a sliding-window ring pool grows beside it
+        return max(pool_cost(action.num_pages, pool.page_bytes, pool.ring)
+                   - pool_cost(action.before, pool.page_bytes, pool.ring), 0)
     if isinstance(action, NewExpertCache):
         return max(action.num_slots - action.before, 0) * pool.expert_slot_bytes
     if isinstance(action, NewChunkCap):

@@ -1,8 +1,8 @@
 """What a new user hit, each as it was met: a KV cache too small for one request
 accepted, the embedded model missing from ``headroom models``, ``headroom generate``
 loading a second engine beside a running server (and its error against a service with
-``--api-key`` naming no way to give the key), and a refused request's log line without
-its reason."""
+``--api-key`` naming no way to give the key), a refused request's log line without
+its reason, and a ``--num-pages`` pool below one ``--min-context`` served without a word."""
 
 from __future__ import annotations
 
@@ -119,3 +119,32 @@ def test_generate_against_a_service_with_an_api_key_names_how_to_give_it(start_s
     for answered in (generate("--api-key", "sk-user-0123"), generate(env={**env, "HEADROOM_API_KEY": "sk-user-0123"})):
         assert answered.returncode == 0, answered.stderr
         assert answered.stdout.strip() and "loading the engine here" not in answered.stderr
+
+
+@pytest.mark.slow
+def test_a_pool_below_one_min_context_is_served_with_a_warning_and_refuses_what_cannot_fit(start_server):
+    """``--num-pages 4 --page-size 16`` holds 48 tokens: the worker's start-up log warns,
+    naming the numbers and the fix; a request that can never fit the pool is answered
+    at once with a 400 in its API's shape (streaming or not), and a short one is served."""
+    server = start_server(["--num-pages", "4", "--page-size", "16"])
+    log = server.log()
+    assert "WARNING headroom.engine: --num-pages 4 holds 48 tokens" in log, log
+    assert "less than one --min-context of 2048 tokens" in log and "give --num-pages 129 or more" in log
+    long = " ".join(["hello world"] * 100)
+    with server.client(timeout=60) as http:
+        for stream in (False, True):
+            r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": long}],
+                                                        "stream": stream})
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert error["code"] == "context_length_exceeded" and "maximum context length is 48 tokens" in error["message"]
+        r = http.post("/v1/completions", json={"prompt": "hi there", "max_tokens": 60})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+        # Anthropic's max_tokens is cut to what the context leaves (docs/api.md); a prompt is not.
+        r = http.post("/v1/messages", json={"model": "default", "max_tokens": 60,
+                                            "messages": [{"role": "user", "content": long}]})
+        assert r.status_code == 400 and r.json()["type"] == "error", r.text
+        r = http.post("/api/generate", json={"model": "default", "prompt": long, "stream": False})
+        assert r.status_code == 400 and "48" in r.json()["error"], r.text
+        r = http.post("/v1/completions", json={"prompt": "hi there", "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200, r.text

@@ -107,3 +107,40 @@ def test_both_fixed_sizes_at_once_are_refused_naming_the_choice():
                                     env={"HEADROOM_CONFIG": os.devnull})
         assert result.exit_code == 2, result.output
         assert "--num-pages: does not go with --kv-cache" in result.stderr and "give one of the two" in result.stderr
+
+
+def test_num_pages_below_one_min_context_is_taken_with_a_warning_naming_the_fix(default_model_dir):
+    """``--num-pages 4`` holds 48 tokens, less than one ``--min-context`` (2048): taken (small
+    pools serve short requests), with a warning naming the numbers and the fix, on the
+    CPU and on a simulated card; none once ``--min-context`` or ``--max-model-len`` fits it."""
+    warning = ("warning: --num-pages 4 holds 48 tokens (3 pages of 16 tokens, the null page apart), less than one "
+               "--min-context of 2048 tokens: a request whose prompt and max tokens pass 48 tokens is refused; give "
+               "--num-pages 129 or more, or lower --min-context (or --max-model-len) to 48")
+    for device in (["--device", "cpu"], CARD):
+        result = invoke(["plan", *device, "--num-pages", "4"])
+        assert result.exit_code == 0, result.output
+        assert warning in result.stdout.splitlines(), result.stdout
+    as_json = invoke(["plan", "--device", "cpu", "--num-pages", "4", "--json"])
+    assert json.loads(as_json.stdout)["pool_warning"] == warning.removeprefix("warning: ")
+    for enough in (["--min-context", "48"], ["--max-model-len", "48"], ["--num-pages", "129"]):
+        result = invoke(["plan", "--device", "cpu", "--num-pages", "4", *enough])
+        assert result.exit_code == 0 and "warning" not in result.stdout, result.output
+
+
+def test_a_fixed_pool_larger_than_the_hosts_memory_is_refused_by_plan_as_by_serve(default_model_dir):
+    """On the CPU with no simulated card the KV pool is host memory: ``--kv-cache 1TiB`` (or
+    twice this machine's memory, if larger) was planned as "at most 1 TiB of 23 GiB" and
+    served; ``plan`` and ``serve`` now both refuse it (exit 2) in the same words, naming
+    what is available and the most it holds, and so for ``--num-pages``."""
+    from engine.memory.host import host_memory
+
+    size = f"{max(1 << 40, 2 * host_memory()[0]) >> 30}GiB"
+    for setting in (["--kv-cache", size], ["--num-pages", "100000000"]):
+        said = []
+        for command in (["plan"], ["serve", "--port", "0"]):
+            result = invoke([*command, "--device", "cpu", *setting])
+            assert result.exit_code == 2, result.output
+            said.append(re.sub(r"[\d.]+ GiB is available \(of [\d.]+ GiB\); give at most --\S+ \d+", "N", result.stderr))
+            assert "does not fit the host's memory: " in result.stderr and "give at most" in result.stderr
+        assert said[0] == said[1], said
+        assert "listening" not in result.output

@@ -7,6 +7,8 @@ engine starts from (a served GPU engine replaces it with its profile run's measu
 
 from __future__ import annotations
 
+import dataclasses
+
 import msgspec
 import torch
 
@@ -129,6 +131,7 @@ def render(plan: MemoryPlan, as_json: bool, setup: str = "", fixed: FixedPool | 
         per = " per rank" if plan.tensor_parallel_size > 1 else ""
         body += f"\nKV cache: {plan.kv_bytes_per_token:,} bytes per token{per} ({plan.kv_cache_dtype})"
     if fixed is not None:
+        body += f"\nwarning: {fixed.warning}" if fixed.warning else ""
         return f"{head}{body}\nfits: yes" if plan.fits else f"{head}{body}\nfits: no\n\n{fixed.message(plan)}"
     if plan.context_lowered:
         return f"{head}{body}\nfits: yes, with a lowered context (--min-context {plan.min_context_tokens})"
@@ -163,6 +166,8 @@ class CpuHoldings(msgspec.Struct, frozen=True):
     kv_ring_bytes: int = 0
     kv_ring_pages: int = 0
     kv_ring_window_pages: int = 0
+    # --num-pages holding less than one --min-context, in words (else None).
+    pool_warning: str | None = None
 
 
 def gpu_only_settings(config: EngineConfig) -> tuple[str, ...]:
@@ -197,14 +202,15 @@ def cpu_holdings(config: EngineConfig) -> CpuHoldings:
     from kernels.attention.kv_store import kv_dtype_name
 
     use_kernel_switches(config)
-    from engine.memory.fixed_pool import unplanned_pages
+    from engine.memory.fixed_pool import short_pool_warning, unplanned_pages
     from engine.memory.host import host_memory
 
     device = torch.device("cpu")
     dtype = resolve_dtype(config.dtype, device)
     model_dir = resolve_model(config.model)
     mc = load_model_config(model_dir)
-    check_for_model(config, mc)  # what serve refuses before it loads, as build_plan does
+    # What serve refuses before it loads, as build_plan does; on the CPU the pool is in host memory.
+    check_for_model(dataclasses.replace(config, device="cpu"), mc)
     gguf = quantized_gguf(config, device, mc)
     if gguf is not None:
         size = gguf_weight_size(gguf, mc, dtype, device.type)
@@ -228,7 +234,7 @@ def cpu_holdings(config: EngineConfig) -> CpuHoldings:
         page_size=config.page_size, kv_bytes_per_token=per_token, kv_cache_dtype=kv_dtype_name(kv_dtype),
         max_context_tokens=context, host_total_bytes=total, host_available_bytes=available,
         gpu_only=gpu_only_settings(config), kv_ring_bytes=ring_bytes, kv_ring_pages=ring_pages - 1 if ring else 0,
-        kv_ring_window_pages=ring.decode_pages if ring else 0)
+        kv_ring_window_pages=ring.decode_pages if ring else 0, pool_warning=short_pool_warning(config, mc))
 
 
 def render_cpu(h: CpuHoldings, as_json: bool) -> str:
@@ -255,6 +261,8 @@ def render_cpu(h: CpuHoldings, as_json: bool) -> str:
         "plus a step's activations and the runtime (torch); --device-total SIZE plans the pool for a budget "
         "instead",
     ]
+    if h.pool_warning:
+        rows.append(f"warning: {h.pool_warning}")
     if h.gpu_only:
         rows.append(f"{' and '.join(h.gpu_only)}: no effect on the CPU (every layer runs there already; they split or "
                     "limit a GPU's plan): plan for a card with --device cuda --device-total SIZE")

@@ -23,7 +23,7 @@ from engine.common.config import EngineConfig, ModelConfig
 from engine.common.units import MiB, fmt_bytes
 from engine.core.footprint import kv_bytes_per_token, kv_ring, kv_ring_page_bytes
 from engine.kvcache.pool import kv_storage_dtype
-from engine.memory.fixed_pool import unplanned_pages
+from engine.memory.fixed_pool import fixed_setting, short_pool_warning, unplanned_pages
 from engine.memory.plan import LedgerEntry, MemoryPlan, PlanKnobs
 
 POOL_LINE = "KV cache pool"
@@ -40,6 +40,8 @@ class FixedPool:
         planned_context: the context (tokens) one request would get then.
         room_bytes: what the budget leaves for the pool beside everything else.
         page_bytes: one page of the pool on the device, in bytes.
+        warning: ``--num-pages`` holding less than one ``--min-context``, in words
+            (:func:`engine.memory.fixed_pool.short_pool_warning`), else None.
     """
 
     setting: str
@@ -47,6 +49,7 @@ class FixedPool:
     planned_context: int
     room_bytes: int
     page_bytes: int
+    warning: str | None = None
 
     def message(self, plan: MemoryPlan) -> str:
         """What does not fit and what fixes it (the fixed pool's :meth:`MemoryPlan.message`)."""
@@ -66,16 +69,6 @@ class FixedPool:
         lines.append(f"  {self.setting.split()[0]} unset: the plan sizes the pool ({self.planned_pages} pages, "
                      f"a context of {self.planned_context:,} tokens)")
         return "\n".join(lines)
-
-
-def fixed_setting(config: EngineConfig) -> str | None:
-    """The setting that fixes the KV pool (``--num-pages`` first, as the engine reads
-    them), in words, or None: the plan sizes it."""
-    if config.num_pages is not None:
-        return f"--num-pages {config.num_pages}"
-    if config.kv_cache is not None:
-        return f"--kv-cache {fmt_bytes(config.kv_cache)}"
-    return None
 
 
 def with_fixed_pool(
@@ -131,7 +124,8 @@ def with_fixed_pool(
         plan, ledger=ledger, fixed_bytes=fixed, kv_pool_bytes=kv_bytes, num_pages=pages, kv_ring_pages=rings,
         max_context_tokens=context, fits=fits, shortfall_bytes=0 if fits else kv_bytes - room, suggestions=[],
         context_note=note)
-    return out, FixedPool(setting, planned.num_pages, planned.max_context_tokens, room, page_bytes)
+    return out, FixedPool(setting, planned.num_pages, planned.max_context_tokens, room, page_bytes,
+                          short_pool_warning(config, mc))
 
 
 def _with(entry: LedgerEntry, size: int, source: str) -> LedgerEntry:

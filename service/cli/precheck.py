@@ -1,7 +1,8 @@
 """Settings checked against the model and the machine before ``headroom serve`` opens
 its port (torch-free): a tensor-parallel size that does not split the model or asks for
 more GPUs than there are, ``--cpu-experts`` above the model's MoE layers, a
-``--kv-cache`` below one ``--min-context``. Each is
+``--kv-cache`` below one ``--min-context``, a fixed KV pool on the CPU past the host's
+available memory. Each is
 refused with exit code 2 and the fix, like any bad option; what cannot be read here (a
 GGUF not converted yet, a machine without NVML) is left to the worker, which refuses it
 in one log line.
@@ -110,7 +111,7 @@ def check_before_serving(settings: Any) -> None:
 
     world = settings.tensor_parallel_size
     wants_layers = any(n.isdecimal() and int(n) > 0 for n in (settings.cpu_experts, settings.cpu_layers))
-    if world == 1 and not wants_layers and settings.kv_cache is None:
+    if world == 1 and not wants_layers and settings.kv_cache is None and settings.num_pages is None:
         return
     from engine.core.settings_fit import check_for_model
     from engine.parallel.split import check_gpu_count

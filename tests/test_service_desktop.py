@@ -203,6 +203,27 @@ def test_paused_with_load_on_request_wakes_for_a_request(start_server):
     assert answer.status_code == 200, answer.text
 
 
+def test_a_restart_keeps_a_paused_engine_paused_naming_the_resume(start_server):
+    """The pause is the user's choice: ``restart`` on a paused engine is a 409
+    ``engine_paused`` naming ``resume`` (as ``resume`` on a failed one names ``restart``),
+    and no worker starts; once resumed, a restart restarts."""
+    server = start_server(fake=True)
+    assert _control(server, "pause").status_code == 202
+    refused = _control(server, "restart")
+    assert refused.status_code == 409, refused.text
+    error = refused.json()["error"]
+    assert error["code"] == "engine_paused"
+    assert error["message"] == "the engine is paused, a restart does not load it: POST /api/control/resume resumes it"
+    health = _health(server)
+    assert health["status"] == "paused" and health["worker_pid"] is None, health
+    assert "restart requested by the control API" not in server.log()
+    assert _control(server, "resume").status_code == 202
+    server.wait_ready(LOAD_S)
+    pid = server.worker_pid()
+    assert _control(server, "restart").status_code == 202
+    wait_for(lambda: _health(server).get("worker_pid") not in (None, pid), LOAD_S, "the asked-for restart")
+
+
 def _status(server: ServerProcess) -> subprocess.CompletedProcess:
     return subprocess.run(
         [*headroom_command(), "status"], capture_output=True, text=True, env=server.env, timeout=120

@@ -17,7 +17,7 @@ from typing import Literal
 from engine.memory.plan import fmt_bytes
 from engine.wire import ipc
 from engine.wire.messages import BY_CONTROL
-from service.common.engine_states import ENGINE_FAILED, RESTART_HINT, State
+from service.common.engine_states import ENGINE_FAILED, ENGINE_PAUSED, RESTART_HINT, RESUME_HINT, State
 from service.common.errors import APIError, invalid
 from service.supervision.supervisor import Supervisor
 from service.vram.host import host_memory
@@ -64,11 +64,17 @@ class SupervisorControl:
         """Kill the worker (if any) and start a new one, also from ``failed``.
 
         Raises:
-            APIError: 409 while the service is shutting down.
+            APIError: 409 while the service is shutting down; 409 ``engine_paused``
+                on a paused engine, naming the resume that loads it (the pause is the
+                user's choice: a restart does not end it, as a resume does not end
+                ``failed``).
         """
         sup = self.supervisor
         if sup.state is State.STOPPED:
             raise APIError(409, "the service is shutting down", code="stopping")
+        if sup.state is State.PAUSED:
+            raise APIError(409, f"the engine is paused, a restart does not load it: {RESUME_HINT}",
+                           code=ENGINE_PAUSED)
         pid = sup.worker_pid if sup.worker_alive else None
         log.info("%s (worker pid %s)", RESTART_REASON, pid)
         sup.restart(reason=RESTART_REASON)

@@ -9,7 +9,8 @@ Routes (under ``path``, default ``/api``):
 
 - ``GET /status``: the hub's :class:`service.events.hub.Snapshot` as JSON (open by
   default, like ``/api/health``; ``status_requires_token=True`` protects it).
-- ``POST /control/restart``: restart the worker. No body. 202.
+- ``POST /control/restart``: restart the worker. No body. 202 (409 while ``paused``: a
+  resume ends a pause).
 - ``POST /control/pause``: game mode: stop the worker and give its memory back (state
   ``paused``; requests get 503 + Retry-After, or with ``--load-on-request`` wake it).
   No body. 202.

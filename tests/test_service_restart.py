@@ -34,6 +34,22 @@ def health_status(server: ServerProcess) -> tuple[int, dict]:
     return r.status_code, r.json()
 
 
+def kill_mid_stream(http: httpx.Client, path: str, body: dict, worker: int, chunks: int) -> tuple[list, float]:
+    """Stream ``body`` to ``path`` and SIGKILL ``worker`` once ``chunks`` data lines came;
+    the rest of the stream's events (:func:`sse_events`) and the seconds they took."""
+    with http.stream("POST", path, json=body) as r:
+        lines = r.iter_lines()
+        seen = 0
+        for line in lines:
+            seen += line.startswith("data: ")
+            if seen >= chunks:
+                break
+        os.kill(worker, signal.SIGKILL)
+        killed_at = time.monotonic()
+        rest = sse_events(list(lines))
+        return rest, time.monotonic() - killed_at
+
+
 # -- the worker SIGKILLed mid-stream ----------------------------------------------------------------
 
 
@@ -48,17 +64,7 @@ def test_c08_worker_killed_during_stream(start_server):
         "stream": True,
     }
     with httpx.Client(base_url=server.base_url, timeout=30) as http:
-        with http.stream("POST", "/v1/chat/completions", json=body) as r:
-            lines = r.iter_lines()
-            seen = 0
-            for line in lines:
-                seen += line.startswith("data: ")
-                if seen >= 3:  # role chunk and two tokens
-                    break
-            os.kill(worker, signal.SIGKILL)
-            killed_at = time.monotonic()
-            rest = sse_events(list(lines))
-            ended_s = time.monotonic() - killed_at
+        rest, ended_s = kill_mid_stream(http, "/v1/chat/completions", body, worker, 3)  # role chunk, two tokens
         assert ended_s < 2.0
         assert rest[-1] == "DONE"
         assert rest[-2]["error"]["code"] == "engine_restarted"
@@ -142,6 +148,56 @@ def test_hung_worker_is_killed_and_requests_without_tokens_retried_once(tmp_path
     assert_openai_error(results["hangs always"], 503, code="engine_restarted")
     wait_for(lambda: server.health().status_code == 200, 30, "ready again")
     assert server.health().json()["restarts"] == 3
+
+
+def test_a_worker_killed_under_timed_requests_ends_or_retries_them_and_the_restart_is_not_their_time(
+        tmp_path, start_server):
+    """``--request-timeout 3`` and a worker SIGKILLed under requests, each load after the
+    first taking 4 s (longer than the timeout): a stream that had tokens ends at once with
+    ``engine_restarted`` (not ``request_timeout``); a request with no token yet is sent
+    again to the next worker and answered (the restart is not its time); after the
+    restart the clock runs again: a request that hangs gets its 504."""
+    load_s = tmp_path / "load_s"
+    server = start_server(["--request-timeout", "3"], fake=True, env={
+        "HEADROOM_FAKE_LOAD_S": f"@{load_s}", "HEADROOM_FAKE_MARKER": str(tmp_path / "hung-once"),
+        "HEADROOM_FAKE_STEP_S": "0.05"})
+    load_s.write_text("4")
+    worker = server.worker_pid()
+    body = {"prompt": "hello there", "max_tokens": 2000, "stream": True}
+    with httpx.Client(base_url=server.base_url, timeout=60) as http:
+        rest, _ = kill_mid_stream(http, "/v1/completions", body, worker, 2)
+        assert rest[-1] == "DONE" and rest[-2]["error"]["code"] == "engine_restarted", rest
+        server.wait_ready(120)
+
+        # No token yet when their worker is killed: one hangs the first worker it meets (its
+        # seed), a stream waits behind it.
+        worker, results = server.worker_pid(), {}
+
+        def stream() -> None:
+            chat = {"messages": QUESTION, "max_tokens": 3, "stream": True}
+            with http.stream("POST", "/v1/chat/completions", json=chat) as r:
+                results["stream"] = sse_events(r.iter_lines())
+
+        threads = [threading.Thread(target=lambda: results.update(plain=http.post(
+            "/v1/completions", json={"prompt": "hello there", "max_tokens": 3, "seed": HANG_ONCE_SEED})))]
+        threads[0].start()
+        wait_for(lambda: (tmp_path / "hung-once").exists(), 60, "the request to hang its worker")
+        threads.append(threading.Thread(target=stream))
+        threads[1].start()
+        wait_for(lambda: server.health().json()["in_flight"] == 2, 60, "the stream in flight")
+        os.kill(worker, signal.SIGKILL)
+        for thread in threads:
+            thread.join(timeout=120)
+        assert results["plain"].status_code == 200, results["plain"].text
+        assert results["plain"].json()["usage"]["completion_tokens"] == 3
+        events = results["stream"]
+        assert events[-1] == "DONE" and not [e for e in events[:-1] if "error" in e], events
+        assert events[-2]["choices"][0]["finish_reason"] == "length"
+        assert server.worker_pid() != worker
+        assert server.log().count("on the new worker") == 2 and "request_timeout" not in server.log()
+
+        hung = http.post("/v1/completions", json={"prompt": "hello there", "max_tokens": 3, "seed": HANG_ALWAYS_SEED})
+        assert_openai_error(hung, 504, code="request_timeout")
 
 
 def test_a_stopped_worker_is_killed_and_restarted(start_server):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.memory.kv_fit import kv_pages, ring_pool_cap
+from engine.memory.kv_fit import RingRule, kv_pages, pages_in_bytes, ring_pool_cap
 
 
 def test_kv_pages_inverts_the_cost():
@@ -41,3 +41,17 @@ def test_ring_pool_cap_edges():
     assert ring_pool_cap(10**9, 10, 0, 100, 20, 1000) == 0  # no ring
     assert ring_pool_cap(50 * 10 + 50 * 3, 10, 3, 100, 20, 50) == 100  # a short context: its pages bound the rings
     assert ring_pool_cap(0, 10, 3, 10, 20, 1000) == 10  # a floor above the bound: the bound
+
+
+def test_a_kv_cache_size_counts_both_pools_as_the_plan_does():
+    """The control API's ``kv_cache_bytes`` in pages: without a ring, whole pages; with one,
+    the most usable pages whose ring pages beside them (the live rule's) fit the size too."""
+    assert pages_in_bytes(0, 10, None) == 1 and pages_in_bytes(105, 10, None) == 11
+    ring = RingRule(ring_page_bytes=3, full_cap=100, floor_cap=20, wanted_pages=1000, planned_pages=1100,
+                    planned_rings=100)
+    for size in (0, 9, 13, 500, 10_000 + 60, 10_000 + 300, 12_345):
+        usable = pages_in_bytes(size, 10, ring) - 1
+        used = lambda n: n * 10 + ring.rings(n) * 3  # noqa: E731
+        assert used(usable) <= size or usable == 0
+        assert used(usable + 1) > size
+    assert pages_in_bytes(10_000 + 20 * 3, 10, ring) == 1001  # the context with the floor's rings

@@ -158,3 +158,17 @@ def pages_within(pages: int, page_bytes: int, ring: RingRule | None, spare: int,
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if pool_cost(mid, page_bytes, ring) - cost <= spare else (lo, mid - 1)
     return lo
+
+
+def pages_in_bytes(size: int, page_bytes: int, ring: RingRule | None) -> int:
+    """The largest KV pool (pages, null page included) whose usable pages and the ring
+    pool ``ring`` sets beside them take at most ``size`` bytes: what a KV cache of
+    ``size`` bytes holds, counted as the plan counts ``--kv-cache`` (both pools)."""
+    def used(usable: int) -> int:
+        return usable * page_bytes + (ring.rings(usable) * ring.ring_page_bytes if ring is not None else 0)
+
+    lo, hi = 0, max(size, 0) // page_bytes
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if used(mid) <= size else (lo, mid - 1)
+    return lo + 1

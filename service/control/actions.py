@@ -14,10 +14,17 @@ from __future__ import annotations
 import logging
 from typing import Literal
 
+from engine.memory.kv_fit import pages_in_bytes
 from engine.memory.plan import fmt_bytes
 from engine.wire import ipc
 from engine.wire.messages import BY_CONTROL
-from service.common.engine_states import ENGINE_FAILED, ENGINE_PAUSED, RESTART_HINT, RESUME_HINT, State
+from service.common.engine_states import (
+    ENGINE_FAILED,
+    ENGINE_PAUSED,
+    RESTART_HINT,
+    RESUME_HINT,
+    State,
+)
 from service.common.errors import APIError, invalid
 from service.supervision.supervisor import Supervisor
 from service.vram.host import host_memory
@@ -143,7 +150,7 @@ class SupervisorControl:
             pages = pool.planned_pages
             what = f"the plan's size ({pages - 1} pages)"
         else:
-            pages = kv_cache_bytes // pool.page_bytes + 1
+            pages = pages_in_bytes(kv_cache_bytes, pool.page_bytes, pool.ring)
             if pages < pool.min_pages:
                 raise ValueError(
                     f"a KV cache of {fmt_bytes(kv_cache_bytes)} holds {pages - 1} pages; the "

@@ -14,7 +14,7 @@ from test_engine import GREEDY, run_all
 from engine.common.config import EngineConfig, ModelConfig
 from engine.core.engine import Engine
 from engine.parallel.shard import check_shardable
-from engine.wire.messages import GenerateRequest
+from engine.wire.messages import GenerateRequest, ResizeResult
 from engine.worker.tp_launch import parallel_engine
 
 pytestmark = pytest.mark.slow
@@ -40,13 +40,16 @@ def test_tp2_greedy_equals_tp1(kind, tmp_path, make_tiny_hf_model):
     assert all(len(ids) == 32 for ids in split.values())
 
 
-def _shrunk_mid_decode(engine) -> tuple[dict[str, list[int]], int]:
-    """Run the prompts after a 48-token filler took the lowest pages, end the filler,
-    shrink the pool to 16 pages after 4 steps (the prompts' pages above the cut
-    relocate), finish; ``(ids, relocated pages)``."""
-    engine.add_request(GenerateRequest(request_id="filler", prompt_token_ids=list(range(3, 51)), sampling=GREEDY))
-    engine.step()
-    for rid, (ids, sp) in _prompts().items():
+def shrunk_mid_run(engine, filler: list[int], work: dict, pages: int, *, lead_steps: int = 1,
+                   before_shrink=None) -> tuple[dict[str, list[int]], ResizeResult]:
+    """Run ``work`` (``{id: (prompt ids, sampling)}``) after a ``filler`` prompt ran
+    ``lead_steps`` steps alone and took the lowest pages; after 4 steps together the filler
+    ends and the pool shrinks to ``pages`` (null page included; ``before_shrink()`` is
+    called just before), then the run ends: ``(work's ids, the resize's result)``."""
+    engine.add_request(GenerateRequest(request_id="filler", prompt_token_ids=filler, sampling=GREEDY))
+    for _ in range(lead_steps):
+        engine.step()
+    for rid, (ids, sp) in work.items():
         engine.add_request(GenerateRequest(request_id=rid, prompt_token_ids=ids, sampling=sp))
     out: dict[str, list[int]] = {}
     for _ in range(4):
@@ -54,11 +57,21 @@ def _shrunk_mid_decode(engine) -> tuple[dict[str, list[int]], int]:
             out.setdefault(o.request_id, []).extend(o.token_ids)
     engine.abort("filler")
     out.pop("filler", None)
-    result = engine.resize_kv_pool(16, reason="test")
-    assert result.after_pages == 16
+    if before_shrink is not None:
+        before_shrink()
+    result = engine.resize_kv_pool(pages, reason="test")
+    assert result.after_pages == pages
     while engine.has_work():
         for o in engine.step():
             out.setdefault(o.request_id, []).extend(o.token_ids)
+    return out, result
+
+
+def _shrunk_mid_decode(engine) -> tuple[dict[str, list[int]], int]:
+    """The prompts after a 48-token filler took the lowest pages, the pool shrunk to 16
+    pages after 4 steps (the prompts' pages above the cut relocate); ``(ids, relocated
+    pages)``."""
+    out, result = shrunk_mid_run(engine, list(range(3, 51)), _prompts(), 16)
     return out, result.relocated_pages
 
 
@@ -98,3 +111,14 @@ def test_unsplittable_model_fails_before_any_rank_starts(tmp_path, make_tiny_hf_
     # The fix names the sizes that do split it (heads 4, KV heads 2 in the tiny config).
     assert str(refused.value).endswith("use --tensor-parallel-size 2, or 1"), refused.value
 
+
+
+def test_gemma4_is_refused_before_any_rank_starts(tmp_path, make_tiny_hf_model):
+    """Gemma 4's layer kinds have heads of their own and share KV layers, which the split
+    does not follow: refused from its config, naming size 1 (Gemma 3 splits:
+    tests/test_tensor_parallel_ring.py)."""
+    from engine.loader.hf_config import load_model_config
+
+    make_tiny_hf_model("gemma4", tmp_path)
+    with pytest.raises(ValueError, match="its layer kinds' own heads .* use --tensor-parallel-size 1$"):
+        check_shardable(load_model_config(tmp_path), 2)

@@ -94,12 +94,17 @@ class GemmaDecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps)
         self.mlp = GemmaMLP(h, config.intermediate_size)
         self.post_feedforward_layernorm = GemmaRMSNorm(h, eps)
+        # Set by Gemma3CausalLM.use_parallel: o and down are row-parallel, their partial
+        # products summed over the ranks before the norm after each.
+        self.tp = None
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend,
                 cos_sin: torch.Tensor) -> torch.Tensor:
         """The residual stream ``h [T, hidden]`` through this layer."""
-        h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), batch, attn, cos_sin))
-        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        a = self.self_attn(self.input_layernorm(h), batch, attn, cos_sin)
+        h = h + self.post_attention_layernorm(a if self.tp is None else self.tp.all_reduce(a))
+        m = self.mlp(self.pre_feedforward_layernorm(h))
+        return h + self.post_feedforward_layernorm(m if self.tp is None else self.tp.all_reduce(m))
 
 
 class GemmaModel(nn.Module):
@@ -111,8 +116,9 @@ class GemmaModel(nn.Module):
 
 
 class Gemma3CausalLM(CausalLM):
-    """Gemma 3 over the paged KV cache; same life cycle as :class:`CausalLM` (no tensor
-    parallelism, no C decode layer: its layers are not the Llama layout those split or run).
+    """Gemma 3 over the paged KV cache; same life cycle as :class:`CausalLM`, tensor
+    parallelism included (:meth:`use_parallel`); no C decode layer (its layers are not the
+    Llama layout it runs).
 
     Attributes:
         cos_sin_cache: the global layers' ``[max_position_embeddings, head_dim]`` float32
@@ -137,7 +143,12 @@ class Gemma3CausalLM(CausalLM):
         self.tp, self.full_vocab_size, self.cpu_decode = None, config.vocab_size, None
 
     def use_parallel(self, tp, full_vocab_size: int) -> None:
-        raise ValueError(f"{self.family_name} does not run tensor-parallel yet; use --tensor-parallel-size 1")
+        """Run as one rank of ``tp`` (:meth:`CausalLM.use_parallel`): the embeddings looked
+        up vocab-parallel, an all-reduce after o and down (before the norms that follow
+        them), the logits gathered over all ``full_vocab_size`` tokens before their cap."""
+        self.tp, self.full_vocab_size = tp, full_vocab_size
+        for layer in self.model.layers:
+            layer.tp = tp
 
     def init_rope_cache(self) -> None:
         """Both cos/sin caches, float32, on the model's device."""
@@ -154,11 +165,16 @@ class Gemma3CausalLM(CausalLM):
             self.init_rope_cache()
         attn.prepare(batch)
         embed = self.model.embed_tokens
-        h = embed(batch.input_ids)  # [T, hidden]; embeddings in GGUF blocks (CPU) give the model dtype
+        if self.tp is None:
+            h = embed(batch.input_ids)  # [T, hidden]; embeddings in GGUF blocks (CPU) give the model dtype
+        else:
+            h = self.tp.embed(embed.weight, batch.input_ids, self.full_vocab_size)
         h = h * torch.tensor(self.config.hidden_size**0.5).to(h.dtype)  # rounded to it, as transformers does
         h = self.run_layers(h, batch, attn)
         h = self.model.norm(h[batch.logits_indices])
         logits = (F.linear(h, embed.weight) if self.lm_head is None else self.lm_head(h)).float()
+        if self.tp is not None:
+            logits = self.tp.gather_vocab(logits, self.full_vocab_size)
         cap = self.config.final_logit_softcapping
         return torch.tanh(logits / cap) * cap if cap else logits
 

@@ -197,6 +197,15 @@ class Gemma4CausalLM(Gemma3CausalLM):
     skipped_prefixes = (*Gemma3CausalLM.skipped_prefixes, *_TOWERS)
     skipped_kind = "vision and audio"
 
+    def use_parallel(self, tp, full_vocab_size: int) -> None:
+        """Refused: each layer kind has its own heads and KV heads, and layers share KV,
+        which the split does not follow yet.
+
+        Raises:
+            ValueError: always, naming the fix.
+        """
+        raise ValueError(f"{self.family_name} does not run tensor-parallel yet; use --tensor-parallel-size 1")
+
     def init_rope_cache(self) -> None:
         """Both cos/sin caches, float32, on the model's device."""
         device = self.model.norm.weight.device

@@ -22,7 +22,9 @@ from engine.parallel.split import rank_model_config
 # Checkpoint projections split by output rows / by input columns.
 _COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 _ROW = ("o_proj", "down_proj")
-_VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
+# By their last two names, so a multimodal checkpoint's language model
+# (``model.language_model.embed_tokens.weight``) splits as a text one does.
+_VOCAB = ("embed_tokens", "lm_head")
 
 
 def rank_config(mc: ModelConfig, tp: TensorParallel) -> ModelConfig:
@@ -48,7 +50,7 @@ def shard_weights(
     for name, tensor in weights:
         parts = name.split(".")
         proj = parts[-2] if len(parts) >= 2 else ""
-        if name in _VOCAB:
+        if proj in _VOCAB and parts[-1] == "weight":
             yield name, tensor[start:end]
         elif proj in _COLUMN:
             yield name, tensor.chunk(tp.world, dim=0)[tp.rank]

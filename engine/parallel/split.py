@@ -21,7 +21,8 @@ def check_shardable(mc: ModelConfig, world: int) -> None:
     Raises:
         SettingRefused: the heads, KV heads or MLP width does not divide by ``world``, or
             the model has parts not split yet (MoE layers, a norm over the whole
-            query/key projection); the message names the sizes that do split it.
+            query/key projection, Gemma 4's layer kinds of their own heads); the message
+            names the sizes that do split it.
     """
     if world == 1:
         return
@@ -30,11 +31,13 @@ def check_shardable(mc: ModelConfig, world: int) -> None:
     plural = {"attention heads", "KV heads"}
     problems = [f"its {n} {what} {'do' if what in plural else 'does'} not divide by {world}"
                 for what, n in sizes if n % world]
-    unsplittable = mc.is_moe or mc.qk_norm_whole
+    unsplittable = mc.is_moe or mc.qk_norm_whole or mc.gemma4 is not None
     if mc.is_moe:
         problems.append("mixture-of-experts layers are not split across ranks yet")
     if mc.qk_norm_whole:
         problems.append("its norm over the whole query/key projection spans every head")
+    if mc.gemma4 is not None:
+        problems.append("its layer kinds' own heads and shared KV layers are not split across ranks yet")
     if not problems:
         return
     divisors = [d for d in range(2, 9) if all(n % d == 0 for _, n in sizes)]

@@ -137,21 +137,22 @@ def test_a_ring_pool_short_against_its_bound_is_a_bug(pair):
 
 
 def test_what_excludes_the_ring(pair):
-    """``auto`` and ``on`` take the ring but with tensor parallelism or FlashInfer (said
-    in words), ``off`` never does."""
+    """``auto`` and ``on`` take the ring, under tensor parallelism too, but with FlashInfer
+    (said in words, and the plan says why ``on`` was not taken); ``off`` never does."""
     _, _, _, config, _ = pair
     assert kv_ring(config, PlanKnobs()) is not None and kv_ring(config, PlanKnobs(sliding_kv_ring="on")) is not None
     assert kv_ring(config, PlanKnobs(sliding_kv_ring="off")) is None
-    assert kv_ring_excluded(config, PlanKnobs(tensor_parallel_size=2)) == "tensor parallelism"
+    assert kv_ring(config, PlanKnobs(tensor_parallel_size=2)) is not None
+    assert kv_ring_excluded(config, PlanKnobs(tensor_parallel_size=2)) == ""
     import torch
 
     from engine.core.footprint import make_footprint
 
-    tp_note = make_footprint(config, torch.float32, PlanKnobs(sliding_kv_ring="on", tensor_parallel_size=2)).kv_window_note
-    assert tp_note.endswith("; no ring with tensor parallelism)")  # the plan says why `on` was not taken
-    assert "no ring" not in make_footprint(config, torch.float32, PlanKnobs(sliding_kv_ring="off")).kv_window_note
     flashinfer = PlanKnobs(sliding_kv_ring="on", attention_backend="flashinfer")
     assert kv_ring(config, flashinfer) is None and "FlashInfer" in kv_ring_excluded(config, flashinfer)
+    note = make_footprint(config, torch.float32, flashinfer).kv_window_note
+    assert note.endswith("; no ring with the FlashInfer attention backend)")
+    assert "no ring" not in make_footprint(config, torch.float32, PlanKnobs(sliding_kv_ring="off")).kv_window_note
 
 
 def test_requests_sharing_a_prefix_wait_for_ring_pages(pair):

@@ -378,7 +378,7 @@ class EngineConfig(KernelOptions):
         choices=KV_CACHE_DTYPES,
     )
     prefix_cache: bool = option(True, "Share KV pages of common prompt prefixes.")
-    sliding_kv_ring: str = option("auto", "Sliding-window layers keep only their window in the KV cache, in rings that grow with each request up to window + prefill chunk tokens (never more pages than the other layers'): auto/on (not with tensor parallelism or FlashInfer), off (every token kept).",
+    sliding_kv_ring: str = option("auto", "Sliding-window layers keep only their window in the KV cache, in rings that grow with each request up to window + prefill chunk tokens (never more pages than the other layers'): auto/on (under tensor parallelism too; not with FlashInfer), off (every token kept).",
                                   choices=("auto", "on", "off"))
     attention_backend: str = option(
         "auto",

@@ -166,10 +166,13 @@ class Engine(PlanStages, WeightsStage, GrammarWaits, LiveReplan, SplitReplan):
             log.warning("%s; it grows back with the KV pool when memory frees up", self.plan.context_note)
         # KV pool.
         num_pages = self._num_pages(mc)
+        ring_pages = None
         if tp is not None:
-            # Every rank holds the same page ids: the group's pool is the tightest rank's.
+            # Every rank holds the same page ids: the group's pools (the KV pool and the
+            # sliding-window rings') are the tightest rank's.
             num_pages = tp.min_int(num_pages)
-        self.pool = self._kv_pool(num_pages)
+            ring_pages = tp.min_int(self._ring_pool_pages(num_pages))
+        self.pool = self._kv_pool(num_pages, ring_pages)
         # Attention backend, and on a GPU one warm-up step at the plan's largest size, so
         # the step-size buffers sit in the allocator's cache before any request arrives.
         self.attn = self._attention(self.pool)

@@ -64,11 +64,11 @@ def kv_ring(mc: ModelConfig, knobs: PlanKnobs) -> SlidingRing | None:
 
 def kv_ring_excluded(mc: ModelConfig, knobs: PlanKnobs) -> str:
     """Why ``mc``'s sliding-window layers keep every token though ``--sliding-kv-ring``
-    asks for the ring ("" when nothing excludes it): tensor parallelism (its ranks are
-    sent the global page table only), FlashInfer (its plans read the global page table
-    only), a hybrid model (whose prefix checkpoints are its states')."""
-    if knobs.tensor_parallel_size > 1:
-        return "tensor parallelism"
+    asks for the ring ("" when nothing excludes it): FlashInfer (its plans read the
+    global page table only), a hybrid model (whose prefix checkpoints are its states').
+    Tensor parallelism keeps the ring: rank 0 sends every rank the ring's page table and
+    slots with each step, and its ring pool's copies and resizes
+    (:mod:`engine.core.tp_follow`)."""
     if knobs.attention_backend == "flashinfer":
         return "the FlashInfer attention backend"
     if mc.is_hybrid:

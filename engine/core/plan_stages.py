@@ -50,17 +50,26 @@ class PlanStages:
         return attention_workspaces(self.attention_backend, self.model_config, self.config.max_running_requests)
 
 
-    def _kv_pool(self, num_pages: int) -> KVPool:
+    def _kv_pool(self, num_pages: int, ring_pages: int | None = None) -> KVPool:
         """A KV pool of ``num_pages`` pages (the null page included) for this model, in
-        the engine's KV dtype on its device: the profile run's small one or the real one."""
+        the engine's KV dtype on its device: the profile run's small one or the real one;
+        its ring pool of ``ring_pages`` (None: :meth:`_ring_pool_pages`)."""
         mc = self.model_config
         ring = self._kv_ring
+        if ring_pages is None:
+            ring_pages = self._ring_pool_pages(num_pages)
         # --cpu-layers: the last layers' KV is in their host pool (engine.layers.host_layers).
         return KVPool(num_layers=mc.num_kv_layers - self.cpu_layers, num_pages=num_pages, page_size=self.config.page_size,
                       num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, dtype=self.kv_dtype, device=self.device,
-                      compute_dtype=self.dtype, ring_layers=ring.layers if ring else (),
-                      ring_pages=ring.pool_pages(self.knobs.max_running_requests, self.knobs.state_checkpoints,
-                                                 global_pages=num_pages - 1, cap=self._ring_cap) if ring else 0)
+                      compute_dtype=self.dtype, ring_layers=ring.layers if ring else (), ring_pages=ring_pages)
+
+    def _ring_pool_pages(self, num_pages: int) -> int:
+        """The ring pool's pages beside a KV pool of ``num_pages`` (null pages included):
+        :meth:`engine.kvcache.ring.SlidingRing.pool_pages` under the plan's cap; 0
+        without a ring."""
+        ring = self._kv_ring
+        return ring.pool_pages(self.knobs.max_running_requests, self.knobs.state_checkpoints,
+                               global_pages=num_pages - 1, cap=self._ring_cap) if ring else 0
 
     @property
     def _ring_cap(self) -> int | None:

@@ -11,9 +11,14 @@ import torch.distributed as dist
 
 from engine.parallel.group import TensorParallel
 
-# Header: [op, num_tokens, batch, max_pages, num_logits, is_decode, num_pages or moves, 0].
+# Header: [op, num_tokens, batch, max_pages, num_logits, is_decode, num_pages, ring]:
+# OP_FORWARD fills words 1-5 and ``ring`` (1: the sliding layers' ring table and slots
+# follow the step's inputs, engine.kvcache.ring); OP_COPY_PAGES the moves (word 1) and
+# ``ring`` (1: pages of the ring pool); OP_RESIZE and OP_RESIZE_RING ``num_pages`` (the
+# KV pool's, the ring pool's); OP_REPLAY words 1-2 (engine.core.tp_graphs).
 HEADER_WORDS = 8
-OP_FORWARD, OP_COPY_PAGES, OP_RESIZE, OP_STOP, OP_REPLAY = 1, 2, 3, 4, 5
+OP_FORWARD, OP_COPY_PAGES, OP_RESIZE, OP_STOP, OP_REPLAY, OP_RESIZE_RING = 1, 2, 3, 4, 5, 6
+WORD_PAGES, WORD_RING = 6, 7
 
 
 def send_command(tp: TensorParallel, header: list[int], payload: torch.Tensor | None = None) -> None:

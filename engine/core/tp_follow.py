@@ -2,8 +2,10 @@
 
 Only rank 0 schedules. Before each forward it broadcasts the step's inputs (the
 :class:`engine.common.forward_batch.ForwardBatch` integers, packed in one int64 tensor after a
-fixed header); before each relocation or resize of the KV pool it broadcasts the same
-command, so every rank's pool keeps the same pages at the same ids (the page tables of
+fixed header: with sliding-window rings, :mod:`engine.kvcache.ring`, the ring's page table
+and slots too); before each page copy or resize of the KV pool or of the ring pool (a
+relocation, a ring checkpoint saved or restored, a live resize) it broadcasts the same
+command, so every rank's pools keep the same pages at the same ids (the page tables of
 rank 0 are valid on every rank). A follower runs exactly the collectives rank 0 runs, in
 the same order, which is what keeps the group in step.
 
@@ -13,7 +15,7 @@ input buffer from the device into every follower's, and each rank replays its ow
 
 After a resize every rank reports its pool size (an all-gather); rank 0 checks they agree
 and raises otherwise (a rank that failed to resize: the group must restart); the sizes
-stay on rank 0's engine as ``rank_pool_pages``.
+stay on rank 0's engine as ``rank_pool_pages`` (the ring pool's as ``rank_ring_pages``).
 """
 
 from __future__ import annotations
@@ -32,7 +34,10 @@ from engine.core.tp_commands import (
     OP_FORWARD,
     OP_REPLAY,
     OP_RESIZE,
+    OP_RESIZE_RING,
     OP_STOP,
+    WORD_PAGES,
+    WORD_RING,
     send_command,
 )
 from engine.core.tp_graphs import GraphSync
@@ -46,20 +51,31 @@ class GroupOutOfStep(RuntimeError):
 
 
 def _pack(batch: ForwardBatch) -> torch.Tensor:
+    """The step's integers in one int64 tensor on the CPU, in :func:`_sizes`' order."""
+    ring = () if batch.ring_page_table is None else (batch.ring_out_slots, batch.ring_page_table)
     return torch.cat([t.reshape(-1).to("cpu", torch.int64) for t in (
         batch.input_ids, batch.positions, batch.out_slots, batch.page_table, batch.prefix_lens,
-        batch.extend_lens, batch.logits_indices)])
+        batch.extend_lens, batch.logits_indices, *ring)])
 
 
-def _unpack(header: torch.Tensor, payload: torch.Tensor, device: torch.device) -> ForwardBatch:
-    t, b, p, n_logits, is_decode = (int(x) for x in header[1:6])
-    sizes = [t, t, t, b * p, b, b, n_logits]
-    ids, pos, slots, table, prefix, extend, logits = payload.to("cpu").split(sizes)
+def _sizes(values: list[int]) -> list[int]:
+    """The parts of an ``OP_FORWARD`` payload, from its header's ``values``: ids,
+    positions and slots ``[t]``, the page table ``[b * p]``, prefix and extend lengths
+    ``[b]``, the logits rows; with ``ring``, the ring's slots ``[t]`` and page table."""
+    t, b, p, n_logits = values[1:5]
+    return [t, t, t, b * p, b, b, n_logits] + ([t, b * p] if values[WORD_RING] else [])
+
+
+def _unpack(values: list[int], payload: torch.Tensor, device: torch.device) -> ForwardBatch:
+    b, p = values[2:4]
+    ids, pos, slots, table, prefix, extend, logits, *ring = payload.to("cpu").split(_sizes(values))
     table = table.view(b, p)
     on = lambda x: x.to(device)  # noqa: E731
-    return ForwardBatch(is_decode=bool(is_decode), input_ids=on(ids), positions=on(pos), out_slots=on(slots),
+    return ForwardBatch(is_decode=bool(values[5]), input_ids=on(ids), positions=on(pos), out_slots=on(slots),
                         page_table=on(table), prefix_lens=prefix.clone(), extend_lens=extend.clone(),
-                        logits_indices=on(logits), page_table_cpu=table.clone())
+                        logits_indices=on(logits), page_table_cpu=table.clone(),
+                        ring_out_slots=on(ring[0]) if ring else None,
+                        ring_page_table=on(ring[1].view(b, p)) if ring else None)
 
 
 class _LeadingModel:
@@ -72,30 +88,39 @@ class _LeadingModel:
         b, p = batch.page_table.shape
         payload = _pack(batch)
         send_command(self.tp, [OP_FORWARD, batch.num_tokens, b, p, int(batch.logits_indices.numel()),
-                             int(batch.is_decode)], payload)
+                               int(batch.is_decode), 0, int(batch.ring_page_table is not None)], payload)
         return self.model(batch, attn)
 
 
 def lead(engine: Any, tp: TensorParallel) -> None:
     """Make rank 0's ``engine`` (an :class:`engine.core.engine.Engine`) broadcast each step
-    and each KV pool relocation and resize to the followers before doing it itself."""
+    and each page copy and resize of its KV pool and ring pool to the followers before
+    doing it itself."""
     pool = engine.pool
-    copy_pages, resize = pool.copy_pages, pool.resize
+    copy_pages, resize, resize_ring = pool.copy_pages, pool.resize, pool.resize_ring
 
-    def leading_copy_pages(src: Sequence[int], dst: Sequence[int]) -> None:
+    def leading_copy_pages(src: Sequence[int], dst: Sequence[int], *, ring: bool = False) -> None:
         if src:
-            send_command(tp, [OP_COPY_PAGES, len(src)], torch.tensor([*src, *dst], dtype=torch.int64))
-        copy_pages(src, dst)
+            send_command(tp, _header(OP_COPY_PAGES, len(src), ring=int(ring)),
+                         torch.tensor([*src, *dst], dtype=torch.int64))
+        copy_pages(src, dst, ring=ring)
 
     def leading_resize(num_pages: int) -> None:
-        send_command(tp, [OP_RESIZE, 0, 0, 0, 0, 0, num_pages])
+        send_command(tp, _header(OP_RESIZE, pages=num_pages))
         try:
             resize(num_pages)
         finally:
             engine.rank_pool_pages = _agree_on_pool(engine, tp)
 
+    def leading_resize_ring(ring_pages: int) -> None:
+        send_command(tp, _header(OP_RESIZE_RING, pages=ring_pages))
+        try:
+            resize_ring(ring_pages)
+        finally:
+            engine.rank_ring_pages = _agree_on_pool(engine, tp, ring=True)
+
     # Instance attributes shadow the methods: the engine's replan code stays the same.
-    pool.copy_pages, pool.resize = leading_copy_pages, leading_resize
+    pool.copy_pages, pool.resize, pool.resize_ring = leading_copy_pages, leading_resize, leading_resize_ring
     engine.runner.model = _LeadingModel(engine.runner.model, tp)
     _sync_graphs(engine, tp)
 
@@ -111,11 +136,23 @@ def stop_followers(tp: TensorParallel) -> None:
     send_command(tp, [OP_STOP])
 
 
-def _agree_on_pool(engine: Any, tp: TensorParallel) -> list[int]:
-    sizes = tp.gather_int(engine.pool.num_pages)
-    log.info("KV pool on rank %d: %d pages (every rank: %s)", tp.rank, engine.pool.num_pages, sizes)
+def _header(op: int, first: int = 0, *, pages: int = 0, ring: int = 0) -> list[int]:
+    """A command's header: ``op``, word 1 ``first``, the page count and the ring flag in
+    their words (:mod:`engine.core.tp_commands`)."""
+    header = [op, first] + [0] * 6
+    header[WORD_PAGES], header[WORD_RING] = pages, ring
+    return header
+
+
+def _agree_on_pool(engine: Any, tp: TensorParallel, *, ring: bool = False) -> list[int]:
+    """Every rank's KV pool pages (``ring``: its ring pool's), in rank order; rank 0
+    raises :class:`GroupOutOfStep` where they differ."""
+    mine = engine.pool.ring_pages if ring else engine.pool.num_pages
+    what = "ring pool" if ring else "KV pool"
+    sizes = tp.gather_int(mine)
+    log.info("%s on rank %d: %d pages (every rank: %s)", what, tp.rank, mine, sizes)
     if tp.is_leader and len(set(sizes)) != 1:
-        raise GroupOutOfStep(f"the ranks' KV pools differ after a resize ({sizes} pages); the group restarts")
+        raise GroupOutOfStep(f"the ranks' {what}s differ after a resize ({sizes} pages); the group restarts")
     return sizes
 
 
@@ -136,11 +173,10 @@ def follow(engine: Any, tp: TensorParallel) -> None:
         if op == OP_STOP:
             return
         if op == OP_FORWARD:
-            t, b, p, n_logits = values[1:5]
-            payload = torch.empty(3 * t + b * p + 2 * b + n_logits, dtype=torch.int64, device=tp.device)
+            payload = torch.empty(sum(_sizes(values)), dtype=torch.int64, device=tp.device)
             dist.broadcast(payload, 0)
             with torch.inference_mode():
-                engine.model(_unpack(header, payload, engine.device), engine.attn)
+                engine.model(_unpack(values, payload, engine.device), engine.attn)
         elif op == OP_REPLAY:
             with torch.inference_mode():
                 engine.runner.graphs.replay_shared(values[1], values[2])
@@ -149,12 +185,13 @@ def follow(engine: Any, tp: TensorParallel) -> None:
             payload = torch.empty(2 * n, dtype=torch.int64, device=tp.device)
             dist.broadcast(payload, 0)
             moves = payload.tolist()
-            engine.pool.copy_pages(moves[:n], moves[n:])
-        elif op == OP_RESIZE:
+            engine.pool.copy_pages(moves[:n], moves[n:], ring=bool(values[WORD_RING]))
+        elif op in (OP_RESIZE, OP_RESIZE_RING):
+            ring = op == OP_RESIZE_RING
             engine.runner.pool_will_move()
             try:
-                engine.pool.resize(values[6])
+                (engine.pool.resize_ring if ring else engine.pool.resize)(values[WORD_PAGES])
             finally:
-                _agree_on_pool(engine, tp)
+                _agree_on_pool(engine, tp, ring=ring)
         else:
             raise RuntimeError(f"unknown command {op} from rank 0")

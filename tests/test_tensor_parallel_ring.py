@@ -82,13 +82,16 @@ def _shrunk_mid_run(engine) -> tuple[dict[str, list[int]], list[int], int]:
 def test_tp2_live_shrink_resizes_both_ranks_ring_pools(gemma3):
     """A shrink mid-run with rings: ring pages above the cut move below it on both ranks
     (the copy and the resize reach the follower), both ranks end at the same ring pool,
-    and the ids stay one rank's shrunk the same way, and transformers'."""
+    and the ids stay one rank's shrunk the same way, and transformers'. The 45-id prompt
+    is the filler's first 45 ids, so it starts from the filler's cached prefix: a ring
+    checkpoint saved and restored on both ranks."""
     hf, path = gemma3
     alone, moved, ring_pages = _shrunk_mid_run(Engine(_config(path, max_running_requests=8)))
     assert moved  # live ring pages sat above the cut: the ring copy is exercised
     with parallel_engine(_split(_config(path, max_running_requests=8))) as engine:
         split, _, _ = _shrunk_mid_run(engine)
         assert engine.rank_pool_pages == [20, 20] and engine.rank_ring_pages == [ring_pages, ring_pages]
+        assert engine.radix.hit_tokens > 0
     assert split == alone
     assert [split[f"r{i}"] for i in range(3)] == [hf_greedy(hf, ids, STEPS)
                                                   for ids in seeded_prompts(VOCAB, 45, 5, 29)]

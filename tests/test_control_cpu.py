@@ -29,3 +29,34 @@ def test_the_smallest_kv_cache_is_one_request_of_the_min_context(real_server):
                    timeout=60)
     assert r.status_code == 400, r.text
     assert "the smallest is 128 pages" in r.json()["error"]["message"], r.text  # 2,048 tokens of 16
+
+
+def test_a_desktop_reserve_on_a_cpu_engine_is_refused_naming_why(real_server):
+    headers = {"Authorization": f"Bearer {real_server.token}"}
+    r = httpx.post(f"{real_server.base_url}/api/control/reserve", json={"reserve": "1PiB"}, headers=headers,
+                   timeout=60)
+    assert r.status_code == 409, r.text
+    error = r.json()["error"]
+    assert error["code"] == "no_card" and error["param"] == "reserve"
+    assert "runs on the CPU: GPU memory is watched, not replanned" in error["message"]
+
+
+def _cached_pages(server) -> float:
+    text = httpx.get(f"{server.base_url}/metrics", timeout=30).text
+    return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith("headroom_kv_pages_cached"))
+
+
+def test_a_refused_size_leaves_the_prefix_cache_as_it_was(real_server):
+    """Every field of a cache call is read before anything is done, and the prefix cache
+    is cleared last: a size refused beside ``clear_prefix_cache`` clears nothing."""
+    headers = {"Authorization": f"Bearer {real_server.token}"}
+    r = httpx.post(f"{real_server.base_url}/v1/completions", timeout=120,
+                   json={"prompt": "The history of computing " * 6, "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200, r.text
+    cached = _cached_pages(real_server)
+    assert cached > 0
+    for size, status in (("1MiB", 400), ("lots", 400), ("1PiB", 409)):
+        r = httpx.post(f"{real_server.base_url}/api/control/cache", headers=headers, timeout=60,
+                       json={"clear_prefix_cache": True, "kv_cache": size})
+        assert r.status_code == status, r.text
+        assert _cached_pages(real_server) == cached

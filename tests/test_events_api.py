@@ -176,8 +176,8 @@ def test_control_actions_reach_the_target(env):
         ("reserve", int(1.5 * (1 << 30))),
         ("reserve", 1024),
         ("kv_cache", 6 << 30),
+        ("kv_cache", None),  # the sizes first, the prefix cache cleared last
         "clear_prefix_cache",
-        ("kv_cache", None),
     ]
 
 

@@ -217,6 +217,13 @@ def test_a_restart_keeps_a_paused_engine_paused_naming_the_resume(start_server):
     health = _health(server)
     assert health["status"] == "paused" and health["worker_pid"] is None, health
     assert "restart requested by the control API" not in server.log()
+    # A live change needs the engine loaded: a 409 naming the resume, not a 503 to retry.
+    for body in ({"kv_cache": "2GiB"}, {"clear_prefix_cache": True}, {"expert_cache": None}):
+        refused = httpx.post(f"{server.base_url}/api/control/cache", json=body, timeout=30,
+                             headers={"Authorization": f"Bearer {server.token}"})
+        assert refused.status_code == 409 and "retry-after" not in refused.headers, refused.text
+        error = refused.json()["error"]
+        assert error["code"] == "engine_paused" and "POST /api/control/resume resumes it" in error["message"]
     assert _control(server, "resume").status_code == 202
     server.wait_ready(LOAD_S)
     pid = server.worker_pid()

@@ -116,9 +116,18 @@ class SupervisorControl:
     def set_reserve(self, reserve: int | Literal["auto"]) -> str:
         """Keep ``reserve`` bytes free for the desktop (``"auto"``: the default rule);
         the watcher replans against it from its next sample. Held in memory: a restart
-        of the service goes back to ``--reserve``."""
+        of the service goes back to ``--reserve``.
+
+        Raises:
+            NotImplementedError: no VRAM watcher (501).
+            APIError: 409 ``no_card`` on a CPU engine with no simulated card.
+        """
         if self.watcher is None:
             raise NotImplementedError("this service has no VRAM watcher")
+        if self._cpu_without_card():
+            raise APIError(409, "the engine runs on the CPU: GPU memory is watched, not replanned, so a desktop "
+                                "reserve changes nothing (it keeps room on the card of an engine on a GPU; "
+                                "--device-total simulates one for tests)", code="no_card", param="reserve")
         return self.watcher.set_reserve(reserve)
 
     async def set_kv_cache(self, kv_cache_bytes: int | None) -> str:
@@ -142,7 +151,7 @@ class SupervisorControl:
                 growing), 503 when it did not answer.
         """
         sup = self.supervisor
-        sup.check_ready()
+        self._check_loaded()
         pool = sup.link.pool
         if pool is None:
             raise NotImplementedError("this engine cannot resize its KV pool while it runs")
@@ -192,7 +201,7 @@ class SupervisorControl:
             APIError: as :meth:`set_kv_cache`.
         """
         sup = self.supervisor
-        sup.check_ready()
+        self._check_loaded()
         pool = sup.link.pool
         if pool is None or pool.max_expert_slots == 0 or pool.expert_slot_bytes <= 0:
             raise NotImplementedError(
@@ -237,7 +246,7 @@ class SupervisorControl:
             NotImplementedError: a model (or setting) whose split cannot move (501).
         """
         sup = self.supervisor
-        sup.check_ready()
+        self._check_loaded()
         pool = sup.link.pool
         started = self._started_split()
         most = None if pool is None else pool.max_cpu_layers or (pool.decoder_layers - 1 if pool.decoder_layers else None)
@@ -345,10 +354,29 @@ class SupervisorControl:
             NotReady: no worker is ready (503).
             APIError: as :meth:`set_kv_cache`.
         """
+        self._check_loaded()
         done = await self.supervisor.link.run_command(
             ipc.EvictPrefixCache, reason=CONTROL_REASON, origin=BY_CONTROL, timeout_s=self.command_timeout_s
         )
         return self._answer(done)
+
+    def _check_loaded(self) -> None:
+        """A live change needs a loaded engine: 409 where the user unloaded it (``paused``;
+        ``idle``, unloaded after ``--keep-alive`` or an Ollama unload), naming what loads it
+        (a retry never would), else 503 while it starts or restarts.
+
+        Raises:
+            APIError: 409 ``engine_paused`` or ``engine_idle``.
+            NotReady: no worker is ready otherwise (503, with Retry-After).
+        """
+        state = self.supervisor.state
+        if state is State.PAUSED:
+            raise APIError(409, f"the engine is paused, a live change needs it loaded: {RESUME_HINT}",
+                           code=ENGINE_PAUSED)
+        if state is State.IDLE:
+            raise APIError(409, "the engine is unloaded (idle), a live change needs it loaded: the next "
+                                f"request loads it, or {RESUME_HINT}", code="engine_idle")
+        self.supervisor.check_ready()
 
     @staticmethod
     def _answer(done: ipc.ControlDone | None) -> str:

@@ -225,17 +225,21 @@ def events_router(
                 "\"6GiB\", or null for the plan's size), 'cpu_layers' (a number of decoder layers, "
                 "or null for the start's split) and/or 'clear_prefix_cache': true"
             )
+        # Every field is read before anything is done, and the prefix cache is cleared
+        # last: a refused size leaves the engine as it was.
+        experts = (msgspec.UNSET if body.expert_cache is msgspec.UNSET else
+                   None if body.expert_cache is None else _parse_size_field(body.expert_cache, "expert_cache"))
+        kv = (msgspec.UNSET if body.kv_cache is msgspec.UNSET else
+              None if body.kv_cache is None else _parse_size_field(body.kv_cache, "kv_cache"))
         messages = []
         if body.cpu_layers is not msgspec.UNSET:
             messages.append(await _call(control.set_cpu_layers, body.cpu_layers, param="cpu_layers"))
+        if experts is not msgspec.UNSET:
+            messages.append(await _call(control.set_expert_cache, experts, param="expert_cache"))
+        if kv is not msgspec.UNSET:
+            messages.append(await _call(control.set_kv_cache, kv, param="kv_cache"))
         if body.clear_prefix_cache:
             messages.append(await _call(control.clear_prefix_cache))
-        if body.expert_cache is not msgspec.UNSET:
-            size = None if body.expert_cache is None else _parse_size_field(body.expert_cache, "expert_cache")
-            messages.append(await _call(control.set_expert_cache, size, param="expert_cache"))
-        if body.kv_cache is not msgspec.UNSET:
-            size = None if body.kv_cache is None else _parse_size_field(body.kv_cache, "kv_cache")
-            messages.append(await _call(control.set_kv_cache, size, param="kv_cache"))
         text = "; ".join(m for m in messages if m) or None
         return ControlResponse(ok=True, action="cache", message=text)
 

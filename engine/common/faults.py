@@ -1,5 +1,5 @@
 """Test-only fault injection: raise ``torch.OutOfMemoryError`` at a named site of a step,
-make a step slow, or fail CUDA's initialisation when an engine starts.
+make a step or a live KV pool resize slow, or fail CUDA's initialisation when an engine starts.
 
 The OOM handling of :meth:`engine.core.engine.Engine.step` must be exercised on machines
 without a GPU, where a real out-of-memory never happens at a chosen moment. A rule
@@ -22,6 +22,13 @@ names a site, a request and a count:
     step, not a hang: the service's watchdog must leave it alone. Written
     ``slow:request:times:seconds`` (times and seconds both required), e.g.
     ``slow:*:1:25``.
+
+``slow_resize``
+    the next live resize of the KV pool (``Engine.resize_kv_pool``) takes ``seconds``
+    longer, spread over its buffers: after each buffer's copy it sleeps its share
+    *without* advancing the work counter, so only the resize's own advance per buffer
+    (:meth:`engine.kvcache.pool.KVPool.resize`) keeps the watchdog away. Written as
+    ``slow`` is, the request part ignored (write ``*``): ``slow_resize:*:1:8``.
 
 ``cuda_init``
     the start of an engine on any device but ``cpu``
@@ -65,9 +72,11 @@ from engine.common import environment, progress
 log = logging.getLogger("headroom.faults")
 
 ENV_VAR = environment.FAULTS.name
-SITES: tuple[str, ...] = ("prefill", "decode", "sample", "slow", "cuda_init")
+SITES: tuple[str, ...] = ("prefill", "decode", "sample", "slow", "slow_resize", "cuda_init")
 CUDA_INIT = "cuda_init"
 SLOW = "slow"
+SLOW_RESIZE = "slow_resize"
+TIMED_SITES = (SLOW, SLOW_RESIZE)  # their rules end with seconds
 SLOW_SLICE_S = 0.1  # a slow step advances the work counter this often (seconds)
 ANY_REQUEST = "*"
 SPOOL_ENV_VAR = environment.FAULTS_DIR.name
@@ -118,21 +127,21 @@ class FaultInjector:
                 continue
             site, sep, rest = rule.partition(":")
             if not sep or not rest:
-                form = SLOW_FORM if site.strip() == SLOW else "site:request[:times], e.g. prefill:req-1:2"
+                form = _timed_form(site) if site.strip() in TIMED_SITES else "site:request[:times], e.g. prefill:req-1:2"
                 raise ValueError(f"{ENV_VAR} rule {rule!r}: expected {form}")
             seconds = 0.0
-            if site.strip() == SLOW:
+            if site.strip() in TIMED_SITES:
                 rest, seconds = _slow_seconds(rule, rest)
             request_id, times = rest, 1
             head, sep, tail = rest.rpartition(":")
             # A trailing ":N" is the count; request ids may contain ':' themselves.
             counted = sep and _is_count_place(head, tail)
             if counted and seconds and not _is_count(tail):
-                raise ValueError(f"{ENV_VAR} rule {rule!r}: expected {SLOW_FORM}")
+                raise ValueError(f"{ENV_VAR} rule {rule!r}: expected {_timed_form(site)}")
             if counted:
                 request_id, times = head, _count(rule, tail)
             elif seconds:
-                raise ValueError(f"{ENV_VAR} rule {rule!r}: expected {SLOW_FORM}")
+                raise ValueError(f"{ENV_VAR} rule {rule!r}: expected {_timed_form(site)}")
             try:
                 injector.add(site.strip(), request_id.strip(), times, seconds=seconds)
             except ValueError as exc:
@@ -199,8 +208,9 @@ class FaultInjector:
             raise ValueError(f"empty request id (use {ANY_REQUEST!r} for any request)")
         if times < 1:
             raise ValueError(f"times must be >= 1, got {times}")
-        if (site == SLOW) != (seconds > 0):
-            raise ValueError(f"seconds > 0 go with the {SLOW!r} site only, got {seconds} at {site!r}")
+        if (site in TIMED_SITES) != (seconds > 0):
+            raise ValueError(f"seconds > 0 go with the {SLOW!r} site only, or {SLOW_RESIZE!r}, got {seconds} "
+                             f"at {site!r}")
         self.rules.append(FaultRule(site, request_id, times, seconds=seconds))
 
     def clear(self) -> None:
@@ -249,6 +259,21 @@ class FaultInjector:
                 f"(injected at site {site} for request {hit})"
             )
 
+    def resize_seconds(self) -> float:
+        """The seconds the next live resize of the KV pool takes longer: a ``slow_resize``
+        rule's (one of its counts used up), 0.0 when none is armed."""
+        if self.spool is not None:
+            self.poll_spool()
+        for rule in self.rules:
+            if rule.site == SLOW_RESIZE and rule.remaining > 0:
+                rule.remaining -= 1
+                self.fired.append((SLOW_RESIZE, ANY_REQUEST))
+                if rule.source is not None and rule.remaining == 0:
+                    self._mark_fired(rule.source)
+                log.warning("injected fault: a slow KV pool resize, %.1f s longer", rule.seconds)
+                return rule.seconds
+        return 0.0
+
     def _mark_fired(self, source: Path) -> None:
         """Rename a spool file ``*.fired`` once every rule it held has fired."""
         if any(r.source == source and r.remaining > 0 for r in self.rules):
@@ -258,6 +283,11 @@ class FaultInjector:
 
 
 SLOW_FORM = "slow:request:times:seconds, e.g. slow:*:1:25"
+
+
+def _timed_form(site: str) -> str:
+    """How a rule of a site that takes seconds is written."""
+    return SLOW_FORM if site.strip() == SLOW else "slow_resize:*:times:seconds, e.g. slow_resize:*:1:8"
 
 
 def _is_count_place(head: str, tail: str) -> bool:
@@ -297,7 +327,7 @@ def _slow_seconds(rule: str, rest: str) -> tuple[str, float]:
     except ValueError:
         seconds = 0.0
     if not sep or not seconds > 0 or seconds == float("inf"):
-        raise ValueError(f"{ENV_VAR} rule {rule!r}: expected {SLOW_FORM}")
+        raise ValueError(f"{ENV_VAR} rule {rule!r}: expected {_timed_form(rule.partition(':')[0])}")
     return head, seconds
 
 

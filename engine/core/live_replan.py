@@ -176,14 +176,14 @@ class LiveReplan:
                 host.copy_pages(list(shrunk.moves), list(shrunk.moves.values()))
             self.runner.pool_will_move()
             try:
-                self.pool.resize(num_pages)
+                self._resize_buffers(num_pages)
                 self._rings_follow()
             finally:
                 self._pool_resized()
         elif num_pages > before_pages:
             self.runner.pool_will_move()
             try:
-                self.pool.resize(num_pages)
+                self._resize_buffers(num_pages)
                 self._rings_follow()
             finally:
                 # After a failed grow the pool is consistent at its old size.
@@ -318,15 +318,26 @@ class LiveReplan:
         if rule is None:
             return
         have = self.ring.allocator.num_pages
+        written = self.ring.allocator.high_water
         if self.pool.ring_pages > have:
-            self.pool.resize_ring(have)
+            self.pool.resize_ring(have, written_pages=written)
             return
         target = rule.rings(self.pool.num_pages - 1) + 1
         if target > have:
             try:
-                self.pool.resize_ring(target)
+                self.pool.resize_ring(target, written_pages=written)
             finally:
                 self.ring.allocator.resize(self.pool.ring_pages)
+
+    def _resize_buffers(self, num_pages: int) -> None:
+        """Resize the pool's buffers (:meth:`engine.kvcache.pool.KVPool.resize`), copying
+        only the pages the allocator ever handed out (on the CPU the rest stay
+        unresident), slowed by the test-only ``slow_resize`` fault where one is armed."""
+        faults = self.runner.faults
+        seconds = faults.resize_seconds() if faults is not None else 0.0
+        buffers = 2 * (self.pool.num_layers - len(self.pool.ring_layers))
+        pause = (lambda: time.sleep(seconds / buffers)) if seconds > 0 else None
+        self.pool.resize(num_pages, written_pages=self.allocator.high_water, after_buffer=pause)
 
     def _context_limit(self, num_pages: int) -> int:
         """The per-request context limit for a pool of ``num_pages`` (null page included)."""
@@ -335,7 +346,7 @@ class LiveReplan:
     def _pool_resized(self) -> None:
         host = getattr(self.model, "host_layers", None)
         if host is not None:  # --cpu-layers: the host pool's pages follow at once, not at the next step
-            host.follow(self.pool.num_pages)
+            host.follow(self.pool.num_pages, written_pages=self.allocator.high_water)
         self.info = msgspec.structs.replace(
             self.info, num_pages=self.pool.num_pages, kv_cache_bytes=self.pool.nbytes,
             max_context_tokens=self.max_context_tokens,

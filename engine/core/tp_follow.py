@@ -105,17 +105,17 @@ def lead(engine: Any, tp: TensorParallel) -> None:
                          torch.tensor([*src, *dst], dtype=torch.int64))
         copy_pages(src, dst, ring=ring)
 
-    def leading_resize(num_pages: int) -> None:
+    def leading_resize(num_pages: int, **how: Any) -> None:  # how: KVPool.resize's keywords, rank 0's own
         send_command(tp, _header(OP_RESIZE, pages=num_pages))
         try:
-            resize(num_pages)
+            resize(num_pages, **how)
         finally:
             engine.rank_pool_pages = _agree_on_pool(engine, tp)
 
-    def leading_resize_ring(ring_pages: int) -> None:
+    def leading_resize_ring(ring_pages: int, **how: Any) -> None:
         send_command(tp, _header(OP_RESIZE_RING, pages=ring_pages))
         try:
-            resize_ring(ring_pages)
+            resize_ring(ring_pages, **how)
         finally:
             engine.rank_ring_pages = _agree_on_pool(engine, tp, ring=True)
 

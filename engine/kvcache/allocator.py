@@ -13,13 +13,22 @@ class PageAllocator:
     """Hands out page ids ``1 .. num_pages - 1`` (page 0 is the null page).
 
     Lowest ids go first (a min-heap), so a pool that later shrinks from the top finds
-    its high pages free more often.
+    its high pages free more often, and the pages never handed out lie above a
+    :attr:`high_water` mark.
     """
 
     def __init__(self, num_pages: int) -> None:
         self._num_pages = num_pages
         self._free: list[int] = list(range(1, num_pages))  # sorted, hence a valid heap
         self._free_set = set(self._free)
+        self._high_water = 1
+
+    @property
+    def high_water(self) -> int:
+        """One more than the highest page ever handed out (1 when none was; at most
+        :attr:`num_pages`): the pages at or above it were never written, so they hold
+        nothing a resize of the pool must copy (:meth:`engine.kvcache.pool.KVPool.resize`)."""
+        return self._high_water
 
     @property
     def num_pages(self) -> int:
@@ -48,6 +57,8 @@ class PageAllocator:
             raise OutOfPages(f"asked for {n} pages, {len(self._free)} free")
         pages = [heapq.heappop(self._free) for _ in range(n)]
         self._free_set.difference_update(pages)
+        if pages:
+            self._high_water = max(self._high_water, pages[-1] + 1)  # popped lowest first
         return pages
 
     def free(self, pages: list[int]) -> None:
@@ -97,6 +108,7 @@ class PageAllocator:
             self._free = [p for p in self._free if p < num_pages]
             heapq.heapify(self._free)
             self._free_set.difference_update(range(num_pages, old))
+            self._high_water = min(self._high_water, num_pages)
         self._num_pages = num_pages
 
     def free_below(self, limit: int) -> int:

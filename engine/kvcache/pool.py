@@ -19,7 +19,10 @@ must really reach the device, as NVML sees it. Three ways were weighed:
 
 - *Layer by layer* (chosen): for each of the ``2 x num_layers`` buffers, allocate the
   new one, copy the live part (the pages below ``min(old, new)``), drop the old one and,
-  on CUDA, empty the allocator's cache so the freed segment goes back to the driver.
+  on CUDA, empty the allocator's cache so the freed segment goes back to the driver
+  (on the CPU only the pages below the allocator's high-water mark are copied: the new
+  buffer is a fresh map, resident only where written, so the pages no request wrote stay
+  out of memory).
   The peak over the start is one layer's new buffer (``1 / (2 x num_layers)`` of the
   pool), never a second pool. Measured on an H200 with NVML watching:
   28 buffers of 1 GiB halved in 44 ms with the default allocator and 149 ms with
@@ -53,10 +56,11 @@ import itertools
 import math
 import mmap
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
+from engine.common import progress
 from kernels.attention.kv_formats import KV_CACHE_DTYPES
 from kernels.attention.kv_store import (
     BLOCK_KV_DTYPES,
@@ -271,14 +275,28 @@ class KVPool:
             raw = buf.view(torch.uint8) if is_fp8(buf.dtype) else buf  # no fp8 index ops on the CPU
             raw.index_copy_(0, dst_slots, raw.index_select(0, src_slots))
 
-    def resize(self, num_pages: int) -> None:
+    def resize(self, num_pages: int, *, written_pages: int | None = None,
+               after_buffer: Callable[[], None] | None = None) -> None:
         """Change the pool to ``num_pages`` pages (the null page included), layer by
         layer: allocate one new buffer, copy the pages below ``min(old, new)``, drop the
         old buffer and, on CUDA, give the freed memory back to the device before the next
-        buffer (see the module docstring). Pages added by growing are zeroed.
+        buffer (see the module docstring). Pages added by growing are zeroed. Each buffer
+        done advances the work counter (:mod:`engine.common.progress`), so the service's
+        watchdog sees a long resize move on.
+
+        On the CPU a new buffer is a fresh anonymous map, resident only where written, and
+        only the kept pages below ``written_pages`` are copied (the allocator's
+        :attr:`~engine.kvcache.allocator.PageAllocator.high_water`: the pages above it were
+        never written and read as zeros in the new buffer as in the old): a resize costs
+        resident memory for the pages that hold data, not for the pool's size. None, and
+        on CUDA always, copies every kept page.
 
         When shrinking, the caller guarantees that no page ``>= num_pages`` holds live
         keys and values.
+
+        Args:
+            after_buffer: called after each buffer's copy (the engine's test-only slow
+                resize fault, :mod:`engine.common.faults`); None: nothing.
 
         Raises:
             ValueError: ``num_pages < 2``.
@@ -289,12 +307,14 @@ class KVPool:
         """
         if num_pages < 2:
             raise ValueError(f"the KV pool needs at least 2 pages (one is the null page), got {num_pages}")
-        self._resize_layers(self._paged, self.num_pages, num_pages)
+        self._resize_layers(self._paged, self.num_pages, num_pages, written_pages, after_buffer)
 
-    def resize_ring(self, ring_pages: int) -> None:
+    def resize_ring(self, ring_pages: int, *, written_pages: int | None = None,
+                    after_buffer: Callable[[], None] | None = None) -> None:
         """Change the ring layers' pool to ``ring_pages`` pages (the null page included),
         as :meth:`resize` does the others' (the caller guarantees that no ring page
-        ``>= ring_pages`` holds live keys and values when shrinking).
+        ``>= ring_pages`` holds live keys and values when shrinking; ``written_pages``
+        is the ring allocator's high-water mark).
 
         Raises:
             ValueError: no ring layers, or ``ring_pages < 2``.
@@ -305,25 +325,31 @@ class KVPool:
             raise ValueError(f"a ring pool of {ring_pages} pages: it needs ring layers and at least 2 pages "
                              "(one is the null page)")
         old, self.ring_pages = self.ring_pages, min(self.ring_pages, ring_pages)
-        self._resize_layers(sorted(self.ring_layers), old, ring_pages)
+        self._resize_layers(sorted(self.ring_layers), old, ring_pages, written_pages, after_buffer)
         self.ring_pages = ring_pages
 
-    def _resize_layers(self, layers: list[int], old: int, num_pages: int) -> None:
+    def _resize_layers(self, layers: list[int], old: int, num_pages: int, written_pages: int | None,
+                       after_buffer: Callable[[], None] | None) -> None:
         """Resize the buffers of ``layers`` from ``old`` to ``num_pages`` pages, layer by
         layer (:meth:`resize`)."""
         if num_pages == old:
             return
         keep = min(old, num_pages) * self.page_size
         on_cuda = self.device.type == "cuda"
+        # On the CPU the new map reads as zeros: pages never written need no copy.
+        copied = keep if on_cuda or written_pages is None else min(keep, max(written_pages, 1) * self.page_size)
         try:
             for buffers in (self.k_buffers, self.v_buffers):
                 for i in layers:
                     new = self._new_buffer(num_pages, zero_from=min(old, num_pages))
-                    new[:keep].copy_(buffers[i][:keep])
+                    new[:copied].copy_(buffers[i][:copied])
                     buffers[i] = new  # the old buffer's last reference goes here
                     del new
                     if on_cuda:
                         torch.cuda.empty_cache()
+                    progress.advance()
+                    if after_buffer is not None:
+                        after_buffer()
         except torch.OutOfMemoryError:
             for buffers in (self.k_buffers, self.v_buffers):
                 for i in layers:

@@ -85,11 +85,13 @@ class HostLayers:
         # (--cpu-layers auto, engine.layers.split_move); empty otherwise.
         self.file_forms: dict[int, dict[str, nn.Module]] = {}
 
-    def follow(self, num_pages: int) -> None:
+    def follow(self, num_pages: int, *, written_pages: int | None = None) -> None:
         """Make the host pool ``num_pages`` pages (the device pool's count), keeping the
-        pages both hold; a no-op when it is that size already."""
+        pages both hold (those below ``written_pages``, the page allocator's high-water
+        mark, where given: :meth:`engine.kvcache.pool.KVPool.resize`); a no-op when it is
+        that size already."""
         if self.pool.num_pages != num_pages:
-            self.pool.resize(num_pages)
+            self.pool.resize(num_pages, written_pages=written_pages)
 
     def copy_pages(self, src: list[int], dst: list[int]) -> None:
         """The device pool's page moves of a live shrink, made in the host pool too

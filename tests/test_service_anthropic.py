@@ -297,6 +297,17 @@ def test_thinking_asked_of_a_model_that_cannot_think(real_server):
     with pytest.raises(anthropic.BadRequestError) as exc:
         client.messages.create(messages=QUESTION, tools=[TOOL], **GREEDY)
     assert "no tool support" in exc.value.body["error"]["message"]
+    # A tool result is named as the block the user sent, not the chat message it becomes.
+    answered = [*QUESTION, {"role": "assistant", "content": "Let me look."},
+                {"role": "user", "content": [{"type": "text", "text": "Here:"},
+                                             {"type": "tool_result", "tool_use_id": "toolu_1", "content": "21 C"}]}]
+    for call in (lambda: client.messages.create(messages=answered, **{**GREEDY, "max_tokens": 4}),
+                 lambda: client.messages.count_tokens(model="default", messages=answered)):
+        with pytest.raises(anthropic.BadRequestError) as exc:
+            call()
+        message = exc.value.body["error"]["message"]
+        assert message.startswith("messages[2].content[1] is a tool_result block, which this model cannot take"), message
+        assert "'tool'" not in message
 
 
 def test_an_error_mid_stream_is_an_error_event(start_server):

@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from engine.text.chat import ChatTemplateError
 from service.api.anthropic.schemas import (
     CountTokensRequest,
     DocumentBlock,
@@ -317,3 +318,23 @@ def thinking_asked(body: CountTokensRequest) -> bool:
     """Whether the body asks for thinking as a must (``enabled``): a model whose template
     cannot think answers it 400 (``adaptive`` leaves it to the model)."""
     return isinstance(body.thinking, ThinkingEnabled)
+
+
+def template_error(error: ChatTemplateError, body: CountTokensRequest) -> APIError:
+    """A chat template's refusal (:class:`engine.text.chat.ChatTemplateError`) in the
+    Messages body's terms: a ``tool`` message the template cannot render is the body's
+    first ``tool_result`` block (tool results become the chat's tool messages in their
+    order, and the template stops at the first), named with its path and the fix; any
+    other refusal as it is."""
+    if error.param.endswith(".role") and "'tool'" in error.message:
+        for i, message in enumerate(body.messages):
+            blocks = message.content if isinstance(message.content, list) else []
+            for j, block in enumerate(blocks):
+                if isinstance(block, ToolResultBlock):
+                    path = f"messages[{i}].content[{j}]"
+                    return invalid(
+                        f"{path} is a tool_result block, which this model cannot take: its chat template has "
+                        "no tool support (it renders no tool results); send text blocks only, or serve a "
+                        "model whose chat template renders tools", path)
+    return invalid(error.message, error.param)
+

@@ -28,9 +28,15 @@ from typing import Any
 
 from litestar import Controller, Request, Response, post
 
+from engine.text.chat import ChatTemplateError
 from service.api.anthropic.answers import message_answer
 from service.api.anthropic.errors import ANTHROPIC_EXCEPTION_HANDLERS, ANTHROPIC_PATH
-from service.api.anthropic.requests import count_request, messages_request, thinking_asked
+from service.api.anthropic.requests import (
+    count_request,
+    messages_request,
+    template_error,
+    thinking_asked,
+)
 from service.api.anthropic.schemas import CountTokensRequest, MessagesRequest, TokenCount
 from service.api.chat_plan import chat_template
 from service.api.generation import prompt_ids, start_generation
@@ -75,7 +81,10 @@ class AnthropicController(Controller):
         """A message, streamed as Server-Sent Events when ``stream`` is true."""
         body, call = await read_call(request, MessagesRequest, messages_request, _ID_PREFIX)
         await _check_thinking(svc, body)
-        gen, model = await start_generation(svc, body.model, call)
+        try:
+            gen, model = await start_generation(svc, body.model, call)
+        except ChatTemplateError as exc:
+            raise template_error(exc, body) from exc
         return await message_answer(gen, request, model)
 
     @post("/count_tokens", status_code=200)
@@ -85,5 +94,8 @@ class AnthropicController(Controller):
         info = await svc.tokenizer_info()
         svc.check_model(body.model, info)
         assert svc.text is not None
-        _, prompts = await prompt_ids(svc.text, info, call, sys.maxsize)
+        try:
+            _, prompts = await prompt_ids(svc.text, info, call, sys.maxsize)
+        except ChatTemplateError as exc:
+            raise template_error(exc, body) from exc
         return json_response(TokenCount(input_tokens=len(prompts[0])))

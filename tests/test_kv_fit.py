@@ -7,7 +7,15 @@ from __future__ import annotations
 
 import pytest
 
-from engine.memory.kv_fit import RingRule, kv_pages, pages_in_bytes, ring_pool_cap
+from engine.memory.kv_fit import (
+    RingPrice,
+    RingRule,
+    kv_pages,
+    pages_in_bytes,
+    ring_pool_cap,
+    room_for,
+    split_room,
+)
 
 
 def test_kv_pages_inverts_the_cost():
@@ -55,3 +63,25 @@ def test_a_kv_cache_size_counts_both_pools_as_the_plan_does():
         assert used(usable) <= size or usable == 0
         assert used(usable + 1) > size
     assert pages_in_bytes(10_000 + 20 * 3, 10, ring) == 1001  # the context with the floor's rings
+
+
+def test_a_size_splits_as_a_cards_room_and_the_live_rule_reads_it_back():
+    """``--kv-cache`` at start (:func:`split_room`): the room for ``n`` KV pages
+    (:func:`room_for`) is the least that holds them, ``n`` within the wanted context, and the
+    control API (:func:`pages_in_bytes`) over the rule the start leaves gives the start's
+    pages for the same size."""
+    page = 10
+    for ring in (RingPrice(page_bytes=3, full_cap=100, floor_cap=20), RingPrice(page_bytes=50, full_cap=30,
+                                                                              floor_cap=40)):
+        for wanted in (0, 15, 60, 500):
+            for n in (n for n in (1, 10, 25, 120, 400) if n <= wanted):
+                least = room_for(n, page, ring)
+                assert split_room(least, page, ring, wanted)[0] >= n > split_room(least - 1, page, ring, wanted)[0]
+            for size in range(0, 12_000, 97):
+                pages, rings = split_room(size, page, ring, wanted)
+                assert pages * page + rings * ring.page_bytes <= size
+                rule = RingRule(ring_page_bytes=ring.page_bytes, full_cap=ring.full_cap, floor_cap=ring.floor_cap,
+                                wanted_pages=wanted, planned_pages=pages, planned_rings=rings)
+                if pages:
+                    assert pages_in_bytes(size, page, rule) == pages + 1, (ring, wanted, size)
+    assert split_room(105, 10, None, 7) == (10, 0) and room_for(10, 10, None) == 100

@@ -16,7 +16,7 @@ from service_harness import headroom_command, wait_for
 
 from engine.common.config import EngineConfig
 from engine.common.errors import SettingRefused
-from engine.memory.fixed_pool import unplanned_pages
+from engine.memory.fixed_pool import unplanned_pool
 from service.cli.commands import main
 
 QUESTION = "What is the capital of France?"
@@ -29,13 +29,14 @@ class _Model:
 def test_a_kv_cache_below_one_min_context_is_refused_with_the_size_that_fits():
     page_bytes = 46080 * 16  # SmolLM2-135M's float32 keys and values of 16 tokens
     with pytest.raises(SettingRefused, match=r"--kv-cache 1 KiB holds 0 tokens") as info:
-        unplanned_pages(EngineConfig(kv_cache=1024), _Model, page_bytes)
+        unplanned_pool(EngineConfig(kv_cache=1024), _Model, page_bytes)
     assert "one --min-context of 2048 tokens" in str(info.value)
-    assert "give at least --kv-cache 91MiB" in str(info.value)
-    # 91 MiB holds it, and so does a smaller --min-context (or --max-model-len) on less.
-    assert unplanned_pages(EngineConfig(kv_cache=91 << 20), _Model, page_bytes) >= 2048 // 16 + 1
-    assert unplanned_pages(EngineConfig(kv_cache=8 << 20, min_context=128), _Model, page_bytes) == 11
-    assert unplanned_pages(EngineConfig(kv_cache=8 << 20, max_model_len=160), _Model, page_bytes) == 11
+    assert "give at least --kv-cache 90MiB" in str(info.value)
+    # 90 MiB holds it (128 pages, the null page apart), and so does a smaller
+    # --min-context (or --max-model-len) on less.
+    assert unplanned_pool(EngineConfig(kv_cache=90 << 20), _Model, page_bytes).pages == 2048 // 16 + 1
+    assert unplanned_pool(EngineConfig(kv_cache=8 << 20, min_context=128), _Model, page_bytes).pages == 12
+    assert unplanned_pool(EngineConfig(kv_cache=8 << 20, max_model_len=160), _Model, page_bytes).pages == 12
 
 
 @pytest.mark.slow

@@ -142,7 +142,7 @@ def render(plan: MemoryPlan, as_json: bool, setup: str = "", fixed: FixedPool | 
 
 class CpuHoldings(msgspec.Struct, frozen=True):
     """What a CPU engine without a plan holds in host memory (bytes): its weights as
-    loaded, and its KV pool, sized as :func:`engine.memory.fixed_pool.unplanned_pages`
+    loaded, and its KV pool, sized as :func:`engine.memory.fixed_pool.unplanned_pool`
     sizes it (an anonymous map: resident only where written). ``host_*``: the machine's
     memory, ``host_available_bytes`` None where the OS does not say."""
 
@@ -202,7 +202,7 @@ def cpu_holdings(config: EngineConfig) -> CpuHoldings:
     from kernels.attention.kv_store import kv_dtype_name
 
     use_kernel_switches(config)
-    from engine.memory.fixed_pool import short_pool_warning, unplanned_pages
+    from engine.memory.fixed_pool import short_pool_warning, unplanned_pool
     from engine.memory.host import host_memory
 
     device = torch.device("cpu")
@@ -221,10 +221,11 @@ def cpu_holdings(config: EngineConfig) -> CpuHoldings:
     knobs = PlanKnobs.of(config)
     ring = kv_ring(mc, knobs)
     per_token = kv_bytes_per_token(mc, kv_dtype, ring)
-    # Less the null page; --num-pages first, as the engine reads them.
-    pages = (config.num_pages or unplanned_pages(config, mc, per_token * config.page_size)) - 1
-    ring_pages = ring.pool_pages(knobs.max_running_requests, knobs.state_checkpoints, global_pages=pages) if ring else 0
-    ring_bytes = kv_ring_page_bytes(mc, kv_dtype, ring) * ring_pages if ring else 0
+    price = ring.price(kv_ring_page_bytes(mc, kv_dtype, ring), knobs.max_running_requests,
+                       knobs.state_checkpoints) if ring else None
+    size = unplanned_pool(config, mc, per_token * config.page_size, price)
+    pages = size.pages - 1  # less the null page
+    ring_bytes = (size.rings + 1) * price.page_bytes if price else 0
     context = min(mc.max_position_embeddings, config.max_model_len or mc.max_position_embeddings,
                   pages * config.page_size)
     total, available = host_memory()
@@ -233,7 +234,7 @@ def cpu_holdings(config: EngineConfig) -> CpuHoldings:
         weight_source=source, kv_pool_bytes=pages * per_token * config.page_size, kv_pages=pages,
         page_size=config.page_size, kv_bytes_per_token=per_token, kv_cache_dtype=kv_dtype_name(kv_dtype),
         max_context_tokens=context, host_total_bytes=total, host_available_bytes=available,
-        gpu_only=gpu_only_settings(config), kv_ring_bytes=ring_bytes, kv_ring_pages=ring_pages - 1 if ring else 0,
+        gpu_only=gpu_only_settings(config), kv_ring_bytes=ring_bytes, kv_ring_pages=size.rings,
         kv_ring_window_pages=ring.decode_pages if ring else 0, pool_warning=short_pool_warning(config, mc))
 
 

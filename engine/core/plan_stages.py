@@ -18,7 +18,7 @@ import torch
 from engine.common.config import ModelConfig
 from engine.common.errors import PlanDoesNotFit
 from engine.core.cuda_graphs import DecodeGraphs
-from engine.core.footprint import kv_bytes_per_token, kv_ring, make_footprint
+from engine.core.footprint import kv_bytes_per_token, kv_ring, kv_ring_page_bytes, make_footprint
 from engine.core.prefill_graphs import PrefillGraphs, backend_plans_on_host
 from engine.core.profile import measure_step_peak, profile_pool_pages
 from engine.core.startup import attention_workspaces
@@ -26,8 +26,8 @@ from engine.kvcache.pool import KVPool
 from engine.kvcache.ring import SlidingRing
 from engine.layers.attention.registry import backend_class, model_attention
 from engine.layers.moe.offload import before_forward, can_capture_decode
-from engine.memory.fixed_pool import short_pool_warning, unplanned_pages
-from engine.memory.kv_fit import RING_FLOOR_REQUESTS, RingRule
+from engine.memory.fixed_pool import FixedPoolSize, short_pool_warning, unplanned_pool
+from engine.memory.kv_fit import RingPrice, RingRule
 from engine.memory.ledger import fit_plan, make_plan
 from engine.memory.plan import MemoryPlan, PlanKnobs
 
@@ -71,27 +71,45 @@ class PlanStages:
         return ring.pool_pages(self.knobs.max_running_requests, self.knobs.state_checkpoints,
                                global_pages=num_pages - 1, cap=self._ring_cap) if ring else 0
 
+    # The pools sized without a plan (--kv-cache, --num-pages, the CPU's default), else None.
+    _fixed_pool: FixedPoolSize | None = None
+
     @property
     def _ring_cap(self) -> int | None:
-        """The ring pool's pages the memory plan chose (:mod:`engine.memory.kv_fit`), None
-        without a plan that sized one."""
-        return self.plan.kv_ring_pages if self.plan is not None and self.plan.kv_ring_pages else None
+        """The ring pool's pages the memory plan chose (:mod:`engine.memory.kv_fit`), or
+        the size that fixed the pool without a plan (:func:`engine.memory.fixed_pool.unplanned_pool`);
+        None where neither sized one."""
+        if self.plan is not None:
+            return self.plan.kv_ring_pages or None
+        return self._fixed_pool.rings or None if self._fixed_pool is not None else None
+
+    @property
+    def _ring_price(self) -> RingPrice | None:
+        """The ring pool's price beside the KV pool at the knobs the plan fitted
+        (:class:`engine.memory.kv_fit.RingPrice`), None without a ring."""
+        ring, knobs = self._kv_ring, self.knobs
+        if ring is None:
+            return None
+        return ring.price(kv_ring_page_bytes(self.model_config, self.kv_dtype, ring), knobs.max_running_requests,
+                          knobs.state_checkpoints)
 
     def _ring_rule(self, pool: KVPool) -> RingRule | None:
         """The ring pool's size beside the KV pool as live replans resize it
         (:class:`engine.memory.kv_fit.RingRule`), from the start's ``pool``: the plan's
-        bound, floor and wanted context (without a plan, the rings' bound beside the
-        pages, as at start); None without a ring."""
+        bound, floor and wanted context (without a plan, those the size that fixed the
+        pool split by; for ``--num-pages``, the rings' bound beside the pages, as at
+        start); None without a ring."""
         ring = self._kv_ring
         if ring is None or not pool.ring_layers:
             return None
         knobs, plan = self.knobs, self.plan
-        requests = knobs.max_running_requests
-        wanted = -(-plan.wanted_context_tokens // knobs.page_size) if plan is not None and plan.kv_ring_pages else 0
-        return RingRule(ring_page_bytes=pool.ring_page_bytes,
-                        full_cap=ring.rings_bound(requests) + knobs.state_checkpoints * ring.checkpoint_pages,
-                        floor_cap=ring.rings_bound(min(requests, RING_FLOOR_REQUESTS)), wanted_pages=wanted,
-                        planned_pages=pool.num_pages - 1, planned_rings=pool.ring_pages - 1)
+        price = ring.price(pool.ring_page_bytes, knobs.max_running_requests, knobs.state_checkpoints)
+        if plan is not None:
+            wanted = -(-plan.wanted_context_tokens // knobs.page_size) if plan.kv_ring_pages else 0
+        else:
+            wanted = self._fixed_pool.wanted_pages if self._fixed_pool is not None else 0
+        return RingRule(ring_page_bytes=price.page_bytes, full_cap=price.full_cap, floor_cap=price.floor_cap,
+                        wanted_pages=wanted, planned_pages=pool.num_pages - 1, planned_rings=pool.ring_pages - 1)
 
     @property
     def _kv_ring(self) -> SlidingRing | None:
@@ -278,10 +296,10 @@ class PlanStages:
     def _num_pages(self, mc: ModelConfig) -> int:
         """Pool size in pages, the null page included (see EngineConfig for the order)."""
         cfg = self.config
-        if cfg.num_pages is not None:
-            if (short := short_pool_warning(cfg, mc)) is not None:
-                log.warning(short)
-            return cfg.num_pages
         if self.plan is not None:
             return self.plan.num_pages + 1
-        return unplanned_pages(cfg, mc, kv_bytes_per_token(mc, self.kv_dtype, self._kv_ring) * cfg.page_size)
+        if (short := short_pool_warning(cfg, mc)) is not None:
+            log.warning(short)
+        self._fixed_pool = unplanned_pool(cfg, mc, kv_bytes_per_token(mc, self.kv_dtype, self._kv_ring) * cfg.page_size,
+                                          self._ring_price)
+        return self._fixed_pool.pages

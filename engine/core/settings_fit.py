@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from engine.common.config import EngineConfig, ModelConfig
 from engine.common.errors import SettingRefused
-from engine.memory.fixed_pool import check_host_room, unplanned_pages
+from engine.kvcache.ring_geometry import sliding_ring
+from engine.memory.fixed_pool import check_host_room, unplanned_pool
+from engine.memory.plan import PlanKnobs
 from engine.parallel.split import check_shardable
 from kernels.attention.kv_formats import check_head_dim, kv_values_bytes
 
@@ -73,13 +75,14 @@ def check_cpu_layers(config: EngineConfig, mc: ModelConfig) -> None:
 
 def check_kv_cache(config: EngineConfig, mc: ModelConfig) -> None:
     """Refuse a fixed ``--kv-cache`` that holds less than one ``--min-context`` of this
-    model, as the engine would once loaded (:func:`engine.memory.fixed_pool.unplanned_pages`),
-    and on ``--device cpu`` with no simulated card (no plan: the pool is in host memory) a
-    fixed ``--kv-cache`` or ``--num-pages`` the host's available memory cannot hold
-    (:func:`engine.memory.fixed_pool.check_host_room`). The KV dtype of ``--dtype auto``
-    is taken as bfloat16 unless ``--device cpu`` (the device ``auto`` picks is not known
-    here), and sliding-window layers as keeping only their window: lower bounds, never a
-    wrong refusal. Under tensor parallel (a rank's share) the engine checks it at load.
+    model, as the engine would once loaded (:func:`engine.memory.fixed_pool.unplanned_pool`),
+    and on ``--device cpu`` with no simulated card (no plan: the pools are in host memory)
+    a fixed ``--kv-cache`` or ``--num-pages`` whose KV pool and sliding-window ring pool
+    the host's available memory cannot hold (:func:`engine.memory.fixed_pool.check_host_room`).
+    The KV dtype of ``--dtype auto`` is taken as bfloat16 unless ``--device cpu`` (the
+    device ``auto`` picks is not known here), and sliding-window layers as keeping a ring
+    unless ``--sliding-kv-ring off``: lower bounds, never a wrong refusal. Under tensor
+    parallel (a rank's share) the engine checks it at load.
 
     Raises:
         SettingRefused: naming the size that holds one ``--min-context``, or the most
@@ -93,17 +96,20 @@ def check_kv_cache(config: EngineConfig, mc: ModelConfig) -> None:
         item = _DTYPE_BYTES["float32" if config.device == "cpu" else "bfloat16"]
     else:
         item = _DTYPE_BYTES.get(config.dtype, min(_DTYPE_BYTES.values()))
-    if config.num_pages is None:
-        unplanned_pages(config, mc, kv_values_bytes(config.kv_cache_dtype, mc.kv_elements_per_token, item)
-                        * config.page_size)
-    if config.device != "cpu" or config.device_total is not None:
-        return
-    # A page holds every layer but the sliding-window ones that keep only their window.
-    layers = mc.kv_windows.count(0) if mc.kv_windows and config.sliding_kv_ring != "off" else mc.num_kv_layers
-    page_bytes = kv_values_bytes(config.kv_cache_dtype, 2 * mc.num_kv_heads * mc.head_dim * layers,
-                                 item) * config.page_size
-    pool = config.kv_cache if config.num_pages is None else config.num_pages * page_bytes
-    check_host_room(config, pool, max(page_bytes, 1))
+    knobs = PlanKnobs.of(config)
+    ring = None if config.sliding_kv_ring == "off" else sliding_ring(
+        mc.kv_windows, max_chunk=knobs.max_prefill_tokens, page_size=knobs.page_size)
+
+    def page(layers: int) -> int:
+        return kv_values_bytes(config.kv_cache_dtype, 2 * mc.num_kv_heads * mc.head_dim * layers, item) * config.page_size
+
+    # A KV pool page holds every layer but the sliding-window ones that keep a ring.
+    page_bytes = max(page(mc.num_kv_layers - len(ring.layers)) if ring else kv_values_bytes(
+        config.kv_cache_dtype, mc.kv_elements_per_token, item) * config.page_size, 1)
+    price = ring.price(page(len(ring.layers)), knobs.max_running_requests, knobs.state_checkpoints) if ring else None
+    pool = unplanned_pool(config, mc, page_bytes, price)
+    if config.device == "cpu" and config.device_total is None:
+        check_host_room(config, pool, page_bytes, price)
 
 
 def check_kv_cache_dtype(config: EngineConfig, mc: ModelConfig) -> None:

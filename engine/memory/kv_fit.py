@@ -58,6 +58,47 @@ def ring_pool_cap(room: int, page_bytes: int, ring_page: int, full_cap: int, flo
     return max(min(floor_cap, full_cap), min(full_cap, spare))
 
 
+class RingPrice(msgspec.Struct, frozen=True, kw_only=True):
+    """A ring pool's price beside the KV pool, for sizing the two from one room
+    (:func:`split_room`); :meth:`engine.kvcache.ring_geometry.SlidingRing.price` makes it.
+
+    Attributes:
+        page_bytes: one ring page over the sliding layers, keys and values.
+        full_cap: the rings' bound: every running request's ring and the prefix cache's
+            checkpoints, in pages.
+        floor_cap: the rings of :data:`RING_FLOOR_REQUESTS` requests, in pages.
+    """
+
+    page_bytes: int
+    full_cap: int
+    floor_cap: int
+
+
+def split_room(room: int, page_bytes: int, ring: RingPrice | None, wanted_pages: int) -> tuple[int, int]:
+    """``(KV pool pages, ring pool pages)``, null pages apart, that ``room`` bytes hold
+    together, split as the plan splits a card's room: the ring pool's pages
+    (:func:`ring_pool_cap`: the bound where the room holds it beside ``wanted_pages``
+    KV pages, else what the room leaves beside them, at least the floor) and the most
+    KV pages of ``page_bytes`` beside them (:func:`kv_pages`). ``(room // page_bytes,
+    0)`` without a ring."""
+    if ring is None:
+        return max(room, 0) // page_bytes, 0
+    cap = ring_pool_cap(room, page_bytes, ring.page_bytes, ring.full_cap, ring.floor_cap, wanted_pages)
+    pages = kv_pages(room, page_bytes, ring.page_bytes, cap)
+    return pages, min(pages, cap)
+
+
+def room_for(pages: int, page_bytes: int, ring: RingPrice | None) -> int:
+    """The least room, in bytes, that :func:`split_room` gives ``pages`` KV pool pages or
+    more, ``pages`` at most the wanted pages (a request of the minimum context, or of the
+    wanted one): those pages and ``min(pages, floor_cap, full_cap)`` ring pages beside
+    them (the ring a request of ``pages`` pages takes, within the floor the split keeps).
+    Past the wanted pages the split gives the rings their bound first, so more may be
+    needed."""
+    rings = min(pages, ring.floor_cap, ring.full_cap) * ring.page_bytes if ring is not None else 0
+    return pages * page_bytes + rings
+
+
 def ring_line(rings: int, ring_page_text: str, *, cap: int, kv_pages: int, full_cap: int, ring_pages: int,
               checkpoint_pages: int, requests: int, checkpoints: int, decode_pages: int,
               floor_requests: int) -> str:

@@ -93,6 +93,30 @@ def test_ollama_num_predict_beyond_the_context_generates_to_its_end(real_server)
     assert r.status_code == 400 and "prompt" in r.json()["error"], r.text
 
 
+def test_ollama_drops_the_oldest_turns_to_fit_num_ctx_as_ollama_does(real_server):
+    """A conversation longer than ``num_ctx`` drops its oldest turns (the system message and
+    the last turn kept) rather than a 400, and answers as the conversation that is left;
+    a raw prompt keeps its last tokens."""
+    long = "tell me about the history of computing " * 12
+    system = {"role": "system", "content": "Be brief."}
+    last = {"role": "user", "content": "Say hi"}
+    history = [system, {"role": "user", "content": long}, {"role": "assistant", "content": long}, last]
+    options = {"num_ctx": 96, "num_predict": 6, "temperature": 0}
+
+    def chat(messages):
+        r = _post(real_server, "/api/chat", json={"model": "default", "messages": messages, "stream": False,
+                                                  "options": options})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    cut, kept = chat(history), chat([system, last])
+    assert cut["prompt_eval_count"] == kept["prompt_eval_count"] < 96, (cut, kept)
+    assert cut["message"]["content"] == kept["message"]["content"]
+    r = _post(real_server, "/api/generate", json={"model": "default", "prompt": long, "raw": True, "stream": False,
+                                                  "options": {"num_ctx": 16, "num_predict": 1}})
+    assert r.status_code == 200 and r.json()["prompt_eval_count"] == 15, r.text
+
+
 def test_ollama_refuses_a_message_without_content_as_one_with_null(real_server):
     for message in ({"role": "user"}, {"role": "user", "content": None}):
         r = _post(real_server, "/api/chat", json={"model": "default", "messages": [message], "stream": False})

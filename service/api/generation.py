@@ -39,6 +39,7 @@ from service.api.chat_plan import ChatPlan, chat_template, continue_prompt, plan
 from service.api.deadline import get_before, request_deadline
 from service.api.engine_errors import engine_error, failure, rejected
 from service.api.logprobs import ShownLogprobs
+from service.api.prompt_fit import fit_prompt
 from service.api.prompts import encode_prompts
 from service.api.request import GenerationRequest, resolve_max_tokens
 from service.api.sampling import check_vocabulary, sampling_params
@@ -410,7 +411,8 @@ async def prompt_ids(
         engine.text.chat.ChatTemplateError: messages the template cannot render.
     """
     plan = plan_chat(request, text) if request.chat else None
-    encoded = await encode_prompts(text, request.prompts, info, context)
+    prompts = [await fit_prompt(text, p, context) for p in request.prompts] if request.truncate else request.prompts
+    encoded = await encode_prompts(text, prompts, info, context)
     if plan is not None:
         encoded = [await continue_prompt(plan, text, ids) for ids in encoded]
     return plan, encoded

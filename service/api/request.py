@@ -72,6 +72,9 @@ class GenerationRequest:
         tool_choice: OpenAI's ``tool_choice`` (chat only).
         context_tokens: a smaller context than the engine's for this call (Ollama's
             ``num_ctx``), or None.
+        truncate: a prompt too long for the context is cut to fit it (a chat's oldest
+            turns dropped, a raw prompt's first tokens: :mod:`service.api.prompt_fit`),
+            as Ollama does, instead of a 400.
         stream: the answer streams.
         route: the API route's path (``/v1/chat/completions``), set by
             :func:`read_call`; the metrics' label.
@@ -102,6 +105,7 @@ class GenerationRequest:
     tools: list[Any] | None = None
     tool_choice: Any = None
     context_tokens: int | None = None
+    truncate: bool = False
     stream: bool = False
     route: str = ""
     thinking: bool | None = None

@@ -2,7 +2,8 @@
 runs as, on the same path as OpenAI's.
 
 Mapped ``options``: ``num_ctx`` (the request's context: prompt plus answer, at most the
-engine's), ``num_predict`` (``max_tokens``; -1 and -2: the rest of the context; more than the
+engine's; a conversation too long for it drops its oldest turns, as Ollama's does:
+:mod:`service.api.prompt_fit`), ``num_predict`` (``max_tokens``; -1 and -2: the rest of the context; more than the
 context holds: up to its end, as Ollama; unset: ``--default-max-tokens``), ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``
 (negative: none), ``stop``, ``repeat_penalty`` (``repetition_penalty``),
 ``presence_penalty``, ``frequency_penalty``; their ranges are the OpenAI fields' (one
@@ -190,6 +191,7 @@ def _request(
         chat=True,
         tools=tools,
         context_tokens=num_ctx,
+        truncate=True,
         stream=body.stream,
         thinking=thinking[0],
         thinking_budget=thinking[1],

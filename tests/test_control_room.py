@@ -18,6 +18,7 @@ from pool_fakes import pool_stats
 from test_vram_watcher import FakeSupervisor
 
 from engine.common.units import GiB, MiB
+from engine.memory.host import host_memory
 from engine.wire import ipc
 from service.common.errors import APIError
 from service.control.actions import SupervisorControl
@@ -115,17 +116,21 @@ def test_a_move_back_to_the_device_past_the_headroom_is_refused_and_a_move_down_
         asyncio.run(control.set_cpu_layers(4))
 
 
-def test_the_host_check_of_a_kv_grow_counts_the_host_pool_of_a_split(monkeypatch):
+def test_the_host_check_of_a_kv_grow_counts_the_host_pool_of_a_split():
     """29 of 30 layers on the CPU: a page holds 29 layers' keys and values in host
-    memory for the one on the device."""
-    import service.control.actions as actions
-
+    memory for the one on the device, and the new host pool, counted whole, must fit the
+    host's available memory (checked before the card's room)."""
     _, _, control = _control(_split_pool(29), free=700 * MiB)
-    monkeypatch.setattr(actions, "host_memory", lambda pids: SimpleNamespace(available_bytes=100 * MiB))
-    with pytest.raises(APIError, match="host pool of 29 layers on the CPU") as refused:
-        asyncio.run(control.set_kv_cache(210 * MiB))  # 10 pages more: 290 MiB of host memory
+    total, available = host_memory()
+    room = total if available is None else available
+    asked = (room // (29 * MiB) + 8) * MiB  # past the host by 8 pages of its pool, within the card
+    with pytest.raises(APIError, match="host pool of 29 layers on the CPU, 29 MiB a page") as refused:
+        asyncio.run(control.set_kv_cache(asked))
     assert refused.value.status == 409 and refused.value.code == "no_room" and refused.value.param == "kv_cache"
-    assert "the most it can grow to now is 203 MiB (203 pages)" in refused.value.message
+    found = re.search(r"the most it can grow to now is [\d.]+ \w+ \((\d+) pages\)", refused.value.message)
+    assert found, refused.value.message
+    most = int(found.group(1))
+    assert room // (29 * MiB) - 8 <= most + 1 <= room // (29 * MiB) and (most + 1) * 29 * MiB <= total
 
 
 def test_a_reserve_as_large_as_the_card_is_refused_naming_its_size():

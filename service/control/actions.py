@@ -27,7 +27,7 @@ from service.common.engine_states import (
 )
 from service.common.errors import APIError, invalid
 from service.supervision.supervisor import Supervisor
-from service.vram.host import host_memory
+from service.vram.host_room import check_host_grow
 from service.vram.replan import NewExpertCache, NewPoolSize
 from service.vram.room import card_room, check_pool_grow, check_split_move, fitting_pages
 from service.vram.split_rung import NewSplit
@@ -136,19 +136,19 @@ class SupervisorControl:
         grows back to until it is changed again.
 
         A grow to a size must fit the card's room now (:mod:`service.vram.room`) and
-        the host's available memory; back to the plan's size grows as far as fits now
+        the host's available memory, the new pool counted whole
+        (:mod:`service.vram.host_room`); back to the plan's size grows as far as fits now
         (the watcher grows the rest when memory returns); a shrink is always taken.
         "The plan's size" is the pool the worker may grow back to: the start's plan's
         pool, or one request of the wanted context where the start's plan lowered it.
 
         Raises:
             NotReady: no worker is ready (503).
-            ValueError: smaller than one request of the minimum context, or a grow past
-                the host's available memory (400).
+            ValueError: smaller than one request of the minimum context (400).
             NotImplementedError: the engine cannot resize its pool (501).
-            APIError: 409 ``no_room`` for a grow past the card's room (naming the most
-                that fits), 409 when the worker refused (e.g. out of device memory
-                growing), 503 when it did not answer.
+            APIError: 409 ``no_room`` for a grow past the card's room or the host's
+                available memory (naming the most that fits), 409 when the worker
+                refused (e.g. out of device memory growing), 503 when it did not answer.
         """
         sup = self.supervisor
         self._check_loaded()
@@ -308,35 +308,12 @@ class SupervisorControl:
         )
 
     def _check_host_room(self, pages: int, pool: ipc.PoolStats) -> None:
-        """A pool larger than the host's available memory does not fail: the worker pages
-        to swap or stalls until the watchdog kills it. Refuse it first. The host holds
-        the pool's pages of the layers the CPU runs (a split model's host pool, priced
-        at the device's bytes a layer of a page), and on the CPU the device's part too
-        (a CUDA device refuses a grow that does not fit with an out-of-memory error).
-
-        Raises:
-            APIError: 409 ``no_room`` (``param: "kv_cache"``): the growth exceeds the host's
-                available memory now, as a grow past the card's room is answered.
-        """
+        """Refuse a grow the host's memory cannot hold
+        (:func:`service.vram.host_room.check_host_grow`); nothing before the worker says
+        which device it runs on."""
         info = self.supervisor.info
-        if info is None or pages <= pool.pages:
-            return
-        host_page = pool.page_bytes // max(pool.device_layers, 1) * pool.cpu_layers
-        page_bytes = host_page + (0 if info.device.startswith("cuda") else pool.page_bytes)
-        if page_bytes <= 0:
-            return
-        grow = (pages - pool.pages) * page_bytes
-        available = host_memory(()).available_bytes
-        if grow > available:
-            most = pool.pages - 1 + available // page_bytes
-            split = (f" ({fmt_bytes(page_bytes)} a page, the host pool of {pool.cpu_layers} layers on the CPU "
-                     "included)" if host_page else "")
-            raise APIError(
-                409, f"a KV cache of {pages - 1} pages needs {fmt_bytes(grow)} more host memory than it "
-                f"holds now{split}, and {fmt_bytes(available)} is available; the most it can grow to now "
-                f"is {fmt_bytes(most * pool.page_bytes)} ({most} pages)",
-                code="no_room", param="kv_cache",
-            )
+        if info is not None:
+            check_host_grow(pool, pages, info.device)
 
     async def _resize(self, pages: int, what: str) -> ipc.ControlDone | None:
         return await self.supervisor.link.run_command(

@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-
 from dataclasses import replace
 
 import msgspec

@@ -168,9 +168,10 @@ needs_pystray = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, default_model_dir):
-    """One service (the fake engine) for the menu and the Xvfb tests: each leaves it
-    ready."""
-    proc = ServerProcess(tmp_path_factory.mktemp("tray"), fake=True, fake_model_dir=default_model_dir)
+    """One service (the fake engine on a simulated card, whose desktop reserve the menu
+    sets) for the menu and the Xvfb tests: each leaves it ready."""
+    proc = ServerProcess(tmp_path_factory.mktemp("tray"), fake=True, fake_model_dir=default_model_dir,
+                         args=["--vram-source", "simulated", "--device-total", "8GiB"])
     yield from serving(proc)
 
 

@@ -21,6 +21,8 @@ A live replan resizes the ring pool with the KV pool by the same rule
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import msgspec
 
 # Requests at their whole window the ring pool holds at least when it is sized below its
@@ -169,6 +171,15 @@ class RingRule(msgspec.Struct, frozen=True, kw_only=True):
         return (self.rings(pages) - self.planned_rings) * self.ring_page_bytes
 
 
+def largest(lo: int, hi: int, fits: Callable[[int], bool]) -> int:
+    """The largest ``n`` in ``lo..hi`` with ``fits(n)``, ``fits`` true up to some ``n`` and
+    false past it (a pool's bytes rise with its pages); ``lo`` when none above it fits."""
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
+
+
 def pool_cost(pages: int, page_bytes: int, ring: RingRule | None) -> int:
     """Bytes of a KV pool of ``pages`` pages (the null page included) of ``page_bytes``
     each, with the ring pool ``ring`` sets beside it (its null page apart: a constant)."""
@@ -180,13 +191,8 @@ def pages_freeing(pages: int, page_bytes: int, ring: RingRule | None, need: int,
     whose shrink from ``pages`` frees ``need`` bytes or more (:func:`pool_cost`), else
     ``least``."""
     cost = pool_cost(pages, page_bytes, ring)
-    lo, hi = least, pages  # the cost rises with the pages: the last pool that frees enough
-    if cost - pool_cost(lo, page_bytes, ring) < need:
-        return least
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if cost - pool_cost(mid, page_bytes, ring) >= need else (lo, mid - 1)
-    return lo
+    # The cost rises with the pages: the last pool that frees enough.
+    return largest(least, pages, lambda n: cost - pool_cost(n, page_bytes, ring) >= need)
 
 
 def pages_within(pages: int, page_bytes: int, ring: RingRule | None, spare: int, most: int) -> int:
@@ -194,11 +200,7 @@ def pages_within(pages: int, page_bytes: int, ring: RingRule | None, spare: int,
     whose grow from ``pages`` takes at most ``spare`` bytes (:func:`pool_cost`); ``pages``
     when not one page more fits."""
     cost = pool_cost(pages, page_bytes, ring)
-    lo, hi = pages, max(most, pages)
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if pool_cost(mid, page_bytes, ring) - cost <= spare else (lo, mid - 1)
-    return lo
+    return largest(pages, max(most, pages), lambda n: pool_cost(n, page_bytes, ring) - cost <= spare)
 
 
 def pages_in_bytes(size: int, page_bytes: int, ring: RingRule | None) -> int:
@@ -208,8 +210,4 @@ def pages_in_bytes(size: int, page_bytes: int, ring: RingRule | None) -> int:
     def used(usable: int) -> int:
         return usable * page_bytes + (ring.rings(usable) * ring.ring_page_bytes if ring is not None else 0)
 
-    lo, hi = 0, max(size, 0) // page_bytes
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if used(mid) <= size else (lo, mid - 1)
-    return lo + 1
+    return largest(0, max(size, 0) // page_bytes, lambda n: used(n) <= size) + 1

@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from engine.memory.host import host_memory
-from engine.memory.kv_fit import pool_cost
+from engine.memory.kv_fit import largest, pool_cost
 from engine.memory.plan import fmt_bytes
 from service.common.errors import APIError
 from service.vram.room import NO_ROOM
@@ -59,10 +59,7 @@ def check_host_grow(pool: PoolStats, pages: int, device: str) -> None:
     room = total if available is None else available
     if need <= room:
         return
-    lo, hi = 0, pages  # the bytes rise with the pages: the largest pool that fits
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if host_pool_bytes(pool, mid, device) <= room else (lo, mid - 1)
+    lo = largest(0, pages, lambda n: host_pool_bytes(pool, n, device) <= room)  # the largest pool that fits
     most = lo - 1  # usable pages, the null page left out
     fits = (f"the most it can grow to now is {fmt_bytes(pool_cost(lo, pool.page_bytes, pool.ring) - pool.page_bytes)} "
             f"({most} pages)" if lo > pool.pages else f"no page more fits now: it stays at {pool.pages - 1} pages")

@@ -2,7 +2,9 @@
 user's finds): every decoder layer runs on the CPU already, so a split move is refused,
 naming why, where it was taken and logged as device memory given back; the smallest KV
 cache it takes is one request of ``--min-context`` (2,048 tokens), the floor
-``--kv-cache`` has at start, not the model's whole context."""
+``--kv-cache`` has at start, not the model's whole context; a path under
+``/api/control`` that no route serves is the control API's 404, naming its routes, as
+other unknown paths answer in their own API's shape."""
 
 from __future__ import annotations
 
@@ -60,3 +62,30 @@ def test_a_refused_size_leaves_the_prefix_cache_as_it_was(real_server):
                        json={"clear_prefix_cache": True, "kv_cache": size})
         assert r.status_code == status, r.text
         assert _cached_pages(real_server) == cached
+
+
+def test_an_unknown_control_route_answers_in_the_control_apis_shape_naming_the_routes(real_server):
+    """A path under ``/api/control`` no route serves was Ollama's ``{"error": "..."}``
+    (any 404 under ``/api``); it is the control API's own error object, naming the
+    routes there are. Unknown paths elsewhere keep their API's shape: Ollama's under
+    ``/api``, OpenAI's under ``/v1``, Anthropic's under ``/v1/messages``."""
+    headers = {"Authorization": f"Bearer {real_server.token}"}
+    for method, path in (("POST", "/api/control/nonsense"), ("GET", "/api/control/x"), ("GET", "/api/control")):
+        r = httpx.request(method, real_server.base_url + path, headers=headers, timeout=30)
+        assert r.status_code == 404, r.text
+        error = r.json()["error"]
+        assert error["type"] == "not_found_error" and error["code"] == "unknown_control_route", r.text
+        assert f"no control route {method} {path}:" in error["message"], r.text
+        for action in ("restart", "pause", "resume", "reserve", "cache"):
+            assert f"/api/control/{action}" in error["message"], r.text
+    # A control route with the wrong method is the control API's 405.
+    r = httpx.get(real_server.base_url + "/api/control/cache", headers=headers, timeout=30)
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed", r.text
+
+    r = httpx.post(real_server.base_url + "/api/nonsense", timeout=30)
+    assert r.status_code == 404 and isinstance(r.json()["error"], str), r.text  # Ollama's shape
+    r = httpx.post(real_server.base_url + "/v1/nonsense", timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error", r.text  # OpenAI's
+    r = httpx.post(real_server.base_url + "/v1/messages/nonsense", timeout=30)
+    assert r.status_code == 404 and r.json()["type"] == "error", r.text  # Anthropic's
+    assert r.json()["error"]["type"] == "not_found_error", r.text

@@ -48,13 +48,36 @@ from litestar import Request, Router, WebSocket, get, post, websocket
 from litestar.datastructures import State
 
 from service.common.auth import token_guard
-from service.common.errors import EXCEPTION_HANDLERS, APIError, decode_body, invalid
+from service.common.errors import EXCEPTION_HANDLERS, NOT_FOUND, APIError, decode_body, invalid
 from service.common.origins import OriginPolicy
 from service.common.settings import parse_size
 from service.control.socket import Gate, serve_events
 from service.events.control_schemas import CacheRequest, ControlResponse, ReserveRequest
 from service.events.hub import EventHub
 from service.events.schemas import Snapshot
+
+# The control actions, each ``POST {path}/control/<action>``: what a path under
+# ``/api/control`` that names none of them is answered with (:func:`unknown_control_route`).
+CONTROL_ACTIONS: tuple[str, ...] = ("restart", "pause", "resume", "reserve", "cache")
+
+
+def unknown_control_route(path: str, method: str, prefix: str = "/api") -> APIError | None:
+    """The 404, in the control API's error shape (``{"error": {"message", "type",
+    "param", "code"}}``, code ``unknown_control_route``), for ``method path`` under
+    ``{prefix}/control`` that no control route serves, naming the routes that exist;
+    None for a path outside ``{prefix}/control``."""
+    base = f"{prefix}/control"
+    if path != base and not path.startswith(base + "/"):
+        return None
+    routes = ", ".join(f"{base}/{action}" for action in CONTROL_ACTIONS)
+    return APIError(
+        404,
+        f"no control route {method} {path}: the control routes are POST {routes} "
+        "(with the local token, `headroom token`)",
+        type=NOT_FOUND,
+        code="unknown_control_route",
+    )
+
 
 # -- control: the target --------------------------------------------------------------------------
 

@@ -30,13 +30,13 @@ from service.api.openapi import openapi_route
 from service.api.services import Services
 from service.common.auth import api_key_guard
 from service.common.engine_states import State
-from service.common.errors import EXCEPTION_HANDLERS
+from service.common.errors import EXCEPTION_HANDLERS, APIError
 from service.common.settings import ServeSettings
 from service.common.token import load_or_create_token, token_path
 from service.control.actions import SupervisorControl
 from service.control.health import HealthController
 from service.control.metrics import metrics_route, reading_of
-from service.control.routes import events_router
+from service.control.routes import events_router, unknown_control_route
 from service.events.hub import EventHub
 from service.events.metrics import ServiceMetrics
 from service.events.schemas import HealthEvent
@@ -86,8 +86,11 @@ def _bind_hosts(settings: ServeSettings) -> list[str]:
 def _http_error_by_surface(request: Request, exc: HTTPException) -> Response[Any]:
     """An HTTP error no route's own handlers saw (an unknown path, a wrong method) in the
     shape of the API the path belongs to: Ollama's under its ``/api`` routes, Anthropic's
-    under ``/v1/messages``, else OpenAI's."""
+    under ``/v1/messages``, else OpenAI's. A path under ``/api/control`` that names no
+    control route is the control API's 404, naming the routes it has."""
     path = request.url.path
+    if exc.status_code == 404 and (unknown := unknown_control_route(path, request.method)) is not None:
+        return EXCEPTION_HANDLERS[APIError](request, unknown)
     surface = EXCEPTION_HANDLERS
     if speaks_ollama(path, exc.status_code):
         surface = OLLAMA_EXCEPTION_HANDLERS

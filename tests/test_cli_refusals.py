@@ -1,10 +1,12 @@
 """``headroom serve``, ``plan`` and ``generate`` refusing what cannot work at once, with
 exit 2 and one line naming the fix, before a port is bound or a model loads: a dtype
 that is none, a ``--model`` that names no model, a ``--kv-cache`` below one
-``--min-context``, an empty served name, an empty raw prompt, a count past any machine."""
+``--min-context``, an empty served name, an empty raw prompt, a count past any machine;
+with ``plan --json``, the refusal as a JSON object on stdout too."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -66,3 +68,22 @@ def test_plan_refuses_a_count_beyond_any_machine_naming_the_flag(flag):
     assert result.exit_code == 2, result.output
     assert f"{flag}: {10**20} is more than 2,147,483,647" in result.stderr
     assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["--kv-cache", "lots"], "--kv-cache: 'lots' is not a size"),
+    (["--kv-cache", "1MiB"], "--kv-cache 1 MiB holds 16 tokens of this model"),
+    (["--model", "/nonexistent"], "model not found: /nonexistent"),
+])
+def test_plan_json_prints_a_refusal_a_script_can_parse(default_model_dir, args, needle):
+    """``plan --json`` refused (exit 2) printed its line on stderr and nothing on stdout,
+    so a script parsing stdout got no JSON; now stdout is ``{"error", "exit_code"}``, the
+    line still on stderr. Without ``--json`` stdout stays empty."""
+    model = [] if "--model" in args else ["--model", default_model_dir]
+    result = invoke(["plan", "--json", *model, *args])
+    assert result.exit_code == 2, result.output
+    refusal = json.loads(result.stdout)
+    assert refusal["exit_code"] == 2 and refusal["error"].startswith(needle), refusal
+    assert result.stderr.strip() == f"headroom: error: {refusal['error']}"
+    plain = invoke(["plan", *model, *args])
+    assert plain.exit_code == 2 and plain.stdout == "" and needle in plain.stderr, plain.output

@@ -23,7 +23,7 @@ import click
 from service.cli.autostart import service as service_group
 from service.cli.bench import bench
 from service.cli.doctor import doctor
-from service.cli.exits import EXIT_FAILED, EXIT_USAGE, check_model_path, fail
+from service.cli.exits import EXIT_FAILED, EXIT_USAGE, check_model_path, errors_as_json, fail
 from service.cli.models import models, pull
 from service.cli.options import (
     KERNEL_SWITCHES,
@@ -288,7 +288,10 @@ def generate(
     epilog="Without a GPU, plan for a simulated one: --device-total 6GiB --device-free "
     "5.5GiB. Sizes: 6GiB, 5.5GiB, 512MiB, 6GB (decimal) or bytes. Settings are serve's: "
     "also read from HEADROOM_* variables and the config file. Exits 0 when the plan "
-    "fits, 1 when it does not (with what would fix it), 2 for a usage error."
+    "fits, 1 when it does not (with what would fix it), 2 for a usage error. With "
+    "--json, stdout is always one JSON object: the plan (its 'fits' false on exit 1), "
+    "or on exit 2 {\"error\": MESSAGE, \"exit_code\": 2} (the message also on stderr); "
+    "only a command line click cannot parse (an unknown option) prints usage text alone."
 )
 @config_option
 @with_settings(
@@ -306,6 +309,8 @@ def generate(
 def plan(config_path: Path | None, as_json: bool, **flags: Any) -> None:
     """Print the memory plan (the ledger from device total to KV pages) for a model and a
     device, without loading the weights or serving."""
+    if as_json:
+        errors_as_json()
     settings = resolve_or_fail(flags, config_path)
     check_model_path(settings.model)
 

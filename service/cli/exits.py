@@ -6,6 +6,7 @@ Light at import (click only), like the whole of :mod:`service.cli`.
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import NoReturn
@@ -16,9 +17,25 @@ EXIT_USAGE = 2
 EXIT_FAILED = 1
 
 
+# The click context's ``meta`` key a command with ``--json`` sets (:func:`errors_as_json`).
+_JSON_ERRORS = "headroom.errors_as_json"
+
+
+def errors_as_json() -> None:
+    """From now on in this command, :func:`fail` also prints its refusal on stdout as
+    one JSON object, ``{"error": <message>, "exit_code": <code>}``, for a script that
+    parses the command's ``--json`` output."""
+    click.get_current_context().meta[_JSON_ERRORS] = True
+
+
 def fail(message: str, code: int = EXIT_FAILED) -> NoReturn:
-    """Print ``headroom: error: <message>`` on stderr and exit with ``code``."""
+    """Print ``headroom: error: <message>`` on stderr and exit with ``code``; after
+    :func:`errors_as_json`, also ``{"error": <message>, "exit_code": <code>}`` on
+    stdout."""
     click.echo(f"headroom: error: {message}", err=True)
+    context = click.get_current_context(silent=True)
+    if context is not None and context.meta.get(_JSON_ERRORS):
+        click.echo(json.dumps({"error": message, "exit_code": code}))
     sys.exit(code)
 
 

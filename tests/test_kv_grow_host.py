@@ -5,7 +5,9 @@ finds), through a real ``headroom serve`` of the default model:
   of the worker's resident memory (``/proc/PID/status``; before, a grow or a shrink made
   every kept page resident), and the written ones still serve the cached prompt;
 - a resize longer than the stall timeout is progress, not a stall: each buffer copied
-  advances the work counter, so the watchdog leaves the worker alone;
+  advances the work counter, so the watchdog leaves the worker alone, and the control
+  call waits for it while it moves on (its wait is the stall timeout without progress;
+  a fixed wait answered 503 while the resize went on and succeeded);
 - a grow whose new pool, counted whole, the host's available memory cannot hold is
   refused before the worker tries (409 ``no_room``), naming a most that fits below the
   host's memory.
@@ -59,11 +61,15 @@ def test_a_live_kv_resize_on_the_cpu_stays_in_memory_moves_on_and_fits_the_host(
     first = served_greedy_tokens(server, prompt, 6)
 
     # The first grow is slowed to 5 s (its sleeps advance nothing) under a 2 s stall
-    # timeout; the shrink and the grow back run at full speed.
+    # timeout, which is also how long the control call waits without progress: it is
+    # answered 202 once the pool has grown, not 503 at 2 s. The shrink and the grow
+    # back run at full speed.
     for size in ("1GiB", "512MiB", "1GiB"):
-        before = _rss(worker)
+        before, pages_before = _rss(worker), _num_pages(server)
         r = _cache(server, size)
         assert r.status_code == 202, r.text
+        assert r.json()["message"].startswith("KV pool "), r.text  # the worker's answer, after the resize
+        assert _num_pages(server) != pages_before, (size, r.text)
         grown = _rss(worker) - before
         assert grown < RESIZE_SLACK, f"the resize to {size} made {grown / MiB:.0f} MiB resident"
     log = server.log()

@@ -53,7 +53,11 @@ class SupervisorControl:
         supervisor: the service's supervisor.
         watcher: its VRAM watcher (the reserve, and the KV pool ceiling grows stop at);
             None: those actions answer 501.
-        command_timeout_s: how long a command may wait for the worker.
+        command_timeout_s: how long a command waits for the worker's answer while the
+            worker makes no progress (a resize that moves on is waited for to its end:
+            :meth:`service.supervision.link.WorkerLink.run_command`); the service passes
+            its stall timeout (``--stall-timeout-s``), after which the watchdog kills a
+            worker that stopped moving anyway.
     """
 
     def __init__(
@@ -355,12 +359,12 @@ class SupervisorControl:
                                 f"request loads it, or {RESUME_HINT}", code="engine_idle")
         self.supervisor.check_ready()
 
-    @staticmethod
-    def _answer(done: ipc.ControlDone | None) -> str:
+    def _answer(self, done: ipc.ControlDone | None) -> str:
         if done is None:
             raise APIError(
                 503,
-                "the engine worker did not answer (it restarted, or is busy); try again",
+                "the engine worker did not answer: it exited, or made no progress for "
+                f"{self.command_timeout_s:g} s (--stall-timeout-s); try again",
                 type="server_error",
                 code="engine_unavailable",
                 headers={"Retry-After": "2"},

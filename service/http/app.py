@@ -141,7 +141,7 @@ def create_app(
     except TimelineError as exc:
         raise StartupError(str(exc)) from None
     supervisor.vram_source = watcher.source
-    control = SupervisorControl(supervisor, watcher)
+    control = SupervisorControl(supervisor, watcher, command_timeout_s=settings.stall_timeout_s)
     watch_tasks: list[asyncio.Task] = []
 
     async def refresh() -> None:

@@ -143,16 +143,20 @@ class WorkerLink:
     ) -> ControlDone | None:
         """Send a replan command (``kind(seq=..., **fields)``) to the ready worker and
         wait for its answer; :attr:`pool` and :attr:`stats` are fresh when it returns.
+        The wait lasts as long as the worker moves on (its work counter, which a long
+        KV pool resize advances buffer by buffer: :attr:`liveness`), so a command that
+        takes longer than ``timeout_s`` but advances is waited for to its answer.
 
         Returns:
             The worker's :class:`engine.wire.ipc.ControlDone`, or None when the worker ended
-            (or did not answer within ``timeout_s`` seconds).
+            (or made no progress for ``timeout_s`` seconds without answering).
 
         Raises:
             NotReady: no worker is ready; nothing was sent.
         """
         self._check_ready()
-        return await self._commands.call(lambda seq: self.send(kind(seq=seq, **fields)), timeout_s)
+        return await self._commands.call(lambda seq: self.send(kind(seq=seq, **fields)), timeout_s,
+                                         lambda: self.liveness.last_progress_at)
 
     def _take_stats(self, stats: EngineStats, pool: PoolStats | None) -> None:
         self.stats = stats

@@ -8,6 +8,7 @@ message carrying the same ``seq``; :class:`Calls` matches the two. Event-loop on
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
@@ -21,12 +22,26 @@ class Calls(Generic[T]):
         self._seq = 0
         self._waiting: dict[int, asyncio.Future[T | None]] = {}
 
-    async def call(self, send: Callable[[int], None], timeout_s: float) -> T | None:
+    async def call(
+        self,
+        send: Callable[[int], None],
+        timeout_s: float,
+        moved_at: Callable[[], float] | None = None,
+    ) -> T | None:
         """``send(seq)`` the request, then wait for :meth:`answer` with that ``seq``.
 
+        Args:
+            send: sends the request numbered ``seq``.
+            timeout_s: seconds to wait for the answer; with ``moved_at``, seconds
+                without progress.
+            moved_at: when the answering side last moved on (``time.monotonic()``
+                seconds; the worker's work counter, :mod:`service.supervision.liveness`):
+                the wait goes on while that is less than ``timeout_s`` ago, so a long
+                command that advances is waited for to its end.
+
         Returns:
-            The answer, or None when none came within ``timeout_s`` seconds or the
-            call was ended by :meth:`end_all`.
+            The answer, or None when none came in time or the call was ended by
+            :meth:`end_all`.
         """
         self._seq += 1
         seq = self._seq
@@ -34,9 +49,16 @@ class Calls(Generic[T]):
         self._waiting[seq] = future
         try:
             send(seq)
-            return await asyncio.wait_for(future, timeout_s)
-        except asyncio.TimeoutError:
-            return None
+            deadline = time.monotonic() + timeout_s
+            while True:
+                try:
+                    return await asyncio.wait_for(asyncio.shield(future), max(deadline - time.monotonic(), 0.0))
+                except asyncio.TimeoutError:
+                    if moved_at is None:
+                        return None
+                    deadline = max(deadline, moved_at() + timeout_s)
+                    if deadline <= time.monotonic():
+                        return None
         finally:
             self._waiting.pop(seq, None)
 

@@ -4,7 +4,8 @@ naming why, where it was taken and logged as device memory given back; the small
 cache it takes is one request of ``--min-context`` (2,048 tokens), the floor
 ``--kv-cache`` has at start, not the model's whole context; a path under
 ``/api/control`` that no route serves is the control API's 404, naming its routes, as
-other unknown paths answer in their own API's shape."""
+other unknown paths answer in their own API's shape; the KV pool's pages are one count
+(usable pages) on every surface."""
 
 from __future__ import annotations
 
@@ -89,3 +90,20 @@ def test_an_unknown_control_route_answers_in_the_control_apis_shape_naming_the_r
     r = httpx.post(real_server.base_url + "/v1/messages/nonsense", timeout=30)
     assert r.status_code == 404 and r.json()["type"] == "error", r.text  # Anthropic's
     assert r.json()["error"]["type"] == "not_found_error", r.text
+
+
+def test_the_kv_pools_pages_are_one_count_on_every_surface(real_server):
+    """``engine.info.num_pages`` in ``/api/status`` counted the null page (256 for
+    ``--num-pages 256``) where the counters beside it, ``/metrics`` and the control API
+    count the 255 pages requests can use; all say 255 now."""
+    headers = {"Authorization": f"Bearer {real_server.token}"}
+    status = httpx.get(f"{real_server.base_url}/api/status", timeout=30).json()
+    pages = status["engine"]["info"]["num_pages"]
+    assert pages == status["counters"]["engine"]["total_pages"] == 255, status["engine"]
+    metrics = httpx.get(f"{real_server.base_url}/metrics", timeout=30).text
+    assert f"headroom_kv_pages_total {pages}" in metrics
+    # Back to the plan's size, which --num-pages fixed: nothing changes, and the answer
+    # names the pool by the same count.
+    r = httpx.post(f"{real_server.base_url}/api/control/cache", json={"kv_cache": None}, headers=headers, timeout=60)
+    assert r.status_code == 202, r.text
+    assert f"the KV pool stays at {pages} pages" in r.json()["message"], r.text

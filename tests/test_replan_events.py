@@ -128,7 +128,7 @@ def test_a_context_that_grows_back_with_the_pool_publishes_a_plan():
         context_note="context 2,048 -> 1,024 tokens: 1.0 GiB held by other processes",
     )
     svc, hub = services_with_hub()
-    svc.supervisor.info = info(max_context_tokens=1024, num_pages=65, plan=plan)
+    svc.supervisor.info = info(max_context_tokens=1024, num_pages=64, plan=plan)
     grow = replanned(REPLAN_RESIZE_POOL, 65, 129, reason="headroom back")
     svc.record_engine_event(grow)
     published = hub.snapshot().plan
@@ -162,7 +162,7 @@ def test_the_plan_shown_is_the_plan_in_force():
         suggestions=[], max_prefill_tokens=2048, max_running_requests=8, wanted_context_tokens=2048,
     )
     svc, hub = services_with_hub()
-    svc.supervisor.info = info(num_pages=513, plan=plan, max_prefill_tokens=2048)
+    svc.supervisor.info = info(num_pages=512, plan=plan, max_prefill_tokens=2048)
     for event in (replanned(REPLAN_PREFILL_CHUNK, 513, 513, chunk=818), replanned(REPLAN_RESIZE_POOL, 513, 201,
                   chunk=818), ReplanWanted(reason="out of memory in a step", new_max_prefill_tokens=512)):
         svc.record_engine_event(event)
@@ -171,7 +171,7 @@ def test_the_plan_shown_is_the_plan_in_force():
         assert shown == svc.supervisor.info.plan
         assert shown.max_prefill_tokens == svc.supervisor.info.max_prefill_tokens
         assert shown.kv_pool_bytes == svc.supervisor.info.kv_cache_bytes
-        assert shown.num_pages == svc.supervisor.info.num_pages - 1
+        assert shown.num_pages == svc.supervisor.info.num_pages
     assert (shown.num_pages, shown.max_prefill_tokens, shown.ledger) == (200, 512, plan.ledger)
 
 
@@ -216,7 +216,7 @@ def test_split_moves_become_replan_events_and_a_plan_with_the_split_now():
     engines = msgspec.structs.replace(shown, num_pages=300, kv_pool_bytes=200 * MiB, fixed_bytes=GiB - 40 * MiB,
                                       cpu_layers=10, split_note="decoder layers 20-29 (10 of 30) run on the CPU")
     svc, hub = services_with_hub()
-    svc.supervisor.info = info(num_pages=31, plan=shown)
+    svc.supervisor.info = info(num_pages=30, plan=shown)
     down = replanned(REPLAN_MOVE_LAYERS, 31, 31, before_cpu_layers=0, after_cpu_layers=10,
                      moved_bytes=50 * MiB, plan=engines)
     down = msgspec.structs.replace(down, after_bytes=20 * MiB)

@@ -211,16 +211,21 @@ def test_control_cache_clears_the_prefix_cache_and_resizes_the_pool_live(server)
     assert status["counters"]["engine"]["cached_pages"] == 0
     assert status["replans"][-1]["action"] == "clear_prefix_cache"
 
-    # Shrink the pool to 40 pages (41 with the null page): one request may now hold 40 x 16
-    # tokens.
+    # Shrink the pool to 40 pages (the null page apart, as every count says): one request
+    # may now hold 40 x 16 tokens.
     r = http.post("/api/control/cache", json={"kv_cache": 40 * page_bytes}, headers=headers)
     assert r.status_code == 202, r.text
+    # One count on every surface: the control API's answer, /api/status's engine, counters
+    # and plan, the replan event (below) and the worker's log.
+    assert f"KV pool {planned} -> 40 pages" in r.json()["message"], r.text
+    assert f"KV pool shrunk: {planned} -> 40 pages" in server.log()
     status = http.get("/api/status").json()
-    assert status["engine"]["info"]["num_pages"] == 41
+    assert status["engine"]["info"]["num_pages"] == status["counters"]["engine"]["total_pages"] == 40
+    assert status["plan"]["plan"]["num_pages"] == 40
     assert status["engine"]["info"]["max_context_tokens"] == 40 * 16
     replan = status["replans"][-1]
     assert replan["action"] == "set_kv_cache"
-    assert (replan["before"]["num_pages"], replan["after"]["num_pages"]) == (planned - 1, 40)
+    assert (replan["before"]["num_pages"], replan["after"]["num_pages"]) == (planned, 40)
     model = http.get("/v1/models").json()["data"][0]
     assert model["context_length"] == 40 * 16
     r = chat(http, "word " * 800)
@@ -237,7 +242,7 @@ def test_control_cache_clears_the_prefix_cache_and_resizes_the_pool_live(server)
     r = http.post("/api/control/cache", json={"kv_cache": "1TiB"}, headers=headers)
     assert r.status_code == 409 and r.json()["error"]["code"] == "no_room", r.text
     assert "host memory" in r.json()["error"]["message"], r.text
-    assert http.get("/api/status").json()["engine"]["info"]["num_pages"] == 41
+    assert http.get("/api/status").json()["engine"]["info"]["num_pages"] == 40
 
     # Back to the plan.
     r = http.post("/api/control/cache", json={"kv_cache": None}, headers=headers)

@@ -27,6 +27,7 @@ from engine.core.startup import (
 from engine.loader.gguf_quant import gguf_weight_size
 from engine.loader.hf_config import load_model_config
 from engine.loader.resolve import resolve_model
+from engine.memory.kv_fit import usable_pages
 from engine.memory.ledger import fit_plan
 from engine.memory.plan import MemoryPlan, PlanKnobs
 from engine.parallel.split import rank_model_config
@@ -224,7 +225,7 @@ def cpu_holdings(config: EngineConfig) -> CpuHoldings:
     price = ring.price(kv_ring_page_bytes(mc, kv_dtype, ring), knobs.max_running_requests,
                        knobs.state_checkpoints) if ring else None
     size = unplanned_pool(config, mc, per_token * config.page_size, price)
-    pages = size.pages - 1  # less the null page
+    pages = usable_pages(size.pages)
     ring_bytes = (size.rings + 1) * price.page_bytes if price else 0
     context = min(mc.max_position_embeddings, config.max_model_len or mc.max_position_embeddings,
                   pages * config.page_size)

@@ -24,7 +24,7 @@ from engine.common.units import MiB, fmt_bytes
 from engine.core.footprint import kv_bytes_per_token, kv_ring, kv_ring_page_bytes
 from engine.kvcache.pool import kv_storage_dtype
 from engine.memory.fixed_pool import fixed_setting, short_pool_warning, unplanned_pool
-from engine.memory.kv_fit import RING_FLOOR_REQUESTS, RingPrice, kv_pages
+from engine.memory.kv_fit import RING_FLOOR_REQUESTS, RingPrice, kv_pages, usable_pages
 from engine.memory.plan import LedgerEntry, MemoryPlan, PlanKnobs
 
 POOL_LINE = "KV cache pool"
@@ -111,7 +111,7 @@ def with_fixed_pool(
     # The engine counts pages over every layer (engine.core.plan_stages._num_pages); a
     # device page holds the layers the device runs (the plan's per-token figure).
     size = unplanned_pool(config, mc, kv_bytes_per_token(mc, kv_dtype, ring) * config.page_size, price)
-    pages = size.pages - 1  # less the null page
+    pages = usable_pages(size.pages)
     page_bytes = plan.kv_bytes_per_token * config.page_size
     ledger = list(plan.ledger)
     # Everything but the two pools' usable pages (the ring pool's null page is among it).

@@ -49,6 +49,7 @@ from engine.loader.default_model import model_display_name
 from engine.loader.hf_config import load_model_config
 from engine.loader.resolve import resolve_model
 from engine.loader.weight_size import parameter_count
+from engine.memory.kv_fit import usable_pages
 from engine.memory.plan import MemoryPlan, PlanKnobs
 from engine.parallel.group import TensorParallel
 from engine.parallel.shard import rank_config as shard_rank_config
@@ -246,7 +247,7 @@ class Engine(PlanStages, WeightsStage, GrammarWaits, LiveReplan, SplitReplan):
             device=str(self.device),
             dtype=str(self.dtype).removeprefix("torch."),
             page_size=config.page_size,
-            num_pages=num_pages,
+            num_pages=usable_pages(num_pages),
             kv_cache_bytes=self.pool.nbytes,
             weight_bytes=model_weight_bytes(self.model),
             parameter_count=parameter_count(mc),

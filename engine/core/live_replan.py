@@ -31,6 +31,7 @@ import torch
 
 from engine.common.units import fmt_bytes
 from engine.layers.moe.offload import resize_cache
+from engine.memory.kv_fit import usable_pages
 from engine.scheduler.resize import Vacated, grow_pages, shrink_pages, shrink_rings
 from engine.wire.messages import (
     BY_WATCHER,
@@ -208,13 +209,13 @@ class LiveReplan:
             duration_ms=(time.perf_counter() - started) * 1000,
         )
         if result.after_pages != before_pages:
-            # Pages as people read them everywhere (the plan, the control API, replan
-            # events): usable ones, the null page left out.
+            # Pages as people read them everywhere: usable ones (kv_fit.usable_pages).
             log.info(
                 "KV pool %s: %d -> %d pages%s (%.1f -> %.1f MiB) in %.1f ms; %d evicted, %d moved, "
                 "%d preempted, %d ended; context limit %d tokens%s",
-                "shrunk" if result.after_pages < before_pages else "grown", before_pages - 1,
-                result.after_pages - 1, f", sliding-window rings {before_rings - 1} -> {result.after_ring_pages - 1}"
+                "shrunk" if result.after_pages < before_pages else "grown", usable_pages(before_pages),
+                usable_pages(result.after_pages),
+                f", sliding-window rings {usable_pages(before_rings)} -> {usable_pages(result.after_ring_pages)}"
                 if before_rings else "", before_bytes / 2**20, result.after_bytes / 2**20,
                 result.duration_ms, evicted, relocated, len(preempted), len(ended),
                 self.max_context_tokens, f" ({reason})" if reason else "",
@@ -347,6 +348,6 @@ class LiveReplan:
         if host is not None:  # --cpu-layers: the host pool's pages follow at once, not at the next step
             host.follow(self.pool.num_pages, written_pages=self.allocator.high_water)
         self.info = msgspec.structs.replace(
-            self.info, num_pages=self.pool.num_pages, kv_cache_bytes=self.pool.nbytes,
+            self.info, num_pages=usable_pages(self.pool.num_pages), kv_cache_bytes=self.pool.nbytes,
             max_context_tokens=self.max_context_tokens,
         )

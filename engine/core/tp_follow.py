@@ -41,6 +41,7 @@ from engine.core.tp_commands import (
     send_command,
 )
 from engine.core.tp_graphs import GraphSync
+from engine.memory.kv_fit import usable_pages
 from engine.parallel.group import TensorParallel
 
 log = logging.getLogger("headroom.parallel")
@@ -150,9 +151,10 @@ def _agree_on_pool(engine: Any, tp: TensorParallel, *, ring: bool = False) -> li
     mine = engine.pool.ring_pages if ring else engine.pool.num_pages
     what = "ring pool" if ring else "KV pool"
     sizes = tp.gather_int(mine)
-    log.info("%s on rank %d: %d pages (every rank: %s)", what, tp.rank, mine, sizes)
+    usable = [usable_pages(n) for n in sizes]
+    log.info("%s on rank %d: %d pages (every rank: %s)", what, tp.rank, usable_pages(mine), usable)
     if tp.is_leader and len(set(sizes)) != 1:
-        raise GroupOutOfStep(f"the ranks' {what}s differ after a resize ({sizes} pages); the group restarts")
+        raise GroupOutOfStep(f"the ranks' {what}s differ after a resize ({usable} pages); the group restarts")
     return sizes
 
 

@@ -20,7 +20,7 @@ from engine.common.config import EngineConfig, ModelConfig
 from engine.common.errors import SettingRefused
 from engine.common.units import MiB, fmt_bytes
 from engine.memory.host import host_memory
-from engine.memory.kv_fit import RingPrice, kv_pages, room_for, split_room
+from engine.memory.kv_fit import RingPrice, kv_pages, room_for, split_room, usable_pages
 
 # The CPU pool's default size: an anonymous map, resident only where written
 # (engine.kvcache.pool), so an idle or short-context run costs little of it.
@@ -107,10 +107,10 @@ def short_pool_warning(config: EngineConfig, mc: ModelConfig) -> str | None:
     if config.num_pages is None:
         return None
     floor_ctx, need = floor_pages(config, mc)
-    held = (config.num_pages - 1) * config.page_size
+    held = usable_pages(config.num_pages) * config.page_size
     if held >= floor_ctx:
         return None
-    return (f"--num-pages {config.num_pages} holds {held} tokens ({config.num_pages - 1} pages of {config.page_size} "
+    return (f"--num-pages {config.num_pages} holds {held} tokens ({usable_pages(config.num_pages)} pages of {config.page_size} "
             f"tokens, the null page apart), less than one --min-context of {floor_ctx} tokens: a request whose prompt "
             f"and max tokens pass {held} tokens is refused; give --num-pages {need} or more, or lower --min-context "
             f"(or --max-model-len) to {held}")

@@ -29,6 +29,18 @@ import msgspec
 # bound (the parallel sequences llama.cpp's server plans for by default).
 RING_FLOOR_REQUESTS = 4
 
+# Page 0 of a pool (the KV pool, a ring pool) is never handed out: padded page tables
+# point at it. The engine sizes pools with it; people read the pages requests can use.
+NULL_PAGES = 1
+
+
+def usable_pages(pages: int) -> int:
+    """The pages requests can use in a pool of ``pages`` pages (its null page included,
+    as the engine, ``--num-pages`` and the wire's ``pages`` fields count it): the count
+    every surface a person reads gives (the plan, ``/api/status``, the control API's
+    answers, replan events, the log); 0 for no pool."""
+    return max(pages - NULL_PAGES, 0)
+
 
 def kv_pages(room: int, page_bytes: int, ring_page: int = 0, ring_cap: int = 0) -> int:
     """The most KV pool pages ``P`` whose cost fits ``room`` bytes, the inverse of ``P x

@@ -156,8 +156,9 @@ class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
 
     ``max_context_tokens`` is what one request can really use: the smaller of the model's
     context length and what the KV pool holds for one request. Sizes are in bytes.
-    ``num_pages`` is the KV pool's pages, its null page included: one more than the
-    usable pages the plan, replan events and the control API count.
+    ``num_pages`` is the KV pool's usable pages (its null page apart,
+    :func:`engine.memory.kv_fit.usable_pages`), as the plan, the engine's counters
+    (``total_pages``), replan events, the control API and the log count them.
     """
 
     model_name: str
@@ -266,7 +267,8 @@ REPLAN_MOVE_LAYERS = "move_layers"  # --cpu-layers auto: decoder layers moved be
 class PoolChange(msgspec.Struct, frozen=True, kw_only=True):
     """The KV pool's figures around one live change of the engine's memory use.
 
-    Pages count the whole pool, the null page included (as ``EngineInfo.num_pages``);
+    Pages count the whole pool, the null page included (``EngineInfo.num_pages`` is
+    :func:`engine.memory.kv_fit.usable_pages` of ``after_pages``);
     bytes are the pool's buffers. ``evicted_pages`` left the prefix cache,
     ``relocated_pages`` had their keys and values moved below the cut; ``preempted``
     requests were sent back to wait and be recomputed (youngest first), ``ended`` ones

@@ -42,6 +42,7 @@ from engine.common.load_errors import ModelLoadError
 from engine.common.parent_death import die_with_parent
 from engine.loader.convert_child import convert_ahead
 from engine.loader.resolve import resolve_model
+from engine.memory.kv_fit import usable_pages
 from engine.memory.plan import MIN_PREFILL_TOKENS, fmt_bytes
 from engine.wire.ipc import (
     ENGINE_FACTORY,
@@ -344,9 +345,9 @@ def _replan(pipe: SharedPipe, engine: Any, command: Any, planned_pages: int) -> 
 
 def _describe_resize(r: ResizeResult) -> str:
     if r.after_pages == r.before_pages:
-        return f"the KV pool stays at {r.after_pages - 1} pages"
+        return f"the KV pool stays at {usable_pages(r.after_pages)} pages"
     text = (
-        f"KV pool {r.before_pages - 1} -> {r.after_pages - 1} pages "
+        f"KV pool {usable_pages(r.before_pages)} -> {usable_pages(r.after_pages)} pages "
         f"({fmt_bytes(r.before_bytes)} -> {fmt_bytes(r.after_bytes)}) in {r.duration_ms:.0f} ms; "
         f"context limit {r.max_context_tokens} tokens"
     )

@@ -161,7 +161,7 @@ def follower_main(rank: int, config: Any, store: str, leader_pid: int) -> None:
     cfg = rank_config(config, rank)
     tp = init_group(rank, config.tensor_parallel_size, torch.device(cfg.device), store)
     engine = Engine(cfg, tp=tp)
-    log.info("rank %d ready: KV pool %d pages", rank, engine.pool.num_pages)
+    log.info("rank %d ready: KV pool %d pages", rank, engine.info.num_pages)
     follow(engine, tp)
     leave_group()
 

@@ -155,6 +155,7 @@ def run_engine_alone(opts: BenchOptions, prompts: list[str], engine_info: dict[s
     server's model folder and sizes. Imports torch (lazily, here)."""
     from engine.common.config import EngineConfig
     from engine.core.engine import Engine
+    from engine.memory.kv_fit import NULL_PAGES
     from engine.text.chat import encode_chat
     from engine.wire.messages import GenerateRequest, SamplingParams
     from service.api.text import load_tokenizer
@@ -166,7 +167,7 @@ def run_engine_alone(opts: BenchOptions, prompts: list[str], engine_info: dict[s
             model=model_dir,
             device=opts.device,
             page_size=engine_info["page_size"],
-            num_pages=engine_info["num_pages"],
+            num_pages=engine_info["num_pages"] + NULL_PAGES,  # the server's usable pages, plus page 0
             max_running_requests=engine_info["max_running_requests"],
             max_prefill_tokens=engine_info["max_prefill_tokens"],
         )

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from typing import Literal
 
-from engine.memory.kv_fit import pages_in_bytes
+from engine.memory.kv_fit import pages_in_bytes, usable_pages
 from engine.memory.plan import fmt_bytes
 from engine.wire import ipc
 from engine.wire.messages import BY_CONTROL
@@ -161,17 +161,17 @@ class SupervisorControl:
             raise NotImplementedError("this engine cannot resize its KV pool while it runs")
         if kv_cache_bytes is None:
             pages = pool.planned_pages
-            what = f"the plan's size ({pages - 1} pages)"
+            what = f"the plan's size ({usable_pages(pages)} pages)"
         else:
             pages = pages_in_bytes(kv_cache_bytes, pool.page_bytes, pool.ring)
             if pages < pool.min_pages:
                 raise ValueError(
-                    f"a KV cache of {fmt_bytes(kv_cache_bytes)} holds {pages - 1} pages; the "
-                    f"smallest is {pool.min_pages - 1} pages "
-                    f"({fmt_bytes((pool.min_pages - 1) * pool.page_bytes)}): one request of "
+                    f"a KV cache of {fmt_bytes(kv_cache_bytes)} holds {usable_pages(pages)} pages; the "
+                    f"smallest is {usable_pages(pool.min_pages)} pages "
+                    f"({fmt_bytes(usable_pages(pool.min_pages) * pool.page_bytes)}): one request of "
                     "the minimum context"
                 )
-            what = f"{fmt_bytes(kv_cache_bytes)} ({pages - 1} pages)"
+            what = f"{fmt_bytes(kv_cache_bytes)} ({usable_pages(pages)} pages)"
         if self.watcher is None:
             self._check_host_room(pages, pool)
             done = await self._resize(pages, what)
@@ -181,7 +181,7 @@ class SupervisorControl:
                 if kv_cache_bytes is None:
                     fits = fitting_pages(room, now, pages)
                     if fits < pages:
-                        what += f", of which {fits - 1} fit the card now"
+                        what += f", of which {usable_pages(fits)} fit the card now"
                     pages = fits
                 # What the host cannot hold is refused first (400): no card helps it.
                 self._check_host_room(pages, now)

@@ -28,6 +28,7 @@ from typing import Any
 import msgspec
 
 from engine.common.units import SIZE_UNITS, fmt_bytes
+from engine.memory.kv_fit import usable_pages
 from engine.wire.messages import (
     BY_CONTROL,
     OOM_FAILED,
@@ -92,7 +93,7 @@ def info_after(info: EngineInfo, event: EngineEvent) -> EngineInfo:
         return msgspec.structs.replace(
             info,
             plan=plan_now(info, event),
-            num_pages=event.after_pages,
+            num_pages=usable_pages(event.after_pages),
             kv_cache_bytes=event.after_bytes,
             max_context_tokens=event.max_context_tokens,
             max_prefill_tokens=event.max_prefill_tokens,
@@ -218,7 +219,7 @@ class EngineEventsToUI:
         cached = self._cached_pages()
         before = PlanPoint(
             kv_pool_bytes=info.kv_cache_bytes,
-            num_pages=max(info.num_pages - 1, 0),
+            num_pages=info.num_pages,
             max_prefill_tokens=info.max_prefill_tokens,
             prefix_cache_pages=cached,
             **self._split(0),
@@ -288,7 +289,7 @@ class EngineEventsToUI:
             action = event.action
         before = PlanPoint(
             kv_pool_bytes=event.before_bytes,
-            num_pages=max(event.before_pages - 1, 0),
+            num_pages=usable_pages(event.before_pages),
             max_prefill_tokens=chunk_before,
             prefix_cache_pages=cached,
             **_expert_cache(event.before_expert_slots, event.before_expert_bytes, event),
@@ -296,7 +297,7 @@ class EngineEventsToUI:
         )
         after = PlanPoint(
             kv_pool_bytes=event.after_bytes,
-            num_pages=max(event.after_pages - 1, 0),
+            num_pages=usable_pages(event.after_pages),
             max_prefill_tokens=event.max_prefill_tokens,
             prefix_cache_pages=cached_after,
             **_expert_cache(event.after_expert_slots, event.after_expert_bytes, event),

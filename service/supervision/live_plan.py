@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import msgspec
 
+from engine.memory.kv_fit import usable_pages
 from engine.memory.plan import MemoryPlan
 from engine.wire.messages import EngineEvent, EngineInfo, Replanned, ReplanWanted
 
@@ -48,12 +49,12 @@ def plan_now(info: EngineInfo, event: EngineEvent) -> MemoryPlan | None:
         plan = split_moved(plan, event)
     if plan is None:
         return None
-    usable = max(event.after_pages - 1, 0)
+    usable = usable_pages(event.after_pages)
     if event.max_context_tokens != info.max_context_tokens:
         plan = plan.after_resize(usable, event.after_bytes, event.max_context_tokens, event.reason)
     now = {"num_pages": usable, "kv_pool_bytes": event.after_bytes, "max_prefill_tokens": event.max_prefill_tokens}
     if event.after_ring_pages:  # the sliding-window ring pool, resized with the KV pool
-        now["kv_ring_pages"] = event.after_ring_pages - 1
+        now["kv_ring_pages"] = usable_pages(event.after_ring_pages)
     if all(getattr(plan, k) == v for k, v in now.items()):
         return plan
     return msgspec.structs.replace(plan, **now)

@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from engine.memory.host import host_memory
-from engine.memory.kv_fit import largest, pool_cost
+from engine.memory.kv_fit import largest, pool_cost, usable_pages
 from engine.memory.plan import fmt_bytes
 from service.common.errors import APIError
 from service.vram.room import NO_ROOM
@@ -60,14 +60,14 @@ def check_host_grow(pool: PoolStats, pages: int, device: str) -> None:
     if need <= room:
         return
     lo = largest(0, pages, lambda n: host_pool_bytes(pool, n, device) <= room)  # the largest pool that fits
-    most = lo - 1  # usable pages, the null page left out
+    most = usable_pages(lo)
     fits = (f"the most it can grow to now is {fmt_bytes(pool_cost(lo, pool.page_bytes, pool.ring) - pool.page_bytes)} "
-            f"({most} pages)" if lo > pool.pages else f"no page more fits now: it stays at {pool.pages - 1} pages")
+            f"({most} pages)" if lo > pool.pages else f"no page more fits now: it stays at {usable_pages(pool.pages)} pages")
     split = (f" (with the host pool of {pool.cpu_layers} layers on the CPU, "
              f"{fmt_bytes(need // pages)} a page)" if pool.cpu_layers else "")
     raise APIError(
         409,
-        f"a KV cache of {pages - 1} pages takes {fmt_bytes(need)} of host memory{split}: the new pool is "
+        f"a KV cache of {usable_pages(pages)} pages takes {fmt_bytes(need)} of host memory{split}: the new pool is "
         "counted whole, as at start, since the old one's written pages stay beside it until the copy "
         f"ends; {fmt_bytes(room)} is available"
         + ("" if available is None else f" (of {fmt_bytes(total)})") + f"; {fits}",

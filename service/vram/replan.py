@@ -54,7 +54,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
-from engine.memory.kv_fit import RingRule, pages_freeing, pages_within, pool_cost
+from engine.memory.kv_fit import RingRule, pages_freeing, pages_within, pool_cost, usable_pages
 from engine.memory.plan import MIN_PREFILL_TOKENS, MiB, fmt_bytes, safety_margin_for
 from service.vram.sources import VramSample, resolve_reserve
 from service.vram.split_rung import NewSplit, give_back, take_back
@@ -384,7 +384,7 @@ class ReplanController:
                 Squeeze(
                     short,
                     f"GPU memory squeeze: {reason}; the KV pool is at its floor of "
-                    f"{max(pool.min_pages, 2) - 1} pages (one request of the minimum context), "
+                    f"{usable_pages(max(pool.min_pages, 2))} pages (one request of the minimum context), "
                     + ("the expert cache empty (every routed expert in host memory), "
                        if pool.planned_expert_slots > 0 else "")
                     + (f"{pool.max_cpu_layers} decoder layers on the CPU, " if pool.max_cpu_layers else "")

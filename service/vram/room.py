@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from engine.memory.kv_fit import pages_within, pool_cost
+from engine.memory.kv_fit import pages_within, pool_cost, usable_pages
 from engine.memory.plan import fmt_bytes
 from service.common.errors import APIError
 from service.vram.replan import default_water_marks
@@ -102,12 +102,12 @@ def check_pool_grow(room: Room | None, pool: PoolStats, pages: int) -> None:
     grow = pool_cost(pages, pool.page_bytes, pool.ring) - pool_cost(pool.pages, pool.page_bytes, pool.ring)
     if grow <= room.room_bytes:
         return
-    most = pages_within(pool.pages, pool.page_bytes, pool.ring, max(room.room_bytes, 0), pages) - 1
+    most = usable_pages(pages_within(pool.pages, pool.page_bytes, pool.ring, max(room.room_bytes, 0), pages))
     fits = (f"the most that fits now is {fmt_bytes(most * pool.page_bytes)} ({most} pages)"
-            if most >= pool.pages else f"no page more fits now: it stays at {pool.pages - 1} pages")
+            if most >= pool.pages else f"no page more fits now: it stays at {usable_pages(pool.pages)} pages")
     raise APIError(
         409,
-        f"a KV cache of {pages - 1} pages ({fmt_bytes((pages - 1) * pool.page_bytes)}) takes "
+        f"a KV cache of {usable_pages(pages)} pages ({fmt_bytes(usable_pages(pages) * pool.page_bytes)}) takes "
         f"{fmt_bytes(grow)} more of the card; {room.words()}: short by {fmt_bytes(grow - room.room_bytes)}; "
         f"{fits}",
         code=NO_ROOM,

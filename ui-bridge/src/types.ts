@@ -58,8 +58,9 @@ export interface CountersEvent {
  *
  * `max_context_tokens` is what one request can really use: the smaller of the model's
  * context length and what the KV pool holds for one request. Sizes are in bytes.
- * `num_pages` is the KV pool's pages, its null page included: one more than the
- * usable pages the plan, replan events and the control API count.
+ * `num_pages` is the KV pool's usable pages (its null page apart,
+ * :func:`engine.memory.kv_fit.usable_pages`), as the plan, the engine's counters
+ * (`total_pages`), replan events, the control API and the log count them.
  */
 export interface EngineInfo {
   model_name: string;

@@ -10,7 +10,6 @@ import {
   memoryView,
   noPlanText,
   replanSizes,
-  usablePages,
   workerPhaseText,
 } from "../dashboard/src/view.js";
 import type { MemoryPlan, VramEvent, WorkerEvent } from "../src/types.js";
@@ -149,8 +148,8 @@ describe("dashboard: what a new user read wrong", () => {
   });
 
   it("counts the KV pool's pages one way, and does not call the CPU's pool fixed", () => {
-    const info = { device: "cpu", num_pages: 1456, page_size: 16, kv_cache_bytes: GiB };
-    expect(usablePages(info)).toBe(1455); // as the counters' total_pages: no null page
+    // engine.info.num_pages is usable pages, as the counters' total_pages and the plan's.
+    const info = { device: "cpu", num_pages: 1455, page_size: 16, kv_cache_bytes: GiB };
     const cpu = noPlanText(info);
     expect(cpu).toContain("1455 pages × 16 tokens");
     expect(cpu).toContain("CPU");

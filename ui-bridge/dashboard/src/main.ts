@@ -6,7 +6,7 @@ import type { HeadroomState } from "../../src/state.js";
 import type { ServerMessage } from "../../src/types.js";
 import { bands, SERIES, VramChart } from "./chart.js";
 import { type ChatMessage, streamChat } from "./chat.js";
-import { exitText, healthView, memoryView, noPlanText, replanSizes, usablePages, workerPhaseText } from "./view.js";
+import { exitText, healthView, memoryView, noPlanText, replanSizes, workerPhaseText } from "./view.js";
 
 const TOKEN_KEY = "headroom.token";
 
@@ -110,7 +110,7 @@ function renderWorker(s: HeadroomState): void {
   const info = s.engine?.info;
   $("engine").textContent = info
     ? `${info.architecture} on ${info.device} (${info.dtype}); context ${info.max_context_tokens} tokens ` +
-      `(model ${info.model_context_tokens}); KV ${usablePages(info)} pages × ${info.page_size} = ${formatBytes(info.kv_cache_bytes)}; ` +
+      `(model ${info.model_context_tokens}); KV ${info.num_pages} pages × ${info.page_size} = ${formatBytes(info.kv_cache_bytes)}; ` +
       `weights ${formatBytes(info.weight_bytes)}`
     : "–";
 }

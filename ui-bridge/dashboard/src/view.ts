@@ -56,17 +56,11 @@ export function workerPhaseText(phase: string | null | undefined, status: string
   return phase;
 }
 
-/** Pages of the KV pool a request can use: the engine's pool less its null page, as the
- * engine's counters (`total_pages`) and the plan (`num_pages`) count them. */
-export function usablePages(info: Pick<EngineInfo, "num_pages">): number {
-  return Math.max(info.num_pages - 1, 0);
-}
-
 /** The plan panel's line when the engine made no memory plan: on the CPU the pool has
  * its default size (or --kv-cache's), on a GPU --kv-cache or --num-pages fixed it. */
 export function noPlanText(info: Pick<EngineInfo, "device" | "num_pages" | "page_size" | "kv_cache_bytes"> | null): string {
   if (!info) return "no memory plan: the KV cache has a set size";
-  const pool = `${usablePages(info)} pages × ${info.page_size} tokens (${formatBytes(info.kv_cache_bytes)})`;
+  const pool = `${info.num_pages} pages × ${info.page_size} tokens (${formatBytes(info.kv_cache_bytes)})`;
   if (info.device === "cpu") {
     return `no memory plan on the CPU: the KV pool is ${pool} of the host's RAM, used as it fills (--kv-cache sets its size)`;
   }

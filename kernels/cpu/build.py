@@ -1,5 +1,5 @@
 """Build the CPU kernels (``block_gemv.c``, ``block_gemm.c``, ``kquant.c``, ``kquant_gemm.c``,
-``mxfp4.c``, ``moe_experts.c``, ``decode_layer.c``, sharing ``blocks.h`` and ``tile512.h``)
+``mxfp4.c``, ``moe_experts.c``, ``moe_job.c``, ``decode_layer.c``, sharing ``blocks.h`` and ``tile512.h``)
 at first use and load them.
 
 The C sources are compiled by the machine's C compiler (``$CC``, else ``cc``, ``gcc`` or
@@ -39,8 +39,8 @@ from kernels.switches import current
 
 log = logging.getLogger("headroom.kernels")
 
-SOURCES = ("block_gemv.c", "block_gemm.c", "kquant.c", "kquant_gemm.c", "mxfp4.c", "moe_experts.c", "decode_layer.c",
-           "rows16.c")
+SOURCES = ("block_gemv.c", "block_gemm.c", "kquant.c", "kquant_gemm.c", "mxfp4.c", "moe_experts.c", "moe_job.c",
+           "decode_layer.c", "rows16.c")
 HEADERS = ("blocks.h", "tile512.h")
 _HERE = Path(__file__).resolve().parent
 _why_not: list[str] = []
@@ -167,6 +167,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.hr_moe_experts.argtypes = [ptr, c_i64, c_i64, c_i64, ptr, ptr, c_i64, ptr, ptr, c_i64, ptr, ptr, ptr,
                                    c_int, c_int, c_int, ptr, ptr, ctypes.c_float, ctypes.c_float, ptr, ptr, c_int,
                                    c_int]
+    lib.hr_moe_job_work_bytes.restype = c_i64
+    lib.hr_moe_job_work_bytes.argtypes = [c_i64, c_i64, c_i64, c_i64, c_i64]
+    lib.moe_cpu_job.restype = None
+    lib.moe_cpu_job.argtypes = [ptr]
     lib.hr_decode_scratch_bytes.restype = c_i64
     lib.hr_decode_scratch_bytes.argtypes = [ptr, c_i64, c_i64]
     lib.hr_decode_layer.restype = c_int

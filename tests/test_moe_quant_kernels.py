@@ -172,3 +172,31 @@ def test_cached_experts_are_read_from_their_slots(dev, types, tokens, method):
         moe_reference.fused_moe_quant(x, wg, wu, wd, types, weights, ids, cache=cache)
     with pytest.raises(ValueError, match="is not int64"):
         triton_moe_quant.fused_moe_quant(x, wg, wu, wd, types, weights, ids, cache=cache, slot_of=slot_of[:4])
+
+
+@pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q6_K"), ("Q8_0", "Q8_0", "Q4_0")], ids="-".join)
+@pytest.mark.parametrize("tokens,method", [(3, "gemv"), (37, "gemm")])
+def test_skipped_experts_are_neither_read_nor_added(dev, types, tokens, method):
+    """``slot_of`` -2 (``SKIP_SLOT``: the CPU runs that expert's pairs) beside slots and
+    bus reads: the kernels give the reference over the other pairs. The skipped experts'
+    blocks are all 0xFF bytes (NaN scales), so a kernel that read them and multiplied by
+    a zero weight would give NaN: they are not read at all."""
+    from kernels.moe import quant_triton_kernel as triton_moe_quant
+
+    x, (wg, wu, wd), weights, ids = _case(types, tokens, 8, dev, seed=9)
+    _, cache, _, _ = _case(types, 1, 2, dev, seed=10)
+    skipped = sorted({int(ids[0, 0]), int(ids[1, 1])})
+    cached = next(e for e in ids.flatten().tolist() if e not in skipped)
+    slot_of = torch.full((8,), -1, dtype=torch.int64, device=ids.device)
+    slot_of[cached] = 1
+    others = weights.masked_fill(torch.isin(ids, torch.tensor(skipped, device=ids.device)), 0)
+    clean_ref = moe_reference.fused_moe_quant(x, wg, wu, wd, types, others, ids, cache=cache, slot_of=slot_of)
+    slot_of[skipped] = moe_reference.SKIP_SLOT
+    for w in (wg, wu, wd):
+        w[skipped] = 0xFF
+    ref = moe_reference.fused_moe_quant(x, wg, wu, wd, types, weights, ids, cache=cache, slot_of=slot_of)
+    assert torch.equal(ref, clean_ref)  # the reference reads nothing of a skipped expert either
+    out = triton_moe_quant.fused_moe_quant(x, wg, wu, wd, types, weights, ids, cache=cache, slot_of=slot_of,
+                                           method=method, block_n=BLOCK_N, block_m=16)
+    assert not out.isnan().any()
+    assert_matches(out, ref, 1e-5)

@@ -16,6 +16,10 @@ from kernels.activation.reference import ClampedSwiGLU
 from kernels.moe.reference import ExpertBiases, moe_by_expert
 from kernels.quant.reference import dequantize
 
+# ``slot_of``'s code for an expert left out of the sums (the CPU's share of a host
+# layer computes it); the Triton kernel's ``SKIP_SLOT``.
+SKIP_SLOT = -2
+
 
 def check_expert_blocks(w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
                         types: tuple[str, str, str], hidden: int, inter: int) -> None:
@@ -62,7 +66,9 @@ def fused_moe_quant(
         topk_weights, topk_ids: ``[T, K]``, as :func:`kernels.moe.reference.fused_moe` takes them.
         cache: an expert cache's ``(gate, up, down)`` stacks of ``S`` slots, laid out as
             the ``w_*`` stacks; with ``slot_of`` (int64 ``[E]`` on ``x``'s device: each
-            expert's slot, or -1), an expert with a slot is read from the cache instead.
+            expert's slot, or -1), an expert with a slot is read from the cache instead,
+            and one whose entry is :data:`SKIP_SLOT` is left out (its pairs add
+            nothing: another device computes them).
         biases: ``gate_up`` ``[E, 2I]`` (gate half first) and ``down`` ``[E, H]``, in
             ``x``'s dtype on its device (not with ``cache``: such experts stay on the device).
         activation: gpt-oss's clamped SwiGLU, or None for SiLU-and-mul.
@@ -82,10 +88,12 @@ def fused_moe_quant(
     if cache is None:
         return moe_by_expert(x, topk_weights, topk_ids,
                              lambda e: expert_weights(w_gate, w_up, w_down, types, e, x.dtype), biases, activation)
-    # Slots numbered after the stacks' experts: one loop over both sources.
+    # Slots numbered after the stacks' experts: one loop over both sources; a skipped
+    # expert's pairs get no key (moe_by_expert leaves ids below 0 out).
     num_experts = w_gate.shape[0]
     slots = slot_of[topk_ids]
     keys = torch.where(slots >= 0, slots.to(topk_ids.dtype) + num_experts, topk_ids)
+    keys = torch.where(slots == SKIP_SLOT, -1, keys)
     return moe_by_expert(x, topk_weights, keys, lambda k: (
         expert_weights(w_gate, w_up, w_down, types, k, x.dtype) if k < num_experts
         else expert_weights(*cache, types, k - num_experts, x.dtype)))

@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from kernels.activation.reference import ClampedSwiGLU
+from kernels.moe import quant_reference
 from kernels.moe.quant_reference import check_cache, check_expert_blocks
 from kernels.moe.reference import ExpertBiases, align_to_blocks
 from kernels.moe.triton_kernel import _block_m, moe_epilogue, sorted_block
@@ -58,6 +59,10 @@ from kernels.triton_round import round_to
 
 # Tokens up to which the grouped GEMV runs (decode batches); the sorted GEMM above.
 GEMV_MAX_TOKENS = 16
+# ``slot_of``'s code for an expert whose pairs another device computes (the CPU's share
+# of a host layer, engine.layers.moe.cpu_share): both kernels skip its work, and the down
+# pass writes its rows as zeros.
+SKIP_SLOT: tl.constexpr = tl.constexpr(quant_reference.SKIP_SLOT)
 
 
 @triton.jit
@@ -65,14 +70,17 @@ def expert_at(expert, SlotOf, a_cache_delta, b_cache_delta, a_expert_bytes, b_ex
     """Byte offsets of ``expert``'s a and b blocks from ``Wa``/``Wb``: its row of the
     stacks, or with CACHED and a slot in ``SlotOf[expert]`` (not -1) that slot's row of
     the cache's stacks, ``*_cache_delta`` bytes away (one address space: the stacks may
-    be pinned host memory, read over the bus, and the cache device memory)."""
+    be pinned host memory, read over the bus, and the cache device memory); and whether
+    ``SlotOf[expert]`` is :data:`SKIP_SLOT` (another device computes its pairs)."""
     a_at = expert * a_expert_bytes
     b_at = expert * b_expert_bytes
+    skip = expert < 0  # never: the ids are experts
     if CACHED:
         slot = tl.load(SlotOf + expert).to(tl.int64)
+        skip = slot == SKIP_SLOT
         a_at = tl.where(slot >= 0, a_cache_delta + slot * a_expert_bytes, a_at)
         b_at = tl.where(slot >= 0, b_cache_delta + slot * b_expert_bytes, b_at)
-    return a_at, b_at
+    return a_at, b_at, skip
 
 
 @triton.jit
@@ -118,12 +126,18 @@ def _moe_gemv_kernel(
     up blocks; out ``[R, N]`` = silu(gate) * up. Else ``X`` ``[R, K]`` read at row ``r``,
     ``Wa`` the down blocks; out ``[R, N]``, times ``RouteWeights[r]`` when WEIGHTED. The
     routed rows of one weight tile run one after another (they share experts' rows in L2).
-    CACHED: an expert with a cache slot is read there (:func:`expert_at`). BIASED,
+    CACHED: an expert with a cache slot is read there, one with :data:`SKIP_SLOT` not at
+    all (:func:`expert_at`; its weighted rows are zeros). BIASED,
     CLAMPED: gpt-oss's parts (:func:`biased_epilogue`; ``Bias`` ``[E, bias_stride]``)."""
     r = tl.program_id(0) % num_rows
     pid_n = tl.program_id(0) // num_rows
     expert = tl.load(TopkIds + r).to(tl.int64)
-    a_at, b_at = expert_at(expert, SlotOf, a_cache_delta, b_cache_delta, a_expert_bytes, b_expert_bytes, CACHED)
+    a_at, b_at, skip = expert_at(expert, SlotOf, a_cache_delta, b_cache_delta, a_expert_bytes, b_expert_bytes, CACHED)
+    if skip:  # another device's pair: no weight read; the weighted pass's row sums to nothing
+        if WEIGHTED:
+            cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            tl.store(Out + r.to(tl.int64) * stride_om + cols, tl.zeros([BLOCK_N], Out.dtype.element_ty), mask=cols < N)
+        return
     x_row = X + (r // top_k if GATED else r).to(tl.int64) * stride_xm
     rows = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N)[None, None, :], N - 1).to(tl.int64)
     acc = gemv_dot(x_row, Wa + a_at + rows * a_row_bytes, 0, K // A_QK, K // A_QK,
@@ -163,9 +177,14 @@ def _moe_gemm_kernel(
     if pid_m * BLOCK_M >= tl.load(NumPadded):
         return
     expert, routed, live, x_rows = sorted_block(SortedRows, BlockExperts, pid_m, num_rows, top_k, GATED, BLOCK_M)
-    a_at, b_at = expert_at(expert, SlotOf, a_cache_delta, b_cache_delta, a_expert_bytes, b_expert_bytes, CACHED)
-    x_row = X + x_rows[:, None] * stride_xm
+    a_at, b_at, skip = expert_at(expert, SlotOf, a_cache_delta, b_cache_delta, a_expert_bytes, b_expert_bytes, CACHED)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if skip:  # as the GEMV: another device's rows
+        if WEIGHTED:
+            tl.store(Out + routed[:, None] * stride_om + cols[None, :], tl.zeros([BLOCK_M, BLOCK_N], Out.dtype.element_ty),
+                     mask=live[:, None] & (cols[None, :] < N))
+        return
+    x_row = X + x_rows[:, None] * stride_xm
     rows = tl.minimum(cols, N - 1).to(tl.int64)
     if A_PACKED:
         acc = packed_dot(x_row, live, (Wa + a_at + rows * a_row_bytes)[:, None], 0, K // A_QK, K // A_QK, A_QT,

@@ -119,9 +119,12 @@ def moe_by_expert(
     """:func:`fused_moe`'s loop over the experts that received tokens, expert ``e``'s
     ``([2I, H], [H, I])`` weights given by ``weights_of(e)`` (a stacked tensor's row, or
     GGUF blocks dequantized on demand: :mod:`kernels.moe.quant_reference`), its biases
-    row ``e`` of ``biases``. Reads the routed experts back to the host: the CPU path."""
+    row ``e`` of ``biases``. Pairs with an id below 0 are left out. Reads the routed
+    experts back to the host: the CPU path."""
     out = torch.zeros_like(x)
     for e in torch.unique(topk_ids).tolist():
+        if e < 0:
+            continue
         tokens, slots = torch.where(topk_ids == e)
         w_gate_up, w_down = weights_of(e)
         y = expert_mlp(x[tokens], w_gate_up, w_down, biases, e, activation) * topk_weights[tokens, slots, None]

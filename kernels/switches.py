@@ -124,6 +124,16 @@ class KernelSwitches:
         "(engine.layers.moe.bus_reads). Off: each step copies the missing experts into "
         "the cache or runs them on the CPU, as prefill does.",
     )
+    expert_cpu_share: str = _switch(
+        "off",
+        "Decode steps of mixture-of-experts layers whose experts live in host memory, read "
+        "over the bus: auto splits each such layer's uncached experts between the bus and "
+        "the CPU's cores by their measured rates, so both halves take about as long (the "
+        "CPU's run by the C kernels as a host function inside the decode CUDA graphs; "
+        "engine.layers.moe.cpu_share). Off (the default until it has been measured on a "
+        "GPU): every missing expert over the bus.",
+        choices=("auto", "off"),
+    )
     quant_int8_fuse: bool = _switch(
         False,
         "The int8 GEMV quantizes its float activations itself as it reads them, instead "

@@ -149,6 +149,7 @@ def test_the_job_refuses_what_it_cannot_take(lib):
     bad[1, 1] = EXPERTS
     with pytest.raises(RuntimeError, match="outside the layer's experts"):
         job.run(job.load(x, bad, weights, lut))
+    assert job.refused() == f"{ROWS} rows: a routed id outside the layer's experts"
     with pytest.raises(ValueError, match="1..16 rows"):
         job.pointer(17)
     with pytest.raises(ValueError, match=r"\[<= 16, 96\]"):

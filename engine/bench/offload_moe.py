@@ -9,11 +9,16 @@ kernels' first-call compiles), then timed alone; each decode batch decodes a few
 untimed, then ``--steps`` timed steps. Compare with llama.cpp's ``llama-bench -ngl 99
 -ncmoe N -p 128,2048 -n 64`` and ``llama-batched-bench ... -npl 1,4`` on the same file,
 the same GPU memory in use (the figure printed last, as NVML reads it).
+
+``--cpu-share off,auto`` runs the whole benchmark once per value of the
+``expert_cpu_share`` switch (a fresh engine each), so the decode step's time with the
+CPU's share of the missing experts and without it print side by side.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import subprocess
 import time
 
@@ -48,14 +53,25 @@ def main() -> None:
     ap.add_argument("--batches", default="1,4", help="decode batch sizes, comma-separated")
     ap.add_argument("--steps", type=int, default=64, help="timed decode steps per batch size")
     ap.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly (the graphs' gain, side by side)")
+    ap.add_argument("--cpu-share", default="off",
+                    help="expert_cpu_share values to run in turn, comma-separated (off,auto: the share's gain per step)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device")
-    engine = Engine(EngineConfig(model=args.model, device="cuda", device_limit=parse_size(args.device_limit),
-                                 cuda_graphs=not args.no_cuda_graphs))
+    for share in args.cpu_share.split(","):
+        engine = Engine(EngineConfig(model=args.model, device="cuda", device_limit=parse_size(args.device_limit),
+                                     cuda_graphs=not args.no_cuda_graphs, expert_cpu_share=share))
+        _bench(engine, args, share)
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def _bench(engine: Engine, args: argparse.Namespace, share: str) -> None:
     stores = engine.expert_stores
-    print(f"plan: routed experts of {len(stores)} layers in host memory, {sum(s.num_slots for s in stores)} "
-          f"cache slots; decode {'in CUDA graphs' if engine.runner.graphs is not None else 'eager'}", flush=True)
+    print(f"plan (expert_cpu_share {share}): routed experts of {len(stores)} layers in host memory, "
+          f"{sum(s.num_slots for s in stores)} cache slots; decode "
+          f"{'in CUDA graphs' if engine.runner.graphs is not None else 'eager'}", flush=True)
     vocab = engine.vocab_size
     for n in (int(v) for v in args.prefill.split(",")):
         once = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
@@ -76,7 +92,9 @@ def main() -> None:
             engine.step()
         torch.cuda.synchronize()
         dt = (time.perf_counter() - t0) / args.steps
-        print(f"decode batch {b}: {b / dt:.1f} tok/s ({dt * 1e3:.1f} ms a step)", flush=True)
+        shared = sum(len(s.on_cpu) for s in stores)
+        print(f"decode batch {b} (expert_cpu_share {share}, {shared} experts on the CPU): {b / dt:.1f} tok/s "
+              f"({dt * 1e3:.1f} ms a step)", flush=True)
         for i in range(b):
             engine.abort(f"decode-{b}-{i}")
         engine.step()

@@ -24,10 +24,11 @@ import ctypes
 import torch
 
 from kernels.cpu.block_gemv import GEMV_TYPE_IDS, gemv_path
+from kernels.moe.quant_reference import SKIP_SLOT
 
-# The lut's code for an expert whose pairs the CPU runs (the fused kernel skips them;
-# -1 is an expert read over the bus, 0.. a cache slot).
-CPU_RUN = -2
+# The lut's code for an expert whose pairs the CPU runs: the one the fused kernel skips
+# (-1 is an expert read over the bus, 0.. a cache slot). moe_job.c's HR_CPU_RUN.
+CPU_RUN = SKIP_SLOT
 # Dtype codes of x and weights, as moe_job.c names them.
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # What a job's status means (moe_job.c).
@@ -123,6 +124,14 @@ class MoeCpuJob:
         """``(status, pairs)`` of the last run for ``rows`` rows (0: done)."""
         s = self._structs[rows]
         return s.status, s.pairs
+
+    def refused(self) -> str | None:
+        """What the last run of a row count refused, in words (its rows and status), or
+        None when every struct's last run was done."""
+        for rows, s in self._structs.items():
+            if s.status != 0:
+                return f"{rows} rows: {STATUS.get(s.status, s.status)}"
+        return None
 
     def run(self, rows: int) -> torch.Tensor:
         """Run the job for the first ``rows`` rows of the buffers in this thread: the sums,

@@ -30,6 +30,11 @@ from __future__ import annotations
 
 import torch
 
+from kernels.moe.quant_reference import SKIP_SLOT
+
+# Per-step decay of an expert's heat: an average over about the last 1 / (1 - 0.95) = 20
+# steps.
+HEAT_DECAY = 0.95
 # Counted steps between two read-backs of a layer's routing counts.
 REFRESH_STEPS = 16
 # Steps of up to this many tokens count towards the heat (decode batches; a prefill
@@ -64,13 +69,16 @@ class LiveRows:
 
 class BusReads:
     """One offloaded layer's decode state on the device: ``lut`` (int64 ``[E]``, the slot
-    of each cached expert, -1 for the others) and ``routed`` (float32 ``[E]``, routings
-    per expert since the last refresh). Its forward part (:meth:`count`) launches only
+    of each cached expert, -1 for the others), ``share_lut`` (the same with
+    :data:`~kernels.moe.quant_reference.SKIP_SLOT` for the experts the CPU's share runs,
+    :mod:`engine.layers.moe.cpu_share`) and ``routed`` (float32 ``[E]``, routings per
+    expert since the last refresh). Its forward part (:meth:`count`) launches only
     device work, so a CUDA graph can hold it; ``steps`` is kept by the caller between
     steps."""
 
     def __init__(self, num_experts: int, device: torch.device) -> None:
         self.lut = torch.full((num_experts,), -1, dtype=torch.int64, device=device)
+        self.share_lut = self.lut.clone()
         self.routed = torch.zeros(num_experts, dtype=torch.float32, device=device)
         self.stale = True  # the lut no longer says what slot_of says
         self.steps = 0
@@ -84,12 +92,15 @@ class BusReads:
     # Both run between steps too (stats, a refresh), outside the step's inference mode,
     # on tensors the first step may have made inside it.
     @torch.inference_mode()
-    def sync_lut(self, slot_of: dict[int, int]) -> None:
-        """Write ``slot_of`` (expert -> slot) into the device lut, in stream order."""
+    def sync_lut(self, slot_of: dict[int, int], on_cpu: tuple[int, ...] = ()) -> None:
+        """Write ``slot_of`` (expert -> slot) into the device luts, and the CPU's share
+        ``on_cpu`` into ``share_lut``, in stream order."""
         lut = torch.full(self.lut.shape, -1, dtype=torch.int64)
         for e, s in slot_of.items():
             lut[e] = s
         self.lut.copy_(lut)
+        lut[list(on_cpu)] = SKIP_SLOT
+        self.share_lut.copy_(lut)
         self.stale = False
 
     @torch.inference_mode()

@@ -47,9 +47,9 @@ over blocks) over slot indices.
 
 :meth:`OffloadedExperts.resize` grows or shrinks the cache between steps (a live
 replan), evicting least recently used slots; the host tier always has every expert,
-so no request can fail for it. The decode path reads the routed ids back to the host,
-so a layer with offloaded experts is not captured in a CUDA graph (bus reads would
-allow it; not done yet).
+so no request can fail for it. With ``expert_cpu_share`` on, a bus-read decode step
+runs part of the missing experts on the CPU beside the kernel
+(:mod:`engine.layers.moe.cpu_share`).
 """
 
 from __future__ import annotations
@@ -60,25 +60,24 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
+from engine.layers.moe.bus_decode import BusDecode
 from engine.layers.moe.bus_reads import (
     BUS_COUNTED_TOKENS,
+    HEAT_DECAY,
     REFRESH_STEPS,
     BusReads,
     LiveRows,
     hot_swaps,
 )
 from engine.layers.moe.cpu_runs import CpuRun, compute_cpu_run, gather_cpu_run
+from engine.layers.moe.cpu_share import ShareRates
 from engine.layers.moe.expert_costs import CostModel, expert_mlp
 from engine.layers.moe.expert_counters import ExpertCounters
-from engine.layers.moe.expert_stacks import BlockStack, ExpertStack
-from kernels.switches import current
-
-# Per-step decay of an expert's heat: an average over about the last 1 / (1 - 0.95) = 20
-# steps.
-HEAT_DECAY = 0.95
+from engine.layers.moe.expert_stacks import ExpertStack
+from engine.layers.moe.share_step import ShareStep
 
 
-class OffloadedExperts(nn.Module):
+class OffloadedExperts(BusDecode, nn.Module):
     """One layer's routed experts in the host tier, ``num_slots`` of them cached on
     ``device``.
 
@@ -94,6 +93,7 @@ class OffloadedExperts(nn.Module):
             (:func:`~engine.layers.moe.cpu_runs.block_kernels_for`), or None: torch.
         live_rows: which rows of a step count towards the heat, shared by the model's
             offloaded layers (None: a fresh one, every row).
+        share_rates: the rates the CPU's share splits by (None: no share).
 
     Attributes:
         host: the host tier, every expert. cache: the cache tier, ``num_slots`` on
@@ -105,8 +105,13 @@ class OffloadedExperts(nn.Module):
 
     def __init__(self, experts: ExpertStack, device: torch.device, num_slots: int,
                  counters: ExpertCounters, costs: CostModel, cpu_kernels: ctypes.CDLL | None = None,
-                 live_rows: LiveRows | None = None) -> None:
+                 live_rows: LiveRows | None = None, share_rates: ShareRates | None = None) -> None:
         super().__init__()
+        self.share_rates = share_rates
+        self.on_cpu: tuple[int, ...] = ()  # the CPU's share of the uncached experts
+        self.top_k: int | None = None  # known from the first bus-read decode step
+        self.layer_index: int | None = None  # the decoder layer's, for the log
+        self._share: ShareStep | None = None
         self.live_rows = live_rows or LiveRows(torch.device(device))
         self.cpu_kernels = cpu_kernels
         self.device = torch.device(device)
@@ -148,7 +153,7 @@ class OffloadedExperts(nn.Module):
         # Free the old cache before the caller plans with the new size.
         self.cache = cache
         if self._bus is not None:
-            self._bus.sync_lut(self.slot_of)
+            self._bus.sync_lut(self.slot_of, self._split())
 
     def _free_slot(self, pinned: set[int]) -> int | None:
         """A slot to fill: an empty one, else the least recently used expert's that
@@ -274,26 +279,6 @@ class OffloadedExperts(nn.Module):
                     out.index_add_(0, torch.where(topk_ids == e)[0], ys[e])
         return out
 
-    @property
-    def decodes_over_bus(self) -> bool:
-        """Its CUDA steps read over the bus (blocks, ``expert_bus_reads`` on): a step
-        then issues no host sync, and a decode step can be captured in a CUDA graph."""
-        return self.device.type == "cuda" and isinstance(self.host, BlockStack) and current().expert_bus_reads
-
-    def _reads_over_bus(self, x: torch.Tensor) -> bool:
-        return x.is_cuda and x.shape[0] > 0 and self.decodes_over_bus
-
-    def _forward_bus(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        """The fused GEMV over the host tier and the cache at once
-        (:mod:`~engine.layers.moe.bus_reads`): device work only, the bookkeeping in
-        :meth:`after_forward`."""
-        bus = self._bus = self._bus or BusReads(self.num_experts, self.device)
-        if bus.stale:  # never inside a capture: after_forward and resize leave it synced
-            bus.sync_lut(self.slot_of)
-        if x.shape[0] <= BUS_COUNTED_TOKENS:  # decode steps make the heat; a prefill would swamp it
-            bus.count(topk_ids, self.live_rows)
-        return self.host.moe(x, topk_weights, topk_ids, cache=self.cache, slot_of=bus.lut)
-
     def after_forward(self, tokens: int) -> None:
         """Between steps, after a forward of ``tokens`` rows (a replayed graph's padded
         size): count a bus-read step, refresh the hot set every :data:`REFRESH_STEPS`,
@@ -305,14 +290,11 @@ class OffloadedExperts(nn.Module):
             bus.steps += 1
         if bus.steps >= REFRESH_STEPS:
             self._refresh_hot(bus)
+            bus.stale = bus.stale or self.shares_cpu  # the heat moved: split again
+            if self._share is not None:
+                self._share.check()
         if bus.stale:
-            bus.sync_lut(self.slot_of)
-
-    def count_bus_reads(self) -> None:
-        """Bring the counters and the heat up to date with the bus-read steps since the
-        last refresh (one read-back; nothing when there were none): for stats readers."""
-        if self._bus is not None and self._bus.steps:
-            self._fold_counts(self._bus)
+            bus.sync_lut(self.slot_of, self._split())
 
     def _refresh_hot(self, bus: BusReads) -> None:
         """Fold the routing counts in, then copy in the experts that became hotter than
@@ -328,18 +310,6 @@ class OffloadedExperts(nn.Module):
             self.slot_of[expert] = slot
             self.counters.swaps += 1
             bus.stale = True
-
-    def _fold_counts(self, bus: BusReads) -> None:
-        """The routing counts since the last fold into the heat, and into the hits and
-        bus reads they were."""
-        counts, steps = bus.take_counts()
-        hit = float(counts[list(self.slot_of)].sum()) if self.slot_of else 0.0
-        missed = int(round(float(counts.sum()) - hit))
-        self.counters.hits += int(round(hit))
-        self.counters.misses += missed
-        self.counters.bus_reads += missed
-        decay = HEAT_DECAY ** steps
-        self.heat = self.heat * decay + (1 - decay) * counts / max(steps, 1)
 
     def _forward_fused(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                        on_cpu: set[int], num_active: int) -> torch.Tensor:

@@ -7,15 +7,22 @@ graph (:func:`can_capture_decode`)."""
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
 from engine.layers.moe.bus_reads import LiveRows
 from engine.layers.moe.cpu_runs import block_kernels_for
+from engine.layers.moe.cpu_share import ShareRates
 from engine.layers.moe.expert_cache import OffloadedExperts
 from engine.layers.moe.expert_costs import CostModel, measure_stack_costs
 from engine.layers.moe.expert_counters import ExpertCounters
-from engine.layers.moe.expert_stacks import stack_of
+from engine.layers.moe.expert_stacks import BlockStack, stack_of
+from engine.layers.moe.share_step import measure_share_rates
+from kernels.switches import current
+
+log = logging.getLogger("headroom.engine")
 
 
 def offload_experts(model: nn.Module, layers: tuple[int, ...], slots_per_layer: int,
@@ -28,7 +35,9 @@ def offload_experts(model: nn.Module, layers: tuple[int, ...], slots_per_layer: 
     experts in blocks stay in blocks (:func:`engine.layers.moe.expert_stacks.stack_of`),
     their CPU runs by the C kernels where ``cpu_kernels`` and they build
     (:func:`~engine.layers.moe.cpu_runs.block_kernels_for`; the cost model then times
-    those). A
+    those). With the ``expert_cpu_share`` switch on and those kernels, the rates the
+    CPU's share splits by are measured on the first such layer
+    (:func:`~engine.layers.moe.share_step.measure_share_rates`) and logged. A
     model read into host memory and then moved to the device keeps the stores' tensors
     where they are (plain attributes).
 
@@ -42,6 +51,7 @@ def offload_experts(model: nn.Module, layers: tuple[int, ...], slots_per_layer: 
     counters = ExpertCounters()
     stores = []
     live_rows = None
+    rates: ShareRates | None = None
     for i in layers:
         mlp = model.model.layers[i].mlp
         if not hasattr(mlp, "experts"):
@@ -53,7 +63,14 @@ def offload_experts(model: nn.Module, layers: tuple[int, ...], slots_per_layer: 
             costs = measure_stack_costs(experts, dev, cpu_kernels=lib)
         slots = min(slots_per_layer, experts.num_experts)
         live_rows = live_rows or LiveRows(dev)
-        mlp.experts = OffloadedExperts(experts, dev, slots, counters, costs, lib, live_rows)
+        if rates is None and lib is not None and isinstance(experts, BlockStack) and \
+                current().expert_cpu_share == "auto":
+            rates = measure_share_rates(experts.on_host(pin=dev.type == "cuda"), dev, lib, costs)
+            log.info("expert CPU share: rates a routed expert of bus %.1f us, CPU %.1f us (+ %.1f us a step); "
+                     "an even routing's 8 missing experts %.0f us over the bus, %.0f us shared", rates.bus_s * 1e6,
+                     rates.cpu_s * 1e6, rates.cpu_fixed_s * 1e6, 8 * rates.bus_s * 1e6, rates.balanced_s(8) * 1e6)
+        mlp.experts = OffloadedExperts(experts, dev, slots, counters, costs, lib, live_rows, rates)
+        mlp.experts.layer_index = i
         del experts
         stores.append(mlp.experts)
     if stores and stores[0].device.type == "cuda":

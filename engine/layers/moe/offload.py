@@ -63,14 +63,16 @@ def offload_experts(model: nn.Module, layers: tuple[int, ...], slots_per_layer: 
             costs = measure_stack_costs(experts, dev, cpu_kernels=lib)
         slots = min(slots_per_layer, experts.num_experts)
         live_rows = live_rows or LiveRows(dev)
-        if rates is None and lib is not None and isinstance(experts, BlockStack) and \
+        mlp.experts = OffloadedExperts(experts, dev, slots, counters, costs, lib, live_rows)
+        mlp.experts.layer_index = i
+        host = mlp.experts.host  # pinned on CUDA: the share's rates are timed on it
+        if rates is None and lib is not None and isinstance(host, BlockStack) and \
                 current().expert_cpu_share == "auto":
-            rates = measure_share_rates(experts.on_host(pin=dev.type == "cuda"), dev, lib, costs)
+            rates = measure_share_rates(host, dev, lib, costs)
             log.info("expert CPU share: rates a routed expert of bus %.1f us, CPU %.1f us (+ %.1f us a step); "
                      "an even routing's 8 missing experts %.0f us over the bus, %.0f us shared", rates.bus_s * 1e6,
                      rates.cpu_s * 1e6, rates.cpu_fixed_s * 1e6, 8 * rates.bus_s * 1e6, rates.balanced_s(8) * 1e6)
-        mlp.experts = OffloadedExperts(experts, dev, slots, counters, costs, lib, live_rows, rates)
-        mlp.experts.layer_index = i
+        mlp.experts.share_rates = rates
         del experts
         stores.append(mlp.experts)
     if stores and stores[0].device.type == "cuda":

@@ -64,8 +64,13 @@ def _prompts() -> dict[str, list[int]]:
 
 @pytest.fixture(scope="module")
 def reference(tiny, paged_runner):
+    """The all-resident model's greedy ids and logits, its experts through the quantized
+    product's reference (the C kernels switched off, which would run them on the CPU)."""
+    from kernels.switches import using
+
     _, config, model = tiny
-    return paged_greedy(paged_runner(model, config), _prompts(), STEPS)
+    with using(cpu_kernels=False):
+        return paged_greedy(paged_runner(model, config), _prompts(), STEPS)
 
 
 def _same_logits(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -182,11 +187,13 @@ def _routing(hidden: int, tokens: int, num_experts: int, seed: int = 1):
 @pytest.mark.parametrize("slots", [1, 2, 3])
 def test_a_step_routing_past_the_cache_streams_blocks_and_equals_the_resident_layer(tiny, slots):
     """Every expert in one step, fewer slots: the blocks stream through the slots in
-    waves, and the output equals the resident QuantExperts' exactly."""
+    waves, and the output equals the resident blocks' exactly (the quantized product's
+    reference, as the slots run it)."""
     experts, hidden = _layer(tiny)
     store = OffloadedExperts(stack_of(experts), torch.device("cpu"), slots, ExpertCounters(), ALWAYS_COPY)
     x, w, ids = _routing(hidden, 12, experts.num_experts)
-    assert torch.equal(store(x, w, ids), experts(x, w, ids))
+    want = fused_moe_quant(x, experts.gate, experts.up, experts.down, experts.types, w, ids)
+    assert torch.equal(store(x, w, ids), want)
     c = store.counters
     assert c.streamed == experts.num_experts - slots and c.copies == experts.num_experts and c.cpu_runs == 0
     assert len(store.slot_of) == slots

@@ -23,6 +23,7 @@ from engine.common.faults import check_cuda_init
 from engine.common.options import pick
 from engine.core.footprint import CUDA_RUNTIME_ESTIMATE_BYTES, make_footprint
 from engine.layers.attention.registry import backend_class, resolve_backend_name
+from engine.layers.linear.cpu_kernels import cpu_kernels
 from engine.loader.fp8 import resolve_quantization
 from engine.loader.gguf_quant import gguf_weight_size
 from engine.loader.resolve import gguf_file
@@ -151,9 +152,10 @@ def quantized_gguf(config: EngineConfig, device: torch.device, mc: ModelConfig |
     kernels run them, on the CPU the C kernels (or torch's int4 layout). A mixture of
     experts (``mc``) keeps its routed experts in blocks too on CUDA (the fused MoE over
     blocks), also those that ``--cpu-experts`` puts in host memory (the host tier and the
-    expert cache hold the blocks: :mod:`engine.layers.moe.expert_cache`); on the CPU they
-    are dequantized at load (the int4 repacking covers linear layers only), but for
-    gpt-oss's MXFP4 experts, which the C kernels read in their blocks.
+    expert cache hold the blocks: :mod:`engine.layers.moe.expert_cache`); on the CPU too
+    where the C kernels read their types (:mod:`kernels.cpu.moe_experts`: the K-quants,
+    Q4_0/Q4_1/Q8_0, MXFP4), else they are dequantized at load (logged where the kernels
+    are off).
     """
     wanted = config.gguf_quantized
     if device.type not in ("cuda", "cpu"):
@@ -165,8 +167,8 @@ def quantized_gguf(config: EngineConfig, device: torch.device, mc: ModelConfig |
         return None
     path = gguf_file(config.model)
     if path is not None and mc is not None and mc.is_moe and device.type == "cpu" \
-            and mc.architecture != "GptOssForCausalLM":  # its MXFP4 experts stay in blocks
-        log.info("--gguf-quantized on the CPU: the routed experts are dequantized at load")
+            and mc.architecture != "GptOssForCausalLM" and cpu_kernels() is None:  # MXFP4 stays in blocks
+        log.info("--gguf-quantized on the CPU without the C kernels: the routed experts are dequantized at load")
     return path
 
 

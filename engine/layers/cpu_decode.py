@@ -27,7 +27,7 @@ from kernels.cpu import decode_layer
 
 def _single(proj: nn.Module) -> tuple[str, torch.Tensor] | None:
     """``(type, blocks)`` of a projection that is one run of C-read blocks, else None."""
-    if isinstance(proj, CpuBlockLinear) and len(proj.types) == 1 and proj.types[0] is not None:
+    if isinstance(proj, CpuBlockLinear) and len(proj.types) == 1 and proj.types[0] in decode_layer.TYPES:
         return proj.types[0], proj.part(0)
     return None
 

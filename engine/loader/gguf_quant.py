@@ -13,9 +13,8 @@ value heads are its columns, stays tiled and its layer tiles its input
 A mixture of experts' stacked experts (``ffn_gate_exps``/``ffn_up_exps``/``ffn_down_exps``
 of qwen3moe, qwen2moe and llama files with experts) become a
 :class:`~engine.layers.moe.quant_experts.QuantExperts` per layer, each projection in its own
-block type, when all three are types the kernels read; on the CPU (whose int4 repacking
-covers linear layers only) and for other types they are dequantized at load. gpt-oss's
-MXFP4 experts stay in blocks on the CPU too (:mod:`kernels.cpu.moe_experts` reads them).
+block type, when all three are types the kernels read (on the CPU: the C kernels of
+:mod:`kernels.cpu.moe_experts`, where they build); else they are dequantized at load.
 
 :func:`gguf_weight_size` prices the same choice, tensor by tensor, with the same
 function (:func:`kernels.quant.formats.tensor_bytes`), so the memory plan charges what
@@ -35,7 +34,9 @@ import torch
 from engine.common.config import ModelConfig
 from engine.common.load_errors import ModelLoadError, WeightMismatch
 from engine.common.units import MiB
+from engine.layers.linear.cpu_blocks import BLOCK_TYPES as CPU_BLOCK_TYPES
 from engine.layers.linear.cpu_int4 import CODE_BITS, QuantEmbedding, packable, packed_bytes
+from engine.layers.linear.cpu_kernels import cpu_kernels
 from engine.layers.linear.gguf_blocks import PartSpec, QuantLinear, repack_model_for_kernels
 from engine.layers.moe.quant_experts import QuantExperts, quant_experts_for
 from engine.loader.gguf_config import ROPE_FREQS
@@ -51,9 +52,7 @@ from engine.loader.gguf_qwen35 import LINEAR_TARGETS, grouped_rows
 from engine.loader.gguf_tensors import open_tensors
 from engine.loader.meta_build import build_on_meta, materialize
 from engine.loader.weight_size import WeightSize
-from kernels.cpu.block_gemv import (
-    TYPE_IDS as CPU_BLOCK_TYPES,  # what the C CPU GEMV reads as stored
-)
+from kernels.cpu.moe_experts import takes as cpu_takes
 from kernels.quant.formats import EXPERT_FORMATS, FORMATS, tensor_bytes
 
 # Our fused module (under model.layers.N) -> the GGUF tensors stacked in it, in order.
@@ -113,12 +112,12 @@ def _expert_targets(config: ModelConfig) -> dict[str, tuple[str, str, str]]:
 
 
 def _experts_in_blocks(by_name: dict[str, Any], config: ModelConfig, gguf_path: Path,
-                       experts_in_blocks: bool) -> dict[str, tuple[str, str, str]]:
+                       experts_in_blocks: bool, cpu_blocks: bool = False) -> dict[str, tuple[str, str, str]]:
     """The expert modules kept in blocks -> their (gate, up, down) types: every layer
-    whose three tensors are of types the kernels read, when ``experts_in_blocks``, and
-    every layer of MXFP4 experts (a quarter of bfloat16's bytes, read by the C kernels
-    on the CPU as well). A layer whose gate and up are one tensor (``ffn_gate_up_exps``)
-    is dequantized.
+    whose three tensors are of types the kernels read, when ``experts_in_blocks``; those
+    the C CPU kernels read, when ``cpu_blocks`` (a CPU engine's layout where they build);
+    every layer of MXFP4 experts (a quarter of bfloat16's bytes). A layer whose gate and
+    up are one tensor (``ffn_gate_up_exps``) is dequantized.
 
     Raises:
         WeightMismatch: an expert tensor is missing.
@@ -132,7 +131,7 @@ def _experts_in_blocks(by_name: dict[str, Any], config: ModelConfig, gguf_path: 
             raise WeightMismatch(f"{gguf_path}: tensor {missing[0]} is missing")
         types = tuple(by_name[n].tensor_type.name for n in names)
         readable = all(t in FORMATS or t in EXPERT_FORMATS for t in types)
-        if (experts_in_blocks and readable) or set(types) == {"MXFP4"}:
+        if (experts_in_blocks and readable) or (cpu_blocks and cpu_takes(types)) or set(types) == {"MXFP4"}:
             kept[module] = types
     return kept
 
@@ -155,12 +154,12 @@ def gguf_weight_size(gguf_path: str | Path, config: ModelConfig, dtype: torch.dt
     device, from the file's tensor table (no tensor data is read). On the CPU the
     Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 projections take torch's int4 layout (one or two planes), the
     token embeddings of those types stay in blocks and a tied LM head is repacked from
-    them; other block types, and a mixture of experts' routed experts, are dequantized
-    (:mod:`engine.layers.linear.cpu_int4`). The routed experts' bytes are also given per
-    layer, for the host tier and expert cache of ``--cpu-experts``. Where the C CPU
-    kernels run (``cpu_blocks``; None asks :func:`~engine.layers.linear.cpu_kernels.cpu_kernels`)
-    Q4_0/Q4_1/Q8_0 projections stay in their blocks and a tied head shares the
-    embeddings' (:mod:`engine.layers.linear.cpu_blocks`). ``file_forms``: a decoder
+    them; other block types are dequantized (:mod:`engine.layers.linear.cpu_int4`). Where
+    the C CPU kernels run (``cpu_blocks``; None asks :func:`~engine.layers.linear.cpu_kernels.cpu_kernels`)
+    Q4_0/Q4_1/Q8_0 and K-quant projections stay in their blocks, a tied head shares the embeddings'
+    (:mod:`engine.layers.linear.cpu_blocks`) and routed experts of types they read stay
+    in theirs (else dequantized); the experts' bytes are also given per layer, for the
+    host tier and expert cache of ``--cpu-experts``. ``file_forms``: a decoder
     layer's ``decoder_layer_bytes`` also count the file's blocks of what the CPU path
     repacks, which a split that may move keeps (:func:`engine.layers.host_layers.file_form`).
 
@@ -172,8 +171,6 @@ def gguf_weight_size(gguf_path: str | Path, config: ModelConfig, dtype: torch.dt
     reader = open_tensors(gguf_path)
     projection_weights = {f"{s}.weight" for stems in _targets(config).values() for s in stems}
     by_name = {t.name: t for t in reader.tensors}
-    expert_blocks = {n for m in _experts_in_blocks(by_name, config, gguf_path, device_type != "cpu")
-                     for n in _expert_targets(config)[m]}
     layer_of = {n: i for i, names in enumerate(_expert_targets(config).values()) for n in names}
     expert_layer_bytes = [0] * len(layer_of and config.moe_layers)
     decoder_layer_bytes = [0] * config.num_layers
@@ -184,9 +181,10 @@ def gguf_weight_size(gguf_path: str | Path, config: ModelConfig, dtype: torch.dt
     dense_types: Counter[str] = Counter()
     dense_bytes = 0
     if device_type == "cpu" and cpu_blocks is None:
-        from engine.layers.linear.cpu_kernels import cpu_kernels
-
         cpu_blocks = cpu_kernels() is not None
+    kept_experts = _experts_in_blocks(by_name, config, gguf_path, device_type != "cpu",
+                                      device_type == "cpu" and bool(cpu_blocks))
+    expert_blocks = {n for m in kept_experts for n in _expert_targets(config)[m]}
     for t in reader.tensors:
         if t.name == ROPE_FREQS:
             continue
@@ -245,9 +243,8 @@ def load_gguf_quantized(
     built.
 
     ``experts_in_blocks``: keep a mixture of experts' routed experts in blocks
-    (:class:`~engine.layers.moe.quant_experts.QuantExperts`) where their types allow; default
-    everywhere but on the CPU, where the engine dequantizes them at load (tests set it
-    to run the torch reference over the blocks).
+    (:class:`~engine.layers.moe.quant_experts.QuantExperts`) where their types allow (False:
+    dequantized, MXFP4 aside); default: on CUDA, and on the CPU where the C kernels read them.
 
     ``embeddings_in_blocks``: the CPU engine's layout (:func:`gguf_weight_size` for
     ``"cpu"`` prices it): token embeddings of a type
@@ -267,9 +264,10 @@ def load_gguf_quantized(
     by_name = {t.name: t for t in reader.tensors}
     targets = _targets(config)
     projection_weights = {f"{s}.weight" for stems in targets.values() for s in stems}
+    cpu_blocks = experts_in_blocks is None and device.type == "cpu" and cpu_kernels() is not None
     if experts_in_blocks is None:
         experts_in_blocks = device.type != "cpu"
-    expert_modules = _experts_in_blocks(by_name, config, gguf_path, experts_in_blocks)
+    expert_modules = _experts_in_blocks(by_name, config, gguf_path, experts_in_blocks, cpu_blocks)
     model = build_on_meta(config)
     if arch in QWEN35_ARCHITECTURES:  # ssm_out's columns keep llama.cpp's tiled value heads
         for layer in model.model.layers:

@@ -17,6 +17,8 @@ from kernels.attention.kv_store import BLOCK_KV_DTYPES, block_format, kv_row_wid
 from kernels.cpu.block_gemv import ROWS16_IDS, TYPE_IDS, gemv_path
 
 _F = ctypes.POINTER(ctypes.c_float)
+# The projections' block types the C layer reads (the K-quants are not among them).
+TYPES = frozenset(TYPE_IDS) | frozenset(ROWS16_IDS)
 
 
 class Proj(ctypes.Structure):

@@ -1,7 +1,8 @@
 """GGUF projections kept in their file's blocks on the CPU, multiplied by the C block
-GEMV (:mod:`kernels.cpu.block_gemv`): the CPU default for Q4_0/Q4_1/Q8_0 weights where
-the C kernels build (:mod:`engine.layers.linear.cpu_kernels`); elsewhere torch's int4 layout
-(:class:`~engine.layers.linear.cpu_int4.CpuInt4Linear`) stays.
+GEMV (:mod:`kernels.cpu.block_gemv`): the CPU default for Q4_0/Q4_1/Q8_0 and K-quant
+(Q4_K/Q5_K/Q6_K) weights where the C kernels build (:mod:`engine.layers.linear.cpu_kernels`);
+elsewhere torch's int4 layout (:class:`~engine.layers.linear.cpu_int4.CpuInt4Linear`) stays,
+and the K-quants are dequantized.
 
 Blocks are used as the file stores them, so the weights cost their file bytes (Q4_1: 20
 a block of 32, Q8_0: 34) and a head tied to embeddings in blocks shares their tensor
@@ -18,7 +19,17 @@ from torch import nn
 
 from engine.layers.linear.cpu_int4 import CpuInt4Linear
 from kernels.cpu import rows16
-from kernels.cpu.block_gemv import TYPE_IDS, block_gemv, dequantize_rows, gemm_on_blocks
+from kernels.cpu.block_gemv import (
+    GEMV_TYPE_IDS,
+    TYPE_IDS,
+    block_gemv,
+    dequantize_rows,
+    gemm_on_blocks,
+)
+
+# The projections' block types kept as stored: every type the C row products read but
+# MXFP4 (gpt-oss's experts only; :mod:`kernels.cpu.moe_experts` runs those).
+BLOCK_TYPES = frozenset(GEMV_TYPE_IDS) - {"MXFP4"}
 
 # Where the C kernels have no AVX-512 block GEMM (gemm_on_blocks), the rows of activations
 # from which a product dequantizes its weights, a chunk of rows at a time, and multiplies
@@ -32,7 +43,7 @@ _CHUNK_FLOATS = 1 << 18  # a dequantized chunk of weight rows: 1 MiB, stays in L
 def takes(module: nn.Module) -> bool:
     """Whether a loaded QuantLinear has a part of a type the C GEMV reads (its other
     parts take torch's int4 layout or are dequantized, as the plan prices them)."""
-    return any(spec.type_name in TYPE_IDS for spec, _ in module.part_views())
+    return any(spec.type_name in BLOCK_TYPES for spec, _ in module.part_views())
 
 
 class _Parts:
@@ -94,7 +105,7 @@ class CpuBlockLinear(nn.Module):
         ``module``'s own blocks are left as they are (a kept file form shares them)."""
         runs: list[tuple[str | None, list]] = []
         for spec, w in module.part_views():
-            kind = spec.type_name if spec.type_name in TYPE_IDS else None
+            kind = spec.type_name if spec.type_name in BLOCK_TYPES else None
             if runs and runs[-1][0] == kind:
                 runs[-1][1].append((spec, w))
             else:

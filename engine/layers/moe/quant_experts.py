@@ -10,11 +10,12 @@ experts: ``experts(x, weights, ids)``).
 
 The product is :data:`kernels.dispatch.fused_moe_quant`: the Triton grouped GEMV
 (decode) or GEMM (prefill) over the blocks on CUDA; elsewhere the reference, which
-dequantizes each routed expert through ``gguf`` on every call (correct, slow: a CPU
-engine dequantizes the experts at load instead, :mod:`engine.loader.gguf_quant`). MXFP4
-experts, which a CPU engine keeps in their blocks, run on the CPU through the C kernels
-(:func:`kernels.cpu.moe_experts.moe_experts`, all routed pairs in one call) where they
-build.
+dequantizes each routed expert through ``gguf`` on every call (correct, slow). On the
+CPU, experts of types the C kernels read (Q4_0/Q4_1/Q8_0, the K-quants, MXFP4:
+:func:`kernels.cpu.moe_experts.takes`) run through them instead
+(:func:`kernels.cpu.moe_experts.moe_experts`, all routed pairs in one call over the
+cores) where they build; a CPU engine keeps such experts in their blocks
+(:mod:`engine.loader.gguf_quant`) and dequantizes the others at load.
 
 gpt-oss's experts (MXFP4 blocks, from its GGUF or OpenAI's safetensors) carry biases on
 gate/up and down and take the clamped SwiGLU; both are applied inside the kernels'
@@ -32,6 +33,7 @@ from torch import nn
 
 from engine.common.config import ModelConfig
 from kernels.activation.reference import ClampedSwiGLU
+from kernels.cpu.moe_experts import takes
 from kernels.dispatch import fused_moe_quant
 from kernels.moe.reference import ExpertBiases
 from kernels.quant.formats import block_format, tensor_bytes
@@ -93,12 +95,13 @@ class QuantExperts(nn.Module):
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """As :func:`kernels.moe.reference.fused_moe` with this layer's experts: ``x`` ``[T, H]``,
         ``topk_weights``/``topk_ids`` ``[T, K]`` -> ``[T, H]`` in ``x``'s dtype."""
-        if x.device.type == "cpu" and set(self.types) == {"MXFP4"} and self._cpu_kernels() is not None:
+        lib = self._cpu_kernels() if x.device.type == "cpu" and takes(self.types) else None
+        if lib is not None:
             from kernels.cpu.moe_experts import moe_experts
 
             top_k = topk_ids.shape[1]
             tokens = torch.arange(x.shape[0]).repeat_interleave(top_k)
-            out = moe_experts(self._cpu_lib, x, tokens, topk_ids.reshape(-1), topk_weights.reshape(-1), self.gate,
+            out = moe_experts(lib, x, tokens, topk_ids.reshape(-1), topk_weights.reshape(-1), self.gate,
                               self.up, self.down, self.types, biases=self.biases, activation=self.activation)
             return out.to(x.dtype)
         if self.biases is None and self.activation is None:  # every family's but gpt-oss's
@@ -107,13 +110,13 @@ class QuantExperts(nn.Module):
                                biases=self.biases, activation=self.activation)
 
     def _cpu_kernels(self):
-        """The C CPU kernels (built once; None where they cannot run), asked at the first
-        call on the CPU."""
-        if not hasattr(self, "_cpu_lib"):
-            from engine.layers.linear.cpu_kernels import cpu_kernels
+        """The C CPU kernels (built once), or None where they cannot run or are switched
+        off (:mod:`kernels.switches`); asked at each call, not kept on the module (which
+        then deep-copies)."""
+        from engine.layers.linear.cpu_kernels import cpu_kernels
+        from kernels.switches import current
 
-            self._cpu_lib = cpu_kernels()
-        return self._cpu_lib
+        return cpu_kernels() if current().cpu_kernels else None
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}, "

@@ -9,6 +9,10 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
+# pytest's worker processes (pytest-xdist; a test file's tests stay in one worker, so
+# module fixtures are shared as in one process): many tests wait on a served model, a
+# restart or a timeline rather than compute, so two workers keep two cores busy.
+TEST_WORKERS ?= 2
 BIN := $(VENV)/bin
 
 APT_GET = DEBIAN_FRONTEND=noninteractive apt-get
@@ -83,7 +87,7 @@ serve: install dashboard
 # way round); the target fails at the end if either failed, naming which.
 test: install-test ui-deps tray-deps dashboard
 	@py=0; js=0; \
-	$(BIN)/python -m pytest -q --durations=25 tests || py=$$?; \
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 tests || py=$$?; \
 	(cd ui-bridge && npm test) || js=$$?; \
 	if [ $$py -ne 0 ] || [ $$js -ne 0 ]; then \
 		echo "make test: failed (pytest exit $$py, npm test exit $$js)"; exit 1; \

@@ -52,6 +52,24 @@ def test_serve_refuses_a_kv_cache_below_one_min_context_before_the_port_opens(de
     assert "listening" not in result.output
 
 
+@pytest.mark.parametrize("command", ["serve", "plan"])
+@pytest.mark.parametrize(("size", "needle"), [
+    ("\uff11GiB", "--kv-cache: '\uff11GiB' is not a size; write e.g. 6GiB"),  # a full-width digit
+    ("1EiB", "--kv-cache: '1EiB' is more than 1 PiB"),
+    ("1" * 30, f"--kv-cache: '{'1' * 30}' is more than 1 PiB"),
+])
+def test_serve_and_plan_read_a_kv_cache_size_alike(command, size, needle):
+    """One parser for both: only ASCII digits (``int()`` reads a full-width 1 as 1, so
+    "\uff11GiB" was 1 GiB), and an exbibyte is beyond any machine, as a 30-digit count
+    of bytes is, rather than text that is no size."""
+    args = ["serve", "--port", "0"] if command == "serve" else ["plan"]
+    result = invoke([*args, "--kv-cache", size])
+    assert result.exit_code == 2, result.output
+    assert f"headroom: error: {needle}" in result.stderr, result.output
+    if "not a size" in needle:
+        assert "ASCII digits, then B, K/KiB" in result.stderr and "E/EiB" in result.stderr
+
+
 def test_generate_says_an_empty_raw_prompt_is_empty():
     result = invoke(["generate", "--local", "--raw", ""])
     assert result.exit_code == 2, result.output

@@ -34,6 +34,23 @@ def test_the_smallest_kv_cache_is_one_request_of_the_min_context(real_server):
     assert "the smallest is 128 pages" in r.json()["error"]["message"], r.text  # 2,048 tokens of 16
 
 
+def test_a_kv_cache_size_is_read_as_the_cli_reads_it(real_server):
+    """The control API's sizes go through the CLI's one parser: 1 is 1 byte (it was "a
+    KV cache of 0 KiB"), an exbibyte is beyond any machine, a full-width digit is no
+    size (it was read as 1 GiB)."""
+    headers = {"Authorization": f"Bearer {real_server.token}"}
+
+    def refusal(size):
+        r = httpx.post(f"{real_server.base_url}/api/control/cache", json={"kv_cache": size}, headers=headers,
+                       timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "kv_cache", r.text
+        return r.json()["error"]["message"]
+
+    assert refusal(1).startswith("a KV cache of 1 byte holds 0 pages; the smallest is 128 pages")
+    assert refusal("1EiB").startswith("'1EiB' is more than 1 PiB")
+    assert refusal("\uff11GiB").startswith("'\uff11GiB' is not a size")
+
+
 def test_a_desktop_reserve_on_a_cpu_engine_is_refused_naming_why(real_server):
     headers = {"Authorization": f"Bearer {real_server.token}"}
     r = httpx.post(f"{real_server.base_url}/api/control/reserve", json={"reserve": "1PiB"}, headers=headers,

@@ -146,7 +146,7 @@ def test_a_move_down_stops_at_what_the_host_holds(llama):
     assert engine.layers_host_holds(0, 3, available=two - 1) == 1
     assert engine.layers_host_holds(1, 3, available=two) == 3  # from 1 on: layers 2 and 1 to move
     assert engine.layers_host_holds(0, 3, available=None) == 3  # the OS does not say: no limit
-    with pytest.raises(ValueError, match=r"moving decoder layer 3 to the CPU needs .* of host memory and 0 KiB is "
+    with pytest.raises(ValueError, match=r"moving decoder layer 3 to the CPU needs .* of host memory and 1 byte is "
                        "available: free host memory first"):
         engine.layers_host_holds(0, 3, available=1)
     assert engine.move_split(2) == 2  # this machine holds two tiny layers

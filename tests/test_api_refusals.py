@@ -218,3 +218,23 @@ def test_a_client_gone_before_its_body_is_counted_499(real_server):
     wait_for(lambda: gone() > before, 60, "a 499 counted")
     assert "POST /v1/chat/completions -> 499" in real_server.log()
     assert "-> 500" not in real_server.log()
+
+
+@pytest.mark.parametrize(("method", "path", "allowed", "shape"), [
+    ("GET", "/api/control/cache", "POST", "openai"),
+    ("GET", "/v1/chat/completions", "POST", "openai"),
+    ("POST", "/api/health", "GET", "openai"),
+    ("GET", "/api/chat", "POST", "ollama"),
+    ("DELETE", "/api/tags", "GET", "ollama"),
+    ("GET", "/v1/messages", "POST", "anthropic"),
+])
+def test_a_wrong_method_names_the_methods_the_path_takes(real_server, method, path, allowed, shape):
+    """Every 405 said "method not allowed: Method Not Allowed"; it names the call and the
+    methods its path takes, in the error shape of the path's API."""
+    r = httpx.request(method, real_server.base_url + path, timeout=30)
+    assert r.status_code == 405, r.text
+    message = {"openai": lambda b: b["error"]["message"], "ollama": lambda b: b["error"],
+               "anthropic": lambda b: b["error"]["message"]}[shape](r.json())
+    assert message == f"{method} {path} is not served: use {allowed}", r.text
+    if shape == "anthropic":
+        assert r.json()["type"] == "error", r.text

@@ -262,7 +262,8 @@ def _http_error(request: Request, exc: HTTPException) -> Response[Any]:
     elif status == 404:
         error = APIError(404, f"no route for this path: {exc.detail}", type=NOT_FOUND)
     elif status == 405:
-        error = APIError(405, f"method not allowed: {exc.detail}", code="method_not_allowed")
+        error = APIError(405, not_allowed(request.method, request.url.path, exc.headers),
+                         code="method_not_allowed")
     elif status >= 500:
         error = APIError(status, str(exc.detail), type=SERVER_ERROR)
     elif status == 400:
@@ -271,6 +272,17 @@ def _http_error(request: Request, exc: HTTPException) -> Response[Any]:
         error = APIError(status, str(exc.detail))
     error.headers.update(exc.headers or {})
     return _response(error, request)
+
+
+def not_allowed(method: str, path: str, headers: dict[str, str] | None) -> str:
+    """A 405's message naming the methods ``path`` takes, from the router's ``Allow``
+    header (``GET /api/control/cache is not served: use POST``); ``OPTIONS``, which every
+    route answers for CORS, is left out."""
+    allow = (headers or {}).get("allow") or (headers or {}).get("Allow") or ""
+    methods = [m.strip() for m in allow.split(",") if m.strip() and m.strip() != "OPTIONS"]
+    if not methods:
+        return f"{method} {path} is not served: this path takes other methods"
+    return f"{method} {path} is not served: use {' or '.join(methods)}"
 
 
 def _unexpected(request: Request, exc: Exception) -> Response[Any]:

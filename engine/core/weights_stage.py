@@ -30,6 +30,26 @@ from engine.parallel.group import TensorParallel
 log = logging.getLogger("headroom.engine")
 
 
+def idle_cpu_share(expert_cpu_share: str, expert_bus_reads: bool, device_type: str, host_layers: int) -> str | None:
+    """Why ``--expert-cpu-share auto`` does nothing on this engine (every reason that
+    applies, joined), or None where it runs or is off. It splits the experts a CUDA
+    decode step reads from host memory over the bus, so it needs CUDA, MoE layers whose
+    routed experts live in host memory (``host_layers``, from ``--cpu-experts``) and bus
+    reads on. A kernel switch (a config file may set it for every model): logged, never
+    refused."""
+    if expert_cpu_share != "auto":
+        return None
+    why = []
+    if device_type != "cuda":
+        why.append(f"the engine runs on {device_type}, not CUDA (no decode step reads experts over the bus)")
+    if host_layers == 0:
+        why.append("no mixture-of-experts layer keeps its routed experts in host memory (a dense model, "
+                   "or --cpu-experts none)")
+    if not expert_bus_reads:
+        why.append("--no-expert-bus-reads: missing experts are copied or run on the CPU, not read over the bus")
+    return "; ".join(why) or None
+
+
 class WeightsStage:
     """The engine's weights stage (see the module docstring)."""
 
@@ -55,6 +75,9 @@ class WeightsStage:
         self.expert_counters: ExpertCounters | None = None
         host_layers = self.plan.cpu_expert_layers if self.plan is not None else 0
         self.cpu_layers = self._cpu_layer_count()
+        idle = idle_cpu_share(config.expert_cpu_share, config.expert_bus_reads, self.device.type, host_layers)
+        if idle is not None:
+            log.info("--expert-cpu-share auto does nothing here: %s", idle)
         if self.plan is None and mc.is_moe and config.cpu_experts not in ("auto", "none"):
             # No device to plan for (the CPU without a simulated --device-total): nothing to split.
             log.warning("--cpu-experts %s has no effect on %s without a planned device (--device-total): every "

@@ -175,7 +175,8 @@ class PoolStats(msgspec.Struct, frozen=True, kw_only=True):
     device as the plan counts them (the largest), ``device_layers`` the layers whose
     keys and values ``page_bytes`` covers. ``decoder_layers`` is the model's decoder
     layers, whether its split moves or not (0: not known), so a count of layers asked
-    for can be checked against it.
+    for can be checked against it. ``moe_layers`` is the model's mixture-of-experts
+    layers (0: a dense model, which has no expert cache to size).
 
     ``ring``: for a model whose sliding-window layers keep a ring, the ring pool a KV
     pool resize sets beside each size (``Engine.ring_rule``), whose bytes the resize
@@ -205,6 +206,7 @@ class PoolStats(msgspec.Struct, frozen=True, kw_only=True):
     layer_bytes: int = 0
     device_layers: int = 0
     decoder_layers: int = 0
+    moe_layers: int = 0
     ring: RingRule | None = None
 
 

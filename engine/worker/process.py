@@ -282,9 +282,10 @@ def pool_stats(engine: Any, stats: Any, planned_pages: int) -> PoolStats | None:
 
 def _split_stats(engine: Any) -> dict[str, int]:
     """:class:`PoolStats`' split fields (``Engine.move_split``); only the model's decoder
-    layers for an engine whose split cannot move."""
+    and mixture-of-experts layers for an engine whose split cannot move."""
     model = getattr(engine, "model_config", None)
-    layers = {"decoder_layers": getattr(model, "num_layers", 0)}
+    layers = {"decoder_layers": getattr(model, "num_layers", 0),
+              "moe_layers": len(model.moe_layers) if getattr(model, "is_moe", False) else 0}
     most = getattr(engine, "max_cpu_layers", 0)
     if not most:
         return layers

@@ -89,7 +89,8 @@ class SupervisorControl:
         pid = sup.worker_pid if sup.worker_alive else None
         log.info("%s (worker pid %s)", RESTART_REASON, pid)
         sup.restart(reason=RESTART_REASON)
-        return f"restarting the worker (pid {pid})" if pid else "starting a new worker"
+        what = f"restarting the worker (pid {pid})" if pid else "starting a new worker"
+        return f"{what}, with {sup.kv_pool_on_load()}"
 
     async def pause(self) -> str:
         """Game mode: stop the worker and give its memory back (state ``paused``).
@@ -137,7 +138,8 @@ class SupervisorControl:
     async def set_kv_cache(self, kv_cache_bytes: int | None) -> str:
         """Resize the KV pool to ``kv_cache_bytes`` (whole pages, rounded down), live;
         None goes back to the plan's size. The size is also the ceiling the watcher
-        grows back to until it is changed again.
+        grows back to until it is changed again, and the pool every next worker (a
+        resume, a restart) starts with; None gives the start's sizing back to those.
 
         A grow to a size must fit the card's room now (:mod:`service.vram.room`) and
         the host's available memory, the new pool counted whole
@@ -191,7 +193,19 @@ class SupervisorControl:
                 done = await self._resize(pages, what)
                 if done is not None and done.ok:
                     self.watcher.grew(grown_bytes(NewPoolSize(pages, now.pages, what), now))
-        return self._answer(done)
+        answer = self._answer(done)
+        self._keep_kv_pool(kv_cache_bytes is not None)
+        return answer
+
+    def _keep_kv_pool(self, live: bool) -> None:
+        """The next worker starts with the pool a live size left (``live``), or as at
+        start (back to the plan's size): :meth:`Supervisor.keep_kv_pool`."""
+        sup, pool = self.supervisor, self.supervisor.link.pool
+        if not live or pool is None:
+            sup.keep_kv_pool(None)
+            return
+        usable = usable_pages(pool.pages)
+        sup.keep_kv_pool(pool.pages, f"{usable} pages, {fmt_bytes(usable * pool.page_bytes)}")
 
     async def set_expert_cache(self, expert_cache_bytes: int | None) -> str:
         """Resize the GPU expert cache (routed experts in host memory, ``--cpu-experts``)
@@ -202,11 +216,16 @@ class SupervisorControl:
         Raises:
             NotReady: no worker is ready (503).
             NotImplementedError: every expert is on the device: no expert cache (501).
-            APIError: as :meth:`set_kv_cache`.
+            APIError: 409 ``no_experts`` (``param: "expert_cache"``) for a model with no
+                mixture-of-experts layers; as :meth:`set_kv_cache`.
         """
         sup = self.supervisor
         self._check_loaded()
         pool = sup.link.pool
+        if pool is not None and pool.moe_layers == 0 and pool.max_expert_slots == 0:
+            raise APIError(409, "this model has no mixture-of-experts layers: it has no expert cache to size "
+                                "(expert_cache applies to a MoE model whose experts live in host memory, "
+                                "--cpu-experts)", code="no_experts", param="expert_cache")
         if pool is None or pool.max_expert_slots == 0 or pool.expert_slot_bytes <= 0:
             raise NotImplementedError(
                 "this engine has no expert cache: every routed expert is on the device "

@@ -52,14 +52,16 @@ class WorkerLink:
         check_ready: raises ``NotReady`` unless a worker is ready; called before each
             submission (:attr:`requests`) and command, so nothing is sent while none is.
         on_stats: called with the engine's counters of each heartbeat and command
-            answer (read per call, so it may be set after construction).
+            answer, and with None when the worker exits (read per call, so it may be set
+            after construction).
         on_lifecycle: called with ``(worker, message)`` for each message of the
             current worker that is not traffic (``Ready``, ``WorkerError``,
             ``EngineEvents``).
 
     Attributes:
         requests: the sequences in flight; the API submits and cancels through it.
-        stats: the engine's counters from the last heartbeat or answer (None: none yet).
+        stats: the engine's counters from the last heartbeat or answer (None: none yet,
+            or no worker).
         pool: the KV pool's figures from the last heartbeat or answer (None: no
             worker, or an engine that cannot resize its pool).
         liveness: the current worker's last message and last progress
@@ -69,7 +71,7 @@ class WorkerLink:
     def __init__(
         self,
         check_ready: Callable[[], object],
-        on_stats: Callable[[], Callable[[EngineStats], None] | None],
+        on_stats: Callable[[], Callable[[EngineStats | None], None] | None],
         on_lifecycle: Callable[[WorkerProcess, FromWorker], None],
     ) -> None:
         self._worker: WorkerProcess | None = None
@@ -90,9 +92,13 @@ class WorkerLink:
         self.liveness.reset(time.monotonic())
 
     def detach(self) -> None:
-        """The worker is gone: drop what is sent from now on and end the open calls."""
+        """The worker is gone: drop what is sent from now on and end the open calls. Its
+        counters go with it (:attr:`stats` None, ``on_stats`` called with None): no
+        worker holds pages, so none are reported as in use."""
         self._worker = None
         self.pool = None
+        self.stats = None
+        self._notify(None)
         self._stats_calls.end_all()
         self._commands.end_all()
 
@@ -161,6 +167,9 @@ class WorkerLink:
     def _take_stats(self, stats: EngineStats, pool: PoolStats | None) -> None:
         self.stats = stats
         self.pool = pool
+        self._notify(stats)
+
+    def _notify(self, stats: EngineStats | None) -> None:
         on_stats = self._on_stats()
         if on_stats is not None:
             try:

@@ -86,7 +86,7 @@ class Supervisor(Readiness, Unloading, Draining):
             and before it updates :attr:`info` for a ``Replanned`` (the app passes
             :meth:`service.supervision.engine_events_to_ui.EngineEventsToUI.record_engine_event`).
         on_stats: called with the engine's counters of each heartbeat (periodic or
-            asked for by the link's ``fresh_stats``).
+            asked for by the link's ``fresh_stats``), and with None when the worker exits.
 
     Attributes:
         events: the event hub the supervisor publishes ``health``, ``worker``,
@@ -105,7 +105,7 @@ class Supervisor(Readiness, Unloading, Draining):
         config: SupervisorConfig,
         on_ready: Callable[[EngineInfo], Awaitable[None]] | None = None,
         on_engine_event: Callable[[EngineEvent], None] | None = None,
-        on_stats: Callable[[EngineStats], None] | None = None,
+        on_stats: Callable[[EngineStats | None], None] | None = None,
     ) -> None:
         self.config = config
         self.on_ready = on_ready
@@ -300,6 +300,10 @@ class Supervisor(Readiness, Unloading, Draining):
             return
         self._worker = None
         self.link.detach()
+        if self.info is not None:
+            # Its KV pool is given back: none until the next worker reports its own.
+            self._publish(EngineInfoEvent(info=msgspec.structs.replace(self.info, plan=None, num_pages=0,
+                                                                       kv_cache_bytes=0)))
         self.last_exit = status
         self._pids.forget(worker.pid)
         if self.state is State.STOPPED:

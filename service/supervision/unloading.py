@@ -82,6 +82,28 @@ class Unloading:
     _restart_at: float | None
     _tasks: set[asyncio.Task]
     _gpu_backoff: GpuBackoff
+    # The KV pool a live change left, which the next worker starts with (None: sized as
+    # at start): "N pages, SIZE".
+    kept_kv_pool: str | None = None
+
+    def keep_kv_pool(self, pages: int | None, what: str = "") -> None:
+        """Start every next worker (a resume, a restart, after a crash) with a KV pool of
+        ``pages`` (the whole pool, its null page included, as ``--num-pages`` counts
+        it): the size a live change chose is the user's, as the desktop reserve is;
+        ``what`` says it for people. None: sized as the service was started
+        (``--kv-cache``, ``--num-pages`` or the plan). Held in memory: a restart of the
+        service goes back to its options."""
+        start, config = self.config.worker.engine, self._worker_config
+        engine = (replace(config.engine, num_pages=start.num_pages, kv_cache=start.kv_cache) if pages is None
+                  else replace(config.engine, num_pages=pages, kv_cache=None))
+        self._worker_config = msgspec.structs.replace(config, engine=engine)
+        self.kept_kv_pool = None if pages is None else what
+
+    def kv_pool_on_load(self) -> str:
+        """Which KV pool the next worker loads with, for the answers that start one."""
+        if self.kept_kv_pool is None:
+            return "the KV pool sized as at start"
+        return f"the KV pool at the size set live ({self.kept_kv_pool})"
 
     def _clear_waits(self) -> None:
         self.memory_wait = None
@@ -226,7 +248,8 @@ class Unloading:
 
     def resume(self, by: str = "the control API") -> str:
         """Load the worker again from ``paused`` or ``idle``; in any other state there is
-        nothing to resume (a worker runs, loads or is waited for)."""
+        nothing to resume (a worker runs, loads or is waited for). The answer names the
+        KV pool it loads with (:meth:`kv_pool_on_load`)."""
         if self.state not in (State.PAUSED, State.IDLE):
             return f"nothing to resume: the engine is {self.state.value}"
         log.info("resuming the engine (%s), asked for by %s", self.state.value, by)
@@ -234,10 +257,10 @@ class Unloading:
             # Still stopping (an unload in progress): the next worker starts at its exit.
             self._resume_pending = True
             self._waking = True
-            return "resuming once the worker being unloaded has stopped"
+            return f"resuming once the worker being unloaded has stopped, with {self.kv_pool_on_load()}"
         self._cancel_pending()
         self._start_unloaded(waking=True)
-        return "resuming: the worker is loading"
+        return f"resuming: the worker is loading, with {self.kv_pool_on_load()}"
 
     def unload_idle(self) -> None:
         """Unload the worker for ``keep_alive_s`` without requests (``idle``)."""

@@ -1,0 +1,85 @@
+"""A new user's finds in the control API of ``headroom serve`` on the CPU (the default
+model, one server for the module, started with switches that do not apply to it):
+
+- ``--expert-cpu-share auto`` on a dense model on the CPU, with bus reads off, is taken
+  and said once at start to do nothing here, naming every reason;
+- an expert cache size on a dense model is a 409 naming the field and that the model has
+  no mixture-of-experts layers, not a 501 pointing at ``--cpu-experts``;
+- while paused, no KV pages are reported in use or held: ``/metrics`` has no pool series,
+  ``/api/status`` has ``engine.info.num_pages`` 0 and ``counters.engine`` null;
+- a live KV cache size is kept across a pause and a resume, and the resume says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from service_harness import ServerProcess, serving, wait_for
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, default_model_dir) -> Iterator[ServerProcess]:
+    yield from serving(ServerProcess(tmp_path_factory.mktemp("paused"),
+                                     ["--expert-cpu-share", "auto", "--no-expert-bus-reads"]))
+
+
+def _post(server: ServerProcess, action: str, body: dict | None = None) -> httpx.Response:
+    return httpx.post(f"{server.base_url}/api/control/{action}", json=body,
+                      headers={"Authorization": f"Bearer {server.token}"}, timeout=120)
+
+
+def _status(server: ServerProcess) -> dict:
+    return httpx.get(f"{server.base_url}/api/status", timeout=30).json()
+
+
+def test_expert_cpu_share_auto_where_it_does_nothing_is_said_once_at_start(server):
+    lines = [line for line in server.log().splitlines() if "--expert-cpu-share auto does nothing here" in line]
+    assert len(lines) == 1, server.log()
+    assert "not CUDA" in lines[0] and "no mixture-of-experts layer" in lines[0], lines[0]
+    assert "--no-expert-bus-reads" in lines[0], lines[0]
+
+
+def test_an_expert_cache_on_a_dense_model_is_refused_naming_the_field(server):
+    for size in ("1GiB", None):
+        r = _post(server, "cache", {"expert_cache": size})
+        assert r.status_code == 409, r.text
+        error = r.json()["error"]
+        assert error["param"] == "expert_cache" and error["code"] == "no_experts", r.text
+        assert "this model has no mixture-of-experts layers" in error["message"], r.text
+        assert "every routed expert is on the device" not in error["message"], r.text
+
+
+def test_a_paused_engine_reports_no_pool_and_keeps_the_live_kv_size(server):
+    r = httpx.post(f"{server.base_url}/v1/completions", timeout=120,
+                   json={"prompt": "The history of computing " * 6, "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200, r.text
+    r = _post(server, "cache", {"kv_cache": "256MiB"})
+    assert r.status_code == 202, r.text
+    live = _status(server)["engine"]["info"]["num_pages"]
+    assert live > 0, live
+
+    assert _post(server, "pause").status_code == 202
+    wait_for(lambda: _status(server)["engine"]["info"]["num_pages"] == 0, 60, "the pool's pages gone")
+    status = _status(server)
+    assert status["engine"]["info"]["kv_cache_bytes"] == 0, status["engine"]
+    assert status["counters"]["engine"] is None, status["counters"]
+    metrics = httpx.get(f"{server.base_url}/metrics", timeout=30).text
+    assert "headroom_kv_pages" not in metrics, metrics
+    assert 'headroom_engine_state{state="paused"} 1.0' in metrics
+
+    r = _post(server, "resume")
+    assert r.status_code == 202, r.text
+    assert f"KV pool at the size set live ({live} pages" in r.json()["message"], r.text
+    server.wait_ready()
+    wait_for(lambda: (_status(server)["counters"] or {}).get("engine") is not None, 60, "the new worker's counters")
+    status = _status(server)
+    assert status["engine"]["info"]["num_pages"] == live == status["counters"]["engine"]["total_pages"], status
+
+    # Back to the start's size: the next worker starts with it too.
+    r = _post(server, "cache", {"kv_cache": None})
+    assert r.status_code == 202, r.text
+    r = _post(server, "restart")
+    assert r.status_code == 202 and "the KV pool sized as at start" in r.json()["message"], r.text

@@ -87,10 +87,10 @@ def test_ollama_num_predict_beyond_the_context_generates_to_its_end(real_server)
                                               "options": {"num_predict": 5.5}})
     assert r.status_code == 400 and set(r.json()) == {"error"}, r.text
     assert r.json()["error"] == "options.num_predict must be a whole number, got 5.5", r.text
-    # A prompt longer than the context is still refused, naming what to shorten.
+    # A num_ctx that the chat template's own tokens pass is refused, naming it.
     r = _post(real_server, "/api/generate", json={"model": "default", "prompt": "hi " * 200, "stream": False,
                                                   "options": {"num_ctx": 16}})
-    assert r.status_code == 400 and "prompt" in r.json()["error"], r.text
+    assert r.status_code == 400 and r.json()["error"].endswith("Please raise num_ctx."), r.text
 
 
 def test_ollama_drops_the_oldest_turns_to_fit_num_ctx_as_ollama_does(real_server):
@@ -115,6 +115,55 @@ def test_ollama_drops_the_oldest_turns_to_fit_num_ctx_as_ollama_does(real_server
     r = _post(real_server, "/api/generate", json={"model": "default", "prompt": long, "raw": True, "stream": False,
                                                   "options": {"num_ctx": 16, "num_predict": 1}})
     assert r.status_code == 200 and r.json()["prompt_eval_count"] == 15, r.text
+
+
+LONG = "tell me about the history of computing " * 40  # about 280 tokens
+
+
+def _ollama(server, path: str, body: dict) -> dict:
+    """An Ollama call's final object, whole or the last line of its stream."""
+    r = _post(server, path, json={"model": "default", **body})
+    assert r.status_code == 200, r.text
+    lines = [json.loads(line) for line in r.text.splitlines() if line.strip()]
+    assert all("error" not in line for line in lines) and lines[-1]["done"], r.text
+    return lines[-1]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_ollama_cuts_a_raw_prompt_leaving_the_answer_its_room(real_server, stream):
+    """A raw prompt longer than ``num_ctx`` was cut to num_ctx - 1 tokens and answered
+    with one token; it keeps at most num_ctx - min(num_predict, num_ctx / 2) tokens, and
+    half the context with num_predict -1 or unset (a default above it)."""
+    body = {"prompt": LONG, "raw": True, "stream": stream}
+    done = _ollama(real_server, "/api/generate", {**body, "options": {"num_ctx": 64, "num_predict": 10,
+                                                                       "temperature": 0}})
+    assert (done["prompt_eval_count"], done["eval_count"], done["done_reason"]) == (54, 10, "length"), done
+    for options in ({"num_ctx": 64, "num_predict": -1}, {"num_ctx": 64}):
+        done = _ollama(real_server, "/api/generate", {**body, "options": {**options, "temperature": 0}})
+        assert done["prompt_eval_count"] == 32, (options, done)
+        assert done["prompt_eval_count"] + done["eval_count"] <= 64, (options, done)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_ollama_cuts_a_templated_prompt_instead_of_refusing_it(real_server, stream):
+    """A non-raw /api/generate prompt and a chat whose system message alone pass
+    ``num_ctx`` were 400s; as Ollama, the longest message loses its start (the template's
+    head and the end of the conversation kept) and the call is answered. /v1 keeps its
+    400 context_length_exceeded, as OpenAI."""
+    options = {"num_ctx": 96, "num_predict": 6, "temperature": 0}
+    generated = _ollama(real_server, "/api/generate", {"prompt": LONG + "Say hi", "stream": stream,
+                                                       "options": options})
+    chat = _ollama(real_server, "/api/chat", {"stream": stream, "options": options, "messages": [
+        {"role": "system", "content": LONG}, {"role": "user", "content": "Say hi"}]})
+    for done in (generated, chat):
+        assert 80 <= done["prompt_eval_count"] <= 90 and done["eval_count"] >= 1, done
+    # The template's own 30 tokens pass the 20 a num_ctx of 40 leaves the prompt: the
+    # prompt fills the context but one token.
+    tiny = _ollama(real_server, "/api/generate", {"prompt": LONG, "stream": stream,
+                                                  "options": {"num_ctx": 40, "temperature": 0}})
+    assert (tiny["prompt_eval_count"], tiny["eval_count"]) == (39, 1), tiny
+    r = _post(real_server, "/v1/chat/completions", json={"messages": [{"role": "user", "content": LONG * 20}]})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
 
 
 def test_ollama_refuses_a_message_without_content_as_one_with_null(real_server):

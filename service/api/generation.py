@@ -39,7 +39,7 @@ from service.api.chat_plan import ChatPlan, chat_template, continue_prompt, plan
 from service.api.deadline import get_before, request_deadline
 from service.api.engine_errors import engine_error, failure, rejected
 from service.api.logprobs import ShownLogprobs
-from service.api.prompt_fit import fit_prompt
+from service.api.prompt_fit import fit_prompts
 from service.api.prompts import encode_prompts
 from service.api.request import GenerationRequest, resolve_max_tokens
 from service.api.sampling import check_vocabulary, sampling_params
@@ -398,8 +398,9 @@ async def prompt_ids(
     text: TextSide, info: EngineInfo, request: GenerationRequest, context: int
 ) -> tuple[ChatPlan | None, list[list[int]]]:
     """A call's prompts as the engine gets them: a chat's plan (its tools against the
-    template), then each prompt's token ids (bounded by ``context`` tokens before any
-    tokenizing), continued as the plan says (a forced tool call's opening).
+    template), then each prompt, cut to leave the answer room where the call truncates
+    (:func:`~service.api.prompt_fit.fit_prompts`), to token ids (bounded by ``context``
+    tokens before any tokenizing), continued as the plan says (a forced tool call's opening).
 
     Returns:
         ``(plan, ids)``: the :class:`~service.api.chat_plan.ChatPlan` (None unless
@@ -411,8 +412,7 @@ async def prompt_ids(
         engine.text.chat.ChatTemplateError: messages the template cannot render.
     """
     plan = plan_chat(request, text) if request.chat else None
-    prompts = [await fit_prompt(text, p, context) for p in request.prompts] if request.truncate else request.prompts
-    encoded = await encode_prompts(text, prompts, info, context)
+    encoded = await encode_prompts(text, await fit_prompts(text, request, context), info, context)
     if plan is not None:
         encoded = [await continue_prompt(plan, text, ids) for ids in encoded]
     return plan, encoded

@@ -1,50 +1,172 @@
 """Prompts cut to fit a call's context, as Ollama does rather than refusing them
-(``truncate``, its default): a chat drops its oldest turns, its system messages and its
-last turn kept, until the rendered prompt leaves room for one new token; a raw prompt
-keeps its last tokens. A chat whose system messages and last turn alone pass the context
-is left as it is, to be refused with the usual 400 ``context_length_exceeded``.
+(``truncate``, its default), with room left for the answer: one rule for a chat, a
+templated ``/api/generate`` and a raw prompt.
 
-Source: Ollama's ``server/prompt.go`` (``chatPrompt`` drops messages from the front
-until the prompt fits ``num_ctx``) and its runner's truncation of a long raw prompt.
+The room (:func:`answer_room`): a prompt keeps at most ``context - min(N, context // 2)``
+tokens, ``N`` the completion's length asked for (Ollama's ``num_predict``, else
+``--default-max-tokens``); with no limit (``num_predict`` -1 or -2, or a default of 0),
+half the context, as Ollama's context shift frees half of it when an answer reaches its
+end. ``num_predict`` 0 keeps no room.
+
+How a prompt is cut to that budget:
+
+- a chat (or a templated ``/api/generate``, a chat of its system and user messages)
+  first drops its oldest turns, its system messages and its last turn kept (Ollama's
+  ``chatPrompt``); then, where that is not enough, the longest message loses the start
+  of its text, the next longest after it where it is emptied, until the rendered prompt
+  fits (Ollama's runner cuts the input's start past its ``num_keep`` tokens: the
+  template's head and the end of the conversation are kept here alike);
+- a raw prompt keeps its last tokens, after the tokens the tokenizer puts first (a BOS).
+
+Where the template's own tokens pass the budget (a tiny ``num_ctx``), a chat is cut to
+fill the context but one token instead; where they fill the context, it is refused with
+400 ``context_length_exceeded`` naming the tokens the template takes.
+
+Source: Ollama's ``server/prompt.go`` (``chatPrompt``) and its runner's truncation of an
+input longer than ``num_ctx`` (``runner/ollamarunner``: ``numKeep``, context shift).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 from service.api.prompts import Prompt
 from service.api.text import TextSide
+from service.common.errors import invalid
+
+if TYPE_CHECKING:
+    from service.api.request import GenerationRequest
 
 log = logging.getLogger("headroom.api")
 
+# The most times the longest message is cut again: a cut's first tokens may merge with
+# the template's text into fewer tokens than counted, so the rendered prompt can still
+# pass the budget by a token or two; each pass cuts at least one more token.
+_MAX_CUTS = 16
 
-async def fit_prompt(text: TextSide, prompt: Prompt, context: int) -> Prompt:
-    """``prompt`` cut to fewer than ``context`` tokens where Ollama would cut it (see the
-    module docstring); the same prompt where it fits or cannot be cut.
+
+def answer_room(request: GenerationRequest, context: int) -> int:
+    """Tokens of ``context`` a cut prompt leaves for the answer (see the module
+    docstring): ``min(N, context // 2)``, ``N`` the call's ``max_tokens`` or else its
+    ``default_max_tokens``; ``context // 2`` with neither; 0 for ``max_tokens`` 0.
+
+    Args:
+        request: the call (its ``max_tokens`` and ``default_max_tokens``, tokens).
+        context: the call's context in tokens (prompt plus answer).
+    """
+    wanted = request.max_tokens if request.max_tokens is not None else request.default_max_tokens
+    half = context // 2
+    return half if wanted is None else min(wanted, half)
+
+
+async def fit_prompts(text: TextSide, request: GenerationRequest, context: int) -> tuple[Prompt, ...]:
+    """The call's prompts, each cut by :func:`fit_prompt` to leave :func:`answer_room`
+    where the call asks for it (``request.truncate``, Ollama's routes); else as they are.
+
+    Raises:
+        APIError: as :func:`fit_prompt`.
+    """
+    if not request.truncate:
+        return request.prompts
+    room = answer_room(request, context)
+    return tuple([await fit_prompt(text, p, context, room) for p in request.prompts])
+
+
+async def fit_prompt(text: TextSide, prompt: Prompt, context: int, room: int) -> Prompt:
+    """``prompt`` cut to at most ``context - room`` tokens (see the module docstring);
+    the same prompt where it fits already or holds token ids.
 
     Args:
         context: the call's context in tokens (prompt plus answer).
+        room: tokens kept for the answer (:func:`answer_room`).
+
+    Raises:
+        APIError: 400 ``context_length_exceeded`` naming ``prompt.param`` for a chat that
+            takes ``context`` tokens or more with the text of every message cut.
+        engine.text.chat.ChatTemplateError: messages the template cannot render.
     """
+    budget = max(context - room, 1)
     if prompt.messages is not None:
-        messages = list(prompt.messages)
-        dropped = 0
-        while True:
-            ids = await text.encode_chat(messages, tools=prompt.tools, template_kwargs=prompt.template_kwargs)
-            older = [i for i, m in enumerate(messages[:-1]) if m.get("role") not in ("system", "developer")]
-            if len(ids) < context or not older:
-                break
-            del messages[older[0]]
-            dropped += 1
-        if dropped:
-            log.info("%s: the %d oldest messages dropped to fit a context of %d tokens", prompt.param, dropped,
-                     context)
-            return replace(prompt, messages=messages)
-        return prompt
+        return await _fit_chat(text, prompt, budget, context)
     if prompt.text is not None:
         ids = await text.encode_prompt(prompt.text)
-        if len(ids) >= context > 1:
-            log.info("%s: its first %d tokens dropped to fit a context of %d tokens", prompt.param,
-                     len(ids) - context + 1, context)
-            return replace(prompt, text=None, token_ids=ids[len(ids) - context + 1:])
+        if len(ids) > budget:
+            head = min(len(await text.encode_prompt("")), budget - 1)  # what the tokenizer puts first
+            log.info("%s: %d tokens after its first %d dropped to fit %d tokens of a context of %d", prompt.param,
+                     len(ids) - budget, head, budget, context)
+            return replace(prompt, text=None, token_ids=ids[:head] + ids[len(ids) - budget + head:])
     return prompt
+
+
+async def _fit_chat(text: TextSide, prompt: Prompt, budget: int, context: int) -> Prompt:
+    """A chat's oldest turns dropped, then its longest messages' starts cut, until it
+    renders to at most ``budget`` tokens (``context - 1`` where the template's own
+    tokens pass ``budget``)."""
+
+    async def tokens(messages: list[dict[str, Any]]) -> int:
+        return len(await text.encode_chat(messages, tools=prompt.tools, template_kwargs=prompt.template_kwargs))
+
+    messages = list(prompt.messages or [])
+    count = await tokens(messages)
+    dropped = 0
+    while count > budget:
+        older = [i for i, m in enumerate(messages[:-1]) if m.get("role") not in ("system", "developer")]
+        if not older:
+            break
+        del messages[older[0]]
+        dropped += 1
+        count = await tokens(messages)
+    if dropped:
+        log.info("%s: the %d oldest messages dropped to fit %d tokens of a context of %d", prompt.param, dropped,
+                 budget, context)
+    cut, cut_count = await _cut_texts(text, messages, count, budget, tokens)
+    if budget < cut_count < context:
+        # The template's own tokens pass the answer's room: the prompt fills the context
+        # but one token instead.
+        budget = context - 1
+        cut, cut_count = await _cut_texts(text, messages, count, budget, tokens)
+    if cut_count > budget:
+        raise invalid(
+            f"This call's context is {context} tokens. However, the prompt takes {cut_count} tokens with "
+            "the text of every message cut (the chat template's own tokens), which leaves no room for a "
+            "completion. Please raise num_ctx.",
+            prompt.param,
+            "context_length_exceeded",
+        )
+    if cut != messages:
+        log.info("%s: the start of its longest messages cut to fit %d tokens of a context of %d", prompt.param,
+                 budget, context)
+    return replace(prompt, messages=cut) if dropped or cut != messages else prompt
+
+
+async def _cut_texts(
+    text: TextSide,
+    messages: list[dict[str, Any]],
+    count: int,
+    budget: int,
+    tokens: Callable[[list[dict[str, Any]]], Awaitable[int]],
+) -> tuple[list[dict[str, Any]], int]:
+    """``messages`` (rendering to ``count`` tokens, as ``tokens`` counts them) with the
+    start of the longest message's text cut, then the next longest's, until they render
+    to at most ``budget`` tokens or no text is left; and the tokens they render to. The
+    list given is not changed."""
+    for _ in range(_MAX_CUTS):
+        longest = max(range(len(messages)), key=lambda i: _text_length(messages[i]), default=None)
+        if count <= budget or longest is None or not _text_length(messages[longest]):
+            break
+        ids = await text.encode_text(messages[longest]["content"])
+        over = count - budget
+        kept = (await text.decode(ids[over:])).lstrip("\ufffd") if over < len(ids) else ""
+        messages = [*messages[:longest], {**messages[longest], "content": kept}, *messages[longest + 1:]]
+        count = await tokens(messages)
+    return messages, count
+
+
+def _text_length(message: Any) -> int:
+    """The characters of a message's text content (0 for other contents: they are not
+    cut)."""
+    content = message.get("content") if isinstance(message, dict) else None
+    return len(content) if isinstance(content, str) else 0

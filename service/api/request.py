@@ -72,9 +72,10 @@ class GenerationRequest:
         tool_choice: OpenAI's ``tool_choice`` (chat only).
         context_tokens: a smaller context than the engine's for this call (Ollama's
             ``num_ctx``), or None.
-        truncate: a prompt too long for the context is cut to fit it (a chat's oldest
-            turns dropped, a raw prompt's first tokens: :mod:`service.api.prompt_fit`),
-            as Ollama does, instead of a 400.
+        truncate: a prompt too long for the context, its answer's room kept, is cut to
+            fit it (a chat's oldest turns dropped, then its longest messages' starts; a
+            raw prompt's first tokens: :mod:`service.api.prompt_fit`), as Ollama does,
+            instead of a 400.
         stream: the answer streams.
         route: the API route's path (``/v1/chat/completions``), set by
             :func:`read_call`; the metrics' label.

@@ -120,6 +120,11 @@ class TextSide:
         work = functools.partial(self.tokenizer.encode, text, add_special_tokens=False)
         return list(await loop.run_in_executor(self._pool, work))
 
+    async def decode(self, ids: list[int]) -> str:
+        """Ids back to text, special tokens kept (a cut message's rest)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, self.tokenizer.decode, ids)
+
     def detokenizer(self, prompt_ids: list[int], keep_special: bool = False) -> IncrementalDetokenizer:
         """A fresh incremental detokenizer for one sequence that follows ``prompt_ids``;
         ``keep_special``: special tokens stay in the text (a harmony answer's format)."""

@@ -2,7 +2,7 @@
 runs as, on the same path as OpenAI's.
 
 Mapped ``options``: ``num_ctx`` (the request's context: prompt plus answer, at most the
-engine's; a conversation too long for it drops its oldest turns, as Ollama's does:
+engine's; a prompt too long for it, the answer's room kept, is cut as Ollama cuts it:
 :mod:`service.api.prompt_fit`), ``num_predict`` (``max_tokens``; -1 and -2: the rest of the context; more than the
 context holds: up to its end, as Ollama; unset: ``--default-max-tokens``), ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``
 (negative: none), ``stop``, ``repeat_penalty`` (``repetition_penalty``),

@@ -11,8 +11,13 @@ prefix cache is a command to the worker
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import inspect
 import logging
-from typing import Literal
+import time
+from collections.abc import Callable
+from typing import Any, Literal
 
 from engine.memory.kv_fit import pages_in_bytes, usable_pages
 from engine.memory.plan import fmt_bytes
@@ -45,9 +50,30 @@ CONTROL_REASON = "asked for through the control API"
 # the errors of requests in flight), so it does not read as a crash.
 RESTART_REASON = "restart requested by the control API"
 
+# Seconds a restart waits for the killed worker's exit to be taken (a SIGKILL: at once).
+RESTART_EXIT_WAIT_S = 15.0
+
+
+def one_at_a_time(action: Callable[..., Any]) -> Callable[..., Any]:
+    """Run a control action only once the ones before it have answered (in the order
+    they came): each acts on, and answers about, the state the earlier ones left, so a
+    restart and a pause sent together end as one after the other would (a restart after
+    the pause: 409 ``engine_paused``; a pause after the restart: the restarting engine
+    paused)."""
+
+    @functools.wraps(action)
+    async def run(self: SupervisorControl, *args: Any) -> Any:
+        async with self.turn:
+            result = action(self, *args)
+            return await result if inspect.isawaitable(result) else result
+
+    return run
+
 
 class SupervisorControl:
     """The control actions on one supervisor.
+
+    The actions run one at a time (:func:`one_at_a_time`, :attr:`turn`).
 
     Args:
         supervisor: the service's supervisor.
@@ -70,9 +96,13 @@ class SupervisorControl:
         self.supervisor = supervisor
         self.watcher = watcher
         self.command_timeout_s = command_timeout_s
+        self.turn = asyncio.Lock()
 
-    def restart(self) -> str:
-        """Kill the worker (if any) and start a new one, also from ``failed``.
+    @one_at_a_time
+    async def restart(self) -> str:
+        """Kill the worker (if any) and start a new one, also from ``failed``; answers
+        once the killed worker's exit is taken (state ``restarting``), so an action after
+        it sees the restart.
 
         Raises:
             APIError: 409 while the service is shutting down; 409 ``engine_paused``
@@ -88,10 +118,15 @@ class SupervisorControl:
                            code=ENGINE_PAUSED)
         pid = sup.worker_pid if sup.worker_alive else None
         log.info("%s (worker pid %s)", RESTART_REASON, pid)
+        killed = sup.worker if sup.worker_alive else None
         sup.restart(reason=RESTART_REASON)
+        deadline = time.monotonic() + RESTART_EXIT_WAIT_S
+        while killed is not None and sup.worker is killed and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
         what = f"restarting the worker (pid {pid})" if pid else "starting a new worker"
         return f"{what}, with {sup.kv_pool_on_load()}"
 
+    @one_at_a_time
     async def pause(self) -> str:
         """Game mode: stop the worker and give its memory back (state ``paused``).
 
@@ -102,6 +137,7 @@ class SupervisorControl:
             raise APIError(409, "the service is shutting down", code="stopping")
         return await self.supervisor.pause()
 
+    @one_at_a_time
     def resume(self) -> str:
         """Load the worker again after a pause (or an idle unload).
 
@@ -118,6 +154,7 @@ class SupervisorControl:
                            code=ENGINE_FAILED)
         return self.supervisor.resume()
 
+    @one_at_a_time
     def set_reserve(self, reserve: int | Literal["auto"]) -> str:
         """Keep ``reserve`` bytes free for the desktop (``"auto"``: the default rule);
         the watcher replans against it from its next sample. Held in memory: a restart
@@ -135,6 +172,7 @@ class SupervisorControl:
                                 "--device-total simulates one for tests)", code="no_card", param="reserve")
         return self.watcher.set_reserve(reserve)
 
+    @one_at_a_time
     async def set_kv_cache(self, kv_cache_bytes: int | None) -> str:
         """Resize the KV pool to ``kv_cache_bytes`` (whole pages, rounded down), live;
         None goes back to the plan's size. The size is also the ceiling the watcher
@@ -207,6 +245,7 @@ class SupervisorControl:
         usable = usable_pages(pool.pages)
         sup.keep_kv_pool(pool.pages, f"{usable} pages, {fmt_bytes(usable * pool.page_bytes)}")
 
+    @one_at_a_time
     async def set_expert_cache(self, expert_cache_bytes: int | None) -> str:
         """Resize the GPU expert cache (routed experts in host memory, ``--cpu-experts``)
         to ``expert_cache_bytes`` (whole slots, rounded down; at most every offloaded
@@ -249,6 +288,7 @@ class SupervisorControl:
                     self.watcher.grew(grown_bytes(NewExpertCache(slots, now.expert_slots, what), now))
         return self._answer(done)
 
+    @one_at_a_time
     async def set_cpu_layers(self, cpu_layers: int | None) -> str:
         """Run the last ``cpu_layers`` decoder layers on the CPU (``--cpu-layers auto``: the
         split moves live, ``Engine.move_split``); None goes back to the start's split. The
@@ -347,6 +387,7 @@ class SupervisorControl:
             timeout_s=self.command_timeout_s,
         )
 
+    @one_at_a_time
     async def clear_prefix_cache(self) -> str:
         """Free every prefix-cache page no running request holds.
 

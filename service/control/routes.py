@@ -23,6 +23,7 @@ Routes (under ``path``, default ``/api``):
 - ``WS /events``: see below; a plain ``GET /events`` (no WebSocket upgrade) is 426
   Upgrade Required with ``Upgrade: websocket``.
 
+The target runs the actions one at a time (:func:`service.control.actions.one_at_a_time`).
 Every control route answers :class:`ControlResponse`, or the service's error shape
 (``{"error": {...}}``): 401 without the token, 403 for an Origin not on the list, 400
 for a bad body, and whatever :class:`service.common.errors.APIError` the target raises (e.g.

@@ -32,8 +32,9 @@ def test_plan_on_the_cpu_shows_what_the_engine_holds(default_model_dir):
     rope = engine.model_config.max_position_embeddings * engine.model_config.head_dim * 4
     assert got["weight_bytes"] == engine.info.weight_bytes + rope
     assert got["weight_source"].startswith("exact, GGUF: ") and "Q4_1 blocks" in got["weight_source"]
-    assert got["kv_pages"] == engine.pool.num_pages - 1  # the engine's own count holds the null page
-    assert got["kv_pool_bytes"] == got["kv_pages"] * got["page_size"] * got["kv_bytes_per_token"]
+    assert got["num_pages"] == engine.pool.num_pages - 1  # the engine's own count holds the null page
+    assert got["kv_pool_bytes"] == got["num_pages"] * got["page_size"] * got["kv_bytes_per_token"]
+    assert got["fits"] is True and "kv_pages" not in got
     assert got["max_context_tokens"] == 4096 and got["kv_cache_dtype"] == str(engine.kv_dtype).removeprefix("torch.")
     assert 0 < got["host_available_bytes"] <= got["host_total_bytes"]
     assert got["dtype"] == "float32" and engine.dtype == torch.float32
@@ -53,3 +54,15 @@ def test_plan_on_the_cpu_says_what_gpu_only_settings_do_there(default_model_dir)
     assert "--device cuda --device-total SIZE" in note
     got = json.loads(invoke(["plan", "--device", "cpu", "--cpu-layers", "auto", "--json"]).stdout)
     assert got["gpu_only"] == []
+
+
+def test_plan_json_names_its_pool_and_fit_alike_on_the_cpu_and_a_simulated_card(default_model_dir):
+    """``plan --json`` on the CPU said ``kv_pages`` and had no ``fits`` (which the help
+    promises), where a simulated card's plan has ``num_pages`` and ``fits``: both carry
+    the same keys now, ``num_pages`` counted alike (usable pages)."""
+    cpu = json.loads(invoke(["plan", "--device", "cpu", "--json"]).stdout)
+    card = json.loads(invoke(["plan", "--device-total", "8GiB", "--json"]).stdout)
+    for got in (cpu, card):
+        assert got["fits"] is True and got["num_pages"] > 0 and got["kv_pool_bytes"] > 0, got
+    assert "kv_pages" not in cpu and "kv_pages" not in card
+    assert cpu["kv_pool_bytes"] == cpu["num_pages"] * cpu["page_size"] * cpu["kv_bytes_per_token"]

@@ -145,14 +145,21 @@ class CpuHoldings(msgspec.Struct, frozen=True):
     """What a CPU engine without a plan holds in host memory (bytes): its weights as
     loaded, and its KV pool, sized as :func:`engine.memory.fixed_pool.unplanned_pool`
     sizes it (an anonymous map: resident only where written). ``host_*``: the machine's
-    memory, ``host_available_bytes`` None where the OS does not say."""
+    memory, ``host_available_bytes`` None where the OS does not say.
+
+    ``num_pages`` and ``fits`` are named and counted as a plan's
+    (:class:`engine.memory.plan.MemoryPlan`), so ``plan --json`` carries them on every
+    device: ``num_pages`` the KV pool's usable pages (the null page apart), ``fits``
+    whether the weights and the pools, counted whole, fit the host memory available now
+    (its total where the OS does not say), as serve counts a grow."""
 
     model: str
     dtype: str
     weight_bytes: int
     weight_source: str
     kv_pool_bytes: int
-    kv_pages: int
+    num_pages: int
+    fits: bool
     page_size: int
     kv_bytes_per_token: int
     kv_cache_dtype: str
@@ -163,7 +170,7 @@ class CpuHoldings(msgspec.Struct, frozen=True):
     gpu_only: tuple[str, ...] = ()
     # Sliding-window layers that keep only their window (--sliding-kv-ring): the ring
     # pool's bytes (a ring per running request, checkpoints and the null page), its
-    # pages (the null page apart, as kv_pages), and one ring's pages between steps.
+    # pages (the null page apart, as num_pages), and one ring's pages between steps.
     kv_ring_bytes: int = 0
     kv_ring_pages: int = 0
     kv_ring_window_pages: int = 0
@@ -230,9 +237,11 @@ def cpu_holdings(config: EngineConfig) -> CpuHoldings:
     context = min(mc.max_position_embeddings, config.max_model_len or mc.max_position_embeddings,
                   pages * config.page_size)
     total, available = host_memory()
+    pool_bytes = pages * per_token * config.page_size
+    fits = weights + pool_bytes + ring_bytes <= (total if available is None else available)
     return CpuHoldings(
         model=model_display_name(model_dir), dtype=str(dtype).removeprefix("torch."), weight_bytes=weights,
-        weight_source=source, kv_pool_bytes=pages * per_token * config.page_size, kv_pages=pages,
+        weight_source=source, kv_pool_bytes=pool_bytes, num_pages=pages, fits=fits,
         page_size=config.page_size, kv_bytes_per_token=per_token, kv_cache_dtype=kv_dtype_name(kv_dtype),
         max_context_tokens=context, host_total_bytes=total, host_available_bytes=available,
         gpu_only=gpu_only_settings(config), kv_ring_bytes=ring_bytes, kv_ring_pages=size.rings,
@@ -252,7 +261,7 @@ def render_cpu(h: CpuHoldings, as_json: bool) -> str:
     rows = [
         f"host memory of {h.model} on cpu ({h.dtype}): no plan is fitted on the CPU; the engine holds",
         row("weights", h.weight_bytes, h.weight_source),
-        row("KV cache pool", h.kv_pool_bytes, f"{h.kv_pages} pages x {h.page_size} tokens, {h.kv_cache_dtype}, "
+        row("KV cache pool", h.kv_pool_bytes, f"{h.num_pages} pages x {h.page_size} tokens, {h.kv_cache_dtype}, "
             f"resident only where written (headroom serve --kv-cache sets its size)"),
         *([row("sliding-window KV rings", h.kv_ring_bytes, f"{h.kv_ring_pages} pages: a ring of up to "
                f"{h.kv_ring_window_pages} pages per running request between steps, a prefill chunk's more in its "
@@ -265,6 +274,9 @@ def render_cpu(h: CpuHoldings, as_json: bool) -> str:
     ]
     if h.pool_warning:
         rows.append(f"warning: {h.pool_warning}")
+    if not h.fits:
+        rows.append("fits: no: the weights and the KV pool, counted whole, exceed the host memory available now; "
+                    "a smaller --kv-cache (or a smaller model) fits")
     if h.gpu_only:
         rows.append(f"{' and '.join(h.gpu_only)}: no effect on the CPU (every layer runs there already; they split or "
                     "limit a GPU's plan): plan for a card with --device cuda --device-total SIZE")

@@ -331,7 +331,10 @@ def plan(config_path: Path | None, as_json: bool, **flags: Any) -> None:
         try:
             device, dtype = planned_setup(config)
         except CpuWithoutPlan:
-            click.echo(render_cpu(cpu_holdings(config), as_json))
+            holdings = cpu_holdings(config)
+            click.echo(render_cpu(holdings, as_json))
+            if not holdings.fits:
+                sys.exit(EXIT_FAILED)
             return
         memory_plan, fixed = plan_with_pool(config)
     except (NoDevice, CudaUnavailable) as exc:

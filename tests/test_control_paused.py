@@ -7,7 +7,9 @@ model, one server for the module, started with switches that do not apply to it)
   no mixture-of-experts layers, not a 501 pointing at ``--cpu-experts``;
 - while paused, no KV pages are reported in use or held: ``/metrics`` has no pool series,
   ``/api/status`` has ``engine.info.num_pages`` 0 and ``counters.engine`` null;
-- a live KV cache size is kept across a pause and a resume, and the resume says so.
+- a live KV cache size is kept across a pause and a resume, and the resume says so;
+  its answer prices the usable pages, as ``headroom plan`` does (not the buffers, whose
+  null page made 512 MiB read "513 MiB").
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from engine.common.units import fmt_bytes
 
 from service_harness import ServerProcess, serving, wait_for
 
@@ -58,8 +61,12 @@ def test_a_paused_engine_reports_no_pool_and_keeps_the_live_kv_size(server):
     assert r.status_code == 200, r.text
     r = _post(server, "cache", {"kv_cache": "256MiB"})
     assert r.status_code == 202, r.text
-    live = _status(server)["engine"]["info"]["num_pages"]
+    info = _status(server)["engine"]["info"]
+    live = info["num_pages"]
     assert live > 0, live
+    # The answer prices the usable pages, as `headroom plan --kv-cache 256MiB` does.
+    priced = fmt_bytes(live * info["page_size"] * info["kv_bytes_per_token"])
+    assert f"-> {live} pages (" in r.json()["message"] and f" -> {priced})" in r.json()["message"], r.text
 
     assert _post(server, "pause").status_code == 202
     wait_for(lambda: _status(server)["engine"]["info"]["num_pages"] == 0, 60, "the pool's pages gone")

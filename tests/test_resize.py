@@ -305,4 +305,11 @@ def test_the_log_counts_the_pages_the_control_api_and_the_events_count(tiny_dir,
         res = engine.resize_kv_pool(64, reason="test shrink")
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("KV pool shrunk")]
     assert len(said) == 1 and f": {NUM_PAGES - 1} -> 63 pages (" in said[0], said
-    assert f"KV pool {NUM_PAGES - 1} -> 63 pages" in _describe_resize(res)
+    from engine.common.units import fmt_bytes
+
+    # The answer's bytes are the usable pages' (as `headroom plan` prices a pool), not the
+    # buffers' with the null page.
+    page = engine.pool.page_bytes
+    answer = _describe_resize(res, page)
+    assert f"KV pool {NUM_PAGES - 1} -> 63 pages ({fmt_bytes((NUM_PAGES - 1) * page)} -> {fmt_bytes(63 * page)})" \
+        in answer, answer

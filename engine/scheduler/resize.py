@@ -33,6 +33,7 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from engine.kvcache.allocator import PageAllocator
+from engine.memory.kv_fit import usable_pages
 from engine.kvcache.radix import RadixCache
 from engine.kvcache.relocate import relocate_below
 from engine.kvcache.ring import RingPages
@@ -137,7 +138,8 @@ def vacate_above(sched: Scheduler, cut: int) -> Vacated:
             evicted += radix.evict_at_or_above(cut)
     moves = relocate_below(high, cut, alloc, (req.pages for req in sched.running), radix)
     if preempted:
-        log.info("KV pool shrink to %d pages: preempted %s (youngest first)", cut, ", ".join(preempted))
+        # Usable pages, as the resize's own line and every surface count them.
+        log.info("KV pool shrink to %d pages: preempted %s (youngest first)", usable_pages(cut), ", ".join(preempted))
     return Vacated(evicted_pages=evicted, moves=moves, preempted=preempted)
 
 

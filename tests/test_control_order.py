@@ -46,7 +46,7 @@ def test_a_restart_and_a_pause_sent_together_are_one_after_the_other(start_serve
             restarted += 1
             assert restart_status == 202 and f"(pid {pid})" in restart["message"], restart
             assert f"worker {pid} stopped" not in pause["message"], pause
-            wait_for(lambda: re.search(rf"worker {pid} .*restart requested by the control API", server.log()),
+            wait_for(lambda pid=pid: re.search(rf"worker {pid} .*restart requested by the control API", server.log()),
                      30, "the restart's exit logged as asked for")
         wait_for(lambda: server.health().json()["status"] == "paused", 30, "paused")
         r = httpx.post(f"{server.base_url}/api/control/resume", timeout=60,

@@ -18,9 +18,9 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from engine.common.units import fmt_bytes
-
 from service_harness import ServerProcess, serving, wait_for
+
+from engine.common.units import fmt_bytes
 
 
 @pytest.fixture(scope="module")

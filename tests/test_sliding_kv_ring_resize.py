@@ -11,7 +11,14 @@ from __future__ import annotations
 import pytest
 from model_checks import VOCAB, greedy_params, hf_greedy, seeded_prompts
 
-from engine.memory.kv_fit import RingRule, kv_pages, pages_freeing, pages_within, pool_cost, ring_pool_cap
+from engine.memory.kv_fit import (
+    RingRule,
+    kv_pages,
+    pages_freeing,
+    pages_within,
+    pool_cost,
+    ring_pool_cap,
+)
 from engine.wire.messages import GenerateRequest
 
 pytest.importorskip("transformers")

@@ -33,10 +33,10 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from engine.kvcache.allocator import PageAllocator
-from engine.memory.kv_fit import usable_pages
 from engine.kvcache.radix import RadixCache
 from engine.kvcache.relocate import relocate_below
 from engine.kvcache.ring import RingPages
+from engine.memory.kv_fit import usable_pages
 from engine.scheduler.request import Request
 from engine.wire.messages import FINISH_LENGTH
 

@@ -64,6 +64,14 @@ class KernelSwitches:
         "tile, from 64 rows the weights dequantized to float32 for torch's GEMM (as on a CPU "
         "without AVX-512), and the K-quants' AVX2 row product, to compare.",
     )
+    cpu_kquant_act_bits: str = _switch(
+        "16",
+        "On the CPU, the bits of the activation codes Q4_K/Q5_K/Q6_K row products take (linear "
+        "layers, CPU experts, prefill on the K-quant tile): 16 (int16 codes per block of 32, "
+        "kernels/cpu/kquant.c) or 8 (int8 codes, byte products, kernels/cpu/kquant8.c: faster, "
+        "and a product moves by up to 129 times as much; docs/cpu.md).",
+        choices=("8", "16"),
+    )
     cpu_rows16: bool = _switch(
         True,
         "On a CPU with AVX-512, a CPU model's layer projections of Q4_0/Q4_1/Q8_0 blocks "

@@ -15,6 +15,7 @@ from kernels.cpu.block_gemv import block_gemv, block_gemv_ref  # noqa: E402
 from kernels.cpu.moe_experts import moe_experts, moe_experts_ref  # noqa: E402
 from kernels.quant import reference  # noqa: E402
 from kernels.quant.synthetic import random_blocks  # noqa: E402
+from kernels.switches import using  # noqa: E402
 
 KQUANTS = ("Q4_K", "Q5_K", "Q6_K")
 
@@ -76,16 +77,19 @@ def test_a_layer_s_cpu_experts_in_one_call_equal_their_reference(lib, types):
     tokens = torch.tensor([0, 1, 2, 3, 4, 0, 2, 4])
     experts = torch.tensor([3, 3, 3, 0, 5, 1, 4, 1])
     weights = torch.rand(8, generator=gen)
-    want = moe_experts_ref(x, tokens, experts, weights, gate, up, down, types)
-    scale = float(want.abs().max())
-    for scalar in (False, True):
-        for threads in (1, 2):
-            got = moe_experts(lib, x, tokens, experts, weights, gate, up, down, types, threads=threads, scalar=scalar)
-            assert got.shape == (5, hidden) and got.dtype == torch.float32
-            assert float((got - want).abs().max()) <= 1e-5 * scale, (scalar, threads)
-    base = torch.ones(5, hidden)
-    moe_experts(lib, x, tokens, experts, weights, gate, up, down, types, out=base)
-    assert float((base - 1 - want).abs().max()) <= 1e-5 * scale
+    for bits in ("16", "8"):
+        with using(cpu_kquant_act_bits=bits):
+            want = moe_experts_ref(x, tokens, experts, weights, gate, up, down, types)
+            scale = float(want.abs().max())
+            for scalar in (False, True):
+                for threads in (1, 2):
+                    got = moe_experts(lib, x, tokens, experts, weights, gate, up, down, types, threads=threads,
+                                      scalar=scalar)
+                    assert got.shape == (5, hidden) and got.dtype == torch.float32
+                    assert float((got - want).abs().max()) <= 1e-5 * scale, (bits, scalar, threads)
+            base = torch.ones(5, hidden)
+            moe_experts(lib, x, tokens, experts, weights, gate, up, down, types, out=base)
+            assert float((base - 1 - want).abs().max()) <= 1e-5 * scale, bits
 
 
 def test_the_one_call_refuses_what_it_cannot_take(lib):

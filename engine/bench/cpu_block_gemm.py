@@ -32,14 +32,16 @@ SHAPES = (("qkv", "Q4_1", 960, 576), ("o", "Q4_1", 576, 576), ("gate_up", "Q4_1"
           ("down", "Q4_1", 576, 1536), ("head", "Q8_0", 49152, 576))
 
 
-def alternate(run: Callable[[], object], rounds: int) -> dict[bool, list]:
-    """``run()``'s results with the switch off and on, ``rounds`` times each, the order
-    flipped every round (so a drift of the machine falls on both)."""
-    got: dict[bool, list] = {False: [], True: []}
+def alternate(run: Callable[[], object], rounds: int, switch: str = "cpu_block_gemm",
+              values: tuple = (False, True)) -> dict:
+    """``run()``'s results with the kernel switch ``switch`` at each of its two ``values``
+    (default: ``cpu_block_gemm`` off and on), ``rounds`` times each, the order flipped
+    every round (so a drift of the machine falls on both): ``{value: [result, ...]}``."""
+    got: dict = {v: [] for v in values}
     for r in range(rounds):
-        for on in ((False, True) if r % 2 == 0 else (True, False)):
-            with using(cpu_block_gemm=on):
-                got[on].append(run())
+        for v in (values if r % 2 == 0 else values[::-1]):
+            with using(**{switch: v}):
+                got[v].append(run())
     return got
 
 

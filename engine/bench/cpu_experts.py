@@ -4,6 +4,7 @@ they replace (each expert's blocks dequantized by ``gguf``, then two float32 GEM
 
     python -m engine.bench.cpu_experts --tokens 1 4 --threads 2
     python -m engine.bench.cpu_experts --tokens 1 4 --no-torch --ab 15
+    python -m engine.bench.cpu_experts --tokens 1 4 --no-torch --ab-bits 15
 
 Random blocks of Qwen3-30B-A3B's shape by default (H=2048, I=768, 128 experts, top-8,
 Q4_K gate/up, Q6_K down: a Q4_K_M file's types); each token routes to ``--top-k``
@@ -50,8 +51,9 @@ def _torch_step(x, tokens, ids, weights, gate, up, down, types) -> None:
         out.index_add_(0, sel, y * weights[sel, ks, None])
 
 
-def _ab(step, rounds: int, t: int, read: int) -> None:
-    """Print the step's median ms and GB/s with the ``cpu_block_gemm`` switch off and on."""
+def _ab(step, rounds: int, t: int, read: int, switch: str = "cpu_block_gemm", values: tuple = (False, True)) -> None:
+    """Print the step's median ms and GB/s with the kernel switch ``switch`` at its two
+    ``values`` (default: ``cpu_block_gemm`` off and on), alternating."""
     import statistics
     import time
 
@@ -63,9 +65,9 @@ def _ab(step, rounds: int, t: int, read: int) -> None:
         return time.perf_counter() - t0
 
     step()
-    got = alternate(timed, rounds)
-    off, on = (statistics.median(got[s]) for s in (False, True))
-    print(f"  {t} token(s), C kernels off -> on: {off * 1e3:8.2f} -> {on * 1e3:8.2f} ms a step ({off / on:.2f}x), "
+    got = alternate(timed, rounds, switch, values)
+    off, on = (statistics.median(got[v]) for v in values)
+    print(f"  {t} token(s), C kernels {switch} {values[0]} -> {values[1]}: {off * 1e3:8.2f} -> {on * 1e3:8.2f} ms a step ({off / on:.2f}x), "
           f"{read / off / 1e9:6.2f} -> {read / on / 1e9:6.2f} GB/s of blocks")
 
 
@@ -83,6 +85,9 @@ def main() -> None:
     parser.add_argument("--ab", type=int, default=0, metavar="ROUNDS",
                         help="also the C kernels with the cpu_block_gemm switch off and on, alternating, "
                              "ROUNDS each, medians (the K-quant AVX-512 tile against the AVX2 row product)")
+    parser.add_argument("--ab-bits", type=int, default=0, metavar="ROUNDS",
+                        help="also the C kernels with the cpu_kquant_act_bits switch at 16 and 8, alternating, "
+                             "ROUNDS each, medians (the K-quants' 16-bit activation codes against 8-bit ones)")
     args = parser.parse_args()
 
     from engine.layers.linear.cpu_kernels import cpu_kernels
@@ -114,6 +119,8 @@ def main() -> None:
             rows["torch dequantize"] = lambda step=step: _torch_step(*step)
         if args.ab:
             _ab(rows["C kernels"], args.ab, t, read)
+        if args.ab_bits:
+            _ab(rows["C kernels"], args.ab_bits, t, read, "cpu_kquant_act_bits", ("16", "8"))
         for name, fn in rows.items():
             fn()  # first touch
             s = best_time(fn, args.repeats)

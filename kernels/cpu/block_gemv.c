@@ -49,55 +49,103 @@ int hr_simd_level(void) {
 #endif
 }
 
-/* Quantize one row of K floats (K a multiple of 32) into codes, scales and sums. A block
- * holding a NaN or an infinity gets a NaN scale (and zero codes), so the products it
- * enters are NaN, as in float arithmetic; a block too small for its scale's reciprocal
- * (below about 1e-34) gets zero codes. */
-void hr_quantize_row(const float *x, int64_t K, int16_t *codes, float *scales, int32_t *sums) {
-    for (int64_t b = 0; b < K / 32; b++) {
-        const float *xb = x + b * 32;
+/* Largest |x| of a block of 32 and whether all 32 are finite (maxps keeps its second
+ * operand for a NaN first, as fmaxf keeps the number). */
+static inline float block_max(const float *xb, int *finite) {
 #ifdef HR_AVX512
-        /* The same codes 16 lanes at a time (maxps keeps its second operand for a NaN
-         * first, as fmaxf keeps the number): a block's scalar loop took about 90 ns. */
-        const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
-        const __m512 a0 = _mm512_abs_ps(x0), a1 = _mm512_abs_ps(x1), inf = _mm512_set1_ps(INFINITY);
-        const int all_finite = (_mm512_cmp_ps_mask(a0, inf, _CMP_LT_OQ) & _mm512_cmp_ps_mask(a1, inf, _CMP_LT_OQ)) == 0xffff;
-        const float vmax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
-        float vd = vmax / 32767.0f, vid = vd != 0.0f ? 1.0f / vd : 0.0f;
-        if (!isfinite(vid)) vid = 0.0f;
-        if (!all_finite) vd = NAN, vid = 0.0f;
-        const __m512 lim = _mm512_set1_ps(32767.0f), nlim = _mm512_set1_ps(-32767.0f), vi = _mm512_set1_ps(vid);
-        const int rne = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-        const __m512 r0 = _mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(_mm512_mul_ps(x0, vi), rne), nlim), lim);
-        const __m512 r1 = _mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(_mm512_mul_ps(x1, vi), rne), nlim), lim);
-        const __m512i c0 = _mm512_cvttps_epi32(r0), c1 = _mm512_cvttps_epi32(r1);
-        _mm256_storeu_si256((__m256i *)(codes + b * 32), _mm512_cvtepi32_epi16(c0));
-        _mm256_storeu_si256((__m256i *)(codes + b * 32 + 16), _mm512_cvtepi32_epi16(c1));
-        scales[b] = vd;
-        sums[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(c0, c1));
-        continue;
+    const __m512 a0 = _mm512_abs_ps(_mm512_loadu_ps(xb)), a1 = _mm512_abs_ps(_mm512_loadu_ps(xb + 16));
+    const __m512 inf = _mm512_set1_ps(INFINITY);
+    *finite &= (_mm512_cmp_ps_mask(a0, inf, _CMP_LT_OQ) & _mm512_cmp_ps_mask(a1, inf, _CMP_LT_OQ)) == 0xffff;
+    return _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
+#else
+    float amax = 0.0f;
+    for (int j = 0; j < 32; j++) {
+        const float a = fabsf(xb[j]);
+        *finite &= isfinite(a) != 0;
+        amax = fmaxf(amax, a);
+    }
+    return amax;
 #endif
-        float amax = 0.0f;
+}
+
+/* Codes round(x * id) of a block of 32 (round half to even; |x * id| <= limit up to
+ * rounding, clamped so the conversion is always defined), their sum returned. */
+static inline __attribute__((always_inline)) int32_t block_codes(const float *xb, float id, float limit, int bits,
+                                                                 void *out) {
+#ifdef HR_AVX512
+    /* 16 lanes at a time: a block's scalar loop took about 90 ns */
+    const __m512 lim = _mm512_set1_ps(limit), nlim = _mm512_set1_ps(-limit), vi = _mm512_set1_ps(id);
+    const int rne = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    const __m512 r0 = _mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(xb), vi), rne), nlim), lim);
+    const __m512 r1 = _mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(xb + 16), vi), rne), nlim), lim);
+    const __m512i i0 = _mm512_cvttps_epi32(r0), i1 = _mm512_cvttps_epi32(r1);
+    if (bits == 8) {
+        _mm_storeu_si128((__m128i *)out, _mm512_cvtepi32_epi8(i0));
+        _mm_storeu_si128((__m128i *)out + 1, _mm512_cvtepi32_epi8(i1));
+    } else {
+        _mm256_storeu_si256((__m256i *)out, _mm512_cvtepi32_epi16(i0));
+        _mm256_storeu_si256((__m256i *)out + 1, _mm512_cvtepi32_epi16(i1));
+    }
+    return _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+#else
+    int32_t s = 0;
+    for (int j = 0; j < 32; j++) {
+        const float c = fminf(fmaxf(nearbyintf(xb[j] * id), -limit), limit);
+        if (bits == 8)
+            ((int8_t *)out)[j] = (int8_t)c;
+        else
+            ((int16_t *)out)[j] = (int16_t)c;
+        s += (int32_t)c;
+    }
+    return s;
+#endif
+}
+
+/* Quantize one row of K floats into codes of `bits` bits (blocks.h: hr_quantize_row,
+ * hr_quantize_row8). 16: dx = max|x| / 32767 per block of 32. 8: per group of 256,
+ * D = max|x| / 127 and each block's dx = D / 2^k, k the largest of 0..6 with
+ * 2^k max|x_block| <= max|x_group|; the shifts 6 - k and D / 64 follow the codes. A block
+ * (group) holding a NaN or an infinity gets a NaN scale (and zero codes), so the
+ * products it enters are NaN, as in float arithmetic; one too small for its scale's
+ * reciprocal (below about 1e-34) gets zero codes. */
+static inline __attribute__((always_inline)) void quantize_row_as(const float *x, int64_t K, void *codes,
+                                                                  float *scales, int32_t *sums, const int bits) {
+    const float limit = bits == 8 ? 127.0f : 32767.0f;
+    const int per = bits == 8 ? 8 : 1;  /* blocks of 32 a group */
+    for (int64_t g = 0; g < K / (32 * per); g++) {
+        float bmax[8], gmax = 0.0f;
         int finite = 1;
-        for (int j = 0; j < 32; j++) {
-            const float a = fabsf(xb[j]);
-            finite &= isfinite(a) != 0;
-            amax = fmaxf(amax, a);
+        for (int i = 0; i < per; i++) {
+            bmax[i] = block_max(x + (g * per + i) * 32, &finite);
+            gmax = fmaxf(gmax, bmax[i]);
         }
-        float d = amax / 32767.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        float d = gmax / limit, id = d != 0.0f ? 1.0f / d : 0.0f;
         if (!isfinite(id)) id = 0.0f;
         if (!finite) d = NAN, id = 0.0f;
-        int32_t s = 0;
-        for (int j = 0; j < 32; j++) {
-            /* round half to even; |x * id| <= 32767 up to rounding, clamped so the
-             * conversion is always defined */
-            const float c = fminf(fmaxf(nearbyintf(xb[j] * id), -32767.0f), 32767.0f);
-            codes[b * 32 + j] = (int16_t)c;
-            s += (int32_t)c;
+        for (int i = 0; i < per; i++) {
+            const int64_t b = g * per + i;
+            int k = bits == 8 ? 6 : 0;
+            while (k > 0 && bmax[i] * (float)(1 << k) > gmax) k--;
+            float idb = id * (float)(1 << k);
+            if (!isfinite(idb)) idb = 0.0f;
+            void *out = bits == 8 ? (void *)((int8_t *)codes + b * 32) : (void *)((int16_t *)codes + b * 32);
+            sums[b] = block_codes(x + b * 32, idb, limit, bits, out);
+            scales[b] = d * (1.0f / (float)(1 << k));
+            if (bits == 8) ((uint8_t *)codes)[K + b] = (uint8_t)(6 - k);
         }
-        scales[b] = d;
-        sums[b] = s;
+        if (bits == 8) {
+            const float e = d * (1.0f / 64.0f);
+            memcpy((uint8_t *)codes + K + K / 32 + 4 * g, &e, 4);
+        }
     }
+}
+
+void hr_quantize_row(const float *x, int64_t K, int16_t *codes, float *scales, int32_t *sums) {
+    quantize_row_as(x, K, codes, scales, sums, 16);
+}
+
+void hr_quantize_row8(const float *x, int64_t K, int8_t *codes, float *scales, int32_t *sums) {
+    quantize_row_as(x, K, codes, scales, sums, 8);
 }
 
 /* One output: row w (nb blocks of type) times one quantized activation row. */
@@ -127,13 +175,6 @@ static float dot_scalar(int type, const uint8_t *w, const int16_t *c, const floa
 }
 
 #ifdef HR_AVX2
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 /* 8 int32 lanes of a . b + c . d over 16-bit lanes (pairs of products summed). */
 static inline __m256i dot_i16(__m256i a, __m256i b, __m256i c, __m256i d) {
 #if defined(__AVXVNNI__)
@@ -198,7 +239,7 @@ static inline __attribute__((always_inline)) void tile_avx2(
         }
     }
     for (int i = 0; i < MT; i++)
-        for (int r = 0; r < 4; r++) y[i * ldy + r] = hsum(acc[i][r]) + off[i][r];
+        for (int r = 0; r < 4; r++) y[i * ldy + r] = hr_hsum8(acc[i][r]) + off[i][r];
 }
 #endif
 
@@ -272,7 +313,7 @@ int hr_block_gemv(int type, const float *x, int64_t M, int64_t K, const uint8_t 
     if (threads < 1) threads = 1;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && M * K >= 16384)
     for (int64_t m = 0; m < M; m++) {
-        hr_quantize_row(x + m * K, K, codes + m * K, scales + m * nb, sums + m * nb);
+        hr_quantize_for(type, scalar, x + m * K, K, codes + m * K, scales + m * nb, sums + m * nb);
         for (int64_t b = 0; b < nb; b++) scaled_sums[m * nb + b] = scales[m * nb + b] * (float)sums[m * nb + b];
     }
     /* Work items of 8 weight rows, the AVX-512 tile's; 4 for one row of Q8_0 (a tied LM

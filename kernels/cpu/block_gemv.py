@@ -4,10 +4,12 @@ Q4_K, Q5_K, Q6_K in ``kquant.c``): the C kernel and its torch reference.
 The kernel quantizes each activation row per block of 32 to int16 codes with a float32
 scale (``max|x| / 32767``), multiplies codes by the weights' integer codes exactly and
 scales each block's sum (llama.cpp's scheme for these types, with 16-bit activation
-codes where it takes 8: see the C file for why). The reference does the same
-quantization in torch and the product in float64 from ``gguf``'s dequantized weights,
-so the two agree to float32 summation order; against float32 activations a product
-moves by about ``max|x| / 65534`` per element of a block.
+codes where it takes 8: see the C file for why). The K-quants take 8-bit codes
+(``max|x| / 127``, ``kquant8.c``) where the ``cpu_kquant_act_bits`` switch says 8
+(:func:`act_bits`). The reference does the same quantization in torch and the product
+in float64 from ``gguf``'s dequantized weights, so the two agree to float32 summation
+order; against float32 activations a product moves by at most half a code step
+(``max|x_block| / 65534``, or ``/ 254`` with 8-bit codes) per element of a block.
 """
 
 from __future__ import annotations
@@ -34,15 +36,23 @@ ROWS16_IDS = {name: TYPE_IDS[t] | rows16.FLAG for name, t in rows16.NAMES.items(
 # AVX-512 block GEMM of block_gemm.c where the CPU has AVX-512 BW), the plain C one, the
 # AVX2 tile.
 PATH_BEST, PATH_C, PATH_AVX2 = 0, 1, 2
+# A flag on a path (blocks.h's HR_ACT8): the K-quant products take 8-bit activation codes.
+ACT8 = 4
+KQUANT_NAMES = ("Q4_K", "Q5_K", "Q6_K")
 
 
 def gemv_path(scalar: bool = False) -> int:
     """The ``PATH_*`` a C product takes now: plain C where asked (tests), the AVX2 tile
     while the ``cpu_block_gemm`` switch (:mod:`kernels.switches`) is off, else the
-    fastest."""
-    if scalar:
-        return PATH_C
-    return PATH_BEST if current().cpu_block_gemm else PATH_AVX2
+    fastest; with :data:`ACT8` where the ``cpu_kquant_act_bits`` switch is 8."""
+    path = PATH_C if scalar else PATH_BEST if current().cpu_block_gemm else PATH_AVX2
+    return path | (ACT8 if current().cpu_kquant_act_bits == "8" else 0)
+
+
+def act_bits(type_name: str) -> int:
+    """The bits of the activation codes the C products by ``type_name`` blocks take now:
+    8 for a K-quant while the ``cpu_kquant_act_bits`` switch is 8, else 16."""
+    return 8 if type_name in KQUANT_NAMES and current().cpu_kquant_act_bits == "8" else 16
 
 
 def gemm_on_blocks(lib: ctypes.CDLL) -> bool:
@@ -53,22 +63,36 @@ def gemm_on_blocks(lib: ctypes.CDLL) -> bool:
     return current().cpu_block_gemm and lib.hr_simd_level() >= 2
 
 
-def quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's activation codes: float32 ``[M, K]`` (``K`` a multiple of 32) to int16
-    codes ``[M, K]`` and float32 scales ``[M, K / 32]``, ``x ~ codes * scale`` per block;
-    round half to even, as ``nearbyintf``."""
+def quantize_rows_ref(x: torch.Tensor, bits: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's activation codes: float32 ``[M, K]`` to int16 codes ``[M, K]`` and
+    float32 scales ``dx`` ``[M, K / 32]``, ``x ~ codes * dx`` per block of 32; round half
+    to even, as ``nearbyintf``. ``bits`` 16: ``dx = max|x| / 32767`` per block (``K`` a
+    multiple of 32). 8: ``|c| <= 127``, ``dx = D / 2**k`` with ``D = max|x| / 127`` of the
+    block's group of 256 and ``k`` the largest of 0..6 with ``2**k max|x_block| <=
+    max|x_group|`` (``K`` a multiple of 256; ``hr_quantize_row8``)."""
     m, k = x.shape
     blocks = x.float().view(m, k // GROUP, GROUP)
-    d = blocks.abs().amax(-1) / 32767.0
+    bmax = blocks.abs().amax(-1)
+    if bits == 8:
+        gmax = bmax.view(m, -1, 8).amax(-1).repeat_interleave(8, dim=1)
+        d = gmax / 127.0
+        shift = torch.full_like(bmax, 6.0)
+        for s in range(6, 0, -1):  # the largest k with 2**k max|x_block| <= max|x_group|
+            shift = torch.where((shift == s) & (bmax * 2.0**s > gmax), s - 1.0, shift)
+    else:
+        d, shift = bmax / 32767.0, torch.zeros_like(bmax)
     inv = torch.where(d != 0, 1.0 / torch.where(d != 0, d, 1.0), 0.0)
-    codes = torch.round(blocks * inv[..., None]).to(torch.int16)
-    return codes.view(m, k), d
+    inv = torch.where(torch.isfinite(inv), inv, 0.0) * 2.0**shift
+    inv = torch.where(torch.isfinite(inv), inv, 0.0)
+    codes = torch.round(blocks * inv[..., None]).clamp(-(2 ** (bits - 1) - 1), 2 ** (bits - 1) - 1).to(torch.int16)
+    return codes.view(m, k), d * 2.0**-shift
 
 
-def quantize_rows(lib: ctypes.CDLL, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The C kernel's activation codes (``hr_quantize_row``, a row at a time): float32
-    ``[M, K]`` (``K`` a multiple of 32) to int16 codes ``[M, K]``, float32 scales and
-    int32 code sums ``[M, K / 32]``; :func:`quantize_rows_ref` is its reference.
+def quantize_rows(lib: ctypes.CDLL, x: torch.Tensor, bits: int = 16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The C kernel's activation codes (``hr_quantize_row``, or ``hr_quantize_row8`` for
+    ``bits`` 8, a row at a time): float32 ``[M, K]`` (``K`` a multiple of 32) to codes
+    ``[M, K]`` (int16, or int8), float32 scales and int32 code sums ``[M, K / 32]``;
+    :func:`quantize_rows_ref` is its reference.
 
     Raises:
         ValueError: ``K`` not a multiple of 32.
@@ -77,24 +101,28 @@ def quantize_rows(lib: ctypes.CDLL, x: torch.Tensor) -> tuple[torch.Tensor, torc
     m, k = x.shape
     if k % GROUP:
         raise ValueError(f"quantize_rows: K={k} is not a multiple of {GROUP}")
-    codes = torch.empty(m, k, dtype=torch.int16)
+    # 8 bits: the kernel's 2K bytes a row, the codes first (blocks.h)
+    codes = torch.empty(m, 2 * k, dtype=torch.int8) if bits == 8 else torch.empty(m, k, dtype=torch.int16)
     scales = torch.empty(m, k // GROUP, dtype=torch.float32)
     sums = torch.empty(m, k // GROUP, dtype=torch.int32)
+    quantize = lib.hr_quantize_row8 if bits == 8 else lib.hr_quantize_row
     for r in range(m):
-        lib.hr_quantize_row(x[r].data_ptr(), k, codes[r].data_ptr(), scales[r].data_ptr(), sums[r].data_ptr())
-    return codes, scales, sums
+        quantize(x[r].data_ptr(), k, codes[r].data_ptr(), scales[r].data_ptr(), sums[r].data_ptr())
+    return codes[:, :k], scales, sums
 
 
-def block_gemv_ref(x: torch.Tensor, blocks: torch.Tensor, type_name: str) -> torch.Tensor:
+def block_gemv_ref(x: torch.Tensor, blocks: torch.Tensor, type_name: str, bits: int | None = None) -> torch.Tensor:
     """Reference of :func:`block_gemv`: float32 ``[M, N]``.
 
     Args:
         x: float32 ``[M, K]``.
         blocks: uint8 ``[N, K / block_elements * block_bytes]`` of ``type_name``.
         type_name: a key of :data:`GEMV_TYPE_IDS`.
+        bits: the activation codes' bits, default those the kernel takes now
+            (:func:`act_bits`).
     """
     m, k = x.shape
-    codes, d = quantize_rows_ref(x)
+    codes, d = quantize_rows_ref(x, act_bits(type_name) if bits is None else bits)
     xq = (codes.double().view(m, k // GROUP, GROUP) * d.double()[..., None]).view(m, k)
     w = reference.dequantize(blocks, type_name, k).double()
     return (xq @ w.T).float()

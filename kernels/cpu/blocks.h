@@ -4,6 +4,9 @@
  *
  * A row product takes activation rows already quantized by hr_quantize_row (block_gemv.c):
  * per block of 32, int16 codes c, a float32 scale dx, the codes' sum s and dx * s (dxs).
+ * With HR_ACT8 in the path argument, the K-quant products (kquant8.c) take 8-bit codes
+ * instead (hr_quantize_row8), in the same 2K bytes a row, so the same buffers and row
+ * offsets serve both.
  */
 #ifndef HR_BLOCKS_H
 #define HR_BLOCKS_H
@@ -72,6 +75,52 @@ void hr_quantize_row(const float *x, int64_t K, int16_t *codes, float *scales, i
 /* Which product the row products take (their `scalar` argument): the fastest the build
  * has; the plain C one; the AVX2 tile where the build has AVX-512 too (tests, A/B). */
 enum { HR_PATH_BEST = 0, HR_PATH_C = 1, HR_PATH_AVX2 = 2 };
+/* A flag on a path: the K-quant products take 8-bit activation codes (kquant8.c; the
+ * cpu_kquant_act_bits switch). Other types ignore it and keep 16-bit codes. */
+enum { HR_PATH_MASK = 3, HR_ACT8 = 4 };
+
+/* Whether rows multiplied by `type` blocks under `path` take 8-bit codes. */
+static inline int hr_act8(int type, int path) { return (path & HR_ACT8) != 0 && hr_is_kquant(type); }
+
+/* Per activation row (K a multiple of 256), into 2K bytes at codes: K int8 codes
+ * c = round(x / dx) per block of 32 with dx = D / 2^k, D = max|x| / 127 of its group of
+ * 256 and k the largest of 0..6 with 2^k max|x_block| <= max|x_group| (a power of two
+ * apart, so the products sum in int32 over a group: kquant8.c); then K / 32 bytes 6 - k
+ * and K / 256 floats D / 64. scales: K / 32 dx; sums: the codes' sums (int32) per block.
+ * NaN and tiny blocks as hr_quantize_row. */
+void hr_quantize_row8(const float *x, int64_t K, int8_t *codes, float *scales, int32_t *sums);
+
+/* One row quantized for products by `type` blocks under `path`: hr_quantize_row8 into
+ * codes' 2K-byte slot where hr_act8, else 16-bit codes. */
+static inline void hr_quantize_for(int type, int path, const float *x, int64_t K, int16_t *codes, float *scales,
+                                   int32_t *sums) {
+    if (hr_act8(type, path))
+        hr_quantize_row8(x, K, (int8_t *)codes, scales, sums);
+    else
+        hr_quantize_row(x, K, codes, scales, sums);
+}
+
+/* Sub-block j's 6-bit scale and min of a Q4_K/Q5_K block's scales[12] (ggml's
+ * get_scale_min_k4). */
+static inline void hr_scale_min(const uint8_t *q, int j, int *sc, int *m) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 15) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+#ifdef HR_AVX2
+/* The sum of 8 float lanes: (l0 + l4) + (l2 + l6), plus (l1 + l5) + (l3 + l7). */
+static inline float hr_hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
 
 /* y[i * ldy + n] = x_i . W[n] for i < M and n0 <= n < n1, one thread. W: rows of
  * row_bytes bytes of `type`, K weights each; codes: M rows K apart; dx, sums, dxs: M rows
@@ -88,6 +137,10 @@ int64_t hr_kquant_rows512(int type, const uint8_t *w, int64_t K, const int16_t *
                           const float *dxs, int64_t M, int64_t n0, int64_t n1, float *y, int64_t ldy);
 void hr_kquant_rows(int type, const uint8_t *w, int64_t K, const int16_t *codes, const float *dx,
                     const float *dxs, int64_t M, int64_t n0, int64_t n1, float *y, int64_t ldy, int scalar);
+/* hr_kquant_rows on 8-bit rows of hr_quantize_row8 (kquant8.c), row i at codes + i * ldc
+ * bytes; dxs: dx * s per block. */
+void hr_kquant_rows8(int type, const uint8_t *w, int64_t K, const int8_t *codes, int64_t ldc, const float *dxs,
+                     int64_t M, int64_t n0, int64_t n1, float *y, int64_t ldy, int path);
 void hr_mxfp4_rows(const uint8_t *w, int64_t K, const int16_t *codes, const float *dx, int64_t M, int64_t n0,
                    int64_t n1, float *y, int64_t ldy);
 
@@ -107,12 +160,14 @@ static inline int hr_rows(int type, const uint8_t *w, int64_t K, const int16_t *
                           int64_t ldy, int scalar) {
     const int be = hr_block_elements(type);
     if (be == 0 || K % be != 0) return -1;
-    if (type == MXFP4)
+    if (hr_act8(type, scalar))
+        hr_kquant_rows8(type, w, K, (const int8_t *)codes, 2 * K, dxs, M, n0, n1, y, ldy, scalar & HR_PATH_MASK);
+    else if (type == MXFP4)
         hr_mxfp4_rows(w, K, codes, dx, M, n0, n1, y, ldy);
     else if (hr_is_kquant(type))
-        hr_kquant_rows(type, w, K, codes, dx, dxs, M, n0, n1, y, ldy, scalar);
+        hr_kquant_rows(type, w, K, codes, dx, dxs, M, n0, n1, y, ldy, scalar & HR_PATH_MASK);
     else
-        hr_legacy_rows(type, w, K, codes, dx, sums, dxs, M, n0, n1, y, ldy, scalar);
+        hr_legacy_rows(type, w, K, codes, dx, sums, dxs, M, n0, n1, y, ldy, scalar & HR_PATH_MASK);
     return 0;
 }
 

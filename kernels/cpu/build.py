@@ -1,4 +1,4 @@
-"""Build the CPU kernels (``block_gemv.c``, ``block_gemm.c``, ``kquant.c``, ``kquant_gemm.c``,
+"""Build the CPU kernels (``block_gemv.c``, ``block_gemm.c``, ``kquant.c``, ``kquant8.c``, ``kquant_gemm.c``,
 ``mxfp4.c``, ``moe_experts.c``, ``moe_job.c``, ``decode_layer.c``, sharing ``blocks.h`` and ``tile512.h``)
 at first use and load them.
 
@@ -39,7 +39,7 @@ from kernels.switches import current
 
 log = logging.getLogger("headroom.kernels")
 
-SOURCES = ("block_gemv.c", "block_gemm.c", "kquant.c", "kquant_gemm.c", "mxfp4.c", "moe_experts.c", "moe_job.c",
+SOURCES = ("block_gemv.c", "block_gemm.c", "kquant.c", "kquant8.c", "kquant_gemm.c", "mxfp4.c", "moe_experts.c", "moe_job.c",
            "decode_layer.c", "rows16.c")
 HEADERS = ("blocks.h", "tile512.h")
 _HERE = Path(__file__).resolve().parent
@@ -159,6 +159,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.hr_rows16_available.argtypes = []
     lib.hr_quantize_row.restype = None
     lib.hr_quantize_row.argtypes = [ptr, c_i64, ptr, ptr, ptr]
+    lib.hr_quantize_row8.restype = None
+    lib.hr_quantize_row8.argtypes = [ptr, c_i64, ptr, ptr, ptr]
     lib.hr_dequantize_rows.restype = c_int
     lib.hr_dequantize_rows.argtypes = [c_int, ptr, c_i64, c_i64, c_i64, ptr, c_int]
     lib.hr_moe_work_bytes.restype = c_i64

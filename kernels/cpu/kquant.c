@@ -34,17 +34,6 @@
 
 #include "blocks.h"
 
-/* Sub-block j's 6-bit scale and min of Q4_K/Q5_K (ggml's get_scale_min_k4). */
-static inline void scale_min(const uint8_t *q, int j, int *sc, int *m) {
-    if (j < 4) {
-        *sc = q[j] & 63;
-        *m = q[j + 4] & 63;
-    } else {
-        *sc = (q[j + 4] & 15) | ((q[j - 4] >> 6) << 4);
-        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-    }
-}
-
 /* Sub-block j (weights 32 j ... 32 j + 31) of a block as u (above): the integers, the
  * float factor d and the offset per unit of dx * s (-dmin * m_j, or 0). */
 static void unpack_scalar(int type, const uint8_t *blk, int j, int16_t *u, float *d, float *off) {
@@ -61,7 +50,7 @@ static void unpack_scalar(int type, const uint8_t *blk, int j, int16_t *u, float
         return;
     }
     int sc, m;
-    scale_min(blk + 4, j, &sc, &m);
+    hr_scale_min(blk + 4, j, &sc, &m);
     const uint8_t *qs = blk + (type == Q5_K ? 48 : 16) + 32 * (j / 2);
     for (int l = 0; l < 32; l++) {
         int q = (qs[l] >> (4 * (j & 1))) & 15;
@@ -130,13 +119,6 @@ static inline __attribute__((always_inline)) void unpack_avx2(int type, const ui
     *u1 = _mm256_mullo_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(q, 1)), s16);
 }
 
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 /* One weight row times MT activation rows (a constant at each call, so the accumulators
  * stay in registers): each sub-block is unpacked once for the MT rows. */
 static inline __attribute__((always_inline)) void row_avx2(int type, const uint8_t *row, int64_t nsb, int64_t K,
@@ -155,7 +137,7 @@ static inline __attribute__((always_inline)) void row_avx2(int type, const uint8
         } else {
             d = f16_to_f32(blk);
             dmin = -f16_to_f32(blk + 2);
-            for (int j = 0; j < 8; j++) scale_min(blk + 4, j, &sc[j], &mn[j]);
+            for (int j = 0; j < 8; j++) hr_scale_min(blk + 4, j, &sc[j], &mn[j]);
         }
         for (int j = 0; j < 8; j++) {
             __m256i u0, u1;
@@ -177,7 +159,7 @@ static inline __attribute__((always_inline)) void row_avx2(int type, const uint8
             }
         }
     }
-    for (int i = 0; i < MT; i++) y[i * ldy] = hsum8(acc[i]) + offs[i];
+    for (int i = 0; i < MT; i++) y[i * ldy] = hr_hsum8(acc[i]) + offs[i];
 }
 
 static inline __attribute__((always_inline)) void row_avx2_types(int type, const uint8_t *row, int64_t nsb,

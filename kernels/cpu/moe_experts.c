@@ -53,9 +53,11 @@ static quantized quantized_at(void *at, int64_t n, int64_t K) {
     return q;
 }
 
-static void quantize_one(const float *x, int64_t K, quantized q, int64_t r) {
+/* Row r of q from x, for products by `type` blocks under `path` (8-bit codes where
+ * hr_act8: the first K bytes of the row's slot). */
+static void quantize_one(int type, int path, const float *x, int64_t K, quantized q, int64_t r) {
     const int64_t nb = K / 32;
-    hr_quantize_row(x, K, q.codes + r * K, q.dx + r * nb, q.sums + r * nb);
+    hr_quantize_for(type, path, x, K, q.codes + r * K, q.dx + r * nb, q.sums + r * nb);
     for (int64_t b = 0; b < nb; b++) q.dxs[r * nb + b] = q.dx[r * nb + b] * (float)q.sums[r * nb + b];
 }
 
@@ -82,6 +84,8 @@ int hr_moe_experts(const float *x, int64_t T, int64_t H, int64_t I, const int32_
     const int bg = hr_block_elements(tg), bu = hr_block_elements(tu), bd = hr_block_elements(td);
     if (!bg || !bu || !bd || H <= 0 || I <= 0 || H % bg || H % bu || I % bd || T < 0 || P < 0 || G < 0) return -1;
     if (P == 0) return 0;
+    /* the hidden rows take 8-bit codes only where both gate and up read them */
+    const int path_gu = hr_act8(tg, scalar) && hr_act8(tu, scalar) ? scalar : scalar & ~HR_ACT8;
     const int64_t gate_bytes = I * (H / bg) * hr_block_bytes(tg), up_bytes = I * (H / bu) * hr_block_bytes(tu);
     const int64_t down_bytes = H * (I / bd) * hr_block_bytes(td);
     char *at = (char *)work;
@@ -98,7 +102,7 @@ int hr_moe_experts(const float *x, int64_t T, int64_t H, int64_t I, const int32_
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < T; t++) quantize_one(x + t * H, H, xq, t);
+        for (int64_t t = 0; t < T; t++) quantize_one(tg, path_gu, x + t * H, H, xq, t);
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < P; p++) {
             const int64_t t = token[p];
@@ -114,7 +118,7 @@ int hr_moe_experts(const float *x, int64_t T, int64_t H, int64_t I, const int32_
             const int64_t m = start[grp + 1] - p0;
             const uint8_t *w = is_up ? up + expert[grp] * up_bytes : gate + expert[grp] * gate_bytes;
             hr_rows(is_up ? tu : tg, w, H, pq.codes + p0 * H, pq.dx + p0 * nbh, pq.sums + p0 * nbh, pq.dxs + p0 * nbh,
-                    m, n0, n1, (is_up ? u : g) + p0 * I, I, scalar);
+                    m, n0, n1, (is_up ? u : g) + p0 * I, I, path_gu);
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t grp = 0; grp < G; grp++) {
@@ -132,7 +136,7 @@ int hr_moe_experts(const float *x, int64_t T, int64_t H, int64_t I, const int32_
                         h[i] = gi / (1.0f + expf(-gi)) * ui;
                     }
                 }
-                quantize_one(h, I, hq, p);
+                quantize_one(td, scalar, h, I, hq, p);
             }
         }
 #pragma omp for schedule(dynamic, 1)

@@ -3,10 +3,11 @@ call: the C kernel (``moe_experts.c``) and its torch reference.
 
 The caller gives the routed ``(token, expert, router weight)`` pairs to run on the CPU;
 the kernel quantizes each token's hidden state once (int16 codes per block of 32, as
-:mod:`kernels.cpu.block_gemv`), runs each expert's gate and up over its blocks for all of
+:mod:`kernels.cpu.block_gemv`; int8 codes where the ``cpu_kquant_act_bits`` switch is 8
+and the projections reading them are K-quants), runs each expert's gate and up over its blocks for all of
 its pairs at once, ``silu(gate) * up`` in float32, quantizes that the same way, runs down,
 and adds ``weight * y`` into the token's output row. The product of one block moves by at
-most ``max|x_block| / 65534 * sum|w_block|`` against float32 activations
+most ``max|x_block| / 65534 * sum|w_block|`` (8-bit codes: ``/ 254``) against float32 activations
 (``kquant.c``), at gate/up and again at down. gpt-oss's experts (MXFP4 blocks) add their
 biases to gate/up and down and take the clamped SwiGLU in place of SiLU-and-mul, in the
 same call (``biases``, ``activation``).
@@ -26,7 +27,7 @@ import os
 import torch
 
 from kernels.activation.reference import ClampedSwiGLU
-from kernels.cpu.block_gemv import GEMV_TYPE_IDS, gemv_path, quantize_rows_ref
+from kernels.cpu.block_gemv import GEMV_TYPE_IDS, act_bits, gemv_path, quantize_rows_ref
 from kernels.moe.reference import ExpertBiases
 from kernels.quant import reference
 
@@ -122,8 +123,8 @@ def moe_experts(lib: ctypes.CDLL, x: torch.Tensor, tokens: torch.Tensor, experts
     return out
 
 
-def _quantized(x: torch.Tensor) -> torch.Tensor:
-    codes, d = quantize_rows_ref(x.float())
+def _quantized(x: torch.Tensor, bits: int) -> torch.Tensor:
+    codes, d = quantize_rows_ref(x.float(), bits)
     m, k = x.shape
     return (codes.double().view(m, k // 32, 32) * d.double()[..., None]).view(m, k)
 
@@ -135,7 +136,8 @@ def moe_experts_ref(x: torch.Tensor, tokens: torch.Tensor, experts: torch.Tensor
     t_count, hidden = x.shape
     inter = gate.shape[1]
     out = torch.zeros(t_count, hidden, dtype=torch.float64)
-    xq = _quantized(x)
+    # the kernel's codes: 8-bit hidden rows only where both gate and up take them
+    xq = _quantized(x, max(act_bits(types[0]), act_bits(types[1])))
     for e in torch.unique(experts).tolist():
         sel = torch.where(experts == e)[0]
         rows = xq[tokens[sel].long()]
@@ -143,7 +145,8 @@ def moe_experts_ref(x: torch.Tensor, tokens: torch.Tensor, experts: torch.Tensor
         u = rows @ reference.dequantize(up[e], types[1], hidden).double().T
         if biases is not None:
             g, u = g + biases.gate_up[e, :inter].double(), u + biases.gate_up[e, inter:].double()
-        h = _quantized((g * torch.sigmoid(g) * u if activation is None else activation(torch.cat((g, u), -1))).float())
+        h = _quantized((g * torch.sigmoid(g) * u if activation is None else activation(torch.cat((g, u), -1))).float(),
+                       act_bits(types[2]))
         y = h @ reference.dequantize(down[e], types[2], inter).double().T
         if biases is not None:
             y = y + biases.down[e].double()

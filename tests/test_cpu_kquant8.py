@@ -108,9 +108,10 @@ def test_a_k_quant_moe_s_logits_at_8_bits_stay_near_the_dequantized_model(tmp_pa
     """The tiny Qwen3-MoE of test_gguf_moe_quant (experts Q4_K/Q4_K/Q6_K in blocks, on
     the C kernels) with 8-bit codes, fed the dequantized model's tokens: logits within
     :data:`LOGITS_TOLERANCE_8` of the largest for 8 steps."""
+    from test_gguf_moe_quant import write_tiny_moe_gguf
+
     from engine.layers.linear.cpu_kernels import cpu_kernels
     from engine.loader.gguf_quant import load_gguf_quantized
-    from test_gguf_moe_quant import write_tiny_moe_gguf
 
     if cpu_kernels() is None:
         pytest.skip("the C CPU kernels do not build here")

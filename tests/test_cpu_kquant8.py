@@ -47,6 +47,11 @@ def test_the_8_bit_codes_equal_their_reference(lib, k):
     assert torch.equal(ratio[finite], ratio[finite].round()) and float(ratio[finite].max()) <= 6
 
 
+def test_8_bit_codes_refuse_rows_that_are_not_whole_groups(lib):
+    with pytest.raises(ValueError, match="multiple of 256"):
+        quantize_rows(lib, torch.randn(1, 288), bits=8)
+
+
 def test_a_non_finite_value_makes_its_group_nan(lib):
     x = torch.randn(1, 512)
     x[0, 300] = float("inf")

@@ -95,12 +95,13 @@ def quantize_rows(lib: ctypes.CDLL, x: torch.Tensor, bits: int = 16) -> tuple[to
     :func:`quantize_rows_ref` is its reference.
 
     Raises:
-        ValueError: ``K`` not a multiple of 32.
+        ValueError: ``K`` not a multiple of 32 (of 256 for ``bits`` 8).
     """
     x = x.contiguous().float()
     m, k = x.shape
-    if k % GROUP:
-        raise ValueError(f"quantize_rows: K={k} is not a multiple of {GROUP}")
+    group = 256 if bits == 8 else GROUP
+    if k % group:
+        raise ValueError(f"quantize_rows: K={k} is not a multiple of {group} ({bits}-bit codes)")
     # 8 bits: the kernel's 2K bytes a row, the codes first (blocks.h)
     codes = torch.empty(m, 2 * k, dtype=torch.int8) if bits == 8 else torch.empty(m, k, dtype=torch.int16)
     scales = torch.empty(m, k // GROUP, dtype=torch.float32)

@@ -25,7 +25,7 @@ from engine.core.footprint import kv_bytes_per_token, kv_ring, kv_ring_page_byte
 from engine.kvcache.pool import kv_storage_dtype
 from engine.memory.fixed_pool import fixed_setting, short_pool_warning, unplanned_pool
 from engine.memory.kv_fit import RING_FLOOR_REQUESTS, RingPrice, kv_pages, usable_pages
-from engine.memory.plan import LedgerEntry, MemoryPlan, PlanKnobs
+from engine.memory.plan import LedgerEntry, MemoryPlan, PlanKnobs, Suggestion
 
 POOL_LINE = "KV cache pool"
 RING_LINE = "sliding-window KV rings"
@@ -46,6 +46,8 @@ class FixedPool:
             (:func:`engine.memory.fixed_pool.short_pool_warning`), else None.
         ring_bytes: the ring pool's usable pages beside the KV pool, in bytes (0 without a ring).
         ring: the ring pool's price, None without a ring.
+        planned_bytes: the KV and ring pools' usable pages the memory plan would give,
+            in bytes.
     """
 
     setting: str
@@ -56,6 +58,7 @@ class FixedPool:
     warning: str | None = None
     ring_bytes: int = 0
     ring: RingPrice | None = None
+    planned_bytes: int = 0
 
     def message(self, plan: MemoryPlan) -> str:
         """What does not fit and what fixes it (the fixed pool's :meth:`MemoryPlan.message`)."""
@@ -69,16 +72,28 @@ class FixedPool:
             f"the budget of {fmt_bytes(plan.budget_bytes)} leaves for it ({fmt_bytes(max(self.room_bytes, 0))}).",
             "Any one of these settings fixes it:",
         ]
+        for s in self.suggestions(plan):
+            lines.append(f"  {s.flag} unset: {s.price}" if s.proposed == "unset" else
+                         f"  {s.flag} {s.current} → {s.proposed}" + (f" ({s.price})" if s.price else ""))
+        return "\n".join(lines)
+
+    def suggestions(self, plan: MemoryPlan) -> list[Suggestion]:
+        """The settings that make ``plan`` (this pool's) fit, as ``plan --json`` and the
+        text name them: the setting lowered to what the budget leaves (``current`` and
+        ``proposed`` as the text writes them), and the setting unset."""
+        both = plan.kv_pool_bytes + self.ring_bytes
         room = max(self.room_bytes, 0)
+        flag, _, current = self.setting.partition(" ")
+        found = []
         # Usable KV pages that fit, with the rings --num-pages sets beside them.
         most = kv_pages(room, self.page_bytes, *((self.ring.page_bytes, self.ring.full_cap) if self.ring else ()))
-        if self.setting.startswith("--num-pages") and most >= 1:
-            lines.append(f"  {self.setting} → {most + 1} (the null page included)")
-        elif not self.setting.startswith("--num-pages") and room >= MiB:
-            lines.append(f"  {self.setting} → {room // MiB} MiB")
-        lines.append(f"  {self.setting.split()[0]} unset: the plan sizes the pool ({self.planned_pages} pages, "
-                     f"a context of {self.planned_context:,} tokens)")
-        return "\n".join(lines)
+        if flag == "--num-pages" and most >= 1:
+            found.append(Suggestion(flag, current, str(most + 1), both - room, "the null page included"))
+        elif flag != "--num-pages" and room >= MiB:
+            found.append(Suggestion(flag, current, f"{room // MiB} MiB", both - room))
+        found.append(Suggestion(flag, current, "unset", both - self.planned_bytes, (
+            f"the plan sizes the pool ({self.planned_pages} pages, a context of {self.planned_context:,} tokens)")))
+        return found
 
 
 def with_fixed_pool(
@@ -135,8 +150,10 @@ def with_fixed_pool(
         plan, ledger=ledger, fixed_bytes=fixed + ring_bytes, kv_pool_bytes=kv_bytes, num_pages=pages,
         kv_ring_pages=size.rings, max_context_tokens=context, fits=fits,
         shortfall_bytes=0 if fits else kv_bytes + ring_bytes - room, suggestions=[], context_note=note)
-    return out, FixedPool(setting, planned.num_pages, planned.max_context_tokens, room, page_bytes,
-                          short_pool_warning(config, mc), ring_bytes, price)
+    planned_bytes = planned.kv_pool_bytes + planned.kv_ring_pages * (price.page_bytes if price is not None else 0)
+    pool = FixedPool(setting, planned.num_pages, planned.max_context_tokens, room, page_bytes,
+                     short_pool_warning(config, mc), ring_bytes, price, planned_bytes)
+    return (out if fits else msgspec.structs.replace(out, suggestions=pool.suggestions(out))), pool
 
 
 def _rings_rule(config: EngineConfig) -> str:

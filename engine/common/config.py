@@ -20,6 +20,7 @@ from engine.common.options import (
     options_from,
     thread_count,
 )
+from engine.common.units import MiB
 from kernels.attention.kv_formats import KV_CACHE_DTYPES
 from kernels.switches import KernelSwitches
 
@@ -290,20 +291,20 @@ class EngineConfig(KernelOptions):
     kv_cache: int | None = option(  # bytes
         None,
         "Fix the KV cache size (e.g. 2GiB), skipping the memory plan (unset: planned).",
-        kind="size",
+        kind="size", unitless_min=MiB,
         checks=(nonzero_size,),
     )
     reserve: int | None = option(  # bytes; None: auto
         None,
         "GPU memory left to the desktop and other apps: auto (512 MiB + 5% of the card "
         "when it drives a display, else 0) or a size such as 1GiB.",
-        kind="size_or_auto",
+        kind="size_or_auto", unitless_min=MiB,
         shown_default="auto",
     )
     device_limit: int | None = option(  # bytes
         None,
         "Serve as on a GPU of this size (e.g. 16GiB; unset: the whole card): the plan, the VRAM watcher and live replans all read a card of this size, other processes' memory counting against it.",
-        kind="size",
+        kind="size", unitless_min=MiB,
         checks=(nonzero_size,),
     )
     cpu_experts: str = option(

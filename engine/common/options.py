@@ -59,6 +59,9 @@ class Option:
     choices: tuple[str, ...] = ()
     checks: tuple[Check, ...] = ()
     shown_metavar: str | None = None
+    # A size written without a unit below this many bytes (but 0) is refused as a missing
+    # unit (engine.common.units.parse_size); 0: any.
+    unitless_min: int = 0
 
     @property
     def metavar(self) -> str | None:
@@ -105,6 +108,7 @@ class _Meta:
     checks: tuple[Check, ...]
     shown_default: Any
     metavar: str | None
+    unitless_min: int
 
 
 def option(
@@ -116,6 +120,7 @@ def option(
     checks: tuple[Check, ...] = (),
     shown_default: Any = _NO_DEFAULT,
     metavar: str | None = None,
+    unitless_min: int = 0,
 ) -> Any:
     """A dataclass field that is an option.
 
@@ -129,11 +134,14 @@ def option(
         shown_default: the default as a person writes it where it differs from the
             field's (a size in bytes shown as ``"32MiB"``).
         metavar: how ``--help`` shows the value (e.g. ``"auto|none|N"``).
+        unitless_min: for a size, the least bytes a number without a unit may give (but
+            0): where no one means a few bytes (``--reserve 2``), a smaller one is refused
+            as a missing unit.
     """
     if choices:
         checks = (one_of(*choices), *checks)
     meta = _Meta(help, kind, choices, checks, default if shown_default is _NO_DEFAULT else shown_default,
-                 metavar)
+                 metavar, unitless_min)
     if isinstance(default, (list, dict, set)):
         raise TypeError("an option's default must be immutable (use a tuple)")
     return dataclasses.field(default=default, metadata={_METADATA_KEY: meta})
@@ -160,6 +168,7 @@ def options_of(cls: type) -> tuple[Option, ...]:
                 choices=meta.choices,
                 checks=meta.checks,
                 shown_metavar=meta.metavar,
+                unitless_min=meta.unitless_min,
             )
         )
     return tuple(found)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from engine.common.config import EngineConfig, ModelConfig
 from engine.common.errors import SettingRefused
-from engine.common.units import MiB, fmt_bytes
+from engine.common.units import MiB, fmt_bytes, fmt_bytes_down
 from engine.memory.host import host_memory
 from engine.memory.kv_fit import RingPrice, kv_pages, room_for, split_room, usable_pages
 
@@ -78,7 +78,7 @@ def unplanned_pool(config: EngineConfig, mc: ModelConfig, page_bytes: int, ring:
         besides = "" if ring is None else (f" and a ring page of {fmt_bytes(ring.page_bytes)} for the sliding-window "
                                            "layers")
         raise SettingRefused(
-            f"--kv-cache {fmt_bytes(config.kv_cache)} holds {pages * config.page_size} tokens of this model "
+            f"--kv-cache {fmt_bytes_down(config.kv_cache)} holds {pages * config.page_size} tokens of this model "
             f"({fmt_bytes(page_bytes)} a page of {config.page_size} tokens{besides}), less than one --min-context of "
             f"{floor_ctx} tokens: give at least --kv-cache "
             f"{math.ceil(room_for(need - 1, page_bytes, ring) / MiB)}MiB, or a smaller --min-context"
@@ -122,7 +122,7 @@ def fixed_setting(config: EngineConfig) -> str | None:
     if config.num_pages is not None:
         return f"--num-pages {config.num_pages}"
     if config.kv_cache is not None:
-        return f"--kv-cache {fmt_bytes(config.kv_cache)}"
+        return f"--kv-cache {fmt_bytes_down(config.kv_cache)}"
     return None
 
 

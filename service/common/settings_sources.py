@@ -71,7 +71,7 @@ def _convert_size(option: Option, value: Any, source: str) -> int | None:
     if option.kind == "size_or_auto" and isinstance(value, str) and value.strip().lower() == "auto":
         return None
     try:
-        return parse_size(value)
+        return parse_size(value, unitless_min=option.unitless_min)
     except ValueError as exc:
         text = str(exc)
         if option.kind == "size_or_auto":

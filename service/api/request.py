@@ -226,6 +226,7 @@ def resolve_max_tokens(
     *,
     prompt_param: str,
     default: int | None = None,
+    context_param: str | None = None,
 ) -> int:
     """How many tokens a sequence may generate (the engine's ``max_new_tokens``).
 
@@ -233,7 +234,9 @@ def resolve_max_tokens(
     means ``default`` (clamped to the rest of the context), or, with no default, the
     whole rest of the context. ``0`` is allowed and produces an empty completion
     (``finish_reason: "length"``), without running the engine unless the call scores
-    its prompt (``echo`` with ``logprobs``).
+    its prompt (``echo`` with ``logprobs``). ``context_param``: the call's own field that
+    sets ``context_tokens`` (Ollama's ``num_ctx``, whose prompts are cut to fit), named as
+    the fix for a prompt that leaves no room; None: the prompt is to be shortened.
 
     Raises:
         APIError: 400 ``param`` for a negative value; 400 ``context_length_exceeded``
@@ -244,10 +247,11 @@ def resolve_max_tokens(
         raise invalid(f"{param} must be at least 0, got {requested}", param)
     remaining = context_tokens - prompt_tokens
     if remaining < (1 if requested != 0 else 0):
+        whose = "This model's maximum context length" if context_param is None else "This call's context"
         raise invalid(
-            f"This model's maximum context length is {context_tokens} tokens. However, your "
+            f"{whose} is {context_tokens} tokens. However, your "
             f"prompt is {prompt_tokens} tokens, which leaves no room for a completion. "
-            "Please shorten the prompt.",
+            + ("Please shorten the prompt." if context_param is None else f"Please raise {context_param}."),
             prompt_param,
             "context_length_exceeded",
         )

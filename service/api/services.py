@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine.common.clip import clip
 from engine.wire.messages import EngineInfo
 from service.api.admission import Admission
 from service.api.sampling_defaults import SamplingDefaults, load_sampling_defaults
@@ -78,7 +79,7 @@ class Services:
             return names[0]
         raise APIError(
             404,
-            f"The model `{requested}` does not exist; this server serves "
+            f"The model `{clip(requested)}` does not exist; this server serves "
             + ", ".join(f"`{n}`" for n in names),
             param="model",
             code="model_not_found",

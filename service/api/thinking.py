@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from engine.common.clip import clip
 from service.api.reasoning import template_thinks
 from service.common.errors import invalid
 
@@ -120,7 +121,7 @@ def check_thinking(thinking: bool | None, budget: int | None, chat_template: str
         APIError: 400 naming ``param``: ``"<model>" does not support thinking``.
     """
     if thinking_asked(thinking, budget) and not template_thinks(chat_template):
-        raise invalid(f'"{model}" does not support thinking', param)
+        raise invalid(f'"{clip(model)}" does not support thinking', param)
 
 
 def budget_tokens(thinking: bool | None, budget: int | None) -> int | None:

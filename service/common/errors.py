@@ -19,6 +19,7 @@ import msgspec
 from litestar import Request, Response
 from litestar.exceptions import HTTPException
 
+from engine.common.clip import clip
 from engine.common.errors import RequestRejected
 from engine.text.chat import ChatTemplateError
 from service.common.engine_states import NotReady, State
@@ -212,7 +213,7 @@ def log_refusal(request: Request, error: APIError) -> None:
     log.info(
         "%s %s -> %d %s%s%s: %s",
         request.method,
-        request.url.path,
+        clip(request.url.path),
         error.status,
         error.type,
         f" ({error.code})" if error.code else "",
@@ -260,7 +261,7 @@ def _http_error(request: Request, exc: HTTPException) -> Response[Any]:
     elif status == 404 and (unserved := unserved_route(request.url.path)) is not None:
         error = APIError(501, unserved, code="not_implemented")
     elif status == 404:
-        error = APIError(404, f"no route for this path: {exc.detail}", type=NOT_FOUND)
+        error = APIError(404, f"no route for this path: {clip(str(exc.detail))}", type=NOT_FOUND)
     elif status == 405:
         error = APIError(405, not_allowed(request.method, request.url.path, exc.headers),
                          code="method_not_allowed")
@@ -278,6 +279,7 @@ def not_allowed(method: str, path: str, headers: dict[str, str] | None) -> str:
     """A 405's message naming the methods ``path`` takes, from the router's ``Allow``
     header (``GET /api/control/cache is not served: use POST``); ``OPTIONS``, which every
     route answers for CORS, is left out."""
+    path = clip(path)
     allow = (headers or {}).get("allow") or (headers or {}).get("Allow") or ""
     methods = [m.strip() for m in allow.split(",") if m.strip() and m.strip() != "OPTIONS"]
     if not methods:
@@ -286,7 +288,7 @@ def not_allowed(method: str, path: str, headers: dict[str, str] | None) -> str:
 
 
 def _unexpected(request: Request, exc: Exception) -> Response[Any]:
-    log.exception("unexpected error in %s %s", request.method, request.url.path)
+    log.exception("unexpected error in %s %s", request.method, clip(request.url.path))
     return _response(
         APIError(500, f"internal error: {type(exc).__name__}: {exc}", type=SERVER_ERROR), request
     )

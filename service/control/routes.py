@@ -48,6 +48,7 @@ import msgspec
 from litestar import Request, Router, WebSocket, get, post, websocket
 from litestar.datastructures import State
 
+from engine.common.clip import clip
 from service.common.auth import token_guard
 from service.common.errors import EXCEPTION_HANDLERS, NOT_FOUND, APIError, decode_body, invalid
 from service.common.origins import OriginPolicy
@@ -73,7 +74,7 @@ def unknown_control_route(path: str, method: str, prefix: str = "/api") -> APIEr
     routes = ", ".join(f"{base}/{action}" for action in CONTROL_ACTIONS)
     return APIError(
         404,
-        f"no control route {method} {path}: the control routes are POST {routes} "
+        f"no control route {method} {clip(path)}: the control routes are POST {routes} "
         "(with the local token, `headroom token`)",
         type=NOT_FOUND,
         code="unknown_control_route",

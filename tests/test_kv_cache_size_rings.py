@@ -70,7 +70,7 @@ def test_a_kv_cache_size_is_both_pools_at_start_in_the_plan_and_in_the_control_a
     assert engine.info.kv_cache_bytes == pool.nbytes == (pages + 1) * page + (rings + 1) * ring_page
     # headroom plan shows the same pools, on the CPU and on a simulated card.
     cpu = plan_json("--model", g3tiny, "--device", "cpu", "--kv-cache", "4MiB")
-    assert (cpu["kv_pages"], cpu["kv_ring_pages"]) == (pages, rings)
+    assert (cpu["num_pages"], cpu["kv_ring_pages"]) == (pages, rings)
     assert cpu["kv_pool_bytes"] + cpu["kv_ring_bytes"] == pool.nbytes - page
     card = plan_json("--model", g3tiny, "--device", "cpu", "--device-total", "4GiB", "--kv-cache", "4MiB")
     assert (card["num_pages"], card["kv_ring_pages"]) == (pages, rings)
@@ -100,7 +100,7 @@ def test_a_kv_cache_below_one_min_context_prices_a_request_at_its_pages_and_its_
             "3MiB") in result.stderr, result.stderr
     for device in (["--device", "cpu"], ["--device", "cpu", "--device-total", "4GiB"]):
         held = plan_json("--model", g3tiny, *device, "--kv-cache", "3MiB")
-        assert held.get("kv_pages", held.get("num_pages")) * 16 == 2048
+        assert held["num_pages"] * 16 == 2048
 
 
 def test_a_kv_cache_on_a_16gib_card_holds_the_rings_within_it(gemma3_4b):
@@ -133,7 +133,7 @@ def test_the_cpu_pools_and_the_host_check_count_the_rings(gemma3_4b):
 
     model = ["--model", gemma3_4b, "--dtype", "bfloat16", "--device", "cpu"]
     default = plan_json(*model)
-    assert (default["kv_pages"], default["kv_ring_pages"]) == (8192, 4 * 65 + 128 + 4)
+    assert (default["num_pages"], default["kv_ring_pages"]) == (8192, 4 * 65 + 128 + 4)
     ring_page = default["kv_ring_bytes"] // (default["kv_ring_pages"] + 1)
     fixed = plan_json(*model, "--kv-cache", "12GiB")  # the context and the rings' bound (4,864 pages) fit
     assert fixed["kv_ring_pages"] == 64 * 65 + 128 + 64 + 8 * 64

@@ -140,7 +140,7 @@ def test_a_fixed_pool_larger_than_the_hosts_memory_is_refused_by_plan_as_by_serv
         for command in (["plan"], ["serve", "--port", "0"]):
             result = invoke([*command, "--device", "cpu", *setting])
             assert result.exit_code == 2, result.output
-            said.append(re.sub(r"[\d.]+ GiB is available \(of [\d.]+ GiB\); give at most --\S+ \d+", "N", result.stderr))
+            said.append(re.sub(r"[\d.]+ GiB is available \(of [\d.]+ GiB\), less [^;]+; give at most --\S+ \d+", "N", result.stderr))
             assert "does not fit the host's memory: " in result.stderr and "give at most" in result.stderr
         assert said[0] == said[1], said
         assert "listening" not in result.output

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from engine.common.config import EngineConfig, ModelConfig
 from engine.common.errors import SettingRefused
 from engine.common.units import MiB, fmt_bytes, fmt_bytes_down
-from engine.memory.host import host_memory
+from engine.memory.host_room import host_room
 from engine.memory.kv_fit import RingPrice, kv_pages, room_for, split_room, usable_pages
 
 # The CPU pool's default size: an anonymous map, resident only where written
@@ -130,30 +130,28 @@ def check_host_room(config: EngineConfig, pool: FixedPoolSize, page_bytes: int, 
     """Refuse the KV pool ``config`` fixes (``--kv-cache`` or ``--num-pages``: ``pool``,
     of pages of ``page_bytes`` and the ring pool ``ring`` prices beside them) when the
     host's memory cannot hold both pools' buffers (:meth:`FixedPoolSize.nbytes`): more
-    than is available now (Linux's ``MemAvailable``; the physical memory where the OS
-    does not say), as a live grow past it is refused. The pools are anonymous maps,
-    resident only where written, so they would start; filled, the worker swaps or
-    stalls.
+    than is available now less the margin kept free for a step's activations and the
+    system (:func:`engine.memory.host_room.host_room`), the rule a live grow and a kept
+    live size meet too. The pools are anonymous maps, resident only where written, so
+    they would start; filled, the worker swaps or stalls.
 
     Raises:
         SettingRefused: naming the memory available and the largest setting it holds.
     """
-    total, available = host_memory()
-    room = total if available is None else available
+    room = host_room()
     pool_bytes = pool.nbytes(page_bytes, ring)
-    if pool_bytes <= room:
+    if pool_bytes <= room.pool_bytes:
         return
     setting = fixed_setting(config)
     # What the room holds beside the null pages: the usable pages of both pools.
-    usable = room - page_bytes - (ring.page_bytes if ring is not None else 0)
+    usable = room.pool_bytes - page_bytes - (ring.page_bytes if ring is not None else 0)
     if config.num_pages is not None:
         held = kv_pages(usable, page_bytes, *((ring.page_bytes, ring.full_cap) if ring is not None else ()))
         setting, most = f"{setting} (a KV cache of {fmt_bytes(pool_bytes)})", f"--num-pages {held + 1}"
     else:
         most = f"--kv-cache {max(usable, 0) // MiB}MiB"
     raise SettingRefused(
-        f"{setting} does not fit the host's memory: {fmt_bytes(room)} is available"
-        + ("" if available is None else f" (of {fmt_bytes(total)})")
-        + f"; give at most {most}, less what the model's weights take, or leave it unset (on the CPU the "
+        f"{setting} does not fit the host's memory: {room.describe()}; give at most {most}, less what the "
+        "model's weights take, or leave it unset (on the CPU the "
         f"default pool is {fmt_bytes(DEFAULT_CPU_KV_CACHE_BYTES)}, resident only where written)"
     )

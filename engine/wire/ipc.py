@@ -323,9 +323,14 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     exits when its parent changes (the parent died and it was re-parented).
     ``engine_factory`` is ``"module:callable"`` returning an object with the
     :class:`engine.core.engine.Engine` API; tests point it at a fake engine.
+    ``kv_pages``: the KV pool a live change kept (pages, the null page included), which
+    the worker resizes its pool to once loaded where the host's memory holds it
+    (:mod:`engine.worker.kept_pool`); None: the pool ``engine`` sizes. ``engine`` always
+    holds the start's sizing, so ``{"kv_cache": null}`` goes back to it.
     """
 
     engine: EngineConfig
     parent_pid: int
+    kv_pages: int | None = None
     heartbeat_interval_s: float = 0.5
     engine_factory: str = ENGINE_FACTORY

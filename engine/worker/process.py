@@ -67,6 +67,7 @@ from engine.wire.ipc import (
 )
 from engine.wire.messages import AbortRequest, GenerateRequest, ResizeResult
 from engine.worker.heartbeat import HeartbeatThread, SharedPipe
+from engine.worker.kept_pool import take_kept_pool
 
 log = logging.getLogger("headroom.worker")
 
@@ -120,10 +121,15 @@ def worker_main(conn: Connection, config: WorkerConfig, log_conn: Connection | N
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(EXIT_LOAD_FAILED)
+    # A live size kept for this worker: taken before Ready, whose info names the pool.
+    take_kept_pool(engine, config.kv_pages, pool_stats(engine, engine.stats(), 0) if config.kv_pages else None)
     load_s = time.monotonic() - started
     group = getattr(engine, "tp_group", None)
     rank_pids = group.pids[1:] if group is not None else []
     pipe.send(Ready(info=engine.info, pid=os.getpid(), load_s=load_s, rank_pids=rank_pids))
+    drain = getattr(engine, "drain_events", None)
+    if drain is not None and (events := drain()):
+        pipe.send(EngineEvents(list(events)))  # the kept size's replan
     log.info("engine ready in %.1f s: %s", load_s, engine.info.model_name)
     try:
         code = _serve(pipe, engine, config)

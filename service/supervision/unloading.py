@@ -88,15 +88,15 @@ class Unloading:
 
     def keep_kv_pool(self, pages: int | None, what: str = "") -> None:
         """Start every next worker (a resume, a restart, after a crash) with a KV pool of
-        ``pages`` (the whole pool, its null page included, as ``--num-pages`` counts
-        it): the size a live change chose is the user's, as the desktop reserve is;
-        ``what`` says it for people. None: sized as the service was started
+        ``pages`` (the whole pool, its null page included): the size a live change chose
+        is the user's, as the desktop reserve is; ``what`` says it for people. It travels
+        beside the start's sizing (``WorkerConfig.kv_pages``), never in its place, so the
+        worker still knows the start's pool (``{"kv_cache": null}`` goes back to it) and
+        re-checks the kept one against the host's memory when it loads
+        (:mod:`engine.worker.kept_pool`). None: sized as the service was started
         (``--kv-cache``, ``--num-pages`` or the plan). Held in memory: a restart of the
         service goes back to its options."""
-        start, config = self.config.worker.engine, self._worker_config
-        engine = (replace(config.engine, num_pages=start.num_pages, kv_cache=start.kv_cache) if pages is None
-                  else replace(config.engine, num_pages=pages, kv_cache=None))
-        self._worker_config = msgspec.structs.replace(config, engine=engine)
+        self._worker_config = msgspec.structs.replace(self._worker_config, kv_pages=pages)
         self.kept_kv_pool = None if pages is None else what
 
     def kv_pool_on_load(self) -> str:

@@ -5,11 +5,16 @@ cache it takes is one request of ``--min-context`` (2,048 tokens), the floor
 ``--kv-cache`` has at start, not the model's whole context; a path under
 ``/api/control`` that no route serves is the control API's 404, naming its routes, as
 other unknown paths answer in their own API's shape; the KV pool's pages are one count
-(usable pages) on every surface."""
+(usable pages) on every surface; clearing the prefix cache logs the evicted pages'
+keys and values, not the pool's bytes."""
 
 from __future__ import annotations
 
+import re
+
 import httpx
+
+from engine.common.units import fmt_bytes
 
 
 def test_a_split_move_on_a_cpu_engine_is_refused_naming_why(real_server):
@@ -124,3 +129,21 @@ def test_the_kv_pools_pages_are_one_count_on_every_surface(real_server):
     r = httpx.post(f"{real_server.base_url}/api/control/cache", json={"kv_cache": None}, headers=headers, timeout=60)
     assert r.status_code == 202, r.text
     assert f"the KV pool stays at {pages} pages" in r.json()["message"], r.text
+
+
+def test_clearing_the_prefix_cache_logs_what_the_evicted_pages_held(real_server):
+    """The log named the whole pool's bytes (1 GiB for 127 pages): it names the evicted
+    pages' keys and values, as ``engine.info`` prices a page."""
+    headers = {"Authorization": f"Bearer {real_server.token}"}
+    r = httpx.post(f"{real_server.base_url}/v1/completions", timeout=120,
+                   json={"prompt": "A short history of the telescope " * 8, "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200, r.text
+    info = httpx.get(f"{real_server.base_url}/api/status", timeout=30).json()["engine"]["info"]
+    page_bytes = info["page_size"] * info["kv_bytes_per_token"]
+    r = httpx.post(f"{real_server.base_url}/api/control/cache", json={"clear_prefix_cache": True}, headers=headers,
+                   timeout=60)
+    assert r.status_code == 202, r.text
+    found = re.findall(r"prefix cache: (\d+) pages evicted, ([\d.]+ \w+) of keys and values", real_server.log())
+    assert found, real_server.log()
+    pages, held = found[-1]
+    assert held == fmt_bytes(int(pages) * page_bytes), (found, page_bytes)

@@ -9,7 +9,14 @@ model, one server for the module, started with switches that do not apply to it)
   ``/api/status`` has ``engine.info.num_pages`` 0 and ``counters.engine`` null;
 - a live KV cache size is kept across a pause and a resume, and the resume says so;
   its answer prices the usable pages, as ``headroom plan`` does (not the buffers, whose
-  null page made 512 MiB read "513 MiB").
+  null page made 512 MiB read "513 MiB");
+- after a restart with a kept size, ``{"kv_cache": null}`` gives the start's pool back
+  (the worker took the kept size as its start size: "the KV pool stays at N pages");
+- a live grow leaves the host's margin free, as the start's check does (its most was
+  all of ``MemAvailable``);
+- a split count on the CPU is a 409 whatever the count (-1 was a 400 naming a range in
+  which every value is a 409); a body on pause, resume or restart is a 400 (``garbage``
+  and ``{"bogus": 1}`` were taken).
 """
 
 from __future__ import annotations
@@ -20,7 +27,8 @@ import httpx
 import pytest
 from service_harness import ServerProcess, serving, wait_for
 
-from engine.common.units import fmt_bytes
+from engine.common.units import MiB, fmt_bytes
+from engine.memory.host_room import host_room
 
 
 @pytest.fixture(scope="module")
@@ -90,3 +98,43 @@ def test_a_paused_engine_reports_no_pool_and_keeps_the_live_kv_size(server):
     assert r.status_code == 202, r.text
     r = _post(server, "restart")
     assert r.status_code == 202 and "the KV pool sized as at start" in r.json()["message"], r.text
+
+
+def test_null_after_a_restart_with_a_kept_size_gives_the_start_pool_back(server):
+    server.wait_ready()
+    wait_for(lambda: (_status(server)["counters"] or {}).get("engine") is not None, 60, "the worker's counters")
+    start = _status(server)["engine"]["info"]["num_pages"]
+    assert _post(server, "cache", {"kv_cache": "256MiB"}).status_code == 202
+    kept = _status(server)["engine"]["info"]["num_pages"]
+    assert kept < start
+    r = _post(server, "restart")
+    assert r.status_code == 202 and f"the size set live ({kept} pages" in r.json()["message"], r.text
+    server.wait_ready()
+    wait_for(lambda: (_status(server)["counters"] or {}).get("engine") is not None, 60, "the new worker's counters")
+    assert _status(server)["engine"]["info"]["num_pages"] == kept
+    # The new worker knows its start pool apart from the kept one: null gives it back.
+    r = _post(server, "cache", {"kv_cache": None})
+    assert r.status_code == 202 and f"{kept} -> {start} pages" in r.json()["message"], r.text
+    assert _status(server)["engine"]["info"]["num_pages"] == start
+
+
+def test_a_grow_leaves_the_hosts_margin_free(server):
+    room = host_room()
+    have = room.total if room.available is None else room.available
+    r = _post(server, "cache", {"kv_cache": f"{(have - 64 * MiB) // MiB}MiB"})  # within MemAvailable, not its margin
+    assert r.status_code == 409 and r.json()["error"]["code"] == "no_room", r.text
+    assert "kept free for a step's activations" in r.json()["error"]["message"], r.text
+
+
+def test_a_split_on_the_cpu_is_refused_for_any_count_and_bodies_on_bodiless_actions(server):
+    for count in (-1, 3, 10_000):
+        r = _post(server, "cache", {"cpu_layers": count})
+        assert r.status_code == 409 and r.json()["error"]["code"] == "split_fixed", r.text
+    headers = {"Authorization": f"Bearer {server.token}"}
+    for action in ("pause", "resume", "restart"):
+        for body in (b"garbage", b'{"bogus": 1}', b"[]"):
+            r = httpx.post(f"{server.base_url}/api/control/{action}", content=body, headers=headers, timeout=30)
+            assert r.status_code == 400, (action, body, r.text)
+            assert f"the control action {action} takes no body" in r.json()["error"]["message"], r.text
+    r = _post(server, "resume", {})  # {} is no body
+    assert r.status_code == 202 and "nothing to resume" in r.json()["message"], r.text

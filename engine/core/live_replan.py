@@ -271,8 +271,11 @@ class LiveReplan:
         # here (on CUDA the pool gives memory back by resizing).
         given = self.pool.release_memory(self.allocator.free_ids()) if freed else 0
         if freed:
-            log.info("prefix cache: %d pages evicted%s%s", freed, f", {fmt_bytes(given)} of host memory given back"
-                     if given else "", f" ({reason})" if reason else "")
+            # What the evicted pages held (the pool's free pages are all given back, most
+            # of which were never written and held no memory: their bytes say nothing).
+            held = freed * self.pool.page_bytes
+            log.info("prefix cache: %d pages evicted, %s of keys and values%s%s", freed, fmt_bytes(held),
+                     ", their host memory given back" if given else "", f" ({reason})" if reason else "")
             self._replanned(
                 REPLAN_EVICT_PREFIX_CACHE, reason, origin, self.pool.num_pages, self.pool.nbytes,
                 (time.perf_counter() - started) * 1000, evicted_pages=freed,

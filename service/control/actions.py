@@ -296,20 +296,28 @@ class SupervisorControl:
         A move back to the device must fit the card's room now (:mod:`service.vram.room`);
         a move to the CPU is always taken.
 
-        The count is checked first (``0..layers - 1``), then whether the split can move:
-        with a fixed ``--cpu-layers N``, asking for the start's split (or None) changes
-        nothing and is answered so.
+        On a CPU engine with no simulated card no count applies (409 ``split_fixed``,
+        whatever the count). Elsewhere the count is checked first (``0..layers - 1``),
+        then whether the split can move: with a fixed ``--cpu-layers N``, asking for the
+        start's split (or None) changes nothing and is answered so.
 
         Raises:
             NotReady: no worker is ready (503).
             APIError: 400 (``param: "cpu_layers"``) for a count outside ``0..max``; 409
                 ``split_fixed`` for another count under a fixed ``--cpu-layers N``
                 (naming ``--cpu-layers auto``) or on a CPU engine with no simulated
-                card; 409 ``no_room`` for a move back past the card's room; as :meth:`set_kv_cache` when the worker refuses.
+                card (any count); 409 ``no_room`` for a move back past the card's room; as :meth:`set_kv_cache` when the worker refuses.
             NotImplementedError: a model (or setting) whose split cannot move (501).
         """
         sup = self.supervisor
         self._check_loaded()
+        if self._cpu_without_card():
+            # No count applies (every layer runs on the CPU), so none is checked first.
+            raise APIError(
+                409, "the engine runs on the CPU: every decoder layer runs there already (a split moves layers "
+                "between a GPU and the CPU; --device-total simulates a card for tests)",
+                code="split_fixed", param="cpu_layers",
+            )
         pool = sup.link.pool
         started = self._started_split()
         most = None if pool is None else pool.max_cpu_layers or (pool.decoder_layers - 1 if pool.decoder_layers else None)
@@ -329,12 +337,6 @@ class SupervisorControl:
             raise NotImplementedError(
                 "this engine's split cannot move: it needs --cpu-layers auto and a dense "
                 "Llama/Qwen2/Qwen3-family model on one device"
-            )
-        if self._cpu_without_card():
-            raise APIError(
-                409, "the engine runs on the CPU: every decoder layer runs there already (a split moves layers "
-                "between a GPU and the CPU; --device-total simulates a card for tests)",
-                code="split_fixed", param="cpu_layers",
             )
         layers = pool.planned_cpu_layers if cpu_layers is None else cpu_layers
         fields = {"cpu_layers": layers, "reason": f"{CONTROL_REASON}: {layers} decoder layers on the CPU"}

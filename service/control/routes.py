@@ -9,12 +9,12 @@ Routes (under ``path``, default ``/api``):
 
 - ``GET /status``: the hub's :class:`service.events.hub.Snapshot` as JSON (open by
   default, like ``/api/health``; ``status_requires_token=True`` protects it).
-- ``POST /control/restart``: restart the worker. No body. 202 (409 while ``paused``: a
-  resume ends a pause).
+- ``POST /control/restart``: restart the worker. No body (or ``{}``; anything else is a
+  400). 202 (409 while ``paused``: a resume ends a pause).
 - ``POST /control/pause``: game mode: stop the worker and give its memory back (state
   ``paused``; requests get 503 + Retry-After, or with ``--load-on-request`` wake it).
-  No body. 202.
-- ``POST /control/resume``: load the worker again after a pause. No body. 202.
+  No body (or ``{}``). 202.
+- ``POST /control/resume``: load the worker again after a pause. No body (or ``{}``). 202.
 - ``POST /control/reserve``: ``{"reserve": "auto" | bytes | "1.5GiB"}``. 202.
 - ``POST /control/cache``: ``{"kv_cache": bytes | "6GiB" | null, "expert_cache":
   bytes | "1GiB" | null, "cpu_layers": int | null, "clear_prefix_cache": bool}``; a null
@@ -50,11 +50,18 @@ from litestar.datastructures import State
 
 from engine.common.clip import clip
 from service.common.auth import token_guard
-from service.common.errors import EXCEPTION_HANDLERS, NOT_FOUND, APIError, decode_body, invalid
+from service.common.errors import (
+    EXCEPTION_HANDLERS,
+    INVALID_VALUE,
+    NOT_FOUND,
+    APIError,
+    decode_body,
+    invalid,
+)
 from service.common.origins import OriginPolicy
 from service.common.settings import parse_size
 from service.control.socket import Gate, serve_events
-from service.events.control_schemas import CacheRequest, ControlResponse, ReserveRequest
+from service.events.control_schemas import CacheRequest, ControlResponse, NoBody, ReserveRequest
 from service.events.hub import EventHub
 from service.events.schemas import Snapshot
 
@@ -141,6 +148,22 @@ def _parse_size_field(value: int | str, param: str) -> int:
         raise invalid(str(exc), param) from None
 
 
+def _no_body(raw: bytes, action: str) -> None:
+    """Refuse a body on an action that takes none (:class:`NoBody`): empty or ``{}``
+    only, so a field sent for an action that has none is not silently dropped.
+
+    Raises:
+        APIError: 400 naming the action and what is wrong with the body.
+    """
+    if not raw.strip():
+        return
+    try:
+        decode_body(raw, NoBody)
+    except APIError as exc:
+        raise invalid(f"the control action {action} takes no body (send none, or {{}}): {exc.message}",
+                      exc.param, exc.code or INVALID_VALUE) from None
+
+
 async def _call(fn: Callable[..., Any], *args: Any, param: str | None = None) -> str | None:
     try:
         result = fn(*args)
@@ -215,17 +238,20 @@ def events_router(
     guards = [origin_guard, token_guard(gate.token)]
 
     @post("/control/restart", status_code=202, guards=guards)
-    async def control_restart() -> ControlResponse:
+    async def control_restart(request: Request[Any, Any, State]) -> ControlResponse:
+        _no_body(await request.body(), "restart")
         message = await _call(control.restart)
         return ControlResponse(ok=True, action="restart", message=message)
 
     @post("/control/pause", status_code=202, guards=guards)
-    async def control_pause() -> ControlResponse:
+    async def control_pause(request: Request[Any, Any, State]) -> ControlResponse:
+        _no_body(await request.body(), "pause")
         message = await _call(control.pause)
         return ControlResponse(ok=True, action="pause", message=message)
 
     @post("/control/resume", status_code=202, guards=guards)
-    async def control_resume() -> ControlResponse:
+    async def control_resume(request: Request[Any, Any, State]) -> ControlResponse:
+        _no_body(await request.body(), "resume")
         message = await _call(control.resume)
         return ControlResponse(ok=True, action="resume", message=message)
 

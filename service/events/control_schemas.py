@@ -1,5 +1,6 @@
 """The control API's wire shapes, beside the event types: the bodies of
-``POST /api/control/reserve`` and ``/api/control/cache``, what every control route
+``POST /api/control/reserve`` and ``/api/control/cache`` (and the empty one of
+``restart``, ``pause`` and ``resume``), what every control route
 answers, and the WebSocket subprotocol that carries the local token. The routes are
 :mod:`service.control.routes`; the JSON Schema export (:mod:`service.events.export_schema`)
 and the OpenAPI document read these.
@@ -12,6 +13,11 @@ import msgspec
 # A browser cannot set headers on a WebSocket: the socket takes the local token as the
 # subprotocol ``headroom.token.<token>`` (the server echoes it).
 SUBPROTOCOL_PREFIX = "headroom.token."
+
+
+class NoBody(msgspec.Struct, forbid_unknown_fields=True):
+    """Body of ``POST /api/control/restart``, ``/pause`` and ``/resume``: none, or ``{}``
+    (what a JSON client sends for none); any field is refused."""
 
 
 class ReserveRequest(msgspec.Struct, forbid_unknown_fields=True):

@@ -137,11 +137,11 @@ def test_a_reserve_as_large_as_the_card_is_refused_naming_its_size():
     pool = pool_stats(201, min_pages=33, activation_bytes_per_token=0, max_context_tokens=2048)
     _, watcher, control = _control(pool, free=300 * MiB)
     with pytest.raises(ValueError, match=r"it has 2\.00 GiB in all"):
-        control.set_reserve(100 * GiB)
+        asyncio.run(control.set_reserve(100 * GiB))
     with pytest.raises(ValueError, match="choose less"):
-        control.set_reserve(CARD)
+        asyncio.run(control.set_reserve(CARD))
     assert watcher.reserve == 0  # unchanged
-    assert "1.00 GiB" in control.set_reserve(GiB) and watcher.reserve == GiB
+    assert "1.00 GiB" in asyncio.run(control.set_reserve(GiB)) and watcher.reserve == GiB
 
 
 def test_a_fixed_split_checks_the_count_then_refuses_a_move_and_takes_its_own_split():

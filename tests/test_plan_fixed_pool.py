@@ -55,7 +55,7 @@ def test_plan_shows_the_pool_num_pages_fixes_and_the_context_it_gives(default_mo
     # On the CPU (no plan there either), the pool the engine holds is the same.
     cpu = invoke(["plan", "--device", "cpu", "--num-pages", "100", "--json"])
     assert cpu.exit_code == 0, cpu.output
-    assert json.loads(cpu.stdout)["kv_pages"] == 99
+    assert json.loads(cpu.stdout)["num_pages"] == 99
 
 
 def test_a_fixed_pool_larger_than_the_budget_leaves_fails_with_the_size_that_fits(default_model_dir):

@@ -57,6 +57,12 @@ class FakeSupervisor:
         self.info = info(device="cuda:0")
         self.link = FakeLink(pool)
         self.worker_alive = True
+        self.kept_kv_pool: tuple[int | None, str] | None = None
+
+    def keep_kv_pool(self, pages: int | None, what: str = "") -> None:
+        """Records the pool a live change kept for the next worker (the supervisor's
+        :meth:`~service.supervision.unloading.Unloading.keep_kv_pool`)."""
+        self.kept_kv_pool = (pages, what)
 
 
 def play_timeline(pool: ipc.PoolStats, rise: int, read: Callable[[ipc.PoolStats], int]):
@@ -228,8 +234,8 @@ def test_the_control_api_sizes_the_expert_cache_in_whole_slots_and_sets_the_ceil
     assert sup.link.commands[-1][1]["num_slots"] == 48 and watcher.expert_ceiling_slots is None
     asyncio.run(control.set_expert_cache(10 << 30))  # more than every expert: all of them
     assert sup.link.commands[-1][1]["num_slots"] == 64
-    sup.link.pool = msgspec.structs.replace(pool, max_expert_slots=0, expert_slot_bytes=0)
-    with pytest.raises(NotImplementedError, match="--cpu-experts"):
+    sup.link.pool = msgspec.structs.replace(pool, max_expert_slots=0, expert_slot_bytes=0, moe_layers=4)
+    with pytest.raises(NotImplementedError, match="--cpu-experts"):  # a MoE model, every expert on the device
         asyncio.run(control.set_expert_cache(MiB))
 
 

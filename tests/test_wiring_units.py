@@ -79,7 +79,7 @@ class ResizableEngine:
     """The parts of engine.core.engine.Engine the worker's replan handling touches."""
 
     def __init__(self) -> None:
-        self.pool = type("Pool", (), {"num_pages": 101, "nbytes": 101 * MiB})()
+        self.pool = type("Pool", (), {"num_pages": 101, "nbytes": 101 * MiB, "page_bytes": MiB})()
         self.scheduler = type("Sched", (), {"max_prefill_tokens": 2048})()
         self.knobs = type("Knobs", (), {"max_prefill_tokens": 2048})()
         self.max_context_tokens = 1600

@@ -45,9 +45,12 @@ def invoke(args: list[str]):
     return CliRunner().invoke(main, args, env={"HEADROOM_CONFIG": os.devnull})
 
 
-def plan_json(*args: str) -> dict:
+def plan_json(*args: str, host_may_not_fit: bool = False) -> dict:
+    """``headroom plan ... --json``'s object; ``host_may_not_fit``: a CPU plan whose
+    weights and pools may not fit the host's available memory now (exit 1, ``fits``
+    false: it depends on what else the machine runs) is read too."""
     result = invoke(["plan", *args, "--json"])
-    assert result.exit_code == 0, result.output
+    assert result.exit_code in ((0, 1) if host_may_not_fit else (0,)), result.output
     return json.loads(result.stdout)
 
 
@@ -135,7 +138,9 @@ def test_the_cpu_pools_and_the_host_check_count_the_rings(gemma3_4b):
     default = plan_json(*model)
     assert (default["num_pages"], default["kv_ring_pages"]) == (8192, 4 * 65 + 128 + 4)
     ring_page = default["kv_ring_bytes"] // (default["kv_ring_pages"] + 1)
-    fixed = plan_json(*model, "--kv-cache", "12GiB")  # the context and the rings' bound (4,864 pages) fit
+    # The context and the rings' bound (4,864 pages) fit 12 GiB; beside 7.5 GiB of weights
+    # that may not fit this host's available memory now, which is not what is tested here.
+    fixed = plan_json(*model, "--kv-cache", "12GiB", host_may_not_fit=True)
     assert fixed["kv_ring_pages"] == 64 * 65 + 128 + 64 + 8 * 64
     assert fixed["kv_pool_bytes"] + fixed["kv_ring_bytes"] - ring_page <= 12 * GiB
     total, available = host_memory()

@@ -69,8 +69,10 @@ def test_a_kv_cache_size_is_both_pools_at_start_in_the_plan_and_in_the_control_a
     # then the rings at their floor of 4 requests (4 x 5 pages + a chunk's 128 + 4).
     assert rings == engine.ring_rule.floor_cap == 152
     assert pages * page + rings * ring_page <= 4 * MiB < (pages + 1) * page + rings * ring_page
-    # Both pools' buffers, null pages included (it was 15,355,904 bytes).
-    assert engine.info.kv_cache_bytes == pool.nbytes == (pages + 1) * page + (rings + 1) * ring_page
+    # Both pools' buffers, null pages included (it was 15,355,904 bytes); the KV pool's
+    # usable pages as the plan counts them.
+    assert engine.info.kv_buffer_bytes == pool.nbytes == (pages + 1) * page + (rings + 1) * ring_page
+    assert engine.info.kv_cache_bytes == pages * page
     # headroom plan shows the same pools, on the CPU and on a simulated card.
     cpu = plan_json("--model", g3tiny, "--device", "cpu", "--kv-cache", "4MiB")
     assert (cpu["num_pages"], cpu["kv_ring_pages"]) == (pages, rings)

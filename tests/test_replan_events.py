@@ -58,6 +58,8 @@ def replanned(action: str, before: int, after: int, **kw: Any) -> Replanned:
         after_pages=after,
         before_bytes=before * MiB,
         after_bytes=after * MiB,
+        before_kv_pool_bytes=(before - 1) * MiB,  # the usable pages, at a MiB each
+        after_kv_pool_bytes=(after - 1) * MiB,
         duration_ms=12.0,
         max_prefill_tokens=kw.pop("chunk", 2048),
         max_context_tokens=2048,
@@ -147,7 +149,8 @@ def test_a_context_that_grows_back_with_the_pool_publishes_a_plan():
     # its context and note as they were.
     svc.supervisor.info = info_after(svc.supervisor.info, shrink)
     svc.record_engine_event(msgspec.structs.replace(replanned(REPLAN_RESIZE_POOL, 49, 50), max_context_tokens=768))
-    assert hub.snapshot().plan.plan == msgspec.structs.replace(after, num_pages=49, kv_pool_bytes=50 * MiB)
+    # The pool's bytes are its usable pages', as the plan counts them (49 x 1 MiB).
+    assert hub.snapshot().plan.plan == msgspec.structs.replace(after, num_pages=49, kv_pool_bytes=49 * MiB)
 
 
 def test_the_plan_shown_is_the_plan_in_force():
@@ -219,7 +222,7 @@ def test_split_moves_become_replan_events_and_a_plan_with_the_split_now():
     svc.supervisor.info = info(num_pages=30, plan=shown)
     down = replanned(REPLAN_MOVE_LAYERS, 31, 31, before_cpu_layers=0, after_cpu_layers=10,
                      moved_bytes=50 * MiB, plan=engines)
-    down = msgspec.structs.replace(down, after_bytes=20 * MiB)
+    down = msgspec.structs.replace(down, after_kv_pool_bytes=20 * MiB)
     svc.record_engine_event(down)
     published = hub.snapshot().plan.plan
     assert (published.cpu_layers, published.split_note) == (10, engines.split_note)

@@ -310,6 +310,6 @@ def test_the_log_counts_the_pages_the_control_api_and_the_events_count(tiny_dir,
     # The answer's bytes are the usable pages' (as `headroom plan` prices a pool), not the
     # buffers' with the null page.
     page = engine.pool.page_bytes
-    answer = _describe_resize(res, page)
+    answer = _describe_resize(res)
     assert f"KV pool {NUM_PAGES - 1} -> 63 pages ({fmt_bytes((NUM_PAGES - 1) * page)} -> {fmt_bytes(63 * page)})" \
         in answer, answer

@@ -107,6 +107,8 @@ class ResizableEngine:
                 after_pages=num_pages,
                 before_bytes=before * MiB,
                 after_bytes=num_pages * MiB,
+                before_kv_pool_bytes=(before - 1) * MiB,
+                after_kv_pool_bytes=(num_pages - 1) * MiB,
                 duration_ms=1.0,
                 max_prefill_tokens=2048,
                 max_context_tokens=(num_pages - 1) * 16,
@@ -117,6 +119,8 @@ class ResizableEngine:
             after_pages=num_pages,
             before_bytes=before * MiB,
             after_bytes=num_pages * MiB,
+            before_kv_pool_bytes=(before - 1) * MiB,
+            after_kv_pool_bytes=(num_pages - 1) * MiB,
             max_context_tokens=(num_pages - 1) * 16,
         )
 

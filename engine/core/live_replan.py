@@ -165,6 +165,7 @@ class LiveReplan:
             raise ValueError(f"the KV pool needs at least 2 pages (one is the null page), got {num_pages}")
         started = time.perf_counter()
         before_pages, before_bytes, before_rings = self.pool.num_pages, self.pool.nbytes, self.pool.ring_pages
+        before_kv_pool = self.pool.usable_bytes
         shrunk = Vacated()
         if num_pages < before_pages:
             shrunk = shrink_pages(self.scheduler, num_pages, self._context_limit(num_pages))
@@ -199,6 +200,8 @@ class LiveReplan:
             after_pages=self.pool.num_pages,
             before_bytes=before_bytes,
             after_bytes=self.pool.nbytes,
+            before_kv_pool_bytes=before_kv_pool,
+            after_kv_pool_bytes=self.pool.usable_bytes,
             before_ring_pages=before_rings,
             after_ring_pages=self.pool.ring_pages,
             evicted_pages=evicted,
@@ -223,7 +226,7 @@ class LiveReplan:
             self._replanned(
                 REPLAN_RESIZE_POOL, reason, origin, before_pages, before_bytes, result.duration_ms,
                 evicted_pages=evicted, relocated_pages=relocated, preempted=preempted, ended=ended,
-                before_ring_pages=before_rings,
+                before_ring_pages=before_rings, before_kv_pool_bytes=before_kv_pool,
             )
         return result
 
@@ -290,11 +293,13 @@ class LiveReplan:
             self._replans = []
         self._replans.append(Replanned(
             action=action, reason=reason, origin=origin, before_pages=before_pages, after_pages=self.pool.num_pages,
-            before_bytes=before_bytes, after_bytes=self.pool.nbytes, duration_ms=duration_ms,
+            before_bytes=before_bytes, after_bytes=self.pool.nbytes, after_kv_pool_bytes=self.pool.usable_bytes,
+            duration_ms=duration_ms,
             max_prefill_tokens=self.scheduler.max_prefill_tokens,
             max_context_tokens=self.max_context_tokens,
             **{"before_expert_slots": self.expert_cache_slots, "before_expert_bytes": self.expert_cache_bytes,
-               "before_cpu_layers": self.cpu_layers, "before_ring_pages": self.pool.ring_pages, **extra},
+               "before_cpu_layers": self.cpu_layers, "before_ring_pages": self.pool.ring_pages,
+               "before_kv_pool_bytes": self.pool.usable_bytes, **extra},
             after_expert_slots=self.expert_cache_slots, after_expert_bytes=self.expert_cache_bytes,
             after_cpu_layers=self.cpu_layers, after_ring_pages=self.pool.ring_pages,
         ))
@@ -351,6 +356,7 @@ class LiveReplan:
         if host is not None:  # --cpu-layers: the host pool's pages follow at once, not at the next step
             host.follow(self.pool.num_pages, written_pages=self.allocator.high_water)
         self.info = msgspec.structs.replace(
-            self.info, num_pages=usable_pages(self.pool.num_pages), kv_cache_bytes=self.pool.nbytes,
+            self.info, num_pages=usable_pages(self.pool.num_pages), kv_cache_bytes=self.pool.usable_bytes,
+            kv_buffer_bytes=self.pool.nbytes,
             max_context_tokens=self.max_context_tokens,
         )

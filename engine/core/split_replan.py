@@ -118,7 +118,7 @@ class SplitReplan:
         if self._planned_split is None:
             self._planned_split = before
         started = time.perf_counter()
-        before_pages, before_kv = self.pool.num_pages, self.pool.nbytes
+        before_pages, before_kv, before_kv_pool = self.pool.num_pages, self.pool.nbytes, self.pool.usable_bytes
         self._park_graphs()
         lib = cpu_kernels() if self.quantized_gguf is not None else None
         if cpu_layers > before:
@@ -144,7 +144,7 @@ class SplitReplan:
                  lo, hi, "CPU" if after > before else "device", ms, fmt_bytes(abs(moved)),
                  "given back" if moved >= 0 else "taken", after, n, f" ({reason})" if reason else "")
         self._replanned(REPLAN_MOVE_LAYERS, reason, origin, before_pages, before_kv, ms,
-                        before_cpu_layers=before, moved_bytes=moved, plan=self.plan)
+                        before_cpu_layers=before, moved_bytes=moved, plan=self.plan, before_kv_pool_bytes=before_kv_pool)
         return after
 
     def layers_host_holds(self, before: int, wanted: int, available: int | None = -1) -> int:
@@ -205,20 +205,21 @@ class SplitReplan:
     def _split_planned(self, before: int, after: int, weight_change: int, reason: str) -> None:
         """The plan (and ``info``) after a move: the split, its note, the device's fixed
         bytes less the weights that left (more for those that came back), and the KV
-        pool's bytes at the device's share of the layers."""
-        self.info = msgspec.structs.replace(self.info, kv_cache_bytes=self.pool.nbytes,
+        pool's usable pages' bytes over the layers the device now holds."""
+        self.info = msgspec.structs.replace(self.info, kv_cache_bytes=self.pool.usable_bytes,
+                                            kv_buffer_bytes=self.pool.nbytes,
                                             weight_bytes=model_weight_bytes(self.model))
         plan = self.plan
         if plan is None:
             return
         n = self.model_config.num_layers
-        kv_pool = plan.kv_pool_bytes * (n - after) // max(n - before, 1)
         note = ""
         if after:
             note = (f"decoder layers {n - after}-{n - 1} ({after} of {n}) run on the CPU, moved live from {before}"
                     + (f": {reason}" if reason else "") + "; each step runs them on the CPU, so decode is slower "
                     "and runs without CUDA graphs")
         self.plan = msgspec.structs.replace(plan, cpu_layers=after, split_note=note,
-                                            fixed_bytes=plan.fixed_bytes - weight_change, kv_pool_bytes=kv_pool)
+                                            fixed_bytes=plan.fixed_bytes - weight_change,
+                                            kv_pool_bytes=self.pool.usable_bytes)
         self.info = msgspec.structs.replace(self.info, plan=self.plan)
 

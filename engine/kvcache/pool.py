@@ -61,6 +61,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from engine.common import progress
+from engine.memory.kv_fit import usable_pages
 from kernels.attention.kv_formats import KV_CACHE_DTYPES
 from kernels.attention.kv_store import (
     BLOCK_KV_DTYPES,
@@ -230,6 +231,14 @@ class KVPool:
     def nbytes(self) -> int:
         """Bytes of every buffer, the ring layers' included."""
         return sum(b.nbytes for b in self.k_buffers) + sum(b.nbytes for b in self.v_buffers)
+
+    @property
+    def usable_bytes(self) -> int:
+        """Bytes of the KV pool's usable pages (its null page and the ring layers' pool
+        apart): the pool as the plan's ``kv_pool_bytes``, ``EngineInfo.kv_cache_bytes``
+        and the replan events' ``kv_pool_bytes`` count it; :attr:`nbytes` is the
+        buffers'."""
+        return usable_pages(self.num_pages) * self.page_bytes
 
     @property
     def page_bytes(self) -> int:

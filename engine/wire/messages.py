@@ -158,7 +158,11 @@ class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
     context length and what the KV pool holds for one request. Sizes are in bytes.
     ``num_pages`` is the KV pool's usable pages (its null page apart,
     :func:`engine.memory.kv_fit.usable_pages`), as the plan, the engine's counters
-    (``total_pages``), replan events, the control API and the log count them.
+    (``total_pages``), replan events, the control API and the log count them;
+    ``kv_cache_bytes`` their bytes, as the plan's ``kv_pool_bytes`` counts them (a
+    sliding-window ring pool apart). ``kv_buffer_bytes`` is every buffer the KV cache
+    holds: the KV pool's null page and a sliding-window ring pool (with its own null
+    page) included.
     """
 
     model_name: str
@@ -182,6 +186,7 @@ class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
     # parallel): known on every device, a CPU's fixed pool included, where no plan is.
     kv_cache_dtype: str = ""
     kv_bytes_per_token: int = 0
+    kv_buffer_bytes: int = 0
     # The model's parameters, counted from its shapes whatever their storage, and the
     # block type most of the quantized projections keep (e.g. "Q4_1"; "" when the
     # weights are held in ``dtype``).
@@ -276,14 +281,19 @@ class PoolChange(msgspec.Struct, frozen=True, kw_only=True):
     ``max_context_tokens`` is the per-request limit after the change, ``duration_ms``
     how long the change took. ``before_ring_pages``/``after_ring_pages`` are the
     sliding-window ring pool's pages (null page included; 0 without one), which a KV pool
-    resize resizes too (:class:`engine.memory.kv_fit.RingRule`); the bytes count both
-    pools.
+    resize resizes too (:class:`engine.memory.kv_fit.RingRule`); ``before_bytes`` and
+    ``after_bytes`` count both pools' buffers (what the device holds).
+    ``before_kv_pool_bytes``/``after_kv_pool_bytes`` are the KV pool's usable pages'
+    bytes (``KVPool.usable_bytes``): what the plan's, ``EngineInfo.kv_cache_bytes`` and
+    the replan events' ``kv_pool_bytes`` count.
     """
 
     before_pages: int
     after_pages: int
     before_bytes: int
     after_bytes: int
+    before_kv_pool_bytes: int = 0
+    after_kv_pool_bytes: int = 0
     before_ring_pages: int = 0
     after_ring_pages: int = 0
     evicted_pages: int = 0

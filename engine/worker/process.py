@@ -331,7 +331,7 @@ def _replan(pipe: SharedPipe, engine: Any, command: Any, planned_pages: int) -> 
                     f"({'freed' if freed >= 0 else 'took'} {fmt_bytes(abs(freed))})")
         else:
             result = engine.resize_kv_pool(command.num_pages, **why)
-            text = _describe_resize(result, engine.pool.page_bytes)
+            text = _describe_resize(result)
     except ValueError as exc:
         ok, text = False, str(exc)
     except Exception as exc:
@@ -350,15 +350,15 @@ def _replan(pipe: SharedPipe, engine: Any, command: Any, planned_pages: int) -> 
     pipe.send(ControlDone(seq=command.seq, ok=ok, message=text, stats=stats, pool=pool, result=result))
 
 
-def _describe_resize(r: ResizeResult, page_bytes: int) -> str:
-    """The answer to a pool resize: usable pages and their bytes (``page_bytes`` a page),
-    as ``headroom plan`` prices a pool, not the buffers' (which hold the null page too)."""
+def _describe_resize(r: ResizeResult) -> str:
+    """The answer to a pool resize: usable pages and their bytes, as ``headroom plan``
+    prices a pool, not the buffers' (which hold the null page too)."""
     if r.after_pages == r.before_pages:
         return f"the KV pool stays at {usable_pages(r.after_pages)} pages"
     before, after = usable_pages(r.before_pages), usable_pages(r.after_pages)
     text = (
         f"KV pool {before} -> {after} pages "
-        f"({fmt_bytes(before * page_bytes)} -> {fmt_bytes(after * page_bytes)}) in {r.duration_ms:.0f} ms; "
+        f"({fmt_bytes(r.before_kv_pool_bytes)} -> {fmt_bytes(r.after_kv_pool_bytes)}) in {r.duration_ms:.0f} ms; "
         f"context limit {r.max_context_tokens} tokens"
     )
     if r.preempted:

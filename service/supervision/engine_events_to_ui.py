@@ -94,7 +94,8 @@ def info_after(info: EngineInfo, event: EngineEvent) -> EngineInfo:
             info,
             plan=plan_now(info, event),
             num_pages=usable_pages(event.after_pages),
-            kv_cache_bytes=event.after_bytes,
+            kv_cache_bytes=event.after_kv_pool_bytes,
+            kv_buffer_bytes=event.after_bytes,
             max_context_tokens=event.max_context_tokens,
             max_prefill_tokens=event.max_prefill_tokens,
         )
@@ -288,7 +289,7 @@ class EngineEventsToUI:
         else:
             action = event.action
         before = PlanPoint(
-            kv_pool_bytes=event.before_bytes,
+            kv_pool_bytes=event.before_kv_pool_bytes,
             num_pages=usable_pages(event.before_pages),
             max_prefill_tokens=chunk_before,
             prefix_cache_pages=cached,
@@ -296,7 +297,7 @@ class EngineEventsToUI:
             **self._split(event.before_cpu_layers, event),
         )
         after = PlanPoint(
-            kv_pool_bytes=event.after_bytes,
+            kv_pool_bytes=event.after_kv_pool_bytes,
             num_pages=usable_pages(event.after_pages),
             max_prefill_tokens=event.max_prefill_tokens,
             prefix_cache_pages=cached_after,

@@ -3,9 +3,9 @@
 
 One function, :func:`plan_now`, gives the plan after each engine event, for the
 supervisor's ``info`` and for the ``plan`` event alike, so the two never disagree. What
-follows the live changes: the KV pool (``num_pages``, usable pages; ``kv_pool_bytes``, the
-buffers of the KV pool and of a sliding-window ring pool beside it, whose usable pages
-are ``kv_ring_pages``),
+follows the live changes: the KV pool (``num_pages``, usable pages; ``kv_pool_bytes``,
+their bytes, as the start's plan counts them; a sliding-window ring pool's usable pages
+beside it, ``kv_ring_pages``),
 the prefill chunk cap (``max_prefill_tokens``), the per-request context
 (``max_context_tokens`` and ``context_note``, :meth:`MemoryPlan.after_resize`) and a
 split's move (``cpu_layers``, ``split_note``, ``fixed_bytes``). What stays the start's:
@@ -31,7 +31,7 @@ def split_moved(plan: MemoryPlan | None, event: Replanned) -> MemoryPlan:
         return event.plan
     moved = event.plan
     return msgspec.structs.replace(plan, cpu_layers=moved.cpu_layers, split_note=moved.split_note,
-                                   fixed_bytes=moved.fixed_bytes, kv_pool_bytes=event.after_bytes)
+                                   fixed_bytes=moved.fixed_bytes, kv_pool_bytes=event.after_kv_pool_bytes)
 
 
 def plan_now(info: EngineInfo, event: EngineEvent) -> MemoryPlan | None:
@@ -51,8 +51,8 @@ def plan_now(info: EngineInfo, event: EngineEvent) -> MemoryPlan | None:
         return None
     usable = usable_pages(event.after_pages)
     if event.max_context_tokens != info.max_context_tokens:
-        plan = plan.after_resize(usable, event.after_bytes, event.max_context_tokens, event.reason)
-    now = {"num_pages": usable, "kv_pool_bytes": event.after_bytes, "max_prefill_tokens": event.max_prefill_tokens}
+        plan = plan.after_resize(usable, event.after_kv_pool_bytes, event.max_context_tokens, event.reason)
+    now = {"num_pages": usable, "kv_pool_bytes": event.after_kv_pool_bytes, "max_prefill_tokens": event.max_prefill_tokens}
     if event.after_ring_pages:  # the sliding-window ring pool, resized with the KV pool
         now["kv_ring_pages"] = usable_pages(event.after_ring_pages)
     if all(getattr(plan, k) == v for k, v in now.items()):

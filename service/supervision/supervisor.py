@@ -303,7 +303,7 @@ class Supervisor(Readiness, Unloading, Draining):
         if self.info is not None:
             # Its KV pool is given back: none until the next worker reports its own.
             self._publish(EngineInfoEvent(info=msgspec.structs.replace(self.info, plan=None, num_pages=0,
-                                                                       kv_cache_bytes=0)))
+                                                                       kv_cache_bytes=0, kv_buffer_bytes=0)))
         self.last_exit = status
         self._pids.forget(worker.pid)
         if self.state is State.STOPPED:

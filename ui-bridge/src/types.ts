@@ -60,7 +60,11 @@ export interface CountersEvent {
  * context length and what the KV pool holds for one request. Sizes are in bytes.
  * `num_pages` is the KV pool's usable pages (its null page apart,
  * :func:`engine.memory.kv_fit.usable_pages`), as the plan, the engine's counters
- * (`total_pages`), replan events, the control API and the log count them.
+ * (`total_pages`), replan events, the control API and the log count them;
+ * `kv_cache_bytes` their bytes, as the plan's `kv_pool_bytes` counts them (a
+ * sliding-window ring pool apart). `kv_buffer_bytes` is every buffer the KV cache
+ * holds: the KV pool's null page and a sliding-window ring pool (with its own null
+ * page) included.
  */
 export interface EngineInfo {
   model_name: string;
@@ -81,6 +85,7 @@ export interface EngineInfo {
   plan: MemoryPlan | null;
   kv_cache_dtype: string;
   kv_bytes_per_token: number;
+  kv_buffer_bytes: number;
   parameter_count: number;
   weight_format: string;
 }

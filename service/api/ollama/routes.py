@@ -141,13 +141,13 @@ class OllamaController(Controller):
     @get("/ps")
     async def running(self, svc: Services) -> Response[bytes]:
         """The loaded model (none while no worker is ready): its memory (weights plus
-        KV pool, in bytes; on the GPU unless the device is the CPU) and the context one
-        request can use now."""
+        the KV cache's buffers, in bytes; on the GPU unless the device is the CPU) and
+        the context one request can use now."""
         try:
             info = svc.supervisor.check_ready()
         except NotReady:
             return json_response(OllamaModelList(models=[]))
-        size = info.weight_bytes + info.kv_cache_bytes
+        size = info.weight_bytes + info.kv_buffer_bytes
         expires = rfc3339(datetime.now(timezone.utc) + _KEPT_FOR)
         running = [
             msgspec.structs.replace(

@@ -97,10 +97,9 @@ def test_weight_size_prices_the_expert_blocks(tiny):
     allocates; on the CPU (the projections repacked as the engine does) the blocks where
     the C kernels run them, else the experts' dense size (dequantized at load)."""
     path, config = tiny
-    rope_cache = config.max_position_embeddings * config.head_dim * 4
     blocks = load_gguf_quantized(config, path, "cpu", torch.bfloat16, experts_in_blocks=True)
     size = gguf_weight_size(path, config, torch.bfloat16, "cuda")
-    assert size.bytes == model_weight_bytes(blocks) + rope_cache
+    assert size.bytes == model_weight_bytes(blocks)
     assert "Q4_K blocks" in size.mix and "Q6_K blocks" in size.mix and "routed experts" in size.mix
     experts = blocks.model.layers[0].mlp.experts
     e, h, i = config.num_experts, HIDDEN, MOE_INTERMEDIATE
@@ -115,7 +114,7 @@ def test_weight_size_prices_the_expert_blocks(tiny):
         packed = pack_model_for_cpu(loaded, torch.bfloat16, lib)
         assert isinstance(packed.model.layers[0].mlp.experts, Experts if lib is None else QuantExperts)
         assert on_cpu.experts_in_blocks == (lib is not None)
-        assert on_cpu.bytes == model_weight_bytes(packed) + rope_cache, lib
+        assert on_cpu.bytes == model_weight_bytes(packed), lib
 
 
 def test_startup_keeps_moe_blocks_on_cuda_with_experts_in_host_memory_too(tiny, caplog):
@@ -181,7 +180,7 @@ def test_cpu_layout_keeps_k_quant_projections_and_experts_in_blocks(tmp_path, pa
     assert isinstance(layer.mlp.experts, QuantExperts) and isinstance(layer.self_attn.o_proj, CpuBlockLinear)
     assert layer.self_attn.qkv_proj.types == ["Q4_K", "Q6_K"] and ours.lm_head.types == ["Q6_K"]
     size = gguf_weight_size(path, config, torch.float32, "cpu", cpu_blocks=True)
-    assert size.bytes == model_weight_bytes(ours) + config.max_position_embeddings * config.head_dim * 4
+    assert size.bytes == model_weight_bytes(ours)
     dense = load_gguf_quantized(config, path, "cpu", torch.float32, experts_in_blocks=False)
     a, b = paged_runner(dense, config), paged_runner(ours, config)
     ids = [5, 70, 3, 200, 42, 42, 9, 100]
@@ -204,7 +203,7 @@ def test_benchmark_moe_gguf_converts_and_loads_in_blocks(tmp_path, paged_runner)
     model = load_gguf_quantized(config, path, "cpu", torch.float32, experts_in_blocks=True)
     assert all(layer.mlp.experts.types == MOE_EXPERT_TYPES for layer in model.model.layers)
     size = gguf_weight_size(path, config, torch.float32)
-    assert size.bytes == model_weight_bytes(model) + config.max_position_embeddings * config.head_dim * 4
+    assert size.bytes == model_weight_bytes(model)
     logits = paged_runner(model, config).step({0: [1, 2, 3]})
     assert logits.shape == (1, config.vocab_size) and bool(torch.isfinite(logits).all())
 

@@ -28,9 +28,8 @@ def test_plan_on_the_cpu_shows_what_the_engine_holds(default_model_dir):
     assert result.exit_code == 0, result.output
     got = json.loads(result.stdout)
     engine = Engine(EngineConfig(device="cpu", max_model_len=4096))
-    # The plan's weights count the float32 RoPE table too, as every plan's do.
-    rope = engine.model_config.max_position_embeddings * engine.model_config.head_dim * 4
-    assert got["weight_bytes"] == engine.info.weight_bytes + rope
+    # Both count the float32 RoPE table, as every plan's weights do.
+    assert got["weight_bytes"] == engine.info.weight_bytes
     assert got["weight_source"].startswith("exact, GGUF: ") and "Q4_1 blocks" in got["weight_source"]
     assert got["num_pages"] == engine.pool.num_pages - 1  # the engine's own count holds the null page
     assert got["kv_pool_bytes"] == got["num_pages"] * got["page_size"] * got["kv_bytes_per_token"]

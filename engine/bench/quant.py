@@ -57,10 +57,11 @@ from kernels.switches import configure, current, using
 
 def step_bytes(model: torch.nn.Module, config, batch: int, context: int, kv_bytes_per_token: int) -> int:
     """Bytes a decode step reads: the weights but the embedding table (unless tied, then
-    it is the LM head), plus ``batch * context`` tokens of KV."""
-    from engine.layers.weight_census import model_weight_bytes
+    it is the LM head) and the rotary cache (a row a token), plus ``batch * context``
+    tokens of KV."""
+    from engine.layers.weight_census import model_weight_bytes, rope_cache_bytes
 
-    weights = model_weight_bytes(model)
+    weights = model_weight_bytes(model) - rope_cache_bytes(model)
     if not config.tie_word_embeddings:
         weights -= model.model.embed_tokens.weight.nbytes
     return weights + batch * context * kv_bytes_per_token

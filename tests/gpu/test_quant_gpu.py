@@ -51,8 +51,7 @@ def test_default_model_from_q4_1_blocks_gives_the_dequantized_greedy_text(dtype,
     # The decode step with the quantized linears captures as CUDA graphs.
     assert quant.runner.graphs is not None
     # What the plan charged is what the loader placed.
-    mc = quant.model_config
-    assert quant.weight_size.bytes == quant.info.weight_bytes + mc.max_position_embeddings * mc.head_dim * 4
+    assert quant.weight_size.bytes == quant.info.weight_bytes  # the RoPE cache counted on both sides
     assert "Q4_1 blocks" in quant.weight_size.mix
     prompts = _chat_prompts(quant, 5)
     got = run_greedy(quant, prompts, new_tokens=NEW_TOKENS)
@@ -303,7 +302,7 @@ def test_benchmark_weights_take_their_block_bytes(tmp_path):
     dense_projections = sum(m.out_features * m.in_features * 2 for m in model.modules() if isinstance(m, QuantLinear))
     assert blocks < 0.42 * dense_projections
     size = gguf_weight_size(path, config, torch.bfloat16)
-    assert size.bytes == model_weight_bytes(model) + config.max_position_embeddings * config.head_dim * 4
+    assert size.bytes == model_weight_bytes(model)
 
 
 def test_every_block_type_compiles_for_hopper_without_register_spills():

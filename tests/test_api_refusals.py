@@ -272,16 +272,21 @@ def test_a_client_gone_before_its_body_is_counted_499(real_server):
 @pytest.mark.parametrize(("method", "path", "allowed", "shape"), [
     ("GET", "/api/control/cache", "POST", "openai"),
     ("GET", "/v1/chat/completions", "POST", "openai"),
-    ("POST", "/api/health", "GET", "openai"),
+    ("POST", "/api/health", "GET or HEAD", "openai"),
     ("GET", "/api/chat", "POST", "ollama"),
-    ("DELETE", "/api/tags", "GET", "ollama"),
+    ("DELETE", "/api/tags", "GET or HEAD", "ollama"),
     ("GET", "/v1/messages", "POST", "anthropic"),
 ])
 def test_a_wrong_method_names_the_methods_the_path_takes(real_server, method, path, allowed, shape):
     """Every 405 said "method not allowed: Method Not Allowed"; it names the call and the
-    methods its path takes, in the error shape of the path's API."""
+    methods its path takes, in the error shape of the path's API. A path that answers
+    GET answers HEAD too, and its ``Allow`` names both (it named GET alone)."""
     r = httpx.request(method, real_server.base_url + path, timeout=30)
     assert r.status_code == 405, r.text
+    allow = [m.strip() for m in r.headers["allow"].split(",")]
+    assert ("HEAD" in allow) == ("GET" in allow), r.headers
+    if "HEAD" in allow:
+        assert httpx.head(real_server.base_url + path, timeout=30).status_code == 200
     message = {"openai": lambda b: b["error"]["message"], "ollama": lambda b: b["error"],
                "anthropic": lambda b: b["error"]["message"]}[shape](r.json())
     assert message == f"{method} {path} is not served: use {allowed}", r.text

@@ -249,7 +249,7 @@ def _rejected(request: Request, exc: RequestRejected) -> Response[Any]:
 
 
 def _http_error(request: Request, exc: HTTPException) -> Response[Any]:
-    status = exc.status_code
+    status, headers = exc.status_code, exc.headers
     if status == 413:
         limit = request.route_handler.resolve_request_max_body_size()
         error = APIError(
@@ -263,7 +263,8 @@ def _http_error(request: Request, exc: HTTPException) -> Response[Any]:
     elif status == 404:
         error = APIError(404, f"no route for this path: {clip(str(exc.detail))}", type=NOT_FOUND)
     elif status == 405:
-        error = APIError(405, not_allowed(request.method, request.url.path, exc.headers),
+        headers = allow_head(headers)
+        error = APIError(405, not_allowed(request.method, request.url.path, headers),
                          code="method_not_allowed")
     elif status >= 500:
         error = APIError(status, str(exc.detail), type=SERVER_ERROR)
@@ -271,8 +272,21 @@ def _http_error(request: Request, exc: HTTPException) -> Response[Any]:
         error = invalid(str(exc.detail))
     else:
         error = APIError(status, str(exc.detail))
-    error.headers.update(exc.headers or {})
+    error.headers.update(headers or {})
     return _response(error, request)
+
+
+def allow_head(headers: dict[str, str] | None) -> dict[str, str]:
+    """A 405's headers with ``HEAD`` named in ``Allow`` beside ``GET``: every ``GET``
+    route answers ``HEAD`` (:class:`service.http.head.HeadAsGet`), but the router lists
+    only the methods its handlers declare. ``headers`` itself is left as it was."""
+    out = dict(headers or {})
+    key = next((k for k in out if k.lower() == "allow"), "allow")
+    methods = [m.strip() for m in out.get(key, "").split(",") if m.strip()]
+    if "GET" in methods and "HEAD" not in methods:
+        methods.insert(methods.index("GET") + 1, "HEAD")
+        out[key] = ", ".join(methods)
+    return out
 
 
 def not_allowed(method: str, path: str, headers: dict[str, str] | None) -> str:

@@ -14,6 +14,9 @@ is None) says a person writes them as text such as ``6GiB`` (:mod:`engine.common
 ``kind="word_or_number"`` is a text field whose value is a word or a number
 (``auto|none|N``, a duration such as ``5m`` or seconds): a number from the config file
 (TOML ``2``, ``1.5``) becomes its text, as the command line and the environment give it.
+``kind="word"`` is one of the option's ``choices`` written in any case (``AUTO``, a
+TOML ``8`` for ``"8"``), held in lower case: the kernel switches' text values
+(:func:`options_from`), as bool switches take ``ON`` and sizes ``6gib``.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ class Option:
     default: Any
     help: str
     multiple: bool = False
-    kind: str | None = None  # "size" | "size_or_auto" | "word_or_number" | None
+    kind: str | None = None  # "size" | "size_or_auto" | "word_or_number" | "word" | None
     choices: tuple[str, ...] = ()
     checks: tuple[Check, ...] = ()
     shown_metavar: str | None = None
@@ -128,7 +131,9 @@ def option(
         default: the field's default (bytes for a size).
         help: the ``--help`` text (the CLI appends the variable and the default).
         kind: ``"size"`` or ``"size_or_auto"`` for sizes written as text,
-            ``"word_or_number"`` for text that may be a number (see the module docstring).
+            ``"word_or_number"`` for text that may be a number (see the module
+            docstring), ``"word"`` for one of ``choices`` written in any case (held in
+            lower case).
         choices: the allowed values (checked, and listed as the metavar).
         checks: more checks of the resolved value, e.g. ``at_least(1)``.
         shown_default: the default as a person writes it where it differs from the
@@ -188,8 +193,9 @@ def options_from(plain: type, name: str, module: str) -> type:
     hints = typing.get_type_hints(plain)
 
     def made_option(f: dataclasses.Field) -> Option:
-        low = f.metadata.get("minimum")
-        return option(f.default, f.metadata["help"], choices=tuple(f.metadata.get("choices", ())),
+        low, choices = f.metadata.get("minimum"), tuple(f.metadata.get("choices", ()))
+        # A text switch's values are words: any case from every source, held in lower case.
+        return option(f.default, f.metadata["help"], choices=choices, kind="word" if choices else None,
                       checks=() if low is None else (at_least(low),))
 
     fields = [(f.name, hints[f.name], made_option(f)) for f in dataclasses.fields(plain)]

@@ -22,6 +22,10 @@ Where the template's own tokens pass the budget (a tiny ``num_ctx``), a chat is 
 fill the context but one token instead; where they fill the context, it is refused with
 400 ``context_length_exceeded`` naming the tokens the template takes.
 
+A fitted prompt carries the ids its last rendering gave (:attr:`Prompt.ids`, or
+``token_ids`` for a cut raw prompt), which :func:`service.api.prompts.encode_prompts`
+hands on: a call's prompt is rendered and tokenized once, not again after its fit.
+
 Source: Ollama's ``server/prompt.go`` (``chatPrompt``) and its runner's truncation of an
 input longer than ``num_ctx`` (``runner/ollamarunner``: ``numKeep``, context shift).
 """
@@ -76,8 +80,9 @@ async def fit_prompts(text: TextSide, request: GenerationRequest, context: int) 
 
 
 async def fit_prompt(text: TextSide, prompt: Prompt, context: int, room: int) -> Prompt:
-    """``prompt`` cut to at most ``context - room`` tokens (see the module docstring);
-    the same prompt where it fits already or holds token ids.
+    """``prompt`` cut to at most ``context - room`` tokens (see the module docstring),
+    with the ids it encodes to (:attr:`Prompt.ids`: tokenized once per call); the same
+    prompt where it holds token ids.
 
     Args:
         context: the call's context in tokens (prompt plus answer).
@@ -98,39 +103,40 @@ async def fit_prompt(text: TextSide, prompt: Prompt, context: int, room: int) ->
             log.info("%s: %d tokens after its first %d dropped to fit %d tokens of a context of %d", prompt.param,
                      len(ids) - budget, head, budget, context)
             return replace(prompt, text=None, token_ids=ids[:head] + ids[len(ids) - budget + head:])
+        return replace(prompt, ids=ids)
     return prompt
 
 
 async def _fit_chat(text: TextSide, prompt: Prompt, budget: int, context: int) -> Prompt:
     """A chat's oldest turns dropped, then its longest messages' starts cut, until it
     renders to at most ``budget`` tokens (``context - 1`` where the template's own
-    tokens pass ``budget``)."""
+    tokens pass ``budget``), with the ids it renders to."""
 
-    async def tokens(messages: list[dict[str, Any]]) -> int:
-        return len(await text.encode_chat(messages, tools=prompt.tools, template_kwargs=prompt.template_kwargs))
+    async def render(messages: list[dict[str, Any]]) -> list[int]:
+        return await text.encode_chat(messages, tools=prompt.tools, template_kwargs=prompt.template_kwargs)
 
     messages = list(prompt.messages or [])
-    count = await tokens(messages)
+    ids = await render(messages)
     dropped = 0
-    while count > budget:
+    while len(ids) > budget:
         older = [i for i, m in enumerate(messages[:-1]) if m.get("role") not in ("system", "developer")]
         if not older:
             break
         del messages[older[0]]
         dropped += 1
-        count = await tokens(messages)
+        ids = await render(messages)
     if dropped:
         log.info("%s: the %d oldest messages dropped to fit %d tokens of a context of %d", prompt.param, dropped,
                  budget, context)
-    cut, cut_count = await _cut_texts(text, messages, count, budget, tokens)
-    if budget < cut_count < context:
+    cut, cut_ids = await _cut_texts(text, messages, ids, budget, render)
+    if budget < len(cut_ids) < context:
         # The template's own tokens pass the answer's room: the prompt fills the context
         # but one token instead.
         budget = context - 1
-        cut, cut_count = await _cut_texts(text, messages, count, budget, tokens)
-    if cut_count > budget:
+        cut, cut_ids = await _cut_texts(text, messages, ids, budget, render)
+    if len(cut_ids) > budget:
         raise invalid(
-            f"This call's context is {context} tokens. However, the prompt takes {cut_count} tokens with "
+            f"This call's context is {context} tokens. However, the prompt takes {len(cut_ids)} tokens with "
             "the text of every message cut (the chat template's own tokens), which leaves no room for a "
             "completion. Please raise num_ctx.",
             prompt.param,
@@ -139,30 +145,30 @@ async def _fit_chat(text: TextSide, prompt: Prompt, budget: int, context: int) -
     if cut != messages:
         log.info("%s: the start of its longest messages cut to fit %d tokens of a context of %d", prompt.param,
                  budget, context)
-    return replace(prompt, messages=cut) if dropped or cut != messages else prompt
+    return replace(prompt, messages=cut, ids=cut_ids)
 
 
 async def _cut_texts(
     text: TextSide,
     messages: list[dict[str, Any]],
-    count: int,
+    ids: list[int],
     budget: int,
-    tokens: Callable[[list[dict[str, Any]]], Awaitable[int]],
-) -> tuple[list[dict[str, Any]], int]:
-    """``messages`` (rendering to ``count`` tokens, as ``tokens`` counts them) with the
-    start of the longest message's text cut, then the next longest's, until they render
-    to at most ``budget`` tokens or no text is left; and the tokens they render to. The
-    list given is not changed."""
+    render: Callable[[list[dict[str, Any]]], Awaitable[list[int]]],
+) -> tuple[list[dict[str, Any]], list[int]]:
+    """``messages`` (rendering to ``ids``, as ``render`` renders them) with the start of
+    the longest message's text cut, then the next longest's, until they render to at
+    most ``budget`` tokens or no text is left; and the ids they render to. The list
+    given is not changed."""
     for _ in range(_MAX_CUTS):
         longest = max(range(len(messages)), key=lambda i: _text_length(messages[i]), default=None)
-        if count <= budget or longest is None or not _text_length(messages[longest]):
+        if len(ids) <= budget or longest is None or not _text_length(messages[longest]):
             break
-        ids = await text.encode_text(messages[longest]["content"])
-        over = count - budget
-        kept = (await text.decode(ids[over:])).lstrip("\ufffd") if over < len(ids) else ""
+        own = await text.encode_text(messages[longest]["content"])
+        over = len(ids) - budget
+        kept = (await text.decode(own[over:])).lstrip("\ufffd") if over < len(own) else ""
         messages = [*messages[:longest], {**messages[longest], "content": kept}, *messages[longest + 1:]]
-        count = await tokens(messages)
-    return messages, count
+        ids = await render(messages)
+    return messages, ids
 
 
 def _text_length(message: Any) -> int:

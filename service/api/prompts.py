@@ -69,6 +69,10 @@ class Prompt:
             (:mod:`service.api.tools`), or None.
         template_kwargs: extra variables for the chat template
             (``chat_template_kwargs``), or None.
+        ids: the ids ``messages`` (with ``tools`` and ``template_kwargs``) or ``text``
+            encode to, where they were tokenized already (fitted to a call's context,
+            :mod:`service.api.prompt_fit`): :func:`encode_prompts` takes them rather than
+            tokenizing the prompt again. None: not tokenized yet.
     """
 
     param: str
@@ -77,6 +81,7 @@ class Prompt:
     token_ids: list[int] | None = None
     tools: list[dict[str, Any]] | None = None
     template_kwargs: dict[str, Any] | None = None
+    ids: list[int] | None = None
 
 
 def chat_prompt(
@@ -109,7 +114,8 @@ async def encode_prompts(
     info: EngineInfo,
     context_tokens: int | None = None,
 ) -> list[list[int]]:
-    """The token ids of each prompt, in order.
+    """The token ids of each prompt, in order (a prompt's :attr:`Prompt.ids` where it
+    was tokenized already).
 
     Args:
         context_tokens: the context the prompts must fit; None:
@@ -135,14 +141,15 @@ async def encode_prompts(
     encoded: list[list[int]] = []
     for prompt in prompts:
         if prompt.messages is not None:
-            encoded.append(
-                await text.encode_chat(
+            if prompt.ids is None:
+                encoded.append(await text.encode_chat(
                     prompt.messages, tools=prompt.tools, template_kwargs=prompt.template_kwargs
-                )
-            )
+                ))
+            else:
+                encoded.append(prompt.ids)
             continue
         if prompt.text is not None:
-            ids = await text.encode_prompt(prompt.text)
+            ids = await text.encode_prompt(prompt.text) if prompt.ids is None else prompt.ids
         else:
             ids = prompt.token_ids or []
             bad = next((t for t in ids if t < 0 or t >= info.vocab_size), None)

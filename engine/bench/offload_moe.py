@@ -72,6 +72,8 @@ def _bench(engine: Engine, args: argparse.Namespace, share: str) -> None:
     print(f"plan (expert_cpu_share {share}): routed experts of {len(stores)} layers in host memory, "
           f"{sum(s.num_slots for s in stores)} cache slots; decode "
           f"{'in CUDA graphs' if engine.runner.graphs is not None else 'eager'}", flush=True)
+    if engine.plan is not None:  # where the budget went, line by line (the measured plan)
+        print(engine.plan.table(), flush=True)
     vocab = engine.vocab_size
     for n in (int(v) for v in args.prefill.split(",")):
         once = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)

@@ -105,3 +105,15 @@ def test_plan_json_prints_a_refusal_a_script_can_parse(default_model_dir, args, 
     assert result.stderr.strip() == f"headroom: error: {refusal['error']}"
     plain = invoke(["plan", *model, *args])
     assert plain.exit_code == 2 and plain.stdout == "" and needle in plain.stderr, plain.output
+
+
+@pytest.mark.parametrize("command", [["generate", "--local", "--max-tokens", "2", "hi"], ["serve", "--port", "0"]])
+def test_a_folder_without_its_tokenizer_is_refused_before_loading(tmp_path, make_tiny_hf_model, command):
+    """generate loaded the engine, then died in a traceback at the tokenizer; serve bound its
+    port and started a worker first. Both now run one check before loading anything."""
+    make_tiny_hf_model("qwen3", tmp_path)
+    result = invoke([*command[:1], "--model", str(tmp_path), *command[1:]])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() == (f"headroom: error: cannot load the model: no loadable tokenizer in {str(tmp_path)!r}: "
+                                     "tokenizer.json is missing (copy it from the model's Hugging Face repository)")
+    assert "Traceback" not in result.output and "listening" not in result.output

@@ -16,6 +16,23 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
 
+def check_tokenizer_files(model_dir: str) -> None:
+    """Refuse, without loading anything, a ``model_dir`` :func:`load_tokenizer` cannot
+    load: the check every command that loads a model runs before it loads the weights.
+
+    Raises:
+        FileNotFoundError: ``model_dir`` is not a folder, or it has no ``tokenizer.json``
+            (the message names the file and where to get it).
+    """
+    if not os.path.isdir(model_dir):
+        raise FileNotFoundError(f"model folder {model_dir!r} does not exist")
+    if not os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
+        raise FileNotFoundError(
+            f"no loadable tokenizer in {model_dir!r}: tokenizer.json is missing (copy it "
+            f"from the model's Hugging Face repository)"
+        )
+
+
 def load_tokenizer(model_dir: str) -> PreTrainedTokenizerFast:
     """Load the fast tokenizer saved in ``model_dir`` (``tokenizer.json``, with
     ``tokenizer_config.json`` / ``special_tokens_map.json`` when present, as Hugging Face
@@ -28,13 +45,7 @@ def load_tokenizer(model_dir: str) -> PreTrainedTokenizerFast:
         FileNotFoundError: ``model_dir`` is not a folder, or it has no ``tokenizer.json``.
         OSError: the folder's tokenizer files cannot be loaded.
     """
-    if not os.path.isdir(model_dir):
-        raise FileNotFoundError(f"model folder {model_dir!r} does not exist")
-    if not os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
-        raise FileNotFoundError(
-            f"no loadable tokenizer in {model_dir!r}: tokenizer.json is missing (copy it "
-            f"from the model's Hugging Face repository)"
-        )
+    check_tokenizer_files(model_dir)
     from transformers import PreTrainedTokenizerFast
 
     try:

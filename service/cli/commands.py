@@ -23,7 +23,7 @@ import click
 from service.cli.autostart import service as service_group
 from service.cli.bench import bench
 from service.cli.doctor import doctor
-from service.cli.exits import EXIT_FAILED, EXIT_USAGE, check_model_path, errors_as_json, fail
+from service.cli.exits import EXIT_FAILED, EXIT_USAGE, errors_as_json, fail
 from service.cli.models import models, pull
 from service.cli.options import (
     KERNEL_SWITCHES,
@@ -33,6 +33,7 @@ from service.cli.options import (
     seed_option,
     with_settings,
 )
+from service.cli.precheck import check_model_before_loading
 from service.cli.serve import serve
 from service.common.ranges import MAX_TOKENS_MIN, TEMPERATURE_MAX, TEMPERATURE_MIN
 from service.common.version import headroom_version
@@ -232,7 +233,7 @@ def generate(
             temperature=temperature, seed=seed, api_key=settings.api_key,
         ):
             return
-    check_model_path(settings.model)
+    check_model_before_loading(settings.model, tokenizer=True)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
     from dataclasses import replace
@@ -312,7 +313,7 @@ def plan(config_path: Path | None, as_json: bool, **flags: Any) -> None:
     if as_json:
         errors_as_json()
     settings = resolve_or_fail(flags, config_path)
-    check_model_path(settings.model)
+    check_model_before_loading(settings.model, tokenizer=False)
 
     from engine.commands.plan import (
         CpuWithoutPlan,

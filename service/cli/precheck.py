@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from service.cli.exits import EXIT_USAGE, fail
+from service.cli.exits import EXIT_USAGE, check_model_path, fail
 
 
 def model_config_if_readable(model: str | None) -> Any:
@@ -38,6 +38,34 @@ def model_config_if_readable(model: str | None) -> Any:
         return load_model_config(folder)
     except (ModelLoadError, OSError):
         return None
+
+
+def check_model_before_loading(model: str | None, *, tokenizer: bool) -> None:
+    """The one check every command that loads a model runs before it loads anything
+    (torch-free): exit 2 naming the fix for a ``--model`` that names no model
+    (:func:`~service.cli.exits.check_model_path`) and, with ``tokenizer`` (the commands
+    that turn text into ids: serve, generate), for a folder without the tokenizer files
+    the loader reads. A GGUF not converted yet is left to its conversion, which builds
+    the tokenizer from the file."""
+    check_model_path(model)
+    from engine.common.load_errors import ModelNotFound
+    from engine.loader.default_model import converted_dir
+    from engine.loader.resolve import gguf_file, locate_model
+
+    try:
+        gguf = gguf_file(model)
+        folder = converted_dir(gguf) if gguf is not None else locate_model(model)
+    except (ModelNotFound, OSError):  # the default model's package missing: the loader names the fix
+        return
+    if not (folder / "config.json").is_file():
+        return
+    if tokenizer:
+        from engine.text.tokenizer import check_tokenizer_files
+
+        try:
+            check_tokenizer_files(str(folder))
+        except FileNotFoundError as exc:
+            fail(f"cannot load the model: {exc}", EXIT_USAGE)
 
 
 def visible_gpus() -> int | None:

@@ -2,7 +2,9 @@
 switches (``ON``) are: ``--expert-cpu-share AUTO`` was refused. Every text switch of
 :class:`kernels.switches.KernelSwitches`, from the flag, the environment and
 config.toml, is taken and held in lower case; a word it does not take is still refused
-naming the values it takes."""
+naming the values it takes. The benchmarks' reader of the switches' variables
+(:func:`engine.common.environment.kernel_switches`) reads them by the same rule, and
+takes the count switches it refused whatever their value."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from engine.common.config import KernelOptions
+from engine.common.environment import kernel_switches
 from engine.common.options import options_of
 from service.cli.commands import main
 from service.common.settings_sources import resolve
@@ -47,3 +50,16 @@ def test_the_cli_takes_a_switch_in_capitals_and_refuses_a_word_it_does_not_take(
                                  env={"HEADROOM_CONFIG": str(config)})
     assert refused.exit_code == 2, refused.output
     assert "--expert-cpu-share" in refused.stderr and "'Sometimes' is not one of auto, off" in refused.stderr, refused.stderr
+
+
+def test_the_benchmarks_reader_of_the_variables_takes_words_in_any_case_and_counts():
+    for opt in TEXT_SWITCHES:
+        for choice in opt.choices:
+            assert getattr(kernel_switches({opt.env: choice.upper()}), opt.name) == choice
+    assert kernel_switches({"HEADROOM_QUANT_GEMV_ROWS": "16"}).quant_gemv_rows == 16
+    with pytest.raises(ValueError, match=r"HEADROOM_QUANT_GEMV_ROWS='-3' is not a value of --quant-gemv-rows: use a "
+                                         r"whole number, or unset it"):
+        kernel_switches({"HEADROOM_QUANT_GEMV_ROWS": "-3"})
+    with pytest.raises(ValueError, match=r"HEADROOM_EXPERT_CPU_SHARE='Sometimes' is not a value of --expert-cpu-share: "
+                                         r"use auto, off, or unset it"):
+        kernel_switches({"HEADROOM_EXPERT_CPU_SHARE": "Sometimes"})

@@ -76,7 +76,9 @@ def kernel_switches(env: Mapping[str, str] | None = None):
     """The kernel switches (:class:`kernels.switches.KernelSwitches`) their
     ``HEADROOM_*`` variables give in ``env`` (the process's environment when None); an
     unset or empty one keeps its default. Bool switches take 1/0, true/false, yes/no,
-    on/off in any case.
+    on/off in any case; text switches their words in any case (held in lower case,
+    :meth:`engine.common.options.Option.as_word`, as serve's settings read them); count
+    switches a whole number within their least value.
 
     Raises:
         ValueError: a value the switch does not take, naming the variable and the values
@@ -93,11 +95,18 @@ def kernel_switches(env: Mapping[str, str] | None = None):
         if not text:
             continue
         word = text.lower()
-        if opt.type is bool and word in _ON + _OFF:
-            values[opt.name] = word in _ON
-        elif opt.type is not bool and word in opt.choices:
-            values[opt.name] = word
-        else:
-            takes = "1/0, true/false, yes/no or on/off" if opt.type is bool else ", ".join(opt.choices)
-            raise ValueError(f"{opt.env}={text!r} is not a value of {opt.flag}: use {takes}, or unset it")
+        value: object = None
+        if opt.type is bool:
+            value = word in _ON if word in _ON + _OFF else None
+        elif opt.kind == "word":
+            value = opt.as_word(text)
+        elif text.isascii() and text.isdecimal():
+            value = int(text)
+        why = None if value is None else opt.problem(value)
+        if value is None or why is not None:
+            takes = ("1/0, true/false, yes/no or on/off" if opt.type is bool else ", ".join(opt.choices)
+                     if opt.choices else "a whole number")
+            raise ValueError(f"{opt.env}={text!r} is not a value of {opt.flag}: "
+                             f"{why + '; ' if why and not opt.choices else ''}use {takes}, or unset it")
+        values[opt.name] = value
     return KernelSwitches(**values)

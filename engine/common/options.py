@@ -74,6 +74,14 @@ class Option:
             return "|".join(self.choices)
         return {"size": "SIZE", "size_or_auto": "auto|SIZE"}.get(self.kind or "")
 
+    def as_word(self, text: str) -> str:
+        """A ``word`` option's ``text`` in lower case where that is one of its choices,
+        whatever case it was written in; else as written, for the choices' check to
+        refuse (:meth:`problem`). The one rule for the flag, the environment and the
+        config file."""
+        lower = text.strip().lower()
+        return lower if lower in self.choices else text
+
     @property
     def is_size(self) -> bool:
         """Written as a size (``6GiB``), held in bytes."""

@@ -101,15 +101,12 @@ def _where(option: Option, source: str) -> str:
 
 def _convert_kind(option: Option, value: Any, source: str) -> Any:
     """A value of an option with a ``kind`` (a size, a word or number, a word) as the
-    field holds it: a ``word`` in lower case where that is one of its choices, whatever
-    case it was written in; else as written, for the choices' check to refuse
-    (:meth:`Option.problem`)."""
+    field holds it (a ``word`` by :meth:`Option.as_word`)."""
     if option.kind == "word_or_number":
         return _convert_word_or_number(option, value, source)
     if option.kind == "word":
         word = _convert_word_or_number(option, value, source)
-        lower = None if word is None else word.strip().lower()
-        return lower if lower in option.choices else word
+        return None if word is None else option.as_word(word)
     return _convert_size(option, value, source)
 
 

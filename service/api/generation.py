@@ -35,8 +35,8 @@ from engine.wire.messages import (
     TokenLogprobs,
 )
 from service.api.admission import Ticket
-from service.api.chat_plan import ChatPlan, chat_template, continue_prompt, plan_chat
-from service.api.deadline import get_before, request_deadline
+from service.api.chat_plan import ChatPlan, continue_prompt, plan_chat
+from service.api.deadline import get_before
 from service.api.engine_errors import engine_error, failure, rejected
 from service.api.logprobs import ShownLogprobs
 from service.api.prompt_fit import fit_prompts
@@ -45,7 +45,6 @@ from service.api.request import GenerationRequest, resolve_max_tokens
 from service.api.sampling import check_vocabulary, sampling_params
 from service.api.services import Services
 from service.api.text import TextSide
-from service.api.thinking import check_thinking
 from service.events.metrics import ServiceMetrics
 from service.supervision.inflight import EngineFailure, Submission
 from service.supervision.supervisor import Supervisor
@@ -417,34 +416,3 @@ async def prompt_ids(
     if plan is not None:
         encoded = [await continue_prompt(plan, text, ids) for ids in encoded]
     return plan, encoded
-
-
-async def start_generation(
-    svc: Services, model: str | None, request: GenerationRequest
-) -> tuple[Generation, str]:
-    """What every route does once its request is built: a ready worker (503; an idle
-    one is loaded first, the wait kept as :attr:`Generation.load_s`), the model it
-    names (404), then :meth:`Generation.start`. ``--request-timeout`` counts on the
-    ready clock (:mod:`service.api.deadline`): the load it waited for is not its time.
-
-    Raises:
-        APIError: 400 naming ``request.thinking_param`` when thinking is asked of a
-            model whose template cannot think
-            (:func:`service.api.thinking.check_thinking`); as :meth:`Generation.start`.
-
-    Returns:
-        The started generation and the model name to answer with.
-    """
-    waited_from = time.perf_counter()
-    deadline = request_deadline(svc.supervisor.ready_clock, svc.settings.request_timeout,
-                                request.started)
-    info = await svc.supervisor.ready()
-    load_s = time.perf_counter() - waited_from
-    name = svc.check_model(model, info)
-    if request.chat and svc.text is not None:
-        # ``model or name``: the name the client used, as Ollama's message has it.
-        check_thinking(request.thinking, request.thinking_budget, chat_template(svc.text),
-                       model or name, request.thinking_param)
-    gen = await Generation.start(svc, info, request, deadline)
-    gen.load_s = load_s
-    return gen, name

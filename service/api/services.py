@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -63,11 +64,15 @@ class Services:
         names += [*self.settings.served_model_name, DEFAULT_MODEL_ALIAS]
         return list(dict.fromkeys(names))
 
-    def check_model(self, requested: str | None, info: EngineInfo) -> str:
+    def check_model(
+        self, requested: str | None, info: EngineInfo, key: Callable[[str], str] | None = None
+    ) -> str:
         """The model name to report for a request naming ``requested``.
 
         An absent or empty name, or ``"default"``, means the served model (there is
-        only one).
+        only one). ``key``: how the API compares names (Ollama's is case-blind and
+        takes ``name`` for ``name:latest``, :func:`service.api.ollama.models.ollama_key`);
+        None: exactly as written.
 
         Raises:
             APIError: 404 ``model_not_found`` for any other name.
@@ -75,7 +80,8 @@ class Services:
         names = self.model_names(info)
         # "default" always names the one served model: the README's and most clients'
         # first request, before anyone has read /v1/models.
-        if not requested or requested in names:
+        same = key or (lambda name: name)
+        if not requested or same(requested) in {same(n) for n in names}:
             return names[0]
         raise APIError(
             404,

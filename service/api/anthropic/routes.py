@@ -39,11 +39,12 @@ from service.api.anthropic.requests import (
 )
 from service.api.anthropic.schemas import CountTokensRequest, MessagesRequest, TokenCount
 from service.api.chat_plan import chat_template
-from service.api.generation import prompt_ids, start_generation
+from service.api.generation import prompt_ids
 from service.api.reasoning import template_thinks
 from service.api.request import read_call
 from service.api.responses import json_response
 from service.api.services import Services
+from service.api.start import start_generation
 from service.common.errors import invalid
 
 _ID_PREFIX = "msg"

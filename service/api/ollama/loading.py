@@ -29,8 +29,7 @@ from typing import Any
 
 from litestar import Response
 
-from service.api.ollama.models import ollama_name, rfc3339
-from service.api.ollama.requests import model_name
+from service.api.ollama.models import ollama_key, ollama_name, rfc3339
 from service.api.ollama.schemas import (
     OllamaChatChunk,
     OllamaChatRequest,
@@ -121,12 +120,12 @@ async def load_or_unload(svc: Services, body: OllamaChatRequest | OllamaGenerate
         NotReady: the model could not be loaded (503 with Retry-After).
     """
     supervisor = svc.supervisor
-    name = model_name(body.model)
+    name = body.model
     # The name is checked first, as Ollama does (404 before any loading), against the
     # last worker's facts while none is loaded.
     model = ollama_name(svc, supervisor.info) if supervisor.info is not None else name
     if supervisor.info is not None:
-        svc.check_model(name, supervisor.info)
+        svc.check_model(name, supervisor.info, ollama_key)
     if wants_unload(body.keep_alive):
         if supervisor.state in UNLOADABLE:
             await supervisor.unload_when_done(
@@ -135,7 +134,7 @@ async def load_or_unload(svc: Services, body: OllamaChatRequest | OllamaGenerate
         reason = "unload"
     else:
         info = await supervisor.ready()
-        svc.check_model(name, info)
+        svc.check_model(name, info, ollama_key)
         model = ollama_name(svc, info)
         reason = "load"
     created = rfc3339(datetime.now(timezone.utc))

@@ -12,6 +12,20 @@ from service.api.ollama.schemas import OllamaDetails, OllamaModel
 from service.api.services import Services
 
 _BYTES_PER_PARAMETER = {"float32": 4, "float16": 2, "bfloat16": 2}
+_TAG = "latest"
+
+
+def tagged(name: str) -> str:
+    """``name`` with Ollama's default tag ``:latest`` when it has none (a tag follows
+    the last ``:`` of the name's last ``/`` part: ``owner/model:q4``)."""
+    return name if ":" in name.rpartition("/")[2] else f"{name}:{_TAG}"
+
+
+def ollama_key(name: str) -> str:
+    """A model name as Ollama compares names: case-blind, and ``name`` the same as
+    ``name:latest``. So any name ``/api/tags`` lists (``gpt-4:latest``) and the name it
+    was given as (``gpt-4``, ``GPT-4``) work in a request."""
+    return tagged(name).lower()
 
 
 def details(info: EngineInfo) -> OllamaDetails:
@@ -55,7 +69,7 @@ def ollama_name(svc: Services, info: EngineInfo) -> str:
     a model pulled without one. Every other name it answers to (``default``, the store
     name) still works in a request."""
     name = svc.settings.served_model_name[0] if svc.settings.served_model_name else info.model_name
-    return name if ":" in name else name + ":latest"
+    return tagged(name)
 
 
 def models(svc: Services, info: EngineInfo) -> list[OllamaModel]:

@@ -38,13 +38,6 @@ from service.common.errors import APIError, invalid
 # Ollama's option names of the sampling fields whose names differ.
 _OPTION_OF_FIELD = {"repetition_penalty": "repeat_penalty"}
 _FIELD_AT = re.compile(r" - at `\$\.(?P<field>\w+)`$")
-_TAG = ":latest"
-
-
-def model_name(name: str) -> str:
-    """Ollama's ``name:latest`` is ``name``: clients add the tag to names without one."""
-    return name[: -len(_TAG)] if name.endswith(_TAG) else name
-
 
 def _refuse_unsupported(body: OllamaChatRequest | OllamaGenerateRequest) -> None:
     if isinstance(body, OllamaChatRequest):

@@ -28,11 +28,11 @@ import msgspec
 from litestar import Controller, Request, Response, get, post
 
 from engine.text.chat import template_has_tools
-from service.api.generation import Generation, start_generation
+from service.api.generation import Generation
 from service.api.ollama.answers import chat_answer, generate_answer
 from service.api.ollama.loading import keep_alive_s, load_or_unload
-from service.api.ollama.models import details, models, modified_at, ollama_name, rfc3339
-from service.api.ollama.requests import chat_request, generate_request, model_name
+from service.api.ollama.models import details, models, modified_at, ollama_key, ollama_name, rfc3339
+from service.api.ollama.requests import chat_request, generate_request
 from service.api.ollama.schemas import (
     OllamaChatRequest,
     OllamaGenerateRequest,
@@ -45,6 +45,7 @@ from service.api.reasoning import template_thinks
 from service.api.request import GenerationRequest, build_call, read_body
 from service.api.responses import json_response
 from service.api.services import Services
+from service.api.start import start_generation
 from service.common.engine_states import NotReady
 from service.common.errors import MISSING_FIELD, invalid, reshaped_handlers
 from service.common.version import headroom_version
@@ -100,7 +101,7 @@ async def _generate(
     answered by ``answer`` (a stream unless the body says ``"stream": false``)."""
     build = partial(request_of, default_max_tokens=svc.settings.default_max_tokens)
     call = build_call(request, body, build, "ollama", started)
-    gen, _ = await start_generation(svc, model_name(body.model), call)
+    gen, _ = await start_generation(svc, body.model, call, ollama_key)
     # Answers name the model as /api/tags lists it, whichever alias asked.
     return await answer(gen, request, ollama_name(svc, svc.supervisor.info or svc.supervisor.check_ready()))
 
@@ -169,7 +170,7 @@ class OllamaController(Controller):
         if not (body.model or body.name):
             raise invalid("model is required", "model", MISSING_FIELD)
         info = svc.supervisor.info or svc.supervisor.check_ready()
-        svc.check_model(model_name(body.model or body.name), info)
+        svc.check_model(body.model or body.name, info, ollama_key)
         template = getattr(svc.text.tokenizer, "chat_template", None) if svc.text else None
         template = template if isinstance(template, str) else ""
         d = details(info)

@@ -34,7 +34,6 @@ from service.api.anthropic.models import (
     anthropic_model_list,
     asks_anthropic,
 )
-from service.api.generation import start_generation
 from service.api.openai.answers import chat_answer, completion_answer
 from service.api.openai.requests import chat_request, completion_request
 from service.api.openai.responses_answers import responses_answer
@@ -49,6 +48,7 @@ from service.api.openai.schemas import (
 from service.api.request import read_call
 from service.api.responses import json_response
 from service.api.services import Services
+from service.api.start import start_generation
 
 # Anthropic's clients list models too, with their key as x-api-key (see service.common.auth).
 _MODELS_OPT = {"key_header": "x-api-key"}

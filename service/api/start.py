@@ -1,0 +1,47 @@
+"""What every route does once its request is built (:func:`start_generation`): the
+model loaded and named, then the request taken into the engine
+(:meth:`service.api.generation.Generation.start`)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from service.api.chat_plan import chat_template
+from service.api.deadline import request_deadline
+from service.api.generation import Generation
+from service.api.request import GenerationRequest
+from service.api.services import Services
+from service.api.thinking import check_thinking
+
+
+async def start_generation(
+    svc: Services, model: str | None, request: GenerationRequest, name_key: Callable[[str], str] | None = None
+) -> tuple[Generation, str]:
+    """What every route does once its request is built: a ready worker (503; an idle
+    one is loaded first, the wait kept as :attr:`Generation.load_s`), the model it
+    names (404; ``name_key`` as :meth:`Services.check_model` takes it), then
+    :meth:`Generation.start`. ``--request-timeout`` counts on the ready clock
+    (:mod:`service.api.deadline`), not the load it waited for.
+
+    Raises:
+        APIError: 400 naming ``request.thinking_param`` when thinking is asked of a
+            model whose template cannot think
+            (:func:`service.api.thinking.check_thinking`); as :meth:`Generation.start`.
+
+    Returns:
+        ``(the started generation, the model name to answer with)``.
+    """
+    waited_from = time.perf_counter()
+    deadline = request_deadline(svc.supervisor.ready_clock, svc.settings.request_timeout,
+                                request.started)
+    info = await svc.supervisor.ready()
+    load_s = time.perf_counter() - waited_from
+    name = svc.check_model(model, info, name_key)
+    if request.chat and svc.text is not None:
+        # ``model or name``: the name the client used, as Ollama's message has it.
+        check_thinking(request.thinking, request.thinking_budget, chat_template(svc.text),
+                       model or name, request.thinking_param)
+    gen = await Generation.start(svc, info, request, deadline)
+    gen.load_s = load_s
+    return gen, name

@@ -1,8 +1,11 @@
 """What a fresh user of the APIs met, each through a real ``headroom serve`` on the
 embedded default model: a served name ending in ``:latest`` that Ollama's routes did
-not take as /api/tags lists it."""
+not take as /api/tags lists it; chat and text completion logprobs with an entry for
+the end token, which is not in the text."""
 
 from __future__ import annotations
+
+import json
 
 import httpx
 import pytest
@@ -54,3 +57,53 @@ def test_a_name_with_a_second_tag_is_another_model(http):
         assert "gpt-4:latest" in r.json()["error"], r.text
     r = http.post("/api/chat", json={"model": "gpt-4:q4", "messages": HI, "stream": False})
     assert r.status_code == 404, r.text
+
+
+def _chat_logprobs(http, stream: bool, **body) -> tuple[list[str], str, str]:
+    """(logprobs tokens, content, finish_reason) of a greedy chat answer."""
+    body = {"messages": HI, "max_tokens": 200, "temperature": 0, "logprobs": True, "stream": stream, **body}
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    if not stream:
+        choice = r.json()["choices"][0]
+        return [t["token"] for t in choice["logprobs"]["content"]], choice["message"]["content"], choice["finish_reason"]
+    tokens, content, finish = [], "", ""
+    for line in r.text.splitlines():
+        if not line.startswith("data: {"):
+            continue
+        for choice in json.loads(line[len("data: "):])["choices"]:
+            tokens += [t["token"] for t in (choice.get("logprobs") or {}).get("content") or []]
+            content += choice["delta"].get("content") or ""
+            finish = choice.get("finish_reason") or finish
+    return tokens, content, finish
+
+
+SCHEMA = {"type": "json_schema", "json_schema": {"name": "hi", "schema": {
+    "type": "object", "properties": {"greeting": {"type": "string", "maxLength": 12}},
+    "required": ["greeting"], "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("structured", [False, True])
+def test_logprobs_spell_an_answer_that_ended_on_its_end_token(http, stream, structured):
+    extra = {"response_format": SCHEMA} if structured else {}
+    tokens, content, finish = _chat_logprobs(http, stream, **extra)
+    assert finish == "stop", (finish, content)
+    assert "<|im_end|>" not in tokens and "".join(tokens) == content, (tokens, content)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_logprobs_spell_the_text_without_the_end_token(http, stream):
+    prompt = "<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n"
+    body = {"prompt": prompt, "max_tokens": 200, "temperature": 0, "logprobs": 1, "stream": stream}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    if stream:
+        chunks = [json.loads(x[len("data: "):]) for x in r.text.splitlines() if x.startswith("data: {")]
+        choices = [c for chunk in chunks for c in chunk["choices"]]
+    else:
+        choices = r.json()["choices"]
+    tokens = [t for c in choices if c.get("logprobs") for t in c["logprobs"]["tokens"]]
+    text = "".join(c["text"] for c in choices)
+    assert [c["finish_reason"] for c in choices if c.get("finish_reason")] == ["stop"], choices[-1]
+    assert "<|im_end|>" not in tokens and "".join(tokens) == text, (tokens, text)

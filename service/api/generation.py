@@ -29,6 +29,7 @@ from engine.wire.ipc import Rejected
 from engine.wire.messages import (
     FINISH_ERROR,
     FINISH_LENGTH,
+    FINISH_STOP,
     EngineInfo,
     GenerateRequest,
     SamplingParams,
@@ -358,7 +359,10 @@ class Generation:
     def _on_output(self, index: int, seq: _SeqText, output) -> Piece | None:
         self._raise_failed(output)
         if output.logprobs:
-            seq.logprobs.add(output.logprobs)
+            ended = output.finished and output.finish_reason == FINISH_STOP
+            # The end token that stopped it (``<|im_end|>``) is not in the text: left out,
+            # as OpenAI leaves it out.
+            seq.logprobs.add(output.logprobs[:-1] if ended else output.logprobs)
         if output.prompt_logprobs is not None:
             seq.prompt_logprobs = output.prompt_logprobs
         text = ""

@@ -19,7 +19,9 @@ token's logprobs go out once its text has (the text a stop string might start is
 held back), and when a stop string ends the answer the tokens past it are dropped; a
 token that straddles the stop (text before it, then the stop's first characters) is
 kept, cut: its ``token`` and ``bytes`` are its part before the stop, its
-``logprob`` and ``top_logprobs`` the whole token's (it was sampled whole).
+``logprob`` and ``top_logprobs`` the whole token's (it was sampled whole). The end
+token that stopped the answer is not in its text and gets no entry (the runner leaves
+it out: :meth:`service.api.generation.Generation.pieces`).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from typing import Any
 
 import click
 
-from service.cli.exits import fail
+from service.cli.exits import check_model_path, fail
 from service.cli.logfile import setup_logging
 from service.cli.options import config_option, resolve_or_fail, with_serve_options
 from service.cli.precheck import check_before_serving, check_model_before_loading
@@ -103,8 +103,9 @@ def serve(config_path: Path | None, **flags: Any) -> None:
     log = logging.getLogger("headroom.service")
     if log_path is not None:
         log.info("headroom %s logging to %s", headroom_version(), log_path)
+    check_model_path(settings.model)
+    check_before_serving(settings)  # what the settings ask of the model first, then its files
     check_model_before_loading(settings.model, tokenizer=True)
-    check_before_serving(settings)
     from service.cli.instance import AlreadyRunning, release_lock, remove_runtime, take_lock
 
     try:

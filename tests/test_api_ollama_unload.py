@@ -1,4 +1,4 @@
-"""Ollama's unload (``keep_alive`` 0) beside other clients' generations, on a real
+"""Ollama's unload (``keep_alive`` 0, alone or on a generation) beside other clients' generations, on a real
 ``headroom serve`` with the default model: the unload waits for what runs, the load
 after it is reported as ``load_duration``, and a generation an unload ends carries
 Retry-After."""
@@ -91,3 +91,35 @@ def test_a_generation_an_unload_ends_carries_retry_after():
     error = failure(EngineFailure(ENGINE_PAUSED, "the engine was unloaded (idle); retry"), 7)
     assert error.status == 503 and error.code == ENGINE_PAUSED
     assert error.headers == {"Retry-After": "7"}
+
+
+@pytest.mark.slow
+def test_keep_alive_0_on_a_generation_unloads_after_its_answer(server):
+    chat = {"model": "default", "messages": HI, "stream": False, "keep_alive": 0, "options": {"num_predict": 3}}
+    r = httpx.post(server.base_url + "/api/chat", json=chat, timeout=600)
+    assert r.status_code == 200 and r.json()["message"]["content"], r.text
+    wait_for(lambda: _status(server) == "idle", 60, "unloaded after the chat's answer")
+    generate = _Stream(server, "/api/generate", {
+        "model": "default", "prompt": HI[0]["content"], "keep_alive": "0s", "options": {"num_predict": 3},
+    })
+    generate.run()
+    last = json.loads(generate.lines[-1])
+    assert generate.status == 200 and last["done"] is True and "error" not in last, generate.lines
+    wait_for(lambda: _status(server) == "idle", 60, "unloaded after the streamed generate")
+
+
+@pytest.mark.slow
+def test_keep_alive_0_on_a_generation_waits_for_the_others_in_flight(server):
+    long = _Stream(server, "/v1/chat/completions", {
+        "messages": HI, "max_tokens": 400, "ignore_eos": True, "temperature": 0, "stream": True,
+    })
+    long.start()
+    assert long.started.wait(300)
+    short = {"model": "default", "prompt": "Hi", "stream": False, "keep_alive": "0", "options": {"num_predict": 2}}
+    r = httpx.post(server.base_url + "/api/generate", json=short, timeout=600)
+    assert r.status_code == 200 and r.json()["done"] is True, r.text
+    long.join(600)
+    finished = [json.loads(x[len("data: "):]) for x in long.lines[:-1]]
+    assert not any("error" in x for x in finished), finished[-2:]
+    assert finished[-1]["choices"][0]["finish_reason"] == "length", finished[-1]
+    wait_for(lambda: _status(server) == "idle", 60, "unloaded once the other generation finished")

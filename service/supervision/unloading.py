@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -215,16 +217,21 @@ class Unloading:
             await worker.stop(timeout_s=UNLOAD_TIMEOUT_S)
 
     async def unload_when_done(
-        self, reason: str, timeout_s: float = UNLOAD_DRAIN_TIMEOUT_S, poll_s: float = 0.05
+        self,
+        reason: str,
+        timeout_s: float = UNLOAD_DRAIN_TIMEOUT_S,
+        poll_s: float = 0.05,
+        waiting: Callable[[], bool] = lambda: False,
     ) -> bool:
         """Enter ``idle`` as :meth:`unload` does, once the sequences in flight have
-        finished (as Ollama's unload waits for the generations running), or after
-        ``timeout_s`` seconds (those still running then end with 503 ``engine_paused``).
+        finished and ``waiting()`` (requests admitted, not yet sent) is false (as Ollama's
+        unload waits for the generations running), or after ``timeout_s`` seconds (those
+        still running then end with 503 ``engine_paused``; ``math.inf``: never).
         Returns False, unloading nothing, when the worker was no longer loaded or loading
         by then (another unload, a pause, a failure)."""
         deadline = time.monotonic() + timeout_s
         while (
-            self._inflight.busy
+            (self._inflight.busy or waiting())
             and self.state in UNLOADABLE
             and time.monotonic() < deadline
         ):
@@ -233,6 +240,12 @@ class Unloading:
             return False
         await self.unload(State.IDLE, reason)
         return True
+
+    def unload_once_idle(self, reason: str, waiting: Callable[[], bool]) -> None:
+        """In the background, :meth:`unload_when_done` without a deadline: at once when
+        nothing runs or waits (``waiting()``: requests admitted, not yet sent), else as
+        soon as the last of them has finished, never ending one."""
+        self._spawn_task(self.unload_when_done(reason, math.inf, waiting=waiting))
 
     async def pause(self) -> str:
         """Game mode: stop the worker and give all its memory back until :meth:`resume`

@@ -12,7 +12,9 @@ the generations in flight have finished (at most
 :data:`~service.supervision.unloading.UNLOAD_DRAIN_TIMEOUT_S`), the worker stops and
 gives its memory back, the supervisor is ``idle``, and the next
 request loads it again (:mod:`service.supervision.unloading`). A paused engine stays
-paused; one already without a worker answers at once.
+paused; one already without a worker answers at once. A call that generates with
+``keep_alive`` 0 is answered, then unloads the model as Ollama does
+(:func:`unload_after`): once no other request runs or waits, never ending one.
 
 ``keep_alive`` is read as Ollama reads it (:func:`keep_alive_s`): a number of seconds
 (also as text, ``"0"``, ``"-1"``), or Go's duration text (``"0s"``, ``"5m"``,
@@ -28,6 +30,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from litestar import Response
+from litestar.background_tasks import BackgroundTask
 
 from service.api.ollama.models import ollama_key, ollama_name, rfc3339
 from service.api.ollama.schemas import (
@@ -43,6 +46,8 @@ from service.common.errors import invalid
 from service.supervision.unloading import UNLOADABLE
 
 log = logging.getLogger("headroom.api")
+
+UNLOAD_REASON = "unloaded by a keep_alive 0 request (Ollama's API); the next request loads it again"
 
 # Go's time.ParseDuration units, in seconds.
 _UNIT_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -109,6 +114,20 @@ def wants_unload(keep_alive: Any) -> bool:
     return keep_alive_s(keep_alive) == 0
 
 
+def unload_after(svc: Services, answer: Response[Any]) -> Response[Any]:
+    """``answer`` (to a call that generated, with ``keep_alive`` 0), unloading the
+    model once it has been sent: at once when no other request runs or waits for the
+    engine, else as soon as the last of them has finished (Ollama unloads such a model
+    when its last request ends)."""
+    admission = svc.admission
+
+    async def unload() -> None:  # on the event loop: Litestar runs a plain function in a thread
+        svc.supervisor.unload_once_idle(UNLOAD_REASON, lambda: admission.waiting > 0)
+
+    answer.background = BackgroundTask(unload)
+    return answer
+
+
 async def load_or_unload(svc: Services, body: OllamaChatRequest | OllamaGenerateRequest) -> Response[bytes]:
     """Answer a call without messages (chat) or prompt (generate): unload the model
     for ``keep_alive`` 0, else load it and wait until it serves (see the module
@@ -128,9 +147,7 @@ async def load_or_unload(svc: Services, body: OllamaChatRequest | OllamaGenerate
         svc.check_model(name, supervisor.info, ollama_key)
     if wants_unload(body.keep_alive):
         if supervisor.state in UNLOADABLE:
-            await supervisor.unload_when_done(
-                "unloaded by a keep_alive 0 request (Ollama's API); the next request loads it again"
-            )
+            await supervisor.unload_when_done(UNLOAD_REASON)
         reason = "unload"
     else:
         info = await supervisor.ready()

@@ -9,8 +9,9 @@ context holds: up to its end, as Ollama; unset: ``--default-max-tokens``), ``tem
 ``presence_penalty``, ``frequency_penalty``; their ranges are the OpenAI fields' (one
 declaration, :class:`service.api.sampling.Sampling`), and a value outside them is a
 400 naming the option. Other options (``num_gpu``, ``num_thread``, ``mirostat``...) are
-accepted and ignored; ``keep_alive`` is checked as Ollama reads it, and 0 on a call
-without messages or prompt unloads the model (:mod:`service.api.ollama.loading`).
+accepted and ignored; ``keep_alive`` is checked as Ollama reads it, and 0 unloads
+the model, at once on a call without messages or prompt, else after the answer
+(:mod:`service.api.ollama.loading`).
 ``think`` (true, false, "low", "medium", "high") turns thinking on or off, with a budget
 (:mod:`service.api.thinking`; a model that cannot think answers 400 to all but false);
 ``tools`` work as on ``/v1``

@@ -30,7 +30,7 @@ from litestar import Controller, Request, Response, get, post
 from engine.text.chat import template_has_tools
 from service.api.generation import Generation
 from service.api.ollama.answers import chat_answer, generate_answer
-from service.api.ollama.loading import keep_alive_s, load_or_unload
+from service.api.ollama.loading import keep_alive_s, load_or_unload, unload_after, wants_unload
 from service.api.ollama.models import details, models, modified_at, ollama_key, ollama_name, rfc3339
 from service.api.ollama.requests import chat_request, generate_request
 from service.api.ollama.schemas import (
@@ -103,7 +103,8 @@ async def _generate(
     call = build_call(request, body, build, "ollama", started)
     gen, _ = await start_generation(svc, body.model, call, ollama_key)
     # Answers name the model as /api/tags lists it, whichever alias asked.
-    return await answer(gen, request, ollama_name(svc, svc.supervisor.info or svc.supervisor.check_ready()))
+    sent = await answer(gen, request, ollama_name(svc, svc.supervisor.info or svc.supervisor.check_ready()))
+    return unload_after(svc, sent) if wants_unload(body.keep_alive) else sent
 
 
 class OllamaController(Controller):

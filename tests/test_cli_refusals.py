@@ -117,3 +117,48 @@ def test_a_folder_without_its_tokenizer_is_refused_before_loading(tmp_path, make
     assert result.stderr.strip() == (f"headroom: error: cannot load the model: no loadable tokenizer in {str(tmp_path)!r}: "
                                      "tokenizer.json is missing (copy it from the model's Hugging Face repository)")
     assert "Traceback" not in result.output and "listening" not in result.output
+
+
+def _word_tokenizer(folder) -> None:
+    """A tokenizer.json of two words: these refusals are about the weights."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    Tokenizer(WordLevel({"hi": 0, "[UNK]": 1}, unk_token="[UNK]")).save(str(folder / "tokenizer.json"))
+
+
+@pytest.mark.parametrize("command", [["plan"], ["plan", "--json"], ["serve", "--port", "0"],
+                                     ["generate", "--local", "hi"], ["bench", "engine"]])
+def test_a_folder_whose_safetensors_are_gone_is_refused_before_planning_or_loading(
+        tmp_path, make_tiny_hf_model, command):
+    """plan priced the weights from the config ("exact", fits: true) and the load failed
+    later; now plan, serve (before its worker), generate and bench engine refuse it with
+    the loader's message. The check reads no tensor data."""
+    make_tiny_hf_model("qwen3", tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    _word_tokenizer(tmp_path)
+    result = invoke([*command, "--model", str(tmp_path)])
+    message = f"cannot load the model: {tmp_path} holds no model.safetensors or model.safetensors.index.json"
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() == f"headroom: error: {message}"
+    if "--json" in command:
+        assert json.loads(result.stdout) == {"error": message, "exit_code": 2}
+    else:
+        assert result.stdout == ""
+
+
+def test_a_vocab_only_gguf_is_refused_naming_its_first_missing_tensor(tmp_path, make_tiny_hf_model):
+    """A GGUF of metadata and tokenizer without tensors (as llama.cpp's ggml-vocab-*.gguf)
+    was planned; its load failed at blk.0.attn_q.weight. plan refuses it from the file's
+    tensor table, and serve too once its config is converted (serve converts nothing:
+    before that its worker refuses it)."""
+    from test_gguf_convert import VOCAB, write_gguf
+
+    path = tmp_path / "vocab-only.gguf"
+    write_gguf(path, "qwen3", make_tiny_hf_model("qwen3", None, vocab_size=VOCAB), tensors=False)
+    message = f"headroom: error: cannot load the model: {path}: tensor blk.0.attn_q.weight is missing"
+    for command in (["plan"], ["generate", "--local", "hi"], ["serve", "--port", "0"]):
+        result = invoke([*command, "--model", str(path)])
+        assert result.exit_code == 2, (command, result.output)
+        assert result.stderr.strip() == message, command
+        assert "listening" not in result.output

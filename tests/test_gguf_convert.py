@@ -155,12 +155,14 @@ def add_byte_level_tokenizer(writer) -> None:
 
 
 def write_gguf(path, arch: str, hf, *, override: dict[str, np.ndarray] | None = None,
-               tokenizer=None, eot_token_id: int | None = None) -> None:
+               tokenizer=None, eot_token_id: int | None = None, tensors: bool = True) -> None:
     """Write ``hf`` (a transformers model) as a GGUF. 2-D weights are stored Q8_0 and the
     transformers model is updated to their dequantized values, so both sides hold the
     same numbers. ``override`` replaces GGUF tensors by name: an array, or ``(blocks,
     GGMLQuantizationType)`` for raw blocks of that type. ``tokenizer(writer)`` writes the tokenizer's keys instead of the
-    byte-level BPE one (tokens of :func:`_tokens`) and the chat template."""
+    byte-level BPE one (tokens of :func:`_tokens`) and the chat template. ``tensors=False``
+    writes the metadata and tokenizer alone, a vocab-only file as llama.cpp's
+    ``ggml-vocab-*.gguf``."""
     cfg = hf.config
     writer = gguf.GGUFWriter(str(path), arch)
     add_trunk_metadata(writer, cfg)
@@ -177,7 +179,7 @@ def write_gguf(path, arch: str, hf, *, override: dict[str, np.ndarray] | None = 
     if rope["rope_type"] == "llama3":
         factors = llama_cpp_rope_factors(rope["rope_theta"], cfg.head_dim, rope)
         writer.add_tensor("rope_freqs.weight", factors)
-    names = list(dict.fromkeys(hf.state_dict()))  # tied weights appear once
+    names = list(dict.fromkeys(hf.state_dict())) if tensors else []  # tied weights appear once
     with torch.no_grad():
         for name in names:
             if name == "lm_head.weight" and cfg.tie_word_embeddings:

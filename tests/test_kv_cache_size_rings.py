@@ -36,8 +36,11 @@ def g3tiny(tmp_path, make_tiny_hf_model) -> str:
 
 @pytest.fixture
 def gemma3_4b(tmp_path) -> str:
-    """google/gemma-3-4b-it's published config alone (plans read no weights)."""
+    """google/gemma-3-4b-it's published config and a weight index whose one shard is an
+    empty file: plans read no tensors, but refuse a folder without weight files."""
     (tmp_path / "config.json").write_text(json.dumps(GEMMA3_4B))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "shard.safetensors"}}))
+    (tmp_path / "shard.safetensors").touch()
     return str(tmp_path)
 
 

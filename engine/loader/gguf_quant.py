@@ -47,49 +47,19 @@ from engine.loader.gguf_hf_tensors import (
     hf_tensors,
     reverse_llama_permute,
 )
+from engine.loader.gguf_names import (
+    EMBEDDINGS,
+    check_gguf_tensors,
+    expert_targets,
+    projection_targets,
+)
 from engine.loader.gguf_qwen35 import ARCHITECTURES as QWEN35_ARCHITECTURES
-from engine.loader.gguf_qwen35 import LINEAR_TARGETS, grouped_rows
+from engine.loader.gguf_qwen35 import grouped_rows
 from engine.loader.gguf_tensors import open_tensors
 from engine.loader.meta_build import build_on_meta, materialize
 from engine.loader.weight_size import WeightSize
 from kernels.cpu.moe_experts import takes as cpu_takes
 from kernels.quant.formats import EXPERT_FORMATS, FORMATS, tensor_bytes
-
-# Our fused module (under model.layers.N) -> the GGUF tensors stacked in it, in order.
-_ATTENTION_TARGETS = {
-    "self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"),
-    "self_attn.o_proj": ("attn_output",),
-}
-_LAYER_TARGETS = {
-    "mlp.gate_up_proj": ("ffn_gate", "ffn_up"),
-    "mlp.down_proj": ("ffn_down",),
-}
-_SHARED_EXPERT_TARGETS = {
-    "mlp.shared_expert.gate_up_proj": ("ffn_gate_shexp", "ffn_up_shexp"),
-    "mlp.shared_expert.down_proj": ("ffn_down_shexp",),
-}
-# A layer's routed experts, stacked (gguf-py's FFN_GATE_EXP, FFN_UP_EXP, FFN_DOWN_EXP).
-_EXPERT_STEMS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
-
-
-def _targets(config: ModelConfig) -> dict[str, tuple[str, ...]]:
-    """Module name -> GGUF tensor stems, for every projection of ``config`` (a mixture of
-    experts' layers: their shared expert's, when they have one; a hybrid's
-    linear-attention layers: their in- and out-projections)."""
-    out = {}
-    for i in range(config.num_layers):
-        mlp = _LAYER_TARGETS
-        if config.is_moe and i in config.moe_layers:
-            mlp = _SHARED_EXPERT_TARGETS if config.shared_expert_intermediate_size else {}
-        linear = config.is_hybrid and config.layer_types[i] == "linear_attention"
-        for module, stems in {**(LINEAR_TARGETS if linear else _ATTENTION_TARGETS), **mlp}.items():
-            out[f"model.layers.{i}.{module}"] = tuple(f"blk.{i}.{stem}" for stem in stems)
-    if not config.tie_word_embeddings:
-        out["lm_head"] = ("output",)
-    return out
-
-
-_EMBEDDINGS = "token_embd.weight"
 
 
 def _embeddings_in_blocks(by_name: dict[str, Any], wanted: bool) -> str | None:
@@ -97,18 +67,10 @@ def _embeddings_in_blocks(by_name: dict[str, Any], wanted: bool) -> str | None:
     ``wanted`` (the CPU engine's layout), a type :mod:`engine.layers.linear.cpu_int4`
     reads (a lookup dequantizes its rows; a tied LM head is repacked from the same
     blocks)."""
-    t = by_name.get(_EMBEDDINGS)
+    t = by_name.get(EMBEDDINGS)
     if not wanted or t is None or t.tensor_type.name not in CODE_BITS:
         return None
     return t.tensor_type.name
-
-
-def _expert_targets(config: ModelConfig) -> dict[str, tuple[str, str, str]]:
-    """``model.layers.N.mlp.experts`` -> its gate, up and down GGUF tensor names."""
-    if not config.is_moe:
-        return {}
-    return {f"model.layers.{i}.mlp.experts": tuple(f"blk.{i}.{stem}.weight" for stem in _EXPERT_STEMS)
-            for i in config.moe_layers}
 
 
 def _experts_in_blocks(by_name: dict[str, Any], config: ModelConfig, gguf_path: Path,
@@ -123,7 +85,7 @@ def _experts_in_blocks(by_name: dict[str, Any], config: ModelConfig, gguf_path: 
         WeightMismatch: an expert tensor is missing.
     """
     kept = {}
-    for module, names in _expert_targets(config).items():
+    for module, names in expert_targets(config).items():
         if names[0].replace("ffn_gate_exps", "ffn_gate_up_exps") in by_name:
             continue
         missing = [n for n in names if n not in by_name]
@@ -169,9 +131,9 @@ def gguf_weight_size(gguf_path: str | Path, config: ModelConfig, dtype: torch.dt
     """
     gguf_path = Path(gguf_path)
     reader = open_tensors(gguf_path)
-    projection_weights = {f"{s}.weight" for stems in _targets(config).values() for s in stems}
+    projection_weights = {f"{s}.weight" for stems in projection_targets(config).values() for s in stems}
     by_name = {t.name: t for t in reader.tensors}
-    layer_of = {n: i for i, names in enumerate(_expert_targets(config).values()) for n in names}
+    layer_of = {n: i for i, names in enumerate(expert_targets(config).values()) for n in names}
     expert_layer_bytes = [0] * len(layer_of and config.moe_layers)
     decoder_layer_bytes = [0] * config.num_layers
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -184,7 +146,7 @@ def gguf_weight_size(gguf_path: str | Path, config: ModelConfig, dtype: torch.dt
         cpu_blocks = cpu_kernels() is not None
     kept_experts = _experts_in_blocks(by_name, config, gguf_path, device_type != "cpu",
                                       device_type == "cpu" and bool(cpu_blocks))
-    expert_blocks = {n for m in kept_experts for n in _expert_targets(config)[m]}
+    expert_blocks = {n for m in kept_experts for n in expert_targets(config)[m]}
     for t in reader.tensors:
         if t.name == ROPE_FREQS:
             continue
@@ -193,13 +155,13 @@ def gguf_weight_size(gguf_path: str | Path, config: ModelConfig, dtype: torch.dt
         if (device_type == "cpu" and kept is not None and t.name not in expert_blocks
                 and not (cpu_blocks and kept in CPU_BLOCK_TYPES)):
             kept = "int4" if packable(kept, shape[0]) else None  # else the C GEMV reads the blocks as stored
-        if t.name == _EMBEDDINGS and embed_type is not None:
+        if t.name == EMBEDDINGS and embed_type is not None:
             kept = embed_type
         if kept == "int4":
             nbytes = packed_bytes(shape[0], shape[1], t.tensor_type.name)
         else:
             nbytes = tensor_bytes(kept or "dense", shape, itemsize)
-        if t.name == _EMBEDDINGS and embed_type is not None and config.tie_word_embeddings:
+        if t.name == EMBEDDINGS and embed_type is not None and config.tie_word_embeddings:
             if cpu_blocks and embed_type in CPU_BLOCK_TYPES:
                 head_kind, head = embed_type, 0  # the tied head reads the embeddings' own blocks
             else:
@@ -262,7 +224,8 @@ def load_gguf_quantized(
     reader = open_tensors(gguf_path)
     arch = reader.values.get("general.architecture")
     by_name = {t.name: t for t in reader.tensors}
-    targets = _targets(config)
+    check_gguf_tensors(config, gguf_path, by_name)
+    targets = projection_targets(config)
     projection_weights = {f"{s}.weight" for stems in targets.values() for s in stems}
     cpu_blocks = experts_in_blocks is None and device.type == "cpu" and cpu_kernels() is not None
     if experts_in_blocks is None:
@@ -277,9 +240,7 @@ def load_gguf_quantized(
         old = model.get_submodule(module_name)
         specs = []
         for stem in stems:
-            t = by_name.get(f"{stem}.weight")
-            if t is None:
-                raise WeightMismatch(f"{gguf_path}: tensor {stem}.weight is missing")
+            t = by_name[f"{stem}.weight"]
             specs.append(PartSpec(_hf_shape(t)[0], _kept_quantized(t, projection_weights)))
         if sum(s.rows for s in specs) != old.out_features:
             raise WeightMismatch(f"{gguf_path}: {', '.join(stems)} hold {sum(s.rows for s in specs)} rows, "
@@ -289,10 +250,10 @@ def load_gguf_quantized(
         _swap(model, module_name, new)
     embed_type = _embeddings_in_blocks(by_name, embeddings_in_blocks)
     if embed_type is not None:
-        embed = by_name[_EMBEDDINGS]
+        embed = by_name[EMBEDDINGS]
         rows, cols = _hf_shape(embed)
         if (rows, cols) != (config.vocab_size, config.hidden_size):
-            raise WeightMismatch(f"{gguf_path}: tensor {_EMBEDDINGS} has shape {(rows, cols)}, the config expects "
+            raise WeightMismatch(f"{gguf_path}: tensor {EMBEDDINGS} has shape {(rows, cols)}, the config expects "
                                  f"{(config.vocab_size, config.hidden_size)}")
         with torch.device("meta"):
             blocks = torch.empty((rows, tensor_bytes(embed_type, (1, cols), 0)), dtype=torch.uint8)
@@ -305,7 +266,7 @@ def load_gguf_quantized(
     model = model.to(dtype=dtype)  # floating tensors only: the uint8 blocks keep their type
     materialize(model, device)
     model.init_rope_cache()
-    expert_weights = {n for m in expert_modules for n in _expert_targets(config)[m]}
+    expert_weights = {n for m in expert_modules for n in expert_targets(config)[m]}
     with torch.no_grad():
         # After each module, the file's pages read for it leave this process's resident
         # memory (reader.release): the map would otherwise hold the whole file there.
@@ -314,7 +275,7 @@ def load_gguf_quantized(
                   [by_name.get(f"{s}.bias") for s in stems], arch, config, gguf_path)
             reader.release()
         if embed_type is not None:
-            embed = by_name[_EMBEDDINGS]
+            embed = by_name[EMBEDDINGS]
             blocks = model.model.embed_tokens.blocks
             _copy_in_pieces(blocks, _mapped(embed.data).reshape(blocks.shape), reader)
             if config.tie_word_embeddings:  # the head's one part is the same blocks: no second copy
@@ -324,12 +285,12 @@ def load_gguf_quantized(
                 model.lm_head.part0 = blocks
         for module_name in expert_modules:
             _fill_experts(model.get_submodule(module_name),
-                          [by_name[n] for n in _expert_targets(config)[module_name]], gguf_path)
+                          [by_name[n] for n in expert_targets(config)[module_name]], gguf_path)
             reader.release()
         if device.type == "cuda":
             repack_model_for_kernels(model)
         skip = (projection_weights | {f"{s}.bias" for stems in targets.values() for s in stems} | expert_weights
-                | {ROPE_FREQS} | ({_EMBEDDINGS} if embed_type is not None else set()))
+                | {ROPE_FREQS} | ({EMBEDDINGS} if embed_type is not None else set()))
         try:
             model.load_weights(_rest(reader, skip, gguf_path, arch, config))
         except WeightMismatch as e:

@@ -74,15 +74,6 @@ def hybrid_config(get, field, names: set[str], config: dict[str, Any]) -> dict[s
     }
 
 
-# A linear-attention layer's fused modules (under model.layers.N) -> the GGUF tensors
-# stacked in each, in order, for a load that keeps the file's blocks.
-LINEAR_TARGETS = {
-    "linear_attn.in_proj_qkvz": ("attn_qkv", "attn_gate"),
-    "linear_attn.in_proj_ba": ("ssm_beta", "ssm_alpha"),
-    "linear_attn.out_proj": ("ssm_out",),
-}
-
-
 def grouped_rows(data: torch.Tensor, stem: str, config: Any) -> torch.Tensor:
     """A linear-attention projection's rows (of weights, or of blocks: a row of blocks is
     a row of weights) with the value heads back in grouped order; other tensors, and

@@ -9,11 +9,12 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-
-import torch
-from safetensors import SafetensorError, safe_open
+from typing import TYPE_CHECKING
 
 from engine.common.load_errors import CorruptWeights, ModelNotFound
+
+if TYPE_CHECKING:  # torch-free at import: serve's check before loading reads weight_files
+    import torch
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -68,6 +69,8 @@ def iter_weights(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _iter_file(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import SafetensorError, safe_open
+
     try:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__

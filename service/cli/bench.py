@@ -13,7 +13,7 @@ from typing import Any
 
 import click
 
-from service.cli.exits import EXIT_FAILED, EXIT_USAGE, fail
+from service.cli.exits import EXIT_FAILED, EXIT_USAGE, check_model_path, fail
 from service.cli.options import (
     KERNEL_SWITCHES,
     count_option,
@@ -290,7 +290,10 @@ def bench_engine(**options: Any) -> None:
     llama.cpp's benchmarks on the same GGUF file) on the same model, device and dtype, at
     each batch size and on one long prompt; on CUDA each figure also as a share of the
     HBM roofline."""
-    check_model_before_loading(options["model"], tokenizer=False)
+    if options["shape"] is None:  # a shape's random weights need no files
+        check_model_before_loading(options["model"], tokenizer=False, convert=True)
+    else:
+        check_model_path(options["model"])
     from engine.bench.llama_cpp import LlamaCppFailed
     from engine.bench.model_shapes import SHAPES
     from engine.bench.speed import run_bench_engine

@@ -233,7 +233,7 @@ def generate(
             temperature=temperature, seed=seed, api_key=settings.api_key,
         ):
             return
-    check_model_before_loading(settings.model, tokenizer=True)
+    check_model_before_loading(settings.model, tokenizer=True, convert=True)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
     from dataclasses import replace
@@ -313,7 +313,7 @@ def plan(config_path: Path | None, as_json: bool, **flags: Any) -> None:
     if as_json:
         errors_as_json()
     settings = resolve_or_fail(flags, config_path)
-    check_model_before_loading(settings.model, tokenizer=False)
+    check_model_before_loading(settings.model, tokenizer=False, convert=True)
 
     from engine.commands.plan import (
         CpuWithoutPlan,

@@ -40,32 +40,44 @@ def model_config_if_readable(model: str | None) -> Any:
         return None
 
 
-def check_model_before_loading(model: str | None, *, tokenizer: bool) -> None:
-    """The one check every command that loads a model runs before it loads anything
-    (torch-free): exit 2 naming the fix for a ``--model`` that names no model
-    (:func:`~service.cli.exits.check_model_path`) and, with ``tokenizer`` (the commands
-    that turn text into ids: serve, generate), for a folder without the tokenizer files
-    the loader reads. A GGUF not converted yet is left to its conversion, which builds
-    the tokenizer from the file."""
+def check_model_before_loading(model: str | None, *, tokenizer: bool, convert: bool = False) -> None:
+    """The one check every command that loads a model runs before it loads anything:
+    exit 2 naming the fix for a ``--model`` that names no model
+    (:func:`~service.cli.exits.check_model_path`), for a folder without the tokenizer
+    files the loader reads (with ``tokenizer``: the commands that turn text into ids,
+    serve and generate), and for weights that are not on disk
+    (:func:`engine.loader.weight_check.check_weights_on_disk`: no safetensors, a GGUF
+    without the model's tensors), each with the loader's own message.
+
+    A GGUF not converted yet is converted (its metadata, once) with ``convert`` (the
+    commands that import torch anyway: plan, generate, bench engine); serve, which never
+    imports torch, leaves it to its worker, which refuses it in one log line.
+    """
     check_model_path(model)
-    from engine.common.load_errors import ModelNotFound
+    from engine.common.load_errors import ModelLoadError
     from engine.loader.default_model import converted_dir
-    from engine.loader.resolve import gguf_file, locate_model
+    from engine.loader.hf_config import load_model_config
+    from engine.loader.resolve import gguf_file, locate_model, resolve_model
+    from engine.loader.weight_check import check_weights_on_disk
 
     try:
         gguf = gguf_file(model)
-        folder = converted_dir(gguf) if gguf is not None else locate_model(model)
-    except (ModelNotFound, OSError):  # the default model's package missing: the loader names the fix
-        return
+        if gguf is not None and convert:
+            folder = resolve_model(model)
+        else:
+            folder = converted_dir(gguf) if gguf is not None else locate_model(model)
+    except (ModelLoadError, OSError) as exc:  # e.g. the default model's package missing
+        fail(f"cannot load the model: {exc}", EXIT_USAGE)
     if not (folder / "config.json").is_file():
         return
-    if tokenizer:
-        from engine.text.tokenizer import check_tokenizer_files
+    try:
+        if tokenizer:
+            from engine.text.tokenizer import check_tokenizer_files
 
-        try:
             check_tokenizer_files(str(folder))
-        except FileNotFoundError as exc:
-            fail(f"cannot load the model: {exc}", EXIT_USAGE)
+        check_weights_on_disk(folder, load_model_config(folder), gguf)
+    except (ModelLoadError, FileNotFoundError) as exc:
+        fail(f"cannot load the model: {exc}", EXIT_USAGE)
 
 
 def visible_gpus() -> int | None:

@@ -107,3 +107,16 @@ def test_completion_logprobs_spell_the_text_without_the_end_token(http, stream):
     text = "".join(c["text"] for c in choices)
     assert [c["finish_reason"] for c in choices if c.get("finish_reason")] == ["stop"], choices[-1]
     assert "<|im_end|>" not in tokens and "".join(tokens) == text, (tokens, text)
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_stream_options_without_stream_is_refused_as_openai_refuses_it(http, path):
+    body = {"messages": HI} if "chat" in path else {"prompt": "Hi"}
+    for stream in ({}, {"stream": False}):
+        r = http.post(path, json={**body, "max_tokens": 1, "stream_options": {"include_usage": True}, **stream})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "stream_options" and error["type"] == "invalid_request_error", error
+        assert '"stream": true' in error["message"], error
+    r = http.post(path, json={**body, "max_tokens": 1, "stream": True, "stream_options": {"include_usage": True}})
+    assert r.status_code == 200 and '"usage":{' in r.text.replace(" ", ""), r.text

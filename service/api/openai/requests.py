@@ -36,12 +36,13 @@ def chat_request(
             context).
 
     Raises:
-        APIError: 400 naming the field (``top_logprobs``, ``functions``,
+        APIError: 400 naming the field (``stream_options`` without ``stream``, ``top_logprobs``, ``functions``,
             ``response_format``, ``stop``, ``logit_bias``, ``reasoning_effort``;
             ``thinking_budget`` when it contradicts ``reasoning_effort``;
             ``messages[i].content`` when it is an empty array, as OpenAI refuses it).
     """
     logit_bias, stop = logit_bias_pairs(body.logit_bias), stop_strings(body.stop)
+    _check_stream_options(body)
     if body.top_logprobs is not None:
         _check_logprobs_count(body.top_logprobs, "top_logprobs")
         if body.top_logprobs > 0 and not body.logprobs:
@@ -111,11 +112,12 @@ def completion_request(
     choices).
 
     Raises:
-        APIError: 400 naming the field (``logprobs``, ``suffix``, ``best_of``,
+        APIError: 400 naming the field (``stream_options`` without ``stream``, ``logprobs``, ``suffix``, ``best_of``,
             ``prompt``, ``stop``, ``logit_bias``); 400 ``too_many_sequences`` for more
             than :data:`MAX_SEQUENCES` prompts times ``n`` (:func:`check_sequences`).
     """
     logit_bias, stop = logit_bias_pairs(body.logit_bias), stop_strings(body.stop)
+    _check_stream_options(body)
     if body.logprobs is not None:
         _check_logprobs_count(body.logprobs, "logprobs")
     if body.suffix:
@@ -154,6 +156,20 @@ def check_sequences(prompts: int, n: int) -> None:
             f"{MAX_SEQUENCES} are served per call: send fewer prompts or a smaller n",
             "n" if n > 1 else "prompt",
             "too_many_sequences",
+        )
+
+
+def _check_stream_options(body: ChatCompletionRequest | CompletionRequest) -> None:
+    """``stream_options`` only with ``"stream": true``, as OpenAI and vLLM take it.
+
+    Raises:
+        APIError: 400 ``stream_options`` on a call that does not stream.
+    """
+    if body.stream_options is not None and not body.stream:
+        raise invalid(
+            "stream_options is only allowed when stream is true: send \"stream\": true, "
+            "or leave stream_options out",
+            "stream_options",
         )
 
 

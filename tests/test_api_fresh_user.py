@@ -120,3 +120,21 @@ def test_stream_options_without_stream_is_refused_as_openai_refuses_it(http, pat
         assert '"stream": true' in error["message"], error
     r = http.post(path, json={**body, "max_tokens": 1, "stream": True, "stream_options": {"include_usage": True}})
     assert r.status_code == 200 and '"usage":{' in r.text.replace(" ", ""), r.text
+
+
+def _with_schema(schema) -> dict:
+    return {"messages": [{"role": "user", "content": "Give me a JSON value."}], "max_tokens": 40,
+            "temperature": 0, "response_format": {"type": "json_schema", "json_schema": {"name": "v", "schema": schema}}}
+
+
+def test_a_boolean_schema_is_json_schemas(http):
+    r = http.post("/v1/chat/completions", json=_with_schema(True))
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    if choice["finish_reason"] == "stop":  # a whole value (else cut by max_tokens)
+        json.loads(choice["message"]["content"])
+    r = http.post("/v1/chat/completions", json=_with_schema(False))
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "response_format" and "schema is false, which no value matches" in error["message"], error
+    assert "send a schema object, or true" in error["message"], error

@@ -3,7 +3,9 @@ schema the engine constrains sampling with (:mod:`engine.sampling.grammar`).
 
 ``{"type": "text"}`` (or none): free text. ``{"type": "json_object"}``: any JSON
 object. ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}``: a
-value matching ``schema``; every answer is constrained, ``strict`` or not. A schema the
+value matching ``schema``; every answer is constrained, ``strict`` or not. A boolean
+schema is JSON Schema's: ``true`` takes any JSON value (as ``{}``), ``false`` none (a
+400). A schema the
 grammar compiler cannot take is a 400 naming ``response_format`` (from the engine).
 """
 
@@ -31,8 +33,8 @@ def response_schema(response_format: dict[str, Any] | None, param: str = "respon
     its ``type``).
 
     Raises:
-        APIError: 400 ``param`` for an unknown type or a ``json_schema`` without a
-            ``schema`` object, naming the shape that field takes.
+        APIError: 400 ``param`` for an unknown type, a ``json_schema`` without a
+            ``schema`` object (naming the shape that field takes) or with ``false``.
     """
     if not response_format:
         return None
@@ -44,6 +46,14 @@ def response_schema(response_format: dict[str, Any] | None, param: str = "respon
     if kind == "json_schema":
         holder = response_format.get("json_schema") if param == "response_format" else response_format
         schema = holder.get("schema") if isinstance(holder, dict) else None
+        if schema is True:  # JSON Schema's boolean form: true takes any JSON value
+            schema = {}
+        elif schema is False:
+            raise invalid(
+                f"{param} json_schema's schema is false, which no value matches, so no "
+                "answer can be written: send a schema object, or true for any JSON value",
+                param,
+            )
         if not isinstance(schema, dict):
             raise invalid(f"{param} json_schema needs {_SCHEMA_SHAPES[param]}", param)
         return json.dumps(schema)

@@ -1,15 +1,19 @@
 """What a fresh user of the APIs met, each through a real ``headroom serve`` on the
-embedded default model: a served name ending in ``:latest`` that Ollama's routes did
-not take as /api/tags lists it; chat and text completion logprobs with an entry for
-the end token, which is not in the text."""
+embedded default model (or a tiny random model without a chat template): a served
+name ending in ``:latest`` that Ollama's routes did not take as /api/tags lists it;
+chat and text completion logprobs with an entry for the end token, which is not in
+the text; ``stream_options`` taken on a call that does not stream; a boolean JSON
+schema refused with a misleading message; Ollama's /api/generate refused on a model
+without a chat template."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import httpx
 import pytest
-from service_harness import ServerProcess, serving
+from service_harness import ServerProcess, serving, tiny_model_server
 
 SERVED = "gpt-4:latest"
 HI = [{"role": "user", "content": "Say hi."}]
@@ -138,3 +142,38 @@ def test_a_boolean_schema_is_json_schemas(http):
     error = r.json()["error"]
     assert error["param"] == "response_format" and "schema is false, which no value matches" in error["message"], error
     assert "send a schema object, or true" in error["message"], error
+
+
+@pytest.fixture(scope="module")
+def untemplated(tmp_path_factory, make_tiny_hf_model, smollm_tokenizer):
+    """A tiny random Qwen3 whose tokenizer has no chat template, served: (hf, server)."""
+    tokenizer = copy.deepcopy(smollm_tokenizer)
+    tokenizer.chat_template = None
+    with tiny_model_server(tmp_path_factory, make_tiny_hf_model, tokenizer, "qwen3") as served:
+        yield served
+
+
+def _greedy_text(hf, tokenizer, text: str, steps: int) -> str:
+    import torch
+
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = hf.generate(ids, max_new_tokens=steps, do_sample=False, pad_token_id=0)
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def test_generate_on_a_model_without_a_chat_template_passes_the_prompt_through(untemplated, smollm_tokenizer):
+    hf, server = untemplated
+    ask = {"model": "default", "prompt": "The capital of France", "stream": False,
+           "options": {"num_predict": 6, "temperature": 0}}
+    with httpx.Client(base_url=server.base_url, timeout=300) as http:
+        plain = http.post("/api/generate", json=ask)
+        with_system = http.post("/api/generate", json={**ask, "system": "Answer briefly."})
+        raw = http.post("/api/generate", json={**ask, "system": "Answer briefly.", "raw": True})
+        chat = http.post("/api/chat", json={"model": "default", "messages": HI, "stream": False})
+    for r in (plain, with_system, raw):
+        assert r.status_code == 200, r.text
+    assert plain.json()["response"] == _greedy_text(hf, smollm_tokenizer, "The capital of France", 6)
+    assert with_system.json()["response"] == _greedy_text(hf, smollm_tokenizer, "Answer briefly.\n\nThe capital of France", 6)
+    assert raw.json()["response"] == plain.json()["response"]  # raw: the prompt alone
+    assert chat.status_code == 400 and "use /api/generate" in chat.json()["error"], chat.text

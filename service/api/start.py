@@ -16,18 +16,25 @@ from service.api.thinking import check_thinking
 
 
 async def start_generation(
-    svc: Services, model: str | None, request: GenerationRequest, name_key: Callable[[str], str] | None = None
+    svc: Services,
+    model: str | None,
+    request: GenerationRequest,
+    name_key: Callable[[str], str] | None = None,
+    untemplated: Callable[[GenerationRequest], GenerationRequest] | None = None,
 ) -> tuple[Generation, str]:
     """What every route does once its request is built: a ready worker (503; an idle
     one is loaded first, the wait kept as :attr:`Generation.load_s`), the model it
     names (404; ``name_key`` as :meth:`Services.check_model` takes it), then
-    :meth:`Generation.start`. ``--request-timeout`` counts on the ready clock
+    :meth:`Generation.start`, of the chat ``untemplated(request)`` gives (or raises)
+    where the model's tokenizer has no chat template (Ollama's calls; None: the
+    request as it is). ``--request-timeout`` counts on the ready clock
     (:mod:`service.api.deadline`), not the load it waited for.
 
     Raises:
         APIError: 400 naming ``request.thinking_param`` when thinking is asked of a
             model whose template cannot think
-            (:func:`service.api.thinking.check_thinking`); as :meth:`Generation.start`.
+            (:func:`service.api.thinking.check_thinking`); as ``untemplated`` raises; as
+            :meth:`Generation.start`.
 
     Returns:
         ``(the started generation, the model name to answer with)``.
@@ -39,9 +46,11 @@ async def start_generation(
     load_s = time.perf_counter() - waited_from
     name = svc.check_model(model, info, name_key)
     if request.chat and svc.text is not None:
+        template = chat_template(svc.text)
         # ``model or name``: the name the client used, as Ollama's message has it.
-        check_thinking(request.thinking, request.thinking_budget, chat_template(svc.text),
-                       model or name, request.thinking_param)
+        check_thinking(request.thinking, request.thinking_budget, template, model or name, request.thinking_param)
+        if untemplated is not None and not template:
+            request = untemplated(request)
     gen = await Generation.start(svc, info, request, deadline)
     gen.load_s = load_s
     return gen, name

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import msgspec
@@ -215,7 +217,8 @@ def generate_request(
     body: OllamaGenerateRequest, request_id: str, started: float, default_max_tokens: int
 ) -> GenerationRequest:
     """``/api/generate``'s body as a chat of a ``system`` message (when set) and a
-    ``user`` message, or with ``raw``, its prompt tokenized as is.
+    ``user`` message, or with ``raw``, its prompt tokenized as is (on a model without
+    a chat template: :func:`untemplated_generate`).
 
     Raises:
         APIError: 400 naming the field.
@@ -229,3 +232,26 @@ def generate_request(
         messages.append({"role": "user", "content": body.prompt})
         (prompt,) = chat_prompt(messages, None, with_thinking(None, thinking[0], body.think))
     return _request(body, request_id, started, default_max_tokens, prompt, None, thinking)
+
+
+def untemplated_generate(body: OllamaGenerateRequest) -> Callable[[GenerationRequest], GenerationRequest]:
+    """What ``/api/generate``'s request becomes on a model whose tokenizer has no chat
+    template: its prompt passed as is, as Ollama passes it through a model without a
+    template, ``system`` (when set) before it with a blank line between (Ollama's
+    fallback template would drop it; with ``raw``, the prompt alone, as on any model)."""
+    text = f"{body.system}\n\n{body.prompt}" if body.system and not body.raw else body.prompt
+    return lambda request: replace(request, prompts=(Prompt("prompt", text=text),))
+
+
+def untemplated_chat(request: GenerationRequest) -> GenerationRequest:
+    """``/api/chat`` on a model whose tokenizer has no chat template: refused, naming
+    the call that serves it.
+
+    Raises:
+        APIError: 400 ``messages``.
+    """
+    raise invalid(
+        "this model's tokenizer has no chat template, so it cannot render messages: use "
+        "/api/generate, whose prompt such a model takes as is (or /v1/completions)",
+        "messages",
+    )

@@ -32,7 +32,12 @@ from service.api.generation import Generation
 from service.api.ollama.answers import chat_answer, generate_answer
 from service.api.ollama.loading import keep_alive_s, load_or_unload, unload_after, wants_unload
 from service.api.ollama.models import details, models, modified_at, ollama_key, ollama_name, rfc3339
-from service.api.ollama.requests import chat_request, generate_request
+from service.api.ollama.requests import (
+    chat_request,
+    generate_request,
+    untemplated_chat,
+    untemplated_generate,
+)
 from service.api.ollama.schemas import (
     OllamaChatRequest,
     OllamaGenerateRequest,
@@ -95,13 +100,15 @@ async def _generate(
     started: float,
     request_of: Callable[..., GenerationRequest],
     answer: Callable[[Generation, Request, str], Awaitable[Response[Any]]],
+    untemplated: Callable[[GenerationRequest], GenerationRequest],
 ) -> Response[Any]:
     """One chat or generate call on the shared runner: the generation request
-    ``request_of(body, default_max_tokens=...)`` builds, started on the served model,
-    answered by ``answer`` (a stream unless the body says ``"stream": false``)."""
+    ``request_of(body, default_max_tokens=...)`` builds (``untemplated`` it, on a
+    model without a chat template), started on the served model, answered by
+    ``answer`` (a stream unless the body says ``"stream": false``)."""
     build = partial(request_of, default_max_tokens=svc.settings.default_max_tokens)
     call = build_call(request, body, build, "ollama", started)
-    gen, _ = await start_generation(svc, body.model, call, ollama_key)
+    gen, _ = await start_generation(svc, body.model, call, ollama_key, untemplated)
     # Answers name the model as /api/tags lists it, whichever alias asked.
     sent = await answer(gen, request, ollama_name(svc, svc.supervisor.info or svc.supervisor.check_ready()))
     return unload_after(svc, sent) if wants_unload(body.keep_alive) else sent
@@ -121,17 +128,20 @@ class OllamaController(Controller):
         body, started = await read_body(request, OllamaChatRequest)
         if _loads_only(body, body.messages):
             return await load_or_unload(svc, body)
-        return await _generate(request, svc, body, started, chat_request, chat_answer)
+        return await _generate(request, svc, body, started, chat_request, chat_answer, untemplated_chat)
 
     @post("/generate", status_code=200)
     async def generate(self, request: Request, svc: Services) -> Response[Any]:
-        """A completion of ``prompt`` (through the chat template unless ``raw``),
+        """A completion of ``prompt`` (through the chat template unless ``raw`` or the
+        model has none),
         streamed as NDJSON unless ``"stream": false``; an empty prompt loads (or
         unloads) the model as an empty chat does."""
         body, started = await read_body(request, OllamaGenerateRequest)
         if _loads_only(body, body.prompt):
             return await load_or_unload(svc, body)
-        return await _generate(request, svc, body, started, generate_request, generate_answer)
+        return await _generate(
+            request, svc, body, started, generate_request, generate_answer, untemplated_generate(body)
+        )
 
     @get("/tags")
     async def list_tags(self, svc: Services) -> Response[bytes]:

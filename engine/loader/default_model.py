@@ -118,6 +118,20 @@ def file_sha256(path: Path) -> str:
     return sha
 
 
+def is_default_gguf(gguf_path: str | Path) -> bool:
+    """Whether ``gguf_path`` holds the embedded default model's file, by content (its
+    size, then its sha256, memoized as :func:`converted_dir` reads it): a copy, a link or
+    a renamed file of it is the default model too, and gets its model card's sampling.
+    False where the default model's package is missing."""
+    try:
+        default = default_gguf_path()
+        if Path(gguf_path).stat().st_size != default.stat().st_size:
+            return False
+    except (ModelNotFound, OSError):
+        return False
+    return file_sha256(Path(gguf_path)) == file_sha256(default)
+
+
 def add_default_sampling(model_dir: Path) -> None:
     """Write :data:`DEFAULT_MODEL_SAMPLING` into the default model's converted
     ``generation_config.json`` where it lacks them (conversions made before they were

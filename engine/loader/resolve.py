@@ -10,6 +10,7 @@ from engine.loader.default_model import (
     add_default_sampling,
     converted_dir,
     default_gguf_path,
+    is_default_gguf,
     read_gguf_source,
     record_gguf_source,
 )
@@ -27,7 +28,8 @@ def resolve_model(path: str | Path | None) -> Path:
     """The Hugging Face folder to load for ``path``.
 
     - ``None``: the embedded default model, converted into the cache on first use
-      (with its model card's sampling in ``generation_config.json``).
+      (with its model card's sampling in ``generation_config.json``; so is its file
+      passed by path, a copy or a link, known by content: :func:`is_default_gguf`).
     - a ``.gguf`` file (or a folder holding exactly one and no ``config.json``):
       converted into the cache once, reused afterwards. The conversion holds the
       config, tokenizer and generation config; the float weights are written into it
@@ -42,12 +44,13 @@ def resolve_model(path: str | Path | None) -> Path:
             package is missing (the message names the path or the install command).
         Any :class:`~engine.common.load_errors.ModelLoadError` of the GGUF conversion.
     """
-    if path is None:
-        model_dir = _converted(default_gguf_path())
+    found = default_gguf_path() if path is None else locate_model(path)
+    if not found.is_file():
+        return found
+    model_dir = _converted(found)
+    if path is None or is_default_gguf(found):  # by content: a copy or link of it too
         add_default_sampling(model_dir)
-        return model_dir
-    found = locate_model(path)
-    return _converted(found) if found.is_file() else found
+    return model_dir
 
 
 def locate_model(path: str | Path) -> Path:

@@ -1,5 +1,7 @@
-"""Settings checked against the model and the machine before ``headroom serve`` opens
-its port (torch-free): a tensor-parallel size that does not split the model or asks for
+"""What every command that loads a model checks before it loads anything: the model's
+files (:func:`check_model_before_loading`: the tokenizer, the weights on disk), and for
+``headroom serve``, before it opens its port (torch-free), the settings checked against
+the model and the machine: a tensor-parallel size that does not split the model or asks for
 more GPUs than there are, ``--cpu-experts`` above the model's MoE layers, a
 ``--kv-cache`` below one ``--min-context``, a fixed KV pool on the CPU past the host's
 available memory. Each is

@@ -270,6 +270,31 @@ def test_keys_and_error_shapes(client, server):
         with pytest.raises(anthropic.BadRequestError) as exc:
             client.messages.create(messages=[{"role": "user", "content": empty}], **GREEDY)
         assert "non-empty content" in exc.value.body["error"]["message"], exc.value.body
+    # So is an empty text block, named by its place, in a turn of either role or the system.
+    blank = [{"type": "text", "text": ""}]
+    for messages, system, path in (
+        ([{"role": "user", "content": blank}], None, "messages[0].content[0]"),
+        ([*QUESTION, {"role": "assistant", "content": [{"type": "text", "text": "Hm."}, *blank]}, *QUESTION],
+         None, "messages[1].content[1]"),
+        (QUESTION, blank, "system[0]"),
+    ):
+        extra = {} if system is None else {"system": system}
+        with pytest.raises(anthropic.BadRequestError) as exc:
+            client.messages.create(messages=messages, **extra, **GREEDY)
+        assert exc.value.body["error"]["type"] == "invalid_request_error", exc.value.body
+        assert exc.value.body["error"]["message"].startswith(
+            f"{path}: text content blocks must be non-empty"), exc.value.body
+    # A tool_result answering no tool_use of an earlier assistant turn, as Anthropic refuses it.
+    use = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}
+    orphan = [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_2", "content": "21 C"}]}]
+    for history in (orphan, [*QUESTION, {"role": "assistant", "content": [use]}, *orphan]):
+        for call in (lambda h=history: client.messages.create(messages=h, tools=[TOOL], **GREEDY),
+                     lambda h=history: client.messages.count_tokens(model="default", messages=h, tools=[TOOL])):
+            with pytest.raises(anthropic.BadRequestError) as exc:
+                call()
+            message = exc.value.body["error"]["message"]
+            assert message.startswith(f"messages[{len(history) - 1}].content[0]: the tool_result block's "
+                                      "tool_use_id 'toolu_2' matches no tool_use block"), message
     # What the client cannot send: bad JSON, a missing field, a wrong type, other methods
     # and paths, all in Anthropic's shape.
     _error(_raw(server, "POST", "/v1/messages", content=b"{not json"), 400, "invalid_request_error")
@@ -298,7 +323,9 @@ def test_thinking_asked_of_a_model_that_cannot_think(real_server):
         client.messages.create(messages=QUESTION, tools=[TOOL], **GREEDY)
     assert "no tool support" in exc.value.body["error"]["message"]
     # A tool result is named as the block the user sent, not the chat message it becomes.
-    answered = [*QUESTION, {"role": "assistant", "content": "Let me look."},
+    looked = [{"type": "text", "text": "Let me look."},
+              {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}]
+    answered = [*QUESTION, {"role": "assistant", "content": looked},
                 {"role": "user", "content": [{"type": "text", "text": "Here:"},
                                              {"type": "tool_result", "tool_use_id": "toolu_1", "content": "21 C"}]}]
     for call in (lambda: client.messages.create(messages=answered, **{**GREEDY, "max_tokens": 4}),

@@ -23,7 +23,9 @@ context holds. ``output_config.format`` is the answer's JSON schema.
 Refused with a 400 rather than dropped: image and document blocks (this server serves
 text models), Anthropic's server tools, ``thinking`` enabled beside a ``tool_choice``
 that forces a call (``any``, ``tool``: as Anthropic refuses it), a last turn that is
-the assistant's (an answer's prefill), blocks in a turn of the other role.
+the assistant's (an answer's prefill), blocks in a turn of the other role; and, as
+Anthropic refuses them, an empty text block and a ``tool_result`` whose ``tool_use_id``
+is no ``tool_use`` block's of an earlier assistant turn.
 """
 
 from __future__ import annotations
@@ -58,14 +60,25 @@ MIN_THINKING_BUDGET = 1024
 _NO_VISION = "this model has no vision: image blocks are not supported by this server"
 
 
+def _block_text(block: TextBlock, param: str) -> str:
+    """A text block's text; an empty one is refused, as Anthropic refuses it.
+
+    Raises:
+        APIError: 400 ``param`` (the block's path) for an empty text block.
+    """
+    if not block.text:
+        raise invalid(f"{param}: text content blocks must be non-empty; put text in the block or leave it out", param)
+    return block.text
+
+
 def _text(blocks: str | list[Any], param: str) -> str:
-    """Text, or text blocks joined by newlines; any other block is a 400."""
+    """Text, or text blocks joined by newlines; an empty text block or any other block is a 400."""
     if isinstance(blocks, str):
         return blocks
     texts = []
     for j, block in enumerate(blocks):
         if isinstance(block, TextBlock):
-            texts.append(block.text)
+            texts.append(_block_text(block, f"{param}[{j}]"))
         elif isinstance(block, ImageBlock):
             raise invalid(_NO_VISION, f"{param}[{j}]")
         else:
@@ -80,17 +93,22 @@ def _user_turn(content: list[Any], i: int, names: dict[str, str]) -> list[dict[s
     for j, block in enumerate(content):
         param = f"messages[{i}].content[{j}]"
         if isinstance(block, ToolResultBlock):
+            if block.tool_use_id not in names:  # as Anthropic answers a result of no call
+                raise invalid(
+                    f"{param}: the tool_result block's tool_use_id {block.tool_use_id!r} matches no tool_use "
+                    "block of an earlier assistant turn; each tool_result must answer a tool_use the "
+                    "conversation holds: send the assistant turn with its tool_use block, or leave the result out",
+                    param,
+                )
             result = _text(block.content, f"{param}.content")
-            message = {
+            out.append({
                 "role": "tool",
                 "tool_call_id": block.tool_use_id,
+                "name": names[block.tool_use_id],
                 "content": "Error: " + result if block.is_error else result,
-            }
-            if block.tool_use_id in names:
-                message["name"] = names[block.tool_use_id]
-            out.append(message)
+            })
         elif isinstance(block, TextBlock):
-            texts.append(block.text)
+            texts.append(_block_text(block, param))
         elif isinstance(block, ImageBlock):
             raise invalid(_NO_VISION, param)
         elif isinstance(block, DocumentBlock):
@@ -107,7 +125,7 @@ def _assistant_turn(content: list[Any], i: int, names: dict[str, str]) -> dict[s
     texts, calls, thoughts = [], [], []
     for j, block in enumerate(content):
         if isinstance(block, TextBlock):
-            texts.append(block.text)
+            texts.append(_block_text(block, f"messages[{i}].content[{j}]"))
         elif isinstance(block, ThinkingBlock):
             thoughts.append(block.thinking)
         elif isinstance(block, ToolUseBlock):
@@ -141,8 +159,10 @@ def chat_messages(body: CountTokensRequest) -> list[dict[str, Any]]:
             raise invalid(f"messages[{i}]: all messages must have non-empty content except for the optional "
                           "final assistant message", f"messages[{i}].content")
         if turn.role == "assistant":
-            blocks = [TextBlock(text=turn.content)] if isinstance(turn.content, str) else turn.content
-            out.append(_assistant_turn(blocks, i, names))
+            if isinstance(turn.content, str):
+                out.append({"role": "assistant", "content": turn.content})
+            else:
+                out.append(_assistant_turn(turn.content, i, names))
         elif isinstance(turn.content, str):
             out.append({"role": "user", "content": turn.content})
         else:

@@ -182,6 +182,12 @@ def test_template_without_tools_is_a_400(real_server):
         client.chat.completions.create(model="default", messages=HI, tools=[WEATHER])
     assert exc.value.body["param"] == "tools"
     assert "no tool support" in exc.value.body["message"]
+    # A malformed request is named as such first, before what the model cannot do.
+    for choice in ("banana", {"type": "function", "function": {"name": "get_time"}}):
+        with pytest.raises(openai.BadRequestError) as exc:
+            client.chat.completions.create(model="default", messages=HI, tools=[WEATHER], tool_choice=choice)
+        assert exc.value.body["param"] == "tool_choice", exc.value.body
+        assert "no tool support" not in exc.value.body["message"], exc.value.body
 
 
 def test_ollama_thinking_and_tools(qwen3_server):

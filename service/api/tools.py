@@ -342,7 +342,8 @@ _CHOICES = "tool_choice must be 'none', 'auto', 'required' or {'type': 'function
 def plan_tools(
     tools: list[Any] | None, tool_choice: Any, chat_template: str | None, has_tools: bool
 ) -> ToolPlan:
-    """Check ``tools`` and ``tool_choice`` against each other and the template.
+    """Check ``tools`` and ``tool_choice`` against each other, then against the template
+    (a malformed request is named as such even on a model without tool support).
 
     Raises:
         APIError: 400 ``tools`` (``tools[i]``) for a malformed definition (``parameters``
@@ -378,6 +379,7 @@ def plan_tools(
         if function["name"] in names:  # a call could not say which one it calls
             raise invalid(f"tool names must be unique: {function['name']!r} is given twice", f"tools[{i}]")
         names.append(function["name"])
+    named = _named_function(tool_choice, names)  # the request's own shape first, then the model's abilities
     if not has_tools:
         raise invalid(
             "this model's chat template has no tool support (it renders no tools), so "
@@ -401,24 +403,31 @@ def plan_tools(
         return ToolPlan(tools=tools)
     if choice == "auto":
         return ToolPlan(tools=tools, parse=fmt)
-    if choice == "required":
-        if fmt == HARMONY and len(tools) > 1:
-            raise invalid(
-                "tool_choice 'required' with several tools is not supported for this model "
-                "(its call names the function outside the JSON the grammar constrains); name "
-                "one function in tool_choice",
-                "tool_choice",
-            )
-        prefix, schema, suffix = forced_call(fmt, tools, None)
-        return ToolPlan(tools=tools, parse=fmt, prefix=prefix, schema=schema, suffix=suffix)
-    if isinstance(choice, dict):
-        function = choice.get("function") if choice.get("type") == "function" else None
-        name = function.get("name") if isinstance(function, dict) else None
-        if name not in names:
-            raise invalid(
-                f"tool_choice names a function that is not among tools ({', '.join(names)})",
-                "tool_choice",
-            )
-        prefix, schema, suffix = forced_call(fmt, tools, name)
-        return ToolPlan(tools=tools, parse=fmt, prefix=prefix, schema=schema, suffix=suffix)
-    raise invalid(_CHOICES, "tool_choice")
+    if choice == "required" and fmt == HARMONY and len(tools) > 1:
+        raise invalid(
+            "tool_choice 'required' with several tools is not supported for this model "
+            "(its call names the function outside the JSON the grammar constrains); name "
+            "one function in tool_choice",
+            "tool_choice",
+        )
+    prefix, schema, suffix = forced_call(fmt, tools, named)  # required, or the function named
+    return ToolPlan(tools=tools, parse=fmt, prefix=prefix, schema=schema, suffix=suffix)
+
+
+def _named_function(tool_choice: Any, names: list[str]) -> str | None:
+    """The function ``tool_choice`` names (None for ``none``, ``auto``, ``required``).
+
+    Raises:
+        APIError: 400 ``tool_choice`` for an unknown value or a function not among ``names``.
+    """
+    if tool_choice in (None, "none", "auto", "required"):
+        return None
+    if not isinstance(tool_choice, dict):
+        raise invalid(_CHOICES, "tool_choice")
+    function = tool_choice.get("function") if tool_choice.get("type") == "function" else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if name not in names:
+        raise invalid(
+            f"tool_choice names a function that is not among tools ({', '.join(names)})", "tool_choice"
+        )
+    return name

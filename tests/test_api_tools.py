@@ -275,8 +275,7 @@ def test_template_gets_tools_tool_messages_and_kwargs(smollm_tokenizer):
 
 def test_past_call_arguments_nested_past_the_json_reader_s_depth_stay_text(smollm_tokenizer):
     """A client's earlier call whose arguments nest deeper than Python's JSON reader goes
-    reaches the template as the text it sent, as arguments that are no JSON do (never
-    an error of the server's)."""
+    reaches the template as the text it sent (never an error of the server's)."""
     deep = "[" * 3000
     call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": deep}}
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None, "tool_calls": [call]}]

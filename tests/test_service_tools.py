@@ -176,6 +176,50 @@ def test_two_tools_of_one_name_are_a_400_on_every_api(qwen3_server):
     assert "needs a name" in nameless.json()["error"]["message"]
 
 
+def test_tool_names_openai_refuses_are_a_400_naming_the_tool(qwen3_server):
+    """A function's name must match OpenAI's ``^[a-zA-Z0-9_-]{1,64}$``, on chat
+    completions and Responses alike."""
+    import httpx
+
+    parameters = WEATHER["function"]["parameters"]
+    with httpx.Client(base_url=qwen3_server.base_url, timeout=300) as http:
+        for name in ("get weather", 'say "hi"', "x" * 65):
+            chat = http.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 1, "tools": [
+                WEATHER, {"type": "function", "function": {"name": name, "parameters": parameters}}]})
+            responses = http.post("/v1/responses", json={"input": "Hi", "max_output_tokens": 1, "tools": [
+                {"type": "function", "name": name, "parameters": parameters}]})
+            for r, param in ((chat, "tools[1].function.name"), (responses, "tools[0].name")):
+                assert r.status_code == 400, r.text
+                error = r.json()["error"]
+                assert error["param"] == param and error["type"] == "invalid_request_error", error
+                assert repr(name) in error["message"] and "^[a-zA-Z0-9_-]{1,64}$" in error["message"], error
+        fine = http.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 1, "tools": [
+            {"type": "function", "function": {"name": "get-Weather_2", "parameters": parameters}}]})
+        assert fine.status_code == 200, fine.text
+
+
+def test_past_call_arguments_as_an_object_or_as_text_that_is_not_json(qwen3_server):
+    """A past call's ``arguments`` as an object renders as its JSON text does; text
+    that is not JSON is a 400 naming it, not a malformed call shown to the model."""
+    client = _client(qwen3_server)
+
+    def asked(arguments) -> list[dict]:
+        call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+        return [*HI, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+
+    def prompt_tokens(arguments) -> int:
+        answer = client.chat.completions.create(model="default", messages=asked(arguments), tools=[WEATHER],
+                                                **{**GREEDY, "max_tokens": 1})
+        return answer.usage.prompt_tokens
+
+    assert prompt_tokens({"city": "Paris"}) == prompt_tokens('{"city": "Paris"}')
+    with pytest.raises(openai.BadRequestError) as exc:
+        prompt_tokens("city=Paris")
+    assert exc.value.body["param"] == "messages[1].tool_calls[0].function.arguments", exc.value.body
+    assert "is not JSON" in exc.value.body["message"], exc.value.body
+
+
 def test_template_without_tools_is_a_400(real_server):
     client = _client(real_server)
     with pytest.raises(openai.BadRequestError) as exc:

@@ -88,7 +88,8 @@ def render_chat(
     Roles: system, developer (rendered as system), user, assistant, and tool where
     the template renders tools. Content: a string or a list of text parts, joined with
     a newline. An assistant message's ``tool_calls`` are passed on with their JSON
-    ``arguments`` text parsed (templates write them with ``tojson``). ``tools``: the
+    ``arguments`` text parsed (templates write them with ``tojson``; an object is taken as
+    it is, text that is not JSON refused). ``tools``: the
     OpenAI tool definitions, for the template's ``tools`` variable.
     ``template_kwargs``: more template variables (``enable_thinking``...); the names
     the call sets itself are refused.
@@ -228,7 +229,13 @@ def _normalize(
 
 def _tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
     """An assistant message's OpenAI ``tool_calls`` for the template: ``arguments``
-    JSON text parsed into an object (left as text when it is not JSON)."""
+    JSON text parsed into an object (an object as it is; JSON nested past the reader's
+    depth left as its text).
+
+    Raises:
+        ChatTemplateError: ``messages[i].tool_calls[j].function.arguments`` for text
+            that is not JSON (the template would show the model a call no parser reads).
+    """
     param = f"messages[{i}].tool_calls"
     if not isinstance(calls, list):
         raise ChatTemplateError(f"{param} must be a list", param)
@@ -245,8 +252,13 @@ def _tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
         if isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments) if arguments.strip() else {}
-            except (ValueError, RecursionError):  # RecursionError: nested past the reader's depth
+            except RecursionError:  # JSON nested past the reader's depth: its text, as sent
                 pass
+            except ValueError as exc:
+                where = f"{param}[{j}].function.arguments"
+                raise ChatTemplateError(
+                    f"{where} is not JSON ({exc}): send the call's arguments as JSON text, "
+                    "e.g. '{\"city\": \"Paris\"}', or as an object", where) from None
         out.append(
             {
                 "id": call.get("id"),

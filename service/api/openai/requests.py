@@ -10,6 +10,7 @@ The body's shape and declared ranges were checked when it was decoded
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from engine.wire.messages import MAX_LOGPROBS
@@ -23,6 +24,8 @@ from service.common.errors import invalid
 
 # An unset max_tokens is OpenAI's 16 for text completions.
 COMPLETION_MAX_TOKENS = 16
+# What OpenAI takes as a function's name.
+TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 
 
 def chat_request(
@@ -39,7 +42,8 @@ def chat_request(
         APIError: 400 naming the field (``stream_options`` without ``stream``, ``top_logprobs``, ``functions``,
             ``response_format``, ``stop``, ``logit_bias``, ``reasoning_effort``;
             ``thinking_budget`` when it contradicts ``reasoning_effort``;
-            ``messages[i].content`` when it is an empty array, as OpenAI refuses it).
+            ``messages[i].content`` when it is an empty array, as OpenAI refuses it;
+            ``tools[i].function.name`` for a name OpenAI refuses: :func:`check_tool_name`).
     """
     logit_bias, stop = logit_bias_pairs(body.logit_bias), stop_strings(body.stop)
     _check_stream_options(body)
@@ -54,6 +58,9 @@ def chat_request(
     if body.function_call not in (None, "none", "auto"):
         raise invalid("function_call is not supported; send tools and tool_choice instead", "function_call")
     _check_contents(body.messages)
+    for i, tool in enumerate(body.tools or ()):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        check_tool_name(function.get("name") if isinstance(function, dict) else None, f"tools[{i}].function.name")
     json_schema = response_schema(body.response_format)
     thinking, budget = effort_thinking(body.reasoning_effort, "reasoning_effort")
     if body.thinking_budget is not None:
@@ -87,6 +94,21 @@ def chat_request(
         thinking_budget=budget,
         thinking_param="thinking_budget" if body.reasoning_effort is None else "reasoning_effort",
     )
+
+
+def check_tool_name(name: Any, param: str) -> None:
+    """A function's name as OpenAI takes it: ``^[a-zA-Z0-9_-]{1,64}$`` (a name that is
+    no string, or blank, is left to the tools' own checks, which say it needs a name).
+
+    Raises:
+        APIError: 400 ``param`` naming the tool.
+    """
+    if isinstance(name, str) and name.strip() and not TOOL_NAME.fullmatch(name):
+        raise invalid(
+            f"tool name {name!r} is not allowed: a function's name must match ^[a-zA-Z0-9_-]{{1,64}}$ "
+            "(letters, digits, underscores and hyphens, at most 64): rename the tool",
+            param,
+        )
 
 
 def _check_contents(messages: list[Any]) -> None:

@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.text.chat import ChatTemplateError
+from service.api.openai.requests import check_tool_name
 from service.api.openai.responses_schemas import ResponsesRequest
 from service.api.prompts import chat_prompt
 from service.api.request import GenerationRequest
@@ -231,7 +232,8 @@ def chat_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
 
     Raises:
         APIError: 400 ``tools[i]`` for a built-in tool type or a function without a
-            name.
+            name; 400 ``tools[i].name`` for a name OpenAI refuses
+            (:func:`service.api.openai.requests.check_tool_name`).
     """
     if not tools:
         return None
@@ -246,6 +248,7 @@ def chat_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
             )
         if not isinstance(tool.get("name"), str):
             raise invalid("a function tool needs a name", f"tools[{i}].name")
+        check_tool_name(tool["name"], f"tools[{i}].name")
         function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
         out.append({"type": "function", "function": function})
     return out

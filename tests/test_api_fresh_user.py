@@ -4,7 +4,8 @@ name ending in ``:latest`` that Ollama's routes did not take as /api/tags lists 
 chat and text completion logprobs with an entry for the end token, which is not in
 the text; ``stream_options`` taken on a call that does not stream; a boolean JSON
 schema refused with a misleading message; Ollama's /api/generate refused on a model
-without a chat template."""
+without a chat template; /api/show's parameters under headroom's field names, not
+Ollama's."""
 
 from __future__ import annotations
 
@@ -52,6 +53,13 @@ def test_every_name_the_listings_give_works_in_ollamas_calls(http):
                 assert r.json()["model"] == SERVED, r.json()
         r = http.post("/api/chat", json={"model": model, "messages": []})
         assert r.status_code == 200 and r.json()["done_reason"] == "load", (model, r.text)
+
+
+def test_show_names_the_parameters_as_ollamas_modelfile_does(http):
+    r = http.post("/api/show", json={"model": SERVED})
+    assert r.status_code == 200, r.text
+    names = [line.split()[0] for line in r.json()["parameters"].splitlines()]
+    assert names == ["temperature", "top_p", "top_k", "min_p", "repeat_penalty"], names
 
 
 def test_a_name_with_a_second_tag_is_another_model(http):

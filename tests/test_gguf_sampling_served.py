@@ -48,4 +48,4 @@ def test_a_gguf_samples_by_its_llama_cpp_sampling_metadata(tmp_path, start_serve
     assert {getattr(gguf.Keys.General, f"SAMPLING_{k.upper()}") for k in keys} <= set(gguf.GGUFReader(path).fields)
     shown = _shown_parameters(start_server(["--model", str(path)]))
     assert shown == pytest.approx({"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.05,
-                                   "repetition_penalty": 1.1})
+                                   "repeat_penalty": 1.1})

@@ -38,8 +38,8 @@ from service.api.structured import ollama_format
 from service.api.thinking import ollama_thinking, with_thinking
 from service.common.errors import APIError, invalid
 
-# Ollama's option names of the sampling fields whose names differ.
-_OPTION_OF_FIELD = {"repetition_penalty": "repeat_penalty"}
+# Ollama's option (and Modelfile parameter) names of the sampling fields whose names differ.
+OPTION_OF_FIELD = {"repetition_penalty": "repeat_penalty"}
 _FIELD_AT = re.compile(r" - at `\$\.(?P<field>\w+)`$")
 
 def _refuse_unsupported(body: OllamaChatRequest | OllamaGenerateRequest) -> None:
@@ -138,7 +138,7 @@ def _sampling(o: OllamaOptions) -> Sampling:
         text = str(exc)
         match = _FIELD_AT.search(text)
         field = match.group("field") if match else ""
-        option = "options." + _OPTION_OF_FIELD.get(field, field)
+        option = "options." + OPTION_OF_FIELD.get(field, field)
         raise invalid(f"{option}: {text[: match.start()] if match else text}", option) from None
 
 

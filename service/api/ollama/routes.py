@@ -33,6 +33,7 @@ from service.api.ollama.answers import chat_answer, generate_answer
 from service.api.ollama.loading import keep_alive_s, load_or_unload, unload_after, wants_unload
 from service.api.ollama.models import details, models, modified_at, ollama_key, ollama_name, rfc3339
 from service.api.ollama.requests import (
+    OPTION_OF_FIELD,
     chat_request,
     generate_request,
     untemplated_chat,
@@ -186,7 +187,8 @@ class OllamaController(Controller):
         template = template if isinstance(template, str) else ""
         d = details(info)
         defaults = svc.sampling_defaults
-        parameters = "\n".join(f"{k} {v}" for k, v in defaults.as_dict().items())
+        # Modelfile names, as Ollama's own parameters text has them (repeat_penalty...).
+        parameters = "\n".join(f"{OPTION_OF_FIELD.get(k, k)} {v}" for k, v in defaults.as_dict().items())
         capabilities = ["completion"]
         if svc.text is not None and template_has_tools(svc.text.tokenizer):
             capabilities.append("tools")

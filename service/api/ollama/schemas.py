@@ -144,7 +144,8 @@ class OllamaShowRequest(msgspec.Struct, kw_only=True):
 
 class OllamaShow(msgspec.Struct, kw_only=True):
     """``POST /api/show``: ``parameters`` are the model's sampling defaults, one
-    ``name value`` line each (as a Modelfile's ``PARAMETER`` lines); ``template`` is
+    ``name value`` line each, by Ollama's Modelfile names (``temperature``, ``top_p``,
+    ``top_k``, ``min_p``, ``repeat_penalty``), as a Modelfile's ``PARAMETER`` lines; ``template`` is
     the model's chat template (Jinja, not Ollama's Go template)."""
 
     modelfile: str

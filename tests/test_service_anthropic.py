@@ -373,8 +373,19 @@ def test_models_in_anthropic_shape_with_x_api_key(client, server):
         wrong.models.list()
     assert "x-api-key" in exc.value.body["error"]["message"]
     _error(_raw(server, "GET", "/v1/models", params={"limit": 0}), 400, "invalid_request_error")
-    listed = openai.OpenAI(base_url=server.base_url + "/v1", api_key=KEY, max_retries=0).models.list()
+    openai_client = openai.OpenAI(base_url=server.base_url + "/v1", api_key=KEY, max_retries=0)
+    listed = openai_client.models.list()
     assert [m.id for m in listed.data] == ids and listed.data[0].object == "model"
+    # A message names the model the request named, as Anthropic echoes it, streamed or
+    # not; OpenAI's chat answers with the served model's name, as OpenAI names the model
+    # that answered.
+    for name in ids:
+        ask = {**GREEDY, "model": name, "max_tokens": 1}
+        assert client.messages.create(messages=QUESTION, **ask).model == name
+        with client.messages.stream(messages=QUESTION, **ask) as stream:
+            assert stream.get_final_message().model == name
+        chat = openai_client.chat.completions.create(model=name, messages=QUESTION, max_tokens=1)
+        assert chat.model == ids[0]
     # x-api-key alone (no anthropic-version) is the key too, in OpenAI's shape.
     plain = httpx.get(server.base_url + "/v1/models", headers={"x-api-key": KEY}, timeout=60)
     assert plain.status_code == 200 and plain.json()["object"] == "list"

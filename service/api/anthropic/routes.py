@@ -79,14 +79,16 @@ class AnthropicController(Controller):
 
     @post("/", status_code=200)
     async def messages(self, request: Request, svc: Services) -> Response[Any]:
-        """A message, streamed as Server-Sent Events when ``stream`` is true."""
+        """A message, streamed as Server-Sent Events when ``stream`` is true. Its
+        ``model`` is the name the request used, as Anthropic echoes it (any name the
+        served model answers to; the served model's first name when the body's is empty)."""
         body, call = await read_call(request, MessagesRequest, messages_request, _ID_PREFIX)
         await _check_thinking(svc, body)
         try:
             gen, model = await start_generation(svc, body.model, call)
         except ChatTemplateError as exc:
             raise template_error(exc, body) from exc
-        return await message_answer(gen, request, model)
+        return await message_answer(gen, request, body.model or model)
 
     @post("/count_tokens", status_code=200)
     async def count_tokens(self, request: Request, svc: Services) -> Response[bytes]:

@@ -419,3 +419,22 @@ def test_a_bad_kernel_switch_is_refused_naming_its_flag_or_variable(command):
     by_env = CliRunner().invoke(main, args, env={"HEADROOM_CONFIG": os.devnull, "HEADROOM_QUANT_INT8": "maybe"})
     assert by_env.exit_code == 2
     assert 'environment HEADROOM_QUANT_INT8: quant_int8 = "maybe" is not a valid boolean' in by_env.output
+
+
+def test_generate_without_a_temperature_samples_as_the_model_recommends(tmp_path, make_tiny_hf_model,
+                                                                        smollm_tokenizer):
+    """An unset --temperature means the model's own sampling (its generation_config.json),
+    as the API's unset fields do: a folder recommending top_k 1 answers the greedy reply
+    whatever the seed (generate sent temperature 0.7 and no top_k, so seeds parted)."""
+    make_tiny_hf_model("qwen3", tmp_path, vocab_size=len(smollm_tokenizer))
+    smollm_tokenizer.save_pretrained(tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"top_k": 1}))
+    common = ["generate", "--local", "--model", str(tmp_path), "--device", "cpu", "--max-tokens", "12", "--raw",
+              "The capital of France"]
+    greedy = invoke([*common, "--temperature", "0"])
+    assert greedy.exit_code == 0, greedy.output
+    assert greedy.output.strip(), "twelve tokens spell some text"
+    for seed in ("1", "2", "3"):
+        result = invoke([*common, "--seed", seed])
+        assert result.exit_code == 0, result.output
+        assert result.output == greedy.output

@@ -6,7 +6,8 @@ This runs the engine in the caller's process (the CLI's, never the service's).
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import TextIO
 
 from engine.common.config import EngineConfig
@@ -59,18 +60,22 @@ def run_generate(
     model: str | None,
     prompt: str,
     max_tokens: int,
-    temperature: float,
+    temperature: float | None,
     seed: int | None,
     chat: bool,
     device: str = "auto",
-    out: TextIO = sys.stdout,
+    out: TextIO | None = None,
     config: EngineConfig | None = None,
+    model_defaults: Callable[[Path], dict[str, float | int]] | None = None,
 ) -> None:
     """Load the model, render ``prompt`` (chat template unless ``chat`` is False) and
-    stream the reply to ``out`` (``max_tokens`` 0: an empty one, the engine not run).
+    stream the reply to ``out`` (None: ``sys.stdout`` at the call; ``max_tokens`` 0: an empty one, the engine not run).
 
     ``config`` (plan knobs and all) replaces ``EngineConfig(model=model, device=device)``
-    when given; ``model`` and ``device`` are then ignored.
+    when given; ``model`` and ``device`` are then ignored. ``model_defaults`` maps the
+    loaded model's folder to its recommended sampling fields (by
+    :class:`engine.wire.messages.SamplingParams` names), used for every field the call
+    leaves unset (``temperature`` None); without it, unset means SamplingParams' own.
 
     Raises:
         engine.common.load_errors.ModelLoadError: the model is missing or broken.
@@ -79,6 +84,7 @@ def run_generate(
         engine.common.errors.RequestRejected: the prompt does not fit.
         GenerationFailed: the engine failed the request (e.g. ``out_of_memory``).
     """
+    out = sys.stdout if out is None else out  # read at the call: a caller may have swapped it
     engine = Engine(config if config is not None else EngineConfig(model=model, device=device))
     tokenizer = load_tokenizer(str(engine.model_dir))
     if chat:
@@ -86,7 +92,10 @@ def run_generate(
     else:
         ids = list(tokenizer.encode(prompt))
     if max_tokens > 0:  # 0 asks for no token, as the API's max_tokens 0 does
-        sampling = SamplingParams(max_new_tokens=max_tokens, temperature=temperature, seed=seed)
+        fields = dict(model_defaults(engine.model_dir)) if model_defaults is not None else {}
+        if temperature is not None:
+            fields["temperature"] = temperature
+        sampling = SamplingParams(max_new_tokens=max_tokens, seed=seed, **fields)
         for text in stream_text(engine, tokenizer, ids, sampling):
             out.write(text)
             out.flush()

@@ -178,9 +178,9 @@ _PLAN_KNOBS = (
 @click.option(
     "--temperature",
     type=click.FloatRange(TEMPERATURE_MIN, TEMPERATURE_MAX),
-    default=0.7,
-    show_default=True,
-    help="Sampling temperature; 0 is greedy.",
+    default=None,
+    help="Sampling temperature; 0 is greedy. Unset: the model's recommended sampling "
+    "(its generation_config.json or GGUF sampling metadata, as the API's unset fields).",
 )
 @seed_option(None, "Seed of the sampler (same seed, same reply).")
 @click.option(
@@ -210,7 +210,7 @@ _PLAN_KNOBS = (
 def generate(
     prompt: str,
     max_tokens: int,
-    temperature: float,
+    temperature: float | None,
     seed: int | None,
     chat: bool,
     local: bool,
@@ -242,6 +242,7 @@ def generate(
     from engine.common.errors import CudaUnavailable, PlanDoesNotFit, RequestRejected
     from engine.common.load_errors import ModelLoadError
     from engine.text.chat import ChatTemplateError
+    from service.api.sampling_defaults import load_sampling_defaults
 
     config = replace(settings.engine_config(), max_running_requests=1)
     try:
@@ -253,6 +254,7 @@ def generate(
             seed=seed,
             chat=chat,
             config=config,
+            model_defaults=lambda folder: load_sampling_defaults(folder).as_dict(),
         )
     except ModelLoadError as exc:
         fail(f"cannot load the model: {exc}", EXIT_USAGE)

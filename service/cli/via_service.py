@@ -29,10 +29,11 @@ CONNECT_TIMEOUT_S = 5.0
 HEAD_TIMEOUT_S = 30.0
 
 
-def _request(prompt: str, chat: bool, model: str | None, max_tokens: int, temperature: float,
+def _request(prompt: str, chat: bool, model: str | None, max_tokens: int, temperature: float | None,
              seed: int | None) -> tuple[str, dict[str, Any]]:
-    body: dict[str, Any] = {"model": model or "default", "max_tokens": max_tokens,
-                            "temperature": temperature, "stream": True}
+    body: dict[str, Any] = {"model": model or "default", "max_tokens": max_tokens, "stream": True}
+    if temperature is not None:  # unset: the service's model defaults
+        body["temperature"] = temperature
     if seed is not None:
         body["seed"] = seed
     if chat:
@@ -56,7 +57,7 @@ def generate_on_service(
     chat: bool,
     model: str | None,
     max_tokens: int,
-    temperature: float,
+    temperature: float | None,
     seed: int | None,
     api_key: str | None,
     out: TextIO = sys.stdout,

@@ -5,7 +5,8 @@ chat and text completion logprobs with an entry for the end token, which is not 
 the text; ``stream_options`` taken on a call that does not stream; a boolean JSON
 schema refused with a misleading message; Ollama's /api/generate refused on a model
 without a chat template; /api/show's parameters under headroom's field names, not
-Ollama's."""
+Ollama's; a corrupt GGUF's numpy warnings on stderr and an invalid_logits error in the
+engine's words."""
 
 from __future__ import annotations
 
@@ -185,3 +186,37 @@ def test_generate_on_a_model_without_a_chat_template_passes_the_prompt_through(u
     assert with_system.json()["response"] == _greedy_text(hf, smollm_tokenizer, "Answer briefly.\n\nThe capital of France", 6)
     assert raw.json()["response"] == plain.json()["response"]  # raw: the prompt alone
     assert chat.status_code == 400 and "use /api/generate" in chat.json()["error"], chat.text
+
+
+def _corrupt_gguf(path, make_tiny_hf_model) -> None:
+    """A tiny Qwen3 GGUF whose embedding's Q8_0 blocks all have an infinite scale."""
+    import gguf
+    import numpy as np
+    from test_gguf_convert import VOCAB, write_gguf
+
+    hf = make_tiny_hf_model("qwen3", None, vocab_size=VOCAB)
+    q = gguf.quantize(hf.model.embed_tokens.weight.detach().numpy(), gguf.GGMLQuantizationType.Q8_0)
+    blocks = q.reshape(-1, 34).copy()  # a Q8_0 block: its float16 scale, then 32 int8 values
+    blocks[:, :2] = np.array([np.inf], dtype=np.float16).view(np.uint8)
+    override = {"token_embd.weight": (blocks.reshape(q.shape), gguf.GGMLQuantizationType.Q8_0)}
+    write_gguf(path, "qwen3", hf, override=override)
+
+
+def test_a_corrupt_gguf_is_said_once_and_its_requests_fail_in_a_user_s_words(tmp_path, start_server,
+                                                                            make_tiny_hf_model):
+    path = tmp_path / "corrupt.gguf"
+    _corrupt_gguf(path, make_tiny_hf_model)
+    server = start_server(["--model", str(path)])
+    with server.client(timeout=300) as http:
+        r = http.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 2})
+    assert r.status_code == 500, r.text
+    error = r.json()["error"]
+    assert error["code"] == "invalid_logits", error
+    assert error["message"].startswith("the model produced NaN or infinite logits for this request"), error
+    assert "the model file may be corrupt" in error["message"], error
+    for internal in ("batch rows", "sample the others", "penalties"):
+        assert internal not in error["message"], error
+    log = server.log()
+    assert "RuntimeWarning" not in log, log
+    said = [line for line in log.splitlines() if "holds NaN or infinite values" in line]
+    assert len(said) == 1 and "token_embd.weight" in said[0], said

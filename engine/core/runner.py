@@ -23,7 +23,7 @@ from engine.kvcache.pool import KVPool
 from engine.layers.attention.base import AttentionBackend
 from engine.layers.moe.offload import after_forward, before_forward
 from engine.sampling.logprobs import token_logprobs
-from engine.sampling.sampler import InvalidLogitsError, Sampler
+from engine.sampling.sampler import INVALID_LOGITS_MESSAGE, InvalidLogitsError, Sampler
 from engine.sampling.state import all_plain_greedy
 from engine.scheduler.request import Phase
 from engine.scheduler.scheduler import StepPlan
@@ -245,7 +245,7 @@ class ModelRunner:
             return self.sampler.sample(logits, states, params, records)
         except InvalidLogitsError as exc:
             bad = set(exc.rows)
-            self.unusable = {sampling[i].request_id: str(exc) for i in bad}
+            self.unusable = {sampling[i].request_id: INVALID_LOGITS_MESSAGE for i in bad}
             keep = [i for i in range(len(sampling)) if i not in bad]
             if records is not None:
                 records.clear()

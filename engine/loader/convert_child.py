@@ -16,7 +16,9 @@ default model): it resolves the model as the engine will
 the facts. It dies with its parent (``prctl``) and reports a failure as one JSON line
 on stdout, ``{"kind", "message"}``, which :func:`convert_in_child` raises again as the
 same :mod:`engine.common.load_errors` class; the conversion publishes its folder by a
-rename, so a child killed half-way leaves no folder under the final name.
+rename, so a child killed half-way leaves no folder under the final name. The warnings
+the conversion logged (a corrupt file's NaN values...) come back as one JSON line,
+``{"warnings": [...]}``, and the parent logs them: its captured stderr is not shown.
 """
 
 from __future__ import annotations
@@ -84,9 +86,11 @@ def convert_in_child(model: str | Path | None, name: str) -> None:
     except OSError as e:
         raise errors.ModelLoadError(f"cannot start the conversion of {name} ({e})") from e
     if done.returncode == 0:
+        for warning in _reported(done.stdout, "warnings") or ():
+            log.warning("%s", warning)
         return
     if done.returncode == _FAILED:
-        report = _report(done.stdout)
+        report = _reported(done.stdout, "kind")
         if report is not None:
             kind = getattr(errors, str(report.get("kind")), None)
             if not (isinstance(kind, type) and issubclass(kind, errors.ModelLoadError)):
@@ -97,26 +101,43 @@ def convert_in_child(model: str | Path | None, name: str) -> None:
     raise errors.ModelLoadError(f"the conversion of {name} stopped ({how}){': ' + tail if tail else ''}")
 
 
-def _report(stdout: str) -> dict | None:
+def _reported(stdout: str, key: str) -> dict | list | None:
+    """The last JSON object line of the child's ``stdout`` holding ``key``: the whole
+    report for ``kind``, the list for ``warnings``."""
     for line in reversed(stdout.strip().splitlines()):
         try:
             report = json.loads(line)
         except ValueError:
             continue
-        if isinstance(report, dict) and "kind" in report:
-            return report
+        if isinstance(report, dict) and key in report:
+            return report if key == "kind" else report[key]
     return None
+
+
+class _Kept(logging.Handler):
+    """Keeps the messages of the warnings logged, for the parent to log."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
 
 
 def main(argv: list[str]) -> int:
     from engine.common.parent_death import die_with_parent
 
     die_with_parent()
+    kept = _Kept()
+    logging.getLogger("engine").addHandler(kept)
     try:
         load_model_config(resolve_model(argv[0] or None))
     except errors.ModelLoadError as e:
         print(json.dumps({"kind": type(e).__name__, "message": str(e)}), flush=True)
         return _FAILED
+    if kept.messages:
+        print(json.dumps({"warnings": kept.messages}), flush=True)
     return 0
 
 

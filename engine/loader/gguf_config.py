@@ -5,6 +5,7 @@ checks a conversion makes before it writes anything (architecture, tensor types)
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,8 @@ from engine.loader.gguf_gpt_oss import gpt_oss_config
 from engine.loader.gguf_qwen35 import ARCHITECTURES as QWEN35_ARCHITECTURES
 from engine.loader.gguf_qwen35 import hybrid_config
 from engine.loader.gguf_tensors import open_tensors
+
+log = logging.getLogger(__name__)
 
 # GGUF ``general.architecture`` -> (Hugging Face architecture, model_type).
 GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
@@ -79,17 +82,34 @@ def field(reader: Any, key: str, default: Any = None) -> Any:
 
 
 def _check_types(reader: Any, gguf_path: Path) -> None:
+    """Every tensor's type can be dequantized; tensors whose first row holds NaN or
+    infinite values (a corrupt file) are named in one warning line, instead of numpy's
+    RuntimeWarnings.
+
+    Raises:
+        UnsupportedGGUFType: naming the first tensor of a type gguf-py cannot dequantize.
+    """
     from gguf import dequantize
 
+    corrupt = []
     for t in reader.tensors:
         try:
-            dequantize(t.data[:1], t.tensor_type)  # one row: cheap, and hits the same dispatch
+            with np.errstate(all="ignore"):  # one row: cheap, and hits the same dispatch
+                row = dequantize(t.data[:1], t.tensor_type)
+                if not np.isfinite(row).all():
+                    corrupt.append(t.name)
         except NotImplementedError:
             raise UnsupportedGGUFType(
                 f"{gguf_path}: tensor {t.name} is stored as {t.tensor_type.name}, which "
                 "headroom cannot dequantize; use a GGUF with F32/F16/BF16, Q4_0..Q8_0, "
                 "K-quants or IQ-quants, or the original Hugging Face checkpoint"
             ) from None
+    if corrupt:
+        log.warning(
+            "%s holds NaN or infinite values in %s: the file is likely corrupt (download or convert it "
+            "again); requests on this model may fail with invalid_logits",
+            gguf_path, ", ".join(corrupt),
+        )
 
 
 def _hf_config(reader: Any, gguf_path: Path, gguf_arch: str) -> dict[str, Any]:

@@ -93,11 +93,17 @@ def reverse_llama_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def dequantize_tensor(tensor: Any) -> np.ndarray:
-    """``[rows, cols]`` (or ``[n]``) float32 values of a GGUF tensor in Hugging Face order."""
+    """``[rows, cols]`` (or ``[n]``) float32 values of a GGUF tensor in Hugging Face order.
+
+    Values that are NaN or infinite (a corrupt block: a scale of inf) are kept without
+    numpy's RuntimeWarnings: the file's check says so in one line
+    (:func:`engine.loader.gguf_config.read_checked`), and a request the model answers
+    with such logits fails with ``invalid_logits``."""
     from gguf import dequantize
 
     shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims innermost first
-    return dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+    with np.errstate(all="ignore"):
+        return dequantize(tensor.data, tensor.tensor_type).reshape(shape)
 
 
 def converted_tensors(

@@ -42,21 +42,24 @@ from engine.wire.messages import SamplingParams, TokenLogprobs
 from kernels.dispatch import use_triton
 from kernels.sampling.reference import INVALID_TOKEN
 
+# What a request whose logits cannot be sampled from is told (error_code invalid_logits).
+INVALID_LOGITS_MESSAGE = (
+    "the model produced NaN or infinite logits for this request, so no token could be chosen: "
+    "the model file may be corrupt (download or convert it again), or its values overflow in "
+    "this dtype (try another --dtype or quantization)"
+)
+
 
 class InvalidLogitsError(ValueError):
     """Some rows' logits cannot be sampled from: NaN, ``+inf``, or every token ``-inf``.
 
     ``rows`` are the batch indices at fault. Nothing was drawn from any generator, so the
-    caller can fail those requests (e.g. ``error_code="invalid_logits"``) and call
-    :meth:`Sampler.sample` again with the other rows.
+    caller can fail those requests (e.g. ``error_code="invalid_logits"``, with
+    :data:`INVALID_LOGITS_MESSAGE`) and call :meth:`Sampler.sample` again with the other rows.
     """
 
     def __init__(self, rows: list[int]) -> None:
-        super().__init__(
-            f"logits of batch rows {rows} are NaN, +inf, or all -inf (after penalties); "
-            "the model produced unusable output for these requests (often fp16 overflow "
-            "or a corrupted weight): fail these requests and sample the others again"
-        )
+        super().__init__(f"logits of batch rows {rows} are NaN, +inf, or all -inf (after penalties)")
         self.rows = rows
 
 

@@ -162,3 +162,24 @@ def test_a_vocab_only_gguf_is_refused_naming_its_first_missing_tensor(tmp_path, 
         assert result.exit_code == 2, (command, result.output)
         assert result.stderr.strip() == message, command
         assert "listening" not in result.output
+
+
+@pytest.mark.parametrize("keep", [0, 2_000, "half"])
+def test_a_truncated_safetensors_file_is_refused_naming_it(tmp_path, make_tiny_hf_model, keep):
+    """plan said "weights ... exact" and exit 0 for a model.safetensors cut short (0 bytes,
+    2,000 bytes, half its size); the load said "corrupt or truncated" later. The check
+    reads the file's header and refuses a file shorter than its tensors' last end."""
+    make_tiny_hf_model("qwen3", tmp_path)
+    _word_tokenizer(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[:len(data) // 2 if keep == "half" else keep])
+    for command in (["plan"], ["plan", "--json"], ["generate", "--local", "hi"], ["serve", "--port", "0"]):
+        result = invoke([*command, "--model", str(tmp_path)])
+        assert result.exit_code == 2, (command, result.output)
+        error = result.stderr.strip()
+        assert error.startswith(f"headroom: error: cannot load the model: {weights} is truncated: "), error
+        assert error.endswith("; delete it and download or convert the model again"), error
+        assert "listening" not in result.output and "Traceback" not in result.output
+        if "--json" in command:
+            assert json.loads(result.stdout)["exit_code"] == 2

@@ -79,3 +79,34 @@ def _iter_file(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         raise CorruptWeights(
             f"{path} is corrupt or truncated ({e}); delete it and download or convert the model again"
         ) from e
+
+
+def check_safetensors_length(path: str | Path) -> None:
+    """Refuse a safetensors file shorter than its own header says, reading the header
+    only (an 8-byte little-endian length, then that many bytes of JSON): the file must
+    reach the largest ``data_offsets`` end of its tensors, counted after the header.
+
+    Raises:
+        CorruptWeights: the file is shorter than 8 bytes or than its header, the header
+            is not JSON with tensors' ``data_offsets``, or the data ends past the file's
+            end; the message names the file, its size and says to download it again.
+    """
+    path = Path(path)
+    fix = "delete it and download or convert the model again"
+    size = path.stat().st_size
+    try:
+        with path.open("rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CorruptWeights(f"{path} is truncated: {size:,} bytes, shorter than a safetensors header; {fix}")
+            length = int.from_bytes(head, "little")
+            if 8 + length > size:
+                raise CorruptWeights(f"{path} is truncated: {size:,} bytes, shorter than its {length:,}-byte "
+                                     f"safetensors header; {fix}")
+            header = json.loads(f.read(length))
+        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+        raise CorruptWeights(f"{path} is corrupt: its safetensors header does not parse ({e}); {fix}") from e
+    if 8 + length + end > size:
+        raise CorruptWeights(f"{path} is truncated: {size:,} bytes where its tensors end at byte "
+                             f"{8 + length + end:,}; {fix}")

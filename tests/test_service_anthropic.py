@@ -283,18 +283,7 @@ def test_keys_and_error_shapes(client, server):
             client.messages.create(messages=messages, **extra, **GREEDY)
         assert exc.value.body["error"]["type"] == "invalid_request_error", exc.value.body
         assert exc.value.body["error"]["message"].startswith(
-            f"{path}: text content blocks must be non-empty"), exc.value.body
-    # A tool_result answering no tool_use of an earlier assistant turn, as Anthropic refuses it.
-    use = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}
-    orphan = [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_2", "content": "21 C"}]}]
-    for history in (orphan, [*QUESTION, {"role": "assistant", "content": [use]}, *orphan]):
-        for call in (lambda h=history: client.messages.create(messages=h, tools=[TOOL], **GREEDY),
-                     lambda h=history: client.messages.count_tokens(model="default", messages=h, tools=[TOOL])):
-            with pytest.raises(anthropic.BadRequestError) as exc:
-                call()
-            message = exc.value.body["error"]["message"]
-            assert message.startswith(f"messages[{len(history) - 1}].content[0]: the tool_result block's "
-                                      "tool_use_id 'toolu_2' matches no tool_use block"), message
+            f"{path}: text content blocks must contain non-whitespace text"), exc.value.body
     # What the client cannot send: bad JSON, a missing field, a wrong type, other methods
     # and paths, all in Anthropic's shape.
     _error(_raw(server, "POST", "/v1/messages", content=b"{not json"), 400, "invalid_request_error")
@@ -307,6 +296,74 @@ def test_keys_and_error_shapes(client, server):
     body = BODY
     _error(_raw(server, "POST", "/v1/messages", json=body, headers={"x-api-key": "x"}), 401, "authentication_error")
     _error(_raw(server, "POST", "/v1/messages", json=body, headers={"Host": "evil.example"}), 403, "permission_error")
+
+
+def _use(call_id: str, name: str = "get_weather") -> dict:
+    return {"type": "tool_use", "id": call_id, "name": name, "input": {"city": "Paris"}}
+
+
+def _result(call_id: str) -> dict:
+    return {"type": "tool_result", "tool_use_id": call_id, "content": "21 C"}
+
+
+def test_tool_history_and_names_as_anthropic_checks_them(server):
+    """Each assistant turn's tool_use ids are answered in the user message right after
+    it, each once, ids unique; tool names match ^[a-zA-Z0-9_-]{1,128}$: else a 400 in
+    Anthropic's shape naming the block, on messages and count_tokens alike."""
+    user = {"role": "user", "content": "Weather in Paris?"}
+
+    def asked(*blocks_of_turns) -> list[dict]:
+        turns = [user]
+        for k, blocks in enumerate(blocks_of_turns):
+            turns.append({"role": "assistant" if k % 2 == 0 else "user", "content": list(blocks)})
+        return turns
+
+    then = {"type": "text", "text": "And in Rome?"}
+    fine = asked([_use("toolu_1"), _use("toolu_2")], [_result("toolu_2"), _result("toolu_1")],
+                 [_use("toolu_3")], [_result("toolu_3"), then])
+    refused = (
+        ([{"role": "user", "content": [_result("toolu_2")]}], "messages[0].content[0]",
+         "unexpected tool_use_id found in tool_result blocks: 'toolu_2'"),
+        (asked([_use("toolu_1")], [_result("toolu_2")]), "messages[2].content[0]",
+         "unexpected tool_use_id found in tool_result blocks: 'toolu_2'"),
+        (asked([_use("toolu_1")], [then]), "messages[1]",
+         "tool_use ids were found without tool_result blocks immediately after: 'toolu_1'"),
+        (asked([_use("toolu_1"), _use("toolu_2")], [_result("toolu_1")]), "messages[1]",
+         "tool_use ids were found without tool_result blocks immediately after: 'toolu_2'"),
+        (asked([_use("toolu_1")], [_result("toolu_1")], [_use("toolu_1")], [_result("toolu_1")]),
+         "messages[3].content[0]", "tool_use ids must be unique: 'toolu_1'"),
+        (asked([_use("toolu_1")], [_result("toolu_1"), _result("toolu_1")]), "messages[2].content[1]",
+         "each tool_use must have a single result"),
+        # The result two turns after its tool_use: the turn between leaves the call unanswered.
+        (asked([_use("toolu_1")], [then], [{"type": "text", "text": "Hm."}], [_result("toolu_1")]),
+         "messages[1]", "tool_use ids were found without tool_result blocks immediately after: 'toolu_1'"),
+        (asked([_use("toolu_1", "get weather")], [_result("toolu_1")]), "messages[1].content[0].name",
+         "tool name 'get weather' is not allowed"),
+    )
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        assert _raw(server, "POST", path, json={**BODY, "messages": fine, "tools": [TOOL]}).status_code == 200
+        for messages, at, said in refused:
+            message = _error(_raw(server, "POST", path, json={**BODY, "messages": messages, "tools": [TOOL]}),
+                             400, "invalid_request_error")
+            assert message.startswith(f"{at}: {said}"), message
+        for name, ok in (("x" * 128, True), ("x" * 129, False), ("get.weather", False), ("get-Weather_2", True)):
+            answer = _raw(server, "POST", path, json={**BODY, "tools": [{**TOOL, "name": name}]})
+            if ok:
+                assert answer.status_code == 200, answer.text
+            else:
+                message = _error(answer, 400, "invalid_request_error")
+                assert message.startswith(f"tools[0].name: tool name {name!r} is not allowed"), message
+                assert "^[a-zA-Z0-9_-]{1,128}$" in message, message
+    # A text block of whitespace only is refused; JSON Schema's true takes any value, as on OpenAI's routes.
+    blank = _raw(server, "POST", "/v1/messages", json={**BODY, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": " \n\t"}]}]})
+    assert _error(blank, 400, "invalid_request_error").startswith(
+        "messages[0].content[0]: text content blocks must contain non-whitespace text")
+    schema = {"type": "json_schema", "schema": True}
+    anything = _raw(server, "POST", "/v1/messages", json={**BODY, "output_config": {"format": schema}})
+    assert anything.status_code == 200 and anything.json()["content"], anything.text
+    never = _raw(server, "POST", "/v1/messages", json={**BODY, "output_config": {"format": {**schema, "schema": False}}})
+    assert "schema is false, which no value matches" in _error(never, 400, "invalid_request_error")
 
 
 def test_thinking_asked_of_a_model_that_cannot_think(real_server):

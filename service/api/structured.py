@@ -23,14 +23,15 @@ ANY_OBJECT = '{"type": "object"}'
 _SCHEMA_SHAPES = {
     "response_format": '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}',
     "text.format": '{"type": "json_schema", "name": ..., "schema": {...}}',
+    "output_config.format": '{"type": "json_schema", "schema": {...}}',
 }
 
 
 def response_schema(response_format: dict[str, Any] | None, param: str = "response_format") -> str | None:
     """The JSON text of the schema an answer must match, or None for free text.
     ``param`` is the field the format came from: chat completions' ``response_format``
-    (the schema under ``json_schema``) or Responses' ``text.format`` (the schema beside
-    its ``type``).
+    (the schema under ``json_schema``), Responses' ``text.format`` or Anthropic's
+    ``output_config.format`` (the schema beside its ``type``).
 
     Raises:
         APIError: 400 ``param`` for an unknown type, a ``json_schema`` without a

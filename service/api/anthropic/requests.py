@@ -24,8 +24,11 @@ Refused with a 400 rather than dropped: image and document blocks (this server s
 text models), Anthropic's server tools, ``thinking`` enabled beside a ``tool_choice``
 that forces a call (``any``, ``tool``: as Anthropic refuses it), a last turn that is
 the assistant's (an answer's prefill), blocks in a turn of the other role; and, as
-Anthropic refuses them, an empty text block and a ``tool_result`` whose ``tool_use_id``
-is no ``tool_use`` block's of an earlier assistant turn.
+Anthropic refuses them, a text block without non-whitespace text, a tool name outside
+``^[a-zA-Z0-9_-]{1,128}$`` (a tool's or a past ``tool_use``'s) and a tool history
+Anthropic refuses (:func:`service.api.tool_checks.check_tool_history`): each assistant
+turn's ``tool_use`` blocks answered by ``tool_result`` blocks in the user message right
+after it, each once, ``tool_use`` ids unique.
 """
 
 from __future__ import annotations
@@ -53,6 +56,14 @@ from service.api.anthropic.schemas import (
 from service.api.prompts import Prompt, chat_prompt
 from service.api.request import GenerationRequest, stop_strings
 from service.api.sampling import Sampling
+from service.api.structured import response_schema
+from service.api.tool_checks import (
+    ANTHROPIC_HISTORY,
+    ANTHROPIC_NAME_LENGTH,
+    Turn,
+    check_tool_history,
+    check_tool_name,
+)
 from service.common.errors import APIError, invalid
 
 # Anthropic's least thinking budget.
@@ -61,13 +72,15 @@ _NO_VISION = "this model has no vision: image blocks are not supported by this s
 
 
 def _block_text(block: TextBlock, param: str) -> str:
-    """A text block's text; an empty one is refused, as Anthropic refuses it.
+    """A text block's text; an empty one, or one of whitespace only, is refused, as
+    Anthropic refuses it.
 
     Raises:
-        APIError: 400 ``param`` (the block's path) for an empty text block.
+        APIError: 400 ``param`` (the block's path) for a text block without text.
     """
-    if not block.text:
-        raise invalid(f"{param}: text content blocks must be non-empty; put text in the block or leave it out", param)
+    if not block.text.strip():
+        raise invalid(f"{param}: text content blocks must contain non-whitespace text; put text in the "
+                      "block or leave it out", param)
     return block.text
 
 
@@ -93,13 +106,6 @@ def _user_turn(content: list[Any], i: int, names: dict[str, str]) -> list[dict[s
     for j, block in enumerate(content):
         param = f"messages[{i}].content[{j}]"
         if isinstance(block, ToolResultBlock):
-            if block.tool_use_id not in names:  # as Anthropic answers a result of no call
-                raise invalid(
-                    f"{param}: the tool_result block's tool_use_id {block.tool_use_id!r} matches no tool_use "
-                    "block of an earlier assistant turn; each tool_result must answer a tool_use the "
-                    "conversation holds: send the assistant turn with its tool_use block, or leave the result out",
-                    param,
-                )
             result = _text(block.content, f"{param}.content")
             out.append({
                 "role": "tool",
@@ -129,6 +135,7 @@ def _assistant_turn(content: list[Any], i: int, names: dict[str, str]) -> dict[s
         elif isinstance(block, ThinkingBlock):
             thoughts.append(block.thinking)
         elif isinstance(block, ToolUseBlock):
+            check_tool_name(block.name, f"messages[{i}].content[{j}].name", ANTHROPIC_NAME_LENGTH)
             names[block.id] = block.name
             arguments = json.dumps(block.input, ensure_ascii=False)
             calls.append({"id": block.id, "type": "function", "function": {"name": block.name, "arguments": arguments}})
@@ -152,6 +159,7 @@ def chat_messages(body: CountTokensRequest) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     if body.system:
         out.append({"role": "system", "content": _text(body.system, "system")})
+    check_tool_history(_history(body), ANTHROPIC_HISTORY)
     names: dict[str, str] = {}  # tool_use id -> the tool's name, for its result
     for i, turn in enumerate(body.messages):
         if not turn.content and not (turn.role == "assistant" and i == len(body.messages) - 1):
@@ -168,6 +176,24 @@ def chat_messages(body: CountTokensRequest) -> list[dict[str, Any]]:
         else:
             out += _user_turn(turn.content, i, names)
     return _joined(out)
+
+
+def _history(body: CountTokensRequest) -> list[Turn]:
+    """The turns' tool_use and tool_result blocks, consecutive turns of one role as one
+    (as Anthropic combines them)."""
+    turns: list[Turn] = []
+    for i, message in enumerate(body.messages):
+        blocks = list(enumerate(message.content)) if isinstance(message.content, list) else []
+        calls = tuple((b.id, f"messages[{i}].content[{j}]") for j, b in blocks if isinstance(b, ToolUseBlock))
+        answers = tuple(
+            (b.tool_use_id, f"messages[{i}].content[{j}]") for j, b in blocks if isinstance(b, ToolResultBlock)
+        )
+        param = f"messages[{i}]"
+        if i and message.role == body.messages[i - 1].role:
+            last = turns.pop()
+            param, calls, answers = last.param, last.calls + calls, last.answers + answers
+        turns.append(Turn(param, calls, answers))
+    return turns
 
 
 def _joined(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -196,7 +222,8 @@ def _tools(body: CountTokensRequest) -> list[dict[str, Any]] | None:
     """``tools`` as function tools.
 
     Raises:
-        APIError: 400 ``tools[i]`` for a server tool or a tool without ``input_schema``.
+        APIError: 400 ``tools[i]`` for a server tool or a tool without ``input_schema``;
+            400 ``tools[i].name`` for a name outside ``^[a-zA-Z0-9_-]{1,128}$``.
     """
     if not body.tools:
         return None
@@ -210,6 +237,7 @@ def _tools(body: CountTokensRequest) -> list[dict[str, Any]] | None:
             )
         if tool.input_schema is None:
             raise invalid(f"tools[{i}].input_schema is required", f"tools[{i}].input_schema")
+        check_tool_name(tool.name, f"tools[{i}].name", ANTHROPIC_NAME_LENGTH)
         function = {"name": tool.name, "description": tool.description, "parameters": tool.input_schema}
         out.append({"type": "function", "function": function})
     return out
@@ -267,11 +295,13 @@ def _thinking_budget(body: MessagesRequest) -> int | None:
 
 
 def _output_schema(body: MessagesRequest) -> str | None:
-    """``output_config.format``'s schema as JSON text, or None."""
+    """``output_config.format``'s schema as JSON text, or None; a boolean schema as
+    the OpenAI routes take it (:func:`service.api.structured.response_schema`: ``true``
+    any JSON value, ``false`` a 400)."""
     config = body.output_config
     if config is None or config.format is None:
         return None
-    return json.dumps(config.format.schema)
+    return response_schema({"type": config.format.type, "schema": config.format.schema}, "output_config.format")
 
 
 def messages_request(body: MessagesRequest, request_id: str, started: float) -> GenerationRequest:

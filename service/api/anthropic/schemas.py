@@ -149,10 +149,11 @@ Thinking = ThinkingEnabled | ThinkingDisabled | ThinkingAdaptive | ThinkingBetwe
 
 
 class OutputFormat(msgspec.Struct, kw_only=True):
-    """Structured output: the answer's text is a JSON value of ``schema``."""
+    """Structured output: the answer's text is a JSON value of ``schema`` (an object,
+    or JSON Schema's ``true``: any value)."""
 
     type: Literal["json_schema"]
-    schema: dict[str, Any]
+    schema: dict[str, Any] | bool
 
 
 class OutputConfig(msgspec.Struct, kw_only=True):

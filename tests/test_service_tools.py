@@ -218,6 +218,69 @@ def test_past_call_arguments_as_an_object_or_as_text_that_is_not_json(qwen3_serv
         prompt_tokens("city=Paris")
     assert exc.value.body["param"] == "messages[1].tool_calls[0].function.arguments", exc.value.body
     assert "is not JSON" in exc.value.body["message"], exc.value.body
+    # Text of JSON that is no object, or not JSON at all (NaN), and a raw value that is
+    # no string nor object: refused naming the field, as OpenAI refuses them; so is a
+    # past call's name that a tool could not have.
+    import httpx
+
+    param = "messages[1].tool_calls[0].function"
+    with httpx.Client(base_url=qwen3_server.base_url, timeout=300) as http:
+        for arguments, said in (("[1, 2]", "is JSON of list, not an object"), ("1", "is JSON of int, not an object"),
+                                ("null", "is JSON of null, not an object"), ("NaN", "is not JSON"),
+                                ('{"x": NaN}', "is not JSON"), ([1, 2], "must be a string"), (1, "must be a string"),
+                                (None, "must be a string")):
+            r = http.post("/v1/chat/completions", json={"messages": asked(arguments), "tools": [WEATHER], "max_tokens": 1})
+            assert r.status_code == 400, (arguments, r.text)
+            error = r.json()["error"]
+            assert error["param"] == f"{param}.arguments" and said in error["message"], (arguments, error)
+        history = asked("{}")
+        history[1]["tool_calls"][0]["function"]["name"] = "get weather"
+        r = http.post("/v1/chat/completions", json={"messages": history, "tools": [WEATHER], "max_tokens": 1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == f"{param}.name", r.text
+        assert "^[a-zA-Z0-9_-]{1,64}$" in r.json()["error"]["message"], r.text
+        # The same rules on a Responses function_call item.
+        for field, value, said in (("arguments", "[1, 2]", "not an object"), ("name", "get weather", "not allowed")):
+            call = {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}", field: value}
+            r = http.post("/v1/responses", json={"max_output_tokens": 1, "input": [
+                {"role": "user", "content": "Hi"}, call, {"type": "function_call_output", "call_id": "c1", "output": "sunny"}]})
+            assert r.status_code == 400 and r.json()["error"]["param"] == f"input[1].{field}", r.text
+            assert said in r.json()["error"]["message"], r.text
+
+
+def test_tool_messages_answer_the_calls_right_before_them(qwen3_server):
+    """Each tool message answers a call of the assistant message right before its run of
+    tool messages, each call once, call ids unique: else a 400 in OpenAI's words naming
+    the message at fault."""
+    import httpx
+
+    def assistant(*ids: str) -> dict:
+        calls = [{"id": i, "type": "function", "function": {"name": "get_weather", "arguments": "{}"}} for i in ids]
+        return {"role": "assistant", "content": None, "tool_calls": calls}
+
+    def tool(call_id: str) -> dict:
+        return {"role": "tool", "tool_call_id": call_id, "content": "sunny"}
+
+    stray = "messages with role 'tool' must be a response to a preceding message with 'tool_calls'"
+    fine = [*HI, assistant("c1", "c2"), tool("c2"), tool("c1"), *HI, assistant("c3"), tool("c3")]
+    refused = (
+        ([*HI, tool("c1")], "messages[1]", stray),
+        ([*HI, assistant("c1"), tool("c2")], "messages[2]", stray),
+        ([*HI, assistant("c1"), tool("c1"), *HI, tool("c1")], "messages[4]", stray),  # a call two turns back
+        ([*HI, assistant("c1", "c2"), tool("c1"), *HI], "messages[1]",
+         "an assistant message with 'tool_calls' must be followed by tool messages responding to each "
+         "'tool_call_id'; these tool_call_ids of messages[1] have no response message: 'c2'"),
+        ([*HI, assistant("c1"), tool("c1"), tool("c1")], "messages[3]", "tool_call_id 'c1' is answered twice"),
+        ([*HI, assistant("c1"), tool("c1"), assistant("c1"), tool("c1")], "messages[3].tool_calls[0]",
+         "tool_call id 'c1' is given twice"),
+    )
+    with httpx.Client(base_url=qwen3_server.base_url, timeout=300) as http:
+        ok = http.post("/v1/chat/completions", json={"messages": fine, "tools": [WEATHER], "max_tokens": 1})
+        assert ok.status_code == 200, ok.text
+        for messages, param, said in refused:
+            r = http.post("/v1/chat/completions", json={"messages": messages, "tools": [WEATHER], "max_tokens": 1})
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert error["param"] == param and error["message"].startswith(said), error
 
 
 def test_template_without_tools_is_a_400(real_server):

@@ -10,7 +10,7 @@ The body's shape and declared ranges were checked when it was decoded
 
 from __future__ import annotations
 
-import re
+from dataclasses import replace
 from typing import Any
 
 from engine.wire.messages import MAX_LOGPROBS
@@ -20,12 +20,17 @@ from service.api.request import GenerationRequest, stop_strings
 from service.api.sampling import logit_bias_pairs, sampling_of
 from service.api.structured import response_schema
 from service.api.thinking import budget_thinking, effort_thinking, with_thinking
+from service.api.tool_checks import (
+    OPENAI_HISTORY,
+    Turn,
+    check_call_arguments,
+    check_tool_history,
+    check_tool_name,
+)
 from service.common.errors import invalid
 
 # An unset max_tokens is OpenAI's 16 for text completions.
 COMPLETION_MAX_TOKENS = 16
-# What OpenAI takes as a function's name.
-TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 
 
 def chat_request(
@@ -43,7 +48,9 @@ def chat_request(
             ``response_format``, ``stop``, ``logit_bias``, ``reasoning_effort``;
             ``thinking_budget`` when it contradicts ``reasoning_effort``;
             ``messages[i].content`` when it is an empty array, as OpenAI refuses it;
-            ``tools[i].function.name`` for a name OpenAI refuses: :func:`check_tool_name`).
+            ``tools[i].function.name`` for a name OpenAI refuses:
+            :func:`~service.api.tool_checks.check_tool_name`; ``messages[i]`` and its
+            ``tool_calls[j]`` for a tool history OpenAI refuses: :func:`_check_tool_history`).
     """
     logit_bias, stop = logit_bias_pairs(body.logit_bias), stop_strings(body.stop)
     _check_stream_options(body)
@@ -58,6 +65,7 @@ def chat_request(
     if body.function_call not in (None, "none", "auto"):
         raise invalid("function_call is not supported; send tools and tool_choice instead", "function_call")
     _check_contents(body.messages)
+    _check_tool_history(body.messages)
     for i, tool in enumerate(body.tools or ()):
         function = tool.get("function") if isinstance(tool, dict) else None
         check_tool_name(function.get("name") if isinstance(function, dict) else None, f"tools[{i}].function.name")
@@ -96,19 +104,42 @@ def chat_request(
     )
 
 
-def check_tool_name(name: Any, param: str) -> None:
-    """A function's name as OpenAI takes it: ``^[a-zA-Z0-9_-]{1,64}$`` (a name that is
-    no string, or blank, is left to the tools' own checks, which say it needs a name).
+def _check_tool_history(messages: list[Any]) -> None:
+    """Past calls and their answers as OpenAI takes them: each call's function name as
+    a tool's (:func:`~service.api.tool_checks.check_tool_name`), its ``arguments`` JSON
+    object text or an object (:func:`~service.api.tool_checks.check_call_arguments`);
+    each assistant message's ``tool_calls`` answered by the tool messages right after
+    it, each once, call ids unique (:func:`~service.api.tool_checks.check_tool_history`).
+    Shapes that are no call (not an object, no function) are left to the template's
+    checks, which name them.
 
     Raises:
-        APIError: 400 ``param`` naming the tool.
+        APIError: 400 naming ``messages[i]`` or the part of it at fault.
     """
-    if isinstance(name, str) and name.strip() and not TOOL_NAME.fullmatch(name):
-        raise invalid(
-            f"tool name {name!r} is not allowed: a function's name must match ^[a-zA-Z0-9_-]{{1,64}}$ "
-            "(letters, digits, underscores and hyphens, at most 64): rename the tool",
-            param,
-        )
+    turns: list[Turn] = []
+    for i, message in enumerate(messages):
+        role = message.get("role") if isinstance(message, dict) else None
+        if role == "tool":
+            answer = (message.get("tool_call_id") if isinstance(message.get("tool_call_id"), str) else None,
+                      f"messages[{i}]")
+            if turns and turns[-1].answers:  # the run of tool messages after a call is one turn
+                turns[-1] = replace(turns[-1], answers=(*turns[-1].answers, answer))
+            else:
+                turns.append(Turn(f"messages[{i}]", answers=(answer,)))
+            continue
+        calls = message.get("tool_calls") if role == "assistant" else None
+        made = []
+        for j, call in enumerate(calls if isinstance(calls, list) else ()):
+            function = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(function, dict):
+                continue
+            param = f"messages[{i}].tool_calls[{j}]"
+            check_tool_name(function.get("name"), f"{param}.function.name")
+            check_call_arguments(function.get("arguments", {}), f"{param}.function.arguments")
+            if isinstance(call.get("id"), str):
+                made.append((call["id"], param))
+        turns.append(Turn(f"messages[{i}]", calls=tuple(made)))
+    check_tool_history(turns, OPENAI_HISTORY)
 
 
 def _check_contents(messages: list[Any]) -> None:

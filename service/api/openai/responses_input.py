@@ -31,13 +31,13 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.text.chat import ChatTemplateError
-from service.api.openai.requests import check_tool_name
 from service.api.openai.responses_schemas import ResponsesRequest
 from service.api.prompts import chat_prompt
 from service.api.request import GenerationRequest
 from service.api.sampling import sampling_of
 from service.api.structured import response_schema
 from service.api.thinking import effort_thinking, with_thinking
+from service.api.tool_checks import check_call_arguments, check_tool_name
 from service.common.errors import APIError, invalid
 
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
@@ -140,6 +140,8 @@ def _converted(
             arguments = item.get("arguments") or "{}"
             if not all(isinstance(v, str) for v in (item.get("name"), item.get("call_id"), arguments)):
                 raise invalid("a function_call needs call_id, name and arguments", param)
+            check_tool_name(item["name"], f"{param}.name")
+            check_call_arguments(arguments, f"{param}.arguments")
             if item["call_id"] not in answered:
                 # As OpenAI: a call the input does not answer is refused, not dropped.
                 raise invalid(
@@ -189,7 +191,10 @@ def input_messages(input: str | list[Any], instructions: str | None) -> list[dic
     Raises:
         APIError: 400 naming ``input[i]`` (or a part of it) for an item this server
             cannot take, a ``function_call`` among them whose ``call_id`` no
-            ``function_call_output`` of the input answers (as OpenAI refuses it).
+            ``function_call_output`` of the input answers (as OpenAI refuses it);
+            400 ``input[i].name`` / ``input[i].arguments`` for a ``function_call``
+            whose name a tool could not have or whose arguments are no JSON object text
+            (:mod:`service.api.tool_checks`).
     """
     return _converted(input, instructions)[0]
 
@@ -233,7 +238,7 @@ def chat_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
     Raises:
         APIError: 400 ``tools[i]`` for a built-in tool type or a function without a
             name; 400 ``tools[i].name`` for a name OpenAI refuses
-            (:func:`service.api.openai.requests.check_tool_name`).
+            (:func:`service.api.tool_checks.check_tool_name`).
     """
     if not tools:
         return None

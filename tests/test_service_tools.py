@@ -283,6 +283,51 @@ def test_tool_messages_answer_the_calls_right_before_them(qwen3_server):
             assert error["param"] == param and error["message"].startswith(said), error
 
 
+def test_tool_choice_errors_say_what_is_wrong_and_allowed_tools_limit_the_call(qwen3_server):
+    """A tool_choice of the wrong shape is named as such (not as a function missing
+    from tools); ``allowed_tools`` of mode ``required`` (chat's and Responses' shape)
+    forces a call to one of the tools it lists; of mode ``auto`` it is refused."""
+    import httpx
+
+    other = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+    with httpx.Client(base_url=qwen3_server.base_url, timeout=300) as http:
+        def chat(choice, tools=(WEATHER,), **more) -> httpx.Response:
+            return http.post("/v1/chat/completions", json={
+                "messages": HI, "tools": list(tools), "tool_choice": choice, "max_tokens": 64, **more})
+
+        for choice, said in (
+            ({"type": "function", "name": "get_weather"}, "tool_choice.function.name is missing: expected {type: "
+             "function, function: {name}} (a name beside type is the Responses API's shape)"),
+            ({"type": "function"}, "tool_choice.function.name is missing: expected {type: function, function: {name}}"),
+            ({"type": "function", "function": {"name": "nope"}},
+             "tool_choice names the function 'nope', which is not among tools (get_weather)"),
+            ({"type": "nope"}, "tool_choice type 'nope' is not supported"),
+            ({"type": "allowed_tools", "allowed_tools": {"mode": "any", "tools": [WEATHER]}},
+             "tool_choice.allowed_tools must be {mode: 'auto' | 'required'"),
+            ({"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [other]}},
+             "tool_choice.allowed_tools.tools[0] names the function 'get_time', which is not among tools"),
+        ):
+            r = chat(choice)
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert error["param"] == "tool_choice" and error["message"].startswith(said), error
+        allowed = {"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [WEATHER]}}
+        for seed in range(3):  # random weights; the grammar takes only the allowed tool
+            r = chat(allowed, (other, WEATHER), temperature=1.0, seed=seed)
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            assert choice["finish_reason"] == "tool_calls", choice
+            assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["get_weather"], choice
+        auto = chat({"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [WEATHER]}})
+        assert auto.status_code == 400 and "mode 'auto' is not supported" in auto.json()["error"]["message"], auto.text
+        r = http.post("/v1/responses", json={
+            "input": "Hi", "max_output_tokens": 64, "tools": [{"type": "function", "name": "get_time"},
+                                                             {"type": "function", **WEATHER["function"]}],
+            "tool_choice": {"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "get_weather"}]}})
+        assert r.status_code == 200, r.text
+        assert [i["name"] for i in r.json()["output"] if i["type"] == "function_call"] == ["get_weather"], r.text
+
+
 def test_template_without_tools_is_a_400(real_server):
     client = _client(real_server)
     with pytest.raises(openai.BadRequestError) as exc:

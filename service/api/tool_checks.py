@@ -160,3 +160,81 @@ def check_tool_history(turns: Sequence[Turn], words: HistoryWords) -> None:
                 raise invalid(words.duplicate.format(ids=repr(call_id)), path)
             seen.add(call_id)
         before = turn
+
+
+CHOICES = (
+    "tool_choice must be 'none', 'auto', 'required', {'type': 'function', 'function': {'name': ...}} or "
+    "{'type': 'allowed_tools', 'allowed_tools': {'mode': 'auto' | 'required', 'tools': [{'type': 'function', "
+    "'function': {'name': ...}}]}}"
+)
+_FUNCTION_SHAPE = "expected {type: function, function: {name}}"
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What OpenAI's ``tool_choice`` asks of an answer with tools.
+
+    ``mode``: ``none``, ``auto``, ``required`` (a call to one of ``allowed``) or
+    ``function`` (a call to ``name``); ``allowed``: the names of the tools a forced
+    call may take (None: all of them; ``allowed_tools``' list, whose ``mode`` must be
+    ``required``)."""
+
+    mode: str
+    name: str | None = None
+    allowed: tuple[str, ...] | None = None
+
+
+def tool_choice_of(tool_choice: Any, names: Sequence[str]) -> Choice:
+    """``tool_choice`` (None is ``auto``) checked against the tools' ``names``.
+
+    Raises:
+        APIError: 400 ``tool_choice`` saying what is wrong with the value sent: an
+            unknown value or type, a function object without ``function.name`` (a
+            ``name`` beside ``type``, the Responses API's shape, named as such), a name
+            (quoted) not among ``names``, an ``allowed_tools`` whose ``mode`` or
+            ``tools`` is not OpenAI's, or one of mode ``auto`` (not supported: a call
+            the model makes on its own could not be kept to the list).
+    """
+    if tool_choice is None:
+        return Choice("auto")
+    if tool_choice in ("none", "auto", "required"):
+        return Choice(tool_choice)
+    if not isinstance(tool_choice, dict):
+        raise invalid(CHOICES, "tool_choice")
+    kind = tool_choice.get("type")
+    if kind == "function":
+        return Choice("function", _function_name(tool_choice, "tool_choice", names))
+    if kind != "allowed_tools":
+        raise invalid(f"tool_choice type {kind!r} is not supported: {CHOICES}", "tool_choice")
+    spec = tool_choice.get("allowed_tools")
+    mode = spec.get("mode") if isinstance(spec, dict) else None
+    tools = spec.get("tools") if isinstance(spec, dict) else None
+    if mode not in ("auto", "required") or not isinstance(tools, list) or not tools:
+        raise invalid(
+            "tool_choice.allowed_tools must be {mode: 'auto' | 'required', tools: [{type: function, "
+            "function: {name}}, ...]} with at least one tool",
+            "tool_choice",
+        )
+    allowed = tuple(
+        _function_name(tool, f"tool_choice.allowed_tools.tools[{k}]", names) for k, tool in enumerate(tools)
+    )
+    if mode == "auto":  # every tool is shown: only a forced call's grammar keeps the call to the list
+        raise invalid(
+            "tool_choice.allowed_tools with mode 'auto' is not supported by this server (a call the model "
+            "makes on its own could not be kept to the listed tools): send mode 'required', or send only "
+            "the allowed tools in tools with tool_choice 'auto'",
+            "tool_choice",
+        )
+    return Choice(mode, allowed=allowed)
+
+
+def _function_name(choice: Any, where: str, names: Sequence[str]) -> str:
+    """The function a ``{type: function, function: {name}}`` object names, one of ``names``."""
+    function = choice.get("function") if isinstance(choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str):
+        beside = " (a name beside type is the Responses API's shape)" if isinstance(choice, dict) and "name" in choice else ""
+        raise invalid(f"{where}.function.name is missing: {_FUNCTION_SHAPE}{beside}", "tool_choice")
+    if name not in names:
+        raise invalid(f"{where} names the function {name!r}, which is not among tools ({', '.join(names)})", "tool_choice")
+    return name

@@ -19,7 +19,9 @@ model writes back is parsed by the parser of its family, chosen from the templat
   read with the answer's channels by :mod:`service.api.harmony`.
 
 ``tool_choice``: ``auto`` (default with tools) parses calls; ``none`` renders the tools
-but parses nothing; ``required`` and a named function start the answer with the
+but parses nothing; ``allowed_tools`` of mode ``required`` forces a call to one of the
+tools it lists, every tool still rendered, as OpenAI does (mode ``auto`` is refused:
+:func:`service.api.tool_checks.tool_choice_of`); ``required`` and a named function start the answer with the
 format's call opening (the named function's name included) and constrain the rest to
 the call's JSON schema (:func:`forced_call`, through the engine's structured output),
 so the call parses and its arguments match the function's ``parameters`` (``qwen3_xml``
@@ -44,6 +46,7 @@ from service.api.harmony import (
     split_harmony,
     template_is_harmony,
 )
+from service.api.tool_checks import CHOICES, tool_choice_of
 from service.api.tool_xml import FUNCTION_OPEN, PARAMETER_OPEN, parse_function
 from service.common.errors import invalid
 
@@ -336,9 +339,6 @@ class ToolPlan:
     suffix: str = ""
 
 
-_CHOICES = "tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}"
-
-
 def plan_tools(
     tools: list[Any] | None, tool_choice: Any, chat_template: str | None, has_tools: bool
 ) -> ToolPlan:
@@ -350,12 +350,12 @@ def plan_tools(
             that are not an object, an empty name, a name given twice) or a template with no tool
             support (or a format this server does not parse); 400 ``tools[i].function.name``
             for a name harmony's call header cannot carry; 400 ``tool_choice`` for
-            an unknown value or a function not among ``tools``.
+            a value :func:`service.api.tool_checks.tool_choice_of` refuses.
     """
     if not tools:
         if tool_choice not in (None, "none", "auto"):
             if tool_choice != "required" and not isinstance(tool_choice, dict):
-                raise invalid(_CHOICES, "tool_choice")  # a value no call could take, tools or not
+                raise invalid(CHOICES, "tool_choice")  # a value no call could take, tools or not
             raise invalid("tool_choice needs tools", "tool_choice")
         return ToolPlan()
     names = []
@@ -379,7 +379,7 @@ def plan_tools(
         if function["name"] in names:  # a call could not say which one it calls
             raise invalid(f"tool names must be unique: {function['name']!r} is given twice", f"tools[{i}]")
         names.append(function["name"])
-    named = _named_function(tool_choice, names)  # the request's own shape first, then the model's abilities
+    choice = tool_choice_of(tool_choice, names)  # the request's own shape first, then the model's abilities
     if not has_tools:
         raise invalid(
             "this model's chat template has no tool support (it renders no tools), so "
@@ -398,36 +398,18 @@ def plan_tools(
         for i, name in enumerate(names):
             if (fault := recipient_fault(name)) is not None:
                 raise invalid(fault, f"tools[{i}].function.name")
-    choice = "auto" if tool_choice is None else tool_choice
-    if choice == "none":
+    if choice.allowed is not None:  # allowed_tools: the forced call takes one of them (all are rendered)
+        tools = [t for t in tools if t["function"]["name"] in choice.allowed]
+    if choice.mode == "none":
         return ToolPlan(tools=tools)
-    if choice == "auto":
+    if choice.mode == "auto":
         return ToolPlan(tools=tools, parse=fmt)
-    if choice == "required" and fmt == HARMONY and len(tools) > 1:
+    if choice.mode == "required" and fmt == HARMONY and len(tools) > 1:
         raise invalid(
             "tool_choice 'required' with several tools is not supported for this model "
             "(its call names the function outside the JSON the grammar constrains); name "
             "one function in tool_choice",
             "tool_choice",
         )
-    prefix, schema, suffix = forced_call(fmt, tools, named)  # required, or the function named
+    prefix, schema, suffix = forced_call(fmt, tools, choice.name)  # required, or the function named
     return ToolPlan(tools=tools, parse=fmt, prefix=prefix, schema=schema, suffix=suffix)
-
-
-def _named_function(tool_choice: Any, names: list[str]) -> str | None:
-    """The function ``tool_choice`` names (None for ``none``, ``auto``, ``required``).
-
-    Raises:
-        APIError: 400 ``tool_choice`` for an unknown value or a function not among ``names``.
-    """
-    if tool_choice in (None, "none", "auto", "required"):
-        return None
-    if not isinstance(tool_choice, dict):
-        raise invalid(_CHOICES, "tool_choice")
-    function = tool_choice.get("function") if tool_choice.get("type") == "function" else None
-    name = function.get("name") if isinstance(function, dict) else None
-    if name not in names:
-        raise invalid(
-            f"tool_choice names a function that is not among tools ({', '.join(names)})", "tool_choice"
-        )
-    return name

@@ -261,7 +261,8 @@ def chat_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
 
 def chat_tool_choice(tool_choice: Any) -> Any:
     """Responses' ``tool_choice`` in the chat shape (``{"type": "function", "name"}``
-    becomes ``{"type": "function", "function": {"name"}}``).
+    becomes ``{"type": "function", "function": {"name"}}``; ``allowed_tools``' ``mode``
+    and ``tools`` move under ``allowed_tools``, each tool's ``name`` under ``function``).
 
     Raises:
         APIError: 400 ``tool_choice`` for a built-in tool or an unknown form.
@@ -271,8 +272,14 @@ def chat_tool_choice(tool_choice: Any) -> Any:
     if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
         if isinstance(tool_choice.get("name"), str):
             return {"type": "function", "function": {"name": tool_choice["name"]}}
+    if isinstance(tool_choice, dict) and tool_choice.get("type") == "allowed_tools":
+        tools = tool_choice.get("tools")
+        named = [{"type": "function", "function": {"name": t.get("name")}} if isinstance(t, dict) else t
+                 for t in (tools if isinstance(tools, list) else [])]
+        return {"type": "allowed_tools", "allowed_tools": {"mode": tool_choice.get("mode"), "tools": named}}
     raise invalid(
-        "tool_choice must be 'auto', 'none', 'required' or {'type': 'function', 'name': ...}",
+        "tool_choice must be 'auto', 'none', 'required', {'type': 'function', 'name': ...} or "
+        "{'type': 'allowed_tools', 'mode': 'auto' | 'required', 'tools': [{'type': 'function', 'name': ...}]}",
         "tool_choice",
     )
 

@@ -45,8 +45,8 @@ def test_every_name_the_listings_give_works_in_ollamas_calls(http):
     tags = [m["name"] for m in http.get("/api/tags").json()["models"]]
     listed = [m["id"] for m in http.get("/v1/models").json()["data"]]
     assert tags == [SERVED] and SERVED in listed, (tags, listed)
-    # As Ollama: the name listed, without its tag :latest, and in any case.
-    for model in (SERVED, "gpt-4", "GPT-4", "Gpt-4:LATEST", "default"):
+    # As Ollama: the name listed, without its tag :latest or with an empty tag, and in any case.
+    for model in (SERVED, "gpt-4", "gpt-4:", "GPT-4", "Gpt-4:LATEST", "default"):
         for path, body in _ollama_calls(model).items():
             r = http.post(path, json=body)
             assert r.status_code == 200, (path, model, r.text)

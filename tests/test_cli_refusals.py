@@ -26,6 +26,7 @@ def invoke(args: list[str]):
         (["--model", "/etc/passwd"], "--model: /etc/passwd is a file but not a .gguf; pass a Hugging Face model folder"),
         (["--model", ""], "--model: is empty; leave --model out for the default model"),
         (["--served-model-name", ""], "--served-model-name: is empty; give a name"),
+        (["--served-model-name", ":latest"], "--served-model-name: ':latest' is a tag without a model name"),
     ],
 )
 def test_serve_refuses_at_once_what_names_nothing(args, needle):

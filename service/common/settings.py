@@ -84,6 +84,16 @@ class SettingsError(Exception):
     """A setting has a value that cannot be used; the message names its source."""
 
 
+def _check_served_names(names: tuple[str, ...]) -> str | None:
+    """The refusal of a ``--served-model-name`` that is empty or only a tag, else None."""
+    for name in names:
+        if not name.strip():
+            return "is empty; give a name, or leave the flag out"
+        if ":" in name and not name.partition(":")[0].strip():
+            return f"{name!r} is a tag without a model name; give a name before it (e.g. 'mymodel{name}')"
+    return None
+
+
 @dataclass(frozen=True)
 class ServeSettings(EngineConfig):
     """Resolved settings of one ``headroom serve``: the engine's options (inherited
@@ -145,9 +155,9 @@ class ServeSettings(EngineConfig):
     )
     served_model_name: tuple[str, ...] = option(
         (), "Another name the model answers to in the API (repeatable).",
-        # An empty name would be listed by /v1/models as a model called "".
-        checks=(lambda names: "is empty; give a name, or leave the flag out"
-                if any(not n.strip() for n in names) else None,),
+        # An empty name would be listed by /v1/models as a model called "", and one that is
+        # only a tag (":latest") by Ollama's /api/tags as a model without a name.
+        checks=(_check_served_names,),
     )
     api_key: str | None = option(
         None,

@@ -16,9 +16,12 @@ _TAG = "latest"
 
 
 def tagged(name: str) -> str:
-    """``name`` with Ollama's default tag ``:latest`` when it has none (a tag follows
-    the last ``:`` of the name's last ``/`` part: ``owner/model:q4``)."""
-    return name if ":" in name.rpartition("/")[2] else f"{name}:{_TAG}"
+    """``name`` with Ollama's default tag ``:latest`` when it has none or an empty one
+    (``gpt-4:``, which Ollama reads as ``gpt-4:latest``); a tag follows the last ``:``
+    of the name's last ``/`` part: ``owner/model:q4``."""
+    if ":" not in name.rpartition("/")[2]:
+        return f"{name}:{_TAG}"
+    return name + _TAG if name.endswith(":") else name
 
 
 def ollama_key(name: str) -> str:

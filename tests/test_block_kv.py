@@ -6,6 +6,8 @@ against the float cache's."""
 
 from __future__ import annotations
 
+import os
+
 import httpx
 import numpy as np
 import pytest
@@ -249,19 +251,22 @@ def test_heads_that_are_not_whole_blocks_are_refused_before_anything_loads(tmp_p
         check_for_model(EngineConfig(model=str(tmp_path), kv_cache_dtype="q4_0"), mc)
 
 
-@pytest.mark.parametrize("budget", [[], ["--device-total", "4GiB"]])
-def test_headroom_plan_refuses_heads_that_are_not_whole_blocks_with_or_without_a_budget(
-        tmp_path, make_tiny_hf_model, budget):
+@pytest.mark.parametrize("command", [["plan", "--device", "cpu"], ["plan", "--device", "cpu", "--device-total", "4GiB"],
+                                     ["serve", "--port", "0"]])
+def test_plan_and_serve_refuse_heads_that_are_not_whole_blocks_before_anything(tmp_path, make_tiny_hf_model, command):
     """``headroom plan`` on the CPU without ``--device-total`` (the host memory the engine
-    would hold) refuses what ``serve`` refuses, rather than pricing blocks it cannot store."""
+    would hold) refuses what ``serve`` refuses, rather than pricing blocks it cannot store;
+    ``serve`` bound its port and spawned its worker, which then failed: it runs the same
+    check before its port opens."""
     from click.testing import CliRunner
 
     from service.cli.commands import main
 
     make_tiny_hf_model("llama", tmp_path)
-    result = CliRunner().invoke(main, ["plan", "--model", str(tmp_path), "--device", "cpu",
-                                       "--kv-cache-dtype", "q8_0", *budget])
+    result = CliRunner().invoke(main, [*command, "--model", str(tmp_path), "--kv-cache-dtype", "q8_0"],
+                                env={"HEADROOM_CONFIG": os.devnull})
     assert result.exit_code == 2, result.output
+    assert "listening" not in result.output
     assert "head dim 16 is not a multiple of 32: use --kv-cache-dtype auto or fp8" in result.output
 
 

@@ -3,6 +3,7 @@ files (:func:`check_model_before_loading`: the tokenizer, the weights on disk), 
 ``headroom serve``, before it opens its port (torch-free), the settings checked against
 the model and the machine: a tensor-parallel size that does not split the model or asks for
 more GPUs than there are, ``--cpu-experts`` above the model's MoE layers, a
+``--kv-cache-dtype`` block format (``q8_0``, ``q4_0``) for heads that are not whole blocks, a
 ``--kv-cache`` below one ``--min-context``, a fixed KV pool on the CPU past the host's
 available memory. Each is
 refused with exit code 2 and the fix, like any bad option; what cannot be read here (a
@@ -153,7 +154,8 @@ def check_before_serving(settings: Any) -> None:
 
     world = settings.tensor_parallel_size
     wants_layers = any(n.isdecimal() and int(n) > 0 for n in (settings.cpu_experts, settings.cpu_layers))
-    if world == 1 and not wants_layers and settings.kv_cache is None and settings.num_pages is None:
+    if (world == 1 and not wants_layers and settings.kv_cache is None and settings.num_pages is None
+            and settings.kv_cache_dtype == "auto"):
         return
     from engine.core.settings_fit import check_for_model
     from engine.parallel.split import check_gpu_count

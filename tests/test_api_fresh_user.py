@@ -188,6 +188,21 @@ def test_generate_on_a_model_without_a_chat_template_passes_the_prompt_through(u
     assert chat.status_code == 400 and "use /api/generate" in chat.json()["error"], chat.text
 
 
+def test_chat_calls_on_a_model_without_a_chat_template_name_the_raw_calls(untemplated):
+    """The refusals said "use /v1/completions"; Ollama's /api/generate takes such a model's
+    prompt as is too, so each names both."""
+    _, server = untemplated
+    calls = {"/v1/chat/completions": {"model": "default", "messages": HI, "max_tokens": 2},
+             "/v1/messages": {"model": "default", "messages": HI, "max_tokens": 2},
+             "/v1/responses": {"model": "default", "input": "Say hi.", "max_output_tokens": 2}}
+    with httpx.Client(base_url=server.base_url, timeout=300) as http:
+        for path, body in calls.items():
+            r = http.post(path, json=body)
+            assert r.status_code == 400, (path, r.text)
+            assert ("this model's tokenizer has no chat template, so it cannot render messages: use "
+                    "/v1/completions or /api/generate, which take a raw prompt") in r.json()["error"]["message"], r.text
+
+
 def _corrupt_gguf(path, make_tiny_hf_model) -> None:
     """A tiny Qwen3 GGUF whose embedding's Q8_0 blocks all have an infinite scale."""
     import gguf

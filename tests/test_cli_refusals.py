@@ -184,3 +184,16 @@ def test_a_truncated_safetensors_file_is_refused_naming_it(tmp_path, make_tiny_h
         assert "listening" not in result.output and "Traceback" not in result.output
         if "--json" in command:
             assert json.loads(result.stdout)["exit_code"] == 2
+
+
+def test_generate_in_chat_mode_on_a_model_without_a_chat_template_names_raw(tmp_path, make_tiny_hf_model):
+    """It exited 1 naming /v1/completions (an API call, not this command's fix) and --raw;
+    it is a usage error naming --raw alone, and --raw answers."""
+    make_tiny_hf_model("qwen3", tmp_path)
+    _word_tokenizer(tmp_path)  # a tokenizer.json alone: no chat template
+    result = invoke(["generate", "--local", "--model", str(tmp_path), "--max-tokens", "2", "hi"])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() == ("headroom: error: this model's tokenizer has no chat template, so it cannot "
+                                     "render messages; pass --raw to send the prompt as it is"), result.stderr
+    raw = invoke(["generate", "--local", "--raw", "--model", str(tmp_path), "--max-tokens", "2", "hi"])
+    assert raw.exit_code == 0, raw.output

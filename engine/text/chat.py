@@ -68,6 +68,14 @@ class ChatTemplateError(ValueError):
         self.param = param
 
 
+NO_CHAT_TEMPLATE = "this model's tokenizer has no chat template, so it cannot render messages"
+
+
+class NoChatTemplate(ChatTemplateError):
+    """The tokenizer has no chat template: messages cannot be rendered, while a raw
+    prompt can (``/v1/completions``, Ollama's ``/api/generate``, ``generate --raw``)."""
+
+
 def template_has_tools(tokenizer: PreTrainedTokenizerBase) -> bool:
     """Whether the tokenizer's chat template renders tool definitions (it reads a
     ``tools`` variable), as Qwen2.5/3, Hermes, Llama 3.1+ and Mistral's do."""
@@ -97,17 +105,16 @@ def render_chat(
     Returns:
         The prompt text, special tokens written out as text (e.g. ``<|im_start|>``).
     Raises:
+        NoChatTemplate: a tokenizer without a chat template (naming the calls that
+            take a raw prompt).
         ChatTemplateError: empty ``messages``, an unknown role, a tool role or
             ``tools`` with a template that has no tool support, content that is not
-            text, a tokenizer without a chat template, a reserved name in
+            text, a reserved name in
             ``template_kwargs``, or a template that refuses the conversation (e.g.
             roles out of the order it requires).
     """
     if not getattr(tokenizer, "chat_template", None):
-        raise ChatTemplateError(
-            "this model's tokenizer has no chat template; use /v1/completions "
-            "with a raw prompt instead"
-        )
+        raise NoChatTemplate(f"{NO_CHAT_TEMPLATE}: use /v1/completions or /api/generate, which take a raw prompt")
     has_tools = template_has_tools(tokenizer)
     if tools and not has_tools:
         raise ChatTemplateError(

@@ -241,7 +241,7 @@ def generate(
     from engine.commands.generate import GenerationFailed, run_generate
     from engine.common.errors import CudaUnavailable, PlanDoesNotFit, RequestRejected
     from engine.common.load_errors import ModelLoadError
-    from engine.text.chat import ChatTemplateError
+    from engine.text.chat import NO_CHAT_TEMPLATE, ChatTemplateError, NoChatTemplate
     from service.api.sampling_defaults import load_sampling_defaults
 
     config = replace(settings.engine_config(), max_running_requests=1)
@@ -262,6 +262,8 @@ def generate(
         fail(str(exc), EXIT_USAGE)
     except PlanDoesNotFit as exc:
         fail(str(exc))
+    except NoChatTemplate:
+        fail(f"{NO_CHAT_TEMPLATE}; pass --raw to send the prompt as it is", EXIT_USAGE)
     except ChatTemplateError as exc:
         fail(f"{exc.message}; pass --raw to send the prompt without the chat template")
     except RequestRejected as exc:

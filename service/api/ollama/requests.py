@@ -30,6 +30,7 @@ from typing import Any
 
 import msgspec
 
+from engine.text.chat import NO_CHAT_TEMPLATE
 from service.api.ollama.schemas import OllamaChatRequest, OllamaGenerateRequest, OllamaOptions
 from service.api.prompts import Prompt, chat_prompt
 from service.api.request import GenerationRequest, stop_strings
@@ -251,7 +252,6 @@ def untemplated_chat(request: GenerationRequest) -> GenerationRequest:
         APIError: 400 ``messages``.
     """
     raise invalid(
-        "this model's tokenizer has no chat template, so it cannot render messages: use "
-        "/api/generate, whose prompt such a model takes as is (or /v1/completions)",
+        f"{NO_CHAT_TEMPLATE}: use /api/generate, whose prompt such a model takes as is (or /v1/completions)",
         "messages",
     )

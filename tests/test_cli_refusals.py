@@ -148,16 +148,18 @@ def test_a_folder_whose_safetensors_are_gone_is_refused_before_planning_or_loadi
         assert result.stdout == ""
 
 
-def test_a_vocab_only_gguf_is_refused_naming_its_first_missing_tensor(tmp_path, make_tiny_hf_model):
+def test_a_vocab_only_gguf_is_refused_as_one(tmp_path, make_tiny_hf_model):
     """A GGUF of metadata and tokenizer without tensors (as llama.cpp's ggml-vocab-*.gguf)
     was planned; its load failed at blk.0.attn_q.weight. plan refuses it from the file's
     tensor table, and serve too once its config is converted (serve converts nothing:
-    before that its worker refuses it)."""
+    before that its worker refuses it); the refusal says the file holds no tensors rather
+    than naming the first one it lacks."""
     from test_gguf_convert import VOCAB, write_gguf
 
     path = tmp_path / "vocab-only.gguf"
     write_gguf(path, "qwen3", make_tiny_hf_model("qwen3", None, vocab_size=VOCAB), tensors=False)
-    message = f"headroom: error: cannot load the model: {path}: tensor blk.0.attn_q.weight is missing"
+    message = (f"headroom: error: cannot load the model: {path}: the file holds no tensors (a vocabulary-only "
+               "GGUF); download the model's GGUF with its weights")
     for command in (["plan"], ["generate", "--local", "hi"], ["serve", "--port", "0"]):
         result = invoke([*command, "--model", str(path)])
         assert result.exit_code == 2, (command, result.output)

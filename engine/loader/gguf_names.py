@@ -68,11 +68,16 @@ def check_gguf_tensors(config: ModelConfig, gguf_path: str | Path, names: Collec
     the model of ``config`` is built from: the token embeddings, every projection's weight,
     every MoE layer's stacked experts (gate and up as one ``ffn_gate_up_exps`` too). A
     vocab-only file (metadata and tokenizer, no tensors, as llama.cpp's
-    ``ggml-vocab-*.gguf``) is refused at its first. Reads no tensor data.
+    ``ggml-vocab-*.gguf``) is refused as such. Reads no tensor data.
 
     Raises:
-        WeightMismatch: ``"<gguf_path>: tensor <name> is missing"``, the first missing.
+        WeightMismatch: ``"<gguf_path>: the file holds no tensors (a vocabulary-only
+            GGUF)..."`` for an empty table, else ``"<gguf_path>: tensor <name> is
+            missing"``, the first missing.
     """
+    if not names:
+        raise WeightMismatch(f"{gguf_path}: the file holds no tensors (a vocabulary-only GGUF); "
+                             "download the model's GGUF with its weights")
     wanted = [f"{s}.weight" for stems in projection_targets(config).values() for s in stems]
     for experts in expert_targets(config).values():
         if experts[0].replace("ffn_gate_exps", "ffn_gate_up_exps") in names:

@@ -106,6 +106,16 @@ def test_logprobs_spell_an_answer_that_ended_on_its_end_token(http, stream, stru
 
 
 @pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_spell_an_answer_that_ignored_its_end_token(http, stream):
+    """With ignore_eos the answer goes on past <|im_end|>, which the text skips (a special
+    token); its logprobs entry was kept, so the tokens no longer spelled the text."""
+    ended, _, _ = _chat_logprobs(http, stream)
+    tokens, content, finish = _chat_logprobs(http, stream, ignore_eos=True, max_tokens=len(ended) + 12)
+    assert finish == "length", (finish, content)
+    assert "<|im_end|>" not in tokens and "".join(tokens) == content, (tokens, content)
+
+
+@pytest.mark.parametrize("stream", [False, True])
 def test_completion_logprobs_spell_the_text_without_the_end_token(http, stream):
     prompt = "<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n"
     body = {"prompt": prompt, "max_tokens": 200, "temperature": 0, "logprobs": 1, "stream": stream}

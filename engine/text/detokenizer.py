@@ -17,6 +17,13 @@ _CONTEXT_TOKENS = 5
 _REPLACEMENT = "\ufffd"
 
 
+def special_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    """The ids ``decode(..., skip_special_tokens=True)`` leaves out: the tokenizer's
+    special tokens (``<|im_end|>``, EOS, padding) and its added tokens marked special."""
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    return frozenset(tokenizer.all_special_ids) | {i for i, token in added.items() if getattr(token, "special", False)}
+
+
 class IncrementalDetokenizer:
     """Decodes a request's generated tokens as they arrive.
 
@@ -31,6 +38,7 @@ class IncrementalDetokenizer:
         prompt_ids: the prompt's token ids; its last few tokens are context, so the
             first generated token decodes with the spacing it has after the prompt.
         skip_special_tokens: leave special tokens (``<|im_end|>``) out of the text.
+        special: the tokenizer's :func:`special_ids` (None: read from it here).
     """
 
     def __init__(
@@ -38,14 +46,21 @@ class IncrementalDetokenizer:
         tokenizer: PreTrainedTokenizerBase,
         prompt_ids: list[int] | None = None,
         skip_special_tokens: bool = True,
+        special: frozenset[int] | None = None,
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
+        self._special = (special_ids(tokenizer) if special is None else special) if skip_special_tokens else frozenset()
         context = list(prompt_ids[-_CONTEXT_TOKENS:]) if prompt_ids else []
         # Only the window is kept; ids before prefix_offset are dropped as it slides.
         self._ids: list[int] = context
         self._prefix_offset = 0
         self._read_offset = len(context)
+
+    def shows(self, token_id: int) -> bool:
+        """Whether ``token_id`` has text in what this detokenizer emits (False for a
+        special token it skips)."""
+        return token_id not in self._special
 
     def add(self, token_ids: list[int]) -> str:
         """Append new token ids; return the text they complete (possibly ``""``)."""

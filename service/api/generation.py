@@ -360,9 +360,11 @@ class Generation:
         self._raise_failed(output)
         if output.logprobs:
             ended = output.finished and output.finish_reason == FINISH_STOP
-            # The end token that stopped it (``<|im_end|>``) is not in the text: left out,
-            # as OpenAI leaves it out.
-            seq.logprobs.add(output.logprobs[:-1] if ended else output.logprobs)
+            # The tokens spell the text: the end token that stopped it and any special
+            # token the text skips (``<|im_end|>`` under ignore_eos) are left out, as
+            # OpenAI leaves them out.
+            records = output.logprobs[:-1] if ended else output.logprobs
+            seq.logprobs.add([r for r in records if seq.detokenizer.shows(r.token_id)])
         if output.prompt_logprobs is not None:
             seq.prompt_logprobs = output.prompt_logprobs
         text = ""

@@ -20,7 +20,8 @@ held back), and when a stop string ends the answer the tokens past it are droppe
 token that straddles the stop (text before it, then the stop's first characters) is
 kept, cut: its ``token`` and ``bytes`` are its part before the stop, its
 ``logprob`` and ``top_logprobs`` the whole token's (it was sampled whole). The end
-token that stopped the answer is not in its text and gets no entry (the runner leaves
+token that stopped the answer, and any special token the text skips (``ignore_eos``
+goes on past ``<|im_end|>``), is not in its text and gets no entry (the runner leaves
 it out: :meth:`service.api.generation.Generation.pieces`).
 """
 

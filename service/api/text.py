@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from engine.text.chat import encode_chat, encode_prompt
-from engine.text.detokenizer import IncrementalDetokenizer
+from engine.text.detokenizer import IncrementalDetokenizer, special_ids
 from engine.text.tokenizer import load_tokenizer  # the engine's: generate and serve tokenize alike
 from service.api.logprobs import TokenTexts
 
@@ -64,6 +64,7 @@ class TextSide:
     def __init__(self, tokenizer: Any, model_dir: str, threads: int = 4) -> None:
         self.tokenizer = tokenizer
         self.token_texts = TokenTexts(tokenizer)  # logprobs' token texts, decoded once each
+        self.special_ids = special_ids(tokenizer)  # what the detokenizers skip, read once
         self.model_dir = model_dir
         self.bytes_per_token = max_bytes_per_token(tokenizer)
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tokenize")
@@ -128,7 +129,8 @@ class TextSide:
     def detokenizer(self, prompt_ids: list[int], keep_special: bool = False) -> IncrementalDetokenizer:
         """A fresh incremental detokenizer for one sequence that follows ``prompt_ids``;
         ``keep_special``: special tokens stay in the text (a harmony answer's format)."""
-        return IncrementalDetokenizer(self.tokenizer, prompt_ids, skip_special_tokens=not keep_special)
+        return IncrementalDetokenizer(self.tokenizer, prompt_ids, skip_special_tokens=not keep_special,
+                                      special=self.special_ids)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

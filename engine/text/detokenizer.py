@@ -34,11 +34,13 @@ class IncrementalDetokenizer:
     completes, or until ``flush``.
 
     Args:
-        tokenizer: a Hugging Face tokenizer (``decode`` is all that is used).
+        tokenizer: a Hugging Face tokenizer (``decode``; :meth:`shows` reads its
+            special tokens).
         prompt_ids: the prompt's token ids; its last few tokens are context, so the
             first generated token decodes with the spacing it has after the prompt.
         skip_special_tokens: leave special tokens (``<|im_end|>``) out of the text.
-        special: the tokenizer's :func:`special_ids` (None: read from it here).
+        special: the tokenizer's :func:`special_ids` (None: read from it when
+            :meth:`shows` is first asked; ``decode`` is all that is used otherwise).
     """
 
     def __init__(
@@ -50,7 +52,7 @@ class IncrementalDetokenizer:
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
-        self._special = (special_ids(tokenizer) if special is None else special) if skip_special_tokens else frozenset()
+        self._special = special if skip_special_tokens else frozenset()  # None: read on first use
         context = list(prompt_ids[-_CONTEXT_TOKENS:]) if prompt_ids else []
         # Only the window is kept; ids before prefix_offset are dropped as it slides.
         self._ids: list[int] = context
@@ -60,6 +62,8 @@ class IncrementalDetokenizer:
     def shows(self, token_id: int) -> bool:
         """Whether ``token_id`` has text in what this detokenizer emits (False for a
         special token it skips)."""
+        if self._special is None:
+            self._special = special_ids(self._tokenizer)
         return token_id not in self._special
 
     def add(self, token_ids: list[int]) -> str:

@@ -123,3 +123,28 @@ def test_keep_alive_0_on_a_generation_waits_for_the_others_in_flight(server):
     assert not any("error" in x for x in finished), finished[-2:]
     assert finished[-1]["choices"][0]["finish_reason"] == "length", finished[-1]
     wait_for(lambda: _status(server) == "idle", 60, "unloaded once the other generation finished")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("keep_alive", [{"keep_alive": "5m"}, {}])
+def test_a_request_started_after_a_keep_alive_0_one_keeps_the_model_loaded(server, keep_alive):
+    """As in Ollama the latest request's keep_alive is the model's: a generation with
+    keep_alive 0 unloaded after its answer even when a request started after it asked
+    for 5m (or left it unset: Ollama's default, 5m); its pending unload is dropped."""
+    httpx.post(server.base_url + "/api/chat", json={"model": "default", "messages": []}, timeout=600)  # loaded
+    dropped = server.log().count("a keep_alive 0 unload was dropped")
+    first = _Stream(server, "/api/generate", {
+        "model": "default", "prompt": HI[0]["content"], "keep_alive": 0, "options": {"num_predict": 200},
+    })
+    first.start()
+    assert first.started.wait(300)
+    later = {"model": "default", "messages": HI, "stream": False, "options": {"num_predict": 2}, **keep_alive}
+    r = httpx.post(server.base_url + "/api/chat", json=later, timeout=600)
+    assert r.status_code == 200 and r.json()["done"] is True, r.text
+    first.join(600)
+    last = json.loads(first.lines[-1])
+    assert first.status == 200 and last["done"] is True and "error" not in last, first.lines[-2:]
+    # Either outcome is awaited: the unload dropped (logged) or done (idle).
+    wait_for(lambda: server.log().count("a keep_alive 0 unload was dropped") > dropped or _status(server) == "idle",
+             60, "the keep_alive 0 unload dropped or done")
+    assert _status(server) == "ready"

@@ -94,6 +94,8 @@ class Generation:
         ticket: the call's place among those waiting for the engine, released at its
             first output or at :meth:`close`.
         load_s: seconds the call waited for the model to load (about 0 if loaded).
+        start_number: the call's number among the requests started
+            (:meth:`~service.api.services.Services.note_start`).
     """
 
     request: GenerationRequest
@@ -108,6 +110,7 @@ class Generation:
     first_token_at: float | None = None
     submission: Submission | None = None
     load_s: float = 0.0
+    start_number: int = 0
     _seqs: list[_SeqText] = field(default_factory=list)
 
     @property

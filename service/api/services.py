@@ -44,6 +44,9 @@ class Services:
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     started_at: int = field(default_factory=lambda: int(time.time()))
     admission: Admission = field(init=False)
+    # Requests started so far (generations, Ollama's load calls): the latest one's
+    # keep_alive is the model's, as in Ollama (:meth:`note_start`).
+    starts: int = field(default=0, init=False)
     metrics: ServiceMetrics = field(default_factory=ServiceMetrics)
     # A tokenizer load started before the worker was ready (:meth:`prefetch`): its
     # folder and task.
@@ -90,6 +93,13 @@ class Services:
             param="model",
             code="model_not_found",
         )
+
+    def note_start(self) -> int:
+        """Count a request as started (a generation, or a call that loads the model) and
+        return its number: a pending ``keep_alive`` 0 unload stands only while its own
+        request is the latest started (:func:`service.api.ollama.loading.unload_after`)."""
+        self.starts += 1
+        return self.starts
 
     def prefetch(self, model_dir: str) -> None:
         """Called by the supervisor when a loading worker names its model's folder

@@ -27,7 +27,8 @@ async def start_generation(
     names (404; ``name_key`` as :meth:`Services.check_model` takes it), then
     :meth:`Generation.start`, of the chat ``untemplated(request)`` gives (or raises)
     where the model's tokenizer has no chat template (Ollama's calls; None: the
-    request as it is). ``--request-timeout`` counts on the ready clock
+    request as it is). The call is counted as started first (:meth:`Services.note_start`,
+    kept as :attr:`Generation.start_number`). ``--request-timeout`` counts on the ready clock
     (:mod:`service.api.deadline`), not the load it waited for.
 
     Raises:
@@ -39,6 +40,7 @@ async def start_generation(
     Returns:
         ``(the started generation, the model name to answer with)``.
     """
+    start_number = svc.note_start()
     waited_from = time.perf_counter()
     deadline = request_deadline(svc.supervisor.ready_clock, svc.settings.request_timeout,
                                 request.started)
@@ -53,4 +55,5 @@ async def start_generation(
             request = untemplated(request)
     gen = await Generation.start(svc, info, request, deadline)
     gen.load_s = load_s
+    gen.start_number = start_number
     return gen, name

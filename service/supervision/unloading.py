@@ -222,30 +222,36 @@ class Unloading:
         timeout_s: float = UNLOAD_DRAIN_TIMEOUT_S,
         poll_s: float = 0.05,
         waiting: Callable[[], bool] = lambda: False,
+        wanted: Callable[[], bool] = lambda: True,
     ) -> bool:
         """Enter ``idle`` as :meth:`unload` does, once the sequences in flight have
         finished and ``waiting()`` (requests admitted, not yet sent) is false (as Ollama's
         unload waits for the generations running), or after ``timeout_s`` seconds (those
         still running then end with 503 ``engine_paused``; ``math.inf``: never).
         Returns False, unloading nothing, when the worker was no longer loaded or loading
-        by then (another unload, a pause, a failure)."""
+        by then (another unload, a pause, a failure), or once ``wanted()`` is false (a
+        later request's keep_alive replaced the one that asked)."""
         deadline = time.monotonic() + timeout_s
         while (
             (self._inflight.busy or waiting())
             and self.state in UNLOADABLE
             and time.monotonic() < deadline
+            and wanted()
         ):
             await asyncio.sleep(poll_s)
-        if self.state not in UNLOADABLE:
+        if self.state not in UNLOADABLE or not wanted():
             return False
         await self.unload(State.IDLE, reason)
         return True
 
-    def unload_once_idle(self, reason: str, waiting: Callable[[], bool]) -> None:
+    def unload_once_idle(
+        self, reason: str, waiting: Callable[[], bool], wanted: Callable[[], bool] = lambda: True
+    ) -> None:
         """In the background, :meth:`unload_when_done` without a deadline: at once when
         nothing runs or waits (``waiting()``: requests admitted, not yet sent), else as
-        soon as the last of them has finished, never ending one."""
-        self._spawn_task(self.unload_when_done(reason, math.inf, waiting=waiting))
+        soon as the last of them has finished, never ending one; dropped once
+        ``wanted()`` is false."""
+        self._spawn_task(self.unload_when_done(reason, math.inf, waiting=waiting, wanted=wanted))
 
     async def pause(self) -> str:
         """Game mode: stop the worker and give all its memory back until :meth:`resume`

@@ -14,7 +14,8 @@ gives its memory back, the supervisor is ``idle``, and the next
 request loads it again (:mod:`service.supervision.unloading`). A paused engine stays
 paused; one already without a worker answers at once. A call that generates with
 ``keep_alive`` 0 is answered, then unloads the model as Ollama does
-(:func:`unload_after`): once no other request runs or waits, never ending one.
+(:func:`unload_after`): once no other request runs or waits, never ending one, unless
+a request started after it (whose keep_alive is then the model's, as in Ollama).
 
 ``keep_alive`` is read as Ollama reads it (:func:`keep_alive_s`): a number of seconds
 (also as text, ``"0"``, ``"-1"``), or Go's duration text (``"0s"``, ``"5m"``,
@@ -114,15 +115,28 @@ def wants_unload(keep_alive: Any) -> bool:
     return keep_alive_s(keep_alive) == 0
 
 
-def unload_after(svc: Services, answer: Response[Any]) -> Response[Any]:
-    """``answer`` (to a call that generated, with ``keep_alive`` 0), unloading the
-    model once it has been sent: at once when no other request runs or waits for the
-    engine, else as soon as the last of them has finished (Ollama unloads such a model
-    when its last request ends)."""
+def unload_after(svc: Services, answer: Response[Any], start_number: int) -> Response[Any]:
+    """``answer`` (to a call that generated, with ``keep_alive`` 0, the ``start_number``-th
+    request started: :meth:`Services.note_start`), unloading the model once it has been
+    sent: at once when no other request runs or waits for the engine, else as soon as
+    the last of them has finished (Ollama unloads such a model when its last request
+    ends). As in Ollama the latest request's ``keep_alive`` is the model's: once a
+    request starts after it (``"5m"``, unset, or another 0 that unloads after its own
+    answer), this unload is dropped."""
     admission = svc.admission
 
+    replaced = False
+
+    def latest() -> bool:
+        nonlocal replaced
+        if svc.starts != start_number and not replaced:
+            replaced = True
+            log.info("a keep_alive 0 unload was dropped: a request started after it, and its "
+                     "keep_alive is the model's (Ollama's rule)")
+        return not replaced
+
     async def unload() -> None:  # on the event loop: Litestar runs a plain function in a thread
-        svc.supervisor.unload_once_idle(UNLOAD_REASON, lambda: admission.waiting > 0)
+        svc.supervisor.unload_once_idle(UNLOAD_REASON, lambda: admission.waiting > 0, latest)
 
     answer.background = BackgroundTask(unload)
     return answer
@@ -150,6 +164,7 @@ async def load_or_unload(svc: Services, body: OllamaChatRequest | OllamaGenerate
             await supervisor.unload_when_done(UNLOAD_REASON)
         reason = "unload"
     else:
+        svc.note_start()
         info = await supervisor.ready()
         svc.check_model(name, info, ollama_key)
         model = ollama_name(svc, info)

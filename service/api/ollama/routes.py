@@ -112,7 +112,7 @@ async def _generate(
     gen, _ = await start_generation(svc, body.model, call, ollama_key, untemplated)
     # Answers name the model as /api/tags lists it, whichever alias asked.
     sent = await answer(gen, request, ollama_name(svc, svc.supervisor.info or svc.supervisor.check_ready()))
-    return unload_after(svc, sent) if wants_unload(body.keep_alive) else sent
+    return unload_after(svc, sent, gen.start_number) if wants_unload(body.keep_alive) else sent
 
 
 class OllamaController(Controller):

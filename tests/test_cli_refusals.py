@@ -199,3 +199,19 @@ def test_generate_in_chat_mode_on_a_model_without_a_chat_template_names_raw(tmp_
                                      "render messages; pass --raw to send the prompt as it is"), result.stderr
     raw = invoke(["generate", "--local", "--raw", "--model", str(tmp_path), "--max-tokens", "2", "hi"])
     assert raw.exit_code == 0, raw.output
+
+
+def test_a_truncated_gguf_is_refused_naming_it(tiny_gguf):
+    """A GGUF shorter than its last tensor's end: plan and generate refused it, while serve
+    (which converts nothing) bound its port and its worker failed; serve reads the file's
+    tensor table before the port opens too."""
+    data = tiny_gguf.read_bytes()
+    tiny_gguf.write_bytes(data[:-100])
+    for command in (["plan"], ["generate", "--local", "hi"], ["serve", "--port", "0"]):
+        result = invoke([*command, "--model", str(tiny_gguf)])
+        assert result.exit_code == 2, (command, result.output)
+        error = result.stderr.strip()
+        assert error.startswith(f"headroom: error: cannot load the model: {tiny_gguf} is not a readable GGUF file "
+                                "(tensor "), error
+        assert error.endswith("-byte file: it is truncated); download it again"), error
+        assert "listening" not in result.output

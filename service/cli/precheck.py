@@ -54,11 +54,13 @@ def check_model_before_loading(model: str | None, *, tokenizer: bool, convert: b
 
     A GGUF not converted yet is converted (its metadata, once) with ``convert`` (the
     commands that import torch anyway: plan, generate, bench engine); serve, which never
-    imports torch, leaves it to its worker, which refuses it in one log line.
+    imports torch, reads its tensor table only (a file shorter than its last tensor's
+    end is refused) and leaves the rest to its worker, which refuses it in one log line.
     """
     check_model_path(model)
     from engine.common.load_errors import ModelLoadError
     from engine.loader.default_model import converted_dir
+    from engine.loader.gguf_tensors import open_tensors
     from engine.loader.hf_config import load_model_config
     from engine.loader.resolve import gguf_file, locate_model, resolve_model
     from engine.loader.weight_check import check_weights_on_disk
@@ -71,9 +73,11 @@ def check_model_before_loading(model: str | None, *, tokenizer: bool, convert: b
             folder = converted_dir(gguf) if gguf is not None else locate_model(model)
     except (ModelLoadError, OSError) as exc:  # e.g. the default model's package missing
         fail(f"cannot load the model: {exc}", EXIT_USAGE)
-    if not (folder / "config.json").is_file():
-        return
     try:
+        if not (folder / "config.json").is_file():
+            if gguf is not None:  # not converted yet: its tensor table read, a short file refused
+                open_tensors(gguf)
+            return
         if tokenizer:
             from engine.text.tokenizer import check_tokenizer_files
 

@@ -213,6 +213,25 @@ def test_chat_calls_on_a_model_without_a_chat_template_name_the_raw_calls(untemp
                     "/v1/completions or /api/generate, which take a raw prompt") in r.json()["error"]["message"], r.text
 
 
+def test_generate_through_the_service_on_a_model_without_a_chat_template_names_raw(untemplated):
+    """headroom generate answered by the running service said the API's refusal (naming
+    /v1/completions) with exit 1; like the in-process one it is a usage error naming --raw."""
+    import os
+
+    from click.testing import CliRunner
+
+    from service.cli.commands import main
+
+    _, server = untemplated
+    env = {"HEADROOM_RUNTIME_DIR": str(server.log_path.parent / "runtime"), "HEADROOM_CONFIG": os.devnull}
+    result = CliRunner().invoke(main, ["generate", "--max-tokens", "2", "hi"], env=env)
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() == ("headroom: error: this model's tokenizer has no chat template, so it cannot "
+                                     "render messages; pass --raw to send the prompt as it is"), result.stderr
+    raw = CliRunner().invoke(main, ["generate", "--raw", "--max-tokens", "2", "hi"], env=env)
+    assert raw.exit_code == 0 and "error" not in raw.output, raw.output
+
+
 def _corrupt_gguf(path, make_tiny_hf_model) -> None:
     """A tiny Qwen3 GGUF whose embedding's Q8_0 blocks all have an infinite scale."""
     import gguf

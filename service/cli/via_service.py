@@ -21,7 +21,7 @@ import json
 import sys
 from typing import Any, TextIO
 
-from service.cli.exits import fail
+from service.cli.exits import EXIT_USAGE, fail
 
 # Seconds to connect and to wait for the answer's head (a worker that is loading
 # answers 503 at once, so this bounds only a service that hangs).
@@ -96,6 +96,10 @@ def generate_on_service(
                     print(f"headroom: the service on {url} cannot take it ({message}); loading the engine here",
                           file=sys.stderr)
                     return False
+                from engine.text.chat import NO_CHAT_TEMPLATE
+
+                if chat and str(message).startswith(NO_CHAT_TEMPLATE):
+                    fail(f"{NO_CHAT_TEMPLATE}; pass --raw to send the prompt as it is", EXIT_USAGE)
                 fail(f"the service on {url} refused the prompt: {message}")
             for line in r.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":

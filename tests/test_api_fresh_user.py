@@ -1,10 +1,11 @@
 """What a fresh user of the APIs met, each through a real ``headroom serve`` on the
 embedded default model (or a tiny random model without a chat template): a served
-name ending in ``:latest`` that Ollama's routes did not take as /api/tags lists it;
-chat and text completion logprobs with an entry for the end token, which is not in
-the text; ``stream_options`` taken on a call that does not stream; a boolean JSON
+name ending in ``:latest`` that Ollama's routes did not take as /api/tags lists it
+(nor ``gpt-4:``, an empty tag); chat and text completion logprobs with an entry for
+the end token, which is not in the text (with ``ignore_eos`` too); ``stream_options`` taken on a call that does not stream; a boolean JSON
 schema refused with a misleading message; Ollama's /api/generate refused on a model
-without a chat template; /api/show's parameters under headroom's field names, not
+without a chat template, whose chat refusals named /v1/completions alone (and
+``headroom generate``'s exit 1); /api/show's parameters under headroom's field names, not
 Ollama's; a corrupt GGUF's numpy warnings on stderr and an invalid_logits error in the
 engine's words."""
 

@@ -17,6 +17,7 @@ import os
 import re
 
 import pytest
+import torch
 from click.testing import CliRunner
 from test_gemma3 import GEMMA3_4B
 from test_vram_watcher import FakeSupervisor
@@ -36,11 +37,13 @@ def g3tiny(tmp_path, make_tiny_hf_model) -> str:
 
 @pytest.fixture
 def gemma3_4b(tmp_path) -> str:
-    """google/gemma-3-4b-it's published config and a weight index whose one shard is an
-    empty file: plans read no tensors, but refuse a folder without weight files."""
+    """google/gemma-3-4b-it's published config and a weight index whose one shard holds
+    one small tensor: plans read no tensors, but refuse a folder without whole weight files."""
+    from safetensors.torch import save_file
+
     (tmp_path / "config.json").write_text(json.dumps(GEMMA3_4B))
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "shard.safetensors"}}))
-    (tmp_path / "shard.safetensors").touch()
+    save_file({"x": torch.zeros(1)}, str(tmp_path / "shard.safetensors"))
     return str(tmp_path)
 
 

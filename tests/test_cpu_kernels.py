@@ -1,7 +1,7 @@
 """The C CPU kernels (kernels/cpu): the block GEMV against its torch reference, in its
 vector build and its plain C one; the C decode layer against the torch layers it stands
 for, on tiny Llama, Qwen2 (q/k/v bias) and Qwen3 (per-head q/k norm) GGUFs of Q8_0,
-Q4_0 and Q4_1 blocks; the build's fallbacks (no compiler, a failing one, the switch)."""
+Q4_0 and Q4_1 blocks and of Q4_K_M's mix of Q4_K and Q6_K; the build's fallbacks (no compiler, a failing one, the switch)."""
 
 from __future__ import annotations
 
@@ -141,24 +141,32 @@ def test_a_projection_of_mixed_types_keeps_the_others_in_torch_s_layout(lib):
     assert model_weight_bytes(linear) == blocks_bytes + model_weight_bytes(linear.others[0]) + q.bias.nbytes
 
 
-@pytest.fixture(scope="module", params=[("llama", "Q8_0"), ("qwen2", "Q4_0"), ("qwen3", "Q4_1")])
+# Q4_K_M's mix: v and down in Q6_K, the other projections Q4_K (q/k/v one projection of two types).
+Q4_K_M = {"v_proj": "Q6_K", "down_proj": "Q6_K"}
+
+
+@pytest.fixture(scope="module", params=[("llama", "Q8_0"), ("qwen2", "Q4_0"), ("qwen3", "Q4_1"), ("qwen3", "Q4_K_M")])
 def tiny_blocks(request, tmp_path_factory, make_tiny_hf_model):
-    """A tiny GGUF whose projections are of one block type, loaded quantized on the CPU
-    with the C kernels: ``(model, config)``."""
-    arch, type_name = request.param
+    """A tiny GGUF whose projections are of one block type (or Q4_K_M's mix, 256 wide so
+    rows are whole K-quant blocks), loaded quantized on the CPU with the C kernels:
+    ``(model, config)``."""
+    arch, kind = request.param
     tmp = tmp_path_factory.mktemp(f"cpu-{arch}")
     path = tmp / f"tiny-{arch}.gguf"
-    hf = make_tiny_hf_model(arch, None, vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
-                            num_attention_heads=4, num_key_value_heads=2)
+    # Qwen3's heads of 32: 8 of them make the o projection's 256 inputs whole K-quant blocks.
+    shape = (256, 512, 8) if kind == "Q4_K_M" else (64, 96, 4)
+    hf = make_tiny_hf_model(arch, None, vocab_size=VOCAB, hidden_size=shape[0], intermediate_size=shape[1],
+                            num_attention_heads=shape[2], num_key_value_heads=2)
     override = {}
     rng = np.random.default_rng(5)
-    qtype = getattr(pytest.importorskip("gguf").GGMLQuantizationType, type_name)
+    gguf_types = pytest.importorskip("gguf").GGMLQuantizationType
     for name, param in hf.named_parameters():
         if name.endswith("proj.weight"):
             from test_gguf_convert import _gguf_name
 
             rows, cols = param.shape
-            override[_gguf_name(name)] = (random_blocks(type_name, rows, cols, rng), qtype)
+            type_name = Q4_K_M.get(name.split(".")[-2], "Q4_K") if kind == "Q4_K_M" else kind
+            override[_gguf_name(name)] = (random_blocks(type_name, rows, cols, rng), gguf_types[type_name])
     write_gguf(path, arch, hf, override=override)
     folder = convert_gguf(path, tmp / "hf")
     model, config = load_model(folder, "cpu", torch.float32, quantized_gguf=path)
@@ -182,9 +190,11 @@ def test_the_c_decode_layer_gives_the_torch_layers_logits(lib, tiny_blocks, page
     assert model.cpu_decode is not None and len(model.cpu_decode.specs) == config.num_layers
     assert all(isinstance(m, CpuBlockLinear) for m in (model.model.layers[0].self_attn.qkv_proj,
                                                           model.model.layers[0].mlp.down_proj))
-    # Every projection's rows are a multiple of 16: interleaved where the build has AVX-512.
-    interleaved = model.model.layers[0].self_attn.qkv_proj.types[0].endswith(rows16.SUFFIX)
-    assert interleaved == rows16.available(lib)
+    qkv_types = model.model.layers[0].self_attn.qkv_proj.types
+    if qkv_types[0].startswith("Q4_K"):  # q and k in Q4_K, v in Q6_K: a projection of two runs
+        assert qkv_types == ["Q4_K", "Q6_K"]
+    else:  # Every projection's rows are a multiple of 16: interleaved where the build has AVX-512.
+        assert qkv_types[0].endswith(rows16.SUFFIX) == rows16.available(lib)
     fast = model.cpu_decode
     runs = {}
     for use in (True, False):
@@ -311,3 +321,12 @@ def test_the_tensor_table_reader_gives_gguf_s_own_tensors(tmp_path):
     foreign.write_bytes(b"PK\x03\x04" + b"\x00" * 64)
     with pytest.raises(CorruptWeights, match="download it again"):
         open_tensors(foreign)
+
+
+def test_a_c_decode_projection_takes_one_to_three_runs_of_the_types_it_reads():
+    blocks = torch.zeros(16, 36, dtype=torch.uint8)
+    p = decode_layer.proj([(blocks, "Q4_K"), (blocks[:8], "Q6_K")])
+    assert p.parts == 2 and list(p.rows)[:2] == [16, 8] and p.blocks[0] == blocks.data_ptr()
+    for bad in ([], [(blocks, "Q4_0")] * 4, [(blocks, "Q5_1")], [(blocks, "MXFP4")]):
+        with pytest.raises(ValueError, match="1 to 3 runs"):
+            decode_layer.proj(bad)

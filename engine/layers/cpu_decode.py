@@ -4,8 +4,9 @@ one call a layer instead of some sixty torch ops.
 Taken by :meth:`engine.models.decoder.CausalLM.forward` for decode steps (one new token a
 row) of a float32 model whose every layer it can run: a dense Llama/Qwen2/Qwen3-family
 layer (no mixture of experts, no whole-projection q/k norm, no q/k/v clipping, no o
-bias) whose four projections are each one run of GGUF blocks the C GEMV reads
-(:class:`~engine.layers.linear.cpu_blocks.CpuBlockLinear`), over a float32 KV pool or
+bias) whose four projections are each up to three runs of GGUF blocks the C GEMV reads
+(:class:`~engine.layers.linear.cpu_blocks.CpuBlockLinear`; Q4_0/Q4_1/Q8_0 and the
+K-quants, mixed as a Q4_K_M file's q/k/v mix them), over a float32 KV pool or
 one of llama.cpp's q8_0/q4_0 blocks (``--kv-cache-dtype q8_0``, ``q4_0``).
 Prefill and extend steps, and every other model (Gemma 3's sliding-window, GELU and
 four-norm layers among them), keep the torch layers.
@@ -25,11 +26,13 @@ from kernels.attention.kv_store import block_format
 from kernels.cpu import decode_layer
 
 
-def _single(proj: nn.Module) -> tuple[str, torch.Tensor] | None:
-    """``(type, blocks)`` of a projection that is one run of C-read blocks, else None."""
-    if isinstance(proj, CpuBlockLinear) and len(proj.types) == 1 and proj.types[0] in decode_layer.TYPES:
-        return proj.types[0], proj.part(0)
-    return None
+def _runs(proj: nn.Module) -> list[tuple[torch.Tensor, str]] | None:
+    """``[(blocks, type)]`` of a projection that is a few runs of C-read blocks, else None."""
+    if not isinstance(proj, CpuBlockLinear) or not 1 <= len(proj.types) <= decode_layer.PROJ_PARTS:
+        return None
+    if any(t not in decode_layer.TYPES for t in proj.types):
+        return None
+    return [(proj.part(i), t) for i, t in enumerate(proj.types)]
 
 
 @dataclass
@@ -71,7 +74,7 @@ class CpuDecode:
             attn, mlp = layer.self_attn, layer.mlp
             if not hasattr(mlp, "gate_up_proj") or not hasattr(attn, "qkv_proj"):
                 return None
-            projs = [_single(p) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            projs = [_runs(p) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
             if any(p is None for p in projs) or attn.o_proj.bias is not None or mlp.gate_up_proj.bias is not None \
                     or mlp.down_proj.bias is not None:
                 return None
@@ -91,9 +94,8 @@ class CpuDecode:
                 q_norm=f32(attn.q_norm.weight) if head_norm else None,
                 k_norm=f32(attn.k_norm.weight) if head_norm else None,
                 qkv_bias=f32(attn.qkv_proj.bias),
-                qkv=decode_layer.proj(projs[0][1], projs[0][0]), o=decode_layer.proj(projs[1][1], projs[1][0]),
-                gate_up=decode_layer.proj(projs[2][1], projs[2][0]),
-                down=decode_layer.proj(projs[3][1], projs[3][0])))
+                qkv=decode_layer.proj(projs[0]), o=decode_layer.proj(projs[1]),
+                gate_up=decode_layer.proj(projs[2]), down=decode_layer.proj(projs[3])))
             if head_norm and attn.q_norm.eps != layer.input_layernorm.eps:
                 return None  # the C layer takes one eps for every norm
         if not specs:

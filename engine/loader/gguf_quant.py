@@ -58,19 +58,22 @@ from engine.loader.gguf_qwen35 import grouped_rows
 from engine.loader.gguf_tensors import open_tensors
 from engine.loader.meta_build import build_on_meta, materialize
 from engine.loader.weight_size import WeightSize
+from kernels.cpu.block_gemv import KQUANT_NAMES
 from kernels.cpu.moe_experts import takes as cpu_takes
 from kernels.quant.formats import EXPERT_FORMATS, FORMATS, tensor_bytes
 
 
-def _embeddings_in_blocks(by_name: dict[str, Any], wanted: bool) -> str | None:
+def _embeddings_in_blocks(by_name: dict[str, Any], wanted: bool, cpu_blocks: bool) -> str | None:
     """The block type the token embeddings stay in, or None (dequantized): when
     ``wanted`` (the CPU engine's layout), a type :mod:`engine.layers.linear.cpu_int4`
     reads (a lookup dequantizes its rows; a tied LM head is repacked from the same
-    blocks)."""
+    blocks), or where the C kernels run (``cpu_blocks``) a K-quant too (a tied head reads
+    the same blocks through the C GEMV)."""
     t = by_name.get(EMBEDDINGS)
-    if not wanted or t is None or t.tensor_type.name not in CODE_BITS:
+    if not wanted or t is None:
         return None
-    return t.tensor_type.name
+    name = t.tensor_type.name
+    return name if name in CODE_BITS or (cpu_blocks and name in KQUANT_NAMES) else None
 
 
 def _experts_in_blocks(by_name: dict[str, Any], config: ModelConfig, gguf_path: Path,
@@ -137,13 +140,13 @@ def gguf_weight_size(gguf_path: str | Path, config: ModelConfig, dtype: torch.dt
     expert_layer_bytes = [0] * len(layer_of and config.moe_layers)
     decoder_layer_bytes = [0] * config.num_layers
     itemsize = torch.empty((), dtype=dtype).element_size()
-    embed_type = _embeddings_in_blocks(by_name, device_type == "cpu")
     quant_count: Counter[str] = Counter()
     quant_bytes: Counter[str] = Counter()
     dense_types: Counter[str] = Counter()
     dense_bytes = 0
     if device_type == "cpu" and cpu_blocks is None:
         cpu_blocks = cpu_kernels() is not None
+    embed_type = _embeddings_in_blocks(by_name, device_type == "cpu", bool(cpu_blocks))
     kept_experts = _experts_in_blocks(by_name, config, gguf_path, device_type != "cpu",
                                       device_type == "cpu" and bool(cpu_blocks))
     expert_blocks = {n for m in kept_experts for n in expert_targets(config)[m]}
@@ -248,7 +251,7 @@ def load_gguf_quantized(
         with torch.device("meta"):
             new = QuantLinear(old.in_features, specs, bias=old.bias is not None, dtype=dtype)
         _swap(model, module_name, new)
-    embed_type = _embeddings_in_blocks(by_name, embeddings_in_blocks)
+    embed_type = _embeddings_in_blocks(by_name, embeddings_in_blocks, embeddings_in_blocks and cpu_kernels() is not None)
     if embed_type is not None:
         embed = by_name[EMBEDDINGS]
         rows, cols = _hf_shape(embed)

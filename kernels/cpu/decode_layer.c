@@ -37,12 +37,14 @@ int hr_block_gemv(int type, const float *x, int64_t M, int64_t K, const uint8_t 
                   int64_t ldy, void *work, int threads, int scalar);
 int64_t hr_work_bytes(int64_t M, int64_t K);
 
-/* One projection: blocks of one type, N x K. */
+/* One projection, N x K: up to HR_PROJ_PARTS runs of rows, each of one block type
+ * (Q4_K_M's q/k/v: q and k in Q4_K, v in Q6_K), stacked along N. */
+#define HR_PROJ_PARTS 3
 typedef struct {
-    const uint8_t *blocks;
-    int32_t type;
-    int32_t pad;
-    int64_t rows;
+    const uint8_t *blocks[HR_PROJ_PARTS];
+    int32_t type[HR_PROJ_PARTS];
+    int32_t parts;
+    int64_t rows[HR_PROJ_PARTS];
 } hr_proj;
 
 /* The layer's weights and shapes; pointers the caller's tensors keep alive. */
@@ -326,7 +328,15 @@ static void rotate(float *x, const float *cs, int64_t d) {
 
 static int proj(const hr_proj *p, const float *x, int64_t m, int64_t k, float *y, void *work, int threads,
                 int path) {
-    return hr_block_gemv(p->type, x, m, k, p->blocks, p->rows, y, p->rows, work, threads, path);
+    int64_t n = 0, at = 0;
+    if (p->parts < 1 || p->parts > HR_PROJ_PARTS) return -1;
+    for (int i = 0; i < p->parts; i++) n += p->rows[i];
+    for (int i = 0; i < p->parts; i++) {  /* each part's columns of y's rows of n */
+        const int err = hr_block_gemv(p->type[i], x, m, k, p->blocks[i], p->rows[i], y + at, n, work, threads, path);
+        if (err) return err;
+        at += p->rows[i];
+    }
+    return 0;
 }
 
 /* Bytes of scratch hr_decode_layer needs for `rows` rows and `max_len` tokens of context. */

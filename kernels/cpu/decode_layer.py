@@ -14,18 +14,20 @@ import ctypes
 import torch
 
 from kernels.attention.kv_store import BLOCK_KV_DTYPES, block_format, kv_row_width
-from kernels.cpu.block_gemv import ROWS16_IDS, TYPE_IDS, gemv_path
+from kernels.cpu.block_gemv import GEMV_TYPE_IDS, KQUANT_NAMES, ROWS16_IDS, TYPE_IDS, gemv_path
 
 _F = ctypes.POINTER(ctypes.c_float)
-# The projections' block types the C layer reads (the K-quants are not among them).
-TYPES = frozenset(TYPE_IDS) | frozenset(ROWS16_IDS)
+# The projections' block types the C layer reads.
+TYPES = frozenset(TYPE_IDS) | frozenset(ROWS16_IDS) | frozenset(KQUANT_NAMES)
+PROJ_PARTS = 3  # HR_PROJ_PARTS: runs of rows of one type a projection may have
 
 
 class Proj(ctypes.Structure):
-    """``hr_proj``: one projection's blocks (one type, ``rows`` x K)."""
+    """``hr_proj``: one projection's blocks, up to :data:`PROJ_PARTS` runs of rows of one
+    type each, stacked along the output."""
 
-    _fields_ = [("blocks", ctypes.c_void_p), ("type", ctypes.c_int32), ("pad", ctypes.c_int32),
-                ("rows", ctypes.c_int64)]
+    _fields_ = [("blocks", ctypes.c_void_p * PROJ_PARTS), ("type", ctypes.c_int32 * PROJ_PARTS),
+                ("parts", ctypes.c_int32), ("rows", ctypes.c_int64 * PROJ_PARTS)]
 
 
 class Layer(ctypes.Structure):
@@ -55,10 +57,22 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def proj(blocks: torch.Tensor, type_name: str) -> Proj:
-    """The ``hr_proj`` of uint8 ``blocks`` ``[N, K / 32 * block_bytes]`` of ``type_name`` (a
-    key of ``TYPE_IDS`` or, interleaved, of ``ROWS16_IDS``)."""
-    return Proj(blocks.data_ptr(), (TYPE_IDS | ROWS16_IDS)[type_name], 0, blocks.shape[0])
+def proj(parts: list[tuple[torch.Tensor, str]]) -> Proj:
+    """The ``hr_proj`` of up to :data:`PROJ_PARTS` runs ``(blocks, type_name)``, uint8
+    ``blocks`` ``[N_i, K / block_elements * block_bytes]`` of a type of :data:`TYPES`,
+    stacked in this order along the output.
+
+    Raises:
+        ValueError: no part, more than :data:`PROJ_PARTS`, or a type the layer does not read.
+    """
+    if not 1 <= len(parts) <= PROJ_PARTS or any(t not in TYPES for _, t in parts):
+        raise ValueError(f"a C decode projection takes 1 to {PROJ_PARTS} runs of {sorted(TYPES)}; got "
+                         f"{[t for _, t in parts]}")
+    p = Proj()
+    p.parts = len(parts)
+    for i, (blocks, type_name) in enumerate(parts):
+        p.blocks[i], p.type[i], p.rows[i] = blocks.data_ptr(), (GEMV_TYPE_IDS | ROWS16_IDS)[type_name], blocks.shape[0]
+    return p
 
 
 def layer(*, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, intermediate: int, eps: float,

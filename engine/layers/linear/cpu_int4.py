@@ -262,9 +262,10 @@ class CpuInt4Linear(nn.Module):
 
 
 class QuantEmbedding(nn.Module):
-    """Token embeddings kept as GGUF blocks (uint8 ``[vocab, K / 32 * block_bytes]`` of a
-    :data:`CODE_BITS` type): a lookup dequantizes only the rows it returns, so the table
-    costs its file bytes (Q8_0: 34 per 32 weights) instead of float32's 128.
+    """Token embeddings kept as GGUF blocks (uint8 ``[vocab, K / block_elements *
+    block_bytes]`` of a :data:`CODE_BITS` type, or a K-quant where the C kernels read the
+    tied head): a lookup dequantizes only the rows it returns, so the table costs its file
+    bytes (Q8_0: 34 per 32 weights, Q6_K 210 per 256) instead of float32's 128 per 32.
 
     ``forward(ids)``: int64 ``[T]`` -> ``[T, K]`` in ``dtype``, the same values as
     ``gguf``'s dequantizer (computed in float32)."""
@@ -277,7 +278,10 @@ class QuantEmbedding(nn.Module):
         self.dtype = dtype
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return dequantize_rows(self.blocks.index_select(0, ids), self.type_name, self.embedding_dim, self.dtype)
+        rows = self.blocks.index_select(0, ids)
+        if self.type_name not in CODE_BITS:  # a K-quant (the C kernels' layout): gguf's dequantizer
+            return reference.dequantize(rows, self.type_name, self.embedding_dim).to(self.dtype)
+        return dequantize_rows(rows, self.type_name, self.embedding_dim, self.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.blocks.shape[0]}, {self.embedding_dim}, {self.type_name} blocks"

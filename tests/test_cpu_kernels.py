@@ -330,3 +330,18 @@ def test_a_c_decode_projection_takes_one_to_three_runs_of_the_types_it_reads():
     for bad in ([], [(blocks, "Q4_0")] * 4, [(blocks, "Q5_1")], [(blocks, "MXFP4")]):
         with pytest.raises(ValueError, match="1 to 3 runs"):
             decode_layer.proj(bad)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K"])
+def test_k_quant_rows_dequantized_by_the_c_kernel_are_gguf_s(lib, type_name):
+    """What a K-quant embedding's lookup reads (QuantEmbedding): gguf's values, on rows of
+    2 blocks, an odd range of rows, one row; a range outside the blocks is refused."""
+    from kernels.cpu.block_gemv import dequantize_rows
+
+    blocks = torch.from_numpy(random_blocks(type_name, 37, 512, np.random.default_rng(8)))
+    want = reference.dequantize(blocks, type_name, 512)
+    assert torch.equal(dequantize_rows(lib, blocks, type_name, 0, 37), want)
+    assert torch.equal(dequantize_rows(lib, blocks, type_name, 3, 20), want[3:20])
+    assert torch.equal(dequantize_rows(lib, blocks, type_name, 36, 37), want[36:])
+    with pytest.raises(ValueError, match="rows 30-38"):
+        dequantize_rows(lib, blocks, type_name, 30, 38)

@@ -334,17 +334,25 @@ int hr_block_gemv(int type, const float *x, int64_t M, int64_t K, const uint8_t 
 
 /* Dequantize rows [lo, hi) of N x K blocks of `type` into float32 out[(n - lo) * K + k]
  * (w = dw * u + mw, dw * (u - 8) or dw * q, computed in float32 as gguf's dequantizers
- * do), threads over rows: the prefill path multiplies them with a float32 GEMM.
+ * do; the K-quants by hr_kquant_dequantize_row), threads over rows: the prefill path
+ * multiplies them with a float32 GEMM, a K-quant embedding's lookup reads its rows.
  * Returns 0, or -1 for a type or a K it does not take. */
 int hr_dequantize_rows(int type, const uint8_t *w, int64_t K, int64_t lo, int64_t hi, float *out, int threads) {
-    if ((type != Q4_0 && type != Q4_1 && type != Q8_0) || K % 32 != 0 || lo < 0 || hi < lo) return -1;
-    const int64_t nb = K / 32, row_bytes = nb * block_bytes(type);
+    const int kquant = hr_is_kquant(type);
+    if ((type != Q4_0 && type != Q4_1 && type != Q8_0 && !kquant) || K % (kquant ? 256 : 32) != 0 || lo < 0 ||
+        hi < lo)
+        return -1;
+    const int64_t nb = K / 32, row_bytes = K / hr_block_elements(type) * hr_block_bytes(type);
     if (threads < 1) threads = 1;
     if (hi - lo < 16 * threads) threads = 1;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t n = lo; n < hi; n++) {
         const uint8_t *row = w + n * row_bytes;
         float *dst = out + (n - lo) * K;
+        if (kquant) {
+            hr_kquant_dequantize_row(type, row, K, dst);
+            continue;
+        }
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *blk = row + b * block_bytes(type);
             const float d = f16_to_f32(blk);

@@ -39,6 +39,8 @@ PATH_BEST, PATH_C, PATH_AVX2 = 0, 1, 2
 # A flag on a path (blocks.h's HR_ACT8): the K-quant products take 8-bit activation codes.
 ACT8 = 4
 KQUANT_NAMES = ("Q4_K", "Q5_K", "Q6_K")
+# The types :func:`dequantize_rows` reads.
+DEQUANT_IDS = {name: GEMV_TYPE_IDS[name] for name in (*TYPE_IDS, *KQUANT_NAMES)}
 
 
 def gemv_path(scalar: bool = False) -> int:
@@ -176,18 +178,19 @@ def block_gemv(lib: ctypes.CDLL, x: torch.Tensor, blocks: torch.Tensor, type_nam
 
 def dequantize_rows(lib: ctypes.CDLL, blocks: torch.Tensor, type_name: str, lo: int, hi: int,
                     out: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
-    """Rows ``lo`` to ``hi`` of ``blocks`` (uint8 ``[N, K / 32 * block_bytes]``) as float32
-    ``[hi - lo, K]``, by the C kernel (``out``: a contiguous float32 buffer of at least
-    that many elements to write into); the values of ``gguf``'s dequantizer, up to the
-    rounding of a fused multiply-add.
+    """Rows ``lo`` to ``hi`` of ``blocks`` (uint8 ``[N, K / block_elements * block_bytes]``
+    of a type of :data:`DEQUANT_IDS`) as float32 ``[hi - lo, K]``, by the C kernel
+    (``out``: a contiguous float32 buffer of at least that many elements to write into);
+    the values of ``gguf``'s dequantizer, up to the rounding of a fused multiply-add.
 
     Raises:
         ValueError: a type without the kernel, or rows outside ``blocks``.
     """
-    if type_name not in TYPE_IDS:
-        raise ValueError(f"{type_name} has no CPU block kernel; expected one of {', '.join(TYPE_IDS)}")
-    k = blocks.shape[1] // block_format(type_name).block_bytes * GROUP
-    row_bytes = k // GROUP * block_format(type_name).block_bytes
+    if type_name not in DEQUANT_IDS:
+        raise ValueError(f"{type_name} has no CPU block kernel; expected one of {', '.join(DEQUANT_IDS)}")
+    fmt = block_format(type_name)
+    k = blocks.shape[1] // fmt.block_bytes * fmt.block_elements
+    row_bytes = k // fmt.block_elements * fmt.block_bytes
     if (not 0 <= lo <= hi <= blocks.shape[0] or not blocks.is_contiguous() or blocks.dtype != torch.uint8
             or blocks.dim() != 2 or blocks.shape[1] != row_bytes):
         raise ValueError(f"dequantize_rows: rows {lo}-{hi} of {type_name} blocks {blocks.dtype} {tuple(blocks.shape)}")
@@ -195,7 +198,7 @@ def dequantize_rows(lib: ctypes.CDLL, blocks: torch.Tensor, type_name: str, lo: 
     if out is not None and (out.dtype != torch.float32 or not out.is_contiguous() or out.numel() < n * k):
         raise ValueError(f"dequantize_rows: out {out.dtype} {tuple(out.shape)} cannot hold {n} x {k} float32")
     out = torch.empty(n, k, dtype=torch.float32) if out is None else out.view(-1)[: n * k].view(n, k)
-    if lib.hr_dequantize_rows(TYPE_IDS[type_name], blocks.data_ptr(), k, lo, hi, out.data_ptr(),
+    if lib.hr_dequantize_rows(DEQUANT_IDS[type_name], blocks.data_ptr(), k, lo, hi, out.data_ptr(),
                               threads or torch.get_num_threads()) != 0:
         raise ValueError(f"dequantize_rows refused {type_name} blocks of K={k}")
     return out

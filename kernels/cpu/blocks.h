@@ -137,6 +137,8 @@ int64_t hr_kquant_rows512(int type, const uint8_t *w, int64_t K, const int16_t *
                           const float *dxs, int64_t M, int64_t n0, int64_t n1, float *y, int64_t ldy);
 void hr_kquant_rows(int type, const uint8_t *w, int64_t K, const int16_t *codes, const float *dx,
                     const float *dxs, int64_t M, int64_t n0, int64_t n1, float *y, int64_t ldy, int scalar);
+/* One row of Q4_K/Q5_K/Q6_K blocks (K / 256 of them) as float32, gguf's values. */
+void hr_kquant_dequantize_row(int type, const uint8_t *row, int64_t K, float *out);
 /* hr_kquant_rows on 8-bit rows of hr_quantize_row8 (kquant8.c), row i at codes + i * ldc
  * bytes; dxs: dx * s per block. */
 void hr_kquant_rows8(int type, const uint8_t *w, int64_t K, const int8_t *codes, int64_t ldc, const float *dxs,

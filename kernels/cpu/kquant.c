@@ -90,6 +90,37 @@ static void rows_scalar(int type, const uint8_t *w, int64_t K, const int16_t *co
     }
 }
 
+/* One row of K / 256 blocks as float32, in gguf's order of operations (its dequantizers:
+ * Q4_K/Q5_K (d sc_j) q - (dmin m_j), Q6_K (d sc_k) (q - 32)). */
+void hr_kquant_dequantize_row(int type, const uint8_t *row, int64_t K, float *out) {
+    for (int64_t s = 0; s < K / 256; s++) {
+        const uint8_t *blk = row + s * hr_block_bytes(type);
+        for (int j = 0; j < 8; j++) {
+            float *o = out + s * 256 + 32 * j;
+            if (type == Q6_K) {
+                const uint8_t *ql = blk + 64 * (j / 4), *qh = blk + 128 + 32 * (j / 4);
+                const int8_t *sc = (const int8_t *)(blk + 192) + 8 * (j / 4);
+                const float d = f16_to_f32(blk + 208);
+                const int g = j % 4;
+                for (int l = 0; l < 32; l++) {
+                    const int q = ((ql[l + 32 * (g & 1)] >> (4 * (g >> 1))) & 15) | (((qh[l] >> (2 * g)) & 3) << 4);
+                    o[l] = (d * (float)sc[2 * g + l / 16]) * (float)(q - 32);
+                }
+                continue;
+            }
+            int sc, m;
+            hr_scale_min(blk + 4, j, &sc, &m);
+            const float d = f16_to_f32(blk) * (float)sc, dm = f16_to_f32(blk + 2) * (float)m;
+            const uint8_t *qs = blk + (type == Q5_K ? 48 : 16) + 32 * (j / 2);
+            for (int l = 0; l < 32; l++) {
+                int q = (qs[l] >> (4 * (j & 1))) & 15;
+                if (type == Q5_K) q |= ((blk[16 + l] >> j) & 1) << 4;
+                o[l] = d * (float)q - dm;
+            }
+        }
+    }
+}
+
 #ifdef HR_AVX2
 /* Sub-block j as u in two vectors of 16 int16 lanes (weights 0-15, 16-31); sc: its
  * scale (Q4_K/Q5_K, decoded once a block by the caller). */

@@ -40,6 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.layers.linear.cpu_kernels import cpu_kernels
+from kernels.cpu import block_gemv as c_blocks
 from kernels.quant import reference
 from kernels.quant.formats import block_format
 
@@ -279,8 +281,8 @@ class QuantEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self.blocks.index_select(0, ids)
-        if self.type_name not in CODE_BITS:  # a K-quant (the C kernels' layout): gguf's dequantizer
-            return reference.dequantize(rows, self.type_name, self.embedding_dim).to(self.dtype)
+        if self.type_name not in CODE_BITS:  # a K-quant: only where the C kernels run (the loader)
+            return c_blocks.dequantize_rows(cpu_kernels(), rows, self.type_name, 0, rows.shape[0]).to(self.dtype)
         return dequantize_rows(rows, self.type_name, self.embedding_dim, self.dtype)
 
     def extra_repr(self) -> str:

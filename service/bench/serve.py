@@ -35,6 +35,15 @@ _TOPICS = (
 )
 
 
+class BenchRefused(Exception):
+    """The benchmark cannot run as asked (a ``--url`` that is no service's root, requests
+    that do not fit the server's context); the message names the fix."""
+
+
+class ContextExceeded(Exception):
+    """The server refused a request with 400 ``context_length_exceeded`` (its message)."""
+
+
 @dataclass(frozen=True)
 class BenchOptions:
     """``url``: the server's base URL. ``num_requests`` sent, ``concurrency`` at once.
@@ -94,6 +103,15 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[rank - 1]
 
 
+def _error_of(text: str) -> dict[str, Any]:
+    """The OpenAI error object of a refusal's body (empty when it holds none)."""
+    try:
+        error = json.loads(text).get("error")
+    except (ValueError, AttributeError):
+        return {}
+    return error if isinstance(error, dict) else {}
+
+
 async def _one(client: httpx.AsyncClient, prompt: str, opts: BenchOptions) -> Timing:
     body = {
         "messages": [{"role": "user", "content": prompt}],
@@ -108,7 +126,11 @@ async def _one(client: httpx.AsyncClient, prompt: str, opts: BenchOptions) -> Ti
     last = sent
     async with client.stream("POST", "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode()[:300]}")
+            text = (await r.aread()).decode()
+            error = _error_of(text)
+            if r.status_code == 400 and error.get("code") == "context_length_exceeded":
+                raise ContextExceeded(error.get("message", text))
+            raise RuntimeError(f"HTTP {r.status_code}: {text[:300]}")
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -256,21 +278,41 @@ def run_bench(opts: BenchOptions) -> None:
     """Run the benchmark against ``opts.url`` and print the report.
 
     Raises:
+        BenchRefused: ``opts.url`` answers 404 (not a service's root), or a request does
+            not fit the server's context (``max_tokens`` alone, or with the prompt).
         SystemExit: the server is not reachable or not ready.
     """
     try:
         health = httpx.get(opts.url + "/api/health", timeout=10)
-        status = httpx.get(opts.url + "/api/status", timeout=10).json()
+        status = httpx.get(opts.url + "/api/status", timeout=10)
     except httpx.HTTPError as exc:
         raise SystemExit(f"headroom: error: cannot reach {opts.url}: {exc}") from None
+    if health.status_code == 404:
+        raise BenchRefused(
+            f"{opts.url}/api/health answered 404: --url looks wrong; give the headroom "
+            "service's root, e.g. http://127.0.0.1:8427, without /v1"
+        )
     if health.status_code != 200:
         raise SystemExit(f"headroom: error: the server is not ready: {health.text}")
-    engine_info = (status.get("engine") or {}).get("info")
+    engine_info = (status.json().get("engine") or {}).get("info")
     if engine_info is None:
-        raise SystemExit(f"headroom: error: {opts.url}/api/status names no engine: {status}")
+        raise SystemExit(f"headroom: error: {opts.url}/api/status names no engine: {status.text}")
+    context = engine_info["max_context_tokens"]
+    if opts.max_tokens >= context:
+        raise BenchRefused(
+            f"--max-tokens {opts.max_tokens} leaves no room for a prompt in the server's "
+            f"context of {context} tokens: give --max-tokens below {context}"
+        )
     print(f"model {engine_info['model_name']} on {engine_info['device']} ({engine_info['dtype']})")
     prompts = make_prompts(opts.num_requests, opts.prompt_words, nonce=f"[{uuid.uuid4().hex[:8]}] ")
-    results = [asyncio.run(run_http(opts, prompts))]
+    try:
+        results = [asyncio.run(run_http(opts, prompts))]
+    except ContextExceeded as exc:
+        raise BenchRefused(
+            f"a ~{opts.prompt_words}-word prompt and --max-tokens {opts.max_tokens} do not fit "
+            f"the server's context of {context} tokens ({exc}): lower --prompt-words or "
+            "--max-tokens"
+        ) from None
     if opts.engine_baseline:
         results.append(run_engine_alone(opts, prompts, engine_info))
     print(report(results, opts))

@@ -41,19 +41,15 @@ def bench() -> None:
 @click.option(
     "-c",
     "--concurrency",
-    type=int,
+    type=click.IntRange(min=1),
     default=None,
-    help="Requests in flight at once [default: all of them].",
+    help="Requests in flight at once, at most -n [default: all of them].",
 )
 @max_tokens_option(
     64, "Completion tokens per request (EOS ignored, so every request runs this long)."
 )
-@click.option(
-    "--prompt-words",
-    type=int,
-    default=64,
-    show_default=True,
-    help="Approximate prompt length, in words.",
+@count_option(
+    "--prompt-words", least=1, default=64, help_text="Approximate prompt length, in words."
 )
 @click.option("--api-key", envvar="HEADROOM_API_KEY", default=None, help="Key for /v1, if set.")
 @click.option(
@@ -76,20 +72,22 @@ def bench_serve(
 ) -> None:
     """Send N concurrent streaming requests to a running server; print TTFT and ITL
     percentiles, throughput, and the overhead against the engine alone."""
-    from service.bench.serve import BenchOptions, run_bench
+    from service.bench.serve import BenchOptions, BenchRefused, run_bench
 
-    run_bench(
-        BenchOptions(
-            url=url.rstrip("/"),
-            num_requests=num_requests,
-            concurrency=concurrency or num_requests,
-            max_tokens=max_tokens,
-            prompt_words=prompt_words,
-            api_key=api_key,
-            engine_baseline=engine_baseline,
-            device=device,
-        )
+    options = BenchOptions(
+        url=url,
+        num_requests=num_requests,
+        concurrency=min(concurrency or num_requests, num_requests),
+        max_tokens=max_tokens,
+        prompt_words=prompt_words,
+        api_key=api_key,
+        engine_baseline=engine_baseline,
+        device=device,
     )
+    try:
+        run_bench(options)
+    except BenchRefused as exc:
+        fail(str(exc), EXIT_USAGE)
 
 
 @bench.command(

@@ -139,8 +139,29 @@ def max_tokens_option(default: int, help_text: str, least: int = 1) -> Decorator
 
 
 def url_option(default: str | None, help_text: str) -> Decorator:
-    """``--url``: the base URL of a running ``headroom serve``."""
-    return click.option("--url", default=default, show_default=default is not None, help=help_text)
+    """``--url``: the root URL of a running ``headroom serve`` (http or https, no path;
+    a trailing ``/`` dropped). A URL with a path (``.../v1``, the OpenAI clients'
+    base URL) or another scheme is refused (exit 2) naming the root to give."""
+    from urllib.parse import urlsplit
+
+    def checked(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+        if value is None:
+            return None
+        parts = urlsplit(value.strip())
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            fail(f"--url {value!r} is not an http URL; give e.g. http://127.0.0.1:8427", EXIT_USAGE)
+        if parts.path.strip("/") or parts.query or parts.fragment:
+            root = f"{parts.scheme}://{parts.netloc}"
+            fail(
+                f"--url {value} looks wrong: give the headroom service's root, {root}, "
+                "without /v1 or any other path (the benchmark adds the API's paths)",
+                EXIT_USAGE,
+            )
+        return f"{parts.scheme}://{parts.netloc}"
+
+    return click.option(
+        "--url", default=default, show_default=default is not None, help=help_text, callback=checked
+    )
 
 
 def seed_option(default: int | None, help_text: str) -> Decorator:

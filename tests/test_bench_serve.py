@@ -1,0 +1,90 @@
+"""``headroom bench serve`` refusing what cannot run, with exit 2 and one line naming the
+fix, and reporting the concurrency it really used: against ``headroom serve`` with the
+fake engine (tests/fake_engine.py, a context of 2048 tokens), so no model loads."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from click.testing import CliRunner
+
+from service.cli.commands import main
+
+
+def invoke(args: list[str]):
+    return CliRunner().invoke(main, ["bench", "serve", "--no-engine", *args], env={"HEADROOM_CONFIG": os.devnull})
+
+
+@pytest.fixture(scope="module")
+def fake_server(tmp_path_factory, default_model_dir):
+    from service_harness import ServerProcess, serving
+
+    yield from serving(ServerProcess(tmp_path_factory.mktemp("bench-serve"), fake=True,
+                                     fake_model_dir=default_model_dir))
+
+
+def test_concurrency_above_the_requests_is_reported_as_the_requests(fake_server):
+    result = invoke(["--url", fake_server.base_url, "-n", "2", "-c", "50", "--max-tokens", "2",
+                     "--prompt-words", "8"])
+    assert result.exit_code == 0, result.output
+    assert "2 requests, 2 at a time" in result.output
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["-c", "-3"], "Invalid value for '-c' / '--concurrency': -3 is not in the range x>=1"),
+    (["-c", "0"], "Invalid value for '-c' / '--concurrency': 0 is not in the range x>=1"),
+    (["--prompt-words", "-5"], "Invalid value for '--prompt-words': -5 is not in the range x>=1"),
+])
+def test_counts_below_one_are_refused(args, needle):
+    result = invoke(args)
+    assert result.exit_code == 2, result.output
+    assert needle in result.output
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("suffix", ["/v1", "/v1/", "/api/health"])
+def test_a_url_with_a_path_names_the_service_root(suffix):
+    result = invoke(["--url", f"http://127.0.0.1:1{suffix}"])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() == (
+        f"headroom: error: --url http://127.0.0.1:1{suffix} looks wrong: give the headroom service's "
+        "root, http://127.0.0.1:1, without /v1 or any other path (the benchmark adds the API's paths)")
+
+
+def test_a_prompt_over_the_context_is_one_line_naming_the_flags(fake_server):
+    result = invoke(["--url", fake_server.base_url, "-n", "1", "--max-tokens", "2",
+                     "--prompt-words", "3000"])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("headroom: error: a ~3000-word prompt"), result.output
+    assert "the server's context of 2048 tokens" in lines[0]
+    assert lines[0].endswith("lower --prompt-words or --max-tokens")
+
+
+def test_max_tokens_over_the_context_is_refused_before_any_request(fake_server):
+    result = invoke(["--url", fake_server.base_url, "-n", "1", "--max-tokens", "5000"])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() == (
+        "headroom: error: --max-tokens 5000 leaves no room for a prompt in the server's context "
+        "of 2048 tokens: give --max-tokens below 2048")
+
+
+def test_a_root_that_is_no_headroom_service_says_the_url_looks_wrong(tmp_path):
+    """Something else answers on the port (here a plain file server): its 404 for
+    /api/health names --url, not "the server is not ready"."""
+    import functools
+    import http.server
+    import threading
+
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        result = invoke(["--url", f"http://127.0.0.1:{server.server_port}"])
+    finally:
+        server.shutdown()
+    assert result.exit_code == 2, result.output
+    assert "/api/health answered 404: --url looks wrong" in result.stderr
+    assert "not ready" not in result.output

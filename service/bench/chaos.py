@@ -64,6 +64,7 @@ class ChaosReport:
     ooms_armed: int = 0
     ooms_fired: int = 0
     ooms_lost: int = 0  # claimed by a worker that was killed before they fired
+    hog_exit_code: int | None = None  # --hog's process, when it ended before the run did
     service_exit_code: int | None = None
     elapsed_s: float = 0.0
 
@@ -86,6 +87,11 @@ class ChaosReport:
             out.append(f"orphan worker processes: {self.orphans}")
         if self.pages_leaked != 0:
             out.append(f"pages leaked: {self.pages_leaked}")
+        if self.hog_exit_code is not None:
+            out.append(
+                f"the memory hog (--hog) died during the run (exit code {self.hog_exit_code}; "
+                "its error is above): the desktop's load the run was to play stopped"
+            )
         if self.service_exit_code not in (None, 0):
             out.append(f"the service exited with {self.service_exit_code}")
         return out
@@ -336,6 +342,7 @@ def run_chaos(opts: ChaosOptions, out=print) -> ChaosReport:  # type: ignore[no-
         report.restarts = last.get("restarts", 0) - restarts_before
     finally:
         if hog is not None:
+            report.hog_exit_code = hog.poll()  # None: still running, as it must be
             hog.kill()
             hog.wait()
         if service is not None:

@@ -22,6 +22,7 @@ HOG_SCRIPT = r"""
 import sys, time, torch
 top = float(sys.argv[1])
 steps = [s for s in (0.25, 0.5, 1.0, 0.75, 0.25) if s * top >= 0.05]
+torch.empty(1, device="cuda")  # ready only once CUDA answers
 print("hog ready", flush=True)
 while True:
     for share in steps:

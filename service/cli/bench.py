@@ -173,10 +173,24 @@ def bench_chaos(**kwargs: Any) -> None:
     from service.bench.chaos import run_chaos
     from service.bench.chaos_options import ChaosOptions
 
-    if kwargs["url"] is None and kwargs["token"] is not None:
-        fail(
-            "--token goes with --url (a started service's token is read from --workdir)", EXIT_USAGE
-        )
+    if kwargs["url"] is None:
+        # Both describe the service --url names; a started one's are in --workdir.
+        for name, flag in (("token", "--token"), ("faults_dir", "--faults-dir")):
+            if kwargs[name] is not None:
+                fail(
+                    f"{flag} goes with --url (the service the run starts keeps its token and "
+                    "fault folder in --workdir)",
+                    EXIT_USAGE,
+                )
+    if kwargs["hog_gib"] is not None:
+        import torch
+
+        if not torch.cuda.is_available():
+            fail(
+                "--hog needs an NVIDIA GPU and torch's CUDA build (torch sees no CUDA device "
+                "here); leave --hog out to play a simulated card",
+                EXIT_USAGE,
+            )
     opts = ChaosOptions(requests=kwargs.pop("num_requests"), **kwargs)
     try:
         report = run_chaos(opts, out=click.echo)

@@ -1,0 +1,48 @@
+"""``headroom bench chaos`` refusing at once what cannot run (exit 2, one line naming
+the fix): ``--hog`` without a CUDA device, ``--token`` or ``--faults-dir`` without the
+``--url`` they describe; and a run whose ``--hog`` process died is not a clean run."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from click.testing import CliRunner
+
+from service.bench.chaos import ChaosReport
+from service.cli.commands import main
+
+
+def invoke(args: list[str]):
+    return CliRunner().invoke(main, ["bench", "chaos", *args], env={"HEADROOM_CONFIG": os.devnull})
+
+
+def test_hog_without_a_cuda_device_is_refused_up_front():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device: --hog can run")
+    result = invoke(["--hog", "1"])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() == (
+        "headroom: error: --hog needs an NVIDIA GPU and torch's CUDA build (torch sees no CUDA "
+        "device here); leave --hog out to play a simulated card")
+    assert "chaos: waiting" not in result.output
+
+
+@pytest.mark.parametrize(("args", "flag"), [(["--token", "abc"], "--token"), (["--faults-dir", "x"], "--faults-dir")])
+def test_options_of_a_running_service_need_its_url(args, flag):
+    result = invoke(args)
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() == (
+        f"headroom: error: {flag} goes with --url (the service the run starts keeps its token "
+        "and fault folder in --workdir)")
+
+
+def test_a_hog_that_died_fails_the_run():
+    clean = ChaosReport(pages_leaked=0)
+    assert clean.problems() == []
+    died = ChaosReport(pages_leaked=0, hog_exit_code=1)
+    assert died.problems() == [
+        "the memory hog (--hog) died during the run (exit code 1; its error is above): the "
+        "desktop's load the run was to play stopped"]

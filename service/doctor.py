@@ -45,6 +45,7 @@ class Context:
 
     settings: Any = None
     gpus: list[str] = field(default_factory=list)
+    config_path: Path | None = None  # --config; None: HEADROOM_CONFIG or the default file
     cuda_usable: bool = False
 
 
@@ -63,9 +64,9 @@ def _check_config(ctx: Context) -> Check:
     from service.common.settings import SettingsError
     from service.common.settings_sources import default_config_path, resolve
 
-    path = Path(CONFIG.get() or default_config_path())
+    path = ctx.config_path or Path(CONFIG.get() or default_config_path())
     try:
-        ctx.settings = resolve({})
+        ctx.settings = resolve({}, config_path=ctx.config_path)
     except SettingsError as exc:
         return Check("config", FAIL, str(exc), f"correct or remove {path}")
     where = f"{path}" if path.exists() else f"{path} (absent: the defaults)"
@@ -356,9 +357,11 @@ CHECKS: tuple[Callable[[Context], Check], ...] = (
 )
 
 
-def run_checks() -> Iterator[Check]:
-    """Each check's result in order; a check that raises is a FAIL naming the error."""
-    ctx = Context()
+def run_checks(config_path: Path | None = None) -> Iterator[Check]:
+    """Each check's result in order, with the settings of ``config_path`` (None:
+    ``HEADROOM_CONFIG`` or the default file); a check that raises is a FAIL naming the
+    error."""
+    ctx = Context(config_path=config_path)
     for check in CHECKS:
         name = check.__name__.removeprefix("_check_")
         try:

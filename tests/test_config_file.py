@@ -48,3 +48,34 @@ def test_config_dir_moves_the_config_file(tmp_path):
     other.write_text("port = 9003\n")
     env = {"HEADROOM_CONFIG_DIR": str(tmp_path), "HEADROOM_CONFIG": str(other)}
     assert resolve({}, env=env).port == 9003
+
+
+@pytest.mark.parametrize(("content", "needle"), [
+    ("port = 9001\n[serve]\nport = 9002\n", "port is set twice, as port in the top level and as port in [serve]"),
+    ("max-model-len = 512\nmax_model_len = 1024\n",
+     "max_model_len is set twice, as max-model-len in the top level and as max_model_len in the top level"),
+])
+def test_a_setting_written_twice_is_refused_naming_both_places(tmp_path, content, needle):
+    """The file does not say which of two values it means: neither the top level nor
+    ``[serve]`` silently wins."""
+    config = tmp_path / "config.toml"
+    config.write_text(content)
+    with pytest.raises(SettingsError) as info:
+        resolve({}, env={}, config_path=config)
+    assert str(info.value) == f"config file {config}: {needle}; keep one of them"
+
+
+@pytest.mark.parametrize(("source", "needle"), [("file", "(config.toml)"), ("env", "(HEADROOM_PORT)")])
+def test_a_bad_value_is_refused_even_where_a_flag_overrides_it(tmp_path, source, needle):
+    config = tmp_path / "config.toml"
+    config.write_text("port = 70000\n" if source == "file" else "")
+    env = {"HEADROOM_PORT": "70000"} if source == "env" else {}
+    with pytest.raises(SettingsError) as info:
+        resolve({"port": 8951}, env=env, config_path=config)
+    assert str(info.value).startswith("--port (") and needle.strip("()") in str(info.value)
+    assert "65535" in str(info.value)
+    if source == "file":
+        result = CliRunner().invoke(main, ["serve", "--config", str(config), "--port", "8951"])
+        assert result.exit_code == 2, result.output
+        assert result.stderr.startswith(f"headroom: error: --port ({config}): ")
+        assert len(result.stderr.strip().splitlines()) == 1 and "listening" not in result.output

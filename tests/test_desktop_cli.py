@@ -202,3 +202,15 @@ def test_doctor_says_when_the_cpu_kernels_have_no_compiler(doctor_env):
     result, lines = doctor({**doctor_env, "CC": "/nonexistent/cc"})
     assert lines["kernels"][0] == "WARN" and "no C compiler at CC=/nonexistent/cc" in lines["kernels"][1]
     assert "fix: install gcc or clang" in result.output
+
+
+def test_doctor_reads_the_config_file_given_with_config(doctor_env, tmp_path):
+    """``--config`` as serve and plan take it, winning over ``HEADROOM_CONFIG`` (an
+    empty, good file here)."""
+    other = tmp_path / "other.toml"
+    other.write_text("port = 70000\n")
+    result = CliRunner().invoke(main, ["doctor", "--config", str(other)], env=doctor_env)
+    assert result.exit_code == 1, result.output
+    config_line = next(line for line in result.output.splitlines() if " config " in line)
+    assert config_line.startswith("FAIL") and f"--port ({other})" in config_line
+    assert f"fix: correct or remove {other}" in result.output

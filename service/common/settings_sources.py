@@ -155,11 +155,13 @@ def _as_written(value: Any) -> str:
 
 
 def read_config_file(path: Path) -> dict[str, Any]:
-    """The settings in a TOML file (top level merged with ``[serve]``).
+    """The settings in a TOML file (top level merged with ``[serve]``), by option name.
 
     Raises:
-        SettingsError: unreadable, not UTF-8 or invalid TOML, an unknown table or an
-            unknown key; one line naming the file.
+        SettingsError: unreadable, not UTF-8 or invalid TOML, an unknown table, an
+            unknown key, or a setting written twice (at the top level and in
+            ``[serve]``, or as ``max-model-len`` and ``max_model_len``); one line naming
+            the file.
     """
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
@@ -179,17 +181,26 @@ def read_config_file(path: Path) -> dict[str, Any]:
                 + ", ".join(f"[{t}]" for t in CONFIG_TABLES)
                 + " (or the keys at the top level)"
             )
-    serve = data.get("serve", {})
-    merged = {k: v for k, v in data.items() if not isinstance(v, dict)}
-    if isinstance(serve, dict):
-        merged.update(serve)
-    for key in merged:
-        if key.replace("-", "_") not in OPTIONS_BY_NAME:
-            raise SettingsError(
-                f"config file {path}: unknown setting {key!r}; known: "
-                + ", ".join(o.name for o in OPTIONS)
-            )
-    return {k.replace("-", "_"): v for k, v in merged.items()}
+    places = [("the top level", {k: v for k, v in data.items() if not isinstance(v, dict)})]
+    places += [(f"[{t}]", data[t]) for t in CONFIG_TABLES if isinstance(data.get(t), dict)]
+    merged: dict[str, Any] = {}
+    written: dict[str, str] = {}  # option name -> where and how the file spells it
+    for place, table in places:
+        for key, value in table.items():
+            name = key.replace("-", "_")
+            if name not in OPTIONS_BY_NAME:
+                raise SettingsError(
+                    f"config file {path}: unknown setting {key!r}; known: "
+                    + ", ".join(o.name for o in OPTIONS)
+                )
+            if name in written:
+                raise SettingsError(
+                    f"config file {path}: {name} is set twice, as {written[name]} and as {key} "
+                    f"in {place}; keep one of them"
+                )
+            written[name] = f"{key} in {place}"
+            merged[name] = value
+    return merged
 
 
 def resolve(
@@ -225,11 +236,15 @@ def resolve(
     sources: dict[str, str] = {}
     for opt in OPTIONS:
         value, source = opt.default, "default"
+        # The file's and the environment's values are checked even where a later source
+        # wins: either is the user's mistake, to be named before it bites another run.
         if opt.name in file_values:
-            value = _convert(opt, file_values[opt.name], f"config file {path}")
+            value = _checked(opt, _convert(opt, file_values[opt.name], f"config file {path}"),
+                             f"{opt.flag} ({path})")
             source = str(path)
         if opt.env in env and env[opt.env] != "":
-            value = _convert(opt, env[opt.env], f"environment {opt.env}")
+            value = _checked(opt, _convert(opt, env[opt.env], f"environment {opt.env}"),
+                             f"{opt.flag} ({opt.env})")
             source = opt.env
         flag_value = flags.get(opt.name)
         if flag_value is not None and flag_value != ():
@@ -247,6 +262,19 @@ def resolve(
     settings = ServeSettings(**values, sources=sources)
     _validate(settings)
     return settings
+
+
+def _checked(option: Option, value: Any, where: str) -> Any:
+    """``value`` once its option's own checks (:meth:`Option.problem`) pass.
+
+    Raises:
+        SettingsError: the check's reason, after ``where`` (the flag and the file or
+            variable that gave the value, as :func:`_validate` names them).
+    """
+    why = option.problem(value)
+    if why is not None:
+        raise SettingsError(f"{where}: {why}")
+    return value
 
 
 def _validate(s: ServeSettings) -> None:

@@ -17,8 +17,9 @@ variable.
 
 from __future__ import annotations
 
+import difflib
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from engine.common.options import ENV_PREFIX
@@ -63,6 +64,12 @@ ENGINE_FACTORY = EnvSetting(
 ENV_ONLY: tuple[EnvSetting, ...] = (CONFIG, CONFIG_DIR, LOG_DIR, RUNTIME_DIR, CACHE_DIR, FAULTS, FAULTS_DIR,
                                     ENGINE_FACTORY)
 
+# HEADROOM_* variables read outside the engine and the service: by the tests (their fake
+# engine's HEADROOM_FAKE_*, the fuzz test's and the GPU tests') and by ui-bridge's
+# browser tests. Known, so that :func:`unknown_variables` does not take them for typos.
+OTHER_KNOWN: tuple[str, ...] = ("HEADROOM_FUZZ_CASES", "HEADROOM_TEST_GGUF", "HEADROOM_URL", "HEADROOM_TOKEN")
+OTHER_KNOWN_PREFIXES: tuple[str, ...] = ("HEADROOM_FAKE_",)
+
 _ON = ("1", "true", "yes", "on")
 _OFF = ("0", "false", "no", "off")
 
@@ -70,6 +77,26 @@ _OFF = ("0", "false", "no", "off")
 def variables() -> dict[str, str]:
     """Every ``HEADROOM_*`` variable of the process's environment, name -> value."""
     return {name: value for name, value in os.environ.items() if name.startswith(ENV_PREFIX)}
+
+
+def unknown_variables(
+    known: Iterable[str], env: Mapping[str, str] | None = None
+) -> list[tuple[str, str | None]]:
+    """Each ``HEADROOM_*`` variable of ``env`` (the process's environment when None) that
+    is none of ``known`` (the options' variables), :data:`ENV_ONLY` or :data:`OTHER_KNOWN`
+    (nor starts with one of :data:`OTHER_KNOWN_PREFIXES`), sorted, with the closest known
+    name (None when none is close): a misspelling headroom would otherwise ignore."""
+    names = {*known, *(s.name for s in ENV_ONLY), *OTHER_KNOWN}
+    env = variables() if env is None else env
+    found = []
+    for name in sorted(env):
+        if not name.startswith(ENV_PREFIX) or name in names or name.startswith(OTHER_KNOWN_PREFIXES):
+            continue
+        # Compared without the prefix they all share, which would make any two look alike.
+        close = difflib.get_close_matches(name[len(ENV_PREFIX):], [n[len(ENV_PREFIX):] for n in names],
+                                          n=1, cutoff=0.7)
+        found.append((name, ENV_PREFIX + close[0] if close else None))
+    return found
 
 
 def kernel_switches(env: Mapping[str, str] | None = None):

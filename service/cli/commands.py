@@ -31,6 +31,7 @@ from service.cli.options import (
     max_tokens_option,
     resolve_or_fail,
     seed_option,
+    warn_unknown_variables,
     with_settings,
 )
 from service.cli.precheck import check_model_before_loading
@@ -45,6 +46,7 @@ from service.common.version import headroom_version
 )
 def main() -> None:
     """headroom: a local LLM service that plans every byte of GPU memory."""
+    warn_unknown_variables()
 
 
 main.add_command(serve)

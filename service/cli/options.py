@@ -76,6 +76,17 @@ def with_serve_options(func: Any) -> Any:
     return with_settings(*names, *KERNEL_SWITCHES)(func)
 
 
+def warn_unknown_variables() -> None:
+    """One line on stderr for each ``HEADROOM_*`` variable headroom does not read (a
+    misspelling, as ``HEADROOM_PORTT``), naming the closest known one; the command goes on
+    (another tool may set a ``HEADROOM_*`` variable of its own)."""
+    from engine.common.environment import unknown_variables
+
+    for name, close in unknown_variables(opt.env for opt in OPTIONS):
+        hint = f"did you mean {close}?" if close else "`headroom serve --help` lists the variables"
+        click.echo(f"headroom: warning: {name} is not a variable headroom reads ({hint}); ignored", err=True)
+
+
 config_option = click.option(
     "--config",
     "config_path",

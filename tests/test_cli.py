@@ -438,4 +438,3 @@ def test_generate_without_a_temperature_samples_as_the_model_recommends(tmp_path
         result = invoke([*common, "--seed", seed])
         assert result.exit_code == 0, result.output
         assert result.output == greedy.output
-

@@ -8,7 +8,8 @@ context holds: up to its end, as Ollama; unset: ``--default-max-tokens``), ``tem
 (negative: none), ``stop``, ``repeat_penalty`` (``repetition_penalty``),
 ``presence_penalty``, ``frequency_penalty``; their ranges are the OpenAI fields' (one
 declaration, :class:`service.api.sampling.Sampling`), and a value outside them is a
-400 naming the option. Other options (``num_gpu``, ``num_thread``, ``mirostat``...) are
+400 naming the option, but for a negative ``temperature`` and ``top_p`` 0, which are
+greedy as in llama.cpp. Other options (``num_gpu``, ``num_thread``, ``mirostat``...) are
 accepted and ignored; ``keep_alive`` is checked as Ollama reads it, and 0 unloads
 the model, at once on a call without messages or prompt, else after the answer
 (:mod:`service.api.ollama.loading`).
@@ -118,14 +119,18 @@ def whole(value: int | float | None, option: str) -> int | None:
 
 
 def _sampling(o: OllamaOptions) -> Sampling:
-    """The sampling fields of ``options``, in their declared ranges.
+    """The sampling fields of ``options``, in their declared ranges. As llama.cpp's
+    sampler takes them (and so Ollama), a negative ``temperature`` and a ``top_p`` of 0
+    (which keeps only the likeliest token) are greedy: temperature 0 (the OpenAI routes
+    keep refusing both).
 
     Raises:
         APIError: 400 ``options.<name>`` for a value out of its range.
     """
+    greedy = (o.temperature is not None and o.temperature < 0) or o.top_p == 0
     fields: dict[str, Any] = {
-        "temperature": o.temperature,
-        "top_p": o.top_p,
+        "temperature": 0.0 if greedy else o.temperature,
+        "top_p": None if o.top_p == 0 else o.top_p,
         "top_k": whole(o.top_k, "top_k"),
         "min_p": o.min_p,
         "seed": seed if (seed := whole(o.seed, "seed")) is not None and seed >= 0 else None,

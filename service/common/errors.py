@@ -23,7 +23,7 @@ from engine.common.clip import clip
 from engine.common.errors import RequestRejected
 from engine.text.chat import ChatTemplateError
 from service.common.engine_states import NotReady, State
-from service.common.unserved_routes import unserved_route
+from service.common.unserved_routes import unserved_path, unserved_route
 
 log = logging.getLogger("headroom.api")
 
@@ -205,7 +205,9 @@ def log_refusal(request: Request, error: APIError) -> None:
     """The one line a refused request leaves (no traceback; the path without its query,
     where a token could be) with its reason, and its count in the app's metrics (the
     app's ``state.metrics``, :class:`service.events.metrics.ServiceMetrics`, by the
-    route's path; a path no route has is not counted). Nothing for an error the
+    route's path, or by the path of a route headroom answers 501 for
+    (:data:`~service.common.unserved_routes.UNSERVED_ROUTES`); a path no route has is
+    not counted). Nothing for an error the
     generation runner already logged (:attr:`APIError.logged`)."""
     if error.logged:
         return
@@ -220,7 +222,7 @@ def log_refusal(request: Request, error: APIError) -> None:
         f" param={error.param}" if error.param else "",
         error.message,
     )
-    route = request.scope.get("path_template")
+    route = request.scope.get("path_template") or unserved_path(request.url.path)
     metrics = getattr(request.app.state, "metrics", None)
     if route and metrics is not None:
         metrics.call_refused(route, error.status)
@@ -261,7 +263,12 @@ def _http_error(request: Request, exc: HTTPException) -> Response[Any]:
     elif status == 404 and (unserved := unserved_route(request.url.path)) is not None:
         error = APIError(501, unserved, code="not_implemented")
     elif status == 404:
-        error = APIError(404, f"no route for this path: {clip(str(exc.detail))}", type=NOT_FOUND)
+        error = APIError(
+            404,
+            f"no route for {request.method} {clip(request.url.path)}: see /schema/openapi.json for the routes served",
+            type=NOT_FOUND,
+            code="route_not_found",
+        )
     elif status == 405:
         headers = allow_head(headers)
         error = APIError(405, not_allowed(request.method, request.url.path, headers),

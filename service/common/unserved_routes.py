@@ -24,9 +24,15 @@ UNSERVED_ROUTES: dict[str, str] = {
 }
 
 
+def unserved_path(path: str) -> str | None:
+    """The route of :data:`UNSERVED_ROUTES` that ``path`` (as requested, a trailing
+    slash allowed) names, else None: the metrics' label of its 501."""
+    path = path.rstrip("/") or "/"
+    return path if path in UNSERVED_ROUTES else None
+
+
 def unserved_route(path: str) -> str | None:
     """The message for a route other servers have and headroom does not serve (``path``
     as requested, a trailing slash allowed), else None."""
-    path = path.rstrip("/") or "/"
-    hint = UNSERVED_ROUTES.get(path)
-    return None if hint is None else f"{path} is not served by headroom: {hint}"
+    route = unserved_path(path)
+    return None if route is None else f"{route} is not served by headroom: {UNSERVED_ROUTES[route]}"

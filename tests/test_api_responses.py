@@ -197,7 +197,7 @@ async def _streamed(texts: list[str], finish_reason: str) -> list[dict]:
             yield Piece(0, text, finish_reason if j == len(texts) - 1 else None)
 
     gen = SimpleNamespace(
-        request_id="resp_x", prompt_tokens=3, completion_tokens=len(texts),
+        request_id="resp_x", prompt_tokens=3, completion_tokens=len(texts), sampling=[],
         text=SimpleNamespace(encode_text=encode_text),
     )
     body = msgspec.convert({"input": "Hi", "max_output_tokens": len(texts)}, ResponsesRequest)

@@ -190,7 +190,7 @@ class Generation:
                 context,
                 prompt_param=prompt_param,
                 default=r.default_max_tokens,
-                context_param="num_ctx" if r.truncate else None,  # a cut prompt: the context is too small
+                context_param=r.context_param,
             )
             out += [
                 sampling_params(

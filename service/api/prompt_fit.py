@@ -1,6 +1,6 @@
 """Prompts cut to fit a call's context, as Ollama does rather than refusing them
-(``truncate``, its default), with room left for the answer: one rule for a chat, a
-templated ``/api/generate`` and a raw prompt.
+(``truncate``, its default; Responses' ``truncation: "auto"`` too), with room left for
+the answer: one rule for a chat, a templated ``/api/generate`` and a raw prompt.
 
 The room (:func:`answer_room`): a prompt keeps at most ``context - min(N, context // 2)``
 tokens, ``N`` the completion's length asked for (Ollama's ``num_predict``, else
@@ -20,7 +20,8 @@ How a prompt is cut to that budget:
 
 Where the template's own tokens pass the budget (a tiny ``num_ctx``), a chat is cut to
 fill the context but one token instead; where they fill the context, it is refused with
-400 ``context_length_exceeded`` naming the tokens the template takes.
+400 ``context_length_exceeded`` naming the tokens the template takes and the fix (the
+call's ``context_param``, else a shorter prompt).
 
 A fitted prompt carries the ids its last rendering gave (:attr:`Prompt.ids`, or
 ``token_ids`` for a cut raw prompt), which :func:`service.api.prompts.encode_prompts`
@@ -68,7 +69,8 @@ def answer_room(request: GenerationRequest, context: int) -> int:
 
 async def fit_prompts(text: TextSide, request: GenerationRequest, context: int) -> tuple[Prompt, ...]:
     """The call's prompts, each cut by :func:`fit_prompt` to leave :func:`answer_room`
-    where the call asks for it (``request.truncate``, Ollama's routes); else as they are.
+    where the call asks for it (``request.truncate``: Ollama's routes, Responses'
+    ``truncation: "auto"``); else as they are.
 
     Raises:
         APIError: as :func:`fit_prompt`.
@@ -76,10 +78,12 @@ async def fit_prompts(text: TextSide, request: GenerationRequest, context: int) 
     if not request.truncate:
         return request.prompts
     room = answer_room(request, context)
-    return tuple([await fit_prompt(text, p, context, room) for p in request.prompts])
+    return tuple([await fit_prompt(text, p, context, room, request.context_param) for p in request.prompts])
 
 
-async def fit_prompt(text: TextSide, prompt: Prompt, context: int, room: int) -> Prompt:
+async def fit_prompt(
+    text: TextSide, prompt: Prompt, context: int, room: int, context_param: str | None = "num_ctx"
+) -> Prompt:
     """``prompt`` cut to at most ``context - room`` tokens (see the module docstring),
     with the ids it encodes to (:attr:`Prompt.ids`: tokenized once per call); the same
     prompt where it holds token ids.
@@ -87,6 +91,8 @@ async def fit_prompt(text: TextSide, prompt: Prompt, context: int, room: int) ->
     Args:
         context: the call's context in tokens (prompt plus answer).
         room: tokens kept for the answer (:func:`answer_room`).
+        context_param: the call's field that sets its context (``num_ctx``), named as
+            the fix when even the cut prompt fills it; None: a shorter prompt is.
 
     Raises:
         APIError: 400 ``context_length_exceeded`` naming ``prompt.param`` for a chat that
@@ -95,7 +101,7 @@ async def fit_prompt(text: TextSide, prompt: Prompt, context: int, room: int) ->
     """
     budget = max(context - room, 1)
     if prompt.messages is not None:
-        return await _fit_chat(text, prompt, budget, context)
+        return await _fit_chat(text, prompt, budget, context, context_param)
     if prompt.text is not None:
         ids = await text.encode_prompt(prompt.text)
         if len(ids) > budget:
@@ -107,7 +113,7 @@ async def fit_prompt(text: TextSide, prompt: Prompt, context: int, room: int) ->
     return prompt
 
 
-async def _fit_chat(text: TextSide, prompt: Prompt, budget: int, context: int) -> Prompt:
+async def _fit_chat(text: TextSide, prompt: Prompt, budget: int, context: int, context_param: str | None) -> Prompt:
     """A chat's oldest turns dropped, then its longest messages' starts cut, until it
     renders to at most ``budget`` tokens (``context - 1`` where the template's own
     tokens pass ``budget``), with the ids it renders to."""
@@ -138,7 +144,7 @@ async def _fit_chat(text: TextSide, prompt: Prompt, budget: int, context: int) -
         raise invalid(
             f"This call's context is {context} tokens. However, the prompt takes {len(cut_ids)} tokens with "
             "the text of every message cut (the chat template's own tokens), which leaves no room for a "
-            "completion. Please raise num_ctx.",
+            "completion. " + (f"Please raise {context_param}." if context_param else "Please shorten the prompt."),
             prompt.param,
             "context_length_exceeded",
         )

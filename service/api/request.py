@@ -74,8 +74,11 @@ class GenerationRequest:
             ``num_ctx``), or None.
         truncate: a prompt too long for the context, its answer's room kept, is cut to
             fit it (a chat's oldest turns dropped, then its longest messages' starts; a
-            raw prompt's first tokens: :mod:`service.api.prompt_fit`), as Ollama does,
-            instead of a 400.
+            raw prompt's first tokens: :mod:`service.api.prompt_fit`), as Ollama does
+            (and Responses' ``truncation: "auto"``), instead of a 400.
+        context_param: the call's own field that sets its context (Ollama's
+            ``num_ctx``), named as the fix for a prompt that leaves no room for an
+            answer even cut; None: the prompt is to be shortened.
         stream: the answer streams.
         route: the API route's path (``/v1/chat/completions``), set by
             :func:`read_call`; the metrics' label.
@@ -107,6 +110,7 @@ class GenerationRequest:
     tool_choice: Any = None
     context_tokens: int | None = None
     truncate: bool = False
+    context_param: str | None = None
     stream: bool = False
     route: str = ""
     thinking: bool | None = None

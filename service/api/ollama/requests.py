@@ -194,6 +194,7 @@ def _request(
         tools=tools,
         context_tokens=num_ctx,
         truncate=True,
+        context_param="num_ctx",
         stream=body.stream,
         thinking=thinking[0],
         thinking_budget=thinking[1],

@@ -53,7 +53,7 @@ def chat_request(
             ``tool_calls[j]`` for a tool history OpenAI refuses: :func:`_check_tool_history`).
     """
     logit_bias, stop = logit_bias_pairs(body.logit_bias), stop_strings(body.stop)
-    _check_stream_options(body)
+    check_stream_options(body.stream_options, body.stream)
     if body.top_logprobs is not None:
         _check_logprobs_count(body.top_logprobs, "top_logprobs")
         if body.top_logprobs > 0 and not body.logprobs:
@@ -150,12 +150,22 @@ def _check_contents(messages: list[Any]) -> None:
         APIError: 400 ``messages[i].content``.
     """
     for i, message in enumerate(messages):
-        if isinstance(message, dict) and message.get("content") == []:
-            raise invalid(
-                f"messages[{i}].content is an empty array: send at least one content part, "
-                "or the content as a string",
-                f"messages[{i}].content",
-            )
+        if isinstance(message, dict):
+            check_content(message.get("content"), f"messages[{i}].content")
+
+
+def check_content(content: Any, param: str) -> None:
+    """One message's content (``param`` names it): an empty array is refused, as OpenAI
+    refuses it; anything else is left to the route.
+
+    Raises:
+        APIError: 400 ``param`` for ``[]``.
+    """
+    if content == []:
+        raise invalid(
+            f"{param} is an empty array: send at least one content part, or the content as a string",
+            param,
+        )
 
 
 def completion_request(
@@ -170,7 +180,7 @@ def completion_request(
             than :data:`MAX_SEQUENCES` prompts times ``n`` (:func:`check_sequences`).
     """
     logit_bias, stop = logit_bias_pairs(body.logit_bias), stop_strings(body.stop)
-    _check_stream_options(body)
+    check_stream_options(body.stream_options, body.stream)
     if body.logprobs is not None:
         _check_logprobs_count(body.logprobs, "logprobs")
     if body.suffix:
@@ -212,13 +222,14 @@ def check_sequences(prompts: int, n: int) -> None:
         )
 
 
-def _check_stream_options(body: ChatCompletionRequest | CompletionRequest) -> None:
-    """``stream_options`` only with ``"stream": true``, as OpenAI and vLLM take it.
+def check_stream_options(stream_options: Any, stream: bool) -> None:
+    """``stream_options`` only with ``"stream": true``, as OpenAI and vLLM take it
+    (chat and text completions, Responses).
 
     Raises:
         APIError: 400 ``stream_options`` on a call that does not stream.
     """
-    if body.stream_options is not None and not body.stream:
+    if stream_options is not None and not stream:
         raise invalid(
             "stream_options is only allowed when stream is true: send \"stream\": true, "
             "or leave stream_options out",

@@ -75,8 +75,10 @@ def _head(body: ResponsesRequest, gen: Generation, model: str, created: int) -> 
         instructions=body.instructions,
         max_output_tokens=body.max_output_tokens,
         parallel_tool_calls=body.parallel_tool_calls,
-        temperature=body.temperature,
-        top_p=body.top_p,
+        # The values used: an unset field took the model's default.
+        temperature=gen.sampling[0].temperature if gen.sampling else body.temperature,
+        top_p=gen.sampling[0].top_p if gen.sampling else body.top_p,
+        truncation=body.truncation or "disabled",
         tool_choice=body.tool_choice if body.tool_choice is not None else "auto",
         tools=list(body.tools or []),
         text=body.text or {"format": {"type": "text"}},

@@ -5,9 +5,9 @@ call runs as: its input items as chat messages, its flat tools as chat tools, it
 Input items, in order, become the messages the model's chat template renders:
 
 - ``message`` (or an item with a ``role`` and no ``type``): its role (``developer`` is
-  ``system``), its text (a string, or ``input_text``/``output_text`` parts joined);
-  an ``input_image`` or ``input_file`` part is a 400 (this server serves text
-  models);
+  ``system``), its text (a string, or ``input_text``/``output_text`` parts joined, an
+  assistant's ``refusal`` parts read as its text); an empty list of parts, an
+  ``input_image`` or an ``input_file`` part is a 400 (this server serves text models);
 - ``function_call``: a tool call of the assistant turn (joined to the assistant
   message just before it, if any), with ``call_id`` as its id;
 - ``function_call_output``: a ``tool`` message answering ``call_id``;
@@ -16,7 +16,8 @@ Input items, in order, become the messages the model's chat template renders:
 
 Refused with a 400 naming the field: ``previous_response_id`` and ``conversation``
 (the server is stateless: send the whole input), ``background``, ``prompt``,
-``top_logprobs``, an ``item_reference`` or unknown item, a ``function_call`` whose
+``top_logprobs``, ``stream_options`` without ``stream``, an empty ``input`` (``""`` or
+``[]``), an ``item_reference`` or unknown item, a ``function_call`` whose
 ``call_id`` no ``function_call_output`` of the input answers (as OpenAI refuses it), a
 tool other than ``function`` (``web_search``, ``file_search``...), and an unknown
 ``tool_choice``. What the model's chat template refuses (a ``function_call_output``
@@ -30,7 +31,9 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any
 
+from engine.common.clip import clip
 from engine.text.chat import ChatTemplateError
+from service.api.openai.requests import check_content, check_stream_options
 from service.api.openai.responses_schemas import ResponsesRequest
 from service.api.prompts import chat_prompt
 from service.api.request import GenerationRequest
@@ -38,7 +41,7 @@ from service.api.sampling import sampling_of
 from service.api.structured import response_schema
 from service.api.thinking import effort_thinking, with_thinking
 from service.api.tool_checks import check_call_arguments, check_tool_name
-from service.common.errors import APIError, invalid
+from service.common.errors import NOT_FOUND, APIError, invalid
 
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -46,6 +49,19 @@ _STATELESS = (
     "this server is stateless and stores no responses: send the whole conversation as "
     "input instead"
 )
+
+
+def not_stored(response_id: str) -> APIError:
+    """The answer to a call on a stored response (``GET``, ``DELETE`` or ``POST
+    /v1/responses/{id}``, its ``/input_items`` or ``/cancel``): 404
+    ``response_not_found`` in OpenAI's error shape, saying none is ever stored."""
+    return APIError(
+        404,
+        f"headroom does not store responses: {clip(response_id)!r} cannot be retrieved, listed, "
+        f"cancelled or deleted; {_STATELESS}",
+        type=NOT_FOUND,
+        code="response_not_found",
+    )
 
 
 def _refuse_stateful(body: ResponsesRequest) -> None:
@@ -61,17 +77,21 @@ def _refuse_stateful(body: ResponsesRequest) -> None:
         raise invalid("top_logprobs is not supported on /v1/responses", "top_logprobs")
 
 
-def _text(content: Any, param: str) -> str:
-    """A message's content as text: a string, or its text parts joined."""
+def _text(content: Any, param: str, role: str = "user") -> str:
+    """A message's content as text: a string, or its text parts joined (an assistant's
+    ``refusal`` parts among them)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise invalid("content must be a string or a list of content parts", param)
+    check_content(content, param)
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in _TEXT_PARTS and isinstance(part.get("text"), str):
             texts.append(part["text"])
+        elif kind == "refusal" and role == "assistant" and isinstance(part.get("refusal"), str):
+            texts.append(part["refusal"])
         elif kind in ("input_image", "input_file", "input_audio"):
             raise invalid(
                 f"{kind} is not supported: this model has no vision or file input (text only)",
@@ -112,10 +132,10 @@ def _converted(
     if instructions:
         messages.append({"role": "system", "content": instructions})
         origins.append(_Origin("instructions", "instructions"))
+    if not input:
+        raise invalid("input must not be empty: send a string or a list of input items", "input")
     if isinstance(input, str):
         return [*messages, {"role": "user", "content": input}], [*origins, _Origin("input", "message")]
-    if not input:
-        raise invalid("input must not be empty", "input")
     answered = {
         item.get("call_id")
         for item in input
@@ -131,7 +151,8 @@ def _converted(
             role = _ROLES.get(item.get("role"))  # type: ignore[arg-type]
             if role is None:
                 raise invalid("role must be user, assistant, system or developer", f"{param}.role")
-            message: dict[str, Any] = {"role": role, "content": _text(item.get("content"), f"{param}.content")}
+            content = _text(item.get("content"), f"{param}.content", role)
+            message: dict[str, Any] = {"role": role, "content": content}
             if role == "assistant" and reasoning:
                 message["reasoning_content"], reasoning = reasoning, ""
             messages.append(message)
@@ -313,6 +334,7 @@ def responses_request(
             ``reasoning.effort``).
     """
     _refuse_stateful(body)
+    check_stream_options(body.stream_options, body.stream)
     effort = (body.reasoning or {}).get("effort")
     thinking, budget = effort_thinking(effort, "reasoning.effort")
     tools = chat_tools(body.tools)
@@ -330,6 +352,7 @@ def responses_request(
         chat=True,
         tools=tools,
         tool_choice=chat_tool_choice(body.tool_choice),
+        truncate=body.truncation == "auto",
         stream=body.stream,
         thinking=thinking,
         thinking_budget=budget,

@@ -13,7 +13,7 @@ answer has it.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -29,7 +29,11 @@ class ResponsesRequest(Sampling, kw_only=True):
     "function", "name", "description", "parameters", "strict"}``). ``text.format``
     is structured output; ``reasoning.effort`` turns thinking off or on with a
     budget. ``store`` is accepted and nothing is stored; ``previous_response_id`` and
-    ``conversation`` are refused (send the whole input)."""
+    ``conversation`` are refused (send the whole input). ``truncation``: ``"auto"``
+    drops the oldest input items (instructions and system messages kept) until the
+    prompt fits the context with room for the answer, as ``num_ctx`` truncation cuts an
+    Ollama chat; ``"disabled"`` (the default) refuses a prompt too long with 400
+    ``context_length_exceeded``. ``stream_options`` only with ``stream``."""
 
     model: str | None = None
     input: str | list[Any]
@@ -41,6 +45,8 @@ class ResponsesRequest(Sampling, kw_only=True):
     text: dict[str, Any] | None = None
     reasoning: dict[str, Any] | None = None
     stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    truncation: Literal["auto", "disabled"] | None = None
     store: bool | None = None
     metadata: dict[str, Any] | None = None
     user: str | None = None
@@ -153,6 +159,7 @@ class ResponseObject(msgspec.Struct, kw_only=True):
     top_p: float | None = None
     tool_choice: Any = "auto"
     tools: list[Any] = msgspec.field(default_factory=list)
+    truncation: str = "disabled"
     text: dict[str, Any] = msgspec.field(default_factory=lambda: {"format": {"type": "text"}})
     reasoning: dict[str, Any] | None = None
     store: bool = False

@@ -24,7 +24,7 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
-from litestar import Controller, Request, Response, get, post
+from litestar import Controller, Request, Response, get, post, route
 
 from engine.text.chat import ChatTemplateError
 from engine.wire.messages import EngineInfo
@@ -37,7 +37,7 @@ from service.api.anthropic.models import (
 from service.api.openai.answers import chat_answer, completion_answer
 from service.api.openai.requests import chat_request, completion_request
 from service.api.openai.responses_answers import responses_answer
-from service.api.openai.responses_input import input_error, responses_request
+from service.api.openai.responses_input import input_error, not_stored, responses_request
 from service.api.openai.responses_schemas import ResponsesRequest
 from service.api.openai.schemas import (
     ChatCompletionRequest,
@@ -130,3 +130,21 @@ class OpenAIController(Controller):
         except ChatTemplateError as exc:
             raise input_error(exc, body) from exc
         return await responses_answer(gen, request, model, body)
+
+    @route("/responses/{response_id:str}", http_method=["GET", "POST", "DELETE"])
+    async def stored_response(self, response_id: str) -> None:
+        """OpenAI's retrieve, update and delete of a stored response: always 404
+        ``response_not_found`` (nothing is stored; the message says so)."""
+        raise not_stored(response_id)
+
+    @get("/responses/{response_id:str}/input_items")
+    async def stored_response_items(self, response_id: str) -> None:
+        """A stored response's input items: 404 ``response_not_found``, as
+        :meth:`stored_response`."""
+        raise not_stored(response_id)
+
+    @post("/responses/{response_id:str}/cancel")
+    async def cancel_response(self, response_id: str) -> None:
+        """The cancel of a background response: 404 ``response_not_found``, as
+        :meth:`stored_response` (``background`` is refused)."""
+        raise not_stored(response_id)

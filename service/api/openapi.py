@@ -289,8 +289,16 @@ def openapi_document() -> dict[str, Any]:
             }
         },
         "/api/control/restart": _control(None, "Restart the worker."),
+        "/api/control/pause": _control(
+            None, "Pause: stop the worker and give its memory back (state `paused`)."
+        ),
+        "/api/control/resume": _control(None, "Load the worker again after a pause."),
         "/api/control/reserve": _control("ReserveRequest", "Set the memory reserve."),
-        "/api/control/cache": _control("CacheRequest", "Resize the KV pool / clear the cache."),
+        "/api/control/cache": _control(
+            "CacheRequest",
+            "Resize the KV pool, the GPU expert cache or the CPU's layers, and/or clear the "
+            "prefix cache (`clear_prefix_cache: true`, done last).",
+        ),
         **_ollama_paths(),
         **_anthropic_paths(),
     }

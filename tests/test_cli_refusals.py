@@ -215,3 +215,29 @@ def test_a_truncated_gguf_is_refused_naming_it(tiny_gguf):
                                 "(tensor "), error
         assert error.endswith("-byte file: it is truncated); download it again"), error
         assert "listening" not in result.output
+
+
+@pytest.mark.parametrize("command", [["plan"], ["serve", "--port", "0"]])
+@pytest.mark.parametrize(("args", "needle"), [
+    (["--page-size", "100000"], "--page-size 100000 is larger than LlamaForCausalLM's context of 8192 tokens: "
+                                "give at most 8192 (the default is 16)"),
+    (["--min-context", "100000"], "--min-context 100000 is more than LlamaForCausalLM's context of 8192 tokens: "
+                                  "give at most 8192"),
+])
+def test_a_page_or_min_context_beyond_the_models_context_is_refused(default_model_dir, command, args, needle):
+    """The default model's context is 8192 tokens: a page larger than it, or a
+    --min-context no request can get, is refused before planning or serving, where the
+    plan silently cut --min-context to the context."""
+    result = invoke([*command, *args])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() == f"headroom: error: {needle}"
+    assert "listening" not in result.output
+
+
+def test_plan_takes_a_page_size_that_is_no_power_of_two(default_model_dir):
+    """The KV kernels address a slot as page * page_size + offset, so a page size of at
+    least one token that fits the context is planned, not refused; --max-model-len caps
+    --min-context, as its help says."""
+    result = invoke(["plan", "--page-size", "7", "--min-context", "4096", "--max-model-len", "2048"])
+    assert result.exit_code == 0, result.output
+    assert "x 7 tokens" in result.output

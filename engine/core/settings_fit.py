@@ -125,6 +125,27 @@ def check_kv_cache_dtype(config: EngineConfig, mc: ModelConfig) -> None:
         raise SettingRefused(str(e)) from None
 
 
+def check_context(config: EngineConfig, mc: ModelConfig) -> None:
+    """Refuse a ``--page-size`` larger than the model's context (a page no request could
+    fill), and a ``--min-context`` other than its default beyond that context, which no
+    plan could give a request (the default, 2048, is capped by a shorter model's context,
+    and any ``--min-context`` by ``--max-model-len``, as their help says). The KV kernels
+    themselves take any page size of at least one token (they address a position's slot
+    as ``page * page_size + offset``).
+
+    Raises:
+        SettingRefused: naming the option and the model's context.
+    """
+    context = mc.max_position_embeddings
+    if config.page_size > context:
+        raise SettingRefused(f"--page-size {config.page_size} is larger than {mc.architecture}'s context of "
+                             f"{context} tokens: give at most {context} (the default is 16)")
+    default = EngineConfig.__dataclass_fields__["min_context"].default
+    if config.min_context is not None and config.min_context != default and config.min_context > context:
+        raise SettingRefused(f"--min-context {config.min_context} is more than {mc.architecture}'s context of "
+                             f"{context} tokens: give at most {context}")
+
+
 def check_for_model(config: EngineConfig, mc: ModelConfig) -> None:
     """Every check of ``config`` against ``mc`` (the whole model's config, not a rank's).
 
@@ -132,6 +153,7 @@ def check_for_model(config: EngineConfig, mc: ModelConfig) -> None:
         SettingRefused: the first setting the model cannot honour, naming the fix.
     """
     check_shardable(mc, config.tensor_parallel_size)
+    check_context(config, mc)
     check_cpu_experts(config, mc)
     check_cpu_layers(config, mc)
     check_kv_cache_dtype(config, mc)

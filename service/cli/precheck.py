@@ -159,7 +159,8 @@ def check_before_serving(settings: Any) -> None:
     world = settings.tensor_parallel_size
     wants_layers = any(n.isdecimal() and int(n) > 0 for n in (settings.cpu_experts, settings.cpu_layers))
     if (world == 1 and not wants_layers and settings.kv_cache is None and settings.num_pages is None
-            and settings.kv_cache_dtype == "auto"):
+            and settings.kv_cache_dtype == "auto" and settings.min_context is None
+            and settings.sources.get("page_size") == "default"):
         return
     from engine.core.settings_fit import check_for_model
     from engine.parallel.split import check_gpu_count

@@ -25,10 +25,11 @@ def _blocks(type_name: str, rows: int, cols: int, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("type_name", KQUANTS)
-@pytest.mark.parametrize(("rows", "cols", "m"), [(37, 768, 1), (13, 256, 3), (5, 512, 17)])
+@pytest.mark.parametrize(("rows", "cols", "m"), [(37, 768, 1), (13, 256, 3), (5, 512, 17), (21, 512, 13)])
 def test_kquant_gemv_equals_gguf_s_dequantizer_times_the_activations(lib, type_name, rows, cols, m):
-    """Rows not a multiple of anything, 1-3 blocks a row, 1, 3 and 17 activation rows (the
-    kernel's tile of 4 and its remainders); the vector and plain C builds both within
+    """Rows not a multiple of anything, 1-3 blocks a row, 1, 3, 13 and 17 activation rows
+    (the kernel's tile of 4 and its remainders; over 6 rows the AVX-512 tile widens its
+    blocks once for several passes, with groups of 8 and 4 rows); the vector and plain C builds both within
     float32 summation order of the reference (a few ulps of ``|x| @ |w|.T``), and of each
     other."""
     blocks = _blocks(type_name, rows, cols, rows * cols + m)

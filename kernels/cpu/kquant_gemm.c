@@ -19,6 +19,7 @@
  * a row.
  */
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "blocks.h"
 #include "tile512.h"
@@ -133,12 +134,20 @@ static inline __attribute__((always_inline)) void widen_sub(int type, const uint
     }
 }
 
+/* A sub-block of 4 rows widened (widen_sub's q), kept for the passes of a tile of many
+ * activation rows. */
+typedef struct {
+    __m512i q[4];
+} kwide;
+
 /* y[i * ldy + r] for G * 4 weight rows r (w, row_bytes apart) and MT activation rows i
- * (codes K apart; dx, dxs K / 32 apart). G, MT and type are constants at each call. */
+ * (codes K apart; dx, dxs K / 32 apart). G, MT and type are constants at each call. pre,
+ * hpre: the rows' sub-blocks ([nsb][8][G]) and headers ([nsb][G]) already widened and
+ * decoded, else NULL (done here, for these MT rows alone). */
 static inline __attribute__((always_inline)) void ktile(int type, const uint8_t *w, int64_t row_bytes, int64_t nsb,
                                                         const int16_t *codes, int64_t K, const float *dx,
                                                         const float *dxs, const int G, const int MT, float *y,
-                                                        int64_t ldy) {
+                                                        int64_t ldy, const kwide *pre, const header4 *hpre) {
     const int bb = hr_block_bytes(type);
     const int64_t nb = K / 32;
     __m512 acc[KQ_G][KQ_MT];
@@ -146,8 +155,11 @@ static inline __attribute__((always_inline)) void ktile(int type, const uint8_t 
         for (int i = 0; i < MT; i++) acc[g][i] = _mm512_setzero_ps();
     for (int64_t s = 0; s < nsb; s++) {
         header4 h[KQ_G];
-        for (int g = 0; g < G; g++) header_of(type, w + 4 * g * row_bytes + s * bb, row_bytes, &h[g]);
-        prefetch_next(w + 4 * G * row_bytes, 4 * G * row_bytes, nsb, s);
+        for (int g = 0; g < G; g++) {
+            if (hpre) h[g] = hpre[s * G + g];
+            else header_of(type, w + 4 * g * row_bytes + s * bb, row_bytes, &h[g]);
+        }
+        if (!pre) prefetch_next(w + 4 * G * row_bytes, 4 * G * row_bytes, nsb, s);
         if (type != Q6_K)
             for (int i = 0; i < MT; i++) {
                 const __m512 lo = _mm512_broadcast_f32x4(_mm_loadu_ps(dxs + i * nb + s * 8));
@@ -157,7 +169,13 @@ static inline __attribute__((always_inline)) void ktile(int type, const uint8_t 
             }
         for (int j = 0; j < 8; j++) {
             __m512i q[KQ_G][4];
-            for (int g = 0; g < G; g++) widen_sub(type, w + 4 * g * row_bytes + s * bb, row_bytes, j, &h[g], q[g]);
+            for (int g = 0; g < G; g++) {
+                if (pre) {
+                    for (int k = 0; k < 4; k++) q[g][k] = pre[(s * 8 + j) * G + g].q[k];
+                } else {
+                    widen_sub(type, w + 4 * g * row_bytes + s * bb, row_bytes, j, &h[g], q[g]);
+                }
+            }
             const int64_t b = s * 8 + j;
             for (int i = 0; i < MT; i++) {
                 __m512i a[4];
@@ -176,14 +194,30 @@ static inline __attribute__((always_inline)) void ktile(int type, const uint8_t 
 static inline __attribute__((always_inline)) void ktiles_mt(int type, const uint8_t *w, int64_t row_bytes,
                                                             int64_t nsb, const int16_t *c, int64_t K, const float *dx,
                                                             const float *dxs, const int G, int mt, float *y,
-                                                            int64_t ldy) {
+                                                            int64_t ldy, const kwide *pre, const header4 *hpre) {
     switch (mt) {
-        case 6: ktile(type, w, row_bytes, nsb, c, K, dx, dxs, G, 6, y, ldy); break;
-        case 5: ktile(type, w, row_bytes, nsb, c, K, dx, dxs, G, 5, y, ldy); break;
-        case 4: ktile(type, w, row_bytes, nsb, c, K, dx, dxs, G, 4, y, ldy); break;
-        case 3: ktile(type, w, row_bytes, nsb, c, K, dx, dxs, G, 3, y, ldy); break;
-        case 2: ktile(type, w, row_bytes, nsb, c, K, dx, dxs, G, 2, y, ldy); break;
-        default: ktile(type, w, row_bytes, nsb, c, K, dx, dxs, G, 1, y, ldy); break;
+        case 6: ktile(type, w, row_bytes, nsb, c, K, dx, dxs, G, 6, y, ldy, pre, hpre); break;
+        case 5: ktile(type, w, row_bytes, nsb, c, K, dx, dxs, G, 5, y, ldy, pre, hpre); break;
+        case 4: ktile(type, w, row_bytes, nsb, c, K, dx, dxs, G, 4, y, ldy, pre, hpre); break;
+        case 3: ktile(type, w, row_bytes, nsb, c, K, dx, dxs, G, 3, y, ldy, pre, hpre); break;
+        case 2: ktile(type, w, row_bytes, nsb, c, K, dx, dxs, G, 2, y, ldy, pre, hpre); break;
+        default: ktile(type, w, row_bytes, nsb, c, K, dx, dxs, G, 1, y, ldy, pre, hpre); break;
+    }
+}
+
+/* G groups of 4 rows' super-blocks decoded and widened once into hpre ([nsb][G]) and pre
+ * ([nsb][8][G]), for a tile of more activation rows than one pass takes (block_gemm.c's
+ * widen_tile): each pass then loads them instead of widening again. */
+static inline __attribute__((always_inline)) void widen_ktile(int type, const uint8_t *w, int64_t row_bytes,
+                                                              int64_t nsb, int G, kwide *pre, header4 *hpre) {
+    const int bb = hr_block_bytes(type);
+    for (int64_t s = 0; s < nsb; s++) {
+        for (int g = 0; g < G; g++) {
+            const uint8_t *blk = w + 4 * g * row_bytes + s * bb;
+            header_of(type, blk, row_bytes, &hpre[s * G + g]);
+            for (int j = 0; j < 8; j++) widen_sub(type, blk, row_bytes, j, &hpre[s * G + g], pre[(s * 8 + j) * G + g].q);
+        }
+        prefetch_next(w + 4 * G * row_bytes, 4 * G * row_bytes, nsb, s);
     }
 }
 
@@ -192,21 +226,40 @@ static inline __attribute__((always_inline)) int64_t krows_of(int type, const ui
                                                               int64_t M, int64_t n0, int64_t n1, float *y,
                                                               int64_t ldy) {
     const int64_t nsb = K / 256, nb = K / 32, row_bytes = nsb * hr_block_bytes(type);
+    /* Several passes over the activation rows: the tile's sub-blocks widened once (K =
+     * 1536 takes 24 KiB for 8 rows); NULL where that memory is not to be had. */
+    kwide *pre = M > KQ_MT ? aligned_alloc(64, (size_t)nsb * 8 * KQ_G * sizeof(kwide)) : NULL;
+    header4 *hpre = pre ? aligned_alloc(64, (size_t)nsb * KQ_G * sizeof(header4)) : NULL;
+    if (!hpre) {
+        free(pre);
+        pre = NULL;
+    }
     int64_t t0 = n0;
     while (t0 + 4 <= n1) {
         const int G = t0 + 4 * KQ_G <= n1 ? KQ_G : 1;
+        const uint8_t *wt = w + t0 * row_bytes;
+        if (pre) {
+            if (G == KQ_G) widen_ktile(type, wt, row_bytes, nsb, KQ_G, pre, hpre);
+            else widen_ktile(type, wt, row_bytes, nsb, 1, pre, hpre);
+        }
         for (int64_t m0 = 0; m0 < M; m0 += KQ_MT) {
             const int mt = M - m0 < KQ_MT ? (int)(M - m0) : KQ_MT;
-            const uint8_t *wt = w + t0 * row_bytes;
-            if (G == KQ_G)
-                ktiles_mt(type, wt, row_bytes, nsb, codes + m0 * K, K, dx + m0 * nb, dxs + m0 * nb, KQ_G, mt,
-                          y + m0 * ldy + t0, ldy);
+            const int16_t *c = codes + m0 * K;
+            const float *x = dx + m0 * nb, *xs = dxs + m0 * nb;
+            float *yt = y + m0 * ldy + t0;
+            if (G == KQ_G && pre)
+                ktiles_mt(type, wt, row_bytes, nsb, c, K, x, xs, KQ_G, mt, yt, ldy, pre, hpre);
+            else if (G == KQ_G)
+                ktiles_mt(type, wt, row_bytes, nsb, c, K, x, xs, KQ_G, mt, yt, ldy, NULL, NULL);
+            else if (pre)
+                ktiles_mt(type, wt, row_bytes, nsb, c, K, x, xs, 1, mt, yt, ldy, pre, hpre);
             else
-                ktiles_mt(type, wt, row_bytes, nsb, codes + m0 * K, K, dx + m0 * nb, dxs + m0 * nb, 1, mt,
-                          y + m0 * ldy + t0, ldy);
+                ktiles_mt(type, wt, row_bytes, nsb, c, K, x, xs, 1, mt, yt, ldy, NULL, NULL);
         }
         t0 += 4 * G;
     }
+    free(pre);
+    free(hpre);
     return t0;
 }
 

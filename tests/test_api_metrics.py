@@ -108,7 +108,7 @@ def test_expert_cache_figures_only_with_an_expert_cache():
 
 def _get_paths(app) -> list[str]:
     """Every ``GET`` route of the app, its path parameters filled in."""
-    fill = {"{model_id:path}": "default", "{file_path:path}": "index.html"}
+    fill = {"{model_id:path}": "default", "{file_path:path}": "index.html", "{response_id:str}": "resp_1"}
     paths = []
     for route in app.routes:
         if "GET" in getattr(route, "methods", ()):

@@ -4,7 +4,9 @@
 /**
  * Body of `POST /api/control/cache`. `kv_cache`: the KV pool's size (bytes or
  * text such as `"6GiB"`; null: back to the plan's size; absent: unchanged).
- * `clear_prefix_cache`: evict the prefix cache's unused pages (done first).
+ * `clear_prefix_cache`: true evicts every prefix-cache page no running request holds
+ * (done last, after any size change: a refused size leaves the cache as it was; false,
+ * the default, leaves it).
  * `expert_cache`: the GPU expert cache's size, for routed experts in host memory
  * (`--cpu-experts`; bytes or text, whole slots; null: the plan's size; absent:
  * unchanged); done before `kv_cache`. `cpu_layers`: the last decoder layers the

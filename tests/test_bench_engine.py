@@ -79,3 +79,38 @@ def test_llama_cpp_tools_are_found_where_a_build_puts_them(tmp_path, layout):
     assert tools.bench == folder / "llama-bench" and tools.batched == folder / "llama-batched-bench"
     assert LlamaCppTools.find(folder / "llama-bench") == tools  # the file itself
     assert tools.threads >= 1
+
+
+def _fake_llama_cpp(folder, names=("llama-bench", "llama-batched-bench")):
+    """``folder`` holding executable stand-ins for llama.cpp's tools: each leaves a file
+    named after itself in ``folder`` when run (so a test sees that none ran)."""
+    for name in names:
+        (folder / name).write_text(f"#!/bin/sh\ntouch '{folder}/{name}.ran'\nexit 1\n")
+        (folder / name).chmod(0o755)
+
+
+def _bench_against(folder, *flags):
+    import os
+
+    from click.testing import CliRunner
+
+    from service.cli import main
+
+    return CliRunner().invoke(main, ["bench", "engine", "--device", "cpu", "--prompt-tokens", "4", "--new-tokens", "2",
+                                     "--long-prefill-tokens", "0", "--against-llama-cpp", str(folder), *flags],
+                              env={"HEADROOM_CONFIG": os.devnull})
+
+
+def test_batches_above_one_without_llama_batched_bench_are_refused_at_once(default_model_dir, tmp_path):
+    """With llama-bench alone, a batch above 1 (which only llama-batched-bench measures)
+    is refused before either side runs, naming the tool; --batches 1 is not refused."""
+    _fake_llama_cpp(tmp_path, ("llama-bench",))
+    result = _bench_against(tmp_path, "--batches", "1,2")
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("headroom: error: --batches 2 needs llama-batched-bench"), result.stderr
+    assert "--target llama-batched-bench" in result.stderr and "or give --batches 1" in result.stderr
+    assert result.stdout == "" and not list(tmp_path.glob("*.ran"))
+    from engine.bench.llama_cpp import LlamaCppTools
+
+    LlamaCppTools.find(tmp_path).check_batches((1,))
+

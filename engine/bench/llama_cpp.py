@@ -58,12 +58,26 @@ class LlamaCppTools:
             bench = folder / BENCH
             if bench.is_file() and os.access(bench, os.X_OK):
                 batched = folder / BATCHED
-                return cls(bench, batched if batched.is_file() else None, len(os.sched_getaffinity(0)))
+                found = batched.is_file() and os.access(batched, os.X_OK)
+                return cls(bench, batched if found else None, len(os.sched_getaffinity(0)))
         raise ValueError(
             f"--against-llama-cpp {path}: no executable {BENCH} in {', '.join(map(str, folders))}; build it "
             f"with `cmake -B build -DGGML_NATIVE=ON && cmake --build build --target {BENCH} {BATCHED}` in "
             "llama.cpp's source (docs/benchmarks.md) and give that folder"
         )
+
+    def check_batches(self, batches: tuple[int, ...]) -> None:
+        """Refuse batch sizes these tools cannot measure, before anything runs.
+
+        Raises:
+            ValueError: a size above 1 without ``llama-batched-bench`` beside
+                ``llama-bench``; the message names the fix.
+        """
+        several = [b for b in batches if b > 1]
+        if several and self.batched is None:
+            raise ValueError(f"--batches {','.join(map(str, several))} needs {BATCHED}, and there is no executable "
+                             f"{BATCHED} beside {self.bench}; build it with `cmake --build build --target {BATCHED}` "
+                             "in llama.cpp's source (docs/benchmarks.md), or give --batches 1")
 
     def _run(self, argv: list[str]) -> str:
         """Run one tool; its stdout. Raises LlamaCppFailed with its stderr's tail when it fails."""

@@ -195,7 +195,8 @@ def run_bench_engine(
 
     Raises:
         ValueError: ``against_llama_cpp`` without its tools, with a model that is not
-            a GGUF file, or with a ``kv_cache_dtype`` other than ``auto``.
+            a GGUF file, with a ``kv_cache_dtype`` other than ``auto``, or with
+            ``batches`` its tools cannot run (:meth:`LlamaCppTools.check_batches`).
 
     The engine runs every case before transformers is loaded, so the table ends with the
     engine's own peak resident memory (``peak_rss_mib`` in its rows: the process's peak
@@ -206,6 +207,8 @@ def run_bench_engine(
         raise ValueError(f"--against-llama-cpp compares llama.cpp's default KV cache: run it with --kv-cache-dtype "
                          f"auto, not {kv_cache_dtype}")
     llama_cpp = None if against_llama_cpp is None else _llama_cpp_side(against_llama_cpp, model, shape)
+    if llama_cpp is not None:
+        llama_cpp[0].check_batches(batches)
     if llama_cpp is not None:
         model = str(llama_cpp[1])  # the very file llama.cpp reads
     if shape is not None:

@@ -114,3 +114,16 @@ def test_batches_above_one_without_llama_batched_bench_are_refused_at_once(defau
 
     LlamaCppTools.find(tmp_path).check_batches((1,))
 
+
+def test_batches_above_llama_batched_bench_limit_are_refused_at_once(default_model_dir, tmp_path):
+    """llama-batched-bench runs at most 256 sequences: a larger --batches size is refused
+    before the engine side runs, naming the limit."""
+    _fake_llama_cpp(tmp_path)
+    result = _bench_against(tmp_path, "--batches", "1,300")
+    assert result.exit_code == 2, result.output
+    assert "--batches 300: llama-batched-bench runs at most 256 sequences" in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert result.stdout == "" and not list(tmp_path.glob("*.ran"))
+    from engine.bench.llama_cpp import LlamaCppTools
+
+    LlamaCppTools.find(tmp_path).check_batches((1, 2, 256))

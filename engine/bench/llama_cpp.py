@@ -26,6 +26,7 @@ BENCH = "llama-bench"
 BATCHED = "llama-batched-bench"
 REPETITIONS = 3  # llama-bench's -r: its figure is the mean of these
 ALL_LAYERS = 999  # -ngl for every layer of any model
+MAX_SEQUENCES = 256  # llama-batched-bench's -npl limit (llama.cpp's n_seq_max, LLAMA_MAX_SEQ)
 
 
 class LlamaCppFailed(RuntimeError):
@@ -70,9 +71,15 @@ class LlamaCppTools:
         """Refuse batch sizes these tools cannot measure, before anything runs.
 
         Raises:
-            ValueError: a size above 1 without ``llama-batched-bench`` beside
+            ValueError: a size above :data:`MAX_SEQUENCES` (``llama-batched-bench``'s
+                limit), or a size above 1 without ``llama-batched-bench`` beside
                 ``llama-bench``; the message names the fix.
         """
+        over = [b for b in batches if b > MAX_SEQUENCES]
+        if over:
+            raise ValueError(f"--batches {','.join(map(str, over))}: {BATCHED} runs at most {MAX_SEQUENCES} sequences "
+                             f"at once (llama.cpp's n_seq_max): give --batches sizes up to {MAX_SEQUENCES} with "
+                             "--against-llama-cpp")
         several = [b for b in batches if b > 1]
         if several and self.batched is None:
             raise ValueError(f"--batches {','.join(map(str, several))} needs {BATCHED}, and there is no executable "

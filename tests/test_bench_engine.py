@@ -127,3 +127,25 @@ def test_batches_above_llama_batched_bench_limit_are_refused_at_once(default_mod
     from engine.bench.llama_cpp import LlamaCppTools
 
     LlamaCppTools.find(tmp_path).check_batches((1, 2, 256))
+
+
+@pytest.mark.parametrize(("prompt_tokens", "new_tokens"), [(9000, 32), (8190, 32)])
+def test_requests_longer_than_the_models_context_are_refused_at_once(default_model_dir, prompt_tokens, new_tokens):
+    """A prompt over the embedded model's 8192-token context (a RequestRejected traceback
+    before), or a prompt that fits with too many new tokens (let through before, its
+    decode cut short), is refused before the model loads, naming the context and the flags."""
+    import os
+
+    from click.testing import CliRunner
+
+    from service.cli import main
+
+    result = CliRunner().invoke(main, ["bench", "engine", "--device", "cpu", "--batches", "1", "--prompt-tokens",
+                                       str(prompt_tokens), "--new-tokens", str(new_tokens), "--long-prefill-tokens",
+                                       "0", "--no-transformers"], env={"HEADROOM_CONFIG": os.devnull})
+    assert result.exit_code == 2, result.output
+    assert result.stderr == (f"headroom: error: --prompt-tokens {prompt_tokens} + --new-tokens {new_tokens} = "
+                             f"{prompt_tokens + new_tokens} tokens per request, more than LlamaForCausalLM's context "
+                             "of 8192 tokens: lower --prompt-tokens or --new-tokens so that they add up to at most "
+                             "8192\n")
+    assert result.stdout == ""

@@ -196,7 +196,9 @@ def run_bench_engine(
     Raises:
         ValueError: ``against_llama_cpp`` without its tools, with a model that is not
             a GGUF file, with a ``kv_cache_dtype`` other than ``auto``, or with
-            ``batches`` its tools cannot run (:meth:`LlamaCppTools.check_batches`).
+            ``batches`` its tools cannot run (:meth:`LlamaCppTools.check_batches`);
+            ``prompt_tokens + new_tokens`` over the model's context
+            (:func:`check_request_length`).
 
     The engine runs every case before transformers is loaded, so the table ends with the
     engine's own peak resident memory (``peak_rss_mib`` in its rows: the process's peak
@@ -213,6 +215,7 @@ def run_bench_engine(
         model = str(llama_cpp[1])  # the very file llama.cpp reads
     if shape is not None:
         model = _shape_folder(shape)
+    check_request_length(model, prompt_tokens, new_tokens)
     engine = Engine(EngineConfig(
         model=model, device=device, load_format="dummy" if shape is not None else "auto",
         attention_backend=attention_backend, cuda_graphs=cuda_graphs,
@@ -292,6 +295,25 @@ def run_bench_engine(
         for b in profile_batches:
             profile_decode(engine, batch=b)
     return rows
+
+
+def check_request_length(model: str | None, prompt_tokens: int, new_tokens: int) -> None:
+    """Refuse, before the model loads, requests of ``prompt_tokens + new_tokens`` tokens
+    that ``model``'s context (``max_position_embeddings``, tokens) cannot hold.
+
+    Raises:
+        ValueError: the sum is over the context; the message names it and the flags.
+        ModelLoadError: ``model`` has no readable config.
+    """
+    from engine.loader.hf_config import load_model_config
+    from engine.loader.resolve import resolve_model
+
+    mc = load_model_config(resolve_model(model))
+    context, total = mc.max_position_embeddings, prompt_tokens + new_tokens
+    if total > context:
+        raise ValueError(f"--prompt-tokens {prompt_tokens} + --new-tokens {new_tokens} = {total} tokens per request, "
+                         f"more than {mc.architecture}'s context of {context} tokens: lower --prompt-tokens or "
+                         f"--new-tokens so that they add up to at most {context}")
 
 
 def _llama_cpp_side(path: str, model: str | None, shape: str | None):

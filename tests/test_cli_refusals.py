@@ -217,6 +217,25 @@ def test_a_truncated_gguf_is_refused_naming_it(tiny_gguf):
         assert "listening" not in result.output
 
 
+@pytest.mark.parametrize("cut", ["counts", "key-values", "tensor table"])
+def test_a_gguf_cut_inside_its_header_is_refused_as_truncated(tiny_gguf, cut):
+    """A GGUF cut inside its header (before its counts, in its key-values, in its tensor
+    table) said "not a readable GGUF file (unpack_from requires a buffer of at least N
+    bytes ...)"; it says the file is truncated and to download it again, as a file cut in
+    its tensor data does."""
+    from engine.loader.gguf_tensors import open_tensors
+
+    data = tiny_gguf.read_bytes()
+    data_start = min(t.data_offset for t in open_tensors(tiny_gguf).tensors)
+    keep = {"counts": 12, "key-values": 200, "tensor table": data_start - 40}[cut]
+    tiny_gguf.write_bytes(data[:keep])
+    result = invoke(["plan", "--model", str(tiny_gguf)])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() == (f"headroom: error: cannot load the model: {tiny_gguf} is not a readable GGUF "
+                                     f"file (its header goes on past the end of the {keep:,}-byte file: it is "
+                                     "truncated, shorter than its header says); download it again"), result.stderr
+
+
 @pytest.mark.parametrize("command", [["plan"], ["serve", "--port", "0"]])
 @pytest.mark.parametrize(("args", "needle"), [
     (["--page-size", "100000"], "--page-size 100000 is larger than LlamaForCausalLM's context of 8192 tokens: "

@@ -47,9 +47,16 @@ class GGUFTensors:
 
         def take(fmt: str) -> tuple:
             nonlocal offs
+            _check_within(buf, offs + struct.calcsize("<" + fmt))
             values = struct.unpack_from("<" + fmt, buf, offs)
             offs += struct.calcsize("<" + fmt)
             return values
+
+        def text(length: int, errors: str = "strict") -> str:
+            nonlocal offs
+            _check_within(buf, offs + length)
+            offs += length
+            return bytes(buf[offs - length:offs]).decode("utf-8", errors=errors)
 
         magic, version = take("II")
         if magic != _MAGIC:
@@ -60,15 +67,13 @@ class GGUFTensors:
         self.values: dict[str, Any] = {}
         for _ in range(kv_count):
             (key_len,) = take("Q")
-            key = bytes(buf[offs:offs + key_len]).decode("utf-8")
-            offs += key_len
+            key = text(key_len)
             (value_type,) = take("I")
             if value_type in _FORMATS:
                 (self.values[key],) = take(_FORMATS[value_type])
             elif value_type == _STRING:
                 (length,) = take("Q")
-                self.values[key] = bytes(buf[offs:offs + length]).decode("utf-8", errors="replace")
-                offs += length
+                self.values[key] = text(length, errors="replace")
             else:
                 offs = _skip_value(buf, offs, value_type)
         alignment = self.values.get("general.alignment", 32)
@@ -77,8 +82,7 @@ class GGUFTensors:
         infos = []
         for _ in range(tensor_count):
             (name_len,) = take("Q")
-            name = bytes(buf[offs:offs + name_len]).decode("utf-8")
-            offs += name_len
+            name = text(name_len)
             (n_dims,) = take("I")
             dims = take(f"{n_dims}Q")
             raw_type, offset = take("IQ")
@@ -120,6 +124,14 @@ class GGUFTensors:
             raw.madvise(mmap.MADV_DONTNEED)
 
 
+def _check_within(buf: np.memmap, end: int) -> None:
+    """Raise ValueError saying the file is truncated when its header needs bytes up to
+    ``end`` (exclusive) past the file's ``len(buf)`` bytes."""
+    if end > len(buf):
+        raise ValueError(f"its header goes on past the end of the {len(buf):,}-byte file: it is truncated, "
+                         "shorter than its header says")
+
+
 def _skip_value(buf: np.memmap, offs: int, value_type: int) -> int:
     """The offset after one key-value value of ``value_type`` at ``offs``.
 
@@ -129,9 +141,11 @@ def _skip_value(buf: np.memmap, offs: int, value_type: int) -> int:
     if value_type in _SIZES:
         return offs + _SIZES[value_type]
     if value_type == _STRING:
+        _check_within(buf, offs + 8)
         (length,) = struct.unpack_from("<Q", buf, offs)
         return offs + 8 + length
     if value_type == _ARRAY:
+        _check_within(buf, offs + 12)
         item_type, count = struct.unpack_from("<IQ", buf, offs)
         offs += 12
         if item_type in _SIZES:

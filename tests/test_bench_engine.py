@@ -46,9 +46,9 @@ def test_against_llama_cpp_without_its_tools_names_the_fix(tmp_path):
     assert result.exit_code == 2 and "give --model FILE.gguf, not --shape" in result.stderr, result.output
 
 
-def test_bench_engine_takes_the_kv_cache_dtype_as_serve_does(default_model_dir, tmp_path):
-    """``--kv-cache-dtype`` reaches the engine side (the table names the cache it ran);
-    against llama.cpp, whose side runs its own cache, anything but auto is refused at once."""
+def _small_bench(*extra: str):
+    """``headroom bench engine`` on the CPU at its smallest, with ``extra`` flags and no
+    config file: click's result."""
     import os
 
     from click.testing import CliRunner
@@ -57,12 +57,16 @@ def test_bench_engine_takes_the_kv_cache_dtype_as_serve_does(default_model_dir, 
 
     small = ["bench", "engine", "--device", "cpu", "--batches", "1", "--prompt-tokens", "4", "--new-tokens", "2",
              "--long-prefill-tokens", "0", "--no-transformers"]
-    env = {"HEADROOM_CONFIG": os.devnull}
-    result = CliRunner().invoke(main, [*small, "--kv-cache-dtype", "q8_0"], env=env)
+    return CliRunner().invoke(main, [*small, *extra], env={"HEADROOM_CONFIG": os.devnull})
+
+
+def test_bench_engine_takes_the_kv_cache_dtype_as_serve_does(default_model_dir, tmp_path):
+    """``--kv-cache-dtype`` reaches the engine side (the table names the cache it ran);
+    against llama.cpp, whose side runs its own cache, anything but auto is refused at once."""
+    result = _small_bench("--kv-cache-dtype", "q8_0")
     assert result.exit_code == 0, result.output
     assert "KV cache q8_0" in result.stdout
-    result = CliRunner().invoke(main, [*small, "--kv-cache-dtype", "q4_0", "--against-llama-cpp", str(tmp_path)],
-                                env=env)
+    result = _small_bench("--kv-cache-dtype", "q4_0", "--against-llama-cpp", str(tmp_path))
     assert result.exit_code == 2 and "--kv-cache-dtype auto" in result.stderr, result.output
 
 
@@ -149,3 +153,30 @@ def test_requests_longer_than_the_models_context_are_refused_at_once(default_mod
                              "of 8192 tokens: lower --prompt-tokens or --new-tokens so that they add up to at most "
                              "8192\n")
     assert result.stdout == ""
+
+
+def test_split_options_reach_the_engine_side(default_model_dir):
+    """``--cpu-layers`` and ``--device-limit`` are serve's settings on bench engine too:
+    the engine side checks them as serve does (the default model has 30 layers)."""
+    result = _small_bench("--cpu-layers", "40")
+    assert result.exit_code == 2, result.output
+    assert "--cpu-layers 40: LlamaForCausalLM has 30 decoder layers" in result.stderr
+    result = _small_bench("--device-limit", "0")
+    assert result.exit_code == 2 and "--device-limit: must be more than 0 bytes" in result.stderr, result.output
+
+
+@pytest.mark.parametrize("num_layers", [30, 32])
+def test_llama_cpp_offloads_what_the_engine_keeps_on_the_gpu(num_layers):
+    """Against llama.cpp on a split engine, ``-ngl`` puts as many decoder layers and the
+    output layer on the GPU as the engine keeps there. llama.cpp's rule (its
+    ``llama_model::load_tensors``): of ``n_layer + 1`` layers, the output layer last, those
+    from ``n_layer + 1 - ngl`` on are offloaded."""
+    from engine.bench.llama_cpp import ALL_LAYERS, gpu_layers_for_split
+
+    assert gpu_layers_for_split(num_layers, 0) == ALL_LAYERS
+    for cpu_layers in (1, 5, num_layers - 1):
+        ngl = gpu_layers_for_split(num_layers, cpu_layers)
+        first_on_gpu = max(num_layers + 1 - ngl, 0)
+        decoder_on_gpu = sum(1 for il in range(num_layers) if il >= first_on_gpu)
+        assert decoder_on_gpu == num_layers - cpu_layers
+        assert num_layers >= first_on_gpu  # the output layer (index n_layer) is on the GPU

@@ -29,6 +29,17 @@ ALL_LAYERS = 999  # -ngl for every layer of any model
 MAX_SEQUENCES = 256  # llama-batched-bench's -npl limit (llama.cpp's n_seq_max, LLAMA_MAX_SEQ)
 
 
+def gpu_layers_for_split(num_layers: int, cpu_layers: int) -> int:
+    """``-ngl`` that places llama.cpp's layers as an engine running the last ``cpu_layers``
+    of its ``num_layers`` decoder layers on the CPU places its own: as many decoder layers
+    on the GPU, and the output layer (the LM head) there too. llama.cpp counts the output
+    layer as one of ``num_layers + 1`` and offloads the last ``-ngl`` of them
+    (``i_gpu_start`` in ``llama_model::load_tensors``), so it keeps its first layers on the
+    CPU where the engine keeps its last ones: the same count of layers and bytes.
+    :data:`ALL_LAYERS` when nothing runs on the CPU."""
+    return ALL_LAYERS if cpu_layers == 0 else num_layers - cpu_layers + 1
+
+
 class LlamaCppFailed(RuntimeError):
     """A llama.cpp tool exited with an error or printed no result."""
 

@@ -169,7 +169,7 @@ def run_bench_engine(
     long_prefill_tokens: int = LONG_PREFILL_TOKENS, transformers_side: bool = True, profile: bool = False,
     profile_batches: tuple[int, ...] = (1,), gguf_quantized: bool | None = None,
     kernel_switches: KernelSwitches | None = None, against_llama_cpp: str | None = None,
-    kv_cache_dtype: str = "auto",
+    kv_cache_dtype: str = "auto", device_limit: int | None = None, cpu_layers: str = "auto",
 ) -> list[dict]:
     """Measure both sides at each batch size and on one long prompt; returns one row per
     (case, side) and prints a table. Each side runs once untimed first (warm-up).
@@ -192,6 +192,10 @@ def run_bench_engine(
             (:mod:`engine.bench.llama_cpp`).
         kv_cache_dtype: the engine's ``--kv-cache-dtype`` (``auto`` only against llama.cpp,
             whose side runs its default cache).
+        device_limit: plan as on a GPU of this many bytes (``--device-limit``).
+        cpu_layers: the engine's ``--cpu-layers`` (a dense model's last layers on the
+            CPU). On CUDA llama.cpp's side offloads as many layers as the engine keeps on
+            the GPU (``-ngl``), every one when the engine is not split.
 
     Raises:
         ValueError: ``against_llama_cpp`` without its tools, with a model that is not
@@ -220,6 +224,7 @@ def run_bench_engine(
         model=model, device=device, load_format="dummy" if shape is not None else "auto",
         attention_backend=attention_backend, cuda_graphs=cuda_graphs,
         max_running_requests=max(64, *batches), gguf_quantized=gguf_quantized, kv_cache_dtype=kv_cache_dtype,
+        device_limit=device_limit, cpu_layers=cpu_layers,
         **dataclasses.asdict(kernel_switches or KernelSwitches()),
     ))
     on_cuda = engine.device.type == "cuda"
@@ -251,10 +256,14 @@ def run_bench_engine(
     their_side = "transformers" if llama_cpp is None else "llama.cpp"
     if llama_cpp is not None:
         tools, gguf = llama_cpp
-        if on_cuda:  # every layer on the GPU, as the engine side runs
-            from engine.bench.llama_cpp import ALL_LAYERS
+        if on_cuda:  # as many layers on the GPU as the engine side keeps there
+            from engine.bench.llama_cpp import gpu_layers_for_split
 
-            tools = dataclasses.replace(tools, gpu_layers=ALL_LAYERS)
+            tools = dataclasses.replace(
+                tools, gpu_layers=gpu_layers_for_split(engine.model_config.num_layers, engine.cpu_layers))
+            if engine.cpu_layers:
+                print(f"split: the last {engine.cpu_layers} of {engine.model_config.num_layers} decoder layers on "
+                      f"the CPU; llama.cpp -ngl {tools.gpu_layers} (as many layers and the output layer on the GPU)")
         for b, plen, ntok in cases:
             prefill, decode = tools.speed(gguf, b, plen, ntok)
             theirs[(b, plen, ntok)] = Speed(prefill, float("nan") if decode is None else decode)

@@ -296,7 +296,7 @@ def _int_list(ctx: Any, param: Any, value: str) -> tuple[int, ...]:
     default=32,
     help_text="Tokens generated per request (greedy, EOS ignored).",
 )
-@with_settings("kv_cache_dtype", *KERNEL_SWITCHES)
+@with_settings("kv_cache_dtype", "device_limit", "cpu_layers", *KERNEL_SWITCHES)
 def bench_engine(**options: Any) -> None:
     """Prefill and decode tokens/s of the engine against transformers' generate (or
     llama.cpp's benchmarks on the same GGUF file) on the same model, device and dtype, at
@@ -316,9 +316,10 @@ def bench_engine(**options: Any) -> None:
 
     # The KV cache and kernel switches as serve takes them: flags, HEADROOM_* variables,
     # config file.
-    settings = resolve_or_fail({name: options.pop(name) for name in ("kv_cache_dtype", *KERNEL_SWITCHES)}, None)
+    own = ("kv_cache_dtype", "device_limit", "cpu_layers")
+    settings = resolve_or_fail({name: options.pop(name) for name in (*own, *KERNEL_SWITCHES)}, None)
     options["kernel_switches"] = pick(settings, KernelSwitches)
-    options["kv_cache_dtype"] = settings.kv_cache_dtype
+    options.update({name: getattr(settings, name) for name in own})
 
     shape = options["shape"]
     if shape is not None and shape not in SHAPES:

@@ -271,11 +271,13 @@ def test_plan_and_serve_refuse_heads_that_are_not_whole_blocks_before_anything(t
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize(("hk", "d"), [(2, 64), (3, 96)])
+@pytest.mark.parametrize(("hk", "d"), [(2, 64), (3, 96), (8, 128)])
 def test_triton_store_writes_the_torch_store_s_bytes(fmt, hk, d):
     """The Triton store of a block pool writes the bytes of the torch store (llama.cpp's
     quantizer): an all-zero block, a block whose largest magnitude is negative and one
-    where two values tie for it; 3 blocks a row (not a power of two) and bfloat16 rows."""
+    where two values tie for it; 3 blocks a row (not a power of two) and bfloat16 rows;
+    8 heads of 128, where compiled for an H200 two masked byte stores of the scale wrote 0
+    for its low byte (on a GPU, ``DEVICE`` is CUDA)."""
     pytest.importorskip("triton")
     from kernels.attention import triton_kv_store
 

@@ -52,10 +52,12 @@ def _store_blocks_kernel(X, Slots, Buf, stride_xt, stride_xh, stride_bs, stride_
         d = tl.div_rn(tl.where(amax_lo >= amax_hi, m_lo, m_hi), tl.full(amax_lo.shape, -8.0, tl.float32))
     inv = tl.where(d == 0.0, 0.0, tl.div_rn(tl.full(d.shape, 1.0, tl.float32), tl.where(d == 0.0, 1.0, d)))
     dst = Buf + slot * stride_bs + h * stride_bh + b * BLOCK_BYTES  # [HK, NB, 1]: each block's first byte
+    # The scale's float16 bits as one 16-bit store a block (blocks start at even bytes).
+    # Two byte stores masked to the first of the 16 lanes (j == 0) wrote 0 for the low
+    # byte of every block's scale when compiled for an H200 at 8 heads of 128 (not at 3
+    # of 64, nor in the interpreter): the scale off by up to a quarter.
     bits = d.to(tl.float16).to(tl.uint16, bitcast=True)[:, :, None]
-    first = m & (j == 0)
-    tl.store(dst + j, (bits & 0xFF).to(tl.uint8).to(Buf.dtype.element_ty, bitcast=True), mask=first)
-    tl.store(dst + j + 1, (bits >> 8).to(tl.uint8).to(Buf.dtype.element_ty, bitcast=True), mask=first)
+    tl.store(dst.to(tl.pointer_type(tl.uint16)), bits, mask=(h < HK) & (b < NB))
     x_lo = lo * inv[:, :, None]
     x_hi = hi * inv[:, :, None]
     if FMT == 1:
@@ -90,6 +92,8 @@ def scatter_kv(buf: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
                          f"{tuple(buf.shape)}")
     if x.stride(-1) != 1 or buf.stride(-1) != 1:
         raise ValueError("x and the pool need a contiguous last dimension")
+    if buf.data_ptr() % 2 or buf.stride(0) % 2 or buf.stride(1) % 2:
+        raise ValueError("the pool's blocks must start at even bytes (a scale is one 16-bit store)")
     if t == 0:
         return
     nb = d // KV_BLOCK

@@ -16,6 +16,7 @@ gives the recipe). ``PATH`` is the folder that holds them (or its ``build/bin``)
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -77,6 +78,12 @@ class LlamaCppTools:
             f"with `cmake -B build -DGGML_NATIVE=ON && cmake --build build --target {BENCH} {BATCHED}` in "
             "llama.cpp's source (docs/benchmarks.md) and give that folder"
         )
+
+    def offloading(self, num_layers: int, cpu_layers: int) -> LlamaCppTools:
+        """These tools with the ``-ngl`` of :func:`gpu_layers_for_split`: llama.cpp's layers
+        placed as an engine of ``num_layers`` decoder layers, its last ``cpu_layers`` on the
+        CPU, places its own."""
+        return dataclasses.replace(self, gpu_layers=gpu_layers_for_split(num_layers, cpu_layers))
 
     def check_batches(self, batches: tuple[int, ...]) -> None:
         """Refuse batch sizes these tools cannot measure, before anything runs.

@@ -257,10 +257,7 @@ def run_bench_engine(
     if llama_cpp is not None:
         tools, gguf = llama_cpp
         if on_cuda:  # as many layers on the GPU as the engine side keeps there
-            from engine.bench.llama_cpp import gpu_layers_for_split
-
-            tools = dataclasses.replace(
-                tools, gpu_layers=gpu_layers_for_split(engine.model_config.num_layers, engine.cpu_layers))
+            tools = tools.offloading(engine.model_config.num_layers, engine.cpu_layers)
             if engine.cpu_layers:
                 print(f"split: the last {engine.cpu_layers} of {engine.model_config.num_layers} decoder layers on "
                       f"the CPU; llama.cpp -ngl {tools.gpu_layers} (as many layers and the output layer on the GPU)")

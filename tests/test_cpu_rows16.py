@@ -1,4 +1,5 @@
-"""Blocks interleaved by 16 weight rows (kernels/cpu/rows16.c, kernels/cpu/rows16.py):
+"""Blocks interleaved by 16 weight rows (kernels/cpu/rows16.c, kernels/cpu/rows16.py;
+Q4_0/Q4_1/Q8_0 and Q4_K):
 the layout's bytes undo to the GGUF blocks exactly, the product on it equals gguf's
 dequantizer times the 16-bit activation codes (kernels/cpu/block_gemv.py's reference) to
 float32 order on odd shapes, what it cannot take is refused, a build without AVX-512 keeps
@@ -27,6 +28,15 @@ from kernels.quant.synthetic import random_blocks  # noqa: E402
 # the default model's down projection, one activation row (decode), a pass of 8 and the
 # passes past it, a prefill's many rows.
 SHAPES = [(16, 32, 1), (48, 96, 3), (32, 1536, 1), (160, 576, 8), (64, 64, 9), (16, 96, 17), (96, 576, 70)]
+# The K-quants' super-blocks take K in 256s: the same, K of one super-block up to the widened
+# default model's down projection (tests/kquant_files.py).
+KSHAPES = [(16, 256, 1), (48, 512, 3), (32, 1536, 1), (160, 768, 8), (64, 256, 9), (16, 512, 17), (96, 768, 70)]
+CASES = [(t, *shape) for t in rows16.TYPES for shape in (KSHAPES if t in rows16.KQUANTS else SHAPES)]
+
+
+def _cols(type_name: str) -> int:
+    """A K of several blocks that the type takes."""
+    return 512 if type_name in rows16.KQUANTS else 96
 
 
 def _case(type_name: str, rows: int, cols: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,18 +54,18 @@ def _needs(lib: ctypes.CDLL) -> None:
 
 @pytest.mark.parametrize("type_name", rows16.TYPES)
 def test_interleaving_moves_the_bytes_and_undoes_exactly(type_name):
-    blocks, _ = _case(type_name, 48, 96, 1)
+    blocks, _ = _case(type_name, 48, _cols(type_name), 1)
     inter = rows16.interleave(blocks, type_name)
     assert inter.shape == blocks.shape and inter.dtype == torch.uint8
     assert not torch.equal(inter, blocks)
     assert torch.equal(rows16.deinterleave(inter, type_name), blocks)
     # The first chunk starts with the 16 rows' float16 scales d, one after another.
-    d = blocks.view(48, -1)[:16, :2].reshape(-1)
+    at = 208 if type_name == "Q6_K" else 0  # where a block keeps its d
+    d = blocks.view(48, -1)[:16, at:at + 2].reshape(-1)
     assert torch.equal(inter.view(-1)[:32], d)
 
 
-@pytest.mark.parametrize("type_name", rows16.TYPES)
-@pytest.mark.parametrize(("rows", "cols", "m"), SHAPES)
+@pytest.mark.parametrize(("type_name", "rows", "cols", "m"), CASES)
 def test_the_interleaved_product_equals_gguf_s_dequantizer_times_the_codes(lib, type_name, rows, cols, m):
     _needs(lib)
     blocks, x = _case(type_name, rows, cols, m)
@@ -73,7 +83,7 @@ def test_what_the_layout_cannot_take_is_refused(lib):
     with pytest.raises(ValueError, match="multiples of 16"):
         rows16.interleave(blocks, "Q4_1")
     with pytest.raises(ValueError, match="multiples of 16"):
-        rows16.interleave(torch.from_numpy(random_blocks("Q4_K", 16, 256, np.random.default_rng(0))), "Q4_K")
+        rows16.interleave(torch.from_numpy(random_blocks("Q5_K", 16, 256, np.random.default_rng(0))), "Q5_K")
     _needs(lib)
     # Blocks called interleaved whose rows are no multiple of 16: the kernel refuses them.
     with pytest.raises(ValueError, match="multiple of 16"):
@@ -112,6 +122,24 @@ def test_a_projection_interleaves_its_runs_of_16_rows_and_keeps_the_file_s_block
         assert float((inter(x) - want).abs().max()) <= tol, m
 
 
+def test_k_quants_interleave_only_with_16_bit_activation_codes(lib):
+    """The K-quants' interleaved products take 16-bit codes: under ``cpu_kquant_act_bits``
+    8 a projection keeps the GGUF layout (the switch's 8-bit products), under 16 it
+    interleaves; and interleaved Q4_K blocks called with the 8-bit path still give the
+    16-bit products."""
+    from kernels.switches import using
+
+    _needs(lib)
+    q = _quant_linear([PartSpec(32, "Q4_K"), PartSpec(16, "Q6_K")], 512)
+    with using(cpu_kquant_act_bits="8"):
+        assert CpuBlockLinear.from_quant_linear(lib, q, torch.float32, interleave=True).types == ["Q4_K", "Q6_K"]
+        blocks, x = _case("Q4_K", 32, 512, 3)
+        got = block_gemv(lib, x, rows16.interleave(blocks, "Q4_K"), "Q4_Kx16")
+    # The reference with 16-bit codes (under 8 it quantizes as the 8-bit products do).
+    assert float((got - block_gemv_ref(x, blocks, "Q4_K")).abs().max()) <= _tolerance(x, blocks, "Q4_K")
+    assert CpuBlockLinear.from_quant_linear(lib, q, torch.float32, interleave=True).types == ["Q4_Kx16", "Q6_Kx16"]
+
+
 def _build_without(flag: str, out) -> ctypes.CDLL:
     """The library's sources built with ``flag`` (a -mno-... of -march=native)."""
     sources = [str(build._HERE / name) for name in build.SOURCES]
@@ -127,7 +155,7 @@ def test_an_avx512_build_without_vnni_gives_the_reference_s_products(lib, tmp_pa
     novnni = _build_without("-mno-avx512vnni", tmp_path / "novnni.so")
     assert rows16.available(novnni)
     for type_name in rows16.TYPES:
-        blocks, x = _case(type_name, 48, 96, 9)
+        blocks, x = _case(type_name, 48, _cols(type_name), 9)
         got = block_gemv(novnni, x, rows16.interleave(blocks, type_name), type_name + rows16.SUFFIX)
         assert float((got - block_gemv_ref(x, blocks, type_name)).abs().max()) <= _tolerance(x, blocks, type_name)
 
@@ -160,3 +188,20 @@ def test_a_huge_buffer_holds_its_tensors_one_after_another():
         v.copy_(p)
     assert all(torch.equal(v, p) for v, p in zip(views, parts, strict=True))
     assert rows16.huge_buffer([]) == []
+
+
+@pytest.mark.parametrize("type_name", rows16.KQUANTS)
+def test_an_interleaved_k_quant_table_looks_up_the_file_s_rows(lib, type_name):
+    """A tied head's table of Q4_K/Q6_K blocks, interleaved: a lookup gives gguf's values
+    of the rows asked for (any order, repeats), as the GGUF layout's lookup does; an id
+    outside the table is refused. The lookup is plain C: a build without AVX-512 has it."""
+    from kernels.cpu.block_gemv import dequantize_ids
+    from kernels.quant import reference
+
+    blocks = torch.from_numpy(random_blocks(type_name, 64, 512, np.random.default_rng(3)))
+    ids = torch.tensor([0, 17, 63, 5, 17, 40])
+    got = dequantize_ids(lib, rows16.interleave(blocks, type_name), type_name + rows16.SUFFIX, ids)
+    assert torch.equal(got, reference.dequantize(blocks, type_name, 512)[ids])
+    assert torch.equal(got, dequantize_ids(lib, blocks, type_name, ids))
+    with pytest.raises(ValueError, match="ids"):
+        dequantize_ids(lib, rows16.interleave(blocks, type_name), type_name + rows16.SUFFIX, torch.tensor([64]))

@@ -96,6 +96,7 @@ def test_a_q4_k_m_model_of_trained_weights_follows_its_float32_reference(tmp_pat
     near-tie rule, each from the same first token. (8-bit codes do not keep to it on this
     model: docs/cpu.md.)"""
     from engine.layers.linear.cpu_blocks import CpuBlockLinear
+    from kernels.cpu import rows16
 
     path = tmp_path / "wide_q4_k_m.gguf"
     write_widened_default(path)
@@ -103,7 +104,11 @@ def test_a_q4_k_m_model_of_trained_weights_follows_its_float32_reference(tmp_pat
     engine = Engine(EngineConfig(model=str(path), device="cpu", kv_cache=256 << 20))
     blocks = [m for m in engine.model.modules() if isinstance(m, CpuBlockLinear)]
     assert len(blocks) == 4 * engine.model_config.num_layers + 1  # and the tied head
-    assert {t for m in blocks for t in m.types} == {"Q4_K", "Q6_K"}
+    # Interleaved by 16 rows where the build has AVX-512 (kernels/cpu/rows16.c), the
+    # tied head's table too.
+    x16 = rows16.SUFFIX if rows16.available(lib) else ""
+    assert {t for m in blocks for t in m.types} == {"Q4_K" + x16, "Q6_K" + x16}
+    assert engine.model.model.embed_tokens.type_name == "Q6_K" + x16
     # Decode steps run the C decode layer (q/k/v of two types); the embeddings and the
     # tied head are one table of Q6_K blocks, as the plan prices them.
     assert engine.model.cpu_decode is not None and len(engine.model.cpu_decode.specs) == 30

@@ -283,8 +283,8 @@ void hr_legacy_rows(int type, const uint8_t *w, int64_t K, const int16_t *codes,
 /* y[m * ldy + n] = x[m] . W[n] for m < M, n < N.
  *
  * x: float32 [M, K] (rows K apart); w: N rows of K weights in blocks of `type` (any type
- * of blocks.h: K a multiple of 32, of 256 for the K-quants; Q4_0/Q4_1/Q8_0 | HR_ROWS16:
- * interleaved by 16 rows, rows16.c, N a multiple of 16); y: float32, rows ldy apart;
+ * of blocks.h: K a multiple of 32, of 256 for the K-quants; Q4_0/Q4_1/Q8_0/Q4_K | HR_ROWS16:
+ * interleaved by 16 rows, rows16.c, N a multiple of 16, on 16-bit codes whatever the path); y: float32, rows ldy apart;
  * work: at least hr_work_bytes(M, K) bytes, for the quantized rows. threads: OpenMP
  * threads over N (the caller's count; torch's libgomp is the one loaded, so they are
  * torch's own pool); scalar: the plain C product.
@@ -297,7 +297,8 @@ int hr_block_gemv(int type, const float *x, int64_t M, int64_t K, const uint8_t 
     const int rows16 = (type & HR_ROWS16) != 0;  /* interleaved blocks (rows16.c) */
     if (rows16) {
         type &= ~HR_ROWS16;
-        if ((type != Q4_0 && type != Q4_1 && type != Q8_0) || N % 16 || !hr_rows16_available()) return -1;
+        if (!hr_rows16_takes(type) || N % 16 || !hr_rows16_available()) return -1;
+        scalar &= ~HR_ACT8;  /* the interleaved products take 16-bit codes */
     }
     const int be = hr_block_elements(type);
     if (be == 0 || K % be != 0 || M < 0 || N < 0) return -1;

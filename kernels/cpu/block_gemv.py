@@ -29,9 +29,9 @@ TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
 # Every type the C row products read (blocks.h): the K-quants too (kquant.c), whose
 # blocks of 256 need K a multiple of 256, and MXFP4 (mxfp4.c; gpt-oss's experts).
 GEMV_TYPE_IDS = {**TYPE_IDS, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "MXFP4": 39}
-# Q4_0/Q4_1/Q8_0 blocks interleaved by 16 rows (:mod:`kernels.cpu.rows16`), where the
+# Q4_0/Q4_1/Q8_0/Q4_K blocks interleaved by 16 rows (:mod:`kernels.cpu.rows16`), where the
 # build has AVX-512.
-ROWS16_IDS = {name: TYPE_IDS[t] | rows16.FLAG for name, t in rows16.NAMES.items()}
+ROWS16_IDS = {name: GEMV_TYPE_IDS[t] | rows16.FLAG for name, t in rows16.NAMES.items()}
 # The products the C kernels take (blocks.h's HR_PATH_*): the fastest the build has (the
 # AVX-512 block GEMM of block_gemm.c where the CPU has AVX-512 BW), the plain C one, the
 # AVX2 tile.
@@ -201,4 +201,29 @@ def dequantize_rows(lib: ctypes.CDLL, blocks: torch.Tensor, type_name: str, lo: 
     if lib.hr_dequantize_rows(DEQUANT_IDS[type_name], blocks.data_ptr(), k, lo, hi, out.data_ptr(),
                               threads or torch.get_num_threads()) != 0:
         raise ValueError(f"dequantize_rows refused {type_name} blocks of K={k}")
+    return out
+
+
+def dequantize_ids(lib: ctypes.CDLL, blocks: torch.Tensor, type_name: str, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` (int64 ``[n]``) of ``blocks`` as float32 ``[n, K]``, gguf's values: a
+    type of :data:`DEQUANT_IDS` gathered, then :func:`dequantize_rows`; Q4_K or Q6_K
+    blocks interleaved by 16 rows (``Q4_Kx16``, ``Q6_Kx16``: a tied head's embeddings,
+    :mod:`kernels.cpu.rows16`) by the C lookup, which puts each row's blocks back first.
+
+    Raises:
+        ValueError: a type without the lookup, or an id outside the rows.
+    """
+    if type_name in DEQUANT_IDS:
+        rows = blocks.index_select(0, ids)
+        return dequantize_rows(lib, rows, type_name, 0, rows.shape[0])
+    base = rows16.NAMES.get(type_name)
+    if base not in rows16.KQUANTS or not blocks.is_contiguous():
+        raise ValueError(f"dequantize_ids: {type_name} blocks; takes {', '.join((*DEQUANT_IDS, 'Q4_Kx16', 'Q6_Kx16'))}")
+    fmt = block_format(base)
+    k = blocks.shape[1] // fmt.block_bytes * fmt.block_elements
+    ids = ids.to(torch.int64).contiguous()
+    out = torch.empty(ids.numel(), k, dtype=torch.float32)
+    if lib.hr_rows16_dequantize(GEMV_TYPE_IDS[base], blocks.data_ptr(), k, blocks.shape[0], ids.data_ptr(),
+                                ids.numel(), out.data_ptr()) != 0:
+        raise ValueError(f"dequantize_ids: ids {ids.tolist()[:8]} of {blocks.shape[0]} {type_name} rows of K={k}")
     return out

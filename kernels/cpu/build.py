@@ -163,6 +163,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.hr_quantize_row8.argtypes = [ptr, c_i64, ptr, ptr, ptr]
     lib.hr_dequantize_rows.restype = c_int
     lib.hr_dequantize_rows.argtypes = [c_int, ptr, c_i64, c_i64, c_i64, ptr, c_int]
+    lib.hr_rows16_dequantize.restype = c_int
+    lib.hr_rows16_dequantize.argtypes = [c_int, ptr, c_i64, c_i64, ptr, c_i64, ptr]
     lib.hr_moe_work_bytes.restype = c_i64
     lib.hr_moe_work_bytes.argtypes = [c_i64, c_i64, c_i64, c_i64]
     lib.hr_moe_experts.restype = c_int

@@ -22,6 +22,36 @@
  * each of the 16 rows, so a block is 16 (Q8_0) or 16 (Q4: 8 loads, each two registers)
  * vpdpwssd and one row's int32 lane holds the block's whole sum.
  *
+ * Q4_K (kquant.c's type of 256 weights a block, 8 sub-blocks of 32 with 6-bit scales
+ * and mins): a chunk holds super-block s of 16 rows, chunks in the order (g, s), the same
+ * 16 x 144 bytes moved:
+ *
+ *     d[16] (f16), dmin[16] (f16), planes[12][16], codes[4][16][16][2]
+ *
+ * plane p holds byte p of each row's packed scales[12], so a sub-block's 16 scales (and
+ * mins) are a few byte operations on one or two 16-byte loads; code byte 512 p + 32 k +
+ * 2 j + t is the file's qs[32 p + 2 k + t] of row j: its low nibble weight 2 k + t of
+ * sub-block 2 p, its high one weight 2 k + t of sub-block 2 p + 1. 32 bytes widened to
+ * 16-bit lanes then hold two weights of each row for two sub-blocks (low and high
+ * nibbles), each a vpdpwssd against a 32-bit broadcast of the activation codes. A
+ * sub-block's sum of q c is exact in int32 and in float32 (32 x 15 x 32767 < 2^24) and
+ * is scaled by (d sc_j) dx_b in float32; the mins add (-dmin m_j) dx_b s_b, as kquant.c.
+ * Where kquant.c multiplies the codes by sc_j in int16 lanes first, this applies sc_j
+ * in float32: the float32 order differs, nothing else.
+ *
+ * Q6_K (16 sub-blocks of 16 weights, int8 scales, w = d sc (q - 32) with q of 6 bits):
+ * a chunk holds super-block s of 16 rows, the same 16 x 210 bytes moved:
+ *
+ *     d[16] (f16), scales[16][16] (sub-block, row), ql[2][32][16][2], qh[2][16][16][2]
+ *
+ * For half n (weights 128 n on) and step k < 32, ql byte (n, k, j, t) is the file's
+ * ql[64 n + 2 k + t] of row j: its low nibble weight 2 k + t of the half, its high one
+ * weight 2 k + t + 64. The top two bits of those weights at steps 2 m and 2 m + 1 are qh
+ * byte (n, m, j, t): bits 0-1 and 2-3 step 2 m's (low, high), bits 4-5 and 6-7 step
+ * 2 m + 1's. A step is then one 32-byte load of each (a qh load serves two), widened to
+ * 16-bit lanes, and two vpdpwssd of q - 32; a sub-block's sum is exact in int32 and
+ * float32 (16 x 32 x 32767 < 2^24), scaled by (d sc) dx_b in float32.
+ *
  * The arithmetic is block_gemv.c's: 16-bit activation codes per block of 32, the block's
  * integer sum exact in int32 (Q4_0's -8 taken as -8 s from the codes' sum s), scaled by dw
  * dx in float32 (Q4_1 adds m dx s), blocks summed in float32 in order. Q4 sums are below
@@ -91,6 +121,123 @@ static inline __attribute__((always_inline)) void group16(int type, const uint8_
     for (int i = 0; i < MT; i++) _mm512_storeu_ps(y + i * ldy, acc[i]);
 }
 
+/* The 6-bit scale (min: the 6-bit min) of sub-block j of the 16 rows whose scale planes
+ * are at pl, as float32 lanes (ggml's get_scale_min_k4 on each row's bytes). */
+static inline __attribute__((always_inline)) __m512 scale_min16(const uint8_t *pl, int j, int min) {
+    const __m128i low6 = _mm_set1_epi8(63), low4 = _mm_set1_epi8(15), two = _mm_set1_epi8(3);
+    __m128i v;
+    if (j < 4) {
+        v = _mm_and_si128(_mm_loadu_si128((const __m128i *)(pl + 16 * (j + 4 * min))), low6);
+    } else {
+        const __m128i c = _mm_loadu_si128((const __m128i *)(pl + 16 * (j + 4)));
+        const __m128i a = _mm_loadu_si128((const __m128i *)(pl + 16 * (j - 4 + 4 * min)));
+        const __m128i bottom = min ? _mm_and_si128(_mm_srli_epi16(c, 4), low4) : _mm_and_si128(c, low4);
+        const __m128i top = _mm_and_si128(_mm_srli_epi16(a, 6), two);  /* bits 6-7 of a */
+        v = _mm_or_si128(bottom, _mm_slli_epi16(top, 4));
+    }
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v));
+}
+
+/* group16 for Q4_K chunks (the layout above): nsb super-blocks of 16 rows, MT
+ * activation rows (dx and dxs = dx s per block of 32, nb apart). */
+static inline __attribute__((always_inline)) void group16_q4k(const uint8_t *w, int64_t nsb, const int16_t *codes,
+                                                              int64_t K, const float *dx, const float *dxs,
+                                                              const int MT, float *y, int64_t ldy) {
+    const int64_t nb = K / 32;
+    const __m512i low4 = _mm512_set1_epi16(15);
+    __m512 acc[HR_R16_MT];
+    for (int i = 0; i < MT; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < nsb; s++) {
+        const uint8_t *ch = w + s * 16 * 144, *pl = ch + 64;
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)ch));
+        const __m512 negmin = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ch + 32))));
+        for (int j = 0; j < 8; j++) {  /* the mins: -dmin m_j dx_b s_b */
+            const __m512 mj = _mm512_mul_ps(negmin, scale_min16(pl, j, 1));
+            for (int i = 0; i < MT; i++) acc[i] = _mm512_fmadd_ps(mj, _mm512_set1_ps(dxs[i * nb + s * 8 + j]), acc[i]);
+        }
+        for (int p = 0; p < 4; p++) {  /* sub-blocks 2p (low nibbles) and 2p + 1 (high) */
+            const uint8_t *qs = ch + 256 + 512 * p;
+            const int64_t b = s * 8 + 2 * p;
+            __m512i lo_sum[HR_R16_MT], hi_sum[HR_R16_MT];
+            for (int i = 0; i < MT; i++) lo_sum[i] = hi_sum[i] = _mm512_setzero_si512();
+            for (int k = 0; k < 16; k++) {
+                const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(qs + 32 * k)));
+                const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_srli_epi16(v, 4);
+                for (int i = 0; i < MT; i++) {
+                    const int16_t *c = codes + i * K + b * 32 + 2 * k;
+                    lo_sum[i] = dot_acc(lo_sum[i], lo, pair(c));
+                    hi_sum[i] = dot_acc(hi_sum[i], hi, pair(c + 32));
+                }
+            }
+            const __m512 slo = _mm512_mul_ps(d, scale_min16(pl, 2 * p, 0));
+            const __m512 shi = _mm512_mul_ps(d, scale_min16(pl, 2 * p + 1, 0));
+            for (int i = 0; i < MT; i++) {
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo_sum[i]), _mm512_mul_ps(slo, _mm512_set1_ps(dx[i * nb + b])),
+                                         acc[i]);
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi_sum[i]),
+                                         _mm512_mul_ps(shi, _mm512_set1_ps(dx[i * nb + b + 1])), acc[i]);
+            }
+        }
+    }
+    for (int i = 0; i < MT; i++) _mm512_storeu_ps(y + i * ldy, acc[i]);
+}
+
+/* The int8 scales of sub-block i of 16 rows (16 bytes at sc), as float32 lanes. */
+static inline __attribute__((always_inline)) __m512 scales16(const uint8_t *sc, int i) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sc + 16 * i))));
+}
+
+/* group16 for Q6_K chunks (the layout above). */
+static inline __attribute__((always_inline)) void group16_q6k(const uint8_t *w, int64_t nsb, const int16_t *codes,
+                                                              int64_t K, const float *dx, const int MT, float *y,
+                                                              int64_t ldy) {
+    const int64_t nb = K / 32;
+    const __m512i low4 = _mm512_set1_epi16(15), two = _mm512_set1_epi16(3 << 4), bias = _mm512_set1_epi16(32);
+    __m512 acc[HR_R16_MT];
+    for (int i = 0; i < MT; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < nsb; s++) {
+        const uint8_t *ch = w + s * 16 * 210, *sc = ch + 32;
+        /* Two chunks ahead (the next group's follow on): the hardware prefetcher fell behind
+         * on a chunk's two streams (ql, qh), 9 against 24 Gweights/s out of memory. */
+        for (int l = 0; l < 16 * 210; l += 64) _mm_prefetch((const char *)ch + 2 * 16 * 210 + l, _MM_HINT_T0);
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)ch));
+        for (int n = 0; n < 2; n++) {
+            const uint8_t *ql = ch + 288 + 1024 * n, *qh = ch + 2336 + 512 * n;
+            for (int q = 0; q < 4; q++) {  /* steps 8q to 8q + 7: sub-blocks 8n + q (low) and 8n + 4 + q */
+                __m512i lo_sum[HR_R16_MT], hi_sum[HR_R16_MT];
+                for (int i = 0; i < MT; i++) lo_sum[i] = hi_sum[i] = _mm512_setzero_si512();
+                for (int m = 4 * q; m < 4 * q + 4; m++) {
+                    const __m512i h = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(qh + 32 * m)));
+                    for (int kk = 0; kk < 2; kk++) {
+                        const int k = 2 * m + kk;
+                        const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(ql + 32 * k)));
+                        const __m512i hb = kk ? _mm512_srli_epi16(h, 4) : h;
+                        const __m512i lo = _mm512_sub_epi16(
+                            _mm512_or_si512(_mm512_and_si512(v, low4), _mm512_and_si512(_mm512_slli_epi16(hb, 4), two)), bias);
+                        const __m512i hi = _mm512_sub_epi16(
+                            _mm512_or_si512(_mm512_srli_epi16(v, 4), _mm512_and_si512(_mm512_slli_epi16(hb, 2), two)), bias);
+                        for (int i = 0; i < MT; i++) {
+                            const int16_t *c = codes + i * K + s * 256 + 128 * n + 2 * k;
+                            lo_sum[i] = dot_acc(lo_sum[i], lo, pair(c));
+                            hi_sum[i] = dot_acc(hi_sum[i], hi, pair(c + 64));
+                        }
+                    }
+                }
+                const __m512 slo = _mm512_mul_ps(d, scales16(sc, 8 * n + q));
+                const __m512 shi = _mm512_mul_ps(d, scales16(sc, 8 * n + 4 + q));
+                const int64_t b = s * 8 + 4 * n + q / 2;  /* the activation blocks of 32: b (low), b + 2 (high) */
+                for (int i = 0; i < MT; i++) {
+                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo_sum[i]), _mm512_mul_ps(slo, _mm512_set1_ps(dx[i * nb + b])),
+                                             acc[i]);
+                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi_sum[i]),
+                                             _mm512_mul_ps(shi, _mm512_set1_ps(dx[i * nb + b + 2])), acc[i]);
+                }
+            }
+        }
+    }
+    for (int i = 0; i < MT; i++) _mm512_storeu_ps(y + i * ldy, acc[i]);
+}
+
 /* Every pass of up to HR_R16_MT activation rows over one group, at a constant type. */
 static inline __attribute__((always_inline)) void group_of(int type, const uint8_t *w, int64_t nb,
                                                            const int16_t *codes, int64_t K, const float *dx,
@@ -102,6 +249,32 @@ static inline __attribute__((always_inline)) void group_of(int type, const uint8
         const float *x = dx + m0 * nb, *xs = dxs + m0 * nb;
         const int32_t *s = sums + m0 * nb;
         float *yt = y + m0 * ldy;
+        if (type == Q4_K) {
+            switch (mt) {
+                case 8: group16_q4k(w, nb / 8, c, K, x, xs, 8, yt, ldy); break;
+                case 7: group16_q4k(w, nb / 8, c, K, x, xs, 7, yt, ldy); break;
+                case 6: group16_q4k(w, nb / 8, c, K, x, xs, 6, yt, ldy); break;
+                case 5: group16_q4k(w, nb / 8, c, K, x, xs, 5, yt, ldy); break;
+                case 4: group16_q4k(w, nb / 8, c, K, x, xs, 4, yt, ldy); break;
+                case 3: group16_q4k(w, nb / 8, c, K, x, xs, 3, yt, ldy); break;
+                case 2: group16_q4k(w, nb / 8, c, K, x, xs, 2, yt, ldy); break;
+                default: group16_q4k(w, nb / 8, c, K, x, xs, 1, yt, ldy); break;
+            }
+            continue;
+        }
+        if (type == Q6_K) {
+            switch (mt) {
+                case 8: group16_q6k(w, nb / 8, c, K, x, 8, yt, ldy); break;
+                case 7: group16_q6k(w, nb / 8, c, K, x, 7, yt, ldy); break;
+                case 6: group16_q6k(w, nb / 8, c, K, x, 6, yt, ldy); break;
+                case 5: group16_q6k(w, nb / 8, c, K, x, 5, yt, ldy); break;
+                case 4: group16_q6k(w, nb / 8, c, K, x, 4, yt, ldy); break;
+                case 3: group16_q6k(w, nb / 8, c, K, x, 3, yt, ldy); break;
+                case 2: group16_q6k(w, nb / 8, c, K, x, 2, yt, ldy); break;
+                default: group16_q6k(w, nb / 8, c, K, x, 1, yt, ldy); break;
+            }
+            continue;
+        }
         switch (mt) {  /* a constant MT a call: the accumulators stay in registers */
             case 8: group16(type, w, nb, c, K, x, s, xs, 8, yt, ldy); break;
             case 7: group16(type, w, nb, c, K, x, s, xs, 7, yt, ldy); break;
@@ -127,13 +300,15 @@ int hr_rows16_available(void) {
 int hr_rows16(int type, const uint8_t *w, int64_t K, const int16_t *codes, const float *dx, const int32_t *sums,
               const float *dxs, int64_t M, int64_t n0, int64_t n1, float *y, int64_t ldy) {
 #ifdef HR_AVX512
-    const int64_t nb = K / 32, group_bytes = 16 * nb * hr_block_bytes(type);
-    if (K % 32 || n0 % 16 || n1 % 16 || (type != Q4_0 && type != Q4_1 && type != Q8_0)) return -1;
+    if (!hr_rows16_takes(type) || K % hr_block_elements(type) || n0 % 16 || n1 % 16) return -1;
+    const int64_t nb = K / 32, group_bytes = 16 * (K / hr_block_elements(type)) * hr_block_bytes(type);
     for (int64_t g = n0 / 16; g < n1 / 16; g++) {
         const uint8_t *wg = w + g * group_bytes;
         switch (type) {  /* one copy a type: its branches fold away */
             case Q4_0: group_of(Q4_0, wg, nb, codes, K, dx, sums, dxs, M, y + 16 * g, ldy); break;
             case Q4_1: group_of(Q4_1, wg, nb, codes, K, dx, sums, dxs, M, y + 16 * g, ldy); break;
+            case Q4_K: group_of(Q4_K, wg, nb, codes, K, dx, sums, dxs, M, y + 16 * g, ldy); break;
+            case Q6_K: group_of(Q6_K, wg, nb, codes, K, dx, sums, dxs, M, y + 16 * g, ldy); break;
             default: group_of(Q8_0, wg, nb, codes, K, dx, sums, dxs, M, y + 16 * g, ldy); break;
         }
     }
@@ -143,4 +318,54 @@ int hr_rows16(int type, const uint8_t *w, int64_t K, const int16_t *codes, const
     (void)y, (void)ldy;
     return -1;
 #endif
+}
+
+/* Row j (of 16) of an interleaved K-quant chunk (the layouts above) as the file's block:
+ * 144 (Q4_K) or 210 (Q6_K) bytes into blk. Plain C: a lookup of a few rows. */
+static void unpack_row(int type, const uint8_t *ch, int j, uint8_t *blk) {
+    if (type == Q4_K) {
+        memcpy(blk, ch + 2 * j, 2);
+        memcpy(blk + 2, ch + 32 + 2 * j, 2);
+        for (int p = 0; p < 12; p++) blk[4 + p] = ch[64 + 16 * p + j];
+        for (int p = 0; p < 4; p++)
+            for (int k = 0; k < 16; k++)
+                for (int t = 0; t < 2; t++) blk[16 + 32 * p + 2 * k + t] = ch[256 + 512 * p + 32 * k + 2 * j + t];
+        return;
+    }
+    memcpy(blk + 208, ch + 2 * j, 2);
+    for (int i = 0; i < 16; i++) blk[192 + i] = ch[32 + 16 * i + j];
+    for (int n = 0; n < 2; n++) {
+        for (int k = 0; k < 32; k++)
+            for (int t = 0; t < 2; t++) blk[64 * n + 2 * k + t] = ch[288 + 1024 * n + 32 * k + 2 * j + t];
+        for (int l = 0; l < 32; l++) {  /* qh[l]: the top bits of weights l, l + 32, l + 64, l + 96 of the half */
+            uint8_t qh = 0;
+            for (int p = 0; p < 4; p++) {
+                const int i = l + 32 * (p & 1), k = i / 2, t = i % 2;  /* low weight i, or i + 64 (p >= 2) */
+                const uint8_t packed = ch[2336 + 512 * n + 32 * (k / 2) + 2 * j + t];
+                qh |= (uint8_t)(((packed >> (4 * (k % 2) + 2 * (p >> 1))) & 3) << (2 * p));
+            }
+            blk[128 + 32 * n + l] = qh;
+        }
+    }
+}
+
+/* Rows ids[0..n) of N rows of K weights in interleaved Q4_K or Q6_K blocks as float32,
+ * out[i * K ...]: gguf's values (hr_kquant_dequantize_row on each row's blocks put back).
+ * A lookup of a tied head's embeddings. Returns 0, or -1 for a type, K or an id it does
+ * not take. Built on any machine: the layout is bytes, only its product needs AVX-512. */
+int hr_rows16_dequantize(int type, const uint8_t *w, int64_t K, int64_t N, const int64_t *ids, int64_t n,
+                         float *out) {
+    if ((type != Q4_K && type != Q6_K) || K % 256 || N % 16) return -1;
+    const int bb = hr_block_bytes(type);
+    const int64_t nsb = K / 256;
+    uint8_t blk[210];
+    for (int64_t i = 0; i < n; i++) {
+        if (ids[i] < 0 || ids[i] >= N) return -1;
+        const uint8_t *group = w + (ids[i] / 16) * nsb * 16 * bb;
+        for (int64_t s = 0; s < nsb; s++) {
+            unpack_row(type, group + s * 16 * bb, (int)(ids[i] % 16), blk);
+            hr_kquant_dequantize_row(type, blk, 256, out + i * K + s * 256);
+        }
+    }
+    return 0;
 }

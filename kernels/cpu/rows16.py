@@ -1,12 +1,20 @@
-"""Q4_0/Q4_1/Q8_0 blocks interleaved by 16 weight rows (``rows16.c``): the layout a CPU
-with AVX-512 gives a projection's blocks at load, so that one register's 16 lanes are 16
-weight rows and a block's scales one load. The same bytes as the GGUF blocks, reordered;
-:func:`interleave` writes it and :func:`deinterleave` undoes it (the tests' reference).
+"""Q4_0/Q4_1/Q8_0 and Q4_K blocks interleaved by 16 weight rows (``rows16.c``): the layout
+a CPU with AVX-512 gives a projection's blocks at load, so that one register's 16 lanes
+are 16 weight rows and a block's scales one load. The same bytes as the GGUF blocks,
+reordered; :func:`interleave` writes it and :func:`deinterleave` undoes it (the tests'
+reference).
 
 A chunk holds block ``b`` of rows ``16g .. 16g + 15``, chunks in the order ``(g, b)``: the
 16 rows' float16 ``d`` (and for Q4_1 their ``m``), then their codes; Q4 code byte
 ``32k + 2j + t`` holds weight ``2k + t`` of row ``j`` in its low nibble and ``2k + 16 + t``
 in its high one, Q8_0 code byte ``32k + 2j + t`` is weight ``2k + t`` of row ``j``.
+
+Q4_K's chunk is super-block ``s`` of the 16 rows (2,304 bytes): their float16 ``d``, then
+``dmin``, then 12 planes of 16 bytes (plane ``p``: byte ``p`` of each row's packed
+scales), then code byte ``512p + 32k + 2j + t`` = the file's ``qs[32p + 2k + t]`` of row
+``j`` (low nibble: weight ``2k + t`` of sub-block ``2p``; high: of sub-block ``2p + 1``).
+Its product takes 16-bit activation codes, so Q4_K interleaves only while the
+``cpu_kquant_act_bits`` switch is 16.
 """
 
 from __future__ import annotations
@@ -18,13 +26,16 @@ import sys
 import torch
 
 from kernels.quant.formats import block_format
+from kernels.switches import current
 
 ROWS = 16
 # The C kernels' type id of interleaved blocks: the GGUF type's ggml id | this flag (blocks.h).
 FLAG = 0x100
 SUFFIX = "x16"
 # The GGUF types that interleave, and the names their interleaved blocks go by.
-TYPES = ("Q4_0", "Q4_1", "Q8_0")
+TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
+# The K-quants among them: their products take 16-bit activation codes.
+KQUANTS = ("Q4_K", "Q6_K")
 NAMES = {f"{t}{SUFFIX}": t for t in TYPES}
 
 
@@ -35,7 +46,14 @@ def available(lib: ctypes.CDLL) -> bool:
 
 def takes(type_name: str, rows: int) -> bool:
     """Whether ``rows`` rows of ``type_name`` blocks interleave: a type of :data:`TYPES`,
-    ``rows`` a multiple of 16."""
+    ``rows`` a multiple of 16; Q4_K only while the ``cpu_kquant_act_bits`` switch is 16
+    (its interleaved product takes 16-bit codes, and 8 is the switch's to choose)."""
+    if type_name in KQUANTS and current().cpu_kquant_act_bits != "16":
+        return False
+    return _fits(type_name, rows)
+
+
+def _fits(type_name: str, rows: int) -> bool:
     return type_name in TYPES and rows % ROWS == 0 and rows > 0
 
 
@@ -54,8 +72,12 @@ def interleave(blocks: torch.Tensor, type_name: str) -> torch.Tensor:
         ValueError: a type not in :data:`TYPES`, or ``N`` not a multiple of 16.
     """
     n, row_bytes = blocks.shape
-    if not takes(type_name, n):
+    if not _fits(type_name, n):
         raise ValueError(f"interleave: {n} rows of {type_name} blocks; takes {', '.join(TYPES)} in multiples of {ROWS}")
+    if type_name == "Q4_K":
+        return _interleave_q4k(blocks)
+    if type_name == "Q6_K":
+        return _interleave_q6k(blocks)
     scale_bytes, code_bytes = _split(type_name)
     bb = scale_bytes + code_bytes
     nb = row_bytes // bb
@@ -73,8 +95,76 @@ def interleave(blocks: torch.Tensor, type_name: str) -> torch.Tensor:
     return out.contiguous().view(n, row_bytes)
 
 
+def _interleave_q4k(blocks: torch.Tensor) -> torch.Tensor:
+    """Q4_K's chunks (the module's docstring): d, dmin, the 12 scale planes, the codes."""
+    n, row_bytes = blocks.shape
+    g, nsb = n // ROWS, row_bytes // 144
+    b = blocks.view(g, ROWS, nsb, 144).permute(0, 2, 1, 3)  # [g, s, row, byte]
+    d, dmin = b[..., 0:2].reshape(g, nsb, 32), b[..., 2:4].reshape(g, nsb, 32)
+    planes = b[..., 4:16].transpose(2, 3).reshape(g, nsb, 192)  # [g, s, plane, row]
+    codes = b[..., 16:].reshape(g, nsb, ROWS, 4, 16, 2).permute(0, 1, 3, 4, 2, 5)  # [g, s, p, k, row, t]
+    out = torch.cat([d, dmin, planes, codes.reshape(g, nsb, 2048)], dim=-1)
+    return out.contiguous().view(n, row_bytes)
+
+
+def _chunks(blocks: torch.Tensor, block_bytes: int) -> tuple[int, int, torch.Tensor]:
+    """(groups, super-blocks a row, the chunks ``[g, s, 16 x block_bytes]``) of interleaved
+    K-quant blocks."""
+    n, row_bytes = blocks.shape
+    g, nsb = n // ROWS, row_bytes // block_bytes
+    return g, nsb, blocks.reshape(g, nsb, ROWS * block_bytes)
+
+
+def _deinterleave_q4k(blocks: torch.Tensor) -> torch.Tensor:
+    g, nsb, c = _chunks(blocks, 144)
+    d = c[..., 0:32].reshape(g, nsb, ROWS, 2)
+    dmin = c[..., 32:64].reshape(g, nsb, ROWS, 2)
+    scales = c[..., 64:256].reshape(g, nsb, 12, ROWS).transpose(2, 3)
+    qs = c[..., 256:].reshape(g, nsb, 4, 16, ROWS, 2).permute(0, 1, 4, 2, 3, 5).reshape(g, nsb, ROWS, 128)
+    out = torch.cat([d, dmin, scales, qs], dim=-1).permute(0, 2, 1, 3)  # [g, row, s, byte]
+    return out.contiguous().view(blocks.shape)
+
+
+def _interleave_q6k(blocks: torch.Tensor) -> torch.Tensor:
+    """Q6_K's chunks (the module's docstring): d, the scales by sub-block, ql, qh."""
+    n, row_bytes = blocks.shape
+    g, nsb = n // ROWS, row_bytes // 210
+    b = blocks.view(g, ROWS, nsb, 210).permute(0, 2, 1, 3)  # [g, s, row, byte]
+    d = b[..., 208:210].reshape(g, nsb, 32)
+    scales = b[..., 192:208].transpose(2, 3).reshape(g, nsb, 256)  # [g, s, sub-block, row]
+    ql = b[..., :128].reshape(g, nsb, ROWS, 2, 32, 2).permute(0, 1, 3, 4, 2, 5)  # [g, s, half, k, row, t]
+    # Each weight's top 2 bits, by half and weight (qh[l] holds those of l, l + 32, l + 64, l + 96).
+    qh = b[..., 128:192].reshape(g, nsb, ROWS, 2, 1, 32)
+    top = (qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)) & 3  # [g, s, row, half, 4, 32]
+    top = top.reshape(g, nsb, ROWS, 2, 128)
+    lo, hi = (top[..., :64].reshape(g, nsb, ROWS, 2, 16, 2, 2), top[..., 64:].reshape(g, nsb, ROWS, 2, 16, 2, 2))
+    packed = lo[..., 0, :] | (hi[..., 0, :] << 2) | (lo[..., 1, :] << 4) | (hi[..., 1, :] << 6)  # [g, s, row, half, m, t]
+    packed = packed.permute(0, 1, 3, 4, 2, 5)  # [g, s, half, m, row, t]
+    out = torch.cat([d, scales, ql.reshape(g, nsb, 2048), packed.reshape(g, nsb, 1024)], dim=-1)
+    return out.contiguous().view(n, row_bytes)
+
+
+def _deinterleave_q6k(blocks: torch.Tensor) -> torch.Tensor:
+    g, nsb, c = _chunks(blocks, 210)
+    d = c[..., 0:32].reshape(g, nsb, ROWS, 2)
+    scales = c[..., 32:288].reshape(g, nsb, 16, ROWS).transpose(2, 3)
+    ql = c[..., 288:2336].reshape(g, nsb, 2, 32, ROWS, 2).permute(0, 1, 4, 2, 3, 5).reshape(g, nsb, ROWS, 128)
+    packed = c[..., 2336:].reshape(g, nsb, 2, 16, ROWS, 2).permute(0, 1, 4, 2, 3, 5)  # [g, s, row, half, m, t]
+    lo = torch.stack([packed & 3, (packed >> 4) & 3], dim=-2)  # [g, s, row, half, m, 2, t]
+    hi = torch.stack([(packed >> 2) & 3, packed >> 6], dim=-2)
+    top = torch.cat([lo.reshape(g, nsb, ROWS, 2, 64), hi.reshape(g, nsb, ROWS, 2, 64)], dim=-1)
+    top = top.reshape(g, nsb, ROWS, 2, 4, 32)
+    qh = top[..., 0, :] | (top[..., 1, :] << 2) | (top[..., 2, :] << 4) | (top[..., 3, :] << 6)
+    out = torch.cat([ql, qh.reshape(g, nsb, ROWS, 64), scales, d], dim=-1).permute(0, 2, 1, 3)
+    return out.contiguous().view(blocks.shape)
+
+
 def deinterleave(blocks: torch.Tensor, type_name: str) -> torch.Tensor:
     """:func:`interleave` undone: uint8 ``[N, K / 32 * block_bytes]`` GGUF blocks."""
+    if type_name == "Q4_K":
+        return _deinterleave_q4k(blocks)
+    if type_name == "Q6_K":
+        return _deinterleave_q6k(blocks)
     n, row_bytes = blocks.shape
     scale_bytes, code_bytes = _split(type_name)
     bb = scale_bytes + code_bytes

@@ -280,9 +280,9 @@ class QuantEmbedding(nn.Module):
         self.dtype = dtype
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.type_name not in CODE_BITS:  # a K-quant (maybe interleaved): only where the C kernels run
+            return c_blocks.dequantize_ids(cpu_kernels(), self.blocks, self.type_name, ids).to(self.dtype)
         rows = self.blocks.index_select(0, ids)
-        if self.type_name not in CODE_BITS:  # a K-quant: only where the C kernels run (the loader)
-            return c_blocks.dequantize_rows(cpu_kernels(), rows, self.type_name, 0, rows.shape[0]).to(self.dtype)
         return dequantize_rows(rows, self.type_name, self.embedding_dim, self.dtype)
 
     def extra_repr(self) -> str:

@@ -228,9 +228,10 @@ def run_bench_engine(
         **dataclasses.asdict(kernel_switches or KernelSwitches()),
     ))
     on_cuda = engine.device.type == "cuda"
-    # On the CPU the engine side fits its threads to the free cores between steps, as the
-    # worker does (a busy core otherwise stalls every step); transformers gets what is set.
-    between_steps = fit_between_steps(engine.config.cpu_threads) if engine.device.type == "cpu" else lambda: None
+    # The engine side fits its CPU threads to the free cores between steps, as the worker does
+    # on any device (a busy core stalls every step; a split's CPU layers took torch's default
+    # count, not the cores served); transformers gets what is set.
+    between_steps = fit_between_steps(engine.config.cpu_threads)
     roof = None
     kv_per_token = kv_bytes_per_token(engine.model_config, engine.kv_dtype)
     if on_cuda:

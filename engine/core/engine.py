@@ -136,10 +136,6 @@ class Engine(PlanStages, WeightsStage, GrammarWaits, LiveReplan, SplitReplan):
                                                      windows=bool(mc.kv_windows),
                                                      softcap=bool(mc.attn_logit_softcapping), sinks=mc.attention_sinks,
                                                      kv_cache_dtype=config.kv_cache_dtype)
-        if self.device.type == "cuda" and config.kv_cache_dtype in ("q8_0", "q4_0"):
-            log.warning("--kv-cache-dtype %s on CUDA: its GPU test fails (logits drift from the bfloat16 "
-                        "cache's; docs/memory-plan.md, 'Known failure on CUDA'); --kv-cache-dtype fp8 halves "
-                        "the KV cache on a GPU without it", config.kv_cache_dtype)
         self.cuda_graph_bytes = 0
         # Memory plan from estimates: a plan that cannot fit fails here, weights unread.
         # An oversized prefill chunk is the one knob lowered automatically (a chunk too

@@ -75,7 +75,7 @@ class KernelSwitches:
     cpu_rows16: bool = _switch(
         True,
         "On a CPU with AVX-512, a CPU model's layer projections and LM head of Q4_0/Q4_1/Q8_0 "
-        "blocks, and of Q4_K/Q6_K while cpu_kquant_act_bits is 16, interleaved by 16 weight "
+        "blocks, and of Q4_K/Q5_K/Q6_K while cpu_kquant_act_bits is 16, interleaved by 16 weight "
         "rows at load (kernels/cpu/rows16.c: a register's lanes are 16 rows, a block's scales "
         "one load), the same bytes and products, the layers in one buffer of huge pages in the "
         "order a decode step reads them. Off: the GGUF layout on the block GEMM, to compare.",

@@ -83,7 +83,7 @@ def test_what_the_layout_cannot_take_is_refused(lib):
     with pytest.raises(ValueError, match="multiples of 16"):
         rows16.interleave(blocks, "Q4_1")
     with pytest.raises(ValueError, match="multiples of 16"):
-        rows16.interleave(torch.from_numpy(random_blocks("Q5_K", 16, 256, np.random.default_rng(0))), "Q5_K")
+        rows16.interleave(torch.from_numpy(random_blocks("Q5_0", 16, 256, np.random.default_rng(0))), "Q5_0")
     _needs(lib)
     # Blocks called interleaved whose rows are no multiple of 16: the kernel refuses them.
     with pytest.raises(ValueError, match="multiple of 16"):

@@ -54,7 +54,7 @@ def _interleave_layers(layers, lib) -> None:
 
 
 def _interleave_tied_head(head: nn.Module, embeddings: QuantEmbedding, lib) -> None:
-    """A tied head of Q4_K/Q6_K blocks (the embeddings' own, one part) interleaved by 16
+    """A tied head of K-quant blocks (the embeddings' own, one part) interleaved by 16
     rows in place of the table it shares: the head multiplies the layout (1.7x a decode
     step's Q6_K head of 49,152 rows on 2 Zen 4 cores), the lookup puts its few rows back
     (:func:`kernels.cpu.block_gemv.dequantize_ids`); the same bytes, still one table."""
@@ -76,7 +76,7 @@ def pack_model_for_cpu(model: nn.Module, dtype: torch.dtype, lib=None, decode_la
     model whose every layer (of ``decode_layers``, the model's own by default) the C
     decode layer runs gets it too (:mod:`engine.layers.cpu_decode`). With the ``cpu_rows16``
     switch on, those layers' projections are interleaved by 16 rows, in one buffer of
-    huge pages, an untied head's in a buffer of its own, and a tied head of Q4_K/Q6_K
+    huge pages, an untied head's in a buffer of its own, and a tied head of K-quant
     blocks in the table it shares with the embeddings (:func:`_interleave_tied_head`; a
     tied head of other types is not: its lookup reads the file's rows)."""
     if current().cpu_rows16:

@@ -150,16 +150,14 @@ void hr_mxfp4_rows(const uint8_t *w, int64_t K, const int16_t *codes, const floa
  * of 16; only where hr_rows16_available(). */
 enum { HR_ROWS16 = 0x100 };
 int hr_rows16_available(void);
-/* The types whose blocks interleave: Q4_0, Q4_1, Q8_0, Q4_K and Q6_K (16-bit activation codes). */
-static inline int hr_rows16_takes(int type) {
-    return type == Q4_0 || type == Q4_1 || type == Q8_0 || type == Q4_K || type == Q6_K;
-}
+/* The types whose blocks interleave: Q4_0, Q4_1, Q8_0 and the K-quants (16-bit activation codes). */
+static inline int hr_rows16_takes(int type) { return type == Q4_0 || type == Q4_1 || type == Q8_0 || hr_is_kquant(type); }
 /* y[i * ldy + n] = x_i . W[n] for i < M and n0 <= n < n1 (multiples of 16) of interleaved
  * blocks of a type hr_rows16_takes (rows16.c), one thread, on 16-bit activation codes.
  * Returns 0, or -1 for a type, K, rows or a build it does not take. */
 int hr_rows16(int type, const uint8_t *w, int64_t K, const int16_t *codes, const float *dx, const int32_t *sums,
               const float *dxs, int64_t M, int64_t n0, int64_t n1, float *y, int64_t ldy);
-/* Rows ids[0..n) of N rows of interleaved Q4_K/Q6_K blocks as float32 out[i * K ...]
+/* Rows ids[0..n) of N rows of interleaved K-quant blocks as float32 out[i * K ...]
  * (rows16.c). Returns 0, or -1 for a type, K or an id it does not take. */
 int hr_rows16_dequantize(int type, const uint8_t *w, int64_t K, int64_t N, const int64_t *ids, int64_t n,
                          float *out);

@@ -37,7 +37,10 @@
  * sub-block's sum of q c is exact in int32 and in float32 (32 x 15 x 32767 < 2^24) and
  * is scaled by (d sc_j) dx_b in float32; the mins add (-dmin m_j) dx_b s_b, as kquant.c.
  * Where kquant.c multiplies the codes by sc_j in int16 lanes first, this applies sc_j
- * in float32: the float32 order differs, nothing else.
+ * in float32: the float32 order differs, nothing else. Q5_K's chunk is Q4_K's with its
+ * fifth bits after the codes (16 x 176 bytes): byte 2304 + 32 k + 2 j + t is the file's
+ * qh[2 k + t] of row j, whose bit i is the fifth bit of that weight of sub-block i; its
+ * sums (q <= 31) are exact in int32 and within a rounding of float32.
  *
  * Q6_K (16 sub-blocks of 16 weights, int8 scales, w = d sc (q - 32) with q of 6 bits):
  * a chunk holds super-block s of 16 rows, the same 16 x 210 bytes moved:
@@ -138,17 +141,19 @@ static inline __attribute__((always_inline)) __m512 scale_min16(const uint8_t *p
     return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v));
 }
 
-/* group16 for Q4_K chunks (the layout above): nsb super-blocks of 16 rows, MT
+/* group16 for Q4_K or Q5_K chunks (the layouts above): nsb super-blocks of 16 rows, MT
  * activation rows (dx and dxs = dx s per block of 32, nb apart). */
-static inline __attribute__((always_inline)) void group16_q4k(const uint8_t *w, int64_t nsb, const int16_t *codes,
-                                                              int64_t K, const float *dx, const float *dxs,
-                                                              const int MT, float *y, int64_t ldy) {
+static inline __attribute__((always_inline)) void group16_q4k(int type, const uint8_t *w, int64_t nsb,
+                                                              const int16_t *codes, int64_t K, const float *dx,
+                                                              const float *dxs, const int MT, float *y, int64_t ldy) {
     const int64_t nb = K / 32;
-    const __m512i low4 = _mm512_set1_epi16(15);
+    const __m512i low4 = _mm512_set1_epi16(15), bit4 = _mm512_set1_epi16(16);
     __m512 acc[HR_R16_MT];
     for (int i = 0; i < MT; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t s = 0; s < nsb; s++) {
-        const uint8_t *ch = w + s * 16 * 144, *pl = ch + 64;
+        const uint8_t *ch = w + s * 16 * hr_block_bytes(type), *pl = ch + 64, *qh = ch + 2304;
+        if (type == Q5_K)  /* two streams a chunk (codes, fifth bits), as Q6_K's: four chunks fetched ahead */
+            for (int l = 0; l < 16 * 176; l += 64) _mm_prefetch((const char *)ch + 4 * 16 * 176 + l, _MM_HINT_T0);
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)ch));
         const __m512 negmin = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ch + 32))));
         for (int j = 0; j < 8; j++) {  /* the mins: -dmin m_j dx_b s_b */
@@ -162,7 +167,12 @@ static inline __attribute__((always_inline)) void group16_q4k(const uint8_t *w, 
             for (int i = 0; i < MT; i++) lo_sum[i] = hi_sum[i] = _mm512_setzero_si512();
             for (int k = 0; k < 16; k++) {
                 const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(qs + 32 * k)));
-                const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_srli_epi16(v, 4);
+                __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_srli_epi16(v, 4);
+                if (type == Q5_K) {  /* the fifth bits: bit 2p (low) and 2p + 1 (high) of qh[2k + t] */
+                    const __m512i h = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(qh + 32 * k)));
+                    lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(_mm512_srli_epi16(h, 2 * p), 4), bit4));
+                    hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_slli_epi16(_mm512_srli_epi16(h, 2 * p + 1), 4), bit4));
+                }
                 for (int i = 0; i < MT; i++) {
                     const int16_t *c = codes + i * K + b * 32 + 2 * k;
                     lo_sum[i] = dot_acc(lo_sum[i], lo, pair(c));
@@ -197,9 +207,9 @@ static inline __attribute__((always_inline)) void group16_q6k(const uint8_t *w, 
     for (int i = 0; i < MT; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t s = 0; s < nsb; s++) {
         const uint8_t *ch = w + s * 16 * 210, *sc = ch + 32;
-        /* Two chunks ahead (the next group's follow on): the hardware prefetcher fell behind
+        /* Four chunks ahead (the next group's follow on): the hardware prefetcher fell behind
          * on a chunk's two streams (ql, qh), 9 against 24 Gweights/s out of memory. */
-        for (int l = 0; l < 16 * 210; l += 64) _mm_prefetch((const char *)ch + 2 * 16 * 210 + l, _MM_HINT_T0);
+        for (int l = 0; l < 16 * 210; l += 64) _mm_prefetch((const char *)ch + 4 * 16 * 210 + l, _MM_HINT_T0);
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)ch));
         for (int n = 0; n < 2; n++) {
             const uint8_t *ql = ch + 288 + 1024 * n, *qh = ch + 2336 + 512 * n;
@@ -249,16 +259,16 @@ static inline __attribute__((always_inline)) void group_of(int type, const uint8
         const float *x = dx + m0 * nb, *xs = dxs + m0 * nb;
         const int32_t *s = sums + m0 * nb;
         float *yt = y + m0 * ldy;
-        if (type == Q4_K) {
+        if (type == Q4_K || type == Q5_K) {
             switch (mt) {
-                case 8: group16_q4k(w, nb / 8, c, K, x, xs, 8, yt, ldy); break;
-                case 7: group16_q4k(w, nb / 8, c, K, x, xs, 7, yt, ldy); break;
-                case 6: group16_q4k(w, nb / 8, c, K, x, xs, 6, yt, ldy); break;
-                case 5: group16_q4k(w, nb / 8, c, K, x, xs, 5, yt, ldy); break;
-                case 4: group16_q4k(w, nb / 8, c, K, x, xs, 4, yt, ldy); break;
-                case 3: group16_q4k(w, nb / 8, c, K, x, xs, 3, yt, ldy); break;
-                case 2: group16_q4k(w, nb / 8, c, K, x, xs, 2, yt, ldy); break;
-                default: group16_q4k(w, nb / 8, c, K, x, xs, 1, yt, ldy); break;
+                case 8: group16_q4k(type, w, nb / 8, c, K, x, xs, 8, yt, ldy); break;
+                case 7: group16_q4k(type, w, nb / 8, c, K, x, xs, 7, yt, ldy); break;
+                case 6: group16_q4k(type, w, nb / 8, c, K, x, xs, 6, yt, ldy); break;
+                case 5: group16_q4k(type, w, nb / 8, c, K, x, xs, 5, yt, ldy); break;
+                case 4: group16_q4k(type, w, nb / 8, c, K, x, xs, 4, yt, ldy); break;
+                case 3: group16_q4k(type, w, nb / 8, c, K, x, xs, 3, yt, ldy); break;
+                case 2: group16_q4k(type, w, nb / 8, c, K, x, xs, 2, yt, ldy); break;
+                default: group16_q4k(type, w, nb / 8, c, K, x, xs, 1, yt, ldy); break;
             }
             continue;
         }
@@ -308,6 +318,7 @@ int hr_rows16(int type, const uint8_t *w, int64_t K, const int16_t *codes, const
             case Q4_0: group_of(Q4_0, wg, nb, codes, K, dx, sums, dxs, M, y + 16 * g, ldy); break;
             case Q4_1: group_of(Q4_1, wg, nb, codes, K, dx, sums, dxs, M, y + 16 * g, ldy); break;
             case Q4_K: group_of(Q4_K, wg, nb, codes, K, dx, sums, dxs, M, y + 16 * g, ldy); break;
+            case Q5_K: group_of(Q5_K, wg, nb, codes, K, dx, sums, dxs, M, y + 16 * g, ldy); break;
             case Q6_K: group_of(Q6_K, wg, nb, codes, K, dx, sums, dxs, M, y + 16 * g, ldy); break;
             default: group_of(Q8_0, wg, nb, codes, K, dx, sums, dxs, M, y + 16 * g, ldy); break;
         }
@@ -321,15 +332,19 @@ int hr_rows16(int type, const uint8_t *w, int64_t K, const int16_t *codes, const
 }
 
 /* Row j (of 16) of an interleaved K-quant chunk (the layouts above) as the file's block:
- * 144 (Q4_K) or 210 (Q6_K) bytes into blk. Plain C: a lookup of a few rows. */
+ * 144 (Q4_K), 176 (Q5_K) or 210 (Q6_K) bytes into blk. Plain C: a lookup of a few rows. */
 static void unpack_row(int type, const uint8_t *ch, int j, uint8_t *blk) {
-    if (type == Q4_K) {
+    if (type == Q4_K || type == Q5_K) {
+        const int at = type == Q5_K ? 48 : 16;  /* the file's qs */
         memcpy(blk, ch + 2 * j, 2);
         memcpy(blk + 2, ch + 32 + 2 * j, 2);
         for (int p = 0; p < 12; p++) blk[4 + p] = ch[64 + 16 * p + j];
         for (int p = 0; p < 4; p++)
             for (int k = 0; k < 16; k++)
-                for (int t = 0; t < 2; t++) blk[16 + 32 * p + 2 * k + t] = ch[256 + 512 * p + 32 * k + 2 * j + t];
+                for (int t = 0; t < 2; t++) blk[at + 32 * p + 2 * k + t] = ch[256 + 512 * p + 32 * k + 2 * j + t];
+        if (type == Q5_K)
+            for (int k = 0; k < 16; k++)
+                for (int t = 0; t < 2; t++) blk[16 + 2 * k + t] = ch[2304 + 32 * k + 2 * j + t];
         return;
     }
     memcpy(blk + 208, ch + 2 * j, 2);
@@ -349,13 +364,13 @@ static void unpack_row(int type, const uint8_t *ch, int j, uint8_t *blk) {
     }
 }
 
-/* Rows ids[0..n) of N rows of K weights in interleaved Q4_K or Q6_K blocks as float32,
+/* Rows ids[0..n) of N rows of K weights in interleaved Q4_K, Q5_K or Q6_K blocks as float32,
  * out[i * K ...]: gguf's values (hr_kquant_dequantize_row on each row's blocks put back).
  * A lookup of a tied head's embeddings. Returns 0, or -1 for a type, K or an id it does
  * not take. Built on any machine: the layout is bytes, only its product needs AVX-512. */
 int hr_rows16_dequantize(int type, const uint8_t *w, int64_t K, int64_t N, const int64_t *ids, int64_t n,
                          float *out) {
-    if ((type != Q4_K && type != Q6_K) || K % 256 || N % 16) return -1;
+    if (!hr_is_kquant(type) || K % 256 || N % 16) return -1;
     const int bb = hr_block_bytes(type);
     const int64_t nsb = K / 256;
     uint8_t blk[210];

@@ -1,4 +1,4 @@
-"""Q4_0/Q4_1/Q8_0 and Q4_K blocks interleaved by 16 weight rows (``rows16.c``): the layout
+"""Q4_0/Q4_1/Q8_0 and K-quant blocks interleaved by 16 weight rows (``rows16.c``): the layout
 a CPU with AVX-512 gives a projection's blocks at load, so that one register's 16 lanes
 are 16 weight rows and a block's scales one load. The same bytes as the GGUF blocks,
 reordered; :func:`interleave` writes it and :func:`deinterleave` undoes it (the tests'
@@ -13,8 +13,12 @@ Q4_K's chunk is super-block ``s`` of the 16 rows (2,304 bytes): their float16 ``
 ``dmin``, then 12 planes of 16 bytes (plane ``p``: byte ``p`` of each row's packed
 scales), then code byte ``512p + 32k + 2j + t`` = the file's ``qs[32p + 2k + t]`` of row
 ``j`` (low nibble: weight ``2k + t`` of sub-block ``2p``; high: of sub-block ``2p + 1``).
-Its product takes 16-bit activation codes, so Q4_K interleaves only while the
-``cpu_kquant_act_bits`` switch is 16.
+Q5_K's chunk is Q4_K's (its codes from the file's ``qs``) with 512 bytes after it: byte
+``32k + 2j + t`` is the file's ``qh[2k + t]`` of row ``j``. Q6_K's (3,360 bytes): the 16
+``d``, the int8 scales by sub-block, the low 4 bits (byte ``(n, k, j, t)`` is ``ql[64n + 2k
++ t]`` of row ``j``), then the top 2 bits of steps ``2m`` and ``2m + 1``, a byte a row and
+``t`` (``rows16.c`` says the bits). The K-quants' products take 16-bit activation codes,
+so they interleave only while the ``cpu_kquant_act_bits`` switch is 16.
 """
 
 from __future__ import annotations
@@ -33,9 +37,9 @@ ROWS = 16
 FLAG = 0x100
 SUFFIX = "x16"
 # The GGUF types that interleave, and the names their interleaved blocks go by.
-TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
+TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 # The K-quants among them: their products take 16-bit activation codes.
-KQUANTS = ("Q4_K", "Q6_K")
+KQUANTS = ("Q4_K", "Q5_K", "Q6_K")
 NAMES = {f"{t}{SUFFIX}": t for t in TYPES}
 
 
@@ -74,8 +78,8 @@ def interleave(blocks: torch.Tensor, type_name: str) -> torch.Tensor:
     n, row_bytes = blocks.shape
     if not _fits(type_name, n):
         raise ValueError(f"interleave: {n} rows of {type_name} blocks; takes {', '.join(TYPES)} in multiples of {ROWS}")
-    if type_name == "Q4_K":
-        return _interleave_q4k(blocks)
+    if type_name in ("Q4_K", "Q5_K"):
+        return _interleave_q4k(blocks, five=type_name == "Q5_K")
     if type_name == "Q6_K":
         return _interleave_q6k(blocks)
     scale_bytes, code_bytes = _split(type_name)
@@ -95,16 +99,20 @@ def interleave(blocks: torch.Tensor, type_name: str) -> torch.Tensor:
     return out.contiguous().view(n, row_bytes)
 
 
-def _interleave_q4k(blocks: torch.Tensor) -> torch.Tensor:
-    """Q4_K's chunks (the module's docstring): d, dmin, the 12 scale planes, the codes."""
+def _interleave_q4k(blocks: torch.Tensor, five: bool = False) -> torch.Tensor:
+    """Q4_K's chunks (the module's docstring): d, dmin, the 12 scale planes, the codes;
+    ``five``: Q5_K's, its fifth bits after them."""
     n, row_bytes = blocks.shape
-    g, nsb = n // ROWS, row_bytes // 144
-    b = blocks.view(g, ROWS, nsb, 144).permute(0, 2, 1, 3)  # [g, s, row, byte]
+    bb = 176 if five else 144
+    g, nsb = n // ROWS, row_bytes // bb
+    b = blocks.view(g, ROWS, nsb, bb).permute(0, 2, 1, 3)  # [g, s, row, byte]
     d, dmin = b[..., 0:2].reshape(g, nsb, 32), b[..., 2:4].reshape(g, nsb, 32)
     planes = b[..., 4:16].transpose(2, 3).reshape(g, nsb, 192)  # [g, s, plane, row]
-    codes = b[..., 16:].reshape(g, nsb, ROWS, 4, 16, 2).permute(0, 1, 3, 4, 2, 5)  # [g, s, p, k, row, t]
-    out = torch.cat([d, dmin, planes, codes.reshape(g, nsb, 2048)], dim=-1)
-    return out.contiguous().view(n, row_bytes)
+    codes = b[..., bb - 128:].reshape(g, nsb, ROWS, 4, 16, 2).permute(0, 1, 3, 4, 2, 5)  # [g, s, p, k, row, t]
+    parts = [d, dmin, planes, codes.reshape(g, nsb, 2048)]
+    if five:
+        parts.append(b[..., 16:48].reshape(g, nsb, ROWS, 16, 2).permute(0, 1, 3, 2, 4).reshape(g, nsb, 512))
+    return torch.cat(parts, dim=-1).contiguous().view(n, row_bytes)
 
 
 def _chunks(blocks: torch.Tensor, block_bytes: int) -> tuple[int, int, torch.Tensor]:
@@ -115,13 +123,16 @@ def _chunks(blocks: torch.Tensor, block_bytes: int) -> tuple[int, int, torch.Ten
     return g, nsb, blocks.reshape(g, nsb, ROWS * block_bytes)
 
 
-def _deinterleave_q4k(blocks: torch.Tensor) -> torch.Tensor:
-    g, nsb, c = _chunks(blocks, 144)
+def _deinterleave_q4k(blocks: torch.Tensor, five: bool = False) -> torch.Tensor:
+    g, nsb, c = _chunks(blocks, 176 if five else 144)
     d = c[..., 0:32].reshape(g, nsb, ROWS, 2)
     dmin = c[..., 32:64].reshape(g, nsb, ROWS, 2)
     scales = c[..., 64:256].reshape(g, nsb, 12, ROWS).transpose(2, 3)
-    qs = c[..., 256:].reshape(g, nsb, 4, 16, ROWS, 2).permute(0, 1, 4, 2, 3, 5).reshape(g, nsb, ROWS, 128)
-    out = torch.cat([d, dmin, scales, qs], dim=-1).permute(0, 2, 1, 3)  # [g, row, s, byte]
+    qs = c[..., 256:2304].reshape(g, nsb, 4, 16, ROWS, 2).permute(0, 1, 4, 2, 3, 5).reshape(g, nsb, ROWS, 128)
+    parts = [d, dmin, scales, qs]
+    if five:
+        parts.insert(3, c[..., 2304:].reshape(g, nsb, 16, ROWS, 2).permute(0, 1, 3, 2, 4).reshape(g, nsb, ROWS, 32))
+    out = torch.cat(parts, dim=-1).permute(0, 2, 1, 3)  # [g, row, s, byte]
     return out.contiguous().view(blocks.shape)
 
 
@@ -161,8 +172,8 @@ def _deinterleave_q6k(blocks: torch.Tensor) -> torch.Tensor:
 
 def deinterleave(blocks: torch.Tensor, type_name: str) -> torch.Tensor:
     """:func:`interleave` undone: uint8 ``[N, K / 32 * block_bytes]`` GGUF blocks."""
-    if type_name == "Q4_K":
-        return _deinterleave_q4k(blocks)
+    if type_name in ("Q4_K", "Q5_K"):
+        return _deinterleave_q4k(blocks, five=type_name == "Q5_K")
     if type_name == "Q6_K":
         return _deinterleave_q6k(blocks)
     n, row_bytes = blocks.shape

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 
+import click
 import pytest
 from click.testing import CliRunner
 
@@ -76,6 +77,32 @@ def test_generate_says_an_empty_raw_prompt_is_empty():
     assert result.exit_code == 2, result.output
     assert "the prompt is empty; pass the text to complete" in result.stderr
     assert "shorten" not in result.stderr
+
+
+def test_generate_refuses_a_temperature_that_is_no_number():
+    """nan is in no range (it compares false with both bounds): a usage error, where it
+    went to the service's JSON body (a ValueError traceback) or to the engine."""
+    result = invoke(["generate", "--local", "--temperature", "nan", "hi"])
+    assert result.exit_code == 2, result.output
+    assert "'--temperature': 'nan' is not a finite number" in result.stderr
+    from service.cli.options import FiniteFloatRange
+
+    with pytest.raises(click.BadParameter, match="not a finite number"):
+        FiniteFloatRange(min=1).convert("inf", None, None)  # bench chaos --hang-timeout's type
+
+
+def test_generate_refuses_a_prompt_that_is_not_utf8_naming_the_byte():
+    """Bytes of another encoding on the command line are refused before anything loads,
+    where the service's client or the tokenizer ended in a traceback."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "service.cli", "generate", "--local", b"ab\xff"],
+                          capture_output=True, env={**os.environ, "HEADROOM_CONFIG": os.devnull}, timeout=120)
+    err = done.stderr.decode(errors="replace")
+    assert done.returncode == 2, err
+    assert "the prompt is not UTF-8 text (byte 0xff after 2 characters)" in err and "LANG=C.UTF-8" in err
+    assert "Traceback" not in err
 
 
 @pytest.mark.parametrize("flag", ["--page-size", "--max-running-requests", "--max-prefill-tokens"])

@@ -16,6 +16,7 @@ import click
 from service.cli.exits import EXIT_FAILED, EXIT_USAGE, check_model_path, fail
 from service.cli.options import (
     KERNEL_SWITCHES,
+    FiniteFloatRange,
     count_option,
     device_option,
     max_tokens_option,
@@ -137,7 +138,7 @@ def bench_serve(
 @click.option(
     "--hog",
     "hog_gib",
-    type=click.FloatRange(min=0.05),
+    type=FiniteFloatRange(min=0.05),
     default=None,
     metavar="GiB",
     help="Run a second process taking and freeing up to GiB of GPU memory with "
@@ -146,7 +147,7 @@ def bench_serve(
 @click.option(
     "--hang-timeout",
     "hang_s",
-    type=click.FloatRange(min=1),
+    type=FiniteFloatRange(min=1),
     default=600.0,
     show_default=True,
     help="Seconds after which a request with no ending is hung.",

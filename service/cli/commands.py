@@ -27,6 +27,7 @@ from service.cli.exits import EXIT_FAILED, EXIT_USAGE, errors_as_json, fail
 from service.cli.models import models, pull
 from service.cli.options import (
     KERNEL_SWITCHES,
+    FiniteFloatRange,
     config_option,
     max_tokens_option,
     resolve_or_fail,
@@ -179,7 +180,7 @@ _PLAN_KNOBS = (
 )
 @click.option(
     "--temperature",
-    type=click.FloatRange(TEMPERATURE_MIN, TEMPERATURE_MAX),
+    type=FiniteFloatRange(TEMPERATURE_MIN, TEMPERATURE_MAX),
     default=None,
     help="Sampling temperature; 0 is greedy. Unset: the model's recommended sampling "
     "(its generation_config.json or GGUF sampling metadata, as the API's unset fields).",
@@ -225,6 +226,12 @@ def generate(
     if not chat and not prompt:
         fail("the prompt is empty; pass the text to complete (or leave out --raw to send it as a chat message)",
              EXIT_USAGE)
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:  # argv bytes that are not UTF-8, kept as surrogates
+        raw = prompt[exc.start:exc.end].encode("utf-8", "surrogateescape")
+        fail(f"the prompt is not UTF-8 text (byte 0x{raw[0]:02x} after {exc.start} characters); pass it as "
+             "UTF-8 (a UTF-8 terminal or locale, e.g. LANG=C.UTF-8)", EXIT_USAGE)
     if not local:
         from service.cli.instance import running
         from service.cli.via_service import generate_on_service

@@ -142,6 +142,19 @@ def requests_option(default: int) -> Decorator:
     )
 
 
+class FiniteFloatRange(click.FloatRange):
+    """click's FloatRange that also refuses nan (which compares false with both bounds,
+    so FloatRange lets it through) and, unbounded, inf: click's usage error (exit 2)."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        import math
+
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return number
+
+
 def max_tokens_option(default: int, help_text: str, least: int = 1) -> Decorator:
     """``--max-tokens``: completion tokens of a request, at least ``least`` (a
     benchmark's 1; ``headroom generate`` takes the API's,

@@ -180,3 +180,22 @@ def test_llama_cpp_offloads_what_the_engine_keeps_on_the_gpu(num_layers):
         decoder_on_gpu = sum(1 for il in range(num_layers) if il >= first_on_gpu)
         assert decoder_on_gpu == num_layers - cpu_layers
         assert num_layers >= first_on_gpu  # the output layer (index n_layer) is on the GPU
+
+
+@pytest.mark.parametrize(("script", "needle"), [
+    ("#!/bin/sh\necho hello\n", "printed no llama-bench result (its output starts 'hello')"),
+    ("#!/bin/sh\necho '{\"avg_ts\": 1}'\n", "printed no llama-bench result (its output starts '{\"avg_ts\": 1}')"),
+    ("not a program\n", "Exec format error"),
+])
+def test_a_llama_bench_that_is_not_llama_cpps_is_named_with_the_fix(default_model_dir, tmp_path, script, needle):
+    """A program under llama-bench's name that prints no result of llama.cpp's, or that
+    this machine cannot run, fails the command (exit 1) naming the file and how to build
+    the tools, where it ended in json's "Expecting value" (exit 2) or an OSError traceback."""
+    (tmp_path / "llama-bench").write_text(script)
+    (tmp_path / "llama-bench").chmod(0o755)
+    result = _bench_against(tmp_path, "--batches", "1")
+    assert result.exit_code == 1, result.output
+    assert result.stderr.startswith("headroom: error: llama.cpp's side failed: "), result.stderr
+    assert needle in result.stderr and str(tmp_path / "llama-bench") in result.stderr
+    assert "is it llama.cpp's llama-bench? build it with `cmake -B build" in result.stderr
+    assert result.exception is None or isinstance(result.exception, SystemExit)

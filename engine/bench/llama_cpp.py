@@ -41,6 +41,10 @@ def gpu_layers_for_split(num_layers: int, cpu_layers: int) -> int:
     return ALL_LAYERS if cpu_layers == 0 else num_layers - cpu_layers + 1
 
 
+BUILD_THEM = (f"build it with `cmake -B build -DGGML_NATIVE=ON && cmake --build build --target {BENCH} {BATCHED}` "
+              "in llama.cpp's source (docs/benchmarks.md) and give that folder")
+
+
 class LlamaCppFailed(RuntimeError):
     """A llama.cpp tool exited with an error or printed no result."""
 
@@ -73,11 +77,8 @@ class LlamaCppTools:
                 batched = folder / BATCHED
                 found = batched.is_file() and os.access(batched, os.X_OK)
                 return cls(bench, batched if found else None, len(os.sched_getaffinity(0)))
-        raise ValueError(
-            f"--against-llama-cpp {path}: no executable {BENCH} in {', '.join(map(str, folders))}; build it "
-            f"with `cmake -B build -DGGML_NATIVE=ON && cmake --build build --target {BENCH} {BATCHED}` in "
-            "llama.cpp's source (docs/benchmarks.md) and give that folder"
-        )
+        raise ValueError(f"--against-llama-cpp {path}: no executable {BENCH} in {', '.join(map(str, folders))}; "
+                         f"{BUILD_THEM}")
 
     def offloading(self, num_layers: int, cpu_layers: int) -> LlamaCppTools:
         """These tools with the ``-ngl`` of :func:`gpu_layers_for_split`: llama.cpp's layers
@@ -106,7 +107,11 @@ class LlamaCppTools:
 
     def _run(self, argv: list[str]) -> str:
         """Run one tool; its stdout. Raises LlamaCppFailed with its stderr's tail when it fails."""
-        done = subprocess.run(argv, capture_output=True, text=True, check=False)
+        try:
+            done = subprocess.run(argv, capture_output=True, text=True, check=False)
+        except OSError as exc:  # not a program this machine runs (another platform's, a text file)
+            raise LlamaCppFailed(f"cannot run {argv[0]}: {exc.strerror}; is it llama.cpp's "
+                                 f"{Path(argv[0]).name}? {BUILD_THEM}") from None
         if done.returncode != 0:
             raise LlamaCppFailed(f"{' '.join(argv)} exited {done.returncode}: {done.stderr[-2000:]}")
         return done.stdout
@@ -115,10 +120,21 @@ class LlamaCppTools:
         """``llama-bench``'s mean tokens/s (``avg_ts``) of one test."""
         out = self._run([str(self.bench), "-m", str(model), "-t", str(self.threads), "-ngl", str(self.gpu_layers),
                          "-r", str(REPETITIONS), "-o", "json", *args])
-        tests = json.loads(out)
-        if len(tests) != 1:
-            raise LlamaCppFailed(f"{BENCH} {' '.join(args)}: expected one test, got {len(tests)}")
-        return float(tests[0]["avg_ts"])
+        try:
+            tests = json.loads(out)
+            if len(tests) != 1:
+                raise LlamaCppFailed(f"{BENCH} {' '.join(args)}: expected one test, got {len(tests)}")
+            return float(tests[0]["avg_ts"])
+        except (ValueError, TypeError, KeyError, IndexError):
+            raise LlamaCppFailed(self._not_a_result(self.bench, out)) from None
+
+    @staticmethod
+    def _not_a_result(tool: Path, out: str) -> str:
+        """The error for a tool whose output holds no result of llama.cpp's: likely some
+        other program under its name."""
+        head = out.strip().splitlines()[0][:80] if out.strip() else ""
+        return (f"{tool} printed no {tool.name} result ({f'its output starts {head!r}' if head else 'no output'}): "
+                f"is it llama.cpp's {tool.name}? {BUILD_THEM}")
 
     def speed(self, model: Path, batch: int, prompt_tokens: int, new_tokens: int) -> tuple[float, float | None]:
         """(prefill, decode) tokens/s of ``batch`` prompts of ``prompt_tokens`` each, then
@@ -141,7 +157,8 @@ class LlamaCppTools:
         out = self._run([str(self.batched), "-m", str(model), "-t", str(self.threads), "-tb", str(self.threads),
                          "-ngl", str(self.gpu_layers), "-c", str(ctx), "-b", "2048", "-ub", "512", "-npp", str(prompt_tokens),
                          "-ntg", str(new_tokens), "-npl", str(batch), "--output-format", "jsonl"])
-        rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-        if not rows:
-            raise LlamaCppFailed(f"{BATCHED}: no result line in its output")
-        return float(rows[-1]["speed_pp"]), float(rows[-1]["speed_tg"])
+        try:
+            rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+            return float(rows[-1]["speed_pp"]), float(rows[-1]["speed_tg"])
+        except (ValueError, TypeError, KeyError, IndexError):
+            raise LlamaCppFailed(self._not_a_result(self.batched, out)) from None

@@ -319,6 +319,17 @@ def test_c10_port_in_use_fails_fast(tmp_path):
     assert took_s < 20  # no engine was started
 
 
+@pytest.mark.parametrize("host", ["999.1.1.1", "192.0.2.1"])  # no address; TEST-NET-1, not this machine's
+def test_a_host_that_is_not_this_machines_fails_naming_the_flag(host):
+    """Where the bare resolver's "Name or service not known" (or the bind's "Cannot assign
+    requested address") was the whole message."""
+    result = run_serve(["--port", "0", "--host", host])
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.startswith(f"headroom: error: --host {host}: not an address of this machine ("), result.stderr
+    assert "give --host an address of this machine, such as 127.0.0.1 (the default)" in result.stderr
+    assert "Traceback" not in result.stderr and "listening" not in result.stderr
+
+
 def test_missing_model_fails_naming_the_path(tmp_path):
     missing = tmp_path / "no-such-model"
     result = run_serve(["--port", "0", "--model", str(missing)])

@@ -24,15 +24,21 @@ from service.cli.precheck import check_before_serving, check_model_before_loadin
 from service.common.settings import DEFAULT_PORT
 from service.common.version import headroom_version
 
+ADDRESSES = "give --host an address of this machine, such as 127.0.0.1 (the default), ::1 or 0.0.0.0"
+
 
 def bind_socket(host: str, port: int) -> socket.socket:
     """Bind and listen on ``host:port`` before anything else starts, so a taken port
     fails the start at once (and no other process can take it in between).
 
     Raises:
-        OSError: with the message ``"port N is in use"`` for EADDRINUSE.
+        OSError: with the message ``"port N is in use"`` for EADDRINUSE; for a host that
+            resolves to no address, or to none of this machine's, one naming ``--host``.
     """
-    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:  # a name no resolver knows, an address of no family
+        raise OSError(exc.errno, f"--host {host}: not an address of this machine ({exc.strerror}); {ADDRESSES}") from None
     family, _, _, _, address = infos[0]
     sock = socket.socket(family, socket.SOCK_STREAM)
     if sys.platform != "win32":
@@ -45,6 +51,9 @@ def bind_socket(host: str, port: int) -> socket.socket:
         sock.close()
         if exc.errno in (errno.EADDRINUSE, getattr(errno, "WSAEADDRINUSE", -1)):
             raise OSError(exc.errno, f"port {port} is in use (on {host})") from None
+        if exc.errno == errno.EADDRNOTAVAIL:
+            raise OSError(exc.errno, f"--host {host}: not an address of this machine ({exc.strerror}); "
+                                     f"{ADDRESSES}") from None
         raise OSError(exc.errno, f"cannot bind {host}:{port}: {exc.strerror}") from None
     sock.listen(2048)
     sock.setblocking(False)

@@ -199,3 +199,12 @@ def test_a_llama_bench_that_is_not_llama_cpps_is_named_with_the_fix(default_mode
     assert needle in result.stderr and str(tmp_path / "llama-bench") in result.stderr
     assert "is it llama.cpp's llama-bench? build it with `cmake -B build" in result.stderr
     assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+def test_a_shape_with_a_model_is_refused_at_once(default_model_dir):
+    """--shape benches random weights instead of --model: given both, the model was
+    checked, then ignored without a word, the table naming the shape's run."""
+    result = _small_bench("--shape", "smollm2-135m", "--model", str(default_model_dir))
+    assert result.exit_code == 2, result.output
+    assert "--shape smollm2-135m benches random weights of that shape instead of a model" in result.stderr
+    assert "give --shape or --model, not both" in result.stderr and result.stdout == ""

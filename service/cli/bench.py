@@ -13,7 +13,7 @@ from typing import Any
 
 import click
 
-from service.cli.exits import EXIT_FAILED, EXIT_USAGE, check_model_path, fail
+from service.cli.exits import EXIT_FAILED, EXIT_USAGE, fail
 from service.cli.options import (
     KERNEL_SWITCHES,
     FiniteFloatRange,
@@ -305,8 +305,9 @@ def bench_engine(**options: Any) -> None:
     HBM roofline."""
     if options["shape"] is None:  # a shape's random weights need no files
         check_model_before_loading(options["model"], tokenizer=False, convert=True)
-    else:
-        check_model_path(options["model"])
+    elif options["model"] is not None:
+        fail(f"--shape {options['shape']} benches random weights of that shape instead of a model, so --model "
+             f"{options['model']} would be ignored: give --shape or --model, not both", EXIT_USAGE)
     from engine.bench.llama_cpp import LlamaCppFailed
     from engine.bench.model_shapes import SHAPES
     from engine.bench.speed import run_bench_engine

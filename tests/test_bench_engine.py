@@ -163,6 +163,10 @@ def test_split_options_reach_the_engine_side(default_model_dir):
     assert "--cpu-layers 40: LlamaForCausalLM has 30 decoder layers" in result.stderr
     result = _small_bench("--device-limit", "0")
     assert result.exit_code == 2 and "--device-limit: must be more than 0 bytes" in result.stderr, result.output
+    # On the CPU they have no effect: said in a line, and the bench runs.
+    result = _small_bench("--cpu-layers", "2")
+    assert result.exit_code == 0, result.output
+    assert "headroom: note: --cpu-layers 2: no effect on the CPU" in result.stderr
 
 
 @pytest.mark.parametrize("num_layers", [30, 32])

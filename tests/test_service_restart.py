@@ -330,6 +330,17 @@ def test_a_host_that_is_not_this_machines_fails_naming_the_flag(host):
     assert "Traceback" not in result.stderr and "listening" not in result.stderr
 
 
+def test_settings_only_a_gpu_uses_are_noted_on_the_cpu():
+    """``--cpu-layers N`` and ``--device-limit`` with ``--device cpu`` have no effect (as
+    ``headroom plan`` says): serve says so in a line before it goes on (here to a host it
+    then refuses, so that nothing loads)."""
+    result = run_serve(["--port", "0", "--device", "cpu", "--cpu-layers", "2", "--device-limit", "2GiB",
+                        "--host", "999.1.1.1"])
+    assert ("headroom: note: --cpu-layers 2 and --device-limit 2.00 GiB: no effect on the CPU (every layer runs "
+            "there already") in result.stderr, result.stderr
+    assert result.returncode == 1 and "--host 999.1.1.1" in result.stderr
+
+
 def test_missing_model_fails_naming_the_path(tmp_path):
     missing = tmp_path / "no-such-model"
     result = run_serve(["--port", "0", "--model", str(missing)])

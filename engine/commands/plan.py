@@ -178,17 +178,17 @@ class CpuHoldings(msgspec.Struct, frozen=True):
     pool_warning: str | None = None
 
 
-def gpu_only_settings(config: EngineConfig) -> tuple[str, ...]:
-    """The settings in ``config`` that only a GPU's plan uses, as the user gave them
-    (``--cpu-layers N``, ``--device-limit SIZE``): on the CPU every layer already runs on
-    the CPU and host memory has no limit to plan within."""
+def gpu_only_settings(cpu_layers: str, device_limit: int | None) -> tuple[str, ...]:
+    """Of ``--cpu-layers`` and ``--device-limit`` (bytes), those given that only a GPU's
+    plan uses, as flags: on the CPU every layer already runs on the CPU and host memory
+    has no limit to plan within."""
     from engine.common.units import fmt_bytes
 
     given = []
-    if config.cpu_layers not in ("auto", "0"):
-        given.append(f"--cpu-layers {config.cpu_layers}")
-    if config.device_limit is not None:
-        given.append(f"--device-limit {fmt_bytes(config.device_limit)}")
+    if cpu_layers not in ("auto", "0"):
+        given.append(f"--cpu-layers {cpu_layers}")
+    if device_limit is not None:
+        given.append(f"--device-limit {fmt_bytes(device_limit)}")
     return tuple(given)
 
 
@@ -244,7 +244,7 @@ def cpu_holdings(config: EngineConfig) -> CpuHoldings:
         weight_source=source, kv_pool_bytes=pool_bytes, num_pages=pages, fits=fits,
         page_size=config.page_size, kv_bytes_per_token=per_token, kv_cache_dtype=kv_dtype_name(kv_dtype),
         max_context_tokens=context, host_total_bytes=total, host_available_bytes=available,
-        gpu_only=gpu_only_settings(config), kv_ring_bytes=ring_bytes, kv_ring_pages=size.rings,
+        gpu_only=gpu_only_settings(config.cpu_layers, config.device_limit), kv_ring_bytes=ring_bytes, kv_ring_pages=size.rings,
         kv_ring_window_pages=ring.decode_pages if ring else 0, pool_warning=short_pool_warning(config, mc))
 
 

@@ -27,7 +27,7 @@ from service.cli.options import (
     url_option,
     with_settings,
 )
-from service.cli.precheck import check_model_before_loading
+from service.cli.precheck import check_model_before_loading, note_gpu_only_settings
 from service.common.settings import DEFAULT_PORT, parse_size
 
 
@@ -322,6 +322,7 @@ def bench_engine(**options: Any) -> None:
     settings = resolve_or_fail({name: options.pop(name) for name in (*own, *KERNEL_SWITCHES)}, None)
     options["kernel_switches"] = pick(settings, KernelSwitches)
     options.update({name: getattr(settings, name) for name in own})
+    note_gpu_only_settings(options["device"], settings.cpu_layers, settings.device_limit)
 
     shape = options["shape"]
     if shape is not None and shape not in SHAPES:

@@ -20,7 +20,11 @@ import click
 from service.cli.exits import check_model_path, fail
 from service.cli.logfile import setup_logging
 from service.cli.options import config_option, resolve_or_fail, with_serve_options
-from service.cli.precheck import check_before_serving, check_model_before_loading
+from service.cli.precheck import (
+    check_before_serving,
+    check_model_before_loading,
+    note_gpu_only_settings,
+)
 from service.common.settings import DEFAULT_PORT
 from service.common.version import headroom_version
 
@@ -114,6 +118,7 @@ def serve(config_path: Path | None, **flags: Any) -> None:
         log.info("headroom %s logging to %s", headroom_version(), log_path)
     check_model_path(settings.model)
     check_before_serving(settings)  # what the settings ask of the model first, then its files
+    note_gpu_only_settings(settings.device, settings.cpu_layers, settings.device_limit)
     check_model_before_loading(settings.model, tokenizer=True)
     from service.cli.instance import AlreadyRunning, release_lock, remove_runtime, take_lock
 

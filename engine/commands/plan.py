@@ -14,6 +14,7 @@ import torch
 
 from engine.commands.plan_fixed_pool import FixedPool, fixed_setting, with_fixed_pool
 from engine.common.config import EngineConfig
+from engine.common.gpu_settings import gpu_only_settings
 from engine.core.settings_fit import check_for_model
 from engine.core.startup import (
     device_memory,
@@ -176,20 +177,6 @@ class CpuHoldings(msgspec.Struct, frozen=True):
     kv_ring_window_pages: int = 0
     # --num-pages holding less than one --min-context, in words (else None).
     pool_warning: str | None = None
-
-
-def gpu_only_settings(cpu_layers: str, device_limit: int | None) -> tuple[str, ...]:
-    """Of ``--cpu-layers`` and ``--device-limit`` (bytes), those given that only a GPU's
-    plan uses, as flags: on the CPU every layer already runs on the CPU and host memory
-    has no limit to plan within."""
-    from engine.common.units import fmt_bytes
-
-    given = []
-    if cpu_layers not in ("auto", "0"):
-        given.append(f"--cpu-layers {cpu_layers}")
-    if device_limit is not None:
-        given.append(f"--device-limit {fmt_bytes(device_limit)}")
-    return tuple(given)
 
 
 def cpu_holdings(config: EngineConfig) -> CpuHoldings:

@@ -186,7 +186,7 @@ def note_gpu_only_settings(device: str, cpu_layers: str, device_limit: int | Non
     no effect there, as ``headroom plan`` says, and the run goes on."""
     import click
 
-    from engine.commands.plan import gpu_only_settings
+    from engine.common.gpu_settings import gpu_only_settings
 
     given = gpu_only_settings(cpu_layers, device_limit)
     if not given or not (device == "cpu" or device == "auto" and (torch_without_gpu_support() is not None

@@ -141,6 +141,20 @@ static inline __attribute__((always_inline)) __m512 scale_min16(const uint8_t *p
     return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v));
 }
 
+/* Two sub-blocks' int32 sums of MT activation rows into their float32 accumulators:
+ * acc += sum_lo (scale_lo dx[b_lo]) + sum_hi (scale_hi dx[b_hi]), scale_* (d sc) of the
+ * 16 rows, dx the rows' block scales nb apart. */
+static inline __attribute__((always_inline)) void add_sums(__m512 *acc, const __m512i *lo_sum, const __m512i *hi_sum,
+                                                           __m512 scale_lo, __m512 scale_hi, const float *dx,
+                                                           int64_t nb, int64_t b_lo, int64_t b_hi, const int MT) {
+    for (int i = 0; i < MT; i++) {
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo_sum[i]), _mm512_mul_ps(scale_lo, _mm512_set1_ps(dx[i * nb + b_lo])),
+                                 acc[i]);
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi_sum[i]), _mm512_mul_ps(scale_hi, _mm512_set1_ps(dx[i * nb + b_hi])),
+                                 acc[i]);
+    }
+}
+
 /* group16 for Q4_K or Q5_K chunks (the layouts above): nsb super-blocks of 16 rows, MT
  * activation rows (dx and dxs = dx s per block of 32, nb apart). */
 static inline __attribute__((always_inline)) void group16_q4k(int type, const uint8_t *w, int64_t nsb,
@@ -181,12 +195,7 @@ static inline __attribute__((always_inline)) void group16_q4k(int type, const ui
             }
             const __m512 slo = _mm512_mul_ps(d, scale_min16(pl, 2 * p, 0));
             const __m512 shi = _mm512_mul_ps(d, scale_min16(pl, 2 * p + 1, 0));
-            for (int i = 0; i < MT; i++) {
-                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo_sum[i]), _mm512_mul_ps(slo, _mm512_set1_ps(dx[i * nb + b])),
-                                         acc[i]);
-                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi_sum[i]),
-                                         _mm512_mul_ps(shi, _mm512_set1_ps(dx[i * nb + b + 1])), acc[i]);
-            }
+            add_sums(acc, lo_sum, hi_sum, slo, shi, dx, nb, b, b + 1, MT);
         }
     }
     for (int i = 0; i < MT; i++) _mm512_storeu_ps(y + i * ldy, acc[i]);
@@ -236,16 +245,24 @@ static inline __attribute__((always_inline)) void group16_q6k(const uint8_t *w, 
                 const __m512 slo = _mm512_mul_ps(d, scales16(sc, 8 * n + q));
                 const __m512 shi = _mm512_mul_ps(d, scales16(sc, 8 * n + 4 + q));
                 const int64_t b = s * 8 + 4 * n + q / 2;  /* the activation blocks of 32: b (low), b + 2 (high) */
-                for (int i = 0; i < MT; i++) {
-                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo_sum[i]), _mm512_mul_ps(slo, _mm512_set1_ps(dx[i * nb + b])),
-                                             acc[i]);
-                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi_sum[i]),
-                                             _mm512_mul_ps(shi, _mm512_set1_ps(dx[i * nb + b + 2])), acc[i]);
-                }
+                add_sums(acc, lo_sum, hi_sum, slo, shi, dx, nb, b, b + 2, MT);
             }
         }
     }
     for (int i = 0; i < MT; i++) _mm512_storeu_ps(y + i * ldy, acc[i]);
+}
+
+/* One pass of MT activation rows over one group, by type (both constants at each call:
+ * the other kernels and their branches fold away). */
+static inline __attribute__((always_inline)) void pass16(int type, const uint8_t *w, int64_t nb, const int16_t *c,
+                                                         int64_t K, const float *x, const int32_t *s, const float *xs,
+                                                         const int MT, float *y, int64_t ldy) {
+    if (type == Q4_K || type == Q5_K)
+        group16_q4k(type, w, nb / 8, c, K, x, xs, MT, y, ldy);
+    else if (type == Q6_K)
+        group16_q6k(w, nb / 8, c, K, x, MT, y, ldy);
+    else
+        group16(type, w, nb, c, K, x, s, xs, MT, y, ldy);
 }
 
 /* Every pass of up to HR_R16_MT activation rows over one group, at a constant type. */
@@ -259,41 +276,15 @@ static inline __attribute__((always_inline)) void group_of(int type, const uint8
         const float *x = dx + m0 * nb, *xs = dxs + m0 * nb;
         const int32_t *s = sums + m0 * nb;
         float *yt = y + m0 * ldy;
-        if (type == Q4_K || type == Q5_K) {
-            switch (mt) {
-                case 8: group16_q4k(type, w, nb / 8, c, K, x, xs, 8, yt, ldy); break;
-                case 7: group16_q4k(type, w, nb / 8, c, K, x, xs, 7, yt, ldy); break;
-                case 6: group16_q4k(type, w, nb / 8, c, K, x, xs, 6, yt, ldy); break;
-                case 5: group16_q4k(type, w, nb / 8, c, K, x, xs, 5, yt, ldy); break;
-                case 4: group16_q4k(type, w, nb / 8, c, K, x, xs, 4, yt, ldy); break;
-                case 3: group16_q4k(type, w, nb / 8, c, K, x, xs, 3, yt, ldy); break;
-                case 2: group16_q4k(type, w, nb / 8, c, K, x, xs, 2, yt, ldy); break;
-                default: group16_q4k(type, w, nb / 8, c, K, x, xs, 1, yt, ldy); break;
-            }
-            continue;
-        }
-        if (type == Q6_K) {
-            switch (mt) {
-                case 8: group16_q6k(w, nb / 8, c, K, x, 8, yt, ldy); break;
-                case 7: group16_q6k(w, nb / 8, c, K, x, 7, yt, ldy); break;
-                case 6: group16_q6k(w, nb / 8, c, K, x, 6, yt, ldy); break;
-                case 5: group16_q6k(w, nb / 8, c, K, x, 5, yt, ldy); break;
-                case 4: group16_q6k(w, nb / 8, c, K, x, 4, yt, ldy); break;
-                case 3: group16_q6k(w, nb / 8, c, K, x, 3, yt, ldy); break;
-                case 2: group16_q6k(w, nb / 8, c, K, x, 2, yt, ldy); break;
-                default: group16_q6k(w, nb / 8, c, K, x, 1, yt, ldy); break;
-            }
-            continue;
-        }
         switch (mt) {  /* a constant MT a call: the accumulators stay in registers */
-            case 8: group16(type, w, nb, c, K, x, s, xs, 8, yt, ldy); break;
-            case 7: group16(type, w, nb, c, K, x, s, xs, 7, yt, ldy); break;
-            case 6: group16(type, w, nb, c, K, x, s, xs, 6, yt, ldy); break;
-            case 5: group16(type, w, nb, c, K, x, s, xs, 5, yt, ldy); break;
-            case 4: group16(type, w, nb, c, K, x, s, xs, 4, yt, ldy); break;
-            case 3: group16(type, w, nb, c, K, x, s, xs, 3, yt, ldy); break;
-            case 2: group16(type, w, nb, c, K, x, s, xs, 2, yt, ldy); break;
-            default: group16(type, w, nb, c, K, x, s, xs, 1, yt, ldy); break;
+            case 8: pass16(type, w, nb, c, K, x, s, xs, 8, yt, ldy); break;
+            case 7: pass16(type, w, nb, c, K, x, s, xs, 7, yt, ldy); break;
+            case 6: pass16(type, w, nb, c, K, x, s, xs, 6, yt, ldy); break;
+            case 5: pass16(type, w, nb, c, K, x, s, xs, 5, yt, ldy); break;
+            case 4: pass16(type, w, nb, c, K, x, s, xs, 4, yt, ldy); break;
+            case 3: pass16(type, w, nb, c, K, x, s, xs, 3, yt, ldy); break;
+            case 2: pass16(type, w, nb, c, K, x, s, xs, 2, yt, ldy); break;
+            default: pass16(type, w, nb, c, K, x, s, xs, 1, yt, ldy); break;
         }
     }
 }

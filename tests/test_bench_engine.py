@@ -119,15 +119,22 @@ def test_batches_above_one_without_llama_batched_bench_are_refused_at_once(defau
     LlamaCppTools.find(tmp_path).check_batches((1,))
 
 
-def test_batches_above_llama_batched_bench_limit_are_refused_at_once(default_model_dir, tmp_path):
-    """llama-batched-bench runs at most 256 sequences: a larger --batches size is refused
-    before the engine side runs, naming the limit."""
+@pytest.mark.parametrize("against_llama_cpp", [False, True])
+def test_batches_above_256_sequences_are_refused_at_once(default_model_dir, tmp_path, against_llama_cpp):
+    """A batch of more than 256 sequences is refused before anything loads, naming
+    --batches and 256, where the engine side took any size (--batches 100000 on the CPU
+    ran for minutes); llama-batched-bench, the comparison, runs no more either. The prompt
+    over the model's context would be refused next: the batch sizes are checked first,
+    and 256 passes to that check."""
     _fake_llama_cpp(tmp_path)
-    result = _bench_against(tmp_path, "--batches", "1,300")
+    llama = ("--against-llama-cpp", str(tmp_path)) if against_llama_cpp else ()
+    result = _small_bench("--batches", "1,300,100000", "--prompt-tokens", "9000", *llama)
     assert result.exit_code == 2, result.output
-    assert "--batches 300: llama-batched-bench runs at most 256 sequences" in result.stderr, result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1
+    assert ("Invalid value for '--batches': 300,100000: a batch runs at most 256 sequences (as llama.cpp's batched "
+            "bench); give sizes up to 256") in result.stderr, result.stderr
     assert result.stdout == "" and not list(tmp_path.glob("*.ran"))
+    result = _small_bench("--batches", "1,256", "--prompt-tokens", "9000", *llama)
+    assert result.exit_code == 2 and "--prompt-tokens 9000 + --new-tokens 2" in result.stderr, result.output
     from engine.bench.llama_cpp import LlamaCppTools
 
     LlamaCppTools.find(tmp_path).check_batches((1, 2, 256))

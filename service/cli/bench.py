@@ -216,6 +216,21 @@ def _int_list(ctx: Any, param: Any, value: str) -> tuple[int, ...]:
     return items
 
 
+def _batch_sizes(ctx: Any, param: Any, value: str) -> tuple[int, ...]:
+    """``--batches``: :func:`_int_list`, each at most :data:`engine.bench.llama_cpp.MAX_SEQUENCES`
+    sequences. The engine side runs a batch's sequences together (the bench raises
+    ``max_running_requests`` to the largest batch, so nothing else bounds it), and
+    ``llama-batched-bench``, the comparison, runs no more at once."""
+    from engine.bench.llama_cpp import MAX_SEQUENCES
+
+    items = _int_list(ctx, param, value)
+    over = [b for b in items if b > MAX_SEQUENCES]
+    if over:
+        raise click.BadParameter(f"{','.join(map(str, over))}: a batch runs at most {MAX_SEQUENCES} sequences "
+                                 f"(as llama.cpp's batched bench); give sizes up to {MAX_SEQUENCES}")
+    return items
+
+
 @bench.command("engine")
 @model_option("Hugging Face folder or .gguf file [default: the embedded model].")
 @click.option(
@@ -285,7 +300,7 @@ def _int_list(ctx: Any, param: Any, value: str) -> tuple[int, ...]:
     "--batches",
     default="1,16,64",
     show_default=True,
-    callback=_int_list,
+    callback=_batch_sizes,
     help="Batch sizes, comma-separated.",
 )
 @count_option(

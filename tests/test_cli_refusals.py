@@ -1,8 +1,8 @@
 """``headroom serve``, ``plan`` and ``generate`` refusing what cannot work at once, with
 exit 2 and one line naming the fix, before a port is bound or a model loads: a dtype
-that is none, a ``--model`` that names no model, a ``--kv-cache`` below one
-``--min-context``, an empty served name, an empty raw prompt, a count past any machine;
-with ``plan --json``, the refusal as a JSON object on stdout too."""
+that is none, a ``--model`` that names no model, a CUDA attention backend on the CPU, a
+``--kv-cache`` below one ``--min-context``, an empty served name, an empty raw prompt, a
+count past any machine; with ``plan --json``, the refusal as a JSON object on stdout too."""
 
 from __future__ import annotations
 
@@ -35,6 +35,17 @@ def test_serve_refuses_at_once_what_names_nothing(args, needle):
     assert result.exit_code == 2, result.output
     assert f"headroom: error: {needle}" in result.stderr
     assert "listening" not in result.output and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("backend", ["flashinfer", "triton"])
+def test_serve_refuses_a_cuda_attention_backend_on_the_cpu_before_starting(backend):
+    """The worker refused it once started (exit 1, after the port opened); now serve does,
+    before anything starts, naming both flags and the fix."""
+    result = invoke(["serve", "--port", "0", "--device", "cpu", "--attention-backend", backend])
+    assert result.exit_code == 2, result.output
+    assert result.stderr == (f"headroom: error: --attention-backend {backend} runs CUDA kernels, and --device cpu runs "
+                             "on the CPU: use --attention-backend auto or torch there, or --device cuda\n")
+    assert "listening" not in result.output
 
 
 def test_serve_refuses_a_folder_that_holds_no_model(tmp_path):

@@ -5,7 +5,7 @@ the model and the machine: a tensor-parallel size that does not split the model 
 more GPUs than there are, ``--cpu-experts`` above the model's MoE layers, a
 ``--kv-cache-dtype`` block format (``q8_0``, ``q4_0``) for heads that are not whole blocks, a
 ``--kv-cache`` below one ``--min-context``, a fixed KV pool on the CPU past the host's
-available memory. Each is
+available memory, a CUDA attention backend (``triton``, ``flashinfer``) on the CPU. Each is
 refused with exit code 2 and the fix, like any bad option; what cannot be read here (a
 GGUF not converted yet, a machine without NVML) is left to the worker, which refuses it
 in one log line.
@@ -130,6 +130,20 @@ def torch_without_gpu_support() -> str | None:
     return None
 
 
+def check_backend_for_device(backend: str, device: str) -> None:
+    """Refuse (exit 2) ``--attention-backend triton`` or ``flashinfer`` (CUDA kernels) for a
+    run on the CPU: ``--device cpu``, or ``auto`` with a torch built without CUDA, which
+    the worker would find only once it started."""
+    if backend not in ("triton", "flashinfer"):
+        return
+    cpu_build = torch_without_gpu_support() if device == "auto" else None
+    if device == "cpu" or cpu_build is not None:
+        on, gpu = ((f" (the installed torch {cpu_build} is built without CUDA)", "a CUDA build of torch")
+                   if cpu_build is not None else ("", "--device cuda"))
+        fail(f"--attention-backend {backend} runs CUDA kernels, and --device {device} runs on the CPU{on}: use "
+             f"--attention-backend auto or torch there, or {gpu}", EXIT_USAGE)
+
+
 def check_before_serving(settings: Any) -> None:
     """Refuse (exit 2, one line naming the fix) settings the model or the machine cannot
     honour; settings that need no model facts cost nothing here."""
@@ -155,6 +169,7 @@ def check_before_serving(settings: Any) -> None:
             fail(f"--device {settings.device}: the installed torch {cpu_build} is built without CUDA; install "
                  "a CUDA build into this Python (e.g. `pip install --force-reinstall torch --index-url "
                  "https://download.pytorch.org/whl/cu128`) or use --device cpu", EXIT_USAGE)
+    check_backend_for_device(settings.attention_backend, settings.device)
 
     world = settings.tensor_parallel_size
     wants_layers = any(n.isdecimal() and int(n) > 0 for n in (settings.cpu_experts, settings.cpu_layers))

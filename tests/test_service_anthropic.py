@@ -93,10 +93,11 @@ def test_message_text_usage_and_stop_reasons(client):
     stopped = client.messages.create(messages=QUESTION, stop_sequences=[stop], **GREEDY)
     assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == stop
     assert stopped.content[0].text == text[: text.index(stop)]
-    # max_tokens 0 answers at once, empty (Anthropic's cache warming).
-    empty = client.messages.create(messages=QUESTION, **{**GREEDY, "max_tokens": 0})
-    assert empty.content == [] and empty.stop_reason == "max_tokens"
-    assert empty.usage.output_tokens == 0 and empty.usage.input_tokens == message.usage.input_tokens
+    # max_tokens 0 is a 400 naming it, as Anthropic answers (it was an empty 200).
+    with pytest.raises(anthropic.BadRequestError) as exc:
+        client.messages.create(messages=QUESTION, **{**GREEDY, "max_tokens": 0})
+    assert exc.value.body["error"]["type"] == "invalid_request_error", exc.value.body
+    assert "max_tokens: Expected `int` >= 1" in exc.value.body["error"]["message"], exc.value.body
     # output_config.format constrains the answer to a schema.
     schema = {
         "type": "object",

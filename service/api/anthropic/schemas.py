@@ -4,8 +4,9 @@ Shapes follow Anthropic's API reference (``POST /v1/messages``,
 ``POST /v1/messages/count_tokens``). Requests decode leniently where Anthropic's clients
 expect it: unknown fields (``metadata``'s contents, ``cache_control`` on blocks,
 ``service_tier``...) are ignored. Content blocks are a tagged union on ``type``; a
-block type this server does not know is a 400 naming it. ``max_tokens`` is required,
-as Anthropic requires it (0: an empty answer, as Anthropic's cache warming); ``temperature``, ``top_p`` and ``top_k`` take the ranges of
+block type this server does not know is a 400 naming it. ``max_tokens`` is required
+and at least 1, as Anthropic requires it (0 is a 400, as Anthropic answers it);
+``temperature``, ``top_p`` and ``top_k`` take the ranges of
 :class:`service.api.sampling.Sampling`, declared once.
 
 The same block structs serve both ways: the answer's ``content`` is a list of
@@ -176,11 +177,11 @@ class CountTokensRequest(msgspec.Struct, kw_only=True):
 
 class MessagesRequest(CountTokensRequest, kw_only=True):
     """``POST /v1/messages``. ``max_tokens`` beyond what the context leaves after the
-    prompt is cut to it; 0 answers at once, empty. ``output_config.format`` is
+    prompt is cut to it; below 1 it is a 400, as Anthropic answers. ``output_config.format`` is
     structured output (:mod:`service.api.structured`). ``stream`` answers with Anthropic's Server-Sent Events;
     ``metadata`` is accepted and unused."""
 
-    max_tokens: Annotated[int, Meta(ge=0)]
+    max_tokens: Annotated[int, Meta(ge=1)]
     stop_sequences: list[str] | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None

@@ -118,3 +118,63 @@ def test_the_cost_model_times_the_c_run(lib):
     costs = measure_stack_costs(stack, torch.device("cpu"), repeats=1, cpu_kernels=lib)
     assert costs.expert_bytes == sum(t[0].nbytes for t in (gate, up, down))
     assert costs.cpu_s(256) >= costs.cpu_s(1) > 0
+
+
+def _interleaved(stacks, types, which):
+    """The stacks with those of ``which`` (indices) interleaved by 16 rows per expert, and
+    their type names (``Q4_Kx16``...)."""
+    from kernels.cpu import rows16
+    from kernels.cpu.moe_experts import interleave_stack
+
+    names = tuple(t + rows16.SUFFIX if i in which else t for i, t in enumerate(types))
+    return [interleave_stack(s, t) if i in which else s for i, (s, t) in enumerate(zip(stacks, types, strict=True))], names
+
+
+@pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q6_K"), ("Q5_K", "Q8_0", "Q4_1"), ("Q4_0", "Q6_K", "Q5_K")],
+                         ids=["q4_k_m", "mixed", "legacy-gate"])
+@pytest.mark.parametrize("which", [(0, 1, 2), (1,), (0, 2)], ids=["all", "up", "gate-down"])
+def test_experts_interleaved_by_16_rows_equal_their_reference(lib, types, which):
+    """Each expert's rows interleaved by 16 (the CPU engine's layout) for all three
+    projections or some of them: 7 pairs of 3 tokens over 5 experts (one with 3 pairs,
+    one unused, the others 1 or 2); within float32 summation order of gguf's dequantizer
+    times the activations, at 1 and 2 threads and both activation-bit settings
+    (interleaved blocks take 16-bit codes under either), and of the file's layout."""
+    from kernels.cpu import rows16
+    from kernels.cpu.moe_experts import file_stack
+
+    if not rows16.available(lib):
+        pytest.skip("the build has no AVX-512: no interleaved products")
+    hidden, inter = 512, 256 if types[2] in KQUANTS else 96  # down's rows: whole blocks
+    stacks = _experts(types, 5, hidden, inter, seed=7)
+    stacks16, names = _interleaved(stacks, types, which)
+    for s, s16, t in zip(stacks, stacks16, names, strict=True):
+        assert torch.equal(file_stack(s16, t), s)  # the same bytes, reordered
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(3, hidden, generator=gen)
+    tokens = torch.tensor([0, 1, 2, 0, 2, 1, 0])
+    experts = torch.tensor([4, 4, 4, 0, 1, 3, 1])
+    weights = torch.rand(7, generator=gen)
+    for bits in ("8", "16"):
+        with using(cpu_kquant_act_bits=bits):
+            want = moe_experts_ref(x, tokens, experts, weights, *stacks16, names)
+            scale = float(want.abs().max())
+            for threads in (1, 2):
+                got = moe_experts(lib, x, tokens, experts, weights, *stacks16, names, threads=threads)
+                assert got.shape == (3, hidden) and got.dtype == torch.float32
+                assert float((got - want).abs().max()) <= 1e-5 * scale, (bits, threads)
+    with using(cpu_kquant_act_bits="16"):  # the file's layout on 16-bit codes: the same sums to float32 order
+        plain = moe_experts(lib, x, tokens, experts, weights, *stacks, types)
+        assert float((plain - want).abs().max()) <= 1e-5 * scale
+
+
+def test_experts_interleave_only_in_whole_groups_of_16_rows(lib):
+    """Experts of 40 rows do not interleave; a type without interleaved blocks is refused."""
+    from kernels.cpu.moe_experts import interleave_stack
+
+    stack = torch.from_numpy(random_blocks("Q8_0", 2 * 40, 64, np.random.default_rng(4)).reshape(2, 40, -1))
+    with pytest.raises(ValueError, match="multiples of 16"):
+        interleave_stack(stack, "Q8_0")
+    gate, up, down = _experts(("MXFP4", "Q8_0", "Q8_0"), 2, 64, 64, seed=4)
+    one = torch.tensor([0])
+    with pytest.raises(ValueError, match="the C kernels read"):
+        moe_experts(lib, torch.randn(1, 64), one, one, torch.ones(1), gate, up, down, ("MXFP4x16", "Q8_0", "Q8_0"))

@@ -21,7 +21,10 @@
  *
  * Pairs arrive grouped by expert: group g is pairs [start[g], start[g + 1]) of expert
  * expert[g]. Weights: gate and up [E, I, H / be * bb] and down [E, H, I / be * bb]
- * bytes, each of its own type (blocks.h).
+ * bytes, each of its own type (blocks.h). A type id with HR_ROWS16: each expert's rows of
+ * that projection interleaved by 16 (rows16.c; its rows a multiple of 16), multiplied by
+ * hr_rows16 on 16-bit activation codes (the rows it reads are quantized so); work items
+ * of ROWS rows start at multiples of 16.
  */
 #include <math.h>
 #include <stdint.h>
@@ -61,6 +64,29 @@ static void quantize_one(int type, int path, const float *x, int64_t K, quantize
     for (int64_t b = 0; b < nb; b++) q.dxs[r * nb + b] = q.dx[r * nb + b] * (float)q.sums[r * nb + b];
 }
 
+/* A projection's type id of `rows` rows: 1 with HR_ROWS16 (taken off *type), 0 without,
+ * -1 for interleaved blocks hr_rows16 does not take (type, rows or build). */
+static int interleaved(int *type, int64_t rows) {
+    if (!(*type & HR_ROWS16)) return 0;
+    *type &= ~HR_ROWS16;
+    return hr_rows16_takes(*type) && rows % 16 == 0 && hr_rows16_available() ? 1 : -1;
+}
+
+/* The path rows multiplied by `type` blocks are quantized under: no 8-bit codes for
+ * interleaved blocks (x16). */
+static int path_for(int type, int x16, int path) { return x16 || !hr_act8(type, path) ? path & ~HR_ACT8 : path; }
+
+/* Rows [n0, n1) of one expert's projection for m quantized rows from row r of q, into y
+ * (rows ldy apart): hr_rows16 where interleaved, else hr_rows. */
+static void product(int type, int x16, const uint8_t *w, int64_t K, quantized q, int64_t r, int64_t m, int64_t n0,
+                    int64_t n1, float *y, int64_t ldy, int path) {
+    const int64_t nb = K / 32;
+    if (x16)
+        hr_rows16(type, w, K, q.codes + r * K, q.dx + r * nb, q.sums + r * nb, q.dxs + r * nb, m, n0, n1, y, ldy);
+    else
+        hr_rows(type, w, K, q.codes + r * K, q.dx + r * nb, q.sums + r * nb, q.dxs + r * nb, m, n0, n1, y, ldy, path);
+}
+
 /* Work bytes hr_moe_experts takes for T tokens and P pairs. */
 int64_t hr_moe_work_bytes(int64_t T, int64_t H, int64_t I, int64_t P) {
     return quantized_bytes(T, H) + quantized_bytes(P, H) + quantized_bytes(P, I) + 4 * P * (2 * I + H) + 64;
@@ -74,18 +100,20 @@ int64_t hr_moe_work_bytes(int64_t T, int64_t H, int64_t I, int64_t P) {
  * and bias_down [E, H], or both NULL; limit > 0: the clamped SwiGLU with alpha; out:
  * float32 [T, H], added to; work: hr_moe_work_bytes(T, H, I, P) bytes. Returns 0, or -1
  * for a type or a size it does not take (H a multiple of the gate's and up's block, I of
- * the down's).
+ * the down's; interleaved blocks: as interleaved() says).
  */
 int hr_moe_experts(const float *x, int64_t T, int64_t H, int64_t I, const int32_t *token, const float *weight,
                    int64_t P, const int32_t *expert, const int32_t *start, int64_t G, const uint8_t *gate,
                    const uint8_t *up, const uint8_t *down, int tg, int tu, int td, const float *bias_gate_up,
                    const float *bias_down, float alpha, float limit, float *out, void *work, int threads,
                    int scalar) {
+    const int xg = interleaved(&tg, I), xu = interleaved(&tu, I), xd = interleaved(&td, H);
     const int bg = hr_block_elements(tg), bu = hr_block_elements(tu), bd = hr_block_elements(td);
     if (!bg || !bu || !bd || H <= 0 || I <= 0 || H % bg || H % bu || I % bd || T < 0 || P < 0 || G < 0) return -1;
+    if (xg < 0 || xu < 0 || xd < 0) return -1;
     if (P == 0) return 0;
     /* the hidden rows take 8-bit codes only where both gate and up read them */
-    const int path_gu = hr_act8(tg, scalar) && hr_act8(tu, scalar) ? scalar : scalar & ~HR_ACT8;
+    const int path_gu = path_for(tg, xg, scalar) & path_for(tu, xu, scalar), path_d = path_for(td, xd, scalar);
     const int64_t gate_bytes = I * (H / bg) * hr_block_bytes(tg), up_bytes = I * (H / bu) * hr_block_bytes(tu);
     const int64_t down_bytes = H * (I / bd) * hr_block_bytes(td);
     char *at = (char *)work;
@@ -96,7 +124,7 @@ int hr_moe_experts(const float *x, int64_t T, int64_t H, int64_t I, const int32_
     const quantized hq = quantized_at(at, P, I);
     at += quantized_bytes(P, I);
     float *g = (float *)at, *u = g + P * I, *y = u + P * I;
-    const int64_t nbh = H / 32, nbi = I / 32;
+    const int64_t nbh = H / 32;
     const int64_t tiles_i = (I + ROWS - 1) / ROWS, tiles_h = (H + ROWS - 1) / ROWS, chunks = (H + COLS - 1) / COLS;
     if (threads < 1) threads = 1;
 #pragma omp parallel num_threads(threads) if (threads > 1)
@@ -117,8 +145,7 @@ int hr_moe_experts(const float *x, int64_t T, int64_t H, int64_t I, const int32_
             const int64_t n0 = (r % tiles_i) * ROWS, n1 = n0 + ROWS < I ? n0 + ROWS : I, p0 = start[grp];
             const int64_t m = start[grp + 1] - p0;
             const uint8_t *w = is_up ? up + expert[grp] * up_bytes : gate + expert[grp] * gate_bytes;
-            hr_rows(is_up ? tu : tg, w, H, pq.codes + p0 * H, pq.dx + p0 * nbh, pq.sums + p0 * nbh, pq.dxs + p0 * nbh,
-                    m, n0, n1, (is_up ? u : g) + p0 * I, I, path_gu);
+            product(is_up ? tu : tg, is_up ? xu : xg, w, H, pq, p0, m, n0, n1, (is_up ? u : g) + p0 * I, I, path_gu);
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t grp = 0; grp < G; grp++) {
@@ -136,15 +163,14 @@ int hr_moe_experts(const float *x, int64_t T, int64_t H, int64_t I, const int32_
                         h[i] = gi / (1.0f + expf(-gi)) * ui;
                     }
                 }
-                quantize_one(td, scalar, h, I, hq, p);
+                quantize_one(td, path_d, h, I, hq, p);
             }
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < G * tiles_h; item++) {
             const int64_t grp = item / tiles_h, n0 = (item % tiles_h) * ROWS, n1 = n0 + ROWS < H ? n0 + ROWS : H;
             const int64_t p0 = start[grp], m = start[grp + 1] - p0;
-            hr_rows(td, down + expert[grp] * down_bytes, I, hq.codes + p0 * I, hq.dx + p0 * nbi, hq.sums + p0 * nbi,
-                    hq.dxs + p0 * nbi, m, n0, n1, y + p0 * H, H, scalar);
+            product(td, xd, down + expert[grp] * down_bytes, I, hq, p0, m, n0, n1, y + p0 * H, H, path_d);
             if (bias_down)
                 for (int64_t p = p0; p < p0 + m; p++)
                     for (int64_t n = n0; n < n1; n++) y[p * H + n] += bias_down[expert[grp] * H + n];

@@ -12,6 +12,12 @@ most ``max|x_block| / 65534 * sum|w_block|`` (8-bit codes: ``/ 254``) against fl
 biases to gate/up and down and take the clamped SwiGLU in place of SiLU-and-mul, in the
 same call (``biases``, ``activation``).
 
+A projection's type may name its blocks interleaved by 16 rows (``Q4_Kx16`` and the
+others of :data:`kernels.cpu.rows16.NAMES`: each expert's rows as :func:`interleave_stack`
+writes them, what a CPU engine keeps where the build has AVX-512); the kernel multiplies
+those by ``rows16.c`` on 16-bit activation codes, whatever the ``cpu_kquant_act_bits``
+switch says (as the dense layers' interleaved blocks).
+
 :func:`moe_experts_ref` computes the same arithmetic in torch: activations quantized by
 :func:`~kernels.cpu.block_gemv.quantize_rows_ref`, products in float64 from ``gguf``'s
 dequantized weights, SiLU-and-mul in float64, so the two agree to float32 summation order
@@ -27,7 +33,8 @@ import os
 import torch
 
 from kernels.activation.reference import ClampedSwiGLU
-from kernels.cpu.block_gemv import GEMV_TYPE_IDS, act_bits, gemv_path, quantize_rows_ref
+from kernels.cpu import rows16
+from kernels.cpu.block_gemv import GEMV_TYPE_IDS, ROWS16_IDS, act_bits, gemv_path, quantize_rows_ref
 from kernels.moe.reference import ExpertBiases
 from kernels.quant import reference
 
@@ -43,9 +50,41 @@ def default_threads() -> int:
     return max(1, min(torch.get_num_threads(), usable))
 
 
+# Every type name the kernel reads: the GGUF's and the interleaved ones.
+TYPE_IDS = GEMV_TYPE_IDS | ROWS16_IDS
+
+
 def takes(types: tuple[str, str, str]) -> bool:
-    """Whether the kernel reads gate, up and down of these GGML types."""
-    return all(t in GEMV_TYPE_IDS for t in types)
+    """Whether the kernel reads gate, up and down of these GGML types (or their
+    interleaved names)."""
+    return all(t in TYPE_IDS for t in types)
+
+
+def file_types(types: tuple[str, ...]) -> tuple[str, ...]:
+    """The GGUF type names of ``types`` (an interleaved name's own type)."""
+    return tuple(rows16.NAMES.get(t, t) for t in types)
+
+
+def interleave_stack(stack: torch.Tensor, type_name: str) -> torch.Tensor:
+    """uint8 ``[E, N, row_bytes]`` experts' blocks of ``type_name`` with each expert's rows
+    interleaved by 16 (:func:`kernels.cpu.rows16.interleave`; a new tensor).
+
+    Raises:
+        ValueError: as :func:`~kernels.cpu.rows16.interleave` (``N`` not a multiple of 16).
+    """
+    e, n, row_bytes = stack.shape
+    if n % rows16.ROWS:
+        raise ValueError(f"interleave_stack: experts of {n} rows; takes multiples of {rows16.ROWS}")
+    return rows16.interleave(stack.reshape(e * n, row_bytes), type_name).view(e, n, row_bytes)
+
+
+def file_stack(stack: torch.Tensor, type_name: str) -> torch.Tensor:
+    """Experts' blocks of ``type_name`` as the file holds them: interleaved ones
+    (``Q4_Kx16``...) put back (:func:`kernels.cpu.rows16.deinterleave`), others as they are."""
+    if type_name not in rows16.NAMES:
+        return stack
+    e, n, row_bytes = stack.shape
+    return rows16.deinterleave(stack.reshape(e * n, row_bytes), rows16.NAMES[type_name]).view(e, n, row_bytes)
 
 
 def group_pairs(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor):
@@ -75,8 +114,8 @@ def moe_experts(lib: ctypes.CDLL, x: torch.Tensor, tokens: torch.Tensor, experts
         weights: ``[P]`` router weights.
         gate, up: uint8 ``[E, I, H / block_elements * block_bytes]`` blocks; down: uint8
             ``[E, H, I / ...]``, contiguous (the GGUF's ``ffn_*_exps``).
-        types: GGML type names of gate, up and down (keys of
-            :data:`~kernels.cpu.block_gemv.GEMV_TYPE_IDS`).
+        types: GGML type names of gate, up and down (keys of :data:`TYPE_IDS`: a
+            ``*x16`` name for experts interleaved by :func:`interleave_stack`).
         out: float32 ``[T, H]`` contiguous to add into, else a new zeroed one.
         threads: OpenMP threads, default :func:`default_threads`.
         scalar: the plain C products instead of the vector ones (tests).
@@ -94,11 +133,11 @@ def moe_experts(lib: ctypes.CDLL, x: torch.Tensor, tokens: torch.Tensor, experts
     from kernels.moe.quant_reference import check_cache, check_expert_blocks
 
     if not takes(types):
-        raise ValueError(f"CPU experts of types {'/'.join(types)}: the C kernels read {', '.join(GEMV_TYPE_IDS)}")
+        raise ValueError(f"CPU experts of types {'/'.join(types)}: the C kernels read {', '.join(TYPE_IDS)}")
     x = x.contiguous().float()
     t_count, hidden = x.shape
     inter = gate.shape[1]
-    check_expert_blocks(gate, up, down, types, hidden, inter)
+    check_expert_blocks(gate, up, down, file_types(types), hidden, inter)
     check_cache(None, None, gate, up, down, biases)
     if out is None:
         out = torch.zeros(t_count, hidden, dtype=torch.float32)
@@ -114,12 +153,13 @@ def moe_experts(lib: ctypes.CDLL, x: torch.Tensor, tokens: torch.Tensor, experts
     bias = [] if biases is None else [b.detach().float().contiguous() for b in (biases.gate_up, biases.down)]
     done = lib.hr_moe_experts(x.data_ptr(), t_count, hidden, inter, tok.data_ptr(), w.data_ptr(), len(tok),
                               ids.data_ptr(), start.data_ptr(), len(ids), *(b.data_ptr() for b in blocks),
-                              *(GEMV_TYPE_IDS[t] for t in types), *([b.data_ptr() for b in bias] or [None, None]),
+                              *(TYPE_IDS[t] for t in types), *([b.data_ptr() for b in bias] or [None, None]),
                               0.0 if activation is None else activation.alpha,
                               0.0 if activation is None else activation.limit, out.data_ptr(), work.data_ptr(),
                               threads or default_threads(), gemv_path(scalar))
     if done != 0:
-        raise ValueError(f"moe_experts refused {'/'.join(types)} experts of H={hidden}, I={inter}")
+        raise ValueError(f"moe_experts refused {'/'.join(types)} experts of H={hidden}, I={inter} (interleaved "
+                         "blocks take rows a multiple of 16 and a build with AVX-512: kernels.cpu.rows16.available)")
     return out
 
 
@@ -133,11 +173,15 @@ def moe_experts_ref(x: torch.Tensor, tokens: torch.Tensor, experts: torch.Tensor
                     gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, types: tuple[str, str, str],
                     biases: ExpertBiases | None = None, activation: ClampedSwiGLU | None = None) -> torch.Tensor:
     """Reference of :func:`moe_experts` (arguments as there): float32 ``[T, H]``."""
+    gate, up, down = (file_stack(w, t) for w, t in zip((gate, up, down), types, strict=True))
+    # the kernel's codes: 8-bit hidden rows only where both gate and up take them (16-bit
+    # ones for interleaved blocks)
+    bits = [act_bits(t) for t in types]
+    types = file_types(types)
     t_count, hidden = x.shape
     inter = gate.shape[1]
     out = torch.zeros(t_count, hidden, dtype=torch.float64)
-    # the kernel's codes: 8-bit hidden rows only where both gate and up take them
-    xq = _quantized(x, max(act_bits(types[0]), act_bits(types[1])))
+    xq = _quantized(x, max(bits[0], bits[1]))
     for e in torch.unique(experts).tolist():
         sel = torch.where(experts == e)[0]
         rows = xq[tokens[sel].long()]
@@ -146,7 +190,7 @@ def moe_experts_ref(x: torch.Tensor, tokens: torch.Tensor, experts: torch.Tensor
         if biases is not None:
             g, u = g + biases.gate_up[e, :inter].double(), u + biases.gate_up[e, inter:].double()
         h = _quantized((g * torch.sigmoid(g) * u if activation is None else activation(torch.cat((g, u), -1))).float(),
-                       act_bits(types[2]))
+                       bits[2])
         y = h @ reference.dequantize(down[e], types[2], inter).double().T
         if biases is not None:
             y = y + biases.down[e].double()

@@ -5,12 +5,15 @@ they replace (each expert's blocks dequantized by ``gguf``, then two float32 GEM
     python -m engine.bench.cpu_experts --tokens 1 4 --threads 2
     python -m engine.bench.cpu_experts --tokens 1 4 --no-torch --ab 15
     python -m engine.bench.cpu_experts --tokens 1 4 --no-torch --ab-bits 15
+    python -m engine.bench.cpu_experts --tokens 1 4 --no-torch --rows16
 
 Random blocks of Qwen3-30B-A3B's shape by default (H=2048, I=768, 128 experts, top-8,
 Q4_K gate/up, Q6_K down: a Q4_K_M file's types); each token routes to ``--top-k``
 distinct random experts. Prints per step the seconds (best of ``--repeats``), the
 layer's tokens/s (tokens / step time) and GB/s of expert blocks read (the distinct
-routed experts' bytes / step time; each is read once a step).
+routed experts' bytes / step time; each is read once a step). ``--rows16`` adds the C
+kernels over the same experts interleaved by 16 rows per expert (the CPU engine's layout
+where the build has AVX-512, :mod:`kernels.cpu.rows16`).
 """
 
 from __future__ import annotations
@@ -31,6 +34,20 @@ def random_experts(types: tuple[str, str, str], num: int, hidden: int, inter: in
     rng = np.random.default_rng(seed)
     return [torch.from_numpy(random_blocks(t, num * rows, cols, rng, scale=1e-3).reshape(num, rows, -1))
             for t, rows, cols in ((types[0], inter, hidden), (types[1], inter, hidden), (types[2], hidden, inter))]
+
+
+def interleaved(lib, stacks: list[torch.Tensor], types: tuple[str, str, str]):
+    """(the stacks, their types) with each one :mod:`kernels.cpu.rows16` takes interleaved
+    by 16 rows per expert, as the CPU engine loads them; None where ``lib``'s build does not
+    multiply that layout."""
+    from kernels.cpu import rows16
+    from kernels.cpu.moe_experts import interleave_stack
+
+    if not rows16.available(lib):
+        return None
+    takes = [rows16.takes(t, s.shape[1]) for s, t in zip(stacks, types, strict=True)]
+    return ([interleave_stack(s, t) if k else s for s, t, k in zip(stacks, types, takes, strict=True)],
+            tuple(t + rows16.SUFFIX if k else t for t, k in zip(types, takes, strict=True)))
 
 
 def _c_step(lib, threads: int, x, tokens, ids, weights, gate, up, down, types) -> None:
@@ -88,6 +105,8 @@ def main() -> None:
     parser.add_argument("--ab-bits", type=int, default=0, metavar="ROUNDS",
                         help="also the C kernels with the cpu_kquant_act_bits switch at 16 and 8, alternating, "
                              "ROUNDS each, medians (the K-quants' 16-bit activation codes against 8-bit ones)")
+    parser.add_argument("--rows16", action="store_true",
+                        help="also the C kernels over the experts interleaved by 16 rows per expert (AVX-512 builds)")
     args = parser.parse_args()
 
     from engine.layers.linear.cpu_kernels import cpu_kernels
@@ -102,6 +121,9 @@ def main() -> None:
     threads = args.threads or default_threads()
     torch.set_num_threads(threads)
     gate, up, down = random_experts(types, args.experts, h, i)
+    x16 = interleaved(lib, [gate, up, down], types) if args.rows16 else None
+    if args.rows16 and x16 is None:
+        print("--rows16: this build does not multiply interleaved blocks (no AVX-512)")
     expert_bytes = sum(tensor_bytes(t, shape, 0) for t, shape in zip(types, ((i, h), (i, h), (h, i)), strict=True))
     simd = build.simd_name(lib)
     print(f"H={h} I={i} E={args.experts} top-{args.top_k} {'/'.join(types)}: {expert_bytes / 1e6:.2f} MB an expert; "
@@ -115,6 +137,9 @@ def main() -> None:
         read = len(torch.unique(ids)) * expert_bytes
         step = (x, tokens, ids, weights, gate, up, down, types)
         rows = {"C kernels": lambda step=step: _c_step(lib, threads, *step)}
+        if x16 is not None:
+            step16 = (x, tokens, ids, weights, *x16[0], x16[1])
+            rows["C kernels, x16"] = lambda step=step16: _c_step(lib, threads, *step)
         if not args.no_torch:
             rows["torch dequantize"] = lambda step=step: _torch_step(*step)
         if args.ab:

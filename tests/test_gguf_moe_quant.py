@@ -183,6 +183,8 @@ def test_cpu_layout_keeps_k_quant_projections_and_experts_in_blocks(tmp_path, pa
 
     x16 = rows16.SUFFIX if rows16.available(lib) else ""
     assert layer.self_attn.qkv_proj.types == ["Q4_K" + x16, "Q6_K" + x16] and ours.lm_head.types == ["Q6_K" + x16]
+    # and the routed experts by 16 rows per expert
+    assert layer.mlp.experts.types == tuple(t + x16 for t in EXPERT_TYPES)
     size = gguf_weight_size(path, config, torch.float32, "cpu", cpu_blocks=True)
     assert size.bytes == model_weight_bytes(ours)
     dense = load_gguf_quantized(config, path, "cpu", torch.float32, experts_in_blocks=False)

@@ -311,8 +311,51 @@ def test_a_cpu_engine_with_a_hybrid_plan_loads_the_gguf_in_blocks_and_decodes_th
     hybrid, got = greedy("1")
     whole, ref = greedy("none")
     assert got == ref
+    assert _interleaved_where_taken(whole.model, config)  # the all-resident CPU engine's experts: by 16 rows
     assert hybrid.quantized_gguf == whole.quantized_gguf == path
     assert hybrid.plan.cpu_expert_layers == 1 and len(hybrid.expert_stores) == 1
     assert isinstance(hybrid.expert_stores[0].host, DenseStack)
     stats = hybrid.stats()
     assert stats.expert_cache_hits + stats.expert_cache_misses > 0
+
+
+def _interleaved_where_taken(model, config) -> bool:
+    """Whether every MoE layer's experts are of interleaved types (``Q4_Kx16``...) where the
+    C kernels multiply that layout (:mod:`kernels.cpu.rows16`) and the file's types where
+    they do not."""
+    from engine.layers.linear.cpu_kernels import cpu_kernels
+    from kernels.cpu import rows16
+
+    lib = cpu_kernels()
+    on = lib is not None and rows16.available(lib)
+    types = [model.model.layers[i].mlp.experts.types for i in config.moe_layers]
+    return all(all(t.endswith(rows16.SUFFIX) == on for t in ts) for ts in types)
+
+
+def test_a_cpu_model_s_experts_interleaved_by_16_rows_give_the_all_resident_greedy_ids(tiny, paged_runner, reference):
+    """The CPU engine's layout (pack_model_for_cpu): each expert's rows interleaved by 16
+    where the build multiplies that layout, run by the C kernels; the same greedy ids as
+    the all-resident model's reference, logits within the kernels' activation rounding;
+    the loaded model's own blocks are left in the file's layout."""
+    from engine.layers.cpu_pack import pack_model_for_cpu
+    from engine.layers.linear.cpu_kernels import cpu_kernels
+    from kernels.cpu import build
+
+    lib = cpu_kernels()
+    if lib is None:
+        pytest.skip(f"the C CPU kernels do not build here: {build.why_not()}")
+    _, config, model = tiny
+    packed = pack_model_for_cpu(copy.deepcopy(model), torch.float32, lib)
+    assert _interleaved_where_taken(packed, config)
+    assert all(model.model.layers[i].mlp.experts.types in (EXPERT_TYPES, ("Q8_0",) * 3) for i in config.moe_layers)
+    got, logits = paged_greedy(paged_runner(packed, config), _prompts(), STEPS)
+    assert got == reference[0]
+    assert float((logits - reference[1]).abs().max()) <= 1e-3 * float(reference[1].abs().max())
+    # The C kernels switched off after the load: the reference over the blocks put back.
+    from kernels.switches import using
+
+    i = config.moe_layers[0]
+    x, ids = torch.randn(3, config.hidden_size), torch.tensor([[0, 1], [1, 2], [3, 0]])
+    with using(cpu_kernels=False):
+        got = packed.model.layers[i].mlp.experts(x, torch.full((3, 2), 0.5), ids)
+        assert torch.equal(got, model.model.layers[i].mlp.experts(x, torch.full((3, 2), 0.5), ids))

@@ -14,7 +14,9 @@ from engine.layers.cpu_decode import CpuDecode
 from engine.layers.linear.cpu_blocks import CpuBlockLinear, takes
 from engine.layers.linear.cpu_int4 import CpuInt4Linear, QuantEmbedding, RescoredHead
 from engine.layers.linear.gguf_blocks import QuantLinear
+from engine.layers.moe.quant_experts import QuantExperts
 from kernels.cpu import rows16
+from kernels.cpu.moe_experts import takes as cpu_experts_takes
 from kernels.switches import current
 
 
@@ -70,6 +72,18 @@ def _interleave_tied_head(head: nn.Module, embeddings: QuantEmbedding, lib) -> N
     rows16.release_freed()
 
 
+def _interleave_experts(model: nn.Module, lib) -> None:
+    """The routed experts the C kernels run on the CPU (:class:`QuantExperts` of types they
+    read) interleaved by 16 rows per expert (:meth:`QuantExperts.interleave_rows16`), where
+    ``lib``'s build multiplies that layout; MXFP4 experts and other types stay as loaded."""
+    if lib is None or not rows16.available(lib):
+        return
+    for m in model.modules():
+        if isinstance(m, QuantExperts) and m.gate.device.type == "cpu" and cpu_experts_takes(m.types):
+            m.interleave_rows16()
+            rows16.release_freed()  # the file's blocks back to the system, layer by layer
+
+
 def pack_model_for_cpu(model: nn.Module, dtype: torch.dtype, lib=None, decode_layers=None) -> nn.Module:
     """Replace every QuantLinear of ``model`` (on the CPU) as :func:`pack_linears` does; a
     head tied to embeddings in blocks becomes a :class:`RescoredHead`. With ``lib``, a
@@ -78,12 +92,14 @@ def pack_model_for_cpu(model: nn.Module, dtype: torch.dtype, lib=None, decode_la
     switch on, those layers' projections are interleaved by 16 rows, in one buffer of
     huge pages, an untied head's in a buffer of its own, and a tied head of K-quant
     blocks in the table it shares with the embeddings (:func:`_interleave_tied_head`; a
-    tied head of other types is not: its lookup reads the file's rows)."""
+    tied head of other types is not: its lookup reads the file's rows), and the routed
+    experts the C kernels run by 16 rows per expert (:func:`_interleave_experts`)."""
     if current().cpu_rows16:
         layers = model.model.layers if decode_layers is None else decode_layers
         for layer in layers:
             pack_linears(layer, dtype, lib)
         _interleave_layers(layers, lib)
+        _interleave_experts(model, lib)
     pack_linears(model, dtype, lib)
     if current().cpu_rows16 and not model.config.tie_word_embeddings and isinstance(model.lm_head, CpuBlockLinear):
         _interleave_layers([model.lm_head], lib)  # an untied head: blocks of its own

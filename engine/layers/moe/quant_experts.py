@@ -24,6 +24,11 @@ epilogues (:func:`quant_experts_for` builds such a layer from the model's config
 The blocks are buffers, not parameters, as :class:`~engine.layers.linear.gguf_blocks.QuantLinear`'s:
 :mod:`engine.loader.gguf_quant` (or :meth:`engine.models.gpt_oss.GptOssCausalLM.load_weights`)
 fills them; the biases are parameters, loaded as the dense experts' are.
+
+A CPU engine interleaves the blocks by 16 rows per expert at load where the build
+multiplies that layout (:meth:`QuantExperts.interleave_rows16`, called by
+:func:`~engine.layers.cpu_pack.pack_model_for_cpu`; ``types`` then name it, ``Q4_Kx16``);
+experts a GPU engine keeps in host memory keep the file's layout, which its kernels read.
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ from torch import nn
 
 from engine.common.config import ModelConfig
 from kernels.activation.reference import ClampedSwiGLU
-from kernels.cpu.moe_experts import takes
+from kernels.cpu import rows16
+from kernels.cpu.moe_experts import file_stack, file_types, interleave_stack, takes
 from kernels.dispatch import fused_moe_quant
 from kernels.moe.reference import ExpertBiases
 from kernels.quant.formats import block_format, tensor_bytes
@@ -43,6 +49,10 @@ def experts_activation(config: ModelConfig) -> ClampedSwiGLU | None:
     """The routed experts' activation: gpt-oss's clamped SwiGLU where the config has a
     limit, else None (SiLU-and-mul)."""
     return ClampedSwiGLU(config.swiglu_alpha, config.swiglu_limit) if config.swiglu_limit else None
+
+
+# Experts interleaved a copy at load: the temporaries stay a few MB.
+_INTERLEAVE_EXPERTS = 16
 
 
 class QuantExperts(nn.Module):
@@ -104,10 +114,33 @@ class QuantExperts(nn.Module):
             out = moe_experts(lib, x, tokens, topk_ids.reshape(-1), topk_weights.reshape(-1), self.gate,
                               self.up, self.down, self.types, biases=self.biases, activation=self.activation)
             return out.to(x.dtype)
+        # interleaved blocks (the C kernels switched off since the load) put back for the reference
+        gate, up, down = (file_stack(w, t) for w, t in zip((self.gate, self.up, self.down), self.types, strict=True))
+        types = file_types(self.types)
         if self.biases is None and self.activation is None:  # every family's but gpt-oss's
-            return fused_moe_quant(x, self.gate, self.up, self.down, self.types, topk_weights, topk_ids)
-        return fused_moe_quant(x, self.gate, self.up, self.down, self.types, topk_weights, topk_ids,
-                               biases=self.biases, activation=self.activation)
+            return fused_moe_quant(x, gate, up, down, types, topk_weights, topk_ids)
+        return fused_moe_quant(x, gate, up, down, types, topk_weights, topk_ids, biases=self.biases,
+                               activation=self.activation)
+
+    def interleave_rows16(self) -> None:
+        """Each of gate, up and down whose type and rows :func:`kernels.cpu.rows16.takes`
+        interleaved by 16 rows per expert (:func:`~kernels.cpu.moe_experts.interleave_stack`),
+        the three in one buffer of huge pages, its type renamed (``Q4_Kx16``); the file's
+        blocks dropped as each copy is written. For experts the C kernels run on the CPU,
+        on a build that multiplies the layout (:func:`kernels.cpu.rows16.available`)."""
+        names = [n for n, t in zip(("gate", "up", "down"), self.types, strict=True)
+                 if rows16.takes(t, getattr(self, n).shape[1])]
+        if not names:  # MXFP4, or rows not a multiple of 16
+            return
+        views = rows16.huge_buffer([tuple(getattr(self, n).shape) for n in names])
+        types = dict(zip(("gate", "up", "down"), self.types, strict=True))
+        for name, view in zip(names, views, strict=True):
+            stack = getattr(self, name)
+            for e in range(0, stack.shape[0], _INTERLEAVE_EXPERTS):
+                view[e:e + _INTERLEAVE_EXPERTS].copy_(interleave_stack(stack[e:e + _INTERLEAVE_EXPERTS], types[name]))
+            setattr(self, name, view)
+            types[name] += rows16.SUFFIX
+        self.types = tuple(types.values())
 
     def _cpu_kernels(self):
         """The C CPU kernels (built once), or None where they cannot run or are switched

@@ -117,6 +117,19 @@ def test_ollama_drops_the_oldest_turns_to_fit_num_ctx_as_ollama_does(real_server
     assert r.status_code == 200 and r.json()["prompt_eval_count"] == 15, r.text
 
 
+def test_ollama_fits_a_chat_of_many_turns_and_stays_answering(real_server):
+    """A chat of 20,000 turns was cut one turn a render, each render of the whole chat:
+    the call never answered and the service spent a core on it long after the client
+    left. The turns to drop are found by halving, and the call answers."""
+    turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i}"} for i in range(20_000)]
+    r = _post(real_server, "/api/chat", json={"model": "default", "messages": turns, "stream": False,
+                                              "options": {"num_ctx": 256, "num_predict": 2}})
+    assert r.status_code == 200 and 0 < r.json()["prompt_eval_count"] <= 254, r.text[:300]
+    r = _post(real_server, "/api/chat", json={"model": "default", "messages": HI, "stream": False,
+                                              "options": {"num_predict": 2}})
+    assert r.status_code == 200 and r.json()["done"], r.text
+
+
 LONG = "tell me about the history of computing " * 40  # about 280 tokens
 
 

@@ -120,3 +120,22 @@ def test_a_chat_cut_to_fit_takes_only_the_fits_tokenizing(tokenizers):
     ids, encoded = _ids(tokenizer, request, 96)
     assert encoded == counting.encoded, "the prompt was tokenized again after it was fitted"
     assert ids == encode_chat(tokenizer, fitted.messages) and len(ids) <= 96 - 16
+
+
+def test_a_long_chat_drops_its_oldest_turns_in_few_renders(tokenizers):
+    """The turns to drop are found by halving: a chat of 600 turns rendered once per turn
+    dropped (600 renders of up to 600 messages, a long chat's square)."""
+    turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i}"} for i in range(600)]
+    request = _request("chat", {"model": "default", "messages": turns, "options": {"num_ctx": 96,
+                                                                                  "num_predict": 16}})
+    counting = CountingTokenizer(tokenizers[0])
+    text = TextSide(counting, "default")
+    try:
+        (fitted,) = asyncio.run(fit_prompts(text, request, 96))
+    finally:
+        text.close()
+    assert len(counting.encoded) <= 12, len(counting.encoded)
+    ids = encode_chat(tokenizers[0], fitted.messages)
+    assert fitted.messages == turns[-len(fitted.messages):] and len(ids) <= 96 - 16
+    # One turn more would not have fitted: the fewest turns were dropped.
+    assert len(encode_chat(tokenizers[0], turns[-len(fitted.messages) - 1:])) > 96 - 16

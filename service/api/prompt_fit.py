@@ -124,13 +124,25 @@ async def _fit_chat(text: TextSide, prompt: Prompt, budget: int, context: int, c
     messages = list(prompt.messages or [])
     ids = await render(messages)
     dropped = 0
-    while len(ids) > budget:
-        older = [i for i, m in enumerate(messages[:-1]) if m.get("role") not in ("system", "developer")]
-        if not older:
-            break
-        del messages[older[0]]
-        dropped += 1
-        ids = await render(messages)
+    older = [i for i, m in enumerate(messages[:-1]) if m.get("role") not in ("system", "developer")]
+    if len(ids) > budget and older:
+        # The fewest oldest turns whose dropping fits, found by halving: each render is
+        # of the whole chat, so dropping one turn a render took a long chat's square.
+        def without(count: int) -> list[dict[str, Any]]:
+            gone = set(older[:count])
+            return [m for i, m in enumerate(messages) if i not in gone]
+
+        rendered: dict[int, list[int]] = {}
+        low, high = 1, len(older)
+        while low < high:
+            middle = (low + high) // 2
+            rendered[middle] = await render(without(middle))
+            if len(rendered[middle]) <= budget:
+                high = middle
+            else:
+                low = middle + 1
+        dropped, messages = low, without(low)
+        ids = rendered[low] if low in rendered else await render(messages)
     if dropped:
         log.info("%s: the %d oldest messages dropped to fit %d tokens of a context of %d", prompt.param, dropped,
                  budget, context)

@@ -170,6 +170,10 @@ def test_ollama_cuts_a_templated_prompt_instead_of_refusing_it(real_server, stre
         {"role": "system", "content": LONG}, {"role": "user", "content": "Say hi"}]})
     for done in (generated, chat):
         assert 80 <= done["prompt_eval_count"] <= 90 and done["eval_count"] >= 1, done
+    # A content of text parts is cut as its text (it was a 400 asking to raise num_ctx).
+    parts = _ollama(real_server, "/api/chat", {"stream": stream, "options": options, "messages": [
+        {"role": "system", "content": [{"type": "text", "text": LONG}]}, {"role": "user", "content": "Say hi"}]})
+    assert (parts["prompt_eval_count"], parts["message"]) == (chat["prompt_eval_count"], chat["message"]), parts
     # The template's own 30 tokens pass the 20 a num_ctx of 40 leaves the prompt: the
     # prompt fills the context but one token.
     tiny = _ollama(real_server, "/api/generate", {"prompt": LONG, "stream": stream,

@@ -52,7 +52,7 @@ _TOOLS_VARIABLE = re.compile(r"\btools\b")
 # Where an assistant message carries its reasoning, by API: ours, then OpenAI-compatible.
 _REASONING_KEYS = ("thinking", "reasoning_content", "reasoning")
 # Text parts are joined with a newline, as vLLM does, so "a" + "b" never fuse into "ab".
-_PART_SEPARATOR = "\n"
+PART_SEPARATOR = "\n"
 
 
 class ChatTemplateError(ValueError):
@@ -301,4 +301,4 @@ def _content_text(content: Any, i: int, role: str) -> str:
             what = f"of type {kind!r}" if kind is not None else "without a type (a part is an object)"
             raise ChatTemplateError(f"{param}[{j}] {what} is not supported; only text parts are", f"{param}[{j}]")
         texts.append(text)
-    return _PART_SEPARATOR.join(texts)
+    return PART_SEPARATOR.join(texts)

@@ -13,7 +13,7 @@ How a prompt is cut to that budget:
 - a chat (or a templated ``/api/generate``, a chat of its system and user messages)
   first drops its oldest turns, its system messages and its last turn kept (Ollama's
   ``chatPrompt``); then, where that is not enough, the longest message loses the start
-  of its text, the next longest after it where it is emptied, until the rendered prompt
+  of its text (a list of text parts as the one text the template joins them into), the next longest after it where it is emptied, until the rendered prompt
   fits (Ollama's runner cuts the input's start past its ``num_keep`` tokens: the
   template's head and the end of the conversation are kept here alike);
 - a raw prompt keeps its last tokens, after the tokens the tokenizer puts first (a BOS).
@@ -38,6 +38,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from engine.text.chat import PART_SEPARATOR
 from service.api.prompts import Prompt
 from service.api.text import TextSide
 from service.common.errors import invalid
@@ -181,7 +182,7 @@ async def _cut_texts(
         longest = max(range(len(messages)), key=lambda i: _text_length(messages[i]), default=None)
         if len(ids) <= budget or longest is None or not _text_length(messages[longest]):
             break
-        own = await text.encode_text(messages[longest]["content"])
+        own = await text.encode_text(_text(messages[longest]) or "")
         over = len(ids) - budget
         kept = (await text.decode(own[over:])).lstrip("\ufffd") if over < len(own) else ""
         messages = [*messages[:longest], {**messages[longest], "content": kept}, *messages[longest + 1:]]
@@ -192,5 +193,17 @@ async def _cut_texts(
 def _text_length(message: Any) -> int:
     """The characters of a message's text content (0 for other contents: they are not
     cut)."""
+    return len(_text(message) or "")
+
+
+def _text(message: Any) -> str | None:
+    """A message's text content: a string, or a list of text parts as the template gets
+    it (joined, :data:`engine.text.chat.PART_SEPARATOR`); None for other contents."""
     content = message.get("content") if isinstance(message, dict) else None
-    return len(content) if isinstance(content, str) else 0
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list) or not all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+    ):
+        return None
+    return PART_SEPARATOR.join(p["text"] for p in content)

@@ -2,12 +2,18 @@
 one call a layer instead of some sixty torch ops.
 
 Taken by :meth:`engine.models.decoder.CausalLM.forward` for decode steps (one new token a
-row) of a float32 model whose every layer it can run: a dense Llama/Qwen2/Qwen3-family
-layer (no mixture of experts, no whole-projection q/k norm, no q/k/v clipping, no o
-bias) whose four projections are each up to three runs of GGUF blocks the C GEMV reads
+row) of a float32 model whose every layer it can run: a Llama/Qwen2/Qwen3-family layer
+(no whole-projection q/k norm, no q/k/v clipping, no o bias) whose projections are
+each up to three runs of GGUF blocks the C GEMV reads
 (:class:`~engine.layers.linear.cpu_blocks.CpuBlockLinear`; Q4_0/Q4_1/Q8_0 and the
 K-quants, mixed as a Q4_K_M file's q/k/v mix them), over a float32 KV pool or
 one of llama.cpp's q8_0/q4_0 blocks (``--kv-cache-dtype q8_0``, ``q4_0``).
+A mixture-of-experts layer (Qwen2-MoE, Qwen3-MoE, Mixtral) runs its attention half there,
+up to the post-attention norm, and then its
+:class:`~engine.layers.moe.sparse_moe.SparseMoeBlock` on the normed rows: the router and
+top-k in torch, the routed experts in one call of the C kernels
+(:func:`kernels.cpu.moe_experts.moe_experts`), a shared expert as the block runs it; the
+dense layers among them (``mlp_only_layers``) run whole in the C layer.
 Prefill and extend steps, and every other model (Gemma 3's sliding-window, GELU and
 four-norm layers among them), keep the torch layers.
 """
@@ -15,13 +21,14 @@ four-norm layers among them), keep the torch layers.
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from engine.common import progress
 from engine.layers.linear.cpu_blocks import CpuBlockLinear
+from engine.layers.moe.sparse_moe import SparseMoeBlock
 from kernels.attention.kv_store import block_format
 from kernels.cpu import decode_layer
 
@@ -35,15 +42,55 @@ def _runs(proj: nn.Module) -> list[tuple[torch.Tensor, str]] | None:
     return [(proj.part(i), t) for i, t in enumerate(proj.types)]
 
 
+def _declines(model: nn.Module, layers) -> bool:
+    """Whether the model's family or form is one the C layer does not run (module docstring)."""
+    config = model.config
+    if config.is_hybrid or config.qk_norm_whole or config.clip_qkv is not None or config.head_dim % 2:
+        return True
+    if config.windowed_attention or config.hidden_act != "silu":  # Gemma 3's layers are not the C layer's
+        return True
+    return (getattr(model, "tp", None) is not None or not len(layers)
+            or layers[0].input_layernorm.weight.dtype != torch.float32)
+
+
+def _attention(layer: nn.Module, config) -> list | None:
+    """The runs of ``layer``'s q/k/v and o projections, or None where the C layer cannot
+    read them or they are not the shapes its scratch assumes."""
+    attn = getattr(layer, "self_attn", None)
+    if attn is None or not hasattr(attn, "qkv_proj") or attn.o_proj.bias is not None:
+        return None
+    h, q, kv = config.hidden_size, config.q_size, config.kv_size
+    if (attn.qkv_proj.out_features, attn.qkv_proj.in_features) != (q + 2 * kv, h) \
+            or (attn.o_proj.out_features, attn.o_proj.in_features) != (h, q):
+        return None
+    projs = [_runs(attn.qkv_proj), _runs(attn.o_proj)]
+    return None if any(p is None for p in projs) else projs
+
+
+def _dense_mlp(mlp: nn.Module, config) -> list | None:
+    """The runs of a dense MLP's gate/up and down projections, or None (as :func:`_attention`)."""
+    if not hasattr(mlp, "gate_up_proj") or mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None:
+        return None
+    h, inter = config.hidden_size, config.intermediate_size
+    if (mlp.gate_up_proj.out_features, mlp.gate_up_proj.in_features) != (2 * inter, h) \
+            or (mlp.down_proj.out_features, mlp.down_proj.in_features) != (h, inter):
+        return None
+    projs = [_runs(mlp.gate_up_proj), _runs(mlp.down_proj)]
+    return None if any(p is None for p in projs) else projs
+
+
 @dataclass
 class CpuDecode:
     """The C specs of a model's layers (built once; the tensors they point to are the
-    model's own, kept alive by it)."""
+    model's own, kept alive by it). ``moe[i]``: layer ``i``'s mixture-of-experts block,
+    which runs (in torch, its experts by the C kernels) on the rows the C layer hands
+    back, or None where the C layer runs the layer's dense MLP itself."""
 
     lib: ctypes.CDLL
     specs: list[decode_layer.Layer]
     keep: list[torch.Tensor]  # the contiguous float32 copies the specs point to
     scratch: torch.Tensor
+    moe: list[nn.Module | None] = field(default_factory=list)
 
     @classmethod
     def build(cls, model: nn.Module, lib: ctypes.CDLL, layers=None) -> CpuDecode | None:
@@ -53,15 +100,9 @@ class CpuDecode:
         layer is not one it runs (module docstring)."""
         config = model.config
         layers = model.model.layers if layers is None else layers
-        if (config.is_hybrid or config.moe_layers or config.qk_norm_whole or config.clip_qkv is not None
-                or config.head_dim % 2):
+        if _declines(model, layers):
             return None
-        if config.windowed_attention or config.hidden_act != "silu":  # Gemma 3's layers are not the C layer's
-            return None
-        if getattr(model, "tp", None) is not None or not len(layers) \
-                or layers[0].input_layernorm.weight.dtype != torch.float32:
-            return None
-        specs, keep = [], []
+        specs, keep, moe = [], [], []
 
         def f32(t: torch.Tensor | None) -> torch.Tensor | None:
             if t is None:
@@ -72,35 +113,28 @@ class CpuDecode:
 
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
-            if not hasattr(mlp, "gate_up_proj") or not hasattr(attn, "qkv_proj"):
-                return None
-            projs = [_runs(p) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-            if any(p is None for p in projs) or attn.o_proj.bias is not None or mlp.gate_up_proj.bias is not None \
-                    or mlp.down_proj.bias is not None:
-                return None
-            # The C layer sizes its scratch from the config: each projection must be the
-            # shape it assumes (rows x K), or it would write past it.
-            h, q, kv, inter = config.hidden_size, config.q_size, config.kv_size, config.intermediate_size
-            shapes = [(attn.qkv_proj, q + 2 * kv, h), (attn.o_proj, h, q), (mlp.gate_up_proj, 2 * inter, h),
-                      (mlp.down_proj, h, inter)]
-            if any((p.out_features, p.in_features) != (rows, k) for p, rows, k in shapes):
+            experts = isinstance(mlp, SparseMoeBlock)
+            projs, dense = _attention(layer, config), None if experts else _dense_mlp(mlp, config)
+            if projs is None or (not experts and dense is None):
                 return None
             head_norm = attn.q_norm is not None
             specs.append(decode_layer.layer(
                 hidden=config.hidden_size, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
-                head_dim=config.head_dim, intermediate=config.intermediate_size,
+                head_dim=config.head_dim, intermediate=0 if experts else config.intermediate_size,
                 eps=layer.input_layernorm.eps, scale=config.head_dim ** -0.5,
                 input_norm=f32(layer.input_layernorm.weight), post_norm=f32(layer.post_attention_layernorm.weight),
                 q_norm=f32(attn.q_norm.weight) if head_norm else None,
                 k_norm=f32(attn.k_norm.weight) if head_norm else None,
                 qkv_bias=f32(attn.qkv_proj.bias),
                 qkv=decode_layer.proj(projs[0]), o=decode_layer.proj(projs[1]),
-                gate_up=decode_layer.proj(projs[2]), down=decode_layer.proj(projs[3])))
+                gate_up=None if experts else decode_layer.proj(dense[0]),
+                down=None if experts else decode_layer.proj(dense[1])))
+            moe.append(mlp if experts else None)
             if head_norm and attn.q_norm.eps != layer.input_layernorm.eps:
                 return None  # the C layer takes one eps for every norm
         if not specs:
             return None
-        return cls(lib, specs, keep, torch.empty(0, dtype=torch.uint8))
+        return cls(lib, specs, keep, torch.empty(0, dtype=torch.uint8), moe)
 
     def takes(self, batch, h: torch.Tensor, pool) -> bool:
         """Whether this step runs here: a decode step of float32 rows over a float32 pool
@@ -121,7 +155,8 @@ class CpuDecode:
         residual = torch.empty_like(h) if first else residual.contiguous().clone()
         seq_lens = batch.seq_lens.contiguous()
         max_len = int(seq_lens.max()) if seq_lens.numel() else 0
-        need = decode_layer.scratch_bytes(self.lib, self.specs[0], h.shape[0], max_len)
+        widest = max(self.specs, key=lambda spec: spec.intermediate)  # a dense layer's MLP, if any
+        need = decode_layer.scratch_bytes(self.lib, widest, h.shape[0], max_len)
         if self.scratch.numel() < need:
             self.scratch = torch.empty(need, dtype=torch.uint8)
         positions, out_slots = batch.positions.contiguous(), batch.out_slots.contiguous()
@@ -140,5 +175,7 @@ class CpuDecode:
         for i, spec in enumerate(self.specs):
             decode_layer.run(self.lib, spec, st, h, residual, pool.k_buffers[i], pool.v_buffers[i], self.scratch,
                              max_len, first=first and i == 0)
+            if self.moe[i] is not None:  # h: the post-attention norm's rows, the experts' input
+                h = self.moe[i](h).float().contiguous()
             progress.advance()
         return h, residual

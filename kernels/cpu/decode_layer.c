@@ -13,7 +13,8 @@
  *     q, k, v = split(x @ Wqkv.T (+ bias)); per head: rms_norm(q), rms_norm(k) (Qwen3)
  *     q, k = rotary(q, k, position) (GPT-NeoX halves); K/V pool[slot] = k, v
  *     a = softmax(q K^T * scale) V over the row's pages (GQA: Hq / Hk query heads a KV head)
- *     r += a @ Wo.T; x = rms_norm(r) * w_post; h = down(silu(gate(x)) * up(x))
+ *     r += a @ Wo.T; x = rms_norm(r) * w_post; h = down(silu(gate(x)) * up(x)), or h = x where
+ *     the layer has no MLP (gate_up.parts 0: a mixture-of-experts layer, its experts the caller's)
  *
  * The KV pool is float32, or llama.cpp's q8_0 or q4_0 blocks (--kv-cache-dtype; kv_type
  * Q8_0 or Q4_0): each head's row is D / 32 blocks of a float16 scale and 32 codes,
@@ -429,6 +430,10 @@ int hr_decode_layer(const hr_layer *L, const hr_step *S, float *h, float *residu
         float *r = residual + b * H;
         for (int64_t i = 0; i < H; i++) r[i] += o[b * H + i];
         rms_norm_row(r, L->post_norm, x + b * H, H, L->eps);
+    }
+    if (L->gate_up.parts == 0) {  /* no MLP (a mixture-of-experts layer's): the normed rows back */
+        memcpy(h, x, B * H * 4);
+        return 0;
     }
     if ((err = proj(&L->gate_up, x, B, H, gate_up, work, threads, S->path))) return err;
     for (int64_t b = 0; b < B; b++) {  /* SiLU(gate) * up, into the gate half */

@@ -77,10 +77,13 @@ def proj(parts: list[tuple[torch.Tensor, str]]) -> Proj:
 
 def layer(*, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, intermediate: int, eps: float,
           scale: float, input_norm: torch.Tensor, post_norm: torch.Tensor, q_norm: torch.Tensor | None,
-          k_norm: torch.Tensor | None, qkv_bias: torch.Tensor | None, qkv: Proj, o: Proj, gate_up: Proj,
-          down: Proj) -> Layer:
+          k_norm: torch.Tensor | None, qkv_bias: torch.Tensor | None, qkv: Proj, o: Proj, gate_up: Proj | None,
+          down: Proj | None) -> Layer:
     """An ``hr_layer``; the norms and bias float32 and contiguous (the caller keeps them
-    alive); the KV buffers are set per step (:func:`run`), as a replan may move them."""
+    alive); the KV buffers are set per step (:func:`run`), as a replan may move them.
+    ``gate_up`` and ``down`` None: a layer without an MLP (a mixture-of-experts layer's
+    attention half; :func:`run` hands back the post-attention norm's rows)."""
+    gate_up, down = (Proj(), Proj()) if gate_up is None or down is None else (gate_up, down)
     return Layer(hidden, num_heads, num_kv_heads, head_dim, intermediate, eps, scale, _ptr(input_norm),
                  _ptr(post_norm), _ptr(q_norm), _ptr(k_norm), _ptr(qkv_bias), qkv, o, gate_up, down, None, None)
 
@@ -112,7 +115,8 @@ def scratch_bytes(lib: ctypes.CDLL, spec: Layer, rows: int, max_len: int) -> int
 def run(lib: ctypes.CDLL, spec: Layer, st: Step, h: torch.Tensor, residual: torch.Tensor, k_cache: torch.Tensor,
         v_cache: torch.Tensor, scratch: torch.Tensor, max_len: int, first: bool) -> None:
     """One layer: ``h`` (float32 ``[B, hidden]``, the previous layer's MLP output) becomes
-    this layer's MLP output and ``residual`` (same shape; written from ``h`` when
+    this layer's MLP output (a layer without one: its MLP's input, the post-attention
+    norm of the residual stream) and ``residual`` (same shape; written from ``h`` when
     ``first``) is updated, both in place; the new keys and values go to ``k_cache`` /
     ``v_cache`` (float32 ``[slots, Hk, D]``, or a q8_0/q4_0 pool's bytes ``[slots, Hk,
     D / 32 * 34 (18)]``, :mod:`kernels.attention.kv_store`) at the step's slots.

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 from torch import nn
@@ -136,6 +137,12 @@ class CpuDecode:
             return None
         return cls(lib, specs, keep, torch.empty(0, dtype=torch.uint8), moe)
 
+    @cached_property
+    def widest(self) -> decode_layer.Layer:
+        """The spec whose scratch is the largest: a dense layer's MLP, if any (an MoE
+        layer's spec stops before its MLP); found once, not on every step."""
+        return max(self.specs, key=lambda spec: spec.intermediate)
+
     def takes(self, batch, h: torch.Tensor, pool) -> bool:
         """Whether this step runs here: a decode step of float32 rows over a float32 pool
         or one of q8_0/q4_0 blocks, its index tensors int64 (what the C layer reads)."""
@@ -155,8 +162,7 @@ class CpuDecode:
         residual = torch.empty_like(h) if first else residual.contiguous().clone()
         seq_lens = batch.seq_lens.contiguous()
         max_len = int(seq_lens.max()) if seq_lens.numel() else 0
-        widest = max(self.specs, key=lambda spec: spec.intermediate)  # a dense layer's MLP, if any
-        need = decode_layer.scratch_bytes(self.lib, widest, h.shape[0], max_len)
+        need = decode_layer.scratch_bytes(self.lib, self.widest, h.shape[0], max_len)
         if self.scratch.numel() < need:
             self.scratch = torch.empty(need, dtype=torch.uint8)
         positions, out_slots = batch.positions.contiguous(), batch.out_slots.contiguous()

@@ -13,9 +13,10 @@ How a prompt is cut to that budget:
 - a chat (or a templated ``/api/generate``, a chat of its system and user messages)
   first drops its oldest turns, its system messages and its last turn kept (Ollama's
   ``chatPrompt``); then, where that is not enough, the longest message loses the start
-  of its text (a list of text parts as the one text the template joins them into), the next longest after it where it is emptied, until the rendered prompt
-  fits (Ollama's runner cuts the input's start past its ``num_keep`` tokens: the
-  template's head and the end of the conversation are kept here alike);
+  of its text (a list of text parts as the one text the template joins them into), the
+  next longest after it where it is emptied, until the rendered prompt fits (Ollama's
+  runner cuts the input's start past its ``num_keep`` tokens: the template's head and
+  the end of the conversation are kept here alike);
 - a raw prompt keeps its last tokens, after the tokens the tokenizer puts first (a BOS).
 
 Where the template's own tokens pass the budget (a tiny ``num_ctx``), a chat is cut to

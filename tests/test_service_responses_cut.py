@@ -17,7 +17,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from service_harness import ServerProcess, serving
+from service_harness import ServerProcess, serving, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -103,8 +103,22 @@ def test_a_stream_cut_by_the_request_timeout_ends_incomplete_with_its_text(cut_s
     assert "status=504" in cut_server.log()  # the call's log line still says it timed out
 
 
+def _wait_idle(server: ServerProcess) -> None:
+    """Until the engine runs and holds no request: the timeout test's slow step goes on
+    in the worker after its request was cut, and a request sent meanwhile would wait
+    for it out of its own ``--request-timeout``."""
+
+    def idle() -> bool:
+        with server.client() as http:
+            stats = http.get("/api/status").json()["counters"]["engine"]
+        return stats is not None and stats["running"] == 0 and stats["waiting"] == 0
+
+    wait_for(idle, 120, "the engine to finish the slow step", interval_s=0.2)
+
+
 def test_a_stream_cut_by_an_engine_error_fails_with_its_text(cut_server):
     """Last in this file: every later step of this server runs out of memory."""
+    _wait_idle(cut_server)
     events = _stream_cut(cut_server, "prefill:*:1000,decode:*:1000")
     _assert_closed_with_streamed_text(events)
     error, end = events[-2:]

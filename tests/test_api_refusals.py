@@ -53,6 +53,28 @@ def test_every_400_has_a_code_naming_its_kind(real_server, body, param, code):
     assert_openai_error(r, 400, param=param, code=code)
 
 
+@pytest.mark.parametrize("stop", ["", ["", "x"]])
+def test_an_empty_stop_string_is_refused_naming_the_field_on_every_api(real_server, stop):
+    """An empty stop string would match everywhere (vLLM and Anthropic refuse it): each
+    API answers 400 in its own shape naming its field, rather than dropping it unsaid."""
+    for path, body in (("/v1/chat/completions", {"messages": HI}), ("/v1/completions", {"prompt": "hi"})):
+        r = _post(real_server, path, json={**body, "stop": stop, "max_tokens": 2})
+        assert "empty string" in assert_openai_error(r, 400, param="stop", code="invalid_value")["message"]
+    for path, body in (("/api/chat", {"messages": HI}), ("/api/generate", {"prompt": "hi"})):
+        r = _post(real_server, path, json={**body, "model": "default", "stream": False,
+                                           "options": {"stop": stop, "num_predict": 2}})
+        assert r.status_code == 400 and set(r.json()) == {"error"}, r.text
+        assert r.json()["error"].startswith("options.stop cannot contain an empty string"), r.text
+    stops = [stop] if isinstance(stop, str) else stop
+    r = _post(real_server, "/v1/messages", json={"model": "default", "max_tokens": 2, "messages": HI,
+                                                 "stop_sequences": stops})
+    assert r.status_code == 400 and r.json()["type"] == "error", r.text
+    assert r.json()["error"]["type"] == "invalid_request_error", r.text
+    assert r.json()["error"]["message"].startswith("stop_sequences cannot contain an empty string"), r.text
+    r = _post(real_server, "/v1/chat/completions", json={"messages": HI, "stop": ["x"], "max_tokens": 2})
+    assert r.status_code == 200, r.text
+
+
 def test_a_body_that_is_not_json_is_invalid_json(real_server):
     for raw in (b"", b"{not json"):
         r = _post(real_server, "/v1/chat/completions", content=raw)

@@ -204,22 +204,25 @@ def route_of(request: Request) -> str:
     return request.scope.get("path_template") or request.url.path
 
 
-def stop_strings(stop: str | list[str] | None) -> list[str]:
-    """OpenAI's ``stop`` as a list; empty strings are dropped (they would match
-    everywhere).
+def stop_strings(stop: str | list[str] | None, param: str = "stop") -> list[str]:
+    """OpenAI's ``stop`` as a list (``param`` names the field in errors: Ollama's
+    ``options.stop``, Anthropic's ``stop_sequences``).
 
     Raises:
-        APIError: 400 ``stop`` for more than :data:`MAX_STOP_STRINGS` strings or one
-            longer than :data:`MAX_STOP_CHARS` characters.
+        APIError: 400 ``param`` for more than :data:`MAX_STOP_STRINGS` strings, one
+            longer than :data:`MAX_STOP_CHARS` characters, or an empty one (it would
+            match everywhere: vLLM and Anthropic refuse it too).
     """
     if stop is None:
         return []
     stops = [stop] if isinstance(stop, str) else list(stop)
     if len(stops) > MAX_STOP_STRINGS:
-        raise invalid(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stops)}", "stop")
+        raise invalid(f"{param} takes at most {MAX_STOP_STRINGS} strings, got {len(stops)}", param)
     if any(len(s) > MAX_STOP_CHARS for s in stops):
-        raise invalid(f"each stop string must be at most {MAX_STOP_CHARS} characters", "stop")
-    return [s for s in stops if s]
+        raise invalid(f"each {param} string must be at most {MAX_STOP_CHARS} characters", param)
+    if not all(stops):
+        raise invalid(f"{param} cannot contain an empty string: drop it, or send a string to stop at", param)
+    return stops
 
 
 def resolve_max_tokens(

@@ -313,11 +313,7 @@ def messages_request(body: MessagesRequest, request_id: str, started: float) -> 
             thinking, a block of ``messages``...).
     """
     budget = _thinking_budget(body)
-    try:
-        stop = stop_strings(body.stop_sequences)
-    except APIError as exc:
-        exc.param = "stop_sequences"
-        raise
+    stop = stop_strings(body.stop_sequences, "stop_sequences")
     tools = _tools(body)
     return GenerationRequest(
         request_id=request_id,

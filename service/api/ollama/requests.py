@@ -38,7 +38,7 @@ from service.api.request import GenerationRequest, stop_strings
 from service.api.sampling import Sampling
 from service.api.structured import ollama_format
 from service.api.thinking import ollama_thinking, with_thinking
-from service.common.errors import APIError, invalid
+from service.common.errors import invalid
 
 # Ollama's option (and Modelfile parameter) names of the sampling fields whose names differ.
 OPTION_OF_FIELD = {"repetition_penalty": "repeat_penalty"}
@@ -174,11 +174,7 @@ def _request(
             # to its end (done_reason "length") rather than refusing the call.
             default_max_tokens = num_predict
     json_schema = ollama_format(body.format)
-    try:
-        stop = stop_strings(o.stop)
-    except APIError as exc:
-        exc.param = "options.stop"
-        raise
+    stop = stop_strings(o.stop, "options.stop")
     return GenerationRequest(
         request_id=request_id,
         started=started,

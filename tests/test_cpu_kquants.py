@@ -178,3 +178,28 @@ def test_experts_interleave_only_in_whole_groups_of_16_rows(lib):
     one = torch.tensor([0])
     with pytest.raises(ValueError, match="the C kernels read"):
         moe_experts(lib, torch.randn(1, 64), one, one, torch.ones(1), gate, up, down, ("MXFP4x16", "Q8_0", "Q8_0"))
+
+
+def test_the_experts_bench_runs_each_path_on_fresh_routings(lib):
+    """``python -m engine.bench.cpu_experts`` on a small shape: a row a path and token
+    count, the interleaved one in the engine's own layout (its types renamed) where the
+    build multiplies it."""
+    import subprocess
+    import sys
+
+    from engine.bench.cpu_experts import interleaved, random_experts
+    from kernels.cpu import rows16
+
+    got = interleaved(lib, random_experts(("Q4_K", "Q4_K", "Q6_K"), 3, 256, 256), ("Q4_K", "Q4_K", "Q6_K"))
+    if rows16.available(lib):
+        assert got[1] == ("Q4_Kx16", "Q4_Kx16", "Q6_Kx16") and got[0][0].shape[:2] == (3, 256)
+    else:
+        assert got is None
+    out = subprocess.run([sys.executable, "-m", "engine.bench.cpu_experts", "--tokens", "1", "2", "--experts", "6",
+                          "--hidden", "256", "--intermediate", "256", "--top-k", "2", "--repeats", "2",
+                          "--threads", "1", "--rows16"], capture_output=True, text=True, check=True).stdout
+    paths = ["C kernels", "torch dequantize"] + (["C kernels, x16"] if rows16.available(lib) else [])
+    for t in (1, 2):
+        for path in paths:
+            assert f"  {t} token(s), {path:16s}:" in out, out
+    assert "GB/s of blocks" in out

@@ -9,9 +9,11 @@ they replace (each expert's blocks dequantized by ``gguf``, then two float32 GEM
 
 Random blocks of Qwen3-30B-A3B's shape by default (H=2048, I=768, 128 experts, top-8,
 Q4_K gate/up, Q6_K down: a Q4_K_M file's types); each token routes to ``--top-k``
-distinct random experts. Prints per step the seconds (best of ``--repeats``), the
-layer's tokens/s (tokens / step time) and GB/s of expert blocks read (the distinct
-routed experts' bytes / step time; each is read once a step). ``--rows16`` adds the C
+distinct random experts, drawn afresh each call (64 routings in turn, so the blocks
+come from memory as a model's next layer's do, not from the last call's cache). Prints
+per step the seconds (median of ``--repeats`` calls), the layer's tokens/s (tokens /
+step time) and GB/s of expert blocks read (the distinct routed experts' bytes, on
+average over the routings, / step time; each is read once a step). ``--rows16`` adds the C
 kernels over the same experts interleaved by 16 rows per expert (the CPU engine's layout
 where the build has AVX-512, :mod:`kernels.cpu.rows16`).
 """
@@ -19,11 +21,14 @@ where the build has AVX-512, :mod:`kernels.cpu.rows16`).
 from __future__ import annotations
 
 import argparse
+import functools
+import itertools
+import statistics
+import time
 
 import numpy as np
 import torch
 
-from engine.layers.moe.expert_costs import best_time
 from kernels.quant.formats import tensor_bytes
 from kernels.quant.synthetic import random_blocks
 
@@ -37,17 +42,42 @@ def random_experts(types: tuple[str, str, str], num: int, hidden: int, inter: in
 
 
 def interleaved(lib, stacks: list[torch.Tensor], types: tuple[str, str, str]):
-    """(the stacks, their types) with each one :mod:`kernels.cpu.rows16` takes interleaved
-    by 16 rows per expert, as the CPU engine loads them; None where ``lib``'s build does not
-    multiply that layout."""
+    """(the stacks, their types) as the CPU engine loads them
+    (:meth:`~engine.layers.moe.quant_experts.QuantExperts.interleave_rows16`); None where
+    ``lib``'s build does not multiply that layout."""
+    from engine.layers.moe.quant_experts import QuantExperts
     from kernels.cpu import rows16
-    from kernels.cpu.moe_experts import interleave_stack
 
     if not rows16.available(lib):
         return None
-    takes = [rows16.takes(t, s.shape[1]) for s, t in zip(stacks, types, strict=True)]
-    return ([interleave_stack(s, t) if k else s for s, t, k in zip(stacks, types, takes, strict=True)],
-            tuple(t + rows16.SUFFIX if k else t for t, k in zip(types, takes, strict=True)))
+    gate, up, down = stacks
+    with torch.device("meta"):
+        experts = QuantExperts(gate.shape[0], down.shape[1], gate.shape[1], types)
+    experts.gate, experts.up, experts.down = gate, up, down
+    experts.interleave_rows16()
+    return [experts.gate, experts.up, experts.down], experts.types
+
+
+_DRAWS = 64  # routings a row cycles through: its experts come from memory, as a model's next layer's do
+
+
+def _route(t: int, experts: int, top_k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ids`` ``[t, top_k]`` (distinct a token) and their ``weights``, random."""
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(t)])
+    return ids, torch.rand(t, top_k, generator=gen)
+
+
+def _fresh(draws: list, step, *experts):
+    """A call of ``step(ids, weights, *experts)`` on the next of ``draws`` each time."""
+    turn = itertools.cycle(draws)
+    return lambda: step(*next(turn), *experts)
+
+
+def timed(fn) -> float:
+    """Seconds of one call of ``fn``."""
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def _c_step(lib, threads: int, x, tokens, ids, weights, gate, up, down, types) -> None:
@@ -71,18 +101,10 @@ def _torch_step(x, tokens, ids, weights, gate, up, down, types) -> None:
 def _ab(step, rounds: int, t: int, read: int, switch: str = "cpu_block_gemm", values: tuple = (False, True)) -> None:
     """Print the step's median ms and GB/s with the kernel switch ``switch`` at its two
     ``values`` (default: ``cpu_block_gemm`` off and on), alternating."""
-    import statistics
-    import time
-
     from engine.bench.cpu_block_gemm import alternate
 
-    def timed() -> float:
-        t0 = time.perf_counter()
-        step()
-        return time.perf_counter() - t0
-
     step()
-    got = alternate(timed, rounds, switch, values)
+    got = alternate(lambda: timed(step), rounds, switch, values)
     off, on = (statistics.median(got[v]) for v in values)
     print(f"  {t} token(s), C kernels {switch} {values[0]} -> {values[1]}: {off * 1e3:8.2f} -> {on * 1e3:8.2f} ms a step ({off / on:.2f}x), "
           f"{read / off / 1e9:6.2f} -> {read / on / 1e9:6.2f} GB/s of blocks")
@@ -130,28 +152,25 @@ def main() -> None:
           f"{threads} threads, {simd} build")
     gen = torch.Generator().manual_seed(0)
     for t in args.tokens:
-        ids = torch.stack([torch.randperm(args.experts, generator=gen)[: args.top_k] for _ in range(t)])
-        weights = torch.rand(t, args.top_k, generator=gen)
+        draws = [_route(t, args.experts, args.top_k, gen) for _ in range(_DRAWS)]
         x = torch.randn(t, h, generator=gen)
         tokens = torch.arange(t).repeat_interleave(args.top_k)
-        read = len(torch.unique(ids)) * expert_bytes
-        step = (x, tokens, ids, weights, gate, up, down, types)
-        rows = {"C kernels": lambda step=step: _c_step(lib, threads, *step)}
+        read = statistics.mean(len(torch.unique(ids)) * expert_bytes for ids, _ in draws)
+        c_kernels = functools.partial(_c_step, lib, threads, x, tokens)
+        rows = {"C kernels": _fresh(draws, c_kernels, gate, up, down, types)}
         if x16 is not None:
-            step16 = (x, tokens, ids, weights, *x16[0], x16[1])
-            rows["C kernels, x16"] = lambda step=step16: _c_step(lib, threads, *step)
+            rows["C kernels, x16"] = _fresh(draws, c_kernels, *x16[0], x16[1])
         if not args.no_torch:
-            rows["torch dequantize"] = lambda step=step: _torch_step(*step)
+            rows["torch dequantize"] = _fresh(draws, functools.partial(_torch_step, x, tokens), gate, up, down, types)
         if args.ab:
             _ab(rows["C kernels"], args.ab, t, read)
         if args.ab_bits:
             _ab(rows["C kernels"], args.ab_bits, t, read, "cpu_kquant_act_bits", ("16", "8"))
         for name, fn in rows.items():
             fn()  # first touch
-            s = best_time(fn, args.repeats)
+            s = statistics.median(timed(fn) for _ in range(args.repeats))
             print(f"  {t} token(s), {name:16s}: {s * 1e3:8.2f} ms a step, {t / s:8.1f} tokens/s, "
                   f"{read / s / 1e9:6.2f} GB/s of blocks")
-
 
 if __name__ == "__main__":
     main()

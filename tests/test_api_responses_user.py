@@ -64,6 +64,10 @@ def test_responses_input_checks_match_chat_completions(http):
     _refused(chat, 400, "messages[0].content")
     _refused(http.post("/v1/responses", json={"input": ""}), 400, "input")
     _refused(http.post("/v1/responses", json={"input": []}), 400, "input")
+    # Reasoning items alone leave no turn: the error names input, not chat's messages.
+    reasoning = {"type": "reasoning", "summary": [{"type": "summary_text", "text": "Think."}]}
+    error = _refused(http.post("/v1/responses", json={"input": [reasoning]}), 400, "input", "invalid_value")
+    assert error["message"].startswith("input holds no message"), error
     unstreamed = {"input": "Hi", "max_output_tokens": 1, "stream_options": {"include_obfuscation": False}}
     _refused(http.post("/v1/responses", json=unstreamed), 400, "stream_options")
     streamed = http.post("/v1/responses", json={**unstreamed, "stream": True})

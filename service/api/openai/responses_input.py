@@ -203,6 +203,10 @@ def _converted(
                 "function_call_output or reasoning items",
                 param,
             )
+    if not messages:
+        # Reasoning items alone: each goes with the assistant turn after it, so none is left.
+        raise invalid("input holds no message: a reasoning item goes with the assistant message "
+                      "after it; send at least one message item", "input")
     return messages, origins
 
 

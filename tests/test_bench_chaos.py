@@ -22,12 +22,15 @@ def test_hog_without_a_cuda_device_is_refused_up_front():
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a CUDA device: --hog can run")
-    result = invoke(["--hog", "1"])
-    assert result.exit_code == 2, result.output
-    assert result.stderr.strip() == (
-        "headroom: error: --hog needs an NVIDIA GPU and torch's CUDA build (torch sees no CUDA "
-        "device here); leave --hog out to play a simulated card")
-    assert "chaos: waiting" not in result.output
+    for hog in ("1", "1GiB", "2560MiB"):  # a number of GiB or a size, as --device-total takes
+        result = invoke(["--hog", hog])
+        assert result.exit_code == 2, result.output
+        assert result.stderr.strip() == (
+            "headroom: error: --hog needs an NVIDIA GPU and torch's CUDA build (torch sees no CUDA "
+            "device here); leave --hog out to play a simulated card")
+        assert "chaos: waiting" not in result.output
+    result = invoke(["--hog", "lots"])
+    assert result.exit_code == 2 and "6GiB" in result.output and "GiB, e.g. 2.5" in result.output, result.output
 
 
 @pytest.mark.parametrize(("args", "flag"), [(["--token", "abc"], "--token"), (["--faults-dir", "x"], "--faults-dir")])

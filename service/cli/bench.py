@@ -31,6 +31,20 @@ from service.cli.precheck import check_model_before_loading, note_gpu_only_setti
 from service.common.settings import DEFAULT_PORT, parse_size
 
 
+class _HogSize(FiniteFloatRange):
+    """``--hog``: a number of GiB (``2.5``) or a size with its unit (``2560MiB``, as
+    ``--device-total`` takes one)."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        text = value.strip() if isinstance(value, str) else ""
+        if text and not text[-1].isdigit() and text[-1] != ".":
+            try:
+                value = parse_size(text) / 2**30
+            except ValueError as exc:
+                self.fail(f"{exc}; or a number of GiB, e.g. 2.5", param, ctx)
+        return super().convert(value, param, ctx)
+
+
 @click.group()
 def bench() -> None:
     """Benchmarks (not tests): print the figures of docs/benchmarks.md."""
@@ -138,11 +152,12 @@ def bench_serve(
 @click.option(
     "--hog",
     "hog_gib",
-    type=FiniteFloatRange(min=0.05),
+    type=_HogSize(min=0.05),
     default=None,
     metavar="GiB",
     help="Run a second process taking and freeing up to GiB of GPU memory with "
-    "torch, and serve against the real card (NVML) instead of a simulated one.",
+    "torch, and serve against the real card (NVML) instead of a simulated one "
+    "(a number of GiB, or a size: 2.5, 2560MiB, 3GB).",
 )
 @click.option(
     "--hang-timeout",

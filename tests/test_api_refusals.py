@@ -75,6 +75,19 @@ def test_an_empty_stop_string_is_refused_naming_the_field_on_every_api(real_serv
     assert r.status_code == 200, r.text
 
 
+def test_anthropic_temperature_above_1_is_refused_where_openai_takes_it(real_server):
+    """Anthropic's temperature is 0..1 (OpenAI's 0..2): /v1/messages answers 1.5 with
+    Anthropic's 400 naming temperature, where it sampled at 1.5; /v1 still takes it."""
+    body = {"model": "default", "max_tokens": 1, "messages": HI}
+    r = _post(real_server, "/v1/messages", json={**body, "temperature": 1.5})
+    assert r.status_code == 400 and r.json()["type"] == "error", r.text
+    assert r.json()["error"]["type"] == "invalid_request_error", r.text
+    assert "temperature: Expected `float` <= 1.0" in r.json()["error"]["message"], r.text
+    assert _post(real_server, "/v1/messages", json={**body, "temperature": 1}).status_code == 200
+    r = _post(real_server, "/v1/chat/completions", json={"messages": HI, "max_tokens": 1, "temperature": 1.5})
+    assert r.status_code == 200, r.text
+
+
 def test_a_body_that_is_not_json_is_invalid_json(real_server):
     for raw in (b"", b"{not json"):
         r = _post(real_server, "/v1/chat/completions", content=raw)

@@ -6,8 +6,8 @@ expect it: unknown fields (``metadata``'s contents, ``cache_control`` on blocks,
 ``service_tier``...) are ignored. Content blocks are a tagged union on ``type``; a
 block type this server does not know is a 400 naming it. ``max_tokens`` is required
 and at least 1, as Anthropic requires it (0 is a 400, as Anthropic answers it);
-``temperature``, ``top_p`` and ``top_k`` take the ranges of
-:class:`service.api.sampling.Sampling`, declared once.
+``temperature`` is in 0..1, Anthropic's range (OpenAI's 0..2 is a 400 above 1 here);
+``top_p`` and ``top_k`` take the ranges of :class:`service.api.sampling.Sampling`.
 
 The same block structs serve both ways: the answer's ``content`` is a list of
 :class:`TextBlock`, :class:`ThinkingBlock` and :class:`ToolUseBlock`.
@@ -20,7 +20,10 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from service.api.sampling import Temperature, TopK, TopP
+from service.api.sampling import TopK, TopP
+
+# Anthropic's range of ``temperature`` (OpenAI's goes to 2).
+AnthropicTemperature = Annotated[float, Meta(ge=0.0, le=1.0)]
 
 
 class _Block(msgspec.Struct, kw_only=True, tag_field="type"):
@@ -183,7 +186,7 @@ class MessagesRequest(CountTokensRequest, kw_only=True):
 
     max_tokens: Annotated[int, Meta(ge=1)]
     stop_sequences: list[str] | None = None
-    temperature: Temperature | None = None
+    temperature: AnthropicTemperature | None = None
     top_p: TopP | None = None
     top_k: TopK | None = None
     stream: bool = False

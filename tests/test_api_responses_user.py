@@ -2,8 +2,8 @@
 embedded default model (a 512-token context, so a prompt past it is cheap): Responses'
 ``truncation: "auto"`` ignored; its input checks unlike chat completions' (an empty
 content list, ``input: ""``, an assistant ``refusal`` part, ``stream_options`` without
-``stream``); ``temperature``/``top_p`` echoed null when unset; stored-response routes
-and unknown paths answering a 404 without a ``code``; the 501s of the embeddings routes
+``stream``); ``include`` and ``metadata`` taken unchecked; ``temperature``/``top_p``
+echoed null when unset; stored-response routes and unknown paths answering a 404 without a ``code``; the 501s of the embeddings routes
 left out of ``/metrics``; Ollama's greedy ``top_p`` 0 and negative ``temperature``
 refused; the OpenAPI document without pause and resume."""
 
@@ -84,6 +84,27 @@ def test_responses_input_checks_match_chat_completions(http):
     # A refusal part is an assistant's: a user's is still refused.
     _refused(http.post("/v1/responses", json={"input": [{"role": "user", "content": [refusal]}]}),
              400, "input[0].content[0]")
+
+
+def test_include_and_metadata_are_checked_as_openai_checks_them(http):
+    """An unknown include value and metadata that is not a map of strings were taken
+    (200, the metadata echoed as sent): now 400s naming the field, as OpenAI answers."""
+    body = {"input": "Hi", "max_output_tokens": 1}
+    error = _refused(http.post("/v1/responses", json={**body, "include": ["bogus"]}),
+                     400, "include[0]", "invalid_value")
+    assert "'bogus'" in error["message"] and "reasoning.encrypted_content" in error["message"], error
+    _refused(http.post("/v1/responses", json={**body, "include": "bogus"}), 400, "include", "invalid_type")
+    _refused(http.post("/v1/responses", json={**body, "metadata": {"a": 1}}), 400, "metadata.a", "invalid_type")
+    _refused(http.post("/v1/responses", json={**body, "metadata": {"a": "x" * 513}}), 400, "metadata.a")
+    _refused(http.post("/v1/responses", json={**body, "metadata": {"k" * 65: "x"}}), 400, "metadata")
+    many = {f"k{i}": "x" for i in range(17)}
+    _refused(http.post("/v1/responses", json={**body, "metadata": many}), 400, "metadata")
+    # OpenAI's own values and a map of strings are served; an unknown field is ignored,
+    # as chat completions ignore one.
+    ok = http.post("/v1/responses", json={**body, "include": ["reasoning.encrypted_content"],
+                                           "metadata": {**dict(list(many.items())[:15]), "a": "x" * 512},
+                                           "stop": ["x"]})
+    assert ok.status_code == 200 and ok.json()["metadata"]["a"] == "x" * 512, ok.text
 
 
 def test_the_response_carries_the_sampling_used(http):

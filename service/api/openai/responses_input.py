@@ -16,7 +16,10 @@ Input items, in order, become the messages the model's chat template renders:
 
 Refused with a 400 naming the field: ``previous_response_id`` and ``conversation``
 (the server is stateless: send the whole input), ``background``, ``prompt``,
-``top_logprobs``, ``stream_options`` without ``stream``, an empty ``input`` (``""`` or
+``top_logprobs``, an ``include`` value OpenAI does not define (and
+``message.output_text.logprobs``), ``metadata`` that is not OpenAI's map of at most 16
+string keys (64 characters) to strings (512 characters), ``stream_options`` without
+``stream``, an empty ``input`` (``""`` or
 ``[]``), an ``item_reference`` or unknown item, a ``function_call`` whose
 ``call_id`` no ``function_call_output`` of the input answers (as OpenAI refuses it), a
 tool other than ``function`` (``web_search``, ``file_search``...), and an unknown
@@ -41,7 +44,7 @@ from service.api.sampling import sampling_of
 from service.api.structured import response_schema
 from service.api.thinking import effort_thinking, with_thinking
 from service.api.tool_checks import check_call_arguments, check_tool_name
-from service.common.errors import NOT_FOUND, APIError, invalid
+from service.common.errors import INVALID_TYPE, NOT_FOUND, APIError, invalid
 
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -75,6 +78,48 @@ def _refuse_stateful(body: ResponsesRequest) -> None:
         raise invalid("stored prompts are not supported by this server; send input", "prompt")
     if body.top_logprobs:
         raise invalid("top_logprobs is not supported on /v1/responses", "top_logprobs")
+
+
+# OpenAI's ``include`` values. Those of outputs this server never makes (built-in tools,
+# images) add nothing; ``reasoning.encrypted_content`` neither (reasoning goes back as
+# text), though stateless clients send it.
+_INCLUDES = (
+    "code_interpreter_call.outputs",
+    "computer_call_output.output.image_url",
+    "file_search_call.results",
+    "message.input_image.image_url",
+    "reasoning.encrypted_content",
+    "web_search_call.action.sources",
+    "web_search_call.results",
+)
+_LOGPROBS_INCLUDE = "message.output_text.logprobs"
+_METADATA_KEYS, _METADATA_KEY_CHARS, _METADATA_VALUE_CHARS = 16, 64, 512
+
+
+def _check_include(include: list[str] | None) -> None:
+    for i, value in enumerate(include or ()):
+        if value == _LOGPROBS_INCLUDE:
+            raise invalid(f"{value} is not supported on /v1/responses (no logprobs here)", f"include[{i}]")
+        if value not in _INCLUDES:
+            raise invalid(f"invalid value {clip(value)!r}; supported values are: "
+                          f"{', '.join(_INCLUDES)}, {_LOGPROBS_INCLUDE} (refused here)", f"include[{i}]")
+
+
+def _check_metadata(metadata: dict[str, Any] | None) -> None:
+    """OpenAI's rule: at most 16 pairs, keys of at most 64 characters, string values of
+    at most 512."""
+    if not metadata:
+        return
+    if len(metadata) > _METADATA_KEYS:
+        raise invalid(f"metadata holds {len(metadata)} keys; at most {_METADATA_KEYS} are allowed", "metadata")
+    for key, value in metadata.items():
+        if len(key) > _METADATA_KEY_CHARS:
+            raise invalid(f"metadata key {clip(key)!r} is longer than {_METADATA_KEY_CHARS} characters", "metadata")
+        if not isinstance(value, str):
+            raise invalid(f"metadata.{key} must be a string: metadata maps keys to strings",
+                          f"metadata.{key}", INVALID_TYPE)
+        if len(value) > _METADATA_VALUE_CHARS:
+            raise invalid(f"metadata.{key} is longer than {_METADATA_VALUE_CHARS} characters", f"metadata.{key}")
 
 
 def _text(content: Any, param: str, role: str = "user") -> str:
@@ -338,6 +383,8 @@ def responses_request(
             ``reasoning.effort``).
     """
     _refuse_stateful(body)
+    _check_include(body.include)
+    _check_metadata(body.metadata)
     check_stream_options(body.stream_options, body.stream)
     effort = (body.reasoning or {}).get("effort")
     thinking, budget = effort_thinking(effort, "reasoning.effort")

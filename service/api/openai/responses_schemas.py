@@ -29,7 +29,9 @@ class ResponsesRequest(Sampling, kw_only=True):
     "function", "name", "description", "parameters", "strict"}``). ``text.format``
     is structured output; ``reasoning.effort`` turns thinking off or on with a
     budget. ``store`` is accepted and nothing is stored; ``previous_response_id`` and
-    ``conversation`` are refused (send the whole input). ``truncation``: ``"auto"``
+    ``conversation`` are refused (send the whole input). ``include`` takes OpenAI's
+    values, ``metadata`` OpenAI's map of strings (both checked by
+    :mod:`service.api.openai.responses_input`). ``truncation``: ``"auto"``
     drops the oldest input items (instructions and system messages kept) until the
     prompt fits the context with room for the answer, as ``num_ctx`` truncation cuts an
     Ollama chat; ``"disabled"`` (the default) refuses a prompt too long with 400
@@ -48,6 +50,7 @@ class ResponsesRequest(Sampling, kw_only=True):
     stream_options: dict[str, Any] | None = None
     truncation: Literal["auto", "disabled"] | None = None
     store: bool | None = None
+    include: list[str] | None = None
     metadata: dict[str, Any] | None = None
     user: str | None = None
     previous_response_id: str | None = None

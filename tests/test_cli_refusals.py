@@ -2,7 +2,8 @@
 exit 2 and one line naming the fix, before a port is bound or a model loads: a dtype
 that is none, a ``--model`` that names no model, a CUDA attention backend on the CPU, a
 ``--kv-cache`` below one ``--min-context``, an empty served name, an empty raw prompt, a
-count past any machine; with ``plan --json``, the refusal as a JSON object on stdout too."""
+count past any machine; with ``plan --json``, the refusal as a JSON object on stdout too;
+``models`` given a subcommand it does not have (``rm``)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,17 @@ def test_serve_refuses_at_once_what_names_nothing(args, needle):
     assert result.exit_code == 2, result.output
     assert f"headroom: error: {needle}" in result.stderr
     assert "listening" not in result.output and "Traceback" not in result.output
+
+
+def test_models_says_it_has_no_subcommand_and_how_models_are_removed():
+    """`headroom models rm NAME` was click's bare "Got unexpected extra arguments"."""
+    result = invoke(["models", "rm", "SmolLM2-135M-Instruct"])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("headroom: error: `headroom models` has no subcommand 'rm': it only lists"), \
+        result.stderr
+    assert "remove one by deleting its models--OWNER--NAME folder in the store (" in result.stderr
+    assert "unexpected extra" not in result.output
+    assert invoke(["models", "--json"]).exit_code == 0
 
 
 @pytest.mark.parametrize("backend", ["flashinfer", "triton"])

@@ -10,14 +10,22 @@ import click
 from service.cli.exits import EXIT_FAILED, EXIT_USAGE, fail
 
 
-@click.command()
+@click.command(context_settings={"allow_extra_args": True})
 @click.option("--json", "as_json", is_flag=True, help="Print the list as JSON.")
-def models(as_json: bool) -> None:
+@click.pass_context
+def models(ctx: click.Context, as_json: bool) -> None:
     """List the models in the local store (fetched with `headroom pull`): name,
     architecture, quantization, size on disk and context, and the embedded default
-    model served without --model. Pass a store name to --model."""
+    model served without --model. Pass a store name to --model. Models are files:
+    remove one by deleting its folder in the store."""
     from engine.common.units import fmt_bytes
     from engine.loader.store import embedded_default, list_store, store_dir
+
+    if ctx.args:
+        fail(f"`headroom models` has no subcommand {ctx.args[0]!r}: it only lists the local store "
+             f"(--json adds each model's path). Models are files: remove one by deleting its "
+             f"models--OWNER--NAME folder in the store ({store_dir()}); fetch one with "
+             f"`headroom pull REPO[:FILE.gguf]`", EXIT_USAGE)
 
     stored = list_store()
     default = embedded_default()

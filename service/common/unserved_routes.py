@@ -8,8 +8,8 @@ does it, or saying plainly that it does not.
 
 from __future__ import annotations
 
-_MODELS_ARE_FILES = ("the local store is files on disk: `headroom models` lists them with their folders, "
-                     "and a model is copied or removed there as files")
+_MODELS_ARE_FILES = ("the local store is files on disk: `headroom models --json` lists them with their paths, "
+                     "and a model is copied or removed there as files (its models--OWNER--NAME folder)")
 _NO_EMBEDDINGS = "headroom serves text generation; it computes no embeddings"
 
 UNSERVED_ROUTES: dict[str, str] = {

@@ -4,6 +4,7 @@ Ollama's shape, and bodies that never arrive whole (408, or 499 for a client gon
 
 from __future__ import annotations
 
+import gzip
 import json
 import re
 import socket
@@ -92,6 +93,26 @@ def test_a_body_that_is_not_json_is_invalid_json(real_server):
     for raw in (b"", b"{not json"):
         r = _post(real_server, "/v1/chat/completions", content=raw)
         assert_openai_error(r, 400, code="invalid_json")
+
+
+def test_a_compressed_body_is_415_in_each_apis_shape(real_server):
+    """A gzip body was a 400 invalid_json quoting its bytes: now 415 saying compressed
+    bodies are not accepted, in each API's shape; identity is plain JSON."""
+    chat = {"model": "default", "messages": HI, "max_tokens": 1}
+    gz = {"content-type": "application/json", "content-encoding": "gzip"}
+    for path, body in (("/v1/chat/completions", chat), ("/v1/responses", {"input": "hi", "max_output_tokens": 1})):
+        r = _post(real_server, path, content=gzip.compress(json.dumps(body).encode()), headers=gz)
+        error = assert_openai_error(r, 415, code="unsupported_content_encoding")
+        assert error["message"].startswith("compressed request bodies are not accepted (Content-Encoding: gzip)")
+    r = _post(real_server, "/v1/messages", content=gzip.compress(json.dumps(chat).encode()), headers=gz)
+    assert r.status_code == 415 and r.json()["type"] == "error", r.text
+    assert r.json()["error"]["type"] == "invalid_request_error", r.text
+    assert r.json()["error"]["message"].startswith("compressed request bodies are not accepted"), r.text
+    r = _post(real_server, "/api/chat", content=gzip.compress(json.dumps({**chat, "stream": False}).encode()),
+              headers=gz)
+    assert r.status_code == 415 and r.json()["error"].startswith("compressed request bodies"), r.text
+    r = _post(real_server, "/v1/chat/completions", json=chat, headers={"content-encoding": "identity"})
+    assert r.status_code == 200, r.text
 
 
 def test_a_negative_logit_bias_id_names_the_vocabulary_range(real_server):

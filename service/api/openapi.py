@@ -5,9 +5,9 @@ answers, the error object), not from handler signatures: the OpenAI routes decod
 their bodies themselves (so every defect answers OpenAI's 400 with ``param``), which
 a signature-based generator could not see. Each operation lists every status it may
 answer, with its body: 200/202, 400 (the request), 401 (a missing API key or local
-token), 403 (a refused Origin), 404 (a model or route), 413 (``--max-body-size``),
-503 (engine not ready, ``queue_full`` or ``out_of_memory``, with Retry-After), 504
-(``--request-timeout``), and 500 only for a bug. Streaming answers
+token), 403 (a refused Origin), 404 (a model or route), 413 (``--max-body-size``), 415
+(a compressed body), 503 (engine not ready, ``queue_full`` or ``out_of_memory``, with
+Retry-After), 504 (``--request-timeout``), and 500 only for a bug. Streaming answers
 (``"stream": true``) are ``text/event-stream``: ``data: <chunk JSON>`` events, then
 ``data: [DONE]``. Ollama's routes (``/api/chat``, ``/api/generate``, ``/api/tags``,
 ``/api/ps``, ``/api/show``, ``/api/version``) are listed too, with Ollama's error body
@@ -43,6 +43,7 @@ _ERROR_TEXT = {
     408: "The body did not arrive whole within 30 s (a Content-Length larger than the body).",
     409: "The action conflicts with the engine's state (e.g. while it restarts).",
     413: "The body is larger than --max-body-size.",
+    415: "The body was sent compressed (Content-Encoding); send it uncompressed.",
     500: "A bug in the server.",
     501: "The action is not supported here.",
     503: "The engine is not ready, too many requests wait for it (queue_full), or the "
@@ -64,7 +65,7 @@ def _errors(*statuses: int, schema: str = "ErrorResponse") -> dict[str, Any]:
 
 
 _BEARER = [{"bearer": []}]
-_GENERATION_ERRORS = (400, 401, 403, 404, 405, 408, 413, 500, 503, 504)
+_GENERATION_ERRORS = (400, 401, 403, 404, 405, 408, 413, 415, 500, 503, 504)
 _CONTROL_ERRORS = (400, 401, 403, 405, 409, 413, 500, 501, 503)
 
 
@@ -118,7 +119,7 @@ _ANTHROPIC_SSE = (
     "`message_delta`, `message_stop`; an `error` event for an error after the stream "
     "began).",
 )
-_ANTHROPIC_ERRORS = (400, 401, 403, 404, 405, 408, 413, 500, 504, 529)
+_ANTHROPIC_ERRORS = (400, 401, 403, 404, 405, 408, 413, 415, 500, 504, 529)
 
 
 def _anthropic_paths() -> dict[str, Any]:
@@ -193,7 +194,7 @@ def _ollama_paths() -> dict[str, Any]:
                 "requestBody": {"required": True, "content": _json("OllamaShowRequest")},
                 "responses": {
                     "200": {"description": "The model.", "content": _json("OllamaShow")},
-                    **_errors(400, 401, 403, 404, 405, 408, 413, 500, 503, schema="OllamaError"),
+                    **_errors(400, 401, 403, 404, 405, 408, 413, 415, 500, 503, schema="OllamaError"),
                 },
             }
         },

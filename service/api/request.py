@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from litestar.exceptions import InternalServerException
 
+from engine.common.clip import clip
 from service.api.prompts import Prompt
 from service.api.sampling import Sampling
 from service.common.errors import CLIENT_GONE, APIError, decode_body, invalid
@@ -155,11 +156,21 @@ async def body_bytes(request: Request) -> bytes:
     states none).
 
     Raises:
-        APIError: 408 ``body_timeout`` when the body does not arrive whole in time (a
-            ``Content-Length`` larger than what was sent); 499 ``client_disconnected``
-            when the client went away before sending it all (logged and counted as
-            such; the answer reaches no one).
+        APIError: 415 ``unsupported_content_encoding`` for a body sent compressed (a
+            ``Content-Encoding`` other than ``identity``: it is never decompressed, and
+            would otherwise be refused as invalid JSON); 408 ``body_timeout`` when the
+            body does not arrive whole in time (a ``Content-Length`` larger than what
+            was sent); 499 ``client_disconnected`` when the client went away before
+            sending it all (logged and counted as such; the answer reaches no one).
     """
+    encoding = request.headers.get("content-encoding", "").strip().lower()
+    if encoding not in ("", "identity"):
+        raise APIError(
+            415,
+            f"compressed request bodies are not accepted (Content-Encoding: {clip(encoding)}); "
+            "send the JSON body uncompressed",
+            code="unsupported_content_encoding",
+        )
     timeout_s = getattr(request.app.state, "body_timeout_s", BODY_READ_TIMEOUT_S)
     try:
         return await asyncio.wait_for(request.body(), timeout_s)

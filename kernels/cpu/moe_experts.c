@@ -191,3 +191,62 @@ int hr_moe_experts(const float *x, int64_t T, int64_t H, int64_t I, const int32_
     }
     return 0;
 }
+
+/* Work bytes hr_moe_routed takes for T tokens, E experts, K of them a token. */
+int64_t hr_moe_routed_work_bytes(int64_t T, int64_t H, int64_t I, int64_t E, int64_t K) {
+    return hr_moe_work_bytes(T, H, I, T * K) + 4 * (4 * T * K + 3 * E + 2) + 64;
+}
+
+/* Token t's K largest of logits[0..E) (ties to the lower id), largest first, into ids and
+ * their softmax probabilities into w (divided by their own sum where renorm). */
+static void top_k(const float *logits, int64_t E, int64_t K, int renorm, int32_t *ids, float *w) {
+    int64_t n = 0;
+    for (int64_t e = 0; e < E; e++) {
+        if (n == K && logits[e] <= logits[ids[K - 1]]) continue;
+        int64_t at = n < K ? n++ : K - 1;
+        while (at > 0 && logits[e] > logits[ids[at - 1]]) { ids[at] = ids[at - 1]; at--; }
+        ids[at] = (int32_t)e;
+    }
+    const float top = logits[ids[0]];
+    float all = 0.0f, kept = 0.0f;
+    for (int64_t e = 0; e < E; e++) all += expf(logits[e] - top);
+    for (int64_t k = 0; k < K; k++) kept += w[k] = expf(logits[ids[k]] - top);
+    const float denominator = renorm ? kept : all;
+    for (int64_t k = 0; k < K; k++) w[k] /= denominator;
+}
+
+/* hr_moe_experts on the pairs routed here from the router's float32 logits [T, E]: each
+ * token's top K experts by softmax probability (divided by their sum where renorm: the
+ * same values as a softmax over the K logits alone), grouped by expert in ascending id,
+ * tokens in order within a group (the order a stable sort by expert gives). The hidden
+ * arguments are hr_moe_experts'; work: hr_moe_routed_work_bytes(T, H, I, E, K) bytes.
+ * Returns as hr_moe_experts, or -1 for K outside 1..E. */
+int hr_moe_routed(const float *x, int64_t T, int64_t H, int64_t I, const float *logits, int64_t E, int64_t K,
+                  int renorm, const uint8_t *gate, const uint8_t *up, const uint8_t *down, int tg, int tu, int td,
+                  const float *bias_gate_up, const float *bias_down, float alpha, float limit, float *out, void *work,
+                  int threads, int scalar) {
+    if (K < 1 || K > E || T < 0) return -1;
+    const int64_t P = T * K;
+    int32_t *ids = (int32_t *)((char *)work + hr_moe_work_bytes(T, H, I, P));
+    float *w = (float *)(ids + P), *weight = w + P;
+    int32_t *token = (int32_t *)(weight + P), *count = token + P, *expert = count + E, *start = expert + E;
+    for (int64_t t = 0; t < T; t++) top_k(logits + t * E, E, K, renorm, ids + t * K, w + t * K);
+    memset(count, 0, E * sizeof(int32_t));
+    for (int64_t p = 0; p < P; p++) count[ids[p]]++;
+    int64_t G = 0;
+    start[0] = 0;
+    for (int64_t e = 0; e < E; e++)
+        if (count[e]) {
+            expert[G] = (int32_t)e;
+            start[G + 1] = start[G] + count[e];
+            count[e] = start[G];  /* now where expert e's next pair goes */
+            G++;
+        }
+    for (int64_t p = 0; p < P; p++) {
+        const int32_t at = count[ids[p]]++;
+        token[at] = (int32_t)(p / K);
+        weight[at] = w[p];
+    }
+    return hr_moe_experts(x, T, H, I, token, weight, P, expert, start, G, gate, up, down, tg, tu, td, bias_gate_up,
+                          bias_down, alpha, limit, out, work, threads, scalar);
+}

@@ -28,6 +28,7 @@ of ``h``'s block).
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 
 import torch
@@ -130,37 +131,90 @@ def moe_experts(lib: ctypes.CDLL, x: torch.Tensor, tokens: torch.Tensor, experts
         ValueError: a type without a kernel, blocks that do not hold ``[E, I, H]`` weights,
             or pairs naming a token or an expert outside ``x`` or the stacks.
     """
-    from kernels.moe.quant_reference import check_cache, check_expert_blocks
-
-    if not takes(types):
-        raise ValueError(f"CPU experts of types {'/'.join(types)}: the C kernels read {', '.join(TYPE_IDS)}")
-    x = x.contiguous().float()
-    t_count, hidden = x.shape
-    inter = gate.shape[1]
-    check_expert_blocks(gate, up, down, file_types(types), hidden, inter)
-    check_cache(None, None, gate, up, down, biases)
-    if out is None:
-        out = torch.zeros(t_count, hidden, dtype=torch.float32)
-    if out.shape != (t_count, hidden) or out.dtype != torch.float32 or not out.is_contiguous():
-        raise ValueError(f"moe_experts: out {out.dtype} {tuple(out.shape)} is not float32 {(t_count, hidden)}")
+    x, out, experts_args, _kept = _prepared(x, out, gate, up, down, types, biases, activation)
+    t_count = x.shape[0]
     if len(tokens) and (int(tokens.min()) < 0 or int(tokens.max()) >= t_count or int(experts.min()) < 0
                         or int(experts.max()) >= gate.shape[0]):
         raise ValueError(f"moe_experts: a pair names a token outside 0..{t_count - 1} or an expert outside "
                          f"0..{gate.shape[0] - 1}")
     tok, w, ids, start = group_pairs(tokens, experts, weights)
-    blocks = [b.contiguous() for b in (gate, up, down)]
-    work = torch.empty(lib.hr_moe_work_bytes(t_count, hidden, inter, len(tok)), dtype=torch.uint8)
+    work = torch.empty(lib.hr_moe_work_bytes(t_count, x.shape[1], gate.shape[1], len(tok)), dtype=torch.uint8)
+    done = lib.hr_moe_experts(x.data_ptr(), t_count, x.shape[1], gate.shape[1], tok.data_ptr(), w.data_ptr(), len(tok),
+                              ids.data_ptr(), start.data_ptr(), len(ids), *experts_args, out.data_ptr(),
+                              work.data_ptr(), threads or default_threads(), gemv_path(scalar))
+    _refused(done, types, x.shape[1], gate.shape[1])
+    return out
+
+
+def moe_experts_routed(lib: ctypes.CDLL, x: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize: bool,
+                       gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, types: tuple[str, str, str],
+                       out: torch.Tensor | None = None, threads: int | None = None, scalar: bool = False,
+                       biases: ExpertBiases | None = None, activation: ClampedSwiGLU | None = None) -> torch.Tensor:
+    """:func:`moe_experts` on the pairs :func:`kernels.moe.reference.route` makes of the
+    router's ``logits`` (float32 ``[T, E]``), routed inside the same C call: each token's
+    ``top_k`` experts by softmax probability, divided by their sum where ``renormalize``
+    (ties to the lower expert id). A decode step's MoE layer in one call, where routing in
+    torch and grouping the pairs took a few small ops (~0.1 ms a layer on two cores).
+    Other arguments, the result and the errors as :func:`moe_experts`; also ValueError for
+    ``logits`` that are not ``[T, E]`` or ``top_k`` outside ``1..E``."""
+    x, out, experts_args, _kept = _prepared(x, out, gate, up, down, types, biases, activation)
+    t_count, num_experts = x.shape[0], gate.shape[0]
+    logits = logits.contiguous().float()
+    if logits.shape != (t_count, num_experts) or not 1 <= top_k <= num_experts:
+        raise ValueError(f"moe_experts_routed: logits {tuple(logits.shape)} and top_k {top_k} for {t_count} tokens "
+                         f"and {num_experts} experts")
+    work = torch.empty(lib.hr_moe_routed_work_bytes(t_count, x.shape[1], gate.shape[1], num_experts, top_k),
+                       dtype=torch.uint8)
+    done = lib.hr_moe_routed(x.data_ptr(), t_count, x.shape[1], gate.shape[1], logits.data_ptr(), num_experts, top_k,
+                             int(renormalize), *experts_args, out.data_ptr(), work.data_ptr(),
+                             threads or default_threads(), gemv_path(scalar))
+    _refused(done, types, x.shape[1], gate.shape[1])
+    return out
+
+
+def _prepared(x, out, gate, up, down, types, biases, activation):
+    """``x`` as float32 contiguous, ``out`` (a new zeroed one for None), the C call's
+    experts arguments (the stacks' addresses, type ids, biases, activation constants) and
+    the tensors those addresses point into (the caller holds them until the call
+    returns: a contiguous copy or float32 biases live only there), after the checks
+    :func:`moe_experts` names."""
+    if not takes(types):
+        raise ValueError(f"CPU experts of types {'/'.join(types)}: the C kernels read {', '.join(TYPE_IDS)}")
+    x = x.contiguous().float()
+    t_count, hidden = x.shape
+    _check_shapes(tuple(gate.shape), tuple(up.shape), tuple(down.shape), (gate.dtype, up.dtype, down.dtype), types,
+                  hidden, None if biases is None else (tuple(biases.gate_up.shape), tuple(biases.down.shape)))
+    if out is None:
+        out = torch.zeros(t_count, hidden, dtype=torch.float32)
+    if out.shape != (t_count, hidden) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"moe_experts: out {out.dtype} {tuple(out.shape)} is not float32 {(t_count, hidden)}")
+    if not (gate.is_contiguous() and up.is_contiguous() and down.is_contiguous()):
+        gate, up, down = gate.contiguous(), up.contiguous(), down.contiguous()
     bias = [] if biases is None else [b.detach().float().contiguous() for b in (biases.gate_up, biases.down)]
-    done = lib.hr_moe_experts(x.data_ptr(), t_count, hidden, inter, tok.data_ptr(), w.data_ptr(), len(tok),
-                              ids.data_ptr(), start.data_ptr(), len(ids), *(b.data_ptr() for b in blocks),
-                              *(TYPE_IDS[t] for t in types), *([b.data_ptr() for b in bias] or [None, None]),
-                              0.0 if activation is None else activation.alpha,
-                              0.0 if activation is None else activation.limit, out.data_ptr(), work.data_ptr(),
-                              threads or default_threads(), gemv_path(scalar))
+    args = (gate.data_ptr(), up.data_ptr(), down.data_ptr(), *(TYPE_IDS[t] for t in types),
+            *([b.data_ptr() for b in bias] or [None, None]),
+            0.0 if activation is None else activation.alpha, 0.0 if activation is None else activation.limit)
+    return x, out, args, (gate, up, down, *bias)
+
+
+@functools.lru_cache(maxsize=256)
+def _check_shapes(gate: tuple, up: tuple, down: tuple, dtypes: tuple, types: tuple[str, str, str], hidden: int,
+                  bias_shapes: tuple | None) -> None:
+    """The stacks' and biases' shapes checked (:func:`~kernels.moe.quant_reference.check_expert_blocks`,
+    :func:`~kernels.moe.quant_reference.check_cache`), once for each set of shapes: the
+    checks read nothing but shapes, dtypes and types."""
+    from kernels.moe.quant_reference import check_cache, check_expert_blocks
+
+    meta = [torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in zip((gate, up, down), dtypes, strict=True)]
+    check_expert_blocks(*meta, file_types(types), hidden, gate[1])
+    biases = None if bias_shapes is None else ExpertBiases(*(torch.empty(s, device="meta") for s in bias_shapes))
+    check_cache(None, None, *meta, biases)
+
+
+def _refused(done: int, types: tuple[str, str, str], hidden: int, inter: int) -> None:
     if done != 0:
         raise ValueError(f"moe_experts refused {'/'.join(types)} experts of H={hidden}, I={inter} (interleaved "
                          "blocks take rows a multiple of 16 and a build with AVX-512: kernels.cpu.rows16.available)")
-    return out
 
 
 def _quantized(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -196,3 +250,15 @@ def moe_experts_ref(x: torch.Tensor, tokens: torch.Tensor, experts: torch.Tensor
             y = y + biases.down[e].double()
         out.index_add_(0, tokens[sel].long(), y * weights[sel].double()[:, None])
     return out.float()
+
+
+def moe_experts_routed_ref(x: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize: bool,
+                           gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, types: tuple[str, str, str],
+                           biases: ExpertBiases | None = None, activation: ClampedSwiGLU | None = None) -> torch.Tensor:
+    """Reference of :func:`moe_experts_routed`: :func:`kernels.moe.reference.route`, then
+    :func:`moe_experts_ref` on its pairs; float32 ``[T, H]``."""
+    from kernels.moe.reference import route
+
+    weights, ids = route(logits.float(), top_k, renormalize)
+    tokens = torch.arange(x.shape[0]).repeat_interleave(top_k)
+    return moe_experts_ref(x, tokens, ids.reshape(-1), weights.reshape(-1), gate, up, down, types, biases, activation)

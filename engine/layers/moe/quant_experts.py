@@ -14,7 +14,7 @@ dequantizes each routed expert through ``gguf`` on every call (correct, slow). O
 CPU, experts of types the C kernels read (Q4_0/Q4_1/Q8_0, the K-quants, MXFP4:
 :func:`kernels.cpu.moe_experts.takes`) run through them instead
 (:func:`kernels.cpu.moe_experts.moe_experts`, all routed pairs in one call over the
-cores) where they build; a CPU engine keeps such experts in their blocks
+cores; :meth:`QuantExperts.routed` routes inside that call too) where they build; a CPU engine keeps such experts in their blocks
 (:mod:`engine.loader.gguf_quant`) and dequantizes the others at load.
 
 gpt-oss's experts (MXFP4 blocks, from its GGUF or OpenAI's safetensors) carry biases on
@@ -39,7 +39,13 @@ from torch import nn
 from engine.common.config import ModelConfig
 from kernels.activation.reference import ClampedSwiGLU
 from kernels.cpu import rows16
-from kernels.cpu.moe_experts import file_stack, file_types, interleave_stack, takes
+from kernels.cpu.moe_experts import (
+    file_stack,
+    file_types,
+    interleave_stack,
+    moe_experts_routed,
+    takes,
+)
 from kernels.dispatch import fused_moe_quant
 from kernels.moe.reference import ExpertBiases
 from kernels.quant.formats import block_format, tensor_bytes
@@ -121,6 +127,20 @@ class QuantExperts(nn.Module):
             return fused_moe_quant(x, gate, up, down, types, topk_weights, topk_ids)
         return fused_moe_quant(x, gate, up, down, types, topk_weights, topk_ids, biases=self.biases,
                                activation=self.activation)
+
+    def routed(self, x: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor | None:
+        """The layer on float32 ``x`` ``[T, H]`` with the pairs routed from the router's
+        ``logits`` ``[T, E]`` inside the C kernels' one call
+        (:func:`kernels.cpu.moe_experts.moe_experts_routed`, ``route``'s rule): float32
+        ``[T, H]``. None where that call does not run (not the CPU or not float32, types it
+        does not read, no build, switched off): the caller routes and calls the layer."""
+        if x.device.type != "cpu" or x.dtype != torch.float32 or not takes(self.types):
+            return None
+        lib = self._cpu_kernels()
+        if lib is None:
+            return None
+        return moe_experts_routed(lib, x, logits, top_k, renormalize, self.gate, self.up, self.down, self.types,
+                                  biases=self.biases, activation=self.activation)
 
     def interleave_rows16(self) -> None:
         """Each of gate, up and down whose type and rows :func:`kernels.cpu.rows16.takes`

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from engine.common.config import ModelConfig
-from engine.layers.moe.quant_experts import experts_activation, quant_experts_for
+from engine.layers.moe.quant_experts import QuantExperts, experts_activation, quant_experts_for
 from kernels.activation.reference import ClampedSwiGLU
 from kernels.dispatch import fused_moe
 from kernels.moe.reference import ExpertBiases, route
@@ -92,12 +92,17 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[T, H]`` -> ``[T, H]`` in ``x``'s dtype."""
-        weights, ids = route(nn.functional.linear(x, self.gate.weight, self.gate.bias), self.top_k, self.renormalize)
-        if not self.float32_weights:
-            weights = weights.to(x.dtype)
-        # Resident (Experts), offloaded (the store picks cache, copy or CPU per expert)
-        # or GGUF blocks: each called alike.
-        out = self.experts(x, weights, ids)
+        logits = nn.functional.linear(x, self.gate.weight, self.gate.bias)
+        # GGUF blocks the C kernels run route inside their call (a CPU decode step's MoE
+        # layer in one call); else routed here.
+        out = self.experts.routed(x, logits, self.top_k, self.renormalize) if isinstance(self.experts, QuantExperts) else None
+        if out is None:
+            weights, ids = route(logits, self.top_k, self.renormalize)
+            if not self.float32_weights:
+                weights = weights.to(x.dtype)
+            # Resident (Experts), offloaded (the store picks cache, copy or CPU per expert)
+            # or GGUF blocks: each called alike.
+            out = self.experts(x, weights, ids)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

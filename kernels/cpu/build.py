@@ -174,8 +174,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.hr_moe_routed_work_bytes.restype = c_i64
     lib.hr_moe_routed_work_bytes.argtypes = [c_i64, c_i64, c_i64, c_i64, c_i64]
     lib.hr_moe_routed.restype = c_int
-    lib.hr_moe_routed.argtypes = [ptr, c_i64, c_i64, c_i64, ptr, c_i64, c_i64, c_int, ptr, ptr, ptr, c_int, c_int,
-                                  c_int, ptr, ptr, ctypes.c_float, ctypes.c_float, ptr, ptr, c_int, c_int]
+    lib.hr_moe_routed.argtypes = [ptr, c_i64, c_i64, c_i64, ptr, ptr, c_i64, c_i64, c_int, ptr, ptr, ptr, c_int,
+                                  c_int, c_int, ptr, ptr, ctypes.c_float, ctypes.c_float, ptr, ptr, c_int, c_int]
     lib.hr_moe_job_work_bytes.restype = c_i64
     lib.hr_moe_job_work_bytes.argtypes = [c_i64, c_i64, c_i64, c_i64, c_i64]
     lib.moe_cpu_job.restype = None

@@ -71,32 +71,6 @@ typedef struct {
     int32_t path, pad;                                 /* the projections' HR_PATH_* (blocks.h) */
 } hr_step;
 
-/* a . b over n floats. A plain C sum is one chain of dependent adds (the compiler may not
- * reorder float sums), a few cycles an element: at a head size of 64 and a few hundred
- * tokens of context, the attention's scores took about a third of the default model's
- * decode step that way. With AVX2, two 8-lane accumulators, then the tail in plain C. */
-static inline float dot(const float *a, const float *b, int64_t n) {
-    int64_t i = 0;
-    float s = 0.0f;
-#ifdef HR_AVX2
-    if (n >= 8) {
-        __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
-        for (; i + 16 <= n; i += 16) {
-            s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
-            s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
-        }
-        for (; i + 8 <= n; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
-        s0 = _mm256_add_ps(s0, s1);
-        __m128 h = _mm_add_ps(_mm256_castps256_ps128(s0), _mm256_extractf128_ps(s0, 1));
-        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-        h = _mm_add_ss(h, _mm_movehdup_ps(h));
-        s = _mm_cvtss_f32(h);
-    }
-#endif
-    for (; i < n; i++) s += a[i] * b[i];
-    return s;
-}
-
 /* float to IEEE half, rounding to nearest even (torch's .to(torch.float16)). */
 static inline uint16_t f32_to_f16(float f) {
     uint32_t x;
@@ -161,12 +135,12 @@ static inline void block_codes(int type, const uint8_t *blk, float *out) {
 /* a . a pool row of n values: float32 (type 0), or q8_0/q4_0 blocks, each block's product
  * with its codes times its scale. */
 static inline float kv_dot(int type, const float *a, const uint8_t *row, int64_t n) {
-    if (type == 0) return dot(a, (const float *)row, n);
+    if (type == 0) return hr_dot(a, (const float *)row, n);
     const int bb = type == Q8_0 ? 34 : 18;
     float s = 0.0f, codes[32];
     for (int64_t b = 0; b < n / 32; b++) {
         block_codes(type, row + b * bb, codes);
-        s += f16_to_f32(row + b * bb) * dot(a + b * 32, codes, 32);
+        s += f16_to_f32(row + b * bb) * hr_dot(a + b * 32, codes, 32);
     }
     return s;
 }
@@ -257,7 +231,7 @@ static void scores_f32(const float *q, context_rows rows, int64_t len, int64_t D
         }
     }
 #endif
-    for (; t < len; t++) sc[t] = dot(q, (const float *)next_row(&rows), D) * scale;
+    for (; t < len; t++) sc[t] = hr_dot(q, (const float *)next_row(&rows), D) * scale;
 }
 
 /* out[0..D) = sum over t of p[t] * V[t] over a float32 pool's context: the sums kept in
@@ -313,7 +287,7 @@ static void softmax_in_place(float *sc, int64_t len) {
 
 static void rms_norm_row(const float *x, const float *w, float *out, int64_t n, float eps) {
     /* As torch's F.rms_norm in float32: x * rsqrt(mean(x^2) + eps) * w. */
-    const float ss = dot(x, x, n);
+    const float ss = hr_dot(x, x, n);
     const float r = 1.0f / sqrtf(ss / (float)n + eps);
     for (int64_t i = 0; i < n; i++) out[i] = x[i] * r * w[i];
 }

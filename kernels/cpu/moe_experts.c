@@ -194,7 +194,7 @@ int hr_moe_experts(const float *x, int64_t T, int64_t H, int64_t I, const int32_
 
 /* Work bytes hr_moe_routed takes for T tokens, E experts, K of them a token. */
 int64_t hr_moe_routed_work_bytes(int64_t T, int64_t H, int64_t I, int64_t E, int64_t K) {
-    return hr_moe_work_bytes(T, H, I, T * K) + 4 * (4 * T * K + 3 * E + 2) + 64;
+    return hr_moe_work_bytes(T, H, I, T * K) + 4 * (T * E + 4 * T * K + 3 * E + 2) + 64;
 }
 
 /* Token t's K largest of logits[0..E) (ties to the lower id), largest first, into ids and
@@ -215,21 +215,27 @@ static void top_k(const float *logits, int64_t E, int64_t K, int renorm, int32_t
     for (int64_t k = 0; k < K; k++) w[k] /= denominator;
 }
 
-/* hr_moe_experts on the pairs routed here from the router's float32 logits [T, E]: each
+/* hr_moe_experts on the pairs routed here: the router's logits x . router[e] (+
+ * router_bias[e] where given; router float32 [E, H], its rows over the threads), each
  * token's top K experts by softmax probability (divided by their sum where renorm: the
  * same values as a softmax over the K logits alone), grouped by expert in ascending id,
- * tokens in order within a group (the order a stable sort by expert gives). The hidden
+ * tokens in order within a group (the order a stable sort by expert gives). The other
  * arguments are hr_moe_experts'; work: hr_moe_routed_work_bytes(T, H, I, E, K) bytes.
  * Returns as hr_moe_experts, or -1 for K outside 1..E. */
-int hr_moe_routed(const float *x, int64_t T, int64_t H, int64_t I, const float *logits, int64_t E, int64_t K,
-                  int renorm, const uint8_t *gate, const uint8_t *up, const uint8_t *down, int tg, int tu, int td,
-                  const float *bias_gate_up, const float *bias_down, float alpha, float limit, float *out, void *work,
-                  int threads, int scalar) {
+int hr_moe_routed(const float *x, int64_t T, int64_t H, int64_t I, const float *router, const float *router_bias,
+                  int64_t E, int64_t K, int renorm, const uint8_t *gate, const uint8_t *up, const uint8_t *down,
+                  int tg, int tu, int td, const float *bias_gate_up, const float *bias_down, float alpha, float limit,
+                  float *out, void *work, int threads, int scalar) {
     if (K < 1 || K > E || T < 0) return -1;
     const int64_t P = T * K;
-    int32_t *ids = (int32_t *)((char *)work + hr_moe_work_bytes(T, H, I, P));
+    float *logits = (float *)((char *)work + hr_moe_work_bytes(T, H, I, P));
+    int32_t *ids = (int32_t *)(logits + T * E);
     float *w = (float *)(ids + P), *weight = w + P;
     int32_t *token = (int32_t *)(weight + P), *count = token + P, *expert = count + E, *start = expert + E;
+    if (threads < 1) threads = 1;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && T * E * H >= 65536)
+    for (int64_t te = 0; te < T * E; te++)
+        logits[te] = hr_dot(x + te / E * H, router + te % E * H, H) + (router_bias ? router_bias[te % E] : 0.0f);
     for (int64_t t = 0; t < T; t++) top_k(logits + t * E, E, K, renorm, ids + t * K, w + t * K);
     memset(count, 0, E * sizeof(int32_t));
     for (int64_t p = 0; p < P; p++) count[ids[p]]++;

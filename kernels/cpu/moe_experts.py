@@ -146,29 +146,47 @@ def moe_experts(lib: ctypes.CDLL, x: torch.Tensor, tokens: torch.Tensor, experts
     return out
 
 
-def moe_experts_routed(lib: ctypes.CDLL, x: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize: bool,
-                       gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, types: tuple[str, str, str],
-                       out: torch.Tensor | None = None, threads: int | None = None, scalar: bool = False,
-                       biases: ExpertBiases | None = None, activation: ClampedSwiGLU | None = None) -> torch.Tensor:
+def moe_experts_routed(lib: ctypes.CDLL, x: torch.Tensor, router: torch.Tensor, router_bias: torch.Tensor | None,
+                       top_k: int, renormalize: bool, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+                       types: tuple[str, str, str], out: torch.Tensor | None = None, threads: int | None = None,
+                       scalar: bool = False, biases: ExpertBiases | None = None,
+                       activation: ClampedSwiGLU | None = None) -> torch.Tensor:
     """:func:`moe_experts` on the pairs :func:`kernels.moe.reference.route` makes of the
-    router's ``logits`` (float32 ``[T, E]``), routed inside the same C call: each token's
-    ``top_k`` experts by softmax probability, divided by their sum where ``renormalize``
-    (ties to the lower expert id). A decode step's MoE layer in one call, where routing in
-    torch and grouping the pairs took a few small ops (~0.1 ms a layer on two cores).
-    Other arguments, the result and the errors as :func:`moe_experts`; also ValueError for
-    ``logits`` that are not ``[T, E]`` or ``top_k`` outside ``1..E``."""
+    router's logits ``x @ router.T + router_bias``, all inside the same C call: the
+    logits in float32 over the threads, each token's ``top_k`` experts by softmax
+    probability, divided by their sum where ``renormalize`` (ties to the lower expert
+    id). A decode step's MoE layer in one call, where the router's GEMV, the routing and
+    the grouping of the pairs in torch took a dozen small ops (~0.1-0.2 ms a layer on two
+    cores).
+
+    Args:
+        router: ``[E, H]`` router weights (read as float32); router_bias: ``[E]`` or None.
+        top_k: experts a token, ``1..E``; renormalize: as :func:`~kernels.moe.reference.route`.
+        The others: as :func:`moe_experts`.
+
+    Returns:
+        ``out``, float32 ``[T, H]``.
+
+    Raises:
+        ValueError: as :func:`moe_experts`; a router that is not ``[E, H]`` (its bias not
+            ``[E]``) or ``top_k`` outside ``1..E``.
+    """
     x, out, experts_args, _kept = _prepared(x, out, gate, up, down, types, biases, activation)
-    t_count, num_experts = x.shape[0], gate.shape[0]
-    logits = logits.contiguous().float()
-    if logits.shape != (t_count, num_experts) or not 1 <= top_k <= num_experts:
-        raise ValueError(f"moe_experts_routed: logits {tuple(logits.shape)} and top_k {top_k} for {t_count} tokens "
-                         f"and {num_experts} experts")
-    work = torch.empty(lib.hr_moe_routed_work_bytes(t_count, x.shape[1], gate.shape[1], num_experts, top_k),
+    (t_count, hidden), num_experts = x.shape, gate.shape[0]
+    router = router.detach().float().contiguous()
+    bias = None if router_bias is None else router_bias.detach().float().contiguous()
+    if router.shape != (num_experts, hidden) or (bias is not None and bias.shape != (num_experts,)):
+        raise ValueError(f"moe_experts_routed: router {tuple(router.shape)} (bias "
+                         f"{None if bias is None else tuple(bias.shape)}) for {num_experts} experts of {hidden}")
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"moe_experts_routed: top_k {top_k} of {num_experts} experts")
+    work = torch.empty(lib.hr_moe_routed_work_bytes(t_count, hidden, gate.shape[1], num_experts, top_k),
                        dtype=torch.uint8)
-    done = lib.hr_moe_routed(x.data_ptr(), t_count, x.shape[1], gate.shape[1], logits.data_ptr(), num_experts, top_k,
-                             int(renormalize), *experts_args, out.data_ptr(), work.data_ptr(),
-                             threads or default_threads(), gemv_path(scalar))
-    _refused(done, types, x.shape[1], gate.shape[1])
+    done = lib.hr_moe_routed(x.data_ptr(), t_count, hidden, gate.shape[1], router.data_ptr(),
+                             None if bias is None else bias.data_ptr(), num_experts, top_k, int(renormalize),
+                             *experts_args, out.data_ptr(), work.data_ptr(), threads or default_threads(),
+                             gemv_path(scalar))
+    _refused(done, types, hidden, gate.shape[1])
     return out
 
 
@@ -252,13 +270,16 @@ def moe_experts_ref(x: torch.Tensor, tokens: torch.Tensor, experts: torch.Tensor
     return out.float()
 
 
-def moe_experts_routed_ref(x: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize: bool,
-                           gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, types: tuple[str, str, str],
-                           biases: ExpertBiases | None = None, activation: ClampedSwiGLU | None = None) -> torch.Tensor:
-    """Reference of :func:`moe_experts_routed`: :func:`kernels.moe.reference.route`, then
-    :func:`moe_experts_ref` on its pairs; float32 ``[T, H]``."""
+def moe_experts_routed_ref(x: torch.Tensor, router: torch.Tensor, router_bias: torch.Tensor | None, top_k: int,
+                           renormalize: bool, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+                           types: tuple[str, str, str], biases: ExpertBiases | None = None,
+                           activation: ClampedSwiGLU | None = None) -> torch.Tensor:
+    """Reference of :func:`moe_experts_routed`: the router's logits in float64,
+    :func:`kernels.moe.reference.route`, then :func:`moe_experts_ref` on its pairs;
+    float32 ``[T, H]``."""
     from kernels.moe.reference import route
 
+    logits = x.double() @ router.double().T + (0 if router_bias is None else router_bias.double())
     weights, ids = route(logits.float(), top_k, renormalize)
     tokens = torch.arange(x.shape[0]).repeat_interleave(top_k)
     return moe_experts_ref(x, tokens, ids.reshape(-1), weights.reshape(-1), gate, up, down, types, biases, activation)

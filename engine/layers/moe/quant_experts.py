@@ -128,19 +128,21 @@ class QuantExperts(nn.Module):
         return fused_moe_quant(x, gate, up, down, types, topk_weights, topk_ids, biases=self.biases,
                                activation=self.activation)
 
-    def routed(self, x: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor | None:
-        """The layer on float32 ``x`` ``[T, H]`` with the pairs routed from the router's
-        ``logits`` ``[T, E]`` inside the C kernels' one call
+    def routed(self, x: torch.Tensor, router: nn.Linear, top_k: int, renormalize: bool) -> torch.Tensor | None:
+        """The layer on float32 ``x`` ``[T, H]`` with the pairs routed by ``router``
+        (``[E, H]``, a bias or none) inside the C kernels' one call
         (:func:`kernels.cpu.moe_experts.moe_experts_routed`, ``route``'s rule): float32
-        ``[T, H]``. None where that call does not run (not the CPU or not float32, types it
-        does not read, no build, switched off): the caller routes and calls the layer."""
-        if x.device.type != "cpu" or x.dtype != torch.float32 or not takes(self.types):
+        ``[T, H]``. None where that call does not run (not the CPU, not float32 ``x`` and
+        router, types it does not read, no build, switched off): the caller routes and
+        calls the layer."""
+        if (x.device.type != "cpu" or x.dtype != torch.float32 or router.weight.dtype != torch.float32
+                or not takes(self.types)):
             return None
         lib = self._cpu_kernels()
         if lib is None:
             return None
-        return moe_experts_routed(lib, x, logits, top_k, renormalize, self.gate, self.up, self.down, self.types,
-                                  biases=self.biases, activation=self.activation)
+        return moe_experts_routed(lib, x, router.weight, router.bias, top_k, renormalize, self.gate, self.up,
+                                  self.down, self.types, biases=self.biases, activation=self.activation)
 
     def interleave_rows16(self) -> None:
         """Each of gate, up and down whose type and rows :func:`kernels.cpu.rows16.takes`

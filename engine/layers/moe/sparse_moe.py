@@ -92,12 +92,11 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[T, H]`` -> ``[T, H]`` in ``x``'s dtype."""
-        logits = nn.functional.linear(x, self.gate.weight, self.gate.bias)
-        # GGUF blocks the C kernels run route inside their call (a CPU decode step's MoE
-        # layer in one call); else routed here.
-        out = self.experts.routed(x, logits, self.top_k, self.renormalize) if isinstance(self.experts, QuantExperts) else None
+        # GGUF blocks the C kernels run are routed inside their call (a CPU decode step's
+        # MoE layer in one call, the router's product too); else routed here.
+        out = self.experts.routed(x, self.gate, self.top_k, self.renormalize) if isinstance(self.experts, QuantExperts) else None
         if out is None:
-            weights, ids = route(logits, self.top_k, self.renormalize)
+            weights, ids = route(nn.functional.linear(x, self.gate.weight, self.gate.bias), self.top_k, self.renormalize)
             if not self.float32_weights:
                 weights = weights.to(x.dtype)
             # Resident (Experts), offloaded (the store picks cache, copy or CPU per expert)

@@ -65,6 +65,24 @@ def test_interleaving_moves_the_bytes_and_undoes_exactly(type_name):
     assert torch.equal(inter.view(-1)[:32], d)
 
 
+@pytest.mark.parametrize("type_name", rows16.TYPES)
+@pytest.mark.parametrize(("rows", "blocks_a_row"), [(16, 1), (48, 3), (80, 2)])
+def test_the_c_interleave_writes_the_torch_layout_byte_for_byte(lib, type_name, rows, blocks_a_row):
+    """interleave.c (a CPU engine's load) against the torch reshapes, 1-5 groups of 16
+    rows of 1-3 blocks, into a new tensor and into a given one; a row that is not whole
+    blocks is refused."""
+    cols = blocks_a_row * (256 if type_name in rows16.KQUANTS else 32)
+    blocks, _ = _case(type_name, rows, cols, 1)
+    want = rows16.interleave(blocks, type_name)
+    assert torch.equal(rows16.interleave(blocks, type_name, lib), want)
+    out = torch.zeros_like(blocks)
+    assert rows16.interleave(blocks, type_name, lib, out=out) is out and torch.equal(out, want)
+    with pytest.raises(ValueError, match="not whole"):
+        rows16.interleave(blocks[:, 1:], type_name, lib)
+    with pytest.raises(ValueError, match="out"):
+        rows16.interleave(blocks, type_name, lib, out=torch.zeros(rows, 3, dtype=torch.uint8))
+
+
 @pytest.mark.parametrize(("type_name", "rows", "cols", "m"), CASES)
 def test_the_interleaved_product_equals_gguf_s_dequantizer_times_the_codes(lib, type_name, rows, cols, m):
     _needs(lib)

@@ -54,7 +54,7 @@ def interleaved(lib, stacks: list[torch.Tensor], types: tuple[str, str, str]):
     with torch.device("meta"):
         experts = QuantExperts(gate.shape[0], down.shape[1], gate.shape[1], types)
     experts.gate, experts.up, experts.down = gate, up, down
-    experts.interleave_rows16()
+    experts.interleave_rows16(lib)
     return [experts.gate, experts.up, experts.down], experts.types
 
 
@@ -133,7 +133,7 @@ def main() -> None:
 
     from engine.layers.linear.cpu_kernels import cpu_kernels
     from kernels.cpu import build
-    from kernels.cpu.moe_experts import default_threads
+    from kernels.cpu.threads import default_threads
 
     lib = cpu_kernels()
     if lib is None:

@@ -48,7 +48,7 @@ def _interleave_layers(layers, lib) -> None:
               for i, t in enumerate(m.types) if t is not None and rows16.takes(t, m.rows[i])]
     views = rows16.huge_buffer([tuple(m.part(i).shape) for m, i in places])
     for n, ((m, i), view) in enumerate(zip(places, views, strict=True)):
-        view.copy_(rows16.interleave(m.part(i), m.types[i]))
+        rows16.interleave(m.part(i), m.types[i], lib, out=view)
         m.types[i] += rows16.SUFFIX
         setattr(m, f"part{i}", view)
         if n % 8 == 7:
@@ -65,7 +65,7 @@ def _interleave_tied_head(head: nn.Module, embeddings: QuantEmbedding, lib) -> N
             or head.part(0).data_ptr() != embeddings.blocks.data_ptr() or not rows16.takes(kind, head.rows[0])
             or not rows16.available(lib)):
         return
-    table = rows16.interleave(embeddings.blocks, kind)
+    table = rows16.interleave(embeddings.blocks, kind, lib)
     embeddings.blocks = table
     embeddings.type_name = head.types[0] = kind + rows16.SUFFIX
     head.part0 = table
@@ -80,7 +80,7 @@ def _interleave_experts(model: nn.Module, lib) -> None:
         return
     for m in model.modules():
         if isinstance(m, QuantExperts) and m.gate.device.type == "cpu" and cpu_experts_takes(m.types):
-            m.interleave_rows16()
+            m.interleave_rows16(lib)
             rows16.release_freed()  # the file's blocks back to the system, layer by layer
 
 

@@ -29,27 +29,15 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 
 import torch
 
 from kernels.activation.reference import ClampedSwiGLU
 from kernels.cpu import rows16
 from kernels.cpu.block_gemv import GEMV_TYPE_IDS, ROWS16_IDS, act_bits, gemv_path, quantize_rows_ref
+from kernels.cpu.threads import default_threads
 from kernels.moe.reference import ExpertBiases
 from kernels.quant import reference
-
-
-def default_threads() -> int:
-    """OpenMP threads for a call: torch's intra-op count (what the engine fits to the cores
-    other programs leave free between steps), never above the cores this process may run
-    on (``os.sched_getaffinity``; torch's own default counts the machine's)."""
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        usable = os.cpu_count() or 1
-    return max(1, min(torch.get_num_threads(), usable))
-
 
 # Every type name the kernel reads: the GGUF's and the interleaved ones.
 TYPE_IDS = GEMV_TYPE_IDS | ROWS16_IDS
@@ -66,9 +54,11 @@ def file_types(types: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(rows16.NAMES.get(t, t) for t in types)
 
 
-def interleave_stack(stack: torch.Tensor, type_name: str) -> torch.Tensor:
+def interleave_stack(stack: torch.Tensor, type_name: str, lib: ctypes.CDLL | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
     """uint8 ``[E, N, row_bytes]`` experts' blocks of ``type_name`` with each expert's rows
-    interleaved by 16 (:func:`kernels.cpu.rows16.interleave`; a new tensor).
+    interleaved by 16 (:func:`kernels.cpu.rows16.interleave`, by the C pass where ``lib``
+    is given), in ``out`` (as large) or a new tensor.
 
     Raises:
         ValueError: as :func:`~kernels.cpu.rows16.interleave` (``N`` not a multiple of 16).
@@ -76,7 +66,8 @@ def interleave_stack(stack: torch.Tensor, type_name: str) -> torch.Tensor:
     e, n, row_bytes = stack.shape
     if n % rows16.ROWS:
         raise ValueError(f"interleave_stack: experts of {n} rows; takes multiples of {rows16.ROWS}")
-    return rows16.interleave(stack.reshape(e * n, row_bytes), type_name).view(e, n, row_bytes)
+    flat = None if out is None else out.view(e * n, row_bytes)
+    return rows16.interleave(stack.reshape(e * n, row_bytes), type_name, lib, out=flat).view(e, n, row_bytes)
 
 
 def file_stack(stack: torch.Tensor, type_name: str) -> torch.Tensor:

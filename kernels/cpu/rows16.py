@@ -27,8 +27,10 @@ import ctypes
 import ctypes.util
 import sys
 
+import gguf
 import torch
 
+from kernels.cpu.threads import default_threads
 from kernels.quant.formats import block_format
 from kernels.switches import current
 
@@ -68,16 +70,36 @@ def _split(type_name: str) -> tuple[int, int]:
     return scale_bytes, fmt.block_bytes - scale_bytes
 
 
-def interleave(blocks: torch.Tensor, type_name: str) -> torch.Tensor:
+def interleave(blocks: torch.Tensor, type_name: str, lib: ctypes.CDLL | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
     """uint8 ``[N, K / 32 * block_bytes]`` GGUF blocks of ``type_name`` as interleaved blocks
-    of the same shape (a new tensor; ``blocks`` is left as it is).
+    of the same shape, in ``out`` (uint8, that shape, contiguous; a new tensor when None;
+    ``blocks`` is left as it is). With ``lib`` (:func:`kernels.cpu.build.load`'s) the C
+    pass over the threads writes them (``interleave.c``, what a CPU engine's load takes);
+    without, torch's reshapes (the reference the tests hold it to).
 
     Raises:
-        ValueError: a type not in :data:`TYPES`, or ``N`` not a multiple of 16.
+        ValueError: a type not in :data:`TYPES`, ``N`` not a multiple of 16, or an ``out``
+            of another shape.
     """
     n, row_bytes = blocks.shape
     if not _fits(type_name, n):
         raise ValueError(f"interleave: {n} rows of {type_name} blocks; takes {', '.join(TYPES)} in multiples of {ROWS}")
+    if out is not None and (out.shape != blocks.shape or out.dtype != torch.uint8 or not out.is_contiguous()):
+        raise ValueError(f"interleave: out {out.dtype} {tuple(out.shape)} for blocks {tuple(blocks.shape)}")
+    if lib is None:
+        got = _interleave_torch(blocks, type_name)
+        return got if out is None else out.copy_(got)
+    src = blocks.contiguous()
+    out = torch.empty_like(src) if out is None else out
+    if lib.hr_rows16_interleave(int(gguf.GGMLQuantizationType[type_name]), src.data_ptr(), n, row_bytes,
+                                out.data_ptr(), default_threads()) != 0:
+        raise ValueError(f"interleave: rows of {row_bytes} bytes are not whole {type_name} blocks")
+    return out
+
+
+def _interleave_torch(blocks: torch.Tensor, type_name: str) -> torch.Tensor:
+    n, row_bytes = blocks.shape
     if type_name in ("Q4_K", "Q5_K"):
         return _interleave_q4k(blocks, five=type_name == "Q5_K")
     if type_name == "Q6_K":

@@ -118,7 +118,7 @@ class CpuBlockLinear(nn.Module):
                 ws = [w for _, w in views]
                 blocks = (ws[0] if len(ws) == 1 else torch.cat(ws)).contiguous()
                 if interleave and rows16.takes(kind, blocks.shape[0]) and rows16.available(lib):
-                    parts.append((kind + rows16.SUFFIX, rows16.interleave(blocks, kind)))
+                    parts.append((kind + rows16.SUFFIX, rows16.interleave(blocks, kind, lib)))
                 else:
                     parts.append((kind, blocks))
         bias = module.bias.float() if module.bias is not None else None

@@ -102,8 +102,8 @@ def measure_cpu_rates(host: BlockStack, lib: ctypes.CDLL, repeats: int = 3) -> t
     ``repeats``); the slope is one more expert, the rest the fixed part. Where noise
     makes the slope zero or less, every expert costs ``time(n) / n`` and nothing is fixed
     (a zero rate would hand the CPU every expert)."""
-    from kernels.cpu.moe_experts import default_threads
     from kernels.cpu.moe_job import CPU_RUN, MoeCpuJob
+    from kernels.cpu.threads import default_threads
 
     n = min(TIMED_EXPERTS, host.num_experts)
     job = MoeCpuJob(lib, host.gate, host.up, host.down, host.types, 1, n, torch.float32, torch.float32,

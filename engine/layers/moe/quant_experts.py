@@ -57,7 +57,7 @@ def experts_activation(config: ModelConfig) -> ClampedSwiGLU | None:
     return ClampedSwiGLU(config.swiglu_alpha, config.swiglu_limit) if config.swiglu_limit else None
 
 
-# Experts interleaved a copy at load: the temporaries stay a few MB.
+# Experts torch interleaves a copy at a time (no C build given): its temporaries stay a few MB.
 _INTERLEAVE_EXPERTS = 16
 
 
@@ -144,9 +144,10 @@ class QuantExperts(nn.Module):
         return moe_experts_routed(lib, x, router.weight, router.bias, top_k, renormalize, self.gate, self.up,
                                   self.down, self.types, biases=self.biases, activation=self.activation)
 
-    def interleave_rows16(self) -> None:
+    def interleave_rows16(self, lib=None) -> None:
         """Each of gate, up and down whose type and rows :func:`kernels.cpu.rows16.takes`
-        interleaved by 16 rows per expert (:func:`~kernels.cpu.moe_experts.interleave_stack`),
+        interleaved by 16 rows per expert (:func:`~kernels.cpu.moe_experts.interleave_stack`;
+        by the C pass over the threads with ``lib``, else torch's, a few experts at a time),
         the three in one buffer of huge pages, its type renamed (``Q4_Kx16``); the file's
         blocks dropped as each copy is written. For experts the C kernels run on the CPU,
         on a build that multiplies the layout (:func:`kernels.cpu.rows16.available`)."""
@@ -158,8 +159,9 @@ class QuantExperts(nn.Module):
         types = dict(zip(("gate", "up", "down"), self.types, strict=True))
         for name, view in zip(names, views, strict=True):
             stack = getattr(self, name)
-            for e in range(0, stack.shape[0], _INTERLEAVE_EXPERTS):
-                view[e:e + _INTERLEAVE_EXPERTS].copy_(interleave_stack(stack[e:e + _INTERLEAVE_EXPERTS], types[name]))
+            step = stack.shape[0] if lib is not None else _INTERLEAVE_EXPERTS  # torch's temporaries bounded
+            for e in range(0, stack.shape[0], step):
+                interleave_stack(stack[e:e + step], types[name], lib, out=view[e:e + step])
             setattr(self, name, view)
             types[name] += rows16.SUFFIX
         self.types = tuple(types.values())

@@ -36,11 +36,11 @@ class ShareStep:
         host: the layer's host tier (blocks; pinned on CUDA).
         lib: the C kernels (:func:`kernels.cpu.build.load`).
         device: the step's device.
-        threads: the job's OpenMP threads (None: :func:`kernels.cpu.moe_experts.default_threads`).
+        threads: the job's OpenMP threads (None: :func:`kernels.cpu.threads.default_threads`).
     """
 
     def __init__(self, host: BlockStack, lib: ctypes.CDLL, device: torch.device, threads: int | None = None) -> None:
-        from kernels.cpu.moe_experts import default_threads
+        from kernels.cpu.threads import default_threads
 
         self.host, self.lib, self.device = host, lib, torch.device(device)
         self.threads = threads or default_threads()

@@ -210,7 +210,10 @@ def test_resolve_max_tokens():
 def test_stop_strings():
     assert stop_strings(None) == []
     assert stop_strings("x") == ["x"]
-    assert stop_strings(["a", "", "b"]) == ["a", "b"]
+    assert stop_strings(["a", "b"]) == ["a", "b"]
+    with pytest.raises(APIError, match="options.stop cannot contain an empty string") as refused:
+        stop_strings(["a", "", "b"], "options.stop")
+    assert refused.value.status == 400 and refused.value.param == "options.stop"
 
 
 # -- Host and Origin rules ---------------------------------------------------------------------------

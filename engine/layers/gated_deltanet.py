@@ -31,7 +31,9 @@ Triton kernels (``chunk_gated_delta_rule`` for prefill, ``fused_recurrent_gated_
 for decode); elsewhere :func:`gated_delta_rule_ref`, the recurrence written token by token,
 for steps of up to :data:`CHUNK` tokens, and :func:`gated_delta_rule_chunked`, the same
 in chunks of :data:`CHUNK` (matrix products within a chunk, the state read and written
-once per chunk instead of once per token), for longer ones.
+once per chunk instead of once per token), for longer ones. A CPU decode step of a
+float32 model runs steps 2 and 3 in one C call (:func:`kernels.cpu.gated_delta.gdn_decode`)
+where the C kernels build.
 """
 
 from __future__ import annotations
@@ -149,6 +151,17 @@ def gated_delta_rule_cpu(
     return rule(q, k, v, g, beta, state)
 
 
+def _cpu_decode_kernels(x: torch.Tensor, batch: ForwardBatch, conv_pool: torch.Tensor):
+    """The C kernels' library where this step is a CPU decode step of float32 rows and
+    conv states and they build (switched on), else None."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or conv_pool.dtype != torch.float32 or not batch.is_decode:
+        return None
+    from engine.layers.linear.cpu_kernels import cpu_kernels
+    from kernels.switches import current
+
+    return cpu_kernels() if current().cpu_kernels else None
+
+
 class GatedRMSNorm(nn.Module):
     """RMSNorm over the last dim, then times ``silu(gate)`` (``Qwen3NextRMSNormGated``)."""
 
@@ -222,6 +235,13 @@ class GatedDeltaNet(nn.Module):
         states in ``states`` (an :class:`engine.kvcache.state_pool.StatePool`)."""
         mixed, z, b, a = self._split(x)
         conv_pool, ssm_pool = states.conv[self.linear_index], states.ssm[self.linear_index]
+        lib = _cpu_decode_kernels(x, batch, conv_pool)
+        if lib is not None:
+            from kernels.cpu.gated_delta import gdn_decode
+
+            o = gdn_decode(lib, mixed, conv_pool, self.conv1d.weight, a, b, self.A_log, self.dt_bias, ssm_pool,
+                           batch.state_slots, batch.prefix_lens == 0, self.hk)
+            return self._out(o, z, x)
         slots = batch.state_slots.tolist()
         fresh = (batch.prefix_lens == 0).tolist()
         lens = batch.extend_lens.tolist()
@@ -248,9 +268,14 @@ class GatedDeltaNet(nn.Module):
                 outs.append(out)
                 at += n
             o = torch.cat(outs)
+        return self._out(o, z, x)
+
+    def _out(self, o: torch.Tensor, z: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Step 4: the rule's ``o [T, Hv, Dv]`` normed, gated by ``z`` and projected out."""
+        t = x.shape[0]
         o = self.norm(o.to(x.dtype), z)
         if self.out_proj_tiled:
-            o = o.view(t, self.hk, per, self.dv).transpose(1, 2)
+            o = o.view(t, self.hk, self.hv // self.hk, self.dv).transpose(1, 2)
         return self.out_proj(o.reshape(t, self.value_dim))
 
     def _fla(self, q, k, v, g, beta, ssm_pool, slots, fresh, lens, is_decode) -> torch.Tensor:

@@ -40,7 +40,7 @@ from kernels.switches import current
 log = logging.getLogger("headroom.kernels")
 
 SOURCES = ("block_gemv.c", "block_gemm.c", "kquant.c", "kquant8.c", "kquant_gemm.c", "mxfp4.c", "moe_experts.c", "moe_job.c",
-           "decode_layer.c", "rows16.c", "interleave.c")
+           "decode_layer.c", "rows16.c", "interleave.c", "gated_delta.c")
 HEADERS = ("blocks.h", "tile512.h")
 _HERE = Path(__file__).resolve().parent
 _why_not: list[str] = []
@@ -180,6 +180,9 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.hr_moe_job_work_bytes.argtypes = [c_i64, c_i64, c_i64, c_i64, c_i64]
     lib.moe_cpu_job.restype = None
     lib.moe_cpu_job.argtypes = [ptr]
+    lib.hr_gdn_decode.restype = c_int
+    lib.hr_gdn_decode.argtypes = [ptr, c_i64, c_i64, c_i64, c_i64, c_i64, c_i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr,
+                                  ptr, ptr, ptr, ptr, c_int]
     lib.hr_rows16_interleave.restype = c_int
     lib.hr_rows16_interleave.argtypes = [c_int, ptr, c_i64, c_i64, ptr, c_int]
     lib.hr_decode_scratch_bytes.restype = c_i64

@@ -30,7 +30,8 @@ from kernels.quant.synthetic import random_blocks  # noqa: E402
 SHAPES = [(16, 32, 1), (48, 96, 3), (32, 1536, 1), (160, 576, 8), (64, 64, 9), (16, 96, 17), (96, 576, 70)]
 # The K-quants' super-blocks take K in 256s: the same, K of one super-block up to the widened
 # default model's down projection (tests/kquant_files.py).
-KSHAPES = [(16, 256, 1), (48, 512, 3), (32, 1536, 1), (160, 768, 8), (64, 256, 9), (16, 512, 17), (96, 768, 70)]
+KSHAPES = [(16, 256, 1), (48, 512, 3), (32, 1536, 1), (160, 768, 8), (64, 256, 9), (16, 512, 17), (96, 768, 70),
+           (32, 2304, 20)]
 CASES = [(t, *shape) for t in rows16.TYPES for shape in (KSHAPES if t in rows16.KQUANTS else SHAPES)]
 
 
@@ -94,6 +95,22 @@ def test_the_interleaved_product_equals_gguf_s_dequantizer_times_the_codes(lib, 
     # One thread and two split the groups differently: the same outputs.
     one = block_gemv(lib, x, rows16.interleave(blocks, type_name), type_name + rows16.SUFFIX, threads=1)
     assert torch.equal(one, got)
+
+
+@pytest.mark.parametrize("type_name", rows16.KQUANTS)
+@pytest.mark.parametrize("cols", [256, 1280, 2304])
+def test_many_rows_give_the_bits_of_one_pass_at_a_time(lib, type_name, cols):
+    """Past 8 activation rows Q5_K and Q6_K widen a group's weights once for all passes
+    (rows16_many.c), in chunks of 4 super-blocks (K of 1, 5 and 9 of them): the same
+    float32 operations in the same order as passes of up to 8 rows, so the same bits."""
+    _needs(lib)
+    blocks, x = _case(type_name, 48, cols, 21)
+    inter = rows16.interleave(blocks, type_name)
+    name = type_name + rows16.SUFFIX
+    whole = block_gemv(lib, x, inter, name)
+    passes = torch.cat([block_gemv(lib, x[m:m + 8], inter, name) for m in range(0, 21, 8)])
+    assert torch.equal(whole, passes)
+    assert float((whole - block_gemv_ref(x, blocks, type_name)).abs().max()) <= _tolerance(x, blocks, type_name)
 
 
 def test_what_the_layout_cannot_take_is_refused(lib):

@@ -66,20 +66,10 @@
 #include <string.h>
 
 #include "blocks.h"
+#include "rows16.h"
 #include "tile512.h"
 
 #ifdef HR_AVX512
-/* Activation rows a pass: 8 float32 and 8 int32 accumulators, with the widened weights
- * and the scales, in 32 registers. */
-enum { HR_R16_MT = 8 };
-
-/* 32 bits of activation codes (codes j, j + 1) broadcast to every lane. */
-static inline __attribute__((always_inline)) __m512i pair(const int16_t *c) {
-    int32_t v;
-    memcpy(&v, c, 4);
-    return _mm512_set1_epi32(v);
-}
-
 /* y[i * ldy + j] = x_i . W[16 g + j] for j < 16 and the MT activation rows i of a pass
  * (codes K apart; dx, sums, dxs nb apart); w: group g's nb chunks. MT is a constant at
  * each call (always inlined), so the accumulators stay in registers. */
@@ -122,37 +112,6 @@ static inline __attribute__((always_inline)) void group16(int type, const uint8_
         }
     }
     for (int i = 0; i < MT; i++) _mm512_storeu_ps(y + i * ldy, acc[i]);
-}
-
-/* The 6-bit scale (min: the 6-bit min) of sub-block j of the 16 rows whose scale planes
- * are at pl, as float32 lanes (ggml's get_scale_min_k4 on each row's bytes). */
-static inline __attribute__((always_inline)) __m512 scale_min16(const uint8_t *pl, int j, int min) {
-    const __m128i low6 = _mm_set1_epi8(63), low4 = _mm_set1_epi8(15), two = _mm_set1_epi8(3);
-    __m128i v;
-    if (j < 4) {
-        v = _mm_and_si128(_mm_loadu_si128((const __m128i *)(pl + 16 * (j + 4 * min))), low6);
-    } else {
-        const __m128i c = _mm_loadu_si128((const __m128i *)(pl + 16 * (j + 4)));
-        const __m128i a = _mm_loadu_si128((const __m128i *)(pl + 16 * (j - 4 + 4 * min)));
-        const __m128i bottom = min ? _mm_and_si128(_mm_srli_epi16(c, 4), low4) : _mm_and_si128(c, low4);
-        const __m128i top = _mm_and_si128(_mm_srli_epi16(a, 6), two);  /* bits 6-7 of a */
-        v = _mm_or_si128(bottom, _mm_slli_epi16(top, 4));
-    }
-    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v));
-}
-
-/* Two sub-blocks' int32 sums of MT activation rows into their float32 accumulators:
- * acc += sum_lo (scale_lo dx[b_lo]) + sum_hi (scale_hi dx[b_hi]), scale_* (d sc) of the
- * 16 rows, dx the rows' block scales nb apart. */
-static inline __attribute__((always_inline)) void add_sums(__m512 *acc, const __m512i *lo_sum, const __m512i *hi_sum,
-                                                           __m512 scale_lo, __m512 scale_hi, const float *dx,
-                                                           int64_t nb, int64_t b_lo, int64_t b_hi, const int MT) {
-    for (int i = 0; i < MT; i++) {
-        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo_sum[i]), _mm512_mul_ps(scale_lo, _mm512_set1_ps(dx[i * nb + b_lo])),
-                                 acc[i]);
-        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi_sum[i]), _mm512_mul_ps(scale_hi, _mm512_set1_ps(dx[i * nb + b_hi])),
-                                 acc[i]);
-    }
 }
 
 /* group16 for Q4_K or Q5_K chunks (the layouts above): nsb super-blocks of 16 rows, MT
@@ -199,11 +158,6 @@ static inline __attribute__((always_inline)) void group16_q4k(int type, const ui
         }
     }
     for (int i = 0; i < MT; i++) _mm512_storeu_ps(y + i * ldy, acc[i]);
-}
-
-/* The int8 scales of sub-block i of 16 rows (16 bytes at sc), as float32 lanes. */
-static inline __attribute__((always_inline)) __m512 scales16(const uint8_t *sc, int i) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sc + 16 * i))));
 }
 
 /* group16 for Q6_K chunks (the layout above). */
@@ -305,6 +259,10 @@ int hr_rows16(int type, const uint8_t *w, int64_t K, const int16_t *codes, const
     const int64_t nb = K / 32, group_bytes = 16 * (K / hr_block_elements(type)) * hr_block_bytes(type);
     for (int64_t g = n0 / 16; g < n1 / 16; g++) {
         const uint8_t *wg = w + g * group_bytes;
+        if ((type == Q5_K || type == Q6_K) && M > HR_R16_MT) {  /* more than one pass: widen once (rows16_many.c) */
+            hr_rows16_kquant_many(type, wg, K, codes, dx, dxs, M, y + 16 * g, ldy);
+            continue;
+        }
         switch (type) {  /* one copy a type: its branches fold away */
             case Q4_0: group_of(Q4_0, wg, nb, codes, K, dx, sums, dxs, M, y + 16 * g, ldy); break;
             case Q4_1: group_of(Q4_1, wg, nb, codes, K, dx, sums, dxs, M, y + 16 * g, ldy); break;

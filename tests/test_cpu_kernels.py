@@ -174,10 +174,13 @@ def tiny_blocks(request, tmp_path_factory, make_tiny_hf_model):
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "q8_0", "q4_0"])
-def test_the_c_decode_layer_gives_the_torch_layers_logits(lib, tiny_blocks, paged_runner, kv_cache_dtype):
-    """A prefill of 37 tokens and a second sequence of 3 (torch layers), then decode
-    steps of both sequences together and of one alone, through the C decode layer and
-    through the torch layers over the same C GEMV: logits within 1e-3 of the largest
+def test_the_c_decode_layer_gives_the_torch_layers_logits(lib, tiny_blocks, paged_runner, kv_cache_dtype,
+                                                         monkeypatch):
+    """A prefill of 37 tokens and a second sequence of 3 (40 rows: the C halves' per-row
+    work over the threads), decode steps of both sequences together, extends over a
+    cached prefix, and a decode of one alone, through the C layers (a decode step in one
+    call; the others in two halves around torch's attention) and through the torch
+    layers over the same C GEMV: logits within 1e-3 of the largest
     (measured: 3e-5 to 1.3e-4; the norms, rotary and attention sum in another order, and
     a last-bit change of an activation can move its 16-bit code by one), and the KV pool
     the same. A query head reading the wrong KV head moves them by about 1. Over a pool
@@ -198,6 +201,9 @@ def test_the_c_decode_layer_gives_the_torch_layers_logits(lib, tiny_blocks, page
     else:
         assert qkv_types[0].endswith(rows16.SUFFIX) == rows16.available(lib)
     fast = model.cpu_decode
+    calls = []  # per step through the C layers: 1 a decode step, 0 a prefill or extend
+    monkeypatch.setattr(fast, "run", lambda h, batch, *a, **k: calls.append(int(batch.is_decode))
+                        or type(fast).run(fast, h, batch, *a, **k))
     runs = {}
     for use in (True, False):
         model.cpu_decode = fast if use else None
@@ -208,10 +214,15 @@ def test_the_c_decode_layer_gives_the_torch_layers_logits(lib, tiny_blocks, page
         for tokens in ([11, 12], [13, 14], [15, 16], [17, 18]):
             logits.append(runner.step({0: [tokens[0]], 1: [tokens[1]]}))
             assert runner.last_batch.is_decode and fast.takes(runner.last_batch, logits[-1], runner.pool)
+        # Extends over a cached prefix (the attention's masked path), one beside a decode row.
+        for extend in ({0: [21, 22, 23]}, {0: [24, 25], 1: [26]}):
+            logits.append(runner.step(extend))
+            assert not runner.last_batch.is_decode and fast.takes(runner.last_batch, logits[-1], runner.pool)
         logits.append(runner.step({1: [19]}))
         runs[use] = (logits, [gather_kv(b, torch.arange(b.shape[0]), torch.float32)
                               for b in runner.pool.k_buffers + runner.pool.v_buffers])
     model.cpu_decode = fast
+    assert calls == [0] + [1] * 4 + [0] * 2 + [1]  # every step on the C layers: prefills in halves, decodes whole
     for got, want in zip(runs[True][0], runs[False][0], strict=True):
         assert bool(torch.isfinite(got).all())
         assert float((got - want).abs().max()) <= 1e-3 * max(1.0, float(want.abs().max()))

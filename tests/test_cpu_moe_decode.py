@@ -88,7 +88,8 @@ def test_the_c_moe_layer_gives_the_torch_layers_logits(tiny, paged_runner, monke
     """The same steps through the C decode layer and through the torch layers (their
     experts by the same C kernels): logits within 1e-3 of the largest (the norms, rotary
     and attention sum in another order, and a last-bit change of an activation may move
-    its 16-bit code by one) and the same KV pool; the C path ran every decode step."""
+    its 16-bit code by one) and the same KV pool; the C path ran every step, the prefill
+    of both sequences (its two halves around torch's attention) and the five decode steps."""
     model, config = tiny
     fast = model.cpu_decode
     calls = []
@@ -101,7 +102,7 @@ def test_the_c_moe_layer_gives_the_torch_layers_logits(tiny, paged_runner, monke
         runs[use] = (logits, [gather_kv(b, torch.arange(b.shape[0]), torch.float32)
                               for b in runner.pool.k_buffers + runner.pool.v_buffers])
     model.cpu_decode = fast
-    assert len(calls) == 5
+    assert len(calls) == 6
     for got, want in zip(runs[True][0], runs[False][0], strict=True):
         assert bool(torch.isfinite(got).all())
         assert float((got - want).abs().max()) <= 1e-3 * max(1.0, float(want.abs().max()))

@@ -14,8 +14,10 @@ up to the post-attention norm, and then its
 top-k in torch, the routed experts in one call of the C kernels
 (:func:`kernels.cpu.moe_experts.moe_experts`), a shared expert as the block runs it; the
 dense layers among them (``mlp_only_layers``) run whole in the C layer.
-Prefill and extend steps, and every other model (Gemma 3's sliding-window, GELU and
-four-norm layers among them), keep the torch layers.
+A prefill or extend step runs each layer's two halves in C around the attention
+backend's attention (torch's sdpa over the pool): the norms, rotary, the KV store and
+SiLU in C where torch took some forty ops a layer. Every other model (Gemma 3's
+sliding-window, GELU and four-norm layers among them) keeps the torch layers.
 """
 
 from __future__ import annotations
@@ -144,24 +146,31 @@ class CpuDecode:
         return max(self.specs, key=lambda spec: spec.intermediate)
 
     def takes(self, batch, h: torch.Tensor, pool) -> bool:
-        """Whether this step runs here: a decode step of float32 rows over a float32 pool
-        or one of q8_0/q4_0 blocks, its index tensors int64 (what the C layer reads)."""
+        """Whether this step runs here: float32 rows over a float32 pool or one of
+        q8_0/q4_0 blocks, its index tensors int64 (what the C layer reads); a decode step
+        whole, any other step around the attention backend's attention."""
         indices = (batch.positions, batch.out_slots, batch.page_table, batch.prefix_lens, batch.extend_lens)
         kv_ok = pool.dtype == torch.float32 or block_format(pool.dtype) is not None
-        return (batch.is_decode and h.dtype == torch.float32 and kv_ok
+        return (h.dtype == torch.float32 and kv_ok
                 and all(t.dtype == torch.int64 and t.device.type == "cpu" for t in indices))
 
     def run(self, h: torch.Tensor, batch, pool, cos_sin: torch.Tensor,
-            residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layers of a decode step: ``h`` the embeddings ``[B, hidden]`` float32 (or,
-        with ``residual``, an earlier layer's MLP output and the residual stream before
-        it, as the torch layers pass them on) to ``(mlp_output, residual)`` as the torch
-        layers return them (the final norm adds the two)."""
+            residual: torch.Tensor | None = None, attn=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layers of a step: ``h`` the embeddings ``[T, hidden]`` float32 (or, with
+        ``residual``, an earlier layer's MLP output and the residual stream before it, as
+        the torch layers pass them on) to ``(mlp_output, residual)`` as the torch layers
+        return them (the final norm adds the two). A decode step runs each layer in one C
+        call; a prefill or extend step runs each layer's two halves in C
+        (:func:`~kernels.cpu.decode_layer.run_in`, :func:`~kernels.cpu.decode_layer.run_out`)
+        around ``attn``'s attention (the model's backend over ``pool``, needed then)."""
         h = h.contiguous().clone()
         first = residual is None
         residual = torch.empty_like(h) if first else residual.contiguous().clone()
         seq_lens = batch.seq_lens.contiguous()
-        max_len = int(seq_lens.max()) if seq_lens.numel() else 0
+        decode = batch.is_decode
+        if not decode and attn is None:
+            raise ValueError("a prefill or extend step on the C layer needs the attention backend")
+        max_len = int(seq_lens.max()) if seq_lens.numel() and decode else 0
         need = decode_layer.scratch_bytes(self.lib, self.widest, h.shape[0], max_len)
         if self.scratch.numel() < need:
             self.scratch = torch.empty(need, dtype=torch.uint8)
@@ -178,9 +187,17 @@ class CpuDecode:
             raise ValueError(f"cos/sin cache {cos_sin.dtype}, contiguous {cos_sin.is_contiguous()}: float32 wanted")
         st = decode_layer.step(positions=positions, out_slots=out_slots, seq_lens=seq_lens, page_table=page_table,
                                page_size=pool.page_size, cos_sin=cos_sin, threads=torch.get_num_threads())
+        if not decode:
+            attn.prepare(batch)
         for i, spec in enumerate(self.specs):
-            decode_layer.run(self.lib, spec, st, h, residual, pool.k_buffers[i], pool.v_buffers[i], self.scratch,
-                             max_len, first=first and i == 0)
+            if decode:
+                decode_layer.run(self.lib, spec, st, h, residual, pool.k_buffers[i], pool.v_buffers[i], self.scratch,
+                                 max_len, first=first and i == 0)
+            else:
+                q, _, _ = decode_layer.run_in(self.lib, spec, st, h, residual, pool.k_buffers[i], pool.v_buffers[i],
+                                              self.scratch, first=first and i == 0)
+                out = attn.attend(q, i, batch)  # the keys and values just stored, and the prefix's
+                decode_layer.run_out(self.lib, spec, st, out.contiguous(), h, residual, self.scratch)
             if self.moe[i] is not None:  # h: the post-attention norm's rows, the experts' input
                 h = self.moe[i](h).float().contiguous()
             progress.advance()

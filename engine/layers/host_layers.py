@@ -112,7 +112,7 @@ class HostLayers:
         cb = host_batch(batch)
         fast = self.cpu_decode
         if fast is not None and fast.takes(cb, hb, self.pool):
-            hb, rb = fast.run(hb, cb, self.pool, self.cos_sin, residual=rb)
+            hb, rb = fast.run(hb, cb, self.pool, self.cos_sin, residual=rb, attn=self.attn)
         else:
             self.attn.prepare(cb)
             for layer in self.layers:

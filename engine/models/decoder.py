@@ -333,8 +333,8 @@ class CausalLM(HFWeightLoading, nn.Module):
         residual = None
         fast, host = self.cpu_decode, self.host_layers
         layers = self.model.layers if host is None else self.model.layers[:host.start]
-        if fast is not None and fast.takes(batch, h, attn.pool):  # the C decode layer (CPU)
-            h, residual = fast.run(h, batch, attn.pool, self.cos_sin_cache)  # reads the pool itself
+        if fast is not None and fast.takes(batch, h, attn.pool):  # the C layers (CPU)
+            h, residual = fast.run(h, batch, attn.pool, self.cos_sin_cache, attn=attn)
         elif len(layers):
             attn.prepare(batch)
             for layer in layers:

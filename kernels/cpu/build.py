@@ -1,6 +1,5 @@
-"""Build the CPU kernels (``block_gemv.c``, ``block_gemm.c``, ``kquant.c``, ``kquant8.c``, ``kquant_gemm.c``,
-``mxfp4.c``, ``moe_experts.c``, ``moe_job.c``, ``decode_layer.c``, sharing ``blocks.h`` and ``tile512.h``)
-at first use and load them.
+"""Build the CPU kernels (the C files of :data:`SOURCES`, sharing the headers of
+:data:`HEADERS`) at first use and load them.
 
 The C sources are compiled by the machine's C compiler (``$CC``, else ``cc``, ``gcc`` or
 ``clang`` on the PATH) for the machine itself (``-march=native``: AVX2 or AVX-512 where
@@ -40,8 +39,8 @@ from kernels.switches import current
 log = logging.getLogger("headroom.kernels")
 
 SOURCES = ("block_gemv.c", "block_gemm.c", "kquant.c", "kquant8.c", "kquant_gemm.c", "mxfp4.c", "moe_experts.c", "moe_job.c",
-           "decode_layer.c", "rows16.c", "rows16_many.c", "interleave.c", "gated_delta.c")
-HEADERS = ("blocks.h", "rows16.h", "tile512.h")
+           "decode_layer.c", "layer_rows.c", "rows16.c", "rows16_many.c", "interleave.c", "gated_delta.c")
+HEADERS = ("blocks.h", "layer.h", "rows16.h", "tile512.h")
 _HERE = Path(__file__).resolve().parent
 _why_not: list[str] = []
 # What :func:`why_not` says when the ``cpu_kernels`` switch is off.
@@ -189,6 +188,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.hr_decode_scratch_bytes.argtypes = [ptr, c_i64, c_i64]
     lib.hr_decode_layer.restype = c_int
     lib.hr_decode_layer.argtypes = [ptr, ptr, ptr, ptr, ptr, c_i64]
+    lib.hr_layer_in.restype = c_int
+    lib.hr_layer_in.argtypes = [ptr, ptr, ptr, ptr, ptr]
+    lib.hr_layer_out.restype = c_int
+    lib.hr_layer_out.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr]
     lib.hr_quantize_kv.restype = None
     lib.hr_quantize_kv.argtypes = [c_int, ptr, c_i64, c_i64, ptr]
     return lib

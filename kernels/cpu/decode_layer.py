@@ -1,4 +1,6 @@
-"""One decoder layer of a CPU decode step in one C call (``decode_layer.c``).
+"""One decoder layer of a CPU decode step in one C call (``decode_layer.c``), and its two
+halves around the attention (``layer_rows.c``) for a prefill or extend chunk, whose
+attention is torch's.
 
 Its reference is the torch layer it stands for, ``DecoderLayer.forward`` of
 :mod:`engine.models.decoder` over the torch attention backend, with the same C block
@@ -125,11 +127,55 @@ def run(lib: ctypes.CDLL, spec: Layer, st: Step, h: torch.Tensor, residual: torc
         RuntimeError: the kernel refused a projection's block type, or a block pool of
             heads that are not whole blocks.
     """
+    _point(spec, st, k_cache, v_cache, first)
+    if lib.hr_decode_layer(ctypes.byref(spec), ctypes.byref(st), h.data_ptr(), residual.data_ptr(),
+                           scratch.data_ptr(), max_len) != 0:
+        raise RuntimeError("the CPU decode layer refused a projection's block type or the KV pool's head dim")
+
+
+def _point(spec: Layer, st: Step, k_cache: torch.Tensor, v_cache: torch.Tensor, first: bool) -> None:
+    """The layer's pool and KV format, and the step's first-layer flag and GEMV path."""
     spec.k_cache, spec.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
     fmt = block_format(k_cache.dtype)
     spec.kv_type = TYPE_IDS[fmt.upper()] if fmt else 0
     st.first = int(first)
     st.path = gemv_path()
-    if lib.hr_decode_layer(ctypes.byref(spec), ctypes.byref(st), h.data_ptr(), residual.data_ptr(),
-                           scratch.data_ptr(), max_len) != 0:
-        raise RuntimeError("the CPU decode layer refused a projection's block type or the KV pool's head dim")
+
+
+def run_in(lib: ctypes.CDLL, spec: Layer, st: Step, h: torch.Tensor, residual: torch.Tensor, k_cache: torch.Tensor,
+           v_cache: torch.Tensor, scratch: torch.Tensor, first: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The layer up to its attention (``hr_layer_in``) for a step whose rows are any
+    tokens (a prefill or extend chunk's): ``residual`` updated from ``h`` as :func:`run`
+    does, the new keys and values written to the pool at the step's slots. ``scratch``:
+    at least :func:`scratch_bytes` for the rows and ``max_len`` 0.
+
+    Returns:
+        ``(q, k, v)``: views of the scratch, float32 ``[B, Hq, D]``, ``[B, Hk, D]``,
+        ``[B, Hk, D]``, q and k normed (per head, where the layer has it) and rotated;
+        valid until the scratch is next written.
+
+    Raises:
+        RuntimeError: the kernel refused a projection's block type.
+    """
+    _point(spec, st, k_cache, v_cache, first)
+    if lib.hr_layer_in(ctypes.byref(spec), ctypes.byref(st), h.data_ptr(), residual.data_ptr(), scratch.data_ptr()):
+        raise RuntimeError("the CPU layer refused a projection's block type")
+    rows, hidden, d = st.rows, spec.hidden, spec.head_dim
+    q_size, kv_size = spec.num_heads * d, spec.num_kv_heads * d
+    qkv = scratch[: 4 * rows * (hidden + q_size + 2 * kv_size)].view(torch.float32)[rows * hidden:].view(rows, -1)
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=1)
+    return q.view(rows, -1, d), k.view(rows, -1, d), v.view(rows, -1, d)
+
+
+def run_out(lib: ctypes.CDLL, spec: Layer, st: Step, attn: torch.Tensor, h: torch.Tensor, residual: torch.Tensor,
+            scratch: torch.Tensor) -> None:
+    """The layer after its attention (``hr_layer_out``): ``attn`` (float32 ``[B, Hq D]``,
+    contiguous) the attention's rows; ``h`` becomes the layer's MLP output (its MLP's
+    input where it has none) and ``residual`` is updated, in place, as :func:`run` does.
+
+    Raises:
+        RuntimeError: the kernel refused a projection's block type.
+    """
+    if lib.hr_layer_out(ctypes.byref(spec), ctypes.byref(st), attn.data_ptr(), h.data_ptr(), residual.data_ptr(),
+                        scratch.data_ptr()):
+        raise RuntimeError("the CPU layer refused a projection's block type")

@@ -171,7 +171,7 @@ def test_default_model_greedy_with_quantized_weights_follows_float32(layout, req
         assert engine.model.cpu_decode is not None and len(engine.model.cpu_decode.specs) == 30
         # The tied head reads the embeddings' own blocks; the layers' projections are
         # interleaved by 16 rows where the build has AVX-512 (kernels/cpu/rows16.c).
-        assert engine.model.lm_head.head.part(0).data_ptr() == engine.model.model.embed_tokens.blocks.data_ptr()
+        assert engine.model.lm_head.part(0).data_ptr() == engine.model.model.embed_tokens.blocks.data_ptr()
         layer = engine.model.model.layers[0]
         want = "Q4_1x16" if rows16.available(engine.model.cpu_decode.lib) else "Q4_1"
         assert layer.self_attn.qkv_proj.types == layer.mlp.down_proj.types == [want]

@@ -112,7 +112,7 @@ def test_a_q4_k_m_model_of_trained_weights_follows_its_float32_reference(tmp_pat
     # Decode steps run the C decode layer (q/k/v of two types); the embeddings and the
     # tied head are one table of Q6_K blocks, as the plan prices them.
     assert engine.model.cpu_decode is not None and len(engine.model.cpu_decode.specs) == 30
-    assert engine.model.lm_head.head.part(0).data_ptr() == engine.model.model.embed_tokens.blocks.data_ptr()
+    assert engine.model.lm_head.part(0).data_ptr() == engine.model.model.embed_tokens.blocks.data_ptr()
     size = gguf_weight_size(path, engine.model_config, torch.float32, "cpu", cpu_blocks=True)
     assert size.bytes == model_weight_bytes(engine.model)
     # q, k, o, gate, up of 30 layers; v and down, the embeddings and the tied head; the norms.

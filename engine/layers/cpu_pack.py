@@ -86,7 +86,9 @@ def _interleave_experts(model: nn.Module, lib) -> None:
 
 def pack_model_for_cpu(model: nn.Module, dtype: torch.dtype, lib=None, decode_layers=None) -> nn.Module:
     """Replace every QuantLinear of ``model`` (on the CPU) as :func:`pack_linears` does; a
-    head tied to embeddings in blocks becomes a :class:`RescoredHead`. With ``lib``, a
+    head tied to embeddings in blocks that takes torch's int4 layout (bfloat16 logits)
+    becomes a :class:`RescoredHead`; one the C kernels multiply keeps its float32 logits
+    (16-bit activation codes: within about 1e-5 of the float32 product's norm). With ``lib``, a
     model whose every layer (of ``decode_layers``, the model's own by default) the C
     decode layer runs gets it too (:mod:`engine.layers.cpu_decode`). With the ``cpu_rows16``
     switch on, those layers' projections are interleaved by 16 rows, in one buffer of
@@ -110,7 +112,8 @@ def pack_model_for_cpu(model: nn.Module, dtype: torch.dtype, lib=None, decode_la
         # of it shares them.)
         if current().cpu_rows16:
             _interleave_tied_head(model.lm_head, embeddings, lib)
-        model.lm_head = RescoredHead(model.lm_head, embeddings)
+        if isinstance(model.lm_head, CpuInt4Linear):  # bfloat16 logits: the top ones scored again
+            model.lm_head = RescoredHead(model.lm_head, embeddings)
     if lib is not None:
         model.cpu_decode = CpuDecode.build(model, lib, decode_layers)
     return model

@@ -40,7 +40,7 @@ log = logging.getLogger("headroom.kernels")
 
 SOURCES = ("block_gemv.c", "block_gemm.c", "kquant.c", "kquant8.c", "kquant_gemm.c", "mxfp4.c", "moe_experts.c", "moe_job.c",
            "decode_layer.c", "layer_rows.c", "rows16.c", "rows16_many.c", "interleave.c", "gated_delta.c")
-HEADERS = ("blocks.h", "layer.h", "rows16.h", "tile512.h")
+HEADERS = ("activation.h", "blocks.h", "layer.h", "rows16.h", "tile512.h")
 _HERE = Path(__file__).resolve().parent
 _why_not: list[str] = []
 # What :func:`why_not` says when the ``cpu_kernels`` switch is off.

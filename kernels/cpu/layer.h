@@ -1,20 +1,15 @@
 /* What a decoder layer on the CPU shares between decode_layer.c (a decode step's layer in
  * one call) and layer_rows.c (the row work around the attention, which a prefill chunk
  * runs too): the layer's and the step's structs (kernels/cpu/decode_layer.py mirrors them
- * field for field), where a layer's scratch keeps what, and e^x for the softmax and SiLU.
+ * field for field) and where a layer's scratch keeps what.
  */
 #ifndef HR_LAYER_H
 #define HR_LAYER_H
 
 #include <stdint.h>
 
+#include "activation.h"
 #include "blocks.h"
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#ifndef HR_AVX2
-#define HR_AVX2 1
-#endif
-#endif
 
 int hr_block_gemv(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, float *y,
                   int64_t ldy, void *work, int threads, int scalar);
@@ -82,27 +77,6 @@ static inline hr_scratch hr_scratch_of(const hr_layer *L, int64_t B, void *scrat
     return s;
 }
 
-#ifdef HR_AVX2
-/* e^x for x <= 0, 8 lanes (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, e^r by its degree-6
- * polynomial, 2^n into the exponent), within 2 ulp of expf; below -87 (2^-126) it gives
- * about 1e-38 instead of a subnormal or 0, which a softmax's sum does not see. */
-static inline __m256 exp_nonpositive(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
-#endif
 
 /* The layer up to its attention for the step's rows, h and residual [B, H]: r += h (r = h
  * when S->first); x = rms_norm(r) w_in; q, k, v = split(x Wqkv^T (+ bias)) into the

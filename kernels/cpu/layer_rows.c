@@ -81,23 +81,6 @@ static void rotate(float *x, const float *cs, int64_t d) {
     }
 }
 
-/* g[i] = silu(g[i]) u[i] for i < n: g times the sigmoid of g, from e = e^-|g| (1 / (1 + e)
- * at g >= 0, e / (1 + e) below, so no e^x overflows), within a few ulp of torch's. */
-static void silu_mul_row(float *g, const float *u, int64_t n) {
-    int64_t i = 0;
-#ifdef HR_AVX2
-    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
-    for (; i + 8 <= n; i += 8) {
-        const __m256 x = _mm256_loadu_ps(g + i);
-        const __m256 e = exp_nonpositive(_mm256_or_ps(x, sign));
-        const __m256 inv = _mm256_div_ps(one, _mm256_add_ps(one, e));
-        const __m256 sig = _mm256_blendv_ps(inv, _mm256_mul_ps(e, inv), x);  /* x's sign bit: e / (1 + e) */
-        _mm256_storeu_ps(g + i, _mm256_mul_ps(_mm256_mul_ps(x, sig), _mm256_loadu_ps(u + i)));
-    }
-#endif
-    for (; i < n; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-}
-
 static int proj(const hr_proj *p, const float *x, int64_t m, int64_t k, float *y, void *work, int threads,
                 int path) {
     int64_t n = 0, at = 0;
@@ -167,7 +150,7 @@ int hr_layer_out(const hr_layer *L, const hr_step *S, const float *attn, float *
     }
     if ((err = proj(&L->gate_up, s.x, B, H, s.gate_up, s.work, S->threads, S->path))) return err;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int64_t b = 0; b < B; b++) silu_mul_row(s.gate_up + b * 2 * I, s.gate_up + b * 2 * I + I, I);  /* into the gate half */
+    for (int64_t b = 0; b < B; b++) hr_silu_mul_row(s.gate_up + b * 2 * I, s.gate_up + b * 2 * I + I, I);  /* into the gate half */
     /* The down projection reads rows 2 I apart: compact them first. */
     for (int64_t b = 1; b < B; b++) memmove(s.gate_up + b * I, s.gate_up + b * 2 * I, I * 4);
     return proj(&L->down, s.gate_up, B, I, h, s.work, S->threads, S->path);

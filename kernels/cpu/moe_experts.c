@@ -37,6 +37,7 @@
 #include <omp.h>
 #endif
 
+#include "activation.h"
 #include "blocks.h"
 
 enum { ROWS = 32, COLS = 256 };  /* rows of a product work item; output columns of a sum item */
@@ -156,6 +157,11 @@ int hr_moe_experts(const float *x, int64_t T, int64_t H, int64_t I, const int32_
             const float *bg = bias_gate_up ? bias_gate_up + expert[grp] * 2 * I : NULL;
             for (int64_t p = start[grp]; p < start[grp + 1]; p++) {
                 float *h = g + p * I;  /* act(gate, up), in place of the gate's row */
+                if (!bg && limit <= 0.0f) {  /* SiLU(gate) * up, 8 lanes at a time */
+                    hr_silu_mul_row(h, u + p * I, I);
+                    quantize_one(td, path_d, h, I, hq, p);
+                    continue;
+                }
                 for (int64_t i = 0; i < I; i++) {
                     float gi = h[i], ui = u[p * I + i];
                     if (bg) gi += bg[i], ui += bg[I + i];

@@ -232,6 +232,26 @@ def test_the_c_decode_layer_gives_the_torch_layers_logits(lib, tiny_blocks, page
         assert float((got - want).abs().max()) <= 1e-4 * max(1.0, float(want.abs().max())) + code
 
 
+def test_a_long_prefill_s_scratch_is_freed_after_its_step(tiny_blocks, paged_runner, monkeypatch):
+    """A prefill whose scratch passes the bytes kept between steps hands it back after the
+    step (resident memory after a long prompt is what it was before), and the next steps
+    allocate their own; a scratch under the bound stays for the next step."""
+    from engine.layers import cpu_decode
+
+    model, config = tiny_blocks
+    fast = model.cpu_decode
+    runner = paged_runner(model, config, page_size=4, num_pages=32)
+    runner.step({0: [5, 70, 3, 20] * 6})
+    kept = fast.scratch.numel()
+    assert kept > 0
+    monkeypatch.setattr(cpu_decode, "KEEP_SCRATCH_BYTES", kept - 1)
+    runner.step({1: [9, 8, 7, 6] * 6})
+    assert fast.scratch.numel() == 0
+    monkeypatch.setattr(cpu_decode, "KEEP_SCRATCH_BYTES", 1 << 30)
+    logits = runner.step({0: [11], 1: [12]})
+    assert runner.last_batch.is_decode and bool(torch.isfinite(logits).all()) and fast.scratch.numel() > 0
+
+
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
 def test_the_c_kv_store_writes_the_torch_store_s_blocks(lib, fmt):
     """The C decode layer's quantizer and the torch store's (llama.cpp's reference, byte

@@ -82,6 +82,12 @@ def _dense_mlp(mlp: nn.Module, config) -> list | None:
     return None if any(p is None for p in projs) else projs
 
 
+# The scratch kept between steps: a decode step's (a few rows) and a short prefill's stay;
+# a long prefill's (an 8B model's 2,048-token chunk: some 380 MiB, mostly gate/up) is
+# freed after its step, so resident memory after it is what it was before.
+KEEP_SCRATCH_BYTES = 64 << 20
+
+
 @dataclass
 class CpuDecode:
     """The C specs of a model's layers (built once; the tensors they point to are the
@@ -201,4 +207,6 @@ class CpuDecode:
             if self.moe[i] is not None:  # h: the post-attention norm's rows, the experts' input
                 h = self.moe[i](h).float().contiguous()
             progress.advance()
+        if self.scratch.numel() > KEEP_SCRATCH_BYTES:  # a long prefill's: returned, as torch's temporaries are
+            self.scratch = torch.empty(0, dtype=torch.uint8)
         return h, residual

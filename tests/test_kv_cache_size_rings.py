@@ -47,8 +47,13 @@ def gemma3_4b(tmp_path) -> str:
     return str(tmp_path)
 
 
+# The rings' sizes below hold a prefill chunk of 2,048 tokens (a GPU's; a CPU engine's own
+# default is 256): pinned, so the figures are the same on every device.
+CHUNK = 2048
+
+
 def invoke(args: list[str]):
-    return CliRunner().invoke(main, args, env={"HEADROOM_CONFIG": os.devnull})
+    return CliRunner().invoke(main, args, env={"HEADROOM_CONFIG": os.devnull, "HEADROOM_MAX_PREFILL_TOKENS": str(CHUNK)})
 
 
 def plan_json(*args: str, host_may_not_fit: bool = False) -> dict:
@@ -67,7 +72,7 @@ def test_a_kv_cache_size_is_both_pools_at_start_in_the_plan_and_in_the_control_a
     from engine.worker.process import pool_stats
     from service.control.actions import SupervisorControl
 
-    engine = Engine(EngineConfig(model=g3tiny, device="cpu", kv_cache=4 * MiB))
+    engine = Engine(EngineConfig(model=g3tiny, device="cpu", kv_cache=4 * MiB, max_prefill_tokens=CHUNK))
     pool, page, ring_page = engine.pool, engine.kv_page_bytes, engine.pool.ring_page_bytes
     assert (page, ring_page) == (4 * 1024, 20 * 1024)
     pages, rings = pool.num_pages - 1, pool.ring_pages - 1  # the null pages apart

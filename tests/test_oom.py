@@ -55,7 +55,8 @@ NEXT = ([7, 8, 9, 10, 11] * 5, GREEDY)  # the request that comes after the troub
 
 
 def make_engine(model: str, **overrides) -> Engine:
-    return tiny_engine(model, **{"num_pages": 96, **overrides})
+    # A GPU's prefill chunk (a CPU engine's default is 256, the floor an OOM halves it to).
+    return tiny_engine(model, **{"num_pages": 96, "max_prefill_tokens": 2048, **overrides})
 
 
 @dataclass
@@ -194,7 +195,7 @@ def test_transient_oom_is_retried_and_changes_no_output(tiny_dir, reference, sit
     assert all(o.finish_reason == "length" for o in run.final.values())
     assert run.out == {rid: reference[rid] for rid in REQUESTS}
     assert engine.stats().failed == 0
-    assert engine.scheduler.max_prefill_tokens < engine.config.max_prefill_tokens
+    assert engine.scheduler.max_prefill_tokens < engine.knobs.max_prefill_tokens
     assert run.replans[-1].new_max_prefill_tokens == engine.scheduler.max_prefill_tokens
     assert_all_pages_back(engine)
 

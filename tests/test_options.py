@@ -11,7 +11,7 @@ import pytest
 
 from engine.common.config import EngineConfig
 from engine.common.options import at_least, option, option_named, options_of, pick
-from engine.memory.plan import PlanKnobs
+from engine.memory.plan import PlanKnobs, prefill_chunk
 from engine.scheduler.scheduler import SchedulerConfig
 
 
@@ -68,7 +68,14 @@ def test_every_engine_option_is_a_serve_option_of_the_same_name(tmp_path):
 def test_plan_knobs_and_scheduler_config_take_the_engine_names_and_defaults():
     config_fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
     for f in dataclasses.fields(PlanKnobs):
+        if f.name == "max_prefill_tokens":  # unset in the config: the plan takes the device's chunk
+            assert config_fields[f.name].default is None and f.default == prefill_chunk("cuda")
+            continue
         assert config_fields[f.name].default == f.default, f.name
+    assert PlanKnobs.of(EngineConfig(device="cpu")).max_prefill_tokens == prefill_chunk("cpu") < prefill_chunk("cuda")
+    assert PlanKnobs.of(EngineConfig(), "cpu").max_prefill_tokens == prefill_chunk("cpu")
+    # A simulated card plans as the GPU it stands for.
+    assert PlanKnobs.of(EngineConfig(device_total=4 << 30), "cpu").max_prefill_tokens == prefill_chunk("cuda")
     config = EngineConfig(max_prefill_tokens=512, page_size=32, reserve=1 << 30, min_context=1024)
     knobs = PlanKnobs.of(config)
     assert (knobs.max_prefill_tokens, knobs.page_size, knobs.reserve, knobs.min_context) == (

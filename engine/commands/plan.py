@@ -110,7 +110,7 @@ def plan_with_pool(config: EngineConfig) -> tuple[MemoryPlan, FixedPool | None]:
     memory = device_memory(config, device)
     assert memory is not None
     planner = estimated_planner(config, mc, device, dtype, memory, weights=weights)
-    plan, _ = fit_plan(planner, PlanKnobs.of(config))
+    plan, _ = fit_plan(planner, PlanKnobs.of(config, device.type))
     if fixed_setting(config) is None:
         return plan, None
     return with_fixed_pool(planner, config, mc, dtype, plan)
@@ -213,7 +213,7 @@ def cpu_holdings(config: EngineConfig) -> CpuHoldings:
     else:
         weights, source = weight_bytes(mc, dtype), f"exact, {str(dtype).removeprefix('torch.')} tensors"
     kv_dtype = kv_storage_dtype(config.kv_cache_dtype, dtype)
-    knobs = PlanKnobs.of(config)
+    knobs = PlanKnobs.of(config, device.type)
     ring = kv_ring(mc, knobs)
     per_token = kv_bytes_per_token(mc, kv_dtype, ring)
     price = ring.price(kv_ring_page_bytes(mc, kv_dtype, ring), knobs.max_running_requests,

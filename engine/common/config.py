@@ -237,7 +237,7 @@ class EngineConfig(KernelOptions):
     ``"float32"``, ``"bfloat16"`` or ``"float16"``.
 
     ``page_size`` is in tokens. ``max_prefill_tokens`` caps the tokens one prefill step
-    runs (the chunk of chunked prefill).
+    runs (the chunk of chunked prefill; None: by device, :func:`engine.memory.plan.prefill_chunk`).
 
     KV pool size, first that applies: ``num_pages`` (fixed); ``kv_cache`` (bytes,
     fixed); the memory plan on a CUDA device, or on a simulated one when
@@ -277,9 +277,11 @@ class EngineConfig(KernelOptions):
     max_running_requests: int = option(
         64, "Most requests decoded together.", checks=(at_least(1),)
     )
-    max_prefill_tokens: int = option(
-        2048,
-        "Most prompt tokens per prefill step (the chunk of chunked prefill).",
+    max_prefill_tokens: int | None = option(
+        None,
+        "Most prompt tokens per prefill step (the chunk of chunked prefill); unset: 2048 on a "
+        "GPU, 256 on the CPU, where a step of a long prompt is what every other request waits "
+        "for its next token.",
         checks=(at_least(1),),
     )
     page_size: int = option(16, "KV cache page size, in tokens.", checks=(at_least(1),))

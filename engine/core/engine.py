@@ -141,7 +141,7 @@ class Engine(PlanStages, WeightsStage, GrammarWaits, LiveReplan, SplitReplan):
         # An oversized prefill chunk is the one knob lowered automatically (a chunk too
         # large for the card):
         # the plan picks the largest chunk whose activation peak fits.
-        self.knobs = PlanKnobs.of(config)
+        self.knobs = PlanKnobs.of(config, self.device.type)
         # What this process's caching allocator already held (an earlier engine in the
         # same process, a test): on the device, but not the plan's to size.
         self._reserved_at_start = (torch.cuda.memory_reserved(self.device)

@@ -161,7 +161,7 @@ class PlanStages:
                 or self._prefill_capture_failed
                 or backend_plans_on_host(backend_class(self.attention_backend))):
             return 0
-        return min(self.config.prefill_graph_tokens, self.config.max_prefill_tokens)
+        return min(self.config.prefill_graph_tokens, self.knobs.max_prefill_tokens)
 
 
     @property

@@ -188,6 +188,25 @@ def test_decode_body_errors(raw, param, needle):
     assert needle in info.value.message
 
 
+def test_a_bom_and_lone_surrogates_decode_and_a_multipart_body_is_named():
+    """A UTF-8 byte order mark before the JSON is skipped (RFC 8259 lets a reader), an
+    unpaired UTF-16 surrogate escape (text cut inside an emoji by a client counting UTF-16
+    units) becomes U+FFFD where msgspec refused the body, a pair stays its character and
+    an escaped backslash before "ud800" stays text; a multipart form's body is refused
+    saying so."""
+    def content(raw: bytes) -> str:
+        return decode_body(raw, ChatCompletionRequest).messages[0]["content"]
+
+    assert content(b'\xef\xbb\xbf{"messages": [{"role": "user", "content": "hi"}]}') == "hi"
+    assert content(b'{"messages": [{"role": "user", "content": "cut \\ud83d here \\ude00"}]}') == "cut \ufffd here \ufffd"
+    assert content(b'{"messages": [{"role": "user", "content": "\\ud83d"}]}') == "\ufffd"
+    assert content(b'{"messages": [{"role": "user", "content": "\\ud83d\\ude00 \\\\ud800"}]}') == "\U0001f600 \\ud800"
+    with pytest.raises(APIError) as info:
+        decode_body(b'--boundary\r\nContent-Disposition: form-data; name="file"\r\n\r\n{}', ChatCompletionRequest)
+    assert info.value.status == 400 and "multipart form" in info.value.message
+    assert "Content-Type: application/json" in info.value.message
+
+
 def test_resolve_max_tokens():
     kw = {"prompt_param": "messages"}
     assert resolve_max_tokens(None, "max_tokens", 10, 100, **kw) == 90  # rest of the context

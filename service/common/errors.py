@@ -136,6 +136,7 @@ def decode_body(raw: bytes, type_: type[T]) -> T:
             its recursion limit, a number too large for memory) is a 400 too: a body
             is the client's to fix, never a 500.
     """
+    raw = raw.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte order mark, which RFC 8259 lets a reader ignore
     if not raw.strip():
         raise invalid("the request body is empty; send a JSON object", code=INVALID_JSON)
     try:
@@ -162,11 +163,48 @@ def decode_body(raw: bytes, type_: type[T]) -> T:
         where = f" {param}:" if param else ""
         raise invalid(f"invalid request:{where} {text}", param, code) from None
     except msgspec.DecodeError as exc:
+        repaired = _lone_surrogates_replaced(raw) if _SURROGATE.search(raw) else None
+        if repaired is not None:
+            return decode_body(repaired, type_)
+        hint = ""
+        if raw.lstrip().startswith(b"--"):
+            hint = " (it looks like a multipart form: send the JSON object itself as the body, Content-Type: application/json)"
         raise invalid(
-            f"the request body is not valid JSON: {_where(str(exc), raw)}", code=INVALID_JSON
+            f"the request body is not valid JSON: {_where(str(exc), raw)}{hint}", code=INVALID_JSON
         ) from None
     except (ValueError, MemoryError, OverflowError) as exc:
         raise invalid(f"the request body cannot be decoded: {type(exc).__name__}") from None
+
+
+# A UTF-16 surrogate's escape: msgspec refuses one left unpaired (and at a string's end
+# calls the body truncated).
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _lone_surrogates_replaced(raw: bytes) -> bytes | None:
+    """``raw`` with each unpaired UTF-16 surrogate escape (``"\\ud83d"`` alone: text cut in
+    the middle of an emoji by a client that counts UTF-16 units) made U+FFFD, as a JSON
+    reader that decodes to UTF-8 must; None where ``raw`` is not JSON for another reason."""
+    import json
+
+    try:
+        value = json.loads(raw)  # the standard library keeps lone surrogates in its strings
+    except (ValueError, RecursionError):
+        return None
+
+    def fix(v: Any) -> Any:
+        if isinstance(v, str):
+            return v.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+        if isinstance(v, list):
+            return [fix(x) for x in v]
+        if isinstance(v, dict):
+            return {fix(k): fix(x) for k, x in v.items()}
+        return v
+
+    try:
+        return json.dumps(fix(value), ensure_ascii=False).encode()
+    except (ValueError, RecursionError):
+        return None
 
 
 # msgspec's "Expected `int`, got `str`" (a type) against "Expected `int` >= 1" (a range).

@@ -278,12 +278,9 @@ class EngineConfig(KernelOptions):
         64, "Most requests decoded together.", checks=(at_least(1),)
     )
     max_prefill_tokens: int | None = option(
-        None,
-        "Most prompt tokens per prefill step (the chunk of chunked prefill); unset: 2048 on a "
-        "GPU, 256 on the CPU, where a step of a long prompt is what every other request waits "
-        "for its next token.",
-        checks=(at_least(1),),
-    )
+        None, "Most prompt tokens per prefill step (the chunk of chunked prefill); unset: 2048 on a GPU, "
+        "256 on the CPU, where a long prompt's step is what every other request waits for its next token.",
+        checks=(at_least(1),))
     page_size: int = option(16, "KV cache page size, in tokens.", checks=(at_least(1),))
     num_pages: int | None = option(
         None,

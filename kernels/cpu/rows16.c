@@ -84,6 +84,9 @@ static inline __attribute__((always_inline)) void group16(int type, const uint8_
     for (int i = 0; i < MT; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *ch = w + b * chunk, *qs = ch + qoff;
+        /* Eight chunks fetched ahead: the hardware prefetcher alone fed one row's pass at 22-27
+         * GB/s of the 30 two cores of an Intel Xeon read (the default model's 30 layers). */
+        for (int64_t l = 0; l < chunk; l += 64) _mm_prefetch((const char *)ch + 8 * chunk + l, _MM_HINT_T0);
         __m512i s[HR_R16_MT];
         for (int i = 0; i < MT; i++) s[i] = _mm512_setzero_si512();
         if (type == Q8_0) {
@@ -125,8 +128,10 @@ static inline __attribute__((always_inline)) void group16_q4k(int type, const ui
     for (int i = 0; i < MT; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t s = 0; s < nsb; s++) {
         const uint8_t *ch = w + s * 16 * hr_block_bytes(type), *pl = ch + 64, *qh = ch + 2304;
-        if (type == Q5_K)  /* two streams a chunk (codes, fifth bits), as Q6_K's: four chunks fetched ahead */
-            for (int l = 0; l < 16 * 176; l += 64) _mm_prefetch((const char *)ch + 4 * 16 * 176 + l, _MM_HINT_T0);
+        /* Four chunks fetched ahead: Q5_K's two streams a chunk (codes, fifth bits) as Q6_K's; Q4_K's
+         * one, which the hardware prefetcher alone fed at 22-27 GB/s of an Intel Xeon's 30 */
+        for (int l = 0; l < 16 * hr_block_bytes(type); l += 64)
+            _mm_prefetch((const char *)ch + 4 * 16 * hr_block_bytes(type) + l, _MM_HINT_T0);
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)ch));
         const __m512 negmin = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ch + 32))));
         for (int j = 0; j < 8; j++) {  /* the mins: -dmin m_j dx_b s_b */

@@ -123,7 +123,6 @@ static inline __attribute__((always_inline)) void group16_q4k(int type, const ui
                                                               const int16_t *codes, int64_t K, const float *dx,
                                                               const float *dxs, const int MT, float *y, int64_t ldy) {
     const int64_t nb = K / 32;
-    const __m512i low4 = _mm512_set1_epi16(15), bit4 = _mm512_set1_epi16(16);
     __m512 acc[HR_R16_MT];
     for (int i = 0; i < MT; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t s = 0; s < nsb; s++) {
@@ -144,13 +143,8 @@ static inline __attribute__((always_inline)) void group16_q4k(int type, const ui
             __m512i lo_sum[HR_R16_MT], hi_sum[HR_R16_MT];
             for (int i = 0; i < MT; i++) lo_sum[i] = hi_sum[i] = _mm512_setzero_si512();
             for (int k = 0; k < 16; k++) {
-                const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(qs + 32 * k)));
-                __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_srli_epi16(v, 4);
-                if (type == Q5_K) {  /* the fifth bits: bit 2p (low) and 2p + 1 (high) of qh[2k + t] */
-                    const __m512i h = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(qh + 32 * k)));
-                    lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(_mm512_srli_epi16(h, 2 * p), 4), bit4));
-                    hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_slli_epi16(_mm512_srli_epi16(h, 2 * p + 1), 4), bit4));
-                }
+                __m512i lo, hi;
+                widen_q4k_step(type, qs, qh, p, k, &lo, &hi);
                 for (int i = 0; i < MT; i++) {
                     const int16_t *c = codes + i * K + b * 32 + 2 * k;
                     lo_sum[i] = dot_acc(lo_sum[i], lo, pair(c));
@@ -170,7 +164,6 @@ static inline __attribute__((always_inline)) void group16_q6k(const uint8_t *w, 
                                                               int64_t K, const float *dx, const int MT, float *y,
                                                               int64_t ldy) {
     const int64_t nb = K / 32;
-    const __m512i low4 = _mm512_set1_epi16(15), two = _mm512_set1_epi16(3 << 4), bias = _mm512_set1_epi16(32);
     __m512 acc[HR_R16_MT];
     for (int i = 0; i < MT; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t s = 0; s < nsb; s++) {
@@ -188,12 +181,8 @@ static inline __attribute__((always_inline)) void group16_q6k(const uint8_t *w, 
                     const __m512i h = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(qh + 32 * m)));
                     for (int kk = 0; kk < 2; kk++) {
                         const int k = 2 * m + kk;
-                        const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(ql + 32 * k)));
-                        const __m512i hb = kk ? _mm512_srli_epi16(h, 4) : h;
-                        const __m512i lo = _mm512_sub_epi16(
-                            _mm512_or_si512(_mm512_and_si512(v, low4), _mm512_and_si512(_mm512_slli_epi16(hb, 4), two)), bias);
-                        const __m512i hi = _mm512_sub_epi16(
-                            _mm512_or_si512(_mm512_srli_epi16(v, 4), _mm512_and_si512(_mm512_slli_epi16(hb, 2), two)), bias);
+                        __m512i lo, hi;
+                        widen_q6k_step(ql, h, k, kk, &lo, &hi);
                         for (int i = 0; i < MT; i++) {
                             const int16_t *c = codes + i * K + s * 256 + 128 * n + 2 * k;
                             lo_sum[i] = dot_acc(lo_sum[i], lo, pair(c));

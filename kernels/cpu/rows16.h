@@ -60,6 +60,36 @@ static inline __attribute__((always_inline)) __m512 scales16(const uint8_t *sc, 
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sc + 16 * i))));
 }
 
+/* Step k of Q4_K/Q5_K sub-blocks 2p (lo) and 2p + 1 (hi) of 16 rows widened to 16-bit
+ * lanes, two weights of each row a register: qs the pair's codes, qh Q5_K's fifth bits
+ * (bit 2p, 2p + 1 of qh[2k + t]). */
+static inline __attribute__((always_inline)) void widen_q4k_step(int type, const uint8_t *qs, const uint8_t *qh,
+                                                                 int p, int k, __m512i *lo, __m512i *hi) {
+    const __m512i low4 = _mm512_set1_epi16(15), bit4 = _mm512_set1_epi16(16);
+    const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(qs + 32 * k)));
+    *lo = _mm512_and_si512(v, low4);
+    *hi = _mm512_srli_epi16(v, 4);
+    if (type == Q5_K) {
+        const __m512i h = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(qh + 32 * k)));
+        *lo = _mm512_or_si512(*lo, _mm512_and_si512(_mm512_slli_epi16(_mm512_srli_epi16(h, 2 * p), 4), bit4));
+        *hi = _mm512_or_si512(*hi, _mm512_and_si512(_mm512_slli_epi16(_mm512_srli_epi16(h, 2 * p + 1), 4), bit4));
+    }
+}
+
+/* Step k of a Q6_K half widened to 16-bit lanes as q - 32: lo (weights 2k + t), hi (2k + t
+ * + 64); ql the half's low bits, h the widened top-bit bytes of steps 2m, 2m + 1 (k = 2m +
+ * kk). */
+static inline __attribute__((always_inline)) void widen_q6k_step(const uint8_t *ql, __m512i h, int k, int kk,
+                                                                 __m512i *lo, __m512i *hi) {
+    const __m512i low4 = _mm512_set1_epi16(15), two = _mm512_set1_epi16(3 << 4), bias = _mm512_set1_epi16(32);
+    const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(ql + 32 * k)));
+    const __m512i hb = kk ? _mm512_srli_epi16(h, 4) : h;
+    *lo = _mm512_sub_epi16(_mm512_or_si512(_mm512_and_si512(v, low4), _mm512_and_si512(_mm512_slli_epi16(hb, 4), two)),
+                           bias);
+    *hi = _mm512_sub_epi16(_mm512_or_si512(_mm512_srli_epi16(v, 4), _mm512_and_si512(_mm512_slli_epi16(hb, 2), two)),
+                           bias);
+}
+
 /* Every pass of up to HR_R16_MT activation rows over one group of 16 interleaved Q5_K or
  * Q6_K rows (w the group's K / 256 chunks), the weights widened to
  * 16-bit lanes once a chunk of super-blocks for all the passes (rows16_many.c): the same

@@ -38,7 +38,6 @@ typedef struct {
 
 /* Super-block ch (a Q5_K chunk of 16 rows) widened into slot s of wb. */
 static inline __attribute__((always_inline)) void widen_q5k(const uint8_t *ch, widened16 *wb, int s) {
-    const __m512i low4 = _mm512_set1_epi16(15), bit4 = _mm512_set1_epi16(16);
     const uint8_t *pl = ch + 64, *qh = ch + 2304;
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)ch));
     const __m512 negmin = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ch + 32))));
@@ -48,13 +47,8 @@ static inline __attribute__((always_inline)) void widen_q5k(const uint8_t *ch, w
         wb->scale[s][2 * p] = _mm512_mul_ps(d, scale_min16(pl, 2 * p, 0));
         wb->scale[s][2 * p + 1] = _mm512_mul_ps(d, scale_min16(pl, 2 * p + 1, 0));
         for (int k = 0; k < 16; k++) {
-            const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(qs + 32 * k)));
-            __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_srli_epi16(v, 4);
-            {  /* the fifth bits: bit 2p (low) and 2p + 1 (high) of qh[2k + t] */
-                const __m512i h = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(qh + 32 * k)));
-                lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(_mm512_srli_epi16(h, 2 * p), 4), bit4));
-                hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_slli_epi16(_mm512_srli_epi16(h, 2 * p + 1), 4), bit4));
-            }
+            __m512i lo, hi;
+            widen_q4k_step(Q5_K, qs, qh, p, k, &lo, &hi);
             wb->q[s][32 * p + 2 * k] = lo;
             wb->q[s][32 * p + 2 * k + 1] = hi;
         }
@@ -63,7 +57,6 @@ static inline __attribute__((always_inline)) void widen_q5k(const uint8_t *ch, w
 
 /* Super-block ch (a Q6_K chunk of 16 rows) widened into slot s of wb. */
 static inline __attribute__((always_inline)) void widen_q6k(const uint8_t *ch, widened16 *wb, int s) {
-    const __m512i low4 = _mm512_set1_epi16(15), two = _mm512_set1_epi16(3 << 4), bias = _mm512_set1_epi16(32);
     const uint8_t *sc = ch + 32;
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)ch));
     for (int n = 0; n < 2; n++) {
@@ -76,12 +69,7 @@ static inline __attribute__((always_inline)) void widen_q6k(const uint8_t *ch, w
                 const __m512i h = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(qh + 32 * m)));
                 for (int kk = 0; kk < 2; kk++) {
                     const int k = 2 * m + kk, t = k - 8 * q;
-                    const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(ql + 32 * k)));
-                    const __m512i hb = kk ? _mm512_srli_epi16(h, 4) : h;
-                    wb->q[s][16 * P + 2 * t] = _mm512_sub_epi16(
-                        _mm512_or_si512(_mm512_and_si512(v, low4), _mm512_and_si512(_mm512_slli_epi16(hb, 4), two)), bias);
-                    wb->q[s][16 * P + 2 * t + 1] = _mm512_sub_epi16(
-                        _mm512_or_si512(_mm512_srli_epi16(v, 4), _mm512_and_si512(_mm512_slli_epi16(hb, 2), two)), bias);
+                    widen_q6k_step(ql, h, k, kk, &wb->q[s][16 * P + 2 * t], &wb->q[s][16 * P + 2 * t + 1]);
                 }
             }
         }

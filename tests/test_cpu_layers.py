@@ -166,3 +166,23 @@ def test_a_split_on_a_roomy_card_sizes_its_pool_for_the_host_not_the_card():
     assert "capped by the host pool of the CPU layers' KV" in render(plan, as_json=False)
     uncapped = build_plan(EngineConfig(**{**config.__dict__, "cpu_layers": "0"}))
     assert plan.num_pages < uncapped.num_pages
+
+
+def test_an_estimated_split_keeps_the_placement_margin(tmp_path):
+    """From estimates, auto puts on the CPU the fewest layers that leave the placement
+    margin beyond one --min-context request (the weights loaded on the host stay there
+    when the measured plan is made, whose CUDA context may come out larger than the
+    estimate: 1,167 MiB against 512 on an H100), not merely the fewest that fit."""
+    from engine.bench.model_shapes import write_shape
+    from engine.commands.plan import build_plan
+    from engine.memory.ledger import PLACEMENT_MARGIN_BYTES, _spare
+
+    folder = write_shape("llama-3.1-8b", tmp_path)
+    base = dict(model=str(folder), device="cpu", device_total=16 << 30, device_limit=12 << 30, device_display=False,
+                dtype="bfloat16", max_running_requests=4, min_context=2048)
+    plan = build_plan(EngineConfig(**base))
+    fewest = next(n for n in range(1, 32) if build_plan(EngineConfig(**base, cpu_layers=str(n))).fits)
+    assert plan.fits and plan.cpu_layers > fewest, (plan.cpu_layers, fewest)
+    assert _spare(plan) >= PLACEMENT_MARGIN_BYTES
+    tighter = build_plan(EngineConfig(**base, cpu_layers=str(plan.cpu_layers - 1)))
+    assert tighter.fits and _spare(tighter) < PLACEMENT_MARGIN_BYTES

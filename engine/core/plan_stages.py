@@ -215,6 +215,7 @@ class PlanStages:
         """
         plan, knobs = fit_plan(planner, self.knobs)
         if not plan.fits:
+            log.warning("the memory plan that does not fit:\n%s", plan.table())  # which line took the card
             raise PlanDoesNotFit(plan)
         self.knobs = knobs
         return plan

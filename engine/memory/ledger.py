@@ -79,12 +79,11 @@ def host_expert_layers(knobs: PlanKnobs, fp: Footprint) -> int | None:
     return min(int(knobs.cpu_experts), fp.expert_layers)
 
 
-# Before a profile, the auto placement of a mixture's experts keeps this much beyond one
-# --min-context request (the expert cache and the KV pages past it, which a measured plan
-# can give back): the experts placed on the device from estimates stay there, so a
-# measured plan short of the estimate must not leave too little. Seen on an H200 as a
-# 6 GiB card (a Qwen3-30B-A3B Q4_K file): the CUDA context measured 794 MiB against the
-# 512 MiB estimate, and with no margin the measured plan came 113 MiB short.
+# Before a profile, an auto placement (a mixture's experts, a dense model's split) keeps
+# this much beyond one --min-context request (expert cache and KV pages past it, which a
+# measured plan can give back): what estimates placed stays, so a measured plan must not
+# leave too little. The CUDA context measured 794 MiB against the 512 MiB estimate on an
+# H200 as a 6 GiB card (30B-A3B Q4_K, 113 MiB short), 1,167 on an H100 as 8 GiB (8B Q8_0 split).
 PLACEMENT_MARGIN_BYTES = 512 << 20
 
 
@@ -102,16 +101,21 @@ def _ledger(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint) -> MemoryPlan
     cpu = cpu_decoder_layers(knobs, fp)
     if cpu is not None:
         return _placed(device, knobs, fp, cpu)
-    # auto: none when the model fits; else the fewest layers on the CPU that make it fit
-    # within the host's available memory; none (the refusal) when no split does.
+    # auto: none when the model fits; else the fewest layers on the CPU that fit within the
+    # host's available memory (with the placement margin to spare if any count leaves it);
+    # none (the refusal) when no split does.
     whole = _placed(device, knobs, fp, 0)
     if whole.fits:
         return whole
+    margin = PLACEMENT_MARGIN_BYTES if fp.activation_source == "estimated" else 0
+    fitting = None
     for layers in range(1, len(fp.layer_bytes)):  # one layer stays on the device
         plan = _placed(device, knobs, fp, layers)
         if plan.fits and _host_need(plan, fp) <= (device.host_available_bytes or _UNKNOWN):
-            return plan
-    return whole
+            if _spare(plan) >= margin:
+                return plan
+            fitting = fitting or plan
+    return fitting or whole
 
 
 _UNKNOWN = 1 << 62  # the host's available memory where the OS does not say

@@ -102,7 +102,7 @@ def test_decode_graphs_plan_the_capture_inputs():
 def test_profile_groups_kernels_by_kind():
     """The decode profile's table by kind: names as the profiler reports our Triton
     kernels, cuBLAS's and FlashInfer's."""
-    from engine.bench.speed import kernel_kind
+    from engine.bench.decode_profile import kernel_kind
 
     assert kernel_kind("_decode_kernel") == kernel_kind("_merge_kernel") == "attention"
     assert kernel_kind("BatchDecodeWithPagedKVCacheKernel<...>") == "attention"

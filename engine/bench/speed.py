@@ -19,6 +19,7 @@ the step loop runs.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import tempfile
 import time
 from collections.abc import Callable
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.bench.decode_profile import profile_decode, sync_device
 from engine.bench.model_shapes import write_shape
 from engine.common.config import EngineConfig
 from engine.core.engine import Engine
@@ -46,11 +48,6 @@ class Speed:
     decode_tok_s: float
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def engine_speed(engine: Engine, prompts: list[list[int]], new_tokens: int,
                  between_steps: Callable[[], None] = lambda: None) -> Speed:
     """Run ``prompts`` together through ``engine``; the prefix cache is cleared first so
@@ -61,7 +58,7 @@ def engine_speed(engine: Engine, prompts: list[list[int]], new_tokens: int,
     sp = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     for i, ids in enumerate(prompts):
         engine.add_request(GenerateRequest(request_id=f"bench-{i}", prompt_token_ids=ids, sampling=sp))
-    _sync(engine.device)
+    sync_device(engine.device)
     t0 = time.perf_counter()
     first: set[str] = set()
     t_first = None
@@ -71,9 +68,9 @@ def engine_speed(engine: Engine, prompts: list[list[int]], new_tokens: int,
             if out.token_ids:
                 first.add(out.request_id)
         if t_first is None and len(first) == len(prompts):
-            _sync(engine.device)
+            sync_device(engine.device)
             t_first = time.perf_counter()
-    _sync(engine.device)
+    sync_device(engine.device)
     t_end = time.perf_counter()
     assert t_first is not None
     prompt_tokens = sum(len(p) for p in prompts)
@@ -86,13 +83,13 @@ def transformers_speed(model, prompts: list[list[int]], new_tokens: int, device:
     mask = torch.ones_like(ids)
     kw = dict(attention_mask=mask, do_sample=False, eos_token_id=None, pad_token_id=0)
     with torch.no_grad():
-        _sync(device)
+        sync_device(device)
         t0 = time.perf_counter()
         model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
-        _sync(device)
+        sync_device(device)
         t1 = time.perf_counter()
         model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
-        _sync(device)
+        sync_device(device)
         t2 = time.perf_counter()
     prefill_s = t1 - t0
     decode_s = max((t2 - t1) - prefill_s, 1e-9)
@@ -253,15 +250,24 @@ def run_bench_engine(
         engine_speed(engine, prompts[case], min(4, ntok))  # warm-up
         ours[case] = engine_speed(engine, prompts[case], ntok, between_steps), peak_rss_bytes()
     engine_peak = peak_rss_bytes()
+    setting = _setting(engine, prompt_tokens, new_tokens)
+    if profile and on_cuda:
+        for b in profile_batches:
+            profile_decode(engine, batch=b)
     theirs: dict[tuple, Speed] = {}
     their_side = "transformers" if llama_cpp is None else "llama.cpp"
     if llama_cpp is not None:
         tools, gguf = llama_cpp
         if on_cuda:  # as many layers on the GPU as the engine side keeps there
-            tools = tools.offloading(engine.model_config.num_layers, engine.cpu_layers)
-            if engine.cpu_layers:
-                print(f"split: the last {engine.cpu_layers} of {engine.model_config.num_layers} decoder layers on "
-                      f"the CPU; llama.cpp -ngl {tools.gpu_layers} (as many layers and the output layer on the GPU)")
+            layers, cpu_layers = engine.model_config.num_layers, engine.cpu_layers
+            tools = tools.offloading(layers, cpu_layers)
+            if cpu_layers:
+                print(f"split: the last {cpu_layers} of {layers} decoder layers on the CPU; llama.cpp -ngl "
+                      f"{tools.gpu_layers} (as many layers and the output layer on the GPU)")
+            # llama.cpp gets the card the engine held (its KV cache for 64 sequences did not fit beside it).
+            del engine
+            gc.collect()
+            torch.cuda.empty_cache()
         for b, plen, ntok in cases:
             prefill, decode = tools.speed(gguf, b, plen, ntok)
             theirs[(b, plen, ntok)] = Speed(prefill, float("nan") if decode is None else decode)
@@ -293,14 +299,11 @@ def run_bench_engine(
             rows.append({"case": label, "batch": b, "prompt_tokens": plen, "side": "ratio",
                          "prefill_tok_s": speed.prefill_tok_s / theirs[case].prefill_tok_s,
                          "decode_tok_s": speed.decode_tok_s / theirs[case].decode_tok_s})
-    _print_table(engine, rows, prompt_tokens, new_tokens, roof)
+    _print_table(setting, rows, roof)
     print(f"peak RSS of the engine alone: {engine_peak / 2**20:.0f} MiB (load and every case, before "
           f"transformers is loaded; each case's KV cache in its row)")
     if transformers_side and llama_cpp is None:
         print(f"peak RSS with transformers' model too: {peak_rss_bytes() / 2**20:.0f} MiB (the same process)")
-    if profile and on_cuda:
-        for b in profile_batches:
-            profile_decode(engine, batch=b)
     return rows
 
 
@@ -347,12 +350,15 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _print_table(engine: Engine, rows: list[dict], prompt_tokens: int, new_tokens: int, roof: Roofline | None) -> None:
+def _setting(engine: Engine, prompt_tokens: int, new_tokens: int) -> str:
     info = engine.info
-    print(f"model {info.model_name} on {info.device} ({info.dtype}), attention {engine.attention_backend}, "
-          f"KV cache {info.kv_cache_dtype}, "
-          f"CUDA graphs {'on' if engine.runner.graphs is not None else 'off'}; "
-          f"prompt {prompt_tokens} tokens, {new_tokens} new tokens, greedy")
+    return (f"model {info.model_name} on {info.device} ({info.dtype}), attention {engine.attention_backend}, KV cache "
+            f"{info.kv_cache_dtype}, CUDA graphs {'on' if engine.runner.graphs is not None else 'off'}; "
+            f"prompt {prompt_tokens} tokens, {new_tokens} new tokens, greedy")
+
+
+def _print_table(setting: str, rows: list[dict], roof: Roofline | None) -> None:
+    print(setting)
     if roof is not None:
         print(f"HBM roofline: {roof.bandwidth / 1e12:.2f} TB/s measured copy bandwidth, "
               f"{roof.weight_bytes / 2**20:.1f} MiB of weights, {roof.kv_bytes_per_token} KV bytes per token")
@@ -369,82 +375,3 @@ def _print_table(engine: Engine, rows: list[dict], prompt_tokens: int, new_token
             if "decode_roofline_share" in r:
                 line += f" {100 * r['prefill_roofline_share']:>13.1f}% {100 * r['decode_roofline_share']:>12.1f}%"
         print(line)
-
-
-# Kernel kinds of a decode replay, by the first pattern a kernel's name contains.
-KERNEL_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("attention", ("_decode_kernel", "_merge_kernel", "BatchDecode", "flashinfer", "VariableLengthMerge",
-                   "MergeStates")),
-    ("GEMM (cuBLAS / gemv)", ("nvjet", "gemm", "gemv", "cutlass", "xmma", "splitKreduce", "Kernel2")),
-    ("residual add + RMSNorm", ("rms_norm",)),
-    ("q/k norm + rotary + KV store", ("rotary", "norm_rotate")),
-    ("SiLU-and-mul", ("silu",)),
-)
-
-
-def kernel_kind(name: str) -> str:
-    """The kind of a profiled kernel (:data:`KERNEL_KINDS`), ``"other"`` when none fits."""
-    low = name.lower()
-    for kind, patterns in KERNEL_KINDS:
-        if any(p.lower() in low for p in patterns):
-            return kind
-    return "other"
-
-
-def profile_decode(engine: Engine, batch: int = 1, replays: int = 10, top: int = 25) -> None:
-    """Where a decode step's time goes at ``batch`` (CUDA, graphs on): the step's host
-    parts, the graph replay alone, and the kernels inside the replay (torch profiler),
-    by kernel and by kind, printed. For explaining a figure, not for tests."""
-    from torch.profiler import ProfilerActivity, profile
-
-    graphs = engine.runner.graphs
-    if graphs is None:
-        print("profile: needs CUDA graphs (a CUDA device, a backend that captures)")
-        return
-    sp = SamplingParams(max_new_tokens=10_000, temperature=0.0, ignore_eos=True)
-    vocab = engine.vocab_size
-    for i in range(batch):
-        ids = [(10 + 31 * i + j) % vocab for j in range(128)]
-        engine.add_request(GenerateRequest(request_id=f"profile-{i}", prompt_token_ids=ids, sampling=sp))
-    for _ in range(8):  # prefill, then a few decode steps
-        engine.step()
-    graph = graphs.graph_for(batch)
-    if graph is None:
-        print(f"profile: no graph captured for batch {batch}")
-        return
-    _sync(engine.device)
-    t0 = time.perf_counter()
-    for _ in range(100):
-        graph.replay()
-    _sync(engine.device)
-    replay_ms = (time.perf_counter() - t0) * 10
-    t0 = time.perf_counter()
-    for _ in range(100):
-        engine.step()
-    _sync(engine.device)
-    step_ms = (time.perf_counter() - t0) * 10
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(replays):
-            graph.replay()
-        _sync(engine.device)
-    rows = []
-    for ev in prof.key_averages():
-        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
-        rows.append((t / replays, ev.count / replays, ev.key))
-    rows.sort(reverse=True)
-    print(f"profile at batch {batch}: step {step_ms:.3f} ms, graph replay alone {replay_ms:.3f} ms "
-          f"(host and sampling: the rest); {sum(r[1] for r in rows):.0f} kernels and "
-          f"{sum(r[0] for r in rows) / 1e3:.3f} ms of kernel time per replay")
-    for t, count, name in rows[:top]:
-        print(f"  {t:8.1f} us {count:5.0f}x  {name[:100]}")
-    kinds: dict[str, list[float]] = {}
-    for t, count, name in rows:
-        acc = kinds.setdefault(kernel_kind(name), [0.0, 0.0])
-        acc[0] += t
-        acc[1] += count
-    print(f"profile at batch {batch}, by kind (per replay):")
-    for kind, (t, count) in sorted(kinds.items(), key=lambda kv: -kv[1][0]):
-        print(f"  {t:8.1f} us {count:5.0f}x  {kind}")
-    for i in range(batch):
-        engine.abort(f"profile-{i}")
-    engine.step()

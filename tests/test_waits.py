@@ -71,6 +71,43 @@ def test_the_wait_ends_once_the_memory_stayed_free_for_the_settle_time():
     assert changes[:3] == [2 * GiB, 3 * GiB, 8 * GiB]
     report = wait.report()
     assert report["short_bytes"] == 0 and report["needed_bytes"] == 4 * GiB
+    assert not wait.free_at_once  # another app really held it
+
+
+def _wait_out(card: SimulatedSource, wait: waits.MemoryWait, now: dict) -> None:
+    async def run():
+        async def tick():
+            while True:
+                await asyncio.sleep(0.01)
+                now["t"] += 0.05
+
+        ticker = asyncio.create_task(tick())
+        try:
+            await asyncio.wait_for(waits.wait_for_memory(card, wait, 1.0, period_s=0.01), 60)
+        finally:
+            ticker.cancel()
+
+    asyncio.run(run())
+
+
+def test_memory_free_at_once_was_the_worker_s_own_and_is_not_waited_for_again():
+    """Inside a container NVML names no process, so the worker counts its own CUDA context
+    as other processes' memory: its misfit looks waitable, the wait ends at its first
+    sample (the worker has exited, its memory is back), and the next worker fails the
+    same way. On a real card the second misfit is refused, not waited for forever."""
+    now = {"t": 0.0}
+    card = SimulatedSource(8 * GiB, clock=lambda: now["t"])
+    card.simulated = False  # a real card's NVML, as the service reads it
+    real = _misfit(1 * GiB, 512 << 20, simulated=False)
+    wait = waits.MemoryWait(real.misfit, "does not fit")
+    _wait_out(card, wait, now)
+    assert wait.free_at_once
+    assert waits.misfit_to_wait_for(real, card) is not None  # the first time: waited for
+    assert waits.misfit_to_wait_for(real, card, last=wait) is None  # again after it: refused
+    assert "the worker's own" in waits.OWN_MEMORY
+    # A simulated card's next worker plans on the memory the wait saw: no loop to stop.
+    simulated = _misfit(1 * GiB, 512 << 20)
+    assert waits.misfit_to_wait_for(simulated, SimulatedSource(8 * GiB), last=wait) is not None
 
 
 @pytest.mark.parametrize(

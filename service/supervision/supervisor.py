@@ -66,7 +66,13 @@ from service.supervision.release import ReleaseResult
 from service.supervision.report import exited_event, health_report, memory_wait_event, publish
 from service.supervision.restarts import RestartPolicy
 from service.supervision.unloading import Unloading
-from service.supervision.waits import GpuBackoff, MemoryWait, cuda_fault, misfit_to_wait_for
+from service.supervision.waits import (
+    OWN_MEMORY,
+    GpuBackoff,
+    MemoryWait,
+    cuda_fault,
+    misfit_to_wait_for,
+)
 from service.supervision.watchdog import watch
 from service.supervision.worker_process import ExitStatus, WorkerProcess
 
@@ -148,6 +154,8 @@ class Supervisor(Readiness, Unloading, Draining):
         # on the memory the card shows then.
         self._worker_config = config.worker
         self.memory_wait: MemoryWait | None = None
+        # The wait that started the current worker, if one did (misfit_to_wait_for's ``last``).
+        self.last_memory_wait: MemoryWait | None = None
         # Why the service waits without a worker (waiting_for_gpu, paused, idle).
         self.wait_reason: str | None = None
         self._gpu_backoff = GpuBackoff(config.gpu_retry_initial_s, config.gpu_retry_max_s)
@@ -228,10 +236,12 @@ class Supervisor(Readiness, Unloading, Draining):
             log.error("worker error (%s): %s", message.kind, first_line(message.message))
             if self.state in UNLOADED or self.state is State.STOPPED:
                 return
-            misfit = misfit_to_wait_for(message, self.vram_source) if message.during_load else None
+            last, self.last_memory_wait = self.last_memory_wait, None
+            misfit = misfit_to_wait_for(message, self.vram_source, last) if message.during_load else None
             if misfit is not None:
                 self._enter_memory_wait(MemoryWait(misfit, message.message))
                 return
+            own = message.misfit is not None and misfit_to_wait_for(message, self.vram_source) is not None
             if cuda_fault(message):
                 self._enter_gpu_wait(message.message)
                 return
@@ -240,6 +250,7 @@ class Supervisor(Readiness, Unloading, Draining):
                 # that does not fit: the same again on every try), reported, not retried.
                 if message.kind in ("PlanDoesNotFit", "SettingRefused"):
                     reason = message.message  # it says what does not fit and what fixes it
+                    reason += f"\n({OWN_MEMORY})" if own else ""
                 else:
                     reason = f"the engine failed to load: {message.kind}: {message.message}"
                 self._fail(reason)
@@ -273,6 +284,7 @@ class Supervisor(Readiness, Unloading, Draining):
         self._first_start = False
         self.failure_reason = None
         self._clear_waits()
+        self.last_memory_wait = None
         self._gpu_backoff.clear()
         self.last_request_at = time.monotonic()
         if self.first_start_done is not None:

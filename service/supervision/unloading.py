@@ -164,6 +164,7 @@ class Unloading:
         )
         if self.state is not State.WAITING_FOR_MEMORY or self._worker is not None:
             return
+        self.last_memory_wait = wait
         if wait.misfit.simulated:
             # A simulated card's figures are the worker's config: plan on the card now.
             self._worker_config = _with_device_free(self._worker_config, sample.free_bytes)

@@ -29,6 +29,11 @@ GPU_RETRY_INITIAL_S = 1.0
 GPU_RETRY_MAX_S = 30.0
 
 
+# Said of a misfit not waited for again (:func:`misfit_to_wait_for`'s ``last``).
+OWN_MEMORY = ("the memory the plan counted as other processes' was free as soon as the worker had exited: it was "
+              "the worker's own (NVML names no process of this card here, as inside a container), so no wait fixes it")
+
+
 @dataclass
 class MemoryWait:
     """What ``waiting_for_memory`` waits for, in bytes: ``needed_bytes`` free on the card
@@ -40,6 +45,9 @@ class MemoryWait:
     free_bytes: int = 0
     top_consumers: list[tuple[int, str, int]] = field(default_factory=list)
     since: float = field(default_factory=time.monotonic)
+    # Set by wait_for_memory: the first sample after the worker exited already showed the
+    # memory free, so what the worker counted as other processes' was its own.
+    free_at_once: bool = False
 
     @property
     def needed_bytes(self) -> int:
@@ -69,13 +77,17 @@ class MemoryWait:
         )
 
 
-def misfit_to_wait_for(error: WorkerError, source: Any) -> Misfit | None:
+def misfit_to_wait_for(error: WorkerError, source: Any, last: MemoryWait | None = None) -> Misfit | None:
     """The misfit to wait out, or None when waiting cannot fix ``error``: not a plan that
     does not fit, one that would not fit without the other processes either (the model
-    is larger than the card), no source to watch, or a plan made for a simulated card
-    while the source is a real one (its numbers never move)."""
+    is larger than the card), no source to watch, a plan made for a simulated card while
+    the source is a real one (its numbers never move), or a real card whose ``last``
+    wait found the memory free at once (:data:`OWN_MEMORY`: waiting again would start the
+    same worker again and again)."""
     misfit = error.misfit
     if misfit is None or not misfit.waitable or source is None:
+        return None
+    if last is not None and last.free_at_once and not misfit.simulated:
         return None
     if not getattr(source, "available", True):
         return None
@@ -98,6 +110,7 @@ async def wait_for_memory(
     of at least 64 MiB, or other consumers)."""
     enough_since: float | None = None
     shown: tuple[int, list] | None = None
+    first = True
     while True:
         sample = await asyncio.to_thread(source.sample)
         now = time.monotonic()
@@ -110,6 +123,7 @@ async def wait_for_memory(
                 if on_change is not None:
                     on_change()
             if sample.free_bytes >= wait.needed_bytes:
+                wait.free_at_once = wait.free_at_once or first
                 enough_since = now if enough_since is None else enough_since
                 if now - enough_since >= settle_s:
                     return sample
@@ -117,6 +131,7 @@ async def wait_for_memory(
                 enough_since = None
         else:
             enough_since = None
+        first = False
         await asyncio.sleep(period_s)
 
 

@@ -60,6 +60,24 @@ def test_openai_client_retrieves_a_model_by_any_name_it_lists(real_server):
     assert listed[0].id in raised.value.body["message"]
 
 
+def test_the_names_api_tags_lists_work_on_v1_as_on_api(real_server):
+    """A client that found the model in Ollama's /api/tags (``name:latest``) calls /v1
+    with that name; names compare as Ollama compares them on every API (case-blind,
+    ``name`` the same as ``name:latest``), another tag is another model."""
+    client = openai.OpenAI(base_url=real_server.base_url + "/v1", api_key="unused", max_retries=0)
+    tagged = httpx.get(real_server.base_url + "/api/tags", timeout=30).json()["models"][0]["name"]
+    assert tagged.endswith(":latest")
+    for name in (tagged, tagged.upper(), "default:latest", "DEFAULT"):
+        reply = client.chat.completions.create(model=name, messages=QUESTION, max_tokens=2, temperature=0)
+        assert reply.choices[0].message.content is not None, name
+        assert client.models.retrieve(name).object == "model"
+    answer = httpx.post(real_server.base_url + "/v1/messages", timeout=120, json={
+        "model": tagged, "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]})
+    assert answer.status_code == 200, answer.text
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model=tagged.replace(":latest", ":q4"), messages=QUESTION, max_tokens=2)
+
+
 def test_an_empty_content_array_is_refused_as_openai_refuses_it(real_server):
     client = openai.OpenAI(base_url=real_server.base_url + "/v1", api_key="unused", max_retries=0)
     turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": []}]

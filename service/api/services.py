@@ -27,6 +27,24 @@ from service.events.metrics import ServiceMetrics
 from service.supervision.supervisor import Supervisor
 
 DEFAULT_MODEL_ALIAS = "default"
+_TAG = "latest"  # Ollama's default tag
+
+
+def tagged(name: str) -> str:
+    """``name`` with Ollama's default tag ``:latest`` when it has none or an empty one
+    (``gpt-4:``, which Ollama reads as ``gpt-4:latest``); a tag follows the last ``:``
+    of the name's last ``/`` part: ``owner/model:q4``."""
+    if ":" not in name.rpartition("/")[2]:
+        return f"{name}:{_TAG}"
+    return name + _TAG if name.endswith(":") else name
+
+
+def model_key(name: str) -> str:
+    """A model name as every API here compares names, as Ollama does: case-blind, and
+    ``name`` the same as ``name:latest``. So any name ``/api/tags`` or ``/v1/models``
+    lists (``gpt-4:latest``) and the name it was given as (``gpt-4``, ``GPT-4``) work in a
+    request on any route."""
+    return tagged(name).lower()
 
 
 @dataclass
@@ -73,9 +91,8 @@ class Services:
         """The model name to report for a request naming ``requested``.
 
         An absent or empty name, or ``"default"``, means the served model (there is
-        only one). ``key``: how the API compares names (Ollama's is case-blind and
-        takes ``name`` for ``name:latest``, :func:`service.api.ollama.models.ollama_key`);
-        None: exactly as written.
+        only one). ``key``: how names compare (default :func:`model_key`, Ollama's rule on
+        every API: a client that found the name in ``/api/tags`` calls ``/v1`` with it).
 
         Raises:
             APIError: 404 ``model_not_found`` for any other name.
@@ -83,7 +100,7 @@ class Services:
         names = self.model_names(info)
         # "default" always names the one served model: the README's and most clients'
         # first request, before anyone has read /v1/models.
-        same = key or (lambda name: name)
+        same = key or model_key
         if not requested or same(requested) in {same(n) for n in names}:
             return names[0]
         raise APIError(

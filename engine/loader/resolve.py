@@ -11,6 +11,7 @@ from engine.loader.default_model import (
     converted_dir,
     default_gguf_path,
     is_default_gguf,
+    names_default_model,
     read_gguf_source,
     record_gguf_source,
 )
@@ -69,6 +70,8 @@ def locate_model(path: str | Path) -> Path:
         from engine.loader.store import find_model
 
         stored = find_model(str(path))
+        if stored is None and names_default_model(str(path)):
+            stored = default_gguf_path()  # `default`, or the name `headroom models` lists it by
         if stored is None:
             raise ModelNotFound(f"{p} does not exist and is no name in the store; {_WHAT_TO_PASS}")
         p = stored

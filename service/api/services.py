@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.common.clip import clip
+from engine.loader.default_model import DEFAULT_MODEL_ALIAS
 from engine.wire.messages import EngineInfo
 from service.api.admission import Admission
 from service.api.sampling_defaults import SamplingDefaults, load_sampling_defaults
@@ -26,7 +27,6 @@ from service.common.settings import ServeSettings
 from service.events.metrics import ServiceMetrics
 from service.supervision.supervisor import Supervisor
 
-DEFAULT_MODEL_ALIAS = "default"
 _TAG = "latest"  # Ollama's default tag
 
 

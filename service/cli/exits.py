@@ -46,6 +46,7 @@ def check_model_path(model: str | None) -> None:
     if model is None:
         return
     from engine.common.load_errors import ModelNotFound
+    from engine.loader.default_model import names_default_model
     from engine.loader.resolve import locate_model
     from engine.loader.store import find_model
 
@@ -56,7 +57,7 @@ def check_model_path(model: str | None) -> None:
             fail(f"--model: {exc}", EXIT_USAGE)
         return
     try:
-        found = find_model(model)
+        found = find_model(model) or (locate_model(model) if names_default_model(model) else None)
     except ModelNotFound as exc:
         fail(str(exc), EXIT_USAGE)
     if found is None:

@@ -42,6 +42,20 @@ def test_options_of_a_running_service_need_its_url(args, flag):
         "and fault folder in --workdir)")
 
 
+def test_a_url_where_nothing_answers_fails_at_once(tmp_path):
+    """A service the run did not start must answer now: it is not waited for 15 minutes
+    as a starting one is; a root that is no service's (404) is named."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    result = invoke(["--url", f"http://127.0.0.1:{port}", "-n", "1", "--kills", "0", "--ooms", "0"])
+    assert result.exit_code != 0, result.output
+    assert f"cannot reach http://127.0.0.1:{port}" in result.output
+    assert "chaos: waiting" not in result.output
+
+
 def test_a_hog_that_died_fails_the_run():
     clean = ChaosReport(pages_leaked=0)
     assert clean.problems() == []

@@ -44,7 +44,7 @@ import httpx
 from service.bench.chaos_options import ChaosOptions
 from service.bench.chaos_requests import Outcome, Spec, greedy_pool, make_specs, run_one
 from service.bench.chaos_service import HOG_SCRIPT, ChaosService, wait_ready
-from service.bench.serve import percentile
+from service.bench.serve import percentile, reach
 from service.supervision.stale import is_alive
 
 READY_TIMEOUT_S = 900.0
@@ -276,6 +276,8 @@ def run_chaos(opts: ChaosOptions, out=print) -> ChaosReport:  # type: ignore[no-
     workdir.mkdir(parents=True, exist_ok=True)
     rng = random.Random(opts.seed)
     report = ChaosReport()
+    if opts.url:
+        reach(opts.url)  # a service not ours must answer now: it is not waited for as one starting
     service = None if opts.url else ChaosService(opts, workdir)
     url = opts.url or service.url  # type: ignore[union-attr]
     faults_dir = service.faults_dir if service else opts.faults_dir

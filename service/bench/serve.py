@@ -274,6 +274,24 @@ def report(results: list[Result], opts: BenchOptions) -> str:
     return "\n".join(lines)
 
 
+def reach(url: str) -> httpx.Response:
+    """``url``'s ``/api/health`` answer, asked once (10 s): a run against a service it did
+    not start checks first that one answers there, and fails at once where none does.
+
+    Raises:
+        BenchRefused: it answers 404 (``url`` is not a headroom service's root).
+        SystemExit: nothing answers there.
+    """
+    try:
+        health = httpx.get(url + "/api/health", timeout=10)
+    except httpx.HTTPError as exc:
+        raise SystemExit(f"headroom: error: cannot reach {url}: {exc}") from None
+    if health.status_code == 404:
+        raise BenchRefused(f"{url}/api/health answered 404: --url looks wrong; give the headroom service's root, "
+                           "e.g. http://127.0.0.1:8427, without /v1")
+    return health
+
+
 def run_bench(opts: BenchOptions) -> None:
     """Run the benchmark against ``opts.url`` and print the report.
 
@@ -282,16 +300,11 @@ def run_bench(opts: BenchOptions) -> None:
             not fit the server's context (``max_tokens`` alone, or with the prompt).
         SystemExit: the server is not reachable or not ready.
     """
+    health = reach(opts.url)
     try:
-        health = httpx.get(opts.url + "/api/health", timeout=10)
         status = httpx.get(opts.url + "/api/status", timeout=10)
     except httpx.HTTPError as exc:
         raise SystemExit(f"headroom: error: cannot reach {opts.url}: {exc}") from None
-    if health.status_code == 404:
-        raise BenchRefused(
-            f"{opts.url}/api/health answered 404: --url looks wrong; give the headroom "
-            "service's root, e.g. http://127.0.0.1:8427, without /v1"
-        )
     if health.status_code != 200:
         raise SystemExit(f"headroom: error: the server is not ready: {health.text}")
     engine_info = (status.json().get("engine") or {}).get("info")

@@ -188,6 +188,7 @@ def bench_chaos(**kwargs: Any) -> None:
     restarts, time back to ready, orphans, leaked pages and TTFT."""
     from service.bench.chaos import run_chaos
     from service.bench.chaos_options import ChaosOptions
+    from service.bench.serve import BenchRefused
 
     if kwargs["url"] is None:
         # Both describe the service --url names; a started one's are in --workdir.
@@ -210,6 +211,8 @@ def bench_chaos(**kwargs: Any) -> None:
     opts = ChaosOptions(requests=kwargs.pop("num_requests"), **kwargs)
     try:
         report = run_chaos(opts, out=click.echo)
+    except BenchRefused as exc:
+        fail(str(exc), EXIT_USAGE)
     except RuntimeError as exc:
         fail(f"chaos run: {exc}")
     problems = report.problems()

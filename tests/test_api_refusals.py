@@ -273,11 +273,15 @@ def test_routes_other_servers_have_say_what_headroom_does_instead(real_server):
     assert pulled.value.status_code == 501 and "`headroom pull REPO[:FILE]`" in pulled.value.error, pulled.value
     r = _post(real_server, "/api/embed", json={"model": "default", "input": "hi"})
     assert r.status_code == 501 and set(r.json()) == {"error"} and "no embeddings" in r.json()["error"], r.text
-    client = openai.OpenAI(base_url=real_server.base_url + "/v1", api_key="unused", max_retries=0)
+    # The SDKs retry every 5xx unless told not to: with their default retries, one call.
+    sent: list[str] = []
+    http = httpx.Client(event_hooks={"request": [lambda request: sent.append(request.url.path)]})
+    client = openai.OpenAI(base_url=real_server.base_url + "/v1", api_key="unused", http_client=http)
     with pytest.raises(openai.APIStatusError) as embedded:
         client.embeddings.create(model="default", input="hi")
     assert embedded.value.status_code == 501, embedded.value
     assert_openai_error(embedded.value.response, 501, code="not_implemented")
+    assert embedded.value.response.headers["x-should-retry"] == "false" and sent == ["/v1/embeddings"], sent
     assert _post(real_server, "/api/nothing-here", json={}).status_code == 404
 
 

@@ -299,7 +299,8 @@ def _http_error(request: Request, exc: HTTPException) -> Response[Any]:
             code="request_too_large",
         )
     elif status == 404 and (unserved := unserved_route(request.url.path)) is not None:
-        error = APIError(501, unserved, code="not_implemented")
+        # Not a fault that passes: the OpenAI and Anthropic SDKs retry a 5xx unless told not to.
+        error = APIError(501, unserved, code="not_implemented", headers={"x-should-retry": "false"})
     elif status == 404:
         error = APIError(
             404,

@@ -123,6 +123,20 @@ def test_generate_against_a_service_with_an_api_key_names_how_to_give_it(start_s
 
 
 @pytest.mark.slow
+def test_generate_through_a_service_names_max_tokens_past_the_context(start_server):
+    """The service checks prompt + max_tokens against the context as the API does; the
+    CLI says so in its own words (the flag, not the API field) and names --local, whose
+    engine generates until the context is full."""
+    server = start_server([], fake=True)
+    env = {**os.environ, "HEADROOM_CONFIG": os.devnull, "HEADROOM_RUNTIME_DIR": server.env["HEADROOM_RUNTIME_DIR"]}
+    refused = subprocess.run([*headroom_command(), "generate", "--max-tokens", "1000000", "hi"],
+                             capture_output=True, text=True, timeout=120, env=env)
+    assert refused.returncode == 2, refused.stderr
+    assert "refused --max-tokens 1000000 with this prompt" in refused.stderr, refused.stderr
+    assert "--local" in refused.stderr and " max_tokens" not in refused.stderr, refused.stderr
+
+
+@pytest.mark.slow
 def test_a_pool_below_one_min_context_is_served_with_a_warning_and_refuses_what_cannot_fit(start_server):
     """``--num-pages 4 --page-size 16`` holds 48 tokens: the worker's start-up log warns,
     naming the numbers and the fix; a request that can never fit the pool is answered

@@ -100,6 +100,11 @@ def generate_on_service(
 
                 if chat and str(message).startswith(NO_CHAT_TEMPLATE):
                     fail(f"{NO_CHAT_TEMPLATE}; pass --raw to send the prompt as it is", EXIT_USAGE)
+                if code == "context_length_exceeded":
+                    # The API's words name its field; a --local engine stops where the context ends.
+                    fail(f"the service on {url} refused --max-tokens {max_tokens} with this prompt: "
+                         f"{str(message).replace('max_tokens', '--max-tokens')} (or pass --local: the engine "
+                         "here generates until the context is full)", EXIT_USAGE)
                 fail(f"the service on {url} refused the prompt: {message}")
             for line in r.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":

@@ -15,7 +15,7 @@ from engine.layers.attention.registry import register_backend
 from engine.layers.attention.torch_backend import TorchAttentionBackend
 from engine.memory.device import simulated_device
 from engine.memory.ledger import fit_plan, make_plan
-from engine.memory.plan import Footprint, GiB, MiB, PlanKnobs, reserve_for
+from engine.memory.plan import Footprint, GiB, MiB, PlanKnobs, fmt_bytes, reserve_for
 
 FLAG_TO_KNOB = {
     "--max-prefill-tokens": "max_prefill_tokens",
@@ -280,6 +280,18 @@ def test_reserves_beyond_the_device_read_as_short_never_as_a_negative_budget():
     assert line.bytes == 0 and line.source == f"does not fit: {short // MiB} MiB short"
     message = plan.message()
     assert f"its budget does not fit, {short // MiB} MiB short" in message and "-" not in message.split("\n")[0]
+
+
+def test_a_reserve_past_the_card_is_answered_with_the_automatic_one(default_model_dir):
+    """``--reserve 100GiB`` on a 6 GiB card: halving it (50 GiB) would still leave nothing;
+    the plan proposes the card's automatic reserve, with which it fits."""
+    config = EngineConfig(model=default_model_dir, device_total=6 * GiB, reserve=100 * GiB)
+    plan = build_plan(config)
+    assert not plan.fits
+    (lower,) = [s for s in plan.suggestions if s.flag == "--reserve"]
+    auto = reserve_for(6 * GiB, True)
+    assert lower.proposed == fmt_bytes(auto), lower
+    assert build_plan(dataclasses.replace(config, reserve=auto)).fits
 
 
 def test_too_many_running_requests_are_answered_with_the_most_that_fit(default_model_dir):

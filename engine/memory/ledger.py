@@ -79,11 +79,10 @@ def host_expert_layers(knobs: PlanKnobs, fp: Footprint) -> int | None:
     return min(int(knobs.cpu_experts), fp.expert_layers)
 
 
-# Before a profile, an auto placement (a mixture's experts, a dense model's split) keeps
-# this much beyond one --min-context request (expert cache and KV pages past it, which a
-# measured plan can give back): what estimates placed stays, so a measured plan must not
-# leave too little. The CUDA context measured 794 MiB against the 512 MiB estimate on an
-# H200 as a 6 GiB card (30B-A3B Q4_K, 113 MiB short), 1,167 on an H100 as 8 GiB (8B Q8_0 split).
+# Before a profile, an auto placement (a mixture's experts, a dense model's split) keeps this
+# much beyond one --min-context request (expert cache and KV pages past it, which a measured
+# plan can give back): what estimates placed stays. The CUDA context measured 794 MiB against
+# the 512 MiB estimate on an H200 as a 6 GiB card (30B-A3B, 113 MiB short), 1,167 on an H100 as 8 GiB (8B split).
 PLACEMENT_MARGIN_BYTES = 512 << 20
 
 
@@ -399,8 +398,9 @@ def _suggest(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint, plan: Memory
         shorter = max(ctx // 4, 512)
         candidates.append((_flag("min_context"), str(ctx), str(shorter), replace(knobs, min_context=shorter)))
     reserve = next(e.bytes for e in plan.ledger if e.name == "desktop reserve")
-    if reserve > 0:
-        lower = reserve // 2
+    if reserve > 0:  # halved; one past twice the card's automatic (display) reserve, down to that
+        auto = reserve_for(next(e.bytes for e in plan.ledger if e.name == "device total"), True)
+        lower = auto if reserve > 2 * auto else reserve // 2
         candidates.append((_flag("reserve"), fmt_bytes(reserve), fmt_bytes(lower), replace(knobs, reserve=lower)))
     host = host_expert_layers(knobs, fp)
     if host is not None and host < fp.expert_layers:

@@ -42,13 +42,9 @@ def test_only_a_misfit_the_other_processes_cause_is_waited_for():
     assert waits.misfit_to_wait_for(_misfit(6 * GiB, 2 * GiB), None) is None
 
 
-def test_the_wait_ends_once_the_memory_stayed_free_for_the_settle_time():
-    now = {"t": 0.0}
-    # Another app holds 6 GiB, drops to 5 GiB (not enough), then leaves.
-    card = SimulatedSource(8 * GiB, [(0, 6 * GiB), (1, 5 * GiB), (2, 0)], clock=lambda: now["t"])
-    wait = waits.MemoryWait(_misfit(6 * GiB, 2 * GiB).misfit, "does not fit")
-    changes: list[int] = []
-
+def _wait_out(card: SimulatedSource, wait: waits.MemoryWait, now: dict, on_change=None):
+    """Run ``wait_for_memory`` (settle 1 s) while the card's clock ``now["t"]`` moves 0.05
+    simulated seconds each 10 ms; its last sample."""
     async def run():
         async def tick():
             while True:
@@ -57,14 +53,20 @@ def test_the_wait_ends_once_the_memory_stayed_free_for_the_settle_time():
 
         ticker = asyncio.create_task(tick())
         try:
-            return await asyncio.wait_for(
-                waits.wait_for_memory(card, wait, 1.0, period_s=0.01, on_change=lambda: changes.append(wait.free_bytes)),
-                60,
-            )
+            return await asyncio.wait_for(waits.wait_for_memory(card, wait, 1.0, period_s=0.01, on_change=on_change), 60)
         finally:
             ticker.cancel()
 
-    sample = asyncio.run(run())
+    return asyncio.run(run())
+
+
+def test_the_wait_ends_once_the_memory_stayed_free_for_the_settle_time():
+    now = {"t": 0.0}
+    # Another app holds 6 GiB, drops to 5 GiB (not enough), then leaves.
+    card = SimulatedSource(8 * GiB, [(0, 6 * GiB), (1, 5 * GiB), (2, 0)], clock=lambda: now["t"])
+    wait = waits.MemoryWait(_misfit(6 * GiB, 2 * GiB).misfit, "does not fit")
+    changes: list[int] = []
+    sample = _wait_out(card, wait, now, on_change=lambda: changes.append(wait.free_bytes))
     assert sample.free_bytes == 8 * GiB
     # Settled: at least a second of simulated time after the app left at t=2.
     assert sample.timestamp >= 3.0
@@ -72,22 +74,6 @@ def test_the_wait_ends_once_the_memory_stayed_free_for_the_settle_time():
     report = wait.report()
     assert report["short_bytes"] == 0 and report["needed_bytes"] == 4 * GiB
     assert not wait.free_at_once  # another app really held it
-
-
-def _wait_out(card: SimulatedSource, wait: waits.MemoryWait, now: dict) -> None:
-    async def run():
-        async def tick():
-            while True:
-                await asyncio.sleep(0.01)
-                now["t"] += 0.05
-
-        ticker = asyncio.create_task(tick())
-        try:
-            await asyncio.wait_for(waits.wait_for_memory(card, wait, 1.0, period_s=0.01), 60)
-        finally:
-            ticker.cancel()
-
-    asyncio.run(run())
 
 
 def test_memory_free_at_once_was_the_worker_s_own_and_is_not_waited_for_again():

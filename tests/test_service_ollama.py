@@ -128,10 +128,13 @@ def test_tool_call_arguments_as_text_are_refused_as_ollama_refuses_them(real_ser
     assert r.status_code == 400, r.text
     message = r.json()["error"]
     assert "messages[1].tool_calls[0].function.arguments must be an object" in message and "not str" in message
-    # The ollama client sends them as an object: taken.
+    # The ollama client sends them as an object: taken, and then refused only as calls
+    # this model's template has no tool support for (it would leave them out of the prompt).
     call["function"]["arguments"] = {"city": "Paris"}
     client = ollama.Client(host=real_server.base_url, timeout=300)
-    assert client.chat(model="default", messages=turns, options={"num_predict": 2}).done
+    with pytest.raises(ollama.ResponseError) as exc:
+        client.chat(model="default", messages=turns, options={"num_predict": 2})
+    assert exc.value.status_code == 400 and exc.value.error.startswith("messages[1].tool_calls cannot be sent")
 
 
 def test_ollama_api_key_and_worker_killed_mid_stream(start_server):

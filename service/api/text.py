@@ -20,10 +20,11 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from engine.text.chat import encode_chat, encode_prompt
+from engine.text.chat import encode_chat, encode_prompt, template_has_tools
 from engine.text.detokenizer import IncrementalDetokenizer, special_ids
 from engine.text.tokenizer import load_tokenizer  # the engine's: generate and serve tokenize alike
 from service.api.logprobs import TokenTexts
+from service.api.tool_checks import check_calls_rendered
 
 # Unicode composition (NFC/NFKC) can shrink input: a Hangul syllable composed of 3
 # jamo (9 bytes -> 3), a letter and its combining marks. A normalizer's input bytes per
@@ -102,13 +103,18 @@ class TextSide:
 
         Raises:
             engine.text.chat.ChatTemplateError: roles or content the template cannot
-                render, or tools it has no support for; its ``param`` names the field.
+                render, or tools it has no support for (an assistant message's
+                ``tool_calls`` among them:
+                :func:`~service.api.tool_checks.check_calls_rendered`); its ``param``
+                names the field.
         """
         loop = asyncio.get_running_loop()
         work = functools.partial(
             encode_chat, self.tokenizer, messages, tools=tools, template_kwargs=template_kwargs
         )
-        return await loop.run_in_executor(self._pool, work)
+        ids = await loop.run_in_executor(self._pool, work)
+        check_calls_rendered(messages, template_has_tools(self.tokenizer))
+        return ids
 
     async def encode_prompt(self, prompt: str) -> list[int]:
         """A raw completion prompt to ids (BOS added as the tokenizer does)."""

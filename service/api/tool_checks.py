@@ -9,7 +9,10 @@ rule in one place, each API's refusal in its own words:
   the turn right after it (OpenAI: the tool messages that follow it; Anthropic: the
   next user message's ``tool_result`` blocks), each exactly once, a result answers a
   call of that turn only, and call ids are unique in the conversation. A last
-  assistant turn (an answer's prefill) needs no answers.
+  assistant turn (an answer's prefill) needs no answers;
+- past calls on a model whose chat template has no tool support
+  (:func:`check_calls_rendered`): refused, as ``tools`` and ``tool`` messages are there,
+  rather than left out of the prompt.
 
 Each refusal is a 400 naming the field or turn at fault
 (:func:`service.common.errors.invalid`).
@@ -19,10 +22,11 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from engine.text.chat import ChatTemplateError
 from service.common.errors import invalid
 
 # The longest tool name each API takes.
@@ -86,6 +90,30 @@ def check_call_arguments(arguments: Any, param: str) -> None:
             "a call's arguments are an object of its parameters, e.g. '{\"city\": \"Paris\"}' ('{}' for none)",
             param,
         )
+
+
+def check_calls_rendered(messages: Sequence[Any], has_tools: bool) -> None:
+    """An assistant message's ``tool_calls`` where the chat template has no tool support
+    (``has_tools`` false: :func:`engine.text.chat.template_has_tools`): such a template
+    renders the turn without them, so the model would never see the call. Refused as
+    ``tools`` and a ``tool`` message are there; checked once the template rendered
+    ``messages`` (the chat messages the API made), so that a malformed message or a
+    ``tool`` message after the call is named first, as the template names it.
+
+    Raises:
+        ChatTemplateError: ``messages[i].tool_calls`` (answered 400 in the API's terms).
+    """
+    if has_tools:
+        return
+    for i, message in enumerate(messages):
+        if isinstance(message, Mapping) and message.get("role") == "assistant" and message.get("tool_calls"):
+            param = f"messages[{i}].tool_calls"
+            raise ChatTemplateError(
+                f"{param} cannot be sent to this model: its chat template has no tool support (it renders "
+                "no tool calls, so the call would be left out of the prompt); send the call as text in the "
+                "message's content, or serve a model whose chat template renders tools",
+                param,
+            )
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,58 @@
+"""What a new user's pass found the APIs took where they should refuse it, or refused
+in other words than the docs give, each through a real ``headroom serve`` of the
+embedded default model (whose chat template has no tool support): an earlier assistant
+turn's ``tool_calls`` left out of the prompt unsaid (where ``tools`` and ``tool``
+messages are refused)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from test_service_cases import assert_openai_error
+
+pytestmark = pytest.mark.slow
+
+QUESTION = {"role": "user", "content": "weather?"}
+CALL = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+
+
+def _post(server, path: str, **kwargs) -> httpx.Response:
+    return httpx.post(server.base_url + path, timeout=120, **kwargs)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_earlier_tool_calls_are_refused_where_the_template_renders_none(real_server, stream):
+    """The template would render the assistant turn without its calls: a 400 naming
+    them, in each API's shape, as ``tools`` and a ``tool`` message are refused there."""
+    called = {"role": "assistant", "content": None, "tool_calls": [CALL]}
+    r = _post(real_server, "/v1/chat/completions",
+              json={"messages": [QUESTION, called], "max_tokens": 1, "stream": stream})
+    error = assert_openai_error(r, 400, param="messages[1].tool_calls", code="invalid_value")
+    assert "chat template has no tool support" in error["message"], error
+    # Ollama checks no tool history: the calls are refused mid-conversation too.
+    ollama_call = {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    called = {"role": "assistant", "content": "", "tool_calls": [ollama_call]}
+    for turns in ([QUESTION, called], [QUESTION, called, {"role": "user", "content": "and?"}]):
+        r = _post(real_server, "/api/chat", json={"model": "default", "messages": turns, "stream": stream,
+                                                   "options": {"num_predict": 1}})
+        assert r.status_code == 400, r.text
+        message = r.json()["error"]
+        assert message.startswith("messages[1].tool_calls ") and "no tool support" in message, message
+
+
+def test_a_tool_message_after_the_calls_is_still_named_and_no_calls_are_taken(real_server):
+    called = {"role": "assistant", "content": None, "tool_calls": [CALL]}
+    answered = [QUESTION, called, {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    r = _post(real_server, "/v1/chat/completions", json={"messages": answered, "max_tokens": 1})
+    assert_openai_error(r, 400, param="messages[2].role", code="invalid_value")
+    # An empty list of calls asks for nothing the template leaves out.
+    said = [QUESTION, {"role": "assistant", "content": "Sunny.", "tool_calls": []}, {"role": "user", "content": "ok"}]
+    r = _post(real_server, "/v1/chat/completions", json={"messages": said, "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    # Anthropic's tool_use always needs its tool_result (or is a refused prefill): named as before.
+    use = {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {"city": "Paris"}}
+    result = {"type": "tool_result", "tool_use_id": "t1", "content": "sunny"}
+    turns = [QUESTION, {"role": "assistant", "content": [use]}, {"role": "user", "content": [result]}]
+    r = _post(real_server, "/v1/messages", json={"model": "default", "max_tokens": 1, "messages": turns})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].startswith("messages[2].content[0] is a tool_result block"), r.text

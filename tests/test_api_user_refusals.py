@@ -2,7 +2,7 @@
 in other words than the docs give, each through a real ``headroom serve`` of the
 embedded default model (whose chat template has no tool support): an earlier assistant
 turn's ``tool_calls`` left out of the prompt unsaid (where ``tools`` and ``tool``
-messages are refused)."""
+messages are refused); ``modalities`` and ``audio`` asking for audio answered in text."""
 
 from __future__ import annotations
 
@@ -56,3 +56,26 @@ def test_a_tool_message_after_the_calls_is_still_named_and_no_calls_are_taken(re
     r = _post(real_server, "/v1/messages", json={"model": "default", "max_tokens": 1, "messages": turns})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["message"].startswith("messages[2].content[0] is a tool_result block"), r.text
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"modalities": ["audio"]}, "modalities"),
+        ({"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}}, "modalities"),
+        ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+        ({"modalities": ["text"], "audio": {}}, "audio"),
+    ],
+)
+def test_audio_output_is_refused_not_answered_in_text(real_server, extra, param):
+    r = _post(real_server, "/v1/chat/completions", json={"messages": [QUESTION], "max_tokens": 1, **extra})
+    error = assert_openai_error(r, 400, param=param, code="invalid_value")
+    assert "text only" in error["message"], error
+
+
+def test_text_modalities_are_served(real_server):
+    for extra in ({"modalities": ["text"]}, {"modalities": None, "audio": None}):
+        r = _post(real_server, "/v1/chat/completions", json={"messages": [QUESTION], "max_tokens": 1, **extra})
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] is not None, r.text
+    r = _post(real_server, "/v1/chat/completions", json={"messages": [QUESTION], "modalities": "text"})
+    assert_openai_error(r, 400, param="modalities", code="invalid_type")

@@ -45,7 +45,7 @@ def chat_request(
 
     Raises:
         APIError: 400 naming the field (``stream_options`` without ``stream``, ``top_logprobs``, ``functions``,
-            ``response_format``, ``stop``, ``logit_bias``, ``reasoning_effort``;
+            ``modalities`` other than text, ``audio``, ``response_format``, ``stop``, ``logit_bias``, ``reasoning_effort``;
             ``thinking_budget`` when it contradicts ``reasoning_effort``;
             ``messages[i].content`` when it is an empty array, as OpenAI refuses it;
             ``tools[i].function.name`` for a name OpenAI refuses:
@@ -64,6 +64,7 @@ def chat_request(
         raise invalid("functions are not supported; send tools instead", "functions")
     if body.function_call not in (None, "none", "auto"):
         raise invalid("function_call is not supported; send tools and tool_choice instead", "function_call")
+    _check_text_output(body.modalities, body.audio)
     _check_contents(body.messages)
     _check_tool_history(body.messages)
     for i, tool in enumerate(body.tools or ()):
@@ -102,6 +103,26 @@ def chat_request(
         thinking_budget=budget,
         thinking_param="thinking_budget" if body.reasoning_effort is None else "reasoning_effort",
     )
+
+
+def _check_text_output(modalities: list[str] | None, audio: dict[str, Any] | None) -> None:
+    """Answers are text only: ``modalities`` asking for anything else (``audio``), or
+    ``audio`` output settings, are refused as OpenAI refuses them on a model without
+    audio output, rather than answered in text unsaid (``["text"]`` asks for what is
+    served).
+
+    Raises:
+        APIError: 400 ``modalities`` or ``audio``.
+    """
+    other = [m for m in modalities or () if m != "text"]
+    if other:
+        raise invalid(
+            f"modalities asks for {', '.join(map(repr, other))} output, which this model does not give: "
+            "it answers in text only; send [\"text\"] or leave modalities out",
+            "modalities",
+        )
+    if audio is not None:
+        raise invalid("audio output is not supported: this model answers in text only; leave audio out", "audio")
 
 
 def _check_tool_history(messages: list[Any]) -> None:

@@ -3,9 +3,9 @@
 Requests decode leniently where OpenAI's clients expect it: unknown fields are
 ignored (new client versions send new fields). Fields we cannot honour are declared
 so that setting them is refused with a 400 naming the field rather than silently
-ignored (``functions``, ``suffix``, ``best_of`` other than ``n``); their neutral values
-are accepted. ``logprobs``/``top_logprobs`` (0..20) and a completion's ``echo`` are
-shaped by :mod:`service.api.logprobs`. ``response_format`` is structured output
+ignored (``functions``, ``suffix``, ``best_of`` other than ``n``, ``modalities`` other
+than text, ``audio``); their neutral values are accepted. ``logprobs``/``top_logprobs``
+(0..20) and a completion's ``echo`` are shaped by :mod:`service.api.logprobs`. ``response_format`` is structured output
 (:mod:`service.api.structured`). ``tools``/``tool_choice`` are served by :mod:`service.api.tools`,
 ``chat_template_kwargs`` reach the template, and answers carry ``reasoning_content``
 (:mod:`service.api.reasoning`). ``logit_bias`` ids are checked against the vocabulary.
@@ -74,6 +74,8 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     parallel_tool_calls: bool = True

@@ -2,7 +2,9 @@
 in other words than the docs give, each through a real ``headroom serve`` of the
 embedded default model (whose chat template has no tool support): an earlier assistant
 turn's ``tool_calls`` left out of the prompt unsaid (where ``tools`` and ``tool``
-messages are refused); ``modalities`` and ``audio`` asking for audio answered in text."""
+messages are refused); ``modalities`` and ``audio`` asking for audio answered in text;
+Anthropic's string content of whitespace only taken where the same text block is
+refused, and a refusal that named its place twice."""
 
 from __future__ import annotations
 
@@ -79,3 +81,26 @@ def test_text_modalities_are_served(real_server):
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] is not None, r.text
     r = _post(real_server, "/v1/chat/completions", json={"messages": [QUESTION], "modalities": "text"})
     assert_openai_error(r, 400, param="modalities", code="invalid_type")
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
+def test_anthropic_takes_a_string_content_as_one_text_block(real_server, path):
+    """Whitespace alone is refused in a string as in a text block, and each refusal
+    names its place once."""
+    body = {"model": "default", "max_tokens": 1}
+    for content, where in (("   ", "messages[0].content"), ([{"type": "text", "text": " \n"}], "messages[0].content[0]")):
+        r = _post(real_server, path, json={**body, "messages": [{"role": "user", "content": content}]})
+        assert r.status_code == 400, r.text
+        message = r.json()["error"]["message"]
+        assert message.startswith(f"{where}: text content blocks must contain non-whitespace text"), message
+    turns = [QUESTION, {"role": "assistant", "content": " \t"}, QUESTION]
+    r = _post(real_server, path, json={**body, "messages": turns})
+    assert r.json()["error"]["message"].startswith("messages[1].content: text content blocks"), r.text
+    for empty in ("", []):
+        r = _post(real_server, path, json={**body, "messages": [{"role": "user", "content": empty}]})
+        message = r.json()["error"]["message"]
+        assert message.startswith("messages[0].content: all messages must have non-empty content"), message
+        assert message.count("messages[0]") == 1, message
+    # Text around its whitespace is text.
+    r = _post(real_server, path, json={**body, "messages": [{"role": "user", "content": " hi "}]})
+    assert r.status_code == 200, r.text

@@ -24,7 +24,8 @@ Refused with a 400 rather than dropped: image and document blocks (this server s
 text models), Anthropic's server tools, ``thinking`` enabled beside a ``tool_choice``
 that forces a call (``any``, ``tool``: as Anthropic refuses it), a last turn that is
 the assistant's (an answer's prefill), blocks in a turn of the other role; and, as
-Anthropic refuses them, a text block without non-whitespace text, a tool name outside
+Anthropic refuses them, a text block without non-whitespace text (a turn's content given
+as a string too: Anthropic takes it as one text block), a tool name outside
 ``^[a-zA-Z0-9_-]{1,128}$`` (a tool's or a past ``tool_use``'s) and a tool history
 Anthropic refuses (:func:`service.api.tool_checks.check_tool_history`): each assistant
 turn's ``tool_use`` blocks answered by ``tool_result`` blocks in the user message right
@@ -71,17 +72,20 @@ MIN_THINKING_BUDGET = 1024
 _NO_VISION = "this model has no vision: image blocks are not supported by this server"
 
 
-def _block_text(block: TextBlock, param: str) -> str:
-    """A text block's text; an empty one, or one of whitespace only, is refused, as
+def _block_text(block: TextBlock | str, param: str) -> str:
+    """A text block's text (a turn's content given as a string is one text block, as
+    Anthropic takes it); an empty one, or one of whitespace only, is refused, as
     Anthropic refuses it.
 
     Raises:
-        APIError: 400 ``param`` (the block's path) for a text block without text.
+        APIError: 400 ``param`` (the block's path, or the content's) for a text block without text.
     """
-    if not block.text.strip():
+    text = block if isinstance(block, str) else block.text
+    if not text.strip():
+        where = "content" if isinstance(block, str) else "block"
         raise invalid(f"{param}: text content blocks must contain non-whitespace text; put text in the "
-                      "block or leave it out", param)
-    return block.text
+                      f"{where} or leave it out", param)
+    return text
 
 
 def _text(blocks: str | list[Any], param: str) -> str:
@@ -164,8 +168,10 @@ def chat_messages(body: CountTokensRequest) -> list[dict[str, Any]]:
     for i, turn in enumerate(body.messages):
         if not turn.content and not (turn.role == "assistant" and i == len(body.messages) - 1):
             # As Anthropic answers: only a last assistant turn (a prefill) may be empty.
-            raise invalid(f"messages[{i}]: all messages must have non-empty content except for the optional "
-                          "final assistant message", f"messages[{i}].content")
+            raise invalid(f"messages[{i}].content: all messages must have non-empty content except for the "
+                          "optional final assistant message", f"messages[{i}].content")
+        if isinstance(turn.content, str) and turn.content:
+            _block_text(turn.content, f"messages[{i}].content")  # one text block: whitespace alone is refused
         if turn.role == "assistant":
             if isinstance(turn.content, str):
                 out.append({"role": "assistant", "content": turn.content})

@@ -124,7 +124,7 @@ def test_a_negative_logit_bias_id_names_the_vocabulary_range(real_server):
 def test_a_text_part_without_text_says_so(real_server):
     content = [{"type": "text"}]
     r = _post(real_server, "/v1/chat/completions", json={"messages": [{"role": "user", "content": content}]})
-    error = assert_openai_error(r, 400, param="messages[0].content[0].text", code="invalid_value")
+    error = assert_openai_error(r, 400, param="messages[0].content[0].text", code="missing_field")
     assert "not supported" not in error["message"] and "text" in error["message"], error
 
 

@@ -4,7 +4,8 @@ embedded default model (whose chat template has no tool support): an earlier ass
 turn's ``tool_calls`` left out of the prompt unsaid (where ``tools`` and ``tool``
 messages are refused); ``modalities`` and ``audio`` asking for audio answered in text;
 Anthropic's string content of whitespace only taken where the same text block is
-refused, and a refusal that named its place twice."""
+refused, and a refusal that named its place twice; fields inside ``messages`` given
+``invalid_value`` where docs/api.md has ``missing_field`` or ``invalid_type``."""
 
 from __future__ import annotations
 
@@ -104,3 +105,37 @@ def test_anthropic_takes_a_string_content_as_one_text_block(real_server, path):
     # Text around its whitespace is text.
     r = _post(real_server, path, json={**body, "messages": [{"role": "user", "content": " hi "}]})
     assert r.status_code == 200, r.text
+
+
+CALLED = {"role": "assistant", "content": None}
+
+
+@pytest.mark.parametrize(
+    ("messages", "param", "code"),
+    [
+        ([{"role": "user", "content": 123}], "messages[0].content", "invalid_type"),
+        ([{"role": "user", "content": None}], "messages[0].content", "invalid_type"),
+        ([{"role": "user", "content": [{"type": "text", "text": 123}]}], "messages[0].content[0].text", "invalid_type"),
+        ([{"role": "user", "content": [{"type": "text"}]}], "messages[0].content[0].text", "missing_field"),
+        ([{"role": "user", "content": ["hi"]}], "messages[0].content[0]", "invalid_type"),
+        ([{"role": "user", "content": [{"text": "hi"}]}], "messages[0].content[0].type", "missing_field"),
+        ([{"role": "user"}], "messages[0].content", "missing_field"),
+        ([{"content": "hi"}], "messages[0].role", "missing_field"),
+        ([{"role": 5, "content": "hi"}], "messages[0].role", "invalid_type"),
+        ([QUESTION, {**CALLED, "tool_calls": "c1"}], "messages[1].tool_calls", "invalid_type"),
+        ([QUESTION, {**CALLED, "tool_calls": [{"id": "c1"}]}], "messages[1].tool_calls[0].function", "missing_field"),
+        ([QUESTION, {**CALLED, "tool_calls": [{**CALL, "function": {"name": "f", "arguments": 5}}]}],
+         "messages[1].tool_calls[0].function.arguments", "invalid_type"),
+        ([QUESTION, {**CALLED, "tool_calls": []}], "messages[1].content", "invalid_type"),
+        # Values, not types: as before.
+        ([{"role": "nobody", "content": "hi"}], "messages[0].role", "invalid_value"),
+        ([{"role": "user", "content": [{"type": "image_url"}]}], "messages[0].content[0]", "invalid_value"),
+        ([{"role": "user", "content": []}], "messages[0].content", "invalid_value"),
+    ],
+)
+def test_nested_fields_have_the_documented_codes(real_server, messages, param, code):
+    """docs/api.md's codes, as the top-level fields have them: ``missing_field`` for a
+    field absent, ``invalid_type`` for one of the wrong JSON type, naming the field."""
+    r = _post(real_server, "/v1/chat/completions", json={"messages": messages, "max_tokens": 1})
+    error = assert_openai_error(r, 400, param=param, code=code)
+    assert error["message"].startswith(param), error

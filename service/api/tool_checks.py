@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.text.chat import ChatTemplateError
-from service.common.errors import invalid
+from service.common.errors import INVALID_TYPE, invalid
 
 # The longest tool name each API takes.
 OPENAI_NAME_LENGTH = 64
@@ -60,8 +60,8 @@ def check_call_arguments(arguments: Any, param: str) -> None:
     ``{}``), or an object (taken as it is, and shown to the model as its JSON text).
 
     Raises:
-        APIError: 400 ``param`` for another type (an array, a number, null...), text
-            that is not JSON (``NaN`` and ``Infinity`` are not) or JSON that is no object.
+        APIError: 400 ``param`` for another type (an array, a number, null...:
+            ``invalid_type``), text that is not JSON (``NaN`` and ``Infinity`` are not) or JSON that is no object.
     """
     if isinstance(arguments, dict):
         return
@@ -71,6 +71,7 @@ def check_call_arguments(arguments: Any, param: str) -> None:
             f"{param} must be a string (the call's arguments as JSON object text, e.g. "
             f"'{{\"city\": \"Paris\"}}'), got {kind}",
             param,
+            INVALID_TYPE,
         )
     if not arguments.strip():
         return

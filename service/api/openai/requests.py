@@ -14,6 +14,7 @@ from dataclasses import replace
 from typing import Any
 
 from engine.wire.messages import MAX_LOGPROBS
+from service.api.openai.messages import check_messages
 from service.api.openai.schemas import MAX_SEQUENCES, ChatCompletionRequest, CompletionRequest
 from service.api.prompts import chat_prompt, completion_prompts_of
 from service.api.request import GenerationRequest, stop_strings
@@ -47,7 +48,9 @@ def chat_request(
         APIError: 400 naming the field (``stream_options`` without ``stream``, ``top_logprobs``, ``functions``,
             ``modalities`` other than text, ``audio``, ``response_format``, ``stop``, ``logit_bias``, ``reasoning_effort``;
             ``thinking_budget`` when it contradicts ``reasoning_effort``;
-            ``messages[i].content`` when it is an empty array, as OpenAI refuses it;
+            ``messages[i]``'s fields missing or of the wrong type, or a content that
+            is an empty array, as OpenAI refuses it
+            (:func:`~service.api.openai.messages.check_messages`);
             ``tools[i].function.name`` for a name OpenAI refuses:
             :func:`~service.api.tool_checks.check_tool_name`; ``messages[i]`` and its
             ``tool_calls[j]`` for a tool history OpenAI refuses: :func:`_check_tool_history`).
@@ -65,7 +68,7 @@ def chat_request(
     if body.function_call not in (None, "none", "auto"):
         raise invalid("function_call is not supported; send tools and tool_choice instead", "function_call")
     _check_text_output(body.modalities, body.audio)
-    _check_contents(body.messages)
+    check_messages(body.messages)
     _check_tool_history(body.messages)
     for i, tool in enumerate(body.tools or ()):
         function = tool.get("function") if isinstance(tool, dict) else None
@@ -161,32 +164,6 @@ def _check_tool_history(messages: list[Any]) -> None:
                 made.append((call["id"], param))
         turns.append(Turn(f"messages[{i}]", calls=tuple(made)))
     check_tool_history(turns, OPENAI_HISTORY)
-
-
-def _check_contents(messages: list[Any]) -> None:
-    """An empty content array is refused, as OpenAI refuses it (an empty string is a
-    turn that says nothing, and is taken).
-
-    Raises:
-        APIError: 400 ``messages[i].content``.
-    """
-    for i, message in enumerate(messages):
-        if isinstance(message, dict):
-            check_content(message.get("content"), f"messages[{i}].content")
-
-
-def check_content(content: Any, param: str) -> None:
-    """One message's content (``param`` names it): an empty array is refused, as OpenAI
-    refuses it; anything else is left to the route.
-
-    Raises:
-        APIError: 400 ``param`` for ``[]``.
-    """
-    if content == []:
-        raise invalid(
-            f"{param} is an empty array: send at least one content part, or the content as a string",
-            param,
-        )
 
 
 def completion_request(

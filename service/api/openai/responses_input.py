@@ -36,7 +36,8 @@ from typing import Any
 
 from engine.common.clip import clip
 from engine.text.chat import ChatTemplateError
-from service.api.openai.requests import check_content, check_stream_options
+from service.api.openai.messages import check_content
+from service.api.openai.requests import check_stream_options
 from service.api.openai.responses_schemas import ResponsesRequest
 from service.api.prompts import chat_prompt
 from service.api.request import GenerationRequest

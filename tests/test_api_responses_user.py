@@ -2,7 +2,8 @@
 embedded default model (a 512-token context, so a prompt past it is cheap): Responses'
 ``truncation: "auto"`` ignored; its input checks unlike chat completions' (an empty
 content list, ``input: ""``, an assistant ``refusal`` part, ``stream_options`` without
-``stream``); ``include`` and ``metadata`` taken unchecked; ``temperature``/``top_p``
+``stream``; a message item's role that is no string a 500, its fields' codes unlike
+docs/api.md's); ``include`` and ``metadata`` taken unchecked; ``temperature``/``top_p``
 echoed null when unset; stored-response routes and unknown paths answering a 404 without a ``code``; the 501s of the embeddings routes
 left out of ``/metrics``; Ollama's greedy ``top_p`` 0 and negative ``temperature``
 refused; the OpenAPI document without pause and resume."""
@@ -84,6 +85,22 @@ def test_responses_input_checks_match_chat_completions(http):
     # A refusal part is an assistant's: a user's is still refused.
     _refused(http.post("/v1/responses", json={"input": [{"role": "user", "content": [refusal]}]}),
              400, "input[0].content[0]")
+
+
+@pytest.mark.parametrize(
+    ("item", "param", "code"),
+    [
+        ({"role": ["user"], "content": "Hi"}, "input[0].role", "invalid_type"),  # was a 500 (unhashable)
+        ({"type": "message", "content": "Hi"}, "input[0].role", "missing_field"),
+        ({"role": "nobody", "content": "Hi"}, "input[0].role", "invalid_value"),
+        ({"role": "user"}, "input[0].content", "missing_field"),
+        ({"role": "user", "content": 123}, "input[0].content", "invalid_type"),
+    ],
+)
+def test_a_message_items_fields_have_the_documented_codes(http, item, param, code):
+    """As chat completions' messages: a field absent is missing_field, one of the wrong
+    JSON type invalid_type, never a 500."""
+    _refused(http.post("/v1/responses", json={"input": [item], "max_output_tokens": 1}), 400, param, code)
 
 
 def test_include_and_metadata_are_checked_as_openai_checks_them(http):

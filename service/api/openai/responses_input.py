@@ -36,7 +36,7 @@ from typing import Any
 
 from engine.common.clip import clip
 from engine.text.chat import ChatTemplateError
-from service.api.openai.messages import check_content
+from service.api.openai.messages import check_content, json_type
 from service.api.openai.requests import check_stream_options
 from service.api.openai.responses_schemas import ResponsesRequest
 from service.api.prompts import chat_prompt
@@ -45,7 +45,7 @@ from service.api.sampling import sampling_of
 from service.api.structured import response_schema
 from service.api.thinking import effort_thinking, with_thinking
 from service.api.tool_checks import check_call_arguments, check_tool_name
-from service.common.errors import INVALID_TYPE, NOT_FOUND, APIError, invalid
+from service.common.errors import INVALID_TYPE, MISSING_FIELD, NOT_FOUND, APIError, invalid
 
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -123,13 +123,33 @@ def _check_metadata(metadata: dict[str, Any] | None) -> None:
             raise invalid(f"metadata.{key} is longer than {_METADATA_VALUE_CHARS} characters", f"metadata.{key}")
 
 
+def _role(item: dict[str, Any], param: str) -> str:
+    """A message item's role as the chat's (``developer`` is ``system``).
+
+    Raises:
+        APIError: 400 ``param``: ``missing_field`` without one, ``invalid_type`` for one
+            that is no string, ``invalid_value`` for another role.
+    """
+    if "role" not in item:
+        raise invalid("role is missing: a message item needs user, assistant, system or developer", param,
+                      MISSING_FIELD)
+    role = item["role"]
+    if not isinstance(role, str):
+        raise invalid(f"role must be a string (user, assistant, system or developer), got {json_type(role)}",
+                      param, INVALID_TYPE)
+    if role not in _ROLES:
+        raise invalid("role must be user, assistant, system or developer", param)
+    return _ROLES[role]
+
+
 def _text(content: Any, param: str, role: str = "user") -> str:
     """A message's content as text: a string, or its text parts joined (an assistant's
     ``refusal`` parts among them)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise invalid("content must be a string or a list of content parts", param)
+        raise invalid(f"content must be a string or a list of content parts, got {json_type(content)}", param,
+                      INVALID_TYPE)
     check_content(content, param)
     texts = []
     for j, part in enumerate(content):
@@ -194,10 +214,11 @@ def _converted(
             raise invalid("each input item must be an object", param)
         kind = item.get("type", "message" if "role" in item else None)
         if kind == "message":
-            role = _ROLES.get(item.get("role"))  # type: ignore[arg-type]
-            if role is None:
-                raise invalid("role must be user, assistant, system or developer", f"{param}.role")
-            content = _text(item.get("content"), f"{param}.content", role)
+            role = _role(item, f"{param}.role")
+            if "content" not in item:
+                raise invalid("content is missing: send a string or a list of content parts", f"{param}.content",
+                              MISSING_FIELD)
+            content = _text(item["content"], f"{param}.content", role)
             message: dict[str, Any] = {"role": role, "content": content}
             if role == "assistant" and reasoning:
                 message["reasoning_content"], reasoning = reasoning, ""

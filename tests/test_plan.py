@@ -282,6 +282,11 @@ def test_reserves_beyond_the_device_read_as_short_never_as_a_negative_budget():
     assert f"its budget does not fit, {short // MiB} MiB short" in message and "-" not in message.split("\n")[0]
 
 
+def test_a_simulated_card_below_a_gib_is_named_in_mib():
+    assert simulated_device(5 * MiB).name == "simulated device (5 MiB)"  # was "(0.00 GiB)"
+    assert simulated_device(24 * GiB).name == "simulated device (24.00 GiB)"
+
+
 def test_a_reserve_past_the_card_is_answered_with_the_automatic_one(default_model_dir):
     """``--reserve 100GiB`` on a 6 GiB card: halving it (50 GiB) would still leave nothing;
     the plan proposes the card's automatic reserve, with which it fits."""

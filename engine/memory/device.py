@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from engine.common.units import GiB
+from engine.common.units import fmt_bytes
 from engine.memory.plan import DeviceMemory
 
 
@@ -22,7 +22,7 @@ def simulated_device(total_bytes: int, free_bytes: int | None = None, *, display
     if not 0 <= free <= total_bytes:
         raise ValueError(f"--device-free ({free} bytes) must lie between 0 and --device-total ({total_bytes} bytes)")
     return DeviceMemory(
-        name=f"simulated device ({total_bytes / GiB:.2f} GiB)",
+        name=f"simulated device ({fmt_bytes(total_bytes)})",
         total_bytes=total_bytes,
         free_bytes=free,
         others_bytes=total_bytes - free,

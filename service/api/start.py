@@ -19,12 +19,11 @@ async def start_generation(
     svc: Services,
     model: str | None,
     request: GenerationRequest,
-    name_key: Callable[[str], str] | None = None,
     untemplated: Callable[[GenerationRequest], GenerationRequest] | None = None,
 ) -> tuple[Generation, str]:
     """What every route does once its request is built: a ready worker (503; an idle
     one is loaded first, the wait kept as :attr:`Generation.load_s`), the model it
-    names (404; ``name_key`` as :meth:`Services.check_model` takes it), then
+    names (404: :meth:`Services.check_model`), then
     :meth:`Generation.start`, of the chat ``untemplated(request)`` gives (or raises)
     where the model's tokenizer has no chat template (Ollama's calls; None: the
     request as it is). The call is counted as started first (:meth:`Services.note_start`,
@@ -46,7 +45,7 @@ async def start_generation(
                                 request.started)
     info = await svc.supervisor.ready()
     load_s = time.perf_counter() - waited_from
-    name = svc.check_model(model, info, name_key)
+    name = svc.check_model(model, info)
     if request.chat and svc.text is not None:
         template = chat_template(svc.text)
         # ``model or name``: the name the client used, as Ollama's message has it.

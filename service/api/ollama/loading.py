@@ -33,7 +33,7 @@ from typing import Any
 from litestar import Response
 from litestar.background_tasks import BackgroundTask
 
-from service.api.ollama.models import ollama_key, ollama_name, rfc3339
+from service.api.ollama.models import ollama_name, rfc3339
 from service.api.ollama.schemas import (
     OllamaChatChunk,
     OllamaChatRequest,
@@ -158,7 +158,7 @@ async def load_or_unload(svc: Services, body: OllamaChatRequest | OllamaGenerate
     # last worker's facts while none is loaded.
     model = ollama_name(svc, supervisor.info) if supervisor.info is not None else name
     if supervisor.info is not None:
-        svc.check_model(name, supervisor.info, ollama_key)
+        svc.check_model(name, supervisor.info)
     if wants_unload(body.keep_alive):
         if supervisor.state in UNLOADABLE:
             await supervisor.unload_when_done(UNLOAD_REASON)
@@ -166,7 +166,7 @@ async def load_or_unload(svc: Services, body: OllamaChatRequest | OllamaGenerate
     else:
         svc.note_start()
         info = await supervisor.ready()
-        svc.check_model(name, info, ollama_key)
+        svc.check_model(name, info)
         model = ollama_name(svc, info)
         reason = "load"
     created = rfc3339(datetime.now(timezone.utc))

@@ -7,15 +7,14 @@ from __future__ import annotations
 import hashlib
 from datetime import datetime, timezone
 
+from engine.common.model_names import tagged
 from engine.wire.messages import EngineInfo
 from service.api.ollama.schemas import OllamaDetails, OllamaModel
-from service.api.services import Services, model_key, tagged
+from service.api.services import Services
 
 _BYTES_PER_PARAMETER = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
-# Ollama's name rule is every API's here (service.api.services.model_key).
-ollama_key = model_key
 
 
 def details(info: EngineInfo) -> OllamaDetails:

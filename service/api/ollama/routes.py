@@ -31,7 +31,7 @@ from engine.text.chat import template_has_tools
 from service.api.generation import Generation
 from service.api.ollama.answers import chat_answer, generate_answer
 from service.api.ollama.loading import keep_alive_s, load_or_unload, unload_after, wants_unload
-from service.api.ollama.models import details, models, modified_at, ollama_key, ollama_name, rfc3339
+from service.api.ollama.models import details, models, modified_at, ollama_name, rfc3339
 from service.api.ollama.requests import (
     OPTION_OF_FIELD,
     chat_request,
@@ -109,7 +109,7 @@ async def _generate(
     ``answer`` (a stream unless the body says ``"stream": false``)."""
     build = partial(request_of, default_max_tokens=svc.settings.default_max_tokens)
     call = build_call(request, body, build, "ollama", started)
-    gen, _ = await start_generation(svc, body.model, call, ollama_key, untemplated)
+    gen, _ = await start_generation(svc, body.model, call, untemplated=untemplated)
     # Answers name the model as /api/tags lists it, whichever alias asked.
     sent = await answer(gen, request, ollama_name(svc, svc.supervisor.info or svc.supervisor.check_ready()))
     return unload_after(svc, sent, gen.start_number) if wants_unload(body.keep_alive) else sent
@@ -182,7 +182,7 @@ class OllamaController(Controller):
         if not (body.model or body.name):
             raise invalid("model is required", "model", MISSING_FIELD)
         info = svc.supervisor.info or svc.supervisor.check_ready()
-        svc.check_model(body.model or body.name, info, ollama_key)
+        svc.check_model(body.model or body.name, info)
         template = getattr(svc.text.tokenizer, "chat_template", None) if svc.text else None
         template = template if isinstance(template, str) else ""
         d = details(info)

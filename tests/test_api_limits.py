@@ -123,6 +123,20 @@ def test_completions_check_the_same_ranges(keyed_server):
     assert r.status == 400 and r.error()["param"] == "prompt", r.body
 
 
+@pytest.mark.parametrize("prompt", [[True], [[True]], [[1, False]], [[1], [True, 2]]])
+def test_a_boolean_token_id_is_refused_and_the_worker_lives(keyed_server, prompt):
+    """JSON's true is no token id: a list of id lists holding one reached the worker,
+    whose decoder refused it and exited, twice (the retry on the next worker too), every
+    other client getting 503 engine_restarting meanwhile."""
+    health = json.loads(Raw(keyed_server, "GET", "/api/health").body)
+    r = Raw(keyed_server, "POST", "/v1/completions", {**COMPLETION, "prompt": prompt}, auth())
+    assert r.status == 400, r.body
+    error = r.error()
+    assert error["param"] == "prompt" and error["code"] == "invalid_type", error
+    after = json.loads(Raw(keyed_server, "GET", "/api/health").body)
+    assert (after["worker_pid"], after["restarts"]) == (health["worker_pid"], health["restarts"]), after
+
+
 def test_seeds_at_the_ends_of_the_range_are_served_and_differ(keyed_server):
     texts = {}
     for seed in (0, 2**63 - 1):

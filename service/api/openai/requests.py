@@ -28,7 +28,7 @@ from service.api.tool_checks import (
     check_tool_history,
     check_tool_name,
 )
-from service.common.errors import invalid
+from service.common.errors import INVALID_TYPE, invalid
 
 # An unset max_tokens is OpenAI's 16 for text completions.
 COMPLETION_MAX_TOKENS = 16
@@ -241,11 +241,19 @@ def _check_logprobs_count(k: int, param: str) -> None:
         raise invalid(f"{param} must be an integer in [0, {MAX_LOGPROBS}], got {k}", param)
 
 
+def _token_ids(items: list[Any]) -> bool:
+    """Whether every item is a token id: a JSON integer (``true`` and ``1.0`` are not)."""
+    return all(isinstance(t, int) and not isinstance(t, bool) for t in items)
+
+
 def prompt_items(prompt: str | list[Any]) -> list[str | list[int]]:
     """OpenAI's four prompt forms as a list of strings / token id lists.
 
     Raises:
-        APIError: 400 ``prompt`` for an empty or mixed list.
+        APIError: 400 ``prompt``: ``invalid_value`` for an empty list,
+            ``invalid_type`` for a mixed list or an item of another JSON type (a
+            boolean or a fraction among token ids too, which the worker's decoder
+            would refuse, exiting).
     """
     if isinstance(prompt, str):
         return [prompt]
@@ -253,12 +261,13 @@ def prompt_items(prompt: str | list[Any]) -> list[str | list[int]]:
         raise invalid("prompt must not be empty", "prompt")
     if all(isinstance(p, str) for p in prompt):
         return list(prompt)
-    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    if _token_ids(prompt):
         return [list(prompt)]
-    if all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompt):
+    if all(isinstance(p, list) and _token_ids(p) for p in prompt):
         return [list(p) for p in prompt]
     raise invalid(
         "prompt must be a string, a list of strings, a list of token ids or a list of "
-        "token id lists",
+        "token id lists (token ids are integers)",
         "prompt",
+        INVALID_TYPE,
     )

@@ -3,7 +3,7 @@ in other words than the docs give, each through a real ``headroom serve`` of the
 embedded default model (whose chat template has no tool support): an earlier assistant
 turn's ``tool_calls`` left out of the prompt unsaid (where ``tools`` and ``tool``
 messages are refused); ``modalities`` and ``audio`` asking for audio answered in text;
-Anthropic's string content of whitespace only taken where the same text block is
+Anthropic's string content (and system) of whitespace only taken where the same text block is
 refused, and a refusal that named its place twice; fields inside ``messages`` given
 ``invalid_value`` where docs/api.md has ``missing_field`` or ``invalid_type``."""
 
@@ -105,6 +105,23 @@ def test_anthropic_takes_a_string_content_as_one_text_block(real_server, path):
     # Text around its whitespace is text.
     r = _post(real_server, path, json={**body, "messages": [{"role": "user", "content": " hi "}]})
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
+def test_anthropic_takes_a_string_system_as_one_text_block(real_server, path):
+    """A system string of whitespace only is refused as the same text in a system block
+    is (Anthropic: ``system: text content blocks must contain non-whitespace text``),
+    where it was served, the template's own system prompt replaced by the blanks."""
+    body = {"model": "default", "max_tokens": 1, "messages": [QUESTION]}
+    for system, where in ((" \n\t", "system"), ([{"type": "text", "text": " \n\t"}], "system[0]")):
+        r = _post(real_server, path, json={**body, "system": system})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["type"] == "invalid_request_error", error
+        assert error["message"].startswith(f"{where}: text content blocks must contain non-whitespace text"), error
+    # No system (an empty string says none) and a system with text are served.
+    for extra in ({}, {"system": ""}, {"system": " Be brief. "}):
+        assert _post(real_server, path, json={**body, **extra}).status_code == 200, extra
 
 
 CALLED = {"role": "assistant", "content": None}

@@ -24,8 +24,8 @@ Refused with a 400 rather than dropped: image and document blocks (this server s
 text models), Anthropic's server tools, ``thinking`` enabled beside a ``tool_choice``
 that forces a call (``any``, ``tool``: as Anthropic refuses it), a last turn that is
 the assistant's (an answer's prefill), blocks in a turn of the other role; and, as
-Anthropic refuses them, a text block without non-whitespace text (a turn's content given
-as a string too: Anthropic takes it as one text block), a tool name outside
+Anthropic refuses them, a text block without non-whitespace text (a turn's content or
+``system`` given as a string too: Anthropic takes it as one text block), a tool name outside
 ``^[a-zA-Z0-9_-]{1,128}$`` (a tool's or a past ``tool_use``'s) and a tool history
 Anthropic refuses (:func:`service.api.tool_checks.check_tool_history`): each assistant
 turn's ``tool_use`` blocks answered by ``tool_result`` blocks in the user message right
@@ -161,8 +161,9 @@ def chat_messages(body: CountTokensRequest) -> list[dict[str, Any]]:
         APIError: 400 naming the block or turn at fault.
     """
     out: list[dict[str, Any]] = []
-    if body.system:
-        out.append({"role": "system", "content": _text(body.system, "system")})
+    if body.system:  # a string is one text block: whitespace alone is refused ("" is no system)
+        text = _block_text(body.system, "system") if isinstance(body.system, str) else _text(body.system, "system")
+        out.append({"role": "system", "content": text})
     check_tool_history(_history(body), ANTHROPIC_HISTORY)
     names: dict[str, str] = {}  # tool_use id -> the tool's name, for its result
     for i, turn in enumerate(body.messages):

@@ -132,3 +132,19 @@ def test_a_schema_whose_parse_outgrows_the_grammar_fails_instead_of_a_cut_answer
                                          "format": schema, "stream": False, "options": {"temperature": 0}})
         assert r.status_code == 400 and r.json()["error"].startswith("format: "), r.text[:300]
         assert http.get("/api/health").status_code == 200  # and the server goes on
+
+
+def test_completions_response_format(real_server):
+    """``response_format`` on ``/v1/completions`` (vLLM's extension) constrains the text
+    as on chat completions, streamed or not; it was dropped unsaid, the answer free text."""
+    client = openai.OpenAI(base_url=real_server.base_url + "/v1", api_key="unused", timeout=600)
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}}
+    body = {"model": "default", "prompt": "Paris is", "max_tokens": 160, "seed": 0}
+    reply = client.completions.create(**body, extra_body={"response_format": fmt})
+    assert reply.choices[0].finish_reason == "stop", reply.choices[0].text
+    jsonschema_rs.validate(CITY, json.loads(reply.choices[0].text))
+    stream = client.completions.create(**body, stream=True, extra_body={"response_format": fmt})
+    jsonschema_rs.validate(CITY, json.loads("".join(chunk.choices[0].text for chunk in stream)))
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.completions.create(**body, extra_body={"response_format": {"type": "yaml"}})
+    assert exc.value.body["param"] == "response_format"

@@ -174,7 +174,7 @@ def completion_request(
 
     Raises:
         APIError: 400 naming the field (``stream_options`` without ``stream``, ``logprobs``, ``suffix``, ``best_of``,
-            ``prompt``, ``stop``, ``logit_bias``); 400 ``too_many_sequences`` for more
+            ``prompt``, ``stop``, ``logit_bias``, ``response_format``); 400 ``too_many_sequences`` for more
             than :data:`MAX_SEQUENCES` prompts times ``n`` (:func:`check_sequences`).
     """
     logit_bias, stop = logit_bias_pairs(body.logit_bias), stop_strings(body.stop)
@@ -187,6 +187,7 @@ def completion_request(
         raise invalid("best_of other than n is not supported by this server", "best_of")
     items = prompt_items(body.prompt)
     check_sequences(len(items), body.n)
+    json_schema = response_schema(body.response_format)
     return GenerationRequest(
         request_id=request_id,
         started=started,
@@ -199,6 +200,7 @@ def completion_request(
         logit_bias=logit_bias,
         logprobs=body.logprobs,
         echo=body.echo,
+        json_schema=json_schema,
         stream=body.stream,
     )
 

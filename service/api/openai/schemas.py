@@ -86,13 +86,15 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
 class CompletionRequest(_SamplingFields, kw_only=True):
     """``POST /v1/completions``. ``prompt`` is a string, a list of strings, a list of
     token ids or a list of those; each prompt yields ``n`` choices. ``max_tokens``
-    defaults to 16, as OpenAI's does."""
+    defaults to 16, as OpenAI's does. ``response_format`` (vLLM's extension)
+    constrains the text as on chat completions."""
 
     prompt: str | list[Any]
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    response_format: dict[str, Any] | None = None
 
 
 class ErrorObject(msgspec.Struct, kw_only=True):

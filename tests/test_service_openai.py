@@ -63,14 +63,22 @@ def test_openai_client_retrieves_a_model_by_any_name_it_lists(real_server):
 def test_the_names_api_tags_lists_work_on_v1_as_on_api(real_server):
     """A client that found the model in Ollama's /api/tags (``name:latest``) calls /v1
     with that name; names compare as Ollama compares them on every API (case-blind,
-    ``name`` the same as ``name:latest``), another tag is another model."""
+    ``name`` the same as ``name:latest``), another tag is another model. A retrieve by
+    such a name answers with the name as /v1/models lists it (it echoed ``DEFAULT``, an
+    id no listing has), Anthropic's shape too."""
     client = openai.OpenAI(base_url=real_server.base_url + "/v1", api_key="unused", max_retries=0)
     tagged = httpx.get(real_server.base_url + "/api/tags", timeout=30).json()["models"][0]["name"]
     assert tagged.endswith(":latest")
-    for name in (tagged, tagged.upper(), "default:latest", "DEFAULT"):
+    listed = [card.id for card in client.models.list().data]
+    for name, listed_as in ((tagged, listed[0]), (tagged.upper(), listed[0]), ("default:latest", "default"),
+                            ("DEFAULT", "default"), ("default:", "default")):
         reply = client.chat.completions.create(model=name, messages=QUESTION, max_tokens=2, temperature=0)
         assert reply.choices[0].message.content is not None, name
-        assert client.models.retrieve(name).object == "model"
+        got = client.models.retrieve(name)
+        assert (got.object, got.id) == ("model", listed_as), name
+        anthropic_card = httpx.get(f"{real_server.base_url}/v1/models/{name}", timeout=30,
+                                   headers={"anthropic-version": "2023-06-01"}).json()
+        assert anthropic_card["id"] == listed_as, anthropic_card
     answer = httpx.post(real_server.base_url + "/v1/messages", timeout=120, json={
         "model": tagged, "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]})
     assert answer.status_code == 200, answer.text

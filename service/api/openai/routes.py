@@ -26,6 +26,7 @@ from typing import Any
 
 from litestar import Controller, Request, Response, get, post, route
 
+from engine.common.model_names import model_key
 from engine.text.chat import ChatTemplateError
 from engine.wire.messages import EngineInfo
 from service.api.anthropic.models import (
@@ -91,13 +92,17 @@ class OpenAIController(Controller):
     @get("/models/{model_id:path}", opt=_MODELS_OPT, exception_handlers=BY_CLIENT_HANDLERS)
     async def model(self, request: Request, model_id: str, svc: Services) -> Response[bytes]:
         """One served model by a name :meth:`models` lists (OpenAI's retrieve; a name
-        with slashes, as a Hugging Face id, included); 404 ``model_not_found`` for any
-        other name, 503 before the first worker is ready. An Anthropic client gets
-        Anthropic's model object."""
+        with slashes, as a Hugging Face id, included), or one that compares equal to it
+        (:func:`~engine.common.model_names.model_key`: ``DEFAULT``, ``default:latest``),
+        answered with the name as listed; 404 ``model_not_found`` for any other name, 503
+        before the first worker is ready. An Anthropic client gets Anthropic's model object."""
         info = svc.supervisor.info or svc.supervisor.check_ready()
+        names = svc.model_names(info)
         name = model_id.lstrip("/")
+        if name not in names:
+            name = next((n for n in names if name and model_key(n) == model_key(name)), name)
         # check_model takes an empty name for the served model, a retrieve does not.
-        if name not in svc.model_names(info):
+        if name not in names:
             svc.check_model(name or " ", info)  # raises the 404 naming the served models
         if asks_anthropic(request):
             return json_response(anthropic_model(name, info.model_name, svc.started_at))

@@ -307,6 +307,26 @@ to_worker_decoder = msgspec.msgpack.Decoder(ToWorker)
 from_worker_decoder = msgspec.msgpack.Decoder(FromWorker)
 
 
+def decode_to_worker(frame: bytes) -> ToWorker | Rejected | None:
+    """One frame from the service as its message. A frame that is no valid message (a
+    field of the wrong type that got past the service's checks, such as a JSON ``true``
+    among a prompt's token ids) becomes a :class:`Rejected` of the request it names, for
+    the worker to send back (its client gets a 400), or None when it names none: one bad
+    request never takes the worker, and every other request, down.
+
+    Raises:
+        msgspec.DecodeError: the frame is not msgpack at all (a broken pipe, not a request).
+    """
+    try:
+        return to_worker_decoder.decode(frame)
+    except msgspec.ValidationError as exc:
+        raw = msgspec.msgpack.decode(frame)
+        request_id = raw.get("request_id") if isinstance(raw, dict) else None
+        if not isinstance(request_id, str):
+            return None
+        return Rejected(request_id=request_id, message=f"invalid request: {exc}", code="invalid_request")
+
+
 def encode(message: ToWorker | FromWorker) -> bytes:
     """One message as a msgpack frame."""
     return _encoder.encode(message)

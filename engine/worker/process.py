@@ -63,7 +63,7 @@ from engine.wire.ipc import (
     StatsRequest,
     WorkerConfig,
     WorkerError,
-    to_worker_decoder,
+    decode_to_worker,
 )
 from engine.wire.messages import AbortRequest, GenerateRequest, ResizeResult
 from engine.worker.heartbeat import HeartbeatThread, SharedPipe
@@ -215,8 +215,10 @@ def _cpu_threads(config: WorkerConfig) -> Callable[[], None]:
 def _receive(pipe: SharedPipe, engine: Any, beats: HeartbeatThread, planned_pages: int) -> int | None:
     """Handle every message waiting on the pipe; an exit code means stop."""
     while True:
-        message = to_worker_decoder.decode(pipe.recv_bytes())
-        if isinstance(message, GenerateRequest):
+        message = decode_to_worker(pipe.recv_bytes())
+        if isinstance(message, Rejected):  # a frame no request could be made of
+            pipe.send(message)
+        elif isinstance(message, GenerateRequest):
             try:
                 engine.add_request(message)
             except RequestRejected as exc:

@@ -133,7 +133,9 @@ def test_fuzz_the_api_against_its_own_schema(server):
     assert not problems, "\n".join(problems[:20])
     # Each operation valid, each with a body invalid (OpenAI's, control, Ollama's).
     assert len(counts) >= 6 + 5 + 6 + 3, counts
-    # Healthy after: ready, and a plain request still answers.
+    # Healthy after: ready again (a fuzzed pause, resume or unload may have left the
+    # worker reloading), and a plain request still answers.
+    server.wait_ready()
     assert server.health().status_code == 200
     r = httpx.post(
         server.base_url + "/v1/chat/completions",

@@ -52,6 +52,16 @@ def test_a_url_with_a_path_names_the_service_root(suffix):
         "root, http://127.0.0.1:1, without /v1 or any other path (the benchmark adds the API's paths)")
 
 
+@pytest.mark.parametrize("url", ["http://127.0.0.1:99999", "http://127.0.0.1:0", "http://127.0.0.1:abc",
+                                 "http://:8427"])
+def test_a_url_without_a_valid_host_and_port_is_refused_at_once(url):
+    # 99999 was tried as a connection and reported as "connection refused".
+    result = invoke(["--url", url])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() == (f"headroom: error: --url {url!r} has no valid host and port; give e.g. "
+                                     "http://127.0.0.1:8427")
+
+
 def test_a_prompt_over_the_context_is_one_line_naming_the_flags(fake_server):
     result = invoke(["--url", fake_server.base_url, "-n", "1", "--max-tokens", "2",
                      "--prompt-words", "3000"])

@@ -165,7 +165,8 @@ def max_tokens_option(default: int, help_text: str, least: int = 1) -> Decorator
 def url_option(default: str | None, help_text: str) -> Decorator:
     """``--url``: the root URL of a running ``headroom serve`` (http or https, no path;
     a trailing ``/`` dropped). A URL with a path (``.../v1``, the OpenAI clients'
-    base URL) or another scheme is refused (exit 2) naming the root to give."""
+    base URL), another scheme, no host or a port outside 1-65535 is refused (exit 2)
+    naming the root to give."""
     from urllib.parse import urlsplit
 
     def checked(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
@@ -174,6 +175,12 @@ def url_option(default: str | None, help_text: str) -> Decorator:
         parts = urlsplit(value.strip())
         if parts.scheme not in ("http", "https") or not parts.netloc:
             fail(f"--url {value!r} is not an http URL; give e.g. http://127.0.0.1:8427", EXIT_USAGE)
+        try:
+            port = parts.port
+        except ValueError:  # urlsplit's own refusal: not a number, or outside 0-65535
+            port = -1
+        if (port is not None and not 0 < port < 65536) or not parts.hostname:
+            fail(f"--url {value!r} has no valid host and port; give e.g. http://127.0.0.1:8427", EXIT_USAGE)
         if parts.path.strip("/") or parts.query or parts.fragment:
             root = f"{parts.scheme}://{parts.netloc}"
             fail(

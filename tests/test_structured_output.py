@@ -143,10 +143,23 @@ def test_a_schema_the_grammar_cannot_enforce_is_refused(tiny_engine, schema, wor
     assert "\n" not in message
 
 
+def test_a_schema_that_only_refers_to_itself_is_refused_in_words(tiny_engine):
+    """``{"$ref": "#"}`` compiles but lets no token start a value: it was refused at the
+    first step with llguidance's internal words, ``the JSON schema cannot be enforced:
+    NoExtensionBias <non-verbose/>``. Now the compile finds it, and the reason says
+    what is wrong with the schema."""
+    for i, schema in enumerate(({"$ref": "#"}, {"anyOf": [{"$ref": "#"}, {"$ref": "#"}]})):
+        sp = SamplingParams(max_new_tokens=4, json_schema=json.dumps(schema))
+        message = _refusal(tiny_engine, f"self-ref-{i}", sp)
+        assert message.startswith("the JSON schema cannot be used: ") and "matches no JSON value" in message
+        assert "NoExtensionBias" not in message and "<non-verbose/>" not in message, message
+
+
 def test_grammar_reason_is_one_line():
     raised = "regex parse error:\n    (a)\\1\n       ^^\nerror: backreferences are not supported\n"
     assert grammar_reason(raised) == "regex parse error: (a)\\1 error: backreferences are not supported"
     assert grammar_reason("plain words") == "plain words"
+    assert grammar_reason("Parser Error: too many items\n<non-verbose/>") == "Parser Error: too many items"
 
 
 def test_json_is_one_line_with_the_documented_separators(tiny_engine):

@@ -25,8 +25,9 @@ refuses keywords it does not implement (``uniqueItems``, ``not``, ``if``/``then`
 ``contains``...), patterns its regex engine cannot run (look-around, back-references,
 ``\\b``), unknown ``format`` values and ``oneOf`` it cannot prove equal to ``anyOf``;
 it is never asked to be lenient or to coerce ``oneOf``, and a grammar it compiles with
-any warning is refused too. Such a schema is a :class:`GrammarError` whose message is
-llguidance's reason on one line. What it does narrow (properties in the schema's
+any warning is refused too, as is one whose first mask already fails (no token can
+begin a value: ``{"$ref": "#"}``, which only refers to itself). Such a schema is a
+:class:`GrammarError` whose message is llguidance's reason on one line. What it does narrow (properties in the schema's
 order, the fixed separators) only ever makes answers that still validate.
 """
 
@@ -60,13 +61,24 @@ _JSON_OPTIONS = {
 _BIT_SHIFTS: dict[torch.device, torch.Tensor] = {}
 
 
+# llguidance's marker after a reason given without its parser state (verbose_errors off).
+_NON_VERBOSE = "<non-verbose/>"
+# Its word for a grammar that lets no token begin or continue the value.
+_NO_EXTENSION = "NoExtensionBias"
+
+
 def grammar_reason(message: str) -> str:
     """llguidance's error or warning text on one line: its lines stripped and joined,
-    the caret lines under a pattern (``^^^``) dropped; its advice to coerce ``oneOf``
-    (an option this module never sets) as what the caller can do instead."""
+    the caret lines under a pattern (``^^^``) and its ``<non-verbose/>`` marker
+    dropped; its advice to coerce ``oneOf`` (an option this module never sets) as what
+    the caller can do instead, and its ``NoExtensionBias`` (no token can start the
+    value) as what is wrong with the schema."""
     if "coerce_one_of" in message:  # its advice names an option the caller cannot set
         return "oneOf is taken only where its branches cannot overlap (then it is anyOf); use anyOf"
-    lines = [line.strip() for line in message.strip().splitlines()]
+    if _NO_EXTENSION in message:
+        return ("it matches no JSON value: no text can begin one (a schema that only refers "
+                "to itself, such as {\"$ref\": \"#\"}, defines nothing to write)")
+    lines = [line.strip() for line in message.replace(_NON_VERBOSE, "").strip().splitlines()]
     return " ".join(line for line in lines if line and set(line) != {"^"})
 
 
@@ -111,6 +123,10 @@ class GrammarCompiler:
             raise GrammarError(f"the JSON schema cannot be used: {grammar_reason(str(exc))}") from None
         matcher = matcher_class(self._tokenizer, grammar, log_level=0, limits=self._limits)
         problems = [matcher.get_error()] if matcher.is_error() else matcher.get_grammar_warnings()
+        if not problems:  # one mask finds a grammar no token can begin ({"$ref": "#"})
+            probe = matcher.deep_copy()
+            probe.compute_bitmask()
+            problems = [probe.get_error()] if probe.is_error() else []
         if problems:
             reasons = "; ".join(grammar_reason(p) for p in problems)
             raise GrammarError(f"the JSON schema cannot be used: {reasons}")

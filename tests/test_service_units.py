@@ -178,6 +178,9 @@ def test_serve_help_documents_every_option():
             "stream_options.include_usage",
             "bool",
         ),
+        (b'{"messages": [{}], "logit_bias": {"5": "x"}}', "logit_bias", "logit_bias (a value inside it): Expected"),
+        (b'{"messages": [{"content": 1e400}]}', "messages[0]", "(a value inside it): Number out of range (larger than"),
+        (b'{"messages": [{}], "temperature": 1e400}', "temperature", "temperature: Number out of range (larger than a 64"),
     ],
 )
 def test_decode_body_errors(raw, param, needle):

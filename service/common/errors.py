@@ -122,6 +122,7 @@ def from_rejected(exc: RequestRejected) -> APIError:
 # -- request bodies -----------------------------------------------------------------------
 
 _PATH = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
+_IN_MAP = "[...]"  # msgspec's step into a map's value, whose key it does not name
 _MISSING = re.compile(r"missing required field `(?P<field>[^`]+)`")
 
 
@@ -132,9 +133,11 @@ def decode_body(raw: bytes, type_: type[T]) -> T:
         APIError: 400 for an empty body, invalid JSON (invalid UTF-8, ``NaN``...), a
             JSON value that is not an object, a missing field or a field of the wrong
             type or value; ``param`` names the field (``"messages[0].content"``) when
-            there is one. Anything else the decoder cannot take (nesting deeper than
-            its recursion limit, a number too large for memory) is a 400 too: a body
-            is the client's to fix, never a 500.
+            there is one; inside a map (``logit_bias``, a message, a schema), whose key
+            msgspec does not name, the field the map is (``"logit_bias"``, the message
+            saying the value is inside it). Anything else the decoder cannot take
+            (nesting deeper than its recursion limit, a number too large for memory) is
+            a 400 too: a body is the client's to fix, never a 500.
     """
     raw = raw.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte order mark, which RFC 8259 lets a reader ignore
     if not raw.strip():
@@ -149,9 +152,14 @@ def decode_body(raw: bytes, type_: type[T]) -> T:
         text = str(exc)
         param = None
         match = _PATH.search(text)
+        inside = False
         if match:
             param = match.group("path") or None
             text = text[: match.start()]
+        if param and _IN_MAP in param:  # msgspec's "[...]": a key it does not name
+            param, inside = param.split(_IN_MAP, 1)[0] or None, True
+        if text == "Number out of range":  # 1e400 and the like: no float holds it
+            text += " (larger than a 64-bit float holds, about 1.8e308)"
         missing = _MISSING.search(text)
         if missing:
             param = f"{param}.{missing.group('field')}" if param else missing.group("field")
@@ -160,7 +168,7 @@ def decode_body(raw: bytes, type_: type[T]) -> T:
         code = MISSING_FIELD if missing else _validation_kind(text)
         # The field in the message too: clients show the message, not always ``param``
         # (and Ollama's error shape has no ``param``).
-        where = f" {param}:" if param else ""
+        where = f" {param}{' (a value inside it)' if inside else ''}:" if param else ""
         raise invalid(f"invalid request:{where} {text}", param, code) from None
     except msgspec.DecodeError as exc:
         repaired = _lone_surrogates_replaced(raw) if _SURROGATE.search(raw) else None

@@ -155,6 +155,23 @@ def test_a_schema_that_only_refers_to_itself_is_refused_in_words(tiny_engine):
         assert "NoExtensionBias" not in message and "<non-verbose/>" not in message, message
 
 
+def test_a_schema_that_requires_itself_is_refused_in_words(tiny_engine):
+    """A required property (or an item of a non-empty array) whose schema is the whole
+    schema forces ``{"a": {"a": ...`` without end: it was refused with the parser's advice,
+    ``Too many items (limit 50000; ff_tokens); try avoiding single-byte/short lexemes``,
+    which names nothing the client wrote. Now the reason says what the schema does."""
+    schema = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+    sp = SamplingParams(max_new_tokens=4, json_schema=json.dumps(schema))
+    tiny_engine.add_request(GenerateRequest(request_id="requires-itself", prompt_token_ids=[1, 2], sampling=sp))
+    ended = []
+    while tiny_engine.has_work():
+        ended += [o for o in tiny_engine.step() if o.finished]
+    assert [o.finish_reason for o in ended] == ["error"] and ended[0].error_code == ERROR_INVALID_SCHEMA
+    message = ended[0].error_message
+    assert message.startswith("the JSON schema cannot be enforced: ") and "without end" in message, message
+    assert "single-byte" not in message and "ff_tokens" not in message, message
+
+
 def test_grammar_reason_is_one_line():
     raised = "regex parse error:\n    (a)\\1\n       ^^\nerror: backreferences are not supported\n"
     assert grammar_reason(raised) == "regex parse error: (a)\\1 error: backreferences are not supported"

@@ -65,6 +65,8 @@ _BIT_SHIFTS: dict[torch.device, torch.Tensor] = {}
 _NON_VERBOSE = "<non-verbose/>"
 # Its word for a grammar that lets no token begin or continue the value.
 _NO_EXTENSION = "NoExtensionBias"
+# Its parser's limit on the text a grammar forces with no choice left (its "ff_tokens").
+_FORCED_PAST_LIMIT = "ff_tokens"
 
 
 def grammar_reason(message: str) -> str:
@@ -72,12 +74,17 @@ def grammar_reason(message: str) -> str:
     the caret lines under a pattern (``^^^``) and its ``<non-verbose/>`` marker
     dropped; its advice to coerce ``oneOf`` (an option this module never sets) as what
     the caller can do instead, and its ``NoExtensionBias`` (no token can start the
-    value) as what is wrong with the schema."""
+    value) and forced-text limit (``ff_tokens``: a schema that requires itself) as what
+    is wrong with the schema."""
     if "coerce_one_of" in message:  # its advice names an option the caller cannot set
         return "oneOf is taken only where its branches cannot overlap (then it is anyOf); use anyOf"
     if _NO_EXTENSION in message:
         return ("it matches no JSON value: no text can begin one (a schema that only refers "
                 "to itself, such as {\"$ref\": \"#\"}, defines nothing to write)")
+    if _FORCED_PAST_LIMIT in message:
+        return ("it forces more text than the parser's limit (50,000 items), as a schema "
+                "does whose required property or item is the schema itself ({\"$ref\": \"#\"}): "
+                "that one forces text without end, and no finite JSON value matches it")
     lines = [line.strip() for line in message.replace(_NON_VERBOSE, "").strip().splitlines()]
     return " ".join(line for line in lines if line and set(line) != {"^"})
 

@@ -76,6 +76,25 @@ def test_ollama_client_generate(real_server):
     assert loaded.done and loaded.done_reason == "load" and loaded.response == ""
 
 
+def test_ollama_logprobs_whole_and_streamed(real_server):
+    """Ollama's ``logprobs`` and ``top_logprobs`` (the official client sends them) were
+    dropped unsaid: no ``logprobs`` in the answer. Now each answer (and each stream line,
+    for the tokens its text carries) has them, spelling the text, as /v1 gives them."""
+    client = ollama.Client(host=real_server.base_url, timeout=600)
+    for call in (lambda **kw: client.chat(model="default", messages=QUESTION, **kw),
+                 lambda **kw: client.generate(model="default", prompt=QUESTION[0]["content"], **kw)):
+        whole = call(options=GREEDY, logprobs=True, top_logprobs=2)
+        text = whole.message.content if hasattr(whole, "message") else whole.response
+        assert text and "".join(lp.token for lp in whole.logprobs) == text
+        assert all(len(lp.top_logprobs) == 2 and lp.logprob <= 0 for lp in whole.logprobs)
+        parts = list(call(options=GREEDY, logprobs=True, stream=True))
+        assert [lp.token for p in parts for lp in p.logprobs or []] == [lp.token for lp in whole.logprobs]
+        assert call(options=GREEDY).logprobs is None  # only when asked
+    with pytest.raises(ollama.ResponseError) as many:
+        client.chat(model="default", messages=QUESTION, logprobs=True, top_logprobs=21)
+    assert many.value.status_code == 400 and "top_logprobs" in many.value.error
+
+
 def test_ollama_client_show_ps_version(real_server):
     client = ollama.Client(host=real_server.base_url, timeout=60)
     shown = client.show("default")

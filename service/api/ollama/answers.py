@@ -5,7 +5,9 @@ object, or as their NDJSON stream.
 Streams (the default, as in Ollama) are one JSON object a line, the last with
 ``"done": true``, ``done_reason`` (``stop``, ``length``), the token counts and the
 durations in nanoseconds (:func:`_timings`). A tool call goes out whole, once its
-arguments are complete, its arguments an object. An error after the stream began is
+arguments are complete, its arguments an object. Asked for, ``logprobs`` go with the
+line that carries their tokens' text (the whole answer's all of them), each entry as
+``/v1/chat/completions`` writes it (:mod:`service.api.logprobs`). An error after the stream began is
 an ``{"error": ...}`` line, then the stream ends.
 """
 
@@ -69,9 +71,18 @@ class _Part:
     content: str = ""
     thinking: str = ""
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    logprobs: list[dict[str, Any]] | None = None  # None: not asked for
 
     def __bool__(self) -> bool:
-        return bool(self.content or self.thinking or self.tool_calls)
+        return bool(self.content or self.thinking or self.tool_calls or self.logprobs)
+
+
+def _logprobs(gen: Generation) -> list[dict[str, Any]] | None:
+    """The logprobs of the tokens whose text came out since the last take, in Ollama's
+    list; None when the call did not ask for them."""
+    if gen.request.logprobs is None:
+        return None
+    return gen.text.token_texts.chat(gen.take_logprobs(0))["content"]
 
 
 def _ollama_call(name: str, arguments: str) -> dict[str, Any]:
@@ -94,7 +105,10 @@ def _chat_line(model: str, part: _Part, done: bool, timings: dict[str, Any]) -> 
         message.thinking = part.thinking
     if part.tool_calls:
         message.tool_calls = part.tool_calls
-    return OllamaChatChunk(model=model, created_at=_now(), message=message, done=done, **timings)
+    chunk = OllamaChatChunk(model=model, created_at=_now(), message=message, done=done, **timings)
+    if part.logprobs is not None:
+        chunk.logprobs = part.logprobs
+    return chunk
 
 
 def _generate_line(
@@ -105,6 +119,8 @@ def _generate_line(
     )
     if part.thinking:
         chunk.thinking = part.thinking
+    if part.logprobs is not None:
+        chunk.logprobs = part.logprobs
     return chunk
 
 
@@ -120,7 +136,7 @@ async def _lines(
         reason = piece.finish_reason or reason
         for choice in output.deltas(0, piece.text, piece.finish_reason, None):
             delta = choice.delta
-            part = _Part(delta.content or "", delta.reasoning_content or "")
+            part = _Part(delta.content or "", delta.reasoning_content or "", logprobs=_logprobs(gen))
             for call in delta.tool_calls or []:
                 if "id" in call:
                     names[call["index"]] = call["function"]["name"]
@@ -129,7 +145,7 @@ async def _lines(
                     part.tool_calls.append(_ollama_call(name, call["function"]["arguments"]))
             if part:
                 yield line(model, part, False, {})
-    yield line(model, _Part(), True, _timings(gen, _done_reason(reason)))
+    yield line(model, _Part(logprobs=_logprobs(gen)), True, _timings(gen, _done_reason(reason)))
 
 
 async def _answer(gen: Generation, request: Request, model: str, line: _Line) -> Response[Any]:
@@ -142,7 +158,7 @@ async def _answer(gen: Generation, request: Request, model: str, line: _Line) ->
             _ollama_call(c["function"]["name"], c["function"]["arguments"])
             for c in (message.tool_calls or [])
         ]
-        part = _Part(message.content or "", message.reasoning_content or "", calls)
+        part = _Part(message.content or "", message.reasoning_content or "", calls, _logprobs(gen))
         return json_response(line(model, part, True, _timings(gen, _done_reason(reason))))
 
     return await one_chat_answer(

@@ -17,7 +17,8 @@ the model, at once on a call without messages or prompt, else after the answer
 (:mod:`service.api.thinking`; a model that cannot think answers 400 to all but false);
 ``tools`` work as on ``/v1``
 (``tool_choice`` auto); ``format`` (``"json"`` or a JSON schema) is structured output
-(:mod:`service.api.structured`). Refused with a 400 rather than dropped: ``images``,
+(:mod:`service.api.structured`); ``logprobs`` and ``top_logprobs`` (0..20) as on
+``/v1/chat/completions``. Refused with a 400 rather than dropped: ``images``,
 and ``/api/generate``'s ``suffix``, ``template`` and ``context``.
 """
 
@@ -32,6 +33,7 @@ from typing import Any
 import msgspec
 
 from engine.text.chat import NO_CHAT_TEMPLATE
+from engine.wire.messages import MAX_LOGPROBS
 from service.api.ollama.schemas import OllamaChatRequest, OllamaGenerateRequest, OllamaOptions
 from service.api.prompts import Prompt, chat_prompt
 from service.api.request import GenerationRequest, stop_strings
@@ -157,8 +159,13 @@ def _request(
     tools: list[Any] | None = None,
     thinking: tuple[bool | None, int | None] = (None, None),
 ) -> GenerationRequest:
-    """What both calls map alike: ``options``, ``format``, ``stream``; ``thinking``:
-    ``think`` as :func:`service.api.thinking.ollama_thinking` reads it."""
+    """What both calls map alike: ``options``, ``format``, ``stream``, ``logprobs``;
+    ``thinking``: ``think`` as :func:`service.api.thinking.ollama_thinking` reads it.
+
+    Raises:
+        APIError: 400 naming the option or field out of range (``top_logprobs`` beyond
+            0..20, or without ``logprobs``).
+    """
     o = body.options or OllamaOptions()
     num_ctx, num_predict = whole(o.num_ctx, "num_ctx"), whole(o.num_predict, "num_predict")
     if num_ctx is not None and num_ctx < 1:
@@ -175,6 +182,10 @@ def _request(
             default_max_tokens = num_predict
     json_schema = ollama_format(body.format)
     stop = stop_strings(o.stop, "options.stop")
+    if not 0 <= body.top_logprobs <= MAX_LOGPROBS:
+        raise invalid(f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {body.top_logprobs}", "top_logprobs")
+    if body.top_logprobs and not body.logprobs:
+        raise invalid("top_logprobs needs logprobs set to true", "top_logprobs")
     return GenerationRequest(
         request_id=request_id,
         started=started,
@@ -195,6 +206,7 @@ def _request(
         thinking=thinking[0],
         thinking_budget=thinking[1],
         thinking_param="think",
+        logprobs=body.top_logprobs if body.logprobs else None,
     )
 
 

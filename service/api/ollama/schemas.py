@@ -43,6 +43,8 @@ class _OllamaCommon(msgspec.Struct, kw_only=True):
     format: Any = None
     keep_alive: Any = None
     think: Any = None
+    logprobs: bool = False
+    top_logprobs: int = 0
 
 
 class OllamaChatRequest(_OllamaCommon, kw_only=True):
@@ -91,12 +93,15 @@ class _Done(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 class OllamaChatChunk(_Done, kw_only=True, omit_defaults=True):
-    """One NDJSON line of ``/api/chat`` (the whole answer when not streaming)."""
+    """One NDJSON line of ``/api/chat`` (the whole answer when not streaming);
+    ``logprobs`` (asked for) those of the tokens its text carries, each ``{"token",
+    "logprob", "bytes", "top_logprobs"}``."""
 
     model: str
     created_at: str
     message: OllamaMessage
     done: bool
+    logprobs: list[dict[str, Any]] | UnsetType = UNSET
 
 
 class OllamaGenerateChunk(_Done, kw_only=True, omit_defaults=True):
@@ -107,6 +112,7 @@ class OllamaGenerateChunk(_Done, kw_only=True, omit_defaults=True):
     response: str
     done: bool
     thinking: str | UnsetType = UNSET
+    logprobs: list[dict[str, Any]] | UnsetType = UNSET
 
 
 class OllamaDetails(msgspec.Struct, kw_only=True):

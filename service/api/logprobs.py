@@ -32,9 +32,34 @@ from typing import Any
 
 import msgspec
 
-from engine.wire.messages import TokenLogprobs
+from engine.wire.messages import MAX_LOGPROBS, TokenLogprobs
+from service.common.errors import invalid
 
 FLOOR = -9999.0
+
+
+def check_logprobs_count(k: int, param: str) -> None:
+    """Alternatives per token: an integer in 0..20, OpenAI's bound (and Ollama's field).
+
+    Raises:
+        APIError: 400 ``param`` otherwise.
+    """
+    if isinstance(k, bool) or not 0 <= k <= MAX_LOGPROBS:
+        raise invalid(f"{param} must be an integer in [0, {MAX_LOGPROBS}], got {k}", param)
+
+
+def check_top_logprobs(top: int | None, logprobs: bool | None) -> None:
+    """A chat's ``top_logprobs`` (OpenAI's and Ollama's alike): in 0..20, and above 0
+    only with ``logprobs`` true.
+
+    Raises:
+        APIError: 400 ``top_logprobs``.
+    """
+    if top is None:
+        return
+    check_logprobs_count(top, "top_logprobs")
+    if top > 0 and not logprobs:
+        raise invalid("top_logprobs needs logprobs set to true", "top_logprobs")
 
 
 def _finite(x: float) -> float:

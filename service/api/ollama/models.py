@@ -15,8 +15,6 @@ from service.api.services import Services
 _BYTES_PER_PARAMETER = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
-
-
 def details(info: EngineInfo) -> OllamaDetails:
     """Ollama's ``details`` of the served model: family from the architecture
     (``LlamaForCausalLM`` -> ``llama``), the parameter count (``135M``), and as the

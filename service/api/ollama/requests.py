@@ -33,7 +33,7 @@ from typing import Any
 import msgspec
 
 from engine.text.chat import NO_CHAT_TEMPLATE
-from engine.wire.messages import MAX_LOGPROBS
+from service.api.logprobs import check_top_logprobs
 from service.api.ollama.schemas import OllamaChatRequest, OllamaGenerateRequest, OllamaOptions
 from service.api.prompts import Prompt, chat_prompt
 from service.api.request import GenerationRequest, stop_strings
@@ -182,10 +182,7 @@ def _request(
             default_max_tokens = num_predict
     json_schema = ollama_format(body.format)
     stop = stop_strings(o.stop, "options.stop")
-    if not 0 <= body.top_logprobs <= MAX_LOGPROBS:
-        raise invalid(f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {body.top_logprobs}", "top_logprobs")
-    if body.top_logprobs and not body.logprobs:
-        raise invalid("top_logprobs needs logprobs set to true", "top_logprobs")
+    check_top_logprobs(body.top_logprobs, body.logprobs)
     return GenerationRequest(
         request_id=request_id,
         started=started,

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from engine.wire.messages import MAX_LOGPROBS
+from service.api.logprobs import check_logprobs_count, check_top_logprobs
 from service.api.openai.messages import check_messages
 from service.api.openai.schemas import MAX_SEQUENCES, ChatCompletionRequest, CompletionRequest
 from service.api.prompts import chat_prompt, completion_prompts_of
@@ -57,10 +57,7 @@ def chat_request(
     """
     logit_bias, stop = logit_bias_pairs(body.logit_bias), stop_strings(body.stop)
     check_stream_options(body.stream_options, body.stream)
-    if body.top_logprobs is not None:
-        _check_logprobs_count(body.top_logprobs, "top_logprobs")
-        if body.top_logprobs > 0 and not body.logprobs:
-            raise invalid("top_logprobs needs logprobs set to true", "top_logprobs")
+    check_top_logprobs(body.top_logprobs, body.logprobs)
     # The deprecated form of tools (tools themselves: service.api.tools); their neutral
     # values (no functions, function_call "none" or "auto") ask for nothing.
     if body.functions:
@@ -180,7 +177,7 @@ def completion_request(
     logit_bias, stop = logit_bias_pairs(body.logit_bias), stop_strings(body.stop)
     check_stream_options(body.stream_options, body.stream)
     if body.logprobs is not None:
-        _check_logprobs_count(body.logprobs, "logprobs")
+        check_logprobs_count(body.logprobs, "logprobs")
     if body.suffix:
         raise invalid("suffix is not supported by this server", "suffix")
     if body.best_of is not None and body.best_of != body.n:
@@ -235,12 +232,6 @@ def check_stream_options(stream_options: Any, stream: bool) -> None:
             "or leave stream_options out",
             "stream_options",
         )
-
-
-def _check_logprobs_count(k: int, param: str) -> None:
-    """Alternatives per token: 0..20, as OpenAI's bound."""
-    if isinstance(k, bool) or not 0 <= k <= MAX_LOGPROBS:
-        raise invalid(f"{param} must be an integer in [0, {MAX_LOGPROBS}], got {k}", param)
 
 
 def _token_ids(items: list[Any]) -> bool:

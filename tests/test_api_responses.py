@@ -24,6 +24,7 @@ from service.api.openai.responses_input import (
 )
 from service.api.openai.responses_schemas import ResponsesRequest
 from service.api.openai.schemas import ChatMessageOut
+from service.api.structured import response_schema
 from service.api.thinking import EFFORT_BUDGETS, check_thinking, effort_thinking, ollama_thinking
 from service.common.errors import APIError
 
@@ -130,6 +131,30 @@ def test_what_a_stateless_text_server_refuses():
     # Accepted: store (nothing is stored), metadata, an effort of none.
     call = _request(store=True, metadata={"k": "v"}, reasoning={"effort": "none"})
     assert call.thinking is False and call.prompts[0].template_kwargs == {"enable_thinking": False}
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "kind"),
+    [("name", 5, "a string"), ("strict", "yes", "a boolean"), ("strict", 1, "a boolean"),
+     ("description", ["d"], "a string")],
+)
+def test_a_json_schema_formats_fields_of_the_wrong_type_are_invalid_type(field, value, kind):
+    """``name``, ``strict`` and ``description`` of a ``json_schema`` format were taken
+    whatever their JSON type (``"strict": "yes"`` constrained as true): a 400
+    ``invalid_type`` naming the field, on ``text.format`` and on chat's
+    ``response_format`` alike; absent or null they are still taken."""
+    schema = {"type": "object"}
+    with pytest.raises(APIError) as exc:
+        text_schema({"format": {"type": "json_schema", "name": "x", "schema": schema, field: value}})
+    error = exc.value
+    assert (error.status, error.param, error.code) == (400, f"text.format.{field}", "invalid_type")
+    assert kind in error.message, error.message
+    with pytest.raises(APIError) as exc:
+        response_schema({"type": "json_schema", "json_schema": {"name": "x", "schema": schema, field: value}})
+    error = exc.value
+    assert (error.param, error.code) == (f"response_format.json_schema.{field}", "invalid_type")
+    assert text_schema({"format": {"type": "json_schema", "schema": schema, field: None}}) == '{"type": "object"}'
+    assert response_schema({"type": "json_schema", "json_schema": {"schema": schema}}) == '{"type": "object"}'
 
 
 def test_efforts_and_think_levels():

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from service.common.errors import invalid
+from service.common.errors import INVALID_TYPE, invalid
 
 ANY_OBJECT = '{"type": "object"}'
 
@@ -25,6 +25,24 @@ _SCHEMA_SHAPES = {
     "text.format": '{"type": "json_schema", "name": ..., "schema": {...}}',
     "output_config.format": '{"type": "json_schema", "schema": {...}}',
 }
+# Where a ``json_schema`` format's own fields are named, by the field that carries it.
+_FIELD_PATHS = {"response_format": "response_format.json_schema", "text.format": "text.format"}
+# A json_schema format's fields beside its schema, and the JSON type each must have.
+_FIELD_TYPES = {"name": (str, "a string"), "description": (str, "a string"), "strict": (bool, "a boolean")}
+
+
+def _check_fields(holder: dict[str, Any], param: str) -> None:
+    """Refuse a ``name``, ``description`` or ``strict`` of another JSON type than
+    OpenAI's (absent or null is taken).
+
+    Raises:
+        APIError: 400 ``invalid_type`` naming the field (``text.format.strict``).
+    """
+    for field, (kind, words) in _FIELD_TYPES.items():
+        value = holder.get(field)
+        if value is not None and not isinstance(value, kind):
+            where = f"{_FIELD_PATHS.get(param, param)}.{field}"
+            raise invalid(f"{where} must be {words}, got {json.dumps(value)[:40]}", where, INVALID_TYPE)
 
 
 def response_schema(response_format: dict[str, Any] | None, param: str = "response_format") -> str | None:
@@ -35,7 +53,9 @@ def response_schema(response_format: dict[str, Any] | None, param: str = "respon
 
     Raises:
         APIError: 400 ``param`` for an unknown type, a ``json_schema`` without a
-            ``schema`` object (naming the shape that field takes) or with ``false``.
+            ``schema`` object (naming the shape that field takes) or with ``false``;
+            400 ``invalid_type`` naming its ``name``, ``description`` or ``strict``
+            when one is of another JSON type (:func:`_check_fields`).
     """
     if not response_format:
         return None
@@ -47,6 +67,8 @@ def response_schema(response_format: dict[str, Any] | None, param: str = "respon
     if kind == "json_schema":
         holder = response_format.get("json_schema") if param == "response_format" else response_format
         schema = holder.get("schema") if isinstance(holder, dict) else None
+        if isinstance(holder, dict):
+            _check_fields(holder, param)
         if schema is True:  # JSON Schema's boolean form: true takes any JSON value
             schema = {}
         elif schema is False:

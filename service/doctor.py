@@ -68,7 +68,9 @@ def _check_config(ctx: Context) -> Check:
     try:
         ctx.settings = resolve({}, config_path=ctx.config_path)
     except SettingsError as exc:
-        return Check("config", FAIL, str(exc), f"correct or remove {path}")
+        # A value from a HEADROOM_* variable is fixed there, not in the file.
+        fix = f"correct or unset {exc.variable}" if exc.variable else f"correct or remove {path}"
+        return Check("config", FAIL, str(exc), fix)
     where = f"{path}" if path.exists() else f"{path} (absent: the defaults)"
     return Check("config", OK, where)
 

@@ -81,6 +81,23 @@ def test_doctor_fails_with_the_fix(doctor_env, tmp_path):
     assert "fix: stop it, or set another port" in result.output
 
 
+@pytest.mark.parametrize(
+    ("variable", "value"), [("HEADROOM_PORT", "abc"), ("HEADROOM_RESERVE", "lots"),
+     ("HEADROOM_STALL_TIMEOUT_S", "0.001")]
+)
+def test_doctor_names_the_variable_a_bad_value_came_from(doctor_env, variable, value):
+    """A bad ``HEADROOM_*`` value was answered 'fix: correct or remove <config file>',
+    a file that held nothing wrong (or did not exist): the fix names the variable."""
+    Path(doctor_env["HEADROOM_CONFIG"]).unlink()
+    del doctor_env["HEADROOM_CONFIG"]
+    doctor_env[variable] = value
+    result, lines = doctor(doctor_env)
+    assert result.exit_code == 1
+    assert lines["config"][0] == "FAIL" and variable in lines["config"][1], result.output
+    assert f"fix: correct or unset {variable}" in result.output, result.output
+    assert "correct or remove" not in result.output, result.output
+
+
 def test_doctor_asks_the_headroom_that_listens(doctor_env, start_server):
     server = start_server(fake=True)
     doctor_env["HEADROOM_PORT"] = str(server.port)

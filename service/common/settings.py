@@ -81,7 +81,13 @@ def parse_duration(text: str | float) -> float:
 
 
 class SettingsError(Exception):
-    """A setting has a value that cannot be used; the message names its source."""
+    """A setting has a value that cannot be used; the message names its source.
+    ``variable`` is the ``HEADROOM_*`` environment variable that gave the value, when
+    one did (the fix is there, not in the config file)."""
+
+    def __init__(self, message: str, variable: str | None = None) -> None:
+        super().__init__(message)
+        self.variable = variable
 
 
 def _check_served_names(names: tuple[str, ...]) -> str | None:

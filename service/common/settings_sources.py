@@ -243,9 +243,7 @@ def resolve(
                              f"{opt.flag} ({path})")
             source = str(path)
         if opt.env in env and env[opt.env] != "":
-            value = _checked(opt, _convert(opt, env[opt.env], f"environment {opt.env}"),
-                             f"{opt.flag} ({opt.env})")
-            source = opt.env
+            value, source = _from_environment(opt, env[opt.env]), opt.env
         flag_value = flags.get(opt.name)
         if flag_value is not None and flag_value != ():
             value = tuple(flag_value) if opt.multiple else flag_value
@@ -262,6 +260,19 @@ def resolve(
     settings = ServeSettings(**values, sources=sources)
     _validate(settings)
     return settings
+
+
+def _from_environment(option: Option, text: str) -> Any:
+    """The value of ``option``'s ``HEADROOM_*`` variable, converted and checked.
+
+    Raises:
+        SettingsError: naming the variable, as its ``variable`` too.
+    """
+    try:
+        return _checked(option, _convert(option, text, f"environment {option.env}"),
+                        f"{option.flag} ({option.env})")
+    except SettingsError as exc:
+        raise SettingsError(str(exc), option.env) from None
 
 
 def _checked(option: Option, value: Any, where: str) -> Any:
@@ -284,7 +295,7 @@ def _validate(s: ServeSettings) -> None:
         flag, source = OPTIONS_BY_NAME[name].flag, s.sources[name]
         # A value from the flag itself names the flag once; one from elsewhere says where.
         where = flag if source == flag else f"{flag} ({source})"
-        raise SettingsError(f"{where}: {why}")
+        raise SettingsError(f"{where}: {why}", source if source == OPTIONS_BY_NAME[name].env else None)
 
     for opt in OPTIONS:
         why = opt.problem(getattr(s, opt.name))

@@ -69,6 +69,20 @@ def test_an_unanswered_function_call_is_refused_not_dropped():
     assert "no tool output found for function call 'c1'" in message and "function_call_output" in message
 
 
+def test_an_output_answering_no_call_is_refused_not_rendered():
+    """A ``function_call_output`` whose ``call_id`` no ``function_call`` before it made
+    reached the chat template as a tool result answering nothing (chat completions
+    refuses such a tool message): a 400 naming its call_id, as OpenAI refuses it."""
+    hi = {"role": "user", "content": "Hi"}
+    stray = {"type": "function_call_output", "call_id": "nope", "output": "42"}
+    message = _refused("input[1].call_id", input=[hi, stray])
+    assert "no function_call found for call_id 'nope'" in message, message
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+    answer = {"type": "function_call_output", "call_id": "c1", "output": "42"}
+    _refused("input[0].call_id", input=[answer, hi, call, answer])  # the call comes after its output
+    assert input_messages([hi, call, answer], None)[2] == {"role": "tool", "tool_call_id": "c1", "content": "42"}
+
+
 def test_template_errors_name_the_input_item():
     """A chat template's refusal of a converted message names the Responses item it came
     from, not the chat message (``messages[i]``) it became."""

@@ -132,18 +132,19 @@ def test_refusals_in_openai_error_shape(real_server):
 
 def test_tool_items_refused_in_the_responses_terms(real_server):
     """On a model without tool support a function_call_output is refused naming its input
-    item and type (not the chat message it becomes); a function_call no output answers
-    is refused as OpenAI refuses it, not dropped."""
+    item and type (not the chat message it becomes); a function_call no output answers,
+    and an output answering no call, are refused as OpenAI refuses them, not dropped."""
     client = _client(real_server)
     output = [{"type": "function_call_output", "call_id": "c1", "output": "42"}]
-    message = _bad_request(lambda: client.responses.create(model="default", input=output), "input[0]")
-    assert message.startswith("input[0] is a function_call_output item") and "tool support" in message
-    assert "messages" not in message and "'tool'" not in message
+    message = _bad_request(lambda: client.responses.create(model="default", input=output), "input[0].call_id")
+    assert "no function_call found for call_id 'c1'" in message
     call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
     message = _bad_request(lambda: client.responses.create(model="default", input=[call]), "input[0]")
     assert "no tool output found for function call 'c1'" in message
     ask = [{"role": "user", "content": "Hi"}, call, output[0]]
-    _bad_request(lambda: client.responses.create(model="default", input=ask), "input[2]")
+    message = _bad_request(lambda: client.responses.create(model="default", input=ask), "input[2]")
+    assert message.startswith("input[2] is a function_call_output item") and "tool support" in message
+    assert "messages" not in message and "'tool'" not in message
     too_long = "word " * 200_000
     message = _bad_request(lambda: client.responses.create(model="default", input=too_long), "input")
     assert "maximum context length" in message

@@ -21,8 +21,8 @@ Refused with a 400 naming the field: ``previous_response_id`` and ``conversation
 string keys (64 characters) to strings (512 characters), ``stream_options`` without
 ``stream``, an empty ``input`` (``""`` or
 ``[]``), an ``item_reference`` or unknown item, a ``function_call`` whose
-``call_id`` no ``function_call_output`` of the input answers (as OpenAI refuses it), a
-tool other than ``function`` (``web_search``, ``file_search``...), and an unknown
+``call_id`` no ``function_call_output`` of the input answers (as OpenAI refuses it) and an
+output whose ``call_id`` no ``function_call`` before it made, a tool other than ``function`` (``web_search``, ``file_search``...), and an unknown
 ``tool_choice``. What the model's chat template refuses (a ``function_call_output``
 where it has no tool support...) is answered in the same terms by :func:`input_error`:
 the input item and its type, never the chat message it became.
@@ -207,7 +207,7 @@ def _converted(
         for item in input
         if isinstance(item, dict) and item.get("type") == "function_call_output"
     }
-    reasoning = ""
+    reasoning, called = "", set()
     for i, item in enumerate(input):
         param = f"input[{i}]"
         if not isinstance(item, dict):
@@ -237,6 +237,7 @@ def _converted(
                     f"function_call_output item with call_id {item['call_id']!r} after it",
                     param,
                 )
+            called.add(item["call_id"])
             call = {
                 "id": item["call_id"],
                 "type": "function",
@@ -255,6 +256,9 @@ def _converted(
         elif kind == "function_call_output":
             if not isinstance(item.get("call_id"), str):
                 raise invalid("a function_call_output needs call_id and output", param)
+            if item["call_id"] not in called:  # as OpenAI: an output must answer a call before it
+                raise invalid(f"no function_call found for call_id {item['call_id']!r}: send the function_call "
+                              "item it answers before it, or leave the output out", f"{param}.call_id")
             output = item.get("output", "")
             messages.append(
                 {"role": "tool", "tool_call_id": item["call_id"], "content": _text(output, f"{param}.output")}
@@ -284,6 +288,7 @@ def input_messages(input: str | list[Any], instructions: str | None) -> list[dic
         APIError: 400 naming ``input[i]`` (or a part of it) for an item this server
             cannot take, a ``function_call`` among them whose ``call_id`` no
             ``function_call_output`` of the input answers (as OpenAI refuses it);
+            400 ``input[i].call_id`` for an output no ``function_call`` before it made;
             400 ``input[i].name`` / ``input[i].arguments`` for a ``function_call``
             whose name a tool could not have or whose arguments are no JSON object text
             (:mod:`service.api.tool_checks`).

@@ -83,6 +83,25 @@ def test_an_output_answering_no_call_is_refused_not_rendered():
     assert input_messages([hi, call, answer], None)[2] == {"role": "tool", "tool_call_id": "c1", "content": "42"}
 
 
+@pytest.mark.parametrize(
+    ("content", "param", "code"),
+    [(5, "input[0].content", "invalid_type"), ("hm", "input[0].content", "invalid_type"),
+     ({"text": "hm"}, "input[0].content", "invalid_type"), ([5], "input[0].content[0]", "invalid_type"),
+     ([{"type": "reasoning_text", "text": 5}], "input[0].content[0].text", "invalid_type"),
+     ([{"type": "reasoning_text"}], "input[0].content[0].text", "missing_field")],
+)
+def test_a_reasoning_items_content_of_the_wrong_shape_is_refused(content, param, code):
+    """A reasoning item's ``content`` of 5 was a 500 (``'int' object is not iterable``);
+    a string, an object or parts without text were dropped unsaid. Now a 400 naming the
+    field, with docs/api.md's code; absent or null it is still no text."""
+    hi = {"role": "user", "content": "Hi"}
+    with pytest.raises(APIError) as exc:
+        input_messages([{"type": "reasoning", "content": content}, hi], None)
+    assert (exc.value.status, exc.value.param, exc.value.code) == (400, param, code), exc.value.message
+    for fine in (None, [], [{"type": "reasoning_text", "text": "hm"}]):
+        assert input_messages([{"type": "reasoning", "content": fine}, hi], None) == [hi]
+
+
 def test_template_errors_name_the_input_item():
     """A chat template's refusal of a converted message names the Responses item it came
     from, not the chat message (``messages[i]``) it became."""

@@ -171,11 +171,22 @@ def _text(content: Any, param: str, role: str = "user") -> str:
     return "".join(texts)
 
 
-def _reasoning_text(item: dict[str, Any]) -> str:
+def _reasoning_text(item: dict[str, Any], param: str) -> str:
+    """A reasoning item's ``content`` parts' text joined (none: no text).
+
+    Raises:
+        APIError: 400 naming ``content``, a part or its ``text`` absent or of another type.
+    """
     parts = item.get("content") or []
-    return "".join(
-        p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)
-    )
+    if not isinstance(parts, list):
+        raise invalid(f"content must be a list of reasoning_text parts, got {json_type(parts)}",
+                      f"{param}.content", INVALID_TYPE)
+    for j, part in enumerate(parts):
+        if not isinstance(part, dict) or not isinstance(part.get("text"), str):
+            where = f"{param}.content[{j}]" + (".text" if isinstance(part, dict) else "")
+            raise invalid("each content part must be {'type': 'reasoning_text', 'text': ...}", where,
+                          MISSING_FIELD if isinstance(part, dict) and "text" not in part else INVALID_TYPE)
+    return "".join(part["text"] for part in parts)
 
 
 @dataclass(frozen=True)
@@ -265,7 +276,7 @@ def _converted(
             )
             origins.append(_Origin(param, kind))
         elif kind == "reasoning":
-            reasoning += _reasoning_text(item)
+            reasoning += _reasoning_text(item, param)
         elif kind == "item_reference":
             raise invalid(f"item_reference is not supported: {_STATELESS}", param)
         else:

@@ -26,7 +26,7 @@ from service.api.openai.responses_schemas import ResponsesRequest
 from service.api.openai.schemas import ChatMessageOut
 from service.api.structured import response_schema
 from service.api.thinking import EFFORT_BUDGETS, check_thinking, effort_thinking, ollama_thinking
-from service.common.errors import APIError
+from service.common.errors import APIError, decode_body
 
 
 def _request(**body) -> object:
@@ -188,6 +188,53 @@ def test_a_json_schema_formats_fields_of_the_wrong_type_are_invalid_type(field, 
     assert (error.param, error.code) == (f"response_format.json_schema.{field}", "invalid_type")
     assert text_schema({"format": {"type": "json_schema", "schema": schema, field: None}}) == '{"type": "object"}'
     assert response_schema({"type": "json_schema", "json_schema": {"schema": schema}}) == '{"type": "object"}'
+
+
+_HI = {"role": "user", "content": "Hi"}
+_CALL = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+_OUTPUT = {"type": "function_call_output", "call_id": "c1", "output": "42"}
+
+
+def _without(item: dict, field: str, **changed) -> dict:
+    return {**{k: v for k, v in item.items() if k != field}, **changed}
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "code"),
+    [
+        ({"reasoning": {"effort": 5}}, "reasoning.effort", "invalid_type"),
+        ({"text": {"format": "json"}}, "text.format", "invalid_type"),
+        ({"text": {"format": {"type": 5}}}, "text.format.type", "invalid_type"),
+        ({"tool_choice": 5}, "tool_choice", "invalid_type"),
+        ({"tool_choice": "sometimes"}, "tool_choice", "invalid_value"),
+        ({"tools": [{"type": "function", "name": 5}]}, "tools[0].name", "invalid_type"),
+        ({"tools": [{"type": "function"}]}, "tools[0].name", "missing_field"),
+        ({"input": [_HI, _without(_CALL, "call_id"), _OUTPUT]}, "input[1].call_id", "missing_field"),
+        ({"input": [_HI, _without(_CALL, "x", call_id=5), _OUTPUT]}, "input[1].call_id", "invalid_type"),
+        ({"input": [_HI, _without(_CALL, "name"), _OUTPUT]}, "input[1].name", "missing_field"),
+        ({"input": [_HI, _without(_CALL, "x", name=5), _OUTPUT]}, "input[1].name", "invalid_type"),
+        ({"input": [_HI, _without(_CALL, "x", arguments=5), _OUTPUT]}, "input[1].arguments", "invalid_type"),
+        ({"input": [_HI, _CALL, _OUTPUT, _without(_OUTPUT, "call_id")]}, "input[3].call_id", "missing_field"),
+        ({"input": [_HI, _CALL, _without(_OUTPUT, "x", call_id=["c1"])]}, "input[2].call_id", "invalid_type"),
+        ({"input": [_HI, _CALL, _without(_OUTPUT, "x", call_id={"c": 1})]}, "input[2].call_id", "invalid_type"),
+    ],
+)
+def test_a_field_of_the_wrong_json_type_is_invalid_type(body, param, code):
+    """docs/api.md, Errors: a field of the wrong JSON type is ``invalid_type``, a
+    required one absent ``missing_field``, ``param`` naming the nested field, as chat
+    completions answers its ``reasoning_effort`` and ``response_format``. These were
+    ``invalid_value`` (an item's ``call_id`` naming only ``input[i]``; one that was a
+    list or an object a 500)."""
+    raw = json.dumps({"model": "m", "input": "Hi", **body}).encode()
+    with pytest.raises(APIError) as exc:
+        responses_request(decode_body(raw, ResponsesRequest), "resp_x", 0.0, 0)
+    error = exc.value
+    assert (error.status, error.param, error.code) == (400, param, code), error.message
+    assert param in error.message, error.message
+    # Chat completions' response_format.type too (the same check).
+    with pytest.raises(APIError) as exc:
+        response_schema({"type": 5})
+    assert (exc.value.param, exc.value.code) == ("response_format.type", "invalid_type")
 
 
 def test_efforts_and_think_levels():

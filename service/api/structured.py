@@ -52,7 +52,8 @@ def response_schema(response_format: dict[str, Any] | None, param: str = "respon
     ``output_config.format`` (the schema beside its ``type``).
 
     Raises:
-        APIError: 400 ``param`` for an unknown type, a ``json_schema`` without a
+        APIError: 400 ``invalid_type`` naming ``param.type`` for a type that is no
+            string; 400 ``param`` for an unknown type, a ``json_schema`` without a
             ``schema`` object (naming the shape that field takes) or with ``false``;
             400 ``invalid_type`` naming its ``name``, ``description`` or ``strict``
             when one is of another JSON type (:func:`_check_fields`).
@@ -60,6 +61,9 @@ def response_schema(response_format: dict[str, Any] | None, param: str = "respon
     if not response_format:
         return None
     kind = response_format.get("type", "text")
+    if not isinstance(kind, str):
+        raise invalid(f"{param}.type must be a string (text, json_object or json_schema), got "
+                      f"{json.dumps(kind)[:40]}", f"{param}.type", INVALID_TYPE)
     if kind == "text":
         return None
     if kind == "json_object":

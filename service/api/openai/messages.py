@@ -11,7 +11,8 @@ string), ``content`` (a string or an array of content parts, required but on an
 assistant message that calls tools; an empty array is ``invalid_value``, as OpenAI
 refuses it: :func:`check_content`), each part's ``type`` and a text part's ``text``
 (strings), and an assistant message's ``tool_calls`` (an array of objects, each with a
-``function`` object whose ``name`` is a string).
+``function`` object whose ``name`` is a string). :func:`field_of` reads one field by
+that rule, for the Responses API's items too (:mod:`service.api.openai.responses_items`).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def json_type(value: Any) -> str:
     return "array" if isinstance(value, list) else "object"
 
 
-def _field(parent: dict[str, Any], key: str, param: str, kind: Any, expected: str, hint: str) -> Any:
+def field_of(parent: dict[str, Any], key: str, param: str, kind: Any, expected: str, hint: str) -> Any:
     """``parent[key]``, present and an instance of ``kind`` (a type or a union of them);
     ``expected`` names the type in words, ``hint`` says what to send.
 
@@ -61,15 +62,15 @@ def check_messages(messages: list[dict[str, Any]]) -> None:
     """
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
-        role = _field(message, "role", f"{where}.role", str, "a string",
-                      'each message needs its role ("system", "user", "assistant"...)')
+        role = field_of(message, "role", f"{where}.role", str, "a string",
+                        'each message needs its role ("system", "user", "assistant"...)')
         calls = message.get("tool_calls") if role == "assistant" else None
         if calls is not None:
             _check_calls(calls, f"{where}.tool_calls")
         if calls and message.get("content") is None:
             continue  # an assistant turn that only called tools
-        content = _field(message, "content", f"{where}.content", str | list, "a string or an array of content parts",
-                         f"send the message's text as a string, or as [{_TEXT_PART}]")
+        content = field_of(message, "content", f"{where}.content", str | list, "a string or an array of content parts",
+                           f"send the message's text as a string, or as [{_TEXT_PART}]")
         if isinstance(content, list):
             check_content(content, f"{where}.content")
             for j, part in enumerate(content):
@@ -95,9 +96,9 @@ def _check_part(part: Any, param: str) -> None:
     if not isinstance(part, dict):
         raise invalid(f"{param} must be an object, got {json_type(part)}: a content part is {_TEXT_PART}",
                       param, INVALID_TYPE)
-    kind = _field(part, "type", f"{param}.type", str, "a string", f"a content part is {_TEXT_PART}")
+    kind = field_of(part, "type", f"{param}.type", str, "a string", f"a content part is {_TEXT_PART}")
     if kind == "text":
-        _field(part, "text", f"{param}.text", str, "a string", f"send the text part as {_TEXT_PART}")
+        field_of(part, "text", f"{param}.text", str, "a string", f"send the text part as {_TEXT_PART}")
 
 
 def _check_calls(calls: Any, param: str) -> None:
@@ -107,5 +108,5 @@ def _check_calls(calls: Any, param: str) -> None:
         where = f"{param}[{j}]"
         if not isinstance(call, dict):
             raise invalid(f"{where} must be an object, got {json_type(call)}: {_CALL}", where, INVALID_TYPE)
-        function = _field(call, "function", f"{where}.function", dict, "an object", _CALL)
-        _field(function, "name", f"{where}.function.name", str, "a string", "send the called function's name")
+        function = field_of(call, "function", f"{where}.function", dict, "an object", _CALL)
+        field_of(function, "name", f"{where}.function.name", str, "a string", "send the called function's name")

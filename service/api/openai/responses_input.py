@@ -25,7 +25,9 @@ string keys (64 characters) to strings (512 characters), ``stream_options`` with
 output whose ``call_id`` no ``function_call`` before it made, a tool other than ``function`` (``web_search``, ``file_search``...), and an unknown
 ``tool_choice``. What the model's chat template refuses (a ``function_call_output``
 where it has no tool support...) is answered in the same terms by :func:`input_error`:
-the input item and its type, never the chat message it became.
+the input item and its type, never the chat message it became. Each item's fields are
+read, with the codes of docs/api.md's Errors (``missing_field``, ``invalid_type``), by
+:mod:`service.api.openai.responses_items`.
 """
 
 from __future__ import annotations
@@ -36,19 +38,31 @@ from typing import Any
 
 from engine.common.clip import clip
 from engine.text.chat import ChatTemplateError
-from service.api.openai.messages import check_content, json_type
+from service.api.openai.messages import field_of, json_type
 from service.api.openai.requests import check_stream_options
+from service.api.openai.responses_items import (
+    call_fields,
+    message_role,
+    message_text,
+    output_call_id,
+    reasoning_text,
+)
 from service.api.openai.responses_schemas import ResponsesRequest
 from service.api.prompts import chat_prompt
 from service.api.request import GenerationRequest
 from service.api.sampling import sampling_of
 from service.api.structured import response_schema
 from service.api.thinking import effort_thinking, with_thinking
-from service.api.tool_checks import check_call_arguments, check_tool_name
-from service.common.errors import INVALID_TYPE, MISSING_FIELD, NOT_FOUND, APIError, invalid
+from service.api.tool_checks import check_tool_name
+from service.common.errors import (
+    INVALID_TYPE,
+    INVALID_VALUE,
+    MISSING_FIELD,
+    NOT_FOUND,
+    APIError,
+    invalid,
+)
 
-_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
-_TEXT_PARTS = ("input_text", "output_text", "text")
 _STATELESS = (
     "this server is stateless and stores no responses: send the whole conversation as "
     "input instead"
@@ -123,72 +137,6 @@ def _check_metadata(metadata: dict[str, Any] | None) -> None:
             raise invalid(f"metadata.{key} is longer than {_METADATA_VALUE_CHARS} characters", f"metadata.{key}")
 
 
-def _role(item: dict[str, Any], param: str) -> str:
-    """A message item's role as the chat's (``developer`` is ``system``).
-
-    Raises:
-        APIError: 400 ``param``: ``missing_field`` without one, ``invalid_type`` for one
-            that is no string, ``invalid_value`` for another role.
-    """
-    if "role" not in item:
-        raise invalid("role is missing: a message item needs user, assistant, system or developer", param,
-                      MISSING_FIELD)
-    role = item["role"]
-    if not isinstance(role, str):
-        raise invalid(f"role must be a string (user, assistant, system or developer), got {json_type(role)}",
-                      param, INVALID_TYPE)
-    if role not in _ROLES:
-        raise invalid("role must be user, assistant, system or developer", param)
-    return _ROLES[role]
-
-
-def _text(content: Any, param: str, role: str = "user") -> str:
-    """A message's content as text: a string, or its text parts joined (an assistant's
-    ``refusal`` parts among them)."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise invalid(f"content must be a string or a list of content parts, got {json_type(content)}", param,
-                      INVALID_TYPE)
-    check_content(content, param)
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind in _TEXT_PARTS and isinstance(part.get("text"), str):
-            texts.append(part["text"])
-        elif kind == "refusal" and role == "assistant" and isinstance(part.get("refusal"), str):
-            texts.append(part["refusal"])
-        elif kind in ("input_image", "input_file", "input_audio"):
-            raise invalid(
-                f"{kind} is not supported: this model has no vision or file input (text only)",
-                f"{param}[{j}]",
-            )
-        else:
-            raise invalid(
-                "each content part must be {'type': 'input_text' or 'output_text', 'text': ...}",
-                f"{param}[{j}]",
-            )
-    return "".join(texts)
-
-
-def _reasoning_text(item: dict[str, Any], param: str) -> str:
-    """A reasoning item's ``content`` parts' text joined (none: no text).
-
-    Raises:
-        APIError: 400 naming ``content``, a part or its ``text`` absent or of another type.
-    """
-    parts = item.get("content") or []
-    if not isinstance(parts, list):
-        raise invalid(f"content must be a list of reasoning_text parts, got {json_type(parts)}",
-                      f"{param}.content", INVALID_TYPE)
-    for j, part in enumerate(parts):
-        if not isinstance(part, dict) or not isinstance(part.get("text"), str):
-            where = f"{param}.content[{j}]" + (".text" if isinstance(part, dict) else "")
-            raise invalid("each content part must be {'type': 'reasoning_text', 'text': ...}", where,
-                          MISSING_FIELD if isinstance(part, dict) and "text" not in part else INVALID_TYPE)
-    return "".join(part["text"] for part in parts)
-
-
 @dataclass(frozen=True)
 class _Origin:
     """Where one chat message came from in the Responses body: ``path`` (``input[3]``,
@@ -213,9 +161,9 @@ def _converted(
         raise invalid("input must not be empty: send a string or a list of input items", "input")
     if isinstance(input, str):
         return [*messages, {"role": "user", "content": input}], [*origins, _Origin("input", "message")]
-    answered = {
-        item.get("call_id")
-        for item in input
+    answered = {  # each output's call_id checked first: a call answered by a malformed one names that
+        output_call_id(item, f"input[{i}]")
+        for i, item in enumerate(input)
         if isinstance(item, dict) and item.get("type") == "function_call_output"
     }
     reasoning, called = "", set()
@@ -225,35 +173,27 @@ def _converted(
             raise invalid("each input item must be an object", param)
         kind = item.get("type", "message" if "role" in item else None)
         if kind == "message":
-            role = _role(item, f"{param}.role")
+            role = message_role(item, f"{param}.role")
             if "content" not in item:
                 raise invalid("content is missing: send a string or a list of content parts", f"{param}.content",
                               MISSING_FIELD)
-            content = _text(item["content"], f"{param}.content", role)
+            content = message_text(item["content"], f"{param}.content", role)
             message: dict[str, Any] = {"role": role, "content": content}
             if role == "assistant" and reasoning:
                 message["reasoning_content"], reasoning = reasoning, ""
             messages.append(message)
             origins.append(_Origin(param, kind))
         elif kind == "function_call":
-            arguments = item.get("arguments") or "{}"
-            if not all(isinstance(v, str) for v in (item.get("name"), item.get("call_id"), arguments)):
-                raise invalid("a function_call needs call_id, name and arguments", param)
-            check_tool_name(item["name"], f"{param}.name")
-            check_call_arguments(arguments, f"{param}.arguments")
-            if item["call_id"] not in answered:
+            call_id, name, arguments = call_fields(item, param)
+            if call_id not in answered:
                 # As OpenAI: a call the input does not answer is refused, not dropped.
                 raise invalid(
-                    f"no tool output found for function call {item['call_id']!r}: send a "
-                    f"function_call_output item with call_id {item['call_id']!r} after it",
+                    f"no tool output found for function call {call_id!r}: send a "
+                    f"function_call_output item with call_id {call_id!r} after it",
                     param,
                 )
-            called.add(item["call_id"])
-            call = {
-                "id": item["call_id"],
-                "type": "function",
-                "function": {"name": item["name"], "arguments": arguments},
-            }
+            called.add(call_id)
+            call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant" and not reasoning:
                 last.setdefault("tool_calls", []).append(call)
@@ -265,18 +205,17 @@ def _converted(
             messages.append(message)
             origins.append(_Origin(param, kind, (param,)))
         elif kind == "function_call_output":
-            if not isinstance(item.get("call_id"), str):
-                raise invalid("a function_call_output needs call_id and output", param)
-            if item["call_id"] not in called:  # as OpenAI: an output must answer a call before it
-                raise invalid(f"no function_call found for call_id {item['call_id']!r}: send the function_call "
+            call_id = output_call_id(item, param)
+            if call_id not in called:  # as OpenAI: an output must answer a call before it
+                raise invalid(f"no function_call found for call_id {call_id!r}: send the function_call "
                               "item it answers before it, or leave the output out", f"{param}.call_id")
             output = item.get("output", "")
             messages.append(
-                {"role": "tool", "tool_call_id": item["call_id"], "content": _text(output, f"{param}.output")}
+                {"role": "tool", "tool_call_id": call_id, "content": message_text(output, f"{param}.output")}
             )
             origins.append(_Origin(param, kind))
         elif kind == "reasoning":
-            reasoning += _reasoning_text(item, param)
+            reasoning += reasoning_text(item, param)
         elif kind == "item_reference":
             raise invalid(f"item_reference is not supported: {_STATELESS}", param)
         else:
@@ -300,6 +239,8 @@ def input_messages(input: str | list[Any], instructions: str | None) -> list[dic
             cannot take, a ``function_call`` among them whose ``call_id`` no
             ``function_call_output`` of the input answers (as OpenAI refuses it);
             400 ``input[i].call_id`` for an output no ``function_call`` before it made;
+            400 ``missing_field`` / ``invalid_type`` naming an item's field
+            (:mod:`service.api.openai.responses_items`);
             400 ``input[i].name`` / ``input[i].arguments`` for a ``function_call``
             whose name a tool could not have or whose arguments are no JSON object text
             (:mod:`service.api.tool_checks`).
@@ -344,9 +285,9 @@ def chat_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
     "function": {...}}``).
 
     Raises:
-        APIError: 400 ``tools[i]`` for a built-in tool type or a function without a
-            name; 400 ``tools[i].name`` for a name OpenAI refuses
-            (:func:`service.api.tool_checks.check_tool_name`).
+        APIError: 400 ``tools[i]`` for a built-in tool type; 400 ``tools[i].name``
+            absent (``missing_field``), no string (``invalid_type``) or a name OpenAI
+            refuses (:func:`service.api.tool_checks.check_tool_name`).
     """
     if not tools:
         return None
@@ -359,9 +300,9 @@ def chat_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
                 "(no web_search, file_search, code_interpreter...)",
                 f"tools[{i}]",
             )
-        if not isinstance(tool.get("name"), str):
-            raise invalid("a function tool needs a name", f"tools[{i}].name")
-        check_tool_name(tool["name"], f"tools[{i}].name")
+        name = field_of(tool, "name", f"tools[{i}].name", str, "a string",
+                        "a function tool is {'type': 'function', 'name': ..., 'parameters': {...}}")
+        check_tool_name(name, f"tools[{i}].name")
         function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
         out.append({"type": "function", "function": function})
     return out
@@ -373,7 +314,8 @@ def chat_tool_choice(tool_choice: Any) -> Any:
     and ``tools`` move under ``allowed_tools``, each tool's ``name`` under ``function``).
 
     Raises:
-        APIError: 400 ``tool_choice`` for a built-in tool or an unknown form.
+        APIError: 400 ``tool_choice`` for a built-in tool or an unknown form
+            (``invalid_type`` for one that is neither a string nor an object).
     """
     if tool_choice is None or tool_choice in ("auto", "none", "required"):
         return tool_choice
@@ -389,6 +331,7 @@ def chat_tool_choice(tool_choice: Any) -> Any:
         "tool_choice must be 'auto', 'none', 'required', {'type': 'function', 'name': ...} or "
         "{'type': 'allowed_tools', 'mode': 'auto' | 'required', 'tools': [{'type': 'function', 'name': ...}]}",
         "tool_choice",
+        INVALID_VALUE if isinstance(tool_choice, str | dict) else INVALID_TYPE,
     )
 
 
@@ -396,14 +339,15 @@ def text_schema(text: dict[str, Any] | None) -> str | None:
     """The JSON schema ``text.format`` constrains the answer to, or None.
 
     Raises:
-        APIError: 400 ``text.format`` for an unknown type or a json_schema without a
-            ``schema`` object.
+        APIError: 400 ``text.format`` for one that is no object (``invalid_type``),
+            an unknown type or a json_schema without a ``schema`` object.
     """
     fmt = (text or {}).get("format")
     if fmt is None:
         return None
     if not isinstance(fmt, dict):
-        raise invalid("text.format must be an object", "text.format")
+        raise invalid(f"text.format must be an object, got {json_type(fmt)}: {{'type': 'text'}}, "
+                      "{'type': 'json_object'} or {'type': 'json_schema', ...}", "text.format", INVALID_TYPE)
     return response_schema(fmt, "text.format")
 
 
@@ -424,7 +368,7 @@ def responses_request(
     _check_include(body.include)
     _check_metadata(body.metadata)
     check_stream_options(body.stream_options, body.stream)
-    effort = (body.reasoning or {}).get("effort")
+    effort = body.reasoning.effort if body.reasoning else None
     thinking, budget = effort_thinking(effort, "reasoning.effort")
     tools = chat_tools(body.tools)
     messages = input_messages(body.input, body.instructions)

@@ -21,6 +21,15 @@ from service.api.openai.schemas import TokenCount
 from service.api.sampling import Sampling
 
 
+class Reasoning(msgspec.Struct, kw_only=True):
+    """``reasoning``: ``effort`` (none, minimal, low, medium, high: its values are
+    checked by :func:`service.api.thinking.effort_thinking`). Typed, so that one of
+    another JSON type is the decoder's ``invalid_type`` naming ``reasoning.effort``, as
+    chat's ``reasoning_effort`` is; OpenAI's other fields are ignored."""
+
+    effort: str | None = None
+
+
 class ResponsesRequest(Sampling, kw_only=True):
     """``POST /v1/responses``. ``input``: a string (one user message) or a list of
     items (messages, ``function_call``, ``function_call_output``, ``reasoning``).
@@ -45,7 +54,7 @@ class ResponsesRequest(Sampling, kw_only=True):
     tool_choice: Any = None
     parallel_tool_calls: bool = True
     text: dict[str, Any] | None = None
-    reasoning: dict[str, Any] | None = None
+    reasoning: Reasoning | None = None
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     truncation: Literal["auto", "disabled"] | None = None
@@ -164,7 +173,7 @@ class ResponseObject(msgspec.Struct, kw_only=True):
     tools: list[Any] = msgspec.field(default_factory=list)
     truncation: str = "disabled"
     text: dict[str, Any] = msgspec.field(default_factory=lambda: {"format": {"type": "text"}})
-    reasoning: dict[str, Any] | None = None
+    reasoning: Reasoning | None = None
     store: bool = False
     previous_response_id: str | None = None
     metadata: dict[str, Any] = msgspec.field(default_factory=dict)

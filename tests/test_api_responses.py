@@ -237,6 +237,22 @@ def test_a_field_of_the_wrong_json_type_is_invalid_type(body, param, code):
     assert (exc.value.param, exc.value.code) == ("response_format.type", "invalid_type")
 
 
+@pytest.mark.parametrize(("summary", "code"), [("bogus", "invalid_value"), ("", "invalid_value"), (5, "invalid_type")])
+def test_a_reasoning_summary_openai_does_not_define_is_refused(summary, code):
+    """``reasoning.summary`` other than OpenAI's auto, concise and detailed was taken and
+    ignored: a 400 naming it. Those (and null) are taken; no summary is made."""
+    raw = json.dumps({"model": "m", "input": "Hi", "reasoning": {"summary": summary}}).encode()
+    with pytest.raises(APIError) as exc:
+        decode_body(raw, ResponsesRequest)
+    error = exc.value
+    assert (error.status, error.param, error.code) == (400, "reasoning.summary", code), error.message
+    assert "reasoning.summary" in error.message
+    for summary in ("auto", "concise", "detailed", None):
+        raw = json.dumps({"model": "m", "input": "Hi", "reasoning": {"effort": "low", "summary": summary}}).encode()
+        call = responses_request(decode_body(raw, ResponsesRequest), "resp_x", 0.0, 0)
+        assert call.thinking is True
+
+
 def test_efforts_and_think_levels():
     assert effort_thinking(None, "reasoning_effort") == (None, None)
     assert effort_thinking("none", "x") == effort_thinking("minimal", "x") == (False, None)

@@ -165,6 +165,11 @@ def test_a_model_that_cannot_think_refuses_thinking_but_not_its_absence(real_ser
     )
     off = client.responses.create(model="default", input="Hi", reasoning={"effort": "none"}, **GREEDY)
     assert off.output_text
+    # A summary is taken (none is made) and echoed, but only as OpenAI defines it.
+    summed = client.responses.create(model="default", input="Hi", reasoning={"summary": "auto"}, **GREEDY)
+    assert summed.reasoning.summary == "auto" and summed.output_text
+    _bad_request(lambda: client.responses.create(model="default", input="Hi", reasoning={"summary": "bogus"}),
+                 "reasoning.summary")
     chat_off = client.chat.completions.create(
         model="default", messages=[{"role": "user", "content": "Hi"}], reasoning_effort="none", max_tokens=4
     )

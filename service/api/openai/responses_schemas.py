@@ -23,11 +23,14 @@ from service.api.sampling import Sampling
 
 class Reasoning(msgspec.Struct, kw_only=True):
     """``reasoning``: ``effort`` (none, minimal, low, medium, high: its values are
-    checked by :func:`service.api.thinking.effort_thinking`). Typed, so that one of
-    another JSON type is the decoder's ``invalid_type`` naming ``reasoning.effort``, as
-    chat's ``reasoning_effort`` is; OpenAI's other fields are ignored."""
+    checked by :func:`service.api.thinking.effort_thinking`) and ``summary`` (OpenAI's
+    values, taken and echoed; no summary is made). Typed, so that one of another JSON
+    type is the decoder's ``invalid_type`` naming ``reasoning.effort``, as chat's
+    ``reasoning_effort`` is, and a summary OpenAI does not define is a 400 naming
+    ``reasoning.summary``; OpenAI's other fields are ignored."""
 
     effort: str | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
 
 
 class ResponsesRequest(Sampling, kw_only=True):
@@ -37,8 +40,9 @@ class ResponsesRequest(Sampling, kw_only=True):
     ``--default-max-tokens``. ``tools`` are Responses' flat functions (``{"type":
     "function", "name", "description", "parameters", "strict"}``). ``text.format``
     is structured output; ``reasoning.effort`` turns thinking off or on with a
-    budget. ``store`` is accepted and nothing is stored; ``previous_response_id`` and
-    ``conversation`` are refused (send the whole input). ``include`` takes OpenAI's
+    budget (``reasoning.summary``: OpenAI's values only, no summary made). ``store``
+    is accepted and nothing is stored; ``previous_response_id`` and ``conversation``
+    are refused (send the whole input). ``include`` takes OpenAI's
     values, ``metadata`` OpenAI's map of strings (both checked by
     :mod:`service.api.openai.responses_input`). ``truncation``: ``"auto"``
     drops the oldest input items (instructions and system messages kept) until the

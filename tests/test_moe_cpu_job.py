@@ -101,6 +101,9 @@ def test_padding_rows_cost_nothing_and_rows_may_be_fewer_than_the_buffers(lib):
     # No CPU expert at all: zeros, no pair.
     none = job.run(job.load(x, ids, weights, torch.full((EXPERTS,), -1)))
     assert torch.equal(none, torch.zeros(ROWS, hidden)) and job.status(ROWS) == (0, 0)
+    # The job's running totals: every call of every row count, its pairs, its own time.
+    runs, seconds, pairs = job.totals()
+    assert (runs, pairs) == (3, len(tokens) + len(_cpu_pairs(ids[:3], weights[:3], lut)[0])) and seconds > 0
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

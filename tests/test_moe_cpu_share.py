@@ -14,8 +14,8 @@ import torch
 
 pytest.importorskip("gguf")
 
-from engine.layers.moe import expert_cache  # noqa: E402
-from engine.layers.moe.cpu_share import ShareRates, measure_cpu_rates, split_share  # noqa: E402
+from engine.layers.moe import expert_cache, share_step  # noqa: E402
+from engine.layers.moe.cpu_share import ShareRates, measure_cpu_rates, refit_cpu_rate, split_share  # noqa: E402
 from engine.layers.moe.expert_cache import OffloadedExperts  # noqa: E402
 from engine.layers.moe.expert_costs import ALWAYS_COPY  # noqa: E402
 from engine.layers.moe.expert_counters import ExpertCounters  # noqa: E402
@@ -60,6 +60,26 @@ def test_a_skewed_routing_balances_the_expected_time_of_the_halves():
     fixed = split_share(heat, {0: 0}, TOP_K, ShareRates(bus_s=70e-6, cpu_s=55e-6, cpu_fixed_s=30e-6))
     assert fixed.cpu_s >= 30e-6 and abs(fixed.cpu_s - fixed.bus_s) <= TOP_K * rates.bus_s
     assert fixed.bus_s > split.bus_s
+
+
+def test_the_cpu_rate_is_refit_to_the_jobs_time_inside_the_steps():
+    """40 pairs in 10 runs took 10 x 5 us of the job's fixed part and 40 x 30 us: the
+    measured 30 us a pair is averaged in at REFIT_WEIGHT; too few pairs leave the rates
+    as they were (the same object); negative counts are refused."""
+    rates = ShareRates(bus_s=50e-6, cpu_s=10e-6, cpu_fixed_s=20e-6, job_fixed_s=5e-6)
+    refit = refit_cpu_rate(rates, 10, 10 * 5e-6 + 40 * 30e-6, 40)
+    assert refit.cpu_s == pytest.approx(20e-6) and (refit.bus_s, refit.cpu_fixed_s) == (50e-6, 20e-6)
+    assert refit_cpu_rate(rates, 3, 1.0, 15) is rates
+    with pytest.raises(ValueError, match=">= 0"):
+        refit_cpu_rate(rates, -1, 0.0, 40)
+
+
+def test_on_cuda_the_job_leaves_the_workers_thread_a_core(monkeypatch):
+    monkeypatch.setattr(share_step, "default_threads", lambda: 16)
+    assert share_step.job_threads(torch.device("cuda")) == 15
+    assert share_step.job_threads(torch.device("cpu")) == 16
+    monkeypatch.setattr(share_step, "default_threads", lambda: 2)
+    assert share_step.job_threads(torch.device("cuda")) == 2
 
 
 def test_the_cpu_rates_are_measured_on_the_c_job(lib):
@@ -137,6 +157,29 @@ def test_a_shared_step_equals_the_all_resident_layer_and_follows_the_hot_set(sha
     layer.count_bus_reads()
     c = layer.counters
     assert c.cpu_runs > 0 and c.bus_reads > 0 and c.misses == c.cpu_runs + c.bus_reads + c.copies
+
+
+def test_a_cpu_slower_inside_the_steps_hands_its_experts_back_to_the_bus(lib, monkeypatch):
+    """Rates measured at start that call the cores a thousand times faster than the bus
+    give the CPU every uncached expert; at the first refresh the rate is refit to what
+    the job itself timed in those steps (half the old rate, half the measured one), and
+    the next split, at that rate far slower than the bus, gives the CPU none."""
+    monkeypatch.setattr(OffloadedExperts, "_reads_over_bus", lambda self, x: x.shape[0] > 0)
+    monkeypatch.setattr(expert_cache, "REFRESH_STEPS", 4)
+    fast = ShareRates(bus_s=1e-9, cpu_s=1e-12, cpu_fixed_s=0.0)
+    layer = OffloadedExperts(_stack(seed=7), torch.device("cpu"), 3, ExpertCounters(), ALWAYS_COPY, lib,
+                             share_rates=fast)
+    with using(expert_cpu_share="auto"):
+        for step in range(4):
+            x, weights, ids = _routed(4, seed=30 + step)
+            layer(x, weights, ids)
+            if step == 0:
+                assert len(layer.on_cpu) == EXPERTS - len(layer.slot_of)
+            layer.after_forward(4)
+        runs, seconds, pairs = layer._share.job.totals()
+        assert runs == 4 and pairs >= 16
+        assert layer.share_rates.cpu_s == pytest.approx(0.5 * 1e-12 + 0.5 * seconds / pairs)
+        assert layer.on_cpu == () and not (layer._bus.share_lut == CPU_RUN).any()
 
 
 def test_padding_rows_cost_the_cpu_nothing_and_prefill_takes_no_share(shared_layer, lib):

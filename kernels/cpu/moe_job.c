@@ -12,6 +12,11 @@
  * thread: it calls no CUDA and no Python, allocates nothing (the caller's work bytes),
  * and opens its own OpenMP region of job->threads threads from that thread.
  *
+ * Each call adds to the struct's running totals (runs, busy_ns from CLOCK_MONOTONIC, and
+ * the pairs run): the engine reads them between steps, never writes them, and refits the
+ * CPU's rate by what the job really took inside the decode steps
+ * (engine/layers/moe/cpu_share.py).
+ *
  * Rows whose live flag is 0 (a CUDA graph's padding rows) are skipped whole: no pair,
  * no conversion, no quantization. The pairs are taken in (row, k) order and grouped by
  * expert, ascending, stably: the order engine/layers/moe/cpu_runs.py's gather and
@@ -19,6 +24,7 @@
  */
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 #include "blocks.h"
 
@@ -40,6 +46,8 @@ typedef struct {
     int32_t status;          /* out: 0 done; -1 a type or size hr_moe_experts refused; -2 work too small;
                                 -3 an id outside 0..E-1; -4 an unknown dtype */
     int64_t pairs;           /* out: the CPU pairs it ran */
+    int64_t runs, busy_ns, pairs_run;  /* out, running totals over every call: calls, their
+                                          wall nanoseconds, the pairs they ran */
 } hr_moe_job;
 
 int hr_moe_experts(const float *x, int64_t T, int64_t H, int64_t I, const int32_t *token, const float *weight,
@@ -89,8 +97,7 @@ int64_t hr_moe_job_work_bytes(int64_t T, int64_t H, int64_t I, int64_t K, int64_
            + hr_moe_work_bytes(T, H, I, T * K);
 }
 
-void moe_cpu_job(void *arg) {
-    hr_moe_job *job = (hr_moe_job *)arg;
+static void run_job(hr_moe_job *job) {
     const int64_t T = job->T, H = job->H, K = job->K, E = job->E;
     job->pairs = 0;
     if (job->x_dtype < HR_F32 || job->x_dtype > HR_F16 || job->w_dtype < HR_F32 || job->w_dtype > HR_F16) {
@@ -169,4 +176,19 @@ void moe_cpu_job(void *arg) {
     for (int64_t t = 0; t < T; t++)
         if (local[t] >= 0) memcpy(job->out + t * H, yc + (int64_t)local[t] * H, (size_t)H * sizeof(float));
     job->pairs = pairs;
+}
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+void moe_cpu_job(void *arg) {
+    hr_moe_job *job = (hr_moe_job *)arg;
+    const int64_t start = now_ns();
+    run_job(job);
+    job->busy_ns += now_ns() - start;
+    job->pairs_run += job->pairs;
+    job->runs++;
 }

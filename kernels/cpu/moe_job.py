@@ -45,7 +45,8 @@ class JobStruct(ctypes.Structure):
                 ("gate", _p), ("up", _p), ("down", _p),
                 ("T", _i64), ("H", _i64), ("I", _i64), ("K", _i64), ("E", _i64), ("work_bytes", _i64),
                 ("x_dtype", _i32), ("w_dtype", _i32), ("tg", _i32), ("tu", _i32), ("td", _i32), ("threads", _i32),
-                ("path", _i32), ("status", _i32), ("pairs", _i64)]
+                ("path", _i32), ("status", _i32), ("pairs", _i64),
+                ("runs", _i64), ("busy_ns", _i64), ("pairs_run", _i64)]
 
 
 class MoeCpuJob:
@@ -124,6 +125,16 @@ class MoeCpuJob:
         """``(status, pairs)`` of the last run for ``rows`` rows (0: done)."""
         s = self._structs[rows]
         return s.status, s.pairs
+
+    def totals(self) -> tuple[int, float, int]:
+        """``(runs, seconds, pairs)`` over every run of this job so far, every row count's
+        struct together: the calls, their wall seconds inside ``moe_cpu_job`` (timed by the
+        job itself, so on CUDA the runs inside the decode steps, not the host function's
+        queueing), and the CPU pairs they ran. Running totals the C side alone writes:
+        read them between steps and take differences."""
+        structs = list(self._structs.values())
+        return (sum(s.runs for s in structs), sum(s.busy_ns for s in structs) * 1e-9,
+                sum(s.pairs_run for s in structs))
 
     def refused(self) -> str | None:
         """What the last run of a row count refused, in words (its rows and status), or

@@ -18,7 +18,7 @@ import logging
 import torch
 
 from engine.layers.moe.bus_reads import BUS_COUNTED_TOKENS, HEAT_DECAY, BusReads
-from engine.layers.moe.cpu_share import split_share
+from engine.layers.moe.cpu_share import refit_cpu_rate, split_share
 from engine.layers.moe.expert_stacks import BlockStack
 from engine.layers.moe.share_step import ShareStep
 from kernels.switches import current
@@ -75,6 +75,21 @@ class BusDecode:
                      self.num_experts - len(self.slot_of), split.cpu_s * 1e6, split.bus_s * 1e6)
         self.on_cpu = split.cpu
         return self.on_cpu
+
+    def _refit_share(self) -> None:
+        """Refit the CPU's rate to what the job took inside the decode steps since the
+        last refresh (:func:`~engine.layers.moe.cpu_share.refit_cpu_rate`); the log says
+        when it moved by a quarter or more."""
+        runs, seconds, pairs = self._share.take_totals()
+        rates = refit_cpu_rate(self.share_rates, runs, seconds, pairs)
+        if rates is self.share_rates:
+            return
+        if abs(rates.cpu_s - self.share_rates.cpu_s) >= 0.25 * self.share_rates.cpu_s:
+            log.info("expert CPU share, layer %s: the job took %.1f us an expert inside the decode steps "
+                     "(%d pairs in %d runs); the rate goes from %.1f to %.1f us", self.layer_index,
+                     max(seconds - runs * rates.job_fixed_s, 0.0) / pairs * 1e6, pairs, runs,
+                     self.share_rates.cpu_s * 1e6, rates.cpu_s * 1e6)
+        self.share_rates = rates
 
     def count_bus_reads(self) -> None:
         """Bring the counters and the heat up to date with the bus-read steps since the

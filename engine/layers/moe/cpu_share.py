@@ -18,12 +18,18 @@ side (:class:`ShareRates`), greedily, the likeliest first, each to the side that
 sooner; the CPU's side starts at its fixed cost (the copies and the host function), paid
 every step the share is on. The split is recomputed when the heat or the cached set
 changes (a refresh, a resize), between steps, never inside a capture.
+
+The rates are measured at start, with the job alone on the machine; inside the decode
+steps it shares the cores with the worker's own thread and runs from the CUDA runtime's
+callback thread, and on an H200 host it took longer there than measured, so that every
+layer waited for it. :func:`refit_cpu_rate` refits the CPU's rate at each refresh from
+what the job itself timed inside the steps since the last one.
 """
 
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -35,6 +41,11 @@ from engine.layers.moe.expert_stacks import BlockStack
 UNIFORM_PRIOR = 0.1
 # Distinct experts the CPU's timing routes one token to (a decode step's top-k).
 TIMED_EXPERTS = 8
+# Weight of a refit's measurement against the rate it replaces (an average over the
+# refreshes, each older one weighing half the next).
+REFIT_WEIGHT = 0.5
+# Fewest CPU pairs run since the last refit for a refit of the rate.
+REFIT_MIN_PAIRS = 16
 
 
 @dataclass(frozen=True)
@@ -42,11 +53,13 @@ class ShareRates:
     """Seconds a decode step spends on one routed missing expert, each way: ``bus_s``
     (its blocks read over the bus by the fused kernel), ``cpu_s`` (one more expert in the
     CPU job) and ``cpu_fixed_s`` (the CPU job's cost with no expert: copies, host
-    function, the threads' wake-up)."""
+    function, the threads' wake-up), of which ``job_fixed_s`` is the C job's own (the part
+    its timing of itself includes: :func:`refit_cpu_rate`)."""
 
     bus_s: float
     cpu_s: float
     cpu_fixed_s: float
+    job_fixed_s: float = 0.0
 
     def balanced_s(self, experts: float) -> float:
         """A step's time over ``experts`` missing experts split evenly by time, the CPU's
@@ -95,19 +108,40 @@ def split_share(heat: torch.Tensor, cached: set[int] | dict[int, int], top_k: in
     return Split(tuple(sorted(cpu)), cpu_t, bus_t)
 
 
-def measure_cpu_rates(host: BlockStack, lib: ctypes.CDLL, repeats: int = 3) -> tuple[float, float]:
+def refit_cpu_rate(rates: ShareRates, runs: int, seconds: float, pairs: int) -> ShareRates:
+    """``rates`` with ``cpu_s`` refit to what the C job took inside the decode steps since
+    the last refit: ``runs`` calls, ``seconds`` of wall time inside them (the job's own
+    timing), ``pairs`` CPU pairs run. The measured seconds a pair, the job's fixed part
+    (``job_fixed_s``) a call aside, are averaged into ``cpu_s`` with weight
+    :data:`REFIT_WEIGHT`. The same object when fewer than :data:`REFIT_MIN_PAIRS` pairs
+    ran (a split that gives the CPU nothing keeps its rates).
+
+    Raises:
+        ValueError: negative runs, seconds or pairs.
+    """
+    if min(runs, seconds, pairs) < 0:
+        raise ValueError(f"a refit takes counts and seconds >= 0, got {runs} runs, {seconds} s, {pairs} pairs")
+    if pairs < REFIT_MIN_PAIRS:
+        return rates
+    measured = max(seconds - runs * rates.job_fixed_s, 0.0) / pairs
+    return replace(rates, cpu_s=(1 - REFIT_WEIGHT) * rates.cpu_s + REFIT_WEIGHT * measured)
+
+
+def measure_cpu_rates(host: BlockStack, lib: ctypes.CDLL, repeats: int = 3,
+                      threads: int | None = None) -> tuple[float, float]:
     """``(cpu_s, cpu_fixed_s)`` of :class:`ShareRates` on this machine: the C job
     (:class:`~kernels.cpu.moe_job.MoeCpuJob`) over one token routed to 1 and to
     :data:`TIMED_EXPERTS` distinct experts of ``host``, every one the CPU's (best of
     ``repeats``); the slope is one more expert, the rest the fixed part. Where noise
     makes the slope zero or less, every expert costs ``time(n) / n`` and nothing is fixed
-    (a zero rate would hand the CPU every expert)."""
+    (a zero rate would hand the CPU every expert). ``threads``: the job's (None:
+    :func:`~kernels.cpu.threads.default_threads`)."""
     from kernels.cpu.moe_job import CPU_RUN, MoeCpuJob
     from kernels.cpu.threads import default_threads
 
     n = min(TIMED_EXPERTS, host.num_experts)
     job = MoeCpuJob(lib, host.gate, host.up, host.down, host.types, 1, n, torch.float32, torch.float32,
-                    default_threads(), pin=False)
+                    threads or default_threads(), pin=False)
     lut = torch.full((host.num_experts,), CPU_RUN, dtype=torch.int64)
     x = torch.randn(1, host.down.shape[1])
     times = {}

@@ -293,6 +293,7 @@ class OffloadedExperts(BusDecode, nn.Module):
             bus.stale = bus.stale or self.shares_cpu  # the heat moved: split again
             if self._share is not None:
                 self._share.check()
+                self._refit_share()
         if bus.stale:
             bus.sync_lut(self.slot_of, self._split())
 

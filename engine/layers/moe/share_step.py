@@ -12,6 +12,11 @@ runs the fused kernel, which skips the CPU's experts; the layer's stream then wa
 the side stream and adds the sums. The lut the job reads is the device's, copied in
 stream order, so the kernel and the job always agree on who runs what, whatever the host
 changes between steps. On the CPU device (tests) the same job runs in the calling thread.
+
+On CUDA the job takes one core fewer than the process may use (:func:`job_threads`):
+while it runs, the worker's own thread launches the next layers' work and then waits on
+the stream, spinning; a job over every core would share one with it, and its work being
+split evenly between its threads, every layer would wait for that core's thread.
 """
 
 from __future__ import annotations
@@ -26,6 +31,15 @@ from engine.layers.moe.cpu_share import ShareRates, measure_bus_s, measure_cpu_r
 from engine.layers.moe.expert_costs import CostModel, best_time
 from engine.layers.moe.expert_stacks import BlockStack
 from kernels.cpu.moe_job import MoeCpuJob
+from kernels.cpu.threads import default_threads
+
+
+def job_threads(device: torch.device) -> int:
+    """The C job's OpenMP threads on ``device`` (module docstring): on CUDA one fewer
+    than :func:`~kernels.cpu.threads.default_threads` where that leaves two or more,
+    elsewhere (the job runs in the calling thread) all of them."""
+    threads = default_threads()
+    return threads - 1 if torch.device(device).type == "cuda" and threads > 2 else threads
 
 
 class ShareStep:
@@ -36,14 +50,13 @@ class ShareStep:
         host: the layer's host tier (blocks; pinned on CUDA).
         lib: the C kernels (:func:`kernels.cpu.build.load`).
         device: the step's device.
-        threads: the job's OpenMP threads (None: :func:`kernels.cpu.threads.default_threads`).
+        threads: the job's OpenMP threads (None: :func:`job_threads`).
     """
 
     def __init__(self, host: BlockStack, lib: ctypes.CDLL, device: torch.device, threads: int | None = None) -> None:
-        from kernels.cpu.threads import default_threads
-
         self.host, self.lib, self.device = host, lib, torch.device(device)
-        self.threads = threads or default_threads()
+        self.threads = threads or job_threads(self.device)
+        self._taken = (0, 0.0, 0)  # the job's totals at the last take_totals
         self.job: MoeCpuJob | None = None  # made at the first step (its K and dtypes)
         self._stream: torch.cuda.Stream | None = None
         self._sums: torch.Tensor | None = None  # the device's copy of the job's sums
@@ -54,6 +67,7 @@ class ShareStep:
             job = self.job = MoeCpuJob(self.lib, self.host.gate, self.host.up, self.host.down, self.host.types,
                                        BUS_COUNTED_TOKENS, top_k, x.dtype, topk_weights.dtype, self.threads,
                                        pin=self.device.type == "cuda")
+            self._taken = (0, 0.0, 0)  # a new job's totals start at zero
             if self.device.type == "cuda":
                 self._stream = self._stream or torch.cuda.Stream(self.device)
                 self._sums = torch.zeros(BUS_COUNTED_TOKENS, x.shape[1], dtype=torch.float32, device=self.device)
@@ -103,6 +117,16 @@ class ShareStep:
         if refused is not None:
             raise RuntimeError(f"the CPU share's job refused a step of {refused}")
 
+    def take_totals(self) -> tuple[int, float, int]:
+        """Between steps: ``(runs, seconds, pairs)`` of the job since the last call
+        (:meth:`kernels.cpu.moe_job.MoeCpuJob.totals`' differences; zeros before a job)."""
+        if self.job is None:
+            return 0, 0.0, 0
+        now = self.job.totals()
+        runs, seconds, pairs = (a - b for a, b in zip(now, self._taken, strict=True))
+        self._taken = now
+        return runs, seconds, pairs
+
     def round_trip_s(self, top_k: int, repeats: int = 3) -> float:
         """Seconds a one-row step's CPU half takes with no CPU expert (CUDA: the copies
         and the host function on the side stream, waited for): the share's fixed cost."""
@@ -123,12 +147,13 @@ class ShareStep:
 def measure_share_rates(host: BlockStack, device: torch.device, lib: ctypes.CDLL, costs: CostModel,
                         top_k: int = 8, repeats: int = 3) -> ShareRates:
     """:class:`~engine.layers.moe.cpu_share.ShareRates` for ``host``'s layer: the CPU's by
-    :func:`~engine.layers.moe.cpu_share.measure_cpu_rates`; on CUDA the bus's by
+    :func:`~engine.layers.moe.cpu_share.measure_cpu_rates` (the job's threads as a step's); on CUDA the bus's by
     :func:`~engine.layers.moe.cpu_share.measure_bus_s` and the fixed cost plus the side
     stream's round trip (:meth:`ShareStep.round_trip_s`); elsewhere the bus's by
     ``costs``' copy rate (one expert's bytes at the host -> device bandwidth)."""
-    cpu_s, fixed_s = measure_cpu_rates(host, lib, repeats)
+    cpu_s, fixed_s = measure_cpu_rates(host, lib, repeats, threads=job_threads(device))
     if device.type != "cuda":
-        return ShareRates(bus_s=costs.copy_s(), cpu_s=cpu_s, cpu_fixed_s=fixed_s)
+        return ShareRates(bus_s=costs.copy_s(), cpu_s=cpu_s, cpu_fixed_s=fixed_s, job_fixed_s=fixed_s)
     trip = ShareStep(host, lib, device).round_trip_s(top_k, repeats)
-    return ShareRates(bus_s=measure_bus_s(host, device, repeats), cpu_s=cpu_s, cpu_fixed_s=fixed_s + trip)
+    return ShareRates(bus_s=measure_bus_s(host, device, repeats), cpu_s=cpu_s, cpu_fixed_s=fixed_s + trip,
+                      job_fixed_s=fixed_s)

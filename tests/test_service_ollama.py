@@ -138,6 +138,25 @@ def test_ollama_errors(real_server):
         assert (r.status_code, r.json()) == (400, {"error": "model is required"}), body
 
 
+def test_images_are_refused_naming_the_field(real_server):
+    """``images`` (this server serves text models) was refused without naming the field
+    on /api/chat ("images are not supported") and in other words on /api/generate
+    ("images is not supported by this server"): both name it, as Ollama's error shape
+    (no ``param``) needs, in the same words."""
+    client = ollama.Client(host=real_server.base_url, timeout=60)
+    png = b"\x89PNG\r\n\x1a\n"
+    ask = [*QUESTION, {"role": "user", "content": "What is in it?", "images": [png]}]
+    with pytest.raises(ollama.ResponseError) as chat:
+        client.chat(model="default", messages=ask)
+    with pytest.raises(ollama.ResponseError) as generate:
+        client.generate(model="default", prompt="What is in it?", images=[png])
+    words = "is not supported: this server serves text models, which take no images; send the text alone"
+    assert (chat.value.status_code, chat.value.error) == (400, f"messages[1].images {words}")
+    assert (generate.value.status_code, generate.value.error) == (400, f"images {words}")
+    r = httpx.post(real_server.base_url + "/api/generate", json={"model": "default", "prompt": "Hi", "images": ["x"]})
+    assert r.status_code == 400 and r.json() == {"error": f"images {words}"}
+
+
 def test_tool_call_arguments_as_text_are_refused_as_ollama_refuses_them(real_server):
     """Ollama takes a tool call's arguments as an object; JSON text (OpenAI's form) is a
     400 naming the field, where it was taken."""

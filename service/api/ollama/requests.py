@@ -40,24 +40,32 @@ from service.api.request import GenerationRequest, stop_strings
 from service.api.sampling import Sampling
 from service.api.structured import ollama_format
 from service.api.thinking import ollama_thinking, with_thinking
-from service.common.errors import invalid
+from service.common.errors import APIError, invalid
 
 # Ollama's option (and Modelfile parameter) names of the sampling fields whose names differ.
 OPTION_OF_FIELD = {"repetition_penalty": "repeat_penalty"}
 _FIELD_AT = re.compile(r" - at `\$\.(?P<field>\w+)`$")
 
+def _no_images(param: str) -> APIError:
+    """The refusal of ``images`` (a chat message's or /api/generate's), naming the field
+    in its message: Ollama's error shape carries no ``param``."""
+    return invalid(
+        f"{param} is not supported: this server serves text models, which take no images; send the text alone",
+        param,
+    )
+
+
 def _refuse_unsupported(body: OllamaChatRequest | OllamaGenerateRequest) -> None:
     if isinstance(body, OllamaChatRequest):
         for i, message in enumerate(body.messages):
             if isinstance(message, dict) and message.get("images"):
-                raise invalid(
-                    "images are not supported: this server serves text models",
-                    f"messages[{i}].images",
-                )
+                raise _no_images(f"messages[{i}].images")
             if isinstance(message, dict):
                 _check_arguments(message.get("tool_calls"), f"messages[{i}].tool_calls")
         return
-    for name in ("suffix", "template", "context", "images"):
+    if body.images:
+        raise _no_images("images")
+    for name in ("suffix", "template", "context"):
         if getattr(body, name):
             raise invalid(f"{name} is not supported by this server", name)
 

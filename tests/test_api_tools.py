@@ -230,6 +230,20 @@ def test_tool_choice_checks():
         plan_tools(None, "required", template, True)
 
 
+@pytest.mark.parametrize("tools", [[WEATHER], None])
+@pytest.mark.parametrize(("choice", "code"), [
+    (5, "invalid_type"), (True, "invalid_type"), (["auto"], "invalid_type"), ("sometimes", "invalid_value"),
+])
+def test_a_tool_choice_of_the_wrong_json_type_is_invalid_type(tools, choice, code):
+    """docs/api.md, Errors: a field of the wrong JSON type is ``invalid_type``, as
+    /v1/responses answers its ``tool_choice``; a string or an object that is no choice
+    stays ``invalid_value``. ``tool_choice: 5`` was ``invalid_value``, tools or not."""
+    with pytest.raises(APIError) as exc:
+        plan_tools(tools, choice, "{{ tools }}<tool_call>", True)
+    assert (exc.value.status, exc.value.param, exc.value.code) == (400, "tool_choice", code), exc.value.message
+    assert exc.value.message.startswith("tool_choice must be"), exc.value.message
+
+
 
 
 @contextlib.contextmanager

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.text.chat import ChatTemplateError
-from service.common.errors import INVALID_TYPE, invalid
+from service.api.openai.messages import json_type
+from service.common.errors import INVALID_TYPE, APIError, invalid
 
 # The longest tool name each API takes.
 OPENAI_NAME_LENGTH = 64
@@ -218,7 +219,8 @@ def tool_choice_of(tool_choice: Any, names: Sequence[str]) -> Choice:
 
     Raises:
         APIError: 400 ``tool_choice`` saying what is wrong with the value sent: an
-            unknown value or type, a function object without ``function.name`` (a
+            unknown value or type (one that is neither a string nor an object:
+            ``invalid_type``, :func:`unknown_choice`), a function object without ``function.name`` (a
             ``name`` beside ``type``, the Responses API's shape, named as such), a name
             (quoted) not among ``names``, an ``allowed_tools`` whose ``mode`` or
             ``tools`` is not OpenAI's, or one of mode ``auto`` (not supported: a call
@@ -229,7 +231,7 @@ def tool_choice_of(tool_choice: Any, names: Sequence[str]) -> Choice:
     if tool_choice in ("none", "auto", "required"):
         return Choice(tool_choice)
     if not isinstance(tool_choice, dict):
-        raise invalid(CHOICES, "tool_choice")
+        raise unknown_choice(tool_choice)
     kind = tool_choice.get("type")
     if kind == "function":
         return Choice("function", _function_name(tool_choice, "tool_choice", names))
@@ -255,6 +257,15 @@ def tool_choice_of(tool_choice: Any, names: Sequence[str]) -> Choice:
             "tool_choice",
         )
     return Choice(mode, allowed=allowed)
+
+
+def unknown_choice(tool_choice: Any) -> APIError:
+    """The refusal of a ``tool_choice`` that is no object and none of OpenAI's strings:
+    ``invalid_value`` for another string, ``invalid_type`` for another JSON type
+    (``5``, ``true``, a list), as docs/api.md's Errors give it."""
+    if isinstance(tool_choice, str):
+        return invalid(CHOICES, "tool_choice")
+    return invalid(f"{CHOICES}, got {json_type(tool_choice)}", "tool_choice", INVALID_TYPE)
 
 
 def _function_name(choice: Any, where: str, names: Sequence[str]) -> str:

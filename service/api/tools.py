@@ -46,7 +46,7 @@ from service.api.harmony import (
     split_harmony,
     template_is_harmony,
 )
-from service.api.tool_checks import CHOICES, tool_choice_of
+from service.api.tool_checks import tool_choice_of, unknown_choice
 from service.api.tool_xml import FUNCTION_OPEN, PARAMETER_OPEN, parse_function
 from service.common.errors import invalid
 
@@ -350,12 +350,13 @@ def plan_tools(
             that are not an object, an empty name, a name given twice) or a template with no tool
             support (or a format this server does not parse); 400 ``tools[i].function.name``
             for a name harmony's call header cannot carry; 400 ``tool_choice`` for
-            a value :func:`service.api.tool_checks.tool_choice_of` refuses.
+            a value :func:`service.api.tool_checks.tool_choice_of` refuses (one of the
+            wrong JSON type, ``5``: ``invalid_type``, tools or not).
     """
     if not tools:
         if tool_choice not in (None, "none", "auto"):
             if tool_choice != "required" and not isinstance(tool_choice, dict):
-                raise invalid(CHOICES, "tool_choice")  # a value no call could take, tools or not
+                raise unknown_choice(tool_choice)  # a value no call could take, tools or not
             raise invalid("tool_choice needs tools", "tool_choice")
         return ToolPlan()
     names = []

@@ -246,6 +246,28 @@ def test_a_tool_choice_of_the_wrong_json_type_is_invalid_type(tools, choice, cod
 
 
 
+@pytest.mark.parametrize(("tool", "param", "code"), [
+    ({"type": "function", "function": {"name": 5}}, "tools[0].function.name", "invalid_type"),
+    ({"type": "function", "function": {"name": None}}, "tools[0].function.name", "invalid_type"),
+    ({"type": "function", "function": {"description": "no name"}}, "tools[0].function.name", "missing_field"),
+    (5, "tools[0]", "invalid_type"),
+    ({"type": "function"}, "tools[0]", "invalid_value"),
+    ({"type": "function", "function": {"name": "f", "parameters": "x"}}, "tools[0]", "invalid_value"),
+    ({"type": "function", "function": {"name": " "}}, "tools[0]", "invalid_value"),
+])
+def test_a_tools_function_name_of_the_wrong_json_type_names_it(tool, param, code):
+    """docs/api.md, Errors: a tool's ``function.name`` absent is ``missing_field``, of
+    another JSON type ``invalid_type``, naming ``tools[i].function.name`` (as
+    /v1/responses names its ``tools[i].name``); it was ``invalid_value`` naming only
+    ``tools[i]``. Each refusal's message starts with the field, the only place Ollama's
+    ``{"error": message}`` shape has for it (/api/chat's tools are checked here too)."""
+    with pytest.raises(APIError) as exc:
+        plan_tools([WEATHER, tool], None, "{{ tools }}<tool_call>", True)
+    param = param.replace("tools[0]", "tools[1]")
+    assert (exc.value.status, exc.value.param, exc.value.code) == (400, param, code), exc.value.message
+    assert exc.value.message.startswith(param), exc.value.message
+
+
 @contextlib.contextmanager
 def chat_template(tokenizer, template: str):
     """``tokenizer`` with ``template`` as its chat template inside the block."""

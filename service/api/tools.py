@@ -46,9 +46,10 @@ from service.api.harmony import (
     split_harmony,
     template_is_harmony,
 )
+from service.api.openai.messages import field_of, json_type
 from service.api.tool_checks import tool_choice_of, unknown_choice
 from service.api.tool_xml import FUNCTION_OPEN, PARAMETER_OPEN, parse_function
-from service.common.errors import invalid
+from service.common.errors import INVALID_TYPE, invalid
 
 HERMES = "hermes"
 QWEN_XML = "qwen3_xml"
@@ -62,6 +63,7 @@ _HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 _PYTHON_TAG = "<|python_tag|>"
 _MISTRAL_TAG = "[TOOL_CALLS]"
 _MISTRAL_ARGS = "[ARGS]"
+_TOOL = "each tool must be {'type': 'function', 'function': {'name', 'description', 'parameters'}}"
 
 
 @dataclass(frozen=True)
@@ -349,7 +351,9 @@ def plan_tools(
         APIError: 400 ``tools`` (``tools[i]``) for a malformed definition (``parameters``
             that are not an object, an empty name, a name given twice) or a template with no tool
             support (or a format this server does not parse); 400 ``tools[i].function.name``
-            for a name harmony's call header cannot carry; 400 ``tool_choice`` for
+            absent (``missing_field``), no string (``invalid_type``) or a name harmony's
+            call header cannot carry; each ``tools[i]`` refusal's message starts with
+            the field (Ollama's error shape has no ``param``); 400 ``tool_choice`` for
             a value :func:`service.api.tool_checks.tool_choice_of` refuses (one of the
             wrong JSON type, ``5``: ``invalid_type``, tools or not).
     """
@@ -361,25 +365,20 @@ def plan_tools(
         return ToolPlan()
     names = []
     for i, tool in enumerate(tools):
-        function = tool.get("function") if isinstance(tool, dict) else None
-        if (
-            not isinstance(tool, dict)
-            or tool.get("type", "function") != "function"
-            or not isinstance(function, dict)
-            or not isinstance(function.get("name"), str)
-        ):
-            raise invalid(
-                "each tool must be {'type': 'function', 'function': {'name', 'description', "
-                "'parameters'}}",
-                f"tools[{i}]",
-            )
+        where = f"tools[{i}]"  # each message starts with the field: Ollama's error shape has no param
+        if not isinstance(tool, dict):
+            raise invalid(f"{where} must be an object, got {json_type(tool)}: {_TOOL}", where, INVALID_TYPE)
+        function = tool.get("function")
+        if tool.get("type", "function") != "function" or not isinstance(function, dict):
+            raise invalid(f"{where}: {_TOOL}", where)
+        name = field_of(function, "name", f"{where}.function.name", str, "a string", _TOOL)
         if not isinstance(function.get("parameters", {}), dict | None):
-            raise invalid("a function's parameters must be a JSON schema object", f"tools[{i}]")
-        if not function["name"].strip():  # a call could not name it
-            raise invalid("a function needs a name", f"tools[{i}]")
-        if function["name"] in names:  # a call could not say which one it calls
-            raise invalid(f"tool names must be unique: {function['name']!r} is given twice", f"tools[{i}]")
-        names.append(function["name"])
+            raise invalid(f"{where}: a function's parameters must be a JSON schema object", where)
+        if not name.strip():  # a call could not name it
+            raise invalid(f"{where}: a function needs a name", where)
+        if name in names:  # a call could not say which one it calls
+            raise invalid(f"{where}: tool names must be unique: {name!r} is given twice", where)
+        names.append(name)
     choice = tool_choice_of(tool_choice, names)  # the request's own shape first, then the model's abilities
     if not has_tools:
         raise invalid(

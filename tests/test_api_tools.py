@@ -27,7 +27,7 @@ from service.api.tools import (
     parser_for_template,
     plan_tools,
 )
-from service.common.errors import APIError
+from service.common.errors import APIError, decode_body
 
 WEATHER = {
     "type": "function",
@@ -347,6 +347,36 @@ def test_deprecated_functions_are_refused_naming_their_field(fields, param):
     neutral = msgspec.convert({"messages": [{"role": "user", "content": "hi"}], "function_call": "auto",
                                "functions": []}, ChatCompletionRequest)
     assert chat_request(neutral, "r", 0.0, 0).max_tokens is None
+
+
+_CALLED = {"role": "assistant", "content": None, "tool_calls": [
+    {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]}
+
+
+@pytest.mark.parametrize(("answer", "code"), [
+    ({"role": "tool", "content": "sunny"}, "missing_field"),
+    ({"role": "tool", "tool_call_id": 5, "content": "sunny"}, "invalid_type"),
+    ({"role": "tool", "tool_call_id": None, "content": "sunny"}, "invalid_type"),
+    ({"role": "tool", "tool_call_id": ["c1"], "content": "sunny"}, "invalid_type"),
+])
+def test_a_tool_messages_tool_call_id_absent_or_of_the_wrong_type_names_it(answer, code):
+    """docs/api.md, Errors: a tool message's ``tool_call_id`` absent is
+    ``missing_field``, of another JSON type ``invalid_type``, naming
+    ``messages[i].tool_call_id`` (as /v1/responses names an output's
+    ``input[i].call_id``); it was ``invalid_value`` naming only ``messages[i]``, as a
+    tool message answering no call ("tool_call_id None answers no call...")."""
+    from service.api.openai.requests import chat_request
+
+    def body(tool: dict) -> ChatCompletionRequest:
+        raw = json.dumps({"messages": [{"role": "user", "content": "hi"}, _CALLED, tool], "tools": [WEATHER]})
+        return decode_body(raw.encode(), ChatCompletionRequest)
+
+    with pytest.raises(APIError) as exc:
+        chat_request(body(answer), "r", 0.0, 0)
+    error = exc.value
+    assert (error.status, error.param, error.code) == (400, "messages[2].tool_call_id", code), error.message
+    assert error.message.startswith("messages[2].tool_call_id"), error.message
+    assert chat_request(body({**answer, "tool_call_id": "c1"}), "r", 0.0, 0).tools == [WEATHER]
 
 
 def test_json_nested_past_the_parser_s_depth_is_content_not_an_error():

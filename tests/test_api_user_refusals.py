@@ -144,6 +144,10 @@ CALLED = {"role": "assistant", "content": None}
         ([QUESTION, {**CALLED, "tool_calls": [{**CALL, "function": {"name": "f", "arguments": 5}}]}],
          "messages[1].tool_calls[0].function.arguments", "invalid_type"),
         ([QUESTION, {**CALLED, "tool_calls": []}], "messages[1].content", "invalid_type"),
+        ([QUESTION, {**CALLED, "tool_calls": [CALL]}, {"role": "tool", "content": "sunny"}],
+         "messages[2].tool_call_id", "missing_field"),
+        ([QUESTION, {**CALLED, "tool_calls": [CALL]}, {"role": "tool", "tool_call_id": 5, "content": "sunny"}],
+         "messages[2].tool_call_id", "invalid_type"),
         # Values, not types: as before.
         ([{"role": "nobody", "content": "hi"}], "messages[0].role", "invalid_value"),
         ([{"role": "user", "content": [{"type": "image_url"}]}], "messages[0].content[0]", "invalid_value"),

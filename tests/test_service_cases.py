@@ -409,7 +409,7 @@ def test_c22_developer_is_system_and_unknown_roles_refused(real_server, default_
         # a tool message here answers no call: OpenAI's history rule refuses the message
         for i, role, param in ((0, "wizard", "messages[0].role"), (1, "tool", "messages[1]")):
             messages = [{"role": "user", "content": "hi"}]
-            messages.insert(i, {"role": role, "content": "x"})
+            messages.insert(i, {"role": role, "content": "x", "tool_call_id": "c1"})
             error = assert_openai_error(chat(http, messages=messages), 400, param=param)
             assert role in error["message"]
         assert_openai_error(

@@ -10,8 +10,9 @@ template does not take, a content part of another type) stay the template's to r
 string), ``content`` (a string or an array of content parts, required but on an
 assistant message that calls tools; an empty array is ``invalid_value``, as OpenAI
 refuses it: :func:`check_content`), each part's ``type`` and a text part's ``text``
-(strings), and an assistant message's ``tool_calls`` (an array of objects, each with a
-``function`` object whose ``name`` is a string). :func:`field_of` reads one field by
+(strings), an assistant message's ``tool_calls`` (an array of objects, each with a
+``function`` object whose ``name`` is a string) and a tool message's ``tool_call_id``
+(a string). :func:`field_of` reads one field by
 that rule, for the Responses API's items too (:mod:`service.api.openai.responses_items`).
 """
 
@@ -51,6 +52,8 @@ def field_of(parent: dict[str, Any], key: str, param: str, kind: Any, expected: 
 
 
 _TEXT_PART = '{"type": "text", "text": "..."}'
+_ANSWER = ('a tool message is {"role": "tool", "tool_call_id": ..., "content": ...}, tool_call_id the id '
+           "of the call it answers")
 _CALL = 'a tool call is {"id": ..., "type": "function", "function": {"name": ..., "arguments": "{...}"}}'
 
 
@@ -64,6 +67,8 @@ def check_messages(messages: list[dict[str, Any]]) -> None:
         where = f"messages[{i}]"
         role = field_of(message, "role", f"{where}.role", str, "a string",
                         'each message needs its role ("system", "user", "assistant"...)')
+        if role == "tool":  # the call it answers (tool_checks' history rule checks that call)
+            field_of(message, "tool_call_id", f"{where}.tool_call_id", str, "a string", _ANSWER)
         calls = message.get("tool_calls") if role == "assistant" else None
         if calls is not None:
             _check_calls(calls, f"{where}.tool_calls")

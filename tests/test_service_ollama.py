@@ -175,6 +175,24 @@ def test_tool_call_arguments_as_text_are_refused_as_ollama_refuses_them(real_ser
     assert exc.value.status_code == 400 and exc.value.error.startswith("messages[1].tool_calls cannot be sent")
 
 
+@pytest.mark.parametrize(("body", "field"), [
+    ({"tools": [{"type": "function", "function": {"name": 5}}]}, "tools[0].function.name"),
+    ({"messages": [*QUESTION, {"role": "assistant", "content": "", "tool_calls": [
+        {"function": {"name": 5, "arguments": {}}}]}, {"role": "tool", "content": "sunny"}]},
+     "messages[1].tool_calls[0].function.name"),
+    ({"messages": [*QUESTION, {"role": "tool", "content": "sunny", "tool_name": 5}]}, "messages[1].tool_name"),
+])
+def test_a_tool_name_of_the_wrong_json_type_is_refused_naming_it(real_server, body, field):
+    """A tool's name, a past call's or a tool result's ``tool_name`` that is no string
+    is a 400 whose message starts with the field (Ollama's ``{"error": message}`` has
+    no param), as Ollama refuses a number where it reads a string; a past call's name
+    of 5 reached the template, and a ``tool_name`` of 5 was dropped unsaid."""
+    r = httpx.post(real_server.base_url + "/api/chat", json={"model": "default", "messages": QUESTION, **body},
+                   timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"].startswith(f"{field} must be a string, got number"), r.text
+
+
 def test_ollama_api_key_and_worker_killed_mid_stream(start_server):
     server = start_server(["--api-key", "sekrit"], {"HEADROOM_FAKE_STEP_S": "0.2"}, fake=True)
     body = {"model": "default", "messages": QUESTION, "options": {"num_predict": 500}}

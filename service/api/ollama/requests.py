@@ -19,7 +19,8 @@ the model, at once on a call without messages or prompt, else after the answer
 (``tool_choice`` auto); ``format`` (``"json"`` or a JSON schema) is structured output
 (:mod:`service.api.structured`); ``logprobs`` and ``top_logprobs`` (0..20) as on
 ``/v1/chat/completions``. Refused with a 400 rather than dropped: ``images``,
-and ``/api/generate``'s ``suffix``, ``template`` and ``context``.
+and ``/api/generate``'s ``suffix``, ``template`` and ``context``; and, as Ollama reads
+them, a tool message's ``tool_name`` or a past call's ``function.name`` that is no string.
 """
 
 from __future__ import annotations
@@ -35,12 +36,13 @@ import msgspec
 from engine.text.chat import NO_CHAT_TEMPLATE
 from service.api.logprobs import check_top_logprobs
 from service.api.ollama.schemas import OllamaChatRequest, OllamaGenerateRequest, OllamaOptions
+from service.api.openai.messages import json_type
 from service.api.prompts import Prompt, chat_prompt
 from service.api.request import GenerationRequest, stop_strings
 from service.api.sampling import Sampling
 from service.api.structured import ollama_format
 from service.api.thinking import ollama_thinking, with_thinking
-from service.common.errors import APIError, invalid
+from service.common.errors import INVALID_TYPE, APIError, invalid
 
 # Ollama's option (and Modelfile parameter) names of the sampling fields whose names differ.
 OPTION_OF_FIELD = {"repetition_penalty": "repeat_penalty"}
@@ -62,6 +64,8 @@ def _refuse_unsupported(body: OllamaChatRequest | OllamaGenerateRequest) -> None
                 raise _no_images(f"messages[{i}].images")
             if isinstance(message, dict):
                 _check_arguments(message.get("tool_calls"), f"messages[{i}].tool_calls")
+                _check_string(message, "tool_name", f"messages[{i}].tool_name", "the name of the tool whose result "
+                              "the message holds")
         return
     if body.images:
         raise _no_images("images")
@@ -70,18 +74,33 @@ def _refuse_unsupported(body: OllamaChatRequest | OllamaGenerateRequest) -> None
             raise invalid(f"{name} is not supported by this server", name)
 
 
+def _check_string(parent: dict[str, Any], key: str, param: str, what: str) -> None:
+    """``parent[key]``, when sent and not null, is a string, as Ollama reads it.
+
+    Raises:
+        APIError: 400 ``invalid_type`` whose message starts with ``param`` (Ollama's
+            error shape has no param).
+    """
+    value = parent.get(key)
+    if value is not None and not isinstance(value, str):
+        raise invalid(f"{param} must be a string, got {json_type(value)}: {what}", param, INVALID_TYPE)
+
+
 def _check_arguments(calls: Any, param: str) -> None:
     """A tool call's ``arguments`` is an object in Ollama's API (a JSON text is
-    OpenAI's form, which Ollama refuses too).
+    OpenAI's form, which Ollama refuses too), its ``name`` a string.
 
     Raises:
         APIError: 400 ``<param>[j].function.arguments`` for arguments that are not an
-            object.
+            object, ``<param>[j].function.name`` (``invalid_type``) for a name that is
+            no string.
     """
     if not isinstance(calls, list):
         return  # the template check names a malformed list
     for j, call in enumerate(calls):
         function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict):
+            _check_string(function, "name", f"{param}[{j}].function.name", "the name of the function called")
         arguments = function.get("arguments") if isinstance(function, dict) else None
         if arguments is not None and not isinstance(arguments, dict):
             raise invalid(

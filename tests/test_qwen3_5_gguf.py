@@ -227,3 +227,27 @@ def test_the_random_qwen36_gguf_converts_and_loads_in_blocks(tmp_path, paged_run
     assert size.bytes == model_weight_bytes(model)  # the RoPE cache (rotary_dim wide) counted on both sides
     logits = paged_runner(model, config).step({0: [1, 2, 3]})
     assert logits.shape == (1, config.vocab_size) and bool(torch.isfinite(logits).all())
+
+
+def test_the_tokenizer_is_built_the_same_through_its_stand_in(tmp_path):
+    """A qwen35moe file's tokenizer, read from a tokenizer-only copy under qwen3moe (as
+    transformers releases that refuse qwen35moe need): the same ids, special tokens and
+    chat template as this transformers builds from the file itself."""
+    from transformers import AutoTokenizer
+
+    from engine.bench.model_shapes import write_shape
+    from engine.bench.random_gguf import write_random_moe_gguf
+    from engine.loader.gguf_tokenizer import build_tokenizer
+
+    shape = load_model_config(write_shape(
+        "qwen3.6-35b-a3b", tmp_path / "cfg", hidden_size=256, moe_intermediate_size=256,
+        shared_expert_intermediate_size=256, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
+        num_experts=4, num_experts_per_tok=2, max_position_embeddings=64))
+    write_random_moe_gguf(tmp_path / "q.gguf", shape, np.random.default_rng(0))
+    native = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="q.gguf", local_files_only=True)
+    stand_in = build_tokenizer(tmp_path / "q.gguf", "qwen35moe")
+    text = "Hello, world! Ünïcödé 123 <|im_start|>user\n  tabs\tand  spaces"
+    assert stand_in(text).input_ids == native(text).input_ids
+    assert (stand_in.eos_token, stand_in.bos_token, len(stand_in)) == (native.eos_token, native.bos_token, len(native))
+    assert stand_in.chat_template == native.chat_template

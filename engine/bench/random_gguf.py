@@ -83,6 +83,7 @@ def write_random_moe_gguf(path: Path, config, rng: np.random.Generator, *, token
     import gguf
 
     from engine.loader.default_model import default_gguf_path
+    from engine.loader.gguf_tokenizer import copy_tokenizer_fields
     from kernels.quant.synthetic import random_blocks
 
     source = gguf.GGUFReader(tokenizer_gguf or default_gguf_path())
@@ -110,10 +111,7 @@ def write_random_moe_gguf(path: Path, config, rng: np.random.Generator, *, token
     writer.add_expert_feed_forward_length(i)
     if hybrid:
         _add_hybrid_metadata(writer, config)
-    for key, field in source.fields.items():
-        if key.startswith("tokenizer."):
-            sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-            writer.add_key_value(key, field.contents(), field.types[0], sub)
+    copy_tokenizer_fields(source, writer)
     cache: dict[tuple, np.ndarray] = {}
 
     def blocks(kind: str, *shape: int) -> np.ndarray:

@@ -2,7 +2,7 @@
 
 The folder holds ``config.json`` and ``generation_config.json`` built from the GGUF
 metadata, the tokenizer files and chat template (through transformers' GGUF tokenizer
-support), and dequantized weights in safetensors under Hugging Face tensor names, so the
+support: :mod:`engine.loader.gguf_tokenizer`), and dequantized weights in safetensors under Hugging Face tensor names, so the
 rest of the engine loads one format only.
 
 Weights are stored in float32 by default. Dequantized values (``scale * q + min`` with
@@ -40,8 +40,8 @@ from tqdm import tqdm
 from engine.common.load_errors import ModelLoadError, ModelNotFound
 from engine.loader.default_model import read_gguf_source, record_gguf_source
 from engine.loader.gguf_config import ROPE_FREQS, field, read_checked, sampling_fields
-from engine.loader.gguf_gpt_oss import ARCHITECTURES as GPT_OSS_ARCHITECTURES
 from engine.loader.gguf_hf_tensors import converted_tensors
+from engine.loader.gguf_tokenizer import build_tokenizer
 from engine.loader.weights import INDEX_FILE, SINGLE_FILE
 
 log = logging.getLogger(__name__)
@@ -258,20 +258,7 @@ def _write_config(config: dict[str, Any], out: Path) -> None:
 
 
 def _write_tokenizer(gguf_path: Path, out: Path, gguf_arch: str) -> None:
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    # AutoTokenizer reads the file's config first, and transformers' reading of a
-    # gpt-oss file's rope.scaling keys fails; the tokenizer itself needs none of it.
-    tokenizer_class = PreTrainedTokenizerFast if gguf_arch in GPT_OSS_ARCHITECTURES else AutoTokenizer
-    try:
-        tokenizer = tokenizer_class.from_pretrained(
-            str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True
-        )
-    except Exception as e:  # transformers raises many types here; all mean the same to the user
-        raise ModelLoadError(
-            f"{gguf_path}: cannot build its tokenizer ({type(e).__name__}: {e})"
-        ) from e
-    tokenizer.save_pretrained(str(out))
+    build_tokenizer(gguf_path, gguf_arch).save_pretrained(str(out))
 
 
 def _write_generation_config(reader: Any, out: Path) -> None:

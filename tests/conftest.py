@@ -417,9 +417,23 @@ def _make_tiny_hf_model(kind: str, path, *, vocab_size: int = 256, **overrides):
         for name, b in model.named_buffers():
             if name.endswith("layer_scalar"):  # Gemma 4's, saved with the weights
                 b.add_(torch.randn_like(b) * 0.2)
+    if kind == "gpt_oss":
+        _clamp_as_configured(model)
     if path is not None:
         model.save_pretrained(path)
     return model
+
+
+def _clamp_as_configured(model) -> None:
+    """Make a gpt-oss reference apply its config's SwiGLU clamp: transformers before 5.2x
+    fix every expert module's ``alpha`` and ``limit`` at 1.702 and 7.0 (gpt-oss's
+    published values) and ignore the config's ``swiglu_limit``, which the engine reads
+    and the tiny config sets to 0.5 so that the clamp bites. Newer releases read it."""
+    config = model.config
+    for module in model.modules():
+        if hasattr(module, "limit") and hasattr(module, "alpha") and hasattr(module, "gate_up_proj"):
+            module.alpha = float(getattr(config, "swiglu_alpha", module.alpha))
+            module.limit = float(getattr(config, "swiglu_limit", module.limit))
 
 
 @pytest.fixture(scope="session")

@@ -1,12 +1,13 @@
 """A GGUF's tokenizer built by transformers, whatever architecture the file names.
 
 transformers converts a GGUF's tokenizer (its ``tokenizer.ggml.*`` keys) by the file's
-architecture, and releases that do not list an architecture refuse its tokenizer
-outright: transformers 5.17 answers a ``qwen35moe`` file with "GGUF model with
-architecture qwen35moe is not supported yet", though the tokenizer is the byte-level
-BPE it reads for ``qwen3``. For such architectures (:data:`STAND_INS`) the tokenizer is
-read from a tokenizer-only copy of the file's keys under a stand-in architecture that
-every supported transformers converts the same way.
+architecture, and reads the file's config on the way. Some releases the pin allows
+fail there for files whose tokenizer they could build: transformers 5.17 refuses a
+``qwen35moe`` file outright ("GGUF model with architecture qwen35moe is not supported
+yet"), though its tokenizer is the byte-level BPE it reads for ``qwen3``, and every
+release so far fails on a gpt-oss file's ``rope.scaling`` keys. For such architectures
+(:data:`STAND_INS`) the tokenizer is read from a tokenizer-only copy of the file's keys
+under an architecture that every supported transformers converts the same way.
 """
 
 from __future__ import annotations
@@ -18,11 +19,14 @@ from typing import Any
 import gguf
 
 from engine.common.load_errors import ModelLoadError
-from engine.loader.gguf_gpt_oss import ARCHITECTURES as GPT_OSS_ARCHITECTURES
 
-# llama.cpp architectures whose tokenizer older transformers refuse, and the one whose
-# tokenizer conversion is the same (Qwen3.5/3.6's is Qwen3's byte-level BPE).
-STAND_INS = {"qwen35": "qwen3", "qwen35moe": "qwen3moe"}
+# llama.cpp architectures whose tokenizer transformers may fail to read from the file
+# itself, and the architecture its tokenizer-only copy names (Qwen3.5/3.6's tokenizer is
+# Qwen3's byte-level BPE; gpt-oss's copy fails no more once its rope keys are left out).
+STAND_INS = {"qwen35": "qwen3", "qwen35moe": "qwen3moe", "gpt-oss": "gpt-oss"}
+# The transformers release whose GGUF tokenizer reader takes the pre-tokenizer from the
+# file (tokenizer.ggml.pre) rather than from a table of architectures.
+MIN_GGUF_READER = (5, 18)
 
 
 def copy_tokenizer_fields(reader: gguf.GGUFReader, writer: gguf.GGUFWriter) -> None:
@@ -53,10 +57,20 @@ def build_tokenizer(gguf_path: Path, gguf_arch: str) -> Any:
                 writer.write_tensors_to_file()
                 writer.close()
                 return PreTrainedTokenizerFast.from_pretrained(tmp, gguf_file=copy.name, local_files_only=True)
-        # AutoTokenizer reads the file's config first, and transformers' reading of a
-        # gpt-oss file's rope.scaling keys fails; the tokenizer itself needs none of it.
-        tokenizer_class = PreTrainedTokenizerFast if gguf_arch in GPT_OSS_ARCHITECTURES else AutoTokenizer
-        return tokenizer_class.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
-                                               local_files_only=True)
+        return AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
+                                             local_files_only=True)
     except Exception as e:  # transformers raises many types here; all mean the same to the user
-        raise ModelLoadError(f"{gguf_path}: cannot build its tokenizer ({type(e).__name__}: {e})") from e
+        raise ModelLoadError(f"{gguf_path}: cannot build its tokenizer ({type(e).__name__}: {e}){_upgrade_hint()}") from e
+
+
+def _upgrade_hint() -> str:
+    """What to do where transformers predates the GGUF tokenizer reader that reads a
+    file's pre-tokenizer by its ``tokenizer.ggml.pre`` (5.18): before it, a tokenizer is
+    converted by a table of architectures that lacks gpt-oss's and Qwen3.5's."""
+    import transformers
+
+    major_minor = tuple(int(p) for p in transformers.__version__.split(".")[:2] if p.isdigit())
+    if major_minor >= MIN_GGUF_READER:
+        return ""
+    return (f"; transformers {transformers.__version__} predates the GGUF tokenizer reader of "
+            f"{'.'.join(map(str, MIN_GGUF_READER))}: pip install 'transformers>=5.18,<5.25'")

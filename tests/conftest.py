@@ -14,6 +14,7 @@ import pytest
 from keyed_server import keyed_server  # noqa: F401
 from service_harness import real_server, start_server  # noqa: F401
 from thinking_server import qwen3_server  # noqa: F401
+from tiny_hf_parts import clamp_as_configured, tiny_qwen3_5_config
 
 SMOLLM_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -360,39 +361,13 @@ def _tiny_hf_config(kind: str, vocab_size: int, overrides: dict):
             "pad_token_id": 0, **overrides,
         })
     if kind.startswith("qwen3_5"):
-        return _tiny_qwen3_5_config(kind, {**common, "num_hidden_layers": 4}, moe)
+        return tiny_qwen3_5_config(kind, {**common, "num_hidden_layers": 4}, moe)
     if kind == "mixtral":  # Mixtral's w1/w2/w3 expert names, always renormalized
         return transformers.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
     if kind == "olmoe":  # q/k norm over the whole projection, q/k/v clamped
         return transformers.OlmoeConfig(**{**common, "intermediate_size": 32}, num_experts=8,
                                         num_experts_per_tok=2, clip_qkv=1.5, pad_token_id=0)
     raise ValueError(kind)
-
-
-def _tiny_qwen3_5_config(kind: str, common: dict, moe: dict):
-    """Qwen3.5 (``"qwen3_5"``), its MoE (``"qwen3_5_moe"``, every layer routed, a shared
-    expert) and their vision-language checkpoints (``..._vl``, a one-block vision tower):
-    layers linear, full, linear, full; 2 key heads serving 4 value heads of 32 (a Q8_0
-    block: reordering value heads moves whole blocks); multimodal RoPE sections over a
-    partial rotary of 8 of 16 dims."""
-    import transformers
-
-    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
-            "mrope_section": [2, 1, 1], "mrope_interleaved": True}
-    text = dict(**common, head_dim=16, rope_parameters=rope,
-                layer_types=["linear_attention", "full_attention"] * 2, linear_num_key_heads=2,
-                linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=32,
-                linear_conv_kernel_dim=4)
-    is_moe = kind.startswith("qwen3_5_moe")
-    if is_moe:
-        del text["intermediate_size"]
-        text.update(moe, num_experts=6, shared_expert_intermediate_size=48)
-    if not kind.endswith("_vl"):
-        return (transformers.Qwen3_5MoeTextConfig if is_moe else transformers.Qwen3_5TextConfig)(**text)
-    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4,
-                  out_hidden_size=common["hidden_size"], num_position_embeddings=16)
-    outer = transformers.Qwen3_5MoeConfig if is_moe else transformers.Qwen3_5Config
-    return outer(text_config=text, vision_config=vision, tie_word_embeddings=False)
 
 
 def _make_tiny_hf_model(kind: str, path, *, vocab_size: int = 256, **overrides):
@@ -418,22 +393,10 @@ def _make_tiny_hf_model(kind: str, path, *, vocab_size: int = 256, **overrides):
             if name.endswith("layer_scalar"):  # Gemma 4's, saved with the weights
                 b.add_(torch.randn_like(b) * 0.2)
     if kind == "gpt_oss":
-        _clamp_as_configured(model)
+        clamp_as_configured(model)
     if path is not None:
         model.save_pretrained(path)
     return model
-
-
-def _clamp_as_configured(model) -> None:
-    """Make a gpt-oss reference apply its config's SwiGLU clamp: transformers before 5.2x
-    fix every expert module's ``alpha`` and ``limit`` at 1.702 and 7.0 (gpt-oss's
-    published values) and ignore the config's ``swiglu_limit``, which the engine reads
-    and the tiny config sets to 0.5 so that the clamp bites. Newer releases read it."""
-    config = model.config
-    for module in model.modules():
-        if hasattr(module, "limit") and hasattr(module, "alpha") and hasattr(module, "gate_up_proj"):
-            module.alpha = float(getattr(config, "swiglu_alpha", module.alpha))
-            module.limit = float(getattr(config, "swiglu_limit", module.limit))
 
 
 @pytest.fixture(scope="session")

@@ -157,8 +157,11 @@ class PlanStages:
         one GPU over a backend that plans nothing on the host; never above the configured
         chunk (the engine caps it again at the chunk the plan fitted)."""
         mc = self.model_config
+        # Nor models with sliding-window layers: on an H100 (2026-12-06) Gemma 3's prefill
+        # graphs hit a device-side assert (decode graphs with eager prefill equalled
+        # transformers); until its cause is found, such models prefill eagerly.
         if (not self._use_cuda_graphs or mc.is_moe or self.expert_stores or self.tp is not None
-                or self._prefill_capture_failed
+                or mc.windowed_attention or self._prefill_capture_failed
                 or backend_plans_on_host(backend_class(self.attention_backend))):
             return 0
         return min(self.config.prefill_graph_tokens, self.knobs.max_prefill_tokens)

@@ -17,7 +17,9 @@ padding row) and the logits row is the last real token's. Rows are independent
 everywhere else in a dense model (norms, projections, the MLP), so padding rows never
 reach a real row; that is why only dense models take these graphs (a mixture of experts'
 router would route padding rows too, and a hybrid model's state kernels read the
-lengths on the host).
+lengths on the host). Models with sliding-window, soft-capped or sink layers prefill
+eagerly too: on an H100 Gemma 3's graphs of 32 and 64 tokens hit a device-side assert
+(those of 16 did not, and its decode graphs equal transformers), cause not yet found.
 
 What takes a graph: one sequence, no scored prompt (prompt logprobs want every row's
 logits), at most the largest size, on a backend with ``supports_cuda_graphs`` whose

@@ -52,3 +52,38 @@ def test_the_c_decode_step_refuses_what_does_not_fit(lib):
         gdn_decode(lib, mixed, conv_pool, weight, ab, ab, a_log, dt_bias, ssm_pool, one, fresh, 3)
     with pytest.raises(ValueError, match="states"):
         gdn_decode(lib, mixed, conv_pool, weight, ab, ab, a_log, dt_bias, ssm_pool.double(), one, fresh, 2)
+
+
+def test_the_device_decode_step_equals_the_reference_and_touches_only_its_slots(tmp_path):
+    """GatedDeltaNet._decode, the decode step a CUDA graph holds (states gathered and
+    scattered at device-held slots, the batched rule where fla-core is absent), run here
+    on CPU tensors: outputs and both pools after three steps equal gdn_decode_ref's, and
+    a slot no row names is left as it was."""
+    from engine.bench.model_shapes import write_shape
+    from engine.layers.gated_deltanet import GatedDeltaNet
+    from engine.loader.hf_config import load_model_config
+
+    config = load_model_config(write_shape(
+        "qwen3.6-35b-a3b", tmp_path / "cfg", hidden_size=64, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
+        num_experts=4, num_experts_per_tok=2, max_position_embeddings=64))
+    layer = GatedDeltaNet(config, 0)
+    hk, hv, dk, dv = layer.hk, layer.hv, layer.dk, layer.dv
+    gen, channels, conv_pool, ssm_pool, (weight, a_log, dt_bias) = _layer(hk, hv, dk, dv, layer.kernel, 5, seed=7)
+    with torch.no_grad():
+        layer.conv1d.weight.copy_(weight)
+        layer.A_log.copy_(a_log)
+        layer.dt_bias.copy_(dt_bias)
+    slots = torch.tensor([3, 1, 4])
+    ours, ref = (conv_pool.clone(), ssm_pool.clone()), (conv_pool.clone(), ssm_pool.clone())
+    for step in range(3):
+        mixed = torch.randn(3, channels, generator=gen)
+        a, b = torch.randn(3, hv, generator=gen), torch.randn(3, hv, generator=gen)
+        want = gdn_decode_ref(mixed, ref[0], weight, a, b, a_log, dt_bias, ref[1], slots,
+                              torch.zeros(3, dtype=torch.bool), hk)
+        with torch.no_grad():
+            got = layer._decode(mixed, b, a, ours[0], ours[1], slots)
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), (step, float((got - want).abs().max()))
+        assert torch.allclose(ours[0], ref[0], rtol=0, atol=1e-6) and torch.allclose(ours[1], ref[1], rtol=1e-4, atol=1e-5)
+    assert torch.equal(ours[0][2], conv_pool[2]) and torch.equal(ours[1][0], ssm_pool[0])

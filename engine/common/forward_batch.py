@@ -43,6 +43,9 @@ class ForwardBatch:
             backends that plan on the host), else None.
         state_slots: ``[B]`` int64 on the CPU, each sequence's slot in the state pool of
             a hybrid linear-attention model; None for other models.
+        state_slots_device: the same on the model's device where the decode CUDA graphs
+            hold it (their padding rows name the null slot 0); read through
+            :meth:`state_slots_on`.
         ring_page_table, ring_out_slots: the sliding-window layers' page table
             (``[B, max_pages]`` int64, each logical page's ring page) and write slots
             (``[T]`` int64) when those layers keep only their window
@@ -65,6 +68,7 @@ class ForwardBatch:
     page_table_cpu: torch.Tensor | None = None
     sample_rows: torch.Tensor | None = None
     state_slots: torch.Tensor | None = None
+    state_slots_device: torch.Tensor | None = None
     ring_page_table: torch.Tensor | None = None
     ring_out_slots: torch.Tensor | None = None
 
@@ -106,6 +110,19 @@ class ForwardBatch:
             packed = torch.stack([self.seq_lens, self.prefix_lens, self.extend_lens, starts]).to(device)
             self.seq_lens_device, self.prefix_lens_device, self.extend_lens_device, self.extend_starts_device = packed
         return self.seq_lens_device, self.prefix_lens_device, self.extend_lens_device, self.extend_starts_device
+
+    def state_slots_on(self, device: torch.device) -> torch.Tensor:
+        """:attr:`state_slots` on ``device``, copied once if the runner left
+        :attr:`state_slots_device` unset (eager steps; a captured graph has it set).
+
+        Raises:
+            ValueError: the batch has no state slots (not a hybrid model's).
+        """
+        if self.state_slots_device is None:
+            if self.state_slots is None:
+                raise ValueError("a linear-attention layer steps with the batch's state slots; this batch has none")
+            self.state_slots_device = self.state_slots.to(device)
+        return self.state_slots_device
 
     @property
     def batch_size(self) -> int:

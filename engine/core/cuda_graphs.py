@@ -9,13 +9,16 @@ and replayed: a batch of ``B`` runs the graph of the next size up, its extra row
 reads nothing); batches above the largest size run eagerly.
 
 Inputs live in one persistent device buffer laid out as ``[ids | positions | slots |
-seq_lens | prefix_lens | extend_lens | extend_starts | logits rows | page table]``, each
+seq_lens | prefix_lens | extend_lens | extend_starts | logits rows | state slots | page
+table]``, each
 section sized for the largest graph; a step writes the host copy with NumPy and uploads
 it in one transfer (:class:`engine.core.step_inputs.PinnedStaging`), then replays. The page
 table has one row per sequence as wide as the model's context, so it never needs to grow.
 Where sliding-window layers keep only their window (:mod:`engine.kvcache.ring`), two
 more sections follow: those layers' slots and their page table, built from each
-request's ring alike.
+request's ring alike. A hybrid linear-attention model's rows carry their state pool
+slots (``states``; padding rows name the null slot 0), which its layers gather and
+scatter on the device (:meth:`engine.layers.gated_deltanet.GatedDeltaNet._decode`).
 
 The graphs hold the KV pool's buffer addresses. A live resize gives the pool new
 buffers (:meth:`engine.kvcache.pool.KVPool.resize`), so the engine calls
@@ -98,10 +101,11 @@ class DecodeGraphs:
         max_context_tokens: longest context a sequence can reach (the page table width).
         ring: the pool's sliding-window layers keep only their window: the static inputs
             carry their slots and page table too (:mod:`engine.kvcache.ring`).
+        states: a hybrid model's: the static inputs carry each row's state pool slot.
     """
 
     def __init__(self, model: torch.nn.Module, attn: AttentionBackend, device: torch.device, *, page_size: int,
-                 max_batch: int, max_context_tokens: int, ring: bool = False) -> None:
+                 max_batch: int, max_context_tokens: int, ring: bool = False, states: bool = False) -> None:
         self.model, self.attn, self.device = model, attn, device
         self.page_size = page_size
         self.sizes = graph_batch_sizes(max_batch)
@@ -109,6 +113,7 @@ class DecodeGraphs:
         self.width = math.ceil(max_context_tokens / page_size)
         g = self.max_batch
         self.ring = ring
+        self.states = states
         self._ring_at = self._TABLE * g + g * self.width  # the ring's slots, then its page table
         self._size = self._ring_at + (g + g * self.width if self.ring else 0)
         self._dev = torch.zeros(self._size, dtype=torch.int64, device=device)
@@ -131,7 +136,7 @@ class DecodeGraphs:
         self.capture_seconds = 0.0
 
     # Sections of the packed buffer, in units of max_batch entries.
-    _IDS, _POS, _SLOTS, _SEQ, _PREFIX, _EXT, _STARTS, _LOGITS, _TABLE = range(9)
+    _IDS, _POS, _SLOTS, _SEQ, _PREFIX, _EXT, _STARTS, _LOGITS, _STATE, _TABLE = range(10)
 
     def _section(self, buf, k: int, b: int):
         g = self.max_batch
@@ -166,6 +171,7 @@ class DecodeGraphs:
             extend_starts_device=self._section(d, self._STARTS, b),
             ring_out_slots=ring_slots,
             ring_page_table=ring_table,
+            state_slots_device=self._section(d, self._STATE, b) if self.states else None,
         )
 
     def size_for(self, batch_size: int) -> int | None:
@@ -215,6 +221,10 @@ class DecodeGraphs:
                 ring_table[b, :n] = ring_row(ring, n)
                 ring_slots[b] = ring_table[b, p // ps] * ps + p % ps
             ring_slots[nb:] = 0  # padding rows write the ring's null page
+        if self.states:
+            state = self._section(h, self._STATE, padded)
+            state[:nb] = [it.req.state_slot for it in items]
+            state[nb:] = 0  # padding rows step the null slot
         prefix[:nb] = pos[:nb]
         seq[:nb] = pos[:nb] + 1
         # Padding rows: token 0 at position 0, written to the null page, no context.
@@ -226,7 +236,7 @@ class DecodeGraphs:
         g = self.max_batch
         n = self._TABLE * g + padded * self.width
         h = self.staging.host(self.input_words(padded))
-        for k in (self._IDS, self._POS, self._SLOTS, self._PREFIX):
+        for k in (self._IDS, self._POS, self._SLOTS, self._PREFIX, self._STATE):
             self._section(h, k, padded)[:] = 0
         self._section(h, self._SEQ, padded)[:] = 1
         h[self._TABLE * g : n] = 0

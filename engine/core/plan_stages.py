@@ -131,8 +131,9 @@ class PlanStages:
         """Decode steps replay CUDA graphs: asked for (the default), on CUDA, and the
         backend's decode path can be captured (the torch backend's cannot: it builds its
         metadata on the host per step)."""
-        # Not for hybrid linear-attention models yet (their state slots are read on the
-        # host), nor where a layer's experts in host memory are placed on the host each
+        # Hybrid linear-attention models too: their decode step gathers and scatters the
+        # states at slots the graphs' inputs hold (engine.core.cuda_graphs). Not where a
+        # layer's experts in host memory are placed on the host each
         # step (the routed ids read back): only where they are read over the bus. Under
         # tensor parallelism every rank can capture its graphs, the all-reduces inside (engine.core.tp_graphs), but that path has not yet run on
         # two GPUs: it stays opt-in (--tp-cuda-graphs) until it has, and the
@@ -146,7 +147,7 @@ class PlanStages:
         # back to the host mid-forward, so it decodes eagerly (logged at the split).
         return (self.config.cuda_graphs and self.device.type == "cuda" and self._cuda_graph_max_batch >= 1
                 and not self.cpu_layers
-                and not mc.is_hybrid and can_capture_decode(self.expert_stores) and tp_ok and not reference_experts
+                and can_capture_decode(self.expert_stores) and tp_ok and not reference_experts
                 and backend_class(self.attention_backend).supports_cuda_graphs)
 
 
@@ -161,7 +162,7 @@ class PlanStages:
         # graphs hit a device-side assert (decode graphs with eager prefill equalled
         # transformers); until its cause is found, such models prefill eagerly.
         if (not self._use_cuda_graphs or mc.is_moe or self.expert_stores or self.tp is not None
-                or mc.windowed_attention or self._prefill_capture_failed
+                or mc.windowed_attention or mc.is_hybrid or self._prefill_capture_failed
                 or backend_plans_on_host(backend_class(self.attention_backend))):
             return 0
         return min(self.config.prefill_graph_tokens, self.knobs.max_prefill_tokens)
@@ -180,9 +181,15 @@ class PlanStages:
         configured chunk here, up to the fitted one there)."""
         before_forward(self.expert_stores, 0)  # the warm-ups heat no offloaded expert
         attn = self._attention(probe_pool)
+        hybrid = self.model_config.is_hybrid
+        bound = self.model.states if hybrid else None
+        if hybrid:  # the warm-ups step the model: a state pool of the graphs' rows (its own plan line)
+            from engine.kvcache.state_pool import StatePool
+
+            self.model.bind_states(StatePool(self.model_config, self._cuda_graph_max_batch, self.dtype, self.device))
         graphs = DecodeGraphs(self.model, attn, self.device, page_size=self.config.page_size,
                               max_batch=self._cuda_graph_max_batch, max_context_tokens=model_ctx,
-                              ring=bool(probe_pool.ring_layers))
+                              ring=bool(probe_pool.ring_layers), states=hybrid)
         prefill = None
         try:
             taken = graphs.capture_all()
@@ -203,6 +210,8 @@ class PlanStages:
             return taken
         finally:
             del graphs, prefill
+            if hybrid:
+                self.model.bind_states(bound)
             torch.cuda.empty_cache()
 
 

@@ -87,7 +87,7 @@ class ModelRunner:
                              f"(device {self.device}, backend {type(self.attn).__name__})")
         self.graphs = DecodeGraphs(self.model, self.attn, self.device, page_size=self.pool.page_size,
                                    max_batch=max_batch, max_context_tokens=max_context_tokens,
-                                   ring=bool(self.pool.ring_layers))
+                                   ring=bool(self.pool.ring_layers), states=self.model.config.is_hybrid)
         before_forward(self.expert_stores, 0)  # the warm-ups' dummy rows heat no expert
         return self.graphs.capture_all()
 

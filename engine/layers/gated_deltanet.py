@@ -33,7 +33,10 @@ for steps of up to :data:`CHUNK` tokens, and :func:`gated_delta_rule_chunked`, t
 in chunks of :data:`CHUNK` (matrix products within a chunk, the state read and written
 once per chunk instead of once per token), for longer ones. A CPU decode step of a
 float32 model runs steps 2 and 3 in one C call (:func:`kernels.cpu.gated_delta.gdn_decode`)
-where the C kernels build.
+where the C kernels build. A decode step on a GPU runs on the device alone
+(:meth:`GatedDeltaNet._decode`: states gathered and scattered at slots held on the
+device, the batched step :func:`gated_delta_step` where fla-core is absent), so the
+decode CUDA graphs hold it.
 """
 
 from __future__ import annotations
@@ -89,6 +92,28 @@ def gated_delta_rule_ref(
         state = state + k[t][:, :, None] * delta[:, None, :]
         out[t] = torch.einsum("hkv,hk->hv", state, q[t])
     return out, state
+
+
+def gated_delta_step(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of each of ``B`` sequences, each with its own state: the rule of
+    :func:`gated_delta_rule_ref` batched over sequences (a decode step).
+
+    Args:
+        q, k: ``[B, Hv, Dk]``; v: ``[B, Hv, Dv]``; g, beta: ``[B, Hv]``.
+        state: ``[B, Hv, Dk, Dv]`` float32.
+
+    Returns:
+        ``(o [B, Hv, Dv] float32, state [B, Hv, Dk, Dv] float32)``.
+    """
+    q = _l2norm(q.float()) * q.shape[-1] ** -0.5
+    k, v = _l2norm(k.float()), v.float()
+    state = state * g.float().exp()[:, :, None, None]
+    remembered = torch.einsum("bhkv,bhk->bhv", state, k)
+    delta = (v - remembered) * beta.float()[:, :, None]
+    state = state + k[:, :, :, None] * delta[:, :, None, :]
+    return torch.einsum("bhkv,bhk->bhv", state, q), state
 
 
 # Tokens per chunk of :func:`gated_delta_rule_chunked` (flash-linear-attention's too).
@@ -242,6 +267,8 @@ class GatedDeltaNet(nn.Module):
             o = gdn_decode(lib, mixed, conv_pool, self.conv1d.weight, a, b, self.A_log, self.dt_bias, ssm_pool,
                            batch.state_slots, batch.prefix_lens == 0, self.hk)
             return self._out(o, z, x)
+        if batch.is_decode and x.device.type != "cpu":
+            return self._out(self._decode(mixed, b, a, conv_pool, ssm_pool, batch.state_slots_on(x.device)), z, x)
         slots = batch.state_slots.tolist()
         fresh = (batch.prefix_lens == 0).tolist()
         lens = batch.extend_lens.tolist()
@@ -269,6 +296,36 @@ class GatedDeltaNet(nn.Module):
                 at += n
             o = torch.cat(outs)
         return self._out(o, z, x)
+
+    def _decode(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv_pool: torch.Tensor,
+                ssm_pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """A decode step (one token a sequence) on the device alone, nothing read back, so
+        a CUDA graph can hold it: each row's conv and recurrent states gathered from the
+        pools at ``slots`` (int64 ``[B]`` on the device; a graph's padding rows name the
+        null slot), stepped, and scattered back. Rows ``mixed [B, conv_dim]``, ``b``,
+        ``a`` ``[B, Hv]``; returns the rule's ``o [B, Hv, Dv]``. A decode row always has
+        a prefix (its prompt was an extend), so no state starts from zeros here."""
+        t, per = mixed.shape[0], self.hv // self.hk
+        seq = torch.cat([conv_pool.index_select(0, slots).to(mixed.dtype), mixed[:, :, None]], dim=-1)  # [B, C, K]
+        conv_pool.index_copy_(0, slots, seq[:, :, 1:].to(conv_pool.dtype))
+        mixed = F.silu((seq.float() * self.conv1d.weight[:, 0, :].float()).sum(-1)).to(mixed.dtype)
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(t, self.hk, self.dk).repeat_interleave(per, dim=1)
+        k = k.reshape(t, self.hk, self.dk).repeat_interleave(per, dim=1)
+        v = v.reshape(t, self.hv, self.dv).contiguous()
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        state = ssm_pool.index_select(0, slots)
+        if mixed.is_cuda and _fla() is not None:
+            # [B, 1, H, D]: one token of B sequences, each from its own initial state.
+            o, final = _fla()[1](q[:, None], k[:, None], v[:, None], g=g[:, None], beta=beta[:, None],
+                                 scale=self.dk ** -0.5, initial_state=state, output_final_state=True,
+                                 use_qk_l2norm_in_kernel=True)
+            o = o[:, 0]
+        else:
+            o, final = gated_delta_step(q, k, v, g, beta, state)
+        ssm_pool.index_copy_(0, slots, final.to(ssm_pool.dtype))
+        return o
 
     def _out(self, o: torch.Tensor, z: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Step 4: the rule's ``o [T, Hv, Dv]`` normed, gated by ``z`` and projected out."""

@@ -168,12 +168,13 @@ class HybridCausalLM(CausalLM):
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
-        """As :meth:`CausalLM.forward`; ``batch.state_slots`` names each sequence's slot.
+        """As :meth:`CausalLM.forward`; ``batch.state_slots`` (or, in a captured decode
+        graph, ``batch.state_slots_device``) names each sequence's slot.
 
         Raises:
             RuntimeError: no state pool bound, or the batch has no state slots.
         """
-        if self.states is None or batch.state_slots is None:
+        if self.states is None or (batch.state_slots is None and batch.state_slots_device is None):
             raise RuntimeError("a hybrid model steps with a bound state pool and batch.state_slots")
         if self.cos_sin_cache is None:
             self.init_rope_cache()

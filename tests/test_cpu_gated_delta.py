@@ -59,15 +59,11 @@ def test_the_device_decode_step_equals_the_reference_and_touches_only_its_slots(
     scattered at device-held slots, the batched rule where fla-core is absent), run here
     on CPU tensors: outputs and both pools after three steps equal gdn_decode_ref's, and
     a slot no row names is left as it was."""
-    from engine.bench.model_shapes import write_shape
-    from engine.layers.gated_deltanet import GatedDeltaNet
-    from engine.loader.hf_config import load_model_config
+    from tiny_hf_parts import tiny_qwen36_config
 
-    config = load_model_config(write_shape(
-        "qwen3.6-35b-a3b", tmp_path / "cfg", hidden_size=64, moe_intermediate_size=32,
-        shared_expert_intermediate_size=32, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
-        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
-        num_experts=4, num_experts_per_tok=2, max_position_embeddings=64))
+    from engine.layers.gated_deltanet import GatedDeltaNet
+
+    config = tiny_qwen36_config(tmp_path / "cfg", hidden_size=64, linear_key_head_dim=16, linear_value_head_dim=8)
     layer = GatedDeltaNet(config, 0)
     hk, hv, dk, dv = layer.hk, layer.hv, layer.dk, layer.dv
     gen, channels, conv_pool, ssm_pool, (weight, a_log, dt_bias) = _layer(hk, hv, dk, dv, layer.kernel, 5, seed=7)

@@ -14,6 +14,7 @@ import torch
 from model_checks import check_extend_and_decode, hf_greedy
 from test_engine import run_all
 from test_gguf_convert import VOCAB, add_byte_level_tokenizer, add_moe_metadata, add_trunk_metadata
+from tiny_hf_parts import tiny_qwen36_config
 
 from engine.common.config import EngineConfig
 from engine.core.engine import Engine
@@ -204,17 +205,12 @@ def test_the_random_qwen36_gguf_converts_and_loads_in_blocks(tmp_path, paged_run
     the default model's tokenizer), at a small Qwen3.6-35B-A3B-like shape: it converts,
     its projections and experts load in their blocks, priced exactly, and a step gives
     finite logits."""
-    from engine.bench.model_shapes import write_shape
     from engine.bench.random_gguf import MOE_EXPERT_TYPES, write_random_moe_gguf
     from engine.layers.weight_census import model_weight_bytes
     from engine.loader.gguf_convert import convert_gguf
     from engine.loader.gguf_quant import gguf_weight_size
 
-    shape = load_model_config(write_shape(
-        "qwen3.6-35b-a3b", tmp_path / "cfg", hidden_size=256, moe_intermediate_size=256,
-        shared_expert_intermediate_size=256, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
-        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
-        num_experts=4, num_experts_per_tok=2, max_position_embeddings=64))
+    shape = tiny_qwen36_config(tmp_path / "cfg")
     path = tmp_path / "qwen36.gguf"
     write_random_moe_gguf(path, shape, np.random.default_rng(0))
     config = load_model_config(convert_gguf(path, tmp_path / "hf"))
@@ -235,15 +231,10 @@ def test_the_tokenizer_is_built_the_same_through_its_stand_in(tmp_path):
     chat template as this transformers builds from the file itself."""
     from transformers import AutoTokenizer
 
-    from engine.bench.model_shapes import write_shape
     from engine.bench.random_gguf import write_random_moe_gguf
     from engine.loader.gguf_tokenizer import build_tokenizer
 
-    shape = load_model_config(write_shape(
-        "qwen3.6-35b-a3b", tmp_path / "cfg", hidden_size=256, moe_intermediate_size=256,
-        shared_expert_intermediate_size=256, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
-        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
-        num_experts=4, num_experts_per_tok=2, max_position_embeddings=64))
+    shape = tiny_qwen36_config(tmp_path / "cfg")
     write_random_moe_gguf(tmp_path / "q.gguf", shape, np.random.default_rng(0))
     native = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="q.gguf", local_files_only=True)
     stand_in = build_tokenizer(tmp_path / "q.gguf", "qwen35moe")

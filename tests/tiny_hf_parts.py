@@ -1,5 +1,6 @@
-"""Parts of conftest's tiny transformers models: the Qwen3.5 configs, and a gpt-oss
-reference made to apply its config's SwiGLU clamp under older transformers."""
+"""Parts of conftest's tiny transformers models: the Qwen3.5 configs, a gpt-oss
+reference made to apply its config's SwiGLU clamp under older transformers, and a small
+Qwen3.6-35B-A3B-like engine config."""
 
 from __future__ import annotations
 
@@ -40,3 +41,17 @@ def clamp_as_configured(model) -> None:
         if hasattr(module, "limit") and hasattr(module, "alpha") and hasattr(module, "gate_up_proj"):
             module.alpha = float(getattr(config, "swiglu_alpha", module.alpha))
             module.limit = float(getattr(config, "swiglu_limit", module.limit))
+
+
+def tiny_qwen36_config(folder, **overrides):
+    """The engine's ModelConfig of Qwen3.6-35B-A3B's shape cut small (256 wide, 4 layers,
+    2 key heads serving 4 value heads of 64, 4 experts of 256, top 2), ``overrides`` on
+    top, its config.json written under ``folder``."""
+    from engine.bench.model_shapes import write_shape
+    from engine.loader.hf_config import load_model_config
+
+    small = dict(hidden_size=256, moe_intermediate_size=256, shared_expert_intermediate_size=256,
+                 num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, linear_num_key_heads=2,
+                 linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64, num_experts=4,
+                 num_experts_per_tok=2, max_position_embeddings=64)
+    return load_model_config(write_shape("qwen3.6-35b-a3b", folder, **{**small, **overrides}))

@@ -89,6 +89,30 @@ def test_triton_fused_moe_bfloat16_within_rounding(dev):
     assert float((out.float() - ref.float()).abs().max()) <= 2**-7 * scale
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_fused_moe_takes_gpt_oss_biases_and_clamped_swiglu(dev, dtype):
+    """gpt-oss's experts in the grouped GEMMs (no longer declined to the reference, so
+    its decode can be captured): biases on both projections and the clamped SwiGLU,
+    with the clamp biting, equal the reference (float32 to its order; bfloat16 within
+    the top-k sum's rounding, as above)."""
+    from kernels.activation.reference import ClampedSwiGLU
+    from kernels.moe import triton_kernel as triton_moe
+    from kernels.moe.reference import ExpertBiases
+
+    x, wgu, wd, weights, ids = _problem(11, 6, 2, 48, 32, dtype, seed=5)
+    weights = weights.to(dtype)
+    gen = torch.Generator().manual_seed(6)
+    biases = ExpertBiases(gate_up=torch.randn(6, 64, generator=gen).to(dtype), down=torch.randn(6, 48, generator=gen).to(dtype))
+    act = ClampedSwiGLU(alpha=1.702, limit=0.5)
+    assert float((x[:1].float() @ wgu[0].float().t()).abs().max()) > 0.5  # the clamp bites
+    ref = moe.fused_moe(x, wgu, wd, weights, ids, biases=biases, activation=act)
+    out = triton_moe.fused_moe(*(t.to(dev) for t in (x, wgu, wd, weights, ids)),
+                               biases=ExpertBiases(biases.gate_up.to(dev), biases.down.to(dev)), activation=act).cpu()
+    scale = float(ref.float().abs().max())
+    tol = 1e-5 if dtype == torch.float32 else 2**-7
+    assert out.dtype == dtype and float((out.float() - ref.float()).abs().max()) <= tol * scale
+
+
 def test_dispatch_runs_the_reference_on_the_cpu():
     x, wgu, wd, weights, ids = _problem(6, 4, 2, 16, 16, torch.float32)
     assert torch.equal(dispatch.fused_moe(x, wgu, wd, weights, ids), moe.fused_moe(x, wgu, wd, weights, ids))

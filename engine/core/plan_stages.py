@@ -137,17 +137,14 @@ class PlanStages:
         # step (the routed ids read back): only where they are read over the bus. Under
         # tensor parallelism every rank can capture its graphs, the all-reduces inside (engine.core.tp_graphs), but that path has not yet run on
         # two GPUs: it stays opt-in (--tp-cuda-graphs) until it has, and the
-        # group decodes eagerly as measured. Nor gpt-oss's experts (biases, the clamped
-        # SwiGLU): the Triton MoE declines them, and their torch reference, captured, runs
-        # every expert on every token.
+        # group decodes eagerly as measured. gpt-oss's experts (biases, the clamped SwiGLU)
+        # are in the Triton MoE's epilogues, so its decode is captured too.
         tp_ok = self.tp is None or self.config.tp_cuda_graphs
-        mc = self.model_config
-        reference_experts = mc.is_moe and bool(mc.expert_bias or mc.swiglu_limit)
         # Nor with decoder layers on the CPU (--cpu-layers): a step reads the device's rows
         # back to the host mid-forward, so it decodes eagerly (logged at the split).
         return (self.config.cuda_graphs and self.device.type == "cuda" and self._cuda_graph_max_batch >= 1
                 and not self.cpu_layers
-                and can_capture_decode(self.expert_stores) and tp_ok and not reference_experts
+                and can_capture_decode(self.expert_stores) and tp_ok
                 and backend_class(self.attention_backend).supports_cuda_graphs)
 
 

@@ -12,7 +12,7 @@ passes run over the routed rows (token ``t``'s ``k``-th choice is row ``t * K + 
 
 then the ``K`` rows of a token are summed in torch. gpt-oss's experts add their biases
 to each pass's sums and take the clamped SwiGLU in place of ``silu(gate) * up`` in the
-same epilogue (:func:`biased_epilogue`), so they need no pass of their own. Blocks are dequantized inside the
+same epilogue (:func:`~kernels.moe.triton_kernel.biased_epilogue`), so they need no pass of their own. Blocks are dequantized inside the
 K loop by the dense kernels' decoders (:mod:`kernels.quant.triton_decode`), never to
 memory. Two shapes of program:
 
@@ -43,7 +43,7 @@ from kernels.activation.reference import ClampedSwiGLU
 from kernels.moe import quant_reference
 from kernels.moe.quant_reference import check_cache, check_expert_blocks
 from kernels.moe.reference import ExpertBiases, align_to_blocks
-from kernels.moe.triton_kernel import _block_m, moe_epilogue, sorted_block
+from kernels.moe.triton_kernel import _block_m, biased_epilogue, moe_epilogue, sorted_block
 from kernels.quant.formats import block_format
 from kernels.quant.triton_decode import (
     INTERPRETING,
@@ -55,7 +55,6 @@ from kernels.quant.triton_decode import (
 )
 from kernels.quant.triton_packed_gemm import PACKED_TYPES, packed_dot
 from kernels.switches import current
-from kernels.triton_round import round_to
 
 # Tokens up to which the grouped GEMV runs (decode batches); the sorted GEMM above.
 GEMV_MAX_TOKENS = 16
@@ -84,34 +83,6 @@ def expert_at(expert, SlotOf, a_cache_delta, b_cache_delta, a_expert_bytes, b_ex
 
 
 @triton.jit
-def biased_epilogue(acc, acc_up, Bias, bias_up, cols, n, alpha, limit, dt: tl.constexpr, GATED: tl.constexpr,
-                    BIASED: tl.constexpr, CLAMPED: tl.constexpr):
-    """:func:`~kernels.moe.triton_kernel.moe_epilogue` with gpt-oss's experts' parts:
-    with BIASED, ``Bias[cols]`` added to the sums (and ``Bias[bias_up + cols]`` to the
-    up's; ``Bias`` the expert's row, columns from ``n`` on masked), each rounded to ``dt``
-    as the reference's biased product; with CLAMPED, ``(clamp(up, ±limit) + 1) *
-    g * sigmoid(alpha * g)``, ``g = min(gate, limit)``, each op rounded as the
-    reference's eager ops (:class:`~kernels.activation.reference.ClampedSwiGLU`)."""
-    if not BIASED and not CLAMPED:
-        return moe_epilogue(acc, acc_up, dt, GATED)
-    if BIASED:
-        acc += tl.load(Bias + cols, mask=cols < n, other=0.0).to(tl.float32)
-    res = round_to(acc, dt)
-    if GATED:
-        if BIASED:
-            acc_up += tl.load(Bias + bias_up + cols, mask=cols < n, other=0.0).to(tl.float32)
-        up = round_to(acc_up, dt)
-        if CLAMPED:
-            gate = tl.minimum(res, limit)
-            up = tl.minimum(tl.maximum(up, -limit), limit)
-            glu = round_to(gate * round_to(tl.sigmoid(round_to(gate * alpha, dt)), dt), dt)
-            res = round_to(round_to(up + 1.0, dt) * glu, dt)
-        else:
-            res = round_to(round_to(res / (1.0 + tl.exp(-res)), dt) * up, dt)
-    return res
-
-
-@triton.jit
 def _moe_gemv_kernel(
     X, Wa, Wb, Out, RouteWeights, TopkIds, SlotOf, a_cache_delta, b_cache_delta, Bias, bias_stride, bias_up,
     alpha, limit, num_rows, top_k, N, K, a_expert_bytes, b_expert_bytes, a_row_bytes, b_row_bytes, stride_xm, stride_om,
@@ -128,7 +99,7 @@ def _moe_gemv_kernel(
     routed rows of one weight tile run one after another (they share experts' rows in L2).
     CACHED: an expert with a cache slot is read there, one with :data:`SKIP_SLOT` not at
     all (:func:`expert_at`; its weighted rows are zeros). BIASED,
-    CLAMPED: gpt-oss's parts (:func:`biased_epilogue`; ``Bias`` ``[E, bias_stride]``)."""
+    CLAMPED: gpt-oss's parts (:func:`~kernels.moe.triton_kernel.biased_epilogue`; ``Bias`` ``[E, bias_stride]``)."""
     r = tl.program_id(0) % num_rows
     pid_n = tl.program_id(0) // num_rows
     expert = tl.load(TopkIds + r).to(tl.int64)

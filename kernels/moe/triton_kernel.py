@@ -10,6 +10,9 @@ times one tile of ``BLOCK_N`` output columns:
    written, so the ``[R, 2I]`` product never exists;
 2. down: ``[R, I] x [E, H, I] -> [R, H]``, each row scaled by its router weight.
 
+gpt-oss's experts add a bias to each projection and replace SiLU-and-mul by a clamped
+SwiGLU; both happen in the same epilogues (:func:`biased_epilogue`).
+
 The ``K`` rows of a token are then summed in torch. Nothing is read back to the host
 (the used length of the sort is read by the kernels), so a decode step with it can be
 captured in a CUDA graph. Rounding follows the reference's eager ops (each product and
@@ -20,8 +23,6 @@ choices of a token add in rank order.
 
 from __future__ import annotations
 
-import functools
-import logging
 import os
 
 import torch
@@ -29,11 +30,8 @@ import triton
 import triton.language as tl
 
 from kernels.activation.reference import ClampedSwiGLU
-from kernels.moe import reference
 from kernels.moe.reference import ExpertBiases, align_to_blocks
 from kernels.triton_round import round_to
-
-log = logging.getLogger("headroom.engine")
 
 # Triton's interpreter multiplies bfloat16 tiles wrongly in ``tl.dot``; there the tiles
 # are widened to float32 first (exact: a product of two bfloat16 values fits float32).
@@ -74,17 +72,46 @@ def moe_epilogue(acc, acc_up, dt: tl.constexpr, GATED: tl.constexpr):
 
 
 @triton.jit
+def biased_epilogue(acc, acc_up, Bias, bias_up, cols, n, alpha, limit, dt: tl.constexpr, GATED: tl.constexpr,
+                    BIASED: tl.constexpr, CLAMPED: tl.constexpr):
+    """:func:`moe_epilogue` with gpt-oss's experts' parts:
+    with BIASED, ``Bias[cols]`` added to the sums (and ``Bias[bias_up + cols]`` to the
+    up's; ``Bias`` the expert's row, columns from ``n`` on masked), each rounded to ``dt``
+    as the reference's biased product; with CLAMPED, ``(clamp(up, ±limit) + 1) *
+    g * sigmoid(alpha * g)``, ``g = min(gate, limit)``, each op rounded as the
+    reference's eager ops (:class:`~kernels.activation.reference.ClampedSwiGLU`)."""
+    if not BIASED and not CLAMPED:
+        return moe_epilogue(acc, acc_up, dt, GATED)
+    if BIASED:
+        acc += tl.load(Bias + cols, mask=cols < n, other=0.0).to(tl.float32)
+    res = round_to(acc, dt)
+    if GATED:
+        if BIASED:
+            acc_up += tl.load(Bias + bias_up + cols, mask=cols < n, other=0.0).to(tl.float32)
+        up = round_to(acc_up, dt)
+        if CLAMPED:
+            gate = tl.minimum(res, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+            glu = round_to(gate * round_to(tl.sigmoid(round_to(gate * alpha, dt)), dt), dt)
+            res = round_to(round_to(up + 1.0, dt) * glu, dt)
+        else:
+            res = round_to(round_to(res / (1.0 + tl.exp(-res)), dt) * up, dt)
+    return res
+
+
+@triton.jit
 def _grouped_gemm_kernel(
-    A, W, Out, RouteWeights, SortedRows, BlockExperts, NumPadded,
+    A, W, Out, RouteWeights, SortedRows, BlockExperts, NumPadded, Bias, bias_stride, bias_up, alpha, limit,
     num_rows, top_k, N, K,
     stride_am, stride_we, stride_wn, stride_om,
-    GATED: tl.constexpr, WEIGHTED: tl.constexpr,
+    GATED: tl.constexpr, WEIGHTED: tl.constexpr, BIASED: tl.constexpr, CLAMPED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr, F32_DOT: tl.constexpr,
 ):
     """GATED: A is ``[T, K]`` hidden states, read at row ``r // top_k``, W ``[E, 2N, K]``;
     out ``[R, N]`` = silu(gate) * up. Else A is ``[R, K]`` read at row ``r``, W
-    ``[E, N, K]``; out ``[R, N]``, times ``RouteWeights[r]`` when WEIGHTED."""
+    ``[E, N, K]``; out ``[R, N]``, times ``RouteWeights[r]`` when WEIGHTED. BIASED and
+    CLAMPED: gpt-oss's parts (:func:`biased_epilogue`; ``Bias`` ``[E, bias_stride]``)."""
     pid_m = tl.program_id(0)
     if pid_m * BLOCK_M >= tl.load(NumPadded):
         return
@@ -106,7 +133,8 @@ def _grouped_gemm_kernel(
                                 F32_DOT)
             acc_up = tl.dot(a, wu, acc_up, input_precision=PRECISION)
     dt = Out.dtype.element_ty
-    res = moe_epilogue(acc, acc_up, dt, GATED)
+    res = biased_epilogue(acc, acc_up, Bias + expert * bias_stride, bias_up, cols, N, alpha, limit, dt, GATED,
+                          BIASED, CLAMPED)
     if WEIGHTED:
         rw = tl.load(RouteWeights + rows, mask=row_mask, other=0.0).to(tl.float32)
         res = round_to(res * rw[:, None], dt)
@@ -118,7 +146,11 @@ def _block_m(rows: int) -> int:
     return 16 if rows <= 64 else 64
 
 
-def _launch(a, w, out, route_weights, sorted_rows, block_experts, num_padded, *, top_k, n, gated, block_m):
+def _launch(a, w, out, route_weights, sorted_rows, block_experts, num_padded, *, top_k, n, gated, block_m,
+            bias=None, activation=None):
+    """One grouped GEMM (:func:`_grouped_gemm_kernel`); ``bias`` ``[E, n]`` (gated:
+    ``[E, 2n]``, the up's half second) added to the sums, ``activation`` the clamped
+    SwiGLU of a gated pass."""
     k = w.shape[-1]
     block_n = min(64, max(16, triton.next_power_of_2(n)))
     block_k = min(64, max(16, triton.next_power_of_2(k)))
@@ -127,19 +159,15 @@ def _launch(a, w, out, route_weights, sorted_rows, block_experts, num_padded, *,
     weighted = route_weights is not None
     _grouped_gemm_kernel[grid](
         a, w, out, route_weights if weighted else out, sorted_rows, block_experts, num_padded,
+        out if bias is None else bias, 0 if bias is None else bias.shape[1], n,
+        0.0 if activation is None else activation.alpha, 0.0 if activation is None else activation.limit,
         out.shape[0], top_k, n, k,
         a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        GATED=gated, WEIGHTED=weighted,
+        GATED=gated, WEIGHTED=weighted, BIASED=bias is not None, CLAMPED=activation is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         PRECISION="ieee" if fp32 else "tf32", F32_DOT=_INTERPRETED,
         num_warps=4,
     )
-
-
-@functools.cache
-def _decline_once() -> None:
-    log.warning("Triton MoE: expert biases and the clamped SwiGLU (gpt-oss) are not in the grouped GEMM; "
-                "those experts run through the torch reference, one expert at a time")
 
 
 def fused_moe(
@@ -154,17 +182,14 @@ def fused_moe(
     block_m: int | None = None,
 ) -> torch.Tensor:
     """Same contract as :func:`kernels.moe.reference.fused_moe` (``block_m`` forces the rows per
-    block, for tests; default 16 for up to 64 routed rows, else 64). Experts with
-    ``biases`` or another ``activation`` (gpt-oss's) are not this kernel's: it declines
-    them to the reference, saying so once in the log.
+    block, for tests; default 16 for up to 64 routed rows, else 64). gpt-oss's expert
+    ``biases`` and clamped SwiGLU ``activation`` are added in the GEMMs' epilogues
+    (:func:`biased_epilogue`).
 
     Transient memory: the sort (``4 * (C + C / block_m)`` bytes, ``C`` =
     :func:`kernels.moe.reference.padded_capacity`), the activations ``[R, I]`` and the weighted
     down products ``[R, H]``, ``R = T * K``, in ``x``'s dtype.
     """
-    if biases is not None or activation is not None:
-        _decline_once()
-        return reference.fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, biases=biases, activation=activation)
     tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     rows = tokens * top_k
@@ -176,9 +201,11 @@ def fused_moe(
     sorted_rows, block_experts, num_padded = align_to_blocks(topk_ids, w_gate_up.shape[0], bm)
     act = torch.empty((rows, inter), dtype=x.dtype, device=x.device)
     _launch(x, w_gate_up, act, None, sorted_rows, block_experts, num_padded,
-            top_k=top_k, n=inter, gated=True, block_m=bm)
+            top_k=top_k, n=inter, gated=True, block_m=bm,
+            bias=None if biases is None else biases.gate_up.contiguous(), activation=activation)
     down = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).contiguous()
     _launch(act, w_down, down, weights, sorted_rows, block_experts, num_padded,
-            top_k=top_k, n=hidden, gated=False, block_m=bm)
+            top_k=top_k, n=hidden, gated=False, block_m=bm,
+            bias=None if biases is None else biases.down.contiguous())
     return down.view(tokens, top_k, hidden).sum(dim=1)

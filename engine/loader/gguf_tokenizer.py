@@ -37,6 +37,21 @@ def copy_tokenizer_fields(reader: gguf.GGUFReader, writer: gguf.GGUFWriter) -> N
             writer.add_key_value(key, value.contents(), value.types[0], sub)
 
 
+def special_tokens(reader: gguf.GGUFReader) -> dict[str, str]:
+    """The file's special tokens by their ids (``tokenizer.ggml.bos_token_id`` ...), as
+    ``from_pretrained`` keywords: a transformers release that converts by architecture
+    otherwise adds its own ``<s>``/``</s>`` past the vocabulary (5.17 does, for
+    ``qwen3moe``) where the file names others."""
+    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+    named = {"bos_token": "bos", "eos_token": "eos", "unk_token": "unknown", "pad_token": "padding"}
+    out = {}
+    for kwarg, key in named.items():
+        value = reader.fields.get(f"tokenizer.ggml.{key}_token_id")
+        if value is not None and 0 <= int(value.contents()) < len(tokens):
+            out[kwarg] = tokens[int(value.contents())]
+    return out
+
+
 def build_tokenizer(gguf_path: Path, gguf_arch: str) -> Any:
     """The fast tokenizer of ``gguf_path`` (module docstring); ``gguf_arch`` is the file's
     ``general.architecture``.
@@ -50,13 +65,15 @@ def build_tokenizer(gguf_path: Path, gguf_arch: str) -> Any:
         if gguf_arch in STAND_INS:
             with tempfile.TemporaryDirectory() as tmp:
                 copy = Path(tmp) / "tokenizer.gguf"
+                reader = gguf.GGUFReader(str(gguf_path))
                 writer = gguf.GGUFWriter(str(copy), STAND_INS[gguf_arch])
-                copy_tokenizer_fields(gguf.GGUFReader(str(gguf_path)), writer)
+                copy_tokenizer_fields(reader, writer)
                 writer.write_header_to_file()
                 writer.write_kv_data_to_file()
                 writer.write_tensors_to_file()
                 writer.close()
-                return PreTrainedTokenizerFast.from_pretrained(tmp, gguf_file=copy.name, local_files_only=True)
+                return PreTrainedTokenizerFast.from_pretrained(tmp, gguf_file=copy.name, local_files_only=True,
+                                                               **special_tokens(reader))
         return AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
                                              local_files_only=True)
     except Exception as e:  # transformers raises many types here; all mean the same to the user

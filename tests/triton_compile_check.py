@@ -73,14 +73,16 @@ def main() -> int:
             return 1
     print("gemv ok")
     for dt, precision in ((bf, "tf32"), ("fp32", "ieee")):
-        for gated in (False, True):
+        for gated, gpt_oss in ((False, False), (True, False), (False, True), (True, True)):
             ptx = _compile(triton_moe._grouped_gemm_kernel,
                            [("A", _p(dt)), ("W", _p(dt)), ("Out", _p(dt)), ("RouteWeights", _p("fp32")),
                             ("SortedRows", _p("i32")), ("BlockExperts", _p("i32")), ("NumPadded", _p("i32")),
+                            ("Bias", _p(dt)), ("bias_stride", "i32"), ("bias_up", "i32"), ("alpha", "fp32"),
+                            ("limit", "fp32"),
                             ("num_rows", "i32"), ("top_k", "i32"), ("N", "i32"), ("K", "i32"),
                             ("stride_am", "i32"), ("stride_we", "i64"), ("stride_wn", "i32"), ("stride_om", "i32")],
-                           {"GATED": gated, "WEIGHTED": not gated, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64,
-                            "PRECISION": precision, "F32_DOT": False})
+                           {"GATED": gated, "WEIGHTED": not gated, "BIASED": gpt_oss, "CLAMPED": gpt_oss and gated,
+                            "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "PRECISION": precision, "F32_DOT": False})
             if "fma.rn.bf16" in ptx:
                 print("fused_moe: the compiler fused bfloat16 products into FMAs (rounds unlike eager torch)")
                 return 1

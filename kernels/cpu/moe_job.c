@@ -22,6 +22,7 @@
  * expert, ascending, stably: the order engine/layers/moe/cpu_runs.py's gather and
  * kernels/cpu/moe_experts.py's group_pairs give, so the sums are the same bits.
  */
+#define _POSIX_C_SOURCE 199309L /* clock_gettime and CLOCK_MONOTONIC under -std=c11 */
 #include <stdint.h>
 #include <string.h>
 #include <time.h>

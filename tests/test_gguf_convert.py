@@ -11,7 +11,12 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from engine.common.load_errors import CorruptWeights, UnsupportedArchitecture, UnsupportedGGUFType  # noqa: E402
+from engine.common.load_errors import (  # noqa: E402
+    CorruptWeights,
+    ModelLoadError,
+    UnsupportedArchitecture,
+    UnsupportedGGUFType,
+)
 from engine.loader import gguf_config, gguf_hf_tensors  # noqa: E402
 from engine.loader.gguf_convert import convert_gguf  # noqa: E402
 from engine.loader.gguf_hf_tensors import reverse_llama_permute  # noqa: E402
@@ -339,3 +344,26 @@ def test_interrupted_conversion_leaves_nothing(tmp_path, monkeypatch, make_tiny_
     assert convert_gguf(path, out) == out
     assert (out / "model.safetensors").is_file()
     assert list((tmp_path / "models").iterdir()) == [out]
+
+
+@pytest.mark.parametrize("eos", [VOCAB, -1])
+def test_a_special_token_id_outside_the_vocabulary_is_named(eos, tmp_path, make_tiny_hf_model):
+    """An EOS id past the vocabulary failed in transformers' tokenizer build ("IndexError:
+    list index out of range"); a negative one converted, its EOS the vocabulary's last
+    token by Python's indexing, so a reply never stopped. Both are refused, naming the key
+    and how to set it."""
+    def tokenizer(writer):
+        tokens = _tokens()
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("qwen2")
+        writer.add_token_list(tokens)
+        writer.add_token_merges([f"{a} {b}" for a, b in MERGES])
+        writer.add_bos_token_id(1)
+        writer.add_key_value("tokenizer.ggml.eos_token_id", eos, gguf.GGUFValueType.INT32)
+
+    path = tmp_path / "bad.gguf"
+    write_gguf(path, "qwen3", make_tiny_hf_model("qwen3", None, vocab_size=VOCAB), tokenizer=tokenizer)
+    with pytest.raises(ModelLoadError, match=rf"bad.gguf: tokenizer.ggml.eos_token_id is {eos}, outside its "
+                                             rf"{VOCAB}-token vocabulary .*gguf-set-metadata "):
+        convert_gguf(path, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -76,8 +76,9 @@ def convert_gguf(
         UnsupportedGGUFType: a tensor is stored in a type gguf-py cannot dequantize
             (checked for all tensors before anything is written).
         UnsupportedConfig: RoPE factors that are not Llama 3's.
-        ModelLoadError: a tensor without a Hugging Face counterpart, the tokenizer
-            cannot be built, or the cache folder cannot be written.
+        ModelLoadError: a tensor without a Hugging Face counterpart, a special-token id
+            outside the vocabulary, the tokenizer cannot be built, or the cache folder
+            cannot be written.
     """
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     reader, gguf_arch, hf_config = read_checked(gguf_path)

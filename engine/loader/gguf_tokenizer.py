@@ -27,6 +27,9 @@ STAND_INS = {"qwen35": "qwen3", "qwen35moe": "qwen3moe", "gpt-oss": "gpt-oss"}
 # The transformers release whose GGUF tokenizer reader takes the pre-tokenizer from the
 # file (tokenizer.ggml.pre) rather than from a table of architectures.
 MIN_GGUF_READER = (5, 18)
+# The special-token ids a conversion reads (generation's stop ids, the prompt's BOS, the
+# tokenizer's unknown and padding tokens), by their key's middle name.
+SPECIAL_IDS = ("bos", "eos", "eot", "eom", "unknown", "padding")
 
 
 def copy_tokenizer_fields(reader: gguf.GGUFReader, writer: gguf.GGUFWriter) -> None:
@@ -35,6 +38,29 @@ def copy_tokenizer_fields(reader: gguf.GGUFReader, writer: gguf.GGUFWriter) -> N
         if key.startswith("tokenizer."):
             sub = value.types[-1] if value.types[0] == gguf.GGUFValueType.ARRAY else None
             writer.add_key_value(key, value.contents(), value.types[0], sub)
+
+
+def check_special_ids(reader: gguf.GGUFReader, gguf_path: Path) -> None:
+    """Every ``tokenizer.ggml.*_token_id`` of :data:`SPECIAL_IDS` the file holds names a
+    token of its vocabulary.
+
+    Raises:
+        ModelLoadError: one is negative or past the vocabulary (transformers fails on one
+            with an IndexError, or takes a negative one as a token counted from the end),
+            naming the key and the command that sets it.
+    """
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    if tokens is None:
+        return
+    vocab = len(tokens.data)
+    for name in SPECIAL_IDS:
+        key = f"tokenizer.ggml.{name}_token_id"
+        value = reader.fields.get(key)
+        if value is not None and not 0 <= int(value.contents()) < vocab:
+            raise ModelLoadError(
+                f"{gguf_path}: {key} is {int(value.contents())}, outside its {vocab}-token vocabulary "
+                f"(0-{vocab - 1}); the file is damaged or mislabelled: download it again, or set the id "
+                f"with gguf-set-metadata {gguf_path} {key} ID")
 
 
 def special_tokens(reader: gguf.GGUFReader) -> dict[str, str]:

@@ -367,3 +367,15 @@ def test_a_special_token_id_outside_the_vocabulary_is_named(eos, tmp_path, make_
                                              rf"{VOCAB}-token vocabulary .*gguf-set-metadata "):
         convert_gguf(path, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_gguf_without_a_tokenizer_is_named(tmp_path, make_tiny_hf_model):
+    """A file whose tokenizer keys were left out failed in transformers' words ("Cannot
+    build a tokenizer from a GGUF file stating tokenizer None"); it is refused by name,
+    before anything is written."""
+    path = tmp_path / "notok.gguf"
+    write_gguf(path, "qwen3", make_tiny_hf_model("qwen3", None, vocab_size=VOCAB), tokenizer=lambda writer: None)
+    with pytest.raises(ModelLoadError, match=r"notok.gguf holds no tokenizer \(no tokenizer.ggml.model or "
+                                             r"tokenizer.ggml.tokens key\)"):
+        convert_gguf(path, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

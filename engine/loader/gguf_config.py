@@ -49,7 +49,7 @@ ROPE_FREQS = "rope_freqs.weight"  # llama3 RoPE factors; folded into config.json
 def read_checked(gguf_path: Path) -> tuple[Any, str, dict]:
     """``(reader, GGUF architecture, Hugging Face config)`` of ``gguf_path``, with every
     refusal of :func:`convert_gguf` made before anything is written."""
-    from engine.loader.gguf_tokenizer import check_special_ids
+    from engine.loader.gguf_tokenizer import check_tokenizer_keys
 
     reader = open_reader(gguf_path)
     gguf_arch = field(reader, "general.architecture")
@@ -59,7 +59,7 @@ def read_checked(gguf_path: Path) -> tuple[Any, str, dict]:
             f"converts {', '.join(GGUF_ARCHITECTURES)}"
         )
     _check_types(reader, gguf_path)
-    check_special_ids(reader, gguf_path)
+    check_tokenizer_keys(reader, gguf_path)
     return reader, gguf_arch, _hf_config(reader, gguf_path, gguf_arch)
 
 

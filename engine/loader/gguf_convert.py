@@ -76,8 +76,8 @@ def convert_gguf(
         UnsupportedGGUFType: a tensor is stored in a type gguf-py cannot dequantize
             (checked for all tensors before anything is written).
         UnsupportedConfig: RoPE factors that are not Llama 3's.
-        ModelLoadError: a tensor without a Hugging Face counterpart, a special-token id
-            outside the vocabulary, the tokenizer cannot be built, or the cache folder
+        ModelLoadError: a tensor without a Hugging Face counterpart, no tokenizer keys, a
+            special-token id outside the vocabulary, the tokenizer cannot be built, or the cache folder
             cannot be written.
     """
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)

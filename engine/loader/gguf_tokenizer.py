@@ -40,18 +40,23 @@ def copy_tokenizer_fields(reader: gguf.GGUFReader, writer: gguf.GGUFWriter) -> N
             writer.add_key_value(key, value.contents(), value.types[0], sub)
 
 
-def check_special_ids(reader: gguf.GGUFReader, gguf_path: Path) -> None:
-    """Every ``tokenizer.ggml.*_token_id`` of :data:`SPECIAL_IDS` the file holds names a
-    token of its vocabulary.
+def check_tokenizer_keys(reader: gguf.GGUFReader, gguf_path: Path) -> None:
+    """The file holds a tokenizer, and every ``tokenizer.ggml.*_token_id`` of
+    :data:`SPECIAL_IDS` it holds names a token of its vocabulary.
 
     Raises:
-        ModelLoadError: one is negative or past the vocabulary (transformers fails on one
-            with an IndexError, or takes a negative one as a token counted from the end),
-            naming the key and the command that sets it.
+        ModelLoadError: the file has no ``tokenizer.ggml.model`` or ``tokenizer.ggml.tokens``
+            key (transformers says "Cannot build a tokenizer from a GGUF file stating
+            tokenizer None"); a special-token id is negative or past the vocabulary
+            (transformers fails on one with an IndexError, or takes a negative one as a
+            token counted from the end), naming the key and the command that sets it.
     """
     tokens = reader.fields.get("tokenizer.ggml.tokens")
-    if tokens is None:
-        return
+    if tokens is None or reader.fields.get("tokenizer.ggml.model") is None:
+        raise ModelLoadError(
+            f"{gguf_path} holds no tokenizer (no tokenizer.ggml.model or tokenizer.ggml.tokens key), and "
+            "headroom reads a GGUF's tokenizer from the file itself; download the model's GGUF again, "
+            "one written with its vocabulary")
     vocab = len(tokens.data)
     for name in SPECIAL_IDS:
         key = f"tokenizer.ggml.{name}_token_id"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import click
 import pytest
@@ -319,3 +320,24 @@ def test_model_takes_the_names_the_apis_and_models_give_the_embedded_model(name,
     result = invoke(["plan", "--model", name, "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["model"].startswith("SmolLM2-135M-Instruct"), result.stdout
+
+
+def test_a_conversion_without_its_tokenizer_names_the_folder_to_delete(tiny_gguf):
+    """A GGUF's conversion in the store that lost its tokenizer.json (a half-copied cache
+    folder) was refused with "copy it from the model's Hugging Face repository", where
+    the fix is to delete the conversion, which headroom redoes from the file."""
+    from engine.loader.default_model import converted_dir
+
+    assert invoke(["plan", "--model", str(tiny_gguf)]).exit_code == 0
+    folder = converted_dir(tiny_gguf)
+    (folder / "tokenizer.json").unlink()
+    for command in (["generate", "--local", "hi"], ["serve", "--port", "0"]):
+        result = invoke([*command, "--model", str(tiny_gguf)])
+        assert result.exit_code == 2, (command, result.output)
+        assert result.stderr.strip() == (f"headroom: error: cannot load the model: {folder}, the conversion of "
+                                         f"{tiny_gguf}, has no tokenizer.json (a half-written or damaged copy): "
+                                         "delete that folder, and the next start converts the file again")
+        assert "listening" not in result.output
+    shutil.rmtree(folder)  # as the message says
+    assert invoke(["plan", "--model", str(tiny_gguf)]).exit_code == 0
+    assert (folder / "tokenizer.json").is_file()

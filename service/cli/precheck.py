@@ -48,7 +48,8 @@ def check_model_before_loading(model: str | None, *, tokenizer: bool, convert: b
     exit 2 naming the fix for a ``--model`` that names no model
     (:func:`~service.cli.exits.check_model_path`), for a folder without the tokenizer
     files the loader reads (with ``tokenizer``: the commands that turn text into ids,
-    serve and generate), and for weights that are not on disk
+    serve and generate; a GGUF's conversion without them is named, to be deleted and
+    converted again), and for weights that are not on disk
     (:func:`engine.loader.weight_check.check_weights_on_disk`: no safetensors, a GGUF
     without the model's tensors), each with the loader's own message.
 
@@ -81,6 +82,9 @@ def check_model_before_loading(model: str | None, *, tokenizer: bool, convert: b
         if tokenizer:
             from engine.text.tokenizer import check_tokenizer_files
 
+            if gguf is not None and not (folder / "tokenizer.json").is_file():
+                raise ModelLoadError(f"{folder}, the conversion of {gguf}, has no tokenizer.json (a half-written or "
+                                     "damaged copy): delete that folder, and the next start converts the file again")
             check_tokenizer_files(str(folder))
         check_weights_on_disk(folder, load_model_config(folder), gguf)
     except (ModelLoadError, FileNotFoundError) as exc:

@@ -72,7 +72,8 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
 def gated_delta_rule_ref(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gated delta rule over one sequence, token by token (the torch reference).
+    """The gated delta rule over one sequence, token by token (the torch reference:
+    :func:`gated_delta_step` a token at a time).
 
     Args:
         q, k: ``[T, Hv, Dk]`` (already repeated to the value heads), not yet normalized.
@@ -82,16 +83,12 @@ def gated_delta_rule_ref(
     Returns:
         ``(o [T, Hv, Dv] float32, state [Hv, Dk, Dv] float32 after the last token)``.
     """
-    q = _l2norm(q.float()) * q.shape[-1] ** -0.5
-    k, v, beta, decay = _l2norm(k.float()), v.float(), beta.float(), g.float().exp()
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    state = state[None]
     for t in range(q.shape[0]):
-        state = state * decay[t, :, None, None]
-        remembered = torch.einsum("hkv,hk->hv", state, k[t])
-        delta = (v[t] - remembered) * beta[t, :, None]
-        state = state + k[t][:, :, None] * delta[:, None, :]
-        out[t] = torch.einsum("hkv,hk->hv", state, q[t])
-    return out, state
+        o, state = gated_delta_step(q[t, None], k[t, None], v[t, None], g[t, None], beta[t, None], state)
+        out[t] = o[0]
+    return out, state[0]
 
 
 def gated_delta_step(
@@ -272,18 +269,8 @@ class GatedDeltaNet(nn.Module):
         slots = batch.state_slots.tolist()
         fresh = (batch.prefix_lens == 0).tolist()
         lens = batch.extend_lens.tolist()
-        mixed = self._conv_batch(mixed, conv_pool, slots, lens, fresh)
-        t = x.shape[0]
-        per = self.hv // self.hk
-        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = q.reshape(t, self.hk, self.dk).repeat_interleave(per, dim=1)
-        k = k.reshape(t, self.hk, self.dk).repeat_interleave(per, dim=1)
-        # A contiguous v of its own lets the conv output go before the recurrence, whose
-        # kernels hold the step's largest transient (the kernel would copy v anyway).
-        v = v.reshape(t, self.hv, self.dv).contiguous()
+        q, k, v, g, beta = self._rule_inputs(self._conv_batch(mixed, conv_pool, slots, lens, fresh), b, a)
         del mixed
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         if x.is_cuda and _fla() is not None:
             o = self._fla(q, k, v, g, beta, ssm_pool, slots, fresh, lens, batch.is_decode)
         else:
@@ -297,6 +284,20 @@ class GatedDeltaNet(nn.Module):
             o = torch.cat(outs)
         return self._out(o, z, x)
 
+    def _rule_inputs(self, conv: torch.Tensor, b: torch.Tensor, a: torch.Tensor):
+        """Step 3's inputs from the conv output ``[T, conv_dim]`` and ``b``, ``a``
+        ``[T, Hv]``: q, k ``[T, Hv, Dk]`` (each key head repeated for its value heads), v
+        ``[T, Hv, Dv]``, the float32 log-decay g and beta ``[T, Hv]``. v is a contiguous
+        copy of its own, so the caller can let the conv output go before the recurrence,
+        whose kernels hold the step's largest transient (they would copy v anyway)."""
+        t, per = conv.shape[0], self.hv // self.hk
+        q, k, v = conv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(t, self.hk, self.dk).repeat_interleave(per, dim=1)
+        k = k.reshape(t, self.hk, self.dk).repeat_interleave(per, dim=1)
+        v = v.reshape(t, self.hv, self.dv).contiguous()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        return q, k, v, g, b.sigmoid()
+
     def _decode(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv_pool: torch.Tensor,
                 ssm_pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """A decode step (one token a sequence) on the device alone, nothing read back, so
@@ -305,16 +306,10 @@ class GatedDeltaNet(nn.Module):
         null slot), stepped, and scattered back. Rows ``mixed [B, conv_dim]``, ``b``,
         ``a`` ``[B, Hv]``; returns the rule's ``o [B, Hv, Dv]``. A decode row always has
         a prefix (its prompt was an extend), so no state starts from zeros here."""
-        t, per = mixed.shape[0], self.hv // self.hk
         seq = torch.cat([conv_pool.index_select(0, slots).to(mixed.dtype), mixed[:, :, None]], dim=-1)  # [B, C, K]
         conv_pool.index_copy_(0, slots, seq[:, :, 1:].to(conv_pool.dtype))
-        mixed = F.silu((seq.float() * self.conv1d.weight[:, 0, :].float()).sum(-1)).to(mixed.dtype)
-        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = q.reshape(t, self.hk, self.dk).repeat_interleave(per, dim=1)
-        k = k.reshape(t, self.hk, self.dk).repeat_interleave(per, dim=1)
-        v = v.reshape(t, self.hv, self.dv).contiguous()
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        conv = F.silu((seq.float() * self.conv1d.weight[:, 0, :].float()).sum(-1)).to(mixed.dtype)
+        q, k, v, g, beta = self._rule_inputs(conv, b, a)
         state = ssm_pool.index_select(0, slots)
         if mixed.is_cuda and _fla() is not None:
             # [B, 1, H, D]: one token of B sequences, each from its own initial state.

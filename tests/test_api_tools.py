@@ -215,7 +215,7 @@ def test_tool_choice_checks():
         (None, "required", "tool_choice"),
         ([WEATHER], "sometimes", "tool_choice"),
         ([WEATHER], {"type": "function", "function": {"name": "other"}}, "tool_choice"),
-        ([{"type": "function"}], None, "tools[0]"),
+        ([{"type": "function"}], None, "tools[0].function"),
     ]:
         with pytest.raises(APIError) as exc:
             plan_tools(tools, choice, template, True)
@@ -244,22 +244,22 @@ def test_a_tool_choice_of_the_wrong_json_type_is_invalid_type(tools, choice, cod
     assert exc.value.message.startswith("tool_choice must be"), exc.value.message
 
 
-
-
 @pytest.mark.parametrize(("tool", "param", "code"), [
     ({"type": "function", "function": {"name": 5}}, "tools[0].function.name", "invalid_type"),
     ({"type": "function", "function": {"name": None}}, "tools[0].function.name", "invalid_type"),
     ({"type": "function", "function": {"description": "no name"}}, "tools[0].function.name", "missing_field"),
     (5, "tools[0]", "invalid_type"),
-    ({"type": "function"}, "tools[0]", "invalid_value"),
-    ({"type": "function", "function": {"name": "f", "parameters": "x"}}, "tools[0]", "invalid_value"),
+    ({"type": "function"}, "tools[0].function", "missing_field"),
+    ({"type": "function", "function": "f"}, "tools[0].function", "invalid_type"),
+    ({"type": "retrieval", "function": {"name": "f"}}, "tools[0]", "invalid_value"),
+    ({"type": "function", "function": {"name": "f", "parameters": "x"}}, "tools[0].function.parameters", "invalid_type"),
     ({"type": "function", "function": {"name": " "}}, "tools[0]", "invalid_value"),
 ])
 def test_a_tools_function_name_of_the_wrong_json_type_names_it(tool, param, code):
-    """docs/api.md, Errors: a tool's ``function.name`` absent is ``missing_field``, of
-    another JSON type ``invalid_type``, naming ``tools[i].function.name`` (as
-    /v1/responses names its ``tools[i].name``); it was ``invalid_value`` naming only
-    ``tools[i]``. Each refusal's message starts with the field, the only place Ollama's
+    """docs/api.md, Errors: a tool's ``function`` or ``function.name`` absent is
+    ``missing_field``, of another JSON type (``parameters`` too) ``invalid_type``, naming
+    the field (``tools[i].function.name``, as /v1/responses names its ``tools[i].name``);
+    they were ``invalid_value`` naming only ``tools[i]``. Each refusal's message starts with the field, the only place Ollama's
     ``{"error": message}`` shape has for it (/api/chat's tools are checked here too)."""
     with pytest.raises(APIError) as exc:
         plan_tools([WEATHER, tool], None, "{{ tools }}<tool_call>", True)

@@ -203,7 +203,7 @@ def test_c15_max_tokens_edges(real_server):
         (b'{"messages": [{"role": "user", "content": 5}]}', "messages[0].content"),
         (b'{"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}', "stream"),
         (b'{"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 30}', "top_logprobs"),
-        (b'{"messages": [{"role": "user", "content": "hi"}], "tools": [{}]}', "tools[0]"),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "tools": [{}]}', "tools[0].function"),
     ],
 )
 def test_c16_broken_bodies_get_openai_400(real_server, content, param):

@@ -368,12 +368,12 @@ def plan_tools(
         where = f"tools[{i}]"  # each message starts with the field: Ollama's error shape has no param
         if not isinstance(tool, dict):
             raise invalid(f"{where} must be an object, got {json_type(tool)}: {_TOOL}", where, INVALID_TYPE)
-        function = tool.get("function")
-        if tool.get("type", "function") != "function" or not isinstance(function, dict):
+        if tool.get("type", "function") != "function":
             raise invalid(f"{where}: {_TOOL}", where)
+        function = field_of(tool, "function", f"{where}.function", dict, "an object", _TOOL)
         name = field_of(function, "name", f"{where}.function.name", str, "a string", _TOOL)
-        if not isinstance(function.get("parameters", {}), dict | None):
-            raise invalid(f"{where}: a function's parameters must be a JSON schema object", where)
+        if function.get("parameters") is not None:
+            field_of(function, "parameters", f"{where}.function.parameters", dict, "a JSON schema object", _TOOL)
         if not name.strip():  # a call could not name it
             raise invalid(f"{where}: a function needs a name", where)
         if name in names:  # a call could not say which one it calls

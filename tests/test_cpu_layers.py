@@ -7,6 +7,7 @@ decode layer), so the greedy ids must be the unsplit model's, and transformers'.
 from __future__ import annotations
 
 import pytest
+import torch
 from model_checks import hf_greedy
 from test_engine import run_all
 from tiny_engine import tiny_engine
@@ -51,6 +52,26 @@ def test_split_llama_decodes_transformers_greedy_ids(llama, cpu_layers):
     assert host.pool.num_pages == engine.pool.num_pages  # one page count, one allocator
     for rid, out in {**first, **second}.items():
         assert out == hf_greedy(hf, prompts[rid], STEPS), rid
+
+
+def test_the_profile_run_leaves_the_cpu_layers_out(llama, monkeypatch):
+    """The plan's profile run measures the device's memory (measure_step_peak), which
+    the CPU's layers do not use; run through them, a long prefill of an 8B's float32
+    layers held the start for minutes. With ``device_only`` set, run returns copies of
+    its inputs (the two device tensors a real step copies back) and runs no layer."""
+
+    class Refuses(torch.nn.Module):
+        def forward(self, *args):
+            raise AssertionError("a CPU layer ran in the profile run")
+
+    path, _ = llama
+    host = tiny_engine(path, 16, cpu_layers="1").model.host_layers
+    monkeypatch.setattr(host, "layers", [Refuses()])
+    h, residual = torch.randn(3, 64), torch.randn(3, 64)
+    host.device_only = True
+    out_h, out_r = host.run(h, residual, None, host.pool.num_pages)
+    assert torch.equal(out_h, h) and torch.equal(out_r, residual)
+    assert out_h.data_ptr() != h.data_ptr() and out_r.data_ptr() != residual.data_ptr()
 
 
 def test_auto_and_zero_keep_every_layer_on_the_device(llama):

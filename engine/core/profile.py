@@ -125,7 +125,14 @@ def measure_step_peak(
     # two need together, not their sum.
     alloc, reserved = snapshot()
     torch.cuda.reset_peak_memory_stats(device)
-    logits = model(batch, attn)
+    host = getattr(model, "host_layers", None)  # --cpu-layers: their CPU work is not measured
+    if host is not None:
+        host.device_only = True
+    try:
+        logits = model(batch, attn)
+    finally:
+        if host is not None:
+            host.device_only = False
     forward_bytes = peak_since(alloc, reserved)
     Sampler().sample(logits, states, [sp] * seqs)
     step_bytes = peak_since(alloc, reserved)

@@ -18,7 +18,9 @@ step's tokens to the host in float32 (``[T, hidden]`` each), runs the layers (a 
 step through the C decode layer where it runs them, :mod:`engine.layers.cpu_decode`; the
 torch layers over the torch attention backend otherwise) and copies the two back in the
 model's dtype. The copy reads the device's results, so such a step cannot be captured in
-a CUDA graph: a split model decodes eagerly.
+a CUDA graph: a split model decodes eagerly. The plan's profile run
+(:func:`engine.core.profile.measure_step_peak`) skips the CPU's layers
+(:attr:`HostLayers.device_only`): it measures the device's memory, which they do not use.
 """
 
 from __future__ import annotations
@@ -84,6 +86,9 @@ class HostLayers:
         # index in the model (file_form), kept where the boundary may move back up
         # (--cpu-layers auto, engine.layers.split_move); empty otherwise.
         self.file_forms: dict[int, dict[str, nn.Module]] = {}
+        # Set by measure_step_peak's window (device_only): the device's part of a step
+        # without the CPU's, which allocates nothing on the device.
+        self.device_only = False
 
     def follow(self, num_pages: int, *, written_pages: int | None = None) -> None:
         """Make the host pool ``num_pages`` pages (the device pool's count), keeping the
@@ -105,6 +110,11 @@ class HostLayers:
         ``[T, hidden]`` on the device in the model's dtype, to the last layer's
         ``(mlp_output, residual)`` in the same place and dtype. ``num_pages``: the device
         pool's pages (the host pool follows it)."""
+        if self.device_only:
+            # What a step puts on the device here is the two copies back, made alike;
+            # the layers' CPU work (minutes for a long prefill of an 8B's float32
+            # layers) changes nothing the profile measures.
+            return h.clone(), (h if residual is None else residual).clone()
         self.follow(num_pages)
         device, dtype = h.device, h.dtype
         hb = h.to("cpu", torch.float32, copy=True)

@@ -1,6 +1,7 @@
 """The memory plan for real on a GPU, under an allocator cap the size of a desktop card:
 the predicted peak against the measured one, a plan that cannot fit failing before any
-weight loads, memory taken after the engine is ready failing one request (not the
+weight loads (and the same model split with the CPU, its profile run leaving the CPU's
+layers out), memory taken after the engine is ready failing one request (not the
 engine), and a long prompt completing at the chunk the profile measured.
 
 ``torch.cuda.set_per_process_memory_fraction`` makes the caching allocator raise a real
@@ -56,12 +57,32 @@ def test_predicted_peak_matches_measured_within_3_percent(tmp_path, capped):
 
 
 def test_f1_plan_that_cannot_fit_fails_before_loading(tmp_path):
+    """No layer on the CPU (``--cpu-layers 0``): 16 GB of bfloat16 weights on a 6 GiB card
+    is refused before any loads."""
     before = torch.cuda.memory_allocated()
     with pytest.raises(PlanDoesNotFit) as err:
         Engine(EngineConfig(model=str(write_shape("llama-3.1-8b", tmp_path)), load_format="dummy",
-                            device_limit=6 * GiB, reserve=0))
+                            device_limit=6 * GiB, reserve=0, cpu_layers="0"))
     assert "does not fit" in str(err.value)
     assert torch.cuda.memory_allocated() - before < 64 << 20  # 16 GB of weights never loaded
+
+
+def test_f1_the_same_model_splits_and_its_profile_skips_the_cpu_layers(tmp_path, monkeypatch):
+    """The default (``--cpu-layers auto``) puts the last layers on the CPU instead; the
+    plan's measured step leaves their CPU work out (it measured their float32 prefill of
+    the whole chunk for minutes before: past this test's timeout), and the engine answers."""
+    from engine.layers.host_layers import HostLayers
+
+    runs = []
+    real_run = HostLayers.run
+    monkeypatch.setattr(HostLayers, "run", lambda self, *a: (runs.append(self.device_only), real_run(self, *a))[1])
+    engine = Engine(EngineConfig(model=str(write_shape("llama-3.1-8b", tmp_path)), load_format="dummy",
+                                 device_limit=6 * GiB, reserve=0, max_model_len=2048))
+    host = engine.model.host_layers
+    assert host is not None and host.start < 32, "the plan put no layer on the CPU"
+    assert True in runs, "the profile run ran the CPU layers"
+    assert run(engine, {"a": list(range(10, 40))}, max_new=4)["a"].finish_reason == "length"
+    assert runs[-1] is False  # the request's steps ran them
 
 
 def test_f2_memory_taken_after_ready_fails_one_request_not_the_engine(tmp_path, capped):

@@ -139,3 +139,17 @@ def _pages_of(radix: RadixCache, tokens: list[int]) -> list[int]:
         return radix.match_prefix(tokens)[0]
     finally:
         radix.release_state = saved
+
+
+def test_the_turns_bench_scores_an_answer_teacher_forced(path):
+    """engine.bench.hybrid_turns' check where a GPU's cached and cold answers part in
+    bfloat16: the cold engine scores the answer after the prompt; its own greedy answer
+    sits at gap 0, one with a token swapped for another sits that token's gap below."""
+    from engine.bench.hybrid_turns import largest_gap
+
+    cold = _engine(path, prefix_cache=False)
+    prompt = _ids(23, 4)
+    answer, _ = _run(cold, "a", prompt)
+    assert largest_gap(cold, prompt, answer) < 1e-4
+    swapped = answer[:5] + [(answer[5] + 1) % VOCAB] + answer[6:]
+    assert largest_gap(cold, prompt, swapped) > 1e-3

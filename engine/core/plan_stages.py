@@ -12,6 +12,7 @@ engine's ``config``, ``model_config``, ``model``, ``device``, ``dtype``, ``kv_dt
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -239,6 +240,9 @@ class PlanStages:
         probe_pool = self._kv_pool(profile_pool_pages(knobs))
         # Where the context grows (logged): after the weights, the profile step, the capture.
         growth = [self._outside_allocator_growth()]
+        # A first start compiles the step's kernels here (minutes for some models): said.
+        log.info("the plan's profile run: one prefill step of %d tokens", knobs.max_prefill_tokens)
+        started = time.monotonic()
         try:
             peak = measure_step_peak(
                 self.model, self._attention(probe_pool), probe_pool, knobs, mc.max_position_embeddings,
@@ -260,9 +264,9 @@ class PlanStages:
         # Nothing of the profile stays cached: the pool is sized against a clean device.
         torch.cuda.empty_cache()
         growth.append(self._outside_allocator_growth())
-        log.info("CUDA context growth outside the allocator since the plan's probe: %.0f MiB after the weights, "
-                 "%.0f MiB after the profile step, %.0f MiB after the CUDA graphs' capture (if any)",
-                 *(g / 2**20 for g in growth))
+        log.info("the profile step and the graphs' capture took %.1f s; CUDA context growth outside the allocator since the plan's probe: "
+                 "%.0f MiB after the weights, %.0f MiB after the profile step, %.0f MiB after the CUDA graphs' "
+                 "capture (if any)", time.monotonic() - started, *(g / 2**20 for g in growth))
         runtime = self._runtime_bytes()
         if peak is None:
             activation, sampler = self.device_memory.total_bytes, None

@@ -17,7 +17,12 @@ import httpx
 import pytest
 from service_harness import ServerProcess, process_gone
 from test_service_cases import assert_openai_error
+from test_service_events import recv, token_protocol
 from test_service_restart import wait_for
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import connect
+
+from service.events.schemas import CLOSE_GOING_AWAY
 
 pytestmark = pytest.mark.slow
 
@@ -178,3 +183,20 @@ def test_ctrl_c_to_the_process_group_drains_and_exits_0(start_server, tmp_path):
     log = _assert_clean_exit(server, worker, tmp_path / "runtime")
     assert "KeyboardInterrupt" not in log, log
     assert "SIGINT: shutting down" in log, log
+
+
+def test_sigterm_closes_the_event_socket_with_going_away(start_server, tmp_path):
+    """The desktop app's event socket learns that the service stops: close code 1001
+    with the hub's reason, as service.control.socket documents, not uvicorn's own 1012
+    (Service Restart, no reason), which it sent when its shutdown closed the socket first."""
+    server = start_server([], fake=True)
+    worker = server.worker_pid()
+    with connect(server.ws_url, subprotocols=token_protocol(server)) as ws:
+        assert recv(ws)["type"] == "snapshot"
+        server.proc.send_signal(signal.SIGTERM)
+        with pytest.raises(ConnectionClosed):
+            while True:
+                ws.recv(timeout=60)
+        assert ws.close_code == CLOSE_GOING_AWAY, (ws.close_code, ws.close_reason)
+        assert ws.close_reason == "the service is stopping"
+    _assert_clean_exit(server, worker, tmp_path / "runtime")

@@ -13,7 +13,11 @@ exiting 0. :class:`GracefulServer` replaces that handler:
 2. when nothing is left in flight, or after ``shutdown_timeout_s`` seconds, each
    remaining sequence ends with ``server_shutting_down`` (a final error event and
    ``data: [DONE]`` in a stream, a 503 JSON error otherwise);
-3. then uvicorn's shutdown runs: it waits for those answers to be written, and the
+3. the event hub closes: each ``/api/events`` socket gets close code 1001 and "the
+   service is stopping" (:mod:`service.control.socket`), given
+   :data:`EVENTS_CLOSE_S` to leave before uvicorn's shutdown would close the socket
+   with its own 1012 (Service Restart, no reason);
+4. then uvicorn's shutdown runs: it waits for those answers to be written, and the
    app's lifespan stops the worker (no restart) and removes its pid-file entry;
    ``headroom serve`` exits 0.
 
@@ -38,6 +42,10 @@ log = logging.getLogger("headroom.service")
 # Seconds uvicorn waits, after the drain, for the last answers to be written and for
 # connections (the event socket, idle keep-alives) to close.
 WRITE_GRACE_S = 5.0
+
+# Seconds the event sockets get, once the hub has closed them, to send their close
+# frames (1001) before uvicorn's shutdown closes what is left with 1012.
+EVENTS_CLOSE_S = 0.25
 
 
 class GracefulServer(uvicorn.Server):
@@ -106,4 +114,17 @@ class GracefulServer(uvicorn.Server):
         except Exception:
             log.exception("the shutdown drain failed; stopping anyway")
         finally:
+            await self._close_event_sockets()
             self.should_exit = True
+
+    async def _close_event_sockets(self) -> None:
+        """Close the event hub (1001 to every subscriber) and give the sockets
+        :data:`EVENTS_CLOSE_S` to say so; never raises."""
+        hub = self.supervisor.events
+        if hub is None:
+            return
+        try:
+            hub.close()
+            await asyncio.sleep(EVENTS_CLOSE_S)
+        except Exception:
+            log.exception("closing the event sockets failed; stopping anyway")

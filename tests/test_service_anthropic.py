@@ -292,11 +292,12 @@ def test_keys_and_error_shapes(client, server):
     assert "max_tokens" in _error(missing, 400, "invalid_request_error")
     typed = _raw(server, "POST", "/v1/messages", json={**BODY, "messages": "Hi"})
     assert "messages" in _error(typed, 400, "invalid_request_error")
+    untyped = _raw(server, "POST", "/v1/messages", json={**BODY, "system": [{"text": "Hi"}]})  # no type: was read as text
+    assert "system" in _error(untyped, 400, "invalid_request_error")
     _error(_raw(server, "GET", "/v1/messages"), 405, "invalid_request_error")
     _error(_raw(server, "POST", "/v1/messages/nope", json={}), 404, "not_found_error")
-    body = BODY
-    _error(_raw(server, "POST", "/v1/messages", json=body, headers={"x-api-key": "x"}), 401, "authentication_error")
-    _error(_raw(server, "POST", "/v1/messages", json=body, headers={"Host": "evil.example"}), 403, "permission_error")
+    _error(_raw(server, "POST", "/v1/messages", json=BODY, headers={"x-api-key": "x"}), 401, "authentication_error")
+    _error(_raw(server, "POST", "/v1/messages", json=BODY, headers={"Host": "evil.example"}), 403, "permission_error")
 
 
 def _use(call_id: str, name: str = "get_weather") -> dict:

@@ -172,7 +172,7 @@ class CountTokensRequest(msgspec.Struct, kw_only=True):
 
     model: str
     messages: Annotated[list[InputMessage], Meta(min_length=1)]
-    system: str | list[TextBlock] | None = None
+    system: str | list[TextBlock | ImageBlock | DocumentBlock] | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None

@@ -9,6 +9,7 @@ instead of asking the device again: the step-size buffers are allocated once, he
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -126,13 +127,8 @@ def measure_step_peak(
     alloc, reserved = snapshot()
     torch.cuda.reset_peak_memory_stats(device)
     host = getattr(model, "host_layers", None)  # --cpu-layers: their CPU work is not measured
-    if host is not None:
-        host.device_only = True
-    try:
+    with host.device_only_steps() if host is not None else contextlib.nullcontext():
         logits = model(batch, attn)
-    finally:
-        if host is not None:
-            host.device_only = False
     forward_bytes = peak_since(alloc, reserved)
     Sampler().sample(logits, states, [sp] * seqs)
     step_bytes = peak_since(alloc, reserved)

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -86,9 +88,19 @@ class HostLayers:
         # index in the model (file_form), kept where the boundary may move back up
         # (--cpu-layers auto, engine.layers.split_move); empty otherwise.
         self.file_forms: dict[int, dict[str, nn.Module]] = {}
-        # Set by measure_step_peak's window (device_only): the device's part of a step
+        # Set inside device_only_steps (measure_step_peak's window): the device's part of a step
         # without the CPU's, which allocates nothing on the device.
         self.device_only = False
+
+    @contextmanager
+    def device_only_steps(self) -> Iterator[None]:
+        """Inside the block, :meth:`run` skips the layers (:attr:`device_only`): the
+        plan's profile run, which measures the device's memory."""
+        self.device_only = True
+        try:
+            yield
+        finally:
+            self.device_only = False
 
     def follow(self, num_pages: int, *, written_pages: int | None = None) -> None:
         """Make the host pool ``num_pages`` pages (the device pool's count), keeping the

@@ -38,6 +38,17 @@ def test_resolve_writes_the_metadata_only(tiny_gguf):
     assert json.loads((folder / GGUF_SOURCE).read_text())["gguf"] == str(tiny_gguf.resolve())
 
 
+def test_resolving_a_finished_conversion_sweeps_a_dead_converters_leftovers(tiny_gguf):
+    folder = resolve_model(str(tiny_gguf))
+    dead = folder.parent / f".{folder.name}.partial-999999999"  # no such process
+    alive = folder.parent / f".{folder.name}.partial-{os.getpid()}"
+    dead.mkdir()
+    alive.mkdir()
+    assert resolve_model(str(tiny_gguf)) == folder
+    assert not dead.exists()
+    assert alive.exists()  # a conversion still running beside it keeps its folder
+
+
 def test_plan_and_a_quantized_cpu_load_write_no_weights(tiny_gguf):
     plan = build_plan(EngineConfig(model=str(tiny_gguf), device="cpu", device_total=4 * GiB))
     assert plan.fits

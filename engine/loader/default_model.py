@@ -12,6 +12,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
 from pathlib import Path
 
 from engine.common.cache_dir import cache_root
@@ -73,6 +74,22 @@ def converted_dir(gguf_path: str | Path) -> Path:
     """
     gguf_path = Path(gguf_path)
     return cache_root() / "models" / f"{gguf_path.stem}-{file_sha256(gguf_path)[:12]}"
+
+
+def remove_stale_partials(out_dir: Path) -> None:
+    """Delete the temp folders (``.<name>.partial-<pid>``) beside ``out_dir`` that conversions
+    whose process died left behind (POSIX only: on Windows ``os.kill(pid, 0)`` would
+    terminate the process instead of probing it)."""
+    if os.name != "posix":
+        return
+    for partial in out_dir.parent.glob(f".{out_dir.name}.partial-*"):
+        try:
+            pid = int(partial.name.rsplit("-", 1)[1])
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(partial, ignore_errors=True)
+        except (ValueError, PermissionError, OSError):
+            continue
 
 
 def model_display_name(model_dir: str | Path) -> str:

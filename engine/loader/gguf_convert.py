@@ -38,7 +38,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from engine.common.load_errors import ModelLoadError, ModelNotFound
-from engine.loader.default_model import read_gguf_source, record_gguf_source
+from engine.loader.default_model import read_gguf_source, record_gguf_source, remove_stale_partials
 from engine.loader.gguf_config import ROPE_FREQS, field, read_checked, sampling_fields
 from engine.loader.gguf_hf_tensors import converted_tensors
 from engine.loader.gguf_tokenizer import build_tokenizer
@@ -86,7 +86,7 @@ def convert_gguf(
     tmp = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
     try:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
-        _remove_stale_partials(out_dir)
+        remove_stale_partials(out_dir)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     except OSError as e:
@@ -283,18 +283,3 @@ def _publish(tmp: Path, out_dir: Path) -> None:
         # A concurrent conversion finished first; its result is as good as ours.
         log.info("%s appeared during conversion; keeping it", out_dir)
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _remove_stale_partials(out_dir: Path) -> None:
-    """Delete temp folders left by conversions whose process died (POSIX only: on
-    Windows ``os.kill(pid, 0)`` would terminate the process instead of probing it)."""
-    if os.name != "posix":
-        return
-    for partial in out_dir.parent.glob(f".{out_dir.name}.partial-*"):
-        try:
-            pid = int(partial.name.rsplit("-", 1)[1])
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            shutil.rmtree(partial, ignore_errors=True)
-        except (ValueError, PermissionError, OSError):
-            continue

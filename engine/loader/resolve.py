@@ -14,6 +14,7 @@ from engine.loader.default_model import (
     names_default_model,
     read_gguf_source,
     record_gguf_source,
+    remove_stale_partials,
 )
 
 log = logging.getLogger(__name__)
@@ -110,6 +111,7 @@ def _converted(gguf_path: Path) -> Path:
         if source is not None:
             # The folder is named by content: this path holds the same file, maybe moved.
             record_gguf_source(out, gguf_path, source.get("dtype", "float32"))
+        remove_stale_partials(out)  # a conversion killed beside this finished one
         return out
     from engine.loader.gguf_convert import convert_gguf  # imports torch/gguf: only when needed
 

@@ -178,6 +178,13 @@ class CountTokensRequest(msgspec.Struct, kw_only=True):
     thinking: Thinking | None = None
 
 
+class Metadata(msgspec.Struct, kw_only=True):
+    """``metadata``: ``user_id`` is an opaque string or null, as Anthropic types it (another
+    type is a 400 naming ``$.metadata.user_id``); unused here."""
+
+    user_id: str | None = None
+
+
 class MessagesRequest(CountTokensRequest, kw_only=True):
     """``POST /v1/messages``. ``max_tokens`` beyond what the context leaves after the
     prompt is cut to it; below 1 it is a 400, as Anthropic answers. ``output_config.format`` is
@@ -190,7 +197,7 @@ class MessagesRequest(CountTokensRequest, kw_only=True):
     top_p: TopP | None = None
     top_k: TopK | None = None
     stream: bool = False
-    metadata: dict[str, Any] | None = None
+    metadata: Metadata | None = None
     output_config: OutputConfig | None = None
 
 

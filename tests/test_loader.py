@@ -110,6 +110,33 @@ def test_missing_field_is_named(tmp_path, field):
         load_model_config(tmp_path)
 
 
+@pytest.mark.parametrize("field, value", [
+    ("hidden_size", "x"), ("num_hidden_layers", -1), ("num_hidden_layers", 0),
+    ("num_attention_heads", 0), ("vocab_size", 16.5), ("intermediate_size", True),
+])
+def test_a_required_field_that_is_no_positive_integer_is_named(tmp_path, field, value):
+    """Before, "x" escaped as huggingface_hub's StrictDataclassFieldValidationError (a
+    traceback from `headroom serve`), 0 heads as a ZeroDivisionError, and 0 or -1 layers
+    were read as a model."""
+    write_config(tmp_path, **{field: value})
+    with pytest.raises(ModelLoadError) as e:
+        load_model_config(tmp_path)
+    assert f"{field} is {value!r}" in str(e.value) and "positive whole number" in str(e.value)
+
+
+@pytest.mark.parametrize("changes, named", [
+    ({"hidden_size": 15}, "not a multiple of the number of attention heads"),  # transformers' class check
+    ({"rms_norm_eps": "x"}, "rms_norm_eps"),  # transformers' field check
+    ({"rope_theta": "x"}, "could not convert string to float"),  # headroom's own float()
+])
+def test_a_value_transformers_or_the_rope_rejects_is_a_load_error(tmp_path, changes, named):
+    write_config(tmp_path, **changes)
+    with pytest.raises(ModelLoadError) as e:
+        load_model_config(tmp_path)
+    assert named in str(e.value) and str(tmp_path / "config.json") in str(e.value)
+    assert "\n" not in str(e.value)  # one line for the CLI's error
+
+
 def test_invalid_json(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ModelLoadError, match="not valid JSON"):

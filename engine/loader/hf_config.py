@@ -36,6 +36,22 @@ REQUIRED_FIELDS: tuple[str, ...] = (
 )
 
 
+def _strict_errors() -> tuple[type[Exception], ...]:
+    """The error transformers >= 5 raises for a config field of the wrong type or value
+    (huggingface_hub's strict dataclasses); none before (ValueError or TypeError). Imported
+    when a config is read: huggingface_hub.errors pulls in httpx (~0.1 s)."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:
+        return ()
+    return (StrictDataclassError,)
+
+
+def _one_line(error: Exception) -> str:
+    """An error's message on one line (huggingface_hub's strict errors span two)."""
+    return " ".join(str(error).split())
+
+
 def load_model_config(model_dir: str | Path) -> ModelConfig:
     """Read a Hugging Face model folder's configuration.
 
@@ -48,6 +64,9 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         UnsupportedArchitecture: ``architectures[0]`` is not one headroom runs (the
             message lists the supported ones).
         ConfigFieldMissing: a required field is absent (the message names it).
+        ModelLoadError: a required field is no positive whole number (named), or another
+            value transformers or headroom cannot read (wrong type, heads that do not
+            divide the hidden size).
         UnsupportedConfig: a variant headroom does not implement (RoPE scaling type,
             sliding window, activation, MLP bias, partial rotary).
         ModelLoadError: the JSON is unreadable or transformers rejects it.
@@ -63,7 +82,11 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         known = cached_config(model_dir)  # derived before from these very bytes
         if known is not None:
             return known
-    config = _derive(model_dir, config_path)
+    try:
+        config = _derive(model_dir, config_path)
+    except (ValueError, TypeError, ZeroDivisionError) as e:  # a value of the wrong type past the checks
+        raise ModelLoadError(f"{config_path} holds a value headroom cannot read ({type(e).__name__}: "
+                             f"{_one_line(e)}); restore the file from the model's original repository") from e
     store_config(model_dir, config)
     return config
 
@@ -78,18 +101,24 @@ def _derive(model_dir: Path, config_path: Path) -> ModelConfig:
     # config class fills the rest with the family's own defaults, so nothing is required.
     sparse = "text_config" in raw and not facts.text_config
     for name in REQUIRED_FIELDS if not sparse else ():
-        if text_raw.get(name) is None and not (name == "intermediate_size" and facts.moe == "all_routed"):
+        value = text_raw.get(name)
+        if name == "intermediate_size" and facts.moe == "all_routed":
+            continue  # every MLP routed: the experts' size is moe_intermediate_size
+        if value is None:
             raise ConfigFieldMissing(
                 f"{config_path} has no {where}{name!r}; it is required to build the model. "
                 "Restore the file from the model's original repository."
             )
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ModelLoadError(f"{config_path}: {where}{name} is {value!r}, not a positive whole number; "
+                                 "restore the file from the model's original repository")
 
     from transformers import AutoConfig  # deferred: importing transformers costs ~1 s
 
     try:
         hf = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
-    except (ValueError, KeyError, TypeError, OSError) as e:
-        raise ModelLoadError(f"transformers cannot read {config_path}: {e}") from e
+    except (ValueError, KeyError, TypeError, OSError, *_strict_errors()) as e:
+        raise ModelLoadError(f"transformers cannot read {config_path}: {_one_line(e)}") from e
     # A vision-language checkpoint: the language model's config, its head tied as the
     # outer config says (transformers ties by the outer one).
     tied = raw.get("tie_word_embeddings") if facts.text_config else None

@@ -56,7 +56,24 @@ def test_a_url_where_nothing_answers_fails_at_once(tmp_path):
     assert "chaos: waiting" not in result.output
 
 
-def test_a_hog_that_died_fails_the_run():
+@pytest.mark.timeout(120)
+def test_a_service_that_exits_before_it_is_ready_fails_at_once(tmp_path):
+    """Before, a started service that exited at once (a --model that names no model, a
+    bad --serve-arg) was waited for as a starting one, 15 minutes, the run printing
+    nothing but 'chaos: waiting'. Now the run ends as soon as the service has exited,
+    with its exit code and its log's last line."""
+    missing = tmp_path / "no-such-model"
+    result = invoke(["--model", str(missing), "--device", "cpu", "-n", "1", "--kills", "0", "--ooms", "0",
+                     "--workdir", str(tmp_path / "work")])
+    assert result.exit_code == 1, result.output
+    error = result.stderr.strip().splitlines()[-1]
+    assert error.startswith("headroom: error: chaos run: the started headroom serve exited with code 2 "
+                            "before it was ready; its log ends: headroom: error: model not found: "
+                            f"{missing}"), error
+    assert error.endswith(f"(log: {tmp_path / 'work' / 'serve.log'})"), error
+
+
+
     clean = ChaosReport(pages_leaked=0)
     assert clean.problems() == []
     died = ChaosReport(pages_leaked=0, hog_exit_code=1)

@@ -287,7 +287,7 @@ def run_chaos(opts: ChaosOptions, out=print) -> ChaosReport:  # type: ignore[no-
     try:
         with httpx.Client(base_url=url) as http:
             out(f"chaos: waiting for {url} (log: {service.log_path if service else 'not ours'})")
-            first = wait_ready(http, READY_TIMEOUT_S)
+            first = wait_ready(http, READY_TIMEOUT_S, service=service)
         seen_pids.add(first["worker_pid"])
         restarts_before = first.get("restarts", 0)
         token = opts.token
@@ -339,7 +339,7 @@ def run_chaos(opts: ChaosOptions, out=print) -> ChaosReport:  # type: ignore[no-
                 report.wrong.append(f"{o.texts[0]!r} != {reference[o.spec.key]!r}")
         _quiesce_and_count_pages(url, token, report)
         with httpx.Client(base_url=url) as http:
-            last = wait_ready(http, READY_TIMEOUT_S)
+            last = wait_ready(http, READY_TIMEOUT_S, service=service)
         seen_pids.add(last["worker_pid"])
         report.restarts = last.get("restarts", 0) - restarts_before
     finally:

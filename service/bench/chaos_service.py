@@ -97,6 +97,18 @@ class ChaosService:
         command = [sys.executable, "-m", "service.cli", "serve", *args]
         self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=env)
 
+    def exited(self) -> str | None:
+        """Why the service is gone, when it has exited (its code and its log's last line),
+        else None."""
+        code = self.proc.poll()
+        if code is None:
+            return None
+        self._log.flush()
+        lines = [line for line in self.log_path.read_text(errors="replace").splitlines() if line.strip()]
+        last = lines[-1].strip() if lines else "(empty)"
+        return (f"the started headroom serve exited with code {code} before it was ready; its log ends: "
+                f"{last} (log: {self.log_path})")
+
     def stop(self, timeout_s: float = 120.0) -> int | None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -118,10 +130,20 @@ def health(http: httpx.Client) -> dict | None:
         return None
 
 
-def wait_ready(http: httpx.Client, timeout_s: float, other_than: int | None = None) -> dict:
-    """The health report once ready (with a worker pid other than ``other_than``)."""
+def wait_ready(http: httpx.Client, timeout_s: float, other_than: int | None = None,
+               service: ChaosService | None = None) -> dict:
+    """The health report once ready (with a worker pid other than ``other_than``).
+
+    Raises:
+        RuntimeError: not ready within ``timeout_s``, or ``service`` (the one the run
+            started) exited meanwhile: a bad ``--model`` or ``--serve-arg`` is not
+            waited for as a slow start (the message gives its exit code and log line).
+    """
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        gone = service.exited() if service is not None else None
+        if gone is not None:
+            raise RuntimeError(gone)
         h = health(http)
         if h and not h.get("_not_ready") and h.get("worker_pid") not in (None, other_than):
             return h

@@ -42,10 +42,17 @@ def test_options_of_a_running_service_need_its_url(args, flag):
         "and fault folder in --workdir)")
 
 
-def test_a_url_where_nothing_answers_fails_at_once(tmp_path):
+def test_a_url_where_nothing_answers_fails_at_once(tmp_path, monkeypatch):
     """A service the run did not start must answer now: it is not waited for 15 minutes
-    as a starting one is; a root that is no service's (404) is named."""
+    as a starting one is; a root that is no service's (404) is named. No folder is left
+    behind: before, each such run left an empty headroom-chaos-* folder in the temp
+    folder (the started service's workdir, made for a run that starts none)."""
     import socket
+    import tempfile
+
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -54,6 +61,7 @@ def test_a_url_where_nothing_answers_fails_at_once(tmp_path):
     assert result.exit_code != 0, result.output
     assert f"cannot reach http://127.0.0.1:{port}" in result.output
     assert "chaos: waiting" not in result.output
+    assert list(temp.iterdir()) == []
 
 
 @pytest.mark.timeout(120)

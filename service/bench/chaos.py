@@ -270,15 +270,21 @@ def _count_faults(faults_dir: Path | None, suffix: str) -> int:
     return len(list(faults_dir.glob(f"*{suffix}")))
 
 
-def run_chaos(opts: ChaosOptions, out=print) -> ChaosReport:  # type: ignore[no-untyped-def]
-    """Run the chaos run of ``opts`` and return its figures (printed with ``out``)."""
+def _workdir(opts: ChaosOptions) -> Path:
+    """The started service's folder: ``--workdir``, else a new one in the temp folder
+    (made only for a run that starts a service: a ``--url`` run leaves none behind)."""
     workdir = opts.workdir or Path(tempfile.mkdtemp(prefix="headroom-chaos-"))
     workdir.mkdir(parents=True, exist_ok=True)
+    return workdir
+
+
+def run_chaos(opts: ChaosOptions, out=print) -> ChaosReport:  # type: ignore[no-untyped-def]
+    """Run the chaos run of ``opts`` and return its figures (printed with ``out``)."""
     rng = random.Random(opts.seed)
     report = ChaosReport()
     if opts.url:
         reach(opts.url)  # a service not ours must answer now: it is not waited for as one starting
-    service = None if opts.url else ChaosService(opts, workdir)
+    service = None if opts.url else ChaosService(opts, _workdir(opts))
     url = opts.url or service.url  # type: ignore[union-attr]
     faults_dir = service.faults_dir if service else opts.faults_dir
     hog = None

@@ -341,3 +341,24 @@ def test_a_conversion_without_its_tokenizer_names_the_folder_to_delete(tiny_gguf
     shutil.rmtree(folder)  # as the message says
     assert invoke(["plan", "--model", str(tiny_gguf)]).exit_code == 0
     assert (folder / "tokenizer.json").is_file()
+
+
+@pytest.mark.timeout(300)
+def test_serve_refuses_a_cache_folder_it_cannot_write_before_starting(tiny_gguf, tmp_path, monkeypatch):
+    """A GGUF not converted yet, with HEADROOM_CACHE_DIR a file (or a folder that cannot
+    be written): plan refused it at once, but serve opened its port, started its worker
+    and exited 1 only when the worker failed to write the conversion, after a screen of
+    log. Now serve refuses it before starting, in plan's words, and writes nothing."""
+    cache = tmp_path / "cache-is-a-file"
+    cache.write_text("x")
+    monkeypatch.setenv("HEADROOM_CACHE_DIR", str(cache))
+    monkeypatch.setenv("HEADROOM_RUNTIME_DIR", str(tmp_path / "runtime"))
+    expected = (f"headroom: error: cannot load the model: cannot write the conversion of {tiny_gguf.name} under "
+                f"{cache / 'models'} ([Errno 20] Not a directory: '{cache / 'models'}'); point HEADROOM_CACHE_DIR "
+                "at a writable folder")
+    for command in (["plan"], ["serve", "--port", "0"]):
+        result = invoke([*command, "--model", str(tiny_gguf)])
+        assert result.exit_code == 2, (command, result.output)
+        assert result.stderr.strip() == expected, (command, result.output)
+        assert "listening" not in result.output
+    assert cache.read_text() == "x"

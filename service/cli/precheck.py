@@ -56,7 +56,8 @@ def check_model_before_loading(model: str | None, *, tokenizer: bool, convert: b
     A GGUF not converted yet is converted (its metadata, once) with ``convert`` (the
     commands that import torch anyway: plan, generate, bench engine); serve, which never
     imports torch, reads its tensor table only (a file shorter than its last tensor's
-    end is refused) and leaves the rest to its worker, which refuses it in one log line.
+    end is refused), checks the cache folder the conversion goes to can be written, and
+    leaves the rest to its worker, which refuses it in one log line.
     """
     check_model_path(model)
     from engine.common.load_errors import ModelLoadError
@@ -78,6 +79,7 @@ def check_model_before_loading(model: str | None, *, tokenizer: bool, convert: b
         if not (folder / "config.json").is_file():
             if gguf is not None:  # not converted yet: its tensor table read, a short file refused
                 open_tensors(gguf)
+                _check_writable(folder.parent, gguf)  # where the worker will write the conversion
             return
         if tokenizer:
             from engine.text.tokenizer import check_tokenizer_files
@@ -89,6 +91,27 @@ def check_model_before_loading(model: str | None, *, tokenizer: bool, convert: b
         check_weights_on_disk(folder, load_model_config(folder), gguf)
     except (ModelLoadError, FileNotFoundError) as exc:
         fail(f"cannot load the model: {exc}", EXIT_USAGE)
+
+
+def _check_writable(store: Path, gguf: Path) -> None:
+    """Refuse a conversion folder (``HEADROOM_CACHE_DIR``'s ``models``) the worker could
+    not write, before serve opens its port: a file in its place, a read-only disk. It
+    creates the folder, as the conversion would, and a probe folder it removes again.
+
+    Raises:
+        ModelLoadError: the folder cannot be created or written, in the conversion's words
+            (:func:`engine.loader.gguf_convert.convert_gguf`).
+    """
+    import tempfile
+
+    from engine.common.load_errors import ModelLoadError
+
+    try:
+        store.mkdir(parents=True, exist_ok=True)
+        os.rmdir(tempfile.mkdtemp(prefix=".write-check-", dir=store))
+    except OSError as e:
+        raise ModelLoadError(f"cannot write the conversion of {gguf.name} under {store} ({e}); "
+                             "point HEADROOM_CACHE_DIR at a writable folder") from e
 
 
 def visible_gpus() -> int | None:

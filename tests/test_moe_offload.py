@@ -266,3 +266,34 @@ def test_a_graphs_padding_rows_heat_no_expert():
     assert bus.routed.tolist() == [5.0, 2.0, 2.0, 1.0]
     rows.mark(100)  # an eager step: every row it has is live
     assert rows.weights.tolist() == [1.0] * len(rows.weights)
+
+
+def test_more_layers_move_to_host_memory_mid_run_and_the_ids_stay(tmp_path, make_tiny_hf_model):
+    """The measured plan's re-placement (engine.core.plan_stages, an auto placement the
+    profile run cannot fit; on CUDA in tests/gpu): between steps the experts of two more
+    MoE layers join the one in host memory, sharing its counters and live rows, and
+    greedy ids equal --cpu-experts none's."""
+    from engine.common.config import EngineConfig
+
+    make_tiny_hf_model("qwen3_moe", tmp_path, vocab_size=VOCAB, num_hidden_layers=4)  # MoE: 0, 2, 3
+
+    def greedy(cpu_experts: str, on_step=None):
+        return engine_greedy(EngineConfig(model=str(tmp_path), device="cpu", dtype="float32", device_total=8 << 30,
+                                          cpu_experts=cpu_experts, max_running_requests=4), _prompts(), 16, on_step)
+
+    def more(engine, step: int) -> None:
+        if step == 5:
+            with pytest.raises(ValueError, match="not more than 1 now and at most 3"):
+                engine._offload_more_experts(1)
+            engine._offload_more_experts(3)
+
+    moved, got = greedy("1", more)
+    _, ref = greedy("none")
+    assert got == ref
+    stores = moved.expert_stores
+    assert [s.layer_index for s in stores] == list(moved.model_config.moe_layers) == [0, 2, 3]
+    assert moved.knobs.cpu_experts == "3"
+    assert all(s.live_rows is stores[0].live_rows and s.counters is moved.expert_counters for s in stores)
+    assert [s.num_slots for s in stores[:2]] == [0, 0]  # the moved layers' slots come from the next plan
+    stats = moved.stats()
+    assert stats.expert_cache_misses == stats.expert_copies + stats.expert_cpu_runs + stats.expert_bus_reads > 0

@@ -151,3 +151,28 @@ def test_the_auto_placement_keeps_a_margin_for_what_a_profile_may_measure_more(t
     assert fewer.fits and _spare(fewer) < PLACEMENT_MARGIN_BYTES
     measured = dataclasses.replace(fp, activation_source="measured")
     assert make_plan(device, knobs, measured).cpu_expert_layers == host - 1
+
+
+def test_a_measured_footprint_above_the_estimates_places_more_experts_in_host_memory(tmp_path):
+    """What the engine's re-placement after its profile run reads (engine.core.plan_stages,
+    _fit_measured): the estimates' placement, priced by a footprint that measured more
+    than its margin above them (a Qwen3.6-35B-A3B-shape GGUF at --device-limit 12GiB on an
+    H100 measured the CUDA context 422 MiB and the decode graphs 452 MiB above the
+    estimates, and failed to start), does not fit; the auto placement by that footprint
+    keeps the fewest more layers' experts in host memory that fit."""
+    from engine.core.footprint import CUDA_RUNTIME_ESTIMATE_BYTES
+    from engine.memory.ledger import _spare
+
+    mc = _config(tmp_path)
+    knobs = PlanKnobs(cpu_experts="auto")
+    fp = make_footprint(mc, torch.bfloat16, knobs, gathers_context=False, runtime_bytes=CUDA_RUNTIME_ESTIMATE_BYTES)
+    device = simulated_device(12 * GiB)  # bfloat16 experts, 1.1 GiB a layer
+    placed = make_plan(device, knobs, fp)
+    host = placed.cpu_expert_layers
+    assert placed.fits and host > 0
+    measured = dataclasses.replace(fp, activation_source="measured", runtime_source="measured",
+                                   runtime_bytes=CUDA_RUNTIME_ESTIMATE_BYTES + (422 << 20),
+                                   cuda_graph_bytes=_spare(placed) - (422 << 20) + (600 << 20))
+    assert not make_plan(device, dataclasses.replace(knobs, cpu_experts=str(host)), measured).fits
+    again = make_plan(device, knobs, measured)
+    assert again.fits and again.cpu_expert_layers == host + 1

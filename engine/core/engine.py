@@ -157,7 +157,7 @@ class Engine(PlanStages, WeightsStage, GrammarWaits, LiveReplan, SplitReplan):
         # Profile run on a GPU: the measured step peak and the CUDA context replace the
         # estimates, and the plan is made again.
         if self.device_memory is not None and self.device.type == "cuda":
-            self.plan = self._fit_chunk(self._measured_plan)
+            self.plan = self._fit_measured()
             resize_cache(self.expert_stores, self.plan.expert_cache_slots)
         if self.plan is not None and self.plan.context_lowered:
             log.warning("%s; it grows back with the KV pool when memory frees up", self.plan.context_note)

@@ -11,6 +11,7 @@ engine's ``config``, ``model_config``, ``model``, ``device``, ``dtype``, ``kv_dt
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -18,6 +19,7 @@ import torch
 
 from engine.common.config import ModelConfig
 from engine.common.errors import PlanDoesNotFit
+from engine.common.units import fmt_bytes
 from engine.core.cuda_graphs import DecodeGraphs
 from engine.core.footprint import kv_bytes_per_token, kv_ring, kv_ring_page_bytes, make_footprint
 from engine.core.prefill_graphs import PrefillGraphs, backend_plans_on_host
@@ -277,7 +279,36 @@ class PlanStages:
             measured_sampler_bytes=sampler, runtime_bytes=runtime, cuda_graph_bytes=graph_bytes,
             weights=self.weight_size, gathers_context=backend_class(self.attention_backend).gathers_context,
         )
+        self._measured_footprint = fp
         return make_plan(self.device_memory, knobs, fp)
+
+
+    def _fit_measured(self) -> MemoryPlan:
+        """The plan from the profile run, fitted as :meth:`_fit_chunk` fits. Where it does
+        not fit and ``--cpu-experts auto`` placed the routed experts from estimates (the
+        CUDA context, the decode graphs and the activation peak measure more than they
+        priced), the fewest MoE layers' experts in host memory that the measured footprint
+        fits at the configured chunk are moved there first, then the plan is fitted again:
+        the placement the estimates would have made had they known, before a smaller
+        prefill chunk (as at start). Sets ``self.knobs``.
+
+        Raises:
+            PlanDoesNotFit: as :meth:`_fit_chunk`, when even that does not fit.
+        """
+        assert self.device_memory is not None
+        if self.config.cpu_experts == "auto" and self.tp is None and self.model_config.experts_offload:
+            plan = self._measured_plan(self.knobs)
+            if plan.fits:
+                return plan  # what _fit_chunk returns for a first plan that fits
+            auto = dataclasses.replace(self.knobs, cpu_experts="auto")
+            wanted = make_plan(self.device_memory, auto, self._measured_footprint).cpu_expert_layers
+            if wanted > len(self.expert_stores):
+                log.warning("the measured plan does not fit with the routed experts of %d MoE layers in host "
+                            "memory (%s short): moving those of %d there, as the estimates' placement would "
+                            "have", len(self.expert_stores), fmt_bytes(plan.shortfall_bytes), wanted)
+                self._offload_more_experts(wanted)
+                self._graph_bytes_measured = None  # the decode graphs now read those experts over the bus
+        return self._fit_chunk(self._measured_plan)
 
 
     def _runtime_bytes(self) -> int:

@@ -84,11 +84,10 @@ class WeightsStage:
                         "weight is in host memory already", config.cpu_experts, self.device)
         on_host = dict(load_format=config.load_format, quantized_gguf=self.quantized_gguf,
                        quantization=self.quantization, embeddings_in_blocks=self.device.type == "cpu")
-        # The measured plan keeps the layers where they were loaded.
-        self.knobs = dataclasses.replace(self.knobs, cpu_layers=str(self.cpu_layers))
+        # The measured plan prices the layers and experts where they were loaded (an auto
+        # placement it cannot fit moves more experts: PlanStages._fit_measured).
+        self.knobs = dataclasses.replace(self.knobs, cpu_layers=str(self.cpu_layers), cpu_experts=str(host_layers))
         if host_layers:
-            # The measured plan keeps the split the weights were loaded with.
-            self.knobs = dataclasses.replace(self.knobs, cpu_experts=str(host_layers))
             self.model, _ = load_model(self.model_dir, "cpu", self.dtype, **on_host,
                                        experts_in_blocks=self.device.type != "cpu")
             layers = mc.moe_layers[-host_layers:]
@@ -118,3 +117,24 @@ class WeightsStage:
         if self.quantized_gguf is not None and self.device.type == "cpu":
             pack_model_for_cpu(self.model, self.dtype, cpu_kernels())  # the block kernels are GPU kernels
             trim_host_heap()  # the freed blocks and file tables would stay resident
+
+    def _offload_more_experts(self, host_layers: int) -> None:
+        """Move the routed experts of the last ``host_layers`` MoE layers (those in host
+        memory already included) off the device, behind the expert cache with the layers
+        there before (their counters and live rows shared), and price them so in
+        ``knobs``. The measured plan's re-placement; between steps only.
+
+        Raises:
+            ValueError: ``host_layers`` is not more than the layers in host memory now.
+        """
+        loaded = len(self.expert_stores)
+        moe_layers = self.model_config.moe_layers
+        if not loaded < host_layers <= len(moe_layers):
+            raise ValueError(f"{host_layers} MoE layers' experts in host memory: not more than {loaded} now "
+                             f"and at most {len(moe_layers)}")
+        layers = tuple(moe_layers[-host_layers:len(moe_layers) - loaded])
+        like = self.expert_stores[0] if self.expert_stores else None
+        stores, self.expert_counters = offload_experts(self.model, layers, 0, device=self.device, like=like)
+        self.expert_stores = stores + self.expert_stores  # in layer order
+        self.knobs = dataclasses.replace(self.knobs, cpu_experts=str(host_layers))
+        trim_host_heap()

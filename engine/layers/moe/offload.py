@@ -27,7 +27,8 @@ log = logging.getLogger("headroom.engine")
 
 def offload_experts(model: nn.Module, layers: tuple[int, ...], slots_per_layer: int,
                     costs: CostModel | None = None, device: torch.device | None = None,
-                    cpu_kernels: bool = True) -> tuple[list[OffloadedExperts], ExpertCounters]:
+                    cpu_kernels: bool = True,
+                    like: OffloadedExperts | None = None) -> tuple[list[OffloadedExperts], ExpertCounters]:
     """Move the routed experts of decoder ``layers`` of ``model`` (a
     :class:`engine.models.decoder.CausalLM`) to the host tier, each with a cache of
     ``slots_per_layer`` slots on ``device`` (None: where the experts are now); ``costs``
@@ -39,7 +40,9 @@ def offload_experts(model: nn.Module, layers: tuple[int, ...], slots_per_layer: 
     CPU's share splits by are measured on the first such layer
     (:func:`~engine.layers.moe.share_step.measure_share_rates`) and logged. A
     model read into host memory and then moved to the device keeps the stores' tensors
-    where they are (plain attributes).
+    where they are (plain attributes). ``like``, a store of layers offloaded before,
+    makes these layers share its counters, cost model, live rows and share rates (more
+    layers of one model moved off the device: a step marks one live-row count for all).
 
     Returns:
         (the offloaded layers' stores, their shared counters).
@@ -48,10 +51,11 @@ def offload_experts(model: nn.Module, layers: tuple[int, ...], slots_per_layer: 
         ValueError: a layer in ``layers`` is not a mixture-of-experts layer, or its
             experts are already offloaded.
     """
-    counters = ExpertCounters()
+    counters = ExpertCounters() if like is None else like.counters
     stores = []
-    live_rows = None
-    rates: ShareRates | None = None
+    live_rows = None if like is None else like.live_rows
+    rates: ShareRates | None = None if like is None else like.share_rates
+    costs = costs if like is None else like.costs
     for i in layers:
         mlp = model.model.layers[i].mlp
         if not hasattr(mlp, "experts"):

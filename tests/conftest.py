@@ -314,12 +314,12 @@ def _tiny_hf_config(kind: str, vocab_size: int, overrides: dict):
         # 4 value heads; partial rotary; the MoE one has a shared expert and layer 1 dense.
         extra = dict(num_experts=6, shared_expert_intermediate_size=48, norm_topk_prob=True,
                      mlp_only_layers=[1]) if kind == "qwen3_next" else dict(num_experts=0)
-        return transformers.Qwen3NextConfig(
-            **{**common, "num_hidden_layers": 4}, **moe, **extra, head_dim=16,
-            full_attention_interval=2, linear_num_key_heads=2, linear_num_value_heads=4,
-            linear_key_head_dim=16, linear_value_head_dim=24, linear_conv_kernel_dim=4,
-            partial_rotary_factor=0.5,
-        )
+        return transformers.Qwen3NextConfig(**{  # overrides may widen the linear layers' heads
+            **common, "num_hidden_layers": 4, **moe, **extra, "head_dim": 16,
+            "full_attention_interval": 2, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+            "linear_key_head_dim": 16, "linear_value_head_dim": 24, "linear_conv_kernel_dim": 4,
+            "partial_rotary_factor": 0.5, **overrides,
+        })
     if kind in ("gemma3", "gemma3_capped"):
         # Gemma 3: layers local, local, global, local, local, global over a window of 8;
         # the global RoPE scaled (linear, 8), the local one its own base; the attention

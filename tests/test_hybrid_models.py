@@ -181,3 +181,66 @@ def test_linear_attention_transient_is_priced_at_the_chunk(tmp_path):
     assert 3.9 < large / small < 4.1  # linear in the chunk
     knobs = PlanKnobs(max_prefill_tokens=8192, max_running_requests=1)
     assert estimate_activation_bytes(mc, torch.bfloat16, knobs) > large
+
+
+def test_a_small_card_lowers_the_running_requests_before_the_chunk(tmp_path):
+    """Qwen3.6-35B-A3B's 64 running requests hold about 4 GiB of states (and their
+    checkpoints): on a 6 GiB card no chunk fits them, every expert in host memory. The
+    plan takes the most running requests that fit at the configured chunk (a smaller
+    chunk would stream the host experts through the GPU 8 times as often); a dense
+    model's rule halves the chunk first."""
+    from engine.core.footprint import CUDA_RUNTIME_ESTIMATE_BYTES
+    from engine.memory.plan_fit import fit_plan
+
+    mc = load_model_config(write_shape("qwen3.6-35b-a3b", tmp_path))
+    device = simulated_device(6 * GiB)
+
+    def planner(k: PlanKnobs):
+        return make_plan(device, k, make_footprint(mc, torch.bfloat16, k, runtime_bytes=CUDA_RUNTIME_ESTIMATE_BYTES,
+                                                   gathers_context=False))
+
+    knobs = PlanKnobs(cpu_experts="auto")
+    assert not planner(knobs).fits
+    plan, fitted = fit_plan(planner, knobs, fewer_requests=True, fewer_requests_first=True)
+    assert plan.fits and plan.cpu_expert_layers == 40 and fitted.max_prefill_tokens == knobs.max_prefill_tokens
+    assert 1 <= fitted.max_running_requests < knobs.max_running_requests
+    assert not planner(PlanKnobs(cpu_experts="auto", max_running_requests=fitted.max_running_requests + 1)).fits
+    assert f"{fitted.max_running_requests} requests + 1 null slot" in plan.table()
+    dense_rule, halved = fit_plan(planner, knobs, fewer_requests=True)
+    assert dense_rule.fits and halved.max_prefill_tokens < knobs.max_prefill_tokens
+
+
+def test_an_engine_on_a_card_too_small_for_64_states_runs_fewer_requests(tmp_path, make_tiny_hf_model):
+    """A tiny Qwen3-Next with wide linear-attention heads (a state of over 512 KiB a request) on
+    a simulated card that holds the plan with 64 running requests' states less 48 of
+    them: with --max-running-requests unset the engine starts with the most that fit
+    (logged, reported in its info) and three requests decode as on a large card; 64
+    typed is refused, naming the number that fits."""
+    from model_checks import engine_greedy
+
+    from engine.commands.plan import build_plan
+    from engine.common.errors import PlanDoesNotFit
+
+    make_tiny_hf_model("qwen3_next", tmp_path, vocab_size=256, linear_num_value_heads=16, linear_value_head_dim=64,
+                       linear_key_head_dim=64)
+    per_request = state_bytes_per_request(load_model_config(tmp_path), torch.float32)
+    assert per_request >= 512 << 10
+
+    def config(total: int, requests: int | None = None) -> EngineConfig:
+        return EngineConfig(model=str(tmp_path), device="cpu", dtype="float32", device_total=total,
+                            max_running_requests=requests)
+
+    low, high = 256 << 20, 4 << 30  # the smallest card (to 1 MiB) whose plan holds 64 requests
+    while high - low > 1 << 20:
+        mid = (low + high) // 2
+        low, high = (low, mid) if build_plan(config(mid, 64)).fits else (mid, high)
+    card = high - 48 * per_request
+    prompts = {k: [(7 * i + n) % 250 + 3 for i in range(n)] for k, n in (("a", 9), ("b", 17), ("c", 5))}
+    small, got = engine_greedy(config(card), prompts, 12)
+    _, ref = engine_greedy(config(high), prompts, 12)
+    assert got == ref
+    assert 3 <= small.knobs.max_running_requests < 64
+    assert small.info.max_running_requests == small.knobs.max_running_requests == small.states.max_requests
+    assert small.scheduler.max_running_requests == small.knobs.max_running_requests
+    with pytest.raises(PlanDoesNotFit, match="--max-running-requests 64 →"):
+        Engine(config(card, 64))

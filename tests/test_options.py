@@ -11,7 +11,7 @@ import pytest
 
 from engine.common.config import EngineConfig
 from engine.common.options import at_least, option, option_named, options_of, pick
-from engine.memory.plan import PlanKnobs, prefill_chunk
+from engine.memory.plan import RUNNING_REQUESTS, PlanKnobs, prefill_chunk
 from engine.scheduler.scheduler import SchedulerConfig
 
 
@@ -70,6 +70,10 @@ def test_plan_knobs_and_scheduler_config_take_the_engine_names_and_defaults():
     for f in dataclasses.fields(PlanKnobs):
         if f.name == "max_prefill_tokens":  # unset in the config: the plan takes the device's chunk
             assert config_fields[f.name].default is None and f.default == prefill_chunk("cuda")
+            continue
+        if f.name == "max_running_requests":  # unset: RUNNING_REQUESTS, or as many as the card holds
+            assert config_fields[f.name].default is None and f.default == RUNNING_REQUESTS
+            assert PlanKnobs.of(EngineConfig(max_running_requests=3)).max_running_requests == 3
             continue
         assert config_fields[f.name].default == f.default, f.name
     assert PlanKnobs.of(EngineConfig(device="cpu")).max_prefill_tokens == prefill_chunk("cpu") < prefill_chunk("cuda")

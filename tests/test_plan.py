@@ -14,8 +14,9 @@ from engine.common.errors import PlanDoesNotFit
 from engine.layers.attention.registry import register_backend
 from engine.layers.attention.torch_backend import TorchAttentionBackend
 from engine.memory.device import simulated_device
-from engine.memory.ledger import fit_plan, make_plan
+from engine.memory.ledger import make_plan
 from engine.memory.plan import Footprint, GiB, MiB, PlanKnobs, fmt_bytes, reserve_for
+from engine.memory.plan_fit import fit_plan
 
 FLAG_TO_KNOB = {
     "--max-prefill-tokens": "max_prefill_tokens",
@@ -232,8 +233,15 @@ def test_fit_plan_halves_the_chunk_only_to_reach_the_floor():
     # Plenty at 2048 for the floor, not for the whole context: the chunk stays.
     plan, knobs = fit_plan(planner_for(28_672 + 4000), base)
     assert plan.fits and plan.context_lowered and knobs.max_prefill_tokens == 2048
-    # Nothing fits even at the smallest chunk: the plan at the configured chunk comes back.
-    plan, knobs = fit_plan(planner_for(1000), base)
+    # Not even at the smallest chunk: the most running requests that fit there (their
+    # sampler rows freed), the last resort.
+    planner = planner_for(1000)
+    plan, knobs = fit_plan(planner, base, fewer_requests=True)
+    assert plan.fits and knobs.max_prefill_tokens == 256 and 1 <= knobs.max_running_requests < base.max_running_requests
+    assert not planner(dataclasses.replace(knobs, max_running_requests=knobs.max_running_requests + 1)).fits
+    assert not fit_plan(planner, base)[0].fits  # a number of requests a person gave is not lowered
+    # Nothing fits even so: the plan at the configured knobs comes back.
+    plan, knobs = fit_plan(planner_for(-100_000), base, fewer_requests=True)
     assert not plan.fits and knobs == base and plan.max_prefill_tokens == 2048
 
 

@@ -47,7 +47,7 @@ def worst_step_workload(engine: Engine) -> None:
     Raises:
         RuntimeError: the engine ran out of work before the ``B - 1`` requests decoded.
     """
-    b = engine.config.max_running_requests
+    b = engine.knobs.max_running_requests
     ctx = engine.max_context_tokens
     chunk = engine.knobs.max_prefill_tokens
     per_req = min(ctx, (engine.allocator.num_usable * engine.config.page_size) // b) - 64

@@ -29,8 +29,8 @@ from engine.loader.gguf_quant import gguf_weight_size
 from engine.loader.hf_config import load_model_config
 from engine.loader.resolve import resolve_model
 from engine.memory.kv_fit import usable_pages
-from engine.memory.ledger import fit_plan
 from engine.memory.plan import MemoryPlan, PlanKnobs
+from engine.memory.plan_fit import fit_plan
 from engine.parallel.split import rank_model_config
 
 
@@ -110,7 +110,8 @@ def plan_with_pool(config: EngineConfig) -> tuple[MemoryPlan, FixedPool | None]:
     memory = device_memory(config, device)
     assert memory is not None
     planner = estimated_planner(config, mc, device, dtype, memory, weights=weights)
-    plan, _ = fit_plan(planner, PlanKnobs.of(config, device.type))
+    plan, _ = fit_plan(planner, PlanKnobs.of(config, device.type), fewer_requests=config.max_running_requests is None,
+                       fewer_requests_first=mc.is_hybrid)
     if fixed_setting(config) is None:
         return plan, None
     return with_fixed_pool(planner, config, mc, dtype, plan)

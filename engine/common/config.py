@@ -274,8 +274,10 @@ class EngineConfig(KernelOptions):
         "unset: the model's context, or what the KV cache holds.",
         checks=(at_least(2),),
     )
-    max_running_requests: int = option(
-        64, "Most requests decoded together.", checks=(at_least(1),)
+    max_running_requests: int | None = option(
+        None, "Most requests decoded together; unset: 64, or fewer where the card cannot hold 64 (lowered "
+        "before the prefill chunk for a hybrid model, whose requests each hold a state; after it for others).",
+        checks=(at_least(1),)
     )
     max_prefill_tokens: int | None = option(
         None, "Most prompt tokens per prefill step (the chunk of chunked prefill); unset: 2048 on a GPU, "

@@ -250,7 +250,7 @@ class Engine(PlanStages, WeightsStage, GrammarWaits, LiveReplan, SplitReplan):
             parameter_count=parameter_count(mc),
             weight_format=quantized_format(self.model),
             max_prefill_tokens=self.knobs.max_prefill_tokens,
-            max_running_requests=config.max_running_requests,
+            max_running_requests=self.knobs.max_running_requests,
             plan=self.plan,
             kv_cache_dtype=kv_dtype_name(self.kv_dtype),
             kv_bytes_per_token=kv_bytes_per_token(mc, self.kv_dtype, ring),

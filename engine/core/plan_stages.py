@@ -31,8 +31,9 @@ from engine.layers.attention.registry import backend_class, model_attention
 from engine.layers.moe.offload import before_forward, can_capture_decode
 from engine.memory.fixed_pool import FixedPoolSize, short_pool_warning, unplanned_pool
 from engine.memory.kv_fit import RingPrice, RingRule
-from engine.memory.ledger import fit_plan, make_plan
+from engine.memory.ledger import make_plan
 from engine.memory.plan import MemoryPlan, PlanKnobs
+from engine.memory.plan_fit import fit_plan
 
 log = logging.getLogger("headroom.engine")
 
@@ -50,7 +51,7 @@ class PlanStages:
 
     def _workspaces(self) -> tuple[tuple[str, int], ...]:
         """Fixed workspaces declared by the components, charged before the pool is sized."""
-        return attention_workspaces(self.attention_backend, self.model_config, self.config.max_running_requests)
+        return attention_workspaces(self.attention_backend, self.model_config, self.knobs.max_running_requests)
 
 
     def _kv_pool(self, num_pages: int, ring_pages: int | None = None) -> KVPool:
@@ -122,7 +123,7 @@ class PlanStages:
 
     def _attention(self, pool: KVPool):
         mc = self.model_config
-        return model_attention(self.attention_backend, pool, mc, self.config.max_running_requests)
+        return model_attention(self.attention_backend, pool, mc, self.knobs.max_running_requests)
 
 
     _graph_bytes_measured: int | None = None
@@ -170,7 +171,7 @@ class PlanStages:
 
     @property
     def _cuda_graph_max_batch(self) -> int:
-        return min(self.config.cuda_graph_max_batch, self.config.max_running_requests)
+        return min(self.config.cuda_graph_max_batch, self.knobs.max_running_requests)
 
 
     def _measure_cuda_graphs(self, model_ctx: int, probe_pool: KVPool) -> int:
@@ -216,19 +217,25 @@ class PlanStages:
 
 
     def _fit_chunk(self, planner) -> MemoryPlan:
-        """Plan with ``self.knobs`` as :func:`engine.memory.ledger.fit_plan` does: the
+        """Plan with ``self.knobs`` as :func:`engine.memory.plan_fit.fit_plan` does: the
         context lowered to what the pool holds, down to ``--min-context``, and the
-        prefill chunk halved only when even that floor does not fit; sets ``self.knobs``
-        to what fits.
+        prefill chunk halved or the running requests lowered (a hybrid model's first)
+        only when even that floor does not fit; sets ``self.knobs`` to what fits.
 
         Raises:
             PlanDoesNotFit: with the plan at the configured chunk, whose message names
                 what to change.
         """
-        plan, knobs = fit_plan(planner, self.knobs)
+        plan, knobs = fit_plan(planner, self.knobs, fewer_requests=self.config.max_running_requests is None,
+                               fewer_requests_first=self.model_config.is_hybrid)
         if not plan.fits:
             log.warning("the memory plan that does not fit:\n%s", plan.table())  # which line took the card
             raise PlanDoesNotFit(plan)
+        if knobs.max_running_requests < self.knobs.max_running_requests:
+            log.warning("the plan holds %d running requests, not %d (--max-running-requests unset): the card cannot "
+                        "hold more%s; the others wait their turn", knobs.max_running_requests,
+                        self.knobs.max_running_requests,
+                        " and their linear-attention states" if self.model_config.is_hybrid else "")
         self.knobs = knobs
         return plan
 

@@ -123,7 +123,7 @@ class SplitReplan:
         lib = cpu_kernels() if self.quantized_gguf is not None else None
         if cpu_layers > before:
             layers_to_host(self.model, cpu_layers - before, self.pool, lib, kv_cache_dtype=self.config.kv_cache_dtype,
-                           page_size=self.config.page_size, max_batch=self.config.max_running_requests)
+                           page_size=self.config.page_size, max_batch=self.knobs.max_running_requests)
         else:
             layers_to_device(self.model, before - cpu_layers, self.pool, self.device, self.dtype, lib)
         after = cpu_layer_count(self.model)

@@ -31,7 +31,7 @@ from engine.loader.weight_size import WeightSize, fp8_weight_size, weight_bytes
 from engine.memory.device import nvml_index, probe_nvml, simulated_device
 from engine.memory.host import host_memory
 from engine.memory.ledger import make_plan
-from engine.memory.plan import DeviceMemory, MemoryPlan, PlanKnobs
+from engine.memory.plan import DeviceMemory, MemoryPlan, PlanKnobs, running_requests
 from kernels.switches import KernelSwitches, configure
 
 log = logging.getLogger(__name__)
@@ -243,7 +243,7 @@ def estimated_planner(
     backend = resolve_backend_name(config.attention_backend, device.type, windows=bool(mc.kv_windows),
                                    softcap=bool(mc.attn_logit_softcapping), sinks=mc.attention_sinks,
                                    kv_cache_dtype=config.kv_cache_dtype)
-    workspaces = attention_workspaces(backend, mc, config.max_running_requests)
+    workspaces = attention_workspaces(backend, mc, running_requests(config))
     gathers = backend_class(backend).gathers_context
 
     def plan(knobs: PlanKnobs) -> MemoryPlan:

@@ -106,7 +106,7 @@ class WeightsStage:
             self.model, _ = load_model(self.model_dir, "cpu", self.dtype, **on_host)
             lib = cpu_kernels() if self.quantized_gguf is not None else None  # the GGUF blocks' C kernels
             split_model(self.model, self.cpu_layers, self.device, lib, kv_cache_dtype=config.kv_cache_dtype,
-                        page_size=config.page_size, max_batch=config.max_running_requests,
+                        page_size=config.page_size, max_batch=self.knobs.max_running_requests,
                         keep_file_form=config.cpu_layers == "auto")  # the split may move back up
             if self.device.type == "cuda":
                 repack_model_for_kernels(self.model)  # the device part's blocks, once on the device

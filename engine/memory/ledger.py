@@ -8,7 +8,6 @@ it gives up. Torch-free."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import replace
 
 import msgspec
@@ -337,33 +336,6 @@ def _ledger_at(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint, host_layer
         tensor_parallel_size=knobs.tensor_parallel_size,
         kv_heads=fp.kv_heads,
     )
-
-
-def fit_plan(planner: Callable[[PlanKnobs], MemoryPlan], knobs: PlanKnobs) -> tuple[MemoryPlan, PlanKnobs]:
-    """Plan with ``knobs``; when that cannot hold one request of ``--min-context``,
-    halve the prefill chunk (floor ``MIN_PREFILL_TOKENS``) until it can. A plan that fits
-    with a lowered context keeps its chunk: a smaller chunk slows every prompt's prefill
-    and frees little where the context-long terms of the activation peak dominate,
-    while a lowered context only refuses the longest prompts, and grows back with the
-    pool.
-
-    Returns:
-        (the plan, the knobs it was made with). When nothing fits, the plan at the
-        configured knobs (``fits`` False: its message prices the fixes) and ``knobs``.
-    """
-    if knobs.cpu_layers == "auto":
-        # A smaller prefill chunk costs less than layers on the CPU: tried first, unsplit.
-        plan, tried = fit_plan(planner, replace(knobs, cpu_layers="0"))
-        if plan.fits:
-            return plan, tried
-    first = plan = planner(knobs)
-    tried = knobs
-    while not plan.fits and tried.max_prefill_tokens > MIN_PREFILL_TOKENS:
-        tried = replace(tried, max_prefill_tokens=max(tried.max_prefill_tokens // 2, MIN_PREFILL_TOKENS))
-        plan = planner(tried)
-    if not plan.fits:
-        return first, knobs
-    return plan, tried
 
 
 def _flag(name: str) -> str:

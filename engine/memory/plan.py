@@ -121,6 +121,16 @@ def prefill_chunk(device_type: str) -> int:
     return PREFILL_CHUNK_CPU if device_type == "cpu" else PREFILL_CHUNK_GPU
 
 
+# The running requests where --max-running-requests is unset: this many, or as many as the
+# card holds (engine.memory.plan_fit lowers them; a number a person gave is not lowered).
+RUNNING_REQUESTS = 64
+
+
+def running_requests(config: EngineConfig) -> int:
+    """``config``'s ``--max-running-requests``, :data:`RUNNING_REQUESTS` where unset."""
+    return RUNNING_REQUESTS if config.max_running_requests is None else config.max_running_requests
+
+
 @dataclass(frozen=True)
 class PlanKnobs:
     """Settings that move the plan: the options of :class:`EngineConfig` of the same
@@ -135,7 +145,7 @@ class PlanKnobs:
 
     page_size: int = EngineConfig.page_size
     max_prefill_tokens: int = PREFILL_CHUNK_GPU
-    max_running_requests: int = EngineConfig.max_running_requests
+    max_running_requests: int = RUNNING_REQUESTS
     max_model_len: int | None = EngineConfig.max_model_len
     min_context: int | None = EngineConfig.min_context
     reserve: int | None = EngineConfig.reserve
@@ -167,7 +177,7 @@ class PlanKnobs:
             device_type = device_type or ("cpu" if config.device == "cpu" else "cuda")
             # A simulated card (--device-total) plans as the GPU it stands for.
             chunk = prefill_chunk("cuda" if config.device_total is not None else device_type)
-        return pick(config, cls, max_prefill_tokens=chunk)
+        return pick(config, cls, max_prefill_tokens=chunk, max_running_requests=running_requests(config))
 
 
 

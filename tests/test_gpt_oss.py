@@ -136,11 +136,13 @@ def test_decode_is_captured_with_its_experts(pair):
     from dataclasses import replace
 
     from engine.core.plan_stages import PlanStages
+    from engine.memory.plan import PlanKnobs
 
     config = pair[3]
     stages = PlanStages.__new__(PlanStages)
     stages.config, stages.device, stages.tp, stages.expert_stores = EngineConfig(), torch.device("cuda"), None, {}
     stages.attention_backend, stages.cpu_layers = "triton", 0
+    stages.knobs = PlanKnobs.of(stages.config)
     stages.model_config = replace(config, expert_bias=False, swiglu_limit=0.0)
     assert stages._use_cuda_graphs
     stages.model_config = config

@@ -64,12 +64,11 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         UnsupportedArchitecture: ``architectures[0]`` is not one headroom runs (the
             message lists the supported ones).
         ConfigFieldMissing: a required field is absent (the message names it).
-        ModelLoadError: a required field is no positive whole number (named), or another
-            value transformers or headroom cannot read (wrong type, heads that do not
-            divide the hidden size).
         UnsupportedConfig: a variant headroom does not implement (RoPE scaling type,
             sliding window, activation, MLP bias, partial rotary).
-        ModelLoadError: the JSON is unreadable or transformers rejects it.
+        ModelLoadError: the JSON is unreadable or transformers rejects it; a required
+            field is no positive whole number (named), or another value transformers or
+            headroom cannot read (wrong type, heads that do not divide the hidden size).
 
     The facts are cached by the config files' bytes (:mod:`engine.loader.config_cache`):
     a later call, in this process or another, reads them without transformers.

@@ -218,7 +218,7 @@ def test_an_engine_on_a_card_too_small_for_64_states_runs_fewer_requests(tmp_pat
     typed is refused, naming the number that fits."""
     from model_checks import engine_greedy
 
-    from engine.commands.plan import build_plan
+    from engine.commands.plan import build_plan, render
     from engine.common.errors import PlanDoesNotFit
 
     make_tiny_hf_model("qwen3_next", tmp_path, vocab_size=256, linear_num_value_heads=16, linear_value_head_dim=64,
@@ -242,5 +242,7 @@ def test_an_engine_on_a_card_too_small_for_64_states_runs_fewer_requests(tmp_pat
     assert 3 <= small.knobs.max_running_requests < 64
     assert small.info.max_running_requests == small.knobs.max_running_requests == small.states.max_requests
     assert small.scheduler.max_running_requests == small.knobs.max_running_requests
+    # headroom plan says what the engine does.
+    assert f"running requests: {small.knobs.max_running_requests} at most" in render(build_plan(config(card)), False)
     with pytest.raises(PlanDoesNotFit, match="--max-running-requests 64 →"):
         Engine(config(card, 64))

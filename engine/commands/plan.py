@@ -30,7 +30,7 @@ from engine.loader.hf_config import load_model_config
 from engine.loader.resolve import resolve_model
 from engine.memory.kv_fit import usable_pages
 from engine.memory.plan import MemoryPlan, PlanKnobs
-from engine.memory.plan_fit import fit_plan
+from engine.memory.plan_fit import fit_model_plan
 from engine.parallel.split import rank_model_config
 
 
@@ -71,7 +71,7 @@ def planned_setup(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
 def build_plan(config: EngineConfig) -> MemoryPlan:
     """The plan the engine would start from for ``config``, with the same decisions: the
     prefill chunk lowered, then the context lowered down to ``--min-context``
-    (:func:`engine.memory.ledger.fit_plan`); a plan that does not fit even so is returned
+    (:func:`engine.memory.plan_fit.fit_model_plan`); a plan that does not fit even so is returned
     with ``fits`` False. A KV pool fixed by ``--num-pages`` or ``--kv-cache`` is priced
     as the engine runs it (:func:`plan_with_pool`).
 
@@ -110,8 +110,7 @@ def plan_with_pool(config: EngineConfig) -> tuple[MemoryPlan, FixedPool | None]:
     memory = device_memory(config, device)
     assert memory is not None
     planner = estimated_planner(config, mc, device, dtype, memory, weights=weights)
-    plan, _ = fit_plan(planner, PlanKnobs.of(config, device.type), fewer_requests=config.max_running_requests is None,
-                       fewer_requests_first=mc.is_hybrid)
+    plan, _ = fit_model_plan(planner, PlanKnobs.of(config, device.type), config, mc)
     if fixed_setting(config) is None:
         return plan, None
     return with_fixed_pool(planner, config, mc, dtype, plan)

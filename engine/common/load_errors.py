@@ -39,3 +39,10 @@ class WeightMismatch(ModelLoadError):
 
 class UnsupportedGGUFType(ModelLoadError):
     """A GGUF tensor is stored in a type the converter cannot dequantize."""
+
+
+def cache_not_writable(gguf_name: str, folder: object, error: OSError) -> ModelLoadError:
+    """The error for a GGUF's conversion folder (under ``HEADROOM_CACHE_DIR``) that cannot
+    be created or written, naming the fix: the conversion's and serve's precheck alike."""
+    return ModelLoadError(f"cannot write the conversion of {gguf_name} under {folder} ({error}); "
+                          "point HEADROOM_CACHE_DIR at a writable folder")

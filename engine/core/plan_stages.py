@@ -33,7 +33,7 @@ from engine.memory.fixed_pool import FixedPoolSize, short_pool_warning, unplanne
 from engine.memory.kv_fit import RingPrice, RingRule
 from engine.memory.ledger import make_plan
 from engine.memory.plan import MemoryPlan, PlanKnobs
-from engine.memory.plan_fit import fit_plan
+from engine.memory.plan_fit import fit_model_plan
 
 log = logging.getLogger("headroom.engine")
 
@@ -226,8 +226,7 @@ class PlanStages:
             PlanDoesNotFit: with the plan at the configured chunk, whose message names
                 what to change.
         """
-        plan, knobs = fit_plan(planner, self.knobs, fewer_requests=self.config.max_running_requests is None,
-                               fewer_requests_first=self.model_config.is_hybrid)
+        plan, knobs = fit_model_plan(planner, self.knobs, self.config, self.model_config)
         if not plan.fits:
             log.warning("the memory plan that does not fit:\n%s", plan.table())  # which line took the card
             raise PlanDoesNotFit(plan)
@@ -303,19 +302,20 @@ class PlanStages:
             PlanDoesNotFit: as :meth:`_fit_chunk`, when even that does not fit.
         """
         assert self.device_memory is not None
+        planner = self._measured_plan
         if self.config.cpu_experts == "auto" and self.tp is None and self.model_config.experts_offload:
-            plan = self._measured_plan(self.knobs)
-            if plan.fits:
-                return plan  # what _fit_chunk returns for a first plan that fits
-            auto = dataclasses.replace(self.knobs, cpu_experts="auto")
-            wanted = make_plan(self.device_memory, auto, self._measured_footprint).cpu_expert_layers
+            first, knobs = self._measured_plan(self.knobs), self.knobs
+            auto = dataclasses.replace(knobs, cpu_experts="auto")
+            wanted = 0 if first.fits else make_plan(self.device_memory, auto, self._measured_footprint).cpu_expert_layers
             if wanted > len(self.expert_stores):
                 log.warning("the measured plan does not fit with the routed experts of %d MoE layers in host "
                             "memory (%s short): moving those of %d there, as the estimates' placement would "
-                            "have", len(self.expert_stores), fmt_bytes(plan.shortfall_bytes), wanted)
+                            "have", len(self.expert_stores), fmt_bytes(first.shortfall_bytes), wanted)
                 self._offload_more_experts(wanted)
                 self._graph_bytes_measured = None  # the decode graphs now read those experts over the bus
-        return self._fit_chunk(self._measured_plan)
+            else:  # the placement stays: the step measured at these knobs is not run again
+                planner = lambda k: first if k == knobs else self._measured_plan(k)  # noqa: E731
+        return self._fit_chunk(planner)
 
 
     def _runtime_bytes(self) -> int:

@@ -37,7 +37,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from engine.common.load_errors import ModelLoadError, ModelNotFound
+from engine.common.load_errors import ModelLoadError, ModelNotFound, cache_not_writable
 from engine.loader.default_model import read_gguf_source, record_gguf_source, remove_stale_partials
 from engine.loader.gguf_config import ROPE_FREQS, field, read_checked, sampling_fields
 from engine.loader.gguf_hf_tensors import converted_tensors
@@ -90,8 +90,7 @@ def convert_gguf(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     except OSError as e:
-        raise ModelLoadError(f"cannot write the conversion of {gguf_path.name} under {out_dir.parent} ({e}); "
-                             "point HEADROOM_CACHE_DIR at a writable folder") from e
+        raise cache_not_writable(gguf_path.name, out_dir.parent, e) from e
     try:
         if weights:
             _write_weights(reader, gguf_path, gguf_arch, hf_config, tmp, dtype)

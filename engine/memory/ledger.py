@@ -28,6 +28,7 @@ from engine.memory.plan import (
     reserve_for,
     safety_margin_for,
 )
+from engine.memory.plan_fit import most_requests_that_fit
 
 
 def make_plan(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint) -> MemoryPlan:
@@ -357,13 +358,10 @@ def _suggest(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint, plan: Memory
         for smaller in (max(chunk // 4, MIN_PREFILL_TOKENS), max(chunk // 2, MIN_PREFILL_TOKENS)):
             candidates.append((_flag("max_prefill_tokens"), str(chunk), str(smaller), replace(knobs, max_prefill_tokens=smaller)))
     running = knobs.max_running_requests
-    if running > 1:  # a quarter, and the most that fit unsplit (what fits only falls as requests rise)
-        low, high, unsplit = 0, running - 1, "0" if knobs.cpu_layers == "auto" else knobs.cpu_layers
-        while low < high:
-            mid = (low + high + 1) // 2
-            fits = _ledger(device, replace(knobs, max_running_requests=mid, cpu_layers=unsplit), fp).fits
-            low, high = (mid, high) if fits else (low, mid - 1)
-        for fewer in {max(running // 4, 1), low} - {0}:
+    if running > 1:  # a quarter, and the most that fit unsplit
+        unsplit = "0" if knobs.cpu_layers == "auto" else knobs.cpu_layers
+        most = most_requests_that_fit(lambda k: _ledger(device, replace(k, cpu_layers=unsplit), fp), knobs)
+        for fewer in {max(running // 4, 1)} | ({most[1].max_running_requests} if most else set()):
             candidates.append((_flag("max_running_requests"), str(running), str(fewer), replace(knobs, max_running_requests=fewer)))
     ctx = plan.min_context_tokens
     if ctx > 512:

@@ -13,7 +13,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
+from engine.common.config import EngineConfig, ModelConfig
 from engine.memory.plan import MIN_PREFILL_TOKENS, MemoryPlan, PlanKnobs
+
+
+def fit_model_plan(planner: Callable[[PlanKnobs], MemoryPlan], knobs: PlanKnobs, config: EngineConfig,
+                   mc: ModelConfig) -> tuple[MemoryPlan, PlanKnobs]:
+    """:func:`fit_plan` with the rules ``config`` and the model give: running requests
+    lowered only where ``--max-running-requests`` is unset, and first for a hybrid
+    model (the engine and ``headroom plan`` alike)."""
+    return fit_plan(planner, knobs, fewer_requests=config.max_running_requests is None,
+                    fewer_requests_first=mc.is_hybrid)
 
 
 def fit_plan(planner: Callable[[PlanKnobs], MemoryPlan], knobs: PlanKnobs, fewer_requests: bool = False,
@@ -42,7 +52,7 @@ def fit_plan(planner: Callable[[PlanKnobs], MemoryPlan], knobs: PlanKnobs, fewer
     if plan.fits:
         return plan, knobs
     if fewer_requests and fewer_requests_first and (fewer := most_requests_that_fit(planner, knobs)) is not None:
-        return planner(fewer), fewer
+        return fewer
     tried = knobs
     while not plan.fits and tried.max_prefill_tokens > MIN_PREFILL_TOKENS:
         tried = replace(tried, max_prefill_tokens=max(tried.max_prefill_tokens // 2, MIN_PREFILL_TOKENS))
@@ -50,18 +60,27 @@ def fit_plan(planner: Callable[[PlanKnobs], MemoryPlan], knobs: PlanKnobs, fewer
     if plan.fits:
         return plan, tried
     if fewer_requests and (fewer := most_requests_that_fit(planner, tried)) is not None:
-        return planner(fewer), fewer
+        return fewer
     return first, knobs
 
 
-def most_requests_that_fit(planner: Callable[[PlanKnobs], MemoryPlan], knobs: PlanKnobs) -> PlanKnobs | None:
-    """``knobs`` with the most running requests below ``knobs.max_running_requests`` whose
-    plan fits (what fits only falls as requests rise: a binary search), None when even
-    one request does not."""
-    if knobs.max_running_requests <= 1 or not planner(replace(knobs, max_running_requests=1)).fits:
+def most_requests_that_fit(planner: Callable[[PlanKnobs], MemoryPlan],
+                           knobs: PlanKnobs) -> tuple[MemoryPlan, PlanKnobs] | None:
+    """The plan and ``knobs`` with the most running requests below
+    ``knobs.max_running_requests`` that fit (what fits only falls as requests rise: a
+    binary search), None when even one request does not."""
+    if knobs.max_running_requests <= 1:
         return None
-    low, high = 1, knobs.max_running_requests - 1
-    while low < high:
-        mid = (low + high + 1) // 2
-        low, high = (mid, high) if planner(replace(knobs, max_running_requests=mid)).fits else (low, mid - 1)
-    return replace(knobs, max_running_requests=low)
+    best = replace(knobs, max_running_requests=1)
+    best_plan = planner(best)
+    if not best_plan.fits:
+        return None
+    high = knobs.max_running_requests - 1
+    while best.max_running_requests < high:
+        mid = replace(knobs, max_running_requests=(best.max_running_requests + high + 1) // 2)
+        plan = planner(mid)
+        if plan.fits:
+            best, best_plan = mid, plan
+        else:
+            high = mid.max_running_requests - 1
+    return best_plan, best

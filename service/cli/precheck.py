@@ -100,18 +100,17 @@ def _check_writable(store: Path, gguf: Path) -> None:
 
     Raises:
         ModelLoadError: the folder cannot be created or written, in the conversion's words
-            (:func:`engine.loader.gguf_convert.convert_gguf`).
+            (:func:`engine.common.load_errors.cache_not_writable`).
     """
     import tempfile
 
-    from engine.common.load_errors import ModelLoadError
+    from engine.common.load_errors import cache_not_writable
 
     try:
         store.mkdir(parents=True, exist_ok=True)
         os.rmdir(tempfile.mkdtemp(prefix=".write-check-", dir=store))
     except OSError as e:
-        raise ModelLoadError(f"cannot write the conversion of {gguf.name} under {store} ({e}); "
-                             "point HEADROOM_CACHE_DIR at a writable folder") from e
+        raise cache_not_writable(gguf.name, store, e) from e
 
 
 def visible_gpus() -> int | None:

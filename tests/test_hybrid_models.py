@@ -210,6 +210,43 @@ def test_a_small_card_lowers_the_running_requests_before_the_chunk(tmp_path):
     assert dense_rule.fits and halved.max_prefill_tokens < knobs.max_prefill_tokens
 
 
+@pytest.mark.parametrize("card_gib", [8, 12])
+def test_a_hybrid_s_states_take_at_most_an_eighth_of_the_budget(tmp_path, card_gib):
+    """With --max-running-requests unset, Qwen3.6-35B-A3B's state pool takes at most an
+    eighth of the budget (at least 4 requests): the room 64 states took goes to experts on
+    the device and context, and the plan says why it runs fewer; a number typed is kept."""
+    from engine.core.footprint import CUDA_RUNTIME_ESTIMATE_BYTES
+    from engine.memory.plan_fit import (
+        STATE_BUDGET_SHARE,
+        STATE_FLOOR_REQUESTS,
+        fit_model_plan,
+        requests_for_states,
+    )
+
+    mc = load_model_config(write_shape("qwen3.6-35b-a3b", tmp_path))
+
+    def planner_of(gib: int):
+        device = simulated_device(gib * GiB)
+        return lambda k: make_plan(device, k, make_footprint(mc, torch.bfloat16, k, gathers_context=False,
+                                                             runtime_bytes=CUDA_RUNTIME_ESTIMATE_BYTES))
+
+    def states(plan, n: int) -> int:
+        return (n + 1 + min(n, 8)) * plan.state_bytes_per_request
+
+    knobs, planner = PlanKnobs(cpu_experts="auto"), planner_of(card_gib)
+    plan, fitted = fit_model_plan(planner, knobs, EngineConfig(), mc)
+    typed, kept = fit_model_plan(planner_of(24), knobs, EngineConfig(max_running_requests=64), mc)
+    auto24, _ = fit_model_plan(planner_of(24), knobs, EngineConfig(), mc)
+    n = fitted.max_running_requests
+    assert plan.fits and 4 < n < 64 and f"{n} requests + 1 null slot" in plan.table()
+    assert states(plan, n) <= plan.budget_bytes // STATE_BUDGET_SHARE < states(plan, n + 1)
+    assert plan.requests_note.startswith("not 64: the linear-attention states take at most 1/8 of the budget")
+    assert kept.max_running_requests == 64 and typed.requests_note == ""
+    assert auto24.cpu_expert_layers < typed.cpu_expert_layers  # the states' room holds experts
+    # Never below llama-server's 4 slots, where a card fits them at all.
+    assert requests_for_states(planner_of(3), knobs).max_running_requests == STATE_FLOOR_REQUESTS
+
+
 def test_an_engine_on_a_card_too_small_for_64_states_runs_fewer_requests(tmp_path, make_tiny_hf_model):
     """A tiny Qwen3-Next with wide linear-attention heads (a state of over 512 KiB a request) on
     a simulated card that holds the plan with 64 running requests' states less 48 of

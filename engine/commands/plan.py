@@ -133,7 +133,8 @@ def render(plan: MemoryPlan, as_json: bool, setup: str = "", fixed: FixedPool | 
         per = " per rank" if plan.tensor_parallel_size > 1 else ""
         body += f"\nKV cache: {plan.kv_bytes_per_token:,} bytes per token{per} ({plan.kv_cache_dtype})"
     if plan.fits:  # where --max-running-requests is unset, what the card holds (engine.memory.plan_fit)
-        body += f"\nrunning requests: {plan.max_running_requests} at most"
+        body += f"\nrunning requests: {plan.max_running_requests} at most" + (
+            f" ({plan.requests_note})" if plan.requests_note else "")
     if fixed is not None:
         body += f"\nwarning: {fixed.warning}" if fixed.warning else ""
         return f"{head}{body}\nfits: yes" if plan.fits else f"{head}{body}\nfits: no\n\n{fixed.message(plan)}"

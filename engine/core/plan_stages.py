@@ -230,11 +230,9 @@ class PlanStages:
         if not plan.fits:
             log.warning("the memory plan that does not fit:\n%s", plan.table())  # which line took the card
             raise PlanDoesNotFit(plan)
-        if knobs.max_running_requests < self.knobs.max_running_requests:
-            log.warning("the plan holds %d running requests, not %d (--max-running-requests unset): the card cannot "
-                        "hold more%s; the others wait their turn", knobs.max_running_requests,
-                        self.knobs.max_running_requests,
-                        " and their linear-attention states" if self.model_config.is_hybrid else "")
+        if knobs.max_running_requests < self.knobs.max_running_requests and plan.requests_note:
+            log.warning("the plan holds %d running requests, %s; the others wait their turn",
+                        knobs.max_running_requests, plan.requests_note)
         self.knobs = knobs
         return plan
 

@@ -329,6 +329,7 @@ def _ledger_at(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint, host_layer
         suggestions=[],
         max_prefill_tokens=knobs.max_prefill_tokens,
         max_running_requests=knobs.max_running_requests,
+        state_bytes_per_request=fp.state_bytes_per_request,
         wanted_context_tokens=model_ctx,
         context_note=note,
         cpu_expert_layers=host_layers,

@@ -352,6 +352,11 @@ class MemoryPlan(msgspec.Struct, frozen=True, kw_only=True):
     # and KV in host memory; split_note prices it in words ("" without a split).
     cpu_layers: int = 0
     split_note: str = ""
+    # A hybrid model's recurrent and conv states of one request (0 for others), and why
+    # the running requests are fewer than --max-running-requests' default ("not 64: the
+    # card cannot hold more; ..."; "" when they are not lowered).
+    state_bytes_per_request: int = 0
+    requests_note: str = ""
 
     def after_resize(self, num_pages: int, kv_pool_bytes: int, max_context_tokens: int, reason: str) -> MemoryPlan:
         """This plan once the KV pool was resized while serving to ``num_pages`` usable

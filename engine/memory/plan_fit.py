@@ -6,6 +6,10 @@ number of requests), whose fixes the misfit message names.
 A hybrid model's running requests each hold a recurrent state (tens of MiB for a
 Qwen3.5/3.6 MoE: 64 of them take about 4 GiB), so on a small card they are lowered
 before the chunk; a dense model's cost only their sampler rows, and are lowered last.
+Where ``--max-running-requests`` is unset, a hybrid model's states also take at most
+an eighth of the budget (:func:`requests_for_states`): on a 12 GiB card 64 states
+would take the room of eight layers' experts, which every request's decode reads,
+for concurrency a desktop rarely has.
 """
 
 from __future__ import annotations
@@ -13,17 +17,57 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
+import msgspec
+
 from engine.common.config import EngineConfig, ModelConfig
-from engine.memory.plan import MIN_PREFILL_TOKENS, MemoryPlan, PlanKnobs
+from engine.memory.plan import MIN_PREFILL_TOKENS, MemoryPlan, PlanKnobs, running_requests
+
+# Unless --max-running-requests says otherwise, a hybrid model's state pool (its requests'
+# states, the null slot, the prefix cache's checkpoints) takes at most 1/STATE_BUDGET_SHARE
+# of the budget, and holds at least STATE_FLOOR_REQUESTS requests (llama-server's default
+# of parallel slots) where the card fits them.
+STATE_BUDGET_SHARE = 8
+STATE_FLOOR_REQUESTS = 4
 
 
 def fit_model_plan(planner: Callable[[PlanKnobs], MemoryPlan], knobs: PlanKnobs, config: EngineConfig,
                    mc: ModelConfig) -> tuple[MemoryPlan, PlanKnobs]:
     """:func:`fit_plan` with the rules ``config`` and the model give: running requests
-    lowered only where ``--max-running-requests`` is unset, and first for a hybrid
-    model (the engine and ``headroom plan`` alike)."""
-    return fit_plan(planner, knobs, fewer_requests=config.max_running_requests is None,
-                    fewer_requests_first=mc.is_hybrid)
+    lowered only where ``--max-running-requests`` is unset, and then for a hybrid model
+    first, from at most :func:`requests_for_states` (the engine and ``headroom plan``
+    alike). The plan's ``requests_note`` says why its running requests are fewer than
+    ``--max-running-requests``' default."""
+    auto = config.max_running_requests is None
+    if auto and mc.is_hybrid:
+        knobs = requests_for_states(planner, knobs)
+    plan, fitted = fit_plan(planner, knobs, fewer_requests=auto, fewer_requests_first=mc.is_hybrid)
+    asked = running_requests(config)
+    if not auto or not plan.fits or fitted.max_running_requests >= asked:
+        return plan, fitted
+    shared = mc.is_hybrid and fitted.max_running_requests == requests_for_states(
+        planner, replace(knobs, max_running_requests=asked)).max_running_requests
+    why = (f"the linear-attention states take at most 1/{STATE_BUDGET_SHARE} of the budget" if shared else
+           "the card cannot hold more" + (" and their linear-attention states" if mc.is_hybrid else ""))
+    note = f"not {asked}: {why}; --max-running-requests N sets the number"
+    return msgspec.structs.replace(plan, requests_note=note), fitted
+
+
+def requests_for_states(planner: Callable[[PlanKnobs], MemoryPlan], knobs: PlanKnobs) -> PlanKnobs:
+    """``knobs`` with the most running requests, up to ``knobs.max_running_requests``,
+    whose state pool (each request's state, the null slot and the prefix cache's
+    checkpoints, :attr:`PlanKnobs.state_checkpoints`) takes at most
+    1/:data:`STATE_BUDGET_SHARE` of the plan's budget, and never fewer than
+    :data:`STATE_FLOOR_REQUESTS`. Unchanged for a model without states."""
+    plan = planner(knobs)
+    per = plan.state_bytes_per_request
+    share = max(plan.budget_bytes, 0) // STATE_BUDGET_SHARE
+    n = knobs.max_running_requests
+    while per and n > STATE_FLOOR_REQUESTS:
+        tried = replace(knobs, max_running_requests=n)
+        if (n + 1 + tried.state_checkpoints) * per <= share:
+            break
+        n -= 1
+    return replace(knobs, max_running_requests=n)
 
 
 def fit_plan(planner: Callable[[PlanKnobs], MemoryPlan], knobs: PlanKnobs, fewer_requests: bool = False,

@@ -23,7 +23,7 @@ from engine.core.grammar_waits import GrammarWaits
 from engine.core.live_replan import LiveReplan
 from engine.core.outputs import keep_logprobs, token_output
 from engine.core.plan_stages import PlanStages
-from engine.core.profile import measure_step_peak
+from engine.core.profile import measure_step_peak, warm_up_fresh_prompts
 from engine.core.runner import ModelRunner
 from engine.core.settings_fit import check_for_model
 from engine.core.split_replan import SplitReplan
@@ -171,13 +171,15 @@ class Engine(PlanStages, WeightsStage, GrammarWaits, LiveReplan, SplitReplan):
             ring_pages = tp.min_int(self._ring_pool_pages(num_pages))
         self.pool = self._kv_pool(num_pages, ring_pages)
         # Attention backend, and on a GPU one warm-up step at the plan's largest size, so
-        # the step-size buffers sit in the allocator's cache before any request arrives.
+        # the step-size buffers sit in the allocator's cache before any request arrives,
+        # and a fresh prompt's shapes, so their kernels compile before it does.
         self.attn = self._attention(self.pool)
         if self.plan is not None and self.device.type == "cuda":
             measure_step_peak(
                 self.model, self.attn, self.pool, self.knobs, mc.max_position_embeddings,
                 vocab_size=self.vocab_size,
             )
+            warm_up_fresh_prompts(self.model, self.attn, self.pool)
         # Pages and prefix cache.
         self.allocator = PageAllocator(num_pages)
         # Live replans grow the pool back to the plan's size, or, when the plan lowered

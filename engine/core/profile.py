@@ -1,4 +1,5 @@
-"""The profile run: one dummy step at the largest size the plan admits, measured.
+"""The profile run: one dummy step at the largest size the plan admits, measured; and
+the warm-up of a fresh prompt's shapes (:func:`warm_up_fresh_prompts`).
 
 On CUDA, the allocator's peak statistics give the transient bytes of a step with
 ``max_prefill_tokens`` new tokens spread over ``max_running_requests`` sequences at the
@@ -138,9 +139,50 @@ def measure_step_peak(
     return StepPeak(forward_bytes=forward_bytes, sampler_bytes=sampler_bytes)
 
 
+# A fresh prompt's length for :func:`warm_up_fresh_prompts`: no power of two divides it
+# (Triton compiles an integer argument divisible by 16 apart from one that is not).
+WARM_UP_PROMPT_TOKENS = 37
+
+
+@torch.inference_mode()
+def warm_up_fresh_prompts(model: torch.nn.Module, attn: AttentionBackend, pool: KVPool) -> int:
+    """Run the prefill shapes a first request meets that the profile step does not, so
+    their kernels compile before the service is ready rather than in the first answers
+    (on an H100, a first start's first request of 61 tokens waited 17.5 s for them): a
+    fresh sequence of :data:`WARM_UP_PROMPT_TOKENS` tokens alone, and beside a decode row
+    (a new request joining one that decodes). The profile step's sequences all have a
+    prefix and its chunk a length divisible by 16; a fresh sequence takes other paths
+    (attention without a prefix, a linear-attention layer's zero initial state). Nothing
+    is sampled; the keys written go to pages no request holds yet, and a hybrid model's
+    states to a pool of its own, as in :func:`measure_step_peak`.
+
+    Returns:
+        The forwards run (2).
+    """
+    n = WARM_UP_PROMPT_TOKENS
+    runs = 0
+    for seqs in (1, 2):
+        batch = profile_batch(n + seqs - 1, seqs, n, pool.page_size, pool.num_pages, pool.device, pool.ring_pages)
+        bound = None
+        if model.config.is_hybrid:
+            from engine.kvcache.state_pool import StatePool
+
+            bound = model.states
+            model.bind_states(StatePool(model.config, seqs, pool.compute_dtype, pool.device))
+            batch.state_slots = torch.arange(1, seqs + 1)
+        host = getattr(model, "host_layers", None)
+        with host.device_only_steps() if host is not None else contextlib.nullcontext():
+            model(batch, attn)
+        if model.config.is_hybrid:
+            model.bind_states(bound)
+        runs += 1
+    return runs
+
+
 def profile_pool_pages(knobs: PlanKnobs) -> int:
     """Pages of the small pool the profile run writes into (the chunk's pages + null)."""
     return math.ceil(knobs.max_prefill_tokens / knobs.page_size) + 2
 
 
-__all__ = ["StepPeak", "measure_step_peak", "profile_batch", "profile_pool_pages", "model_context"]
+__all__ = ["StepPeak", "measure_step_peak", "profile_batch", "profile_pool_pages", "model_context",
+           "warm_up_fresh_prompts"]

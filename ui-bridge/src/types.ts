@@ -237,6 +237,8 @@ export interface MemoryPlan {
   kv_heads: number;
   cpu_layers: number;
   split_note: string;
+  state_bytes_per_request: number;
+  requests_note: string;
 }
 
 /**

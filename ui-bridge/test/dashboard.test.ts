@@ -51,6 +51,8 @@ describe("dashboard", () => {
       kv_heads: 3,
       cpu_layers: 0,
       split_note: "",
+      state_bytes_per_request: 0,
+      requests_note: "",
     };
     expect(planSummary(plan)).toBe(
       "NVIDIA RTX 4060: 216 pages × 16 tokens, max context 3456 tokens — context 8,192 -> 3,456 tokens: 1.10 GiB held by other processes",

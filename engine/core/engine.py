@@ -159,6 +159,8 @@ class Engine(PlanStages, WeightsStage, GrammarWaits, LiveReplan, SplitReplan):
         if self.device_memory is not None and self.device.type == "cuda":
             self.plan = self._fit_measured()
             resize_cache(self.expert_stores, self.plan.expert_cache_slots)
+            # Which lines take the card, as `headroom plan` prints them (measured now).
+            log.info("the memory plan on %s:\n%s", self.plan.device, self.plan.table())
         if self.plan is not None and self.plan.context_lowered:
             log.warning("%s; it grows back with the KV pool when memory frees up", self.plan.context_note)
         # KV pool.

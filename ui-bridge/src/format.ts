@@ -21,6 +21,7 @@ export function planSummary(plan: MemoryPlan): string {
   return (
     `${plan.device}: ${plan.num_pages} pages × ${plan.page_size} tokens, max context ${plan.max_context_tokens} tokens` +
     (plan.fits ? "" : ` — does not fit: ${formatBytes(plan.shortfall_bytes)} short`) +
-    (plan.context_note ? ` — ${plan.context_note}` : "")
+    (plan.context_note ? ` — ${plan.context_note}` : "") +
+    (plan.requests_note ? ` — ${plan.max_running_requests} running requests, ${plan.requests_note}` : "")
   );
 }

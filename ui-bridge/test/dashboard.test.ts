@@ -39,7 +39,7 @@ describe("dashboard", () => {
     expect(short.headroom).toBe(0);
   });
 
-  it("the plan's summary carries the note when fit-the-card lowered the context", () => {
+  it("the plan's summary carries the notes when fit-the-card lowered the context or the running requests", () => {
     const plan: MemoryPlan = {
       device: "NVIDIA RTX 4060", simulated: false, ledger: [], budget_bytes: 7 * GiB, fixed_bytes: 5 * GiB,
       kv_pool_bytes: GiB, num_pages: 216, kv_ring_pages: 0, page_size: 16, max_context_tokens: 3456, min_context_tokens: 2048,
@@ -59,6 +59,10 @@ describe("dashboard", () => {
     );
     expect(planSummary({ ...plan, max_context_tokens: 8192, context_note: "" })).toBe(
       "NVIDIA RTX 4060: 216 pages × 16 tokens, max context 8192 tokens",
+    );
+    const note = "not 64: the linear-attention states take at most 1/8 of the budget; --max-running-requests N sets the number";
+    expect(planSummary({ ...plan, max_context_tokens: 8192, context_note: "", requests_note: note })).toBe(
+      `NVIDIA RTX 4060: 216 pages × 16 tokens, max context 8192 tokens — 8 running requests, ${note}`,
     );
   });
 });

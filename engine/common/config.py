@@ -275,8 +275,8 @@ class EngineConfig(KernelOptions):
         checks=(at_least(2),),
     )
     max_running_requests: int | None = option(
-        None, "Most requests decoded together; unset: 64, or fewer where the card cannot hold 64 (lowered "
-        "before the prefill chunk for a hybrid model, whose requests each hold a state; after it for others).",
+        None, "Most requests decoded together; unset: 64, or fewer where the card cannot hold 64 (a hybrid "
+        "model's states take at most 1/8 of the budget, 4 requests at least, lowered before the chunk).",
         checks=(at_least(1),)
     )
     max_prefill_tokens: int | None = option(

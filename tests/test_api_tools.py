@@ -16,6 +16,7 @@ from engine.text.chat import ChatTemplateError, render_chat, template_has_tools
 from service.api.chat_output import ChatOutput
 from service.api.openai.schemas import ChatCompletionRequest
 from service.api.reasoning import ReasoningSplitter, split_reasoning
+from service.api.tool_checks import check_call_arguments
 from service.api.tools import (
     HARMONY,
     HERMES,
@@ -400,3 +401,43 @@ def test_json_nested_past_the_parser_s_depth_is_content_not_an_error():
         else:
             assert deep in content or nested_object in content, fmt
             assert calls == [], fmt
+
+
+NUMS = {"type": "function", "function": {"name": "f", "parameters": {
+    "type": "object", "properties": {"x": {"type": "number"}, "o": {"type": "object"}}}}}
+# Numbers no JSON carries: Python reads NaN and Infinity, and 1e999 (valid JSON text, past
+# a double's range) as infinity, and would write each back as NaN or Infinity.
+NOT_FINITE = ["1e999", "-8e6760956908", "NaN", "Infinity", "-Infinity"]
+
+
+@pytest.mark.parametrize("number", NOT_FINITE)
+@pytest.mark.parametrize("fmt", [HERMES, QWEN_XML, LLAMA3_JSON, MISTRAL, HARMONY])
+def test_a_call_with_a_number_json_cannot_carry_is_text_or_a_string(fmt, number):
+    """A random model's forced call wrote ``"x": -8e6760956908`` and the answer's
+    arguments were ``{"x": -Infinity}``: no JSON, refused by the server itself when the
+    call came back in the next turn. Now such a call is text (a call that does not
+    parse), or, in the XML format where a value that does not parse as its type stays
+    text, the number's text; every call's arguments are JSON this server takes back."""
+    body = f'{{"x": {number}}}'
+    answers = {
+        HERMES: f'<tool_call>\n{{"name": "f", "arguments": {body}}}\n</tool_call>',
+        QWEN_XML: f"<tool_call>\n<function=f>\n<parameter=x>\n{number}\n</parameter>\n</function>\n</tool_call>",
+        LLAMA3_JSON: f'{{"name": "f", "parameters": {body}}}',
+        MISTRAL: f"[TOOL_CALLS]f[ARGS]{body}",
+        HARMONY: f"<|channel|>commentary to=functions.f <|constrain|>json<|message|>{body}<|call|>",
+    }
+    text = answers[fmt]
+    content, calls = parse_tool_calls(fmt, text, [NUMS])
+    for call in calls:
+        check_call_arguments(call.arguments, "messages[1].tool_calls[0].function.arguments")
+        assert json.loads(call.arguments, parse_constant=lambda c: pytest.fail(c)) == {"x": number}
+    if not calls:
+        assert content == (body if fmt == HARMONY else text)
+    assert calls or fmt != QWEN_XML
+    # The XML's JSON body (a forced call) and a typed object parameter alike.
+    if fmt == QWEN_XML:
+        forced = f'<tool_call>\n{{"name": "f", "arguments": {body}}}\n</tool_call>'
+        assert parse_tool_calls(fmt, forced, [NUMS]) == (forced, [])
+        obj = f"<tool_call>\n<function=f>\n<parameter=o>\n{body}\n</parameter>\n</function>\n</tool_call>"
+        (call,) = parse_tool_calls(fmt, obj, [NUMS])[1]
+        assert json.loads(call.arguments) == {"o": body}

@@ -30,9 +30,10 @@ arguments are held until its body ends.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
+
+from service.api import finite_json
 
 START = "<|start|>"
 CHANNEL = "<|channel|>"
@@ -263,8 +264,8 @@ class HarmonyParser:
             return
         arguments = self._arguments.strip()
         try:
-            json.loads(arguments)
-        except (ValueError, RecursionError):  # RecursionError: nested past the reader's depth
+            finite_json.loads(arguments)
+        except (ValueError, RecursionError):  # NaN, 1e999 (finite_json); nested past the reader's depth
             content.append(self._arguments)  # not a call: what the model wrote
             return
         self.calls.append(HarmonyCall(self._recipient.removeprefix(_FUNCTIONS), arguments))

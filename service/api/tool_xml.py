@@ -15,7 +15,8 @@ A parameter's value is the text between its tags (the newline after the opening 
 the one before the closing tag are the format's, not the value's). Its type is the one
 the tool's JSON schema gives that parameter: a string stays text; a number, integer,
 boolean, null, object or array is read as JSON (the template writes objects and arrays
-with ``tojson``), and stays text where it does not parse. A parameter the schema does
+with ``tojson``), and stays text where it does not parse (``NaN``, ``1e999``:
+:mod:`service.api.finite_json`). A parameter the schema does
 not name stays text.
 """
 
@@ -24,6 +25,8 @@ from __future__ import annotations
 import json
 import re
 from typing import Any
+
+from service.api import finite_json
 
 FUNCTION_OPEN = "<function="
 PARAMETER_OPEN = "<parameter="
@@ -38,8 +41,8 @@ def _value(text: str, schema: dict[str, Any] | None) -> Any:
     if kind is None or kind == "string" or (isinstance(kind, list) and "string" in kind):
         return text
     try:
-        return json.loads(text)
-    except (ValueError, RecursionError):  # nested past the reader's depth: the text
+        return finite_json.loads(text)
+    except (ValueError, RecursionError):  # NaN, 1e999 (finite_json), nested past the reader's depth: the text
         return text
 
 

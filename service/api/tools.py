@@ -39,6 +39,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from service.api import finite_json
 from service.api.harmony import (
     CALL,
     call_opening,
@@ -117,8 +118,8 @@ def _json_prefix(text: str) -> tuple[Any, int] | None:
     """The JSON value at the start of ``text`` (after whitespace) and where it ends."""
     stripped = text.lstrip()
     try:
-        value, end = json.JSONDecoder().raw_decode(stripped)
-    except (ValueError, RecursionError):  # nested past the reader's depth: not a call
+        value, end = finite_json.DECODER.raw_decode(stripped)
+    except (ValueError, RecursionError):  # NaN, 1e999 (finite_json), or nested past the reader's depth: not a call
         return None
     return value, len(text) - len(stripped) + end
 

@@ -48,6 +48,7 @@ from service.api.harmony import (
     template_is_harmony,
 )
 from service.api.openai.messages import field_of, json_type
+from service.api.schema_refs import rebase
 from service.api.tool_checks import tool_choice_of, unknown_choice
 from service.api.tool_xml import FUNCTION_OPEN, PARAMETER_OPEN, parse_function
 from service.common.errors import INVALID_TYPE, invalid
@@ -301,7 +302,11 @@ def forced_call(fmt: str, tools: list[dict[str, Any]], name: str | None) -> tupl
     ``json_schema`` under grammar-constrained sampling, and ``suffix`` closes the call
     for the parser. Named: the prefix holds the name, the schema is the function's
     ``parameters``. ``required``: the schema is any one of the tools' calls (its name
-    and its arguments)."""
+    and its arguments), each tool's local ``$ref`` pointing where its parameters moved.
+
+    Raises:
+        RecursionError: parameters nested past Python's recursion depth.
+    """
     if fmt == HARMONY:
         name = name or tools[0]["function"]["name"]  # required: one tool (plan_tools)
         tool = next(t for t in tools if t["function"]["name"] == name)
@@ -311,14 +316,16 @@ def forced_call(fmt: str, tools: list[dict[str, Any]], name: str | None) -> tupl
         tool = next(t for t in tools if t["function"]["name"] == name)
         prefix = opening + json.dumps({"name": name})[:-1] + f', "{key}": '
         return prefix, json.dumps(_parameters(tool)), "}" + closing
+    # Each tool's parameters move under its call's arguments: their $refs follow.
+    at = [f"/properties/{key}"] if len(tools) == 1 else [f"/anyOf/{i}/properties/{key}" for i in range(len(tools))]
     calls = [
         {
             "type": "object",
-            "properties": {"name": {"const": t["function"]["name"]}, key: _parameters(t)},
+            "properties": {"name": {"const": t["function"]["name"]}, key: rebase(_parameters(t), pointer)},
             "required": ["name", key],
             "additionalProperties": False,
         }
-        for t in tools
+        for t, pointer in zip(tools, at, strict=True)
     ]
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
     return opening, json.dumps(schema), closing

@@ -195,6 +195,31 @@ def test_template_error_becomes_chat_template_error():
     assert info.value.param == "messages"
 
 
+@pytest.mark.parametrize("where", ["tools", "arguments", "template_kwargs"])
+def test_values_nested_past_the_renderer_s_depth_are_a_chat_template_error(smollm_tokenizer, where):
+    """A tool's parameters 800 objects deep (within the body decoder's limit) answered
+    500 ``internal error: RecursionError`` on every chat route (transformers copies the
+    template's data recursively, and Jinja's tojson recurses too); so did a past call's
+    arguments as an object and a chat_template_kwargs value. Now a ChatTemplateError
+    (a 400) saying to flatten it."""
+    deep: dict = {"type": "object"}
+    for _ in range(800):
+        deep = {"type": "object", "properties": {"a": deep}}
+    tool = {"type": "function", "function": {"name": "f", "parameters": deep if where == "tools" else {}}}
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": deep if where == "arguments" else {}}}
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c", "content": "ok"}]
+    kwargs = {"x": deep} if where == "template_kwargs" else None
+    original = smollm_tokenizer.chat_template
+    smollm_tokenizer.chat_template = "{{ tools | tojson }}{% for m in messages %}{{ m | tojson }}{% endfor %}{{ x | tojson }}"
+    try:
+        with pytest.raises(ChatTemplateError, match="nested too deeply") as info:
+            render_chat(smollm_tokenizer, messages, tools=[tool], template_kwargs=kwargs)
+    finally:
+        smollm_tokenizer.chat_template = original
+    assert info.value.param == "messages" and "flatten" in info.value.message
+
+
 def test_no_chat_template_points_to_completions():
     class PlainTokenizer:
         chat_template = None

@@ -110,8 +110,9 @@ def render_chat(
         ChatTemplateError: empty ``messages``, an unknown role, a tool role or
             ``tools`` with a template that has no tool support, content that is not
             text, a reserved name in
-            ``template_kwargs``, or a template that refuses the conversation (e.g.
-            roles out of the order it requires).
+            ``template_kwargs``, a template that refuses the conversation (e.g.
+            roles out of the order it requires), or a value nested past Python's
+            recursion depth as the template's data.
     """
     if not getattr(tokenizer, "chat_template", None):
         raise NoChatTemplate(f"{NO_CHAT_TEMPLATE}: use /v1/completions or /api/generate, which take a raw prompt")
@@ -135,6 +136,13 @@ def render_chat(
         prompt = tokenizer.apply_chat_template(
             normalized, tokenize=False, add_generation_prompt=True, **extra
         )
+    except RecursionError:
+        # transformers copies the template's data recursively, and tojson recurses too.
+        raise ChatTemplateError(
+            "the model's chat template cannot render these messages: a value is nested too "
+            "deeply (a tool's parameters, a call's arguments or a chat_template_kwargs value); "
+            "flatten it"
+        ) from None
     except (TemplateError, TypeError, ValueError) as exc:
         # Jinja raises TypeError/ValueError too when a variable (a tool definition, a
         # chat_template_kwargs value) is not of the shape the template expects.

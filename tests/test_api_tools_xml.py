@@ -123,3 +123,29 @@ def test_the_template_renders_tools_calls_and_the_thinking_switch(smollm_tokeniz
         assert prompt.endswith("<think>\n")
         off = render_chat(tokenizer, messages[:1], template_kwargs={"enable_thinking": False})
         assert off.endswith("<think>\n\n</think>\n\n")
+
+
+# As Pydantic writes a tool's parameters: a nested model behind a $ref, Optional[...]
+# as anyOf with null, an enum behind a $ref, a string union that stays text.
+BOOK = {"type": "function", "function": {"name": "book", "parameters": {
+    "$defs": {"Place": {"type": "object", "properties": {"city": {"type": "string"}}},
+              "Seat": {"enum": [1, 2]}, "Name": {"type": "string"}},
+    "type": "object",
+    "properties": {"to": {"$ref": "#/$defs/Place"}, "n": {"anyOf": [{"type": "integer"}, {"type": "null"}]},
+                   "seat": {"$ref": "#/$defs/Seat"}, "who": {"$ref": "#/$defs/Name"},
+                   "s": {"anyOf": [{"type": "string"}, {"type": "integer"}]},
+                   "all": {"allOf": [{"$ref": "#/$defs/Place"}]}, "odd": {"$ref": "#/$defs/Nowhere"},
+                   "loop": {"$ref": "#/properties/loop"}}}}}
+
+
+def test_xml_values_behind_refs_and_unions_are_typed_too():
+    """A Pydantic tool's ``to: Place`` and ``n: int | None`` came back as the strings
+    ``'{"city": "Oslo"}'`` and ``'5'`` (a schema without ``type`` was taken as text),
+    which the client's model then refused. Now ``$ref``, ``anyOf``/``oneOf``/``allOf``
+    and ``enum`` give the type; a union with string, or a schema no type comes from, text."""
+    values = {"to": '{"city": "Oslo"}', "n": "5", "seat": "2", "who": "42", "s": "7", "all": '{"city": "Rome"}',
+              "odd": "[1]", "loop": "3"}
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in values.items())
+    _, calls = parse_tool_calls(QWEN_XML, f"<tool_call>\n<function=book>\n{body}</function>\n</tool_call>", [BOOK])
+    assert _names_args(calls) == [("book", {"to": {"city": "Oslo"}, "n": 5, "seat": 2, "who": "42", "s": "7",
+                                            "all": {"city": "Rome"}, "odd": "[1]", "loop": "3"})]

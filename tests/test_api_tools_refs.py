@@ -12,6 +12,7 @@ from test_api_tools import WEATHER
 
 from engine.sampling.grammar import _JSON_OPTIONS
 from service.api.tools import HERMES, LLAMA3_JSON, MISTRAL, QWEN_XML, plan_tools
+from service.common.errors import APIError
 
 PLACE = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 # As Pydantic writes a tool's parameters (the openai SDK's pydantic_function_tool):
@@ -41,3 +42,16 @@ def test_a_required_call_to_a_tool_with_refs_keeps_what_they_point_at(fmt, tools
     assert not valid({"name": "book", key: {"to": {"town": "Oslo"}}})
     assert not valid({"name": "book", key: {"to": {"city": "Oslo"}, "via": [{"city": 1}]}})
     assert BOOK["function"]["parameters"]["properties"]["to"] == {"$ref": "#/$defs/Place"}  # the request's own, as sent
+
+
+def test_a_forced_call_to_parameters_nested_past_the_copy_s_depth_is_a_400():
+    """The body decoder takes JSON a few frames deeper than the forced call's copy of the
+    parameters reaches under a server's stack: that call is a 400 naming ``tools``, not
+    a 500 RecursionError."""
+    deep = {"type": "string"}
+    for _ in range(600):
+        deep = {"type": "object", "properties": {"a": deep}}
+    tool = {"type": "function", "function": {"name": "f", "parameters": deep}}
+    with pytest.raises(APIError) as err:
+        plan_tools([tool], "required", "{{ tools }}<tool_call>", True)
+    assert err.value.status == 400 and err.value.param == "tools" and "nested too deeply" in str(err.value)

@@ -363,7 +363,8 @@ def plan_tools(
             call header cannot carry; each ``tools[i]`` refusal's message starts with
             the field (Ollama's error shape has no ``param``); 400 ``tool_choice`` for
             a value :func:`service.api.tool_checks.tool_choice_of` refuses (one of the
-            wrong JSON type, ``5``: ``invalid_type``, tools or not).
+            wrong JSON type, ``5``: ``invalid_type``, tools or not); 400 ``tools``
+            (``too_deep``) for a forced call's parameters nested past the copy's depth.
     """
     if not tools:
         if tool_choice not in (None, "none", "auto"):
@@ -419,5 +420,9 @@ def plan_tools(
             "one function in tool_choice",
             "tool_choice",
         )
-    prefix, schema, suffix = forced_call(fmt, tools, choice.name)  # required, or the function named
+    try:
+        prefix, schema, suffix = forced_call(fmt, tools, choice.name)  # required, or the function named
+    except RecursionError:  # the body decoder's depth is larger than the schema copy's
+        raise invalid("a tool's parameters are nested too deeply for a forced call; flatten them", "tools",
+                      code="too_deep") from None
     return ToolPlan(tools=tools, parse=fmt, prefix=prefix, schema=schema, suffix=suffix)

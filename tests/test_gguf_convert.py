@@ -379,3 +379,21 @@ def test_a_gguf_without_a_tokenizer_is_named(tmp_path, make_tiny_hf_model):
                                              r"tokenizer.ggml.tokens key\)"):
         convert_gguf(path, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_chat_template_that_does_not_parse_is_named(tmp_path, make_tiny_hf_model):
+    """A file whose tokenizer.chat_template does not parse (a cut download, a hand edit)
+    converted, and `headroom serve` answered ready, then every chat request a 400 that
+    blamed the request's messages. It is refused by name before anything is written,
+    saying what the template lacks and how to replace it."""
+    def tokenizer(writer):
+        add_byte_level_tokenizer(writer)
+        writer.kv_data[0].pop("tokenizer.chat_template", None)
+        writer.add_chat_template("{% for m in messages %}{{ m.content ")
+
+    path = tmp_path / "badtpl.gguf"
+    write_gguf(path, "qwen3", make_tiny_hf_model("qwen3", None, vocab_size=VOCAB), tokenizer=tokenizer)
+    with pytest.raises(ModelLoadError, match=r"badtpl.gguf: its chat template \(tokenizer.chat_template\) does "
+                                             r"not parse \(line 1: unexpected end of template.*gguf-new-metadata --chat-template-file"):
+        convert_gguf(path, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

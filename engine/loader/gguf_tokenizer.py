@@ -44,12 +44,15 @@ def check_tokenizer_keys(reader: gguf.GGUFReader, gguf_path: Path) -> None:
     """The file holds a tokenizer, and every ``tokenizer.ggml.*_token_id`` of
     :data:`SPECIAL_IDS` it holds names a token of its vocabulary.
 
+    Then its chat templates parse (:func:`check_chat_templates`).
+
     Raises:
         ModelLoadError: the file has no ``tokenizer.ggml.model`` or ``tokenizer.ggml.tokens``
             key (transformers says "Cannot build a tokenizer from a GGUF file stating
             tokenizer None"); a special-token id is negative or past the vocabulary
             (transformers fails on one with an IndexError, or takes a negative one as a
-            token counted from the end), naming the key and the command that sets it.
+            token counted from the end), naming the key and the command that sets it; a
+            chat template that does not parse.
     """
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     if tokens is None or reader.fields.get("tokenizer.ggml.model") is None:
@@ -66,6 +69,33 @@ def check_tokenizer_keys(reader: gguf.GGUFReader, gguf_path: Path) -> None:
                 f"{gguf_path}: {key} is {int(value.contents())}, outside its {vocab}-token vocabulary "
                 f"(0-{vocab - 1}); the file is damaged or mislabelled: download it again, or set the id "
                 f"with gguf-set-metadata {gguf_path} {key} ID")
+    check_chat_templates(reader, gguf_path)
+
+
+def check_chat_templates(reader: gguf.GGUFReader, gguf_path: Path) -> None:
+    """Every chat template the file holds (``tokenizer.chat_template``, and named ones as
+    ``tokenizer.chat_template.NAME``) parses as transformers compiles it, so a file whose
+    template was cut short is refused here, not answered 400 on every chat request.
+
+    Raises:
+        ModelLoadError: a template does not parse, naming the key, the line and Jinja's
+            reason, and how to replace it.
+    """
+    from jinja2 import TemplateError
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    for key, value in reader.fields.items():
+        if not key.startswith("tokenizer.chat_template") or key == "tokenizer.chat_templates":
+            continue
+        try:
+            _compile_jinja_template(str(value.contents()))
+        except TemplateError as e:
+            line = getattr(e, "lineno", None)
+            where = f"line {line}: " if line else ""
+            raise ModelLoadError(
+                f"{gguf_path}: its chat template ({key}) does not parse ({where}{e}); the file is damaged: "
+                f"download it again, or write the model's template in with gguf-new-metadata "
+                f"--chat-template-file chat_template.jinja {gguf_path} NEW.gguf") from e
 
 
 def special_tokens(reader: gguf.GGUFReader) -> dict[str, str]:

@@ -9,7 +9,9 @@ PYTHONPATH). Behaviour comes from the environment, which the spawned worker inhe
 - ``HEADROOM_FAKE_LOAD_S``: seconds each load takes (default 0), as a large model's;
   ``@PATH``: the seconds written in the file PATH, 0 while it does not exist (a test
   slows the loads after the first).
-- ``HEADROOM_FAKE_LOAD_ERROR``: raise FileNotFoundError with this text at load.
+- ``HEADROOM_FAKE_LOAD_ERROR``: raise FileNotFoundError with this text at load;
+  ``@PATH``: raise CorruptWeights with the text of the file PATH once it exists (a model
+  file damaged after the first load).
 - ``HEADROOM_FAKE_CRASH_AT_LOAD``: exit with code 7 during load.
 - ``HEADROOM_FAKE_ORPHAN``: undo the parent-death signal and hang in the load forever,
   as a worker stuck in a driver call does: it outlives a SIGKILLed service (a stale
@@ -56,7 +58,13 @@ class FakeEngine:
             os._exit(7)
         time.sleep(_load_s(os.environ.get("HEADROOM_FAKE_LOAD_S", "0")))
         error = os.environ.get("HEADROOM_FAKE_LOAD_ERROR")
-        if error:
+        if error and error.startswith("@"):
+            if os.path.exists(error[1:]):
+                from engine.common.load_errors import CorruptWeights
+
+                with open(error[1:], encoding="utf-8") as damage:
+                    raise CorruptWeights(damage.read())
+        elif error:
             raise FileNotFoundError(error)
         self._step_s = float(os.environ.get("HEADROOM_FAKE_STEP_S", "0.01"))
         model_dir = os.environ["HEADROOM_FAKE_MODEL_DIR"]

@@ -290,6 +290,25 @@ def test_load_failure_exits_non_zero_naming_the_problem(start_server):
     assert "/no/such/model does not exist" in server.log()
 
 
+def test_a_model_file_damaged_after_the_first_load_fails_at_once_naming_it(tmp_path, start_server):
+    """A GGUF truncated while served (a re-download over it), then a worker restart: the
+    load's CorruptWeights was retried five times, then the service answered 503 "crash
+    loop: the worker exited 5 times in 60 s; last: exited with code 3", naming neither the
+    file nor what is wrong. A load error of the model itself fails at once with its words."""
+    damage = tmp_path / "damage"
+    server = start_server(env={"HEADROOM_FAKE_LOAD_ERROR": f"@{damage}"}, fake=True)
+    damage.write_text("/models/x.gguf is not a readable GGUF file (it is truncated); download it again")
+    os.kill(server.worker_pid(), signal.SIGKILL)
+    status, report = wait_for(
+        lambda: (s := health_status(server))[1]["status"] == "failed" and s, 30, "failed"
+    )
+    assert status == 503 and report["restarts"] == 1
+    assert "CorruptWeights: /models/x.gguf is not a readable GGUF file" in report["reason"]
+    assert "crash loop" not in report["reason"]
+    r = httpx.post(server.base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=10)
+    assert "/models/x.gguf is not a readable GGUF file" in assert_openai_error(r, 503, code="engine_failed")["message"]
+
+
 # -- clean start-up failures ---------------------------------------------------------------------------
 
 

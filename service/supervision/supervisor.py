@@ -8,7 +8,8 @@ on here. The health summary is :func:`service.supervision.report.health_report`.
 
 States: ``starting`` (first spawn, or a load after ``paused`` or ``idle``) ->
 ``ready`` -> ``restarting`` (worker died or hung, or a restart was asked for; back to
-``ready``) ... -> ``failed`` (a crash loop, or the first load failed),
+``ready``) ... -> ``failed`` (a crash loop, the first load failed, or a load failed on
+the model's files, :data:`MODEL_FILE_ERRORS`),
 and ``stopped`` at shutdown. Without a worker, and without failing
 (:mod:`service.common.engine_states`): ``waiting_for_memory``, ``waiting_for_gpu``,
 ``paused`` and ``idle``, in :mod:`service.supervision.unloading`. Whether a request can
@@ -77,6 +78,12 @@ from service.supervision.watchdog import watch
 from service.supervision.worker_process import ExitStatus, WorkerProcess
 
 log = logging.getLogger("headroom.supervisor")
+# A load's errors about the model's files (engine.common.load_errors): the same on every
+# try, at the first start or after (a file damaged or replaced while served).
+MODEL_FILE_ERRORS = frozenset({
+    "ModelLoadError", "ModelNotFound", "UnsupportedArchitecture", "UnsupportedConfig",
+    "ConfigFieldMissing", "CorruptWeights", "WeightMismatch", "UnsupportedGGUFType",
+})
 
 class Supervisor(Readiness, Unloading, Draining):
     """Owns the worker process; see the module docstring for the states.
@@ -245,9 +252,10 @@ class Supervisor(Readiness, Unloading, Draining):
             if cuda_fault(message):
                 self._enter_gpu_wait(message.message)
                 return
-            if message.during_load and self._first_start:
-                # Nothing ever served: a start-up failure (a missing model, a memory plan
-                # that does not fit: the same again on every try), reported, not retried.
+            if message.during_load and (self._first_start or message.kind in MODEL_FILE_ERRORS):
+                # Nothing ever served, or the model's files went bad since: a failure the
+                # same again on every try (a missing or damaged model, a memory plan that
+                # does not fit), reported, not retried.
                 if message.kind in ("PlanDoesNotFit", "SettingRefused"):
                     reason = message.message  # it says what does not fit and what fixes it
                     reason += f"\n({OWN_MEMORY})" if own else ""

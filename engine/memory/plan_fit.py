@@ -38,14 +38,16 @@ def fit_model_plan(planner: Callable[[PlanKnobs], MemoryPlan], knobs: PlanKnobs,
     alike). The plan's ``requests_note`` says why its running requests are fewer than
     ``--max-running-requests``' default."""
     auto = config.max_running_requests is None
-    if auto and mc.is_hybrid:
-        knobs = requests_for_states(planner, knobs)
-    plan, fitted = fit_plan(planner, knobs, fewer_requests=auto, fewer_requests_first=mc.is_hybrid)
     asked = running_requests(config)
+    # The states' share, from the count asked for (the knobs may hold one lowered already).
+    share = (requests_for_states(planner, replace(knobs, max_running_requests=asked)).max_running_requests
+             if auto and mc.is_hybrid else None)
+    if share is not None:
+        knobs = replace(knobs, max_running_requests=min(knobs.max_running_requests, share))
+    plan, fitted = fit_plan(planner, knobs, fewer_requests=auto, fewer_requests_first=mc.is_hybrid)
     if not auto or not plan.fits or fitted.max_running_requests >= asked:
         return plan, fitted
-    shared = mc.is_hybrid and fitted.max_running_requests == requests_for_states(
-        planner, replace(knobs, max_running_requests=asked)).max_running_requests
+    shared = fitted.max_running_requests == share
     why = (f"the linear-attention states take at most 1/{STATE_BUDGET_SHARE} of the budget" if shared else
            "the card cannot hold more" + (" and their linear-attention states" if mc.is_hybrid else ""))
     note = f"not {asked}: {why}; --max-running-requests N sets the number"

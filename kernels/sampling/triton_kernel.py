@@ -123,9 +123,13 @@ def _draw_chunk_kernel(
         # Sampled rows were shifted so that their best token is at 0: p_j / p_max = exp(x_j).
         kept = tl.where(tl.exp(x) < min_p, float("-inf"), x)
         # argmax p_j / E_j with E_j = -log(u_j) ~ Exp(1); u is kept off 0 so that the
-        # best token can never lose to nothing (the reference clamps E the same way).
+        # best token can never lose to nothing, and E off 0 (the reference clamps E the
+        # same way): on the GPU tl.log is approximate and gives 0 for the u just below 1,
+        # where an unclamped E makes a removed token's score -inf + inf = NaN, which
+        # argmax picks, a token the grammar mask or a filter had taken out.
         u = tl.maximum(tl.rand(seed, (step << 32) + cols.to(tl.int64)), 1e-30)
-        score = kept - tl.log(-tl.log(u))
+        e = tl.maximum(-tl.log(u), 1.1754943508222875e-38)  # float32's smallest normal
+        score = tl.where(kept == float("-inf"), float("-inf"), kept - tl.log(e))
     else:
         kept = x
         score = x

@@ -49,3 +49,29 @@ def test_device_bitmask_equals_cpu_and_answers_validate(default_model_dir):
         text = tokenizer.decode(ids, skip_special_tokens=True)
         assert reasons[rid][0] == "stop", (rid, text, ids, reasons[rid])
         jsonschema_rs.validate(SCHEMA, json.loads(text))
+
+
+def test_the_race_never_draws_a_token_the_mask_took_out():
+    """Tokens at -inf (the grammar's mask, a filter) are never drawn, whatever the noise:
+    on the GPU tl.log is approximate and once made a removed token's score NaN, which
+    argmax took (the default model's constrained answer then broke its grammar)."""
+    from kernels.sampling import triton_kernel
+    from kernels.sampling.reference import NUM_FPARAMS, NUM_IPARAMS, SEED, STEP, TEMPERATURE, TOP_K
+
+    rows, vocab, steps = 256, 49152, 64
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    allowed = torch.randint(0, vocab, (rows, 3), device="cuda", generator=gen)
+    logits = torch.full((rows, vocab), float("-inf"), device="cuda")
+    logits.scatter_(1, allowed, torch.randn(rows, 3, device="cuda", generator=gen))
+    fparams = torch.zeros(rows, NUM_FPARAMS, device="cuda")
+    fparams[:, TEMPERATURE] = 1.0
+    iparams = torch.zeros(rows, NUM_IPARAMS, dtype=torch.int64, device="cuda")
+    iparams[:, TOP_K] = vocab
+    iparams[:, SEED] = torch.arange(rows, device="cuda")
+    bad = 0
+    for step in range(steps):
+        iparams[:, STEP] = step
+        x, row_max = triton_kernel.penalize_and_scale(logits, fparams, None, None)
+        tokens = triton_kernel.draw(x, row_max, fparams, iparams)
+        bad += int((~(tokens.unsqueeze(1) == allowed).any(dim=1)).sum())
+    assert bad == 0, f"{bad} of {rows * steps} draws took a token at -inf"

@@ -136,8 +136,10 @@ def test_a_shared_step_equals_the_all_resident_layer_and_follows_the_hot_set(sha
     host, layer = shared_layer
     monkeypatch.setattr(expert_cache, "REFRESH_STEPS", 2)
     x, weights, ids = _routed(4, seed=3)
+    assert layer.share_job_totals() == (0, 0.0, 0)  # no job before the first shared step
     _check_step(host, layer, lib, x[:1], weights[:1], ids[:1])
     assert layer.shares_cpu and layer.top_k == TOP_K and 3 <= len(layer.on_cpu) <= 6
+    assert layer.share_job_totals()[0] == 1  # one run of the job, timed by itself
     want = torch.tensor([layer.slot_of.get(e, CPU_RUN if e in layer.on_cpu else -1) for e in range(EXPERTS)])
     assert torch.equal(layer._bus.share_lut, want)
     assert torch.equal(layer._bus.lut, want.masked_fill(want == CPU_RUN, -1))
@@ -157,6 +159,8 @@ def test_a_shared_step_equals_the_all_resident_layer_and_follows_the_hot_set(sha
     layer.count_bus_reads()
     c = layer.counters
     assert c.cpu_runs > 0 and c.bus_reads > 0 and c.misses == c.cpu_runs + c.bus_reads + c.copies
+    runs, seconds, pairs = layer.share_job_totals()
+    assert runs == 8 and pairs == c.cpu_runs and seconds > 0
 
 
 def test_a_cpu_slower_inside_the_steps_hands_its_experts_back_to_the_bus(lib, monkeypatch):

@@ -12,13 +12,21 @@ the same GPU memory in use (the figure printed last, as NVML reads it).
 
 ``--cpu-share off,auto`` runs the whole benchmark once per value of the
 ``expert_cpu_share`` switch (a fresh engine each), so the decode step's time with the
-CPU's share of the missing experts and without it print side by side.
+CPU's share of the missing experts and without it print side by side; with the share on,
+each decode batch also prints what the CPU's job took inside its steps (runs, pairs and
+milliseconds a step, by the job's own timing), the measure of whether the cores or the
+waits around them bound the step. The engine's log (the share's rates, each layer's
+first split and the refits) goes to stderr.
+
+``--reserve 0`` plans without the desktop reserve: the comparison at the GPU memory in
+use that llama.cpp, which keeps none, takes.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import logging
 import subprocess
 import time
 
@@ -53,14 +61,19 @@ def main() -> None:
     ap.add_argument("--batches", default="1,4", help="decode batch sizes, comma-separated")
     ap.add_argument("--steps", type=int, default=64, help="timed decode steps per batch size")
     ap.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly (the graphs' gain, side by side)")
+    ap.add_argument("--reserve", default=None,
+                    help="the desktop reserve, a size such as 0 or 512MiB (default: the plan's automatic one)")
     ap.add_argument("--cpu-share", default="off",
                     help="expert_cpu_share values to run in turn, comma-separated (off,auto: the share's gain per step)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device")
+    reserve = None if args.reserve is None else parse_size(args.reserve)
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    logging.getLogger("headroom").setLevel(logging.INFO)
     for share in args.cpu_share.split(","):
         engine = Engine(EngineConfig(model=args.model, device="cuda", device_limit=parse_size(args.device_limit),
-                                     cuda_graphs=not args.no_cuda_graphs, expert_cpu_share=share))
+                                     reserve=reserve, cuda_graphs=not args.no_cuda_graphs, expert_cpu_share=share))
         _bench(engine, args, share)
         del engine
         gc.collect()
@@ -89,6 +102,7 @@ def _bench(engine: Engine, args: argparse.Namespace, share: str) -> None:
         for _ in range(8):  # the prefill and a few decode steps, untimed
             engine.step()
         torch.cuda.synchronize()
+        before = _job_totals(stores)
         t0 = time.perf_counter()
         for _ in range(args.steps):
             engine.step()
@@ -97,6 +111,11 @@ def _bench(engine: Engine, args: argparse.Namespace, share: str) -> None:
         shared = sum(len(s.on_cpu) for s in stores)
         print(f"decode batch {b} (expert_cpu_share {share}, {shared} experts on the CPU): {b / dt:.1f} tok/s "
               f"({dt * 1e3:.1f} ms a step)", flush=True)
+        runs, seconds, pairs = (a - z for a, z in zip(_job_totals(stores), before, strict=True))
+        if runs:
+            print(f"  the CPU's job: {runs / args.steps:.1f} runs, {pairs / args.steps:.1f} pairs and "
+                  f"{seconds / args.steps * 1e3:.2f} ms a step inside them ({seconds / runs * 1e6:.0f} us a run)",
+                  flush=True)
         for i in range(b):
             engine.abort(f"decode-{b}-{i}")
         engine.step()
@@ -104,6 +123,12 @@ def _bench(engine: Engine, args: argparse.Namespace, share: str) -> None:
     smi = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader"], capture_output=True,
                          text=True, check=False)
     print(f"GPU memory in use (NVML): {smi.stdout.strip() or 'nvidia-smi not found'}")
+
+
+def _job_totals(stores: list) -> tuple[int, float, int]:
+    """The CPU share's jobs over every host layer: ``(runs, seconds, pairs)`` so far."""
+    totals = [s.share_job_totals() for s in stores]
+    return sum(t[0] for t in totals), sum(t[1] for t in totals), sum(t[2] for t in totals)
 
 
 if __name__ == "__main__":

@@ -76,6 +76,14 @@ class BusDecode:
         self.on_cpu = split.cpu
         return self.on_cpu
 
+    def share_job_totals(self) -> tuple[int, float, int]:
+        """The CPU share's C job so far, every run together: ``(runs, seconds inside
+        them, pairs run)`` (:meth:`kernels.cpu.moe_job.MoeCpuJob.totals`; zeros before the
+        first shared step). Read between steps; take differences."""
+        if self._share is None or self._share.job is None:
+            return 0, 0.0, 0
+        return self._share.job.totals()
+
     def _refit_share(self) -> None:
         """Refit the CPU's rate to what the job took inside the decode steps since the
         last refresh (:func:`~engine.layers.moe.cpu_share.refit_cpu_rate`); the log says

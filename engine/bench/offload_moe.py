@@ -18,6 +18,11 @@ milliseconds a step, by the job's own timing), the measure of whether the cores 
 waits around them bound the step. The engine's log (the share's rates, each layer's
 first split and the refits) goes to stderr.
 
+``--trace PATH`` records the last decode batch's last 3 steps with torch's profiler
+(CUDA kernels and copies on each stream, the host's ranges) as a Chrome trace
+(``PATH``, one file per ``--cpu-share`` value: ``PATH`` with the value before the
+suffix), to see whether the CPU's half runs beside the bus-read kernel or after it.
+
 ``--reserve 0`` plans without the desktop reserve: the comparison at the GPU memory in
 use that llama.cpp, which keeps none, takes.
 """
@@ -29,6 +34,7 @@ import gc
 import logging
 import subprocess
 import time
+from pathlib import Path
 
 import torch
 
@@ -63,6 +69,7 @@ def main() -> None:
     ap.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly (the graphs' gain, side by side)")
     ap.add_argument("--reserve", default=None,
                     help="the desktop reserve, a size such as 0 or 512MiB (default: the plan's automatic one)")
+    ap.add_argument("--trace", default=None, help="write a Chrome trace of 3 decode steps of the last batch here")
     ap.add_argument("--cpu-share", default="off",
                     help="expert_cpu_share values to run in turn, comma-separated (off,auto: the share's gain per step)")
     args = ap.parse_args()
@@ -94,7 +101,8 @@ def _bench(engine: Engine, args: argparse.Namespace, share: str) -> None:
         dt = _run(engine, [GenerateRequest(request_id=f"prefill-{n}", prompt_token_ids=_ids(n, n + 1, vocab),
                                            sampling=once)])
         print(f"prefill {n} tokens: {n / dt:.1f} tok/s ({dt:.2f} s)", flush=True)
-    for b in (int(v) for v in args.batches.split(",")):
+    batches = [int(v) for v in args.batches.split(",")]
+    for b in batches:
         long = SamplingParams(max_new_tokens=args.steps + 16, temperature=0.0, ignore_eos=True)
         for i in range(b):
             engine.add_request(GenerateRequest(request_id=f"decode-{b}-{i}", prompt_token_ids=_ids(32, 100 + i, vocab),
@@ -116,6 +124,8 @@ def _bench(engine: Engine, args: argparse.Namespace, share: str) -> None:
             print(f"  the CPU's job: {runs / args.steps:.1f} runs, {pairs / args.steps:.1f} pairs and "
                   f"{seconds / args.steps * 1e3:.2f} ms a step inside them ({seconds / runs * 1e6:.0f} us a run)",
                   flush=True)
+        if args.trace and b == batches[-1]:
+            _trace(engine, _trace_path(args.trace, share))
         for i in range(b):
             engine.abort(f"decode-{b}-{i}")
         engine.step()
@@ -123,6 +133,23 @@ def _bench(engine: Engine, args: argparse.Namespace, share: str) -> None:
     smi = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader"], capture_output=True,
                          text=True, check=False)
     print(f"GPU memory in use (NVML): {smi.stdout.strip() or 'nvidia-smi not found'}")
+
+
+def _trace_path(path: str, share: str) -> Path:
+    p = Path(path)
+    return p.with_name(f"{p.stem}-{share}{p.suffix or '.json'}")
+
+
+def _trace(engine: Engine, path: Path, steps: int = 3) -> None:
+    """``steps`` decode steps under torch's profiler, written to ``path`` (Chrome trace)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(str(path))
+    print(f"  trace of {steps} decode steps: {path}", flush=True)
 
 
 def _job_totals(stores: list) -> tuple[int, float, int]:

@@ -132,6 +132,14 @@ class KernelSwitches:
         "(engine.layers.moe.bus_reads). Off: each step copies the missing experts into "
         "the cache or runs them on the CPU, as prefill does.",
     )
+    expert_staged_prefill: bool = _switch(
+        True,
+        "Prefill chunks of mixture-of-experts layers whose experts live in host memory, "
+        "read over the bus, of 32 routed rows an expert or more: the missing experts are "
+        "copied through a transient stage on the device in waves (each read over the bus "
+        "once) instead of the prefill GEMM reading them once per block of 64 rows "
+        "(engine.layers.moe.staged_prefill). Off: every chunk reads over the bus.",
+    )
     expert_cpu_share: str = _switch(
         "off",
         "Decode steps of mixture-of-experts layers whose experts live in host memory, read "

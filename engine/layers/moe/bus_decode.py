@@ -1,14 +1,17 @@
 """The bus-read steps of :class:`~engine.layers.moe.expert_cache.OffloadedExperts`, as a
 part of that class (:class:`BusDecode`): which steps read over the bus, the step itself
 (the fused kernel over the host tier and the cache, :mod:`engine.layers.moe.bus_reads`;
-with the CPU's share on, beside the C job, :mod:`engine.layers.moe.share_step`), the CPU's
+with the CPU's share on, beside the C job, :mod:`engine.layers.moe.share_step`; a long
+prefill chunk's missing experts staged on the device instead,
+:mod:`engine.layers.moe.staged_prefill`), the CPU's
 share of the uncached experts (:mod:`engine.layers.moe.cpu_share`), and the routing
 counts folded into the heat and the counters. The hot-set refresh between steps stays
 with the class (``after_forward``).
 
 The attributes it reads are :class:`~engine.layers.moe.expert_cache.OffloadedExperts`'
 (``host``, ``cache``, ``slot_of``, ``heat``, ``counters``, ``device``, ``live_rows``,
-``cpu_kernels``, ``share_rates``, ``on_cpu``, ``top_k``, ``layer_index``, ``_bus``, ``_share``).
+``cpu_kernels``, ``share_rates``, ``on_cpu``, ``top_k``, ``layer_index``, ``_bus``, ``_share``,
+``_staged``).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from engine.layers.moe.bus_reads import BUS_COUNTED_TOKENS, HEAT_DECAY, BusReads
 from engine.layers.moe.cpu_share import refit_cpu_rate, split_share
 from engine.layers.moe.expert_stacks import BlockStack
 from engine.layers.moe.share_step import ShareStep
+from engine.layers.moe.staged_prefill import StagedPrefill, takes_staging
 from kernels.switches import current
 
 log = logging.getLogger("headroom.engine")
@@ -49,6 +53,9 @@ class BusDecode:
             bus.sync_lut(self.slot_of, self._split())
         if decode:  # decode steps make the heat; a prefill would swamp it
             bus.count(topk_ids, self.live_rows)
+        elif current().expert_staged_prefill and takes_staging(x.shape[0], topk_ids.shape[1], self.num_experts):
+            staged = self._staged = self._staged or StagedPrefill(self.host, self.device)
+            return staged.forward(x, topk_weights, topk_ids, self.cache, self.slot_of, self.counters)
         if decode and self.shares_cpu:
             share = self._share = self._share or ShareStep(self.host, self.cpu_kernels, self.device)
             return share.forward(x, topk_weights, topk_ids, bus.share_lut, self.live_rows, lambda: self.host.moe(

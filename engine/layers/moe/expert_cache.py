@@ -75,6 +75,7 @@ from engine.layers.moe.expert_costs import CostModel, expert_mlp
 from engine.layers.moe.expert_counters import ExpertCounters
 from engine.layers.moe.expert_stacks import ExpertStack
 from engine.layers.moe.share_step import ShareStep
+from engine.layers.moe.staged_prefill import StagedPrefill
 
 
 class OffloadedExperts(BusDecode, nn.Module):
@@ -112,6 +113,7 @@ class OffloadedExperts(BusDecode, nn.Module):
         self.top_k: int | None = None  # known from the first bus-read decode step
         self.layer_index: int | None = None  # the decoder layer's, for the log
         self._share: ShareStep | None = None
+        self._staged: StagedPrefill | None = None  # made at the first staged chunk
         self.live_rows = live_rows or LiveRows(torch.device(device))
         self.cpu_kernels = cpu_kernels
         self.device = torch.device(device)

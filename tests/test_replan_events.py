@@ -103,7 +103,7 @@ def test_engine_events_become_replan_and_request_error_events():
     shrink = snap.replans[0]
     assert (shrink.before.num_pages, shrink.after.num_pages) == (100, 50)
     assert shrink.duration_s == pytest.approx(0.012)
-    assert "1 requests preempted" in shrink.reason
+    assert "1 request preempted" in shrink.reason
     evict = snap.replans[4]
     assert (evict.before.prefix_cache_pages, evict.after.prefix_cache_pages) == (7, 2)
     (error,) = snap.request_errors

@@ -80,3 +80,10 @@ def test_parse_size_and_its_refusals_echo_at_most_200_characters():
 def test_fmt_bytes_down_never_reads_as_the_size_above():
     assert [fmt_bytes_down(n) for n in (90 * MiB - 1, 90 * MiB, 5 * GiB - 1, 1536, 1000)] == [
         "89.99 MiB", "90 MiB", "4.99 GiB", "1.50 KiB", "1000 bytes"]
+
+
+def test_counts_are_plural_unless_one():
+    from engine.common.units import count_of
+
+    assert [count_of(n, "request") for n in (0, 1, 2, 2000)] == ["0 requests", "1 request", "2 requests",
+                                                                  "2,000 requests"]

@@ -147,3 +147,9 @@ def fmt_bytes_down(n: int) -> str:
             hundredths = n * 100 // unit
             return f"{hundredths // 100}.{hundredths % 100:02d} {name}"
     return fmt_bytes(n)
+
+
+def count_of(n: int, noun: str) -> str:
+    """``n`` and ``noun``, plural unless ``n`` is 1: ``count_of(1, "request")`` is
+    ``"1 request"``, ``count_of(2_000, "page")`` ``"2,000 pages"``."""
+    return f"{n:,} {noun}" + ("" if n == 1 else "s")

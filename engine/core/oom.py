@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.common.units import count_of
 from engine.scheduler.request import Phase, Request
 from engine.scheduler.scheduler import Scheduler, StepItem, StepPlan
 from engine.wire.messages import (
@@ -171,7 +172,7 @@ class OomRecovery:
             event(
                 victim,
                 OOM_PREEMPTED,
-                f"the step of {len(plan.items)} requests did not fit ({detail}); the youngest "
+                f"the step of {count_of(len(plan.items), 'request')} did not fit ({detail}); the youngest "
                 f"waits to be recomputed; running requests held at {sched.max_running_requests}",
             )
             return

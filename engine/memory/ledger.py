@@ -14,7 +14,7 @@ import msgspec
 
 from engine.common.config import EngineConfig
 from engine.common.options import option_named
-from engine.common.units import fmt_bytes
+from engine.common.units import count_of, fmt_bytes
 from engine.memory.kv_fit import RING_FLOOR_REQUESTS, kv_pages, ring_pool_cap
 from engine.memory.kv_fit import ring_line as ring_words
 from engine.memory.plan import (
@@ -225,7 +225,7 @@ def _ledger_at(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint, host_layer
     ]
     ledger += [LedgerEntry(f"workspace: {name}", b, "-", "declared") for name, b in fp.workspace_bytes]
     ledger += [
-        LedgerEntry("sampler and logits", sampler, "-", f"{fp.sampler_source}, {knobs.max_running_requests} requests x vocab {fp.vocab_size}"),
+        LedgerEntry("sampler and logits", sampler, "-", f"{fp.sampler_source}, {count_of(knobs.max_running_requests, 'request')} x vocab {fp.vocab_size}"),
         LedgerEntry("prefill activation peak", activation, "-", f"{fp.activation_source} at {knobs.max_prefill_tokens} tokens"
                     + (", linear-attention layers included" if fp.state_bytes_per_request else "")),
         LedgerEntry("CUDA graph pool", fp.cuda_graph_bytes, "-", "measured at capture" if fp.cuda_graph_bytes else "none captured"),

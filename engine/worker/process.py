@@ -40,6 +40,7 @@ from engine.common import progress
 from engine.common.errors import CudaUnavailable, PlanDoesNotFit, RequestRejected, SettingRefused
 from engine.common.load_errors import ModelLoadError
 from engine.common.parent_death import die_with_parent
+from engine.common.units import count_of
 from engine.loader.convert_child import convert_ahead
 from engine.loader.resolve import resolve_model
 from engine.memory.kv_fit import usable_pages
@@ -364,9 +365,9 @@ def _describe_resize(r: ResizeResult) -> str:
         f"context limit {r.max_context_tokens} tokens"
     )
     if r.preempted:
-        text += f"; {len(r.preempted)} requests preempted (recomputed later)"
+        text += f"; {count_of(len(r.preempted), 'request')} preempted (recomputed later)"
     if r.ended:
-        text += f"; {len(r.ended)} requests ended"
+        text += f"; {count_of(len(r.ended), 'request')} ended"
     return text
 
 

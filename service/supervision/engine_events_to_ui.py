@@ -27,7 +27,7 @@ from typing import Any
 
 import msgspec
 
-from engine.common.units import SIZE_UNITS, fmt_bytes
+from engine.common.units import SIZE_UNITS, count_of, fmt_bytes
 from engine.memory.kv_fit import usable_pages
 from engine.wire.messages import (
     BY_CONTROL,
@@ -314,9 +314,9 @@ class EngineEventsToUI:
         if event.relocated_pages:
             details.append(f"{event.relocated_pages} pages moved")
         if event.preempted:
-            details.append(f"{len(event.preempted)} requests preempted (they are recomputed)")
+            details.append(f"{count_of(len(event.preempted), 'request')} preempted (they are recomputed)")
         if event.ended:
-            details.append(f"{len(event.ended)} requests ended (no longer fit the context)")
+            details.append(f"{count_of(len(event.ended), 'request')} ended (no longer fit the context)")
         reason = event.reason + (f" ({'; '.join(details)})" if details else "")
         return ReplanEvent(
             action=action,

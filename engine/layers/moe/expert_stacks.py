@@ -26,6 +26,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from engine.layers.pinned_host import pinned_copy
 from kernels.dispatch import fused_moe, fused_moe_quant
 from kernels.moe.quant_reference import expert_weights
 
@@ -72,11 +73,13 @@ class ExpertStack:
         return self._map(lambda t: t[:num_experts].contiguous())
 
     def on_host(self, pin: bool) -> ExpertStack:
-        """This stack in host memory, contiguous (pinned when ``pin``: the device's
-        copies from it can then run asynchronously)."""
+        """This stack in host memory, contiguous (page-locked when ``pin``, exactly its
+        bytes: :func:`~engine.layers.pinned_host.pinned_copy`; the device's copies from it
+        then run asynchronously, and a kernel reads it over the bus)."""
         def move(t: torch.Tensor) -> torch.Tensor:
-            t = t.detach().to("cpu").contiguous()
-            return t.pin_memory() if pin else t
+            if pin:  # exactly its bytes locked (pin_memory would round up to a power of two)
+                return pinned_copy(t)
+            return t.detach().to("cpu").contiguous()
 
         return self._map(move)
 

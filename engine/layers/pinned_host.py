@@ -11,12 +11,17 @@ device maps it in fewer entries), fills it, and registers it with the CUDA drive
 kernel reads it over the bus at the host address, as from ``pin_memory``'s). The
 registration ends, and the mapping goes, when the last tensor on the memory (views
 included) is freed.
+
+On Linux only: there the device reads registered memory at its host address (the
+driver's ``canUseHostPointerForRegisteredMem``, which Windows' WDDM driver lacks);
+elsewhere the copy is torch's ``pin_memory``.
 """
 
 from __future__ import annotations
 
 import ctypes
 import mmap
+import sys
 import weakref
 
 import numpy as np
@@ -59,11 +64,12 @@ def pinned_copy(t: torch.Tensor) -> torch.Tensor:
     """A contiguous copy of ``t`` (any device) in page-locked host memory of exactly its
     bytes, rounded up to whole pages (module docstring).
 
-    Falls back to ``t.pin_memory()`` where the driver refuses the registration.
+    Falls back to ``t.pin_memory()`` off Linux and where the driver refuses the
+    registration.
     """
     nbytes = t.numel() * t.element_size()
     src = t.detach().to("cpu").contiguous()
-    if nbytes == 0:
+    if nbytes == 0 or sys.platform != "linux":
         return src.pin_memory()
     size = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
     mapping = _Mapping(size)

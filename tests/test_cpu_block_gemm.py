@@ -6,7 +6,6 @@ AVX2 build of the same sources; the activation codes against theirs."""
 from __future__ import annotations
 
 import ctypes
-import subprocess
 
 import numpy as np
 import pytest
@@ -119,15 +118,9 @@ def test_many_rows_take_the_block_gemm_where_the_build_has_it(lib):
 def test_an_avx2_build_of_the_same_sources_is_correct(lib, tmp_path):
     """Where the CPU has AVX2 and no AVX-512 (built here with -mno-avx512f): the AVX2
     tile and the plain C quantizer, against the reference."""
-    cc = build.compiler()
     if lib.hr_simd_level() < 2:
         pytest.skip("the engine's own build is this CPU's AVX2 one (test_cpu_kernels.py)")
-    out = tmp_path / "avx2.so"
-    sources = [str(build._HERE / name) for name in build.SOURCES]
-    done = subprocess.run([cc, *build._flags(True), "-mno-avx512f", *sources, "-o", str(out), "-lm"],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-600:]
-    avx2 = build._declare(ctypes.CDLL(str(out)))
+    avx2 = build.build_variant(tmp_path, ("-mno-avx512f",))
     assert avx2.hr_simd_level() == 1
     for type_name in TYPE_IDS:
         _check(avx2, type_name, 21, 96, 13)

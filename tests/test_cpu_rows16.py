@@ -8,7 +8,6 @@ the GGUF layout, and a CPU model's layers take it under the ``cpu_rows16`` switc
 from __future__ import annotations
 
 import ctypes
-import subprocess
 
 import numpy as np
 import pytest
@@ -175,19 +174,16 @@ def test_k_quants_interleave_only_with_16_bit_activation_codes(lib):
     assert CpuBlockLinear.from_quant_linear(lib, q, torch.float32, interleave=True).types == ["Q4_Kx16", "Q6_Kx16"]
 
 
-def _build_without(flag: str, out) -> ctypes.CDLL:
+def _build_without(flag: str, folder) -> ctypes.CDLL:
     """The library's sources built with ``flag`` (a -mno-... of -march=native)."""
-    sources = [str(build._HERE / name) for name in build.SOURCES]
-    done = subprocess.run([build.compiler(), *build._flags(True), flag, *sources, "-o", str(out), "-lm"],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-600:]
-    return build._declare(ctypes.CDLL(str(out)))
+    folder.mkdir()
+    return build.build_variant(folder, (flag,))
 
 
 def test_an_avx512_build_without_vnni_gives_the_reference_s_products(lib, tmp_path):
     """Built with -mno-avx512vnni (AVX-512 BW without vpdpwssd: vpmaddwd and an add)."""
     _needs(lib)
-    novnni = _build_without("-mno-avx512vnni", tmp_path / "novnni.so")
+    novnni = _build_without("-mno-avx512vnni", tmp_path / "novnni")
     assert rows16.available(novnni)
     for type_name in rows16.TYPES:
         blocks, x = _case(type_name, 48, _cols(type_name), 9)
@@ -200,7 +196,7 @@ def test_a_build_without_avx512_keeps_the_gguf_layout(lib, tmp_path):
     to interleave keeps its GGUF blocks, and the kernel refuses interleaved ids."""
     if lib.hr_simd_level() < 2:
         pytest.skip("the engine's own build has no AVX-512 (the rest of this file skips)")
-    avx2 = _build_without("-mno-avx512f", tmp_path / "avx2.so")
+    avx2 = _build_without("-mno-avx512f", tmp_path / "avx2")
     assert avx2.hr_simd_level() == 1 and not rows16.available(avx2)
     q = _quant_linear([PartSpec(32, "Q4_1")], 64)
     assert CpuBlockLinear.from_quant_linear(avx2, q, torch.float32, interleave=True).types == ["Q4_1"]

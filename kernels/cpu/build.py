@@ -119,11 +119,12 @@ def _build(cc: str, folder: Path) -> tuple[Path, bool]:
     raise RuntimeError(f"{cc} could not build the CPU kernels: {errors[-1]}")
 
 
-def _compile_and_link(cc: str, openmp: bool, tmp: Path) -> str | None:
+def _compile_and_link(cc: str, openmp: bool, tmp: Path, extra_flags: tuple[str, ...] = ()) -> str | None:
     """Compile each source to an object in ``tmp``, all at once (one compiler a core:
     the sources take seconds each at -O3), then link them into ``tmp/lib.so``. Returns
-    None, or what the compiler said when a step failed."""
-    flags = [f for f in _flags(openmp) if f != "-shared"]
+    None, or what the compiler said when a step failed. ``extra_flags`` follow the
+    build's own (tests build variants: ``-mno-avx512f``...)."""
+    flags = [f for f in _flags(openmp) if f != "-shared"] + list(extra_flags)
     objects = [tmp / (name.removesuffix(".c") + ".o") for name in SOURCES]
     commands = [[cc, *flags, "-c", str(_HERE / name), "-o", str(obj)] for name, obj in zip(SOURCES, objects, strict=True)]
     with ThreadPoolExecutor(max_workers=max(1, min(len(commands), os.cpu_count() or 1))) as pool:
@@ -132,6 +133,23 @@ def _compile_and_link(cc: str, openmp: bool, tmp: Path) -> str | None:
     if failed is not None:
         return failed
     return _run([cc, *_flags(openmp), *map(str, objects), "-o", str(tmp / "lib.so"), "-lm"])
+
+
+def build_variant(folder: Path, extra_flags: tuple[str, ...]) -> ctypes.CDLL:
+    """The library built with ``extra_flags`` after the engine's own (OpenMP on), in
+    ``folder``, compiled as the engine's build is (a compiler a core), declared: the
+    tests' builds for other CPUs (``-mno-avx512f``, ``-mno-avx512vnni``).
+
+    Raises:
+        RuntimeError: the compiler failed; the message has the end of its output.
+    """
+    cc = compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler")
+    said = _compile_and_link(cc, True, Path(folder), extra_flags)
+    if said is not None:
+        raise RuntimeError(said)
+    return _declare(ctypes.CDLL(str(Path(folder) / "lib.so")))
 
 
 def _run(command: list[str]) -> str | None:

@@ -53,7 +53,10 @@ class BusDecode:
             bus.sync_lut(self.slot_of, self._split())
         if decode:  # decode steps make the heat; a prefill would swamp it
             bus.count(topk_ids, self.live_rows)
-        elif current().expert_staged_prefill and takes_staging(x.shape[0], topk_ids.shape[1], self.num_experts):
+        elif (current().expert_staged_prefill and takes_staging(x.shape[0], topk_ids.shape[1], self.num_experts)
+              and not (x.is_cuda and torch.cuda.is_current_stream_capturing())):
+            # Eager steps only (it reads the routed ids back): a captured decode graph of
+            # many rows (a model of few experts: 8 of top 2 from 128 rows) reads over the bus.
             staged = self._staged = self._staged or StagedPrefill(self.host, self.device)
             return staged.forward(x, topk_weights, topk_ids, self.cache, self.slot_of, self.counters)
         if decode and self.shares_cpu:

@@ -16,7 +16,8 @@ class ExpertCounters:
     misses: int = 0  # not in it
     copies: int = 0  # experts copied in for a step, streamed ones included
     # copies into a slot already used in the same step: the waves of a step that routes
-    # to more experts than the cache holds
+    # to more experts than the cache holds, and the experts a long prefill chunk stages
+    # (engine.layers.moe.staged_prefill)
     streamed: int = 0
     cpu_runs: int = 0  # run on the CPU
     bus_reads: int = 0  # read from host memory over the bus by a decode step

@@ -79,7 +79,8 @@ class StagedPrefill:
         counters.copies += len(missing)
         counters.streamed += len(missing)
         # The stage's size does not depend on the routing, so the plan's profile step
-        # (whatever its dummy tokens route to) measures the memory a real chunk takes.
+        # (whatever its dummy tokens route to, as long as one is missing: at start the
+        # cache is empty) measures the memory a real chunk takes.
         half = min(STAGE_EXPERTS, max(self.host.num_experts // 2, 1))
         waves = [missing[i:i + half] for i in range(0, len(missing), half)]
         # Every call's expert -> slot table, made on the host and sent in one copy (here,
@@ -91,16 +92,19 @@ class StagedPrefill:
         for i, wave in enumerate(waves):
             luts[1 + i, wave] = torch.arange(len(wave)) + (i % 2) * half
         luts = luts.to(x.device)
+        stage = self.host.empty(2 * half, x.device) if waves else None
+        if x.is_cuda and stage is not None:
+            self._stream = self._stream or torch.cuda.Stream(x.device)
+            main, side = torch.cuda.current_stream(x.device), self._stream
+            for t in stage.tensors:
+                # Freed to the allocator only once the side stream's copies into it are
+                # done too (also when a wave's call raises).
+                t.record_stream(side)
+            # Free before any wave: the first copies run beside the cached experts' call.
+            freed = [main.record_event(), main.record_event()]
         total = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         if cached:
             total += self._run(x, topk_weights, topk_ids, cache, luts[0])
-        if not waves:
-            return total.to(x.dtype)
-        stage = self.host.empty(2 * half, x.device)
-        if x.is_cuda:
-            self._stream = self._stream or torch.cuda.Stream(x.device)
-            main, side = torch.cuda.current_stream(x.device), self._stream
-            freed = [main.record_event(), main.record_event()]  # the stage is free before any wave
         for i, wave in enumerate(waves):
             base = (i % 2) * half
             if x.is_cuda:
@@ -115,11 +119,6 @@ class StagedPrefill:
             total += self._run(x, topk_weights, topk_ids, stage, luts[1 + i])
             if x.is_cuda:
                 freed[i % 2] = main.record_event()
-        if x.is_cuda:
-            # The stage goes back to the allocator when the main stream is done with it;
-            # the side stream's copies into it are ordered before that use.
-            for t in stage.tensors:
-                t.record_stream(side)
         return total.to(x.dtype)
 
     def _run(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, slots: BlockStack,

@@ -342,3 +342,22 @@ def test_a_gguf_keeps_its_blocks_on_cuda_by_default_unless_it_is_small(default_m
     assert quantized_gguf(dataclasses.replace(unset, tensor_parallel_size=2), cuda, large) is None
     assert quantized_gguf(dataclasses.replace(unset, quantization="fp8"), cuda, large) is None
     assert quantized_gguf(unset, cpu, small) == path
+
+
+def test_a_tensor_of_the_wrong_shape_is_named_as_the_file_names_it(tmp_path, make_tiny_hf_model):
+    """A norm one size too long in a GGUF kept in blocks: the error names the file, the
+    tensor by llama.cpp's name (the model's after it) and the file's metadata, not the
+    config.json the file never had."""
+    import numpy as np
+
+    from engine.common.load_errors import WeightMismatch
+    from engine.core.engine import Engine
+
+    hf = make_tiny_hf_model("qwen3", None, vocab_size=VOCAB)
+    path = tmp_path / "badnorm.gguf"
+    h = hf.config.hidden_size
+    write_gguf(path, "qwen3", hf, override={"blk.0.attn_norm.weight": np.ones(h + 8, dtype=np.float32)})
+    with pytest.raises(WeightMismatch) as e:
+        Engine(EngineConfig(model=str(path), device="cpu", kv_cache=64 << 20))
+    assert str(e.value) == (f"{path}: tensor blk.0.attn_norm.weight (model.layers.0.input_layernorm.weight) has shape "
+                            f"({h + 8},), its metadata expects ({h},); the file's metadata and its tensors disagree")

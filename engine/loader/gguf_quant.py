@@ -294,10 +294,11 @@ def load_gguf_quantized(
             repack_model_for_kernels(model)
         skip = (projection_weights | {f"{s}.bias" for stems in targets.values() for s in stems} | expert_weights
                 | {ROPE_FREQS} | ({EMBEDDINGS} if embed_type is not None else set()))
+        origin: dict[str, str] = {}  # a Hugging Face name -> the GGUF tensor it came from
         try:
-            model.load_weights(_rest(reader, skip, gguf_path, arch, config))
+            model.load_weights(_rest(reader, skip, gguf_path, arch, config, origin))
         except WeightMismatch as e:
-            raise WeightMismatch(f"{gguf_path}: {e}") from None
+            raise WeightMismatch(f"{gguf_path}: {_in_gguf_terms(str(e), origin)}") from None
     return model.eval()
 
 
@@ -381,10 +382,21 @@ def _mapped(data: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.asarray(data))
 
 
+def _in_gguf_terms(message: str, origin: dict[str, str]) -> str:
+    """A load error of the model's Hugging Face names in the file's terms: each tensor
+    named as the GGUF names it (the model's name after it), the file's metadata where the
+    message blames config.json."""
+    for hf_name, gguf_name in origin.items():
+        message = message.replace(f"tensor {hf_name} ", f"tensor {gguf_name} ({hf_name}) ")
+    return (message.replace("the config expects", "its metadata expects")
+            .replace("config.json and the weights disagree", "the file's metadata and its tensors disagree"))
+
+
 def _rest(reader: Any, skip: set[str], gguf_path: Path, arch: str,
-          config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+          config: ModelConfig, origin: dict[str, str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor not in a quantized module, dequantized, under its Hugging Face name
-    (stacked experts not kept in blocks: one tensor per expert; gpt-oss's paired)."""
+    (stacked experts not kept in blocks: one tensor per expert; gpt-oss's paired).
+    ``origin``, when given, gets each yielded name's GGUF tensor."""
     names = {"architectures": [config.architecture], "num_attention_heads": config.num_heads,
              "num_key_value_heads": config.num_kv_heads, "num_hidden_layers": config.num_layers,
              "linear_num_key_heads": config.linear_num_key_heads,
@@ -404,7 +416,10 @@ def _rest(reader: Any, skip: set[str], gguf_path: Path, arch: str,
         if t.name in skip:
             continue
         try:
-            yield from hf_tensors(t, gguf_path, arch, names, torch.float32)
+            for hf_name, tensor in hf_tensors(t, gguf_path, arch, names, torch.float32):
+                if origin is not None:
+                    origin[hf_name] = t.name
+                yield hf_name, tensor
         except ModelLoadError:
             raise WeightMismatch(f"tensor {t.name} has no place in the model") from None
         # Each small tensor's read maps a large folio of the file (up to 2 MiB; 60 MiB

@@ -361,10 +361,17 @@ def test_a_special_token_id_outside_the_vocabulary_is_named(eos, tmp_path, make_
         writer.add_bos_token_id(1)
         writer.add_key_value("tokenizer.ggml.eos_token_id", eos, gguf.GGUFValueType.INT32)
 
-    path = tmp_path / "bad.gguf"
+    _refused_before_writing(tmp_path, make_tiny_hf_model, "bad.gguf", tokenizer,
+                            rf"bad.gguf: tokenizer.ggml.eos_token_id is {eos}, outside its "
+                            rf"{VOCAB}-token vocabulary .*gguf-set-metadata ")
+
+
+def _refused_before_writing(tmp_path, make_tiny_hf_model, name: str, tokenizer, match: str) -> None:
+    """A tiny Qwen3 GGUF named ``name`` whose tokenizer keys ``tokenizer(writer)`` writes is
+    refused by its conversion with a message matching ``match``, nothing written."""
+    path = tmp_path / name
     write_gguf(path, "qwen3", make_tiny_hf_model("qwen3", None, vocab_size=VOCAB), tokenizer=tokenizer)
-    with pytest.raises(ModelLoadError, match=rf"bad.gguf: tokenizer.ggml.eos_token_id is {eos}, outside its "
-                                             rf"{VOCAB}-token vocabulary .*gguf-set-metadata "):
+    with pytest.raises(ModelLoadError, match=match):
         convert_gguf(path, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
@@ -373,12 +380,8 @@ def test_a_gguf_without_a_tokenizer_is_named(tmp_path, make_tiny_hf_model):
     """A file whose tokenizer keys were left out failed in transformers' words ("Cannot
     build a tokenizer from a GGUF file stating tokenizer None"); it is refused by name,
     before anything is written."""
-    path = tmp_path / "notok.gguf"
-    write_gguf(path, "qwen3", make_tiny_hf_model("qwen3", None, vocab_size=VOCAB), tokenizer=lambda writer: None)
-    with pytest.raises(ModelLoadError, match=r"notok.gguf holds no tokenizer \(no tokenizer.ggml.model or "
-                                             r"tokenizer.ggml.tokens key\)"):
-        convert_gguf(path, tmp_path / "out")
-    assert not (tmp_path / "out").exists()
+    _refused_before_writing(tmp_path, make_tiny_hf_model, "notok.gguf", lambda writer: None,
+                            r"notok.gguf holds no tokenizer \(no tokenizer.ggml.model or tokenizer.ggml.tokens key\)")
 
 
 def test_a_chat_template_that_does_not_parse_is_named(tmp_path, make_tiny_hf_model):
@@ -391,9 +394,6 @@ def test_a_chat_template_that_does_not_parse_is_named(tmp_path, make_tiny_hf_mod
         writer.kv_data[0].pop("tokenizer.chat_template", None)
         writer.add_chat_template("{% for m in messages %}{{ m.content ")
 
-    path = tmp_path / "badtpl.gguf"
-    write_gguf(path, "qwen3", make_tiny_hf_model("qwen3", None, vocab_size=VOCAB), tokenizer=tokenizer)
-    with pytest.raises(ModelLoadError, match=r"badtpl.gguf: its chat template \(tokenizer.chat_template\) does "
-                                             r"not parse \(line 1: unexpected end of template.*gguf-new-metadata --chat-template-file"):
-        convert_gguf(path, tmp_path / "out")
-    assert not (tmp_path / "out").exists()
+    _refused_before_writing(tmp_path, make_tiny_hf_model, "badtpl.gguf", tokenizer,
+                            r"badtpl.gguf: its chat template \(tokenizer.chat_template\) does not parse "
+                            r"\(line 1: unexpected end of template.*gguf-new-metadata --chat-template-file")

@@ -46,3 +46,12 @@ def cache_not_writable(gguf_name: str, folder: object, error: OSError) -> ModelL
     be created or written, naming the fix: the conversion's and serve's precheck alike."""
     return ModelLoadError(f"cannot write the conversion of {gguf_name} under {folder} ({error}); "
                           "point HEADROOM_CACHE_DIR at a writable folder")
+
+
+def _with_subclasses(cls: type) -> list[type]:
+    return [cls, *(c for sub in cls.__subclasses__() for c in _with_subclasses(sub))]
+
+
+# The class names of every error above, as a worker's error message carries its kind: a
+# load that fails on the model's files fails the same on every try.
+LOAD_ERROR_NAMES = frozenset(c.__name__ for c in _with_subclasses(ModelLoadError))

@@ -9,7 +9,7 @@ on here. The health summary is :func:`service.supervision.report.health_report`.
 States: ``starting`` (first spawn, or a load after ``paused`` or ``idle``) ->
 ``ready`` -> ``restarting`` (worker died or hung, or a restart was asked for; back to
 ``ready``) ... -> ``failed`` (a crash loop, the first load failed, or a load failed on
-the model's files, :data:`MODEL_FILE_ERRORS`),
+the model's files, :data:`engine.common.load_errors.LOAD_ERROR_NAMES`),
 and ``stopped`` at shutdown. Without a worker, and without failing
 (:mod:`service.common.engine_states`): ``waiting_for_memory``, ``waiting_for_gpu``,
 ``paused`` and ``idle``, in :mod:`service.supervision.unloading`. Whether a request can
@@ -43,6 +43,7 @@ from typing import Any
 
 import msgspec
 
+from engine.common.load_errors import LOAD_ERROR_NAMES
 from engine.wire.ipc import EngineEvents, FromWorker, ModelFolder, Ready, WorkerError
 from engine.wire.messages import EngineEvent, EngineInfo, EngineStats
 from service.common.engine_states import (
@@ -78,12 +79,6 @@ from service.supervision.watchdog import watch
 from service.supervision.worker_process import ExitStatus, WorkerProcess
 
 log = logging.getLogger("headroom.supervisor")
-# A load's errors about the model's files (engine.common.load_errors): the same on every
-# try, at the first start or after (a file damaged or replaced while served).
-MODEL_FILE_ERRORS = frozenset({
-    "ModelLoadError", "ModelNotFound", "UnsupportedArchitecture", "UnsupportedConfig",
-    "ConfigFieldMissing", "CorruptWeights", "WeightMismatch", "UnsupportedGGUFType",
-})
 
 class Supervisor(Readiness, Unloading, Draining):
     """Owns the worker process; see the module docstring for the states.
@@ -252,10 +247,10 @@ class Supervisor(Readiness, Unloading, Draining):
             if cuda_fault(message):
                 self._enter_gpu_wait(message.message)
                 return
-            if message.during_load and (self._first_start or message.kind in MODEL_FILE_ERRORS):
-                # Nothing ever served, or the model's files went bad since: a failure the
-                # same again on every try (a missing or damaged model, a memory plan that
-                # does not fit), reported, not retried.
+            if message.during_load and (self._first_start or message.kind in LOAD_ERROR_NAMES):
+                # Nothing ever served, or the model's files went bad since (damaged or
+                # replaced while served): a failure the same again on every try (a missing
+                # or damaged model, a memory plan that does not fit), reported, not retried.
                 if message.kind in ("PlanDoesNotFit", "SettingRefused"):
                     reason = message.message  # it says what does not fit and what fixes it
                     reason += f"\n({OWN_MEMORY})" if own else ""

@@ -25,11 +25,16 @@ suffix), to see whether the CPU's half runs beside the bus-read kernel or after 
 
 ``--reserve 0`` plans without the desktop reserve: the comparison at the GPU memory in
 use that llama.cpp, which keeps none, takes.
+
+The other kernel switches come from their ``HEADROOM_*`` variables as serve reads them
+(:func:`engine.common.environment.kernel_switches`): ``HEADROOM_EXPERT_STAGED_PREFILL=0``
+times prefill with every chunk's missing experts read over the bus instead of staged.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import logging
 import subprocess
@@ -39,6 +44,7 @@ from pathlib import Path
 import torch
 
 from engine.common.config import EngineConfig
+from engine.common.environment import kernel_switches
 from engine.common.units import parse_size
 from engine.core.engine import Engine
 from engine.wire.messages import GenerateRequest, SamplingParams
@@ -76,11 +82,16 @@ def main() -> None:
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device")
     reserve = None if args.reserve is None else parse_size(args.reserve)
+    try:
+        switches = dataclasses.asdict(kernel_switches())
+    except ValueError as e:
+        ap.error(str(e))
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     logging.getLogger("headroom").setLevel(logging.INFO)
     for share in args.cpu_share.split(","):
         engine = Engine(EngineConfig(model=args.model, device="cuda", device_limit=parse_size(args.device_limit),
-                                     reserve=reserve, cuda_graphs=not args.no_cuda_graphs, expert_cpu_share=share))
+                                     reserve=reserve, cuda_graphs=not args.no_cuda_graphs,
+                                     **{**switches, "expert_cpu_share": share}))
         _bench(engine, args, share)
         del engine
         gc.collect()

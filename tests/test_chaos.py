@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 @pytest.mark.timeout(2400)
 def test_short_chaos_run_loses_nothing(tmp_path, default_model_dir):
     opts = ChaosOptions(
-        requests=100,
+        requests=64,
         clients=16,
         kills=2,
         ooms=5,
@@ -36,12 +36,12 @@ def test_short_chaos_run_loses_nothing(tmp_path, default_model_dir):
     report = run_chaos(opts, out=lines.append)
     print("\n".join(lines))
     assert report.problems() == [], (report.problems(), (tmp_path / "serve.log").read_text())
-    assert len(report.outcomes) == 100
+    assert len(report.outcomes) == 64
     assert report.count("hung") == 0 and report.count("undocumented") == 0
     assert report.wrong == []
     assert report.orphans == []
     assert report.pages_leaked == 0
     assert report.restarts == 2 and len(report.back_to_ready_s) == 2
     assert report.ooms_armed == 5 and report.ooms_fired >= 1
-    assert report.count("ok") >= 50  # most requests still succeed
+    assert report.count("ok") >= 32  # most requests still succeed
     assert report.service_exit_code == 0

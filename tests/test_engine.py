@@ -88,10 +88,10 @@ def _mixed_requests(tokenizer) -> dict[str, tuple[list[int], SamplingParams]]:
         text = f"Tell me one fact about {topics[i % 8]}." + " Be brief." * (i % 5)
         ids = encode_chat(tokenizer, [{"role": "user", "content": text}])
         if i % 2 == 0:
-            sp = SamplingParams(max_new_tokens=8 + i, temperature=0.0, ignore_eos=True)
+            sp = SamplingParams(max_new_tokens=4 + i // 2, temperature=0.0, ignore_eos=True)
         else:
             sp = SamplingParams(
-                max_new_tokens=8 + i, temperature=0.8, top_p=0.9, top_k=40, seed=100 + i,
+                max_new_tokens=4 + i // 2, temperature=0.8, top_p=0.9, top_k=40, seed=100 + i,
                 frequency_penalty=0.3 * (i % 3), ignore_eos=True,
             )
         reqs[f"m{i}"] = (ids, sp)

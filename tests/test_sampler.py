@@ -16,7 +16,7 @@ from transformers import (
 
 from engine.sampling.sampler import InvalidLogitsError, Sampler
 from engine.sampling.state import SamplingState
-from engine.wire.messages import SamplingParams
+from engine.wire.messages import GREEDY_TEMPERATURE, SamplingParams
 
 DEVICES = [
     "cpu",
@@ -156,6 +156,21 @@ def test_tiny_temperature_gives_no_nan_and_picks_the_best():
         assert not torch.isnan(out).any()
         tokens = Sampler().sample(logits, _states(params, 100), params)
         assert torch.equal(tokens, logits.argmax(-1))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_temperature_that_underflows_float32_samples_greedily(device):
+    """1e-300 is 0 in float32: dividing by it made the best token 0/0 = NaN and the row
+    unusable (an answer of special tokens that never stopped); below
+    GREEDY_TEMPERATURE a row is greedy, so it never divides."""
+    logits = torch.randn(3, 100, generator=torch.Generator().manual_seed(6)).to(device) * 10
+    params = [SamplingParams(temperature=t, seed=1) for t in (1e-300, 5e-324, GREEDY_TEMPERATURE / 2)]
+    assert all(p.greedy for p in params) and not SamplingParams(temperature=GREEDY_TEMPERATURE).greedy
+    states = _states(params, 100, device)
+    before = [st.generator.get_state() for st in states]
+    tokens = Sampler().sample(logits, states, params)
+    assert torch.equal(tokens.cpu(), logits.argmax(-1).cpu())
+    assert all(torch.equal(st.generator.get_state(), b) for st, b in zip(states, before, strict=True))
 
 
 # --- sampling --------------------------------------------------------------------------

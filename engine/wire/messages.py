@@ -29,10 +29,17 @@ class ThinkingBudget(msgspec.Struct, frozen=True, kw_only=True):
     open_ids: tuple[int, ...] = ()
 
 
+# Temperatures below this sample greedily (vLLM's bound, 1e-5): dividing float32 logits by
+# a smaller one overflows every gap to -inf, and one that rounds to 0 in float32 (below
+# about 1e-45) made the best token 0/0 = NaN and the whole row unusable.
+GREEDY_TEMPERATURE = 1e-5
+
+
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     """How to pick the next token and when to stop.
 
-    ``temperature == 0`` means greedy. ``top_k <= 0`` disables top-k; ``top_p == 1`` and
+    ``temperature`` below :data:`GREEDY_TEMPERATURE` (0 included) means greedy.
+    ``top_k <= 0`` disables top-k; ``top_p == 1`` and
     ``min_p == 0`` disable those filters. ``seed`` gives the request its own random
     stream, so its output does not depend on what else runs in the batch.
     ``repetition_penalty`` follows CTRL (Keskar et al., 2019, as in transformers):
@@ -72,7 +79,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
 
 # OpenAI's bound on top_logprobs.

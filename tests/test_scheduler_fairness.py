@@ -22,8 +22,8 @@ def _scheduler(radix=None) -> Scheduler:
     return Scheduler(config, PageAllocator(2048), radix)
 
 
-def _req(rid: str, n: int, arrival: int) -> Request:
-    sampling = SamplingParams(max_new_tokens=4)
+def _req(rid: str, n: int, arrival: int, new_tokens: int = 4) -> Request:
+    sampling = SamplingParams(max_new_tokens=new_tokens)
     prompt = list(range(1, n + 1))
     return Request(request_id=rid, prompt_ids=prompt, sampling=sampling,
                    state=SamplingState(sampling, prompt, 8192, torch.device("cpu")), arrival=arrival)
@@ -121,3 +121,79 @@ def test_two_prefills_short_of_pages_do_not_stall_each_other():
         steps += 1
     assert "b" in preempted and finished == {"a", "b"}
     assert sched.allocator.num_free == sched.allocator.num_usable
+
+
+# --- one call's sequences against another call (engine.scheduler.fair_share) ------------
+
+
+def _call(sched: Scheduler, group: str, n: int, arrival: int, prompt: int = 40) -> list[Request]:
+    """A call of ``n`` sequences of one group, added in order."""
+    reqs = []
+    for i in range(n):
+        req = _req(f"{group}-{i}", prompt, arrival + i, new_tokens=50)
+        req.group = group
+        sched.add(req)
+        reqs.append(req)
+    return reqs
+
+
+def _steps(sched: Scheduler, count: int) -> list:
+    plans = []
+    for _ in range(count):
+        plan = sched.schedule()
+        _run(sched, plan)
+        plans.append(plan)
+    return plans
+
+
+def test_a_call_alone_takes_every_slot():
+    sched = _scheduler()
+    _call(sched, "big", 12, 0)
+    plans = _steps(sched, 2)
+    assert len(sched.running) == 8 and len(sched.waiting) == 4
+    assert all(not p.preempted for p in plans)
+
+
+def test_a_chat_arriving_while_one_call_holds_every_slot_runs_in_the_next_step():
+    """The call's youngest sequence goes back to waiting (its output kept, recomputed
+    later); the chat is admitted in the same step, not after the whole call."""
+    sched = _scheduler()
+    big = _call(sched, "big", 8, 0)
+    _steps(sched, 2)
+    assert len(sched.running) == 8
+    sched.add(_req("chat", 20, 100))
+    plan = sched.schedule()
+    assert [r.request_id for r in plan.preempted] == ["big-7"]
+    assert "chat" in {it.req.request_id for it in plan.items}
+    assert big[7].phase is Phase.WAITING and big[7].output_ids == [7, 7]
+    _run(sched, plan)
+    # The chat runs to its end beside the seven; the eighth waits for a slot, then
+    # resumes from its prompt and output so far.
+    for _ in range(4):
+        _run(sched, sched.schedule())
+    assert sched.requests["chat"].phase is Phase.FINISHED
+    plan = sched.schedule()
+    assert any(it.req is big[7] for it in plan.items) and not plan.preempted
+
+
+def test_two_large_calls_settle_at_half_the_slots_each():
+    sched = _scheduler()
+    _call(sched, "a", 8, 0)
+    _steps(sched, 1)
+    _call(sched, "b", 8, 100)
+    plan = sched.schedule()
+    assert len(plan.preempted) == 4 and {r.group for r in plan.preempted} == {"a"}
+    held = sorted(r.group for r in sched.running)
+    assert held == ["a"] * 4 + ["b"] * 4
+    _run(sched, plan)
+    assert not sched.schedule().preempted  # settled: no more give-backs
+
+
+def test_requests_of_their_own_never_preempt_each_other():
+    """Single-sequence calls keep first come, first served: none holds above half."""
+    sched = _scheduler()
+    for i in range(10):
+        sched.add(_req(f"r{i}", 20, i))
+    plans = _steps(sched, 2)
+    assert all(not p.preempted for p in plans)
+    assert [r.request_id for r in sched.running] == [f"r{i}" for i in range(8)]

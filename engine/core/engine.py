@@ -306,6 +306,7 @@ class Engine(PlanStages, WeightsStage, GrammarWaits, LiveReplan, SplitReplan):
             sampling=req.sampling,
             state=state,
             arrival=next(self._arrivals),
+            group=req.group,
             prompt_logprobs=None if req.sampling.prompt_logprobs is None else [None] * n,
         )
         if req.sampling.json_schema is not None:

@@ -32,6 +32,8 @@ class Request:
     sampling: SamplingParams
     state: SamplingState
     arrival: int
+    # The call this request is one sequence of (GenerateRequest.group), "" for its own.
+    group: str = ""
     output_ids: list[int] = field(default_factory=list)
     phase: Phase = Phase.WAITING
     kv_len: int = 0

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from engine.kvcache.allocator import OutOfPages, PageAllocator
 from engine.kvcache.radix import RadixCache
 from engine.kvcache.ring import RingPages
+from engine.scheduler import fair_share
 from engine.scheduler.prefix_pages import cache_full_pages
 from engine.scheduler.prefix_rings import PrefixRings
 from engine.scheduler.prefix_states import PrefixStates
@@ -151,6 +152,9 @@ class Scheduler:
         Returns None when nothing can run.
         """
         plan = StepPlan()
+        for victim in fair_share.victims(self.running, self.waiting, self.max_running_requests):
+            plan.preempted.append(victim)
+            self._preempt(victim)
         self._fill(plan)
         while not plan.items and len(self.running) > 1 and all(r.phase is Phase.PREFILL for r in self.running):
             plan.preempted.append(victim := self.running[-1])
@@ -178,11 +182,11 @@ class Scheduler:
                 plan.items.append(item)
                 budget -= item.num_tokens
         while self.waiting and budget > 0 and len(self.running) < self.max_running_requests:
-            req = self.waiting[0]
+            req = self._next_waiting()
             item = self._admit(req, budget)
             if item is None:
                 break
-            self.waiting.popleft()
+            self.waiting.remove(req)
             self.running.append(req)
             plan.items.append(item)
             budget -= item.num_tokens
@@ -198,17 +202,21 @@ class Scheduler:
         share = budget // 4
         planned = 0
         while self.waiting and len(self.running) < self.max_running_requests:
-            req = self.waiting[0]
+            req = self._next_waiting()
             if req.pending_len > share - planned:
                 break
             item = self._admit(req, share - planned)
             if item is None:
                 break
-            self.waiting.popleft()
+            self.waiting.remove(req)
             self.running.append(req)
             plan.items.append(item)
             planned += item.num_tokens
         return planned
+
+    def _next_waiting(self) -> Request:
+        """The waiting request to admit next (:func:`engine.scheduler.fair_share.next_waiting`)."""
+        return fair_share.next_waiting(self.waiting, self.running, self.max_running_requests)
 
     def _plan_decode(self, req: Request, plan: StepPlan) -> StepItem | None:
         while True:

@@ -107,11 +107,15 @@ class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):
 
 
 class GenerateRequest(msgspec.Struct, frozen=True, tag=True, kw_only=True):
-    """A new request: prompt token ids (already templated and tokenized)."""
+    """A new request: prompt token ids (already templated and tokenized). ``group``: the
+    call it is one sequence of (OpenAI's ``n``, a completion's prompts; the same text for
+    each of them), so that one call cannot hold every decode slot while another waits
+    (:mod:`engine.scheduler.fair_share`); empty for a call of one sequence."""
 
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams = SamplingParams()
+    group: str = ""
 
 
 class AbortRequest(msgspec.Struct, frozen=True, tag=True):

@@ -225,7 +225,8 @@ class Generation:
             return
         requests = [
             GenerateRequest(
-                request_id=f"{self.request_id}-{i}", prompt_token_ids=ids, sampling=sampling
+                request_id=f"{self.request_id}-{i}", prompt_token_ids=ids, sampling=sampling,
+                group=self.request_id,
             )
             for i, (ids, sampling) in enumerate(zip(prompt_of, self.sampling, strict=True))
         ]
@@ -244,6 +245,7 @@ class Generation:
         requests = [
             GenerateRequest(
                 request_id=f"{self.request_id}-{p * self.request.n}",
+                group=self.request_id,
                 prompt_token_ids=ids,
                 sampling=msgspec.structs.replace(
                     self.sampling[p * self.request.n], max_new_tokens=1, logprobs=None

@@ -362,3 +362,22 @@ def test_serve_refuses_a_cache_folder_it_cannot_write_before_starting(tiny_gguf,
         assert result.stderr.strip() == expected, (command, result.output)
         assert "listening" not in result.output
     assert cache.read_text() == "x"
+
+
+@pytest.mark.parametrize("content", [b"hello\n", b"hello, this is text\n", b"GG"])
+def test_a_file_that_is_no_gguf_is_refused_as_such_however_short(tmp_path, content):
+    """A 6-byte text file named .gguf was called a truncated download ("its header goes on
+    past the end of the 6-byte file"), while one of 8 bytes or more got "GGUF magic
+    invalid"; a file whose first bytes are not GGUF's is named as no GGUF at all, with
+    what to give instead. Two bytes of the magic alone are a truncated GGUF."""
+    model = tmp_path / "x.gguf"
+    model.write_bytes(content)
+    result = invoke(["plan", "--model", str(model)])
+    assert result.exit_code == 2, result.output
+    error = result.stderr.strip()
+    if content == b"GG":
+        assert error.endswith("it is truncated, shorter than its header says); download it again"), error
+    else:
+        assert error == (f"headroom: error: cannot load the model: {model} is not a GGUF file (its first bytes are "
+                         f"{content[:4]!r}, not b'GGUF'): give a .gguf file as llama.cpp writes it, or a Hugging "
+                         "Face model's folder"), error

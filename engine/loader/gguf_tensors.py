@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-_MAGIC = 0x46554747  # "GGUF" read as a little-endian uint32
+_MAGIC_BYTES = b"GGUF"  # a GGUF file's first four bytes
 # Value types of the key-value section (GGUFValueType) and the bytes of the fixed-size ones.
 _STRING, _ARRAY = 8, 9
 _FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
@@ -58,9 +58,10 @@ class GGUFTensors:
             offs += length
             return bytes(buf[offs - length:offs]).decode("utf-8", errors=errors)
 
-        magic, version = take("II")
-        if magic != _MAGIC:
-            raise ValueError("GGUF magic invalid")
+        head = bytes(buf[:4])
+        if head != _MAGIC_BYTES[:len(head)]:  # a file of another kind, however short
+            raise NotGGUF(f"its first bytes are {head!r}, not {_MAGIC_BYTES!r}")
+        _, version = take("II")
         if version not in (2, 3):
             raise ValueError(f"GGUF version {version} (big-endian or unknown) is not read here")
         tensor_count, kv_count = take("QQ")
@@ -124,6 +125,10 @@ class GGUFTensors:
             raw.madvise(mmap.MADV_DONTNEED)
 
 
+class NotGGUF(ValueError):
+    """The file does not begin with GGUF's magic: it is some other kind of file."""
+
+
 def _check_within(buf: np.memmap, end: int) -> None:
     """Raise ValueError saying the file is truncated when its header needs bytes up to
     ``end`` (exclusive) past the file's ``len(buf)`` bytes."""
@@ -161,8 +166,9 @@ def open_tensors(gguf_path: Path) -> GGUFTensors:
 
     Raises:
         ModelLoadError: the path is not a file.
-        CorruptWeights: the file is not a GGUF this reads; the message says to download
-            it again.
+        CorruptWeights: the file is not a GGUF (its first bytes say so; the message names
+            what to give instead), or not one this reads (the message says to download it
+            again).
     """
     from engine.common.load_errors import CorruptWeights, ModelLoadError
 
@@ -171,5 +177,8 @@ def open_tensors(gguf_path: Path) -> GGUFTensors:
         raise ModelLoadError(f"{gguf_path} is not a file")
     try:
         return GGUFTensors(gguf_path)
+    except NotGGUF as e:
+        raise CorruptWeights(f"{gguf_path} is not a GGUF file ({e}): give a .gguf file as llama.cpp writes it, "
+                             "or a Hugging Face model's folder") from e
     except (ValueError, OSError, IndexError, KeyError, TypeError, struct.error, UnicodeDecodeError) as e:
         raise CorruptWeights(f"{gguf_path} is not a readable GGUF file ({e}); download it again") from e

@@ -54,7 +54,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
     except OSError as exc:
         sock.close()
         if exc.errno in (errno.EADDRINUSE, getattr(errno, "WSAEADDRINUSE", -1)):
-            raise OSError(exc.errno, f"port {port} is in use (on {host})") from None
+            raise OSError(exc.errno, f"port {port} is in use (on {host}): pass --port N (or set HEADROOM_PORT) "
+                                     f"for another one, or stop the program that listens on it") from None
         if exc.errno == errno.EADDRNOTAVAIL:
             raise OSError(exc.errno, f"--host {host}: not an address of this machine ({exc.strerror}); "
                                      f"{ADDRESSES}") from None

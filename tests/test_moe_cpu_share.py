@@ -8,6 +8,8 @@ CPU nothing.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -21,7 +23,7 @@ from engine.layers.moe.expert_costs import ALWAYS_COPY  # noqa: E402
 from engine.layers.moe.expert_counters import ExpertCounters  # noqa: E402
 from engine.layers.moe.expert_stacks import BlockStack  # noqa: E402
 from kernels.cpu.moe_experts import moe_experts  # noqa: E402
-from kernels.cpu.moe_job import CPU_RUN  # noqa: E402
+from kernels.cpu.moe_job import CPU_RUN, JobWindow  # noqa: E402
 from kernels.moe.quant_reference import fused_moe_quant  # noqa: E402
 from kernels.moe.reference import route  # noqa: E402
 from kernels.quant.synthetic import random_blocks  # noqa: E402
@@ -62,16 +64,58 @@ def test_a_skewed_routing_balances_the_expected_time_of_the_halves():
     assert fixed.bus_s > split.bus_s
 
 
+def _window(calls: list[tuple[int, float]], idle_runs: int = 0) -> JobWindow:
+    """The job's window of ``calls`` (pairs, seconds) and ``idle_runs`` calls with no pair."""
+    return JobWindow(runs=len(calls) + idle_runs, seconds=sum(t for _, t in calls), pairs=sum(p for p, _ in calls),
+                     paired_runs=len(calls), paired_seconds=sum(t for _, t in calls),
+                     pairs_sq=sum(p * p for p, _ in calls), pair_seconds=sum(p * t for p, t in calls))
+
+
 def test_the_cpu_rate_is_refit_to_the_jobs_time_inside_the_steps():
-    """40 pairs in 10 runs took 10 x 5 us of the job's fixed part and 40 x 30 us: the
-    measured 30 us a pair is averaged in at REFIT_WEIGHT; too few pairs leave the rates
-    as they were (the same object); negative counts are refused."""
+    """10 runs of 4 pairs each took 10 x 5 us of the job's fixed part and 40 x 30 us: no
+    spread of pair counts, so no line; the measured 30 us a pair (the old fixed part a
+    call aside) is averaged in at REFIT_WEIGHT; too few pairs leave the rates as they
+    were (the same object); negative counts are refused."""
     rates = ShareRates(bus_s=50e-6, cpu_s=10e-6, cpu_fixed_s=20e-6, job_fixed_s=5e-6)
-    refit = refit_cpu_rate(rates, 10, 10 * 5e-6 + 40 * 30e-6, 40)
+    refit = refit_cpu_rate(rates, _window([(4, 5e-6 + 4 * 30e-6)] * 10))
     assert refit.cpu_s == pytest.approx(20e-6) and (refit.bus_s, refit.cpu_fixed_s) == (50e-6, 20e-6)
-    assert refit_cpu_rate(rates, 3, 1.0, 15) is rates
+    assert refit_cpu_rate(rates, _window([(3, 0.2)] * 5)) is rates
     with pytest.raises(ValueError, match=">= 0"):
-        refit_cpu_rate(rates, -1, 0.0, 40)
+        refit_cpu_rate(rates, JobWindow(runs=-1, pairs=40))
+
+
+def test_a_call_s_wake_up_inside_the_steps_is_fit_as_fixed_not_charged_to_its_pairs():
+    """One-row steps run two or three CPU pairs a call; inside the steps each call also
+    paid 100 us to wake its threads, which the start's back-to-back timing (5 us fixed)
+    never saw. Charged to the pairs, that made an expert cost about 88 us, slower than the
+    bus's 70, and the split went by costs the step does not have. The least-squares line
+    over the calls finds 100 us a call and 50 us a pair (idle calls, which return before
+    their threads wake, aside), and its split is the shorter step by those true costs,
+    on this file's small layer and on a 30B-A3B's (128 experts, top 8)."""
+    calls = [(p, 100e-6 + p * 50e-6) for p in (2, 3, 2, 3, 3, 2, 1, 4)] * 3
+    start = ShareRates(bus_s=70e-6, cpu_s=50e-6, cpu_fixed_s=35e-6, job_fixed_s=5e-6)  # trip 30 us
+    window = _window(calls, idle_runs=6)
+    assert window.line() == pytest.approx((100e-6, 50e-6))
+    rates = start
+    for _ in range(8):  # refreshes of the same steps: the averages converge
+        rates = refit_cpu_rate(rates, window)
+    assert rates.cpu_s == pytest.approx(50e-6) and rates.job_fixed_s == pytest.approx(100e-6, rel=1e-2)
+    assert rates.cpu_fixed_s == pytest.approx(130e-6, rel=1e-2)  # the trip kept beside the job's fixed part
+    pairs = window.pairs
+    charged = (window.seconds - window.runs * start.job_fixed_s) / pairs  # the old refit's measure
+    assert charged > start.bus_s
+    for experts, top_k in ((EXPERTS, TOP_K), (128, 8)):  # this file's layer, a 30B-A3B's
+        heat = torch.zeros(experts)
+        old_split = split_share(heat, {}, top_k, replace(start, cpu_s=charged))
+        new_split = split_share(heat, {}, top_k, rates)
+        p = top_k / experts  # each expert's chance of a step, an even routing
+
+        def true_step_s(split, p=p, experts=experts) -> float:  # the two halves, by the true costs
+            return max(130e-6 + p * len(split.cpu) * 50e-6, p * (experts - len(split.cpu)) * 70e-6)
+
+        assert true_step_s(new_split) < true_step_s(old_split), (experts, old_split, new_split)
+    # The same pair count in every call: no line, the old measure.
+    assert JobWindow(runs=3, pairs=6, paired_runs=3, paired_seconds=1.0, pairs_sq=12, pair_seconds=2.0).line() is None
 
 
 def test_on_cuda_the_job_leaves_the_workers_thread_a_core(monkeypatch):

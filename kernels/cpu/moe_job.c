@@ -13,9 +13,10 @@
  * and opens its own OpenMP region of job->threads threads from that thread.
  *
  * Each call adds to the struct's running totals (runs, busy_ns from CLOCK_MONOTONIC, and
- * the pairs run): the engine reads them between steps, never writes them, and refits the
- * CPU's rate by what the job really took inside the decode steps
- * (engine/layers/moe/cpu_share.py).
+ * the pairs run; over the calls that ran a pair, the sums a least-squares line of time
+ * against pairs needs): the engine reads them between steps, never writes them, and
+ * refits the CPU's rates, per call and per pair, by what the job really took inside the
+ * decode steps (engine/layers/moe/cpu_share.py).
  *
  * Rows whose live flag is 0 (a CUDA graph's padding rows) are skipped whole: no pair,
  * no conversion, no quantization. The pairs are taken in (row, k) order and grouped by
@@ -49,6 +50,9 @@ typedef struct {
     int64_t pairs;           /* out: the CPU pairs it ran */
     int64_t runs, busy_ns, pairs_run;  /* out, running totals over every call: calls, their
                                           wall nanoseconds, the pairs they ran */
+    int64_t paired_runs, paired_ns, pairs_sq;  /* out, over the calls that ran a pair: calls, their
+                                                  nanoseconds, the sum of their pairs squared */
+    double pair_ns;          /* out: the sum over those calls of pairs x nanoseconds (a line's fit) */
 } hr_moe_job;
 
 int hr_moe_experts(const float *x, int64_t T, int64_t H, int64_t I, const int32_t *token, const float *weight,
@@ -189,7 +193,14 @@ void moe_cpu_job(void *arg) {
     hr_moe_job *job = (hr_moe_job *)arg;
     const int64_t start = now_ns();
     run_job(job);
-    job->busy_ns += now_ns() - start;
+    const int64_t took = now_ns() - start;
+    job->busy_ns += took;
     job->pairs_run += job->pairs;
     job->runs++;
+    if (job->pairs > 0) {  /* a call with no pair returns before its threads start */
+        job->paired_runs++;
+        job->paired_ns += took;
+        job->pairs_sq += job->pairs * job->pairs;
+        job->pair_ns += (double)job->pairs * (double)took;
+    }
 }

@@ -20,6 +20,7 @@ bit: the same pairs in the same order (row-major, grouped by expert, ascending).
 from __future__ import annotations
 
 import ctypes
+from dataclasses import astuple, dataclass
 
 import torch
 
@@ -46,7 +47,39 @@ class JobStruct(ctypes.Structure):
                 ("T", _i64), ("H", _i64), ("I", _i64), ("K", _i64), ("E", _i64), ("work_bytes", _i64),
                 ("x_dtype", _i32), ("w_dtype", _i32), ("tg", _i32), ("tu", _i32), ("td", _i32), ("threads", _i32),
                 ("path", _i32), ("status", _i32), ("pairs", _i64),
-                ("runs", _i64), ("busy_ns", _i64), ("pairs_run", _i64)]
+                ("runs", _i64), ("busy_ns", _i64), ("pairs_run", _i64),
+                ("paired_runs", _i64), ("paired_ns", _i64), ("pairs_sq", _i64), ("pair_ns", ctypes.c_double)]
+
+
+@dataclass(frozen=True)
+class JobWindow:
+    """What a job's runs took, as running totals or a window's differences (``a - b``):
+    ``runs`` calls, ``seconds`` of wall time inside them (the job's own timing), ``pairs``
+    CPU pairs; and over the calls that ran a pair, the sums a least-squares line of a
+    call's seconds against its pairs needs: ``paired_runs`` calls, ``paired_seconds``,
+    ``pairs_sq`` (their pairs squared) and ``pair_seconds`` (pairs times seconds)."""
+
+    runs: int = 0
+    seconds: float = 0.0
+    pairs: int = 0
+    paired_runs: int = 0
+    paired_seconds: float = 0.0
+    pairs_sq: int = 0
+    pair_seconds: float = 0.0
+
+    def __sub__(self, other: JobWindow) -> JobWindow:
+        return JobWindow(*(a - b for a, b in zip(astuple(self), astuple(other), strict=True)))
+
+    def line(self) -> tuple[float, float] | None:
+        """``(fixed seconds a call, seconds a pair)``: the least-squares line of the calls
+        that ran a pair, their seconds against their pairs; None when fewer than two such
+        calls, or all of the same pair count (no slope to fit)."""
+        n, p, t = self.paired_runs, self.pairs, self.paired_seconds
+        spread = n * self.pairs_sq - p * p
+        if n < 2 or spread <= 0:
+            return None
+        slope = (n * self.pair_seconds - p * t) / spread
+        return (t - slope * p) / n, slope
 
 
 class MoeCpuJob:
@@ -135,6 +168,15 @@ class MoeCpuJob:
         structs = list(self._structs.values())
         return (sum(s.runs for s in structs), sum(s.busy_ns for s in structs) * 1e-9,
                 sum(s.pairs_run for s in structs))
+
+    def window(self) -> JobWindow:
+        """:class:`JobWindow` of every run so far (every row count's struct together):
+        running totals; take differences between steps."""
+        structs = list(self._structs.values())
+        return JobWindow(sum(s.runs for s in structs), sum(s.busy_ns for s in structs) * 1e-9,
+                         sum(s.pairs_run for s in structs), sum(s.paired_runs for s in structs),
+                         sum(s.paired_ns for s in structs) * 1e-9, sum(s.pairs_sq for s in structs),
+                         sum(s.pair_ns for s in structs) * 1e-9)
 
     def refused(self) -> str | None:
         """What the last run of a row count refused, in words (its rows and status), or

@@ -98,15 +98,17 @@ class BusDecode:
         """Refit the CPU's rate to what the job took inside the decode steps since the
         last refresh (:func:`~engine.layers.moe.cpu_share.refit_cpu_rate`); the log says
         when it moved by a quarter or more."""
-        runs, seconds, pairs = self._share.take_totals()
-        rates = refit_cpu_rate(self.share_rates, runs, seconds, pairs)
+        window = self._share.take_totals()
+        rates = refit_cpu_rate(self.share_rates, window)
         if rates is self.share_rates:
             return
-        if abs(rates.cpu_s - self.share_rates.cpu_s) >= 0.25 * self.share_rates.cpu_s:
-            log.info("expert CPU share, layer %s: the job took %.1f us an expert inside the decode steps "
-                     "(%d pairs in %d runs); the rate goes from %.1f to %.1f us", self.layer_index,
-                     max(seconds - runs * rates.job_fixed_s, 0.0) / pairs * 1e6, pairs, runs,
-                     self.share_rates.cpu_s * 1e6, rates.cpu_s * 1e6)
+        old = self.share_rates
+        if (abs(rates.cpu_s - old.cpu_s) >= 0.25 * old.cpu_s
+                or abs(rates.job_fixed_s - old.job_fixed_s) >= 0.25 * max(old.job_fixed_s, 1e-6)):
+            log.info("expert CPU share, layer %s: inside the decode steps the job ran %d pairs in %d runs "
+                     "(%.1f ms); its rates go from %.1f us a run + %.1f us an expert to %.1f + %.1f",
+                     self.layer_index, window.pairs, window.runs, window.seconds * 1e3, old.job_fixed_s * 1e6,
+                     old.cpu_s * 1e6, rates.job_fixed_s * 1e6, rates.cpu_s * 1e6)
         self.share_rates = rates
 
     def count_bus_reads(self) -> None:

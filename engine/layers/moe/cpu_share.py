@@ -22,19 +22,24 @@ changes (a refresh, a resize), between steps, never inside a capture.
 The rates are measured at start, with the job alone on the machine; inside the decode
 steps it shares the cores with the worker's own thread and runs from the CUDA runtime's
 callback thread, and on an H200 host it took longer there than measured, so that every
-layer waited for it. :func:`refit_cpu_rate` refits the CPU's rate at each refresh from
-what the job itself timed inside the steps since the last one.
+layer waited for it. :func:`refit_cpu_rate` refits the CPU's rates (a call's fixed part
+and an expert's) at each refresh from what the job itself timed inside the steps since
+the last one.
 """
 
 from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.layers.moe.expert_costs import best_time
 from engine.layers.moe.expert_stacks import BlockStack
+
+if TYPE_CHECKING:
+    from kernels.cpu.moe_job import JobWindow
 
 # Share of the uniform prior in an expert's weight: an expert never routed yet still
 # counts for a tenth of an even routing.
@@ -108,23 +113,36 @@ def split_share(heat: torch.Tensor, cached: set[int] | dict[int, int], top_k: in
     return Split(tuple(sorted(cpu)), cpu_t, bus_t)
 
 
-def refit_cpu_rate(rates: ShareRates, runs: int, seconds: float, pairs: int) -> ShareRates:
-    """``rates`` with ``cpu_s`` refit to what the C job took inside the decode steps since
-    the last refit: ``runs`` calls, ``seconds`` of wall time inside them (the job's own
-    timing), ``pairs`` CPU pairs run. The measured seconds a pair, the job's fixed part
-    (``job_fixed_s``) a call aside, are averaged into ``cpu_s`` with weight
-    :data:`REFIT_WEIGHT`. The same object when fewer than :data:`REFIT_MIN_PAIRS` pairs
-    ran (a split that gives the CPU nothing keeps its rates).
+def refit_cpu_rate(rates: ShareRates, window: JobWindow) -> ShareRates:
+    """``rates`` refit to what the C job took inside the decode steps since the last refit
+    (``window``: its calls, their wall time by the job's own timing, the CPU pairs run).
+
+    Where the calls that ran pairs ran different numbers of them, a least-squares line of
+    a call's seconds against its pairs (:meth:`~kernels.cpu.moe_job.JobWindow.line`) gives
+    both the job's fixed part a call (``job_fixed_s``; ``cpu_fixed_s`` moves with it) and
+    ``cpu_s``: inside the steps each call first wakes its threads, which the start's
+    back-to-back timing never paid, and charged to the pairs of a one-row step (two or
+    three a call) that cost made the cores look slower than the bus and the split gave
+    them nothing. Otherwise the seconds a pair with the old fixed part a call aside.
+    Each is averaged in with weight :data:`REFIT_WEIGHT`. The same object when fewer
+    than :data:`REFIT_MIN_PAIRS` pairs ran (a split that gives the CPU nothing keeps its
+    rates).
 
     Raises:
         ValueError: negative runs, seconds or pairs.
     """
+    runs, seconds, pairs = window.runs, window.seconds, window.pairs
     if min(runs, seconds, pairs) < 0:
         raise ValueError(f"a refit takes counts and seconds >= 0, got {runs} runs, {seconds} s, {pairs} pairs")
     if pairs < REFIT_MIN_PAIRS:
         return rates
-    measured = max(seconds - runs * rates.job_fixed_s, 0.0) / pairs
-    return replace(rates, cpu_s=(1 - REFIT_WEIGHT) * rates.cpu_s + REFIT_WEIGHT * measured)
+    line = window.line()
+    if line is None or line[1] <= 0:
+        measured = max(seconds - runs * rates.job_fixed_s, 0.0) / pairs
+        return replace(rates, cpu_s=(1 - REFIT_WEIGHT) * rates.cpu_s + REFIT_WEIGHT * measured)
+    fixed = (1 - REFIT_WEIGHT) * rates.job_fixed_s + REFIT_WEIGHT * max(line[0], 0.0)
+    return replace(rates, cpu_s=(1 - REFIT_WEIGHT) * rates.cpu_s + REFIT_WEIGHT * line[1],
+                   cpu_fixed_s=rates.cpu_fixed_s + fixed - rates.job_fixed_s, job_fixed_s=fixed)
 
 
 def measure_cpu_rates(host: BlockStack, lib: ctypes.CDLL, repeats: int = 3,

@@ -30,7 +30,7 @@ from engine.layers.moe.bus_reads import BUS_COUNTED_TOKENS, LiveRows
 from engine.layers.moe.cpu_share import ShareRates, measure_bus_s, measure_cpu_rates
 from engine.layers.moe.expert_costs import CostModel, best_time
 from engine.layers.moe.expert_stacks import BlockStack
-from kernels.cpu.moe_job import MoeCpuJob
+from kernels.cpu.moe_job import JobWindow, MoeCpuJob
 from kernels.cpu.threads import default_threads
 
 
@@ -56,7 +56,7 @@ class ShareStep:
     def __init__(self, host: BlockStack, lib: ctypes.CDLL, device: torch.device, threads: int | None = None) -> None:
         self.host, self.lib, self.device = host, lib, torch.device(device)
         self.threads = threads or job_threads(self.device)
-        self._taken = (0, 0.0, 0)  # the job's totals at the last take_totals
+        self._taken = JobWindow()  # the job's totals at the last take_totals
         self.job: MoeCpuJob | None = None  # made at the first step (its K and dtypes)
         self._stream: torch.cuda.Stream | None = None
         self._sums: torch.Tensor | None = None  # the device's copy of the job's sums
@@ -67,7 +67,7 @@ class ShareStep:
             job = self.job = MoeCpuJob(self.lib, self.host.gate, self.host.up, self.host.down, self.host.types,
                                        BUS_COUNTED_TOKENS, top_k, x.dtype, topk_weights.dtype, self.threads,
                                        pin=self.device.type == "cuda")
-            self._taken = (0, 0.0, 0)  # a new job's totals start at zero
+            self._taken = JobWindow()  # a new job's totals start at zero
             if self.device.type == "cuda":
                 self._stream = self._stream or torch.cuda.Stream(self.device)
                 self._sums = torch.zeros(BUS_COUNTED_TOKENS, x.shape[1], dtype=torch.float32, device=self.device)
@@ -117,15 +117,14 @@ class ShareStep:
         if refused is not None:
             raise RuntimeError(f"the CPU share's job refused a step of {refused}")
 
-    def take_totals(self) -> tuple[int, float, int]:
-        """Between steps: ``(runs, seconds, pairs)`` of the job since the last call
-        (:meth:`kernels.cpu.moe_job.MoeCpuJob.totals`' differences; zeros before a job)."""
+    def take_totals(self) -> JobWindow:
+        """Between steps: what the job took since the last call
+        (:meth:`kernels.cpu.moe_job.MoeCpuJob.window`'s differences; zeros before a job)."""
         if self.job is None:
-            return 0, 0.0, 0
-        now = self.job.totals()
-        runs, seconds, pairs = (a - b for a, b in zip(now, self._taken, strict=True))
-        self._taken = now
-        return runs, seconds, pairs
+            return JobWindow()
+        now = self.job.window()
+        window, self._taken = now - self._taken, now
+        return window
 
     def round_trip_s(self, top_k: int, repeats: int = 3) -> float:
         """Seconds a one-row step's CPU half takes with no CPU expert (CUDA: the copies

@@ -103,7 +103,15 @@ def test_padding_rows_cost_nothing_and_rows_may_be_fewer_than_the_buffers(lib):
     assert torch.equal(none, torch.zeros(ROWS, hidden)) and job.status(ROWS) == (0, 0)
     # The job's running totals: every call of every row count, its pairs, its own time.
     runs, seconds, pairs = job.totals()
-    assert (runs, pairs) == (3, len(tokens) + len(_cpu_pairs(ids[:3], weights[:3], lut)[0])) and seconds > 0
+    first, second = len(tokens), len(_cpu_pairs(ids[:3], weights[:3], lut)[0])
+    assert (runs, pairs) == (3, first + second) and seconds > 0
+    # The line's sums count the two calls that ran pairs, not the one that found none.
+    w = job.window()
+    assert (w.runs, w.pairs, w.paired_runs, w.pairs_sq) == (3, first + second, 2, first**2 + second**2)
+    assert 0 < w.paired_seconds <= w.seconds
+    # sum(pairs x seconds) lies between the fewest and the most pairs times the seconds
+    low, high = sorted((first, second))
+    assert low * w.paired_seconds * (1 - 1e-9) <= w.pair_seconds <= high * w.paired_seconds * (1 + 1e-9)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

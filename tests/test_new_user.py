@@ -137,6 +137,23 @@ def test_generate_through_a_service_names_max_tokens_past_the_context(start_serv
 
 
 @pytest.mark.slow
+def test_generate_does_not_load_a_second_engine_behind_a_paused_service(start_server):
+    """A service paused to give its memory back (game mode) answered 503, and generate
+    loaded the model in its own process, taking the memory again; it refuses, naming the
+    resume route and --local."""
+    server = start_server([], fake=True)
+    env = {**os.environ, "HEADROOM_CONFIG": os.devnull, "HEADROOM_RUNTIME_DIR": server.env["HEADROOM_RUNTIME_DIR"]}
+    httpx.post(server.base_url + "/api/control/pause", headers={"Authorization": f"Bearer {server.token}"},
+               timeout=60).raise_for_status()
+    refused = subprocess.run([*headroom_command(), "generate", "--max-tokens", "2", "hi"],
+                             capture_output=True, text=True, timeout=120, env=env)
+    assert refused.returncode == 1, refused.stderr
+    assert "is paused, its memory given back" in refused.stderr, refused.stderr
+    assert "/api/control/resume" in refused.stderr and "--local" in refused.stderr, refused.stderr
+    assert "loading the engine here" not in refused.stderr
+
+
+@pytest.mark.slow
 def test_a_pool_below_one_min_context_is_served_with_a_warning_and_refuses_what_cannot_fit(start_server):
     """``--num-pages 4 --page-size 16`` holds 48 tokens: the worker's start-up log warns,
     naming the numbers and the fix; a request that can never fit the pool is answered

@@ -264,6 +264,9 @@ def test_crash_loop_goes_to_failed_and_says_why(start_server):
     control = {"Authorization": f"Bearer {server.token}"}
     resumed = httpx.post(server.base_url + "/api/control/resume", headers=control, timeout=30)
     assert restart in assert_openai_error(resumed, 409, code="engine_failed")["message"]
+    # Nor is a pause: it turned failed into paused, whose resume then started the worker.
+    paused = httpx.post(server.base_url + "/api/control/pause", headers=control, timeout=30)
+    assert restart in assert_openai_error(paused, 409, code="engine_failed")["message"]
     assert server.health().json()["status"] == "failed"
     assert httpx.post(server.base_url + "/api/control/restart", headers=control, timeout=30).status_code == 202
     server.wait_ready(60)

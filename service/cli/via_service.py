@@ -92,6 +92,11 @@ def generate_on_service(
                          + ("the key given is not its key: " if api_key else "")
                          + "pass its key with --api-key KEY (or HEADROOM_API_KEY=KEY), "
                          "or --local to load the engine here")
+                if code == "engine_paused":
+                    # Paused to give its memory back (game mode): a second engine here would
+                    # take that memory again behind the user's back.
+                    fail(f"the service on {url} is paused, its memory given back ({message}); "
+                         "pass --local to load the engine here anyway")
                 if r.status_code in (404, 503) or code == "model_not_found":
                     print(f"headroom: the service on {url} cannot take it ({message}); loading the engine here",
                           file=sys.stderr)

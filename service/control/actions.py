@@ -131,10 +131,17 @@ class SupervisorControl:
         """Game mode: stop the worker and give its memory back (state ``paused``).
 
         Raises:
-            APIError: 409 while the service is shutting down.
+            APIError: 409 while the service is shutting down; 409 ``engine_failed`` on a
+                failed engine, naming the restart (no worker holds memory to give back,
+                and a pause would turn ``failed`` into ``paused``, whose resume starts the
+                worker a crash loop stopped).
         """
-        if self.supervisor.state is State.STOPPED:
+        state = self.supervisor.state
+        if state is State.STOPPED:
             raise APIError(409, "the service is shutting down", code="stopping")
+        if state is State.FAILED:
+            raise APIError(409, f"the engine has failed and holds no memory, there is nothing to pause: {RESTART_HINT}",
+                           code=ENGINE_FAILED)
         return await self.supervisor.pause()
 
     @one_at_a_time

@@ -208,6 +208,9 @@ def test_a_stopped_worker_is_killed_and_restarted(start_server):
     os.kill(worker, signal.SIGSTOP)
     wait_for(lambda: process_gone(worker), 60, "the stopped worker to be killed")
     assert "sent no heartbeat" in server.log()
+    # Its exit says why, not only the signal (a stream it carried is told the same).
+    wait_for(lambda: "was killed by SIGKILL (hung: it sent no heartbeat for" in server.log(), 30, "the exit's cause")
+    assert "past the stall timeout of 3 s)" in server.log()
     wait_for(lambda: (r := server.health()).status_code == 200 and r.json()["worker_pid"] != worker, 60, "a new worker")
     assert server.health().json()["restarts"] == 1
     r = httpx.post(server.base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)

@@ -423,6 +423,8 @@ def test_watchdog_kills_a_stalled_worker_once_until_it_is_reaped():
         link=SimpleNamespace(liveness=Liveness(time.monotonic() - 10.0)),
         idle_due=lambda now: False,  # no --keep-alive
     )
+    causes = []
+    supervisor.kill_hung = lambda cause: (causes.append(cause), worker.kill())
 
     async def run() -> None:
         task = asyncio.create_task(watch(supervisor))
@@ -434,6 +436,7 @@ def test_watchdog_kills_a_stalled_worker_once_until_it_is_reaped():
 
     asyncio.run(run())
     assert len(kills) == 1
+    assert causes[0].startswith("hung: it sent no heartbeat for") and causes[0].endswith("stall timeout of 0.01 s")
 
 
 def test_a_full_queue_is_a_503_with_retry_after_counted_in_words():

@@ -149,6 +149,7 @@ class Supervisor(Readiness, Unloading, Draining):
         self._watchdog: asyncio.Task | None = None
         self._first_start = True
         self._asked_restart: str | None = None  # who asked for the kill under way
+        self._kill_cause: str | None = None  # why the watchdog killed it (still a crash)
         self.first_start_done: asyncio.Event | None = None
         # Set by begin_shutdown: when the drain ends (time.monotonic()), for Retry-After.
         self._drain_until: float | None = None
@@ -194,6 +195,15 @@ class Supervisor(Readiness, Unloading, Draining):
             self.state = State.RESTARTING
             self._spawn()
             self._publish_health()
+
+    def kill_hung(self, cause: str) -> None:
+        """Kill the current worker for ``cause`` (the watchdog's words, e.g. ``"it sent
+        no heartbeat for 30.1 s, past the stall timeout of 30 s"``): an exit like a crash
+        (restarted, counted towards a crash loop) whose log line, ``worker`` event and
+        errors say why, not only the signal."""
+        if self._worker is not None and not self._worker.exited:
+            self._kill_cause = cause
+            self._worker.kill()
 
     def _spawn(self) -> None:
         assert self._loop is not None
@@ -333,7 +343,8 @@ class Supervisor(Readiness, Unloading, Draining):
             return
         was_ready = self.state is State.READY
         asked, self._asked_restart = self._asked_restart, None
-        what = status.describe() + (f": {asked}" if asked else "")
+        cause, self._kill_cause = self._kill_cause, None
+        what = status.describe() + (f": {asked}" if asked else f" ({cause})" if cause else "")
         (log.info if asked else log.error)(
             "worker %s %s%s",
             worker.pid,

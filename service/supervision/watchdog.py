@@ -63,7 +63,8 @@ async def watch(supervisor: Watched) -> None:
             if stalled is not None:
                 log.error("worker %s %s, past the stall timeout of %.1f s; killing it", worker.pid, stalled,
                           config.stall_timeout_s)
-                worker.kill()
+                supervisor.kill_hung(f"hung: it {stalled}, past the stall timeout of "
+                                     f"{config.stall_timeout_s:g} s")
                 killed = worker
         elif supervisor.state in (State.STARTING, State.RESTARTING):
             if now - worker.started_at > config.start_timeout_s:

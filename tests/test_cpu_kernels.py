@@ -324,7 +324,7 @@ def test_the_switch_turns_them_off(tmp_path, monkeypatch):
 def test_the_tensor_table_reader_gives_gguf_s_own_tensors(tmp_path):
     """engine.loader.gguf_tensors against gguf.GGUFReader on the default model: the same
     names, types, shapes, offsets and data views, without parsing the vocabulary (a
-    truncated or foreign file is refused with the download-again message)."""
+    truncated file is refused with the download-again message, a foreign one as no GGUF)."""
     import gguf
 
     from engine.common.load_errors import CorruptWeights
@@ -346,7 +346,7 @@ def test_the_tensor_table_reader_gives_gguf_s_own_tensors(tmp_path):
         open_tensors(cut)
     foreign = tmp_path / "foreign.gguf"
     foreign.write_bytes(b"PK\x03\x04" + b"\x00" * 64)
-    with pytest.raises(CorruptWeights, match="download it again"):
+    with pytest.raises(CorruptWeights, match="is not a GGUF file .its first bytes are b'PK"):
         open_tensors(foreign)
 
 

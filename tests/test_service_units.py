@@ -399,8 +399,7 @@ def test_engine_events_cross_the_pipe_and_are_kept_as_request_errors():
 
 
 def test_watchdog_kills_a_stalled_worker_once_until_it_is_reaped():
-    """A killed worker stays the supervisor's worker until reaped; the watchdog must not
-    kill (and log) it again on every check meanwhile."""
+    """A killed worker stays the supervisor's until reaped: the watchdog kills it once, saying why."""
     import asyncio
     import time
     from types import SimpleNamespace
@@ -408,8 +407,7 @@ def test_watchdog_kills_a_stalled_worker_once_until_it_is_reaped():
     from service.common.engine_states import State
     from service.supervision.liveness import Liveness
     from service.supervision.watchdog import watch
-
-    kills = []
+    kills, causes = [], []
     worker = SimpleNamespace(pid=4242, exited=False, started_at=time.monotonic())
     worker.kill = lambda: kills.append(time.monotonic())
     supervisor = SimpleNamespace(
@@ -422,9 +420,8 @@ def test_watchdog_kills_a_stalled_worker_once_until_it_is_reaped():
         state=State.READY,
         link=SimpleNamespace(liveness=Liveness(time.monotonic() - 10.0)),
         idle_due=lambda now: False,  # no --keep-alive
+        kill_hung=lambda cause: (causes.append(cause), worker.kill()),
     )
-    causes = []
-    supervisor.kill_hung = lambda cause: (causes.append(cause), worker.kill())
 
     async def run() -> None:
         task = asyncio.create_task(watch(supervisor))

@@ -49,8 +49,12 @@ def victims(running: Sequence[Request], waiting: Iterable[Request], max_running:
     for each waiting request, in queue order, whose group holds fewer than :func:`half`
     of the slots, a free slot if one is left, else the youngest sequence of the group
     holding the most, when that is above half. ``running`` is in arrival order."""
+    if not waiting or not running:
+        return []
     held = Counter(group_of(r) for r in running)
     cap = half(max_running)
+    if max(held.values()) <= cap:  # the common step: no call above half, nobody to preempt
+        return []
     free = max_running - len(running)
     taken: list[Request] = []
     for req in waiting:

@@ -179,6 +179,27 @@ def test_grammar_reason_is_one_line():
     assert grammar_reason("Parser Error: too many items\n<non-verbose/>") == "Parser Error: too many items"
 
 
+def test_a_byte_level_bpe_built_with_byte_fallback_keeps_its_bytes_for_the_grammar(default_model_dir):
+    """transformers 5.17 builds the default model's tokenizer (read from its GGUF) with
+    sentencepiece's byte fallback; llguidance then read the token 'Ġ"' as the bytes
+    C4 A0 22, its mask allowed it after '{"city":' and its parser refused it (the
+    answer failed invalid_schema on the GPU machine). The grammar's view keeps the bytes."""
+    import llguidance
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from engine.sampling.grammar import llguidance_tokenizer_json
+
+    spec = json.loads(load_tokenizer(default_model_dir).backend_tokenizer.to_str())
+    spec["model"]["byte_fallback"] = True
+    spec["decoder"] = {"type": "Sequence", "decoders": [{"type": "ByteFallback"}, {"type": "Fuse"}, spec["decoder"]]}
+    as_built = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)))
+    ids = as_built.encode(' "Paris"', add_special_tokens=False)
+    assert as_built.decode(ids) == ' "Paris"'  # transformers decodes it right
+    assert llguidance.LLTokenizer(as_built.backend_tokenizer.to_str()).decode_bytes(ids) != b' "Paris"'
+    assert llguidance.LLTokenizer(llguidance_tokenizer_json(as_built)).decode_bytes(ids) == b' "Paris"'
+
+
 def test_json_is_one_line_with_the_documented_separators(tiny_engine):
     """What the README promises of the JSON's whitespace: the grammar takes `, ` and `: `
     between items and nothing else outside strings."""

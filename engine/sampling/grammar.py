@@ -33,6 +33,7 @@ order, the fixed separators) only ever makes answers that still validate.
 
 from __future__ import annotations
 
+import copy
 import json
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -89,6 +90,41 @@ def grammar_reason(message: str) -> str:
     return " ".join(line for line in lines if line and set(line) != {"^"})
 
 
+def _is_byte_level(part: dict | None) -> bool:
+    """Whether a tokenizer.json pre-tokenizer (or a sequence of them) maps bytes to
+    GPT-2's printable characters (``ByteLevel``)."""
+    if not part:
+        return False
+    if part.get("type") == "ByteLevel":
+        return True
+    return any(_is_byte_level(p) for p in part.get("pretokenizers", ()))
+
+
+def llguidance_tokenizer_json(tokenizer: Any) -> str:
+    """The tokenizer.json text llguidance reads for ``tokenizer`` (a fast transformers
+    tokenizer), with its bytes made plain for a byte-level BPE.
+
+    Some transformers versions (5.17 among them) build a byte-level BPE read from a
+    GGUF with sentencepiece's ``byte_fallback`` and a decoder sequence headed by
+    ``ByteFallback``. transformers still decodes it right, but llguidance then takes
+    each token's characters as its bytes (``Ġ"`` as ``C4 A0 22`` rather than `` "``):
+    its masks and its parser disagree and a constrained answer fails on the first
+    token after a space. A byte-level pre-tokenizer says what the tokens are, so such a
+    model gets a plain BPE (no byte fallback) and the ``ByteLevel`` decoder alone.
+    """
+    backend = copy.copy(tokenizer.backend_tokenizer)
+    backend.no_padding()
+    backend.no_truncation()
+    text = backend.to_str()
+    spec = json.loads(text)
+    model = spec.get("model") or {}
+    if model.get("type") == "BPE" and model.get("byte_fallback") and _is_byte_level(spec.get("pre_tokenizer")):
+        model["byte_fallback"] = False
+        spec["decoder"] = {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}
+        return json.dumps(spec)
+    return text
+
+
 class GrammarError(ValueError):
     """A schema that cannot be enforced (an unsupported keyword or pattern, invalid
     JSON...); the message says why."""
@@ -106,14 +142,13 @@ class GrammarCompiler:
 
     def __init__(self, model_dir: str | Path, vocab_size: int, stop_token_ids: list[int]) -> None:
         import llguidance
-        import llguidance.hf
 
         from engine.text.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(str(model_dir))
         eos = list(stop_token_ids) or [tokenizer.eos_token_id]
         self._llg = llguidance
-        self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
+        self._tokenizer = llguidance.LLTokenizer(llguidance_tokenizer_json(tokenizer), n_vocab=vocab_size, eos_token=eos)
         # Errors name the reason only, not the parser's state and the whole grammar.
         self._limits = llguidance.LLParserLimits(verbose_errors=False)
         self.vocab_size = vocab_size

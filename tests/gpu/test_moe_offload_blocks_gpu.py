@@ -184,7 +184,10 @@ def test_the_engine_keeps_a_gguf_in_blocks_with_cpu_experts(tmp_path, make_tiny_
     stats = hybrid.stats()
     assert stats.expert_cache_hits + stats.expert_cache_misses > 0
     assert stats.expert_cache_misses == stats.expert_copies + stats.expert_cpu_runs + stats.expert_bus_reads
-    assert stats.expert_bus_reads > 0 and stats.expert_copies == stats.expert_cpu_runs == 0
+    # Copies come only from the start's 2,048-token profile pass, a chunk long enough to
+    # stage (engine.layers.moe.staged_prefill): each expert of the host layer once.
+    assert stats.expert_bus_reads > 0 and stats.expert_cpu_runs == 0
+    assert stats.expert_copies <= config.num_experts
 
 
 @pytest.mark.timeout(600)

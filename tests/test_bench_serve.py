@@ -31,6 +31,17 @@ def test_concurrency_above_the_requests_is_reported_as_the_requests(fake_server)
     assert "2 requests, 2 at a time" in result.output
 
 
+def test_without_url_it_finds_the_service_on_the_configured_port(fake_server, tmp_path):
+    """No --url: the running service's address (its runtime.json), else the configured
+    port (HEADROOM_PORT here; this runtime folder knows no service)."""
+    env = {"HEADROOM_CONFIG": os.devnull, "HEADROOM_PORT": str(fake_server.port),
+           "HEADROOM_RUNTIME_DIR": str(tmp_path)}
+    result = CliRunner().invoke(main, ["bench", "serve", "--no-engine", "-n", "1", "--max-tokens", "2",
+                                       "--prompt-words", "8"], env=env)
+    assert result.exit_code == 0, result.output
+    assert "1 requests, 1 at a time" in result.output, result.output
+
+
 @pytest.mark.parametrize(("args", "needle"), [
     (["-c", "-3"], "Invalid value for '-c' / '--concurrency': -3 is not in the range x>=1"),
     (["-c", "0"], "Invalid value for '-c' / '--concurrency': 0 is not in the range x>=1"),

@@ -177,6 +177,32 @@ def test_a_logged_request_path_cannot_forge_a_log_line(tmp_path):
         root.setLevel(saved[1])
 
 
+def test_a_websocket_text_frame_that_is_not_utf8_is_one_warning_line(start_server):
+    """uvicorn closes such a socket with 1007 and logged an ERROR with its traceback (a
+    client's fault in the terminal as if the service had failed)."""
+    import base64
+
+    from service.cli.logfile import NOT_UTF8_MESSAGE
+
+    server = start_server(fake=True)
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as conn:
+        key = base64.b64encode(os.urandom(16)).decode()
+        conn.sendall((f"GET /api/events HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\nUpgrade: websocket\r\n"
+                      f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n"
+                      f"Authorization: Bearer {server.token}\r\n\r\n").encode())
+        assert conn.recv(4096).startswith(b"HTTP/1.1 101")
+        payload, mask = b"\xff\xfe{", os.urandom(4)
+        conn.sendall(bytes([0x81, 0x80 | len(payload)]) + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(payload)))
+        received = b""
+        while b"\x88\x02\x03\xef" not in received:  # a close frame, code 1007
+            chunk = conn.recv(4096)
+            assert chunk, received
+            received += chunk
+    wait_for(lambda: NOT_UTF8_MESSAGE in server.log(), 30, "the warning")
+    assert "Traceback" not in server.log() and "UnicodeDecodeError" not in server.log()
+    assert server.health().status_code == 200
+
+
 def test_serve_logs_to_the_user_log_dir_with_log_file_auto(start_server, tmp_path):
     log_dir = tmp_path / "user-logs"
     server = start_server(["--log-file", "auto"], {"HEADROOM_LOG_DIR": str(log_dir)}, fake=True)

@@ -28,7 +28,7 @@ from service.cli.options import (
     with_settings,
 )
 from service.cli.precheck import check_model_before_loading, note_gpu_only_settings
-from service.common.settings import DEFAULT_PORT, parse_size
+from service.common.settings import parse_size
 
 
 class _HogSize(FiniteFloatRange):
@@ -51,7 +51,8 @@ def bench() -> None:
 
 
 @bench.command("serve")
-@url_option(f"http://127.0.0.1:{DEFAULT_PORT}", "Base URL of a running headroom serve.")
+@url_option(None, "Base URL of a running headroom serve [default: the running one's, as `headroom status` "
+            "finds it, else the configured host and port's (HEADROOM_PORT...)].")
 @requests_option(32)
 @click.option(
     "-c",
@@ -76,7 +77,7 @@ def bench() -> None:
 )
 @device_option("Device of the in-process engine run.")
 def bench_serve(
-    url: str,
+    url: str | None,
     num_requests: int,
     concurrency: int | None,
     max_tokens: int,
@@ -89,6 +90,12 @@ def bench_serve(
     percentiles, throughput, and the overhead against the engine alone."""
     from service.bench.serve import BenchOptions, BenchRefused, run_bench
 
+    if url is None:
+        from service.cli.instance import service_address
+        from service.common.token import service_url
+
+        settings = resolve_or_fail({}, None)
+        url = service_url(*service_address(settings.host, settings.port)[:2])
     options = BenchOptions(
         url=url,
         num_requests=num_requests,

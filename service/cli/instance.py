@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
+from service.common.token import service_url
 from service.common.version import headroom_version
 
 LOCK_NAME = "serve.lock"
@@ -130,14 +131,11 @@ def read_runtime(folder: Path | None = None) -> dict[str, Any] | None:
 def write_runtime(host: str, port: int, token_file: Path, folder: Path | None = None) -> Path:
     """Write ``runtime.json`` atomically (owner-only) for this process; returns its path."""
     folder = folder or runtime_dir()
-    shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-    if ":" in shown:
-        shown = f"[{shown}]"
     info = {
         "pid": os.getpid(),
         "host": host,
         "port": port,
-        "url": f"http://{shown}:{port}",
+        "url": service_url(host, port),
         "version": headroom_version(),
         "token_file": str(token_file),
         "started_at": time.time(),

@@ -23,6 +23,9 @@ LOG_FILE_NAME = "headroom.log"
 FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
 # Control characters (C0, DEL, C1, the Unicode line and paragraph separators) as Python
 # writes them in a string's repr: ``\n``, ``\x00``, ``\u2028``.
+# uvicorn's words for a WebSocket text frame that is not UTF-8, and ours.
+UVICORN_BAD_UTF8 = "Invalid UTF-8 sequence received from client."
+NOT_UTF8_MESSAGE = "a WebSocket client sent a text frame that is not UTF-8: closed it with code 1007 (invalid data)"
 _ESCAPES = {c: repr(chr(c))[1:-1] for c in (*range(0x20), *range(0x7F, 0xA0), 0x2028, 0x2029)}
 
 
@@ -36,6 +39,19 @@ class OneLineFormatter(logging.Formatter):
     def formatMessage(self, record: logging.LogRecord) -> str:
         record.message = record.message.translate(_ESCAPES)
         return super().formatMessage(record)
+
+
+class ClientTextFilter(logging.Filter):
+    """On uvicorn's logger: a WebSocket text frame that is not UTF-8 (a client's fault,
+    which uvicorn answers with close code 1007) is one warning line, not an ERROR with
+    uvicorn's traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.getMessage() == UVICORN_BAD_UTF8:
+            record.msg, record.args = NOT_UTF8_MESSAGE, ()
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            record.exc_info = record.exc_text = None
+        return True
 
 
 def resolve_log_file(value: str | None) -> Path | None:
@@ -66,4 +82,7 @@ def setup_logging(level: str, log_file: str | None = None) -> Path | None:
         )
     handler.setFormatter(OneLineFormatter(FORMAT))
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    if not any(isinstance(f, ClientTextFilter) for f in uvicorn_log.filters):
+        uvicorn_log.addFilter(ClientTextFilter())
     return path

@@ -110,13 +110,18 @@ def load_or_create_token(path: Path | None = None) -> str:
     return final
 
 
-def dashboard_url(host: str, port: int, token: str | None = None) -> str:
-    """The dashboard's address, ``http://<host>:<port>/ui/``, with ``#token=<token>`` when
-    given: a fragment never leaves the browser (not sent, not logged), and the page
-    takes it out of the address bar and the history entry. A wildcard bind address
-    becomes ``127.0.0.1``; an IPv6 one is bracketed."""
+def service_url(host: str, port: int) -> str:
+    """The root URL a client on this machine reaches the service at, ``http://<host>:<port>``:
+    a wildcard bind address becomes ``127.0.0.1``; an IPv6 one is bracketed."""
     if host in ("0.0.0.0", "::", ""):
         host = "127.0.0.1"
     if ":" in host:
         host = f"[{host}]"
-    return f"http://{host}:{port}/ui/" + (f"#token={token}" if token else "")
+    return f"http://{host}:{port}"
+
+
+def dashboard_url(host: str, port: int, token: str | None = None) -> str:
+    """The dashboard's address, :func:`service_url` ``/ui/``, with ``#token=<token>`` when
+    given: a fragment never leaves the browser (not sent, not logged), and the page
+    takes it out of the address bar and the history entry."""
+    return f"{service_url(host, port)}/ui/" + (f"#token={token}" if token else "")

@@ -29,6 +29,13 @@ def _status(server) -> str:
     return server.health().json()["status"]
 
 
+def _answers(server) -> bool:
+    try:
+        return bool(server.health())
+    except httpx.HTTPError:
+        return False
+
+
 class _Stream(threading.Thread):
     """One streamed call read to its end: its lines, and an event at its first one."""
 
@@ -85,6 +92,41 @@ def test_load_duration_is_the_wait_for_the_model(server):
     for answer in (loading, loaded):
         parts = answer["load_duration"] + answer["prompt_eval_duration"] + answer["eval_duration"]
         assert parts <= answer["total_duration"], answer
+
+
+@pytest.mark.slow
+def test_an_unload_waits_for_a_request_that_waits_for_the_load(server):
+    """A request that woke the idle model and waits for its load was not counted: an
+    unload sent meanwhile stopped the loading worker and the request got 503
+    engine_idle ("the next request loads it again", though it was that request)."""
+    r = httpx.post(server.base_url + "/api/chat", json=UNLOAD, timeout=600)
+    assert r.status_code == 200, r.text
+    wait_for(lambda: _status(server) == "idle", 60, "unloaded")
+    waiting = _Stream(server, "/v1/chat/completions", {"messages": HI, "max_tokens": 3, "temperature": 0})
+    waiting.start()
+    wait_for(lambda: _status(server) == "starting", 60, "the load the request asked for")
+    r = httpx.post(server.base_url + "/api/chat", json=UNLOAD, timeout=600)
+    assert r.status_code == 200 and r.json()["done_reason"] == "unload", r.text
+    waiting.join(600)
+    answer = json.loads(waiting.lines[0])
+    assert waiting.status == 200 and answer["choices"][0]["message"]["content"], answer
+    wait_for(lambda: _status(server) == "idle", 60, "unloaded after the answer")
+
+
+@pytest.mark.slow
+def test_a_prompt_still_being_cut_is_not_idle_time(tmp_path, default_model_dir):
+    """--keep-alive 0 unloaded the model while a long /api prompt was cut to num_ctx,
+    and the request then failed 503 engine_idle, again on every retry."""
+    huge = {"model": "default", "stream": False, "options": {"num_ctx": 256, "num_predict": 3},
+            "messages": [{"role": "user", "content": "word " * 400_000}]}
+    server = ServerProcess(tmp_path, ["--keep-alive", "0"])
+    try:
+        wait_for(lambda: _answers(server) and _status(server) == "idle", 300, "loaded, then idle")
+        r = httpx.post(server.base_url + "/api/chat", json=huge, timeout=600)
+        assert r.status_code == 200 and r.json()["done"] is True, r.text
+        wait_for(lambda: _status(server) == "idle", 60, "unloaded once it answered")
+    finally:
+        server.stop()
 
 
 def test_a_generation_an_unload_ends_carries_retry_after():

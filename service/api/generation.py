@@ -134,12 +134,13 @@ class Generation:
     @classmethod
     async def start(
         cls, svc: Services, info: EngineInfo, request: GenerationRequest,
-        deadline: float | None = None,
+        deadline: float | None = None, ticket: Ticket | None = None,
     ) -> Generation:
         """Take ``request`` into the engine (see the module docstring for the order of
         its steps and errors). The place among the waiting requests is given back when
         any step fails. ``deadline``: as the attribute (:func:`start_generation` sets
-        it from ``--request-timeout``).
+        it from ``--request-timeout``). ``ticket``: the place taken already (before
+        the wait for a load), else one is taken here.
 
         Raises:
             APIError: 503 ``queue_full``; 400 ``logit_bias``; 400
@@ -158,7 +159,7 @@ class Generation:
             deadline=deadline,
             metrics=svc.metrics,
         )
-        gen.ticket = svc.admission.enter()
+        gen.ticket = ticket or svc.admission.enter()
         try:
             check_vocabulary(request.logit_bias, info.vocab_size)
             context = info.max_context_tokens
@@ -166,6 +167,8 @@ class Generation:
                 context = min(context, request.context_tokens)
             gen.chat, gen.prompts = await prompt_ids(gen.text, info, request, context)
             gen.sampling = gen._sampling(context, svc)
+            # An engine unloaded while the prompt was encoded (a long one) loads again.
+            await svc.supervisor.ready()
             gen._submit()
         except BaseException:
             gen.ticket.release()

@@ -43,7 +43,14 @@ async def start_generation(
     waited_from = time.perf_counter()
     deadline = request_deadline(svc.supervisor.ready_clock, svc.settings.request_timeout,
                                 request.started)
-    info = await svc.supervisor.ready()
+    # Its place among the requests waiting for the engine is taken before the wait
+    # for a load: an unload (keep_alive 0, the keep-alive) waits for it.
+    ticket = svc.admission.enter()
+    try:
+        info = await svc.supervisor.ready()
+    except BaseException:
+        ticket.release()
+        raise
     load_s = time.perf_counter() - waited_from
     name = svc.check_model(model, info)
     if request.chat and svc.text is not None:
@@ -52,7 +59,7 @@ async def start_generation(
         check_thinking(request.thinking, request.thinking_budget, template, model or name, request.thinking_param)
         if untemplated is not None and not template:
             request = untemplated(request)
-    gen = await Generation.start(svc, info, request, deadline)
+    gen = await Generation.start(svc, info, request, deadline, ticket)
     gen.load_s = load_s
     gen.start_number = start_number
     return gen, name

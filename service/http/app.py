@@ -133,6 +133,7 @@ def create_app(
     to_ui = EngineEventsToUI(hub, supervisor)
     services.metrics = ServiceMetrics(lambda: reading_of(services, to_ui.counts))
     supervisor.on_ready = services.prepare
+    supervisor.requests_waiting = lambda: services.admission.waiting > 0
     supervisor.on_model_folder = services.prefetch
     supervisor.on_engine_event = to_ui.record_engine_event
     supervisor.on_stats = to_ui.publish_counters

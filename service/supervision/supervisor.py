@@ -97,11 +97,12 @@ class Supervisor(Readiness, Unloading, Draining):
             asked for by the link's ``fresh_stats``), and with None when the worker exits.
 
     Attributes:
-        events: the event hub the supervisor publishes ``health``, ``worker``,
-            ``engine`` and ``plan`` events to (None: publish nothing).
+        events: the hub for its ``health``, ``worker``, ``engine``, ``plan`` events (None: none).
         vram_source: a ``sample()``-able VRAM source (:mod:`service.vram.sources`) to wait on
             for a dead worker's memory before a restart (None: no wait).
         on_first_ready: called once, when the first worker is ready.
+        requests_waiting: whether requests taken are not sent yet (waiting for a load,
+            prompts encoding): the keep-alive counts them as activity.
         restarts: workers started again after one died or hung, since the service
             started (a restart asked for through the control API is not counted).
         link: the traffic with the current worker (requests in flight, commands,
@@ -122,6 +123,7 @@ class Supervisor(Readiness, Unloading, Draining):
         self.events: EventHub | None = None
         self.vram_source: Any = None
         self.on_first_ready: Callable[[], None] | None = None
+        self.requests_waiting: Callable[[], bool] = lambda: False
         # Called with a loading worker's model folder (its ModelFolder), before Ready.
         self.on_model_folder: Callable[[str], None] | None = None
         self.last_release: ReleaseResult | None = None
@@ -418,7 +420,6 @@ class Supervisor(Readiness, Unloading, Draining):
             self._fail(f"could not start a worker process: {exc}")
             return
         self._publish_health()
-
 
     def _fail(self, reason: str) -> None:
         """Enter ``failed``: no more restarts until :meth:`restart`. Once the service

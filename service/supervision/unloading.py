@@ -76,6 +76,7 @@ class Unloading:
     worker_pid: int | None
     restarts: int
     last_request_at: float
+    requests_waiting: Callable[[], bool]
     _worker: WorkerProcess | None
     _worker_config: Any
     _inflight: InFlight
@@ -296,8 +297,8 @@ class Unloading:
         keep = self.config.keep_alive_s
         if keep is None or self.state is not State.READY:
             return False
-        if self.link.in_flight:
-            self.last_request_at = now
+        if self.link.in_flight or self.requests_waiting():
+            self.last_request_at = now  # a request being prepared is no idle time
             return False
         return now - self.last_request_at >= keep
 

@@ -161,7 +161,9 @@ async def load_or_unload(svc: Services, body: OllamaChatRequest | OllamaGenerate
         svc.check_model(name, supervisor.info)
     if wants_unload(body.keep_alive):
         if supervisor.state in UNLOADABLE:
-            await supervisor.unload_when_done(UNLOAD_REASON)
+            # As in Ollama, the unload waits for the requests that run, and for those
+            # taken before it that wait for the load or for their prompts.
+            await supervisor.unload_when_done(UNLOAD_REASON, waiting=lambda: svc.admission.waiting > 0)
         reason = "unload"
     else:
         svc.note_start()

@@ -144,6 +144,8 @@ def test_resolve_model_finds_store_names(tiny_files, tmp_path, monkeypatch):
         ("acme/tiny", {"HF_HUB_OFFLINE": "1"}, 1, "offline: HF_HUB_OFFLINE is set"),
         ("acme/tiny", {"HF_ENDPOINT": "http://127.0.0.1:9"}, 1, "offline: cannot reach http://127.0.0.1:9"),
         ("tiny", {}, 2, "is not REPO[:FILE]"),
+        ("a--b/c", {}, 2, "'a--b/c' is not a repository name the Hub accepts: Cannot have -- or .."),
+        (f"{'a' * 97}/x", {}, 2, "is not a repository name the Hub accepts"),
         ("acme/tiny:model.safetensors", {}, 2, "is not a .gguf file"),
         ("acme/nothing", {}, 1, "no such repository"),
         (f"{GGUF_REPO}:other.gguf", {}, 1, f"has no file 'other.gguf' (its GGUF files: {GGUF_FILE})"),

@@ -62,6 +62,14 @@ def parse_spec(spec: str) -> tuple[str, str | None]:
         raise PullError(f"{spec!r} is not REPO[:FILE]: REPO is owner/name, as on huggingface.co (e.g. "
                         "Qwen/Qwen2.5-0.5B-Instruct or Qwen/Qwen2.5-0.5B-Instruct-GGUF:qwen2.5-0.5b-instruct-q4_k_m.gguf)",
                         usage=True)
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:  # the Hub's own rules on the name ('--' or '..', its length), before any request
+        validate_repo_id(repo)
+    except HFValidationError as exc:
+        reason = str(exc).splitlines()[0].rstrip(".").removesuffix(f": '{repo}'")
+        raise PullError(f"{repo!r} is not a repository name the Hub accepts: {reason}", usage=True) from None
     if file and not file.lower().endswith(".gguf"):
         raise PullError(f"{file!r} is not a .gguf file: pull REPO:FILE.gguf for one GGUF file, or REPO alone "
                         "for a Hugging Face folder", usage=True)

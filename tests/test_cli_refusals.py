@@ -39,6 +39,16 @@ def test_serve_refuses_at_once_what_names_nothing(args, needle):
     assert "listening" not in result.output and "Traceback" not in result.output
 
 
+@pytest.mark.parametrize("command", [["status"], ["token"], ["serve"], ["generate", "hi"]])
+def test_a_runtime_folder_that_cannot_be_made_is_one_line_naming_the_variable(tmp_path, command):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    got = CliRunner().invoke(main, command, env={"HEADROOM_CONFIG": os.devnull, "HEADROOM_RUNTIME_DIR": str(a_file)})
+    assert got.exit_code == 2, got.output
+    assert got.stderr.strip() == (f"headroom: error: HEADROOM_RUNTIME_DIR={str(a_file)!r} cannot be headroom's runtime "
+                                  "folder (a file, not a folder): set it to a folder you can write, or unset it")
+
+
 def test_models_says_it_has_no_subcommand_and_how_models_are_removed():
     """`headroom models rm NAME` was click's bare "Got unexpected extra arguments"."""
     result = invoke(["models", "rm", "SmolLM2-135M-Instruct"])

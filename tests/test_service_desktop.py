@@ -254,6 +254,7 @@ def test_one_service_per_user_found_through_runtime_json(start_server, tmp_path)
         second.stop()
     assert code != 0
     assert f"already running on {first.base_url} (pid {first.proc.pid})" in second.log()
+    assert "a second one beside it needs its own HEADROOM_RUNTIME_DIR and port" in second.log()
     assert json.loads(runtime.read_text())["pid"] == first.proc.pid  # untouched
 
     status = _status(first)

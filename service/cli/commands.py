@@ -41,7 +41,20 @@ from service.common.ranges import MAX_TOKENS_MIN, TEMPERATURE_MAX, TEMPERATURE_M
 from service.common.version import headroom_version
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Headroom(click.Group):
+    """The command group; a runtime folder that cannot be used (a bad
+    ``HEADROOM_RUNTIME_DIR``) is one line naming it, exit 2, from any command."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        from service.common.paths import RuntimeDirError
+
+        try:
+            return super().invoke(ctx)
+        except RuntimeDirError as exc:
+            fail(str(exc), EXIT_USAGE)
+
+
+@click.group(cls=_Headroom, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(
     version=headroom_version(), prog_name="headroom", message="%(prog)s %(version)s"
 )

@@ -47,7 +47,8 @@ class AlreadyRunning(Exception):
         where = f" on {info['url']} (pid {info['pid']})" if info else ""
         super().__init__(
             f"headroom is already running{where}; use that one, or stop it first "
-            "(`headroom status` asks it how it is)"
+            "(`headroom status` asks it how it is); a second one beside it needs its own "
+            "HEADROOM_RUNTIME_DIR and port"
         )
         self.info = info
 

@@ -29,6 +29,11 @@ LOG_DIR_ENV = environment.LOG_DIR.name
 RUNTIME_DIR_ENV = environment.RUNTIME_DIR.name
 
 
+class RuntimeDirError(OSError):
+    """``HEADROOM_RUNTIME_DIR`` names a folder that cannot be made or used; the
+    message names the variable and the fix."""
+
+
 def _override(setting: environment.EnvSetting, env: Mapping[str, str] | None = None) -> Path | None:
     value = setting.get(env)
     return Path(value).expanduser() if value else None

@@ -58,12 +58,17 @@ def default_pidfile() -> Path:
     import platformdirs
 
     from engine.common.environment import RUNTIME_DIR
-    from service.common.paths import runtime_dir
+    from service.common.paths import RuntimeDirError, runtime_dir
 
     override = RUNTIME_DIR.get()
     if override:
         folder = Path(override).expanduser()
-        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        try:
+            folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        except OSError as exc:
+            why = "a file, not a folder" if folder.exists() else exc.strerror or str(exc)
+            raise RuntimeDirError(f"HEADROOM_RUNTIME_DIR={override!r} cannot be headroom's runtime folder "
+                                  f"({why}): set it to a folder you can write, or unset it") from None
         return folder / PIDFILE_NAME
     for make in (runtime_dir, lambda: platformdirs.user_cache_dir(APP_NAME)):
         try:

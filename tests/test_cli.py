@@ -64,7 +64,7 @@ def test_generate_missing_model_names_the_path(default_model_dir, tmp_path):
 
 def test_generate_prompt_too_long_says_what_to_do(default_model_dir):
     result = run_headroom(["generate", "--max-model-len", "16", "--raw", "word " * 40])
-    assert result.returncode == 1, result.stderr
+    assert result.returncode == 2, result.stderr  # the input's fault, as through a service
     assert "the prompt cannot run" in result.stderr
     assert "shorten the prompt" in result.stderr and "--max-model-len" in result.stderr
     assert "Traceback" not in result.stderr

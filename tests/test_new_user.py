@@ -134,6 +134,11 @@ def test_generate_through_a_service_names_max_tokens_past_the_context(start_serv
     assert refused.returncode == 2, refused.stderr
     assert "refused --max-tokens 1000000 with this prompt" in refused.stderr, refused.stderr
     assert "--local" in refused.stderr and " max_tokens" not in refused.stderr, refused.stderr
+    # A prompt past the context by itself: --local would refuse it too, so it is not named.
+    too_long = subprocess.run([*headroom_command(), "generate", "--max-tokens", "5", "--raw", "word " * 3000],
+                              capture_output=True, text=True, timeout=120, env=env)
+    assert too_long.returncode == 2, too_long.stderr
+    assert "refused the prompt" in too_long.stderr and "--local" not in too_long.stderr, too_long.stderr
 
 
 @pytest.mark.slow

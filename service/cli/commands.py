@@ -294,7 +294,7 @@ def generate(
         fix = "shorten the prompt"
         if settings.max_model_len is not None:
             fix += f" or raise --max-model-len (now {settings.max_model_len})"
-        fail(f"the prompt cannot run: {exc.message}; {fix}")
+        fail(f"the prompt cannot run: {exc.message}; {fix}", EXIT_USAGE)
     except GenerationFailed as exc:
         hint = (
             "; free device memory (close other GPU applications) or lower "

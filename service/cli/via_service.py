@@ -84,9 +84,9 @@ def generate_on_service(
                 r.read()
                 try:
                     error = r.json()["error"]
-                    message, code = error.get("message", r.text), error.get("code")
+                    message, code, param = error.get("message", r.text), error.get("code"), error.get("param")
                 except (ValueError, KeyError, TypeError, AttributeError):
-                    message, code = r.text, None
+                    message, code, param = r.text, None, None
                 if r.status_code == 401:
                     fail(f"the service on {url} refused the prompt: {message}; "
                          + ("the key given is not its key: " if api_key else "")
@@ -105,6 +105,9 @@ def generate_on_service(
 
                 if chat and str(message).startswith(NO_CHAT_TEMPLATE):
                     fail(f"{NO_CHAT_TEMPLATE}; pass --raw to send the prompt as it is", EXIT_USAGE)
+                if code == "context_length_exceeded" and param != "max_tokens":
+                    # The prompt alone is past the context: no engine here would take it either.
+                    fail(f"the service on {url} refused the prompt: {message}", EXIT_USAGE)
                 if code == "context_length_exceeded":
                     # The API's words name its field; a --local engine stops where the context ends.
                     fail(f"the service on {url} refused --max-tokens {max_tokens} with this prompt: "

@@ -375,6 +375,10 @@ def test_thinking_asked_of_a_model_that_cannot_think(real_server):
             messages=QUESTION, thinking={"type": "enabled", "budget_tokens": 1024}, **{**GREEDY, "max_tokens": 2048}
         )
     assert "cannot think" in exc.value.body["error"]["message"]
+    with pytest.raises(anthropic.BadRequestError) as exc:  # counting it is refused alike
+        client.messages.count_tokens(model="default", messages=QUESTION,
+                                     thinking={"type": "enabled", "budget_tokens": 1024})
+    assert "cannot think" in exc.value.body["error"]["message"]
     # "adaptive" leaves it to the model: no thinking here, and no error.
     adaptive = client.messages.create(messages=QUESTION, thinking={"type": "adaptive"}, **{**GREEDY, "max_tokens": 1})
     assert [b.type for b in adaptive.content] == ["text"]
@@ -432,6 +436,8 @@ def test_models_in_anthropic_shape_with_x_api_key(client, server):
         wrong.models.list()
     assert "x-api-key" in exc.value.body["error"]["message"]
     _error(_raw(server, "GET", "/v1/models", params={"limit": 0}), 400, "invalid_request_error")
+    both = _raw(server, "GET", "/v1/models", params={"after_id": "default", "before_id": "default"})
+    assert "not both" in _error(both, 400, "invalid_request_error")  # an empty page claiming more before
     openai_client = openai.OpenAI(base_url=server.base_url + "/v1", api_key=KEY, max_retries=0)
     listed = openai_client.models.list()
     assert [m.id for m in listed.data] == ids and listed.data[0].object == "model"

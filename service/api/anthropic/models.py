@@ -63,7 +63,7 @@ def anthropic_model_list(
 
     Raises:
         APIError: 400 ``limit`` outside 1..1000 or not a number; 400 ``after_id`` /
-            ``before_id`` naming no listed model.
+            ``before_id`` naming no listed model, or both given.
     """
     raw = query.get("limit")
     try:
@@ -77,6 +77,10 @@ def anthropic_model_list(
         value = query.get(key)
         if value is not None and value not in names:
             raise invalid(f"{key} {value!r} is not a listed model; send one of {names}", key)
+    if query.get("after_id") is not None and query.get("before_id") is not None:
+        # A page runs one way from its cursor: both would make a page with no cursor to go on.
+        raise invalid("send after_id or before_id, not both: a page goes on after one model or before it",
+                      "before_id")
     if query.get("after_id") is not None:
         start = names.index(query["after_id"]) + 1
     if query.get("before_id") is not None:

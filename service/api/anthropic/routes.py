@@ -62,8 +62,13 @@ async def _check_thinking(svc: Services, body: CountTokensRequest) -> None:
         return
     info = await svc.supervisor.ready()
     svc.check_model(body.model, info)
+    _refuse_thinking(svc, body)
+
+
+def _refuse_thinking(svc: Services, body: CountTokensRequest) -> None:
+    """400 ``thinking`` when the body asks a model whose template cannot think to."""
     assert svc.text is not None
-    if not template_thinks(chat_template(svc.text)):
+    if thinking_asked(body) and not template_thinks(chat_template(svc.text)):
         raise invalid(
             "this model cannot think (its chat template writes no thinking blocks); "
             "leave thinking out or send {'type': 'disabled'}",
@@ -96,6 +101,7 @@ class AnthropicController(Controller):
         body, call = await read_call(request, CountTokensRequest, count_request, _ID_PREFIX)
         info = await svc.tokenizer_info()
         svc.check_model(body.model, info)
+        _refuse_thinking(svc, body)  # as /v1/messages refuses it
         assert svc.text is not None
         try:
             _, prompts = await prompt_ids(svc.text, info, call, sys.maxsize)

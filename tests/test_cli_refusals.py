@@ -30,6 +30,8 @@ def invoke(args: list[str]):
         (["--model", ""], "--model: is empty; leave --model out for the default model"),
         (["--served-model-name", ""], "--served-model-name: is empty; give a name"),
         (["--served-model-name", ":latest"], "--served-model-name: ':latest' is a tag without a model name"),
+        (["--served-model-name", "a b"], "--served-model-name: 'a b' holds a space or a control character"),
+        (["--served-model-name", "a\nb"], "--served-model-name: 'a\\nb' holds a space or a control character"),
     ],
 )
 def test_serve_refuses_at_once_what_names_nothing(args, needle):

@@ -129,6 +129,12 @@ def test_word_or_number_options_take_a_number_from_every_source(tmp_path):
 def test_a_word_or_number_option_refuses_other_toml_values(tmp_path):
     from service.common.settings import SettingsError
 
+    for value in ("nan", "inf", "-inf", "1e400"):  # other float options refuse them; never is -1
+        with pytest.raises(SettingsError, match=f"--keep-alive: '{value}' is not a duration"):
+            _resolve_with(tmp_path, flags={"keep_alive": value})
+    with pytest.raises(SettingsError, match="is not a duration"):
+        _resolve_with(tmp_path, "keep_alive = nan\n")
+
     with pytest.raises(SettingsError, match="cpu_experts: True is neither text nor a number"):
         _resolve_with(tmp_path, "cpu_experts = true\n")
     with pytest.raises(SettingsError, match="--cpu-experts: '-1' is not auto, none or a whole number"):

@@ -30,11 +30,8 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 # The newest client takes no temperature argument; the field is still Anthropic's.
 GREEDY = {"model": "default", "max_tokens": 16, "extra_body": {"temperature": 0}}
 BODY = {"model": "default", "max_tokens": 16, "temperature": 0, "messages": QUESTION}
-TOOL = {
-    "name": WEATHER["function"]["name"],
-    "description": WEATHER["function"]["description"],
-    "input_schema": WEATHER["function"]["parameters"],
-}
+TOOL = {"name": WEATHER["function"]["name"], "description": WEATHER["function"]["description"],
+        "input_schema": WEATHER["function"]["parameters"]}
 _TOKENIZER_FILES = ("tokenizer", "special_tokens_map", "chat_template", "added_tokens")
 
 
@@ -52,11 +49,8 @@ def server(tmp_path_factory, default_model_dir):
     for entry in Path(default_model_dir).iterdir():
         if not entry.name.startswith(_TOKENIZER_FILES) and not (folder / entry.name).exists():
             (folder / entry.name).symlink_to(entry)
-    proc = ServerProcess(
-        tmp_path_factory.mktemp("anthropic"),
-        ["--model", str(folder), "--num-pages", "48", "--api-key", KEY],
-    )
-    yield from serving(proc)
+    yield from serving(ServerProcess(tmp_path_factory.mktemp("anthropic"),
+                                     ["--model", str(folder), "--num-pages", "48", "--api-key", KEY]))
 
 
 @pytest.fixture(scope="module")
@@ -375,10 +369,8 @@ def test_thinking_asked_of_a_model_that_cannot_think(real_server):
             messages=QUESTION, thinking={"type": "enabled", "budget_tokens": 1024}, **{**GREEDY, "max_tokens": 2048}
         )
     assert "cannot think" in exc.value.body["error"]["message"]
-    with pytest.raises(anthropic.BadRequestError) as exc:  # counting it is refused alike
-        client.messages.count_tokens(model="default", messages=QUESTION,
-                                     thinking={"type": "enabled", "budget_tokens": 1024})
-    assert "cannot think" in exc.value.body["error"]["message"]
+    with pytest.raises(anthropic.BadRequestError, match="cannot think"):  # counting it is refused alike
+        client.messages.count_tokens(model="default", messages=QUESTION, thinking={"type": "enabled", "budget_tokens": 1024})
     # "adaptive" leaves it to the model: no thinking here, and no error.
     adaptive = client.messages.create(messages=QUESTION, thinking={"type": "adaptive"}, **{**GREEDY, "max_tokens": 1})
     assert [b.type for b in adaptive.content] == ["text"]
@@ -436,8 +428,8 @@ def test_models_in_anthropic_shape_with_x_api_key(client, server):
         wrong.models.list()
     assert "x-api-key" in exc.value.body["error"]["message"]
     _error(_raw(server, "GET", "/v1/models", params={"limit": 0}), 400, "invalid_request_error")
-    both = _raw(server, "GET", "/v1/models", params={"after_id": "default", "before_id": "default"})
-    assert "not both" in _error(both, 400, "invalid_request_error")  # an empty page claiming more before
+    both = {"after_id": "default", "before_id": "default"}  # was an empty page claiming more
+    assert "not both" in _error(_raw(server, "GET", "/v1/models", params=both), 400, "invalid_request_error")
     openai_client = openai.OpenAI(base_url=server.base_url + "/v1", api_key=KEY, max_retries=0)
     listed = openai_client.models.list()
     assert [m.id for m in listed.data] == ids and listed.data[0].object == "model"

@@ -17,6 +17,7 @@ environment. Sizes (``--reserve``, ``--kv-cache``...) are text everywhere: ``6Gi
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -63,7 +64,7 @@ def parse_duration(text: str | float) -> float:
         ValueError: anything else, with the accepted forms.
     """
     if isinstance(text, (int, float)) and not isinstance(text, bool):
-        return float(text)
+        text = repr(float(text)) if isinstance(text, float) else str(text)
     value = str(text).strip().lower()
     for unit in sorted(_DURATION_UNITS, key=len, reverse=True):
         if value.endswith(unit):
@@ -72,12 +73,15 @@ def parse_duration(text: str | float) -> float:
     else:
         number, scale = value, 1.0
     try:
-        return float(number) * scale
+        seconds = float(number) * scale
     except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds):  # nan, inf and 1e400 too: "never" is -1 or unset
         raise ValueError(
             f"{text!r} is not a duration; write seconds or a number with s, m, h or ms "
             "(e.g. 30s, 5m, 1h)"
-        ) from None
+        )
+    return seconds
 
 
 class SettingsError(Exception):
@@ -95,6 +99,8 @@ def _check_served_names(names: tuple[str, ...]) -> str | None:
     for name in names:
         if not name.strip():
             return "is empty; give a name, or leave the flag out"
+        if any(c.isspace() or not c.isprintable() for c in name):
+            return f"{name!r} holds a space or a control character; give a name without them (e.g. my-model)"
         if ":" in name and not name.partition(":")[0].strip():
             return f"{name!r} is a tag without a model name; give a name before it (e.g. 'mymodel{name}')"
     return None

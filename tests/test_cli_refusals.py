@@ -171,6 +171,21 @@ def test_plan_json_prints_a_refusal_a_script_can_parse(default_model_dir, args, 
     assert plain.exit_code == 2 and plain.stdout == "" and needle in plain.stderr, plain.output
 
 
+@pytest.mark.parametrize(("command", "needle"), [
+    (["plan", "--json", "--max-model-len", "abc"], "Invalid value for '--max-model-len': 'abc' is not a valid integer"),
+    (["plan", "--json", "--bogus"], "No such option '--bogus'"),
+    (["models", "--json", "--bogus"], "No such option '--bogus'"),
+])
+def test_a_usage_error_click_finds_is_json_too_under_json(command, needle):
+    """click's own refusals (a value of the wrong type, an unknown option) came before the
+    command ran: stdout held nothing though --json promises one JSON object."""
+    result = invoke(command)
+    assert result.exit_code == 2, result.output
+    refusal = json.loads(result.stdout)
+    assert refusal["exit_code"] == 2 and refusal["error"].startswith(needle), refusal
+    assert needle in result.stderr
+
+
 @pytest.mark.parametrize("command", [["generate", "--local", "--max-tokens", "2", "hi"], ["serve", "--port", "0"]])
 def test_a_folder_without_its_tokenizer_is_refused_before_loading(tmp_path, make_tiny_hf_model, command):
     """generate loaded the engine, then died in a traceback at the tokenizer; serve bound its

@@ -23,7 +23,7 @@ import click
 from service.cli.autostart import service as service_group
 from service.cli.bench import bench
 from service.cli.doctor import doctor
-from service.cli.exits import EXIT_FAILED, EXIT_USAGE, errors_as_json, fail
+from service.cli.exits import EXIT_FAILED, EXIT_USAGE, JsonErrorsCommand, errors_as_json, fail
 from service.cli.models import models, pull
 from service.cli.options import (
     KERNEL_SWITCHES,
@@ -312,6 +312,7 @@ def generate(
 
 
 @main.command(
+    cls=JsonErrorsCommand,
     epilog="Without a GPU, plan for a simulated one: --device-total 6GiB --device-free "
     "5.5GiB. Sizes: 6GiB, 5.5GiB, 512MiB, 6GB (decimal) or bytes. Settings are serve's: "
     "also read from HEADROOM_* variables and the config file. Exits 0 when the plan "

@@ -28,6 +28,21 @@ def errors_as_json() -> None:
     click.get_current_context().meta[_JSON_ERRORS] = True
 
 
+class JsonErrorsCommand(click.Command):
+    """A command whose ``--json`` promises one JSON object on stdout: a usage error that
+    click itself finds (an unknown option, a value of the wrong type) is printed there too,
+    as :func:`fail` prints the command's own refusals after :func:`errors_as_json`."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        wants_json = "--json" in args
+        try:
+            return super().parse_args(ctx, args)
+        except click.UsageError as exc:
+            if wants_json:
+                click.echo(json.dumps({"error": exc.format_message(), "exit_code": exc.exit_code}))
+            raise
+
+
 def fail(message: str, code: int = EXIT_FAILED) -> NoReturn:
     """Print ``headroom: error: <message>`` on stderr and exit with ``code``; after
     :func:`errors_as_json`, also ``{"error": <message>, "exit_code": <code>}`` on

@@ -7,10 +7,10 @@ import json
 
 import click
 
-from service.cli.exits import EXIT_FAILED, EXIT_USAGE, fail
+from service.cli.exits import EXIT_FAILED, EXIT_USAGE, JsonErrorsCommand, fail
 
 
-@click.command(context_settings={"allow_extra_args": True})
+@click.command(cls=JsonErrorsCommand, context_settings={"allow_extra_args": True})
 @click.option("--json", "as_json", is_flag=True, help="Print the list as JSON.")
 @click.pass_context
 def models(ctx: click.Context, as_json: bool) -> None:

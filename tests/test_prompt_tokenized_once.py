@@ -139,3 +139,36 @@ def test_a_long_chat_drops_its_oldest_turns_in_few_renders(tokenizers):
     assert fitted.messages == turns[-len(fitted.messages):] and len(ids) <= 96 - 16
     # One turn more would not have fitted: the fewest turns were dropped.
     assert len(encode_chat(tokenizers[0], turns[-len(fitted.messages) - 1:])) > 96 - 16
+
+
+@pytest.mark.parametrize("route", ["chat", "generate-raw"])
+def test_a_message_far_past_the_context_is_cut_before_it_is_tokenized(tokenizers, route):
+    """A 30 MB message cut to a small num_ctx was tokenized whole three times (40-50 s
+    of the service's CPU, on after its client left); only its end that can be kept, with
+    as much again to spare, reaches the tokenizer now, and the cut is the same as that
+    of a text holding just that end."""
+    tokenizer = tokenizers[0]
+    words = "".join(f"word{i} " for i in range(200_000))  # 1.4 MB
+    if route == "chat":
+        body = {"model": "default", "messages": [{"role": "user", "content": words}]}
+    else:
+        body = {"model": "default", "prompt": words, "raw": True}
+    request = _request("chat" if route == "chat" else "generate", {**body, "options": {"num_ctx": 256, "num_predict": 16}})
+    counting = CountingTokenizer(tokenizer)
+    text = TextSide(counting, "default")
+    try:
+        limit = 2 * (256 - 16) * text.bytes_per_token
+        (fitted,) = asyncio.run(fit_prompts(text, request, 256))
+        end = words[-limit:]
+        short = _request("chat" if route == "chat" else "generate",
+                         {**body, **({"messages": [{"role": "user", "content": end}]} if route == "chat" else
+                                     {"prompt": end}), "options": {"num_ctx": 256, "num_predict": 16}})
+        (same,) = asyncio.run(fit_prompts(text, short, 256))
+    finally:
+        text.close()
+    assert limit < len(words) // 4 and max(len(t) for t in counting.encoded) <= limit + 200, limit
+    if route == "chat":
+        assert fitted.messages == same.messages and fitted.ids == same.ids
+        assert words.endswith(fitted.messages[0]["content"]) and len(fitted.ids) <= 256 - 16
+    else:
+        assert fitted.token_ids == same.token_ids and len(fitted.token_ids) <= 256 - 16

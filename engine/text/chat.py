@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 from jinja2 import TemplateError
 
+from engine.text.chat_guard import guarded_ids, marked, special_pattern
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -166,9 +168,14 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
     Returns:
         Token ids, ``list[int]``.
     """
+    return list(tokenizer.encode(prompt, add_special_tokens=_adds_special(tokenizer, prompt)))
+
+
+def _adds_special(tokenizer: PreTrainedTokenizerBase, prompt: str) -> bool:
+    """Whether the tokenizer's own special tokens go around ``prompt``: not when it
+    starts with the BOS text already."""
     bos = getattr(tokenizer, "bos_token", None)
-    add_special = not (bos and prompt.startswith(bos))
-    return list(tokenizer.encode(prompt, add_special_tokens=add_special))
+    return not (bos and prompt.startswith(bos))
 
 
 def encode_chat(
@@ -178,7 +185,9 @@ def encode_chat(
     tools: list[dict[str, Any]] | None = None,
     template_kwargs: Mapping[str, Any] | None = None,
 ) -> list[int]:
-    """``encode_prompt(tokenizer, render_chat(tokenizer, messages, ...))``.
+    """``encode_prompt(tokenizer, render_chat(tokenizer, messages, ...))``, where a
+    message's text that spells a special token (``<|im_end|>``) is tokenized as plain
+    text (:mod:`engine.text.chat_guard`): no message can end its turn or forge another.
 
     Returns:
         Prompt token ids, ``list[int]``.
@@ -186,7 +195,20 @@ def encode_chat(
         ChatTemplateError: as ``render_chat``.
     """
     prompt = render_chat(tokenizer, messages, tools=tools, template_kwargs=template_kwargs)
-    return encode_prompt(tokenizer, prompt)
+    pattern = special_pattern(tokenizer)
+    texts: list[str] = []
+    guarded = []
+    for message in messages:
+        content = message.get("content") if isinstance(message, Mapping) else None
+        if pattern is not None and isinstance(content, str) and pattern.search(content):
+            message = {**message, "content": marked(len(texts))}
+            texts.append(content)
+        guarded.append(message)
+    if not texts:
+        return encode_prompt(tokenizer, prompt)
+    # A message spells a special token: it stays text (engine.text.chat_guard).
+    marked_prompt = render_chat(tokenizer, guarded, tools=tools, template_kwargs=template_kwargs)
+    return guarded_ids(tokenizer, prompt, marked_prompt, texts, _adds_special(tokenizer, prompt))
 
 
 def _normalize(

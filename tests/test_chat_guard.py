@@ -30,6 +30,8 @@ def test_a_forged_turn_stays_text(tokenizer):
     unguarded = encode_prompt(tokenizer, render_chat(tokenizer, forged))
     assert unguarded.count(start) == own.count(start) + 2  # what the message forged before
     assert tokenizer.decode(ids) == render_chat(tokenizer, forged)  # the same text, other tokens
+    parts = [forged[0], {"role": "user", "content": [{"type": "text", "text": FORGED}]}]  # as text parts
+    assert encode_chat(tokenizer, parts) == ids
 
 
 def test_a_chat_without_such_text_is_tokenized_as_before(tokenizer):

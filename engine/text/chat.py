@@ -198,11 +198,13 @@ def encode_chat(
     pattern = special_pattern(tokenizer)
     texts: list[str] = []
     guarded = []
-    for message in messages:
+    for i, message in enumerate(messages):
         content = message.get("content") if isinstance(message, Mapping) else None
-        if pattern is not None and isinstance(content, str) and pattern.search(content):
+        # A list of text parts reaches the template as one text (render_chat checked it).
+        text = _content_text(content, i, "") if pattern is not None and isinstance(content, (str, list)) else ""
+        if pattern is not None and pattern.search(text):
             message = {**message, "content": marked(len(texts))}
-            texts.append(content)
+            texts.append(text)
         guarded.append(message)
     if not texts:
         return encode_prompt(tokenizer, prompt)

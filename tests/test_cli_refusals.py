@@ -79,6 +79,17 @@ def test_serve_refuses_a_folder_that_holds_no_model(tmp_path):
     assert f"--model: {tmp_path} holds no config.json and no .gguf file" in result.stderr
 
 
+@pytest.mark.parametrize("command", [["serve", "--port", "0"], ["plan"], ["generate", "--local", "hi"]])
+def test_a_broken_config_is_named_first_by_every_command(tmp_path, command):
+    """serve named the missing tokenizer of a folder whose config.json is not JSON, plan
+    the config: fixing the tokenizer first would still leave the broken config."""
+    (tmp_path / "config.json").write_text("{not json")
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    result = invoke([*command, "--model", str(tmp_path)])
+    assert result.exit_code == 2, result.output
+    assert f"{tmp_path / 'config.json'} is not valid JSON" in result.stderr, result.stderr
+
+
 @pytest.mark.parametrize(("args", "page"), [(["--device", "cpu"], "720 KiB"), (["--kv-cache-dtype", "fp8"], "180 KiB")])
 def test_serve_refuses_a_kv_cache_below_one_min_context_before_the_port_opens(default_model_dir, args, page):
     """The model's config is on disk: its KV bytes per token are known without loading it

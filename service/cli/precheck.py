@@ -81,6 +81,7 @@ def check_model_before_loading(model: str | None, *, tokenizer: bool, convert: b
                 open_tensors(gguf)
                 _check_writable(folder.parent, gguf)  # where the worker will write the conversion
             return
+        config = load_model_config(folder)  # first, as plan reads it: a broken config.json is named alike
         if tokenizer:
             from engine.text.tokenizer import check_tokenizer_files
 
@@ -88,7 +89,7 @@ def check_model_before_loading(model: str | None, *, tokenizer: bool, convert: b
                 raise ModelLoadError(f"{folder}, the conversion of {gguf}, has no tokenizer.json (a half-written or "
                                      "damaged copy): delete that folder, and the next start converts the file again")
             check_tokenizer_files(str(folder))
-        check_weights_on_disk(folder, load_model_config(folder), gguf)
+        check_weights_on_disk(folder, config, gguf)
     except (ModelLoadError, FileNotFoundError) as exc:
         fail(f"cannot load the model: {exc}", EXIT_USAGE)
 

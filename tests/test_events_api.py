@@ -191,6 +191,9 @@ def test_control_actions_reach_the_target(env):
         ("cache", {}, None),
         ("cache", {"kv_cache": "big"}, "kv_cache"),
         ("cache", {"clear_prefix_cache": "yes"}, "clear_prefix_cache"),
+        ("cache", {"kv_cache": 1.5}, "kv_cache"),  # refused in the size parser's words
+        ("cache", {"expert_cache": 0.5}, "expert_cache"),
+        ("reserve", {"reserve": 1.5}, "reserve"),
     ],
 )
 def test_control_bad_bodies_are_400(env, route, body, param):
@@ -198,6 +201,8 @@ def test_control_bad_bodies_are_400(env, route, body, param):
     r = client.post(f"/api/control/{route}", json=body, headers=AUTH)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+    if isinstance(body.get(param), float):
+        assert "is not a whole number of bytes: write" in r.json()["error"]["message"], r.text
     assert target.calls == []
 
 

@@ -126,6 +126,17 @@ def test_word_or_number_options_take_a_number_from_every_source(tmp_path):
     assert option_named(EngineConfig, "cpu_experts").metavar == "auto|none|N"
 
 
+def test_an_empty_name_in_the_file_is_refused_as_the_flag_refuses_it(tmp_path):
+    """A list's empty item from the config file was dropped unseen where the flag is
+    refused; from a variable an empty item is no value (``a,b,``), as an empty variable is."""
+    from service.common.settings import SettingsError
+
+    for text in ('served_model_name = ""\n', 'served_model_name = ["a", ""]\n'):
+        with pytest.raises(SettingsError, match="--served-model-name .*: is empty; give a name"):
+            _resolve_with(tmp_path, text)
+    assert _resolve_with(tmp_path, env={"HEADROOM_SERVED_MODEL_NAME": "a,b,"}).served_model_name == ("a", "b")
+
+
 def test_a_word_or_number_option_refuses_other_toml_values(tmp_path):
     from service.common.settings import SettingsError
 

@@ -347,7 +347,7 @@ def test_a_host_that_is_not_this_machines_fails_naming_the_flag(host):
     """Where the bare resolver's "Name or service not known" (or the bind's "Cannot assign
     requested address") was the whole message."""
     result = run_serve(["--port", "0", "--host", host])
-    assert result.returncode == 1, result.stderr
+    assert result.returncode == 2, result.stderr  # the setting is wrong, as any other bad value
     assert result.stderr.startswith(f"headroom: error: --host {host}: not an address of this machine ("), result.stderr
     assert "give --host an address of this machine, such as 127.0.0.1 (the default)" in result.stderr
     assert "Traceback" not in result.stderr and "listening" not in result.stderr

@@ -17,7 +17,7 @@ from typing import Any
 
 import click
 
-from service.cli.exits import check_model_path, fail
+from service.cli.exits import EXIT_FAILED, EXIT_USAGE, check_model_path, fail
 from service.cli.logfile import setup_logging
 from service.cli.options import config_option, resolve_or_fail, with_serve_options
 from service.cli.precheck import (
@@ -31,18 +31,23 @@ from service.common.version import headroom_version
 ADDRESSES = "give --host an address of this machine, such as 127.0.0.1 (the default), ::1 or 0.0.0.0"
 
 
+class NotAnAddress(OSError):
+    """``--host`` names no address of this machine: the user's setting (exit 2)."""
+
+
 def bind_socket(host: str, port: int) -> socket.socket:
     """Bind and listen on ``host:port`` before anything else starts, so a taken port
     fails the start at once (and no other process can take it in between).
 
     Raises:
-        OSError: with the message ``"port N is in use"`` for EADDRINUSE; for a host that
-            resolves to no address, or to none of this machine's, one naming ``--host``.
+        OSError: with the message ``"port N is in use"`` for EADDRINUSE.
+        NotAnAddress: for a host that resolves to no address, or to none of this
+            machine's, naming ``--host``.
     """
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as exc:  # a name no resolver knows, an address of no family
-        raise OSError(exc.errno, f"--host {host}: not an address of this machine ({exc.strerror}); {ADDRESSES}") from None
+        raise NotAnAddress(exc.errno, f"--host {host}: not an address of this machine ({exc.strerror}); {ADDRESSES}") from None
     family, _, _, _, address = infos[0]
     sock = socket.socket(family, socket.SOCK_STREAM)
     if sys.platform != "win32":
@@ -57,7 +62,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
             raise OSError(exc.errno, f"port {port} is in use (on {host}): pass --port N (or set HEADROOM_PORT) "
                                      f"for another one, or stop the program that listens on it") from None
         if exc.errno == errno.EADDRNOTAVAIL:
-            raise OSError(exc.errno, f"--host {host}: not an address of this machine ({exc.strerror}); "
+            raise NotAnAddress(exc.errno, f"--host {host}: not an address of this machine ({exc.strerror}); "
                                      f"{ADDRESSES}") from None
         raise OSError(exc.errno, f"cannot bind {host}:{port}: {exc.strerror}") from None
     sock.listen(2048)
@@ -131,7 +136,7 @@ def serve(config_path: Path | None, **flags: Any) -> None:
         sock = bind_socket(settings.host, settings.port)
     except OSError as exc:
         release_lock(lock)
-        fail(exc.strerror or str(exc))
+        fail(exc.strerror or str(exc), EXIT_USAGE if isinstance(exc, NotAnAddress) else EXIT_FAILED)
     try:
         _serve_bound(settings, sock, log)
     finally:

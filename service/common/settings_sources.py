@@ -47,8 +47,10 @@ def default_config_path(env: Mapping[str, str] | None = None) -> Path:
     return config_dir(env) / "config.toml"
 
 
-def _convert(option: Option, value: Any, source: str) -> Any:
-    """Coerce a value from the file (typed) or the environment (text)."""
+def _convert(option: Option, value: Any, source: str, from_env: bool = False) -> Any:
+    """Coerce a value from the file (typed) or the environment (text, ``from_env``). A
+    list's empty items are dropped from a variable (``a,b,``; an empty variable is no
+    value), kept from the file, where the option's checks refuse them as the flag's do."""
     if option.multiple:
         if isinstance(value, str):
             items = [v.strip() for v in value.split(",")]
@@ -56,7 +58,7 @@ def _convert(option: Option, value: Any, source: str) -> Any:
             items = value
         else:
             raise SettingsError(f"{source}: {option.name} must be a list of strings")
-        return tuple(_convert_one(option, v, source) for v in items if v != "")
+        return tuple(_convert_one(option, v, source) for v in items if v != "" or not from_env)
     return _convert_one(option, value, source)
 
 
@@ -269,7 +271,7 @@ def _from_environment(option: Option, text: str) -> Any:
         SettingsError: naming the variable, as its ``variable`` too.
     """
     try:
-        return _checked(option, _convert(option, text, f"environment {option.env}"),
+        return _checked(option, _convert(option, text, f"environment {option.env}", from_env=True),
                         f"{option.flag} ({option.env})")
     except SettingsError as exc:
         raise SettingsError(str(exc), option.env) from None

@@ -141,7 +141,7 @@ def default_origin_check(allowed_origins: Iterable[str] = ()) -> Callable[[str],
     return OriginPolicy(allowed_origins=allowed_origins).origin_allowed
 
 
-def _parse_size_field(value: int | str, param: str) -> int:
+def _parse_size_field(value: int | float | str, param: str) -> int:
     try:
         return parse_size(value)
     except ValueError as exc:

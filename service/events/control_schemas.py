@@ -24,7 +24,7 @@ class ReserveRequest(msgspec.Struct, forbid_unknown_fields=True):
     """Body of ``POST /api/control/reserve``: ``reserve`` is ``"auto"``, a number of
     bytes, or a size as text (``"1.5GiB"``, ``"512MiB"``)."""
 
-    reserve: int | str
+    reserve: int | float | str  # a float: the size parser names 1.5GiB
 
 
 class CacheRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -39,8 +39,8 @@ class CacheRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     CPU runs (``--cpu-layers auto`` and a model that can split; null: the start's split;
     absent: unchanged); done first."""
 
-    kv_cache: int | str | None | msgspec.UnsetType = msgspec.UNSET
-    expert_cache: int | str | None | msgspec.UnsetType = msgspec.UNSET
+    kv_cache: int | float | str | None | msgspec.UnsetType = msgspec.UNSET  # a float refused in words
+    expert_cache: int | float | str | None | msgspec.UnsetType = msgspec.UNSET
     cpu_layers: int | None | msgspec.UnsetType = msgspec.UNSET
     clear_prefix_cache: bool = False
 

@@ -121,6 +121,24 @@ def test_a_negative_logit_bias_id_names_the_vocabulary_range(real_server):
     assert re.search(r"\(0\.\.[1-9]\d*\)", error["message"]), error
 
 
+@pytest.mark.parametrize(("bias", "needle"), [
+    ({"05": 1, "5": 2}, "logit_bias keys are token ids, got '05'"),
+    ({" 5": 1}, "logit_bias keys are token ids, got ' 5'"),
+    ({"+5": 1}, "logit_bias keys are token ids, got '+5'"),
+    ({"\u0665": 1}, "logit_bias keys are token ids"),  # an Arabic-Indic five, which int() reads
+])
+def test_logit_bias_keys_are_plain_token_ids(bias, needle):
+    """Spellings int() reads ("05", " 5") were taken, so two keys could name one token
+    with two biases, the last silently winning."""
+    from service.api.sampling import logit_bias_pairs
+    from service.common.errors import APIError
+
+    with pytest.raises(APIError, match=re.escape(needle)) as raised:
+        logit_bias_pairs(bias)
+    assert raised.value.param == "logit_bias"
+    assert logit_bias_pairs({"0": 1, "5": -100, "-1": 2}) == ((0, 1.0), (5, -100.0), (-1, 2.0))
+
+
 def test_a_text_part_without_text_says_so(real_server):
     content = [{"type": "text"}]
     r = _post(real_server, "/v1/chat/completions", json={"messages": [{"role": "user", "content": content}]})

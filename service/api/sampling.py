@@ -11,6 +11,7 @@ them again until the engine (:meth:`engine.core.engine.Engine.add_request`).
 
 from __future__ import annotations
 
+import re
 from typing import Annotated
 
 import msgspec
@@ -116,6 +117,11 @@ def sampling_params(
     )
 
 
+# A logit_bias key: a token id in plain ASCII digits (a minus sign for the refusal of a
+# negative id to name the vocabulary's range).
+_TOKEN_KEY = re.compile(r"-?(0|[1-9][0-9]*)")
+
+
 def logit_bias_pairs(logit_bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
     """OpenAI's ``logit_bias`` (token id as text -> bias) as the engine's pairs (their
     ids against the vocabulary are checked once the engine's facts are known, by
@@ -126,18 +132,21 @@ def logit_bias_pairs(logit_bias: dict[str, float] | None) -> tuple[tuple[int, fl
             [-100, 100] (a negative id is refused with the vocabulary's range by
             :func:`check_vocabulary`).
     """
-    pairs = []
+    pairs: dict[int, float] = {}
     for key, bias in (logit_bias or {}).items():
-        try:
-            token = int(key)
-        except ValueError:
-            raise invalid(f"logit_bias keys are token ids, got {key!r}", "logit_bias") from None
+        # A token id as OpenAI's clients write it ("15496", "-1"): no spaces, signs, digits
+        # of other scripts or leading zeros, so that two keys never name one token unseen.
+        if not _TOKEN_KEY.fullmatch(key):
+            raise invalid(f"logit_bias keys are token ids, got {key!r}", "logit_bias")
+        token = int(key)
+        if token in pairs:
+            raise invalid(f"logit_bias names token id {token} twice", "logit_bias")
         if not -LOGIT_BIAS_MAX <= bias <= LOGIT_BIAS_MAX:
             raise invalid(
                 f"logit_bias values must be in [-100, 100], got {bias} for {key}", "logit_bias"
             )
-        pairs.append((token, float(bias)))
-    return tuple(pairs)
+        pairs[token] = float(bias)
+    return tuple(pairs.items())
 
 
 def check_vocabulary(pairs: tuple[tuple[int, float], ...], vocab_size: int) -> None:

@@ -361,7 +361,7 @@ def test_settings_only_a_gpu_uses_are_noted_on_the_cpu():
                         "--host", "999.1.1.1"])
     assert ("headroom: note: --cpu-layers 2 and --device-limit 2.00 GiB: no effect on the CPU (every layer runs "
             "there already") in result.stderr, result.stderr
-    assert result.returncode == 1 and "--host 999.1.1.1" in result.stderr
+    assert result.returncode == 2 and "--host 999.1.1.1" in result.stderr
 
 
 def test_missing_model_fails_naming_the_path(tmp_path):

@@ -203,12 +203,11 @@ def _ledger_at(device: DeviceMemory, knobs: PlanKnobs, fp: Footprint, host_layer
     reserve = knobs.reserve if knobs.reserve is not None else reserve_for(total, device.display_attached)
     margin = knobs.safety_margin_bytes if knobs.safety_margin_bytes is not None else safety_margin_for(total)
     src = "simulated" if device.simulated else "NVML"
-    if knobs.reserve is not None:
-        reserve_src = _flag("reserve")
-    elif device.simulated:  # not this machine's display: the simulated card's (--device-display)
-        reserve_src = "auto: the simulated card drives a display" if device.display_attached else "auto: no display"
-    else:
-        reserve_src = "auto: display attached" if device.display_attached else "auto: no display"
+    # A simulated card's display is its own (--device-display), not this machine's.
+    attached = "auto: the simulated card drives a display" if device.simulated else "auto: display attached"
+    reserve_src = _flag("reserve") if knobs.reserve is not None else (
+        attached if device.display_attached else "auto: no display"
+    )
     budget = total - device.others_bytes - reserve - margin
     sampler = fp.sampler_bytes_per_request * knobs.max_running_requests
     activation = fp.activation_at(knobs) if fp.activation_at is not None else fp.activation_peak_bytes

@@ -196,13 +196,15 @@ def encode_chat(
     """
     prompt = render_chat(tokenizer, messages, tools=tools, template_kwargs=template_kwargs)
     pattern = special_pattern(tokenizer)
+    if pattern is None:
+        return encode_prompt(tokenizer, prompt)
     texts: list[str] = []
     guarded = []
     for i, message in enumerate(messages):
         content = message.get("content") if isinstance(message, Mapping) else None
         # A list of text parts reaches the template as one text (render_chat checked it).
-        text = _content_text(content, i, "") if pattern is not None and isinstance(content, (str, list)) else ""
-        if pattern is not None and pattern.search(text):
+        text = _content_text(content, i, "") if isinstance(content, (str, list)) else ""
+        if pattern.search(text):
             message = {**message, "content": marked(len(texts))}
             texts.append(text)
         guarded.append(message)

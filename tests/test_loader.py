@@ -137,6 +137,22 @@ def test_a_value_transformers_or_the_rope_rejects_is_a_load_error(tmp_path, chan
     assert "\n" not in str(e.value)  # one line for the CLI's error
 
 
+@pytest.mark.parametrize("changes, named", [
+    ({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": 2,
+      "num_experts_per_tok": 3}, "num_experts_per_tok is 3, not a whole number from 1 to the 2 experts"),
+    ({"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "num_hidden_layers": 2, "head_dim": 8,
+      "num_key_value_heads": 1, "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 0},
+     "sliding_window is 0, not a positive whole number"),
+])
+def test_a_value_the_first_forward_would_fail_on_is_a_load_error(tmp_path, changes, named):
+    """A router's top-k above its experts loaded, said ready, and crashed the worker on
+    every request until serve gave up; a window of 0 on sliding layers ran as no window."""
+    write_config(tmp_path, **changes)
+    with pytest.raises(ModelLoadError) as e:
+        load_model_config(tmp_path)
+    assert named in str(e.value) and str(tmp_path / "config.json") in str(e.value)
+
+
 def test_invalid_json(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ModelLoadError, match="not valid JSON"):

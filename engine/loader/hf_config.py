@@ -154,7 +154,7 @@ def _derive(model_dir: Path, config_path: Path) -> ModelConfig:
         eos_token_ids=tuple(dict.fromkeys(eos)),  # dedupe, keep order
         qk_norm_whole=facts.qk_norm_whole,
         clip_qkv=getattr(hf, "clip_qkv", None),
-        **_moe_fields(hf, facts),
+        **_moe_fields(hf, facts, config_path),
         **_hybrid_fields(hf, facts, head_dim),
         **_gemma3_fields(hf, config_path),
         **_gpt_oss_fields(hf, config_path),
@@ -181,13 +181,25 @@ def _gpt_oss_fields(hf: Any, config_path: Path) -> dict[str, Any]:
                                 "headroom reads its bfloat16 or MXFP4 checkpoints")
     return {
         "layer_types": tuple(hf.layer_types),
-        "sliding_window": int(hf.sliding_window or 0),
+        "sliding_window": _window(hf, config_path),
         "attention_sinks": True,
         "expert_bias": True,
         "swiglu_alpha": float(getattr(hf, "swiglu_alpha", 1.702)),  # older transformers fix it at 1.702
         "swiglu_limit": float(getattr(hf, "swiglu_limit", 7.0)),
         "expert_block_type": "MXFP4" if method == "mxfp4" else "",
     }
+
+
+def _window(hf: Any, config_path: Path) -> int:
+    """The ``sliding_window`` of a model whose ``layer_types`` name sliding layers: a
+    positive token count (transformers fails on 0 only in its forward pass)."""
+    window = hf.sliding_window
+    if "sliding_attention" in (hf.layer_types or ()) and (
+            isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ModelLoadError(f"{config_path}: sliding_window is {window!r}, not a positive whole number, "
+                             "while layer_types has sliding_attention layers; restore the file from the "
+                             "model's original repository")
+    return int(window or 0)
 
 
 def _is_gemma3(hf: Any) -> bool:
@@ -206,7 +218,7 @@ def _gemma3_fields(hf: Any, config_path: Path) -> dict[str, Any]:
         return {}
     return {
         "layer_types": tuple(hf.layer_types),
-        "sliding_window": int(hf.sliding_window or 0),
+        "sliding_window": _window(hf, config_path),
         "rope_local": _rope_of(hf.rope_parameters["sliding_attention"], hf, config_path),
         "query_pre_attn_scalar": float(hf.query_pre_attn_scalar or 0),
         "final_logit_softcapping": float(hf.final_logit_softcapping or 0),
@@ -254,7 +266,7 @@ def _hybrid_fields(hf: Any, facts: Family, head_dim: int) -> dict[str, Any]:
     }
 
 
-def _moe_fields(hf: Any, facts: Family) -> dict[str, Any]:
+def _moe_fields(hf: Any, facts: Family, config_path: Path) -> dict[str, Any]:
     """The mixture-of-experts fields of :class:`ModelConfig`, as each family's
     transformers config names them; ``{}`` for a dense model.
 
@@ -282,6 +294,11 @@ def _moe_fields(hf: Any, facts: Family) -> dict[str, Any]:
         moe_layers = tuple(i for i in layers if num_experts > 0 and i not in dense and (i + 1) % step == 0)
         expert_size = hf.moe_intermediate_size
     norm_topk = facts.renormalize_top_k or bool(getattr(hf, "norm_topk_prob", False))
+    top_k = hf.num_experts_per_tok
+    if num_experts > 0 and (isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts):
+        # The router's top-k would fail in the first forward pass, a crash loop under serve.
+        raise ModelLoadError(f"{config_path}: num_experts_per_tok is {top_k!r}, not a whole number from 1 to "
+                             f"the {num_experts} experts; restore the file from the model's original repository")
     return {
         "num_experts": int(num_experts),
         "num_experts_per_tok": int(hf.num_experts_per_tok),

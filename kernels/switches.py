@@ -69,7 +69,7 @@ class KernelSwitches:
         "On the CPU, the bits of the activation codes Q4_K/Q5_K/Q6_K row products take (linear "
         "layers, CPU experts, prefill on the K-quant tile): 16 (int16 codes per block of 32, "
         "kernels/cpu/kquant.c) or 8 (int8 codes, byte products, kernels/cpu/kquant8.c: faster, "
-        "and a product moves by up to 129 times as much; docs/cpu.md).",
+        "and a product's error bound is 258 times the 16-bit codes' or more; docs/cpu.md).",
         choices=("8", "16"),
     )
     cpu_rows16: bool = _switch(

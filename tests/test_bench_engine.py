@@ -168,6 +168,9 @@ def test_split_options_reach_the_engine_side(default_model_dir):
     result = _small_bench("--cpu-layers", "40")
     assert result.exit_code == 2, result.output
     assert "--cpu-layers 40: LlamaForCausalLM has 30 decoder layers" in result.stderr
+    # ... without "or --device cpu" where that is the flag given
+    assert "on --device cpu every layer runs on the CPU already" in result.stderr
+    assert "or --device cpu to run" not in result.stderr
     result = _small_bench("--device-limit", "0")
     assert result.exit_code == 2 and "--device-limit: must be more than 0 bytes" in result.stderr, result.output
     # On the CPU they have no effect: said in a line, and the bench runs.

@@ -84,10 +84,10 @@ def test_auto_and_zero_keep_every_layer_on_the_device(llama):
 @pytest.mark.parametrize("extra", [0, 1])
 def test_every_layer_or_more_on_the_cpu_is_refused_naming_the_largest(llama, extra):
     """One layer at least stays on the device (all of them crashed the worker once):
-    every layer on the CPU is ``--device cpu``."""
+    every layer on the CPU is ``--device cpu``, which this engine runs on already."""
     path, _ = llama
     with pytest.raises(SettingRefused, match=f"has {LAYERS} decoder layers and one at least stays on the device; "
-                       f"use --cpu-layers {LAYERS - 1} or fewer .* or --device cpu"):
+                       f"use --cpu-layers {LAYERS - 1} or fewer .* on --device cpu every layer runs on the CPU"):
         tiny_engine(path, 16, cpu_layers=str(LAYERS + extra))
 
 

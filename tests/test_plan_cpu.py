@@ -65,3 +65,14 @@ def test_plan_json_names_its_pool_and_fit_alike_on_the_cpu_and_a_simulated_card(
         assert got["fits"] is True and got["num_pages"] > 0 and got["kv_pool_bytes"] > 0, got
     assert "kv_pages" not in cpu and "kv_pages" not in card
     assert cpu["kv_pool_bytes"] == cpu["num_pages"] * cpu["page_size"] * cpu["kv_bytes_per_token"]
+
+
+def test_no_gpu_only_note_on_a_simulated_card(capsys):
+    """With ``--device-total`` the CPU plays a card that ``--cpu-layers`` splits and
+    ``--device-limit`` limits: serve said "no effect on the CPU" and then used both."""
+    from service.cli.precheck import note_gpu_only_settings
+
+    note_gpu_only_settings("cpu", "5", 2 << 30, device_total=6 << 30)
+    assert capsys.readouterr().err == ""
+    note_gpu_only_settings("cpu", "5", None, device_total=None)
+    assert "--cpu-layers 5: no effect on the CPU" in capsys.readouterr().err

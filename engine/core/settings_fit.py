@@ -68,9 +68,12 @@ def check_cpu_layers(config: EngineConfig, mc: ModelConfig) -> None:
     if asked >= mc.num_layers:
         # One layer at least stays on the device (its KV pool is the step's page space):
         # every layer on the CPU is --device cpu.
+        on_cpu = config.device == "cpu" and config.device_total is None
+        fix = ("; on --device cpu every layer runs on the CPU already, so --cpu-layers 0 (or auto) does the same"
+               if on_cpu else ", or --device cpu to run every layer on the CPU")
         raise SettingRefused(f"--cpu-layers {asked}: {mc.architecture} has {mc.num_layers} decoder layers and one "
                              f"at least stays on the device; use --cpu-layers {mc.num_layers - 1} or fewer (or "
-                             "auto), or --device cpu to run every layer on the CPU")
+                             f"auto){fix}")
 
 
 def check_kv_cache(config: EngineConfig, mc: ModelConfig) -> None:

@@ -362,7 +362,7 @@ def bench_engine(**options: Any) -> None:
     settings = resolve_or_fail({name: options.pop(name) for name in (*own, *KERNEL_SWITCHES)}, None)
     options["kernel_switches"] = pick(settings, KernelSwitches)
     options.update({name: getattr(settings, name) for name in own})
-    note_gpu_only_settings(options["device"], settings.cpu_layers, settings.device_limit)
+    note_gpu_only_settings(options["device"], settings.cpu_layers, settings.device_limit, settings.device_total)
 
     shape = options["shape"]
     if shape is not None and shape not in SHAPES:

@@ -222,16 +222,17 @@ def check_before_serving(settings: Any) -> None:
         fail(str(exc), EXIT_USAGE)
 
 
-def note_gpu_only_settings(device: str, cpu_layers: str, device_limit: int | None) -> None:
+def note_gpu_only_settings(device: str, cpu_layers: str, device_limit: int | None, device_total: int | None) -> None:
     """One line on stderr where ``--cpu-layers N`` or ``--device-limit`` is given for a run
-    on the CPU (``--device cpu``, or ``auto`` on a machine without a usable GPU): they have
-    no effect there, as ``headroom plan`` says, and the run goes on."""
+    on the CPU (``--device cpu``, or ``auto`` on a machine without a usable GPU) with no
+    simulated card (``--device-total``, which they split and limit): they have no effect
+    there, as ``headroom plan`` says, and the run goes on."""
     import click
 
     from engine.common.gpu_settings import gpu_only_settings
 
     given = gpu_only_settings(cpu_layers, device_limit)
-    if not given or not (device == "cpu" or device == "auto" and (torch_without_gpu_support() is not None
+    if not given or device_total is not None or not (device == "cpu" or device == "auto" and (torch_without_gpu_support() is not None
                                                                   or visible_gpus() == 0)):
         return
     click.echo(f"headroom: note: {' and '.join(given)}: no effect on the CPU (every layer runs there already; they "

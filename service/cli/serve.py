@@ -124,7 +124,7 @@ def serve(config_path: Path | None, **flags: Any) -> None:
         log.info("headroom %s logging to %s", headroom_version(), log_path)
     check_model_path(settings.model)
     check_before_serving(settings)  # what the settings ask of the model first, then its files
-    note_gpu_only_settings(settings.device, settings.cpu_layers, settings.device_limit)
+    note_gpu_only_settings(settings.device, settings.cpu_layers, settings.device_limit, settings.device_total)
     check_model_before_loading(settings.model, tokenizer=True)
     from service.cli.instance import AlreadyRunning, release_lock, remove_runtime, take_lock
 

@@ -85,6 +85,21 @@ def test_llama_cpp_tools_are_found_where_a_build_puts_them(tmp_path, layout):
     assert tools.threads >= 1
 
 
+def test_llama_cpp_paths_that_are_no_build_are_named(tmp_path):
+    """An empty path searched the current folder, another file its own folder, and a
+    llama-bench without its exec bit read as "no executable llama-bench" there."""
+    from engine.bench.llama_cpp import LlamaCppTools
+
+    with pytest.raises(ValueError, match="--against-llama-cpp: an empty path"):
+        LlamaCppTools.find(" ")
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(ValueError, match="notes.txt: a file that is not llama-bench"):
+        LlamaCppTools.find(tmp_path / "notes.txt")
+    (tmp_path / "llama-bench").write_text("#!/bin/sh\n")
+    with pytest.raises(ValueError, match=f"{tmp_path / 'llama-bench'} is not executable; `chmod \\+x` it"):
+        LlamaCppTools.find(tmp_path)
+
+
 def _fake_llama_cpp(folder, names=("llama-bench", "llama-batched-bench")):
     """``folder`` holding executable stand-ins for llama.cpp's tools: each leaves a file
     named after itself in ``folder`` when run (so a test sees that none ran)."""

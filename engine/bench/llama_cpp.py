@@ -69,7 +69,12 @@ class LlamaCppTools:
             ValueError: no executable ``llama-bench`` there; the message names the places
                 looked at and how to build it.
         """
+        if not str(path).strip():
+            raise ValueError(f"--against-llama-cpp: an empty path; give llama.cpp's build folder or its {BENCH}")
         given = Path(path).expanduser()
+        if given.is_file() and given.name != BENCH:
+            raise ValueError(f"--against-llama-cpp {path}: a file that is not {BENCH}; give llama.cpp's build folder "
+                             f"or its {BENCH}")
         folders = [given.parent] if given.is_file() else [given, given / "bin", given / "build" / "bin"]
         for folder in folders:
             bench = folder / BENCH
@@ -77,6 +82,10 @@ class LlamaCppTools:
                 batched = folder / BATCHED
                 found = batched.is_file() and os.access(batched, os.X_OK)
                 return cls(bench, batched if found else None, len(os.sched_getaffinity(0)))
+        unrunnable = [str(folder / BENCH) for folder in folders if (folder / BENCH).is_file()]
+        if unrunnable:
+            raise ValueError(f"--against-llama-cpp {path}: {unrunnable[0]} is not executable; `chmod +x` it, or "
+                             f"{BUILD_THEM}")
         raise ValueError(f"--against-llama-cpp {path}: no executable {BENCH} in {', '.join(map(str, folders))}; "
                          f"{BUILD_THEM}")
 

@@ -19,9 +19,15 @@ def cpu_kernels() -> ctypes.CDLL | None:
     from kernels.switches import current
 
     if not current().cpu_kernels:
-        log.info("CPU: torch's kernels serve (the C kernels are %s)", SWITCHED_OFF)
+        _say_switched_off(SWITCHED_OFF)
         return None
     return _built()
+
+
+@functools.cache
+def _say_switched_off(why: str) -> None:
+    """Log, once a process, that the switch keeps the C kernels off (each caller asks)."""
+    log.info("CPU: torch's kernels serve (the C kernels are %s)", why)
 
 
 @functools.cache

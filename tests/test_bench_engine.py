@@ -237,3 +237,13 @@ def test_a_shape_with_a_model_is_refused_at_once(default_model_dir):
     assert result.exit_code == 2, result.output
     assert "--shape smollm2-135m benches random weights of that shape instead of a model" in result.stderr
     assert "give --shape or --model, not both" in result.stderr and result.stdout == ""
+
+
+def test_bench_engine_reads_the_config_file_given(tmp_path, default_model_dir):
+    """``--config FILE``, as the other commands that read the settings take it (bench
+    engine read only HEADROOM_CONFIG and the default file)."""
+    config = tmp_path / "config.toml"
+    config.write_text('kv_cache_dtype = "q9_0"\n')
+    result = _small_bench("--config", str(config))
+    assert result.exit_code == 2, result.output
+    assert f"--kv-cache-dtype ({config}): 'q9_0' is not one of" in result.stderr

@@ -17,6 +17,7 @@ from service.cli.exits import EXIT_FAILED, EXIT_USAGE, fail
 from service.cli.options import (
     KERNEL_SWITCHES,
     FiniteFloatRange,
+    config_option,
     count_option,
     device_option,
     max_tokens_option,
@@ -337,6 +338,7 @@ def _batch_sizes(ctx: Any, param: Any, value: str) -> tuple[int, ...]:
     default=32,
     help_text="Tokens generated per request (greedy, EOS ignored).",
 )
+@config_option
 @with_settings("kv_cache_dtype", "device_limit", "cpu_layers", *KERNEL_SWITCHES)
 def bench_engine(**options: Any) -> None:
     """Prefill and decode tokens/s of the engine against transformers' generate (or
@@ -359,7 +361,8 @@ def bench_engine(**options: Any) -> None:
     # The KV cache and kernel switches as serve takes them: flags, HEADROOM_* variables,
     # config file.
     own = ("kv_cache_dtype", "device_limit", "cpu_layers")
-    settings = resolve_or_fail({name: options.pop(name) for name in (*own, *KERNEL_SWITCHES)}, None)
+    settings = resolve_or_fail({name: options.pop(name) for name in (*own, *KERNEL_SWITCHES)},
+                               options.pop("config_path"))
     options["kernel_switches"] = pick(settings, KernelSwitches)
     options.update({name: getattr(settings, name) for name in own})
     note_gpu_only_settings(options["device"], settings.cpu_layers, settings.device_limit, settings.device_total)

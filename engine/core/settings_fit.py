@@ -50,6 +50,12 @@ def splittable(mc: ModelConfig) -> bool:
                 or mc.hidden_act != "silu" or mc.num_kv_layers != mc.num_layers)
 
 
+def _cpu_without_card(config: EngineConfig) -> bool:
+    """``--device cpu`` with no simulated card (``--device-total``): no plan is fitted,
+    every layer and the KV pool live in host memory."""
+    return config.device == "cpu" and config.device_total is None
+
+
 def check_cpu_layers(config: EngineConfig, mc: ModelConfig) -> None:
     """Refuse ``--cpu-layers N`` of all the model's decoder layers or more (one stays on
     the device), or above 0 for a model it cannot split (:func:`splittable`).
@@ -68,9 +74,8 @@ def check_cpu_layers(config: EngineConfig, mc: ModelConfig) -> None:
     if asked >= mc.num_layers:
         # One layer at least stays on the device (its KV pool is the step's page space):
         # every layer on the CPU is --device cpu.
-        on_cpu = config.device == "cpu" and config.device_total is None
         fix = ("; on --device cpu every layer runs on the CPU already, so --cpu-layers 0 (or auto) does the same"
-               if on_cpu else ", or --device cpu to run every layer on the CPU")
+               if _cpu_without_card(config) else ", or --device cpu to run every layer on the CPU")
         raise SettingRefused(f"--cpu-layers {asked}: {mc.architecture} has {mc.num_layers} decoder layers and one "
                              f"at least stays on the device; use --cpu-layers {mc.num_layers - 1} or fewer (or "
                              f"auto){fix}")
@@ -111,7 +116,7 @@ def check_kv_cache(config: EngineConfig, mc: ModelConfig) -> None:
         config.kv_cache_dtype, mc.kv_elements_per_token, item) * config.page_size, 1)
     price = ring.price(page(len(ring.layers)), knobs.max_running_requests, knobs.state_checkpoints) if ring else None
     pool = unplanned_pool(config, mc, page_bytes, price)
-    if config.device == "cpu" and config.device_total is None:
+    if _cpu_without_card(config):
         check_host_room(config, pool, page_bytes, price)
 
 

@@ -90,6 +90,11 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     return config
 
 
+def _is_count(value: Any) -> bool:
+    """A positive whole number (JSON's true is not one)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 def _derive(model_dir: Path, config_path: Path) -> ModelConfig:
     """:func:`load_model_config` without the cache."""
     raw = _read_json(config_path, required=True)
@@ -108,7 +113,7 @@ def _derive(model_dir: Path, config_path: Path) -> ModelConfig:
                 f"{config_path} has no {where}{name!r}; it is required to build the model. "
                 "Restore the file from the model's original repository."
             )
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not _is_count(value):
             raise ModelLoadError(f"{config_path}: {where}{name} is {value!r}, not a positive whole number; "
                                  "restore the file from the model's original repository")
 
@@ -194,8 +199,7 @@ def _window(hf: Any, config_path: Path) -> int:
     """The ``sliding_window`` of a model whose ``layer_types`` name sliding layers: a
     positive token count (transformers fails on 0 only in its forward pass)."""
     window = hf.sliding_window
-    if "sliding_attention" in (hf.layer_types or ()) and (
-            isinstance(window, bool) or not isinstance(window, int) or window < 1):
+    if "sliding_attention" in (hf.layer_types or ()) and not _is_count(window):
         raise ModelLoadError(f"{config_path}: sliding_window is {window!r}, not a positive whole number, "
                              "while layer_types has sliding_attention layers; restore the file from the "
                              "model's original repository")
@@ -295,7 +299,7 @@ def _moe_fields(hf: Any, facts: Family, config_path: Path) -> dict[str, Any]:
         expert_size = hf.moe_intermediate_size
     norm_topk = facts.renormalize_top_k or bool(getattr(hf, "norm_topk_prob", False))
     top_k = hf.num_experts_per_tok
-    if num_experts > 0 and (isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts):
+    if num_experts > 0 and not (_is_count(top_k) and top_k <= num_experts):
         # The router's top-k would fail in the first forward pass, a crash loop under serve.
         raise ModelLoadError(f"{config_path}: num_experts_per_tok is {top_k!r}, not a whole number from 1 to "
                              f"the {num_experts} experts; restore the file from the model's original repository")

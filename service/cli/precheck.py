@@ -232,8 +232,10 @@ def note_gpu_only_settings(device: str, cpu_layers: str, device_limit: int | Non
     from engine.common.gpu_settings import gpu_only_settings
 
     given = gpu_only_settings(cpu_layers, device_limit)
-    if not given or device_total is not None or not (device == "cpu" or device == "auto" and (torch_without_gpu_support() is not None
-                                                                  or visible_gpus() == 0)):
+    if not given or device_total is not None:
+        return
+    on_cpu = device == "cpu" or device == "auto" and (torch_without_gpu_support() is not None or visible_gpus() == 0)
+    if not on_cpu:
         return
     click.echo(f"headroom: note: {' and '.join(given)}: no effect on the CPU (every layer runs there already; they "
                "split or limit a GPU's plan)", err=True)

@@ -46,7 +46,8 @@ def test_plan_prices_the_linear_attention_transient_within_3_percent(chunk, tmp_
     from engine.core.footprint import linear_attention_activation_bytes
     from engine.loader.hf_config import load_model_config
 
-    mc = load_model_config(write_shape("qwen3-next-80b-a3b", tmp_path, num_hidden_layers=4, num_experts=8))
+    mc = load_model_config(write_shape("qwen3-next-80b-a3b", tmp_path, num_hidden_layers=4, num_experts=8,
+                                         num_experts_per_tok=2))
     measured = layer_transient(mc, chunk)
     estimate = linear_attention_activation_bytes(mc, chunk, 2)
     print(f"chunk {chunk}: measured {measured / 2**20:.1f} MiB, plan {estimate / 2**20:.1f} MiB")

@@ -60,13 +60,14 @@ def test_blocks_are_llama_cpp_s_bytes(fmt):
 
 def _random_pool(fmt, g, slots, hk, d):
     x = torch.randn(slots, hk, d, generator=g)
-    return (x.to(FP8_KV_DTYPE) if fmt == "fp8" else quantize_blocks(x, fmt)).to(DEVICE)
+    plain = {"fp8": FP8_KV_DTYPE, "f16": torch.float16}
+    return (x.to(plain[fmt]) if fmt in plain else quantize_blocks(x, fmt)).to(DEVICE)
 
 
-@pytest.mark.parametrize("fmt", ["fp8", *FORMATS])
+@pytest.mark.parametrize("fmt", ["fp8", "f16", *FORMATS])
 @pytest.mark.parametrize("kernel", ["decode", "extend"])
-def test_triton_attention_reads_an_fp8_or_block_pool(kernel, fmt):
-    """The Triton kernels upcast an FP8 pool, and dequantize each tile of blocks, as
+def test_triton_attention_reads_an_fp8_f16_or_block_pool(kernel, fmt):
+    """The Triton kernels upcast an FP8 or a float16 pool, and dequantize each tile of blocks, as
     they load it: equal to the torch reference over the same pool, whose gather upcasts
     or dequantizes the rows it reads. Head dim 64 (two blocks a row), grouped heads,
     pages out of order."""
@@ -166,29 +167,46 @@ def chat_prompts(default_model_dir) -> list[list[int]]:
     return [encode_chat(tokenizer, [{"role": "user", "content": p}]) for p in PROMPTS]
 
 
-def test_default_model_greedy_with_a_q8_0_cache_follows_the_float_cache(float_cache, chat_prompts):
+# A head's row of 32 values: its width in the pool dtype's elements, and its bytes.
+@pytest.mark.parametrize(("fmt", "dtype", "width", "bytes32"), [("q8_0", torch.int8, 34, 34),
+                                                               ("f16", torch.float16, 32, 64)])
+def test_default_model_greedy_with_a_smaller_cache_follows_the_float_cache(float_cache, chat_prompts, fmt, dtype,
+                                                                           width, bytes32, monkeypatch):
     """The 5 greedy chat prompts, 16 tokens each, prefilled in chunks (a chunk attends
     over the blocks its predecessors stored), then again from the prefix cache (the
     prompts' full pages are read back as blocks, the rest prefilled over them): each
     answer starts with the float cache's first token and, where it parts from the float
-    cache's answer, the float cache itself was near a tie (:mod:`near_tie`)."""
-    q8 = _engine("q8_0")
-    mc = q8.model_config
-    assert q8.pool.k_buffers[0].dtype == torch.int8 and q8.pool.k_buffers[0].shape[-1] == mc.head_dim // 32 * 34
-    assert q8.info.kv_cache_dtype == "q8_0" and q8.pool.compute_dtype == torch.float32
+    cache's answer, the float cache itself was near a tie (:mod:`near_tie`). The same for
+    a float16 pool (``f16``, llama.cpp's default cache: half the float32 pool's bytes).
+    Every decode step's layers run in the C decode layer over the pool as it is."""
+    from kernels.cpu import decode_layer
+
+    pools = []  # the storage dtype of each C decode layer call's pool
+    run = decode_layer.run
+    monkeypatch.setattr(decode_layer, "run", lambda lib, spec, st, h, residual, k_cache, *a, **k:
+                        pools.append(k_cache.dtype) or run(lib, spec, st, h, residual, k_cache, *a, **k))
+    small = _engine(fmt)
+    mc = small.model_config
+    assert small.pool.k_buffers[0].dtype == dtype and small.pool.k_buffers[0].shape[-1] == mc.head_dim // 32 * width
+    assert small.info.kv_cache_dtype == {"f16": "float16"}.get(fmt, fmt) and small.pool.compute_dtype == torch.float32
+    assert small.info.kv_bytes_per_token * 128 == float_cache.info.kv_bytes_per_token * bytes32
     assert min(len(p) for p in chat_prompts) > 16  # every prompt prefilled in chunks
     sampling = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
     theirs = run_all(float_cache, {f"p{i}": (ids, sampling) for i, ids in enumerate(chat_prompts)})
+    pools.clear()
     for round_ in ("first", "cached"):
-        hits = q8.stats().prefix_hit_tokens
-        ours = run_all(q8, {f"{round_}{i}": (ids, sampling) for i, ids in enumerate(chat_prompts)})
+        hits = small.stats().prefix_hit_tokens
+        ours = run_all(small, {f"{round_}{i}": (ids, sampling) for i, ids in enumerate(chat_prompts)})
         if round_ == "cached":
-            assert q8.stats().prefix_hit_tokens - hits >= sum((len(p) - 1) // 16 * 16 for p in chat_prompts)
+            assert small.stats().prefix_hit_tokens - hits >= sum((len(p) - 1) // 16 * 16 for p in chat_prompts)
         answers = [ours[f"{round_}{i}"] for i in range(len(chat_prompts))]
         assert [a[0] for a in answers] == [theirs[f"p{i}"][0] for i in range(len(chat_prompts))]
         parted = [i for i, a in enumerate(answers) if a != theirs[f"p{i}"]]
         assert len(parted) <= 2, round_
-        assert_near_ties(float_cache, [chat_prompts[i] for i in parted], [answers[i] for i in parted], f"q8_0-{round_}")
+        assert_near_ties(float_cache, [chat_prompts[i] for i in parted], [answers[i] for i in parted],
+                         f"{fmt}-{round_}")
+    # 15 decode steps a prompt and round at least (rows batched together), 30 layers each.
+    assert len(pools) >= 15 * mc.num_layers and set(pools) == {dtype}
 
 
 @pytest.mark.parametrize(("fmt", "block_bytes"), [("q8_0", 34), ("q4_0", 18)])
@@ -213,6 +231,25 @@ def test_plan_prices_a_block_cache_at_its_blocks_bytes(default_model_dir, fmt, b
     text = render(plan, as_json=False)
     assert plan.kv_bytes_per_token == blocks.kv_bytes_per_token
     assert f"{plan.kv_bytes_per_token:,} bytes per token" in text and f"({fmt})" in text
+
+
+def test_an_f16_cache_is_two_bytes_a_value_on_every_device(default_model_dir):
+    """``f16``: a float32 model's (the CPU's) pool in float16, half of ``auto``'s bytes
+    in the footprint and ``headroom plan --device cpu --device-total``; a 16-bit model keeps its
+    own dtype (its attention reads what it always reads), the bytes ``auto`` gives."""
+    from engine.commands.plan import build_plan, render
+    from engine.kvcache.pool import kv_storage_dtype
+
+    mc = load_model_config(default_model_dir)
+    f32, f16 = (make_footprint(mc, torch.float32, PlanKnobs(kv_cache_dtype=k)) for k in ("auto", "f16"))
+    assert f16.kv_bytes_per_token * 2 == f32.kv_bytes_per_token and f16.kv_cache_dtype == "float16"
+    bf16 = make_footprint(mc, torch.bfloat16, PlanKnobs(kv_cache_dtype="f16"))
+    assert bf16.kv_bytes_per_token == f16.kv_bytes_per_token and bf16.kv_cache_dtype == "bfloat16"
+    assert [kv_storage_dtype("f16", d) for d in (torch.float32, torch.bfloat16, torch.float16)] == [
+        torch.float16, torch.bfloat16, torch.float16]
+    plan = build_plan(EngineConfig(model=default_model_dir, device="cpu", device_total=4 << 30, kv_cache_dtype="f16"))
+    assert plan.kv_bytes_per_token == f16.kv_bytes_per_token
+    assert "(float16)" in render(plan, as_json=False)
 
 
 def test_a_backend_without_blocks_is_refused_before_the_weights_load(default_model_dir):

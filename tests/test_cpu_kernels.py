@@ -19,7 +19,7 @@ from engine.layers.linear.cpu_blocks import CpuBlockLinear  # noqa: E402
 from engine.layers.linear.cpu_kernels import cpu_kernels  # noqa: E402
 from engine.loader.gguf_convert import convert_gguf  # noqa: E402
 from engine.loader.load import load_model  # noqa: E402
-from kernels.attention.kv_store import gather_kv, quantize_blocks  # noqa: E402
+from kernels.attention.kv_store import gather_kv, to_kv_dtype  # noqa: E402
 from kernels.cpu import build, decode_layer, rows16  # noqa: E402
 from kernels.cpu.block_gemv import TYPE_IDS, block_gemv, block_gemv_ref, quantize_rows_ref  # noqa: E402
 from kernels.quant import reference  # noqa: E402
@@ -173,7 +173,7 @@ def tiny_blocks(request, tmp_path_factory, make_tiny_hf_model):
     return pack_model_for_cpu(model, torch.float32, cpu_kernels()), config
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "q8_0", "q4_0"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "f16", "q8_0", "q4_0"])
 def test_the_c_decode_layer_gives_the_torch_layers_logits(lib, tiny_blocks, paged_runner, kv_cache_dtype,
                                                          monkeypatch):
     """A prefill of 37 tokens and a second sequence of 3 (40 rows: the C halves' per-row
@@ -185,9 +185,10 @@ def test_the_c_decode_layer_gives_the_torch_layers_logits(lib, tiny_blocks, page
     a last-bit change of an activation can move its 16-bit code by one), and the KV pool
     the same. A query head reading the wrong KV head moves them by about 1. Over a pool
     of q8_0 or q4_0 blocks (Qwen3's heads of 32 are one block) the C layer writes the
-    blocks the torch store writes, but where a key's last bit moves a code by one."""
+    blocks the torch store writes, but where a key's last bit moves a code by one; over a
+    float16 pool the values torch's cast writes, within one float16 step."""
     model, config = tiny_blocks
-    if kv_cache_dtype != "auto" and config.head_dim % 32:
+    if kv_cache_dtype not in ("auto", "f16") and config.head_dim % 32:
         pytest.skip(f"heads of {config.head_dim} are not whole {kv_cache_dtype} blocks")
     kv_dtype = kv_storage_dtype(kv_cache_dtype, torch.float32)
     assert model.cpu_decode is not None and len(model.cpu_decode.specs) == config.num_layers
@@ -227,8 +228,9 @@ def test_the_c_decode_layer_gives_the_torch_layers_logits(lib, tiny_blocks, page
         assert bool(torch.isfinite(got).all())
         assert float((got - want).abs().max()) <= 1e-3 * max(1.0, float(want.abs().max()))
     for got, want in zip(runs[True][1], runs[False][1], strict=True):
-        # One code of the largest block: a key's last bit may move a code.
-        code = float(want.abs().max()) / {"q8_0": 127, "q4_0": 7}.get(kv_cache_dtype, float("inf"))
+        # One code of the largest block (one float16 step at the largest value): a key's
+        # last bit may move a code.
+        code = float(want.abs().max()) / {"f16": 1024, "q8_0": 127, "q4_0": 7}.get(kv_cache_dtype, float("inf"))
         assert float((got - want).abs().max()) <= 1e-4 * max(1.0, float(want.abs().max())) + code
 
 
@@ -252,15 +254,22 @@ def test_a_long_prefill_s_scratch_is_freed_after_its_step(tiny_blocks, paged_run
     assert runner.last_batch.is_decode and bool(torch.isfinite(logits).all()) and fast.scratch.numel() > 0
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
-def test_the_c_kv_store_writes_the_torch_store_s_blocks(lib, fmt):
-    """The C decode layer's quantizer and the torch store's (llama.cpp's reference, byte
-    for byte) give the same bytes for the same values, an all-zero block and a block
-    whose largest magnitude is negative among them."""
+@pytest.mark.parametrize("fmt", ["f16", "q8_0", "q4_0"])
+def test_the_c_kv_store_writes_the_torch_store_s_bytes(lib, fmt):
+    """The C decode layer's store and the torch store's (llama.cpp's quantizer, byte for
+    byte; torch's cast to float16) give the same bytes for the same values, an all-zero
+    block and a block whose largest magnitude is negative among them; for float16 also
+    values past its range (infinities), its subnormals, ties and a NaN, and a row length
+    that leaves a tail after the vector loop."""
     x = torch.randn(500, 64, generator=torch.Generator().manual_seed(3)) * torch.logspace(-6, 3, 64)
     x[0], x[1, :32], x[2, 3] = 0.0, 0.5, -1e4
-    assert torch.equal(decode_layer.quantize_kv(lib, x, fmt).view(torch.uint8),
-                       quantize_blocks(x, fmt).view(torch.uint8))
+    dtype = kv_storage_dtype(fmt, torch.float32)
+    if fmt == "f16":
+        x[3, :6] = torch.tensor([7e4, -7e4, 65519.0, 3e-6, -1e-7, float("nan")])
+        x[4, :2] = torch.tensor([1.0 + 2**-11, 1.0 + 3 * 2**-11])  # ties to even: down, then up
+        x = torch.cat([x, torch.randn(500, 6)], dim=1)  # 70 values a row: a tail of 6
+    assert torch.equal(decode_layer.quantize_kv(lib, x, dtype).view(torch.uint8),
+                       to_kv_dtype(x, dtype).view(torch.uint8))
 
 
 def test_without_a_compiler_torch_s_kernels_serve(tmp_path, monkeypatch):

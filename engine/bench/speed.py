@@ -187,8 +187,8 @@ def run_bench_engine(
             ``llama-batched-bench``: they are the comparison instead of transformers, on
             the same GGUF file (``model``, or the embedded model's), threads and cores
             (:mod:`engine.bench.llama_cpp`).
-        kv_cache_dtype: the engine's ``--kv-cache-dtype`` (``auto`` only against llama.cpp,
-            whose side runs its default cache).
+        kv_cache_dtype: the engine's ``--kv-cache-dtype`` (against llama.cpp, whose side
+            runs its default f16 cache: ``f16``, the same bytes, or ``auto``).
         device_limit: plan as on a GPU of this many bytes (``--device-limit``).
         cpu_layers: the engine's ``--cpu-layers`` (a dense model's last layers on the
             CPU). On CUDA llama.cpp's side offloads as many layers as the engine keeps on
@@ -196,7 +196,7 @@ def run_bench_engine(
 
     Raises:
         ValueError: ``against_llama_cpp`` without its tools, with a model that is not
-            a GGUF file, with a ``kv_cache_dtype`` other than ``auto``, or with
+            a GGUF file, with a ``kv_cache_dtype`` other than ``auto`` or ``f16``, or with
             ``batches`` its tools cannot run (:meth:`LlamaCppTools.check_batches`);
             ``prompt_tokens + new_tokens`` over the model's context
             (:func:`check_request_length`).
@@ -206,9 +206,9 @@ def run_bench_engine(
     after that case, load included; the KV cache a case fills is ``kv_mib``), then the
     process's peak with transformers' model too.
     """
-    if against_llama_cpp is not None and kv_cache_dtype != "auto":
-        raise ValueError(f"--against-llama-cpp compares llama.cpp's default KV cache: run it with --kv-cache-dtype "
-                         f"auto, not {kv_cache_dtype}")
+    if against_llama_cpp is not None and kv_cache_dtype not in ("auto", "f16"):
+        raise ValueError(f"--against-llama-cpp compares llama.cpp's default KV cache (f16): run it with "
+                         f"--kv-cache-dtype f16 (the same bytes) or auto, not {kv_cache_dtype}")
     llama_cpp = None if against_llama_cpp is None else _llama_cpp_side(against_llama_cpp, model, shape)
     if llama_cpp is not None:
         llama_cpp[0].check_batches(batches)

@@ -373,10 +373,10 @@ class EngineConfig(KernelOptions):
     )
     kv_cache_dtype: str = option(
         "auto",
-        "KV cache storage: auto (the model's dtype), fp8 (float8_e4m3fn, scale 1.0: half "
-        "of bfloat16's bytes per token, so twice the context in the same memory), q8_0 or "
-        "q4_0 (llama.cpp's blocks of 32 values with a float16 scale: 34 or 18 bytes per 32 "
-        "values, 0.53x or 0.28x of bfloat16's).",
+        "KV cache storage: auto (the model's dtype), f16 (float16 for a float32 model, the CPU's: half its "
+        "bytes; a 16-bit model's own dtype), fp8 (float8_e4m3fn, scale 1.0: half of bfloat16's bytes per "
+        "token, twice the context in the same memory), q8_0 or q4_0 (llama.cpp's blocks of 32 values with "
+        "a float16 scale: 34 or 18 bytes per 32 values, 0.53x or 0.28x of bfloat16's).",
         choices=KV_CACHE_DTYPES,
     )
     prefix_cache: bool = option(True, "Share KV pages of common prompt prefixes.")

@@ -99,7 +99,7 @@ def check_kv_cache(config: EngineConfig, mc: ModelConfig) -> None:
     if (config.kv_cache is None and config.num_pages is None) or config.tensor_parallel_size > 1:
         return
     if config.kv_cache_dtype != "auto":
-        item = 1  # fp8; a block format prices its blocks
+        item = 1  # unused: f16 and fp8 have their own bytes, a block format prices its blocks
     elif config.dtype == "auto":
         item = _DTYPE_BYTES["float32" if config.device == "cpu" else "bfloat16"]
     else:

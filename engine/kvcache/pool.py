@@ -75,7 +75,8 @@ from kernels.attention.kv_store import (
 
 def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     """The pool's storage dtype for ``--kv-cache-dtype``: ``auto`` is the model's
-    dtype, ``fp8`` is ``float8_e4m3fn`` with a per-tensor scale of 1.0, one byte per
+    dtype, ``f16`` two bytes a value (float16 for a float32 model, the CPU's; a 16-bit
+    model's own dtype, so its attention reads what it always reads), ``fp8`` is ``float8_e4m3fn`` with a per-tensor scale of 1.0, one byte per
     element; ``q8_0`` and ``q4_0`` are llama.cpp's blocks of 32 values with a float16
     scale, stored as bytes whose dtype names the format (``int8``, ``uint8``;
     :mod:`kernels.attention.kv_store`).
@@ -85,6 +86,8 @@ def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dty
     """
     if kv_cache_dtype == "auto":
         return model_dtype
+    if kv_cache_dtype == "f16":
+        return torch.float16 if model_dtype.itemsize > 2 else model_dtype
     if kv_cache_dtype == "fp8":
         return FP8_KV_DTYPE
     if kv_cache_dtype in BLOCK_KV_DTYPES:

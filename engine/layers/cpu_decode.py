@@ -32,7 +32,6 @@ from torch import nn
 from engine.common import progress
 from engine.layers.linear.cpu_blocks import CpuBlockLinear
 from engine.layers.moe.sparse_moe import SparseMoeBlock
-from kernels.attention.kv_store import block_format
 from kernels.cpu import decode_layer
 
 
@@ -152,12 +151,11 @@ class CpuDecode:
         return max(self.specs, key=lambda spec: spec.intermediate)
 
     def takes(self, batch, h: torch.Tensor, pool) -> bool:
-        """Whether this step runs here: float32 rows over a float32 pool or one of
-        q8_0/q4_0 blocks, its index tensors int64 (what the C layer reads); a decode step
+        """Whether this step runs here: float32 rows over a pool the C layer reads
+        (float32, float16, q8_0/q4_0 blocks), its index tensors int64; a decode step
         whole, any other step around the attention backend's attention."""
         indices = (batch.positions, batch.out_slots, batch.page_table, batch.prefix_lens, batch.extend_lens)
-        kv_ok = pool.dtype == torch.float32 or block_format(pool.dtype) is not None
-        return (h.dtype == torch.float32 and kv_ok
+        return (h.dtype == torch.float32 and pool.dtype in decode_layer.KV_TYPE_IDS
                 and all(t.dtype == torch.int64 and t.device.type == "cpu" for t in indices))
 
     def run(self, h: torch.Tensor, batch, pool, cos_sin: torch.Tensor,

@@ -17,10 +17,11 @@
  *     r += a @ Wo.T; x = rms_norm(r) * w_post; h = down(silu(gate(x)) * up(x)), or h = x where
  *     the layer has no MLP (gate_up.parts 0: a mixture-of-experts layer, its experts the caller's)
  *
- * The KV pool is float32, or llama.cpp's q8_0 or q4_0 blocks (--kv-cache-dtype; kv_type
- * Q8_0 or Q4_0): each head's row is D / 32 blocks of a float16 scale and 32 codes,
- * written here as kernels/attention/kv_store.py writes them, and the attention reads the
- * codes in place (a block's dot product times its scale).
+ * The KV pool is float32, float16 (--kv-cache-dtype f16; kv_type KV_F16: each value widened
+ * as it is read, F16C), or llama.cpp's q8_0 or q4_0 blocks (kv_type Q8_0 or Q4_0): each
+ * head's row is D / 32 blocks of a float16 scale and 32 codes, written here as
+ * kernels/attention/kv_store.py writes them, and the attention reads the codes in place
+ * (a block's dot product times its scale).
  */
 #include <math.h>
 #include <stdint.h>
@@ -41,10 +42,15 @@ static inline void block_codes(int type, const uint8_t *blk, float *out) {
     }
 }
 
-/* a . a pool row of n values: float32 (type 0), or q8_0/q4_0 blocks, each block's product
- * with its codes times its scale. */
+/* a . a pool row of n values: float32 (type 0), float16 (KV_F16), or q8_0/q4_0 blocks,
+ * each block's product with its codes times its scale. */
 static inline float kv_dot(int type, const float *a, const uint8_t *row, int64_t n) {
     if (type == 0) return hr_dot(a, (const float *)row, n);
+    if (type == KV_F16) {
+        float s = 0.0f;
+        for (int64_t i = 0; i < n; i++) s += a[i] * f16_to_f32(row + 2 * i);
+        return s;
+    }
     const int bb = type == Q8_0 ? 34 : 18;
     float s = 0.0f, codes[32];
     for (int64_t b = 0; b < n / 32; b++) {
@@ -58,6 +64,10 @@ static inline float kv_dot(int type, const float *a, const uint8_t *row, int64_t
 static inline void kv_axpy(int type, float *out, float p, const uint8_t *row, int64_t n) {
     if (type == 0) {
         for (int64_t i = 0; i < n; i++) out[i] += p * ((const float *)row)[i];
+        return;
+    }
+    if (type == KV_F16) {
+        for (int64_t i = 0; i < n; i++) out[i] += p * f16_to_f32(row + 2 * i);
         return;
     }
     const int bb = type == Q8_0 ? 34 : 18;
@@ -92,24 +102,34 @@ static inline const uint8_t *next_row(context_rows *it) {
     return it->cache + (slot * it->Hk + it->kvh) * it->head_bytes;
 }
 
-/* sc[t] = scale * q . K[t] over a float32 pool's context of len tokens: eight tokens at a
- * time, their eight sums reduced together (one transpose of horizontal adds), not one
- * horizontal reduction a token. */
-static void scores_f32(const float *q, context_rows rows, int64_t len, int64_t D, float scale, float *sc) {
+#ifdef HR_AVX2
+/* Eight values of a plain pool's row: float32, or float16 widened (half: a constant at
+ * each call, so the branch folds away). */
+static inline __attribute__((always_inline)) __m256 load8(const uint8_t *row, int64_t i, int half) {
+    return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 2 * i)))
+                : _mm256_loadu_ps((const float *)row + i);
+}
+#endif
+
+/* sc[t] = scale * q . K[t] over a float32 (half 0) or float16 (half 1) pool's context of
+ * len tokens: eight tokens at a time, their eight sums reduced together (one transpose of
+ * horizontal adds), not one horizontal reduction a token. */
+static inline __attribute__((always_inline)) void scores_plain(const float *q, context_rows rows, int64_t len,
+                                                               int64_t D, float scale, float *sc, int half) {
     int64_t t = 0;
 #ifdef HR_AVX2
     if (D % 8 == 0) {
         const __m256 vscale = _mm256_set1_ps(scale);
         for (; t + 8 <= len; t += 8) {
-            const float *k[8];
+            const uint8_t *k[8];
             __m256 a[8];
             for (int j = 0; j < 8; j++) {
-                k[j] = (const float *)next_row(&rows);
+                k[j] = next_row(&rows);
                 a[j] = _mm256_setzero_ps();
             }
             for (int64_t i = 0; i < D; i += 8) {
                 const __m256 qv = _mm256_loadu_ps(q + i);
-                for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[j] + i), a[j]);
+                for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv, load8(k[j], i, half), a[j]);
             }
             const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
             const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
@@ -118,29 +138,30 @@ static void scores_f32(const float *q, context_rows rows, int64_t len, int64_t D
         }
     }
 #endif
-    for (; t < len; t++) sc[t] = hr_dot(q, (const float *)next_row(&rows), D) * scale;
+    for (; t < len; t++) sc[t] = kv_dot(half ? KV_F16 : 0, q, next_row(&rows), D) * scale;
 }
 
-/* out[0..D) = sum over t of p[t] * V[t] over a float32 pool's context: the sums kept in
- * registers across the tokens (heads of up to 128 values) rather than read and written
- * back a token. */
-static void weighted_sum_f32(const float *p, context_rows rows, int64_t len, int64_t D, float *out) {
+/* out[0..D) = sum over t of p[t] * V[t] over a float32 (half 0) or float16 (half 1) pool's
+ * context: the sums kept in registers across the tokens (heads of up to 128 values)
+ * rather than read and written back a token. */
+static inline __attribute__((always_inline)) void weighted_sum_plain(const float *p, context_rows rows, int64_t len,
+                                                                     int64_t D, float *out, int half) {
 #ifdef HR_AVX2
     if (D % 8 == 0 && D <= 128) {
         __m256 acc[16];
         const int64_t n = D / 8;
         for (int64_t i = 0; i < n; i++) acc[i] = _mm256_setzero_ps();
         for (int64_t t = 0; t < len; t++) {
-            const float *v = (const float *)next_row(&rows);
+            const uint8_t *v = next_row(&rows);
             const __m256 pv = _mm256_set1_ps(p[t]);
-            for (int64_t i = 0; i < n; i++) acc[i] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + 8 * i), acc[i]);
+            for (int64_t i = 0; i < n; i++) acc[i] = _mm256_fmadd_ps(pv, load8(v, 8 * i, half), acc[i]);
         }
         for (int64_t i = 0; i < n; i++) _mm256_storeu_ps(out + 8 * i, acc[i]);
         return;
     }
 #endif
     memset(out, 0, D * 4);
-    for (int64_t t = 0; t < len; t++) kv_axpy(0, out, p[t], next_row(&rows), D);
+    for (int64_t t = 0; t < len; t++) kv_axpy(half ? KV_F16 : 0, out, p[t], next_row(&rows), D);
 }
 
 /* sc[0..len) = softmax(sc[0..len)) in place. */
@@ -172,6 +193,22 @@ static void softmax_in_place(float *sc, int64_t len) {
     for (t = 0; t < len; t++) sc[t] *= inv;
 }
 
+/* The attention of one query head over a plain pool (float32 or float16), one function
+ * each so that each inlines its own loads. */
+static void attend_f32(const float *q, context_rows keys, context_rows values, int64_t len, int64_t D, float scale,
+                       float *sc, float *out) {
+    scores_plain(q, keys, len, D, scale, sc, 0);
+    softmax_in_place(sc, len);
+    weighted_sum_plain(sc, values, len, D, out, 0);
+}
+
+static void attend_f16(const float *q, context_rows keys, context_rows values, int64_t len, int64_t D, float scale,
+                       float *sc, float *out) {
+    scores_plain(q, keys, len, D, scale, sc, 1);
+    softmax_in_place(sc, len);
+    weighted_sum_plain(sc, values, len, D, out, 1);
+}
+
 /* Bytes of scratch hr_decode_layer needs for `rows` rows and `max_len` tokens of context
  * (hr_layer_in and hr_layer_out alone: max_len 0); the regions as hr_scratch_of lays them. */
 int64_t hr_decode_scratch_bytes(const hr_layer *L, int64_t rows, int64_t max_len) {
@@ -181,16 +218,16 @@ int64_t hr_decode_scratch_bytes(const hr_layer *L, int64_t rows, int64_t max_len
 }
 
 /* h: [B, hidden] the previous MLP output, replaced by this layer's; residual: [B, hidden],
- * updated. Returns 0, or -1: the gemv's (a block type it does not take), or a q8_0 pool
- * whose head dim is not whole blocks. */
+ * updated. Returns 0, or -1: the gemv's (a block type it does not take), a KV type it does
+ * not read, or a block pool whose head dim is not whole blocks. */
 int hr_decode_layer(const hr_layer *L, const hr_step *S, float *h, float *residual, void *scratch,
                     int64_t max_len) {
     const int64_t B = S->rows, D = L->head_dim, Hq = L->num_heads, Hk = L->num_kv_heads;
     const int64_t qsize = Hq * D, qkv_n = qsize + 2 * Hk * D;
     const int threads = S->threads;
     const int kv = L->kv_type;
-    const int64_t head_bytes = kv ? D / 32 * (kv == Q8_0 ? 34 : 18) : D * 4;
-    if ((kv && D % 32) || (kv && kv != Q8_0 && kv != Q4_0)) return -1;
+    const int64_t head_bytes = hr_kv_head_bytes(kv, D);
+    if ((kv == Q8_0 || kv == Q4_0) ? D % 32 != 0 : kv != 0 && kv != KV_F16) return -1;
     const hr_scratch s = hr_scratch_of(L, B, scratch);
     int err;
     if ((err = hr_layer_in(L, S, h, residual, scratch))) return err;
@@ -206,18 +243,14 @@ int hr_decode_layer(const hr_layer *L, const hr_step *S, float *h, float *residu
         const int64_t *pages = S->page_table + b * S->max_pages;
         const context_rows keys = rows_of(L->k_cache, pages, S->page_size, Hk, kvh, head_bytes);
         const context_rows values = rows_of(L->v_cache, pages, S->page_size, Hk, kvh, head_bytes);
-        if (kv == 0) {
-            scores_f32(q, keys, len, D, L->scale, sc);
-        } else {
-            context_rows it = keys;
-            for (int64_t t = 0; t < len; t++) sc[t] = kv_dot(kv, q, next_row(&it), D) * L->scale;
-        }
-        softmax_in_place(sc, len);
-        if (kv == 0) {
-            weighted_sum_f32(sc, values, len, D, out);
+        if (kv == 0 || kv == KV_F16) {
+            (kv ? attend_f16 : attend_f32)(q, keys, values, len, D, L->scale, sc, out);
             continue;
         }
-        context_rows it = values;
+        context_rows it = keys;
+        for (int64_t t = 0; t < len; t++) sc[t] = kv_dot(kv, q, next_row(&it), D) * L->scale;
+        softmax_in_place(sc, len);
+        it = values;
         for (int64_t i = 0; i < D; i++) out[i] = 0.0f;
         for (int64_t t = 0; t < len; t++) kv_axpy(kv, out, sc[t], next_row(&it), D);
     }

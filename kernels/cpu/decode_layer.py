@@ -15,13 +15,17 @@ import ctypes
 
 import torch
 
-from kernels.attention.kv_store import BLOCK_KV_DTYPES, block_format, kv_row_width
+from kernels.attention.kv_store import BLOCK_KV_DTYPES, kv_row_width
 from kernels.cpu.block_gemv import GEMV_TYPE_IDS, KQUANT_NAMES, ROWS16_IDS, TYPE_IDS, gemv_path
 
 _F = ctypes.POINTER(ctypes.c_float)
 # The projections' block types the C layer reads.
 TYPES = frozenset(TYPE_IDS) | frozenset(ROWS16_IDS) | frozenset(KQUANT_NAMES)
 PROJ_PARTS = 3  # HR_PROJ_PARTS: runs of rows of one type a projection may have
+# The KV pools the C layer reads, by storage dtype (layer.h's kv_type: 0 float32, KV_F16,
+# or the blocks' ggml type ids).
+KV_TYPE_IDS = {torch.float32: 0, torch.float16: 1,
+               **{dtype: TYPE_IDS[fmt.upper()] for fmt, dtype in BLOCK_KV_DTYPES.items()}}
 
 
 class Proj(ctypes.Structure):
@@ -99,13 +103,14 @@ def step(*, positions: torch.Tensor, out_slots: torch.Tensor, seq_lens: torch.Te
                 seq_lens.data_ptr(), page_table.data_ptr(), cos_sin.data_ptr(), threads, 0)
 
 
-def quantize_kv(lib: ctypes.CDLL, x: torch.Tensor, fmt: str) -> torch.Tensor:
-    """The layer's KV store alone: float32 ``x [rows, n]`` (``n % 32 == 0``) as ``fmt``'s
-    blocks (``"q8_0"``, ``"q4_0"``), ``[rows, n / 32 * block bytes]`` in the format's
-    storage dtype; :func:`kernels.attention.kv_store.quantize_blocks` is its reference."""
+def quantize_kv(lib: ctypes.CDLL, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The layer's KV store alone: float32 ``x [rows, n]`` in a pool of storage ``dtype``
+    (a key of :data:`KV_TYPE_IDS`; ``n % 32 == 0`` for blocks), ``[rows,
+    kv_row_width(dtype, n)]``; :func:`kernels.attention.kv_store.to_kv_dtype` is its
+    reference (llama.cpp's quantizer for blocks, torch's cast for float16)."""
     x = x.float().contiguous()
-    out = torch.empty(x.shape[0], kv_row_width(BLOCK_KV_DTYPES[fmt], x.shape[1]), dtype=BLOCK_KV_DTYPES[fmt])
-    lib.hr_quantize_kv(TYPE_IDS[fmt.upper()], x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
+    out = torch.empty(x.shape[0], kv_row_width(dtype, x.shape[1]), dtype=dtype)
+    lib.hr_quantize_kv(KV_TYPE_IDS[dtype], x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
     return out
 
 
@@ -120,7 +125,7 @@ def run(lib: ctypes.CDLL, spec: Layer, st: Step, h: torch.Tensor, residual: torc
     this layer's MLP output (a layer without one: its MLP's input, the post-attention
     norm of the residual stream) and ``residual`` (same shape; written from ``h`` when
     ``first``) is updated, both in place; the new keys and values go to ``k_cache`` /
-    ``v_cache`` (float32 ``[slots, Hk, D]``, or a q8_0/q4_0 pool's bytes ``[slots, Hk,
+    ``v_cache`` (float32 or float16 ``[slots, Hk, D]``, or a q8_0/q4_0 pool's bytes ``[slots, Hk,
     D / 32 * 34 (18)]``, :mod:`kernels.attention.kv_store`) at the step's slots.
 
     Raises:
@@ -136,8 +141,7 @@ def run(lib: ctypes.CDLL, spec: Layer, st: Step, h: torch.Tensor, residual: torc
 def _point(spec: Layer, st: Step, k_cache: torch.Tensor, v_cache: torch.Tensor, first: bool) -> None:
     """The layer's pool and KV format, and the step's first-layer flag and GEMV path."""
     spec.k_cache, spec.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
-    fmt = block_format(k_cache.dtype)
-    spec.kv_type = TYPE_IDS[fmt.upper()] if fmt else 0
+    spec.kv_type = KV_TYPE_IDS[k_cache.dtype]
     st.first = int(first)
     st.path = gemv_path()
 

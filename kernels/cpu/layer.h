@@ -15,6 +15,14 @@ int hr_block_gemv(int type, const float *x, int64_t M, int64_t K, const uint8_t 
                   int64_t ldy, void *work, int threads, int scalar);
 int64_t hr_work_bytes(int64_t M, int64_t K);
 
+/* A float16 KV pool's kv_type (ggml's GGML_TYPE_F16); 0 is float32, Q8_0 and Q4_0 blocks. */
+enum { KV_F16 = 1 };
+
+/* Bytes of one KV head's row of D values in a pool of kv_type. */
+static inline int64_t hr_kv_head_bytes(int kv_type, int64_t D) {
+    return kv_type == 0 ? D * 4 : kv_type == KV_F16 ? D * 2 : D / 32 * (kv_type == Q8_0 ? 34 : 18);
+}
+
 /* One projection, N x K: up to HR_PROJ_PARTS runs of rows, each of one block type
  * (Q4_K_M's q/k/v: q and k in Q4_K, v in Q6_K), stacked along N. */
 #define HR_PROJ_PARTS 3
@@ -33,8 +41,8 @@ typedef struct {
     const float *q_norm, *k_norm;              /* [head_dim] each, or NULL (no per-head norm) */
     const float *qkv_bias;                     /* [(Hq + 2 Hk) D] or NULL */
     hr_proj qkv, o, gate_up, down;
-    void *k_cache, *v_cache;                   /* [slots, Hk, D] float32, or [slots, Hk, D / 32 * 34 (18)] */
-    int32_t kv_type;                           /* 0: float32; Q8_0 or Q4_0: blocks */
+    void *k_cache, *v_cache;                   /* [slots, Hk, D] float32 or float16, or [slots, Hk, D / 32 * 34 (18)] */
+    int32_t kv_type;                           /* 0: float32; KV_F16: float16; Q8_0 or Q4_0: blocks */
     int32_t pad;
 } hr_layer;
 

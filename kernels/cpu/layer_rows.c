@@ -60,9 +60,29 @@ static void quantize_kv(int type, const float *x, int64_t n, uint8_t *out) {
     }
 }
 
-/* quantize_kv for the tests: x [rows, n] float32 into out [rows, n / 32 * block bytes]. */
+/* n values into a pool row of kv_type (layer.h): float32 as they are, float16 rounded to
+ * nearest even (torch's .to(torch.float16)), or q8_0/q4_0 blocks (n % 32 == 0). */
+static void store_kv(int type, const float *x, int64_t n, uint8_t *out) {
+    if (type == 0) {
+        memcpy(out, x, n * 4);
+    } else if (type == KV_F16) {
+        int64_t i = 0;
+#ifdef HR_AVX2
+        for (; i + 8 <= n; i += 8)
+            _mm_storeu_si128((__m128i *)(out + 2 * i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+        for (; i < n; i++) {
+            const uint16_t h = f32_to_f16(x[i]);
+            memcpy(out + 2 * i, &h, 2);
+        }
+    } else {
+        quantize_kv(type, x, n, out);
+    }
+}
+
+/* store_kv for the tests: x [rows, n] float32 into out [rows, hr_kv_head_bytes(type, n)]. */
 void hr_quantize_kv(int type, const float *x, int64_t rows, int64_t n, uint8_t *out) {
-    for (int64_t r = 0; r < rows; r++) quantize_kv(type, x + r * n, n, out + r * (n / 32) * (type == Q8_0 ? 34 : 18));
+    for (int64_t r = 0; r < rows; r++) store_kv(type, x + r * n, n, out + r * hr_kv_head_bytes(type, n));
 }
 
 static void rms_norm_row(const float *x, const float *w, float *out, int64_t n, float eps) {
@@ -98,7 +118,7 @@ int hr_layer_in(const hr_layer *L, const hr_step *S, float *h, float *residual, 
     const int64_t B = S->rows, H = L->hidden, D = L->head_dim, Hq = L->num_heads, Hk = L->num_kv_heads;
     const int64_t qsize = Hq * D, kvsize = Hk * D, qkv_n = qsize + 2 * kvsize;
     const int kv = L->kv_type, threads = S->threads > 1 && B >= HR_PARALLEL_ROWS ? S->threads : 1;
-    const int64_t kv_row_bytes = kv ? Hk * (D / 32) * (kv == Q8_0 ? 34 : 18) : kvsize * 4;
+    const int64_t kv_row_bytes = Hk * hr_kv_head_bytes(kv, D);
     const hr_scratch s = hr_scratch_of(L, B, scratch);
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t b = 0; b < B; b++) {
@@ -121,13 +141,8 @@ int hr_layer_in(const hr_layer *L, const hr_step *S, float *h, float *residual, 
             rotate(head, cs, D);
         }
         const int64_t slot = S->out_slots[b];
-        if (kv) {
-            quantize_kv(kv, row + qsize, kvsize, (uint8_t *)L->k_cache + slot * kv_row_bytes);
-            quantize_kv(kv, row + qsize + kvsize, kvsize, (uint8_t *)L->v_cache + slot * kv_row_bytes);
-        } else {
-            memcpy((float *)L->k_cache + slot * kvsize, row + qsize, kvsize * 4);
-            memcpy((float *)L->v_cache + slot * kvsize, row + qsize + kvsize, kvsize * 4);
-        }
+        store_kv(kv, row + qsize, kvsize, (uint8_t *)L->k_cache + slot * kv_row_bytes);
+        store_kv(kv, row + qsize + kvsize, kvsize, (uint8_t *)L->v_cache + slot * kv_row_bytes);
     }
     return 0;
 }

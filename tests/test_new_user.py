@@ -69,13 +69,17 @@ def test_generate_answers_from_the_running_server(real_server):
     assert "Paris" in result.stdout and result.stdout.endswith("\n")
     # The server answered it (its call's log line), and no engine loaded here.
     wait_for(lambda: "/v1/chat/completions status=200 prompt_tokens=" in real_server.log(), 30, "the call's log line")
-    assert "loading the engine here" not in result.stderr
+    assert "loading the engine here" not in result.stderr and "took no effect" not in result.stderr
+    # Engine flags typed here are the service's to set: said on stderr, not silently dropped.
     raw = subprocess.run(
-        [*headroom_command(), "generate", "--max-tokens", "4", "--temperature", "0", "--raw", "The capital of France is"],
+        [*headroom_command(), "generate", "--max-tokens", "4", "--temperature", "0", "--raw", "--kv-cache-dtype",
+         "q8_0", "--reserve", "1GiB", "The capital of France is"],
         capture_output=True, text=True, timeout=120, env=env,
     )
     assert raw.returncode == 0 and raw.stdout.strip(), raw.stderr
     assert "/v1/completions status=200" in real_server.log()
+    assert ("the running headroom serve answered with its own settings; --kv-cache-dtype, --reserve took no effect "
+            "(--local runs the engine in this process with them)") in raw.stderr
 
 
 @pytest.mark.slow

@@ -146,8 +146,18 @@ def test_a_word_or_number_option_refuses_other_toml_values(tmp_path):
     with pytest.raises(SettingsError, match="is not a duration"):
         _resolve_with(tmp_path, "keep_alive = nan\n")
 
-    with pytest.raises(SettingsError, match="cpu_experts: True is neither text nor a number"):
+    with pytest.raises(SettingsError, match=r'cpu_experts: true is neither text nor a number \(use a number, or a '
+                                            r'word in quotes: cpu_experts = "..."\)'):
         _resolve_with(tmp_path, "cpu_experts = true\n")
+    # A value of the wrong kind names what to write: a choice's words, quoted as TOML
+    # spells them, and a word option takes them in any case.
+    with pytest.raises(SettingsError, match=r'cuda_graphs = 3 is not a valid boolean \(use true/false'):
+        _resolve_with(tmp_path, "cuda_graphs = 3\n")
+    with pytest.raises(SettingsError, match=r"'16' is not one of auto, f16, fp8, q8_0, q4_0"):
+        _resolve_with(tmp_path, "kv_cache_dtype = 16\n")
+    assert _resolve_with(tmp_path, 'kv_cache_dtype = "Q8_0"\n').kv_cache_dtype == "q8_0"
+    with pytest.raises(SettingsError, match=r'model = 3 is not a valid string \(write it in quotes: model = "..."\)'):
+        _resolve_with(tmp_path, "model = 3\n")
     with pytest.raises(SettingsError, match="--cpu-experts: '-1' is not auto, none or a whole number"):
         _resolve_with(tmp_path, flags={"cpu_experts": "-1"})
 

@@ -111,8 +111,8 @@ def _empty(tmp_path: Path) -> Path:
     ("file_text", "env", "needle"),
     [
         ("prot = 1\n", {}, "unknown setting 'prot'"),
-        ("port = 'x'\n", {}, 'port = "x" is not a valid integer'),
-        ("device = true\n", {}, "device = true is not a valid string"),
+        ("port = 'x'\n", {}, 'port = "x" is not a valid integer (use a whole number, e.g. 4)'),
+        ("device = true\n", {}, 'device = true is not a valid string (write it in quotes: device = "...")'),
         ("port = [\n", {}, "not valid TOML"),
         ("", {"HEADROOM_PORT": "eighty"}, "HEADROOM_PORT"),
         ("", {"HEADROOM_PORT": "70000"}, "not a TCP port"),

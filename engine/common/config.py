@@ -377,7 +377,7 @@ class EngineConfig(KernelOptions):
         "bytes; a 16-bit model's own dtype), fp8 (float8_e4m3fn, scale 1.0: half of bfloat16's bytes per "
         "token, twice the context in the same memory), q8_0 or q4_0 (llama.cpp's blocks of 32 values with "
         "a float16 scale: 34 or 18 bytes per 32 values, 0.53x or 0.28x of bfloat16's).",
-        choices=KV_CACHE_DTYPES,
+        choices=KV_CACHE_DTYPES, kind="word",
     )
     prefix_cache: bool = option(True, "Share KV pages of common prompt prefixes.")
     sliding_kv_ring: str = option("auto", "Sliding-window layers keep only their window in the KV cache, in rings that grow with each request up to window + prefill chunk tokens (never more pages than the other layers'): auto/on (under tensor parallelism too; not with FlashInfer), off (every token kept).",

@@ -183,6 +183,18 @@ _PLAN_KNOBS = (
 )
 
 
+def _note_flags_the_service_ignored(flags: dict[str, Any]) -> None:
+    """One line on stderr naming the engine flags typed for ``generate`` that the running
+    service's answer did not use (it keeps its own settings); ``--local`` would."""
+    from service.common.settings import OPTIONS_BY_NAME
+
+    typed = [OPTIONS_BY_NAME[name].flag for name, value in flags.items()
+             if value not in (None, ()) and name not in ("model", "api_key")]
+    if typed:
+        click.echo(f"headroom: note: the running headroom serve answered with its own settings; {', '.join(typed)} "
+                   "took no effect (--local runs the engine in this process with them)", err=True)
+
+
 @main.command(
     epilog="Engine settings (--model, --reserve, --max-model-len...) are serve's: they "
     "are also read from HEADROOM_* variables and the config file. One prompt runs, so "
@@ -254,6 +266,7 @@ def generate(
             info, prompt=prompt, chat=chat, model=settings.model, max_tokens=max_tokens,
             temperature=temperature, seed=seed, api_key=settings.api_key,
         ):
+            _note_flags_the_service_ignored(flags)
             return
     check_model_before_loading(settings.model, tokenizer=True, convert=True)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

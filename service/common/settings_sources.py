@@ -92,7 +92,7 @@ def _convert_word_or_number(option: Option, value: Any, source: str) -> str | No
         return value
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
-    raise SettingsError(f"{_where(option, source)}: {value!r} is neither text nor a number")
+    raise SettingsError(f"{_where(option, source)}: {_as_written(value)} is neither text nor a number{_takes(option)}")
 
 
 def _where(option: Option, source: str) -> str:
@@ -134,12 +134,23 @@ def _convert_one(option: Option, value: Any, source: str) -> Any:
             raise ValueError(value)
         return kind(value)
     except (TypeError, ValueError):
-        accepted = ""
+        accepted = _takes(option)
         if kind is bool:
             accepted = " (use true/false, on/off, yes/no or 1/0" + (" or auto" if option.default is None else "") + ")"
         raise SettingsError(
             f"{source}: {option.name} = {_as_written(value)} is not a valid {_KIND_NAMES.get(kind, kind.__name__)}{accepted}"
         ) from None
+
+
+def _takes(option: Option) -> str:
+    """What to write instead of a value of the wrong kind: the choices (quoted, as a
+    config file spells them), else the kind's form."""
+    if option.choices:
+        return f" (use one of {', '.join(json.dumps(c) for c in option.choices)})"
+    if option.kind is not None:
+        return f' (use a number, or a word in quotes: {option.name} = "...")'
+    return {str: f' (write it in quotes: {option.name} = "...")', int: " (use a whole number, e.g. 4)",
+            float: " (use a number, e.g. 0.5)"}.get(option.type, "")
 
 
 # The kinds of values as a config file's reader knows them (TOML's names).

@@ -31,6 +31,38 @@ def test_concurrency_above_the_requests_is_reported_as_the_requests(fake_server)
     assert "2 requests, 2 at a time" in result.output
 
 
+def test_client_processes_split_the_requests_and_measure_them_all(fake_server):
+    """``--client-processes 3``: 7 requests, 5 at a time, dealt out over three spawned
+    client processes (2, 2 and 1 at a time); every request's tokens are counted (the
+    table's rate is the tokens over the wall time, the requests' rate the requests over
+    it), the same as with one process. A prompt over the context from a process is the
+    same one-line refusal."""
+    import re
+
+    rows = {}
+    for processes in ("1", "3"):
+        result = invoke(["--url", fake_server.base_url, "-n", "7", "-c", "5", "--max-tokens", "6",
+                         "--prompt-words", "8", "--client-processes", processes])
+        assert result.exit_code == 0, result.output
+        assert "7 requests, 5 at a time" in result.output
+        row = next(line for line in result.output.splitlines() if line.startswith("service (HTTP"))
+        rows[processes] = row
+        tok_s, req_s = (float(x) for x in re.findall(r"[\d.]+", row)[-2:])
+        assert tok_s == pytest.approx(6 * req_s, rel=0.02)  # 6 tokens a request, all 7 counted
+    assert rows["3"].startswith("service (HTTP, 3 client processes)") and rows["1"].startswith("service (HTTP) ")
+    result = invoke(["--url", fake_server.base_url, "-n", "2", "--max-tokens", "1000", "--prompt-words", "2000",
+                     "--client-processes", "2"])
+    assert result.exit_code == 2 and "lower --prompt-words or --max-tokens" in result.output, result.output
+
+
+@pytest.mark.parametrize(("cores", "concurrency", "processes"), [(2, 64, 1), (16, 64, 4), (16, 8, 1), (16, 200, 13),
+                                                                  (1, 5, 1)])
+def test_the_client_takes_a_process_per_16_streams_within_the_cores(cores, concurrency, processes):
+    from service.bench.serve import auto_client_processes
+
+    assert auto_client_processes(concurrency, cores) == processes
+
+
 def test_without_url_it_finds_the_service_on_the_configured_port(fake_server, tmp_path):
     """No --url: the running service's address (its runtime.json), else the configured
     port (HEADROOM_PORT here; this runtime folder knows no service)."""

@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -48,7 +50,9 @@ class ContextExceeded(Exception):
 class BenchOptions:
     """``url``: the server's base URL. ``num_requests`` sent, ``concurrency`` at once.
     ``max_tokens`` generated per request. ``prompt_words``: prompt length, in words.
-    ``engine_baseline``: also run the engine in-process. ``device``: its device."""
+    ``engine_baseline``: also run the engine in-process. ``device``: its device.
+    ``client_processes``: the client's processes, the requests and the concurrency split
+    between them (:func:`run_http_split`)."""
 
     url: str
     num_requests: int = 32
@@ -58,6 +62,7 @@ class BenchOptions:
     api_key: str | None = None
     engine_baseline: bool = True
     device: str = "auto"
+    client_processes: int = 1
 
 
 @dataclass
@@ -152,14 +157,18 @@ async def _one(client: httpx.AsyncClient, prompt: str, opts: BenchOptions) -> Ti
     return timing
 
 
-async def run_http(opts: BenchOptions, prompts: list[str]) -> Result:
-    """Send ``prompts`` to the server, ``opts.concurrency`` at a time."""
+async def run_http(opts: BenchOptions, prompts: list[str], warm: bool = True, warm_only: bool = False) -> Result:
+    """Send ``prompts`` to the server, ``opts.concurrency`` at a time, after the warm-up
+    prompt (``warm``; ``warm_only``: that alone)."""
     headers = {"Authorization": f"Bearer {opts.api_key}"} if opts.api_key else {}
     limits = httpx.Limits(max_connections=opts.concurrency + 4)
     async with httpx.AsyncClient(
         base_url=opts.url, headers=headers, timeout=600.0, limits=limits
     ) as client:
-        await _one(client, WARM_UP_PROMPT, opts)
+        if warm or warm_only:
+            await _one(client, WARM_UP_PROMPT, opts)
+        if warm_only:
+            return Result("warm-up", [], 0.0)
         gate = asyncio.Semaphore(opts.concurrency)
 
         async def limited(prompt: str) -> Timing:
@@ -170,6 +179,83 @@ async def run_http(opts: BenchOptions, prompts: list[str]) -> Result:
         timings = await asyncio.gather(*(limited(p) for p in prompts))
         wall_s = time.perf_counter() - started
     return Result("service (HTTP)", list(timings), wall_s)
+
+
+# Streams one client process reads: the client's JSON and HTTP work is about 100 us a
+# token on one core (measured on a 2-core x86-64 host against a fake engine, docs/benchmarks.md),
+# so one process would cap 64 streams near 10,000 tokens/s, about a fast GPU's batched decode.
+STREAMS_PER_CLIENT_PROCESS = 16
+
+
+def auto_client_processes(concurrency: int, cores: int | None = None) -> int:
+    """One client process per :data:`STREAMS_PER_CLIENT_PROCESS` streams, at most the
+    cores (``os.cpu_count()`` when None) less two (the service's loop and its worker)."""
+    cores = cores or os.cpu_count() or 1
+    return max(1, min(math.ceil(concurrency / STREAMS_PER_CLIENT_PROCESS), cores - 2))
+
+
+def _client_process(opts: BenchOptions, prompts: list[str], barrier: Any, results: Any) -> None:
+    """One client process: its warm-up request, then, once every process is warm, its
+    prompts; puts ``(timings, start, end)`` (wall-clock seconds) or ``(None, kind,
+    message)`` on ``results``."""
+    try:
+        asyncio.run(run_http(opts, [], warm_only=True))
+        barrier.wait()
+        start = time.time()
+        result = asyncio.run(run_http(opts, prompts, warm=False))
+        results.put((result.timings, start, time.time()))
+    except ContextExceeded as exc:
+        barrier.abort()
+        results.put((None, "context", str(exc)))
+    except threading.BrokenBarrierError:  # another process failed (its own report says how) or never came
+        results.put((None, "broken", "a client process failed or never got ready"))
+    except Exception as exc:  # reported by the parent, in its words
+        barrier.abort()
+        results.put((None, "error", f"{type(exc).__name__}: {exc}"))
+
+
+def run_http_split(opts: BenchOptions, prompts: list[str]) -> Result:
+    """:func:`run_http` over ``opts.client_processes`` processes (spawned), the prompts
+    dealt out in turn and the concurrency split as evenly, each process warm before any
+    measured request is sent; the wall time is the first start to the last end.
+
+    Raises:
+        ContextExceeded: a process's request did not fit the server's context.
+        RuntimeError: a process failed (its error), or died.
+    """
+    processes = min(opts.client_processes, opts.concurrency)
+    if processes <= 1:
+        return asyncio.run(run_http(opts, prompts))
+    import multiprocessing
+    import queue as queue_module
+    from dataclasses import replace
+
+    ctx = multiprocessing.get_context("spawn")
+    barrier, results = ctx.Barrier(processes, timeout=600), ctx.Queue()
+    children = []
+    for i in range(processes):
+        share = replace(opts, concurrency=opts.concurrency // processes + (i < opts.concurrency % processes))
+        children.append(ctx.Process(target=_client_process, args=(share, prompts[i::processes], barrier, results),
+                                    daemon=True))
+    for child in children:
+        child.start()
+    outcomes = []
+    while len(outcomes) < processes:
+        try:
+            outcomes.append(results.get(timeout=5))
+        except queue_module.Empty:
+            if not any(child.is_alive() for child in children):
+                raise RuntimeError("a client process died before it reported") from None
+    for child in children:
+        child.join(timeout=30)
+    failed = {kind: message for timings, kind, message in outcomes if timings is None}
+    if "context" in failed:
+        raise ContextExceeded(failed["context"])
+    if failed:
+        raise RuntimeError(failed.get("error", failed.get("broken")))
+    timings = [t for outcome in outcomes for t in outcome[0]]
+    wall_s = max(o[2] for o in outcomes) - min(o[1] for o in outcomes)
+    return Result(f"service (HTTP, {processes} client processes)", timings, wall_s)
 
 
 def run_engine_alone(opts: BenchOptions, prompts: list[str], engine_info: dict[str, Any]) -> Result:
@@ -319,7 +405,7 @@ def run_bench(opts: BenchOptions) -> None:
     print(f"model {engine_info['model_name']} on {engine_info['device']} ({engine_info['dtype']})")
     prompts = make_prompts(opts.num_requests, opts.prompt_words, nonce=f"[{uuid.uuid4().hex[:8]}] ")
     try:
-        results = [asyncio.run(run_http(opts, prompts))]
+        results = [run_http_split(opts, prompts)]
     except ContextExceeded as exc:
         raise BenchRefused(
             f"a ~{opts.prompt_words}-word prompt and --max-tokens {opts.max_tokens} do not fit "

@@ -77,6 +77,13 @@ def bench() -> None:
     help="Also run the engine in-process on the same prompts, for the service's overhead.",
 )
 @device_option("Device of the in-process engine run.")
+@click.option(
+    "--client-processes",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Processes the client runs its streams in, the requests split between them "
+    "[default: one per 16 streams, at most the cores less two].",
+)
 def bench_serve(
     url: str | None,
     num_requests: int,
@@ -86,10 +93,11 @@ def bench_serve(
     api_key: str | None,
     engine_baseline: bool,
     device: str,
+    client_processes: int | None,
 ) -> None:
     """Send N concurrent streaming requests to a running server; print TTFT and ITL
     percentiles, throughput, and the overhead against the engine alone."""
-    from service.bench.serve import BenchOptions, BenchRefused, run_bench
+    from service.bench.serve import BenchOptions, BenchRefused, auto_client_processes, run_bench
 
     if url is None:
         from service.cli.instance import service_address
@@ -97,10 +105,12 @@ def bench_serve(
 
         settings = resolve_or_fail({}, None)
         url = service_url(*service_address(settings.host, settings.port)[:2])
+    concurrency = min(concurrency or num_requests, num_requests)
     options = BenchOptions(
         url=url,
         num_requests=num_requests,
-        concurrency=min(concurrency or num_requests, num_requests),
+        concurrency=concurrency,
+        client_processes=client_processes or auto_client_processes(concurrency),
         max_tokens=max_tokens,
         prompt_words=prompt_words,
         api_key=api_key,

@@ -77,13 +77,9 @@ def bench() -> None:
     help="Also run the engine in-process on the same prompts, for the service's overhead.",
 )
 @device_option("Device of the in-process engine run.")
-@click.option(
-    "--client-processes",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Processes the client runs its streams in, the requests split between them "
-    "[default: one per 16 streams, at most the cores less two].",
-)
+@click.option("--client-processes", type=click.IntRange(min=1), default=None,
+              help="Processes the client runs its streams in, the requests split between them "
+              "[default: one per 16 streams, at most the cores less two].")
 def bench_serve(
     url: str | None,
     num_requests: int,

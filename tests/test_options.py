@@ -32,6 +32,7 @@ def test_an_option_is_one_field_and_its_metadata():
     assert (backend.flag, backend.env, backend.type) == ("--backend", "HEADROOM_BACKEND", str)
     assert backend.metavar == "auto|torch"
     assert backend.problem("cuda") == "'cuda' is not one of auto, torch"
+    assert backend.problem("Torhc") == "'Torhc' is not one of auto, torch; did you mean torch?"  # a near miss named
     assert backend.problem("torch") is None
     graph = by_name["graph_batch"]
     assert (graph.flag, graph.env, graph.type) == ("--graph-batch", "HEADROOM_GRAPH_BATCH", int)

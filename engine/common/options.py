@@ -22,6 +22,7 @@ TOML ``8`` for ``"8"``), held in lower case: the kernel switches' text values
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import math
 import os
@@ -288,7 +289,8 @@ def one_of(*choices: str, ignore_case: bool = False) -> Check:
         seen = str(value).lower() if ignore_case else value
         if seen in choices:
             return None
-        return f"{value!r} is not one of {', '.join(choices)}"
+        close = difflib.get_close_matches(str(value).strip().lower(), choices, n=1, cutoff=0.6)
+        return f"{value!r} is not one of {', '.join(choices)}" + (f"; did you mean {close[0]}?" if close else "")
 
     return check
 

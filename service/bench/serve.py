@@ -157,18 +157,16 @@ async def _one(client: httpx.AsyncClient, prompt: str, opts: BenchOptions) -> Ti
     return timing
 
 
-async def run_http(opts: BenchOptions, prompts: list[str], warm: bool = True, warm_only: bool = False) -> Result:
+async def run_http(opts: BenchOptions, prompts: list[str], warm: bool = True) -> Result:
     """Send ``prompts`` to the server, ``opts.concurrency`` at a time, after the warm-up
-    prompt (``warm``; ``warm_only``: that alone)."""
+    prompt when ``warm`` (no prompts: the warm-up alone)."""
     headers = {"Authorization": f"Bearer {opts.api_key}"} if opts.api_key else {}
     limits = httpx.Limits(max_connections=opts.concurrency + 4)
     async with httpx.AsyncClient(
         base_url=opts.url, headers=headers, timeout=600.0, limits=limits
     ) as client:
-        if warm or warm_only:
+        if warm:
             await _one(client, WARM_UP_PROMPT, opts)
-        if warm_only:
-            return Result("warm-up", [], 0.0)
         gate = asyncio.Semaphore(opts.concurrency)
 
         async def limited(prompt: str) -> Timing:
@@ -199,7 +197,7 @@ def _client_process(opts: BenchOptions, prompts: list[str], barrier: Any, result
     prompts; puts ``(timings, start, end)`` (wall-clock seconds) or ``(None, kind,
     message)`` on ``results``."""
     try:
-        asyncio.run(run_http(opts, [], warm_only=True))
+        asyncio.run(run_http(opts, []))
         barrier.wait()
         start = time.time()
         result = asyncio.run(run_http(opts, prompts, warm=False))

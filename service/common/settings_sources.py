@@ -134,11 +134,9 @@ def _convert_one(option: Option, value: Any, source: str) -> Any:
             raise ValueError(value)
         return kind(value)
     except (TypeError, ValueError):
-        accepted = _takes(option)
-        if kind is bool:
-            accepted = " (use true/false, on/off, yes/no or 1/0" + (" or auto" if option.default is None else "") + ")"
         raise SettingsError(
-            f"{source}: {option.name} = {_as_written(value)} is not a valid {_KIND_NAMES.get(kind, kind.__name__)}{accepted}"
+            f"{source}: {option.name} = {_as_written(value)} is not a valid {_KIND_NAMES.get(kind, kind.__name__)}"
+            f"{_takes(option)}"
         ) from None
 
 
@@ -149,6 +147,8 @@ def _takes(option: Option) -> str:
         return f" (use one of {', '.join(json.dumps(c) for c in option.choices)})"
     if option.kind is not None:
         return f' (use a number, or a word in quotes: {option.name} = "...")'
+    if option.type is bool:
+        return " (use true/false, on/off, yes/no or 1/0" + (" or auto" if option.default is None else "") + ")"
     return {str: f' (write it in quotes: {option.name} = "...")', int: " (use a whole number, e.g. 4)",
             float: " (use a number, e.g. 0.5)"}.get(option.type, "")
 
